@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs every Debian package laga needs to build, test, benchmark and plot.
+# Idempotent: packages already present are skipped, and `apt-get update` runs
+# at most once per invocation (and only when something is missing).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config clang-format
+  libopenblas-dev            # CBLAS sgemm/dgemm
+  libomp-dev                 # OpenMP runtime headers (g++ uses libgomp)
+  libopenmpi-dev openmpi-bin # MPI backend and mpirun
+  libgtest-dev libgmock-dev  # unit tests
+  libbenchmark-dev           # bench/ harness helpers
+  libcli11-dev               # command-line parsing
+  nlohmann-json3-dev         # JSON configs and reports
+  python3 python3-numpy python3-matplotlib python3-torch  # reference tests, plots
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "setup: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,140 @@
+// Communicator — the collectives a sequence-parallel MLA block needs, with an
+// exact per-rank ledger of the bytes every call moves.
+//
+// Counts and displacements are in ELEMENTS of the call's dtype; the ledger is
+// in BYTES. Every call names a label ("q_a2a", "latent_ag", ...) and is filed
+// under the communicator's current phase (forward, backward, grad_sync).
+//
+// Bytes sent by rank r, as the ledger records them (docs/accounting.md):
+//   all_to_all_v      sum over peers j != r of send_counts[j] * elem
+//   all_gather_v      (P-1) * send_count * elem        (own shard to each peer)
+//   reduce_scatter_v  sum over peers j != r of counts[j] * elem
+//   all_reduce        reduce_scatter of n split into P near-equal chunks, then
+//                     all_gather of the own chunk: 2 * (n - chunk_r) * elem
+// Received bytes are the mirror image. Nothing is counted for the data a rank
+// keeps for itself.
+//
+// Reductions (reduce_scatter_v, all_reduce) add the P contributions in rank
+// order 0, 1, ..., P-1 on every backend, so the in-process and MPI backends
+// give bit-identical results.
+//
+// A collective that does not complete within timeout() (a peer failed or never
+// arrived) throws laga::Error naming the collective, its label and the ranks
+// that were missing; it never hangs.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace laga {
+
+enum class DType { f32, f64 };
+inline std::int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : 8; }
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+
+enum class Phase : int { forward = 0, backward, grad_sync, count };
+const char* to_string(Phase p);
+
+enum class CollectiveKind : int { all_to_all, all_gather, reduce_scatter, all_reduce, barrier };
+const char* to_string(CollectiveKind k);
+
+struct LedgerEntry {
+  std::int64_t calls = 0;
+  std::int64_t bytes_sent = 0;
+  std::int64_t bytes_received = 0;
+};
+
+// Per-rank record of every collective: keyed by (phase, label).
+class Ledger {
+ public:
+  void record(Phase phase, const std::string& label, std::int64_t sent, std::int64_t received);
+  // Sum over labels of one phase; over all phases when phase == Phase::count.
+  std::int64_t bytes_sent(Phase phase = Phase::count) const;
+  std::int64_t bytes_received(Phase phase = Phase::count) const;
+  const std::map<std::pair<Phase, std::string>, LedgerEntry>& entries() const { return entries_; }
+  void clear() { entries_.clear(); }
+
+ private:
+  std::map<std::pair<Phase, std::string>, LedgerEntry> entries_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+
+  // send: elements for peer j at send + send_displs[j], send_counts[j] of them;
+  // recv: from peer j at recv + recv_displs[j], recv_counts[j] of them.
+  virtual void all_to_all_v(const void* send, const std::int64_t* send_counts,
+                            const std::int64_t* send_displs, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label) = 0;
+  // Every rank contributes send_count elements; rank j's land at
+  // recv + recv_displs[j] (recv_counts[j] == rank j's send_count).
+  virtual void all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label) = 0;
+  // send holds P blocks, block j at displs[j] with counts[j] elements; rank r
+  // receives sum over ranks of their block r into recv (counts[r] elements).
+  virtual void reduce_scatter_v(const void* send, const std::int64_t* counts,
+                                const std::int64_t* displs, void* recv, DType dtype,
+                                const std::string& label) = 0;
+  // In-place sum over ranks of n elements.
+  virtual void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) = 0;
+  virtual void barrier(const std::string& label) = 0;
+
+  Phase phase() const { return phase_; }
+  void set_phase(Phase p) { phase_ = p; }
+  Ledger& ledger() { return ledger_; }
+  const Ledger& ledger() const { return ledger_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+  // Typed conveniences.
+  template <class T>
+  void all_to_all_v(const T* send, const std::int64_t* sc, const std::int64_t* sd, T* recv,
+                    const std::int64_t* rc, const std::int64_t* rd, const std::string& label) {
+    all_to_all_v(static_cast<const void*>(send), sc, sd, static_cast<void*>(recv), rc, rd,
+                 dtype_of<T>(), label);
+  }
+  template <class T>
+  void all_gather_v(const T* send, std::int64_t n, T* recv, const std::int64_t* rc,
+                    const std::int64_t* rd, const std::string& label) {
+    all_gather_v(static_cast<const void*>(send), n, static_cast<void*>(recv), rc, rd,
+                 dtype_of<T>(), label);
+  }
+  template <class T>
+  void reduce_scatter_v(const T* send, const std::int64_t* counts, const std::int64_t* displs,
+                        T* recv, const std::string& label) {
+    reduce_scatter_v(static_cast<const void*>(send), counts, displs, static_cast<void*>(recv),
+                     dtype_of<T>(), label);
+  }
+  template <class T>
+  void all_reduce(T* buf, std::int64_t n, const std::string& label) {
+    all_reduce(static_cast<void*>(buf), n, dtype_of<T>(), label);
+  }
+
+ protected:
+  Phase phase_ = Phase::forward;
+  Ledger ledger_;
+  std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
+};
+
+// The chunk of an n-element all_reduce that rank r owns in its
+// reduce-scatter step: n split into P near-equal parts, the first n % P one
+// element longer.
+std::int64_t all_reduce_chunk(std::int64_t n, int P, int r);
+
+// A communicator of one rank: every collective is a local copy, nothing is
+// sent, and the ledger records zero-byte calls.
+std::unique_ptr<Communicator> make_self_communicator();
+
+}  // namespace laga

@@ -1,0 +1,76 @@
+// MemoryPool — per-rank accounting of live bytes by category.
+//
+// Every Tensor registers its bytes with the pool current on its thread when it
+// is allocated and unregisters them when freed, so the pool knows at any time
+// how many bytes of each category are live, and the high-water mark of each
+// category and of their sum. Ranks run as threads each install their own pool
+// (PoolScope), so one process measures P ranks apart.
+//
+// Peaks are exact for what laga allocates through Tensor; allocator overhead,
+// BLAS/OpenMP internal buffers and stack are not counted (docs/accounting.md).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace laga {
+
+enum class MemCategory : int {
+  activations = 0,  // forward/backward tensors: saved-for-backward and transients
+  parameters,
+  gradients,        // parameter gradients (and dx handed back to the caller)
+  comm_buffers,     // pack/unpack staging for collectives
+  optimizer,        // AdamW moments
+  count
+};
+constexpr int kNumMemCategories = static_cast<int>(MemCategory::count);
+const char* to_string(MemCategory c);
+
+class MemoryPool {
+ public:
+  void on_alloc(MemCategory c, std::int64_t bytes);
+  void on_free(MemCategory c, std::int64_t bytes);
+
+  std::int64_t current(MemCategory c) const { return current_[idx(c)]; }
+  std::int64_t peak(MemCategory c) const { return peak_[idx(c)]; }
+  std::int64_t current_total() const { return current_total_; }
+  std::int64_t peak_total() const { return peak_total_; }
+  // Peak of activations + comm_buffers together: the "activation memory" a
+  // training framework would see besides parameters, gradients and optimizer.
+  std::int64_t peak_working() const { return peak_working_; }
+  std::int64_t alloc_count() const { return alloc_count_; }
+
+  // Sets every peak to the current value, so a measured region starts clean.
+  void reset_peaks();
+
+  // Count-only: tensors allocated under this pool are accounted but get no
+  // storage, so one rank of any size can be measured without the memory.
+  void set_count_only(bool on) { count_only_ = on; }
+  bool count_only() const { return count_only_; }
+
+ private:
+  static int idx(MemCategory c) { return static_cast<int>(c); }
+  std::array<std::int64_t, kNumMemCategories> current_{};
+  std::array<std::int64_t, kNumMemCategories> peak_{};
+  std::int64_t current_total_ = 0, peak_total_ = 0, peak_working_ = 0;
+  std::int64_t alloc_count_ = 0;
+  bool count_only_ = false;
+};
+
+// The pool Tensors on this thread register with: the one installed by the
+// innermost live PoolScope, else a process-wide default.
+MemoryPool& current_pool();
+
+class PoolScope {
+ public:
+  explicit PoolScope(MemoryPool& pool);
+  ~PoolScope();
+  PoolScope(const PoolScope&) = delete;
+  PoolScope& operator=(const PoolScope&) = delete;
+
+ private:
+  MemoryPool* previous_;
+};
+
+}  // namespace laga

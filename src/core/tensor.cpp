@@ -1,0 +1,128 @@
+#include "core/tensor.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "core/error.hpp"
+
+namespace laga {
+
+std::int64_t numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (std::int64_t e : shape) {
+    LAGA_CHECK(e >= 0, "tensor shape ", to_string(shape), " has a negative extent");
+    n *= e;
+  }
+  return n;
+}
+
+std::string to_string(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+namespace {
+constexpr std::size_t kAlign = 64;  // one cache line; AVX2 loads never straddle two
+}
+
+template <class T>
+Tensor<T>::Tensor(Shape shape, MemCategory cat)
+    : shape_(std::move(shape)), numel_(laga::numel(shape_)), category_(cat) {
+  MemoryPool& pool = current_pool();
+  if (numel_ > 0 && !pool.count_only()) {
+    std::size_t bytes = static_cast<std::size_t>(numel_) * sizeof(T);
+    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    data_ = static_cast<T*>(std::aligned_alloc(kAlign, bytes));
+    if (!data_) {
+      fail("out of memory allocating ", this->bytes(), " bytes for a ", to_string(category_),
+           " tensor of shape ", to_string(shape_),
+           "; use a smaller --seq/--batch, a larger --sp, or --count-only to account without "
+           "allocating");
+    }
+  }
+  pool_ = &pool;
+  pool.on_alloc(category_, this->bytes());
+}
+
+template <class T>
+Tensor<T> Tensor<T>::zeros(Shape shape, MemCategory cat) {
+  Tensor t(std::move(shape), cat);
+  if (t.data_) std::memset(t.data_, 0, static_cast<std::size_t>(t.bytes()));
+  return t;
+}
+
+template <class T>
+Tensor<T>::Tensor(Tensor&& o) noexcept
+    : shape_(std::move(o.shape_)),
+      numel_(o.numel_),
+      data_(o.data_),
+      category_(o.category_),
+      pool_(o.pool_) {
+  o.shape_.clear();
+  o.numel_ = 0;
+  o.data_ = nullptr;
+  o.pool_ = nullptr;
+}
+
+template <class T>
+Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
+  if (this != &o) {
+    reset();
+    shape_ = std::move(o.shape_);
+    numel_ = o.numel_;
+    data_ = o.data_;
+    category_ = o.category_;
+    pool_ = o.pool_;
+    o.shape_.clear();
+    o.numel_ = 0;
+    o.data_ = nullptr;
+    o.pool_ = nullptr;
+  }
+  return *this;
+}
+
+template <class T>
+Tensor<T> Tensor<T>::clone(MemCategory cat) const {
+  Tensor t(shape_, cat);
+  if (t.data_ && data_) std::memcpy(t.data_, data_, static_cast<std::size_t>(bytes()));
+  return t;
+}
+
+template <class T>
+void Tensor<T>::reset() {
+  if (pool_) pool_->on_free(category_, bytes());
+  std::free(data_);
+  data_ = nullptr;
+  pool_ = nullptr;
+  shape_.clear();
+  numel_ = 0;
+}
+
+template <class T>
+void Tensor<T>::reshape(Shape shape) {
+  LAGA_CHECK(laga::numel(shape) == numel_, "cannot reshape a tensor of shape ", to_string(shape_),
+             " to ", to_string(shape), ": element counts differ");
+  shape_ = std::move(shape);
+}
+
+template <class T>
+std::int64_t Tensor<T>::dim(int i) const {
+  LAGA_CHECK(i >= 0 && i < rank(), "dimension ", i, " out of range for shape ", to_string(shape_));
+  return shape_[static_cast<size_t>(i)];
+}
+
+template <class T>
+void Tensor<T>::fill(T value) {
+  if (data_) std::fill(data_, data_ + numel_, value);
+}
+
+template class Tensor<float>;
+template class Tensor<double>;
+
+}  // namespace laga

@@ -1,0 +1,80 @@
+// Tensor<T> — an owning, contiguous, row-major array of float or double.
+//
+// Bytes are registered with the MemoryPool current on the allocating thread,
+// under a MemCategory, and unregistered with that same pool when the tensor is
+// freed (destroyed, reassigned or reset()), wherever that happens. When the
+// pool is in count-only mode the tensor is accounted but not backed: data() is
+// nullptr and kernels must not run on it (docs/accounting.md, "count-only").
+//
+// Shapes are int64 extents, outermost first, as (B, S, H, d) in doc comments.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "core/memory_pool.hpp"
+
+namespace laga {
+
+using Shape = std::vector<std::int64_t>;
+std::int64_t numel(const Shape& shape);
+std::string to_string(const Shape& shape);
+
+template <class T>
+class Tensor {
+ public:
+  Tensor() = default;
+  // Uninitialised storage (zeros() when the contents must start at 0).
+  explicit Tensor(Shape shape, MemCategory cat = MemCategory::activations);
+  static Tensor zeros(Shape shape, MemCategory cat = MemCategory::activations);
+
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  ~Tensor() { reset(); }
+
+  // A deep copy, registered under `cat` with the current pool.
+  Tensor clone(MemCategory cat) const;
+  Tensor clone() const { return clone(category_); }
+
+  // Frees the storage now (saved activations are dropped as soon as backward
+  // is done with them, which is what makes the pool's peak meaningful).
+  void reset();
+
+  // Same elements, new extents: the product must not change.
+  void reshape(Shape shape);
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  bool backed() const { return data_ != nullptr || numel_ == 0; }
+  bool defined() const { return !shape_.empty(); }
+  const Shape& shape() const { return shape_; }
+  std::int64_t dim(int i) const;
+  int rank() const { return static_cast<int>(shape_.size()); }
+  std::int64_t numel() const { return numel_; }
+  std::int64_t bytes() const { return numel_ * static_cast<std::int64_t>(sizeof(T)); }
+  MemCategory category() const { return category_; }
+
+  T& operator[](std::int64_t i) { return data_[i]; }
+  const T& operator[](std::int64_t i) const { return data_[i]; }
+
+  void fill(T value);
+
+ private:
+  Shape shape_;
+  std::int64_t numel_ = 0;
+  T* data_ = nullptr;
+  MemCategory category_ = MemCategory::activations;
+  MemoryPool* pool_ = nullptr;
+};
+
+using TensorF = Tensor<float>;
+using TensorD = Tensor<double>;
+
+extern template class Tensor<float>;
+extern template class Tensor<double>;
+
+}  // namespace laga
