@@ -1,0 +1,273 @@
+// Flash attention against the naive reference and the eager kernel: outputs,
+// lse and gradients, odd sizes, every masking corner, multi-head, grouped and
+// latent (one shared key/value head) layouts; determinism across thread
+// counts; a finite-difference check of the backward in double.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/rng.hpp"
+#include "core/threads.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_flash.hpp"
+
+namespace laga {
+namespace {
+
+template <class T>
+struct Problem {
+  AttnShape s;
+  std::vector<T> q, k, v, dout;
+  explicit Problem(const AttnShape& shape, std::uint64_t seed = 7) : s(shape) {
+    q.resize(static_cast<size_t>(s.B * s.Sq * s.Hq * s.dqk));
+    k.resize(static_cast<size_t>(s.B * s.Sk * s.Hk * s.dqk));
+    v.resize(static_cast<size_t>(s.B * s.Sk * s.Hk * s.dv));
+    dout.resize(static_cast<size_t>(s.B * s.Sq * s.Hq * s.dv));
+    // Unit-variance q and k with scale 1/sqrt(dqk): scores of order 1, so the
+    // softmax is neither flat nor one-hot.
+    fill_normal(q.data(), static_cast<std::int64_t>(q.size()), seed, 0, 0, 1.0);
+    fill_normal(k.data(), static_cast<std::int64_t>(k.size()), seed, 1, 0, 1.0);
+    fill_normal(v.data(), static_cast<std::int64_t>(v.size()), seed, 2, 0, 1.0);
+    fill_normal(dout.data(), static_cast<std::int64_t>(dout.size()), seed, 3, 0, 1.0);
+  }
+};
+
+template <class T>
+struct Result {
+  std::vector<T> o, lse, dq, dk, dv;
+};
+
+template <class T>
+Result<T> run_flash(const Problem<T>& p) {
+  const AttnShape& s = p.s;
+  Result<T> r;
+  r.o.assign(p.dout.size(), T(-7));  // garbage: every element must be written
+  r.lse.assign(static_cast<size_t>(s.B * s.Hq * s.Sq), T(-7));
+  r.dq.assign(p.q.size(), T(-7));
+  r.dk.assign(p.k.size(), T(-7));
+  r.dv.assign(p.v.size(), T(-7));
+  attention_flash_forward<T>(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data());
+  attention_flash_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
+                              p.k.data(), p.v.data(), r.o.data(), r.lse.data());
+  return r;
+}
+
+template <class T>
+Result<T> run_reference(const Problem<T>& p) {
+  const AttnShape& s = p.s;
+  Result<T> r;
+  r.o.resize(p.dout.size());
+  r.lse.resize(static_cast<size_t>(s.B * s.Hq * s.Sq));
+  r.dq.resize(p.q.size());
+  r.dk.resize(p.k.size());
+  r.dv.resize(p.v.size());
+  attention_reference_forward<T>(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data());
+  attention_reference_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(),
+                                  p.q.data(), p.k.data(), p.v.data());
+  return r;
+}
+
+template <class T>
+Result<T> run_eager(const Problem<T>& p) {
+  const AttnShape& s = p.s;
+  Result<T> r;
+  r.o.resize(p.dout.size());
+  r.dq.resize(p.q.size());
+  r.dk.resize(p.k.size());
+  r.dv.resize(p.v.size());
+  std::vector<T> probs(static_cast<size_t>(s.B * s.Hq * s.Sq * s.Sk));
+  std::vector<T> dp(static_cast<size_t>(s.Sq * s.Sk));
+  attention_eager_forward<T>(s, r.o.data(), probs.data(), p.q.data(), p.k.data(), p.v.data());
+  attention_eager_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
+                              p.k.data(), p.v.data(), probs.data(), dp.data());
+  return r;
+}
+
+// max|a - b| <= rel * max|b|, and every element of a finite. A reference that
+// is exactly zero (dq, dk with a single visible key: ds = p (dp - D) = 0
+// analytically, rounding only in practice) is held to max|a| <= rel, the
+// inputs being of unit scale.
+template <class T>
+::testing::AssertionResult close(const std::vector<T>& a, const std::vector<T>& b, double rel,
+                                 const std::string& what) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": size differs";
+  double diff = 0, ref = 0;
+  size_t worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(static_cast<double>(a[i])))
+      return ::testing::AssertionFailure() << what << "[" << i << "] = " << a[i];
+    const double d = std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
+    if (d > diff) diff = d, worst = i;
+    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
+  }
+  if (diff <= rel * (ref > 0 ? ref : 1.0)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": max|diff| " << diff << " at " << worst << " (" << a[worst] << " vs "
+         << b[worst] << ") > " << rel << " * max|ref| " << ref;
+}
+
+struct Case {
+  const char* name;
+  AttnShape s;
+};
+
+AttnShape shape(std::int64_t B, std::int64_t Sq, std::int64_t Sk, std::int64_t Hq, std::int64_t Hk,
+                std::int64_t dqk, std::int64_t dv, bool causal) {
+  AttnShape s;
+  s.B = B, s.Sq = Sq, s.Sk = Sk, s.Hq = Hq, s.Hk = Hk, s.dqk = dqk, s.dv = dv, s.causal = causal;
+  s.scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+  return s;
+}
+
+// Sizes are deliberately not multiples of any block (64) or vector width.
+const Case kCases[] = {
+    {"one_token", shape(1, 1, 1, 2, 2, 8, 8, true)},
+    {"seven_odd_dims", shape(1, 7, 7, 3, 3, 5, 3, true)},
+    {"seven_noncausal", shape(2, 7, 7, 2, 2, 13, 9, false)},
+    {"v3_dims_377_causal", shape(1, 377, 377, 2, 2, 192, 128, true)},
+    {"v3_dims_377_noncausal", shape(1, 377, 377, 1, 1, 192, 128, false)},
+    {"batch2_130", shape(2, 130, 130, 2, 2, 40, 24, true)},
+    {"more_queries_than_keys", shape(2, 150, 37, 2, 2, 24, 16, true)},  // 113 rows fully masked
+    {"more_keys_than_queries", shape(2, 37, 150, 2, 2, 24, 16, true)},
+    {"more_queries_noncausal", shape(1, 150, 37, 2, 2, 24, 16, false)},
+    {"latent_causal", shape(2, 129, 129, 4, 1, 72, 64, true)},  // V3's 576/512 in small
+    {"latent_sq_gt_sk", shape(1, 70, 33, 5, 1, 36, 32, true)},
+    {"latent_noncausal", shape(1, 65, 90, 3, 1, 36, 32, false)},
+    {"grouped_heads", shape(2, 77, 77, 6, 2, 20, 12, true)},  // g = 3: rows not equally spaced
+};
+
+class FlashVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashVsReference, Float) {
+  const Problem<float> p(GetParam().s);
+  const Result<float> f = run_flash(p), r = run_reference(p);
+  const double tol = 1e-5;
+  EXPECT_TRUE(close(f.o, r.o, tol, "o"));
+  EXPECT_TRUE(close(f.lse, r.lse, tol, "lse"));
+  EXPECT_TRUE(close(f.dq, r.dq, tol, "dq"));
+  EXPECT_TRUE(close(f.dk, r.dk, tol, "dk"));
+  EXPECT_TRUE(close(f.dv, r.dv, tol, "dv"));
+}
+
+TEST_P(FlashVsReference, FloatVsEager) {
+  const Problem<float> p(GetParam().s, 11);
+  const Result<float> f = run_flash(p), e = run_eager(p);
+  const double tol = 1e-5;
+  EXPECT_TRUE(close(f.o, e.o, tol, "o"));
+  EXPECT_TRUE(close(f.dq, e.dq, tol, "dq"));
+  EXPECT_TRUE(close(f.dk, e.dk, tol, "dk"));
+  EXPECT_TRUE(close(f.dv, e.dv, tol, "dv"));
+}
+
+TEST_P(FlashVsReference, Double) {
+  const Problem<double> p(GetParam().s, 3);
+  const Result<double> f = run_flash(p), r = run_reference(p);
+  const double tol = 1e-12;
+  EXPECT_TRUE(close(f.o, r.o, tol, "o"));
+  EXPECT_TRUE(close(f.lse, r.lse, tol, "lse"));
+  EXPECT_TRUE(close(f.dq, r.dq, tol, "dq"));
+  EXPECT_TRUE(close(f.dk, r.dk, tol, "dk"));
+  EXPECT_TRUE(close(f.dv, r.dv, tol, "dv"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FlashVsReference, ::testing::ValuesIn(kCases),
+                         [](const auto& c) { return std::string(c.param.name); });
+
+// Rows whose every key is masked (causal, Sq > Sk: the first Sq - Sk tokens)
+// must come out exactly o = 0, lse = 0, dq = 0, and add nothing to dk, dv.
+TEST(FlashAttention, FullyMaskedRowsAreExactZeros) {
+  for (const AttnShape& s : {shape(1, 9, 4, 2, 2, 5, 3, true), shape(1, 9, 4, 3, 1, 5, 3, true)}) {
+    const Problem<float> p(s);
+    const Result<float> f = run_flash(p);
+    for (std::int64_t i = 0; i < s.Sq - s.Sk; ++i)
+      for (std::int64_t h = 0; h < s.Hq; ++h) {
+        EXPECT_EQ(f.lse[static_cast<size_t>(h * s.Sq + i)], 0.0f);
+        for (std::int64_t c = 0; c < s.dv; ++c)
+          EXPECT_EQ(f.o[static_cast<size_t>((i * s.Hq + h) * s.dv + c)], 0.0f);
+        for (std::int64_t c = 0; c < s.dqk; ++c)
+          EXPECT_EQ(f.dq[static_cast<size_t>((i * s.Hq + h) * s.dqk + c)], 0.0f);
+      }
+    // Changing the masked rows' dout changes no gradient.
+    Problem<float> p2 = p;
+    for (std::int64_t i = 0; i < (s.Sq - s.Sk) * s.Hq * s.dv; ++i)
+      p2.dout[static_cast<size_t>(i)] = 1e3f;
+    const Result<float> f2 = run_flash(p2);
+    EXPECT_EQ(f.dk, f2.dk);
+    EXPECT_EQ(f.dv, f2.dv);
+  }
+}
+
+TEST(FlashAttention, NoKeysAtAll) {
+  const AttnShape s = shape(1, 3, 0, 2, 1, 4, 4, false);
+  const Problem<float> p(s);
+  const Result<float> f = run_flash(p);
+  for (float x : f.o) EXPECT_EQ(x, 0.0f);
+  for (float x : f.lse) EXPECT_EQ(x, 0.0f);
+  for (float x : f.dq) EXPECT_EQ(x, 0.0f);
+}
+
+// The backward's reductions run in a fixed block order whatever the thread
+// count or schedule (one head per thread, or the two-pass schedule when there
+// are fewer heads than threads): results are bitwise equal.
+TEST(FlashAttention, BitwiseIndependentOfThreadCount) {
+  for (const AttnShape& s :
+       {shape(1, 200, 200, 1, 1, 24, 16, true), shape(1, 100, 100, 4, 1, 36, 32, true),
+        shape(3, 90, 90, 2, 2, 16, 16, true)}) {
+    const Problem<float> p(s);
+    std::vector<Result<float>> runs;
+    for (int t : {1, 2, 3}) {
+      set_rank_threads(t);
+      runs.push_back(run_flash(p));
+    }
+    set_rank_threads(2);
+    for (size_t i = 1; i < runs.size(); ++i) {
+      EXPECT_EQ(runs[0].o, runs[i].o);
+      EXPECT_EQ(runs[0].lse, runs[i].lse);
+      EXPECT_EQ(runs[0].dq, runs[i].dq);
+      EXPECT_EQ(runs[0].dk, runs[i].dk);
+      EXPECT_EQ(runs[0].dv, runs[i].dv);
+    }
+  }
+}
+
+// Central differences of L = sum(o * dout) in double against the flash
+// backward, on a tiny problem with a fully masked row, a shared key head and
+// unequal head dims.
+TEST(FlashAttention, FiniteDifferenceDouble) {
+  for (const AttnShape& s : {shape(1, 5, 4, 2, 1, 3, 2, true), shape(2, 3, 4, 2, 2, 4, 3, false)}) {
+    Problem<double> p(s, 5);
+    const Result<double> f = run_flash(p);
+    auto loss = [&](const Problem<double>& x) {
+      std::vector<double> o(x.dout.size()), lse(static_cast<size_t>(s.B * s.Hq * s.Sq));
+      attention_flash_forward<double>(s, o.data(), lse.data(), x.q.data(), x.k.data(), x.v.data());
+      double l = 0;
+      for (size_t i = 0; i < o.size(); ++i) l += o[i] * x.dout[i];
+      return l;
+    };
+    const double eps = 1e-6;
+    auto check = [&](std::vector<double> Problem<double>::*field, const std::vector<double>& grad,
+                     const char* what) {
+      std::vector<double> fd(grad.size());
+      for (size_t i = 0; i < grad.size(); ++i) {
+        Problem<double> x = p;
+        const double x0 = (x.*field)[i];
+        (x.*field)[i] = x0 + eps;
+        const double lp = loss(x);
+        (x.*field)[i] = x0 - eps;
+        const double lm = loss(x);
+        fd[i] = (lp - lm) / (2 * eps);
+      }
+      EXPECT_TRUE(close(grad, fd, 1e-6, what));
+    };
+    check(&Problem<double>::q, f.dq, "dq");
+    check(&Problem<double>::k, f.dk, "dk");
+    check(&Problem<double>::v, f.dv, "dv");
+  }
+}
+
+}  // namespace
+}  // namespace laga
