@@ -1,0 +1,152 @@
+#include "io/atomic_file.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+
+#include "core/error.hpp"
+
+namespace laga {
+namespace {
+
+std::string system_reason(int err) {
+  return std::strerror(err);
+}
+
+// Two threads of one process (ranks run as threads) may write the same path;
+// the counter keeps their temporaries apart where the pid alone would not.
+std::string temporary_path_for(const std::string& path) {
+  static std::atomic<unsigned long> next_serial{0};
+  return cat(path, ".tmp.", ::getpid(), ".", next_serial.fetch_add(1));
+}
+
+std::string parent_directory(const std::string& path) {
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+// Owns the temporary file until commit(): on any early exit (exception
+// included) the descriptor is closed and the half-written file unlinked.
+class TemporaryFile {
+ public:
+  TemporaryFile(std::string target, std::string temp)
+      : target_(std::move(target)), temp_(std::move(temp)) {}
+  TemporaryFile(const TemporaryFile&) = delete;
+  TemporaryFile& operator=(const TemporaryFile&) = delete;
+  ~TemporaryFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temp_.c_str());
+  }
+
+  // `preserved_mode`: the permission bits of the file being replaced, if any;
+  // a new file gets 0666 narrowed by the umask like any other.
+  void create(std::optional<mode_t> preserved_mode) {
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd_ < 0) {
+      int err = errno;
+      fail("cannot write '", target_, "': creating the temporary file '", temp_,
+           "' failed: ", system_reason(err), "; check that the directory exists and is writable");
+    }
+    // open() applied the umask; the replaced file's bits come back exactly.
+    if (preserved_mode && ::fchmod(fd_, *preserved_mode) != 0) {
+      int err = errno;
+      fail("cannot write '", target_, "': giving the temporary file '", temp_,
+           "' the permissions of the file it replaces failed: ", system_reason(err));
+    }
+  }
+
+  void write_all(std::string_view bytes) {
+    const char* next = bytes.data();
+    std::size_t left = bytes.size();
+    while (left > 0) {
+      ssize_t written = ::write(fd_, next, left);
+      if (written < 0) {
+        if (errno == EINTR) continue;
+        int err = errno;
+        fail("cannot write '", target_, "': writing the temporary file '", temp_,
+             "' failed: ", system_reason(err), "; check free disk space and file size limits");
+      }
+      next += written;
+      left -= static_cast<std::size_t>(written);
+    }
+  }
+
+  void sync_and_close() {
+    if (::fsync(fd_) != 0) {
+      int err = errno;
+      fail("cannot write '", target_, "': fsync of the temporary file '", temp_,
+           "' failed: ", system_reason(err), "; the device may be full or failing");
+    }
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) {
+      int err = errno;
+      fail("cannot write '", target_, "': closing the temporary file '", temp_,
+           "' failed: ", system_reason(err));
+    }
+  }
+
+  void rename_over_target() {
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) {
+      int err = errno;
+      fail("cannot write '", target_, "': renaming '", temp_,
+           "' over it failed: ", system_reason(err),
+           "; check that the path is not a directory and is writable");
+    }
+    committed_ = true;
+  }
+
+ private:
+  std::string target_;
+  std::string temp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+void sync_directory(const std::string& target, const std::string& directory) {
+  int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    int err = errno;
+    fail("wrote '", target, "' but could not open its directory '", directory,
+         "' to make the rename durable: ", system_reason(err));
+  }
+  int status = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  // Some filesystems cannot fsync a directory at all; there the rename is as
+  // durable as they allow, which is not an error of ours.
+  if (status != 0 && err != EINVAL && err != ENOTSUP) {
+    fail("wrote '", target, "' but fsync of its directory '", directory,
+         "' failed, so the new file may not survive a crash: ", system_reason(err));
+  }
+}
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
+  LAGA_CHECK(!path.empty(), "cannot write a file with an empty path; give a file name");
+  std::optional<mode_t> preserved_mode;
+  struct stat existing {};
+  if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) {
+    preserved_mode = existing.st_mode & 07777;
+  }
+
+  TemporaryFile temp(path, temporary_path_for(path));
+  temp.create(preserved_mode);
+  for (std::string_view piece : pieces) temp.write_all(piece);
+  temp.sync_and_close();
+  temp.rename_over_target();
+  sync_directory(path, parent_directory(path));
+}
+
+void write_file_atomic(const std::string& path, std::string_view bytes) {
+  write_file_atomic(path, std::vector<std::string_view>{bytes});
+}
+
+}  // namespace laga
