@@ -1,0 +1,190 @@
+// Attention forward and backward, eager (materialised probabilities, OpenBLAS)
+// and flash (fused, tiled, online softmax), with PyTorch eager beside them
+// when --torch is given.
+//
+// FLOP convention (the same for every kernel, whatever it executes):
+//   forward  = AttnShape::useful_flops_forward(): 2 (dqk + dv) per unmasked
+//              (query, key) pair, i.e. only the causal half of QK^T and PV;
+//   backward = 2.5 x forward (dV, dP, dQ, dK: four products, 2x; the
+//              recomputed QK^T, 0.5x, counted as if dqk = dv);
+//   fwd+bwd  = 3.5 x forward.
+// Eager computes the masked half too, and flash's backward executes
+// (3 dqk + 2 dv) / (dqk + dv) = 2.6x forward at dims 192/128: neither extra
+// is counted. Reference: the eager kernel in double on the same inputs, once
+// per shape; #wrong counts elements farther than 1e-5 max|ref| from it (o for
+// forward rows, dq, dk, dv for backward ones).
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "harness.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_flash.hpp"
+
+namespace {
+
+using laga::AttnShape;
+using laga::bench::count_wrong;
+
+struct Case {
+  std::string name;
+  AttnShape s;
+  bool eager = true;  // eager rows too (its probabilities take B Hq Sq Sk floats)
+};
+
+AttnShape make(std::int64_t B, std::int64_t S, std::int64_t Hq, std::int64_t Hk, std::int64_t dqk,
+               std::int64_t dv, bool causal) {
+  AttnShape s;
+  s.B = B, s.Sq = S, s.Sk = S, s.Hq = Hq, s.Hk = Hk, s.dqk = dqk, s.dv = dv, s.causal = causal;
+  s.scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+  return s;
+}
+
+std::string describe(const AttnShape& s) {
+  return laga::cat("B", s.B, " S", s.Sq, " H", s.Hq, "/", s.Hk, " d", s.dqk, "/", s.dv,
+                   s.causal ? " causal" : " full");
+}
+
+size_t sz(std::int64_t n) {
+  return static_cast<size_t>(n);
+}
+
+struct Tensors {
+  std::vector<float> q, k, v, dout, o, lse, dq, dk, dv;
+  std::vector<double> o_ref, dq_ref, dk_ref, dv_ref;
+};
+
+// Inputs, and the double-precision eager reference once.
+Tensors prepare(const AttnShape& s) {
+  Tensors t;
+  const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
+                     nv = s.B * s.Sk * s.Hk * s.dv, no = s.B * s.Sq * s.Hq * s.dv;
+  t.q.resize(sz(nq)), t.k.resize(sz(nk)), t.v.resize(sz(nv)), t.dout.resize(sz(no));
+  laga::fill_normal(t.q.data(), nq, 2, 0, 0, 1.0);
+  laga::fill_normal(t.k.data(), nk, 2, 1, 0, 1.0);
+  laga::fill_normal(t.v.data(), nv, 2, 2, 0, 1.0);
+  laga::fill_normal(t.dout.data(), no, 2, 3, 0, 1.0);
+  t.o.resize(sz(no)), t.lse.resize(sz(s.B * s.Hq * s.Sq));
+  t.dq.resize(sz(nq)), t.dk.resize(sz(nk)), t.dv.resize(sz(nv));
+  std::vector<double> q(t.q.begin(), t.q.end()), k(t.k.begin(), t.k.end()),
+      v(t.v.begin(), t.v.end()), dout(t.dout.begin(), t.dout.end());
+  std::vector<double> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
+  t.o_ref.resize(sz(no)), t.dq_ref.resize(sz(nq)), t.dk_ref.resize(sz(nk)), t.dv_ref.resize(sz(nv));
+  laga::attention_eager_forward<double>(s, t.o_ref.data(), probs.data(), q.data(), k.data(),
+                                        v.data());
+  laga::attention_eager_backward<double>(s, t.dq_ref.data(), t.dk_ref.data(), t.dv_ref.data(),
+                                         dout.data(), q.data(), k.data(), v.data(), probs.data(),
+                                         dp.data());
+  return t;
+}
+
+std::int64_t wrong_fwd(const Tensors& t) {
+  return count_wrong(t.o.data(), t.o_ref.data(), static_cast<std::int64_t>(t.o.size()), 1e-5);
+}
+std::int64_t wrong_bwd(const Tensors& t) {
+  return count_wrong(t.dq.data(), t.dq_ref.data(), static_cast<std::int64_t>(t.dq.size()), 1e-5) +
+         count_wrong(t.dk.data(), t.dk_ref.data(), static_cast<std::int64_t>(t.dk.size()), 1e-5) +
+         count_wrong(t.dv.data(), t.dv_ref.data(), static_cast<std::int64_t>(t.dv.size()), 1e-5);
+}
+
+// PyTorch timings of every case: {name: {fwd_ms, bwd_ms, fwdbwd_ms}}.
+nlohmann::json run_torch(laga::bench::Context& ctx, const std::vector<Case>& cases) {
+  nlohmann::json shapes = nlohmann::json::array();
+  for (const Case& c : cases)
+    shapes.push_back({{"name", c.name},
+                      {"B", c.s.B},
+                      {"Sq", c.s.Sq},
+                      {"Sk", c.s.Sk},
+                      {"Hq", c.s.Hq},
+                      {"Hk", c.s.Hk},
+                      {"dqk", c.s.dqk},
+                      {"dv", c.s.dv},
+                      {"causal", c.s.causal},
+                      {"scale", c.s.scale}});
+  const auto& o = ctx.options();
+  const std::string cmd = laga::cat(
+      o.python, " ", laga::bench::source_dir(), "/python/bench_torch.py --threads ", o.threads,
+      " --repeats ", o.repeats, " --warmup ", o.warmup, " --shapes '", shapes.dump(), "'");
+  ctx.note(laga::cat("PyTorch: ", o.python, " python/bench_torch.py (same shapes, threads)"));
+  nlohmann::json out = nlohmann::json::parse(laga::bench::Context::capture(cmd));
+  nlohmann::json by_name;
+  for (const auto& r : out.at("results")) by_name[r.at("name").get<std::string>()] = r;
+  ctx.note(laga::cat("PyTorch ", out.value("torch", std::string("?")), ", ",
+                     out.value("threads", 0), " threads"));
+  return by_name;
+}
+
+}  // namespace
+
+LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torch)") {
+  const bool quick = ctx.options().quick;
+  std::vector<Case> cases;
+  if (quick) {
+    cases = {{"mha_causal", make(1, 256, 4, 4, 192, 128, true)},
+             {"latent_causal", make(1, 128, 4, 1, 576, 512, true)}};
+  } else {
+    cases = {
+        // The target shape: DeepSeek-V3 head dims, 16 heads of a shard.
+        {"v3_mha_causal_4k", make(1, 4096, 16, 16, 192, 128, true)},
+        {"v3_mha_causal_1k", make(1, 1024, 16, 16, 192, 128, true)},
+        {"v3_mha_full_1k", make(1, 1024, 16, 16, 192, 128, false)},
+        // Absorbed form: 16 heads against one shared [c | k_pe] (576), values c (512).
+        {"v3_latent_causal_1k", make(1, 1024, 16, 1, 576, 512, true)},
+    };
+  }
+  nlohmann::json torch;
+  if (ctx.options().torch) torch = run_torch(ctx, cases);
+  ctx.note(
+      "GFLOP: fwd = causal-half useful FLOPs (AttnShape::useful_flops_forward), bwd = 2.5x fwd,");
+  ctx.note(
+      "fwd+bwd = 3.5x fwd, for every kernel; reference = eager in double, #wrong at 1e-5 max|ref|");
+  ctx.header();
+  for (const Case& c : cases) {
+    const AttnShape& s = c.s;
+    Tensors t = prepare(s);
+    const double f = s.useful_flops_forward() * 1e-9;
+    const std::string shape = describe(s);
+    auto torch_ms = [&](const char* key) {
+      return torch.contains(c.name) ? torch[c.name].value(key, std::nan("")) : std::nan("");
+    };
+    if (c.eager) {
+      std::vector<float> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
+      auto fwd = [&] {
+        laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),
+                                             t.v.data());
+      };
+      ctx.run("attn_eager_fwd", shape, f, fwd, [&] { return wrong_fwd(t); }).torch_ms =
+          torch_ms("fwd_ms");
+      auto bwd = [&] {
+        laga::attention_eager_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(),
+                                              t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
+                                              probs.data(), dp.data());
+      };
+      ctx.run("attn_eager_bwd", shape, 2.5 * f, bwd, [&] { return wrong_bwd(t); }).torch_ms =
+          torch_ms("bwd_ms");
+    }
+    auto fwd = [&] {
+      laga::attention_flash_forward<float>(s, t.o.data(), t.lse.data(), t.q.data(), t.k.data(),
+                                           t.v.data());
+    };
+    auto bwd = [&] {
+      laga::attention_flash_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(), t.dout.data(),
+                                            t.q.data(), t.k.data(), t.v.data(), t.o.data(),
+                                            t.lse.data());
+    };
+    ctx.run("attn_flash_fwd", shape, f, fwd, [&] { return wrong_fwd(t); }).torch_ms =
+        torch_ms("fwd_ms");
+    ctx.run("attn_flash_bwd", shape, 2.5 * f, bwd, [&] { return wrong_bwd(t); }).torch_ms =
+        torch_ms("bwd_ms");
+    ctx.run(
+           "attn_flash_fwd+bwd", shape, 3.5 * f,
+           [&] {
+             fwd();
+             bwd();
+           },
+           [&] { return wrong_fwd(t) + wrong_bwd(t); })
+        .torch_ms = torch_ms("fwdbwd_ms");
+  }
+}

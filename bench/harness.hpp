@@ -1,0 +1,130 @@
+// The benchmark harness behind `laga_bench`: one small set of tools, one thin
+// file per benchmark (bench_*.cpp), in the spirit of nccl-tests.
+//
+// A benchmark is a function registered under a name with LAGA_BENCH. It builds
+// its inputs, computes a reference once, and for every kernel and shape calls
+// Context::run(), which warms up, times the median of --repeats runs, counts
+// wrong elements against the reference, and prints one table row with the
+// GFLOP/s and its share of the FMA peak measured at start-up on the same
+// threads. Adding a benchmark (e.g. a whole MLA block per form) is one more
+// bench_<name>.cpp with a LAGA_BENCH(...) in it; CMake globs them.
+//
+// FLOP convention: a row's GFLOP is the useful work of the operation as the
+// benchmark defines it (for attention: only the unmasked half of a causal
+// product, see bench_attention.cpp), not what a given kernel happens to
+// execute, so rows of different kernels for one operation are comparable.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace laga::bench {
+
+struct Options {
+  int threads = 2;
+  int repeats = 5;  // timed runs; the median is reported
+  int warmup = 1;
+  bool torch = false;  // also run python/bench_torch.py on the same shapes
+  bool quick = false;  // smaller shapes (a smoke test of the harness itself)
+  std::string python = "/usr/bin/python3";
+  std::vector<std::string> filters;  // run benchmarks whose name contains one of these
+};
+
+// GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
+// at once: the ceiling no kernel can pass. `isa` is "avx2" (8-wide) or
+// "avx512" (16-wide; only when the build targets AVX-512).
+struct Peak {
+  double avx2 = 0, avx512 = 0;
+  double value = 0;  // the peak of the widest ISA the kernels were compiled for
+  std::string isa;
+};
+Peak measure_fma_peak(int threads, int repeats);
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+};
+// Runs fn `warmup` times, then `repeats` times timed; median, min, max.
+Timing time_it(const std::function<void()>& fn, int warmup, int repeats);
+
+// Elements of `got` farther than rel * max|ref| from `ref`, NaN and Inf
+// counted as wrong: the nccl-tests "#wrong" column.
+template <class T, class R>
+std::int64_t count_wrong(const T* got, const R* ref, std::int64_t n, double rel) {
+  double mx = 0;
+  for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, std::abs(static_cast<double>(ref[i])));
+  const double tol = rel * mx;
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = std::abs(static_cast<double>(got[i]) - static_cast<double>(ref[i]));
+    if (!(d <= tol)) ++wrong;  // NaN compares false
+  }
+  return wrong;
+}
+
+struct Row {
+  std::string op;     // "attn_flash_fwd", "sgemm", ...
+  std::string shape;  // a compact description of the extents
+  double gflop = 0;   // useful work, by the benchmark's stated convention
+  Timing t;
+  std::int64_t wrong = -1;                                     // -1: not checked
+  double torch_ms = std::numeric_limits<double>::quiet_NaN();  // same op in PyTorch, if run
+};
+
+class Context {
+ public:
+  Context(Options opt, Peak peak) : opt_(std::move(opt)), peak_(std::move(peak)) {}
+  const Options& options() const { return opt_; }
+  const Peak& peak() const { return peak_; }
+
+  // Times `fn` (after warm-up), then calls `check` once on the last run's
+  // outputs for the #wrong column, prints and records the row.
+  Row& run(const std::string& op, const std::string& shape, double gflop,
+           const std::function<void()>& fn, const std::function<std::int64_t()>& check);
+  // Prints a line prefixed with '#', nccl-tests style, between table rows.
+  void note(const std::string& text) const;
+  // Prints the table header (once per benchmark; repeated headers are cheap).
+  void header() const;
+  std::vector<Row>& rows() { return rows_; }
+  // Reprints the rows that have a PyTorch timing, with laga/PyTorch ratios.
+  void print_torch_comparison() const;
+  // Runs a command (e.g. python/bench_torch.py), returns its standard output;
+  // throws laga::Error naming the command when it fails.
+  static std::string capture(const std::string& command);
+
+ private:
+  Options opt_;
+  Peak peak_;
+  std::vector<Row> rows_;
+};
+
+using BenchFn = void (*)(Context&);
+struct Benchmark {
+  std::string name, help;
+  BenchFn fn;
+};
+std::vector<Benchmark>& registry();
+struct Registrar {
+  Registrar(const char* name, const char* help, BenchFn fn) {
+    registry().push_back({name, help, fn});
+  }
+};
+
+// Source tree root, for scripts the harness calls (python/bench_torch.py).
+std::string source_dir();
+
+}  // namespace laga::bench
+
+#define LAGA_BENCH_CAT2(a, b) a##b
+#define LAGA_BENCH_CAT(a, b) LAGA_BENCH_CAT2(a, b)
+// LAGA_BENCH(attention, "help") { ... ctx.run(...) ... }
+#define LAGA_BENCH(name, help)                                                                     \
+  static void laga_bench_##name(::laga::bench::Context& ctx);                                      \
+  static const ::laga::bench::Registrar LAGA_BENCH_CAT(laga_bench_reg_, name)(#name, help,         \
+                                                                              &laga_bench_##name); \
+  static void laga_bench_##name(::laga::bench::Context& ctx)

@@ -1,0 +1,80 @@
+// laga_bench [NAME...] [--threads N] [--repeats N] [--torch] [--quick] [--list]
+// Runs the registered benchmarks whose name contains one of NAME (all when
+// none is given) and prints one table per benchmark.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "core/error.hpp"
+#include "core/threads.hpp"
+#include "harness.hpp"
+
+namespace {
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown CPU";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace laga::bench;
+  Options opt;
+  bool list = false;
+  CLI::App app{"laga_bench: kernel benchmarks in one table (see docs/performance.md)"};
+  app.add_option("names", opt.filters, "benchmarks to run (substring match); all when omitted");
+  app.add_option("--threads", opt.threads, "threads (OpenMP and OpenBLAS)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--repeats", opt.repeats, "timed runs per row; the median is reported")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", opt.warmup, "untimed runs before timing")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--torch", opt.torch,
+               "also time the same shapes in PyTorch (python/bench_torch.py)");
+  app.add_option("--python", opt.python, "interpreter with torch for --torch");
+  app.add_flag("--quick", opt.quick, "small shapes: a smoke test of the harness");
+  app.add_flag("--list", list, "list the benchmarks and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  if (list) {
+    for (const Benchmark& b : registry()) std::printf("%-12s %s\n", b.name.c_str(), b.help.c_str());
+    return 0;
+  }
+  try {
+    laga::set_rank_threads(opt.threads);
+    const Peak peak = measure_fma_peak(opt.threads, 3);
+    std::printf("# laga_bench on %s, %d of %d cores, threads %d\n", cpu_model().c_str(),
+                opt.threads, laga::hardware_cores(), opt.threads);
+    std::printf("# timing: median of %d runs after %d warm-up run(s); ms is wall time per call\n",
+                opt.repeats, opt.warmup);
+    std::printf("# FMA peak on %d threads (register-only FMA loop, best of 3): avx2 %.1f GFLOP/s",
+                opt.threads, peak.avx2);
+    if (peak.avx512 > 0) std::printf(", avx512 %.1f GFLOP/s", peak.avx512);
+    std::printf("\n# %%peak is against the %s peak, the widest ISA this build's kernels use\n",
+                peak.isa.c_str());
+    Context ctx(opt, peak);
+    int ran = 0;
+    for (const Benchmark& b : registry()) {
+      bool match = opt.filters.empty();
+      for (const std::string& f : opt.filters) match = match || b.name.find(f) != std::string::npos;
+      if (!match) continue;
+      std::printf("#\n# ---- %s: %s\n", b.name.c_str(), b.help.c_str());
+      b.fn(ctx);
+      ++ran;
+    }
+    ctx.print_torch_comparison();
+    if (ran == 0) {
+      std::fprintf(stderr, "laga_bench: no benchmark matches; --list shows them\n");
+      return 2;
+    }
+  } catch (const laga::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
