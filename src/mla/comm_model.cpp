@@ -1,0 +1,81 @@
+#include "mla/comm_model.hpp"
+
+namespace laga {
+
+CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, int r,
+                            std::int64_t e, bool backward, bool grad_sync) {
+  auto z = [](std::int64_t i) { return static_cast<size_t>(i); };
+  const int P = lay.ranks;
+  const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)], Hr = lay.head_count[z(r)];
+  const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = c.kv_lora_rank + c.qk_rope_head_dim;
+  // seq->head all-to-all of width d: this rank sends its tokens' heads of every
+  // peer, receives its heads of every peer's tokens.
+  auto seq_to_head = [&](std::int64_t d) {
+    PredictedBytes b;
+    for (int j = 0; j < P; ++j) {
+      if (j == r) continue;
+      b.sent += B * Lr * lay.head_count[z(j)] * d * e;
+      b.received += B * lay.seq_count[z(j)] * Hr * d * e;
+    }
+    return b;
+  };
+  auto head_to_seq = [&](std::int64_t d) {
+    const PredictedBytes f = seq_to_head(d);
+    return PredictedBytes{f.received, f.sent};
+  };
+  auto all_gather = [&](std::int64_t w) {
+    PredictedBytes b;
+    for (int j = 0; j < P; ++j)
+      if (j != r) b.sent += B * Lr * w * e, b.received += B * lay.seq_count[z(j)] * w * e;
+    return b;
+  };
+  auto reduce_scatter = [&](std::int64_t w) {
+    const PredictedBytes f = all_gather(w);
+    return PredictedBytes{f.received, f.sent};
+  };
+
+  CommPrediction p;
+  auto add = [&](Phase ph, const char* label, PredictedBytes b) {
+    if (P == 1) b = {};  // a single rank sends nothing, but the call is still made
+    auto& slot = p[{ph, label}];
+    slot.sent += b.sent;
+    slot.received += b.received;
+  };
+  add(Phase::forward, "q_a2a", seq_to_head(dqk));
+  if (form == Form::explicit_form) {
+    add(Phase::forward, "k_a2a", seq_to_head(dqk));
+    add(Phase::forward, "v_a2a", seq_to_head(dv));
+  } else {
+    add(Phase::forward, "latent_ag", all_gather(W));
+  }
+  add(Phase::forward, "out_a2a", head_to_seq(dv));
+  if (backward) {
+    add(Phase::backward, "out_a2a", seq_to_head(dv));
+    add(Phase::backward, "q_a2a", head_to_seq(dqk));
+    if (form == Form::explicit_form) {
+      add(Phase::backward, "k_a2a", head_to_seq(dqk));
+      add(Phase::backward, "v_a2a", head_to_seq(dv));
+    } else {
+      add(Phase::backward, "latent_ag", reduce_scatter(W));
+    }
+  }
+  if (grad_sync) {
+    std::int64_t n = 0;
+    for (auto& [name, shape] : mla_param_shapes(c)) n += numel(shape);
+    // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
+    // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
+    const std::int64_t own = all_reduce_chunk(n, P, r);
+    const std::int64_t mine = ((n - own) + (P - 1) * own) * e;
+    add(Phase::grad_sync, "grad_allreduce", {mine, mine});
+  }
+  return p;
+}
+
+std::int64_t predicted_sent(const CommPrediction& p, Phase phase) {
+  std::int64_t s = 0;
+  for (auto& [key, b] : p)
+    if (phase == Phase::count || key.first == phase) s += b.sent;
+  return s;
+}
+
+}  // namespace laga

@@ -1,0 +1,219 @@
+#include "mla/config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+
+namespace laga {
+
+using nlohmann::json;
+
+double MlaConfig::softmax_scale() const {
+  double s = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
+  if (yarn()) {
+    const double m = 0.1 * mscale * std::log(rope_factor) + 1.0;
+    s *= m * m;
+  }
+  return s;
+}
+
+RopeParams MlaConfig::rope() const {
+  RopeParams p;
+  p.dim = qk_rope_head_dim;
+  p.theta = rope_theta;
+  p.yarn = yarn();
+  p.factor = rope_factor;
+  p.original_seq_len = original_seq_len;
+  p.beta_fast = beta_fast;
+  p.beta_slow = beta_slow;
+  return p;
+}
+
+void MlaConfig::validate() const {
+  auto positive = [](std::int64_t v, const char* name) {
+    LAGA_CHECK(v > 0, "config: ", name, " must be positive, got ", v);
+  };
+  positive(dim, "dim");
+  positive(n_heads, "n_heads");
+  positive(kv_lora_rank, "kv_lora_rank");
+  positive(qk_nope_head_dim, "qk_nope_head_dim");
+  positive(qk_rope_head_dim, "qk_rope_head_dim");
+  positive(v_head_dim, "v_head_dim");
+  LAGA_CHECK(q_lora_rank >= 0, "config: q_lora_rank must be 0 (no q compression) or positive, got ",
+             q_lora_rank);
+  LAGA_CHECK(qk_rope_head_dim % 2 == 0,
+             "config: qk_rope_head_dim must be even (RoPE rotates pairs), got ", qk_rope_head_dim);
+  LAGA_CHECK(rope_theta > 1.0, "config: rope_theta must be > 1, got ", rope_theta);
+  LAGA_CHECK(norm_eps > 0 && norm_eps < 1, "config: norm_eps must be in (0, 1), got ", norm_eps);
+  LAGA_CHECK(original_seq_len > 0 && max_seq_len > 0,
+             "config: original_seq_len and max_seq_len must be positive");
+  if (yarn()) {
+    LAGA_CHECK(rope_factor >= 1.0, "config: rope_factor must be >= 1 when YaRN is on (max_seq_len ",
+               max_seq_len, " > original_seq_len ", original_seq_len, "), got ", rope_factor);
+    LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0, "config: YaRN needs beta_fast > beta_slow > 0, got ",
+               beta_fast, " and ", beta_slow);
+    LAGA_CHECK(mscale >= 0, "config: mscale must be >= 0, got ", mscale);
+  }
+  // Sizes past this overflow int32 BLAS arguments somewhere; nobody needs them.
+  LAGA_CHECK(n_heads * (qk_head_dim() + v_head_dim) < (1ll << 24) && dim < (1ll << 24),
+             "config: dimensions too large (dim ", dim, ", n_heads ", n_heads, ")");
+}
+
+std::vector<std::string> MlaConfig::preset_names() { return {"tiny", "small", "paper", "deepseek-v3"}; }
+
+MlaConfig MlaConfig::preset(const std::string& name) {
+  MlaConfig c;
+  if (name == "tiny") {
+    c.dim = 48, c.n_heads = 4, c.kv_lora_rank = 24, c.qk_nope_head_dim = 8, c.qk_rope_head_dim = 4,
+    c.v_head_dim = 6;
+  } else if (name == "small") {
+    // defaults above
+  } else if (name == "paper" || name == "deepseek-v3") {
+    // DeepSeek-V3 671B attention (config_671B.json); YaRN on as shipped.
+    c.dim = 7168, c.n_heads = 128, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128,
+    c.qk_rope_head_dim = 64, c.v_head_dim = 128;
+    c.q_lora_rank = name == "paper" ? 0 : 1536;
+    c.rope_factor = 40, c.original_seq_len = 4096, c.max_seq_len = 163840;
+    c.beta_fast = 32, c.beta_slow = 1, c.mscale = 1.0;
+  } else {
+    std::string names;
+    for (auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("unknown preset '", name, "'; choose one of: ", names, " (or pass --config FILE.json)");
+  }
+  return c;
+}
+
+namespace {
+
+template <class V>
+bool read_key(const json& j, const char* key, V& out, const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return false;
+  if constexpr (std::is_integral_v<V>) {
+    LAGA_CHECK(it->is_number_integer() || (it->is_number_float() && std::floor(it->template get<double>()) ==
+                                                                         it->template get<double>()),
+               source, ": '", key, "' must be an integer, got ", it->dump());
+    out = static_cast<V>(it->template get<double>());
+  } else {
+    LAGA_CHECK(it->is_number(), source, ": '", key, "' must be a number, got ", it->dump());
+    out = it->template get<V>();
+  }
+  return true;
+}
+
+}  // namespace
+
+MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
+  LAGA_CHECK(j.is_object(), source, ": expected a JSON object with the model's dimensions");
+  MlaConfig c;
+  // Unlike ModelArgs' defaults, a JSON that omits a dimension is an error: a
+  // silently defaulted head count gives silently wrong numbers.
+  auto need = [&](const char* key, std::int64_t& out) {
+    LAGA_CHECK(read_key(j, key, out, source), source, ": missing '", key,
+               "' (the MLA block needs it; see docs/configs.md)");
+  };
+  if (j.contains("hidden_size")) {  // Hugging Face config.json
+    need("hidden_size", c.dim);
+    need("num_attention_heads", c.n_heads);
+    c.q_lora_rank = 0;
+    read_key(j, "q_lora_rank", c.q_lora_rank, source);  // null means no q compression
+    need("kv_lora_rank", c.kv_lora_rank);
+    need("qk_nope_head_dim", c.qk_nope_head_dim);
+    need("qk_rope_head_dim", c.qk_rope_head_dim);
+    need("v_head_dim", c.v_head_dim);
+    read_key(j, "rope_theta", c.rope_theta, source);
+    read_key(j, "rms_norm_eps", c.norm_eps, source);
+    std::int64_t max_pos = 4096;
+    read_key(j, "max_position_embeddings", max_pos, source);
+    c.max_seq_len = max_pos;
+    c.original_seq_len = max_pos;  // no YaRN unless rope_scaling says so
+    auto rs = j.find("rope_scaling");
+    if (rs != j.end() && !rs->is_null()) {
+      LAGA_CHECK(rs->is_object(), source, ": 'rope_scaling' must be an object or null");
+      std::string type = rs->value("type", rs->value("rope_type", std::string()));
+      LAGA_CHECK(type == "yarn", source, ": rope_scaling type '", type,
+                 "' is not supported; laga implements DeepSeek-V3's YaRN ('yarn') or none");
+      read_key(*rs, "factor", c.rope_factor, source);
+      read_key(*rs, "original_max_position_embeddings", c.original_seq_len, source);
+      read_key(*rs, "beta_fast", c.beta_fast, source);
+      read_key(*rs, "beta_slow", c.beta_slow, source);
+      double ms = 1.0, ms_all = 0.0;
+      read_key(*rs, "mscale", ms, source);
+      read_key(*rs, "mscale_all_dim", ms_all, source);
+      // HF scales the softmax by mscale_all_dim and cos/sin by
+      // get_mscale(mscale) / get_mscale(mscale_all_dim); DeepSeek's inference
+      // code has one mscale for the softmax and none on cos/sin. They agree
+      // exactly when the two are equal, as in every released V3 config.
+      LAGA_CHECK(ms == ms_all, source, ": rope_scaling mscale (", ms, ") != mscale_all_dim (",
+                 ms_all, "); laga follows DeepSeek's inference code, which has a single mscale");
+      c.mscale = ms_all;
+    }
+  } else {  // DeepSeek inference ModelArgs (or laga's own, which adds norm_eps)
+    need("dim", c.dim);
+    need("n_heads", c.n_heads);
+    need("kv_lora_rank", c.kv_lora_rank);
+    need("qk_nope_head_dim", c.qk_nope_head_dim);
+    need("qk_rope_head_dim", c.qk_rope_head_dim);
+    need("v_head_dim", c.v_head_dim);
+    // ModelArgs defaults for what a config may leave out.
+    c.q_lora_rank = 0;
+    c.original_seq_len = 4096;
+    c.max_seq_len = 4096 * 4;
+    c.rope_factor = 40;
+    read_key(j, "q_lora_rank", c.q_lora_rank, source);
+    read_key(j, "rope_theta", c.rope_theta, source);
+    read_key(j, "rope_factor", c.rope_factor, source);
+    read_key(j, "original_seq_len", c.original_seq_len, source);
+    read_key(j, "max_seq_len", c.max_seq_len, source);
+    read_key(j, "beta_fast", c.beta_fast, source);
+    read_key(j, "beta_slow", c.beta_slow, source);
+    read_key(j, "mscale", c.mscale, source);
+    read_key(j, "norm_eps", c.norm_eps, source);
+  }
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail(source, ": ", e.what());
+  }
+  return c;
+}
+
+MlaConfig MlaConfig::from_json_file(const std::string& path) {
+  std::ifstream in(path);
+  LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check the path");
+  json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    fail("config file '", path, "' is not valid JSON: ", e.what());
+  }
+  return from_json(j, "config '" + path + "'");
+}
+
+json MlaConfig::to_json() const {
+  return json{{"dim", dim},
+              {"n_heads", n_heads},
+              {"q_lora_rank", q_lora_rank},
+              {"kv_lora_rank", kv_lora_rank},
+              {"qk_nope_head_dim", qk_nope_head_dim},
+              {"qk_rope_head_dim", qk_rope_head_dim},
+              {"v_head_dim", v_head_dim},
+              {"rope_theta", rope_theta},
+              {"rope_factor", rope_factor},
+              {"original_seq_len", original_seq_len},
+              {"max_seq_len", max_seq_len},
+              {"beta_fast", beta_fast},
+              {"beta_slow", beta_slow},
+              {"mscale", mscale},
+              {"norm_eps", norm_eps}};
+}
+
+std::string MlaConfig::summary() const {
+  return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank, " dn=",
+             qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
+             yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"));
+}
+
+}  // namespace laga

@@ -1,0 +1,62 @@
+// MlaConfig — the dimensions and RoPE/YaRN settings of one MLA block, under
+// DeepSeek-V3's ModelArgs names (docs/mla-math.md has the math).
+//
+//   D   dim                 H   n_heads             rq  q_lora_rank (0: wq)
+//   C   kv_lora_rank        dn  qk_nope_head_dim    dr  qk_rope_head_dim
+//   dv  v_head_dim
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "kernels/rope.hpp"
+
+namespace laga {
+
+struct MlaConfig {
+  std::int64_t dim = 256;
+  std::int64_t n_heads = 8;
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 64;
+  std::int64_t qk_nope_head_dim = 32;
+  std::int64_t qk_rope_head_dim = 16;
+  std::int64_t v_head_dim = 32;
+  double rope_theta = 10000.0;
+  double rope_factor = 40.0;
+  std::int64_t original_seq_len = 4096;
+  std::int64_t max_seq_len = 4096;  // YaRN is on iff max_seq_len > original_seq_len
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double norm_eps = 1e-6;  // kv_norm and q_norm
+
+  std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool yarn() const { return max_seq_len > original_seq_len; }
+  // (dn + dr)^-1/2, times mscale^2 with mscale = 0.1 * mscale * ln(factor) + 1
+  // under YaRN (DeepSeek-V3 MLA.__init__).
+  double softmax_scale() const;
+  RopeParams rope() const;
+
+  // Throws laga::Error naming the first bad field and the fix.
+  void validate() const;
+
+  // Presets: "small" (the default, seconds on 2 cores), "paper" (DeepSeek-V3
+  // attention dims with rq = 0, as in the LAGA paper's §4), "deepseek-v3"
+  // (rq = 1536, as shipped), "tiny" (for tests).
+  static MlaConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+
+  // Either DeepSeek's inference ModelArgs JSON (`dim`, `n_heads`, ...) or
+  // Hugging Face's DeepSeek-V3 config.json (`hidden_size`,
+  // `num_attention_heads`, `rope_scaling`, ...); keys that do not concern
+  // the attention block (vocab, MoE, layers) are ignored.
+  static MlaConfig from_json(const nlohmann::json& j, const std::string& source = "config");
+  static MlaConfig from_json_file(const std::string& path);
+  nlohmann::json to_json() const;  // ModelArgs names, plus norm_eps
+  std::string summary() const;     // one line: D=.. H=.. ...
+};
+
+}  // namespace laga

@@ -1,0 +1,131 @@
+#include "mla/runner.hpp"
+
+#include <chrono>
+#include <cstring>
+
+#include "comm/local_comm.hpp"
+#include "core/error.hpp"
+
+namespace laga {
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+template <class T>
+Tensor<T> slice_seq(const Tensor<T>& g, std::int64_t offset, std::int64_t count) {
+  const std::int64_t B = g.dim(0), S = g.dim(1), W = g.dim(2);
+  LAGA_CHECK(offset >= 0 && offset + count <= S, "slice_seq: rows [", offset, ", ", offset + count,
+             ") out of a sequence of ", S);
+  Tensor<T> s({B, count, W});
+  if (s.data() && g.data())
+    for (std::int64_t b = 0; b < B; ++b)
+      std::memcpy(s.data() + b * count * W, g.data() + (b * S + offset) * W,
+                  sizeof(T) * static_cast<size_t>(count * W));
+  return s;
+}
+
+template <class T>
+void place_seq(Tensor<T>& g, const Tensor<T>& s, std::int64_t offset) {
+  const std::int64_t B = g.dim(0), S = g.dim(1), W = g.dim(2), count = s.dim(1);
+  if (s.data() && g.data())
+    for (std::int64_t b = 0; b < B; ++b)
+      std::memcpy(g.data() + (b * S + offset) * W, s.data() + b * count * W,
+                  sizeof(T) * static_cast<size_t>(count * W));
+}
+
+template <class T>
+RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
+                       const RopeTable& rope, const MlaParams<T>& w, const Tensor<T>& x,
+                       const Tensor<T>& dout, const RunSpec& spec) {
+  const int r = comm.rank();
+  if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
+  const BlockContext ctx{cfg, layout, comm, rope, spec.form, spec.attention};
+  const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
+  const std::int64_t L = layout.seq_count[static_cast<size_t>(r)];
+  RankResult<T> res;
+  res.report.rank = r;
+  MemoryPool& pool = current_pool();
+  Tensor<T> x_loc = slice_seq(x, off, L);
+  Tensor<T> dout_loc;
+  if (spec.backward) dout_loc = slice_seq(dout, off, L);
+  res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+
+  const std::int64_t base_act = pool.current(MemCategory::activations);
+  const std::int64_t base_comm = pool.current(MemCategory::comm_buffers);
+  pool.reset_peaks();
+  MlaSaved<T> saved;
+  auto t0 = std::chrono::steady_clock::now();
+  mla_forward(ctx, w, x_loc, res.out, saved);
+  res.report.forward_ms = ms_since(t0);
+  if (spec.backward) {
+    t0 = std::chrono::steady_clock::now();
+    mla_backward(ctx, w, x_loc, dout_loc, saved, res.dx, res.grads);
+    res.report.backward_ms = ms_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    mla_sync_gradients(comm, res.grads);
+    res.report.sync_ms = ms_since(t0);
+  }
+  RankMemory& m = res.report.memory;
+  m.peak_activations = pool.peak(MemCategory::activations) - base_act;
+  m.peak_comm_buffers = pool.peak(MemCategory::comm_buffers) - base_comm;
+  m.peak_working = pool.peak_working() - base_act - base_comm;
+  m.gradients = pool.current(MemCategory::gradients);
+  w.for_each([&](const std::string&, const Tensor<T>& t) { m.parameters += t.bytes(); });
+  res.report.ledger = comm.ledger();
+  return res;
+}
+
+template <class T>
+BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaParams<T>& w,
+                      const Tensor<T>& x, const Tensor<T>& dout, const RunSpec& spec) {
+  const int P = layout.ranks;
+  const RopeTable rope(cfg.rope(), layout.seq);
+  std::vector<MemoryPool> pools(static_cast<size_t>(P));
+  std::vector<RankResult<T>> results(static_cast<size_t>(P));
+  LocalRunOptions opts;
+  opts.pools = &pools;
+  opts.timeout = spec.timeout;
+  run_local_ranks(
+      P,
+      [&](Communicator& comm) {
+        results[static_cast<size_t>(comm.rank())] = run_rank(comm, cfg, layout, rope, w, x, dout, spec);
+      },
+      opts);
+  BlockRun<T> run;
+  run.out = Tensor<T>(x.shape());
+  if (spec.backward) run.dx = Tensor<T>(x.shape());
+  for (int r = 0; r < P; ++r) {
+    auto& res = results[static_cast<size_t>(r)];
+    const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
+    place_seq(run.out, res.out, off);
+    if (spec.backward) place_seq(run.dx, res.dx, off);
+    run.ranks.push_back(res.report);
+  }
+  // Rank 0's tensors belong to its pool, which ends here: copy them out.
+  run.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  std::vector<Tensor<T>*> dst;
+  run.grads.for_each([&](const std::string&, Tensor<T>& t) { dst.push_back(&t); });
+  size_t i = 0;
+  results[0].grads.for_each([&](const std::string&, const Tensor<T>& t) {
+    if (t.data()) std::memcpy(dst[i]->data(), t.data(), static_cast<size_t>(t.bytes()));
+    ++i;
+  });
+  return run;
+}
+
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);                   \
+  template void place_seq<T>(Tensor<T>&, const Tensor<T>&, std::int64_t);                          \
+  template RankResult<T> run_rank<T>(Communicator&, const MlaConfig&, const SpLayout&,              \
+                                     const RopeTable&, const MlaParams<T>&, const Tensor<T>&,       \
+                                     const Tensor<T>&, const RunSpec&);                            \
+  template BlockRun<T> run_local<T>(const MlaConfig&, const SpLayout&, const MlaParams<T>&,         \
+                                    const Tensor<T>&, const Tensor<T>&, const RunSpec&);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+}  // namespace laga

@@ -1,0 +1,74 @@
+// Running one MLA block over an SP group and collecting what each rank saw.
+//
+// run_rank is the per-rank body every backend shares: it slices the rank's
+// shard out of the global input, runs forward (+ backward + gradient
+// all-reduce), and reports the ledger and the pool's peaks. run_local drives
+// P in-process ranks and assembles the global output, dx and (rank 0's,
+// synced) gradients, so any form at any P can be compared with single-rank
+// explicit element by element.
+#pragma once
+
+#include <chrono>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "mla/block.hpp"
+
+namespace laga {
+
+struct RunSpec {
+  Form form = Form::laga;
+  AttentionKind attention = AttentionKind::eager;
+  bool backward = true;
+  std::chrono::milliseconds timeout{0};  // 0: the communicator's default
+};
+
+// Memory of one rank during one forward(+backward), in bytes above what was
+// live when forward started (the input shard, parameters).
+struct RankMemory {
+  std::int64_t peak_activations = 0;  // MemCategory::activations
+  std::int64_t peak_comm_buffers = 0;
+  std::int64_t peak_working = 0;      // activations + comm buffers together
+  std::int64_t gradients = 0;         // parameter gradients held by the rank
+  std::int64_t parameters = 0;
+};
+
+struct RankReport {
+  int rank = 0;
+  Ledger ledger;
+  RankMemory memory;
+  double forward_ms = 0, backward_ms = 0, sync_ms = 0;
+};
+
+template <class T>
+struct RankResult {
+  Tensor<T> out, dx;  // (B, L_r, D)
+  MlaParams<T> grads;
+  RankReport report;
+};
+
+// x and dout are GLOBAL (B, S, D); dout is ignored when !spec.backward.
+template <class T>
+RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
+                       const RopeTable& rope, const MlaParams<T>& w, const Tensor<T>& x,
+                       const Tensor<T>& dout, const RunSpec& spec);
+
+template <class T>
+struct BlockRun {
+  Tensor<T> out, dx;  // global (B, S, D)
+  MlaParams<T> grads;
+  std::vector<RankReport> ranks;
+};
+
+template <class T>
+BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaParams<T>& w,
+                      const Tensor<T>& x, const Tensor<T>& dout, const RunSpec& spec);
+
+// Rows [offset, offset + count) of every batch of a (B, S, W) tensor, and the
+// inverse (writes a (B, count, W) shard into the global tensor).
+template <class T>
+Tensor<T> slice_seq(const Tensor<T>& global, std::int64_t offset, std::int64_t count);
+template <class T>
+void place_seq(Tensor<T>& global, const Tensor<T>& shard, std::int64_t offset);
+
+}  // namespace laga

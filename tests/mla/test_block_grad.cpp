@@ -1,0 +1,102 @@
+// Finite-difference checks, in double, of the whole MLA block's backward with
+// respect to the input and every parameter: rq = 0 and rq > 0, YaRN on and
+// off, each form on one rank (the forms' P > 1 runs are checked against
+// single-rank explicit in test_forms.cpp).
+#include <gtest/gtest.h>
+
+#include <memory>
+
+#include "common/check.hpp"
+#include "comm/communicator.hpp"
+#include "mla/block.hpp"
+
+namespace laga {
+namespace {
+
+struct GradCase {
+  const char* name;
+  std::int64_t rq;
+  bool yarn;
+  Form form;
+  AttentionKind attention;
+};
+
+MlaConfig tiny_config(std::int64_t rq, bool yarn) {
+  MlaConfig c;
+  c.dim = 10, c.n_heads = 3, c.q_lora_rank = rq, c.kv_lora_rank = 6, c.qk_nope_head_dim = 4,
+  c.qk_rope_head_dim = 4, c.v_head_dim = 3;
+  if (yarn) {
+    // A small original context so the 4 rope dims straddle YaRN's ramp.
+    c.rope_theta = 500, c.original_seq_len = 64, c.max_seq_len = 256, c.rope_factor = 8;
+    c.mscale = 0.7;
+  } else {
+    c.original_seq_len = c.max_seq_len = 4096;
+  }
+  c.validate();
+  return c;
+}
+
+class BlockGrad : public ::testing::TestWithParam<GradCase> {};
+
+TEST_P(BlockGrad, MatchesFiniteDifferences) {
+  const GradCase& gc = GetParam();
+  const MlaConfig cfg = tiny_config(gc.rq, gc.yarn);
+  const std::int64_t B = 2, S = 5;
+  const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, 1);
+  const RopeTable rope(cfg.rope(), S);
+  auto comm = make_self_communicator();
+  const BlockContext ctx{cfg, lay, *comm, rope, gc.form, gc.attention};
+
+  auto w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 7, 0.1);
+  TensorD x({B, S, cfg.dim}), g({B, S, cfg.dim});
+  test::fill_random(x.data(), x.numel(), 11);
+  test::fill_random(g.data(), g.numel(), 12);
+
+  // L = <G, out(x, W)>; its gradient is backward with dout = G.
+  auto loss = [&] {
+    TensorD out;
+    MlaSaved<double> saved;
+    mla_forward(ctx, w, x, out, saved);
+    return test::dot(out.data(), g.data(), out.numel());
+  };
+  TensorD out, dx;
+  MlaSaved<double> saved;
+  auto grads = MlaParams<double>::zeros(cfg, MemCategory::gradients);
+  mla_forward(ctx, w, x, out, saved);
+  mla_backward(ctx, w, x, g, saved, dx, grads);
+
+  test::GradientCheck check;
+  check.add("x", x.data(), dx.data(), x.shape());
+  std::vector<std::pair<std::string, TensorD*>> wp, gp;
+  w.for_each([&](const std::string& name, TensorD& t) { wp.push_back({name, &t}); });
+  grads.for_each([&](const std::string& name, TensorD& t) { gp.push_back({name, &t}); });
+  ASSERT_EQ(wp.size(), gp.size());
+  for (std::size_t i = 0; i < wp.size(); ++i) {
+    ASSERT_EQ(wp[i].first, gp[i].first);
+    check.add(wp[i].first, wp[i].second->data(), gp[i].second->data(), wp[i].second->shape());
+  }
+  test::GradCheckOptions opt;
+  opt.tol = 1e-6;
+  EXPECT_TRUE(check.run(loss, opt));
+}
+
+std::vector<GradCase> cases() {
+  std::vector<GradCase> v;
+  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+    for (std::int64_t rq : {0, 5})
+      for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
+  for (Form f : {Form::explicit_form, Form::absorbed})
+    v.push_back({"", 5, true, f, AttentionKind::flash});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllForms, BlockGrad, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<GradCase>& p) {
+                           const GradCase& c = p.param;
+                           return std::string(to_string(c.form)) + "_rq" + std::to_string(c.rq) +
+                                  (c.yarn ? "_yarn" : "_rope") + "_" + to_string(c.attention);
+                         });
+
+}  // namespace
+}  // namespace laga

@@ -1,0 +1,154 @@
+// Every form at P ranks against the single-rank explicit form, in fp32: the
+// output, dx and every (all-reduced) parameter gradient, for even and uneven
+// sequence and head shards (including ranks that own no head). LAGA at P = 1
+// must equal explicit bit for bit. The ledger of every rank must equal the
+// closed-form communication model byte for byte.
+#include <gtest/gtest.h>
+
+#include "common/check.hpp"
+#include "core/rng.hpp"
+#include "mla/comm_model.hpp"
+#include "mla/runner.hpp"
+
+namespace laga {
+namespace {
+
+MlaConfig test_config(std::int64_t rq) {
+  MlaConfig c;
+  // H = 5 so that no P > 1 here divides it; C > dn as in V3 (the absorbed
+  // trap's precondition), dqk != dv.
+  c.dim = 32, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
+  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
+  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
+  c.validate();
+  return c;
+}
+
+struct Inputs {
+  MlaParams<float> w;
+  TensorF x, dout;
+};
+
+Inputs make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S) {
+  Inputs in;
+  in.w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(in.w, 3, 0.1);
+  in.x = TensorF({B, S, cfg.dim});
+  in.dout = TensorF({B, S, cfg.dim});
+  fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
+  fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
+  return in;
+}
+
+// max |a - b| <= rel * max |b| over the tensor; exact when rel == 0.
+void expect_close(const std::string& what, const TensorF& a, const TensorF& b, double rel) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  const test::DiffStats d = test::diff_stats(a.data(), b.data(), a.numel());
+  double ref_max = 0;
+  for (std::int64_t i = 0; i < b.numel(); ++i) ref_max = std::max(ref_max, double(std::abs(b[i])));
+  EXPECT_EQ(d.nonfinite, 0) << what;
+  EXPECT_LE(d.max_abs, rel * ref_max) << what << ": max |diff| " << d.max_abs << " at " << d.abs_index
+                                      << ", max |ref| " << ref_max;
+}
+
+void expect_run_matches(const BlockRun<float>& run, const BlockRun<float>& ref, double rel,
+                        const std::string& tag) {
+  expect_close(tag + " out", run.out, ref.out, rel);
+  expect_close(tag + " dx", run.dx, ref.dx, rel);
+  std::vector<std::pair<std::string, const TensorF*>> a, b;
+  run.grads.for_each([&](const std::string& n, const TensorF& t) { a.push_back({n, &t}); });
+  ref.grads.for_each([&](const std::string& n, const TensorF& t) { b.push_back({n, &t}); });
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) expect_close(tag + " grad." + a[i].first, *a[i].second, *b[i].second, rel);
+}
+
+void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form form,
+                                 const BlockRun<float>& run) {
+  for (const RankReport& rep : run.ranks) {
+    const CommPrediction pred = predict_comm(cfg, lay, form, rep.rank, 4, true, true);
+    std::size_t seen = 0;
+    for (const auto& [key, entry] : rep.ledger.entries()) {
+      const std::string where = std::string(to_string(form)) + " rank " + std::to_string(rep.rank) +
+                                " " + to_string(key.first) + "/" + key.second;
+      auto it = pred.find(key);
+      ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
+      EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
+      EXPECT_EQ(entry.bytes_received, it->second.received) << where;
+      ++seen;
+    }
+    EXPECT_EQ(seen, pred.size()) << "the model predicts labels the ledger never saw";
+  }
+}
+
+struct FormCase {
+  std::int64_t rq;
+  std::vector<std::int64_t> seq, heads;  // per-rank shards; sizes give P
+  AttentionKind attention;
+};
+
+class Forms : public ::testing::TestWithParam<FormCase> {};
+
+TEST_P(Forms, AgreeWithSingleRankExplicit) {
+  const FormCase& fc = GetParam();
+  const MlaConfig cfg = test_config(fc.rq);
+  const std::int64_t B = 2;
+  const SpLayout lay = SpLayout::custom(B, fc.seq, fc.heads);
+  const Inputs in = make_inputs(cfg, B, lay.seq);
+  RunSpec spec;
+  spec.attention = AttentionKind::eager;
+  spec.form = Form::explicit_form;
+  const BlockRun<float> ref = run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
+  spec.attention = fc.attention;
+  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed}) {
+    spec.form = f;
+    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+    // fp32 with other summation orders: 1e-5 of the largest reference value.
+    expect_run_matches(run, ref, 1e-5, std::string(to_string(f)) + " " + lay.describe());
+    expect_ledger_matches_model(cfg, lay, f, run);
+  }
+}
+
+std::vector<FormCase> form_cases() {
+  std::vector<FormCase> v;
+  for (std::int64_t rq : {0, 7}) {
+    v.push_back({rq, {13}, {5}, AttentionKind::eager});
+    v.push_back({rq, {7, 6}, {3, 2}, AttentionKind::eager});
+    v.push_back({rq, {5, 4, 4}, {2, 2, 1}, AttentionKind::eager});
+    v.push_back({rq, {4, 3, 3, 3}, {2, 1, 1, 1}, AttentionKind::eager});
+    v.push_back({rq, {2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}, AttentionKind::eager});
+  }
+  // Hand-made uneven layouts: a rank with one token, a rank with no heads.
+  v.push_back({0, {1, 8, 4}, {0, 3, 2}, AttentionKind::eager});
+  v.push_back({7, {6, 1}, {5, 0}, AttentionKind::eager});
+  v.push_back({0, {4, 3, 3, 3}, {2, 1, 1, 1}, AttentionKind::flash});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Forms, ::testing::ValuesIn(form_cases()),
+                         [](const ::testing::TestParamInfo<FormCase>& p) {
+                           std::string s = "rq" + std::to_string(p.param.rq) + "_P" +
+                                           std::to_string(p.param.seq.size()) + "_";
+                           for (auto n : p.param.seq) s += std::to_string(n);
+                           s += "_";
+                           for (auto n : p.param.heads) s += std::to_string(n);
+                           return s + "_" + to_string(p.param.attention);
+                         });
+
+TEST(Forms, LagaEqualsExplicitBitForBitOnOneRank) {
+  for (std::int64_t rq : {0, 7})
+    for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+      const MlaConfig cfg = test_config(rq);
+      const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 1);
+      const Inputs in = make_inputs(cfg, 2, 13);
+      RunSpec spec;
+      spec.attention = a;
+      spec.form = Form::explicit_form;
+      const BlockRun<float> ex = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      spec.form = Form::laga;
+      const BlockRun<float> lg = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      expect_run_matches(lg, ex, 0.0, std::string("laga P=1 rq") + std::to_string(rq) + " " + to_string(a));
+    }
+}
+
+}  // namespace
+}  // namespace laga
