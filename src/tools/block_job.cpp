@@ -1,0 +1,123 @@
+#include "tools/block_job.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "io/safetensors.hpp"
+#include "mla/exchange.hpp"
+
+namespace laga::tools {
+
+namespace {
+// Copies a tensor made on a rank thread into `pool`, which outlives the rank.
+TensorF copy_into(MemoryPool& pool, const TensorF& t) {
+  PoolScope scope(pool);
+  return t.clone(t.category());
+}
+}  // namespace
+
+BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const SpLayout& layout,
+                       const MlaParams<float>& w, const TensorF& x, const TensorF& dout,
+                       const RunSpec& spec) {
+  BlockJob job;
+  MemoryPool& caller_pool = current_pool();
+  const RopeTable rope(cfg.rope(), layout.seq);
+  std::mutex reports_mutex;
+  std::vector<RankReport> reports(static_cast<size_t>(layout.ranks));
+  run_group(comm_opts, layout.ranks, [&](Communicator& comm) {
+    RankResult<float> res = run_rank(comm, cfg, layout, rope, w, x, dout, spec);
+    // Results travel to rank 0 after the measured step (the ledger is a copy).
+    const std::int64_t D = cfg.dim;
+    TensorF out({layout.batch, layout.seq, D}), dx;
+    comm.set_phase(Phase::forward);
+    gather_seq(comm, layout, res.out.data(), out.data(), D, "result_gather");
+    if (spec.backward) {
+      dx = TensorF({layout.batch, layout.seq, D});
+      gather_seq(comm, layout, res.dx.data(), dx.data(), D, "result_gather");
+    }
+    // Every rank's report, so the reporter can show the max over ranks. Under
+    // MPI the other ranks' reports are summarised by rank 0's own view plus a
+    // gathered vector of (bytes, peak) numbers.
+    std::vector<double> mine = {static_cast<double>(res.report.memory.peak_activations),
+                                static_cast<double>(res.report.memory.peak_working),
+                                res.report.forward_ms, res.report.backward_ms, res.report.sync_ms};
+    const int P = comm.size();
+    std::vector<double> all(mine.size() * static_cast<size_t>(P));
+    std::vector<std::int64_t> counts(static_cast<size_t>(P), static_cast<std::int64_t>(mine.size())),
+        displs(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) displs[static_cast<size_t>(r)] = r * static_cast<std::int64_t>(mine.size());
+    comm.all_gather_v(mine.data(), static_cast<std::int64_t>(mine.size()), all.data(), counts.data(),
+                      displs.data(), "result_gather");
+    {
+      std::lock_guard<std::mutex> lock(reports_mutex);
+      reports[static_cast<size_t>(comm.rank())] = res.report;
+      if (comm.backend() == "mpi")  // peers' reports exist only on their processes
+        for (int r = 0; r < P; ++r) {
+          if (r == comm.rank()) continue;
+          RankReport& rep = reports[static_cast<size_t>(r)];
+          const double* v = all.data() + static_cast<size_t>(r) * mine.size();
+          rep.rank = r;
+          rep.memory.peak_activations = static_cast<std::int64_t>(v[0]);
+          rep.memory.peak_working = static_cast<std::int64_t>(v[1]);
+          rep.forward_ms = v[2], rep.backward_ms = v[3], rep.sync_ms = v[4];
+        }
+    }
+    if (comm.rank() == 0) {
+      job.out = copy_into(caller_pool, out);
+      if (spec.backward) job.dx = copy_into(caller_pool, dx);
+      PoolScope scope(caller_pool);
+      job.grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
+      std::vector<TensorF*> dst;
+      job.grads.for_each([&](const std::string&, TensorF& t) { dst.push_back(&t); });
+      size_t i = 0;
+      res.grads.for_each([&](const std::string&, const TensorF& t) {
+        std::memcpy(dst[i++]->data(), t.data(), static_cast<size_t>(t.bytes()));
+      });
+    }
+  });
+  job.ranks = std::move(reports);
+  return job;
+}
+
+MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  auto w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  w.for_each([&](const std::string& name, TensorF& t) {
+    const std::string hf = hf_param_name(name, layer);
+    LAGA_CHECK(f.contains(name) || f.contains(hf), "weights '", path, "': no tensor '", name,
+               "' (DeepSeek inference name) or '", hf,
+               "' (Hugging Face name); the config needs it — check --config/--preset and --layer");
+    f.read_into(f.contains(name) ? name : hf, t);
+  });
+  return w;
+}
+
+MlaParams<float> random_weights(const MlaConfig& cfg, std::uint64_t seed) {
+  auto w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(w, seed, 0.1);
+  return w;
+}
+
+TensorF random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream) {
+  TensorF t(shape);
+  if (t.data()) fill_normal(t.data(), t.numel(), seed, stream, 0, 1.0);
+  return t;
+}
+
+Deviation deviation(const TensorF& a, const TensorF& ref) {
+  LAGA_CHECK(a.shape() == ref.shape(), "deviation: shapes ", to_string(a.shape()), " and ",
+             to_string(ref.shape()), " differ");
+  Deviation d;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double diff = std::abs(double(a[i]) - double(ref[i]));
+    // NaN must never compare as agreement.
+    d.max_abs = std::isnan(diff) ? INFINITY : std::max(d.max_abs, diff);
+    d.ref_max = std::max(d.ref_max, std::abs(double(ref[i])));
+  }
+  return d;
+}
+
+}  // namespace laga::tools

@@ -1,0 +1,55 @@
+// Options every `laga` subcommand shares, and the helpers that turn them into
+// library objects. Each subcommand lives in its own cmd_*.cpp and registers
+// itself in main.cpp.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "mla/block.hpp"
+#include "mla/config.hpp"
+
+namespace laga::tools {
+
+// --preset NAME | --config FILE (ModelArgs or Hugging Face config.json).
+struct ModelOptions {
+  std::string preset = "small";
+  std::string config_path;
+  void add_to(CLI::App& app);
+  MlaConfig load() const;  // validated
+  std::string source() const;  // "preset small" or "config path"
+};
+
+// --comm local|mpi and --comm-timeout.
+struct CommOptions {
+  std::string backend = "local";
+  int timeout_ms = 300000;
+  void add_to(CLI::App& app);
+};
+
+// "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
+std::vector<int> parse_int_list(const std::string& s, const std::string& option);
+std::vector<Form> parse_form_list(const std::string& s);
+
+// Runs body once per rank of a P-rank group on the chosen backend and returns
+// on every participating process. Local: P threads in this process, each with
+// threads_per_rank(P) OpenMP/BLAS threads. MPI: this process is one rank of
+// MPI_COMM_WORLD, whose size must equal P (the error says how to launch).
+// `body` gets the communicator; is_reporter() is true on exactly one rank of
+// the job (local rank 0's thread, or MPI world rank 0).
+void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body);
+
+// True on the process that should print the job's reports: always for local
+// runs, world rank 0 under MPI.
+bool is_reporting_process(const CommOptions& comm);
+
+// Writes `text` to `path` atomically (temp + rename), or to stdout for "-".
+void write_output(const std::string& path, const std::string& text);
+
+}  // namespace laga::tools

@@ -1,0 +1,114 @@
+// laga forward: one forward (and optionally backward) of the block on weights
+// and an input read from safetensors files, or seeded random ones, written to
+// a safetensors file: `out`, and with --backward `dx` and `grad.<name>`.
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "io/safetensors.hpp"
+#include "tools/block_job.hpp"
+#include "tools/commands.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+struct ForwardOptions {
+  ModelOptions model;
+  CommOptions comm;
+  std::string weights, input, output;
+  bool backward = false;
+  std::string form = "explicit", attention = "flash";
+  int sp = 1, layer = 0;
+  std::int64_t batch = 1, seq = 128;
+  std::uint64_t seed = 0;
+};
+
+double checksum(const TensorF& t) {
+  double s = 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) s += t[i];
+  return s;
+}
+
+void run_forward(const ForwardOptions& o) {
+  const MlaConfig cfg = o.model.load();
+  MlaParams<float> w = o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
+  TensorF x, dout;
+  if (!o.input.empty()) {
+    const SafetensorsFile in = SafetensorsFile::open(o.input);
+    LAGA_CHECK(in.contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim, "])");
+    const Shape xs = in.info("x").shape;
+    LAGA_CHECK(xs.size() == 3 && xs[2] == cfg.dim, "input '", o.input, "': 'x' has shape ",
+               to_string(xs), " but the config needs [B, S, ", cfg.dim, "]");
+    x = in.read<float>("x", MemCategory::activations);
+    if (o.backward && in.contains("dout")) dout = in.read<float>("dout", xs, MemCategory::activations);
+  } else {
+    x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
+  }
+  if (o.backward && !dout.defined()) {
+    dout = TensorF(x.shape());
+    dout.fill(1.0f);  // d(sum of out)/d(.)
+  }
+  const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
+  RunSpec spec;
+  spec.form = parse_form(o.form);
+  spec.attention = parse_attention(o.attention);
+  spec.backward = o.backward;
+  const bool report = is_reporting_process(o.comm);
+  if (report)
+    std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
+              << ", form " << o.form << ", attention " << o.attention << ", sp " << o.sp << " ("
+              << layout.describe() << "), comm " << o.comm.backend << "\n";
+  const auto t0 = std::chrono::steady_clock::now();
+  BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (!report) return;
+
+  std::int64_t peak = 0;
+  for (auto& r : job.ranks) peak = std::max(peak, r.memory.peak_working);
+  std::cout << "out  " << to_string(job.out.shape()) << "  checksum " << checksum(job.out) << "\n";
+  if (o.backward) std::cout << "dx   " << to_string(job.dx.shape()) << "  checksum " << checksum(job.dx) << "\n";
+  std::cout << "time " << ms << " ms (wall, " << (o.backward ? "forward+backward" : "forward")
+            << ", incl. result gathering)\n"
+            << "peak activation+comm memory " << peak << " bytes per rank (max over ranks, from the pool)\n";
+  if (!o.output.empty()) {
+    SafetensorsWriter wr;
+    wr.add("out", job.out);
+    if (o.backward) {
+      wr.add("dx", job.dx);
+      job.grads.for_each([&](const std::string& name, const TensorF& g) { wr.add("grad." + name, g); });
+    }
+    wr.add_metadata("config", cfg.to_json().dump());
+    wr.add_metadata("form", o.form);
+    wr.write(o.output);
+    std::cout << "wrote " << o.output << "\n";
+  }
+}
+
+void register_forward_command(CLI::App& app) {
+  auto opts = std::make_shared<ForwardOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "forward", "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
+  opts->model.add_to(*sub);
+  opts->comm.add_to(*sub);
+  sub->add_option("--weights", opts->weights, "safetensors with the block's weights (DeepSeek or HF names)");
+  sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")->capture_default_str();
+  sub->add_option("--input", opts->input, "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
+  sub->add_option("--output", opts->output, "safetensors to write 'out' (and 'dx', 'grad.<name>')");
+  sub->add_flag("--backward", opts->backward, "also run backward (dout from --input, else ones)");
+  sub->add_option("--form", opts->form, "explicit | absorbed | laga")->capture_default_str();
+  sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  sub->add_option("--sp", opts->sp, "sequence-parallel ranks")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--batch", opts->batch, "batch when the input is random")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--seq", opts->seq, "sequence length when the input is random")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--seed", opts->seed, "seed of random weights and input")->capture_default_str();
+  sub->callback([opts] { run_forward(*opts); });
+}
+
+}  // namespace
+
+LAGA_REGISTER_COMMAND(register_forward_command);
+
+}  // namespace laga::tools

@@ -1,0 +1,131 @@
+// laga verify: every form at every P against the single-rank explicit form on
+// the same weights and input: max |diff| of the output, dx and every parameter
+// gradient, relative to the reference's largest value. Exits 1 if any is above
+// tolerance, or if LAGA at P = 1 is not bit-identical to explicit.
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "tools/block_job.hpp"
+#include "tools/commands.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+struct VerifyOptions {
+  ModelOptions model;
+  CommOptions comm;
+  std::string sp = "1,2,3,4,8", forms = "explicit,absorbed,laga", attention = "flash", json;
+  std::int64_t batch = 2, seq = 61;
+  std::uint64_t seed = 0;
+  double tol = 1e-5;
+};
+
+struct Row {
+  std::string form;
+  int P;
+  std::string layout, worst;
+  Deviation out, dx, worst_grad;
+  bool ok;
+};
+
+void run_verify(const VerifyOptions& o) {
+  const MlaConfig cfg = o.model.load();
+  const std::vector<int> sps = parse_int_list(o.sp, "--sp");
+  const std::vector<Form> forms = parse_form_list(o.forms);
+  const MlaParams<float> w = random_weights(cfg, o.seed);
+  const TensorF x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
+  const TensorF dout = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 2);
+  RunSpec spec;
+  spec.attention = parse_attention(o.attention);
+  const bool report = is_reporting_process(o.comm);
+
+  // The reference runs on one in-process rank on every process.
+  spec.form = Form::explicit_form;
+  CommOptions local = o.comm;
+  local.backend = "local";
+  const BlockJob ref = run_block_job(local, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), w, x, dout, spec);
+
+  std::vector<Row> rows;
+  bool all_ok = true;
+  for (int P : sps) {
+    if (o.comm.backend == "mpi" && sps.size() > 1)
+      fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
+    const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
+    for (Form f : forms) {
+      spec.form = f;
+      BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
+      if (!report) continue;
+      Row row{to_string(f), P, layout.describe(), "", deviation(job.out, ref.out), deviation(job.dx, ref.dx), {}, true};
+      std::vector<std::pair<std::string, const TensorF*>> mine, theirs;
+      job.grads.for_each([&](const std::string& n, const TensorF& t) { mine.push_back({n, &t}); });
+      ref.grads.for_each([&](const std::string& n, const TensorF& t) { theirs.push_back({n, &t}); });
+      for (size_t i = 0; i < mine.size(); ++i) {
+        const Deviation d = deviation(*mine[i].second, *theirs[i].second);
+        if (row.worst.empty() || d.relative() > row.worst_grad.relative()) row.worst = mine[i].first, row.worst_grad = d;
+      }
+      const bool exact_needed = f == Form::laga && P == 1;
+      const double worst = std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
+      row.ok = exact_needed ? (row.out.max_abs == 0 && row.dx.max_abs == 0 && row.worst_grad.max_abs == 0)
+                            : worst <= o.tol;
+      all_ok = all_ok && row.ok;
+      rows.push_back(row);
+    }
+  }
+  if (!report) return;
+
+  std::ostringstream t;
+  t << "# laga verify: " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", attention "
+    << o.attention << ", comm " << o.comm.backend << "\n"
+    << "# reference: explicit form on 1 rank; |diff| = max over elements, rel = |diff| / max|ref|\n"
+    << "# tolerance: rel <= " << o.tol << " (fp32), and laga at P=1 must be bit-identical (|diff| = 0)\n";
+  t << std::left << std::setw(9) << "form" << std::setw(4) << "P" << std::setw(38) << "shards" << std::right
+    << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12) << "grad |diff|"
+    << std::setw(10) << "grad rel" << "  " << std::left << std::setw(16) << "worst grad" << "status\n";
+  for (const Row& r : rows)
+    t << std::left << std::setw(9) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout << std::right
+      << std::scientific << std::setprecision(2) << std::setw(11) << r.out.max_abs << std::setw(11) << r.dx.max_abs
+      << std::setw(12) << r.worst_grad.max_abs << std::setw(10) << r.worst_grad.relative() << "  " << std::left
+      << std::setw(16) << r.worst << (r.ok ? "ok" : "FAIL") << std::defaultfloat << "\n";
+  std::cout << t.str() << (all_ok ? "all forms agree\n" : "DISAGREEMENT above tolerance\n");
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["config"] = cfg.to_json();
+    j["batch"] = o.batch, j["seq"] = o.seq, j["attention"] = o.attention, j["tolerance"] = o.tol;
+    for (const Row& r : rows)
+      j["runs"].push_back({{"form", r.form}, {"sp", r.P}, {"shards", r.layout},
+                           {"out_max_abs_diff", r.out.max_abs}, {"dx_max_abs_diff", r.dx.max_abs},
+                           {"grad_max_abs_diff", r.worst_grad.max_abs}, {"worst_grad", r.worst},
+                           {"grad_rel_diff", r.worst_grad.relative()}, {"ok", r.ok}});
+    j["ok"] = all_ok;
+    write_output(o.json, j.dump(2) + "\n");
+  }
+  if (!all_ok) throw CLI::RuntimeError(1);
+}
+
+void register_verify_command(CLI::App& app) {
+  auto opts = std::make_shared<VerifyOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "verify", "check every form at every P against single-rank explicit (outputs, dx, all gradients)");
+  opts->model.add_to(*sub);
+  opts->comm.add_to(*sub);
+  sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
+  sub->add_option("--forms", opts->forms, "comma-separated forms")->capture_default_str();
+  sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  sub->add_option("--batch", opts->batch, "batch")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--seq", opts->seq, "sequence length (odd by default: uneven shards)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--seed", opts->seed, "seed of weights and inputs")->capture_default_str();
+  sub->add_option("--tol", opts->tol, "relative tolerance")->capture_default_str();
+  sub->add_option("--json", opts->json, "also write the results as JSON to this file ('-' for stdout)");
+  sub->callback([opts] { run_verify(*opts); });
+}
+
+}  // namespace
+
+LAGA_REGISTER_COMMAND(register_verify_command);
+
+}  // namespace laga::tools
