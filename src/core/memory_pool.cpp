@@ -27,6 +27,7 @@ void MemoryPool::on_alloc(MemCategory c, std::int64_t bytes) {
   peak_working_ = std::max(peak_working_, current_[idx(MemCategory::activations)] +
                                               current_[idx(MemCategory::comm_buffers)]);
   ++alloc_count_;
+  if (trace_) trace_->push_back({c, bytes});
 }
 
 void MemoryPool::on_free(MemCategory c, std::int64_t bytes) {
@@ -35,6 +36,7 @@ void MemoryPool::on_free(MemCategory c, std::int64_t bytes) {
              " but only ", current_[i], " are live (a tensor freed twice or moved between pools)");
   current_[i] -= bytes;
   current_total_ -= bytes;
+  if (trace_) trace_->push_back({c, -bytes});
 }
 
 void MemoryPool::reset_peaks() {

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace laga {
 
@@ -47,6 +48,14 @@ class MemoryPool {
   // Count-only: tensors allocated under this pool are accounted but get no
   // storage, so one rank of any size can be measured without the memory.
   void set_count_only(bool on) { count_only_ = on; }
+
+  // Optional log of every event as (category, +bytes on alloc / -bytes on
+  // free), so a test can recompute the peaks from the raw sequence.
+  struct Event {
+    MemCategory category;
+    std::int64_t delta;
+  };
+  void set_trace(std::vector<Event>* trace) { trace_ = trace; }
   bool count_only() const { return count_only_; }
 
  private:
@@ -56,6 +65,7 @@ class MemoryPool {
   std::int64_t current_total_ = 0, peak_total_ = 0, peak_working_ = 0;
   std::int64_t alloc_count_ = 0;
   bool count_only_ = false;
+  std::vector<Event>* trace_ = nullptr;
 };
 
 // The pool Tensors on this thread register with: the one installed by the
