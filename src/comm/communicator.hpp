@@ -5,14 +5,22 @@
 // in BYTES. Every call names a label ("q_a2a", "latent_ag", ...) and is filed
 // under the communicator's current phase (forward, backward, grad_sync).
 //
-// Bytes sent by rank r, as the ledger records them (docs/accounting.md):
+// Bytes sent by rank r, as the ledger records them (docs/accounting.md), with
+// chunk_j = all_reduce_chunk(n, P, j):
 //   all_to_all_v      sum over peers j != r of send_counts[j] * elem
 //   all_gather_v      (P-1) * send_count * elem        (own shard to each peer)
 //   reduce_scatter_v  sum over peers j != r of counts[j] * elem
 //   all_reduce        reduce_scatter of n split into P near-equal chunks, then
-//                     all_gather of the own chunk: 2 * (n - chunk_r) * elem
-// Received bytes are the mirror image. Nothing is counted for the data a rank
-// keeps for itself.
+//                     all_gather of the own chunk:
+//                     ((n - chunk_r) + (P-1) * chunk_r) * elem
+//                     which is 2 * (n - chunk_r) * elem when P divides n. (When
+//                     it does not, the ranks with a longer chunk send more in
+//                     the all-gather; the sum over ranks is 2 (P-1) n elem
+//                     either way.)
+// Received bytes are the mirror image (for all_reduce they equal the sent
+// bytes). Nothing is counted for the data a rank keeps for itself. The
+// *_wire_bytes() functions below are these rules in code: backends record
+// them and closed forms should call them rather than restate them.
 //
 // Reductions (reduce_scatter_v, all_reduce) add the P contributions in rank
 // order 0, 1, ..., P-1 on every backend, so the in-process and MPI backends
@@ -20,7 +28,24 @@
 //
 // A collective that does not complete within timeout() (a peer failed or never
 // arrived) throws laga::Error naming the collective, its label and the ranks
-// that were missing; it never hangs.
+// that were missing; it never hangs. After a collective has thrown, the
+// group's ranks no longer agree on where they are in the sequence: every later
+// call on that communicator throws too (make a new one).
+//
+// Buffers:
+//  - Receive regions of different peers must not overlap each other. An
+//    all_gather_v may be in place (send == recv + recv_displs[rank]), a
+//    reduce_scatter_v may write into its own block (recv == send +
+//    displs[rank]); other overlaps of send and recv are not allowed.
+//  - Count-only (MemoryPool::count_only(), tensors without storage): a null
+//    buffer with a non-zero count moves no data, but the call still
+//    synchronises with its peers and the ledger records the bytes as if it
+//    had. Count-only must be on for all ranks of a call or for none.
+//  - Staging, registered under MemCategory::comm_buffers only while a call
+//    runs (elements of the call's dtype):
+//      all_to_all_v, all_gather_v, barrier   none
+//      reduce_scatter_v                      none in-process; (P-1) * counts[rank] on MPI
+//      all_reduce                            chunk_r in-process; (P-1) * chunk_r on MPI
 #pragma once
 
 #include <chrono>
@@ -33,10 +58,19 @@
 namespace laga {
 
 enum class DType { f32, f64 };
-inline std::int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : 8; }
-template <class T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::f32; }
-template <> constexpr DType dtype_of<double>() { return DType::f64; }
+inline std::int64_t dtype_bytes(DType t) {
+  return t == DType::f32 ? 4 : 8;
+}
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
 
 enum class Phase : int { forward = 0, backward, grad_sync, count };
 const char* to_string(Phase p);
@@ -108,8 +142,8 @@ class Communicator {
   template <class T>
   void all_gather_v(const T* send, std::int64_t n, T* recv, const std::int64_t* rc,
                     const std::int64_t* rd, const std::string& label) {
-    all_gather_v(static_cast<const void*>(send), n, static_cast<void*>(recv), rc, rd,
-                 dtype_of<T>(), label);
+    all_gather_v(static_cast<const void*>(send), n, static_cast<void*>(recv), rc, rd, dtype_of<T>(),
+                 label);
   }
   template <class T>
   void reduce_scatter_v(const T* send, const std::int64_t* counts, const std::int64_t* displs,
@@ -132,6 +166,19 @@ class Communicator {
 // reduce-scatter step: n split into P near-equal parts, the first n % P one
 // element longer.
 std::int64_t all_reduce_chunk(std::int64_t n, int P, int r);
+
+// The ledger's byte rules in closed form, for rank r of P (see the top of
+// this file). Counts in elements; the result in bytes.
+struct WireBytes {
+  std::int64_t sent = 0;
+  std::int64_t received = 0;
+};
+WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
+                                int P, int r, DType dtype);
+WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,
+                                int r, DType dtype);
+WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DType dtype);
+WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype);
 
 // A communicator of one rank: every collective is a local copy, nothing is
 // sent, and the ledger records zero-byte calls.

@@ -1,0 +1,64 @@
+// DryRunCommunicator — one rank of a P-rank group, run alone.
+//
+// It reports rank R of size P and records in its ledger exactly the bytes the
+// real backends record for rank R (it calls the same *_wire_bytes() rules),
+// but no peer exists: nothing is sent, and receive buffers are filled with
+// plausible stand-ins so the rank's kernels run on finite data of the right
+// scale. This is how `laga compare --rank-only R` measures one rank of a job
+// too large for this machine: bytes and memory are exact, values are not
+// numerically meaningful.
+//
+// What lands in the receive buffers (when they have storage):
+//   all_to_all_v      the own block (send block R) goes to recv block R as a
+//                     real backend would put it; every peer's block j != R is
+//                     the own send block R repeated (cycled) or cut to
+//                     recv_counts[j] elements, zeros if the own block is empty
+//   all_gather_v      likewise: the own shard in place, copies of it for peers
+//   reduce_scatter_v  the own contribution only (send block R), not a sum
+//   all_reduce        buf unchanged: the own contribution only, not a sum
+// Under a count-only pool (null buffers) nothing is copied.
+//
+// Memory: the staging the in-process backend registers under
+// MemCategory::comm_buffers is registered here too (all_reduce: the own chunk
+// for the duration of the call), so a dry rank's pool peaks equal those of the
+// same rank in a `--comm local` run.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.hpp"
+
+namespace laga {
+
+class DryRunCommunicator final : public Communicator {
+ public:
+  DryRunCommunicator(int rank, int size);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "dry-run"; }
+
+  void all_to_all_v(const void* send, const std::int64_t* send_counts,
+                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
+                    const std::int64_t* recv_displs, DType dtype,
+                    const std::string& label) override;
+  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
+                    const std::string& label) override;
+  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
+                        void* recv, DType dtype, const std::string& label) override;
+  void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) override;
+  void barrier(const std::string& label) override;
+  using Communicator::all_gather_v;
+  using Communicator::all_reduce;
+  using Communicator::all_to_all_v;
+  using Communicator::reduce_scatter_v;
+
+ private:
+  int rank_, size_;
+};
+
+std::unique_ptr<Communicator> make_dry_run_communicator(int rank, int size);
+
+}  // namespace laga

@@ -1,0 +1,526 @@
+#include "comm/local_comm.hpp"
+
+#include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "comm/collective_util.hpp"
+#include "core/error.hpp"
+#include "core/threads.hpp"
+
+namespace laga {
+
+using namespace comm_detail;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// What one rank brings to one rendezvous. Counts are copied, not pointed to:
+// peers validate them after the rendezvous, when a rank that failed the
+// validation may already be unwinding and freeing its arrays. Buffer pointers
+// are only dereferenced once validation has passed on every rank.
+struct Post {
+  std::int64_t call = 0;  // position in the rank's sequence of collectives
+  int stage = 0;          // rendezvous index within the collective
+  CollectiveKind kind = CollectiveKind::barrier;
+  DType dtype = DType::f32;
+  std::string label;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::vector<std::int64_t> counts_a, displs_a, counts_b;
+  std::int64_t n = 0;
+  const void* staging = nullptr;
+  // Whether this rank's buffers with a non-zero count are all null (count-only)
+  // / all non-null; both false when it moves nothing at all.
+  bool any_unbacked = false;
+  bool any_backed = false;
+};
+
+Post make_post(std::int64_t call, int stage, CollectiveKind kind, DType dtype,
+               const std::string& label) {
+  Post p;
+  p.call = call;
+  p.stage = stage;
+  p.kind = kind;
+  p.dtype = dtype;
+  p.label = label;
+  return p;
+}
+
+void note_buffer(Post& p, const void* ptr, std::int64_t count) {
+  if (count <= 0) return;
+  (ptr ? p.any_backed : p.any_unbacked) = true;
+}
+
+}  // namespace
+
+class LocalGroup {
+ public:
+  explicit LocalGroup(int P) : ranks_(static_cast<size_t>(P)) {}
+  int size() const { return static_cast<int>(ranks_.size()); }
+
+  // Arrives at rank's next rendezvous with `post` and waits for all P ranks.
+  // Returns every rank's post for this rendezvous (when want_posts).
+  //
+  // At the first rendezvous of a collective (deadline set) the wait stops
+  // early when a missing peer failed or finished, and at the deadline; the
+  // rank then retracts its arrival and marks itself failed under the lock, so
+  // a peer arriving just after can never read buffers this rank is about to
+  // free. Later rendezvous of the same collective wait without a deadline:
+  // between the first and the last rendezvous no rank can throw, so every
+  // rank that passed the first reaches them, and leaving early would free
+  // buffers that slower peers are still copying from.
+  std::vector<Post> arrive(int rank, Post post, std::optional<Clock::time_point> deadline,
+                           std::chrono::milliseconds timeout, bool want_posts) {
+    std::unique_lock lock(m_);
+    RankState& me = ranks_[rank];
+    const std::int64_t step = ++me.step;
+    me.posts[step % 2] = std::move(post);
+    const Post& mine = me.posts[step % 2];
+    if (std::all_of(ranks_.begin(), ranks_.end(),
+                    [&](const RankState& s) { return s.step >= step; }))
+      completed_ = std::max(completed_, step);
+    cv_.notify_all();
+
+    auto missing_peer_gone = [&] {
+      for (const RankState& s : ranks_)
+        if (s.step < step && (s.failed || s.finished)) return true;
+      return false;
+    };
+    if (deadline)
+      cv_.wait_until(lock, *deadline, [&] { return completed_ >= step || missing_peer_gone(); });
+    else
+      cv_.wait(lock, [&] { return completed_ >= step; });
+    if (completed_ < step) {
+      std::vector<int> missing, failed, finished;
+      for (int j = 0; j < size(); ++j) {
+        const RankState& s = ranks_[j];
+        if (s.step >= step) continue;
+        if (s.failed)
+          failed.push_back(j);
+        else if (s.finished)
+          finished.push_back(j);
+        else
+          missing.push_back(j);
+      }
+      std::string why;
+      if (failed.empty() && finished.empty()) {
+        why = timeout_message(mine.kind, mine.label, rank, size(), timeout, missing);
+      } else {
+        why =
+            cat(call_name(mine.kind, mine.label), " on rank ", rank, " of ", size(), " stopped: ");
+        if (!failed.empty()) {
+          const int first = *std::min_element(failed.begin(), failed.end(), [&](int a, int b) {
+            return ranks_[a].fail_order < ranks_[b].fail_order;
+          });
+          // The earliest failure is the cause; later ones are mostly peers
+          // that stopped because of it.
+          std::vector<int> others;
+          for (int j : failed)
+            if (j != first) others.push_back(j);
+          why += cat("rank ", first, " failed before reaching it (", ranks_[first].why, ")");
+          if (!others.empty()) why += cat("; rank(s) ", rank_list(others), " stopped too");
+        }
+        if (!finished.empty()) {
+          why += cat(failed.empty() ? "" : "; ", "rank(s) ", rank_list(finished),
+                     " returned without calling it — every rank must run the same sequence of "
+                     "collectives");
+        }
+        if (!missing.empty()) why += cat("; also waiting for rank(s) ", rank_list(missing));
+      }
+      me.step -= 1;
+      mark_failed_locked(rank, why);
+      throw Error(why);
+    }
+    std::vector<Post> posts;
+    if (want_posts) {
+      posts.reserve(ranks_.size());
+      for (const RankState& s : ranks_) posts.push_back(s.posts[step % 2]);
+    }
+    return posts;
+  }
+
+  void mark_failed(int rank, const std::string& why) {
+    std::lock_guard lock(m_);
+    mark_failed_locked(rank, why);
+  }
+
+  void mark_finished(int rank) {
+    std::lock_guard lock(m_);
+    ranks_[rank].finished = true;
+    cv_.notify_all();
+  }
+
+  // A new run on the same communicators: ranks that finished the last one
+  // will take part again. Only call while no rank is inside a collective.
+  void reset_finished() {
+    std::lock_guard lock(m_);
+    for (RankState& s : ranks_) s.finished = false;
+  }
+
+  // Why rank failed, or nullopt; and the order of its failure in the group.
+  std::optional<std::string> failure(int rank, int* order = nullptr) {
+    std::lock_guard lock(m_);
+    const RankState& s = ranks_[rank];
+    if (!s.failed) return std::nullopt;
+    if (order) *order = s.fail_order;
+    return s.why;
+  }
+
+ private:
+  struct RankState {
+    std::int64_t step = 0;  // rendezvous arrived at so far
+    // A rank can be one rendezvous ahead of its slowest peer (it cannot pass
+    // the next one without it), so the posts of two consecutive steps suffice.
+    std::array<Post, 2> posts;
+    bool failed = false;
+    bool finished = false;
+    int fail_order = -1;
+    std::string why;
+  };
+
+  void mark_failed_locked(int rank, const std::string& why) {
+    RankState& s = ranks_[rank];
+    if (!s.failed) {
+      s.failed = true;
+      s.fail_order = failures_++;
+      s.why = why;
+    }
+    cv_.notify_all();
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<RankState> ranks_;
+  std::int64_t completed_ = 0;  // highest step every rank has arrived at
+  int failures_ = 0;
+};
+
+namespace {
+
+// Checks, identically on every rank, that the posts of a collective's first
+// rendezvous agree: same call, same buffers convention. Every rank sees the
+// same posts, so either all ranks throw here or none does, and none has
+// touched a peer's buffer yet.
+void check_same_call(const std::vector<Post>& posts, int rank) {
+  const Post& p0 = posts[0];
+  bool same = true;
+  for (const Post& p : posts)
+    same = same && p.kind == p0.kind && p.label == p0.label && p.dtype == p0.dtype && p.stage == 0;
+  if (!same) {
+    std::string calls;
+    for (size_t j = 0; j < posts.size(); ++j) {
+      calls += cat(j ? ", " : "", "rank ", j, " called ", call_name(posts[j].kind, posts[j].label),
+                   " (", to_string(posts[j].dtype), ", its collective #", posts[j].call, ")");
+    }
+    fail("collective mismatch seen on rank ", rank, " of ", posts.size(), ": ", calls,
+         "; every rank must run the same sequence of collectives with the same labels and dtypes");
+  }
+  bool backed = false, unbacked = false;
+  for (const Post& p : posts) {
+    backed = backed || p.any_backed;
+    unbacked = unbacked || p.any_unbacked;
+  }
+  if (backed && unbacked) {
+    std::vector<int> count_only;
+    for (size_t j = 0; j < posts.size(); ++j)
+      if (posts[j].any_unbacked) count_only.push_back(static_cast<int>(j));
+    fail(call_name(p0.kind, p0.label), ": rank(s) ", rank_list(count_only),
+         " passed null (count-only) buffers with non-zero counts but other ranks passed real "
+         "ones; count-only must be on for all ranks of a call or for none");
+  }
+}
+
+}  // namespace
+
+LocalCommunicator::LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank)
+    : group_(std::move(group)), rank_(rank) {
+  LAGA_CHECK(group_ && rank >= 0 && rank < group_->size(), "local communicator: rank ", rank,
+             " is outside a group of ", group_ ? group_->size() : 0);
+}
+
+LocalCommunicator::~LocalCommunicator() {
+  group_->mark_finished(rank_);
+}
+
+int LocalCommunicator::size() const {
+  return group_->size();
+}
+
+void LocalCommunicator::mark_failed(const std::string& why) {
+  group_->mark_failed(rank_, why);
+}
+void LocalCommunicator::mark_finished() {
+  group_->mark_finished(rank_);
+}
+
+template <class Body>
+void LocalCommunicator::collective(CollectiveKind kind, const std::string& label, Body&& body) {
+  if (auto why = group_->failure(rank_)) {
+    fail(call_name(kind, label), " on rank ", rank_, " of ", size(),
+         ": this rank already failed in an earlier collective (", *why,
+         "); the group is out of step — make new communicators");
+  }
+  try {
+    body();
+  } catch (const std::exception& e) {
+    group_->mark_failed(rank_, e.what());
+    throw;
+  }
+  ++calls_;
+}
+
+void LocalCommunicator::all_to_all_v(const void* send, const std::int64_t* send_counts,
+                                     const std::int64_t* send_displs, void* recv,
+                                     const std::int64_t* recv_counts,
+                                     const std::int64_t* recv_displs, DType dtype,
+                                     const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_to_all;
+  collective(kind, label, [&] {
+    const int P = size();
+    const auto deadline = Clock::now() + timeout();
+    check_counts(send_counts, P, "send_counts", kind, label);
+    check_counts(recv_counts, P, "recv_counts", kind, label);
+    Post p = make_post(calls_, 0, kind, dtype, label);
+    p.send = send;
+    p.recv = recv;
+    p.counts_a.assign(send_counts, send_counts + P);
+    p.displs_a.assign(send_displs, send_displs + P);
+    p.counts_b.assign(recv_counts, recv_counts + P);
+    std::int64_t sent = 0, received = 0;
+    for (int j = 0; j < P; ++j) sent += send_counts[j], received += recv_counts[j];
+    note_buffer(p, send, sent);
+    note_buffer(p, recv, received);
+    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+    check_same_call(posts, rank_);
+    for (int i = 0; i < P; ++i) {
+      for (int j = 0; j < P; ++j) {
+        LAGA_CHECK(posts[i].counts_b[j] == posts[j].counts_a[i], call_name(kind, label), ": rank ",
+                   i, " expects ", posts[i].counts_b[j], " elements from rank ", j,
+                   " (its recv_counts[", j, "]) but rank ", j, " sends it ", posts[j].counts_a[i],
+                   " (send_counts[", i,
+                   "]); recv_counts on each rank must equal what its peers "
+                   "send to it");
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      copy_elems(recv ? at(recv, recv_displs[j], dtype) : nullptr,
+                 posts[j].send ? at(posts[j].send, posts[j].displs_a[rank_], dtype) : nullptr,
+                 recv_counts[j], dtype);
+    }
+    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
+    const WireBytes w = all_to_all_wire_bytes(send_counts, recv_counts, P, rank_, dtype);
+    ledger_.record(phase_, label, w.sent, w.received);
+  });
+}
+
+void LocalCommunicator::all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                                     const std::int64_t* recv_counts,
+                                     const std::int64_t* recv_displs, DType dtype,
+                                     const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_gather;
+  collective(kind, label, [&] {
+    const int P = size();
+    const auto deadline = Clock::now() + timeout();
+    LAGA_CHECK(send_count >= 0, call_name(kind, label), ": send_count = ", send_count,
+               " is negative");
+    check_counts(recv_counts, P, "recv_counts", kind, label);
+    Post p = make_post(calls_, 0, kind, dtype, label);
+    p.send = send;
+    p.recv = recv;
+    p.n = send_count;
+    p.counts_b.assign(recv_counts, recv_counts + P);
+    std::int64_t received = 0;
+    for (int j = 0; j < P; ++j) received += recv_counts[j];
+    note_buffer(p, send, send_count);
+    note_buffer(p, recv, received);
+    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+    check_same_call(posts, rank_);
+    for (int i = 0; i < P; ++i) {
+      for (int j = 0; j < P; ++j) {
+        LAGA_CHECK(posts[i].counts_b[j] == posts[j].n, call_name(kind, label), ": rank ", i,
+                   " expects ", posts[i].counts_b[j], " elements from rank ", j,
+                   " (its recv_counts[", j, "]) but rank ", j, " contributes ", posts[j].n,
+                   " (its send_count); recv_counts[j] must equal rank j's send_count on every "
+                   "rank");
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      copy_elems(recv ? at(recv, recv_displs[j], dtype) : nullptr, posts[j].send, recv_counts[j],
+                 dtype);
+    }
+    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
+    const WireBytes w = all_gather_wire_bytes(send_count, recv_counts, P, rank_, dtype);
+    ledger_.record(phase_, label, w.sent, w.received);
+  });
+}
+
+void LocalCommunicator::reduce_scatter_v(const void* send, const std::int64_t* counts,
+                                         const std::int64_t* displs, void* recv, DType dtype,
+                                         const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::reduce_scatter;
+  collective(kind, label, [&] {
+    const int P = size();
+    const auto deadline = Clock::now() + timeout();
+    check_counts(counts, P, "counts", kind, label);
+    Post p = make_post(calls_, 0, kind, dtype, label);
+    p.send = send;
+    p.recv = recv;
+    p.counts_a.assign(counts, counts + P);
+    p.displs_a.assign(displs, displs + P);
+    std::int64_t total = 0;
+    for (int j = 0; j < P; ++j) total += counts[j];
+    note_buffer(p, send, total);
+    note_buffer(p, recv, counts[rank_]);
+    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+    check_same_call(posts, rank_);
+    for (int i = 1; i < P; ++i) {
+      for (int j = 0; j < P; ++j) {
+        LAGA_CHECK(posts[i].counts_a[j] == posts[0].counts_a[j], call_name(kind, label), ": rank ",
+                   i, " has counts[", j, "] = ", posts[i].counts_a[j], " but rank 0 has ",
+                   posts[0].counts_a[j], "; every rank must pass the same counts");
+      }
+    }
+    if (recv && counts[rank_] > 0) {
+      std::vector<const void*> srcs(static_cast<size_t>(P));
+      for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
+      sum_in_rank_order(recv, srcs.data(), P, counts[rank_], dtype);
+    }
+    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
+    const WireBytes w = reduce_scatter_wire_bytes(counts, P, rank_, dtype);
+    ledger_.record(phase_, label, w.sent, w.received);
+  });
+}
+
+void LocalCommunicator::all_reduce(void* buf, std::int64_t n, DType dtype,
+                                   const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_reduce;
+  collective(kind, label, [&] {
+    const int P = size();
+    const auto deadline = Clock::now() + timeout();
+    LAGA_CHECK(n >= 0, call_name(kind, label), ": n = ", n, " is negative");
+    std::vector<std::int64_t> offset(static_cast<size_t>(P) + 1, 0);
+    for (int j = 0; j < P; ++j) offset[j + 1] = offset[j] + all_reduce_chunk(n, P, j);
+    const std::int64_t own = offset[rank_ + 1] - offset[rank_];
+    // The own reduced chunk can only go back into buf once no peer reads
+    // buf's chunk any more, hence staging and a rendezvous in between.
+    Staging staging(dtype, own);
+    LAGA_CHECK(!(buf && n > 0 && own > 0 && !staging.data()), call_name(kind, label),
+               ": buf has storage but this thread's memory pool is count-only, so the reduction "
+               "has no staging; run real data under a pool that is not count-only");
+    Post p = make_post(calls_, 0, kind, dtype, label);
+    p.send = buf;
+    p.n = n;
+    note_buffer(p, buf, n);
+    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+    check_same_call(posts, rank_);
+    for (int j = 0; j < P; ++j) {
+      LAGA_CHECK(posts[j].n == posts[0].n, call_name(kind, label), ": rank ", j,
+                 " reduces n = ", posts[j].n, " elements but rank 0 reduces ", posts[0].n,
+                 "; every rank must pass the same n");
+    }
+    if (buf && staging.data() && own > 0) {
+      std::vector<const void*> srcs(static_cast<size_t>(P));
+      for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, offset[rank_], dtype);
+      sum_in_rank_order(staging.data(), srcs.data(), P, own, dtype);
+    }
+    Post reduced = make_post(calls_, 1, kind, dtype, label);
+    reduced.staging = staging.data();
+    const std::vector<Post> chunks =
+        group_->arrive(rank_, std::move(reduced), std::nullopt, timeout(), true);
+    for (int j = 0; j < P; ++j) {
+      copy_elems(buf ? at(buf, offset[j], dtype) : nullptr, chunks[j].staging,
+                 offset[j + 1] - offset[j], dtype);
+    }
+    group_->arrive(rank_, make_post(calls_, 2, kind, dtype, label), std::nullopt, timeout(), false);
+    const WireBytes w = all_reduce_wire_bytes(n, P, rank_, dtype);
+    ledger_.record(phase_, label, w.sent, w.received);
+  });
+}
+
+void LocalCommunicator::barrier(const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::barrier;
+  collective(kind, label, [&] {
+    const auto deadline = Clock::now() + timeout();
+    const std::vector<Post> posts = group_->arrive(
+        rank_, make_post(calls_, 0, kind, DType::f32, label), deadline, timeout(), true);
+    check_same_call(posts, rank_);
+    ledger_.record(phase_, label, 0, 0);
+  });
+}
+
+std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P) {
+  LAGA_CHECK(P >= 1, "make_local_communicators: P = ", P, "; need at least one rank");
+  auto group = std::make_shared<LocalGroup>(P);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) comms.push_back(std::make_unique<LocalCommunicator>(group, r));
+  return comms;
+}
+
+void run_local_ranks(std::vector<std::unique_ptr<Communicator>>& comms,
+                     const std::function<void(Communicator&)>& body,
+                     const LocalRunOptions& options) {
+  const int P = static_cast<int>(comms.size());
+  LAGA_CHECK(P >= 1, "run_local_ranks: no communicators; make them with make_local_communicators");
+  std::vector<LocalCommunicator*> locals(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    locals[r] = dynamic_cast<LocalCommunicator*>(comms[r].get());
+    LAGA_CHECK(locals[r] && locals[r]->rank() == r && locals[r]->group() == locals[0]->group(),
+               "run_local_ranks: communicator ", r, " is not rank ", r,
+               " of one local group; pass the vector make_local_communicators returned");
+  }
+  LAGA_CHECK(!options.pools || static_cast<int>(options.pools->size()) == P,
+             "run_local_ranks: ", options.pools ? options.pools->size() : 0, " memory pools for ",
+             P, " ranks; pass one per rank");
+  locals[0]->group()->reset_finished();
+  const int threads = options.threads_per_rank > 0 ? options.threads_per_rank : threads_per_rank(P);
+  if (options.timeout.count() > 0)
+    for (auto& c : comms) c->set_timeout(options.timeout);
+
+  std::vector<std::string> errors(static_cast<size_t>(P));
+  std::vector<char> threw(static_cast<size_t>(P), 0);
+  std::vector<std::thread> threads_of_ranks;
+  threads_of_ranks.reserve(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    threads_of_ranks.emplace_back([&, r] {
+      MemoryPool own_pool;
+      PoolScope scope(options.pools ? (*options.pools)[r] : own_pool);
+      try {
+        set_rank_threads(threads);
+        body(*comms[r]);
+        locals[r]->mark_finished();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        threw[r] = 1;
+        locals[r]->mark_failed(e.what());
+      } catch (...) {
+        errors[r] = "unknown exception (not derived from std::exception)";
+        threw[r] = 1;
+        locals[r]->mark_failed(errors[r]);
+      }
+    });
+  }
+  for (std::thread& t : threads_of_ranks) t.join();
+
+  int first = -1, first_order = 0;
+  for (int r = 0; r < P; ++r) {
+    if (!threw[r]) continue;
+    int order = 0;
+    locals[r]->group()->failure(r, &order);
+    if (first < 0 || order < first_order) first = r, first_order = order;
+  }
+  if (first >= 0) throw Error(cat("rank ", first, " of ", P, ": ", errors[first]));
+}
+
+void run_local_ranks(int P, const std::function<void(Communicator&)>& body,
+                     const LocalRunOptions& options) {
+  auto comms = make_local_communicators(P);
+  run_local_ranks(comms, body, options);
+}
+
+}  // namespace laga

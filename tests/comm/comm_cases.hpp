@@ -1,0 +1,308 @@
+// One fixed sequence of collectives with uneven, gapped layouts, its serial
+// reference, and the ledger it must produce — shared by the in-process and
+// MPI tests so both backends are checked against the same answers.
+//
+// Inputs are Philox normals scaled by powers of two from 2^-10 to 2^10, so a
+// sum's rounding depends on the order of its terms: a reduction that does not
+// add in rank order 0..P-1 fails the bit-exact comparisons.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+
+namespace laga::test {
+
+// What no collective may write: the gaps between blocks keep it.
+template <class T>
+constexpr T kUntouched = T(-7777);
+
+template <class T>
+T input_value(int stream, int rank, std::int64_t i) {
+  const double scale = std::ldexp(1.0, static_cast<int>((i * 7 + rank * 3) % 21) - 10);
+  return static_cast<T>(rng_normal(1234, static_cast<std::uint64_t>(stream * 64 + rank),
+                                   static_cast<std::uint64_t>(i)) *
+                        scale);
+}
+
+using I64s = std::vector<std::int64_t>;
+
+// all_to_all_v: rank r sends a2a_count(P, r, j) elements to rank j (zeros
+// included). Send blocks are packed with a 1-element gap, receive blocks in
+// reverse peer order with a 2-element gap.
+inline std::int64_t a2a_count(int P, int from, int to) {
+  return (3 * from + 5 * to + P) % 7;
+}
+// all_gather_v: rank r contributes ag_count(r) elements; received in reverse
+// rank order with gaps.
+inline std::int64_t ag_count(int r) {
+  return (2 * r + 3) % 5;
+}
+// reduce_scatter_v: block j has rs_count(P, j) elements; the last one is long
+// enough to span several accumulator blocks.
+inline std::int64_t rs_count(int P, int j) {
+  return (3 * j + 2) % 5 + (j == P - 1 ? 2500 : 0);
+}
+inline const std::vector<std::int64_t>& ar_sizes() {
+  static const std::vector<std::int64_t> sizes{0, 1, 5, 13, 3001};
+  return sizes;
+}
+
+struct Layout {
+  I64s counts, displs;
+  std::int64_t total = 0;  // elements including gaps
+};
+inline Layout packed(const I64s& counts, int gap, bool reverse) {
+  Layout l{counts, I64s(counts.size()), 0};
+  const int P = static_cast<int>(counts.size());
+  for (int k = 0; k < P; ++k) {
+    const int j = reverse ? P - 1 - k : k;
+    l.displs[j] = l.total;
+    l.total += counts[j] + gap;
+  }
+  return l;
+}
+
+inline Layout a2a_send_layout(int P, int r) {
+  I64s c(P);
+  for (int j = 0; j < P; ++j) c[j] = a2a_count(P, r, j);
+  return packed(c, 1, false);
+}
+inline Layout a2a_recv_layout(int P, int r) {
+  I64s c(P);
+  for (int j = 0; j < P; ++j) c[j] = a2a_count(P, j, r);
+  return packed(c, 2, true);
+}
+inline Layout ag_layout(int P) {
+  I64s c(P);
+  for (int j = 0; j < P; ++j) c[j] = ag_count(j);
+  return packed(c, 2, true);
+}
+inline Layout rs_layout(int P) {
+  I64s c(P);
+  for (int j = 0; j < P; ++j) c[j] = rs_count(P, j);
+  return packed(c, 1, false);
+}
+
+template <class T>
+struct Results {
+  std::vector<T> a2a, ag, ag_inplace, rs, rs_inplace;
+  std::vector<std::vector<T>> ar;
+  Ledger ledger;
+};
+
+// Runs the sequence on one rank.
+template <class T>
+Results<T> run_sequence(Communicator& comm) {
+  const int P = comm.size(), r = comm.rank();
+  Results<T> out;
+
+  comm.set_phase(Phase::forward);
+  {
+    const Layout s = a2a_send_layout(P, r), d = a2a_recv_layout(P, r);
+    std::vector<T> send(s.total, kUntouched<T>);
+    for (int j = 0; j < P; ++j)
+      for (std::int64_t i = 0; i < s.counts[j]; ++i)
+        send[s.displs[j] + i] = input_value<T>(1, r, j * 100 + i);
+    out.a2a.assign(d.total, kUntouched<T>);
+    comm.all_to_all_v(send.data(), s.counts.data(), s.displs.data(), out.a2a.data(),
+                      d.counts.data(), d.displs.data(), "q_a2a");
+  }
+  {
+    const Layout g = ag_layout(P);
+    std::vector<T> shard(ag_count(r));
+    for (std::int64_t i = 0; i < ag_count(r); ++i) shard[i] = input_value<T>(2, r, i);
+    out.ag.assign(g.total, kUntouched<T>);
+    comm.all_gather_v(shard.data(), ag_count(r), out.ag.data(), g.counts.data(), g.displs.data(),
+                      "latent_ag");
+    // In place: the own shard already sits at its place in recv.
+    out.ag_inplace.assign(g.total, kUntouched<T>);
+    std::copy(shard.begin(), shard.end(), out.ag_inplace.begin() + g.displs[r]);
+    comm.all_gather_v(out.ag_inplace.data() + g.displs[r], ag_count(r), out.ag_inplace.data(),
+                      g.counts.data(), g.displs.data(), "latent_ag");
+  }
+
+  comm.set_phase(Phase::backward);
+  {
+    const Layout l = rs_layout(P);
+    std::vector<T> send(l.total, kUntouched<T>);
+    for (int j = 0; j < P; ++j)
+      for (std::int64_t i = 0; i < l.counts[j]; ++i)
+        send[l.displs[j] + i] = input_value<T>(3, r, l.displs[j] + i);
+    out.rs.assign(l.counts[r] + 2, kUntouched<T>);  // 1 guard element each side
+    comm.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(), out.rs.data() + 1,
+                          "latent_rs");
+    // Into the own block of send.
+    comm.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(), send.data() + l.displs[r],
+                          "latent_rs");
+    out.rs_inplace = send;
+  }
+
+  comm.set_phase(Phase::grad_sync);
+  for (size_t k = 0; k < ar_sizes().size(); ++k) {
+    const std::int64_t n = ar_sizes()[k];
+    std::vector<T> buf(n);
+    for (std::int64_t i = 0; i < n; ++i) buf[i] = input_value<T>(10 + static_cast<int>(k), r, i);
+    comm.all_reduce(buf.data(), n, "grad_ar_" + std::to_string(n));
+    out.ar.push_back(std::move(buf));
+  }
+  comm.barrier("step_end");
+  out.ledger = comm.ledger();
+  return out;
+}
+
+// Differences from the serial computation for rank r; empty when exact.
+template <class T>
+std::string check_against_serial(const Results<T>& got, int P, int r) {
+  std::string diffs;
+  auto expect = [&](const std::vector<T>& v, std::int64_t i, T want, const char* what) {
+    if (i >= static_cast<std::int64_t>(v.size())) {
+      diffs += cat(what, ": index ", i, " out of range\n");
+    } else if (std::memcmp(&v[i], &want, sizeof(T)) != 0 && diffs.size() < 2000) {
+      diffs += cat(what, "[", i, "] = ", v[i], " but serial gives ", want, "\n");
+    }
+  };
+  {
+    const Layout d = a2a_recv_layout(P, r);
+    std::vector<T> want(d.total, kUntouched<T>);
+    for (int j = 0; j < P; ++j) {
+      for (std::int64_t i = 0; i < d.counts[j]; ++i)
+        want[d.displs[j] + i] = input_value<T>(1, j, r * 100 + i);
+    }
+    if (got.a2a.size() != want.size()) diffs += "a2a: wrong size\n";
+    for (size_t i = 0; i < want.size(); ++i) expect(got.a2a, i, want[i], "all_to_all_v");
+  }
+  {
+    const Layout g = ag_layout(P);
+    std::vector<T> want(g.total, kUntouched<T>);
+    for (int j = 0; j < P; ++j)
+      for (std::int64_t i = 0; i < ag_count(j); ++i)
+        want[g.displs[j] + i] = input_value<T>(2, j, i);
+    for (size_t i = 0; i < want.size(); ++i) {
+      expect(got.ag, i, want[i], "all_gather_v");
+      expect(got.ag_inplace, i, want[i], "all_gather_v in place");
+    }
+  }
+  {
+    const Layout l = rs_layout(P);
+    auto summed = [&](std::int64_t i) {
+      T acc = input_value<T>(3, 0, l.displs[r] + i);
+      for (int j = 1; j < P; ++j) acc += input_value<T>(3, j, l.displs[r] + i);
+      return acc;
+    };
+    expect(got.rs, 0, kUntouched<T>, "reduce_scatter_v guard");
+    expect(got.rs, l.counts[r] + 1, kUntouched<T>, "reduce_scatter_v guard");
+    for (std::int64_t i = 0; i < l.counts[r]; ++i)
+      expect(got.rs, i + 1, summed(i), "reduce_scatter_v");
+    // In place: the own block holds the sum, the rest of send is untouched.
+    for (int j = 0; j < P; ++j) {
+      for (std::int64_t i = 0; i < l.counts[j]; ++i) {
+        const T want = j == r ? summed(i) : input_value<T>(3, r, l.displs[j] + i);
+        expect(got.rs_inplace, l.displs[j] + i, want, "reduce_scatter_v into own block");
+      }
+    }
+  }
+  for (size_t k = 0; k < ar_sizes().size(); ++k) {
+    const std::int64_t n = ar_sizes()[k];
+    if (got.ar.size() <= k || static_cast<std::int64_t>(got.ar[k].size()) != n) {
+      diffs += "all_reduce: wrong size\n";
+      continue;
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      T acc = input_value<T>(10 + static_cast<int>(k), 0, i);
+      for (int j = 1; j < P; ++j) acc += input_value<T>(10 + static_cast<int>(k), j, i);
+      expect(got.ar[k], i, acc, "all_reduce");
+    }
+  }
+  return diffs;
+}
+
+// The ledger rank r must hold after run_sequence, written out from the rules
+// in communicator.hpp rather than through the *_wire_bytes helpers.
+inline std::map<std::pair<Phase, std::string>, LedgerEntry> expected_ledger(int P, int r,
+                                                                            std::int64_t elem) {
+  std::map<std::pair<Phase, std::string>, LedgerEntry> m;
+  auto add = [&](Phase ph, const std::string& label, std::int64_t sent, std::int64_t recv) {
+    LedgerEntry& e = m[{ph, label}];
+    e.calls += 1;
+    e.bytes_sent += sent * elem;
+    e.bytes_received += recv * elem;
+  };
+  std::int64_t s = 0, v = 0;
+  for (int j = 0; j < P; ++j)
+    if (j != r) s += a2a_count(P, r, j), v += a2a_count(P, j, r);
+  add(Phase::forward, "q_a2a", s, v);
+  v = 0;
+  for (int j = 0; j < P; ++j)
+    if (j != r) v += ag_count(j);
+  add(Phase::forward, "latent_ag", (P - 1) * ag_count(r), v);
+  add(Phase::forward, "latent_ag", (P - 1) * ag_count(r), v);
+  s = 0;
+  for (int j = 0; j < P; ++j)
+    if (j != r) s += rs_count(P, j);
+  add(Phase::backward, "latent_rs", s, (P - 1) * rs_count(P, r));
+  add(Phase::backward, "latent_rs", s, (P - 1) * rs_count(P, r));
+  for (std::int64_t n : ar_sizes()) {
+    const std::int64_t chunk = n / P + (r < n % P ? 1 : 0);
+    const std::int64_t wire = (n - chunk) + (P - 1) * chunk;
+    add(Phase::grad_sync, "grad_ar_" + std::to_string(n), wire, wire);
+  }
+  add(Phase::grad_sync, "step_end", 0, 0);
+  return m;
+}
+
+inline std::string check_ledger(const Ledger& got, int P, int r, std::int64_t elem) {
+  const auto want = expected_ledger(P, r, elem);
+  std::string diffs;
+  if (got.entries().size() != want.size())
+    diffs += cat("ledger has ", got.entries().size(), " entries, expected ", want.size(), "\n");
+  for (const auto& [key, w] : want) {
+    auto it = got.entries().find(key);
+    if (it == got.entries().end()) {
+      diffs += cat("ledger lacks ", to_string(key.first), "/", key.second, "\n");
+      continue;
+    }
+    const LedgerEntry& g = it->second;
+    if (g.calls != w.calls || g.bytes_sent != w.bytes_sent || g.bytes_received != w.bytes_received)
+      diffs += cat(to_string(key.first), "/", key.second, ": calls ", g.calls, " sent ",
+                   g.bytes_sent, " received ", g.bytes_received, ", expected calls ", w.calls,
+                   " sent ", w.bytes_sent, " received ", w.bytes_received, "\n");
+  }
+  return diffs;
+}
+
+// Bitwise comparison of two ranks' results (MPI against in-process).
+template <class T>
+std::string compare_bitwise(const Results<T>& a, const Results<T>& b) {
+  auto same = [](const std::vector<T>& x, const std::vector<T>& y) {
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
+  };
+  std::string diffs;
+  if (!same(a.a2a, b.a2a)) diffs += "all_to_all_v differs\n";
+  if (!same(a.ag, b.ag)) diffs += "all_gather_v differs\n";
+  if (!same(a.ag_inplace, b.ag_inplace)) diffs += "all_gather_v in place differs\n";
+  if (!same(a.rs, b.rs)) diffs += "reduce_scatter_v differs\n";
+  if (!same(a.rs_inplace, b.rs_inplace)) diffs += "reduce_scatter_v into own block differs\n";
+  if (a.ar.size() != b.ar.size()) diffs += "all_reduce count differs\n";
+  for (size_t k = 0; k < std::min(a.ar.size(), b.ar.size()); ++k)
+    if (!same(a.ar[k], b.ar[k])) diffs += cat("all_reduce n=", ar_sizes()[k], " differs\n");
+  if (a.ledger.entries().size() != b.ledger.entries().size()) diffs += "ledger sizes differ\n";
+  for (const auto& [key, e] : a.ledger.entries()) {
+    auto it = b.ledger.entries().find(key);
+    if (it == b.ledger.entries().end() || it->second.calls != e.calls ||
+        it->second.bytes_sent != e.bytes_sent || it->second.bytes_received != e.bytes_received)
+      diffs += cat("ledger entry ", to_string(key.first), "/", key.second, " differs\n");
+  }
+  return diffs;
+}
+
+}  // namespace laga::test

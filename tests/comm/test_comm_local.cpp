@@ -1,0 +1,394 @@
+// The ledger, the self communicator and the in-process backend: results
+// against serial computation for P in {1, 2, 3, 4, 8}, f32 and f64, ledgers
+// against the closed form, and the failure modes (timeout, a failed or
+// departed rank, mismatched collectives) ending promptly with useful errors.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "comm/communicator.hpp"
+#include "comm/local_comm.hpp"
+#include "comm_cases.hpp"
+#include "core/error.hpp"
+#include "core/memory_pool.hpp"
+
+namespace laga {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using test::I64s;
+using test::Results;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Runs body on P local ranks, collecting each rank's error message (or "").
+std::vector<std::string> errors_of(int P, std::chrono::milliseconds timeout,
+                                   const std::function<void(Communicator&)>& body) {
+  std::vector<std::string> errors(P);
+  LocalRunOptions opts;
+  opts.timeout = timeout;
+  run_local_ranks(
+      P,
+      [&](Communicator& c) {
+        try {
+          body(c);
+        } catch (const Error& e) {
+          errors[c.rank()] = e.what();
+        }
+      },
+      opts);
+  return errors;
+}
+
+TEST(Ledger, SumsPerPhaseAndOverall) {
+  Ledger l;
+  l.record(Phase::forward, "a", 10, 20);
+  l.record(Phase::forward, "a", 1, 2);
+  l.record(Phase::backward, "b", 100, 200);
+  l.record(Phase::grad_sync, "c", 1000, 2000);
+  EXPECT_EQ(l.entries().at({Phase::forward, "a"}).calls, 2);
+  EXPECT_EQ(l.entries().at({Phase::forward, "a"}).bytes_sent, 11);
+  EXPECT_EQ(l.bytes_sent(Phase::forward), 11);
+  EXPECT_EQ(l.bytes_received(Phase::backward), 200);
+  EXPECT_EQ(l.bytes_sent(), 1111);
+  EXPECT_EQ(l.bytes_received(Phase::count), 2222);
+  EXPECT_THROW(l.record(Phase::count, "x", 0, 0), Error);
+  l.clear();
+  EXPECT_EQ(l.bytes_sent(), 0);
+}
+
+TEST(Names, PhasesAndKinds) {
+  EXPECT_STREQ(to_string(Phase::forward), "forward");
+  EXPECT_STREQ(to_string(Phase::backward), "backward");
+  EXPECT_STREQ(to_string(Phase::grad_sync), "grad_sync");
+  EXPECT_STREQ(to_string(CollectiveKind::all_to_all), "all_to_all");
+  EXPECT_STREQ(to_string(CollectiveKind::all_gather), "all_gather");
+  EXPECT_STREQ(to_string(CollectiveKind::reduce_scatter), "reduce_scatter");
+  EXPECT_STREQ(to_string(CollectiveKind::all_reduce), "all_reduce");
+  EXPECT_STREQ(to_string(CollectiveKind::barrier), "barrier");
+}
+
+TEST(AllReduceChunk, NearEqualFirstOnesLonger) {
+  for (int P : {1, 2, 3, 4, 8}) {
+    for (std::int64_t n : {0, 1, 7, 8, 9, 1001}) {
+      std::int64_t total = 0;
+      for (int r = 0; r < P; ++r) {
+        const std::int64_t c = all_reduce_chunk(n, P, r);
+        EXPECT_EQ(c, n / P + (r < n % P ? 1 : 0));
+        total += c;
+      }
+      EXPECT_EQ(total, n);
+      // Summed over ranks, an all-reduce moves 2 (P-1) n elements each way.
+      std::int64_t wire = 0;
+      for (int r = 0; r < P; ++r) wire += all_reduce_wire_bytes(n, P, r, DType::f64).sent;
+      EXPECT_EQ(wire, 2 * (P - 1) * n * 8);
+    }
+  }
+  EXPECT_THROW(all_reduce_chunk(5, 2, 2), Error);
+}
+
+TEST(SelfCommunicator, CopiesAndRecordsZeroBytes) {
+  auto comm = make_self_communicator();
+  EXPECT_EQ(comm->size(), 1);
+  EXPECT_EQ(comm->rank(), 0);
+  Results<float> out = test::run_sequence<float>(*comm);
+  EXPECT_EQ(test::check_against_serial(out, 1, 0), "");
+  EXPECT_EQ(test::check_ledger(out.ledger, 1, 0, 4), "");
+  EXPECT_EQ(out.ledger.bytes_sent(), 0);
+  EXPECT_EQ(out.ledger.entries().size(), 9u);  // every label shows, with zero bytes
+}
+
+class LocalComm : public ::testing::TestWithParam<int> {};
+
+template <class T>
+void check_sequence(int P) {
+  std::vector<Results<T>> results(P);
+  run_local_ranks(P, [&](Communicator& c) {
+    EXPECT_EQ(c.size(), P);
+    EXPECT_EQ(c.backend(), "local");
+    results[c.rank()] = test::run_sequence<T>(c);
+  });
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(test::check_against_serial(results[r], P, r), "") << "rank " << r << " of " << P;
+    EXPECT_EQ(test::check_ledger(results[r].ledger, P, r, sizeof(T)), "")
+        << "rank " << r << " of " << P;
+  }
+}
+
+TEST_P(LocalComm, EveryCollectiveMatchesSerialF32) {
+  check_sequence<float>(GetParam());
+}
+TEST_P(LocalComm, EveryCollectiveMatchesSerialF64) {
+  check_sequence<double>(GetParam());
+}
+
+TEST_P(LocalComm, ManySmallCollectivesStayInStep) {
+  // Thousands of back-to-back rendezvous, mixing one-step barriers with
+  // multi-step collectives: the post ring and the retract-on-failure logic
+  // must never let a fast rank overwrite what a slow one still reads.
+  const int P = GetParam();
+  run_local_ranks(P, [&](Communicator& c) {
+    for (int it = 0; it < 300; ++it) {
+      double v = c.rank() + it;
+      c.all_reduce(&v, 1, "x");
+      ASSERT_EQ(v, P * (P - 1) / 2.0 + P * it);
+      c.barrier("b");
+      std::vector<float> got(P);
+      float mine = static_cast<float>(c.rank() * 10 + it);
+      I64s counts(P, 1), displs(P);
+      for (int j = 0; j < P; ++j) displs[j] = j;
+      c.all_gather_v(&mine, 1, got.data(), counts.data(), displs.data(), "g");
+      for (int j = 0; j < P; ++j) ASSERT_EQ(got[j], static_cast<float>(j * 10 + it));
+    }
+  });
+}
+
+TEST_P(LocalComm, AllReduceStagingIsCountedAsCommBuffers) {
+  const int P = GetParam();
+  const std::int64_t n = 1001;
+  std::vector<MemoryPool> pools(P);
+  LocalRunOptions opts;
+  opts.pools = &pools;
+  run_local_ranks(
+      P,
+      [&](Communicator& c) {
+        std::vector<float> buf(n, 1.0f);
+        c.all_reduce(buf.data(), n, "grad");
+        EXPECT_EQ(buf[n - 1], static_cast<float>(P));
+      },
+      opts);
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(pools[r].peak(MemCategory::comm_buffers), all_reduce_chunk(n, P, r) * 4);
+    EXPECT_EQ(pools[r].current(MemCategory::comm_buffers), 0);
+  }
+}
+
+TEST_P(LocalComm, CountOnlyBuffersMoveNothingButAreRecorded) {
+  const int P = GetParam();
+  std::vector<MemoryPool> pools(P);
+  for (MemoryPool& p : pools) p.set_count_only(true);
+  LocalRunOptions opts;
+  opts.pools = &pools;
+  run_local_ranks(
+      P,
+      [&](Communicator& c) {
+        I64s counts(P, 3), displs(P);
+        for (int j = 0; j < P; ++j) displs[j] = 3 * j;
+        c.all_gather_v(static_cast<const float*>(nullptr), 3, static_cast<float*>(nullptr),
+                       counts.data(), displs.data(), "ag");
+        c.all_to_all_v(static_cast<const float*>(nullptr), counts.data(), displs.data(),
+                       static_cast<float*>(nullptr), counts.data(), displs.data(), "a2a");
+        c.reduce_scatter_v(static_cast<const float*>(nullptr), counts.data(), displs.data(),
+                           static_cast<float*>(nullptr), "rs");
+        c.all_reduce(static_cast<float*>(nullptr), 10, "ar");
+        const auto& e = c.ledger().entries();
+        EXPECT_EQ(e.at({Phase::forward, "ag"}).bytes_sent, (P - 1) * 3 * 4);
+        EXPECT_EQ(e.at({Phase::forward, "a2a"}).bytes_received, (P - 1) * 3 * 4);
+        EXPECT_EQ(e.at({Phase::forward, "rs"}).bytes_received, (P - 1) * 3 * 4);
+        EXPECT_EQ(e.at({Phase::forward, "ar"}).bytes_sent,
+                  all_reduce_wire_bytes(10, P, c.rank(), DType::f32).sent);
+      },
+      opts);
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(pools[r].peak(MemCategory::comm_buffers), all_reduce_chunk(10, P, r) * 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LocalComm, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return "P" + std::to_string(p.param);
+                         });
+
+TEST(LocalComm, CommunicatorsKeepLedgersAcrossRuns) {
+  auto comms = make_local_communicators(3);
+  for (int run = 0; run < 2; ++run) {
+    run_local_ranks(comms, [](Communicator& c) {
+      double v = 1;
+      c.all_reduce(&v, 1, "ar");
+    });
+  }
+  for (auto& c : comms) EXPECT_EQ(c->ledger().entries().at({Phase::forward, "ar"}).calls, 2);
+}
+
+TEST(LocalCommFailure, MissingRankTimesOutNamingLabelAndRank) {
+  const int P = 4;
+  std::vector<double> elapsed(P);
+  const auto t0 = Clock::now();
+  auto errors = errors_of(P, 200ms, [&](Communicator& c) {
+    if (c.rank() == 3) {  // never calls it
+      std::this_thread::sleep_for(1000ms);
+      return;
+    }
+    std::vector<float> shard(2, 1.0f), all(2 * P);
+    I64s counts(P, 2), displs{0, 2, 4, 6};
+    try {
+      c.all_gather_v(shard.data(), 2, all.data(), counts.data(), displs.data(), "latent_ag");
+    } catch (...) {
+      elapsed[c.rank()] = seconds_since(t0);
+      throw;
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("all_gather 'latent_ag'"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank(s) 3"), std::string::npos);
+    EXPECT_NE(errors[r].find("timed out after 200 ms"), std::string::npos);
+    EXPECT_LT(elapsed[r], 0.9) << "peers must not wait for rank 3 to wake";
+  }
+  EXPECT_EQ(errors[3], "");
+}
+
+TEST(LocalCommFailure, RunLocalRanksRethrowsTheFirstFailureWithItsRank) {
+  LocalRunOptions opts;
+  opts.timeout = 150ms;
+  const auto t0 = Clock::now();
+  try {
+    run_local_ranks(
+        4,
+        [](Communicator& c) {
+          if (c.rank() == 3) {
+            std::this_thread::sleep_for(500ms);
+            return;
+          }
+          c.barrier("sync");
+        },
+        opts);
+    FAIL() << "expected a timeout";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("rank ", 0), 0u) << m;
+    EXPECT_NE(m.find("barrier 'sync'"), std::string::npos) << m;
+    EXPECT_NE(m.find("timed out after 150 ms waiting for rank(s) 3"), std::string::npos) << m;
+    EXPECT_NE(m.find("--comm-timeout"), std::string::npos) << m;
+  }
+  EXPECT_LT(seconds_since(t0), 2.0);
+}
+
+TEST(LocalCommFailure, ThrowingRankStopsPeersAtOnce) {
+  const int P = 4;
+  LocalRunOptions opts;
+  opts.timeout = 20s;  // far longer than the test may take
+  const auto t0 = Clock::now();
+  std::vector<std::string> errors(P);
+  try {
+    run_local_ranks(
+        P,
+        [&](Communicator& c) {
+          if (c.rank() == 2) throw Error("boom in rank 2");
+          double v = 1;
+          try {
+            c.all_reduce(&v, 1, "grad_ar");
+          } catch (const Error& e) {
+            errors[c.rank()] = e.what();
+            throw;
+          }
+        },
+        opts);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rank 2 of 4: boom in rank 2");
+  }
+  EXPECT_LT(seconds_since(t0), 2.0);
+  for (int r : {0, 1, 3}) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("all_reduce 'grad_ar'"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank 2 failed before reaching it (boom in rank 2)"),
+              std::string::npos);
+  }
+}
+
+TEST(LocalCommFailure, RankThatReturnedEarlyIsNamed) {
+  const auto t0 = Clock::now();
+  auto errors = errors_of(3, 20s, [](Communicator& c) {
+    if (c.rank() == 1) return;
+    c.barrier("sync");
+  });
+  EXPECT_LT(seconds_since(t0), 2.0);
+  for (int r : {0, 2}) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("barrier 'sync'"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank(s) 1 returned without calling it"), std::string::npos);
+  }
+}
+
+TEST(LocalCommFailure, MismatchedLabelOrKindIsNamedOnEveryRank) {
+  const int P = 3;
+  auto errors = errors_of(P, 20s, [](Communicator& c) { c.barrier(c.rank() == 1 ? "b" : "a"); });
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("collective mismatch"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank 1 called barrier 'b'"), std::string::npos);
+  }
+
+  errors = errors_of(P, 20s, [](Communicator& c) {
+    double v = 1;
+    if (c.rank() == 0)
+      c.barrier("step");
+    else
+      c.all_reduce(&v, 1, "step");
+  });
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("rank 0 called barrier 'step'"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank 2 called all_reduce 'step'"), std::string::npos);
+  }
+
+  errors = errors_of(P, 20s, [](Communicator& c) {
+    if (c.rank() == 2) {
+      double v = 1;
+      c.all_reduce(&v, 1, "grad");
+    } else {
+      float v = 1;
+      c.all_reduce(&v, 1, "grad");
+    }
+  });
+  for (int r = 0; r < P; ++r) EXPECT_NE(errors[r].find("(f64"), std::string::npos) << errors[r];
+}
+
+TEST(LocalCommFailure, InconsistentCountsAreNamed) {
+  const int P = 3;
+  auto errors = errors_of(P, 20s, [](Communicator& c) {
+    std::vector<float> shard(4, 1.0f), all(12);
+    I64s counts{4, 4, 4}, displs{0, 4, 8};
+    const std::int64_t n = c.rank() == 1 ? 3 : 4;
+    c.all_gather_v(shard.data(), n, all.data(), counts.data(), displs.data(), "latent_ag");
+  });
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE(errors[r]);
+    EXPECT_NE(errors[r].find("all_gather 'latent_ag'"), std::string::npos);
+    EXPECT_NE(errors[r].find("rank 1 contributes 3"), std::string::npos);
+  }
+
+  errors = errors_of(P, 20s, [](Communicator& c) {
+    std::vector<double> buf(4, 1.0);
+    c.all_reduce(buf.data(), c.rank() == 2 ? 3 : 4, "grad");
+  });
+  for (int r = 0; r < P; ++r)
+    EXPECT_NE(errors[r].find("rank 2 reduces n = 3"), std::string::npos) << errors[r];
+
+  errors = errors_of(P, 20s, [](Communicator& c) {
+    std::vector<float> buf(4, 1.0f);
+    c.all_reduce(c.rank() == 0 ? nullptr : buf.data(), 4, "grad");
+  });
+  for (int r = 0; r < P; ++r)
+    EXPECT_NE(errors[r].find("count-only must be on for all ranks"), std::string::npos)
+        << errors[r];
+}
+
+TEST(LocalCommFailure, FailedCommunicatorRefusesLaterCalls) {
+  auto errors = errors_of(2, 20s, [](Communicator& c) {
+    try {
+      c.barrier(c.rank() == 0 ? "a" : "b");
+    } catch (const Error&) {
+    }
+    c.barrier("after");
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("already failed"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace laga

@@ -1,0 +1,146 @@
+// The MPI backend, run under `mpirun -np N` (N = 2, 3, 4, 8 in CTest).
+//
+// Each process runs the shared collective sequence on MPI and, in threads,
+// on an in-process group of the same size with the same inputs; rank r's MPI
+// results must equal the in-process rank r's bit for bit, and the serial
+// reference. Then the failure modes: a collective mismatch is named at once,
+// and a rank that skips a collective makes its peers time out naming it,
+// after which the job still ends cleanly (no orphaned messages, MPI_Finalize).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "comm/local_comm.hpp"
+#include "comm/mpi_comm.hpp"
+#include "comm_cases.hpp"
+#include "core/error.hpp"
+
+namespace laga {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using test::Results;
+
+template <class T>
+void check_against_local(MpiCommunicator& comm) {
+  const int P = comm.size(), r = comm.rank();
+  comm.ledger().clear();
+  Results<T> mpi = test::run_sequence<T>(comm);
+  std::vector<Results<T>> local(P);
+  run_local_ranks(P, [&](Communicator& c) { local[c.rank()] = test::run_sequence<T>(c); });
+  EXPECT_EQ(test::check_against_serial(mpi, P, r), "") << "rank " << r << " of " << P;
+  EXPECT_EQ(test::check_ledger(mpi.ledger, P, r, sizeof(T)), "") << "rank " << r << " of " << P;
+  EXPECT_EQ(test::compare_bitwise(mpi, local[r]), "") << "rank " << r << " of " << P;
+}
+
+TEST(MpiComm, MatchesInProcessBitForBitF32) {
+  MpiCommunicator comm;
+  EXPECT_EQ(comm.backend(), "mpi");
+  check_against_local<float>(comm);
+}
+
+TEST(MpiComm, MatchesInProcessBitForBitF64) {
+  MpiCommunicator comm;
+  check_against_local<double>(comm);
+}
+
+TEST(MpiComm, MessagesSplitIntoPiecesGiveTheSameResults) {
+  MpiCommunicator comm;
+  comm.set_max_message_bytes(52);  // not a multiple of either element size
+  check_against_local<float>(comm);
+  check_against_local<double>(comm);
+}
+
+TEST(MpiComm, MismatchedLabelIsNamedWithoutWaitingForTheTimeout) {
+  MpiCommunicator comm;
+  comm.set_timeout(20s);
+  const int P = comm.size();
+  const auto t0 = Clock::now();
+  std::vector<float> shard(3, 1.0f), all(3 * P);
+  test::I64s counts(P, 3), displs(P);
+  for (int j = 0; j < P; ++j) displs[j] = 3 * j;
+  try {
+    comm.all_gather_v(shard.data(), 3, all.data(), counts.data(), displs.data(),
+                      comm.rank() == 1 ? "k_ag" : "latent_ag");
+    ADD_FAILURE() << "expected a mismatch error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("collective mismatch"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+  // The communicator is out of step now and says so.
+  EXPECT_THROW(comm.barrier("after"), Error);
+  MpiCommunicator fresh;
+  fresh.barrier("resync");
+}
+
+TEST(MpiComm, WrongCountIsNamedAndStopsEveryRankPromptly) {
+  // With n = 8 on all ranks but the last (n = 7), for P in {2, 3, 4, 8} some
+  // rank receives a message of the wrong size; it fails and its notice stops
+  // the ranks still waiting for it, long before the timeout.
+  MpiCommunicator comm;
+  comm.set_timeout(20s);
+  const int P = comm.size();
+  std::vector<double> buf(8, 1.0);
+  const auto t0 = Clock::now();
+  try {
+    comm.all_reduce(buf.data(), comm.rank() == P - 1 ? 7 : 8, "grad_ar");
+    ADD_FAILURE() << "expected a size error or a peer's failure notice";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("all_reduce 'grad_ar'"), std::string::npos) << m;
+    EXPECT_TRUE(m.find("bytes this rank expects") != std::string::npos ||
+                m.find("failed (") != std::string::npos)
+        << m;
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+  MpiCommunicator fresh;
+  fresh.barrier("resync");
+}
+
+TEST(MpiComm, SkippedCollectiveTimesOutNamingLabelAndRank) {
+  MpiCommunicator comm;
+  comm.set_timeout(1500ms);
+  const int P = comm.size(), skipper = P - 1;
+  std::vector<float> shard(4, 2.0f), all(4 * P);
+  test::I64s counts(P, 4), displs(P);
+  for (int j = 0; j < P; ++j) displs[j] = 4 * j;
+  if (comm.rank() == skipper) {
+    std::this_thread::sleep_for(3000ms);  // past the peers' timeout, never calling it
+  } else {
+    const auto t0 = Clock::now();
+    try {
+      comm.all_gather_v(shard.data(), 4, all.data(), counts.data(), displs.data(), "skipped_ag");
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("all_gather 'skipped_ag'"), std::string::npos) << m;
+      EXPECT_NE(m.find(cat("timed out after 1500 ms waiting for rank(s) ", skipper)),
+                std::string::npos)
+          << m;
+    }
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    EXPECT_GT(waited, 1.4);
+    EXPECT_LT(waited, 2.9) << "peers must stop at their timeout, not wait for rank " << skipper;
+    EXPECT_THROW(comm.barrier("after"), Error);
+  }
+  MpiCommunicator fresh;
+  fresh.barrier("resync");
+  EXPECT_EQ(mpi_orphaned_requests(), 0) << "small messages must not be left pending";
+}
+
+}  // namespace
+}  // namespace laga
+
+int main(int argc, char** argv) {
+  laga::MpiSession mpi(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  if (mpi.world_rank() != 0) {
+    // One report is enough; a failing rank still fails the run through its
+    // exit code, and its failure messages still print.
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  return RUN_ALL_TESTS();
+}
