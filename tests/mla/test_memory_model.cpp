@@ -61,9 +61,9 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
       MemoryModelOptions opt;
       opt.backward = backward;
       for (const RankReport& rep : run.ranks) {
-        const MemoryPrediction p =
-            predict_memory(cfg, lay, f, a, rep.rank, sizeof(T), opt);
-        expect_matches(p, rep.memory, tag(cfg, lay, f, a, rep.rank) + (backward ? "" : " fwd-only"));
+        const MemoryPrediction p = predict_memory(cfg, lay, f, a, rep.rank, sizeof(T), opt);
+        expect_matches(p, rep.memory,
+                       tag(cfg, lay, f, a, rep.rank) + (backward ? "" : " fwd-only"));
       }
     }
 }
@@ -83,13 +83,13 @@ TEST(MemoryModel, ExactOnRealRuns) {
 // One rank of any size without storage: the rank alone, on a dry-run
 // communicator, under a count-only pool. Checks the whole run (run_rank) and
 // the forward+backward stretch apart (what `laga compare` reports).
-void check_count_only(const MlaConfig& cfg, const SpLayout& lay, int r, Form f, AttentionKind a) {
+void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable& rope, int r,
+                      Form f, AttentionKind a) {
   MemoryPool pool;
   pool.set_count_only(true);
   PoolScope scope(pool);
   const MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
   const TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  const RopeTable rope(cfg.rope(), lay.seq);
   const MemoryPrediction p = predict_memory(cfg, lay, f, a, r, 4);
   const std::string where = tag(cfg, lay, f, a, r) + " S=" + std::to_string(lay.seq);
   {
@@ -108,8 +108,8 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, int r, Form f, 
     const std::int64_t L = lay.seq_count[static_cast<size_t>(r)];
     const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
     MlaParams<float> grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
-    const std::int64_t base = pool.current(MemCategory::activations) +
-                              pool.current(MemCategory::comm_buffers);
+    const std::int64_t base =
+        pool.current(MemCategory::activations) + pool.current(MemCategory::comm_buffers);
     pool.reset_peaks();
     MlaSaved<float> saved;
     TensorF out, dx;
@@ -125,20 +125,23 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
   // swept; P up to 16 with uneven S; first and last rank of each group.
   for (std::int64_t H : {16, 32, 64, 128}) {
     const MlaConfig cfg = dims(7168, H, 512, 128, 64, 128, 0);
-    for (std::int64_t S : {1024, 4096, 16384, 16383})
+    for (std::int64_t S : {1024, 4096, 16384, 16383}) {
+      const RopeTable rope(cfg.rope(), S);  // the one costly object here: build it once
       for (int P : {1, 2, 4, 8, 16}) {
         const SpLayout lay = SpLayout::even(1, S, H, P);
         for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
           for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-            for (int r : {0, P - 1}) check_count_only(cfg, lay, r, f, a);
+            for (int r : {0, P - 1}) check_count_only(cfg, lay, rope, r, f, a);
       }
+    }
   }
   // DeepSeek-V3 as shipped (rq = 1536), batch 2, H % P != 0.
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  const RopeTable rope(v3.rope(), 4096);
   for (int P : {3, 8})
     for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-        check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), P - 1, f, a);
+        check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
 }
 
 // The paper's claims, through the model: laga within 1% of explicit, absorbed
@@ -161,7 +164,8 @@ TEST(MemoryModel, PaperShapeAtDeepSeekV3Dims) {
 TEST(MemoryModel, NamesWhatIsLiveAtThePeak) {
   const MlaConfig cfg = MlaConfig::preset("paper");
   const SpLayout lay = SpLayout::even(1, 16384, cfg.n_heads, 8);
-  const MemoryPrediction p = predict_memory(cfg, lay, Form::explicit_form, AttentionKind::eager, 0, 4);
+  const MemoryPrediction p =
+      predict_memory(cfg, lay, Form::explicit_form, AttentionKind::eager, 0, 4);
   ASSERT_FALSE(p.forward_backward.live.empty());
   // The eager probability matrix (B, H_r, S, S) dominates at long S.
   EXPECT_NE(p.forward_backward.live[0].name.find("probs"), std::string::npos)
@@ -176,8 +180,9 @@ TEST(MemoryModel, RejectsBadArguments) {
   const MlaConfig cfg = dims(32, 5, 16, 8, 4, 6, 0);
   const SpLayout lay = SpLayout::even(1, 8, 5, 2);
   EXPECT_THROW(predict_memory(cfg, lay, Form::laga, AttentionKind::eager, 2, 4), Error);
-  EXPECT_THROW(predict_memory(cfg, SpLayout::even(1, 8, 4, 2), Form::laga, AttentionKind::eager, 0, 4),
-               Error);
+  EXPECT_THROW(
+      predict_memory(cfg, SpLayout::even(1, 8, 4, 2), Form::laga, AttentionKind::eager, 0, 4),
+      Error);
 }
 
 }  // namespace
