@@ -138,7 +138,7 @@ struct Avx2Simd {
 struct Avx512Simd {
   using V = __m512;
   static constexpr int W = 16;
-  static constexpr int MR = 8, NV = 2;  // 16 accumulators of 32 zmm
+  static constexpr int MR = 6, NV = 4;  // 24 accumulators + 4 B vectors + 1 broadcast of 32 zmm
   static constexpr const char* name = "avx512";
 
   static V zero() { return _mm512_setzero_ps(); }
@@ -240,23 +240,33 @@ constexpr auto micro_kernel_table(std::index_sequence<I...>) {
   return std::array<Fn, sizeof...(I)>{&micro_kernel<T, int(I) + 1, TAIL>...};
 }
 
-// The whole tile: panels of NV vectors along N outside, blocks of MR rows
-// inside, so one panel of B (K by NV * W) stays in L1 while A streams past.
+// The whole tile, blocked as a BLAS would: K in chunks of KC, so that one
+// panel of B (KC by NV * W, at most 24 KiB) stays in L1 while every block of
+// MR rows of A streams past it; then panels along N; then row blocks.
 template <class T>
 void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::int64_t ars,
                std::int64_t acs, const T* b, std::int64_t ldb, T* c, std::int64_t ldc,
                bool accumulate) {
   using S = Simd<T>;
   constexpr int MR = S::MR, NB = S::NV * S::W;
+  constexpr std::int64_t KC = std::max<std::int64_t>(16, 24576 / (NB * std::int64_t(sizeof(T))));
   static constexpr auto full = micro_kernel_table<T, false>(std::make_index_sequence<MR>{});
   static constexpr auto tail = micro_kernel_table<T, true>(std::make_index_sequence<MR>{});
-  for (std::int64_t n0 = 0; n0 < N; n0 += NB) {
-    const int n = static_cast<int>(std::min<std::int64_t>(NB, N - n0));
-    const auto& table = n == NB ? full : tail;
-    for (std::int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int m = static_cast<int>(std::min<std::int64_t>(MR, M - m0));
-      table[static_cast<std::size_t>(m - 1)](K, a + m0 * ars, ars, acs, b + n0, ldb,
-                                             c + m0 * ldc + n0, ldc, n, accumulate);
+  if (K == 0 && !accumulate) {  // an empty sum: C = 0
+    for (std::int64_t m = 0; m < M; ++m) std::fill(c + m * ldc, c + m * ldc + N, T(0));
+    return;
+  }
+  for (std::int64_t k0 = 0; k0 < K; k0 += KC) {
+    const std::int64_t kc = std::min(KC, K - k0);
+    for (std::int64_t n0 = 0; n0 < N; n0 += NB) {
+      const int n = static_cast<int>(std::min<std::int64_t>(NB, N - n0));
+      const auto& table = n == NB ? full : tail;
+      for (std::int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int m = static_cast<int>(std::min<std::int64_t>(MR, M - m0));
+        table[static_cast<std::size_t>(m - 1)](kc, a + m0 * ars + k0 * acs, ars, acs,
+                                               b + k0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, n,
+                                               accumulate || k0 > 0);
+      }
     }
   }
 }
