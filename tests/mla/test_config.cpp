@@ -1,0 +1,120 @@
+// MlaConfig: presets, validation errors, and both JSON formats (DeepSeek
+// inference ModelArgs and Hugging Face config.json for DeepSeek-V3).
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "mla/config.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+namespace {
+
+using nlohmann::json;
+
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Config, PresetsValidateAndMatchDeepSeekV3) {
+  for (const auto& name : MlaConfig::preset_names()) EXPECT_NO_THROW(MlaConfig::preset(name).validate()) << name;
+  const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  EXPECT_EQ(v3.dim, 7168);
+  EXPECT_EQ(v3.n_heads, 128);
+  EXPECT_EQ(v3.q_lora_rank, 1536);
+  EXPECT_EQ(v3.kv_lora_rank, 512);
+  EXPECT_EQ(v3.qk_head_dim(), 192);
+  EXPECT_EQ(v3.v_head_dim, 128);
+  EXPECT_TRUE(v3.yarn());
+  // (192)^-1/2 * (0.1 * 1.0 * ln 40 + 1)^2
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(v3.softmax_scale(), m * m / std::sqrt(192.0));
+  EXPECT_EQ(MlaConfig::preset("paper").q_lora_rank, 0);
+  expect_error([] { MlaConfig::preset("v4"); }, "unknown preset 'v4'");
+}
+
+TEST(Config, ValidationNamesTheField) {
+  MlaConfig c;
+  c.qk_rope_head_dim = 7;
+  expect_error([&] { c.validate(); }, "qk_rope_head_dim must be even");
+  c = MlaConfig();
+  c.n_heads = 0;
+  expect_error([&] { c.validate(); }, "n_heads must be positive");
+  c = MlaConfig();
+  c.q_lora_rank = -1;
+  expect_error([&] { c.validate(); }, "q_lora_rank");
+  c = MlaConfig();
+  c.max_seq_len = 100000, c.beta_fast = 1, c.beta_slow = 32;
+  expect_error([&] { c.validate(); }, "beta_fast > beta_slow");
+}
+
+TEST(Config, ModelArgsJson) {
+  // DeepSeek-V3 inference configs/config_671B.json (attention keys; others ignored).
+  const json j = {{"vocab_size", 129280}, {"dim", 7168}, {"inter_dim", 18432}, {"n_layers", 61},
+                  {"n_heads", 128}, {"q_lora_rank", 1536}, {"kv_lora_rank", 512},
+                  {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
+                  {"mscale", 1.0}, {"dtype", "fp8"}};
+  const MlaConfig c = MlaConfig::from_json(j);
+  EXPECT_EQ(c.dim, 7168);
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  // ModelArgs defaults: max_seq_len 16384 > original 4096, so YaRN is on.
+  EXPECT_EQ(c.max_seq_len, 16384);
+  EXPECT_EQ(c.original_seq_len, 4096);
+  EXPECT_DOUBLE_EQ(c.rope_factor, 40);
+  EXPECT_TRUE(c.yarn());
+  // Round trip through laga's own output.
+  const MlaConfig back = MlaConfig::from_json(c.to_json());
+  EXPECT_EQ(back.to_json(), c.to_json());
+  json missing = j;
+  missing.erase("kv_lora_rank");
+  expect_error([&] { MlaConfig::from_json(missing); }, "missing 'kv_lora_rank'");
+  json wrong = j;
+  wrong["n_heads"] = "128";
+  expect_error([&] { MlaConfig::from_json(wrong); }, "'n_heads' must be an integer");
+}
+
+TEST(Config, HuggingFaceJson) {
+  const json j = {{"hidden_size", 7168}, {"num_attention_heads", 128}, {"q_lora_rank", 1536},
+                  {"kv_lora_rank", 512}, {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64},
+                  {"v_head_dim", 128}, {"rope_theta", 10000}, {"rms_norm_eps", 1e-6},
+                  {"max_position_embeddings", 163840},
+                  {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"beta_fast", 32}, {"beta_slow", 1},
+                                    {"mscale", 1.0}, {"mscale_all_dim", 1.0},
+                                    {"original_max_position_embeddings", 4096}}}};
+  const MlaConfig c = MlaConfig::from_json(j);
+  EXPECT_EQ(c.to_json(), MlaConfig::preset("deepseek-v3").to_json());
+  json lite = j;
+  lite["q_lora_rank"] = nullptr;  // V2-Lite style: no q compression
+  lite.erase("rope_scaling");
+  const MlaConfig l = MlaConfig::from_json(lite);
+  EXPECT_EQ(l.q_lora_rank, 0);
+  EXPECT_FALSE(l.yarn());
+  json bad = j;
+  bad["rope_scaling"]["mscale"] = 0.707;
+  expect_error([&] { MlaConfig::from_json(bad); }, "mscale_all_dim");
+  bad = j;
+  bad["rope_scaling"]["type"] = "linear";
+  expect_error([&] { MlaConfig::from_json(bad); }, "'linear' is not supported");
+}
+
+TEST(Config, ParameterShapesAndHfNames) {
+  const MlaConfig c = MlaConfig::preset("deepseek-v3");
+  const auto shapes = mla_param_shapes(c);
+  ASSERT_EQ(shapes.size(), 7u);
+  EXPECT_EQ(shapes[0].first, "wq_a.weight");
+  EXPECT_EQ(shapes[0].second, (Shape{1536, 7168}));
+  EXPECT_EQ(shapes[3].second, (Shape{576, 7168}));  // wkv_a: latent 512 | k_pe 64
+  EXPECT_EQ(shapes[5].second, (Shape{128 * 256, 512}));
+  EXPECT_EQ(hf_param_name("wkv_a.weight", 3), "model.layers.3.self_attn.kv_a_proj_with_mqa.weight");
+  EXPECT_EQ(hf_param_name("kv_norm.weight", 0), "model.layers.0.self_attn.kv_a_layernorm.weight");
+}
+
+}  // namespace
+}  // namespace laga
