@@ -89,6 +89,7 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
 
 template <class T>
 Tensor<T> Tensor<T>::clone(MemCategory cat) const {
+  if (!defined()) return Tensor();  // shape {} would otherwise allocate one element
   Tensor t(shape_, cat);
   if (t.data_ && data_) std::memcpy(t.data_, data_, static_cast<std::size_t>(bytes()));
   return t;

@@ -1,0 +1,180 @@
+// RMSNorm forward/backward against the reference, a hand-computed row and
+// finite differences; rows strided by ldx > C as the latent of wkv_a is.
+#include "kernels/rmsnorm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/threads.hpp"
+
+namespace laga {
+namespace {
+
+using test::all_close;
+using test::random_vector;
+
+template <class T>
+class RmsNormTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(RmsNormTest, Types);
+
+constexpr double kEps = 1e-6;  // DeepSeek-V3's kv_norm / q_norm eps
+
+// Rows of C <= 512 values in [-1, 1]: the float kernel's sum of squares has
+// relative error <= C eps_f ~ 3e-5 worst case and ~sqrt(C) eps_f ~ 1.3e-6
+// typically; rstd and y inherit it, dx adds one more length-C sum. The largest
+// differences seen are 2.4e-7 (y, dx) and 1.9e-6 (dw, a sum of 33 rows).
+// 3e-5 relative + 3e-6 absolute (for values that cancel to ~0), times N for
+// dw, is the worst-case bound and still 4 orders below a wrong term.
+// Double: seen 3e-15; 1e-12 relative + 1e-13 absolute.
+template <class T>
+double rtol() {
+  return std::is_same_v<T, float> ? 3e-5 : 1e-12;
+}
+template <class T>
+double atol() {
+  return std::is_same_v<T, float> ? 3e-6 : 1e-13;
+}
+
+TYPED_TEST(RmsNormTest, HandComputedRow) {
+  using T = TypeParam;
+  // x = (3, 4): mean square 12.5; with eps = 0, rstd = 1/sqrt(12.5).
+  // A zero row gives rstd = 1/sqrt(eps) and y = 0 (eps keeps it finite).
+  const std::vector<T> x{3, 4, 0, 0}, w{1, 2};
+  std::vector<T> y(4), rstd(2);
+  rmsnorm_forward<T>(y.data(), rstd.data(), x.data(), 2, w.data(), 2, 2, 0.0);
+  const double r = 1.0 / std::sqrt(12.5);
+  const double e = 4 * std::numeric_limits<T>::epsilon();
+  EXPECT_NEAR(rstd[0], r, e);
+  EXPECT_NEAR(y[0], 3 * r, e);
+  EXPECT_NEAR(y[1], 8 * r, e);
+  EXPECT_TRUE(std::isinf(double(rstd[1])));  // eps = 0 and a zero row: 1/0 (caller's choice)
+  rmsnorm_forward<T>(y.data(), rstd.data(), x.data(), 2, w.data(), 2, 2, 0.25);
+  EXPECT_NEAR(rstd[0], 1.0 / std::sqrt(12.75), e);
+  EXPECT_NEAR(rstd[1], 2.0, e);
+  EXPECT_EQ(y[2], T(0));
+  EXPECT_EQ(y[3], T(0));
+}
+
+struct Case {
+  std::int64_t N, C, ldx;
+};
+const Case kCases[] = {{1, 1, 1}, {7, 37, 37}, {9, 37, 45}, {33, 512, 576}, {3, 5, 13}};
+
+TYPED_TEST(RmsNormTest, ForwardMatchesReference) {
+  using T = TypeParam;
+  std::uint64_t seed = 100;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(testing::Message() << "N=" << c.N << " C=" << c.C << " ldx=" << c.ldx);
+    const auto x = random_vector<T>(c.N * c.ldx, seed++),
+               w = random_vector<T>(c.C, seed++, 0.5, 1.5);
+    std::vector<T> y(c.N * c.C), r(c.N), y_ref(c.N * c.C), r_ref(c.N);
+    rmsnorm_forward<T>(y.data(), r.data(), x.data(), c.ldx, w.data(), c.N, c.C, kEps);
+    rmsnorm_forward_reference<T>(y_ref.data(), r_ref.data(), x.data(), c.ldx, w.data(), c.N, c.C,
+                                 kEps);
+    EXPECT_TRUE(all_close("rstd", r, r_ref, atol<T>(), rtol<T>()));
+    EXPECT_TRUE(all_close("y", y, y_ref, atol<T>(), rtol<T>()));
+    // The reference itself against the definition, in double.
+    for (std::int64_t n = 0; n < c.N; ++n) {
+      double ss = 0;
+      for (std::int64_t k = 0; k < c.C; ++k) ss += double(x[n * c.ldx + k]) * x[n * c.ldx + k];
+      const double rs = 1.0 / std::sqrt(ss / double(c.C) + kEps);
+      EXPECT_NEAR(r_ref[n], rs, 2 * std::numeric_limits<T>::epsilon() * rs);
+      for (std::int64_t k = 0; k < c.C; ++k)
+        ASSERT_NEAR(y_ref[n * c.C + k], x[n * c.ldx + k] * rs * w[k],
+                    4 * std::numeric_limits<T>::epsilon() * std::abs(x[n * c.ldx + k] * rs * w[k]) +
+                        1e-300);
+    }
+  }
+}
+
+TYPED_TEST(RmsNormTest, BackwardMatchesReferenceAndKeepsPadding) {
+  using T = TypeParam;
+  std::uint64_t seed = 200;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(testing::Message() << "N=" << c.N << " C=" << c.C << " ldx=" << c.ldx);
+    const auto x = random_vector<T>(c.N * c.ldx, seed++),
+               w = random_vector<T>(c.C, seed++, 0.5, 1.5);
+    const auto dy = random_vector<T>(c.N * c.C, seed++);
+    std::vector<T> y(c.N * c.C), r(c.N);
+    rmsnorm_forward_reference<T>(y.data(), r.data(), x.data(), c.ldx, w.data(), c.N, c.C, kEps);
+
+    // dx padding holds a sentinel that must survive; dw accumulates onto dw0.
+    const T sentinel = T(777);
+    const auto dw0 = random_vector<T>(c.C, seed++);
+    std::vector<T> dx(c.N * c.ldx, sentinel), dx_ref(c.N * c.ldx, sentinel);
+    std::vector<T> dw = dw0, dw_ref = dw0;
+    rmsnorm_backward<T>(dx.data(), c.ldx, dw.data(), dy.data(), x.data(), w.data(), r.data(), c.N,
+                        c.C);
+    rmsnorm_backward_reference<T>(dx_ref.data(), c.ldx, dw_ref.data(), dy.data(), x.data(),
+                                  w.data(), r.data(), c.N, c.C);
+    for (std::int64_t n = 0; n < c.N; ++n)
+      for (std::int64_t k = c.C; k < c.ldx; ++k) {
+        ASSERT_EQ(dx[n * c.ldx + k], sentinel)
+            << "rmsnorm_backward wrote padding (" << n << ", " << k << ")";
+        ASSERT_EQ(dx_ref[n * c.ldx + k], sentinel) << "reference wrote padding";
+      }
+    EXPECT_TRUE(all_close("dx", dx, dx_ref, atol<T>(), rtol<T>()));
+    // dw sums N rows: N times the per-element tolerance.
+    EXPECT_TRUE(all_close("dw", dw, dw_ref, atol<T>() * double(c.N), rtol<T>()));
+  }
+}
+
+// Finite differences in double of L = <G, rmsnorm(x, w)> through the kernel
+// and through the reference. x is strided (ldx = C + 3) and its padding is
+// registered too: the forward must not read it, so its numeric gradient is
+// exactly 0, and the backward must leave the zero-initialised dx padding at 0.
+// tol 1e-6: central differences with h = 1e-5 have truncation error
+// ~h^2 |L'''| ~ 1e-10 here (x, w of order 1, rstd of order 1.7).
+TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
+  const test::ScopedOmpThreads one_thread(1);  // see common/threads.hpp
+  const std::int64_t N = 5, C = 11, ldx = C + 3;
+  for (bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "kernel");
+    auto x = random_vector<double>(N * ldx, 301), w = random_vector<double>(C, 302, 0.5, 1.5);
+    const auto G = random_vector<double>(N * C, 303);
+    std::vector<double> y(N * C), r(N);
+    auto fwd = [&] {
+      if (reference)
+        rmsnorm_forward_reference<double>(y.data(), r.data(), x.data(), ldx, w.data(), N, C, kEps);
+      else
+        rmsnorm_forward<double>(y.data(), r.data(), x.data(), ldx, w.data(), N, C, kEps);
+    };
+    fwd();
+    std::vector<double> dx(N * ldx, 0.0), dw(C, 0.0);
+    if (reference)
+      rmsnorm_backward_reference<double>(dx.data(), ldx, dw.data(), G.data(), x.data(), w.data(),
+                                         r.data(), N, C);
+    else
+      rmsnorm_backward<double>(dx.data(), ldx, dw.data(), G.data(), x.data(), w.data(), r.data(), N,
+                               C);
+    test::GradientCheck gc;
+    gc.add("x", x.data(), dx.data(), {N, ldx}).add("w", w.data(), dw.data(), C);
+    EXPECT_TRUE(gc.run([&] {
+      fwd();
+      return test::dot(G.data(), y.data(), N * C);
+    }));
+  }
+}
+
+// A scaled row has the same output (RMSNorm is scale invariant up to eps), so
+// its dx is orthogonal to x: sum_c dx_c x_c = 0 when eps = 0.
+TEST(RmsNorm, GradientIsOrthogonalToTheRowWithoutEps) {
+  const std::int64_t N = 3, C = 16;
+  const auto x = random_vector<double>(N * C, 401), w = random_vector<double>(C, 402);
+  const auto G = random_vector<double>(N * C, 403);
+  std::vector<double> y(N * C), r(N), dx(N * C), dw(C, 0.0);
+  rmsnorm_forward<double>(y.data(), r.data(), x.data(), C, w.data(), N, C, 0.0);
+  rmsnorm_backward<double>(dx.data(), C, dw.data(), G.data(), x.data(), w.data(), r.data(), N, C);
+  for (std::int64_t n = 0; n < N; ++n)
+    EXPECT_NEAR(test::dot(dx.data() + n * C, x.data() + n * C, C), 0.0, 1e-13) << "row " << n;
+}
+
+}  // namespace
+}  // namespace laga
