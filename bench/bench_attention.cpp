@@ -149,22 +149,8 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
     auto torch_ms = [&](const char* key) {
       return torch.contains(c.name) ? torch[c.name].value(key, std::nan("")) : std::nan("");
     };
-    if (c.eager) {
-      std::vector<float> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
-      auto fwd = [&] {
-        laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),
-                                             t.v.data());
-      };
-      ctx.run("attn_eager_fwd", shape, f, fwd, [&] { return wrong_fwd(t); }).torch_ms =
-          torch_ms("fwd_ms");
-      auto bwd = [&] {
-        laga::attention_eager_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(),
-                                              t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
-                                              probs.data(), dp.data());
-      };
-      ctx.run("attn_eager_bwd", shape, 2.5 * f, bwd, [&] { return wrong_bwd(t); }).torch_ms =
-          torch_ms("bwd_ms");
-    }
+    // Flash first: OpenBLAS' worker threads spin for a while after the eager
+    // kernels' GEMMs and would steal the cores from a kernel timed right after.
     auto fwd = [&] {
       laga::attention_flash_forward<float>(s, t.o.data(), t.lse.data(), t.q.data(), t.k.data(),
                                            t.v.data());
@@ -186,5 +172,21 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
            },
            [&] { return wrong_fwd(t) + wrong_bwd(t); })
         .torch_ms = torch_ms("fwdbwd_ms");
+    if (c.eager) {
+      std::vector<float> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
+      auto efwd = [&] {
+        laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),
+                                             t.v.data());
+      };
+      ctx.run("attn_eager_fwd", shape, f, efwd, [&] { return wrong_fwd(t); }).torch_ms =
+          torch_ms("fwd_ms");
+      auto ebwd = [&] {
+        laga::attention_eager_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(),
+                                              t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
+                                              probs.data(), dp.data());
+      };
+      ctx.run("attn_eager_bwd", shape, 2.5 * f, ebwd, [&] { return wrong_bwd(t); }).torch_ms =
+          torch_ms("bwd_ms");
+    }
   }
 }

@@ -20,6 +20,15 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
+// Other processes on the cores make every wall-clock number here a lie; the
+// load average printed with the table says how much to trust it.
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string one, five;
+  in >> one >> five;
+  return one.empty() ? "unknown" : one + " (1 min), " + five + " (5 min)";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -50,6 +59,7 @@ int main(int argc, char** argv) {
     const Peak peak = measure_fma_peak(opt.threads, 3);
     std::printf("# laga_bench on %s, %d of %d cores, threads %d\n", cpu_model().c_str(),
                 opt.threads, laga::hardware_cores(), opt.threads);
+    std::printf("# load average at start: %s\n", load_average().c_str());
     std::printf("# timing: median of %d runs after %d warm-up run(s); ms is wall time per call\n",
                 opt.repeats, opt.warmup);
     std::printf("# FMA peak on %d threads (register-only FMA loop, best of 3): avx2 %.1f GFLOP/s",
