@@ -20,7 +20,7 @@ namespace laga {
 enum class MemCategory : int {
   activations = 0,  // forward/backward tensors: saved-for-backward and transients
   parameters,
-  gradients,        // parameter gradients (and dx handed back to the caller)
+  gradients,        // parameter gradients
   comm_buffers,     // pack/unpack staging for collectives
   optimizer,        // AdamW moments
   count

@@ -132,10 +132,14 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
     auto rs = j.find("rope_scaling");
     if (rs != j.end() && !rs->is_null()) {
       LAGA_CHECK(rs->is_object(), source, ": 'rope_scaling' must be an object or null");
-      std::string type = rs->value("type", rs->value("rope_type", std::string()));
+      const json& type_j = rs->contains("type") ? rs->at("type") : rs->value("rope_type", json(""));
+      LAGA_CHECK(type_j.is_string(), source, ": rope_scaling 'type' must be a string, got ", type_j.dump());
+      const std::string type = type_j.get<std::string>();
       LAGA_CHECK(type == "yarn", source, ": rope_scaling type '", type,
                  "' is not supported; laga implements DeepSeek-V3's YaRN ('yarn') or none");
       read_key(*rs, "factor", c.rope_factor, source);
+      // HF's DeepSeek code defaults the original context to 4096 when absent.
+      c.original_seq_len = 4096;
       read_key(*rs, "original_max_position_embeddings", c.original_seq_len, source);
       read_key(*rs, "beta_fast", c.beta_fast, source);
       read_key(*rs, "beta_slow", c.beta_slow, source);
@@ -147,7 +151,9 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
       // code has one mscale for the softmax and none on cos/sin. They agree
       // exactly when the two are equal, as in every released V3 config.
       LAGA_CHECK(ms == ms_all, source, ": rope_scaling mscale (", ms, ") != mscale_all_dim (",
-                 ms_all, "); laga follows DeepSeek's inference code, which has a single mscale");
+                 ms_all, rs->contains("mscale_all_dim") ? "" : ", absent: HF's default",
+                 "); HF would then scale cos/sin by their ratio, which DeepSeek's inference code "
+                 "(laga's reference) never does; set both to the same value");
       c.mscale = ms_all;
     }
   } else {  // DeepSeek inference ModelArgs (or laga's own, which adds norm_eps)
