@@ -1,0 +1,67 @@
+// laga compare: explicit, absorbed and LAGA on the same weights and input —
+// bytes on the wire, peak activation memory, throughput and agreement, each
+// measured figure beside its closed-form prediction (docs/compare.md).
+// With no options: preset small, S = 1024, P = 4, all three forms, seconds
+// on two cores.
+#include <iostream>
+
+#include "core/error.hpp"
+#include "tools/commands.hpp"
+#include "tools/compare.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+void register_compare(CLI::App& app) {
+  auto o = std::make_shared<CompareOptions>();
+  CLI::App* c = app.add_subcommand(
+      "compare",
+      "Run the explicit, absorbed and laga forms on the same seeded weights and input and "
+      "report, per form: bytes sent per rank (forward, backward, gradient all-reduce, by "
+      "collective), peak activation memory per rank, tokens/s, and max |diff| against explicit; "
+      "each byte and memory figure beside its closed-form prediction");
+  o->model.add_to(*c);
+  o->comm.add_to(*c);
+  c->add_option("--batch", o->batch, "sequences per batch (B)")->capture_default_str();
+  c->add_option("--seq", o->seq, "sequence length (S), split over the ranks")
+      ->capture_default_str();
+  c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")->capture_default_str();
+  c->add_option("--forms", o->forms, "comma-separated forms to run: explicit, absorbed, laga")
+      ->capture_default_str();
+  c->add_option("--attention", o->attention,
+                "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
+                "(saves the log-sum-exp, recomputes in backward)")
+      ->check(CLI::IsMember({"eager", "flash"}))
+      ->capture_default_str();
+  c->add_option("--steps", o->steps, "measured forward+backward steps per form (median reported)")
+      ->capture_default_str();
+  c->add_option("--warmup", o->warmup, "unmeasured steps per form before them")
+      ->capture_default_str();
+  c->add_option("--seed", o->seed, "seed of the weights, input and upstream gradient")
+      ->capture_default_str();
+  c->add_option("--json", o->json, "write the results as JSON to this file ('-' for stdout)");
+  c->add_option("--csv", o->csv, "write one CSV row per form to this file ('-' for stdout)");
+  c->add_option("--rank-only", o->rank_only,
+                "run only rank R of the --sp group, alone, on a dry-run communicator: exact "
+                "bytes and memory for one rank of a job too large for this machine; values are "
+                "not numerically meaningful");
+  c->add_flag("--count-only", o->count_only,
+              "account every tensor without allocating it and run no kernel: exact bytes and "
+              "memory at any size in seconds; no values, no times");
+  c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
+  c->callback([o] {
+    const std::optional<CompareResult> r = run_compare(*o);
+    if (!r) return;  // not the reporting process of an MPI job
+    const bool table_to_stdout = o->json != "-" && o->csv != "-";
+    (table_to_stdout ? std::cout : std::cerr) << compare_table(*r) << std::flush;
+    if (!o->json.empty()) write_output(o->json, compare_json(*r));
+    if (!o->csv.empty()) write_output(o->csv, compare_csv(*r));
+  });
+}
+
+}  // namespace
+
+LAGA_REGISTER_COMMAND(register_compare);
+
+}  // namespace laga::tools

@@ -1,0 +1,487 @@
+// Runs `laga compare`: every form on every rank (or on one rank, dry), steps
+// after warm-up, and turns per-rank measurements into per-form results with
+// the closed-form predictions beside them.
+//
+// Each rank measures itself and serialises what it measured into doubles;
+// one all-reduce of per-rank slots (zeros elsewhere, so the sums are exact)
+// brings every rank's numbers to rank 0 on any backend. That all-reduce is
+// bookkeeping, not the block's traffic: the ledger is restored after it.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include "comm/dry_run_comm.hpp"
+#include "core/error.hpp"
+#include "core/threads.hpp"
+#include "mla/comm_model.hpp"
+#include "mla/runner.hpp"
+#include "tools/block_job.hpp"
+#include "tools/compare.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Key = std::pair<Phase, std::string>;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Everything one rank measured for one form, flattened into doubles in a
+// layout both ends compute from (steps, keys, parameter count). Byte counts
+// stay below 2^53, so doubles carry them exactly.
+struct RankRecord {
+  std::vector<double> fwd_ms, bwd_ms, sync_ms;  // measured steps
+  std::int64_t peak_act = 0, peak_comm = 0, peak_fb = 0, peak_sync = 0, grads = 0, params = 0;
+  std::vector<LedgerEntry> ledger;                    // per model key
+  std::int64_t unexpected = 0;                        // ledger labels the model does not know
+  double out = -1, dx = -1, out_ref = 0, dx_ref = 0;  // -1: not computed
+  std::vector<double> grad, grad_ref;
+
+  static std::size_t size(int steps, std::size_t keys, std::size_t params) {
+    return 3 * static_cast<std::size_t>(steps) + 6 + 3 * keys + 1 + 4 + 2 * params;
+  }
+  void write(double* p) const {
+    for (const auto* v : {&fwd_ms, &bwd_ms, &sync_ms}) p = std::copy(v->begin(), v->end(), p);
+    for (std::int64_t x : {peak_act, peak_comm, peak_fb, peak_sync, grads, params})
+      *p++ = static_cast<double>(x);
+    for (const LedgerEntry& e : ledger) {
+      *p++ = static_cast<double>(e.calls);
+      *p++ = static_cast<double>(e.bytes_sent);
+      *p++ = static_cast<double>(e.bytes_received);
+    }
+    *p++ = static_cast<double>(unexpected);
+    for (double x : {out, dx, out_ref, dx_ref}) *p++ = x;
+    for (std::size_t i = 0; i < grad.size(); ++i) *p++ = grad[i], *p++ = grad_ref[i];
+  }
+  static RankRecord read(const double* p, int steps, std::size_t keys, std::size_t params) {
+    RankRecord r;
+    for (auto* v : {&r.fwd_ms, &r.bwd_ms, &r.sync_ms}) {
+      v->assign(p, p + steps);
+      p += steps;
+    }
+    for (std::int64_t* x :
+         {&r.peak_act, &r.peak_comm, &r.peak_fb, &r.peak_sync, &r.grads, &r.params})
+      *x = static_cast<std::int64_t>(*p++);
+    r.ledger.resize(keys);
+    for (LedgerEntry& e : r.ledger) {
+      e.calls = static_cast<std::int64_t>(*p++);
+      e.bytes_sent = static_cast<std::int64_t>(*p++);
+      e.bytes_received = static_cast<std::int64_t>(*p++);
+    }
+    r.unexpected = static_cast<std::int64_t>(*p++);
+    for (double* x : {&r.out, &r.dx, &r.out_ref, &r.dx_ref}) *x = *p++;
+    r.grad.resize(params), r.grad_ref.resize(params);
+    for (std::size_t i = 0; i < params; ++i) r.grad[i] = *p++, r.grad_ref[i] = *p++;
+    return r;
+  }
+};
+
+// Everything every rank needs, fixed before the ranks start.
+struct Job {
+  const CompareOptions& o;
+  MlaConfig cfg;
+  SpLayout layout;
+  AttentionKind attention;
+  std::vector<Form> order;             // run order: explicit first when present
+  std::vector<std::vector<Key>> keys;  // per form in `order`: the model's (phase, label)s
+  std::vector<std::string> param_names;
+  int steps, warmup;
+  bool diffs;  // agreement with explicit is computed
+  bool progress;
+  Clock::time_point start;
+};
+
+struct Reference {  // this rank's explicit results, for max |diff|
+  std::vector<float> out, dx;
+  std::vector<std::vector<float>> grads;
+};
+
+struct MaxDiff {
+  double diff = 0, ref = 0;
+};
+MaxDiff max_diff(const float* a, const float* b, std::int64_t n) {
+  MaxDiff m;
+  for (std::int64_t i = 0; i < n; ++i) {
+    m.diff = std::max(m.diff, static_cast<double>(std::abs(a[i] - b[i])));
+    m.ref = std::max(m.ref, static_cast<double>(std::abs(b[i])));
+  }
+  return m;
+}
+
+void say(const Job& j, const std::string& what) {
+  if (!j.progress) return;
+  const double t = std::chrono::duration<double>(Clock::now() - j.start).count();
+  // Quiet for short runs: a line only once the job has taken a few seconds.
+  if (t < 3.0) return;
+  char stamp[32];
+  std::snprintf(stamp, sizeof stamp, "[%7.1f s] ", t);
+  std::cerr << "laga compare: " << stamp << what << "\n" << std::flush;
+}
+
+std::string secs(double ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f s", ms / 1000.0);
+  return b;
+}
+
+// The forms on this rank: returns one serialised RankRecord per form of j.order.
+std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
+                                           const MlaParams<float>& w, const TensorF& x,
+                                           const TensorF& dout) {
+  const int r = comm.rank();
+  const std::int64_t off = j.layout.seq_offset[static_cast<size_t>(r)];
+  const std::int64_t L = j.layout.seq_count[static_cast<size_t>(r)];
+  const RopeTable rope(j.cfg.rope(), j.layout.seq);
+  const bool talk = r == 0 || j.o.rank_only >= 0;
+  Reference ref;
+  std::vector<std::vector<double>> records;
+  for (size_t fi = 0; fi < j.order.size(); ++fi) {
+    const Form form = j.order[fi];
+    const BlockContext ctx{j.cfg, j.layout, comm, rope, form, j.attention};
+    RankRecord rec;
+    const int total = j.warmup + j.steps;
+    for (int step = 0; step < total; ++step) {
+      const bool measured = step >= j.warmup, last = step == total - 1;
+      const std::string name =
+          cat(to_string(form), " step ", step + 1, "/", total, measured ? "" : " (warm-up)");
+      // Start together, so "the slowest rank's step" is a step, not a skew.
+      comm.barrier("compare_step");
+      comm.ledger().clear();
+      MemoryPool pool;
+      pool.set_count_only(j.o.count_only);
+      PoolScope scope(pool);
+      const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
+      MlaParams<float> grads = MlaParams<float>::zeros(j.cfg, MemCategory::gradients);
+      const std::int64_t base_act = pool.current(MemCategory::activations);
+      const std::int64_t base_comm = pool.current(MemCategory::comm_buffers);
+      pool.reset_peaks();
+      MlaSaved<float> saved;
+      TensorF out, dx;
+      auto t0 = Clock::now();
+      mla_forward(ctx, w, x_loc, out, saved);
+      const double fwd = ms_since(t0);
+      // Long steps (big dry runs) report their halves as they finish.
+      if (talk && fwd > 10000) say(j, cat(name, ": forward ", secs(fwd)));
+      t0 = Clock::now();
+      mla_backward(ctx, w, x_loc, dout_loc, saved, dx, grads);
+      const double bwd = ms_since(t0);
+      if (talk && bwd > 10000) say(j, cat(name, ": backward ", secs(bwd)));
+      // Forward+backward peaks first; the gradient all-reduce is its own stretch.
+      const std::int64_t act_fb = pool.peak(MemCategory::activations) - base_act;
+      const std::int64_t comm_fb = pool.peak(MemCategory::comm_buffers) - base_comm;
+      const std::int64_t working_fb = pool.peak_working() - base_act - base_comm;
+      pool.reset_peaks();
+      t0 = Clock::now();
+      mla_sync_gradients(comm, grads);
+      const double sync = ms_since(t0);
+      if (talk)
+        say(j, cat(name, ": forward ", secs(fwd), ", backward ", secs(bwd),
+                   ", gradient all-reduce ", secs(sync)));
+      if (measured) {
+        rec.fwd_ms.push_back(fwd);
+        rec.bwd_ms.push_back(bwd);
+        rec.sync_ms.push_back(sync);
+      }
+      if (!last) continue;
+      rec.peak_act = std::max(act_fb, pool.peak(MemCategory::activations) - base_act);
+      rec.peak_comm = std::max(comm_fb, pool.peak(MemCategory::comm_buffers) - base_comm);
+      rec.peak_fb = working_fb;
+      rec.peak_sync = pool.peak_working() - base_act - base_comm;
+      rec.grads = pool.current(MemCategory::gradients);
+      w.for_each([&](const std::string&, const TensorF& t) { rec.params += t.bytes(); });
+      const auto& entries = comm.ledger().entries();
+      for (const Key& k : j.keys[fi]) {
+        auto it = entries.find(k);
+        rec.ledger.push_back(it == entries.end() ? LedgerEntry{} : it->second);
+      }
+      for (const auto& [k, e] : entries)
+        if (std::find(j.keys[fi].begin(), j.keys[fi].end(), k) == j.keys[fi].end())
+          ++rec.unexpected;
+      if (j.diffs) {
+        std::vector<const TensorF*> g;
+        grads.for_each([&](const std::string&, const TensorF& t) { g.push_back(&t); });
+        if (form == Form::explicit_form) {
+          ref.out.assign(out.data(), out.data() + out.numel());
+          ref.dx.assign(dx.data(), dx.data() + dx.numel());
+          ref.grads.clear();
+          for (const TensorF* t : g) ref.grads.emplace_back(t->data(), t->data() + t->numel());
+        }
+        const MaxDiff mo = max_diff(out.data(), ref.out.data(), out.numel());
+        const MaxDiff md = max_diff(dx.data(), ref.dx.data(), dx.numel());
+        rec.out = mo.diff, rec.out_ref = mo.ref, rec.dx = md.diff, rec.dx_ref = md.ref;
+        for (size_t i = 0; i < g.size(); ++i) {
+          const MaxDiff m = max_diff(g[i]->data(), ref.grads[i].data(), g[i]->numel());
+          rec.grad.push_back(m.diff);
+          rec.grad_ref.push_back(m.ref);
+        }
+      } else {
+        rec.grad.assign(j.param_names.size(), -1);
+        rec.grad_ref.assign(j.param_names.size(), 0);
+      }
+    }
+    std::vector<double> flat(RankRecord::size(j.steps, j.keys[fi].size(), j.param_names.size()));
+    rec.write(flat.data());
+    records.push_back(std::move(flat));
+  }
+  return records;
+}
+
+// Every rank's records on every rank: slot r of a zeroed buffer holds rank
+// r's, one all-reduce sums them. Not the block's traffic: the ledger is
+// restored afterwards.
+std::vector<double> gather_records(Communicator& comm, const std::vector<double>& mine) {
+  // Real staging even when the caller's pool is count-only (an MPI rank's
+  // main thread under --count-only).
+  MemoryPool pool;
+  PoolScope scope(pool);
+  const Ledger before = comm.ledger();
+  const Phase phase = comm.phase();
+  const std::size_t n = mine.size();
+  std::vector<double> all(n * static_cast<size_t>(comm.size()), 0.0);
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(n * comm.rank()));
+  comm.set_phase(Phase::grad_sync);
+  comm.all_reduce(all.data(), static_cast<std::int64_t>(all.size()), "compare_report");
+  comm.ledger() = before;
+  comm.set_phase(phase);
+  return all;
+}
+
+FormResult summarise(const Job& j, size_t fi, const std::vector<RankRecord>& recs,
+                     const std::vector<int>& ranks) {
+  const Form form = j.order[fi];
+  FormResult f;
+  f.form = form;
+  const std::vector<Key>& keys = j.keys[fi];
+  f.by_label.resize(keys.size());
+  for (size_t k = 0; k < keys.size(); ++k) {
+    f.by_label[k].phase = keys[k].first;
+    f.by_label[k].label = keys[k].second;
+  }
+  const MemoryModelOptions mopt{
+      true, true,
+      j.o.comm.backend == "mpi" && j.o.rank_only < 0 ? StagingRule::mpi : StagingRule::in_process};
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    const RankRecord& rec = recs[i];
+    const CommPrediction pred = predict_comm(j.cfg, j.layout, form, r, 4, true, true);
+    std::int64_t sent[3] = {0, 0, 0}, model[3] = {0, 0, 0}, recv = 0;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const LedgerEntry& e = rec.ledger[k];
+      const auto it = pred.find(keys[k]);
+      const PredictedBytes p = it == pred.end() ? PredictedBytes{} : it->second;
+      LabelRow& row = f.by_label[k];
+      row.calls = std::max(row.calls, e.calls);
+      row.bytes_sent = std::max(row.bytes_sent, e.bytes_sent);
+      row.bytes_received = std::max(row.bytes_received, e.bytes_received);
+      row.predicted_sent = std::max(row.predicted_sent, p.sent);
+      row.predicted_received = std::max(row.predicted_received, p.received);
+      const bool ok = e.calls > 0 && e.bytes_sent == p.sent && e.bytes_received == p.received;
+      row.match = row.match && ok;
+      f.bytes_match = f.bytes_match && ok;
+      const int ph = static_cast<int>(keys[k].first);
+      sent[ph] += e.bytes_sent;
+      model[ph] += p.sent;
+      recv += e.bytes_received;
+    }
+    if (rec.unexpected > 0) f.bytes_match = false;
+    f.sent_forward = std::max(f.sent_forward, sent[0]);
+    f.sent_backward = std::max(f.sent_backward, sent[1]);
+    f.sent_grad_sync = std::max(f.sent_grad_sync, sent[2]);
+    f.sent_total = std::max(f.sent_total, sent[0] + sent[1] + sent[2]);
+    f.predicted_forward = std::max(f.predicted_forward, model[0]);
+    f.predicted_backward = std::max(f.predicted_backward, model[1]);
+    f.predicted_grad_sync = std::max(f.predicted_grad_sync, model[2]);
+    f.predicted_total = std::max(f.predicted_total, model[0] + model[1] + model[2]);
+    f.received_total = std::max(f.received_total, recv);
+
+    const MemoryPrediction mp = predict_memory(j.cfg, j.layout, form, j.attention, r, 4, mopt);
+    if (i == 0 || rec.peak_fb > f.peak) {
+      f.peak = rec.peak_fb;
+      f.peak_rank = r;
+      f.model_peak = mp.forward_backward;
+      f.saved_after_forward = mp.after_forward;
+    }
+    f.predicted_peak = std::max(f.predicted_peak, mp.forward_backward.bytes);
+    f.peak_activations = std::max(f.peak_activations, rec.peak_act);
+    f.predicted_peak_activations = std::max(f.predicted_peak_activations, mp.peak_activations);
+    f.peak_comm_buffers = std::max(f.peak_comm_buffers, rec.peak_comm);
+    f.predicted_peak_comm_buffers = std::max(f.predicted_peak_comm_buffers, mp.peak_comm_buffers);
+    f.peak_grad_sync = std::max(f.peak_grad_sync, rec.peak_sync);
+    f.predicted_peak_grad_sync = std::max(f.predicted_peak_grad_sync, mp.grad_sync.bytes);
+    f.parameters = std::max(f.parameters, rec.params);
+    f.gradients = std::max(f.gradients, rec.grads);
+    f.memory_match = f.memory_match && rec.peak_fb == mp.forward_backward.bytes &&
+                     rec.peak_act == mp.peak_activations && rec.peak_comm == mp.peak_comm_buffers &&
+                     rec.peak_sync == mp.grad_sync.bytes;
+    if (mp.forward_backward.bytes > 0)
+      f.memory_rel_error =
+          std::max(f.memory_rel_error, std::abs(double(rec.peak_fb - mp.forward_backward.bytes)) /
+                                           double(mp.forward_backward.bytes));
+  }
+
+  // Time: the slowest rank of each step, then the median over steps.
+  std::vector<double> fwd, bwd, sync, step;
+  for (int s = 0; s < j.steps; ++s) {
+    double a = 0, b = 0, c = 0, t = 0;
+    for (const RankRecord& rec : recs) {
+      a = std::max(a, rec.fwd_ms[s]);
+      b = std::max(b, rec.bwd_ms[s]);
+      c = std::max(c, rec.sync_ms[s]);
+      t = std::max(t, rec.fwd_ms[s] + rec.bwd_ms[s] + rec.sync_ms[s]);
+    }
+    fwd.push_back(a), bwd.push_back(b), sync.push_back(c), step.push_back(t);
+  }
+  f.forward_ms = median(fwd), f.backward_ms = median(bwd), f.sync_ms = median(sync);
+  f.step_ms = median(step);
+  f.step_ms_all = step;
+  if (!j.o.count_only && j.o.rank_only < 0 && f.step_ms > 0)
+    f.tokens_per_s = double(j.layout.batch * j.layout.seq) / (f.step_ms / 1000.0);
+
+  if (j.diffs) {
+    Agreement a;
+    for (const RankRecord& rec : recs) {
+      a.out = std::max(a.out, rec.out), a.out_ref = std::max(a.out_ref, rec.out_ref);
+      a.dx = std::max(a.dx, rec.dx), a.dx_ref = std::max(a.dx_ref, rec.dx_ref);
+    }
+    // The worst parameter gradient by |diff| relative to its own scale
+    // (synced gradients are the same on every rank; max over ranks anyway).
+    double worst = -1;
+    for (size_t p = 0; p < j.param_names.size(); ++p) {
+      double d = 0, ref = 0;
+      for (const RankRecord& rec : recs)
+        d = std::max(d, rec.grad[p]), ref = std::max(ref, rec.grad_ref[p]);
+      const double rel = ref > 0 ? d / ref : d;
+      if (rel > worst) worst = rel, a.grads = d, a.grads_ref = ref, a.worst_grad = j.param_names[p];
+    }
+    f.agreement = a;
+  }
+  return f;
+}
+
+}  // namespace
+
+std::optional<CompareResult> run_compare(const CompareOptions& o) {
+  const auto start = Clock::now();
+  CompareResult res;
+  res.options = o;
+  res.cfg = o.model.load();
+  LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
+  LAGA_CHECK(o.sp >= 1, "--sp ", o.sp, ": need at least 1 rank");
+  LAGA_CHECK(o.steps >= 1, "--steps ", o.steps, ": need at least 1 measured step");
+  LAGA_CHECK(o.warmup >= 0, "--warmup ", o.warmup, ": must be >= 0");
+  LAGA_CHECK(o.rank_only < o.sp, "--rank-only ", o.rank_only, " is not a rank of --sp ", o.sp,
+             "; ranks are 0 .. ", o.sp - 1);
+  LAGA_CHECK(o.rank_only < 0 || o.comm.backend == "local",
+             "--rank-only runs one rank alone in "
+             "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
+  res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
+  res.forms = parse_form_list(o.forms);
+  res.attention = parse_attention(o.attention);
+  for (size_t i = 0; i < res.forms.size(); ++i)
+    for (size_t k = 0; k < i; ++k)
+      LAGA_CHECK(res.forms[i] != res.forms[k], "--forms lists '", to_string(res.forms[i]),
+                 "' twice; name each form once");
+
+  Job j{o,  res.cfg, res.layout, res.attention, {},       {},
+        {}, o.steps, o.warmup,   false,         !o.quiet, start};
+  if (o.count_only) {
+    // No kernels run: a step costs nothing and times nothing.
+    j.steps = 1, j.warmup = 0;
+    res.notes.push_back(
+        "--count-only: tensors are accounted but have no storage and no kernel "
+        "runs; bytes and memory are exact, values and times are not measured");
+  }
+  if (o.rank_only >= 0) {
+    res.notes.push_back(
+        cat("--rank-only ", o.rank_only, ": only rank ", o.rank_only, " of ", o.sp,
+            " runs, on a dry-run communicator that records the exact ledger but has no peers: "
+            "received blocks are copies of the rank's own data, reductions return its own "
+            "contribution. Bytes and memory are exact; outputs are not numerically meaningful, and "
+            "the time is this rank alone on all cores, not the group's step (no tokens/s)"));
+  }
+  res.values_meaningful = !o.count_only && (o.rank_only < 0 || o.sp == 1);
+  for (Form f : res.forms)
+    if (f == Form::explicit_form) j.order.push_back(f);
+  for (Form f : res.forms)
+    if (f != Form::explicit_form) j.order.push_back(f);
+  const bool has_explicit = j.order.front() == Form::explicit_form;
+  j.diffs = res.values_meaningful && o.rank_only < 0 && has_explicit;
+  if (res.values_meaningful && !has_explicit)
+    res.notes.push_back("explicit is not among --forms: no max |diff| against it");
+  for (Form f : j.order) {
+    std::vector<Key> keys;
+    for (const auto& [k, v] : predict_comm(res.cfg, res.layout, f, 0, 4, true, true))
+      keys.push_back(k);
+    // Within a phase, in the order the block issues them (the map is alphabetical).
+    const auto when = [](const Key& k) {
+      static const std::vector<std::string> fwd{"q_a2a", "k_a2a", "v_a2a", "latent_ag", "out_a2a"};
+      static const std::vector<std::string> bwd{"out_a2a", "q_a2a", "k_a2a", "v_a2a", "latent_ag"};
+      const auto& seq = k.first == Phase::backward ? bwd : fwd;
+      const auto it = std::find(seq.begin(), seq.end(), k.second);
+      return std::make_pair(static_cast<int>(k.first), it - seq.begin());
+    };
+    std::stable_sort(keys.begin(), keys.end(),
+                     [&](const Key& a, const Key& b) { return when(a) < when(b); });
+    j.keys.push_back(std::move(keys));
+  }
+  for (const auto& [name, shape] : mla_param_shapes(res.cfg)) j.param_names.push_back(name);
+
+  // Weights, input and upstream gradient: seeded, the same for every form
+  // and every backend (and `laga verify`'s for the same --seed).
+  MemoryPool data_pool;
+  data_pool.set_count_only(o.count_only);
+  PoolScope data_scope(data_pool);
+  std::int64_t param_bytes = 0;
+  for (const auto& [name, shape] : mla_param_shapes(res.cfg)) param_bytes += 4 * numel(shape);
+  if (!o.count_only && param_bytes > (std::int64_t(1) << 28) && is_reporting_process(o.comm))
+    say(j, cat("initialising ", param_bytes / 1000000, " MB of parameters"));
+  const MlaParams<float> w = random_weights(res.cfg, o.seed);
+  const TensorF x = random_tensor({o.batch, o.seq, res.cfg.dim}, o.seed, 1);
+  const TensorF dout = random_tensor({o.batch, o.seq, res.cfg.dim}, o.seed, 2);
+
+  std::vector<std::vector<double>> gathered(j.order.size());
+  if (o.rank_only >= 0) {
+    res.threads_per_rank = hardware_cores();
+    set_rank_threads(res.threads_per_rank);
+    DryRunCommunicator comm(o.rank_only, o.sp);
+    gathered = rank_body(comm, j, w, x, dout);
+    res.measured_ranks = {o.rank_only};
+  } else {
+    res.threads_per_rank = o.comm.backend == "local" ? threads_per_rank(o.sp) : threads_per_rank(1);
+    run_group(o.comm, o.sp, [&](Communicator& comm) {
+      std::vector<std::vector<double>> mine = rank_body(comm, j, w, x, dout);
+      for (size_t fi = 0; fi < mine.size(); ++fi) {
+        std::vector<double> all = gather_records(comm, mine[fi]);
+        if (comm.rank() == 0) gathered[fi] = std::move(all);
+      }
+    });
+    for (int r = 0; r < o.sp; ++r) res.measured_ranks.push_back(r);
+  }
+  if (!is_reporting_process(o.comm)) return std::nullopt;
+
+  for (size_t fi = 0; fi < j.order.size(); ++fi) {
+    const std::size_t n = RankRecord::size(j.steps, j.keys[fi].size(), j.param_names.size());
+    std::vector<RankRecord> recs;
+    for (size_t i = 0; i < res.measured_ranks.size(); ++i)
+      recs.push_back(RankRecord::read(gathered[fi].data() + i * n, j.steps, j.keys[fi].size(),
+                                      j.param_names.size()));
+    res.results.push_back(summarise(j, fi, recs, res.measured_ranks));
+  }
+  res.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  return res;
+}
+
+}  // namespace laga::tools
