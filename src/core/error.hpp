@@ -34,7 +34,7 @@ template <class... Parts>
 
 }  // namespace laga
 
-#define LAGA_CHECK(cond, ...)                        \
-  do {                                               \
-    if (!(cond)) ::laga::fail(__VA_ARGS__);          \
+#define LAGA_CHECK(cond, ...)               \
+  do {                                      \
+    if (!(cond)) ::laga::fail(__VA_ARGS__); \
   } while (0)

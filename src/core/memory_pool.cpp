@@ -8,12 +8,18 @@ namespace laga {
 
 const char* to_string(MemCategory c) {
   switch (c) {
-    case MemCategory::activations: return "activations";
-    case MemCategory::parameters: return "parameters";
-    case MemCategory::gradients: return "gradients";
-    case MemCategory::comm_buffers: return "comm_buffers";
-    case MemCategory::optimizer: return "optimizer";
-    case MemCategory::count: break;
+    case MemCategory::activations:
+      return "activations";
+    case MemCategory::parameters:
+      return "parameters";
+    case MemCategory::gradients:
+      return "gradients";
+    case MemCategory::comm_buffers:
+      return "comm_buffers";
+    case MemCategory::optimizer:
+      return "optimizer";
+    case MemCategory::count:
+      break;
   }
   return "?";
 }
@@ -42,7 +48,8 @@ void MemoryPool::on_free(MemCategory c, std::int64_t bytes) {
 void MemoryPool::reset_peaks() {
   peak_ = current_;
   peak_total_ = current_total_;
-  peak_working_ = current_[idx(MemCategory::activations)] + current_[idx(MemCategory::comm_buffers)];
+  peak_working_ =
+      current_[idx(MemCategory::activations)] + current_[idx(MemCategory::comm_buffers)];
 }
 
 namespace {
@@ -53,9 +60,15 @@ MemoryPool& default_pool() {
 thread_local MemoryPool* tls_pool = nullptr;
 }  // namespace
 
-MemoryPool& current_pool() { return tls_pool ? *tls_pool : default_pool(); }
+MemoryPool& current_pool() {
+  return tls_pool ? *tls_pool : default_pool();
+}
 
-PoolScope::PoolScope(MemoryPool& pool) : previous_(tls_pool) { tls_pool = &pool; }
-PoolScope::~PoolScope() { tls_pool = previous_; }
+PoolScope::PoolScope(MemoryPool& pool) : previous_(tls_pool) {
+  tls_pool = &pool;
+}
+PoolScope::~PoolScope() {
+  tls_pool = previous_;
+}
 
 }  // namespace laga

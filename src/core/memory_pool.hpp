@@ -20,9 +20,9 @@ namespace laga {
 enum class MemCategory : int {
   activations = 0,  // forward/backward tensors: saved-for-backward and transients
   parameters,
-  gradients,        // parameter gradients
-  comm_buffers,     // pack/unpack staging for collectives
-  optimizer,        // AdamW moments
+  gradients,     // parameter gradients
+  comm_buffers,  // pack/unpack staging for collectives
+  optimizer,     // AdamW moments
   count
 };
 constexpr int kNumMemCategories = static_cast<int>(MemCategory::count);

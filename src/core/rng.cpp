@@ -12,8 +12,10 @@ std::array<std::uint32_t, 4> philox4x32(std::array<std::uint32_t, 4> c,
   for (int round = 0; round < 10; ++round) {
     const std::uint64_t p0 = static_cast<std::uint64_t>(kMul0) * c[0];
     const std::uint64_t p1 = static_cast<std::uint64_t>(kMul1) * c[2];
-    const std::uint32_t hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
-    const std::uint32_t hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    const std::uint32_t hi0 = static_cast<std::uint32_t>(p0 >> 32),
+                        lo0 = static_cast<std::uint32_t>(p0);
+    const std::uint32_t hi1 = static_cast<std::uint32_t>(p1 >> 32),
+                        lo1 = static_cast<std::uint32_t>(p1);
     c = {hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0};
     k[0] += kWeyl0;
     k[1] += kWeyl1;
@@ -28,7 +30,9 @@ std::array<std::uint32_t, 4> draw(std::uint64_t seed, std::uint64_t stream, std:
                     {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
 }
 // (u + 0.5) / 2^32 lies in (0, 1).
-double to_unit(std::uint32_t u) { return (static_cast<double>(u) + 0.5) * 0x1.0p-32; }
+double to_unit(std::uint32_t u) {
+  return (static_cast<double>(u) + 0.5) * 0x1.0p-32;
+}
 }  // namespace
 
 double rng_uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
@@ -46,7 +50,8 @@ void fill_normal(T* out, std::int64_t n, std::uint64_t seed, std::uint64_t strea
                  std::uint64_t first, double stddev) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (std::int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<T>(stddev * rng_normal(seed, stream, first + static_cast<std::uint64_t>(i)));
+    out[i] =
+        static_cast<T>(stddev * rng_normal(seed, stream, first + static_cast<std::uint64_t>(i)));
 }
 
 template <class T>
@@ -54,12 +59,17 @@ void fill_uniform(T* out, std::int64_t n, std::uint64_t seed, std::uint64_t stre
                   std::uint64_t first, double lo, double hi) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (std::int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<T>(lo + (hi - lo) * rng_uniform(seed, stream, first + static_cast<std::uint64_t>(i)));
+    out[i] = static_cast<T>(
+        lo + (hi - lo) * rng_uniform(seed, stream, first + static_cast<std::uint64_t>(i)));
 }
 
-template void fill_normal<float>(float*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t, double);
-template void fill_normal<double>(double*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t, double);
-template void fill_uniform<float>(float*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t, double, double);
-template void fill_uniform<double>(double*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t, double, double);
+template void fill_normal<float>(float*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t,
+                                 double);
+template void fill_normal<double>(double*, std::int64_t, std::uint64_t, std::uint64_t,
+                                  std::uint64_t, double);
+template void fill_uniform<float>(float*, std::int64_t, std::uint64_t, std::uint64_t, std::uint64_t,
+                                  double, double);
+template void fill_uniform<double>(double*, std::int64_t, std::uint64_t, std::uint64_t,
+                                   std::uint64_t, double, double);
 
 }  // namespace laga

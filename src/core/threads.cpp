@@ -9,7 +9,9 @@ extern "C" void openblas_set_num_threads(int);
 
 namespace laga {
 
-int hardware_cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+int hardware_cores() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 void set_rank_threads(int n) {
   n = std::max(1, n);
@@ -17,6 +19,8 @@ void set_rank_threads(int n) {
   openblas_set_num_threads(n);
 }
 
-int threads_per_rank(int ranks) { return std::max(1, hardware_cores() / std::max(1, ranks)); }
+int threads_per_rank(int ranks) {
+  return std::max(1, hardware_cores() / std::max(1, ranks));
+}
 
 }  // namespace laga

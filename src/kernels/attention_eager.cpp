@@ -20,7 +20,8 @@ void AttnShape::validate() const {
              ", Sq=", Sq, ", Sk=", Sk, ")");
   LAGA_CHECK(Hq > 0 && Hk > 0 && Hq % Hk == 0, "attention: query heads (", Hq,
              ") must be a positive multiple of key/value heads (", Hk, ")");
-  LAGA_CHECK(dqk > 0 && dv > 0, "attention: head dims must be positive (dqk=", dqk, ", dv=", dv, ")");
+  LAGA_CHECK(dqk > 0 && dv > 0, "attention: head dims must be positive (dqk=", dqk, ", dv=", dv,
+             ")");
 }
 
 template <class T>
@@ -76,7 +77,8 @@ void attention_eager_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* 
       const T* kh = k + b * s.Sk * s.Hk * s.dqk + hk * s.dqk;
       const T* vh = v + b * s.Sk * s.Hk * s.dv + hk * s.dv;
       const T* doh = dout + b * s.Sq * s.Hq * s.dv + h * s.dv;
-      gemm<T>(false, true, s.Sq, s.Sk, s.dv, T(1), doh, s.Hq * s.dv, vh, s.Hk * s.dv, T(0), dp, s.Sk);
+      gemm<T>(false, true, s.Sq, s.Sk, s.dv, T(1), doh, s.Hq * s.dv, vh, s.Hk * s.dv, T(0), dp,
+              s.Sk);
 #pragma omp parallel for schedule(static)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
         const T* prow = p + i * s.Sk;

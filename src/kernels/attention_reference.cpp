@@ -78,7 +78,8 @@ void attention_reference_backward(const AttnShape& s, T* dq, T* dk, T* dv, const
         for (std::int64_t j = 0; j < s.Sk; ++j) {
           double acc = 0;
           for (std::int64_t c = 0; c < s.dv; ++c)
-            acc += double(dout[at(b, i, h, c, s.Sq, s.Hq, s.dv)]) * v[at(b, j, hk, c, s.Sk, s.Hk, s.dv)];
+            acc += double(dout[at(b, i, h, c, s.Sq, s.Hq, s.dv)]) *
+                   v[at(b, j, hk, c, s.Sk, s.Hk, s.dv)];
           dp[static_cast<size_t>(j)] = acc;
           D += p[static_cast<size_t>(j)] * acc;
         }
@@ -87,11 +88,14 @@ void attention_reference_backward(const AttnShape& s, T* dq, T* dk, T* dv, const
           if (pj == 0.0) continue;
           const double ds = pj * (dp[static_cast<size_t>(j)] - D) * s.scale;
           for (std::int64_t c = 0; c < s.dqk; ++c) {
-            gq[static_cast<size_t>(at(b, i, h, c, s.Sq, s.Hq, s.dqk))] += ds * k[at(b, j, hk, c, s.Sk, s.Hk, s.dqk)];
-            gk[static_cast<size_t>(at(b, j, hk, c, s.Sk, s.Hk, s.dqk))] += ds * q[at(b, i, h, c, s.Sq, s.Hq, s.dqk)];
+            gq[static_cast<size_t>(at(b, i, h, c, s.Sq, s.Hq, s.dqk))] +=
+                ds * k[at(b, j, hk, c, s.Sk, s.Hk, s.dqk)];
+            gk[static_cast<size_t>(at(b, j, hk, c, s.Sk, s.Hk, s.dqk))] +=
+                ds * q[at(b, i, h, c, s.Sq, s.Hq, s.dqk)];
           }
           for (std::int64_t c = 0; c < s.dv; ++c)
-            gv[static_cast<size_t>(at(b, j, hk, c, s.Sk, s.Hk, s.dv))] += pj * dout[at(b, i, h, c, s.Sq, s.Hq, s.dv)];
+            gv[static_cast<size_t>(at(b, j, hk, c, s.Sk, s.Hk, s.dv))] +=
+                pj * dout[at(b, i, h, c, s.Sq, s.Hq, s.dv)];
         }
       }
     }
@@ -100,11 +104,11 @@ void attention_reference_backward(const AttnShape& s, T* dq, T* dk, T* dv, const
   for (size_t i = 0; i < gv.size(); ++i) dv[i] = static_cast<T>(gv[i]);
 }
 
-#define LAGA_INSTANTIATE(T)                                                                    \
-  template void attention_reference_forward<T>(const AttnShape&, T*, T*, const T*, const T*,    \
-                                               const T*);                                      \
-  template void attention_reference_backward<T>(const AttnShape&, T*, T*, T*, const T*,          \
-                                                const T*, const T*, const T*);
+#define LAGA_INSTANTIATE(T)                                                                       \
+  template void attention_reference_forward<T>(const AttnShape&, T*, T*, const T*, const T*,      \
+                                               const T*);                                         \
+  template void attention_reference_backward<T>(const AttnShape&, T*, T*, T*, const T*, const T*, \
+                                                const T*, const T*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -7,7 +7,9 @@
 namespace laga {
 
 namespace {
-CBLAS_TRANSPOSE tr(bool t) { return t ? CblasTrans : CblasNoTrans; }
+CBLAS_TRANSPOSE tr(bool t) {
+  return t ? CblasTrans : CblasNoTrans;
+}
 }  // namespace
 
 template <>
@@ -22,8 +24,8 @@ void gemm<float>(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
 
 template <>
 void gemm<double>(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha,
-                  const double* A, std::int64_t lda, const double* B, std::int64_t ldb,
-                  double beta, double* C, std::int64_t ldc) {
+                  const double* A, std::int64_t lda, const double* B, std::int64_t ldb, double beta,
+                  double* C, std::int64_t ldc) {
   if (M == 0 || N == 0) return;
   cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), static_cast<blasint>(M), static_cast<blasint>(N),
               static_cast<blasint>(K), alpha, A, static_cast<blasint>(lda), B,
@@ -58,7 +60,8 @@ void linear_forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t i
 template <class T>
 void linear_backward(T* dx, bool accumulate_dx, T* dw, const T* dy, const T* x, const T* w,
                      std::int64_t N, std::int64_t in, std::int64_t out) {
-  if (dx) gemm<T>(false, false, N, in, out, T(1), dy, out, w, in, accumulate_dx ? T(1) : T(0), dx, in);
+  if (dx)
+    gemm<T>(false, false, N, in, out, T(1), dy, out, w, in, accumulate_dx ? T(1) : T(0), dx, in);
   if (dw) gemm<T>(true, false, out, in, N, T(1), dy, out, x, in, T(1), dw, in);
 }
 
@@ -72,8 +75,8 @@ template void linear_forward<float>(float*, const float*, const float*, std::int
                                     std::int64_t);
 template void linear_forward<double>(double*, const double*, const double*, std::int64_t,
                                      std::int64_t, std::int64_t);
-template void linear_backward<float>(float*, bool, float*, const float*, const float*,
-                                     const float*, std::int64_t, std::int64_t, std::int64_t);
+template void linear_backward<float>(float*, bool, float*, const float*, const float*, const float*,
+                                     std::int64_t, std::int64_t, std::int64_t);
 template void linear_backward<double>(double*, bool, double*, const double*, const double*,
                                       const double*, std::int64_t, std::int64_t, std::int64_t);
 

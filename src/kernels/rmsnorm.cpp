@@ -34,7 +34,8 @@ void rmsnorm_backward(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, c
   std::vector<T> dw_part(static_cast<size_t>(threads) * static_cast<size_t>(C), T(0));
 #pragma omp parallel num_threads(threads)
   {
-    T* dw_local = dw_part.data() + static_cast<size_t>(omp_get_thread_num()) * static_cast<size_t>(C);
+    T* dw_local =
+        dw_part.data() + static_cast<size_t>(omp_get_thread_num()) * static_cast<size_t>(C);
 #pragma omp for schedule(static)
     for (std::int64_t n = 0; n < N; ++n) {
       const T* xr = x + n * ldx;
@@ -53,7 +54,8 @@ void rmsnorm_backward(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, c
     }
   }
   for (int t = 0; t < threads; ++t)
-    for (std::int64_t c = 0; c < C; ++c) dw[c] += dw_part[static_cast<size_t>(t) * static_cast<size_t>(C) + static_cast<size_t>(c)];
+    for (std::int64_t c = 0; c < C; ++c)
+      dw[c] += dw_part[static_cast<size_t>(t) * static_cast<size_t>(C) + static_cast<size_t>(c)];
 }
 
 template <class T>
@@ -69,8 +71,8 @@ void rmsnorm_forward_reference(T* y, T* rstd, const T* x, std::int64_t ldx, cons
 }
 
 template <class T>
-void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x,
-                                const T* w, const T* rstd, std::int64_t N, std::int64_t C) {
+void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, const T* w,
+                                const T* rstd, std::int64_t N, std::int64_t C) {
   for (std::int64_t n = 0; n < N; ++n) {
     const double r = rstd[n];
     double gx = 0;
@@ -83,15 +85,15 @@ void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, con
   }
 }
 
-#define LAGA_INSTANTIATE(T)                                                                    \
-  template void rmsnorm_forward<T>(T*, T*, const T*, std::int64_t, const T*, std::int64_t,      \
-                                   std::int64_t, double);                                      \
-  template void rmsnorm_backward<T>(T*, std::int64_t, T*, const T*, const T*, const T*,         \
-                                    const T*, std::int64_t, std::int64_t);                     \
-  template void rmsnorm_forward_reference<T>(T*, T*, const T*, std::int64_t, const T*,          \
-                                             std::int64_t, std::int64_t, double);              \
-  template void rmsnorm_backward_reference<T>(T*, std::int64_t, T*, const T*, const T*,         \
-                                              const T*, const T*, std::int64_t, std::int64_t);
+#define LAGA_INSTANTIATE(T)                                                                       \
+  template void rmsnorm_forward<T>(T*, T*, const T*, std::int64_t, const T*, std::int64_t,        \
+                                   std::int64_t, double);                                         \
+  template void rmsnorm_backward<T>(T*, std::int64_t, T*, const T*, const T*, const T*, const T*, \
+                                    std::int64_t, std::int64_t);                                  \
+  template void rmsnorm_forward_reference<T>(T*, T*, const T*, std::int64_t, const T*,            \
+                                             std::int64_t, std::int64_t, double);                 \
+  template void rmsnorm_backward_reference<T>(T*, std::int64_t, T*, const T*, const T*, const T*, \
+                                              const T*, std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -25,7 +25,7 @@ template <class T>
 void rmsnorm_forward_reference(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w,
                                std::int64_t N, std::int64_t C, double eps);
 template <class T>
-void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x,
-                                const T* w, const T* rstd, std::int64_t N, std::int64_t C);
+void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, const T* w,
+                                const T* rstd, std::int64_t N, std::int64_t C);
 
 }  // namespace laga

@@ -12,13 +12,15 @@ std::vector<double> rope_frequencies(const RopeParams& p) {
   const std::int64_t d = p.dim;
   std::vector<double> freqs(static_cast<size_t>(d / 2));
   for (std::int64_t i = 0; i < d / 2; ++i)
-    freqs[static_cast<size_t>(i)] = 1.0 / std::pow(p.theta, static_cast<double>(2 * i) / static_cast<double>(d));
+    freqs[static_cast<size_t>(i)] =
+        1.0 / std::pow(p.theta, static_cast<double>(2 * i) / static_cast<double>(d));
   if (!p.yarn) return freqs;
   // The dimension at which a frequency completes `rotations` turns over the
   // original context.
   auto correction_dim = [&](double rotations) {
     return static_cast<double>(d) *
-           std::log(static_cast<double>(p.original_seq_len) / (rotations * 2.0 * std::numbers::pi)) /
+           std::log(static_cast<double>(p.original_seq_len) /
+                    (rotations * 2.0 * std::numbers::pi)) /
            (2.0 * std::log(p.theta));
   };
   const double low = std::max(std::floor(correction_dim(p.beta_fast)), 0.0);
@@ -53,7 +55,8 @@ template <class T>
 void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
                 std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse) {
   LAGA_CHECK(pos0 >= 0 && pos0 + L <= table.positions(), "rope: positions [", pos0, ", ", pos0 + L,
-             ") exceed the table's ", table.positions(), "; build the RopeTable for the full sequence");
+             ") exceed the table's ", table.positions(),
+             "; build the RopeTable for the full sequence");
   const std::int64_t half = table.dim() / 2;
   const double sign = inverse ? -1.0 : 1.0;
 #pragma omp parallel for collapse(2) schedule(static)

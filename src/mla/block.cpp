@@ -14,9 +14,12 @@ namespace laga {
 
 const char* to_string(Form f) {
   switch (f) {
-    case Form::explicit_form: return "explicit";
-    case Form::absorbed: return "absorbed";
-    case Form::laga: return "laga";
+    case Form::explicit_form:
+      return "explicit";
+    case Form::absorbed:
+      return "absorbed";
+    case Form::laga:
+      return "laga";
   }
   return "?";
 }
@@ -28,7 +31,9 @@ Form parse_form(const std::string& s) {
   fail("unknown form '", s, "'; choose explicit, absorbed or laga");
 }
 
-const char* to_string(AttentionKind a) { return a == AttentionKind::eager ? "eager" : "flash"; }
+const char* to_string(AttentionKind a) {
+  return a == AttentionKind::eager ? "eager" : "flash";
+}
 
 AttentionKind parse_attention(const std::string& s) {
   if (s == "eager") return AttentionKind::eager;
@@ -111,7 +116,8 @@ void gather_latent(const BlockContext& ctx, const Tensor<T>& c_hat, MlaSaved<T>&
   if (computing())
     for (std::int64_t n = 0; n < d.N; ++n) {
       std::memcpy(lat_loc.data() + n * W, c_hat.data() + n * d.C, sizeof(T) * u(d.C));
-      std::memcpy(lat_loc.data() + n * W + d.C, saved.kv_a.data() + n * W + d.C, sizeof(T) * u(d.dr));
+      std::memcpy(lat_loc.data() + n * W + d.C, saved.kv_a.data() + n * W + d.C,
+                  sizeof(T) * u(d.dr));
     }
   saved.lat = Tensor<T>({d.B, d.S, W});
   gather_seq(ctx.comm, ctx.layout, lat_loc.data(), saved.lat.data(), W, "latent_ag");
@@ -151,7 +157,8 @@ void project_out(const BlockContext& ctx, const MlaParams<T>& w, const T* o_h, T
   saved.o_loc = Tensor<T>({d.B, d.L, d.H * d.dv});
   head_to_seq(ctx.comm, ctx.layout, o_h, saved.o_loc.data(), d.dv, "out_a2a");
   out = Tensor<T>({d.B, d.L, d.D});
-  if (computing()) linear_forward(out.data(), saved.o_loc.data(), w.wo.data(), d.N, d.H * d.dv, d.D);
+  if (computing())
+    linear_forward(out.data(), saved.o_loc.data(), w.wo.data(), d.N, d.H * d.dv, d.D);
 }
 
 template <class T>
@@ -170,8 +177,8 @@ Tensor<T> project_out_backward(const BlockContext& ctx, const MlaParams<T>& w,
 
 template <class T>
 void project_in_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                         Tensor<T>& dq_loc, Tensor<T>& dlat_loc, MlaSaved<T>& saved,
-                         Tensor<T>& dx, MlaParams<T>& grads) {
+                         Tensor<T>& dq_loc, Tensor<T>& dlat_loc, MlaSaved<T>& saved, Tensor<T>& dx,
+                         MlaParams<T>& grads) {
   const Dims d(ctx);
   const bool run = computing();
   const std::int64_t W = d.C + d.dr;
@@ -215,17 +222,61 @@ void project_in_backward(const BlockContext& ctx, const MlaParams<T>& w, const T
   }
   dq_loc.reset();
   if (run)
-    linear_backward(dx.data(), true, grads.wkv_a.data(), dlat_loc.data(), x.data(),
-                    w.wkv_a.data(), d.N, d.D, W);
+    linear_backward(dx.data(), true, grads.wkv_a.data(), dlat_loc.data(), x.data(), w.wkv_a.data(),
+                    d.N, d.D, W);
   dlat_loc.reset();
   saved.kv_a.reset();
+}
+
+template <class T>
+void split_kv(const Dims& d, std::int64_t rows, std::int64_t heads, const T* kv, const T* kpe,
+              std::int64_t ld_kpe, T* k, T* v) {
+  const std::int64_t KV = d.dn + d.dv;
+  for (std::int64_t n = 0; n < rows; ++n)
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const T* src = kv + (n * heads + h) * KV;
+      T* kh = k + (n * heads + h) * d.dqk;
+      std::memcpy(kh, src, sizeof(T) * u(d.dn));
+      std::memcpy(kh + d.dn, kpe + n * ld_kpe, sizeof(T) * u(d.dr));
+      std::memcpy(v + (n * heads + h) * d.dv, src + d.dn, sizeof(T) * u(d.dv));
+    }
+}
+
+template <class T>
+void merge_dkv(const Dims& d, std::int64_t rows, std::int64_t heads, const T* dk, const T* dv,
+               T* dkv, T* dkpe, std::int64_t ld_dkpe) {
+  const std::int64_t KV = d.dn + d.dv;
+  for (std::int64_t n = 0; n < rows; ++n) {
+    T* dpe = dkpe + n * ld_dkpe;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const T* dkh = dk + (n * heads + h) * d.dqk;
+      T* dst = dkv + (n * heads + h) * KV;
+      std::memcpy(dst, dkh, sizeof(T) * u(d.dn));
+      std::memcpy(dst + d.dn, dv + (n * heads + h) * d.dv, sizeof(T) * u(d.dv));
+      for (std::int64_t i = 0; i < d.dr; ++i) dpe[i] += dkh[d.dn + i];
+    }
+  }
+}
+
+template <class T>
+void head_attention_backward(const BlockContext& ctx, MlaSaved<T>& saved, Tensor<T>& do_h,
+                             Tensor<T>& dq_h, Tensor<T>& dk_h, Tensor<T>& dv_h) {
+  const Dims d(ctx);
+  const AttnShape s{d.B, d.S, d.S, d.Hr, d.Hr, d.dqk, d.dv, ctx.cfg.softmax_scale(), true};
+  dq_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
+  dk_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
+  dv_h = Tensor<T>({d.B, d.S, d.Hr, d.dv});
+  attention_backward(ctx, s, dq_h.data(), dk_h.data(), dv_h.data(), do_h.data(), saved.q_h.data(),
+                     saved.k_h.data(), saved.v_h.data(), saved.o_att.data(), saved);
+  do_h.reset();
+  saved.q_h.reset(), saved.k_h.reset(), saved.v_h.reset(), saved.o_att.reset();
 }
 
 }  // namespace detail
 
 template <class T>
-void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                 Tensor<T>& out, MlaSaved<T>& saved) {
+void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& out,
+                 MlaSaved<T>& saved) {
   const detail::Dims d(ctx);
   LAGA_CHECK(x.shape() == Shape({d.B, d.L, d.D}), "mla_forward: x on rank ", ctx.comm.rank(),
              " has shape ", to_string(x.shape()), " but this rank's shard needs ",
@@ -233,9 +284,15 @@ void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>
   saved.clear();
   ctx.comm.set_phase(Phase::forward);
   switch (ctx.form) {
-    case Form::explicit_form: detail::explicit_forward(ctx, w, x, out, saved); break;
-    case Form::laga: detail::laga_forward(ctx, w, x, out, saved); break;
-    case Form::absorbed: detail::absorbed_forward(ctx, w, x, out, saved); break;
+    case Form::explicit_form:
+      detail::explicit_forward(ctx, w, x, out, saved);
+      break;
+    case Form::laga:
+      detail::laga_forward(ctx, w, x, out, saved);
+      break;
+    case Form::absorbed:
+      detail::absorbed_forward(ctx, w, x, out, saved);
+      break;
   }
 }
 
@@ -246,9 +303,15 @@ void mla_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T
              " but x has ", to_string(x.shape()));
   ctx.comm.set_phase(Phase::backward);
   switch (ctx.form) {
-    case Form::explicit_form: detail::explicit_backward(ctx, w, x, dout, saved, dx, grads); break;
-    case Form::laga: detail::laga_backward(ctx, w, x, dout, saved, dx, grads); break;
-    case Form::absorbed: detail::absorbed_backward(ctx, w, x, dout, saved, dx, grads); break;
+    case Form::explicit_form:
+      detail::explicit_backward(ctx, w, x, dout, saved, dx, grads);
+      break;
+    case Form::laga:
+      detail::laga_backward(ctx, w, x, dout, saved, dx, grads);
+      break;
+    case Form::absorbed:
+      detail::absorbed_backward(ctx, w, x, dout, saved, dx, grads);
+      break;
   }
   saved.clear();
 }
@@ -273,26 +336,32 @@ void mla_sync_gradients(Communicator& comm, MlaParams<T>& grads) {
 
 #define LAGA_INSTANTIATE(T)                                                                        \
   template struct MlaSaved<T>;                                                                     \
-  template void mla_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,           \
+  template void mla_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,         \
                                Tensor<T>&, MlaSaved<T>&);                                          \
-  template void mla_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,          \
+  template void mla_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,        \
                                 const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);        \
   template void mla_sync_gradients<T>(Communicator&, MlaParams<T>&);                               \
   namespace detail {                                                                               \
-  template Tensor<T> project_q<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,        \
+  template Tensor<T> project_q<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,      \
                                   MlaSaved<T>&);                                                   \
-  template Tensor<T> project_latent<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,   \
+  template Tensor<T> project_latent<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
                                        MlaSaved<T>&);                                              \
-  template void gather_latent<T>(const BlockContext&, const Tensor<T>&, MlaSaved<T>&);              \
-  template void attention_forward<T>(const BlockContext&, const AttnShape&, T*, const T*, const T*,  \
-                                     const T*, MlaSaved<T>&);                                      \
-  template void attention_backward<T>(const BlockContext&, const AttnShape&, T*, T*, T*, const T*,   \
+  template void gather_latent<T>(const BlockContext&, const Tensor<T>&, MlaSaved<T>&);             \
+  template void attention_forward<T>(const BlockContext&, const AttnShape&, T*, const T*,          \
+                                     const T*, const T*, MlaSaved<T>&);                            \
+  template void attention_backward<T>(const BlockContext&, const AttnShape&, T*, T*, T*, const T*, \
                                       const T*, const T*, const T*, const T*, MlaSaved<T>&);       \
-  template void project_out<T>(const BlockContext&, const MlaParams<T>&, const T*, Tensor<T>&,       \
+  template void project_out<T>(const BlockContext&, const MlaParams<T>&, const T*, Tensor<T>&,     \
                                MlaSaved<T>&);                                                      \
   template Tensor<T> project_out_backward<T>(const BlockContext&, const MlaParams<T>&,             \
                                              const Tensor<T>&, MlaSaved<T>&, MlaParams<T>&);       \
-  template void project_in_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,   \
+  template void split_kv<T>(const Dims&, std::int64_t, std::int64_t, const T*, const T*,           \
+                            std::int64_t, T*, T*);                                                 \
+  template void merge_dkv<T>(const Dims&, std::int64_t, std::int64_t, const T*, const T*, T*, T*,  \
+                             std::int64_t);                                                        \
+  template void head_attention_backward<T>(const BlockContext&, MlaSaved<T>&, Tensor<T>&,          \
+                                           Tensor<T>&, Tensor<T>&, Tensor<T>&);                    \
+  template void project_in_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
                                        Tensor<T>&, Tensor<T>&, MlaSaved<T>&, Tensor<T>&,           \
                                        MlaParams<T>&);                                             \
   }

@@ -53,19 +53,19 @@ struct MlaSaved {
   Tensor<T> c_hat;           // (B, L_r, C) explicit: normalised latent
   Tensor<T> o_loc;           // (B, L_r, H*dv) attention output after head->seq
   // head shard, full sequence (B, S, H_r, .)
-  Tensor<T> q_h, k_h, v_h;   // explicit / laga attention inputs
-  Tensor<T> lat;             // (B, S, C+dr) laga / absorbed: gathered [c_hat | k_pe]
-  Tensor<T> v_lat;           // (B, S, C) absorbed: contiguous values c_hat
-  Tensor<T> q_abs;           // (B, S, H_r, C+dr) absorbed: [q_nope W_UK | q_pe]
-  Tensor<T> o_att;           // (B, S, H_r, dv or C) attention output (flash needs it)
-  Tensor<T> attn_stats;      // eager: probs (B, H_r, S, S); flash: lse (B, H_r, S)
+  Tensor<T> q_h, k_h, v_h;  // explicit / laga attention inputs
+  Tensor<T> lat;            // (B, S, C+dr) laga / absorbed: gathered [c_hat | k_pe]
+  Tensor<T> v_lat;          // (B, S, C) absorbed: contiguous values c_hat
+  Tensor<T> q_abs;          // (B, S, H_r, C+dr) absorbed: [q_nope W_UK | q_pe]
+  Tensor<T> o_att;          // (B, S, H_r, dv or C) attention output (flash needs it)
+  Tensor<T> attn_stats;     // eager: probs (B, H_r, S, S); flash: lse (B, H_r, S)
 
   void clear();
 };
 
 template <class T>
-void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                 Tensor<T>& out, MlaSaved<T>& saved);
+void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& out,
+                 MlaSaved<T>& saved);
 
 template <class T>
 void mla_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,

@@ -7,9 +7,13 @@
 
 namespace laga::detail {
 
-inline size_t u(std::int64_t i) { return static_cast<size_t>(i); }
+inline size_t u(std::int64_t i) {
+  return static_cast<size_t>(i);
+}
 // False under a count-only pool: tensors have no storage and kernels must not run.
-inline bool computing() { return !current_pool().count_only(); }
+inline bool computing() {
+  return !current_pool().count_only();
+}
 
 // Dims of one block on one rank.
 struct Dims {
@@ -55,24 +59,46 @@ Tensor<T> project_out_backward(const BlockContext& ctx, const MlaParams<T>& w,
 // kv_norm gradients. Both inputs are consumed.
 template <class T>
 void project_in_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                         Tensor<T>& dq_loc, Tensor<T>& dlat_loc, MlaSaved<T>& saved,
-                         Tensor<T>& dx, MlaParams<T>& grads);
+                         Tensor<T>& dq_loc, Tensor<T>& dlat_loc, MlaSaved<T>& saved, Tensor<T>& dx,
+                         MlaParams<T>& grads);
+
+// K = [k_nope | k_pe] (rows, heads, dqk) and V (rows, heads, dv) from kv
+// (rows, heads*(dn+dv)) and each row's rotated k_pe at kpe + row * ld_kpe,
+// which every head shares (Megatron-Core expands it the same way).
+template <class T>
+void split_kv(const Dims& d, std::int64_t rows, std::int64_t heads, const T* kv, const T* kpe,
+              std::int64_t ld_kpe, T* k, T* v);
+// The adjoint of split_kv: dkv (rows, heads*(dn+dv)) from dk's nope part and
+// dv; dk's rope parts are summed over heads, in head order, into
+// dkpe + row * ld_dkpe (added to what is there).
+template <class T>
+void merge_dkv(const Dims& d, std::int64_t rows, std::int64_t heads, const T* dk, const T* dv,
+               T* dkv, T* dkpe, std::int64_t ld_dkpe);
+// The head-dim attention backward of explicit and laga: from do_h and the
+// saved q_h, k_h, v_h (and o_att) to dq_h, dk_h, dv_h (B, S, H_r, .); frees
+// do_h and those saved tensors.
+template <class T>
+void head_attention_backward(const BlockContext& ctx, MlaSaved<T>& saved, Tensor<T>& do_h,
+                             Tensor<T>& dq_h, Tensor<T>& dk_h, Tensor<T>& dv_h);
 
 // The forms.
 template <class T>
-void explicit_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out, MlaSaved<T>&);
+void explicit_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out,
+                      MlaSaved<T>&);
 template <class T>
-void explicit_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, const Tensor<T>& dout,
-                       MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
+void explicit_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x,
+                       const Tensor<T>& dout, MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
 template <class T>
-void laga_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out, MlaSaved<T>&);
+void laga_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out,
+                  MlaSaved<T>&);
 template <class T>
-void laga_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, const Tensor<T>& dout,
-                   MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
+void laga_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x,
+                   const Tensor<T>& dout, MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
 template <class T>
-void absorbed_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out, MlaSaved<T>&);
+void absorbed_forward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, Tensor<T>& out,
+                      MlaSaved<T>&);
 template <class T>
-void absorbed_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x, const Tensor<T>& dout,
-                       MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
+void absorbed_backward(const BlockContext&, const MlaParams<T>&, const Tensor<T>& x,
+                       const Tensor<T>& dout, MlaSaved<T>&, Tensor<T>& dx, MlaParams<T>& grads);
 
 }  // namespace laga::detail

@@ -7,7 +7,8 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
   auto z = [](std::int64_t i) { return static_cast<size_t>(i); };
   const int P = lay.ranks;
   const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)], Hr = lay.head_count[z(r)];
-  const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = c.kv_lora_rank + c.qk_rope_head_dim;
+  const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim,
+                     W = c.kv_lora_rank + c.qk_rope_head_dim;
   // seq->head all-to-all of width d: this rank sends its tokens' heads of every
   // peer, receives its heads of every peer's tokens.
   auto seq_to_head = [&](std::int64_t d) {

@@ -52,8 +52,8 @@ void MlaConfig::validate() const {
   if (yarn()) {
     LAGA_CHECK(rope_factor >= 1.0, "config: rope_factor must be >= 1 when YaRN is on (max_seq_len ",
                max_seq_len, " > original_seq_len ", original_seq_len, "), got ", rope_factor);
-    LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0, "config: YaRN needs beta_fast > beta_slow > 0, got ",
-               beta_fast, " and ", beta_slow);
+    LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0,
+               "config: YaRN needs beta_fast > beta_slow > 0, got ", beta_fast, " and ", beta_slow);
     LAGA_CHECK(mscale >= 0, "config: mscale must be >= 0, got ", mscale);
   }
   // Sizes past this overflow int32 BLAS arguments somewhere; nobody needs them.
@@ -61,7 +61,9 @@ void MlaConfig::validate() const {
              "config: dimensions too large (dim ", dim, ", n_heads ", n_heads, ")");
 }
 
-std::vector<std::string> MlaConfig::preset_names() { return {"tiny", "small", "paper", "deepseek-v3"}; }
+std::vector<std::string> MlaConfig::preset_names() {
+  return {"tiny", "small", "paper", "deepseek-v3"};
+}
 
 MlaConfig MlaConfig::preset(const std::string& name) {
   MlaConfig c;
@@ -92,8 +94,9 @@ bool read_key(const json& j, const char* key, V& out, const std::string& source)
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return false;
   if constexpr (std::is_integral_v<V>) {
-    LAGA_CHECK(it->is_number_integer() || (it->is_number_float() && std::floor(it->template get<double>()) ==
-                                                                         it->template get<double>()),
+    LAGA_CHECK(it->is_number_integer() ||
+                   (it->is_number_float() &&
+                    std::floor(it->template get<double>()) == it->template get<double>()),
                source, ": '", key, "' must be an integer, got ", it->dump());
     out = static_cast<V>(it->template get<double>());
   } else {
@@ -133,7 +136,8 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
     if (rs != j.end() && !rs->is_null()) {
       LAGA_CHECK(rs->is_object(), source, ": 'rope_scaling' must be an object or null");
       const json& type_j = rs->contains("type") ? rs->at("type") : rs->value("rope_type", json(""));
-      LAGA_CHECK(type_j.is_string(), source, ": rope_scaling 'type' must be a string, got ", type_j.dump());
+      LAGA_CHECK(type_j.is_string(), source, ": rope_scaling 'type' must be a string, got ",
+                 type_j.dump());
       const std::string type = type_j.get<std::string>();
       LAGA_CHECK(type == "yarn", source, ": rope_scaling type '", type,
                  "' is not supported; laga implements DeepSeek-V3's YaRN ('yarn') or none");
@@ -217,8 +221,8 @@ json MlaConfig::to_json() const {
 }
 
 std::string MlaConfig::summary() const {
-  return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank, " dn=",
-             qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
+  return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank,
+             " dn=", qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
              yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"));
 }
 

@@ -17,8 +17,12 @@ std::int64_t total(const Counts& c) {
   for (auto x : c) s += x;
   return s;
 }
-size_t u(std::int64_t i) { return static_cast<size_t>(i); }
-bool backed() { return !current_pool().count_only(); }
+size_t u(std::int64_t i) {
+  return static_cast<size_t>(i);
+}
+bool backed() {
+  return !current_pool().count_only();
+}
 
 // Copies a (B, rows, cols_a) block of `width` elements per (b, row, col) between
 // two head-sliced layouts: the building block of both all-to-all packings.
@@ -41,14 +45,16 @@ template <class T>
 void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,
                  const std::string& label) {
   const int P = lay.ranks, r = comm.rank();
-  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads, Hr = lay.head_count[u(r)];
+  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads,
+                     Hr = lay.head_count[u(r)];
   Counts sc(u(P)), rc(u(P));
   for (int j = 0; j < P; ++j) {
     sc[u(j)] = B * L * lay.head_count[u(j)] * d;
     rc[u(j)] = B * lay.seq_count[u(j)] * Hr * d;
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
-  Tensor<T> send({total(sc)}, MemCategory::comm_buffers), recv({total(rc)}, MemCategory::comm_buffers);
+  Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
+      recv({total(rc)}, MemCategory::comm_buffers);
   if (backed())
     for (int j = 0; j < P; ++j)  // block j: (B, L, H_j, d)
       copy_block(src, L, 0, H, lay.head_offset[u(j)], send.data() + sd[u(j)], L, 0,
@@ -57,26 +63,28 @@ void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
   send.reset();
   if (backed())
     for (int i = 0; i < P; ++i)  // block i: (B, L_i, H_r, d) -> rows seq_offset[i]..
-      copy_block(recv.data() + rd[u(i)], lay.seq_count[u(i)], 0, Hr, 0, dst, lay.seq, lay.seq_offset[u(i)],
-                 Hr, 0, B, lay.seq_count[u(i)], Hr, d);
+      copy_block(recv.data() + rd[u(i)], lay.seq_count[u(i)], 0, Hr, 0, dst, lay.seq,
+                 lay.seq_offset[u(i)], Hr, 0, B, lay.seq_count[u(i)], Hr, d);
 }
 
 template <class T>
 void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,
                  const std::string& label) {
   const int P = lay.ranks, r = comm.rank();
-  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads, Hr = lay.head_count[u(r)];
+  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads,
+                     Hr = lay.head_count[u(r)];
   Counts sc(u(P)), rc(u(P));
   for (int j = 0; j < P; ++j) {
     sc[u(j)] = B * lay.seq_count[u(j)] * Hr * d;
     rc[u(j)] = B * L * lay.head_count[u(j)] * d;
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
-  Tensor<T> send({total(sc)}, MemCategory::comm_buffers), recv({total(rc)}, MemCategory::comm_buffers);
+  Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
+      recv({total(rc)}, MemCategory::comm_buffers);
   if (backed())
     for (int j = 0; j < P; ++j)  // block j: rows of rank j, (B, L_j, H_r, d)
-      copy_block(src, lay.seq, lay.seq_offset[u(j)], Hr, 0, send.data() + sd[u(j)], lay.seq_count[u(j)],
-                 0, Hr, 0, B, lay.seq_count[u(j)], Hr, d);
+      copy_block(src, lay.seq, lay.seq_offset[u(j)], Hr, 0, send.data() + sd[u(j)],
+                 lay.seq_count[u(j)], 0, Hr, 0, B, lay.seq_count[u(j)], Hr, d);
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   send.reset();
   if (backed())
@@ -120,19 +128,19 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
   Tensor<T> send({total(c)}, MemCategory::comm_buffers);
   if (backed())
     for (int i = 0; i < P; ++i)
-      copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, send.data() + d[u(i)], lay.seq_count[u(i)], 0,
-                 1, 0, B, lay.seq_count[u(i)], 1, W);
+      copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, send.data() + d[u(i)],
+                 lay.seq_count[u(i)], 0, 1, 0, B, lay.seq_count[u(i)], 1, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), dst, label);
 }
 
 #define LAGA_INSTANTIATE(T)                                                                       \
-  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
+  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
                                const std::string&);                                               \
-  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
+  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
                                const std::string&);                                               \
-  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,          \
+  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
                               const std::string&);                                                \
-  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,  \
+  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t, \
                                       const std::string&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

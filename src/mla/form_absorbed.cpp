@@ -125,10 +125,10 @@ void absorbed_backward(const BlockContext& ctx, const MlaParams<T>& w, const Ten
   project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template void absorbed_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,     \
-                                    Tensor<T>&, MlaSaved<T>&);                                    \
-  template void absorbed_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,    \
+#define LAGA_INSTANTIATE(T)                                                                      \
+  template void absorbed_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
+                                    Tensor<T>&, MlaSaved<T>&);                                   \
+  template void absorbed_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
                                      const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

@@ -24,14 +24,7 @@ void explicit_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tens
     Tensor<T> kv({d.B, d.L, d.H * KV});
     if (run) {
       linear_forward(kv.data(), saved.c_hat.data(), w.wkv_b.data(), d.N, d.C, d.H * KV);
-      for (std::int64_t n = 0; n < d.N; ++n)
-        for (std::int64_t h = 0; h < d.H; ++h) {
-          const T* src = kv.data() + (n * d.H + h) * KV;
-          T* k = k_loc.data() + (n * d.H + h) * d.dqk;
-          std::memcpy(k, src, sizeof(T) * u(d.dn));
-          std::memcpy(k + d.dn, saved.kv_a.data() + n * W + d.C, sizeof(T) * u(d.dr));
-          std::memcpy(v_loc.data() + (n * d.H + h) * d.dv, src + d.dn, sizeof(T) * u(d.dv));
-        }
+      split_kv(d, d.N, d.H, kv.data(), saved.kv_a.data() + d.C, W, k_loc.data(), v_loc.data());
     }
   }
   saved.q_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
@@ -61,12 +54,8 @@ void explicit_backward(const BlockContext& ctx, const MlaParams<T>& w, const Ten
   const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
   Tensor<T> do_h = project_out_backward(ctx, w, dout, saved, grads);
 
-  const AttnShape s{d.B, d.S, d.S, d.Hr, d.Hr, d.dqk, d.dv, ctx.cfg.softmax_scale(), true};
-  Tensor<T> dq_h({d.B, d.S, d.Hr, d.dqk}), dk_h({d.B, d.S, d.Hr, d.dqk}), dv_h({d.B, d.S, d.Hr, d.dv});
-  attention_backward(ctx, s, dq_h.data(), dk_h.data(), dv_h.data(), do_h.data(), saved.q_h.data(),
-                     saved.k_h.data(), saved.v_h.data(), saved.o_att.data(), saved);
-  do_h.reset();
-  saved.q_h.reset(), saved.k_h.reset(), saved.v_h.reset(), saved.o_att.reset();
+  Tensor<T> dq_h, dk_h, dv_h;
+  head_attention_backward(ctx, saved, do_h, dq_h, dk_h, dv_h);
 
   Tensor<T> dq_loc({d.B, d.L, d.H * d.dqk});
   head_to_seq(ctx.comm, ctx.layout, dq_h.data(), dq_loc.data(), d.dqk, "q_a2a");
@@ -83,18 +72,8 @@ void explicit_backward(const BlockContext& ctx, const MlaParams<T>& w, const Ten
   Tensor<T> dlat_loc = Tensor<T>::zeros({d.B, d.L, W});
   {
     Tensor<T> dkv({d.B, d.L, d.H * KV});
-    if (run) {
-      for (std::int64_t n = 0; n < d.N; ++n) {
-        T* dkpe = dlat_loc.data() + n * W + d.C;
-        for (std::int64_t h = 0; h < d.H; ++h) {
-          const T* dk = dk_loc.data() + (n * d.H + h) * d.dqk;
-          T* dst = dkv.data() + (n * d.H + h) * KV;
-          std::memcpy(dst, dk, sizeof(T) * u(d.dn));
-          std::memcpy(dst + d.dn, dv_loc.data() + (n * d.H + h) * d.dv, sizeof(T) * u(d.dv));
-          for (std::int64_t i = 0; i < d.dr; ++i) dkpe[i] += dk[d.dn + i];
-        }
-      }
-    }
+    if (run)
+      merge_dkv(d, d.N, d.H, dk_loc.data(), dv_loc.data(), dkv.data(), dlat_loc.data() + d.C, W);
     dk_loc.reset(), dv_loc.reset();
     if (run) {
       // d c_hat (N, C) = dkv wkv_b, written into dlat's first C columns.
@@ -108,10 +87,10 @@ void explicit_backward(const BlockContext& ctx, const MlaParams<T>& w, const Ten
   project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template void explicit_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,     \
-                                    Tensor<T>&, MlaSaved<T>&);                                    \
-  template void explicit_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,    \
+#define LAGA_INSTANTIATE(T)                                                                      \
+  template void explicit_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
+                                    Tensor<T>&, MlaSaved<T>&);                                   \
+  template void explicit_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
                                      const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

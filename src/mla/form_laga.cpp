@@ -39,14 +39,8 @@ void laga_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T
     if (run && d.Hr > 0) {
       gemm<T>(false, true, d.NS, d.Hr * KV, d.C, T(1), saved.lat.data(), W,
               w.wkv_b.data() + d.h0 * KV * d.C, d.C, T(0), kv_h.data(), d.Hr * KV);
-      for (std::int64_t n = 0; n < d.NS; ++n)
-        for (std::int64_t h = 0; h < d.Hr; ++h) {
-          const T* src = kv_h.data() + (n * d.Hr + h) * KV;
-          T* k = saved.k_h.data() + (n * d.Hr + h) * d.dqk;
-          std::memcpy(k, src, sizeof(T) * u(d.dn));
-          std::memcpy(k + d.dn, saved.lat.data() + n * W + d.C, sizeof(T) * u(d.dr));
-          std::memcpy(saved.v_h.data() + (n * d.Hr + h) * d.dv, src + d.dn, sizeof(T) * u(d.dv));
-        }
+      split_kv(d, d.NS, d.Hr, kv_h.data(), saved.lat.data() + d.C, W, saved.k_h.data(),
+               saved.v_h.data());
     }
   }
 
@@ -66,12 +60,8 @@ void laga_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<
   const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
   Tensor<T> do_h = project_out_backward(ctx, w, dout, saved, grads);
 
-  const AttnShape s{d.B, d.S, d.S, d.Hr, d.Hr, d.dqk, d.dv, ctx.cfg.softmax_scale(), true};
-  Tensor<T> dq_h({d.B, d.S, d.Hr, d.dqk}), dk_h({d.B, d.S, d.Hr, d.dqk}), dv_h({d.B, d.S, d.Hr, d.dv});
-  attention_backward(ctx, s, dq_h.data(), dk_h.data(), dv_h.data(), do_h.data(), saved.q_h.data(),
-                     saved.k_h.data(), saved.v_h.data(), saved.o_att.data(), saved);
-  do_h.reset();
-  saved.q_h.reset(), saved.k_h.reset(), saved.v_h.reset(), saved.o_att.reset();
+  Tensor<T> dq_h, dk_h, dv_h;
+  head_attention_backward(ctx, saved, do_h, dq_h, dk_h, dv_h);
 
   Tensor<T> dq_loc({d.B, d.L, d.H * d.dqk});
   head_to_seq(ctx.comm, ctx.layout, dq_h.data(), dq_loc.data(), d.dqk, "q_a2a");
@@ -81,18 +71,8 @@ void laga_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<
   Tensor<T> dlat = Tensor<T>::zeros({d.B, d.S, W});
   {
     Tensor<T> dkv_h({d.B, d.S, d.Hr * KV});
-    if (run && d.Hr > 0) {
-      for (std::int64_t n = 0; n < d.NS; ++n) {
-        T* dkpe = dlat.data() + n * W + d.C;
-        for (std::int64_t h = 0; h < d.Hr; ++h) {
-          const T* dk = dk_h.data() + (n * d.Hr + h) * d.dqk;
-          T* dst = dkv_h.data() + (n * d.Hr + h) * KV;
-          std::memcpy(dst, dk, sizeof(T) * u(d.dn));
-          std::memcpy(dst + d.dn, dv_h.data() + (n * d.Hr + h) * d.dv, sizeof(T) * u(d.dv));
-          for (std::int64_t i = 0; i < d.dr; ++i) dkpe[i] += dk[d.dn + i];
-        }
-      }
-    }
+    if (run && d.Hr > 0)
+      merge_dkv(d, d.NS, d.Hr, dk_h.data(), dv_h.data(), dkv_h.data(), dlat.data() + d.C, W);
     dk_h.reset(), dv_h.reset();
     if (run && d.Hr > 0) {
       const T* wkv_b_r = w.wkv_b.data() + d.h0 * KV * d.C;
@@ -109,10 +89,10 @@ void laga_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<
   project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template void laga_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,         \
-                                Tensor<T>&, MlaSaved<T>&);                                        \
-  template void laga_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,        \
+#define LAGA_INSTANTIATE(T)                                                                  \
+  template void laga_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
+                                Tensor<T>&, MlaSaved<T>&);                                   \
+  template void laga_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
                                  const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

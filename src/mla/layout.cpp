@@ -52,9 +52,11 @@ void SpLayout::validate() const {
              "layout: need one seq count and one head count per rank (", ranks, " ranks)");
   LAGA_CHECK(batch >= 1, "layout: batch must be >= 1, got ", batch);
   for (int r = 0; r < ranks; ++r) {
-    LAGA_CHECK(seq_count[static_cast<size_t>(r)] >= 1, "layout: rank ", r,
-               " holds no tokens; every rank needs at least one (use a longer --seq or fewer ranks)");
-    LAGA_CHECK(head_count[static_cast<size_t>(r)] >= 0, "layout: rank ", r, " has a negative head count");
+    LAGA_CHECK(
+        seq_count[static_cast<size_t>(r)] >= 1, "layout: rank ", r,
+        " holds no tokens; every rank needs at least one (use a longer --seq or fewer ranks)");
+    LAGA_CHECK(head_count[static_cast<size_t>(r)] >= 0, "layout: rank ", r,
+               " has a negative head count");
   }
 }
 

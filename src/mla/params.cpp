@@ -46,9 +46,9 @@ template <class T>
 MlaParams<T> MlaParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
   MlaParams p;
   std::map<std::string, Tensor<T>*> slot = {
-      {"wq.weight", &p.wq},         {"wq_a.weight", &p.wq_a},   {"q_norm.weight", &p.q_norm},
-      {"wq_b.weight", &p.wq_b},     {"wkv_a.weight", &p.wkv_a}, {"kv_norm.weight", &p.kv_norm},
-      {"wkv_b.weight", &p.wkv_b},   {"wo.weight", &p.wo}};
+      {"wq.weight", &p.wq},       {"wq_a.weight", &p.wq_a},   {"q_norm.weight", &p.q_norm},
+      {"wq_b.weight", &p.wq_b},   {"wkv_a.weight", &p.wkv_a}, {"kv_norm.weight", &p.kv_norm},
+      {"wkv_b.weight", &p.wkv_b}, {"wo.weight", &p.wo}};
   for (auto& [name, shape] : mla_param_shapes(cfg)) *slot.at(name) = Tensor<T>::zeros(shape, cat);
   return p;
 }
@@ -95,10 +95,14 @@ void init_params(MlaParams<T>& p, std::uint64_t seed, double norm_jitter) {
 
 std::string hf_param_name(const std::string& n, int layer) {
   static const std::map<std::string, std::string> hf = {
-      {"wq.weight", "q_proj.weight"},          {"wq_a.weight", "q_a_proj.weight"},
-      {"q_norm.weight", "q_a_layernorm.weight"}, {"wq_b.weight", "q_b_proj.weight"},
-      {"wkv_a.weight", "kv_a_proj_with_mqa.weight"}, {"kv_norm.weight", "kv_a_layernorm.weight"},
-      {"wkv_b.weight", "kv_b_proj.weight"},    {"wo.weight", "o_proj.weight"}};
+      {"wq.weight", "q_proj.weight"},
+      {"wq_a.weight", "q_a_proj.weight"},
+      {"q_norm.weight", "q_a_layernorm.weight"},
+      {"wq_b.weight", "q_b_proj.weight"},
+      {"wkv_a.weight", "kv_a_proj_with_mqa.weight"},
+      {"kv_norm.weight", "kv_a_layernorm.weight"},
+      {"wkv_b.weight", "kv_b_proj.weight"},
+      {"wo.weight", "o_proj.weight"}};
   auto it = hf.find(n);
   LAGA_CHECK(it != hf.end(), "no Hugging Face name for parameter '", n, "'");
   return cat("model.layers.", layer, ".self_attn.", it->second);

@@ -91,7 +91,8 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   run_local_ranks(
       P,
       [&](Communicator& comm) {
-        results[static_cast<size_t>(comm.rank())] = run_rank(comm, cfg, layout, rope, w, x, dout, spec);
+        results[static_cast<size_t>(comm.rank())] =
+            run_rank(comm, cfg, layout, rope, w, x, dout, spec);
       },
       opts);
   BlockRun<T> run;
@@ -116,13 +117,13 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   return run;
 }
 
-#define LAGA_INSTANTIATE(T)                                                                        \
-  template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);                   \
-  template void place_seq<T>(Tensor<T>&, const Tensor<T>&, std::int64_t);                          \
-  template RankResult<T> run_rank<T>(Communicator&, const MlaConfig&, const SpLayout&,              \
-                                     const RopeTable&, const MlaParams<T>&, const Tensor<T>&,       \
-                                     const Tensor<T>&, const RunSpec&);                            \
-  template BlockRun<T> run_local<T>(const MlaConfig&, const SpLayout&, const MlaParams<T>&,         \
+#define LAGA_INSTANTIATE(T)                                                                   \
+  template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);              \
+  template void place_seq<T>(Tensor<T>&, const Tensor<T>&, std::int64_t);                     \
+  template RankResult<T> run_rank<T>(Communicator&, const MlaConfig&, const SpLayout&,        \
+                                     const RopeTable&, const MlaParams<T>&, const Tensor<T>&, \
+                                     const Tensor<T>&, const RunSpec&);                       \
+  template BlockRun<T> run_local<T>(const MlaConfig&, const SpLayout&, const MlaParams<T>&,   \
                                     const Tensor<T>&, const Tensor<T>&, const RunSpec&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

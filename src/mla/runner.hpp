@@ -28,8 +28,8 @@ struct RunSpec {
 struct RankMemory {
   std::int64_t peak_activations = 0;  // MemCategory::activations
   std::int64_t peak_comm_buffers = 0;
-  std::int64_t peak_working = 0;      // activations + comm buffers together
-  std::int64_t gradients = 0;         // parameter gradients held by the rank
+  std::int64_t peak_working = 0;  // activations + comm buffers together
+  std::int64_t gradients = 0;     // parameter gradients held by the rank
   std::int64_t parameters = 0;
 };
 

@@ -46,11 +46,13 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
                                 res.report.forward_ms, res.report.backward_ms, res.report.sync_ms};
     const int P = comm.size();
     std::vector<double> all(mine.size() * static_cast<size_t>(P));
-    std::vector<std::int64_t> counts(static_cast<size_t>(P), static_cast<std::int64_t>(mine.size())),
+    std::vector<std::int64_t> counts(static_cast<size_t>(P),
+                                     static_cast<std::int64_t>(mine.size())),
         displs(static_cast<size_t>(P));
-    for (int r = 0; r < P; ++r) displs[static_cast<size_t>(r)] = r * static_cast<std::int64_t>(mine.size());
-    comm.all_gather_v(mine.data(), static_cast<std::int64_t>(mine.size()), all.data(), counts.data(),
-                      displs.data(), "result_gather");
+    for (int r = 0; r < P; ++r)
+      displs[static_cast<size_t>(r)] = r * static_cast<std::int64_t>(mine.size());
+    comm.all_gather_v(mine.data(), static_cast<std::int64_t>(mine.size()), all.data(),
+                      counts.data(), displs.data(), "result_gather");
     {
       std::lock_guard<std::mutex> lock(reports_mutex);
       reports[static_cast<size_t>(comm.rank())] = res.report;

@@ -13,8 +13,8 @@
 namespace laga::tools {
 
 struct BlockJob {
-  TensorF out, dx;         // global (B, S, D); dx undefined without backward
-  MlaParams<float> grads;  // summed over the group
+  TensorF out, dx;                // global (B, S, D); dx undefined without backward
+  MlaParams<float> grads;         // summed over the group
   std::vector<RankReport> ranks;  // every rank's ledger and memory (reporter only)
 };
 

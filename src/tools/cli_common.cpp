@@ -52,7 +52,8 @@ std::vector<int> parse_int_list(const std::string& s, const std::string& option)
       LAGA_CHECK(used == tok.size() && x >= 1, "");
       v.push_back(x);
     } catch (const std::exception&) {
-      fail(option, ": '", tok, "' is not a positive integer; give a comma-separated list like 1,2,4");
+      fail(option, ": '", tok,
+           "' is not a positive integer; give a comma-separated list like 1,2,4");
     }
   }
   LAGA_CHECK(!v.empty(), option, ": empty list; give a comma-separated list like 1,2,4");

@@ -22,7 +22,7 @@ struct ModelOptions {
   std::string preset = "small";
   std::string config_path;
   void add_to(CLI::App& app);
-  MlaConfig load() const;  // validated
+  MlaConfig load() const;      // validated
   std::string source() const;  // "preset small" or "config path"
 };
 

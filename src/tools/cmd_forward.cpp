@@ -34,16 +34,19 @@ double checksum(const TensorF& t) {
 
 void run_forward(const ForwardOptions& o) {
   const MlaConfig cfg = o.model.load();
-  MlaParams<float> w = o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
+  MlaParams<float> w =
+      o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;
   if (!o.input.empty()) {
     const SafetensorsFile in = SafetensorsFile::open(o.input);
-    LAGA_CHECK(in.contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim, "])");
+    LAGA_CHECK(in.contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim,
+               "])");
     const Shape xs = in.info("x").shape;
     LAGA_CHECK(xs.size() == 3 && xs[2] == cfg.dim, "input '", o.input, "': 'x' has shape ",
                to_string(xs), " but the config needs [B, S, ", cfg.dim, "]");
     x = in.read<float>("x", MemCategory::activations);
-    if (o.backward && in.contains("dout")) dout = in.read<float>("dout", xs, MemCategory::activations);
+    if (o.backward && in.contains("dout"))
+      dout = in.read<float>("dout", xs, MemCategory::activations);
   } else {
     x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
   }
@@ -63,22 +66,26 @@ void run_forward(const ForwardOptions& o) {
               << layout.describe() << "), comm " << o.comm.backend << "\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!report) return;
 
   std::int64_t peak = 0;
   for (auto& r : job.ranks) peak = std::max(peak, r.memory.peak_working);
   std::cout << "out  " << to_string(job.out.shape()) << "  checksum " << checksum(job.out) << "\n";
-  if (o.backward) std::cout << "dx   " << to_string(job.dx.shape()) << "  checksum " << checksum(job.dx) << "\n";
+  if (o.backward)
+    std::cout << "dx   " << to_string(job.dx.shape()) << "  checksum " << checksum(job.dx) << "\n";
   std::cout << "time " << ms << " ms (wall, " << (o.backward ? "forward+backward" : "forward")
             << ", incl. result gathering)\n"
-            << "peak activation+comm memory " << peak << " bytes per rank (max over ranks, from the pool)\n";
+            << "peak activation+comm memory " << peak
+            << " bytes per rank (max over ranks, from the pool)\n";
   if (!o.output.empty()) {
     SafetensorsWriter wr;
     wr.add("out", job.out);
     if (o.backward) {
       wr.add("dx", job.dx);
-      job.grads.for_each([&](const std::string& name, const TensorF& g) { wr.add("grad." + name, g); });
+      job.grads.for_each(
+          [&](const std::string& name, const TensorF& g) { wr.add("grad." + name, g); });
     }
     wr.add_metadata("config", cfg.to_json().dump());
     wr.add_metadata("form", o.form);
@@ -90,19 +97,29 @@ void run_forward(const ForwardOptions& o) {
 void register_forward_command(CLI::App& app) {
   auto opts = std::make_shared<ForwardOptions>();
   CLI::App* sub = app.add_subcommand(
-      "forward", "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
+      "forward",
+      "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
   opts->model.add_to(*sub);
   opts->comm.add_to(*sub);
-  sub->add_option("--weights", opts->weights, "safetensors with the block's weights (DeepSeek or HF names)");
-  sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")->capture_default_str();
-  sub->add_option("--input", opts->input, "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
+  sub->add_option("--weights", opts->weights,
+                  "safetensors with the block's weights (DeepSeek or HF names)");
+  sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")
+      ->capture_default_str();
+  sub->add_option("--input", opts->input,
+                  "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
   sub->add_option("--output", opts->output, "safetensors to write 'out' (and 'dx', 'grad.<name>')");
   sub->add_flag("--backward", opts->backward, "also run backward (dout from --input, else ones)");
   sub->add_option("--form", opts->form, "explicit | absorbed | laga")->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
-  sub->add_option("--sp", opts->sp, "sequence-parallel ranks")->check(CLI::PositiveNumber)->capture_default_str();
-  sub->add_option("--batch", opts->batch, "batch when the input is random")->check(CLI::PositiveNumber)->capture_default_str();
-  sub->add_option("--seq", opts->seq, "sequence length when the input is random")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--batch", opts->batch, "batch when the input is random")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seq", opts->seq, "sequence length when the input is random")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--seed", opts->seed, "seed of random weights and input")->capture_default_str();
   sub->callback([opts] { run_forward(*opts); });
 }

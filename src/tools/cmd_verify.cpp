@@ -47,7 +47,8 @@ void run_verify(const VerifyOptions& o) {
   spec.form = Form::explicit_form;
   CommOptions local = o.comm;
   local.backend = "local";
-  const BlockJob ref = run_block_job(local, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), w, x, dout, spec);
+  const BlockJob ref =
+      run_block_job(local, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), w, x, dout, spec);
 
   std::vector<Row> rows;
   bool all_ok = true;
@@ -59,18 +60,30 @@ void run_verify(const VerifyOptions& o) {
       spec.form = f;
       BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
-      Row row{to_string(f), P, layout.describe(), "", deviation(job.out, ref.out), deviation(job.dx, ref.dx), {}, true};
+      Row row{to_string(f),
+              P,
+              layout.describe(),
+              "",
+              deviation(job.out, ref.out),
+              deviation(job.dx, ref.dx),
+              {},
+              true};
       std::vector<std::pair<std::string, const TensorF*>> mine, theirs;
       job.grads.for_each([&](const std::string& n, const TensorF& t) { mine.push_back({n, &t}); });
-      ref.grads.for_each([&](const std::string& n, const TensorF& t) { theirs.push_back({n, &t}); });
+      ref.grads.for_each([&](const std::string& n, const TensorF& t) {
+        theirs.push_back({n, &t});
+      });
       for (size_t i = 0; i < mine.size(); ++i) {
         const Deviation d = deviation(*mine[i].second, *theirs[i].second);
-        if (row.worst.empty() || d.relative() > row.worst_grad.relative()) row.worst = mine[i].first, row.worst_grad = d;
+        if (row.worst.empty() || d.relative() > row.worst_grad.relative())
+          row.worst = mine[i].first, row.worst_grad = d;
       }
       const bool exact_needed = f == Form::laga && P == 1;
-      const double worst = std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
-      row.ok = exact_needed ? (row.out.max_abs == 0 && row.dx.max_abs == 0 && row.worst_grad.max_abs == 0)
-                            : worst <= o.tol;
+      const double worst =
+          std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
+      row.ok = exact_needed
+                   ? (row.out.max_abs == 0 && row.dx.max_abs == 0 && row.worst_grad.max_abs == 0)
+                   : worst <= o.tol;
       all_ok = all_ok && row.ok;
       rows.push_back(row);
     }
@@ -81,25 +94,34 @@ void run_verify(const VerifyOptions& o) {
   t << "# laga verify: " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", attention "
     << o.attention << ", comm " << o.comm.backend << "\n"
     << "# reference: explicit form on 1 rank; |diff| = max over elements, rel = |diff| / max|ref|\n"
-    << "# tolerance: rel <= " << o.tol << " (fp32), and laga at P=1 must be bit-identical (|diff| = 0)\n";
-  t << std::left << std::setw(9) << "form" << std::setw(4) << "P" << std::setw(38) << "shards" << std::right
-    << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12) << "grad |diff|"
-    << std::setw(10) << "grad rel" << "  " << std::left << std::setw(16) << "worst grad" << "status\n";
+    << "# tolerance: rel <= " << o.tol
+    << " (fp32), and laga at P=1 must be bit-identical (|diff| = 0)\n";
+  t << std::left << std::setw(9) << "form" << std::setw(4) << "P" << std::setw(38) << "shards"
+    << std::right << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12)
+    << "grad |diff|" << std::setw(10) << "grad rel"
+    << "  " << std::left << std::setw(16) << "worst grad"
+    << "status\n";
   for (const Row& r : rows)
-    t << std::left << std::setw(9) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout << std::right
-      << std::scientific << std::setprecision(2) << std::setw(11) << r.out.max_abs << std::setw(11) << r.dx.max_abs
-      << std::setw(12) << r.worst_grad.max_abs << std::setw(10) << r.worst_grad.relative() << "  " << std::left
-      << std::setw(16) << r.worst << (r.ok ? "ok" : "FAIL") << std::defaultfloat << "\n";
+    t << std::left << std::setw(9) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout
+      << std::right << std::scientific << std::setprecision(2) << std::setw(11) << r.out.max_abs
+      << std::setw(11) << r.dx.max_abs << std::setw(12) << r.worst_grad.max_abs << std::setw(10)
+      << r.worst_grad.relative() << "  " << std::left << std::setw(16) << r.worst
+      << (r.ok ? "ok" : "FAIL") << std::defaultfloat << "\n";
   std::cout << t.str() << (all_ok ? "all forms agree\n" : "DISAGREEMENT above tolerance\n");
   if (!o.json.empty()) {
     nlohmann::json j;
     j["config"] = cfg.to_json();
     j["batch"] = o.batch, j["seq"] = o.seq, j["attention"] = o.attention, j["tolerance"] = o.tol;
     for (const Row& r : rows)
-      j["runs"].push_back({{"form", r.form}, {"sp", r.P}, {"shards", r.layout},
-                           {"out_max_abs_diff", r.out.max_abs}, {"dx_max_abs_diff", r.dx.max_abs},
-                           {"grad_max_abs_diff", r.worst_grad.max_abs}, {"worst_grad", r.worst},
-                           {"grad_rel_diff", r.worst_grad.relative()}, {"ok", r.ok}});
+      j["runs"].push_back({{"form", r.form},
+                           {"sp", r.P},
+                           {"shards", r.layout},
+                           {"out_max_abs_diff", r.out.max_abs},
+                           {"dx_max_abs_diff", r.dx.max_abs},
+                           {"grad_max_abs_diff", r.worst_grad.max_abs},
+                           {"worst_grad", r.worst},
+                           {"grad_rel_diff", r.worst_grad.relative()},
+                           {"ok", r.ok}});
     j["ok"] = all_ok;
     write_output(o.json, j.dump(2) + "\n");
   }
@@ -109,18 +131,23 @@ void run_verify(const VerifyOptions& o) {
 void register_verify_command(CLI::App& app) {
   auto opts = std::make_shared<VerifyOptions>();
   CLI::App* sub = app.add_subcommand(
-      "verify", "check every form at every P against single-rank explicit (outputs, dx, all gradients)");
+      "verify",
+      "check every form at every P against single-rank explicit (outputs, dx, all gradients)");
   opts->model.add_to(*sub);
   opts->comm.add_to(*sub);
   sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
   sub->add_option("--forms", opts->forms, "comma-separated forms")->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
-  sub->add_option("--batch", opts->batch, "batch")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--batch", opts->batch, "batch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--seq", opts->seq, "sequence length (odd by default: uneven shards)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")->capture_default_str();
   sub->add_option("--tol", opts->tol, "relative tolerance")->capture_default_str();
-  sub->add_option("--json", opts->json, "also write the results as JSON to this file ('-' for stdout)");
+  sub->add_option("--json", opts->json,
+                  "also write the results as JSON to this file ('-' for stdout)");
   sub->callback([opts] { run_verify(*opts); });
 }
 

@@ -6,8 +6,8 @@
 
 #include <memory>
 
-#include "common/check.hpp"
 #include "comm/communicator.hpp"
+#include "common/check.hpp"
 #include "mla/block.hpp"
 
 namespace laga {

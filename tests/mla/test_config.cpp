@@ -24,7 +24,8 @@ void expect_error(const std::function<void()>& fn, const std::string& needle) {
 }
 
 TEST(Config, PresetsValidateAndMatchDeepSeekV3) {
-  for (const auto& name : MlaConfig::preset_names()) EXPECT_NO_THROW(MlaConfig::preset(name).validate()) << name;
+  for (const auto& name : MlaConfig::preset_names())
+    EXPECT_NO_THROW(MlaConfig::preset(name).validate()) << name;
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
   EXPECT_EQ(v3.dim, 7168);
   EXPECT_EQ(v3.n_heads, 128);
@@ -57,10 +58,12 @@ TEST(Config, ValidationNamesTheField) {
 
 TEST(Config, ModelArgsJson) {
   // DeepSeek-V3 inference configs/config_671B.json (attention keys; others ignored).
-  const json j = {{"vocab_size", 129280}, {"dim", 7168}, {"inter_dim", 18432}, {"n_layers", 61},
-                  {"n_heads", 128}, {"q_lora_rank", 1536}, {"kv_lora_rank", 512},
-                  {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
-                  {"mscale", 1.0}, {"dtype", "fp8"}};
+  const json j = {{"vocab_size", 129280},   {"dim", 7168},
+                  {"inter_dim", 18432},     {"n_layers", 61},
+                  {"n_heads", 128},         {"q_lora_rank", 1536},
+                  {"kv_lora_rank", 512},    {"qk_nope_head_dim", 128},
+                  {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
+                  {"mscale", 1.0},          {"dtype", "fp8"}};
   const MlaConfig c = MlaConfig::from_json(j);
   EXPECT_EQ(c.dim, 7168);
   EXPECT_EQ(c.q_lora_rank, 1536);
@@ -81,13 +84,24 @@ TEST(Config, ModelArgsJson) {
 }
 
 TEST(Config, HuggingFaceJson) {
-  const json j = {{"hidden_size", 7168}, {"num_attention_heads", 128}, {"q_lora_rank", 1536},
-                  {"kv_lora_rank", 512}, {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64},
-                  {"v_head_dim", 128}, {"rope_theta", 10000}, {"rms_norm_eps", 1e-6},
+  const json j = {{"hidden_size", 7168},
+                  {"num_attention_heads", 128},
+                  {"q_lora_rank", 1536},
+                  {"kv_lora_rank", 512},
+                  {"qk_nope_head_dim", 128},
+                  {"qk_rope_head_dim", 64},
+                  {"v_head_dim", 128},
+                  {"rope_theta", 10000},
+                  {"rms_norm_eps", 1e-6},
                   {"max_position_embeddings", 163840},
-                  {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"beta_fast", 32}, {"beta_slow", 1},
-                                    {"mscale", 1.0}, {"mscale_all_dim", 1.0},
-                                    {"original_max_position_embeddings", 4096}}}};
+                  {"rope_scaling",
+                   {{"type", "yarn"},
+                    {"factor", 40},
+                    {"beta_fast", 32},
+                    {"beta_slow", 1},
+                    {"mscale", 1.0},
+                    {"mscale_all_dim", 1.0},
+                    {"original_max_position_embeddings", 4096}}}};
   const MlaConfig c = MlaConfig::from_json(j);
   EXPECT_EQ(c.to_json(), MlaConfig::preset("deepseek-v3").to_json());
   json lite = j;

@@ -47,8 +47,8 @@ void expect_close(const std::string& what, const TensorF& a, const TensorF& b, d
   double ref_max = 0;
   for (std::int64_t i = 0; i < b.numel(); ++i) ref_max = std::max(ref_max, double(std::abs(b[i])));
   EXPECT_EQ(d.nonfinite, 0) << what;
-  EXPECT_LE(d.max_abs, rel * ref_max) << what << ": max |diff| " << d.max_abs << " at " << d.abs_index
-                                      << ", max |ref| " << ref_max;
+  EXPECT_LE(d.max_abs, rel * ref_max)
+      << what << ": max |diff| " << d.max_abs << " at " << d.abs_index << ", max |ref| " << ref_max;
 }
 
 void expect_run_matches(const BlockRun<float>& run, const BlockRun<float>& ref, double rel,
@@ -59,7 +59,8 @@ void expect_run_matches(const BlockRun<float>& run, const BlockRun<float>& ref, 
   run.grads.for_each([&](const std::string& n, const TensorF& t) { a.push_back({n, &t}); });
   ref.grads.for_each([&](const std::string& n, const TensorF& t) { b.push_back({n, &t}); });
   ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) expect_close(tag + " grad." + a[i].first, *a[i].second, *b[i].second, rel);
+  for (size_t i = 0; i < a.size(); ++i)
+    expect_close(tag + " grad." + a[i].first, *a[i].second, *b[i].second, rel);
 }
 
 void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form form,
@@ -97,7 +98,8 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   RunSpec spec;
   spec.attention = AttentionKind::eager;
   spec.form = Form::explicit_form;
-  const BlockRun<float> ref = run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
+  const BlockRun<float> ref =
+      run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
   spec.attention = fc.attention;
   for (Form f : {Form::explicit_form, Form::laga, Form::absorbed}) {
     spec.form = f;
@@ -146,7 +148,8 @@ TEST(Forms, LagaEqualsExplicitBitForBitOnOneRank) {
       const BlockRun<float> ex = run_local(cfg, lay, in.w, in.x, in.dout, spec);
       spec.form = Form::laga;
       const BlockRun<float> lg = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      expect_run_matches(lg, ex, 0.0, std::string("laga P=1 rq") + std::to_string(rq) + " " + to_string(a));
+      expect_run_matches(lg, ex, 0.0,
+                         std::string("laga P=1 rq") + std::to_string(rq) + " " + to_string(a));
     }
 }
 

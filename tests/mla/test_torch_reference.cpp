@@ -57,12 +57,15 @@ TEST_P(TorchReference, BlockMatchesAutograd) {
         RunSpec spec;
         spec.form = form;
         spec.attention = att;
-        const BlockRun<float> run = run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), w, x, dout, spec);
-        const std::string tag = GetParam() + " " + to_string(form) + " P=" + std::to_string(P) + " " + to_string(att);
+        const BlockRun<float> run =
+            run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), w, x, dout, spec);
+        const std::string tag =
+            GetParam() + " " + to_string(form) + " P=" + std::to_string(P) + " " + to_string(att);
         expect_matches(tag + " out", run.out, out);
         expect_matches(tag + " dx", run.dx, dx);
         run.grads.for_each([&](const std::string& name, const TensorF& g) {
-          expect_matches(tag + " grad." + name, g, f.read<float>("grad." + name, g.shape(), MemCategory::activations));
+          expect_matches(tag + " grad." + name, g,
+                         f.read<float>("grad." + name, g.shape(), MemCategory::activations));
         });
       }
 }
