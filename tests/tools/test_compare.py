@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""End-to-end checks of `laga compare`, run by CTest with the built binary.
+
+    test_compare.py LAGA_BINARY SCRATCH_DIR CASE
+
+Cases:
+  tiny       every form, real run of all ranks: measured bytes equal the closed
+             form, measured peaks equal the memory model, laga agrees with
+             explicit, the JSON has the documented keys with integer bytes
+  modes      count-only and real, rank-only and full, report the same bytes
+             and peaks (rank-only R reports rank R; the full run's max over
+             ranks equals the max over R of the rank-only runs)
+  default    `laga compare` with no arguments succeeds and matches its models
+  errors     bad arguments fail with exit 2 and a message naming the fix
+Only the standard library, so any python3 runs it.
+"""
+import json
+import os
+import subprocess
+import sys
+
+
+def run(laga, args, expect_rc=0):
+    p = subprocess.run([laga, "compare", "--quiet"] + args, capture_output=True, text=True)
+    if p.returncode != expect_rc:
+        sys.exit(f"laga compare {' '.join(args)}: exit {p.returncode}, wanted {expect_rc}\n"
+                 f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def compare_json(laga, scratch, name, args):
+    path = os.path.join(scratch, name + ".json")
+    run(laga, args + ["--json", path])
+    with open(path) as f:
+        return json.load(f)
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit("FAILED: " + what)
+
+
+def check_models(doc, what):
+    for f in doc["forms"]:
+        check(f["bytes_match"], f"{what} {f['form']}: measured bytes differ from the closed form")
+        check(f["memory_match"], f"{what} {f['form']}: measured peak differs from the memory model")
+        check(f["bytes_sent_forward"] == f["predicted_bytes_sent_forward"], what)
+        check(f["peak_activation_bytes"] == f["predicted_peak_activation_bytes"], what)
+
+
+TINY = ["--preset", "tiny", "--batch", "2", "--seq", "23", "--sp", "3", "--steps", "2",
+        "--warmup", "1"]
+
+
+def case_tiny(laga, scratch):
+    doc = compare_json(laga, scratch, "tiny", TINY)
+    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga"], "form order")
+    check(doc["values_meaningful"] is True, "a full real run has meaningful values")
+    check_models(doc, "tiny")
+    keys = ["form", "bytes_sent_forward", "bytes_sent_total", "predicted_bytes_sent_forward",
+            "peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s",
+            "max_abs_diff", "by_label"]
+    for f in doc["forms"]:
+        for k in keys:
+            check(k in f, f"JSON form object lacks '{k}'")
+        for k in ["bytes_sent_forward", "bytes_sent_total", "peak_activation_bytes"]:
+            check(isinstance(f[k], int), f"{k} must be an integer number of bytes")
+        for row in f["by_label"]:
+            check(isinstance(row["bytes_sent"], int) and row["match"], f"by_label {row}")
+        check(f["tokens_per_s"] > 0, "tokens/s measured")
+        d = f["max_abs_diff"]
+        check(d is not None, "agreement computed when explicit runs")
+        # fp32, other summation order: tiny against the outputs' scale.
+        check(d["out"] <= 1e-5 * max(1.0, d["out_scale"]), f"{f['form']} out diff {d['out']}")
+        check(d["dx"] <= 1e-5 * max(1.0, d["dx_scale"]), f"{f['form']} dx diff {d['dx']}")
+    ex, ab, lg = doc["forms"]
+    check(ex["max_abs_diff"]["out"] == 0, "explicit against itself is exact")
+    # The wire: laga and absorbed move the same bytes, fewer than explicit
+    # once H (dqk + dv) > C + dr... tiny: H=4, dqk=12, dv=6 vs W=28 over
+    # (P-1) shards; just require laga == absorbed here.
+    check(lg["bytes_sent_total"] == ab["bytes_sent_total"], "laga and absorbed send the same")
+    # CSV: header + one row per form.
+    csv = os.path.join(scratch, "tiny.csv")
+    run(laga, TINY + ["--csv", csv])
+    with open(csv) as f:
+        rows = f.read().strip().split("\n")
+    check(len(rows) == 4 and rows[0].startswith("form,"), "CSV has a header and 3 rows")
+
+
+def case_modes(laga, scratch):
+    base = ["--preset", "tiny", "--seq", "20", "--sp", "4", "--steps", "1", "--warmup", "0"]
+    for att in ["eager", "flash"]:
+        args = base + ["--attention", att]
+        full = compare_json(laga, scratch, "full", args)
+        counted = compare_json(laga, scratch, "full_count", args + ["--count-only"])
+        check(counted["values_meaningful"] is False, "count-only says values are not meaningful")
+        check_models(full, "full")
+        check_models(counted, "full count-only")
+        per_rank = []
+        for r in range(4):
+            real = compare_json(laga, scratch, f"r{r}", args + ["--rank-only", str(r)])
+            cnt = compare_json(laga, scratch, f"r{r}c", args + ["--rank-only", str(r), "--count-only"])
+            check(real["values_meaningful"] is False, "rank-only says values are not meaningful")
+            check(real["measured_ranks"] == [r], "rank-only measures its rank")
+            check_models(real, f"rank-only {r}")
+            check_models(cnt, f"rank-only count-only {r}")
+            for a, b in zip(real["forms"], cnt["forms"]):
+                for k in ["peak_activation_bytes", "bytes_sent_total", "bytes_sent_forward",
+                          "peak_grad_sync_bytes", "peak_comm_buffer_bytes"]:
+                    check(a[k] == b[k], f"rank {r} {a['form']} {k}: real {a[k]} count-only {b[k]}")
+            per_rank.append(real)
+        for i, f in enumerate(full["forms"]):
+            c = counted["forms"][i]
+            for k in ["peak_activation_bytes", "bytes_sent_total", "bytes_sent_forward",
+                      "peak_activations_only_bytes", "peak_grad_sync_bytes"]:
+                check(f[k] == c[k], f"{f['form']} {k}: full real {f[k]} vs count-only {c[k]}")
+                best = max(p["forms"][i][k] for p in per_rank)
+                check(f[k] == best, f"{f['form']} {k}: full {f[k]} vs max over rank-only {best}")
+
+
+def case_default(laga, scratch):
+    p = run(laga, [])
+    check("explicit" in p.stdout and "tokens/s" in p.stdout, "the default prints its table")
+    check(p.stdout.count(" exact") >= 6, "the default's bytes and memory match their models")
+
+
+def case_errors(laga, scratch):
+    for args, needle in [
+        (["--sp", "4", "--rank-only", "4"], "ranks are 0 .. 3"),
+        (["--forms", "laga,laga"], "twice"),
+        (["--forms", "laga,nope"], "choose explicit, absorbed or laga"),
+        (["--seq", "2", "--sp", "4"], "shorter than --sp"),
+        (["--steps", "0"], "--steps"),
+    ]:
+        p = run(laga, ["--preset", "tiny"] + args, expect_rc=2)
+        check(needle in p.stderr, f"{args}: error should mention '{needle}', got: {p.stderr}")
+
+
+def main():
+    laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    scratch = os.path.join(scratch, "compare_" + case)
+    os.makedirs(scratch, exist_ok=True)
+    {"tiny": case_tiny, "modes": case_modes, "default": case_default,
+     "errors": case_errors}[case](laga, scratch)
+    print(f"compare {case}: ok")
+
+
+if __name__ == "__main__":
+    main()
