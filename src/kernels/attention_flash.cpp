@@ -361,7 +361,10 @@ void attention_flash_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* 
 
   // One thread per head when the heads share the threads out evenly enough
   // (the busiest thread within 30% of ideal); else the two-pass schedule.
-  const std::int64_t nt = omp_get_max_threads();
+  // Called from inside a parallel region with nesting exhausted, the regions
+  // below get one thread whatever omp_get_max_threads() says.
+  const std::int64_t nt =
+      omp_get_active_level() >= omp_get_max_active_levels() ? 1 : omp_get_max_threads();
   const bool per_head = ceil_div(heads, nt) * nt * 10 <= heads * 13;
   if (per_head) {
 #pragma omp parallel if (heads > 1)
