@@ -1,0 +1,127 @@
+#include "model/data.hpp"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+
+namespace {
+constexpr std::int32_t kLlmcMagic = 20240520;
+bool ends_with(const std::string& s, const std::string& e) {
+  return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
+}
+}  // namespace
+
+TokenSource TokenSource::random(std::int64_t vocab, std::uint64_t seed) {
+  TokenSource t;
+  t.vocab_ = vocab;
+  t.seed_ = seed;
+  return t;
+}
+
+TokenSource TokenSource::file(const std::string& path, const std::string& dtype_opt,
+                              std::int64_t vocab, std::int64_t seq, std::uint64_t seed) {
+  namespace fs = std::filesystem;
+  TokenSource t;
+  t.random_ = false;
+  t.vocab_ = vocab;
+  t.seed_ = seed;
+  t.path_ = path;
+  std::error_code ec;
+  LAGA_CHECK(fs::is_regular_file(path, ec), "--data '", path,
+             "': no such file; give a flat binary of uint16/uint32 token ids (nanoGPT/llm.c "
+             ".bin) or --data random");
+  const auto size = static_cast<std::int64_t>(fs::file_size(path, ec));
+  LAGA_CHECK(!ec && size > 0, "--data '", path,
+             "' is empty; it must hold at least --seq + 1 = ", seq + 1, " token ids");
+  std::ifstream in(path, std::ios::binary);
+  LAGA_CHECK(in, "--data '", path, "': cannot open it for reading; check its permissions");
+  std::string bytes(static_cast<size_t>(size), '\0');
+  in.read(bytes.data(), size);
+  LAGA_CHECK(in.gcount() == size, "--data '", path, "': read ", in.gcount(), " of ", size,
+             " bytes; is the file being written?");
+
+  std::int64_t header = 0;
+  std::string dtype = dtype_opt;
+  std::int32_t head[3] = {0, 0, 0};
+  if (size >= 1024) std::memcpy(head, bytes.data(), sizeof head);
+  if (dtype == "auto") {
+    if (size >= 1024 && head[0] == kLlmcMagic) {
+      LAGA_CHECK(head[1] == 1 || head[1] == 2, "--data '", path, "': llm.c header version ",
+                 head[1],
+                 " is not 1 (uint16) or 2 (uint32); pass --data-dtype u16|u32 for a raw file");
+      dtype = head[1] == 1 ? "u16" : "u32";
+      header = 1024;
+    } else {
+      dtype = ends_with(path, ".u32") || ends_with(path, ".uint32") ? "u32" : "u16";
+    }
+  }
+  LAGA_CHECK(dtype == "u16" || dtype == "u32", "--data-dtype '", dtype,
+             "' is not one of auto, u16, u32");
+  t.dtype_ = dtype + (header ? " (llm.c header)" : "");
+  const std::int64_t elem = dtype == "u16" ? 2 : 4;
+  const std::int64_t body = size - header;
+  LAGA_CHECK(body % elem == 0, "--data '", path, "': ", body,
+             " bytes of ids is not a whole number of ", dtype, " ids; is it a ",
+             dtype == "u16" ? "u32" : "u16", " file? (set --data-dtype)");
+  const std::int64_t n = body / elem;
+  if (header && head[2] > 0)
+    LAGA_CHECK(head[2] <= n, "--data '", path, "': the llm.c header says ", head[2],
+               " tokens but the file holds only ", n, "; the file is truncated");
+  LAGA_CHECK(n >= seq + 1, "--data '", path, "' holds ", n,
+             " token ids but one window needs --seq + 1 = ", seq + 1,
+             "; use a longer file or a smaller --seq");
+  t.ids_.resize(static_cast<size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint32_t id = 0;
+    if (elem == 2) {
+      std::uint16_t v;
+      std::memcpy(&v, bytes.data() + header + 2 * i, 2);
+      id = v;
+    } else {
+      std::memcpy(&id, bytes.data() + header + 4 * i, 4);
+    }
+    LAGA_CHECK(static_cast<std::int64_t>(id) < vocab, "--data '", path, "': token id ", id,
+               " at position ", i, " is >= --vocab ", vocab, "; pass --vocab ",
+               std::int64_t(id) + 1,
+               " or more (the tokenizer's vocabulary size), or check --data-dtype");
+    t.ids_[static_cast<size_t>(i)] = id;
+  }
+  return t;
+}
+
+void TokenSource::batch(std::int64_t cursor, std::int64_t B, std::int64_t S,
+                        std::int32_t* out) const {
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int32_t* row = out + b * (S + 1);
+    if (random_) {
+      // The same rows every step: the memorisation task.
+      static const std::uint64_t stream = name_stream("data.random");
+      for (std::int64_t i = 0; i <= S; ++i) {
+        const double u = rng_uniform(seed_, stream, static_cast<std::uint64_t>(b * (S + 1) + i));
+        row[i] = static_cast<std::int32_t>(
+            std::min<std::int64_t>(vocab_ - 1, static_cast<std::int64_t>(u * double(vocab_))));
+      }
+    } else {
+      static const std::uint64_t stream = name_stream("data.window");
+      const std::int64_t n = tokens(), span = n - S;  // start in [0, n - S - 1]
+      const double u = rng_uniform(seed_, stream, static_cast<std::uint64_t>(cursor + b));
+      const std::int64_t start =
+          std::min<std::int64_t>(span - 1, static_cast<std::int64_t>(u * double(span)));
+      for (std::int64_t i = 0; i <= S; ++i)
+        row[i] = static_cast<std::int32_t>(ids_[static_cast<size_t>(start + i)]);
+    }
+  }
+}
+
+std::string TokenSource::describe() const {
+  if (random_) return cat("random (fixed, seed ", seed_, ", vocab ", vocab_, ")");
+  return cat("file '", path_, "' (", ids_.size(), " ids, ", dtype_, ")");
+}
+
+}  // namespace laga

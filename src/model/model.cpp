@@ -1,0 +1,318 @@
+#include "model/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "kernels/cross_entropy.hpp"
+#include "kernels/embedding.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/swiglu.hpp"
+
+namespace laga {
+
+// ------------------------------------------------------------------ config
+
+std::int64_t LmConfig::default_ffn_hidden(std::int64_t d) {
+  return (8 * d / 3 + 63) / 64 * 64;
+}
+
+std::int64_t LmConfig::hidden() const {
+  return ffn_hidden > 0 ? ffn_hidden : default_ffn_hidden(mla.dim);
+}
+
+LmConfig LmConfig::derive(std::int64_t d, std::int64_t heads, std::int64_t layers,
+                          std::int64_t vocab, std::int64_t seq) {
+  LAGA_CHECK(d > 0 && heads > 0 && d % heads == 0, "model: --d-model ", d,
+             " must be a positive multiple of --heads ", heads,
+             " (the head dim is d_model / heads); or give --nope-dim/--v-dim explicitly");
+  LmConfig c;
+  c.layers = layers;
+  c.vocab = vocab;
+  const std::int64_t hd = d / heads;
+  c.mla.dim = d;
+  c.mla.n_heads = heads;
+  c.mla.q_lora_rank = 0;
+  c.mla.qk_nope_head_dim = hd;
+  c.mla.v_head_dim = hd;
+  c.mla.qk_rope_head_dim = std::max<std::int64_t>(2, (hd / 2 + 1) / 2 * 2);
+  c.mla.kv_lora_rank = 4 * hd;
+  c.mla.original_seq_len = c.mla.max_seq_len = std::max<std::int64_t>(4096, seq);
+  return c;
+}
+
+void LmConfig::validate() const {
+  mla.validate();
+  LAGA_CHECK(layers >= 1, "model: --layers must be >= 1 (got ", layers, ")");
+  LAGA_CHECK(vocab >= 2, "model: --vocab must be >= 2 (got ", vocab, ")");
+  LAGA_CHECK(vocab <= (std::int64_t{1} << 31) - 1, "model: --vocab ", vocab,
+             " does not fit the int32 token ids");
+  LAGA_CHECK(hidden() >= 1, "model: --ffn-hidden must be >= 1 (got ", ffn_hidden, ")");
+}
+
+nlohmann::json LmConfig::to_json() const {
+  nlohmann::json j = mla.to_json();
+  j["n_layers"] = layers;
+  j["vocab_size"] = vocab;
+  j["inter_dim"] = hidden();
+  j["lm_norm_eps"] = norm_eps;
+  return j;
+}
+
+std::string LmConfig::summary() const {
+  return cat("layers=", layers, " vocab=", vocab, " F=", hidden(), " ", mla.summary());
+}
+
+// --------------------------------------------------------------- params
+
+template <class T>
+LmParams<T> LmParams<T>::zeros(const LmConfig& cfg, MemCategory cat) {
+  const std::int64_t D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
+  LmParams p;
+  p.embed = Tensor<T>::zeros({V, D}, cat);
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    LayerParams<T> L;
+    L.attn_norm = Tensor<T>::zeros({D}, cat);
+    L.attn = MlaParams<T>::zeros(cfg.mla, cat);
+    L.ffn_norm = Tensor<T>::zeros({D}, cat);
+    L.w1 = Tensor<T>::zeros({F, D}, cat);
+    L.w2 = Tensor<T>::zeros({D, F}, cat);
+    L.w3 = Tensor<T>::zeros({F, D}, cat);
+    p.layers.push_back(std::move(L));
+  }
+  p.norm = Tensor<T>::zeros({D}, cat);
+  p.head = Tensor<T>::zeros({V, D}, cat);
+  return p;
+}
+
+namespace {
+template <class T, class Fn>
+void visit(LmParams<T>& p, Fn&& fn) {
+  fn("embed.weight", p.embed);
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    auto& L = p.layers[l];
+    const std::string pre = "layers." + std::to_string(l) + ".";
+    fn(pre + "attn_norm.weight", L.attn_norm);
+    L.attn.for_each(std::function<void(const std::string&, Tensor<T>&)>(
+        [&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); }));
+    fn(pre + "ffn_norm.weight", L.ffn_norm);
+    fn(pre + "ffn.w1.weight", L.w1);
+    fn(pre + "ffn.w2.weight", L.w2);
+    fn(pre + "ffn.w3.weight", L.w3);
+  }
+  fn("norm.weight", p.norm);
+  fn("head.weight", p.head);
+}
+}  // namespace
+
+template <class T>
+void LmParams<T>::for_each(const std::function<void(const std::string&, Tensor<T>&)>& fn) {
+  visit(*this, [&](const std::string& n, Tensor<T>& t) { fn(n, t); });
+}
+template <class T>
+void LmParams<T>::for_each(
+    const std::function<void(const std::string&, const Tensor<T>&)>& fn) const {
+  // MlaParams' const for_each hands out const tensors; visit works on both.
+  visit(const_cast<LmParams&>(*this), [&](const std::string& n, const Tensor<T>& t) { fn(n, t); });
+}
+template <class T>
+std::int64_t LmParams<T>::numel() const {
+  std::int64_t n = 0;
+  for_each([&](const std::string&, const Tensor<T>& t) { n += t.numel(); });
+  return n;
+}
+
+template <class T>
+void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
+  p.for_each([&](const std::string& name, Tensor<T>& t) {
+    if (!t.data()) return;
+    if (t.rank() == 1) {
+      t.fill(T(1));
+    } else {
+      const double sd = name == "embed.weight" ? 1.0 : 1.0 / std::sqrt(double(t.dim(1)));
+      fill_normal(t.data(), t.numel(), seed, name_stream(name), 0, sd);
+    }
+  });
+}
+
+bool lm_param_decays(const std::string& name) {
+  if (name == "embed.weight") return false;
+  return name.find("norm.weight") == std::string::npos;
+}
+
+// ------------------------------------------------------- forward/backward
+
+namespace {
+
+// What one layer's backward needs, all (B*L_r, .) on this rank.
+template <class T>
+struct LayerSaved {
+  Tensor<T> x, n1, rstd1;  // layer input, attn_norm output, its rstd
+  MlaSaved<T> mla;
+  Tensor<T> h, n2, rstd2;  // after the attention residual; ffn_norm output, rstd
+  Tensor<T> a, b, g;       // w1 n2, w3 n2, silu(a) * b   (N, F)
+};
+
+template <class T>
+struct LmSaved {
+  std::vector<LayerSaved<T>> layers;
+  Tensor<T> xf, nf, rstdf;  // final residual, norm output, rstd
+  Tensor<T> logits;         // (N, V)
+  Tensor<double> lse;       // (N)
+};
+
+template <class T>
+BlockContext block_ctx(const LmContext& c) {
+  return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.form, c.attention};
+}
+
+// Returns this rank's SUM of token losses; fills saved when `keep`.
+template <class T>
+double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
+               const std::int32_t* targets, LmSaved<T>& s) {
+  const LmConfig& cfg = c.cfg;
+  const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
+  const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
+  const double eps = cfg.norm_eps;
+  const BlockContext bctx = block_ctx<T>(c);
+  Tensor<T> x({B, L, D});
+  embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
+  s.layers.resize(size_t(cfg.layers));
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    const LayerParams<T>& p = w.layers[size_t(l)];
+    LayerSaved<T>& ls = s.layers[size_t(l)];
+    ls.n1 = Tensor<T>({B, L, D});
+    ls.rstd1 = Tensor<T>({N});
+    rmsnorm_forward(ls.n1.data(), ls.rstd1.data(), x.data(), D, p.attn_norm.data(), N, D, eps);
+    Tensor<T> att;
+    mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    ls.h = Tensor<T>({B, L, D});
+    for (std::int64_t i = 0; i < N * D; ++i) ls.h[i] = x[i] + att[i];
+    att.reset();
+    ls.x = std::move(x);
+    ls.n2 = Tensor<T>({N, D});
+    ls.rstd2 = Tensor<T>({N});
+    rmsnorm_forward(ls.n2.data(), ls.rstd2.data(), ls.h.data(), D, p.ffn_norm.data(), N, D, eps);
+    ls.a = Tensor<T>({N, F});
+    ls.b = Tensor<T>({N, F});
+    ls.g = Tensor<T>({N, F});
+    linear_forward(ls.a.data(), ls.n2.data(), p.w1.data(), N, D, F);
+    linear_forward(ls.b.data(), ls.n2.data(), p.w3.data(), N, D, F);
+    swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
+    Tensor<T> m({N, D});
+    linear_forward(m.data(), ls.g.data(), p.w2.data(), N, F, D);
+    x = Tensor<T>({B, L, D});
+    for (std::int64_t i = 0; i < N * D; ++i) x[i] = ls.h[i] + m[i];
+  }
+  s.nf = Tensor<T>({N, D});
+  s.rstdf = Tensor<T>({N});
+  rmsnorm_forward(s.nf.data(), s.rstdf.data(), x.data(), D, w.norm.data(), N, D, eps);
+  s.xf = std::move(x);
+  s.logits = Tensor<T>({N, V});
+  linear_forward(s.logits.data(), s.nf.data(), w.head.data(), N, D, V);
+  s.lse = Tensor<double>({N});
+  Tensor<T> loss({N});
+  cross_entropy_forward(loss.data(), s.lse.data(), s.logits.data(), targets, N, V);
+  double sum = 0.0;  // sequential: the same bits on every backend
+  for (std::int64_t i = 0; i < N; ++i) sum += loss[i];
+  return sum;
+}
+
+template <class T>
+void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
+              const std::int32_t* targets, LmSaved<T>& s, double scale, LmParams<T>& g) {
+  const LmConfig& cfg = c.cfg;
+  const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
+  const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
+  const BlockContext bctx = block_ctx<T>(c);
+  // dlogits in place of the logits: they are not needed after this.
+  cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
+  Tensor<T> dn({N, D});
+  linear_backward(dn.data(), false, g.head.data(), s.logits.data(), s.nf.data(), w.head.data(), N,
+                  D, V);
+  s.logits.reset();
+  Tensor<T> dx({B, L, D});  // gradient of the residual stream
+  rmsnorm_backward(dx.data(), D, g.norm.data(), dn.data(), s.xf.data(), w.norm.data(),
+                   s.rstdf.data(), N, D);
+  Tensor<T> tmp({B, L, D});
+  for (std::int64_t l = cfg.layers - 1; l >= 0; --l) {
+    const LayerParams<T>& p = w.layers[size_t(l)];
+    LayerParams<T>& gp = g.layers[size_t(l)];
+    LayerSaved<T>& ls = s.layers[size_t(l)];
+    // x_out = h + w2(g): dx flows to h unchanged and through the MLP.
+    Tensor<T> dg({N, F});
+    linear_backward(dg.data(), false, gp.w2.data(), dx.data(), ls.g.data(), p.w2.data(), N, F, D);
+    Tensor<T> da({N, F}), db({N, F});
+    swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
+    dg.reset();
+    linear_backward(dn.data(), false, gp.w1.data(), da.data(), ls.n2.data(), p.w1.data(), N, D, F);
+    linear_backward(dn.data(), true, gp.w3.data(), db.data(), ls.n2.data(), p.w3.data(), N, D, F);
+    rmsnorm_backward(tmp.data(), D, gp.ffn_norm.data(), dn.data(), ls.h.data(), p.ffn_norm.data(),
+                     ls.rstd2.data(), N, D);
+    for (std::int64_t i = 0; i < N * D; ++i) dx[i] += tmp[i];  // now d h
+    // h = x + attn(n1)
+    Tensor<T> dn1;
+    mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
+    rmsnorm_backward(tmp.data(), D, gp.attn_norm.data(), dn1.data(), ls.x.data(),
+                     p.attn_norm.data(), ls.rstd1.data(), N, D);
+    for (std::int64_t i = 0; i < N * D; ++i) dx[i] += tmp[i];  // now d x
+    ls = LayerSaved<T>{};
+  }
+  embedding_backward(g.embed.data(), dx.data(), tokens, N, V, D);
+}
+
+}  // namespace
+
+template <class T>
+double lm_loss(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
+               const std::int32_t* targets) {
+  LmSaved<T> s;
+  double sum = forward(c, w, tokens, targets, s);
+  c.comm.set_phase(Phase::forward);
+  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  return sum / double(c.layout.batch * c.layout.seq);
+}
+
+template <class T>
+double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
+                           const std::int32_t* targets, LmParams<T>& grads) {
+  LmSaved<T> s;
+  double sum = forward(c, w, tokens, targets, s);
+  const double total = double(c.layout.batch * c.layout.seq);
+  grads.for_each([](const std::string&, Tensor<T>& t) { t.fill(T(0)); });
+  backward(c, w, tokens, targets, s, 1.0 / total, grads);
+
+  // One all-reduce of every gradient flattened, then one of the loss.
+  c.comm.set_phase(Phase::grad_sync);
+  Tensor<T> flat({grads.numel()}, MemCategory::comm_buffers);
+  std::int64_t off = 0;
+  grads.for_each([&](const std::string&, Tensor<T>& t) {
+    std::memcpy(flat.data() + off, t.data(), size_t(t.bytes()));
+    off += t.numel();
+  });
+  c.comm.all_reduce(flat.data(), flat.numel(), "grad_allreduce");
+  off = 0;
+  grads.for_each([&](const std::string&, Tensor<T>& t) {
+    std::memcpy(t.data(), flat.data() + off, size_t(t.bytes()));
+    off += t.numel();
+  });
+  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  return sum / total;
+}
+
+#define LAGA_INSTANTIATE(T)                                                                       \
+  template struct LmParams<T>;                                                                    \
+  template void init_lm_params<T>(LmParams<T>&, std::uint64_t);                                   \
+  template double lm_forward_backward<T>(const LmContext&, const LmParams<T>&,                    \
+                                         const std::int32_t*, const std::int32_t*, LmParams<T>&); \
+  template double lm_loss<T>(const LmContext&, const LmParams<T>&, const std::int32_t*,           \
+                             const std::int32_t*);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+}  // namespace laga

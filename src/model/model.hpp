@@ -1,0 +1,116 @@
+// A small MLA language model (DeepSeek-V3's dense layer without MoE) and its
+// sequence-parallel forward + backward:
+//
+//   x = embed[tokens]                                   (B, L_r, D)
+//   per layer l (prefix layers.l.):
+//     h = x + attn(attn_norm(x))                        MLA, any form, SP
+//     x = h + ffn.w2(silu(ffn.w1 n) * ffn.w3 n),  n = ffn_norm(h)
+//   logits = head(norm(x))                              (B, L_r, V)
+//   loss = mean over all B*S tokens of all ranks of cross-entropy
+//
+// Everything but the MLA block is token-local, so rank r runs it on its own
+// seq shard (B, L_r); the MLA block's collectives are the chosen form's.
+// Parameters are replicated on every rank; their gradients are partial per
+// rank and summed over the SP group by ONE all-reduce of all of them
+// flattened (label "grad_allreduce", phase grad_sync). The loss needs the
+// global token count: each rank's local sum is all-reduced ("loss_allreduce").
+//
+// Names follow DeepSeek-V3's inference checkpoint: embed.weight,
+// layers.N.attn_norm.weight, layers.N.attn.<MLA names>, layers.N.ffn_norm.weight,
+// layers.N.ffn.w1.weight (F, D), ffn.w3.weight (F, D), ffn.w2.weight (D, F),
+// norm.weight, head.weight (V, D).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "comm/communicator.hpp"
+#include "core/tensor.hpp"
+#include "mla/block.hpp"
+#include "mla/config.hpp"
+#include "mla/layout.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+
+struct LmConfig {
+  MlaConfig mla;  // mla.dim is the model width D
+  std::int64_t layers = 2;
+  std::int64_t vocab = 256;
+  std::int64_t ffn_hidden = 0;  // F; 0 means default_ffn_hidden(D)
+  double norm_eps = 1e-6;       // attn_norm, ffn_norm, norm
+
+  std::int64_t dim() const { return mla.dim; }
+  std::int64_t hidden() const;
+
+  // The MLA dims for a width D and H heads, by DeepSeek's head ratios
+  // (V2-Lite / V3: dn = dv = 128, dr = 64, C = 512 = 4 dn): dn = dv = D / H,
+  // dr = dn / 2 (rounded up to even, at least 2), C = 4 dn, rq = 0 (wq),
+  // no YaRN (max_seq_len = original_seq_len = max(4096, seq)).
+  static LmConfig derive(std::int64_t d_model, std::int64_t heads, std::int64_t layers,
+                         std::int64_t vocab, std::int64_t seq);
+  // SwiGLU width 8/3 D rounded up to a multiple of 64 (LLaMA's rule; 1408 at D = 512).
+  static std::int64_t default_ffn_hidden(std::int64_t d_model);
+
+  void validate() const;
+  nlohmann::json to_json() const;
+  std::string summary() const;
+};
+
+template <class T>
+struct LayerParams {
+  Tensor<T> attn_norm, ffn_norm, w1, w2, w3;
+  MlaParams<T> attn;
+};
+
+template <class T>
+struct LmParams {
+  Tensor<T> embed, norm, head;
+  std::vector<LayerParams<T>> layers;
+
+  static LmParams zeros(const LmConfig& cfg, MemCategory cat);
+  // Every tensor with its full name, in a fixed order (embed, layers in
+  // order, norm, head): the order of the flattened gradient all-reduce and of
+  // checkpoint files.
+  void for_each(const std::function<void(const std::string&, Tensor<T>&)>& fn);
+  void for_each(const std::function<void(const std::string&, const Tensor<T>&)>& fn) const;
+  std::int64_t numel() const;
+};
+
+// Every element depends only on (seed, full name, index): linear weights
+// N(0, 1/fan_in), embed N(0, 1), norm weights 1.
+template <class T>
+void init_lm_params(LmParams<T>& p, std::uint64_t seed);
+
+// Whether AdamW's weight decay applies: 2-D linear weights yes; RMSNorm
+// weights and the embedding no (decaying a norm gain pulls it to 0, not to
+// its neutral 1; embedding rows of rare tokens would decay with no signal).
+bool lm_param_decays(const std::string& name);
+
+struct LmContext {
+  const LmConfig& cfg;
+  const SpLayout& layout;
+  Communicator& comm;
+  const RopeTable& rope;  // positions [0, layout.seq)
+  Form form = Form::laga;
+  AttentionKind attention = AttentionKind::eager;
+};
+
+// One forward + backward on this rank. tokens and targets (B, L_r) are the
+// rank's shard. grads is overwritten with the gradients of the GLOBAL mean
+// loss, already summed over the group. Returns the global mean loss (the same
+// value on every rank).
+template <class T>
+double lm_forward_backward(const LmContext& ctx, const LmParams<T>& w, const std::int32_t* tokens,
+                           const std::int32_t* targets, LmParams<T>& grads);
+
+// Forward only: the global mean loss (for finite differences and evaluation).
+template <class T>
+double lm_loss(const LmContext& ctx, const LmParams<T>& w, const std::int32_t* tokens,
+               const std::int32_t* targets);
+
+}  // namespace laga

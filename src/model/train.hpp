@@ -1,0 +1,61 @@
+// The training loop of `laga train`, one call per rank of the SP group.
+//
+// Step s (1-based) of `steps`: draw the batch for data cursor (s-1) B, run
+// forward + backward on the rank's seq shard (model.hpp: gradients summed
+// over the group), clip by the global norm, lr from the schedule, AdamW on
+// every (replicated) parameter. Every rank holds the same parameters and
+// optimizer state after every step, so any rank can write a checkpoint and
+// all of them read it on resume. All reductions run in a fixed order, so
+// the same seed and P give bit-identical losses on every run and on both
+// backends.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "kernels/adamw.hpp"
+#include "mla/block.hpp"
+#include "model/model.hpp"
+
+namespace laga {
+
+struct TrainOptions {
+  LmConfig model;
+  Form form = Form::laga;
+  AttentionKind attention = AttentionKind::eager;
+  int sp = 1;
+  std::int64_t batch = 1, seq = 64;
+  std::int64_t steps = 10;  // total: a resumed run continues up to this step
+  std::uint64_t seed = 0;
+  AdamWHyper adam;  // adam.lr is the peak learning rate
+  std::int64_t warmup = 0;
+  bool cosine = false;
+  double min_lr = 0.0;
+  double clip = 0.0;  // max global grad norm; 0: no clipping
+  std::string data = "random", data_dtype = "auto";
+  std::int64_t save_every = 0;
+  std::string checkpoint_dir, resume;
+};
+
+struct StepRecord {
+  std::int64_t step = 0;
+  double loss = 0, grad_norm = 0, lr = 0, tokens_per_s = 0, seconds = 0;
+};
+
+// Runs the loop on this rank. on_step is called on rank 0 after each step
+// (and after its checkpoint, if one is due). Throws laga::Error on bad
+// options, data or checkpoints.
+void train_rank(Communicator& comm, const TrainOptions& o,
+                const std::function<void(const StepRecord&)>& on_step);
+
+// The options' own checks (shapes, data file, P vs seq), made before any rank
+// starts so errors come once and clearly.
+void validate_train_options(const TrainOptions& o);
+
+// P in-process ranks; returns rank 0's records (tests, examples).
+std::vector<StepRecord> train_local(const TrainOptions& o);
+
+}  // namespace laga
