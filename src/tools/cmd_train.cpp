@@ -1,0 +1,172 @@
+// laga train: train the small MLA language model (src/model) sequence-parallel
+// over --sp ranks in one of the three forms, logging one JSON line per step.
+// docs/convergence.md has the paper's run and the dimension mapping.
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "model/train.hpp"
+#include "tools/cli_common.hpp"
+#include "tools/commands.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+struct TrainCli {
+  CommOptions comm;
+  std::string form = "laga", attention = "eager", schedule = "constant";
+  int sp = 1;
+  std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
+               batch = 1;
+  // MLA dims: 0 = derived from d_model / heads (LmConfig::derive).
+  std::int64_t nope_dim = 0, rope_dim = 0, v_dim = 0, kv_lora_rank = 0, ffn_hidden = 0;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, clip = 0.0,
+         min_lr = 0.0;
+  std::int64_t warmup = 0, save_every = 0;
+  std::uint64_t seed = 0;
+  std::string data = "random", data_dtype = "auto", log, checkpoint, resume;
+  bool quiet = false;
+};
+
+TrainOptions to_options(const TrainCli& c) {
+  TrainOptions o;
+  o.model = LmConfig::derive(c.d_model, c.heads, c.layers, c.vocab, c.seq);
+  if (c.nope_dim) o.model.mla.qk_nope_head_dim = c.nope_dim;
+  if (c.rope_dim) o.model.mla.qk_rope_head_dim = c.rope_dim;
+  if (c.v_dim) o.model.mla.v_head_dim = c.v_dim;
+  if (c.kv_lora_rank) o.model.mla.kv_lora_rank = c.kv_lora_rank;
+  o.model.ffn_hidden = c.ffn_hidden;
+  o.form = parse_form(c.form);
+  o.attention = parse_attention(c.attention);
+  o.sp = c.sp;
+  o.batch = c.batch;
+  o.seq = c.seq;
+  o.steps = c.steps;
+  o.seed = c.seed;
+  o.adam = AdamWHyper{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
+  o.warmup = c.warmup;
+  o.cosine = c.schedule == "cosine";
+  o.min_lr = c.min_lr;
+  o.clip = c.clip;
+  o.data = c.data;
+  o.data_dtype = c.data_dtype;
+  o.save_every = c.save_every;
+  o.checkpoint_dir = c.checkpoint;
+  o.resume = c.resume;
+  return o;
+}
+
+void run_train(const TrainCli& c) {
+  const TrainOptions o = to_options(c);
+  const bool report = is_reporting_process(c.comm);
+  validate_train_options(o);
+  std::ofstream log;
+  if (report && !c.log.empty()) {
+    // A resumed run continues its log; a fresh one starts it anew.
+    log.open(c.log, c.resume.empty() ? std::ios::trunc : std::ios::app);
+    LAGA_CHECK(log, "--log '", c.log, "': cannot open it for writing; choose a writable path");
+  }
+  if (report) {
+    std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
+              << ", form " << c.form << ", attention " << c.attention << ", sp " << o.sp
+              << ", comm " << c.comm.backend << ", data " << c.data << ", steps " << o.steps
+              << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
+  }
+  run_group(c.comm, o.sp, [&](Communicator& comm) {
+    train_rank(comm, o, [&](const StepRecord& s) {
+      if (!report) return;
+      nlohmann::json j;
+      j["step"] = s.step;
+      j["loss"] = s.loss;
+      j["grad_norm"] = s.grad_norm;
+      j["lr"] = s.lr;
+      j["tokens_per_s"] = s.tokens_per_s;
+      if (log.is_open()) log << j.dump() << "\n" << std::flush;
+      if (!c.quiet)
+        std::cerr << "step " << s.step << "/" << o.steps << "  loss " << std::fixed
+                  << std::setprecision(4) << s.loss << "  grad_norm " << s.grad_norm << "  lr "
+                  << std::scientific << std::setprecision(2) << s.lr << std::fixed << "  "
+                  << std::setprecision(0) << s.tokens_per_s << " tok/s  (" << std::setprecision(2)
+                  << s.seconds << " s)" << std::defaultfloat << "\n";
+    });
+  });
+}
+
+void register_train(CLI::App& app) {
+  auto c = std::make_shared<TrainCli>();
+  CLI::App* sub = app.add_subcommand(
+      "train", "train a small MLA language model sequence-parallel (the paper's §4.5 run)");
+  c->comm.add_to(*sub);
+  sub->add_option("--form", c->form, "explicit | absorbed | laga")->capture_default_str();
+  sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
+  sub->add_option("--sp", c->sp, "sequence-parallel ranks")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--layers", c->layers, "transformer layers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--d-model", c->d_model, "model width D")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--heads", c->heads, "attention heads H")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--nope-dim", c->nope_dim, "qk_nope_head_dim (default D/H)");
+  sub->add_option("--rope-dim", c->rope_dim, "qk_rope_head_dim (default D/H/2, even)");
+  sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)");
+  sub->add_option("--kv-lora-rank", c->kv_lora_rank, "kv_lora_rank C (default 4 D/H)");
+  sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)");
+  sub->add_option("--vocab", c->vocab, "vocabulary size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seq", c->seq, "sequence length S")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--batch", c->batch, "sequences per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--steps", c->steps, "total optimizer steps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--lr", c->lr, "peak learning rate")->capture_default_str();
+  sub->add_option("--beta1", c->beta1, "AdamW beta1")->capture_default_str();
+  sub->add_option("--beta2", c->beta2, "AdamW beta2")->capture_default_str();
+  sub->add_option("--eps", c->eps, "AdamW eps")->capture_default_str();
+  sub->add_option("--weight-decay", c->weight_decay,
+                  "decoupled weight decay on linear weights (not norms, not the embedding)")
+      ->capture_default_str();
+  sub->add_option("--clip", c->clip, "clip gradients to this global norm (0: off)")
+      ->capture_default_str();
+  sub->add_option("--warmup", c->warmup, "linear warm-up steps")->capture_default_str();
+  sub->add_option("--schedule", c->schedule, "lr after warm-up: constant | cosine")
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
+  sub->add_option("--min-lr", c->min_lr, "final lr of the cosine schedule")->capture_default_str();
+  sub->add_option("--seed", c->seed, "seed of weights and data")->capture_default_str();
+  sub->add_option("--data", c->data,
+                  "random (a fixed seeded sequence to memorise) or FILE (flat uint16/uint32 token "
+                  "ids, nanoGPT/llm.c .bin)")
+      ->capture_default_str();
+  sub->add_option("--data-dtype", c->data_dtype,
+                  "auto | u16 | u32 (auto: llm.c header if present, *.u32 names u32, else u16)")
+      ->check(CLI::IsMember({"auto", "u16", "u32"}))
+      ->capture_default_str();
+  sub->add_option("--log", c->log,
+                  "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s)");
+  sub->add_option("--save-every", c->save_every,
+                  "write a checkpoint every N steps (needs --checkpoint)");
+  sub->add_option("--checkpoint", c->checkpoint, "checkpoint directory");
+  sub->add_option("--resume", c->resume, "continue from a checkpoint directory or its step-*.json");
+  sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
+  sub->callback([c] { run_train(*c); });
+}
+
+}  // namespace
+
+LAGA_REGISTER_COMMAND(register_train);
+
+}  // namespace laga::tools
