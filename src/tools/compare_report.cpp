@@ -1,6 +1,8 @@
 // `laga compare` output: the human table, the JSON document and the CSV rows.
 // Bytes are integers in JSON and CSV; the table shows them in MB (10^6
-// bytes, as the paper's tables) and says so in every header.
+// bytes, as the paper's tables; kB or bytes for small runs) and says which in
+// every header.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -15,9 +17,30 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
+// One decimal unit for every byte figure of a report, chosen so that the
+// largest has a few digits before the point: MB for DeepSeek-V3 sizes, kB or
+// B for tiny ones. The unit is named in every header.
+struct ByteUnit {
+  double scale = 1e6;
+  const char* name = "MB = 10^6 bytes";
+};
+ByteUnit g_unit;  // set by compare_table for the report it is writing
+
+ByteUnit unit_for(const CompareResult& r) {
+  std::int64_t biggest = 0;
+  for (const FormResult& f : r.results)
+    biggest = std::max({biggest, f.sent_total, f.peak, f.peak_grad_sync, f.parameters});
+  if (biggest >= 10'000'000) return {1e6, "MB = 10^6 bytes"};
+  if (biggest >= 10'000) return {1e3, "kB = 10^3 bytes"};
+  return {1, "bytes"};
+}
+
 std::string mb(std::int64_t bytes) {
   char b[32];
-  std::snprintf(b, sizeof b, "%.2f", double(bytes) / 1e6);
+  if (g_unit.scale == 1)
+    std::snprintf(b, sizeof b, "%lld", static_cast<long long>(bytes));
+  else
+    std::snprintf(b, sizeof b, "%.2f", double(bytes) / g_unit.scale);
   return b;
 }
 std::string fixed(double v, int digits) {
@@ -106,6 +129,8 @@ std::string ranks_word(const CompareResult& r) {
 
 std::string compare_table(const CompareResult& r) {
   const CompareOptions& o = r.options;
+  g_unit = unit_for(r);
+  const std::string unit = g_unit.name;
   std::ostringstream s;
   s << "laga compare: " << o.model.source() << " (" << r.cfg.summary() << ")\n";
   s << "  B=" << r.layout.batch << " S=" << r.layout.seq << " P=" << r.layout.ranks << " ("
@@ -120,7 +145,7 @@ std::string compare_table(const CompareResult& r) {
   for (const std::string& n : r.notes) s << "  note: " << n << "\n";
   const std::string who = ranks_word(r);
 
-  s << "\nBytes sent per rank [MB = 10^6 bytes], " << who
+  s << "\nBytes sent per rank [" << unit << "], " << who
     << ". measured: the communicator's ledger; model: closed form (mla/comm_model)\n";
   Table bytes({"form", "fwd", "model", "fwd+bwd", "model", "grad all-reduce", "model", "total",
                "model", "match"});
@@ -138,7 +163,7 @@ std::string compare_table(const CompareResult& r) {
           << "x\n";
   }
 
-  s << "\nBy collective (bytes per rank [MB = 10^6 bytes], " << who << ")\n";
+  s << "\nBy collective (bytes per rank [" << unit << "], " << who << ")\n";
   Table lab({"form", "phase", "label", "calls", "sent", "model", "received", "model", "match"});
   for (const FormResult& f : r.results)
     for (const LabelRow& l : f.by_label)
@@ -147,7 +172,7 @@ std::string compare_table(const CompareResult& r) {
                mb(l.predicted_received), l.match ? "exact" : "NO"});
   s << lab.str();
 
-  s << "\nPeak activation memory per rank [MB = 10^6 bytes], " << who
+  s << "\nPeak activation memory per rank [" << unit << "], " << who
     << ": activations + collective staging during forward+backward, above the input shard.\n"
        "  measured: the memory pool; model: mla/memory_model (the allocation sequence replayed)\n";
   const FormResult* ex = find_explicit(r);

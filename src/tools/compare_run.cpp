@@ -121,11 +121,11 @@ MaxDiff max_diff(const float* a, const float* b, std::int64_t n) {
   return m;
 }
 
-void say(const Job& j, const std::string& what) {
+void say(const Job& j, const std::string& what, bool always = false) {
   if (!j.progress) return;
   const double t = std::chrono::duration<double>(Clock::now() - j.start).count();
   // Quiet for short runs: a line only once the job has taken a few seconds.
-  if (t < 3.0) return;
+  if (t < 3.0 && !always) return;
   char stamp[32];
   std::snprintf(stamp, sizeof stamp, "[%7.1f s] ", t);
   std::cerr << "laga compare: " << stamp << what << "\n" << std::flush;
@@ -447,7 +447,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   std::int64_t param_bytes = 0;
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) param_bytes += 4 * numel(shape);
   if (!o.count_only && param_bytes > (std::int64_t(1) << 28) && is_reporting_process(o.comm))
-    say(j, cat("initialising ", param_bytes / 1000000, " MB of parameters"));
+    say(j, cat("initialising ", param_bytes / 1000000, " MB of parameters"), true);
   const MlaParams<float> w = random_weights(res.cfg, o.seed);
   const TensorF x = random_tensor({o.batch, o.seq, res.cfg.dim}, o.seed, 1);
   const TensorF dout = random_tensor({o.batch, o.seq, res.cfg.dim}, o.seed, 2);
