@@ -26,6 +26,7 @@
 namespace {
 
 using laga::AttnShape;
+using laga::bench::case_selected;
 using laga::bench::count_wrong;
 
 struct Case {
@@ -134,6 +135,7 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
         {"v3_latent_causal_1k", make(1, 1024, 16, 1, 576, 512, true)},
     };
   }
+  std::erase_if(cases, [&](const Case& c) { return !case_selected(ctx.options(), c.name); });
   nlohmann::json torch;
   if (ctx.options().torch) torch = run_torch(ctx, cases);
   ctx.note(
@@ -146,6 +148,7 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
     Tensors t = prepare(s);
     const double f = s.useful_flops_forward() * 1e-9;
     const std::string shape = describe(s);
+    ctx.note(c.name);
     auto torch_ms = [&](const char* key) {
       return torch.contains(c.name) ? torch[c.name].value(key, std::nan("")) : std::nan("");
     };

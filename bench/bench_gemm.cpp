@@ -29,6 +29,7 @@ LAGA_BENCH(gemm, "sgemm (OpenBLAS via laga::gemm), C = A B^T as in y = x W^T") {
   };
   ctx.header();
   for (const GemmShape& g : shapes) {
+    if (!laga::bench::case_selected(ctx.options(), g.what)) continue;
     std::vector<float> a(static_cast<size_t>(g.M * g.K)), b(static_cast<size_t>(g.N * g.K)),
         c(static_cast<size_t>(g.M * g.N));
     laga::fill_normal(a.data(), g.M * g.K, 1, 0, 0, 1.0);

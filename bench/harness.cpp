@@ -179,6 +179,13 @@ std::vector<Benchmark>& registry() {
   return r;
 }
 
+bool case_selected(const Options& opt, const std::string& name) {
+  if (opt.cases.empty()) return true;
+  for (const std::string& c : opt.cases)
+    if (name.find(c) != std::string::npos) return true;
+  return false;
+}
+
 std::string source_dir() {
   return LAGA_SOURCE_DIR;
 }

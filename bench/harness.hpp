@@ -34,6 +34,7 @@ struct Options {
   bool quick = false;  // smaller shapes (a smoke test of the harness itself)
   std::string python = "/usr/bin/python3";
   std::vector<std::string> filters;  // run benchmarks whose name contains one of these
+  std::vector<std::string> cases;    // ... and of their cases those that contain one of these
 };
 
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
@@ -114,6 +115,9 @@ struct Registrar {
     registry().push_back({name, help, fn});
   }
 };
+
+// Whether a benchmark's case named `name` is selected by --case.
+bool case_selected(const Options& opt, const std::string& name);
 
 // Source tree root, for scripts the harness calls (python/bench_torch.py).
 std::string source_dir();

@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
   bool list = false;
   CLI::App app{"laga_bench: kernel benchmarks in one table (see docs/performance.md)"};
   app.add_option("names", opt.filters, "benchmarks to run (substring match); all when omitted");
+  app.add_option("--case", opt.cases, "only the cases whose name contains this (repeatable)")
+      ->expected(1)
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--threads", opt.threads, "threads (OpenMP and OpenBLAS)")
       ->check(CLI::PositiveNumber);
   app.add_option("--repeats", opt.repeats, "timed runs per row; the median is reported")
