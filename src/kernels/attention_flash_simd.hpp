@@ -199,10 +199,13 @@ using Simd = typename SimdFor<T>::type;
 // A element (m, k) is a[m * ars + k * acs], so A can be read transposed;
 // B row k is b + k * ldb, contiguous along N; C row m is c + m * ldc.
 // n: valid columns of this panel (TAIL: fewer than NV * W, loads and stores are
-// masked so nothing past column n is touched).
-template <class T, int M, bool TAIL>
+// masked so nothing past column n is touched). ACC (C += rather than C =) is a
+// template argument so that the accumulators go straight from C, or zero,
+// into registers; as a run-time flag GCC merged both through the stack.
+template <class T, int M, bool TAIL, bool ACC>
 void micro_kernel(std::int64_t K, const T* a, std::int64_t ars, std::int64_t acs, const T* b,
-                  std::int64_t ldb, T* c, std::int64_t ldc, int n, bool accumulate) {
+                  std::int64_t ldb, T* c, std::int64_t ldc, int n) {
+  constexpr bool accumulate = ACC;
   using S = Simd<T>;
   using V = typename S::V;
   constexpr int NV = S::NV, W = S::W;
@@ -233,11 +236,11 @@ void micro_kernel(std::int64_t K, const T* a, std::int64_t ars, std::int64_t acs
     }
 }
 
-template <class T, bool TAIL, std::size_t... I>
+template <class T, bool TAIL, bool ACC, std::size_t... I>
 constexpr auto micro_kernel_table(std::index_sequence<I...>) {
   using Fn = void (*)(std::int64_t, const T*, std::int64_t, std::int64_t, const T*, std::int64_t,
-                      T*, std::int64_t, int, bool);
-  return std::array<Fn, sizeof...(I)>{&micro_kernel<T, int(I) + 1, TAIL>...};
+                      T*, std::int64_t, int);
+  return std::array<Fn, sizeof...(I)>{&micro_kernel<T, int(I) + 1, TAIL, ACC>...};
 }
 
 // The whole tile, blocked as a BLAS would: K in chunks of KC, so that one
@@ -250,8 +253,10 @@ void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::
   using S = Simd<T>;
   constexpr int MR = S::MR, NB = S::NV * S::W;
   constexpr std::int64_t KC = std::max<std::int64_t>(16, 24576 / (NB * std::int64_t(sizeof(T))));
-  static constexpr auto full = micro_kernel_table<T, false>(std::make_index_sequence<MR>{});
-  static constexpr auto tail = micro_kernel_table<T, true>(std::make_index_sequence<MR>{});
+  static constexpr auto full0 = micro_kernel_table<T, false, false>(std::make_index_sequence<MR>{});
+  static constexpr auto tail0 = micro_kernel_table<T, true, false>(std::make_index_sequence<MR>{});
+  static constexpr auto full1 = micro_kernel_table<T, false, true>(std::make_index_sequence<MR>{});
+  static constexpr auto tail1 = micro_kernel_table<T, true, true>(std::make_index_sequence<MR>{});
   if (K == 0 && !accumulate) {  // an empty sum: C = 0
     for (std::int64_t m = 0; m < M; ++m) std::fill(c + m * ldc, c + m * ldc + N, T(0));
     return;
@@ -260,12 +265,12 @@ void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::
     const std::int64_t kc = std::min(KC, K - k0);
     for (std::int64_t n0 = 0; n0 < N; n0 += NB) {
       const int n = static_cast<int>(std::min<std::int64_t>(NB, N - n0));
-      const auto& table = n == NB ? full : tail;
+      const bool acc = accumulate || k0 > 0;
+      const auto& table = n == NB ? (acc ? full1 : full0) : (acc ? tail1 : tail0);
       for (std::int64_t m0 = 0; m0 < M; m0 += MR) {
         const int m = static_cast<int>(std::min<std::int64_t>(MR, M - m0));
         table[static_cast<std::size_t>(m - 1)](kc, a + m0 * ars + k0 * acs, ars, acs,
-                                               b + k0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, n,
-                                               accumulate || k0 > 0);
+                                               b + k0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, n);
       }
     }
   }
