@@ -264,7 +264,8 @@ def plot_throughput(docs, out):
     ax.set_ylabel("tokens/s (forward + backward, slowest rank)")
     ax.set_title("throughput on this machine", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)  # room for the legend above the bars
+    ax.legend(ncol=3, loc="upper center")
     save(fig, out, "throughput.png")
 
 

@@ -197,7 +197,11 @@ std::string compare_table(const CompareResult& r) {
     s << "\n";
   }
 
-  s << "\nTime per step [ms], measured; per step the slowest rank's, median over steps\n";
+  s << "\nTime per step [ms], measured; "
+    << (r.measured_ranks.size() == 1 && o.sp > 1
+            ? "rank " + std::to_string(r.measured_ranks[0]) + " alone on all cores (no peers)"
+            : std::string("per step the slowest rank's"))
+    << ", median over steps\n";
   Table time({"form", "forward", "backward", "grad all-reduce", "step", "tokens/s", "vs explicit"});
   for (const FormResult& f : r.results) {
     const bool timed = !o.count_only;
