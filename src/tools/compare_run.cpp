@@ -460,7 +460,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
     gathered = rank_body(comm, j, w, x, dout);
     res.measured_ranks = {o.rank_only};
   } else {
-    res.threads_per_rank = o.comm.backend == "local" ? threads_per_rank(o.sp) : threads_per_rank(1);
+    res.threads_per_rank = threads_per_rank(o.sp);  // what run_group gives each rank
     run_group(o.comm, o.sp, [&](Communicator& comm) {
       std::vector<std::vector<double>> mine = rank_body(comm, j, w, x, dout);
       for (size_t fi = 0; fi < mine.size(); ++fi) {
