@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <memory>
 
 #include "core/error.hpp"
@@ -82,6 +83,12 @@ double peak_of(double (*loop)(std::int64_t, float*), int threads, int repeats) {
   return best;
 }
 
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 }  // namespace
 
 Peak measure_fma_peak(int threads, int repeats) {
@@ -100,17 +107,23 @@ Peak measure_fma_peak(int threads, int repeats) {
   return p;
 }
 
-Timing time_it(const std::function<void()>& fn, int warmup, int repeats) {
+Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> ms;
+  const double cpu0 = cpu_seconds();
+  const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < std::max(1, repeats); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     const auto t1 = std::chrono::steady_clock::now();
     ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
   }
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double cpu = cpu_seconds() - cpu0;
   std::sort(ms.begin(), ms.end());
   Timing t;
+  t.busy = wall > 0 ? cpu / (wall * std::max(1, threads)) : 0;
   const size_t n = ms.size();
   t.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
   t.min_ms = ms.front();
@@ -119,8 +132,8 @@ Timing time_it(const std::function<void()>& fn, int warmup, int repeats) {
 }
 
 void Context::header() const {
-  std::printf("#\n# %-22s %-36s %9s %10s %9s %7s %7s\n", "op", "shape", "GFLOP", "ms(med)",
-              "GFLOP/s", "%peak", "#wrong");
+  std::printf("#\n# %-22s %-36s %9s %10s %9s %7s %6s %7s\n", "op", "shape", "GFLOP", "ms(med)",
+              "GFLOP/s", "%peak", "busy%", "#wrong");
   std::fflush(stdout);
 }
 
@@ -135,11 +148,11 @@ Row& Context::run(const std::string& op, const std::string& shape, double gflop,
   row.op = op;
   row.shape = shape;
   row.gflop = gflop;
-  row.t = time_it(fn, opt_.warmup, opt_.repeats);
+  row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads);
   row.wrong = check ? check() : -1;
   const double rate = gflop / (row.t.median_ms * 1e-3);
-  std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %6.1f%% %7s\n", op.c_str(), shape.c_str(), gflop,
-              row.t.median_ms, rate, 100.0 * rate / peak_.value,
+  std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %6.1f%% %5.0f%% %7s\n", op.c_str(), shape.c_str(),
+              gflop, row.t.median_ms, rate, 100.0 * rate / peak_.value, 100.0 * row.t.busy,
               row.wrong < 0 ? "n/a" : std::to_string(row.wrong).c_str());
   std::fflush(stdout);
   rows_.push_back(row);

@@ -49,9 +49,14 @@ Peak measure_fma_peak(int threads, int repeats);
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;
+  // Process CPU time over (wall time x threads) of the timed runs: 100% when
+  // the kernel's threads had their cores to themselves the whole time (or
+  // spun), less when other processes took turns on them. A row with a low
+  // busy% says more about the machine than about the kernel.
+  double busy = 0;
 };
 // Runs fn `warmup` times, then `repeats` times timed; median, min, max.
-Timing time_it(const std::function<void()>& fn, int warmup, int repeats);
+Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads);
 
 // Elements of `got` farther than rel * max|ref| from `ref`, NaN and Inf
 // counted as wrong: the nccl-tests "#wrong" column.
