@@ -18,7 +18,7 @@ namespace {
 
 struct TrainCli {
   CommOptions comm;
-  std::string form = "laga", attention = "eager", schedule = "constant";
+  std::string form = "laga", attention = "flash", schedule = "constant";
   int sp = 1;
   std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
                batch = 1;
