@@ -163,8 +163,9 @@ void Context::print_torch_comparison() const {
   bool any = false;
   for (const Row& r : rows_) any = any || !std::isnan(r.torch_ms);
   if (!any) return;
-  std::printf("#\n# laga vs PyTorch %s (eager ops, same threads, same shapes, same run)\n",
-              "(torch.set_num_threads)");
+  std::printf(
+      "#\n# laga vs PyTorch eager (python/bench_torch.py: same shapes, same threads via "
+      "torch.set_num_threads, same run); speedup = torch ms / laga ms\n");
   std::printf("# %-22s %-36s %10s %10s %9s\n", "op", "shape", "laga ms", "torch ms", "speedup");
   for (const Row& r : rows_) {
     if (std::isnan(r.torch_ms)) continue;
