@@ -4,6 +4,7 @@
 
 #include <iostream>
 
+#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 #include "tools/commands.hpp"
 
@@ -19,6 +20,7 @@ bool register_command(CommandRegistration reg) {
 }  // namespace laga::tools
 
 int main(int argc, char** argv) {
+  laga::ensure_fast_blas_kernels(argv);
   CLI::App app{
       "laga: the explicit, absorbed and LAGA forms of sequence-parallel MLA, forward and "
       "backward, with exact wire bytes and activation memory"};
