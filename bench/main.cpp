@@ -6,6 +6,7 @@
 #include <fstream>
 #include <string>
 
+#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "harness.hpp"
@@ -32,6 +33,7 @@ std::string load_average() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  laga::ensure_fast_blas_kernels(argv);  // before any BLAS call: may re-exec
   using namespace laga::bench;
   Options opt;
   bool list = false;

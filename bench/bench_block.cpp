@@ -1,0 +1,109 @@
+// The whole MLA block, forward+backward on one rank, per form: explicit,
+// absorbed and laga, flash attention, against PyTorch eager running the same
+// block (python/bench_torch_block.py, explicit form, same threads) with
+// --torch. Shape: D 2048, H 16, C 512, dn 128, dr 64, dv 128, rq 0, B 1,
+// S 2048 (--quick: D 512, H 4, S 256).
+//
+// GFLOP = useful work of one forward+backward: 3 x the four projections'
+// 2 N (D H dqk + D (C+dr) + C H (dn+dv) + H dv D) (forward, dx, dW), plus
+// 3.5 x the causal half of attention's forward (bench_attention.cpp's
+// convention). Absorbed does more work than this (its latent-space attention
+// is C+dr wide); the row counts the same useful work for every form, so
+// GFLOP/s compares time. #wrong: out and dx against the explicit form run in
+// double once.
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "comm/communicator.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "harness.hpp"
+#include "kernels/attention.hpp"
+#include "mla/block.hpp"
+
+namespace {
+
+using laga::MlaConfig;
+
+template <class T>
+struct BlockState {
+  laga::MlaParams<T> w, grads;
+  laga::Tensor<T> x, dout, out, dx;
+};
+
+template <class T>
+void run_block(const MlaConfig& cfg, const laga::SpLayout& lay, const laga::RopeTable& rope,
+               laga::Form form, BlockState<T>& st) {
+  auto comm = laga::make_self_communicator();
+  const laga::BlockContext ctx{cfg, lay, *comm, rope, form, laga::AttentionKind::flash};
+  laga::MlaSaved<T> saved;
+  laga::mla_forward(ctx, st.w, st.x, st.out, saved);
+  laga::mla_backward(ctx, st.w, st.x, st.dout, saved, st.dx, st.grads);
+}
+
+template <class T>
+BlockState<T> make_state(const MlaConfig& cfg, std::int64_t S) {
+  BlockState<T> st;
+  st.w = laga::MlaParams<T>::zeros(cfg, laga::MemCategory::parameters);
+  laga::init_params(st.w, 0, 0.1);
+  st.grads = laga::MlaParams<T>::zeros(cfg, laga::MemCategory::gradients);
+  st.x = laga::Tensor<T>({1, S, cfg.dim});
+  st.dout = laga::Tensor<T>({1, S, cfg.dim});
+  laga::fill_normal(st.x.data(), st.x.numel(), 0, 1, 0, 1.0);
+  laga::fill_normal(st.dout.data(), st.dout.numel(), 0, 2, 0, 1.0);
+  return st;
+}
+
+}  // namespace
+
+LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager with --torch)") {
+  const bool quick = ctx.options().quick;
+  MlaConfig cfg;
+  cfg.dim = quick ? 512 : 2048, cfg.n_heads = quick ? 4 : 16, cfg.kv_lora_rank = 512;
+  cfg.qk_nope_head_dim = 128, cfg.qk_rope_head_dim = 64, cfg.v_head_dim = 128;
+  cfg.max_seq_len = cfg.original_seq_len = 4096;
+  const std::int64_t S = quick ? 256 : 2048, N = S;
+  const laga::SpLayout lay = laga::SpLayout::even(1, S, cfg.n_heads, 1);
+  const laga::RopeTable rope(cfg.rope(), S);
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim;
+  const std::int64_t dqk = cfg.qk_head_dim(), dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
+  const double linear =
+      2.0 * double(N) * double(D * H * dqk + D * (C + dr) + C * H * (dn + dv) + H * dv * D);
+  const laga::AttnShape attn{1, S, S, H, H, dqk, dv, cfg.softmax_scale(), true};
+  const double gflop = 1e-9 * (3.0 * linear + 3.5 * attn.useful_flops_forward());
+  const std::string shape = laga::cat("D", D, " H", H, " C", C, " S", S);
+
+  ctx.note("reference: explicit form in double, once (out and dx)");
+  BlockState<double> ref = make_state<double>(cfg, S);
+  run_block(cfg, lay, rope, laga::Form::explicit_form, ref);
+
+  double torch_ms = std::numeric_limits<double>::quiet_NaN();
+  if (ctx.options().torch) {
+    const auto& o = ctx.options();
+    const std::string cmd =
+        laga::cat(o.python, " ", laga::bench::source_dir(), "/python/bench_torch_block.py --dim ",
+                  D, " --heads ", H, " --seq ", S, " --threads ", o.threads, " --repeats ",
+                  o.repeats, " --warmup ", o.warmup);
+    ctx.note("PyTorch: " + cmd.substr(cmd.find("python/")));
+    const auto j = nlohmann::json::parse(laga::bench::Context::capture(cmd));
+    torch_ms = j.at("fwd_bwd_ms").get<double>();
+    ctx.note(laga::cat("PyTorch ", j.value("torch", std::string("?")), " explicit block: ",
+                       torch_ms, " ms = ", j.at("tokens_per_s").get<double>(), " tokens/s"));
+  }
+  ctx.header();
+  for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
+    if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
+    BlockState<float> st = make_state<float>(cfg, S);
+    auto& row = ctx.run(
+        laga::cat("block_", laga::to_string(form)), shape, gflop,
+        [&] { run_block(cfg, lay, rope, form, st); },
+        [&] {
+          return laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +
+                 laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), 1e-5);
+        });
+    row.torch_ms = torch_ms;
+    ctx.note(
+        laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3, " tokens/s"));
+  }
+}

@@ -1,0 +1,90 @@
+#!/ usr / bin / env python3
+"""Time one MLA block (explicit form, one rank) forward+backward in PyTorch eager.
+
+The same block laga runs (DeepSeek-V3 attention math: wq, wkv_a, kv_norm,
+wkv_b, wo; interleaved RoPE on q_pe and the shared k_pe; causal softmax),
+written the way a PyTorch user would: matmuls, softmax, autograd. Used by
+`laga_bench block --torch` for the laga/PyTorch ratio in the same run; prints
+one JSON object: {"fwd_bwd_ms": median, "tokens_per_s": ...}.
+Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU).
+"""
+import argparse
+import json
+import time
+
+import torch
+
+
+def rope(x, cos, sin):
+#x(..., S, h, dr) : interleaved pairs(2i, 2i + 1) rotated by pos* freq_i.
+    xr = x.reshape(*x.shape[:-1], -1, 2)
+    re, im = xr[..., 0], xr[..., 1]
+    return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+
+
+def block(x, p, a, cos, sin):
+    B, S, D = x.shape
+    H, dn, dr, dv, C = a.heads, a.nope, a.rope, a.v, a.latent
+    q = (x @ p["wq"].t()).view(B, S, H, dn + dr)
+    q_nope, q_pe = q[..., :dn], rope(q[..., dn:], cos[:, None], sin[:, None])
+    kv_a = x @ p["wkv_a"].t()
+    c, k_pe = kv_a[..., :C], rope(kv_a[..., None, C:], cos[:, None], sin[:, None])
+    c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * p["kv_norm"]
+    kv = (c @ p["wkv_b"].t()).view(B, S, H, dn + dv)
+    k = torch.cat((kv[..., :dn], k_pe.expand(B, S, H, dr)), -1)
+    qh = torch.cat((q_nope, q_pe), -1).transpose(1, 2)
+    scores = qh @ k.transpose(1, 2).transpose(-1, -2) * (dn + dr) ** -0.5
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    o = (probs @ kv[..., dn:].transpose(1, 2)).transpose(1, 2).reshape(B, S, H * dv)
+    return o @ p["wo"].t()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--latent", type=int, default=512)
+    ap.add_argument("--nope", type=int, default=128)
+    ap.add_argument("--rope", type=int, default=64)
+    ap.add_argument("--v", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    D, H = a.dim, a.heads
+
+    def w(o, i):
+        return (torch.randn(o, i, generator=g) / i ** 0.5).requires_grad_()
+
+    p = {"wq": w(H * (a.nope + a.rope), D), "wkv_a": w(a.latent + a.rope, D),
+         "kv_norm": torch.ones(a.latent, requires_grad=True),
+         "wkv_b": w(H * (a.nope + a.v), a.latent), "wo": w(D, H * a.v)}
+    x = torch.randn(a.batch, a.seq, D, generator=g, requires_grad=True)
+    dout = torch.randn(a.batch, a.seq, D, generator=g)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, a.rope, 2, dtype=torch.float64) / a.rope))
+    ang = torch.outer(torch.arange(a.seq, dtype=torch.float64), freqs)
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def step():
+        out = block(x, p, a, cos, sin)
+        out.backward(dout)
+
+    times = []
+    for i in range(a.warmup + a.repeats):
+        t0 = time.perf_counter()
+        step()
+        if i >= a.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    med = times[len(times) // 2]
+    print(json.dumps({"fwd_bwd_ms": med, "tokens_per_s": a.batch * a.seq / med * 1e3,
+                      "torch": torch.__version__, "threads": a.threads}))
+
+
+if __name__ == "__main__":
+    main()
