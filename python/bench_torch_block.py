@@ -1,4 +1,4 @@
-#!/ usr / bin / env python3
+#!/usr/bin/env python3
 """Time one MLA block (explicit form, one rank) forward+backward in PyTorch eager.
 
 The same block laga runs (DeepSeek-V3 attention math: wq, wkv_a, kv_norm,
@@ -16,7 +16,7 @@ import torch
 
 
 def rope(x, cos, sin):
-#x(..., S, h, dr) : interleaved pairs(2i, 2i + 1) rotated by pos* freq_i.
+    # x (..., S, h, dr): interleaved pairs (2i, 2i+1) rotated by pos * freq_i.
     xr = x.reshape(*x.shape[:-1], -1, 2)
     re, im = xr[..., 0], xr[..., 1]
     return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
