@@ -175,7 +175,7 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
            },
            [&] { return wrong_fwd(t) + wrong_bwd(t); })
         .torch_ms = torch_ms("fwdbwd_ms");
-    if (c.eager) {
+    if (c.eager && ctx.selected("attn_eager")) {
       std::vector<float> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
       auto efwd = [&] {
         laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),

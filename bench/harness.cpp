@@ -142,8 +142,17 @@ void Context::note(const std::string& text) const {
   std::fflush(stdout);
 }
 
+bool Context::selected(const std::string& op) const {
+  if (opt_.ops.empty()) return true;
+  for (const std::string& o : opt_.ops)
+    if (op.find(o) != std::string::npos) return true;
+  return false;
+}
+
 Row& Context::run(const std::string& op, const std::string& shape, double gflop,
                   const std::function<void()>& fn, const std::function<std::int64_t()>& check) {
+  static Row skipped;
+  if (!selected(op)) return skipped = Row{};
   Row row;
   row.op = op;
   row.shape = shape;

@@ -35,6 +35,7 @@ struct Options {
   std::string python = "/usr/bin/python3";
   std::vector<std::string> filters;  // run benchmarks whose name contains one of these
   std::vector<std::string> cases;    // ... and of their cases those that contain one of these
+  std::vector<std::string> ops;      // ... and of their rows those whose op contains one of these
 };
 
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
@@ -89,9 +90,13 @@ class Context {
   const Peak& peak() const { return peak_; }
 
   // Times `fn` (after warm-up), then calls `check` once on the last run's
-  // outputs for the #wrong column, prints and records the row.
+  // outputs for the #wrong column, prints and records the row. A row that
+  // --op does not select is neither run nor printed (the returned row is a
+  // scratch one).
   Row& run(const std::string& op, const std::string& shape, double gflop,
            const std::function<void()>& fn, const std::function<std::int64_t()>& check);
+  // Whether --op selects rows named `op`.
+  bool selected(const std::string& op) const;
   // Prints a line prefixed with '#', nccl-tests style, between table rows.
   void note(const std::string& text) const;
   // Prints the table header (once per benchmark; repeated headers are cheap).

@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
       ->expected(1)
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--op", opt.ops, "only the rows whose op contains this (repeatable)")
+      ->expected(1)
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--threads", opt.threads, "threads (OpenMP and OpenBLAS)")
       ->check(CLI::PositiveNumber);
   app.add_option("--repeats", opt.repeats, "timed runs per row; the median is reported")
