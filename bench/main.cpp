@@ -1,4 +1,4 @@
-// laga_bench [NAME...] [--threads N] [--repeats N] [--torch] [--quick] [--list]
+// laga_bench [NAME...] [--case C] [--op O] [--threads N] [--repeats N] [--torch] [--quick]
 // Runs the registered benchmarks whose name contains one of NAME (all when
 // none is given) and prints one table per benchmark.
 #include <CLI/CLI.hpp>
