@@ -54,6 +54,21 @@ MlaParams<T> MlaParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
 }
 
 template <class T>
+MlaParams<T> MlaParams<T>::clone(MemCategory cat) const {
+  MlaParams p;
+  for (auto [dst, src] : {std::pair{&p.wq, &wq},
+                          {&p.wq_a, &wq_a},
+                          {&p.q_norm, &q_norm},
+                          {&p.wq_b, &wq_b},
+                          {&p.wkv_a, &wkv_a},
+                          {&p.kv_norm, &kv_norm},
+                          {&p.wkv_b, &wkv_b},
+                          {&p.wo, &wo}})
+    *dst = src->clone(cat);  // an undefined tensor clones to an undefined one
+  return p;
+}
+
+template <class T>
 void MlaParams<T>::for_each(const std::function<void(const std::string&, Tensor<T>&)>& fn) {
   visit(*this, fn);
 }

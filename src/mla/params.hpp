@@ -29,6 +29,9 @@ struct MlaParams {
 
   // Allocates every tensor the config uses (zeros), under `cat`.
   static MlaParams zeros(const MlaConfig& cfg, MemCategory cat);
+  // A deep copy registered with the current pool (tensors made on a rank
+  // thread must move to a pool that outlives it).
+  MlaParams clone(MemCategory cat) const;
 
   // Visits the tensors the config uses, in a fixed order, with their names.
   void for_each(const std::function<void(const std::string&, Tensor<T>&)>& fn);

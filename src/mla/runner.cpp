@@ -106,14 +106,7 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
     run.ranks.push_back(res.report);
   }
   // Rank 0's tensors belong to its pool, which ends here: copy them out.
-  run.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  std::vector<Tensor<T>*> dst;
-  run.grads.for_each([&](const std::string&, Tensor<T>& t) { dst.push_back(&t); });
-  size_t i = 0;
-  results[0].grads.for_each([&](const std::string&, const Tensor<T>& t) {
-    if (t.data()) std::memcpy(dst[i]->data(), t.data(), static_cast<size_t>(t.bytes()));
-    ++i;
-  });
+  run.grads = results[0].grads.clone(MemCategory::gradients);
   return run;
 }
 

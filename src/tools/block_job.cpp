@@ -71,13 +71,7 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
       job.out = copy_into(caller_pool, out);
       if (spec.backward) job.dx = copy_into(caller_pool, dx);
       PoolScope scope(caller_pool);
-      job.grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
-      std::vector<TensorF*> dst;
-      job.grads.for_each([&](const std::string&, TensorF& t) { dst.push_back(&t); });
-      size_t i = 0;
-      res.grads.for_each([&](const std::string&, const TensorF& t) {
-        std::memcpy(dst[i++]->data(), t.data(), static_cast<size_t>(t.bytes()));
-      });
+      job.grads = res.grads.clone(MemCategory::gradients);
     }
   });
   job.ranks = std::move(reports);
