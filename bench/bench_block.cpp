@@ -2,7 +2,8 @@
 // absorbed and laga, flash attention, against PyTorch eager running the same
 // block (python/bench_torch_block.py, explicit form, same threads) with
 // --torch. Shape: D 2048, H 16, C 512, dn 128, dr 64, dv 128, rq 0, B 1,
-// S 2048 (--quick: D 512, H 4, S 256).
+// S 2048 (--quick: D 512, H 4, S 256). With --torch, PyTorch's steps
+// alternate with laga's (bench/torch_peer.hpp).
 //
 // GFLOP = useful work of one forward+backward: 3 x the four projections'
 // 2 N (D H dqk + D (C+dr) + C H (dn+dv) + H dv D) (forward, dx, dW), plus
@@ -12,6 +13,7 @@
 // GFLOP/s compares time. #wrong: out and dx against the explicit form run in
 // double once.
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -21,6 +23,7 @@
 #include "harness.hpp"
 #include "kernels/attention.hpp"
 #include "mla/block.hpp"
+#include "torch_peer.hpp"
 
 namespace {
 
@@ -78,32 +81,43 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
   BlockState<double> ref = make_state<double>(cfg, S);
   run_block(cfg, lay, rope, laga::Form::explicit_form, ref);
 
-  double torch_ms = std::numeric_limits<double>::quiet_NaN();
+  // --torch: a PyTorch peer process running the same block; its steps
+  // alternate with laga's (bench/torch_peer.hpp), and each row's ratio is
+  // taken between the steps interleaved with that row.
+  std::unique_ptr<laga::bench::TorchPeer> torch;
   if (ctx.options().torch) {
     const auto& o = ctx.options();
     const std::string cmd =
         laga::cat(o.python, " ", laga::bench::source_dir(), "/python/bench_torch_block.py --dim ",
-                  D, " --heads ", H, " --seq ", S, " --threads ", o.threads, " --repeats ",
-                  o.repeats, " --warmup ", o.warmup);
-    ctx.note("PyTorch: " + cmd.substr(cmd.find("python/")));
-    const auto j = nlohmann::json::parse(laga::bench::Context::capture(cmd));
-    torch_ms = j.at("fwd_bwd_ms").get<double>();
-    ctx.note(laga::cat("PyTorch ", j.value("torch", std::string("?")), " explicit block: ",
-                       torch_ms, " ms = ", j.at("tokens_per_s").get<double>(), " tokens/s"));
+                  D, " --heads ", H, " --seq ", S, " --threads ", o.threads, " --warmup ",
+                  std::max(1, o.warmup), " --serve");
+    ctx.note("PyTorch: " + cmd.substr(cmd.find("python/")) +
+             " (one PyTorch step before each timed laga step)");
+    torch = std::make_unique<laga::bench::TorchPeer>(cmd);
+    ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd");
   }
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
     if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
     BlockState<float> st = make_state<float>(cfg, S);
+    std::vector<double> torch_ms;
     auto& row = ctx.run(
         laga::cat("block_", laga::to_string(form)), shape, gflop,
         [&] { run_block(cfg, lay, rope, form, st); },
         [&] {
           return laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +
                  laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), 1e-5);
+        },
+        [&] {
+          if (torch) torch_ms.push_back(torch->step());
         });
-    row.torch_ms = torch_ms;
-    ctx.note(
-        laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3, " tokens/s"));
+    std::string line =
+        laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3, " tokens/s");
+    if (!torch_ms.empty()) {
+      row.torch_ms = laga::bench::median(torch_ms);
+      line += laga::cat("; PyTorch in the same interval: ", double(S) / row.torch_ms * 1e3,
+                        " tokens/s");
+    }
+    ctx.note(line);
   }
 }

@@ -107,25 +107,32 @@ Peak measure_fma_peak(int threads, int repeats) {
   return p;
 }
 
-Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads) {
+double median(std::vector<double> v) {
+  LAGA_CHECK(!v.empty(), "laga_bench: median of an empty sample");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads,
+               const std::function<void()>& between) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> ms;
-  const double cpu0 = cpu_seconds();
-  const auto start = std::chrono::steady_clock::now();
+  double wall = 0, cpu = 0;  // of the timed calls only
   for (int i = 0; i < std::max(1, repeats); ++i) {
+    if (between) between();
+    const double cpu0 = cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     const auto t1 = std::chrono::steady_clock::now();
+    cpu += cpu_seconds() - cpu0;
     ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    wall += ms.back() * 1e-3;
   }
-  const double wall =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double cpu = cpu_seconds() - cpu0;
   std::sort(ms.begin(), ms.end());
   Timing t;
   t.busy = wall > 0 ? cpu / (wall * std::max(1, threads)) : 0;
-  const size_t n = ms.size();
-  t.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  t.median_ms = median(ms);
   t.min_ms = ms.front();
   t.max_ms = ms.back();
   return t;
@@ -150,14 +157,15 @@ bool Context::selected(const std::string& op) const {
 }
 
 Row& Context::run(const std::string& op, const std::string& shape, double gflop,
-                  const std::function<void()>& fn, const std::function<std::int64_t()>& check) {
+                  const std::function<void()>& fn, const std::function<std::int64_t()>& check,
+                  const std::function<void()>& between) {
   static Row skipped;
   if (!selected(op)) return skipped = Row{};
   Row row;
   row.op = op;
   row.shape = shape;
   row.gflop = gflop;
-  row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads);
+  row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads, between);
   row.wrong = check ? check() : -1;
   const double rate = gflop / (row.t.median_ms * 1e-3);
   std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %6.1f%% %5.0f%% %7s\n", op.c_str(), shape.c_str(),
@@ -173,7 +181,7 @@ void Context::print_torch_comparison() const {
   for (const Row& r : rows_) any = any || !std::isnan(r.torch_ms);
   if (!any) return;
   std::printf(
-      "#\n# laga vs PyTorch eager (python/bench_torch.py: same shapes, same threads via "
+      "#\n# laga vs PyTorch eager (python/bench_torch*.py: same shapes, same threads via "
       "torch.set_num_threads, same run); speedup = torch ms / laga ms\n");
   std::printf("# %-22s %-36s %10s %10s %9s\n", "op", "shape", "laga ms", "torch ms", "speedup");
   for (const Row& r : rows_) {

@@ -57,7 +57,13 @@ struct Timing {
   double busy = 0;
 };
 // Runs fn `warmup` times, then `repeats` times timed; median, min, max.
-Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads);
+// `between`, when given, runs before each timed call, outside the timing (a
+// PyTorch peer's step, so that the two alternate: bench/torch_peer.hpp).
+Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads,
+               const std::function<void()>& between = {});
+
+// Median of a non-empty sample (mean of the middle two for an even count).
+double median(std::vector<double> v);
 
 // Elements of `got` farther than rel * max|ref| from `ref`, NaN and Inf
 // counted as wrong: the nccl-tests "#wrong" column.
@@ -93,8 +99,10 @@ class Context {
   // outputs for the #wrong column, prints and records the row. A row that
   // --op does not select is neither run nor printed (the returned row is a
   // scratch one).
+  // `between`: as in time_it.
   Row& run(const std::string& op, const std::string& shape, double gflop,
-           const std::function<void()>& fn, const std::function<std::int64_t()>& check);
+           const std::function<void()>& fn, const std::function<std::int64_t()>& check,
+           const std::function<void()>& between = {});
   // Whether --op selects rows named `op`.
   bool selected(const std::string& op) const;
   // Prints a line prefixed with '#', nccl-tests style, between table rows.

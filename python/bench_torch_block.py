@@ -4,12 +4,16 @@
 The same block laga runs (DeepSeek-V3 attention math: wq, wkv_a, kv_norm,
 wkv_b, wo; interleaved RoPE on q_pe and the shared k_pe; causal softmax),
 written the way a PyTorch user would: matmuls, softmax, autograd. Used by
-`laga_bench block --torch` for the laga/PyTorch ratio in the same run; prints
-one JSON object: {"fwd_bwd_ms": median, "tokens_per_s": ...}.
+`laga_bench block --torch` for the laga/PyTorch ratio in the same run.
+Default: prints one JSON object {"fwd_bwd_ms": median, "tokens_per_s": ...}.
+--serve: runs the warm-up, prints {"ready": true, "torch": version}, then
+runs one timed step per "step" line on stdin and prints {"ms": ...} for it,
+until stdin closes (bench/torch_peer.hpp: laga and PyTorch steps alternate).
 Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU).
 """
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -53,6 +57,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--serve", action="store_true",
+                    help="after warm-up, one timed step per 'step' line on stdin")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -74,13 +80,24 @@ def main():
         out = block(x, p, a, cos, sin)
         out.backward(dout)
 
-    times = []
-    for i in range(a.warmup + a.repeats):
+    def timed_step():
         t0 = time.perf_counter()
         step()
-        if i >= a.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
+        return (time.perf_counter() - t0) * 1e3
+
+    if a.serve:
+        for _ in range(a.warmup):
+            step()
+        print(json.dumps({"ready": True, "torch": torch.__version__}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "step":
+                raise SystemExit(f"bench_torch_block.py --serve: unknown request {line!r}")
+            print(json.dumps({"ms": timed_step()}), flush=True)
+        return
+
+    for _ in range(a.warmup):
+        step()
+    times = sorted(timed_step() for _ in range(a.repeats))
     med = times[len(times) // 2]
     print(json.dumps({"fwd_bwd_ms": med, "tokens_per_s": a.batch * a.seq / med * 1e3,
                       "torch": torch.__version__, "threads": a.threads}))
