@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
   }
   try {
     laga::set_rank_threads(opt.threads);
+    const char* flash_isa = laga::to_string(laga::flash_isa());  // a bad LAGA_FLASH_ISA fails here
     const Peak peak = measure_fma_peak(opt.threads, 3);
     std::printf("# laga_bench on %s, %d of %d cores, threads %d\n", cpu_model().c_str(),
                 opt.threads, laga::hardware_cores(), opt.threads);
@@ -80,8 +81,7 @@ int main(int argc, char** argv) {
     const char* flash_env = std::getenv("LAGA_FLASH_ISA");
     const std::string flash_choice =
         flash_env ? laga::cat("LAGA_FLASH_ISA=", flash_env) : "LAGA_FLASH_ISA unset: auto";
-    std::printf("\n# kernels: flash %s (%s), OpenBLAS %s (%s)\n",
-                laga::to_string(laga::flash_isa()), flash_choice.c_str(),
+    std::printf("\n# kernels: flash %s (%s), OpenBLAS %s (%s)\n", flash_isa, flash_choice.c_str(),
                 laga::blas_core_name().c_str(), blas_isa().c_str());
     std::printf(
         "# %%peak is against the peak of the row's isa: the ISA its kernels ran (the wider one "

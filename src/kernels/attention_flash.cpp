@@ -20,7 +20,7 @@ namespace {
 // anywhere in it (EVEX encodings, mask registers), so all four are required,
 // not only the F of the intrinsics. __builtin_cpu_supports
 // reports AVX-512 only when the OS also saves the zmm registers (XCR0).
-const char* avx512_unusable() {
+const char* why_no_avx512() {
 #if defined(LAGA_FLASH_HAVE_AVX512)
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512f")) return "this CPU (or its OS) has no avx512f";
@@ -34,8 +34,8 @@ const char* avx512_unusable() {
 #endif
 }
 
-const char* avx512_unusable_here() {
-  static const char* const why = avx512_unusable();
+const char* why_no_avx512_here() {
+  static const char* const why = why_no_avx512();
   return why;
 }
 
@@ -43,7 +43,7 @@ const char* avx512_unusable_here() {
 // (a static whose initialiser throws is initialised again next time).
 FlashIsa environment_choice() {
   static const FlashIsa isa =
-      detail::resolve_flash_isa(std::getenv("LAGA_FLASH_ISA"), avx512_unusable_here());
+      detail::resolve_flash_isa(std::getenv("LAGA_FLASH_ISA"), why_no_avx512_here());
   return isa;
 }
 
@@ -61,7 +61,7 @@ const char* to_string(FlashIsa isa) {
 
 std::vector<FlashIsa> flash_isas_available() {
   std::vector<FlashIsa> isas{FlashIsa::avx2};
-  if (!avx512_unusable_here()) isas.push_back(FlashIsa::avx512);
+  if (!why_no_avx512_here()) isas.push_back(FlashIsa::avx512);
   return isas;
 }
 
@@ -84,7 +84,7 @@ FlashIsa flash_isa() {
 }
 
 FlashIsa set_flash_isa(FlashIsa isa) {
-  const char* why = isa == FlashIsa::avx512 ? avx512_unusable_here() : nullptr;
+  const char* why = isa == FlashIsa::avx512 ? why_no_avx512_here() : nullptr;
   LAGA_CHECK(!why, "set_flash_isa(avx512): ", why, " (", kAvx512Needs,
              "); flash_isas_available() lists what runs here");
   const FlashIsa previous = flash_isa();
