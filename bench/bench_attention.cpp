@@ -149,6 +149,8 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
     const double f = s.useful_flops_forward() * 1e-9;
     const std::string shape = describe(s);
     ctx.note(c.name);
+    const std::string flash_isa = laga::to_string(laga::flash_isa());
+    const std::string blas_isa = laga::bench::blas_isa();
     auto torch_ms = [&](const char* key) {
       return torch.contains(c.name) ? torch[c.name].value(key, std::nan("")) : std::nan("");
     };
@@ -163,12 +165,12 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
                                             t.q.data(), t.k.data(), t.v.data(), t.o.data(),
                                             t.lse.data());
     };
-    ctx.run("attn_flash_fwd", shape, f, fwd, [&] { return wrong_fwd(t); }).torch_ms =
+    ctx.run("attn_flash_fwd", shape, f, flash_isa, fwd, [&] { return wrong_fwd(t); }).torch_ms =
         torch_ms("fwd_ms");
-    ctx.run("attn_flash_bwd", shape, 2.5 * f, bwd, [&] { return wrong_bwd(t); }).torch_ms =
-        torch_ms("bwd_ms");
+    ctx.run("attn_flash_bwd", shape, 2.5 * f, flash_isa, bwd, [&] { return wrong_bwd(t); })
+        .torch_ms = torch_ms("bwd_ms");
     ctx.run(
-           "attn_flash_fwd+bwd", shape, 3.5 * f,
+           "attn_flash_fwd+bwd", shape, 3.5 * f, flash_isa,
            [&] {
              fwd();
              bwd();
@@ -181,15 +183,15 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
         laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),
                                              t.v.data());
       };
-      ctx.run("attn_eager_fwd", shape, f, efwd, [&] { return wrong_fwd(t); }).torch_ms =
+      ctx.run("attn_eager_fwd", shape, f, blas_isa, efwd, [&] { return wrong_fwd(t); }).torch_ms =
           torch_ms("fwd_ms");
       auto ebwd = [&] {
         laga::attention_eager_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(),
                                               t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
                                               probs.data(), dp.data());
       };
-      ctx.run("attn_eager_bwd", shape, 2.5 * f, ebwd, [&] { return wrong_bwd(t); }).torch_ms =
-          torch_ms("bwd_ms");
+      ctx.run("attn_eager_bwd", shape, 2.5 * f, blas_isa, ebwd, [&] { return wrong_bwd(t); })
+          .torch_ms = torch_ms("bwd_ms");
     }
   }
 }

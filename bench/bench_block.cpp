@@ -22,6 +22,7 @@
 #include "core/rng.hpp"
 #include "harness.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/attention_flash.hpp"
 #include "mla/block.hpp"
 #include "torch_peer.hpp"
 
@@ -96,13 +97,17 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     torch = std::make_unique<laga::bench::TorchPeer>(cmd);
     ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd");
   }
+  // GEMMs in OpenBLAS, attention in the flash kernels: %peak against the
+  // wider ISA of the two, so as not to flatter the row.
+  const std::string isa =
+      laga::bench::wider_isa(laga::bench::blas_isa(), laga::to_string(laga::flash_isa()));
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
     if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
     BlockState<float> st = make_state<float>(cfg, S);
     std::vector<double> torch_ms;
     auto& row = ctx.run(
-        laga::cat("block_", laga::to_string(form)), shape, gflop,
+        laga::cat("block_", laga::to_string(form)), shape, gflop, isa,
         [&] { run_block(cfg, lay, rope, form, st); },
         [&] {
           return laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +

@@ -41,7 +41,7 @@ LAGA_BENCH(gemm, "sgemm (OpenBLAS via laga::gemm), C = A B^T as in y = x W^T") {
     const std::string shape = laga::cat(g.M, "x", g.N, "x", g.K);
     ctx.note(g.what);
     ctx.run(
-        "sgemm_nt", shape, 2e-9 * double(g.M) * double(g.N) * double(g.K),
+        "sgemm_nt", shape, 2e-9 * double(g.M) * double(g.N) * double(g.K), laga::bench::blas_isa(),
         [&] {
           laga::gemm<float>(false, true, g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.K, 0.0f,
                             c.data(), g.N);

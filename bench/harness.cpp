@@ -7,6 +7,7 @@
 #include <ctime>
 #include <memory>
 
+#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -43,10 +44,10 @@ double fma_loop_avx2(std::int64_t iters, float* sink) {
 #undef LAGA_SUM
   return 12.0 * 8 * 2 * static_cast<double>(iters);
 }
-#endif
 
-#if defined(__AVX512F__)
-double fma_loop_avx512(std::int64_t iters, float* sink) {
+// AVX-512 for this function only, whatever the build's flags (docs/build.md:
+// not for the whole build); measure_fma_peak calls it only on CPUs with it.
+__attribute__((target("avx512f"))) double fma_loop_avx512(std::int64_t iters, float* sink) {
 #define LAGA_DECL(i) __m512 a##i = _mm512_set1_ps(1.0f + 1e-3f * i);
 #define LAGA_FMA(i) a##i = _mm512_fmadd_ps(a##i, x, y);
 #define LAGA_SUM(i) s = _mm512_add_ps(s, a##i);
@@ -95,15 +96,10 @@ Peak measure_fma_peak(int threads, int repeats) {
   Peak p;
 #if defined(__AVX2__) && defined(__FMA__)
   p.avx2 = peak_of(&fma_loop_avx2, threads, repeats);
-  p.value = p.avx2;
-  p.isa = "avx2";
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) p.avx512 = peak_of(&fma_loop_avx512, threads, repeats);
 #endif
-#if defined(__AVX512F__)
-  p.avx512 = peak_of(&fma_loop_avx512, threads, repeats);
-  p.value = p.avx512;
-  p.isa = "avx512";
-#endif
-  LAGA_CHECK(p.value > 0, "laga_bench: no FMA peak loop for this target; build with AVX2+FMA");
+  LAGA_CHECK(p.avx2 > 0, "laga_bench: no FMA peak loop for this target; build with AVX2+FMA");
   return p;
 }
 
@@ -112,6 +108,23 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double Peak::of(const std::string& isa) const {
+  LAGA_CHECK(isa == "avx2" || isa == "avx512", "laga_bench: no FMA peak loop for ISA '", isa, "'");
+  const double peak = isa == "avx512" ? avx512 : avx2;
+  LAGA_CHECK(peak > 0, "laga_bench: a row ran ", isa, " kernels on a CPU without ", isa);
+  return peak;
+}
+
+std::string blas_isa() {
+  const std::string core = blas_core_name();
+  const bool avx512 = core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
+  return avx512 ? "avx512" : "avx2";
+}
+
+std::string wider_isa(const std::string& a, const std::string& b) {
+  return a == "avx512" || b == "avx512" ? "avx512" : "avx2";
 }
 
 Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads,
@@ -139,8 +152,8 @@ Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int thr
 }
 
 void Context::header() const {
-  std::printf("#\n# %-22s %-36s %9s %10s %9s %7s %6s %7s\n", "op", "shape", "GFLOP", "ms(med)",
-              "GFLOP/s", "%peak", "busy%", "#wrong");
+  std::printf("#\n# %-22s %-36s %9s %10s %9s %-6s %7s %6s %7s\n", "op", "shape", "GFLOP", "ms(med)",
+              "GFLOP/s", "isa", "%peak", "busy%", "#wrong");
   std::fflush(stdout);
 }
 
@@ -157,20 +170,23 @@ bool Context::selected(const std::string& op) const {
 }
 
 Row& Context::run(const std::string& op, const std::string& shape, double gflop,
-                  const std::function<void()>& fn, const std::function<std::int64_t()>& check,
+                  const std::string& isa, const std::function<void()>& fn,
+                  const std::function<std::int64_t()>& check,
                   const std::function<void()>& between) {
   static Row skipped;
   if (!selected(op)) return skipped = Row{};
+  const double peak = peak_.of(isa);
   Row row;
   row.op = op;
   row.shape = shape;
   row.gflop = gflop;
+  row.isa = isa;
   row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads, between);
   row.wrong = check ? check() : -1;
   const double rate = gflop / (row.t.median_ms * 1e-3);
-  std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %6.1f%% %5.0f%% %7s\n", op.c_str(), shape.c_str(),
-              gflop, row.t.median_ms, rate, 100.0 * rate / peak_.value, 100.0 * row.t.busy,
-              row.wrong < 0 ? "n/a" : std::to_string(row.wrong).c_str());
+  std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %-6s %6.1f%% %5.0f%% %7s\n", op.c_str(),
+              shape.c_str(), gflop, row.t.median_ms, rate, isa.c_str(), 100.0 * rate / peak,
+              100.0 * row.t.busy, row.wrong < 0 ? "n/a" : std::to_string(row.wrong).c_str());
   std::fflush(stdout);
   rows_.push_back(row);
   return rows_.back();

@@ -5,9 +5,10 @@
 // its inputs, computes a reference once, and for every kernel and shape calls
 // Context::run(), which warms up, times the median of --repeats runs, counts
 // wrong elements against the reference, and prints one table row with the
-// GFLOP/s and its share of the FMA peak measured at start-up on the same
-// threads. Adding a benchmark (e.g. a whole MLA block per form) is one more
-// bench_<name>.cpp with a LAGA_BENCH(...) in it; CMake globs them.
+// GFLOP/s and its share of the FMA peak, measured at start-up on the same
+// threads, of the instruction set the row's kernels ran. Adding a benchmark
+// (e.g. a whole MLA block per form) is one more bench_<name>.cpp with a
+// LAGA_BENCH(...) in it; CMake globs them.
 //
 // FLOP convention: a row's GFLOP is the useful work of the operation as the
 // benchmark defines it (for attention: only the unmasked half of a causal
@@ -39,12 +40,13 @@ struct Options {
 };
 
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
-// at once: the ceiling no kernel can pass. `isa` is "avx2" (8-wide) or
-// "avx512" (16-wide; only when the build targets AVX-512).
+// at once, per instruction set: the ceiling no kernel of that ISA can pass.
+// avx512 is 0 on a CPU without AVX-512F.
 struct Peak {
   double avx2 = 0, avx512 = 0;
-  double value = 0;  // the peak of the widest ISA the kernels were compiled for
-  std::string isa;
+  // The peak of "avx2" or "avx512": what a row whose kernels ran that ISA is
+  // measured against.
+  double of(const std::string& isa) const;
 };
 Peak measure_fma_peak(int threads, int repeats);
 
@@ -80,10 +82,18 @@ std::int64_t count_wrong(const T* got, const R* ref, std::int64_t n, double rel)
   return wrong;
 }
 
+// The ISA of the kernels OpenBLAS runs: avx512 for its AVX-512 kernel
+// families (SkylakeX, Cooperlake, SapphireRapids), else avx2 (Haswell, Zen,
+// and the older SSE ones, whose rows a %peak against AVX2 understates).
+std::string blas_isa();
+// The wider of two ISA names, for a row whose kernels ran both.
+std::string wider_isa(const std::string& a, const std::string& b);
+
 struct Row {
   std::string op;     // "attn_flash_fwd", "sgemm", ...
   std::string shape;  // a compact description of the extents
   double gflop = 0;   // useful work, by the benchmark's stated convention
+  std::string isa;    // of its kernels, the widest if several: %peak is against its peak
   Timing t;
   std::int64_t wrong = -1;                                     // -1: not checked
   double torch_ms = std::numeric_limits<double>::quiet_NaN();  // same op in PyTorch, if run
@@ -96,11 +106,11 @@ class Context {
   const Peak& peak() const { return peak_; }
 
   // Times `fn` (after warm-up), then calls `check` once on the last run's
-  // outputs for the #wrong column, prints and records the row. A row that
-  // --op does not select is neither run nor printed (the returned row is a
-  // scratch one).
-  // `between`: as in time_it.
-  Row& run(const std::string& op, const std::string& shape, double gflop,
+  // outputs for the #wrong column, prints and records the row; `isa` is the
+  // instruction set fn's kernels run (the widest, if several), whose peak the
+  // row's %peak is against. A row that --op does not select is neither run nor
+  // printed (the returned row is a scratch one). `between`: as in time_it.
+  Row& run(const std::string& op, const std::string& shape, double gflop, const std::string& isa,
            const std::function<void()>& fn, const std::function<std::int64_t()>& check,
            const std::function<void()>& between = {});
   // Whether --op selects rows named `op`.

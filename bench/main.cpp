@@ -3,6 +3,7 @@
 // none is given) and prints one table per benchmark.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -10,6 +11,7 @@
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "harness.hpp"
+#include "kernels/attention_flash.hpp"
 
 namespace {
 
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   }
   try {
     laga::set_rank_threads(opt.threads);
+    const char* flash_isa = laga::to_string(laga::flash_isa());  // a bad LAGA_FLASH_ISA fails here
     const Peak peak = measure_fma_peak(opt.threads, 3);
     std::printf("# laga_bench on %s, %d of %d cores, threads %d\n", cpu_model().c_str(),
                 opt.threads, laga::hardware_cores(), opt.threads);
@@ -75,8 +78,14 @@ int main(int argc, char** argv) {
     std::printf("# FMA peak on %d threads (register-only FMA loop, best of 3): avx2 %.1f GFLOP/s",
                 opt.threads, peak.avx2);
     if (peak.avx512 > 0) std::printf(", avx512 %.1f GFLOP/s", peak.avx512);
-    std::printf("\n# %%peak is against the %s peak, the widest ISA this build's kernels use\n",
-                peak.isa.c_str());
+    const char* flash_env = std::getenv("LAGA_FLASH_ISA");
+    const std::string flash_choice =
+        flash_env ? laga::cat("LAGA_FLASH_ISA=", flash_env) : "LAGA_FLASH_ISA unset: auto";
+    std::printf("\n# kernels: flash %s (%s), OpenBLAS %s (%s)\n", flash_isa, flash_choice.c_str(),
+                laga::blas_core_name().c_str(), blas_isa().c_str());
+    std::printf(
+        "# %%peak is against the peak of the row's isa: the ISA its kernels ran (the wider one "
+        "for a row that runs both)\n");
     Context ctx(opt, peak);
     int ran = 0;
     for (const Benchmark& b : registry()) {

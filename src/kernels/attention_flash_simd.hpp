@@ -1,11 +1,30 @@
 // Vector primitives and the register-blocked tile product behind the flash
-// attention kernels (attention_flash.cpp). Private to the kernels layer.
+// attention kernels (attention_flash_impl.inc). Private to the kernels layer.
 //
-// One code path serves three widths, picked at compile time: AVX-512 (16
-// floats) when the build targets it, AVX2+FMA (8 floats), and a scalar
-// fallback that also carries double (the gradient-check type, where speed does
-// not matter). Everything above this header is written against Simd<T>.
+// One code path serves three widths: AVX-512 (16 floats) in the copy of the
+// kernels that defines LAGA_FLASH_AVX512 (attention_flash_avx512.cpp), else
+// AVX2+FMA (8 floats), else a scalar fallback that also carries double (the
+// gradient-check type, where speed does not matter). Everything above this
+// header is written against Simd<T>.
+//
+// Compiled once per instruction set, so two traps:
+//  - Everything here is inline or a template. Under one name, the two copies
+//    would be one function to the linker, which keeps either: the AVX2 path
+//    could run 512-bit code and fault on a CPU without AVX-512. So the
+//    includer names a namespace of its own, LAGA_FLASH_NS, per instruction set.
+//  - The library headers' inline functions (std::vector's, say) cannot be
+//    renamed, and a copy compiled for AVX-512 may be the one the linker keeps
+//    for every other file. So AVX-512 is not a flag of the whole file: the
+//    AVX-512 copy turns it on for its own code only, after the includes
+//    (LAGA_FLASH_TARGET_BEGIN/END). -mavx512f on the build also exposes GCC
+//    12's 512-bit miscompile (docs/build.md); prefer-vector-width=256 keeps
+//    the auto-vectoriser at 256 bits here too, while the intrinsics of
+//    Avx512Simd are 512-bit.
 #pragma once
+
+#ifndef LAGA_FLASH_NS
+#error "define LAGA_FLASH_NS (one namespace per instruction set) before including this header"
+#endif
 
 #include <algorithm>
 #include <array>
@@ -14,7 +33,7 @@
 #include <limits>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(LAGA_FLASH_AVX512)
 // GCC 12 reports its own _mm512_undefined_*() placeholders inside the
 // AVX-512 intrinsics as maybe-uninitialized once they are inlined (GCC PR
 // 105593); the location is inside the header, so silencing it around the
@@ -26,7 +45,22 @@
 #pragma GCC diagnostic pop
 #endif
 
-namespace laga::flash {
+// Put around code, after every #include: in the AVX-512 copy, that code (and
+// only it) is compiled for AVX-512; elsewhere they are nothing. GCC's target
+// pragma does not define __AVX512F__, hence LAGA_FLASH_AVX512 in the #if's.
+#if defined(LAGA_FLASH_AVX512)
+#define LAGA_FLASH_TARGET_BEGIN \
+  _Pragma("GCC push_options")   \
+      _Pragma("GCC target(\"avx512f,avx512vl,avx512bw,avx512dq,prefer-vector-width=256\")")
+#define LAGA_FLASH_TARGET_END _Pragma("GCC pop_options")
+#else
+#define LAGA_FLASH_TARGET_BEGIN
+#define LAGA_FLASH_TARGET_END
+#endif
+
+LAGA_FLASH_TARGET_BEGIN
+
+namespace laga::LAGA_FLASH_NS {
 
 // Scalar "vectors" of width 1: the double path and non-x86 builds.
 template <class T>
@@ -134,7 +168,7 @@ struct Avx2Simd {
 };
 #endif
 
-#if defined(__AVX512F__)
+#if defined(LAGA_FLASH_AVX512)
 struct Avx512Simd {
   using V = __m512;
   static constexpr int W = 16;
@@ -180,7 +214,7 @@ template <class T>
 struct SimdFor {
   using type = ScalarSimd<T>;
 };
-#if defined(__AVX512F__)
+#if defined(LAGA_FLASH_AVX512)
 template <>
 struct SimdFor<float> {
   using type = Avx512Simd;
@@ -276,4 +310,6 @@ void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::
   }
 }
 
-}  // namespace laga::flash
+}  // namespace laga::LAGA_FLASH_NS
+
+LAGA_FLASH_TARGET_END

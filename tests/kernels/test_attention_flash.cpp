@@ -1,15 +1,21 @@
 // Flash attention against the naive reference and the eager kernel: outputs,
 // lse and gradients, odd sizes, every masking corner, multi-head, grouped and
 // latent (one shared key/value head) layouts; determinism across thread
-// counts; a finite-difference check of the backward in double.
+// counts; a finite-difference check of the backward in double. Every float
+// test runs once per instruction set this build and CPU have (double runs one
+// scalar code whatever the choice); the choice itself and LAGA_FLASH_ISA's
+// errors are tested at the end.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "core/error.hpp"
 #include "core/rng.hpp"
 #include "core/threads.hpp"
 #include "kernels/attention.hpp"
@@ -140,10 +146,28 @@ const Case kCases[] = {
     {"grouped_heads", shape(2, 77, 77, 6, 2, 20, 12, true)},  // g = 3: rows not equally spaced
 };
 
-class FlashVsReference : public ::testing::TestWithParam<Case> {};
+// Selects the float kernels of one instruction set for its lifetime.
+class IsaScope {
+ public:
+  explicit IsaScope(FlashIsa isa) : previous_(set_flash_isa(isa)) {}
+  ~IsaScope() { set_flash_isa(previous_); }
+  IsaScope(const IsaScope&) = delete;
+  IsaScope& operator=(const IsaScope&) = delete;
+
+ private:
+  FlashIsa previous_;
+};
+
+class FlashVsReference : public ::testing::TestWithParam<std::tuple<Case, FlashIsa>> {
+ protected:
+  const AttnShape& shape_under_test() const { return std::get<0>(GetParam()).s; }
+  FlashIsa isa() const { return std::get<1>(GetParam()); }
+  const IsaScope isa_scope_{isa()};
+};
 
 TEST_P(FlashVsReference, Float) {
-  const Problem<float> p(GetParam().s);
+  ASSERT_EQ(flash_isa(), isa());
+  const Problem<float> p(shape_under_test());
   const Result<float> f = run_flash(p), r = run_reference(p);
   const double tol = 1e-5;
   EXPECT_TRUE(close(f.o, r.o, tol, "o"));
@@ -154,7 +178,8 @@ TEST_P(FlashVsReference, Float) {
 }
 
 TEST_P(FlashVsReference, FloatVsEager) {
-  const Problem<float> p(GetParam().s, 11);
+  ASSERT_EQ(flash_isa(), isa());
+  const Problem<float> p(shape_under_test(), 11);
   const Result<float> f = run_flash(p), e = run_eager(p);
   const double tol = 1e-5;
   EXPECT_TRUE(close(f.o, e.o, tol, "o"));
@@ -163,7 +188,17 @@ TEST_P(FlashVsReference, FloatVsEager) {
   EXPECT_TRUE(close(f.dv, e.dv, tol, "dv"));
 }
 
-TEST_P(FlashVsReference, Double) {
+INSTANTIATE_TEST_SUITE_P(Shapes, FlashVsReference,
+                         ::testing::Combine(::testing::ValuesIn(kCases),
+                                            ::testing::ValuesIn(flash_isas_available())),
+                         [](const auto& c) {
+                           return std::get<0>(c.param).name + std::string("_") +
+                                  to_string(std::get<1>(c.param));
+                         });
+
+class FlashVsReferenceDouble : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashVsReferenceDouble, Double) {
   const Problem<double> p(GetParam().s, 3);
   const Result<double> f = run_flash(p), r = run_reference(p);
   const double tol = 1e-12;
@@ -174,12 +209,17 @@ TEST_P(FlashVsReference, Double) {
   EXPECT_TRUE(close(f.dv, r.dv, tol, "dv"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, FlashVsReference, ::testing::ValuesIn(kCases),
+INSTANTIATE_TEST_SUITE_P(Shapes, FlashVsReferenceDouble, ::testing::ValuesIn(kCases),
                          [](const auto& c) { return std::string(c.param.name); });
+
+class FlashAttention : public ::testing::TestWithParam<FlashIsa> {
+ protected:
+  const IsaScope isa_scope_{GetParam()};
+};
 
 // Rows whose every key is masked (causal, Sq > Sk: the first Sq - Sk tokens)
 // must come out exactly o = 0, lse = 0, dq = 0, and add nothing to dk, dv.
-TEST(FlashAttention, FullyMaskedRowsAreExactZeros) {
+TEST_P(FlashAttention, FullyMaskedRowsAreExactZeros) {
   for (const AttnShape& s : {shape(1, 9, 4, 2, 2, 5, 3, true), shape(1, 9, 4, 3, 1, 5, 3, true)}) {
     const Problem<float> p(s);
     const Result<float> f = run_flash(p);
@@ -201,7 +241,7 @@ TEST(FlashAttention, FullyMaskedRowsAreExactZeros) {
   }
 }
 
-TEST(FlashAttention, NoKeysAtAll) {
+TEST_P(FlashAttention, NoKeysAtAll) {
   const AttnShape s = shape(1, 3, 0, 2, 1, 4, 4, false);
   const Problem<float> p(s);
   const Result<float> f = run_flash(p);
@@ -213,7 +253,7 @@ TEST(FlashAttention, NoKeysAtAll) {
 // The backward's reductions run in a fixed block order whatever the thread
 // count or schedule (one head per thread, or the two-pass schedule when there
 // are fewer heads than threads): results are bitwise equal.
-TEST(FlashAttention, BitwiseIndependentOfThreadCount) {
+TEST_P(FlashAttention, BitwiseIndependentOfThreadCount) {
   for (const AttnShape& s :
        {shape(1, 200, 200, 1, 1, 24, 16, true), shape(1, 100, 100, 4, 1, 36, 32, true),
         shape(3, 90, 90, 2, 2, 16, 16, true)}) {
@@ -234,10 +274,13 @@ TEST(FlashAttention, BitwiseIndependentOfThreadCount) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Isa, FlashAttention, ::testing::ValuesIn(flash_isas_available()),
+                         [](const auto& c) { return std::string(to_string(c.param)); });
+
 // Central differences of L = sum(o * dout) in double against the flash
 // backward, on a tiny problem with a fully masked row, a shared key head and
 // unequal head dims.
-TEST(FlashAttention, FiniteDifferenceDouble) {
+TEST(FlashAttentionDouble, FiniteDifference) {
   // Hundreds of tiny forwards: thread wake-ups on a loaded machine would
   // dominate, and the schedules are covered above.
   set_rank_threads(1);
@@ -271,6 +314,106 @@ TEST(FlashAttention, FiniteDifferenceDouble) {
     check(&Problem<double>::v, f.dv, "dv");
   }
   set_rank_threads(2);
+}
+
+// The message of the laga::Error that fn throws, or "" when it throws none.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+bool available(FlashIsa isa) {
+  const std::vector<FlashIsa> isas = flash_isas_available();
+  return std::find(isas.begin(), isas.end(), isa) != isas.end();
+}
+
+// What the AVX-512 kernels need, asked of the CPU here rather than of the
+// library, so that a build or a check that loses the AVX-512 path fails this
+// test instead of silently testing AVX2 alone.
+TEST(FlashIsa, AvailableIsWhatBuildAndCpuHave) {
+  const std::vector<FlashIsa> isas = flash_isas_available();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), FlashIsa::avx2);
+#if defined(LAGA_FLASH_HAVE_AVX512)
+  __builtin_cpu_init();
+  const bool cpu_has_avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  EXPECT_EQ(available(FlashIsa::avx512), cpu_has_avx512);
+#else
+  EXPECT_FALSE(available(FlashIsa::avx512));
+#endif
+}
+
+TEST(FlashIsa, SetReturnsThePreviousAndTakesEffect) {
+  const FlashIsa initial = flash_isa();
+  for (FlashIsa isa : flash_isas_available()) {
+    const FlashIsa before = flash_isa();
+    EXPECT_EQ(set_flash_isa(isa), before);
+    EXPECT_EQ(flash_isa(), isa);
+  }
+  set_flash_isa(initial);
+  if (!available(FlashIsa::avx512)) {  // a CPU or build without it
+    const std::string e = error_of([] { set_flash_isa(FlashIsa::avx512); });
+    EXPECT_TRUE(contains(e, "set_flash_isa(avx512)")) << e;
+    EXPECT_TRUE(contains(e, "avx512f, avx512vl, avx512bw and avx512dq")) << e;
+    EXPECT_EQ(flash_isa(), initial);  // unchanged
+  }
+}
+
+// LAGA_FLASH_ISA's rule, on every value and on a machine without AVX-512
+// (which this one may not be).
+TEST(FlashIsa, EnvironmentValues) {
+  using detail::resolve_flash_isa;
+  const char* no_bw = "this CPU (or its OS) has no avx512bw";
+  EXPECT_EQ(resolve_flash_isa(nullptr, nullptr), FlashIsa::avx512);
+  EXPECT_EQ(resolve_flash_isa("", nullptr), FlashIsa::avx512);
+  EXPECT_EQ(resolve_flash_isa("auto", nullptr), FlashIsa::avx512);
+  EXPECT_EQ(resolve_flash_isa(nullptr, no_bw), FlashIsa::avx2);
+  EXPECT_EQ(resolve_flash_isa("auto", no_bw), FlashIsa::avx2);
+  EXPECT_EQ(resolve_flash_isa("avx2", nullptr), FlashIsa::avx2);
+  EXPECT_EQ(resolve_flash_isa("avx2", no_bw), FlashIsa::avx2);
+  EXPECT_EQ(resolve_flash_isa("avx512", nullptr), FlashIsa::avx512);
+
+  const std::string missing = error_of([&] { resolve_flash_isa("avx512", no_bw); });
+  EXPECT_TRUE(contains(missing, "LAGA_FLASH_ISA=avx512, but " + std::string(no_bw))) << missing;
+  EXPECT_TRUE(contains(missing, "set it to avx2 or auto")) << missing;
+  for (const char* bad : {"avx3", "AVX512", "avx-512", " avx2"}) {
+    const std::string e = error_of([&] { resolve_flash_isa(bad, nullptr); });
+    EXPECT_TRUE(contains(e, "LAGA_FLASH_ISA='" + std::string(bad) + "'")) << e;
+    EXPECT_TRUE(contains(e, "use avx2, avx512 or auto")) << e;
+  }
+}
+
+// The variable read by the library itself: ctest runs this test again with
+// LAGA_FLASH_ISA set to avx2, avx512, auto and avx3 (tests/kernels/CMakeLists.txt).
+TEST(FlashIsaEnvironment, IsFollowed) {
+  const char* env = std::getenv("LAGA_FLASH_ISA");
+  if (!env) GTEST_SKIP() << "LAGA_FLASH_ISA is not set";
+  const std::string value = env;
+  const Problem<float> p(shape(1, 7, 7, 2, 2, 8, 8, true));
+  if (value == "avx2" || (value == "avx512" && available(FlashIsa::avx512))) {
+    EXPECT_EQ(to_string(flash_isa()), value);
+    EXPECT_TRUE(close(run_flash(p).o, run_reference(p).o, 1e-5, "o"));
+  } else if (value == "auto") {
+    EXPECT_EQ(flash_isa(), flash_isas_available().back());
+  } else {
+    // Every call fails, the kernels' first of all, with the value in the text.
+    const std::string prefix =
+        value == "avx512" ? "LAGA_FLASH_ISA=avx512, but " : "LAGA_FLASH_ISA='" + value + "'";
+    const std::string e = error_of([&] { run_flash(p); });
+    EXPECT_TRUE(contains(e, prefix)) << e;
+    EXPECT_TRUE(contains(error_of([] { flash_isa(); }), prefix));
+  }
 }
 
 }  // namespace
