@@ -12,6 +12,7 @@
 // is C+dr wide); the row counts the same useful work for every form, so
 // GFLOP/s compares time. #wrong: out and dx against the explicit form run in
 // double once.
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -120,8 +121,15 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
         laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3, " tokens/s");
     if (!torch_ms.empty()) {
       row.torch_ms = laga::bench::median(torch_ms);
+      // Each PyTorch step ran just before one laga step: the ratio within a
+      // pair is the least exposed to the machine's drift.
+      std::vector<double> pair;
+      for (size_t i = 0; i < torch_ms.size() && i < row.t.samples_ms.size(); ++i)
+        pair.push_back(torch_ms[i] / row.t.samples_ms[i]);
+      const auto [lo, hi] = std::minmax_element(pair.begin(), pair.end());
       line += laga::cat("; PyTorch in the same interval: ", double(S) / row.torch_ms * 1e3,
-                        " tokens/s");
+                        " tokens/s; speedup per adjacent pair: median ", laga::bench::median(pair),
+                        "x, range ", *lo, "x..", *hi, "x");
     }
     ctx.note(line);
   }

@@ -142,8 +142,9 @@ Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int thr
     ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     wall += ms.back() * 1e-3;
   }
-  std::sort(ms.begin(), ms.end());
   Timing t;
+  t.samples_ms = ms;
+  std::sort(ms.begin(), ms.end());
   t.busy = wall > 0 ? cpu / (wall * std::max(1, threads)) : 0;
   t.median_ms = median(ms);
   t.min_ms = ms.front();

@@ -52,6 +52,7 @@ Peak measure_fma_peak(int threads, int repeats);
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;
+  std::vector<double> samples_ms;  // the timed calls in the order they ran
   // Process CPU time over (wall time x threads) of the timed runs: 100% when
   // the kernel's threads had their cores to themselves the whole time (or
   // spun), less when other processes took turns on them. A row with a low
