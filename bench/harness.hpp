@@ -49,6 +49,8 @@ struct Peak {
   double of(const std::string& isa) const;
 };
 Peak measure_fma_peak(int threads, int repeats);
+// The peak of one ISA ("avx2" or "avx512") now, best of `repeats` rounds.
+double measure_isa_peak(const std::string& isa, int threads, int repeats);
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;

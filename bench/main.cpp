@@ -75,8 +75,9 @@ int main(int argc, char** argv) {
     std::printf("# load average at start: %s\n", load_average().c_str());
     std::printf("# timing: median of %d runs after %d warm-up run(s); ms is wall time per call\n",
                 opt.repeats, opt.warmup);
-    std::printf("# FMA peak on %d threads (register-only FMA loop, best of 3): avx2 %.1f GFLOP/s",
-                opt.threads, peak.avx2);
+    std::printf(
+        "# FMA peak at start on %d threads (register-only FMA loop, best of 3): avx2 %.1f GFLOP/s",
+        opt.threads, peak.avx2);
     if (peak.avx512 > 0) std::printf(", avx512 %.1f GFLOP/s", peak.avx512);
     const char* flash_env = std::getenv("LAGA_FLASH_ISA");
     const std::string flash_choice =
@@ -84,8 +85,9 @@ int main(int argc, char** argv) {
     std::printf("\n# kernels: flash %s (%s), OpenBLAS %s (%s)\n", flash_isa, flash_choice.c_str(),
                 laga::blas_core_name().c_str(), blas_isa().c_str());
     std::printf(
-        "# %%peak is against the peak of the row's isa: the ISA its kernels ran (the wider one "
-        "for a row that runs both)\n");
+        "# %%peak is against the peak of the row's isa (the ISA its kernels ran, the wider one "
+        "for a row that runs both),\n# measured again just before and just after the row (the "
+        "higher of the two): the machine's speed drifts\n");
     Context ctx(opt, peak);
     int ran = 0;
     for (const Benchmark& b : registry()) {
