@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Smoke test of laga_bench: the harness, every benchmark at --quick shapes,
+and the PyTorch peer of `block --torch`.
+
+Checks what a run prints, not how fast it is: every table row has a #wrong
+of 0 (a kernel that regresses shows up here as well as in its unit test),
+the laga/PyTorch table lists the three block forms with a finite speedup,
+and a PyTorch peer that cannot start ends the run with an error naming it.
+usage: test_bench.py LAGA_BENCH PYTHON_WITH_TORCH
+"""
+import re
+import subprocess
+import sys
+
+def run(args, expect_ok=True):
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if expect_ok and p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(args)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def check_no_wrong(out, what):
+    """The rows of the main tables (those with a %peak): op -> #wrong, all 0."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("  ") and "%" in line:
+            fields = line.split()
+            rows[fields[0]] = fields[-1]
+            if fields[-1] != "0":
+                sys.exit(f"FAIL: {what}: #wrong is {fields[-1]}, not 0, in\n{line}")
+    if not rows:
+        sys.exit(f"FAIL: {what}: no table rows in\n{out}")
+    return rows
+
+
+def main():
+    bench, python = sys.argv[1], sys.argv[2]
+    out = run([bench, "--quick", "--repeats", "1", "--warmup", "0"]).stdout
+    ops = set(check_no_wrong(out, "laga_bench --quick"))
+    for want in ("attn_flash_fwd+bwd", "attn_eager_bwd", "sgemm_nt", "block_explicit",
+                 "block_absorbed", "block_laga"):
+        if want not in ops:
+            sys.exit(f"FAIL: laga_bench --quick printed no {want} row:\n{out}")
+
+    out = run([bench, "block", "--quick", "--torch", "--python", python, "--repeats", "2",
+               "--warmup", "0"]).stdout
+    check_no_wrong(out, "laga_bench block --quick --torch")
+    speedups = re.findall(r"^  (block_\w+)\s.*\s([0-9.]+)x$", out, re.M)
+    if sorted(op for op, _ in speedups) != ["block_absorbed", "block_explicit", "block_laga"]:
+        sys.exit(f"FAIL: block --torch: expected one speedup per form, got {speedups}\n{out}")
+    if not all(float(x) > 0 for _, x in speedups):
+        sys.exit(f"FAIL: block --torch: non-positive speedup in {speedups}")
+    if out.count("speedup per adjacent pair: median") != 3:
+        sys.exit(f"FAIL: block --torch: no per-pair speedup line per form\n{out}")
+
+    p = run([bench, "block", "--quick", "--torch", "--python", "/nonexistent/python3",
+             "--repeats", "1", "--warmup", "0"], expect_ok=False)
+    if p.returncode == 0 or "/nonexistent/python3" not in p.stderr + p.stdout:
+        sys.exit(f"FAIL: a PyTorch peer that cannot start must fail the run naming it; "
+                 f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+    print("laga_bench smoke test passed")
+
+
+if __name__ == "__main__":
+    main()
