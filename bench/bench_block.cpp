@@ -13,9 +13,7 @@
 // GFLOP/s compares time. #wrong: out and dx against the explicit form run in
 // double once.
 #include <algorithm>
-#include <limits>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "comm/communicator.hpp"

@@ -92,17 +92,6 @@ double cpu_seconds() {
 
 }  // namespace
 
-Peak measure_fma_peak(int threads, int repeats) {
-  Peak p;
-#if defined(__AVX2__) && defined(__FMA__)
-  p.avx2 = peak_of(&fma_loop_avx2, threads, repeats);
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) p.avx512 = peak_of(&fma_loop_avx512, threads, repeats);
-#endif
-  LAGA_CHECK(p.avx2 > 0, "laga_bench: no FMA peak loop for this target; build with AVX2+FMA");
-  return p;
-}
-
 double measure_isa_peak(const std::string& isa, int threads, int repeats) {
   LAGA_CHECK(isa == "avx2" || isa == "avx512", "laga_bench: no FMA peak loop for ISA '", isa, "'");
   __builtin_cpu_init();
@@ -115,18 +104,19 @@ double measure_isa_peak(const std::string& isa, int threads, int repeats) {
 #endif
 }
 
+Peak measure_fma_peak(int threads, int repeats) {
+  Peak p;
+  p.avx2 = measure_isa_peak("avx2", threads, repeats);
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) p.avx512 = measure_isa_peak("avx512", threads, repeats);
+  return p;
+}
+
 double median(std::vector<double> v) {
   LAGA_CHECK(!v.empty(), "laga_bench: median of an empty sample");
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double Peak::of(const std::string& isa) const {
-  LAGA_CHECK(isa == "avx2" || isa == "avx512", "laga_bench: no FMA peak loop for ISA '", isa, "'");
-  const double peak = isa == "avx512" ? avx512 : avx2;
-  LAGA_CHECK(peak > 0, "laga_bench: a row ran ", isa, " kernels on a CPU without ", isa);
-  return peak;
 }
 
 std::string blas_isa() {
@@ -155,12 +145,12 @@ Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int thr
     wall += ms.back() * 1e-3;
   }
   Timing t;
-  t.samples_ms = ms;
-  std::sort(ms.begin(), ms.end());
   t.busy = wall > 0 ? cpu / (wall * std::max(1, threads)) : 0;
   t.median_ms = median(ms);
-  t.min_ms = ms.front();
-  t.max_ms = ms.back();
+  const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
+  t.min_ms = *lo;
+  t.max_ms = *hi;
+  t.samples_ms = std::move(ms);
   return t;
 }
 
@@ -188,7 +178,6 @@ Row& Context::run(const std::string& op, const std::string& shape, double gflop,
                   const std::function<void()>& between) {
   static Row skipped;
   if (!selected(op)) return skipped = Row{};
-  peak_.of(isa);  // fails early for an ISA this CPU lacks
   Row row;
   row.op = op;
   row.shape = shape;
@@ -197,7 +186,8 @@ Row& Context::run(const std::string& op, const std::string& shape, double gflop,
   // The machine's speed drifts over minutes (a shared VM), so the start-up
   // peak can be far from the one the row ran under: the row is measured
   // against the higher of two peaks taken just before and just after it,
-  // which never flatters it when the drift goes one way.
+  // which never flatters it when the drift goes one way. The first also
+  // fails early for an ISA this CPU lacks.
   const double peak_before = measure_isa_peak(isa, opt_.threads, 2);
   row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads, between);
   const double peak = std::max(peak_before, measure_isa_peak(isa, opt_.threads, 2));

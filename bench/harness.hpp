@@ -5,8 +5,9 @@
 // its inputs, computes a reference once, and for every kernel and shape calls
 // Context::run(), which warms up, times the median of --repeats runs, counts
 // wrong elements against the reference, and prints one table row with the
-// GFLOP/s and its share of the FMA peak, measured at start-up on the same
-// threads, of the instruction set the row's kernels ran. Adding a benchmark
+// GFLOP/s and its share of the FMA peak of the instruction set the row's
+// kernels ran, measured on the same threads right before and right after the
+// row (the higher of the two). Adding a benchmark
 // (e.g. a whole MLA block per form) is one more bench_<name>.cpp with a
 // LAGA_BENCH(...) in it; CMake globs them.
 //
@@ -41,16 +42,14 @@ struct Options {
 
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
 // at once, per instruction set: the ceiling no kernel of that ISA can pass.
-// avx512 is 0 on a CPU without AVX-512F.
+// The peak of one ISA ("avx2" or "avx512") now, best of `repeats` rounds;
+// throws for an ISA this CPU lacks.
+double measure_isa_peak(const std::string& isa, int threads, int repeats);
+// Both, for the header of a run; avx512 is 0 on a CPU without AVX-512F.
 struct Peak {
   double avx2 = 0, avx512 = 0;
-  // The peak of "avx2" or "avx512": what a row whose kernels ran that ISA is
-  // measured against.
-  double of(const std::string& isa) const;
 };
 Peak measure_fma_peak(int threads, int repeats);
-// The peak of one ISA ("avx2" or "avx512") now, best of `repeats` rounds.
-double measure_isa_peak(const std::string& isa, int threads, int repeats);
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;
@@ -104,9 +103,8 @@ struct Row {
 
 class Context {
  public:
-  Context(Options opt, Peak peak) : opt_(std::move(opt)), peak_(std::move(peak)) {}
+  explicit Context(Options opt) : opt_(std::move(opt)) {}
   const Options& options() const { return opt_; }
-  const Peak& peak() const { return peak_; }
 
   // Times `fn` (after warm-up), then calls `check` once on the last run's
   // outputs for the #wrong column, prints and records the row; `isa` is the
@@ -131,7 +129,6 @@ class Context {
 
  private:
   Options opt_;
-  Peak peak_;
   std::vector<Row> rows_;
 };
 

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
         "# %%peak is against the peak of the row's isa (the ISA its kernels ran, the wider one "
         "for a row that runs both),\n# measured again just before and just after the row (the "
         "higher of the two): the machine's speed drifts\n");
-    Context ctx(opt, peak);
+    Context ctx(opt);
     int ran = 0;
     for (const Benchmark& b : registry()) {
       bool match = opt.filters.empty();

@@ -4,8 +4,9 @@
 // Why alternate: this machine's speed drifts by 1.5x over minutes (other
 // tenants on the host's cores, invisible to busy%). Timing PyTorch in a
 // separate process before or after laga compares two different machines;
-// alternating step by step exposes both to the same drift, and the ratio of
-// the two medians is what the table reports.
+// alternating step by step exposes both to the same drift. The table reports
+// the ratio of the two medians, and bench_block.cpp also the median ratio
+// within adjacent (PyTorch, laga) pairs.
 //
 // Protocol (python/bench_torch_block.py --serve): the peer builds its inputs,
 // runs its warm-up steps, prints one JSON line {"ready": true, "torch": ver};
@@ -22,7 +23,8 @@ namespace laga::bench {
 class TorchPeer {
  public:
   // Starts `command` (run by /bin/sh) and waits for its ready line; throws
-  // laga::Error with the command and what it printed when it fails.
+  // laga::Error naming the command when it fails (its stderr, untouched,
+  // says why).
   explicit TorchPeer(const std::string& command);
   ~TorchPeer();
   TorchPeer(const TorchPeer&) = delete;
