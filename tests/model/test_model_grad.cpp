@@ -41,6 +41,18 @@ std::vector<std::int32_t> shard(const std::vector<std::int32_t>& v, std::int64_t
   return out;
 }
 
+// Seeded parameters with the norm gains moved away from 1, so that a gain
+// the backward ignores shows up.
+LmParams<double> test_params(const LmConfig& cfg) {
+  LmParams<double> w = LmParams<double>::zeros(cfg, MemCategory::parameters);
+  init_lm_params(w, 5);
+  w.for_each([](const std::string&, Tensor<double>& t) {
+    if (t.rank() == 1)
+      for (std::int64_t i = 0; i < t.numel(); ++i) t[i] += 0.1 * std::sin(double(i));
+  });
+  return w;
+}
+
 // (loss, every gradient by name) of one forward+backward on P local ranks.
 std::pair<double, std::map<std::string, std::vector<double>>> run(const LmConfig& cfg, Form form,
                                                                   int P, const Batch& bt) {
@@ -50,13 +62,7 @@ std::pair<double, std::map<std::string, std::vector<double>>> run(const LmConfig
     const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, P);
     const RopeTable rope(cfg.mla.rope(), bt.S);
     const LmContext ctx{cfg, layout, comm, rope, form, AttentionKind::eager};
-    LmParams<double> w = LmParams<double>::zeros(cfg, MemCategory::parameters);
-    init_lm_params(w, 5);
-    // Norm gains away from 1, so a gain that is ignored shows up.
-    w.for_each([](const std::string&, Tensor<double>& t) {
-      if (t.rank() == 1)
-        for (std::int64_t i = 0; i < t.numel(); ++i) t[i] += 0.1 * std::sin(double(i));
-    });
+    const LmParams<double> w = test_params(cfg);
     LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
     const int r = comm.rank();
     const auto off = layout.seq_offset[size_t(r)], L = layout.seq_count[size_t(r)];
@@ -78,12 +84,7 @@ TEST(ModelGrad, FiniteDifferencesWholeModelDouble) {
   const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, 1);
   const RopeTable rope(cfg.mla.rope(), bt.S);
   const LmContext ctx{cfg, layout, *comm, rope, Form::explicit_form, AttentionKind::eager};
-  LmParams<double> w = LmParams<double>::zeros(cfg, MemCategory::parameters);
-  init_lm_params(w, 5);
-  w.for_each([](const std::string&, Tensor<double>& t) {
-    if (t.rank() == 1)
-      for (std::int64_t i = 0; i < t.numel(); ++i) t[i] += 0.1 * std::sin(double(i));
-  });
+  LmParams<double> w = test_params(cfg);
   LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
   lm_forward_backward(ctx, w, bt.tok.data(), bt.tgt.data(), g);
   test::GradientCheck gc;
