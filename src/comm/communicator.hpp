@@ -72,6 +72,15 @@ constexpr DType dtype_of<double>() {
   return DType::f64;
 }
 
+// Where a backend stages collective data under MemCategory::comm_buffers
+// (the "Staging" list above): what a count-only dry run must register to
+// reproduce a backend's pool peaks.
+enum class StagingRule {
+  in_process,  // LocalCommunicator and DryRunCommunicator: all_reduce stages its own chunk
+  mpi,         // MpiCommunicator: (P-1) x own block for reduce_scatter and all_reduce
+  none,        // the 1-rank self communicator: no staging
+};
+
 enum class Phase : int { forward = 0, backward, grad_sync, count };
 const char* to_string(Phase p);
 

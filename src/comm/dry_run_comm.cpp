@@ -30,7 +30,8 @@ void fill_from_own(void* dst, std::int64_t n, const void* own, std::int64_t own_
 
 }  // namespace
 
-DryRunCommunicator::DryRunCommunicator(int rank, int size) : rank_(rank), size_(size) {
+DryRunCommunicator::DryRunCommunicator(int rank, int size, StagingRule staging)
+    : rank_(rank), size_(size), staging_(staging) {
   LAGA_CHECK(size >= 1 && rank >= 0 && rank < size, "dry-run communicator: rank ", rank, " of ",
              size, " does not exist; need 0 <= rank < size (--rank-only R with R < --sp)");
 }
@@ -90,6 +91,8 @@ void DryRunCommunicator::reduce_scatter_v(const void* send, const std::int64_t* 
                                           const std::string& label) {
   const CollectiveKind kind = CollectiveKind::reduce_scatter;
   check_counts(counts, size_, "counts", kind, label);
+  // MPI receives the peers' blocks into staging before it sums them.
+  const Staging staging(dtype, staging_ == StagingRule::mpi ? (size_ - 1) * counts[rank_] : 0);
   copy_elems(recv, send ? at(send, displs[rank_], dtype) : nullptr, counts[rank_], dtype);
   const WireBytes w = reduce_scatter_wire_bytes(counts, size_, rank_, dtype);
   ledger_.record(phase_, label, w.sent, w.received);
@@ -98,8 +101,12 @@ void DryRunCommunicator::reduce_scatter_v(const void* send, const std::int64_t* 
 void DryRunCommunicator::all_reduce(void*, std::int64_t n, DType dtype, const std::string& label) {
   LAGA_CHECK(n >= 0, call_name(CollectiveKind::all_reduce, label), ": n = ", n, " is negative");
   // The in-process backend stages the own reduced chunk for the duration of
-  // the call; registering the same keeps the pool's peaks identical to it.
-  const Staging staging(dtype, all_reduce_chunk(n, size_, rank_));
+  // the call, MPI the P-1 peers' copies of it; registering the same keeps the
+  // pool's peaks identical to the backend's.
+  const std::int64_t own = all_reduce_chunk(n, size_, rank_);
+  const Staging staging(dtype, staging_ == StagingRule::in_process ? own
+                               : staging_ == StagingRule::mpi      ? (size_ - 1) * own
+                                                                   : 0);
   const WireBytes w = all_reduce_wire_bytes(n, size_, rank_, dtype);
   ledger_.record(phase_, label, w.sent, w.received);
 }

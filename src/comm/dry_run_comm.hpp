@@ -18,10 +18,12 @@
 //   all_reduce        buf unchanged: the own contribution only, not a sum
 // Under a count-only pool (null buffers) nothing is copied.
 //
-// Memory: the staging the in-process backend registers under
-// MemCategory::comm_buffers is registered here too (all_reduce: the own chunk
-// for the duration of the call), so a dry rank's pool peaks equal those of the
-// same rank in a `--comm local` run.
+// Memory: the staging a real backend registers under MemCategory::comm_buffers
+// is registered here too, by the rule given (in-process by default: the
+// all_reduce's own chunk for the duration of the call; mpi: (P-1) x the own
+// block for reduce_scatter and all_reduce), so a dry rank's pool peaks equal
+// those of the same rank on that backend. This is how the memory prediction
+// (mla/memory_model.hpp) sizes an MPI rank without MPI.
 #pragma once
 
 #include <memory>
@@ -33,7 +35,7 @@ namespace laga {
 
 class DryRunCommunicator final : public Communicator {
  public:
-  DryRunCommunicator(int rank, int size);
+  DryRunCommunicator(int rank, int size, StagingRule staging = StagingRule::in_process);
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -57,6 +59,7 @@ class DryRunCommunicator final : public Communicator {
 
  private:
   int rank_, size_;
+  StagingRule staging_;
 };
 
 std::unique_ptr<Communicator> make_dry_run_communicator(int rank, int size);

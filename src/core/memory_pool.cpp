@@ -24,7 +24,7 @@ const char* to_string(MemCategory c) {
   return "?";
 }
 
-void MemoryPool::on_alloc(MemCategory c, std::int64_t bytes) {
+std::int64_t MemoryPool::on_alloc(MemCategory c, std::int64_t bytes, const std::string& name) {
   const int i = idx(c);
   current_[i] += bytes;
   peak_[i] = std::max(peak_[i], current_[i]);
@@ -34,15 +34,43 @@ void MemoryPool::on_alloc(MemCategory c, std::int64_t bytes) {
                                               current_[idx(MemCategory::comm_buffers)]);
   ++alloc_count_;
   if (trace_) trace_->push_back({c, bytes});
+  if (!live_tracking_ || (c != MemCategory::activations && c != MemCategory::comm_buffers))
+    return 0;
+  const std::int64_t id = next_id_++;
+  live_[id] = {name.empty() ? std::string("(unnamed)") : name, c, bytes};
+  const std::int64_t working = current_[idx(MemCategory::activations)] +
+                               current_[idx(MemCategory::comm_buffers)] - stretch_base_;
+  if (working > snapshot_.bytes || snapshot_.where.empty()) {
+    snapshot_.bytes = working;
+    snapshot_.where = stage_.empty() ? live_[id].name : stage_ + ": " + live_[id].name;
+    snapshot_.live.clear();
+    for (auto it = live_.lower_bound(stretch_first_id_); it != live_.end(); ++it)
+      snapshot_.live.push_back(it->second);
+  }
+  return id;
 }
 
-void MemoryPool::on_free(MemCategory c, std::int64_t bytes) {
+void MemoryPool::set_live_tracking(bool on) {
+  live_tracking_ = on;
+  live_.clear();
+  reset_peaks();
+}
+
+MemoryPool::PeakSnapshot MemoryPool::working_peak_snapshot() const {
+  PeakSnapshot p = snapshot_;
+  std::stable_sort(p.live.begin(), p.live.end(),
+                   [](const LiveAlloc& a, const LiveAlloc& b) { return a.bytes > b.bytes; });
+  return p;
+}
+
+void MemoryPool::on_free(MemCategory c, std::int64_t bytes, std::int64_t id) {
   const int i = idx(c);
   LAGA_CHECK(current_[i] >= bytes, "memory pool: freeing ", bytes, " bytes of ", to_string(c),
              " but only ", current_[i], " are live (a tensor freed twice or moved between pools)");
   current_[i] -= bytes;
   current_total_ -= bytes;
   if (trace_) trace_->push_back({c, -bytes});
+  if (id != 0) live_.erase(id);
 }
 
 void MemoryPool::reset_peaks() {
@@ -50,6 +78,9 @@ void MemoryPool::reset_peaks() {
   peak_total_ = current_total_;
   peak_working_ =
       current_[idx(MemCategory::activations)] + current_[idx(MemCategory::comm_buffers)];
+  stretch_first_id_ = next_id_;
+  stretch_base_ = peak_working_;
+  snapshot_ = {};
 }
 
 namespace {

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,8 +31,10 @@ const char* to_string(MemCategory c);
 
 class MemoryPool {
  public:
-  void on_alloc(MemCategory c, std::int64_t bytes);
-  void on_free(MemCategory c, std::int64_t bytes);
+  // Returns the allocation's id for on_free (0 unless live tracking is on).
+  // name: what the bytes are, for the live list ("q_h [1, 64, 4, 24]").
+  std::int64_t on_alloc(MemCategory c, std::int64_t bytes, const std::string& name = {});
+  void on_free(MemCategory c, std::int64_t bytes, std::int64_t id = 0);
 
   std::int64_t current(MemCategory c) const { return current_[idx(c)]; }
   std::int64_t peak(MemCategory c) const { return peak_[idx(c)]; }
@@ -58,6 +61,27 @@ class MemoryPool {
   void set_trace(std::vector<Event>* trace) { trace_ = trace; }
   bool count_only() const { return count_only_; }
 
+  // Live tracking: the pool keeps every live activation and comm buffer by
+  // name, and a snapshot of them where the working peak (activations + comm
+  // buffers) of the current stretch is reached. A stretch starts at
+  // reset_peaks(), and the snapshot holds only what was allocated in it, in
+  // bytes above what was live at its start. Off by default: it costs a map
+  // update per allocation (the memory prediction turns it on).
+  struct LiveAlloc {
+    std::string name;
+    MemCategory category;
+    std::int64_t bytes;
+  };
+  struct PeakSnapshot {
+    std::int64_t bytes = 0;       // working bytes above the stretch's start
+    std::string where;            // "<stage>: <the allocation that reached it>"
+    std::vector<LiveAlloc> live;  // largest first
+  };
+  void set_live_tracking(bool on);
+  bool live_tracking() const { return live_tracking_; }
+  void set_stage(std::string stage) { stage_ = std::move(stage); }
+  PeakSnapshot working_peak_snapshot() const;
+
  private:
   static int idx(MemCategory c) { return static_cast<int>(c); }
   std::array<std::int64_t, kNumMemCategories> current_{};
@@ -66,6 +90,11 @@ class MemoryPool {
   std::int64_t alloc_count_ = 0;
   bool count_only_ = false;
   std::vector<Event>* trace_ = nullptr;
+  bool live_tracking_ = false;
+  std::int64_t next_id_ = 1, stretch_first_id_ = 1, stretch_base_ = 0;
+  std::map<std::int64_t, LiveAlloc> live_;
+  PeakSnapshot snapshot_;
+  std::string stage_;
 };
 
 // The pool Tensors on this thread register with: the one installed by the

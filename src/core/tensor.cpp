@@ -32,7 +32,10 @@ constexpr std::size_t kAlign = 64;  // one cache line; AVX2 loads never straddle
 }
 
 template <class T>
-Tensor<T>::Tensor(Shape shape, MemCategory cat)
+Tensor<T>::Tensor(Shape shape, MemCategory cat) : Tensor(std::move(shape), nullptr, cat) {}
+
+template <class T>
+Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
     : shape_(std::move(shape)), numel_(laga::numel(shape_)), category_(cat) {
   MemoryPool& pool = current_pool();
   if (numel_ > 0 && !pool.count_only()) {
@@ -47,12 +50,19 @@ Tensor<T>::Tensor(Shape shape, MemCategory cat)
     }
   }
   pool_ = &pool;
-  pool.on_alloc(category_, this->bytes());
+  live_id_ = pool.on_alloc(
+      category_, this->bytes(),
+      pool.live_tracking() ? std::string(name ? name : "tensor") + " " + to_string(shape_) : "");
 }
 
 template <class T>
 Tensor<T> Tensor<T>::zeros(Shape shape, MemCategory cat) {
-  Tensor t(std::move(shape), cat);
+  return zeros(std::move(shape), nullptr, cat);
+}
+
+template <class T>
+Tensor<T> Tensor<T>::zeros(Shape shape, const char* name, MemCategory cat) {
+  Tensor t(std::move(shape), name, cat);
   if (t.data_) std::memset(t.data_, 0, static_cast<std::size_t>(t.bytes()));
   return t;
 }
@@ -63,7 +73,9 @@ Tensor<T>::Tensor(Tensor&& o) noexcept
       numel_(o.numel_),
       data_(o.data_),
       category_(o.category_),
-      pool_(o.pool_) {
+      pool_(o.pool_),
+      live_id_(o.live_id_) {
+  o.live_id_ = 0;
   o.shape_.clear();
   o.numel_ = 0;
   o.data_ = nullptr;
@@ -79,6 +91,8 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
     data_ = o.data_;
     category_ = o.category_;
     pool_ = o.pool_;
+    live_id_ = o.live_id_;
+    o.live_id_ = 0;
     o.shape_.clear();
     o.numel_ = 0;
     o.data_ = nullptr;
@@ -97,7 +111,8 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 
 template <class T>
 void Tensor<T>::reset() {
-  if (pool_) pool_->on_free(category_, bytes());
+  if (pool_) pool_->on_free(category_, bytes(), live_id_);
+  live_id_ = 0;
   std::free(data_);
   data_ = nullptr;
   pool_ = nullptr;

@@ -26,9 +26,13 @@ template <class T>
 class Tensor {
  public:
   Tensor() = default;
-  // Uninitialised storage (zeros() when the contents must start at 0).
+  // Uninitialised storage (zeros() when the contents must start at 0). The
+  // name (a string literal: it is kept as a pointer) says what the tensor is
+  // in the pool's live list (memory_pool.hpp, "Live tracking").
   explicit Tensor(Shape shape, MemCategory cat = MemCategory::activations);
+  Tensor(Shape shape, const char* name, MemCategory cat = MemCategory::activations);
   static Tensor zeros(Shape shape, MemCategory cat = MemCategory::activations);
+  static Tensor zeros(Shape shape, const char* name, MemCategory cat = MemCategory::activations);
 
   Tensor(Tensor&& other) noexcept;
   Tensor& operator=(Tensor&& other) noexcept;
@@ -69,6 +73,7 @@ class Tensor {
   T* data_ = nullptr;
   MemCategory category_ = MemCategory::activations;
   MemoryPool* pool_ = nullptr;
+  std::int64_t live_id_ = 0;  // the pool's id while it tracks live tensors
 };
 
 using TensorF = Tensor<float>;

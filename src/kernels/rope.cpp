@@ -51,12 +51,21 @@ RopeTable::RopeTable(const RopeParams& p, std::int64_t positions)
     }
 }
 
+RopeTable RopeTable::unbacked(const RopeParams& p, std::int64_t positions) {
+  LAGA_CHECK(p.dim > 0 && p.dim % 2 == 0, "rope: qk_rope_head_dim must be even and positive, got ",
+             p.dim);
+  return RopeTable(p.dim, positions);
+}
+
 template <class T>
 void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
                 std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse) {
   LAGA_CHECK(pos0 >= 0 && pos0 + L <= table.positions(), "rope: positions [", pos0, ", ", pos0 + L,
              ") exceed the table's ", table.positions(),
              "; build the RopeTable for the full sequence");
+  LAGA_CHECK(table.backed(),
+             "rope: the table has no cos/sin (RopeTable::unbacked is for "
+             "count-only runs, where no kernel runs)");
   const std::int64_t half = table.dim() / 2;
   const double sign = inverse ? -1.0 : 1.0;
 #pragma omp parallel for collapse(2) schedule(static)

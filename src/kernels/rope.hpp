@@ -38,12 +38,18 @@ std::vector<double> rope_frequencies(const RopeParams& p);
 class RopeTable {
  public:
   RopeTable(const RopeParams& p, std::int64_t positions);
+  // Its extents without the cos/sin tables: for count-only runs, where no
+  // kernel reads it and a table of every position would cost memory in
+  // proportion to the sequence (rope_apply must not be given one).
+  static RopeTable unbacked(const RopeParams& p, std::int64_t positions);
+  bool backed() const { return !cos_.empty() || positions_ == 0; }
   std::int64_t dim() const { return dim_; }
   std::int64_t positions() const { return positions_; }
   double cos(std::int64_t pos, std::int64_t i) const { return cos_[idx(pos, i)]; }
   double sin(std::int64_t pos, std::int64_t i) const { return sin_[idx(pos, i)]; }
 
  private:
+  RopeTable(std::int64_t dim, std::int64_t positions) : dim_(dim), positions_(positions) {}
   std::size_t idx(std::int64_t pos, std::int64_t i) const {
     return static_cast<std::size_t>(pos * (dim_ / 2) + i);
   }

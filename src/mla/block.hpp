@@ -12,9 +12,15 @@
 // what backward needs; backward consumes (and frees) it, writes dx (B, L_r, D)
 // and ADDS this rank's partial parameter gradients into grads;
 // mla_sync_gradients then sums them over the group with one all-reduce.
+//
+// Each form is described once (form_*.cpp) and that one description is run
+// for real, counted (a count-only pool: shapes and bytes, no storage, no
+// kernels) and so predicted (memory_model.hpp): docs/architecture.md.
 #pragma once
 
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.hpp"
 #include "core/tensor.hpp"
@@ -28,6 +34,7 @@ namespace laga {
 enum class Form { explicit_form, absorbed, laga };
 const char* to_string(Form f);
 Form parse_form(const std::string& s);  // "explicit" | "absorbed" | "laga"
+std::vector<Form> all_forms();          // in registry order (src/mla/form.cpp)
 
 enum class AttentionKind { eager, flash };
 const char* to_string(AttentionKind a);
@@ -42,38 +49,62 @@ struct BlockContext {
   AttentionKind attention = AttentionKind::eager;
 };
 
-// Tensors saved by forward for backward. Which are set depends on the form
-// and the attention kind; unset ones stay undefined (no bytes).
+namespace detail {
+struct Step;
 template <class T>
-struct MlaSaved {
-  // local (B, L_r, .)
-  Tensor<T> qa, q_rstd, qn;  // rq > 0: wq_a output, its rstd, q_norm output
-  Tensor<T> kv_a;            // (B, L_r, C+dr): [c | k_pe], k_pe already rotated
-  Tensor<T> kv_rstd;         // (B, L_r)
-  Tensor<T> c_hat;           // (B, L_r, C) explicit: normalised latent
-  Tensor<T> o_loc;           // (B, L_r, H*dv) attention output after head->seq
-  // head shard, full sequence (B, S, H_r, .)
-  Tensor<T> q_h, k_h, v_h;  // explicit / laga attention inputs
-  Tensor<T> lat;            // (B, S, C+dr) laga / absorbed: gathered [c_hat | k_pe]
-  Tensor<T> v_lat;          // (B, S, C) absorbed: contiguous values c_hat
-  Tensor<T> q_abs;          // (B, S, H_r, C+dr) absorbed: [q_nope W_UK | q_pe]
-  Tensor<T> o_att;          // (B, S, H_r, dv or C) attention output (flash needs it)
-  Tensor<T> attn_stats;     // eager: probs (B, H_r, S, S); flash: lse (B, H_r, S)
+struct Tape;
+template <class T>
+struct BlockApi;  // the implementation of the three functions below (block.cpp)
+}  // namespace detail
 
+// What forward saved for backward: the form's own typed tensors (its Tape,
+// form_*.cpp) and the step's extents. Empty before forward and after
+// backward.
+template <class T>
+class MlaSaved {
+ public:
+  MlaSaved();
+  ~MlaSaved();
+  MlaSaved(MlaSaved&&) noexcept;
+  MlaSaved& operator=(MlaSaved&&) noexcept;
+  bool empty() const { return tape_ == nullptr; }
   void clear();
+
+ private:
+  friend struct detail::BlockApi<T>;
+  std::unique_ptr<detail::Step> step_;
+  std::unique_ptr<detail::Tape<T>> tape_;
 };
+
+namespace detail {
+template <class T>
+struct BlockApi {
+  static void forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
+                      Tensor<T>& out, MlaSaved<T>& saved);
+  static void backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
+                       const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx,
+                       MlaParams<T>& grads);
+  static void sync_gradients(Communicator& comm, MlaParams<T>& grads);
+};
+}  // namespace detail
 
 template <class T>
 void mla_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& out,
-                 MlaSaved<T>& saved);
+                 MlaSaved<T>& saved) {
+  detail::BlockApi<T>::forward(ctx, w, x, out, saved);
+}
 
 template <class T>
 void mla_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                  const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx, MlaParams<T>& grads);
+                  const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx, MlaParams<T>& grads) {
+  detail::BlockApi<T>::backward(ctx, w, x, dout, saved, dx, grads);
+}
 
 // Sums every parameter gradient over the group: one all-reduce of all of them
 // flattened, label "grad_allreduce", phase grad_sync.
 template <class T>
-void mla_sync_gradients(Communicator& comm, MlaParams<T>& grads);
+void mla_sync_gradients(Communicator& comm, MlaParams<T>& grads) {
+  detail::BlockApi<T>::sync_gradients(comm, grads);
+}
 
 }  // namespace laga

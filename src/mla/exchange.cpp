@@ -20,10 +20,12 @@ std::int64_t total(const Counts& c) {
 size_t u(std::int64_t i) {
   return static_cast<size_t>(i);
 }
-bool backed() {
-  return !current_pool().count_only();
-}
 
+// p + off, but null stays null (count-only buffers have no storage).
+template <class T>
+T* at(T* p, std::int64_t off) {
+  return p ? p + off : nullptr;
+}
 // Copies a (B, rows, cols_a) block of `width` elements per (b, row, col) between
 // two head-sliced layouts: the building block of both all-to-all packings.
 // src element (b, l, h) at src + ((b * src_rows + src_row0 + l) * src_heads + src_h0 + h) * d.
@@ -32,7 +34,8 @@ void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std:
                 std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
                 std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
                 std::int64_t heads, std::int64_t d) {
-  if (heads == 0 || rows == 0) return;
+  // Count-only (no storage): nothing to copy; the collective still runs.
+  if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t l = 0; l < rows; ++l)
       std::memcpy(dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d,
@@ -55,16 +58,14 @@ void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
   const Counts sd = displs_of(sc), rd = displs_of(rc);
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
-  if (backed())
-    for (int j = 0; j < P; ++j)  // block j: (B, L, H_j, d)
-      copy_block(src, L, 0, H, lay.head_offset[u(j)], send.data() + sd[u(j)], L, 0,
-                 lay.head_count[u(j)], 0, B, L, lay.head_count[u(j)], d);
+  for (int j = 0; j < P; ++j)  // block j: (B, L, H_j, d)
+    copy_block(src, L, 0, H, lay.head_offset[u(j)], at(send.data(), sd[u(j)]), L, 0,
+               lay.head_count[u(j)], 0, B, L, lay.head_count[u(j)], d);
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   send.reset();
-  if (backed())
-    for (int i = 0; i < P; ++i)  // block i: (B, L_i, H_r, d) -> rows seq_offset[i]..
-      copy_block(recv.data() + rd[u(i)], lay.seq_count[u(i)], 0, Hr, 0, dst, lay.seq,
-                 lay.seq_offset[u(i)], Hr, 0, B, lay.seq_count[u(i)], Hr, d);
+  for (int i = 0; i < P; ++i)  // block i: (B, L_i, H_r, d) -> rows seq_offset[i]..
+    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, Hr, 0, dst, lay.seq,
+               lay.seq_offset[u(i)], Hr, 0, B, lay.seq_count[u(i)], Hr, d);
 }
 
 template <class T>
@@ -81,16 +82,14 @@ void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
   const Counts sd = displs_of(sc), rd = displs_of(rc);
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
-  if (backed())
-    for (int j = 0; j < P; ++j)  // block j: rows of rank j, (B, L_j, H_r, d)
-      copy_block(src, lay.seq, lay.seq_offset[u(j)], Hr, 0, send.data() + sd[u(j)],
-                 lay.seq_count[u(j)], 0, Hr, 0, B, lay.seq_count[u(j)], Hr, d);
+  for (int j = 0; j < P; ++j)  // block j: rows of rank j, (B, L_j, H_r, d)
+    copy_block(src, lay.seq, lay.seq_offset[u(j)], Hr, 0, at(send.data(), sd[u(j)]),
+               lay.seq_count[u(j)], 0, Hr, 0, B, lay.seq_count[u(j)], Hr, d);
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   send.reset();
-  if (backed())
-    for (int i = 0; i < P; ++i)  // block i: (B, L, H_i, d) -> heads head_offset[i]..
-      copy_block(recv.data() + rd[u(i)], L, 0, lay.head_count[u(i)], 0, dst, L, 0, H,
-                 lay.head_offset[u(i)], B, L, lay.head_count[u(i)], d);
+  for (int i = 0; i < P; ++i)  // block i: (B, L, H_i, d) -> heads head_offset[i]..
+    copy_block(at(recv.data(), rd[u(i)]), L, 0, lay.head_count[u(i)], 0, dst, L, 0, H,
+               lay.head_offset[u(i)], B, L, lay.head_count[u(i)], d);
 }
 
 template <class T>
@@ -107,10 +106,9 @@ void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, s
   }
   Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
   comm.all_gather_v(src, rc[u(r)], recv.data(), rc.data(), rd.data(), label);
-  if (backed())
-    for (int i = 0; i < P; ++i)
-      copy_block(recv.data() + rd[u(i)], lay.seq_count[u(i)], 0, 1, 0, dst, lay.seq,
-                 lay.seq_offset[u(i)], 1, 0, B, lay.seq_count[u(i)], 1, W);
+  for (int i = 0; i < P; ++i)
+    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, 1, 0, dst, lay.seq,
+               lay.seq_offset[u(i)], 1, 0, B, lay.seq_count[u(i)], 1, W);
 }
 
 template <class T>
@@ -126,10 +124,9 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
     return;
   }
   Tensor<T> send({total(c)}, MemCategory::comm_buffers);
-  if (backed())
-    for (int i = 0; i < P; ++i)
-      copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, send.data() + d[u(i)],
-                 lay.seq_count[u(i)], 0, 1, 0, B, lay.seq_count[u(i)], 1, W);
+  for (int i = 0; i < P; ++i)
+    copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, at(send.data(), d[u(i)]),
+               lay.seq_count[u(i)], 0, 1, 0, B, lay.seq_count[u(i)], 1, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), dst, label);
 }
 

@@ -12,126 +12,150 @@
 // (q_nope W_UK) . c), but q_abs and o_lat are H_r * C wide per token where
 // explicit's K/V are H_r * (dqk + dv): the activation-memory trap the paper
 // measures once C > dn.
-#include <cstring>
-
-#include "kernels/gemm.hpp"
-#include "mla/block_internal.hpp"
+//
+// Saved for backward: the input projections' tensors, q_h (B, S, H_r, dqk),
+// the gathered latent lat (B, S, C+dr) and its values v_lat (B, S, C),
+// q_abs (B, S, H_r, C+dr), o_lat (B, S, H_r, C), the statistics, o_loc.
 #include "mla/exchange.hpp"
+#include "mla/form.hpp"
 
 namespace laga::detail {
 
+namespace {
+
+using ops::mat;
+
 template <class T>
-void absorbed_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                      Tensor<T>& out, MlaSaved<T>& saved) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> q = project_q(ctx, w, x, saved);
+struct AbsorbedTape final : Tape<T> {
+  using P = Pieces<T>;
+  InputSaved<T> in;
+  Tensor<T> q_h;    // (B, S, H_r, dqk)
+  Tensor<T> lat;    // (B, S, C+dr): keys [c_hat | k_pe]
+  Tensor<T> v_lat;  // (B, S, C): values c_hat, contiguous for the kernel
+  Tensor<T> q_abs;  // (B, S, H_r, C+dr): [q_nope W_UK | q_pe]
+  Tensor<T> o_lat;  // (B, S, H_r, C): W_UV's gradient and flash's backward read it
+  Tensor<T> stats;
+  Tensor<T> o_loc;  // (B, L, H*dv)
+
+  // Per head h: W_UK[h] (dn, C) and W_UV[h] (dv, C), rows of wkv_b.
+  static ops::Mat<const T> w_uk(const Step& st, const Tensor<T>& wkv_b, std::int64_t h) {
+    return mat(wkv_b).row_range((st.h0 + h) * st.KV, st.dn);
+  }
+  static ops::Mat<const T> w_uv(const Step& st, const Tensor<T>& wkv_b, std::int64_t h) {
+    return mat(wkv_b).row_range((st.h0 + h) * st.KV + st.dn, st.dv);
+  }
+  static ops::Mat<T> w_grad(const Step& st, Tensor<T>& g, std::int64_t h, std::int64_t row,
+                            std::int64_t n) {
+    return mat(g).row_range((st.h0 + h) * st.KV + row, n);
+  }
+  static AttnShape latent_attention(const Step& st) {
+    return AttnShape{st.B, st.S, st.S, st.Hr, 1, st.W, st.C, st.ctx.cfg.softmax_scale(), true};
+  }
+
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                Tensor<T>& dx, MlaParams<T>& grads) override {
+    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+
+    // Through o = o_lat W_UV^T.
+    Tensor<T> do_lat({st.B, st.S, st.Hr, st.C}, "do_lat");
+    {
+      const ops::Mat<const T> doh = mat(std::as_const(do_h), st.NS, st.Hr * st.dv);
+      const ops::Mat<T> dol = mat(do_lat, st.NS, st.Hr * st.C);
+      for (std::int64_t h = 0; h < st.Hr; ++h) {
+        ops::gemm(dol.col_range(h * st.C, st.C), T(0), doh.col_range(h * st.dv, st.dv), false,
+                  w_uv(st, w.wkv_b, h), false);
+        ops::gemm(w_grad(st, grads.wkv_b, h, st.dn, st.dv), T(1), doh.col_range(h * st.dv, st.dv),
+                  true, mat(o_lat, st.NS, st.Hr * st.C).col_range(h * st.C, st.C), false);
+      }
+    }
+    do_h.reset();
+
+    const AttnShape s = latent_attention(st);
+    Tensor<T> dq_abs({st.B, st.S, st.Hr, st.W}, "dq_abs");
+    // d keys, then d values added. Zeros: a rank with no heads runs no kernel
+    // and adds nothing to d latent.
+    Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
+    {
+      Tensor<T> dv_lat = Tensor<T>::zeros({st.B, st.S, st.C}, "dv_lat");
+      P::attention_backward(st, s, dq_abs, dlat, dv_lat, do_lat, q_abs, lat, v_lat, o_lat, stats);
+      ops::add(mat(dlat).col_range(0, st.C), mat(std::as_const(dv_lat)));
+    }
+    do_lat.reset();
+    o_lat.reset(), q_abs.reset(), v_lat.reset(), lat.reset();
+
+    // Through q_abs = [q_nope W_UK | q_pe].
+    Tensor<T> dq_h({st.B, st.S, st.Hr, st.dqk}, "dq_h");
+    {
+      const ops::Mat<const T> dqa = mat(std::as_const(dq_abs), st.NS, st.Hr * st.W);
+      const ops::Mat<T> dqh = mat(dq_h, st.NS, st.Hr * st.dqk);
+      const ops::Mat<const T> qh = mat(std::as_const(q_h), st.NS, st.Hr * st.dqk);
+      for (std::int64_t h = 0; h < st.Hr; ++h) {
+        ops::gemm(dqh.col_range(h * st.dqk, st.dn), T(0), dqa.col_range(h * st.W, st.C), false,
+                  w_uk(st, w.wkv_b, h), true);
+        ops::gemm(w_grad(st, grads.wkv_b, h, 0, st.dn), T(1), qh.col_range(h * st.dqk, st.dn), true,
+                  dqa.col_range(h * st.W, st.C), false);
+        ops::copy(dqh.col_range(h * st.dqk + st.dn, st.dr), dqa.col_range(h * st.W + st.C, st.dr));
+      }
+    }
+    dq_abs.reset();
+    q_h.reset();
+
+    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
+    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
+    dq_h.reset();
+    Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
+    dlat.reset();
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
+  }
+};
+
+template <class T>
+std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                          Tensor<T>& out) {
+  using P = Pieces<T>;
+  using Tp = AbsorbedTape<T>;
+  auto t = std::make_unique<Tp>();
+  Tensor<T> q = P::project_q(st, w, x, t->in);
   {
-    Tensor<T> c_hat = project_latent(ctx, w, x, saved);
-    saved.q_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
-    seq_to_head(ctx.comm, ctx.layout, q.data(), saved.q_h.data(), d.dqk, "q_a2a");
+    Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
+    t->q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
+    seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), t->q_h.data(), st.dqk, "q_a2a");
     q.reset();
-    gather_latent(ctx, c_hat, saved);
+    t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
   }
   // The attention kernel takes values as their own contiguous tensor.
-  saved.v_lat = Tensor<T>({d.B, d.S, d.C});
-  saved.q_abs = Tensor<T>({d.B, d.S, d.Hr, W});
-  if (run) {
-    for (std::int64_t n = 0; n < d.NS; ++n)
-      std::memcpy(saved.v_lat.data() + n * d.C, saved.lat.data() + n * W, sizeof(T) * u(d.C));
-    for (std::int64_t h = 0; h < d.Hr; ++h) {
-      const T* w_uk = w.wkv_b.data() + (d.h0 + h) * KV * d.C;
-      gemm<T>(false, false, d.NS, d.C, d.dn, T(1), saved.q_h.data() + h * d.dqk, d.Hr * d.dqk, w_uk,
-              d.C, T(0), saved.q_abs.data() + h * W, d.Hr * W);
-      for (std::int64_t n = 0; n < d.NS; ++n)
-        std::memcpy(saved.q_abs.data() + (n * d.Hr + h) * W + d.C,
-                    saved.q_h.data() + (n * d.Hr + h) * d.dqk + d.dn, sizeof(T) * u(d.dr));
-    }
-  }
-  const AttnShape s{d.B, d.S, d.S, d.Hr, 1, W, d.C, ctx.cfg.softmax_scale(), true};
-  saved.o_att = Tensor<T>({d.B, d.S, d.Hr, d.C});  // o_lat: W_UV's gradient needs it
-  attention_forward(ctx, s, saved.o_att.data(), saved.q_abs.data(), saved.lat.data(),
-                    saved.v_lat.data(), saved);
-  Tensor<T> o_h({d.B, d.S, d.Hr, d.dv});
-  if (run)
-    for (std::int64_t h = 0; h < d.Hr; ++h) {
-      const T* w_uv = w.wkv_b.data() + ((d.h0 + h) * KV + d.dn) * d.C;
-      gemm<T>(false, true, d.NS, d.dv, d.C, T(1), saved.o_att.data() + h * d.C, d.Hr * d.C, w_uv,
-              d.C, T(0), o_h.data() + h * d.dv, d.Hr * d.dv);
-    }
-  project_out(ctx, w, o_h.data(), out, saved);
-}
-
-template <class T>
-void absorbed_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                       const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx,
-                       MlaParams<T>& grads) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> do_h = project_out_backward(ctx, w, dout, saved, grads);
-
-  // Through o = o_lat W_UV^T.
-  Tensor<T> do_lat({d.B, d.S, d.Hr, d.C});
-  if (run)
-    for (std::int64_t h = 0; h < d.Hr; ++h) {
-      const std::int64_t row = (d.h0 + h) * KV + d.dn;
-      gemm<T>(false, false, d.NS, d.C, d.dv, T(1), do_h.data() + h * d.dv, d.Hr * d.dv,
-              w.wkv_b.data() + row * d.C, d.C, T(0), do_lat.data() + h * d.C, d.Hr * d.C);
-      gemm<T>(true, false, d.dv, d.C, d.NS, T(1), do_h.data() + h * d.dv, d.Hr * d.dv,
-              saved.o_att.data() + h * d.C, d.Hr * d.C, T(1), grads.wkv_b.data() + row * d.C, d.C);
-    }
-  do_h.reset();
-
-  const AttnShape s{d.B, d.S, d.S, d.Hr, 1, W, d.C, ctx.cfg.softmax_scale(), true};
-  Tensor<T> dq_abs({d.B, d.S, d.Hr, W});
-  Tensor<T> dlat({d.B, d.S, W});  // d keys; d values are added below
+  t->v_lat = Tensor<T>({st.B, st.S, st.C}, "v_lat");
+  t->q_abs = Tensor<T>({st.B, st.S, st.Hr, st.W}, "q_abs");
+  ops::copy(mat(t->v_lat), mat(t->lat).col_range(0, st.C));
   {
-    Tensor<T> dv_lat({d.B, d.S, d.C});
-    attention_backward(ctx, s, dq_abs.data(), dlat.data(), dv_lat.data(), do_lat.data(),
-                       saved.q_abs.data(), saved.lat.data(), saved.v_lat.data(), saved.o_att.data(),
-                       saved);
-    if (run)
-      for (std::int64_t n = 0; n < d.NS; ++n)
-        for (std::int64_t c = 0; c < d.C; ++c) dlat.data()[n * W + c] += dv_lat.data()[n * d.C + c];
-  }
-  if (!run || d.Hr == 0) dlat.fill(T(0));  // no heads: this rank adds nothing to d latent
-  do_lat.reset();
-  saved.o_att.reset(), saved.q_abs.reset(), saved.v_lat.reset(), saved.lat.reset();
-
-  // Through q_abs = [q_nope W_UK | q_pe].
-  Tensor<T> dq_h({d.B, d.S, d.Hr, d.dqk});
-  if (run)
-    for (std::int64_t h = 0; h < d.Hr; ++h) {
-      const std::int64_t row = (d.h0 + h) * KV;
-      gemm<T>(false, true, d.NS, d.dn, d.C, T(1), dq_abs.data() + h * W, d.Hr * W,
-              w.wkv_b.data() + row * d.C, d.C, T(0), dq_h.data() + h * d.dqk, d.Hr * d.dqk);
-      gemm<T>(true, false, d.dn, d.C, d.NS, T(1), saved.q_h.data() + h * d.dqk, d.Hr * d.dqk,
-              dq_abs.data() + h * W, d.Hr * W, T(1), grads.wkv_b.data() + row * d.C, d.C);
-      for (std::int64_t n = 0; n < d.NS; ++n)
-        std::memcpy(dq_h.data() + (n * d.Hr + h) * d.dqk + d.dn,
-                    dq_abs.data() + (n * d.Hr + h) * W + d.C, sizeof(T) * u(d.dr));
+    const ops::Mat<const T> qh = mat(std::as_const(t->q_h), st.NS, st.Hr * st.dqk);
+    const ops::Mat<T> qa = mat(t->q_abs, st.NS, st.Hr * st.W);
+    for (std::int64_t h = 0; h < st.Hr; ++h) {
+      ops::gemm(qa.col_range(h * st.W, st.C), T(0), qh.col_range(h * st.dqk, st.dn), false,
+                Tp::w_uk(st, w.wkv_b, h), false);
+      ops::copy(qa.col_range(h * st.W + st.C, st.dr), qh.col_range(h * st.dqk + st.dn, st.dr));
     }
-  dq_abs.reset();
-  saved.q_h.reset();
-
-  Tensor<T> dq_loc({d.B, d.L, d.H * d.dqk});
-  head_to_seq(ctx.comm, ctx.layout, dq_h.data(), dq_loc.data(), d.dqk, "q_a2a");
-  dq_h.reset();
-  Tensor<T> dlat_loc({d.B, d.L, W});
-  reduce_scatter_seq(ctx.comm, ctx.layout, dlat.data(), dlat_loc.data(), W, "latent_ag");
-  dlat.reset();
-  project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
+  }
+  t->o_lat = Tensor<T>({st.B, st.S, st.Hr, st.C}, "o_lat");
+  t->stats =
+      P::attention_forward(st, Tp::latent_attention(st), t->o_lat, t->q_abs, t->lat, t->v_lat);
+  Tensor<T> o_h({st.B, st.S, st.Hr, st.dv}, "o_h");
+  {
+    const ops::Mat<const T> ol = mat(std::as_const(t->o_lat), st.NS, st.Hr * st.C);
+    const ops::Mat<T> oh = mat(o_h, st.NS, st.Hr * st.dv);
+    for (std::int64_t h = 0; h < st.Hr; ++h)
+      ops::gemm(oh.col_range(h * st.dv, st.dv), T(0), ol.col_range(h * st.C, st.C), false,
+                Tp::w_uv(st, w.wkv_b, h), true);
+  }
+  t->o_loc = P::project_out(st, w, o_h, out);
+  return t;
 }
 
-#define LAGA_INSTANTIATE(T)                                                                      \
-  template void absorbed_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
-                                    Tensor<T>&, MlaSaved<T>&);                                   \
-  template void absorbed_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
-                                     const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
-LAGA_INSTANTIATE(float)
-LAGA_INSTANTIATE(double)
-#undef LAGA_INSTANTIATE
+}  // namespace
+
+FormEntry absorbed_entry() {
+  return {Form::absorbed, "absorbed", &absorbed_forward<float>, &absorbed_forward<double>};
+}
 
 }  // namespace laga::detail

@@ -1,99 +1,90 @@
 // Explicit form (B1, Ulysses on MLA, Megatron-Core's training path): per-head
 // K/V are materialised for local tokens and ALL heads, then Q, K, V cross the
 // wire seq->head. K carries k_pe expanded over heads, as Megatron-Core does.
-#include <cstring>
-
-#include "kernels/gemm.hpp"
-#include "mla/block_internal.hpp"
+//
+// Saved for backward: the input projections' tensors, c_hat (B, L, C), the
+// head attention's q_h, k_h, v_h (B, S, H_r, .) and statistics, o_loc.
 #include "mla/exchange.hpp"
+#include "mla/form.hpp"
 
 namespace laga::detail {
 
+namespace {
+
+using ops::mat;
+
 template <class T>
-void explicit_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                      Tensor<T>& out, MlaSaved<T>& saved) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> q = project_q(ctx, w, x, saved);
-  saved.c_hat = project_latent(ctx, w, x, saved);
+struct ExplicitTape final : Tape<T> {
+  using P = Pieces<T>;
+  InputSaved<T> in;
+  Tensor<T> c_hat;  // (B, L, C)
+  HeadAttention<T> att;
+  Tensor<T> o_loc;  // (B, L, H*dv)
+
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                Tensor<T>& dx, MlaParams<T>& grads) override {
+    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
+    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
+    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
+    dq_h.reset();
+    Tensor<T> dk_loc({st.B, st.L, st.H * st.dqk}, "dk_loc");
+    head_to_seq(st.ctx.comm, st.ctx.layout, dk_h.data(), dk_loc.data(), st.dqk, "k_a2a");
+    dk_h.reset();
+    Tensor<T> dv_loc({st.B, st.L, st.H * st.dv}, "dv_loc");
+    head_to_seq(st.ctx.comm, st.ctx.layout, dv_h.data(), dv_loc.data(), st.dv, "v_a2a");
+    dv_h.reset();
+
+    // d kv from [dk_nope | dv] per head; d k_pe = sum over heads of dk's rope
+    // part (k_pe was broadcast to every head).
+    Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
+    {
+      Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
+      P::merge_dkv(st, st.H, dk_loc, dv_loc, dkv, mat(dlat_loc).col_range(st.C, st.dr));
+      dk_loc.reset(), dv_loc.reset();
+      // d c_hat (N, C) = dkv wkv_b, into dlat's first C columns; wkv_b += dkv^T c_hat.
+      ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
+      ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);
+    }
+    c_hat.reset();
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
+  }
+};
+
+template <class T>
+std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                          Tensor<T>& out) {
+  using P = Pieces<T>;
+  auto t = std::make_unique<ExplicitTape<T>>();
+  Tensor<T> q = P::project_q(st, w, x, t->in);
+  t->c_hat = P::project_latent(st, w, x, t->in, "c_hat");
 
   // kv (N, H*(dn+dv)) = c_hat wkv_b^T, split into K = [k_nope | k_pe] (N, H, dqk), V (N, H, dv).
-  Tensor<T> k_loc({d.B, d.L, d.H * d.dqk}), v_loc({d.B, d.L, d.H * d.dv});
+  Tensor<T> k_loc({st.B, st.L, st.H * st.dqk}, "k_loc"), v_loc({st.B, st.L, st.H * st.dv}, "v_loc");
   {
-    Tensor<T> kv({d.B, d.L, d.H * KV});
-    if (run) {
-      linear_forward(kv.data(), saved.c_hat.data(), w.wkv_b.data(), d.N, d.C, d.H * KV);
-      split_kv(d, d.N, d.H, kv.data(), saved.kv_a.data() + d.C, W, k_loc.data(), v_loc.data());
-    }
+    Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
+    ops::linear(mat(kv), mat(t->c_hat), w.wkv_b);
+    P::split_kv(st, st.H, mat(std::as_const(kv)), mat(t->in.kv_a).col_range(st.C, st.dr), k_loc,
+                v_loc);
   }
-  saved.q_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
-  seq_to_head(ctx.comm, ctx.layout, q.data(), saved.q_h.data(), d.dqk, "q_a2a");
+  HeadAttention<T>& a = t->att;
+  a.q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
+  seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), a.q_h.data(), st.dqk, "q_a2a");
   q.reset();
-  saved.k_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
-  seq_to_head(ctx.comm, ctx.layout, k_loc.data(), saved.k_h.data(), d.dqk, "k_a2a");
+  a.k_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "k_h");
+  seq_to_head(st.ctx.comm, st.ctx.layout, k_loc.data(), a.k_h.data(), st.dqk, "k_a2a");
   k_loc.reset();
-  saved.v_h = Tensor<T>({d.B, d.S, d.Hr, d.dv});
-  seq_to_head(ctx.comm, ctx.layout, v_loc.data(), saved.v_h.data(), d.dv, "v_a2a");
+  a.v_h = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "v_h");
+  seq_to_head(st.ctx.comm, st.ctx.layout, v_loc.data(), a.v_h.data(), st.dv, "v_a2a");
   v_loc.reset();
-
-  const AttnShape s{d.B, d.S, d.S, d.Hr, d.Hr, d.dqk, d.dv, ctx.cfg.softmax_scale(), true};
-  saved.o_att = Tensor<T>({d.B, d.S, d.Hr, d.dv});
-  attention_forward(ctx, s, saved.o_att.data(), saved.q_h.data(), saved.k_h.data(),
-                    saved.v_h.data(), saved);
-  project_out(ctx, w, saved.o_att.data(), out, saved);
-  if (ctx.attention == AttentionKind::eager) saved.o_att.reset();  // only flash's backward reads o
+  a.forward(st, w, out, t->o_loc);
+  return t;
 }
 
-template <class T>
-void explicit_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                       const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx,
-                       MlaParams<T>& grads) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> do_h = project_out_backward(ctx, w, dout, saved, grads);
+}  // namespace
 
-  Tensor<T> dq_h, dk_h, dv_h;
-  head_attention_backward(ctx, saved, do_h, dq_h, dk_h, dv_h);
-
-  Tensor<T> dq_loc({d.B, d.L, d.H * d.dqk});
-  head_to_seq(ctx.comm, ctx.layout, dq_h.data(), dq_loc.data(), d.dqk, "q_a2a");
-  dq_h.reset();
-  Tensor<T> dk_loc({d.B, d.L, d.H * d.dqk});
-  head_to_seq(ctx.comm, ctx.layout, dk_h.data(), dk_loc.data(), d.dqk, "k_a2a");
-  dk_h.reset();
-  Tensor<T> dv_loc({d.B, d.L, d.H * d.dv});
-  head_to_seq(ctx.comm, ctx.layout, dv_h.data(), dv_loc.data(), d.dv, "v_a2a");
-  dv_h.reset();
-
-  // d kv from [dk_nope | dv] per head; d k_pe = sum over heads of dk's rope
-  // part (k_pe was broadcast to every head).
-  Tensor<T> dlat_loc = Tensor<T>::zeros({d.B, d.L, W});
-  {
-    Tensor<T> dkv({d.B, d.L, d.H * KV});
-    if (run)
-      merge_dkv(d, d.N, d.H, dk_loc.data(), dv_loc.data(), dkv.data(), dlat_loc.data() + d.C, W);
-    dk_loc.reset(), dv_loc.reset();
-    if (run) {
-      // d c_hat (N, C) = dkv wkv_b, written into dlat's first C columns.
-      gemm<T>(false, false, d.N, d.C, d.H * KV, T(1), dkv.data(), d.H * KV, w.wkv_b.data(), d.C,
-              T(0), dlat_loc.data(), W);
-      linear_backward<T>(nullptr, false, grads.wkv_b.data(), dkv.data(), saved.c_hat.data(),
-                         w.wkv_b.data(), d.N, d.C, d.H * KV);
-    }
-  }
-  saved.c_hat.reset();
-  project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
+FormEntry explicit_entry() {
+  return {Form::explicit_form, "explicit", &explicit_forward<float>, &explicit_forward<double>};
 }
-
-#define LAGA_INSTANTIATE(T)                                                                      \
-  template void explicit_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
-                                    Tensor<T>&, MlaSaved<T>&);                                   \
-  template void explicit_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
-                                     const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
-LAGA_INSTANTIATE(float)
-LAGA_INSTANTIATE(double)
-#undef LAGA_INSTANTIATE
 
 }  // namespace laga::detail

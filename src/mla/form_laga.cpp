@@ -7,95 +7,87 @@
 // this rank's wkv_b gradient covers its head rows over the full sequence
 // (explicit's covers all rows over local tokens); the all-reduce sums both to
 // the same total.
-#include <cstring>
-
-#include "kernels/gemm.hpp"
-#include "mla/block_internal.hpp"
+//
+// Saved for backward: the input projections' tensors, the gathered latent
+// lat (B, S, C+dr), the head attention's tensors, o_loc.
 #include "mla/exchange.hpp"
+#include "mla/form.hpp"
 
 namespace laga::detail {
 
+namespace {
+
+using ops::mat;
+
 template <class T>
-void laga_forward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                  Tensor<T>& out, MlaSaved<T>& saved) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> q = project_q(ctx, w, x, saved);
+struct LagaTape final : Tape<T> {
+  using P = Pieces<T>;
+  InputSaved<T> in;
+  Tensor<T> lat;  // (B, S, C+dr): [c_hat | k_pe] of every token
+  HeadAttention<T> att;
+  Tensor<T> o_loc;  // (B, L, H*dv)
+
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                Tensor<T>& dx, MlaParams<T>& grads) override {
+    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
+    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
+    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
+    dq_h.reset();
+
+    // d[c_hat | k_pe] over the full sequence from this rank's heads.
+    Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
+    {
+      Tensor<T> dkv_h({st.B, st.S, st.Hr * st.KV}, "dkv_h");
+      P::merge_dkv(st, st.Hr, dk_h, dv_h, dkv_h, mat(dlat).col_range(st.C, st.dr));
+      dk_h.reset(), dv_h.reset();
+      const ops::Mat<const T> wkv_b_r = mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+      ops::gemm(mat(dlat).col_range(0, st.C), T(0), mat(dkv_h), false, wkv_b_r, false);
+      ops::gemm(mat(grads.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV), T(1), mat(dkv_h), true,
+                mat(lat).col_range(0, st.C), false);
+    }
+    lat.reset();
+    Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
+    dlat.reset();
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
+  }
+};
+
+template <class T>
+std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                      Tensor<T>& out) {
+  using P = Pieces<T>;
+  auto t = std::make_unique<LagaTape<T>>();
+  HeadAttention<T>& a = t->att;
+  Tensor<T> q = P::project_q(st, w, x, t->in);
   {
-    Tensor<T> c_hat = project_latent(ctx, w, x, saved);
-    saved.q_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
-    seq_to_head(ctx.comm, ctx.layout, q.data(), saved.q_h.data(), d.dqk, "q_a2a");
+    Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
+    a.q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
+    seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), a.q_h.data(), st.dqk, "q_a2a");
     q.reset();
-    gather_latent(ctx, c_hat, saved);
+    t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
   }
 
   // kv_h (B*S, H_r*(dn+dv)) = c_hat wkv_b[H_r rows]^T: the H_r slice of
   // explicit's up-projection, over the full sequence.
-  saved.k_h = Tensor<T>({d.B, d.S, d.Hr, d.dqk});
-  saved.v_h = Tensor<T>({d.B, d.S, d.Hr, d.dv});
+  a.k_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "k_h");
+  a.v_h = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "v_h");
   {
-    Tensor<T> kv_h({d.B, d.S, d.Hr * KV});
-    if (run && d.Hr > 0) {
-      gemm<T>(false, true, d.NS, d.Hr * KV, d.C, T(1), saved.lat.data(), W,
-              w.wkv_b.data() + d.h0 * KV * d.C, d.C, T(0), kv_h.data(), d.Hr * KV);
-      split_kv(d, d.NS, d.Hr, kv_h.data(), saved.lat.data() + d.C, W, saved.k_h.data(),
-               saved.v_h.data());
-    }
+    Tensor<T> kv_h({st.B, st.S, st.Hr * st.KV}, "kv_h");
+    ops::gemm(mat(kv_h), T(0), mat(t->lat).col_range(0, st.C), false,
+              mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV), true);
+    P::split_kv(st, st.Hr, mat(std::as_const(kv_h)), mat(t->lat).col_range(st.C, st.dr), a.k_h,
+                a.v_h);
   }
-
-  const AttnShape s{d.B, d.S, d.S, d.Hr, d.Hr, d.dqk, d.dv, ctx.cfg.softmax_scale(), true};
-  saved.o_att = Tensor<T>({d.B, d.S, d.Hr, d.dv});
-  attention_forward(ctx, s, saved.o_att.data(), saved.q_h.data(), saved.k_h.data(),
-                    saved.v_h.data(), saved);
-  project_out(ctx, w, saved.o_att.data(), out, saved);
-  if (ctx.attention == AttentionKind::eager) saved.o_att.reset();
+  a.forward(st, w, out, t->o_loc);
+  return t;
 }
 
-template <class T>
-void laga_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T>& x,
-                   const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx, MlaParams<T>& grads) {
-  const Dims d(ctx);
-  const bool run = computing();
-  const std::int64_t W = d.C + d.dr, KV = d.dn + d.dv;
-  Tensor<T> do_h = project_out_backward(ctx, w, dout, saved, grads);
+}  // namespace
 
-  Tensor<T> dq_h, dk_h, dv_h;
-  head_attention_backward(ctx, saved, do_h, dq_h, dk_h, dv_h);
-
-  Tensor<T> dq_loc({d.B, d.L, d.H * d.dqk});
-  head_to_seq(ctx.comm, ctx.layout, dq_h.data(), dq_loc.data(), d.dqk, "q_a2a");
-  dq_h.reset();
-
-  // d[c_hat | k_pe] over the full sequence from this rank's heads.
-  Tensor<T> dlat = Tensor<T>::zeros({d.B, d.S, W});
-  {
-    Tensor<T> dkv_h({d.B, d.S, d.Hr * KV});
-    if (run && d.Hr > 0)
-      merge_dkv(d, d.NS, d.Hr, dk_h.data(), dv_h.data(), dkv_h.data(), dlat.data() + d.C, W);
-    dk_h.reset(), dv_h.reset();
-    if (run && d.Hr > 0) {
-      const T* wkv_b_r = w.wkv_b.data() + d.h0 * KV * d.C;
-      gemm<T>(false, false, d.NS, d.C, d.Hr * KV, T(1), dkv_h.data(), d.Hr * KV, wkv_b_r, d.C, T(0),
-              dlat.data(), W);
-      gemm<T>(true, false, d.Hr * KV, d.C, d.NS, T(1), dkv_h.data(), d.Hr * KV, saved.lat.data(), W,
-              T(1), grads.wkv_b.data() + d.h0 * KV * d.C, d.C);
-    }
-  }
-  saved.lat.reset();
-  Tensor<T> dlat_loc({d.B, d.L, W});
-  reduce_scatter_seq(ctx.comm, ctx.layout, dlat.data(), dlat_loc.data(), W, "latent_ag");
-  dlat.reset();
-  project_in_backward(ctx, w, x, dq_loc, dlat_loc, saved, dx, grads);
+FormEntry laga_entry() {
+  return {Form::laga, "laga", &laga_forward<float>, &laga_forward<double>};
 }
-
-#define LAGA_INSTANTIATE(T)                                                                  \
-  template void laga_forward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&,  \
-                                Tensor<T>&, MlaSaved<T>&);                                   \
-  template void laga_backward<T>(const BlockContext&, const MlaParams<T>&, const Tensor<T>&, \
-                                 const Tensor<T>&, MlaSaved<T>&, Tensor<T>&, MlaParams<T>&);
-LAGA_INSTANTIATE(float)
-LAGA_INSTANTIATE(double)
-#undef LAGA_INSTANTIATE
 
 }  // namespace laga::detail

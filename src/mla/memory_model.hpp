@@ -1,26 +1,23 @@
-// Closed-form activation memory of one MLA block on one rank: the peak bytes
+// Predicted activation memory of one MLA block on one rank: the peak bytes
 // the rank's MemoryPool sees during one forward + backward (+ gradient
 // all-reduce), per form and attention kernel, from the config and the layout
-// alone. Written apart from the block code on purpose: tests require the two
-// to agree (docs/compare.md, "memory model").
+// alone, at any scale, in milliseconds.
 //
-// How: the block's allocation sequence (form_*.cpp, block.cpp, exchange.cpp,
-// the backends' staging) is written out here as a list of allocations and
-// frees of named tensors with closed-form sizes; the peak is the largest
-// running sum, taken at the step where it occurs. That is exact — the model
-// predicts the pool's peaks to the byte, not approximately — as long as the
-// sequence here matches the code, which tests/mla/test_memory_model.cpp
-// checks over sweeps of B, S, P, H, rq, uneven shards, both attention kernels
-// and both element sizes. It also says WHAT is live at the peak, which is the
-// explanation the paper's memory table needs (e.g. eager probs
-// (B, H_r, S, S) during attention backward).
+// How: it is the count-only run of the block itself (docs/architecture.md,
+// "One description, three runs"): the rank runs under a count-only pool (every
+// tensor has its shape and registers its bytes, none has storage, no kernel
+// runs) on a dry-run communicator that stages collectives as the chosen
+// backend does, and the pool's peaks and its live list at the peak are the
+// prediction. It is exact because it is the same code: nothing restates a
+// form's allocation sequence. What the count-only run cannot vouch for on
+// its own, tests check apart: that the real run allocates what the counted
+// one does (tests/mla/test_memory_model.cpp), and an independent closed form
+// of what each form saves for backward (saved_for_backward below, the
+// paper's Table 2 quantity), against the pool after forward.
 //
 // Every figure is in bytes above what is live when forward starts (the
 // rank's input and dout shards, parameters, gradient accumulators), as
-// laga::run_rank measures it. Under the eager kernel the dominant term is the
-// saved probability matrix B H_r S^2 e; absorbed adds its H_r (C + dr)- and
-// H_r C-wide intermediates (q_abs, o_lat and their gradients) over the full
-// sequence.
+// laga::run_rank measures it.
 #pragma once
 
 #include <cstdint>
@@ -32,15 +29,8 @@
 
 namespace laga {
 
-// Where a backend stages collective data (communicator.hpp, "Staging").
-enum class StagingRule {
-  in_process,  // LocalCommunicator and DryRunCommunicator: all_reduce stages its own chunk
-  mpi,         // MpiCommunicator: (P-1) x own block for reduce_scatter and all_reduce
-  none,        // the 1-rank self communicator: no staging
-};
-
 struct MemoryTerm {
-  std::string name;  // "saved.attn_stats (B, H_r, S, S)"
+  std::string name;  // "attn_stats eager probs [1, 16, 4096, 4096]"
   MemCategory category = MemCategory::activations;
   std::int64_t bytes = 0;
 };
@@ -49,7 +39,7 @@ struct MemoryTerm {
 // run, where it is reached, and what is live there (largest first).
 struct MemoryPeak {
   std::int64_t bytes = 0;
-  std::string where;  // "backward: attention_backward eager dp scratch (S, S)"
+  std::string where;  // "backward: eager dp scratch [4096, 4096]"
   std::vector<MemoryTerm> live;
 };
 
@@ -79,9 +69,17 @@ struct MemoryModelOptions {
 
 // Rank `rank` of layout.ranks running `form` with `attention`, elements of
 // elem_bytes (4 for float, 8 for double; 2 gives what the same allocation
-// sequence would cost in bf16).
+// sequence would cost in bf16: every tensor's bytes are elements times the
+// element size, so bf16 is exactly half of fp32).
 MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Form form,
                                 AttentionKind attention, int rank, std::int64_t elem_bytes,
                                 const MemoryModelOptions& options = {});
+
+// The independent closed form of what `form` keeps alive from forward to
+// backward on `rank` (the activations live when forward returns, the output
+// (B, L_r, D) included), in elements: written from the forms' math
+// (docs/forms.md, "What each form saves"), not from their code.
+std::int64_t saved_for_backward_elements(const MlaConfig& cfg, const SpLayout& layout, Form form,
+                                         AttentionKind attention, int rank);
 
 }  // namespace laga

@@ -1,5 +1,6 @@
 #include "mla/runner.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -55,23 +56,40 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
 
   const std::int64_t base_act = pool.current(MemCategory::activations);
   const std::int64_t base_comm = pool.current(MemCategory::comm_buffers);
+  RankMemory& m = res.report.memory;
   pool.reset_peaks();
+  pool.set_stage("forward");
   MlaSaved<T> saved;
   auto t0 = std::chrono::steady_clock::now();
   mla_forward(ctx, w, x_loc, res.out, saved);
   res.report.forward_ms = ms_since(t0);
+  m.after_forward = pool.current(MemCategory::activations) - base_act;
   if (spec.backward) {
+    pool.set_stage("backward");
     t0 = std::chrono::steady_clock::now();
     mla_backward(ctx, w, x_loc, dout_loc, saved, res.dx, res.grads);
     res.report.backward_ms = ms_since(t0);
+  }
+  // Forward+backward peaks first; the gradient all-reduce is its own stretch.
+  m.peak_activations = pool.peak(MemCategory::activations) - base_act;
+  m.peak_comm_buffers = pool.peak(MemCategory::comm_buffers) - base_comm;
+  m.peak_forward_backward = pool.peak_working() - base_act - base_comm;
+  m.forward_backward_live = pool.working_peak_snapshot();
+  if (spec.backward && spec.grad_sync) {
+    pool.reset_peaks();
+    pool.set_stage("grad_sync");
     t0 = std::chrono::steady_clock::now();
     mla_sync_gradients(comm, res.grads);
     res.report.sync_ms = ms_since(t0);
+    m.peak_activations =
+        std::max(m.peak_activations, pool.peak(MemCategory::activations) - base_act);
+    m.peak_comm_buffers =
+        std::max(m.peak_comm_buffers, pool.peak(MemCategory::comm_buffers) - base_comm);
+    m.peak_grad_sync = pool.peak_working() - base_act - base_comm;
+    m.grad_sync_live = pool.working_peak_snapshot();
   }
-  RankMemory& m = res.report.memory;
-  m.peak_activations = pool.peak(MemCategory::activations) - base_act;
-  m.peak_comm_buffers = pool.peak(MemCategory::comm_buffers) - base_comm;
-  m.peak_working = pool.peak_working() - base_act - base_comm;
+  pool.set_stage("");
+  m.peak_working = std::max(m.peak_forward_backward, m.peak_grad_sync);
   m.gradients = pool.current(MemCategory::gradients);
   w.for_each([&](const std::string&, const Tensor<T>& t) { m.parameters += t.bytes(); });
   res.report.ledger = comm.ledger();

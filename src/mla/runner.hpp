@@ -20,17 +20,27 @@ struct RunSpec {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   bool backward = true;
+  bool grad_sync = true;                 // with backward: the gradient all-reduce
   std::chrono::milliseconds timeout{0};  // 0: the communicator's default
 };
 
 // Memory of one rank during one forward(+backward), in bytes above what was
-// live when forward started (the input shard, parameters).
+// live when forward started (the input shard, parameters). Peaks are over the
+// whole run; forward+backward and the gradient all-reduce are also reported
+// apart (the all-reduce's flat buffer is gradient traffic, not activations).
 struct RankMemory {
   std::int64_t peak_activations = 0;  // MemCategory::activations
   std::int64_t peak_comm_buffers = 0;
-  std::int64_t peak_working = 0;  // activations + comm buffers together
-  std::int64_t gradients = 0;     // parameter gradients held by the rank
+  std::int64_t peak_working = 0;           // activations + comm buffers together
+  std::int64_t peak_forward_backward = 0;  // working, forward + backward only
+  std::int64_t peak_grad_sync = 0;         // working, during the gradient all-reduce
+  std::int64_t after_forward = 0;          // activations live when forward returns: saved + out
+  std::int64_t gradients = 0;              // parameter gradients held by the rank
   std::int64_t parameters = 0;
+  // What is live at those two peaks, by name: filled when the rank's pool
+  // tracks live tensors (MemoryPool::set_live_tracking), as the memory
+  // prediction's does.
+  MemoryPool::PeakSnapshot forward_backward_live, grad_sync_live;
 };
 
 struct RankReport {

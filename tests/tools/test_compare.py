@@ -128,7 +128,7 @@ def case_errors(laga, scratch):
     for args, needle in [
         (["--sp", "4", "--rank-only", "4"], "ranks are 0 .. 3"),
         (["--forms", "laga,laga"], "twice"),
-        (["--forms", "laga,nope"], "choose explicit, absorbed or laga"),
+        (["--forms", "laga,nope"], "choose one of explicit, absorbed, laga"),
         (["--seq", "2", "--sp", "4"], "shorter than --sp"),
         (["--steps", "0"], "--steps"),
     ]:

@@ -1,0 +1,134 @@
+// What a form is made of (private to src/mla; docs/architecture.md, "Adding
+// a form"). A form is one file with a forward function that returns its Tape:
+// the tensors it saved for backward, typed per form, and the backward that
+// consumes them. The pieces every form shares (the input projections, the
+// latent all-gather, the head attention, the output projection) are here,
+// each returning what it computes. The forms are listed once, in form.cpp.
+#pragma once
+
+#include <memory>
+
+#include "kernels/attention.hpp"
+#include "mla/block.hpp"
+#include "mla/ops.hpp"
+
+namespace laga::detail {
+
+// Every extent of one block on one rank, built once per step.
+struct Step {
+  const BlockContext ctx;  // a copy: backward may be called with another context object
+  std::int64_t B, L, S, N, NS;  // batch, local tokens, sequence, B L, B S
+  std::int64_t D, H, Hr, h0;    // model dim, heads, this rank's heads from h0
+  std::int64_t dn, dr, dqk, dv;
+  std::int64_t C, rq;  // kv_lora_rank, q_lora_rank
+  std::int64_t W;      // C + dr: one latent row [c | k_pe]
+  std::int64_t KV;     // dn + dv: one head's rows of wkv_b
+  std::int64_t pos0;   // global position of the first local token
+  explicit Step(const BlockContext& ctx);
+  // Causal attention over this rank's heads, full sequence, head dims.
+  AttnShape head_attention() const;
+};
+
+// What a form's forward leaves for its backward.
+template <class T>
+struct Tape {
+  virtual ~Tape() = default;
+  // Writes dx (B, L, D), adds this rank's parameter gradients into grads and
+  // frees what was saved as it goes.
+  virtual void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                        const Tensor<T>& dout, Tensor<T>& dx, MlaParams<T>& grads) = 0;
+};
+template <class T>
+using FormForward = std::unique_ptr<Tape<T>> (*)(const Step&, const MlaParams<T>&,
+                                                 const Tensor<T>& x, Tensor<T>& out);
+
+// One row of the form registry (form.cpp).
+struct FormEntry {
+  Form form;
+  const char* name;
+  FormForward<float> f32;
+  FormForward<double> f64;
+};
+const FormEntry& form_entry(Form f);  // form.cpp
+FormEntry explicit_entry();
+FormEntry laga_entry();
+FormEntry absorbed_entry();
+
+// --- the shared pieces -----------------------------------------------------
+
+// Saved by the input projections, consumed by project_in_backward.
+template <class T>
+struct InputSaved {
+  Tensor<T> qa, q_rstd, qn;  // rq > 0: wq_a output (B, L, rq), its rstd (B, L), q_norm output
+  Tensor<T> kv_a;            // (B, L, C+dr): [c | k_pe], k_pe already rotated
+  Tensor<T> kv_rstd;         // (B, L)
+};
+
+// The pieces, as static members of one class template so that one explicit
+// instantiation per type (block.cpp) covers them all.
+template <class T>
+struct Pieces {
+  // q (B, L, H*dqk) with q_pe rotated.
+  static Tensor<T> project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                             InputSaved<T>& in);
+  // c_hat (B, L, C), the normalised latent; in.kv_a, in.kv_rstd saved.
+  static Tensor<T> project_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                  InputSaved<T>& in, const char* c_hat_name);
+
+  // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
+  static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a);
+
+  // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
+  // (B, Hq, S): what attention backward reads.
+  static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,
+                                     const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v);
+  // Frees stats.
+  static void attention_backward(const Step& st, const AttnShape& s, Tensor<T>& dq, Tensor<T>& dk,
+                                 Tensor<T>& dv, const Tensor<T>& dout, const Tensor<T>& q,
+                                 const Tensor<T>& k, const Tensor<T>& v, const Tensor<T>& o,
+                                 Tensor<T>& stats);
+
+  // o_h (B, S, H_r, dv) to heads of local tokens, o_loc (B, L, H*dv), returned
+  // (saved for wo's gradient); out (B, L, D) = o_loc wo^T.
+  static Tensor<T> project_out(const Step& st, const MlaParams<T>& w, const Tensor<T>& o_h,
+                               Tensor<T>& out);
+  // dout -> wo's gradient (frees o_loc); returns do_h (B, S, H_r, dv).
+  static Tensor<T> project_out_backward(const Step& st, const MlaParams<T>& w,
+                                        const Tensor<T>& dout, Tensor<T>& o_loc,
+                                        MlaParams<T>& grads);
+
+  // From dq_loc (B, L, H*dqk) and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
+  // (both before the inverse rotation) to dx and the wq*, q_norm, wkv_a,
+  // kv_norm gradients. Consumes dq_loc, dlat_loc and everything in `in`.
+  static void project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                  Tensor<T>& dq_loc, Tensor<T>& dlat_loc, InputSaved<T>& in,
+                                  Tensor<T>& dx, MlaParams<T>& grads);
+  // K = [k_nope | k_pe] (rows, heads, dqk) and V (rows, heads, dv) from kv
+  // (rows, heads*(dn+dv)) and each row's rotated k_pe (rows, dr), which every
+  // head shares (Megatron-Core expands it the same way).
+  static void split_kv(const Step& st, std::int64_t heads, ops::In<T> kv, ops::In<T> k_pe,
+                       Tensor<T>& k, Tensor<T>& v);
+  // The adjoint of split_kv: dkv (rows, heads*(dn+dv)) from dk's nope part and
+  // dv; dk's rope parts are summed over heads, in head order, into dk_pe
+  // (rows, dr) (added to what is there). rows = dk_pe.rows.
+  static void merge_dkv(const Step& st, std::int64_t heads, const Tensor<T>& dk,
+                        const Tensor<T>& dv, Tensor<T>& dkv, ops::Mat<T> dk_pe);
+};
+
+// The head attention explicit and laga share: attention over q_h, k_h, v_h
+// (B, S, H_r, .) and its saved output and statistics.
+template <class T>
+struct HeadAttention {
+  Tensor<T> q_h, k_h, v_h;  // (B, S, H_r, dqk / dqk / dv)
+  Tensor<T> o_att;          // (B, S, H_r, dv): flash's backward reads it; eager's does not
+  Tensor<T> stats;
+  // Runs it and returns out (B, L, D); keeps o_loc for wo's gradient.
+  void forward(const Step& st, const MlaParams<T>& w, Tensor<T>& out, Tensor<T>& o_loc);
+  // do_h in; dq_h, dk_h, dv_h (B, S, H_r, .) out; frees what it saved.
+  struct Grads {
+    Tensor<T> dq_h, dk_h, dv_h;
+  };
+  Grads backward(const Step& st, Tensor<T>& do_h);
+};
+
+}  // namespace laga::detail

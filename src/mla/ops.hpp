@@ -1,0 +1,178 @@
+// The block's operations on tensors, written so that the same form code runs
+// for real or only counts (docs/architecture.md, "One description, three
+// runs"). Under a count-only pool a tensor has a shape and registered bytes
+// but no storage; every op here then does nothing, so form code never asks
+// whether it is computing. This is the one place that decision is made (the
+// collectives make it for themselves: communicator.hpp, "Count-only").
+//
+// A Mat is a row-major matrix view (rows, cols, row stride ld) into a tensor:
+// a column slice is one head of a (B, S, H, d) tensor (ld = H d), a row slice
+// is one head's rows of a weight. A view of an unbacked tensor stays null
+// through slicing, so no arithmetic is ever done on a null pointer.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "core/error.hpp"
+#include "core/memory_pool.hpp"
+#include "core/tensor.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+
+namespace laga::ops {
+
+template <class T>
+struct Mat {
+  T* p = nullptr;  // null: count-only (or empty)
+  std::int64_t rows = 0, cols = 0, ld = 0;
+
+  Mat block(std::int64_t r0, std::int64_t nr, std::int64_t c0, std::int64_t nc) const {
+    LAGA_CHECK(r0 >= 0 && c0 >= 0 && r0 + nr <= rows && c0 + nc <= cols, "internal: view rows [",
+               r0, ", ", r0 + nr, ") cols [", c0, ", ", c0 + nc, ") outside a (", rows, ", ", cols,
+               ") matrix");
+    return {p ? p + r0 * ld + c0 : nullptr, nr, nc, ld};
+  }
+  Mat col_range(std::int64_t c0, std::int64_t nc) const { return block(0, rows, c0, nc); }
+  Mat row_range(std::int64_t r0, std::int64_t nr) const { return block(r0, nr, 0, cols); }
+  operator Mat<const T>() const { return {p, rows, cols, ld}; }  // NOLINT: views convert to const
+};
+
+// t viewed as (rows, cols); rows * cols must be its size.
+template <class T>
+Mat<T> mat(Tensor<T>& t, std::int64_t rows, std::int64_t cols) {
+  LAGA_CHECK(rows >= 0 && cols >= 0 && rows * cols == t.numel(), "internal: a tensor of ",
+             to_string(t.shape()), " is not a (", rows, ", ", cols, ") matrix");
+  return {t.data(), rows, cols, cols};
+}
+template <class T>
+Mat<const T> mat(const Tensor<T>& t, std::int64_t rows, std::int64_t cols) {
+  return mat(const_cast<Tensor<T>&>(t), rows, cols);
+}
+// Its last dimension as columns, all others as rows (so a tensor with an
+// empty last dimension still has its rows).
+template <class T>
+Mat<T> mat(Tensor<T>& t) {
+  const Shape& s = t.shape();
+  std::int64_t rows = 1;
+  for (std::size_t i = 0; i + 1 < s.size(); ++i) rows *= s[i];
+  return mat(t, rows, s.back());
+}
+template <class T>
+Mat<const T> mat(const Tensor<T>& t) {
+  return mat(const_cast<Tensor<T>&>(t));
+}
+
+// t as one row of all its elements.
+template <class T>
+Mat<T> flat(Tensor<T>& t) {
+  return {t.data(), 1, t.numel(), t.numel()};
+}
+template <class T>
+Mat<const T> flat(const Tensor<T>& t) {
+  return {t.data(), 1, t.numel(), t.numel()};
+}
+
+// True when the op has work to do on real storage; false when there is
+// nothing to do (an empty extent) or nothing to do it on (count-only). A null
+// view under a computing pool is a bug in the caller, named here.
+inline bool runs(std::int64_t elements, std::initializer_list<const void*> ptrs) {
+  if (elements == 0) return false;
+  bool all = true;
+  for (const void* p : ptrs) all = all && p != nullptr;
+  if (all) return true;
+  LAGA_CHECK(current_pool().count_only(),
+             "internal: an op on a tensor without storage under a computing pool");
+  return false;
+}
+
+// A read-only operand: a Mat<const T> that a Mat<T> converts to (outside
+// template deduction, so T comes from the written operand).
+template <class T>
+using In = std::type_identity_t<Mat<const T>>;
+
+// C = alpha op(A) op(B) + beta C.
+template <class T>
+void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alpha = T(1)) {
+  const std::int64_t K = trans_a ? A.rows : A.cols;
+  LAGA_CHECK((trans_a ? A.cols : A.rows) == C.rows && (trans_b ? B.rows : B.cols) == C.cols &&
+                 (trans_b ? B.cols : B.rows) == K,
+             "internal: gemm of (", A.rows, ", ", A.cols, ")", trans_a ? "^T" : "", " and (",
+             B.rows, ", ", B.cols, ")", trans_b ? "^T" : "", " into (", C.rows, ", ", C.cols, ")");
+  if (K == 0) {  // an empty sum: C = beta C
+    if (!runs(C.rows * C.cols, {C.p})) return;
+    for (std::int64_t i = 0; i < C.rows; ++i)
+      for (std::int64_t j = 0; j < C.cols; ++j)
+        C.p[i * C.ld + j] = beta == T(0) ? T(0) : beta * C.p[i * C.ld + j];
+    return;
+  }
+  if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+  laga::gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
+}
+
+// y (N, out) = x (N, in) w^T.
+template <class T>
+void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
+  LAGA_CHECK(x.ld == x.cols && y.ld == y.cols && x.rows == y.rows && w.dim(0) == y.cols &&
+                 w.dim(1) == x.cols,
+             "internal: linear of (", x.rows, ", ", x.cols, ") by ", to_string(w.shape()));
+  if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
+  linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
+}
+// dx = dy w (added when accumulate; skipped when dx.p is null and not
+// needed), dw += dy^T x.
+template <class T>
+void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T>& dw, In<T> dy,
+                     In<T> x, const Tensor<T>& w) {
+  if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
+  laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
+                        x.cols, dy.cols);
+}
+
+// y (N, C) contiguous = rmsnorm of x's first C columns (x may be wider).
+template <class T>
+void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps) {
+  if (!runs(y.rows * y.cols, {y.p, rstd.data(), x.p, w.data()})) return;
+  rmsnorm_forward(y.p, rstd.data(), x.p, x.ld, w.data(), y.rows, y.cols, eps);
+}
+// dx (N, C), row stride dx.ld, overwritten; dw accumulated.
+template <class T>
+void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<T>& w,
+                      const Tensor<T>& rstd) {
+  if (!runs(dx.rows * dx.cols, {dx.p, dw.data(), dy.p, x.p, w.data(), rstd.data()})) return;
+  laga::rmsnorm_backward(dx.p, dx.ld, dw.data(), dy.p, x.p, w.data(), rstd.data(), dx.rows,
+                         dx.cols);
+}
+
+// Rotates the rope part x of B * L tokens (rows) of H heads: head h of a row
+// at x.p + h * head_stride, at global positions pos0 .. pos0 + L - 1.
+template <class T>
+void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t head_stride,
+          std::int64_t pos0, const RopeTable& table, bool inverse) {
+  if (!runs(x.rows * H, {x.p})) return;
+  rope_apply(x.p, B, L, H, x.ld, head_stride, pos0, table, inverse);
+}
+
+// dst = src, row by row.
+template <class T>
+void copy(Mat<T> dst, In<T> src) {
+  LAGA_CHECK(dst.rows == src.rows && dst.cols == src.cols, "internal: copy of (", src.rows, ", ",
+             src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
+  for (std::int64_t i = 0; i < dst.rows; ++i)
+    std::memcpy(dst.p + i * dst.ld, src.p + i * src.ld,
+                sizeof(T) * static_cast<std::size_t>(dst.cols));
+}
+// dst += src.
+template <class T>
+void add(Mat<T> dst, In<T> src) {
+  LAGA_CHECK(dst.rows == src.rows && dst.cols == src.cols, "internal: add of (", src.rows, ", ",
+             src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
+  for (std::int64_t i = 0; i < dst.rows; ++i)
+    for (std::int64_t j = 0; j < dst.cols; ++j) dst.p[i * dst.ld + j] += src.p[i * src.ld + j];
+}
+
+}  // namespace laga::ops
