@@ -1,12 +1,15 @@
-// The closed-form memory model against the pool, byte for byte:
-//  - real runs of every form on small dims, P ranks as threads, float and
-//    double, eager and flash, rq = 0 and > 0, batch 1 and 2, even and uneven
-//    shards (a rank with no head), forward-only too;
-//  - count-only runs of single ranks (DryRunCommunicator, no storage, no
-//    kernels) over a sweep of S, P and H up to DeepSeek-V3 dims, where the
-//    real thing would need tens of GiB.
-// The requirement is "within 5%"; the model is exact, so the tests demand
-// equality and would name the first stage where the sequence drifts.
+// The memory prediction (the count-only run of the block, memory_model.hpp)
+// against the pool, byte for byte:
+//  - against real runs of every form on small dims, P ranks as threads, float
+//    and double, eager and flash, rq = 0 and > 0, batch 1 and 2, even and
+//    uneven shards (a rank with no head), forward-only too: what the counted
+//    run allocates is what the computing run allocates;
+//  - the activations alive after forward against saved_for_backward_elements,
+//    an independent closed form of what each form saves (the paper's Table 2
+//    quantity), on real runs and on count-only runs up to DeepSeek-V3 dims;
+//  - the prediction's forward+backward stretch against a direct
+//    mla_forward/mla_backward under a count-only pool, over a sweep of S, P
+//    and H up to DeepSeek-V3 dims, where the real thing would need tens of GiB.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -62,8 +65,11 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
       opt.backward = backward;
       for (const RankReport& rep : run.ranks) {
         const MemoryPrediction p = predict_memory(cfg, lay, f, a, rep.rank, sizeof(T), opt);
-        expect_matches(p, rep.memory,
-                       tag(cfg, lay, f, a, rep.rank) + (backward ? "" : " fwd-only"));
+        const std::string where = tag(cfg, lay, f, a, rep.rank) + (backward ? "" : " fwd-only");
+        expect_matches(p, rep.memory, where);
+        EXPECT_EQ(rep.memory.after_forward,
+                  saved_for_backward_elements(cfg, lay, f, a, rep.rank) * std::int64_t(sizeof(T)))
+            << where << " saved for backward";
       }
     }
 }
@@ -92,6 +98,8 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   const TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
   const MemoryPrediction p = predict_memory(cfg, lay, f, a, r, 4);
   const std::string where = tag(cfg, lay, f, a, r) + " S=" + std::to_string(lay.seq);
+  EXPECT_EQ(p.after_forward, 4 * saved_for_backward_elements(cfg, lay, f, a, r))
+      << where << " saved for backward";
   {
     DryRunCommunicator comm(r, lay.ranks);
     RunSpec spec;
