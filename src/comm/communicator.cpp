@@ -44,7 +44,9 @@ void Ledger::record(Phase phase, const std::string& label, std::int64_t sent,
   LAGA_CHECK(phase != Phase::count, "ledger: collective '", label,
              "' recorded under Phase::count, which only selects all phases in queries; set a real "
              "phase with set_phase()");
-  LedgerEntry& e = entries_[{phase, label}];
+  const auto [it, first] = entries_.try_emplace({phase, label});
+  if (first) order_.push_back(it->first);
+  LedgerEntry& e = it->second;
   e.calls += 1;
   e.bytes_sent += sent;
   e.bytes_received += received;

@@ -101,10 +101,14 @@ class Ledger {
   std::int64_t bytes_sent(Phase phase = Phase::count) const;
   std::int64_t bytes_received(Phase phase = Phase::count) const;
   const std::map<std::pair<Phase, std::string>, LedgerEntry>& entries() const { return entries_; }
-  void clear() { entries_.clear(); }
+  // The (phase, label)s in the order their first call was recorded: the order
+  // a block issues its collectives, for reports.
+  const std::vector<std::pair<Phase, std::string>>& order() const { return order_; }
+  void clear() { entries_.clear(), order_.clear(); }
 
  private:
   std::map<std::pair<Phase, std::string>, LedgerEntry> entries_;
+  std::vector<std::pair<Phase, std::string>> order_;
 };
 
 class Communicator {

@@ -28,10 +28,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Key = std::pair<Phase, std::string>;
 
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -46,12 +42,11 @@ struct RankRecord {
   std::vector<double> fwd_ms, bwd_ms, sync_ms;  // measured steps
   std::int64_t peak_act = 0, peak_comm = 0, peak_fb = 0, peak_sync = 0, grads = 0, params = 0;
   std::vector<LedgerEntry> ledger;                    // per model key
-  std::int64_t unexpected = 0;                        // ledger labels the model does not know
   double out = -1, dx = -1, out_ref = 0, dx_ref = 0;  // -1: not computed
   std::vector<double> grad, grad_ref;
 
   static std::size_t size(int steps, std::size_t keys, std::size_t params) {
-    return 3 * static_cast<std::size_t>(steps) + 6 + 3 * keys + 1 + 4 + 2 * params;
+    return 3 * static_cast<std::size_t>(steps) + 6 + 3 * keys + 4 + 2 * params;
   }
   void write(double* p) const {
     for (const auto* v : {&fwd_ms, &bwd_ms, &sync_ms}) p = std::copy(v->begin(), v->end(), p);
@@ -62,7 +57,6 @@ struct RankRecord {
       *p++ = static_cast<double>(e.bytes_sent);
       *p++ = static_cast<double>(e.bytes_received);
     }
-    *p++ = static_cast<double>(unexpected);
     for (double x : {out, dx, out_ref, dx_ref}) *p++ = x;
     for (std::size_t i = 0; i < grad.size(); ++i) *p++ = grad[i], *p++ = grad_ref[i];
   }
@@ -81,7 +75,6 @@ struct RankRecord {
       e.bytes_sent = static_cast<std::int64_t>(*p++);
       e.bytes_received = static_cast<std::int64_t>(*p++);
     }
-    r.unexpected = static_cast<std::int64_t>(*p++);
     for (double* x : {&r.out, &r.dx, &r.out_ref, &r.dx_ref}) *x = *p++;
     r.grad.resize(params), r.grad_ref.resize(params);
     for (std::size_t i = 0; i < params; ++i) r.grad[i] = *p++, r.grad_ref[i] = *p++;
@@ -95,8 +88,7 @@ struct Job {
   MlaConfig cfg;
   SpLayout layout;
   AttentionKind attention;
-  std::vector<Form> order;             // run order: explicit first when present
-  std::vector<std::vector<Key>> keys;  // per form in `order`: the model's (phase, label)s
+  std::vector<Form> order;  // run order: explicit first when present
   std::vector<std::string> param_names;
   int steps, warmup;
   bool diffs;  // agreement with explicit is computed
@@ -105,21 +97,9 @@ struct Job {
 };
 
 struct Reference {  // this rank's explicit results, for max |diff|
-  std::vector<float> out, dx;
-  std::vector<std::vector<float>> grads;
+  TensorF out, dx;
+  MlaParams<float> grads;
 };
-
-struct MaxDiff {
-  double diff = 0, ref = 0;
-};
-MaxDiff max_diff(const float* a, const float* b, std::int64_t n) {
-  MaxDiff m;
-  for (std::int64_t i = 0; i < n; ++i) {
-    m.diff = std::max(m.diff, static_cast<double>(std::abs(a[i] - b[i])));
-    m.ref = std::max(m.ref, static_cast<double>(std::abs(b[i])));
-  }
-  return m;
-}
 
 void say(const Job& j, const std::string& what, bool always = false) {
   if (!j.progress) return;
@@ -137,20 +117,26 @@ std::string secs(double ms) {
   return b;
 }
 
-// The forms on this rank: returns one serialised RankRecord per form of j.order.
+// The forms on this rank, each step through run_rank (the runner every tool
+// shares): returns one serialised RankRecord per form of j.order, and the
+// (phase, label)s of each form's ledger in the order the block issued them.
 std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
                                            const MlaParams<float>& w, const TensorF& x,
-                                           const TensorF& dout) {
+                                           const TensorF& dout,
+                                           std::vector<std::vector<Key>>& keys) {
   const int r = comm.rank();
-  const std::int64_t off = j.layout.seq_offset[static_cast<size_t>(r)];
-  const std::int64_t L = j.layout.seq_count[static_cast<size_t>(r)];
-  const RopeTable rope(j.cfg.rope(), j.layout.seq);
+  const RopeTable rope = j.o.count_only ? RopeTable::unbacked(j.cfg.rope(), j.layout.seq)
+                                        : RopeTable(j.cfg.rope(), j.layout.seq);
   const bool talk = r == 0 || j.o.rank_only >= 0;
+  MemoryPool ref_pool;  // explicit's results outlive the step that made them
   Reference ref;
   std::vector<std::vector<double>> records;
+  keys.assign(j.order.size(), {});
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
     const Form form = j.order[fi];
-    const BlockContext ctx{j.cfg, j.layout, comm, rope, form, j.attention};
+    RunSpec spec;
+    spec.form = form;
+    spec.attention = j.attention;
     RankRecord rec;
     const int total = j.warmup + j.steps;
     for (int step = 0; step < total; ++step) {
@@ -163,76 +149,48 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
       MemoryPool pool;
       pool.set_count_only(j.o.count_only);
       PoolScope scope(pool);
-      const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
-      MlaParams<float> grads = MlaParams<float>::zeros(j.cfg, MemCategory::gradients);
-      const std::int64_t base_act = pool.current(MemCategory::activations);
-      const std::int64_t base_comm = pool.current(MemCategory::comm_buffers);
-      pool.reset_peaks();
-      MlaSaved<float> saved;
-      TensorF out, dx;
-      auto t0 = Clock::now();
-      mla_forward(ctx, w, x_loc, out, saved);
-      const double fwd = ms_since(t0);
-      // Long steps (big dry runs) report their halves as they finish.
-      if (talk && fwd > 10000) say(j, cat(name, ": forward ", secs(fwd)));
-      t0 = Clock::now();
-      mla_backward(ctx, w, x_loc, dout_loc, saved, dx, grads);
-      const double bwd = ms_since(t0);
-      if (talk && bwd > 10000) say(j, cat(name, ": backward ", secs(bwd)));
-      // Forward+backward peaks first; the gradient all-reduce is its own stretch.
-      const std::int64_t act_fb = pool.peak(MemCategory::activations) - base_act;
-      const std::int64_t comm_fb = pool.peak(MemCategory::comm_buffers) - base_comm;
-      const std::int64_t working_fb = pool.peak_working() - base_act - base_comm;
-      pool.reset_peaks();
-      t0 = Clock::now();
-      mla_sync_gradients(comm, grads);
-      const double sync = ms_since(t0);
+      const RankResult<float> res = run_rank(comm, j.cfg, j.layout, rope, w, x, dout, spec);
+      const RankReport& rep = res.report;
       if (talk)
-        say(j, cat(name, ": forward ", secs(fwd), ", backward ", secs(bwd),
-                   ", gradient all-reduce ", secs(sync)));
+        say(j, cat(name, ": forward ", secs(rep.forward_ms), ", backward ", secs(rep.backward_ms),
+                   ", gradient all-reduce ", secs(rep.sync_ms)));
       if (measured) {
-        rec.fwd_ms.push_back(fwd);
-        rec.bwd_ms.push_back(bwd);
-        rec.sync_ms.push_back(sync);
+        rec.fwd_ms.push_back(rep.forward_ms);
+        rec.bwd_ms.push_back(rep.backward_ms);
+        rec.sync_ms.push_back(rep.sync_ms);
       }
       if (!last) continue;
-      rec.peak_act = std::max(act_fb, pool.peak(MemCategory::activations) - base_act);
-      rec.peak_comm = std::max(comm_fb, pool.peak(MemCategory::comm_buffers) - base_comm);
-      rec.peak_fb = working_fb;
-      rec.peak_sync = pool.peak_working() - base_act - base_comm;
-      rec.grads = pool.current(MemCategory::gradients);
-      w.for_each([&](const std::string&, const TensorF& t) { rec.params += t.bytes(); });
-      const auto& entries = comm.ledger().entries();
-      for (const Key& k : j.keys[fi]) {
-        auto it = entries.find(k);
-        rec.ledger.push_back(it == entries.end() ? LedgerEntry{} : it->second);
+      const RankMemory& m = rep.memory;
+      rec.peak_act = m.peak_activations, rec.peak_comm = m.peak_comm_buffers;
+      rec.peak_fb = m.peak_forward_backward, rec.peak_sync = m.peak_grad_sync;
+      rec.grads = m.gradients, rec.params = m.parameters;
+      for (const Key& k : rep.ledger.order()) {
+        keys[fi].push_back(k);
+        rec.ledger.push_back(rep.ledger.entries().at(k));
       }
-      for (const auto& [k, e] : entries)
-        if (std::find(j.keys[fi].begin(), j.keys[fi].end(), k) == j.keys[fi].end())
-          ++rec.unexpected;
       if (j.diffs) {
-        std::vector<const TensorF*> g;
-        grads.for_each([&](const std::string&, const TensorF& t) { g.push_back(&t); });
         if (form == Form::explicit_form) {
-          ref.out.assign(out.data(), out.data() + out.numel());
-          ref.dx.assign(dx.data(), dx.data() + dx.numel());
-          ref.grads.clear();
-          for (const TensorF* t : g) ref.grads.emplace_back(t->data(), t->data() + t->numel());
+          PoolScope keep(ref_pool);
+          ref.out = res.out.clone(), ref.dx = res.dx.clone();
+          ref.grads = res.grads.clone(MemCategory::gradients);
         }
-        const MaxDiff mo = max_diff(out.data(), ref.out.data(), out.numel());
-        const MaxDiff md = max_diff(dx.data(), ref.dx.data(), dx.numel());
-        rec.out = mo.diff, rec.out_ref = mo.ref, rec.dx = md.diff, rec.dx_ref = md.ref;
-        for (size_t i = 0; i < g.size(); ++i) {
-          const MaxDiff m = max_diff(g[i]->data(), ref.grads[i].data(), g[i]->numel());
-          rec.grad.push_back(m.diff);
-          rec.grad_ref.push_back(m.ref);
-        }
+        const Deviation mo = deviation(res.out, ref.out), md = deviation(res.dx, ref.dx);
+        rec.out = mo.max_abs, rec.out_ref = mo.ref_max, rec.dx = md.max_abs,
+        rec.dx_ref = md.ref_max;
+        std::vector<const TensorF*> g;
+        ref.grads.for_each([&](const std::string&, const TensorF& t) { g.push_back(&t); });
+        std::size_t i = 0;
+        res.grads.for_each([&](const std::string&, const TensorF& t) {
+          const Deviation d = deviation(t, *g[i++]);
+          rec.grad.push_back(d.max_abs);
+          rec.grad_ref.push_back(d.ref_max);
+        });
       } else {
         rec.grad.assign(j.param_names.size(), -1);
         rec.grad_ref.assign(j.param_names.size(), 0);
       }
     }
-    std::vector<double> flat(RankRecord::size(j.steps, j.keys[fi].size(), j.param_names.size()));
+    std::vector<double> flat(RankRecord::size(j.steps, keys[fi].size(), j.param_names.size()));
     rec.write(flat.data());
     records.push_back(std::move(flat));
   }
@@ -259,12 +217,13 @@ std::vector<double> gather_records(Communicator& comm, const std::vector<double>
   return all;
 }
 
-FormResult summarise(const Job& j, size_t fi, const std::vector<RankRecord>& recs,
-                     const std::vector<int>& ranks) {
+// keys: the (phase, label)s of the form's ledger in issue order (every rank
+// issues the same collectives, so every rank's ledger has these keys).
+FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
+                     const std::vector<RankRecord>& recs, const std::vector<int>& ranks) {
   const Form form = j.order[fi];
   FormResult f;
   f.form = form;
-  const std::vector<Key>& keys = j.keys[fi];
   f.by_label.resize(keys.size());
   for (size_t k = 0; k < keys.size(); ++k) {
     f.by_label[k].phase = keys[k].first;
@@ -296,7 +255,12 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<RankRecord>& rec
       model[ph] += p.sent;
       recv += e.bytes_received;
     }
-    if (rec.unexpected > 0) f.bytes_match = false;
+    // A collective the closed form predicts but the block never issued.
+    for (const auto& [k, p] : pred)
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) {
+        f.bytes_match = false;
+        if (i == 0) f.by_label.push_back({k.first, k.second, 0, 0, 0, p.sent, p.received, false});
+      }
     f.sent_forward = std::max(f.sent_forward, sent[0]);
     f.sent_backward = std::max(f.sent_backward, sent[1]);
     f.sent_grad_sync = std::max(f.sent_grad_sync, sent[2]);
@@ -395,8 +359,17 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
       LAGA_CHECK(res.forms[i] != res.forms[k], "--forms lists '", to_string(res.forms[i]),
                  "' twice; name each form once");
 
-  Job j{o,  res.cfg, res.layout, res.attention, {},       {},
-        {}, o.steps, o.warmup,   false,         !o.quiet, start};
+  Job j{.o = o,
+        .cfg = res.cfg,
+        .layout = res.layout,
+        .attention = res.attention,
+        .order = {},
+        .param_names = {},
+        .steps = o.steps,
+        .warmup = o.warmup,
+        .diffs = false,
+        .progress = !o.quiet,
+        .start = start};
   if (o.count_only) {
     // No kernels run: a step costs nothing and times nothing.
     j.steps = 1, j.warmup = 0;
@@ -421,22 +394,6 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   j.diffs = res.values_meaningful && o.rank_only < 0 && has_explicit;
   if (res.values_meaningful && !has_explicit)
     res.notes.push_back("explicit is not among --forms: no max |diff| against it");
-  for (Form f : j.order) {
-    std::vector<Key> keys;
-    for (const auto& [k, v] : predict_comm(res.cfg, res.layout, f, 0, 4, true, true))
-      keys.push_back(k);
-    // Within a phase, in the order the block issues them (the map is alphabetical).
-    const auto when = [](const Key& k) {
-      static const std::vector<std::string> fwd{"q_a2a", "k_a2a", "v_a2a", "latent_ag", "out_a2a"};
-      static const std::vector<std::string> bwd{"out_a2a", "q_a2a", "k_a2a", "v_a2a", "latent_ag"};
-      const auto& seq = k.first == Phase::backward ? bwd : fwd;
-      const auto it = std::find(seq.begin(), seq.end(), k.second);
-      return std::make_pair(static_cast<int>(k.first), it - seq.begin());
-    };
-    std::stable_sort(keys.begin(), keys.end(),
-                     [&](const Key& a, const Key& b) { return when(a) < when(b); });
-    j.keys.push_back(std::move(keys));
-  }
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) j.param_names.push_back(name);
 
   // Weights, input and upstream gradient: seeded, the same for every form
@@ -453,16 +410,19 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   const TensorF dout = random_tensor({o.batch, o.seq, res.cfg.dim}, o.seed, 2);
 
   std::vector<std::vector<double>> gathered(j.order.size());
+  std::vector<std::vector<Key>> keys;  // the reporting rank's ledger keys per form
   if (o.rank_only >= 0) {
     res.threads_per_rank = hardware_cores();
     set_rank_threads(res.threads_per_rank);
     DryRunCommunicator comm(o.rank_only, o.sp);
-    gathered = rank_body(comm, j, w, x, dout);
+    gathered = rank_body(comm, j, w, x, dout, keys);
     res.measured_ranks = {o.rank_only};
   } else {
     res.threads_per_rank = threads_per_rank(o.sp);  // what run_group gives each rank
     run_group(o.comm, o.sp, [&](Communicator& comm) {
-      std::vector<std::vector<double>> mine = rank_body(comm, j, w, x, dout);
+      std::vector<std::vector<Key>> my_keys;
+      std::vector<std::vector<double>> mine = rank_body(comm, j, w, x, dout, my_keys);
+      if (comm.rank() == 0) keys = my_keys;
       for (size_t fi = 0; fi < mine.size(); ++fi) {
         std::vector<double> all = gather_records(comm, mine[fi]);
         if (comm.rank() == 0) gathered[fi] = std::move(all);
@@ -473,12 +433,12 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   if (!is_reporting_process(o.comm)) return std::nullopt;
 
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
-    const std::size_t n = RankRecord::size(j.steps, j.keys[fi].size(), j.param_names.size());
+    const std::size_t n = RankRecord::size(j.steps, keys[fi].size(), j.param_names.size());
     std::vector<RankRecord> recs;
     for (size_t i = 0; i < res.measured_ranks.size(); ++i)
-      recs.push_back(RankRecord::read(gathered[fi].data() + i * n, j.steps, j.keys[fi].size(),
+      recs.push_back(RankRecord::read(gathered[fi].data() + i * n, j.steps, keys[fi].size(),
                                       j.param_names.size()));
-    res.results.push_back(summarise(j, fi, recs, res.measured_ranks));
+    res.results.push_back(summarise(j, fi, keys[fi], recs, res.measured_ranks));
   }
   res.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
   return res;
