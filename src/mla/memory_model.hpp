@@ -27,17 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.hpp"  // StagingRule
 #include "core/memory_pool.hpp"
 #include "mla/block.hpp"
 
 namespace laga {
-
-// Where a backend stages collective data (communicator.hpp, "Staging").
-enum class StagingRule {
-  in_process,  // LocalCommunicator and DryRunCommunicator: all_reduce stages its own chunk
-  mpi,         // MpiCommunicator: (P-1) x own block for reduce_scatter and all_reduce
-  none,        // the 1-rank self communicator: no staging
-};
 
 struct MemoryTerm {
   std::string name;  // "saved.attn_stats (B, H_r, S, S)"
