@@ -286,43 +286,53 @@ namespace {
 using namespace comm_detail;
 
 // One rank's own arguments, checked before anything moves; the same checks
-// and words on every backend.
+// and words on every backend. Messages are built only on failure: these run
+// on every call.
 class Checks {
  public:
   Checks(CollectiveKind kind, const std::string& label, int rank, int P)
-      : where_(cat(call_name(kind, label), " on rank ", rank, " of ", P)), P_(P) {}
+      : kind_(kind), label_(label), rank_(rank), P_(P) {}
 
-  void count(std::int64_t value, const std::string& what) const {
-    LAGA_CHECK(value >= 0, where_, ": ", what, " = ", value,
-               " is negative; counts are element counts >= 0");
+  // A count or the j-th of an array of them (j < 0: a single count).
+  void count(std::int64_t value, const char* what, int j = -1) const {
+    if (value < 0)
+      fail(where(), ": ", what, j >= 0 ? cat("[", j, "]") : "", " = ", value,
+           " is negative; counts are element counts >= 0");
   }
   void counts(const std::int64_t* values, const char* what) const {
-    for (int j = 0; j < P_; ++j) count(values[j], cat(what, "[", j, "]"));
+    for (int j = 0; j < P_; ++j) count(values[j], what, j);
   }
-  void same(std::int64_t a, const std::string& a_name, std::int64_t b, const std::string& b_name,
-            const char* why) const {
-    LAGA_CHECK(a == b, where_, ": ", a_name, " = ", a, " but ", b_name, " = ", b, "; ", why);
+  // The own block: a (`a_what`, or a_what[rank]) against b_what[rank].
+  void same_own(std::int64_t a, const char* a_what, bool a_indexed, std::int64_t b,
+                const char* b_what, const char* why) const {
+    if (a != b)
+      fail(where(), ": ", a_what, a_indexed ? cat("[", rank_, "]") : "", " = ", a, " but ", b_what,
+           "[", rank_, "] = ", b, "; ", why);
   }
 
-  // A byte range of a buffer; empty for a null (count-only) buffer.
+  // A byte range of a buffer; empty for a null (count-only) buffer. Named
+  // `what` + index (index < 0: no index) in messages.
   struct Region {
     std::uintptr_t begin = 0, end = 0;
-    std::string name;
+    const char* what = "";
+    int index = -1;
     bool empty() const { return begin == end; }
     bool overlaps(const Region& o) const {
       return !empty() && !o.empty() && begin < o.end && o.begin < end;
     }
+    bool same(const Region& o) const { return begin == o.begin && end == o.end; }
+    std::string name() const { return index < 0 ? what : cat(what, " ", index); }
   };
   static Region region(const void* base, std::int64_t displ, std::int64_t count, DType t,
-                       std::string name) {
-    if (base == nullptr || count == 0) return {0, 0, std::move(name)};
+                       const char* what, int index = -1) {
+    if (base == nullptr || count == 0) return {0, 0, what, index};
     const auto b = reinterpret_cast<std::uintptr_t>(at(base, displ, t));
-    return {b, b + static_cast<std::uintptr_t>(count * dtype_bytes(t)), std::move(name)};
+    return {b, b + static_cast<std::uintptr_t>(count * dtype_bytes(t)), what, index};
   }
   static std::vector<Region> blocks(const void* base, const std::int64_t* displs,
                                     const std::int64_t* counts, int P, DType t, const char* what) {
-    std::vector<Region> v;
-    for (int j = 0; j < P; ++j) v.push_back(region(base, displs[j], counts[j], t, cat(what, j)));
+    std::vector<Region> v(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) v[j] = region(base, displs[j], counts[j], t, what, j);
     return v;
   }
 
@@ -330,26 +340,29 @@ class Checks {
   void disjoint(const std::vector<Region>& recv_blocks) const {
     for (size_t i = 0; i < recv_blocks.size(); ++i)
       for (size_t j = i + 1; j < recv_blocks.size(); ++j)
-        LAGA_CHECK(!recv_blocks[i].overlaps(recv_blocks[j]), where_, ": ", recv_blocks[i].name,
-                   " overlaps ", recv_blocks[j].name,
-                   "; the receive regions of different peers must not overlap");
+        if (recv_blocks[i].overlaps(recv_blocks[j]))
+          fail(where(), ": ", recv_blocks[i].name(), " overlaps ", recv_blocks[j].name(),
+               "; the receive regions of different peers must not overlap");
   }
-  // `a` must not overlap any of `bs`, except `allowed` exactly (in place).
+  // `a` must not overlap any of `bs`, except where both are `allowed` exactly
+  // (in place).
   void apart(const Region& a, const std::vector<Region>& bs, const Region* allowed,
              const char* rule) const {
     for (const Region& b : bs) {
       if (!a.overlaps(b)) continue;
-      const bool in_place = allowed && allowed->begin == a.begin && allowed->end == a.end &&
-                            b.begin == allowed->begin && b.end == allowed->end;
-      LAGA_CHECK(in_place, where_, ": ", a.name, " overlaps ", b.name, "; ", rule);
+      if (!(allowed && a.same(*allowed) && b.same(*allowed)))
+        fail(where(), ": ", a.name(), " overlaps ", b.name(), "; ", rule);
     }
   }
 
-  const std::string& where() const { return where_; }
-
  private:
-  std::string where_;
-  int P_;
+  std::string where() const {
+    return cat(call_name(kind_, label_), " on rank ", rank_, " of ", P_);
+  }
+
+  CollectiveKind kind_;
+  const std::string& label_;
+  int rank_, P_;
 };
 
 std::string peer_list(const std::vector<WireBytes>& derived,
@@ -407,11 +420,11 @@ void Communicator::all_to_all_v(const void* send, const std::int64_t* send_count
     const Checks c(kind, label, r, P);
     c.counts(send_counts, "send_counts");
     c.counts(recv_counts, "recv_counts");
-    c.same(send_counts[r], cat("send_counts[", r, "]"), recv_counts[r], cat("recv_counts[", r, "]"),
-           "the block a rank keeps must have the same size both ways");
-    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block ");
+    c.same_own(send_counts[r], "send_counts", true, recv_counts[r], "recv_counts",
+               "the block a rank keeps must have the same size both ways");
+    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
     c.disjoint(in);
-    for (const auto& out : Checks::blocks(send, send_displs, send_counts, P, dtype, "send block "))
+    for (const auto& out : Checks::blocks(send, send_displs, send_counts, P, dtype, "send block"))
       c.apart(out, in, nullptr,
               "an all_to_all_v cannot run in place; use separate send and recv buffers");
     transport_all_to_all(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
@@ -429,9 +442,9 @@ void Communicator::all_gather_v(const void* send, std::int64_t send_count, void*
     const Checks c(kind, label, r, P);
     c.count(send_count, "send_count");
     c.counts(recv_counts, "recv_counts");
-    c.same(send_count, "send_count", recv_counts[r], cat("recv_counts[", r, "]"),
-           "a rank's own slot must hold exactly what it contributes");
-    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block ");
+    c.same_own(send_count, "send_count", false, recv_counts[r], "recv_counts",
+               "a rank's own slot must hold exactly what it contributes");
+    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
     c.disjoint(in);
     const Checks::Region own = in[r];
     c.apart(Checks::region(send, 0, send_count, dtype, "send"), in, &own,
@@ -449,7 +462,7 @@ void Communicator::reduce_scatter_v(const void* send, const std::int64_t* counts
     const int P = size(), r = rank();
     const Checks c(kind, label, r, P);
     c.counts(counts, "counts");
-    const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block ");
+    const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block");
     const Checks::Region own = out[r];
     c.apart(Checks::region(recv, 0, counts[r], dtype, "recv"), out, &own,
             "a reduce_scatter_v writes into send only as recv == send + displs[rank]");

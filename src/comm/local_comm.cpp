@@ -308,6 +308,15 @@ void count_moved(Traffic& moved, const std::vector<std::int64_t>& pulled,
   }
 }
 
+// The collective's last rendezvous: tells the peers what this rank copied out
+// of each of them, and counts what they copied out of it.
+void last_rendezvous(LocalGroup& group, int rank, Post done, const Puller& puller,
+                     std::chrono::milliseconds timeout, Traffic& moved) {
+  done.pulled = puller.pulled();
+  const auto posts = group.arrive(rank, std::move(done), std::nullopt, timeout, true);
+  count_moved(moved, puller.pulled(), posts, rank);
+}
+
 }  // namespace
 
 void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_t* send_counts,
@@ -360,10 +369,8 @@ void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_
     }
     puller.copy(j, dst, block_of(j), recv_counts[j]);
   }
-  Post done = make_post(calls_done(), 1, kind, dtype, label);
-  done.pulled = puller.pulled();
-  const auto last = group_->arrive(rank_, std::move(done), std::nullopt, timeout(), true);
-  count_moved(moved, puller.pulled(), last, rank_);
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
 void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send_count, void* recv,
@@ -397,10 +404,8 @@ void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send
     else
       puller.copy(j, dst, posts[j].send, recv_counts[j]);
   }
-  Post done = make_post(calls_done(), 1, kind, dtype, label);
-  done.pulled = puller.pulled();
-  const auto last = group_->arrive(rank_, std::move(done), std::nullopt, timeout(), true);
-  count_moved(moved, puller.pulled(), last, rank_);
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
 void LocalCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
@@ -435,10 +440,8 @@ void LocalCommunicator::transport_reduce_scatter(const void* send, const std::in
     for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
     sum_in_rank_order(recv, srcs.data(), P, counts[rank_], dtype);
   }
-  Post done = make_post(calls_done(), 1, kind, dtype, label);
-  done.pulled = puller.pulled();
-  const auto last = group_->arrive(rank_, std::move(done), std::nullopt, timeout(), true);
-  count_moved(moved, puller.pulled(), last, rank_);
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
 void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtype,
@@ -493,11 +496,9 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
     else
       gather.copy(j, dst, chunks[j].staging, offset[j + 1] - offset[j]);
   }
-  Post done = make_post(calls_done(), 2, kind, dtype, label);
-  done.pulled = gather.pulled();
-  const auto last = group_->arrive(rank_, std::move(done), std::nullopt, timeout(), true);
   count_moved(moved, scatter.pulled(), chunks, rank_);
-  count_moved(moved, gather.pulled(), last, rank_);
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 2, kind, dtype, label), gather, timeout(),
+                  moved);
 }
 
 void LocalCommunicator::transport_barrier(const std::string& label) {
