@@ -122,6 +122,13 @@ class MpiCommunicator final : public Communicator {
 
  private:
   class Round;  // mpi_transport.cpp
+  // The reduce-scatter step of reduce_scatter_v and of all_reduce (`kind`):
+  // every peer's block `rank` into staging, then the rank-ordered sum into
+  // recv, which may be send's own block.
+  void reduce_own_block(CollectiveKind kind, const void* send, const std::int64_t* counts,
+                        const std::int64_t* displs, void* recv, DType dtype,
+                        const std::string& label, std::chrono::steady_clock::time_point deadline,
+                        Traffic& moved);
   int tag(std::int64_t round, CollectiveKind kind, DType dtype, const std::string& label) const;
   // What a peer's message tag says about the collective it is in, against own.
   std::string describe_tag(int tag, int own) const;

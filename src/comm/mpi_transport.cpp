@@ -274,10 +274,10 @@ void MpiCommunicator::transport_all_gather(const void* send, std::int64_t send_c
   copy_elems(recv ? at(recv, recv_displs[rank_], dtype) : nullptr, send, send_count, dtype);
 }
 
-void MpiCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
-                                               const std::int64_t* displs, void* recv, DType dtype,
-                                               const std::string& label, Traffic& moved) {
-  const CollectiveKind kind = CollectiveKind::reduce_scatter;
+void MpiCommunicator::reduce_own_block(CollectiveKind kind, const void* send,
+                                       const std::int64_t* counts, const std::int64_t* displs,
+                                       void* recv, DType dtype, const std::string& label,
+                                       Clock::time_point deadline, Traffic& moved) {
   const std::int64_t elem = dtype_bytes(dtype);
   const std::int64_t own = counts[rank_];
   // Peer j's contribution to the own block lands in slot j (j < rank) or
@@ -286,7 +286,7 @@ void MpiCommunicator::transport_reduce_scatter(const void* send, const std::int6
   auto slot = [&](int j) -> void* {
     return staging.data() ? at(staging.data(), (j < rank_ ? j : j - 1) * own, dtype) : nullptr;
   };
-  Round round(*this, kind, dtype, label, Clock::now() + timeout(), moved);
+  Round round(*this, kind, dtype, label, deadline, moved);
   for (int j = 0; j < size_; ++j)
     if (j != rank_) round.recv(j, slot(j), own * elem);
   for (int j = 0; j < size_; ++j)
@@ -299,43 +299,35 @@ void MpiCommunicator::transport_reduce_scatter(const void* send, const std::int6
   }
 }
 
+void MpiCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                               const std::int64_t* displs, void* recv, DType dtype,
+                                               const std::string& label, Traffic& moved) {
+  reduce_own_block(CollectiveKind::reduce_scatter, send, counts, displs, recv, dtype, label,
+                   Clock::now() + timeout(), moved);
+}
+
 void MpiCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtype,
                                            const std::string& label, Traffic& moved) {
-  // A reduce-scatter over all_reduce_chunk() chunks, then an all-gather.
+  // A reduce-scatter of buf's all_reduce_chunk() chunks into the own chunk in
+  // place, then an all-gather of the reduced chunks.
   const CollectiveKind kind = CollectiveKind::all_reduce;
   const int P = size_;
   const std::int64_t elem = dtype_bytes(dtype);
   const auto deadline = Clock::now() + timeout();
-  std::vector<std::int64_t> offset(static_cast<size_t>(P) + 1, 0);
-  for (int j = 0; j < P; ++j) offset[j + 1] = offset[j] + all_reduce_chunk(n, P, j);
-  const std::int64_t own = offset[rank_ + 1] - offset[rank_];
+  std::vector<std::int64_t> chunks(static_cast<size_t>(P)), offset(static_cast<size_t>(P) + 1, 0);
+  for (int j = 0; j < P; ++j) {
+    chunks[j] = all_reduce_chunk(n, P, j);
+    offset[j + 1] = offset[j] + chunks[j];
+  }
   auto chunk = [&](int j) -> void* { return buf ? at(buf, offset[j], dtype) : nullptr; };
-
-  Staging staging(dtype, staging_for(kind, own));
-  auto slot = [&](int j) -> void* {
-    return staging.data() ? at(staging.data(), (j < rank_ ? j : j - 1) * own, dtype) : nullptr;
-  };
-  {
-    Round scatter(*this, kind, dtype, label, deadline, moved);
-    for (int j = 0; j < P; ++j)
-      if (j != rank_) scatter.recv(j, slot(j), own * elem);
-    for (int j = 0; j < P; ++j)
-      if (j != rank_) scatter.send(j, chunk(j), (offset[j + 1] - offset[j]) * elem);
-    scatter.wait();
-  }
-  if (buf && own > 0) {
-    std::vector<const void*> srcs(static_cast<size_t>(P));
-    for (int j = 0; j < P; ++j) srcs[j] = j == rank_ ? chunk(rank_) : slot(j);
-    sum_in_rank_order(chunk(rank_), srcs.data(), P, own, dtype);
-  }
-  {
-    Round gather(*this, kind, dtype, label, deadline, moved);
-    for (int j = 0; j < P; ++j)
-      if (j != rank_) gather.recv(j, chunk(j), (offset[j + 1] - offset[j]) * elem);
-    for (int j = 0; j < P; ++j)
-      if (j != rank_) gather.send(j, chunk(rank_), own * elem);
-    gather.wait();
-  }
+  reduce_own_block(kind, buf, chunks.data(), offset.data(), chunk(rank_), dtype, label, deadline,
+                   moved);
+  Round gather(*this, kind, dtype, label, deadline, moved);
+  for (int j = 0; j < P; ++j)
+    if (j != rank_) gather.recv(j, chunk(j), chunks[j] * elem);
+  for (int j = 0; j < P; ++j)
+    if (j != rank_) gather.send(j, chunk(rank_), chunks[rank_] * elem);
+  gather.wait();
 }
 
 void MpiCommunicator::transport_barrier(const std::string& label) {

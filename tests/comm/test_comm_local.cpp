@@ -75,6 +75,17 @@ TEST(Names, PhasesAndKinds) {
   EXPECT_STREQ(to_string(CollectiveKind::reduce_scatter), "reduce_scatter");
   EXPECT_STREQ(to_string(CollectiveKind::all_reduce), "all_reduce");
   EXPECT_STREQ(to_string(CollectiveKind::barrier), "barrier");
+  for (Backend b : {Backend::local, Backend::mpi, Backend::dry_run, Backend::self})
+    EXPECT_EQ(parse_backend(to_string(b)), b);
+  EXPECT_STREQ(to_string(Backend::dry_run), "dry-run");
+  try {
+    parse_backend("nccl");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'nccl'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("local, mpi, dry-run and self"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(AllReduceChunk, NearEqualFirstOnesLonger) {
