@@ -56,8 +56,12 @@ std::string call_name(CollectiveKind kind, const std::string& label);
 std::string timeout_message(CollectiveKind kind, const std::string& label, int rank, int P,
                             std::chrono::milliseconds timeout, const std::vector<int>& missing);
 
-// Elements must be non-negative; a negative count is a caller bug worth naming.
-void check_counts(const std::int64_t* counts, int P, const char* what, CollectiveKind kind,
-                  const std::string& label);
+// The error for a peer whose count disagrees with this rank's (a check that
+// needs the peers, so the transport's): "<collective> '<label>' on rank R of
+// P: rank i expects E elements from rank j but rank j sends it <sent>; ...".
+// Both backends word it so; `sent` is a number or "more than E".
+std::string peer_count_message(CollectiveKind kind, const std::string& label, int rank, int P,
+                               int receiver, int sender, std::int64_t expected,
+                               const std::string& sent);
 
 }  // namespace laga::comm_detail

@@ -1,6 +1,7 @@
 #include "comm/communicator.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -39,8 +40,41 @@ const char* to_string(CollectiveKind k) {
   return "?";
 }
 
-void Ledger::record(Phase phase, const std::string& label, std::int64_t sent,
-                    std::int64_t received) {
+const char* to_string(Backend b) {
+  switch (b) {
+    case Backend::local:
+      return "local";
+    case Backend::mpi:
+      return "mpi";
+    case Backend::dry_run:
+      return "dry-run";
+    case Backend::self:
+      return "self";
+  }
+  return "?";
+}
+
+Backend parse_backend(const std::string& s) {
+  for (Backend b : {Backend::local, Backend::mpi, Backend::dry_run, Backend::self})
+    if (s == to_string(b)) return b;
+  fail("unknown communicator backend '", s, "'; the backends are local, mpi, dry-run and self");
+}
+
+std::int64_t staging_elements(StagingRule rule, CollectiveKind kind, int P, std::int64_t own) {
+  switch (rule) {
+    case StagingRule::in_process:
+      return kind == CollectiveKind::all_reduce ? own : 0;
+    case StagingRule::mpi:
+      return kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce
+                 ? (P - 1) * own
+                 : 0;
+    case StagingRule::none:
+      return 0;
+  }
+  return 0;
+}
+
+void Ledger::record(Phase phase, const std::string& label, WireBytes derived, WireBytes measured) {
   LAGA_CHECK(phase != Phase::count, "ledger: collective '", label,
              "' recorded under Phase::count, which only selects all phases in queries; set a real "
              "phase with set_phase()");
@@ -48,8 +82,16 @@ void Ledger::record(Phase phase, const std::string& label, std::int64_t sent,
   if (first) order_.push_back(it->first);
   LedgerEntry& e = it->second;
   e.calls += 1;
-  e.bytes_sent += sent;
-  e.bytes_received += received;
+  e.bytes_sent += derived.sent;
+  e.bytes_received += derived.received;
+  e.measured_sent += measured.sent;
+  e.measured_received += measured.received;
+}
+
+WireBytes Traffic::total() const {
+  WireBytes t;
+  for (const WireBytes& w : peers_) t.sent += w.sent, t.received += w.received;
+  return t;
 }
 
 std::int64_t Ledger::bytes_sent(Phase phase) const {
@@ -72,44 +114,71 @@ std::int64_t all_reduce_chunk(std::int64_t n, int P, int r) {
   return n / P + (r < n % P ? 1 : 0);
 }
 
-WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
-                                int P, int r, DType dtype) {
-  WireBytes w;
+std::vector<WireBytes> all_to_all_peer_bytes(const std::int64_t* send_counts,
+                                             const std::int64_t* recv_counts, int P, int r,
+                                             DType dtype) {
+  std::vector<WireBytes> w(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j)
+    if (j != r) w[j] = {send_counts[j] * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};
+  return w;
+}
+
+std::vector<WireBytes> all_gather_peer_bytes(std::int64_t send_count,
+                                             const std::int64_t* recv_counts, int P, int r,
+                                             DType dtype) {
+  // The own shard goes to every peer; each peer's shard comes back.
+  std::vector<WireBytes> w(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j)
+    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};
+  return w;
+}
+
+std::vector<WireBytes> reduce_scatter_peer_bytes(const std::int64_t* counts, int P, int r,
+                                                 DType dtype) {
+  // Block j goes to rank j; every peer's copy of the own block comes in.
+  std::vector<WireBytes> w(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j)
+    if (j != r) w[j] = {counts[j] * dtype_bytes(dtype), counts[r] * dtype_bytes(dtype)};
+  return w;
+}
+
+std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType dtype) {
+  // reduce-scatter: peer j's chunk out, its copy of the own chunk in;
+  // all-gather: the reduced own chunk out, peer j's reduced chunk in.
+  const std::int64_t own = all_reduce_chunk(n, P, r);
+  std::vector<WireBytes> w(static_cast<size_t>(P));
   for (int j = 0; j < P; ++j) {
     if (j == r) continue;
-    w.sent += send_counts[j];
-    w.received += recv_counts[j];
+    const std::int64_t both = (all_reduce_chunk(n, P, j) + own) * dtype_bytes(dtype);
+    w[j] = {both, both};
   }
-  w.sent *= dtype_bytes(dtype);
-  w.received *= dtype_bytes(dtype);
   return w;
+}
+
+namespace {
+WireBytes sum(const std::vector<WireBytes>& per_peer) {
+  WireBytes t;
+  for (const WireBytes& w : per_peer) t.sent += w.sent, t.received += w.received;
+  return t;
+}
+}  // namespace
+
+WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
+                                int P, int r, DType dtype) {
+  return sum(all_to_all_peer_bytes(send_counts, recv_counts, P, r, dtype));
 }
 
 WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,
                                 int r, DType dtype) {
-  WireBytes w;
-  w.sent = (P - 1) * send_count * dtype_bytes(dtype);
-  for (int j = 0; j < P; ++j)
-    if (j != r) w.received += recv_counts[j];
-  w.received *= dtype_bytes(dtype);
-  return w;
+  return sum(all_gather_peer_bytes(send_count, recv_counts, P, r, dtype));
 }
 
 WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DType dtype) {
-  WireBytes w;
-  for (int j = 0; j < P; ++j)
-    if (j != r) w.sent += counts[j];
-  w.sent *= dtype_bytes(dtype);
-  w.received = (P - 1) * counts[r] * dtype_bytes(dtype);
-  return w;
+  return sum(reduce_scatter_peer_bytes(counts, P, r, dtype));
 }
 
 WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype) {
-  const std::int64_t own = all_reduce_chunk(n, P, r);
-  // reduce-scatter: every chunk but the own one out, P-1 copies of it in;
-  // all-gather: the reduced own chunk to P-1 peers, every other chunk in.
-  const std::int64_t elems = (n - own) + (P - 1) * own;
-  return {elems * dtype_bytes(dtype), elems * dtype_bytes(dtype)};
+  return sum(all_reduce_peer_bytes(n, P, r, dtype));
 }
 
 namespace comm_detail {
@@ -184,63 +253,275 @@ std::string timeout_message(CollectiveKind kind, const std::string& label, int r
              "of collectives, or raise --comm-timeout");
 }
 
-void check_counts(const std::int64_t* counts, int P, const char* what, CollectiveKind kind,
-                  const std::string& label) {
-  for (int j = 0; j < P; ++j)
-    LAGA_CHECK(counts[j] >= 0, call_name(kind, label), ": ", what, "[", j, "] = ", counts[j],
-               " is negative; counts are element counts >= 0");
+std::string peer_count_message(CollectiveKind kind, const std::string& label, int rank, int P,
+                               int receiver, int sender, std::int64_t expected,
+                               const std::string& sent) {
+  const char* rule = "";
+  switch (kind) {
+    case CollectiveKind::all_to_all:
+      rule = "recv_counts on each rank must equal what its peers send to it";
+      break;
+    case CollectiveKind::all_gather:
+      rule = "recv_counts[j] must equal rank j's send_count on every rank";
+      break;
+    case CollectiveKind::reduce_scatter:
+      rule = "every rank must pass the same counts";
+      break;
+    case CollectiveKind::all_reduce:
+      rule = "every rank must pass the same n";
+      break;
+    case CollectiveKind::barrier:
+      rule = "a barrier moves no data";
+      break;
+  }
+  return cat(call_name(kind, label), " on rank ", rank, " of ", P, ": rank ", receiver, " expects ",
+             expected, " elements from rank ", sender, " but rank ", sender, " sends it ", sent,
+             "; ", rule, ", and count-only must be on for all ranks of a call or for none");
 }
 
 }  // namespace comm_detail
+
+// ---------------------------------------------------------------- the base class
 
 namespace {
 
 using namespace comm_detail;
 
-// One rank: every collective is a copy of the own block.
+// One rank's own arguments, checked before anything moves; the same checks
+// and words on every backend. Messages are built only on failure: these run
+// on every call.
+class Checks {
+ public:
+  Checks(CollectiveKind kind, const std::string& label, int rank, int P)
+      : kind_(kind), label_(label), rank_(rank), P_(P) {}
+
+  // A count or the j-th of an array of them (j < 0: a single count).
+  void count(std::int64_t value, const char* what, int j = -1) const {
+    if (value < 0)
+      fail(where(), ": ", what, j >= 0 ? cat("[", j, "]") : "", " = ", value,
+           " is negative; counts are element counts >= 0");
+  }
+  void counts(const std::int64_t* values, const char* what) const {
+    for (int j = 0; j < P_; ++j) count(values[j], what, j);
+  }
+  // The own block: a (`a_what`, or a_what[rank]) against b_what[rank].
+  void same_own(std::int64_t a, const char* a_what, bool a_indexed, std::int64_t b,
+                const char* b_what, const char* why) const {
+    if (a != b)
+      fail(where(), ": ", a_what, a_indexed ? cat("[", rank_, "]") : "", " = ", a, " but ", b_what,
+           "[", rank_, "] = ", b, "; ", why);
+  }
+
+  // A byte range of a buffer; empty for a null (count-only) buffer. Named
+  // `what` + index (index < 0: no index) in messages.
+  struct Region {
+    std::uintptr_t begin = 0, end = 0;
+    const char* what = "";
+    int index = -1;
+    bool empty() const { return begin == end; }
+    bool overlaps(const Region& o) const {
+      return !empty() && !o.empty() && begin < o.end && o.begin < end;
+    }
+    bool same(const Region& o) const { return begin == o.begin && end == o.end; }
+    std::string name() const { return index < 0 ? what : cat(what, " ", index); }
+  };
+  static Region region(const void* base, std::int64_t displ, std::int64_t count, DType t,
+                       const char* what, int index = -1) {
+    if (base == nullptr || count == 0) return {0, 0, what, index};
+    const auto b = reinterpret_cast<std::uintptr_t>(at(base, displ, t));
+    return {b, b + static_cast<std::uintptr_t>(count * dtype_bytes(t)), what, index};
+  }
+  static std::vector<Region> blocks(const void* base, const std::int64_t* displs,
+                                    const std::int64_t* counts, int P, DType t, const char* what) {
+    std::vector<Region> v(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) v[j] = region(base, displs[j], counts[j], t, what, j);
+    return v;
+  }
+
+  // Receive blocks of different peers must not overlap each other.
+  void disjoint(const std::vector<Region>& recv_blocks) const {
+    for (size_t i = 0; i < recv_blocks.size(); ++i)
+      for (size_t j = i + 1; j < recv_blocks.size(); ++j)
+        if (recv_blocks[i].overlaps(recv_blocks[j]))
+          fail(where(), ": ", recv_blocks[i].name(), " overlaps ", recv_blocks[j].name(),
+               "; the receive regions of different peers must not overlap");
+  }
+  // `a` must not overlap any of `bs`, except where both are `allowed` exactly
+  // (in place).
+  void apart(const Region& a, const std::vector<Region>& bs, const Region* allowed,
+             const char* rule) const {
+    for (const Region& b : bs) {
+      if (!a.overlaps(b)) continue;
+      if (!(allowed && a.same(*allowed) && b.same(*allowed)))
+        fail(where(), ": ", a.name(), " overlaps ", b.name(), "; ", rule);
+    }
+  }
+
+ private:
+  std::string where() const {
+    return cat(call_name(kind_, label_), " on rank ", rank_, " of ", P_);
+  }
+
+  CollectiveKind kind_;
+  const std::string& label_;
+  int rank_, P_;
+};
+
+std::string peer_list(const std::vector<WireBytes>& derived,
+                      const std::vector<WireBytes>& measured) {
+  std::string s;
+  for (size_t j = 0; j < derived.size(); ++j) {
+    const WireBytes &d = derived[j], &m = measured[j];
+    if (d.sent == m.sent && d.received == m.received) continue;
+    s += cat(s.empty() ? "" : "; ", "rank ", j, ": sent ", d.sent, "/", m.sent, ", received ",
+             d.received, "/", m.received);
+  }
+  return s;
+}
+
+}  // namespace
+
+void Communicator::check_usable(CollectiveKind, const std::string&) const {}
+void Communicator::call_failed(const std::string&) {}
+
+template <class Body>
+void Communicator::run(CollectiveKind kind, const std::string& label, Body&& body) {
+  check_usable(kind, label);
+  try {
+    Traffic moved(size());
+    // body checks the arguments, runs the transport and returns the derived
+    // bytes per peer.
+    const std::vector<WireBytes> derived = body(moved);
+    const WireBytes d = sum(derived), m = moved.total();
+    ledger_.record(phase_, label, d, m);
+    bool same = true;
+    for (size_t j = 0; j < derived.size(); ++j)
+      same = same && derived[j].sent == moved.per_peer()[j].sent &&
+             derived[j].received == moved.per_peer()[j].received;
+    LAGA_CHECK(same, call_name(kind, label), " on rank ", rank(), " of ", size(),
+               ": the transport moved other bytes than the call's counts give: derived ", d.sent,
+               " bytes sent and ", d.received, " received, measured ", m.sent, " sent and ",
+               m.received,
+               " received (per peer, derived/measured: ", peer_list(derived, moved.per_peer()),
+               "); the ", to_string(backend()),
+               " backend lost or misdirected data — a bug in laga, not in the caller");
+  } catch (const std::exception& e) {
+    call_failed(e.what());
+    throw;
+  }
+  ++calls_;
+}
+
+void Communicator::all_to_all_v(const void* send, const std::int64_t* send_counts,
+                                const std::int64_t* send_displs, void* recv,
+                                const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                                DType dtype, const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_to_all;
+  run(kind, label, [&](Traffic& moved) {
+    const int P = size(), r = rank();
+    const Checks c(kind, label, r, P);
+    c.counts(send_counts, "send_counts");
+    c.counts(recv_counts, "recv_counts");
+    c.same_own(send_counts[r], "send_counts", true, recv_counts[r], "recv_counts",
+               "the block a rank keeps must have the same size both ways");
+    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
+    c.disjoint(in);
+    for (const auto& out : Checks::blocks(send, send_displs, send_counts, P, dtype, "send block"))
+      c.apart(out, in, nullptr,
+              "an all_to_all_v cannot run in place; use separate send and recv buffers");
+    transport_all_to_all(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype,
+                         label, moved);
+    return all_to_all_peer_bytes(send_counts, recv_counts, P, r, dtype);
+  });
+}
+
+void Communicator::all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                                const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                                DType dtype, const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_gather;
+  run(kind, label, [&](Traffic& moved) {
+    const int P = size(), r = rank();
+    const Checks c(kind, label, r, P);
+    c.count(send_count, "send_count");
+    c.counts(recv_counts, "recv_counts");
+    c.same_own(send_count, "send_count", false, recv_counts[r], "recv_counts",
+               "a rank's own slot must hold exactly what it contributes");
+    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
+    c.disjoint(in);
+    const Checks::Region own = in[r];
+    c.apart(Checks::region(send, 0, send_count, dtype, "send"), in, &own,
+            "an all_gather_v is in place only as send == recv + recv_displs[rank]");
+    transport_all_gather(send, send_count, recv, recv_counts, recv_displs, dtype, label, moved);
+    return all_gather_peer_bytes(send_count, recv_counts, P, r, dtype);
+  });
+}
+
+void Communicator::reduce_scatter_v(const void* send, const std::int64_t* counts,
+                                    const std::int64_t* displs, void* recv, DType dtype,
+                                    const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::reduce_scatter;
+  run(kind, label, [&](Traffic& moved) {
+    const int P = size(), r = rank();
+    const Checks c(kind, label, r, P);
+    c.counts(counts, "counts");
+    const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block");
+    const Checks::Region own = out[r];
+    c.apart(Checks::region(recv, 0, counts[r], dtype, "recv"), out, &own,
+            "a reduce_scatter_v writes into send only as recv == send + displs[rank]");
+    transport_reduce_scatter(send, counts, displs, recv, dtype, label, moved);
+    return reduce_scatter_peer_bytes(counts, P, r, dtype);
+  });
+}
+
+void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {
+  const CollectiveKind kind = CollectiveKind::all_reduce;
+  run(kind, label, [&](Traffic& moved) {
+    Checks(kind, label, rank(), size()).count(n, "n");
+    transport_all_reduce(buf, n, dtype, label, moved);
+    return all_reduce_peer_bytes(n, size(), rank(), dtype);
+  });
+}
+
+void Communicator::barrier(const std::string& label) {
+  run(CollectiveKind::barrier, label, [&](Traffic&) {
+    transport_barrier(label);
+    return std::vector<WireBytes>(static_cast<size_t>(size()));
+  });
+}
+
+// ---------------------------------------------------------------- one rank
+
+namespace {
+
+// One rank: every collective is a copy of the own block; nothing moves
+// between ranks, so nothing is measured.
 class SelfCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  std::string backend() const override { return "self"; }
+  Backend backend() const override { return Backend::self; }
+  StagingRule staging_rule() const override { return StagingRule::none; }
 
-  void all_to_all_v(const void* send, const std::int64_t* send_counts,
-                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
-                    const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override {
-    check_counts(send_counts, 1, "send_counts", CollectiveKind::all_to_all, label);
-    LAGA_CHECK(send_counts[0] == recv_counts[0], call_name(CollectiveKind::all_to_all, label),
-               " on a 1-rank communicator: send_counts[0] = ", send_counts[0],
-               " but recv_counts[0] = ", recv_counts[0], "; they must be equal");
+ protected:
+  void transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                            const std::int64_t* send_displs, void* recv, const std::int64_t*,
+                            const std::int64_t* recv_displs, DType dtype, const std::string&,
+                            Traffic&) override {
     copy_elems(recv ? at(recv, recv_displs[0], dtype) : nullptr,
                send ? at(send, send_displs[0], dtype) : nullptr, send_counts[0], dtype);
-    ledger_.record(phase_, label, 0, 0);
   }
-
-  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override {
-    LAGA_CHECK(send_count >= 0 && send_count == recv_counts[0],
-               call_name(CollectiveKind::all_gather, label),
-               " on a 1-rank communicator: send_count = ", send_count,
-               " but recv_counts[0] = ", recv_counts[0], "; they must be equal");
+  void transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                            const std::int64_t*, const std::int64_t* recv_displs, DType dtype,
+                            const std::string&, Traffic&) override {
     copy_elems(recv ? at(recv, recv_displs[0], dtype) : nullptr, send, send_count, dtype);
-    ledger_.record(phase_, label, 0, 0);
   }
-
-  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
-                        void* recv, DType dtype, const std::string& label) override {
-    check_counts(counts, 1, "counts", CollectiveKind::reduce_scatter, label);
+  void transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                const std::int64_t* displs, void* recv, DType dtype,
+                                const std::string&, Traffic&) override {
     copy_elems(recv, send ? at(send, displs[0], dtype) : nullptr, counts[0], dtype);
-    ledger_.record(phase_, label, 0, 0);
   }
-
-  void all_reduce(void*, std::int64_t n, DType, const std::string& label) override {
-    LAGA_CHECK(n >= 0, call_name(CollectiveKind::all_reduce, label), ": n = ", n, " is negative");
-    ledger_.record(phase_, label, 0, 0);
-  }
-
-  void barrier(const std::string& label) override { ledger_.record(phase_, label, 0, 0); }
+  void transport_all_reduce(void*, std::int64_t, DType, const std::string&, Traffic&) override {}
+  void transport_barrier(const std::string&) override {}
 };
 
 }  // namespace

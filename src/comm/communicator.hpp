@@ -19,8 +19,10 @@
 //                     either way.)
 // Received bytes are the mirror image (for all_reduce they equal the sent
 // bytes). Nothing is counted for the data a rank keeps for itself. The
-// *_wire_bytes() functions below are these rules in code: backends record
-// them and closed forms should call them rather than restate them.
+// *_wire_bytes() functions below are these rules in code: the base class
+// records them for every backend, next to the bytes the backend's transport
+// measured moving (LedgerEntry), and a call whose two differ throws
+// laga::Error naming the collective, label, rank and both counts.
 //
 // Reductions (reduce_scatter_v, all_reduce) add the P contributions in rank
 // order 0, 1, ..., P-1 on every backend, so the in-process and MPI backends
@@ -42,10 +44,19 @@
 //    synchronises with its peers and the ledger records the bytes as if it
 //    had. Count-only must be on for all ranks of a call or for none.
 //  - Staging, registered under MemCategory::comm_buffers only while a call
-//    runs (elements of the call's dtype):
+//    runs (elements of the call's dtype), by StagingRule (staging_elements()):
 //      all_to_all_v, all_gather_v, barrier   none
 //      reduce_scatter_v                      none in-process; (P-1) * counts[rank] on MPI
-//      all_reduce                            chunk_r in-process; (P-1) * chunk_r on MPI
+//      all_reduce                            chunk_r in-process (local and dry-run);
+//                                            (P-1) * chunk_r on MPI; none on self
+//
+// Checks: every backend makes the same checks of one rank's own arguments
+// before anything moves, and words them alike ("<collective> '<label>' on
+// rank r of P: ..."): counts and n non-negative, the own block the same size
+// both ways, receive blocks disjoint, and send/recv overlapping only in the
+// two in-place forms above. Checks that need the peers' arguments (what a
+// peer sends against what this rank expects) are the transport's; both
+// backends word them as comm_detail::peer_count_message does.
 #pragma once
 
 #include <chrono>
@@ -53,6 +64,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace laga {
@@ -72,31 +84,52 @@ constexpr DType dtype_of<double>() {
   return DType::f64;
 }
 
-// Where a backend stages collective data under MemCategory::comm_buffers
-// (the "Staging" list above): what a count-only dry run must register to
-// reproduce a backend's pool peaks.
-enum class StagingRule {
-  in_process,  // LocalCommunicator and DryRunCommunicator: all_reduce stages its own chunk
-  mpi,         // MpiCommunicator: (P-1) x own block for reduce_scatter and all_reduce
-  none,        // the 1-rank self communicator: no staging
-};
-
 enum class Phase : int { forward = 0, backward, grad_sync, count };
 const char* to_string(Phase p);
 
 enum class CollectiveKind : int { all_to_all, all_gather, reduce_scatter, all_reduce, barrier };
 const char* to_string(CollectiveKind k);
 
+// Which implementation moves the bytes. The CLI's --comm takes "local" or
+// "mpi"; the dry-run and self communicators are made by code, not chosen.
+enum class Backend { local, mpi, dry_run, self };
+const char* to_string(Backend b);  // "local", "mpi", "dry-run", "self"
+// The inverse of to_string; an unknown name is a laga::Error listing the names.
+Backend parse_backend(const std::string& s);
+
+// Where a backend stages collective data while a call runs (see "Staging"
+// above); the memory model predicts comm_buffers from it.
+enum class StagingRule {
+  in_process,  // LocalCommunicator and DryRunCommunicator: all_reduce stages its own chunk
+  mpi,         // MpiCommunicator: (P-1) x own block for reduce_scatter and all_reduce
+  none,        // the 1-rank self communicator: no staging
+};
+// Elements staged by one call of `kind` under `rule`, where `own` is the
+// rank's own block (reduce_scatter: counts[rank]; all_reduce: its chunk).
+std::int64_t staging_elements(StagingRule rule, CollectiveKind kind, int P, std::int64_t own);
+
+struct WireBytes {
+  std::int64_t sent = 0;
+  std::int64_t received = 0;
+};
+
+// Per (phase, label): how many calls, and their bytes twice over. bytes_sent
+// and bytes_received are DERIVED from each call's counts by the rules above;
+// measured_* are what the transport itself counted where the bytes move
+// (docs/accounting.md, "Derived and measured"). A call whose two differ
+// throws, so in a ledger that exists they are equal.
 struct LedgerEntry {
   std::int64_t calls = 0;
   std::int64_t bytes_sent = 0;
   std::int64_t bytes_received = 0;
+  std::int64_t measured_sent = 0;
+  std::int64_t measured_received = 0;
 };
 
 // Per-rank record of every collective: keyed by (phase, label).
 class Ledger {
  public:
-  void record(Phase phase, const std::string& label, std::int64_t sent, std::int64_t received);
+  void record(Phase phase, const std::string& label, WireBytes derived, WireBytes measured);
   // Sum over labels of one phase; over all phases when phase == Phase::count.
   std::int64_t bytes_sent(Phase phase = Phase::count) const;
   std::int64_t bytes_received(Phase phase = Phase::count) const;
@@ -111,32 +144,68 @@ class Ledger {
   std::vector<std::pair<Phase, std::string>> order_;
 };
 
+// What a transport moved in one call, per peer, counted by the transport
+// itself: the sizes it hands to MPI_Isend / gets from MPI_Irecv, or copies
+// out of a peer's memory. Count-only calls (null buffers) move nothing; the
+// transport still counts, from its own per-peer loop, the bytes it would
+// have handed over (docs/accounting.md).
+class Traffic {
+ public:
+  explicit Traffic(int P) : peers_(static_cast<size_t>(P)) {}
+  void sent(int peer, std::int64_t bytes) { peers_.at(static_cast<size_t>(peer)).sent += bytes; }
+  void received(int peer, std::int64_t bytes) {
+    peers_.at(static_cast<size_t>(peer)).received += bytes;
+  }
+  const std::vector<WireBytes>& per_peer() const { return peers_; }
+  WireBytes total() const;
+
+ private:
+  std::vector<WireBytes> peers_;
+};
+
+// A transport fault for tests that the measured ledger must catch: the
+// backend misbehaves once, in the first message it sends (MPI, any
+// collective) or the first block it copies from a peer (in-process,
+// all_to_all_v only) with a non-zero count, then behaves again. The dry-run
+// and self backends ignore it. Never set outside tests.
+enum class TransportFault {
+  none,
+  short_send,  // one element too few to (MPI) / from (in-process) one peer
+  wrong_peer,  // one peer's block goes to (MPI) / is read from (in-process) another rank
+  skip_peer,   // one peer's block is not moved at all
+};
+
+// The public collectives are not virtual: each checks its arguments (the same
+// checks and wording on every backend), derives the wire bytes from the
+// counts, runs the backend's transport, and records both the derived and the
+// measured bytes in the ledger. A backend implements only the transport_*
+// hooks and the cross-rank checks that need its peers.
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string backend() const = 0;
+  virtual Backend backend() const = 0;
+  // How this backend's transport stages data (communicator.hpp, "Staging").
+  virtual StagingRule staging_rule() const = 0;
 
   // send: elements for peer j at send + send_displs[j], send_counts[j] of them;
   // recv: from peer j at recv + recv_displs[j], recv_counts[j] of them.
-  virtual void all_to_all_v(const void* send, const std::int64_t* send_counts,
-                            const std::int64_t* send_displs, void* recv,
-                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
-                            DType dtype, const std::string& label) = 0;
+  void all_to_all_v(const void* send, const std::int64_t* send_counts,
+                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
+                    const std::int64_t* recv_displs, DType dtype, const std::string& label);
   // Every rank contributes send_count elements; rank j's land at
   // recv + recv_displs[j] (recv_counts[j] == rank j's send_count).
-  virtual void all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
-                            DType dtype, const std::string& label) = 0;
+  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
+                    const std::string& label);
   // send holds P blocks, block j at displs[j] with counts[j] elements; rank r
   // receives sum over ranks of their block r into recv (counts[r] elements).
-  virtual void reduce_scatter_v(const void* send, const std::int64_t* counts,
-                                const std::int64_t* displs, void* recv, DType dtype,
-                                const std::string& label) = 0;
+  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
+                        void* recv, DType dtype, const std::string& label);
   // In-place sum over ranks of n elements.
-  virtual void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) = 0;
-  virtual void barrier(const std::string& label) = 0;
+  void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label);
+  void barrier(const std::string& label);
 
   Phase phase() const { return phase_; }
   void set_phase(Phase p) { phase_ = p; }
@@ -144,6 +213,8 @@ class Communicator {
   const Ledger& ledger() const { return ledger_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  // Tests only: see TransportFault.
+  void inject_fault_for_testing(TransportFault f) { fault_ = f; }
 
   // Typed conveniences.
   template <class T>
@@ -170,9 +241,52 @@ class Communicator {
   }
 
  protected:
+  // The transports. Arguments have passed every check one rank can make
+  // (counts >= 0, the own block, buffer overlaps); checks that need the peers'
+  // arguments are the transport's, worded by comm_detail::peer_count_message.
+  // Each counts what it moves, per peer, into `moved`.
+  virtual void transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                                    const std::int64_t* send_displs, void* recv,
+                                    const std::int64_t* recv_counts,
+                                    const std::int64_t* recv_displs, DType dtype,
+                                    const std::string& label, Traffic& moved) = 0;
+  virtual void transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                                    const std::int64_t* recv_counts,
+                                    const std::int64_t* recv_displs, DType dtype,
+                                    const std::string& label, Traffic& moved) = 0;
+  virtual void transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                        const std::int64_t* displs, void* recv, DType dtype,
+                                        const std::string& label, Traffic& moved) = 0;
+  virtual void transport_all_reduce(void* buf, std::int64_t n, DType dtype,
+                                    const std::string& label, Traffic& moved) = 0;
+  virtual void transport_barrier(const std::string& label) = 0;
+
+  // Throws when the backend refuses calls (an earlier one failed).
+  virtual void check_usable(CollectiveKind kind, const std::string& label) const;
+  // Told why a call failed (a check, the transport or the ledger), so the
+  // backend can stop its waiting peers and refuse later calls.
+  virtual void call_failed(const std::string& why);
+
+  // Elements this backend stages for a call of `kind` (staging_rule()).
+  std::int64_t staging_for(CollectiveKind kind, std::int64_t own) const {
+    return staging_elements(staging_rule(), kind, size(), own);
+  }
+  // The fault to apply in this call (tests only); consumed by take_fault().
+  TransportFault take_fault() { return std::exchange(fault_, TransportFault::none); }
+  // Collectives completed so far: the position in the sequence.
+  std::int64_t calls_done() const { return calls_; }
+
+ private:
+  // check_usable, then body(moved) -- the checks and the transport, returning
+  // the derived bytes per peer -- then the ledger; call_failed on any error.
+  template <class Body>
+  void run(CollectiveKind kind, const std::string& label, Body&& body);
+
   Phase phase_ = Phase::forward;
   Ledger ledger_;
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
+  TransportFault fault_ = TransportFault::none;
+  std::int64_t calls_ = 0;
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its
@@ -181,11 +295,19 @@ class Communicator {
 std::int64_t all_reduce_chunk(std::int64_t n, int P, int r);
 
 // The ledger's byte rules in closed form, for rank r of P (see the top of
-// this file). Counts in elements; the result in bytes.
-struct WireBytes {
-  std::int64_t sent = 0;
-  std::int64_t received = 0;
-};
+// this file). Counts in elements; the result in bytes. The *_peer_bytes
+// forms give the same rule per peer (entry j: what rank r sends to and
+// receives from rank j; entry r is zero); the *_wire_bytes totals are their
+// sums.
+std::vector<WireBytes> all_to_all_peer_bytes(const std::int64_t* send_counts,
+                                             const std::int64_t* recv_counts, int P, int r,
+                                             DType dtype);
+std::vector<WireBytes> all_gather_peer_bytes(std::int64_t send_count,
+                                             const std::int64_t* recv_counts, int P, int r,
+                                             DType dtype);
+std::vector<WireBytes> reduce_scatter_peer_bytes(const std::int64_t* counts, int P, int r,
+                                                 DType dtype);
+std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType dtype);
 WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
                                 int P, int r, DType dtype);
 WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,

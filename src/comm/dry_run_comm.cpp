@@ -36,83 +36,75 @@ DryRunCommunicator::DryRunCommunicator(int rank, int size, StagingRule staging)
              size, " does not exist; need 0 <= rank < size (--rank-only R with R < --sp)");
 }
 
-void DryRunCommunicator::all_to_all_v(const void* send, const std::int64_t* send_counts,
-                                      const std::int64_t* send_displs, void* recv,
-                                      const std::int64_t* recv_counts,
-                                      const std::int64_t* recv_displs, DType dtype,
-                                      const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::all_to_all;
+void DryRunCommunicator::transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                                              const std::int64_t* send_displs, void* recv,
+                                              const std::int64_t* recv_counts,
+                                              const std::int64_t* recv_displs, DType dtype,
+                                              const std::string&, Traffic& moved) {
   const int P = size_, r = rank_;
-  check_counts(send_counts, P, "send_counts", kind, label);
-  check_counts(recv_counts, P, "recv_counts", kind, label);
-  // The one pairing a single rank can check: what it sends itself.
-  LAGA_CHECK(send_counts[r] == recv_counts[r], call_name(kind, label), " on rank ", r,
-             ": send_counts[", r, "] = ", send_counts[r], " but recv_counts[", r,
-             "] = ", recv_counts[r], "; the block a rank keeps must have the same size both ways");
-  if (recv) {
-    const void* own = send ? at(send, send_displs[r], dtype) : nullptr;
-    for (int j = 0; j < P; ++j) {
-      if (j == r) continue;
+  const std::int64_t elem = dtype_bytes(dtype);
+  const void* own = send ? at(send, send_displs[r], dtype) : nullptr;
+  for (int j = 0; j < P; ++j) {
+    if (j == r) continue;
+    moved.sent(j, send_counts[j] * elem);
+    if (recv)
       fill_from_own(at(recv, recv_displs[j], dtype), recv_counts[j], own, send_counts[r], dtype);
-    }
-    // Last: the own block may be read above, and recv never aliases send here.
-    copy_elems(at(recv, recv_displs[r], dtype), own, recv_counts[r], dtype);
+    moved.received(j, recv_counts[j] * elem);
   }
-  const WireBytes w = all_to_all_wire_bytes(send_counts, recv_counts, P, r, dtype);
-  ledger_.record(phase_, label, w.sent, w.received);
+  // Last: the own block may be read above, and recv never aliases send here.
+  if (recv) copy_elems(at(recv, recv_displs[r], dtype), own, recv_counts[r], dtype);
 }
 
-void DryRunCommunicator::all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                                      const std::int64_t* recv_counts,
-                                      const std::int64_t* recv_displs, DType dtype,
-                                      const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::all_gather;
+void DryRunCommunicator::transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                                              const std::int64_t* recv_counts,
+                                              const std::int64_t* recv_displs, DType dtype,
+                                              const std::string&, Traffic& moved) {
   const int P = size_, r = rank_;
-  check_counts(recv_counts, P, "recv_counts", kind, label);
-  LAGA_CHECK(send_count >= 0 && send_count == recv_counts[r], call_name(kind, label), " on rank ",
-             r, ": send_count = ", send_count, " but recv_counts[", r, "] = ", recv_counts[r],
-             "; a rank's own slot must hold exactly what it contributes");
+  const std::int64_t elem = dtype_bytes(dtype);
+  // Place the own shard first (an in-place gather already has it there),
+  // then copy it into the peers' slots from its final position.
+  const void* own = nullptr;
   if (recv) {
-    // Place the own shard first (an in-place gather already has it there),
-    // then copy it into the peers' slots from its final position.
     void* mine = at(recv, recv_displs[r], dtype);
     copy_elems(mine, send, send_count, dtype);
-    const void* own = send ? mine : nullptr;
-    for (int j = 0; j < P; ++j)
-      if (j != r)
-        fill_from_own(at(recv, recv_displs[j], dtype), recv_counts[j], own, send_count, dtype);
+    own = send ? mine : nullptr;
   }
-  const WireBytes w = all_gather_wire_bytes(send_count, recv_counts, P, r, dtype);
-  ledger_.record(phase_, label, w.sent, w.received);
+  for (int j = 0; j < P; ++j) {
+    if (j == r) continue;
+    moved.sent(j, send_count * elem);
+    if (recv)
+      fill_from_own(at(recv, recv_displs[j], dtype), recv_counts[j], own, send_count, dtype);
+    moved.received(j, recv_counts[j] * elem);
+  }
 }
 
-void DryRunCommunicator::reduce_scatter_v(const void* send, const std::int64_t* counts,
-                                          const std::int64_t* displs, void* recv, DType dtype,
-                                          const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::reduce_scatter;
-  check_counts(counts, size_, "counts", kind, label);
-  // MPI receives the peers' blocks into staging before it sums them.
-  const Staging staging(dtype, staging_ == StagingRule::mpi ? (size_ - 1) * counts[rank_] : 0);
+void DryRunCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                                  const std::int64_t* displs, void* recv,
+                                                  DType dtype, const std::string&, Traffic& moved) {
+  const std::int64_t elem = dtype_bytes(dtype);
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    moved.sent(j, counts[j] * elem);          // block j to its owner
+    moved.received(j, counts[rank_] * elem);  // peer j's copy of the own block (not summed)
+  }
+  // Staged as the rule's backend would (MPI: the peers' blocks before the sum).
+  const Staging staging(dtype, staging_for(CollectiveKind::reduce_scatter, counts[rank_]));
   copy_elems(recv, send ? at(send, displs[rank_], dtype) : nullptr, counts[rank_], dtype);
-  const WireBytes w = reduce_scatter_wire_bytes(counts, size_, rank_, dtype);
-  ledger_.record(phase_, label, w.sent, w.received);
 }
 
-void DryRunCommunicator::all_reduce(void*, std::int64_t n, DType dtype, const std::string& label) {
-  LAGA_CHECK(n >= 0, call_name(CollectiveKind::all_reduce, label), ": n = ", n, " is negative");
-  // The in-process backend stages the own reduced chunk for the duration of
-  // the call, MPI the P-1 peers' copies of it; registering the same keeps the
-  // pool's peaks identical to the backend's.
+void DryRunCommunicator::transport_all_reduce(void*, std::int64_t n, DType dtype,
+                                              const std::string&, Traffic& moved) {
+  const std::int64_t elem = dtype_bytes(dtype);
   const std::int64_t own = all_reduce_chunk(n, size_, rank_);
-  const Staging staging(dtype, staging_ == StagingRule::in_process ? own
-                               : staging_ == StagingRule::mpi      ? (size_ - 1) * own
-                                                                   : 0);
-  const WireBytes w = all_reduce_wire_bytes(n, size_, rank_, dtype);
-  ledger_.record(phase_, label, w.sent, w.received);
-}
-
-void DryRunCommunicator::barrier(const std::string& label) {
-  ledger_.record(phase_, label, 0, 0);
+  // Registered like the rule's backend stages it so the pool's peaks match
+  // it; buf keeps the own contribution.
+  const Staging staging(dtype, staging_for(CollectiveKind::all_reduce, own));
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    const std::int64_t theirs = all_reduce_chunk(n, size_, j);
+    moved.sent(j, (theirs + own) * elem);      // their chunk, then the reduced own chunk
+    moved.received(j, (own + theirs) * elem);  // their copy of the own chunk, then theirs
+  }
 }
 
 std::unique_ptr<Communicator> make_dry_run_communicator(int rank, int size) {

@@ -1,12 +1,14 @@
 // DryRunCommunicator — one rank of a P-rank group, run alone.
 //
 // It reports rank R of size P and records in its ledger exactly the bytes the
-// real backends record for rank R (it calls the same *_wire_bytes() rules),
-// but no peer exists: nothing is sent, and receive buffers are filled with
-// plausible stand-ins so the rank's kernels run on finite data of the right
-// scale. This is how `laga compare --rank-only R` measures one rank of a job
-// too large for this machine: bytes and memory are exact, values are not
-// numerically meaningful.
+// real backends record for rank R (the base class derives them from the
+// counts), but no peer exists: nothing is sent, and receive buffers are filled
+// with plausible stand-ins so the rank's kernels run on finite data of the
+// right scale. Its measured bytes come from its own per-peer loops: received
+// from the loop that fills each peer's receive block, sent from a loop over
+// the blocks a real rank would hand each peer (nothing leaves the process). This is how `laga
+// compare --rank-only R` measures one rank of a job too large for this machine: bytes and memory
+// are exact, values are not numerically meaningful.
 //
 // What lands in the receive buffers (when they have storage):
 //   all_to_all_v      the own block (send block R) goes to recv block R as a
@@ -18,12 +20,11 @@
 //   all_reduce        buf unchanged: the own contribution only, not a sum
 // Under a count-only pool (null buffers) nothing is copied.
 //
-// Memory: the staging a real backend registers under MemCategory::comm_buffers
-// is registered here too, by the rule given (in-process by default: the
-// all_reduce's own chunk for the duration of the call; mpi: (P-1) x the own
-// block for reduce_scatter and all_reduce), so a dry rank's pool peaks equal
-// those of the same rank on that backend. This is how the memory prediction
-// (mla/memory_model.hpp) sizes an MPI rank without MPI.
+// Memory: it stages by the rule it is given (StagingRule::in_process by
+// default: the all_reduce's own chunk for the duration of the call; mpi: (P-1)
+// x the own block for reduce_scatter and all_reduce), so a dry rank's pool
+// peaks equal those of the same rank on that backend. This is how the memory
+// prediction (mla/memory_model.hpp) sizes an MPI rank without MPI.
 #pragma once
 
 #include <memory>
@@ -39,23 +40,23 @@ class DryRunCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string backend() const override { return "dry-run"; }
+  Backend backend() const override { return Backend::dry_run; }
+  StagingRule staging_rule() const override { return staging_; }
 
-  void all_to_all_v(const void* send, const std::int64_t* send_counts,
-                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
-                    const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
-                        void* recv, DType dtype, const std::string& label) override;
-  void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) override;
-  void barrier(const std::string& label) override;
-  using Communicator::all_gather_v;
-  using Communicator::all_reduce;
-  using Communicator::all_to_all_v;
-  using Communicator::reduce_scatter_v;
+ protected:
+  void transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                            const std::int64_t* send_displs, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                const std::int64_t* displs, void* recv, DType dtype,
+                                const std::string& label, Traffic& moved) override;
+  void transport_all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label,
+                            Traffic& moved) override;
+  void transport_barrier(const std::string&) override {}
 
  private:
   int rank_, size_;

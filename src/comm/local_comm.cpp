@@ -34,6 +34,9 @@ struct Post {
   std::vector<std::int64_t> counts_a, displs_a, counts_b;
   std::int64_t n = 0;
   const void* staging = nullptr;
+  // Bytes this rank copied out of each rank's memory in the collective's
+  // earlier stages: its measured receives, and its peers' measured sends.
+  std::vector<std::int64_t> pulled;
   // Whether this rank's buffers with a non-zero count are all null (count-only)
   // / all non-null; both false when it moves nothing at all.
   bool any_unbacked = false;
@@ -258,199 +261,252 @@ void LocalCommunicator::mark_finished() {
   group_->mark_finished(rank_);
 }
 
-template <class Body>
-void LocalCommunicator::collective(CollectiveKind kind, const std::string& label, Body&& body) {
+void LocalCommunicator::check_usable(CollectiveKind kind, const std::string& label) const {
   if (auto why = group_->failure(rank_)) {
     fail(call_name(kind, label), " on rank ", rank_, " of ", size(),
          ": this rank already failed in an earlier collective (", *why,
          "); the group is out of step — make new communicators");
   }
-  try {
-    body();
-  } catch (const std::exception& e) {
-    group_->mark_failed(rank_, e.what());
-    throw;
+}
+
+void LocalCommunicator::call_failed(const std::string& why) {
+  group_->mark_failed(rank_, why);
+}
+
+namespace {
+
+// What one rank copies out of its peers' memory in one collective: the copy,
+// and its count per source rank (measured received bytes).
+class Puller {
+ public:
+  Puller(int P, DType dtype) : pulled_(static_cast<size_t>(P), 0), dtype_(dtype) {}
+  // n elements of rank `from`'s memory at src into dst; a null end (count-only)
+  // copies nothing but counts what it would have copied.
+  void copy(int from, void* dst, const void* src, std::int64_t n) {
+    copy_elems(dst, src, n, dtype_);
+    pulled_[from] += n * dtype_bytes(dtype_);
   }
-  ++calls_;
+  // Reads n elements of rank `from` (a reduction reads in place).
+  void read(int from, std::int64_t n) { pulled_[from] += n * dtype_bytes(dtype_); }
+  const std::vector<std::int64_t>& pulled() const { return pulled_; }
+
+ private:
+  std::vector<std::int64_t> pulled_;
+  DType dtype_;
+};
+
+// Counts `pulled` (this rank's copies out of each rank's memory) as received,
+// and what each peer copied out of this rank (the `pulled` of its post at the
+// next rendezvous) as sent. The own entry of `pulled` is zero unless the
+// transport wrongly read its own memory as a peer's, which then shows.
+void count_moved(Traffic& moved, const std::vector<std::int64_t>& pulled,
+                 const std::vector<Post>& next_posts, int rank) {
+  for (size_t j = 0; j < pulled.size(); ++j) {
+    moved.received(static_cast<int>(j), pulled[j]);
+    if (static_cast<int>(j) != rank)
+      moved.sent(static_cast<int>(j), next_posts[j].pulled[static_cast<size_t>(rank)]);
+  }
 }
 
-void LocalCommunicator::all_to_all_v(const void* send, const std::int64_t* send_counts,
-                                     const std::int64_t* send_displs, void* recv,
-                                     const std::int64_t* recv_counts,
-                                     const std::int64_t* recv_displs, DType dtype,
-                                     const std::string& label) {
+// The collective's last rendezvous: tells the peers what this rank copied out
+// of each of them, and counts what they copied out of it.
+void last_rendezvous(LocalGroup& group, int rank, Post done, const Puller& puller,
+                     std::chrono::milliseconds timeout, Traffic& moved) {
+  done.pulled = puller.pulled();
+  const auto posts = group.arrive(rank, std::move(done), std::nullopt, timeout, true);
+  count_moved(moved, puller.pulled(), posts, rank);
+}
+
+}  // namespace
+
+void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                                             const std::int64_t* send_displs, void* recv,
+                                             const std::int64_t* recv_counts,
+                                             const std::int64_t* recv_displs, DType dtype,
+                                             const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_to_all;
-  collective(kind, label, [&] {
-    const int P = size();
-    const auto deadline = Clock::now() + timeout();
-    check_counts(send_counts, P, "send_counts", kind, label);
-    check_counts(recv_counts, P, "recv_counts", kind, label);
-    Post p = make_post(calls_, 0, kind, dtype, label);
-    p.send = send;
-    p.recv = recv;
-    p.counts_a.assign(send_counts, send_counts + P);
-    p.displs_a.assign(send_displs, send_displs + P);
-    p.counts_b.assign(recv_counts, recv_counts + P);
-    std::int64_t sent = 0, received = 0;
-    for (int j = 0; j < P; ++j) sent += send_counts[j], received += recv_counts[j];
-    note_buffer(p, send, sent);
-    note_buffer(p, recv, received);
-    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-    check_same_call(posts, rank_);
-    for (int i = 0; i < P; ++i) {
-      for (int j = 0; j < P; ++j) {
-        LAGA_CHECK(posts[i].counts_b[j] == posts[j].counts_a[i], call_name(kind, label), ": rank ",
-                   i, " expects ", posts[i].counts_b[j], " elements from rank ", j,
-                   " (its recv_counts[", j, "]) but rank ", j, " sends it ", posts[j].counts_a[i],
-                   " (send_counts[", i,
-                   "]); recv_counts on each rank must equal what its peers "
-                   "send to it");
+  const int P = size();
+  const auto deadline = Clock::now() + timeout();
+  Post p = make_post(calls_done(), 0, kind, dtype, label);
+  p.send = send;
+  p.recv = recv;
+  p.counts_a.assign(send_counts, send_counts + P);
+  p.displs_a.assign(send_displs, send_displs + P);
+  p.counts_b.assign(recv_counts, recv_counts + P);
+  std::int64_t sent = 0, received = 0;
+  for (int j = 0; j < P; ++j) sent += send_counts[j], received += recv_counts[j];
+  note_buffer(p, send, sent);
+  note_buffer(p, recv, received);
+  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+  check_same_call(posts, rank_);
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < P; ++j)
+      if (posts[i].counts_b[j] != posts[j].counts_a[i])
+        fail(peer_count_message(kind, label, rank_, P, i, j, posts[i].counts_b[j],
+                                std::to_string(posts[j].counts_a[i])));
+  // The block from peer j is peer j's send block for this rank.
+  auto block_of = [&](int j) {
+    return posts[j].send ? at(posts[j].send, posts[j].displs_a[rank_], dtype) : nullptr;
+  };
+  Puller puller(P, dtype);
+  const TransportFault fault = take_fault();
+  bool faulted = fault == TransportFault::none;
+  for (int j = 0; j < P; ++j) {
+    void* dst = recv ? at(recv, recv_displs[j], dtype) : nullptr;
+    if (j == rank_) {  // the own block: a local copy, not traffic
+      copy_elems(dst, block_of(j), recv_counts[j], dtype);
+      continue;
+    }
+    if (!faulted && recv_counts[j] > 0) {  // tests only (TransportFault)
+      faulted = true;
+      if (fault == TransportFault::short_send) {
+        puller.copy(j, dst, block_of(j), recv_counts[j] - 1);
+      } else if (fault == TransportFault::wrong_peer) {
+        const int w = (j + 1) % P;  // its block for this rank, cut to fit
+        puller.copy(w, dst, block_of(w), std::min(recv_counts[j], posts[w].counts_a[rank_]));
       }
+      continue;  // TransportFault::skip_peer: nothing
     }
-    for (int j = 0; j < P; ++j) {
-      copy_elems(recv ? at(recv, recv_displs[j], dtype) : nullptr,
-                 posts[j].send ? at(posts[j].send, posts[j].displs_a[rank_], dtype) : nullptr,
-                 recv_counts[j], dtype);
-    }
-    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
-    const WireBytes w = all_to_all_wire_bytes(send_counts, recv_counts, P, rank_, dtype);
-    ledger_.record(phase_, label, w.sent, w.received);
-  });
+    puller.copy(j, dst, block_of(j), recv_counts[j]);
+  }
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
-void LocalCommunicator::all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                                     const std::int64_t* recv_counts,
-                                     const std::int64_t* recv_displs, DType dtype,
-                                     const std::string& label) {
+void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                                             const std::int64_t* recv_counts,
+                                             const std::int64_t* recv_displs, DType dtype,
+                                             const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_gather;
-  collective(kind, label, [&] {
-    const int P = size();
-    const auto deadline = Clock::now() + timeout();
-    LAGA_CHECK(send_count >= 0, call_name(kind, label), ": send_count = ", send_count,
-               " is negative");
-    check_counts(recv_counts, P, "recv_counts", kind, label);
-    Post p = make_post(calls_, 0, kind, dtype, label);
-    p.send = send;
-    p.recv = recv;
-    p.n = send_count;
-    p.counts_b.assign(recv_counts, recv_counts + P);
-    std::int64_t received = 0;
-    for (int j = 0; j < P; ++j) received += recv_counts[j];
-    note_buffer(p, send, send_count);
-    note_buffer(p, recv, received);
-    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-    check_same_call(posts, rank_);
-    for (int i = 0; i < P; ++i) {
-      for (int j = 0; j < P; ++j) {
-        LAGA_CHECK(posts[i].counts_b[j] == posts[j].n, call_name(kind, label), ": rank ", i,
-                   " expects ", posts[i].counts_b[j], " elements from rank ", j,
-                   " (its recv_counts[", j, "]) but rank ", j, " contributes ", posts[j].n,
-                   " (its send_count); recv_counts[j] must equal rank j's send_count on every "
-                   "rank");
-      }
-    }
-    for (int j = 0; j < P; ++j) {
-      copy_elems(recv ? at(recv, recv_displs[j], dtype) : nullptr, posts[j].send, recv_counts[j],
-                 dtype);
-    }
-    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
-    const WireBytes w = all_gather_wire_bytes(send_count, recv_counts, P, rank_, dtype);
-    ledger_.record(phase_, label, w.sent, w.received);
-  });
+  const int P = size();
+  const auto deadline = Clock::now() + timeout();
+  Post p = make_post(calls_done(), 0, kind, dtype, label);
+  p.send = send;
+  p.recv = recv;
+  p.n = send_count;
+  p.counts_b.assign(recv_counts, recv_counts + P);
+  std::int64_t received = 0;
+  for (int j = 0; j < P; ++j) received += recv_counts[j];
+  note_buffer(p, send, send_count);
+  note_buffer(p, recv, received);
+  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+  check_same_call(posts, rank_);
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < P; ++j)
+      if (posts[i].counts_b[j] != posts[j].n)
+        fail(peer_count_message(kind, label, rank_, P, i, j, posts[i].counts_b[j],
+                                std::to_string(posts[j].n)));
+  Puller puller(P, dtype);
+  for (int j = 0; j < P; ++j) {
+    void* dst = recv ? at(recv, recv_displs[j], dtype) : nullptr;
+    if (j == rank_)
+      copy_elems(dst, send, send_count, dtype);
+    else
+      puller.copy(j, dst, posts[j].send, recv_counts[j]);
+  }
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
-void LocalCommunicator::reduce_scatter_v(const void* send, const std::int64_t* counts,
-                                         const std::int64_t* displs, void* recv, DType dtype,
-                                         const std::string& label) {
+void LocalCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                                 const std::int64_t* displs, void* recv,
+                                                 DType dtype, const std::string& label,
+                                                 Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::reduce_scatter;
-  collective(kind, label, [&] {
-    const int P = size();
-    const auto deadline = Clock::now() + timeout();
-    check_counts(counts, P, "counts", kind, label);
-    Post p = make_post(calls_, 0, kind, dtype, label);
-    p.send = send;
-    p.recv = recv;
-    p.counts_a.assign(counts, counts + P);
-    p.displs_a.assign(displs, displs + P);
-    std::int64_t total = 0;
-    for (int j = 0; j < P; ++j) total += counts[j];
-    note_buffer(p, send, total);
-    note_buffer(p, recv, counts[rank_]);
-    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-    check_same_call(posts, rank_);
-    for (int i = 1; i < P; ++i) {
-      for (int j = 0; j < P; ++j) {
-        LAGA_CHECK(posts[i].counts_a[j] == posts[0].counts_a[j], call_name(kind, label), ": rank ",
-                   i, " has counts[", j, "] = ", posts[i].counts_a[j], " but rank 0 has ",
-                   posts[0].counts_a[j], "; every rank must pass the same counts");
-      }
-    }
-    if (recv && counts[rank_] > 0) {
-      std::vector<const void*> srcs(static_cast<size_t>(P));
-      for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
-      sum_in_rank_order(recv, srcs.data(), P, counts[rank_], dtype);
-    }
-    group_->arrive(rank_, make_post(calls_, 1, kind, dtype, label), std::nullopt, timeout(), false);
-    const WireBytes w = reduce_scatter_wire_bytes(counts, P, rank_, dtype);
-    ledger_.record(phase_, label, w.sent, w.received);
-  });
+  const int P = size();
+  const auto deadline = Clock::now() + timeout();
+  Post p = make_post(calls_done(), 0, kind, dtype, label);
+  p.send = send;
+  p.recv = recv;
+  p.counts_a.assign(counts, counts + P);
+  p.displs_a.assign(displs, displs + P);
+  std::int64_t total = 0;
+  for (int j = 0; j < P; ++j) total += counts[j];
+  note_buffer(p, send, total);
+  note_buffer(p, recv, counts[rank_]);
+  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+  check_same_call(posts, rank_);
+  // Rank i expects its own block size from every peer j.
+  for (int i = 0; i < P; ++i)
+    for (int j = 0; j < P; ++j)
+      if (posts[j].counts_a[i] != posts[i].counts_a[i])
+        fail(peer_count_message(kind, label, rank_, P, i, j, posts[i].counts_a[i],
+                                std::to_string(posts[j].counts_a[i])));
+  Puller puller(P, dtype);
+  for (int j = 0; j < P; ++j)
+    if (j != rank_) puller.read(j, counts[rank_]);
+  if (recv && counts[rank_] > 0) {
+    std::vector<const void*> srcs(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
+    sum_in_rank_order(recv, srcs.data(), P, counts[rank_], dtype);
+  }
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
+                  moved);
 }
 
-void LocalCommunicator::all_reduce(void* buf, std::int64_t n, DType dtype,
-                                   const std::string& label) {
+void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtype,
+                                             const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_reduce;
-  collective(kind, label, [&] {
-    const int P = size();
-    const auto deadline = Clock::now() + timeout();
-    LAGA_CHECK(n >= 0, call_name(kind, label), ": n = ", n, " is negative");
-    std::vector<std::int64_t> offset(static_cast<size_t>(P) + 1, 0);
-    for (int j = 0; j < P; ++j) offset[j + 1] = offset[j] + all_reduce_chunk(n, P, j);
-    const std::int64_t own = offset[rank_ + 1] - offset[rank_];
-    // The own reduced chunk can only go back into buf once no peer reads
-    // buf's chunk any more, hence staging and a rendezvous in between.
-    Staging staging(dtype, own);
-    LAGA_CHECK(!(buf && n > 0 && own > 0 && !staging.data()), call_name(kind, label),
-               ": buf has storage but this thread's memory pool is count-only, so the reduction "
-               "has no staging; run real data under a pool that is not count-only");
-    Post p = make_post(calls_, 0, kind, dtype, label);
-    p.send = buf;
-    p.n = n;
-    note_buffer(p, buf, n);
-    const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-    check_same_call(posts, rank_);
+  const int P = size();
+  const auto deadline = Clock::now() + timeout();
+  std::vector<std::int64_t> offset(static_cast<size_t>(P) + 1, 0);
+  for (int j = 0; j < P; ++j) offset[j + 1] = offset[j] + all_reduce_chunk(n, P, j);
+  const std::int64_t own = offset[rank_ + 1] - offset[rank_];
+  // The own reduced chunk can only go back into buf once no peer reads
+  // buf's chunk any more, hence staging and a rendezvous in between.
+  Staging staging(dtype, staging_for(kind, own));
+  LAGA_CHECK(!(buf && n > 0 && own > 0 && !staging.data()), call_name(kind, label), " on rank ",
+             rank_, " of ", P,
+             ": buf has storage but this thread's memory pool is count-only, so the reduction "
+             "has no staging; run real data under a pool that is not count-only");
+  Post p = make_post(calls_done(), 0, kind, dtype, label);
+  p.send = buf;
+  p.n = n;
+  note_buffer(p, buf, n);
+  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
+  check_same_call(posts, rank_);
+  // Rank i's reduce-scatter expects chunk i of its own n from every peer j,
+  // which sends chunk i of its n. (Unequal n always differ in some rank's
+  // own chunk, so this finds every unequal n.)
+  for (int i = 0; i < P; ++i)
     for (int j = 0; j < P; ++j) {
-      LAGA_CHECK(posts[j].n == posts[0].n, call_name(kind, label), ": rank ", j,
-                 " reduces n = ", posts[j].n, " elements but rank 0 reduces ", posts[0].n,
-                 "; every rank must pass the same n");
+      const std::int64_t want = all_reduce_chunk(posts[i].n, P, i);
+      const std::int64_t got = all_reduce_chunk(posts[j].n, P, i);
+      if (want != got)
+        fail(peer_count_message(kind, label, rank_, P, i, j, want, std::to_string(got)));
     }
-    if (buf && staging.data() && own > 0) {
-      std::vector<const void*> srcs(static_cast<size_t>(P));
-      for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, offset[rank_], dtype);
-      sum_in_rank_order(staging.data(), srcs.data(), P, own, dtype);
-    }
-    Post reduced = make_post(calls_, 1, kind, dtype, label);
-    reduced.staging = staging.data();
-    const std::vector<Post> chunks =
-        group_->arrive(rank_, std::move(reduced), std::nullopt, timeout(), true);
-    for (int j = 0; j < P; ++j) {
-      copy_elems(buf ? at(buf, offset[j], dtype) : nullptr, chunks[j].staging,
-                 offset[j + 1] - offset[j], dtype);
-    }
-    group_->arrive(rank_, make_post(calls_, 2, kind, dtype, label), std::nullopt, timeout(), false);
-    const WireBytes w = all_reduce_wire_bytes(n, P, rank_, dtype);
-    ledger_.record(phase_, label, w.sent, w.received);
-  });
+  Puller scatter(P, dtype);
+  for (int j = 0; j < P; ++j)
+    if (j != rank_) scatter.read(j, own);
+  if (buf && staging.data() && own > 0) {
+    std::vector<const void*> srcs(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, offset[rank_], dtype);
+    sum_in_rank_order(staging.data(), srcs.data(), P, own, dtype);
+  }
+  Post reduced = make_post(calls_done(), 1, kind, dtype, label);
+  reduced.staging = staging.data();
+  reduced.pulled = scatter.pulled();
+  const std::vector<Post> chunks =
+      group_->arrive(rank_, std::move(reduced), std::nullopt, timeout(), true);
+  Puller gather(P, dtype);
+  for (int j = 0; j < P; ++j) {
+    void* dst = buf ? at(buf, offset[j], dtype) : nullptr;
+    if (j == rank_)
+      copy_elems(dst, chunks[j].staging, own, dtype);
+    else
+      gather.copy(j, dst, chunks[j].staging, offset[j + 1] - offset[j]);
+  }
+  count_moved(moved, scatter.pulled(), chunks, rank_);
+  last_rendezvous(*group_, rank_, make_post(calls_done(), 2, kind, dtype, label), gather, timeout(),
+                  moved);
 }
 
-void LocalCommunicator::barrier(const std::string& label) {
+void LocalCommunicator::transport_barrier(const std::string& label) {
   const CollectiveKind kind = CollectiveKind::barrier;
-  collective(kind, label, [&] {
-    const auto deadline = Clock::now() + timeout();
-    const std::vector<Post> posts = group_->arrive(
-        rank_, make_post(calls_, 0, kind, DType::f32, label), deadline, timeout(), true);
-    check_same_call(posts, rank_);
-    ledger_.record(phase_, label, 0, 0);
-  });
+  const auto deadline = Clock::now() + timeout();
+  const std::vector<Post> posts = group_->arrive(
+      rank_, make_post(calls_done(), 0, kind, DType::f32, label), deadline, timeout(), true);
+  check_same_call(posts, rank_);
 }
 
 std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P) {

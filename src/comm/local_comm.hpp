@@ -6,7 +6,10 @@
 // once more so no buffer is freed while a peer still reads it. Nothing goes
 // through an intermediate buffer, so a "send" costs one memcpy on the
 // receiving thread; the ledger still records the bytes an MPI rank would put
-// on the wire (communicator.hpp).
+// on the wire (communicator.hpp). Measured bytes: each rank counts what it
+// copies (or, count-only, would copy) out of each peer's memory, and reports
+// those counts at the collective's last rendezvous, where every rank reads
+// what its peers took from it as its bytes sent.
 //
 // Failure: a collective that throws (timeout, mismatch, bad counts) marks its
 // rank failed in the group, and so does run_local_ranks for an exception out
@@ -42,23 +45,8 @@ class LocalCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override;
-  std::string backend() const override { return "local"; }
-
-  void all_to_all_v(const void* send, const std::int64_t* send_counts,
-                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
-                    const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
-                        void* recv, DType dtype, const std::string& label) override;
-  void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) override;
-  void barrier(const std::string& label) override;
-  using Communicator::all_gather_v;
-  using Communicator::all_reduce;
-  using Communicator::all_to_all_v;
-  using Communicator::reduce_scatter_v;
+  Backend backend() const override { return Backend::local; }
+  StagingRule staging_rule() const override { return StagingRule::in_process; }
 
   // For callers that run their own threads: report that this rank will take
   // no (further) part in collectives, because it failed or is done.
@@ -67,13 +55,26 @@ class LocalCommunicator final : public Communicator {
 
   const std::shared_ptr<LocalGroup>& group() const { return group_; }
 
- private:
-  template <class Body>
-  void collective(CollectiveKind kind, const std::string& label, Body&& body);
+ protected:
+  void transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                            const std::int64_t* send_displs, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                const std::int64_t* displs, void* recv, DType dtype,
+                                const std::string& label, Traffic& moved) override;
+  void transport_all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label,
+                            Traffic& moved) override;
+  void transport_barrier(const std::string& label) override;
+  void check_usable(CollectiveKind kind, const std::string& label) const override;
+  void call_failed(const std::string& why) override;
 
+ private:
   std::shared_ptr<LocalGroup> group_;
   int rank_;
-  std::int64_t calls_ = 0;  // collectives called so far: the position in the sequence
 };
 
 // P communicators of one new group; give each to its own thread.

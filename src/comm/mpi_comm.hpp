@@ -91,23 +91,8 @@ class MpiCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string backend() const override { return "mpi"; }
-
-  void all_to_all_v(const void* send, const std::int64_t* send_counts,
-                    const std::int64_t* send_displs, void* recv, const std::int64_t* recv_counts,
-                    const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void all_gather_v(const void* send, std::int64_t send_count, void* recv,
-                    const std::int64_t* recv_counts, const std::int64_t* recv_displs, DType dtype,
-                    const std::string& label) override;
-  void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
-                        void* recv, DType dtype, const std::string& label) override;
-  void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) override;
-  void barrier(const std::string& label) override;
-  using Communicator::all_gather_v;
-  using Communicator::all_reduce;
-  using Communicator::all_to_all_v;
-  using Communicator::reduce_scatter_v;
+  Backend backend() const override { return Backend::mpi; }
+  StagingRule staging_rule() const override { return StagingRule::mpi; }
 
   // Messages larger than this are sent as several (MPI counts are int).
   // Tests lower it to exercise the splitting.
@@ -116,21 +101,43 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm mpi_comm() const { return comm_; }
 
+ protected:
+  // mpi_transport.cpp
+  void transport_all_to_all(const void* send, const std::int64_t* send_counts,
+                            const std::int64_t* send_displs, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_all_gather(const void* send, std::int64_t send_count, void* recv,
+                            const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                            DType dtype, const std::string& label, Traffic& moved) override;
+  void transport_reduce_scatter(const void* send, const std::int64_t* counts,
+                                const std::int64_t* displs, void* recv, DType dtype,
+                                const std::string& label, Traffic& moved) override;
+  void transport_all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label,
+                            Traffic& moved) override;
+  void transport_barrier(const std::string& label) override;
+  // mpi_comm.cpp: refuse calls once broken; break and tell the peers.
+  void check_usable(CollectiveKind kind, const std::string& label) const override;
+  void call_failed(const std::string& why) override;
+
  private:
-  class Round;
+  class Round;  // mpi_transport.cpp
+  // The reduce-scatter step of reduce_scatter_v and of all_reduce (`kind`):
+  // every peer's block `rank` into staging, then the rank-ordered sum into
+  // recv, which may be send's own block.
+  void reduce_own_block(CollectiveKind kind, const void* send, const std::int64_t* counts,
+                        const std::int64_t* displs, void* recv, DType dtype,
+                        const std::string& label, std::chrono::steady_clock::time_point deadline,
+                        Traffic& moved);
   int tag(std::int64_t round, CollectiveKind kind, DType dtype, const std::string& label) const;
   // What a peer's message tag says about the collective it is in, against own.
   std::string describe_tag(int tag, int own) const;
   long round_of(int tag) const;
-  void check_usable(CollectiveKind kind, const std::string& label) const;
-  void notify_peers(const std::string& why);
-  template <class Body>
-  void collective(CollectiveKind kind, const std::string& label, Body&& body);
+  void notify_peers(const std::string& why);  // mpi_notice.cpp
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::int64_t rounds_ = 0;  // message rounds so far; the tag's sequence number
-  std::int64_t calls_ = 0;   // collectives so far, for messages
   int seq_bits_ = 0, hash_bits_ = 0;
   std::int64_t max_message_bytes_ = std::int64_t{1} << 30;
   std::string broken_;  // why the communicator refuses calls; empty while usable

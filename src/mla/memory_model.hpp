@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.hpp"  // StagingRule
 #include "core/memory_pool.hpp"
 #include "mla/block.hpp"
 

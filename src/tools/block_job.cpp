@@ -56,7 +56,7 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
     {
       std::lock_guard<std::mutex> lock(reports_mutex);
       reports[static_cast<size_t>(comm.rank())] = res.report;
-      if (comm.backend() == "mpi")  // peers' reports exist only on their processes
+      if (comm.backend() == Backend::mpi)  // peers' reports exist only on their processes
         for (int r = 0; r < P; ++r) {
           if (r == comm.rank()) continue;
           RankReport& rep = reports[static_cast<size_t>(r)];

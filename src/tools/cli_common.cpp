@@ -29,16 +29,24 @@ std::string ModelOptions::source() const {
 }
 
 void CommOptions::add_to(CLI::App& app) {
-  app.add_option("--comm", backend,
-                 "collective backend: local (ranks as threads of this process) or mpi (one rank "
-                 "per process, launched with mpirun -np P)")
-      ->check(CLI::IsMember({"local", "mpi"}))
-      ->capture_default_str();
+  // Parsed into the enum here, so a bad value stops the command before it runs.
+  app.add_option_function<std::string>(
+         "--comm", [this](const std::string& s) { backend = parse_comm_backend(s); },
+         "collective backend: local (ranks as threads of this process) or mpi (one rank "
+         "per process, launched with mpirun -np P)")
+      ->default_str(to_string(backend));
   app.add_option("--comm-timeout", timeout_ms,
                  "milliseconds a collective waits for its peers before every rank stops with an "
                  "error naming the missing ones")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+}
+
+Backend parse_comm_backend(const std::string& s) {
+  LAGA_CHECK(s == to_string(Backend::local) || s == to_string(Backend::mpi), "--comm: '", s,
+             "' is not a backend; use local (ranks as threads of this process) or mpi (one rank "
+             "per process, launched with mpirun -np P)");
+  return parse_backend(s);
 }
 
 std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
@@ -77,12 +85,12 @@ MpiSession& mpi_session() {
 }  // namespace
 
 bool is_reporting_process(const CommOptions& comm) {
-  return comm.backend != "mpi" || mpi_session().world_rank() == 0;
+  return comm.backend != Backend::mpi || mpi_session().world_rank() == 0;
 }
 
 void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body) {
   const auto timeout = std::chrono::milliseconds(comm.timeout_ms);
-  if (comm.backend == "local") {
+  if (comm.backend == Backend::local) {
     LocalRunOptions opts;
     opts.timeout = timeout;
     run_local_ranks(P, body, opts);

@@ -28,10 +28,13 @@ struct ModelOptions {
 
 // --comm local|mpi and --comm-timeout.
 struct CommOptions {
-  std::string backend = "local";
+  Backend backend = Backend::local;
   int timeout_ms = 300000;
   void add_to(CLI::App& app);
 };
+
+// --comm's value: "local" or "mpi"; anything else is an error naming them.
+Backend parse_comm_backend(const std::string& s);
 
 // "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);

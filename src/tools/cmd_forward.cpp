@@ -63,7 +63,7 @@ void run_forward(const ForwardOptions& o) {
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
               << ", form " << o.form << ", attention " << o.attention << ", sp " << o.sp << " ("
-              << layout.describe() << "), comm " << o.comm.backend << "\n";
+              << layout.describe() << "), comm " << to_string(o.comm.backend) << "\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
   const double ms =

@@ -73,8 +73,8 @@ void run_train(const TrainCli& c) {
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
               << ", form " << c.form << ", attention " << c.attention << ", sp " << o.sp
-              << ", comm " << c.comm.backend << ", data " << c.data << ", steps " << o.steps
-              << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
+              << ", comm " << to_string(c.comm.backend) << ", data " << c.data << ", steps "
+              << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
   }
   run_group(c.comm, o.sp, [&](Communicator& comm) {
     train_rank(comm, o, [&](const StepRecord& s) {

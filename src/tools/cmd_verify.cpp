@@ -46,14 +46,14 @@ void run_verify(const VerifyOptions& o) {
   // The reference runs on one in-process rank on every process.
   spec.form = Form::explicit_form;
   CommOptions local = o.comm;
-  local.backend = "local";
+  local.backend = Backend::local;
   const BlockJob ref =
       run_block_job(local, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), w, x, dout, spec);
 
   std::vector<Row> rows;
   bool all_ok = true;
   for (int P : sps) {
-    if (o.comm.backend == "mpi" && sps.size() > 1)
+    if (o.comm.backend == Backend::mpi && sps.size() > 1)
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
     for (Form f : forms) {
@@ -92,7 +92,7 @@ void run_verify(const VerifyOptions& o) {
 
   std::ostringstream t;
   t << "# laga verify: " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", attention "
-    << o.attention << ", comm " << o.comm.backend << "\n"
+    << o.attention << ", comm " << to_string(o.comm.backend) << "\n"
     << "# reference: explicit form on 1 rank; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol
     << " (fp32), and laga at P=1 must be bit-identical (|diff| = 0)\n";

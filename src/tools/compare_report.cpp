@@ -112,8 +112,8 @@ std::string mode_line(const CompareResult& r) {
   if (o.rank_only >= 0)
     s = cat("rank ", o.rank_only, " of ", o.sp, " alone (dry run)");
   else
-    s = cat("every rank of ", o.sp, ", backend ", o.comm.backend,
-            o.comm.backend == "local"
+    s = cat("every rank of ", o.sp, ", backend ", to_string(o.comm.backend),
+            o.comm.backend == Backend::local
                 ? cat(" (ranks as threads, ", r.threads_per_rank, " BLAS/OpenMP thread(s) each)")
                 : std::string());
   s += o.count_only ? ", count-only (no storage, no kernels)" : "";
@@ -246,7 +246,7 @@ std::string compare_json(const CompareResult& r) {
   j["attention"] = to_string(r.attention);
   j["dtype"] = "f32";
   j["element_bytes"] = 4;
-  j["comm"] = o.rank_only >= 0 ? "dry-run" : o.comm.backend;
+  j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
   j["rank_only"] = o.rank_only >= 0 ? ojson(o.rank_only) : ojson(nullptr);
   j["count_only"] = o.count_only;
   j["measured_ranks"] = r.measured_ranks;

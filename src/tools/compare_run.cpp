@@ -229,9 +229,10 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.by_label[k].phase = keys[k].first;
     f.by_label[k].label = keys[k].second;
   }
-  const MemoryModelOptions mopt{
-      true, true,
-      j.o.comm.backend == "mpi" && j.o.rank_only < 0 ? StagingRule::mpi : StagingRule::in_process};
+  const MemoryModelOptions mopt{true, true,
+                                j.o.comm.backend == Backend::mpi && j.o.rank_only < 0
+                                    ? StagingRule::mpi
+                                    : StagingRule::in_process};
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int r = ranks[i];
     const RankRecord& rec = recs[i];
@@ -348,7 +349,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   LAGA_CHECK(o.warmup >= 0, "--warmup ", o.warmup, ": must be >= 0");
   LAGA_CHECK(o.rank_only < o.sp, "--rank-only ", o.rank_only, " is not a rank of --sp ", o.sp,
              "; ranks are 0 .. ", o.sp - 1);
-  LAGA_CHECK(o.rank_only < 0 || o.comm.backend == "local",
+  LAGA_CHECK(o.rank_only < 0 || o.comm.backend == Backend::local,
              "--rank-only runs one rank alone in "
              "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
   res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -275,6 +276,11 @@ inline std::string check_ledger(const Ledger& got, int P, int r, std::int64_t el
       diffs += cat(to_string(key.first), "/", key.second, ": calls ", g.calls, " sent ",
                    g.bytes_sent, " received ", g.bytes_received, ", expected calls ", w.calls,
                    " sent ", w.bytes_sent, " received ", w.bytes_received, "\n");
+    // What the transport measured must be the same bytes.
+    if (g.measured_sent != w.bytes_sent || g.measured_received != w.bytes_received)
+      diffs += cat(to_string(key.first), "/", key.second, ": measured sent ", g.measured_sent,
+                   " received ", g.measured_received, ", expected sent ", w.bytes_sent,
+                   " received ", w.bytes_received, "\n");
   }
   return diffs;
 }
@@ -303,6 +309,199 @@ std::string compare_bitwise(const Results<T>& a, const Results<T>& b) {
       diffs += cat("ledger entry ", to_string(key.first), "/", key.second, " differs\n");
   }
   return diffs;
+}
+
+// One caller mistake each, made identically by every rank: every backend must
+// refuse it before anything moves, with the same text. `expected(P, r)` is
+// the whole message on rank r of P, written out here rather than taken from
+// the library's formatting.
+struct BadCall {
+  std::string name;
+  int min_ranks = 1;  // a mistake that needs peers to exist
+  std::function<void(Communicator&)> call;
+  std::function<std::string(int P, int r)> expected;
+};
+
+inline std::string where(const char* call, int P, int r) {
+  return cat(call, " on rank ", r, " of ", P, ": ");
+}
+
+inline std::vector<BadCall> bad_calls() {
+  std::vector<BadCall> v;
+  // Unit counts and packed displacements for P ranks, `per` elements each.
+  auto even = [](int P, std::int64_t per) {
+    Layout l{I64s(P, per), I64s(P), per * P};
+    for (int j = 0; j < P; ++j) l.displs[j] = per * j;
+    return l;
+  };
+  v.push_back({"negative send count", 1,
+               [=](Communicator& c) {
+                 const int P = c.size(), r = c.rank();
+                 Layout l = even(P, 1);
+                 I64s sc = l.counts;
+                 sc[(r + 1) % P] = -1;
+                 std::vector<float> send(P), recv(P);
+                 c.all_to_all_v(send.data(), sc.data(), l.displs.data(), recv.data(),
+                                l.counts.data(), l.displs.data(), "bad_a2a");
+               },
+               [](int P, int r) {
+                 return where("all_to_all 'bad_a2a'", P, r) +
+                        cat("send_counts[", (r + 1) % P,
+                            "] = -1 is negative; counts are element counts >= 0");
+               }});
+  v.push_back({"own block of different sizes", 1,
+               [=](Communicator& c) {
+                 const int P = c.size(), r = c.rank();
+                 Layout s = even(P, 1), d = even(P, 2);
+                 I64s rc = s.counts;
+                 rc[r] = 2;
+                 std::vector<float> send(P), recv(2 * P);
+                 c.all_to_all_v(send.data(), s.counts.data(), s.displs.data(), recv.data(),
+                                rc.data(), d.displs.data(), "bad_a2a");
+               },
+               [](int P, int r) {
+                 return where("all_to_all 'bad_a2a'", P, r) +
+                        cat("send_counts[", r, "] = 1 but recv_counts[", r,
+                            "] = 2; the block a rank keeps must have the same size both ways");
+               }});
+  v.push_back({"negative send_count", 1,
+               [=](Communicator& c) {
+                 Layout l = even(c.size(), 1);
+                 std::vector<double> send(1), recv(c.size());
+                 c.all_gather_v(send.data(), -2, recv.data(), l.counts.data(), l.displs.data(),
+                                "bad_ag");
+               },
+               [](int P, int r) {
+                 return where("all_gather 'bad_ag'", P, r) +
+                        "send_count = -2 is negative; counts are element counts >= 0";
+               }});
+  v.push_back({"own slot of another size", 1,
+               [=](Communicator& c) {
+                 Layout l = even(c.size(), 3);
+                 std::vector<double> send(2), recv(l.total);
+                 c.all_gather_v(send.data(), 2, recv.data(), l.counts.data(), l.displs.data(),
+                                "bad_ag");
+               },
+               [](int P, int r) {
+                 return where("all_gather 'bad_ag'", P, r) +
+                        cat("send_count = 2 but recv_counts[", r,
+                            "] = 3; a rank's own slot must hold exactly what it contributes");
+               }});
+  v.push_back({"negative reduce-scatter count", 1,
+               [=](Communicator& c) {
+                 const int P = c.size();
+                 Layout l = even(P, 1);
+                 l.counts[P - 1] = -3;
+                 std::vector<float> send(P), recv(1);
+                 c.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(), recv.data(),
+                                    "bad_rs");
+               },
+               [](int P, int r) {
+                 return where("reduce_scatter 'bad_rs'", P, r) +
+                        cat("counts[", P - 1, "] = -3 is negative; counts are element counts >= 0");
+               }});
+  v.push_back({"negative n", 1,
+               [=](Communicator& c) {
+                 std::vector<double> buf(4);
+                 c.all_reduce(buf.data(), -1, "bad_ar");
+               },
+               [](int P, int r) {
+                 return where("all_reduce 'bad_ar'", P, r) +
+                        "n = -1 is negative; counts are element counts >= 0";
+               }});
+  v.push_back({"gather in place at the wrong offset", 1,
+               [=](Communicator& c) {
+                 const int P = c.size(), r = c.rank();
+                 Layout l = even(P, 2);
+                 std::vector<float> recv(l.total + 1);
+                 c.all_gather_v(recv.data() + l.displs[r] + 1, 2, recv.data(), l.counts.data(),
+                                l.displs.data(), "bad_ag");
+               },
+               [](int P, int r) {
+                 return where("all_gather 'bad_ag'", P, r) +
+                        cat("send overlaps recv block ", r,
+                            "; an all_gather_v is in place only as send == recv + "
+                            "recv_displs[rank]");
+               }});
+  v.push_back({"reduce-scatter into send at the wrong offset", 1,
+               [=](Communicator& c) {
+                 const int P = c.size(), r = c.rank();
+                 Layout l = even(P, 2);
+                 std::vector<double> send(l.total + 1);
+                 c.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(),
+                                    send.data() + l.displs[r] + 1, "bad_rs");
+               },
+               [](int P, int r) {
+                 return where("reduce_scatter 'bad_rs'", P, r) +
+                        cat("recv overlaps send block ", r,
+                            "; a reduce_scatter_v writes into send only as recv == send + "
+                            "displs[rank]");
+               }});
+  v.push_back({"all-to-all in place", 1,
+               [=](Communicator& c) {
+                 Layout l = even(c.size(), 1);
+                 std::vector<float> buf(l.total);
+                 c.all_to_all_v(buf.data(), l.counts.data(), l.displs.data(), buf.data(),
+                                l.counts.data(), l.displs.data(), "bad_a2a");
+               },
+               [](int P, int r) {
+                 return where("all_to_all 'bad_a2a'", P, r) +
+                        "send block 0 overlaps recv block 0; an all_to_all_v cannot run in place; "
+                        "use separate send and recv buffers";
+               }});
+  v.push_back({"receive blocks overlapping", 2,
+               [=](Communicator& c) {
+                 const int P = c.size();
+                 Layout l = even(P, 1);
+                 const I64s zero(P, 0);
+                 std::vector<float> send(1), recv(P);
+                 c.all_gather_v(send.data(), 1, recv.data(), l.counts.data(), zero.data(),
+                                "bad_ag");
+               },
+               [](int P, int r) {
+                 return where("all_gather 'bad_ag'", P, r) +
+                        "recv block 0 overlaps recv block 1; the receive regions of different "
+                        "peers must not overlap";
+               }});
+  return v;
+}
+
+// The error text of `call` on comm, or "" when it did not throw.
+inline std::string error_of(const std::function<void(Communicator&)>& call, Communicator& comm) {
+  try {
+    call(comm);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// An all_to_all_v of `per` floats to and from every rank, for the transport
+// fault tests: returns the error text, or "".
+inline std::string faulty_all_to_all(Communicator& comm, TransportFault fault, bool inject,
+                                     std::int64_t per = 2) {
+  const int P = comm.size();
+  I64s counts(P, per), displs(P);
+  for (int j = 0; j < P; ++j) displs[j] = per * j;
+  std::vector<float> send(per * P, 1.0f), recv(per * P);
+  if (inject) comm.inject_fault_for_testing(fault);
+  return error_of(
+      [&](Communicator& c) {
+        c.all_to_all_v(send.data(), counts.data(), displs.data(), recv.data(), counts.data(),
+                       displs.data(), "a2a");
+      },
+      comm);
+}
+
+// What the ledger check says on the rank whose derived and measured bytes
+// differ: the start of its message.
+inline std::string mismatch_head(int P, int r, std::int64_t derived_sent,
+                                 std::int64_t derived_received, std::int64_t measured_sent,
+                                 std::int64_t measured_received) {
+  return cat("all_to_all 'a2a' on rank ", r, " of ", P,
+             ": the transport moved other bytes than the call's counts give: derived ",
+             derived_sent, " bytes sent and ", derived_received, " received, measured ",
+             measured_sent, " sent and ", measured_received, " received");
 }
 
 }  // namespace laga::test

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "comm/communicator.hpp"
+#include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
 #include "comm_cases.hpp"
 #include "core/error.hpp"
@@ -47,17 +48,20 @@ std::vector<std::string> errors_of(int P, std::chrono::milliseconds timeout,
 
 TEST(Ledger, SumsPerPhaseAndOverall) {
   Ledger l;
-  l.record(Phase::forward, "a", 10, 20);
-  l.record(Phase::forward, "a", 1, 2);
-  l.record(Phase::backward, "b", 100, 200);
-  l.record(Phase::grad_sync, "c", 1000, 2000);
+  l.record(Phase::forward, "a", {10, 20}, {10, 20});
+  l.record(Phase::forward, "a", {1, 2}, {3, 4});
+  l.record(Phase::backward, "b", {100, 200}, {100, 200});
+  l.record(Phase::grad_sync, "c", {1000, 2000}, {1000, 2000});
   EXPECT_EQ(l.entries().at({Phase::forward, "a"}).calls, 2);
   EXPECT_EQ(l.entries().at({Phase::forward, "a"}).bytes_sent, 11);
+  // Derived and measured are kept apart.
+  EXPECT_EQ(l.entries().at({Phase::forward, "a"}).measured_sent, 13);
+  EXPECT_EQ(l.entries().at({Phase::forward, "a"}).measured_received, 24);
   EXPECT_EQ(l.bytes_sent(Phase::forward), 11);
   EXPECT_EQ(l.bytes_received(Phase::backward), 200);
   EXPECT_EQ(l.bytes_sent(), 1111);
   EXPECT_EQ(l.bytes_received(Phase::count), 2222);
-  EXPECT_THROW(l.record(Phase::count, "x", 0, 0), Error);
+  EXPECT_THROW(l.record(Phase::count, "x", {}, {}), Error);
   l.clear();
   EXPECT_EQ(l.bytes_sent(), 0);
 }
@@ -71,6 +75,17 @@ TEST(Names, PhasesAndKinds) {
   EXPECT_STREQ(to_string(CollectiveKind::reduce_scatter), "reduce_scatter");
   EXPECT_STREQ(to_string(CollectiveKind::all_reduce), "all_reduce");
   EXPECT_STREQ(to_string(CollectiveKind::barrier), "barrier");
+  for (Backend b : {Backend::local, Backend::mpi, Backend::dry_run, Backend::self})
+    EXPECT_EQ(parse_backend(to_string(b)), b);
+  EXPECT_STREQ(to_string(Backend::dry_run), "dry-run");
+  try {
+    parse_backend("nccl");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'nccl'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("local, mpi, dry-run and self"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(AllReduceChunk, NearEqualFirstOnesLonger) {
@@ -110,7 +125,7 @@ void check_sequence(int P) {
   std::vector<Results<T>> results(P);
   run_local_ranks(P, [&](Communicator& c) {
     EXPECT_EQ(c.size(), P);
-    EXPECT_EQ(c.backend(), "local");
+    EXPECT_EQ(c.backend(), Backend::local);
     results[c.rank()] = test::run_sequence<T>(c);
   });
   for (int r = 0; r < P; ++r) {
@@ -188,6 +203,12 @@ TEST_P(LocalComm, CountOnlyBuffersMoveNothingButAreRecorded) {
         c.all_reduce(static_cast<float*>(nullptr), 10, "ar");
         const auto& e = c.ledger().entries();
         EXPECT_EQ(e.at({Phase::forward, "ag"}).bytes_sent, (P - 1) * 3 * 4);
+        // Nothing moved, but the transport counted what it would have moved.
+        for (const char* label : {"ag", "a2a", "rs", "ar"}) {
+          const LedgerEntry& le = e.at({Phase::forward, label});
+          EXPECT_EQ(le.measured_sent, le.bytes_sent) << label;
+          EXPECT_EQ(le.measured_received, le.bytes_received) << label;
+        }
         EXPECT_EQ(e.at({Phase::forward, "a2a"}).bytes_received, (P - 1) * 3 * 4);
         EXPECT_EQ(e.at({Phase::forward, "rs"}).bytes_received, (P - 1) * 3 * 4);
         EXPECT_EQ(e.at({Phase::forward, "ar"}).bytes_sent,
@@ -353,14 +374,17 @@ TEST(LocalCommFailure, InconsistentCountsAreNamed) {
   const int P = 3;
   auto errors = errors_of(P, 20s, [](Communicator& c) {
     std::vector<float> shard(4, 1.0f), all(12);
-    I64s counts{4, 4, 4}, displs{0, 4, 8};
+    // Rank 1 is consistent with itself (it contributes 3 and expects 3 from
+    // itself) but not with its peers, which expect 4 from it.
+    I64s counts{4, c.rank() == 1 ? 3 : 4, 4}, displs{0, 4, 8};
     const std::int64_t n = c.rank() == 1 ? 3 : 4;
     c.all_gather_v(shard.data(), n, all.data(), counts.data(), displs.data(), "latent_ag");
   });
   for (int r = 0; r < P; ++r) {
     SCOPED_TRACE(errors[r]);
     EXPECT_NE(errors[r].find("all_gather 'latent_ag'"), std::string::npos);
-    EXPECT_NE(errors[r].find("rank 1 contributes 3"), std::string::npos);
+    EXPECT_NE(errors[r].find("expects 4 elements from rank 1 but rank 1 sends it 3"),
+              std::string::npos);
   }
 
   errors = errors_of(P, 20s, [](Communicator& c) {
@@ -368,7 +392,7 @@ TEST(LocalCommFailure, InconsistentCountsAreNamed) {
     c.all_reduce(buf.data(), c.rank() == 2 ? 3 : 4, "grad");
   });
   for (int r = 0; r < P; ++r)
-    EXPECT_NE(errors[r].find("rank 2 reduces n = 3"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("from rank 2 but rank 2 sends it"), std::string::npos) << errors[r];
 
   errors = errors_of(P, 20s, [](Communicator& c) {
     std::vector<float> buf(4, 1.0f);
@@ -388,6 +412,73 @@ TEST(LocalCommFailure, FailedCommunicatorRefusesLaterCalls) {
     c.barrier("after");
   });
   for (const auto& e : errors) EXPECT_NE(e.find("already failed"), std::string::npos) << e;
+}
+
+TEST(BadCalls, EveryBackendRefusesTheSameMistakeWithTheSameWords) {
+  // The in-process backend at P = 3, each rank of 3 run alone as a dry run,
+  // and the self communicator; test_comm_mpi runs the same list under mpirun.
+  const int P = 3;
+  for (const test::BadCall& bad : test::bad_calls()) {
+    SCOPED_TRACE(bad.name);
+    std::vector<std::string> local(P);
+    run_local_ranks(P, [&](Communicator& c) { local[c.rank()] = test::error_of(bad.call, c); });
+    for (int r = 0; r < P; ++r) {
+      EXPECT_EQ(local[r], bad.expected(P, r)) << "local, rank " << r;
+      DryRunCommunicator dry(r, P);
+      EXPECT_EQ(test::error_of(bad.call, dry), bad.expected(P, r)) << "dry-run, rank " << r;
+    }
+    if (bad.min_ranks <= 1) {
+      auto self = make_self_communicator();
+      EXPECT_EQ(test::error_of(bad.call, *self), bad.expected(1, 0)) << "self";
+    }
+  }
+}
+
+TEST(BadCalls, NothingIsRecordedForARefusedCall) {
+  DryRunCommunicator dry(0, 2);
+  EXPECT_NE(test::error_of(test::bad_calls()[0].call, dry), "");
+  EXPECT_TRUE(dry.ledger().entries().empty());
+}
+
+// Rank 1 of 3 misbehaves in one all_to_all_v of 2 floats per peer (8 bytes):
+// the bytes its transport copies differ from what the counts say, and the
+// ledger check stops it and the peer it short-changed.
+TEST(LocalComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
+  const int P = 3;
+  struct Case {
+    TransportFault fault;
+    std::string rank1, rank0;  // the start of each one's error
+  };
+  const std::vector<Case> cases{
+      // One float fewer from rank 0.
+      {TransportFault::short_send, test::mismatch_head(P, 1, 16, 16, 16, 12),
+       test::mismatch_head(P, 0, 16, 16, 12, 16)},
+      // Rank 0's block read from rank 1's own memory: the totals agree, the
+      // peers do not.
+      {TransportFault::wrong_peer,
+       test::mismatch_head(P, 1, 16, 16, 16, 16) +
+           " (per peer, derived/measured: rank 0: sent 8/8, received 8/0; rank 1: sent 0/0, "
+           "received 0/8)",
+       test::mismatch_head(P, 0, 16, 16, 8, 16)},
+      // Nothing from rank 0.
+      {TransportFault::skip_peer, test::mismatch_head(P, 1, 16, 16, 16, 8),
+       test::mismatch_head(P, 0, 16, 16, 8, 16)},
+  };
+  for (const Case& k : cases) {
+    std::vector<std::string> errors(P);
+    run_local_ranks(P, [&](Communicator& c) {
+      errors[c.rank()] = test::faulty_all_to_all(c, k.fault, c.rank() == 1);
+    });
+    EXPECT_EQ(errors[1].rfind(k.rank1, 0), 0u) << errors[1];
+    EXPECT_NE(errors[1].find("the local backend lost or misdirected data"), std::string::npos)
+        << errors[1];
+    EXPECT_EQ(errors[0].rfind(k.rank0, 0), 0u) << errors[0];
+    EXPECT_EQ(errors[2], "") << "rank 2 moved what its counts say";
+  }
+  // The same call without a fault passes on every rank.
+  run_local_ranks(P, [&](Communicator& c) {
+    EXPECT_EQ(test::faulty_all_to_all(c, TransportFault::short_send, false), "");
+  });
 }
 
 }  // namespace
