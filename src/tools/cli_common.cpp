@@ -69,6 +69,7 @@ std::vector<int> parse_int_list(const std::string& s, const std::string& option)
 }
 
 std::vector<Form> parse_form_list(const std::string& s) {
+  if (s == "all") return all_forms();  // every registered form (mla/form.cpp)
   std::vector<Form> v;
   std::stringstream ss(s);
   std::string tok;

@@ -38,14 +38,14 @@ Backend parse_comm_backend(const std::string& s);
 
 // "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
-std::vector<Form> parse_form_list(const std::string& s);
+std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"
 
 // Runs body once per rank of a P-rank group on the chosen backend and returns
 // on every participating process. Local: P threads in this process, each with
 // threads_per_rank(P) OpenMP/BLAS threads. MPI: this process is one rank of
 // MPI_COMM_WORLD, whose size must equal P (the error says how to launch).
-// `body` gets the communicator; is_reporter() is true on exactly one rank of
-// the job (local rank 0's thread, or MPI world rank 0).
+// `body` gets the communicator; exactly one rank of the job reports (local
+// rank 0's thread, or MPI world rank 0: is_reporting_process()).
 void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body);
 
 // True on the process that should print the job's reports: always for local

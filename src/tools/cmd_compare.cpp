@@ -27,7 +27,8 @@ void register_compare(CLI::App& app) {
   c->add_option("--seq", o->seq, "sequence length (S), split over the ranks")
       ->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")->capture_default_str();
-  c->add_option("--forms", o->forms, "comma-separated forms to run: explicit, absorbed, laga")
+  c->add_option("--forms", o->forms,
+                "comma-separated forms to run (explicit, absorbed, laga), or all")
       ->capture_default_str();
   c->add_option("--attention", o->attention,
                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "

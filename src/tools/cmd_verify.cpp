@@ -18,7 +18,7 @@ namespace {
 struct VerifyOptions {
   ModelOptions model;
   CommOptions comm;
-  std::string sp = "1,2,3,4,8", forms = "explicit,absorbed,laga", attention = "flash", json;
+  std::string sp = "1,2,3,4,8", forms = "all", attention = "flash", json;
   std::int64_t batch = 2, seq = 61;
   std::uint64_t seed = 0;
   double tol = 1e-5;
@@ -136,7 +136,9 @@ void register_verify_command(CLI::App& app) {
   opts->model.add_to(*sub);
   opts->comm.add_to(*sub);
   sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
-  sub->add_option("--forms", opts->forms, "comma-separated forms")->capture_default_str();
+  sub->add_option("--forms", opts->forms,
+                  "comma-separated forms (explicit, absorbed, laga), or all")
+      ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")
       ->check(CLI::PositiveNumber)

@@ -29,7 +29,7 @@ struct CompareOptions {
   CommOptions comm;
   std::int64_t batch = 1, seq = 1024;
   int sp = 4;
-  std::string forms = "explicit,absorbed,laga", attention = "flash";
+  std::string forms = "all", attention = "flash";
   int steps = 3, warmup = 1;
   std::string json, csv;
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
