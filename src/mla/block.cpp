@@ -90,6 +90,32 @@ Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, const
 }
 
 template <class T>
+Tensor<T> Pieces<T>::to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
+                              const char* name) {
+  Tensor<T> h({st.B, st.S, st.Hr, d}, name);
+  seq_to_head(st.ctx.comm, st.ctx.layout, loc.data(), h.data(), d, label);
+  loc.reset();
+  return h;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, const char* label,
+                               const char* name) {
+  Tensor<T> loc({st.B, st.L, st.H * d}, name);
+  head_to_seq(st.ctx.comm, st.ctx.layout, h.data(), loc.data(), d, label);
+  h.reset();
+  return loc;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat) {
+  Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+  reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
+  dlat.reset();
+  return dlat_loc;
+}
+
+template <class T>
 Tensor<T> Pieces<T>::attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,
                                        const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
@@ -143,9 +169,7 @@ Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
   ops::Mat<T> do_loc_m = mat(do_loc);
   ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
   o_loc.reset();
-  Tensor<T> do_h({st.B, st.S, st.Hr, st.dv}, "do_h");
-  seq_to_head(st.ctx.comm, st.ctx.layout, do_loc.data(), do_h.data(), st.dv, "out_a2a");
-  return do_h;
+  return to_heads(st, do_loc, st.dv, "out_a2a", "do_h");
 }
 
 template <class T>

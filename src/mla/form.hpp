@@ -16,7 +16,7 @@ namespace laga::detail {
 
 // Every extent of one block on one rank, built once per step.
 struct Step {
-  const BlockContext ctx;  // a copy: backward may be called with another context object
+  const BlockContext ctx;       // a copy: backward may be called with another context object
   std::int64_t B, L, S, N, NS;  // batch, local tokens, sequence, B L, B S
   std::int64_t D, H, Hr, h0;    // model dim, heads, this rank's heads from h0
   std::int64_t dn, dr, dqk, dv;
@@ -74,6 +74,18 @@ struct Pieces {
   // c_hat (B, L, C), the normalised latent; in.kv_a, in.kv_rstd saved.
   static Tensor<T> project_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                   InputSaved<T>& in, const char* c_hat_name);
+
+  // The all-to-alls as the forms use them, each freeing its input:
+  // (B, L, H*d) of local tokens -> (B, S, H_r, d) of this rank's heads,
+  static Tensor<T> to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
+                            const char* name);
+  // and back: (B, S, H_r, d) -> (B, L, H*d).
+  static Tensor<T> to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, const char* label,
+                             const char* name);
+  // d latent (B, S, C+dr) of every token from this rank's heads, summed over
+  // the group for this rank's tokens (B, L, C+dr): the all-gather's adjoint.
+  // Frees dlat.
+  static Tensor<T> reduce_latent(const Step& st, Tensor<T>& dlat);
 
   // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
   static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a);

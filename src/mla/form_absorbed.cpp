@@ -16,7 +16,6 @@
 // Saved for backward: the input projections' tensors, q_h (B, S, H_r, dqk),
 // the gathered latent lat (B, S, C+dr) and its values v_lat (B, S, C),
 // q_abs (B, S, H_r, C+dr), o_lat (B, S, H_r, C), the statistics, o_loc.
-#include "mla/exchange.hpp"
 #include "mla/form.hpp"
 
 namespace laga::detail {
@@ -100,12 +99,8 @@ struct AbsorbedTape final : Tape<T> {
     dq_abs.reset();
     q_h.reset();
 
-    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
-    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
-    dq_h.reset();
-    Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
-    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
-    dlat.reset();
+    Tensor<T> dq_loc = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+    Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
     P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
   }
 };
@@ -119,9 +114,7 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
   Tensor<T> q = P::project_q(st, w, x, t->in);
   {
     Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
-    t->q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
-    seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), t->q_h.data(), st.dqk, "q_a2a");
-    q.reset();
+    t->q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
     t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
   }
   // The attention kernel takes values as their own contiguous tensor.

@@ -4,7 +4,6 @@
 //
 // Saved for backward: the input projections' tensors, c_hat (B, L, C), the
 // head attention's q_h, k_h, v_h (B, S, H_r, .) and statistics, o_loc.
-#include "mla/exchange.hpp"
 #include "mla/form.hpp"
 
 namespace laga::detail {
@@ -25,15 +24,9 @@ struct ExplicitTape final : Tape<T> {
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
-    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
-    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
-    dq_h.reset();
-    Tensor<T> dk_loc({st.B, st.L, st.H * st.dqk}, "dk_loc");
-    head_to_seq(st.ctx.comm, st.ctx.layout, dk_h.data(), dk_loc.data(), st.dqk, "k_a2a");
-    dk_h.reset();
-    Tensor<T> dv_loc({st.B, st.L, st.H * st.dv}, "dv_loc");
-    head_to_seq(st.ctx.comm, st.ctx.layout, dv_h.data(), dv_loc.data(), st.dv, "v_a2a");
-    dv_h.reset();
+    Tensor<T> dq_loc = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+    Tensor<T> dk_loc = P::to_tokens(st, dk_h, st.dqk, "k_a2a", "dk_loc");
+    Tensor<T> dv_loc = P::to_tokens(st, dv_h, st.dv, "v_a2a", "dv_loc");
 
     // d kv from [dk_nope | dv] per head; d k_pe = sum over heads of dk's rope
     // part (k_pe was broadcast to every head).
@@ -68,15 +61,9 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
                 v_loc);
   }
   HeadAttention<T>& a = t->att;
-  a.q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
-  seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), a.q_h.data(), st.dqk, "q_a2a");
-  q.reset();
-  a.k_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "k_h");
-  seq_to_head(st.ctx.comm, st.ctx.layout, k_loc.data(), a.k_h.data(), st.dqk, "k_a2a");
-  k_loc.reset();
-  a.v_h = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "v_h");
-  seq_to_head(st.ctx.comm, st.ctx.layout, v_loc.data(), a.v_h.data(), st.dv, "v_a2a");
-  v_loc.reset();
+  a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
+  a.k_h = P::to_heads(st, k_loc, st.dqk, "k_a2a", "k_h");
+  a.v_h = P::to_heads(st, v_loc, st.dv, "v_a2a", "v_h");
   a.forward(st, w, out, t->o_loc);
   return t;
 }

@@ -10,7 +10,6 @@
 //
 // Saved for backward: the input projections' tensors, the gathered latent
 // lat (B, S, C+dr), the head attention's tensors, o_loc.
-#include "mla/exchange.hpp"
 #include "mla/form.hpp"
 
 namespace laga::detail {
@@ -31,9 +30,7 @@ struct LagaTape final : Tape<T> {
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
-    Tensor<T> dq_loc({st.B, st.L, st.H * st.dqk}, "dq_loc");
-    head_to_seq(st.ctx.comm, st.ctx.layout, dq_h.data(), dq_loc.data(), st.dqk, "q_a2a");
-    dq_h.reset();
+    Tensor<T> dq_loc = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
 
     // d[c_hat | k_pe] over the full sequence from this rank's heads.
     Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
@@ -47,9 +44,7 @@ struct LagaTape final : Tape<T> {
                 mat(lat).col_range(0, st.C), false);
     }
     lat.reset();
-    Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
-    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
-    dlat.reset();
+    Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
     P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
   }
 };
@@ -63,9 +58,7 @@ std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, con
   Tensor<T> q = P::project_q(st, w, x, t->in);
   {
     Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
-    a.q_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "q_h");
-    seq_to_head(st.ctx.comm, st.ctx.layout, q.data(), a.q_h.data(), st.dqk, "q_a2a");
-    q.reset();
+    a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
     t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
   }
 
