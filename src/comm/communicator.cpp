@@ -94,6 +94,12 @@ WireBytes Traffic::total() const {
   return t;
 }
 
+void Ledger::record_entry(Phase phase, const std::string& label, const LedgerEntry& e) {
+  const auto [it, first] = entries_.try_emplace({phase, label}, e);
+  LAGA_CHECK(first, "ledger: '", label, "' in phase ", to_string(phase), " is already recorded");
+  order_.push_back(it->first);
+}
+
 std::int64_t Ledger::bytes_sent(Phase phase) const {
   std::int64_t total = 0;
   for (const auto& [key, e] : entries_)

@@ -137,6 +137,8 @@ class Ledger {
   // The (phase, label)s in the order their first call was recorded: the order
   // a block issues its collectives, for reports.
   const std::vector<std::pair<Phase, std::string>>& order() const { return order_; }
+  // Files a whole entry as it was recorded elsewhere (a peer's report).
+  void record_entry(Phase phase, const std::string& label, const LedgerEntry& e);
   void clear() { entries_.clear(), order_.clear(); }
 
  private:

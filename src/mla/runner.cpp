@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <type_traits>
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
@@ -14,6 +15,52 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
+
+namespace {
+
+// Every scalar field of a report, in one order, for packing and unpacking.
+template <class Report, class F>
+void report_fields(Report& r, F&& f) {
+  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms);
+  auto& m = r.memory;
+  f(m.peak_activations), f(m.peak_comm_buffers), f(m.peak_working), f(m.peak_forward_backward);
+  f(m.peak_grad_sync), f(m.after_forward), f(m.gradients), f(m.parameters);
+}
+template <class Entry, class F>
+void entry_fields(Entry& e, F&& f) {
+  f(e.calls), f(e.bytes_sent), f(e.bytes_received), f(e.measured_sent), f(e.measured_received);
+}
+constexpr std::size_t kReportFields = 1 + 3 + 8, kEntryFields = 5;
+
+}  // namespace
+
+std::size_t packed_report_size(std::size_t keys) {
+  return kReportFields + kEntryFields * keys;
+}
+
+void pack_report(const RankReport& report, const std::vector<LedgerKey>& keys, double* out) {
+  *out++ = report.rank;
+  report_fields(report, [&](const auto& v) { *out++ = static_cast<double>(v); });
+  for (const LedgerKey& k : keys) {
+    const auto it = report.ledger.entries().find(k);
+    LAGA_CHECK(it != report.ledger.entries().end(), "pack_report: rank ", report.rank,
+               " issued no collective '", k.second, "' in phase ", to_string(k.first),
+               " but the reporting rank did; the ranks ran different sequences");
+    entry_fields(it->second, [&](const auto& v) { *out++ = static_cast<double>(v); });
+  }
+}
+
+RankReport unpack_report(const double* in, const std::vector<LedgerKey>& keys) {
+  RankReport r;
+  r.rank = static_cast<int>(*in++);
+  report_fields(r, [&](auto& v) { v = static_cast<std::remove_reference_t<decltype(v)>>(*in++); });
+  for (const LedgerKey& k : keys) {
+    LedgerEntry e;
+    entry_fields(e, [&](auto& v) { v = static_cast<std::int64_t>(*in++); });
+    r.ledger.record_entry(k.first, k.second, e);
+  }
+  return r;
+}
 
 template <class T>
 Tensor<T> slice_seq(const Tensor<T>& g, std::int64_t offset, std::int64_t count) {

@@ -50,6 +50,17 @@ struct RankReport {
   double forward_ms = 0, backward_ms = 0, sync_ms = 0;
 };
 
+// A rank's report as doubles, so the reporting rank can receive every rank's
+// over any backend (one all-gather or all-reduce of slots). Every field of
+// RankReport travels, the ledger entries in the order of `keys` (each rank's
+// ledger has the same keys: collectives are collective); the live lists of
+// RankMemory do not. Byte counts stay below 2^53, so doubles carry them
+// exactly.
+using LedgerKey = std::pair<Phase, std::string>;
+std::size_t packed_report_size(std::size_t keys);
+void pack_report(const RankReport& report, const std::vector<LedgerKey>& keys, double* out);
+RankReport unpack_report(const double* in, const std::vector<LedgerKey>& keys);
+
 template <class T>
 struct RankResult {
   Tensor<T> out, dx;  // (B, L_r, D)

@@ -38,34 +38,28 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
       dx = TensorF({layout.batch, layout.seq, D});
       gather_seq(comm, layout, res.dx.data(), dx.data(), D, "result_gather");
     }
-    // Every rank's report, so the reporter can show the max over ranks. Under
-    // MPI the other ranks' reports are summarised by rank 0's own view plus a
-    // gathered vector of (bytes, peak) numbers.
-    std::vector<double> mine = {static_cast<double>(res.report.memory.peak_activations),
-                                static_cast<double>(res.report.memory.peak_working),
-                                res.report.forward_ms, res.report.backward_ms, res.report.sync_ms};
+    // Every rank's report, so the reporter can show the max over ranks; under
+    // MPI the peers' reports exist only on their processes and travel packed.
+    const std::vector<LedgerKey> keys = res.report.ledger.order();
+    const std::size_t n = packed_report_size(keys.size());
     const int P = comm.size();
-    std::vector<double> all(mine.size() * static_cast<size_t>(P));
-    std::vector<std::int64_t> counts(static_cast<size_t>(P),
-                                     static_cast<std::int64_t>(mine.size())),
-        displs(static_cast<size_t>(P));
+    std::vector<double> all(n * static_cast<std::size_t>(P));
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(P), static_cast<std::int64_t>(n)),
+        displs(static_cast<std::size_t>(P));
     for (int r = 0; r < P; ++r)
-      displs[static_cast<size_t>(r)] = r * static_cast<std::int64_t>(mine.size());
-    comm.all_gather_v(mine.data(), static_cast<std::int64_t>(mine.size()), all.data(),
-                      counts.data(), displs.data(), "result_gather");
+      displs[static_cast<std::size_t>(r)] = r * static_cast<std::int64_t>(n);
+    pack_report(res.report, keys, all.data() + displs[static_cast<std::size_t>(comm.rank())]);
+    comm.all_gather_v(all.data() + displs[static_cast<std::size_t>(comm.rank())],
+                      static_cast<std::int64_t>(n), all.data(), counts.data(), displs.data(),
+                      "result_gather");
     {
       std::lock_guard<std::mutex> lock(reports_mutex);
-      reports[static_cast<size_t>(comm.rank())] = res.report;
-      if (comm.backend() == Backend::mpi)  // peers' reports exist only on their processes
-        for (int r = 0; r < P; ++r) {
-          if (r == comm.rank()) continue;
-          RankReport& rep = reports[static_cast<size_t>(r)];
-          const double* v = all.data() + static_cast<size_t>(r) * mine.size();
-          rep.rank = r;
-          rep.memory.peak_activations = static_cast<std::int64_t>(v[0]);
-          rep.memory.peak_working = static_cast<std::int64_t>(v[1]);
-          rep.forward_ms = v[2], rep.backward_ms = v[3], rep.sync_ms = v[4];
-        }
+      reports[static_cast<std::size_t>(comm.rank())] = res.report;
+      if (comm.backend() == Backend::mpi)
+        for (int r = 0; r < P; ++r)
+          if (r != comm.rank())
+            reports[static_cast<std::size_t>(r)] =
+                unpack_report(all.data() + displs[static_cast<std::size_t>(r)], keys);
     }
     if (comm.rank() == 0) {
       job.out = copy_into(caller_pool, out);

@@ -36,45 +36,34 @@ double median(std::vector<double> v) {
 }
 
 // Everything one rank measured for one form, flattened into doubles in a
-// layout both ends compute from (steps, keys, parameter count). Byte counts
-// stay below 2^53, so doubles carry them exactly.
+// layout both ends compute from (steps, ledger keys, parameter count): the
+// measured steps' times, the last step's report (runner.hpp, pack_report)
+// and the agreement with explicit.
 struct RankRecord {
-  std::vector<double> fwd_ms, bwd_ms, sync_ms;  // measured steps
-  std::int64_t peak_act = 0, peak_comm = 0, peak_fb = 0, peak_sync = 0, grads = 0, params = 0;
-  std::vector<LedgerEntry> ledger;                    // per model key
+  std::vector<double> fwd_ms, bwd_ms, sync_ms;        // measured steps
+  RankReport last;                                    // the last step's ledger and memory
   double out = -1, dx = -1, out_ref = 0, dx_ref = 0;  // -1: not computed
   std::vector<double> grad, grad_ref;
 
   static std::size_t size(int steps, std::size_t keys, std::size_t params) {
-    return 3 * static_cast<std::size_t>(steps) + 6 + 3 * keys + 4 + 2 * params;
+    return 3 * static_cast<std::size_t>(steps) + packed_report_size(keys) + 4 + 2 * params;
   }
-  void write(double* p) const {
+  void write(double* p, const std::vector<Key>& keys) const {
     for (const auto* v : {&fwd_ms, &bwd_ms, &sync_ms}) p = std::copy(v->begin(), v->end(), p);
-    for (std::int64_t x : {peak_act, peak_comm, peak_fb, peak_sync, grads, params})
-      *p++ = static_cast<double>(x);
-    for (const LedgerEntry& e : ledger) {
-      *p++ = static_cast<double>(e.calls);
-      *p++ = static_cast<double>(e.bytes_sent);
-      *p++ = static_cast<double>(e.bytes_received);
-    }
+    pack_report(last, keys, p);
+    p += packed_report_size(keys.size());
     for (double x : {out, dx, out_ref, dx_ref}) *p++ = x;
     for (std::size_t i = 0; i < grad.size(); ++i) *p++ = grad[i], *p++ = grad_ref[i];
   }
-  static RankRecord read(const double* p, int steps, std::size_t keys, std::size_t params) {
+  static RankRecord read(const double* p, int steps, const std::vector<Key>& keys,
+                         std::size_t params) {
     RankRecord r;
     for (auto* v : {&r.fwd_ms, &r.bwd_ms, &r.sync_ms}) {
       v->assign(p, p + steps);
       p += steps;
     }
-    for (std::int64_t* x :
-         {&r.peak_act, &r.peak_comm, &r.peak_fb, &r.peak_sync, &r.grads, &r.params})
-      *x = static_cast<std::int64_t>(*p++);
-    r.ledger.resize(keys);
-    for (LedgerEntry& e : r.ledger) {
-      e.calls = static_cast<std::int64_t>(*p++);
-      e.bytes_sent = static_cast<std::int64_t>(*p++);
-      e.bytes_received = static_cast<std::int64_t>(*p++);
-    }
+    r.last = unpack_report(p, keys);
+    p += packed_report_size(keys.size());
     for (double* x : {&r.out, &r.dx, &r.out_ref, &r.dx_ref}) *x = *p++;
     r.grad.resize(params), r.grad_ref.resize(params);
     for (std::size_t i = 0; i < params; ++i) r.grad[i] = *p++, r.grad_ref[i] = *p++;
@@ -160,14 +149,8 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
         rec.sync_ms.push_back(rep.sync_ms);
       }
       if (!last) continue;
-      const RankMemory& m = rep.memory;
-      rec.peak_act = m.peak_activations, rec.peak_comm = m.peak_comm_buffers;
-      rec.peak_fb = m.peak_forward_backward, rec.peak_sync = m.peak_grad_sync;
-      rec.grads = m.gradients, rec.params = m.parameters;
-      for (const Key& k : rep.ledger.order()) {
-        keys[fi].push_back(k);
-        rec.ledger.push_back(rep.ledger.entries().at(k));
-      }
+      rec.last = rep;
+      keys[fi] = rep.ledger.order();
       if (j.diffs) {
         if (form == Form::explicit_form) {
           PoolScope keep(ref_pool);
@@ -191,7 +174,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
       }
     }
     std::vector<double> flat(RankRecord::size(j.steps, keys[fi].size(), j.param_names.size()));
-    rec.write(flat.data());
+    rec.write(flat.data(), keys[fi]);
     records.push_back(std::move(flat));
   }
   return records;
@@ -239,7 +222,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     const CommPrediction pred = predict_comm(j.cfg, j.layout, form, r, 4, true, true);
     std::int64_t sent[3] = {0, 0, 0}, model[3] = {0, 0, 0}, recv = 0;
     for (size_t k = 0; k < keys.size(); ++k) {
-      const LedgerEntry& e = rec.ledger[k];
+      const LedgerEntry& e = rec.last.ledger.entries().at(keys[k]);
       const auto it = pred.find(keys[k]);
       const PredictedBytes p = it == pred.end() ? PredictedBytes{} : it->second;
       LabelRow& row = f.by_label[k];
@@ -273,28 +256,31 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.received_total = std::max(f.received_total, recv);
 
     const MemoryPrediction mp = predict_memory(j.cfg, j.layout, form, j.attention, r, 4, mopt);
-    if (i == 0 || rec.peak_fb > f.peak) {
-      f.peak = rec.peak_fb;
+    if (i == 0 || rec.last.memory.peak_forward_backward > f.peak) {
+      f.peak = rec.last.memory.peak_forward_backward;
       f.peak_rank = r;
       f.model_peak = mp.forward_backward;
       f.saved_after_forward = mp.after_forward;
     }
     f.predicted_peak = std::max(f.predicted_peak, mp.forward_backward.bytes);
-    f.peak_activations = std::max(f.peak_activations, rec.peak_act);
+    f.peak_activations = std::max(f.peak_activations, rec.last.memory.peak_activations);
     f.predicted_peak_activations = std::max(f.predicted_peak_activations, mp.peak_activations);
-    f.peak_comm_buffers = std::max(f.peak_comm_buffers, rec.peak_comm);
+    f.peak_comm_buffers = std::max(f.peak_comm_buffers, rec.last.memory.peak_comm_buffers);
     f.predicted_peak_comm_buffers = std::max(f.predicted_peak_comm_buffers, mp.peak_comm_buffers);
-    f.peak_grad_sync = std::max(f.peak_grad_sync, rec.peak_sync);
+    f.peak_grad_sync = std::max(f.peak_grad_sync, rec.last.memory.peak_grad_sync);
     f.predicted_peak_grad_sync = std::max(f.predicted_peak_grad_sync, mp.grad_sync.bytes);
-    f.parameters = std::max(f.parameters, rec.params);
-    f.gradients = std::max(f.gradients, rec.grads);
-    f.memory_match = f.memory_match && rec.peak_fb == mp.forward_backward.bytes &&
-                     rec.peak_act == mp.peak_activations && rec.peak_comm == mp.peak_comm_buffers &&
-                     rec.peak_sync == mp.grad_sync.bytes;
+    f.parameters = std::max(f.parameters, rec.last.memory.parameters);
+    f.gradients = std::max(f.gradients, rec.last.memory.gradients);
+    f.memory_match = f.memory_match &&
+                     rec.last.memory.peak_forward_backward == mp.forward_backward.bytes &&
+                     rec.last.memory.peak_activations == mp.peak_activations &&
+                     rec.last.memory.peak_comm_buffers == mp.peak_comm_buffers &&
+                     rec.last.memory.peak_grad_sync == mp.grad_sync.bytes;
     if (mp.forward_backward.bytes > 0)
-      f.memory_rel_error =
-          std::max(f.memory_rel_error, std::abs(double(rec.peak_fb - mp.forward_backward.bytes)) /
-                                           double(mp.forward_backward.bytes));
+      f.memory_rel_error = std::max(
+          f.memory_rel_error,
+          std::abs(double(rec.last.memory.peak_forward_backward - mp.forward_backward.bytes)) /
+              double(mp.forward_backward.bytes));
   }
 
   // Time: the slowest rank of each step, then the median over steps.
@@ -437,8 +423,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
     const std::size_t n = RankRecord::size(j.steps, keys[fi].size(), j.param_names.size());
     std::vector<RankRecord> recs;
     for (size_t i = 0; i < res.measured_ranks.size(); ++i)
-      recs.push_back(RankRecord::read(gathered[fi].data() + i * n, j.steps, keys[fi].size(),
-                                      j.param_names.size()));
+      recs.push_back(
+          RankRecord::read(gathered[fi].data() + i * n, j.steps, keys[fi], j.param_names.size()));
     res.results.push_back(summarise(j, fi, keys[fi], recs, res.measured_ranks));
   }
   res.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
