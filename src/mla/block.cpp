@@ -49,13 +49,13 @@ AttnShape Step::head_attention() const {
 template <class T>
 Tensor<T> Pieces<T>::project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                InputSaved<T>& in) {
-  Tensor<T> q({st.B, st.L, st.H * st.dqk});
+  Tensor<T> q({st.B, st.L, st.H * st.dqk}, "q");
   if (st.rq == 0) {
     ops::linear(mat(q), mat(x), w.wq);
   } else {
-    in.qa = Tensor<T>({st.B, st.L, st.rq});
-    in.q_rstd = Tensor<T>({st.B, st.L});
-    in.qn = Tensor<T>({st.B, st.L, st.rq});
+    in.qa = Tensor<T>({st.B, st.L, st.rq}, "qa");
+    in.q_rstd = Tensor<T>({st.B, st.L}, "q_rstd");
+    in.qn = Tensor<T>({st.B, st.L, st.rq}, "qn");
     ops::linear(mat(in.qa), mat(x), w.wq_a);
     ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.qa), w.q_norm, st.ctx.cfg.norm_eps);
     ops::linear(mat(q), mat(in.qn), w.wq_b);
@@ -68,8 +68,8 @@ Tensor<T> Pieces<T>::project_q(const Step& st, const MlaParams<T>& w, const Tens
 template <class T>
 Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                     InputSaved<T>& in, const char* c_hat_name) {
-  in.kv_a = Tensor<T>({st.B, st.L, st.W});
-  in.kv_rstd = Tensor<T>({st.B, st.L});
+  in.kv_a = Tensor<T>({st.B, st.L, st.W}, "kv_a");
+  in.kv_rstd = Tensor<T>({st.B, st.L}, "kv_rstd");
   Tensor<T> c_hat({st.B, st.L, st.C}, c_hat_name);
   ops::linear(mat(in.kv_a), mat(x), w.wkv_a);
   ops::rope(mat(in.kv_a).col_range(st.C, st.dr), st.B, st.L, 1, 0, st.pos0, st.ctx.rope, false);

@@ -30,7 +30,24 @@ template <class Entry, class F>
 void entry_fields(Entry& e, F&& f) {
   f(e.calls), f(e.bytes_sent), f(e.bytes_received), f(e.measured_sent), f(e.measured_received);
 }
-constexpr std::size_t kReportFields = 1 + 3 + 8, kEntryFields = 5;
+// A byte count travels as two doubles (its high and low 32 bits), so it stays
+// exact beyond 2^53 (eager probabilities at S = 10^8 are ~10^17 bytes).
+constexpr std::size_t kReportFields = 1 + 3 + 2 * 8, kEntryFields = 2 * 5;
+void put(double*& out, double v) {
+  *out++ = v;
+}
+void put(double*& out, std::int64_t v) {
+  *out++ = static_cast<double>(v >> 32);
+  *out++ = static_cast<double>(v & 0xffffffff);
+}
+void get(const double*& in, double& v) {
+  v = *in++;
+}
+void get(const double*& in, std::int64_t& v) {
+  const auto hi = static_cast<std::int64_t>(in[0]), lo = static_cast<std::int64_t>(in[1]);
+  in += 2;
+  v = static_cast<std::int64_t>(static_cast<std::uint64_t>(hi) << 32) + lo;
+}
 
 }  // namespace
 
@@ -40,23 +57,23 @@ std::size_t packed_report_size(std::size_t keys) {
 
 void pack_report(const RankReport& report, const std::vector<LedgerKey>& keys, double* out) {
   *out++ = report.rank;
-  report_fields(report, [&](const auto& v) { *out++ = static_cast<double>(v); });
+  report_fields(report, [&](const auto& v) { put(out, v); });
   for (const LedgerKey& k : keys) {
     const auto it = report.ledger.entries().find(k);
     LAGA_CHECK(it != report.ledger.entries().end(), "pack_report: rank ", report.rank,
                " issued no collective '", k.second, "' in phase ", to_string(k.first),
                " but the reporting rank did; the ranks ran different sequences");
-    entry_fields(it->second, [&](const auto& v) { *out++ = static_cast<double>(v); });
+    entry_fields(it->second, [&](const auto& v) { put(out, v); });
   }
 }
 
 RankReport unpack_report(const double* in, const std::vector<LedgerKey>& keys) {
   RankReport r;
   r.rank = static_cast<int>(*in++);
-  report_fields(r, [&](auto& v) { v = static_cast<std::remove_reference_t<decltype(v)>>(*in++); });
+  report_fields(r, [&](auto& v) { get(in, v); });
   for (const LedgerKey& k : keys) {
     LedgerEntry e;
-    entry_fields(e, [&](auto& v) { v = static_cast<std::int64_t>(*in++); });
+    entry_fields(e, [&](auto& v) { get(in, v); });
     r.ledger.record_entry(k.first, k.second, e);
   }
   return r;

@@ -54,8 +54,8 @@ struct RankReport {
 // over any backend (one all-gather or all-reduce of slots). Every field of
 // RankReport travels, the ledger entries in the order of `keys` (each rank's
 // ledger has the same keys: collectives are collective); the live lists of
-// RankMemory do not. Byte counts stay below 2^53, so doubles carry them
-// exactly.
+// RankMemory do not. Byte counts travel split into two exact doubles, so they
+// stay exact at any size.
 using LedgerKey = std::pair<Phase, std::string>;
 std::size_t packed_report_size(std::size_t keys);
 void pack_report(const RankReport& report, const std::vector<LedgerKey>& keys, double* out);
