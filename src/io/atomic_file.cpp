@@ -136,10 +136,15 @@ struct ProtectedEntry {
   ino_t ino;
   std::string path, what;
 };
-std::mutex protected_mutex;
+// Never destroyed: ProtectedInputs held by other statics (the CLI keeps its
+// guards until exit) unregister during static destruction, in no set order.
+std::mutex& protected_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
 std::vector<ProtectedEntry>& protected_entries() {
-  static std::vector<ProtectedEntry> entries;
-  return entries;
+  static auto* entries = new std::vector<ProtectedEntry>;
+  return *entries;
 }
 
 std::string file_kind(mode_t mode) {
@@ -155,7 +160,7 @@ std::string file_kind(mode_t mode) {
 
 ProtectedInputs::ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs) {
   static std::atomic<unsigned long> next_id{1};
-  std::lock_guard<std::mutex> lock(protected_mutex);
+  std::lock_guard<std::mutex> lock(protected_mutex());
   for (const auto& [path, what] : inputs) {
     struct stat st {};
     if (path.empty() || ::stat(path.c_str(), &st) != 0) continue;
@@ -166,7 +171,7 @@ ProtectedInputs::ProtectedInputs(const std::vector<std::pair<std::string, std::s
 }
 
 ProtectedInputs::~ProtectedInputs() {
-  std::lock_guard<std::mutex> lock(protected_mutex);
+  std::lock_guard<std::mutex> lock(protected_mutex());
   auto& entries = protected_entries();
   std::erase_if(entries, [&](const ProtectedEntry& e) {
     return std::find(ids_.begin(), ids_.end(), e.id) != ids_.end();
@@ -198,7 +203,7 @@ std::string resolve_output_path(const std::string& path, const std::string& what
              file_kind(st.st_mode),
              ", which writing would replace or destroy; give the path of a regular file or a new "
              "one");
-  std::lock_guard<std::mutex> lock(protected_mutex);
+  std::lock_guard<std::mutex> lock(protected_mutex());
   for (const ProtectedEntry& e : protected_entries())
     LAGA_CHECK(e.dev != st.st_dev || e.ino != st.st_ino, "refusing to write ", what, " '", path,
                "'", via, ": it is the same file as the ", e.what, " '", e.path,

@@ -107,7 +107,7 @@ void protect_input(const std::string& path, const std::string& option) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   guards.push_back(std::make_unique<ProtectedInputs>(
-      std::vector<std::pair<std::string, std::string>>{{path, option + " input"}}));
+      std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
 }
 
 void write_output(const std::string& path, const std::string& text) {
