@@ -204,12 +204,17 @@ std::string resolve_output_path(const std::string& path, const std::string& what
              ", which writing would replace or destroy; give the path of a regular file or a new "
              "one");
   std::lock_guard<std::mutex> lock(protected_mutex());
-  for (const ProtectedEntry& e : protected_entries())
+  for (const ProtectedEntry& e : protected_entries()) {
+    // An input since deleted (a pruned checkpoint) protects nothing: its
+    // inode may now belong to a new file of ours.
+    struct stat now {};
+    if (::stat(e.path.c_str(), &now) != 0 || now.st_dev != e.dev || now.st_ino != e.ino) continue;
     LAGA_CHECK(e.dev != st.st_dev || e.ino != st.st_ino, "refusing to write ", what, " '", path,
                "'", via, ": it is the same file as the ", e.what, " '", e.path,
                "' that this run reads, and writing it would destroy that input; choose another "
                "path for ",
                what);
+  }
   return target.string();
 }
 

@@ -114,5 +114,19 @@ TEST(OutputPath, ProtectedInputIsRefusedThroughLinksAndFreedAfter) {
   EXPECT_EQ(read_bytes(input), "replaced");
 }
 
+// The registry protects the file at the input's path: once that path is gone
+// (a pruned checkpoint), its inode may be reused by a new file of ours, which
+// must stay writable. Renaming the input away stands in for inode reuse.
+TEST(OutputPath, InputNoLongerAtItsPathProtectsNothing) {
+  const auto dir = scratch_dir();
+  write_bytes(dir / "ckpt", "old");
+  ProtectedInputs guard({{(dir / "ckpt").string(), "--resume checkpoint"}});
+  expect_error([&] { write_file_atomic((dir / "ckpt").string(), std::string_view("x")); },
+               {"same file as the --resume checkpoint"});
+  fs::rename(dir / "ckpt", dir / "latest.json");
+  write_file_atomic((dir / "latest.json").string(), std::string_view("new"));
+  EXPECT_EQ(read_bytes(dir / "latest.json"), "new");
+}
+
 }  // namespace
 }  // namespace laga
