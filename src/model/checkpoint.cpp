@@ -243,7 +243,9 @@ CheckpointManifest read_checkpoint_manifest(const std::string& where) {
     fail("checkpoint manifest '", manifest.string(), "' is not valid JSON (", e.what(),
          "); it is damaged: ", previous_hint(dir, manifest));
   }
-  const std::string format = j.is_object() ? j.value("format", "") : "";
+  const std::string format = j.is_object() && j.contains("format") && j["format"].is_string()
+                                 ? j["format"].get<std::string>()
+                                 : "";
   LAGA_CHECK(format != "laga-train-checkpoint-1", "checkpoint manifest '", manifest.string(),
              "' is of format 1, which records neither the run's options nor a hash of itself, so "
              "it cannot be resumed safely; resume it with the laga version that wrote it, or start "

@@ -122,7 +122,16 @@ def case_log(laga, scratch):
     p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--save-every", "3",
                                         "--checkpoint", ck, "--log", log])
     wait_for_lines(p, log, 8)
-    p.kill()  # SIGKILL: no handler runs
+    # Freeze it (SIGSTOP) until the log has run past the last checkpoint, so
+    # the kill always leaves steps to be logged again; then SIGKILL: no
+    # handler runs.
+    for _ in range(1000):
+        p.send_signal(signal.SIGSTOP)
+        if len(log_steps(log)) > latest_step(ck):
+            break
+        p.send_signal(signal.SIGCONT)
+        time.sleep(0.003)
+    p.kill()
     p.wait()
     k = latest_step(ck)
     logged = log_steps(log)
