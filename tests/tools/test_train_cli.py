@@ -6,8 +6,9 @@
 Cases:
   signals  `laga train` as a subprocess: SIGINT after a step exits 130 after
            finishing the step, with a checkpoint of that step and a log with
-           every step once; a resume then SIGTERM exits 143 the same way; two
-           SIGINTs in a row exit 130 at once, saying so
+           every step once; a resume then SIGTERM exits 143 the same way; a
+           second SIGINT during the step exits 130 at once, saying so, with
+           no checkpoint
   log      kill -9 mid-run leaves log lines after the last checkpoint; the
            resume cuts the log back to the checkpoint's step (every step once)
            and its save removes a stale temporary of laga's naming, keeping a
@@ -28,7 +29,8 @@ import time
 
 TINY = ["--d-model", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq", "16",
         "--quiet"]
-# A step long enough (~0.1-1 s) that two signals land within one step.
+# A step long enough (about 4 s on a shared 2-core machine) that the second
+# signal lands within the step the first one interrupted.
 SLOW = ["--d-model", "256", "--heads", "8", "--layers", "4", "--vocab", "512", "--seq", "512",
         "--quiet"]
 
@@ -67,7 +69,7 @@ def wait_for_lines(proc, log, n, timeout=240):
     while len(log_steps(log)) < n:
         if proc.poll() is not None:
             sys.exit(f"FAILED: laga ended (exit {proc.returncode}) before logging {n} steps:\n"
-                     + proc.stderr.read())
+                     + (proc.stderr.read() if proc.stderr else ""))
         if time.time() > end:
             proc.kill()
             sys.exit(f"FAILED: no {n} log lines within {timeout} s")
@@ -107,14 +109,29 @@ def case_signals(laga, scratch):
 
     # Two signals within one step: out at once, nothing saved.
     ck2, log2 = os.path.join(scratch, "ck2"), os.path.join(scratch, "log2.jsonl")
-    p = start(laga, ["train"] + SLOW + ["--steps", "1000000", "--checkpoint", ck2, "--log", log2])
+    # stderr to a file, read while it runs: the second signal goes only once
+    # the first was handled (two pending SIGINTs would merge into one).
+    err_path = os.path.join(scratch, "double.err")
+    with open(err_path, "w") as err_file:
+        p = subprocess.Popen([laga, "train"] + SLOW + ["--steps", "1000000", "--checkpoint", ck2,
+                                                       "--log", log2],
+                             stdout=subprocess.DEVNULL, stderr=err_file)
     wait_for_lines(p, log2, 1)
     p.send_signal(signal.SIGINT)
-    time.sleep(0.01)
+    end = time.time() + 60
+    while "signal received" not in read(err_path).decode():
+        check(time.time() < end and p.poll() is None, "the first SIGINT was not acknowledged")
+        time.sleep(0.001)
     p.send_signal(signal.SIGINT)
-    rc, err = finish(p)
+    try:
+        rc = p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        sys.exit("FAILED: laga did not exit after the second signal")
+    err = read(err_path).decode()
     check(rc == 130, f"double SIGINT: exit {rc}, wanted 130\n{err}")
     check("second signal: stopping at once" in err, "double SIGINT message:\n" + err)
+    check(not os.path.exists(os.path.join(ck2, "latest.json")), "nothing saved after two signals")
 
 
 def case_log(laga, scratch):
