@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <string_view>
 #include <vector>
 
@@ -49,13 +48,43 @@ std::string step_name(std::int64_t step) {
   return buf;
 }
 
+// Names are matched by hand, not std::regex: exact, and GCC 12's
+// sanitizer build warns inside <regex> (-Werror).
+bool digits(std::string_view s, size_t min_len, size_t max_len) {
+  if (s.size() < min_len || s.size() > max_len) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // The step of a manifest named step-<digits>.json; -1 for any other name.
 std::int64_t step_of(const fs::path& p) {
-  static const std::regex re("step-([0-9]{1,18})\\.json");
-  std::smatch m;
   const std::string n = p.filename().string();
-  if (!std::regex_match(n, m, re)) return -1;
-  return std::stoll(m[1].str());
+  const std::string_view v(n);
+  if (!v.starts_with("step-") || !v.ends_with(".json")) return -1;
+  const std::string_view d = v.substr(5, v.size() - 10);
+  return digits(d, 1, 18) ? std::stoll(std::string(d)) : -1;
+}
+
+// latest.json, step-<N>.json or step-<N>.safetensors as save_checkpoint
+// names them (N: at least 8 digits).
+bool is_checkpoint_file_name(std::string_view n) {
+  if (n == "latest.json") return true;
+  if (!n.starts_with("step-")) return false;
+  for (std::string_view ext : {std::string_view(".json"), std::string_view(".safetensors")})
+    if (n.ends_with(ext) && digits(n.substr(5, n.size() - 5 - ext.size()), 8, 18)) return true;
+  return false;
+}
+
+// The pid in a temporary write_file_atomic made for a checkpoint file
+// (`<checkpoint file>.tmp.<pid>.<serial>`); -1 for any other name.
+long long temporary_owner(std::string_view n) {
+  const size_t tmp = n.find(".tmp.");
+  if (tmp == std::string_view::npos || !is_checkpoint_file_name(n.substr(0, tmp))) return -1;
+  const std::string_view rest = n.substr(tmp + 5);
+  const size_t dot = rest.find('.');
+  if (dot == std::string_view::npos || !digits(rest.substr(0, dot), 1, 10) ||
+      !digits(rest.substr(dot + 1), 1, 20))
+    return -1;
+  return std::stoll(std::string(rest.substr(0, dot)));
 }
 
 // Manifests in dir, sorted by step.
@@ -113,16 +142,11 @@ std::vector<std::string> checkpoint_manifests(const std::string& dir) {
 }
 
 int remove_stale_checkpoint_temporaries(const std::string& dir) {
-  // Exactly write_file_atomic's temporary names for the files a save writes.
-  static const std::regex re(
-      "(latest\\.json|step-[0-9]{8,18}\\.(json|safetensors))\\.tmp\\.([0-9]{1,10})\\.[0-9]+");
   int removed = 0;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    std::smatch m;
-    if (!std::regex_match(n, m, re) || !e.is_regular_file(ec)) continue;
-    const long long pid = std::stoll(m[3].str());
+    const long long pid = temporary_owner(e.path().filename().string());
+    if (pid < 0 || !e.is_regular_file(ec)) continue;
     // Another live process (a concurrent save) may still own it; this
     // process writes checkpoints from one thread, so its own are stale here.
     const bool live_other =
