@@ -4,10 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 
 #include "core/error.hpp"
@@ -127,10 +129,98 @@ void sync_directory(const std::string& target, const std::string& directory) {
   }
 }
 
+// The inputs protected by live ProtectedInputs objects, by device and inode.
+struct ProtectedEntry {
+  unsigned long id;
+  dev_t dev;
+  ino_t ino;
+  std::string path, what;
+};
+// Never destroyed: ProtectedInputs held by other statics (the CLI keeps its
+// guards until exit) unregister during static destruction, in no set order.
+std::mutex& protected_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::vector<ProtectedEntry>& protected_entries() {
+  static auto* entries = new std::vector<ProtectedEntry>;
+  return *entries;
+}
+
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 }  // namespace
 
-void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
-  LAGA_CHECK(!path.empty(), "cannot write a file with an empty path; give a file name");
+ProtectedInputs::ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs) {
+  static std::atomic<unsigned long> next_id{1};
+  std::lock_guard<std::mutex> lock(protected_mutex());
+  for (const auto& [path, what] : inputs) {
+    struct stat st {};
+    if (path.empty() || ::stat(path.c_str(), &st) != 0) continue;
+    const unsigned long id = next_id.fetch_add(1);
+    protected_entries().push_back(ProtectedEntry{id, st.st_dev, st.st_ino, path, what});
+    ids_.push_back(id);
+  }
+}
+
+ProtectedInputs::~ProtectedInputs() {
+  std::lock_guard<std::mutex> lock(protected_mutex());
+  auto& entries = protected_entries();
+  std::erase_if(entries, [&](const ProtectedEntry& e) {
+    return std::find(ids_.begin(), ids_.end(), e.id) != ids_.end();
+  });
+}
+
+std::string resolve_output_path(const std::string& path, const std::string& what) {
+  namespace fs = std::filesystem;
+  LAGA_CHECK(!path.empty(), "cannot write ", what, ": the path is empty; give a file name");
+  // Follow the symlink chain by hand: the target need not exist yet (a link
+  // to a file not written so far is written through, as a shell would).
+  fs::path target(path);
+  std::string via;  // "'link' is a symlink to ": context for the messages
+  for (int hops = 0;; ++hops) {
+    std::error_code ec;
+    const fs::file_status ls = fs::symlink_status(target, ec);
+    if (ec || ls.type() != fs::file_type::symlink) break;
+    LAGA_CHECK(hops < 40, "cannot write ", what, " '", path,
+               "': too many levels of symbolic links; give the path of a regular file");
+    const fs::path next = fs::read_symlink(target, ec);
+    LAGA_CHECK(!ec, "cannot write ", what, " '", path, "': reading the symbolic link '",
+               target.string(), "' failed: ", ec.message());
+    target = next.is_absolute() ? next : target.parent_path() / next;
+    via = cat(" ('", path, "' is a symbolic link to '", target.string(), "')");
+  }
+  struct stat st {};
+  if (::stat(target.c_str(), &st) != 0) return target.string();  // a new file
+  LAGA_CHECK(S_ISREG(st.st_mode), "cannot write ", what, " '", path, "'", via, ": it is ",
+             file_kind(st.st_mode),
+             ", which writing would replace or destroy; give the path of a regular file or a new "
+             "one");
+  std::lock_guard<std::mutex> lock(protected_mutex());
+  for (const ProtectedEntry& e : protected_entries()) {
+    // An input since deleted (a pruned checkpoint) protects nothing: its
+    // inode may now belong to a new file of ours.
+    struct stat now {};
+    if (::stat(e.path.c_str(), &now) != 0 || now.st_dev != e.dev || now.st_ino != e.ino) continue;
+    LAGA_CHECK(e.dev != st.st_dev || e.ino != st.st_ino, "refusing to write ", what, " '", path,
+               "'", via, ": it is the same file as the ", e.what, " '", e.path,
+               "' that this run reads, and writing it would destroy that input; choose another "
+               "path for ",
+               what);
+  }
+  return target.string();
+}
+
+void write_file_atomic(const std::string& path_given, const std::vector<std::string_view>& pieces) {
+  LAGA_CHECK(!path_given.empty(), "cannot write a file with an empty path; give a file name");
+  const std::string path = resolve_output_path(path_given, "output");
   std::optional<mode_t> preserved_mode;
   struct stat existing {};
   if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) {

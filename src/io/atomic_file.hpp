@@ -8,15 +8,44 @@
 // is removed and `path` is untouched; the error names the path, the step and
 // the system's reason.
 //
-// An existing file keeps its permission bits. A symlink at `path` is replaced
-// by a regular file rather than written through.
+// An existing file keeps its permission bits. Before anything is written,
+// resolve_output_path() vets `path` (below): a symlink is written through (its
+// target is replaced, the link stays), anything but a regular file is refused,
+// and so is a file this process reads as an input.
 #pragma once
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace laga {
+
+// The one check every writer of a user-named file runs (write_file_atomic
+// calls it; so do the tools for their outputs up front, before any work, and
+// for the --log they append to). Returns the path to write: `path` itself, or
+// for a symlink (chains included) the file it finally names, which may not
+// exist yet. Refuses with laga::Error, naming `what` ("--output", "--log", ...):
+//   - an existing path that is not a regular file: directory, FIFO, device
+//     node, socket (replacing one would destroy it: as root, /dev/null);
+//   - a path that is the same file (device and inode, so through symlinks and
+//     hard links) as one of the inputs protected by a live ProtectedInputs.
+std::string resolve_output_path(const std::string& path, const std::string& what = "output");
+
+// While alive, the named input files may not be written by any writer of this
+// process (resolve_output_path refuses them). Each entry: the path and what it
+// is ("--weights", "--data", "the resume checkpoint"); paths that do not exist
+// (yet) protect nothing. Tools hold one for the whole command.
+class ProtectedInputs {
+ public:
+  explicit ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs);
+  ~ProtectedInputs();
+  ProtectedInputs(const ProtectedInputs&) = delete;
+  ProtectedInputs& operator=(const ProtectedInputs&) = delete;
+
+ private:
+  std::vector<unsigned long> ids_;
+};
 
 void write_file_atomic(const std::string& path, std::string_view bytes);
 

@@ -1,10 +1,15 @@
 #include "model/checkpoint.hpp"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <vector>
 
 #include "core/error.hpp"
@@ -16,6 +21,20 @@ namespace laga {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Format 2 added the run's options and the manifest's own hash; format 1
+// manifests (neither) are refused, since their step and cursor are unverified.
+constexpr const char* kFormat = "laga-train-checkpoint-2";
+constexpr const char* kManifestHashKey = "manifest_fnv1a64";
+
+constexpr std::uint64_t kFnvOffset = 1469598103934665603ull;
+std::uint64_t fnv1a64(std::uint64_t h, std::string_view bytes) {
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
 
 std::string hex64(std::uint64_t h) {
   char buf[17];
@@ -29,15 +48,53 @@ std::string step_name(std::int64_t step) {
   return buf;
 }
 
-// Manifests in dir, sorted by step (the file names sort numerically).
+// Names are matched by hand, not std::regex: exact, and GCC 12's
+// sanitizer build warns inside <regex> (-Werror).
+bool digits(std::string_view s, size_t min_len, size_t max_len) {
+  if (s.size() < min_len || s.size() > max_len) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The step of a manifest named step-<digits>.json; -1 for any other name.
+std::int64_t step_of(const fs::path& p) {
+  const std::string n = p.filename().string();
+  const std::string_view v(n);
+  if (!v.starts_with("step-") || !v.ends_with(".json")) return -1;
+  const std::string_view d = v.substr(5, v.size() - 10);
+  return digits(d, 1, 18) ? std::stoll(std::string(d)) : -1;
+}
+
+// latest.json, step-<N>.json or step-<N>.safetensors as save_checkpoint
+// names them (N: at least 8 digits).
+bool is_checkpoint_file_name(std::string_view n) {
+  if (n == "latest.json") return true;
+  if (!n.starts_with("step-")) return false;
+  for (std::string_view ext : {std::string_view(".json"), std::string_view(".safetensors")})
+    if (n.ends_with(ext) && digits(n.substr(5, n.size() - 5 - ext.size()), 8, 18)) return true;
+  return false;
+}
+
+// The pid in a temporary write_file_atomic made for a checkpoint file
+// (`<checkpoint file>.tmp.<pid>.<serial>`); -1 for any other name.
+long long temporary_owner(std::string_view n) {
+  const size_t tmp = n.find(".tmp.");
+  if (tmp == std::string_view::npos || !is_checkpoint_file_name(n.substr(0, tmp))) return -1;
+  const std::string_view rest = n.substr(tmp + 5);
+  const size_t dot = rest.find('.');
+  if (dot == std::string_view::npos || !digits(rest.substr(0, dot), 1, 10) ||
+      !digits(rest.substr(dot + 1), 1, 20))
+    return -1;
+  return std::stoll(std::string(rest.substr(0, dot)));
+}
+
+// Manifests in dir, sorted by step.
 std::vector<fs::path> manifests(const fs::path& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step-", 0) == 0 && e.path().extension() == ".json") out.push_back(e.path());
-  }
-  std::sort(out.begin(), out.end());
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (step_of(e.path()) >= 0) out.push_back(e.path());
+  std::sort(out.begin(), out.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) < step_of(b); });
   return out;
 }
 
@@ -49,37 +106,118 @@ std::string previous_hint(const fs::path& dir, const fs::path& bad) {
   return "resume from the previous checkpoint with --resume " + hint;
 }
 
+// The hash a manifest records of itself: of its canonical dump (sorted keys)
+// without the hash field.
+std::string manifest_hash(nlohmann::json j) {
+  j.erase(kManifestHashKey);
+  return hex64(fnv1a64(kFnvOffset, j.dump()));
+}
+
+void remove_checkpoint_files(const fs::path& manifest) {
+  std::error_code ec;
+  fs::path tensors = manifest;
+  tensors.replace_extension(".safetensors");
+  fs::remove(tensors, ec);
+  fs::remove(manifest, ec);
+}
+
 }  // namespace
 
 std::uint64_t file_fnv1a64(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   LAGA_CHECK(in, "checkpoint: cannot open '", path, "' to verify it");
-  std::uint64_t h = 1469598103934665603ull;
+  std::uint64_t h = kFnvOffset;
   std::vector<char> buf(1 << 20);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const std::streamsize n = in.gcount();
-    for (std::streamsize i = 0; i < n; ++i) {
-      h ^= static_cast<unsigned char>(buf[static_cast<size_t>(i)]);
-      h *= 1099511628211ull;
-    }
+    h = fnv1a64(h, std::string_view(buf.data(), static_cast<size_t>(in.gcount())));
   }
   return h;
 }
 
+std::vector<std::string> checkpoint_manifests(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& m : manifests(dir)) out.push_back(m.string());
+  return out;
+}
+
+int remove_stale_checkpoint_temporaries(const std::string& dir) {
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const long long pid = temporary_owner(e.path().filename().string());
+    if (pid < 0 || !e.is_regular_file(ec)) continue;
+    // Another live process (a concurrent save) may still own it; this
+    // process writes checkpoints from one thread, so its own are stale here.
+    const bool live_other =
+        pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH);
+    if (!live_other && fs::remove(e.path(), ec)) ++removed;
+  }
+  return removed;
+}
+
+std::vector<std::string> set_aside_checkpoints_after(const std::string& dir_s, std::int64_t step,
+                                                     std::string* folder) {
+  const fs::path dir(dir_s);
+  std::vector<fs::path> later;
+  for (const auto& m : manifests(dir))
+    if (step_of(m) > step) later.push_back(m);
+  std::vector<std::string> moved;
+  if (folder) folder->clear();
+  if (later.empty()) return moved;
+  fs::path aside = dir / ("superseded-after-" + step_name(step));
+  for (int k = 2; fs::exists(aside); ++k)
+    aside = dir / ("superseded-after-" + step_name(step) + "-" + std::to_string(k));
+  std::error_code ec;
+  fs::create_directory(aside, ec);
+  LAGA_CHECK(!ec, "--checkpoint '", dir_s, "': cannot create '", aside.string(),
+             "' to keep the checkpoints after step ", step, " (", ec.message(),
+             "); move them away yourself or choose another --checkpoint directory");
+  auto move = [&](const fs::path& from) {
+    if (!fs::exists(fs::symlink_status(from))) return;
+    fs::rename(from, aside / from.filename(), ec);
+    LAGA_CHECK(!ec, "--checkpoint '", dir_s, "': cannot move '", from.string(), "' into '",
+               aside.string(), "' (", ec.message(), ")");
+    moved.push_back(from.filename().string());
+  };
+  const std::string own = (dir / (step_name(step) + ".json")).string();
+  const fs::path latest = dir / "latest.json";
+  bool latest_is_later = false;
+  try {
+    latest_is_later = fs::exists(latest) && read_checkpoint_manifest(latest.string()).step > step;
+  } catch (const Error&) {
+    latest_is_later = true;  // damaged: it is not this run's; keep it aside too
+  }
+  for (const auto& m : later) {
+    fs::path tensors = m;
+    tensors.replace_extension(".safetensors");
+    move(tensors);
+    move(m);
+  }
+  if (latest_is_later && fs::exists(latest)) {
+    move(latest);
+    std::ifstream in(own, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in) write_file_atomic(latest.string(), text);
+  }
+  if (folder) *folder = aside.string();
+  return moved;
+}
+
 template <class T>
 std::string save_checkpoint(const std::string& dir_s, const LmConfig& cfg, const TrainState<T>& st,
-                            int keep) {
+                            const CheckpointOptions& options, int keep) {
   const fs::path dir(dir_s);
   std::error_code ec;
   fs::create_directories(dir, ec);
   LAGA_CHECK(fs::is_directory(dir), "--checkpoint '", dir_s, "': cannot create the directory (",
              ec.message(), "); choose a writable path");
+  remove_stale_checkpoint_temporaries(dir_s);
   SafetensorsWriter w;
   st.params.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("param." + n, t); });
   st.m.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("adam_m." + n, t); });
   st.v.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("adam_v." + n, t); });
-  w.add_metadata("format", "laga-train-checkpoint-1");
+  w.add_metadata("format", kFormat);
   w.add_metadata("step", std::to_string(st.step));
   w.add_metadata("data_cursor", std::to_string(st.data_cursor));
   w.add_metadata("seed", std::to_string(st.seed));
@@ -88,7 +226,7 @@ std::string save_checkpoint(const std::string& dir_s, const LmConfig& cfg, const
   w.write(tensors.string());
 
   nlohmann::json j;
-  j["format"] = "laga-train-checkpoint-1";
+  j["format"] = kFormat;
   j["step"] = st.step;
   j["data_cursor"] = st.data_cursor;
   j["seed"] = st.seed;
@@ -96,25 +234,25 @@ std::string save_checkpoint(const std::string& dir_s, const LmConfig& cfg, const
   j["bytes"] = static_cast<std::int64_t>(fs::file_size(tensors));
   j["fnv1a64"] = hex64(file_fnv1a64(tensors.string()));
   j["model"] = cfg.to_json();
+  j["options"] = options;
+  j[kManifestHashKey] = manifest_hash(j);
   const std::string text = j.dump(2) + "\n";
   const fs::path manifest = dir / (base + ".json");
   write_file_atomic(manifest.string(), text);
   write_file_atomic((dir / "latest.json").string(), text);
 
-  // Only now, with the new checkpoint complete, drop the oldest ones.
-  auto all = manifests(dir);
-  const size_t k = static_cast<size_t>(std::max(2, keep));
-  for (size_t i = 0; i + k < all.size(); ++i) {
-    fs::remove(all[i], ec);
-    fs::path st_file = all[i];
-    st_file.replace_extension(".safetensors");
-    fs::remove(st_file, ec);
-  }
+  // Only now, with the new checkpoint complete, drop the oldest ones: only
+  // checkpoints of lower steps are candidates, so neither this one (which
+  // latest.json names) nor any later one can be removed.
+  std::vector<fs::path> older;
+  for (const auto& m : manifests(dir))
+    if (step_of(m) < st.step) older.push_back(m);
+  const size_t kept_older = static_cast<size_t>(std::max(2, keep) - 1);
+  for (size_t i = 0; i + kept_older < older.size(); ++i) remove_checkpoint_files(older[i]);
   return manifest.string();
 }
 
-template <class T>
-void load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st) {
+CheckpointManifest read_checkpoint_manifest(const std::string& where) {
   fs::path manifest(where);
   if (fs::is_directory(manifest)) manifest /= "latest.json";
   const fs::path dir = manifest.parent_path().empty() ? fs::path(".") : manifest.parent_path();
@@ -129,26 +267,82 @@ void load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T
     fail("checkpoint manifest '", manifest.string(), "' is not valid JSON (", e.what(),
          "); it is damaged: ", previous_hint(dir, manifest));
   }
-  LAGA_CHECK(j.value("format", "") == "laga-train-checkpoint-1", "checkpoint manifest '",
-             manifest.string(), "' is not a laga training checkpoint (format '",
-             j.value("format", ""), "')");
-  const fs::path tensors = dir / j.at("file").get<std::string>();
+  const std::string format = j.is_object() && j.contains("format") && j["format"].is_string()
+                                 ? j["format"].get<std::string>()
+                                 : "";
+  LAGA_CHECK(format != "laga-train-checkpoint-1", "checkpoint manifest '", manifest.string(),
+             "' is of format 1, which records neither the run's options nor a hash of itself, so "
+             "it cannot be resumed safely; resume it with the laga version that wrote it, or start "
+             "a new run");
+  LAGA_CHECK(format == kFormat, "checkpoint manifest '", manifest.string(),
+             "' is not a laga training checkpoint (format '", format, "')");
+  CheckpointManifest m;
+  m.path = manifest.string();
+  try {
+    const std::string recorded = j.at(kManifestHashKey).get<std::string>();
+    const std::string actual = manifest_hash(j);
+    LAGA_CHECK(recorded == actual, "checkpoint manifest '", manifest.string(),
+               "' was changed after it was written (its hash is ", actual, ", it records ",
+               recorded, "): its step, data cursor or options were edited or damaged; ",
+               previous_hint(dir, manifest));
+    m.tensors = (dir / j.at("file").get<std::string>()).string();
+    m.tensors_bytes = j.at("bytes").get<std::int64_t>();
+    m.tensors_fnv1a64 = j.at("fnv1a64").get<std::string>();
+    m.step = j.at("step").get<std::int64_t>();
+    m.data_cursor = j.at("data_cursor").get<std::int64_t>();
+    m.seed = j.at("seed").get<std::uint64_t>();
+    m.options = j.at("options").get<CheckpointOptions>();
+    m.model_json = j.at("model").dump();
+  } catch (const nlohmann::json::exception& e) {
+    fail("checkpoint manifest '", manifest.string(),
+         "' lacks a field or has one of the wrong type (", e.what(),
+         "); it is damaged: ", previous_hint(dir, manifest));
+  }
+  return m;
+}
+
+std::vector<std::string> model_changes(const CheckpointManifest& m, const LmConfig& cfg) {
+  const nlohmann::json old = nlohmann::json::parse(m.model_json), now = cfg.to_json();
+  std::vector<std::string> out;
+  if (old == now) return out;
+  auto text = [](const nlohmann::json& o, const std::string& k) {
+    return o.contains(k) ? o.at(k).dump() : std::string("(absent)");
+  };
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : old.items()) keys.push_back(k);
+  for (const auto& [k, v] : now.items())
+    if (!old.contains(k)) keys.push_back(k);
+  for (const auto& k : keys)
+    if (!old.contains(k) || !now.contains(k) || old.at(k) != now.at(k))
+      out.push_back("model " + k + ": " + text(old, k) + " -> " + text(now, k));
+  if (out.empty()) out.push_back("model: " + old.dump() + " -> " + now.dump());
+  return out;
+}
+
+template <class T>
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
+                                   TrainState<T>& st) {
+  const CheckpointManifest m = read_checkpoint_manifest(where);
+  const fs::path tensors(m.tensors);
+  const fs::path dir = tensors.parent_path();
   const fs::path bad_manifest = dir / (tensors.stem().string() + ".json");
-  LAGA_CHECK(fs::is_regular_file(tensors), "checkpoint '", tensors.string(), "' named by '",
-             manifest.string(), "' is missing; ", previous_hint(dir, bad_manifest));
+  LAGA_CHECK(fs::is_regular_file(tensors), "checkpoint '", tensors.string(), "' named by '", m.path,
+             "' is missing; ", previous_hint(dir, bad_manifest));
   const auto bytes = static_cast<std::int64_t>(fs::file_size(tensors));
-  const std::int64_t want = j.at("bytes").get<std::int64_t>();
-  LAGA_CHECK(bytes == want, "checkpoint '", tensors.string(), "' is ", bytes,
-             " bytes but its manifest '", manifest.string(), "' records ", want,
+  LAGA_CHECK(bytes == m.tensors_bytes, "checkpoint '", tensors.string(), "' is ", bytes,
+             " bytes but its manifest '", m.path, "' records ", m.tensors_bytes,
              ": it is truncated or was overwritten; ", previous_hint(dir, bad_manifest));
   const std::string hash = hex64(file_fnv1a64(tensors.string()));
-  LAGA_CHECK(hash == j.at("fnv1a64").get<std::string>(), "checkpoint '", tensors.string(),
+  LAGA_CHECK(hash == m.tensors_fnv1a64, "checkpoint '", tensors.string(),
              "' is corrupted: its FNV-1a hash is ", hash, " but the manifest records ",
-             j.at("fnv1a64").get<std::string>(), "; ", previous_hint(dir, bad_manifest));
-  const nlohmann::json model = cfg.to_json();
-  LAGA_CHECK(j.at("model") == model, "checkpoint '", manifest.string(),
-             "' was written for a different model (", j.at("model").dump(),
-             "); pass the same --layers/--d-model/--heads/--vocab/... as the run that wrote it");
+             m.tensors_fnv1a64, "; ", previous_hint(dir, bad_manifest));
+  const std::vector<std::string> changed = model_changes(m, cfg);
+  if (!changed.empty()) {
+    std::string list;
+    for (const auto& c : changed) list += (list.empty() ? "" : "; ") + c;
+    fail("checkpoint '", m.path, "' was written for a different model (", list,
+         "); pass the same --layers/--d-model/--heads/--vocab/... as the run that wrote it");
+  }
 
   const SafetensorsFile f = SafetensorsFile::open(tensors.string());
   auto load = [&](const char* prefix, LmParams<T>& p) {
@@ -157,15 +351,17 @@ void load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T
   load("param.", st.params);
   load("adam_m.", st.m);
   load("adam_v.", st.v);
-  st.step = j.at("step").get<std::int64_t>();
-  st.data_cursor = j.at("data_cursor").get<std::int64_t>();
-  st.seed = j.at("seed").get<std::uint64_t>();
+  st.step = m.step;
+  st.data_cursor = m.data_cursor;
+  st.seed = m.seed;
+  return m;
 }
 
-#define LAGA_INSTANTIATE(T)                                                    \
-  template std::string save_checkpoint<T>(const std::string&, const LmConfig&, \
-                                          const TrainState<T>&, int);          \
-  template void load_checkpoint<T>(const std::string&, const LmConfig&, TrainState<T>&);
+#define LAGA_INSTANTIATE(T)                                                                     \
+  template std::string save_checkpoint<T>(const std::string&, const LmConfig&,                  \
+                                          const TrainState<T>&, const CheckpointOptions&, int); \
+  template CheckpointManifest load_checkpoint<T>(const std::string&, const LmConfig&,           \
+                                                 TrainState<T>&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

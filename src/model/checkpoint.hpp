@@ -4,8 +4,10 @@
 //   DIR/step-0000N.safetensors  param.<name>, adam_m.<name>, adam_v.<name>
 //                               (F32/F64 as trained) and metadata
 //   DIR/step-0000N.json         manifest: step, data cursor, seed, model
-//                               config, the safetensors file's size and
-//                               FNV-1a 64 hash
+//                               config, the run's options, the safetensors
+//                               file's size and FNV-1a 64 hash, and an FNV-1a
+//                               64 of the manifest itself (so a hand edit of
+//                               step, cursor or options is refused)
 //   DIR/latest.json             a copy of the newest manifest
 // Each is written by write_file_atomic (temp file, fsync, rename, fsync dir)
 // in that order, so a crash at any point leaves latest.json naming a complete
@@ -13,13 +15,21 @@
 // after the new one is complete), so when the newest is damaged the previous
 // one still loads: --resume DIR/step-0000M.json.
 //
-// Loading checks the file's size and hash against the manifest before reading
-// a byte of it, so a truncated or corrupted file is refused with an error
-// naming it and the previous checkpoint to use instead.
+// Pruning only ever removes checkpoints of steps below the one just written
+// (never the one latest.json names, never a later one), and a save first
+// removes stale temporaries of laga's own naming left by a killed save.
+// docs/reliability.md ("Checkpoints") has the whole policy.
+//
+// Loading checks the manifest's own hash, then the file's size and hash
+// against the manifest before reading a byte of it, so a truncated, corrupted
+// or edited checkpoint is refused with an error naming it and the previous
+// checkpoint to use instead.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "model/model.hpp"
 
@@ -33,17 +43,61 @@ struct TrainState {
   std::uint64_t seed = 0;
 };
 
-// Writes the checkpoint of st.step into dir (created if missing) and prunes
-// all but the newest `keep` (>= 2) checkpoints. Returns the manifest's path.
-template <class T>
-std::string save_checkpoint(const std::string& dir, const LmConfig& cfg, const TrainState<T>& st,
-                            int keep = 2);
+// The run's options as recorded in a manifest: option name -> value text.
+using CheckpointOptions = std::map<std::string, std::string>;
+
+// A verified manifest (format, manifest hash); its tensors file is not read.
+struct CheckpointManifest {
+  std::string path;     // the manifest read (a step-*.json or latest.json)
+  std::string tensors;  // the safetensors file it names
+  std::int64_t tensors_bytes = 0;
+  std::string tensors_fnv1a64;  // hex
+  std::int64_t step = 0, data_cursor = 0;
+  std::uint64_t seed = 0;
+  CheckpointOptions options;
+  std::string model_json;  // LmConfig::to_json().dump() of the run
+};
 
 // `where` is a checkpoint directory (its latest.json) or a manifest
-// step-*.json. st's tensors must already have cfg's shapes; they are
-// overwritten, as are step, data_cursor and seed.
+// step-*.json. Refuses a missing, unparsable, foreign or edited manifest.
+CheckpointManifest read_checkpoint_manifest(const std::string& where);
+
+// The model settings that differ between the checkpoint and cfg, one
+// "name: old -> new" each (empty: the same model).
+std::vector<std::string> model_changes(const CheckpointManifest& m, const LmConfig& cfg);
+
+// Writes the checkpoint of st.step into dir (created if missing), recording
+// `options`, then prunes checkpoints of lower steps down to the newest
+// `keep` - 1 of them (keep >= 2 counts the new one). Returns the manifest's
+// path.
 template <class T>
-void load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st);
+std::string save_checkpoint(const std::string& dir, const LmConfig& cfg, const TrainState<T>& st,
+                            const CheckpointOptions& options, int keep = 2);
+
+// Reads the checkpoint read_checkpoint_manifest(where) names into st. st's
+// tensors must already have cfg's shapes; they are overwritten, as are step,
+// data_cursor and seed. Returns the manifest.
+template <class T>
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
+                                   TrainState<T>& st);
+
+// The checkpoints in dir (their step-*.json names), by step.
+std::vector<std::string> checkpoint_manifests(const std::string& dir);
+
+// Moves the checkpoints of steps above `step` (and latest.json when it names
+// one of them) into a new folder DIR/superseded-after-step-<step>[-k] and
+// points latest.json at step's manifest. Used when a run resumes from an
+// earlier step into the directory: those checkpoints belong to a history this
+// run replaces, and are kept, never deleted. Returns the names moved and the
+// folder (empty when there was nothing to move).
+std::vector<std::string> set_aside_checkpoints_after(const std::string& dir, std::int64_t step,
+                                                     std::string* folder);
+
+// Removes temporaries of laga's own naming (`latest.json.tmp.<pid>.<n>`,
+// `step-<N>.json|safetensors.tmp.<pid>.<n>`) left in dir by a process that no
+// longer runs (or by this one); any other file is left alone. Returns the
+// number removed. save_checkpoint calls it.
+int remove_stale_checkpoint_temporaries(const std::string& dir);
 
 // FNV-1a 64 of a file's bytes (the manifest's integrity hash).
 std::uint64_t file_fnv1a64(const std::string& path);

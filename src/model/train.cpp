@@ -2,6 +2,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <set>
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
@@ -11,12 +15,158 @@
 
 namespace laga {
 
+namespace fs = std::filesystem;
+
 namespace {
 TokenSource make_source(const TrainOptions& o) {
   if (o.data == "random") return TokenSource::random(o.model.vocab, o.seed);
   return TokenSource::file(o.data, o.data_dtype, o.model.vocab, o.seq, o.seed);
 }
+
+// Recorded but free to change on resume: they change how the same math is
+// computed (which kernels, how many ranks), so a continuation differs from an
+// uninterrupted run only by floating-point rounding; and where the data file
+// lives (its content is "data").
+const std::set<std::string>& free_options() {
+  static const std::set<std::string> s{"form", "attention", "sp", "data-path"};
+  return s;
+}
+
+// The options a checkpoint may record and --allow-change may name.
+const std::set<std::string>& enforced_options() {
+  static const std::set<std::string> s{"seq",      "batch",  "data",         "data-dtype", "lr",
+                                       "schedule", "warmup", "min-lr",       "steps",      "beta1",
+                                       "beta2",    "eps",    "weight-decay", "clip",       "seed"};
+  return s;
+}
+
+std::string exact(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);  // round-trips every double
+  return buf;
+}
+
+std::string joined(const std::vector<std::string>& v, const std::string& sep) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+struct Change {
+  std::string name, old_value, new_value;
+  std::string text() const { return name + ": " + old_value + " -> " + new_value; }
+};
+
+std::vector<Change> option_changes(const CheckpointOptions& old, const CheckpointOptions& now) {
+  std::set<std::string> names;
+  for (const auto& [k, v] : old) names.insert(k);
+  for (const auto& [k, v] : now) names.insert(k);
+  std::vector<Change> out;
+  for (const auto& k : names) {
+    const auto a = old.find(k), b = now.find(k);
+    const std::string va = a == old.end() ? "(not recorded)" : a->second;
+    const std::string vb = b == now.end() ? "(not used)" : b->second;
+    if (va != vb) out.push_back({k, va, vb});
+  }
+  return out;
+}
+
+bool allowed(const TrainOptions& o, const std::string& name) {
+  return std::find(o.allow_change.begin(), o.allow_change.end(), name) != o.allow_change.end();
+}
+
+// The directory a --resume argument's checkpoint lives in.
+fs::path resume_directory(const std::string& resume) {
+  const fs::path p(resume);
+  if (fs::is_directory(p)) return p;
+  return p.parent_path().empty() ? fs::path(".") : p.parent_path();
+}
+
+void check_checkpoint_directory(const TrainOptions& o) {
+  if (o.checkpoint_dir.empty()) return;
+  const fs::path dir(o.checkpoint_dir);
+  std::error_code ec;
+  LAGA_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "--checkpoint '", o.checkpoint_dir,
+             "' exists and is not a directory; give a directory (new or empty, or the one "
+             "--resume reads)");
+  std::vector<std::string> names;
+  for (const auto& m : checkpoint_manifests(o.checkpoint_dir))
+    names.push_back(fs::path(m).filename().string());
+  if (fs::exists(dir / "latest.json", ec)) names.push_back("latest.json");
+  if (names.empty()) return;
+  if (names.size() > 6) {
+    const size_t more = names.size() - 5;
+    names.resize(5);
+    names.push_back(cat("and ", more, " more"));
+  }
+  LAGA_CHECK(!o.resume.empty(), "--checkpoint '", o.checkpoint_dir, "' already holds checkpoints (",
+             joined(names, ", "),
+             "); a new run there would mix its checkpoints with theirs and prune them. Continue "
+             "that run with --resume ",
+             o.checkpoint_dir, ", or choose another --checkpoint directory");
+  LAGA_CHECK(fs::equivalent(resume_directory(o.resume), dir, ec), "--checkpoint '",
+             o.checkpoint_dir, "' already holds checkpoints (", joined(names, ", "),
+             ") that are not those of the run resumed from '", o.resume,
+             "'; write into the directory you resume from, or a new or empty one");
+}
+
+void check_resume(const TrainOptions& o) {
+  for (const auto& name : o.allow_change)
+    LAGA_CHECK(
+        enforced_options().count(name), "--allow-change: '", name,
+        "' is not an option a checkpoint enforces; name some of: ",
+        joined(std::vector<std::string>(enforced_options().begin(), enforced_options().end()), ","),
+        " (form, attention and sp may change freely)");
+  LAGA_CHECK(o.allow_change.empty() || !o.resume.empty(),
+             "--allow-change applies only to a run that continues a checkpoint; add --resume DIR "
+             "or drop --allow-change");
+  if (o.resume.empty()) return;
+  const CheckpointManifest m = read_checkpoint_manifest(o.resume);
+  LAGA_CHECK(o.steps > m.step, "--steps ", o.steps, " is at or below step ", m.step,
+             " of the checkpoint '", m.path,
+             "', so there is nothing to train; --steps is the total, so pass a number above ",
+             m.step);
+  std::vector<std::string> refused = model_changes(m, o.model);
+  for (const Change& c : option_changes(m.options, recorded_options(o)))
+    if (!free_options().count(c.name) && !allowed(o, c.name)) refused.push_back(c.text());
+  LAGA_CHECK(refused.empty(), "--resume '", o.resume,
+             "': this run's settings differ from those of the checkpoint '", m.path,
+             "', so it would not continue the same training: ", joined(refused, "; "),
+             ". Pass the checkpoint's values, or name the options you mean to change in "
+             "--allow-change (a comma-separated list; the model's dimensions cannot change)");
+}
 }  // namespace
+
+CheckpointOptions recorded_options(const TrainOptions& o) {
+  CheckpointOptions r;
+  r["seq"] = std::to_string(o.seq);
+  r["batch"] = std::to_string(o.batch);
+  if (o.data == "random") {
+    r["data"] = "random";
+  } else {
+    r["data"] = cat("file of ", fs::file_size(o.data), " bytes with FNV-1a 64 ", std::hex,
+                    file_fnv1a64(o.data));
+    r["data-dtype"] = o.data_dtype;
+    r["data-path"] = o.data;
+  }
+  r["lr"] = exact(o.adam.lr);
+  r["schedule"] = o.cosine ? "cosine" : "constant";
+  r["warmup"] = std::to_string(o.warmup);
+  if (o.cosine) {  // only the cosine schedule depends on these
+    r["min-lr"] = exact(o.min_lr);
+    r["steps"] = std::to_string(o.steps);
+  }
+  r["beta1"] = exact(o.adam.beta1);
+  r["beta2"] = exact(o.adam.beta2);
+  r["eps"] = exact(o.adam.eps);
+  r["weight-decay"] = exact(o.adam.weight_decay);
+  r["clip"] = exact(o.clip);
+  r["seed"] = std::to_string(o.seed);
+  r["form"] = to_string(o.form);
+  r["attention"] = to_string(o.attention);
+  r["sp"] = std::to_string(o.sp);
+  return r;
+}
 
 void validate_train_options(const TrainOptions& o) {
   o.model.validate();
@@ -30,10 +180,39 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
   (void)make_source(o);  // data errors before any rank starts
+  check_resume(o);
+  check_checkpoint_directory(o);
 }
 
-void train_rank(Communicator& comm, const TrainOptions& o,
-                const std::function<void(const StepRecord&)>& on_step) {
+std::vector<std::string> prepare_run(const TrainOptions& o) {
+  std::vector<std::string> notes;
+  if (o.resume.empty()) return notes;
+  const CheckpointManifest m = read_checkpoint_manifest(o.resume);
+  for (const Change& c : option_changes(m.options, recorded_options(o))) {
+    if (c.name == "data-path")
+      notes.push_back(c.text() + " (the data's content is the same)");
+    else if (free_options().count(c.name))
+      notes.push_back(c.text() +
+                      " (free to change: the same math, so the run continues up to "
+                      "floating-point rounding, not bit for bit)");
+    else if (allowed(o, c.name))
+      notes.push_back(c.text() + " (allowed by --allow-change)");
+  }
+  if (!o.checkpoint_dir.empty()) {
+    std::string folder;
+    const auto moved = set_aside_checkpoints_after(o.checkpoint_dir, m.step, &folder);
+    if (!moved.empty())
+      notes.push_back(cat("--checkpoint '", o.checkpoint_dir, "' held checkpoints after step ",
+                          m.step, " (", joined(moved, ", "),
+                          "): they belong to the run this one replaces from that step and were "
+                          "moved, not deleted, to '",
+                          folder, "'"));
+  }
+  return notes;
+}
+
+TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
+                    const std::function<void(const StepRecord&)>& on_step) {
   using T = float;
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
@@ -43,6 +222,9 @@ void train_rank(Communicator& comm, const TrainOptions& o,
   const int r = comm.rank();
   const std::int64_t B = o.batch, S = o.seq;
   const std::int64_t off = layout.seq_offset[size_t(r)], L = layout.seq_count[size_t(r)];
+  // Rank 0 writes the checkpoints; what they record is fixed for the run.
+  const CheckpointOptions recorded =
+      r == 0 && !o.checkpoint_dir.empty() ? recorded_options(o) : CheckpointOptions{};
 
   TrainState<T> st;
   st.params = LmParams<T>::zeros(cfg, MemCategory::parameters);
@@ -52,9 +234,9 @@ void train_rank(Communicator& comm, const TrainOptions& o,
   if (o.resume.empty()) {
     init_lm_params(st.params, o.seed);
   } else {
+    // validate_train_options compared the recorded options (and seed) with o.
     load_checkpoint(o.resume, cfg, st);
-    LAGA_CHECK(st.seed == o.seed, "--resume: the checkpoint was trained with --seed ", st.seed,
-               " but this run has --seed ", o.seed, "; pass --seed ", st.seed);
+    st.seed = o.seed;
   }
   LmParams<T> grads = LmParams<T>::zeros(cfg, MemCategory::gradients);
   std::vector<Tensor<T>*> P, G, M, V;
@@ -67,6 +249,8 @@ void train_rank(Communicator& comm, const TrainOptions& o,
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
   st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
 
+  TrainEnd end;
+  end.step = st.step;
   LrSchedule sched{o.adam.lr, o.warmup, o.steps, o.cosine, o.min_lr};
   std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B * L)),
       targets(size_t(B * L));
@@ -97,16 +281,35 @@ void train_rank(Communicator& comm, const TrainOptions& o,
     }
     st.step = step;
     st.data_cursor += B;
+    end.step = step;
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (o.save_every > 0 && step % o.save_every == 0 && r == 0)
-      save_checkpoint(o.checkpoint_dir, cfg, st);
+    // A signal reaches one process (MPI) or is seen by each thread at its own
+    // time (local ranks), so the ranks vote: all stop after the same step.
+    // SIGTERM wins over SIGINT when both arrived.
+    int stop = 0;
+    if (o.stop_signal) {
+      const int mine = o.stop_signal->load();
+      double votes[2] = {mine == SIGTERM ? 1.0 : 0.0, mine != 0 && mine != SIGTERM ? 1.0 : 0.0};
+      comm.all_reduce(votes, 2, "train_stop_vote");
+      stop = votes[0] > 0 ? SIGTERM : votes[1] > 0 ? SIGINT : 0;
+    }
+    const bool periodic = o.save_every > 0 && step % o.save_every == 0;
+    const bool last = step == o.steps || stop != 0;
+    if (!o.checkpoint_dir.empty() && (periodic || last) && r == 0)
+      end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     if (r == 0 && on_step) on_step(StepRecord{step, loss, norm, h.lr, double(B * S) / secs, secs});
+    if (stop) {
+      end.stop_signal = stop;
+      break;
+    }
   }
+  return end;
 }
 
 std::vector<StepRecord> train_local(const TrainOptions& o) {
   validate_train_options(o);
+  (void)prepare_run(o);
   std::vector<StepRecord> out;
   run_local_ranks(o.sp, [&](Communicator& comm) {
     train_rank(comm, o, [&](const StepRecord& s) { out.push_back(s); });

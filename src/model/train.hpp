@@ -10,6 +10,7 @@
 // backends.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "comm/communicator.hpp"
 #include "kernels/adamw.hpp"
 #include "mla/block.hpp"
+#include "model/checkpoint.hpp"
 #include "model/model.hpp"
 
 namespace laga {
@@ -36,8 +38,26 @@ struct TrainOptions {
   double min_lr = 0.0;
   double clip = 0.0;  // max global grad norm; 0: no clipping
   std::string data = "random", data_dtype = "auto";
+  // Checkpoints go to checkpoint_dir every save_every steps, after the last
+  // step, and when stopped by a signal. A fresh run refuses a directory that
+  // already holds checkpoints; a resumed run may write only into the
+  // directory it resumes from (docs/reliability.md, "Checkpoints").
   std::int64_t save_every = 0;
   std::string checkpoint_dir, resume;
+  // Options (CheckpointOptions names: "lr", "seq", ...) a resume may change
+  // from the checkpoint's values; any other change is refused.
+  std::vector<std::string> allow_change;
+  // When set, every rank agrees after each step whether it is non-zero (a
+  // signal number: the CLI's SIGINT/SIGTERM handler stores it); if so the run
+  // writes its checkpoint (when checkpoint_dir is set) and ends.
+  const std::atomic<int>* stop_signal = nullptr;
+};
+
+// How train_rank ended.
+struct TrainEnd {
+  std::int64_t step = 0;   // the last step completed
+  int stop_signal = 0;     // non-zero: stopped early by this signal
+  std::string checkpoint;  // the last manifest written (rank 0), or ""
 };
 
 struct StepRecord {
@@ -47,13 +67,29 @@ struct StepRecord {
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step
 // (and after its checkpoint, if one is due). Throws laga::Error on bad
-// options, data or checkpoints.
-void train_rank(Communicator& comm, const TrainOptions& o,
-                const std::function<void(const StepRecord&)>& on_step);
+// options, data or checkpoints. Call validate_train_options (and, on the one
+// process that writes, prepare_run) first.
+TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
+                    const std::function<void(const StepRecord&)>& on_step);
 
-// The options' own checks (shapes, data file, P vs seq), made before any rank
-// starts so errors come once and clearly.
+// The options' own checks (shapes, data file, P vs seq), and for a resume
+// the checkpoint's: its manifest intact, --steps above its step, every
+// recorded option unchanged unless named in allow_change, and the checkpoint
+// directory policy. Made before any rank starts so errors come once and
+// clearly; reads files, writes none.
 void validate_train_options(const TrainOptions& o);
+
+// The side effects a valid run needs before it starts, done by the one
+// writing process: a resume from step N into a checkpoint directory holding
+// later checkpoints moves those aside (set_aside_checkpoints_after). Returns
+// notes for the user (what was moved; options that changed without changing
+// the math: form, attention, sp).
+std::vector<std::string> prepare_run(const TrainOptions& o);
+
+// What a checkpoint records of o: every option that shapes the trajectory
+// (enforced on resume) plus form, attention, sp and the data path (recorded,
+// free to change). `data_identity`: "random" or the file's size and hash.
+CheckpointOptions recorded_options(const TrainOptions& o);
 
 // P in-process ranks; returns rank 0's records (tests, examples).
 std::vector<StepRecord> train_local(const TrainOptions& o);

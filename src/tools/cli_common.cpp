@@ -1,6 +1,8 @@
 #include "tools/cli_common.hpp"
 
 #include <iostream>
+#include <memory>
+#include <mutex>
 #include <sstream>
 
 #include "comm/local_comm.hpp"
@@ -21,6 +23,7 @@ void ModelOptions::add_to(CLI::App& app) {
 }
 
 MlaConfig ModelOptions::load() const {
+  protect_input(config_path, "--config");
   return config_path.empty() ? MlaConfig::preset(preset) : MlaConfig::from_json_file(config_path);
 }
 
@@ -105,6 +108,15 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
   auto c = make_mpi_communicator();
   c->set_timeout(timeout);
   body(*c);
+}
+
+void protect_input(const std::string& path, const std::string& option) {
+  // One command per process: the guards live until exit.
+  static std::vector<std::unique_ptr<ProtectedInputs>> guards;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  guards.push_back(std::make_unique<ProtectedInputs>(
+      std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
 }
 
 void write_output(const std::string& path, const std::string& text) {

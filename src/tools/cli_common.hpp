@@ -53,6 +53,15 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
 bool is_reporting_process(const CommOptions& comm);
 
 // Writes `text` to `path` atomically (temp + rename), or to stdout for "-".
+// Like every writer it goes through resolve_output_path (src/io/atomic_file):
+// a symlink's target is written, a non-regular file or an input of this
+// command (protect_input) is refused.
 void write_output(const std::string& path, const std::string& text);
+
+// Protects an input file this command reads (--config, --weights, --input,
+// --data, ...) from every writer of this process until it exits: an output
+// that is the same file is refused. `option` names it in the message. Empty
+// or missing paths are ignored.
+void protect_input(const std::string& path, const std::string& option);
 
 }  // namespace laga::tools

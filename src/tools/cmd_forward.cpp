@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 #include "tools/block_job.hpp"
 #include "tools/commands.hpp"
@@ -33,7 +34,12 @@ double checksum(const TensorF& t) {
 }
 
 void run_forward(const ForwardOptions& o) {
+  // Inputs are protected from every writer, and the output is vetted now,
+  // before the run, rather than found unwritable after it.
+  protect_input(o.weights, "--weights");
+  protect_input(o.input, "--input");
   const MlaConfig cfg = o.model.load();
+  if (!o.output.empty()) (void)resolve_output_path(o.output, "--output");
   MlaParams<float> w =
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;

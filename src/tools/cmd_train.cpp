@@ -1,13 +1,21 @@
 // laga train: train the small MLA language model (src/model) sequence-parallel
 // over --sp ranks in one of the three forms, logging one JSON line per step.
 // docs/convergence.md has the paper's run and the dimension mapping.
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.hpp"
+#include "io/atomic_file.hpp"
+#include "model/checkpoint.hpp"
 #include "model/train.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -30,7 +38,68 @@ struct TrainCli {
   std::uint64_t seed = 0;
   std::string data = "random", data_dtype = "auto", log, checkpoint, resume;
   bool quiet = false;
+  std::string allow_change;  // comma-separated option names
 };
+
+// ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
+// current step (train_rank polls stop_signal, saves, returns); a second one
+// exits at once. Only async-signal-safe calls in the handler.
+std::atomic<int> stop_signal{0};
+
+void on_stop_signal(int sig) {
+  int expected = 0;
+  if (stop_signal.compare_exchange_strong(expected, sig)) {
+    static const char msg[] =
+        "\nlaga train: signal received: finishing the current step (and writing a checkpoint "
+        "when --checkpoint is set); send it again to stop at once\n";
+    [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, msg, sizeof msg - 1);
+    return;
+  }
+  static const char msg[] = "\nlaga train: second signal: stopping at once, nothing saved\n";
+  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, msg, sizeof msg - 1);
+  ::_exit(128 + sig);
+}
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // a signal mid-write must not fail the write
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string tok;
+  while (std::getline(ss, tok, ','))
+    if (!tok.empty()) out.push_back(tok);
+  return out;
+}
+
+// The --log file, vetted like every output. A fresh run starts it empty; a
+// resumed one keeps only the lines of steps up to the checkpoint's, so a step
+// after it (logged before a crash or signal, then trained again) appears
+// once. Both rewrite it atomically; the run then appends to it.
+std::string prepare_log(const std::string& path, const std::string& resume) {
+  const std::string target = resolve_output_path(path, "--log");
+  std::string kept;
+  if (!resume.empty()) {
+    const std::int64_t last = read_checkpoint_manifest(resume).step;
+    std::ifstream in(target);
+    std::string line;
+    while (std::getline(in, line)) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      // A line torn by a crash is not JSON; it goes too.
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+          j["step"].get<std::int64_t>() <= last)
+        kept += line + "\n";
+    }
+  }
+  write_file_atomic(target, kept);
+  return target;
+}
 
 TrainOptions to_options(const TrainCli& c) {
   TrainOptions o;
@@ -57,17 +126,29 @@ TrainOptions to_options(const TrainCli& c) {
   o.save_every = c.save_every;
   o.checkpoint_dir = c.checkpoint;
   o.resume = c.resume;
+  o.allow_change = split_commas(c.allow_change);
   return o;
 }
 
 void run_train(const TrainCli& c) {
-  const TrainOptions o = to_options(c);
+  TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
+  // Inputs no writer of this run may replace: the token file and the
+  // checkpoint's tensors. The resume manifest is protected only from --log:
+  // when it is DIR/latest.json, the next save rewrites it by design.
+  if (o.data != "random") protect_input(o.data, "--data");
+  std::string resume_manifest;
+  if (!o.resume.empty()) {
+    const CheckpointManifest m = read_checkpoint_manifest(o.resume);
+    resume_manifest = m.path;
+    protect_input(m.tensors, "--resume checkpoint");
+  }
   std::ofstream log;
   if (report && !c.log.empty()) {
-    // A resumed run continues its log; a fresh one starts it anew.
-    log.open(c.log, c.resume.empty() ? std::ios::trunc : std::ios::app);
+    const ProtectedInputs manifest_guard({{resume_manifest, "--resume manifest"}});
+    const std::string target = prepare_log(c.log, o.resume);
+    log.open(target, std::ios::app);
     LAGA_CHECK(log, "--log '", c.log, "': cannot open it for writing; choose a writable path");
   }
   if (report) {
@@ -75,9 +156,13 @@ void run_train(const TrainCli& c) {
               << ", form " << c.form << ", attention " << c.attention << ", sp " << o.sp
               << ", comm " << to_string(c.comm.backend) << ", data " << c.data << ", steps "
               << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
+    for (const std::string& note : prepare_run(o)) std::cerr << "laga train: " << note << "\n";
   }
+  install_stop_handlers();
+  o.stop_signal = &stop_signal;
+  TrainEnd end;
   run_group(c.comm, o.sp, [&](Communicator& comm) {
-    train_rank(comm, o, [&](const StepRecord& s) {
+    const TrainEnd e = train_rank(comm, o, [&](const StepRecord& s) {
       if (!report) return;
       nlohmann::json j;
       j["step"] = s.step;
@@ -93,7 +178,24 @@ void run_train(const TrainCli& c) {
                   << std::setprecision(0) << s.tokens_per_s << " tok/s  (" << std::setprecision(2)
                   << s.seconds << " s)" << std::defaultfloat << "\n";
     });
+    // Every rank agreed on how the run ended; MPI has one rank per process.
+    if (comm.rank() == 0 || c.comm.backend == Backend::mpi) end = e;
   });
+  if (end.stop_signal == 0) return;
+  // Stopped by a signal after a whole step: say where things stand, exit
+  // 128 + signal as a shell expects of an interrupted program.
+  if (report) {
+    std::cerr << "laga train: stopped by " << (end.stop_signal == SIGTERM ? "SIGTERM" : "SIGINT")
+              << " after step " << end.step << " of " << o.steps;
+    if (!end.checkpoint.empty())
+      std::cerr << "; checkpoint " << end.checkpoint << " written; continue with --resume "
+                << o.checkpoint_dir << " (and the same options)\n";
+    else
+      std::cerr << "; no --checkpoint was given, so nothing was saved\n";
+  }
+  log.close();
+  std::cerr << std::flush;
+  std::exit(128 + end.stop_signal);
 }
 
 void register_train(CLI::App& app) {
@@ -159,8 +261,13 @@ void register_train(CLI::App& app) {
                   "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s)");
   sub->add_option("--save-every", c->save_every,
                   "write a checkpoint every N steps (needs --checkpoint)");
-  sub->add_option("--checkpoint", c->checkpoint, "checkpoint directory");
+  sub->add_option("--checkpoint", c->checkpoint,
+                  "checkpoint directory: written every --save-every steps, after the last step "
+                  "and on SIGINT/SIGTERM; must be new, empty, or the one --resume reads");
   sub->add_option("--resume", c->resume, "continue from a checkpoint directory or its step-*.json");
+  sub->add_option("--allow-change", c->allow_change,
+                  "with --resume: comma-separated options that may differ from the checkpoint's "
+                  "(e.g. lr,steps); any other change is refused");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
   sub->callback([c] { run_train(*c); });
 }

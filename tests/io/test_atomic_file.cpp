@@ -82,7 +82,7 @@ TEST(AtomicFile, DirectoryInTheWayLeavesEverythingIntact) {
   std::filesystem::create_directory(target);
   write_bytes(target / "inside", "keep");
   expect_error([&] { write_file_atomic(target.string(), std::string_view("x")); },
-               {target.string(), "renaming"});
+               {target.string(), "directory"});
   EXPECT_EQ(read_bytes(target / "inside"), "keep");
   EXPECT_EQ(entries_of(dir), std::vector<std::string>{"taken"});
 }

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""End-to-end checks of laga's file safety and interrupts (issue 10 items 2, 10).
+
+    test_train_cli.py LAGA_BINARY SCRATCH_DIR CASE
+
+Cases:
+  signals  `laga train` as a subprocess: SIGINT after a step exits 130 after
+           finishing the step, with a checkpoint of that step and a log with
+           every step once; a resume then SIGTERM exits 143 the same way; a
+           second SIGINT during the step exits 130 at once, saying so, with
+           no checkpoint
+  log      kill -9 mid-run leaves log lines after the last checkpoint; the
+           resume cuts the log back to the checkpoint's step (every step once)
+           and its save removes a stale temporary of laga's naming, keeping a
+           look-alike that is not laga's
+  outputs  --output/--log/--json that are an input (by path and through a
+           symlink), a FIFO, a link to /dev/null or a directory are refused
+           with exit 2 and left as they were; a symlink output writes its
+           target and keeps the link
+Only the standard library.
+"""
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+TINY = ["--d-model", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq", "16",
+        "--quiet"]
+# A step long enough (about 4 s on a shared 2-core machine) that the second
+# signal lands within the step the first one interrupted.
+SLOW = ["--d-model", "256", "--heads", "8", "--layers", "4", "--vocab", "512", "--seq", "512",
+        "--quiet"]
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit("FAILED: " + what)
+
+
+def run(laga, args, expect_rc, timeout=300):
+    p = subprocess.run([laga] + args, capture_output=True, text=True, timeout=timeout)
+    check(p.returncode == expect_rc,
+          f"laga {' '.join(args)}: exit {p.returncode}, wanted {expect_rc}\nstderr:\n{p.stderr}")
+    return p
+
+
+def log_steps(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def latest_step(ck):
+    with open(os.path.join(ck, "latest.json")) as f:
+        return json.load(f)["step"]
+
+
+def start(laga, args):
+    return subprocess.Popen([laga] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for_lines(proc, log, n, timeout=240):
+    end = time.time() + timeout
+    while len(log_steps(log)) < n:
+        if proc.poll() is not None:
+            sys.exit(f"FAILED: laga ended (exit {proc.returncode}) before logging {n} steps:\n"
+                     + (proc.stderr.read() if proc.stderr else ""))
+        if time.time() > end:
+            proc.kill()
+            sys.exit(f"FAILED: no {n} log lines within {timeout} s")
+        time.sleep(0.02)
+
+
+def finish(proc, timeout=120):
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        sys.exit("FAILED: laga did not exit after the signal")
+    return proc.returncode, err
+
+
+def case_signals(laga, scratch):
+    ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
+    p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--checkpoint", ck, "--log", log])
+    wait_for_lines(p, log, 2)
+    p.send_signal(signal.SIGINT)
+    rc, err = finish(p)
+    check(rc == 130, f"SIGINT: exit {rc}, wanted 130\n{err}")
+    n = latest_step(ck)
+    check(f"stopped by SIGINT after step {n} of 1000000" in err, "SIGINT message:\n" + err)
+    check(os.path.exists(os.path.join(ck, f"step-{n:08d}.safetensors")), "checkpoint file")
+    check(log_steps(log) == list(range(1, n + 1)), f"log after SIGINT: {log_steps(log)}, ckpt {n}")
+
+    p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--resume", ck, "--checkpoint", ck,
+                                        "--log", log])
+    wait_for_lines(p, log, n + 2)
+    p.send_signal(signal.SIGTERM)
+    rc, err = finish(p)
+    check(rc == 143, f"SIGTERM: exit {rc}, wanted 143\n{err}")
+    m = latest_step(ck)
+    check(m >= n + 2 and f"stopped by SIGTERM after step {m}" in err, "SIGTERM message:\n" + err)
+    check(log_steps(log) == list(range(1, m + 1)), f"log after SIGTERM: {log_steps(log)}, ckpt {m}")
+
+    # Two signals within one step: out at once, nothing saved.
+    ck2, log2 = os.path.join(scratch, "ck2"), os.path.join(scratch, "log2.jsonl")
+    # stderr to a file, read while it runs: the second signal goes only once
+    # the first was handled (two pending SIGINTs would merge into one).
+    err_path = os.path.join(scratch, "double.err")
+    with open(err_path, "w") as err_file:
+        p = subprocess.Popen([laga, "train"] + SLOW + ["--steps", "1000000", "--checkpoint", ck2,
+                                                       "--log", log2],
+                             stdout=subprocess.DEVNULL, stderr=err_file)
+    wait_for_lines(p, log2, 1)
+    p.send_signal(signal.SIGINT)
+    end = time.time() + 60
+    while "signal received" not in read(err_path).decode():
+        check(time.time() < end and p.poll() is None, "the first SIGINT was not acknowledged")
+        time.sleep(0.001)
+    p.send_signal(signal.SIGINT)
+    try:
+        rc = p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        sys.exit("FAILED: laga did not exit after the second signal")
+    err = read(err_path).decode()
+    check(rc == 130, f"double SIGINT: exit {rc}, wanted 130\n{err}")
+    check("second signal: stopping at once" in err, "double SIGINT message:\n" + err)
+    check(not os.path.exists(os.path.join(ck2, "latest.json")), "nothing saved after two signals")
+
+
+def case_log(laga, scratch):
+    ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
+    p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--save-every", "3",
+                                        "--checkpoint", ck, "--log", log])
+    wait_for_lines(p, log, 8)
+    # Freeze it (SIGSTOP) until the log has run past the last checkpoint, so
+    # the kill always leaves steps to be logged again; then SIGKILL: no
+    # handler runs.
+    for _ in range(1000):
+        p.send_signal(signal.SIGSTOP)
+        if len(log_steps(log)) > latest_step(ck):
+            break
+        p.send_signal(signal.SIGCONT)
+        time.sleep(0.003)
+    p.kill()
+    p.wait()
+    k = latest_step(ck)
+    logged = log_steps(log)
+    check(k % 3 == 0 and len(logged) > k, f"after kill -9: checkpoint {k}, log {logged}")
+    # Stale temporaries as a killed save leaves them, by a pid that is gone;
+    # and a file of another naming that must stay.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(ck, f"step-{k + 3:08d}.safetensors.tmp.{dead.pid}.0")
+    other = os.path.join(ck, f"notes.txt.tmp.{dead.pid}.0")
+    for path in (stale, other):
+        with open(path, "w") as f:
+            f.write("x" * 100)
+    run(laga, ["train"] + TINY + ["--steps", str(k + 5), "--resume", ck, "--checkpoint", ck,
+                                  "--log", log], 0)
+    check(log_steps(log) == list(range(1, k + 6)), f"log after resume: {log_steps(log)}")
+    check(not os.path.exists(stale), "a stale laga temporary survived the next save")
+    check(os.path.exists(other), "a file not of laga's naming was removed")
+    check(latest_step(ck) == k + 5, "final checkpoint")
+
+
+def write_safetensors(path, name, shape):
+    n = 1
+    for d in shape:
+        n *= d
+    header = json.dumps({name: {"dtype": "F32", "shape": shape, "data_offsets": [0, 4 * n]}})
+    header += " " * ((8 - len(header) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.write(struct.pack(f"<{n}f", *[(i % 7) * 0.1 for i in range(n)]))
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def refused(laga, args, words):
+    p = run(laga, args, 2, timeout=60)
+    for w in words:
+        check(w in p.stderr, f"laga {' '.join(args)}: message lacks '{w}':\n{p.stderr}")
+
+
+def case_outputs(laga, scratch):
+    x = os.path.join(scratch, "x.safetensors")
+    write_safetensors(x, "x", [1, 8, 48])  # preset tiny: D = 48
+    original = read(x)
+    fwd = ["forward", "--preset", "tiny", "--input", x]
+    refused(laga, fwd + ["--output", x], ["same file as the --input file", x])
+    link_x = os.path.join(scratch, "link_to_x")
+    os.symlink(x, link_x)
+    refused(laga, fwd + ["--output", link_x], ["same file as the --input file"])
+    check(read(x) == original and os.path.islink(link_x), "the input survives")
+
+    fifo = os.path.join(scratch, "fifo")
+    os.mkfifo(fifo)
+    refused(laga, fwd + ["--output", fifo], ["--output", "FIFO"])
+    check(os.path.exists(fifo) and not os.path.isfile(fifo), "the FIFO stays a FIFO")
+    null_link = os.path.join(scratch, "null_link")
+    os.symlink("/dev/null", null_link)
+    refused(laga, fwd + ["--output", null_link], ["character device"])
+    check(os.path.islink(null_link), "the link to /dev/null stays")
+    refused(laga, fwd + ["--output", scratch], ["directory"])
+
+    out, out_link = os.path.join(scratch, "out.safetensors"), os.path.join(scratch, "out_link")
+    os.symlink("out.safetensors", out_link)
+    run(laga, fwd + ["--output", out_link], 0)
+    check(os.path.islink(out_link) and os.path.isfile(out) and os.path.getsize(out) > 100,
+          "a symlink output writes its target and keeps the link")
+
+    data = os.path.join(scratch, "tokens.bin")
+    with open(data, "wb") as f:
+        f.write(struct.pack("<1000H", *[(i * 7) % 64 for i in range(1000)]))
+    tokens = read(data)
+    tr = ["train"] + TINY + ["--steps", "2", "--data", data]
+    refused(laga, tr + ["--log", data], ["--log", "same file as the --data file", data])
+    check(read(data) == tokens, "the token file survives")
+    refused(laga, tr + ["--log", fifo], ["--log", "FIFO"])
+    ck = os.path.join(scratch, "ck")
+    run(laga, tr + ["--checkpoint", ck], 0)
+    manifest = os.path.join(ck, "step-00000002.json")
+    before = read(manifest)
+    refused(laga, tr[:-4] + ["--steps", "3", "--data", data, "--resume", manifest, "--log",
+                             manifest], ["same file as the --resume manifest"])
+    check(read(manifest) == before, "the resumed manifest survives")
+    log, log_link = os.path.join(scratch, "real.jsonl"), os.path.join(scratch, "log_link")
+    os.symlink(log, log_link)
+    run(laga, tr + ["--log", log_link], 0)
+    check(os.path.islink(log_link) and len(read(log).splitlines()) == 2, "--log through a link")
+
+    cfg = os.path.join(scratch, "tiny.json")
+    with open(cfg, "w") as f:
+        json.dump({"dim": 48, "n_heads": 4, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+                   "qk_rope_head_dim": 4, "v_head_dim": 6}, f)
+    cfg_text = read(cfg)
+    refused(laga, ["compare", "--quiet", "--config", cfg, "--seq", "8", "--steps", "1",
+                   "--json", cfg], ["same file as the --config file"])
+    check(read(cfg) == cfg_text, "the config survives")
+
+
+def main():
+    laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
+    subprocess.run(["rm", "-rf", scratch], check=True)
+    os.makedirs(scratch)
+    {"signals": case_signals, "log": case_log, "outputs": case_outputs}[case](laga, scratch)
+    print(f"train_cli {case}: OK")
+
+
+if __name__ == "__main__":
+    main()
