@@ -14,8 +14,8 @@
 // step against tests/common/naive_mla.hpp, an independent naive double block
 // (plain loops, sharing no code with the forms or the kernels), run once on
 // the same inputs; an element is wrong when farther than 1e-5 * max |ref| of
-// its tensor. The naive block is slow (about a minute at the full shape,
-// single-threaded projections), which is why it runs once.
+// its tensor. The naive block is far slower than a timed step (scalar loops;
+// only its attention and forward projections use threads), so it runs once.
 #include <algorithm>
 #include <memory>
 #include <string>
