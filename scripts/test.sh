@@ -16,8 +16,8 @@ bash scripts/setup.sh
 
 # Formatting: every C++ file under src, tests and bench, by the repository's
 # .clang-format. Fix with: clang-format -i FILE
-mapfile -t sources < <(git ls-files 'src/*.cpp' 'src/*.hpp' 'src/*.inc' 'tests/*.cpp' \
-  'tests/*.hpp' 'bench/*.cpp' 'bench/*.hpp')
+mapfile -t sources < <(find src tests bench -type f \( -name '*.cpp' -o -name '*.hpp' \
+  -o -name '*.inc' \) | sort)
 if ! clang-format --dry-run --Werror "${sources[@]}"; then
   echo "test.sh: the files above are not clang-formatted; run clang-format -i on them" >&2
   exit 1
