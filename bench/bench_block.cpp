@@ -10,13 +10,18 @@
 // 3.5 x the causal half of attention's forward (bench_attention.cpp's
 // convention). Absorbed does more work than this (its latent-space attention
 // is C+dr wide); the row counts the same useful work for every form, so
-// GFLOP/s compares time. #wrong: out and dx against the explicit form run in
-// double once.
+// GFLOP/s compares time. #wrong: out, dx and every parameter gradient of one
+// step against tests/common/naive_mla.hpp, an independent naive double block
+// (plain loops, sharing no code with the forms or the kernels), run once on
+// the same inputs; an element is wrong when farther than 1e-5 * max |ref| of
+// its tensor. The naive block is far slower than a timed step (scalar loops;
+// only its attention and forward projections use threads), so it runs once.
 #include <algorithm>
 #include <memory>
 #include <string>
 
 #include "comm/communicator.hpp"
+#include "common/naive_mla.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "harness.hpp"
@@ -77,9 +82,16 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
   const double gflop = 1e-9 * (3.0 * linear + 3.5 * attn.useful_flops_forward());
   const std::string shape = laga::cat("D", D, " H", H, " C", C, " S", S);
 
-  ctx.note("reference: explicit form in double, once (out and dx)");
-  BlockState<double> ref = make_state<double>(cfg, S);
-  run_block(cfg, lay, rope, laga::Form::explicit_form, ref);
+  ctx.note("reference: tests/common/naive_mla.hpp, naive double loops, once (out, dx, every grad)");
+  const laga::test::NaiveMlaResult ref = [&] {
+    const BlockState<float> in = make_state<float>(cfg, S);
+    laga::test::NaiveTensors w;
+    in.w.for_each([&](const std::string& name, const laga::Tensor<float>& t) {
+      w[name].assign(t.data(), t.data() + t.numel());
+    });
+    return laga::test::naive_mla(cfg, w, {in.x.data(), in.x.data() + in.x.numel()},
+                                 {in.dout.data(), in.dout.data() + in.dout.numel()}, 1, S);
+  }();
 
   // --torch: a PyTorch peer process running the same block; its steps
   // alternate with laga's (bench/torch_peer.hpp), and each row's ratio is
@@ -109,8 +121,16 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
         laga::cat("block_", laga::to_string(form)), shape, gflop, isa,
         [&] { run_block(cfg, lay, rope, form, st); },
         [&] {
-          return laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +
-                 laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), 1e-5);
+          // backward adds into grads: one step from zero for the check.
+          st.grads.for_each([](const std::string&, laga::Tensor<float>& t) { t.fill(0.0f); });
+          run_block(cfg, lay, rope, form, st);
+          std::int64_t wrong =
+              laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +
+              laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), 1e-5);
+          st.grads.for_each([&](const std::string& name, const laga::Tensor<float>& g) {
+            wrong += laga::bench::count_wrong(g.data(), ref.grads.at(name).data(), g.numel(), 1e-5);
+          });
+          return wrong;
         },
         [&] {
           if (torch) torch_ms.push_back(torch->step());

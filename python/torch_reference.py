@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Independent PyTorch reference for the DeepSeek-V3 MLA attention block.
 
-Written from the math in DESIGN.md §1 (DeepSeek-V3 `inference/model.py`
+Written from the math in docs/mla-math.md (DeepSeek-V3 `inference/model.py`
 semantics), not from the C++ code, so that the C++ block can be tested against
 something that shares none of its bugs. Forward and backward run in float64
 (backward by autograd); inputs are drawn in float32 and promoted, so the C++

@@ -10,7 +10,6 @@ packages=(
   libomp-dev                 # OpenMP runtime headers (g++ uses libgomp)
   libopenmpi-dev openmpi-bin # MPI backend and mpirun
   libgtest-dev libgmock-dev  # unit tests
-  libbenchmark-dev           # bench/ harness helpers
   libcli11-dev               # command-line parsing
   nlohmann-json3-dev         # JSON configs and reports
   python3 python3-numpy python3-matplotlib python3-torch  # reference tests, plots

@@ -1,13 +1,51 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: set up, build with warnings as errors,
-# run every test (unit, PyTorch reference, MPI under mpirun, the laga tool),
-# then the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# The whole test suite, as CI runs it: set up, check formatting, build with
+# warnings as errors, run every test (unit, PyTorch reference, MPI under
+# mpirun, the laga tool), then the unit tests again under AddressSanitizer +
+# UndefinedBehaviorSanitizer.
+#
+# A run proves only what ran, so each ctest invocation must run every test it
+# registered: --no-tests=error fails an empty selection, and the count of tests
+# run is compared with `ctest -N` for the same selection. Skipped tests are
+# listed at the end of each run; under CI=true a GoogleTest skip not listed in
+# tests/allowed_skips.txt already fails its test (tests/common/gtest_main.cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 bash scripts/setup.sh
+
+# Formatting: every C++ file under src, tests and bench, by the repository's
+# .clang-format. Fix with: clang-format -i FILE
+mapfile -t sources < <(find src tests bench -type f \( -name '*.cpp' -o -name '*.hpp' \
+  -o -name '*.inc' \) | sort)
+if ! clang-format --dry-run --Werror "${sources[@]}"; then
+  echo "test.sh: the files above are not clang-formatted; run clang-format -i on them" >&2
+  exit 1
+fi
+
 bash scripts/build.sh
-ctest --test-dir build --output-on-failure -j 2
+
+# run_ctest BUILD_DIR [selection args...]: runs ctest on the selection and fails
+# unless every test `ctest -N` lists for it ran.
+run_ctest() {
+  local dir=$1
+  shift
+  local registered log ran
+  registered=$(ctest --test-dir "$dir" -N "$@" | sed -n 's/^Total Tests: //p')
+  log="$dir/ctest_run.log"
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j 2 "$@" 2>&1 | tee "$log"
+  ran=$(sed -n 's/.*tests failed out of \([0-9][0-9]*\)$/\1/p' "$log" | tail -n 1)
+  if [ -z "$registered" ] || [ "$registered" -eq 0 ] || [ "${ran:-0}" -ne "$registered" ]; then
+    echo "test.sh: ctest in $dir ($*) registered ${registered:-no} tests but ran ${ran:-none}" >&2
+    exit 1
+  fi
+  if grep -q '(Skipped)' "$log"; then
+    echo "test.sh: skipped in $dir (each test's laga-skip: lines give the reason):"
+    grep '(Skipped)' "$log" | sed 's/^/  /'
+  fi
+}
+
+run_ctest build
 
 # Sanitizers: unit tests only (the MPI launcher and Python are not ours to
 # instrument); leak checking is off because OpenMPI's and OpenBLAS' one-time
@@ -16,5 +54,5 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLAGA_WERRO
   -DLAGA_SANITIZE=ON >/dev/null
 cmake --build build-asan -j "$(nproc)"
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j 2 -L 'core|kernels|comm|io|mla|model' -LE mpi
+  run_ctest build-asan -L 'core|kernels|comm|io|mla|model' -LE mpi
 echo "test.sh: done in $(( $(date +%s) - start )) s"

@@ -41,6 +41,7 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
     auto& slot = p[{ph, label}];
     slot.sent += b.sent;
     slot.received += b.received;
+    slot.calls += 1;
   };
   add(Phase::forward, "q_a2a", seq_to_head(dqk));
   if (form == Form::explicit_form) {
@@ -61,8 +62,14 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
     }
   }
   if (grad_sync) {
-    std::int64_t n = 0;
-    for (auto& [name, shape] : mla_param_shapes(c)) n += numel(shape);
+    // The block's parameter count from DeepSeek-V3's shapes, written out here
+    // rather than taken from mla_param_shapes (which also allocates and
+    // reduces the gradients), so that this term is a check on that code:
+    //   wq (H dqk, D) | wq_a (rq, D) + q_norm (rq) + wq_b (H dqk, rq)
+    //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv)
+    const std::int64_t D = c.dim, H = c.n_heads, rq = c.q_lora_rank, C = c.kv_lora_rank;
+    const std::int64_t q = rq == 0 ? H * dqk * D : rq * D + rq + H * dqk * rq;
+    const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv;
     // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
     // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
     const std::int64_t own = all_reduce_chunk(n, P, r);

@@ -12,8 +12,10 @@
 //   backward  the same labels, each collective's adjoint: an all-to-all's is
 //             the inverse all-to-all (send and receive swap), the
 //             all-gather's a reduce-scatter, sum_{j!=r} B L_j W e
-//   grad_sync grad_allreduce ((n - c_r) + (P-1) c_r) e, n = parameter count,
+//   grad_sync grad_allreduce ((n - c_r) + (P-1) c_r) e, n = parameter count
+//             (from DeepSeek's shapes, written out in comm_model.cpp),
 //             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather)
+// Each (phase, label) is one collective call per block step (calls = 1).
 #pragma once
 
 #include <map>
@@ -26,6 +28,7 @@ namespace laga {
 
 struct PredictedBytes {
   std::int64_t sent = 0, received = 0;
+  std::int64_t calls = 0;  // collective calls under the label, one per add() below
 };
 using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 

@@ -136,5 +136,33 @@ TEST(Check, GradientCheckOverSeveralTensorsWithShapesAndSampling) {
   EXPECT_TRUE(contains(r, "b[19] = b(3, 4)")) << r.message();
 }
 
+// L = 1000 <c, big> + 1e-7 <small, small>, with |L| ~ 1 so finite
+// differences resolve both: small's gradients (~2e-7) are ~1e-10 of big's
+// (~1000). Doubling small's analytic gradient hides under the whole check's
+// floor (1e-3 of big's largest gradient) but not under a per-tensor floor.
+TEST(Check, PerTensorFloorSeesAWrongSmallTensor) {
+  std::vector<double> big = random_vector<double>(4, 3, -1e-3, 1e-3),
+                      small = random_vector<double>(4, 4, 0.5, 1.0);
+  auto L = [&] {
+    double s = 0;
+    for (int i = 0; i < 4; ++i) s += 1000.0 * (i + 1) * big[i] + 1e-7 * small[i] * small[i];
+    return s;
+  };
+  std::vector<double> gbig(4), gsmall(4);
+  for (int i = 0; i < 4; ++i) gbig[i] = 1000.0 * (i + 1), gsmall[i] = 2 * 2e-7 * small[i];  // 2x
+  GradientCheck gc;
+  gc.add("big", big.data(), gbig.data(), 4).add("small", small.data(), gsmall.data(), 4);
+  GradCheckOptions opt;
+  opt.tol = 1e-3;
+  EXPECT_TRUE(gc.run(L, opt)) << "the global floor hides small's error, as documented";
+  opt.floor_per_tensor = true;
+  const auto r = gc.run(L, opt);
+  EXPECT_FALSE(r);
+  EXPECT_TRUE(contains(r, "4 of 8")) << r.message();
+  EXPECT_TRUE(contains(r, "d loss / d small[0]")) << r.message();
+  for (double& g : gsmall) g /= 2;  // the right gradient passes per tensor too
+  EXPECT_TRUE(gc.run(L, opt));
+}
+
 }  // namespace
 }  // namespace laga::test

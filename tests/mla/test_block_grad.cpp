@@ -1,7 +1,9 @@
 // Finite-difference checks, in double, of the whole MLA block's backward with
 // respect to the input and every parameter: rq = 0 and rq > 0, YaRN on and
-// off, each form on one rank (the forms' P > 1 runs are checked against
-// single-rank explicit in test_forms.cpp).
+// off, each form with eager and flash attention on one rank, and each form
+// and attention kind at P = 2 and 3 (ranks as threads, uneven shards, a rank
+// with no head): there the analytic gradient is the all-reduced one of the
+// whole sequence-parallel step and the loss is the group's assembled output.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -9,6 +11,7 @@
 #include "comm/communicator.hpp"
 #include "common/check.hpp"
 #include "mla/block.hpp"
+#include "mla/runner.hpp"
 
 namespace laga {
 namespace {
@@ -78,6 +81,7 @@ TEST_P(BlockGrad, MatchesFiniteDifferences) {
   }
   test::GradCheckOptions opt;
   opt.tol = 1e-6;
+  opt.floor_per_tensor = true;
   EXPECT_TRUE(check.run(loss, opt));
 }
 
@@ -86,7 +90,7 @@ std::vector<GradCase> cases() {
   for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
-  for (Form f : {Form::explicit_form, Form::absorbed})
+  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
     v.push_back({"", 5, true, f, AttentionKind::flash});
   return v;
 }
@@ -96,6 +100,69 @@ INSTANTIATE_TEST_SUITE_P(AllForms, BlockGrad, ::testing::ValuesIn(cases()),
                            const GradCase& c = p.param;
                            return std::string(to_string(c.form)) + "_rq" + std::to_string(c.rq) +
                                   (c.yarn ? "_yarn" : "_rope") + "_" + to_string(c.attention);
+                         });
+
+struct SpCase {
+  Form form;
+  AttentionKind attention;
+  std::vector<std::int64_t> seq, heads;  // per-rank shards; sizes give P
+};
+
+class BlockGradSp : public ::testing::TestWithParam<SpCase> {};
+
+TEST_P(BlockGradSp, MatchesFiniteDifferences) {
+  const SpCase& sc = GetParam();
+  const MlaConfig cfg = tiny_config(5, true);
+  const std::int64_t B = 2;
+  const SpLayout lay = SpLayout::custom(B, sc.seq, sc.heads);
+  auto w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 7, 0.1);
+  TensorD x({B, lay.seq, cfg.dim}), g({B, lay.seq, cfg.dim});
+  test::fill_random(x.data(), x.numel(), 11);
+  test::fill_random(g.data(), g.numel(), 12);
+  RunSpec spec;
+  spec.form = sc.form;
+  spec.attention = sc.attention;
+  BlockRun<double> run = run_local(cfg, lay, w, x, g, spec);
+
+  spec.backward = false;
+  auto loss = [&] {
+    const BlockRun<double> f = run_local(cfg, lay, w, x, g, spec);
+    return test::dot(f.out.data(), g.data(), f.out.numel());
+  };
+  test::GradientCheck check;
+  check.add("x", x.data(), run.dx.data(), x.shape());
+  std::vector<std::pair<std::string, TensorD*>> wp, gp;
+  w.for_each([&](const std::string& name, TensorD& t) { wp.push_back({name, &t}); });
+  run.grads.for_each([&](const std::string& name, TensorD& t) { gp.push_back({name, &t}); });
+  ASSERT_EQ(wp.size(), gp.size());
+  for (std::size_t i = 0; i < wp.size(); ++i) {
+    ASSERT_EQ(wp[i].first, gp[i].first);
+    check.add(wp[i].first, wp[i].second->data(), gp[i].second->data(), wp[i].second->shape());
+  }
+  test::GradCheckOptions opt;
+  opt.tol = 1e-6;
+  opt.floor_per_tensor = true;
+  opt.max_elements = 24;  // every tensor, sampled: each loss is a P-rank run
+  EXPECT_TRUE(check.run(loss, opt));
+  EXPECT_GT(check.last_checked(), 150);
+}
+
+std::vector<SpCase> sp_cases() {
+  std::vector<SpCase> v;
+  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+    for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+      v.push_back({f, a, {3, 2}, {2, 1}});
+      v.push_back({f, a, {2, 2, 1}, {2, 0, 1}});  // rank 1 owns no head
+    }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllForms, BlockGradSp, ::testing::ValuesIn(sp_cases()),
+                         [](const ::testing::TestParamInfo<SpCase>& p) {
+                           return std::string(to_string(p.param.form)) + "_P" +
+                                  std::to_string(p.param.seq.size()) + "_" +
+                                  to_string(p.param.attention);
                          });
 
 }  // namespace

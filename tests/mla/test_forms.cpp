@@ -75,6 +75,7 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
       ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
       EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
       EXPECT_EQ(entry.bytes_received, it->second.received) << where;
+      EXPECT_EQ(entry.calls, it->second.calls) << where << ": collective calls";
       ++seen;
     }
     EXPECT_EQ(seen, pred.size()) << "the model predicts labels the ledger never saw";

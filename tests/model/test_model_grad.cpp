@@ -1,5 +1,6 @@
-// The whole model's backward in double: finite differences at P = 1, and the
-// sequence-parallel gradients of every form at P = 2 and 3 against P = 1.
+// The whole model's backward in double: finite differences at P = 1 for every
+// form and attention kind, and the sequence-parallel gradients of every form at
+// P = 2 and 3 against P = 1.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -77,13 +78,21 @@ std::pair<double, std::map<std::string, std::vector<double>>> run(const LmConfig
   return {loss, grads};
 }
 
-TEST(ModelGrad, FiniteDifferencesWholeModelDouble) {
+struct ModelCase {
+  Form form;
+  AttentionKind attention;
+};
+class ModelGradFd : public ::testing::TestWithParam<ModelCase> {};
+
+// Every form and attention kind on one rank, every tensor sampled, each
+// relative to its own largest gradient (a per-tensor floor).
+TEST_P(ModelGradFd, FiniteDifferencesWholeModelDouble) {
   const LmConfig cfg = tiny();
   const Batch bt = batch(cfg);
   auto comm = make_self_communicator();
   const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, 1);
   const RopeTable rope(cfg.mla.rope(), bt.S);
-  const LmContext ctx{cfg, layout, *comm, rope, Form::explicit_form, AttentionKind::eager};
+  const LmContext ctx{cfg, layout, *comm, rope, GetParam().form, GetParam().attention};
   LmParams<double> w = test_params(cfg);
   LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
   lm_forward_backward(ctx, w, bt.tok.data(), bt.tgt.data(), g);
@@ -97,9 +106,22 @@ TEST(ModelGrad, FiniteDifferencesWholeModelDouble) {
   test::GradCheckOptions opt;
   opt.max_elements = 12;
   opt.tol = 1e-5;
+  opt.floor_per_tensor = true;
   EXPECT_TRUE(gc.run([&] { return lm_loss(ctx, w, bt.tok.data(), bt.tgt.data()); }, opt));
   EXPECT_GT(gc.last_checked(), 200);
 }
+
+INSTANTIATE_TEST_SUITE_P(AllForms, ModelGradFd,
+                         ::testing::Values(ModelCase{Form::explicit_form, AttentionKind::eager},
+                                           ModelCase{Form::absorbed, AttentionKind::eager},
+                                           ModelCase{Form::laga, AttentionKind::eager},
+                                           ModelCase{Form::explicit_form, AttentionKind::flash},
+                                           ModelCase{Form::absorbed, AttentionKind::flash},
+                                           ModelCase{Form::laga, AttentionKind::flash}),
+                         [](const ::testing::TestParamInfo<ModelCase>& p) {
+                           return std::string(to_string(p.param.form)) + "_" +
+                                  to_string(p.param.attention);
+                         });
 
 TEST(ModelGrad, EveryFormAtP2AndP3MatchesP1) {
   const LmConfig cfg = tiny();

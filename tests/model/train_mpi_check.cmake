@@ -1,6 +1,10 @@
 # Runs a small `laga train` twice, on 2 in-process ranks and on 2 MPI
 # processes, and requires the logged loss and grad_norm of every step to be
 # bit-identical (the JSON numbers round-trip doubles exactly).
+if(NOT MPIEXEC OR NOT EXISTS "${MPIEXEC}")
+  message(FATAL_ERROR "mpiexec was not found when the build was configured (MPIEXEC='${MPIEXEC}'): "
+                      "install openmpi-bin (scripts/setup.sh) and re-run cmake")
+endif()
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 set(ARGS train --form laga --sp 2 --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2

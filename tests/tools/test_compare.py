@@ -40,6 +40,16 @@ def check(cond, what):
         sys.exit("FAILED: " + what)
 
 
+def block_parameters(c):
+    """DeepSeek's attention parameter count from the config JSON's dims,
+    written out here (not from laga's mla_param_shapes): wq or
+    wq_a + q_norm + wq_b, then wkv_a, kv_norm, wkv_b, wo."""
+    d, h, rq, kv = c["dim"], c["n_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+    dn, dr, dv = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    q = h * (dn + dr) * d if rq == 0 else rq * d + rq + h * (dn + dr) * rq
+    return q + (kv + dr) * d + kv + h * (dn + dv) * kv + d * h * dv
+
+
 def check_models(doc, what):
     for f in doc["forms"]:
         check(f["bytes_match"], f"{what} {f['form']}: measured bytes differ from the closed form")
@@ -68,13 +78,29 @@ def case_tiny(laga, scratch):
         for row in f["by_label"]:
             check(isinstance(row["bytes_sent"], int) and row["match"], f"by_label {row}")
         check(f["tokens_per_s"] > 0, "tokens/s measured")
-        d = f["max_abs_diff"]
-        check(d is not None, "agreement computed when explicit runs")
-        # fp32, other summation order: tiny against the outputs' scale.
-        check(d["out"] <= 1e-5 * max(1.0, d["out_scale"]), f"{f['form']} out diff {d['out']}")
-        check(d["dx"] <= 1e-5 * max(1.0, d["dx_scale"]), f"{f['form']} dx diff {d['dx']}")
+        check(f["max_abs_diff"] is not None, "agreement computed when explicit runs")
+        # fp32 parameters and their gradients (the pool's count), against a
+        # count made here from the config.
+        n = block_parameters(doc["config"])
+        check(f["parameter_bytes"] == 4 * n, f"{f['form']} parameter_bytes {f['parameter_bytes']}"
+              f" != 4 x {n} parameters")
+        check(f["gradient_bytes"] == 4 * n, f"{f['form']} gradient_bytes {f['gradient_bytes']}"
+              f" != 4 x {n} parameters")
+    # Agreement: each other form against explicit at the same P (explicit's own
+    # row is explicit against itself, which proves nothing, so it is not
+    # checked): out, dx and every gradient, fp32 with other summation orders,
+    # within 1e-5 of each quantity's own scale (max |explicit|), and the scale
+    # must be non-zero or the bound says nothing.
     ex, ab, lg = doc["forms"]
-    check(ex["max_abs_diff"]["out"] == 0, "explicit against itself is exact")
+    for f in (ab, lg):
+        d = f["max_abs_diff"]
+        for q in ("out", "dx", "grad"):
+            check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
+            check(d[q] <= 1e-5 * d[q + "_scale"],
+                  f"{f['form']} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+            check(d[q] > 0 or f["form"] == "laga",
+                  f"{f['form']} {q}: exactly 0 difference from explicit is suspicious for a form "
+                  "with another summation order")
     # The wire: laga and absorbed move the same bytes, fewer than explicit
     # once H (dqk + dv) > C + dr... tiny: H=4, dqk=12, dv=6 vs W=28 over
     # (P-1) shards; just require laga == absorbed here.

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Mutation check of the test suite (not CI: it rebuilds once per mutation).
+
+    python3 scripts/mutate.py [--build-dir DIR] [--jobs N] [--only NAME,...]
+
+Copies the working tree (tracked and untracked files, not build outputs) to
+DIR/src, builds the test binaries listed in TESTS there once, then for each
+mutation in MUTATIONS, one at a time: applies it to the copy (the text must
+occur exactly once, so a mutation that no longer applies is an error, not a
+silent pass), rebuilds, runs TESTS with ctest, records which fail, and
+reverts. Prints a Markdown table (mutation, tests that failed) and exits 1
+if any mutation was caught by no test, or could not be applied.
+
+The working tree itself is never modified. ccache (CMAKE_*_COMPILER_LAUNCHER)
+makes the rebuilds cheap; run it under `nice` on a shared machine.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tests every mutation is run against (ctest names; binaries of the same
+# name are the build targets, the Python fixture needs none).
+TESTS = [
+    "kernels_test_rmsnorm", "kernels_test_rope", "test_comm_local", "mla_test_config",
+    "mla_test_comm_model", "mla_test_block_grad", "mla_test_forms", "mla_test_naive_mla",
+    "mla_test_torch_reference",
+]
+
+# (name, what it breaks, file, original text, mutated text)
+MUTATIONS = [
+    ("rmsnorm_eps_x10", "the RMSNorm epsilon, 10x (forward kernel)", "src/kernels/rmsnorm.cpp",
+     "ss / static_cast<T>(C) + static_cast<T>(eps));",
+     "ss / static_cast<T>(C) + static_cast<T>(10 * eps));"),
+    ("softmax_scale_1e-4", "the softmax scale, relative +1e-4", "src/mla/config.cpp",
+     "    s *= m * m;\n  }\n  return s;", "    s *= m * m;\n  }\n  return s * (1 + 1e-4);"),
+    ("rope_freq_1", "RoPE pair 1's frequency, relative +1e-3", "src/kernels/rope.cpp",
+     "  if (!p.yarn) return freqs;",
+     "  freqs[1] *= 1.001;\n  if (!p.yarn) return freqs;"),
+    ("yarn_ramp", "YaRN's ramp one pair wider", "src/kernels/rope.cpp",
+     "(static_cast<double>(i) - low) / (high - low)",
+     "(static_cast<double>(i) - low) / (high - low + 1)"),
+    ("all_gather_bytes", "the all-gather byte rule: P copies sent instead of P - 1",
+     "src/comm/communicator.cpp", "w.sent = (P - 1) * send_count * dtype_bytes(dtype);",
+     "w.sent = P * send_count * dtype_bytes(dtype);"),
+    ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
+     "dxr[c] = r * w[c] * dyr[c] - xr[c] * k;", "dxr[c] = r * w[c] * dyr[c] + 0 * k;"),
+]
+
+
+def sh(cmd, cwd, log):
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        return subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def copy_tree(dst):
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dst, rel))
+
+
+def failed_tests(build, log, jobs):
+    out = os.path.join(build, "mutate_ctest.log")
+    sh(["ctest", "--test-dir", build, "-j", str(jobs), "--no-tests=error", "--output-log", out,
+        "-R", "^(" + "|".join(TESTS + ["mla_torch_reference_data"]) + ")$"], ROOT, log)
+    with open(out) as f:
+        text = f.read()
+    # ctest's summary: "The following tests FAILED:" then "  12 - name (Failed)".
+    tail = text.split("The following tests FAILED:")[-1] if "tests FAILED" in text else ""
+    return sorted(set(re.findall(r"^\s*\d+ - (\S+) \(", tail, re.M)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build-mutate"))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated mutation names")
+    a = ap.parse_args()
+    work = os.path.abspath(a.build_dir)
+    src, build, log = os.path.join(work, "src"), os.path.join(work, "build"), \
+        os.path.join(work, "mutate.log")
+    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
+    copy_tree(src)
+    launcher = ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache", "-DCMAKE_C_COMPILER_LAUNCHER=ccache"] \
+        if shutil.which("ccache") else []
+    if sh(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+           "-DLAGA_WERROR=ON"] + launcher, ROOT, log) != 0:
+        sys.exit(f"mutate: configuring failed, see {log}")
+    build_cmd = ["cmake", "--build", build, "-j", str(a.jobs), "--target"] + TESTS
+    if sh(build_cmd, ROOT, log) != 0:
+        sys.exit(f"mutate: the unmutated build failed, see {log}")
+    clean = failed_tests(build, log, a.jobs)
+    if clean:
+        sys.exit(f"mutate: the unmutated tree already fails {clean}; fix that first")
+
+    only = set(filter(None, a.only.split(",")))
+    rows, bad = [], []
+    for name, what, rel, old, new in MUTATIONS:
+        if only and name not in only:
+            continue
+        path = os.path.join(src, rel)
+        with open(path) as f:
+            text = f.read()
+        if text.count(old) != 1:
+            rows.append((name, what, rel, f"NOT APPLIED: the text occurs {text.count(old)} times"))
+            bad.append(name)
+            continue
+        try:
+            with open(path, "w") as f:
+                f.write(text.replace(old, new))
+            if sh(build_cmd, ROOT, log) != 0:
+                caught = ["(build failed)"]
+            else:
+                caught = failed_tests(build, log, a.jobs)
+        finally:
+            with open(path, "w") as f:
+                f.write(text)
+        print(f"mutate: {name}: {', '.join(caught) or 'NOT CAUGHT'}", flush=True)
+        rows.append((name, what, rel, ", ".join(f"`{t}`" for t in caught) or "**not caught**"))
+        if not caught:
+            bad.append(name)
+    sh(build_cmd, ROOT, log)  # leave the copy built unmutated
+
+    print("\n| mutation | what it breaks | file | tests that fail |")
+    print("|---|---|---|---|")
+    for name, what, rel, caught in rows:
+        print(f"| `{name}` | {what} | `{rel}` | {caught} |")
+    if bad:
+        print(f"\nmutate: not caught or not applied: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
