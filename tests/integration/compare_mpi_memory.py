@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""The memory prediction's MPI staging rule against the pools of a real
+mpirun run (issue 16 item 7): `laga compare --comm mpi` on 3 processes
+measures every rank's pool and sets the prediction (the count-only run on a
+dry-run communicator staging as MPI does) beside it; both must agree byte for
+byte for every form, and the MPI staging must be what the in-process backend
+does not do (else the check would not exercise the MPI rule).
+
+  compare_mpi_memory.py LAGA MPIEXEC TMPDIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+laga, mpiexec, tmp = sys.argv[1:4]
+os.makedirs(tmp, exist_ok=True)
+common = ["compare", "--preset", "tiny", "--seq", "31", "--batch", "2", "--sp", "3",
+          "--steps", "1", "--warmup", "0", "--quiet", "--attention", "eager"]
+
+
+def run(cmd, out):
+    r = subprocess.run(cmd + ["--json", out], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    with open(out) as f:
+        return {f["form"]: f for f in json.load(f)["forms"]}
+
+
+mpi = run(["timeout", "100", mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "3", laga]
+          + common + ["--comm", "mpi"], os.path.join(tmp, "mpi.json"))
+local = run([laga] + common, os.path.join(tmp, "local.json"))
+failures = []
+for form, f in mpi.items():
+    for measured, predicted in [("peak_activation_bytes", "predicted_peak_activation_bytes"),
+                                ("peak_comm_buffer_bytes", "predicted_peak_comm_buffer_bytes"),
+                                ("peak_grad_sync_bytes", "predicted_peak_grad_sync_bytes")]:
+        if f[measured] != f[predicted]:
+            failures.append(f"{form} under MPI: {measured} {f[measured]} != {predicted} "
+                            f"{f[predicted]}")
+    if not f["memory_match"] or not f["bytes_match"]:
+        failures.append(f"{form} under MPI: memory_match {f['memory_match']}, "
+                        f"bytes_match {f['bytes_match']}")
+# MPI stages the peers' blocks of the gradient all-reduce ((P-1) x its chunk;
+# in-process only its own chunk): the grad-sync peaks must differ.
+if all(mpi[k]["peak_grad_sync_bytes"] == local[k]["peak_grad_sync_bytes"] for k in mpi):
+    failures.append("MPI and in-process grad-sync peaks are equal: the MPI staging rule is "
+                    "not exercised")
+for m in failures:
+    print("FAILED:", m)
+print("compare_mpi_memory:", "FAILED" if failures else "ok", f"({len(mpi)} forms)")
+sys.exit(1 if failures else 0)
