@@ -8,6 +8,7 @@
 #include "core/rng.hpp"
 #include "io/safetensors.hpp"
 #include "mla/exchange.hpp"
+#include "tools/memory_check.hpp"
 
 namespace laga::tools {
 
@@ -70,6 +71,19 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
   });
   job.ranks = std::move(reports);
   return job;
+}
+
+void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
+                            const std::vector<Form>& forms, AttentionKind attention) {
+  if (!comm.memory_check) return;
+  // Held by the job: the weights, x and dout (B, S, D), and on every rank the
+  // gathered global out and dx (B, S, D) for the report.
+  const std::int64_t global = 4 * layout.batch * layout.seq * cfg.dim;
+  std::int64_t params = 0;
+  for (const auto& [name, shape] : mla_param_shapes(cfg)) params += 4 * numel(shape);
+  check_memory_fits(predict_job_memory(cfg, layout, forms, attention, comm.backend, -1,
+                                       params + 2 * global, 2 * global),
+                    "this block job");
 }
 
 MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {

@@ -24,6 +24,12 @@ BlockJob run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLa
                        const MlaParams<float>& w, const TensorF& x, const TensorF& dout,
                        const RunSpec& spec);
 
+// The upfront memory check (tools/memory_check.hpp) of run_block_job with
+// these forms, before the caller allocates weights or inputs; nothing when
+// --no-memory-check was given.
+void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
+                            const std::vector<Form>& forms, AttentionKind attention);
+
 // Weights from a safetensors file under DeepSeek inference names
 // (`wkv_b.weight`) or Hugging Face names (`model.layers.<layer>.self_attn.
 // kv_b_proj.weight`); every shape is checked against the config.

@@ -43,6 +43,9 @@ void CommOptions::add_to(CLI::App& app) {
                  "error naming the missing ones")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_flag_callback(
+      "--no-memory-check", [this] { memory_check = false; },
+      "run even when the predicted peak exceeds the memory this process may use");
 }
 
 Backend parse_comm_backend(const std::string& s) {

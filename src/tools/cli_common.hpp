@@ -30,6 +30,7 @@ struct ModelOptions {
 struct CommOptions {
   Backend backend = Backend::local;
   int timeout_ms = 300000;
+  bool memory_check = true;  // --no-memory-check turns it off (tools/memory_check.hpp)
   void add_to(CLI::App& app);
 };
 

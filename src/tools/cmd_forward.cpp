@@ -40,6 +40,16 @@ void run_forward(const ForwardOptions& o) {
   protect_input(o.input, "--input");
   const MlaConfig cfg = o.model.load();
   if (!o.output.empty()) (void)resolve_output_path(o.output, "--output");
+  {  // Refuse before allocating anything when the job cannot fit.
+    std::int64_t B = o.batch, S = o.seq;
+    if (!o.input.empty()) {
+      const SafetensorsFile in = SafetensorsFile::open(o.input);
+      if (in.contains("x") && in.info("x").shape.size() == 3)
+        B = in.info("x").shape[0], S = in.info("x").shape[1];
+    }
+    check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp),
+                           {parse_form(o.form)}, parse_attention(o.attention));
+  }
   MlaParams<float> w =
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;

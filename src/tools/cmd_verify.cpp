@@ -36,6 +36,15 @@ void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
   const std::vector<Form> forms = parse_form_list(o.forms);
+  // Refuse before allocating anything when a run cannot fit: the reference
+  // (explicit, one in-process rank) and every P.
+  CommOptions one_rank = o.comm;
+  one_rank.backend = Backend::local;
+  check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1),
+                         {Form::explicit_form}, parse_attention(o.attention));
+  for (int P : sps)
+    check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P), forms,
+                           parse_attention(o.attention));
   const MlaParams<float> w = random_weights(cfg, o.seed);
   const TensorF x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
   const TensorF dout = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 2);

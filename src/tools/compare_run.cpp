@@ -20,6 +20,7 @@
 #include "mla/runner.hpp"
 #include "tools/block_job.hpp"
 #include "tools/compare.hpp"
+#include "tools/memory_check.hpp"
 
 namespace laga::tools {
 
@@ -383,13 +384,25 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
     res.notes.push_back("explicit is not among --forms: no max |diff| against it");
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) j.param_names.push_back(name);
 
+  // Refuse now, not after an OOM kill, when the run cannot fit.
+  std::int64_t param_bytes = 0;
+  for (const auto& [name, shape] : mla_param_shapes(res.cfg)) param_bytes += 4 * numel(shape);
+  if (!o.count_only && o.comm.memory_check) {
+    const std::int64_t io_bytes = 2 * 4 * o.batch * o.seq * res.cfg.dim;  // x, dout
+    // Per rank, when agreement is computed: explicit's out, dx and gradients kept.
+    const std::int64_t ref_bytes =
+        j.diffs ? param_bytes + 2 * 4 * o.batch * res.layout.seq_count[0] * res.cfg.dim : 0;
+    check_memory_fits(
+        predict_job_memory(res.cfg, res.layout, res.forms, res.attention, o.comm.backend,
+                           o.rank_only, param_bytes + io_bytes, ref_bytes),
+        "laga compare");
+  }
+
   // Weights, input and upstream gradient: seeded, the same for every form
   // and every backend (and `laga verify`'s for the same --seed).
   MemoryPool data_pool;
   data_pool.set_count_only(o.count_only);
   PoolScope data_scope(data_pool);
-  std::int64_t param_bytes = 0;
-  for (const auto& [name, shape] : mla_param_shapes(res.cfg)) param_bytes += 4 * numel(shape);
   if (!o.count_only && param_bytes > (std::int64_t(1) << 28) && is_reporting_process(o.comm))
     say(j, cat("initialising ", param_bytes / 1000000, " MB of parameters"), true);
   const MlaParams<float> w = random_weights(res.cfg, o.seed);

@@ -1,0 +1,122 @@
+#include "tools/memory_check.hpp"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "mla/memory_model.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+// The first integer after `key` in a /proc file of "Key:   value kB" lines.
+std::int64_t proc_field(const char* path, const std::string& key) {
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) {
+      std::istringstream in(line.substr(key.size()));
+      std::int64_t v = -1;
+      in >> v;
+      return v;
+    }
+  return -1;
+}
+
+std::int64_t read_number(const std::string& path) {
+  std::ifstream f(path);
+  std::string s;
+  if (!(f >> s) || s == "max") return -1;
+  try {
+    return std::stoll(s);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+std::string gb(std::int64_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GB", double(b) / 1e9);
+  return s;
+}
+
+}  // namespace
+
+MemoryBudget available_memory() {
+  MemoryBudget m;
+  const auto consider = [&](std::int64_t bytes, std::string source) {
+    if (bytes >= 0 && bytes < m.bytes) m.bytes = bytes, m.source = std::move(source);
+  };
+  // cgroup v2: this process's group ("0::/path" in /proc/self/cgroup).
+  std::ifstream cg("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cg, line))
+    if (line.rfind("0::", 0) == 0) {
+      const std::string dir = "/sys/fs/cgroup" + line.substr(3);
+      const std::int64_t max = read_number(dir + "/memory.max");
+      const std::int64_t cur = read_number(dir + "/memory.current");
+      if (max >= 0 && cur >= 0)
+        consider(std::max<std::int64_t>(0, max - cur),
+                 "the cgroup's memory.max minus memory.current (" + dir + ")");
+    }
+  const std::int64_t avail_kb = proc_field("/proc/meminfo", "MemAvailable:");
+  if (avail_kb >= 0) consider(avail_kb * 1024, "MemAvailable in /proc/meminfo");
+  rlimit rl{};
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    const std::int64_t used_kb = proc_field("/proc/self/status", "VmSize:");
+    consider(std::max<std::int64_t>(0, static_cast<std::int64_t>(rl.rlim_cur) -
+                                           std::max<std::int64_t>(0, used_kb) * 1024),
+             "RLIMIT_AS (ulimit -v) minus the address space in use");
+  }
+  return m;
+}
+
+JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
+                             const std::vector<Form>& forms, AttentionKind attention,
+                             Backend backend, int rank_only, std::int64_t held_shared,
+                             std::int64_t held_per_rank) {
+  MemoryModelOptions opt;
+  opt.staging = backend == Backend::mpi ? StagingRule::mpi : StagingRule::in_process;
+  // Local runs every rank in this process; an MPI process or a dry run one.
+  const bool all_here = backend == Backend::local && rank_only < 0;
+  JobMemory job;
+  for (Form f : forms) {
+    std::int64_t sum = 0, worst = 0;
+    for (int r = 0; r < layout.ranks; ++r) {
+      if (rank_only >= 0 && r != rank_only) continue;
+      const MemoryPrediction p = predict_memory(cfg, layout, f, attention, r, 4, opt);
+      // Its working peak, its gradient accumulators, its x, dout, out and dx
+      // shards (B, L_r, D), and what the job keeps per rank.
+      const std::int64_t shard =
+          4 * layout.batch * layout.seq_count[static_cast<std::size_t>(r)] * cfg.dim;
+      const std::int64_t rank_bytes = p.peak_working + p.gradients + 4 * shard + held_per_rank;
+      sum += rank_bytes;
+      worst = std::max(worst, rank_bytes);
+    }
+    const std::int64_t here = (all_here ? sum : worst) + held_shared;
+    if (here > job.bytes) {
+      job.bytes = here;
+      job.detail = cat(to_string(f), ": ", all_here ? layout.ranks : 1, " rank(s) of up to ",
+                       gb(worst), " each (activations, comm staging, gradients, shards) + ",
+                       gb(held_shared), " held by the job (weights, inputs)");
+    }
+  }
+  return job;
+}
+
+void check_memory_fits(const JobMemory& need, const std::string& command) {
+  const MemoryBudget avail = available_memory();
+  LAGA_CHECK(need.bytes <= avail.bytes, command, " would need about ", gb(need.bytes),
+             " in this process at its peak (predicted: ", need.detail, ") but ", gb(avail.bytes),
+             " are available (", avail.source,
+             "). Lower the peak with a larger --sp (under mpirun, one rank per process), a "
+             "shorter --seq, --attention flash, or --count-only to account without allocating; "
+             "or pass --no-memory-check to run anyway");
+}
+
+}  // namespace laga::tools

@@ -1,0 +1,45 @@
+// The upfront memory check (docs/reliability.md, "Memory"): before a job
+// allocates, laga predicts what this process will hold at its peak (the
+// memory prediction of every rank it runs, mla/memory_model.hpp, plus the
+// tensors the job itself keeps) and refuses, within the time the prediction
+// takes (milliseconds), when that exceeds what the process may use; never an
+// OOM kill minutes later with no message.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mla/block.hpp"
+#include "mla/layout.hpp"
+
+namespace laga::tools {
+
+// The memory this process may still use: the tightest of the cgroup's
+// memory.max minus memory.current, /proc/meminfo's MemAvailable, and
+// RLIMIT_AS minus the address space in use. source names which one.
+struct MemoryBudget {
+  std::int64_t bytes = INT64_MAX;
+  std::string source = "no limit found";
+};
+MemoryBudget available_memory();
+
+// One block job's peak in this process: for each form (they run one after
+// another, so the largest), the sum over the ranks this process runs (local:
+// all P; MPI: its own, taken as the largest rank's; rank_only >= 0: that
+// rank) of their predicted working peak, gradients and shards, plus
+// held_per_rank for each and held_shared once (weights, global inputs).
+struct JobMemory {
+  std::int64_t bytes = 0;
+  std::string detail;  // "laga: 4 rank(s) up to 2.61 GB each + 0.21 GB held"
+};
+JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
+                             const std::vector<Form>& forms, AttentionKind attention,
+                             Backend backend, int rank_only, std::int64_t held_shared,
+                             std::int64_t held_per_rank);
+
+// Throws laga::Error when need.bytes > available_memory().bytes, naming both,
+// what the need is made of, and how to lower it (or to skip the check).
+void check_memory_fits(const JobMemory& need, const std::string& command);
+
+}  // namespace laga::tools

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""The upfront memory check (issue 10 item 5): a job that cannot fit in what
+the process may use is refused within 2 seconds, naming the predicted and the
+available bytes and the knobs that lower the peak; one that fits runs.
+
+  test_memory_check.py LAGA
+"""
+import resource
+import subprocess
+import sys
+import time
+
+laga = sys.argv[1]
+LIMIT = 3 * 1024**3  # RLIMIT_AS: one of the three limits laga reads
+
+
+def limited():
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+
+def run(args):
+    t0 = time.monotonic()
+    r = subprocess.run([laga] + args, capture_output=True, text=True, timeout=120,
+                       preexec_fn=limited)
+    return r, time.monotonic() - t0
+
+
+failures = []
+too_big = [
+    ["compare", "--preset", "paper", "--seq", "8192", "--sp", "2", "--forms", "laga", "--quiet"],
+    ["forward", "--preset", "paper", "--seq", "8192", "--sp", "2", "--form", "laga"],
+    ["verify", "--preset", "paper", "--seq", "8192", "--sp", "2", "--forms", "laga"],
+]
+for args in too_big:
+    r, secs = run(args)
+    words = ["would need", "available", "RLIMIT_AS", "--sp", "--seq", "--attention flash",
+             "--count-only", "--no-memory-check"]
+    missing = [w for w in words if w not in r.stderr]
+    if r.returncode != 2 or missing or secs > 2.0:
+        failures.append(f"{' '.join(args[:1])}: rc {r.returncode} after {secs:.2f} s, missing "
+                        f"{missing} in: {r.stderr.strip()[:300]}")
+
+# Fits: a small job under the same limit runs.
+r, _ = run(["compare", "--preset", "tiny", "--seq", "64", "--sp", "2", "--steps", "1",
+            "--warmup", "0", "--quiet"])
+if r.returncode != 0:
+    failures.append(f"a small compare under the limit failed: {r.stderr.strip()[:300]}")
+# Count-only allocates nothing and is never refused.
+r, _ = run(["compare", "--preset", "paper", "--seq", "8192", "--sp", "2", "--count-only",
+            "--quiet"])
+if r.returncode != 0:
+    failures.append(f"count-only under the limit failed: {r.stderr.strip()[:300]}")
+
+for m in failures:
+    print("FAILED:", m)
+sys.exit(1 if failures else 0)
