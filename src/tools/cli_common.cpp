@@ -1,10 +1,13 @@
 #include "tools/cli_common.hpp"
 
+#include <cstring>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
 #include "comm/local_comm.hpp"
 #include "comm/mpi_comm.hpp"
 #include "core/error.hpp"
@@ -24,7 +27,11 @@ void ModelOptions::add_to(CLI::App& app) {
 
 MlaConfig ModelOptions::load() const {
   protect_input(config_path, "--config");
-  return config_path.empty() ? MlaConfig::preset(preset) : MlaConfig::from_json_file(config_path);
+  MlaConfig cfg =
+      config_path.empty() ? MlaConfig::preset(preset) : MlaConfig::from_json_file(config_path);
+  // The resolved values: one path can hold different files on different nodes.
+  note_run_identity("the model config (" + source() + ")", cfg.to_json().dump());
+  return cfg;
 }
 
 std::string ModelOptions::source() const {
@@ -95,6 +102,99 @@ bool is_reporting_process(const CommOptions& comm) {
   return comm.backend != Backend::mpi || mpi_session().world_rank() == 0;
 }
 
+namespace {
+
+std::mutex identity_mutex;
+std::map<std::string, std::string>& run_identity() {
+  static std::map<std::string, std::string> m;
+  return m;
+}
+
+// FNV-1a: the same bytes give the same digest in every process.
+std::uint64_t digest(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Every rank's (what, value) digests side by side; refuses naming the first
+// entry whose value differs between ranks, or that some ranks lack.
+void check_ranks_agree(Communicator& comm) {
+  constexpr std::size_t kSlots = 128;  // (name, value) digest pairs per rank
+  std::vector<std::pair<std::string, std::string>> mine;
+  {
+    std::lock_guard<std::mutex> lock(identity_mutex);
+    mine.assign(run_identity().begin(), run_identity().end());
+  }
+  LAGA_CHECK(mine.size() <= kSlots, "internal: more than ", kSlots, " run options to compare");
+  const int P = comm.size();
+  const auto n = static_cast<std::int64_t>(2 * kSlots);
+  std::vector<double> all(static_cast<std::size_t>(n * P), 0.0);
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const std::uint64_t d[2] = {digest(mine[i].first), digest(mine[i].second)};
+    std::memcpy(&all[static_cast<std::size_t>(n * comm.rank()) + 2 * i], d, sizeof d);
+  }
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(P), n),
+      displs(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) displs[static_cast<std::size_t>(r)] = r * n;
+  const Ledger before = comm.ledger();
+  comm.all_gather_v(all.data() + n * comm.rank(), n, all.data(), counts.data(), displs.data(),
+                    "option_check");
+  comm.ledger() = before;  // bookkeeping, not the job's traffic
+  const auto slot = [&](int r, std::size_t i, int k) {
+    std::uint64_t v;
+    std::memcpy(&v, &all[static_cast<std::size_t>(n * r) + 2 * i + static_cast<std::size_t>(k)],
+                sizeof v);
+    return v;
+  };
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    std::vector<int> differ, lack;
+    for (int r = 0; r < P; ++r) {
+      std::size_t j = 0;
+      while (j < kSlots && slot(r, j, 0) != slot(comm.rank(), i, 0)) ++j;
+      if (j == kSlots)
+        lack.push_back(r);
+      else if (slot(r, j, 1) != slot(comm.rank(), i, 1))
+        differ.push_back(r);
+    }
+    const auto list = [](const std::vector<int>& v) {
+      std::string s;
+      for (int r : v) s += (s.empty() ? "" : ", ") + std::to_string(r);
+      return s;
+    };
+    LAGA_CHECK(differ.empty() && lack.empty(), "the MPI ranks disagree on ", mine[i].first,
+               ": rank ", comm.rank(), " has '", mine[i].second.substr(0, 200), "'",
+               differ.empty() ? "" : ", rank(s) " + list(differ) + " have another value",
+               lack.empty() ? "" : ", rank(s) " + list(lack) + " do not give it",
+               "; launch every rank with the same options and files");
+  }
+}
+
+}  // namespace
+
+void note_command_line(int argc, char** argv) {
+  // "--name value" and "--name=value" as options; a token after an option
+  // that is not itself one is its value; the first token names the command.
+  for (int i = 1; i < argc; ++i) {
+    std::string tok = argv[i];
+    if (tok.rfind("--", 0) != 0) {
+      if (i == 1) note_run_identity("the subcommand", tok);
+      continue;
+    }
+    std::string value;
+    if (const auto eq = tok.find('='); eq != std::string::npos)
+      value = tok.substr(eq + 1), tok = tok.substr(0, eq);
+    else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0)
+      value = argv[++i];
+    note_run_identity("option " + tok, value);
+  }
+}
+
+void note_run_identity(const std::string& what, const std::string& value) {
+  std::lock_guard<std::mutex> lock(identity_mutex);
+  run_identity()[what] = value;
+}
+
 void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body) {
   const auto timeout = std::chrono::milliseconds(comm.timeout_ms);
   if (comm.backend == Backend::local) {
@@ -110,6 +210,7 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
   set_rank_threads(threads_per_rank(P));
   auto c = make_mpi_communicator();
   c->set_timeout(timeout);
+  check_ranks_agree(*c);
   body(*c);
 }
 

@@ -41,6 +41,15 @@ Backend parse_comm_backend(const std::string& s);
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"
 
+// What every MPI rank of a job must agree on, noted as (what, value) pairs:
+// the command line's options (note_command_line, from main) and the resolved
+// model config (ModelOptions::load). run_group's MPI path compares them
+// across ranks before the body runs and refuses, naming the option and the
+// ranks that differ: `mpirun -np 2 laga train --seed 1 : -np 2 laga train
+// --seed 2` is a mistake, not two replicas.
+void note_command_line(int argc, char** argv);
+void note_run_identity(const std::string& what, const std::string& value);
+
 // Runs body once per rank of a P-rank group on the chosen backend and returns
 // on every participating process. Local: P threads in this process, each with
 // threads_per_rank(P) OpenMP/BLAS threads. MPI: this process is one rank of

@@ -6,6 +6,7 @@
 
 #include "core/blas_runtime.hpp"
 #include "core/error.hpp"
+#include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
 
 namespace laga::tools {
@@ -27,6 +28,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "laga 0.1.0");
   for (const auto& reg : laga::tools::command_registry()) reg(app);
+  laga::tools::note_command_line(argc, argv);  // what MPI ranks must agree on
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
