@@ -87,10 +87,10 @@ TEST_P(BlockGrad, MatchesFiniteDifferences) {
 
 std::vector<GradCase> cases() {
   std::vector<GradCase> v;
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+  for (Form f : all_forms())
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+  for (Form f : all_forms())
     v.push_back({"", 5, true, f, AttentionKind::flash});
   return v;
 }
@@ -150,7 +150,7 @@ TEST_P(BlockGradSp, MatchesFiniteDifferences) {
 
 std::vector<SpCase> sp_cases() {
   std::vector<SpCase> v;
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+  for (Form f : all_forms())
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       v.push_back({f, a, {3, 2}, {2, 1}});
       v.push_back({f, a, {2, 2, 1}, {2, 0, 1}});  // rank 1 owns no head

@@ -54,7 +54,7 @@ TEST(CommModel, GradSyncCountsDeepSeekV3Parameters) {
 TEST(CommModel, OneCallPerLabelAndPhase) {
   MlaConfig cfg;
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 3);
-  for (Form f : {Form::explicit_form, Form::absorbed, Form::laga}) {
+  for (Form f : all_forms()) {
     const CommPrediction p = predict_comm(cfg, lay, f, 1, 4, true, true);
     // forward and backward: q, out and (explicit) k, v or (else) the latent;
     // plus the gradient all-reduce.

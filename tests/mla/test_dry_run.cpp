@@ -215,7 +215,7 @@ TEST(DryRun, CountOnlyAndRealRunsReportTheSameBytesAndPeaks) {
   const MlaConfig cfg = small_config();
   for (const SpLayout& lay :
        {SpLayout::even(1, 12, 5, 3), SpLayout::custom(2, {5, 1, 4}, {0, 3, 2})})
-    for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+    for (Form f : all_forms())
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
         RunSpec spec;
         spec.form = f;

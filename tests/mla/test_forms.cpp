@@ -102,7 +102,7 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   const BlockRun<float> ref =
       run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
   spec.attention = fc.attention;
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed}) {
+  for (Form f : all_forms()) {
     spec.form = f;
     const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec);
     // fp32 with other summation orders: 1e-5 of the largest reference value.

@@ -39,7 +39,7 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
   fill_normal(dout.data(), dout.numel(), 1, 2, 0, 1.0);
   const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, 1);
   const RopeTable rope(cfg.rope(), S);
-  for (Form form : {Form::explicit_form, Form::absorbed, Form::laga})
+  for (Form form : all_forms())
     for (AttentionKind att : {AttentionKind::eager, AttentionKind::flash}) {
       const std::string tag = std::string(to_string(form)) + "/" + to_string(att);
       RankReport real, counted;

@@ -54,7 +54,7 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
   Tensor<T> x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
   fill_normal(x.data(), x.numel(), 1, 1, 0, 1.0);
   fill_normal(dout.data(), dout.numel(), 1, 2, 0, 1.0);
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+  for (Form f : all_forms())
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       RunSpec spec;
       spec.form = f;
@@ -137,7 +137,7 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
       const RopeTable rope(cfg.rope(), S);  // the one costly object here: build it once
       for (int P : {1, 2, 4, 8, 16}) {
         const SpLayout lay = SpLayout::even(1, S, H, P);
-        for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+        for (Form f : all_forms())
           for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
             for (int r : {0, P - 1}) check_count_only(cfg, lay, rope, r, f, a);
       }
@@ -147,7 +147,7 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
   const RopeTable rope(v3.rope(), 4096);
   for (int P : {3, 8})
-    for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+    for (Form f : all_forms())
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
         check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
 }

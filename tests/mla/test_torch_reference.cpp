@@ -52,7 +52,7 @@ TEST_P(TorchReference, BlockMatchesAutograd) {
   const TensorF dx = f.read<float>("dx", {B, S, cfg.dim}, MemCategory::activations);
 
   for (int P : {1, 3})
-    for (Form form : {Form::explicit_form, Form::absorbed, Form::laga})
+    for (Form form : all_forms())
       for (AttentionKind att : {AttentionKind::eager, AttentionKind::flash}) {
         RunSpec spec;
         spec.form = form;

@@ -127,7 +127,7 @@ TEST(ModelGrad, EveryFormAtP2AndP3MatchesP1) {
   const LmConfig cfg = tiny();
   const Batch bt = batch(cfg);
   const auto ref = run(cfg, Form::explicit_form, 1, bt);
-  for (Form f : {Form::explicit_form, Form::laga, Form::absorbed})
+  for (Form f : all_forms())
     for (int P : {2, 3}) {
       SCOPED_TRACE(std::string(to_string(f)) + " P=" + std::to_string(P));
       const auto got = run(cfg, f, P, bt);
