@@ -222,11 +222,16 @@ def case_nonfinite(laga, scratch):
 
 
 def case_memory(laga, scratch):
-    # 10^12 tokens: every buffer is far beyond any machine.
-    expect_error(laga, ["train", "--seq", "1000000000000", "--d-model", "32", "--heads", "2",
-                        "--layers", "1", "--vocab", "64", "--steps", "1", "--quiet"],
-                 "bytes")
-    expect_error(laga, ["forward", "--preset", "tiny", "--seq", "100000000000000"], "bytes")
+    # 10^12 tokens with a wide RoPE: the first buffer (the RoPE table, a
+    # std::vector) wants 4 * 10^15 bytes, beyond the 2^47-byte address space,
+    # so it fails even where the kernel overcommits without limit.
+    expect_error(laga, ["train", "--seq", "1000000000000", "--rope-dim", "1024", "--d-model", "32",
+                        "--heads", "2", "--layers", "1", "--vocab", "64", "--steps", "1",
+                        "--quiet"],
+                 "out of memory: a request for 4096000000000000 bytes")
+    # A tensor: 1.9 * 10^16 bytes, named by shape and category.
+    expect_error(laga, ["forward", "--preset", "tiny", "--seq", "100000000000000"],
+                 "bytes (1.92e+07 GB) for a tensor of shape [1, 100000000000000, 48] (activations)")
 
 
 def main():
