@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <string>
 
 namespace laga::fuzz {
@@ -20,8 +21,18 @@ inline const std::string& write_input(const std::uint8_t* data, std::size_t size
     const char* shm = "/dev/shm";
     return std::string(access(shm, W_OK) == 0 ? shm : "/tmp");
   }();
-  static std::string path;
-  path = dir + "/laga_fuzz_" + std::to_string(getpid()) + suffix;
+  // One file per suffix; all removed when the fuzzer exits (-runs,
+  // -max_total_time). A crash leaves them, beside the artifact it saves.
+  static std::set<std::string> written;
+  static const bool cleanup = [] {
+    std::atexit([] {
+      for (const std::string& p : written) std::remove(p.c_str());
+    });
+    return true;
+  }();
+  (void)cleanup;
+  const std::string& path =
+      *written.insert(dir + "/laga_fuzz_" + std::to_string(getpid()) + suffix).first;
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) std::abort();  // the harness, not the reader, failed
   if (size > 0 && std::fwrite(data, 1, size, f) != size) std::abort();
