@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 
 #include "core/error.hpp"
@@ -11,9 +12,14 @@ namespace laga {
 
 std::int64_t numel(const Shape& shape) {
   std::int64_t n = 1;
-  for (std::int64_t e : shape) {
+  for (std::int64_t e : shape)
     LAGA_CHECK(e >= 0, "tensor shape ", to_string(shape), " has a negative extent");
-    n *= e;
+  for (std::int64_t e : shape) {
+    // An overflowing product would wrap to a small or negative count and
+    // allocate the wrong size; no machine holds 2^63 elements anyway.
+    LAGA_CHECK(!__builtin_mul_overflow(n, e, &n), "tensor shape ", to_string(shape),
+               " has more than 2^63 elements; the sizes that produced it (--seq, --batch, the "
+               "config) are far beyond any machine");
   }
   return n;
 }
@@ -38,13 +44,18 @@ template <class T>
 Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
     : shape_(std::move(shape)), numel_(laga::numel(shape_)), category_(cat) {
   MemoryPool& pool = current_pool();
+  // bytes() must be exact (the pool counts it), so its product may not wrap.
+  LAGA_CHECK(numel_ <= std::numeric_limits<std::int64_t>::max() / std::int64_t(sizeof(T)), "a ",
+             to_string(category_), " tensor of shape ", to_string(shape_),
+             " would need more than 2^63 bytes; use a smaller --seq/--batch or a larger --sp");
   if (numel_ > 0 && !pool.count_only()) {
     std::size_t bytes = static_cast<std::size_t>(numel_) * sizeof(T);
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
     data_ = static_cast<T*>(std::aligned_alloc(kAlign, bytes));
     if (!data_) {
-      fail("out of memory allocating ", this->bytes(), " bytes for a ", to_string(category_),
-           " tensor of shape ", to_string(shape_),
+      fail("out of memory allocating ", this->bytes(), " bytes (",
+           static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
+           to_string(shape_), " (", to_string(category_), ")",
            "; use a smaller --seq/--batch, a larger --sp, or --count-only to account without "
            "allocating");
     }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 #include <type_traits>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -142,6 +143,7 @@ class HeaderParser {
       tensors.emplace(name, parse_entry(name, entry));
     }
     check_no_overlap(tensors);
+    check_nothing_after_last(tensors);
     return tensors;
   }
 
@@ -270,19 +272,41 @@ class HeaderParser {
     }
   }
 
+  // Bytes past the end of the last tensor belong to no tensor: a file
+  // appended to, or a header that lost an entry. The format forbids them (its
+  // reference reader refuses an incompletely indexed buffer), so does laga.
+  // Gaps between tensors stay accepted (SafetensorsRead.UnpaddedHeaderAndGaps).
+  void check_nothing_after_last(const std::map<std::string, SafetensorsTensorInfo>& tensors) const {
+    std::uint64_t end = 0;
+    for (const auto& entry : tensors) end = std::max(end, entry.second.data_end);
+    if (end < data_bytes_) {
+      fail_file(cat("the data section holds ", data_bytes_, " bytes but its tensors end at byte ",
+                    end, "; ", data_bytes_ - end,
+                    " bytes after the last tensor belong to none: the file was appended to or "
+                    "its header lost an entry, re-export it"));
+    }
+  }
+
   const std::string& path_;
   std::uint64_t data_bytes_;
 };
 
 Json parse_header_json(const std::string& path, const std::string& text) {
   // nlohmann keeps the last of duplicated keys silently; a duplicated tensor
-  // name would hide one of two tensors, so it is refused instead.
-  std::set<std::string> top_level_keys;
+  // name would hide one of two tensors, a duplicated field (dtype, shape)
+  // one of two values, so both are refused. One key set per open object.
+  std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
+  bool duplicate_is_tensor = false;
   auto note_duplicates = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (depth == 1 && event == Json::parse_event_t::key && duplicate.empty()) {
+    if (event == Json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key && duplicate.empty() && !open_objects.empty()) {
       const std::string& key = parsed.get_ref<const std::string&>();
-      if (!top_level_keys.insert(key).second) duplicate = key;
+      if (!open_objects.back().insert(key).second)
+        duplicate = key, duplicate_is_tensor = depth == 1;
     }
     return true;
   };
@@ -298,8 +322,9 @@ Json parse_header_json(const std::string& path, const std::string& text) {
          ", not an object mapping tensor names to entries; the file is not safetensors");
   }
   if (!duplicate.empty()) {
-    fail("safetensors '", path, "': tensor '", duplicate,
-         "' appears twice in the header; the file is corrupt, re-export it");
+    fail("safetensors '", path, "': ", duplicate_is_tensor ? "tensor '" : "key '", duplicate,
+         "' appears twice in ", duplicate_is_tensor ? "the header" : "one object of the header",
+         "; the file is corrupt, re-export it");
   }
   return header;
 }

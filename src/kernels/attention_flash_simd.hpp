@@ -149,9 +149,11 @@ struct Avx2Simd {
   // 2^x = 2^n * 2^f with n = round(x). x is clamped to [-127, 127]: at n = -127
   // the exponent field is 0, so 2^n is +0 and -inf (and anything below about
   // -126.5, i.e. p < 1e-38) comes out as exactly 0 instead of NaN or a
-  // denormal. max_ps returns its second operand for a NaN first operand.
+  // denormal. min_ps and max_ps return their second operand when either is
+  // NaN, so x goes second: a NaN stays NaN through the clamp and the
+  // polynomial (2^NaN = NaN, as std::exp2), never a clamped 2^-127 = 0.
   static V exp2(V x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
     const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V f = _mm256_sub_ps(x, n);
     V p = _mm256_set1_ps(static_cast<float>(kExp2Coef[7]));
@@ -193,7 +195,7 @@ struct Avx512Simd {
   static float hmax(V a) { return _mm512_reduce_max_ps(a); }
   // As Avx2Simd::exp2.
   static V exp2(V x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), x));
     const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V f = _mm512_sub_ps(x, n);
     V p = _mm512_set1_ps(static_cast<float>(kExp2Coef[7]));

@@ -1,8 +1,11 @@
 #include "mla/config.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -31,6 +34,11 @@ RopeParams MlaConfig::rope() const {
   return p;
 }
 
+namespace {
+constexpr double kMaxRopeFactor = 1e6;
+constexpr std::int64_t kMaxSeqLen = std::int64_t(1) << 40;
+}  // namespace
+
 void MlaConfig::validate() const {
   auto positive = [](std::int64_t v, const char* name) {
     LAGA_CHECK(v > 0, "config: ", name, " must be positive, got ", v);
@@ -49,7 +57,20 @@ void MlaConfig::validate() const {
   LAGA_CHECK(norm_eps > 0 && norm_eps < 1, "config: norm_eps must be in (0, 1), got ", norm_eps);
   LAGA_CHECK(original_seq_len > 0 && max_seq_len > 0,
              "config: original_seq_len and max_seq_len must be positive");
+  // A query compression wider than the model is legal algebra but no model
+  // has one: almost surely a typo (refused, docs/reliability.md).
+  LAGA_CHECK(q_lora_rank <= dim, "config: q_lora_rank ", q_lora_rank, " is larger than dim ", dim,
+             "; a low-rank query compression is narrower than the model (DeepSeek-V3: 1536 of "
+             "7168); use 0 for none");
+  LAGA_CHECK(original_seq_len <= kMaxSeqLen && max_seq_len <= kMaxSeqLen,
+             "config: original_seq_len ", original_seq_len, " / max_seq_len ", max_seq_len,
+             " beyond ", kMaxSeqLen, " tokens; check the config");
   if (yarn()) {
+    // YaRN stretches the context by rope_factor; 1e308 overflows its
+    // frequency arithmetic. No model extends its context a million-fold.
+    LAGA_CHECK(std::isfinite(rope_factor) && rope_factor <= kMaxRopeFactor, "config: rope_factor ",
+               rope_factor, " is beyond ", kMaxRopeFactor,
+               " (the context-extension factor of YaRN; DeepSeek-V3 uses 40)");
     LAGA_CHECK(rope_factor >= 1.0, "config: rope_factor must be >= 1 when YaRN is on (max_seq_len ",
                max_seq_len, " > original_seq_len ", original_seq_len, "), got ", rope_factor);
     LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0,
@@ -89,19 +110,40 @@ MlaConfig MlaConfig::preset(const std::string& name) {
 
 namespace {
 
+// Integers in a config are dimensions and lengths: 2^53 (exact in a double)
+// bounds them all, and keeps every later product of two far from overflow
+// once validate() has bounded the dimensions.
+constexpr std::int64_t kMaxConfigInt = std::int64_t(1) << 53;
+
 template <class V>
 bool read_key(const json& j, const char* key, V& out, const std::string& source) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return false;
   if constexpr (std::is_integral_v<V>) {
-    LAGA_CHECK(it->is_number_integer() ||
-                   (it->is_number_float() &&
-                    std::floor(it->template get<double>()) == it->template get<double>()),
-               source, ": '", key, "' must be an integer, got ", it->dump());
-    out = static_cast<V>(it->template get<double>());
+    // Read exactly, and refuse what no int64 holds before converting: a cast
+    // of 1e300 is undefined (it printed as -9223372036854775808).
+    if (it->is_number_unsigned()) {
+      const auto u = it->template get<std::uint64_t>();
+      LAGA_CHECK(u <= std::uint64_t(kMaxConfigInt), source, ": '", key, "' is ", it->dump(),
+                 ", beyond any model dimension (at most ", kMaxConfigInt, ")");
+      out = static_cast<V>(u);
+    } else if (it->is_number_integer()) {
+      out = static_cast<V>(it->template get<std::int64_t>());
+    } else {
+      LAGA_CHECK(it->is_number_float(), source, ": '", key, "' must be an integer, got ",
+                 it->dump());
+      const double d = it->template get<double>();
+      LAGA_CHECK(std::isfinite(d) && std::floor(d) == d, source, ": '", key,
+                 "' must be an integer, got ", it->dump());
+      LAGA_CHECK(std::abs(d) <= double(kMaxConfigInt), source, ": '", key, "' is ", it->dump(),
+                 ", beyond any model dimension (at most ", kMaxConfigInt, ")");
+      out = static_cast<V>(d);
+    }
   } else {
     LAGA_CHECK(it->is_number(), source, ": '", key, "' must be a number, got ", it->dump());
     out = it->template get<V>();
+    LAGA_CHECK(std::isfinite(static_cast<double>(out)), source, ": '", key,
+               "' must be finite, got ", it->dump());
   }
   return true;
 }
@@ -191,14 +233,41 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
 }
 
 MlaConfig MlaConfig::from_json_file(const std::string& path) {
+  // stat before opening: an ifstream on a FIFO with no writer blocks forever.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  LAGA_CHECK(fs::exists(st), "cannot open config file '", path, "': no such file; check the path");
+  LAGA_CHECK(!fs::is_directory(st), "config file '", path,
+             "' is a directory; give the JSON file (config.json) inside it");
+  LAGA_CHECK(fs::is_regular_file(st), "config file '", path,
+             "' is not a regular file (a FIFO, socket or device); give a JSON file");
   std::ifstream in(path);
-  LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check the path");
+  LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check its permissions");
+  // Duplicate keys: nlohmann keeps the last silently, so a config that sets
+  // "dim" twice would run with whichever came last. Track the keys of every
+  // open object while parsing and refuse a repeat.
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  const json::parser_callback_t check_keys = [&](int, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (ev == json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (ev == json::parse_event_t::key && !open_objects.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
   json j;
   try {
-    in >> j;
+    j = json::parse(in, check_keys);
   } catch (const std::exception& e) {
     fail("config file '", path, "' is not valid JSON: ", e.what());
   }
+  LAGA_CHECK(duplicate.empty(), "config file '", path, "': key '", duplicate,
+             "' appears twice in one object; JSON readers disagree on which wins, so remove one");
   return from_json(j, "config '" + path + "'");
 }
 

@@ -12,6 +12,18 @@ namespace laga {
 
 namespace {
 constexpr std::int32_t kLlmcMagic = 20240520;
+constexpr std::int64_t kLlmcHeaderBytes = 1024;  // 256 int32
+// Version 1 or 2, a positive count and the rest of the header zero: llm.c's
+// header whatever the magic says.
+bool looks_like_llmc_header(const std::string& bytes) {
+  if (static_cast<std::int64_t>(bytes.size()) < kLlmcHeaderBytes) return false;
+  std::int32_t head[3];
+  std::memcpy(head, bytes.data(), sizeof head);
+  if ((head[1] != 1 && head[1] != 2) || head[2] <= 0) return false;
+  for (std::int64_t i = 12; i < kLlmcHeaderBytes; ++i)
+    if (bytes[static_cast<size_t>(i)] != 0) return false;
+  return true;
+}
 bool ends_with(const std::string& s, const std::string& e) {
   return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
 }
@@ -32,10 +44,19 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   t.vocab_ = vocab;
   t.seed_ = seed;
   t.path_ = path;
+  // stat, never open, before knowing it is a regular file: opening a FIFO
+  // with no writer would block forever.
   std::error_code ec;
-  LAGA_CHECK(fs::is_regular_file(path, ec), "--data '", path,
+  const fs::file_status st = fs::status(path, ec);
+  LAGA_CHECK(fs::exists(st), "--data '", path,
              "': no such file; give a flat binary of uint16/uint32 token ids (nanoGPT/llm.c "
              ".bin) or --data random");
+  LAGA_CHECK(!fs::is_directory(st), "--data '", path,
+             "' is a directory; give the token file inside it (a flat binary of uint16/uint32 "
+             "ids)");
+  LAGA_CHECK(fs::is_regular_file(st), "--data '", path,
+             "' is not a regular file (a FIFO, socket or device); laga reads token data from a "
+             "file whose size it knows: copy it to a file first");
   const auto size = static_cast<std::int64_t>(fs::file_size(path, ec));
   LAGA_CHECK(!ec && size > 0, "--data '", path,
              "' is empty; it must hold at least --seq + 1 = ", seq + 1, " token ids");
@@ -49,17 +70,28 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   std::int64_t header = 0;
   std::string dtype = dtype_opt;
   std::int32_t head[3] = {0, 0, 0};
-  if (size >= 1024) std::memcpy(head, bytes.data(), sizeof head);
+  if (size >= kLlmcHeaderBytes) std::memcpy(head, bytes.data(), sizeof head);
+  const bool llmc = size >= kLlmcHeaderBytes && head[0] == kLlmcMagic;
+  // A header whose magic is wrong would otherwise be read as ids, and pass
+  // when --vocab is large: refuse what looks like one (version 1 or 2, a
+  // positive count, the rest of the 1024 bytes zero).
+  if (!llmc && looks_like_llmc_header(bytes))
+    fail("--data '", path, "' starts with what looks like an llm.c header (version ", head[1], ", ",
+         head[2], " tokens) but its magic is ", head[0], ", not ", kLlmcMagic,
+         "; the file is damaged or of another format");
   if (dtype == "auto") {
-    if (size >= 1024 && head[0] == kLlmcMagic) {
+    if (llmc) {
       LAGA_CHECK(head[1] == 1 || head[1] == 2, "--data '", path, "': llm.c header version ",
                  head[1],
                  " is not 1 (uint16) or 2 (uint32); pass --data-dtype u16|u32 for a raw file");
       dtype = head[1] == 1 ? "u16" : "u32";
-      header = 1024;
+      header = kLlmcHeaderBytes;
     } else {
       dtype = ends_with(path, ".u32") || ends_with(path, ".uint32") ? "u32" : "u16";
     }
+  } else {
+    LAGA_CHECK(!llmc, "--data '", path, "' has an llm.c header but --data-dtype ", dtype,
+               " reads it as raw ids (the header would become tokens); use --data-dtype auto");
   }
   LAGA_CHECK(dtype == "u16" || dtype == "u32", "--data-dtype '", dtype,
              "' is not one of auto, u16, u32");
@@ -70,9 +102,16 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
              " bytes of ids is not a whole number of ", dtype, " ids; is it a ",
              dtype == "u16" ? "u32" : "u16", " file? (set --data-dtype)");
   const std::int64_t n = body / elem;
-  if (header && head[2] > 0)
-    LAGA_CHECK(head[2] <= n, "--data '", path, "': the llm.c header says ", head[2],
-               " tokens but the file holds only ", n, "; the file is truncated");
+  // The header's count must be the body's: fewer ids means a truncated file,
+  // more (e.g. twice as many: uint32 ids under a version-1 uint16 header)
+  // means the body is not what the header says.
+  if (header)
+    LAGA_CHECK(head[2] == n, "--data '", path, "': the llm.c header says ", head[2],
+               " tokens but the body holds ", n, " ", dtype, " ids",
+               n > head[2] && head[2] > 0 && n == 2 * std::int64_t(head[2])
+                   ? " (twice as many: uint32 ids under a version-1 header?)"
+                   : "",
+               "; the file is truncated or its header is wrong");
   LAGA_CHECK(n >= seq + 1, "--data '", path, "' holds ", n,
              " token ids but one window needs --seq + 1 = ", seq + 1,
              "; use a longer file or a smaller --seq");

@@ -1,13 +1,18 @@
 #include "tools/cli_common.hpp"
 
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+
 #include "comm/local_comm.hpp"
 #include "comm/mpi_comm.hpp"
 #include "core/error.hpp"
@@ -48,7 +53,7 @@ void CommOptions::add_to(CLI::App& app) {
   app.add_option("--comm-timeout", timeout_ms,
                  "milliseconds a collective waits for its peers before every rank stops with an "
                  "error naming the missing ones")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
   app.add_flag_callback(
       "--no-memory-check", [this] { memory_check = false; },
@@ -61,6 +66,76 @@ Backend parse_comm_backend(const std::string& s) {
              "per process, launched with mpirun -np P)");
   return parse_backend(s);
 }
+
+namespace {
+std::string number_text(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+}  // namespace
+
+CLI::Validator whole(std::int64_t lo) {
+  return CLI::Validator(
+      [lo](std::string& text) -> std::string {
+        const bool digits =
+            !text.empty() &&
+            text.find_first_not_of("0123456789", text[0] == '-' ? 1 : 0) == std::string::npos &&
+            text != "-";
+        std::int64_t v = 0;
+        bool fits = digits;
+        if (digits) {
+          errno = 0;
+          v = std::strtoll(text.c_str(), nullptr, 10);
+          fits = errno != ERANGE;
+        }
+        if (!fits || v < lo)
+          return cat("'", text, "' is not a whole number >= ", lo,
+                     digits && fits ? "" : " (decimal digits only)");
+        // Leading zeros would otherwise read as octal in CLI11 (010 -> 8).
+        text = std::to_string(v);
+        return "";
+      },
+      cat("INT >= ", lo));
+}
+
+CLI::Validator real(double lo, double hi, const char* bounds) {
+  const bool lo_in = bounds[0] == '[', hi_in = bounds[1] == ']';
+  const std::string interval =
+      cat(lo_in ? "[" : "(", number_text(lo), ", ", number_text(hi), hi_in ? "]" : ")");
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        const bool number = !text.empty() && end == text.c_str() + text.size();
+        if (!number || !std::isfinite(v))
+          return cat("'", text, "' is not a finite number in ", interval);
+        if (v < lo || (v == lo && !lo_in) || v > hi || (v == hi && !hi_in))
+          return cat(text, " is outside ", interval);
+        return "";
+      },
+      "REAL in " + interval);
+}
+
+CLI::Validator real_at_least(double lo) {
+  return real(lo, std::numeric_limits<double>::infinity(), "[)");
+}
+
+CLI::Validator real_above(double lo) {
+  return real(lo, std::numeric_limits<double>::infinity(), "()");
+}
+
+template <class T>
+NonFinite count_nonfinite(const T* x, std::int64_t n) {
+  NonFinite r;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) {
+      if (r.count++ == 0) r.first = i;
+    }
+  return r;
+}
+template NonFinite count_nonfinite<float>(const float*, std::int64_t);
+template NonFinite count_nonfinite<double>(const double*, std::int64_t);
 
 std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
   std::vector<int> v;

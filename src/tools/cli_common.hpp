@@ -37,6 +37,26 @@ struct CommOptions {
 // --comm's value: "local" or "mpi"; anything else is an error naming them.
 Backend parse_comm_backend(const std::string& s);
 
+// Checks of an option's value, run by CLI11 on the text the user gave (so a
+// default is never checked, and absence keeps its meaning). A failure reads
+// "--seq: 0 is not a whole number >= 1", which main prints in the one error
+// format, "laga: error: ...", with exit status 2.
+//   whole(lo):       a decimal integer >= lo (no 1e3, no 0x10, no 010 octal)
+//   real(lo, hi, bounds): a finite number in the interval; `bounds` says
+//                    which ends are included, e.g. "[)" for [lo, hi)
+//   real_at_least(lo) / real_above(lo): [lo, inf) / (lo, inf), finite
+CLI::Validator whole(std::int64_t lo);
+CLI::Validator real(double lo, double hi, const char* bounds);
+CLI::Validator real_at_least(double lo);
+CLI::Validator real_above(double lo);
+
+// Non-finite values (NaN, +-inf) in a tensor: how many, and the first's index.
+struct NonFinite {
+  std::int64_t count = 0, first = -1;
+};
+template <class T>
+NonFinite count_nonfinite(const T* x, std::int64_t n);
+
 // "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"

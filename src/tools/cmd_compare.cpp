@@ -46,7 +46,8 @@ void register_compare(CLI::App& app) {
   c->add_option("--rank-only", o->rank_only,
                 "run only rank R of the --sp group, alone, on a dry-run communicator: exact "
                 "bytes and memory for one rank of a job too large for this machine; values are "
-                "not numerically meaningful");
+                "not numerically meaningful")
+      ->check(whole(0));
   c->add_flag("--count-only", o->count_only,
               "account every tensor without allocating it and run no kernel: exact bytes and "
               "memory at any size in seconds; no values, no times");

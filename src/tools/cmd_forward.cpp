@@ -10,6 +10,7 @@
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 #include "tools/block_job.hpp"
+#include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
 
 namespace laga::tools {
@@ -20,12 +21,32 @@ struct ForwardOptions {
   ModelOptions model;
   CommOptions comm;
   std::string weights, input, output;
-  bool backward = false;
+  bool backward = false, allow_nonfinite = false;
   std::string form = "explicit", attention = "flash";
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
   std::uint64_t seed = 0;
 };
+
+// Non-finite values: refused in what is loaded (weights, x, dout), naming
+// the tensor and the count, unless --allow-nonfinite; an error at the first
+// non-finite output otherwise (out, dx, then the gradients in order), since a
+// NaN that reached the output would be written and summed without a word.
+void check_finite(const TensorF& t, const std::string& what, bool loaded, bool allow) {
+  const NonFinite nf = count_nonfinite(t.data(), t.numel());
+  if (nf.count == 0) return;
+  const std::string found =
+      cat(what, " holds ", nf.count, " non-finite value", nf.count == 1 ? "" : "s",
+          " (NaN or inf; the first at flat index ", nf.first, " of ", t.numel(), ")");
+  if (allow) {
+    std::cerr << "laga forward: warning: " << found << " (--allow-nonfinite)\n";
+    return;
+  }
+  if (loaded) fail(found, "; fix the file, or pass --allow-nonfinite to run on it anyway");
+  fail(found,
+       " although every input is finite; the computation overflowed (check the "
+       "weights' scale), nothing was written");
+}
 
 double checksum(const TensorF& t) {
   double s = 0;
@@ -66,6 +87,18 @@ void run_forward(const ForwardOptions& o) {
   } else {
     x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
   }
+  // Refuse non-finite inputs before running (see check_finite).
+  w.for_each([&](const std::string& name, const TensorF& t) {
+    check_finite(t,
+                 o.weights.empty() ? "random weight '" + name + "'"
+                                   : "weights '" + o.weights + "': tensor '" + name + "'",
+                 true, o.allow_nonfinite);
+  });
+  if (!o.input.empty()) {
+    check_finite(x, "input '" + o.input + "': tensor 'x'", true, o.allow_nonfinite);
+    if (dout.defined())
+      check_finite(dout, "input '" + o.input + "': tensor 'dout'", true, o.allow_nonfinite);
+  }
   if (o.backward && !dout.defined()) {
     dout = TensorF(x.shape());
     dout.fill(1.0f);  // d(sum of out)/d(.)
@@ -85,6 +118,14 @@ void run_forward(const ForwardOptions& o) {
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!report) return;
+  // Check what was produced before printing or writing any of it.
+  check_finite(job.out, "output 'out'", false, o.allow_nonfinite);
+  if (o.backward) {
+    check_finite(job.dx, "output 'dx'", false, o.allow_nonfinite);
+    job.grads.for_each([&](const std::string& name, const TensorF& g) {
+      check_finite(g, "output 'grad." + name + "'", false, o.allow_nonfinite);
+    });
+  }
 
   std::int64_t peak = 0;
   for (auto& r : job.ranks) peak = std::max(peak, r.memory.peak_working);
@@ -120,23 +161,29 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--weights", opts->weights,
                   "safetensors with the block's weights (DeepSeek or HF names)");
   sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")
+      ->check(whole(0))
       ->capture_default_str();
   sub->add_option("--input", opts->input,
                   "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
   sub->add_option("--output", opts->output, "safetensors to write 'out' (and 'dx', 'grad.<name>')");
   sub->add_flag("--backward", opts->backward, "also run backward (dout from --input, else ones)");
+  sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
+                "run on weights or input holding NaN/inf and write non-finite outputs, with a "
+                "warning naming each tensor (default: refuse them, naming the tensor and count)");
   sub->add_option("--form", opts->form, "explicit | absorbed | laga")->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch when the input is random")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
   sub->add_option("--seq", opts->seq, "sequence length when the input is random")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
-  sub->add_option("--seed", opts->seed, "seed of random weights and input")->capture_default_str();
+  sub->add_option("--seed", opts->seed, "seed of random weights and input")
+      ->check(whole(0))
+      ->capture_default_str();
   sub->callback([opts] { run_forward(*opts); });
 }
 

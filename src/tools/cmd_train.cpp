@@ -4,14 +4,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "io/atomic_file.hpp"
@@ -130,7 +132,15 @@ TrainOptions to_options(const TrainCli& c) {
   return o;
 }
 
+// Checks between options (each option's own range is checked as it is
+// parsed, register_train).
+void check_option_pairs(const TrainCli& c) {
+  LAGA_CHECK(c.min_lr <= c.lr, "--min-lr ", c.min_lr, " is above --lr ", c.lr,
+             "; the schedule decays from --lr down to --min-lr, so give --min-lr <= --lr");
+}
+
 void run_train(const TrainCli& c) {
+  check_option_pairs(c);
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
@@ -163,6 +173,12 @@ void run_train(const TrainCli& c) {
   TrainEnd end;
   run_group(c.comm, o.sp, [&](Communicator& comm) {
     const TrainEnd e = train_rank(comm, o, [&](const StepRecord& s) {
+      // train_rank stops at a non-finite loss; a non-finite gradient norm
+      // (finite loss, overflowing backward) would go on to turn every weight
+      // NaN, so it stops here, on every rank alike (the norm is global).
+      LAGA_CHECK(std::isfinite(s.grad_norm), "train: the gradient norm at step ", s.step, " is ",
+                 s.grad_norm, " (loss ", s.loss,
+                 "); the backward overflowed: lower --lr, set --clip, or check --data");
       if (!report) return;
       nlohmann::json j;
       j["step"] = s.step;
@@ -205,50 +221,55 @@ void register_train(CLI::App& app) {
   c->comm.add_to(*sub);
   sub->add_option("--form", c->form, "explicit | absorbed | laga")->capture_default_str();
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
-  sub->add_option("--sp", c->sp, "sequence-parallel ranks")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();
   sub->add_option("--layers", c->layers, "transformer layers")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
-  sub->add_option("--d-model", c->d_model, "model width D")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  sub->add_option("--heads", c->heads, "attention heads H")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  sub->add_option("--nope-dim", c->nope_dim, "qk_nope_head_dim (default D/H)");
-  sub->add_option("--rope-dim", c->rope_dim, "qk_rope_head_dim (default D/H/2, even)");
-  sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)");
-  sub->add_option("--kv-lora-rank", c->kv_lora_rank, "kv_lora_rank C (default 4 D/H)");
-  sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)");
-  sub->add_option("--vocab", c->vocab, "vocabulary size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  sub->add_option("--seq", c->seq, "sequence length S")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  sub->add_option("--d-model", c->d_model, "model width D")->check(whole(1))->capture_default_str();
+  sub->add_option("--heads", c->heads, "attention heads H")->check(whole(1))->capture_default_str();
+  sub->add_option("--nope-dim", c->nope_dim, "qk_nope_head_dim (default D/H)")->check(whole(1));
+  sub->add_option("--rope-dim", c->rope_dim, "qk_rope_head_dim (default D/H/2, even)")
+      ->check(whole(1));
+  sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)")->check(whole(1));
+  sub->add_option("--kv-lora-rank", c->kv_lora_rank, "kv_lora_rank C (default 4 D/H)")
+      ->check(whole(1));
+  sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)")
+      ->check(whole(1));
+  sub->add_option("--vocab", c->vocab, "vocabulary size")->check(whole(1))->capture_default_str();
+  sub->add_option("--seq", c->seq, "sequence length S")->check(whole(1))->capture_default_str();
   sub->add_option("--batch", c->batch, "sequences per step")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
   sub->add_option("--steps", c->steps, "total optimizer steps")
-      ->check(CLI::PositiveNumber)
+      ->check(whole(1))
       ->capture_default_str();
-  sub->add_option("--lr", c->lr, "peak learning rate")->capture_default_str();
-  sub->add_option("--beta1", c->beta1, "AdamW beta1")->capture_default_str();
-  sub->add_option("--beta2", c->beta2, "AdamW beta2")->capture_default_str();
-  sub->add_option("--eps", c->eps, "AdamW eps")->capture_default_str();
+  sub->add_option("--lr", c->lr, "peak learning rate")->check(real_above(0))->capture_default_str();
+  sub->add_option("--beta1", c->beta1, "AdamW beta1")
+      ->check(real(0, 1, "[)"))
+      ->capture_default_str();
+  sub->add_option("--beta2", c->beta2, "AdamW beta2")
+      ->check(real(0, 1, "[)"))
+      ->capture_default_str();
+  sub->add_option("--eps", c->eps, "AdamW eps")->check(real_above(0))->capture_default_str();
   sub->add_option("--weight-decay", c->weight_decay,
                   "decoupled weight decay on linear weights (not norms, not the embedding)")
+      ->check(real_at_least(0))
       ->capture_default_str();
   sub->add_option("--clip", c->clip, "clip gradients to this global norm (0: off)")
+      ->check(real_at_least(0))
       ->capture_default_str();
-  sub->add_option("--warmup", c->warmup, "linear warm-up steps")->capture_default_str();
+  sub->add_option("--warmup", c->warmup, "linear warm-up steps")
+      ->check(whole(0))
+      ->capture_default_str();
   sub->add_option("--schedule", c->schedule, "lr after warm-up: constant | cosine")
       ->check(CLI::IsMember({"constant", "cosine"}))
       ->capture_default_str();
-  sub->add_option("--min-lr", c->min_lr, "final lr of the cosine schedule")->capture_default_str();
-  sub->add_option("--seed", c->seed, "seed of weights and data")->capture_default_str();
+  sub->add_option("--min-lr", c->min_lr, "final lr of the cosine schedule (<= --lr)")
+      ->check(real_at_least(0))
+      ->capture_default_str();
+  sub->add_option("--seed", c->seed, "seed of weights and data")
+      ->check(whole(0))
+      ->capture_default_str();
   sub->add_option("--data", c->data,
                   "random (a fixed seeded sequence to memorise) or FILE (flat uint16/uint32 token "
                   "ids, nanoGPT/llm.c .bin)")
@@ -260,7 +281,8 @@ void register_train(CLI::App& app) {
   sub->add_option("--log", c->log,
                   "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s)");
   sub->add_option("--save-every", c->save_every,
-                  "write a checkpoint every N steps (needs --checkpoint)");
+                  "write a checkpoint every N steps (needs --checkpoint)")
+      ->check(whole(0));
   sub->add_option("--checkpoint", c->checkpoint,
                   "checkpoint directory: written every --save-every steps, after the last step "
                   "and on SIGINT/SIGTERM; must be new, empty, or the one --resume reads");

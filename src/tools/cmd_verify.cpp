@@ -156,7 +156,9 @@ void register_verify_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")->capture_default_str();
-  sub->add_option("--tol", opts->tol, "relative tolerance")->capture_default_str();
+  sub->add_option("--tol", opts->tol, "relative tolerance")
+      ->check(real_at_least(0))
+      ->capture_default_str();
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
   sub->callback([opts] { run_verify(*opts); });

@@ -441,6 +441,21 @@ TEST_F(SafetensorsErrors, DuplicateTensorName) {
   expect_open_error({path_, "'w'", "appears twice"});
 }
 
+// Issue 10 item 13: bytes that belong to no tensor, and a field given twice.
+TEST_F(SafetensorsErrors, BytesAfterTheLastTensor) {
+  write_entry(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})", 9);
+  expect_open_error({path_, "holds 9 bytes but its tensors end at byte 8", "1 bytes after"});
+  write_bytes(path_, assemble(R"({"__metadata__":{"a":"b"}})", std::string(4, '\0')));
+  expect_open_error({path_, "holds 4 bytes but its tensors end at byte 0"});
+  write_entry(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})", 8);
+  EXPECT_NO_THROW((void)SafetensorsFile::open(path_));
+}
+
+TEST_F(SafetensorsErrors, DuplicateFieldInAnEntry) {
+  write_entry(R"({"dtype":"F32","shape":[2],"shape":[1],"data_offsets":[0,4]})", 4);
+  expect_open_error({path_, "key 'shape' appears twice in one object"});
+}
+
 TEST_F(SafetensorsErrors, BadMetadata) {
   write_bytes(path_, assemble(R"({"__metadata__":{"format":1}})", ""));
   expect_open_error({path_, "'format'", "must be strings"});

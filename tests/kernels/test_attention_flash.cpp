@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -270,6 +271,58 @@ TEST_P(FlashAttention, BitwiseIndependentOfThreadCount) {
       EXPECT_EQ(runs[0].dq, runs[i].dq);
       EXPECT_EQ(runs[0].dk, runs[i].dk);
       EXPECT_EQ(runs[0].dv, runs[i].dv);
+    }
+  }
+}
+
+// A NaN or infinity in the inputs reaches the output exactly as in the eager
+// kernel: the same elements of o come out non-finite. (Before, the AVX2 and
+// AVX-512 exp2 clamped a NaN score to p = 0 and a row of -inf scores took the
+// fully-masked convention o = 0, so one NaN in wq.weight gave a finite out.)
+// Poison in v is left out: eager's P V product also multiplies the masked
+// zeros of later keys, a difference of no consequence here.
+TEST_P(FlashAttention, NonFiniteInputsPropagateAsInEager) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Poison {
+    const char* what;
+    void (*apply)(Problem<float>&, float, float);
+  };
+  const Poison poisons[] = {
+      {"one NaN in q", [](Problem<float>& p, float n, float) { p.q[p.q.size() / 2 + 1] = n; }},
+      {"+inf in q", [](Problem<float>& p, float, float i) { p.q[p.q.size() / 3] = i; }},
+      {"NaN in k", [](Problem<float>& p, float n, float) { p.k[p.k.size() / 2] = n; }},
+      {"every q NaN",
+       [](Problem<float>& p, float n, float) { std::fill(p.q.begin(), p.q.end(), n); }},
+      // Every visible score of a row -inf: q[row][0] = -inf against k[.][0] > 0.
+      {"a row of -inf scores",
+       [](Problem<float>& p, float, float i) {
+         for (std::int64_t j = 0; j < p.s.B * p.s.Sk * p.s.Hk; ++j)
+           p.k[static_cast<size_t>(j * p.s.dqk)] = 1.0f;
+         p.q[static_cast<size_t>((p.s.Sq / 2) * p.s.Hq * p.s.dqk)] = -i;
+       }},
+  };
+  for (const AttnShape& s :
+       {shape(1, 130, 130, 2, 2, 24, 16, true), shape(1, 70, 70, 4, 1, 36, 32, true),
+        shape(2, 77, 77, 6, 2, 20, 12, true), shape(1, 40, 40, 2, 2, 16, 8, false)}) {
+    for (const Poison& poison : poisons) {
+      Problem<float> p(s);
+      poison.apply(p, nan, inf);
+      const Result<float> f = run_flash(p);
+      const Result<float> e = run_eager(p);
+      size_t nonfinite = 0, differ = 0;
+      for (size_t i = 0; i < e.o.size(); ++i) {
+        nonfinite += !std::isfinite(e.o[i]);
+        differ += std::isfinite(f.o[i]) != std::isfinite(e.o[i]);
+      }
+      EXPECT_GT(nonfinite, 0u) << poison.what << ": the poison must reach eager's output";
+      EXPECT_EQ(differ, 0u) << poison.what << ", Sq " << s.Sq << " Hq " << s.Hq << " Hk " << s.Hk
+                            << ": elements of o finite in one kernel and not the other (of "
+                            << nonfinite << " non-finite in eager)";
+      // The backward sees it too: some dq is non-finite wherever o is.
+      size_t dq_bad = 0;
+      for (float x : f.dq) dq_bad += !std::isfinite(x);
+      EXPECT_GT(dq_bad, 0u) << poison.what;
     }
   }
 }

@@ -3,7 +3,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
 
 #include "core/error.hpp"
 #include "mla/config.hpp"
@@ -128,6 +134,72 @@ TEST(Config, ParameterShapesAndHfNames) {
   EXPECT_EQ(shapes[5].second, (Shape{128 * 256, 512}));
   EXPECT_EQ(hf_param_name("wkv_a.weight", 3), "model.layers.3.self_attn.kv_a_proj_with_mqa.weight");
   EXPECT_EQ(hf_param_name("kv_norm.weight", 0), "model.layers.0.self_attn.kv_a_layernorm.weight");
+}
+
+// Issue 10 items 12 and 13: values no model has are refused quoting what was
+// given; files that are not regular files are named before any open.
+std::string write_config(const std::string& name, const std::string& text) {
+  const char* t = std::getenv("LAGA_TEST_TMP");
+  const std::filesystem::path dir = std::filesystem::path(t ? t : "/tmp") / "mla_config";
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / name).string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+const char* kBase = R"("n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, )"
+                    R"("qk_rope_head_dim": 4, "v_head_dim": 8)";
+
+TEST(Config, HugeIntegerIsQuotedNotWrapped) {
+  // nlohmann prints a float back in its own way (1e300 -> 1e+300).
+  const std::pair<std::string, std::string> cases[] = {
+      {"1e300", "1e+300"}, {"18446744073709551615", "18446744073709551615"}, {"1e19", "1e+19"}};
+  for (const auto& [given, shown] : cases) {
+    const std::string p = write_config("huge.json", "{\"dim\": " + given + ", " + kBase + "}");
+    expect_error([&] { MlaConfig::from_json_file(p); }, "'dim' is " + shown + ", beyond");
+  }
+  const std::string p = write_config("frac.json", std::string("{\"dim\": 64.5, ") + kBase + "}");
+  expect_error([&] { MlaConfig::from_json_file(p); }, "'dim' must be an integer, got 64.5");
+}
+
+TEST(Config, DuplicateKeysAreRefused) {
+  const std::string p =
+      write_config("dup.json", std::string("{\"dim\": 64, \"dim\": 32, ") + kBase + "}");
+  expect_error([&] { MlaConfig::from_json_file(p); }, "key 'dim' appears twice");
+  // Nested objects keep their own keys: the same key in two objects is fine.
+  const std::string hf =
+      write_config("hf_dup.json",
+                   R"({"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,
+          "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "max_position_embeddings": 16384,
+          "rope_scaling": {"type": "yarn", "factor": 4, "factor": 40, "mscale": 1,
+                           "mscale_all_dim": 1}})");
+  expect_error([&] { MlaConfig::from_json_file(hf); }, "key 'factor' appears twice");
+}
+
+TEST(Config, QLoraRankAboveDimAndAbsurdRopeFactorAreRefused) {
+  MlaConfig c;
+  c.q_lora_rank = c.dim + 1;
+  expect_error([&] { c.validate(); },
+               "q_lora_rank " + std::to_string(c.dim + 1) + " is larger than dim");
+  c = MlaConfig::preset("deepseek-v3");
+  c.rope_factor = 1e308;
+  expect_error([&] { c.validate(); }, "rope_factor 1e+308 is beyond");
+  const std::string p =
+      write_config("rf.json", std::string("{\"dim\": 64, \"rope_factor\": 1e308, ") + kBase + "}");
+  expect_error([&] { MlaConfig::from_json_file(p); }, "rope_factor");
+}
+
+TEST(Config, DirectoryAndFifoConfigsAreNamedAndNeverOpened) {
+  const std::string p = write_config("x.json", "{}");
+  const std::string dir = std::filesystem::path(p).parent_path().string();
+  expect_error([&] { MlaConfig::from_json_file(dir); }, "is a directory");
+  const std::string fifo = dir + "/fifo.json";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // With no writer, opening would block forever: this returns only if it
+  // refuses first.
+  expect_error([&] { MlaConfig::from_json_file(fifo); }, "is not a regular file");
 }
 
 }  // namespace

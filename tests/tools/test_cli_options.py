@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Bad option values, unknown commands, non-finite data and allocation
+failures end in the one error format: exit 2 and one line
+"laga: error: <what was wrong and what to do>" (issue 10, items 3, 7, 11, 12).
+
+    test_cli_options.py LAGA_BINARY SCRATCH_DIR CASE
+
+Cases:
+  options    a table over every subcommand's options: out-of-range values,
+             non-numbers, NaN and inf, 0 where only positive makes sense
+  messages   unknown command, no command, a directory or FIFO as data or
+             config, a huge config integer: each message names what was given
+  nonfinite  a NaN in a weight or in x is refused at load naming the tensor
+             and the count; with --allow-nonfinite flash and eager agree on
+             which outputs are non-finite
+  memory     an allocation far beyond the machine is a laga error naming the
+             size, not std::bad_alloc
+Only the standard library, so any python3 runs it.
+"""
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+
+PREFIX = "laga: error: "
+failures = []
+
+
+def run(laga, args, timeout=60):
+    return subprocess.run([laga] + args, capture_output=True, text=True, timeout=timeout)
+
+
+def expect_error(laga, args, needle):
+    """Exit 2, the message holds `needle`, one prefix, nothing on stdout."""
+    try:
+        p = run(laga, args)
+    except subprocess.TimeoutExpired:
+        failures.append(f"laga {' '.join(args)}: still running after 60 s")
+        return
+    err = p.stderr.strip()
+    line = next((l for l in err.splitlines() if l.startswith(PREFIX)), "")
+    ok = (p.returncode == 2 and needle in err and line and PREFIX + PREFIX not in err
+          and "Value 0 not in range" not in err)
+    print(("ok:   " if ok else "FAIL: ") + f"laga {' '.join(args)} -> {p.returncode}: {line[:150]}")
+    if not ok:
+        failures.append(f"laga {' '.join(args)}: exit {p.returncode}, wanted 2 and {needle!r} in:\n"
+                        f"{err[:600]}")
+
+
+TRAIN = ["train", "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
+         "--seq", "16", "--steps", "1", "--quiet"]
+
+# (subcommand and fixed arguments, option, bad value, words the message must hold)
+OPTION_CASES = [
+    # train: the optimizer and schedule
+    (TRAIN, "--beta1", "-0.1", "-0.1 is outside [0, 1)"),
+    (TRAIN, "--beta1", "1", "1 is outside [0, 1)"),
+    (TRAIN, "--beta2", "1.5", "1.5 is outside [0, 1)"),
+    (TRAIN, "--eps", "0", "0 is outside (0, inf)"),
+    (TRAIN, "--eps", "-1", "-1 is outside (0, inf)"),
+    (TRAIN, "--weight-decay", "-1", "-1 is outside [0, inf)"),
+    (TRAIN, "--clip", "-1", "-1 is outside [0, inf)"),
+    (TRAIN, "--clip", "nan", "'nan' is not a finite number"),
+    (TRAIN, "--warmup", "-1", "'-1' is not a whole number >= 0"),
+    (TRAIN, "--min-lr", "-1", "-1 is outside [0, inf)"),
+    (TRAIN + ["--min-lr", "0.5"], "--lr", "0.1", "--min-lr 0.5 is above --lr 0.1"),
+    (TRAIN, "--lr", "inf", "'inf' is not a finite number"),
+    (TRAIN, "--lr", "0", "0 is outside (0, inf)"),
+    (TRAIN, "--lr", "abc", "'abc' is not a finite number"),
+    (TRAIN, "--seed", "-1", "'-1' is not a whole number >= 0"),
+    (TRAIN, "--save-every", "-2", "'-2' is not a whole number >= 0"),
+    # train: sizes; 0 is an error, absence the default
+    (TRAIN, "--nope-dim", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--rope-dim", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--v-dim", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--kv-lora-rank", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--ffn-hidden", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--seq", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--seq", "1e3", "(decimal digits only)"),
+    (TRAIN, "--batch", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--steps", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--layers", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--d-model", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--heads", "-3", "'-3' is not a whole number >= 1"),
+    (TRAIN, "--vocab", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--sp", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--comm-timeout", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--schedule", "linear", "--schedule"),
+    (TRAIN, "--data-dtype", "u8", "--data-dtype"),
+    # forward
+    (["forward", "--preset", "tiny"], "--layer", "-1", "'-1' is not a whole number >= 0"),
+    (["forward", "--preset", "tiny"], "--seed", "-1", "'-1' is not a whole number >= 0"),
+    (["forward", "--preset", "tiny"], "--seq", "0", "'0' is not a whole number >= 1"),
+    (["forward", "--preset", "tiny"], "--batch", "0", "'0' is not a whole number >= 1"),
+    (["forward", "--preset", "tiny"], "--sp", "0", "'0' is not a whole number >= 1"),
+    (["forward", "--preset", "tiny"], "--comm-timeout", "-5", "'-5' is not a whole number >= 1"),
+    # verify
+    (["verify", "--preset", "tiny"], "--tol", "-1", "-1 is outside [0, inf)"),
+    (["verify", "--preset", "tiny"], "--tol", "nan", "'nan' is not a finite number"),
+    (["verify", "--preset", "tiny"], "--batch", "0", "'0' is not a whole number >= 1"),
+    (["verify", "--preset", "tiny"], "--seq", "0", "'0' is not a whole number >= 1"),
+    (["verify", "--preset", "tiny"], "--sp", "0", "not a positive integer"),
+    # compare
+    (["compare", "--preset", "tiny"], "--rank-only", "-1", "'-1' is not a whole number >= 0"),
+    (["compare", "--preset", "tiny"], "--batch", "0", "--batch 0"),
+    (["compare", "--preset", "tiny"], "--sp", "0", "--sp 0"),
+    (["compare", "--preset", "tiny"], "--steps", "0", "--steps 0"),
+    (["compare", "--preset", "tiny"], "--warmup", "-1", "--warmup -1"),
+    (["compare", "--preset", "tiny"], "--attention", "fast", "--attention"),
+]
+
+
+def case_options(laga, scratch):
+    for fixed, option, value, needle in OPTION_CASES:
+        expect_error(laga, fixed + [option, value], needle)
+    # Absence of a size means its default: the run succeeds.
+    p = run(laga, TRAIN, timeout=120)
+    if p.returncode != 0:
+        failures.append(f"laga {' '.join(TRAIN)}: exit {p.returncode}\n{p.stderr[-600:]}")
+
+
+def write(path, data, mode="w"):
+    with open(path, mode) as f:
+        f.write(data)
+
+
+def case_messages(laga, scratch):
+    expect_error(laga, ["frobnicate"], "unknown command 'frobnicate'; the commands are: ")
+    p = run(laga, ["frobnicate"])
+    for name in ("compare", "forward", "train", "verify"):
+        if name not in p.stderr:
+            failures.append(f"laga frobnicate does not list '{name}': {p.stderr}")
+    expect_error(laga, [], "give a command: ")
+    expect_error(laga, ["train", "--no-such-option"], "--no-such-option")
+    fifo = os.path.join(scratch, "fifo")
+    if os.path.exists(fifo):
+        os.remove(fifo)
+    os.mkfifo(fifo)
+    # A FIFO with no writer: refused before any open, so this returns at once.
+    expect_error(laga, TRAIN + ["--data", fifo], "is not a regular file")
+    expect_error(laga, TRAIN + ["--data", scratch], "is a directory")
+    expect_error(laga, ["forward", "--config", fifo], "is not a regular file")
+    expect_error(laga, ["forward", "--config", scratch], "is a directory")
+    cfg = os.path.join(scratch, "huge_dim.json")
+    write(cfg, '{"dim": 1e300, "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,'
+               ' "qk_rope_head_dim": 4, "v_head_dim": 8}')
+    expect_error(laga, ["forward", "--config", cfg], "'dim' is 1e+300, beyond")
+
+
+def safetensors(path, tensors):
+    """tensors: name -> (shape, list of floats), written as F32."""
+    header, blob = {}, b""
+    for name, (shape, values) in tensors.items():
+        data = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": shape,
+                        "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    write(path, struct.pack("<Q", len(text)) + text + blob, "wb")
+
+
+def tiny_weights(nan_in_wq):
+    # preset tiny: D 48, H 4, C 24, dn 8, dr 4, dv 6, no q compression.
+    D, H, C, dn, dr, dv = 48, 4, 24, 8, 4, 6
+    shapes = {"wq.weight": [H * (dn + dr), D], "wkv_a.weight": [C + dr, D],
+              "kv_norm.weight": [C], "wkv_b.weight": [H * (dn + dv), C], "wo.weight": [D, H * dv]}
+    out = {}
+    for k, (name, shape) in enumerate(shapes.items()):
+        n = 1
+        for e in shape:
+            n *= e
+        values = [1.0 if name.endswith("norm.weight") else ((i * 37 + k * 11) % 17 - 8) / 64.0
+                  for i in range(n)]
+        out[name] = (shape, values)
+    if nan_in_wq:
+        out["wq.weight"][1][5] = float("nan")
+    return out
+
+
+def nonfinite_counts(stderr):
+    """'output 'out' holds N non-finite' lines -> {tensor: N}."""
+    counts = {}
+    for line in stderr.splitlines():
+        if "warning: output '" in line:
+            name = line.split("output '")[1].split("'")[0]
+            counts[name] = int(line.split(" holds ")[1].split()[0])
+    return counts
+
+
+def case_nonfinite(laga, scratch):
+    good = os.path.join(scratch, "good.safetensors")
+    bad = os.path.join(scratch, "nan_wq.safetensors")
+    safetensors(good, tiny_weights(False))
+    safetensors(bad, tiny_weights(True))
+    base = ["forward", "--preset", "tiny", "--seq", "24", "--backward"]
+    expect_error(laga, base + ["--weights", bad],
+                 "tensor 'wq.weight' holds 1 non-finite value")
+    x = os.path.join(scratch, "x_inf.safetensors")
+    xs = [0.01 * (i % 13) for i in range(2 * 8 * 48)]
+    xs[100] = float("inf")
+    xs[7] = float("nan")
+    safetensors(x, {"x": ([2, 8, 48], xs)})
+    expect_error(laga, base + ["--weights", good, "--input", x],
+                 "tensor 'x' holds 2 non-finite values")
+    # Studying them: both kernels run, warn, and agree on what is non-finite.
+    seen = {}
+    for attention in ("flash", "eager"):
+        p = run(laga, base + ["--weights", bad, "--allow-nonfinite", "--attention", attention])
+        if p.returncode != 0:
+            failures.append(f"--allow-nonfinite --attention {attention}: exit {p.returncode}\n"
+                            f"{p.stderr[-600:]}")
+            continue
+        seen[attention] = nonfinite_counts(p.stderr)
+    if len(seen) == 2:
+        print(f"non-finite outputs, flash: {seen['flash']}\n                   eager: {seen['eager']}")
+        if seen["flash"].get("out", 0) != 24 * 48 or seen["flash"] != seen["eager"]:
+            failures.append(f"a NaN in wq.weight: flash reports {seen['flash']}, eager "
+                            f"{seen['eager']}; wanted the same, with all {24 * 48} of out")
+
+
+def case_memory(laga, scratch):
+    # 10^12 tokens with a wide RoPE: the first buffer (the RoPE table, a
+    # std::vector) wants 4 * 10^15 bytes, beyond the 2^47-byte address space,
+    # so it fails even where the kernel overcommits without limit.
+    expect_error(laga, ["train", "--seq", "1000000000000", "--rope-dim", "1024", "--d-model", "32",
+                        "--heads", "2", "--layers", "1", "--vocab", "64", "--steps", "1",
+                        "--quiet"],
+                 "out of memory: a request for 4096000000000000 bytes")
+    # The upfront memory check refuses the same job before any allocation...
+    expect_error(laga, ["forward", "--preset", "tiny", "--seq", "100000000000000"],
+                 "would need about")
+    # ...and without it, a tensor: 1.9 * 10^16 bytes, named by shape and category.
+    expect_error(laga, ["forward", "--preset", "tiny", "--seq", "100000000000000",
+                        "--no-memory-check"],
+                 "bytes (1.92e+07 GB) for a tensor of shape [1, 100000000000000, 48] (activations)")
+
+
+def main():
+    laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    scratch = os.path.join(scratch, "cli_options_" + case)
+    os.makedirs(scratch, exist_ok=True)
+    {"options": case_options, "messages": case_messages, "nonfinite": case_nonfinite,
+     "memory": case_memory}[case](laga, scratch)
+    if failures:
+        sys.exit(f"{len(failures)} failed:\n" + "\n".join(failures))
+    print("all ok")
+
+
+if __name__ == "__main__":
+    main()
