@@ -90,8 +90,7 @@ std::vector<GradCase> cases() {
   for (Form f : all_forms())
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
-  for (Form f : all_forms())
-    v.push_back({"", 5, true, f, AttentionKind::flash});
+  for (Form f : all_forms()) v.push_back({"", 5, true, f, AttentionKind::flash});
   return v;
 }
 
