@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
 #include "model/train.hpp"
@@ -25,11 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path scratch(const std::string& name) {
-  const char* t = std::getenv("LAGA_TEST_TMP");
-  fs::path p = fs::path(t ? t : "/tmp") / ("model_ckpt_policy_" + name);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
+  return test::scratch_dir("model_ckpt_policy_", name);
 }
 
 TrainOptions small(std::int64_t steps) {

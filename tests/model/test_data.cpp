@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/scratch.hpp"
 #include "core/error.hpp"
 
 namespace laga {
@@ -21,11 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path scratch(const std::string& name) {
-  const char* t = std::getenv("LAGA_TEST_TMP");
-  fs::path p = fs::path(t ? t : "/tmp") / ("model_data_" + name);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
+  return test::scratch_dir("model_data_", name);
 }
 
 std::string error_of(const std::function<void()>& f) {

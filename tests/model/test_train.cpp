@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
 
@@ -20,11 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path scratch(const std::string& name) {
-  const char* t = std::getenv("LAGA_TEST_TMP");
-  fs::path p = fs::path(t ? t : "/tmp") / ("model_train_" + name);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
+  return test::scratch_dir("model_train_", name);
 }
 
 TrainOptions small(Form form, int sp, std::int64_t steps = 8) {
