@@ -72,7 +72,9 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
       }
       EXPECT_EQ(real.memory.peak_activations, counted.memory.peak_activations) << tag;
       EXPECT_EQ(real.memory.peak_working, counted.memory.peak_working) << tag;
-      EXPECT_EQ(real.ledger.bytes_sent(), counted.ledger.bytes_sent()) << tag;
+      // (At P = 1 nothing crosses the wire, so there is no ledger to compare
+      // here; real and count-only ledgers at P = 3, uneven, are compared in
+      // test_dry_run.cpp, CountOnlyAndRealRunsReportTheSameBytesAndPeaks.)
     }
 }
 
