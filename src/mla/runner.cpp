@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -77,6 +78,19 @@ RankReport unpack_report(const double* in, const std::vector<LedgerKey>& keys) {
     r.ledger.record_entry(k.first, k.second, e);
   }
   return r;
+}
+
+template <class T>
+Deviation deviation(const Tensor<T>& a, const Tensor<T>& ref) {
+  LAGA_CHECK(a.shape() == ref.shape(), "deviation: shapes ", to_string(a.shape()), " and ",
+             to_string(ref.shape()), " differ");
+  Deviation d;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double diff = std::abs(double(a[i]) - double(ref[i]));
+    d.max_abs = std::isfinite(diff) ? std::max(d.max_abs, diff) : INFINITY;
+    d.ref_max = std::max(d.ref_max, std::abs(double(ref[i])));
+  }
+  return d;
 }
 
 template <class T>
@@ -193,6 +207,7 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
 }
 
 #define LAGA_INSTANTIATE(T)                                                                   \
+  template Deviation deviation<T>(const Tensor<T>&, const Tensor<T>&);                        \
   template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);              \
   template void place_seq<T>(Tensor<T>&, const Tensor<T>&, std::int64_t);                     \
   template RankResult<T> run_rank<T>(Communicator&, const MlaConfig&, const SpLayout&,        \

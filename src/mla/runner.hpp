@@ -85,6 +85,17 @@ template <class T>
 BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaParams<T>& w,
                       const Tensor<T>& x, const Tensor<T>& dout, const RunSpec& spec);
 
+// How far a result is from its reference: max |a - b| and max |b| (the
+// reference's scale). The one agreement measure of every tool: a NaN or Inf
+// anywhere in either tensor is disagreement (max_abs = +inf), never dropped
+// by a max that ignores NaN.
+struct Deviation {
+  double max_abs = 0, ref_max = 0;
+  double relative() const { return ref_max > 0 ? max_abs / ref_max : max_abs; }
+};
+template <class T>
+Deviation deviation(const Tensor<T>& a, const Tensor<T>& ref);
+
 // Rows [offset, offset + count) of every batch of a (B, S, W) tensor, and the
 // inverse (writes a (B, count, W) shard into the global tensor).
 template <class T>

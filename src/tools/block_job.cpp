@@ -111,17 +111,4 @@ TensorF random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stre
   return t;
 }
 
-Deviation deviation(const TensorF& a, const TensorF& ref) {
-  LAGA_CHECK(a.shape() == ref.shape(), "deviation: shapes ", to_string(a.shape()), " and ",
-             to_string(ref.shape()), " differ");
-  Deviation d;
-  for (std::int64_t i = 0; i < a.numel(); ++i) {
-    const double diff = std::abs(double(a[i]) - double(ref[i]));
-    // NaN must never compare as agreement.
-    d.max_abs = std::isnan(diff) ? INFINITY : std::max(d.max_abs, diff);
-    d.ref_max = std::max(d.ref_max, std::abs(double(ref[i])));
-  }
-  return d;
-}
-
 }  // namespace laga::tools

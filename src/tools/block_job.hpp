@@ -38,11 +38,4 @@ MlaParams<float> random_weights(const MlaConfig& cfg, std::uint64_t seed);
 // x ~ N(0, 1) of shape (B, S, D) from (seed, stream).
 TensorF random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream);
 
-// max |a - b| and max |b| (the reference's scale) over a tensor.
-struct Deviation {
-  double max_abs = 0, ref_max = 0;
-  double relative() const { return ref_max > 0 ? max_abs / ref_max : max_abs; }
-};
-Deviation deviation(const TensorF& a, const TensorF& ref);
-
 }  // namespace laga::tools
