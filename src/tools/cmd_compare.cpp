@@ -40,6 +40,7 @@ void register_compare(CLI::App& app) {
   c->add_option("--warmup", o->warmup, "unmeasured steps per form before them")
       ->capture_default_str();
   c->add_option("--seed", o->seed, "seed of the weights, input and upstream gradient")
+      ->check(whole(0))
       ->capture_default_str();
   c->add_option("--json", o->json, "write the results as JSON to this file ('-' for stdout)");
   c->add_option("--csv", o->csv, "write one CSV row per form to this file ('-' for stdout)");

@@ -155,7 +155,9 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--seq", opts->seq, "sequence length (odd by default: uneven shards)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  sub->add_option("--seed", opts->seed, "seed of weights and inputs")->capture_default_str();
+  sub->add_option("--seed", opts->seed, "seed of weights and inputs")
+      ->check(whole(0))
+      ->capture_default_str();
   sub->add_option("--tol", opts->tol, "relative tolerance")
       ->check(real_at_least(0))
       ->capture_default_str();

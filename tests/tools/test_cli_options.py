@@ -102,8 +102,10 @@ OPTION_CASES = [
     (["verify", "--preset", "tiny"], "--batch", "0", "'0' is not a whole number >= 1"),
     (["verify", "--preset", "tiny"], "--seq", "0", "'0' is not a whole number >= 1"),
     (["verify", "--preset", "tiny"], "--sp", "0", "not a positive integer"),
+    (["verify", "--preset", "tiny"], "--seed", "-1", "'-1' is not a whole number >= 0"),
     # compare
     (["compare", "--preset", "tiny"], "--rank-only", "-1", "'-1' is not a whole number >= 0"),
+    (["compare", "--preset", "tiny"], "--seed", "-1", "'-1' is not a whole number >= 0"),
     (["compare", "--preset", "tiny"], "--batch", "0", "--batch 0"),
     (["compare", "--preset", "tiny"], "--sp", "0", "--sp 0"),
     (["compare", "--preset", "tiny"], "--steps", "0", "--steps 0"),
