@@ -7,19 +7,29 @@
 // by every head (the absorbed form's latent attention: keys [c | k_pe] of
 // width C + dr, values c of width C).
 //
-//   s_ij = scale * q_i . k_j,  masked to -inf where causal and j > i + Sk - Sq
+// Query row i of batch row b is token t = i + Sk - Sq of the keys' sequence
+// (the mask is aligned at the bottom right, as FlashAttention 2 does, so
+// Sq == Sk is the usual lower triangle). It sees the keys
+//   [key_begin(b, i), key_end(i)),  key_end(i) = t + 1 (clamped to [0, Sk]),
+//   key_begin(b, i) = doc_start[b * Sk + t], or 0 without documents,
+// or every key [0, Sk) when not causal:
+//   s_ij = scale * q_i . k_j,  masked to -inf outside the row's key range
 //   p_ij = softmax_j(s_ij),    o_i = sum_j p_ij v_j
 //   lse_i = log(sum_j exp(s_ij))  (natural log, of the SCALED scores)
-// The causal mask is aligned at the bottom right (as FlashAttention 2 does), so
-// Sq == Sk is the usual lower triangle. A row with every key masked (possible
-// only when Sq > Sk) has o_i = 0, lse_i = 0 by convention, and passes no
-// gradient: no NaN and no Inf ever leave these kernels.
+// Documents (packed sequences): several documents share one row of the batch;
+// doc_start gives each token the first token of its document, so a token
+// attends causally within its document and to nothing across documents. With
+// doc_start null, key_begin is 0: one document per row, today's causal mask.
+// A row with every key masked (possible only when Sq > Sk: t < 0) has o_i = 0,
+// lse_i = 0 by convention, and passes no gradient: no NaN and no Inf ever leave
+// these kernels. With Sq == Sk no row is empty (a token always sees itself).
 //
 // Backward, with dp_ij = do_i . v_j and D_i = sum_j p_ij dp_ij (= do_i . o_i):
 //   ds_ij = p_ij (dp_ij - D_i)
 //   dq_i = scale * sum_j ds_ij k_j,  dk_j = scale * sum_i ds_ij q_i,  dv_j = sum_i p_ij do_i
 // dk and dv of a shared key/value head sum over the Hq / Hk query heads that
-// read it.
+// read it. Masked pairs have p_ij = 0, hence ds_ij = 0: the mask needs nothing
+// more in backward.
 #pragma once
 
 #include <cstdint>
@@ -30,17 +40,28 @@ struct AttnShape {
   std::int64_t B = 1, Sq = 1, Sk = 1, Hq = 1, Hk = 1, dqk = 1, dv = 1;
   double scale = 1.0;
   bool causal = true;
+  // (B, Sk) or null: doc_start[b * Sk + t] is the first token of token t's
+  // document in batch row b, so doc_start[b * Sk + t] <= t, non-decreasing in
+  // t, and == t exactly where a document starts (doc_start[b * Sk] == 0).
+  // Needs causal. Not owned; read by every call that takes this shape.
+  const std::int64_t* doc_start = nullptr;
 
-  // The key range [0, end) visible to query row i (end may be 0).
+  // Query row i sees keys [key_begin(b, i), key_end(i)) (empty when end is 0).
   std::int64_t key_end(std::int64_t i) const {
     if (!causal) return Sk;
     const std::int64_t e = i + Sk - Sq + 1;
     return e < 0 ? 0 : (e > Sk ? Sk : e);
   }
-  // Multiply-adds of q.k and p.v over the unmasked (i, j) pairs, times 2 for
-  // FLOPs: what a kernel that skips masked blocks has to do at least.
+  std::int64_t key_begin(std::int64_t b, std::int64_t i) const {
+    const std::int64_t t = i + Sk - Sq;  // the row's token; < 0: it sees no key
+    return doc_start == nullptr || t < 0 ? 0 : doc_start[b * Sk + t];
+  }
+  // Multiply-adds of q.k and p.v over the unmasked (b, i, j) pairs, times Hq
+  // and 2 for FLOPs: what a kernel that skips masked blocks has to do at least.
   double useful_flops_forward() const;
-  void validate() const;  // throws laga::Error naming the bad extent
+  // Throws laga::Error naming the bad extent, or a doc_start without the
+  // causal mask or not of the form above (naming the row and token).
+  void validate() const;
 };
 
 // Eager: the (B, Hq, Sq, Sk) probability matrix is materialised and saved for

@@ -10,9 +10,14 @@
 namespace laga {
 
 double AttnShape::useful_flops_forward() const {
+  // Without documents every batch row has the same pairs: count one, times B.
+  const std::int64_t rows = doc_start ? B : std::min<std::int64_t>(B, 1);
   double pairs = 0;
-  for (std::int64_t i = 0; i < Sq; ++i) pairs += static_cast<double>(key_end(i));
-  return 2.0 * static_cast<double>(B * Hq) * pairs * static_cast<double>(dqk + dv);
+  for (std::int64_t b = 0; b < rows; ++b)
+    for (std::int64_t i = 0; i < Sq; ++i)
+      pairs += static_cast<double>(std::max<std::int64_t>(key_end(i) - key_begin(b, i), 0));
+  const double copies = static_cast<double>(doc_start ? Hq : B * Hq);
+  return 2.0 * copies * pairs * static_cast<double>(dqk + dv);
 }
 
 void AttnShape::validate() const {
@@ -22,6 +27,22 @@ void AttnShape::validate() const {
              ") must be a positive multiple of key/value heads (", Hk, ")");
   LAGA_CHECK(dqk > 0 && dv > 0, "attention: head dims must be positive (dqk=", dqk, ", dv=", dv,
              ")");
+  if (doc_start == nullptr) return;
+  LAGA_CHECK(causal,
+             "attention: doc_start (packed documents) needs the causal mask; set causal = true or "
+             "leave doc_start null");
+  // Documents are contiguous runs of tokens: each token starts one (its own
+  // index) or continues the one of the token before it. The kernels rely on
+  // that (key_begin non-decreasing), so a bad mask is refused, not guessed at.
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t* row = doc_start + b * Sk;
+    for (std::int64_t t = 0; t < Sk; ++t)
+      LAGA_CHECK(row[t] == t || (t > 0 && row[t] == row[t - 1]), "attention: doc_start[b=", b,
+                 ", t=", t, "] = ", row[t], " must be ", t, " (a document starts there)",
+                 t > 0 ? cat(" or ", row[t - 1], " (the document of token ", t - 1, " goes on)")
+                       : std::string(" (the first token starts a document)"),
+                 "; doc_start[b, t] is the index of the first token of token t's document");
+  }
 }
 
 template <class T>
@@ -41,20 +62,22 @@ void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, con
 #pragma omp parallel for schedule(static)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
         T* row = p + i * s.Sk;
-        const std::int64_t end = s.key_end(i);
-        if (end == 0) {
+        const std::int64_t begin = s.key_begin(b, i), end = s.key_end(i);
+        if (end <= begin) {
           std::fill(row, row + s.Sk, T(0));
           continue;
         }
         T mx = -std::numeric_limits<T>::infinity();
-        for (std::int64_t j = 0; j < end; ++j) mx = std::max(mx, row[j]);
+        for (std::int64_t j = begin; j < end; ++j) mx = std::max(mx, row[j]);
         T sum = 0;
-        for (std::int64_t j = 0; j < end; ++j) {
+        for (std::int64_t j = begin; j < end; ++j) {
           row[j] = std::exp(row[j] - mx);
           sum += row[j];
         }
         const T inv = T(1) / sum;
-        for (std::int64_t j = 0; j < end; ++j) row[j] *= inv;
+        for (std::int64_t j = begin; j < end; ++j) row[j] *= inv;
+        // Masked probabilities are exact zeros: backward needs no mask.
+        std::fill(row, row + begin, T(0));
         std::fill(row + end, row + s.Sk, T(0));
       }
       gemm<T>(false, false, s.Sq, s.dv, s.Sk, T(1), p, s.Sk, vh, s.Hk * s.dv, T(0),

@@ -12,18 +12,19 @@ inline std::int64_t at(std::int64_t b, std::int64_t t, std::int64_t h, std::int6
   return ((b * S + t) * H + h) * d + i;
 }
 
-// Probabilities of one query row in double; false when every key is masked.
+// Probabilities of one query row in double, zero outside its key range
+// [key_begin, key_end); false when every key is masked.
 template <class T>
 bool row_probs(const AttnShape& s, const T* q, const T* k, std::int64_t b, std::int64_t h,
                std::int64_t i, std::vector<double>& p, double* lse) {
-  const std::int64_t hk = h / (s.Hq / s.Hk), end = s.key_end(i);
+  const std::int64_t hk = h / (s.Hq / s.Hk), begin = s.key_begin(b, i), end = s.key_end(i);
   p.assign(static_cast<size_t>(s.Sk), 0.0);
-  if (end == 0) {
+  if (end <= begin) {
     if (lse) *lse = 0.0;
     return false;
   }
   double mx = -INFINITY;
-  for (std::int64_t j = 0; j < end; ++j) {
+  for (std::int64_t j = begin; j < end; ++j) {
     double dot = 0;
     for (std::int64_t c = 0; c < s.dqk; ++c)
       dot += double(q[at(b, i, h, c, s.Sq, s.Hq, s.dqk)]) * k[at(b, j, hk, c, s.Sk, s.Hk, s.dqk)];
@@ -31,8 +32,8 @@ bool row_probs(const AttnShape& s, const T* q, const T* k, std::int64_t b, std::
     mx = std::max(mx, p[static_cast<size_t>(j)]);
   }
   double sum = 0;
-  for (std::int64_t j = 0; j < end; ++j) sum += std::exp(p[static_cast<size_t>(j)] - mx);
-  for (std::int64_t j = 0; j < end; ++j)
+  for (std::int64_t j = begin; j < end; ++j) sum += std::exp(p[static_cast<size_t>(j)] - mx);
+  for (std::int64_t j = begin; j < end; ++j)
     p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx) / sum;
   if (lse) *lse = mx + std::log(sum);
   return true;

@@ -57,21 +57,25 @@ RopeTable RopeTable::unbacked(const RopeParams& p, std::int64_t positions) {
   return RopeTable(p.dim, positions);
 }
 
-template <class T>
-void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
-                std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse) {
-  LAGA_CHECK(pos0 >= 0 && pos0 + L <= table.positions(), "rope: positions [", pos0, ", ", pos0 + L,
-             ") exceed the table's ", table.positions(),
-             "; build the RopeTable for the full sequence");
+namespace {
+
+void require_backed(const RopeTable& table) {
   LAGA_CHECK(table.backed(),
              "rope: the table has no cos/sin (RopeTable::unbacked is for "
              "count-only runs, where no kernel runs)");
+}
+
+// The one rotation loop: token (b, l) at position position_of(b, l), already
+// checked to lie in the table.
+template <class T, class PositionOf>
+void rotate(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
+            std::int64_t ld_head, PositionOf position_of, const RopeTable& table, bool inverse) {
   const std::int64_t half = table.dim() / 2;
   const double sign = inverse ? -1.0 : 1.0;
 #pragma omp parallel for collapse(2) schedule(static)
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t l = 0; l < L; ++l) {
-      const std::int64_t pos = pos0 + l;
+      const std::int64_t pos = position_of(b, l);
       for (std::int64_t h = 0; h < H; ++h) {
         T* p = x + (b * L + l) * ld_token + h * ld_head;
         for (std::int64_t i = 0; i < half; ++i) {
@@ -85,9 +89,43 @@ void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64
     }
 }
 
-template void rope_apply<float>(float*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                                std::int64_t, std::int64_t, const RopeTable&, bool);
-template void rope_apply<double>(double*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                                 std::int64_t, std::int64_t, const RopeTable&, bool);
+}  // namespace
+
+template <class T>
+void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
+                std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse) {
+  LAGA_CHECK(pos0 >= 0 && pos0 + L <= table.positions(), "rope: positions [", pos0, ", ", pos0 + L,
+             ") exceed the table's ", table.positions(),
+             "; build the RopeTable for the full sequence");
+  require_backed(table);
+  rotate(
+      x, B, L, H, ld_token, ld_head, [pos0](std::int64_t, std::int64_t l) { return pos0 + l; },
+      table, inverse);
+}
+
+template <class T>
+void rope_apply_at(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
+                   std::int64_t ld_head, const std::int64_t* positions, const RopeTable& table,
+                   bool inverse) {
+  for (std::int64_t t = 0; t < B * L; ++t)
+    LAGA_CHECK(positions[t] >= 0 && positions[t] < table.positions(), "rope: position ",
+               positions[t], " of token ", t % L, " of batch row ", t / L,
+               " is outside the table's [0, ", table.positions(),
+               "); build the RopeTable for the longest document (or sequence)");
+  require_backed(table);
+  rotate(
+      x, B, L, H, ld_token, ld_head,
+      [positions, L](std::int64_t b, std::int64_t l) { return positions[b * L + l]; }, table,
+      inverse);
+}
+
+#define LAGA_INSTANTIATE(T)                                                                  \
+  template void rope_apply<T>(T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,    \
+                              std::int64_t, std::int64_t, const RopeTable&, bool);           \
+  template void rope_apply_at<T>(T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, \
+                                 std::int64_t, const std::int64_t*, const RopeTable&, bool);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
 
 }  // namespace laga

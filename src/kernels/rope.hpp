@@ -66,4 +66,15 @@ template <class T>
 void rope_apply(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
                 std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse);
 
+// The same rotation with a position per token: token (b, l) is rotated at
+// positions[b * L + l], positions (B, L). For packed documents, where
+// positions restart at 0 at every document's start (position = token index -
+// its document's first token, AttnShape::doc_start). Every position must lie in
+// [0, table.positions()); laga::Error names the first that does not, before
+// anything is rotated.
+template <class T>
+void rope_apply_at(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
+                   std::int64_t ld_head, const std::int64_t* positions, const RopeTable& table,
+                   bool inverse);
+
 }  // namespace laga
