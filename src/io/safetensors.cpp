@@ -550,6 +550,27 @@ void SafetensorsFile::read_into(const std::string& name, Tensor<T>& destination)
   if (destination.data()) fill_from_file(name, entry, destination.data());
 }
 
+std::vector<std::int64_t> SafetensorsFile::read_indices(const std::string& name) const {
+  const SafetensorsTensorInfo& entry = find(name);
+  const std::int64_t count = entry.numel();
+  std::vector<std::int64_t> values(static_cast<std::size_t>(count));
+  std::uint64_t got_bytes = 0;
+  if (entry.dtype == "I64")
+    got_bytes = read_at(descriptor_->fd, path_, values.data(), entry.bytes(),
+                        data_start_ + entry.data_begin);
+  else if (entry.dtype == "I32")
+    got_bytes = read_converted<std::int32_t>(descriptor_->fd, path_, data_start_ + entry.data_begin,
+                                             values.data(), count,
+                                             [](std::int32_t v) { return std::int64_t(v); });
+  else
+    fail("safetensors '", path_, "': tensor '", name, "' has dtype ", entry.dtype,
+         " but it holds indices; store it as I32 or I64");
+  LAGA_CHECK(got_bytes == entry.bytes(), "safetensors '", path_, "': tensor '", name, "' needs ",
+             entry.bytes(), " bytes but only ", got_bytes,
+             " could be read; the file was truncated or changed after it was opened");
+  return values;
+}
+
 template Tensor<float> SafetensorsFile::read<float>(const std::string&, MemCategory) const;
 template Tensor<double> SafetensorsFile::read<double>(const std::string&, MemCategory) const;
 template Tensor<float> SafetensorsFile::read<float>(const std::string&, const Shape&,
@@ -597,6 +618,16 @@ void SafetensorsWriter::add(const std::string& name, const Tensor<double>& tenso
              "' is empty (default-constructed or reset); give it a shape before adding it");
   add_bytes(name, "F64", sizeof(double), tensor.shape(), tensor.data(), tensor.bytes(),
             tensor.data() != nullptr || tensor.numel() == 0);
+}
+
+void SafetensorsWriter::add_indices(const std::string& name, const Shape& shape,
+                                    const std::vector<std::int64_t>& values) {
+  std::int64_t numel = 1;
+  for (std::int64_t d : shape) numel *= d;
+  LAGA_CHECK(numel == std::int64_t(values.size()), "safetensors writer: tensor '", name,
+             "' has shape ", to_string(shape), " but ", values.size(), " values");
+  add_bytes(name, "I64", sizeof(std::int64_t), shape, values.data(),
+            std::int64_t(values.size() * sizeof(std::int64_t)), true);
 }
 
 void SafetensorsWriter::add_metadata(const std::string& key, const std::string& value) {

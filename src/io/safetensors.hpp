@@ -73,6 +73,10 @@ class SafetensorsFile {
   template <class T>
   void read_into(const std::string& name, Tensor<T>& destination) const;
 
+  // An index tensor (I32 or I64, any shape), flattened: the only integer
+  // reader, for things like cu_seqlens. Other dtypes are an error naming it.
+  std::vector<std::int64_t> read_indices(const std::string& name) const;
+
  private:
   struct Descriptor;
 
@@ -100,6 +104,9 @@ class SafetensorsWriter {
  public:
   void add(const std::string& name, const Tensor<float>& tensor);   // stored as F32
   void add(const std::string& name, const Tensor<double>& tensor);  // stored as F64
+  // An index tensor of this shape, stored as I64.
+  void add_indices(const std::string& name, const Shape& shape,
+                   const std::vector<std::int64_t>& values);
   void add_metadata(const std::string& key, const std::string& value);
 
   std::size_t size() const { return tensors_.size(); }

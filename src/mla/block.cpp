@@ -40,10 +40,25 @@ Step::Step(const BlockContext& c) : ctx(c) {
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   pos0 = lay.seq_offset[r];
+  if (const Documents* docs = c.documents) {
+    LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
+               docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");
+    if (!current_pool().count_only()) {
+      doc_start = docs->doc_starts();
+      positions = docs->positions(pos0, L);
+    }
+  }
+}
+
+AttnShape Step::sequence_attention(std::int64_t heads, std::int64_t kv_heads, std::int64_t d_qk,
+                                   std::int64_t d_v) const {
+  AttnShape s{B, S, S, heads, kv_heads, d_qk, d_v, ctx.cfg.softmax_scale(), true};
+  s.doc_start = doc_start.empty() ? nullptr : doc_start.data();
+  return s;
 }
 
 AttnShape Step::head_attention() const {
-  return AttnShape{B, S, S, Hr, Hr, dqk, dv, ctx.cfg.softmax_scale(), true};
+  return sequence_attention(Hr, Hr, dqk, dv);
 }
 
 template <class T>
@@ -60,8 +75,7 @@ Tensor<T> Pieces<T>::project_q(const Step& st, const MlaParams<T>& w, const Tens
     ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.qa), w.q_norm, st.ctx.cfg.norm_eps);
     ops::linear(mat(q), mat(in.qn), w.wq_b);
   }
-  ops::rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.B, st.L, st.H, st.dqk, st.pos0,
-            st.ctx.rope, false);
+  st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
   return q;
 }
 
@@ -72,7 +86,7 @@ Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, const
   in.kv_rstd = Tensor<T>({st.B, st.L}, "kv_rstd");
   Tensor<T> c_hat({st.B, st.L, st.C}, c_hat_name);
   ops::linear(mat(in.kv_a), mat(x), w.wkv_a);
-  ops::rope(mat(in.kv_a).col_range(st.C, st.dr), st.B, st.L, 1, 0, st.pos0, st.ctx.rope, false);
+  st.rope(mat(in.kv_a).col_range(st.C, st.dr), 1, 0, false);
   ops::rmsnorm(mat(c_hat), in.kv_rstd, mat(in.kv_a).col_range(0, st.C), w.kv_norm,
                st.ctx.cfg.norm_eps);
   return c_hat;
@@ -179,9 +193,8 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
   dx = Tensor<T>({st.B, st.L, st.D}, "dx");
   ops::Mat<T> dx_m = mat(dx);
   // A rotation's Jacobian is its transpose: rotate the gradients back.
-  ops::rope(mat(dq_loc).col_range(st.dn, st.H * st.dqk - st.dn), st.B, st.L, st.H, st.dqk, st.pos0,
-            st.ctx.rope, true);
-  ops::rope(mat(dlat_loc).col_range(st.C, st.dr), st.B, st.L, 1, 0, st.pos0, st.ctx.rope, true);
+  st.rope(mat(dq_loc).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
+  st.rope(mat(dlat_loc).col_range(st.C, st.dr), 1, 0, true);
   // d c_hat must be contiguous for the norm's backward, whose dx lands back in
   // dlat_loc's first C columns: dlat_loc becomes d kv_a = [d c | d k_pe].
   {

@@ -26,6 +26,7 @@
 #include "core/tensor.hpp"
 #include "kernels/rope.hpp"
 #include "mla/config.hpp"
+#include "mla/documents.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
 
@@ -47,6 +48,9 @@ struct BlockContext {
   const RopeTable& rope;  // covers positions [0, layout.seq)
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
+  // Packed sequences (mla/documents.hpp): attention stays inside each
+  // document and RoPE positions restart at each. Null: one document per row.
+  const Documents* documents = nullptr;
 };
 
 namespace detail {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "kernels/attention.hpp"
 #include "mla/block.hpp"
@@ -23,10 +24,27 @@ struct Step {
   std::int64_t C, rq;  // kv_lora_rank, q_lora_rank
   std::int64_t W;      // C + dr: one latent row [c | k_pe]
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
-  std::int64_t pos0;   // global position of the first local token
+  std::int64_t pos0;   // global index of the first local token
+  // Packed sequences, made only when kernels will read them (not in a
+  // count-only run): each token's document start (B, S), and each local
+  // token's in-document RoPE position (B, L). Empty: one document per row,
+  // local token l at position pos0 + l.
+  std::vector<std::int64_t> doc_start, positions;
   explicit Step(const BlockContext& ctx);
-  // Causal attention over this rank's heads, full sequence, head dims.
+  // Causal attention over this rank's heads, full sequence, head dims;
+  // within documents when packed.
   AttnShape head_attention() const;
+  // The sequence attention of `heads` query heads over `kv_heads` key/value
+  // heads (the head attention and the absorbed form's latent attention).
+  AttnShape sequence_attention(std::int64_t heads, std::int64_t kv_heads, std::int64_t d_qk,
+                               std::int64_t d_v) const;
+  // Rotates (inverse: back) the rope part x of the local tokens' H heads,
+  // head h at x.p + h * head_stride, at their positions.
+  template <class T>
+  void rope(ops::Mat<T> x, std::int64_t heads, std::int64_t head_stride, bool inverse) const {
+    ops::rope(x, B, L, heads, head_stride, pos0, positions.empty() ? nullptr : positions.data(),
+              ctx.rope, inverse);
+  }
 };
 
 // What a form's forward leaves for its backward.

@@ -48,7 +48,7 @@ struct AbsorbedTape final : Tape<T> {
     return mat(g).row_range((st.h0 + h) * st.KV + row, n);
   }
   static AttnShape latent_attention(const Step& st) {
-    return AttnShape{st.B, st.S, st.S, st.Hr, 1, st.W, st.C, st.ctx.cfg.softmax_scale(), true};
+    return st.sequence_attention(st.Hr, 1, st.W, st.C);
   }
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,

@@ -147,12 +147,16 @@ void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<
 }
 
 // Rotates the rope part x of B * L tokens (rows) of H heads: head h of a row
-// at x.p + h * head_stride, at global positions pos0 .. pos0 + L - 1.
+// at x.p + h * head_stride, at positions (B, L) when given (packed
+// sequences), else at global positions pos0 .. pos0 + L - 1.
 template <class T>
 void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t head_stride,
-          std::int64_t pos0, const RopeTable& table, bool inverse) {
+          std::int64_t pos0, const std::int64_t* positions, const RopeTable& table, bool inverse) {
   if (!runs(x.rows * H, {x.p})) return;
-  rope_apply(x.p, B, L, H, x.ld, head_stride, pos0, table, inverse);
+  if (positions)
+    rope_apply_at(x.p, B, L, H, x.ld, head_stride, positions, table, inverse);
+  else
+    rope_apply(x.p, B, L, H, x.ld, head_stride, pos0, table, inverse);
 }
 
 // dst = src, row by row.

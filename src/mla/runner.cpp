@@ -121,7 +121,7 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
                        const Tensor<T>& dout, const RunSpec& spec) {
   const int r = comm.rank();
   if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
-  const BlockContext ctx{cfg, layout, comm, rope, spec.form, spec.attention};
+  const BlockContext ctx{cfg, layout, comm, rope, spec.form, spec.attention, spec.documents};
   const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
   const std::int64_t L = layout.seq_count[static_cast<size_t>(r)];
   RankResult<T> res;
@@ -206,6 +206,56 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   return run;
 }
 
+namespace {
+// Row b's tokens [t0, t0 + n) of a (B, S, W) tensor as (1, n, W), and back.
+template <class T>
+Tensor<T> row_tokens(const Tensor<T>& g, std::int64_t b, std::int64_t t0, std::int64_t n) {
+  const std::int64_t S = g.dim(1), W = g.dim(2);
+  Tensor<T> part({1, n, W}, g.category());
+  std::memcpy(part.data(), g.data() + (b * S + t0) * W, sizeof(T) * static_cast<size_t>(n * W));
+  return part;
+}
+template <class T>
+void place_row_tokens(Tensor<T>& g, const Tensor<T>& part, std::int64_t b, std::int64_t t0) {
+  const std::int64_t S = g.dim(1), W = g.dim(2);
+  std::memcpy(g.data() + (b * S + t0) * W, part.data(),
+              sizeof(T) * static_cast<size_t>(part.numel()));
+}
+}  // namespace
+
+template <class T>
+BlockRun<T> run_documents_alone(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& x,
+                                const Tensor<T>& dout, const Documents& docs, RunSpec spec) {
+  const std::int64_t B = x.dim(0), S = x.dim(1);
+  LAGA_CHECK(docs.batch() == B && docs.seq() == S, "documents for (B ", docs.batch(), ", S ",
+             docs.seq(), ") given with an input of (B ", B, ", S ", S, ")");
+  spec.documents = nullptr;
+  BlockRun<T> ref;
+  ref.out = Tensor<T>(x.shape());
+  if (spec.backward) ref.dx = Tensor<T>(x.shape());
+  ref.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  std::vector<Tensor<T>*> sums;
+  ref.grads.for_each([&](const std::string&, Tensor<T>& g) { sums.push_back(&g); });
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::vector<std::int64_t>& cu = docs.cu_seqlens(b);
+    for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
+      const std::int64_t t0 = cu[k], n = cu[k + 1] - cu[k];
+      const BlockRun<T> one =
+          run_local(cfg, SpLayout::even(1, n, cfg.n_heads, 1), w, row_tokens(x, b, t0, n),
+                    spec.backward ? row_tokens(dout, b, t0, n) : Tensor<T>(), spec);
+      place_row_tokens(ref.out, one.out, b, t0);
+      if (!spec.backward) continue;
+      place_row_tokens(ref.dx, one.dx, b, t0);
+      std::size_t i = 0;
+      one.grads.for_each([&](const std::string&, const Tensor<T>& g) {
+        Tensor<T>& sum = *sums[i++];
+        for (std::int64_t e = 0; e < g.numel(); ++e) sum[e] += g[e];
+      });
+    }
+  }
+  return ref;
+}
+
 #define LAGA_INSTANTIATE(T)                                                                   \
   template Deviation deviation<T>(const Tensor<T>&, const Tensor<T>&);                        \
   template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);              \
@@ -214,7 +264,10 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
                                      const RopeTable&, const MlaParams<T>&, const Tensor<T>&, \
                                      const Tensor<T>&, const RunSpec&);                       \
   template BlockRun<T> run_local<T>(const MlaConfig&, const SpLayout&, const MlaParams<T>&,   \
-                                    const Tensor<T>&, const Tensor<T>&, const RunSpec&);
+                                    const Tensor<T>&, const Tensor<T>&, const RunSpec&);      \
+  template BlockRun<T> run_documents_alone<T>(const MlaConfig&, const MlaParams<T>&,          \
+                                              const Tensor<T>&, const Tensor<T>&,             \
+                                              const Documents&, RunSpec);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

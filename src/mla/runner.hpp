@@ -21,6 +21,7 @@ struct RunSpec {
   AttentionKind attention = AttentionKind::eager;
   bool backward = true;
   bool grad_sync = true;                 // with backward: the gradient all-reduce
+  const Documents* documents = nullptr;  // packed sequences; null: one document per row
   std::chrono::milliseconds timeout{0};  // 0: the communicator's default
 };
 
@@ -84,6 +85,15 @@ struct BlockRun {
 template <class T>
 BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaParams<T>& w,
                       const Tensor<T>& x, const Tensor<T>& dout, const RunSpec& spec);
+
+// The reference of a packed run: each document of each row run alone
+// (B = 1, S = its length, no documents) through run_local on one rank with
+// `spec`'s form and attention; out and dx land at the document's tokens, and
+// the gradients are summed over documents (the packed loss is the sum of the
+// documents' losses). spec.documents is ignored; `docs` gives them.
+template <class T>
+BlockRun<T> run_documents_alone(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& x,
+                                const Tensor<T>& dout, const Documents& docs, RunSpec spec);
 
 // How far a result is from its reference: max |a - b| and max |b| (the
 // reference's scale). The one agreement measure of every tool: a NaN or Inf

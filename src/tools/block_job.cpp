@@ -1,6 +1,5 @@
 #include "tools/block_job.hpp"
 
-#include <cmath>
 #include <cstring>
 #include <mutex>
 
@@ -84,6 +83,44 @@ void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const
   check_memory_fits(predict_job_memory(cfg, layout, forms, attention, comm.backend, -1,
                                        params + 2 * global, 2 * global),
                     "this block job");
+}
+
+std::optional<Documents> load_documents(const std::string& doc_lens, const std::string& input_path,
+                                        std::int64_t batch, std::int64_t seq) {
+  std::optional<SafetensorsFile> in;
+  if (!input_path.empty()) in = SafetensorsFile::open(input_path);
+  const bool shared = in && in->contains("cu_seqlens");
+  const bool per_row = in && in->contains("cu_seqlens.0");
+  if (!doc_lens.empty()) {
+    LAGA_CHECK(!shared && !per_row, "--doc-lens and the input '", input_path,
+               "' both give documents (its cu_seqlens); give them once");
+    return Documents::parse_lengths(doc_lens, batch, seq);
+  }
+  if (!shared && !per_row) return std::nullopt;
+  const std::string where = "input '" + input_path + "'";
+  LAGA_CHECK(!(shared && per_row), where,
+             " holds both 'cu_seqlens' (shared by every row) and 'cu_seqlens.0' (one per row); "
+             "keep one spelling");
+  std::vector<std::vector<std::int64_t>> rows;
+  const auto read_1d = [&](const std::string& name) {
+    LAGA_CHECK(in->info(name).shape.size() == 1, where, ": tensor '", name, "' has shape ",
+               to_string(in->info(name).shape), "; cu_seqlens is one dimension, [n_docs + 1]");
+    return in->read_indices(name);
+  };
+  if (shared) {
+    rows.push_back(read_1d("cu_seqlens"));
+    return Documents::from_cu_seqlens(where + ": tensor 'cu_seqlens'", batch, seq, rows);
+  }
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::string name = "cu_seqlens." + std::to_string(b);
+    LAGA_CHECK(in->contains(name), where, " gives documents per row but has no tensor '", name,
+               "'; give cu_seqlens.0 .. cu_seqlens.", batch - 1, " for a batch of ", batch);
+    rows.push_back(read_1d(name));
+  }
+  LAGA_CHECK(!in->contains("cu_seqlens." + std::to_string(batch)), where,
+             " has a tensor 'cu_seqlens.", batch, "' but the batch has ", batch,
+             " rows; remove the extra rows' documents");
+  return Documents::from_cu_seqlens(where + ": tensors 'cu_seqlens.<row>'", batch, seq, rows);
 }
 
 MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {

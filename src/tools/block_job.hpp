@@ -30,6 +30,14 @@ BlockJob run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLa
 void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
                             const std::vector<Form>& forms, AttentionKind attention);
 
+// Packed sequences of a (batch, seq) block job (docs/forms.md, "Packed
+// sequences"): `doc_lens` (--doc-lens text), or in the input safetensors
+// `cu_seqlens` (I32/I64 [n + 1], shared by every row) or `cu_seqlens.<b>` (one
+// per row b). Giving both, or a file with both spellings, is an error; neither
+// is one document per row (nullopt).
+std::optional<Documents> load_documents(const std::string& doc_lens, const std::string& input_path,
+                                        std::int64_t batch, std::int64_t seq);
+
 // Weights from a safetensors file under DeepSeek inference names
 // (`wkv_b.weight`) or Hugging Face names (`model.layers.<layer>.self_attn.
 // kv_b_proj.weight`); every shape is checked against the config.

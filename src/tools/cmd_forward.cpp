@@ -20,7 +20,7 @@ namespace {
 struct ForwardOptions {
   ModelOptions model;
   CommOptions comm;
-  std::string weights, input, output;
+  std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false;
   std::string form = "explicit", attention = "flash";
   int sp = 1, layer = 0;
@@ -61,16 +61,18 @@ void run_forward(const ForwardOptions& o) {
   protect_input(o.input, "--input");
   const MlaConfig cfg = o.model.load();
   if (!o.output.empty()) (void)resolve_output_path(o.output, "--output");
-  {  // Refuse before allocating anything when the job cannot fit.
-    std::int64_t B = o.batch, S = o.seq;
-    if (!o.input.empty()) {
-      const SafetensorsFile in = SafetensorsFile::open(o.input);
-      if (in.contains("x") && in.info("x").shape.size() == 3)
-        B = in.info("x").shape[0], S = in.info("x").shape[1];
-    }
-    check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp),
-                           {parse_form(o.form)}, parse_attention(o.attention));
+  // The batch's extents, from the input's x when there is one: the documents
+  // are checked against them, and the job is refused before allocating
+  // anything when it cannot fit.
+  std::int64_t B = o.batch, S = o.seq;
+  if (!o.input.empty()) {
+    const SafetensorsFile in = SafetensorsFile::open(o.input);
+    if (in.contains("x") && in.info("x").shape.size() == 3)
+      B = in.info("x").shape[0], S = in.info("x").shape[1];
   }
+  const std::optional<Documents> docs = load_documents(o.doc_lens, o.input, B, S);
+  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {parse_form(o.form)},
+                         parse_attention(o.attention));
   MlaParams<float> w =
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;
@@ -105,6 +107,7 @@ void run_forward(const ForwardOptions& o) {
   }
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
   RunSpec spec;
+  spec.documents = docs ? &*docs : nullptr;
   spec.form = parse_form(o.form);
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
@@ -112,7 +115,8 @@ void run_forward(const ForwardOptions& o) {
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
               << ", form " << o.form << ", attention " << o.attention << ", sp " << o.sp << " ("
-              << layout.describe() << "), comm " << to_string(o.comm.backend) << "\n";
+              << layout.describe() << "), comm " << to_string(o.comm.backend)
+              << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
   const double ms =
@@ -146,6 +150,7 @@ void run_forward(const ForwardOptions& o) {
     }
     wr.add_metadata("config", cfg.to_json().dump());
     wr.add_metadata("form", o.form);
+    if (docs) wr.add_metadata("doc_lens", docs->describe());
     wr.write(o.output);
     std::cout << "wrote " << o.output << "\n";
   }
@@ -166,6 +171,9 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--input", opts->input,
                   "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
   sub->add_option("--output", opts->output, "safetensors to write 'out' (and 'dx', 'grad.<name>')");
+  sub->add_option("--doc-lens", opts->doc_lens,
+                  "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
+                  "row); or cu_seqlens in --input");
   sub->add_flag("--backward", opts->backward, "also run backward (dout from --input, else ones)");
   sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "

@@ -140,6 +140,35 @@ TEST(SafetensorsRoundTrip, EmptyTensorsAndNoMetadata) {
   EXPECT_TRUE(SafetensorsFile::open(path).names().empty());
 }
 
+TEST(SafetensorsRead, IndicesI32WrittenByHandAndI64RoundTrip) {
+  const auto dir = scratch_dir();
+  const std::string path = (dir / "cu.safetensors").string();
+  // I32 little-endian 0, 5, 7 and -1; then an F32 tensor, which is no index.
+  std::string data;
+  for (std::int32_t v : {0, 5, 7, -1})
+    for (int b = 0; b < 4; ++b) data += char((std::uint32_t(v) >> (8 * b)) & 0xff);
+  data += std::string(4, '\0');
+  write_bytes(path, assemble(R"({"cu":{"dtype":"I32","shape":[4],"data_offsets":[0,16]},)"
+                             R"("f":{"dtype":"F32","shape":[1],"data_offsets":[16,20]}})",
+                             data));
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  EXPECT_EQ(file.read_indices("cu"), (std::vector<std::int64_t>{0, 5, 7, -1}));
+  expect_error([&] { (void)file.read_indices("f"); },
+               {"tensor 'f' has dtype F32 but it holds indices; store it as I32 or I64"});
+
+  SafetensorsWriter w;
+  const std::vector<std::int64_t> big{0, std::int64_t(1) << 40, -3, 9};
+  w.add_indices("cu", {2, 2}, big);
+  const std::string path64 = (dir / "cu64.safetensors").string();
+  w.write(path64);
+  const SafetensorsFile f64 = SafetensorsFile::open(path64);
+  EXPECT_EQ(f64.info("cu").dtype, "I64");
+  EXPECT_EQ(f64.info("cu").shape, (Shape{2, 2}));
+  EXPECT_EQ(f64.read_indices("cu"), big);
+  expect_error([&] { SafetensorsWriter().add_indices("x", {3}, big); },
+               {"tensor 'x' has shape [3] but 4 values"});
+}
+
 TEST(SafetensorsRead, Bf16WrittenByHand) {
   const auto dir = scratch_dir();
   const std::string path = (dir / "bf16.safetensors").string();

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Packed sequences through the `laga` tool (issue 15):
+
+  - `laga forward` with documents (cu_seqlens in --input, shared or one per
+    row, int32 or int64; or --doc-lens) writes the same `out` and `dx` as
+    `laga forward` on each document alone, concatenated, for every form at
+    P 1 and 3;
+  - `laga verify --doc-lens` passes;
+  - bad document lists are refused with exit 2 and one error line naming the
+    tensor or the flag.
+
+  test_packed_cli.py LAGA TMPDIR
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+import safetensors_io  # noqa: E402
+
+laga, tmp = sys.argv[1], os.path.join(sys.argv[2], "packed_cli")
+os.makedirs(tmp, exist_ok=True)
+failures = []
+B, S, D = 2, 29, 48  # preset tiny: dim 48
+rng = np.random.default_rng(7)
+x = rng.standard_normal((B, S, D)).astype(np.float32)
+dout = rng.standard_normal((B, S, D)).astype(np.float32)
+rows = [[0, 1, 12, 29], [0, 28, 29]]  # a one-token document, and S-1 + 1
+
+
+def run(args):
+    return subprocess.run([laga] + args, capture_output=True, text=True, timeout=300)
+
+
+def forward(inputs, name, extra):
+    path_in = os.path.join(tmp, name + "_in.st")
+    path_out = os.path.join(tmp, name + "_out.st")
+    safetensors_io.save_file(inputs, path_in)
+    r = run(["forward", "--preset", "tiny", "--backward", "--input", path_in, "--output",
+             path_out] + extra)
+    if r.returncode != 0:
+        failures.append(f"forward {name} {extra}: rc {r.returncode}: {r.stderr.strip()[:400]}")
+        return None
+    return safetensors_io.load_file(path_out)[0]
+
+
+# The reference: each document alone, through explicit on one rank.
+ref = {"out": np.zeros_like(x), "dx": np.zeros_like(x)}
+for b, cu in enumerate(rows):
+    for k in range(len(cu) - 1):
+        t0, t1 = cu[k], cu[k + 1]
+        alone = forward({"x": x[b:b + 1, t0:t1], "dout": dout[b:b + 1, t0:t1]},
+                        f"alone_{b}_{k}", ["--form", "explicit"])
+        if alone:
+            for t in ("out", "dx"):
+                ref[t][b, t0:t1] = alone[t][0]
+
+per_row = {f"cu_seqlens.{b}": np.array(cu, dtype=np.int32) for b, cu in enumerate(rows)}
+for form in ("explicit", "absorbed", "laga"):
+    for sp in ("1", "3"):
+        got = forward(dict(x=x, dout=dout, **per_row), f"packed_{form}{sp}",
+                      ["--form", form, "--sp", sp])
+        if not got:
+            continue
+        for t in ("out", "dx"):
+            scale = np.abs(ref[t]).max()
+            diff = np.abs(got[t] - ref[t]).max()
+            if not diff <= 1e-5 * scale:
+                failures.append(f"{form} P={sp} {t}: max |diff| {diff:.3g} > 1e-5 x {scale:.3g}")
+
+# One list shared by every row (int64) and --doc-lens give the same file.
+shared = [0, 5, 29]
+a = forward({"x": x, "dout": dout, "cu_seqlens": np.array(shared, dtype=np.int64)}, "shared",
+            ["--form", "laga", "--sp", "2"])
+b = forward({"x": x, "dout": dout}, "doc_lens", ["--form", "laga", "--sp", "2", "--doc-lens",
+                                                 "5,24"])
+if a and b and not all(np.array_equal(a[t], b[t]) for t in ("out", "dx")):
+    failures.append("cu_seqlens [0, 5, 29] and --doc-lens 5,24 differ")
+
+r = run(["verify", "--preset", "tiny", "--seq", "23", "--sp", "1,2,3", "--doc-lens",
+         "1,10,12/23"])
+if r.returncode != 0 or "all forms agree" not in r.stdout:
+    failures.append(f"verify --doc-lens: rc {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
+
+# Bad lists: exit 2, one "laga: error:" line naming the flag or the tensor.
+xin = os.path.join(tmp, "bad_in.st")
+bad_files = {
+    "unsorted": ({"cu_seqlens": np.array([0, 20, 10, 29], dtype=np.int64)},
+                 "'cu_seqlens'", "strictly increasing"),
+    "short": ({"cu_seqlens": np.array([0, 20], dtype=np.int32)}, "'cu_seqlens'", "must end"),
+    "float": ({"cu_seqlens": np.array([0.0, 29.0], dtype=np.float32)}, "'cu_seqlens'",
+              "I32 or I64"),
+    "2d": ({"cu_seqlens": np.array([[0, 29], [0, 29]], dtype=np.int64)}, "'cu_seqlens'",
+           "one dimension"),
+    "row missing": ({"cu_seqlens.0": np.array([0, 29], dtype=np.int64)}, "'cu_seqlens.1'",
+                    "per row"),
+}
+for what, (extra, name, words) in bad_files.items():
+    safetensors_io.save_file(dict(x=x, **extra), xin)
+    r = run(["forward", "--preset", "tiny", "--input", xin])
+    if r.returncode != 2 or name not in r.stderr or words not in r.stderr:
+        failures.append(f"bad cu_seqlens ({what}): rc {r.returncode}: {r.stderr.strip()[:300]}")
+bad_flags = {"3,3": "add up to 6, not --seq 29", "0,29": "length 0", "a,b": "not a whole number",
+             "29/29/29": "3 rows of documents for a batch of 2"}
+for text, words in bad_flags.items():
+    r = run(["forward", "--preset", "tiny", "--batch", "2", "--seq", "29", "--doc-lens", text])
+    if r.returncode != 2 or "--doc-lens" not in r.stderr or words not in r.stderr:
+        failures.append(f"--doc-lens {text}: rc {r.returncode}: {r.stderr.strip()[:300]}")
+safetensors_io.save_file({"x": x, "cu_seqlens": np.array([0, 29])}, xin)
+r = run(["forward", "--preset", "tiny", "--input", xin, "--doc-lens", "29"])
+if r.returncode != 2 or "give them once" not in r.stderr:
+    failures.append(f"--doc-lens with cu_seqlens: rc {r.returncode}: {r.stderr.strip()[:300]}")
+
+for m in failures:
+    print("FAILED:", m)
+print(f"{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
