@@ -35,6 +35,9 @@ void register_compare(CLI::App& app) {
                 "(saves the log-sum-exp, recomputes in backward)")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
+  c->add_option("--doc-lens", o->doc_lens,
+                "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
+                "row); attention stays within documents");
   c->add_option("--steps", o->steps, "measured forward+backward steps per form (median reported)")
       ->capture_default_str();
   c->add_option("--warmup", o->warmup, "unmeasured steps per form before them")

@@ -30,6 +30,7 @@ struct CompareOptions {
   std::int64_t batch = 1, seq = 1024;
   int sp = 4;
   std::string forms = "all", attention = "flash";
+  std::string doc_lens;  // packed sequences (--doc-lens); empty: one document per row
   int steps = 3, warmup = 1;
   std::string json, csv;
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
@@ -76,6 +77,11 @@ struct FormResult {
   double memory_rel_error = 0;  // max over ranks of |measured - model| / model, fwd+bwd peak
   MemoryPeak model_peak;        // where the model's peak is, on peak_rank
 
+  // Attention work per rank (closed form, mla/work_model.hpp): forward FLOPs
+  // of the masked attention over the rank's heads, max and min over the
+  // group (every rank, also under --rank-only: it is computed, not measured).
+  double attention_flops_max = 0, attention_flops_min = 0;
+
   // Time: per step the slowest rank's, then the median over steps.
   double forward_ms = 0, backward_ms = 0, sync_ms = 0, step_ms = 0;
   std::vector<double> step_ms_all;  // slowest rank per measured step
@@ -89,7 +95,8 @@ struct CompareResult {
   SpLayout layout;
   std::vector<Form> forms;
   AttentionKind attention = AttentionKind::eager;
-  std::vector<int> measured_ranks;  // all ranks, or the --rank-only one
+  std::optional<Documents> documents;  // --doc-lens
+  std::vector<int> measured_ranks;     // all ranks, or the --rank-only one
   int threads_per_rank = 1;
   bool values_meaningful = true;  // false under --rank-only (P > 1) and --count-only
   std::vector<std::string> notes;

@@ -135,6 +135,9 @@ std::string compare_table(const CompareResult& r) {
   s << "laga compare: " << o.model.source() << " (" << r.cfg.summary() << ")\n";
   s << "  B=" << r.layout.batch << " S=" << r.layout.seq << " P=" << r.layout.ranks << " ("
     << r.layout.describe() << "), " << to_string(r.attention) << " attention, fp32\n";
+  if (r.documents)
+    s << "  packed: documents " << r.documents->describe() << " (attention within documents, "
+      << "RoPE positions restart at each)\n";
   s << "  " << mode_line(r);
   if (!o.count_only)
     s << "; " << r.results.front().step_ms_all.size() << " measured step(s) after " << o.warmup
@@ -197,6 +200,17 @@ std::string compare_table(const CompareResult& r) {
     s << "\n";
   }
 
+  s << "\nAttention work per rank, forward, computed (mla/work_model: the (query, key) pairs of "
+       "the causal"
+    << (r.documents ? ", document" : "") << " mask x the rank's heads x (d_qk + d_v) x 2)\n";
+  Table work({"form", "max GFLOP", "min GFLOP", "max/min"});
+  for (const FormResult& f : r.results)
+    work.add({to_string(f.form), fixed(f.attention_flops_max / 1e9, 3),
+              fixed(f.attention_flops_min / 1e9, 3),
+              f.attention_flops_min > 0 ? fixed(f.attention_flops_max / f.attention_flops_min, 3)
+                                        : "inf (a rank has no heads)"});
+  s << work.str();
+
   s << "\nTime per step [ms], measured; "
     << (r.measured_ranks.size() == 1 && o.sp > 1
             ? "rank " + std::to_string(r.measured_ranks[0]) + " alone on all cores (no peers)"
@@ -244,6 +258,7 @@ std::string compare_json(const CompareResult& r) {
   j["sp"] = r.layout.ranks;
   j["layout"] = r.layout.describe();
   j["attention"] = to_string(r.attention);
+  j["doc_lens"] = r.documents ? ojson(r.documents->describe()) : ojson(nullptr);
   j["dtype"] = "f32";
   j["element_bytes"] = 4;
   j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
@@ -306,6 +321,8 @@ std::string compare_json(const CompareResult& r) {
     for (const MemoryTerm& t : f.model_peak.live)
       live.push_back({{"name", t.name}, {"category", to_string(t.category)}, {"bytes", t.bytes}});
     g["predicted_live_at_peak"] = live;
+    g["attention_flops_forward_max"] = f.attention_flops_max;
+    g["attention_flops_forward_min"] = f.attention_flops_min;
     const bool timed = !o.count_only;
     g["forward_ms"] = timed ? ojson(f.forward_ms) : ojson(nullptr);
     g["backward_ms"] = timed ? ojson(f.backward_ms) : ojson(nullptr);

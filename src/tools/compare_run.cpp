@@ -18,6 +18,7 @@
 #include "core/threads.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/runner.hpp"
+#include "mla/work_model.hpp"
 #include "tools/block_job.hpp"
 #include "tools/compare.hpp"
 #include "tools/memory_check.hpp"
@@ -78,7 +79,8 @@ struct Job {
   MlaConfig cfg;
   SpLayout layout;
   AttentionKind attention;
-  std::vector<Form> order;  // run order: explicit first when present
+  const Documents* documents;  // null: one document per row
+  std::vector<Form> order;     // run order: explicit first when present
   std::vector<std::string> param_names;
   int steps, warmup;
   bool diffs;  // agreement with explicit is computed
@@ -127,6 +129,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     RunSpec spec;
     spec.form = form;
     spec.attention = j.attention;
+    spec.documents = j.documents;
     RankRecord rec;
     const int total = j.warmup + j.steps;
     for (int step = 0; step < total; ++step) {
@@ -208,6 +211,11 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
   const Form form = j.order[fi];
   FormResult f;
   f.form = form;
+  for (int r = 0; r < j.layout.ranks; ++r) {
+    const double flops = attention_work(j.cfg, j.layout, form, r, j.documents).flops;
+    f.attention_flops_max = r == 0 ? flops : std::max(f.attention_flops_max, flops);
+    f.attention_flops_min = r == 0 ? flops : std::min(f.attention_flops_min, flops);
+  }
   f.by_label.resize(keys.size());
   for (size_t k = 0; k < keys.size(); ++k) {
     f.by_label[k].phase = keys[k].first;
@@ -342,6 +350,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
   res.forms = parse_form_list(o.forms);
   res.attention = parse_attention(o.attention);
+  if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);
   for (size_t i = 0; i < res.forms.size(); ++i)
     for (size_t k = 0; k < i; ++k)
       LAGA_CHECK(res.forms[i] != res.forms[k], "--forms lists '", to_string(res.forms[i]),
@@ -351,6 +360,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
         .cfg = res.cfg,
         .layout = res.layout,
         .attention = res.attention,
+        .documents = res.documents ? &*res.documents : nullptr,
         .order = {},
         .param_names = {},
         .steps = o.steps,

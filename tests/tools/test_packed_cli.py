@@ -11,6 +11,7 @@
 
   test_packed_cli.py LAGA TMPDIR
 """
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,35 @@ r = run(["verify", "--preset", "tiny", "--seq", "23", "--sp", "1,2,3", "--doc-le
          "1,10,12/23"])
 if r.returncode != 0 or "all forms agree" not in r.stdout:
     failures.append(f"verify --doc-lens: rc {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
+
+# compare: packing changes no byte on the wire and the memory model stays
+# exact; the attention work falls by the pairs' ratio.
+reports = {}
+for name, extra in (("plain", []), ("packed", ["--doc-lens", "1,15,48"])):
+    out = os.path.join(tmp, f"compare_{name}.json")
+    r = run(["compare", "--preset", "tiny", "--seq", "64", "--sp", "3", "--steps", "1",
+             "--warmup", "0", "--quiet", "--json", out] + extra)
+    if r.returncode != 0:
+        failures.append(f"compare {name}: rc {r.returncode}: {r.stderr.strip()[:300]}")
+        continue
+    with open(out) as f:
+        reports[name] = json.load(f)
+if len(reports) == 2:
+    pairs = {"plain": 64 * 65 / 2, "packed": 1 + 15 * 16 / 2 + 48 * 49 / 2}
+    for plain, packed in zip(reports["plain"]["forms"], reports["packed"]["forms"]):
+        form = packed["form"]
+        for key in ("bytes_sent_forward", "bytes_sent_backward", "bytes_sent_grad_sync"):
+            if plain[key] != packed[key]:
+                failures.append(f"compare {form}: {key} {packed[key]} packed != {plain[key]}")
+        if not packed["bytes_match"] or not packed["memory_match"]:
+            failures.append(f"compare {form} packed: bytes or memory differ from the model")
+        if packed["max_abs_diff"]["out"] > 1e-5 * packed["max_abs_diff"]["out_scale"]:
+            failures.append(f"compare {form} packed: out disagrees with explicit")
+        ratio = packed["attention_flops_forward_max"] / plain["attention_flops_forward_max"]
+        if abs(ratio - pairs["packed"] / pairs["plain"]) > 1e-12:
+            failures.append(f"compare {form}: attention work ratio {ratio}")
+    if reports["packed"]["doc_lens"] != "1,15,48":
+        failures.append(f"compare JSON doc_lens: {reports['packed']['doc_lens']}")
 
 # Bad lists: exit 2, one "laga: error:" line naming the flag or the tensor.
 xin = os.path.join(tmp, "bad_in.st")
