@@ -10,7 +10,7 @@ namespace laga {
 
 namespace {
 void check_target(std::int32_t t, std::int64_t i, std::int64_t V) {
-  LAGA_CHECK(t >= 0 && t < V, "cross_entropy: target id ", t, " of row ", i,
+  LAGA_CHECK(t == kIgnoreTarget || (t >= 0 && t < V), "cross_entropy: target id ", t, " of row ", i,
              " is outside the vocabulary [0, ", V, "); raise --vocab or fix the data");
 }
 }  // namespace
@@ -21,6 +21,10 @@ void cross_entropy_forward(T* loss, double* lse, const T* logits, const std::int
   for (std::int64_t i = 0; i < N; ++i) check_target(targets[i], i, V);
 #pragma omp parallel for schedule(static)
   for (std::int64_t i = 0; i < N; ++i) {
+    if (targets[i] == kIgnoreTarget) {
+      lse[i] = 0, loss[i] = T(0);
+      continue;
+    }
     const T* row = logits + i * V;
     double m = row[0];
     for (std::int64_t v = 1; v < V; ++v) m = std::max(m, static_cast<double>(row[v]));
@@ -40,6 +44,10 @@ void cross_entropy_backward(T* dlogits, const T* logits, const double* lse,
   for (std::int64_t i = 0; i < N; ++i) {
     const T* row = logits + i * V;
     T* d = dlogits + i * V;
+    if (targets[i] == kIgnoreTarget) {
+      std::fill_n(d, V, T(0));
+      continue;
+    }
     const double l = lse[i];
     for (std::int64_t v = 0; v < V; ++v)
       d[v] = static_cast<T>(scale * std::exp(static_cast<double>(row[v]) - l));
@@ -53,6 +61,10 @@ void cross_entropy_forward_reference(T* loss, const T* logits, const std::int32_
   std::vector<double> p(static_cast<size_t>(V));
   for (std::int64_t i = 0; i < N; ++i) {
     check_target(targets[i], i, V);
+    if (targets[i] == kIgnoreTarget) {
+      loss[i] = T(0);
+      continue;
+    }
     double m = -INFINITY, s = 0.0;
     for (std::int64_t v = 0; v < V; ++v) m = std::max(m, static_cast<double>(logits[i * V + v]));
     for (std::int64_t v = 0; v < V; ++v) s += p[v] = std::exp(logits[i * V + v] - m);
@@ -65,6 +77,10 @@ void cross_entropy_backward_reference(T* dlogits, const T* logits, const std::in
                                       double scale, std::int64_t N, std::int64_t V) {
   std::vector<double> p(static_cast<size_t>(V));
   for (std::int64_t i = 0; i < N; ++i) {
+    if (targets[i] == kIgnoreTarget) {
+      std::fill_n(dlogits + i * V, V, T(0));
+      continue;
+    }
     double m = -INFINITY, s = 0.0;
     for (std::int64_t v = 0; v < V; ++v) m = std::max(m, static_cast<double>(logits[i * V + v]));
     for (std::int64_t v = 0; v < V; ++v) s += p[v] = std::exp(logits[i * V + v] - m);

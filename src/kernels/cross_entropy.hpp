@@ -8,16 +8,23 @@
 //
 // Subtracting the row max keeps exp() in range for any finite logits (the
 // stable form); sums run in double so a row of V = 10^5 loses nothing.
+//
+// A row whose target is kIgnoreTarget (-1) does not count: loss_i = 0 and
+// dlogits_i = 0 (packed training ignores the targets that cross a document
+// boundary; the caller leaves them out of the mean's token count too).
 #pragma once
 
 #include <cstdint>
 
 namespace laga {
 
+inline constexpr std::int32_t kIgnoreTarget = -1;
+
 // loss (N) per row, lse (N) saved for backward (in double even for float
 // logits: rounded to float, an lse of 1e4 would be off by 5e-4 and so would
 // every probability rebuilt from it); logits (N, V) row-major;
-// targets (N) in [0, V) (an id out of range throws laga::Error naming it).
+// targets (N) in [0, V) or kIgnoreTarget (any other id throws laga::Error
+// naming it).
 template <class T>
 void cross_entropy_forward(T* loss, double* lse, const T* logits, const std::int32_t* targets,
                            std::int64_t N, std::int64_t V);

@@ -39,6 +39,40 @@ TEST(CrossEntropy, MatchesReferenceFloatAndDouble) {
   EXPECT_TRUE(all_close("dlogits f32 in place", xf, gr, 1e-7, 1e-5));
 }
 
+TEST(CrossEntropy, IgnoredTargetsCountNothing) {
+  // Rows 1 and 3 are ignored: zero loss, zero gradient; the other rows are
+  // exactly those of a run without the ignored rows.
+  const std::int64_t N = 5, V = 17;
+  const std::vector<std::int32_t> t{3, kIgnoreTarget, 16, kIgnoreTarget, 0};
+  const auto x = random_vector<double>(N * V, 4, -3, 3);
+  std::vector<double> loss(N), lse(N), g(N * V, 9.0), lr(N), gr(N * V, 9.0);
+  cross_entropy_forward(loss.data(), lse.data(), x.data(), t.data(), N, V);
+  cross_entropy_forward_reference(lr.data(), x.data(), t.data(), N, V);
+  cross_entropy_backward(g.data(), x.data(), lse.data(), t.data(), 0.25, N, V);
+  cross_entropy_backward_reference(gr.data(), x.data(), t.data(), 0.25, N, V);
+  for (std::int64_t i : {1, 3}) {
+    EXPECT_EQ(loss[i], 0.0);
+    EXPECT_EQ(lr[i], 0.0);
+    for (std::int64_t v = 0; v < V; ++v) {
+      EXPECT_EQ(g[i * V + v], 0.0) << "row " << i;
+      EXPECT_EQ(gr[i * V + v], 0.0) << "row " << i;
+    }
+  }
+  for (std::int64_t i : {0, 2, 4}) {
+    double one_loss, one_lse;
+    std::vector<double> one_g(V);
+    cross_entropy_forward(&one_loss, &one_lse, x.data() + i * V, &t[i], 1, V);
+    cross_entropy_backward(one_g.data(), x.data() + i * V, &one_lse, &t[i], 0.25, 1, V);
+    EXPECT_EQ(loss[i], one_loss) << "row " << i;
+    for (std::int64_t v = 0; v < V; ++v) EXPECT_EQ(g[i * V + v], one_g[v]) << "row " << i;
+  }
+  EXPECT_TRUE(all_close("loss vs reference", loss, lr, 1e-13, 1e-13));
+  EXPECT_TRUE(all_close("dlogits vs reference", g, gr, 1e-15, 1e-12));
+  // Only -1 means "ignore": -2 is still an id out of range.
+  const std::vector<std::int32_t> bad{-2};
+  EXPECT_THROW(cross_entropy_forward(loss.data(), lse.data(), x.data(), bad.data(), 1, V), Error);
+}
+
 TEST(CrossEntropy, StableForHugeLogits) {
   // exp(1e4) overflows any float type; the max subtraction makes it harmless.
   std::vector<float> x{1e4f, 1e4f - 1.0f, -1e4f, 1e4f};
