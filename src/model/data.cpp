@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "kernels/cross_entropy.hpp"
 #include "mla/params.hpp"
 
 namespace laga {
@@ -28,6 +29,28 @@ bool ends_with(const std::string& s, const std::string& e) {
   return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
 }
 }  // namespace
+
+PackedBatch pack_window(const std::int32_t* window, std::int64_t B, std::int64_t S,
+                        std::int32_t eos) {
+  std::vector<std::vector<std::int64_t>> rows;
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(B * S));
+  std::int64_t counted = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int32_t* ids = window + b * (S + 1);
+    std::vector<std::int64_t> cu{0};
+    for (std::int64_t t = 0; t < S; ++t) {
+      const bool ends_document = ids[t] == eos;
+      // A document ends after this token; the next starts at t + 1 (none
+      // starts at S: the row ends there anyway).
+      if (ends_document && t + 1 < S) cu.push_back(t + 1);
+      targets[static_cast<std::size_t>(b * S + t)] = ends_document ? kIgnoreTarget : ids[t + 1];
+      counted += ends_document ? 0 : 1;
+    }
+    cu.push_back(S);
+    rows.push_back(std::move(cu));
+  }
+  return {Documents::from_cu_seqlens("--pack-eos", B, S, rows), std::move(targets), counted};
+}
 
 TokenSource TokenSource::random(std::int64_t vocab, std::uint64_t seed) {
   TokenSource t;

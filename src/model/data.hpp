@@ -15,13 +15,33 @@
 //           stream "data.window", j): deterministic in (seed, cursor) alone, so
 //           resuming at a cursor reproduces the stream exactly.
 // A window of S+1 ids gives inputs ids[0..S) and targets ids[1..S].
+//
+// Packed documents (`laga train --pack-eos ID`): the stream is a
+// concatenation of documents, each ending with the end-of-document token, so
+// a window is already a packed row of several documents (the first and last
+// cut by the window). pack_window finds them: a document ends at every EOS
+// among the inputs, the next starts after it; attention stays inside each
+// document (mla/documents.hpp), and the target of an EOS input (the next
+// document's first token, which nothing in the current document predicts)
+// is kIgnoreTarget, left out of the loss and of its token count.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "mla/documents.hpp"
+
 namespace laga {
+
+// The documents and targets of a window batch (B, S+1).
+struct PackedBatch {
+  Documents documents;
+  std::vector<std::int32_t> targets;  // (B, S): window[t + 1], or kIgnoreTarget after an EOS
+  std::int64_t counted = 0;           // targets that count in the loss
+};
+PackedBatch pack_window(const std::int32_t* window, std::int64_t B, std::int64_t S,
+                        std::int32_t eos);
 
 class TokenSource {
  public:

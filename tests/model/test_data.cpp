@@ -15,6 +15,7 @@
 
 #include "common/scratch.hpp"
 #include "core/error.hpp"
+#include "kernels/cross_entropy.hpp"
 
 namespace laga {
 namespace {
@@ -49,6 +50,29 @@ constexpr std::int32_t kMagic = 20240520;
 
 TokenSource open(const fs::path& p, const std::string& dtype = "auto", std::int64_t vocab = 100) {
   return TokenSource::file(p.string(), dtype, vocab, 16, 1);
+}
+
+TEST(PackWindow, DocumentsEndAtEachEosAndItsTargetIsIgnored) {
+  // Two rows of S + 1 = 7 ids, EOS = 9. Row 0: "1 2 9 | 3 9 | 4" + next id 5:
+  // documents [0, 3), [3, 5), [5, 6); the targets of the EOS inputs (3, 4)
+  // are ignored. Row 1 ends with an EOS input: no cut at S, its target (the
+  // window's last id) ignored; a leading EOS makes a one-token document.
+  const std::int32_t eos = 9;
+  const std::vector<std::int32_t> window{1, 2, 9, 3, 9, 4, 5,  //
+                                         9, 6, 7, 8, 6, 9, 2};
+  const PackedBatch p = pack_window(window.data(), 2, 6, eos);
+  EXPECT_EQ(p.documents.cu_seqlens(0), (std::vector<std::int64_t>{0, 3, 5, 6}));
+  EXPECT_EQ(p.documents.cu_seqlens(1), (std::vector<std::int64_t>{0, 1, 6}));
+  const std::int32_t x = kIgnoreTarget;
+  EXPECT_EQ(p.targets, (std::vector<std::int32_t>{2, 9, x, 9, x, 5,  //
+                                                  x, 7, 8, 6, 9, x}));
+  EXPECT_EQ(p.counted, 8);
+  // No EOS: one document per row, every target counted, exactly the unpacked window.
+  const std::vector<std::int32_t> plain{1, 2, 3, 4};
+  const PackedBatch q = pack_window(plain.data(), 1, 3, eos);
+  EXPECT_EQ(q.documents.cu_seqlens(0), (std::vector<std::int64_t>{0, 3}));
+  EXPECT_EQ(q.targets, (std::vector<std::int32_t>{2, 3, 4}));
+  EXPECT_EQ(q.counted, 3);
 }
 
 TEST(TokenFile, LlmcHeaderCountMustMatchTheBody) {
