@@ -13,6 +13,15 @@
 // is counted. Reference: the eager kernel in double on the same inputs, once
 // per shape; #wrong counts elements farther than 1e-5 max|ref| from it (o for
 // forward rows, dq, dk, dv for backward ones).
+//
+// `packed` (below): flash attention on one batch row of 16 documents of S/16
+// tokens against one document of S, the same kernels and shapes; its
+// reference runs each document alone, and its speedup is taken per sample.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -52,13 +61,33 @@ size_t sz(std::int64_t n) {
   return static_cast<size_t>(n);
 }
 
+std::string fixed2(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", x);
+  return text;
+}
+
 struct Tensors {
   std::vector<float> q, k, v, dout, o, lse, dq, dk, dv;
   std::vector<double> o_ref, dq_ref, dk_ref, dv_ref;
+  bool checked = true;  // false: no reference (too big), #wrong is n/a
 };
 
-// Inputs, and the double-precision eager reference once.
-Tensors prepare(const AttnShape& s) {
+// The eager kernel in double on float inputs (s's layout), into o, dq, dk, dv.
+void eager_double(const AttnShape& s, const float* q32, const float* k32, const float* v32,
+                  const float* dout32, double* o, double* dq, double* dk, double* dv) {
+  const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
+                     nv = s.B * s.Sk * s.Hk * s.dv, no = s.B * s.Sq * s.Hq * s.dv;
+  const std::vector<double> q(q32, q32 + nq), k(k32, k32 + nk), v(v32, v32 + nv),
+      dout(dout32, dout32 + no);
+  std::vector<double> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
+  laga::attention_eager_forward<double>(s, o, probs.data(), q.data(), k.data(), v.data());
+  laga::attention_eager_backward<double>(s, dq, dk, dv, dout.data(), q.data(), k.data(), v.data(),
+                                         probs.data(), dp.data());
+}
+
+// Inputs and buffers, without a reference.
+Tensors inputs(const AttnShape& s) {
   Tensors t;
   const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                      nv = s.B * s.Sk * s.Hk * s.dv, no = s.B * s.Sq * s.Hq * s.dv;
@@ -69,15 +98,21 @@ Tensors prepare(const AttnShape& s) {
   laga::fill_normal(t.dout.data(), no, 2, 3, 0, 1.0);
   t.o.resize(sz(no)), t.lse.resize(sz(s.B * s.Hq * s.Sq));
   t.dq.resize(sz(nq)), t.dk.resize(sz(nk)), t.dv.resize(sz(nv));
-  std::vector<double> q(t.q.begin(), t.q.end()), k(t.k.begin(), t.k.end()),
-      v(t.v.begin(), t.v.end()), dout(t.dout.begin(), t.dout.end());
-  std::vector<double> probs(sz(s.B * s.Hq * s.Sq * s.Sk)), dp(sz(s.Sq * s.Sk));
-  t.o_ref.resize(sz(no)), t.dq_ref.resize(sz(nq)), t.dk_ref.resize(sz(nk)), t.dv_ref.resize(sz(nv));
-  laga::attention_eager_forward<double>(s, t.o_ref.data(), probs.data(), q.data(), k.data(),
-                                        v.data());
-  laga::attention_eager_backward<double>(s, t.dq_ref.data(), t.dk_ref.data(), t.dv_ref.data(),
-                                         dout.data(), q.data(), k.data(), v.data(), probs.data(),
-                                         dp.data());
+  return t;
+}
+
+// Room for the reference of every output.
+void allocate_reference(Tensors& t) {
+  t.o_ref.resize(t.o.size()), t.dq_ref.resize(t.dq.size());
+  t.dk_ref.resize(t.dk.size()), t.dv_ref.resize(t.dv.size());
+}
+
+// Inputs, and the double-precision eager reference once.
+Tensors prepare(const AttnShape& s) {
+  Tensors t = inputs(s);
+  allocate_reference(t);
+  eager_double(s, t.q.data(), t.k.data(), t.v.data(), t.dout.data(), t.o_ref.data(),
+               t.dq_ref.data(), t.dk_ref.data(), t.dv_ref.data());
   return t;
 }
 
@@ -193,5 +228,127 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
       ctx.run("attn_eager_bwd", shape, 2.5 * f, blas_isa, ebwd, [&] { return wrong_bwd(t); })
           .torch_ms = torch_ms("bwd_ms");
     }
+  }
+}
+
+namespace {
+
+// An eager reference in double of a document of n tokens holds its
+// probabilities, Hq n^2 doubles: past this, the reference is not computed and
+// #wrong reads n/a (one document of 16384 tokens and 16 heads would need
+// 34 GB).
+constexpr double kReferenceBytesMax = 4.0 * (1 << 30);
+
+// One batch row of `docs` documents of equal length: its mask, inputs and,
+// when each document's reference fits, the eager kernel in double on each
+// document alone (its own Sq = Sk, no mask), concatenated: what the masked
+// kernel must equal.
+struct Packed {
+  std::int64_t docs;
+  std::vector<std::int64_t> doc_start;  // (1, S)
+  AttnShape s;                          // with doc_start
+  Tensors t;
+  std::string shape;  // for the table
+};
+
+Packed prepare_packed(const AttnShape& s, std::int64_t docs) {
+  Packed p{docs, {}, s, inputs(s), ""};
+  const std::int64_t n = s.Sk / docs;
+  p.doc_start.resize(sz(s.Sk));
+  for (std::int64_t j = 0; j < s.Sk; ++j) p.doc_start[sz(j)] = j / n * n;
+  p.s.doc_start = p.doc_start.data();
+  p.shape = laga::cat("B", s.B, " S", s.Sk, " H", s.Hq, "/", s.Hk, " d", s.dqk, "/", s.dv, " ",
+                      docs, docs == 1 ? " doc" : " docs");
+  Tensors& t = p.t;
+  t.checked = 8.0 * static_cast<double>(s.Hq * n * n) <= kReferenceBytesMax;
+  if (!t.checked) return p;
+  allocate_reference(t);
+  AttnShape one = s;
+  one.Sq = one.Sk = n;
+  for (std::int64_t d = 0; d < docs; ++d) {
+    const std::int64_t t0 = d * n;  // B = 1: a document's tokens are contiguous in every tensor
+    eager_double(one, t.q.data() + t0 * s.Hq * s.dqk, t.k.data() + t0 * s.Hk * s.dqk,
+                 t.v.data() + t0 * s.Hk * s.dv, t.dout.data() + t0 * s.Hq * s.dv,
+                 t.o_ref.data() + t0 * s.Hq * s.dv, t.dq_ref.data() + t0 * s.Hq * s.dqk,
+                 t.dk_ref.data() + t0 * s.Hk * s.dqk, t.dv_ref.data() + t0 * s.Hk * s.dv);
+  }
+  return p;
+}
+
+void flash_forward(Packed& p) {
+  laga::attention_flash_forward<float>(p.s, p.t.o.data(), p.t.lse.data(), p.t.q.data(),
+                                       p.t.k.data(), p.t.v.data());
+}
+void flash_backward(Packed& p) {
+  Tensors& t = p.t;
+  laga::attention_flash_backward<float>(p.s, t.dq.data(), t.dk.data(), t.dv.data(), t.dout.data(),
+                                        t.q.data(), t.k.data(), t.v.data(), t.o.data(),
+                                        t.lse.data());
+}
+
+}  // namespace
+
+// Packed sequences: the same flash kernels and shapes, one batch row holding
+// one document of S tokens or 16 of S/16 (both given as AttnShape::doc_start).
+// The 16 documents have 1/16 of the unmasked pairs (the GFLOP column counts
+// only those), so the ideal speedup is that FLOP ratio, about 16x. A row of
+// one document takes up to a minute while the shared machine's speed drifts,
+// so the speedup is taken per sample: each timed call on one document is
+// bracketed by calls on the 16 (timed too, outside the row), and divided by
+// their mean.
+LAGA_BENCH(packed, "flash attention on packed documents: 16 of S/16 tokens vs one of S") {
+  const bool quick = ctx.options().quick;
+  const AttnShape s =
+      quick ? make(1, 512, 4, 4, 192, 128, true) : make(1, 16384, 16, 16, 192, 128, true);
+  ctx.note("GFLOP: useful FLOPs of the documents' causal halves (fwd; bwd 2.5x, fwd+bwd 3.5x);");
+  ctx.note(
+      "reference = eager in double on each document alone, where its probabilities fit in 4 GiB");
+  Packed many = prepare_packed(s, 16), one = prepare_packed(s, 1);
+  // Every backward reads its own forward's o and lse.
+  flash_forward(many);
+  flash_forward(one);
+  ctx.header();
+  const std::string flash_isa = laga::to_string(laga::flash_isa());
+  struct Op {
+    const char* name;
+    double flops;  // x the forward's
+    void (*run)(Packed&);
+  };
+  const Op ops[] = {{"attn_flash_fwd", 1.0, &flash_forward},
+                    {"attn_flash_bwd", 2.5, &flash_backward},
+                    {"attn_flash_fwd+bwd", 3.5, [](Packed& p) {
+                       flash_forward(p);
+                       flash_backward(p);
+                     }}};
+  for (const Op& op : ops) {
+    if (!ctx.selected(op.name)) continue;
+    auto row = [&](Packed& p, const std::function<void()>& between) {
+      std::function<std::int64_t()> check;
+      if (p.t.checked)
+        check = [&] {
+          return (op.flops != 2.5 ? wrong_fwd(p.t) : 0) + (op.flops != 1.0 ? wrong_bwd(p.t) : 0);
+        };
+      return ctx.run(
+          op.name, p.shape, op.flops * p.s.useful_flops_forward() * 1e-9, flash_isa,
+          [&] { op.run(p); }, check, between);
+    };
+    row(many, {});
+    std::vector<double> many_ms;  // the calls on 16 documents around the samples on one
+    auto timed_many = [&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      op.run(many);
+      many_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    };
+    const std::vector<double> one_ms = row(one, timed_many).t.samples_ms;
+    timed_many();  // closes the bracket of the last sample
+    std::vector<double> ratio;
+    for (size_t i = 0; i < one_ms.size(); ++i)
+      ratio.push_back(one_ms[i] / (0.5 * (many_ms[i] + many_ms[i + 1])));
+    const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
+    ctx.note(laga::cat(op.name, ": speedup 1 doc / 16 docs per bracketed sample: median ",
+                       fixed2(laga::bench::median(ratio)), "x, range ", fixed2(*lo), "x..",
+                       fixed2(*hi), "x (", ratio.size(), " samples); ideal (useful FLOP ratio) ",
+                       fixed2(one.s.useful_flops_forward() / many.s.useful_flops_forward()), "x"));
   }
 }

@@ -14,6 +14,8 @@
 // difference is below fp32 rounding of the rotated values for positions
 // < 2^20). Positions are GLOBAL token indices: a rank holding tokens
 // [s0, s0 + L) rotates them at s0..s0+L-1, so every SP layout rotates the same.
+// With packed documents a token's position is its index within its document
+// (rope_apply_at takes one per token).
 #pragma once
 
 #include <cstdint>

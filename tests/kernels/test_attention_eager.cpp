@@ -1,8 +1,10 @@
 // Eager attention against the reference (forward and backward, causal and
 // not, Sq != Sk with fully masked rows, Hk = Hq, Hq/2 and 1, B > 1,
 // dqk != dv), the reference against the definition (explicit softmax in the
-// test, the head grouping, the bottom-right mask), and both backwards
-// against finite differences in double.
+// test, the head grouping, the bottom-right mask), both backwards against
+// finite differences in double, and AttnShape's key ranges, FLOP count and
+// validation, with and without packed documents (test_attention_packed.cpp
+// runs the kernels on them).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -300,6 +302,81 @@ TEST(AttnShape, ValidateNamesTheBadExtent) {
                Error);
   EXPECT_THROW(
       attention_reference_forward<double>(bad, nullptr, nullptr, nullptr, nullptr, nullptr), Error);
+}
+
+// Documents: doc_start[b * Sk + t] is the first token of token t's document.
+// Row b = 0 holds documents [0, 2) and [2, 5); row 1 [0, 1), [1, 2), [2, 5).
+const std::vector<std::int64_t> kDocStart = {0, 0, 2, 2, 2, 0, 1, 2, 2, 2};
+
+TEST(AttnShape, KeyBeginIsTheStartOfTheRowsDocument) {
+  auto begins = [](const AttnShape& s, std::int64_t b) {
+    std::vector<std::int64_t> v;
+    for (std::int64_t i = 0; i < s.Sq; ++i) v.push_back(s.key_begin(b, i));
+    return v;
+  };
+  AttnShape s = make_shape(2, 5, 5, 1, 1, 1, 1, true);
+  EXPECT_EQ(begins(s, 1), (std::vector<std::int64_t>{0, 0, 0, 0, 0}));  // no documents
+  s.doc_start = kDocStart.data();
+  EXPECT_EQ(begins(s, 0), (std::vector<std::int64_t>{0, 0, 2, 2, 2}));
+  EXPECT_EQ(begins(s, 1), (std::vector<std::int64_t>{0, 1, 2, 2, 2}));
+  // Queries the last 3 tokens (Sq < Sk), and 2 rows before the first key
+  // (Sq > Sk), which see nothing: [0, 0).
+  AttnShape suffix = make_shape(2, 3, 5, 1, 1, 1, 1, true),
+            prefix = make_shape(2, 7, 5, 1, 1, 1, 1, true);
+  suffix.doc_start = prefix.doc_start = kDocStart.data();
+  EXPECT_EQ(begins(suffix, 1), (std::vector<std::int64_t>{2, 2, 2}));
+  EXPECT_EQ(begins(prefix, 1), (std::vector<std::int64_t>{0, 0, 0, 1, 2, 2, 2}));
+  EXPECT_EQ(prefix.key_end(1), 0);
+}
+
+TEST(AttnShape, UsefulFlopsCountOnlyPairsInsideDocuments) {
+  AttnShape s = make_shape(2, 5, 5, 3, 1, 5, 7, true);
+  s.doc_start = kDocStart.data();
+  // Row 0: 1 + 2 (first document) + 1 + 2 + 3 = 9 pairs; row 1: 1 + 1 + 6 = 8.
+  EXPECT_DOUBLE_EQ(s.useful_flops_forward(), 2.0 * 3 * (9 + 8) * (5 + 7));
+  // One document per row counts what no mask does.
+  const std::vector<std::int64_t> one_doc(10, 0);
+  s.doc_start = one_doc.data();
+  EXPECT_DOUBLE_EQ(s.useful_flops_forward(),
+                   make_shape(2, 5, 5, 3, 1, 5, 7, true).useful_flops_forward());
+}
+
+TEST(AttnShape, ValidateRefusesBadDocStart) {
+  auto error_of = [](const AttnShape& s) -> std::string {
+    try {
+      s.validate();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  AttnShape s = make_shape(2, 5, 5, 1, 1, 1, 1, true);
+  s.doc_start = kDocStart.data();
+  EXPECT_EQ(error_of(s), "");
+  s.causal = false;
+  EXPECT_NE(error_of(s).find("needs the causal mask"), std::string::npos) << error_of(s);
+  s.causal = true;
+  struct Bad {
+    std::vector<std::int64_t> doc_start;
+    std::string names;
+  };
+  for (const Bad& bad : {Bad{{0, 0, 1, 1, 1, 0, 1, 2, 2, 2}, "doc_start[b=0, t=2] = 1 must be 2"},
+                         Bad{{0, 0, 2, 2, 2, 1, 1, 2, 2, 2}, "doc_start[b=1, t=0] = 1 must be 0"},
+                         Bad{{0, 0, 2, 2, 2, 0, 1, 2, 3, 2}, "doc_start[b=1, t=4] = 2 must be 4"},
+                         Bad{{0, 0, 2, 2, 5, 0, 1, 2, 2, 2}, "doc_start[b=0, t=4] = 5"}}) {
+    s.doc_start = bad.doc_start.data();
+    const std::string e = error_of(s);
+    EXPECT_NE(e.find(bad.names), std::string::npos) << e;
+  }
+  // The kernels validate before touching memory (s.doc_start pointed into a
+  // loop temporary: point it at one that lives).
+  const std::vector<std::int64_t> bad = {0, 1, 0, 3, 3, 0, 1, 2, 2, 2};
+  s.doc_start = bad.data();
+  EXPECT_THROW(attention_eager_forward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr),
+               Error);
+  EXPECT_THROW(attention_reference_backward<double>(s, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                    nullptr, nullptr),
+               Error);
 }
 
 // Finite differences in double of L = <G, attention(q, k, v)> for the

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_cases.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "core/threads.hpp"
@@ -25,110 +26,19 @@
 namespace laga {
 namespace {
 
-template <class T>
-struct Problem {
-  AttnShape s;
-  std::vector<T> q, k, v, dout;
-  explicit Problem(const AttnShape& shape, std::uint64_t seed = 7) : s(shape) {
-    q.resize(static_cast<size_t>(s.B * s.Sq * s.Hq * s.dqk));
-    k.resize(static_cast<size_t>(s.B * s.Sk * s.Hk * s.dqk));
-    v.resize(static_cast<size_t>(s.B * s.Sk * s.Hk * s.dv));
-    dout.resize(static_cast<size_t>(s.B * s.Sq * s.Hq * s.dv));
-    // Unit-variance q and k with scale 1/sqrt(dqk): scores of order 1, so the
-    // softmax is neither flat nor one-hot.
-    fill_normal(q.data(), static_cast<std::int64_t>(q.size()), seed, 0, 0, 1.0);
-    fill_normal(k.data(), static_cast<std::int64_t>(k.size()), seed, 1, 0, 1.0);
-    fill_normal(v.data(), static_cast<std::int64_t>(v.size()), seed, 2, 0, 1.0);
-    fill_normal(dout.data(), static_cast<std::int64_t>(dout.size()), seed, 3, 0, 1.0);
-  }
-};
-
-template <class T>
-struct Result {
-  std::vector<T> o, lse, dq, dk, dv;
-};
-
-template <class T>
-Result<T> run_flash(const Problem<T>& p) {
-  const AttnShape& s = p.s;
-  Result<T> r;
-  r.o.assign(p.dout.size(), T(-7));  // garbage: every element must be written
-  r.lse.assign(static_cast<size_t>(s.B * s.Hq * s.Sq), T(-7));
-  r.dq.assign(p.q.size(), T(-7));
-  r.dk.assign(p.k.size(), T(-7));
-  r.dv.assign(p.v.size(), T(-7));
-  attention_flash_forward<T>(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data());
-  attention_flash_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
-                              p.k.data(), p.v.data(), r.o.data(), r.lse.data());
-  return r;
-}
-
-template <class T>
-Result<T> run_reference(const Problem<T>& p) {
-  const AttnShape& s = p.s;
-  Result<T> r;
-  r.o.resize(p.dout.size());
-  r.lse.resize(static_cast<size_t>(s.B * s.Hq * s.Sq));
-  r.dq.resize(p.q.size());
-  r.dk.resize(p.k.size());
-  r.dv.resize(p.v.size());
-  attention_reference_forward<T>(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data());
-  attention_reference_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(),
-                                  p.q.data(), p.k.data(), p.v.data());
-  return r;
-}
-
-template <class T>
-Result<T> run_eager(const Problem<T>& p) {
-  const AttnShape& s = p.s;
-  Result<T> r;
-  r.o.resize(p.dout.size());
-  r.dq.resize(p.q.size());
-  r.dk.resize(p.k.size());
-  r.dv.resize(p.v.size());
-  std::vector<T> probs(static_cast<size_t>(s.B * s.Hq * s.Sq * s.Sk));
-  std::vector<T> dp(static_cast<size_t>(s.Sq * s.Sk));
-  attention_eager_forward<T>(s, r.o.data(), probs.data(), p.q.data(), p.k.data(), p.v.data());
-  attention_eager_backward<T>(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
-                              p.k.data(), p.v.data(), probs.data(), dp.data());
-  return r;
-}
-
-// max|a - b| <= rel * max|b|, and every element of a finite. A reference that
-// is exactly zero (dq, dk with a single visible key: ds = p (dp - D) = 0
-// analytically, rounding only in practice) is held to max|a| <= rel, the
-// inputs being of unit scale.
-template <class T>
-::testing::AssertionResult close(const std::vector<T>& a, const std::vector<T>& b, double rel,
-                                 const std::string& what) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": size differs";
-  double diff = 0, ref = 0;
-  size_t worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(static_cast<double>(a[i])))
-      return ::testing::AssertionFailure() << what << "[" << i << "] = " << a[i];
-    const double d = std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
-    if (d > diff) diff = d, worst = i;
-    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
-  }
-  if (diff <= rel * (ref > 0 ? ref : 1.0)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << what << ": max|diff| " << diff << " at " << worst << " (" << a[worst] << " vs "
-         << b[worst] << ") > " << rel << " * max|ref| " << ref;
-}
+using test::close;
+using test::IsaScope;
+using test::Problem;
+using test::Result;
+using test::run_eager;
+using test::run_flash;
+using test::run_reference;
+using test::shape;
 
 struct Case {
   const char* name;
   AttnShape s;
 };
-
-AttnShape shape(std::int64_t B, std::int64_t Sq, std::int64_t Sk, std::int64_t Hq, std::int64_t Hk,
-                std::int64_t dqk, std::int64_t dv, bool causal) {
-  AttnShape s;
-  s.B = B, s.Sq = Sq, s.Sk = Sk, s.Hq = Hq, s.Hk = Hk, s.dqk = dqk, s.dv = dv, s.causal = causal;
-  s.scale = 1.0 / std::sqrt(static_cast<double>(dqk));
-  return s;
-}
 
 // Sizes are deliberately not multiples of any block (64) or vector width.
 const Case kCases[] = {
@@ -145,18 +55,6 @@ const Case kCases[] = {
     {"latent_sq_gt_sk", shape(1, 70, 33, 5, 1, 36, 32, true)},
     {"latent_noncausal", shape(1, 65, 90, 3, 1, 36, 32, false)},
     {"grouped_heads", shape(2, 77, 77, 6, 2, 20, 12, true)},  // g = 3: rows not equally spaced
-};
-
-// Selects the float kernels of one instruction set for its lifetime.
-class IsaScope {
- public:
-  explicit IsaScope(FlashIsa isa) : previous_(set_flash_isa(isa)) {}
-  ~IsaScope() { set_flash_isa(previous_); }
-  IsaScope(const IsaScope&) = delete;
-  IsaScope& operator=(const IsaScope&) = delete;
-
- private:
-  FlashIsa previous_;
 };
 
 class FlashVsReference : public ::testing::TestWithParam<std::tuple<Case, FlashIsa>> {
@@ -279,8 +177,11 @@ TEST_P(FlashAttention, BitwiseIndependentOfThreadCount) {
 // kernel: the same elements of o come out non-finite. (Before, the AVX2 and
 // AVX-512 exp2 clamped a NaN score to p = 0 and a row of -inf scores took the
 // fully-masked convention o = 0, so one NaN in wq.weight gave a finite out.)
-// Poison in v is left out: eager's P V product also multiplies the masked
-// zeros of later keys, a difference of no consequence here.
+// Also with packed documents, where a poisoned key must reach its own
+// document's rows only (eager leaves other documents' scores out of the
+// softmax; flash sets them to -inf whatever they were). Poison in v is left
+// out: eager's P V product also multiplies the masked zeros of later keys (and
+// of other documents), a difference of no consequence here.
 TEST_P(FlashAttention, NonFiniteInputsPropagateAsInEager) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
@@ -302,11 +203,20 @@ TEST_P(FlashAttention, NonFiniteInputsPropagateAsInEager) {
          p.q[static_cast<size_t>((p.s.Sq / 2) * p.s.Hq * p.s.dqk)] = -i;
        }},
   };
-  for (const AttnShape& s :
-       {shape(1, 130, 130, 2, 2, 24, 16, true), shape(1, 70, 70, 4, 1, 36, 32, true),
-        shape(2, 77, 77, 6, 2, 20, 12, true), shape(1, 40, 40, 2, 2, 16, 8, false)}) {
+  struct Poisoned {
+    AttnShape s;
+    std::vector<std::vector<std::int64_t>> docs;  // document lengths per row; none: no mask
+  };
+  for (const auto& [s, docs] : {Poisoned{shape(1, 130, 130, 2, 2, 24, 16, true), {}},
+                                Poisoned{shape(1, 70, 70, 4, 1, 36, 32, true), {}},
+                                Poisoned{shape(2, 77, 77, 6, 2, 20, 12, true), {}},
+                                Poisoned{shape(1, 40, 40, 2, 2, 16, 8, false), {}},
+                                Poisoned{shape(1, 130, 130, 2, 2, 24, 16, true), {{40, 1, 89}}},
+                                Poisoned{shape(1, 70, 70, 4, 1, 36, 32, true), {{35, 35}}},
+                                Poisoned{shape(2, 77, 77, 6, 2, 20, 12, true), {{77}, {10, 67}}}}) {
     for (const Poison& poison : poisons) {
       Problem<float> p(s);
+      if (!docs.empty()) p.set_documents(docs);
       poison.apply(p, nan, inf);
       const Result<float> f = run_flash(p);
       const Result<float> e = run_eager(p);
@@ -317,6 +227,7 @@ TEST_P(FlashAttention, NonFiniteInputsPropagateAsInEager) {
       }
       EXPECT_GT(nonfinite, 0u) << poison.what << ": the poison must reach eager's output";
       EXPECT_EQ(differ, 0u) << poison.what << ", Sq " << s.Sq << " Hq " << s.Hq << " Hk " << s.Hk
+                            << (docs.empty() ? "" : " with documents")
                             << ": elements of o finite in one kernel and not the other (of "
                             << nonfinite << " non-finite in eager)";
       // The backward sees it too: some dq is non-finite wherever o is.

@@ -1,7 +1,8 @@
 // RoPE: frequencies (plain and YaRN, against an independent reimplementation
 // of DeepSeek-V3's precompute_freqs_cis and against PyTorch-made constants),
 // the table, and rope_apply (complex multiplication, inverse, transpose as
-// backward, strided heads, global positions).
+// backward, strided heads, global positions), and rope_apply_at (positions
+// per token: the same rotation as rope_apply, restarting per document).
 #include "kernels/rope.hpp"
 
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <numbers>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -309,6 +311,86 @@ TYPED_TEST(RopeApplyTest, RejectsPositionsOutsideTheTable) {
   EXPECT_NO_THROW(rope_apply<T>(x.data(), 1, 4, 1, 64, 64, 6, table, false));
   EXPECT_THROW(rope_apply<T>(x.data(), 1, 4, 1, 64, 64, 7, table, false), Error);
   EXPECT_THROW(rope_apply<T>(x.data(), 1, 4, 1, 64, 64, -1, table, false), Error);
+}
+
+// Positions pos0 .. pos0 + L - 1 given per token are rope_apply, bit for bit.
+TYPED_TEST(RopeApplyTest, AtConsecutivePositionsIsRopeApply) {
+  using T = TypeParam;
+  const RopeTable table(v3_params(), 40);
+  const Layout lay{2, 13, 3, 5, 64};
+  const auto x0 = random_vector<T>(lay.size(), 12);
+  for (bool inverse : {false, true}) {
+    std::vector<T> want = x0, got = x0;
+    rope_apply<T>(want.data() + lay.dn, lay.B, lay.L, lay.H, lay.token(), lay.head(), 17, table,
+                  inverse);
+    std::vector<std::int64_t> positions;
+    for (std::int64_t b = 0; b < lay.B; ++b)
+      for (std::int64_t l = 0; l < lay.L; ++l) positions.push_back(17 + l);
+    rope_apply_at<T>(got.data() + lay.dn, lay.B, lay.L, lay.H, lay.token(), lay.head(),
+                     positions.data(), table, inverse);
+    EXPECT_TRUE(test::all_equal("x", got.data(), want.data(), lay.size())) << "inverse " << inverse;
+  }
+}
+
+// Packed documents: positions restart at 0 at every document's start, a
+// different split in each batch row; against the complex multiplication at
+// each token's position within its document. Then the inverse undoes it.
+TYPED_TEST(RopeApplyTest, AtRestartsPerDocumentAndInverseUndoesIt) {
+  using T = TypeParam;
+  RopeParams p = v3_params();
+  p.dim = 8;
+  p.original_seq_len = 16;
+  const auto f = rope_frequencies(p);
+  const RopeTable table(p, 9);  // the longest document: 9 tokens
+  const Layout lay{2, 12, 2, 3, 8};
+  const std::vector<std::vector<std::int64_t>> docs = {{1, 9, 2}, {4, 4, 1, 3}};
+  std::vector<std::int64_t> positions;
+  for (const auto& row : docs)
+    for (std::int64_t len : row)
+      for (std::int64_t pos = 0; pos < len; ++pos) positions.push_back(pos);
+  ASSERT_EQ(positions.size(), static_cast<size_t>(lay.B * lay.L));
+  const auto x0 = random_vector<T>(lay.size(), 13);
+  std::vector<T> x = x0;
+  rope_apply_at<T>(x.data() + lay.dn, lay.B, lay.L, lay.H, lay.token(), lay.head(),
+                   positions.data(), table, false);
+  std::vector<double> expect(x0.begin(), x0.end());
+  for (std::int64_t b = 0; b < lay.B; ++b)
+    for (std::int64_t l = 0; l < lay.L; ++l)
+      for (std::int64_t h = 0; h < lay.H; ++h)
+        for (std::int64_t i = 0; i < lay.dr / 2; ++i) {
+          const std::int64_t at = (b * lay.L + l) * lay.token() + h * lay.head() + lay.dn + 2 * i;
+          const double angle = double(positions[b * lay.L + l]) * f[i];
+          const std::complex<double> r =
+              std::complex<double>(x0[at], x0[at + 1]) * std::polar(1.0, angle);
+          expect[at] = r.real();
+          expect[at + 1] = r.imag();
+        }
+  EXPECT_TRUE(all_close("q", x, expect, rot_tol<T>(), 0.0));
+  rope_apply_at<T>(x.data() + lay.dn, lay.B, lay.L, lay.H, lay.token(), lay.head(),
+                   positions.data(), table, true);
+  EXPECT_TRUE(all_close("x", x, x0, 2 * rot_tol<T>(), 0.0));
+}
+
+// A position outside [0, table.positions()) is refused, naming it, before
+// any element is rotated.
+TYPED_TEST(RopeApplyTest, AtRejectsPositionsOutsideTheTable) {
+  using T = TypeParam;
+  const RopeTable table(v3_params(), 10);
+  const std::vector<T> x0(2 * 4 * 64, T(1));
+  for (std::int64_t bad : {10, -1}) {
+    std::vector<T> x = x0;
+    const std::vector<std::int64_t> positions = {0, 1, 2, 3, 9, 0, bad, 1};
+    try {
+      rope_apply_at<T>(x.data(), 2, 4, 1, 64, 64, positions.data(), table, false);
+      ADD_FAILURE() << "position " << bad << " accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("position " + std::to_string(bad) + " of token 2 of batch row 1"),
+                std::string::npos)
+          << what;
+    }
+    EXPECT_EQ(x, x0) << "nothing may be rotated before the error";
+  }
 }
 
 // rope_apply(x) is linear, y = R x, so for L = <G, R x> the gradient is R^T G,
