@@ -21,6 +21,7 @@
 #include "model/train.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
+#include "tools/memory_check.hpp"
 
 namespace laga::tools {
 
@@ -144,6 +145,9 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
+  // Refuse before allocating the model when the job cannot fit.
+  if (c.comm.memory_check)
+    check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
   // Inputs no writer of this run may replace: the token file and the
   // checkpoint's tensors. The resume manifest is protected only from --log:
   // when it is DIR/latest.json, the next save rewrites it by design.
