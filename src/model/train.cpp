@@ -10,6 +10,7 @@
 #include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "core/nonfinite.hpp"
 #include "mla/ops.hpp"
 #include "mla/runner.hpp"
 #include "model/checkpoint.hpp"
@@ -230,12 +231,35 @@ struct RankTensors {
   }
 };
 
+// The first gradient tensor holding a non-finite value, described, and how
+// many others hold some; "" when every gradient is finite.
+template <class T>
+std::string first_nonfinite_gradient(const LmParams<T>& grads) {
+  std::string first;
+  int others = 0;
+  grads.for_each([&](const std::string& name, const Tensor<T>& g) {
+    if (!g.data()) return;  // count-only: nothing to look at
+    const NonFinite nf = count_nonfinite(g.data(), g.numel());
+    if (nf.count == 0) return;
+    if (first.empty())
+      first = describe_nonfinite("the gradient of '" + name + "'", nf, g.numel());
+    else
+      ++others;
+  });
+  if (others > 0) first += cat(", and ", others, " more gradient tensor(s) hold some");
+  return first;
+}
+
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
 };
 
 // Step `step` on this rank: forward + backward (gradients summed over the
-// group), clipping by the global norm, AdamW at learning rate lr. Under a
+// group), o.after_backward, the non-finite checks, clipping by the global
+// norm, AdamW at learning rate lr. A non-finite loss or gradient stops here,
+// before AdamW touches a weight or a moment, on every rank alike (the loss
+// and the summed gradients are the same on each); with o.allow_nonfinite it
+// is reported through o.warn (rank 0) and the step goes on. Under a
 // count-only pool every tensor is accounted and nothing computed (the loss
 // and norm are 0), which is how predict_train_memory runs it.
 template <class T>
@@ -244,8 +268,17 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
                       const std::int32_t* targets) {
   StepOutcome out;
   out.loss = lm_forward_backward(ctx, st.params, tokens, targets, grads);
-  LAGA_CHECK(std::isfinite(out.loss), "train: the loss at step ", step, " is ", out.loss,
-             "; lower --lr or set --clip");
+  if (o.after_backward) o.after_backward(step, st.params, grads);
+  const auto nonfinite = [&](const std::string& what) {
+    const std::string untouched =
+        cat("; the step was not applied (the weights are those after step ", step - 1,
+            ") and no checkpoint of it was written");
+    LAGA_CHECK(o.allow_nonfinite, "train: ", what, untouched,
+               ". Lower --lr, set --clip, or check --data; or pass --allow-nonfinite to train "
+               "on anyway");
+    if (ctx.comm.rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
+  };
+  if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
   std::vector<Tensor<T>*> P, G, M, V;
   std::vector<bool> decays;
   st.params.for_each([&](const std::string& n, Tensor<T>& t) {
@@ -259,6 +292,14 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   for (Tensor<T>* g : G)
     if (ops::runs(g->numel(), {g->data()})) sq += sum_squares(g->data(), g->numel());
   out.grad_norm = std::sqrt(sq);
+  // The squares of finite floats sum in double without overflow, so a
+  // non-finite norm means a non-finite gradient (named), and a finite loss
+  // beside it an overflowing backward.
+  if (!std::isfinite(out.grad_norm)) {
+    const std::string where = first_nonfinite_gradient(grads);
+    nonfinite(cat("the gradient at step ", step, " is not finite (norm ", out.grad_norm, ", loss ",
+                  out.loss, ")", where.empty() ? "" : ": " + where));
+  }
   const double factor = clip_factor(out.grad_norm, o.clip);
   for (Tensor<T>* g : G)
     if (factor < 1.0 && ops::runs(g->numel(), {g->data()}))
@@ -365,6 +406,10 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
       o.data == "random" ? 0 : std::int64_t(sizeof(std::uint32_t)) * make_source(o).tokens();
   const std::int64_t token_read =
       o.data == "random" ? 0 : static_cast<std::int64_t>(fs::file_size(o.data));
+  // The step's hooks belong to the real run.
+  TrainOptions counted = o;
+  counted.after_backward = nullptr;
+  counted.warn = nullptr;
   std::vector<TrainMemory> ranks;
   for (int r = 0; r < o.sp; ++r) {
     MemoryPool pool;
@@ -376,7 +421,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();
-    take_step(ctx, o, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr, nullptr);
+    take_step(ctx, counted, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr, nullptr);
     m.step_peak = pool.peak_total();
     // RopeTable: cos and sin, positions x dim/2 doubles each.
     m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));

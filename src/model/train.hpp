@@ -51,6 +51,18 @@ struct TrainOptions {
   // signal number: the CLI's SIGINT/SIGTERM handler stores it); if so the run
   // writes its checkpoint (when checkpoint_dir is set) and ends.
   const std::atomic<int>* stop_signal = nullptr;
+  // Non-finite values (docs/reliability.md, "Non-finite values"): a step
+  // whose loss or gradient is not finite stops the run before its AdamW
+  // update (so neither the weights nor a checkpoint see it), naming the step
+  // and, for a gradient, the tensor and the count. allow_nonfinite turns the
+  // refusal into a line passed to `warn` (on rank 0), and the run goes on.
+  bool allow_nonfinite = false;
+  std::function<void(const std::string&)> warn;
+  // When set, called on every rank at each step once the gradients are summed
+  // over the group, before they are checked, clipped and applied: to inspect
+  // or alter them (freezing a tensor, adding noise; the tests poison one).
+  std::function<void(std::int64_t step, const LmParams<float>& params, LmParams<float>& grads)>
+      after_backward;
 };
 
 // How train_rank ended.

@@ -13,6 +13,10 @@ Cases:
            resume cuts the log back to the checkpoint's step (every step once)
            and its save removes a stale temporary of laga's naming, keeping a
            look-alike that is not laga's
+  diverged --lr 1e30 overflows the backward at step 2 (a finite loss, a NaN
+           gradient): the run stops before that step's update, exit 2,
+           naming the step and the tensor; no checkpoint of step 2 exists and
+           latest.json is step 1's, which resumes; --allow-nonfinite trains on
   outputs  --output/--log/--json that are an input (by path and through a
            symlink), a FIFO, a link to /dev/null or a directory are refused
            with exit 2 and left as they were; a symlink output writes its
@@ -20,6 +24,7 @@ Cases:
 Only the standard library.
 """
 import json
+import math
 import os
 import signal
 import struct
@@ -249,12 +254,56 @@ def case_outputs(laga, scratch):
     check(read(cfg) == cfg_text, "the config survives")
 
 
+def nonfinite_tensors(path):
+    """The names of the F32 tensors of a safetensors file holding NaN or inf."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    bad = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F32", info
+        begin, end = info["data_offsets"]
+        values = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
+        if not all(math.isfinite(v) for v in values):
+            bad.append(name)
+    return bad
+
+
+def case_diverged(laga, scratch):
+    ck = os.path.join(scratch, "ck")
+    args = ["train"] + TINY + ["--steps", "4", "--lr", "1e30", "--save-every", "1"]
+    p = run(laga, args + ["--checkpoint", ck], 2)
+    for needle in ["at step 2", "the step was not applied (the weights are those after step 1)",
+                   "no checkpoint of it was written", "--allow-nonfinite"]:
+        check(needle in p.stderr, f"no '{needle}' in:\n{p.stderr}")
+    if "the gradient at step 2 is not finite" in p.stderr:
+        check("the gradient of '" in p.stderr and "non-finite value" in p.stderr,
+              f"the gradient's tensor and count are not named:\n{p.stderr}")
+    check(sorted(os.listdir(ck)) == ["latest.json", "step-00000001.json",
+                                     "step-00000001.safetensors"],
+          f"the checkpoint directory holds {sorted(os.listdir(ck))}")
+    check(latest_step(ck) == 1, "latest.json is not step 1's")
+    # Step 1's checkpoint holds the weights step 2 started from: all finite
+    # (huge: lr 1e30 moved them by about 1e30, which is what overflows).
+    bad = nonfinite_tensors(os.path.join(ck, "step-00000001.safetensors"))
+    check(not bad, f"step 1's checkpoint holds non-finite values in {bad}")
+    # Allowed, the run goes on through the non-finite steps, warning.
+    p = run(laga, args + ["--checkpoint", os.path.join(scratch, "allowed"),
+                          "--allow-nonfinite"], 0)
+    check("laga train: warning:" in p.stderr and "at step 2" in p.stderr,
+          f"no warning for step 2 in:\n{p.stderr}")
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
     subprocess.run(["rm", "-rf", scratch], check=True)
     os.makedirs(scratch)
-    {"signals": case_signals, "log": case_log, "outputs": case_outputs}[case](laga, scratch)
+    {"signals": case_signals, "log": case_log, "outputs": case_outputs,
+         "diverged": case_diverged}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
 
