@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/nonfinite.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 
@@ -244,8 +245,8 @@ std::vector<std::string> model_changes(const CheckpointManifest& m, const LmConf
 }
 
 template <class T>
-CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
-                                   TrainState<T>& st) {
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st,
+                                   bool allow_nonfinite, std::vector<std::string>* nonfinite) {
   const CheckpointManifest m = read_checkpoint_manifest(where);
   const fs::path tensors(m.tensors);
   const fs::path dir = tensors.parent_path();
@@ -269,8 +270,20 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
   }
 
   const SafetensorsFile f = SafetensorsFile::open(tensors.string());
+  // A checkpoint saved by a run that had already diverged (or damaged in a
+  // way its hash cannot see: written so) would resume into NaN at once.
   auto load = [&](const char* prefix, LmParams<T>& p) {
-    p.for_each([&](const std::string& n, Tensor<T>& t) { f.read_into(prefix + n, t); });
+    p.for_each([&](const std::string& n, Tensor<T>& t) {
+      f.read_into(prefix + n, t);
+      const NonFinite nf = count_nonfinite(t.data(), t.numel());
+      if (nf.count == 0) return;
+      const std::string found = describe_nonfinite(
+          cat("checkpoint '", tensors.string(), "': tensor '", prefix, n, "'"), nf, t.numel());
+      LAGA_CHECK(allow_nonfinite, found,
+                 "; the run that wrote it had already diverged, so it would resume into NaN: ",
+                 previous_hint(dir, bad_manifest), ", or pass --allow-nonfinite to load it anyway");
+      if (nonfinite) nonfinite->push_back(found);
+    });
   };
   load("param.", st.params);
   load("adam_m.", st.m);
@@ -285,7 +298,7 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
   template std::string save_checkpoint<T>(const std::string&, const LmConfig&,                  \
                                           const TrainState<T>&, const CheckpointOptions&, int); \
   template CheckpointManifest load_checkpoint<T>(const std::string&, const LmConfig&,           \
-                                                 TrainState<T>&);
+                                                 TrainState<T>&, bool, std::vector<std::string>*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -63,10 +63,16 @@ std::string save_checkpoint(const std::string& dir, const LmConfig& cfg, const T
 
 // Reads the checkpoint read_checkpoint_manifest(where) names into st. st's
 // tensors must already have cfg's shapes; they are overwritten, as are step,
-// data_cursor and seed. Returns the manifest.
+// data_cursor and seed. Returns the manifest. Every tensor read (parameters
+// and AdamW moments) is checked for non-finite values: one holding NaN or inf
+// is refused, naming the file, the tensor, the count and the previous
+// checkpoint to resume instead, unless allow_nonfinite; then each such
+// tensor's description is appended to *nonfinite (when given) and loading
+// goes on.
 template <class T>
-CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
-                                   TrainState<T>& st);
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st,
+                                   bool allow_nonfinite = false,
+                                   std::vector<std::string>* nonfinite = nullptr);
 
 // The checkpoints in dir (their step-*.json names), by step.
 std::vector<std::string> checkpoint_manifests(const std::string& dir);

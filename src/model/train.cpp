@@ -339,7 +339,10 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     init_lm_params(st.params, o.seed);
   } else {
     // validate_train_options compared the recorded options (and seed) with o.
-    load_checkpoint(o.resume, cfg, st);
+    std::vector<std::string> nonfinite;
+    load_checkpoint(o.resume, cfg, st, o.allow_nonfinite, &nonfinite);
+    if (r == 0 && o.warn)
+      for (const std::string& w : nonfinite) o.warn(w + " (--allow-nonfinite: loaded anyway)");
     st.seed = o.seed;
   }
 

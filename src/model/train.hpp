@@ -51,11 +51,12 @@ struct TrainOptions {
   // signal number: the CLI's SIGINT/SIGTERM handler stores it); if so the run
   // writes its checkpoint (when checkpoint_dir is set) and ends.
   const std::atomic<int>* stop_signal = nullptr;
-  // Non-finite values (docs/reliability.md, "Non-finite values"): a step
-  // whose loss or gradient is not finite stops the run before its AdamW
-  // update (so neither the weights nor a checkpoint see it), naming the step
-  // and, for a gradient, the tensor and the count. allow_nonfinite turns the
-  // refusal into a line passed to `warn` (on rank 0), and the run goes on.
+  // Non-finite values (docs/reliability.md, "Non-finite values"): a resumed
+  // checkpoint whose parameters or AdamW moments hold NaN or inf is refused at
+  // load, and a step whose loss or gradient is not finite stops the run
+  // before its AdamW update (so neither the weights nor a checkpoint see it),
+  // each naming the tensor and the count. allow_nonfinite turns each refusal
+  // into a line passed to `warn` (on rank 0), and the run goes on.
   bool allow_nonfinite = false;
   std::function<void(const std::string&)> warn;
   // When set, called on every rank at each step once the gradients are summed

@@ -293,9 +293,9 @@ void register_train(CLI::App& app) {
                   "with --resume: comma-separated options that may differ from the checkpoint's "
                   "(e.g. lr,steps); any other change is refused");
   sub->add_flag("--allow-nonfinite", c->allow_nonfinite,
-                "train on through a step whose loss or gradient is not finite, with a warning "
-                "naming it (default: stop before that step's update, naming the tensor and "
-                "count)");
+                "resume from a checkpoint holding NaN/inf and train on through a step whose loss "
+                "or gradient is not finite, with a warning naming each (default: refuse the "
+                "checkpoint, or stop before that step's update, naming the tensor and count)");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
   sub->callback([c] { run_train(*c); });
 }

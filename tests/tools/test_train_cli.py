@@ -1,31 +1,39 @@
 #!/usr/bin/env python3
-"""End-to-end checks of laga's file safety and interrupts (issue 10 items 2, 10).
+"""End-to-end checks of laga train's file safety, interrupts and non-finite values
+(issue 10).
 
-    test_train_cli.py LAGA_BINARY SCRATCH_DIR CASE
+    test_train_cli.py LAGA_BINARY SCRATCH_DIR CASE [POISON_HELPER]
 
 Cases:
-  signals  `laga train` as a subprocess: SIGINT after a step exits 130 after
-           finishing the step, with a checkpoint of that step and a log with
-           every step once; a resume then SIGTERM exits 143 the same way; a
-           second SIGINT during the step exits 130 at once, saying so, with
-           no checkpoint
-  log      kill -9 mid-run leaves log lines after the last checkpoint; the
-           resume cuts the log back to the checkpoint's step (every step once)
-           and its save removes a stale temporary of laga's naming, keeping a
-           look-alike that is not laga's
-  diverged --lr 1e30 overflows the backward at step 2 (a finite loss, a NaN
-           gradient): the run stops before that step's update, exit 2,
-           naming the step and the tensor; no checkpoint of step 2 exists and
-           latest.json is step 1's, which resumes; --allow-nonfinite trains on
-  outputs  --output/--log/--json that are an input (by path and through a
-           symlink), a FIFO, a link to /dev/null or a directory are refused
-           with exit 2 and left as they were; a symlink output writes its
-           target and keeps the link
+  signals    `laga train` as a subprocess: SIGINT after a step exits 130 after
+             finishing the step, with a checkpoint of that step and a log with
+             every step once; a resume then SIGTERM exits 143 the same way; a
+             second SIGINT during the step exits 130 at once, saying so, with
+             no checkpoint
+  log        kill -9 mid-run leaves log lines after the last checkpoint; the
+             resume cuts the log back to the checkpoint's step (every step
+             once) and its save removes a stale temporary of laga's naming,
+             keeping a look-alike that is not laga's
+  outputs    --output/--log/--json that are an input (by path and through a
+             symlink), a FIFO, a link to /dev/null or a directory are refused
+             with exit 2 and left as they were; a symlink output writes its
+             target and keeps the link
+  diverged   --lr 1e30 overflows the backward at step 2 (a finite loss, a NaN
+             gradient): the run stops before that step's update, exit 2,
+             naming the step and the tensor; no checkpoint of step 2 exists,
+             and step 1's (latest.json) is all finite; --allow-nonfinite
+             trains on with a warning
+  nonfinite  a checkpoint holding NaN/inf (written by the helper POISON_HELPER
+             as a diverged run would have saved it: sizes and hashes right)
+             is refused at resume, naming the tensor, the count and the
+             previous checkpoint; parameters and AdamW moments alike;
+             --allow-nonfinite loads it with a warning
 Only the standard library.
 """
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -297,12 +305,50 @@ def case_diverged(laga, scratch):
           f"no warning for step 2 in:\n{p.stderr}")
 
 
+def case_nonfinite(laga, scratch, poison):
+    ck = os.path.join(scratch, "ck")
+    run(laga, ["train"] + TINY + ["--steps", "2", "--save-every", "1", "--checkpoint", ck], 0)
+    pristine = os.path.join(scratch, "pristine")
+    shutil.copytree(ck, pristine)
+    resume = ["train"] + TINY + ["--steps", "4", "--resume", ck, "--checkpoint", ck]
+    for tensor, index, value, count in [("param.layers.0.ffn.w1.weight", 3, "nan", 1),
+                                        ("adam_m.head.weight", 0, "inf", 1),
+                                        ("adam_v.embed.weight", 5, "-inf", 1)]:
+        shutil.rmtree(ck)
+        shutil.copytree(pristine, ck)
+        subprocess.run([poison, ck, tensor, str(index), value], check=True)
+        t0 = time.monotonic()
+        p = run(laga, resume, 2)
+        secs = time.monotonic() - t0
+        for needle in [f"tensor '{tensor}' holds {count} non-finite value",
+                       f"the first at flat index {index} of",
+                       "--resume " + os.path.join(ck, "step-00000001.json"),
+                       "--allow-nonfinite"]:
+            check(needle in p.stderr, f"{tensor} = {value}: no '{needle}' in:\n{p.stderr}")
+        check(not os.path.exists(os.path.join(ck, "step-00000003.json")),
+              f"{tensor} = {value}: a step after the refused checkpoint was saved")
+        check(secs < 10, f"the refusal took {secs:.1f} s")
+    # Allowed: it loads, says so, and trains on (the NaN then fills the loss,
+    # which --allow-nonfinite lets through with a warning per step).
+    p = run(laga, resume + ["--allow-nonfinite"], 0)
+    check("laga train: warning: checkpoint" in p.stderr and "adam_v.embed.weight" in p.stderr
+          and "loaded anyway" in p.stderr, f"no load warning in:\n{p.stderr}")
+    # The untouched checkpoint resumes without a word about it.
+    shutil.rmtree(ck)
+    shutil.copytree(pristine, ck)
+    p = run(laga, resume, 0)
+    check("non-finite" not in p.stderr, f"a finite checkpoint was reported:\n{p.stderr}")
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
     subprocess.run(["rm", "-rf", scratch], check=True)
     os.makedirs(scratch)
-    {"signals": case_signals, "log": case_log, "outputs": case_outputs,
+    if case == "nonfinite":
+        case_nonfinite(laga, scratch, sys.argv[4])
+    else:
+        {"signals": case_signals, "log": case_log, "outputs": case_outputs,
          "diverged": case_diverged}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
