@@ -10,15 +10,15 @@
 #   FUZZ_RUNS=1000000 bash scripts/fuzz.sh 900      # stop at 10^6 executions
 #
 # Targets: safetensors, config_modelargs, config_hf (one binary, two seed
-# corpora), tokens. Exit status 1 if any target crashed; the input that did
-# is in build-fuzz/artifacts/<target>/ and the log in build-fuzz/<target>.log.
-# Needs clang (Debian: apt-get install clang).
+# corpora), tokens, manifest. Exit status 1 if any target crashed; the input
+# that did is in build-fuzz/artifacts/<target>/ and the log in
+# build-fuzz/<target>.log. Needs clang (scripts/setup.sh installs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-20}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors config_modelargs config_hf tokens)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors config_modelargs config_hf tokens manifest)
 
 CXX=${CXX_FUZZ:-clang++}
 command -v "$CXX" >/dev/null || { echo "fuzz.sh: $CXX not found; apt-get install clang" >&2; exit 2; }
@@ -35,6 +35,7 @@ declare -A sources=(
   [safetensors]="tests/fuzz/fuzz_safetensors.cpp src/io/safetensors.cpp src/io/atomic_file.cpp ${core[*]}"
   [config]="tests/fuzz/fuzz_config.cpp src/mla/config.cpp ${core[*]}"
   [tokens]="tests/fuzz/fuzz_tokens.cpp src/model/data.cpp src/mla/params.cpp src/mla/config.cpp ${core[*]}"
+  [manifest]="tests/fuzz/fuzz_manifest.cpp src/model/checkpoint_manifest.cpp"
 )
 binary_of() { case $1 in config_*) echo config ;; *) echo "$1" ;; esac; }
 

@@ -6,6 +6,8 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config clang-format
+  clang libclang-rt-dev      # scripts/fuzz.sh: libFuzzer, ASan, UBSan (the runtimes are
+                             # only recommended by clang, and recommends are not installed)
   libopenblas-dev            # CBLAS sgemm/dgemm
   libomp-dev                 # OpenMP runtime headers (g++ uses libgomp)
   libopenmpi-dev openmpi-bin # MPI backend and mpirun

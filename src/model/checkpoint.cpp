@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/nonfinite.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 
@@ -21,26 +22,6 @@ namespace laga {
 namespace fs = std::filesystem;
 
 namespace {
-
-// Format 2 added the run's options and the manifest's own hash; format 1
-// manifests (neither) are refused, since their step and cursor are unverified.
-constexpr const char* kFormat = "laga-train-checkpoint-2";
-constexpr const char* kManifestHashKey = "manifest_fnv1a64";
-
-constexpr std::uint64_t kFnvOffset = 1469598103934665603ull;
-std::uint64_t fnv1a64(std::uint64_t h, std::string_view bytes) {
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::string hex64(std::uint64_t h) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
 
 std::string step_name(std::int64_t step) {
   char buf[32];
@@ -106,13 +87,6 @@ std::string previous_hint(const fs::path& dir, const fs::path& bad) {
   return "resume from the previous checkpoint with --resume " + hint;
 }
 
-// The hash a manifest records of itself: of its canonical dump (sorted keys)
-// without the hash field.
-std::string manifest_hash(nlohmann::json j) {
-  j.erase(kManifestHashKey);
-  return hex64(fnv1a64(kFnvOffset, j.dump()));
-}
-
 void remove_checkpoint_files(const fs::path& manifest) {
   std::error_code ec;
   fs::path tensors = manifest;
@@ -122,18 +96,6 @@ void remove_checkpoint_files(const fs::path& manifest) {
 }
 
 }  // namespace
-
-std::uint64_t file_fnv1a64(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LAGA_CHECK(in, "checkpoint: cannot open '", path, "' to verify it");
-  std::uint64_t h = kFnvOffset;
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    h = fnv1a64(h, std::string_view(buf.data(), static_cast<size_t>(in.gcount())));
-  }
-  return h;
-}
 
 std::vector<std::string> checkpoint_manifests(const std::string& dir) {
   std::vector<std::string> out;
@@ -217,7 +179,7 @@ std::string save_checkpoint(const std::string& dir_s, const LmConfig& cfg, const
   st.params.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("param." + n, t); });
   st.m.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("adam_m." + n, t); });
   st.v.for_each([&](const std::string& n, const Tensor<T>& t) { w.add("adam_v." + n, t); });
-  w.add_metadata("format", kFormat);
+  w.add_metadata("format", kCheckpointFormat);
   w.add_metadata("step", std::to_string(st.step));
   w.add_metadata("data_cursor", std::to_string(st.data_cursor));
   w.add_metadata("seed", std::to_string(st.seed));
@@ -225,18 +187,16 @@ std::string save_checkpoint(const std::string& dir_s, const LmConfig& cfg, const
   const fs::path tensors = dir / (base + ".safetensors");
   w.write(tensors.string());
 
-  nlohmann::json j;
-  j["format"] = kFormat;
-  j["step"] = st.step;
-  j["data_cursor"] = st.data_cursor;
-  j["seed"] = st.seed;
-  j["file"] = tensors.filename().string();
-  j["bytes"] = static_cast<std::int64_t>(fs::file_size(tensors));
-  j["fnv1a64"] = hex64(file_fnv1a64(tensors.string()));
-  j["model"] = cfg.to_json();
-  j["options"] = options;
-  j[kManifestHashKey] = manifest_hash(j);
-  const std::string text = j.dump(2) + "\n";
+  CheckpointManifest record;
+  record.tensors = tensors.string();
+  record.tensors_bytes = static_cast<std::int64_t>(fs::file_size(tensors));
+  record.tensors_fnv1a64 = fnv1a64_hex(file_fnv1a64(tensors.string()));
+  record.step = st.step;
+  record.data_cursor = st.data_cursor;
+  record.seed = st.seed;
+  record.options = options;
+  record.model_json = cfg.to_json().dump();
+  const std::string text = format_checkpoint_manifest(record);
   const fs::path manifest = dir / (base + ".json");
   write_file_atomic(manifest.string(), text);
   write_file_atomic((dir / "latest.json").string(), text);
@@ -259,46 +219,11 @@ CheckpointManifest read_checkpoint_manifest(const std::string& where) {
   LAGA_CHECK(fs::is_regular_file(manifest), "--resume '", where, "': no checkpoint manifest '",
              manifest.string(),
              "'; point --resume at a --checkpoint directory or a step-*.json in it");
-  nlohmann::json j;
-  try {
-    std::ifstream in(manifest);
-    j = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    fail("checkpoint manifest '", manifest.string(), "' is not valid JSON (", e.what(),
-         "); it is damaged: ", previous_hint(dir, manifest));
-  }
-  const std::string format = j.is_object() && j.contains("format") && j["format"].is_string()
-                                 ? j["format"].get<std::string>()
-                                 : "";
-  LAGA_CHECK(format != "laga-train-checkpoint-1", "checkpoint manifest '", manifest.string(),
-             "' is of format 1, which records neither the run's options nor a hash of itself, so "
-             "it cannot be resumed safely; resume it with the laga version that wrote it, or start "
-             "a new run");
-  LAGA_CHECK(format == kFormat, "checkpoint manifest '", manifest.string(),
-             "' is not a laga training checkpoint (format '", format, "')");
-  CheckpointManifest m;
-  m.path = manifest.string();
-  try {
-    const std::string recorded = j.at(kManifestHashKey).get<std::string>();
-    const std::string actual = manifest_hash(j);
-    LAGA_CHECK(recorded == actual, "checkpoint manifest '", manifest.string(),
-               "' was changed after it was written (its hash is ", actual, ", it records ",
-               recorded, "): its step, data cursor or options were edited or damaged; ",
-               previous_hint(dir, manifest));
-    m.tensors = (dir / j.at("file").get<std::string>()).string();
-    m.tensors_bytes = j.at("bytes").get<std::int64_t>();
-    m.tensors_fnv1a64 = j.at("fnv1a64").get<std::string>();
-    m.step = j.at("step").get<std::int64_t>();
-    m.data_cursor = j.at("data_cursor").get<std::int64_t>();
-    m.seed = j.at("seed").get<std::uint64_t>();
-    m.options = j.at("options").get<CheckpointOptions>();
-    m.model_json = j.at("model").dump();
-  } catch (const nlohmann::json::exception& e) {
-    fail("checkpoint manifest '", manifest.string(),
-         "' lacks a field or has one of the wrong type (", e.what(),
-         "); it is damaged: ", previous_hint(dir, manifest));
-  }
-  return m;
+  std::ifstream in(manifest, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  LAGA_CHECK(in || in.eof(), "checkpoint manifest '", manifest.string(),
+             "': cannot read it; check its permissions");
+  return parse_checkpoint_manifest(text, manifest.string(), previous_hint(dir, manifest));
 }
 
 std::vector<std::string> model_changes(const CheckpointManifest& m, const LmConfig& cfg) {
@@ -320,8 +245,8 @@ std::vector<std::string> model_changes(const CheckpointManifest& m, const LmConf
 }
 
 template <class T>
-CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
-                                   TrainState<T>& st) {
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st,
+                                   bool allow_nonfinite, std::vector<std::string>* nonfinite) {
   const CheckpointManifest m = read_checkpoint_manifest(where);
   const fs::path tensors(m.tensors);
   const fs::path dir = tensors.parent_path();
@@ -332,7 +257,7 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
   LAGA_CHECK(bytes == m.tensors_bytes, "checkpoint '", tensors.string(), "' is ", bytes,
              " bytes but its manifest '", m.path, "' records ", m.tensors_bytes,
              ": it is truncated or was overwritten; ", previous_hint(dir, bad_manifest));
-  const std::string hash = hex64(file_fnv1a64(tensors.string()));
+  const std::string hash = fnv1a64_hex(file_fnv1a64(tensors.string()));
   LAGA_CHECK(hash == m.tensors_fnv1a64, "checkpoint '", tensors.string(),
              "' is corrupted: its FNV-1a hash is ", hash, " but the manifest records ",
              m.tensors_fnv1a64, "; ", previous_hint(dir, bad_manifest));
@@ -345,8 +270,20 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
   }
 
   const SafetensorsFile f = SafetensorsFile::open(tensors.string());
+  // A checkpoint saved by a run that had already diverged (or damaged in a
+  // way its hash cannot see: written so) would resume into NaN at once.
   auto load = [&](const char* prefix, LmParams<T>& p) {
-    p.for_each([&](const std::string& n, Tensor<T>& t) { f.read_into(prefix + n, t); });
+    p.for_each([&](const std::string& n, Tensor<T>& t) {
+      f.read_into(prefix + n, t);
+      const NonFinite nf = count_nonfinite(t.data(), t.numel());
+      if (nf.count == 0) return;
+      const std::string found = describe_nonfinite(
+          cat("checkpoint '", tensors.string(), "': tensor '", prefix, n, "'"), nf, t.numel());
+      LAGA_CHECK(allow_nonfinite, found,
+                 "; the run that wrote it had already diverged, so it would resume into NaN: ",
+                 previous_hint(dir, bad_manifest), ", or pass --allow-nonfinite to load it anyway");
+      if (nonfinite) nonfinite->push_back(found);
+    });
   };
   load("param.", st.params);
   load("adam_m.", st.m);
@@ -361,7 +298,7 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
   template std::string save_checkpoint<T>(const std::string&, const LmConfig&,                  \
                                           const TrainState<T>&, const CheckpointOptions&, int); \
   template CheckpointManifest load_checkpoint<T>(const std::string&, const LmConfig&,           \
-                                                 TrainState<T>&);
+                                                 TrainState<T>&, bool, std::vector<std::string>*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "model/checkpoint_manifest.hpp"
 #include "model/model.hpp"
 
 namespace laga {
@@ -43,23 +44,9 @@ struct TrainState {
   std::uint64_t seed = 0;
 };
 
-// The run's options as recorded in a manifest: option name -> value text.
-using CheckpointOptions = std::map<std::string, std::string>;
-
-// A verified manifest (format, manifest hash); its tensors file is not read.
-struct CheckpointManifest {
-  std::string path;     // the manifest read (a step-*.json or latest.json)
-  std::string tensors;  // the safetensors file it names
-  std::int64_t tensors_bytes = 0;
-  std::string tensors_fnv1a64;  // hex
-  std::int64_t step = 0, data_cursor = 0;
-  std::uint64_t seed = 0;
-  CheckpointOptions options;
-  std::string model_json;  // LmConfig::to_json().dump() of the run
-};
-
 // `where` is a checkpoint directory (its latest.json) or a manifest
-// step-*.json. Refuses a missing, unparsable, foreign or edited manifest.
+// step-*.json. Refuses a missing, unparsable, foreign or edited manifest
+// (parse_checkpoint_manifest), naming the previous checkpoint to resume.
 CheckpointManifest read_checkpoint_manifest(const std::string& where);
 
 // The model settings that differ between the checkpoint and cfg, one
@@ -76,10 +63,16 @@ std::string save_checkpoint(const std::string& dir, const LmConfig& cfg, const T
 
 // Reads the checkpoint read_checkpoint_manifest(where) names into st. st's
 // tensors must already have cfg's shapes; they are overwritten, as are step,
-// data_cursor and seed. Returns the manifest.
+// data_cursor and seed. Returns the manifest. Every tensor read (parameters
+// and AdamW moments) is checked for non-finite values: one holding NaN or inf
+// is refused, naming the file, the tensor, the count and the previous
+// checkpoint to resume instead, unless allow_nonfinite; then each such
+// tensor's description is appended to *nonfinite (when given) and loading
+// goes on.
 template <class T>
-CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg,
-                                   TrainState<T>& st);
+CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg, TrainState<T>& st,
+                                   bool allow_nonfinite = false,
+                                   std::vector<std::string>* nonfinite = nullptr);
 
 // The checkpoints in dir (their step-*.json names), by step.
 std::vector<std::string> checkpoint_manifests(const std::string& dir);
@@ -98,8 +91,5 @@ std::vector<std::string> set_aside_checkpoints_after(const std::string& dir, std
 // longer runs (or by this one); any other file is left alone. Returns the
 // number removed. save_checkpoint calls it.
 int remove_stale_checkpoint_temporaries(const std::string& dir);
-
-// FNV-1a 64 of a file's bytes (the manifest's integrity hash).
-std::uint64_t file_fnv1a64(const std::string& path);
 
 }  // namespace laga

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
@@ -12,6 +11,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/swiglu.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -170,7 +170,13 @@ BlockContext block_ctx(const LmContext& c) {
   return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.form, c.attention};
 }
 
-// Returns this rank's SUM of token losses; fills saved when `keep`.
+// Returns this rank's SUM of token losses and fills s with what backward needs.
+//
+// The model's own ops go through src/mla/ops.hpp (or, for the kernels it has
+// no op for, its runs()), like the block's, so the same code also runs under
+// a count-only pool: every tensor is accounted, none is backed, no kernel
+// runs, and the loss is 0. That run is the memory prediction of training
+// (predict_train_memory, train.hpp).
 template <class T>
 double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
                const std::int32_t* targets, LmSaved<T>& s) {
@@ -180,45 +186,51 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   const double eps = cfg.norm_eps;
   const BlockContext bctx = block_ctx<T>(c);
   Tensor<T> x({B, L, D});
-  embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
+  if (ops::runs(N * D, {x.data(), tokens, w.embed.data()}))
+    embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
   s.layers.resize(size_t(cfg.layers));
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     const LayerParams<T>& p = w.layers[size_t(l)];
     LayerSaved<T>& ls = s.layers[size_t(l)];
     ls.n1 = Tensor<T>({B, L, D});
     ls.rstd1 = Tensor<T>({N});
-    rmsnorm_forward(ls.n1.data(), ls.rstd1.data(), x.data(), D, p.attn_norm.data(), N, D, eps);
+    ops::rmsnorm(ops::mat(ls.n1, N, D), ls.rstd1, ops::mat(x, N, D), p.attn_norm, eps);
     Tensor<T> att;
     mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
     ls.h = Tensor<T>({B, L, D});
-    for (std::int64_t i = 0; i < N * D; ++i) ls.h[i] = x[i] + att[i];
+    ops::copy(ops::mat(ls.h, N, D), ops::mat(x, N, D));
+    ops::add(ops::mat(ls.h, N, D), ops::mat(att, N, D));
     att.reset();
     ls.x = std::move(x);
     ls.n2 = Tensor<T>({N, D});
     ls.rstd2 = Tensor<T>({N});
-    rmsnorm_forward(ls.n2.data(), ls.rstd2.data(), ls.h.data(), D, p.ffn_norm.data(), N, D, eps);
+    ops::rmsnorm(ops::mat(ls.n2), ls.rstd2, ops::mat(ls.h, N, D), p.ffn_norm, eps);
     ls.a = Tensor<T>({N, F});
     ls.b = Tensor<T>({N, F});
     ls.g = Tensor<T>({N, F});
-    linear_forward(ls.a.data(), ls.n2.data(), p.w1.data(), N, D, F);
-    linear_forward(ls.b.data(), ls.n2.data(), p.w3.data(), N, D, F);
-    swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
+    ops::linear(ops::mat(ls.a), ops::mat(ls.n2), p.w1);
+    ops::linear(ops::mat(ls.b), ops::mat(ls.n2), p.w3);
+    if (ops::runs(N * F, {ls.g.data(), ls.a.data(), ls.b.data()}))
+      swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
     Tensor<T> m({N, D});
-    linear_forward(m.data(), ls.g.data(), p.w2.data(), N, F, D);
+    ops::linear(ops::mat(m), ops::mat(ls.g), p.w2);
     x = Tensor<T>({B, L, D});
-    for (std::int64_t i = 0; i < N * D; ++i) x[i] = ls.h[i] + m[i];
+    ops::copy(ops::mat(x, N, D), ops::mat(ls.h, N, D));
+    ops::add(ops::mat(x, N, D), ops::mat(m));
   }
   s.nf = Tensor<T>({N, D});
   s.rstdf = Tensor<T>({N});
-  rmsnorm_forward(s.nf.data(), s.rstdf.data(), x.data(), D, w.norm.data(), N, D, eps);
+  ops::rmsnorm(ops::mat(s.nf), s.rstdf, ops::mat(x, N, D), w.norm, eps);
   s.xf = std::move(x);
   s.logits = Tensor<T>({N, V});
-  linear_forward(s.logits.data(), s.nf.data(), w.head.data(), N, D, V);
+  ops::linear(ops::mat(s.logits), ops::mat(s.nf), w.head);
   s.lse = Tensor<double>({N});
   Tensor<T> loss({N});
-  cross_entropy_forward(loss.data(), s.lse.data(), s.logits.data(), targets, N, V);
   double sum = 0.0;  // sequential: the same bits on every backend
-  for (std::int64_t i = 0; i < N; ++i) sum += loss[i];
+  if (ops::runs(N, {loss.data(), s.lse.data(), s.logits.data(), targets})) {
+    cross_entropy_forward(loss.data(), s.lse.data(), s.logits.data(), targets, N, V);
+    for (std::int64_t i = 0; i < N; ++i) sum += loss[i];
+  }
   return sum;
 }
 
@@ -230,14 +242,15 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
   const BlockContext bctx = block_ctx<T>(c);
   // dlogits in place of the logits: they are not needed after this.
-  cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
+  if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
+    cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
   Tensor<T> dn({N, D});
-  linear_backward(dn.data(), false, g.head.data(), s.logits.data(), s.nf.data(), w.head.data(), N,
-                  D, V);
+  ops::Mat<T> dn_mat = ops::mat(dn);
+  ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), ops::mat(s.nf), w.head);
   s.logits.reset();
   Tensor<T> dx({B, L, D});  // gradient of the residual stream
-  rmsnorm_backward(dx.data(), D, g.norm.data(), dn.data(), s.xf.data(), w.norm.data(),
-                   s.rstdf.data(), N, D);
+  ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
+                        s.rstdf);
   Tensor<T> tmp({B, L, D});
   for (std::int64_t l = cfg.layers - 1; l >= 0; --l) {
     const LayerParams<T>& p = w.layers[size_t(l)];
@@ -245,24 +258,27 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     LayerSaved<T>& ls = s.layers[size_t(l)];
     // x_out = h + w2(g): dx flows to h unchanged and through the MLP.
     Tensor<T> dg({N, F});
-    linear_backward(dg.data(), false, gp.w2.data(), dx.data(), ls.g.data(), p.w2.data(), N, F, D);
+    ops::Mat<T> dg_mat = ops::mat(dg);
+    ops::linear_backward<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g), p.w2);
     Tensor<T> da({N, F}), db({N, F});
-    swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
+    if (ops::runs(N * F, {da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data()}))
+      swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
     dg.reset();
-    linear_backward(dn.data(), false, gp.w1.data(), da.data(), ls.n2.data(), p.w1.data(), N, D, F);
-    linear_backward(dn.data(), true, gp.w3.data(), db.data(), ls.n2.data(), p.w3.data(), N, D, F);
-    rmsnorm_backward(tmp.data(), D, gp.ffn_norm.data(), dn.data(), ls.h.data(), p.ffn_norm.data(),
-                     ls.rstd2.data(), N, D);
-    for (std::int64_t i = 0; i < N * D; ++i) dx[i] += tmp[i];  // now d h
+    ops::linear_backward<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2), p.w1);
+    ops::linear_backward<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3);
+    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.ffn_norm, ops::mat(dn), ops::mat(ls.h, N, D),
+                          p.ffn_norm, ls.rstd2);
+    ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d h
     // h = x + attn(n1)
     Tensor<T> dn1;
     mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
-    rmsnorm_backward(tmp.data(), D, gp.attn_norm.data(), dn1.data(), ls.x.data(),
-                     p.attn_norm.data(), ls.rstd1.data(), N, D);
-    for (std::int64_t i = 0; i < N * D; ++i) dx[i] += tmp[i];  // now d x
+    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
+                          ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1);
+    ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d x
     ls = LayerSaved<T>{};
   }
-  embedding_backward(g.embed.data(), dx.data(), tokens, N, V, D);
+  if (ops::runs(N * D, {g.embed.data(), dx.data(), tokens}))
+    embedding_backward(g.embed.data(), dx.data(), tokens, N, V, D);
 }
 
 }  // namespace
@@ -288,16 +304,16 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
 
   // One all-reduce of every gradient flattened, then one of the loss.
   c.comm.set_phase(Phase::grad_sync);
-  Tensor<T> flat({grads.numel()}, MemCategory::comm_buffers);
+  Tensor<T> all({grads.numel()}, MemCategory::comm_buffers);  // every gradient, in order
   std::int64_t off = 0;
   grads.for_each([&](const std::string&, Tensor<T>& t) {
-    std::memcpy(flat.data() + off, t.data(), size_t(t.bytes()));
+    ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
     off += t.numel();
   });
-  c.comm.all_reduce(flat.data(), flat.numel(), "grad_allreduce");
+  c.comm.all_reduce(all.data(), all.numel(), "grad_allreduce");
   off = 0;
   grads.for_each([&](const std::string&, Tensor<T>& t) {
-    std::memcpy(t.data(), flat.data() + off, size_t(t.bytes()));
+    ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));
     off += t.numel();
   });
   c.comm.all_reduce(&sum, 1, "loss_allreduce");

@@ -7,8 +7,11 @@
 #include <filesystem>
 #include <set>
 
+#include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "core/nonfinite.hpp"
+#include "mla/ops.hpp"
 #include "mla/runner.hpp"
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
@@ -211,6 +214,109 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
   return notes;
 }
 
+namespace {
+
+// What a rank keeps for the whole run, allocated in this order by train_rank
+// and by its count-only run (predict_train_memory): parameters, the AdamW
+// moments (zero) and the gradient accumulators.
+template <class T>
+struct RankTensors {
+  TrainState<T> st;
+  LmParams<T> grads;
+  explicit RankTensors(const LmConfig& cfg) {
+    st.params = LmParams<T>::zeros(cfg, MemCategory::parameters);
+    st.m = LmParams<T>::zeros(cfg, MemCategory::optimizer);
+    st.v = LmParams<T>::zeros(cfg, MemCategory::optimizer);
+    grads = LmParams<T>::zeros(cfg, MemCategory::gradients);
+  }
+};
+
+// The first gradient tensor holding a non-finite value, described, and how
+// many others hold some; "" when every gradient is finite.
+template <class T>
+std::string first_nonfinite_gradient(const LmParams<T>& grads) {
+  std::string first;
+  int others = 0;
+  grads.for_each([&](const std::string& name, const Tensor<T>& g) {
+    if (!g.data()) return;  // count-only: nothing to look at
+    const NonFinite nf = count_nonfinite(g.data(), g.numel());
+    if (nf.count == 0) return;
+    if (first.empty())
+      first = describe_nonfinite("the gradient of '" + name + "'", nf, g.numel());
+    else
+      ++others;
+  });
+  if (others > 0) first += cat(", and ", others, " more gradient tensor(s) hold some");
+  return first;
+}
+
+struct StepOutcome {
+  double loss = 0, grad_norm = 0;
+};
+
+// Step `step` on this rank: forward + backward (gradients summed over the
+// group), o.after_backward, the non-finite checks, clipping by the global
+// norm, AdamW at learning rate lr. A non-finite loss or gradient stops here,
+// before AdamW touches a weight or a moment, on every rank alike (the loss
+// and the summed gradients are the same on each); with o.allow_nonfinite it
+// is reported through o.warn (rank 0) and the step goes on. Under a
+// count-only pool every tensor is accounted and nothing computed (the loss
+// and norm are 0), which is how predict_train_memory runs it.
+template <class T>
+StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t step, double lr,
+                      TrainState<T>& st, LmParams<T>& grads, const std::int32_t* tokens,
+                      const std::int32_t* targets) {
+  StepOutcome out;
+  out.loss = lm_forward_backward(ctx, st.params, tokens, targets, grads);
+  if (o.after_backward) o.after_backward(step, st.params, grads);
+  const auto nonfinite = [&](const std::string& what) {
+    const std::string untouched =
+        cat("; the step was not applied (the weights are those after step ", step - 1,
+            ") and no checkpoint of it was written");
+    LAGA_CHECK(o.allow_nonfinite, "train: ", what, untouched,
+               ". Lower --lr, set --clip, or check --data; or pass --allow-nonfinite to train "
+               "on anyway");
+    if (ctx.comm.rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
+  };
+  if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
+  std::vector<Tensor<T>*> P, G, M, V;
+  std::vector<bool> decays;
+  st.params.for_each([&](const std::string& n, Tensor<T>& t) {
+    P.push_back(&t);
+    decays.push_back(lm_param_decays(n));
+  });
+  grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
+  st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
+  st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
+  double sq = 0.0;
+  for (Tensor<T>* g : G)
+    if (ops::runs(g->numel(), {g->data()})) sq += sum_squares(g->data(), g->numel());
+  out.grad_norm = std::sqrt(sq);
+  // The squares of finite floats sum in double without overflow, so a
+  // non-finite norm means a non-finite gradient (named), and a finite loss
+  // beside it an overflowing backward.
+  if (!std::isfinite(out.grad_norm)) {
+    const std::string where = first_nonfinite_gradient(grads);
+    nonfinite(cat("the gradient at step ", step, " is not finite (norm ", out.grad_norm, ", loss ",
+                  out.loss, ")", where.empty() ? "" : ": " + where));
+  }
+  const double factor = clip_factor(out.grad_norm, o.clip);
+  for (Tensor<T>* g : G)
+    if (factor < 1.0 && ops::runs(g->numel(), {g->data()}))
+      for (std::int64_t i = 0; i < g->numel(); ++i) (*g)[i] *= static_cast<T>(factor);
+  AdamWHyper h = o.adam;
+  h.lr = lr;
+  for (size_t k = 0; k < P.size(); ++k) {
+    AdamWHyper hk = h;
+    if (!decays[k]) hk.weight_decay = 0.0;
+    if (ops::runs(P[k]->numel(), {P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data()}))
+      adamw_step(P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data(), P[k]->numel(), step, hk);
+  }
+  return out;
+}
+
+}  // namespace
+
 TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
                     const std::function<void(const StepRecord&)>& on_step) {
   using T = float;
@@ -226,28 +332,19 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const CheckpointOptions recorded =
       r == 0 && !o.checkpoint_dir.empty() ? recorded_options(o) : CheckpointOptions{};
 
-  TrainState<T> st;
-  st.params = LmParams<T>::zeros(cfg, MemCategory::parameters);
-  st.m = LmParams<T>::zeros(cfg, MemCategory::parameters);
-  st.v = LmParams<T>::zeros(cfg, MemCategory::parameters);
+  RankTensors<T> rank_tensors(cfg);
+  TrainState<T>& st = rank_tensors.st;
   st.seed = o.seed;
   if (o.resume.empty()) {
     init_lm_params(st.params, o.seed);
   } else {
     // validate_train_options compared the recorded options (and seed) with o.
-    load_checkpoint(o.resume, cfg, st);
+    std::vector<std::string> nonfinite;
+    load_checkpoint(o.resume, cfg, st, o.allow_nonfinite, &nonfinite);
+    if (r == 0 && o.warn)
+      for (const std::string& w : nonfinite) o.warn(w + " (--allow-nonfinite: loaded anyway)");
     st.seed = o.seed;
   }
-  LmParams<T> grads = LmParams<T>::zeros(cfg, MemCategory::gradients);
-  std::vector<Tensor<T>*> P, G, M, V;
-  std::vector<bool> decays;
-  st.params.for_each([&](const std::string& n, Tensor<T>& t) {
-    P.push_back(&t);
-    decays.push_back(lm_param_decays(n));
-  });
-  grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
-  st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
-  st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
 
   TrainEnd end;
   end.step = st.step;
@@ -262,23 +359,9 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
         tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + off + i)];
         targets[size_t(b * L + i)] = window[size_t(b * (S + 1) + off + i + 1)];
       }
-    const double loss = lm_forward_backward(ctx, st.params, tokens.data(), targets.data(), grads);
-    LAGA_CHECK(std::isfinite(loss), "train: the loss at step ", step, " is ", loss,
-               "; lower --lr or set --clip");
-    double sq = 0.0;
-    for (Tensor<T>* g : G) sq += sum_squares(g->data(), g->numel());
-    const double norm = std::sqrt(sq);
-    const double factor = clip_factor(norm, o.clip);
-    if (factor < 1.0)
-      for (Tensor<T>* g : G)
-        for (std::int64_t i = 0; i < g->numel(); ++i) (*g)[i] *= static_cast<T>(factor);
-    AdamWHyper h = o.adam;
-    h.lr = sched.at(step);
-    for (size_t k = 0; k < P.size(); ++k) {
-      AdamWHyper hk = h;
-      if (!decays[k]) hk.weight_decay = 0.0;
-      adamw_step(P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data(), P[k]->numel(), step, hk);
-    }
+    const double lr = sched.at(step);
+    const StepOutcome done =
+        take_step(ctx, o, step, lr, st, rank_tensors.grads, tokens.data(), targets.data());
     st.step = step;
     st.data_cursor += B;
     end.step = step;
@@ -298,7 +381,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     const bool last = step == o.steps || stop != 0;
     if (!o.checkpoint_dir.empty() && (periodic || last) && r == 0)
       end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
-    if (r == 0 && on_step) on_step(StepRecord{step, loss, norm, h.lr, double(B * S) / secs, secs});
+    if (r == 0 && on_step)
+      on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs});
     if (stop) {
       end.stop_signal = stop;
       break;
@@ -315,6 +399,47 @@ std::vector<StepRecord> train_local(const TrainOptions& o) {
     train_rank(comm, o, [&](const StepRecord& s) { out.push_back(s); });
   });
   return out;
+}
+
+std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule staging) {
+  using T = float;
+  const LmConfig& cfg = o.model;
+  const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, o.sp);
+  const std::int64_t token_ids =
+      o.data == "random" ? 0 : std::int64_t(sizeof(std::uint32_t)) * make_source(o).tokens();
+  const std::int64_t token_read =
+      o.data == "random" ? 0 : static_cast<std::int64_t>(fs::file_size(o.data));
+  // The step's hooks belong to the real run.
+  TrainOptions counted = o;
+  counted.after_backward = nullptr;
+  counted.warn = nullptr;
+  std::vector<TrainMemory> ranks;
+  for (int r = 0; r < o.sp; ++r) {
+    MemoryPool pool;
+    pool.set_count_only(true);
+    PoolScope scope(pool);
+    DryRunCommunicator comm(r, o.sp, staging);
+    const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
+    const LmContext ctx{cfg, layout, comm, rope, o.form, o.attention};
+    RankTensors<T> rank_tensors(cfg);
+    TrainMemory m;
+    m.state = pool.current_total();
+    take_step(ctx, counted, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr, nullptr);
+    m.step_peak = pool.peak_total();
+    // RopeTable: cos and sin, positions x dim/2 doubles each.
+    m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));
+    m.token_ids = token_ids;
+    m.token_read = token_read;
+    const std::int64_t L = layout.seq_count[size_t(r)];
+    m.batch_ids = std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * o.batch * L);
+    // SafetensorsWriter copies every tensor it is given: parameters, m, v.
+    if (r == 0 && !o.checkpoint_dir.empty())
+      m.checkpoint = 3 * rank_tensors.st.params.numel() * std::int64_t(sizeof(T));
+    m.peak = m.rope + m.token_ids +
+             std::max(m.token_read, m.batch_ids + std::max(m.step_peak, m.state + m.checkpoint));
+    ranks.push_back(m);
+  }
+  return ranks;
 }
 
 }  // namespace laga

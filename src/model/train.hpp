@@ -51,6 +51,19 @@ struct TrainOptions {
   // signal number: the CLI's SIGINT/SIGTERM handler stores it); if so the run
   // writes its checkpoint (when checkpoint_dir is set) and ends.
   const std::atomic<int>* stop_signal = nullptr;
+  // Non-finite values (docs/reliability.md, "Non-finite values"): a resumed
+  // checkpoint whose parameters or AdamW moments hold NaN or inf is refused at
+  // load, and a step whose loss or gradient is not finite stops the run
+  // before its AdamW update (so neither the weights nor a checkpoint see it),
+  // each naming the tensor and the count. allow_nonfinite turns each refusal
+  // into a line passed to `warn` (on rank 0), and the run goes on.
+  bool allow_nonfinite = false;
+  std::function<void(const std::string&)> warn;
+  // When set, called on every rank at each step once the gradients are summed
+  // over the group, before they are checked, clipped and applied: to inspect
+  // or alter them (freezing a tensor, adding noise; the tests poison one).
+  std::function<void(std::int64_t step, const LmParams<float>& params, LmParams<float>& grads)>
+      after_backward;
 };
 
 // How train_rank ended.
@@ -93,5 +106,32 @@ CheckpointOptions recorded_options(const TrainOptions& o);
 
 // P in-process ranks; returns rank 0's records (tests, examples).
 std::vector<StepRecord> train_local(const TrainOptions& o);
+
+// What one rank of a training run holds at its peak, predicted from the
+// options without allocating any of it (`laga train`'s upfront memory check,
+// docs/reliability.md "Memory"). What the rank's MemoryPool sees is the
+// count-only run of train_rank's own code: its tensors allocated as it
+// allocates them and one step (forward + backward of the model, the gradient
+// all-reduce, the checks, clipping and AdamW) on a count-only pool and a
+// DryRunCommunicator staging as `staging` (in_process for --comm local, mpi
+// under MPI), so state and step_peak are exact, not restated. The buffers it
+// keeps outside the pool are counted in closed form from their sizes.
+struct TrainMemory {
+  std::int64_t state = 0;      // parameters, AdamW m and v, gradients (pool)
+  std::int64_t step_peak = 0;  // the pool's peak over a step: state + activations + staging
+  // Outside the pool:
+  std::int64_t rope = 0;        // the RoPE table: cos and sin, seq x dr/2 doubles each
+  std::int64_t token_ids = 0;   // a --data file's ids as uint32 (0 for random data)
+  std::int64_t token_read = 0;  // the file's bytes, held while it is read (before the model)
+  std::int64_t batch_ids = 0;   // the step's window (B, S+1), tokens and targets (B, L_r): int32
+  std::int64_t checkpoint = 0;  // a save's copy of parameters, m and v (rank 0, --checkpoint)
+  // The largest sum live at once: while the token file is read (nothing of
+  // the model exists yet), or during training:
+  //   rope + token_ids + max(token_read, batch_ids + max(step_peak, state + checkpoint))
+  std::int64_t peak = 0;
+};
+// One per rank of o.sp. Reads (and so validates) a --data file, as
+// validate_train_options does, to know its token count.
+std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule staging);
 
 }  // namespace laga

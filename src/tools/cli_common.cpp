@@ -125,18 +125,6 @@ CLI::Validator real_above(double lo) {
   return real(lo, std::numeric_limits<double>::infinity(), "()");
 }
 
-template <class T>
-NonFinite count_nonfinite(const T* x, std::int64_t n) {
-  NonFinite r;
-  for (std::int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) {
-      if (r.count++ == 0) r.first = i;
-    }
-  return r;
-}
-template NonFinite count_nonfinite<float>(const float*, std::int64_t);
-template NonFinite count_nonfinite<double>(const double*, std::int64_t);
-
 std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
   std::vector<int> v;
   std::stringstream ss(s);

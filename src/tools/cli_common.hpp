@@ -50,13 +50,6 @@ CLI::Validator real(double lo, double hi, const char* bounds);
 CLI::Validator real_at_least(double lo);
 CLI::Validator real_above(double lo);
 
-// Non-finite values (NaN, +-inf) in a tensor: how many, and the first's index.
-struct NonFinite {
-  std::int64_t count = 0, first = -1;
-};
-template <class T>
-NonFinite count_nonfinite(const T* x, std::int64_t n);
-
 // "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"

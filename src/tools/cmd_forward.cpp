@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/nonfinite.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 #include "tools/block_job.hpp"
@@ -35,9 +36,7 @@ struct ForwardOptions {
 void check_finite(const TensorF& t, const std::string& what, bool loaded, bool allow) {
   const NonFinite nf = count_nonfinite(t.data(), t.numel());
   if (nf.count == 0) return;
-  const std::string found =
-      cat(what, " holds ", nf.count, " non-finite value", nf.count == 1 ? "" : "s",
-          " (NaN or inf; the first at flat index ", nf.first, " of ", t.numel(), ")");
+  const std::string found = describe_nonfinite(what, nf, t.numel());
   if (allow) {
     std::cerr << "laga forward: warning: " << found << " (--allow-nonfinite)\n";
     return;

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -21,6 +20,7 @@
 #include "model/train.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
+#include "tools/memory_check.hpp"
 
 namespace laga::tools {
 
@@ -39,7 +39,7 @@ struct TrainCli {
   std::int64_t warmup = 0, save_every = 0;
   std::uint64_t seed = 0;
   std::string data = "random", data_dtype = "auto", log, checkpoint, resume;
-  bool quiet = false;
+  bool quiet = false, allow_nonfinite = false;
   std::string allow_change;  // comma-separated option names
 };
 
@@ -129,6 +129,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.checkpoint_dir = c.checkpoint;
   o.resume = c.resume;
   o.allow_change = split_commas(c.allow_change);
+  o.allow_nonfinite = c.allow_nonfinite;
   return o;
 }
 
@@ -144,6 +145,9 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
+  // Refuse before allocating the model when the job cannot fit.
+  if (c.comm.memory_check)
+    check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
   // Inputs no writer of this run may replace: the token file and the
   // checkpoint's tensors. The resume manifest is protected only from --log:
   // when it is DIR/latest.json, the next save rewrites it by design.
@@ -170,15 +174,13 @@ void run_train(const TrainCli& c) {
   }
   install_stop_handlers();
   o.stop_signal = &stop_signal;
+  if (report)
+    o.warn = [](const std::string& w) { std::cerr << "laga train: warning: " << w << "\n"; };
   TrainEnd end;
   run_group(c.comm, o.sp, [&](Communicator& comm) {
+    // train_rank stops at a non-finite loss or gradient before that step's
+    // update (unless --allow-nonfinite), so no step reported here is one.
     const TrainEnd e = train_rank(comm, o, [&](const StepRecord& s) {
-      // train_rank stops at a non-finite loss; a non-finite gradient norm
-      // (finite loss, overflowing backward) would go on to turn every weight
-      // NaN, so it stops here, on every rank alike (the norm is global).
-      LAGA_CHECK(std::isfinite(s.grad_norm), "train: the gradient norm at step ", s.step, " is ",
-                 s.grad_norm, " (loss ", s.loss,
-                 "); the backward overflowed: lower --lr, set --clip, or check --data");
       if (!report) return;
       nlohmann::json j;
       j["step"] = s.step;
@@ -290,6 +292,10 @@ void register_train(CLI::App& app) {
   sub->add_option("--allow-change", c->allow_change,
                   "with --resume: comma-separated options that may differ from the checkpoint's "
                   "(e.g. lr,steps); any other change is refused");
+  sub->add_flag("--allow-nonfinite", c->allow_nonfinite,
+                "resume from a checkpoint holding NaN/inf and train on through a step whose loss "
+                "or gradient is not finite, with a warning naming each (default: refuse the "
+                "checkpoint, or stop before that step's update, naming the tensor and count)");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
   sub->callback([c] { run_train(*c); });
 }

@@ -76,15 +76,22 @@ MemoryBudget available_memory() {
   return m;
 }
 
+StagingRule staging_of(Backend backend) {
+  return backend == Backend::mpi ? StagingRule::mpi : StagingRule::in_process;
+}
+
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<Form>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank) {
   MemoryModelOptions opt;
-  opt.staging = backend == Backend::mpi ? StagingRule::mpi : StagingRule::in_process;
+  opt.staging = staging_of(backend);
   // Local runs every rank in this process; an MPI process or a dry run one.
   const bool all_here = backend == Backend::local && rank_only < 0;
   JobMemory job;
+  job.lower_with =
+      "Lower the peak with a larger --sp (under mpirun, one rank per process), a shorter --seq, "
+      "--attention flash, or --count-only to account without allocating";
   for (Form f : forms) {
     std::int64_t sum = 0, worst = 0;
     for (int r = 0; r < layout.ranks; ++r) {
@@ -109,14 +116,37 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
   return job;
 }
 
+JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend) {
+  const std::vector<TrainMemory> ranks = predict_train_memory(o, staging_of(backend));
+  const bool all_here = backend == Backend::local;
+  std::int64_t sum = 0;
+  const TrainMemory* worst = &ranks.front();
+  for (const TrainMemory& m : ranks) {
+    sum += m.peak;
+    if (m.peak > worst->peak) worst = &m;
+  }
+  JobMemory job;
+  job.bytes = all_here ? sum : worst->peak;
+  job.detail = cat(all_here ? ranks.size() : 1, " rank(s) of up to ", gb(worst->peak),
+                   " each: parameters, AdamW moments and gradients ", gb(worst->state),
+                   ", activations and comm staging up to ", gb(worst->step_peak - worst->state),
+                   ", token data, batch and RoPE buffers ",
+                   gb(worst->rope + worst->token_ids + worst->batch_ids),
+                   worst->checkpoint > 0 ? ", a checkpoint's copy " + gb(worst->checkpoint) : "");
+  job.lower_with =
+      "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "
+      "(--layers, --d-model, --vocab, --ffn-hidden); with --comm local every --sp rank runs in "
+      "this process with its own copy of the model, optimizer state and gradients, so under "
+      "mpirun (one rank per process) each process holds one";
+  return job;
+}
+
 void check_memory_fits(const JobMemory& need, const std::string& command) {
   const MemoryBudget avail = available_memory();
   LAGA_CHECK(need.bytes <= avail.bytes, command, " would need about ", gb(need.bytes),
              " in this process at its peak (predicted: ", need.detail, ") but ", gb(avail.bytes),
-             " are available (", avail.source,
-             "). Lower the peak with a larger --sp (under mpirun, one rank per process), a "
-             "shorter --seq, --attention flash, or --count-only to account without allocating; "
-             "or pass --no-memory-check to run anyway");
+             " are available (", avail.source, "). ", need.lower_with,
+             "; or pass --no-memory-check to run anyway");
 }
 
 }  // namespace laga::tools

@@ -10,8 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.hpp"
 #include "mla/block.hpp"
 #include "mla/layout.hpp"
+#include "model/train.hpp"
 
 namespace laga::tools {
 
@@ -31,15 +33,27 @@ MemoryBudget available_memory();
 // held_per_rank for each and held_shared once (weights, global inputs).
 struct JobMemory {
   std::int64_t bytes = 0;
-  std::string detail;  // "laga: 4 rank(s) up to 2.61 GB each + 0.21 GB held"
+  std::string detail;      // "laga: 4 rank(s) up to 2.61 GB each + 0.21 GB held"
+  std::string lower_with;  // "Lower the peak with ...": the options that shrink it
 };
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<Form>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank);
 
+// A `laga train` job's peak in this process (model/train.hpp,
+// predict_train_memory): every rank's with --comm local (each holds its own
+// copy of the model, its AdamW state and gradients), the largest rank's under
+// MPI (one rank per process).
+JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend);
+
+// The staging rule of a rank on this backend (mpi under MPI, in_process for
+// ranks as threads): what a prediction's DryRunCommunicator must stage like.
+StagingRule staging_of(Backend backend);
+
 // Throws laga::Error when need.bytes > available_memory().bytes, naming both,
-// what the need is made of, and how to lower it (or to skip the check).
+// what the need is made of, how to lower it (need.lower_with) and how to skip
+// the check (--no-memory-check).
 void check_memory_fits(const JobMemory& need, const std::string& command);
 
 }  // namespace laga::tools

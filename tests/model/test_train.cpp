@@ -6,8 +6,11 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -140,6 +143,85 @@ TEST(Train, DamagedCheckpointIsRefusedAndThePreviousStillLoads) {
   r.resume = dir.string();
   e = error_of([&] { train_local(r); });
   EXPECT_NE(e.find("not valid JSON"), std::string::npos) << e;
+}
+
+// Bitwise equality of two parameter sets, tensor by tensor.
+bool same_params(const LmParams<float>& a, const LmParams<float>& b) {
+  std::vector<const Tensor<float>*> ta, tb;
+  a.for_each([&](const std::string&, const Tensor<float>& t) { ta.push_back(&t); });
+  b.for_each([&](const std::string&, const Tensor<float>& t) { tb.push_back(&t); });
+  if (ta.size() != tb.size()) return false;
+  for (size_t k = 0; k < ta.size(); ++k)
+    if (ta[k]->numel() != tb[k]->numel() ||
+        std::memcmp(ta[k]->data(), tb[k]->data(), size_t(ta[k]->bytes())) != 0)
+      return false;
+  return true;
+}
+
+LmParams<float> copy_of(const LmParams<float>& p, const LmConfig& cfg) {
+  LmParams<float> c = LmParams<float>::zeros(cfg, MemCategory::parameters);
+  std::vector<const Tensor<float>*> from;
+  p.for_each([&](const std::string&, const Tensor<float>& t) { from.push_back(&t); });
+  size_t k = 0;
+  c.for_each([&](const std::string&, Tensor<float>& t) {
+    std::memcpy(t.data(), from[k++]->data(), size_t(t.bytes()));
+  });
+  return c;
+}
+
+// A NaN in one gradient (a finite loss: what an overflowing backward gives)
+// stops the step before AdamW: the message names the step, the tensor and
+// the count; no checkpoint of that step exists, and the last one holds the
+// weights the step started from, all finite. With --allow-nonfinite the
+// step is applied and the run goes on, with a warning.
+TEST(Train, NonFiniteGradientStopsTheStepBeforeTheUpdate) {
+  const fs::path dir = scratch("nonfinite_grad");
+  for (int sp : {1, 2}) {
+    fs::remove_all(dir);
+    TrainOptions o = small(Form::laga, sp, 4);
+    o.checkpoint_dir = dir.string();
+    o.save_every = 1;
+    MemoryPool test_pool;  // outlives the rank threads, whose own pools end with them
+    LmParams<float> before_step_3;
+    std::mutex hook_mutex;
+    o.after_backward = [&](std::int64_t step, const LmParams<float>& params,
+                           LmParams<float>& grads) {
+      if (step != 3) return;
+      grads.layers[1].w3[7] = std::numeric_limits<float>::quiet_NaN();
+      std::lock_guard<std::mutex> lock(hook_mutex);  // every rank calls it
+      PoolScope scope(test_pool);
+      if (before_step_3.layers.empty()) before_step_3 = copy_of(params, o.model);
+    };
+    const std::string e = error_of([&] { train_local(o); });
+    EXPECT_NE(e.find("the gradient at step 3 is not finite"), std::string::npos) << e;
+    EXPECT_NE(e.find("the gradient of 'layers.1.ffn.w3.weight' holds 1 non-finite value"),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find("the step was not applied (the weights are those after step 2)"),
+              std::string::npos)
+        << e;
+    EXPECT_FALSE(fs::exists(dir / "step-00000003.json")) << "P=" << sp;
+    EXPECT_FALSE(fs::exists(dir / "step-00000003.safetensors")) << "P=" << sp;
+    TrainState<float> saved;
+    saved.params = LmParams<float>::zeros(o.model, MemCategory::parameters);
+    saved.m = LmParams<float>::zeros(o.model, MemCategory::optimizer);
+    saved.v = LmParams<float>::zeros(o.model, MemCategory::optimizer);
+    EXPECT_EQ(load_checkpoint(dir.string(), o.model, saved).step, 2);  // finite, or it refuses
+    ASSERT_FALSE(before_step_3.layers.empty());
+    EXPECT_TRUE(same_params(saved.params, before_step_3)) << "P=" << sp;
+
+    // Allowed: the step is applied (its NaN spreads) and the run ends.
+    fs::remove_all(dir);
+    o.allow_nonfinite = true;
+    std::vector<std::string> warnings;
+    o.warn = [&](const std::string& w) { warnings.push_back(w); };
+    const auto records = train_local(o);
+    ASSERT_EQ(records.size(), 4u);
+    EXPECT_TRUE(std::isnan(records[2].grad_norm));
+    ASSERT_FALSE(warnings.empty());
+    EXPECT_NE(warnings[0].find("the gradient at step 3 is not finite"), std::string::npos)
+        << warnings[0];
+  }
 }
 
 void write_u16(const fs::path& p, const std::vector<std::uint16_t>& ids) {

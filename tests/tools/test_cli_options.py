@@ -13,8 +13,9 @@ Cases:
   nonfinite  a NaN in a weight or in x is refused at load naming the tensor
              and the count; with --allow-nonfinite flash and eager agree on
              which outputs are non-finite
-  memory     an allocation far beyond the machine is a laga error naming the
-             size, not std::bad_alloc
+  memory     a job far beyond the machine is refused by the upfront memory
+             check; with --no-memory-check its allocation is a laga error
+             naming the size, not std::bad_alloc
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -224,12 +225,15 @@ def case_nonfinite(laga, scratch):
 
 
 def case_memory(laga, scratch):
-    # 10^12 tokens with a wide RoPE: the first buffer (the RoPE table, a
-    # std::vector) wants 4 * 10^15 bytes, beyond the 2^47-byte address space,
-    # so it fails even where the kernel overcommits without limit.
-    expect_error(laga, ["train", "--seq", "1000000000000", "--rope-dim", "1024", "--d-model", "32",
-                        "--heads", "2", "--layers", "1", "--vocab", "64", "--steps", "1",
-                        "--quiet"],
+    # 10^12 tokens with a wide RoPE: the upfront memory check refuses it
+    # before any allocation; without the check, the first buffer (the RoPE
+    # table, a std::vector) wants 4 * 10^15 bytes, beyond the 2^47-byte
+    # address space, so it fails even where the kernel overcommits without
+    # limit, naming the request.
+    huge_train = ["train", "--seq", "1000000000000", "--rope-dim", "1024", "--d-model", "32",
+                  "--heads", "2", "--layers", "1", "--vocab", "64", "--steps", "1", "--quiet"]
+    expect_error(laga, huge_train, "laga train would need about")
+    expect_error(laga, huge_train + ["--no-memory-check"],
                  "out of memory: a request for 4096000000000000 bytes")
     # The upfront memory check refuses the same job before any allocation...
     expect_error(laga, ["forward", "--preset", "tiny", "--seq", "100000000000000"],

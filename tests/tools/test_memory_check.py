@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The upfront memory check (issue 10 item 5): a job that cannot fit in what
 the process may use is refused within 2 seconds, naming the predicted and the
-available bytes and the knobs that lower the peak; one that fits runs.
+available bytes and the knobs that lower the peak; one that fits runs. For
+`laga train` (the model, its AdamW state and gradients): refused within 1
+second, before any allocation (with --no-memory-check the same job fails at
+its first allocation instead, naming that tensor).
 
   test_memory_check.py LAGA
 """
@@ -39,6 +42,27 @@ for args in too_big:
     if r.returncode != 2 or missing or secs > 2.0:
         failures.append(f"{' '.join(args[:1])}: rc {r.returncode} after {secs:.2f} s, missing "
                         f"{missing} in: {r.stderr.strip()[:300]}")
+
+# train: 8 layers of D = 4096 with a 32000 vocabulary need about 42 GB.
+BIG_TRAIN = ["train", "--d-model", "4096", "--heads", "32", "--layers", "8", "--vocab", "32000",
+             "--seq", "4096", "--steps", "1", "--quiet"]
+r, secs = run(BIG_TRAIN)
+words = ["laga train would need", "available", "RLIMIT_AS", "--batch", "--seq",
+         "--attention flash", "--layers", "--d-model", "--vocab", "mpirun", "--no-memory-check"]
+missing = [w for w in words if w not in r.stderr]
+if r.returncode != 2 or missing or secs > 1.0:
+    failures.append(f"train: rc {r.returncode} after {secs:.2f} s, missing {missing} in: "
+                    f"{r.stderr.strip()[:400]}")
+# Bypassed, the job goes on to allocate and fails there: the check is what
+# refused it above, not an allocation.
+r, _ = run(BIG_TRAIN + ["--no-memory-check"])
+if r.returncode != 2 or "would need" in r.stderr or "out of memory" not in r.stderr:
+    failures.append(f"train --no-memory-check: rc {r.returncode}, wanted the allocation's own "
+                    f"error: {r.stderr.strip()[:300]}")
+r, _ = run(["train", "--d-model", "32", "--heads", "4", "--layers", "1", "--vocab", "64",
+            "--seq", "16", "--steps", "2", "--quiet"])
+if r.returncode != 0:
+    failures.append(f"a small train under the limit failed: {r.stderr.strip()[:300]}")
 
 # Fits: a small job under the same limit runs.
 r, _ = run(["compare", "--preset", "tiny", "--seq", "64", "--sp", "2", "--steps", "1",

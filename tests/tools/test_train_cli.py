@@ -1,26 +1,39 @@
 #!/usr/bin/env python3
-"""End-to-end checks of laga's file safety and interrupts (issue 10 items 2, 10).
+"""End-to-end checks of laga train's file safety, interrupts and non-finite values
+(issue 10).
 
-    test_train_cli.py LAGA_BINARY SCRATCH_DIR CASE
+    test_train_cli.py LAGA_BINARY SCRATCH_DIR CASE [POISON_HELPER]
 
 Cases:
-  signals  `laga train` as a subprocess: SIGINT after a step exits 130 after
-           finishing the step, with a checkpoint of that step and a log with
-           every step once; a resume then SIGTERM exits 143 the same way; a
-           second SIGINT during the step exits 130 at once, saying so, with
-           no checkpoint
-  log      kill -9 mid-run leaves log lines after the last checkpoint; the
-           resume cuts the log back to the checkpoint's step (every step once)
-           and its save removes a stale temporary of laga's naming, keeping a
-           look-alike that is not laga's
-  outputs  --output/--log/--json that are an input (by path and through a
-           symlink), a FIFO, a link to /dev/null or a directory are refused
-           with exit 2 and left as they were; a symlink output writes its
-           target and keeps the link
+  signals    `laga train` as a subprocess: SIGINT after a step exits 130 after
+             finishing the step, with a checkpoint of that step and a log with
+             every step once; a resume then SIGTERM exits 143 the same way; a
+             second SIGINT during the step exits 130 at once, saying so, with
+             no checkpoint
+  log        kill -9 mid-run leaves log lines after the last checkpoint; the
+             resume cuts the log back to the checkpoint's step (every step
+             once) and its save removes a stale temporary of laga's naming,
+             keeping a look-alike that is not laga's
+  outputs    --output/--log/--json that are an input (by path and through a
+             symlink), a FIFO, a link to /dev/null or a directory are refused
+             with exit 2 and left as they were; a symlink output writes its
+             target and keeps the link
+  diverged   --lr 1e30 overflows the backward at step 2 (a finite loss, a NaN
+             gradient): the run stops before that step's update, exit 2,
+             naming the step and the tensor; no checkpoint of step 2 exists,
+             and step 1's (latest.json) is all finite; --allow-nonfinite
+             trains on with a warning
+  nonfinite  a checkpoint holding NaN/inf (written by the helper POISON_HELPER
+             as a diverged run would have saved it: sizes and hashes right)
+             is refused at resume, naming the tensor, the count and the
+             previous checkpoint; parameters and AdamW moments alike;
+             --allow-nonfinite loads it with a warning
 Only the standard library.
 """
 import json
+import math
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -249,12 +262,94 @@ def case_outputs(laga, scratch):
     check(read(cfg) == cfg_text, "the config survives")
 
 
+def nonfinite_tensors(path):
+    """The names of the F32 tensors of a safetensors file holding NaN or inf."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    bad = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F32", info
+        begin, end = info["data_offsets"]
+        values = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
+        if not all(math.isfinite(v) for v in values):
+            bad.append(name)
+    return bad
+
+
+def case_diverged(laga, scratch):
+    ck = os.path.join(scratch, "ck")
+    args = ["train"] + TINY + ["--steps", "4", "--lr", "1e30", "--save-every", "1"]
+    p = run(laga, args + ["--checkpoint", ck], 2)
+    for needle in ["at step 2", "the step was not applied (the weights are those after step 1)",
+                   "no checkpoint of it was written", "--allow-nonfinite"]:
+        check(needle in p.stderr, f"no '{needle}' in:\n{p.stderr}")
+    if "the gradient at step 2 is not finite" in p.stderr:
+        check("the gradient of '" in p.stderr and "non-finite value" in p.stderr,
+              f"the gradient's tensor and count are not named:\n{p.stderr}")
+    check(sorted(os.listdir(ck)) == ["latest.json", "step-00000001.json",
+                                     "step-00000001.safetensors"],
+          f"the checkpoint directory holds {sorted(os.listdir(ck))}")
+    check(latest_step(ck) == 1, "latest.json is not step 1's")
+    # Step 1's checkpoint holds the weights step 2 started from: all finite
+    # (huge: lr 1e30 moved them by about 1e30, which is what overflows).
+    bad = nonfinite_tensors(os.path.join(ck, "step-00000001.safetensors"))
+    check(not bad, f"step 1's checkpoint holds non-finite values in {bad}")
+    # Allowed, the run goes on through the non-finite steps, warning.
+    p = run(laga, args + ["--checkpoint", os.path.join(scratch, "allowed"),
+                          "--allow-nonfinite"], 0)
+    check("laga train: warning:" in p.stderr and "at step 2" in p.stderr,
+          f"no warning for step 2 in:\n{p.stderr}")
+
+
+def case_nonfinite(laga, scratch, poison):
+    ck = os.path.join(scratch, "ck")
+    run(laga, ["train"] + TINY + ["--steps", "2", "--save-every", "1", "--checkpoint", ck], 0)
+    pristine = os.path.join(scratch, "pristine")
+    shutil.copytree(ck, pristine)
+    resume = ["train"] + TINY + ["--steps", "4", "--resume", ck, "--checkpoint", ck]
+    for tensor, index, value, count in [("param.layers.0.ffn.w1.weight", 3, "nan", 1),
+                                        ("adam_m.head.weight", 0, "inf", 1),
+                                        ("adam_v.embed.weight", 5, "-inf", 1)]:
+        shutil.rmtree(ck)
+        shutil.copytree(pristine, ck)
+        subprocess.run([poison, ck, tensor, str(index), value], check=True)
+        t0 = time.monotonic()
+        p = run(laga, resume, 2)
+        secs = time.monotonic() - t0
+        for needle in [f"tensor '{tensor}' holds {count} non-finite value",
+                       f"the first at flat index {index} of",
+                       "--resume " + os.path.join(ck, "step-00000001.json"),
+                       "--allow-nonfinite"]:
+            check(needle in p.stderr, f"{tensor} = {value}: no '{needle}' in:\n{p.stderr}")
+        check(not os.path.exists(os.path.join(ck, "step-00000003.json")),
+              f"{tensor} = {value}: a step after the refused checkpoint was saved")
+        check(secs < 10, f"the refusal took {secs:.1f} s")
+    # Allowed: it loads, says so, and trains on (the NaN then fills the loss,
+    # which --allow-nonfinite lets through with a warning per step).
+    p = run(laga, resume + ["--allow-nonfinite"], 0)
+    check("laga train: warning: checkpoint" in p.stderr and "adam_v.embed.weight" in p.stderr
+          and "loaded anyway" in p.stderr, f"no load warning in:\n{p.stderr}")
+    # The untouched checkpoint resumes without a word about it.
+    shutil.rmtree(ck)
+    shutil.copytree(pristine, ck)
+    p = run(laga, resume, 0)
+    check("non-finite" not in p.stderr, f"a finite checkpoint was reported:\n{p.stderr}")
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
     subprocess.run(["rm", "-rf", scratch], check=True)
     os.makedirs(scratch)
-    {"signals": case_signals, "log": case_log, "outputs": case_outputs}[case](laga, scratch)
+    if case == "nonfinite":
+        case_nonfinite(laga, scratch, sys.argv[4])
+    else:
+        {"signals": case_signals, "log": case_log, "outputs": case_outputs,
+         "diverged": case_diverged}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
 

@@ -1,0 +1,115 @@
+// `laga train`'s memory prediction (predict_train_memory): the count-only run
+// of a training rank against the MemoryPool of a real one. The pool's part of
+// the prediction must equal the measured peak exactly: it is the same code
+// run without storage, so any difference is a bug, not a tolerance.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "comm/local_comm.hpp"
+#include "common/scratch.hpp"
+#include "core/error.hpp"
+#include "model/train.hpp"
+
+namespace laga {
+namespace {
+
+struct Case {
+  Form form;
+  AttentionKind attention;
+  int sp;
+  std::int64_t seq, batch;
+};
+
+TrainOptions options_of(const Case& c) {
+  TrainOptions o;
+  o.model = LmConfig::derive(32, 4, 2, 64, c.seq);
+  o.form = c.form;
+  o.attention = c.attention;
+  o.sp = c.sp;
+  o.batch = c.batch;
+  o.seq = c.seq;
+  o.steps = 2;
+  o.seed = 5;
+  o.adam.lr = 3e-3;
+  return o;
+}
+
+// Every rank's pool after a real run of o (its peak over the whole run).
+std::vector<MemoryPool> measured_pools(const TrainOptions& o) {
+  std::vector<MemoryPool> pools(static_cast<size_t>(o.sp));
+  LocalRunOptions run;
+  run.pools = &pools;
+  run_local_ranks(
+      o.sp, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+  return pools;
+}
+
+// Uneven shards (seq 33 over 2 ranks: 17 + 16; 4 heads over 3: 2 + 1 + 1),
+// every form, both attention kernels, batch 1 and 2.
+TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
+  const std::vector<Case> cases = {
+      {Form::laga, AttentionKind::flash, 1, 16, 2},
+      {Form::explicit_form, AttentionKind::eager, 2, 33, 1},
+      {Form::absorbed, AttentionKind::flash, 2, 33, 2},
+      {Form::laga, AttentionKind::eager, 3, 20, 1},
+  };
+  for (const Case& c : cases) {
+    const TrainOptions o = options_of(c);
+    SCOPED_TRACE(cat(to_string(c.form), " ", to_string(c.attention), " P=", c.sp, " S=", c.seq,
+                     " B=", c.batch));
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    const std::vector<MemoryPool> pools = measured_pools(o);
+    ASSERT_EQ(predicted.size(), pools.size());
+    for (size_t r = 0; r < pools.size(); ++r) {
+      const MemoryPool& pool = pools[r];
+      EXPECT_EQ(predicted[r].step_peak, pool.peak_total()) << "rank " << r;
+      EXPECT_EQ(predicted[r].state, pool.peak(MemCategory::parameters) +
+                                        pool.peak(MemCategory::optimizer) +
+                                        pool.peak(MemCategory::gradients))
+          << "rank " << r;
+      // The state is held throughout, so the step's own part is what lies above it.
+      EXPECT_GT(predicted[r].step_peak, predicted[r].state);
+      EXPECT_EQ(pool.current_total(), 0) << "rank " << r << ": a tensor outlived the run";
+    }
+  }
+}
+
+// A resumed run with checkpoints allocates the same in the pool (the
+// checkpoint's tensors are read into the state; the writer's copies are not
+// the pool's), and the closed-form terms follow the options.
+TEST(TrainMemory, ResumeAndCheckpointsAndTheTermsOutsideThePool) {
+  const auto dir = test::scratch_dir("model_train_memory_", "resume");
+  TrainOptions o = options_of({Form::laga, AttentionKind::flash, 2, 24, 1});
+  o.checkpoint_dir = dir.string();
+  o.save_every = 1;
+  const std::vector<TrainMemory> fresh = predict_train_memory(o, StagingRule::in_process);
+  const std::vector<MemoryPool> first = measured_pools(o);
+  o.resume = dir.string();
+  o.steps = 4;
+  const std::vector<MemoryPool> resumed = measured_pools(o);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(fresh[r].step_peak, first[r].peak_total()) << "rank " << r;
+    EXPECT_EQ(fresh[r].step_peak, resumed[r].peak_total()) << "rank " << r;
+  }
+  // Parameters, m and v: three equal parts of the state besides the gradients.
+  const std::int64_t params = 4 * [&] {
+    LmParams<float> p = LmParams<float>::zeros(o.model, MemCategory::parameters);
+    return p.numel();
+  }();
+  EXPECT_EQ(fresh[0].state, 4 * params);
+  EXPECT_EQ(fresh[0].checkpoint, 3 * params);  // rank 0 writes the checkpoints
+  EXPECT_EQ(fresh[1].checkpoint, 0);
+  // RoPE: cos and sin of seq x dr/2 doubles; batch buffers: the window
+  // (B, S+1) and the rank's tokens and targets (B, L_r), int32.
+  const std::int64_t dr = o.model.mla.qk_rope_head_dim;
+  EXPECT_EQ(fresh[0].rope, 2 * 24 * (dr / 2) * 8);
+  EXPECT_EQ(fresh[0].batch_ids, 4 * (25 + 2 * 12));
+  EXPECT_EQ(fresh[0].token_ids, 0);  // random data holds no ids
+  for (const TrainMemory& m : fresh)
+    EXPECT_EQ(m.peak, m.rope + m.batch_ids + std::max(m.step_peak, m.state + m.checkpoint));
+}
+
+}  // namespace
+}  // namespace laga
