@@ -57,7 +57,8 @@ TEST(CommModel, OneCallPerLabelAndPhase) {
   MlaConfig cfg;
   cfg.q_lora_rank = 24;
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 3);
-  std::vector<FormVariant> variants(all_forms().begin(), all_forms().end());
+  std::vector<FormVariant> variants;
+  for (Form f : all_forms()) variants.push_back(f);
   variants.push_back({Form::laga, QueryExchange::latent});
   for (FormVariant f : variants) {
     const CommPrediction p = predict_comm(cfg, lay, f, 1, 4, true, true);
