@@ -38,12 +38,12 @@ std::string to_string(FormVariant v) {
 void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
   if (v.queries == QueryExchange::heads) return;
   const char* what = "--q-latent applies to the laga form with q_lora_rank > 0; ";
-  LAGA_CHECK(v.form == Form::laga, what, "it was asked for the ", to_string(v.form),
-             " form, which moves per-head queries (run --form laga, or drop --q-latent)");
+  LAGA_CHECK(v.form == Form::laga, what, "not to the ", to_string(v.form),
+             " form, which sends per-head queries: use --form laga or drop --q-latent");
   LAGA_CHECK(cfg.q_lora_rank > 0, what,
              "the config has q_lora_rank 0 (queries come from wq directly: there is no query "
-             "latent to gather); use a config with q_lora_rank > 0 (e.g. --preset deepseek-v3) "
-             "or drop --q-latent");
+             "latent to gather); give q_lora_rank > 0 (--preset deepseek-v3, a --config with "
+             "it, or train's --q-lora-rank) or drop --q-latent");
 }
 
 namespace detail {

@@ -217,7 +217,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  const LmContext ctx{cfg, layout, comm, rope, o.form, o.attention};
+  const LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
   const TokenSource source = make_source(o);
   const int r = comm.rank();
   const std::int64_t B = o.batch, S = o.seq;

@@ -77,7 +77,7 @@ MemoryBudget available_memory() {
 }
 
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
-                             const std::vector<Form>& forms, AttentionKind attention,
+                             const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank) {
   MemoryModelOptions opt;
@@ -85,7 +85,7 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
   // Local runs every rank in this process; an MPI process or a dry run one.
   const bool all_here = backend == Backend::local && rank_only < 0;
   JobMemory job;
-  for (Form f : forms) {
+  for (FormVariant f : forms) {
     std::int64_t sum = 0, worst = 0;
     for (int r = 0; r < layout.ranks; ++r) {
       if (rank_only >= 0 && r != rank_only) continue;
