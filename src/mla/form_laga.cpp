@@ -72,12 +72,14 @@ struct LagaTape final : Tape<T> {
                            MlaParams<T>& grads) {
     rotate(st, dq_h, true);
     const ops::Mat<const T> dq_m = mat(std::as_const(dq_h), st.NS, st.Hr * st.dqk);
-    Tensor<T> dqn_all({st.B, st.S, st.rq}, "dqn_all");
-    ops::gemm(mat(dqn_all), T(0), dq_m, false, own_wq_b(st, w.wq_b), false);
+    // wq_b's gradient first, so that qn_all is gone before d qn_all (both
+    // (B, S, rq)) exists.
     ops::gemm(mat(grads.wq_b).row_range(st.h0 * st.dqk, st.Hr * st.dqk), T(1), dq_m, true,
               mat(std::as_const(qn_all)), false);
-    dq_h.reset();
     qn_all.reset();
+    Tensor<T> dqn_all({st.B, st.S, st.rq}, "dqn_all");
+    ops::gemm(mat(dqn_all), T(0), dq_m, false, own_wq_b(st, w.wq_b), false);
+    dq_h.reset();
     Tensor<T> dqn({st.B, st.L, st.rq}, "dqn");
     reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dqn_all.data(), dqn.data(), st.rq,
                        "q_latent_ag");
