@@ -185,6 +185,14 @@ TEST(Forms, LagaEqualsExplicitBitForBitOnOneRank) {
     }
 }
 
+TEST(Forms, QueryExchangeNames) {
+  for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent})
+    EXPECT_EQ(parse_query_exchange(to_string(q)), q);
+  EXPECT_THROW(parse_query_exchange("q-latent"), Error);
+  EXPECT_EQ(to_string(FormVariant(Form::laga, QueryExchange::latent)), "laga+q-latent");
+  EXPECT_EQ(to_string(FormVariant(Form::absorbed)), "absorbed");
+}
+
 TEST(Forms, QueryLatentIsRefusedWhereItDoesNotApply) {
   const Inputs in7 = make_inputs(test_config(7), 1, 6), in0 = make_inputs(test_config(0), 1, 6);
   const SpLayout lay = SpLayout::even(1, 6, 5, 2);
