@@ -15,6 +15,8 @@ Sweeps (folder under --out; every big size is --count-only, seconds each):
               eager and flash
   paper       the paper's Tables 1, 2 and 4 grid: preset paper,
               S = 4096, 8192, 16384 x P = 4, 8, 16, eager and flash
+  q_latent    laga --q-latent beside explicit and laga: preset deepseek-v3
+              (rq = 1536), S = 4096, P = 8, 16, 64, 256, flash
   throughput  tokens/s, real runs: preset small, S = 1024, P = 1, 2, 4
               (measured on this machine's cores: minutes)
 --markdown writes the paper-comparison tables from the JSONs under --out
@@ -82,13 +84,19 @@ def sweep(name, laga, out, dry):
                     run_compare(laga, ["--preset", "paper", "--seq", str(s), "--sp", str(p),
                                        "--attention", att] + co,
                                 os.path.join(d, f"paper_s{s}_p{p}_{att}.json"), dry)
+    elif name == "q_latent":
+        for p in [8, 16, 64, 256]:
+            run_compare(laga, ["--preset", "deepseek-v3", "--forms", "explicit,laga", "--q-latent",
+                               "--seq", "4096", "--sp", str(p)] + co,
+                        os.path.join(d, f"v3_s4096_p{p}.json"), dry)
     elif name == "throughput":
         for p in [1, 2, 4]:
             run_compare(laga, ["--preset", "small", "--seq", "1024", "--sp", str(p),
                                "--steps", "3", "--warmup", "1"],
                         os.path.join(d, f"small_s1024_p{p}.json"), dry)
     else:
-        sys.exit(f"unknown sweep '{name}'; choose from by_p, by_h, by_s, paper, throughput")
+        sys.exit(f"unknown sweep '{name}'; choose from by_p, by_h, by_s, paper, q_latent, "
+                 "throughput")
 
 
 # ------------------------------------------------------------------ markdown
@@ -119,6 +127,39 @@ def paper_convention_fwd(doc, name):
         else:
             total += row["bytes_sent"]
     return total
+
+
+def label_sent(f, phase, label):
+    return next(r["bytes_sent"] for r in f["by_label"] if r["phase"] == phase and r["label"] == label)
+
+
+def q_latent_table(out, w):
+    """laga --q-latent at DeepSeek-V3 dims: bytes and memory per rank against
+    explicit and laga, and where the query-latent gather stops paying."""
+    rows = [(p, os.path.join(out, "q_latent", f"v3_s4096_p{p}.json")) for p in [8, 16, 64, 256]]
+    rows = [(p, load(f)) for p, f in rows if os.path.exists(f)]
+    if not rows:
+        return
+    w("### laga --q-latent — DeepSeek-V3 (rq = 1536), S = 4096, flash, per rank "
+      "(MB = 10^6 bytes, max over ranks)\n")
+    w("| P | fwd: explicit | fwd: laga | fwd: laga --q-latent | explicit / --q-latent | "
+      "fwd+bwd: explicit | laga | --q-latent | query exchange, fwd: q_a2a | q_latent_ag | "
+      "peak: explicit | laga | --q-latent |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p, d in rows:
+        ex, lg, ql = form(d, "explicit"), form(d, "laga"), form(d, "laga+q-latent")
+        mb = lambda b: f"{b / 1e6:.2f}"
+        fb = lambda f: f["bytes_sent_forward"] + f["bytes_sent_backward"]
+        w(f"| {p} | {mb(ex['bytes_sent_forward'])} | {mb(lg['bytes_sent_forward'])} | "
+          f"{mb(ql['bytes_sent_forward'])} | "
+          f"{ex['bytes_sent_forward'] / ql['bytes_sent_forward']:.3f}x | {mb(fb(ex))} | "
+          f"{mb(fb(lg))} | {mb(fb(ql))} | {mb(label_sent(lg, 'forward', 'q_a2a'))} | "
+          f"{mb(label_sent(ql, 'forward', 'q_latent_ag'))} | {mb(ex['peak_activation_bytes'])} | "
+          f"{mb(lg['peak_activation_bytes'])} | {mb(ql['peak_activation_bytes'])} |")
+    note = next(n for n in rows[0][1]["notes"] if n.startswith("--q-latent"))
+    w("")
+    w("Crossover (`laga compare --q-latent`'s note): " + note[note.index("With heads"):] + ".")
+    w("")
 
 
 def markdown(out, path):
@@ -185,6 +226,7 @@ def markdown(out, path):
         lvse = 100 * (lg["peak_activation_bytes"] - ex["peak_activation_bytes"]) / ex["peak_activation_bytes"]
         w(f"| {h} | {fig[h][0]} | {ratio:.3f} | {pr:.3f} | {fig[h][1]} | {infl:+.0f} | {lvse:+.2f}% |")
     w("")
+    q_latent_table(out, w)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print("wrote", path)
@@ -194,8 +236,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--laga", default="build/laga", help="the laga executable (default build/laga)")
     ap.add_argument("--out", required=True, help="folder for the JSONs (one subfolder per sweep)")
-    ap.add_argument("--sweeps", default="by_p,by_h,by_s,paper",
-                    help="comma-separated: by_p, by_h, by_s, paper, throughput "
+    ap.add_argument("--sweeps", default="by_p,by_h,by_s,paper,q_latent",
+                    help="comma-separated: by_p, by_h, by_s, paper, q_latent, throughput "
                          "(default: the count-only ones)")
     ap.add_argument("--markdown", help="write the paper-comparison tables from --out's JSONs here")
     ap.add_argument("--dry", action="store_true", help="print the commands, run nothing")

@@ -21,6 +21,31 @@ AttentionKind parse_attention(const std::string& s) {
   fail("unknown attention kernel '", s, "'; choose eager or flash");
 }
 
+const char* to_string(QueryExchange q) {
+  return q == QueryExchange::heads ? "heads" : "latent";
+}
+
+QueryExchange parse_query_exchange(const std::string& s) {
+  if (s == "heads") return QueryExchange::heads;
+  if (s == "latent") return QueryExchange::latent;
+  fail("unknown query exchange '", s, "'; choose heads or latent");
+}
+
+std::string to_string(FormVariant v) {
+  return cat(to_string(v.form), v.queries == QueryExchange::latent ? "+q-latent" : "");
+}
+
+void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
+  if (v.queries == QueryExchange::heads) return;
+  const char* what = "--q-latent applies to the laga form with q_lora_rank > 0; ";
+  LAGA_CHECK(v.form == Form::laga, what, "not to the ", to_string(v.form),
+             " form, which sends per-head queries: use --form laga or drop --q-latent");
+  LAGA_CHECK(cfg.q_lora_rank > 0, what,
+             "the config has q_lora_rank 0 (queries come from wq directly: there is no query "
+             "latent to gather); give q_lora_rank > 0 (--preset deepseek-v3, a --config with "
+             "it, or train's --q-lora-rank) or drop --q-latent");
+}
+
 namespace detail {
 
 using ops::mat;
@@ -40,12 +65,14 @@ Step::Step(const BlockContext& c) : ctx(c) {
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   pos0 = lay.seq_offset[r];
+  check_query_exchange(m, {c.form, c.queries});
   if (const Documents* docs = c.documents) {
     LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
                docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");
     if (!current_pool().count_only()) {
       doc_start = docs->doc_starts();
       positions = docs->positions(pos0, L);
+      if (c.queries == QueryExchange::latent) seq_positions = docs->positions(0, S);
     }
   }
 }
@@ -62,17 +89,23 @@ AttnShape Step::head_attention() const {
 }
 
 template <class T>
+void Pieces<T>::project_q_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                 InputSaved<T>& in) {
+  in.qa = Tensor<T>({st.B, st.L, st.rq}, "qa");
+  in.q_rstd = Tensor<T>({st.B, st.L}, "q_rstd");
+  in.qn = Tensor<T>({st.B, st.L, st.rq}, "qn");
+  ops::linear(mat(in.qa), mat(x), w.wq_a);
+  ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.qa), w.q_norm, st.ctx.cfg.norm_eps);
+}
+
+template <class T>
 Tensor<T> Pieces<T>::project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                InputSaved<T>& in) {
   Tensor<T> q({st.B, st.L, st.H * st.dqk}, "q");
   if (st.rq == 0) {
     ops::linear(mat(q), mat(x), w.wq);
   } else {
-    in.qa = Tensor<T>({st.B, st.L, st.rq}, "qa");
-    in.q_rstd = Tensor<T>({st.B, st.L}, "q_rstd");
-    in.qn = Tensor<T>({st.B, st.L, st.rq}, "qn");
-    ops::linear(mat(in.qa), mat(x), w.wq_a);
-    ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.qa), w.q_norm, st.ctx.cfg.norm_eps);
+    project_q_latent(st, w, x, in);
     ops::linear(mat(q), mat(in.qn), w.wq_b);
   }
   st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
@@ -188,12 +221,14 @@ Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
 
 template <class T>
 void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                    Tensor<T>& dq_loc, Tensor<T>& dlat_loc, InputSaved<T>& in,
+                                    Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
                                     Tensor<T>& dx, MlaParams<T>& grads) {
+  const bool per_head = st.ctx.queries == QueryExchange::heads;
   dx = Tensor<T>({st.B, st.L, st.D}, "dx");
   ops::Mat<T> dx_m = mat(dx);
-  // A rotation's Jacobian is its transpose: rotate the gradients back.
-  st.rope(mat(dq_loc).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
+  // A rotation's Jacobian is its transpose: rotate the gradients back (the
+  // latent exchange's dq is past its rotation already).
+  if (per_head) st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
   st.rope(mat(dlat_loc).col_range(st.C, st.dr), 1, 0, true);
   // d c_hat must be contiguous for the norm's backward, whose dx lands back in
   // dlat_loc's first C columns: dlat_loc becomes d kv_a = [d c | d k_pe].
@@ -205,19 +240,24 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
   }
   in.kv_rstd.reset();
   if (st.rq == 0) {
-    ops::linear_backward(&dx_m, false, grads.wq, mat(dq_loc), mat(x), w.wq);
+    ops::linear_backward(&dx_m, false, grads.wq, mat(dq), mat(x), w.wq);
   } else {
-    Tensor<T> dqn({st.B, st.L, st.rq}, "dqn");
-    ops::Mat<T> dqn_m = mat(dqn);
-    ops::linear_backward(&dqn_m, false, grads.wq_b, mat(dq_loc), mat(in.qn), w.wq_b);
-    in.qn.reset();
+    // d qn (B, L, rq): through wq_b here, or already (the latent exchange).
+    Tensor<T> dqn_heads;
+    if (per_head) {
+      dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
+      ops::Mat<T> dqn_m = mat(dqn_heads);
+      ops::linear_backward(&dqn_m, false, grads.wq_b, mat(dq), mat(in.qn), w.wq_b);
+      in.qn.reset();
+    }
+    const Tensor<T>& dqn = per_head ? dqn_heads : dq;
     Tensor<T> dqa({st.B, st.L, st.rq}, "dqa");
     ops::rmsnorm_backward(mat(dqa), grads.q_norm, mat(dqn), mat(in.qa), w.q_norm, in.q_rstd);
     ops::linear_backward(&dx_m, false, grads.wq_a, mat(dqa), mat(x), w.wq_a);
     in.qa.reset();
     in.q_rstd.reset();
   }
-  dq_loc.reset();
+  dq.reset();
   ops::linear_backward(&dx_m, true, grads.wkv_a, mat(dlat_loc), mat(x), w.wkv_a);
   dlat_loc.reset();
   in.kv_a.reset();
@@ -317,9 +357,10 @@ void BlockApi<T>::backward(const BlockContext& ctx, const MlaParams<T>& w, const
                            const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx,
                            MlaParams<T>& grads) {
   LAGA_CHECK(!saved.empty(), "mla_backward: nothing saved; call mla_forward first");
-  LAGA_CHECK(saved.step_->ctx.form == ctx.form, "mla_backward: forward ran the ",
-             to_string(saved.step_->ctx.form), " form but backward was asked for ",
-             to_string(ctx.form));
+  const FormVariant ran{saved.step_->ctx.form, saved.step_->ctx.queries};
+  LAGA_CHECK(ran == FormVariant(ctx.form, ctx.queries), "mla_backward: forward ran ",
+             to_string(ran), " but backward was asked for ",
+             to_string(FormVariant(ctx.form, ctx.queries)));
   LAGA_CHECK(&saved.step_->ctx.comm == &ctx.comm,
              "mla_backward: called with another communicator than its forward");
   LAGA_CHECK(dout.shape() == x.shape(), "mla_backward: dout has shape ", to_string(dout.shape()),

@@ -8,6 +8,12 @@
 //   laga      all-to-all Q, all-gather [c | k_pe], up-project K/V locally for
 //             the rank's own heads, attend as explicit, all-to-all out
 //
+// laga with q_lora_rank > 0 may exchange the queries another way
+// (QueryExchange::latent, `--q-latent`): all-gather the normalised query
+// latent q_norm(wq_a x), rq wide per token, instead of all-to-alling per-head
+// Q, H dqk wide, and apply wq_b for the rank's own heads over the full
+// sequence.
+//
 // x and out are the rank's seq shard (B, L_r, D). Forward fills MlaSaved with
 // what backward needs; backward consumes (and frees) it, writes dx (B, L_r, D)
 // and ADDS this rank's partial parameter gradients into grads;
@@ -41,6 +47,35 @@ enum class AttentionKind { eager, flash };
 const char* to_string(AttentionKind a);
 AttentionKind parse_attention(const std::string& s);  // "eager" | "flash"
 
+// How the queries reach the rank that owns their heads (docs/forms.md):
+//   heads   q (B, L_r, H dqk) all-to-all seq->head, every form (label q_a2a)
+//   latent  laga only, q_lora_rank > 0: qn = q_norm(wq_a x) (B, L_r, rq)
+//           all-gathered to (B, S, rq) (label q_latent_ag), then
+//           q_h = qn wq_b[own heads' rows]^T locally. Fewer bytes while
+//           P rq < H dqk (query_latent_crossover, comm_model.hpp).
+enum class QueryExchange { heads, latent };
+const char* to_string(QueryExchange q);
+QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
+
+// One way to run the block: a form and its query exchange. Tools list these
+// (`laga verify` and `laga compare` run laga+q-latent beside laga), and the
+// closed forms take one. A Form alone is that form with per-head queries.
+struct FormVariant {
+  Form form = Form::laga;
+  QueryExchange queries = QueryExchange::heads;
+  FormVariant() = default;
+  FormVariant(Form f, QueryExchange q = QueryExchange::heads)  // NOLINT: a Form is a variant
+      : form(f), queries(q) {}
+  friend bool operator==(const FormVariant&, const FormVariant&) = default;
+};
+std::string to_string(FormVariant v);  // "laga", "laga+q-latent"
+
+// Throws laga::Error when the query exchange does not apply: latent needs the
+// laga form (explicit and absorbed have no per-head up-projection of queries
+// to move after the wire) and q_lora_rank > 0 (without it there is no query
+// latent, only wq).
+void check_query_exchange(const MlaConfig& cfg, FormVariant v);
+
 struct BlockContext {
   const MlaConfig& cfg;
   const SpLayout& layout;
@@ -51,6 +86,7 @@ struct BlockContext {
   // Packed sequences (mla/documents.hpp): attention stays inside each
   // document and RoPE positions restart at each. Null: one document per row.
   const Documents* documents = nullptr;
+  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 only
 };
 
 namespace detail {

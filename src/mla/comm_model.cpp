@@ -1,9 +1,14 @@
 #include "mla/comm_model.hpp"
 
+#include "core/error.hpp"
+
 namespace laga {
 
-CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, int r,
+CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
                             std::int64_t e, bool backward, bool grad_sync) {
+  check_query_exchange(c, variant);
+  const Form form = variant.form;
+  const bool q_latent = variant.queries == QueryExchange::latent;
   auto z = [](std::int64_t i) { return static_cast<size_t>(i); };
   const int P = lay.ranks;
   const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)], Hr = lay.head_count[z(r)];
@@ -43,7 +48,13 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
     slot.received += b.received;
     slot.calls += 1;
   };
-  add(Phase::forward, "q_a2a", seq_to_head(dqk));
+  // The queries: per head seq->head, or (laga --q-latent) the rq-wide
+  // normalised query latent all-gathered.
+  const std::int64_t rq = c.q_lora_rank;
+  if (q_latent)
+    add(Phase::forward, "q_latent_ag", all_gather(rq));
+  else
+    add(Phase::forward, "q_a2a", seq_to_head(dqk));
   if (form == Form::explicit_form) {
     add(Phase::forward, "k_a2a", seq_to_head(dqk));
     add(Phase::forward, "v_a2a", seq_to_head(dv));
@@ -53,7 +64,10 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
   add(Phase::forward, "out_a2a", head_to_seq(dv));
   if (backward) {
     add(Phase::backward, "out_a2a", seq_to_head(dv));
-    add(Phase::backward, "q_a2a", head_to_seq(dqk));
+    if (q_latent)
+      add(Phase::backward, "q_latent_ag", reduce_scatter(rq));
+    else
+      add(Phase::backward, "q_a2a", head_to_seq(dqk));
     if (form == Form::explicit_form) {
       add(Phase::backward, "k_a2a", head_to_seq(dqk));
       add(Phase::backward, "v_a2a", head_to_seq(dv));
@@ -67,7 +81,7 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
     // reduces the gradients), so that this term is a check on that code:
     //   wq (H dqk, D) | wq_a (rq, D) + q_norm (rq) + wq_b (H dqk, rq)
     //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv)
-    const std::int64_t D = c.dim, H = c.n_heads, rq = c.q_lora_rank, C = c.kv_lora_rank;
+    const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank;
     const std::int64_t q = rq == 0 ? H * dqk * D : rq * D + rq + H * dqk * rq;
     const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv;
     // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
@@ -77,6 +91,19 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, Form form, 
     add(Phase::grad_sync, "grad_allreduce", {mine, mine});
   }
   return p;
+}
+
+QueryExchangeCost query_exchange_cost(const MlaConfig& c, const SpLayout& lay, int r) {
+  LAGA_CHECK(r >= 0 && r < lay.ranks, "query_exchange_cost: rank ", r, " is outside a layout of ",
+             lay.ranks, " ranks");
+  const std::int64_t Hr = lay.head_count[static_cast<std::size_t>(r)];
+  return {(c.n_heads - Hr) * c.qk_head_dim(), (lay.ranks - 1) * c.q_lora_rank};
+}
+
+std::int64_t query_latent_crossover(const MlaConfig& c) {
+  if (c.q_lora_rank == 0) return 0;
+  const std::int64_t per_head_width = c.n_heads * c.qk_head_dim();
+  return (per_head_width + c.q_lora_rank - 1) / c.q_lora_rank;
 }
 
 std::int64_t predicted_sent(const CommPrediction& p, Phase phase) {

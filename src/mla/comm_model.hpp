@@ -5,6 +5,8 @@
 //
 // With e the element size, L_j / H_j rank j's tokens / heads, W = C + dr:
 //   forward   q_a2a      sum_{j!=r} B L_r H_j dqk e       (seq -> head)
+//             q_latent_ag (P-1) B L_r rq e                laga --q-latent, in
+//                                                         place of q_a2a
 //             k_a2a      sum_{j!=r} B L_r H_j dqk e       explicit
 //             v_a2a      sum_{j!=r} B L_r H_j dv e        explicit
 //             latent_ag  (P-1) B L_r W e                  laga, absorbed
@@ -32,8 +34,28 @@ struct PredictedBytes {
 };
 using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 
-CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, Form form, int rank,
-                            std::int64_t elem_bytes, bool backward, bool grad_sync);
+// Throws laga::Error for a variant the block refuses (check_query_exchange).
+CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                            int rank, std::int64_t elem_bytes, bool backward, bool grad_sync);
+
+// The crossover of the query exchange. Per local token of rank r, forward
+// (backward moves the same, reversed), the per-head all-to-all sends
+// (H - H_r) dqk elements and the query-latent all-gather (P - 1) rq; both
+// scale with B L_r e alike, so which is smaller depends on the config, P and
+// H_r only. With H_r = H / P the latent gather sends less iff
+// (P - 1) rq < (P - 1) H dqk / P, i.e. P rq < H dqk.
+struct QueryExchangeCost {
+  std::int64_t heads_per_token = 0;   // (H - H_r) dqk
+  std::int64_t latent_per_token = 0;  // (P - 1) rq
+  bool latent_sends_less() const { return latent_per_token < heads_per_token; }
+};
+QueryExchangeCost query_exchange_cost(const MlaConfig& cfg, const SpLayout& layout, int rank);
+
+// The smallest P at which the latent gather sends at least as many bytes as
+// the per-head all-to-all when the heads split evenly: ceil(H dqk / rq)
+// (DeepSeek-V3: 128 * 192 / 1536 = 16, where the two are equal). 0 when
+// rq == 0 (there is no query latent).
+std::int64_t query_latent_crossover(const MlaConfig& cfg);
 
 // Sum over labels of one phase (Phase::count: all phases).
 std::int64_t predicted_sent(const CommPrediction& p, Phase phase = Phase::count);

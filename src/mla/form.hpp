@@ -26,10 +26,11 @@ struct Step {
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
   std::int64_t pos0;   // global index of the first local token
   // Packed sequences, made only when kernels will read them (not in a
-  // count-only run): each token's document start (B, S), and each local
-  // token's in-document RoPE position (B, L). Empty: one document per row,
-  // local token l at position pos0 + l.
-  std::vector<std::int64_t> doc_start, positions;
+  // count-only run): each token's document start (B, S), each local token's
+  // in-document RoPE position (B, L), and, for the query-latent exchange
+  // (which rotates the queries of every token), every token's (B, S). Empty:
+  // one document per row, token t at position t.
+  std::vector<std::int64_t> doc_start, positions, seq_positions;
   explicit Step(const BlockContext& ctx);
   // Causal attention over this rank's heads, full sequence, head dims;
   // within documents when packed.
@@ -44,6 +45,14 @@ struct Step {
   void rope(ops::Mat<T> x, std::int64_t heads, std::int64_t head_stride, bool inverse) const {
     ops::rope(x, B, L, heads, head_stride, pos0, positions.empty() ? nullptr : positions.data(),
               ctx.rope, inverse);
+  }
+  // The same for every token of the sequence: x has B S rows (the
+  // query-latent exchange's q_h of this rank's heads).
+  template <class T>
+  void rope_sequence(ops::Mat<T> x, std::int64_t heads, std::int64_t head_stride,
+                     bool inverse) const {
+    ops::rope(x, B, S, heads, head_stride, 0,
+              seq_positions.empty() ? nullptr : seq_positions.data(), ctx.rope, inverse);
   }
 };
 
@@ -86,7 +95,11 @@ struct InputSaved {
 // instantiation per type (block.cpp) covers them all.
 template <class T>
 struct Pieces {
-  // q (B, L, H*dqk) with q_pe rotated.
+  // rq > 0: the query latent of local tokens, qn = q_norm(wq_a x) (B, L, rq),
+  // into in.qn (with in.qa and in.q_rstd for its backward).
+  static void project_q_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                               InputSaved<T>& in);
+  // q (B, L, H*dqk) with q_pe rotated: wq x, or wq_b qn after project_q_latent.
   static Tensor<T> project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                              InputSaved<T>& in);
   // c_hat (B, L, C), the normalised latent; in.kv_a, in.kv_rstd saved.
@@ -127,11 +140,14 @@ struct Pieces {
                                         const Tensor<T>& dout, Tensor<T>& o_loc,
                                         MlaParams<T>& grads);
 
-  // From dq_loc (B, L, H*dqk) and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
-  // (both before the inverse rotation) to dx and the wq*, q_norm, wkv_a,
-  // kv_norm gradients. Consumes dq_loc, dlat_loc and everything in `in`.
+  // From the queries' gradient dq and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
+  // (before the inverse rotation) to dx and the wq*, q_norm, wkv_a, kv_norm
+  // gradients. dq is, with per-head queries (QueryExchange::heads), dq_loc
+  // (B, L, H*dqk) before the inverse rotation; with the latent exchange, d qn
+  // (B, L, rq), already taken back through the rotation and wq_b (whose
+  // gradient the form added). Consumes dq, dlat_loc and everything in `in`.
   static void project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                  Tensor<T>& dq_loc, Tensor<T>& dlat_loc, InputSaved<T>& in,
+                                  Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
                                   Tensor<T>& dx, MlaParams<T>& grads);
   // K = [k_nope | k_pe] (rows, heads, dqk) and V (rows, heads, dv) from kv
   // (rows, heads*(dn+dv)) and each row's rotated k_pe (rows, dr), which every

@@ -18,7 +18,7 @@ MemoryPeak to_peak(const MemoryPool::PeakSnapshot& s, std::int64_t num, std::int
 }
 
 template <class T>
-RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, Form form,
+RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                       AttentionKind attention, int rank, const MemoryModelOptions& options) {
   MemoryPool pool;
   pool.set_count_only(true);
@@ -29,7 +29,8 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, Form form,
   const Tensor<T> x({layout.batch, layout.seq, cfg.dim}), dout({layout.batch, layout.seq, cfg.dim});
   pool.set_live_tracking(true);
   RunSpec spec;
-  spec.form = form;
+  spec.form = variant.form;
+  spec.queries = variant.queries;
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;
@@ -38,7 +39,7 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, Form form,
 
 }  // namespace
 
-MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Form form,
+MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                                 AttentionKind attention, int rank, std::int64_t elem_bytes,
                                 const MemoryModelOptions& options) {
   LAGA_CHECK(rank >= 0 && rank < layout.ranks, "predict_memory: rank ", rank,
@@ -49,8 +50,8 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
              "predict_memory: elem_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got ", elem_bytes);
   // Counted in the element type the run would use; bf16 as half of fp32.
   const RankMemory m = elem_bytes == 8
-                           ? count_rank<double>(cfg, layout, form, attention, rank, options)
-                           : count_rank<float>(cfg, layout, form, attention, rank, options);
+                           ? count_rank<double>(cfg, layout, variant, attention, rank, options)
+                           : count_rank<float>(cfg, layout, variant, attention, rank, options);
   const std::int64_t num = elem_bytes, den = elem_bytes == 8 ? 8 : 4;
   MemoryPrediction p;
   p.peak_activations = m.peak_activations * num / den;
@@ -68,8 +69,10 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
   return p;
 }
 
-std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay, Form form,
-                                         AttentionKind attention, int rank) {
+std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay,
+                                         FormVariant variant, AttentionKind attention, int rank) {
+  check_query_exchange(c, variant);
+  const Form form = variant.form;
   const auto r = static_cast<std::size_t>(rank);
   const std::int64_t B = lay.batch, L = lay.seq_count[r], S = lay.seq, Hr = lay.head_count[r];
   const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
@@ -81,6 +84,9 @@ std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay
   // o_loc for wo's gradient.
   std::int64_t n = B * L * D + B * L * W + B * L + B * L * H * dv;
   if (rq > 0) n += 2 * B * L * rq + B * L;
+  // laga --q-latent: the gathered qn of every token (B, S, rq), which wq_b's
+  // gradient reads, replaces the local tokens' qn (B, L, rq).
+  if (variant.queries == QueryExchange::latent) n += B * S * rq - B * L * rq;
   switch (form) {
     case Form::explicit_form:
     case Form::laga: {

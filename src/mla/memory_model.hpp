@@ -68,19 +68,20 @@ struct MemoryModelOptions {
   StagingRule staging = StagingRule::in_process;
 };
 
-// Rank `rank` of layout.ranks running `form` with `attention`, elements of
+// Rank `rank` of layout.ranks running `variant` (a form and its query
+// exchange) with `attention`, elements of
 // elem_bytes (4 for float, 8 for double; 2 gives what the same allocation
 // sequence would cost in bf16: every tensor's bytes are elements times the
 // element size, so bf16 is exactly half of fp32).
-MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Form form,
+MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                                 AttentionKind attention, int rank, std::int64_t elem_bytes,
                                 const MemoryModelOptions& options = {});
 
-// The independent closed form of what `form` keeps alive from forward to
+// The independent closed form of what `variant` keeps alive from forward to
 // backward on `rank` (the activations live when forward returns, the output
 // (B, L_r, D) included), in elements: written from the forms' math
 // (docs/forms.md, "What each form saves"), not from their code.
-std::int64_t saved_for_backward_elements(const MlaConfig& cfg, const SpLayout& layout, Form form,
-                                         AttentionKind attention, int rank);
+std::int64_t saved_for_backward_elements(const MlaConfig& cfg, const SpLayout& layout,
+                                         FormVariant variant, AttentionKind attention, int rank);
 
 }  // namespace laga

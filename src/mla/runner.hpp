@@ -19,6 +19,7 @@ namespace laga {
 struct RunSpec {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
+  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
   bool backward = true;
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row

@@ -98,6 +98,7 @@ struct LmContext {
   const RopeTable& rope;  // positions [0, layout.seq)
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
+  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
 };
 
 // One forward + backward on this rank. tokens and targets (B, L_r) are the

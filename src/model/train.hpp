@@ -28,6 +28,7 @@ struct TrainOptions {
   LmConfig model;
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
+  QueryExchange queries = QueryExchange::heads;  // the block's query exchange (--q-latent)
   int sp = 1;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step

@@ -73,7 +73,7 @@ BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const
 }
 
 void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
-                            const std::vector<Form>& forms, AttentionKind attention) {
+                            const std::vector<FormVariant>& forms, AttentionKind attention) {
   if (!comm.memory_check) return;
   // Held by the job: the weights, x and dout (B, S, D), and on every rank the
   // gathered global out and dx (B, S, D) for the report.

@@ -28,7 +28,7 @@ BlockJob run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLa
 // these forms, before the caller allocates weights or inputs; nothing when
 // --no-memory-check was given.
 void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
-                            const std::vector<Form>& forms, AttentionKind attention);
+                            const std::vector<FormVariant>& forms, AttentionKind attention);
 
 // Packed sequences of a (batch, seq) block job (docs/forms.md, "Packed
 // sequences"): `doc_lens` (--doc-lens text), or in the input safetensors

@@ -154,6 +154,22 @@ std::vector<Form> parse_form_list(const std::string& s) {
   return v;
 }
 
+std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
+                                       const MlaConfig& cfg) {
+  std::vector<FormVariant> v;
+  for (Form f : forms) {
+    v.push_back(f);
+    if (q_latent && f == Form::laga) v.push_back({f, QueryExchange::latent});
+  }
+  if (q_latent) {
+    LAGA_CHECK(v.size() > forms.size(),
+               "--q-latent applies to the laga form with q_lora_rank > 0; --forms does not "
+               "include laga: add it (e.g. --forms explicit,laga) or drop --q-latent");
+    check_query_exchange(cfg, {Form::laga, QueryExchange::latent});
+  }
+  return v;
+}
+
 namespace {
 MpiSession& mpi_session() {
   static MpiSession session;  // MPI_Init on first use, MPI_Finalize at exit

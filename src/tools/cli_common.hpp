@@ -54,6 +54,13 @@ CLI::Validator real_above(double lo);
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"
 
+// What `laga verify` and `laga compare` run side by side: each form of
+// --forms, and with --q-latent laga+q-latent right after laga (one table
+// holds both). --q-latent needs laga among the forms and q_lora_rank > 0;
+// otherwise a laga::Error says which is missing.
+std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
+                                       const MlaConfig& cfg);
+
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved
 // model config (ModelOptions::load). run_group's MPI path compares them

@@ -30,6 +30,10 @@ void register_compare(CLI::App& app) {
   c->add_option("--forms", o->forms,
                 "comma-separated forms to run (explicit, absorbed, laga), or all")
       ->capture_default_str();
+  c->add_flag("--q-latent", o->q_latent,
+              "also run laga+q-latent right after laga: the normalised query latent (rq per "
+              "token) all-gathered instead of per-head Q (H*dqk) all-to-alled; needs laga among "
+              "--forms and q_lora_rank > 0. The notes say where it stops paying");
   c->add_option("--attention", o->attention,
                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
                 "(saves the log-sum-exp, recomputes in backward)")

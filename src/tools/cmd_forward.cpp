@@ -22,7 +22,7 @@ struct ForwardOptions {
   ModelOptions model;
   CommOptions comm;
   std::string weights, input, output, doc_lens;
-  bool backward = false, allow_nonfinite = false;
+  bool backward = false, allow_nonfinite = false, q_latent = false;
   std::string form = "explicit", attention = "flash";
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
@@ -70,7 +70,10 @@ void run_forward(const ForwardOptions& o) {
       B = in.info("x").shape[0], S = in.info("x").shape[1];
   }
   const std::optional<Documents> docs = load_documents(o.doc_lens, o.input, B, S);
-  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {parse_form(o.form)},
+  const FormVariant variant{parse_form(o.form),
+                            o.q_latent ? QueryExchange::latent : QueryExchange::heads};
+  check_query_exchange(cfg, variant);
+  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
                          parse_attention(o.attention));
   MlaParams<float> w =
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
@@ -107,14 +110,15 @@ void run_forward(const ForwardOptions& o) {
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
   RunSpec spec;
   spec.documents = docs ? &*docs : nullptr;
-  spec.form = parse_form(o.form);
+  spec.form = variant.form;
+  spec.queries = variant.queries;
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
   const bool report = is_reporting_process(o.comm);
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
-              << ", form " << o.form << ", attention " << o.attention << ", sp " << o.sp << " ("
-              << layout.describe() << "), comm " << to_string(o.comm.backend)
+              << ", form " << to_string(variant) << ", attention " << o.attention << ", sp " << o.sp
+              << " (" << layout.describe() << "), comm " << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
@@ -148,7 +152,7 @@ void run_forward(const ForwardOptions& o) {
           [&](const std::string& name, const TensorF& g) { wr.add("grad." + name, g); });
     }
     wr.add_metadata("config", cfg.to_json().dump());
-    wr.add_metadata("form", o.form);
+    wr.add_metadata("form", to_string(variant));
     if (docs) wr.add_metadata("doc_lens", docs->describe());
     wr.write(o.output);
     std::cout << "wrote " << o.output << "\n";
@@ -178,6 +182,10 @@ void register_forward_command(CLI::App& app) {
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "
                 "warning naming each tensor (default: refuse them, naming the tensor and count)");
   sub->add_option("--form", opts->form, "explicit | absorbed | laga")->capture_default_str();
+  sub->add_flag("--q-latent", opts->q_latent,
+                "laga with q_lora_rank > 0: all-gather the normalised query latent (rq per token) "
+                "instead of all-to-alling per-head Q (H*dqk), and apply wq_b for the rank's own "
+                "heads (docs/forms.md)");
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))

@@ -41,6 +41,9 @@ struct TrainCli {
   std::string data = "random", data_dtype = "auto", log, checkpoint, resume;
   bool quiet = false, allow_nonfinite = false;
   std::string allow_change;  // comma-separated option names
+  // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
+  std::int64_t q_lora_rank = 0;
+  bool q_latent = false;
 };
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
@@ -110,6 +113,8 @@ TrainOptions to_options(const TrainCli& c) {
   if (c.rope_dim) o.model.mla.qk_rope_head_dim = c.rope_dim;
   if (c.v_dim) o.model.mla.v_head_dim = c.v_dim;
   if (c.kv_lora_rank) o.model.mla.kv_lora_rank = c.kv_lora_rank;
+  o.model.mla.q_lora_rank = c.q_lora_rank;
+  o.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
   o.model.ffn_hidden = c.ffn_hidden;
   o.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
@@ -145,6 +150,7 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
+  check_query_exchange(o.model.mla, {o.form, o.queries});
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
@@ -167,9 +173,10 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form " << c.form << ", attention " << c.attention << ", sp " << o.sp
-              << ", comm " << to_string(c.comm.backend) << ", data " << c.data << ", steps "
-              << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
+              << ", form " << to_string(FormVariant(o.form, o.queries)) << ", attention "
+              << c.attention << ", sp " << o.sp << ", comm " << to_string(c.comm.backend)
+              << ", data " << c.data << ", steps " << o.steps
+              << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
     for (const std::string& note : prepare_run(o)) std::cerr << "laga train: " << note << "\n";
   }
   install_stop_handlers();
@@ -223,6 +230,9 @@ void register_train(CLI::App& app) {
   c->comm.add_to(*sub);
   sub->add_option("--form", c->form, "explicit | absorbed | laga")->capture_default_str();
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
+  sub->add_flag("--q-latent", c->q_latent,
+                "laga with --q-lora-rank > 0: all-gather the normalised query latent instead of "
+                "all-to-alling per-head Q (docs/forms.md)");
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();
   sub->add_option("--layers", c->layers, "transformer layers")
       ->check(whole(1))
@@ -235,6 +245,10 @@ void register_train(CLI::App& app) {
   sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)")->check(whole(1));
   sub->add_option("--kv-lora-rank", c->kv_lora_rank, "kv_lora_rank C (default 4 D/H)")
       ->check(whole(1));
+  sub->add_option("--q-lora-rank", c->q_lora_rank,
+                  "q_lora_rank rq: queries through wq_a, q_norm, wq_b (0: one wq)")
+      ->check(whole(0))
+      ->capture_default_str();
   sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)")
       ->check(whole(1));
   sub->add_option("--vocab", c->vocab, "vocabulary size")->check(whole(1))->capture_default_str();

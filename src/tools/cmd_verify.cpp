@@ -1,7 +1,8 @@
 // laga verify: every form at every P against the single-rank explicit form on
 // the same weights and input: max |diff| of the output, dx and every parameter
 // gradient, relative to the reference's largest value. Exits 1 if any is above
-// tolerance, or if LAGA at P = 1 is not bit-identical to explicit.
+// tolerance, or if LAGA at P = 1 is not bit-identical to explicit. With
+// --q-latent, laga+q-latent runs beside laga under the same checks.
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@ struct VerifyOptions {
   std::int64_t batch = 2, seq = 61;
   std::uint64_t seed = 0;
   double tol = 1e-5;
+  bool q_latent = false;
 };
 
 struct Row {
@@ -35,7 +37,7 @@ struct Row {
 void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
-  const std::vector<Form> forms = parse_form_list(o.forms);
+  const std::vector<FormVariant> forms = form_variants(parse_form_list(o.forms), o.q_latent, cfg);
   const std::optional<Documents> docs = load_documents(o.doc_lens, "", o.batch, o.seq);
   // Refuse before allocating anything when a run cannot fit: the reference
   // (explicit, one in-process rank) and every P.
@@ -76,8 +78,9 @@ void run_verify(const VerifyOptions& o) {
     if (o.comm.backend == Backend::mpi && sps.size() > 1)
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
-    for (Form f : forms) {
-      spec.form = f;
+    for (FormVariant f : forms) {
+      spec.form = f.form;
+      spec.queries = f.queries;
       BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
       Row row{to_string(f),
@@ -100,7 +103,8 @@ void run_verify(const VerifyOptions& o) {
       }
       // Bit-identity holds against explicit on the same (packed) batch, not
       // against documents run alone.
-      const bool exact_needed = f == Form::laga && P == 1 && !docs;
+      // laga+q-latent too: at P = 1 it runs the same GEMMs (docs/forms.md).
+      const bool exact_needed = f.form == Form::laga && P == 1 && !docs;
       const double worst =
           std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
       row.ok = exact_needed
@@ -120,13 +124,13 @@ void run_verify(const VerifyOptions& o) {
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol << " (fp32)"
     << (docs ? "" : ", and laga at P=1 must be bit-identical (|diff| = 0)") << "\n";
-  t << std::left << std::setw(9) << "form" << std::setw(4) << "P" << std::setw(38) << "shards"
+  t << std::left << std::setw(15) << "form" << std::setw(4) << "P" << std::setw(38) << "shards"
     << std::right << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12)
     << "grad |diff|" << std::setw(10) << "grad rel"
     << "  " << std::left << std::setw(16) << "worst grad"
     << "status\n";
   for (const Row& r : rows)
-    t << std::left << std::setw(9) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout
+    t << std::left << std::setw(15) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout
       << std::right << std::scientific << std::setprecision(2) << std::setw(11) << r.out.max_abs
       << std::setw(11) << r.dx.max_abs << std::setw(12) << r.worst_grad.max_abs << std::setw(10)
       << r.worst_grad.relative() << "  " << std::left << std::setw(16) << r.worst
@@ -164,6 +168,9 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--forms", opts->forms,
                   "comma-separated forms (explicit, absorbed, laga), or all")
       ->capture_default_str();
+  sub->add_flag("--q-latent", opts->q_latent,
+                "also run laga+q-latent (the query latent all-gathered instead of per-head Q "
+                "all-to-alled; laga with q_lora_rank > 0) beside the forms");
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")
       ->check(CLI::PositiveNumber)

@@ -35,7 +35,8 @@ struct CompareOptions {
   std::string json, csv;
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
   bool count_only = false;
-  bool quiet = false;  // no progress on stderr
+  bool quiet = false;     // no progress on stderr
+  bool q_latent = false;  // also laga+q-latent, right after laga (--q-latent)
   std::uint64_t seed = 0;
 };
 
@@ -55,7 +56,7 @@ struct Agreement {  // max |a - explicit| over the group, and the reference scal
 };
 
 struct FormResult {
-  Form form = Form::laga;
+  FormVariant form = Form::laga;
   // Bytes sent per rank, each the max over the measured ranks (they may be
   // different ranks for different columns), and the model's max.
   std::int64_t sent_forward = 0, sent_backward = 0, sent_grad_sync = 0, sent_total = 0;
@@ -93,7 +94,7 @@ struct CompareResult {
   CompareOptions options;
   MlaConfig cfg;
   SpLayout layout;
-  std::vector<Form> forms;
+  std::vector<FormVariant> forms;  // --forms, and laga+q-latent with --q-latent
   AttentionKind attention = AttentionKind::eager;
   std::optional<Documents> documents;  // --doc-lens
   std::vector<int> measured_ranks;     // all ranks, or the --rank-only one

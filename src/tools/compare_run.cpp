@@ -79,8 +79,8 @@ struct Job {
   MlaConfig cfg;
   SpLayout layout;
   AttentionKind attention;
-  const Documents* documents;  // null: one document per row
-  std::vector<Form> order;     // run order: explicit first when present
+  const Documents* documents;      // null: one document per row
+  std::vector<FormVariant> order;  // run order: explicit first when present
   std::vector<std::string> param_names;
   int steps, warmup;
   bool diffs;  // agreement with explicit is computed
@@ -125,9 +125,10 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
   std::vector<std::vector<double>> records;
   keys.assign(j.order.size(), {});
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
-    const Form form = j.order[fi];
+    const FormVariant form = j.order[fi];
     RunSpec spec;
-    spec.form = form;
+    spec.form = form.form;
+    spec.queries = form.queries;
     spec.attention = j.attention;
     spec.documents = j.documents;
     RankRecord rec;
@@ -208,11 +209,11 @@ std::vector<double> gather_records(Communicator& comm, const std::vector<double>
 // issues the same collectives, so every rank's ledger has these keys).
 FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
                      const std::vector<RankRecord>& recs, const std::vector<int>& ranks) {
-  const Form form = j.order[fi];
+  const FormVariant form = j.order[fi];
   FormResult f;
   f.form = form;
   for (int r = 0; r < j.layout.ranks; ++r) {
-    const double flops = attention_work(j.cfg, j.layout, form, r, j.documents).flops;
+    const double flops = attention_work(j.cfg, j.layout, form.form, r, j.documents).flops;
     f.attention_flops_max = r == 0 ? flops : std::max(f.attention_flops_max, flops);
     f.attention_flops_min = r == 0 ? flops : std::min(f.attention_flops_min, flops);
   }
@@ -331,6 +332,36 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
   return f;
 }
 
+// The crossover of the query-latent gather (mla/comm_model.hpp) at this
+// layout, in words: per local token, what each query exchange sends.
+std::string query_latent_note(const MlaConfig& cfg, const SpLayout& lay) {
+  const std::int64_t crossover = query_latent_crossover(cfg);
+  const std::string rule =
+      cat("With heads split evenly the latent gather sends fewer bytes while P rq < H dqk, i.e. "
+          "for P < ",
+          crossover, " with this config (ceil(", cfg.n_heads, " x ", cfg.qk_head_dim(), " / ",
+          cfg.q_lora_rank, ")); from P = ", crossover, " on it stops paying");
+  if (lay.ranks == 1)
+    return cat("--q-latent: at P = 1 neither query exchange sends a byte. ", rule);
+  // The rank where the gather compares worst: the most heads, the fewest
+  // per-head rows leaving it.
+  int fewer = 0, worst = 0;
+  for (int r = 0; r < lay.ranks; ++r) {
+    fewer += query_exchange_cost(cfg, lay, r).latent_sends_less() ? 1 : 0;
+    if (lay.head_count[std::size_t(r)] > lay.head_count[std::size_t(worst)]) worst = r;
+  }
+  const QueryExchangeCost c = query_exchange_cost(cfg, lay, worst);
+  return cat("--q-latent: laga+q-latent all-gathers the normalised query latent, (P-1) rq = ",
+             c.latent_per_token,
+             " elements per local token, where laga all-to-alls per-head Q, "
+             "(H - H_r) dqk = ",
+             c.heads_per_token, " on rank ", worst, " (H_r = ", lay.head_count[std::size_t(worst)],
+             "): the latent gather sends ",
+             fewer == lay.ranks ? std::string("fewer bytes on every rank")
+                                : cat("fewer bytes on ", fewer, " of ", lay.ranks, " ranks"),
+             " at this P. ", rule);
+}
+
 }  // namespace
 
 std::optional<CompareResult> run_compare(const CompareOptions& o) {
@@ -348,7 +379,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
              "--rank-only runs one rank alone in "
              "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
   res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
-  res.forms = parse_form_list(o.forms);
+  res.forms = form_variants(parse_form_list(o.forms), o.q_latent, res.cfg);
   res.attention = parse_attention(o.attention);
   if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);
   for (size_t i = 0; i < res.forms.size(); ++i)
@@ -384,10 +415,11 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
             "the time is this rank alone on all cores, not the group's step (no tokens/s)"));
   }
   res.values_meaningful = !o.count_only && (o.rank_only < 0 || o.sp == 1);
-  for (Form f : res.forms)
+  for (FormVariant f : res.forms)
     if (f == Form::explicit_form) j.order.push_back(f);
-  for (Form f : res.forms)
+  for (FormVariant f : res.forms)
     if (f != Form::explicit_form) j.order.push_back(f);
+  if (o.q_latent) res.notes.push_back(query_latent_note(res.cfg, res.layout));
   const bool has_explicit = j.order.front() == Form::explicit_form;
   j.diffs = res.values_meaningful && o.rank_only < 0 && has_explicit;
   if (res.values_meaningful && !has_explicit)

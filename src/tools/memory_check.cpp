@@ -81,7 +81,7 @@ StagingRule staging_of(Backend backend) {
 }
 
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
-                             const std::vector<Form>& forms, AttentionKind attention,
+                             const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank) {
   MemoryModelOptions opt;
@@ -92,7 +92,7 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
   job.lower_with =
       "Lower the peak with a larger --sp (under mpirun, one rank per process), a shorter --seq, "
       "--attention flash, or --count-only to account without allocating";
-  for (Form f : forms) {
+  for (FormVariant f : forms) {
     std::int64_t sum = 0, worst = 0;
     for (int r = 0; r < layout.ranks; ++r) {
       if (rank_only >= 0 && r != rank_only) continue;

@@ -26,7 +26,7 @@ struct MemoryBudget {
 };
 MemoryBudget available_memory();
 
-// One block job's peak in this process: for each form (they run one after
+// One block job's peak in this process: for each form variant (they run one after
 // another, so the largest), the sum over the ranks this process runs (local:
 // all P; MPI: its own, taken as the largest rank's; rank_only >= 0: that
 // rank) of their predicted working peak, gradients and shards, plus
@@ -37,7 +37,7 @@ struct JobMemory {
   std::string lower_with;  // "Lower the peak with ...": the options that shrink it
 };
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
-                             const std::vector<Form>& forms, AttentionKind attention,
+                             const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank);
 

@@ -4,6 +4,7 @@
 // and attention kind at P = 2 and 3 (ranks as threads, uneven shards, a rank
 // with no head): there the analytic gradient is the all-reduced one of the
 // whole sequence-parallel step and the loss is the group's assembled output.
+// laga with the query-latent exchange (rq > 0) under all of these too.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -22,7 +23,13 @@ struct GradCase {
   bool yarn;
   Form form;
   AttentionKind attention;
+  QueryExchange queries = QueryExchange::heads;
 };
+
+// "laga", "laga_qlatent": a test name's spelling of the variant.
+std::string name_of(Form f, QueryExchange q) {
+  return std::string(to_string(f)) + (q == QueryExchange::latent ? "_qlatent" : "");
+}
 
 MlaConfig tiny_config(std::int64_t rq, bool yarn) {
   MlaConfig c;
@@ -48,7 +55,7 @@ TEST_P(BlockGrad, MatchesFiniteDifferences) {
   const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, 1);
   const RopeTable rope(cfg.rope(), S);
   auto comm = make_self_communicator();
-  const BlockContext ctx{cfg, lay, *comm, rope, gc.form, gc.attention};
+  const BlockContext ctx{cfg, lay, *comm, rope, gc.form, gc.attention, nullptr, gc.queries};
 
   auto w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
   init_params(w, 7, 0.1);
@@ -91,13 +98,16 @@ std::vector<GradCase> cases() {
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
   for (Form f : all_forms()) v.push_back({"", 5, true, f, AttentionKind::flash});
+  for (bool yarn : {false, true})
+    v.push_back({"", 5, yarn, Form::laga, AttentionKind::eager, QueryExchange::latent});
+  v.push_back({"", 5, true, Form::laga, AttentionKind::flash, QueryExchange::latent});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllForms, BlockGrad, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<GradCase>& p) {
                            const GradCase& c = p.param;
-                           return std::string(to_string(c.form)) + "_rq" + std::to_string(c.rq) +
+                           return name_of(c.form, c.queries) + "_rq" + std::to_string(c.rq) +
                                   (c.yarn ? "_yarn" : "_rope") + "_" + to_string(c.attention);
                          });
 
@@ -105,6 +115,7 @@ struct SpCase {
   Form form;
   AttentionKind attention;
   std::vector<std::int64_t> seq, heads;  // per-rank shards; sizes give P
+  QueryExchange queries = QueryExchange::heads;
 };
 
 class BlockGradSp : public ::testing::TestWithParam<SpCase> {};
@@ -122,6 +133,7 @@ TEST_P(BlockGradSp, MatchesFiniteDifferences) {
   RunSpec spec;
   spec.form = sc.form;
   spec.attention = sc.attention;
+  spec.queries = sc.queries;
   BlockRun<double> run = run_local(cfg, lay, w, x, g, spec);
 
   spec.backward = false;
@@ -154,12 +166,16 @@ std::vector<SpCase> sp_cases() {
       v.push_back({f, a, {3, 2}, {2, 1}});
       v.push_back({f, a, {2, 2, 1}, {2, 0, 1}});  // rank 1 owns no head
     }
+  for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+    v.push_back({Form::laga, a, {3, 2}, {2, 1}, QueryExchange::latent});
+    v.push_back({Form::laga, a, {2, 2, 1}, {2, 0, 1}, QueryExchange::latent});
+  }
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(AllForms, BlockGradSp, ::testing::ValuesIn(sp_cases()),
                          [](const ::testing::TestParamInfo<SpCase>& p) {
-                           return std::string(to_string(p.param.form)) + "_P" +
+                           return name_of(p.param.form, p.param.queries) + "_P" +
                                   std::to_string(p.param.seq.size()) + "_" +
                                   to_string(p.param.attention);
                          });

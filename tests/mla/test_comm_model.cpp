@@ -3,6 +3,8 @@
 // shapes (D 7168, H 128, q_lora_rank 1536, kv_lora_rank 512, dn 128, dr 64,
 // dv 128), and against mla_param_shapes, which allocates the gradients: the
 // model writes the count out on its own, so the two are a check on each other.
+// The query-latent exchange's terms at DeepSeek-V3 against bytes worked out by
+// hand, and its crossover against the per-label closed form.
 #include <gtest/gtest.h>
 
 #include "mla/comm_model.hpp"
@@ -53,13 +55,78 @@ TEST(CommModel, GradSyncCountsDeepSeekV3Parameters) {
 
 TEST(CommModel, OneCallPerLabelAndPhase) {
   MlaConfig cfg;
+  cfg.q_lora_rank = 24;
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 3);
-  for (Form f : all_forms()) {
+  std::vector<FormVariant> variants;
+  for (Form f : all_forms()) variants.push_back(f);
+  variants.push_back({Form::laga, QueryExchange::latent});
+  for (FormVariant f : variants) {
     const CommPrediction p = predict_comm(cfg, lay, f, 1, 4, true, true);
-    // forward and backward: q, out and (explicit) k, v or (else) the latent;
-    // plus the gradient all-reduce.
-    EXPECT_EQ(p.size(), f == Form::explicit_form ? 9u : 7u) << to_string(f);
+    // forward and backward: q (per head, or its latent), out and (explicit)
+    // k, v or (else) the latent; plus the gradient all-reduce.
+    EXPECT_EQ(p.size(), f.form == Form::explicit_form ? 9u : 7u) << to_string(f);
+    const bool latent = f.queries == QueryExchange::latent;
+    for (Phase ph : {Phase::forward, Phase::backward}) {
+      EXPECT_EQ(p.count({ph, "q_a2a"}), latent ? 0u : 1u) << to_string(f);
+      EXPECT_EQ(p.count({ph, "q_latent_ag"}), latent ? 1u : 0u) << to_string(f);
+    }
     for (const auto& [key, b] : p) EXPECT_EQ(b.calls, 1) << to_string(f) << " " << key.second;
+  }
+}
+
+// The figures at DeepSeek-V3 (rq 1536, H 128, dqk 192, dv 128,
+// C + dr 576), S 4096, P 8, fp32, forward, per rank (L = 512, 16 heads each),
+// worked out by hand: explicit's q, k (k_pe expanded), v and out all-to-alls
+// send the 7/8 of their rows that leave the rank; laga swaps k and v for the
+// latent sent to 7 peers; --q-latent swaps q for the 1536-wide query latent
+// sent to 7 peers.
+TEST(CommModel, QueryLatentAtDeepSeekV3) {
+  const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  const SpLayout lay = SpLayout::even(1, 4096, v3.n_heads, 8);
+  const std::int64_t q = 512 * 112 * 192 * 4, v = 512 * 112 * 128 * 4, out = v;
+  const std::int64_t latent = 7 * 512 * 576 * 4, q_latent = 7 * 512 * 1536 * 4;
+  const auto forward = [&](FormVariant f) {
+    return predicted_sent(predict_comm(v3, lay, f, 3, 4, true, true), Phase::forward);
+  };
+  EXPECT_EQ(forward(Form::explicit_form), q + q + v + out);                          // 146.80 MB
+  EXPECT_EQ(forward(Form::laga), q + latent + out);                                  // 81.66 MB
+  EXPECT_EQ(forward({Form::laga, QueryExchange::latent}), q_latent + latent + out);  // 59.64 MB
+  // Backward: each collective's adjoint moves the same bytes back.
+  const CommPrediction p =
+      predict_comm(v3, lay, {Form::laga, QueryExchange::latent}, 3, 4, true, true);
+  EXPECT_EQ(p.at({Phase::backward, "q_latent_ag"}).sent, q_latent);
+  EXPECT_EQ(p.at({Phase::backward, "q_latent_ag"}).received, q_latent);
+  EXPECT_EQ(predicted_sent(p, Phase::backward), q_latent + latent + out);
+}
+
+// The crossover: query_exchange_cost is the per-token factor of the two
+// closed-form entries (on uneven layouts too), and with even heads the latent
+// gather sends less exactly while P < ceil(H dqk / rq), 16 for DeepSeek-V3
+// (where the two are equal: 1536 * 15 = 24576 * 15 / 16).
+TEST(CommModel, QueryLatentCrossover) {
+  const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  EXPECT_EQ(query_latent_crossover(v3), 16);
+  EXPECT_EQ(query_latent_crossover(MlaConfig::preset("paper")), 0);  // rq 0: no query latent
+  for (int P : {2, 4, 8, 16, 32, 64, 128}) {
+    const SpLayout lay = SpLayout::even(1, 4096, v3.n_heads, P);
+    const QueryExchangeCost c = query_exchange_cost(v3, lay, 0);
+    EXPECT_EQ(c.latent_sends_less(), P < 16) << "P " << P;
+    EXPECT_EQ(c.heads_per_token * P, 128 * 192 * (P - 1)) << "P " << P;
+    EXPECT_EQ(c.latent_per_token, 1536 * (P - 1)) << "P " << P;
+  }
+  MlaConfig cfg;
+  cfg.q_lora_rank = 24;
+  const SpLayout uneven = SpLayout::custom(2, {5, 1, 4, 3}, {3, 0, 4, 1});
+  for (int r = 0; r < uneven.ranks; ++r) {
+    const QueryExchangeCost c = query_exchange_cost(cfg, uneven, r);
+    const std::int64_t per_token = 2 * uneven.seq_count[std::size_t(r)] * 4;
+    const auto sent = [&](QueryExchange q, const char* label) {
+      return predict_comm(cfg, uneven, {Form::laga, q}, r, 4, false, false)
+          .at({Phase::forward, label})
+          .sent;
+    };
+    EXPECT_EQ(sent(QueryExchange::heads, "q_a2a"), c.heads_per_token * per_token) << r;
+    EXPECT_EQ(sent(QueryExchange::latent, "q_latent_ag"), c.latent_per_token * per_token) << r;
   }
 }
 

@@ -5,7 +5,8 @@
 //  - its receive buffers hold what the header promises (own data, copies);
 //  - one MLA block: a real full run (P threads), a real dry run of each rank
 //    alone, a count-only dry run of each rank, and a count-only full run all
-//    report the same bytes per (phase, label) and the same pool peaks;
+//    report the same bytes per (phase, label) and the same pool peaks (laga
+//    with the query-latent exchange too);
 //  - at P = 1 a dry run IS a real run: outputs equal bit for bit.
 // (Lives in tests/mla, whose CMakeLists globs test_*.cpp; it needs laga_mla.)
 #include <gtest/gtest.h>
@@ -128,9 +129,9 @@ TEST(DryRunComm, ReceiveBuffersHoldOwnDataAndCopiesOfIt) {
 
 // ---------------------------------------------------------------- the block
 
-MlaConfig small_config() {
+MlaConfig small_config(std::int64_t rq = 0) {
   MlaConfig c;
-  c.dim = 32, c.n_heads = 5, c.q_lora_rank = 0, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
+  c.dim = 32, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
   c.qk_rope_head_dim = 4, c.v_head_dim = 6;
   c.validate();
   return c;
@@ -212,16 +213,22 @@ std::vector<Measured> full_run(const MlaConfig& cfg, const SpLayout& lay, const 
 }
 
 TEST(DryRun, CountOnlyAndRealRunsReportTheSameBytesAndPeaks) {
-  const MlaConfig cfg = small_config();
+  // Every form at rq = 0, and laga with the query-latent exchange at rq = 7.
+  const MlaConfig cfg0 = small_config(), cfg7 = small_config(7);
+  std::vector<std::pair<const MlaConfig*, FormVariant>> runs;
+  for (Form f : all_forms()) runs.push_back({&cfg0, f});
+  runs.push_back({&cfg7, {Form::laga, QueryExchange::latent}});
   for (const SpLayout& lay :
        {SpLayout::even(1, 12, 5, 3), SpLayout::custom(2, {5, 1, 4}, {0, 3, 2})})
-    for (Form f : all_forms())
+    for (const auto& [cfg_p, f] : runs)
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+        const MlaConfig& cfg = *cfg_p;
         RunSpec spec;
-        spec.form = f;
+        spec.form = f.form;
+        spec.queries = f.queries;
         spec.attention = a;
-        const std::string what = std::string(to_string(f)) + " " + to_string(a) + " " +
-                                 lay.describe() + " B=" + std::to_string(lay.batch);
+        const std::string what = to_string(f) + " " + to_string(a) + " " + lay.describe() +
+                                 " B=" + std::to_string(lay.batch);
         const std::vector<Measured> real = full_run(cfg, lay, spec, false);
         const std::vector<Measured> counted = full_run(cfg, lay, spec, true);
         for (int r = 0; r < lay.ranks; ++r) {

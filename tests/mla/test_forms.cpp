@@ -4,6 +4,10 @@
 // must equal explicit bit for bit. The ledger of every rank must equal the
 // closed-form communication model byte for byte.
 //
+// With rq > 0, laga also runs with the query-latent exchange (--q-latent:
+// the normalised query latent all-gathered instead of per-head Q
+// all-to-alled) under every one of these checks, P = 1 bit for bit included.
+//
 // Packed sequences: every form at P ranks with documents equals running each
 // document alone through single-rank explicit (out and dx concatenated, the
 // gradients summed over documents), the ledger is the unpacked one, and one
@@ -13,6 +17,7 @@
 #include <numeric>
 
 #include "common/check.hpp"
+#include "core/error.hpp"
 #include "core/rng.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/runner.hpp"
@@ -70,14 +75,14 @@ void expect_run_matches(const BlockRun<float>& run, const BlockRun<float>& ref, 
     expect_close(tag + " grad." + a[i].first, *a[i].second, *b[i].second, rel);
 }
 
-void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form form,
+void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, FormVariant variant,
                                  const BlockRun<float>& run) {
   for (const RankReport& rep : run.ranks) {
-    const CommPrediction pred = predict_comm(cfg, lay, form, rep.rank, 4, true, true);
+    const CommPrediction pred = predict_comm(cfg, lay, variant, rep.rank, 4, true, true);
     std::size_t seen = 0;
     for (const auto& [key, entry] : rep.ledger.entries()) {
-      const std::string where = std::string(to_string(form)) + " rank " + std::to_string(rep.rank) +
-                                " " + to_string(key.first) + "/" + key.second;
+      const std::string where = to_string(variant) + " rank " + std::to_string(rep.rank) + " " +
+                                to_string(key.first) + "/" + key.second;
       auto it = pred.find(key);
       ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
       EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
@@ -87,6 +92,20 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
     }
     EXPECT_EQ(seen, pred.size()) << "the model predicts labels the ledger never saw";
   }
+}
+
+// Every form, and with rq > 0 laga with the query-latent exchange.
+std::vector<FormVariant> variants(const MlaConfig& cfg) {
+  std::vector<FormVariant> v;
+  for (Form f : all_forms()) v.push_back(f);
+  if (cfg.q_lora_rank > 0) v.push_back({Form::laga, QueryExchange::latent});
+  return v;
+}
+
+RunSpec spec_of(FormVariant v, AttentionKind a) {
+  RunSpec spec;
+  spec.form = v.form, spec.queries = v.queries, spec.attention = a;
+  return spec;
 }
 
 struct FormCase {
@@ -108,13 +127,11 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   spec.form = Form::explicit_form;
   const BlockRun<float> ref =
       run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
-  spec.attention = fc.attention;
-  for (Form f : all_forms()) {
-    spec.form = f;
-    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+  for (FormVariant v : variants(cfg)) {
+    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, fc.attention));
     // fp32 with other summation orders: 1e-5 of the largest reference value.
-    expect_run_matches(run, ref, 1e-5, std::string(to_string(f)) + " " + lay.describe());
-    expect_ledger_matches_model(cfg, lay, f, run);
+    expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
+    expect_ledger_matches_model(cfg, lay, v, run);
   }
 }
 
@@ -131,6 +148,10 @@ std::vector<FormCase> form_cases() {
   v.push_back({0, {1, 8, 4}, {0, 3, 2}, AttentionKind::eager});
   v.push_back({7, {6, 1}, {5, 0}, AttentionKind::eager});
   v.push_back({0, {4, 3, 3, 3}, {2, 1, 1, 1}, AttentionKind::flash});
+  // Flash with rq > 0 (the query-latent exchange too): uneven shards, P > H.
+  v.push_back({7, {5, 4, 4}, {2, 2, 1}, AttentionKind::flash});
+  v.push_back({7, {2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}, AttentionKind::flash});
+  v.push_back({7, {1, 8, 4}, {0, 3, 2}, AttentionKind::flash});
   return v;
 }
 
@@ -144,21 +165,58 @@ INSTANTIATE_TEST_SUITE_P(Layouts, Forms, ::testing::ValuesIn(form_cases()),
                            return s + "_" + to_string(p.param.attention);
                          });
 
+// At P = 1 the query-latent exchange runs the same GEMMs as per-head queries
+// (wq_b over all S tokens and all H heads, its gradient likewise), and its
+// collectives are copies: bit for bit too.
 TEST(Forms, LagaEqualsExplicitBitForBitOnOneRank) {
   for (std::int64_t rq : {0, 7})
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       const MlaConfig cfg = test_config(rq);
       const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 1);
       const Inputs in = make_inputs(cfg, 2, 13);
-      RunSpec spec;
-      spec.attention = a;
-      spec.form = Form::explicit_form;
-      const BlockRun<float> ex = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      spec.form = Form::laga;
-      const BlockRun<float> lg = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      expect_run_matches(lg, ex, 0.0,
-                         std::string("laga P=1 rq") + std::to_string(rq) + " " + to_string(a));
+      const BlockRun<float> ex =
+          run_local(cfg, lay, in.w, in.x, in.dout, spec_of(Form::explicit_form, a));
+      for (FormVariant v : variants(cfg)) {
+        if (v.form != Form::laga) continue;
+        const BlockRun<float> lg = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, a));
+        expect_run_matches(lg, ex, 0.0,
+                           to_string(v) + " P=1 rq" + std::to_string(rq) + " " + to_string(a));
+      }
     }
+}
+
+TEST(Forms, QueryExchangeNames) {
+  for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent})
+    EXPECT_EQ(parse_query_exchange(to_string(q)), q);
+  EXPECT_THROW(parse_query_exchange("q-latent"), Error);
+  EXPECT_EQ(to_string(FormVariant(Form::laga, QueryExchange::latent)), "laga+q-latent");
+  EXPECT_EQ(to_string(FormVariant(Form::absorbed)), "absorbed");
+}
+
+TEST(Forms, QueryLatentIsRefusedWhereItDoesNotApply) {
+  const Inputs in7 = make_inputs(test_config(7), 1, 6), in0 = make_inputs(test_config(0), 1, 6);
+  const SpLayout lay = SpLayout::even(1, 6, 5, 2);
+  const auto refusal = [&](const MlaConfig& cfg, const Inputs& in, Form f) {
+    RunSpec spec = spec_of({f, QueryExchange::latent}, AttentionKind::eager);
+    try {
+      run_local(cfg, lay, in.w, in.x, in.dout, spec);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  for (Form f : {Form::explicit_form, Form::absorbed}) {
+    const std::string msg = refusal(test_config(7), in7, f);
+    EXPECT_NE(msg.find("--q-latent applies to the laga form with q_lora_rank > 0"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(std::string("the ") + to_string(f) + " form"), std::string::npos) << msg;
+  }
+  const std::string msg = refusal(test_config(0), in0, Form::laga);
+  EXPECT_NE(msg.find("q_lora_rank 0"), std::string::npos) << msg;
+  EXPECT_THROW(
+      predict_comm(test_config(0), lay, {Form::laga, QueryExchange::latent}, 0, 4, true, true),
+      Error);
 }
 
 // ------------------------------------------------------------ packed sequences
@@ -203,17 +261,16 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
     RunSpec spec;
     spec.form = Form::explicit_form, spec.attention = AttentionKind::eager;
     const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
-    spec.documents = &docs;
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-      for (Form f : all_forms()) {
-        spec.form = f, spec.attention = a;
-        const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-        const std::string tag = std::string(to_string(f)) + " " + to_string(a) + " rq" +
-                                std::to_string(rq) + " " + lay.describe() + " docs " +
-                                docs.describe();
+      for (FormVariant v : variants(cfg)) {
+        RunSpec packed = spec_of(v, a);
+        packed.documents = &docs;
+        const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, packed);
+        const std::string tag = to_string(v) + " " + to_string(a) + " rq" + std::to_string(rq) +
+                                " " + lay.describe() + " docs " + docs.describe();
         expect_run_matches(run, ref, 1e-5, tag);
         // The same tensors cross the wire: packing changes no byte.
-        expect_ledger_matches_model(cfg, lay, f, run);
+        expect_ledger_matches_model(cfg, lay, v, run);
       }
   }
 }
@@ -250,13 +307,12 @@ TEST(Packed, OneDocumentPerRowIsTheUnpackedBlockBitForBit) {
   const Inputs in = make_inputs(cfg, 2, lay.seq);
   const Documents whole = Documents::parse_lengths("13", 2, 13);
   for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-    for (Form f : all_forms()) {
-      RunSpec spec;
-      spec.form = f, spec.attention = a;
+    for (FormVariant v : variants(cfg)) {
+      RunSpec spec = spec_of(v, a);
       const BlockRun<float> plain = run_local(cfg, lay, in.w, in.x, in.dout, spec);
       spec.documents = &whole;
       const BlockRun<float> packed = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      expect_run_matches(packed, plain, 0.0, std::string(to_string(f)) + " " + to_string(a));
+      expect_run_matches(packed, plain, 0.0, to_string(v) + " " + to_string(a));
     }
 }
 

@@ -1,7 +1,8 @@
 // The pool's peaks for one forward+backward of each form equal the largest sum
 // of live tensor bytes recomputed here from the raw allocation/free sequence,
 // and every byte allocated is freed again by the end (nothing leaks into the
-// next step). Count-only runs report exactly the same peaks and ledger.
+// next step). Count-only runs report exactly the same peaks and ledger. laga
+// with the query-latent exchange (rq > 0 here) too.
 #include <gtest/gtest.h>
 
 #include "core/rng.hpp"
@@ -39,9 +40,12 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
   fill_normal(dout.data(), dout.numel(), 1, 2, 0, 1.0);
   const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, 1);
   const RopeTable rope(cfg.rope(), S);
-  for (Form form : all_forms())
+  std::vector<FormVariant> variants;
+  for (Form f : all_forms()) variants.push_back(f);
+  variants.push_back({Form::laga, QueryExchange::latent});
+  for (FormVariant form : variants)
     for (AttentionKind att : {AttentionKind::eager, AttentionKind::flash}) {
-      const std::string tag = std::string(to_string(form)) + "/" + to_string(att);
+      const std::string tag = to_string(form) + "/" + to_string(att);
       RankReport real, counted;
       for (bool count_only : {false, true}) {
         MemoryPool pool;
@@ -50,7 +54,8 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
         PoolScope scope(pool);
         auto comm = make_self_communicator();
         RunSpec spec;
-        spec.form = form;
+        spec.form = form.form;
+        spec.queries = form.queries;
         spec.attention = att;
         Peaks peaks;
         {

@@ -1,9 +1,10 @@
 // The memory prediction (the count-only run of the block, memory_model.hpp)
 // against the pool, byte for byte:
 //  - against real runs of every form on small dims, P ranks as threads, float
-//    and double, eager and flash, rq = 0 and > 0, batch 1 and 2, even and
-//    uneven shards (a rank with no head), forward-only too: what the counted
-//    run allocates is what the computing run allocates;
+//    and double, eager and flash, rq = 0 and > 0 (and then laga with the
+//    query-latent exchange too), batch 1 and 2, even and uneven shards (a
+//    rank with no head), forward-only too: what the counted run allocates is
+//    what the computing run allocates;
 //  - the activations alive after forward against saved_for_backward_elements,
 //    an independent closed form of what each form saves (the paper's Table 2
 //    quantity), on real runs and on count-only runs up to DeepSeek-V3 dims;
@@ -32,8 +33,16 @@ MlaConfig dims(std::int64_t D, std::int64_t H, std::int64_t C, std::int64_t dn, 
   return c;
 }
 
-std::string tag(const MlaConfig& cfg, const SpLayout& lay, Form f, AttentionKind a, int r) {
-  return std::string(to_string(f)) + " " + to_string(a) + " H=" + std::to_string(cfg.n_heads) +
+// Every form, and with rq > 0 laga with the query-latent exchange.
+std::vector<FormVariant> variants(const MlaConfig& cfg) {
+  std::vector<FormVariant> v;
+  for (Form f : all_forms()) v.push_back(f);
+  if (cfg.q_lora_rank > 0) v.push_back({Form::laga, QueryExchange::latent});
+  return v;
+}
+
+std::string tag(const MlaConfig& cfg, const SpLayout& lay, FormVariant f, AttentionKind a, int r) {
+  return to_string(f) + " " + to_string(a) + " H=" + std::to_string(cfg.n_heads) +
          " rq=" + std::to_string(cfg.q_lora_rank) + " B=" + std::to_string(lay.batch) + " " +
          lay.describe() + " rank " + std::to_string(r);
 }
@@ -54,10 +63,11 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
   Tensor<T> x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
   fill_normal(x.data(), x.numel(), 1, 1, 0, 1.0);
   fill_normal(dout.data(), dout.numel(), 1, 2, 0, 1.0);
-  for (Form f : all_forms())
+  for (FormVariant f : variants(cfg))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       RunSpec spec;
-      spec.form = f;
+      spec.form = f.form;
+      spec.queries = f.queries;
       spec.attention = a;
       spec.backward = backward;
       const BlockRun<T> run = run_local(cfg, lay, w, x, dout, spec);
@@ -90,7 +100,7 @@ TEST(MemoryModel, ExactOnRealRuns) {
 // communicator, under a count-only pool. Checks the whole run (run_rank) and
 // the forward+backward stretch apart (what `laga compare` reports).
 void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable& rope, int r,
-                      Form f, AttentionKind a) {
+                      FormVariant f, AttentionKind a) {
   MemoryPool pool;
   pool.set_count_only(true);
   PoolScope scope(pool);
@@ -103,7 +113,8 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     DryRunCommunicator comm(r, lay.ranks);
     RunSpec spec;
-    spec.form = f;
+    spec.form = f.form;
+    spec.queries = f.queries;
     spec.attention = a;
     const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
     expect_matches(p, res.report.memory, where);
@@ -111,7 +122,7 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     // forward + backward alone, as cmd_compare measures it
     DryRunCommunicator comm(r, lay.ranks);
-    const BlockContext ctx{cfg, lay, comm, rope, f, a};
+    const BlockContext ctx{cfg, lay, comm, rope, f.form, a, nullptr, f.queries};
     const std::int64_t off = lay.seq_offset[static_cast<size_t>(r)];
     const std::int64_t L = lay.seq_count[static_cast<size_t>(r)];
     const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
@@ -143,13 +154,18 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
       }
     }
   }
-  // DeepSeek-V3 as shipped (rq = 1536), batch 2, H % P != 0.
+  // DeepSeek-V3 as shipped (rq = 1536), batch 2, H % P != 0; P = 256 > H
+  // (ranks without heads) for the query-latent exchange.
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
   const RopeTable rope(v3.rope(), 4096);
   for (int P : {3, 8})
-    for (Form f : all_forms())
+    for (FormVariant f : variants(v3))
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
         check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
+  for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+    for (int r : {0, 255})
+      check_count_only(v3, SpLayout::even(1, 4096, v3.n_heads, 256), rope, r,
+                       {Form::laga, QueryExchange::latent}, a);
 }
 
 // The paper's claims, through the model: laga within 1% of explicit, absorbed

@@ -2,7 +2,8 @@
 // block rows count #wrong against, checked on its own: against PyTorch
 // autograd (python/torch_reference.py's float64 results) for out, dx and every
 // gradient, and its backward against central finite differences. Then every
-// form in double, eager and flash, at P = 1 and 3, against it: with no fp32
+// form in double (and laga with the query-latent exchange where rq > 0),
+// eager and flash, at P = 1 and 3, against it: with no fp32
 // rounding in the way, a slightly wrong constant (a softmax scale off by
 // 1e-4, a 10x RMSNorm epsilon, a RoPE frequency) is far outside the bound.
 #include <gtest/gtest.h>
@@ -99,11 +100,13 @@ TEST(NaiveMla, BackwardMatchesFiniteDifferences) {
 struct FormCase {
   Form form;
   AttentionKind attention;
+  QueryExchange queries = QueryExchange::heads;
 };
 class FormsVsNaive : public ::testing::TestWithParam<FormCase> {};
 
 TEST_P(FormsVsNaive, DoubleMatchesEveryElement) {
   for (std::int64_t rq : {0, 7}) {
+    if (rq == 0 && GetParam().queries == QueryExchange::latent) continue;  // no query latent
     MlaConfig c;
     c.dim = 24, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 12, c.qk_nope_head_dim = 6,
     c.qk_rope_head_dim = 8, c.v_head_dim = 4;
@@ -127,6 +130,7 @@ TEST_P(FormsVsNaive, DoubleMatchesEveryElement) {
       RunSpec spec;
       spec.form = GetParam().form;
       spec.attention = GetParam().attention;
+      spec.queries = GetParam().queries;
       const BlockRun<double> run = run_local(c, SpLayout::even(B, S, c.n_heads, P), w, x, g, spec);
       const std::string tag = "rq " + std::to_string(rq) + " P " + std::to_string(P) + " ";
       const test::Tolerance tol = test::block_tolerance<double>();
@@ -141,17 +145,21 @@ TEST_P(FormsVsNaive, DoubleMatchesEveryElement) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllForms, FormsVsNaive,
-                         ::testing::Values(FormCase{Form::explicit_form, AttentionKind::eager},
-                                           FormCase{Form::absorbed, AttentionKind::eager},
-                                           FormCase{Form::laga, AttentionKind::eager},
-                                           FormCase{Form::explicit_form, AttentionKind::flash},
-                                           FormCase{Form::absorbed, AttentionKind::flash},
-                                           FormCase{Form::laga, AttentionKind::flash}),
-                         [](const ::testing::TestParamInfo<FormCase>& p) {
-                           return std::string(to_string(p.param.form)) + "_" +
-                                  to_string(p.param.attention);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    AllForms, FormsVsNaive,
+    ::testing::Values(FormCase{Form::explicit_form, AttentionKind::eager},
+                      FormCase{Form::absorbed, AttentionKind::eager},
+                      FormCase{Form::laga, AttentionKind::eager},
+                      FormCase{Form::explicit_form, AttentionKind::flash},
+                      FormCase{Form::absorbed, AttentionKind::flash},
+                      FormCase{Form::laga, AttentionKind::flash},
+                      FormCase{Form::laga, AttentionKind::eager, QueryExchange::latent},
+                      FormCase{Form::laga, AttentionKind::flash, QueryExchange::latent}),
+    [](const ::testing::TestParamInfo<FormCase>& p) {
+      return std::string(to_string(p.param.form)) +
+             (p.param.queries == QueryExchange::latent ? "_qlatent_" : "_") +
+             to_string(p.param.attention);
+    });
 
 }  // namespace
 }  // namespace laga

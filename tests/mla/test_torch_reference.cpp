@@ -1,7 +1,8 @@
 // The whole block against an independent PyTorch autograd implementation
 // (python/torch_reference.py, float64, written without reading this code):
 // output, dx and every parameter gradient, fp32 here, for rq = 0 and rq > 0,
-// YaRN on and off, odd head counts, B > 1; every form, at P = 1 and P = 3.
+// YaRN on and off, odd head counts, B > 1; every form (and with rq > 0 laga
+// with the query-latent exchange), at P = 1 and P = 3.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -51,11 +52,16 @@ TEST_P(TorchReference, BlockMatchesAutograd) {
   const TensorF out = f.read<float>("out", {B, S, cfg.dim}, MemCategory::activations);
   const TensorF dx = f.read<float>("dx", {B, S, cfg.dim}, MemCategory::activations);
 
+  // Every form; with rq > 0 laga with the query-latent exchange too.
+  std::vector<FormVariant> variants;
+  for (Form one : all_forms()) variants.push_back(one);
+  if (cfg.q_lora_rank > 0) variants.push_back({Form::laga, QueryExchange::latent});
   for (int P : {1, 3})
-    for (Form form : all_forms())
+    for (FormVariant form : variants)
       for (AttentionKind att : {AttentionKind::eager, AttentionKind::flash}) {
         RunSpec spec;
-        spec.form = form;
+        spec.form = form.form;
+        spec.queries = form.queries;
         spec.attention = att;
         const BlockRun<float> run =
             run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), w, x, dout, spec);

@@ -16,6 +16,10 @@ Cases:
   memory     a job far beyond the machine is refused by the upfront memory
              check; with --no-memory-check its allocation is a laga error
              naming the size, not std::bad_alloc
+  q_latent   --q-latent where it does not apply (explicit or absorbed, q_lora_rank
+             0, --forms without laga) on forward, verify, compare and train; and
+             train with it: bit-identical losses at --sp 1, within fp32 rounding
+             at --sp 2
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -77,6 +81,7 @@ OPTION_CASES = [
     (TRAIN, "--rope-dim", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--v-dim", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--kv-lora-rank", "0", "'0' is not a whole number >= 1"),
+    (TRAIN, "--q-lora-rank", "-1", "'-1' is not a whole number >= 0"),
     (TRAIN, "--ffn-hidden", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--seq", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--seq", "1e3", "(decimal digits only)"),
@@ -244,12 +249,57 @@ def case_memory(laga, scratch):
                  "bytes (1.92e+07 GB) for a tensor of shape [1, 100000000000000, 48] (activations)")
 
 
+def train_losses(laga, args, log):
+    p = run(laga, args + ["--log", log], timeout=120)
+    if p.returncode != 0:
+        failures.append(f"laga {' '.join(args)}: exit {p.returncode}\n{p.stderr[-600:]}")
+        return []
+    with open(log) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def case_q_latent(laga, scratch):
+    # A small config with q_lora_rank > 0 (the presets but deepseek-v3 have 0).
+    cfg = os.path.join(scratch, "rq.json")
+    write(cfg, '{"dim": 48, "n_heads": 5, "q_lora_rank": 20, "kv_lora_rank": 24,'
+               ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}')
+    applies = "--q-latent applies to the laga form with q_lora_rank > 0; "
+    rq0 = applies + "the config has q_lora_rank 0"
+    no_laga = applies + "--forms does not include laga"
+    for form in ("explicit", "absorbed"):
+        expect_error(laga, ["forward", "--config", cfg, "--form", form, "--q-latent"],
+                     applies + f"not to the {form} form")
+        expect_error(laga, TRAIN + ["--q-lora-rank", "8", "--form", form, "--q-latent"],
+                     applies + f"not to the {form} form")
+    expect_error(laga, ["forward", "--preset", "tiny", "--form", "laga", "--q-latent"], rq0)
+    expect_error(laga, ["verify", "--preset", "tiny", "--q-latent"], rq0)
+    expect_error(laga, ["compare", "--preset", "tiny", "--q-latent"], rq0)
+    expect_error(laga, TRAIN + ["--q-latent"], rq0)
+    expect_error(laga, ["verify", "--config", cfg, "--forms", "explicit,absorbed", "--q-latent"],
+                 no_laga)
+    expect_error(laga, ["compare", "--config", cfg, "--forms", "explicit", "--q-latent"], no_laga)
+    # Training with it: the same GEMMs at P = 1, other summation orders at P = 2.
+    # Three steps, so that the later losses depend on the gradients.
+    base = ["train", "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
+            "--seq", "16", "--steps", "3", "--quiet", "--q-lora-rank", "8"]
+    for sp, rel in (("1", 0.0), ("2", 1e-5)):
+        plain = train_losses(laga, base + ["--sp", sp], os.path.join(scratch, "plain.jsonl"))
+        latent = train_losses(laga, base + ["--sp", sp, "--q-latent"],
+                              os.path.join(scratch, "latent.jsonl"))
+        ok = len(plain) == 3 and len(latent) == 3 and all(
+            abs(a - b) <= rel * abs(a) for a, b in zip(plain, latent))
+        print(("ok:   " if ok else "FAIL: ") + f"train --sp {sp} --q-latent {latent} vs {plain}")
+        if not ok:
+            failures.append(f"train --sp {sp}: losses with --q-latent {latent}, without {plain}, "
+                            f"allowed relative difference {rel}")
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "cli_options_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"options": case_options, "messages": case_messages, "nonfinite": case_nonfinite,
-     "memory": case_memory}[case](laga, scratch)
+     "memory": case_memory, "q_latent": case_q_latent}[case](laga, scratch)
     if failures:
         sys.exit(f"{len(failures)} failed:\n" + "\n".join(failures))
     print("all ok")

@@ -12,6 +12,12 @@ Cases:
              ranks equals the max over R of the rank-only runs)
   default    `laga compare` with no arguments succeeds and matches its models
   errors     bad arguments fail with exit 2 and a message naming the fix
+  q_latent   --q-latent: laga+q-latent right after laga in one table; a real run
+             (q_lora_rank > 0, uneven shards) matches its models and explicit;
+             at DeepSeek-V3 scale (--count-only, P 8 and 16) every rank's bytes
+             per label and its peak equal the models, the query latent's bytes
+             are (P-1) rq per token against the all-to-all's (H - H_r) dqk, and
+             the note names the crossover
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -162,12 +168,65 @@ def case_errors(laga, scratch):
         check(needle in p.stderr, f"{args}: error should mention '{needle}', got: {p.stderr}")
 
 
+def by_label(form, phase, label):
+    rows = [r for r in form["by_label"] if r["phase"] == phase and r["label"] == label]
+    check(len(rows) == 1, f"{form['form']}: one {phase}/{label} row, got {rows}")
+    return rows[0]
+
+
+def case_q_latent(laga, scratch):
+    cfg = os.path.join(scratch, "rq.json")
+    with open(cfg, "w") as f:
+        f.write('{"dim": 48, "n_heads": 5, "q_lora_rank": 20, "kv_lora_rank": 24,'
+                ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}')
+    doc = compare_json(laga, scratch, "real", ["--config", cfg, "--batch", "2", "--seq", "23",
+                                               "--sp", "3", "--steps", "1", "--warmup", "0",
+                                               "--q-latent"])
+    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga+q-latent"],
+          "laga+q-latent right after laga")
+    check_models(doc, "q-latent real")
+    d = doc["forms"][3]["max_abs_diff"]
+    for q in ("out", "dx", "grad"):
+        check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
+              f"laga+q-latent {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+    check(any("--q-latent" in n for n in doc["notes"]), "a note on the query exchange")
+
+    # DeepSeek-V3 as shipped: rq 1536, H 128, dqk 192; S 4096, every rank.
+    for sp in (8, 16):
+        v3 = compare_json(laga, scratch, f"v3_{sp}", [
+            "--preset", "deepseek-v3", "--count-only", "--forms", "explicit,laga", "--q-latent",
+            "--seq", "4096", "--sp", str(sp)])
+        check_models(v3, f"V3 P {sp}")
+        ex, lg, ql = v3["forms"]
+        check(ql["form"] == "laga+q-latent", "the variant's name")
+        c = v3["config"]
+        L, rq, dqk = 4096 // sp, c["q_lora_rank"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        heads_r = c["n_heads"] // sp
+        for phase in ("forward", "backward"):
+            check(by_label(ql, phase, "q_latent_ag")["bytes_sent"] == (sp - 1) * L * rq * 4,
+                  f"P {sp} {phase} q_latent_ag: (P-1) L rq e")
+            check(by_label(lg, phase, "q_a2a")["bytes_sent"] ==
+                  L * (c["n_heads"] - heads_r) * dqk * 4, f"P {sp} {phase} q_a2a")
+        # Everything else laga sends, --q-latent sends too.
+        q_diff = by_label(lg, "forward", "q_a2a")["bytes_sent"] - \
+            by_label(ql, "forward", "q_latent_ag")["bytes_sent"]
+        check(lg["bytes_sent_forward"] - ql["bytes_sent_forward"] == q_diff, f"P {sp} rest")
+        note = next(n for n in v3["notes"] if n.startswith("--q-latent"))
+        check("for P < 16" in note and "from P = 16 on it stops paying" in note, note)
+        if sp == 8:
+            check(ql["bytes_sent_forward"] < lg["bytes_sent_forward"], "P 8: the gather pays")
+            check("fewer bytes on every rank" in note, note)
+        else:  # P rq = H dqk: the two sends are equal
+            check(q_diff == 0, "P 16: the crossover, equal bytes")
+            check("fewer bytes on 0 of 16 ranks" in note, note)
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "compare_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"tiny": case_tiny, "modes": case_modes, "default": case_default,
-     "errors": case_errors}[case](laga, scratch)
+     "errors": case_errors, "q_latent": case_q_latent}[case](laga, scratch)
     print(f"compare {case}: ok")
 
 
