@@ -2,7 +2,7 @@
 # The whole test suite, as CI runs it: set up, check formatting, build with
 # warnings as errors, run every test (unit, PyTorch reference, MPI under
 # mpirun, the laga tool), then the unit tests again under AddressSanitizer +
-# UndefinedBehaviorSanitizer.
+# UndefinedBehaviorSanitizer, then each fuzz target for 20 s.
 #
 # A run proves only what ran, so each ctest invocation must run every test it
 # registered: --no-tests=error fails an empty selection, and the count of tests
@@ -57,4 +57,9 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLAGA_WERRO
 cmake --build build-asan -j "$(nproc)" --target unit_tests
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   run_ctest build-asan -L 'core|kernels|comm|io|mla|model' -LE mpi
+
+# Coverage-guided fuzzing of every reader (docs/reliability.md, "Fuzzing"):
+# each libFuzzer target for 20 s on its committed seed corpus; a crash fails
+# the suite and leaves its input in build-fuzz/artifacts/.
+bash scripts/fuzz.sh 20
 echo "test.sh: done in $(( $(date +%s) - start )) s"
