@@ -34,7 +34,7 @@ core=(src/core/tensor.cpp src/core/memory_pool.cpp src/core/rng.cpp)
 declare -A sources=(
   [safetensors]="tests/fuzz/fuzz_safetensors.cpp src/io/safetensors.cpp src/io/atomic_file.cpp ${core[*]}"
   [config]="tests/fuzz/fuzz_config.cpp src/mla/config.cpp ${core[*]}"
-  [tokens]="tests/fuzz/fuzz_tokens.cpp src/model/data.cpp src/mla/params.cpp src/mla/config.cpp ${core[*]}"
+  [tokens]="tests/fuzz/fuzz_tokens.cpp src/model/data.cpp src/mla/documents.cpp src/mla/params.cpp src/mla/config.cpp ${core[*]}"
   [manifest]="tests/fuzz/fuzz_manifest.cpp src/model/checkpoint_manifest.cpp"
 )
 binary_of() { case $1 in config_*) echo config ;; *) echo "$1" ;; esac; }
