@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attention_cases.hpp"
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "core/threads.hpp"
@@ -280,16 +281,7 @@ TEST(FlashAttentionDouble, FiniteDifference) {
   set_rank_threads(2);
 }
 
-// The message of the laga::Error that fn throws, or "" when it throws none.
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

@@ -3,22 +3,14 @@
 // positions).
 #include <gtest/gtest.h>
 
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "mla/documents.hpp"
 
 namespace laga {
 namespace {
 
-// The message of the laga::Error fn throws ("" when it throws none).
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(Documents, LengthsSharedOrPerRow) {
   const Documents shared = Documents::parse_lengths("2,3", 2, 5);

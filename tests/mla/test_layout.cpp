@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 
 namespace laga {
@@ -57,14 +58,7 @@ TEST(SpLayout, CustomShards) {
   EXPECT_EQ(l.describe(), "seq 1+8+4, heads 0+3+2");
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(SpLayout, RefusalsNameTheFix) {
   auto has = [](const std::string& text, const std::string& part) {

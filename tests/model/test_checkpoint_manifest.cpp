@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 
 namespace laga {
@@ -34,14 +35,7 @@ CheckpointManifest sample() {
   return m;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 // The sample's text with `edit` applied, and with the self-hash made right
 // again when `reseal`.

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.hpp"
 #include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
@@ -42,14 +43,7 @@ TrainOptions small(std::int64_t steps) {
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 void expect_has(const std::string& text, const std::vector<std::string>& parts) {
   EXPECT_FALSE(text.empty()) << "expected an error";

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.hpp"
 #include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "kernels/cross_entropy.hpp"
@@ -26,14 +27,7 @@ fs::path scratch(const std::string& name) {
   return test::scratch_dir("model_data_", name);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 // An llm.c file: 256 int32 header (magic, version, count) then the ids.
 template <class Id>

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error_of.hpp"
 #include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
@@ -46,14 +47,7 @@ std::vector<double> losses(const std::vector<StepRecord>& r) {
   return v;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(Train, LossFallsAndRunsAreBitIdentical) {
   const auto a = train_local(small(Form::laga, 2, 12)), b = train_local(small(Form::laga, 2, 12));
