@@ -1,5 +1,6 @@
 #include "model/data.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -179,6 +180,11 @@ void TokenSource::batch(std::int64_t cursor, std::int64_t B, std::int64_t S,
         row[i] = static_cast<std::int32_t>(ids_[static_cast<size_t>(start + i)]);
     }
   }
+}
+
+std::int64_t TokenSource::occurrences(std::int32_t id) const {
+  if (random_) return -1;
+  return std::count(ids_.begin(), ids_.end(), static_cast<std::uint32_t>(id));
 }
 
 std::string TokenSource::describe() const {

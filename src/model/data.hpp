@@ -54,6 +54,8 @@ class TokenSource {
   // out (B, S+1): rows for cursors cursor .. cursor + B - 1.
   void batch(std::int64_t cursor, std::int64_t B, std::int64_t S, std::int32_t* out) const;
   std::string describe() const;
+  // How often `id` occurs in a file (random data: -1, not counted).
+  std::int64_t occurrences(std::int32_t id) const;
   std::int64_t tokens() const { return static_cast<std::int64_t>(ids_.size()); }
 
  private:

@@ -144,6 +144,13 @@ bool lm_param_decays(const std::string& name) {
   return name.find("norm.weight") == std::string::npos;
 }
 
+double LmContext::loss_tokens() const {
+  LAGA_CHECK(counted_targets >= 0 && counted_targets <= layout.batch * layout.seq,
+             "LmContext: counted_targets ", counted_targets,
+             " is outside [0, B*S = ", layout.batch * layout.seq, "]");
+  return double(counted_targets > 0 ? counted_targets : layout.batch * layout.seq);
+}
+
 // ------------------------------------------------------- forward/backward
 
 namespace {
@@ -167,7 +174,8 @@ struct LmSaved {
 
 template <class T>
 BlockContext block_ctx(const LmContext& c) {
-  return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.form, c.attention, nullptr, c.queries};
+  return BlockContext{c.cfg.mla, c.layout,    c.comm,      c.rope,
+                      c.form,    c.attention, c.documents, c.queries};
 }
 
 // Returns this rank's SUM of token losses and fills s with what backward needs.
@@ -290,7 +298,7 @@ double lm_loss(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   double sum = forward(c, w, tokens, targets, s);
   c.comm.set_phase(Phase::forward);
   c.comm.all_reduce(&sum, 1, "loss_allreduce");
-  return sum / double(c.layout.batch * c.layout.seq);
+  return sum / c.loss_tokens();
 }
 
 template <class T>
@@ -298,7 +306,7 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
                            const std::int32_t* targets, LmParams<T>& grads) {
   LmSaved<T> s;
   double sum = forward(c, w, tokens, targets, s);
-  const double total = double(c.layout.batch * c.layout.seq);
+  const double total = c.loss_tokens();
   grads.for_each([](const std::string&, Tensor<T>& t) { t.fill(T(0)); });
   backward(c, w, tokens, targets, s, 1.0 / total, grads);
 

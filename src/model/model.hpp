@@ -6,7 +6,8 @@
 //     h = x + attn(attn_norm(x))                        MLA, any form, SP
 //     x = h + ffn.w2(silu(ffn.w1 n) * ffn.w3 n),  n = ffn_norm(h)
 //   logits = head(norm(x))                              (B, L_r, V)
-//   loss = mean over all B*S tokens of all ranks of cross-entropy
+//   loss = mean over the counted targets of all ranks of cross-entropy:
+//          all B*S, or, for packed rows, those not marked kIgnoreTarget
 //
 // Everything but the MLA block is token-local, so rank r runs it on its own
 // seq shard (B, L_r); the MLA block's collectives are the chosen form's.
@@ -99,6 +100,15 @@ struct LmContext {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  // Packed rows (`laga train --pack-eos`, model/data.hpp): the documents the
+  // block's attention and RoPE stay inside (null: one per row), and how many
+  // targets of the whole batch, every rank's, count in the loss: the mean's
+  // denominator, since a target marked kIgnoreTarget adds 0 to the sum
+  // (0: all B*S count).
+  const Documents* documents = nullptr;
+  std::int64_t counted_targets = 0;
+  // The loss mean's denominator.
+  double loss_tokens() const;
 };
 
 // One forward + backward on this rank. tokens and targets (B, L_r) are the

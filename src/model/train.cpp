@@ -31,15 +31,15 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form", "attention", "sp", "data-path"};
+  static const std::set<std::string> s{"form", "attention", "sp", "data-path", "q-latent"};
   return s;
 }
 
 // The options a checkpoint may record and --allow-change may name.
 const std::set<std::string>& enforced_options() {
-  static const std::set<std::string> s{"seq",      "batch",  "data",         "data-dtype", "lr",
-                                       "schedule", "warmup", "min-lr",       "steps",      "beta1",
-                                       "beta2",    "eps",    "weight-decay", "clip",       "seed"};
+  static const std::set<std::string> s{
+      "seq",   "batch", "data",  "data-dtype", "lr",           "schedule", "warmup", "min-lr",
+      "steps", "beta1", "beta2", "eps",        "weight-decay", "clip",     "seed",   "pack-eos"};
   return s;
 }
 
@@ -165,7 +165,11 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   r["weight-decay"] = exact(o.adam.weight_decay);
   r["clip"] = exact(o.clip);
   r["seed"] = std::to_string(o.seed);
+  // Recorded only when used, so that checkpoints written before the option
+  // existed still compare equal on resume.
+  if (o.pack_eos) r["pack-eos"] = std::to_string(*o.pack_eos);
   r["form"] = to_string(o.form);
+  if (o.queries == QueryExchange::latent) r["q-latent"] = "on";
   r["attention"] = to_string(o.attention);
   r["sp"] = std::to_string(o.sp);
   return r;
@@ -182,7 +186,20 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every >= 0, "--save-every must be >= 0 (got ", o.save_every, ")");
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
-  (void)make_source(o);  // data errors before any rank starts
+  const TokenSource source = make_source(o);  // data errors before any rank starts
+  if (o.pack_eos) {
+    const std::int64_t eos = *o.pack_eos;
+    LAGA_CHECK(eos >= 0 && eos < o.model.vocab, "--pack-eos ", eos,
+               " is not a token id of the vocabulary [0, ", o.model.vocab,
+               "); give the tokenizer's end-of-document id (e.g. 50256 for GPT-2) and a --vocab "
+               "above it");
+    // An id that never occurs packs nothing: every row would be one document,
+    // which is the run without --pack-eos. Most likely the wrong id.
+    LAGA_CHECK(source.occurrences(static_cast<std::int32_t>(eos)) != 0, "--pack-eos ", eos,
+               ": the id never occurs in --data '", o.data,
+               "', so no document would end; give the end-of-document id the file was written "
+               "with, or drop --pack-eos");
+  }
   check_resume(o);
   check_checkpoint_directory(o);
 }
@@ -354,14 +371,31 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   for (std::int64_t step = st.step + 1; step <= o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     source.batch(st.data_cursor, B, S, window.data());
+    // Every rank draws the whole window, so each knows every row's documents
+    // and the global count of targets the loss is the mean over.
+    std::optional<PackedBatch> packed;
+    if (o.pack_eos) {
+      packed = pack_window(window.data(), B, S, static_cast<std::int32_t>(*o.pack_eos));
+      LAGA_CHECK(packed->counted > 0, "step ", step,
+                 ": every input token of the batch is the "
+                 "end-of-document id ",
+                 *o.pack_eos,
+                 " (--pack-eos), so no target counts in the loss; check the id and the data");
+    }
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < L; ++i) {
         tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + off + i)];
-        targets[size_t(b * L + i)] = window[size_t(b * (S + 1) + off + i + 1)];
+        targets[size_t(b * L + i)] = packed ? packed->targets[size_t(b * S + off + i)]
+                                            : window[size_t(b * (S + 1) + off + i + 1)];
       }
+    LmContext step_ctx = ctx;
+    if (packed) {
+      step_ctx.documents = &packed->documents;
+      step_ctx.counted_targets = packed->counted;
+    }
     const double lr = sched.at(step);
     const StepOutcome done =
-        take_step(ctx, o, step, lr, st, rank_tensors.grads, tokens.data(), targets.data());
+        take_step(step_ctx, o, step, lr, st, rank_tensors.grads, tokens.data(), targets.data());
     st.step = step;
     st.data_cursor += B;
     end.step = step;
@@ -382,7 +416,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     if (!o.checkpoint_dir.empty() && (periodic || last) && r == 0)
       end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     if (r == 0 && on_step)
-      on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs});
+      on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
+                         packed ? packed->counted : B * S});
     if (stop) {
       end.stop_signal = stop;
       break;
@@ -432,11 +467,22 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     m.token_read = token_read;
     const std::int64_t L = layout.seq_count[size_t(r)];
     m.batch_ids = std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * o.batch * L);
+    if (o.pack_eos) {
+      // PackedBatch: targets (B, S) int32, at most S + 1 cut points per row;
+      // per layer, the block's Step: doc_start (B, S), positions (B, L_r)
+      // and, with the query-latent exchange, seq_positions (B, S), int64.
+      const std::int64_t i64 = sizeof(std::int64_t), BS = o.batch * o.seq;
+      const std::int64_t per_layer =
+          i64 * (BS + o.batch * L + (o.queries == QueryExchange::latent ? BS : 0));
+      m.packing = std::int64_t(sizeof(std::int32_t)) * BS + i64 * o.batch * (o.seq + 1) +
+                  cfg.layers * per_layer;
+    }
     // SafetensorsWriter copies every tensor it is given: parameters, m, v.
     if (r == 0 && !o.checkpoint_dir.empty())
       m.checkpoint = 3 * rank_tensors.st.params.numel() * std::int64_t(sizeof(T));
     m.peak = m.rope + m.token_ids +
-             std::max(m.token_read, m.batch_ids + std::max(m.step_peak, m.state + m.checkpoint));
+             std::max(m.token_read,
+                      m.batch_ids + m.packing + std::max(m.step_peak, m.state + m.checkpoint));
     ranks.push_back(m);
   }
   return ranks;

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,12 @@ struct TrainOptions {
   double min_lr = 0.0;
   double clip = 0.0;  // max global grad norm; 0: no clipping
   std::string data = "random", data_dtype = "auto";
+  // Packed documents (--pack-eos ID, model/data.hpp): the token stream is a
+  // concatenation of documents each ending with this id; every window is cut
+  // into its documents (attention and RoPE positions stay inside each), and
+  // the target after an end-of-document token is left out of the loss and of
+  // its token count. Unset: one document per row.
+  std::optional<std::int64_t> pack_eos;
   // Checkpoints go to checkpoint_dir every save_every steps, after the last
   // step, and when stopped by a signal. A fresh run refuses a directory that
   // already holds checkpoints; a resumed run may write only into the
@@ -77,6 +84,7 @@ struct TrainEnd {
 struct StepRecord {
   std::int64_t step = 0;
   double loss = 0, grad_norm = 0, lr = 0, tokens_per_s = 0, seconds = 0;
+  std::int64_t targets = 0;  // the targets the loss is the mean over (B*S unless packed)
 };
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step
@@ -125,10 +133,15 @@ struct TrainMemory {
   std::int64_t token_ids = 0;   // a --data file's ids as uint32 (0 for random data)
   std::int64_t token_read = 0;  // the file's bytes, held while it is read (before the model)
   std::int64_t batch_ids = 0;   // the step's window (B, S+1), tokens and targets (B, L_r): int32
+  // --pack-eos: the batch's documents and whole-row targets (B, S), and what
+  // every layer's block keeps of them (each token's document start (B, S),
+  // positions (B, L_r), with --q-latent (B, S) too). Bounded for the most
+  // documents a row can hold (S), since the count depends on the data.
+  std::int64_t packing = 0;
   std::int64_t checkpoint = 0;  // a save's copy of parameters, m and v (rank 0, --checkpoint)
   // The largest sum live at once: while the token file is read (nothing of
   // the model exists yet), or during training:
-  //   rope + token_ids + max(token_read, batch_ids + max(step_peak, state + checkpoint))
+  //   rope + token_ids + max(token_read, batch_ids + packing + max(step_peak, state + checkpoint))
   std::int64_t peak = 0;
 };
 // One per rank of o.sp. Reads (and so validates) a --data file, as

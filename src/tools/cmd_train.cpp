@@ -44,6 +44,7 @@ struct TrainCli {
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
   std::int64_t q_lora_rank = 0;
   bool q_latent = false;
+  std::int64_t pack_eos = -1;  // -1: not given
 };
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
@@ -130,6 +131,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.clip = c.clip;
   o.data = c.data;
   o.data_dtype = c.data_dtype;
+  if (c.pack_eos >= 0) o.pack_eos = c.pack_eos;
   o.save_every = c.save_every;
   o.checkpoint_dir = c.checkpoint;
   o.resume = c.resume;
@@ -175,8 +177,10 @@ void run_train(const TrainCli& c) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
               << ", form " << to_string(FormVariant(o.form, o.queries)) << ", attention "
               << c.attention << ", sp " << o.sp << ", comm " << to_string(c.comm.backend)
-              << ", data " << c.data << ", steps " << o.steps
-              << (o.resume.empty() ? "" : ", resuming from " + o.resume) << "\n";
+              << ", data " << c.data
+              << (o.pack_eos ? cat(" packed at end-of-document id ", *o.pack_eos) : "")
+              << ", steps " << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume)
+              << "\n";
     for (const std::string& note : prepare_run(o)) std::cerr << "laga train: " << note << "\n";
   }
   install_stop_handlers();
@@ -195,6 +199,7 @@ void run_train(const TrainCli& c) {
       j["grad_norm"] = s.grad_norm;
       j["lr"] = s.lr;
       j["tokens_per_s"] = s.tokens_per_s;
+      j["targets"] = s.targets;
       if (log.is_open()) log << j.dump() << "\n" << std::flush;
       if (!c.quiet)
         std::cerr << "step " << s.step << "/" << o.steps << "  loss " << std::fixed
@@ -294,8 +299,14 @@ void register_train(CLI::App& app) {
                   "auto | u16 | u32 (auto: llm.c header if present, *.u32 names u32, else u16)")
       ->check(CLI::IsMember({"auto", "u16", "u32"}))
       ->capture_default_str();
+  sub->add_option("--pack-eos", c->pack_eos,
+                  "ID: the data is documents each ending with token ID; attention and RoPE "
+                  "positions stay inside each document of a row, and the target after ID is not "
+                  "trained on (docs/forms.md, \"Packed sequences\")")
+      ->check(whole(0));
   sub->add_option("--log", c->log,
-                  "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s)");
+                  "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s, "
+                  "targets: how many the loss is the mean over)");
   sub->add_option("--save-every", c->save_every,
                   "write a checkpoint every N steps (needs --checkpoint)")
       ->check(whole(0));

@@ -131,7 +131,7 @@ JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend) {
                    " each: parameters, AdamW moments and gradients ", gb(worst->state),
                    ", activations and comm staging up to ", gb(worst->step_peak - worst->state),
                    ", token data, batch and RoPE buffers ",
-                   gb(worst->rope + worst->token_ids + worst->batch_ids),
+                   gb(worst->rope + worst->token_ids + worst->batch_ids + worst->packing),
                    worst->checkpoint > 0 ? ", a checkpoint's copy " + gb(worst->checkpoint) : "");
   job.lower_with =
       "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "

@@ -269,5 +269,96 @@ TEST(Train, DataFileTrainsDeterministically) {
   EXPECT_NE(a[0].loss, a[1].loss);
 }
 
+// A token file of documents: lengths 1 to 12 (some shorter than a rank's
+// shard, some crossing shard and window boundaries), each ending with EOS.
+constexpr std::int32_t kEos = 0;
+fs::path packed_file(const fs::path& dir) {
+  std::vector<std::uint16_t> ids;
+  for (std::uint32_t d = 0; ids.size() < 2000; ++d) {
+    const std::uint32_t len = 1 + (d * 5 + d / 4) % 12;
+    for (std::uint32_t i = 0; i + 1 < len; ++i) ids.push_back(std::uint16_t(1 + (d + i * 3) % 63));
+    ids.push_back(std::uint16_t(kEos));
+  }
+  write_u16(dir / "docs.bin", ids);
+  return dir / "docs.bin";
+}
+
+TEST(Train, PackedDataTrainsResumesExactlyAndFollowsAcrossForms) {
+  const fs::path dir = scratch("packed");
+  TrainOptions o = small(Form::laga, 2, 8);
+  o.data = packed_file(dir).string();
+  o.pack_eos = kEos;
+  const auto straight = train_local(o);
+  ASSERT_EQ(straight.size(), 8u);
+  // Fewer targets than B*S count: those after an EOS input are ignored.
+  for (const StepRecord& r : straight) {
+    EXPECT_LT(r.targets, o.batch * o.seq);
+    EXPECT_GT(r.targets, o.batch * o.seq / 2);
+  }
+  // The same data unpacked is another run.
+  TrainOptions unpacked = o;
+  unpacked.pack_eos.reset();
+  EXPECT_NE(losses(train_local(unpacked))[0], straight[0].loss);
+
+  // 4 steps, a checkpoint, 4 more: the same losses bit for bit.
+  TrainOptions first = o;
+  first.steps = 4;
+  first.checkpoint_dir = (dir / "ck").string();
+  const auto a = train_local(first);
+  TrainOptions second = o;
+  second.resume = first.checkpoint_dir;
+  const auto b = train_local(second);
+  std::vector<double> joined = losses(a), tail = losses(b);
+  joined.insert(joined.end(), tail.begin(), tail.end());
+  EXPECT_EQ(joined, losses(straight));
+
+  // The checkpoint records the packing: resuming without it is refused.
+  TrainOptions dropped = second;
+  dropped.pack_eos.reset();
+  const std::string e = error_of([&] { validate_train_options(dropped); });
+  EXPECT_NE(e.find("pack-eos: 0 -> (not used)"), std::string::npos) << e;
+
+  // Every form and P follow single-rank explicit within fp32 rounding.
+  TrainOptions ex = o;
+  ex.form = Form::explicit_form;
+  ex.sp = 1;
+  const auto ref = losses(train_local(ex));
+  for (Form f : all_forms())
+    for (int sp : {2, 3}) {
+      TrainOptions g = o;
+      g.form = f;
+      g.sp = sp;
+      const auto got = losses(train_local(g));
+      for (size_t i = 0; i < ref.size(); ++i)
+        EXPECT_NEAR(got[i], ref[i], 1e-4 * std::abs(ref[i]))
+            << to_string(f) << " sp " << sp << " step " << i + 1;
+    }
+}
+
+TEST(Train, PackEosErrorsNameTheIdAndTheFix) {
+  const fs::path dir = scratch("packed_errors");
+  TrainOptions o = small(Form::laga, 1, 2);
+  o.data = packed_file(dir).string();
+  o.pack_eos = 64;  // == vocab
+  std::string e = error_of([&] { validate_train_options(o); });
+  EXPECT_NE(e.find("--pack-eos 64 is not a token id of the vocabulary [0, 64)"), std::string::npos)
+      << e;
+  o.pack_eos = 63;  // a valid id the file never holds (ids are 0..63, 63 never written)
+  std::vector<std::uint16_t> ids(100, 5);
+  ids[10] = 0;
+  write_u16(dir / "no63.bin", ids);
+  o.data = (dir / "no63.bin").string();
+  e = error_of([&] { validate_train_options(o); });
+  EXPECT_NE(e.find("--pack-eos 63: the id never occurs in --data"), std::string::npos) << e;
+  // A batch of nothing but EOS has no target to learn from.
+  write_u16(dir / "all_eos.bin", std::vector<std::uint16_t>(100, 0));
+  o.data = (dir / "all_eos.bin").string();
+  o.pack_eos = 0;
+  e = error_of([&] { train_local(o); });
+  EXPECT_NE(e.find("step 1: every input token of the batch is the end-of-document id 0"),
+            std::string::npos)
+      << e;
+}
+
 }  // namespace
 }  // namespace laga

@@ -107,8 +107,18 @@ TEST(TrainMemory, ResumeAndCheckpointsAndTheTermsOutsideThePool) {
   EXPECT_EQ(fresh[0].rope, 2 * 24 * (dr / 2) * 8);
   EXPECT_EQ(fresh[0].batch_ids, 4 * (25 + 2 * 12));
   EXPECT_EQ(fresh[0].token_ids, 0);  // random data holds no ids
-  for (const TrainMemory& m : fresh)
+  for (const TrainMemory& m : fresh) {
+    EXPECT_EQ(m.packing, 0);
     EXPECT_EQ(m.peak, m.rope + m.batch_ids + std::max(m.step_peak, m.state + m.checkpoint));
+  }
+  // --pack-eos: the pool is the same (the documents' arrays are not pool
+  // tensors); outside it, the packed targets (B, S) int32, up to S + 1 cut
+  // points and, per layer, doc_start (B, S) and positions (B, L_r) int64.
+  o.pack_eos = 0;
+  const std::vector<TrainMemory> packed = predict_train_memory(o, StagingRule::in_process);
+  EXPECT_EQ(packed[0].step_peak, fresh[0].step_peak);
+  EXPECT_EQ(packed[0].packing, 4 * 24 + 8 * 25 + o.model.layers * 8 * (24 + 12));
+  EXPECT_EQ(packed[0].peak, fresh[0].peak + packed[0].packing);
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 # Runs a small `laga train` twice, on 2 in-process ranks and on 2 MPI
 # processes, and requires the logged loss and grad_norm of every step to be
-# bit-identical (the JSON numbers round-trip doubles exactly).
+# bit-identical (the JSON numbers round-trip doubles exactly). With -DPYTHON
+# set, it trains on packed documents (--pack-eos 0) of a token file that
+# Python writes: documents of 1 to 13 tokens, crossing the ranks' shards.
 if(NOT MPIEXEC OR NOT EXISTS "${MPIEXEC}")
   message(FATAL_ERROR "mpiexec was not found when the build was configured (MPIEXEC='${MPIEXEC}'): "
                       "install openmpi-bin (scripts/setup.sh) and re-run cmake")
@@ -9,6 +11,16 @@ file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 set(ARGS train --form laga --sp 2 --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
          --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
+if(PYTHON)
+  string(CONCAT script "import array\nids = array.array('H')\nd = 0\nwhile len(ids) < 3000:\n"
+             "    n = 1 + (7 * d) % 13\n    ids.extend([1 + (d + 3 * i) % 60 for i in range(n - 1)] + [0])\n"
+             "    d += 1\nids.tofile(open('${WORK}/docs.bin', 'wb'))\n")
+  execute_process(COMMAND ${PYTHON} -c "${script}" RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "could not write the packed token file (${rc})")
+  endif()
+  list(APPEND ARGS --data ${WORK}/docs.bin --pack-eos 0)
+endif()
 foreach(backend local mpi)
   if(backend STREQUAL "mpi")
     set(CMD ${TIMEOUT} 120 ${MPIEXEC} --allow-run-as-root --oversubscribe -np 2 ${LAGA} ${ARGS}
@@ -32,13 +44,19 @@ math(EXPR last "${n_local} - 1")
 foreach(i RANGE ${last})
   list(GET local_lines ${i} a)
   list(GET mpi_lines ${i} b)
-  foreach(key loss grad_norm lr)
+  foreach(key loss grad_norm lr targets)
     string(JSON va GET "${a}" ${key})
     string(JSON vb GET "${b}" ${key})
     if(NOT va STREQUAL vb)
       message(FATAL_ERROR "step ${i}: ${key} local ${va} != mpi ${vb}\nlocal: ${a}\nmpi:   ${b}")
     endif()
   endforeach()
+  if(PYTHON)
+    string(JSON targets GET "${a}" targets)
+    if(NOT targets LESS 64)
+      message(FATAL_ERROR "step ${i}: --pack-eos counted ${targets} targets, not fewer than B*S")
+    endif()
+  endif()
   message(STATUS "step ${i}: ${a}")
 endforeach()
 message(STATUS "local and MPI losses are bit-identical over ${n_local} steps")

@@ -6,6 +6,9 @@
     `laga forward` on each document alone, concatenated, for every form at
     P 1 and 3;
   - `laga verify --doc-lens` passes;
+  - `laga train --data FILE --pack-eos ID` trains, logs how many targets each
+    step counts (fewer than B*S), resumes to the same losses, and refuses an
+    id outside the vocabulary or absent from the file;
   - bad document lists are refused with exit 2 and one error line naming the
     tensor or the flag.
 
@@ -142,6 +145,49 @@ safetensors_io.save_file({"x": x, "cu_seqlens": np.array([0, 29])}, xin)
 r = run(["forward", "--preset", "tiny", "--input", xin, "--doc-lens", "29"])
 if r.returncode != 2 or "give them once" not in r.stderr:
     failures.append(f"--doc-lens with cu_seqlens: rc {r.returncode}: {r.stderr.strip()[:300]}")
+
+# Training on packed documents: a token file of documents ending with EOS 0.
+ids = []
+d = 0
+while len(ids) < 3000:
+    n = 1 + (7 * d) % 13
+    ids += [1 + (d + 3 * i) % 60 for i in range(n - 1)] + [0]
+    d += 1
+data = os.path.join(tmp, "docs.bin")
+np.array(ids, dtype=np.uint16).tofile(data)
+TRAIN = ["train", "--d-model", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq",
+         "32", "--batch", "2", "--sp", "2", "--data", data, "--quiet"]
+
+
+def train_log(name, extra):
+    log = os.path.join(tmp, name + ".jsonl")
+    r = run(TRAIN + ["--log", log] + extra)
+    if r.returncode != 0:
+        failures.append(f"train {name}: rc {r.returncode}: {r.stderr.strip()[:400]}")
+        return []
+    with open(log) as f:
+        return [json.loads(line) for line in f]
+
+
+ck = os.path.join(tmp, "train_ck")
+subprocess.run(["rm", "-rf", ck], check=True)
+straight = train_log("straight", ["--pack-eos", "0", "--steps", "6"])
+first = train_log("first", ["--pack-eos", "0", "--steps", "3", "--checkpoint", ck])
+resumed = train_log("resumed", ["--pack-eos", "0", "--steps", "6", "--resume", ck])
+if straight and first and resumed:
+    if [s["loss"] for s in straight] != [s["loss"] for s in first + resumed]:
+        failures.append("train --pack-eos: a resumed run's losses differ from a straight run's")
+    if not all(0 < s["targets"] < 2 * 32 for s in straight):
+        failures.append(f"train --pack-eos: targets {[s['targets'] for s in straight]}")
+unpacked = train_log("unpacked", ["--steps", "1"])
+if unpacked and unpacked[0]["targets"] != 64:
+    failures.append(f"train without --pack-eos counts {unpacked[0]['targets']} targets, not 64")
+for eos, words in (("64", "--pack-eos 64 is not a token id of the vocabulary [0, 64)"),
+                   ("63", "--pack-eos 63: the id never occurs in --data"),
+                   ("-1", "--pack-eos: '-1' is not a whole number >= 0")):
+    r = run(TRAIN + ["--pack-eos", eos, "--steps", "1"])
+    if r.returncode != 2 or words not in r.stderr:
+        failures.append(f"train --pack-eos {eos}: rc {r.returncode}: {r.stderr.strip()[:300]}")
 
 for m in failures:
     print("FAILED:", m)
