@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of laga's readers with libFuzzer (clang, with
 # AddressSanitizer and UndefinedBehaviorSanitizer): builds one binary per
-# target into build-fuzz/ and runs each for SECONDS on its committed seed
+# target into build-fuzz/ and runs each for SECONDS (one per core at a time)
+# on its committed seed
 # corpus (tests/fuzz/corpus/<target>/, read only) plus a working corpus
 # (build-fuzz/corpus/<target>/, kept between runs). docs/reliability.md
 # ("Fuzzing") has the targets, the figures and how a crash becomes a test.
@@ -39,35 +40,68 @@ declare -A sources=(
 )
 binary_of() { case $1 in config_*) echo config ;; *) echo "$1" ;; esac; }
 
+# Up to one build or run per core at once: each compiler invocation and each
+# libFuzzer process is single-threaded.
+jobs=$(nproc)
+wait_for_slot() {
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+}
+
 built=()
 for t in "${targets[@]}"; do
   b=$(binary_of "$t")
   [ -n "${sources[$b]:-}" ] || { echo "fuzz.sh: unknown target '$t'" >&2; exit 2; }
   case " ${built[*]} " in *" $b "*) continue ;; esac
-  echo "fuzz.sh: building fuzz_$b"
-  # shellcheck disable=SC2086
-  "$CXX" "${flags[@]}" ${sources[$b]} -o "$out/fuzz_$b"
   built+=("$b")
 done
+for b in "${built[@]}"; do
+  wait_for_slot
+  echo "fuzz.sh: building fuzz_$b"
+  # shellcheck disable=SC2086
+  rm -f "$out/build_$b.ok"
+  ( "$CXX" "${flags[@]}" ${sources[$b]} -o "$out/fuzz_$b" >"$out/build_$b.log" 2>&1 &&
+      touch "$out/build_$b.ok" ) &
+done
+wait
+for b in "${built[@]}"; do
+  [ -f "$out/build_$b.ok" ] || {
+    cat "$out/build_$b.log" >&2
+    echo "fuzz.sh: building fuzz_$b failed (above)" >&2
+    exit 2
+  }
+done
 
-status=0
-for t in "${targets[@]}"; do
+# run_target T: one target for $seconds s; its log in $out/T.log, its result
+# in $out/T.result.
+run_target() {
+  local t=$1 b
   b=$(binary_of "$t")
   mkdir -p "$out/corpus/$t" "$out/artifacts/$t"
-  echo "fuzz.sh: running $t for $seconds s"
   if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
      "$out/fuzz_$b" -max_total_time="$seconds" -runs="${FUZZ_RUNS:--1}" -print_final_stats=1 -rss_limit_mb=2048 \
        -max_len=65536 -timeout=10 -artifact_prefix="$out/artifacts/$t/" \
        "$out/corpus/$t" "tests/fuzz/corpus/$t" >"$out/$t.log" 2>&1; then
-    result=ok
+    echo ok >"$out/$t.result"
   else
-    result=CRASH
-    status=1
+    echo CRASH >"$out/$t.result"
   fi
+}
+for t in "${targets[@]}"; do
+  wait_for_slot
+  echo "fuzz.sh: running $t for $seconds s"
+  rm -f "$out/$t.result"
+  run_target "$t" &
+done
+wait
+
+status=0
+for t in "${targets[@]}"; do
+  result=$(cat "$out/$t.result" 2>/dev/null || echo "no result")
+  [ "$result" = ok ] || status=1
   # The last status line (#N ... cov: C ft: F corp: ...) and the totals.
   line=$(grep -E '^#[0-9]+' "$out/$t.log" | tail -1 || true)
   execs=$(grep -E 'stat::number_of_executed_units' "$out/$t.log" | awk '{print $2}' || true)
   echo "fuzz.sh: $t: $result; executions ${execs:-?}; last: ${line:-none}"
-  [ $result = ok ] || tail -40 "$out/$t.log"
+  [ "$result" = ok ] || tail -40 "$out/$t.log"
 done
 exit $status
