@@ -1,11 +1,14 @@
 #include "comm/communicator.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "comm/collective_util.hpp"
+#include "comm/link_model.hpp"
 #include "core/error.hpp"
 
 namespace laga {
@@ -387,12 +390,32 @@ std::string peer_list(const std::vector<WireBytes>& derived,
 
 }  // namespace
 
+namespace {
+
+// Returns at `until`: asleep while it is far, then spinning, since a sleep
+// overshoots by tens of microseconds and shaped calls can be that short.
+void wait_until(std::chrono::steady_clock::time_point until) {
+  using namespace std::chrono_literals;
+  using Clock = std::chrono::steady_clock;
+  constexpr auto spin = 200us;
+  if (until - Clock::now() > spin) std::this_thread::sleep_until(until - spin);
+  while (Clock::now() < until) std::this_thread::yield();
+}
+
+}  // namespace
+
+void Communicator::set_link_model(const LinkModel* link) {
+  if (link) validate(*link, "link model");
+  link_model_ = link ? std::make_shared<const LinkModel>(*link) : nullptr;
+}
+
 void Communicator::check_usable(CollectiveKind, const std::string&) const {}
 void Communicator::call_failed(const std::string&) {}
 
 template <class Body>
 void Communicator::run(CollectiveKind kind, const std::string& label, Body&& body) {
   check_usable(kind, label);
+  const auto start = std::chrono::steady_clock::now();
   try {
     Traffic moved(size());
     // body checks the arguments, runs the transport and returns the derived
@@ -411,6 +434,11 @@ void Communicator::run(CollectiveKind kind, const std::string& label, Body&& bod
                " received (per peer, derived/measured: ", peer_list(derived, moved.per_peer()),
                "); the ", to_string(backend()),
                " backend lost or misdirected data — a bug in laga, not in the caller");
+    if (link_model_) {
+      const double s = collective_seconds(kind, size(), d, single_level(*link_model_));
+      wait_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(s)));
+    }
   } catch (const std::exception& e) {
     call_failed(e.what());
     throw;

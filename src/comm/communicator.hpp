@@ -50,6 +50,17 @@
 //      all_reduce                            chunk_r in-process (local and dry-run);
 //                                            (P-1) * chunk_r on MPI; none on self
 //
+// Link model (comm/link_model.hpp): with set_link_model, every collective of
+// this rank returns no earlier than its start plus the modelled time of the
+// call (collective_seconds of the rank's derived bytes and P on one level of
+// that link): the transport runs as before, then the rank waits out the rest.
+// The modelled time depends only on the bytes and P, so a shaped run is
+// deterministic up to the real transport's own time, which on one machine is
+// small against the modelled links; results and the ledger are unchanged. A
+// rank that arrives late pays its modelled time from its own arrival, so a
+// call whose ranks arrive apart finishes earlier on the early ranks than a
+// link that starts only when the last rank is there would (docs/planning.md).
+//
 // Checks: every backend makes the same checks of one rank's own arguments
 // before anything moves, and words them alike ("<collective> '<label>' on
 // rank r of P: ..."): counts and n non-negative, the own block the same size
@@ -68,6 +79,8 @@
 #include <vector>
 
 namespace laga {
+
+struct LinkModel;  // comm/link_model.hpp
 
 enum class DType { f32, f64 };
 inline std::int64_t dtype_bytes(DType t) {
@@ -215,6 +228,10 @@ class Communicator {
   const Ledger& ledger() const { return ledger_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  // Shapes every later collective of this rank by `link` (copied), or stops
+  // shaping when null ("Link model" above).
+  void set_link_model(const LinkModel* link);
+  const LinkModel* link_model() const { return link_model_.get(); }
   // Tests only: see TransportFault.
   void inject_fault_for_testing(TransportFault f) { fault_ = f; }
 
@@ -289,6 +306,7 @@ class Communicator {
   std::chrono::milliseconds timeout_{std::chrono::seconds(300)};
   TransportFault fault_ = TransportFault::none;
   std::int64_t calls_ = 0;
+  std::shared_ptr<const LinkModel> link_model_;
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its

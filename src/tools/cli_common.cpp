@@ -125,6 +125,47 @@ CLI::Validator real_above(double lo) {
   return real(lo, std::numeric_limits<double>::infinity(), "()");
 }
 
+LinkSpec parse_link(const std::string& text) {
+  const std::string usage =
+      "; give --link BW[,LAT]: BW in GB/s (10^9 bytes/s per direction) > 0, LAT in microseconds "
+      ">= 0, e.g. --link 25,5";
+  const size_t comma = text.find(',');
+  const std::string bw = text.substr(0, comma);
+  auto number = [&](const std::string& t, const char* what) {
+    char* end = nullptr;
+    const double v = std::strtod(t.c_str(), &end);
+    LAGA_CHECK(!t.empty() && end == t.c_str() + t.size() && std::isfinite(v), "--link: ", what,
+               " '", t, "' is not a finite number", usage);
+    return v;
+  };
+  LinkSpec spec;
+  const double gbps = number(bw, "bandwidth");
+  LAGA_CHECK(gbps > 0, "--link: bandwidth ", bw, " GB/s is not positive", usage);
+  spec.bytes_per_s = gbps * 1e9;
+  if (comma != std::string::npos) {
+    const std::string lat = text.substr(comma + 1);
+    const double us = number(lat, "latency");
+    LAGA_CHECK(us >= 0, "--link: latency ", lat, " us is negative", usage);
+    spec.latency_s = us * 1e-6;
+  }
+  return spec;
+}
+
+CLI::Validator link_spec() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          parse_link(text);
+        } catch (const Error& e) {
+          // CLI11 prefixes the option's name itself.
+          const std::string m = e.what();
+          return m.rfind("--link: ", 0) == 0 ? m.substr(8) : m;
+        }
+        return "";
+      },
+      "BW_GBPS[,LATENCY_US]");
+}
+
 std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
   std::vector<int> v;
   std::stringstream ss(s);

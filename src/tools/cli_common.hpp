@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,18 @@ CLI::Validator whole(std::int64_t lo);
 CLI::Validator real(double lo, double hi, const char* bounds);
 CLI::Validator real_at_least(double lo);
 CLI::Validator real_above(double lo);
+
+// --link BW[,LAT]: every link at BW GB/s (10^9 bytes/s) per direction, LAT
+// microseconds per message (comm/link_model.hpp). LAT is optional: absent,
+// the caller decides (laga compare: 0; laga plan: the profile's latencies).
+// parse_link throws laga::Error "--link: ..." unless BW is a positive finite
+// number and LAT a finite number >= 0; link_spec() runs it when CLI11 parses.
+struct LinkSpec {
+  double bytes_per_s = 0;
+  std::optional<double> latency_s;
+};
+LinkSpec parse_link(const std::string& text);
+CLI::Validator link_spec();
 
 // "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);

@@ -59,6 +59,11 @@ void register_compare(CLI::App& app) {
   c->add_flag("--count-only", o->count_only,
               "account every tensor without allocating it and run no kernel: exact bytes and "
               "memory at any size in seconds; no values, no times");
+  c->add_option("--link", o->link,
+                "shape every collective by the link model: bandwidth BW GB/s (10^9 bytes/s) per "
+                "direction and latency LAT microseconds (default 0); each collective completes no "
+                "earlier than its alpha-beta time (docs/planning.md). Bytes and results unchanged")
+      ->check(link_spec());
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o] {
     const std::optional<CompareResult> r = run_compare(*o);

@@ -37,6 +37,7 @@ struct CompareOptions {
   bool count_only = false;
   bool quiet = false;     // no progress on stderr
   bool q_latent = false;  // also laga+q-latent, right after laga (--q-latent)
+  std::string link;       // --link BW[,LAT]: every collective on the modelled link; empty: none
   std::uint64_t seed = 0;
 };
 

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "comm/dry_run_comm.hpp"
+#include "comm/link_model.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "mla/comm_model.hpp"
@@ -76,6 +77,7 @@ struct RankRecord {
 // Everything every rank needs, fixed before the ranks start.
 struct Job {
   const CompareOptions& o;
+  std::optional<LinkModel> link;  // --link
   MlaConfig cfg;
   SpLayout layout;
   AttentionKind attention;
@@ -120,6 +122,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
   const RopeTable rope = j.o.count_only ? RopeTable::unbacked(j.cfg.rope(), j.layout.seq)
                                         : RopeTable(j.cfg.rope(), j.layout.seq);
   const bool talk = r == 0 || j.o.rank_only >= 0;
+  if (j.link) comm.set_link_model(&*j.link);
   MemoryPool ref_pool;  // explicit's results outlive the step that made them
   Reference ref;
   std::vector<std::vector<double>> records;
@@ -388,6 +391,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
                  "' twice; name each form once");
 
   Job j{.o = o,
+        .link = {},
         .cfg = res.cfg,
         .layout = res.layout,
         .attention = res.attention,
@@ -413,6 +417,19 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
             "received blocks are copies of the rank's own data, reductions return its own "
             "contribution. Bytes and memory are exact; outputs are not numerically meaningful, and "
             "the time is this rank alone on all cores, not the group's step (no tokens/s)"));
+  }
+  if (!o.link.empty()) {
+    LAGA_CHECK(!o.count_only && o.rank_only < 0,
+               "--link shapes the measured collectives of a real run; drop --count-only and "
+               "--rank-only (their bytes do not depend on the link)");
+    const LinkSpec spec = parse_link(o.link);
+    j.link = LinkModel{spec.bytes_per_s, spec.latency_s.value_or(0.0), Topology::switched};
+    res.notes.push_back(cat("--link ", o.link,
+                            ": every collective completes no earlier than its "
+                            "alpha-beta time at ",
+                            spec.bytes_per_s / 1e9, " GB/s per direction and ",
+                            j.link->latency_s * 1e6,
+                            " us per message (docs/planning.md, the link model)"));
   }
   res.values_meaningful = !o.count_only && (o.rank_only < 0 || o.sp == 1);
   for (FormVariant f : res.forms)

@@ -7,6 +7,7 @@
 // add in rank order 0..P-1 fails the bit-exact comparisons.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "comm/link_model.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 
@@ -308,6 +310,49 @@ std::string compare_bitwise(const Results<T>& a, const Results<T>& b) {
         it->second.bytes_sent != e.bytes_sent || it->second.bytes_received != e.bytes_received)
       diffs += cat("ledger entry ", to_string(key.first), "/", key.second, " differs\n");
   }
+  return diffs;
+}
+
+// Each collective of one kind on its own under `link` (set on the
+// communicator by the caller), timed on this rank: "" when every call took
+// at least its modelled time (collective_seconds of its ledger bytes), else
+// what fell short. No upper bound: a loaded machine may always be slower.
+inline std::string check_link_floor(Communicator& comm, const LinkModel& link) {
+  const int P = comm.size(), r = comm.rank();
+  using Clock = std::chrono::steady_clock;
+  std::string diffs;
+  auto timed = [&](CollectiveKind kind, const char* label, const std::function<void()>& call) {
+    const Ledger before = comm.ledger();
+    const auto t0 = Clock::now();
+    call();
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    const LedgerEntry& e = comm.ledger().entries().at({comm.phase(), label});
+    const LedgerEntry* b = before.entries().count({comm.phase(), label})
+                               ? &before.entries().at({comm.phase(), label})
+                               : nullptr;
+    const WireBytes bytes{e.bytes_sent - (b ? b->bytes_sent : 0),
+                          e.bytes_received - (b ? b->bytes_received : 0)};
+    const double floor = collective_seconds(kind, P, bytes, single_level(link));
+    if (took < floor)
+      diffs += cat(label, " took ", took, " s, less than its modelled ", floor, " s\n");
+  };
+  const std::int64_t n = 20000;  // elements per peer
+  std::vector<float> send(static_cast<size_t>(n * P), float(r)), recv(send.size());
+  I64s counts(P, n), displs(P);
+  for (int j = 0; j < P; ++j) displs[j] = j * n;
+  timed(CollectiveKind::all_to_all, "link_a2a", [&] {
+    comm.all_to_all_v(send.data(), counts.data(), displs.data(), recv.data(), counts.data(),
+                      displs.data(), "link_a2a");
+  });
+  timed(CollectiveKind::all_gather, "link_ag", [&] {
+    comm.all_gather_v(send.data(), n, recv.data(), counts.data(), displs.data(), "link_ag");
+  });
+  timed(CollectiveKind::reduce_scatter, "link_rs", [&] {
+    comm.reduce_scatter_v(send.data(), counts.data(), displs.data(), recv.data(), "link_rs");
+  });
+  timed(CollectiveKind::all_reduce, "link_ar",
+        [&] { comm.all_reduce(send.data(), n * P, "link_ar"); });
+  timed(CollectiveKind::barrier, "link_barrier", [&] { comm.barrier("link_barrier"); });
   return diffs;
 }
 

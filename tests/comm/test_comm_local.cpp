@@ -6,12 +6,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "comm/communicator.hpp"
 #include "comm/dry_run_comm.hpp"
+#include "comm/link_model.hpp"
 #include "comm/local_comm.hpp"
 #include "comm_cases.hpp"
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
 
@@ -479,6 +482,87 @@ TEST(LocalComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
   run_local_ranks(P, [&](Communicator& c) {
     EXPECT_EQ(test::faulty_all_to_all(c, TransportFault::short_send, false), "");
   });
+}
+
+// The link model: the numbers of each algorithm's cost, written out.
+TEST(LinkModel, CostsOfEachAlgorithmOnOneLevel) {
+  const double a = 1e-6, b = 1e9;
+  const WireBytes w{4000, 3000};  // m = 4000: the larger direction
+  for (int P : {2, 4, 8}) {
+    const double peers = P - 1;
+    const Fabric sw = single_level({b, a, Topology::switched});
+    const Fabric mesh = single_level({b, a, Topology::full_mesh});
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all, P, w, sw), peers * a + 4e-6);
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, P, w, sw), peers * a + 4e-6);
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::reduce_scatter, P, w, sw),
+                     peers * a + 4e-6);
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_reduce, P, w, sw),
+                     2 * peers * a + 4e-6);
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all, P, w, mesh), a + 4e-6 / peers);
+    EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::barrier, P, {}, sw),
+                     std::ceil(std::log2(P)) * a);
+  }
+  // A bidirectional ring of 8: mean hop count 16/7, shared by two directions.
+  EXPECT_DOUBLE_EQ(
+      collective_seconds(CollectiveKind::all_to_all, 8, w, single_level({b, a, Topology::ring})),
+      4 * a + 4e-6 * (16.0 / 7 / 2));
+  EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 1, w, single_level({b, a})), 0);
+}
+
+TEST(LinkModel, TwoLevelsSplitTheBytesExactly) {
+  // 16 ranks, 4 per node: 4 nodes. The shares crossing nodes and staying
+  // inside sum to the rank's bytes; each level is costed on its own link.
+  const LinkModel in{100e9, 1e-6}, out{10e9, 5e-6};
+  const Fabric f{in, out, 4};
+  const double m = 1.5e9;
+  const WireBytes w{std::int64_t(m), 0};
+  const double fa = 12.0 / 15, fg = 3.0 / 15;
+  EXPECT_DOUBLE_EQ(node_crossing_share(CollectiveKind::all_to_all, 16, 4), fa);
+  EXPECT_DOUBLE_EQ(node_crossing_share(CollectiveKind::all_gather, 16, 4), fg);
+  EXPECT_EQ(node_crossing_share(CollectiveKind::all_gather, 4, 4), 0);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all, 16, w, f),
+                   std::max(3 * 1e-6 + (1 - fa) * m / 100e9, 12 * 5e-6 + fa * m / 10e9));
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, 16, w, f),
+                   3 * 5e-6 + fg * m / 10e9 + 3 * 1e-6 + (1 - fg) * m / 100e9);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_reduce, 16, w, f),
+                   6 * 5e-6 + fg * m / 10e9 + 6 * 1e-6 + (1 - fg) * m / 100e9);
+  // On one node the inter link is never used.
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, 4, w, f), 3 * 1e-6 + m / 100e9);
+}
+
+TEST(LinkModel, BadLinksAreRefusedNamingTheValue) {
+  using test::error_of;
+  auto comm = make_self_communicator();
+  for (const LinkModel& bad : {LinkModel{0, 1e-6}, LinkModel{-1, 0}, LinkModel{std::nan(""), 0},
+                               LinkModel{INFINITY, 0}, LinkModel{1e9, -1e-6}}) {
+    const std::string e = error_of([&] { comm->set_link_model(&bad); });
+    EXPECT_NE(e.find("link model: "), std::string::npos) << e;
+  }
+  EXPECT_EQ(comm->link_model(), nullptr);
+  EXPECT_NE(error_of([] { parse_topology("torus", "intra link"); })
+                .find("intra link: unknown topology 'torus'; the topologies are switch, "
+                      "full-mesh and ring"),
+            std::string::npos);
+}
+
+// Under a link model every collective takes at least its modelled time, and
+// results and ledger are bit for bit those of the unshaped run.
+TEST_P(LocalComm, LinkModelSetsAFloorAndChangesNothingElse) {
+  const int P = GetParam();             // P = 1: nothing to shape, results must still agree
+  const LinkModel link{200e6, 300e-6};  // 200 MB/s, 300 us: milliseconds per call
+  std::vector<test::Results<float>> plain(P), shaped(P);
+  std::vector<std::string> floors(P);
+  run_local_ranks(P, [&](Communicator& c) { plain[c.rank()] = test::run_sequence<float>(c); });
+  run_local_ranks(P, [&](Communicator& c) {
+    c.set_link_model(&link);
+    shaped[c.rank()] = test::run_sequence<float>(c);
+    floors[c.rank()] = test::check_link_floor(c, link);
+  });
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(test::compare_bitwise(plain[r], shaped[r]), "") << "rank " << r;
+    EXPECT_EQ(test::check_ledger(shaped[r].ledger, P, r, sizeof(float)), "") << "rank " << r;
+    EXPECT_EQ(floors[r], "") << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -46,6 +46,19 @@ TEST(MpiComm, MatchesInProcessBitForBitF64) {
   check_against_local<double>(comm);
 }
 
+// Under a link model every collective takes at least its modelled time, and
+// the results and the ledger are bit for bit those of the unshaped run.
+TEST(MpiComm, LinkModelSetsAFloorAndChangesNothingElse) {
+  MpiCommunicator plain, shaped;
+  const LinkModel link{200e6, 300e-6};
+  shaped.set_link_model(&link);
+  const test::Results<float> a = test::run_sequence<float>(plain);
+  const test::Results<float> b = test::run_sequence<float>(shaped);
+  EXPECT_EQ(test::compare_bitwise(a, b), "");
+  EXPECT_EQ(test::check_ledger(b.ledger, shaped.size(), shaped.rank(), sizeof(float)), "");
+  EXPECT_EQ(test::check_link_floor(shaped, link), "");
+}
+
 TEST(MpiComm, MessagesSplitIntoPiecesGiveTheSameResults) {
   MpiCommunicator comm;
   comm.set_max_message_bytes(52);  // not a multiple of either element size
