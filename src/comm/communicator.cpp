@@ -404,6 +404,25 @@ void wait_until(std::chrono::steady_clock::time_point until) {
 
 }  // namespace
 
+PendingCollective& PendingCollective::operator=(PendingCollective&& o) noexcept {
+  if (this != &o) {
+    if (pending_) wait_until(done_at_);
+    done_at_ = o.done_at_;
+    pending_ = std::exchange(o.pending_, false);
+  }
+  return *this;
+}
+
+PendingCollective::~PendingCollective() {
+  if (pending_) wait_until(done_at_);
+}
+
+void Communicator::wait(PendingCollective& p) {
+  if (!p.pending_) return;
+  wait_until(p.done_at_);
+  p.pending_ = false;
+}
+
 void Communicator::set_link_model(const LinkModel* link) {
   if (link) validate(*link, "link model");
   link_model_ = link ? std::make_shared<const LinkModel>(*link) : nullptr;
@@ -413,9 +432,12 @@ void Communicator::check_usable(CollectiveKind, const std::string&) const {}
 void Communicator::call_failed(const std::string&) {}
 
 template <class Body>
-void Communicator::run(CollectiveKind kind, const std::string& label, Body&& body) {
+std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
+                                                        const std::string& label, Body&& body,
+                                                        bool started) {
   check_usable(kind, label);
   const auto start = std::chrono::steady_clock::now();
+  auto done = start;
   try {
     Traffic moved(size());
     // body checks the arguments, runs the transport and returns the derived
@@ -436,14 +458,18 @@ void Communicator::run(CollectiveKind kind, const std::string& label, Body&& bod
                " backend lost or misdirected data — a bug in laga, not in the caller");
     if (link_model_) {
       const double s = collective_seconds(kind, size(), d, single_level(*link_model_));
-      wait_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                             std::chrono::duration<double>(s)));
+      done = std::max(start, link_free_at_) +
+             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                 std::chrono::duration<double>(s));
+      link_free_at_ = done;
+      if (!started) wait_until(done);
     }
   } catch (const std::exception& e) {
     call_failed(e.what());
     throw;
   }
   ++calls_;
+  return done;
 }
 
 void Communicator::all_to_all_v(const void* send, const std::int64_t* send_counts,
@@ -472,39 +498,78 @@ void Communicator::all_to_all_v(const void* send, const std::int64_t* send_count
 void Communicator::all_gather_v(const void* send, std::int64_t send_count, void* recv,
                                 const std::int64_t* recv_counts, const std::int64_t* recv_displs,
                                 DType dtype, const std::string& label) {
+  all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, false);
+}
+
+PendingCollective Communicator::start_all_gather_v(const void* send, std::int64_t send_count,
+                                                   void* recv, const std::int64_t* recv_counts,
+                                                   const std::int64_t* recv_displs, DType dtype,
+                                                   const std::string& label) {
+  return pending_until(
+      all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, true));
+}
+
+PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_point done) {
+  PendingCollective p;
+  p.done_at_ = done;
+  p.pending_ = true;
+  return p;
+}
+
+std::chrono::steady_clock::time_point Communicator::all_gather_call(
+    const void* send, std::int64_t send_count, void* recv, const std::int64_t* recv_counts,
+    const std::int64_t* recv_displs, DType dtype, const std::string& label, bool started) {
   const CollectiveKind kind = CollectiveKind::all_gather;
-  run(kind, label, [&](Traffic& moved) {
-    const int P = size(), r = rank();
-    const Checks c(kind, label, r, P);
-    c.count(send_count, "send_count");
-    c.counts(recv_counts, "recv_counts");
-    c.same_own(send_count, "send_count", false, recv_counts[r], "recv_counts",
-               "a rank's own slot must hold exactly what it contributes");
-    const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
-    c.disjoint(in);
-    const Checks::Region own = in[r];
-    c.apart(Checks::region(send, 0, send_count, dtype, "send"), in, &own,
-            "an all_gather_v is in place only as send == recv + recv_displs[rank]");
-    transport_all_gather(send, send_count, recv, recv_counts, recv_displs, dtype, label, moved);
-    return all_gather_peer_bytes(send_count, recv_counts, P, r, dtype);
-  });
+  return run(
+      kind, label,
+      [&](Traffic& moved) {
+        const int P = size(), r = rank();
+        const Checks c(kind, label, r, P);
+        c.count(send_count, "send_count");
+        c.counts(recv_counts, "recv_counts");
+        c.same_own(send_count, "send_count", false, recv_counts[r], "recv_counts",
+                   "a rank's own slot must hold exactly what it contributes");
+        const auto in = Checks::blocks(recv, recv_displs, recv_counts, P, dtype, "recv block");
+        c.disjoint(in);
+        const Checks::Region own = in[r];
+        c.apart(Checks::region(send, 0, send_count, dtype, "send"), in, &own,
+                "an all_gather_v is in place only as send == recv + recv_displs[rank]");
+        transport_all_gather(send, send_count, recv, recv_counts, recv_displs, dtype, label, moved);
+        return all_gather_peer_bytes(send_count, recv_counts, P, r, dtype);
+      },
+      started);
 }
 
 void Communicator::reduce_scatter_v(const void* send, const std::int64_t* counts,
                                     const std::int64_t* displs, void* recv, DType dtype,
                                     const std::string& label) {
+  reduce_scatter_call(send, counts, displs, recv, dtype, label, false);
+}
+
+PendingCollective Communicator::start_reduce_scatter_v(const void* send, const std::int64_t* counts,
+                                                       const std::int64_t* displs, void* recv,
+                                                       DType dtype, const std::string& label) {
+  return pending_until(reduce_scatter_call(send, counts, displs, recv, dtype, label, true));
+}
+
+std::chrono::steady_clock::time_point Communicator::reduce_scatter_call(
+    const void* send, const std::int64_t* counts, const std::int64_t* displs, void* recv,
+    DType dtype, const std::string& label, bool started) {
   const CollectiveKind kind = CollectiveKind::reduce_scatter;
-  run(kind, label, [&](Traffic& moved) {
-    const int P = size(), r = rank();
-    const Checks c(kind, label, r, P);
-    c.counts(counts, "counts");
-    const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block");
-    const Checks::Region own = out[r];
-    c.apart(Checks::region(recv, 0, counts[r], dtype, "recv"), out, &own,
-            "a reduce_scatter_v writes into send only as recv == send + displs[rank]");
-    transport_reduce_scatter(send, counts, displs, recv, dtype, label, moved);
-    return reduce_scatter_peer_bytes(counts, P, r, dtype);
-  });
+  return run(
+      kind, label,
+      [&](Traffic& moved) {
+        const int P = size(), r = rank();
+        const Checks c(kind, label, r, P);
+        c.counts(counts, "counts");
+        const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block");
+        const Checks::Region own = out[r];
+        c.apart(Checks::region(recv, 0, counts[r], dtype, "recv"), out, &own,
+                "a reduce_scatter_v writes into send only as recv == send + displs[rank]");
+        transport_reduce_scatter(send, counts, displs, recv, dtype, label, moved);
+        return reduce_scatter_peer_bytes(counts, P, r, dtype);
+      },
+      started);
 }
 
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {

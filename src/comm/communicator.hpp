@@ -60,6 +60,19 @@
 // rank that arrives late pays its modelled time from its own arrival, so a
 // call whose ranks arrive apart finishes earlier on the early ranks than a
 // link that starts only when the last rank is there would (docs/planning.md).
+// A rank's link carries one collective at a time: a call that starts while
+// an earlier one is still on the link (a started, not yet waited for one,
+// below) begins its modelled time when that one ends.
+//
+// Overlap (start_all_gather_v, start_reduce_scatter_v, wait): the checks,
+// the transport and the ledger record of a started collective happen when it
+// starts, exactly as in the blocking call, so results and bytes are the same
+// bit for bit; `recv` may be read only after wait(). What overlaps is the
+// collective's modelled link time (above) with whatever the rank computes
+// between start and wait: wait returns at the modelled completion, or at
+// once when it is past. Without a link model both backends move the data at
+// start (in-process copies, MPI over shared memory), so there is no link
+// time to hide and the two orders cost the same (docs/forms.md, "Overlap").
 //
 // Checks: every backend makes the same checks of one rank's own arguments
 // before anything moves, and words them alike ("<collective> '<label>' on
@@ -190,6 +203,26 @@ enum class TransportFault {
   skip_peer,   // one peer's block is not moved at all
 };
 
+// A collective started by Communicator::start_* and not yet waited for. Its
+// destructor waits (a path that leaves early, e.g. on an exception, never
+// leaves the link model's clock behind).
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  PendingCollective(PendingCollective&& o) noexcept
+      : done_at_(o.done_at_), pending_(std::exchange(o.pending_, false)) {}
+  PendingCollective& operator=(PendingCollective&& o) noexcept;
+  PendingCollective(const PendingCollective&) = delete;
+  PendingCollective& operator=(const PendingCollective&) = delete;
+  ~PendingCollective();
+  bool pending() const { return pending_; }
+
+ private:
+  friend class Communicator;
+  std::chrono::steady_clock::time_point done_at_{};  // its modelled completion
+  bool pending_ = false;
+};
+
 // The public collectives are not virtual: each checks its arguments (the same
 // checks and wording on every backend), derives the wire bytes from the
 // counts, runs the backend's transport, and records both the derived and the
@@ -218,6 +251,16 @@ class Communicator {
   // receives sum over ranks of their block r into recv (counts[r] elements).
   void reduce_scatter_v(const void* send, const std::int64_t* counts, const std::int64_t* displs,
                         void* recv, DType dtype, const std::string& label);
+  // Started forms of the two above ("Overlap"): recv is valid after wait().
+  PendingCollective start_all_gather_v(const void* send, std::int64_t send_count, void* recv,
+                                       const std::int64_t* recv_counts,
+                                       const std::int64_t* recv_displs, DType dtype,
+                                       const std::string& label);
+  PendingCollective start_reduce_scatter_v(const void* send, const std::int64_t* counts,
+                                           const std::int64_t* displs, void* recv, DType dtype,
+                                           const std::string& label);
+  // Returns when the started collective is complete (its modelled time).
+  void wait(PendingCollective& p);
   // In-place sum over ranks of n elements.
   void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label);
   void barrier(const std::string& label);
@@ -253,6 +296,20 @@ class Communicator {
                         T* recv, const std::string& label) {
     reduce_scatter_v(static_cast<const void*>(send), counts, displs, static_cast<void*>(recv),
                      dtype_of<T>(), label);
+  }
+  template <class T>
+  PendingCollective start_all_gather_v(const T* send, std::int64_t n, T* recv,
+                                       const std::int64_t* rc, const std::int64_t* rd,
+                                       const std::string& label) {
+    return start_all_gather_v(static_cast<const void*>(send), n, static_cast<void*>(recv), rc, rd,
+                              dtype_of<T>(), label);
+  }
+  template <class T>
+  PendingCollective start_reduce_scatter_v(const T* send, const std::int64_t* counts,
+                                           const std::int64_t* displs, T* recv,
+                                           const std::string& label) {
+    return start_reduce_scatter_v(static_cast<const void*>(send), counts, displs,
+                                  static_cast<void*>(recv), dtype_of<T>(), label);
   }
   template <class T>
   void all_reduce(T* buf, std::int64_t n, const std::string& label) {
@@ -298,8 +355,23 @@ class Communicator {
  private:
   // check_usable, then body(moved) -- the checks and the transport, returning
   // the derived bytes per peer -- then the ledger; call_failed on any error.
+  // The bodies of all_gather_v / reduce_scatter_v and their start_* forms.
+  std::chrono::steady_clock::time_point all_gather_call(const void* send, std::int64_t send_count,
+                                                        void* recv, const std::int64_t* recv_counts,
+                                                        const std::int64_t* recv_displs,
+                                                        DType dtype, const std::string& label,
+                                                        bool started);
+  std::chrono::steady_clock::time_point reduce_scatter_call(const void* send,
+                                                            const std::int64_t* counts,
+                                                            const std::int64_t* displs, void* recv,
+                                                            DType dtype, const std::string& label,
+                                                            bool started);
+  static PendingCollective pending_until(std::chrono::steady_clock::time_point done);
+  // Returns the call's modelled completion (now without a link model), having
+  // waited for it unless `started` (the start_* forms).
   template <class Body>
-  void run(CollectiveKind kind, const std::string& label, Body&& body);
+  std::chrono::steady_clock::time_point run(CollectiveKind kind, const std::string& label,
+                                            Body&& body, bool started = false);
 
   Phase phase_ = Phase::forward;
   Ledger ledger_;
@@ -307,6 +379,8 @@ class Communicator {
   TransportFault fault_ = TransportFault::none;
   std::int64_t calls_ = 0;
   std::shared_ptr<const LinkModel> link_model_;
+  // Link model: when the last collective this rank put on its link ends.
+  std::chrono::steady_clock::time_point link_free_at_{};
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its

@@ -565,5 +565,67 @@ TEST_P(LocalComm, LinkModelSetsAFloorAndChangesNothingElse) {
   }
 }
 
+// Started collectives: the same data and ledger as the blocking calls; with
+// a link model, wait() returns at the modelled completion, the time between
+// start and wait overlaps it, and a blocking call behind a started one
+// queues on the link.
+TEST_P(LocalComm, StartedCollectivesMoveTheSameDataAndOverlapTheLinkTime) {
+  const int P = GetParam();
+  const std::int64_t n = 3000;     // elements per rank
+  const LinkModel link{100e6, 0};  // 100 MB/s: 12 KB per peer block, ~0.1 ms each
+  std::vector<std::int64_t> counts(static_cast<size_t>(P), n), displs(static_cast<size_t>(P));
+  for (int i = 0; i < P; ++i) displs[static_cast<size_t>(i)] = i * n;
+  std::vector<std::string> errors(static_cast<size_t>(P));
+  run_local_ranks(P, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<float> send(static_cast<size_t>(n * P)), mine(static_cast<size_t>(n));
+    for (size_t i = 0; i < send.size(); ++i) send[i] = float(r * 100000 + int(i));
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = send[i];
+    std::vector<float> ag_block(static_cast<size_t>(n * P)), ag_start(static_cast<size_t>(n * P)),
+        rs_block(static_cast<size_t>(n)), rs_start(static_cast<size_t>(n));
+    c.all_gather_v(mine.data(), n, ag_block.data(), counts.data(), displs.data(), "ag");
+    c.reduce_scatter_v(send.data(), counts.data(), displs.data(), rs_block.data(), "rs");
+    PendingCollective ag =
+        c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(), "ag");
+    PendingCollective rs =
+        c.start_reduce_scatter_v(send.data(), counts.data(), displs.data(), rs_start.data(), "rs");
+    c.wait(ag);
+    c.wait(rs);
+    std::string& e = errors[static_cast<size_t>(r)];
+    if (ag_block != ag_start || rs_block != rs_start) e += "started results differ; ";
+    const LedgerEntry& agl = c.ledger().entries().at({Phase::forward, "ag"});
+    if (agl.calls != 2) e += "ag recorded " + std::to_string(agl.calls) + " calls; ";
+    if (P == 1) return;
+
+    // The modelled time of one all-gather and one reduce-scatter of this size.
+    c.set_link_model(&link);
+    const Fabric f = single_level(link);
+    const double t_ag =
+        collective_seconds(CollectiveKind::all_gather, P,
+                           all_gather_wire_bytes(n, counts.data(), P, r, DType::f32), f);
+    const auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    // Started, then other work, then wait; pending until waited for. (How
+    // long the wait blocks is the overlap bench's to measure, not a unit
+    // test's: no upper bounds on time here.)
+    PendingCollective p =
+        c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(), "ag");
+    if (!p.pending()) e += "not pending after start; ";
+    c.wait(p);
+    if (p.pending()) e += "pending after wait; ";
+    auto t0 = Clock::now();
+    // Started and waited at once: the wait takes the modelled time.
+    p = c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(), "ag");
+    c.wait(p);
+    if (secs(Clock::now() - t0) < t_ag) e += "wait returned before the modelled time; ";
+    // A blocking call behind a started one queues: both times at least.
+    t0 = Clock::now();
+    p = c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(), "ag");
+    c.all_gather_v(mine.data(), n, ag_block.data(), counts.data(), displs.data(), "ag");
+    if (secs(Clock::now() - t0) < 2 * t_ag) e += "a call behind a started one did not queue; ";
+    c.wait(p);
+  });
+  for (int r = 0; r < P; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+}
+
 }  // namespace
 }  // namespace laga
