@@ -92,53 +92,88 @@ void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
                lay.head_offset[u(i)], B, L, lay.head_count[u(i)], d);
 }
 
+namespace {
+
+// gather_seq and its started form; `started` returns the pending call.
 template <class T>
-void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t W,
-                const std::string& label) {
+PendingCollective gather(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                         std::int64_t W, const std::string& label, bool started) {
   const int P = lay.ranks, r = comm.rank();
   const std::int64_t B = lay.batch;
   Counts rc(u(P));
   for (int i = 0; i < P; ++i) rc[u(i)] = B * lay.seq_count[u(i)] * W;
   const Counts rd = displs_of(rc);
-  if (B == 1) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
-    comm.all_gather_v(src, rc[u(r)], dst, rc.data(), rd.data(), label);
-    return;
-  }
+  const auto call = [&](T* recv) {
+    if (started) return comm.start_all_gather_v(src, rc[u(r)], recv, rc.data(), rd.data(), label);
+    comm.all_gather_v(src, rc[u(r)], recv, rc.data(), rd.data(), label);
+    return PendingCollective{};
+  };
+  if (B == 1) return call(dst);  // rank-major (L_0 | L_1 | ...) is already (S, W)
   Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
-  comm.all_gather_v(src, rc[u(r)], recv.data(), rc.data(), rd.data(), label);
+  PendingCollective pending = call(recv.data());
   for (int i = 0; i < P; ++i)
     copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, 1, 0, dst, lay.seq,
                lay.seq_offset[u(i)], 1, 0, B, lay.seq_count[u(i)], 1, W);
+  return pending;
 }
 
 template <class T>
-void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                        std::int64_t W, const std::string& label) {
+PendingCollective reduce_scatter(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                 std::int64_t W, const std::string& label, bool started) {
   const int P = lay.ranks;
   const std::int64_t B = lay.batch;
   Counts c(u(P));
   for (int i = 0; i < P; ++i) c[u(i)] = B * lay.seq_count[u(i)] * W;
   const Counts d = displs_of(c);
-  if (B == 1) {
-    comm.reduce_scatter_v(src, c.data(), d.data(), dst, label);
-    return;
-  }
+  const auto call = [&](const T* send) {
+    if (started) return comm.start_reduce_scatter_v(send, c.data(), d.data(), dst, label);
+    comm.reduce_scatter_v(send, c.data(), d.data(), dst, label);
+    return PendingCollective{};
+  };
+  if (B == 1) return call(src);
   Tensor<T> send({total(c)}, MemCategory::comm_buffers);
   for (int i = 0; i < P; ++i)
     copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, at(send.data(), d[u(i)]),
                lay.seq_count[u(i)], 0, 1, 0, B, lay.seq_count[u(i)], 1, W);
-  comm.reduce_scatter_v(send.data(), c.data(), d.data(), dst, label);
+  return call(send.data());
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
-                               const std::string&);                                               \
-  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
-                               const std::string&);                                               \
-  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
-                              const std::string&);                                                \
-  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t, \
-                                      const std::string&);
+}  // namespace
+
+template <class T>
+void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t W,
+                const std::string& label) {
+  gather(comm, lay, src, dst, W, label, false);
+}
+template <class T>
+void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                        std::int64_t W, const std::string& label) {
+  reduce_scatter(comm, lay, src, dst, W, label, false);
+}
+template <class T>
+PendingCollective start_gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                   std::int64_t W, const std::string& label) {
+  return gather(comm, lay, src, dst, W, label, true);
+}
+template <class T>
+PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src,
+                                           T* dst, std::int64_t W, const std::string& label) {
+  return reduce_scatter(comm, lay, src, dst, W, label, true);
+}
+
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
+                               const std::string&);                                                \
+  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
+                               const std::string&);                                                \
+  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,          \
+                              const std::string&);                                                 \
+  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,  \
+                                      const std::string&);                                         \
+  template PendingCollective start_gather_seq<T>(Communicator&, const SpLayout&, const T*, T*,     \
+                                                 std::int64_t, const std::string&);                \
+  template PendingCollective start_reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, \
+                                                         T*, std::int64_t, const std::string&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -33,4 +33,15 @@ template <class T>
 void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                         std::int64_t W, const std::string& label);
 
+// The started forms of the last two (communicator.hpp, "Overlap"): the same
+// collective, bytes and staging; dst is to be read after comm.wait() on the
+// result. The (B > 1) unpacking into dst happens at start, where the
+// transport has completed (the communicator's contract).
+template <class T>
+PendingCollective start_gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                   std::int64_t W, const std::string& label);
+template <class T>
+PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src,
+                                           T* dst, std::int64_t W, const std::string& label);
+
 }  // namespace laga
