@@ -46,6 +46,20 @@ void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
              "it, or train's --q-lora-rank) or drop --q-latent");
 }
 
+void check_head_groups(const SpLayout& layout, FormVariant v) {
+  if (v.form != Form::laga2d) {
+    LAGA_CHECK(v.head_groups == 0, "--head-groups applies to the laga2d form only, not to ",
+               to_string(v.form), ": use --form laga2d or drop --head-groups");
+    return;
+  }
+  laga2d_grid(layout, v);
+}
+
+HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v) {
+  return HeadContextGrid::make(
+      layout, HeadContextGrid::resolve_head_groups(layout.heads, layout.ranks, v.head_groups));
+}
+
 namespace detail {
 
 using ops::mat;
@@ -65,7 +79,21 @@ Step::Step(const BlockContext& c) : ctx(c) {
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   pos0 = lay.seq_offset[r];
-  check_query_exchange(m, {c.form, c.queries});
+  const FormVariant variant{c.form, c.queries, c.head_groups};
+  check_query_exchange(m, variant);
+  check_head_groups(lay, variant);
+  Sq = Sk = S;
+  query_ranges = {{0, S}};
+  tokens = Placement::seq_shards(lay);
+  if (c.form == Form::laga2d) {
+    const HeadContextGrid grid = laga2d_grid(lay, variant);
+    Hr = grid.head_count[r], h0 = grid.head_offset[r];
+    Sq = grid.query_rows(c.comm.rank()), Sk = grid.key_end(c.comm.rank());
+    query_ranges = grid.queries[r];
+    attention = Placement::query_chunks(grid);
+  } else {
+    attention = Placement::head_shards(lay);
+  }
   if (const Documents* docs = c.documents) {
     LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
                docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");
@@ -87,6 +115,19 @@ AttnShape Step::sequence_attention(std::int64_t heads, std::int64_t kv_heads, st
 AttnShape Step::head_attention() const {
   return sequence_attention(Hr, Hr, dqk, dv);
 }
+
+namespace {
+// The first `keys` tokens of every row of a (B, S, .) tensor and of a
+// (B, keys, .) one, as blocks of rows both hold contiguously: f(row in the
+// (B S) rows, row in the (B keys) rows, rows). One block of all B S rows when
+// keys = S (so laga's GEMMs are one call, as before laga2d shared them), else
+// one per batch row.
+template <class F>
+void for_key_blocks(const Step& st, std::int64_t keys, F&& f) {
+  if (keys == st.S) return f(std::int64_t(0), std::int64_t(0), st.NS);
+  for (std::int64_t b = 0; b < st.B; ++b) f(b * st.S, b * keys, keys);
+}
+}  // namespace
 
 template <class T>
 void Pieces<T>::project_q_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
@@ -137,10 +178,60 @@ Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, const
 }
 
 template <class T>
+void Pieces<T>::up_project_kv(const Step& st, const MlaParams<T>& w, const Tensor<T>& lat,
+                              std::int64_t keys, Tensor<T>& k, Tensor<T>& v) {
+  k = Tensor<T>({st.B, keys, st.Hr, st.dqk}, "k_h");
+  v = Tensor<T>({st.B, keys, st.Hr, st.dv}, "v_h");
+  // kv_h (B keys, H_r (dn+dv)) = c_hat wkv_b[H_r heads' rows]^T: the H_r slice
+  // of explicit's up-projection, over the keys.
+  Tensor<T> kv_h({st.B, keys, st.Hr * st.KV}, "kv_h");
+  const ops::Mat<const T> wkv_b_r = mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+  const ops::Mat<const T> lat_m = mat(lat);
+  ops::Mat<T> kv_m = mat(kv_h), k_m = mat(k, st.B * keys, st.Hr * st.dqk),
+              v_m = mat(v, st.B * keys, st.Hr * st.dv);
+  for_key_blocks(st, keys, [&](std::int64_t lat_row, std::int64_t key_row, std::int64_t rows) {
+    const ops::Mat<const T> lat_b = lat_m.row_range(lat_row, rows);
+    const ops::Mat<T> kv_b = kv_m.row_range(key_row, rows);
+    ops::gemm(kv_b, T(0), lat_b.col_range(0, st.C), false, wkv_b_r, true);
+    split_kv(st, st.Hr, kv_b, lat_b.col_range(st.C, st.dr), k_m.row_range(key_row, rows),
+             v_m.row_range(key_row, rows));
+  });
+}
+
+template <class T>
+Tensor<T> Pieces<T>::up_project_kv_backward(const Step& st, const MlaParams<T>& w,
+                                            const Tensor<T>& lat, std::int64_t keys, Tensor<T>& dk,
+                                            Tensor<T>& dv, MlaParams<T>& grads) {
+  // d[c_hat | k_pe] of every token from this rank's heads (zero past the keys).
+  Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
+  Tensor<T> dkv_h({st.B, keys, st.Hr * st.KV}, "dkv_h");
+  const ops::Mat<const T> wkv_b_r = mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+  const ops::Mat<T> dwkv_b_r = mat(grads.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+  const ops::Mat<const T> lat_m = mat(lat),
+                          dk_m = mat(std::as_const(dk), st.B * keys, st.Hr * st.dqk),
+                          dv_m = mat(std::as_const(dv), st.B * keys, st.Hr * st.dv);
+  const ops::Mat<T> dlat_m = mat(dlat), dkv_m = mat(dkv_h);
+  for_key_blocks(st, keys, [&](std::int64_t lat_row, std::int64_t key_row, std::int64_t rows) {
+    merge_dkv(st, st.Hr, dk_m.row_range(key_row, rows), dv_m.row_range(key_row, rows),
+              dkv_m.row_range(key_row, rows),
+              dlat_m.row_range(lat_row, rows).col_range(st.C, st.dr));
+  });
+  dk.reset(), dv.reset();  // before the GEMMs: they are not needed there
+  for_key_blocks(st, keys, [&](std::int64_t lat_row, std::int64_t key_row, std::int64_t rows) {
+    const ops::Mat<const T> dkv_b = dkv_m.row_range(key_row, rows);
+    ops::gemm(dlat_m.row_range(lat_row, rows).col_range(0, st.C), T(0), dkv_b, false, wkv_b_r,
+              false);
+    ops::gemm(dwkv_b_r, T(1), dkv_b, true, lat_m.row_range(lat_row, rows).col_range(0, st.C),
+              false);
+  });
+  return dlat;
+}
+
+template <class T>
 Tensor<T> Pieces<T>::to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
                               const char* name) {
-  Tensor<T> h({st.B, st.S, st.Hr, d}, name);
-  seq_to_head(st.ctx.comm, st.ctx.layout, loc.data(), h.data(), d, label);
+  Tensor<T> h({st.B, st.Sq, st.Hr, d}, name);
+  redistribute(st.ctx.comm, st.B, st.tokens, st.attention, loc.data(), h.data(), d, label);
   loc.reset();
   return h;
 }
@@ -149,7 +240,7 @@ template <class T>
 Tensor<T> Pieces<T>::to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, const char* label,
                                const char* name) {
   Tensor<T> loc({st.B, st.L, st.H * d}, name);
-  head_to_seq(st.ctx.comm, st.ctx.layout, h.data(), loc.data(), d, label);
+  redistribute(st.ctx.comm, st.B, st.attention, st.tokens, h.data(), loc.data(), d, label);
   h.reset();
   return loc;
 }
@@ -163,17 +254,35 @@ Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat) {
 }
 
 template <class T>
+void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
+                       const T* v) {
+  const bool eager = st.ctx.attention == AttentionKind::eager;
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
+  if (eager)
+    attention_eager_forward(s, o, stats, q, k, v);
+  else
+    attention_flash_forward(s, o, stats, q, k, v);
+}
+
+template <class T>
+void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
+                                const T* dout, const T* q, const T* k, const T* v, const T* o,
+                                const T* stats, T* dp) {
+  const bool eager = st.ctx.attention == AttentionKind::eager;
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, q, k, v, eager ? dp : o})) return;
+  if (eager)
+    attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp);
+  else
+    attention_flash_backward(s, dq, dk, dv, dout, q, k, v, o, stats);
+}
+
+template <class T>
 Tensor<T> Pieces<T>::attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,
                                        const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> stats(eager ? Shape{s.B, s.Hq, s.Sq, s.Sk} : Shape{s.B, s.Hq, s.Sq},
                   eager ? "attn_stats eager probs" : "attn_stats flash lse");
-  if (!ops::runs(stats.numel(), {stats.data(), o.data(), q.data(), k.data(), v.data()}))
-    return stats;
-  if (eager)
-    attention_eager_forward(s, o.data(), stats.data(), q.data(), k.data(), v.data());
-  else
-    attention_flash_forward(s, o.data(), stats.data(), q.data(), k.data(), v.data());
+  attend(st, s, o.data(), stats.data(), q.data(), k.data(), v.data());
   return stats;
 }
 
@@ -185,15 +294,8 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> dp;  // eager: one head's dp at a time
   if (eager) dp = Tensor<T>({s.Sq, s.Sk}, "eager dp scratch");
-  if (ops::runs(stats.numel(), {stats.data(), dq.data(), dk.data(), dv.data(), dout.data(),
-                                q.data(), k.data(), v.data()})) {
-    if (eager)
-      attention_eager_backward(s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                               v.data(), stats.data(), dp.data());
-    else
-      attention_flash_backward(s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                               v.data(), o.data(), stats.data());
-  }
+  attend_backward(st, s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                  o.data(), stats.data(), dp.data());
   dp.reset();
   stats.reset();
 }
@@ -202,7 +304,8 @@ template <class T>
 Tensor<T> Pieces<T>::project_out(const Step& st, const MlaParams<T>& w, const Tensor<T>& o_h,
                                  Tensor<T>& out) {
   Tensor<T> o_loc({st.B, st.L, st.H * st.dv}, "o_loc");
-  head_to_seq(st.ctx.comm, st.ctx.layout, o_h.data(), o_loc.data(), st.dv, "out_a2a");
+  redistribute(st.ctx.comm, st.B, st.attention, st.tokens, o_h.data(), o_loc.data(), st.dv,
+               "out_a2a");
   out = Tensor<T>({st.B, st.L, st.D}, "out");
   ops::linear(mat(out), mat(o_loc), w.wo);
   return o_loc;
@@ -265,8 +368,7 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
 
 template <class T>
 void Pieces<T>::split_kv(const Step& st, std::int64_t heads, ops::In<T> kv, ops::In<T> k_pe,
-                         Tensor<T>& k, Tensor<T>& v) {
-  ops::Mat<T> km = mat(k, kv.rows, heads * st.dqk), vm = mat(v, kv.rows, heads * st.dv);
+                         ops::Mat<T> km, ops::Mat<T> vm) {
   for (std::int64_t h = 0; h < heads; ++h) {
     ops::copy(km.col_range(h * st.dqk, st.dn), kv.col_range(h * st.KV, st.dn));
     ops::copy(km.col_range(h * st.dqk + st.dn, st.dr), k_pe);
@@ -275,11 +377,8 @@ void Pieces<T>::split_kv(const Step& st, std::int64_t heads, ops::In<T> kv, ops:
 }
 
 template <class T>
-void Pieces<T>::merge_dkv(const Step& st, std::int64_t heads, const Tensor<T>& dk,
-                          const Tensor<T>& dv, Tensor<T>& dkv, ops::Mat<T> dk_pe) {
-  const std::int64_t rows = dk_pe.rows;
-  ops::Mat<const T> dkm = mat(dk, rows, heads * st.dqk), dvm = mat(dv, rows, heads * st.dv);
-  ops::Mat<T> dkvm = mat(dkv, rows, heads * st.KV);
+void Pieces<T>::merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dkm, ops::In<T> dvm,
+                          ops::Mat<T> dkvm, ops::Mat<T> dk_pe) {
   for (std::int64_t h = 0; h < heads; ++h) {
     ops::copy(dkvm.col_range(h * st.KV, st.dn), dkm.col_range(h * st.dqk, st.dn));
     ops::copy(dkvm.col_range(h * st.KV + st.dn, st.dv), dvm.col_range(h * st.dv, st.dv));

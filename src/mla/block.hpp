@@ -7,6 +7,10 @@
 //             latent space, unfold W_UV after, all-to-all out (inference trick)
 //   laga      all-to-all Q, all-gather [c | k_pe], up-project K/V locally for
 //             the rank's own heads, attend as explicit, all-to-all out
+//   laga2d    laga on a grid of Ph head groups x Pc context groups (P = Ph Pc,
+//             any P): each rank attends its group's heads for two mirrored
+//             query chunks over the keys up to its last query, so causal
+//             work is balanced and no rank idles when P > H
 //
 // laga with q_lora_rank > 0 may exchange the queries another way
 // (QueryExchange::latent, `--q-latent`): all-gather the normalised query
@@ -38,9 +42,9 @@
 
 namespace laga {
 
-enum class Form { explicit_form, absorbed, laga };
+enum class Form { explicit_form, absorbed, laga, laga2d };
 const char* to_string(Form f);
-Form parse_form(const std::string& s);  // "explicit" | "absorbed" | "laga"
+Form parse_form(const std::string& s);  // "explicit" | "absorbed" | "laga" | "laga2d"
 std::vector<Form> all_forms();          // in registry order (src/mla/form.cpp)
 
 enum class AttentionKind { eager, flash };
@@ -57,24 +61,33 @@ enum class QueryExchange { heads, latent };
 const char* to_string(QueryExchange q);
 QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
 
-// One way to run the block: a form and its query exchange. Tools list these
-// (`laga verify` and `laga compare` run laga+q-latent beside laga), and the
-// closed forms take one. A Form alone is that form with per-head queries.
+// One way to run the block: a form, its query exchange and (laga2d) its head
+// groups. Tools list these (`laga verify` and `laga compare` run
+// laga+q-latent beside laga), and the closed forms take one. A Form alone is
+// that form with per-head queries and, for laga2d, the default head groups.
 struct FormVariant {
   Form form = Form::laga;
   QueryExchange queries = QueryExchange::heads;
+  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   FormVariant() = default;
-  FormVariant(Form f, QueryExchange q = QueryExchange::heads)  // NOLINT: a Form is a variant
-      : form(f), queries(q) {}
+  FormVariant(Form f, QueryExchange q = QueryExchange::heads,  // NOLINT: a Form is a variant
+              int groups = 0)
+      : form(f), queries(q), head_groups(groups) {}
   friend bool operator==(const FormVariant&, const FormVariant&) = default;
 };
-std::string to_string(FormVariant v);  // "laga", "laga+q-latent"
+std::string to_string(FormVariant v);  // "laga", "laga+q-latent" (the head groups are not named)
 
 // Throws laga::Error when the query exchange does not apply: latent needs the
 // laga form (explicit and absorbed have no per-head up-projection of queries
 // to move after the wire) and q_lora_rank > 0 (without it there is no query
 // latent, only wq).
 void check_query_exchange(const MlaConfig& cfg, FormVariant v);
+
+// Throws laga::Error when head groups are asked of a form other than laga2d,
+// or when they do not fit the layout (HeadContextGrid::make's rule).
+void check_head_groups(const SpLayout& layout, FormVariant v);
+// laga2d's grid on `layout` for v.head_groups (0: the default rule).
+HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v);
 
 struct BlockContext {
   const MlaConfig& cfg;
@@ -87,6 +100,7 @@ struct BlockContext {
   // document and RoPE positions restart at each. Null: one document per row.
   const Documents* documents = nullptr;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 only
+  int head_groups = 0;  // laga2d only: Ph (0: HeadContextGrid::default_head_groups)
 };
 
 namespace detail {

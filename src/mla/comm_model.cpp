@@ -1,5 +1,7 @@
 #include "mla/comm_model.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 
 namespace laga {
@@ -7,21 +9,38 @@ namespace laga {
 CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
                             std::int64_t e, bool backward, bool grad_sync) {
   check_query_exchange(c, variant);
+  check_head_groups(lay, variant);
   const Form form = variant.form;
   const bool q_latent = variant.queries == QueryExchange::latent;
   auto z = [](std::int64_t i) { return static_cast<size_t>(i); };
   const int P = lay.ranks;
-  const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)], Hr = lay.head_count[z(r)];
+  const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)];
   const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim,
                      W = c.kv_lora_rank + c.qk_rope_head_dim;
-  // seq->head all-to-all of width d: this rank sends its tokens' heads of every
-  // peer, receives its heads of every peer's tokens.
+  // The attention's rows: every form but laga2d attends all S tokens for its
+  // SpLayout head shard; laga2d its query ranges for its head group's heads
+  // (HeadContextGrid).
+  const bool grid = form == Form::laga2d;
+  const HeadContextGrid g = grid ? laga2d_grid(lay, variant) : HeadContextGrid{};
+  auto attended_heads = [&](int j) { return grid ? g.head_count[z(j)] : lay.head_count[z(j)]; };
+  // The tokens of rank i's seq shard that rank j attends as queries.
+  auto attended_tokens = [&](int i, int j) {
+    if (!grid) return lay.seq_count[z(i)];
+    const std::int64_t s0 = lay.seq_offset[z(i)], s1 = s0 + lay.seq_count[z(i)];
+    std::int64_t n = 0;
+    for (const TokenRange& q : g.queries[z(j)])
+      n += std::max<std::int64_t>(0, std::min(s1, q.end) - std::max(s0, q.begin));
+    return n;
+  };
+  // seq->head all-to-all of width d: this rank sends every peer its tokens
+  // that the peer attends, for the peer's heads, and receives its own heads of
+  // the tokens it attends from every peer.
   auto seq_to_head = [&](std::int64_t d) {
     PredictedBytes b;
     for (int j = 0; j < P; ++j) {
       if (j == r) continue;
-      b.sent += B * Lr * lay.head_count[z(j)] * d * e;
-      b.received += B * lay.seq_count[z(j)] * Hr * d * e;
+      b.sent += B * attended_tokens(r, j) * attended_heads(j) * d * e;
+      b.received += B * attended_tokens(j, r) * attended_heads(r) * d * e;
     }
     return b;
   };

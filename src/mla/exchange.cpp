@@ -1,7 +1,10 @@
 #include "mla/exchange.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "core/error.hpp"
 
 namespace laga {
 
@@ -44,52 +47,137 @@ void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std:
 }
 }  // namespace
 
+std::int64_t Placement::rows(int rank) const {
+  std::int64_t n = 0;
+  for (const TokenRange& t : tokens[u(rank)]) n += t.size();
+  return n;
+}
+
+Placement Placement::seq_shards(const SpLayout& lay) {
+  Placement p;
+  for (int r = 0; r < lay.ranks; ++r) {
+    const std::int64_t s0 = lay.seq_offset[u(r)];
+    p.tokens.push_back({{s0, s0 + lay.seq_count[u(r)]}});
+    p.head_offset.push_back(0);
+    p.head_count.push_back(lay.heads);
+  }
+  return p;
+}
+
+Placement Placement::head_shards(const SpLayout& lay) {
+  Placement p;
+  p.tokens.assign(u(lay.ranks), {{0, lay.seq}});
+  p.head_offset = lay.head_offset;
+  p.head_count = lay.head_count;
+  return p;
+}
+
+Placement Placement::query_chunks(const HeadContextGrid& g) {
+  Placement p;
+  p.tokens = g.queries;
+  p.head_offset = g.head_offset;
+  p.head_count = g.head_count;
+  return p;
+}
+
+namespace {
+
+// The pieces rank `a` of `from` sends rank `b` of `to`, in the order both
+// sides pack and unpack them (see redistribute): the tokens [begin, end) and
+// where they start in a's and b's local rows, and the heads' first index in
+// a's and b's local heads.
+struct Piece {
+  TokenRange t;
+  std::int64_t from_row, to_row;
+};
+struct Transfer {
+  std::vector<Piece> pieces;
+  std::int64_t h0 = 0, heads = 0, from_h0 = 0, to_h0 = 0;
+  std::int64_t elements(std::int64_t B, std::int64_t d) const {
+    std::int64_t n = 0;
+    for (const Piece& p : pieces) n += p.t.size();
+    return B * n * heads * d;
+  }
+};
+Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
+  Transfer ps;
+  ps.h0 = std::max(from.head_offset[u(a)], to.head_offset[u(b)]);
+  ps.heads = std::max<std::int64_t>(0, std::min(from.head_offset[u(a)] + from.head_count[u(a)],
+                                                to.head_offset[u(b)] + to.head_count[u(b)]) -
+                                           ps.h0);
+  ps.from_h0 = ps.h0 - from.head_offset[u(a)];
+  ps.to_h0 = ps.h0 - to.head_offset[u(b)];
+  if (ps.heads == 0) return ps;
+  std::int64_t from_row = 0;
+  for (const TokenRange& x : from.tokens[u(a)]) {
+    std::int64_t to_row = 0;
+    for (const TokenRange& y : to.tokens[u(b)]) {
+      const TokenRange t{std::max(x.begin, y.begin), std::min(x.end, y.end)};
+      if (t.size() > 0)
+        ps.pieces.push_back({t, from_row + t.begin - x.begin, to_row + t.begin - y.begin});
+      to_row += y.size();
+    }
+    from_row += x.size();
+  }
+  return ps;
+}
+
+}  // namespace
+
 template <class T>
-void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,
-                 const std::string& label) {
-  const int P = lay.ranks, r = comm.rank();
-  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads,
-                     Hr = lay.head_count[u(r)];
+void redistribute(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
+                  const T* src, T* dst, std::int64_t d, const std::string& label) {
+  const int P = comm.size(), r = comm.rank();
+  LAGA_CHECK(from.tokens.size() == u(P) && to.tokens.size() == u(P), "internal: redistribute '",
+             label, "' between placements of ", from.tokens.size(), " and ", to.tokens.size(),
+             " ranks on a group of ", P);
+  const std::int64_t from_rows = from.rows(r), to_rows = to.rows(r);
+  const std::int64_t from_heads = from.head_count[u(r)], to_heads = to.head_count[u(r)];
+  std::vector<Transfer> out(u(P)), in(u(P));
   Counts sc(u(P)), rc(u(P));
   for (int j = 0; j < P; ++j) {
-    sc[u(j)] = B * L * lay.head_count[u(j)] * d;
-    rc[u(j)] = B * lay.seq_count[u(j)] * Hr * d;
+    out[u(j)] = transfer_of(from, r, to, j);
+    in[u(j)] = transfer_of(from, j, to, r);
+    sc[u(j)] = out[u(j)].elements(B, d);
+    rc[u(j)] = in[u(j)].elements(B, d);
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
-  for (int j = 0; j < P; ++j)  // block j: (B, L, H_j, d)
-    copy_block(src, L, 0, H, lay.head_offset[u(j)], at(send.data(), sd[u(j)]), L, 0,
-               lay.head_count[u(j)], 0, B, L, lay.head_count[u(j)], d);
+  for (int j = 0; j < P; ++j) {
+    const Transfer& ps = out[u(j)];
+    std::int64_t off = sd[u(j)];
+    for (const Piece& p : ps.pieces) {  // (B, n, heads, d) each
+      copy_block(src, from_rows, p.from_row, from_heads, ps.from_h0, at(send.data(), off),
+                 p.t.size(), 0, ps.heads, 0, B, p.t.size(), ps.heads, d);
+      off += B * p.t.size() * ps.heads * d;
+    }
+  }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   send.reset();
-  for (int i = 0; i < P; ++i)  // block i: (B, L_i, H_r, d) -> rows seq_offset[i]..
-    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, Hr, 0, dst, lay.seq,
-               lay.seq_offset[u(i)], Hr, 0, B, lay.seq_count[u(i)], Hr, d);
+  for (int i = 0; i < P; ++i) {
+    const Transfer& ps = in[u(i)];
+    std::int64_t off = rd[u(i)];
+    for (const Piece& p : ps.pieces) {
+      copy_block(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst, to_rows, p.to_row, to_heads,
+                 ps.to_h0, B, p.t.size(), ps.heads, d);
+      off += B * p.t.size() * ps.heads * d;
+    }
+  }
+}
+
+template <class T>
+void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,
+                 const std::string& label) {
+  redistribute(comm, lay.batch, Placement::seq_shards(lay), Placement::head_shards(lay), src, dst,
+               d, label);
 }
 
 template <class T>
 void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,
                  const std::string& label) {
-  const int P = lay.ranks, r = comm.rank();
-  const std::int64_t B = lay.batch, L = lay.seq_count[u(r)], H = lay.heads,
-                     Hr = lay.head_count[u(r)];
-  Counts sc(u(P)), rc(u(P));
-  for (int j = 0; j < P; ++j) {
-    sc[u(j)] = B * lay.seq_count[u(j)] * Hr * d;
-    rc[u(j)] = B * L * lay.head_count[u(j)] * d;
-  }
-  const Counts sd = displs_of(sc), rd = displs_of(rc);
-  Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
-      recv({total(rc)}, MemCategory::comm_buffers);
-  for (int j = 0; j < P; ++j)  // block j: rows of rank j, (B, L_j, H_r, d)
-    copy_block(src, lay.seq, lay.seq_offset[u(j)], Hr, 0, at(send.data(), sd[u(j)]),
-               lay.seq_count[u(j)], 0, Hr, 0, B, lay.seq_count[u(j)], Hr, d);
-  comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
-  send.reset();
-  for (int i = 0; i < P; ++i)  // block i: (B, L, H_i, d) -> heads head_offset[i]..
-    copy_block(at(recv.data(), rd[u(i)]), L, 0, lay.head_count[u(i)], 0, dst, L, 0, H,
-               lay.head_offset[u(i)], B, L, lay.head_count[u(i)], d);
+  redistribute(comm, lay.batch, Placement::head_shards(lay), Placement::seq_shards(lay), src, dst,
+               d, label);
 }
 
 namespace {
@@ -162,6 +250,8 @@ PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& l
 }
 
 #define LAGA_INSTANTIATE(T)                                                                        \
+  template void redistribute<T>(Communicator&, std::int64_t, const Placement&, const Placement&,   \
+                                const T*, T*, std::int64_t, const std::string&);                   \
   template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
                                const std::string&);                                                \
   template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \

@@ -7,18 +7,48 @@
 //   reduce_scatter_seq (B, S, W)  -> (B, L_r, W)      reduce-scatter (sum)
 //
 // Each is the backward of its partner: seq_to_head <-> head_to_seq, and
-// gather_seq <-> reduce_scatter_seq. Staging buffers are counted as
+// gather_seq <-> reduce_scatter_seq. The two all-to-alls are cases of one
+// generalised all-to-all, redistribute, between any two placements of a
+// (B, S, H, d) tensor's (token, head) blocks on the ranks (laga2d moves its
+// queries and outputs with it). Staging buffers are counted as
 // comm_buffers. Under a count-only pool (no storage) nothing is packed or
 // copied, but the collective is still issued so the ledger is exact.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "comm/communicator.hpp"
 #include "core/tensor.hpp"
 #include "mla/layout.hpp"
 
 namespace laga {
+
+// Which part of a (B, S, H, d) tensor each rank holds: rank r holds the
+// tokens of tokens[r] (ascending, disjoint) for heads [head_offset[r],
+// head_offset[r] + head_count[r]), locally as (B, rows(r), head_count[r], d)
+// with the ranges' rows one after the other.
+struct Placement {
+  std::vector<std::vector<TokenRange>> tokens;
+  std::vector<std::int64_t> head_offset, head_count;
+  std::int64_t rows(int rank) const;
+
+  static Placement seq_shards(const SpLayout& lay);         // (B, L_r, H, d): my tokens
+  static Placement head_shards(const SpLayout& lay);        // (B, S, H_r, d): my heads
+  static Placement query_chunks(const HeadContextGrid& g);  // laga2d: my queries, my heads
+};
+
+// The generalised all-to-all: src in `from`'s placement on this rank, dst in
+// `to`'s; each (token, head) element moves from the rank that holds it in
+// `from` to the one that holds it in `to`. Every element must be held once
+// in both (the ranges and heads of each tile the tensor). Rank r sends rank j
+// the intersection of its tokens and heads with j's, piece by piece: for
+// each range of r's in order, for each range of j's in order, a
+// (B, n, heads, d) block.
+template <class T>
+void redistribute(Communicator& comm, std::int64_t batch, const Placement& from,
+                  const Placement& to, const T* src, T* dst, std::int64_t d,
+                  const std::string& label);
 
 template <class T>
 void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,

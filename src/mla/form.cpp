@@ -11,9 +11,10 @@ namespace laga {
 
 namespace {
 
-const std::array<detail::FormEntry, 3>& registry() {
-  static const std::array<detail::FormEntry, 3> forms{
-      detail::explicit_entry(), detail::absorbed_entry(), detail::laga_entry()};
+const std::array<detail::FormEntry, 4>& registry() {
+  static const std::array<detail::FormEntry, 4> forms{detail::explicit_entry(),
+                                                      detail::absorbed_entry(),
+                                                      detail::laga_entry(), detail::laga2d_entry()};
   return forms;
 }
 

@@ -11,6 +11,7 @@
 
 #include "kernels/attention.hpp"
 #include "mla/block.hpp"
+#include "mla/exchange.hpp"
 #include "mla/ops.hpp"
 
 namespace laga::detail {
@@ -25,6 +26,15 @@ struct Step {
   std::int64_t W;      // C + dr: one latent row [c | k_pe]
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
   std::int64_t pos0;   // global index of the first local token
+  // Where attention runs. Every form but laga2d attends all S tokens for its
+  // SpLayout head shard (Hr heads from h0); laga2d attends its head group's
+  // Hr heads from h0 for its query ranges over keys [0, Sk)
+  // (HeadContextGrid). The all-to-alls move (B, L, H, d) of local tokens
+  // (`tokens`) to (B, Sq, Hr, d) of the attention's rows (`attention`) and
+  // back.
+  std::int64_t Sq, Sk;                   // the attention's query rows and key rows on this rank
+  std::vector<TokenRange> query_ranges;  // laga2d: its ranges (Sq rows); else [0, S)
+  Placement tokens, attention;
   // Packed sequences, made only when kernels will read them (not in a
   // count-only run): each token's document start (B, S), each local token's
   // in-document RoPE position (B, L), and, for the query-latent exchange
@@ -33,7 +43,7 @@ struct Step {
   std::vector<std::int64_t> doc_start, positions, seq_positions;
   explicit Step(const BlockContext& ctx);
   // Causal attention over this rank's heads, full sequence, head dims;
-  // within documents when packed.
+  // within documents when packed (the explicit and laga forms).
   AttnShape head_attention() const;
   // The sequence attention of `heads` query heads over `kv_heads` key/value
   // heads (the head attention and the absorbed form's latent attention).
@@ -80,6 +90,7 @@ const FormEntry& form_entry(Form f);  // form.cpp
 FormEntry explicit_entry();
 FormEntry laga_entry();
 FormEntry absorbed_entry();
+FormEntry laga2d_entry();
 
 // --- the shared pieces -----------------------------------------------------
 
@@ -107,10 +118,11 @@ struct Pieces {
                                   InputSaved<T>& in, const char* c_hat_name);
 
   // The all-to-alls as the forms use them, each freeing its input:
-  // (B, L, H*d) of local tokens -> (B, S, H_r, d) of this rank's heads,
+  // (B, L, H*d) of local tokens -> (B, Sq, H_r, d) of the attention's rows
+  // (Sq = S but in laga2d),
   static Tensor<T> to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
                             const char* name);
-  // and back: (B, S, H_r, d) -> (B, L, H*d).
+  // and back: (B, Sq, H_r, d) -> (B, L, H*d).
   static Tensor<T> to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, const char* label,
                              const char* name);
   // d latent (B, S, C+dr) of every token from this rank's heads, summed over
@@ -121,6 +133,26 @@ struct Pieces {
   // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
   static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a);
 
+  // laga's up-projection for this rank's H_r heads over the first `keys`
+  // tokens of every row of the gathered latent lat (B, S, C+dr):
+  // kv = c_hat wkv_b[h0 .. h0+H_r heads' rows]^T, split into k (B, keys, H_r,
+  // dqk) and v (B, keys, H_r, dv), allocated here.
+  static void up_project_kv(const Step& st, const MlaParams<T>& w, const Tensor<T>& lat,
+                            std::int64_t keys, Tensor<T>& k, Tensor<T>& v);
+  // Its backward: d lat (B, S, C+dr), zero past `keys` in each row, returned;
+  // wkv_b's gradient of the H_r heads' rows added. Frees dk and dv.
+  static Tensor<T> up_project_kv_backward(const Step& st, const MlaParams<T>& w,
+                                          const Tensor<T>& lat, std::int64_t keys, Tensor<T>& dk,
+                                          Tensor<T>& dv, MlaParams<T>& grads);
+
+  // One kernel call on raw pointers (s's extents; stats: eager probabilities
+  // (B, Hq, Sq, Sk), flash lse (B, Hq, Sq)), skipped when counting, and its
+  // backward (dq, dk, dv overwritten; dp: eager's Sq Sk scratch).
+  static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
+                     const T* v);
+  static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
+                              const T* dout, const T* q, const T* k, const T* v, const T* o,
+                              const T* stats, T* dp);
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,
@@ -153,12 +185,12 @@ struct Pieces {
   // (rows, heads*(dn+dv)) and each row's rotated k_pe (rows, dr), which every
   // head shares (Megatron-Core expands it the same way).
   static void split_kv(const Step& st, std::int64_t heads, ops::In<T> kv, ops::In<T> k_pe,
-                       Tensor<T>& k, Tensor<T>& v);
+                       ops::Mat<T> k, ops::Mat<T> v);
   // The adjoint of split_kv: dkv (rows, heads*(dn+dv)) from dk's nope part and
   // dv; dk's rope parts are summed over heads, in head order, into dk_pe
-  // (rows, dr) (added to what is there). rows = dk_pe.rows.
-  static void merge_dkv(const Step& st, std::int64_t heads, const Tensor<T>& dk,
-                        const Tensor<T>& dv, Tensor<T>& dkv, ops::Mat<T> dk_pe);
+  // (rows, dr) (added to what is there).
+  static void merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dk, ops::In<T> dv,
+                        ops::Mat<T> dkv, ops::Mat<T> dk_pe);
 };
 
 // The head attention explicit and laga share: attention over q_h, k_h, v_h

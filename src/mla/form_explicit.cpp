@@ -33,7 +33,8 @@ struct ExplicitTape final : Tape<T> {
     Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
     {
       Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
-      P::merge_dkv(st, st.H, dk_loc, dv_loc, dkv, mat(dlat_loc).col_range(st.C, st.dr));
+      P::merge_dkv(st, st.H, mat(dk_loc), mat(dv_loc), mat(dkv),
+                   mat(dlat_loc).col_range(st.C, st.dr));
       dk_loc.reset(), dv_loc.reset();
       // d c_hat (N, C) = dkv wkv_b, into dlat's first C columns; wkv_b += dkv^T c_hat.
       ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
@@ -57,8 +58,8 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
   {
     Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
     ops::linear(mat(kv), mat(t->c_hat), w.wkv_b);
-    P::split_kv(st, st.H, mat(std::as_const(kv)), mat(t->in.kv_a).col_range(st.C, st.dr), k_loc,
-                v_loc);
+    P::split_kv(st, st.H, mat(std::as_const(kv)), mat(t->in.kv_a).col_range(st.C, st.dr),
+                mat(k_loc), mat(v_loc));
   }
   HeadAttention<T>& a = t->att;
   a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");

@@ -94,17 +94,7 @@ struct LagaTape final : Tape<T> {
                        ? reduce_queries(st, w, dq_h, grads)
                        : P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
 
-    // d[c_hat | k_pe] over the full sequence from this rank's heads.
-    Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
-    {
-      Tensor<T> dkv_h({st.B, st.S, st.Hr * st.KV}, "dkv_h");
-      P::merge_dkv(st, st.Hr, dk_h, dv_h, dkv_h, mat(dlat).col_range(st.C, st.dr));
-      dk_h.reset(), dv_h.reset();
-      const ops::Mat<const T> wkv_b_r = mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
-      ops::gemm(mat(dlat).col_range(0, st.C), T(0), mat(dkv_h), false, wkv_b_r, false);
-      ops::gemm(mat(grads.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV), T(1), mat(dkv_h), true,
-                mat(lat).col_range(0, st.C), false);
-    }
+    Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.S, dk_h, dv_h, grads);
     lat.reset();
     Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
     P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads);
@@ -129,17 +119,7 @@ std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, con
     t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
   }
 
-  // kv_h (B*S, H_r*(dn+dv)) = c_hat wkv_b[H_r rows]^T: the H_r slice of
-  // explicit's up-projection, over the full sequence.
-  a.k_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "k_h");
-  a.v_h = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "v_h");
-  {
-    Tensor<T> kv_h({st.B, st.S, st.Hr * st.KV}, "kv_h");
-    ops::gemm(mat(kv_h), T(0), mat(t->lat).col_range(0, st.C), false,
-              mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV), true);
-    P::split_kv(st, st.Hr, mat(std::as_const(kv_h)), mat(t->lat).col_range(st.C, st.dr), a.k_h,
-                a.v_h);
-  }
+  P::up_project_kv(st, w, t->lat, st.S, a.k_h, a.v_h);
   a.forward(st, w, out, t->o_loc);
   return t;
 }

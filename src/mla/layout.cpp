@@ -1,5 +1,6 @@
 #include "mla/layout.hpp"
 
+#include <numeric>
 #include <sstream>
 
 #include "core/error.hpp"
@@ -66,6 +67,71 @@ std::string SpLayout::describe() const {
   for (int r = 0; r < ranks; ++r) os << (r ? "+" : "") << seq_count[static_cast<size_t>(r)];
   os << ", heads ";
   for (int r = 0; r < ranks; ++r) os << (r ? "+" : "") << head_count[static_cast<size_t>(r)];
+  return os.str();
+}
+
+int HeadContextGrid::default_head_groups(std::int64_t heads, int ranks) {
+  return static_cast<int>(std::gcd(heads, static_cast<std::int64_t>(ranks)));
+}
+
+int HeadContextGrid::resolve_head_groups(std::int64_t heads, int ranks, int requested) {
+  LAGA_CHECK(requested >= 0, "--head-groups must be >= 1 (or left out for laga's rule), got ",
+             requested);
+  return requested == 0 ? default_head_groups(heads, ranks) : requested;
+}
+
+HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups) {
+  const int P = lay.ranks;
+  LAGA_CHECK(head_groups >= 1 && head_groups <= P, "--head-groups ", head_groups,
+             " must be between 1 and --sp ", P, " (the ranks form head groups x context groups)");
+  LAGA_CHECK(P % head_groups == 0, "--head-groups ", head_groups, " does not divide --sp ", P,
+             ": every head group needs the same number of context groups; choose a divisor of ", P,
+             " or leave --head-groups out (laga picks gcd(heads, ranks))");
+  HeadContextGrid g;
+  g.head_groups = head_groups;
+  g.context_groups = P / head_groups;
+  const int Pc = g.context_groups;
+  const std::vector<std::int64_t> group_heads =
+      head_groups == P ? lay.head_count : split(lay.heads, head_groups);
+  const std::vector<std::int64_t> group_offsets = offsets(group_heads);
+  const std::vector<std::int64_t> chunk = split(lay.seq, 2 * Pc), chunk0 = offsets(chunk);
+  for (int r = 0; r < P; ++r) {
+    const auto grp = static_cast<size_t>(r / Pc);
+    g.head_count.push_back(group_heads[grp]);
+    g.head_offset.push_back(group_offsets[grp]);
+    std::vector<TokenRange> q;
+    for (const int k : {r % Pc, 2 * Pc - 1 - r % Pc}) {
+      const TokenRange t{chunk0[static_cast<size_t>(k)],
+                         chunk0[static_cast<size_t>(k)] + chunk[static_cast<size_t>(k)]};
+      if (t.size() == 0) continue;
+      if (!q.empty() && q.back().end == t.begin)
+        q.back().end = t.end;  // adjacent chunks: one range, one attention call
+      else
+        q.push_back(t);
+    }
+    g.queries.push_back(std::move(q));
+  }
+  return g;
+}
+
+std::int64_t HeadContextGrid::query_rows(int rank) const {
+  std::int64_t n = 0;
+  for (const TokenRange& t : queries[static_cast<size_t>(rank)]) n += t.size();
+  return n;
+}
+
+std::int64_t HeadContextGrid::key_end(int rank) const {
+  const std::vector<TokenRange>& q = queries[static_cast<size_t>(rank)];
+  return q.empty() ? 0 : q.back().end;
+}
+
+std::string HeadContextGrid::describe() const {
+  std::ostringstream os;
+  os << head_groups << " head group" << (head_groups == 1 ? "" : "s") << " x " << context_groups
+     << " context group" << (context_groups == 1 ? "" : "s") << " (heads ";
+  for (int grp = 0; grp < head_groups; ++grp)
+    os << (grp ? "+" : "") << head_count[static_cast<size_t>(grp * context_groups)];
+  os << ")";
   return os.str();
 }
 

@@ -28,4 +28,47 @@ struct SpLayout {
   std::string describe() const;  // "seq 5+5+4, heads 3+3+2"
 };
 
+// Tokens [begin, end) of every sequence of the batch.
+struct TokenRange {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t size() const { return end - begin; }
+  friend bool operator==(const TokenRange&, const TokenRange&) = default;
+};
+
+// The laga2d form's split of attention (docs/forms.md, "laga2d"): the P ranks
+// of an SpLayout form Ph head groups x Pc context groups, P = Ph Pc, rank r in
+// head group r / Pc and context group r % Pc. The sequence is cut into 2 Pc
+// near-equal chunks (the first S % 2Pc one token more) and context group c
+// attends the queries of chunks c and 2Pc-1-c: the causal work of an early
+// chunk and its mirror add up to nearly the same for every c. Adjacent chunks
+// (Pc = 1, and c = Pc-1) merge into one range. A rank attends its group's
+// heads for its query ranges over keys [0, key_end(r)).
+//
+// The heads: at Ph = P each rank's group is its own SpLayout head shard (so
+// laga2d at Ph = P is laga on any layout, uneven or with ranks without
+// heads); otherwise H is split near-evenly over the Ph groups (the first
+// H % Ph one head more). The input and output stay in the SpLayout's
+// contiguous seq shards; only attention uses this grid.
+struct HeadContextGrid {
+  int head_groups = 1, context_groups = 1;  // Ph, Pc
+  // Per rank: its group's heads [head_offset, head_offset + head_count) and
+  // its query ranges (ascending, disjoint, not adjacent; empty when S < 2Pc
+  // leaves its chunks without tokens).
+  std::vector<std::int64_t> head_count, head_offset;
+  std::vector<std::vector<TokenRange>> queries;
+
+  // Throws laga::Error unless 1 <= head_groups <= P and P % head_groups == 0.
+  static HeadContextGrid make(const SpLayout& layout, int head_groups);
+  // The rule when --head-groups is not given: Ph = gcd(H, P), the most head
+  // groups that split the heads evenly (every rank then attends H / Ph heads
+  // over 1 / Pc of the causal work, within the chunks' rounding). At P | H
+  // it is P: the laga form.
+  static int default_head_groups(std::int64_t heads, int ranks);
+  // requested > 0 as given, 0: default_head_groups.
+  static int resolve_head_groups(std::int64_t heads, int ranks, int requested);
+  std::int64_t query_rows(int rank) const;  // tokens in its query ranges
+  std::int64_t key_end(int rank) const;     // end of its last query range, 0 with none
+  std::string describe() const;             // "2 head groups x 4 context groups (heads 3+3)"
+};
+
 }  // namespace laga

@@ -31,6 +31,7 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   RunSpec spec;
   spec.form = variant.form;
   spec.queries = variant.queries;
+  spec.head_groups = variant.head_groups;
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;
@@ -72,6 +73,7 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
 std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay,
                                          FormVariant variant, AttentionKind attention, int rank) {
   check_query_exchange(c, variant);
+  check_head_groups(lay, variant);
   const Form form = variant.form;
   const auto r = static_cast<std::size_t>(rank);
   const std::int64_t B = lay.batch, L = lay.seq_count[r], S = lay.seq, Hr = lay.head_count[r];
@@ -96,6 +98,20 @@ std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay
       n += eager ? B * Hr * S * S : B * Hr * S + B * S * Hr * dv;
       // explicit keeps c_hat of local tokens; laga the gathered latent.
       n += form == Form::explicit_form ? B * L * C : B * S * W;
+      break;
+    }
+    case Form::laga2d: {
+      // laga's tensors over the rank's Sq query rows and Sk key rows for its
+      // head group's H_g heads (HeadContextGrid): q_h (B, Sq, H_g, dqk), k_h
+      // and v_h (B, Sk, H_g, .), the gathered latent; eager's probabilities
+      // of each query range of n tokens ending at e are (B, H_g, n, e).
+      const HeadContextGrid g = laga2d_grid(lay, variant);
+      const std::int64_t Hg = g.head_count[r], Sq = g.query_rows(rank), Sk = g.key_end(rank);
+      n += B * Sq * Hg * dqk + B * Sk * Hg * (dqk + dv) + B * S * W;
+      if (eager)
+        for (const TokenRange& q : g.queries[r]) n += B * Hg * q.size() * q.end;
+      else
+        n += B * Hg * Sq + B * Sq * Hg * dv;
       break;
     }
     case Form::absorbed:

@@ -20,6 +20,7 @@ struct RunSpec {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   bool backward = true;
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row

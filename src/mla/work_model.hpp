@@ -6,10 +6,16 @@
 // pairs of the causal mask, summed over the batch:
 //   pairs = sum_rows sum_docs len (len + 1) / 2   (one document per row: S (S + 1) / 2)
 //   FLOPs = 2 pairs H_r (d_qk + d_v)              (q.k and p.v, forward)
-// with (d_qk, d_v) = (dn + dr, dv) for explicit and laga and (C + dr, C) for
-// absorbed (attention in latent space). Packing therefore scales every rank's
-// work by the same factor; the imbalance between ranks comes from uneven head
-// shards alone.
+// with (d_qk, d_v) = (dn + dr, dv) for explicit, laga and laga2d and
+// (C + dr, C) for absorbed (attention in latent space). Packing therefore
+// scales every rank's work by the same factor; the imbalance between ranks
+// comes from uneven head shards alone.
+//
+// laga2d attends its head group's H_g heads for its query ranges only
+// (HeadContextGrid): pairs = sum over its query tokens t of the keys t sees,
+// t - start(t) + 1, where start(t) is t's document's first token (0 unpacked).
+// Its mirrored chunks balance this unpacked; packed, the balance depends on
+// where the documents fall.
 #pragma once
 
 #include "mla/block.hpp"
@@ -22,7 +28,12 @@ struct AttentionWork {
 };
 
 // `docs` may be null (one document per row).
-AttentionWork attention_work(const MlaConfig& cfg, const SpLayout& layout, Form form, int rank,
-                             const Documents* docs);
+AttentionWork attention_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                             int rank, const Documents* docs);
+
+// max / min over ranks of the attention FLOPs (1 when every rank does the
+// same; +inf when some rank does none while another does some).
+double attention_balance(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                         const Documents* docs);
 
 }  // namespace laga

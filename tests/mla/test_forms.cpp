@@ -25,11 +25,11 @@
 namespace laga {
 namespace {
 
-MlaConfig test_config(std::int64_t rq) {
+MlaConfig test_config(std::int64_t rq, std::int64_t heads = 5) {
   MlaConfig c;
   // H = 5 so that no P > 1 here divides it; C > dn as in V3 (the absorbed
   // trap's precondition), dqk != dv.
-  c.dim = 32, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
+  c.dim = 32, c.n_heads = heads, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
   c.qk_rope_head_dim = 4, c.v_head_dim = 6;
   c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
   c.validate();
@@ -104,7 +104,8 @@ std::vector<FormVariant> variants(const MlaConfig& cfg) {
 
 RunSpec spec_of(FormVariant v, AttentionKind a) {
   RunSpec spec;
-  spec.form = v.form, spec.queries = v.queries, spec.attention = a;
+  spec.form = v.form, spec.queries = v.queries, spec.head_groups = v.head_groups,
+  spec.attention = a;
   return spec;
 }
 
@@ -314,6 +315,142 @@ TEST(Packed, OneDocumentPerRowIsTheUnpackedBlockBitForBit) {
       const BlockRun<float> packed = run_local(cfg, lay, in.w, in.x, in.dout, spec);
       expect_run_matches(packed, plain, 0.0, to_string(v) + " " + to_string(a));
     }
+}
+
+// ---------------------------------------------------------------------- laga2d
+
+// laga2d at explicit head-group counts against single-rank explicit: P > H
+// (H 2, 3, 6 at P 8, where laga leaves ranks idle), uneven head groups
+// (H % Ph != 0), uneven sequence shards, ranks whose chunks hold no token
+// (S < 2 Pc), rq 0 and > 0, eager and flash, unpacked and packed. The ledger
+// equals the closed form on every rank.
+struct GridCase {
+  std::int64_t heads;
+  std::vector<std::int64_t> seq;  // per-rank shards; the size gives P
+  std::vector<int> head_groups;   // 0: the default rule
+};
+
+class Laga2d : public ::testing::TestWithParam<GridCase> {};
+
+TEST_P(Laga2d, AgreesWithSingleRankExplicit) {
+  const GridCase& gc = GetParam();
+  const std::int64_t B = 2;
+  const SpLayout lay =
+      SpLayout::custom(B, gc.seq, SpLayout::even(B, 64, gc.heads, int(gc.seq.size())).head_count);
+  test::TestRng rng(lay.seq * 7 + gc.heads);
+  const Documents docs = Documents::from_cu_seqlens(
+      "test", B, lay.seq, {random_cuts(lay.seq, 1, rng), random_cuts(lay.seq, 4, rng)});
+  for (std::int64_t rq : {0, 7}) {
+    const MlaConfig cfg = test_config(rq, gc.heads);
+    const Inputs in = make_inputs(cfg, B, lay.seq);
+    RunSpec spec = spec_of(Form::explicit_form, AttentionKind::eager);
+    const BlockRun<float> ref =
+        run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
+    const BlockRun<float> ref_packed = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
+    for (int groups : gc.head_groups)
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
+          const FormVariant v{Form::laga2d, QueryExchange::heads, groups};
+          RunSpec run_spec = spec_of(v, a);
+          run_spec.documents = d;
+          const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
+          const std::string tag = "laga2d " + laga2d_grid(lay, v).describe() + " H " +
+                                  std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
+                                  to_string(a) + " " + lay.describe() +
+                                  (d ? " docs " + d->describe() : "");
+          expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
+          expect_ledger_matches_model(cfg, lay, v, run);
+        }
+  }
+}
+
+std::vector<GridCase> grid_cases() {
+  return {
+      {2, {9, 8, 8, 8, 8, 8, 8, 8}, {0, 1, 4}},  // default Ph 2 (3 heads idle at laga)
+      {3, {8, 8, 8, 8, 8, 8, 8, 8}, {0, 2}},     // default Ph 1: 16 chunks; 2+1 heads
+      {6, {8, 8, 8, 8, 8, 8, 8, 7}, {0, 4}},     // default Ph 2; 4 groups: 2+2+1+1 heads
+      {5, {13}, {0}},                            // P 1
+      {5, {4, 3, 3, 3}, {2}},                    // uneven shards and groups (3+2)
+      {5, {2, 2, 2, 2, 1, 1}, {1, 3}},           // S 10 < 2 Pc 12: empty chunks
+      {5, {70, 60, 50}, {1}},                    // long: flash's 64-row blocks, straddling
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Grids, Laga2d, ::testing::ValuesIn(grid_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& p) {
+                           std::string s("H");
+                           s += std::to_string(p.param.heads);
+                           s += "_P";
+                           s += std::to_string(p.param.seq.size());
+                           s += "_S";
+                           s += std::to_string(std::accumulate(p.param.seq.begin(),
+                                                               p.param.seq.end(), std::int64_t(0)));
+                           return s;
+                         });
+
+// At one head group per rank (Ph = P) laga2d is laga: the same collectives
+// and bytes on every rank, and the same GEMMs and kernel calls, so the same
+// bits, on uneven layouts and with ranks that own no head.
+TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
+  struct Case {
+    std::vector<std::int64_t> seq, heads;
+  };
+  for (const Case& c : {Case{{13}, {5}}, Case{{5, 4, 4}, {2, 2, 1}}, Case{{1, 8, 4}, {0, 3, 2}},
+                        Case{{2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}}})
+    for (std::int64_t rq : {0, 7})
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+        const MlaConfig cfg = test_config(rq);
+        const SpLayout lay = SpLayout::custom(2, c.seq, c.heads);
+        const Inputs in = make_inputs(cfg, 2, lay.seq);
+        const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
+        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
+          RunSpec spec = spec_of(Form::laga, a);
+          spec.documents = d;
+          const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+          spec = spec_of({Form::laga2d, QueryExchange::heads, lay.ranks}, a);
+          spec.documents = d;
+          const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+          const std::string tag = lay.describe() + " rq" + std::to_string(rq) + " " + to_string(a) +
+                                  (d ? " packed" : "");
+          expect_run_matches(grid, laga, 0.0, tag);
+          for (int r = 0; r < lay.ranks; ++r) {
+            const auto& mine = grid.ranks[std::size_t(r)].ledger.entries();
+            const auto& theirs = laga.ranks[std::size_t(r)].ledger.entries();
+            ASSERT_EQ(mine.size(), theirs.size()) << tag << " rank " << r;
+            for (auto i = mine.begin(), j = theirs.begin(); i != mine.end(); ++i, ++j) {
+              const std::string where = tag + " rank " + std::to_string(r) + " " + i->first.second;
+              EXPECT_EQ(i->first, j->first) << where;
+              EXPECT_EQ(i->second.calls, j->second.calls) << where;
+              EXPECT_EQ(i->second.bytes_sent, j->second.bytes_sent) << where;
+              EXPECT_EQ(i->second.bytes_received, j->second.bytes_received) << where;
+            }
+          }
+        }
+      }
+}
+
+TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
+  const MlaConfig cfg = test_config(7, 6);
+  const SpLayout lay = SpLayout::even(1, 16, 6, 8);
+  const Inputs in = make_inputs(cfg, 1, 16);
+  auto refusal = [&](FormVariant v) {
+    try {
+      run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, AttentionKind::eager));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string e = refusal({Form::laga, QueryExchange::heads, 2});
+  EXPECT_NE(e.find("--head-groups applies to the laga2d form only, not to laga"), std::string::npos)
+      << e;
+  e = refusal({Form::laga2d, QueryExchange::heads, 3});
+  EXPECT_NE(e.find("--head-groups 3 does not divide --sp 8"), std::string::npos) << e;
+  e = refusal({Form::laga2d, QueryExchange::latent});
+  EXPECT_NE(e.find("not to the laga2d form"), std::string::npos) << e;
+  EXPECT_THROW(
+      predict_comm(cfg, lay, {Form::explicit_form, QueryExchange::heads, 2}, 0, 4, true, true),
+      Error);
 }
 
 }  // namespace

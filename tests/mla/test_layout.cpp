@@ -79,5 +79,65 @@ TEST(SpLayout, RefusalsNameTheFix) {
   EXPECT_TRUE(has(e, "batch must be >= 1")) << e;
 }
 
+// laga2d's grid by hand: 13 tokens over 2 Pc chunks, context group c taking
+// chunks c and 2Pc-1-c, heads split over the head groups.
+TEST(HeadContextGrid, ChunksAndHeadGroupsByHand) {
+  using R = std::vector<TokenRange>;
+  // P 4 = 2 head groups x 2 context groups; 13 tokens in 4 chunks 4+3+3+3:
+  // [0,4) [4,7) [7,10) [10,13). Group c = 0 takes chunks 0 and 3, c = 1
+  // chunks 1 and 2, adjacent, so one range. 5 heads over 2 groups: 3+2.
+  HeadContextGrid g = HeadContextGrid::make(SpLayout::even(1, 13, 5, 4), 2);
+  EXPECT_EQ(g.head_groups, 2);
+  EXPECT_EQ(g.context_groups, 2);
+  EXPECT_EQ(g.head_count, V({3, 3, 2, 2}));
+  EXPECT_EQ(g.head_offset, V({0, 0, 3, 3}));
+  EXPECT_EQ(g.queries[0], R({{0, 4}, {10, 13}}));
+  EXPECT_EQ(g.queries[1], R({{4, 10}}));
+  EXPECT_EQ(g.queries[2], g.queries[0]);
+  EXPECT_EQ(g.query_rows(0), 7);
+  EXPECT_EQ(g.key_end(0), 13);
+  EXPECT_EQ(g.key_end(1), 10);
+  EXPECT_EQ(g.describe(), "2 head groups x 2 context groups (heads 3+2)");
+
+  // Ph = P: one context group, the whole sequence, the layout's own head
+  // shards (uneven, a rank without heads): laga's attention.
+  g = HeadContextGrid::make(SpLayout::custom(2, {1, 8, 4}, {0, 3, 2}), 3);
+  EXPECT_EQ(g.head_count, V({0, 3, 2}));
+  EXPECT_EQ(g.head_offset, V({0, 0, 3}));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(g.queries[std::size_t(r)], R({{0, 13}}));
+
+  // Ph = 1 at P 8 on 13 tokens: 16 chunks, the last three empty (13 = 16 * 0
+  // + 13: chunks 0..12 hold one token). Group c takes chunk c and 15 - c.
+  g = HeadContextGrid::make(SpLayout::even(1, 13, 3, 8), 1);
+  EXPECT_EQ(g.head_count, V(8, 3));
+  EXPECT_EQ(g.queries[0], R({{0, 1}}));  // chunk 15 is empty
+  EXPECT_EQ(g.queries[3], R({{3, 4}, {12, 13}}));
+  EXPECT_EQ(g.queries[7], R({{7, 9}}));  // chunks 7 and 8: adjacent
+  EXPECT_EQ(g.key_end(0), 1);
+}
+
+TEST(HeadContextGrid, DefaultRuleIsTheGcd) {
+  EXPECT_EQ(HeadContextGrid::default_head_groups(128, 512), 128);
+  EXPECT_EQ(HeadContextGrid::default_head_groups(128, 8), 8);
+  EXPECT_EQ(HeadContextGrid::default_head_groups(6, 8), 2);
+  EXPECT_EQ(HeadContextGrid::default_head_groups(3, 8), 1);
+  EXPECT_EQ(HeadContextGrid::default_head_groups(6, 4), 2);
+  EXPECT_EQ(HeadContextGrid::resolve_head_groups(6, 8, 0), 2);
+  EXPECT_EQ(HeadContextGrid::resolve_head_groups(6, 8, 4), 4);
+}
+
+TEST(HeadContextGrid, RefusalsNameTheFix) {
+  const SpLayout lay = SpLayout::even(1, 16, 6, 8);
+  std::string e = error_of([&] { HeadContextGrid::make(lay, 3); });
+  EXPECT_NE(e.find("--head-groups 3 does not divide --sp 8"), std::string::npos) << e;
+  EXPECT_NE(e.find("choose a divisor of 8"), std::string::npos) << e;
+  e = error_of([&] { HeadContextGrid::make(lay, 16); });
+  EXPECT_NE(e.find("must be between 1 and --sp 8"), std::string::npos) << e;
+  e = error_of([&] { HeadContextGrid::make(lay, 0); });
+  EXPECT_NE(e.find("must be between 1 and --sp 8"), std::string::npos) << e;
+  e = error_of([&] { HeadContextGrid::resolve_head_groups(6, 8, -1); });
+  EXPECT_NE(e.find("--head-groups must be >= 1"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace laga
