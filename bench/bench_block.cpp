@@ -108,10 +108,10 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     torch = std::make_unique<laga::bench::TorchPeer>(cmd);
     ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd");
   }
-  // GEMMs in OpenBLAS, attention in the flash kernels: %peak against the
+  // GEMMs in oneDNN, attention in the flash kernels: %peak against the
   // wider ISA of the two, so as not to flatter the row.
   const std::string isa =
-      laga::bench::wider_isa(laga::bench::blas_isa(), laga::to_string(laga::flash_isa()));
+      laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
     if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;

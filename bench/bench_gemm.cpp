@@ -93,7 +93,7 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
   for (const auto& b : libs)
     ctx.note(laga::cat(b.name, ": runs its ", b.kernels, " kernels here (", b.isa, ")"));
   // laga::gemm's own row: whatever it routes to, the rows above say which.
-  libs.push_back({"laga", "laga::gemm", libs.front().isa, &laga_sgemm});
+  libs.push_back({"laga", laga::gemm_kernels(), laga::bench::gemm_isa(), &laga_sgemm});
   ctx.note(laga::cat("T ", T, " tokens; #wrong on ", sampled_rows(T).size(),
                      "+ sampled rows of C vs double loops"));
   ctx.header();

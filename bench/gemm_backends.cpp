@@ -3,10 +3,13 @@
 #include <cblas.h>
 #include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl_debug.h>
 
-#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 #include "harness.hpp"
+#include "kernels/gemm.hpp"
+
+extern "C" char* openblas_get_corename(void);
 
 namespace laga::bench {
 
@@ -42,43 +45,21 @@ void blis_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K
   bli_sgemm_fn(ta ? 8 : 0, tb ? 8 : 0, M, N, K, &one, A, lda, 1, B, ldb, 1, &zero, C, ldc, 1);
 }
 
-std::string onednn_isa_name(dnnl_cpu_isa_t isa) {
-  switch (isa) {
-    case dnnl_cpu_isa_sse41:
-      return "sse41";
-    case dnnl_cpu_isa_avx:
-      return "avx";
-    case dnnl_cpu_isa_avx2:
-      return "avx2";
-    case dnnl_cpu_isa_avx2_vnni:
-      return "avx2_vnni";
-    case dnnl_cpu_isa_avx512_mic:
-      return "avx512_mic";
-    case dnnl_cpu_isa_avx512_mic_4ops:
-      return "avx512_mic_4ops";
-    case dnnl_cpu_isa_avx512_core:
-      return "avx512_core";
-    case dnnl_cpu_isa_avx512_core_vnni:
-      return "avx512_core_vnni";
-    case dnnl_cpu_isa_avx512_core_bf16:
-      return "avx512_core_bf16";
-    case dnnl_cpu_isa_avx512_core_amx:
-      return "avx512_core_amx";
-    default:
-      return cat("isa 0x", std::hex, int(isa));
-  }
-}
-
 }  // namespace
 
 std::vector<GemmBackend> gemm_backends(int threads) {
   std::vector<GemmBackend> out;
   // oneDNN's OpenMP runtime takes the calling thread's omp_get_max_threads(),
-  // which laga::set_rank_threads has set; ONEDNN_MAX_CPU_ISA caps its JIT.
-  const dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
-  const bool onednn_avx512 = (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
-  out.push_back({"onednn", onednn_isa_name(isa), onednn_avx512 ? "avx512" : "avx2", &onednn_sgemm});
-  out.push_back({"openblas", blas_core_name(), blas_isa(), &openblas_sgemm});
+  // which laga::set_rank_threads has set; ONEDNN_MAX_CPU_ISA caps its JIT
+  // (laga::gemm's ISA is oneDNN's).
+  out.push_back(
+      {"onednn", dnnl_cpu_isa2str(dnnl_get_effective_cpu_isa()), gemm_isa(), &onednn_sgemm});
+  // OpenBLAS picks its kernels at load time from the CPU model
+  // (OPENBLAS_CORETYPE overrides it); its AVX-512 families are these three.
+  const std::string core = openblas_get_corename();
+  const bool openblas_avx512 =
+      core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
+  out.push_back({"openblas", core, openblas_avx512 ? "avx512" : "avx2", &openblas_sgemm});
 
   // Leaked on purpose: BLIS's worker threads may outlive any scope here.
   void* blis = dlopen("libblis.so.4", RTLD_NOW | RTLD_LOCAL);

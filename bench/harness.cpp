@@ -7,8 +7,8 @@
 #include <ctime>
 #include <memory>
 
-#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
+#include "kernels/gemm.hpp"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #pragma GCC diagnostic push
@@ -119,10 +119,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::string blas_isa() {
-  const std::string core = blas_core_name();
-  const bool avx512 = core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
-  return avx512 ? "avx512" : "avx2";
+std::string gemm_isa() {
+  return gemm_uses_avx512() ? "avx512" : "avx2";
 }
 
 std::string wider_isa(const std::string& a, const std::string& b) {

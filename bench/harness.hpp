@@ -91,10 +91,9 @@ std::int64_t count_wrong(const T* got, const R* ref, std::int64_t n, double rel)
   return wrong;
 }
 
-// The ISA of the kernels OpenBLAS runs: avx512 for its AVX-512 kernel
-// families (SkylakeX, Cooperlake, SapphireRapids), else avx2 (Haswell, Zen,
-// and the older SSE ones, whose rows a %peak against AVX2 understates).
-std::string blas_isa();
+// The ISA of the kernels laga::gemm<float> runs (oneDNN's JIT): avx512, else
+// avx2 (an older one's rows a %peak against AVX2 understates).
+std::string gemm_isa();
 // The wider of two ISA names, for a row whose kernels ran both.
 std::string wider_isa(const std::string& a, const std::string& b);
 
