@@ -56,6 +56,10 @@ void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
     rc[u(j)] = B * lay.seq_count[u(j)] * Hr * d;
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
+  if (P == 1) {  // src (B, S, H, d) is dst's layout already: no packing
+    comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
+    return;
+  }
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
   for (int j = 0; j < P; ++j)  // block j: (B, L, H_j, d)
@@ -80,6 +84,10 @@ void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
     rc[u(j)] = B * L * lay.head_count[u(j)] * d;
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
+  if (P == 1) {  // src (B, S, H, d) is dst's layout already: no packing
+    comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
+    return;
+  }
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
   for (int j = 0; j < P; ++j)  // block j: rows of rank j, (B, L_j, H_r, d)

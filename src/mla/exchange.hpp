@@ -8,8 +8,9 @@
 //
 // Each is the backward of its partner: seq_to_head <-> head_to_seq, and
 // gather_seq <-> reduce_scatter_seq. Staging buffers are counted as
-// comm_buffers. Under a count-only pool (no storage) nothing is packed or
-// copied, but the collective is still issued so the ledger is exact.
+// comm_buffers; at P 1 the all-to-alls have none (src is already in dst's
+// layout: the collective copies it over once). Under a count-only pool (no storage) nothing is
+// packed or copied, but the collective is still issued so the ledger is exact.
 #pragma once
 
 #include <string>
