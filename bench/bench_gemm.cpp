@@ -99,7 +99,7 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
   ctx.header();
 
   struct Product {
-    const char* name;  // the op column, with the library appended
+    const char* name;  // the op column, with "/library" appended
     bool ta, tb;
     std::int64_t M, N, K;
     const float* A;  // op(A) (M, K), row stride lda
@@ -132,7 +132,7 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
         float* C = c[l].data();
         const laga::bench::SgemmFn fn = libs[l].sgemm;
         const Product q = p;
-        cands.push_back({laga::cat(p.name, " ", libs[l].name), shape,
+        cands.push_back({laga::cat(p.name, "/", libs[l].name), shape,
                          2e-9 * double(p.M) * double(p.N) * double(p.K), libs[l].isa,
                          [=] { fn(q.ta, q.tb, q.M, q.N, q.K, q.A, q.lda, q.B, q.ldb, C, q.N); },
                          [&, C] {
