@@ -185,7 +185,7 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
     const std::string shape = describe(s);
     ctx.note(c.name);
     const std::string flash_isa = laga::to_string(laga::flash_isa());
-    const std::string blas_isa = laga::bench::blas_isa();
+    const std::string gemm_isa = laga::bench::gemm_isa();
     auto torch_ms = [&](const char* key) {
       return torch.contains(c.name) ? torch[c.name].value(key, std::nan("")) : std::nan("");
     };
@@ -218,14 +218,14 @@ LAGA_BENCH(attention, "attention fwd/bwd: eager vs flash (vs PyTorch with --torc
         laga::attention_eager_forward<float>(s, t.o.data(), probs.data(), t.q.data(), t.k.data(),
                                              t.v.data());
       };
-      ctx.run("attn_eager_fwd", shape, f, blas_isa, efwd, [&] { return wrong_fwd(t); }).torch_ms =
+      ctx.run("attn_eager_fwd", shape, f, gemm_isa, efwd, [&] { return wrong_fwd(t); }).torch_ms =
           torch_ms("fwd_ms");
       auto ebwd = [&] {
         laga::attention_eager_backward<float>(s, t.dq.data(), t.dk.data(), t.dv.data(),
                                               t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
                                               probs.data(), dp.data());
       };
-      ctx.run("attn_eager_bwd", shape, 2.5 * f, blas_isa, ebwd, [&] { return wrong_bwd(t); })
+      ctx.run("attn_eager_bwd", shape, 2.5 * f, gemm_isa, ebwd, [&] { return wrong_bwd(t); })
           .torch_ms = torch_ms("bwd_ms");
     }
   }

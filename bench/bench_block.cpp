@@ -16,6 +16,8 @@
 // the same inputs; an element is wrong when farther than 1e-5 * max |ref| of
 // its tensor. The naive block is far slower than a timed step (scalar loops;
 // only its attention and forward projections use threads), so it runs once.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -48,6 +50,14 @@ void run_block(const MlaConfig& cfg, const laga::SpLayout& lay, const laga::Rope
   laga::MlaSaved<T> saved;
   laga::mla_forward(ctx, st.w, st.x, st.out, saved);
   laga::mla_backward(ctx, st.w, st.x, st.dout, saved, st.dx, st.grads);
+}
+
+// Minor page faults of this process so far: a step that reuses its buffers
+// takes almost none; one that maps fresh memory takes one per 4 KiB touched.
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
 }
 
 template <class T>
@@ -108,18 +118,23 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     torch = std::make_unique<laga::bench::TorchPeer>(cmd);
     ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd");
   }
-  // GEMMs in OpenBLAS, attention in the flash kernels: %peak against the
+  // GEMMs in oneDNN, attention in the flash kernels: %peak against the
   // wider ISA of the two, so as not to flatter the row.
   const std::string isa =
-      laga::bench::wider_isa(laga::bench::blas_isa(), laga::to_string(laga::flash_isa()));
+      laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
     if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
     BlockState<float> st = make_state<float>(cfg, S);
     std::vector<double> torch_ms;
+    std::vector<double> faults;  // per step, warm-up included
     auto& row = ctx.run(
         laga::cat("block_", laga::to_string(form)), shape, gflop, isa,
-        [&] { run_block(cfg, lay, rope, form, st); },
+        [&] {
+          const long before = minor_faults();
+          run_block(cfg, lay, rope, form, st);
+          faults.push_back(double(minor_faults() - before));
+        },
         [&] {
           // backward adds into grads: one step from zero for the check.
           st.grads.for_each([](const std::string&, laga::Tensor<float>& t) { t.fill(0.0f); });
@@ -135,8 +150,12 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
         [&] {
           if (torch) torch_ms.push_back(torch->step());
         });
-    std::string line =
-        laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3, " tokens/s");
+    // The timed steps only (the warm-up ones map the allocator's memory).
+    faults.erase(faults.begin(),
+                 faults.begin() + std::min<std::ptrdiff_t>(ctx.options().warmup, faults.size()));
+    std::string line = laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3,
+                                 " tokens/s; minor page faults per timed step: median ",
+                                 faults.empty() ? 0.0 : laga::bench::median(faults));
     if (!torch_ms.empty()) {
       row.torch_ms = laga::bench::median(torch_ms);
       // Each PyTorch step ran just before one laga step: the ratio within a

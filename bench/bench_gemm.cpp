@@ -1,51 +1,149 @@
-// sgemm through laga::gemm (OpenBLAS) on the shapes of an MLA block: the
-// yardstick for what "% of peak" a tuned library reaches on this machine.
-// GFLOP = 2 M N K. Reference: dgemm of the same (float) inputs, once per shape.
+// sgemm on the shapes of an MLA block's projections, every GEMM library of
+// bench/gemm_backends.hpp side by side (timed alternately, one row each), and
+// laga::gemm itself: the measurement docs/performance.md chooses laga's GEMM
+// library by. Per linear layer y = x W^T, W (out, in), T tokens, three
+// products: forward NT (T, out, in), dx = dy W NN (T, in, out), dW = dy^T x TN
+// (out, in, T). Layers: the D 2048 block of bench_block.cpp and DeepSeek-V3's
+// (D 7168, H 128, rq 1536, C 512, dn 128, dr 64, dv 128). GFLOP = 2 M N K.
+//
+// #wrong: every element of a sample of C's rows (every M/64-th and the last
+// eight, so edge tiles are in) against plain double loops over the same float
+// inputs, sharing no code with any library; wrong when farther than
+// 1e-5 * max |ref| of the sample. Force an ISA to measure the other path:
+// ONEDNN_MAX_CPU_ISA=AVX2, OPENBLAS_CORETYPE=Haswell|SkylakeX.
+#include <omp.h>
+
 #include <string>
 #include <vector>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "gemm_backends.hpp"
 #include "harness.hpp"
 #include "kernels/gemm.hpp"
 
 namespace {
 
-struct GemmShape {
+struct Linear {
   const char* what;
-  std::int64_t M, N, K;
+  std::int64_t in, out;
 };
+
+// The rows of C that #wrong checks: every stride-th, and the last 8.
+std::vector<std::int64_t> sampled_rows(std::int64_t M) {
+  std::vector<std::int64_t> rows;
+  const std::int64_t stride = std::max<std::int64_t>(1, M / 64);
+  for (std::int64_t i = 0; i < M; i += stride) rows.push_back(i);
+  for (std::int64_t i = std::max(M - 8, std::int64_t(0)); i < M; ++i)
+    if (rows.back() < i) rows.push_back(i);
+  return rows;
+}
+
+// ref (rows.size(), N) = rows of op(A) op(B) in double, loops ordered so that
+// the inner one runs along contiguous memory for either op(B).
+std::vector<double> reference_rows(const std::vector<std::int64_t>& rows, bool ta, bool tb,
+                                   std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
+                                   const float* B, std::int64_t ldb) {
+  std::vector<double> ref(rows.size() * size_t(N), 0.0);
+#pragma omp parallel for schedule(dynamic)
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const std::int64_t i = rows[r];
+    double* out = ref.data() + r * size_t(N);
+    auto a = [&](std::int64_t k) { return double(ta ? A[k * lda + i] : A[i * lda + k]); };
+    if (tb) {
+      for (std::int64_t j = 0; j < N; ++j) {
+        double acc = 0;
+        for (std::int64_t k = 0; k < K; ++k) acc += a(k) * double(B[j * ldb + k]);
+        out[j] = acc;
+      }
+    } else {
+      for (std::int64_t k = 0; k < K; ++k) {
+        const double ak = a(k);
+        for (std::int64_t j = 0; j < N; ++j) out[j] += ak * double(B[k * ldb + j]);
+      }
+    }
+  }
+  return ref;
+}
+
+void laga_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
+                std::int64_t lda, const float* B, std::int64_t ldb, float* C, std::int64_t ldc) {
+  laga::gemm<float>(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+}
 
 }  // namespace
 
-LAGA_BENCH(gemm, "sgemm (OpenBLAS via laga::gemm), C = A B^T as in y = x W^T") {
+LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the block's shapes") {
   const bool quick = ctx.options().quick;
   const std::int64_t T = quick ? 256 : 2048;  // tokens
-  const std::vector<GemmShape> shapes = {
-      {"square", T, T, T},
-      {"wkv_a: x(T,D) W^T, D 2048->576", T, 576, 2048},
-      {"wkv_b: c(T,C) W^T, C 512->16x256", T, 4096, 512},
-      {"wo: o(T,16x128) W^T ->2048", T, 2048, 2048},
+  const std::int64_t s = quick ? 8 : 1;       // --quick divides the widths by 8
+  // in -> out per layer: D 2048 block (H 16, rq 0) and DeepSeek-V3 (H 128).
+  const std::vector<Linear> layers = {
+      {"D2048 wq: D -> H(dn+dr)", 2048 / s, 3072 / s},
+      {"D2048 wkv_a: D -> C+dr", 2048 / s, 576 / s},
+      {"D2048 wkv_b: C -> H(dn+dv)", 512 / s, 4096 / s},
+      {"D2048 wo: H dv -> D", 2048 / s, 2048 / s},
+      {"V3 wq_a: D -> rq", 7168 / s, 1536 / s},
+      {"V3 wq_b: rq -> H(dn+dr)", 1536 / s, 24576 / s},
+      {"V3 wkv_a: D -> C+dr", 7168 / s, 576 / s},
+      {"V3 wkv_b: C -> H(dn+dv)", 512 / s, 32768 / s},
+      {"V3 wo: H dv -> D", 16384 / s, 7168 / s},
   };
+  std::vector<laga::bench::GemmBackend> libs = laga::bench::gemm_backends(ctx.options().threads);
+  for (const auto& b : libs)
+    ctx.note(laga::cat(b.name, ": runs its ", b.kernels, " kernels here (", b.isa, ")"));
+  // laga::gemm's own row: whatever it routes to, the rows above say which.
+  libs.push_back({"laga", laga::gemm_kernels(), laga::bench::gemm_isa(), &laga_sgemm});
+  ctx.note(laga::cat("T ", T, " tokens; #wrong on ", sampled_rows(T).size(),
+                     "+ sampled rows of C vs double loops"));
   ctx.header();
-  for (const GemmShape& g : shapes) {
-    if (!laga::bench::case_selected(ctx.options(), g.what)) continue;
-    std::vector<float> a(static_cast<size_t>(g.M * g.K)), b(static_cast<size_t>(g.N * g.K)),
-        c(static_cast<size_t>(g.M * g.N));
-    laga::fill_normal(a.data(), g.M * g.K, 1, 0, 0, 1.0);
-    laga::fill_normal(b.data(), g.N * g.K, 1, 1, 0, 1.0);
-    std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end());
-    std::vector<double> ref(c.size());
-    laga::gemm<double>(false, true, g.M, g.N, g.K, 1.0, ad.data(), g.K, bd.data(), g.K, 0.0,
-                       ref.data(), g.N);
-    const std::string shape = laga::cat(g.M, "x", g.N, "x", g.K);
-    ctx.note(g.what);
-    ctx.run(
-        "sgemm_nt", shape, 2e-9 * double(g.M) * double(g.N) * double(g.K), laga::bench::blas_isa(),
-        [&] {
-          laga::gemm<float>(false, true, g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.K, 0.0f,
-                            c.data(), g.N);
-        },
-        [&] { return laga::bench::count_wrong(c.data(), ref.data(), g.M * g.N, 1e-5); });
+
+  struct Product {
+    const char* name;  // the op column, with "/library" appended
+    bool ta, tb;
+    std::int64_t M, N, K;
+    const float* A;  // op(A) (M, K), row stride lda
+    std::int64_t lda;
+    const float* B;  // op(B) (K, N), row stride ldb
+    std::int64_t ldb;
+  };
+  for (const Linear& layer : layers) {
+    if (!laga::bench::case_selected(ctx.options(), layer.what)) continue;
+    const std::int64_t in = layer.in, out = layer.out;
+    // x (T, in), W (out, in), dy (T, out).
+    std::vector<float> x(size_t(T * in)), w(size_t(out * in)), dy(size_t(T * out));
+    laga::fill_normal(x.data(), T * in, 1, 0, 0, 1.0);
+    laga::fill_normal(w.data(), out * in, 1, 1, 0, 1.0);
+    laga::fill_normal(dy.data(), T * out, 1, 2, 0, 1.0);
+    ctx.note(layer.what);
+    const std::vector<Product> products = {
+        {"fwd_nt", false, true, T, out, in, x.data(), in, w.data(), in},    // y = x W^T
+        {"dx_nn", false, false, T, in, out, dy.data(), out, w.data(), in},  // dx = dy W
+        {"dw_tn", true, false, out, in, T, dy.data(), out, x.data(), in},   // dW = dy^T x
+    };
+    for (const Product& p : products) {
+      const std::vector<std::int64_t> rows = sampled_rows(p.M);
+      const std::vector<double> ref =
+          reference_rows(rows, p.ta, p.tb, p.N, p.K, p.A, p.lda, p.B, p.ldb);
+      std::vector<std::vector<float>> c(libs.size(), std::vector<float>(size_t(p.M * p.N)));
+      std::vector<laga::bench::Candidate> cands;
+      const std::string shape = laga::cat(p.M, "x", p.N, "x", p.K);
+      for (size_t l = 0; l < libs.size(); ++l) {
+        float* C = c[l].data();
+        const laga::bench::SgemmFn fn = libs[l].sgemm;
+        const Product q = p;
+        cands.push_back({laga::cat(p.name, "/", libs[l].name), shape,
+                         2e-9 * double(p.M) * double(p.N) * double(p.K), libs[l].isa,
+                         [=] { fn(q.ta, q.tb, q.M, q.N, q.K, q.A, q.lda, q.B, q.ldb, C, q.N); },
+                         [&, C] {
+                           std::vector<float> got;
+                           for (std::int64_t i : rows)
+                             got.insert(got.end(), C + i * p.N, C + (i + 1) * p.N);
+                           return laga::bench::count_wrong(got.data(), ref.data(),
+                                                           std::int64_t(ref.size()), 1e-5);
+                         }});
+      }
+      ctx.run_alternating(cands);
+    }
   }
 }

@@ -7,8 +7,8 @@
 #include <ctime>
 #include <memory>
 
-#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
+#include "kernels/gemm.hpp"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #pragma GCC diagnostic push
@@ -119,39 +119,49 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::string blas_isa() {
-  const std::string core = blas_core_name();
-  const bool avx512 = core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
-  return avx512 ? "avx512" : "avx2";
+std::string gemm_isa() {
+  return gemm_uses_avx512() ? "avx512" : "avx2";
 }
 
 std::string wider_isa(const std::string& a, const std::string& b) {
   return a == "avx512" || b == "avx512" ? "avx512" : "avx2";
 }
 
+std::vector<Timing> time_alternating(const std::vector<std::function<void()>>& fns, int warmup,
+                                     int repeats, int threads,
+                                     const std::function<void()>& between) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> ms(fns.size());
+  std::vector<double> wall(fns.size(), 0.0), cpu(fns.size(), 0.0);  // of the timed calls only
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    for (size_t f = 0; f < fns.size(); ++f) {
+      if (between) between();
+      const double cpu0 = cpu_seconds();
+      const auto t0 = std::chrono::steady_clock::now();
+      fns[f]();
+      const auto t1 = std::chrono::steady_clock::now();
+      cpu[f] += cpu_seconds() - cpu0;
+      ms[f].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      wall[f] += ms[f].back() * 1e-3;
+    }
+  }
+  std::vector<Timing> out(fns.size());
+  for (size_t f = 0; f < fns.size(); ++f) {
+    Timing& t = out[f];
+    t.busy = wall[f] > 0 ? cpu[f] / (wall[f] * std::max(1, threads)) : 0;
+    t.median_ms = median(ms[f]);
+    const auto [lo, hi] = std::minmax_element(ms[f].begin(), ms[f].end());
+    t.min_ms = *lo;
+    t.max_ms = *hi;
+    t.samples_ms = std::move(ms[f]);
+  }
+  return out;
+}
+
 Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads,
                const std::function<void()>& between) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> ms;
-  double wall = 0, cpu = 0;  // of the timed calls only
-  for (int i = 0; i < std::max(1, repeats); ++i) {
-    if (between) between();
-    const double cpu0 = cpu_seconds();
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    const auto t1 = std::chrono::steady_clock::now();
-    cpu += cpu_seconds() - cpu0;
-    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    wall += ms.back() * 1e-3;
-  }
-  Timing t;
-  t.busy = wall > 0 ? cpu / (wall * std::max(1, threads)) : 0;
-  t.median_ms = median(ms);
-  const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
-  t.min_ms = *lo;
-  t.max_ms = *hi;
-  t.samples_ms = std::move(ms);
-  return t;
+  return time_alternating({fn}, warmup, repeats, threads, between).front();
 }
 
 void Context::header() const {
@@ -178,27 +188,54 @@ Row& Context::run(const std::string& op, const std::string& shape, double gflop,
                   const std::function<void()>& between) {
   static Row skipped;
   if (!selected(op)) return skipped = Row{};
-  Row row;
-  row.op = op;
-  row.shape = shape;
-  row.gflop = gflop;
-  row.isa = isa;
+  return *run_alternating({{op, shape, gflop, isa, fn, check}}, between).front();
+}
+
+std::vector<Row*> Context::run_alternating(const std::vector<Candidate>& candidates,
+                                           const std::function<void()>& between) {
+  std::vector<const Candidate*> chosen;
+  for (const Candidate& c : candidates)
+    if (selected(c.op)) chosen.push_back(&c);
+  if (chosen.empty()) return {};
   // The machine's speed drifts over minutes (a shared VM), so the start-up
-  // peak can be far from the one the row ran under: the row is measured
-  // against the higher of two peaks taken just before and just after it,
-  // which never flatters it when the drift goes one way. The first also
-  // fails early for an ISA this CPU lacks.
-  const double peak_before = measure_isa_peak(isa, opt_.threads, 2);
-  row.t = time_it(fn, opt_.warmup, opt_.repeats, opt_.threads, between);
-  const double peak = std::max(peak_before, measure_isa_peak(isa, opt_.threads, 2));
-  row.wrong = check ? check() : -1;
-  const double rate = gflop / (row.t.median_ms * 1e-3);
-  std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %-6s %6.1f%% %5.0f%% %7s\n", op.c_str(),
-              shape.c_str(), gflop, row.t.median_ms, rate, isa.c_str(), 100.0 * rate / peak,
-              100.0 * row.t.busy, row.wrong < 0 ? "n/a" : std::to_string(row.wrong).c_str());
-  std::fflush(stdout);
-  rows_.push_back(row);
-  return rows_.back();
+  // peak can be far from the one the rows ran under: each row is measured
+  // against the higher of two peaks of its ISA taken just before and just
+  // after the rows, which never flatters it when the drift goes one way. The
+  // first also fails early for an ISA this CPU lacks.
+  std::vector<std::string> isas;
+  for (const Candidate* c : chosen)
+    if (std::find(isas.begin(), isas.end(), c->isa) == isas.end()) isas.push_back(c->isa);
+  std::vector<double> peak;
+  for (const std::string& isa : isas) peak.push_back(measure_isa_peak(isa, opt_.threads, 2));
+  std::vector<std::function<void()>> fns;
+  for (const Candidate* c : chosen) fns.push_back(c->fn);
+  std::vector<Timing> timings =
+      time_alternating(fns, opt_.warmup, opt_.repeats, opt_.threads, between);
+  for (size_t i = 0; i < isas.size(); ++i)
+    peak[i] = std::max(peak[i], measure_isa_peak(isas[i], opt_.threads, 2));
+
+  const size_t first = rows_.size();
+  for (size_t k = 0; k < chosen.size(); ++k) {
+    const Candidate& c = *chosen[k];
+    Row row;
+    row.op = c.op;
+    row.shape = c.shape;
+    row.gflop = c.gflop;
+    row.isa = c.isa;
+    row.t = std::move(timings[k]);
+    row.wrong = c.check ? c.check() : -1;
+    const double isa_peak = peak[size_t(std::find(isas.begin(), isas.end(), c.isa) - isas.begin())];
+    const double rate = c.gflop / (row.t.median_ms * 1e-3);
+    std::printf("  %-22s %-36s %9.2f %10.2f %9.1f %-6s %6.1f%% %5.0f%% %7s\n", c.op.c_str(),
+                c.shape.c_str(), c.gflop, row.t.median_ms, rate, c.isa.c_str(),
+                100.0 * rate / isa_peak, 100.0 * row.t.busy,
+                row.wrong < 0 ? "n/a" : std::to_string(row.wrong).c_str());
+    std::fflush(stdout);
+    rows_.push_back(std::move(row));
+  }
+  std::vector<Row*> out;
+  for (size_t i = first; i < rows_.size(); ++i) out.push_back(&rows_[i]);
+  return out;
 }
 
 void Context::print_torch_comparison() const {

@@ -65,6 +65,13 @@ struct Timing {
 // PyTorch peer's step, so that the two alternate: bench/torch_peer.hpp).
 Timing time_it(const std::function<void()>& fn, int warmup, int repeats, int threads,
                const std::function<void()>& between = {});
+// The same for several functions at once, alternating: every warm-up round
+// and every timed round calls each of fns in turn, so that a drift of the
+// machine's speed falls on all of them alike (libraries compared side by
+// side). One Timing per function, in order.
+std::vector<Timing> time_alternating(const std::vector<std::function<void()>>& fns, int warmup,
+                                     int repeats, int threads,
+                                     const std::function<void()>& between = {});
 
 // Median of a non-empty sample (mean of the middle two for an even count).
 double median(std::vector<double> v);
@@ -84,10 +91,9 @@ std::int64_t count_wrong(const T* got, const R* ref, std::int64_t n, double rel)
   return wrong;
 }
 
-// The ISA of the kernels OpenBLAS runs: avx512 for its AVX-512 kernel
-// families (SkylakeX, Cooperlake, SapphireRapids), else avx2 (Haswell, Zen,
-// and the older SSE ones, whose rows a %peak against AVX2 understates).
-std::string blas_isa();
+// The ISA of the kernels laga::gemm<float> runs (oneDNN's JIT): avx512, else
+// avx2 (an older one's rows a %peak against AVX2 understates).
+std::string gemm_isa();
 // The wider of two ISA names, for a row whose kernels ran both.
 std::string wider_isa(const std::string& a, const std::string& b);
 
@@ -99,6 +105,15 @@ struct Row {
   Timing t;
   std::int64_t wrong = -1;                                     // -1: not checked
   double torch_ms = std::numeric_limits<double>::quiet_NaN();  // same op in PyTorch, if run
+};
+
+// One row of Context::run_alternating: what Context::run takes.
+struct Candidate {
+  std::string op, shape;
+  double gflop = 0;
+  std::string isa;
+  std::function<void()> fn;
+  std::function<std::int64_t()> check;
 };
 
 class Context {
@@ -114,6 +129,10 @@ class Context {
   Row& run(const std::string& op, const std::string& shape, double gflop, const std::string& isa,
            const std::function<void()>& fn, const std::function<std::int64_t()>& check,
            const std::function<void()>& between = {});
+  // Context::run for several rows timed alternately (time_alternating): the
+  // rows --op selects, in order; pointers into rows() until the next run.
+  std::vector<Row*> run_alternating(const std::vector<Candidate>& candidates,
+                                    const std::function<void()>& between = {});
   // Whether --op selects rows named `op`.
   bool selected(const std::string& op) const;
   // Prints a line prefixed with '#', nccl-tests style, between table rows.

@@ -7,11 +7,11 @@
 #include <fstream>
 #include <string>
 
-#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "harness.hpp"
 #include "kernels/attention_flash.hpp"
+#include "kernels/gemm.hpp"
 
 namespace {
 
@@ -35,7 +35,6 @@ std::string load_average() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  laga::ensure_fast_blas_kernels(argv);  // before any BLAS call: may re-exec
   using namespace laga::bench;
   Options opt;
   bool list = false;
@@ -49,7 +48,7 @@ int main(int argc, char** argv) {
       ->expected(1)
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app.add_option("--threads", opt.threads, "threads (OpenMP and OpenBLAS)")
+  app.add_option("--threads", opt.threads, "threads (OpenMP: oneDNN, the flash kernels; OpenBLAS)")
       ->check(CLI::PositiveNumber);
   app.add_option("--repeats", opt.repeats, "timed runs per row; the median is reported")
       ->check(CLI::PositiveNumber);
@@ -82,8 +81,8 @@ int main(int argc, char** argv) {
     const char* flash_env = std::getenv("LAGA_FLASH_ISA");
     const std::string flash_choice =
         flash_env ? laga::cat("LAGA_FLASH_ISA=", flash_env) : "LAGA_FLASH_ISA unset: auto";
-    std::printf("\n# kernels: flash %s (%s), OpenBLAS %s (%s)\n", flash_isa, flash_choice.c_str(),
-                laga::blas_core_name().c_str(), blas_isa().c_str());
+    std::printf("\n# kernels: flash %s (%s), GEMM %s (%s)\n", flash_isa, flash_choice.c_str(),
+                laga::gemm_kernels().c_str(), gemm_isa().c_str());
     std::printf(
         "# %%peak is against the peak of the row's isa (the ISA its kernels ran, the wider one "
         "for a row that runs both),\n# measured again just before and just after the row (the "

@@ -9,7 +9,10 @@ Default: prints one JSON object {"fwd_bwd_ms": median, "tokens_per_s": ...}.
 --serve: runs the warm-up, prints {"ready": true, "torch": version}, then
 runs one timed step per "step" line on stdin and prints {"ms": ...} for it,
 until stdin closes (bench/torch_peer.hpp: laga and PyTorch steps alternate).
-Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU).
+Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU: eager attention)
+or an interpreter with PyTorch >= 2, where attention is
+F.scaled_dot_product_attention(is_causal=True) (docs/performance.md says how
+to make such a virtual environment; a bench tool only).
 """
 import argparse
 import json
@@ -17,6 +20,10 @@ import sys
 import time
 
 import torch
+
+# PyTorch >= 2 has F.scaled_dot_product_attention: the peer a PyTorch 2 user
+# would run. PyTorch 1.13 (Debian's) runs the eager matmul-softmax-matmul.
+SDPA = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
 
 
 def rope(x, cos, sin):
@@ -37,11 +44,16 @@ def block(x, p, a, cos, sin):
     kv = (c @ p["wkv_b"].t()).view(B, S, H, dn + dv)
     k = torch.cat((kv[..., :dn], k_pe.expand(B, S, H, dr)), -1)
     qh = torch.cat((q_nope, q_pe), -1).transpose(1, 2)
-    scores = qh @ k.transpose(1, 2).transpose(-1, -2) * (dn + dr) ** -0.5
-    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-    o = (probs @ kv[..., dn:].transpose(1, 2)).transpose(1, 2).reshape(B, S, H * dv)
-    return o @ p["wo"].t()
+    if SDPA is not None:
+        # PyTorch 2: its fused attention (a CPU flash kernel where it applies);
+        # the default scale 1/sqrt(q's last dim) is (dn + dr) ** -0.5.
+        o = SDPA(qh, k.transpose(1, 2), kv[..., dn:].transpose(1, 2), is_causal=True)
+    else:
+        scores = qh @ k.transpose(1, 2).transpose(-1, -2) * (dn + dr) ** -0.5
+        mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        o = probs @ kv[..., dn:].transpose(1, 2)
+    return o.transpose(1, 2).reshape(B, S, H * dv) @ p["wo"].t()
 
 
 def main():

@@ -8,7 +8,8 @@ packages=(
   build-essential cmake ninja-build pkg-config clang-format
   clang libclang-rt-dev      # scripts/fuzz.sh: libFuzzer, ASan, UBSan (the runtimes are
                              # only recommended by clang, and recommends are not installed)
-  libopenblas-dev            # CBLAS sgemm/dgemm
+  libdnnl-dev                # oneDNN: dnnl_sgemm, laga's float GEMMs (docs/performance.md)
+  libopenblas-dev            # CBLAS dgemm (double: tests, finite differences)
   libomp-dev                 # OpenMP runtime headers (g++ uses libgomp)
   libopenmpi-dev openmpi-bin # MPI backend and mpirun
   libgtest-dev libgmock-dev  # unit tests

@@ -471,6 +471,9 @@ void BlockApi<T>::backward(const BlockContext& ctx, const MlaParams<T>& w, const
 
 template <class T>
 void BlockApi<T>::sync_gradients(Communicator& comm, MlaParams<T>& grads) {
+  // One rank's gradients are the sum already; the all-reduce would only copy
+  // every parameter's gradient twice (and stage it, in-process).
+  if (comm.size() == 1) return;
   comm.set_phase(Phase::grad_sync);
   Tensor<T> flat({grads.numel()}, "grad_allreduce flat", MemCategory::comm_buffers);
   std::int64_t off = 0;

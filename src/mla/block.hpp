@@ -155,7 +155,8 @@ void mla_backward(const BlockContext& ctx, const MlaParams<T>& w, const Tensor<T
 }
 
 // Sums every parameter gradient over the group: one all-reduce of all of them
-// flattened, label "grad_allreduce", phase grad_sync.
+// flattened, label "grad_allreduce", phase grad_sync; nothing at all (no
+// call, no copy) on a group of one rank.
 template <class T>
 void mla_sync_gradients(Communicator& comm, MlaParams<T>& grads) {
   detail::BlockApi<T>::sync_gradients(comm, grads);

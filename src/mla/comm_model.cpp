@@ -94,7 +94,7 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
       add(Phase::backward, "latent_ag", reduce_scatter(W));
     }
   }
-  if (grad_sync) {
+  if (grad_sync && P > 1) {  // one rank has nothing to sum: mla_sync_gradients returns
     // The block's parameter count from DeepSeek-V3's shapes, written out here
     // rather than taken from mla_param_shapes (which also allocates and
     // reduces the gradients), so that this term is a check on that code:

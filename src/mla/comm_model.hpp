@@ -16,7 +16,8 @@
 //             all-gather's a reduce-scatter, sum_{j!=r} B L_j W e
 //   grad_sync grad_allreduce ((n - c_r) + (P-1) c_r) e, n = parameter count
 //             (from DeepSeek's shapes, written out in comm_model.cpp),
-//             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather)
+//             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather);
+//             no call at P 1 (one rank's gradients are already the sum)
 // Each (phase, label) is one collective call per block step (calls = 1).
 #pragma once
 

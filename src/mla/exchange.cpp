@@ -99,6 +99,22 @@ struct Transfer {
     return B * n * heads * d;
   }
 };
+// Whether two lists of token ranges hold the same tokens in the same order.
+bool same_rows(const std::vector<TokenRange>& a, const std::vector<TokenRange>& b) {
+  const auto merged = [](const std::vector<TokenRange>& v) {
+    std::vector<TokenRange> out;
+    for (const TokenRange& t : v) {
+      if (t.size() == 0) continue;
+      if (!out.empty() && out.back().end == t.begin)
+        out.back().end = t.end;
+      else
+        out.push_back(t);
+    }
+    return out;
+  };
+  return merged(a) == merged(b);
+}
+
 Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
   Transfer ps;
   ps.h0 = std::max(from.head_offset[u(a)], to.head_offset[u(b)]);
@@ -142,6 +158,13 @@ void redistribute(Communicator& comm, std::int64_t B, const Placement& from, con
     rc[u(j)] = in[u(j)].elements(B, d);
   }
   const Counts sd = displs_of(sc), rd = displs_of(rc);
+  // One rank whose rows and heads are the same on both sides: src is in
+  // dst's layout already, so nothing is packed (the collective copies it
+  // over once).
+  if (P == 1 && same_rows(from.tokens[0], to.tokens[0]) && from_heads == to_heads) {
+    comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
+    return;
+  }
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
   for (int j = 0; j < P; ++j) {

@@ -11,8 +11,9 @@
 // generalised all-to-all, redistribute, between any two placements of a
 // (B, S, H, d) tensor's (token, head) blocks on the ranks (laga2d moves its
 // queries and outputs with it). Staging buffers are counted as
-// comm_buffers. Under a count-only pool (no storage) nothing is packed or
-// copied, but the collective is still issued so the ledger is exact.
+// comm_buffers; at P 1, where both sides hold the same rows and heads, the
+// all-to-alls have none (src is already in dst's layout). Under a count-only pool (no storage)
+// nothing is packed or copied, but the collective is still issued so the ledger is exact.
 #pragma once
 
 #include <string>

@@ -12,7 +12,6 @@
 #include <new>
 #include <string>
 
-#include "core/blas_runtime.hpp"
 #include "core/error.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -74,7 +73,6 @@ void replace_positive_checks(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  laga::ensure_fast_blas_kernels(argv);
   CLI::App app{
       "laga: the explicit, absorbed and LAGA forms of sequence-parallel MLA, forward and "
       "backward, with exact wire bytes and activation memory"};

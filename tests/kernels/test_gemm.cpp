@@ -1,5 +1,7 @@
-// gemm (CBLAS) against gemm_reference and hand-computed products; the linear
-// layers against plain loops and finite differences.
+// gemm (float: oneDNN, double: OpenBLAS) against gemm_reference and
+// hand-computed products; the linear layers against plain loops and finite
+// differences. CTest runs this binary again with ONEDNN_MAX_CPU_ISA=AVX2, so
+// the AVX2 kernels are checked on an AVX-512 CPU too.
 #include "kernels/gemm.hpp"
 
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/error_of.hpp"
 #include "common/threads.hpp"
 
 namespace laga {
@@ -58,7 +61,10 @@ TYPED_TEST(GemmTest, MatchesReferenceStridedAllTransposes) {
   struct Size {
     std::int64_t M, N, K;
   };
-  const Size sizes[] = {{1, 1, 1}, {7, 5, 3}, {13, 17, 11}, {33, 31, 29}, {64, 3, 101}, {2, 70, 9}};
+  // The last two are large enough for the libraries' blocked, packed,
+  // multi-threaded kernels, with ragged edges in every dimension.
+  const Size sizes[] = {{1, 1, 1},    {7, 5, 3},  {13, 17, 11},   {33, 31, 29},
+                        {64, 3, 101}, {2, 70, 9}, {131, 97, 259}, {257, 129, 67}};
   std::uint64_t seed = 1;
   for (const Size& sz : sizes)
     for (bool ta : {false, true})
@@ -147,6 +153,34 @@ TYPED_TEST(GemmTest, AlphaZeroScalesCAndEmptyIsANoOp) {
   gemm<T>(false, false, 0, 3, 4, T(1), A.data(), 4, B.data(), 3, T(0), C.data(), 3);
   gemm<T>(false, false, 3, 0, 4, T(1), A.data(), 4, B.data(), 1, T(0), C.data(), 1);
   EXPECT_EQ(C, before);
+}
+
+// K = 0 is an empty sum: C = beta C, and beta 0 clears C whatever it held.
+TYPED_TEST(GemmTest, EmptyInnerDimensionScalesC) {
+  using T = TypeParam;
+  std::vector<T> C{1, -2, 3, -4, 5, -6};
+  gemm<T>(false, false, 2, 3, 0, T(1), nullptr, 0, nullptr, 3, T(-0.5), C.data(), 3);
+  EXPECT_EQ(C, (std::vector<T>{-0.5, 1, -1.5, 2, -2.5, 3}));
+  std::vector<T> nan(6, std::numeric_limits<T>::quiet_NaN());
+  gemm<T>(true, true, 2, 3, 0, T(1), nullptr, 2, nullptr, 0, T(0), nan.data(), 3);
+  EXPECT_EQ(nan, std::vector<T>(6, T(0)));
+}
+
+TYPED_TEST(GemmTest, StrideShorterThanItsRowThrows) {
+  using T = TypeParam;
+  const std::vector<T> A(12, T(1)), B(12, T(1));
+  std::vector<T> C(12, T(0));
+  // A (3, 4) with lda 3; B^T stored (3, 4) with ldb 3; C (3, 3) with ldc 2.
+  const std::string bad_a = test::error_of(
+      [&] { gemm<T>(false, false, 3, 3, 4, T(1), A.data(), 3, B.data(), 3, T(0), C.data(), 3); });
+  EXPECT_NE(bad_a.find("row stride is shorter than its row"), std::string::npos) << bad_a;
+  EXPECT_NE(bad_a.find("lda 3"), std::string::npos) << bad_a;
+  const std::string bad_b = test::error_of(
+      [&] { gemm<T>(false, true, 3, 3, 4, T(1), A.data(), 4, B.data(), 3, T(0), C.data(), 3); });
+  EXPECT_NE(bad_b.find("ldb 3"), std::string::npos) << bad_b;
+  const std::string bad_c = test::error_of(
+      [&] { gemm<T>(false, false, 3, 3, 4, T(1), A.data(), 4, B.data(), 3, T(0), C.data(), 2); });
+  EXPECT_NE(bad_c.find("ldc 2"), std::string::npos) << bad_c;
 }
 
 // ---------------------------------------------------------------- linear
