@@ -31,8 +31,30 @@ QueryExchange parse_query_exchange(const std::string& s) {
   fail("unknown query exchange '", s, "'; choose heads or latent");
 }
 
+const char* to_string(Overlap o) {
+  return o == Overlap::on ? "on" : "off";
+}
+
+Overlap parse_overlap(const std::string& s) {
+  if (s == "off") return Overlap::off;
+  if (s == "on") return Overlap::on;
+  fail("unknown --overlap value '", s, "'; choose on or off");
+}
+
+bool form_overlaps(Form f) {
+  return f == Form::laga;
+}
+
+void check_overlap(FormVariant v) {
+  LAGA_CHECK(v.overlap == Overlap::off || form_overlaps(v.form),
+             "--overlap on applies to the laga form (it overlaps the latent all-gather and its "
+             "reduce-scatter with compute); the ",
+             to_string(v.form), " form has no overlapped path: use --form laga or --overlap off");
+}
+
 std::string to_string(FormVariant v) {
-  return cat(to_string(v.form), v.queries == QueryExchange::latent ? "+q-latent" : "");
+  return cat(to_string(v.form), v.queries == QueryExchange::latent ? "+q-latent" : "",
+             v.overlap == Overlap::on ? "+overlap" : "");
 }
 
 void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
@@ -167,13 +189,18 @@ Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, const
 }
 
 template <class T>
-Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a) {
+Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a,
+                                   PendingCollective* started) {
   // The all-gather's send buffer: [c_hat | k_pe] per local token.
   Tensor<T> lat_loc({st.B, st.L, st.W}, "lat_loc", MemCategory::comm_buffers);
   ops::copy(mat(lat_loc).col_range(0, st.C), mat(c_hat));
   ops::copy(mat(lat_loc).col_range(st.C, st.dr), mat(kv_a).col_range(st.C, st.dr));
   Tensor<T> lat({st.B, st.S, st.W}, "lat");
-  gather_seq(st.ctx.comm, st.ctx.layout, lat_loc.data(), lat.data(), st.W, "latent_ag");
+  if (started)
+    *started =
+        start_gather_seq(st.ctx.comm, st.ctx.layout, lat_loc.data(), lat.data(), st.W, "latent_ag");
+  else
+    gather_seq(st.ctx.comm, st.ctx.layout, lat_loc.data(), lat.data(), st.W, "latent_ag");
   return lat;
 }
 
@@ -246,9 +273,13 @@ Tensor<T> Pieces<T>::to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, con
 }
 
 template <class T>
-Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat) {
+Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, PendingCollective* started) {
   Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
-  reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
+  if (started)
+    *started = start_reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(),
+                                        st.W, "latent_ag");
+  else
+    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
   dlat.reset();
   return dlat_loc;
 }
@@ -325,13 +356,27 @@ Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
 template <class T>
 void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                     Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
-                                    Tensor<T>& dx, MlaParams<T>& grads) {
-  const bool per_head = st.ctx.queries == QueryExchange::heads;
+                                    Tensor<T>& dx, MlaParams<T>& grads,
+                                    PendingCollective* dlat_pending) {
   dx = Tensor<T>({st.B, st.L, st.D}, "dx");
+  if (dlat_pending) {
+    query_backward(st, w, x, dq, in, dx, grads);
+    st.ctx.comm.wait(*dlat_pending);
+    latent_norm_backward(st, w, dlat_loc, in, grads);
+  } else {
+    latent_norm_backward(st, w, dlat_loc, in, grads);
+    query_backward(st, w, x, dq, in, dx, grads);
+  }
   ops::Mat<T> dx_m = mat(dx);
-  // A rotation's Jacobian is its transpose: rotate the gradients back (the
-  // latent exchange's dq is past its rotation already).
-  if (per_head) st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
+  ops::linear_backward(&dx_m, true, grads.wkv_a, mat(dlat_loc), mat(x), w.wkv_a);
+  dlat_loc.reset();
+  in.kv_a.reset();
+}
+
+template <class T>
+void Pieces<T>::latent_norm_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dlat_loc,
+                                     InputSaved<T>& in, MlaParams<T>& grads) {
+  // A rotation's Jacobian is its transpose: rotate the gradient back.
   st.rope(mat(dlat_loc).col_range(st.C, st.dr), 1, 0, true);
   // d c_hat must be contiguous for the norm's backward, whose dx lands back in
   // dlat_loc's first C columns: dlat_loc becomes d kv_a = [d c | d k_pe].
@@ -342,6 +387,17 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
                           mat(in.kv_a).col_range(0, st.C), w.kv_norm, in.kv_rstd);
   }
   in.kv_rstd.reset();
+}
+
+template <class T>
+void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                               Tensor<T>& dq, InputSaved<T>& in, Tensor<T>& dx,
+                               MlaParams<T>& grads) {
+  const bool per_head = st.ctx.queries == QueryExchange::heads;
+  ops::Mat<T> dx_m = mat(dx);
+  // Rotated back as the latent is (the latent exchange's dq is past its
+  // rotation already).
+  if (per_head) st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
   if (st.rq == 0) {
     ops::linear_backward(&dx_m, false, grads.wq, mat(dq), mat(x), w.wq);
   } else {
@@ -361,9 +417,6 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
     in.q_rstd.reset();
   }
   dq.reset();
-  ops::linear_backward(&dx_m, true, grads.wkv_a, mat(dlat_loc), mat(x), w.wkv_a);
-  dlat_loc.reset();
-  in.kv_a.reset();
 }
 
 template <class T>
@@ -443,6 +496,9 @@ void BlockApi<T>::forward(const BlockContext& ctx, const MlaParams<T>& w, const 
   LAGA_CHECK(x.shape() == Shape({st.B, st.L, st.D}), "mla_forward: x on rank ", ctx.comm.rank(),
              " has shape ", to_string(x.shape()), " but this rank's shard needs ",
              to_string(Shape{st.B, st.L, st.D}));
+  FormVariant ran(ctx.form, ctx.queries, ctx.head_groups);
+  ran.overlap = ctx.overlap;
+  check_overlap(ran);
   ctx.comm.set_phase(Phase::forward);
   const FormEntry& form = form_entry(ctx.form);
   if constexpr (std::is_same_v<T, float>)

@@ -61,6 +61,20 @@ enum class QueryExchange { heads, latent };
 const char* to_string(QueryExchange q);
 QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
 
+// Whether the laga form overlaps its latent collectives with compute
+// (docs/forms.md, "Overlap", `--overlap on|off`). On: forward starts the
+// latent all-gather before the query projection and its all-to-all and
+// waits for it only at the up-projection; backward starts the latent
+// gradient's reduce-scatter before the query path's backward and waits for
+// it only at the latent's. The same collectives, bytes and bits either way;
+// what is hidden is the collectives' link time (communicator.hpp, "Overlap").
+enum class Overlap { off, on };
+const char* to_string(Overlap o);
+Overlap parse_overlap(const std::string& s);  // "off" | "on"
+// The forms with an overlapped path (laga); on any other, Overlap::on is an
+// error naming the form.
+bool form_overlaps(Form f);
+
 // One way to run the block: a form, its query exchange and (laga2d) its head
 // groups. Tools list these (`laga verify` and `laga compare` run
 // laga+q-latent beside laga), and the closed forms take one. A Form alone is
@@ -69,12 +83,16 @@ struct FormVariant {
   Form form = Form::laga;
   QueryExchange queries = QueryExchange::heads;
   int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
+  Overlap overlap = Overlap::off;  // on: laga only (form_overlaps)
   FormVariant() = default;
   FormVariant(Form f, QueryExchange q = QueryExchange::heads,  // NOLINT: a Form is a variant
               int groups = 0)
       : form(f), queries(q), head_groups(groups) {}
   friend bool operator==(const FormVariant&, const FormVariant&) = default;
 };
+// Throws laga::Error naming the form when v.overlap is on for a form without
+// an overlapped path (form_overlaps).
+void check_overlap(FormVariant v);
 std::string to_string(FormVariant v);  // "laga", "laga+q-latent" (the head groups are not named)
 
 // Throws laga::Error when the query exchange does not apply: latent needs the
@@ -100,7 +118,8 @@ struct BlockContext {
   // document and RoPE positions restart at each. Null: one document per row.
   const Documents* documents = nullptr;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 only
-  int head_groups = 0;  // laga2d only: Ph (0: HeadContextGrid::default_head_groups)
+  int head_groups = 0;             // laga2d only: Ph (0: HeadContextGrid::default_head_groups)
+  Overlap overlap = Overlap::off;  // on: laga only (form_overlaps)
 };
 
 namespace detail {

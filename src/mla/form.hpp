@@ -127,11 +127,15 @@ struct Pieces {
                              const char* name);
   // d latent (B, S, C+dr) of every token from this rank's heads, summed over
   // the group for this rank's tokens (B, L, C+dr): the all-gather's adjoint.
-  // Frees dlat.
-  static Tensor<T> reduce_latent(const Step& st, Tensor<T>& dlat);
+  // Frees dlat. With `started` (Overlap::on), the reduce-scatter is started
+  // and its handle put there: the result is to be read after comm.wait().
+  static Tensor<T> reduce_latent(const Step& st, Tensor<T>& dlat,
+                                 PendingCollective* started = nullptr);
 
   // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
-  static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a);
+  // `started` as for reduce_latent.
+  static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a,
+                                 PendingCollective* started = nullptr);
 
   // laga's up-projection for this rank's H_r heads over the first `keys`
   // tokens of every row of the gathered latent lat (B, S, C+dr):
@@ -178,9 +182,20 @@ struct Pieces {
   // (B, L, H*dqk) before the inverse rotation; with the latent exchange, d qn
   // (B, L, rq), already taken back through the rotation and wq_b (whose
   // gradient the form added). Consumes dq, dlat_loc and everything in `in`.
+  // With `dlat_pending` (Overlap::on: dlat_loc's reduce-scatter started by
+  // reduce_latent), the query path's backward runs first, then the wait,
+  // then the latent's: the same sums into dx and the gradients either way.
   static void project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                   Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
-                                  Tensor<T>& dx, MlaParams<T>& grads);
+                                  Tensor<T>& dx, MlaParams<T>& grads,
+                                  PendingCollective* dlat_pending = nullptr);
+  // Its two halves: the queries' (dx written: the first sum into it) and the
+  // latent norm's (dlat_loc rotated back and taken through kv_norm to
+  // d kv_a = [d c | d k_pe], in place).
+  static void query_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                             Tensor<T>& dq, InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads);
+  static void latent_norm_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dlat_loc,
+                                   InputSaved<T>& in, MlaParams<T>& grads);
   // K = [k_nope | k_pe] (rows, heads, dqk) and V (rows, heads, dv) from kv
   // (rows, heads*(dn+dv)) and each row's rotated k_pe (rows, dr), which every
   // head shares (Megatron-Core expands it the same way).

@@ -16,6 +16,12 @@
 // its head rows over the full sequence (explicit's covers all rows over local
 // tokens); the all-reduce sums both to the same total.
 //
+// Overlap (Overlap::on, `--overlap on`): forward projects the latent first
+// and starts its all-gather before the queries' projection and exchange,
+// waiting for it at the up-projection; backward starts the latent
+// gradient's reduce-scatter before the query path's backward. The same
+// collectives and arithmetic: outputs and gradients are bit-identical.
+//
 // Saved for backward: the input projections' tensors (the latent exchange
 // keeps qa and q_rstd of local tokens and the gathered qn_all (B, S, rq) in
 // place of qn), the gathered latent lat (B, S, C+dr), the head attention's
@@ -96,8 +102,12 @@ struct LagaTape final : Tape<T> {
 
     Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.S, dk_h, dv_h, grads);
     lat.reset();
-    Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
-    P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads);
+    // Overlap: the reduce-scatter is on the link while the query path's
+    // backward runs (project_in_backward waits for it before the latent's).
+    PendingCollective dlat_rs;
+    PendingCollective* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
+    Tensor<T> dlat_loc = P::reduce_latent(st, dlat, started);
+    P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads, started);
   }
 };
 
@@ -109,11 +119,27 @@ std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, con
   HeadAttention<T>& a = t->att;
   const bool latent = st.ctx.queries == QueryExchange::latent;
   Tensor<T> q;  // per-head queries of local tokens (B, L, H*dqk), until their all-to-all
-  if (latent)
-    a.q_h = t->gather_queries(st, w, x);
-  else
-    q = P::project_q(st, w, x, t->in);
-  {
+  if (st.ctx.overlap == Overlap::on) {
+    // The latent first: its all-gather is on the link while the queries are
+    // projected (their own collective queues behind it); waited for only
+    // where the up-projection reads it.
+    PendingCollective lat_ag;
+    {
+      Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
+      t->lat = P::gather_latent(st, c_hat, t->in.kv_a, &lat_ag);
+    }
+    if (latent) {
+      a.q_h = t->gather_queries(st, w, x);
+    } else {
+      q = P::project_q(st, w, x, t->in);
+      a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
+    }
+    st.ctx.comm.wait(lat_ag);
+  } else {
+    if (latent)
+      a.q_h = t->gather_queries(st, w, x);
+    else
+      q = P::project_q(st, w, x, t->in);
     Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
     if (!latent) a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
     t->lat = P::gather_latent(st, c_hat, t->in.kv_a);

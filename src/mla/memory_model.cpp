@@ -29,9 +29,7 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   const Tensor<T> x({layout.batch, layout.seq, cfg.dim}), dout({layout.batch, layout.seq, cfg.dim});
   pool.set_live_tracking(true);
   RunSpec spec;
-  spec.form = variant.form;
-  spec.queries = variant.queries;
-  spec.head_groups = variant.head_groups;
+  spec.set_variant(variant);
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;

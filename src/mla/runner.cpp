@@ -122,8 +122,8 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   const int r = comm.rank();
   if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
   const BlockContext ctx{
-      cfg,          layout,          comm, rope, spec.form, spec.attention, spec.documents,
-      spec.queries, spec.head_groups};
+      cfg,          layout,           comm,        rope, spec.form, spec.attention, spec.documents,
+      spec.queries, spec.head_groups, spec.overlap};
   const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
   const std::int64_t L = layout.seq_count[static_cast<size_t>(r)];
   RankResult<T> res;

@@ -21,10 +21,18 @@ struct RunSpec {
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
   int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
+  Overlap overlap = Overlap::off;  // laga: the latent's collectives overlapped (--overlap)
   bool backward = true;
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row
   std::chrono::milliseconds timeout{0};  // 0: the communicator's default
+  // The variant's fields: form, query exchange, head groups, overlap.
+  void set_variant(const FormVariant& v) {
+    form = v.form;
+    queries = v.queries;
+    head_groups = v.head_groups;
+    overlap = v.overlap;
+  }
 };
 
 // Memory of one rank during one forward(+backward), in bytes above what was

@@ -107,6 +107,7 @@ struct LmContext {
   // (0: all B*S count).
   const Documents* documents = nullptr;
   std::int64_t counted_targets = 0;
+  Overlap overlap = Overlap::off;  // laga: the latent's collectives overlapped (--overlap on)
   // The loss mean's denominator.
   double loss_tokens() const;
 };

@@ -31,7 +31,8 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form", "attention", "sp", "data-path", "q-latent"};
+  static const std::set<std::string> s{"form",      "attention", "sp",
+                                       "data-path", "q-latent",  "overlap"};
   return s;
 }
 
@@ -170,6 +171,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.pack_eos) r["pack-eos"] = std::to_string(*o.pack_eos);
   r["form"] = to_string(o.form);
   if (o.queries == QueryExchange::latent) r["q-latent"] = "on";
+  if (o.overlap == Overlap::on) r["overlap"] = "on";
   r["attention"] = to_string(o.attention);
   r["sp"] = std::to_string(o.sp);
   return r;
@@ -186,6 +188,9 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every >= 0, "--save-every must be >= 0 (got ", o.save_every, ")");
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
+  FormVariant variant(o.form, o.queries);
+  variant.overlap = o.overlap;
+  check_overlap(variant);
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;
@@ -340,7 +345,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  const LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+  LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+  ctx.overlap = o.overlap;
   const TokenSource source = make_source(o);
   const int r = comm.rank();
   const std::int64_t B = o.batch, S = o.seq;
@@ -455,7 +461,8 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     PoolScope scope(pool);
     DryRunCommunicator comm(r, o.sp, staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
-    const LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+    LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+    ctx.overlap = o.overlap;
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();

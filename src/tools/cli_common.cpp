@@ -1,5 +1,7 @@
 #include "tools/cli_common.hpp"
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -195,8 +197,15 @@ std::vector<Form> parse_form_list(const std::string& s) {
   return v;
 }
 
+OverlapRuns parse_overlap_runs(const std::string& s) {
+  if (s == "off") return OverlapRuns::off;
+  if (s == "on") return OverlapRuns::on;
+  if (s == "both") return OverlapRuns::both;
+  fail("--overlap: unknown value '", s, "'; choose off, on or both");
+}
+
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
-                                       const MlaConfig& cfg) {
+                                       const MlaConfig& cfg, OverlapRuns overlap) {
   std::vector<FormVariant> v;
   for (Form f : forms) {
     v.push_back(f);
@@ -208,7 +217,22 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
                "include laga: add it (e.g. --forms explicit,laga) or drop --q-latent");
     check_query_exchange(cfg, {Form::laga, QueryExchange::latent});
   }
-  return v;
+  if (overlap == OverlapRuns::off) return v;
+  std::vector<FormVariant> out;
+  for (FormVariant f : v) {
+    if (!form_overlaps(f.form)) {
+      out.push_back(f);
+      continue;
+    }
+    if (overlap == OverlapRuns::both) out.push_back(f);
+    f.overlap = Overlap::on;
+    out.push_back(f);
+  }
+  LAGA_CHECK(std::any_of(out.begin(), out.end(),
+                         [](const FormVariant& f) { return f.overlap == Overlap::on; }),
+             "--overlap applies to the laga form (it overlaps the latent's collectives with "
+             "compute); --forms does not include laga: add it or drop --overlap");
+  return out;
 }
 
 namespace {

@@ -71,8 +71,14 @@ std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or 
 // --forms, and with --q-latent laga+q-latent right after laga (one table
 // holds both). --q-latent needs laga among the forms and q_lora_rank > 0;
 // otherwise a laga::Error says which is missing.
+// With `overlap` on, every variant of a form with an overlapped path
+// (laga) runs overlapped; with both, overlapped right after it as
+// "<variant>+overlap" (`--overlap off|on|both`).
+enum class OverlapRuns { off, on, both };
+OverlapRuns parse_overlap_runs(const std::string& s);
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
-                                       const MlaConfig& cfg);
+                                       const MlaConfig& cfg,
+                                       OverlapRuns overlap = OverlapRuns::off);
 
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved

@@ -30,6 +30,12 @@ void register_compare(CLI::App& app) {
   c->add_option("--forms", o->forms,
                 "comma-separated forms to run (explicit, absorbed, laga), or all")
       ->capture_default_str();
+  c->add_option("--overlap", o->overlap,
+                "laga's latent collectives overlapped with compute: off, on (laga runs "
+                "overlapped) or both (laga+overlap right after each laga; with --link the "
+                "table shows what overlap hides)")
+      ->check(CLI::IsMember({"off", "on", "both"}))
+      ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
               "also run laga+q-latent right after laga: the normalised query latent (rq per "
               "token) all-gathered instead of per-head Q (H*dqk) all-to-alled; needs laga among "

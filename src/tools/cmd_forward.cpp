@@ -23,6 +23,7 @@ struct ForwardOptions {
   CommOptions comm;
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
+  std::string overlap = "off";
   std::string form = "explicit", attention = "flash";
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
@@ -70,9 +71,11 @@ void run_forward(const ForwardOptions& o) {
       B = in.info("x").shape[0], S = in.info("x").shape[1];
   }
   const std::optional<Documents> docs = load_documents(o.doc_lens, o.input, B, S);
-  const FormVariant variant{parse_form(o.form),
-                            o.q_latent ? QueryExchange::latent : QueryExchange::heads};
+  FormVariant variant{parse_form(o.form),
+                      o.q_latent ? QueryExchange::latent : QueryExchange::heads};
   check_query_exchange(cfg, variant);
+  variant.overlap = parse_overlap(o.overlap);
+  check_overlap(variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
                          parse_attention(o.attention));
   MlaParams<float> w =
@@ -110,8 +113,7 @@ void run_forward(const ForwardOptions& o) {
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
   RunSpec spec;
   spec.documents = docs ? &*docs : nullptr;
-  spec.form = variant.form;
-  spec.queries = variant.queries;
+  spec.set_variant(variant);
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
   const bool report = is_reporting_process(o.comm);
@@ -186,6 +188,11 @@ void register_forward_command(CLI::App& app) {
                 "laga with q_lora_rank > 0: all-gather the normalised query latent (rq per token) "
                 "instead of all-to-alling per-head Q (H*dqk), and apply wq_b for the rank's own "
                 "heads (docs/forms.md)");
+  sub->add_option("--overlap", opts->overlap,
+                  "laga: on overlaps the latent all-gather (and in backward its reduce-scatter) "
+                  "with the query path's compute; the same bytes and results (docs/forms.md)")
+      ->check(CLI::IsMember({"off", "on"}))
+      ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))

@@ -45,6 +45,7 @@ struct TrainCli {
   std::int64_t q_lora_rank = 0;
   bool q_latent = false;
   std::int64_t pack_eos = -1;  // -1: not given
+  std::string overlap = "off";
 };
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
@@ -116,6 +117,7 @@ TrainOptions to_options(const TrainCli& c) {
   if (c.kv_lora_rank) o.model.mla.kv_lora_rank = c.kv_lora_rank;
   o.model.mla.q_lora_rank = c.q_lora_rank;
   o.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
+  o.overlap = parse_overlap(c.overlap);
   o.model.ffn_hidden = c.ffn_hidden;
   o.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
@@ -238,6 +240,11 @@ void register_train(CLI::App& app) {
   sub->add_flag("--q-latent", c->q_latent,
                 "laga with --q-lora-rank > 0: all-gather the normalised query latent instead of "
                 "all-to-alling per-head Q (docs/forms.md)");
+  sub->add_option("--overlap", c->overlap,
+                  "laga: on overlaps the latent all-gather and its reduce-scatter with the query "
+                  "path's compute (the same bytes and results; docs/forms.md)")
+      ->check(CLI::IsMember({"off", "on"}))
+      ->capture_default_str();
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();
   sub->add_option("--layers", c->layers, "transformer layers")
       ->check(whole(1))

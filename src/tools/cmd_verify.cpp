@@ -24,6 +24,7 @@ struct VerifyOptions {
   std::uint64_t seed = 0;
   double tol = 1e-5;
   bool q_latent = false;
+  std::string overlap = "off";
 };
 
 struct Row {
@@ -37,7 +38,8 @@ struct Row {
 void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
-  const std::vector<FormVariant> forms = form_variants(parse_form_list(o.forms), o.q_latent, cfg);
+  const std::vector<FormVariant> forms =
+      form_variants(parse_form_list(o.forms), o.q_latent, cfg, parse_overlap_runs(o.overlap));
   const std::optional<Documents> docs = load_documents(o.doc_lens, "", o.batch, o.seq);
   // Refuse before allocating anything when a run cannot fit: the reference
   // (explicit, one in-process rank) and every P.
@@ -79,8 +81,7 @@ void run_verify(const VerifyOptions& o) {
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
     for (FormVariant f : forms) {
-      spec.form = f.form;
-      spec.queries = f.queries;
+      spec.set_variant(f);
       BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
       Row row{to_string(f),
@@ -167,6 +168,11 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
   sub->add_option("--forms", opts->forms,
                   "comma-separated forms (explicit, absorbed, laga), or all")
+      ->capture_default_str();
+  sub->add_option("--overlap", opts->overlap,
+                  "laga's latent collectives overlapped with compute: off, on (laga runs "
+                  "overlapped) or both (laga+overlap right after each laga)")
+      ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   sub->add_flag("--q-latent", opts->q_latent,
                 "also run laga+q-latent (the query latent all-gathered instead of per-head Q "

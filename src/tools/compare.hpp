@@ -35,9 +35,10 @@ struct CompareOptions {
   std::string json, csv;
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
   bool count_only = false;
-  bool quiet = false;     // no progress on stderr
-  bool q_latent = false;  // also laga+q-latent, right after laga (--q-latent)
-  std::string link;       // --link BW[,LAT]: every collective on the modelled link; empty: none
+  bool quiet = false;           // no progress on stderr
+  bool q_latent = false;        // also laga+q-latent, right after laga (--q-latent)
+  std::string overlap = "off";  // --overlap off|on|both (form_variants)
+  std::string link;  // --link BW[,LAT]: every collective on the modelled link; empty: none
   std::uint64_t seed = 0;
 };
 

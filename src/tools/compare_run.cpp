@@ -130,8 +130,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
     const FormVariant form = j.order[fi];
     RunSpec spec;
-    spec.form = form.form;
-    spec.queries = form.queries;
+    spec.set_variant(form);
     spec.attention = j.attention;
     spec.documents = j.documents;
     RankRecord rec;
@@ -382,7 +381,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
              "--rank-only runs one rank alone in "
              "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
   res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
-  res.forms = form_variants(parse_form_list(o.forms), o.q_latent, res.cfg);
+  res.forms =
+      form_variants(parse_form_list(o.forms), o.q_latent, res.cfg, parse_overlap_runs(o.overlap));
   res.attention = parse_attention(o.attention);
   if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);
   for (size_t i = 0; i < res.forms.size(); ++i)

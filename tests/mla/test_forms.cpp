@@ -17,6 +17,7 @@
 #include <numeric>
 
 #include "common/check.hpp"
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "mla/comm_model.hpp"
@@ -104,7 +105,7 @@ std::vector<FormVariant> variants(const MlaConfig& cfg) {
 
 RunSpec spec_of(FormVariant v, AttentionKind a) {
   RunSpec spec;
-  spec.form = v.form, spec.queries = v.queries, spec.head_groups = v.head_groups,
+  spec.set_variant(v);
   spec.attention = a;
   return spec;
 }
@@ -391,6 +392,24 @@ INSTANTIATE_TEST_SUITE_P(Grids, Laga2d, ::testing::ValuesIn(grid_cases()),
 // At one head group per rank (Ph = P) laga2d is laga: the same collectives
 // and bytes on every rank, and the same GEMMs and kernel calls, so the same
 // bits, on uneven layouts and with ranks that own no head.
+// The same collectives, calls and bytes per rank, phase and label.
+void expect_same_ledgers(const BlockRun<float>& a, const BlockRun<float>& b,
+                         const std::string& tag) {
+  ASSERT_EQ(a.ranks.size(), b.ranks.size()) << tag;
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const auto& mine = a.ranks[r].ledger.entries();
+    const auto& theirs = b.ranks[r].ledger.entries();
+    ASSERT_EQ(mine.size(), theirs.size()) << tag << " rank " << r;
+    for (auto i = mine.begin(), j = theirs.begin(); i != mine.end(); ++i, ++j) {
+      const std::string where = tag + " rank " + std::to_string(r) + " " + i->first.second;
+      EXPECT_EQ(i->first, j->first) << where;
+      EXPECT_EQ(i->second.calls, j->second.calls) << where;
+      EXPECT_EQ(i->second.bytes_sent, j->second.bytes_sent) << where;
+      EXPECT_EQ(i->second.bytes_received, j->second.bytes_received) << where;
+    }
+  }
+}
+
 TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
   struct Case {
     std::vector<std::int64_t> seq, heads;
@@ -413,18 +432,7 @@ TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
           const std::string tag = lay.describe() + " rq" + std::to_string(rq) + " " + to_string(a) +
                                   (d ? " packed" : "");
           expect_run_matches(grid, laga, 0.0, tag);
-          for (int r = 0; r < lay.ranks; ++r) {
-            const auto& mine = grid.ranks[std::size_t(r)].ledger.entries();
-            const auto& theirs = laga.ranks[std::size_t(r)].ledger.entries();
-            ASSERT_EQ(mine.size(), theirs.size()) << tag << " rank " << r;
-            for (auto i = mine.begin(), j = theirs.begin(); i != mine.end(); ++i, ++j) {
-              const std::string where = tag + " rank " + std::to_string(r) + " " + i->first.second;
-              EXPECT_EQ(i->first, j->first) << where;
-              EXPECT_EQ(i->second.calls, j->second.calls) << where;
-              EXPECT_EQ(i->second.bytes_sent, j->second.bytes_sent) << where;
-              EXPECT_EQ(i->second.bytes_received, j->second.bytes_received) << where;
-            }
-          }
+          expect_same_ledgers(grid, laga, tag);
         }
       }
 }
@@ -451,6 +459,61 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
   EXPECT_THROW(
       predict_comm(cfg, lay, {Form::explicit_form, QueryExchange::heads, 2}, 0, 4, true, true),
       Error);
+}
+
+// Overlap changes when the latent's collectives are waited for, and the
+// order of independent work around them, nothing else: out, dx and every
+// gradient bit for bit, the same collectives and bytes, for per-head and
+// latent queries, packed or not, eager and flash, uneven layouts and P > H.
+TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
+  struct Case {
+    std::vector<std::int64_t> seq, heads;
+  };
+  for (const Case& c : {Case{{13}, {5}}, Case{{5, 4, 4}, {2, 2, 1}}, Case{{1, 8, 4}, {0, 3, 2}},
+                        Case{{2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}}})
+    for (std::int64_t rq : {0, 7})
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+        const MlaConfig cfg = test_config(rq);
+        const SpLayout lay = SpLayout::custom(2, c.seq, c.heads);
+        const Inputs in = make_inputs(cfg, 2, lay.seq);
+        const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
+        std::vector<FormVariant> vs{Form::laga};
+        if (rq > 0) vs.push_back({Form::laga, QueryExchange::latent});
+        for (FormVariant v : vs)
+          for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
+            RunSpec spec = spec_of(v, a);
+            spec.documents = d;
+            const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+            spec.overlap = Overlap::on;
+            const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+            const std::string tag =
+                to_string(v) + " " + lay.describe() + " " + to_string(a) + (d ? " packed" : "");
+            expect_run_matches(on, off, 0.0, tag);
+            expect_same_ledgers(on, off, tag);
+          }
+      }
+}
+
+TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
+  const MlaConfig cfg = test_config(0);
+  const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 2);
+  const Inputs in = make_inputs(cfg, 2, lay.seq);
+  for (Form f : {Form::explicit_form, Form::absorbed}) {
+    RunSpec spec = spec_of(f, AttentionKind::eager);
+    spec.overlap = Overlap::on;
+    const std::string e = test::error_of([&] { run_local(cfg, lay, in.w, in.x, in.dout, spec); });
+    EXPECT_NE(e.find(cat("--overlap on applies to the laga form (it overlaps the latent all-gather "
+                         "and its reduce-scatter with compute); the ",
+                         to_string(f), " form has no overlapped path")),
+              std::string::npos)
+        << e;
+  }
+  EXPECT_EQ(parse_overlap("on"), Overlap::on);
+  EXPECT_NE(test::error_of([] { parse_overlap("yes"); }).find("choose on or off"),
+            std::string::npos);
+  FormVariant v(Form::laga, QueryExchange::latent);
+  v.overlap = Overlap::on;
+  EXPECT_EQ(to_string(v), "laga+q-latent+overlap");
 }
 
 }  // namespace

@@ -33,11 +33,19 @@ MlaConfig dims(std::int64_t D, std::int64_t H, std::int64_t C, std::int64_t dn, 
   return c;
 }
 
-// Every form, and with rq > 0 laga with the query-latent exchange.
+// Every form, with rq > 0 laga with the query-latent exchange, and laga's
+// variants overlapped (another order of allocations: its own peaks).
 std::vector<FormVariant> variants(const MlaConfig& cfg) {
   std::vector<FormVariant> v;
   for (Form f : all_forms()) v.push_back(f);
   if (cfg.q_lora_rank > 0) v.push_back({Form::laga, QueryExchange::latent});
+  const std::size_t n = v.size();
+  for (std::size_t i = 0; i < n; ++i)
+    if (form_overlaps(v[i].form)) {
+      FormVariant o = v[i];
+      o.overlap = Overlap::on;
+      v.push_back(o);
+    }
   return v;
 }
 
@@ -66,8 +74,7 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
   for (FormVariant f : variants(cfg))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       RunSpec spec;
-      spec.form = f.form;
-      spec.queries = f.queries;
+      spec.set_variant(f);
       spec.attention = a;
       spec.backward = backward;
       const BlockRun<T> run = run_local(cfg, lay, w, x, dout, spec);
