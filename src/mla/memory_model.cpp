@@ -28,6 +28,8 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
   const Tensor<T> x({layout.batch, layout.seq, cfg.dim}), dout({layout.batch, layout.seq, cfg.dim});
   pool.set_live_tracking(true);
+  ops::OpCounts ignored;
+  const ops::CountOps counting(options.op_counts ? *options.op_counts : ignored);
   RunSpec spec;
   spec.form = variant.form;
   spec.queries = variant.queries;
