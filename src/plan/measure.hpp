@@ -3,8 +3,9 @@
 // communicator (docs/planning.md, "Measuring this machine"). A device is one
 // core: laga's in-process ranks run one per core when P <= cores.
 //
-//   peak_flops.fp32   FMA throughput of one core (8 independent AVX2 FMA
-//                     chains: 16 FLOPs per instruction)
+//   peak_flops.fp32   the larger of the FMA throughput of one core (8
+//                     independent AVX2 FMA chains: 16 FLOPs per instruction)
+//                     and the GEMM rate below (OpenBLAS may use AVX-512)
 //   efficiency.gemm   laga::gemm<float> on one thread, (512 x 256) by (256 x 512),
 //                     against that peak
 //   efficiency.attention  flash forward + backward on one thread (B 1, S 1024,
