@@ -168,7 +168,7 @@ Tensor<T> Pieces<T>::attention_forward(const Step& st, const AttnShape& s, Tenso
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> stats(eager ? Shape{s.B, s.Hq, s.Sq, s.Sk} : Shape{s.B, s.Hq, s.Sq},
                   eager ? "attn_stats eager probs" : "attn_stats flash lse");
-  ops::count_attention(s.useful_flops_forward());
+  ops::count_attention([&] { return s.useful_flops_forward(); });
   // Eager writes the scores, reads them back and writes the probabilities.
   if (eager) ops::count_elementwise<T>(stats.numel(), 3);
   if (!ops::runs(stats.numel(), {stats.data(), o.data(), q.data(), k.data(), v.data()}))
@@ -193,7 +193,8 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   // dk = ds^T q (dqk each): twice forward. Flash recomputes q.k as well.
   const double per_pair_forward = double(s.dqk + s.dv);
   const double per_pair_backward = eager ? 2 * per_pair_forward : 3.0 * s.dqk + 2.0 * s.dv;
-  ops::count_attention(s.useful_flops_forward() * per_pair_backward / per_pair_forward);
+  ops::count_attention(
+      [&] { return s.useful_flops_forward() * per_pair_backward / per_pair_forward; });
   // Eager reads the saved probabilities, writes dp and reads it back.
   if (eager) ops::count_elementwise<T>(stats.numel(), 3);
   if (ops::runs(stats.numel(), {stats.data(), dq.data(), dk.data(), dv.data(), dout.data(),

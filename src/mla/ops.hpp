@@ -107,8 +107,11 @@ class CountOps {
 inline void count_gemm(std::int64_t M, std::int64_t N, std::int64_t K) {
   if (op_counter) op_counter->gemm_flops += 2.0 * double(M) * double(N) * double(K);
 }
-inline void count_attention(double flops) {
-  if (op_counter) op_counter->attention_flops += flops;
+// `flops()` is called only while counting: an attention shape's count walks
+// its rows, which a count-only run at S = 10^14 must not do for nothing.
+template <class Flops>
+void count_attention(Flops&& flops) {
+  if (op_counter) op_counter->attention_flops += flops();
 }
 // `elements` elements of T moved `passes` times (each read or write is one).
 template <class T>
