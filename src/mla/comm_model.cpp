@@ -60,9 +60,10 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
   };
 
   CommPrediction p;
-  auto add = [&](Phase ph, const char* label, PredictedBytes b) {
+  auto add = [&](Phase ph, const char* label, PredictedBytes b, CollectiveKind kind) {
     if (P == 1) b = {};  // a single rank sends nothing, but the call is still made
     auto& slot = p[{ph, label}];
+    slot.kind = kind;
     slot.sent += b.sent;
     slot.received += b.received;
     slot.calls += 1;
@@ -71,27 +72,27 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
   // normalised query latent all-gathered.
   const std::int64_t rq = c.q_lora_rank;
   if (q_latent)
-    add(Phase::forward, "q_latent_ag", all_gather(rq));
+    add(Phase::forward, "q_latent_ag", all_gather(rq), CollectiveKind::all_gather);
   else
-    add(Phase::forward, "q_a2a", seq_to_head(dqk));
+    add(Phase::forward, "q_a2a", seq_to_head(dqk), CollectiveKind::all_to_all);
   if (form == Form::explicit_form) {
-    add(Phase::forward, "k_a2a", seq_to_head(dqk));
-    add(Phase::forward, "v_a2a", seq_to_head(dv));
+    add(Phase::forward, "k_a2a", seq_to_head(dqk), CollectiveKind::all_to_all);
+    add(Phase::forward, "v_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
   } else {
-    add(Phase::forward, "latent_ag", all_gather(W));
+    add(Phase::forward, "latent_ag", all_gather(W), CollectiveKind::all_gather);
   }
-  add(Phase::forward, "out_a2a", head_to_seq(dv));
+  add(Phase::forward, "out_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
   if (backward) {
-    add(Phase::backward, "out_a2a", seq_to_head(dv));
+    add(Phase::backward, "out_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
     if (q_latent)
-      add(Phase::backward, "q_latent_ag", reduce_scatter(rq));
+      add(Phase::backward, "q_latent_ag", reduce_scatter(rq), CollectiveKind::reduce_scatter);
     else
-      add(Phase::backward, "q_a2a", head_to_seq(dqk));
+      add(Phase::backward, "q_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
     if (form == Form::explicit_form) {
-      add(Phase::backward, "k_a2a", head_to_seq(dqk));
-      add(Phase::backward, "v_a2a", head_to_seq(dv));
+      add(Phase::backward, "k_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
+      add(Phase::backward, "v_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
     } else {
-      add(Phase::backward, "latent_ag", reduce_scatter(W));
+      add(Phase::backward, "latent_ag", reduce_scatter(W), CollectiveKind::reduce_scatter);
     }
   }
   if (grad_sync && P > 1) {  // one rank has nothing to sum: mla_sync_gradients returns
@@ -107,7 +108,7 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
     // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
     const std::int64_t own = all_reduce_chunk(n, P, r);
     const std::int64_t mine = ((n - own) + (P - 1) * own) * e;
-    add(Phase::grad_sync, "grad_allreduce", {mine, mine});
+    add(Phase::grad_sync, "grad_allreduce", {mine, mine}, CollectiveKind::all_reduce);
   }
   return p;
 }

@@ -32,6 +32,7 @@ namespace laga {
 struct PredictedBytes {
   std::int64_t sent = 0, received = 0;
   std::int64_t calls = 0;  // collective calls under the label, one per add() below
+  CollectiveKind kind = CollectiveKind::all_to_all;  // which collective the label is
 };
 using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 

@@ -1,5 +1,7 @@
 #include "mla/memory_model.hpp"
 
+#include <optional>
+
 #include "comm/dry_run_comm.hpp"
 #include "core/error.hpp"
 #include "mla/runner.hpp"
@@ -28,6 +30,10 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
   const Tensor<T> x({layout.batch, layout.seq, cfg.dim}), dout({layout.batch, layout.seq, cfg.dim});
   pool.set_live_tracking(true);
+  // Only when asked: counting attention walks its rows, which a count-only
+  // run at S = 10^14 must not do for nothing.
+  std::optional<ops::CountOps> counting;
+  if (options.op_counts) counting.emplace(*options.op_counts);
   RunSpec spec;
   spec.set_variant(variant);
   spec.attention = attention;

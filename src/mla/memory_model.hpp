@@ -27,6 +27,7 @@
 #include "comm/communicator.hpp"  // StagingRule
 #include "core/memory_pool.hpp"
 #include "mla/block.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -66,6 +67,9 @@ struct MemoryModelOptions {
   bool backward = true;   // false: forward only (RunSpec::backward)
   bool grad_sync = true;  // the gradient all-reduce after backward
   StagingRule staging = StagingRule::in_process;
+  // When set, the counted run's ops are added here (mla/ops.hpp, "Op
+  // counts"), elementwise bytes in the counted element type (4 or 8 bytes).
+  ops::OpCounts* op_counts = nullptr;
 };
 
 // Rank `rank` of layout.ranks running `variant` (a form and its query

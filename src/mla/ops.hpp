@@ -5,6 +5,13 @@
 // whether it is computing. This is the one place that decision is made (the
 // collectives make it for themselves: communicator.hpp, "Count-only").
 //
+// Op counts: with a CountOps scope on the thread, every op also adds what it
+// does -- or, count-only, would do -- to an OpCounts: GEMM FLOPs (2 M N K),
+// attention FLOPs (Pieces::attention_*, block.cpp) and the bytes the
+// memory-bound ops read and write. The planner's time model reads a form's
+// compute from the count-only run this way (src/plan/time_model.hpp), so no
+// form's FLOPs are derived by hand a second time.
+//
 // A Mat is a row-major matrix view (rows, cols, row stride ld) into a tensor:
 // a column slice is one head of a (B, S, H, d) tensor (ld = H d), a row slice
 // is one head's rows of a weight. A view of an unbacked tensor stays null
@@ -14,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
@@ -75,6 +83,42 @@ Mat<const T> flat(const Tensor<T>& t) {
   return {t.data(), 1, t.numel(), t.numel()};
 }
 
+struct OpCounts {
+  double gemm_flops = 0;
+  double attention_flops = 0;
+  double elementwise_bytes = 0;  // read + written by the memory-bound ops
+};
+
+// The counter this thread's ops add to: null (the default) counts nothing.
+inline thread_local OpCounts* op_counter = nullptr;
+
+// Counts this thread's ops into `counts` while it lives.
+class CountOps {
+ public:
+  explicit CountOps(OpCounts& counts) : previous_(std::exchange(op_counter, &counts)) {}
+  ~CountOps() { op_counter = previous_; }
+  CountOps(const CountOps&) = delete;
+  CountOps& operator=(const CountOps&) = delete;
+
+ private:
+  OpCounts* previous_;
+};
+
+inline void count_gemm(std::int64_t M, std::int64_t N, std::int64_t K) {
+  if (op_counter) op_counter->gemm_flops += 2.0 * double(M) * double(N) * double(K);
+}
+// `flops()` is called only while counting: an attention shape's count walks
+// its rows, which a count-only run at S = 10^14 must not do for nothing.
+template <class Flops>
+void count_attention(Flops&& flops) {
+  if (op_counter) op_counter->attention_flops += flops();
+}
+// `elements` elements of T moved `passes` times (each read or write is one).
+template <class T>
+void count_elementwise(std::int64_t elements, int passes) {
+  if (op_counter) op_counter->elementwise_bytes += double(elements) * passes * sizeof(T);
+}
+
 // True when the op has work to do on real storage; false when there is
 // nothing to do (an empty extent) or nothing to do it on (count-only). A null
 // view under a computing pool is a bug in the caller, named here.
@@ -101,7 +145,9 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
                  (trans_b ? B.cols : B.rows) == K,
              "internal: gemm of (", A.rows, ", ", A.cols, ")", trans_a ? "^T" : "", " and (",
              B.rows, ", ", B.cols, ")", trans_b ? "^T" : "", " into (", C.rows, ", ", C.cols, ")");
+  count_gemm(C.rows, C.cols, K);
   if (K == 0) {  // an empty sum: C = beta C
+    count_elementwise<T>(C.rows * C.cols, 2);
     if (!runs(C.rows * C.cols, {C.p})) return;
     for (std::int64_t i = 0; i < C.rows; ++i)
       for (std::int64_t j = 0; j < C.cols; ++j)
@@ -118,6 +164,7 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
   LAGA_CHECK(x.ld == x.cols && y.ld == y.cols && x.rows == y.rows && w.dim(0) == y.cols &&
                  w.dim(1) == x.cols,
              "internal: linear of (", x.rows, ", ", x.cols, ") by ", to_string(w.shape()));
+  count_gemm(y.rows, y.cols, x.cols);
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
@@ -126,6 +173,8 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
 template <class T>
 void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T>& dw, In<T> dy,
                      In<T> x, const Tensor<T>& w) {
+  count_gemm(dy.cols, x.cols, dy.rows);          // dw
+  if (dx) count_gemm(dy.rows, x.cols, dy.cols);  // dx
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);
@@ -134,6 +183,7 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
 // y (N, C) contiguous = rmsnorm of x's first C columns (x may be wider).
 template <class T>
 void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps) {
+  count_elementwise<T>(y.rows * y.cols, 2);  // x in, y out
   if (!runs(y.rows * y.cols, {y.p, rstd.data(), x.p, w.data()})) return;
   rmsnorm_forward(y.p, rstd.data(), x.p, x.ld, w.data(), y.rows, y.cols, eps);
 }
@@ -141,6 +191,7 @@ void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps)
 template <class T>
 void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<T>& w,
                       const Tensor<T>& rstd) {
+  count_elementwise<T>(dx.rows * dx.cols, 3);  // dy and x in, dx out
   if (!runs(dx.rows * dx.cols, {dx.p, dw.data(), dy.p, x.p, w.data(), rstd.data()})) return;
   laga::rmsnorm_backward(dx.p, dx.ld, dw.data(), dy.p, x.p, w.data(), rstd.data(), dx.rows,
                          dx.cols);
@@ -152,6 +203,7 @@ void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<
 template <class T>
 void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t head_stride,
           std::int64_t pos0, const std::int64_t* positions, const RopeTable& table, bool inverse) {
+  count_elementwise<T>(x.rows * H * table.dim(), 2);  // rotated in place
   if (!runs(x.rows * H, {x.p})) return;
   if (positions)
     rope_apply_at(x.p, B, L, H, x.ld, head_stride, positions, table, inverse);
@@ -164,6 +216,7 @@ template <class T>
 void copy(Mat<T> dst, In<T> src) {
   LAGA_CHECK(dst.rows == src.rows && dst.cols == src.cols, "internal: copy of (", src.rows, ", ",
              src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  count_elementwise<T>(dst.rows * dst.cols, 2);
   if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
   for (std::int64_t i = 0; i < dst.rows; ++i)
     std::memcpy(dst.p + i * dst.ld, src.p + i * src.ld,
@@ -174,6 +227,7 @@ template <class T>
 void add(Mat<T> dst, In<T> src) {
   LAGA_CHECK(dst.rows == src.rows && dst.cols == src.cols, "internal: add of (", src.rows, ", ",
              src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  count_elementwise<T>(dst.rows * dst.cols, 3);
   if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
   for (std::int64_t i = 0; i < dst.rows; ++i)
     for (std::int64_t j = 0; j < dst.cols; ++j) dst.p[i * dst.ld + j] += src.p[i * src.ld + j];

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Checks `laga plan`'s time model against measurement on this machine
+(issue 13): `laga compare --link` at P 2 (ranks as threads, one core each)
+at bandwidths spanning the laga/explicit crossover, beside `laga plan
+--profile this --link` for the same, with the % error per form, and the
+crossover bandwidth predicted and measured (docs/planning.md, "Checking the
+model").
+
+  python3 scripts/check_plan.py [--laga build/laga] [--seq 1024] [--latency-us 1000]
+                                [--bandwidths GBPS,...] [--config FILE]
+
+Without --config it writes a model whose latent is wide against its heads
+(C = 256, 4 heads of dqk 32, dv 16), so laga sends more bytes than explicit
+but issues fewer collectives: explicit wins on slow links, laga on fast
+ones, and the crossover lies where the link model can be timed. Without
+--bandwidths it takes 4 around the predicted crossover (1/6, 1/2.5, 2.5x and
+6x). The profile of this machine is measured once (laga plan --measure).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--laga", default="build/laga")
+ap.add_argument("--seq", type=int, default=1024)
+ap.add_argument("--latency-us", type=float, default=1000)
+ap.add_argument("--bandwidths", default="")
+ap.add_argument("--config", default="")
+ap.add_argument("--forms", default="explicit,laga,absorbed")
+ap.add_argument("--steps", type=int, default=5)
+args = ap.parse_args()
+tmp = tempfile.mkdtemp(prefix="laga_check_plan_")
+
+
+def laga(cmd, json_out=None):
+    full = [args.laga] + cmd + (["--json", json_out] if json_out else [])
+    r = subprocess.run(full, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(full)} exited {r.returncode}: {r.stderr}")
+    if json_out:
+        with open(json_out) as f:
+            return json.load(f)
+    return r.stdout
+
+
+config = args.config
+if not config:
+    config = os.path.join(tmp, "wide_latent.json")
+    with open(config, "w") as f:
+        json.dump({"dim": 256, "n_heads": 4, "kv_lora_rank": 256, "qk_nope_head_dim": 16,
+                   "qk_rope_head_dim": 16, "v_head_dim": 16}, f)
+model = ["--config", config]
+profile = os.path.join(tmp, "this.json")
+laga(["plan", "--quiet", "--measure", profile])
+common = model + ["--seq", str(args.seq), "--sp", "2", "--forms", args.forms]
+lat = args.latency_us
+
+
+def plan(bw):
+    p = laga(["plan", "--quiet", "--profile", profile, "--dtype", "fp32",
+              "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "plan.json"))
+    return p, {q["form"]: q["predicted_step_s"] for q in p["plans"]}
+
+
+p0, _ = plan(1.0)
+cross = p0["cases"][0].get("crossover_bytes_per_s")
+print(f"predicted crossover at {lat:g} us: " +
+      (f"{cross / 1e9:.4g} GB/s" if cross else p0["cases"][0].get("crossover", "none")))
+if args.bandwidths:
+    bws = [float(b) for b in args.bandwidths.split(",")]
+else:
+    if not cross:
+        sys.exit("no predicted crossover for this config; give --bandwidths")
+    bws = [cross / 1e9 * k for k in (1 / 6, 1 / 2.5, 2.5, 6)]
+
+rows, measured_lead = [], []
+for bw in bws:
+    _, pred = plan(bw)
+    c = laga(["compare", "--quiet", "--steps", str(args.steps), "--warmup", "2",
+              "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "compare.json"))
+    meas = {f["form"]: f["step_ms"] / 1e3 for f in c["forms"]}
+    for form in meas:
+        rows.append((bw, form, pred[form], meas[form], 100 * (pred[form] - meas[form]) / meas[form]))
+    if "laga" in meas and "explicit" in meas:
+        measured_lead.append((bw, meas["laga"] - meas["explicit"]))
+
+cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
+                     text=True).stdout.split(":", 1)[-1].strip()
+print(f"CPU: {cpu}; P 2 (ranks as threads, one core each); S {args.seq}; latency {lat:g} us")
+print(f"{'GB/s':>9} {'form':>10} {'predicted ms':>13} {'measured ms':>12} {'error':>8}")
+worst = 0
+for bw, form, p, m, e in rows:
+    worst = max(worst, abs(e))
+    print(f"{bw:9.4g} {form:>10} {p * 1e3:13.3f} {m * 1e3:12.3f} {e:+7.1f}%")
+print(f"largest |error|: {worst:.1f}%")
+# The measured crossover: where laga's lead over explicit changes sign,
+# interpolated in log bandwidth.
+found = None
+for (b0, d0), (b1, d1) in zip(measured_lead, measured_lead[1:]):
+    if (d0 < 0) != (d1 < 0):
+        t = d0 / (d0 - d1)
+        found = math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+print("measured crossover: " + (f"{found:.4g} GB/s" if found else "none in the range measured") +
+      (f"; predicted {cross / 1e9:.4g} GB/s" if cross else ""))

@@ -1,0 +1,198 @@
+#include "plan/hardware_profile.hpp"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "plan/builtin_profiles.hpp"
+
+namespace laga {
+
+using nlohmann::json;
+
+const char* to_string(PlanDType t) {
+  return t == PlanDType::fp32 ? "fp32" : "bf16";
+}
+
+PlanDType parse_plan_dtype(const std::string& s) {
+  for (PlanDType t : {PlanDType::fp32, PlanDType::bf16})
+    if (s == to_string(t)) return t;
+  fail("--dtype: unknown element type '", s, "'; choose bf16 or fp32");
+}
+
+std::int64_t element_bytes(PlanDType t) {
+  return t == PlanDType::fp32 ? 4 : 2;
+}
+
+double HardwareProfile::peak_flops(PlanDType t) const {
+  const std::optional<double>& p =
+      t == PlanDType::fp32 ? device.peak_flops_fp32 : device.peak_flops_bf16;
+  LAGA_CHECK(p.has_value(), "profile ", source, ": device.peak_flops.", to_string(t),
+             " is null (not published for this device); plan with the other --dtype or give a "
+             "profile file with the figure");
+  return *p;
+}
+
+namespace {
+
+// Reads one object's fields by name and refuses keys it was not asked for,
+// so a misspelt field is an error rather than a silent default.
+class Fields {
+ public:
+  Fields(const json& j, std::string where, const std::string& source)
+      : j_(j), where_(std::move(where)), source_(source) {
+    LAGA_CHECK(j.is_object(), "profile ", source_, ": ", where_, " must be a JSON object");
+  }
+  const json& get(const std::string& key) {
+    seen_.insert(key);
+    LAGA_CHECK(j_.contains(key), "profile ", source_, ": missing field ", path(key));
+    return j_.at(key);
+  }
+  bool has(const std::string& key) const { return j_.contains(key); }
+  // A positive finite number (`allow_zero`: >= 0).
+  double number(const std::string& key, bool allow_zero = false) {
+    const json& v = get(key);
+    LAGA_CHECK(v.is_number(), "profile ", source_, ": ", path(key), " must be a number, got ",
+               v.dump());
+    const double x = v.get<double>();
+    LAGA_CHECK(std::isfinite(x) && (allow_zero ? x >= 0 : x > 0), "profile ", source_, ": ",
+               path(key), " = ", v.dump(), " must be ", allow_zero ? ">= 0" : "positive",
+               " and finite");
+    return x;
+  }
+  std::optional<double> number_or_null(const std::string& key) {
+    if (get(key).is_null()) return std::nullopt;
+    return number(key);
+  }
+  double fraction(const std::string& key) {
+    const double x = number(key);
+    LAGA_CHECK(x <= 1, "profile ", source_, ": ", path(key), " = ", x,
+               " is an achieved fraction of the peak and must be in (0, 1]");
+    return x;
+  }
+  std::string text(const std::string& key) {
+    const json& v = get(key);
+    LAGA_CHECK(v.is_string(), "profile ", source_, ": ", path(key), " must be a string");
+    return v.get<std::string>();
+  }
+  Fields object(const std::string& key) { return Fields(get(key), path(key), source_); }
+  std::string path(const std::string& key) const {
+    return where_.empty() ? key : where_ + "." + key;
+  }
+  // Every key of the object was asked for.
+  void done() const {
+    for (const auto& [key, v] : j_.items())
+      LAGA_CHECK(seen_.count(key), "profile ", source_, ": unknown field ", path(key),
+                 "; the fields are described in docs/planning.md (Profiles)");
+  }
+
+ private:
+  const json& j_;
+  std::string where_;
+  const std::string& source_;
+  std::set<std::string> seen_;
+};
+
+LinkModel read_link(Fields f) {
+  LinkModel l;
+  l.bytes_per_s = f.number("bytes_per_s");
+  l.latency_s = f.number("latency_us", true) * 1e-6;
+  l.topology = parse_topology(f.text("topology"), f.path("topology"));
+  f.done();
+  return l;
+}
+
+json link_json(const LinkModel& l) {
+  return {{"bytes_per_s", l.bytes_per_s},
+          {"latency_us", l.latency_s * 1e6},
+          {"topology", to_string(l.topology)}};
+}
+
+}  // namespace
+
+HardwareProfile parse_profile(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    fail("profile ", source, ": not valid JSON (", e.what(), ")");
+  }
+  HardwareProfile p;
+  p.source = source;
+  Fields top(j, "", source);
+  p.name = top.text("name");
+  p.description = top.text("description");
+  {
+    Fields d = top.object("device");
+    Fields peak = d.object("peak_flops");
+    p.device.peak_flops_fp32 = peak.number_or_null("fp32");
+    p.device.peak_flops_bf16 = peak.number_or_null("bf16");
+    peak.done();
+    LAGA_CHECK(p.device.peak_flops_fp32 || p.device.peak_flops_bf16, "profile ", source,
+               ": device.peak_flops has neither fp32 nor bf16; give at least one");
+    Fields eff = d.object("efficiency");
+    p.device.gemm_efficiency = eff.fraction("gemm");
+    p.device.attention_efficiency = eff.fraction("attention");
+    eff.done();
+    p.device.memory_bytes = d.number("memory_bytes");
+    p.device.memory_bytes_per_s = d.number("memory_bytes_per_s");
+    p.device.elementwise_bytes_per_s = d.has("elementwise_bytes_per_s")
+                                           ? d.number("elementwise_bytes_per_s")
+                                           : p.device.memory_bytes_per_s;
+    d.done();
+  }
+  const double per_node = top.number("devices_per_node");
+  LAGA_CHECK(per_node == std::floor(per_node) && per_node <= 1 << 20, "profile ", source,
+             ": devices_per_node = ", per_node, " must be a whole number of devices");
+  p.devices_per_node = static_cast<int>(per_node);
+  p.intra_node = read_link(top.object("intra_node"));
+  p.inter_node = read_link(top.object("inter_node"));
+  top.done();
+  return p;
+}
+
+std::vector<std::string> builtin_profile_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, text] : plan_detail::builtin_profiles()) names.push_back(name);
+  return names;
+}
+
+HardwareProfile load_profile(const std::string& name_or_path) {
+  for (const auto& [name, text] : plan_detail::builtin_profiles())
+    if (name == name_or_path) return parse_profile(text, "built-in " + name);
+  std::string names;
+  for (const std::string& n : builtin_profile_names()) names += (names.empty() ? "" : ", ") + n;
+  LAGA_CHECK(std::filesystem::is_regular_file(name_or_path), "--profile '", name_or_path,
+             "' is neither a built-in profile (", names,
+             ", or 'this' to measure this machine) nor a readable file");
+  std::ifstream in(name_or_path, std::ios::binary);
+  LAGA_CHECK(in.good(), "--profile: cannot read '", name_or_path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_profile(ss.str(), name_or_path);
+}
+
+std::string profile_json(const HardwareProfile& p) {
+  auto peak = [](const std::optional<double>& v) { return v ? json(*v) : json(nullptr); };
+  const json j = {
+      {"name", p.name},
+      {"description", p.description},
+      {"device",
+       {{"peak_flops",
+         {{"fp32", peak(p.device.peak_flops_fp32)}, {"bf16", peak(p.device.peak_flops_bf16)}}},
+        {"efficiency",
+         {{"gemm", p.device.gemm_efficiency}, {"attention", p.device.attention_efficiency}}},
+        {"elementwise_bytes_per_s", p.device.elementwise_bytes_per_s},
+        {"memory_bytes", p.device.memory_bytes},
+        {"memory_bytes_per_s", p.device.memory_bytes_per_s}}},
+      {"devices_per_node", p.devices_per_node},
+      {"intra_node", link_json(p.intra_node)},
+      {"inter_node", link_json(p.inter_node)}};
+  return j.dump(2) + "\n";
+}
+
+}  // namespace laga

@@ -1,0 +1,74 @@
+// A hardware profile: what `laga plan` needs to know about one device and the
+// links between devices (docs/planning.md, "Profiles", has the schema and the
+// public source of every shipped number).
+//
+//   {
+//     "name": "h100",
+//     "description": "...",
+//     "device": {
+//       "peak_flops": {"fp32": 67e12, "bf16": 989.4e12},   // FLOP/s; null: not published
+//       "efficiency": {"gemm": 0.6, "attention": 0.4},     // achieved / peak, in (0, 1]
+//       "elementwise_bytes_per_s": 3.35e12,                // optional; default: memory_bytes_per_s
+//       "memory_bytes": 80e9,                              // device memory
+//       "memory_bytes_per_s": 3.35e12                      // device memory bandwidth
+//     },
+//     "devices_per_node": 8,
+//     "intra_node": {"bytes_per_s": 450e9, "latency_us": 3, "topology": "switch"},
+//     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"}
+//   }
+//
+// Link bandwidths are per direction per device (comm/link_model.hpp); the
+// inter-node link is one device's share of its node's network. Every field
+// but elementwise_bytes_per_s is required; an unknown key, a missing one, a
+// wrong type, a non-finite, zero or negative number is a laga::Error naming
+// the source and the field.
+//
+// The shipped profiles (profiles/*.json) are compiled into the binary by
+// CMake (src/plan/CMakeLists.txt), so `laga plan --profile h100` works from
+// the build tree, an install or a fresh clone alike; --profile FILE reads
+// any other.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/link_model.hpp"
+
+namespace laga {
+
+// The element type a plan is made for: bf16 (training's) or fp32 (what laga
+// runs on the CPU).
+enum class PlanDType { fp32, bf16 };
+const char* to_string(PlanDType t);  // "fp32", "bf16"
+PlanDType parse_plan_dtype(const std::string& s);
+std::int64_t element_bytes(PlanDType t);  // 4, 2
+
+struct DeviceProfile {
+  std::optional<double> peak_flops_fp32, peak_flops_bf16;  // absent: not published
+  double gemm_efficiency = 0, attention_efficiency = 0;    // achieved fraction of peak
+  double elementwise_bytes_per_s = 0;                      // what memory-bound ops reach
+  double memory_bytes = 0;
+  double memory_bytes_per_s = 0;
+};
+
+struct HardwareProfile {
+  std::string name, description;
+  std::string source;  // "built-in h100" or the file's path
+  DeviceProfile device;
+  int devices_per_node = 1;
+  LinkModel intra_node, inter_node;
+
+  // Peak FLOP/s in `t`; a laga::Error naming the profile when not published.
+  double peak_flops(PlanDType t) const;
+};
+
+// Parses and validates one profile; `source` names it in every error.
+HardwareProfile parse_profile(const std::string& json_text, const std::string& source);
+// A built-in profile by name (builtin_profile_names()), else a file's path.
+HardwareProfile load_profile(const std::string& name_or_path);
+std::vector<std::string> builtin_profile_names();
+// The profile as JSON in the schema above (parse_profile reads it back).
+std::string profile_json(const HardwareProfile& p);
+
+}  // namespace laga

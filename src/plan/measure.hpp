@@ -1,0 +1,34 @@
+// `laga plan --profile this` and `laga plan --measure FILE`: a hardware
+// profile of the machine laga runs on, measured with laga's own kernels and
+// communicator (docs/planning.md, "Measuring this machine"). A device is one
+// core: laga's in-process ranks run one per core when P <= cores.
+//
+//   peak_flops.fp32   the larger of the FMA throughput of one core (8
+//                     independent AVX2 FMA chains: 16 FLOPs per instruction)
+//                     and the GEMM rate below (OpenBLAS may use AVX-512)
+//   efficiency.gemm   laga::gemm<float> on one thread, (512 x 256) by (256 x 512),
+//                     against that peak
+//   efficiency.attention  flash forward + backward on one thread (B 1, S 1024,
+//                     causal, 4 heads, dqk 48, dv 32: the small preset's
+//                     heads), its useful FLOPs (what the time model counts)
+//                     against that peak
+//   elementwise_bytes_per_s, memory_bytes_per_s  one thread copying 64 MiB
+//                     buffers (read + write)
+//   memory_bytes      physical memory / cores
+//   intra_node        2 in-process ranks: the latency of a 4-byte all-to-all
+//                     round, the bandwidth of 8 MiB ones (the copy between
+//                     threads), topology switch; inter_node the same (one node)
+//   peak_flops.bf16   null: laga's CPU kernels have no bf16 path
+// Takes a few seconds.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "plan/hardware_profile.hpp"
+
+namespace laga {
+
+HardwareProfile measure_this_machine(const std::function<void(const std::string&)>& progress);
+
+}  // namespace laga

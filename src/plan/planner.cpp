@@ -1,0 +1,133 @@
+#include "plan/planner.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+
+namespace {
+
+// One form at one (S, P): its ranks' work, computed once and re-timed per
+// bandwidth for the crossover.
+struct FormWork {
+  FormVariant form;
+  std::vector<RankWork> classes;  // per rank class
+};
+
+double step_seconds(const FormWork& f, int P, const PlanRequest& q, const Fabric& fabric) {
+  double worst = 0;
+  for (const RankWork& w : f.classes) {
+    double t = 0;
+    for (const PhaseTime& p : rank_time(w, P, q.profile, q.dtype, fabric))
+      t += p.compute_s + p.comm_s;
+    worst = std::max(worst, t);
+  }
+  return worst;
+}
+
+Fabric at_bandwidth(Fabric f, double bytes_per_s) {
+  f.intra.bytes_per_s = f.inter.bytes_per_s = bytes_per_s;
+  return f;
+}
+
+Crossover find_crossover(const FormWork& laga, const FormWork& expl, int P, const PlanRequest& q,
+                         const Fabric& fabric) {
+  Crossover c;
+  // laga's time minus explicit's at bandwidth b: negative where laga wins.
+  auto lead = [&](double b) {
+    const Fabric f = at_bandwidth(fabric, b);
+    return step_seconds(laga, P, q, f) - step_seconds(expl, P, q, f);
+  };
+  const int steps = 160;  // half-decades over 1 MB/s .. 100 TB/s, 20 per decade
+  const double lo = std::log10(c.scanned_low), hi = std::log10(c.scanned_high);
+  double b0 = c.scanned_low, d0 = lead(b0);
+  for (int i = 1; i <= steps; ++i) {
+    const double b1 = std::pow(10.0, lo + (hi - lo) * i / steps), d1 = lead(b1);
+    if ((d0 < 0) != (d1 < 0)) {
+      // Bisect in log bandwidth.
+      double a = b0, z = b1;
+      for (int k = 0; k < 60; ++k) {
+        const double m = std::sqrt(a * z);
+        ((lead(m) < 0) == (d0 < 0) ? a : z) = m;
+      }
+      c.found = true;
+      c.bytes_per_s = std::sqrt(a * z);
+      c.laga_wins_above = d1 < 0;
+      return c;
+    }
+    b0 = b1, d0 = d1;
+  }
+  c.laga_wins_throughout = d0 < 0;
+  return c;
+}
+
+}  // namespace
+
+std::vector<PlanCase> make_plans(const PlanRequest& q) {
+  LAGA_CHECK(!q.seqs.empty() && !q.sps.empty() && !q.forms.empty(),
+             "plan: need at least one --seq, one --sp and one form");
+  std::int64_t params = 0;
+  for (const auto& [name, shape] : mla_param_shapes(q.cfg)) params += numel(shape);
+  const std::int64_t resident = 2 * params * element_bytes(q.dtype);  // parameters + gradients
+  std::vector<PlanCase> cases;
+  for (std::int64_t S : q.seqs) {
+    for (int P : q.sps) {
+      LAGA_CHECK(P <= S, "--sp ", P, " is more ranks than the ", S, " tokens of --seq ", S,
+                 ": every rank needs at least one token; give --sp <= ", S);
+      if (q.progress) q.progress(cat("S ", S, ", P ", P));
+      PlanCase pc;
+      pc.seq = S, pc.sp = P;
+      pc.links = plan_links(q.profile, P, q.nodes, q.link_bytes_per_s, q.link_latency_s);
+      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
+      const RankClasses classes = rank_classes(q.cfg, layout);
+      std::vector<FormWork> work;
+      for (FormVariant form : q.forms) {
+        FormWork fw{form, {}};
+        for (int r : classes.representatives)
+          fw.classes.push_back(rank_work(q.cfg, layout, form, q.attention, r, q.dtype));
+        FormPlan fp;
+        fp.form = form;
+        fp.resident_bytes = resident;
+        double worst = -1;
+        for (const RankWork& w : fw.classes) {
+          fp.bytes_sent_per_rank = std::max(fp.bytes_sent_per_rank, predicted_sent(w.comm));
+          fp.peak_activation_bytes = std::max(fp.peak_activation_bytes, w.peak_activation_bytes);
+          const std::array<PhaseTime, 3> t = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
+          double total = 0;
+          for (const PhaseTime& p : t) total += p.compute_s + p.comm_s;
+          if (total > worst) {
+            worst = total;
+            fp.phases = t;
+            fp.crossing_bytes = crossing_bytes(w.comm, P, pc.links.fabric);
+          }
+        }
+        fp.step_s = worst;
+        double comm = 0;
+        for (const PhaseTime& p : fp.phases) comm += p.comm_s;
+        fp.comm_fraction = worst > 0 ? comm / worst : 0;
+        fp.tokens_per_s = worst > 0 ? double(q.batch * S) / worst : 0;
+        fp.fits = double(fp.peak_activation_bytes + resident) <= q.profile.device.memory_bytes;
+        pc.forms.push_back(fp);
+        work.push_back(std::move(fw));
+      }
+      for (size_t i = 0; i < pc.forms.size(); ++i)
+        if (pc.forms[i].fits && (pc.winner < 0 || pc.forms[i].step_s < pc.forms[pc.winner].step_s))
+          pc.winner = int(i);
+      const auto find = [&](Form f) {
+        for (size_t i = 0; i < q.forms.size(); ++i)
+          if (q.forms[i] == FormVariant{f}) return int(i);
+        return -1;
+      };
+      const int l = find(Form::laga), e = find(Form::explicit_form);
+      if (l >= 0 && e >= 0 && P > 1)
+        pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], P, q, pc.links.fabric);
+      cases.push_back(std::move(pc));
+    }
+  }
+  return cases;
+}
+
+}  // namespace laga

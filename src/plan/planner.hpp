@@ -1,0 +1,62 @@
+// `laga plan`'s work: for each (S, P) and form, the exact bytes and peak
+// memory and the predicted step time on a hardware profile, the winner, and
+// the link bandwidth where laga starts to beat explicit (docs/planning.md).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "plan/time_model.hpp"
+
+namespace laga {
+
+struct PlanRequest {
+  MlaConfig cfg;
+  std::int64_t batch = 1;
+  std::vector<std::int64_t> seqs;
+  std::vector<int> sps;
+  std::vector<FormVariant> forms;
+  AttentionKind attention = AttentionKind::flash;
+  PlanDType dtype = PlanDType::bf16;
+  HardwareProfile profile;
+  int nodes = 0;                                           // 0: ceil(P / devices_per_node)
+  std::optional<double> link_bytes_per_s, link_latency_s;  // --link: every link
+  // Told what is being planned, for progress on long sweeps (may be empty).
+  std::function<void(const std::string&)> progress;
+};
+
+struct FormPlan {
+  FormVariant form = Form::laga;
+  std::int64_t bytes_sent_per_rank = 0;  // max over ranks, all phases (compare's bytes_sent_total)
+  std::int64_t peak_activation_bytes = 0;  // max over ranks (compare's peak_activation_bytes)
+  std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
+  double crossing_bytes = 0;               // of the slowest rank: what crosses nodes
+  std::array<PhaseTime, 3> phases;         // the slowest rank's, per phase
+  double step_s = 0, tokens_per_s = 0, comm_fraction = 0;
+  bool fits = false;  // peak + resident <= device memory
+};
+
+// Where laga and explicit take the same time with every link at one
+// bandwidth (latencies as planned).
+struct Crossover {
+  bool found = false;
+  double bytes_per_s = 0;             // when found
+  bool laga_wins_above = true;        // when found: laga is faster at higher bandwidth
+  bool laga_wins_throughout = false;  // when not found: over the whole range scanned
+  double scanned_low = 1e6, scanned_high = 1e14;
+};
+
+struct PlanCase {
+  std::int64_t seq = 0;
+  int sp = 1;
+  PlanLinks links;
+  std::vector<FormPlan> forms;
+  int winner = -1;                     // the fastest form that fits; -1: none fits
+  std::optional<Crossover> crossover;  // with both laga and explicit among the forms
+};
+
+std::vector<PlanCase> make_plans(const PlanRequest& request);
+
+}  // namespace laga

@@ -1,0 +1,114 @@
+#include "plan/time_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "core/error.hpp"
+#include "mla/memory_model.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+
+namespace {
+
+ops::OpCounts minus(const ops::OpCounts& a, const ops::OpCounts& b) {
+  return {a.gemm_flops - b.gemm_flops, a.attention_flops - b.attention_flops,
+          a.elementwise_bytes - b.elementwise_bytes};
+}
+
+std::int64_t parameter_count(const MlaConfig& cfg) {
+  std::int64_t n = 0;
+  for (const auto& [name, shape] : mla_param_shapes(cfg)) n += numel(shape);
+  return n;
+}
+
+}  // namespace
+
+RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                   AttentionKind attention, int rank, PlanDType dtype) {
+  const std::int64_t e = element_bytes(dtype);
+  // Cumulative counts after forward, after backward and after the all-reduce.
+  std::array<ops::OpCounts, 3> upto;
+  MemoryPrediction full;
+  for (int stage = 0; stage < 3; ++stage) {
+    MemoryModelOptions o;
+    o.backward = stage >= 1;
+    o.grad_sync = stage == 2;
+    o.op_counts = &upto[static_cast<size_t>(stage)];
+    const MemoryPrediction m = predict_memory(cfg, layout, variant, attention, rank, e, o);
+    if (stage == 2) full = m;
+  }
+  RankWork w;
+  w.ops[0] = upto[0];
+  w.ops[1] = minus(upto[1], upto[0]);
+  w.ops[2] = minus(upto[2], upto[1]);
+  // Counted in float: every byte scales with the element size.
+  for (ops::OpCounts& c : w.ops) c.elementwise_bytes *= double(e) / 4.0;
+  w.comm = predict_comm(cfg, layout, variant, rank, e, true, true);
+  w.peak_activation_bytes = full.forward_backward.bytes;
+  return w;
+}
+
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout) {
+  const std::int64_t n = parameter_count(cfg);
+  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, int> index;
+  RankClasses c;
+  for (int r = 0; r < layout.ranks; ++r) {
+    const auto key = std::make_tuple(layout.seq_count[size_t(r)], layout.head_count[size_t(r)],
+                                     all_reduce_chunk(n, layout.ranks, r));
+    const auto [it, fresh] = index.try_emplace(key, int(c.representatives.size()));
+    if (fresh) c.representatives.push_back(r);
+    c.class_of.push_back(it->second);
+  }
+  return c;
+}
+
+PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
+                     std::optional<double> link_bytes_per_s, std::optional<double> link_latency_s) {
+  LAGA_CHECK(P >= 1, "plan: P = ", P, " must be >= 1");
+  LAGA_CHECK(nodes >= 0, "--nodes ", nodes, " must be >= 1");
+  const int g = profile.devices_per_node;
+  PlanLinks l;
+  l.nodes = nodes > 0 ? nodes : (P + g - 1) / g;
+  LAGA_CHECK(l.nodes <= P, "--nodes ", l.nodes, " is more nodes than the ", P,
+             " ranks of --sp; give at most one node per rank");
+  const int per_node = (P + l.nodes - 1) / l.nodes;
+  LAGA_CHECK(per_node <= g, "--sp ", P, " over --nodes ", l.nodes, " puts ", per_node,
+             " ranks on a node, but profile ", profile.name, " has ", g,
+             " devices per node; give --nodes of at least ", (P + g - 1) / g);
+  l.fabric = Fabric{profile.intra_node, profile.inter_node, l.nodes > 1 ? per_node : P};
+  for (LinkModel* link : {&l.fabric.intra, &l.fabric.inter}) {
+    if (link_bytes_per_s) link->bytes_per_s = *link_bytes_per_s;
+    if (link_latency_s) link->latency_s = *link_latency_s;
+  }
+  return l;
+}
+
+std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
+                                   PlanDType dtype, const Fabric& fabric) {
+  const double peak = profile.peak_flops(dtype);
+  const DeviceProfile& d = profile.device;
+  std::array<PhaseTime, 3> t;
+  for (size_t ph = 0; ph < 3; ++ph) {
+    const ops::OpCounts& c = work.ops[ph];
+    t[ph].compute_s = c.gemm_flops / (peak * d.gemm_efficiency) +
+                      c.attention_flops / (peak * d.attention_efficiency) +
+                      c.elementwise_bytes / d.elementwise_bytes_per_s;
+  }
+  for (const auto& [key, b] : work.comm)
+    t[static_cast<size_t>(key.first)].comm_s +=
+        b.calls * collective_seconds(b.kind, P, {b.sent / b.calls, b.received / b.calls}, fabric);
+  return t;
+}
+
+double crossing_bytes(const CommPrediction& comm, int P, const Fabric& fabric) {
+  double crossing = 0;
+  for (const auto& [key, b] : comm)
+    crossing += node_crossing_share(b.kind, P, std::min(P, fabric.ranks_per_node)) *
+                double(std::max(b.sent, b.received));
+  return crossing;
+}
+
+}  // namespace laga

@@ -1,0 +1,84 @@
+// The planner's time model of one MLA block step (forward + backward +
+// gradient all-reduce) per form on a hardware profile (docs/planning.md).
+//
+// Per rank and phase:
+//   compute = gemm_flops / (peak x gemm efficiency)
+//           + attention_flops / (peak x attention efficiency)
+//           + elementwise bytes / elementwise bandwidth
+//     read from the form's own count-only run (mla/ops.hpp, "Op counts"):
+//     the same code that runs, counted, not a second derivation;
+//   comm    = sum over the form's collectives of collective_seconds
+//     (comm/link_model.hpp) of the closed-form bytes (mla/comm_model.hpp),
+//     two levels when the ranks span nodes.
+// Overlap: none. laga runs compute and communication one after the other
+// today, so the model adds them; a rank's step is the sum of its phases and
+// the predicted step is the slowest rank's.
+//
+// Exact figures beside it: bytes_sent_per_rank is `laga compare`'s
+// bytes_sent_total and peak_activation_bytes its peak_activation_bytes (the
+// memory model, mla/memory_model.hpp), the max over ranks of each.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "comm/link_model.hpp"
+#include "mla/block.hpp"
+#include "mla/comm_model.hpp"
+#include "mla/config.hpp"
+#include "mla/layout.hpp"
+#include "mla/ops.hpp"
+#include "plan/hardware_profile.hpp"
+
+namespace laga {
+
+// What one rank of one form does per phase (forward, backward, grad_sync).
+struct RankWork {
+  std::array<ops::OpCounts, 3> ops;        // per Phase, in the element type of the plan
+  CommPrediction comm;                     // the closed form's collectives (mla/comm_model.hpp)
+  std::int64_t peak_activation_bytes = 0;  // forward + backward, the memory model
+};
+
+// The count-only run of rank `rank` of `layout` (three of them: forward,
+// + backward, + gradient all-reduce; each phase's counts are the
+// difference), the closed-form bytes and the memory model's peak, in
+// elements of `dtype`.
+RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                   AttentionKind attention, int rank, PlanDType dtype);
+
+// Ranks whose work is the same: same tokens, heads and all-reduce chunk
+// (every figure above depends on the rank only through these). Returns one
+// representative rank per class and, per rank, the index of its class.
+struct RankClasses {
+  std::vector<int> representatives;
+  std::vector<int> class_of;  // size P
+};
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout);
+
+// The links a plan runs on: the profile's, or every link overridden by
+// --link (bandwidth, and latency when given).
+struct PlanLinks {
+  Fabric fabric;
+  int nodes = 1;
+};
+// `nodes`: 0 lets the profile decide (ceil(P / devices_per_node)); else the
+// ranks spread over that many nodes, ceil(P / nodes) per node, which must fit
+// devices_per_node.
+PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
+                     std::optional<double> link_bytes_per_s, std::optional<double> link_latency_s);
+
+struct PhaseTime {
+  double compute_s = 0, comm_s = 0;
+};
+
+// A rank's predicted time per phase on `profile` and `links`.
+std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
+                                   PlanDType dtype, const Fabric& fabric);
+
+// The share of a rank's collective bytes (max of sent, received per call)
+// that crosses nodes under `fabric`.
+double crossing_bytes(const CommPrediction& comm, int P, const Fabric& fabric);
+
+}  // namespace laga

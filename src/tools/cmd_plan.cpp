@@ -1,0 +1,272 @@
+// laga plan: which form, how much memory and how fast, for a model, sequence
+// lengths and ranks on a hardware profile -- predicted (docs/planning.md).
+// Bytes and peak memory are exact (the closed form and the memory model, as
+// `laga compare --count-only` reports them); the step time is the time model
+// of src/plan/time_model.hpp on the profile's links, or on --link.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "plan/measure.hpp"
+#include "plan/planner.hpp"
+#include "tools/cli_common.hpp"
+#include "tools/commands.hpp"
+
+namespace laga::tools {
+
+namespace {
+
+using ojson = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+struct PlanOptions {
+  ModelOptions model;
+  std::int64_t batch = 1;
+  std::string seq = "4096", sp = "8";
+  std::string profile, measure;
+  int nodes = 0;
+  std::string dtype = "bf16", link, json, forms = "all", attention = "flash";
+  bool q_latent = false, quiet = false;
+};
+
+std::vector<std::int64_t> parse_seq_list(const std::string& s) {
+  std::vector<std::int64_t> v;
+  std::stringstream ss(s);
+  std::string tok;
+  while (std::getline(ss, tok, ',')) {
+    char* end = nullptr;
+    const long long x = std::strtoll(tok.c_str(), &end, 10);
+    LAGA_CHECK(!tok.empty() && end == tok.c_str() + tok.size() && x >= 1, "--seq: '", tok,
+               "' is not a positive integer; give a comma-separated list like 4096,32768");
+    v.push_back(x);
+  }
+  LAGA_CHECK(!v.empty(), "--seq: empty list; give a comma-separated list like 4096,32768");
+  return v;
+}
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+std::string gb(double bytes) {  // 10^9 bytes
+  return fmt("%.3f", bytes / 1e9);
+}
+std::string link_text(const LinkModel& l) {
+  return cat(fmt("%.4g", l.bytes_per_s / 1e9), " GB/s ", fmt("%.3g", l.latency_s * 1e6), " us ",
+             to_string(l.topology));
+}
+
+std::string crossover_text(const Crossover& c) {
+  if (c.found)
+    return cat("crossover: laga ", c.laga_wins_above ? "beats" : "loses to", " explicit above ",
+               fmt("%.4g", c.bytes_per_s / 1e9),
+               " GB/s per link (every link at that bandwidth, latencies as planned); ",
+               c.laga_wins_above ? "explicit is faster below it" : "laga is faster below it");
+  return cat("crossover: none between ", fmt("%.3g", c.scanned_low / 1e9), " and ",
+             fmt("%.3g", c.scanned_high / 1e9), " GB/s per link; laga is ",
+             c.laga_wins_throughout ? "faster" : "slower", " than explicit throughout");
+}
+
+std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
+  std::ostringstream o;
+  o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
+    << ", " << to_string(q.attention) << " attention, batch " << q.batch
+    << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
+  o << "  overlap: none (laga runs compute and communication one after the other; the model "
+       "adds them)\n";
+  for (const PlanCase& c : cases) {
+    o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
+      << (c.links.nodes > 1 ? c.links.fabric.ranks_per_node : c.sp) << " rank(s) per node; intra "
+      << link_text(c.links.fabric.intra);
+    if (c.links.nodes > 1) o << "; inter " << link_text(c.links.fabric.inter);
+    o << "\n";
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-14s %12s %12s %10s %12s %6s %8s %12s %12s\n", "form",
+                  "sent/rank GB", "peak act GB", "step s", "tokens/s", "comm%", "fits", "compute s",
+                  "cross-node GB");
+    o << line;
+    for (const FormPlan& f : c.forms) {
+      double compute = 0;
+      for (const PhaseTime& p : f.phases) compute += p.compute_s;
+      std::snprintf(line, sizeof line, "  %-14s %12s %12s %10.4g %12.4g %6.1f %8s %12.4g %12s\n",
+                    to_string(f.form).c_str(), gb(double(f.bytes_sent_per_rank)).c_str(),
+                    gb(double(f.peak_activation_bytes)).c_str(), f.step_s, f.tokens_per_s,
+                    100 * f.comm_fraction, f.fits ? "yes" : "NO", compute,
+                    gb(f.crossing_bytes).c_str());
+      o << line;
+    }
+    if (c.winner >= 0) {
+      const FormPlan& w = c.forms[size_t(c.winner)];
+      o << "  winner: " << to_string(w.form);
+      for (const FormPlan& f : c.forms)
+        if (f.form == Form::explicit_form && !(w.form == Form::explicit_form))
+          o << fmt(" (%.3fx explicit's tokens/s)", w.tokens_per_s / f.tokens_per_s);
+      o << "\n";
+    } else {
+      o << "  winner: none fits " << gb(q.profile.device.memory_bytes)
+        << " GB of device memory (peak activations + the block's parameters and gradients)\n";
+    }
+    if (c.crossover) o << "  " << crossover_text(*c.crossover) << "\n";
+  }
+  o << "\nbytes: per rank, max over ranks, all phases (laga compare's bytes_sent_total); peak "
+       "act: forward+backward activations + comm buffers (its peak_activation_bytes); fits: peak "
+       "+ parameters + gradients <= "
+    << gb(q.profile.device.memory_bytes) << " GB\n";
+  return o.str();
+}
+
+std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) {
+  ojson j;
+  j["profile"] = q.profile.name;
+  j["profile_source"] = q.profile.source;
+  j["dtype"] = to_string(q.dtype);
+  j["attention"] = to_string(q.attention);
+  j["batch"] = q.batch;
+  j["overlap"] = "none";
+  j["plans"] = ojson::array();
+  j["cases"] = ojson::array();
+  for (const PlanCase& c : cases) {
+    for (const FormPlan& f : c.forms)
+      j["plans"].push_back({{"form", to_string(f.form)},
+                            {"seq", c.seq},
+                            {"sp", c.sp},
+                            {"bytes_sent_per_rank", f.bytes_sent_per_rank},
+                            {"peak_activation_bytes", f.peak_activation_bytes},
+                            {"predicted_step_s", f.step_s},
+                            {"predicted_tokens_per_s", f.tokens_per_s},
+                            {"comm_fraction", f.comm_fraction},
+                            {"fits", f.fits}});
+    ojson k = {{"seq", c.seq},
+               {"sp", c.sp},
+               {"nodes", c.links.nodes},
+               {"winner",
+                c.winner >= 0 ? ojson(to_string(c.forms[size_t(c.winner)].form)) : ojson(nullptr)}};
+    if (c.crossover) {
+      k["crossover_bytes_per_s"] =
+          c.crossover->found ? ojson(c.crossover->bytes_per_s) : ojson(nullptr);
+      k["crossover"] = crossover_text(*c.crossover);
+    }
+    j["cases"].push_back(k);
+  }
+  return j.dump(2) + "\n";
+}
+
+void run_plan(const PlanOptions& o) {
+  const auto start = Clock::now();
+  auto say = [&](const std::string& s) {
+    if (o.quiet) return;
+    const double t = std::chrono::duration<double>(Clock::now() - start).count();
+    if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
+  };
+  if (!o.measure.empty()) {
+    const HardwareProfile p = measure_this_machine([&](const std::string& s) {
+      if (!o.quiet) std::cerr << "laga plan --measure: " << s << "\n";
+    });
+    write_output(o.measure, profile_json(p));
+    return;
+  }
+  LAGA_CHECK(
+      !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
+      [] {
+        std::string n;
+        for (const std::string& s : builtin_profile_names()) n += s + ", ";
+        return n;
+      }(),
+      "or this) or --measure FILE");
+  PlanRequest q;
+  q.cfg = o.model.load();
+  LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
+  q.batch = o.batch;
+  q.seqs = parse_seq_list(o.seq);
+  q.sps = parse_int_list(o.sp, "--sp");
+  q.forms = form_variants(parse_form_list(o.forms), o.q_latent, q.cfg);
+  q.attention = parse_attention(o.attention);
+  q.dtype = parse_plan_dtype(o.dtype);
+  if (o.profile == "this") {
+    q.profile = measure_this_machine([&](const std::string& s) {
+      if (!o.quiet) std::cerr << "laga plan --profile this: measuring " << s << "\n";
+    });
+  } else {
+    protect_input(o.profile, "--profile");
+    q.profile = load_profile(o.profile);
+  }
+  q.profile.peak_flops(q.dtype);  // refuse an unpublished peak before planning
+  q.nodes = o.nodes;
+  if (!o.link.empty()) {
+    const LinkSpec l = parse_link(o.link);
+    q.link_bytes_per_s = l.bytes_per_s;
+    q.link_latency_s = l.latency_s;
+  }
+  q.progress = say;
+  const std::vector<PlanCase> cases = make_plans(q);
+  const bool table_to_stdout = o.json != "-";
+  (table_to_stdout ? std::cout : std::cerr) << plan_table(q, cases) << std::flush;
+  if (!o.json.empty()) write_output(o.json, plan_json(q, cases));
+  // A sequence that fits no form at any P is a mistake the user must hear
+  // about, not only a "NO" in the table.
+  for (std::int64_t S : q.seqs) {
+    std::int64_t least = -1;
+    for (const PlanCase& c : cases)
+      if (c.seq == S)
+        for (const FormPlan& f : c.forms) {
+          if (f.fits) least = -2;
+          if (least != -2 && (least < 0 || f.peak_activation_bytes + f.resident_bytes < least))
+            least = f.peak_activation_bytes + f.resident_bytes;
+        }
+    LAGA_CHECK(least == -2, "--seq ", S, " fits no form at any --sp on ", q.profile.name,
+               ": the smallest need is ", gb(double(least)), " GB per device against ",
+               gb(q.profile.device.memory_bytes),
+               " GB; give a larger --sp (more ranks share the sequence) or a shorter --seq");
+  }
+}
+
+void register_plan(CLI::App& app) {
+  auto o = std::make_shared<PlanOptions>();
+  CLI::App* c = app.add_subcommand(
+      "plan",
+      "Predict, per form, bytes sent per rank and peak activation memory (exact, as laga "
+      "compare --count-only) and the step time, tokens/s and communication share on a hardware "
+      "profile, for each --seq and --sp; name the winner and the link bandwidth where laga "
+      "starts to beat explicit (docs/planning.md)");
+  o->model.add_to(*c);
+  c->add_option("--batch", o->batch, "sequences per batch (B)")->capture_default_str();
+  c->add_option("--seq", o->seq, "sequence lengths, comma-separated (S)")->capture_default_str();
+  c->add_option("--sp", o->sp, "sequence-parallel ranks, comma-separated (P)")
+      ->capture_default_str();
+  c->add_option("--profile", o->profile,
+                "hardware profile: a100, h100, h200, 910b (built in), a JSON file, or 'this' to "
+                "measure this machine first");
+  c->add_option("--measure", o->measure,
+                "measure this machine (FMA peak, GEMM and flash rates, memory bandwidth, the "
+                "in-process communicator) and write its profile to FILE; plans nothing");
+  c->add_option("--nodes", o->nodes,
+                "nodes the ranks spread over (default: as few as the profile's devices per node "
+                "allow)")
+      ->check(whole(1));
+  c->add_option("--dtype", o->dtype, "element type of the plan: bf16 or fp32")
+      ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
+  c->add_option("--link", o->link,
+                "override every link of the profile: BW GB/s (10^9 bytes/s) per direction, and "
+                "LAT microseconds when given")
+      ->check(link_spec());
+  c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
+  c->add_option("--forms", o->forms, "comma-separated forms (explicit, absorbed, laga), or all")
+      ->capture_default_str();
+  c->add_flag("--q-latent", o->q_latent, "also plan laga+q-latent (needs q_lora_rank > 0)");
+  c->add_option("--attention", o->attention, "attention kernel: flash or eager")
+      ->check(CLI::IsMember({"eager", "flash"}))
+      ->capture_default_str();
+  c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
+  c->callback([o] { run_plan(*o); });
+}
+
+}  // namespace
+
+LAGA_REGISTER_COMMAND(register_plan);
+
+}  // namespace laga::tools

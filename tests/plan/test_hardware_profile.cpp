@@ -1,0 +1,132 @@
+// Hardware profiles: every shipped one parses, a profile round-trips through
+// profile_json, and each kind of bad field is refused naming the source and
+// the field.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error_of.hpp"
+#include "plan/hardware_profile.hpp"
+
+namespace laga {
+namespace {
+
+using nlohmann::json;
+using test::error_of;
+
+const char* kGood = R"({
+  "name": "x", "description": "a test device",
+  "device": {"peak_flops": {"fp32": 1e12, "bf16": 4e12},
+             "efficiency": {"gemm": 0.5, "attention": 0.25},
+             "memory_bytes": 16e9, "memory_bytes_per_s": 1e12},
+  "devices_per_node": 4,
+  "intra_node": {"bytes_per_s": 100e9, "latency_us": 2, "topology": "full-mesh"},
+  "inter_node": {"bytes_per_s": 10e9, "latency_us": 7.5, "topology": "switch"}
+})";
+
+TEST(HardwareProfile, ParsesEveryField) {
+  const HardwareProfile p = parse_profile(kGood, "test");
+  EXPECT_EQ(p.name, "x");
+  EXPECT_EQ(p.peak_flops(PlanDType::fp32), 1e12);
+  EXPECT_EQ(p.peak_flops(PlanDType::bf16), 4e12);
+  EXPECT_EQ(p.device.gemm_efficiency, 0.5);
+  EXPECT_EQ(p.device.attention_efficiency, 0.25);
+  EXPECT_EQ(p.device.memory_bytes, 16e9);
+  EXPECT_EQ(p.device.elementwise_bytes_per_s, 1e12);  // defaults to the memory bandwidth
+  EXPECT_EQ(p.devices_per_node, 4);
+  EXPECT_EQ(p.intra_node.bytes_per_s, 100e9);
+  EXPECT_DOUBLE_EQ(p.intra_node.latency_s, 2e-6);
+  EXPECT_EQ(p.intra_node.topology, Topology::full_mesh);
+  EXPECT_DOUBLE_EQ(p.inter_node.latency_s, 7.5e-6);
+  EXPECT_EQ(p.inter_node.topology, Topology::switched);
+}
+
+TEST(HardwareProfile, RoundTripsThroughItsJson) {
+  const HardwareProfile a = parse_profile(kGood, "test");
+  const HardwareProfile b = parse_profile(profile_json(a), "again");
+  EXPECT_EQ(a.name, b.name);
+  EXPECT_EQ(a.description, b.description);
+  EXPECT_EQ(a.device.peak_flops_fp32, b.device.peak_flops_fp32);
+  EXPECT_EQ(a.device.peak_flops_bf16, b.device.peak_flops_bf16);
+  EXPECT_EQ(a.device.gemm_efficiency, b.device.gemm_efficiency);
+  EXPECT_EQ(a.device.attention_efficiency, b.device.attention_efficiency);
+  EXPECT_EQ(a.device.elementwise_bytes_per_s, b.device.elementwise_bytes_per_s);
+  EXPECT_EQ(a.device.memory_bytes, b.device.memory_bytes);
+  EXPECT_EQ(a.device.memory_bytes_per_s, b.device.memory_bytes_per_s);
+  EXPECT_EQ(a.devices_per_node, b.devices_per_node);
+  for (auto [x, y] : {std::pair{a.intra_node, b.intra_node}, {a.inter_node, b.inter_node}}) {
+    EXPECT_EQ(x.bytes_per_s, y.bytes_per_s);
+    EXPECT_DOUBLE_EQ(x.latency_s, y.latency_s);  // microseconds in the file: one rounding
+    EXPECT_EQ(x.topology, y.topology);
+  }
+}
+
+TEST(HardwareProfile, EveryShippedProfileParses) {
+  const std::vector<std::string> names = builtin_profile_names();
+  for (const char* want : {"a100", "h100", "h200", "910b"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  for (const std::string& n : names) {
+    const HardwareProfile p = load_profile(n);
+    EXPECT_EQ(p.name, n) << "the file name and the profile's name agree";
+    EXPECT_GT(p.peak_flops(PlanDType::bf16), 0) << n;
+  }
+}
+
+TEST(HardwareProfile, AnUnpublishedPeakIsRefusedWhenAskedFor) {
+  json j = json::parse(kGood);
+  j["device"]["peak_flops"]["fp32"] = nullptr;
+  const HardwareProfile p = parse_profile(j.dump(), "test");
+  EXPECT_NE(error_of([&] {
+              p.peak_flops(PlanDType::fp32);
+            }).find("profile test: device.peak_flops.fp32 is null (not published"),
+            std::string::npos);
+}
+
+// One change to the good profile, and the start of the error it must give.
+struct Bad {
+  std::function<void(json&)> change;
+  std::string error;
+};
+
+TEST(HardwareProfile, BadFieldsAreNamed) {
+  const std::vector<Bad> cases{
+      {[](json& j) { j.erase("devices_per_node"); }, "profile t: missing field devices_per_node"},
+      {[](json& j) { j["device"]["efficiency"].erase("gemm"); },
+       "profile t: missing field device.efficiency.gemm"},
+      {[](json& j) { j["intra_node"]["bytes_per_s"] = 0; },
+       "profile t: intra_node.bytes_per_s = 0 must be positive and finite"},
+      {[](json& j) { j["inter_node"]["bytes_per_s"] = -5e9; },
+       "profile t: inter_node.bytes_per_s = -5000000000.0 must be positive and finite"},
+      {[](json& j) { j["inter_node"]["latency_us"] = -1; },
+       "profile t: inter_node.latency_us = -1 must be >= 0 and finite"},
+      {[](json& j) { j["device"]["memory_bytes"] = "80GB"; },
+       "profile t: device.memory_bytes must be a number, got \"80GB\""},
+      {[](json& j) { j["device"]["efficiency"]["attention"] = 1.5; },
+       "profile t: device.efficiency.attention = 1.5 is an achieved fraction"},
+      {[](json& j) { j["intra_node"]["topology"] = "torus"; },
+       "intra_node.topology: unknown topology 'torus'"},
+      {[](json& j) { j["devices_per_node"] = 2.5; },
+       "profile t: devices_per_node = 2.5 must be a whole number"},
+      {[](json& j) {
+         j["device"]["peak_flops"] = {{"fp32", nullptr}, {"bf16", nullptr}};
+       },
+       "profile t: device.peak_flops has neither fp32 nor bf16"},
+      {[](json& j) { j["device"]["memory_bandwidth"] = 1; },
+       "profile t: unknown field device.memory_bandwidth"},
+      {[](json& j) { j = json::array(); }, "profile t:  must be a JSON object"},
+  };
+  for (const Bad& b : cases) {
+    json j = json::parse(kGood);
+    b.change(j);
+    const std::string e = error_of([&] { parse_profile(j.dump(), "t"); });
+    EXPECT_EQ(e.rfind(b.error, 0), 0u) << "got: " << e << "\nwant: " << b.error;
+  }
+  EXPECT_EQ(error_of([] { parse_profile("{", "t"); }).rfind("profile t: not valid JSON", 0), 0u);
+  EXPECT_NE(error_of([] { load_profile("no-such-profile"); })
+                .find("--profile 'no-such-profile' is neither a built-in profile (910b, a100, "
+                      "h100, h200, or 'this' to measure this machine) nor a readable file"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace laga

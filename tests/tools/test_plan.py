@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""`laga plan` end to end.
+
+  test_plan.py LAGA TMPDIR CASE
+
+exact:   every plan's bytes_sent_per_rank and peak_activation_bytes equal
+         `laga compare --count-only`'s bytes_sent_total and
+         peak_activation_bytes for the same config, P, attention and forms
+         (uneven shards included); bf16 is exactly half of fp32.
+errors:  bad flags and profiles exit 2 with one "laga: error:" line naming
+         what was wrong.
+measure: --measure FILE writes a profile that --profile FILE plans with.
+"""
+import json
+import os
+import subprocess
+import sys
+
+laga, tmp, case = sys.argv[1], sys.argv[2], sys.argv[3]
+tmp = os.path.join(tmp, "plan_" + case)
+os.makedirs(tmp, exist_ok=True)
+failures = []
+
+
+def run(args, timeout=300):
+    return subprocess.run([laga] + args, capture_output=True, text=True, timeout=timeout)
+
+
+def load(args, name):
+    out = os.path.join(tmp, name + ".json")
+    r = run(args + ["--json", out])
+    if r.returncode != 0:
+        sys.exit(f"FAILED: laga {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    with open(out) as f:
+        return json.load(f)
+
+
+PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "peak_activation_bytes",
+               "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "fits"]
+
+
+def check_exact(model, seq, sp, attention, extra, name):
+    """plan --dtype fp32 against compare --count-only at one (S, P)."""
+    c = load(["compare", "--quiet", "--count-only", "--seq", str(seq), "--sp", str(sp),
+              "--attention", attention] + model + extra, name + "_compare")
+    p = load(["plan", "--quiet", "--profile", "h100", "--dtype", "fp32", "--seq", str(seq),
+              "--sp", str(sp), "--attention", attention] + model + extra, name + "_plan")
+    b = load(["plan", "--quiet", "--profile", "h100", "--dtype", "bf16", "--seq", str(seq),
+              "--sp", str(sp), "--attention", attention] + model + extra, name + "_plan_bf16")
+    measured = {f["form"]: f for f in c["forms"]}
+    if len(p["plans"]) != len(measured):
+        failures.append(f"{name}: {len(p['plans'])} plans for {len(measured)} compared forms")
+    for plan, half in zip(p["plans"], b["plans"]):
+        if list(plan.keys()) != PLAN_FIELDS:
+            failures.append(f"{name}: plan fields {list(plan.keys())} != {PLAN_FIELDS}")
+        f = measured.get(plan["form"])
+        if f is None:
+            failures.append(f"{name}: plan for {plan['form']} which compare did not run")
+            continue
+        if plan["bytes_sent_per_rank"] != f["bytes_sent_total"]:
+            failures.append(f"{name} {plan['form']}: bytes {plan['bytes_sent_per_rank']} != "
+                            f"compare's {f['bytes_sent_total']}")
+        if plan["peak_activation_bytes"] != f["peak_activation_bytes"]:
+            failures.append(f"{name} {plan['form']}: peak {plan['peak_activation_bytes']} != "
+                            f"compare's {f['peak_activation_bytes']}")
+        if 2 * half["bytes_sent_per_rank"] != plan["bytes_sent_per_rank"] or \
+                2 * half["peak_activation_bytes"] != plan["peak_activation_bytes"]:
+            failures.append(f"{name} {plan['form']}: bf16 is not half of fp32: {half} / {plan}")
+        if not (plan["predicted_step_s"] > 0 and 0 <= plan["comm_fraction"] <= 1):
+            failures.append(f"{name} {plan['form']}: step {plan['predicted_step_s']}, comm "
+                            f"fraction {plan['comm_fraction']}")
+
+
+def check_error(args, want, name):
+    r = run(args)
+    lines = [l for l in r.stderr.splitlines() if l.startswith("laga: error:")]
+    if r.returncode != 2 or len(lines) != 1 or want not in lines[0]:
+        failures.append(f"{name}: laga {' '.join(args)} exited {r.returncode}, stderr "
+                        f"{r.stderr.strip()!r}; want one 'laga: error:' line with {want!r}")
+
+
+if case == "exact":
+    tiny = ["--preset", "tiny"]
+    check_exact(tiny, 37, 3, "eager", [], "tiny_uneven_eager")   # S % P != 0, H % P != 0
+    check_exact(tiny, 64, 8, "flash", [], "tiny_heads_empty")    # P > H: ranks without heads
+    check_exact(["--preset", "small"], 1024, 4, "flash", [], "small")
+    v3 = ["--preset", "deepseek-v3"]
+    check_exact(v3, 32768, 8, "flash", ["--q-latent"], "v3_p8")
+    check_exact(v3, 131072, 64, "flash", ["--q-latent"], "v3_p64")
+    # A sweep: one plan per form, S and P, in that order.
+    p = load(["plan", "--quiet", "--profile", "910b", "--preset", "tiny", "--seq", "64,128",
+              "--sp", "1,2,4"], "sweep")
+    got = [(q["seq"], q["sp"], q["form"]) for q in p["plans"]]
+    want = [(s, n, f) for s in (64, 128) for n in (1, 2, 4) for f in ("explicit", "absorbed", "laga")]
+    if got != want:
+        failures.append(f"sweep order {got} != {want}")
+    if len(p["cases"]) != 6 or any(c["winner"] is None for c in p["cases"]):
+        failures.append(f"sweep cases: {p['cases']}")
+elif case == "errors":
+    base = ["plan", "--preset", "tiny", "--seq", "64", "--sp", "2"]
+    check_error(base, "laga plan needs --profile NAME|FILE", "no profile")
+    check_error(base + ["--profile", "h100", "--link", "0"], "--link: bandwidth 0 GB/s is not positive",
+                "zero link")
+    check_error(base + ["--profile", "h100", "--link", "5,-1"], "latency -1 us is negative",
+                "negative latency")
+    check_error(base + ["--profile", "h100", "--link", "inf"], "bandwidth 'inf' is not a finite number",
+                "infinite link")
+    check_error(base + ["--profile", "nope"], "--profile 'nope' is neither a built-in profile",
+                "unknown profile")
+    check_error(base + ["--profile", "910b", "--dtype", "fp32"],
+                "device.peak_flops.fp32 is null (not published", "unpublished peak")
+    check_error(["plan", "--preset", "tiny", "--seq", "4", "--sp", "8", "--profile", "h100"],
+                "--sp 8 is more ranks than the 4 tokens of --seq 4", "P > S")
+    check_error(base[:-1] + ["16", "--profile", "h100", "--nodes", "1"],
+                "puts 16 ranks on a node, but profile h100 has 8 devices per node", "nodes")
+    check_error(["plan", "--preset", "deepseek-v3", "--seq", "1048576", "--sp", "1",
+                 "--attention", "eager", "--profile", "h100"],
+                "--seq 1048576 fits no form at any --sp on h100", "fits nowhere")
+    # Profiles with one bad field each, edited from the shipped h100.json.
+    shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "profiles",
+                           "h100.json")
+    with open(shipped) as f:
+        good = json.load(f)
+    for name, change, want in [
+            ("zero_bw", lambda j: j["intra_node"].update(bytes_per_s=0),
+             "intra_node.bytes_per_s = 0 must be positive and finite"),
+            ("neg_bw", lambda j: j["inter_node"].update(bytes_per_s=-1e9),
+             "inter_node.bytes_per_s = -1000000000.0 must be positive and finite"),
+            ("missing", lambda j: j["device"].pop("memory_bytes"),
+             "missing field device.memory_bytes"),
+            ("unknown", lambda j: j.update(gpus=8), "unknown field gpus")]:
+        j = json.loads(json.dumps(good))
+        change(j)
+        path = os.path.join(tmp, name + ".json")
+        with open(path, "w") as f:
+            json.dump(j, f)
+        check_error(base + ["--profile", path], f"profile {path}: {want}", name)
+elif case == "measure":
+    path = os.path.join(tmp, "this.json")
+    r = run(["plan", "--quiet", "--measure", path], timeout=120)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: laga plan --measure exited {r.returncode}: {r.stderr}")
+    with open(path) as f:
+        prof = json.load(f)
+    d = prof["device"]
+    for k in ("gemm", "attention"):
+        if not 0 < d["efficiency"][k] <= 1:
+            failures.append(f"measured efficiency.{k} = {d['efficiency'][k]}")
+    if d["peak_flops"]["bf16"] is not None or not d["peak_flops"]["fp32"] > 0:
+        failures.append(f"measured peaks {d['peak_flops']}")
+    p = load(["plan", "--quiet", "--profile", path, "--dtype", "fp32", "--preset", "tiny",
+              "--seq", "64", "--sp", "2"], "with_measured")
+    if len(p["plans"]) != 3:
+        failures.append(f"plans with the measured profile: {p['plans']}")
+else:
+    sys.exit(f"unknown case {case}")
+
+for m in failures:
+    print("FAILED:", m)
+sys.exit(1 if failures else 0)
