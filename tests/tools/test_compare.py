@@ -70,7 +70,8 @@ TINY = ["--preset", "tiny", "--batch", "2", "--seq", "23", "--sp", "3", "--steps
 
 def case_tiny(laga, scratch):
     doc = compare_json(laga, scratch, "tiny", TINY)
-    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga"], "form order")
+    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga2d"],
+          "form order")
     check(doc["values_meaningful"] is True, "a full real run has meaningful values")
     check_models(doc, "tiny")
     keys = ["form", "bytes_sent_forward", "bytes_sent_total", "predicted_bytes_sent_forward",
@@ -97,14 +98,14 @@ def case_tiny(laga, scratch):
     # checked): out, dx and every gradient, fp32 with other summation orders,
     # within 1e-5 of each quantity's own scale (max |explicit|), and the scale
     # must be non-zero or the bound says nothing.
-    ex, ab, lg = doc["forms"]
-    for f in (ab, lg):
+    ex, ab, lg, l2 = doc["forms"]
+    for f in (ab, lg, l2):
         d = f["max_abs_diff"]
         for q in ("out", "dx", "grad"):
             check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
             check(d[q] <= 1e-5 * d[q + "_scale"],
                   f"{f['form']} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
-            check(d[q] > 0 or f["form"] == "laga",
+            check(d[q] > 0 or f["form"] in ("laga", "laga2d"),
                   f"{f['form']} {q}: exactly 0 difference from explicit is suspicious for a form "
                   "with another summation order")
     # The wire: laga and absorbed move the same bytes, fewer than explicit
@@ -116,7 +117,7 @@ def case_tiny(laga, scratch):
     run(laga, TINY + ["--csv", csv])
     with open(csv) as f:
         rows = f.read().strip().split("\n")
-    check(len(rows) == 4 and rows[0].startswith("form,"), "CSV has a header and 3 rows")
+    check(len(rows) == 5 and rows[0].startswith("form,"), "CSV has a header and 4 rows")
 
 
 def case_modes(laga, scratch):
@@ -182,7 +183,8 @@ def case_q_latent(laga, scratch):
     doc = compare_json(laga, scratch, "real", ["--config", cfg, "--batch", "2", "--seq", "23",
                                                "--sp", "3", "--steps", "1", "--warmup", "0",
                                                "--q-latent"])
-    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga+q-latent"],
+    check([f["form"] for f in doc["forms"]]
+          == ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d"],
           "laga+q-latent right after laga")
     check_models(doc, "q-latent real")
     d = doc["forms"][3]["max_abs_diff"]

@@ -91,7 +91,7 @@ if case == "exact":
     p = load(["plan", "--quiet", "--profile", "910b", "--preset", "tiny", "--seq", "64,128",
               "--sp", "1,2,4"], "sweep")
     got = [(q["seq"], q["sp"], q["form"]) for q in p["plans"]]
-    want = [(s, n, f) for s in (64, 128) for n in (1, 2, 4) for f in ("explicit", "absorbed", "laga")]
+    want = [(s, n, f) for s in (64, 128) for n in (1, 2, 4) for f in ("explicit", "absorbed", "laga", "laga2d")]
     if got != want:
         failures.append(f"sweep order {got} != {want}")
     if len(p["cases"]) != 6 or any(c["winner"] is None for c in p["cases"]):
@@ -150,7 +150,7 @@ elif case == "measure":
         failures.append(f"measured peaks {d['peak_flops']}")
     p = load(["plan", "--quiet", "--profile", path, "--dtype", "fp32", "--preset", "tiny",
               "--seq", "64", "--sp", "2"], "with_measured")
-    if len(p["plans"]) != 3:
+    if len(p["plans"]) != 4:
         failures.append(f"plans with the measured profile: {p['plans']}")
 else:
     sys.exit(f"unknown case {case}")
