@@ -4,26 +4,42 @@
 # and compare the safetensors files byte for byte (their metadata is equal
 # too). laga --q-latent needs q_lora_rank > 0, which preset tiny lacks: it
 # runs on tiny_q_latent.json (tiny's dims with q_lora_rank 20 and 5 heads, so
-# P 3 splits them unevenly).
+# P 3 splits them unevenly). laga-overlap runs laga --overlap on, whose
+# tensors must also equal plain laga's bit for bit (docs/forms.md, "Overlap").
 set -euo pipefail
 laga=$1 mpiexec=$2 tmp=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$tmp"
-for name in explicit absorbed laga laga-q-latent; do
+for name in explicit absorbed laga laga-q-latent laga-overlap; do
   form=$name model=(--preset tiny) queries=()
   [ "$name" = laga-q-latent ] && form=laga model=(--config "$here/tiny_q_latent.json") queries=(--q-latent)
+  [ "$name" = laga-overlap ] && form=laga queries=(--overlap on)
   # P 3 again with packed documents (issue 15): one crosses every rank
   # boundary, one is a single token.
-  for P in 2 3 3packed; do
-    docs=()
-    [ "$P" = 3packed ] && P=3 docs=(--doc-lens 1,20,2/23)
+  for run in 2 3 3packed; do
+    P=${run%packed} docs=()
+    [ "$run" = 3packed ] && docs=(--doc-lens 1,20,2/23)
     common=(forward "${model[@]}" --batch 2 --seq 23 --backward --form "$form" "${queries[@]}"
             --sp "$P" --attention flash "${docs[@]}")
-    "$laga" "${common[@]}" --comm local --output "$tmp/local_$name$P.st" >/dev/null 2>&1
+    "$laga" "${common[@]}" --comm local --output "$tmp/local_$name$run.st" >/dev/null 2>&1
     timeout 120 "$mpiexec" --allow-run-as-root --oversubscribe -np "$P" \
-      "$laga" "${common[@]}" --comm mpi --output "$tmp/mpi_$name$P.st" >/dev/null 2>&1
-    if ! cmp -s "$tmp/local_$name$P.st" "$tmp/mpi_$name$P.st"; then
+      "$laga" "${common[@]}" --comm mpi --output "$tmp/mpi_$name$run.st" >/dev/null 2>&1
+    if ! cmp -s "$tmp/local_$name$run.st" "$tmp/mpi_$name$run.st"; then
       echo "FAIL: $name P=$P ${docs[*]}: local and MPI outputs differ"; exit 1
+    fi
+    # The files' metadata name the variant (laga+overlap); the tensors must be equal.
+    if [ "$name" = laga-overlap ] && ! /usr/bin/python3 - "$here/../../python" \
+        "$tmp/local_$name$run.st" "$tmp/local_laga$run.st" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import safetensors_io
+a, _ = safetensors_io.load_file(sys.argv[2])
+b, _ = safetensors_io.load_file(sys.argv[3])
+sys.exit(0 if set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a) else 1)
+PY
+    then
+      echo "FAIL: laga P=$P ${docs[*]}: --overlap on and off give different tensors"; exit 1
     fi
     echo "ok: $name P=$P ${docs[*]} local == mpi (bit-identical out, dx, grads)"
   done
