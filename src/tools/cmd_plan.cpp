@@ -76,8 +76,8 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
     << ", " << to_string(q.attention) << " attention, batch " << q.batch
     << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
-  o << "  overlap: none (laga runs compute and communication one after the other; the model "
-       "adds them)\n";
+  o << "  overlap: none modelled (the model adds compute and communication; laga --overlap on "
+       "can hide up to the latent collectives' time behind the query path, docs/forms.md)\n";
   for (const PlanCase& c : cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
       << (c.links.nodes > 1 ? c.links.fabric.ranks_per_node : c.sp) << " rank(s) per node; intra "
