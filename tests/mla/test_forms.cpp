@@ -410,7 +410,12 @@ void expect_same_ledgers(const BlockRun<float>& a, const BlockRun<float>& b,
   }
 }
 
-TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
+// The cases two runs must agree on bit for bit and byte for byte: uneven
+// layouts (a rank with one token, ranks without heads, P > H), rq 0 and 7,
+// eager and flash, unpacked and packed; fn(cfg, lay, in, spec, tag) with
+// spec's attention and documents set.
+template <class Fn>
+void for_each_bitwise_case(Fn&& fn) {
   struct Case {
     std::vector<std::int64_t> seq, heads;
   };
@@ -423,18 +428,26 @@ TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
         const Inputs in = make_inputs(cfg, 2, lay.seq);
         const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
         for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
-          RunSpec spec = spec_of(Form::laga, a);
+          RunSpec spec;
+          spec.attention = a;
           spec.documents = d;
-          const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-          spec = spec_of({Form::laga2d, QueryExchange::heads, lay.ranks}, a);
-          spec.documents = d;
-          const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-          const std::string tag = lay.describe() + " rq" + std::to_string(rq) + " " + to_string(a) +
-                                  (d ? " packed" : "");
-          expect_run_matches(grid, laga, 0.0, tag);
-          expect_same_ledgers(grid, laga, tag);
+          fn(cfg, lay, in, spec,
+             lay.describe() + " rq" + std::to_string(rq) + " " + to_string(a) +
+                 (d ? " packed" : ""));
         }
       }
+}
+
+TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
+  for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
+                           RunSpec spec, const std::string& tag) {
+    spec.set_variant(Form::laga);
+    const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+    spec.set_variant({Form::laga2d, QueryExchange::heads, lay.ranks});
+    const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+    expect_run_matches(grid, laga, 0.0, tag);
+    expect_same_ledgers(grid, laga, tag);
+  });
 }
 
 TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
@@ -466,32 +479,19 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
 // gradient bit for bit, the same collectives and bytes, for per-head and
 // latent queries, packed or not, eager and flash, uneven layouts and P > H.
 TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
-  struct Case {
-    std::vector<std::int64_t> seq, heads;
-  };
-  for (const Case& c : {Case{{13}, {5}}, Case{{5, 4, 4}, {2, 2, 1}}, Case{{1, 8, 4}, {0, 3, 2}},
-                        Case{{2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}}})
-    for (std::int64_t rq : {0, 7})
-      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
-        const MlaConfig cfg = test_config(rq);
-        const SpLayout lay = SpLayout::custom(2, c.seq, c.heads);
-        const Inputs in = make_inputs(cfg, 2, lay.seq);
-        const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
-        std::vector<FormVariant> vs{Form::laga};
-        if (rq > 0) vs.push_back({Form::laga, QueryExchange::latent});
-        for (FormVariant v : vs)
-          for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
-            RunSpec spec = spec_of(v, a);
-            spec.documents = d;
-            const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-            spec.overlap = Overlap::on;
-            const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-            const std::string tag =
-                to_string(v) + " " + lay.describe() + " " + to_string(a) + (d ? " packed" : "");
-            expect_run_matches(on, off, 0.0, tag);
-            expect_same_ledgers(on, off, tag);
-          }
-      }
+  for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
+                           RunSpec spec, const std::string& tag) {
+    std::vector<FormVariant> vs{Form::laga};
+    if (cfg.q_lora_rank > 0) vs.push_back({Form::laga, QueryExchange::latent});
+    for (FormVariant v : vs) {
+      spec.set_variant(v);
+      const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      spec.overlap = Overlap::on;
+      const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      expect_run_matches(on, off, 0.0, to_string(v) + " " + tag);
+      expect_same_ledgers(on, off, to_string(v) + " " + tag);
+    }
+  });
 }
 
 TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
