@@ -312,20 +312,24 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
   grads.for_each([](const std::string&, Tensor<T>& t) { t.fill(T(0)); });
   backward(c, w, tokens, targets, s, 1.0 / total, grads);
 
-  // One all-reduce of every gradient flattened, then one of the loss.
+  // One all-reduce of every gradient flattened, then one of the loss. One
+  // rank's gradients are the sum already: the all-reduce would only copy
+  // every gradient twice through a buffer the size of the model.
   c.comm.set_phase(Phase::grad_sync);
-  Tensor<T> all({grads.numel()}, MemCategory::comm_buffers);  // every gradient, in order
-  std::int64_t off = 0;
-  grads.for_each([&](const std::string&, Tensor<T>& t) {
-    ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
-    off += t.numel();
-  });
-  c.comm.all_reduce(all.data(), all.numel(), "grad_allreduce");
-  off = 0;
-  grads.for_each([&](const std::string&, Tensor<T>& t) {
-    ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));
-    off += t.numel();
-  });
+  if (c.comm.size() > 1) {
+    Tensor<T> all({grads.numel()}, MemCategory::comm_buffers);  // every gradient, in order
+    std::int64_t off = 0;
+    grads.for_each([&](const std::string&, Tensor<T>& t) {
+      ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
+      off += t.numel();
+    });
+    c.comm.all_reduce(all.data(), all.numel(), "grad_allreduce");
+    off = 0;
+    grads.for_each([&](const std::string&, Tensor<T>& t) {
+      ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));
+      off += t.numel();
+    });
+  }
   c.comm.all_reduce(&sum, 1, "loss_allreduce");
   return sum / total;
 }

@@ -13,7 +13,7 @@
 // seq shard (B, L_r); the MLA block's collectives are the chosen form's.
 // Parameters are replicated on every rank; their gradients are partial per
 // rank and summed over the SP group by ONE all-reduce of all of them
-// flattened (label "grad_allreduce", phase grad_sync). The loss needs the
+// flattened (label "grad_allreduce", phase grad_sync; none at P 1). The loss needs the
 // global token count: each rank's local sum is all-reduced ("loss_allreduce").
 //
 // Names follow DeepSeek-V3's inference checkpoint: embed.weight,
