@@ -7,7 +7,6 @@
 #include <fstream>
 #include <string>
 
-#include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "harness.hpp"
@@ -67,7 +66,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    const std::string malloc_policy = laga::keep_freed_memory();
     laga::set_rank_threads(opt.threads);
     const char* flash_isa = laga::to_string(laga::flash_isa());  // a bad LAGA_FLASH_ISA fails here
     const Peak peak = measure_fma_peak(opt.threads, 3);
@@ -85,7 +83,6 @@ int main(int argc, char** argv) {
         flash_env ? laga::cat("LAGA_FLASH_ISA=", flash_env) : "LAGA_FLASH_ISA unset: auto";
     std::printf("\n# kernels: flash %s (%s), GEMM %s (%s)\n", flash_isa, flash_choice.c_str(),
                 laga::gemm_kernels().c_str(), gemm_isa().c_str());
-    std::printf("# malloc: %s\n", malloc_policy.c_str());
     std::printf(
         "# %%peak is against the peak of the row's isa (the ISA its kernels ran, the wider one "
         "for a row that runs both),\n# measured again just before and just after the row (the "

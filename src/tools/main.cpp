@@ -12,7 +12,6 @@
 #include <new>
 #include <string>
 
-#include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -74,9 +73,6 @@ void replace_positive_checks(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Before anything is allocated: freed memory stays for the next step
-  // (core/allocator.hpp).
-  laga::keep_freed_memory();
   CLI::App app{
       "laga: the explicit, absorbed and LAGA forms of sequence-parallel MLA, forward and "
       "backward, with exact wire bytes and activation memory"};
