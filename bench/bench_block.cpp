@@ -116,7 +116,12 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     ctx.note("PyTorch: " + cmd.substr(cmd.find("python/")) +
              " (one PyTorch step before each timed laga step)");
     torch = std::make_unique<laga::bench::TorchPeer>(cmd);
-    ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd");
+    // bench_torch_block.py attends with F.scaled_dot_product_attention where
+    // PyTorch has it (>= 2), else with matmul + softmax.
+    const bool sdpa = !torch->torch_version().empty() && torch->torch_version()[0] >= '2';
+    ctx.note("PyTorch " + torch->torch_version() + ", explicit block, eager autograd" +
+             (sdpa ? ", attention by F.scaled_dot_product_attention(is_causal=True)"
+                   : ", attention by matmul + softmax"));
   }
   // GEMMs in oneDNN, attention in the flash kernels: %peak against the
   // wider ISA of the two, so as not to flatter the row.
