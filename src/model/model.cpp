@@ -167,7 +167,8 @@ struct LmSaved {
 
 template <class T>
 BlockContext block_ctx(const LmContext& c) {
-  return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.form, c.attention, nullptr, c.queries};
+  return BlockContext{c.cfg.mla,   c.layout, c.comm,    c.rope,       c.form,
+                      c.attention, nullptr,  c.queries, c.head_groups};
 }
 
 // Returns this rank's SUM of token losses and fills s with what backward needs.

@@ -99,6 +99,7 @@ struct LmContext {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
 };
 
 // One forward + backward on this rank. tokens and targets (B, L_r) are the

@@ -56,10 +56,14 @@ std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or 
 
 // What `laga verify` and `laga compare` run side by side: each form of
 // --forms, and with --q-latent laga+q-latent right after laga (one table
-// holds both). --q-latent needs laga among the forms and q_lora_rank > 0;
+// holds both); laga2d with --head-groups (0: its default rule). --q-latent
+// needs laga among the forms and q_lora_rank > 0, --head-groups laga2d;
 // otherwise a laga::Error says which is missing.
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
-                                       const MlaConfig& cfg);
+                                       int head_groups, const MlaConfig& cfg);
+
+// --head-groups on a command: the option, its help and its check (>= 1).
+void add_head_groups_option(CLI::App& app, int& head_groups);
 
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved

@@ -37,6 +37,7 @@ struct CompareOptions {
   bool count_only = false;
   bool quiet = false;     // no progress on stderr
   bool q_latent = false;  // also laga+q-latent, right after laga (--q-latent)
+  int head_groups = 0;    // laga2d's head groups (--head-groups); 0: its default rule
   std::uint64_t seed = 0;
 };
 
