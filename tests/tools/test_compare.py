@@ -18,6 +18,11 @@ Cases:
              per label and its peak equal the models, the query latent's bytes
              are (P-1) rq per token against the all-to-all's (H - H_r) dqk, and
              the note names the crossover
+  laga2d     P > H (tiny's 4 heads at P 8): a real run with --head-groups 2
+             matches its models and explicit, every rank attends (min work > 0,
+             max/min <= 1.10) where laga leaves ranks idle; at DeepSeek-V3
+             (--count-only, P 8) it moves laga's bytes exactly and at P 64,
+             --head-groups 16, it matches its models and stays balanced
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -70,7 +75,8 @@ TINY = ["--preset", "tiny", "--batch", "2", "--seq", "23", "--sp", "3", "--steps
 
 def case_tiny(laga, scratch):
     doc = compare_json(laga, scratch, "tiny", TINY)
-    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga"], "form order")
+    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga2d"],
+          "form order")
     check(doc["values_meaningful"] is True, "a full real run has meaningful values")
     check_models(doc, "tiny")
     keys = ["form", "bytes_sent_forward", "bytes_sent_total", "predicted_bytes_sent_forward",
@@ -97,8 +103,8 @@ def case_tiny(laga, scratch):
     # checked): out, dx and every gradient, fp32 with other summation orders,
     # within 1e-5 of each quantity's own scale (max |explicit|), and the scale
     # must be non-zero or the bound says nothing.
-    ex, ab, lg = doc["forms"]
-    for f in (ab, lg):
+    ex, ab, lg, l2 = doc["forms"]
+    for f in (ab, lg, l2):
         d = f["max_abs_diff"]
         for q in ("out", "dx", "grad"):
             check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
@@ -116,7 +122,7 @@ def case_tiny(laga, scratch):
     run(laga, TINY + ["--csv", csv])
     with open(csv) as f:
         rows = f.read().strip().split("\n")
-    check(len(rows) == 4 and rows[0].startswith("form,"), "CSV has a header and 3 rows")
+    check(len(rows) == 5 and rows[0].startswith("form,"), "CSV has a header and 4 rows")
 
 
 def case_modes(laga, scratch):
@@ -182,7 +188,8 @@ def case_q_latent(laga, scratch):
     doc = compare_json(laga, scratch, "real", ["--config", cfg, "--batch", "2", "--seq", "23",
                                                "--sp", "3", "--steps", "1", "--warmup", "0",
                                                "--q-latent"])
-    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga+q-latent"],
+    check([f["form"] for f in doc["forms"]] ==
+          ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d"],
           "laga+q-latent right after laga")
     check_models(doc, "q-latent real")
     d = doc["forms"][3]["max_abs_diff"]
@@ -221,12 +228,48 @@ def case_q_latent(laga, scratch):
             check("fewer bytes on 0 of 16 ranks" in note, note)
 
 
+def case_laga2d(laga, scratch):
+    doc = compare_json(laga, scratch, "p8", ["--preset", "tiny", "--batch", "2", "--seq", "64",
+                                             "--sp", "8", "--steps", "1", "--warmup", "0",
+                                             "--forms", "explicit,laga,laga2d",
+                                             "--head-groups", "2"])
+    check_models(doc, "laga2d real")
+    ex, lg, l2 = doc["forms"]
+    check(l2["form"] == "laga2d", "the form's name")
+    d = l2["max_abs_diff"]
+    for q in ("out", "dx", "grad"):
+        check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
+              f"laga2d {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+    check(lg["attention_flops_forward_min"] == 0, "laga at P 8 > H 4 leaves ranks idle")
+    lo, hi = l2["attention_flops_forward_min"], l2["attention_flops_forward_max"]
+    check(0 < lo and hi / lo <= 1.10, f"laga2d balance {hi / lo}")
+    note = next(n for n in doc["notes"] if n.startswith("laga2d:"))
+    check("2 head groups x 4 context groups" in note, note)
+
+    # DeepSeek-V3: at P 8 the default rule gives Ph = 8 = P, laga's bytes.
+    v3 = compare_json(laga, scratch, "v3_8", ["--preset", "deepseek-v3", "--count-only", "--forms",
+                                              "laga,laga2d", "--seq", "4096", "--sp", "8"])
+    check_models(v3, "V3 P 8")
+    lg, l2 = v3["forms"]
+    for key in ("bytes_sent_forward", "bytes_sent_backward", "bytes_sent_grad_sync"):
+        check(lg[key] == l2[key], f"V3 P 8 laga2d at Ph = P moves laga's {key}")
+    v3 = compare_json(laga, scratch, "v3_64", ["--preset", "deepseek-v3", "--count-only",
+                                               "--forms", "laga2d", "--head-groups", "16",
+                                               "--seq", "4096", "--sp", "64"])
+    check_models(v3, "V3 P 64 Ph 16")
+    f = v3["forms"][0]
+    check(f["attention_flops_forward_max"] / f["attention_flops_forward_min"] <= 1.10,
+          "V3 P 64 Ph 16 balance")
+    run(laga, ["--preset", "tiny", "--sp", "8", "--seq", "32", "--forms", "laga",
+               "--head-groups", "2"], expect_rc=2)
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "compare_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"tiny": case_tiny, "modes": case_modes, "default": case_default,
-     "errors": case_errors, "q_latent": case_q_latent}[case](laga, scratch)
+     "errors": case_errors, "q_latent": case_q_latent, "laga2d": case_laga2d}[case](laga, scratch)
     print(f"compare {case}: ok")
 
 
