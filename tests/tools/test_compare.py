@@ -110,7 +110,9 @@ def case_tiny(laga, scratch):
             check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
             check(d[q] <= 1e-5 * d[q + "_scale"],
                   f"{f['form']} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
-            check(d[q] > 0 or f["form"] == "laga",
+            # laga2d here has one head group (gcd(4, 3)): each rank runs
+            # explicit's per-row arithmetic for its query chunks, all heads.
+            check(d[q] > 0 or f["form"] == "laga" or (f["form"] == "laga2d" and q == "out"),
                   f"{f['form']} {q}: exactly 0 difference from explicit is suspicious for a form "
                   "with another summation order")
     # The wire: laga and absorbed move the same bytes, fewer than explicit
