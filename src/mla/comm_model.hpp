@@ -17,6 +17,9 @@
 //   grad_sync grad_allreduce ((n - c_r) + (P-1) c_r) e, n = parameter count
 //             (from DeepSeek's shapes, written out in comm_model.cpp),
 //             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather)
+// laga2d (HeadContextGrid): q_a2a and out_a2a move each (token, head)
+// element to the rank that attends it, sum_{j!=r} B |shard_r ∩ queries_j|
+// H_g(j) d e sent (received: the same with r and j swapped); latent_ag as laga.
 // Each (phase, label) is one collective call per block step (calls = 1).
 #pragma once
 
