@@ -18,6 +18,9 @@
 //             (from DeepSeek's shapes, written out in comm_model.cpp),
 //             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather);
 //             no call at P 1 (one rank's gradients are already the sum)
+// laga2d (HeadContextGrid): q_a2a and out_a2a move each (token, head)
+// element to the rank that attends it, sum_{j!=r} B |shard_r ∩ queries_j|
+// H_g(j) d e sent (received: the same with r and j swapped); latent_ag as laga.
 // Each (phase, label) is one collective call per block step (calls = 1).
 #pragma once
 

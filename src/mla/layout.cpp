@@ -129,8 +129,15 @@ std::string HeadContextGrid::describe() const {
   std::ostringstream os;
   os << head_groups << " head group" << (head_groups == 1 ? "" : "s") << " x " << context_groups
      << " context group" << (context_groups == 1 ? "" : "s") << " (heads ";
-  for (int grp = 0; grp < head_groups; ++grp)
-    os << (grp ? "+" : "") << head_count[static_cast<size_t>(grp * context_groups)];
+  const auto group_heads = [&](int grp) {
+    return head_count[static_cast<size_t>(grp * context_groups)];
+  };
+  bool equal = true;
+  for (int grp = 1; grp < head_groups; ++grp) equal = equal && group_heads(grp) == group_heads(0);
+  if (equal && head_groups > 1)
+    os << group_heads(0) << " per group";
+  else
+    for (int grp = 0; grp < head_groups; ++grp) os << (grp ? "+" : "") << group_heads(grp);
   os << ")";
   return os.str();
 }

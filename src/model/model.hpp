@@ -100,6 +100,7 @@ struct LmContext {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   // Packed rows (`laga train --pack-eos`, model/data.hpp): the documents the
   // block's attention and RoPE stay inside (null: one per row), and how many
   // targets of the whole batch, every rank's, count in the loss: the mean's

@@ -345,7 +345,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+  LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
   ctx.overlap = o.overlap;
   const TokenSource source = make_source(o);
   const int r = comm.rank();
@@ -461,7 +461,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     PoolScope scope(pool);
     DryRunCommunicator comm(r, o.sp, staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
-    LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries};
+    LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
     ctx.overlap = o.overlap;
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;

@@ -30,7 +30,8 @@ struct TrainOptions {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
   QueryExchange queries = QueryExchange::heads;  // the block's query exchange (--q-latent)
-  Overlap overlap = Overlap::off;                // laga's latent collectives overlapped
+  int head_groups = 0;             // laga2d's head groups (--head-groups); 0: its default rule
+  Overlap overlap = Overlap::off;  // laga's latent collectives overlapped
   int sp = 1;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step

@@ -205,12 +205,15 @@ OverlapRuns parse_overlap_runs(const std::string& s) {
 }
 
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
-                                       const MlaConfig& cfg, OverlapRuns overlap) {
+                                       int head_groups, const MlaConfig& cfg, OverlapRuns overlap) {
   std::vector<FormVariant> v;
   for (Form f : forms) {
-    v.push_back(f);
+    v.push_back({f, QueryExchange::heads, f == Form::laga2d ? head_groups : 0});
     if (q_latent && f == Form::laga) v.push_back({f, QueryExchange::latent});
   }
+  LAGA_CHECK(head_groups == 0 || std::find(forms.begin(), forms.end(), Form::laga2d) != forms.end(),
+             "--head-groups applies to the laga2d form; --forms does not include it: add it "
+             "(e.g. --forms laga,laga2d) or drop --head-groups");
   if (q_latent) {
     LAGA_CHECK(v.size() > forms.size(),
                "--q-latent applies to the laga form with q_lora_rank > 0; --forms does not "
@@ -373,6 +376,13 @@ void write_output(const std::string& path, const std::string& text) {
     return;
   }
   write_file_atomic(path, text);
+}
+
+void add_head_groups_option(CLI::App& app, int& head_groups) {
+  app.add_option("--head-groups", head_groups,
+                 "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "
+                 "gcd(heads, --sp), the most groups that split the heads evenly)")
+      ->check(CLI::PositiveNumber);
 }
 
 }  // namespace laga::tools

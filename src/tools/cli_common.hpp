@@ -69,7 +69,8 @@ std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or 
 
 // What `laga verify` and `laga compare` run side by side: each form of
 // --forms, and with --q-latent laga+q-latent right after laga (one table
-// holds both). --q-latent needs laga among the forms and q_lora_rank > 0;
+// holds both); laga2d with --head-groups (0: its default rule). --q-latent
+// needs laga among the forms and q_lora_rank > 0, --head-groups laga2d;
 // otherwise a laga::Error says which is missing.
 // With `overlap` on, every variant of a form with an overlapped path
 // (laga) runs overlapped; with both, overlapped right after it as
@@ -77,8 +78,11 @@ std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or 
 enum class OverlapRuns { off, on, both };
 OverlapRuns parse_overlap_runs(const std::string& s);
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
-                                       const MlaConfig& cfg,
+                                       int head_groups, const MlaConfig& cfg,
                                        OverlapRuns overlap = OverlapRuns::off);
+
+// --head-groups on a command: the option, its help and its check (>= 1).
+void add_head_groups_option(CLI::App& app, int& head_groups);
 
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved

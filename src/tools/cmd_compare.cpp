@@ -28,7 +28,7 @@ void register_compare(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")->capture_default_str();
   c->add_option("--forms", o->forms,
-                "comma-separated forms to run (explicit, absorbed, laga), or all")
+                "comma-separated forms to run (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
   c->add_option("--overlap", o->overlap,
                 "laga's latent collectives overlapped with compute: off, on (laga runs "
@@ -40,6 +40,7 @@ void register_compare(CLI::App& app) {
               "also run laga+q-latent right after laga: the normalised query latent (rq per "
               "token) all-gathered instead of per-head Q (H*dqk) all-to-alled; needs laga among "
               "--forms and q_lora_rank > 0. The notes say where it stops paying");
+  add_head_groups_option(*c, o->head_groups);
   c->add_option("--attention", o->attention,
                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
                 "(saves the log-sum-exp, recomputes in backward)")

@@ -24,6 +24,7 @@ struct ForwardOptions {
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
   std::string overlap = "off";
+  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
   std::string form = "explicit", attention = "flash";
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
@@ -71,9 +72,10 @@ void run_forward(const ForwardOptions& o) {
       B = in.info("x").shape[0], S = in.info("x").shape[1];
   }
   const std::optional<Documents> docs = load_documents(o.doc_lens, o.input, B, S);
-  FormVariant variant{parse_form(o.form),
-                      o.q_latent ? QueryExchange::latent : QueryExchange::heads};
+  FormVariant variant{parse_form(o.form), o.q_latent ? QueryExchange::latent : QueryExchange::heads,
+                      o.head_groups};
   check_query_exchange(cfg, variant);
+  check_head_groups(SpLayout::even(B, S, cfg.n_heads, o.sp), variant);
   variant.overlap = parse_overlap(o.overlap);
   check_overlap(variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
@@ -183,7 +185,9 @@ void register_forward_command(CLI::App& app) {
   sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "
                 "warning naming each tensor (default: refuse them, naming the tensor and count)");
-  sub->add_option("--form", opts->form, "explicit | absorbed | laga")->capture_default_str();
+  sub->add_option("--form", opts->form, "explicit | absorbed | laga | laga2d")
+      ->capture_default_str();
+  add_head_groups_option(*sub, opts->head_groups);
   sub->add_flag("--q-latent", opts->q_latent,
                 "laga with q_lora_rank > 0: all-gather the normalised query latent (rq per token) "
                 "instead of all-to-alling per-head Q (H*dqk), and apply wq_b for the rank's own "

@@ -46,6 +46,7 @@ struct TrainCli {
   bool q_latent = false;
   std::int64_t pack_eos = -1;  // -1: not given
   std::string overlap = "off";
+  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
 };
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
@@ -118,6 +119,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.model.mla.q_lora_rank = c.q_lora_rank;
   o.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
   o.overlap = parse_overlap(c.overlap);
+  o.head_groups = c.head_groups;
   o.model.ffn_hidden = c.ffn_hidden;
   o.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
@@ -155,6 +157,8 @@ void run_train(const TrainCli& c) {
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
   check_query_exchange(o.model.mla, {o.form, o.queries});
+  check_head_groups(SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp),
+                    {o.form, o.queries, o.head_groups});
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
@@ -235,7 +239,8 @@ void register_train(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "train", "train a small MLA language model sequence-parallel (the paper's §4.5 run)");
   c->comm.add_to(*sub);
-  sub->add_option("--form", c->form, "explicit | absorbed | laga")->capture_default_str();
+  sub->add_option("--form", c->form, "explicit | absorbed | laga | laga2d")->capture_default_str();
+  add_head_groups_option(*sub, c->head_groups);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
   sub->add_flag("--q-latent", c->q_latent,
                 "laga with --q-lora-rank > 0: all-gather the normalised query latent instead of "

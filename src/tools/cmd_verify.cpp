@@ -25,6 +25,7 @@ struct VerifyOptions {
   double tol = 1e-5;
   bool q_latent = false;
   std::string overlap = "off";
+  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
 };
 
 struct Row {
@@ -38,8 +39,8 @@ struct Row {
 void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
-  const std::vector<FormVariant> forms =
-      form_variants(parse_form_list(o.forms), o.q_latent, cfg, parse_overlap_runs(o.overlap));
+  const std::vector<FormVariant> forms = form_variants(
+      parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));
   const std::optional<Documents> docs = load_documents(o.doc_lens, "", o.batch, o.seq);
   // Refuse before allocating anything when a run cannot fit: the reference
   // (explicit, one in-process rank) and every P.
@@ -86,7 +87,9 @@ void run_verify(const VerifyOptions& o) {
       if (!report) continue;
       Row row{to_string(f),
               P,
-              layout.describe(),
+              f.form == Form::laga2d
+                  ? cat(layout.describe(), "; ", laga2d_grid(layout, f).describe())
+                  : layout.describe(),
               "",
               deviation(job.out, ref.out),
               deviation(job.dx, ref.dx),
@@ -105,7 +108,8 @@ void run_verify(const VerifyOptions& o) {
       // Bit-identity holds against explicit on the same (packed) batch, not
       // against documents run alone.
       // laga+q-latent too: at P = 1 it runs the same GEMMs (docs/forms.md).
-      const bool exact_needed = f.form == Form::laga && P == 1 && !docs;
+      // laga2d at P = 1 is laga (one head group, one context group).
+      const bool exact_needed = (f.form == Form::laga || f.form == Form::laga2d) && P == 1 && !docs;
       const double worst =
           std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
       row.ok = exact_needed
@@ -124,7 +128,7 @@ void run_verify(const VerifyOptions& o) {
     << "# reference: explicit form on 1 rank" << (docs ? ", each document alone" : "")
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol << " (fp32)"
-    << (docs ? "" : ", and laga at P=1 must be bit-identical (|diff| = 0)") << "\n";
+    << (docs ? "" : ", and laga and laga2d at P=1 must be bit-identical (|diff| = 0)") << "\n";
   t << std::left << std::setw(15) << "form" << std::setw(4) << "P" << std::setw(38) << "shards"
     << std::right << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12)
     << "grad |diff|" << std::setw(10) << "grad rel"
@@ -167,7 +171,7 @@ void register_verify_command(CLI::App& app) {
   opts->comm.add_to(*sub);
   sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
   sub->add_option("--forms", opts->forms,
-                  "comma-separated forms (explicit, absorbed, laga), or all")
+                  "comma-separated forms (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
   sub->add_option("--overlap", opts->overlap,
                   "laga's latent collectives overlapped with compute: off, on (laga runs "
@@ -177,6 +181,7 @@ void register_verify_command(CLI::App& app) {
   sub->add_flag("--q-latent", opts->q_latent,
                 "also run laga+q-latent (the query latent all-gathered instead of per-head Q "
                 "all-to-alled; laga with q_lora_rank > 0) beside the forms");
+  add_head_groups_option(*sub, opts->head_groups);
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")
       ->check(CLI::PositiveNumber)

@@ -38,7 +38,8 @@ struct CompareOptions {
   bool quiet = false;           // no progress on stderr
   bool q_latent = false;        // also laga+q-latent, right after laga (--q-latent)
   std::string overlap = "off";  // --overlap off|on|both (form_variants)
-  std::string link;  // --link BW[,LAT]: every collective on the modelled link; empty: none
+  std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
+  int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule
   std::uint64_t seed = 0;
 };
 

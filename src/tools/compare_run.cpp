@@ -215,7 +215,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
   FormResult f;
   f.form = form;
   for (int r = 0; r < j.layout.ranks; ++r) {
-    const double flops = attention_work(j.cfg, j.layout, form.form, r, j.documents).flops;
+    const double flops = attention_work(j.cfg, j.layout, form, r, j.documents).flops;
     f.attention_flops_max = r == 0 ? flops : std::max(f.attention_flops_max, flops);
     f.attention_flops_min = r == 0 ? flops : std::min(f.attention_flops_min, flops);
   }
@@ -364,6 +364,19 @@ std::string query_latent_note(const MlaConfig& cfg, const SpLayout& lay) {
              " at this P. ", rule);
 }
 
+// laga2d's grid and its attention balance, in words.
+std::string laga2d_note(const MlaConfig& cfg, const SpLayout& lay, FormVariant v) {
+  const HeadContextGrid g = laga2d_grid(lay, v);
+  char balance[32];
+  std::snprintf(balance, sizeof balance, "%.3f", attention_balance(cfg, lay, v, nullptr));
+  return cat("laga2d: ", g.describe(),
+             v.head_groups == 0 ? " by its default rule, Ph = gcd(H, P)" : "",
+             "; each rank attends its head group's heads for query chunks c and 2Pc-1-c of ",
+             2 * g.context_groups,
+             ", over the keys up to its last query. Attention work max/min over ranks ", balance,
+             " (unpacked)");
+}
+
 }  // namespace
 
 std::optional<CompareResult> run_compare(const CompareOptions& o) {
@@ -381,8 +394,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
              "--rank-only runs one rank alone in "
              "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
   res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
-  res.forms =
-      form_variants(parse_form_list(o.forms), o.q_latent, res.cfg, parse_overlap_runs(o.overlap));
+  res.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, res.cfg,
+                            parse_overlap_runs(o.overlap));
   res.attention = parse_attention(o.attention);
   if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);
   for (size_t i = 0; i < res.forms.size(); ++i)
@@ -437,6 +450,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   for (FormVariant f : res.forms)
     if (f != Form::explicit_form) j.order.push_back(f);
   if (o.q_latent) res.notes.push_back(query_latent_note(res.cfg, res.layout));
+  for (FormVariant f : res.forms)
+    if (f.form == Form::laga2d) res.notes.push_back(laga2d_note(res.cfg, res.layout, f));
   const bool has_explicit = j.order.front() == Form::explicit_form;
   j.diffs = res.values_meaningful && o.rank_only < 0 && has_explicit;
   if (res.values_meaningful && !has_explicit)

@@ -6,14 +6,18 @@
 # runs on tiny_q_latent.json (tiny's dims with q_lora_rank 20 and 5 heads, so
 # P 3 splits them unevenly). laga-overlap runs laga --overlap on, whose
 # tensors must also equal plain laga's bit for bit (docs/forms.md, "Overlap").
+# laga2d runs with its default head groups (gcd(4, P): laga's split at P 2,
+# one head group of 3 context groups at P 3) and as laga2d-g1 with
+# --head-groups 1 (mirrored query chunks at every P).
 set -euo pipefail
 laga=$1 mpiexec=$2 tmp=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$tmp"
-for name in explicit absorbed laga laga-q-latent laga-overlap; do
+for name in explicit absorbed laga laga-q-latent laga-overlap laga2d laga2d-g1; do
   form=$name model=(--preset tiny) queries=()
   [ "$name" = laga-q-latent ] && form=laga model=(--config "$here/tiny_q_latent.json") queries=(--q-latent)
   [ "$name" = laga-overlap ] && form=laga queries=(--overlap on)
+  [ "$name" = laga2d-g1 ] && form=laga2d queries=(--head-groups 1)
   # P 3 again with packed documents (issue 15): one crosses every rank
   # boundary, one is a single token.
   for run in 2 3 3packed; do

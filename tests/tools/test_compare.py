@@ -18,6 +18,11 @@ Cases:
              per label and its peak equal the models, the query latent's bytes
              are (P-1) rq per token against the all-to-all's (H - H_r) dqk, and
              the note names the crossover
+  laga2d     P > H (tiny's 4 heads at P 8): a real run with --head-groups 2
+             matches its models and explicit, every rank attends (min work > 0,
+             max/min <= 1.10) where laga leaves ranks idle; at DeepSeek-V3
+             (--count-only, P 8) it moves laga's bytes exactly and at P 64,
+             --head-groups 16, it matches its models and stays balanced
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -105,7 +110,9 @@ def case_tiny(laga, scratch):
             check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
             check(d[q] <= 1e-5 * d[q + "_scale"],
                   f"{f['form']} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
-            check(d[q] > 0 or f["form"] in ("laga", "laga2d"),
+            # laga2d here has one head group (gcd(4, 3)): each rank runs
+            # explicit's per-row arithmetic for its query chunks, all heads.
+            check(d[q] > 0 or f["form"] == "laga" or (f["form"] == "laga2d" and q == "out"),
                   f"{f['form']} {q}: exactly 0 difference from explicit is suspicious for a form "
                   "with another summation order")
     # The wire: laga and absorbed move the same bytes, fewer than explicit
@@ -183,8 +190,8 @@ def case_q_latent(laga, scratch):
     doc = compare_json(laga, scratch, "real", ["--config", cfg, "--batch", "2", "--seq", "23",
                                                "--sp", "3", "--steps", "1", "--warmup", "0",
                                                "--q-latent"])
-    check([f["form"] for f in doc["forms"]]
-          == ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d"],
+    check([f["form"] for f in doc["forms"]] ==
+          ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d"],
           "laga+q-latent right after laga")
     check_models(doc, "q-latent real")
     d = doc["forms"][3]["max_abs_diff"]
@@ -223,12 +230,48 @@ def case_q_latent(laga, scratch):
             check("fewer bytes on 0 of 16 ranks" in note, note)
 
 
+def case_laga2d(laga, scratch):
+    doc = compare_json(laga, scratch, "p8", ["--preset", "tiny", "--batch", "2", "--seq", "64",
+                                             "--sp", "8", "--steps", "1", "--warmup", "0",
+                                             "--forms", "explicit,laga,laga2d",
+                                             "--head-groups", "2"])
+    check_models(doc, "laga2d real")
+    ex, lg, l2 = doc["forms"]
+    check(l2["form"] == "laga2d", "the form's name")
+    d = l2["max_abs_diff"]
+    for q in ("out", "dx", "grad"):
+        check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
+              f"laga2d {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+    check(lg["attention_flops_forward_min"] == 0, "laga at P 8 > H 4 leaves ranks idle")
+    lo, hi = l2["attention_flops_forward_min"], l2["attention_flops_forward_max"]
+    check(0 < lo and hi / lo <= 1.10, f"laga2d balance {hi / lo}")
+    note = next(n for n in doc["notes"] if n.startswith("laga2d:"))
+    check("2 head groups x 4 context groups" in note, note)
+
+    # DeepSeek-V3: at P 8 the default rule gives Ph = 8 = P, laga's bytes.
+    v3 = compare_json(laga, scratch, "v3_8", ["--preset", "deepseek-v3", "--count-only", "--forms",
+                                              "laga,laga2d", "--seq", "4096", "--sp", "8"])
+    check_models(v3, "V3 P 8")
+    lg, l2 = v3["forms"]
+    for key in ("bytes_sent_forward", "bytes_sent_backward", "bytes_sent_grad_sync"):
+        check(lg[key] == l2[key], f"V3 P 8 laga2d at Ph = P moves laga's {key}")
+    v3 = compare_json(laga, scratch, "v3_64", ["--preset", "deepseek-v3", "--count-only",
+                                               "--forms", "laga2d", "--head-groups", "16",
+                                               "--seq", "4096", "--sp", "64"])
+    check_models(v3, "V3 P 64 Ph 16")
+    f = v3["forms"][0]
+    check(f["attention_flops_forward_max"] / f["attention_flops_forward_min"] <= 1.10,
+          "V3 P 64 Ph 16 balance")
+    run(laga, ["--preset", "tiny", "--sp", "8", "--seq", "32", "--forms", "laga",
+               "--head-groups", "2"], expect_rc=2)
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "compare_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"tiny": case_tiny, "modes": case_modes, "default": case_default,
-     "errors": case_errors, "q_latent": case_q_latent}[case](laga, scratch)
+     "errors": case_errors, "q_latent": case_q_latent, "laga2d": case_laga2d}[case](laga, scratch)
     print(f"compare {case}: ok")
 
 
