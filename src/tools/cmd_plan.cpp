@@ -30,6 +30,7 @@ struct PlanOptions {
   int nodes = 0;
   std::string dtype = "bf16", link, json, forms = "all", attention = "flash";
   bool q_latent = false, quiet = false;
+  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
 };
 
 std::vector<std::int64_t> parse_seq_list(const std::string& s) {
@@ -183,7 +184,7 @@ void run_plan(const PlanOptions& o) {
   q.batch = o.batch;
   q.seqs = parse_seq_list(o.seq);
   q.sps = parse_int_list(o.sp, "--sp");
-  q.forms = form_variants(parse_form_list(o.forms), o.q_latent, q.cfg);
+  q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(o.dtype);
   if (o.profile == "this") {
@@ -258,6 +259,7 @@ void register_plan(CLI::App& app) {
   c->add_option("--forms", o->forms, "comma-separated forms (explicit, absorbed, laga), or all")
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent, "also plan laga+q-latent (needs q_lora_rank > 0)");
+  add_head_groups_option(*c, o->head_groups);
   c->add_option("--attention", o->attention, "attention kernel: flash or eager")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
