@@ -238,6 +238,16 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
 
 namespace {
 
+// The model's context for the options' form, attention, query exchange, head
+// groups and overlap: one construction for train_rank and its count-only run
+// (predict_train_memory), so the two run the same model.
+LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& comm,
+                     const RopeTable& rope) {
+  LmContext ctx{o.model, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
+  ctx.overlap = o.overlap;
+  return ctx;
+}
+
 // What a rank keeps for the whole run, allocated in this order by train_rank
 // and by its count-only run (predict_train_memory): parameters, the AdamW
 // moments (zero) and the gradient accumulators.
@@ -345,8 +355,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
-  ctx.overlap = o.overlap;
+  const LmContext ctx = lm_context(o, layout, comm, rope);
   const TokenSource source = make_source(o);
   const int r = comm.rank();
   const std::int64_t B = o.batch, S = o.seq;
@@ -461,8 +470,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     PoolScope scope(pool);
     DryRunCommunicator comm(r, o.sp, staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
-    LmContext ctx{cfg, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
-    ctx.overlap = o.overlap;
+    const LmContext ctx = lm_context(o, layout, comm, rope);
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();
