@@ -42,14 +42,15 @@ Overlap parse_overlap(const std::string& s) {
 }
 
 bool form_overlaps(Form f) {
-  return f == Form::laga;
+  return f == Form::laga || f == Form::laga2d;
 }
 
 void check_overlap(FormVariant v) {
   LAGA_CHECK(v.overlap == Overlap::off || form_overlaps(v.form),
-             "--overlap on applies to the laga form (it overlaps the latent all-gather and its "
-             "reduce-scatter with compute); the ",
-             to_string(v.form), " form has no overlapped path: use --form laga or --overlap off");
+             "--overlap on applies to the laga and laga2d forms (they overlap the latent "
+             "all-gather and its reduce-scatter with compute); the ",
+             to_string(v.form),
+             " form has no overlapped path: use --form laga or laga2d, or --overlap off");
 }
 
 std::string to_string(FormVariant v) {
@@ -59,9 +60,9 @@ std::string to_string(FormVariant v) {
 
 void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
   if (v.queries == QueryExchange::heads) return;
-  const char* what = "--q-latent applies to the laga form with q_lora_rank > 0; ";
-  LAGA_CHECK(v.form == Form::laga, what, "not to the ", to_string(v.form),
-             " form, which sends per-head queries: use --form laga or drop --q-latent");
+  const char* what = "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; ";
+  LAGA_CHECK(v.form == Form::laga || v.form == Form::laga2d, what, "not to the ", to_string(v.form),
+             " form, which sends per-head queries: use --form laga or laga2d, or drop --q-latent");
   LAGA_CHECK(cfg.q_lora_rank > 0, what,
              "the config has q_lora_rank 0 (queries come from wq directly: there is no query "
              "latent to gather); give q_lora_rank > 0 (--preset deepseek-v3, a --config with "
@@ -113,6 +114,7 @@ Step::Step(const BlockContext& c) : ctx(c) {
     Sq = grid.query_rows(c.comm.rank()), Sk = grid.key_end(c.comm.rank());
     query_ranges = grid.queries[r];
     attention = Placement::query_chunks(grid);
+    attends_all_queries = grid.context_groups == 1;
   } else {
     attention = Placement::head_shards(lay);
   }
@@ -452,6 +454,119 @@ void Pieces<T>::merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dkm, op
 }
 
 template <class T>
+typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaParams<T>& w,
+                                                   const Tensor<T>& x) {
+  using P = Pieces<T>;
+  const bool latent = st.ctx.queries == QueryExchange::latent;
+  Qkv r;
+  Tensor<T> q;  // per-head queries of local tokens (B, L, H*dqk), until their all-to-all
+  if (st.ctx.overlap == Overlap::on) {
+    // The latent first: its all-gather is on the link while the queries are
+    // projected (their own collective queues behind it); waited for only
+    // where the up-projection reads it.
+    PendingCollective lat_ag;
+    {
+      Tensor<T> c_hat = P::project_latent(st, w, x, in, "c_hat");
+      lat = P::gather_latent(st, c_hat, in.kv_a, &lat_ag);
+    }
+    if (latent) {
+      r.q_h = exchange_query_latent(st, w, x);
+    } else {
+      q = P::project_q(st, w, x, in);
+      r.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
+    }
+    st.ctx.comm.wait(lat_ag);
+  } else {
+    if (latent)
+      r.q_h = exchange_query_latent(st, w, x);
+    else
+      q = P::project_q(st, w, x, in);
+    Tensor<T> c_hat = P::project_latent(st, w, x, in, "c_hat");
+    if (!latent) r.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
+    lat = P::gather_latent(st, c_hat, in.kv_a);
+  }
+  P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
+  return r;
+}
+
+template <class T>
+void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                             Tensor<T>& dq_h, Tensor<T>& dk_h, Tensor<T>& dv_h, Tensor<T>& dx,
+                             MlaParams<T>& grads) {
+  using P = Pieces<T>;
+  Tensor<T> dq = st.ctx.queries == QueryExchange::latent
+                     ? query_latent_backward(st, w, dq_h, grads)
+                     : P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+  Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
+  lat.reset();
+  // Overlap: the reduce-scatter is on the link while the query path's
+  // backward runs (project_in_backward waits for it before the latent's).
+  PendingCollective dlat_rs;
+  PendingCollective* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
+  Tensor<T> dlat_loc = P::reduce_latent(st, dlat, started);
+  P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads, started);
+}
+
+namespace {
+// wq_b's rows of this rank's heads: (H_r dqk, rq).
+template <class T>
+ops::Mat<T> own_rows(const Step& st, Tensor<T>& wq_b) {
+  return mat(wq_b).row_range(st.h0 * st.dqk, st.Hr * st.dqk);
+}
+template <class T>
+ops::Mat<const T> own_rows(const Step& st, const Tensor<T>& wq_b) {
+  return mat(wq_b).row_range(st.h0 * st.dqk, st.Hr * st.dqk);
+}
+// The rope columns of q_h or dq_h (B Sq rows, H_r heads of dqk); a rank
+// without heads has none to rotate.
+template <class T>
+void rotate_queries(const Step& st, Tensor<T>& q_h, bool inverse) {
+  if (st.Hr == 0) return;
+  st.rope_queries(mat(q_h, st.B * st.Sq, st.Hr * st.dqk).col_range(st.dn, st.Hr * st.dqk - st.dn),
+                  st.Hr, st.dqk, inverse);
+}
+}  // namespace
+
+template <class T>
+Tensor<T> LagaInputs<T>::exchange_query_latent(const Step& st, const MlaParams<T>& w,
+                                               const Tensor<T>& x) {
+  Pieces<T>::project_q_latent(st, w, x, in);
+  qn_q = Tensor<T>({st.B, st.Sq, st.rq}, "qn_q");
+  if (st.attends_all_queries)
+    gather_seq(st.ctx.comm, st.ctx.layout, in.qn.data(), qn_q.data(), st.rq, "q_latent_ag");
+  else
+    redistribute(st.ctx.comm, st.B, st.tokens.rows_only(), st.attention.rows_only(), in.qn.data(),
+                 qn_q.data(), st.rq, "q_latent_a2a");
+  in.qn.reset();  // its rows are in qn_q, where wq_b's gradient reads them
+  Tensor<T> q_h({st.B, st.Sq, st.Hr, st.dqk}, "q_h");
+  ops::gemm(mat(q_h, st.B * st.Sq, st.Hr * st.dqk), T(0), mat(std::as_const(qn_q)), false,
+            own_rows(st, w.wq_b), true);
+  rotate_queries(st, q_h, false);
+  return q_h;
+}
+
+template <class T>
+Tensor<T> LagaInputs<T>::query_latent_backward(const Step& st, const MlaParams<T>& w,
+                                               Tensor<T>& dq_h, MlaParams<T>& grads) {
+  rotate_queries(st, dq_h, true);
+  const ops::Mat<const T> dq_m = mat(std::as_const(dq_h), st.B * st.Sq, st.Hr * st.dqk);
+  // wq_b's gradient first, so that qn_q is gone before d qn_q (both
+  // (B, Sq, rq)) exists.
+  ops::gemm(own_rows(st, grads.wq_b), T(1), dq_m, true, mat(std::as_const(qn_q)), false);
+  qn_q.reset();
+  Tensor<T> dqn_q({st.B, st.Sq, st.rq}, "dqn_q");
+  ops::gemm(mat(dqn_q), T(0), dq_m, false, own_rows(st, w.wq_b), false);
+  dq_h.reset();
+  Tensor<T> dqn({st.B, st.L, st.rq}, "dqn");
+  if (st.attends_all_queries)
+    reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dqn_q.data(), dqn.data(), st.rq, "q_latent_ag");
+  else
+    redistribute_sum(st.ctx.comm, st.B, st.attention.rows_only(), st.tokens.rows_only(),
+                     dqn_q.data(), dqn.data(), st.rq, "q_latent_a2a");
+  return dqn;
+}
+
+template <class T>
 void HeadAttention<T>::forward(const Step& st, const MlaParams<T>& w, Tensor<T>& out,
                                Tensor<T>& o_loc) {
   o_att = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "o_att");
@@ -475,6 +590,8 @@ typename HeadAttention<T>::Grads HeadAttention<T>::backward(const Step& st, Tens
 
 template struct HeadAttention<float>;
 template struct HeadAttention<double>;
+template struct LagaInputs<float>;
+template struct LagaInputs<double>;
 
 template struct Pieces<float>;
 template struct Pieces<double>;

@@ -12,11 +12,11 @@
 //             query chunks over the keys up to its last query, so causal
 //             work is balanced and no rank idles when P > H
 //
-// laga with q_lora_rank > 0 may exchange the queries another way
-// (QueryExchange::latent, `--q-latent`): all-gather the normalised query
-// latent q_norm(wq_a x), rq wide per token, instead of all-to-alling per-head
-// Q, H dqk wide, and apply wq_b for the rank's own heads over the full
-// sequence.
+// laga and laga2d with q_lora_rank > 0 may exchange the queries another way
+// (QueryExchange::latent, `--q-latent`): move the normalised query latent
+// q_norm(wq_a x), rq wide per token, instead of per-head Q, H dqk wide, and
+// apply wq_b for the rank's own heads over its query rows (laga all-gathers
+// it over the full sequence; laga2d sends each context group its rows).
 //
 // x and out are the rank's seq shard (B, L_r, D). Forward fills MlaSaved with
 // what backward needs; backward consumes (and frees) it, writes dx (B, L_r, D)
@@ -53,15 +53,18 @@ AttentionKind parse_attention(const std::string& s);  // "eager" | "flash"
 
 // How the queries reach the rank that owns their heads (docs/forms.md):
 //   heads   q (B, L_r, H dqk) all-to-all seq->head, every form (label q_a2a)
-//   latent  laga only, q_lora_rank > 0: qn = q_norm(wq_a x) (B, L_r, rq)
-//           all-gathered to (B, S, rq) (label q_latent_ag), then
-//           q_h = qn wq_b[own heads' rows]^T locally. Fewer bytes while
-//           P rq < H dqk (query_latent_crossover, comm_model.hpp).
+//   latent  laga and laga2d, q_lora_rank > 0: qn = q_norm(wq_a x)
+//           (B, L_r, rq) all-gathered to (B, S, rq) (label q_latent_ag;
+//           laga2d with Pc > 1: sent to its context group's query rows
+//           (B, Sq, rq), q_latent_a2a), then q_h = qn wq_b[own heads'
+//           rows]^T locally. laga sends fewer bytes while P rq < H dqk
+//           (query_latent_crossover, comm_model.hpp); laga2d while
+//           rq < H_g dqk (query_exchange_cost).
 enum class QueryExchange { heads, latent };
 const char* to_string(QueryExchange q);
 QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
 
-// Whether the laga form overlaps its latent collectives with compute
+// Whether laga and laga2d overlap their latent collectives with compute
 // (docs/forms.md, "Overlap", `--overlap on|off`). On: forward starts the
 // latent all-gather before the query projection and its all-to-all and
 // waits for it only at the up-projection; backward starts the latent
@@ -71,7 +74,7 @@ QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
 enum class Overlap { off, on };
 const char* to_string(Overlap o);
 Overlap parse_overlap(const std::string& s);  // "off" | "on"
-// The forms with an overlapped path (laga); on any other, Overlap::on is an
+// The forms with an overlapped path (laga, laga2d); on any other, Overlap::on is an
 // error naming the form.
 bool form_overlaps(Form f);
 
@@ -83,7 +86,7 @@ struct FormVariant {
   Form form = Form::laga;
   QueryExchange queries = QueryExchange::heads;
   int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
-  Overlap overlap = Overlap::off;  // on: laga only (form_overlaps)
+  Overlap overlap = Overlap::off;  // on: laga and laga2d only (form_overlaps)
   FormVariant() = default;
   FormVariant(Form f, QueryExchange q = QueryExchange::heads,  // NOLINT: a Form is a variant
               int groups = 0)
@@ -96,7 +99,7 @@ void check_overlap(FormVariant v);
 std::string to_string(FormVariant v);  // "laga", "laga+q-latent" (the head groups are not named)
 
 // Throws laga::Error when the query exchange does not apply: latent needs the
-// laga form (explicit and absorbed have no per-head up-projection of queries
+// laga or laga2d form (explicit and absorbed have no per-head up-projection of queries
 // to move after the wire) and q_lora_rank > 0 (without it there is no query
 // latent, only wq).
 void check_query_exchange(const MlaConfig& cfg, FormVariant v);
@@ -117,9 +120,9 @@ struct BlockContext {
   // Packed sequences (mla/documents.hpp): attention stays inside each
   // document and RoPE positions restart at each. Null: one document per row.
   const Documents* documents = nullptr;
-  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 only
+  QueryExchange queries = QueryExchange::heads;  // latent: laga, laga2d with q_lora_rank > 0
   int head_groups = 0;             // laga2d only: Ph (0: HeadContextGrid::default_head_groups)
-  Overlap overlap = Overlap::off;  // on: laga only (form_overlaps)
+  Overlap overlap = Overlap::off;  // on: laga and laga2d only (form_overlaps)
 };
 
 namespace detail {

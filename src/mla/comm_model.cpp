@@ -33,14 +33,16 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
     return n;
   };
   // seq->head all-to-all of width d: this rank sends every peer its tokens
-  // that the peer attends, for the peer's heads, and receives its own heads of
-  // the tokens it attends from every peer.
-  auto seq_to_head = [&](std::int64_t d) {
+  // that the peer attends, for the peer's heads (per_head; else the one row
+  // of width d, laga2d's query latent), and receives its own heads of the
+  // tokens it attends from every peer.
+  auto seq_to_head = [&](std::int64_t d, bool per_head = true) {
+    auto heads = [&](int j) { return per_head ? attended_heads(j) : 1; };
     PredictedBytes b;
     for (int j = 0; j < P; ++j) {
       if (j == r) continue;
-      b.sent += B * attended_tokens(r, j) * attended_heads(j) * d * e;
-      b.received += B * attended_tokens(j, r) * attended_heads(r) * d * e;
+      b.sent += B * attended_tokens(r, j) * heads(j) * d * e;
+      b.received += B * attended_tokens(j, r) * heads(r) * d * e;
     }
     return b;
   };
@@ -68,10 +70,14 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
     slot.received += b.received;
     slot.calls += 1;
   };
-  // The queries: per head seq->head, or (laga --q-latent) the rq-wide
-  // normalised query latent all-gathered.
+  // The queries: per head seq->head, or (--q-latent) the rq-wide normalised
+  // query latent all-gathered, or (laga2d with Pc > 1) sent to the ranks
+  // that attend its tokens (each head group of the context group a copy).
   const std::int64_t rq = c.q_lora_rank;
-  if (q_latent)
+  const bool q_latent_a2a = q_latent && grid && g.context_groups > 1;
+  if (q_latent_a2a)
+    add(Phase::forward, "q_latent_a2a", seq_to_head(rq, false), CollectiveKind::all_to_all);
+  else if (q_latent)
     add(Phase::forward, "q_latent_ag", all_gather(rq), CollectiveKind::all_gather);
   else
     add(Phase::forward, "q_a2a", seq_to_head(dqk), CollectiveKind::all_to_all);
@@ -84,9 +90,12 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
   add(Phase::forward, "out_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
   if (backward) {
     add(Phase::backward, "out_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
-    if (q_latent)
+    if (q_latent_a2a) {
+      const PredictedBytes f = seq_to_head(rq, false);
+      add(Phase::backward, "q_latent_a2a", {f.received, f.sent}, CollectiveKind::all_to_all);
+    } else if (q_latent) {
       add(Phase::backward, "q_latent_ag", reduce_scatter(rq), CollectiveKind::reduce_scatter);
-    else
+    } else
       add(Phase::backward, "q_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
     if (form == Form::explicit_form) {
       add(Phase::backward, "k_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);

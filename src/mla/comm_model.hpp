@@ -21,6 +21,11 @@
 // laga2d (HeadContextGrid): q_a2a and out_a2a move each (token, head)
 // element to the rank that attends it, sum_{j!=r} B |shard_r ∩ queries_j|
 // H_g(j) d e sent (received: the same with r and j swapped); latent_ag as laga.
+// laga2d --q-latent with Pc > 1: q_latent_a2a sends each peer the query
+// latent of its tokens that the peer attends, sum_{j!=r} B |shard_r ∩
+// queries_j| rq e (every head group of a context group gets a copy);
+// backward the reverse, the copies' gradients summed by the tokens' owner.
+// At Pc = 1 it is laga's q_latent_ag.
 // Each (phase, label) is one collective call per block step (calls = 1).
 #pragma once
 

@@ -80,6 +80,14 @@ Placement Placement::query_chunks(const HeadContextGrid& g) {
   return p;
 }
 
+Placement Placement::rows_only() const {
+  Placement p;
+  p.tokens = tokens;
+  p.head_offset.assign(tokens.size(), 0);
+  p.head_count.assign(tokens.size(), 1);
+  return p;
+}
+
 namespace {
 
 // The pieces rank `a` of `from` sends rank `b` of `to`, in the order both
@@ -138,11 +146,26 @@ Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
   return ps;
 }
 
-}  // namespace
-
+// dst's (B, rows, heads, d) block += src's, laid out as copy_block's.
 template <class T>
-void redistribute(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
-                  const T* src, T* dst, std::int64_t d, const std::string& label) {
+void add_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_heads,
+               std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
+               std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
+               std::int64_t heads, std::int64_t d) {
+  if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t l = 0; l < rows; ++l) {
+      T* y = dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d;
+      const T* x = src + ((b * src_rows + src_row0 + l) * src_heads + src_h0) * d;
+      for (std::int64_t i = 0; i < heads * d; ++i) y[i] += x[i];
+    }
+}
+
+// redistribute (sum: false) and redistribute_sum (true): the same pieces and
+// collective; the adjoint adds what it receives into a zeroed dst.
+template <class T>
+void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
+                     const T* src, T* dst, std::int64_t d, const std::string& label, bool sum) {
   const int P = comm.size(), r = comm.rank();
   LAGA_CHECK(from.tokens.size() == u(P) && to.tokens.size() == u(P), "internal: redistribute '",
              label, "' between placements of ", from.tokens.size(), " and ", to.tokens.size(),
@@ -178,15 +201,34 @@ void redistribute(Communicator& comm, std::int64_t B, const Placement& from, con
   }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   send.reset();
+  // Summing: every element of dst has at least one copy, but zero it so that
+  // each is the sum of its copies alone, in the senders' rank order.
+  if (sum && dst) std::fill(dst, dst + B * to_rows * to_heads * d, T(0));
   for (int i = 0; i < P; ++i) {
     const Transfer& ps = in[u(i)];
     std::int64_t off = rd[u(i)];
     for (const Piece& p : ps.pieces) {
-      copy_block(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst, to_rows, p.to_row, to_heads,
-                 ps.to_h0, B, p.t.size(), ps.heads, d);
+      (sum ? add_block<T> : copy_block<T>)(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst,
+                                           to_rows, p.to_row, to_heads, ps.to_h0, B, p.t.size(),
+                                           ps.heads, d);
       off += B * p.t.size() * ps.heads * d;
     }
   }
+}
+
+}  // namespace
+
+template <class T>
+void redistribute(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
+                  const T* src, T* dst, std::int64_t d, const std::string& label) {
+  exchange_pieces(comm, B, from, to, src, dst, d, label, false);
+}
+
+template <class T>
+void redistribute_sum(Communicator& comm, std::int64_t B, const Placement& from,
+                      const Placement& to, const T* src, T* dst, std::int64_t d,
+                      const std::string& label) {
+  exchange_pieces(comm, B, from, to, src, dst, d, label, true);
 }
 
 template <class T>
@@ -275,6 +317,9 @@ PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& l
 #define LAGA_INSTANTIATE(T)                                                                        \
   template void redistribute<T>(Communicator&, std::int64_t, const Placement&, const Placement&,   \
                                 const T*, T*, std::int64_t, const std::string&);                   \
+  template void redistribute_sum<T>(Communicator&, std::int64_t, const Placement&,                 \
+                                    const Placement&, const T*, T*, std::int64_t,                  \
+                                    const std::string&);                                           \
   template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
                                const std::string&);                                                \
   template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \

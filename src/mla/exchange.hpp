@@ -10,7 +10,8 @@
 // gather_seq <-> reduce_scatter_seq. The two all-to-alls are cases of one
 // generalised all-to-all, redistribute, between any two placements of a
 // (B, S, H, d) tensor's (token, head) blocks on the ranks (laga2d moves its
-// queries and outputs with it). Staging buffers are counted as
+// queries and outputs with it, and its query latent with the replicating
+// case and its adjoint, redistribute_sum). Staging buffers are counted as
 // comm_buffers; at P 1, where both sides hold the same rows and heads, the
 // all-to-alls have none (src is already in dst's layout). Under a count-only pool (no storage)
 // nothing is packed or copied, but the collective is still issued so the ledger is exact.
@@ -37,19 +38,33 @@ struct Placement {
   static Placement seq_shards(const SpLayout& lay);         // (B, L_r, H, d): my tokens
   static Placement head_shards(const SpLayout& lay);        // (B, S, H_r, d): my heads
   static Placement query_chunks(const HeadContextGrid& g);  // laga2d: my queries, my heads
+  // The same tokens of a tensor without heads, (B, S, 1, d): every rank
+  // holds the one head (laga2d's query latent, in its query rows).
+  Placement rows_only() const;
 };
 
 // The generalised all-to-all: src in `from`'s placement on this rank, dst in
 // `to`'s; each (token, head) element moves from the rank that holds it in
-// `from` to the one that holds it in `to`. Every element must be held once
-// in both (the ranges and heads of each tile the tensor). Rank r sends rank j
-// the intersection of its tokens and heads with j's, piece by piece: for
-// each range of r's in order, for each range of j's in order, a
-// (B, n, heads, d) block.
+// `from` to every rank that holds it in `to`. `from` must hold every element
+// once (its ranges and heads tile the tensor); `to` must hold every element
+// at least once, and a rank of it gets its own copy of an element that
+// another holds too (laga2d's query latent: every head group of a context
+// group receives that group's query rows). Rank r sends rank j the
+// intersection of its tokens and heads with j's, piece by piece: for each
+// range of r's in order, for each range of j's in order, a (B, n, heads, d)
+// block.
 template <class T>
 void redistribute(Communicator& comm, std::int64_t batch, const Placement& from,
                   const Placement& to, const T* src, T* dst, std::int64_t d,
                   const std::string& label);
+// Its adjoint: `from` may hold an element on several ranks, `to` holds it
+// once, and dst's element is the sum of its copies, added in ascending rank
+// order of their holders (so every transport gives the same bits). With
+// `from` holding each element once it is redistribute.
+template <class T>
+void redistribute_sum(Communicator& comm, std::int64_t batch, const Placement& from,
+                      const Placement& to, const T* src, T* dst, std::int64_t d,
+                      const std::string& label);
 
 template <class T>
 void seq_to_head(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t d,

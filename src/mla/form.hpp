@@ -35,11 +35,15 @@ struct Step {
   std::int64_t Sq, Sk;                   // the attention's query rows and key rows on this rank
   std::vector<TokenRange> query_ranges;  // laga2d: its ranges (Sq rows); else [0, S)
   Placement tokens, attention;
+  // Every rank attends every query row (every form but laga2d with Pc > 1):
+  // the query latent's exchange is then an all-gather, else a redistribute
+  // to the context groups' query rows.
+  bool attends_all_queries = true;
   // Packed sequences, made only when kernels will read them (not in a
   // count-only run): each token's document start (B, S), each local token's
   // in-document RoPE position (B, L), and, for the query-latent exchange
-  // (which rotates the queries of every token), every token's (B, S). Empty:
-  // one document per row, token t at position t.
+  // (which rotates the queries of the attention's rows), every token's
+  // (B, S). Empty: one document per row, token t at position t.
   std::vector<std::int64_t> doc_start, positions, seq_positions;
   explicit Step(const BlockContext& ctx);
   // Causal attention over this rank's heads, full sequence, head dims;
@@ -56,13 +60,20 @@ struct Step {
     ops::rope(x, B, L, heads, head_stride, pos0, positions.empty() ? nullptr : positions.data(),
               ctx.rope, inverse);
   }
-  // The same for every token of the sequence: x has B S rows (the
-  // query-latent exchange's q_h of this rank's heads).
+  // The same for the attention's query rows: x has B Sq rows, each batch
+  // row's query ranges one after the other (the query-latent exchange's q_h
+  // of this rank's heads). One call when they are the whole sequence.
   template <class T>
-  void rope_sequence(ops::Mat<T> x, std::int64_t heads, std::int64_t head_stride,
-                     bool inverse) const {
-    ops::rope(x, B, S, heads, head_stride, 0,
-              seq_positions.empty() ? nullptr : seq_positions.data(), ctx.rope, inverse);
+  void rope_queries(ops::Mat<T> x, std::int64_t heads, std::int64_t head_stride,
+                    bool inverse) const {
+    const std::int64_t* pos = seq_positions.empty() ? nullptr : seq_positions.data();
+    if (Sq == S) return ops::rope(x, B, S, heads, head_stride, 0, pos, ctx.rope, inverse);
+    for (std::int64_t b = 0, row = 0; b < B; ++b)
+      for (const TokenRange& q : query_ranges) {
+        ops::rope(x.row_range(row, q.size()), 1, q.size(), heads, head_stride, q.begin,
+                  pos ? pos + b * S + q.begin : nullptr, ctx.rope, inverse);
+        row += q.size();
+      }
   }
 };
 
@@ -206,6 +217,47 @@ struct Pieces {
   // (rows, dr) (added to what is there).
   static void merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dk, ops::In<T> dv,
                         ops::Mat<T> dkv, ops::Mat<T> dk_pe);
+};
+
+// The input side laga and laga2d share (docs/forms.md, "laga", "laga2d"):
+// the queries of local tokens moved to the attention's rows and this rank's
+// heads, and the latent [c_hat | k_pe] all-gathered and up-projected to
+// this rank's heads over keys [0, Sk).
+//   queries, per head (QueryExchange::heads): q (B, L, H dqk) -> q_a2a ->
+//     q_h (B, Sq, H_r, dqk);
+//   or the query latent (QueryExchange::latent): qn (B, L, rq) -> qn_q
+//     (B, Sq, rq) of the attention's rows (all-gathered, q_latent_ag, when
+//     they are every row; else redistributed to the context groups,
+//     q_latent_a2a), then q_h = qn_q wq_b[own heads' rows]^T, rotated at
+//     those rows' positions: the same FLOPs as wq_b of all heads on local
+//     tokens when Sq H_r = L H;
+//   latent: [c_hat | k_pe] (B, L, C+dr) -> latent_ag -> lat (B, S, C+dr).
+// With Overlap::on the latent goes first and its all-gather is started
+// before the queries' projection and exchange, and waited for at the
+// up-projection; backward starts its reduce-scatter before the query
+// path's backward. The same collectives and arithmetic either way.
+template <class T>
+struct LagaInputs {
+  InputSaved<T> in;
+  Tensor<T> qn_q;  // latent exchange: (B, Sq, rq), what wq_b's gradient reads
+  Tensor<T> lat;   // (B, S, C+dr): [c_hat | k_pe] of every token
+  struct Qkv {
+    Tensor<T> q_h, k_h, v_h;  // (B, Sq, H_r, dqk), (B, Sk, H_r, dqk), (B, Sk, H_r, dv)
+  };
+  Qkv forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x);
+  // From the attention's gradients (freed) to dx and this side's parameter
+  // gradients; frees everything saved.
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& dq_h,
+                Tensor<T>& dk_h, Tensor<T>& dv_h, Tensor<T>& dx, MlaParams<T>& grads);
+
+ private:
+  // The latent exchange's forward: returns q_h; keeps qn_q.
+  Tensor<T> exchange_query_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x);
+  // Its backward: returns d qn (B, L, rq) of local tokens, summed over the
+  // ranks that attended them; wq_b's gradient of this rank's heads' rows
+  // added. Frees dq_h and qn_q.
+  Tensor<T> query_latent_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq_h,
+                                  MlaParams<T>& grads);
 };
 
 // The head attention explicit and laga share: attention over q_h, k_h, v_h

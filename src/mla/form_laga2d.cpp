@@ -10,6 +10,10 @@
 //   o (B, Sq, H_g, dv) = causal attention of each query range over its keys
 //   o                                -> (B, L, H dv)        out_a2a, then wo
 //
+// The input side is laga's (LagaInputs, form.hpp), with the query-latent
+// exchange (--q-latent: qn (B, L, rq) -> (B, Sq, rq), every head group of
+// a context group receiving its query rows, q_latent_a2a) and overlap.
+//
 // The mirrored chunks balance causal work: an early chunk's queries see few
 // keys, its mirror's many, and the pairs of chunk k grow with k, so chunk
 // c + chunk 2Pc-1-c is the same for every c (within the chunks' rounding).
@@ -23,11 +27,9 @@
 // groups' keys; grad_allreduce sums it.
 //
 // Saved for backward: the input projections' tensors, lat (B, S, C+dr),
-// q_h (B, Sq, H_g, dqk), k_h and v_h (B, Sk, H_g, .), the attention
-// statistics of every call (eager probabilities, flash lse and o), o_loc.
-//
-// The query-latent exchange (--q-latent) is laga's only: check_query_exchange
-// refuses it here.
+// (--q-latent) qn_q (B, Sq, rq), q_h (B, Sq, H_g, dqk), k_h and v_h
+// (B, Sk, H_g, .), the attention statistics of every call (eager
+// probabilities, flash lse and o), o_loc.
 #include <algorithm>
 
 #include "mla/form.hpp"
@@ -89,8 +91,7 @@ std::vector<AttnCall> attention_calls(const Step& st) {
 template <class T>
 struct Laga2dTape final : Tape<T> {
   using P = Pieces<T>;
-  InputSaved<T> in;
-  Tensor<T> lat;            // (B, S, C+dr): [c_hat | k_pe] of every token
+  LagaInputs<T> inputs;     // laga's input side, over this rank's query rows and keys
   Tensor<T> q_h, k_h, v_h;  // (B, Sq, H_g, dqk), (B, Sk, H_g, dqk), (B, Sk, H_g, dv)
   Tensor<T> o_att;          // (B, Sq, H_g, dv): flash's backward reads it; eager's does not
   Tensor<T> stats;          // every call's, at AttnCall::stats
@@ -158,11 +159,7 @@ struct Laga2dTape final : Tape<T> {
     }
     stats.reset(), do_h.reset();
     q_h.reset(), k_h.reset(), v_h.reset(), o_att.reset();
-    Tensor<T> dq = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
-    Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
-    lat.reset();
-    Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
-    P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads);
+    inputs.backward(st, w, x, dq_h, dk_h, dv_h, dx, grads);
   }
 };
 
@@ -172,13 +169,8 @@ std::unique_ptr<Tape<T>> laga2d_forward(const Step& st, const MlaParams<T>& w, c
   using P = Pieces<T>;
   auto t = std::make_unique<Laga2dTape<T>>();
   t->calls = attention_calls(st);
-  Tensor<T> q = P::project_q(st, w, x, t->in);
-  {
-    Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
-    t->q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
-    t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
-  }
-  P::up_project_kv(st, w, t->lat, st.Sk, t->k_h, t->v_h);
+  auto [q_h, k_h, v_h] = t->inputs.forward(st, w, x);
+  t->q_h = std::move(q_h), t->k_h = std::move(k_h), t->v_h = std::move(v_h);
   t->attend(st);
   t->o_loc = P::project_out(st, w, t->o_att, out);
   if (st.ctx.attention == AttentionKind::eager) t->o_att.reset();  // only flash's backward reads o

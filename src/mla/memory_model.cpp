@@ -90,9 +90,13 @@ std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay
   // o_loc for wo's gradient.
   std::int64_t n = B * L * D + B * L * W + B * L + B * L * H * dv;
   if (rq > 0) n += 2 * B * L * rq + B * L;
-  // laga --q-latent: the gathered qn of every token (B, S, rq), which wq_b's
-  // gradient reads, replaces the local tokens' qn (B, L, rq).
-  if (variant.queries == QueryExchange::latent) n += B * S * rq - B * L * rq;
+  // --q-latent: the exchanged qn of the attention's query rows (B, Sq, rq),
+  // which wq_b's gradient reads, replaces the local tokens' qn (B, L, rq);
+  // Sq = S but in laga2d.
+  if (variant.queries == QueryExchange::latent) {
+    const std::int64_t Sq = form == Form::laga2d ? laga2d_grid(lay, variant).query_rows(rank) : S;
+    n += B * Sq * rq - B * L * rq;
+  }
   switch (form) {
     case Form::explicit_form:
     case Form::laga: {

@@ -4,7 +4,8 @@
 // and attention kind at P = 2 and 3 (ranks as threads, uneven shards, a rank
 // with no head): there the analytic gradient is the all-reduced one of the
 // whole sequence-parallel step and the loss is the group's assembled output.
-// laga with the query-latent exchange (rq > 0) under all of these too.
+// laga and laga2d with the query-latent exchange (rq > 0) under all of these
+// too.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -98,9 +99,11 @@ std::vector<GradCase> cases() {
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
   for (Form f : all_forms()) v.push_back({"", 5, true, f, AttentionKind::flash});
-  for (bool yarn : {false, true})
-    v.push_back({"", 5, yarn, Form::laga, AttentionKind::eager, QueryExchange::latent});
-  v.push_back({"", 5, true, Form::laga, AttentionKind::flash, QueryExchange::latent});
+  for (Form f : {Form::laga, Form::laga2d}) {
+    for (bool yarn : {false, true})
+      v.push_back({"", 5, yarn, f, AttentionKind::eager, QueryExchange::latent});
+    v.push_back({"", 5, true, f, AttentionKind::flash, QueryExchange::latent});
+  }
   return v;
 }
 
@@ -166,10 +169,14 @@ std::vector<SpCase> sp_cases() {
       v.push_back({f, a, {3, 2}, {2, 1}});
       v.push_back({f, a, {2, 2, 1}, {2, 0, 1}});  // rank 1 owns no head
     }
-  for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
-    v.push_back({Form::laga, a, {3, 2}, {2, 1}, QueryExchange::latent});
-    v.push_back({Form::laga, a, {2, 2, 1}, {2, 0, 1}, QueryExchange::latent});
-  }
+  // laga2d's default grid is Ph = gcd(3, P): at P 2 one head group of two
+  // context groups (the query latent sent to each group's chunks), at P 3
+  // laga's own (all-gathered).
+  for (Form f : {Form::laga, Form::laga2d})
+    for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+      v.push_back({f, a, {3, 2}, {2, 1}, QueryExchange::latent});
+      v.push_back({f, a, {2, 2, 1}, {2, 0, 1}, QueryExchange::latent});
+    }
   return v;
 }
 

@@ -60,15 +60,19 @@ TEST(CommModel, OneCallPerLabelAndPhase) {
   std::vector<FormVariant> variants;
   for (Form f : all_forms()) variants.push_back(f);
   variants.push_back({Form::laga, QueryExchange::latent});
+  variants.push_back({Form::laga2d, QueryExchange::latent, 3});  // Pc 1: all-gathered
+  variants.push_back({Form::laga2d, QueryExchange::latent, 1});  // Pc 3: sent to the chunks
   for (FormVariant f : variants) {
     const CommPrediction p = predict_comm(cfg, lay, f, 1, 4, true, true);
     // forward and backward: q (per head, or its latent), out and (explicit)
     // k, v or (else) the latent; plus the gradient all-reduce.
     EXPECT_EQ(p.size(), f.form == Form::explicit_form ? 9u : 7u) << to_string(f);
     const bool latent = f.queries == QueryExchange::latent;
+    const bool to_chunks = latent && f.form == Form::laga2d && f.head_groups == 1;
     for (Phase ph : {Phase::forward, Phase::backward}) {
       EXPECT_EQ(p.count({ph, "q_a2a"}), latent ? 0u : 1u) << to_string(f);
-      EXPECT_EQ(p.count({ph, "q_latent_ag"}), latent ? 1u : 0u) << to_string(f);
+      EXPECT_EQ(p.count({ph, "q_latent_ag"}), latent && !to_chunks ? 1u : 0u) << to_string(f);
+      EXPECT_EQ(p.count({ph, "q_latent_a2a"}), to_chunks ? 1u : 0u) << to_string(f);
     }
     for (const auto& [key, b] : p) EXPECT_EQ(b.calls, 1) << to_string(f) << " " << key.second;
   }
@@ -97,6 +101,37 @@ TEST(CommModel, QueryLatentAtDeepSeekV3) {
   EXPECT_EQ(p.at({Phase::backward, "q_latent_ag"}).sent, q_latent);
   EXPECT_EQ(p.at({Phase::backward, "q_latent_ag"}).received, q_latent);
   EXPECT_EQ(predicted_sent(p, Phase::backward), q_latent + latent + out);
+}
+
+// laga2d with one head group at DeepSeek-V3, S 4096, P 8 (Pc 8), by hand:
+// 16 chunks of 256 tokens, context group c attends chunks c and 15 - c; rank
+// 3 holds tokens [1536, 2048) = chunks 6 and 7, which ranks 6 and 7 attend,
+// and attends chunks 3 (held by rank 1) and 12 (rank 6). Per-head queries
+// move all 128 heads of those 512 rows; the query latent moves 1536 per row,
+// a copy to each rank that attends it (here one head group: one copy).
+TEST(CommModel, Laga2dQueryLatentAtDeepSeekV3) {
+  const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  const SpLayout lay = SpLayout::even(1, 4096, v3.n_heads, 8);
+  const auto at = [&](QueryExchange q, int groups, Phase ph, const char* label) {
+    return predict_comm(v3, lay, {Form::laga2d, q, groups}, 3, 4, true, true).at({ph, label});
+  };
+  const std::int64_t rows = 512, per_head = rows * 128 * 192 * 4, latent = rows * 1536 * 4;
+  EXPECT_EQ(at(QueryExchange::heads, 1, Phase::forward, "q_a2a").sent, per_head);
+  EXPECT_EQ(at(QueryExchange::heads, 1, Phase::forward, "q_a2a").received, per_head);
+  const PredictedBytes f = at(QueryExchange::latent, 1, Phase::forward, "q_latent_a2a");
+  EXPECT_EQ(f.sent, latent);
+  EXPECT_EQ(f.received, latent);
+  EXPECT_EQ(f.kind, CollectiveKind::all_to_all);
+  const PredictedBytes b = at(QueryExchange::latent, 1, Phase::backward, "q_latent_a2a");
+  EXPECT_EQ(b.sent, latent);
+  EXPECT_EQ(b.received, latent);
+  // Two head groups (Pc 4, 8 chunks of 512): rank 3 (group 0, context 3)
+  // holds chunk 3, which context group 3 attends: ranks 3 (itself) and 7
+  // get it, so one copy leaves; it attends chunks 3 (its own) and 4 (rank
+  // 4's): one chunk arrives.
+  const PredictedBytes g2 = at(QueryExchange::latent, 2, Phase::forward, "q_latent_a2a");
+  EXPECT_EQ(g2.sent, latent);
+  EXPECT_EQ(g2.received, latent);
 }
 
 // The crossover: query_exchange_cost is the per-token factor of the two

@@ -95,11 +95,13 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
   }
 }
 
-// Every form, and with rq > 0 laga with the query-latent exchange.
+// Every form, and with rq > 0 laga and laga2d with the query-latent
+// exchange.
 std::vector<FormVariant> variants(const MlaConfig& cfg) {
   std::vector<FormVariant> v;
   for (Form f : all_forms()) v.push_back(f);
-  if (cfg.q_lora_rank > 0) v.push_back({Form::laga, QueryExchange::latent});
+  if (cfg.q_lora_rank > 0)
+    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
   return v;
 }
 
@@ -209,13 +211,15 @@ TEST(Forms, QueryLatentIsRefusedWhereItDoesNotApply) {
   };
   for (Form f : {Form::explicit_form, Form::absorbed}) {
     const std::string msg = refusal(test_config(7), in7, f);
-    EXPECT_NE(msg.find("--q-latent applies to the laga form with q_lora_rank > 0"),
+    EXPECT_NE(msg.find("--q-latent applies to the laga and laga2d forms with q_lora_rank > 0"),
               std::string::npos)
         << msg;
     EXPECT_NE(msg.find(std::string("the ") + to_string(f) + " form"), std::string::npos) << msg;
   }
-  const std::string msg = refusal(test_config(0), in0, Form::laga);
-  EXPECT_NE(msg.find("q_lora_rank 0"), std::string::npos) << msg;
+  for (Form f : {Form::laga, Form::laga2d}) {
+    const std::string msg = refusal(test_config(0), in0, f);
+    EXPECT_NE(msg.find("q_lora_rank 0"), std::string::npos) << msg;
+  }
   EXPECT_THROW(
       predict_comm(test_config(0), lay, {Form::laga, QueryExchange::latent}, 0, 4, true, true),
       Error);
@@ -350,18 +354,20 @@ TEST_P(Laga2d, AgreesWithSingleRankExplicit) {
     const BlockRun<float> ref_packed = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
     for (int groups : gc.head_groups)
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
-          const FormVariant v{Form::laga2d, QueryExchange::heads, groups};
-          RunSpec run_spec = spec_of(v, a);
-          run_spec.documents = d;
-          const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
-          const std::string tag = "laga2d " + laga2d_grid(lay, v).describe() + " H " +
-                                  std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
-                                  to_string(a) + " " + lay.describe() +
-                                  (d ? " docs " + d->describe() : "");
-          expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
-          expect_ledger_matches_model(cfg, lay, v, run);
-        }
+        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs})
+          for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
+            if (q == QueryExchange::latent && rq == 0) continue;
+            const FormVariant v{Form::laga2d, q, groups};
+            RunSpec run_spec = spec_of(v, a);
+            run_spec.documents = d;
+            const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
+            const std::string tag = to_string(v) + " " + laga2d_grid(lay, v).describe() + " H " +
+                                    std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
+                                    to_string(a) + " " + lay.describe() +
+                                    (d ? " docs " + d->describe() : "");
+            expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
+            expect_ledger_matches_model(cfg, lay, v, run);
+          }
   }
 }
 
@@ -391,7 +397,8 @@ INSTANTIATE_TEST_SUITE_P(Grids, Laga2d, ::testing::ValuesIn(grid_cases()),
 
 // At one head group per rank (Ph = P) laga2d is laga: the same collectives
 // and bytes on every rank, and the same GEMMs and kernel calls, so the same
-// bits, on uneven layouts and with ranks that own no head.
+// bits, on uneven layouts and with ranks that own no head; with per-head
+// and latent queries.
 // The same collectives, calls and bytes per rank, phase and label.
 void expect_same_ledgers(const BlockRun<float>& a, const BlockRun<float>& b,
                          const std::string& tag) {
@@ -441,12 +448,15 @@ void for_each_bitwise_case(Fn&& fn) {
 TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
   for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
                            RunSpec spec, const std::string& tag) {
-    spec.set_variant(Form::laga);
-    const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-    spec.set_variant({Form::laga2d, QueryExchange::heads, lay.ranks});
-    const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-    expect_run_matches(grid, laga, 0.0, tag);
-    expect_same_ledgers(grid, laga, tag);
+    for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
+      if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
+      spec.set_variant({Form::laga, q});
+      const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      spec.set_variant({Form::laga2d, q, lay.ranks});
+      const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+      expect_run_matches(grid, laga, 0.0, std::string(to_string(q)) + " " + tag);
+      expect_same_ledgers(grid, laga, std::string(to_string(q)) + " " + tag);
+    }
   });
 }
 
@@ -467,8 +477,6 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
       << e;
   e = refusal({Form::laga2d, QueryExchange::heads, 3});
   EXPECT_NE(e.find("--head-groups 3 does not divide --sp 8"), std::string::npos) << e;
-  e = refusal({Form::laga2d, QueryExchange::latent});
-  EXPECT_NE(e.find("not to the laga2d form"), std::string::npos) << e;
   EXPECT_THROW(
       predict_comm(cfg, lay, {Form::explicit_form, QueryExchange::heads, 2}, 0, 4, true, true),
       Error);
@@ -477,12 +485,18 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
 // Overlap changes when the latent's collectives are waited for, and the
 // order of independent work around them, nothing else: out, dx and every
 // gradient bit for bit, the same collectives and bytes, for per-head and
-// latent queries, packed or not, eager and flash, uneven layouts and P > H.
+// latent queries, packed or not, eager and flash, uneven layouts and P > H;
+// laga, and laga2d at its default grid and at one head group (Pc = P).
 TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
   for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
                            RunSpec spec, const std::string& tag) {
-    std::vector<FormVariant> vs{Form::laga};
-    if (cfg.q_lora_rank > 0) vs.push_back({Form::laga, QueryExchange::latent});
+    std::vector<FormVariant> vs;
+    for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
+      if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
+      vs.push_back({Form::laga, q});
+      vs.push_back({Form::laga2d, q});
+      vs.push_back({Form::laga2d, q, 1});
+    }
     for (FormVariant v : vs) {
       spec.set_variant(v);
       const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
@@ -502,8 +516,8 @@ TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
     RunSpec spec = spec_of(f, AttentionKind::eager);
     spec.overlap = Overlap::on;
     const std::string e = test::error_of([&] { run_local(cfg, lay, in.w, in.x, in.dout, spec); });
-    EXPECT_NE(e.find(cat("--overlap on applies to the laga form (it overlaps the latent all-gather "
-                         "and its reduce-scatter with compute); the ",
+    EXPECT_NE(e.find(cat("--overlap on applies to the laga and laga2d forms (they overlap the "
+                         "latent all-gather and its reduce-scatter with compute); the ",
                          to_string(f), " form has no overlapped path")),
               std::string::npos)
         << e;

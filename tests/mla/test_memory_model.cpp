@@ -33,12 +33,14 @@ MlaConfig dims(std::int64_t D, std::int64_t H, std::int64_t C, std::int64_t dn, 
   return c;
 }
 
-// Every form, with rq > 0 laga with the query-latent exchange, and laga's
-// variants overlapped (another order of allocations: its own peaks).
+// Every form, with rq > 0 laga and laga2d with the query-latent exchange,
+// and laga's and laga2d's variants overlapped (another order of
+// allocations: their own peaks).
 std::vector<FormVariant> variants(const MlaConfig& cfg) {
   std::vector<FormVariant> v;
   for (Form f : all_forms()) v.push_back(f);
-  if (cfg.q_lora_rank > 0) v.push_back({Form::laga, QueryExchange::latent});
+  if (cfg.q_lora_rank > 0)
+    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
   const std::size_t n = v.size();
   for (std::size_t i = 0; i < n; ++i)
     if (form_overlaps(v[i].form)) {
@@ -120,8 +122,7 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     DryRunCommunicator comm(r, lay.ranks);
     RunSpec spec;
-    spec.form = f.form;
-    spec.queries = f.queries;
+    spec.set_variant(f);
     spec.attention = a;
     const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
     expect_matches(p, res.report.memory, where);
@@ -129,7 +130,8 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     // forward + backward alone, as cmd_compare measures it
     DryRunCommunicator comm(r, lay.ranks);
-    const BlockContext ctx{cfg, lay, comm, rope, f.form, a, nullptr, f.queries};
+    const BlockContext ctx{cfg, lay,     comm,      rope,          f.form,
+                           a,   nullptr, f.queries, f.head_groups, f.overlap};
     const std::int64_t off = lay.seq_offset[static_cast<size_t>(r)];
     const std::int64_t L = lay.seq_count[static_cast<size_t>(r)];
     const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
@@ -171,8 +173,9 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
         check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
   for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
     for (int r : {0, 255})
-      check_count_only(v3, SpLayout::even(1, 4096, v3.n_heads, 256), rope, r,
-                       {Form::laga, QueryExchange::latent}, a);
+      for (FormVariant v : {FormVariant{Form::laga, QueryExchange::latent},
+                            FormVariant{Form::laga2d, QueryExchange::latent, 16}})
+        check_count_only(v3, SpLayout::even(1, 4096, v3.n_heads, 256), rope, r, v, a);
 }
 
 // The paper's claims, through the model: laga within 1% of explicit, absorbed

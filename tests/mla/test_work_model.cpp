@@ -83,6 +83,18 @@ TEST(AttentionWork, Laga2dIsBalancedWithinTenPercent) {
         EXPECT_EQ(attention_balance(cfg, lay, Form::laga, nullptr), INFINITY);
       }
     }
+  // DeepSeek-V3's 128 heads under fewer head groups than ranks, so that the
+  // context groups split the causal work (the default rule gives Pc = 1
+  // there, where the balance is the heads' alone).
+  cfg.n_heads = 128;
+  for (int P : {8, 16, 64})
+    for (int groups : {1, 2, 8}) {
+      if (groups >= P) continue;
+      const SpLayout lay = SpLayout::even(1, 4096, 128, P);
+      const FormVariant v{Form::laga2d, QueryExchange::heads, groups};
+      ASSERT_GT(laga2d_grid(lay, v).context_groups, 1);
+      EXPECT_LE(attention_balance(cfg, lay, v, nullptr), 1.10) << "P " << P << " Ph " << groups;
+    }
   // An explicit head-group count that leaves the heads uneven (6 over 4
   // groups: 2+2+1+1) is as unbalanced as its heads: 2.
   cfg.n_heads = 6;
