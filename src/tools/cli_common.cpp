@@ -208,16 +208,18 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
                                        int head_groups, const MlaConfig& cfg, OverlapRuns overlap) {
   std::vector<FormVariant> v;
   for (Form f : forms) {
-    v.push_back({f, QueryExchange::heads, f == Form::laga2d ? head_groups : 0});
-    if (q_latent && f == Form::laga) v.push_back({f, QueryExchange::latent});
+    const int groups = f == Form::laga2d ? head_groups : 0;
+    v.push_back({f, QueryExchange::heads, groups});
+    if (q_latent && (f == Form::laga || f == Form::laga2d))
+      v.push_back({f, QueryExchange::latent, groups});
   }
   LAGA_CHECK(head_groups == 0 || std::find(forms.begin(), forms.end(), Form::laga2d) != forms.end(),
              "--head-groups applies to the laga2d form; --forms does not include it: add it "
              "(e.g. --forms laga,laga2d) or drop --head-groups");
   if (q_latent) {
     LAGA_CHECK(v.size() > forms.size(),
-               "--q-latent applies to the laga form with q_lora_rank > 0; --forms does not "
-               "include laga: add it (e.g. --forms explicit,laga) or drop --q-latent");
+               "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; --forms "
+               "includes neither: add one (e.g. --forms explicit,laga) or drop --q-latent");
     check_query_exchange(cfg, {Form::laga, QueryExchange::latent});
   }
   if (overlap == OverlapRuns::off) return v;
@@ -233,8 +235,8 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
   }
   LAGA_CHECK(std::any_of(out.begin(), out.end(),
                          [](const FormVariant& f) { return f.overlap == Overlap::on; }),
-             "--overlap applies to the laga form (it overlaps the latent's collectives with "
-             "compute); --forms does not include laga: add it or drop --overlap");
+             "--overlap applies to the laga and laga2d forms (they overlap the latent's "
+             "collectives with compute); --forms includes neither: add one or drop --overlap");
   return out;
 }
 

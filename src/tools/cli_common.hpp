@@ -73,7 +73,7 @@ std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or 
 // needs laga among the forms and q_lora_rank > 0, --head-groups laga2d;
 // otherwise a laga::Error says which is missing.
 // With `overlap` on, every variant of a form with an overlapped path
-// (laga) runs overlapped; with both, overlapped right after it as
+// (laga, laga2d) runs overlapped; with both, overlapped right after it as
 // "<variant>+overlap" (`--overlap off|on|both`).
 enum class OverlapRuns { off, on, both };
 OverlapRuns parse_overlap_runs(const std::string& s);

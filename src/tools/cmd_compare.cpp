@@ -31,15 +31,16 @@ void register_compare(CLI::App& app) {
                 "comma-separated forms to run (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
   c->add_option("--overlap", o->overlap,
-                "laga's latent collectives overlapped with compute: off, on (laga runs "
-                "overlapped) or both (laga+overlap right after each laga; with --link the "
-                "table shows what overlap hides)")
+                "laga's and laga2d's latent collectives overlapped with compute: off, on (they "
+                "run overlapped) or both (+overlap right after each; with --link the table "
+                "shows what overlap hides)")
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
-              "also run laga+q-latent right after laga: the normalised query latent (rq per "
-              "token) all-gathered instead of per-head Q (H*dqk) all-to-alled; needs laga among "
-              "--forms and q_lora_rank > 0. The notes say where it stops paying");
+              "also run laga+q-latent right after laga (and laga2d+q-latent after laga2d): the "
+              "normalised query latent (rq per token) moved instead of per-head Q (H*dqk); "
+              "needs laga or laga2d among --forms and q_lora_rank > 0. The notes say where it "
+              "stops paying");
   add_head_groups_option(*c, o->head_groups);
   c->add_option("--attention", o->attention,
                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "

@@ -189,12 +189,13 @@ void register_forward_command(CLI::App& app) {
       ->capture_default_str();
   add_head_groups_option(*sub, opts->head_groups);
   sub->add_flag("--q-latent", opts->q_latent,
-                "laga with q_lora_rank > 0: all-gather the normalised query latent (rq per token) "
-                "instead of all-to-alling per-head Q (H*dqk), and apply wq_b for the rank's own "
-                "heads (docs/forms.md)");
+                "laga or laga2d with q_lora_rank > 0: move the normalised query latent (rq per "
+                "token) instead of per-head Q (H*dqk), and apply wq_b for the rank's own heads "
+                "(docs/forms.md)");
   sub->add_option("--overlap", opts->overlap,
-                  "laga: on overlaps the latent all-gather (and in backward its reduce-scatter) "
-                  "with the query path's compute; the same bytes and results (docs/forms.md)")
+                  "laga, laga2d: on overlaps the latent all-gather (and in backward its "
+                  "reduce-scatter) with the query path's compute; the same bytes and results "
+                  "(docs/forms.md)")
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();

@@ -258,7 +258,8 @@ void register_plan(CLI::App& app) {
   c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
   c->add_option("--forms", o->forms, "comma-separated forms (explicit, absorbed, laga), or all")
       ->capture_default_str();
-  c->add_flag("--q-latent", o->q_latent, "also plan laga+q-latent (needs q_lora_rank > 0)");
+  c->add_flag("--q-latent", o->q_latent,
+              "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
   add_head_groups_option(*c, o->head_groups);
   c->add_option("--attention", o->attention, "attention kernel: flash or eager")
       ->check(CLI::IsMember({"eager", "flash"}))

@@ -243,11 +243,11 @@ void register_train(CLI::App& app) {
   add_head_groups_option(*sub, c->head_groups);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
   sub->add_flag("--q-latent", c->q_latent,
-                "laga with --q-lora-rank > 0: all-gather the normalised query latent instead of "
-                "all-to-alling per-head Q (docs/forms.md)");
+                "laga or laga2d with --q-lora-rank > 0: move the normalised query latent instead "
+                "of per-head Q (docs/forms.md)");
   sub->add_option("--overlap", c->overlap,
-                  "laga: on overlaps the latent all-gather and its reduce-scatter with the query "
-                  "path's compute (the same bytes and results; docs/forms.md)")
+                  "laga, laga2d: on overlaps the latent all-gather and its reduce-scatter with "
+                  "the query path's compute (the same bytes and results; docs/forms.md)")
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();

@@ -129,13 +129,20 @@ void run_verify(const VerifyOptions& o) {
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol << " (fp32)"
     << (docs ? "" : ", and laga and laga2d at P=1 must be bit-identical (|diff| = 0)") << "\n";
-  t << std::left << std::setw(15) << "form" << std::setw(4) << "P" << std::setw(38) << "shards"
+  // Columns as wide as their widest entry (laga2d+q-latent+overlap, a P 8
+  // grid's shards), one space after.
+  std::size_t form_w = 5, shards_w = 7;
+  for (const Row& r : rows)
+    form_w = std::max(form_w, r.form.size() + 1),
+    shards_w = std::max(shards_w, r.layout.size() + 1);
+  const int fw = int(form_w), sw = int(shards_w);
+  t << std::left << std::setw(fw) << "form" << std::setw(4) << "P" << std::setw(sw) << "shards"
     << std::right << std::setw(11) << "out |diff|" << std::setw(11) << "dx |diff|" << std::setw(12)
     << "grad |diff|" << std::setw(10) << "grad rel"
     << "  " << std::left << std::setw(16) << "worst grad"
     << "status\n";
   for (const Row& r : rows)
-    t << std::left << std::setw(15) << r.form << std::setw(4) << r.P << std::setw(38) << r.layout
+    t << std::left << std::setw(fw) << r.form << std::setw(4) << r.P << std::setw(sw) << r.layout
       << std::right << std::scientific << std::setprecision(2) << std::setw(11) << r.out.max_abs
       << std::setw(11) << r.dx.max_abs << std::setw(12) << r.worst_grad.max_abs << std::setw(10)
       << r.worst_grad.relative() << "  " << std::left << std::setw(16) << r.worst
@@ -174,13 +181,13 @@ void register_verify_command(CLI::App& app) {
                   "comma-separated forms (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
   sub->add_option("--overlap", opts->overlap,
-                  "laga's latent collectives overlapped with compute: off, on (laga runs "
-                  "overlapped) or both (laga+overlap right after each laga)")
+                  "laga's and laga2d's latent collectives overlapped with compute: off, on (they "
+                  "run overlapped) or both (+overlap right after each)")
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   sub->add_flag("--q-latent", opts->q_latent,
-                "also run laga+q-latent (the query latent all-gathered instead of per-head Q "
-                "all-to-alled; laga with q_lora_rank > 0) beside the forms");
+                "also run laga+q-latent and laga2d+q-latent (the query latent moved instead of "
+                "per-head Q; q_lora_rank > 0) beside those forms");
   add_head_groups_option(*sub, opts->head_groups);
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")

@@ -364,9 +364,24 @@ std::string query_latent_note(const MlaConfig& cfg, const SpLayout& lay) {
              " at this P. ", rule);
 }
 
-// laga2d's grid and its attention balance, in words.
+// laga2d's grid and its attention balance, in words; for laga2d+q-latent,
+// where its query exchange pays.
 std::string laga2d_note(const MlaConfig& cfg, const SpLayout& lay, FormVariant v) {
   const HeadContextGrid g = laga2d_grid(lay, v);
+  if (v.queries == QueryExchange::latent) {
+    if (g.context_groups == 1)
+      return "laga2d+q-latent: one context group, so it all-gathers the query latent as "
+             "laga+q-latent does";
+    std::int64_t Hg = 0;
+    for (std::int64_t h : g.head_count) Hg = std::max(Hg, h);
+    const std::int64_t per_head = Hg * cfg.qk_head_dim();
+    return cat("laga2d+q-latent: each rank receives its query rows' latent, rq = ", cfg.q_lora_rank,
+               " elements per row, where laga2d's q_a2a moves its head group's queries, H_g dqk = ",
+               per_head, " (H_g = ", Hg,
+               "): it sends fewer bytes while rq < H_g dqk, so with fewer head groups (more "
+               "heads each); here it sends ",
+               cfg.q_lora_rank < per_head ? "fewer" : "as many or more", " bytes");
+  }
   char balance[32];
   std::snprintf(balance, sizeof balance, "%.3f", attention_balance(cfg, lay, v, nullptr));
   return cat("laga2d: ", g.describe(),

@@ -8,16 +8,22 @@
 # tensors must also equal plain laga's bit for bit (docs/forms.md, "Overlap").
 # laga2d runs with its default head groups (gcd(4, P): laga's split at P 2,
 # one head group of 3 context groups at P 3) and as laga2d-g1 with
-# --head-groups 1 (mirrored query chunks at every P).
+# --head-groups 1 (mirrored query chunks at every P), with the query latent
+# sent to those chunks (laga2d-g1-q-latent) and overlapped
+# (laga2d-g1-overlap, equal to laga2d-g1 bit for bit).
 set -euo pipefail
 laga=$1 mpiexec=$2 tmp=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$tmp"
-for name in explicit absorbed laga laga-q-latent laga-overlap laga2d laga2d-g1; do
+for name in explicit absorbed laga laga-q-latent laga-overlap laga2d laga2d-g1 \
+            laga2d-g1-q-latent laga2d-g1-overlap; do
   form=$name model=(--preset tiny) queries=()
   [ "$name" = laga-q-latent ] && form=laga model=(--config "$here/tiny_q_latent.json") queries=(--q-latent)
   [ "$name" = laga-overlap ] && form=laga queries=(--overlap on)
   [ "$name" = laga2d-g1 ] && form=laga2d queries=(--head-groups 1)
+  [ "$name" = laga2d-g1-q-latent ] && form=laga2d model=(--config "$here/tiny_q_latent.json") \
+    queries=(--head-groups 1 --q-latent)
+  [ "$name" = laga2d-g1-overlap ] && form=laga2d queries=(--head-groups 1 --overlap on)
   # P 3 again with packed documents (issue 15): one crosses every rank
   # boundary, one is a single token.
   for run in 2 3 3packed; do
@@ -31,9 +37,10 @@ for name in explicit absorbed laga laga-q-latent laga-overlap laga2d laga2d-g1; 
     if ! cmp -s "$tmp/local_$name$run.st" "$tmp/mpi_$name$run.st"; then
       echo "FAIL: $name P=$P ${docs[*]}: local and MPI outputs differ"; exit 1
     fi
-    # The files' metadata name the variant (laga+overlap); the tensors must be equal.
-    if [ "$name" = laga-overlap ] && ! /usr/bin/python3 - "$here/../../python" \
-        "$tmp/local_$name$run.st" "$tmp/local_laga$run.st" <<'PY'
+    # The files' metadata name the variant (laga+overlap); the tensors must
+    # equal those of the same variant without overlap.
+    if [ "${name%-overlap}" != "$name" ] && ! /usr/bin/python3 - "$here/../../python" \
+        "$tmp/local_$name$run.st" "$tmp/local_${name%-overlap}$run.st" <<'PY'
 import sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np
@@ -43,7 +50,7 @@ b, _ = safetensors_io.load_file(sys.argv[3])
 sys.exit(0 if set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a) else 1)
 PY
     then
-      echo "FAIL: laga P=$P ${docs[*]}: --overlap on and off give different tensors"; exit 1
+      echo "FAIL: ${name%-overlap} P=$P ${docs[*]}: --overlap on and off give different tensors"; exit 1
     fi
     echo "ok: $name P=$P ${docs[*]} local == mpi (bit-identical out, dx, grads)"
   done

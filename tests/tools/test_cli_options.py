@@ -263,9 +263,9 @@ def case_q_latent(laga, scratch):
     cfg = os.path.join(scratch, "rq.json")
     write(cfg, '{"dim": 48, "n_heads": 5, "q_lora_rank": 20, "kv_lora_rank": 24,'
                ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}')
-    applies = "--q-latent applies to the laga form with q_lora_rank > 0; "
+    applies = "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; "
     rq0 = applies + "the config has q_lora_rank 0"
-    no_laga = applies + "--forms does not include laga"
+    no_laga = applies + "--forms includes neither"
     for form in ("explicit", "absorbed"):
         expect_error(laga, ["forward", "--config", cfg, "--form", form, "--q-latent"],
                      applies + f"not to the {form} form")
@@ -282,15 +282,19 @@ def case_q_latent(laga, scratch):
     # Three steps, so that the later losses depend on the gradients.
     base = ["train", "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
             "--seq", "16", "--steps", "3", "--quiet", "--q-lora-rank", "8"]
-    for sp, rel in (("1", 0.0), ("2", 1e-5)):
-        plain = train_losses(laga, base + ["--sp", sp], os.path.join(scratch, "plain.jsonl"))
-        latent = train_losses(laga, base + ["--sp", sp, "--q-latent"],
-                              os.path.join(scratch, "latent.jsonl"))
+    # laga2d with one head group: the query latent sent to the two context
+    # groups' chunks.
+    for sp, form, rel in (("1", [], 0.0), ("2", [], 1e-5),
+                          ("2", ["--form", "laga2d", "--head-groups", "1"], 1e-5)):
+        run = base + ["--sp", sp] + form
+        plain = train_losses(laga, run, os.path.join(scratch, "plain.jsonl"))
+        latent = train_losses(laga, run + ["--q-latent"], os.path.join(scratch, "latent.jsonl"))
         ok = len(plain) == 3 and len(latent) == 3 and all(
             abs(a - b) <= rel * abs(a) for a, b in zip(plain, latent))
-        print(("ok:   " if ok else "FAIL: ") + f"train --sp {sp} --q-latent {latent} vs {plain}")
+        what = f"train --sp {sp} {' '.join(form)} --q-latent"
+        print(("ok:   " if ok else "FAIL: ") + f"{what} {latent} vs {plain}")
         if not ok:
-            failures.append(f"train --sp {sp}: losses with --q-latent {latent}, without {plain}, "
+            failures.append(f"{what}: losses {latent}, without --q-latent {plain}, "
                             f"allowed relative difference {rel}")
 
 

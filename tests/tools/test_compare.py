@@ -12,7 +12,8 @@ Cases:
              ranks equals the max over R of the rank-only runs)
   default    `laga compare` with no arguments succeeds and matches its models
   errors     bad arguments fail with exit 2 and a message naming the fix
-  q_latent   --q-latent: laga+q-latent right after laga in one table; a real run
+  q_latent   --q-latent: laga+q-latent right after laga (and laga2d+q-latent after
+             laga2d) in one table; a real run
              (q_lora_rank > 0, uneven shards) matches its models and explicit;
              at DeepSeek-V3 scale (--count-only, P 8 and 16) every rank's bytes
              per label and its peak equal the models, the query latent's bytes
@@ -191,13 +192,19 @@ def case_q_latent(laga, scratch):
                                                "--sp", "3", "--steps", "1", "--warmup", "0",
                                                "--q-latent"])
     check([f["form"] for f in doc["forms"]] ==
-          ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d"],
-          "laga+q-latent right after laga")
+          ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d", "laga2d+q-latent"],
+          "laga+q-latent right after laga, laga2d+q-latent after laga2d")
     check_models(doc, "q-latent real")
-    d = doc["forms"][3]["max_abs_diff"]
-    for q in ("out", "dx", "grad"):
-        check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
-              f"laga+q-latent {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+    # H 5 at P 3: laga2d's default grid is one head group of three context
+    # groups, so its query latent goes to each group's chunks.
+    for i in (3, 5):
+        d = doc["forms"][i]["max_abs_diff"]
+        name = doc["forms"][i]["form"]
+        for q in ("out", "dx", "grad"):
+            check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
+                  f"{name} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
+    check(by_label(doc["forms"][5], "forward", "q_latent_a2a")["bytes_sent"] > 0,
+          "laga2d+q-latent sends its query latent to the context groups")
     check(any("--q-latent" in n for n in doc["notes"]), "a note on the query exchange")
 
     # DeepSeek-V3 as shipped: rq 1536, H 128, dqk 192; S 4096, every rank.
@@ -228,6 +235,27 @@ def case_q_latent(laga, scratch):
         else:  # P rq = H dqk: the two sends are equal
             check(q_diff == 0, "P 16: the crossover, equal bytes")
             check("fewer bytes on 0 of 16 ranks" in note, note)
+
+    # laga2d with one head group at V3, P 8: 16 chunks of 256 tokens; each
+    # rank's 512 tokens are attended by two context groups and it attends
+    # 512 rows, so its query latent moves 512 rows of rq each way, against
+    # 512 rows of all 128 heads for per-head queries.
+    g1 = compare_json(laga, scratch, "v3_g1", [
+        "--preset", "deepseek-v3", "--count-only", "--forms", "laga,laga2d", "--q-latent",
+        "--head-groups", "1", "--seq", "4096", "--sp", "8"])
+    check_models(g1, "V3 P 8 laga2d g1")
+    names = [f["form"] for f in g1["forms"]]
+    check(names == ["laga", "laga+q-latent", "laga2d", "laga2d+q-latent"], f"{names}")
+    l2, l2q = g1["forms"][2], g1["forms"][3]
+    for phase in ("forward", "backward"):
+        check(by_label(l2q, phase, "q_latent_a2a")["bytes_sent"] == 512 * 1536 * 4,
+              f"laga2d+q-latent {phase} q_latent_a2a: 512 rows of rq")
+        check(by_label(l2, phase, "q_a2a")["bytes_sent"] == 512 * 128 * 192 * 4,
+              f"laga2d {phase} q_a2a: 512 rows of 128 heads")
+    check(l2q["bytes_sent_forward"] < g1["forms"][1]["bytes_sent_forward"],
+          "laga2d+q-latent sends less than laga+q-latent at P 8")
+    note = next(n for n in g1["notes"] if n.startswith("laga2d+q-latent"))
+    check("while rq < H_g dqk" in note and "here it sends fewer bytes" in note, note)
 
 
 def case_laga2d(laga, scratch):
