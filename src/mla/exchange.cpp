@@ -29,21 +29,27 @@ template <class T>
 T* at(T* p, std::int64_t off) {
   return p ? p + off : nullptr;
 }
-// Copies a (B, rows, cols_a) block of `width` elements per (b, row, col) between
-// two head-sliced layouts: the building block of both all-to-all packings.
-// src element (b, l, h) at src + ((b * src_rows + src_row0 + l) * src_heads + src_h0 + h) * d.
+// Copies (add: adds) a (B, rows, heads, d) block between two head-sliced
+// layouts: the building block of every all-to-all packing (adding: of
+// redistribute_sum's unpacking). src element (b, l, h) at
+// src + ((b * src_rows + src_row0 + l) * src_heads + src_h0 + h) * d.
 template <class T>
 void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_heads,
                 std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
                 std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
-                std::int64_t heads, std::int64_t d) {
+                std::int64_t heads, std::int64_t d, bool add = false) {
   // Count-only (no storage): nothing to copy; the collective still runs.
   if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t l = 0; l < rows; ++l)
-      std::memcpy(dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d,
-                  src + ((b * src_rows + src_row0 + l) * src_heads + src_h0) * d,
-                  sizeof(T) * u(heads * d));
+    for (std::int64_t l = 0; l < rows; ++l) {
+      T* y = dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d;
+      const T* x = src + ((b * src_rows + src_row0 + l) * src_heads + src_h0) * d;
+      if (!add) {
+        std::memcpy(y, x, sizeof(T) * u(heads * d));
+        continue;
+      }
+      for (std::int64_t i = 0; i < heads * d; ++i) y[i] += x[i];
+    }
 }
 }  // namespace
 
@@ -146,21 +152,6 @@ Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
   return ps;
 }
 
-// dst's (B, rows, heads, d) block += src's, laid out as copy_block's.
-template <class T>
-void add_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_heads,
-               std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
-               std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
-               std::int64_t heads, std::int64_t d) {
-  if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t l = 0; l < rows; ++l) {
-      T* y = dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d;
-      const T* x = src + ((b * src_rows + src_row0 + l) * src_heads + src_h0) * d;
-      for (std::int64_t i = 0; i < heads * d; ++i) y[i] += x[i];
-    }
-}
-
 // redistribute (sum: false) and redistribute_sum (true): the same pieces and
 // collective; the adjoint adds what it receives into a zeroed dst.
 template <class T>
@@ -208,9 +199,8 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
     const Transfer& ps = in[u(i)];
     std::int64_t off = rd[u(i)];
     for (const Piece& p : ps.pieces) {
-      (sum ? add_block<T> : copy_block<T>)(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst,
-                                           to_rows, p.to_row, to_heads, ps.to_h0, B, p.t.size(),
-                                           ps.heads, d);
+      copy_block(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst, to_rows, p.to_row, to_heads,
+                 ps.to_h0, B, p.t.size(), ps.heads, d, sum);
       off += B * p.t.size() * ps.heads * d;
     }
   }
