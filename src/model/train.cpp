@@ -188,9 +188,7 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every >= 0, "--save-every must be >= 0 (got ", o.save_every, ")");
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
-  FormVariant variant(o.form, o.queries);
-  variant.overlap = o.overlap;
-  check_overlap(variant);
+  check_overlap(o.variant());
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;

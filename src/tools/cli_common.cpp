@@ -197,6 +197,11 @@ std::vector<Form> parse_form_list(const std::string& s) {
   return v;
 }
 
+std::string describe_variant(const FormVariant& v, const SpLayout& layout) {
+  if (v.form != Form::laga2d) return to_string(v);
+  return cat(to_string(v), " (", laga2d_grid(layout, v).describe(), ")");
+}
+
 OverlapRuns parse_overlap_runs(const std::string& s) {
   if (s == "off") return OverlapRuns::off;
   if (s == "on") return OverlapRuns::on;

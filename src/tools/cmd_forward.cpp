@@ -121,8 +121,9 @@ void run_forward(const ForwardOptions& o) {
   const bool report = is_reporting_process(o.comm);
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
-              << ", form " << to_string(variant) << ", attention " << o.attention << ", sp " << o.sp
-              << " (" << layout.describe() << "), comm " << to_string(o.comm.backend)
+              << ", form " << describe_variant(variant, layout) << ", attention " << o.attention
+              << ", sp " << o.sp << " (" << layout.describe() << "), comm "
+              << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);

@@ -181,9 +181,11 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form " << to_string(FormVariant(o.form, o.queries)) << ", attention "
-              << c.attention << ", sp " << o.sp << ", comm " << to_string(c.comm.backend)
-              << ", data " << c.data
+              << ", form "
+              << describe_variant(o.variant(),
+                                  SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp))
+              << ", attention " << c.attention << ", sp " << o.sp << ", comm "
+              << to_string(c.comm.backend) << ", data " << c.data
               << (o.pack_eos ? cat(" packed at end-of-document id ", *o.pack_eos) : "")
               << ", steps " << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume)
               << "\n";

@@ -65,13 +65,22 @@ TEST(Train, LagaEqualsExplicitBitForBitAtP1) {
 
 TEST(Train, FormsFollowExplicitAtP2) {
   const auto ex = losses(train_local(small(Form::explicit_form, 2)));
-  for (Form f : {Form::laga, Form::absorbed}) {
-    const auto got = losses(train_local(small(f, 2)));
+  // laga2d with one head group (4 heads at P 2 would otherwise be laga's
+  // split): two context groups, each rank all heads of its mirrored chunks;
+  // and overlapped.
+  std::vector<TrainOptions> runs{small(Form::laga, 2), small(Form::absorbed, 2),
+                                 small(Form::laga2d, 2)};
+  runs.back().head_groups = 1;
+  runs.push_back(runs.back());
+  runs.back().overlap = Overlap::on;
+  for (const TrainOptions& o : runs) {
+    const auto got = losses(train_local(o));
     ASSERT_EQ(got.size(), ex.size());
     // fp32 rounding of differently ordered sums, amplified a little by 8
     // steps of Adam: ~1e-6 seen; 1e-4 is far below any real difference.
     for (size_t i = 0; i < ex.size(); ++i)
-      EXPECT_NEAR(got[i], ex[i], 1e-4 * std::abs(ex[i])) << to_string(f) << " step " << i + 1;
+      EXPECT_NEAR(got[i], ex[i], 1e-4 * std::abs(ex[i]))
+          << to_string(o.variant()) << " step " << i + 1;
   }
   // And the P = 2 run follows the P = 1 run the same way.
   const auto one = losses(train_local(small(Form::explicit_form, 1)));
