@@ -85,10 +85,9 @@ void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const
                     "this block job");
 }
 
-std::optional<Documents> load_documents(const std::string& doc_lens, const std::string& input_path,
-                                        std::int64_t batch, std::int64_t seq) {
-  std::optional<SafetensorsFile> in;
-  if (!input_path.empty()) in = SafetensorsFile::open(input_path);
+std::optional<Documents> load_documents(const std::string& doc_lens, const SafetensorsFile* in,
+                                        const std::string& input_path, std::int64_t batch,
+                                        std::int64_t seq) {
   const bool shared = in && in->contains("cu_seqlens");
   const bool per_row = in && in->contains("cu_seqlens.0");
   if (!doc_lens.empty()) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "io/safetensors.hpp"
 #include "mla/runner.hpp"
 #include "tools/cli_common.hpp"
 
@@ -34,9 +35,12 @@ void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const
 // sequences"): `doc_lens` (--doc-lens text), or in the input safetensors
 // `cu_seqlens` (I32/I64 [n + 1], shared by every row) or `cu_seqlens.<b>` (one
 // per row b). Giving both, or a file with both spellings, is an error; neither
-// is one document per row (nullopt).
-std::optional<Documents> load_documents(const std::string& doc_lens, const std::string& input_path,
-                                        std::int64_t batch, std::int64_t seq);
+// is one document per row (nullopt). `input` is the opened --input (null:
+// none), `input_path` its name for messages: the file is opened once per
+// job, so every part of it comes from the same file.
+std::optional<Documents> load_documents(const std::string& doc_lens, const SafetensorsFile* input,
+                                        const std::string& input_path, std::int64_t batch,
+                                        std::int64_t seq);
 
 // Weights from a safetensors file under DeepSeek inference names
 // (`wkv_b.weight`) or Hugging Face names (`model.layers.<layer>.self_attn.

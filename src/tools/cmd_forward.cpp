@@ -65,13 +65,15 @@ void run_forward(const ForwardOptions& o) {
   // The batch's extents, from the input's x when there is one: the documents
   // are checked against them, and the job is refused before allocating
   // anything when it cannot fit.
+  // --input is opened once: its extents, documents and tensors all come from
+  // the one file.
+  std::optional<SafetensorsFile> in;
+  if (!o.input.empty()) in = SafetensorsFile::open(o.input);
   std::int64_t B = o.batch, S = o.seq;
-  if (!o.input.empty()) {
-    const SafetensorsFile in = SafetensorsFile::open(o.input);
-    if (in.contains("x") && in.info("x").shape.size() == 3)
-      B = in.info("x").shape[0], S = in.info("x").shape[1];
-  }
-  const std::optional<Documents> docs = load_documents(o.doc_lens, o.input, B, S);
+  if (in && in->contains("x") && in->info("x").shape.size() == 3)
+    B = in->info("x").shape[0], S = in->info("x").shape[1];
+  const std::optional<Documents> docs =
+      load_documents(o.doc_lens, in ? &*in : nullptr, o.input, B, S);
   FormVariant variant{parse_form(o.form), o.q_latent ? QueryExchange::latent : QueryExchange::heads,
                       o.head_groups};
   check_query_exchange(cfg, variant);
@@ -83,16 +85,15 @@ void run_forward(const ForwardOptions& o) {
   MlaParams<float> w =
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;
-  if (!o.input.empty()) {
-    const SafetensorsFile in = SafetensorsFile::open(o.input);
-    LAGA_CHECK(in.contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim,
+  if (in) {
+    LAGA_CHECK(in->contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim,
                "])");
-    const Shape xs = in.info("x").shape;
+    const Shape xs = in->info("x").shape;
     LAGA_CHECK(xs.size() == 3 && xs[2] == cfg.dim, "input '", o.input, "': 'x' has shape ",
                to_string(xs), " but the config needs [B, S, ", cfg.dim, "]");
-    x = in.read<float>("x", MemCategory::activations);
-    if (o.backward && in.contains("dout"))
-      dout = in.read<float>("dout", xs, MemCategory::activations);
+    x = in->read<float>("x", MemCategory::activations);
+    if (o.backward && in->contains("dout"))
+      dout = in->read<float>("dout", xs, MemCategory::activations);
   } else {
     x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
   }

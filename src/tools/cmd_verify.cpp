@@ -41,7 +41,7 @@ void run_verify(const VerifyOptions& o) {
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
   const std::vector<FormVariant> forms = form_variants(
       parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));
-  const std::optional<Documents> docs = load_documents(o.doc_lens, "", o.batch, o.seq);
+  const std::optional<Documents> docs = load_documents(o.doc_lens, nullptr, "", o.batch, o.seq);
   // Refuse before allocating anything when a run cannot fit: the reference
   // (explicit, one in-process rank) and every P.
   CommOptions one_rank = o.comm;
