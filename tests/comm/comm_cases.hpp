@@ -19,6 +19,7 @@
 
 #include "comm/communicator.hpp"
 #include "comm/link_model.hpp"
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 
@@ -513,12 +514,7 @@ inline std::vector<BadCall> bad_calls() {
 
 // The error text of `call` on comm, or "" when it did not throw.
 inline std::string error_of(const std::function<void(Communicator&)>& call, Communicator& comm) {
-  try {
-    call(comm);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+  return error_of([&] { call(comm); });
 }
 
 // An all_to_all_v of `per` floats to and from every rank, for the transport
