@@ -10,12 +10,23 @@
 namespace laga {
 
 double AttnShape::useful_flops_forward() const {
-  // Without documents every batch row has the same pairs: count one, times B.
-  const std::int64_t rows = doc_start ? B : std::min<std::int64_t>(B, 1);
   double pairs = 0;
-  for (std::int64_t b = 0; b < rows; ++b)
-    for (std::int64_t i = 0; i < Sq; ++i)
-      pairs += static_cast<double>(std::max<std::int64_t>(key_end(i) - key_begin(b, i), 0));
+  if (doc_start) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < Sq; ++i)
+        pairs += static_cast<double>(std::max<std::int64_t>(key_end(i) - key_begin(b, i), 0));
+  } else if (!causal) {
+    pairs = static_cast<double>(Sq) * static_cast<double>(Sk);
+  } else {
+    // Without documents every batch row has the same pairs, in closed form
+    // (a count-only plan at S = 10^11 must not walk the rows): row i sees
+    // key_end(i) = i + Sk - Sq + 1 keys, never more than Sk (i < Sq), and
+    // none while that is <= 0, i.e. for i < i0 = max(0, Sq - Sk). The sum of
+    // that arithmetic series over i in [i0, Sq) is n (first + last) / 2.
+    const std::int64_t i0 = std::max<std::int64_t>(0, Sq - Sk);
+    const double n = static_cast<double>(Sq - i0);
+    pairs = n * (static_cast<double>(key_end(i0)) + static_cast<double>(key_end(Sq - 1))) / 2;
+  }
   const double copies = static_cast<double>(doc_start ? Hq : B * Hq);
   return 2.0 * copies * pairs * static_cast<double>(dqk + dv);
 }

@@ -282,6 +282,22 @@ TEST(AttnShape, UsefulFlopsCountUnmaskedPairs) {
                    2.0 * 2 * 3 * 10 * (5 + 7));
   EXPECT_DOUBLE_EQ(make_shape(1, 4, 2, 1, 1, 5, 7, true).useful_flops_forward(), 2.0 * 3 * (5 + 7));
   EXPECT_DOUBLE_EQ(make_shape(1, 3, 5, 2, 2, 4, 4, false).useful_flops_forward(), 2.0 * 2 * 15 * 8);
+  // The causal closed form against counting key_end row by row, for query
+  // ranges shorter than, equal to and longer than the keys (empty rows), and
+  // empty extents.
+  for (std::int64_t Sq : {0, 1, 2, 5, 17, 64})
+    for (std::int64_t Sk : {0, 1, 3, 17, 100}) {
+      const AttnShape s = make_shape(3, Sq, Sk, 2, 1, 5, 7, true);
+      double pairs = 0;
+      for (std::int64_t i = 0; i < Sq; ++i) pairs += double(s.key_end(i));
+      EXPECT_DOUBLE_EQ(s.useful_flops_forward(), 2.0 * 3 * 2 * pairs * 12)
+          << "Sq " << Sq << " Sk " << Sk;
+    }
+  // And at a length no loop would finish: (S^2 + S) / 2 pairs, in double.
+  const double S = 1e11;
+  EXPECT_DOUBLE_EQ(
+      make_shape(1, std::int64_t(S), std::int64_t(S), 1, 1, 1, 1, true).useful_flops_forward(),
+      2.0 * 2 * (S * S + S) / 2);
 }
 
 TEST(AttnShape, ValidateNamesTheBadExtent) {
