@@ -73,14 +73,16 @@ void* BlockCache::acquire(std::int64_t bytes) {
     it->second.pop_back();
     if (it->second.empty()) kept_.erase(it);
     stats_.cached -= mapped;
-    unpoison(block, mapped);
+    if (!count_only_) unpoison(block, mapped);
     ++stats_.hits;
   } else {
     make_room(mapped);
-    block = map_pages(mapped);
-    // What is kept is memory the system could use: give it back and retry.
-    if (!block && release_kept() > 0) block = map_pages(mapped);
-    if (!block) return nullptr;
+    if (!count_only_) {
+      block = map_pages(mapped);
+      // What is kept is memory the system could use: give it back and retry.
+      if (!block && release_kept() > 0) block = map_pages(mapped);
+      if (!block) return nullptr;
+    }
     ++stats_.misses;
   }
   stats_.live_mapped += mapped;
@@ -100,7 +102,7 @@ void BlockCache::release(void* block, std::int64_t bytes) {
   }
   kept_[mapped].push_back(block);
   stats_.cached += mapped;
-  poison(block, mapped);
+  if (!count_only_) poison(block, mapped);
 }
 
 std::int64_t BlockCache::trim() {
@@ -124,7 +126,18 @@ double BlockCache::limit() {
   return limit_;
 }
 
+void BlockCache::set_count_only(bool on) {
+  if (on == count_only_) return;
+  LAGA_CHECK(stats_.live_mapped == 0, "BlockCache::set_count_only(", on ? "true" : "false",
+             "): ", stats_.live_mapped,
+             " bytes of blocks are still live; switch a pool to or from count-only before it "
+             "allocates, or after its tensors are freed");
+  release_kept();
+  count_only_ = on;
+}
+
 void BlockCache::unmap(void* block, std::int64_t mapped) {
+  if (count_only_) return;  // nothing was mapped
   unpoison(block, mapped);  // the addresses may be mapped again, for anything
   munmap(block, static_cast<std::size_t>(mapped));
 }

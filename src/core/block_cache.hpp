@@ -21,6 +21,11 @@
 // the bound (or none is left: live blocks alone are within it, limit >= 1).
 // Freeing and reusing change mapped() not at all.
 //
+// Count-only: a cache in count-only mode maps nothing and hands out nullptr,
+// but keeps, reuses, evicts and counts its (empty) blocks exactly as a
+// mapping one would, so a count-only run predicts every figure of stats()
+// byte for byte.
+//
 // Thread safety: none of its own. It is used under its pool's rule: one
 // thread at a time (a rank's thread, or another one after a join).
 #pragma once
@@ -54,7 +59,8 @@ class BlockCache {
 
   // A block of at least `bytes` (> 0) bytes, page-aligned; its contents are
   // whatever its last user left (a fresh mapping reads as zeros). nullptr
-  // when the system has no memory even after every kept block is released.
+  // when the system has no memory even after every kept block is released,
+  // and always in count-only mode.
   void* acquire(std::int64_t bytes);
   // Gives back a block from acquire(bytes), with the same bytes: kept when
   // the cache is on, unmapped when it is off.
@@ -71,6 +77,11 @@ class BlockCache {
 
   const Stats& stats() const { return stats_; }
 
+  // Switches count-only mode; only while no block is live (kept ones are
+  // released first, so mapped and counted blocks never meet).
+  void set_count_only(bool on);
+  bool count_only() const { return count_only_; }
+
   // The smallest request that deserves a block of its own: glibc's default
   // mmap threshold (128 KiB); below it glibc serves requests from its heap,
   // which it keeps mapped.
@@ -86,8 +97,10 @@ class BlockCache {
 
   static constexpr double kUnset = -1.0;
   double limit_ = kUnset;
+  bool count_only_ = false;
   Stats stats_;
-  std::map<std::int64_t, std::vector<void*>> kept_;  // mapped size -> kept blocks
+  // mapped size -> kept blocks (nullptr in count-only mode)
+  std::map<std::int64_t, std::vector<void*>> kept_;
 };
 
 // The limit a BlockCache starts with: LAGA_POOL_CACHE when set, else 1.25

@@ -96,14 +96,20 @@ MemoryPool& default_pool() {
 thread_local MemoryPool* tls_pool = nullptr;
 }  // namespace
 
+void MemoryPool::set_count_only(bool on) {
+  cache_.set_count_only(on);
+  count_only_ = on;
+}
+
 MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
   if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) return {cache_.acquire(bytes), true};
+  if (count_only_) return {};
   const std::size_t rounded = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
   return {std::aligned_alloc(kAlign, rounded), false};
 }
 
 void MemoryPool::release_storage(Storage storage, std::int64_t bytes) {
-  if (storage.cached)
+  if (storage.cached)  // a count-only one too: the cache counts it back
     cache_.release(storage.data, bytes);
   else
     std::free(storage.data);

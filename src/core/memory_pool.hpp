@@ -61,12 +61,16 @@ class MemoryPool {
 
   // Count-only: tensors allocated under this pool are accounted but get no
   // storage, so one rank of any size can be measured without the memory.
-  void set_count_only(bool on) { count_only_ = on; }
+  // Its cache maps nothing but counts as a real one would (held() too). Only
+  // while no cached block is live (BlockCache::set_count_only).
+  void set_count_only(bool on);
 
   // Storage for `bytes` (> 0) bytes of a tensor, 64-byte aligned and
   // uninitialised: from the cache when its limit is not 0 and bytes >=
   // cache_min_bytes(), else from aligned_alloc. data is nullptr when there is
-  // no memory. The caller accounts the bytes with on_alloc.
+  // no memory, and always in count-only mode (where `cached` still says
+  // whether the cache counted the request). The caller accounts the bytes
+  // with on_alloc.
   struct Storage {
     void* data = nullptr;
     bool cached = false;  // from cache(): release_storage gives it back there

@@ -43,11 +43,12 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
   LAGA_CHECK(numel_ <= std::numeric_limits<std::int64_t>::max() / std::int64_t(sizeof(T)), "a ",
              to_string(category_), " tensor of shape ", to_string(shape_),
              " would need more than 2^63 bytes; use a smaller --seq/--batch or a larger --sp");
-  if (numel_ > 0 && !pool.count_only()) {
+  if (numel_ > 0) {
+    // Count-only: no storage, but the pool's cache counts the block.
     const MemoryPool::Storage storage = pool.acquire_storage(this->bytes());
     data_ = static_cast<T*>(storage.data);
     cached_ = storage.cached;
-    if (!data_) {
+    if (!data_ && !pool.count_only()) {
       fail("out of memory allocating ", this->bytes(), " bytes (",
            static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
            to_string(shape_), " (", to_string(category_), ")",
@@ -122,7 +123,7 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 template <class T>
 void Tensor<T>::reset() {
   if (pool_) {
-    if (data_) pool_->release_storage({data_, cached_}, bytes());
+    if (data_ || cached_) pool_->release_storage({data_, cached_}, bytes());
     pool_->on_free(category_, bytes(), live_id_);
   }
   live_id_ = 0;

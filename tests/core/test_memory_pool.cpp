@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -343,16 +344,57 @@ TEST(MemoryPoolCache, HeldIsLivePlusRoundingPlusKept) {
   EXPECT_EQ(pool.held(), pool.current_total() + rounding);
 }
 
-TEST(MemoryPoolCache, CountOnlyPoolsMapNothing) {
-  MemoryPool pool;
-  cache_on(pool);
-  pool.set_count_only(true);
-  PoolScope scope(pool);
-  for (int i = 0; i < 3; ++i) TensorF t({kLarge});
-  EXPECT_EQ(pool.cache().stats().misses, 0);
-  EXPECT_EQ(pool.cache().stats().mapped_peak, 0);
-  EXPECT_EQ(pool.peak_total(), kLarge * kF);
-  EXPECT_EQ(pool.peak_held(), kLarge * kF);
+// The address space this process has mapped (/proc/self/statm, in pages).
+std::int64_t mapped_pages() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t pages = -1;
+  statm >> pages;
+  return pages;
+}
+
+// A count-only pool's cache maps nothing but counts what a real one does, so
+// a count-only run predicts held() and every cache figure byte for byte.
+TEST(MemoryPoolCache, CountOnlyPoolsCountTheCacheWithoutMapping) {
+  const auto run = [](MemoryPool& pool) {
+    PoolScope scope(pool);
+    pool.cache().set_limit(1.0);  // tight: some requests evict
+    for (int step = 0; step < 3; ++step) {
+      TensorF a({kLarge + 3}), b({2 * kLarge});
+      a.reset();
+      TensorF c({3 * kLarge});  // a miss that evicts under limit 1.0
+      TensorD d({kLarge / 2}, MemCategory::comm_buffers);
+    }
+  };
+  MemoryPool real, counted;
+  counted.set_count_only(true);
+  run(real);
+  run(counted);
+  const BlockCache::Stats &r = real.cache().stats(), &c = counted.cache().stats();
+  EXPECT_GT(r.evicted, 0);
+  EXPECT_GT(r.hits, 0);
+  EXPECT_EQ(c.hits, r.hits);
+  EXPECT_EQ(c.misses, r.misses);
+  EXPECT_EQ(c.evicted, r.evicted);
+  EXPECT_EQ(c.cached, r.cached);
+  EXPECT_EQ(c.live_peak, r.live_peak);
+  EXPECT_EQ(c.mapped_peak, r.mapped_peak);
+  EXPECT_EQ(counted.peak_held(), real.peak_held());
+  EXPECT_EQ(counted.held(), real.held());
+
+  // 2^38 floats = 1 TiB: more than any machine here maps, so it must not be.
+  PoolScope scope(counted);
+  const std::int64_t before = mapped_pages();
+  TensorF huge({std::int64_t{1} << 38});
+  EXPECT_EQ(huge.data(), nullptr);
+  EXPECT_LT(mapped_pages() - before, (std::int64_t{1} << 30) / sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(counted.cache().stats().live_mapped, (std::int64_t{1} << 38) * kF);
+  // Switching to real storage with a counted block live would mix the two.
+  EXPECT_THROW(counted.set_count_only(false), Error);
+  huge.reset();
+  counted.set_count_only(false);
+  EXPECT_EQ(counted.cache().stats().cached, 0);  // the counted blocks are gone
+  TensorF real_now({kLarge});
+  EXPECT_NE(real_now.data(), nullptr);
 }
 
 // Ranks as threads: each pool's cache serves its own thread, at the same

@@ -3,8 +3,10 @@
 // of a fresh mapping's zeros, and must give bit for bit the same out, dx and
 // gradients and the same memory figures, mapping nothing afresh. A kernel
 // that read storage before writing it (or added into it) would differ here.
-// Every form, laga with the query-latent exchange, eager and flash, P = 3
-// over an uneven layout, every tensor through the cache (min bytes 1).
+// And a count-only run, whose caches map nothing, predicts every rank's held
+// bytes and cache figures byte for byte. Every form, laga with the
+// query-latent exchange, eager and flash, P = 3 over an uneven layout, every
+// tensor through the cache (min bytes 1).
 #include <gtest/gtest.h>
 
 #include <array>
@@ -46,61 +48,118 @@ void expect_same_memory(const RankMemory& a, const RankMemory& b, const std::str
   EXPECT_EQ(a.gradients, b.gradients) << what;
 }
 
+struct Case {
+  const MlaConfig* cfg;
+  FormVariant form;
+  AttentionKind attention;
+  std::string name() const { return to_string(form) + " " + to_string(attention); }
+};
+
+std::vector<Case> cases(const MlaConfig& rq0, const MlaConfig& rq7) {
+  std::vector<Case> all;
+  for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+    for (Form f : all_forms()) all.push_back({&rq0, f, a});
+    all.push_back({&rq7, {Form::laga, QueryExchange::latent}, a});
+  }
+  return all;
+}
+
+const SpLayout kLayout = SpLayout::custom(2, {5, 1, 4}, {0, 3, 2});
+
+// One step of a rank: results (empty when count-only), memory figures,
+// blocks mapped afresh.
+struct Step {
+  std::vector<float> values;
+  RankMemory memory;
+  std::int64_t fresh = 0;
+};
+struct Rank {
+  std::array<Step, 2> steps;
+  BlockCache::Stats cache;  // after both steps
+  std::int64_t peak_held = 0;
+};
+
+// Two steps on every rank of kLayout, each rank's pool with the cache at
+// `limit` for every tensor, real or count-only.
+std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
+  const MlaConfig& cfg = *c.cfg;
+  const SpLayout& lay = kLayout;
+  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 3, 0.1);
+  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
+  fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
+  fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
+  const RopeTable rope(cfg.rope(), lay.seq);
+  RunSpec spec;
+  spec.form = c.form.form;
+  spec.queries = c.form.queries;
+  spec.attention = c.attention;
+  std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
+  for (MemoryPool& p : pools) {
+    p.set_count_only(count_only);
+    p.cache().set_limit(limit);
+    p.set_cache_min_bytes(1);
+  }
+  LocalRunOptions opts;
+  opts.pools = &pools;
+  std::vector<Rank> ranks(static_cast<size_t>(lay.ranks));
+  run_local_ranks(
+      lay.ranks,
+      [&](Communicator& comm) {
+        const MemoryPool& pool = pools[static_cast<size_t>(comm.rank())];
+        Rank& rank = ranks[static_cast<size_t>(comm.rank())];
+        for (Step& step : rank.steps) {
+          const std::int64_t misses = pool.cache().stats().misses;
+          const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+          step = {count_only ? std::vector<float>{} : values_of(res), res.report.memory,
+                  pool.cache().stats().misses - misses};
+        }
+        rank.cache = pool.cache().stats();
+        rank.peak_held = pool.peak_held();
+      },
+      opts);
+  return ranks;
+}
+
 TEST(PoolCache, ASecondStepOnReusedBlocksGivesTheSameResultsAndFigures) {
-  const MlaConfig cfg0 = small_config(0), cfg7 = small_config(7);
-  std::vector<std::pair<const MlaConfig*, FormVariant>> runs;
-  for (Form f : all_forms()) runs.push_back({&cfg0, f});
-  runs.push_back({&cfg7, {Form::laga, QueryExchange::latent}});
-  const SpLayout lay = SpLayout::custom(2, {5, 1, 4}, {0, 3, 2});
-  for (const auto& [cfg_p, f] : runs)
-    for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
-      const MlaConfig& cfg = *cfg_p;
-      const std::string what = to_string(f) + " " + to_string(a);
-      MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-      init_params(w, 3, 0.1);
-      TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-      fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-      fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-      const RopeTable rope(cfg.rope(), lay.seq);
-      RunSpec spec;
-      spec.form = f.form;
-      spec.queries = f.queries;
-      spec.attention = a;
-      std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
-      for (MemoryPool& p : pools) {
-        // A limit that keeps every block, so that the second step finds all.
-        p.cache().set_limit(8.0);
-        p.set_cache_min_bytes(1);
-      }
-      LocalRunOptions opts;
-      opts.pools = &pools;
-      // Per rank and step: results, memory figures, blocks mapped afresh.
-      struct Step {
-        std::vector<float> values;
-        RankMemory memory;
-        std::int64_t fresh = 0;
-      };
-      std::vector<std::array<Step, 2>> steps(static_cast<size_t>(lay.ranks));
-      run_local_ranks(
-          lay.ranks,
-          [&](Communicator& comm) {
-            const MemoryPool& pool = pools[static_cast<size_t>(comm.rank())];
-            for (Step& step : steps[static_cast<size_t>(comm.rank())]) {
-              const std::int64_t misses = pool.cache().stats().misses;
-              const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
-              step = {values_of(res), res.report.memory, pool.cache().stats().misses - misses};
-            }
-          },
-          opts);
-      for (int r = 0; r < lay.ranks; ++r) {
-        const std::string rank = what + " rank " + std::to_string(r);
-        const auto& [first, second] = steps[static_cast<size_t>(r)];
-        EXPECT_GT(first.fresh, 0) << rank;
-        EXPECT_EQ(second.fresh, 0) << rank << ": the second step mapped blocks afresh";
-        EXPECT_TRUE(second.values == first.values) << rank << ": results differ on reused blocks";
-        expect_same_memory(first.memory, second.memory, rank);
-      }
+  const MlaConfig rq0 = small_config(0), rq7 = small_config(7);
+  for (const Case& c : cases(rq0, rq7)) {
+    // A limit that keeps every block, so that the second step finds all.
+    const std::vector<Rank> ranks = two_steps(c, 8.0, false);
+    for (int r = 0; r < kLayout.ranks; ++r) {
+      const std::string what = c.name() + " rank " + std::to_string(r);
+      const auto& [first, second] = ranks[static_cast<size_t>(r)].steps;
+      EXPECT_GT(first.fresh, 0) << what;
+      EXPECT_EQ(second.fresh, 0) << what << ": the second step mapped blocks afresh";
+      EXPECT_TRUE(second.values == first.values) << what << ": results differ on reused blocks";
+      expect_same_memory(first.memory, second.memory, what);
     }
+  }
+}
+
+TEST(PoolCache, ACountOnlyRunPredictsWhatEveryRankHolds) {
+  const MlaConfig rq0 = small_config(0), rq7 = small_config(7);
+  std::int64_t evicted = 0;
+  for (const Case& c : cases(rq0, rq7)) {
+    // The default limit: tight enough that some steps evict.
+    const std::vector<Rank> real = two_steps(c, 1.25, false), counted = two_steps(c, 1.25, true);
+    for (int r = 0; r < kLayout.ranks; ++r) {
+      const std::string what = c.name() + " rank " + std::to_string(r);
+      const Rank &a = real[static_cast<size_t>(r)], &b = counted[static_cast<size_t>(r)];
+      EXPECT_EQ(a.peak_held, b.peak_held) << what;
+      EXPECT_EQ(a.cache.mapped_peak, b.cache.mapped_peak) << what;
+      EXPECT_EQ(a.cache.live_peak, b.cache.live_peak) << what;
+      EXPECT_EQ(a.cache.cached, b.cache.cached) << what;
+      EXPECT_EQ(a.cache.hits, b.cache.hits) << what;
+      EXPECT_EQ(a.cache.misses, b.cache.misses) << what;
+      EXPECT_EQ(a.cache.evicted, b.cache.evicted) << what;
+      evicted += a.cache.evicted;
+      for (int step = 0; step < 2; ++step)
+        expect_same_memory(a.steps[size_t(step)].memory, b.steps[size_t(step)].memory,
+                           what + " step " + std::to_string(step + 1));
+    }
+  }
+  EXPECT_GT(evicted, 0) << "no case evicted: the bound was never exercised";
 }
 
 }  // namespace
