@@ -22,8 +22,10 @@ namespace laga {
 
 namespace {
 
-// The block's traces needed up to 1.21x their live peak to reuse every block
-// of a step in the next one (docs/performance.md, "Page faults").
+// A step's large tensors peak at different times, so keeping a block of each
+// for the next step takes more than the live peak: at 1.0 the explicit block
+// mapped 5 blocks afresh a step, at 1.25 no form mapped any
+// (docs/performance.md, "Page faults").
 constexpr double kDefaultLimit = 1.25;
 
 std::int64_t page_bytes() {

@@ -9,10 +9,10 @@
 //
 // How: a block is an anonymous mmap of the request rounded up to whole pages;
 // when freed it is kept in a free list of its mapped size, and a request
-// reuses a kept block of exactly its page-rounded size (the block shapes of a
-// step repeat every step; size classes reused no more blocks on the block's
-// traces and rounded more). Each MemoryPool owns one (a rank's footprint is
-// its own); MemoryPool decides which requests come here (min_bytes).
+// reuses a kept block of exactly its page-rounded size (a step's shapes repeat
+// every step; size classes found no more blocks on the block's allocation
+// traces and mapped more: docs/performance.md). Each MemoryPool owns one (a
+// rank's footprint is its own) and decides which requests come here.
 //
 // The bound: mapped() = live_mapped + cached never exceeds
 // limit x live_peak, live_peak being the peak of live_mapped since
