@@ -77,7 +77,7 @@ class Tensor {
   MemCategory category_ = MemCategory::activations;
   MemoryPool* pool_ = nullptr;
   std::int64_t live_id_ = 0;  // the pool's id while it tracks live tensors
-  bool cached_ = false;       // data_ came from pool_'s block cache
+  bool cached_ = false;       // pool_'s block cache gave the storage (or, count-only, counted it)
 };
 
 using TensorF = Tensor<float>;
