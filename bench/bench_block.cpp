@@ -169,15 +169,14 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
       v.erase(v.begin(), v.begin() + std::min<std::ptrdiff_t>(ctx.options().warmup, v.size()));
       return v.empty() ? 0.0 : laga::bench::median(v);
     };
-    const double MiB = 1024.0 * 1024.0;
+    const double bytes_per_mib = 1024.0 * 1024.0;
     std::string line =
         laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3,
                   " tokens/s; minor page faults per timed step: median ", timed_median(faults),
                   "; blocks mapped afresh per timed step: median ", timed_median(fresh),
-                  "; the pool's peak: live ", double(pool.peak_total()) / MiB,
-                  " MiB, held (live + page "
-                  "rounding + block cache) ",
-                  double(pool.peak_held()) / MiB, " MiB");
+                  "; the pool's peak: live ", double(pool.peak_total()) / bytes_per_mib,
+                  " MiB, held (live + page rounding + block cache) ",
+                  double(pool.peak_held()) / bytes_per_mib, " MiB");
     if (!torch_ms.empty()) {
       row.torch_ms = laga::bench::median(torch_ms);
       // Each PyTorch step ran just before one laga step: the ratio within a
