@@ -11,11 +11,20 @@
 
 #include "core/error.hpp"
 
+// GCC says __SANITIZE_ADDRESS__; clang 14 (scripts/fuzz.sh) says only
+// __has_feature(address_sanitizer).
 #if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/asan_interface.h>
 #define LAGA_ADDRESS_SANITIZER 1
-#else
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LAGA_ADDRESS_SANITIZER 1
+#endif
+#endif
+#ifndef LAGA_ADDRESS_SANITIZER
 #define LAGA_ADDRESS_SANITIZER 0
+#endif
+#if LAGA_ADDRESS_SANITIZER
+#include <sanitizer/asan_interface.h>
 #endif
 
 namespace laga {
