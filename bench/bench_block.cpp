@@ -130,15 +130,24 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
     if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
+    // Each form starts from an empty block cache: what the reference or the
+    // previous form kept is released (the pool's held peak is this form's).
+    laga::MemoryPool& pool = laga::current_pool();
+    pool.cache().trim();
+    pool.reset_peaks();
     BlockState<float> st = make_state<float>(cfg, S);
     std::vector<double> torch_ms;
-    std::vector<double> faults;  // per step, warm-up included
+    // Per step, warm-up included: minor page faults, and blocks the pool had
+    // to map afresh (its block cache had none of their size).
+    std::vector<double> faults, fresh;
     auto& row = ctx.run(
         laga::cat("block_", laga::to_string(form)), shape, gflop, isa,
         [&] {
           const long before = minor_faults();
+          const std::int64_t misses = pool.cache().stats().misses;
           run_block(cfg, lay, rope, form, st);
           faults.push_back(double(minor_faults() - before));
+          fresh.push_back(double(pool.cache().stats().misses - misses));
         },
         [&] {
           // backward adds into grads: one step from zero for the check.
@@ -156,11 +165,18 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
           if (torch) torch_ms.push_back(torch->step());
         });
     // The timed steps only (the warm-up ones map the allocator's memory).
-    faults.erase(faults.begin(),
-                 faults.begin() + std::min<std::ptrdiff_t>(ctx.options().warmup, faults.size()));
-    std::string line = laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3,
-                                 " tokens/s; minor page faults per timed step: median ",
-                                 faults.empty() ? 0.0 : laga::bench::median(faults));
+    const auto timed_median = [&](std::vector<double> v) {
+      v.erase(v.begin(), v.begin() + std::min<std::ptrdiff_t>(ctx.options().warmup, v.size()));
+      return v.empty() ? 0.0 : laga::bench::median(v);
+    };
+    const double bytes_per_mib = 1024.0 * 1024.0;
+    std::string line =
+        laga::cat(laga::to_string(form), ": ", double(S) / row.t.median_ms * 1e3,
+                  " tokens/s; minor page faults per timed step: median ", timed_median(faults),
+                  "; blocks mapped afresh per timed step: median ", timed_median(fresh),
+                  "; the pool's peak: live ", double(pool.peak_total()) / bytes_per_mib,
+                  " MiB, held (live + page rounding + block cache) ",
+                  double(pool.peak_held()) / bytes_per_mib, " MiB");
     if (!torch_ms.empty()) {
       row.torch_ms = laga::bench::median(torch_ms);
       // Each PyTorch step ran just before one laga step: the ratio within a
@@ -175,4 +191,5 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     }
     ctx.note(line);
   }
+  laga::current_pool().cache().trim();
 }

@@ -31,7 +31,7 @@ flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -mavx2 -mfma
 
 # The library sources each reader needs (compiled into the target, so that
 # they are instrumented for coverage and the sanitizers).
-core=(src/core/tensor.cpp src/core/memory_pool.cpp src/core/rng.cpp)
+core=(src/core/tensor.cpp src/core/memory_pool.cpp src/core/block_cache.cpp src/core/rng.cpp)
 declare -A sources=(
   [safetensors]="tests/fuzz/fuzz_safetensors.cpp src/io/safetensors.cpp src/io/atomic_file.cpp ${core[*]}"
   [config]="tests/fuzz/fuzz_config.cpp src/mla/config.cpp ${core[*]}"

@@ -1,6 +1,7 @@
 #include "core/memory_pool.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/error.hpp"
 
@@ -32,6 +33,7 @@ std::int64_t MemoryPool::on_alloc(MemCategory c, std::int64_t bytes, const std::
   peak_total_ = std::max(peak_total_, current_total_);
   peak_working_ = std::max(peak_working_, current_[idx(MemCategory::activations)] +
                                               current_[idx(MemCategory::comm_buffers)]);
+  peak_held_ = std::max(peak_held_, held());
   ++alloc_count_;
   if (trace_) trace_->push_back({c, bytes});
   if (!live_tracking_ || (c != MemCategory::activations && c != MemCategory::comm_buffers))
@@ -76,6 +78,7 @@ void MemoryPool::on_free(MemCategory c, std::int64_t bytes, std::int64_t id) {
 void MemoryPool::reset_peaks() {
   peak_ = current_;
   peak_total_ = current_total_;
+  peak_held_ = held();
   peak_working_ =
       current_[idx(MemCategory::activations)] + current_[idx(MemCategory::comm_buffers)];
   stretch_first_id_ = next_id_;
@@ -84,12 +87,44 @@ void MemoryPool::reset_peaks() {
 }
 
 namespace {
+constexpr std::size_t kAlign = 64;  // one cache line; AVX2 loads never straddle two
+
 MemoryPool& default_pool() {
   static MemoryPool pool;
   return pool;
 }
 thread_local MemoryPool* tls_pool = nullptr;
 }  // namespace
+
+void MemoryPool::set_count_only(bool on) {
+  cache_.set_count_only(on);
+  count_only_ = on;
+}
+
+MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
+  if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) return {cache_.acquire(bytes), true};
+  if (count_only_) return {};
+  const std::size_t rounded = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
+  return {std::aligned_alloc(kAlign, rounded), false};
+}
+
+void MemoryPool::release_storage(Storage storage, std::int64_t bytes) {
+  if (storage.cached)  // a count-only one too: the cache counts it back
+    cache_.release(storage.data, bytes);
+  else
+    std::free(storage.data);
+}
+
+void MemoryPool::set_cache_min_bytes(std::int64_t bytes) {
+  LAGA_CHECK(bytes > 0, "MemoryPool::set_cache_min_bytes(", bytes,
+             "): the smallest request the cache serves must be at least 1 byte");
+  cache_min_bytes_ = bytes;
+}
+
+std::int64_t MemoryPool::held() const {
+  const BlockCache::Stats& c = cache_.stats();
+  return current_total_ + (c.live_mapped - c.live_requested) + c.cached;
+}
 
 MemoryPool& current_pool() {
   return tls_pool ? *tls_pool : default_pool();

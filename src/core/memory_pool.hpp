@@ -8,6 +8,15 @@
 //
 // Peaks are exact for what laga allocates through Tensor; allocator overhead,
 // BLAS/OpenMP internal buffers and stack are not counted (docs/accounting.md).
+//
+// The pool also hands tensors their storage: large blocks from its own
+// BlockCache (block_cache.hpp), which keeps freed blocks for reuse, the rest
+// from aligned_alloc. The counts above are of the bytes tensors ask for,
+// whichever the source: the cache sits below them and changes none of them.
+// held() adds what the cache holds on top.
+//
+// Thread safety: a pool (its counts and its cache) is used by one thread at
+// a time: its rank's thread, or another one once that thread is joined.
 #pragma once
 
 #include <array>
@@ -15,6 +24,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "core/block_cache.hpp"
 
 namespace laga {
 
@@ -50,7 +61,38 @@ class MemoryPool {
 
   // Count-only: tensors allocated under this pool are accounted but get no
   // storage, so one rank of any size can be measured without the memory.
-  void set_count_only(bool on) { count_only_ = on; }
+  // Its cache maps nothing but counts as a real one would (held() too). Only
+  // while no cached block is live (BlockCache::set_count_only).
+  void set_count_only(bool on);
+
+  // Storage for `bytes` (> 0) bytes of a tensor, 64-byte aligned and
+  // uninitialised: from the cache when its limit is not 0 and bytes >=
+  // cache_min_bytes(), else from aligned_alloc. data is nullptr when there is
+  // no memory, and always in count-only mode (where `cached` still says
+  // whether the cache counted the request). The caller accounts the bytes
+  // with on_alloc.
+  struct Storage {
+    void* data = nullptr;
+    bool cached = false;  // from cache(): release_storage gives it back there
+  };
+  Storage acquire_storage(std::int64_t bytes);
+  // Gives back what acquire_storage(bytes) returned, with the same bytes.
+  void release_storage(Storage storage, std::int64_t bytes);
+
+  // The pool's block cache: its limit, trim() (where a run ends) and stats.
+  BlockCache& cache() { return cache_; }
+  const BlockCache& cache() const { return cache_; }
+  std::int64_t cache_min_bytes() const { return cache_min_bytes_; }
+  // BlockCache::kDefaultMinBytes unless set (a test routes small tensors
+  // through the cache with a lower one).
+  void set_cache_min_bytes(std::int64_t bytes);
+
+  // What this pool's tensors hold from the system: the live bytes
+  // (current_total) plus the page rounding of live cached blocks plus the
+  // blocks kept for reuse. Its peak moves on allocation and starts again at
+  // reset_peaks(), as the others do.
+  std::int64_t held() const;
+  std::int64_t peak_held() const { return peak_held_; }
 
   // Optional log of every event as (category, +bytes on alloc / -bytes on
   // free), so a test can recompute the peaks from the raw sequence.
@@ -87,8 +129,10 @@ class MemoryPool {
   std::array<std::int64_t, kNumMemCategories> current_{};
   std::array<std::int64_t, kNumMemCategories> peak_{};
   std::int64_t current_total_ = 0, peak_total_ = 0, peak_working_ = 0;
-  std::int64_t alloc_count_ = 0;
+  std::int64_t alloc_count_ = 0, peak_held_ = 0;
   bool count_only_ = false;
+  BlockCache cache_;
+  std::int64_t cache_min_bytes_ = BlockCache::kDefaultMinBytes;
   std::vector<Event>* trace_ = nullptr;
   bool live_tracking_ = false;
   std::int64_t next_id_ = 1, stretch_first_id_ = 1, stretch_base_ = 0;

@@ -1,7 +1,6 @@
 #include "core/tensor.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -33,10 +32,6 @@ std::string to_string(const Shape& shape) {
   return s + "]";
 }
 
-namespace {
-constexpr std::size_t kAlign = 64;  // one cache line; AVX2 loads never straddle two
-}
-
 template <class T>
 Tensor<T>::Tensor(Shape shape, MemCategory cat) : Tensor(std::move(shape), nullptr, cat) {}
 
@@ -48,11 +43,12 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
   LAGA_CHECK(numel_ <= std::numeric_limits<std::int64_t>::max() / std::int64_t(sizeof(T)), "a ",
              to_string(category_), " tensor of shape ", to_string(shape_),
              " would need more than 2^63 bytes; use a smaller --seq/--batch or a larger --sp");
-  if (numel_ > 0 && !pool.count_only()) {
-    std::size_t bytes = static_cast<std::size_t>(numel_) * sizeof(T);
-    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-    data_ = static_cast<T*>(std::aligned_alloc(kAlign, bytes));
-    if (!data_) {
+  if (numel_ > 0) {
+    // Count-only: no storage, but the pool's cache counts the block.
+    const MemoryPool::Storage storage = pool.acquire_storage(this->bytes());
+    data_ = static_cast<T*>(storage.data);
+    cached_ = storage.cached;
+    if (!data_ && !pool.count_only()) {
       fail("out of memory allocating ", this->bytes(), " bytes (",
            static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
            to_string(shape_), " (", to_string(category_), ")",
@@ -85,8 +81,10 @@ Tensor<T>::Tensor(Tensor&& o) noexcept
       data_(o.data_),
       category_(o.category_),
       pool_(o.pool_),
-      live_id_(o.live_id_) {
+      live_id_(o.live_id_),
+      cached_(o.cached_) {
   o.live_id_ = 0;
+  o.cached_ = false;
   o.shape_.clear();
   o.numel_ = 0;
   o.data_ = nullptr;
@@ -103,7 +101,9 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
     category_ = o.category_;
     pool_ = o.pool_;
     live_id_ = o.live_id_;
+    cached_ = o.cached_;
     o.live_id_ = 0;
+    o.cached_ = false;
     o.shape_.clear();
     o.numel_ = 0;
     o.data_ = nullptr;
@@ -122,10 +122,13 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 
 template <class T>
 void Tensor<T>::reset() {
-  if (pool_) pool_->on_free(category_, bytes(), live_id_);
+  if (pool_) {
+    if (data_ || cached_) pool_->release_storage({data_, cached_}, bytes());
+    pool_->on_free(category_, bytes(), live_id_);
+  }
   live_id_ = 0;
-  std::free(data_);
   data_ = nullptr;
+  cached_ = false;
   pool_ = nullptr;
   shape_.clear();
   numel_ = 0;

@@ -5,6 +5,9 @@
 // freed (destroyed, reassigned or reset()), wherever that happens. When the
 // pool is in count-only mode the tensor is accounted but not backed: data() is
 // nullptr and kernels must not run on it (docs/accounting.md, "count-only").
+// The pool also gives the storage (MemoryPool::acquire_storage): a large
+// tensor may get a block an earlier tensor freed, so uninitialised storage
+// holds old values, not zeros.
 //
 // Shapes are int64 extents, outermost first, as (B, S, H, d) in doc comments.
 #pragma once
@@ -74,6 +77,7 @@ class Tensor {
   MemCategory category_ = MemCategory::activations;
   MemoryPool* pool_ = nullptr;
   std::int64_t live_id_ = 0;  // the pool's id while it tracks live tensors
+  bool cached_ = false;       // pool_'s block cache gave the storage (or, count-only, counted it)
 };
 
 using TensorF = Tensor<float>;

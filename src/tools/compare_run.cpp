@@ -134,6 +134,14 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     spec.attention = j.attention;
     spec.documents = j.documents;
     RankRecord rec;
+    // One pool for the form's steps: its block cache hands each step the
+    // blocks the step before freed (no fresh mapping, no page faults). Each
+    // step still measures its own peaks: run_rank resets them at its start,
+    // when no tensor of the step before is live. The pool's end releases
+    // what its cache kept for this form.
+    MemoryPool pool;
+    pool.set_count_only(j.o.count_only);
+    PoolScope scope(pool);
     const int total = j.warmup + j.steps;
     for (int step = 0; step < total; ++step) {
       const bool measured = step >= j.warmup, last = step == total - 1;
@@ -142,9 +150,6 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
       // Start together, so "the slowest rank's step" is a step, not a skew.
       comm.barrier("compare_step");
       comm.ledger().clear();
-      MemoryPool pool;
-      pool.set_count_only(j.o.count_only);
-      PoolScope scope(pool);
       const RankResult<float> res = run_rank(comm, j.cfg, j.layout, rope, w, x, dout, spec);
       const RankReport& rep = res.report;
       if (talk)

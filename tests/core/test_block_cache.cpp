@@ -1,0 +1,220 @@
+// BlockCache: reuse of a freed block of the same page-rounded size, the bound
+// (mapped <= limit x live peak) under random traffic, trim() and limit 0
+// unmapping for real, LAGA_POOL_CACHE's parsing, and (under AddressSanitizer)
+// poisoned kept blocks.
+#include "core/block_cache.hpp"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.hpp"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
+namespace laga {
+namespace {
+
+const std::int64_t kPage = sysconf(_SC_PAGESIZE);
+
+// Whether the page at p is mapped: mincore fails with ENOMEM on an unmapped
+// range, so a block that was really given back to the system reads false.
+bool mapped(void* p) {
+  unsigned char resident = 0;
+  return mincore(p, static_cast<std::size_t>(kPage), &resident) == 0 || errno != ENOMEM;
+}
+
+TEST(BlockCache, ReusesAFreedBlockOfTheSamePageCount) {
+  BlockCache cache;
+  cache.set_limit(1.25);
+  // 3 pages + 1 byte and 4 pages round to the same 4 pages.
+  void* a = cache.acquire(3 * kPage + 1);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(cache.stats().live_mapped, 4 * kPage);
+  EXPECT_EQ(cache.stats().live_requested, 3 * kPage + 1);
+  std::memset(a, 0x5a, static_cast<std::size_t>(3 * kPage + 1));  // writable
+  cache.release(a, 3 * kPage + 1);
+  EXPECT_EQ(cache.stats().cached, 4 * kPage);
+  EXPECT_EQ(cache.stats().live_mapped, 0);
+  EXPECT_TRUE(mapped(a));  // kept, not unmapped
+
+  void* b = cache.acquire(4 * kPage);
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(static_cast<unsigned char*>(b)[0], 0x5a);  // reused as it was left
+  EXPECT_EQ(cache.stats().cached, 0);
+  EXPECT_EQ(cache.stats().hits, 1);
+  EXPECT_EQ(cache.stats().misses, 1);
+
+  // Another page count is another block: exact sizes only.
+  void* c = cache.acquire(5 * kPage);
+  EXPECT_NE(c, b);
+  EXPECT_EQ(cache.stats().misses, 2);
+  EXPECT_EQ(cache.stats().live_mapped, 9 * kPage);
+  EXPECT_EQ(cache.stats().live_peak, 9 * kPage);
+  cache.release(b, 4 * kPage);
+  cache.release(c, 5 * kPage);
+  EXPECT_EQ(cache.stats().cached, 9 * kPage);
+  EXPECT_EQ(cache.stats().mapped_peak, 9 * kPage);
+}
+
+TEST(BlockCache, AFreshMappingReleasesKeptBlocksLargestFirstToKeepTheBound) {
+  BlockCache cache;
+  cache.set_limit(1.0);
+  void* small = cache.acquire(2 * kPage);
+  void* large = cache.acquire(6 * kPage);
+  cache.release(small, 2 * kPage);
+  cache.release(large, 6 * kPage);
+  EXPECT_EQ(cache.stats().live_peak, 8 * kPage);
+  EXPECT_EQ(cache.stats().cached, 8 * kPage);
+  // 3 new pages over 8 kept, bound 1.0 x 8: the 6-page block goes, the
+  // 2-page one stays (2 + 3 <= 8).
+  void* fresh = cache.acquire(3 * kPage);
+  EXPECT_EQ(cache.stats().evicted, 1);
+  EXPECT_EQ(cache.stats().cached, 2 * kPage);
+  EXPECT_FALSE(mapped(large));
+  EXPECT_TRUE(mapped(small));
+  EXPECT_LE(cache.stats().mapped(), cache.stats().live_peak);
+  cache.release(fresh, 3 * kPage);
+}
+
+TEST(BlockCache, MappedStaysWithinTheBoundUnderRandomTraffic) {
+  for (const double limit : {1.0, 1.25, 2.0}) {
+    BlockCache cache;
+    cache.set_limit(limit);
+    std::mt19937 rng(7);
+    std::vector<std::pair<unsigned char*, std::int64_t>> live;
+    std::int64_t acquires = 0;
+    for (int op = 0; op < 3000; ++op) {
+      if (live.empty() || rng() % 5 < 3) {
+        // Sizes from a few page counts, so that some requests find a block.
+        const std::int64_t bytes = (1 + std::int64_t(rng() % 12)) * kPage - std::int64_t(rng() % 7);
+        unsigned char* p = static_cast<unsigned char*>(cache.acquire(bytes));
+        ASSERT_NE(p, nullptr);
+        ++acquires;
+        // A block handed out twice at once would lose this mark.
+        std::memset(p, static_cast<int>(live.size() & 0xff), static_cast<std::size_t>(bytes));
+        live.emplace_back(p, bytes);
+      } else {
+        const std::size_t i = rng() % live.size();
+        const auto [p, bytes] = live[i];
+        for (std::int64_t k = 0; k < bytes; k += kPage / 2)
+          ASSERT_EQ(p[k], static_cast<unsigned char>(i & 0xff)) << "block shared by two tensors";
+        // Keep the marks matching their indices: move the last block into i.
+        live[i] = live.back();
+        live.pop_back();
+        if (i < live.size())
+          std::memset(live[i].first, static_cast<int>(i & 0xff),
+                      static_cast<std::size_t>(live[i].second));
+        cache.release(p, bytes);
+      }
+      const BlockCache::Stats& s = cache.stats();
+      ASSERT_LE(double(s.mapped()), limit * double(s.live_peak) + 0.5)
+          << "limit " << limit << ", op " << op;
+      ASSERT_LE(s.live_requested, s.live_mapped);
+      ASSERT_GE(s.cached, 0);
+      ASSERT_EQ(s.hits + s.misses, acquires);
+    }
+    EXPECT_GT(cache.stats().hits, 0) << "limit " << limit;
+    for (const auto& [p, bytes] : live) cache.release(p, bytes);
+  }
+}
+
+TEST(BlockCache, TrimUnmapsKeptBlocksAndStartsThePeakAgain) {
+  BlockCache cache;
+  cache.set_limit(1.25);
+  void* keep = cache.acquire(kPage);
+  void* a = cache.acquire(4 * kPage);
+  void* b = cache.acquire(2 * kPage);
+  cache.release(a, 4 * kPage);
+  cache.release(b, 2 * kPage);
+  EXPECT_EQ(cache.trim(), 6 * kPage);
+  EXPECT_FALSE(mapped(a));
+  EXPECT_FALSE(mapped(b));
+  EXPECT_TRUE(mapped(keep));  // live blocks are their tensors'
+  EXPECT_EQ(cache.stats().cached, 0);
+  EXPECT_EQ(cache.stats().live_peak, kPage);
+  EXPECT_EQ(cache.stats().mapped_peak, kPage);
+  // The next request of a trimmed size maps afresh.
+  const std::int64_t misses = cache.stats().misses;
+  void* c = cache.acquire(4 * kPage);
+  EXPECT_EQ(cache.stats().misses, misses + 1);
+  cache.release(c, 4 * kPage);
+  cache.release(keep, kPage);
+}
+
+TEST(BlockCache, LimitZeroUnmapsEveryFreedBlockAndLoweringReleasesNow) {
+  BlockCache cache;
+  cache.set_limit(2.0);
+  void* a = cache.acquire(4 * kPage);
+  void* b = cache.acquire(4 * kPage);
+  cache.release(a, 4 * kPage);
+  EXPECT_EQ(cache.stats().cached, 4 * kPage);
+  // Off: what is kept goes now, and what is freed later goes at once.
+  cache.set_limit(0.0);
+  EXPECT_EQ(cache.stats().cached, 0);
+  EXPECT_FALSE(mapped(a));
+  cache.release(b, 4 * kPage);
+  EXPECT_EQ(cache.stats().cached, 0);
+  EXPECT_FALSE(mapped(b));
+}
+
+TEST(BlockCache, BadLimitsAreRefusedWithTheirRemedy) {
+  BlockCache cache;
+  for (const double bad : {-1.0, 0.5, 0.999}) {
+    try {
+      cache.set_limit(bad);
+      FAIL() << "limit " << bad << " must be refused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("factor >= 1"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(BlockCache, ParsesLagaPoolCache) {
+  EXPECT_EQ(detail::parse_cache_limit(nullptr, 1.25), 1.25);
+  EXPECT_EQ(detail::parse_cache_limit("", 0.0), 0.0);
+  EXPECT_EQ(detail::parse_cache_limit("off", 1.25), 0.0);
+  EXPECT_EQ(detail::parse_cache_limit("1", 1.25), 1.0);
+  EXPECT_EQ(detail::parse_cache_limit("1.5", 1.25), 1.5);
+  for (const char* bad : {"0", "0.5", "on", "1.5x", "inf", "nan", "-2"}) {
+    try {
+      detail::parse_cache_limit(bad, 1.25);
+      FAIL() << "'" << bad << "' must be refused";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("LAGA_POOL_CACHE='" + std::string(bad) + "'"), std::string::npos) << what;
+      EXPECT_NE(what.find("off"), std::string::npos) << what;
+    }
+  }
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+// A tensor used after it was freed touches a kept block: AddressSanitizer
+// reports it because the block is poisoned until it is handed out again.
+TEST(BlockCache, KeptBlocksArePoisonedUnderAddressSanitizer) {
+  BlockCache cache;
+  cache.set_limit(1.25);
+  void* a = cache.acquire(2 * kPage);
+  EXPECT_FALSE(__asan_address_is_poisoned(a));
+  cache.release(a, 2 * kPage);
+  EXPECT_TRUE(__asan_address_is_poisoned(a));
+  EXPECT_TRUE(__asan_address_is_poisoned(static_cast<char*>(a) + 2 * kPage - 1));
+  void* b = cache.acquire(2 * kPage);
+  ASSERT_EQ(b, a);
+  EXPECT_FALSE(__asan_address_is_poisoned(b));
+  cache.release(b, 2 * kPage);
+}
+#endif
+
+}  // namespace
+}  // namespace laga
