@@ -52,8 +52,8 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
       fail("out of memory allocating ", this->bytes(), " bytes (",
            static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
            to_string(shape_), " (", to_string(category_), ")",
-           "; use a smaller --seq/--batch, a larger --sp, or --count-only to account without "
-           "allocating");
+           "; use a smaller --seq/--batch or a larger --sp (`laga compare --count-only` and "
+           "`laga plan` give a job's peak per rank without allocating it)");
     }
   }
   pool_ = &pool;

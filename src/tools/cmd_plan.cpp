@@ -256,7 +256,8 @@ void register_plan(CLI::App& app) {
                 "LAT microseconds when given")
       ->check(link_spec());
   c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
-  c->add_option("--forms", o->forms, "comma-separated forms (explicit, absorbed, laga), or all")
+  c->add_option("--forms", o->forms,
+                "comma-separated forms (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
               "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
