@@ -1,6 +1,7 @@
 #include "plan/measure.hpp"
 
 #include <immintrin.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash.hpp"
 #include "kernels/gemm.hpp"
+#include "mla/block.hpp"
 
 namespace laga {
 
@@ -127,7 +129,128 @@ LinkModel local_link() {
   return link;
 }
 
+// CPU seconds of this thread: what a kernel costs on the core it runs on,
+// without the time it waited while other processes of a shared machine had
+// the core (a rank of a timed run has its own core).
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+// The median of 5 samples of one call of fn in this thread's CPU time, each
+// sample enough back-to-back calls to last about 2 ms (one call of a small
+// GEMM takes microseconds, below what one clock reading resolves well).
+template <class Fn>
+double seconds_per_call(Fn&& fn) {
+  const double t0 = thread_seconds();
+  fn();  // warm-up: the kernel's first call pays for JIT code and page faults
+  const double first = thread_seconds() - t0;
+  const int calls = static_cast<int>(std::clamp(2e-3 / std::max(first, 1e-9), 1.0, 1e4));
+  std::vector<double> sample;
+  for (int i = 0; i < 5; ++i) {
+    const double s0 = thread_seconds();
+    for (int c = 0; c < calls; ++c) fn();
+    sample.push_back((thread_seconds() - s0) / calls);
+  }
+  std::nth_element(sample.begin(), sample.begin() + 2, sample.end());
+  return sample[2];
+}
+
+// Elements of a row-major (rows, cols) operand with row stride ld.
+std::int64_t strided(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+  return rows == 0 ? 0 : (rows - 1) * ld + cols;
+}
+
+double time_gemm(const ops::GemmCall& g) {
+  const std::int64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
+  const std::int64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
+  const std::vector<float> a = random_floats(strided(a_rows, a_cols, g.lda), 11),
+                           b = random_floats(strided(b_rows, b_cols, g.ldb), 12);
+  std::vector<float> c = random_floats(strided(g.m, g.n, g.ldc), 13);
+  return seconds_per_call([&] {
+    gemm<float>(g.trans_a, g.trans_b, g.m, g.n, g.k, 1.f, a.data(), g.lda, b.data(), g.ldb,
+                g.accumulate ? 1.f : 0.f, c.data(), g.ldc);
+  });
+}
+
+double time_attention(const ops::AttentionCall& a) {
+  AttnShape sh;
+  sh.B = a.B, sh.Sq = a.Sq, sh.Sk = a.Sk, sh.Hq = a.Hq, sh.Hk = a.Hk, sh.dqk = a.dqk, sh.dv = a.dv;
+  sh.causal = a.causal;
+  sh.scale = 1.0 / std::sqrt(double(a.dqk));
+  const bool eager = a.kernel == AttentionKind::eager;
+  // q (B, Sq, Hq, dqk), k (B, Sk, Hk, dqk), v (B, Sk, Hk, dv), o and dout (B, Sq, Hq, dv).
+  const std::vector<float> q = random_floats(a.B * a.Sq * a.Hq * a.dqk, 21),
+                           k = random_floats(a.B * a.Sk * a.Hk * a.dqk, 22),
+                           v = random_floats(a.B * a.Sk * a.Hk * a.dv, 23),
+                           dout = random_floats(a.B * a.Sq * a.Hq * a.dv, 24);
+  std::vector<float> o(q.size() / size_t(a.dqk) * size_t(a.dv)), dq(q.size()), dk(k.size()),
+      dv(v.size());
+  // Eager's probabilities (B, Hq, Sq, Sk) and one head's dp (Sq, Sk); flash's lse (B, Hq, Sq).
+  std::vector<float> stats(size_t(a.B * a.Hq * a.Sq * (eager ? a.Sk : 1)));
+  std::vector<float> dp(eager ? size_t(a.Sq * a.Sk) : 0);
+  auto forward = [&] {
+    if (eager)
+      attention_eager_forward(sh, o.data(), stats.data(), q.data(), k.data(), v.data());
+    else
+      attention_flash_forward(sh, o.data(), stats.data(), q.data(), k.data(), v.data());
+  };
+  if (a.pass == ops::AttentionPass::forward) return seconds_per_call(forward);
+  forward();  // backward reads forward's outputs
+  return seconds_per_call([&] {
+    if (eager)
+      attention_eager_backward(sh, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                               v.data(), stats.data(), dp.data());
+    else
+      attention_flash_backward(sh, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                               v.data(), o.data(), stats.data());
+  });
+}
+
+// A shape is timed when one call is small enough to repeat: at most
+// kMaxCallFlops (about 0.1-1 s on one core) and kMaxCallBytes of operands.
+constexpr double kMaxCallFlops = 2e10;
+constexpr double kMaxCallBytes = double(std::int64_t(1) << 30);
+
 }  // namespace
+
+bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& t) {
+  const double bytes = 4.0 * double(strided(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda) +
+                                    strided(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb) +
+                                    strided(g.m, g.n, g.ldc));
+  return t.flops / double(t.calls) <= kMaxCallFlops && bytes <= kMaxCallBytes;
+}
+
+bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& t) {
+  const double elements =
+      double(a.B) * (2.0 * a.Sq * a.Hq * (a.dqk + a.dv) + 2.0 * a.Sk * a.Hk * (a.dqk + a.dv) +
+                     (a.kernel == AttentionKind::eager ? double(a.Hq) * a.Sq * a.Sk : 0.0));
+  return !a.documents && t.flops / double(t.calls) <= kMaxCallFlops &&
+         4.0 * elements <= kMaxCallBytes;
+}
+
+int measure_shapes(const ops::OpCounts& calls, ShapeTimes& times,
+                   const std::function<void(const std::string&)>& progress) {
+  set_rank_threads(1);
+  int timed = 0;
+  const auto say = [&](const std::string& what) {
+    if (progress && timed % 20 == 0) progress(cat("timing ", what, " (", timed, " shapes so far)"));
+  };
+  for (const auto& [g, tally] : calls.gemm_calls)
+    if (!times.gemm.count(g) && shape_timeable(g, tally)) {
+      say("GEMM shapes");
+      times.gemm[g] = time_gemm(g);
+      ++timed;
+    }
+  for (const auto& [a, tally] : calls.attention_calls)
+    if (!times.attention.count(a) && shape_timeable(a, tally)) {
+      say("attention shapes");
+      times.attention[a] = time_attention(a);
+      ++timed;
+    }
+  return timed;
+}
 
 HardwareProfile measure_this_machine(const std::function<void(const std::string&)>& progress) {
   auto say = [&](const std::string& s) {

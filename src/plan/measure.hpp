@@ -31,4 +31,17 @@ namespace laga {
 
 HardwareProfile measure_this_machine(const std::function<void(const std::string&)>& progress);
 
+// Times one call of every GEMM and attention shape in `calls` that `times`
+// does not hold yet, on this thread (one core, fp32, laga's own kernels on
+// random operands with the call's strides): the median of 5 samples, each
+// enough back-to-back calls to last ~2 ms. Shapes too large to repeat (one
+// call over 2e10 FLOPs or 1 GiB of operands) and attention with document
+// starts (its work depends on where they fall) are left out; the time model
+// costs those at the profile's efficiency. Returns how many were timed.
+int measure_shapes(const ops::OpCounts& calls, ShapeTimes& times,
+                   const std::function<void(const std::string&)>& progress);
+// Whether measure_shapes times this shape (`tally`: its calls and FLOPs).
+bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& tally);
+bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& tally);
+
 }  // namespace laga

@@ -71,9 +71,13 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
 
 struct PhaseTime {
   double compute_s = 0, comm_s = 0;
+  double flops = 0;             // GEMM + attention FLOPs of the phase
+  double unmeasured_flops = 0;  // of those, costed at the profile's efficiency
 };
 
-// A rank's predicted time per phase on `profile` and `links`.
+// A rank's predicted time per phase on `profile` and `links`: each GEMM and
+// attention call at its shape's measured time when the profile has it (fp32
+// plans), else at its FLOPs over peak x efficiency.
 std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
                                    PlanDType dtype, const Fabric& fabric);
 
