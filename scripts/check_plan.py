@@ -14,7 +14,10 @@ Without --config it writes a model whose latent is wide against its heads
 but issues fewer collectives: explicit wins on slow links, laga on fast
 ones, and the crossover lies where the link model can be timed. Without
 --bandwidths it takes 4 around the predicted crossover (1/6, 1/2.5, 2.5x and
-6x). The profile of this machine is measured once (laga plan --measure).
+6x). The profile of this machine is measured once (laga plan --measure, with
+the same model, S, P and forms, so every GEMM and attention shape the plans
+cost is timed). The load average (`uptime`) is printed before and after: on
+a shared machine, measured times mean little when it is above the 2 ranks'.
 """
 import argparse
 import json
@@ -53,10 +56,15 @@ if not config:
     with open(config, "w") as f:
         json.dump({"dim": 256, "n_heads": 4, "kv_lora_rank": 256, "qk_nope_head_dim": 16,
                    "qk_rope_head_dim": 16, "v_head_dim": 16}, f)
+def uptime():
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+print("before:", uptime())
 model = ["--config", config]
 profile = os.path.join(tmp, "this.json")
-laga(["plan", "--quiet", "--measure", profile])
 common = model + ["--seq", str(args.seq), "--sp", "2", "--forms", args.forms]
+laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
 lat = args.latency_us
 
 
@@ -106,3 +114,4 @@ for (b0, d0), (b1, d1) in zip(measured_lead, measured_lead[1:]):
         found = math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
 print("measured crossover: " + (f"{found:.4g} GB/s" if found else "none in the range measured") +
       (f"; predicted {cross / 1e9:.4g} GB/s" if cross else ""))
+print("after:", uptime())
