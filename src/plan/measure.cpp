@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -138,19 +139,38 @@ double thread_seconds() {
   return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
 }
 
-// The median of 5 samples of one call of fn in this thread's CPU time, each
+// How many copies of a call's operands (`bytes` each) a timing cycles
+// through: enough that together they are four times this core's L2, so
+// each timed call reads its operands from L3 or memory, as a call inside a
+// block step does (between two uses of a tensor a step touches megabytes of
+// others). An LRU cache cycled over more than its size keeps none of it;
+// four times, not just over one, because L2 is neither strictly LRU nor
+// alone (the prefetchers). On this machine the sum of a step's GEMMs timed
+// this way came within about 10% of the same calls timed inside `laga
+// compare` steps, against 15-25% under when timed warm on one set of
+// operands (docs/planning.md, "Where the compute error went").
+int operand_sets(double bytes) {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const double footprint = 4.0 * double(l2 > 0 ? l2 : 1 << 20);
+  return static_cast<int>(std::clamp(std::ceil(footprint / std::max(bytes, 1.0)), 1.0, 64.0));
+}
+
+// The median of 5 samples of one call in this thread's CPU time, each
 // sample enough back-to-back calls to last about 2 ms (one call of a small
 // GEMM takes microseconds, below what one clock reading resolves well).
-template <class Fn>
-double seconds_per_call(Fn&& fn) {
+// call(i) runs the kernel on operand set i % sets.
+template <class Call>
+double seconds_per_call(int sets, Call&& call) {
+  for (int i = 0; i < sets; ++i) call(i);  // the first calls pay for JIT code and page faults
   const double t0 = thread_seconds();
-  fn();  // warm-up: the kernel's first call pays for JIT code and page faults
+  call(0);
   const double first = thread_seconds() - t0;
   const int calls = static_cast<int>(std::clamp(2e-3 / std::max(first, 1e-9), 1.0, 1e4));
   std::vector<double> sample;
+  int next = 1;
   for (int i = 0; i < 5; ++i) {
     const double s0 = thread_seconds();
-    for (int c = 0; c < calls; ++c) fn();
+    for (int c = 0; c < calls; ++c) call(next++ % sets);
     sample.push_back((thread_seconds() - s0) / calls);
   }
   std::nth_element(sample.begin(), sample.begin() + 2, sample.end());
@@ -162,16 +182,32 @@ std::int64_t strided(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
   return rows == 0 ? 0 : (rows - 1) * ld + cols;
 }
 
+// A, B and C of one GEMM call, in elements.
+std::array<std::int64_t, 3> gemm_operands(const ops::GemmCall& g) {
+  return {strided(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda),
+          strided(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb), strided(g.m, g.n, g.ldc)};
+}
+
 double time_gemm(const ops::GemmCall& g) {
-  const std::int64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
-  const std::int64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
-  const std::vector<float> a = random_floats(strided(a_rows, a_cols, g.lda), 11),
-                           b = random_floats(strided(b_rows, b_cols, g.ldb), 12);
-  std::vector<float> c = random_floats(strided(g.m, g.n, g.ldc), 13);
-  return seconds_per_call([&] {
-    gemm<float>(g.trans_a, g.trans_b, g.m, g.n, g.k, 1.f, a.data(), g.lda, b.data(), g.ldb,
-                g.accumulate ? 1.f : 0.f, c.data(), g.ldc);
+  const auto [na, nb, nc] = gemm_operands(g);
+  struct Operands {
+    std::vector<float> a, b, c;
+  };
+  std::vector<Operands> set(size_t(operand_sets(4.0 * double(na + nb + nc))));
+  for (Operands& x : set) x = {random_floats(na, 11), random_floats(nb, 12), random_floats(nc, 13)};
+  return seconds_per_call(int(set.size()), [&](int i) {
+    Operands& x = set[size_t(i)];
+    gemm<float>(g.trans_a, g.trans_b, g.m, g.n, g.k, 1.f, x.a.data(), g.lda, x.b.data(), g.ldb,
+                g.accumulate ? 1.f : 0.f, x.c.data(), g.ldc);
   });
+}
+
+// Elements of one attention call's operands: q, k, v, o, dout, dq, dk, dv,
+// and eager's probabilities (B, Hq, Sq, Sk) or flash's lse (B, Hq, Sq).
+double attention_elements(const ops::AttentionCall& a) {
+  const double B = double(a.B);
+  return B * (2.0 * a.Sq * a.Hq * (a.dqk + a.dv) + 2.0 * a.Sk * a.Hk * (a.dqk + a.dv) +
+              double(a.Hq) * a.Sq * (a.kernel == AttentionKind::eager ? double(a.Sk) : 1.0));
 }
 
 double time_attention(const ops::AttentionCall& a) {
@@ -180,31 +216,40 @@ double time_attention(const ops::AttentionCall& a) {
   sh.causal = a.causal;
   sh.scale = 1.0 / std::sqrt(double(a.dqk));
   const bool eager = a.kernel == AttentionKind::eager;
-  // q (B, Sq, Hq, dqk), k (B, Sk, Hk, dqk), v (B, Sk, Hk, dv), o and dout (B, Sq, Hq, dv).
-  const std::vector<float> q = random_floats(a.B * a.Sq * a.Hq * a.dqk, 21),
-                           k = random_floats(a.B * a.Sk * a.Hk * a.dqk, 22),
-                           v = random_floats(a.B * a.Sk * a.Hk * a.dv, 23),
-                           dout = random_floats(a.B * a.Sq * a.Hq * a.dv, 24);
-  std::vector<float> o(q.size() / size_t(a.dqk) * size_t(a.dv)), dq(q.size()), dk(k.size()),
-      dv(v.size());
-  // Eager's probabilities (B, Hq, Sq, Sk) and one head's dp (Sq, Sk); flash's lse (B, Hq, Sq).
-  std::vector<float> stats(size_t(a.B * a.Hq * a.Sq * (eager ? a.Sk : 1)));
-  std::vector<float> dp(eager ? size_t(a.Sq * a.Sk) : 0);
-  auto forward = [&] {
-    if (eager)
-      attention_eager_forward(sh, o.data(), stats.data(), q.data(), k.data(), v.data());
-    else
-      attention_flash_forward(sh, o.data(), stats.data(), q.data(), k.data(), v.data());
+  // q (B, Sq, Hq, dqk), k (B, Sk, Hk, dqk), v (B, Sk, Hk, dv), o and dout (B, Sq, Hq, dv);
+  // stats: eager's probabilities (B, Hq, Sq, Sk), flash's lse (B, Hq, Sq); dp: eager's one
+  // head's (Sq, Sk).
+  struct Operands {
+    std::vector<float> q, k, v, dout, o, stats, dq, dk, dv, dp;
   };
-  if (a.pass == ops::AttentionPass::forward) return seconds_per_call(forward);
-  forward();  // backward reads forward's outputs
-  return seconds_per_call([&] {
+  const std::int64_t nq = a.B * a.Sq * a.Hq * a.dqk, nk = a.B * a.Sk * a.Hk * a.dqk,
+                     nv = a.B * a.Sk * a.Hk * a.dv, no = a.B * a.Sq * a.Hq * a.dv;
+  std::vector<Operands> set(size_t(operand_sets(4.0 * attention_elements(a))));
+  for (Operands& x : set) {
+    x.q = random_floats(nq, 21), x.k = random_floats(nk, 22), x.v = random_floats(nv, 23);
+    x.dout = random_floats(no, 24);
+    x.o.resize(size_t(no)), x.dq.resize(size_t(nq)), x.dk.resize(size_t(nk));
+    x.dv.resize(size_t(nv));
+    x.stats.resize(size_t(a.B * a.Hq * a.Sq * (eager ? a.Sk : 1)));
+    x.dp.resize(eager ? size_t(a.Sq * a.Sk) : 0);
+  }
+  auto forward = [&](int i) {
+    Operands& x = set[size_t(i)];
     if (eager)
-      attention_eager_backward(sh, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                               v.data(), stats.data(), dp.data());
+      attention_eager_forward(sh, x.o.data(), x.stats.data(), x.q.data(), x.k.data(), x.v.data());
     else
-      attention_flash_backward(sh, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                               v.data(), o.data(), stats.data());
+      attention_flash_forward(sh, x.o.data(), x.stats.data(), x.q.data(), x.k.data(), x.v.data());
+  };
+  if (a.pass == ops::AttentionPass::forward) return seconds_per_call(int(set.size()), forward);
+  for (int i = 0; i < int(set.size()); ++i) forward(i);  // backward reads forward's outputs
+  return seconds_per_call(int(set.size()), [&](int i) {
+    Operands& x = set[size_t(i)];
+    if (eager)
+      attention_eager_backward(sh, x.dq.data(), x.dk.data(), x.dv.data(), x.dout.data(), x.q.data(),
+                               x.k.data(), x.v.data(), x.stats.data(), x.dp.data());
+    else
+      attention_flash_backward(sh, x.dq.data(), x.dk.data(), x.dv.data(), x.dout.data(), x.q.data(),
+                               x.k.data(), x.v.data(), x.o.data(), x.stats.data());
   });
 }
 
@@ -216,18 +261,13 @@ constexpr double kMaxCallBytes = double(std::int64_t(1) << 30);
 }  // namespace
 
 bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& t) {
-  const double bytes = 4.0 * double(strided(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda) +
-                                    strided(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb) +
-                                    strided(g.m, g.n, g.ldc));
-  return t.flops / double(t.calls) <= kMaxCallFlops && bytes <= kMaxCallBytes;
+  const auto [na, nb, nc] = gemm_operands(g);
+  return t.flops / double(t.calls) <= kMaxCallFlops && 4.0 * double(na + nb + nc) <= kMaxCallBytes;
 }
 
 bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& t) {
-  const double elements =
-      double(a.B) * (2.0 * a.Sq * a.Hq * (a.dqk + a.dv) + 2.0 * a.Sk * a.Hk * (a.dqk + a.dv) +
-                     (a.kernel == AttentionKind::eager ? double(a.Hq) * a.Sq * a.Sk : 0.0));
   return !a.documents && t.flops / double(t.calls) <= kMaxCallFlops &&
-         4.0 * elements <= kMaxCallBytes;
+         4.0 * attention_elements(a) <= kMaxCallBytes;
 }
 
 int measure_shapes(const ops::OpCounts& calls, ShapeTimes& times,
