@@ -19,7 +19,9 @@
 //                     round, the bandwidth of 8 MiB ones (the copy between
 //                     threads), topology switch; inter_node the same (one node)
 //   peak_flops.bf16   null: laga's CPU kernels have no bf16 path
-// Takes a few seconds.
+// Takes a few seconds. The efficiencies cost only the shapes a profile has
+// not timed: measure_shapes below times the plan's own GEMM and attention
+// shapes (measured_shapes), which is what the time model uses first.
 #pragma once
 
 #include <functional>
