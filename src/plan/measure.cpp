@@ -155,7 +155,7 @@ int operand_sets(double bytes) {
   return static_cast<int>(std::clamp(std::ceil(footprint / std::max(bytes, 1.0)), 1.0, 64.0));
 }
 
-// The median of 5 samples of one call in this thread's CPU time, each
+// The median of 9 samples of one call in this thread's CPU time, each
 // sample enough back-to-back calls to last about 2 ms (one call of a small
 // GEMM takes microseconds, below what one clock reading resolves well).
 // call(i) runs the kernel on operand set i % sets.
@@ -168,13 +168,14 @@ double seconds_per_call(int sets, Call&& call) {
   const int calls = static_cast<int>(std::clamp(2e-3 / std::max(first, 1e-9), 1.0, 1e4));
   std::vector<double> sample;
   int next = 1;
-  for (int i = 0; i < 5; ++i) {
+  constexpr int samples = 9;  // the median shrugs off a few disturbed by the rest of the machine
+  for (int i = 0; i < samples; ++i) {
     const double s0 = thread_seconds();
     for (int c = 0; c < calls; ++c) call(next++ % sets);
     sample.push_back((thread_seconds() - s0) / calls);
   }
-  std::nth_element(sample.begin(), sample.begin() + 2, sample.end());
-  return sample[2];
+  std::nth_element(sample.begin(), sample.begin() + samples / 2, sample.end());
+  return sample[samples / 2];
 }
 
 // Elements of a row-major (rows, cols) operand with row stride ld.

@@ -35,7 +35,7 @@ HardwareProfile measure_this_machine(const std::function<void(const std::string&
 
 // Times one call of every GEMM and attention shape in `calls` that `times`
 // does not hold yet, on this thread (one core, fp32, laga's own kernels on
-// random operands with the call's strides): the median of 5 samples of the
+// random operands with the call's strides): the median of 9 samples of the
 // thread's CPU time, each enough back-to-back calls to last ~2 ms, cycling
 // over copies of the operands four times the size of L2 (so they come from
 // L3, as inside a step). Shapes too large to repeat (one
