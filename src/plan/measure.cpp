@@ -146,9 +146,9 @@ double thread_seconds() {
 // others). An LRU cache cycled over more than its size keeps none of it;
 // four times, not just over one, because L2 is neither strictly LRU nor
 // alone (the prefetchers). On this machine the sum of a step's GEMMs timed
-// this way came within about 10% of the same calls timed inside `laga
-// compare` steps, against 15-25% under when timed warm on one set of
-// operands (docs/planning.md, "Where the compute error went").
+// this way came 4-16% under the same calls timed inside `laga compare`
+// steps, against 10-30% under when timed warm on one set of operands
+// (docs/planning.md, "Where the error went").
 int operand_sets(double bytes) {
   const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
   const double footprint = 4.0 * double(l2 > 0 ? l2 : 1 << 20);
