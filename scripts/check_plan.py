@@ -14,15 +14,21 @@ Without --config it writes a model whose latent is wide against its heads
 but issues fewer collectives: explicit wins on slow links, laga on fast
 ones, and the crossover lies where the link model can be timed. Without
 --bandwidths it takes 4 around the predicted crossover (1/6, 1/2.5, 2.5x and
-6x). The profile of this machine is measured once (laga plan --measure).
+6x). The profile of this machine is measured once (laga plan --measure, with
+the same model, S, P and forms, so every GEMM and attention shape the plans
+cost is timed). The load average (`uptime`) is printed before and after: on
+a shared machine, measured times mean little when it is above the 2 ranks'.
 """
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--laga", default="build/laga")
@@ -34,6 +40,7 @@ ap.add_argument("--forms", default="explicit,laga,absorbed")
 ap.add_argument("--steps", type=int, default=5)
 args = ap.parse_args()
 tmp = tempfile.mkdtemp(prefix="laga_check_plan_")
+atexit.register(shutil.rmtree, tmp, ignore_errors=True)
 
 
 def laga(cmd, json_out=None):
@@ -53,10 +60,27 @@ if not config:
     with open(config, "w") as f:
         json.dump({"dim": 256, "n_heads": 4, "kv_lora_rank": 256, "qk_nope_head_dim": 16,
                    "qk_rope_head_dim": 16, "v_head_dim": 16}, f)
+def uptime():
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def busy_seconds():
+    """CPU seconds every process of the machine has run (user, nice, system,
+    irq, softirq and steal from /proc/stat), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
+print("before:", uptime())
+busy0, mine0, wall0 = busy_seconds(), os.times(), time.time()
 model = ["--config", config]
 profile = os.path.join(tmp, "this.json")
-laga(["plan", "--quiet", "--measure", profile])
 common = model + ["--seq", str(args.seq), "--sp", "2", "--forms", args.forms]
+laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
 lat = args.latency_us
 
 
@@ -106,3 +130,14 @@ for (b0, d0), (b1, d1) in zip(measured_lead, measured_lead[1:]):
         found = math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
 print("measured crossover: " + (f"{found:.4g} GB/s" if found else "none in the range measured") +
       (f"; predicted {cross / 1e9:.4g} GB/s" if cross else ""))
+print("after:", uptime())
+# What the rest of the machine ran meanwhile: every process's CPU time less
+# this script's and its laga runs'. A quiet check has it near 0; the
+# measured times mean little when it is a sizeable share of the wall time.
+busy1, mine1, wall1 = busy_seconds(), os.times(), time.time()
+if busy0 is not None:
+    mine = (mine1.user + mine1.system + mine1.children_user + mine1.children_system) - \
+           (mine0.user + mine0.system + mine0.children_user + mine0.children_system)
+    others = busy1 - busy0 - mine
+    print(f"other processes ran {others:.1f} CPU-s during the {wall1 - wall0:.1f} s of this check "
+          f"({100 * others / ((wall1 - wall0) * os.cpu_count()):.0f}% of the {os.cpu_count()} cores)")

@@ -290,7 +290,8 @@ template <class T>
 void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
                        const T* v) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
-  ops::count_attention([&] { return s.useful_flops_forward(); });
+  ops::count_attention(s, st.ctx.attention, ops::AttentionPass::forward,
+                       [&] { return s.useful_flops_forward(); });
   // Eager writes the scores, reads them back and writes the probabilities.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
   if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
@@ -310,8 +311,9 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   // dk = ds^T q (dqk each): twice forward. Flash recomputes q.k as well.
   const double per_pair_forward = double(s.dqk + s.dv);
   const double per_pair_backward = eager ? 2 * per_pair_forward : 3.0 * s.dqk + 2.0 * s.dv;
-  ops::count_attention(
-      [&] { return s.useful_flops_forward() * per_pair_backward / per_pair_forward; });
+  ops::count_attention(s, st.ctx.attention, ops::AttentionPass::backward, [&] {
+    return s.useful_flops_forward() * per_pair_backward / per_pair_forward;
+  });
   // Eager reads the saved probabilities, writes dp and reads it back.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
   if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, q, k, v, eager ? dp : o})) return;

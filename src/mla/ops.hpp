@@ -8,9 +8,11 @@
 // Op counts: with a CountOps scope on the thread, every op also adds what it
 // does -- or, count-only, would do -- to an OpCounts: GEMM FLOPs (2 M N K),
 // attention FLOPs (Pieces::attention_*, block.cpp) and the bytes the
-// memory-bound ops read and write. The planner's time model reads a form's
-// compute from the count-only run this way (src/plan/time_model.hpp), so no
-// form's FLOPs are derived by hand a second time.
+// memory-bound ops read and write, and the list of GEMM and attention kernel
+// calls by shape (how many of each). The planner's time model reads a form's
+// compute from the count-only run this way (src/plan/time_model.hpp), and
+// times each listed shape on the machine it plans for, so no form's FLOPs or
+// shapes are derived by hand a second time.
 //
 // A Mat is a row-major matrix view (rows, cols, row stride ld) into a tensor:
 // a column slice is one head of a (B, S, H, d) tensor (ld = H d), a row slice
@@ -18,17 +20,24 @@
 // through slicing, so no arithmetic is ever done on a null pointer.
 #pragma once
 
+#include <compare>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <utility>
 
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
 #include "core/tensor.hpp"
+#include "kernels/attention.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
+
+namespace laga {
+enum class AttentionKind;  // mla/block.hpp
+}
 
 namespace laga::ops {
 
@@ -83,10 +92,42 @@ Mat<const T> flat(const Tensor<T>& t) {
   return {t.data(), 1, t.numel(), t.numel()};
 }
 
+// One laga::gemm call as issued: C (m, n) = op(A) op(B) (+ C when
+// accumulating), op(A) (m, k), with the row strides of A, B and C (a view of
+// one head of a (S, H, d) tensor has ld = H d, and the stride changes how the
+// kernel walks memory).
+struct GemmCall {
+  bool trans_a = false, trans_b = false;
+  std::int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  bool accumulate = false;  // beta 1: C is read as well as written
+  auto operator<=>(const GemmCall&) const = default;
+};
+
+enum class AttentionPass { forward, backward };
+// One attention kernel call as issued: its extents (AttnShape's), kernel and
+// pass. `documents`: the call had packed-sequence document starts, so its
+// work depends on their positions and not on the extents alone.
+struct AttentionCall {
+  std::int64_t B = 0, Sq = 0, Sk = 0, Hq = 0, Hk = 0, dqk = 0, dv = 0;
+  bool causal = true, documents = false;
+  AttentionKind kernel{};
+  AttentionPass pass = AttentionPass::forward;
+  auto operator<=>(const AttentionCall&) const = default;
+};
+
+// How often one shape was called and the FLOPs those calls counted.
+struct CallTally {
+  std::int64_t calls = 0;
+  double flops = 0;
+  bool operator==(const CallTally&) const = default;
+};
+
 struct OpCounts {
   double gemm_flops = 0;
   double attention_flops = 0;
-  double elementwise_bytes = 0;  // read + written by the memory-bound ops
+  double elementwise_bytes = 0;                        // read + written by the memory-bound ops
+  std::map<GemmCall, CallTally> gemm_calls;            // sums to gemm_flops
+  std::map<AttentionCall, CallTally> attention_calls;  // sums to attention_flops
 };
 
 // The counter this thread's ops add to: null (the default) counts nothing.
@@ -104,14 +145,26 @@ class CountOps {
   OpCounts* previous_;
 };
 
-inline void count_gemm(std::int64_t M, std::int64_t N, std::int64_t K) {
-  if (op_counter) op_counter->gemm_flops += 2.0 * double(M) * double(N) * double(K);
+inline void count_gemm(const GemmCall& g) {
+  if (!op_counter) return;
+  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
+  op_counter->gemm_flops += flops;
+  // An empty product runs no kernel (ops::gemm clears C instead).
+  if (g.m == 0 || g.n == 0 || g.k == 0) return;
+  CallTally& t = op_counter->gemm_calls[g];
+  t.calls += 1, t.flops += flops;
 }
 // `flops()` is called only while counting: an attention shape's count walks
 // its rows, which a count-only run at S = 10^14 must not do for nothing.
 template <class Flops>
-void count_attention(Flops&& flops) {
-  if (op_counter) op_counter->attention_flops += flops();
+void count_attention(const AttnShape& s, AttentionKind kernel, AttentionPass pass, Flops&& flops) {
+  if (!op_counter) return;
+  const double f = flops();
+  op_counter->attention_flops += f;
+  const AttentionCall call{
+      s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.causal, s.doc_start != nullptr, kernel, pass};
+  CallTally& t = op_counter->attention_calls[call];
+  t.calls += 1, t.flops += f;
 }
 // `elements` elements of T moved `passes` times (each read or write is one).
 template <class T>
@@ -145,7 +198,7 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
                  (trans_b ? B.cols : B.rows) == K,
              "internal: gemm of (", A.rows, ", ", A.cols, ")", trans_a ? "^T" : "", " and (",
              B.rows, ", ", B.cols, ")", trans_b ? "^T" : "", " into (", C.rows, ", ", C.cols, ")");
-  count_gemm(C.rows, C.cols, K);
+  count_gemm({trans_a, trans_b, C.rows, C.cols, K, A.ld, B.ld, C.ld, beta != T(0)});
   if (K == 0) {  // an empty sum: C = beta C
     count_elementwise<T>(C.rows * C.cols, 2);
     if (!runs(C.rows * C.cols, {C.p})) return;
@@ -164,7 +217,8 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
   LAGA_CHECK(x.ld == x.cols && y.ld == y.cols && x.rows == y.rows && w.dim(0) == y.cols &&
                  w.dim(1) == x.cols,
              "internal: linear of (", x.rows, ", ", x.cols, ") by ", to_string(w.shape()));
-  count_gemm(y.rows, y.cols, x.cols);
+  // linear_forward's gemm: x (N, in) by w (out, in) transposed.
+  count_gemm({false, true, y.rows, y.cols, x.cols, x.cols, x.cols, y.cols, false});
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
@@ -173,8 +227,10 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
 template <class T>
 void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T>& dw, In<T> dy,
                      In<T> x, const Tensor<T>& w) {
-  count_gemm(dy.cols, x.cols, dy.rows);          // dw
-  if (dx) count_gemm(dy.rows, x.cols, dy.cols);  // dx
+  // laga::linear_backward's gemms: dw (out, in) += dy^T x; dx (N, in) = dy w.
+  const std::int64_t N = dy.rows, in = x.cols, out = dy.cols;
+  count_gemm({true, false, out, in, N, out, in, in, true});
+  if (dx) count_gemm({false, false, N, in, out, out, in, in, accumulate});
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "mla/block.hpp"
 #include "plan/builtin_profiles.hpp"
 
 namespace laga {
@@ -64,6 +65,19 @@ class Fields {
                " and finite");
     return x;
   }
+  // A whole number >= `least` (an extent or a stride).
+  std::int64_t whole(const std::string& key, std::int64_t least) {
+    const json& v = get(key);
+    LAGA_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= least, "profile ", source_, ": ",
+               path(key), " = ", v.dump(), " must be a whole number >= ", least);
+    return v.get<std::int64_t>();
+  }
+  bool flag(const std::string& key) {
+    const json& v = get(key);
+    LAGA_CHECK(v.is_boolean(), "profile ", source_, ": ", path(key), " must be true or false, got ",
+               v.dump());
+    return v.get<bool>();
+  }
   std::optional<double> number_or_null(const std::string& key) {
     if (get(key).is_null()) return std::nullopt;
     return number(key);
@@ -80,6 +94,15 @@ class Fields {
     return v.get<std::string>();
   }
   Fields object(const std::string& key) { return Fields(get(key), path(key), source_); }
+  // The objects of an array field, each as Fields named key[i].
+  std::vector<Fields> objects(const std::string& key) {
+    const json& v = get(key);
+    LAGA_CHECK(v.is_array(), "profile ", source_, ": ", path(key), " must be a JSON array");
+    std::vector<Fields> out;
+    for (size_t i = 0; i < v.size(); ++i)
+      out.emplace_back(v[i], path(key) + "[" + std::to_string(i) + "]", source_);
+    return out;
+  }
   std::string path(const std::string& key) const {
     return where_.empty() ? key : where_ + "." + key;
   }
@@ -110,6 +133,74 @@ json link_json(const LinkModel& l) {
   return {{"bytes_per_s", l.bytes_per_s},
           {"latency_us", l.latency_s * 1e6},
           {"topology", to_string(l.topology)}};
+}
+
+const char* to_string(ops::AttentionPass p) {
+  return p == ops::AttentionPass::forward ? "forward" : "backward";
+}
+
+ops::AttentionPass parse_pass(const std::string& s, const std::string& where) {
+  for (ops::AttentionPass p : {ops::AttentionPass::forward, ops::AttentionPass::backward})
+    if (s == to_string(p)) return p;
+  fail(where, " = '", s, "' must be forward or backward");
+}
+
+// A measured call's seconds: positive and finite.
+ShapeTimes read_shapes(Fields f, const std::string& source) {
+  ShapeTimes t;
+  for (Fields g : f.objects("gemm")) {
+    ops::GemmCall c;
+    c.trans_a = g.flag("trans_a"), c.trans_b = g.flag("trans_b");
+    c.m = g.whole("m", 1), c.n = g.whole("n", 1), c.k = g.whole("k", 1);
+    c.lda = g.whole("lda", 1), c.ldb = g.whole("ldb", 1), c.ldc = g.whole("ldc", 1);
+    c.accumulate = g.flag("accumulate");
+    t.gemm[c] = g.number("seconds");
+    g.done();
+  }
+  for (Fields a : f.objects("attention")) {
+    ops::AttentionCall c;
+    const std::string kernel = a.text("kernel");
+    LAGA_CHECK(kernel == "flash" || kernel == "eager", "profile ", source, ": ", a.path("kernel"),
+               " = '", kernel, "' must be flash or eager");
+    c.kernel = parse_attention(kernel);
+    c.pass = parse_pass(a.text("pass"), "profile " + source + ": " + a.path("pass"));
+    c.B = a.whole("B", 1), c.Sq = a.whole("Sq", 1), c.Sk = a.whole("Sk", 1);
+    c.Hq = a.whole("Hq", 1), c.Hk = a.whole("Hk", 1), c.dqk = a.whole("dqk", 1);
+    c.dv = a.whole("dv", 1);
+    c.causal = a.flag("causal");
+    t.attention[c] = a.number("seconds");
+    a.done();
+  }
+  f.done();
+  return t;
+}
+
+json shapes_json(const ShapeTimes& t) {
+  json gemm = json::array(), attention = json::array();
+  for (const auto& [c, s] : t.gemm)
+    gemm.push_back({{"trans_a", c.trans_a},
+                    {"trans_b", c.trans_b},
+                    {"m", c.m},
+                    {"n", c.n},
+                    {"k", c.k},
+                    {"lda", c.lda},
+                    {"ldb", c.ldb},
+                    {"ldc", c.ldc},
+                    {"accumulate", c.accumulate},
+                    {"seconds", s}});
+  for (const auto& [c, s] : t.attention)
+    attention.push_back({{"kernel", to_string(c.kernel)},
+                         {"pass", to_string(c.pass)},
+                         {"B", c.B},
+                         {"Sq", c.Sq},
+                         {"Sk", c.Sk},
+                         {"Hq", c.Hq},
+                         {"Hk", c.Hk},
+                         {"dqk", c.dqk},
+                         {"dv", c.dv},
+                         {"causal", c.causal},
+                         {"seconds", s}});
+  return {{"gemm", gemm}, {"attention", attention}};
 }
 
 }  // namespace
@@ -151,6 +242,8 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
   p.devices_per_node = static_cast<int>(per_node);
   p.intra_node = read_link(top.object("intra_node"));
   p.inter_node = read_link(top.object("inter_node"));
+  if (top.has("measured_shapes"))
+    p.measured_shapes = read_shapes(top.object("measured_shapes"), source);
   top.done();
   return p;
 }
@@ -178,7 +271,7 @@ HardwareProfile load_profile(const std::string& name_or_path) {
 
 std::string profile_json(const HardwareProfile& p) {
   auto peak = [](const std::optional<double>& v) { return v ? json(*v) : json(nullptr); };
-  const json j = {
+  json j = {
       {"name", p.name},
       {"description", p.description},
       {"device",
@@ -192,6 +285,8 @@ std::string profile_json(const HardwareProfile& p) {
       {"devices_per_node", p.devices_per_node},
       {"intra_node", link_json(p.intra_node)},
       {"inter_node", link_json(p.inter_node)}};
+  if (!p.measured_shapes.gemm.empty() || !p.measured_shapes.attention.empty())
+    j["measured_shapes"] = shapes_json(p.measured_shapes);
   return j.dump(2) + "\n";
 }
 

@@ -14,14 +14,28 @@
 //     },
 //     "devices_per_node": 8,
 //     "intra_node": {"bytes_per_s": 450e9, "latency_us": 3, "topology": "switch"},
-//     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"}
+//     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"},
+//     "measured_shapes": {                                 // optional: `laga plan --measure`
+//       "gemm": [{"trans_a": false, "trans_b": true, "m": 512, "n": 272, "k": 256,
+//                 "lda": 256, "ldb": 256, "ldc": 272, "accumulate": false,
+//                 "seconds": 1.2e-4}, ...],
+//       "attention": [{"kernel": "flash", "pass": "forward", "B": 1, "Sq": 1024,
+//                      "Sk": 1024, "Hq": 2, "Hk": 2, "dqk": 32, "dv": 16,
+//                      "causal": true, "seconds": 4.1e-3}, ...]
+//     }
 //   }
 //
 // Link bandwidths are per direction per device (comm/link_model.hpp); the
 // inter-node link is one device's share of its node's network. Every field
-// but elementwise_bytes_per_s is required; an unknown key, a missing one, a
-// wrong type, a non-finite, zero or negative number is a laga::Error naming
-// the source and the field.
+// but elementwise_bytes_per_s and measured_shapes is required; an unknown
+// key, a missing one, a wrong type, a non-finite, zero or negative number is
+// a laga::Error naming the source and the field.
+//
+// measured_shapes: the seconds one call of each GEMM and attention kernel
+// shape took on one device (fp32, laga's own kernels, one thread), as
+// `laga plan --measure` times them for the shapes of the plan it is given.
+// The time model uses a shape's own time where the profile has it and the
+// efficiency figures where it does not (plan/time_model.hpp).
 //
 // The shipped profiles (profiles/*.json) are compiled into the binary by
 // CMake (src/plan/CMakeLists.txt), so `laga plan --profile h100` works from
@@ -29,11 +43,13 @@
 // any other.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "comm/link_model.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -52,12 +68,19 @@ struct DeviceProfile {
   double memory_bytes_per_s = 0;
 };
 
+// Seconds per call of each kernel shape, measured in fp32 on one device.
+struct ShapeTimes {
+  std::map<ops::GemmCall, double> gemm;
+  std::map<ops::AttentionCall, double> attention;
+};
+
 struct HardwareProfile {
   std::string name, description;
   std::string source;  // "built-in h100" or the file's path
   DeviceProfile device;
   int devices_per_node = 1;
   LinkModel intra_node, inter_node;
+  ShapeTimes measured_shapes;  // empty unless measured (laga plan --measure)
 
   // Peak FLOP/s in `t`; a laga::Error naming the profile when not published.
   double peak_flops(PlanDType t) const;

@@ -1,9 +1,11 @@
 #include "plan/measure.hpp"
 
 #include <immintrin.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash.hpp"
 #include "kernels/gemm.hpp"
+#include "mla/block.hpp"
 
 namespace laga {
 
@@ -127,7 +130,168 @@ LinkModel local_link() {
   return link;
 }
 
+// CPU seconds of this thread: what a kernel costs on the core it runs on,
+// without the time it waited while other processes of a shared machine had
+// the core (a rank of a timed run has its own core).
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+// How many copies of a call's operands (`bytes` each) a timing cycles
+// through: enough that together they are four times this core's L2, so
+// each timed call reads its operands from L3 or memory, as a call inside a
+// block step does (between two uses of a tensor a step touches megabytes of
+// others). An LRU cache cycled over more than its size keeps none of it;
+// four times, not just over one, because L2 is neither strictly LRU nor
+// alone (the prefetchers). On this machine the sum of a step's GEMMs timed
+// this way came 4-16% under the same calls timed inside `laga compare`
+// steps, against 10-30% under when timed warm on one set of operands
+// (docs/planning.md, "Where the error went").
+int operand_sets(double bytes) {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const double footprint = 4.0 * double(l2 > 0 ? l2 : 1 << 20);
+  return static_cast<int>(std::clamp(std::ceil(footprint / std::max(bytes, 1.0)), 1.0, 64.0));
+}
+
+// The median of 9 samples of one call in this thread's CPU time, each
+// sample enough back-to-back calls to last about 2 ms (one call of a small
+// GEMM takes microseconds, below what one clock reading resolves well).
+// call(i) runs the kernel on operand set i % sets.
+template <class Call>
+double seconds_per_call(int sets, Call&& call) {
+  for (int i = 0; i < sets; ++i) call(i);  // the first calls pay for JIT code and page faults
+  const double t0 = thread_seconds();
+  call(0);
+  const double first = thread_seconds() - t0;
+  const int calls = static_cast<int>(std::clamp(2e-3 / std::max(first, 1e-9), 1.0, 1e4));
+  std::vector<double> sample;
+  int next = 1;
+  constexpr int samples = 9;  // the median shrugs off a few disturbed by the rest of the machine
+  for (int i = 0; i < samples; ++i) {
+    const double s0 = thread_seconds();
+    for (int c = 0; c < calls; ++c) call(next++ % sets);
+    sample.push_back((thread_seconds() - s0) / calls);
+  }
+  std::nth_element(sample.begin(), sample.begin() + samples / 2, sample.end());
+  return sample[samples / 2];
+}
+
+// Elements of a row-major (rows, cols) operand with row stride ld.
+std::int64_t strided(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+  return rows == 0 ? 0 : (rows - 1) * ld + cols;
+}
+
+// A, B and C of one GEMM call, in elements.
+std::array<std::int64_t, 3> gemm_operands(const ops::GemmCall& g) {
+  return {strided(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda),
+          strided(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb), strided(g.m, g.n, g.ldc)};
+}
+
+double time_gemm(const ops::GemmCall& g) {
+  const auto [na, nb, nc] = gemm_operands(g);
+  struct Operands {
+    std::vector<float> a, b, c;
+  };
+  std::vector<Operands> set(size_t(operand_sets(4.0 * double(na + nb + nc))));
+  for (Operands& x : set) x = {random_floats(na, 11), random_floats(nb, 12), random_floats(nc, 13)};
+  return seconds_per_call(int(set.size()), [&](int i) {
+    Operands& x = set[size_t(i)];
+    gemm<float>(g.trans_a, g.trans_b, g.m, g.n, g.k, 1.f, x.a.data(), g.lda, x.b.data(), g.ldb,
+                g.accumulate ? 1.f : 0.f, x.c.data(), g.ldc);
+  });
+}
+
+// Elements of one attention call's operands: q, k, v, o, dout, dq, dk, dv,
+// and eager's probabilities (B, Hq, Sq, Sk) or flash's lse (B, Hq, Sq).
+double attention_elements(const ops::AttentionCall& a) {
+  const double B = double(a.B);
+  return B * (2.0 * a.Sq * a.Hq * (a.dqk + a.dv) + 2.0 * a.Sk * a.Hk * (a.dqk + a.dv) +
+              double(a.Hq) * a.Sq * (a.kernel == AttentionKind::eager ? double(a.Sk) : 1.0));
+}
+
+double time_attention(const ops::AttentionCall& a) {
+  AttnShape sh;
+  sh.B = a.B, sh.Sq = a.Sq, sh.Sk = a.Sk, sh.Hq = a.Hq, sh.Hk = a.Hk, sh.dqk = a.dqk, sh.dv = a.dv;
+  sh.causal = a.causal;
+  sh.scale = 1.0 / std::sqrt(double(a.dqk));
+  const bool eager = a.kernel == AttentionKind::eager;
+  // q (B, Sq, Hq, dqk), k (B, Sk, Hk, dqk), v (B, Sk, Hk, dv), o and dout (B, Sq, Hq, dv);
+  // stats: eager's probabilities (B, Hq, Sq, Sk), flash's lse (B, Hq, Sq); dp: eager's one
+  // head's (Sq, Sk).
+  struct Operands {
+    std::vector<float> q, k, v, dout, o, stats, dq, dk, dv, dp;
+  };
+  const std::int64_t nq = a.B * a.Sq * a.Hq * a.dqk, nk = a.B * a.Sk * a.Hk * a.dqk,
+                     nv = a.B * a.Sk * a.Hk * a.dv, no = a.B * a.Sq * a.Hq * a.dv;
+  std::vector<Operands> set(size_t(operand_sets(4.0 * attention_elements(a))));
+  for (Operands& x : set) {
+    x.q = random_floats(nq, 21), x.k = random_floats(nk, 22), x.v = random_floats(nv, 23);
+    x.dout = random_floats(no, 24);
+    x.o.resize(size_t(no)), x.dq.resize(size_t(nq)), x.dk.resize(size_t(nk));
+    x.dv.resize(size_t(nv));
+    x.stats.resize(size_t(a.B * a.Hq * a.Sq * (eager ? a.Sk : 1)));
+    x.dp.resize(eager ? size_t(a.Sq * a.Sk) : 0);
+  }
+  auto forward = [&](int i) {
+    Operands& x = set[size_t(i)];
+    if (eager)
+      attention_eager_forward(sh, x.o.data(), x.stats.data(), x.q.data(), x.k.data(), x.v.data());
+    else
+      attention_flash_forward(sh, x.o.data(), x.stats.data(), x.q.data(), x.k.data(), x.v.data());
+  };
+  if (a.pass == ops::AttentionPass::forward) return seconds_per_call(int(set.size()), forward);
+  for (int i = 0; i < int(set.size()); ++i) forward(i);  // backward reads forward's outputs
+  return seconds_per_call(int(set.size()), [&](int i) {
+    Operands& x = set[size_t(i)];
+    if (eager)
+      attention_eager_backward(sh, x.dq.data(), x.dk.data(), x.dv.data(), x.dout.data(), x.q.data(),
+                               x.k.data(), x.v.data(), x.stats.data(), x.dp.data());
+    else
+      attention_flash_backward(sh, x.dq.data(), x.dk.data(), x.dv.data(), x.dout.data(), x.q.data(),
+                               x.k.data(), x.v.data(), x.o.data(), x.stats.data());
+  });
+}
+
+// A shape is timed when one call is small enough to repeat: at most
+// kMaxCallFlops (about 0.1-1 s on one core) and kMaxCallBytes of operands.
+constexpr double kMaxCallFlops = 2e10;
+constexpr double kMaxCallBytes = double(std::int64_t(1) << 30);
+
 }  // namespace
+
+bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& t) {
+  const auto [na, nb, nc] = gemm_operands(g);
+  return t.flops / double(t.calls) <= kMaxCallFlops && 4.0 * double(na + nb + nc) <= kMaxCallBytes;
+}
+
+bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& t) {
+  return !a.documents && t.flops / double(t.calls) <= kMaxCallFlops &&
+         4.0 * attention_elements(a) <= kMaxCallBytes;
+}
+
+int measure_shapes(const ops::OpCounts& calls, ShapeTimes& times,
+                   const std::function<void(const std::string&)>& progress) {
+  set_rank_threads(1);
+  int timed = 0;
+  const auto say = [&](const std::string& what) {
+    if (progress && timed % 20 == 0) progress(cat("timing ", what, " (", timed, " shapes so far)"));
+  };
+  for (const auto& [g, tally] : calls.gemm_calls)
+    if (!times.gemm.count(g) && shape_timeable(g, tally)) {
+      say("GEMM shapes");
+      times.gemm[g] = time_gemm(g);
+      ++timed;
+    }
+  for (const auto& [a, tally] : calls.attention_calls)
+    if (!times.attention.count(a) && shape_timeable(a, tally)) {
+      say("attention shapes");
+      times.attention[a] = time_attention(a);
+      ++timed;
+    }
+  return timed;
+}
 
 HardwareProfile measure_this_machine(const std::function<void(const std::string&)>& progress) {
   auto say = [&](const std::string& s) {

@@ -19,7 +19,9 @@
 //                     round, the bandwidth of 8 MiB ones (the copy between
 //                     threads), topology switch; inter_node the same (one node)
 //   peak_flops.bf16   null: laga's CPU kernels have no bf16 path
-// Takes a few seconds.
+// Takes a few seconds. The efficiencies cost only the shapes a profile has
+// not timed: measure_shapes below times the plan's own GEMM and attention
+// shapes (measured_shapes), which is what the time model uses first.
 #pragma once
 
 #include <functional>
@@ -30,5 +32,20 @@
 namespace laga {
 
 HardwareProfile measure_this_machine(const std::function<void(const std::string&)>& progress);
+
+// Times one call of every GEMM and attention shape in `calls` that `times`
+// does not hold yet, on this thread (one core, fp32, laga's own kernels on
+// random operands with the call's strides): the median of 9 samples of the
+// thread's CPU time, each enough back-to-back calls to last ~2 ms, cycling
+// over copies of the operands four times the size of L2 (so they come from
+// L3, as inside a step). Shapes too large to repeat (one
+// call over 2e10 FLOPs or 1 GiB of operands) and attention with document
+// starts (its work depends on where they fall) are left out; the time model
+// costs those at the profile's efficiency. Returns how many were timed.
+int measure_shapes(const ops::OpCounts& calls, ShapeTimes& times,
+                   const std::function<void(const std::string&)>& progress);
+// Whether measure_shapes times this shape (`tally`: its calls and FLOPs).
+bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& tally);
+bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& tally);
 
 }  // namespace laga

@@ -64,19 +64,52 @@ Crossover find_crossover(const FormWork& laga, const FormWork& expl, int P, cons
   return c;
 }
 
-}  // namespace
-
-std::vector<PlanCase> make_plans(const PlanRequest& q) {
+void check_request(const PlanRequest& q) {
   LAGA_CHECK(!q.seqs.empty() && !q.sps.empty() && !q.forms.empty(),
              "plan: need at least one --seq, one --sp and one form");
+  for (std::int64_t S : q.seqs)
+    for (int P : q.sps)
+      LAGA_CHECK(P <= S, "--sp ", P, " is more ranks than the ", S, " tokens of --seq ", S,
+                 ": every rank needs at least one token; give --sp <= ", S);
+}
+
+template <class Call>
+void add_calls(std::map<Call, ops::CallTally>& to, const std::map<Call, ops::CallTally>& from) {
+  for (const auto& [call, t] : from) {
+    ops::CallTally& sum = to[call];
+    sum.calls += t.calls, sum.flops += t.flops;
+  }
+}
+
+}  // namespace
+
+ops::OpCounts plan_calls(const PlanRequest& q) {
+  check_request(q);
+  ops::OpCounts all;
+  for (std::int64_t S : q.seqs)
+    for (int P : q.sps) {
+      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
+      for (FormVariant form : q.forms)
+        for (int r : rank_classes(q.cfg, layout).representatives)
+          for (const ops::OpCounts& c :
+               rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops) {
+            add_calls(all.gemm_calls, c.gemm_calls);
+            add_calls(all.attention_calls, c.attention_calls);
+            all.gemm_flops += c.gemm_flops;
+            all.attention_flops += c.attention_flops;
+          }
+    }
+  return all;
+}
+
+std::vector<PlanCase> make_plans(const PlanRequest& q) {
+  check_request(q);
   std::int64_t params = 0;
   for (const auto& [name, shape] : mla_param_shapes(q.cfg)) params += numel(shape);
   const std::int64_t resident = 2 * params * element_bytes(q.dtype);  // parameters + gradients
   std::vector<PlanCase> cases;
   for (std::int64_t S : q.seqs) {
     for (int P : q.sps) {
-      LAGA_CHECK(P <= S, "--sp ", P, " is more ranks than the ", S, " tokens of --seq ", S,
-                 ": every rank needs at least one token; give --sp <= ", S);
       if (q.progress) q.progress(cat("S ", S, ", P ", P));
       PlanCase pc;
       pc.seq = S, pc.sp = P;

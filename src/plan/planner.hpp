@@ -59,4 +59,9 @@ struct PlanCase {
 
 std::vector<PlanCase> make_plans(const PlanRequest& request);
 
+// Every GEMM and attention call the plans of `request` cost, over each S, P,
+// form and rank class (each phase's calls, counts summed): what `laga plan
+// --measure` and `--profile this` time (plan/measure.hpp).
+ops::OpCounts plan_calls(const PlanRequest& request);
+
 }  // namespace laga

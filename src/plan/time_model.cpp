@@ -13,9 +13,43 @@ namespace laga {
 
 namespace {
 
+// The calls of `a` that `b` does not have (b's are a prefix of a's run).
+template <class Call>
+std::map<Call, ops::CallTally> minus(const std::map<Call, ops::CallTally>& a,
+                                     const std::map<Call, ops::CallTally>& b) {
+  std::map<Call, ops::CallTally> d;
+  for (const auto& [call, t] : a) {
+    const auto it = b.find(call);
+    const ops::CallTally before = it == b.end() ? ops::CallTally{} : it->second;
+    if (t.calls > before.calls) d[call] = {t.calls - before.calls, t.flops - before.flops};
+  }
+  return d;
+}
+
 ops::OpCounts minus(const ops::OpCounts& a, const ops::OpCounts& b) {
   return {a.gemm_flops - b.gemm_flops, a.attention_flops - b.attention_flops,
-          a.elementwise_bytes - b.elementwise_bytes};
+          a.elementwise_bytes - b.elementwise_bytes, minus(a.gemm_calls, b.gemm_calls),
+          minus(a.attention_calls, b.attention_calls)};
+}
+
+// Seconds of the calls in `calls`: a measured shape's own time per call, else
+// its FLOPs at `flops_per_s`. Adds the FLOPs costed the second way to
+// `unmeasured_flops`.
+template <class Call>
+double calls_seconds(const std::map<Call, ops::CallTally>& calls,
+                     const std::map<Call, double>& measured, double flops_per_s,
+                     double& unmeasured_flops) {
+  double s = 0;
+  for (const auto& [call, t] : calls) {
+    const auto it = measured.find(call);
+    if (it != measured.end()) {
+      s += double(t.calls) * it->second;
+    } else {
+      s += t.flops / flops_per_s;
+      unmeasured_flops += t.flops;
+    }
+  }
+  return s;
 }
 
 std::int64_t parameter_count(const MlaConfig& cfg) {
@@ -90,12 +124,19 @@ std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwarePr
                                    PlanDType dtype, const Fabric& fabric) {
   const double peak = profile.peak_flops(dtype);
   const DeviceProfile& d = profile.device;
+  // Measured shapes are fp32 timings of laga's kernels: they cost fp32 plans only.
+  static const ShapeTimes none;
+  const ShapeTimes& shapes = dtype == PlanDType::fp32 ? profile.measured_shapes : none;
   std::array<PhaseTime, 3> t;
   for (size_t ph = 0; ph < 3; ++ph) {
     const ops::OpCounts& c = work.ops[ph];
-    t[ph].compute_s = c.gemm_flops / (peak * d.gemm_efficiency) +
-                      c.attention_flops / (peak * d.attention_efficiency) +
-                      c.elementwise_bytes / d.elementwise_bytes_per_s;
+    PhaseTime& p = t[ph];
+    p.compute_s =
+        calls_seconds(c.gemm_calls, shapes.gemm, peak * d.gemm_efficiency, p.unmeasured_flops) +
+        calls_seconds(c.attention_calls, shapes.attention, peak * d.attention_efficiency,
+                      p.unmeasured_flops) +
+        c.elementwise_bytes / d.elementwise_bytes_per_s;
+    p.flops = c.gemm_flops + c.attention_flops;
   }
   for (const auto& [key, b] : work.comm)
     t[static_cast<size_t>(key.first)].comm_s +=

@@ -2,11 +2,17 @@
 // gradient all-reduce) per form on a hardware profile (docs/planning.md).
 //
 // Per rank and phase:
-//   compute = gemm_flops / (peak x gemm efficiency)
-//           + attention_flops / (peak x attention efficiency)
+//   compute = sum over the GEMM and attention kernel calls of
+//               the call's measured time, when the profile has its shape
+//               (measured_shapes, fp32 plans: `laga plan --measure` times
+//               each shape of the plan on this machine), else
+//               its FLOPs / (peak x gemm or attention efficiency)
 //           + elementwise bytes / elementwise bandwidth
-//     read from the form's own count-only run (mla/ops.hpp, "Op counts"):
-//     the same code that runs, counted, not a second derivation;
+//     read from the form's own count-only run (mla/ops.hpp, "Op counts":
+//     the FLOPs, bytes and the calls by shape): the same code that runs,
+//     counted, not a second derivation. Not counted: the exchanges'
+//     packing copies and first-touch page faults of new tensors
+//     (docs/planning.md gives their size);
 //   comm    = sum over the form's collectives of collective_seconds
 //     (comm/link_model.hpp) of the closed-form bytes (mla/comm_model.hpp),
 //     two levels when the ranks span nodes.
@@ -71,9 +77,13 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
 
 struct PhaseTime {
   double compute_s = 0, comm_s = 0;
+  double flops = 0;             // GEMM + attention FLOPs of the phase
+  double unmeasured_flops = 0;  // of those, costed at the profile's efficiency
 };
 
-// A rank's predicted time per phase on `profile` and `links`.
+// A rank's predicted time per phase on `profile` and `links`: each GEMM and
+// attention call at its shape's measured time when the profile has it (fp32
+// plans), else at its FLOPs over peak x efficiency.
 std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
                                    PlanDType dtype, const Fabric& fabric);
 

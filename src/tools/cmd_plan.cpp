@@ -72,6 +72,24 @@ std::string crossover_text(const Crossover& c) {
              c.laga_wins_throughout ? "faster" : "slower", " than explicit throughout");
 }
 
+// How the GEMM and attention calls were costed: at their shapes' measured
+// times, at the profile's efficiency, or some of each.
+std::string measured_share(const PlanRequest& q, const std::vector<PlanCase>& cases) {
+  double flops = 0, unmeasured = 0;
+  for (const PlanCase& c : cases)
+    for (const FormPlan& f : c.forms)
+      for (const PhaseTime& p : f.phases) flops += p.flops, unmeasured += p.unmeasured_flops;
+  const std::string efficiency =
+      cat("GEMM and attention FLOPs at the profile's efficiency (gemm ",
+          fmt("%.3g", q.profile.device.gemm_efficiency), ", attention ",
+          fmt("%.3g", q.profile.device.attention_efficiency), " of peak)");
+  if (unmeasured >= flops) return "all " + efficiency;
+  if (unmeasured == 0) return "every GEMM and attention call at its shape's measured time";
+  return cat(fmt("%.1f", 100 * (1 - unmeasured / flops)),
+             "% of the GEMM and attention FLOPs at their shapes' measured times, the rest ",
+             efficiency);
+}
+
 std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
   std::ostringstream o;
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
@@ -79,6 +97,7 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
     << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
   o << "  overlap: none modelled (the model adds compute and communication; laga --overlap on "
        "can hide up to the latent collectives' time behind the query path, docs/forms.md)\n";
+  o << "  compute: " << measured_share(q, cases) << "\n";
   for (const PlanCase& c : cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
       << (c.links.nodes > 1 ? c.links.fabric.ranks_per_node : c.sp) << " rank(s) per node; intra "
@@ -163,15 +182,9 @@ void run_plan(const PlanOptions& o) {
     const double t = std::chrono::duration<double>(Clock::now() - start).count();
     if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
   };
-  if (!o.measure.empty()) {
-    const HardwareProfile p = measure_this_machine([&](const std::string& s) {
-      if (!o.quiet) std::cerr << "laga plan --measure: " << s << "\n";
-    });
-    write_output(o.measure, profile_json(p));
-    return;
-  }
+  const bool measuring = !o.measure.empty();
   LAGA_CHECK(
-      !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
+      measuring || !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
       [] {
         std::string n;
         for (const std::string& s : builtin_profile_names()) n += s + ", ";
@@ -187,10 +200,20 @@ void run_plan(const PlanOptions& o) {
   q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(o.dtype);
-  if (o.profile == "this") {
-    q.profile = measure_this_machine([&](const std::string& s) {
-      if (!o.quiet) std::cerr << "laga plan --profile this: measuring " << s << "\n";
-    });
+  if (measuring || o.profile == "this") {
+    // This machine, and the time of every GEMM and attention shape the plans
+    // described by the other options cost.
+    const auto tell = [&](const std::string& s) {
+      if (!o.quiet)
+        std::cerr << (measuring ? "laga plan --measure: " : "laga plan --profile this: measuring ")
+                  << s << "\n";
+    };
+    q.profile = measure_this_machine(tell);
+    measure_shapes(plan_calls(q), q.profile.measured_shapes, tell);
+    if (measuring) {
+      write_output(o.measure, profile_json(q.profile));
+      return;
+    }
   } else {
     protect_input(o.profile, "--profile");
     q.profile = load_profile(o.profile);
@@ -243,7 +266,8 @@ void register_plan(CLI::App& app) {
                 "measure this machine first");
   c->add_option("--measure", o->measure,
                 "measure this machine (FMA peak, GEMM and flash rates, memory bandwidth, the "
-                "in-process communicator) and write its profile to FILE; plans nothing");
+                "in-process communicator, and the time of every GEMM and attention shape of the "
+                "plan the other options describe) and write its profile to FILE; plans nothing");
   c->add_option("--nodes", o->nodes,
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")

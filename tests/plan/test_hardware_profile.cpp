@@ -1,11 +1,12 @@
 // Hardware profiles: every shipped one parses, a profile round-trips through
-// profile_json, and each kind of bad field is refused naming the source and
-// the field.
+// profile_json (its measured shapes too), and each kind of bad field is
+// refused naming the source and the field.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include "common/error_of.hpp"
+#include "mla/block.hpp"
 #include "plan/hardware_profile.hpp"
 
 namespace laga {
@@ -61,6 +62,84 @@ TEST(HardwareProfile, RoundTripsThroughItsJson) {
   }
 }
 
+// One change to the good profile, and the start of the error it must give.
+struct Bad {
+  std::function<void(json&)> change;
+  std::string error;
+};
+
+// kGood with one measured GEMM and one measured attention shape.
+json with_shapes() {
+  json j = json::parse(kGood);
+  j["measured_shapes"] = {{"gemm",
+                           {{{"trans_a", false},
+                             {"trans_b", true},
+                             {"m", 64},
+                             {"n", 32},
+                             {"k", 16},
+                             {"lda", 16},
+                             {"ldb", 48},
+                             {"ldc", 32},
+                             {"accumulate", true},
+                             {"seconds", 2.5e-6}}}},
+                          {"attention",
+                           {{{"kernel", "eager"},
+                             {"pass", "backward"},
+                             {"B", 2},
+                             {"Sq", 128},
+                             {"Sk", 256},
+                             {"Hq", 4},
+                             {"Hk", 1},
+                             {"dqk", 40},
+                             {"dv", 32},
+                             {"causal", true},
+                             {"seconds", 1.5e-3}}}}};
+  return j;
+}
+
+TEST(HardwareProfile, MeasuredShapesParseAndRoundTrip) {
+  EXPECT_TRUE(parse_profile(kGood, "test").measured_shapes.gemm.empty());
+  const HardwareProfile a = parse_profile(with_shapes().dump(), "test");
+  const ops::GemmCall g{false, true, 64, 32, 16, 16, 48, 32, true};
+  ops::AttentionCall at;
+  at.B = 2, at.Sq = 128, at.Sk = 256, at.Hq = 4, at.Hk = 1, at.dqk = 40, at.dv = 32;
+  at.kernel = AttentionKind::eager, at.pass = ops::AttentionPass::backward;
+  ASSERT_EQ(a.measured_shapes.gemm.size(), 1u);
+  ASSERT_EQ(a.measured_shapes.attention.size(), 1u);
+  EXPECT_EQ(a.measured_shapes.gemm.at(g), 2.5e-6);
+  EXPECT_EQ(a.measured_shapes.attention.at(at), 1.5e-3);
+  const HardwareProfile b = parse_profile(profile_json(a), "again");
+  EXPECT_EQ(a.measured_shapes.gemm, b.measured_shapes.gemm);
+  EXPECT_EQ(a.measured_shapes.attention, b.measured_shapes.attention);
+}
+
+TEST(HardwareProfile, BadMeasuredShapesAreNamed) {
+  const std::vector<Bad> cases{
+      {[](json& j) { j["measured_shapes"]["gemm"][0]["seconds"] = 0; },
+       "profile t: measured_shapes.gemm[0].seconds = 0 must be positive and finite"},
+      {[](json& j) { j["measured_shapes"]["gemm"][0]["m"] = 1.5; },
+       "profile t: measured_shapes.gemm[0].m = 1.5 must be a whole number >= 1"},
+      {[](json& j) { j["measured_shapes"]["gemm"][0]["trans_a"] = 0; },
+       "profile t: measured_shapes.gemm[0].trans_a must be true or false, got 0"},
+      {[](json& j) { j["measured_shapes"]["attention"][0].erase("dv"); },
+       "profile t: missing field measured_shapes.attention[0].dv"},
+      {[](json& j) { j["measured_shapes"]["attention"][0]["kernel"] = "fused"; },
+       "profile t: measured_shapes.attention[0].kernel = 'fused' must be flash or eager"},
+      {[](json& j) { j["measured_shapes"]["attention"][0]["pass"] = "both"; },
+       "profile t: measured_shapes.attention[0].pass = 'both' must be forward or backward"},
+      {[](json& j) { j["measured_shapes"]["attention"][0]["documents"] = true; },
+       "profile t: unknown field measured_shapes.attention[0].documents"},
+      {[](json& j) { j["measured_shapes"]["gemm"] = 3; },
+       "profile t: measured_shapes.gemm must be a JSON array"},
+  };
+  for (const Bad& b : cases) {
+    json j = with_shapes();
+    b.change(j);
+    const std::string e = error_of([&] { parse_profile(j.dump(), "t"); });
+    EXPECT_EQ(e.rfind(b.error, 0), 0u) << "got: " << e << "\nwant: " << b.error;
+  }
+}
+
 TEST(HardwareProfile, EveryShippedProfileParses) {
   const std::vector<std::string> names = builtin_profile_names();
   for (const char* want : {"a100", "h100", "h200", "910b"})
@@ -81,12 +160,6 @@ TEST(HardwareProfile, AnUnpublishedPeakIsRefusedWhenAskedFor) {
             }).find("profile test: device.peak_flops.fp32 is null (not published"),
             std::string::npos);
 }
-
-// One change to the good profile, and the start of the error it must give.
-struct Bad {
-  std::function<void(json&)> change;
-  std::string error;
-};
 
 TEST(HardwareProfile, BadFieldsAreNamed) {
   const std::vector<Bad> cases{

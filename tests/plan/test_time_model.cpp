@@ -1,7 +1,9 @@
 // The time model's inputs: op counts from the count-only run equal those of
 // a run with storage (so the planner reads what really runs), a linear's
-// count is its GEMM's 2 M N K, ranks fall into the right classes, and a
-// rank's communication time is the link model's, collective by collective.
+// count is its GEMM's 2 M N K and its call the kernel's shape, the call list
+// holds every counted FLOP, ranks fall into the right classes, a rank's
+// compute is the sum of its calls' measured times where the profile has them,
+// and its communication time is the link model's, collective by collective.
 #include <gtest/gtest.h>
 
 #include "comm/dry_run_comm.hpp"
@@ -32,6 +34,52 @@ TEST(OpCounts, ALinearCountsItsGemm) {
   EXPECT_EQ(c.gemm_flops, 2.0 * 5 * 7 * 3);
   ops::linear(ops::mat(y), ops::mat(x), w);  // no counter: nothing added
   EXPECT_EQ(c.gemm_flops, 2.0 * 5 * 7 * 3);
+  // linear_forward's gemm: (5, 7) by (3, 7)^T into (5, 3), contiguous.
+  const ops::GemmCall forward{false, true, 5, 3, 7, 7, 7, 3, false};
+  ASSERT_EQ(c.gemm_calls.size(), 1u);
+  EXPECT_EQ(c.gemm_calls.at(forward), (ops::CallTally{1, 2.0 * 5 * 7 * 3}));
+  {
+    const ops::CountOps counting(c);
+    TensorF dx({5, 7}), dw({3, 7});
+    ops::Mat<float> dxm = ops::mat(dx);
+    ops::linear_backward(&dxm, true, dw, ops::mat(y), ops::mat(x), w);
+    ops::linear(ops::mat(y), ops::mat(x), w);
+  }
+  // laga::linear_backward's: dw (3, 7) += dy^T x, dx (5, 7) (+)= dy w.
+  EXPECT_EQ(c.gemm_calls.at(forward).calls, 2);
+  EXPECT_EQ(c.gemm_calls.at({true, false, 3, 7, 5, 3, 7, 7, true}).calls, 1);
+  EXPECT_EQ(c.gemm_calls.at({false, false, 5, 7, 3, 3, 7, 7, true}).calls, 1);
+  EXPECT_EQ(c.gemm_calls.size(), 3u);
+}
+
+// A strided view's GEMM is listed with its strides; an empty product runs no
+// kernel and is not listed.
+TEST(OpCounts, AGemmListsItsStrides) {
+  MemoryPool pool;
+  pool.set_count_only(true);
+  PoolScope scope(pool);
+  TensorF a({6, 4, 8}), b({10, 8}), c({6, 10}), e({6, 0}), f({10, 0});
+  ops::OpCounts n;
+  {
+    const ops::CountOps counting(n);
+    // Head 1 of a (6, 4 heads, 8): a (6, 8) view with row stride 32.
+    ops::gemm(ops::mat(c), 0.f, ops::mat(a, 6, 32).col_range(8, 8), false, ops::mat(b), true);
+    ops::gemm(ops::mat(c), 1.f, ops::mat(e), false, ops::mat(f), true);  // K = 0
+  }
+  ASSERT_EQ(n.gemm_calls.size(), 1u);
+  EXPECT_EQ(n.gemm_calls.begin()->first, (ops::GemmCall{false, true, 6, 10, 8, 32, 8, 10, false}));
+}
+
+// Every FLOP the counter counts is in its call list, with each call's own.
+void expect_calls_hold_the_flops(const ops::OpCounts& c, const std::string& where) {
+  double gemm = 0, attention = 0;
+  for (const auto& [g, t] : c.gemm_calls) {
+    EXPECT_EQ(t.flops, 2.0 * double(g.m) * double(g.n) * double(g.k) * double(t.calls)) << where;
+    gemm += t.flops;
+  }
+  for (const auto& [a, t] : c.attention_calls) attention += t.flops;
+  EXPECT_DOUBLE_EQ(gemm, c.gemm_flops) << where;
+  EXPECT_DOUBLE_EQ(attention, c.attention_flops) << where;
 }
 
 // The count-only run counts exactly what a run with storage does, for every
@@ -67,7 +115,98 @@ TEST(OpCounts, CountOnlyEqualsARealRun) {
         EXPECT_EQ(counted.gemm_flops, real.gemm_flops) << where;
         EXPECT_EQ(counted.attention_flops, real.attention_flops) << where;
         EXPECT_EQ(counted.elementwise_bytes, real.elementwise_bytes) << where;
+        // The same kernel calls, shape by shape, and they hold every FLOP.
+        EXPECT_EQ(counted.gemm_calls, real.gemm_calls) << where;
+        EXPECT_EQ(counted.attention_calls, real.attention_calls) << where;
+        expect_calls_hold_the_flops(counted, where);
+        // Attention runs once forward and once backward, at the rank's heads.
+        int forward = 0, backward = 0;
+        for (const auto& [call, t] : counted.attention_calls) {
+          EXPECT_EQ(call.kernel, a) << where;
+          EXPECT_FALSE(call.documents) << where;
+          (call.pass == ops::AttentionPass::forward ? forward : backward) += int(t.calls);
+        }
+        EXPECT_GE(forward, 1) << where;
+        EXPECT_EQ(forward, backward) << where;
       }
+}
+
+// A phase's calls are those its run added: the three phases' lists sum to
+// the whole run's.
+TEST(TimeModel, PhasesSplitTheCallList) {
+  const MlaConfig cfg = tiny();
+  const SpLayout lay = SpLayout::even(1, 16, cfg.n_heads, 2);
+  for (FormVariant f :
+       {FormVariant(Form::explicit_form), FormVariant(Form::absorbed), FormVariant(Form::laga)}) {
+    const RankWork w = rank_work(cfg, lay, f, AttentionKind::flash, 0, PlanDType::fp32);
+    ops::OpCounts whole;
+    MemoryModelOptions o;
+    o.backward = o.grad_sync = true;
+    o.op_counts = &whole;
+    predict_memory(cfg, lay, f, AttentionKind::flash, 0, 4, o);
+    std::map<ops::GemmCall, std::int64_t> sum;
+    for (const ops::OpCounts& c : w.ops) {
+      expect_calls_hold_the_flops(c, to_string(f));
+      for (const auto& [g, t] : c.gemm_calls) sum[g] += t.calls;
+    }
+    std::map<ops::GemmCall, std::int64_t> want;
+    for (const auto& [g, t] : whole.gemm_calls) want[g] = t.calls;
+    EXPECT_EQ(sum, want) << to_string(f);
+    for (const auto& [a, t] : w.ops[0].attention_calls)
+      EXPECT_EQ(a.pass, ops::AttentionPass::forward) << to_string(f);
+    for (const auto& [a, t] : w.ops[1].attention_calls)
+      EXPECT_EQ(a.pass, ops::AttentionPass::backward) << to_string(f);
+  }
+}
+
+// With every shape measured, compute is the sum of the calls' measured times
+// (+ the elementwise bytes at the profile's bandwidth); with none, FLOPs at
+// peak x efficiency; bf16 plans never read the fp32 measurements.
+TEST(TimeModel, MeasuredShapesCostTheirCalls) {
+  const MlaConfig cfg = tiny();
+  const SpLayout lay = SpLayout::even(1, 32, cfg.n_heads, 2);
+  const RankWork w =
+      rank_work(cfg, lay, FormVariant(Form::laga), AttentionKind::flash, 0, PlanDType::fp32);
+  const Fabric fabric = single_level({10e9, 20e-6, Topology::switched});
+  HardwareProfile prof = load_profile("h100");
+  const DeviceProfile& d = prof.device;
+  const double peak = prof.peak_flops(PlanDType::fp32);
+  const auto efficiency = rank_time(w, 2, prof, PlanDType::fp32, fabric);
+  for (size_t ph = 0; ph < 3; ++ph) {
+    const ops::OpCounts& c = w.ops[ph];
+    EXPECT_DOUBLE_EQ(efficiency[ph].compute_s,
+                     c.gemm_flops / (peak * d.gemm_efficiency) +
+                         c.attention_flops / (peak * d.attention_efficiency) +
+                         c.elementwise_bytes / d.elementwise_bytes_per_s)
+        << ph;
+    EXPECT_EQ(efficiency[ph].unmeasured_flops, efficiency[ph].flops) << ph;
+  }
+  // Every GEMM shape at 1 ms per call, every attention shape at 5 ms.
+  for (const ops::OpCounts& c : w.ops) {
+    for (const auto& [g, t] : c.gemm_calls) prof.measured_shapes.gemm[g] = 1e-3;
+    for (const auto& [a, t] : c.attention_calls) prof.measured_shapes.attention[a] = 5e-3;
+  }
+  const auto measured = rank_time(w, 2, prof, PlanDType::fp32, fabric);
+  const auto bf16 = rank_time(
+      rank_work(cfg, lay, FormVariant(Form::laga), AttentionKind::flash, 0, PlanDType::bf16), 2,
+      prof, PlanDType::bf16, fabric);
+  for (size_t ph = 0; ph < 3; ++ph) {
+    const ops::OpCounts& c = w.ops[ph];
+    double want = c.elementwise_bytes / d.elementwise_bytes_per_s;
+    for (const auto& [g, t] : c.gemm_calls) want += 1e-3 * double(t.calls);
+    for (const auto& [a, t] : c.attention_calls) want += 5e-3 * double(t.calls);
+    EXPECT_DOUBLE_EQ(measured[ph].compute_s, want) << ph;
+    EXPECT_EQ(measured[ph].unmeasured_flops, 0) << ph;
+    EXPECT_EQ(measured[ph].comm_s, efficiency[ph].comm_s) << ph;
+    EXPECT_EQ(bf16[ph].unmeasured_flops, bf16[ph].flops) << ph;
+  }
+  // One shape left out: its calls fall back to the efficiency.
+  const auto [left_out, tally] = *w.ops[0].gemm_calls.begin();
+  prof.measured_shapes.gemm.erase(left_out);
+  const auto partial = rank_time(w, 2, prof, PlanDType::fp32, fabric);
+  EXPECT_DOUBLE_EQ(partial[0].unmeasured_flops, tally.flops);
+  EXPECT_DOUBLE_EQ(partial[0].compute_s, measured[0].compute_s - 1e-3 * double(tally.calls) +
+                                             tally.flops / (peak * d.gemm_efficiency));
 }
 
 TEST(TimeModel, RankClassesGroupRanksWithTheSameWork) {

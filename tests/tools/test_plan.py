@@ -9,7 +9,11 @@ exact:   every plan's bytes_sent_per_rank and peak_activation_bytes equal
          (uneven shards included); bf16 is exactly half of fp32.
 errors:  bad flags and profiles exit 2 with one "laga: error:" line naming
          what was wrong.
-measure: --measure FILE writes a profile that --profile FILE plans with.
+measure: --measure FILE writes a profile that --profile FILE plans with,
+         holding the time of every GEMM and attention shape of the plan the
+         other options describe: a plan with those options costs every call
+         at its measured time, one at another S costs them at the
+         efficiency.
 """
 import json
 import os
@@ -137,7 +141,8 @@ elif case == "errors":
         check_error(base + ["--profile", path], f"profile {path}: {want}", name)
 elif case == "measure":
     path = os.path.join(tmp, "this.json")
-    r = run(["plan", "--quiet", "--measure", path], timeout=120)
+    tiny = ["--dtype", "fp32", "--preset", "tiny", "--sp", "2"]
+    r = run(["plan", "--quiet", "--measure", path, "--seq", "64"] + tiny, timeout=120)
     if r.returncode != 0:
         sys.exit(f"FAILED: laga plan --measure exited {r.returncode}: {r.stderr}")
     with open(path) as f:
@@ -148,10 +153,20 @@ elif case == "measure":
             failures.append(f"measured efficiency.{k} = {d['efficiency'][k]}")
     if d["peak_flops"]["bf16"] is not None or not d["peak_flops"]["fp32"] > 0:
         failures.append(f"measured peaks {d['peak_flops']}")
-    p = load(["plan", "--quiet", "--profile", path, "--dtype", "fp32", "--preset", "tiny",
-              "--seq", "64", "--sp", "2"], "with_measured")
+    shapes = prof.get("measured_shapes", {})
+    if not shapes.get("gemm") or not shapes.get("attention"):
+        failures.append(f"no measured GEMM or attention shapes: {shapes}")
+    elif any(not e["seconds"] > 0 for e in shapes["gemm"] + shapes["attention"]):
+        failures.append("a measured shape took no time")
+    p = load(["plan", "--quiet", "--profile", path, "--seq", "64"] + tiny, "with_measured")
     if len(p["plans"]) != 4:
         failures.append(f"plans with the measured profile: {p['plans']}")
+    for seq, want in (("64", "compute: every GEMM and attention call at its shape's measured time"),
+                      ("96", "compute: all GEMM and attention FLOPs at the profile's efficiency")):
+        r = run(["plan", "--profile", path, "--seq", seq] + tiny)
+        if r.returncode != 0 or want not in r.stdout:
+            failures.append(f"plan at S {seq} with the measured profile: want '{want}' in\n"
+                            f"{r.stdout}{r.stderr}")
 else:
     sys.exit(f"unknown case {case}")
 
