@@ -510,13 +510,10 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
 }
 
 namespace {
-// wq_b's rows of this rank's heads: (H_r dqk, rq).
-template <class T>
-ops::Mat<T> own_rows(const Step& st, Tensor<T>& wq_b) {
-  return mat(wq_b).row_range(st.h0 * st.dqk, st.Hr * st.dqk);
-}
-template <class T>
-ops::Mat<const T> own_rows(const Step& st, const Tensor<T>& wq_b) {
+// wq_b's (or its gradient's) rows of this rank's heads: (H_r dqk, rq), a
+// const view of a const tensor.
+template <class Weight>
+auto own_rows(const Step& st, Weight& wq_b) {
   return mat(wq_b).row_range(st.h0 * st.dqk, st.Hr * st.dqk);
 }
 // The rope columns of q_h or dq_h (B Sq rows, H_r heads of dqk); a rank

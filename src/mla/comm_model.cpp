@@ -46,8 +46,8 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
     }
     return b;
   };
-  auto head_to_seq = [&](std::int64_t d) {
-    const PredictedBytes f = seq_to_head(d);
+  auto head_to_seq = [&](std::int64_t d, bool per_head = true) {
+    const PredictedBytes f = seq_to_head(d, per_head);
     return PredictedBytes{f.received, f.sent};
   };
   auto all_gather = [&](std::int64_t w) {
@@ -90,12 +90,11 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
   add(Phase::forward, "out_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
   if (backward) {
     add(Phase::backward, "out_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
-    if (q_latent_a2a) {
-      const PredictedBytes f = seq_to_head(rq, false);
-      add(Phase::backward, "q_latent_a2a", {f.received, f.sent}, CollectiveKind::all_to_all);
-    } else if (q_latent) {
+    if (q_latent_a2a)
+      add(Phase::backward, "q_latent_a2a", head_to_seq(rq, false), CollectiveKind::all_to_all);
+    else if (q_latent)
       add(Phase::backward, "q_latent_ag", reduce_scatter(rq), CollectiveKind::reduce_scatter);
-    } else
+    else
       add(Phase::backward, "q_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
     if (form == Form::explicit_form) {
       add(Phase::backward, "k_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);

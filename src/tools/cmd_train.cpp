@@ -156,9 +156,8 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
-  check_query_exchange(o.model.mla, {o.form, o.queries});
-  check_head_groups(SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp),
-                    {o.form, o.queries, o.head_groups});
+  check_query_exchange(o.model.mla, o.variant());
+  check_head_groups(SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp), o.variant());
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
