@@ -68,8 +68,8 @@ struct HeadContextGrid {
   static int resolve_head_groups(std::int64_t heads, int ranks, int requested);
   std::int64_t query_rows(int rank) const;  // tokens in its query ranges
   std::int64_t key_end(int rank) const;     // end of its last query range, 0 with none
-  std::string describe()
-      const;  // "2 head groups x 4 context groups (heads 3+2)", "(heads 3 per group)"
+  // "2 head groups x 4 context groups (heads 3+2)", "... (heads 3 per group)"
+  std::string describe() const;
 };
 
 }  // namespace laga

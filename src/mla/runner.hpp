@@ -19,7 +19,7 @@ namespace laga {
 struct RunSpec {
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
-  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  QueryExchange queries = QueryExchange::heads;  // latent: laga, laga2d with q_lora_rank > 0
   int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   Overlap overlap = Overlap::off;  // laga: the latent's collectives overlapped (--overlap)
   bool backward = true;

@@ -99,7 +99,7 @@ struct LmContext {
   const RopeTable& rope;  // positions [0, layout.seq)
   Form form = Form::laga;
   AttentionKind attention = AttentionKind::eager;
-  QueryExchange queries = QueryExchange::heads;  // latent: laga with q_lora_rank > 0 (--q-latent)
+  QueryExchange queries = QueryExchange::heads;  // latent: laga, laga2d with q_lora_rank > 0
   int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   // Packed rows (`laga train --pack-eos`, model/data.hpp): the documents the
   // block's attention and RoPE stay inside (null: one per row), and how many

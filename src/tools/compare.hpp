@@ -36,7 +36,7 @@ struct CompareOptions {
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
   bool count_only = false;
   bool quiet = false;           // no progress on stderr
-  bool q_latent = false;        // also laga+q-latent, right after laga (--q-latent)
+  bool q_latent = false;        // also +q-latent after laga and laga2d (--q-latent)
   std::string overlap = "off";  // --overlap off|on|both (form_variants)
   std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
   int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule
