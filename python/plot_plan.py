@@ -44,6 +44,21 @@ def plan(laga, args):
             return json.load(f)
 
 
+def save(fig, out):
+    """Writes the figure to `out` atomically (a temporary file beside it,
+    then a rename), so a failed or interrupted run leaves `out` as it was.
+    main() has refused an `out` that is not a regular file."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out) + ".tmp.",
+                               dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=120)
+        os.replace(tmp, os.path.realpath(out))
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def option(args, name):
     """The value of `name` in a plan argument list, or None."""
     for i, a in enumerate(args):
@@ -88,7 +103,7 @@ def grid(laga, out, args):
     ax.set_title(f"predicted winner per (S, P): profile {doc['profile']}, {doc['dtype']}, "
                  f"{doc['attention']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save(fig, out)
     print(f"wrote {out}: {len(doc['cases'])} cases, forms {', '.join(forms)}")
 
 
@@ -137,7 +152,7 @@ def bandwidth(laga, out, args, gbps, points, latency_us):
                  f"(every link overridden)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save(fig, out)
     print(f"wrote {out}: {len(bws)} bandwidths; {cross_text}")
 
 
@@ -151,6 +166,11 @@ def main():
                     help="bandwidth mode: the links' latency (default: the profile's)")
     ap.add_argument("mode", choices=["grid", "bandwidth"])
     ns, plan_args = ap.parse_known_args()
+    # Before any planning: replacing a directory, a device or a FIFO would
+    # destroy it (a symlink is written through to its file).
+    if os.path.lexists(ns.out) and not os.path.isfile(ns.out):
+        sys.exit(f"plot_plan.py: --out {ns.out}: exists and is not a regular file; "
+                 "give a file path")
     if ns.mode == "grid":
         grid(ns.laga, ns.out, plan_args)
     else:

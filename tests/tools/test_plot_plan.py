@@ -56,6 +56,8 @@ for args, needle in [
     (["--out", bw_png, "--gbps", "5,1", "bandwidth", "--preset", "small", "--seq", "1024"],
      "0 < LO < HI"),
     (["--out", bw_png, "bandwidth", "--preset", "small", "--link", "1"], "drop it"),
+    (["--out", scratch, "grid", "--preset", "small", "--seq", "1024", "--sp", "2"],
+     "not a regular file"),
 ]:
     r = run(args, expect_rc=1)
     if needle not in r.stderr:
