@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -38,6 +39,9 @@ void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std:
                 std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
                 std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
                 std::int64_t heads, std::int64_t d, bool add = false) {
+  // The packing is memory traffic the time model costs (plan/time_model.hpp):
+  // each element read and written, and read again where it is added.
+  ops::count_elementwise<T>(B * rows * heads * d, add ? 3 : 2);
   // Count-only (no storage): nothing to copy; the collective still runs.
   if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
@@ -194,6 +198,7 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   send.reset();
   // Summing: every element of dst has at least one copy, but zero it so that
   // each is the sum of its copies alone, in the senders' rank order.
+  if (sum) ops::count_elementwise<T>(B * to_rows * to_heads * d, 1);
   if (sum && dst) std::fill(dst, dst + B * to_rows * to_heads * d, T(0));
   for (int i = 0; i < P; ++i) {
     const Transfer& ps = in[u(i)];

@@ -10,8 +10,8 @@
 //           + elementwise bytes / elementwise bandwidth
 //     read from the form's own count-only run (mla/ops.hpp, "Op counts":
 //     the FLOPs, bytes and the calls by shape): the same code that runs,
-//     counted, not a second derivation. Not counted: the exchanges'
-//     packing copies and first-touch page faults of new tensors
+//     counted, not a second derivation, the exchanges' packing copies
+//     included. Not counted: first-touch page faults of new tensors
 //     (docs/planning.md gives their size);
 //   comm    = sum over the form's collectives of collective_seconds
 //     (comm/link_model.hpp) of the closed-form bytes (mla/comm_model.hpp),
