@@ -406,21 +406,29 @@ void wait_until(std::chrono::steady_clock::time_point until) {
 
 PendingCollective& PendingCollective::operator=(PendingCollective&& o) noexcept {
   if (this != &o) {
-    if (pending_) wait_until(done_at_);
-    done_at_ = o.done_at_;
+    if (pending_) owner_->wait(*this);
+    owner_ = o.owner_, id_ = o.id_, done_at_ = o.done_at_;
     pending_ = std::exchange(o.pending_, false);
   }
   return *this;
 }
 
 PendingCollective::~PendingCollective() {
-  if (pending_) wait_until(done_at_);
+  if (pending_) owner_->wait(*this);
 }
 
 void Communicator::wait(PendingCollective& p) {
   if (!p.pending_) return;
+  LAGA_CHECK(p.owner_ == this, "internal: a started collective waited for on another communicator");
   wait_until(p.done_at_);
   p.pending_ = false;
+  if (observer_) {
+    CollectiveEvent e;
+    e.what = CollectiveEvent::What::waited;
+    e.phase = phase_;
+    e.id = p.id_;
+    observer_(e);
+  }
 }
 
 void Communicator::set_link_model(const LinkModel* link) {
@@ -464,6 +472,10 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
       link_free_at_ = done;
       if (!started) wait_until(done);
     }
+    if (observer_)
+      observer_({CollectiveEvent::What::issued, kind, phase_, label, d, started,
+                 started ? started_ : -1});
+    if (started) ++started_;
   } catch (const std::exception& e) {
     call_failed(e.what());
     throw;
@@ -511,6 +523,8 @@ PendingCollective Communicator::start_all_gather_v(const void* send, std::int64_
 
 PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_point done) {
   PendingCollective p;
+  p.owner_ = this;
+  p.id_ = started_ - 1;
   p.done_at_ = done;
   p.pending_ = true;
   return p;

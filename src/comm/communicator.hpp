@@ -85,6 +85,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -203,14 +204,20 @@ enum class TransportFault {
   skip_peer,   // one peer's block is not moved at all
 };
 
+class Communicator;
+
 // A collective started by Communicator::start_* and not yet waited for. Its
 // destructor waits (a path that leaves early, e.g. on an exception, never
-// leaves the link model's clock behind).
+// leaves the link model's clock behind). The communicator that started it
+// must outlive it.
 class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(PendingCollective&& o) noexcept
-      : done_at_(o.done_at_), pending_(std::exchange(o.pending_, false)) {}
+      : owner_(o.owner_),
+        id_(o.id_),
+        done_at_(o.done_at_),
+        pending_(std::exchange(o.pending_, false)) {}
   PendingCollective& operator=(PendingCollective&& o) noexcept;
   PendingCollective(const PendingCollective&) = delete;
   PendingCollective& operator=(const PendingCollective&) = delete;
@@ -219,9 +226,28 @@ class PendingCollective {
 
  private:
   friend class Communicator;
+  Communicator* owner_ = nullptr;                    // the communicator that started it
+  std::int64_t id_ = -1;                             // its CollectiveEvent::id
   std::chrono::steady_clock::time_point done_at_{};  // its modelled completion
   bool pending_ = false;
 };
+
+// What a CollectiveObserver hears, in the rank's own order: each collective
+// as it is issued (after its checks and transport, with its derived bytes),
+// and the wait for each started one. The planner's time model replays a
+// count-only rank's events as a timeline (plan/time_model.hpp), so overlap
+// is costed from the order the code really issues and waits.
+struct CollectiveEvent {
+  enum class What { issued, waited };
+  What what = What::issued;
+  CollectiveKind kind = CollectiveKind::all_to_all;  // issued only
+  Phase phase = Phase::forward;
+  std::string label;     // issued only
+  WireBytes bytes;       // issued only: derived
+  bool started = false;  // issued by a start_* call: complete at its wait
+  std::int64_t id = -1;  // a started call's number on its communicator; its wait has the same
+};
+using CollectiveObserver = std::function<void(const CollectiveEvent&)>;
 
 // The public collectives are not virtual: each checks its arguments (the same
 // checks and wording on every backend), derives the wire bytes from the
@@ -277,6 +303,9 @@ class Communicator {
   const LinkModel* link_model() const { return link_model_.get(); }
   // Tests only: see TransportFault.
   void inject_fault_for_testing(TransportFault f) { fault_ = f; }
+  // Tells `observer` of every later collective and wait (CollectiveEvent);
+  // an empty one stops telling.
+  void set_observer(CollectiveObserver observer) { observer_ = std::move(observer); }
 
   // Typed conveniences.
   template <class T>
@@ -366,7 +395,8 @@ class Communicator {
                                                             const std::int64_t* displs, void* recv,
                                                             DType dtype, const std::string& label,
                                                             bool started);
-  static PendingCollective pending_until(std::chrono::steady_clock::time_point done);
+  // The started call just run (its id is started_ - 1), complete at `done`.
+  PendingCollective pending_until(std::chrono::steady_clock::time_point done);
   // Returns the call's modelled completion (now without a link model), having
   // waited for it unless `started` (the start_* forms).
   template <class Body>
@@ -381,6 +411,8 @@ class Communicator {
   std::shared_ptr<const LinkModel> link_model_;
   // Link model: when the last collective this rank put on its link ends.
   std::chrono::steady_clock::time_point link_free_at_{};
+  CollectiveObserver observer_;
+  std::int64_t started_ = 0;  // start_* calls so far: the next one's id
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its

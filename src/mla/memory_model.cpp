@@ -34,6 +34,12 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   // run at S = 10^14 must not do for nothing.
   std::optional<ops::CountOps> counting;
   if (options.op_counts) counting.emplace(*options.op_counts);
+  if (options.timeline) {
+    LAGA_CHECK(options.op_counts, "internal: a timeline needs op_counts");
+    comm.set_observer([&options](const CollectiveEvent& e) {
+      options.timeline->push_back({e, *options.op_counts});
+    });
+  }
   RunSpec spec;
   spec.set_variant(variant);
   spec.attention = attention;

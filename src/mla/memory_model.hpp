@@ -63,6 +63,13 @@ struct MemoryPrediction {
   std::int64_t gradients = 0;   // the gradient accumulators, same size
 };
 
+// One collective event of a counted run (CollectiveEvent: issued or waited)
+// and the rank's op counts up to it, cumulative (mla/ops.hpp).
+struct StepEvent {
+  CollectiveEvent event;
+  ops::OpCounts ops_before;
+};
+
 struct MemoryModelOptions {
   bool backward = true;   // false: forward only (RunSpec::backward)
   bool grad_sync = true;  // the gradient all-reduce after backward
@@ -70,6 +77,10 @@ struct MemoryModelOptions {
   // When set, the counted run's ops are added here (mla/ops.hpp, "Op
   // counts"), elementwise bytes in the counted element type (4 or 8 bytes).
   ops::OpCounts* op_counts = nullptr;
+  // When set (with op_counts), each collective and each wait of the counted
+  // run, in the rank's order, with the ops counted before it: the step as a
+  // timeline (plan/time_model.hpp costs it, overlap included).
+  std::vector<StepEvent>* timeline = nullptr;
 };
 
 // Rank `rank` of layout.ranks running `variant` (a form and its query

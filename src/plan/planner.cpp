@@ -19,12 +19,8 @@ struct FormWork {
 
 double step_seconds(const FormWork& f, int P, const PlanRequest& q, const Fabric& fabric) {
   double worst = 0;
-  for (const RankWork& w : f.classes) {
-    double t = 0;
-    for (const PhaseTime& p : rank_time(w, P, q.profile, q.dtype, fabric))
-      t += p.compute_s + p.comm_s;
-    worst = std::max(worst, t);
-  }
+  for (const RankWork& w : f.classes)
+    worst = std::max(worst, step_time(w, P, q.profile, q.dtype, fabric).step_s);
   return worst;
 }
 
@@ -128,19 +124,20 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
         for (const RankWork& w : fw.classes) {
           fp.bytes_sent_per_rank = std::max(fp.bytes_sent_per_rank, predicted_sent(w.comm));
           fp.peak_activation_bytes = std::max(fp.peak_activation_bytes, w.peak_activation_bytes);
-          const std::array<PhaseTime, 3> t = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
-          double total = 0;
-          for (const PhaseTime& p : t) total += p.compute_s + p.comm_s;
-          if (total > worst) {
-            worst = total;
-            fp.phases = t;
+          const StepTime t = step_time(w, P, q.profile, q.dtype, pc.links.fabric);
+          if (t.step_s > worst) {
+            worst = t.step_s;
+            fp.phases = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
+            fp.hidden_comm_s = t.hidden_comm_s;
             fp.crossing_bytes = crossing_bytes(w.comm, P, pc.links.fabric);
           }
         }
         fp.step_s = worst;
         double comm = 0;
         for (const PhaseTime& p : fp.phases) comm += p.comm_s;
-        fp.comm_fraction = worst > 0 ? comm / worst : 0;
+        // The share of the step the rank waits for its links: what overlap
+        // did not hide.
+        fp.comm_fraction = worst > 0 ? (comm - fp.hidden_comm_s) / worst : 0;
         fp.tokens_per_s = worst > 0 ? double(q.batch * S) / worst : 0;
         fp.fits = double(fp.peak_activation_bytes + resident) <= q.profile.device.memory_bytes;
         pc.forms.push_back(fp);
@@ -149,14 +146,17 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       for (size_t i = 0; i < pc.forms.size(); ++i)
         if (pc.forms[i].fits && (pc.winner < 0 || pc.forms[i].step_s < pc.forms[pc.winner].step_s))
           pc.winner = int(i);
+      // The first variant of each (the plain one, when it is planned).
       const auto find = [&](Form f) {
         for (size_t i = 0; i < q.forms.size(); ++i)
-          if (q.forms[i] == FormVariant{f}) return int(i);
+          if (q.forms[i].form == f) return int(i);
         return -1;
       };
       const int l = find(Form::laga), e = find(Form::explicit_form);
-      if (l >= 0 && e >= 0 && P > 1)
+      if (l >= 0 && e >= 0 && P > 1) {
         pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], P, q, pc.links.fabric);
+        pc.crossover->laga = q.forms[size_t(l)];
+      }
       cases.push_back(std::move(pc));
     }
   }

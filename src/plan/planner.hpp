@@ -34,13 +34,16 @@ struct FormPlan {
   std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
   double crossing_bytes = 0;               // of the slowest rank: what crosses nodes
   std::array<PhaseTime, 3> phases;         // the slowest rank's, per phase
-  double step_s = 0, tokens_per_s = 0, comm_fraction = 0;
-  bool fits = false;  // peak + resident <= device memory
+  double hidden_comm_s = 0;                // of the slowest rank: comm under compute (overlap)
+  double step_s = 0, tokens_per_s = 0;
+  double comm_fraction = 0;  // exposed communication (not hidden) / step
+  bool fits = false;         // peak + resident <= device memory
 };
 
 // Where laga and explicit take the same time with every link at one
 // bandwidth (latencies as planned).
 struct Crossover {
+  FormVariant laga = Form::laga;  // the laga variant compared (the first planned)
   bool found = false;
   double bytes_per_s = 0;             // when found
   bool laga_wins_above = true;        // when found: laga is faster at higher bandwidth

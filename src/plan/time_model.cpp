@@ -63,23 +63,39 @@ std::int64_t parameter_count(const MlaConfig& cfg) {
 RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                    AttentionKind attention, int rank, PlanDType dtype) {
   const std::int64_t e = element_bytes(dtype);
-  // Cumulative counts after forward, after backward and after the all-reduce.
+  // Cumulative counts after forward, after backward and after the all-reduce;
+  // the last run's events are the step's timeline.
   std::array<ops::OpCounts, 3> upto;
+  std::vector<StepEvent> events;
   MemoryPrediction full;
   for (int stage = 0; stage < 3; ++stage) {
     MemoryModelOptions o;
     o.backward = stage >= 1;
     o.grad_sync = stage == 2;
     o.op_counts = &upto[static_cast<size_t>(stage)];
+    if (stage == 2) o.timeline = &events;
     const MemoryPrediction m = predict_memory(cfg, layout, variant, attention, rank, e, o);
     if (stage == 2) full = m;
   }
+  // Counted in float: every byte scales with the element size (exactly: a
+  // float count is a multiple of 4).
+  const auto in_plan_type = [e](ops::OpCounts c) {
+    c.elementwise_bytes *= double(e) / 4.0;
+    return c;
+  };
   RankWork w;
-  w.ops[0] = upto[0];
-  w.ops[1] = minus(upto[1], upto[0]);
-  w.ops[2] = minus(upto[2], upto[1]);
-  // Counted in float: every byte scales with the element size.
-  for (ops::OpCounts& c : w.ops) c.elementwise_bytes *= double(e) / 4.0;
+  w.ops[0] = in_plan_type(upto[0]);
+  w.ops[1] = in_plan_type(minus(upto[1], upto[0]));
+  w.ops[2] = in_plan_type(minus(upto[2], upto[1]));
+  const ops::OpCounts* before = nullptr;
+  static const ops::OpCounts none;
+  for (StepEvent& s : events) {
+    s.event.bytes.sent = s.event.bytes.sent / 4 * e;
+    s.event.bytes.received = s.event.bytes.received / 4 * e;
+    w.timeline.push_back({in_plan_type(minus(s.ops_before, before ? *before : none)), s.event});
+    before = &s.ops_before;
+  }
+  w.compute_after = in_plan_type(minus(upto[2], before ? *before : none));
   w.comm = predict_comm(cfg, layout, variant, rank, e, true, true);
   w.peak_activation_bytes = full.forward_backward.bytes;
   return w;
@@ -120,28 +136,60 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
   return l;
 }
 
-std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
-                                   PlanDType dtype, const Fabric& fabric) {
+ComputeTime compute_time(const ops::OpCounts& c, const HardwareProfile& profile, PlanDType dtype) {
   const double peak = profile.peak_flops(dtype);
   const DeviceProfile& d = profile.device;
   // Measured shapes are fp32 timings of laga's kernels: they cost fp32 plans only.
   static const ShapeTimes none;
   const ShapeTimes& shapes = dtype == PlanDType::fp32 ? profile.measured_shapes : none;
+  ComputeTime t;
+  t.gemm_s = calls_seconds(c.gemm_calls, shapes.gemm, peak * d.gemm_efficiency, t.unmeasured_flops);
+  t.attention_s = calls_seconds(c.attention_calls, shapes.attention, peak * d.attention_efficiency,
+                                t.unmeasured_flops);
+  t.elementwise_s = c.elementwise_bytes / d.elementwise_bytes_per_s;
+  t.flops = c.gemm_flops + c.attention_flops;
+  return t;
+}
+
+std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
+                                   PlanDType dtype, const Fabric& fabric) {
   std::array<PhaseTime, 3> t;
-  for (size_t ph = 0; ph < 3; ++ph) {
-    const ops::OpCounts& c = work.ops[ph];
-    PhaseTime& p = t[ph];
-    p.compute_s =
-        calls_seconds(c.gemm_calls, shapes.gemm, peak * d.gemm_efficiency, p.unmeasured_flops) +
-        calls_seconds(c.attention_calls, shapes.attention, peak * d.attention_efficiency,
-                      p.unmeasured_flops) +
-        c.elementwise_bytes / d.elementwise_bytes_per_s;
-    p.flops = c.gemm_flops + c.attention_flops;
-  }
+  for (size_t ph = 0; ph < 3; ++ph) t[ph].compute = compute_time(work.ops[ph], profile, dtype);
   for (const auto& [key, b] : work.comm)
     t[static_cast<size_t>(key.first)].comm_s +=
         b.calls * collective_seconds(b.kind, P, {b.sent / b.calls, b.received / b.calls}, fabric);
   return t;
+}
+
+StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, PlanDType dtype,
+                   const Fabric& fabric) {
+  double now = 0, link_free = 0;
+  std::map<std::int64_t, double> done_at;  // started collectives by id
+  for (const TimelineStep& s : work.timeline) {
+    now += compute_time(s.compute_before, profile, dtype).seconds();
+    const CollectiveEvent& e = s.event;
+    if (e.what == CollectiveEvent::What::waited) {
+      const auto it = done_at.find(e.id);
+      LAGA_CHECK(it != done_at.end(), "internal: a wait for collective ", e.id,
+                 " that the timeline did not start");
+      now = std::max(now, it->second);
+      continue;
+    }
+    // One link per rank: a collective waits for the one before it.
+    const double done = std::max(now, link_free) + collective_seconds(e.kind, P, e.bytes, fabric);
+    link_free = done;
+    if (e.started)
+      done_at[e.id] = done;
+    else
+      now = done;
+  }
+  now += compute_time(work.compute_after, profile, dtype).seconds();
+  double summed = 0;
+  for (const PhaseTime& p : rank_time(work, P, profile, dtype, fabric))
+    summed += p.compute_s() + p.comm_s;
+  // Without started collectives the two agree but for rounding.
+  const double hidden = summed - now;
+  return {now, hidden > 1e-9 * summed ? hidden : 0.0};
 }
 
 double crossing_bytes(const CommPrediction& comm, int P, const Fabric& fabric) {

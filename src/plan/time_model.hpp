@@ -16,9 +16,17 @@
 //   comm    = sum over the form's collectives of collective_seconds
 //     (comm/link_model.hpp) of the closed-form bytes (mla/comm_model.hpp),
 //     two levels when the ranks span nodes.
-// Overlap: none. laga runs compute and communication one after the other
-// today, so the model adds them; a rank's step is the sum of its phases and
-// the predicted step is the slowest rank's.
+// The step: the rank's count-only run, replayed as a timeline (step_time).
+// Its collectives and waits in the order the code issues them
+// (CollectiveEvent), the compute between two events at the cost above; the
+// rank has one link, on which each collective runs from when it is issued
+// or the link frees, whichever is later, for its link-model time. A
+// blocking collective holds the rank until it ends; a started one (laga's
+// and laga2d's `--overlap on`) only at its wait, so the compute issued
+// between start and wait hides it, up to the point where another
+// collective queues behind it on the link. Without started collectives the
+// timeline is the sum of the phases' compute and communication; the
+// predicted step is the slowest rank's.
 //
 // Exact figures beside it: bytes_sent_per_rank is `laga compare`'s
 // bytes_sent_total and peak_activation_bytes its peak_activation_bytes (the
@@ -41,10 +49,19 @@
 namespace laga {
 
 // What one rank of one form does per phase (forward, backward, grad_sync).
+// One collective event of the step's timeline and the ops the rank ran
+// since the previous event.
+struct TimelineStep {
+  ops::OpCounts compute_before;
+  CollectiveEvent event;  // bytes in the element type of the plan
+};
+
 struct RankWork {
   std::array<ops::OpCounts, 3> ops;        // per Phase, in the element type of the plan
   CommPrediction comm;                     // the closed form's collectives (mla/comm_model.hpp)
   std::int64_t peak_activation_bytes = 0;  // forward + backward, the memory model
+  std::vector<TimelineStep> timeline;      // the whole step in issue order
+  ops::OpCounts compute_after;             // the ops after the last event
 };
 
 // The count-only run of rank `rank` of `layout` (three of them: forward,
@@ -75,17 +92,36 @@ struct PlanLinks {
 PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
                      std::optional<double> link_bytes_per_s, std::optional<double> link_latency_s);
 
-struct PhaseTime {
-  double compute_s = 0, comm_s = 0;
-  double flops = 0;             // GEMM + attention FLOPs of the phase
+struct ComputeTime {
+  double gemm_s = 0, attention_s = 0, elementwise_s = 0;
+  double flops = 0;             // GEMM + attention FLOPs
   double unmeasured_flops = 0;  // of those, costed at the profile's efficiency
+  double seconds() const { return gemm_s + attention_s + elementwise_s; }
+};
+// The ops of `c` on `profile`: each GEMM and attention call at its shape's
+// measured time when the profile has it (fp32 plans), else at its FLOPs over
+// peak x efficiency; elementwise bytes at the elementwise bandwidth.
+ComputeTime compute_time(const ops::OpCounts& c, const HardwareProfile& profile, PlanDType dtype);
+
+struct PhaseTime {
+  ComputeTime compute;
+  double comm_s = 0;  // the phase's collectives one after another (none hidden)
+  double compute_s() const { return compute.seconds(); }
 };
 
-// A rank's predicted time per phase on `profile` and `links`: each GEMM and
-// attention call at its shape's measured time when the profile has it (fp32
-// plans), else at its FLOPs over peak x efficiency.
+// A rank's predicted compute and communication per phase on `profile` and
+// `fabric` (compute_time; the closed form's collectives at the link model).
 std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
                                    PlanDType dtype, const Fabric& fabric);
+
+// A rank's predicted step: its timeline replayed (above). hidden_comm_s is
+// the communication time that ran under compute: the phases' compute and
+// communication summed, less the step (0 without started collectives).
+struct StepTime {
+  double step_s = 0, hidden_comm_s = 0;
+};
+StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, PlanDType dtype,
+                   const Fabric& fabric);
 
 // The share of a rank's collective bytes (max of sent, received per call)
 // that crosses nodes under `fabric`.

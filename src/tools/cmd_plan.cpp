@@ -28,7 +28,7 @@ struct PlanOptions {
   std::string seq = "4096", sp = "8";
   std::string profile, measure;
   int nodes = 0;
-  std::string dtype = "bf16", link, json, forms = "all", attention = "flash";
+  std::string dtype = "bf16", link, json, forms = "all", attention = "flash", overlap = "off";
   bool q_latent = false, quiet = false;
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
 };
@@ -62,13 +62,14 @@ std::string link_text(const LinkModel& l) {
 }
 
 std::string crossover_text(const Crossover& c) {
+  const std::string laga = to_string(c.laga);
   if (c.found)
-    return cat("crossover: laga ", c.laga_wins_above ? "beats" : "loses to", " explicit above ",
-               fmt("%.4g", c.bytes_per_s / 1e9),
+    return cat("crossover: ", laga, " ", c.laga_wins_above ? "beats" : "loses to",
+               " explicit above ", fmt("%.4g", c.bytes_per_s / 1e9),
                " GB/s per link (every link at that bandwidth, latencies as planned); ",
-               c.laga_wins_above ? "explicit is faster below it" : "laga is faster below it");
+               c.laga_wins_above ? "explicit" : laga, " is faster below it");
   return cat("crossover: none between ", fmt("%.3g", c.scanned_low / 1e9), " and ",
-             fmt("%.3g", c.scanned_high / 1e9), " GB/s per link; laga is ",
+             fmt("%.3g", c.scanned_high / 1e9), " GB/s per link; ", laga, " is ",
              c.laga_wins_throughout ? "faster" : "slower", " than explicit throughout");
 }
 
@@ -78,7 +79,8 @@ std::string measured_share(const PlanRequest& q, const std::vector<PlanCase>& ca
   double flops = 0, unmeasured = 0;
   for (const PlanCase& c : cases)
     for (const FormPlan& f : c.forms)
-      for (const PhaseTime& p : f.phases) flops += p.flops, unmeasured += p.unmeasured_flops;
+      for (const PhaseTime& p : f.phases)
+        flops += p.compute.flops, unmeasured += p.compute.unmeasured_flops;
   const std::string efficiency =
       cat("GEMM and attention FLOPs at the profile's efficiency (gemm ",
           fmt("%.3g", q.profile.device.gemm_efficiency), ", attention ",
@@ -95,8 +97,9 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
     << ", " << to_string(q.attention) << " attention, batch " << q.batch
     << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
-  o << "  overlap: none modelled (the model adds compute and communication; laga --overlap on "
-       "can hide up to the latent collectives' time behind the query path, docs/forms.md)\n";
+  o << "  timeline: each rank's collectives in issue order on one link, the compute between "
+       "them at the costs below; a started collective (+overlap) holds the rank only at its "
+       "wait\n";
   o << "  compute: " << measured_share(q, cases) << "\n";
   for (const PlanCase& c : cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
@@ -105,17 +108,18 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
     if (c.links.nodes > 1) o << "; inter " << link_text(c.links.fabric.inter);
     o << "\n";
     char line[256];
-    std::snprintf(line, sizeof line, "  %-14s %12s %12s %10s %12s %6s %8s %12s %12s\n", "form",
+    std::snprintf(line, sizeof line, "  %-22s %12s %12s %10s %12s %6s %8s %10s %10s %12s\n", "form",
                   "sent/rank GB", "peak act GB", "step s", "tokens/s", "comm%", "fits", "compute s",
-                  "cross-node GB");
+                  "hidden s", "cross-node GB");
     o << line;
     for (const FormPlan& f : c.forms) {
       double compute = 0;
-      for (const PhaseTime& p : f.phases) compute += p.compute_s;
-      std::snprintf(line, sizeof line, "  %-14s %12s %12s %10.4g %12.4g %6.1f %8s %12.4g %12s\n",
+      for (const PhaseTime& p : f.phases) compute += p.compute_s();
+      std::snprintf(line, sizeof line,
+                    "  %-22s %12s %12s %10.4g %12.4g %6.1f %8s %10.4g %10.4g %12s\n",
                     to_string(f.form).c_str(), gb(double(f.bytes_sent_per_rank)).c_str(),
                     gb(double(f.peak_activation_bytes)).c_str(), f.step_s, f.tokens_per_s,
-                    100 * f.comm_fraction, f.fits ? "yes" : "NO", compute,
+                    100 * f.comm_fraction, f.fits ? "yes" : "NO", compute, f.hidden_comm_s,
                     gb(f.crossing_bytes).c_str());
       o << line;
     }
@@ -135,8 +139,23 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
   o << "\nbytes: per rank, max over ranks, all phases (laga compare's bytes_sent_total); peak "
        "act: forward+backward activations + comm buffers (its peak_activation_bytes); fits: peak "
        "+ parameters + gradients <= "
-    << gb(q.profile.device.memory_bytes) << " GB\n";
+    << gb(q.profile.device.memory_bytes)
+    << " GB; comm%: the share of the step spent waiting for links; hidden s: communication "
+       "under compute (overlap)\n";
   return o.str();
+}
+
+// The slowest rank's seconds per phase, by kind: what the step is made of.
+ojson phases_json(const FormPlan& f) {
+  ojson j = ojson::object();
+  for (size_t ph = 0; ph < f.phases.size(); ++ph) {
+    const PhaseTime& p = f.phases[ph];
+    j[to_string(static_cast<Phase>(ph))] = {{"gemm_s", p.compute.gemm_s},
+                                            {"attention_s", p.compute.attention_s},
+                                            {"elementwise_s", p.compute.elementwise_s},
+                                            {"comm_s", p.comm_s}};
+  }
+  return j;
 }
 
 std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) {
@@ -146,7 +165,7 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
   j["dtype"] = to_string(q.dtype);
   j["attention"] = to_string(q.attention);
   j["batch"] = q.batch;
-  j["overlap"] = "none";
+  j["overlap"] = "timeline";  // started collectives hidden under compute (time_model.hpp)
   j["plans"] = ojson::array();
   j["cases"] = ojson::array();
   for (const PlanCase& c : cases) {
@@ -159,6 +178,8 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
                             {"predicted_step_s", f.step_s},
                             {"predicted_tokens_per_s", f.tokens_per_s},
                             {"comm_fraction", f.comm_fraction},
+                            {"hidden_comm_s", f.hidden_comm_s},
+                            {"phases", phases_json(f)},
                             {"fits", f.fits}});
     ojson k = {{"seq", c.seq},
                {"sp", c.sp},
@@ -197,7 +218,8 @@ void run_plan(const PlanOptions& o) {
   q.batch = o.batch;
   q.seqs = parse_seq_list(o.seq);
   q.sps = parse_int_list(o.sp, "--sp");
-  q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg);
+  q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg,
+                          parse_overlap_runs(o.overlap));
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(o.dtype);
   if (measuring || o.profile == "this") {
@@ -286,6 +308,11 @@ void register_plan(CLI::App& app) {
   c->add_flag("--q-latent", o->q_latent,
               "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
   add_head_groups_option(*c, o->head_groups);
+  c->add_option("--overlap", o->overlap,
+                "plan laga's and laga2d's latent collectives overlapped with compute: off, on, "
+                "or both (+overlap right after each), as laga compare --overlap")
+      ->check(CLI::IsMember({"off", "on", "both"}))
+      ->capture_default_str();
   c->add_option("--attention", o->attention, "attention kernel: flash or eager")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();

@@ -174,12 +174,12 @@ TEST(TimeModel, MeasuredShapesCostTheirCalls) {
   const auto efficiency = rank_time(w, 2, prof, PlanDType::fp32, fabric);
   for (size_t ph = 0; ph < 3; ++ph) {
     const ops::OpCounts& c = w.ops[ph];
-    EXPECT_DOUBLE_EQ(efficiency[ph].compute_s,
+    EXPECT_DOUBLE_EQ(efficiency[ph].compute_s(),
                      c.gemm_flops / (peak * d.gemm_efficiency) +
                          c.attention_flops / (peak * d.attention_efficiency) +
                          c.elementwise_bytes / d.elementwise_bytes_per_s)
         << ph;
-    EXPECT_EQ(efficiency[ph].unmeasured_flops, efficiency[ph].flops) << ph;
+    EXPECT_EQ(efficiency[ph].compute.unmeasured_flops, efficiency[ph].compute.flops) << ph;
   }
   // Every GEMM shape at 1 ms per call, every attention shape at 5 ms.
   for (const ops::OpCounts& c : w.ops) {
@@ -195,18 +195,18 @@ TEST(TimeModel, MeasuredShapesCostTheirCalls) {
     double want = c.elementwise_bytes / d.elementwise_bytes_per_s;
     for (const auto& [g, t] : c.gemm_calls) want += 1e-3 * double(t.calls);
     for (const auto& [a, t] : c.attention_calls) want += 5e-3 * double(t.calls);
-    EXPECT_DOUBLE_EQ(measured[ph].compute_s, want) << ph;
-    EXPECT_EQ(measured[ph].unmeasured_flops, 0) << ph;
+    EXPECT_DOUBLE_EQ(measured[ph].compute_s(), want) << ph;
+    EXPECT_EQ(measured[ph].compute.unmeasured_flops, 0) << ph;
     EXPECT_EQ(measured[ph].comm_s, efficiency[ph].comm_s) << ph;
-    EXPECT_EQ(bf16[ph].unmeasured_flops, bf16[ph].flops) << ph;
+    EXPECT_EQ(bf16[ph].compute.unmeasured_flops, bf16[ph].compute.flops) << ph;
   }
   // One shape left out: its calls fall back to the efficiency.
   const auto [left_out, tally] = *w.ops[0].gemm_calls.begin();
   prof.measured_shapes.gemm.erase(left_out);
   const auto partial = rank_time(w, 2, prof, PlanDType::fp32, fabric);
-  EXPECT_DOUBLE_EQ(partial[0].unmeasured_flops, tally.flops);
-  EXPECT_DOUBLE_EQ(partial[0].compute_s, measured[0].compute_s - 1e-3 * double(tally.calls) +
-                                             tally.flops / (peak * d.gemm_efficiency));
+  EXPECT_DOUBLE_EQ(partial[0].compute.unmeasured_flops, tally.flops);
+  EXPECT_DOUBLE_EQ(partial[0].compute_s(), measured[0].compute_s() - 1e-3 * double(tally.calls) +
+                                               tally.flops / (peak * d.gemm_efficiency));
 }
 
 TEST(TimeModel, RankClassesGroupRanksWithTheSameWork) {
@@ -238,6 +238,90 @@ TEST(TimeModel, CommunicationIsTheLinkModelPerCollective) {
       EXPECT_EQ(h.ops[ph].gemm_flops, w.ops[ph].gemm_flops);
       EXPECT_EQ(2 * h.ops[ph].elementwise_bytes, w.ops[ph].elementwise_bytes);
     }
+  }
+}
+
+// The timeline holds every collective of the step in order, with the
+// closed form's bytes; without started collectives it is the phases'
+// compute and communication summed, for every form and uneven shards.
+TEST(TimeModel, WithoutOverlapTheTimelineIsThePhasesSummed) {
+  const MlaConfig cfg = tiny();
+  const HardwareProfile prof = load_profile("h100");
+  const Fabric fabric = single_level({2e9, 30e-6, Topology::switched});
+  for (int P : {2, 3})
+    for (Form f : {Form::explicit_form, Form::absorbed, Form::laga, Form::laga2d}) {
+      const SpLayout lay = SpLayout::even(1, 40, cfg.n_heads, P);
+      const RankWork w =
+          rank_work(cfg, lay, FormVariant(f), AttentionKind::flash, P - 1, PlanDType::bf16);
+      std::int64_t issued = 0, sent = 0;
+      for (const TimelineStep& s : w.timeline) {
+        EXPECT_FALSE(s.event.started) << to_string(f);
+        issued += s.event.what == CollectiveEvent::What::issued;
+        sent += s.event.bytes.sent;
+      }
+      std::int64_t calls = 0;
+      for (const auto& [key, b] : w.comm) calls += b.calls;
+      EXPECT_EQ(issued, calls) << to_string(f) << " P " << P;
+      EXPECT_EQ(sent, predicted_sent(w.comm)) << to_string(f) << " P " << P;
+      double summed = 0;
+      for (const PhaseTime& p : rank_time(w, P, prof, PlanDType::bf16, fabric))
+        summed += p.compute_s() + p.comm_s;
+      const StepTime t = step_time(w, P, prof, PlanDType::bf16, fabric);
+      EXPECT_NEAR(t.step_s, summed, 1e-12 * summed) << to_string(f) << " P " << P;
+      EXPECT_EQ(t.hidden_comm_s, 0) << to_string(f) << " P " << P;
+    }
+}
+
+// laga --overlap on starts the latent's all-gather (forward) and its
+// gradient's reduce-scatter (backward) and waits later: the timeline hides
+// part of their link time under the compute issued between start and wait,
+// never more than the started calls take, and nothing when there is no
+// compute to hide under.
+TEST(TimeModel, OverlapHidesStartedCollectivesUnderCompute) {
+  const MlaConfig cfg = tiny();
+  const SpLayout lay = SpLayout::even(1, 64, cfg.n_heads, 2);
+  HardwareProfile prof = load_profile("h100");
+  for (Form f : {Form::laga, Form::laga2d}) {
+    FormVariant on(f);
+    on.overlap = Overlap::on;
+    const RankWork plain =
+        rank_work(cfg, lay, FormVariant(f), AttentionKind::flash, 0, PlanDType::fp32);
+    const RankWork w = rank_work(cfg, lay, on, AttentionKind::flash, 0, PlanDType::fp32);
+    int started = 0, waited = 0;
+    for (const TimelineStep& s : w.timeline) {
+      started += s.event.started;
+      waited += s.event.what == CollectiveEvent::What::waited;
+    }
+    EXPECT_EQ(started, 2) << to_string(f);
+    EXPECT_EQ(waited, 2) << to_string(f);
+    // At a slow link the started calls outlast the compute between start
+    // and wait: some is hidden, less than the started calls' time and the
+    // compute; the step is the sum less what is hidden, and shorter than
+    // without overlap.
+    for (double bw : {1e6, 1e8, 1e10}) {
+      const Fabric fabric = single_level({bw, 50e-6, Topology::switched});
+      double started_s = 0;
+      for (const TimelineStep& s : w.timeline)
+        if (s.event.started)
+          started_s += collective_seconds(s.event.kind, 2, s.event.bytes, fabric);
+      double compute = 0, summed = 0;
+      for (const PhaseTime& p : rank_time(w, 2, prof, PlanDType::fp32, fabric))
+        compute += p.compute_s(), summed += p.compute_s() + p.comm_s;
+      const StepTime t = step_time(w, 2, prof, PlanDType::fp32, fabric);
+      EXPECT_GT(t.hidden_comm_s, 0) << to_string(f) << " at " << bw;
+      EXPECT_LE(t.hidden_comm_s, std::min(started_s, compute) * (1 + 1e-12))
+          << to_string(f) << " at " << bw;
+      EXPECT_NEAR(t.step_s, summed - t.hidden_comm_s, 1e-12 * summed);
+      EXPECT_LT(t.step_s, step_time(plain, 2, prof, PlanDType::fp32, fabric).step_s)
+          << to_string(f) << " at " << bw;
+    }
+    // No compute (an absurd peak and bandwidth): nothing to hide under.
+    HardwareProfile instant = prof;
+    instant.device.peak_flops_fp32 = 1e30;
+    instant.device.elementwise_bytes_per_s = 1e30;
+    const Fabric fabric = single_level({1e9, 50e-6, Topology::switched});
+    EXPECT_LT(step_time(w, 2, instant, PlanDType::fp32, fabric).hidden_comm_s, 1e-15)
+        << to_string(f);
   }
 }
 

@@ -40,7 +40,9 @@ def load(args, name):
 
 
 PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "peak_activation_bytes",
-               "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "fits"]
+               "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
+               "phases", "fits"]
+PHASE_FIELDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
 
 
 def check_exact(model, seq, sp, attention, extra, name):
@@ -73,6 +75,20 @@ def check_exact(model, seq, sp, attention, extra, name):
         if not (plan["predicted_step_s"] > 0 and 0 <= plan["comm_fraction"] <= 1):
             failures.append(f"{name} {plan['form']}: step {plan['predicted_step_s']}, comm "
                             f"fraction {plan['comm_fraction']}")
+        # The step is its phases' parts summed, less the communication
+        # overlap hid; only +overlap variants hide any.
+        phases = plan["phases"]
+        if list(phases.keys()) != ["forward", "backward", "grad_sync"] or \
+                any(list(v.keys()) != PHASE_FIELDS for v in phases.values()):
+            failures.append(f"{name} {plan['form']}: phases {phases}")
+            continue
+        total = sum(sum(v.values()) for v in phases.values())
+        step, hidden = plan["predicted_step_s"], plan["hidden_comm_s"]
+        if abs(total - hidden - step) > 1e-9 * step:
+            failures.append(f"{name} {plan['form']}: phases sum {total} - hidden {hidden} != "
+                            f"step {step}")
+        if (hidden > 0) != plan["form"].endswith("+overlap"):
+            failures.append(f"{name} {plan['form']}: hidden_comm_s {hidden}")
 
 
 def check_error(args, want, name):
@@ -88,6 +104,7 @@ if case == "exact":
     check_exact(tiny, 37, 3, "eager", [], "tiny_uneven_eager")   # S % P != 0, H % P != 0
     check_exact(tiny, 64, 8, "flash", [], "tiny_heads_empty")    # P > H: ranks without heads
     check_exact(["--preset", "small"], 1024, 4, "flash", [], "small")
+    check_exact(["--preset", "small"], 1000, 3, "flash", ["--overlap", "both"], "small_overlap")
     v3 = ["--preset", "deepseek-v3"]
     check_exact(v3, 32768, 8, "flash", ["--q-latent"], "v3_p8")
     check_exact(v3, 131072, 64, "flash", ["--q-latent"], "v3_p64")
@@ -113,6 +130,8 @@ elif case == "errors":
                 "unknown profile")
     check_error(base + ["--profile", "910b", "--dtype", "fp32"],
                 "device.peak_flops.fp32 is null (not published", "unpublished peak")
+    check_error(base + ["--profile", "h100", "--forms", "explicit", "--overlap", "on"],
+                "--overlap applies to the laga and laga2d forms", "overlap without laga")
     check_error(["plan", "--preset", "tiny", "--seq", "4", "--sp", "8", "--profile", "h100"],
                 "--sp 8 is more ranks than the 4 tokens of --seq 4", "P > S")
     check_error(base[:-1] + ["16", "--profile", "h100", "--nodes", "1"],
