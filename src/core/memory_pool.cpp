@@ -1,6 +1,7 @@
 #include "core/memory_pool.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include "core/error.hpp"
@@ -34,6 +35,8 @@ std::int64_t MemoryPool::on_alloc(MemCategory c, std::int64_t bytes, const std::
   peak_working_ = std::max(peak_working_, current_[idx(MemCategory::activations)] +
                                               current_[idx(MemCategory::comm_buffers)]);
   peak_held_ = std::max(peak_held_, held());
+  peak_requested_ = std::max(peak_requested_, current_total_);
+  peak_small_ = std::max(peak_small_, current_total_ - cache_.stats().live_requested);
   ++alloc_count_;
   if (trace_) trace_->push_back({c, bytes});
   if (!live_tracking_ || (c != MemCategory::activations && c != MemCategory::comm_buffers))
@@ -124,6 +127,12 @@ void MemoryPool::set_cache_min_bytes(std::int64_t bytes) {
 std::int64_t MemoryPool::held() const {
   const BlockCache::Stats& c = cache_.stats();
   return current_total_ + (c.live_mapped - c.live_requested) + c.cached;
+}
+
+std::int64_t MemoryPool::held_bound() {
+  const double factor = std::max(cache_.limit(), 1.0);
+  return peak_small_ +
+         static_cast<std::int64_t>(std::ceil(factor * double(cache_.stats().live_peak)));
 }
 
 MemoryPool& current_pool() {

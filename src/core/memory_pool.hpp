@@ -93,6 +93,17 @@ class MemoryPool {
   // reset_peaks(), as the others do.
   std::int64_t held() const;
   std::int64_t peak_held() const { return peak_held_; }
+  // The most the pool can hold at any time, given the live peaks since it
+  // was made: its small tensors (those not from the cache) at their peak,
+  // plus what the cache may map, max(limit, 1) x its live peak
+  // (BlockCache, "The bound"). A count-only run of one step gives the bound
+  // of every later step of the same shapes, where held() itself can grow
+  // as the cache keeps more (docs/accounting.md, "The block cache").
+  std::int64_t held_bound();
+  // held_bound() less the peak of the tensors' own bytes since the pool was
+  // made (not restarted by reset_peaks): what the pool may hold beyond what
+  // its tensors ask for, at most, in any number of steps of the same shapes.
+  std::int64_t cache_allowance() { return held_bound() - peak_requested_; }
 
   // Optional log of every event as (category, +bytes on alloc / -bytes on
   // free), so a test can recompute the peaks from the raw sequence.
@@ -130,6 +141,9 @@ class MemoryPool {
   std::array<std::int64_t, kNumMemCategories> peak_{};
   std::int64_t current_total_ = 0, peak_total_ = 0, peak_working_ = 0;
   std::int64_t alloc_count_ = 0, peak_held_ = 0;
+  // Since the pool was made (reset_peaks leaves them): the peak of
+  // current_total, and of it less the cache's live requests.
+  std::int64_t peak_requested_ = 0, peak_small_ = 0;
   bool count_only_ = false;
   BlockCache cache_;
   std::int64_t cache_min_bytes_ = BlockCache::kDefaultMinBytes;

@@ -19,9 +19,16 @@ MemoryPeak to_peak(const MemoryPool::PeakSnapshot& s, std::int64_t num, std::int
   return p;
 }
 
+// The counted run's figures and its pool's cache allowance
+// (MemoryPrediction::cache_allowance).
+struct CountedRank {
+  RankMemory memory;
+  std::int64_t cache_allowance = 0;
+};
+
 template <class T>
-RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
-                      AttentionKind attention, int rank, const MemoryModelOptions& options) {
+CountedRank count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                       AttentionKind attention, int rank, const MemoryModelOptions& options) {
   MemoryPool pool;
   pool.set_count_only(true);
   PoolScope scope(pool);
@@ -45,7 +52,8 @@ RankMemory count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant 
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;
-  return run_rank(comm, cfg, layout, rope, w, x, dout, spec).report.memory;
+  const RankMemory m = run_rank(comm, cfg, layout, rope, w, x, dout, spec).report.memory;
+  return {m, pool.cache_allowance()};
 }
 
 }  // namespace
@@ -60,9 +68,10 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
   LAGA_CHECK(elem_bytes == 2 || elem_bytes == 4 || elem_bytes == 8,
              "predict_memory: elem_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got ", elem_bytes);
   // Counted in the element type the run would use; bf16 as half of fp32.
-  const RankMemory m = elem_bytes == 8
-                           ? count_rank<double>(cfg, layout, variant, attention, rank, options)
-                           : count_rank<float>(cfg, layout, variant, attention, rank, options);
+  const CountedRank counted =
+      elem_bytes == 8 ? count_rank<double>(cfg, layout, variant, attention, rank, options)
+                      : count_rank<float>(cfg, layout, variant, attention, rank, options);
+  const RankMemory& m = counted.memory;
   const std::int64_t num = elem_bytes, den = elem_bytes == 8 ? 8 : 4;
   MemoryPrediction p;
   p.peak_activations = m.peak_activations * num / den;
@@ -77,6 +86,7 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
   p.after_forward = m.after_forward * num / den;
   p.parameters = m.parameters * num / den;
   p.gradients = m.gradients * num / den;
+  p.cache_allowance = counted.cache_allowance * num / den;
   return p;
 }
 

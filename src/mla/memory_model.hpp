@@ -61,6 +61,12 @@ struct MemoryPrediction {
   std::int64_t after_forward = 0;
   std::int64_t parameters = 0;  // every parameter, all ranks hold all of them
   std::int64_t gradients = 0;   // the gradient accumulators, same size
+  // What the rank's pool may hold beyond its tensors' own peak, in any
+  // number of steps: page rounding and the blocks its cache keeps for reuse
+  // (MemoryPool::held_bound() less the peak of every tensor of the counted
+  // run). An upper bound, 0 with the cache off; counted in fp32 and scaled
+  // to elem_bytes like the rest (page rounding then approximately).
+  std::int64_t cache_allowance = 0;
 };
 
 // One collective event of a counted run (CollectiveEvent: issued or waited)

@@ -474,6 +474,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     m.state = pool.current_total();
     take_step(ctx, counted, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr, nullptr);
     m.step_peak = pool.peak_total();
+    m.cache = pool.cache_allowance();
     // RopeTable: cos and sin, positions x dim/2 doubles each.
     m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));
     m.token_ids = token_ids;
@@ -494,8 +495,8 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     if (r == 0 && !o.checkpoint_dir.empty())
       m.checkpoint = 3 * rank_tensors.st.params.numel() * std::int64_t(sizeof(T));
     m.peak = m.rope + m.token_ids +
-             std::max(m.token_read,
-                      m.batch_ids + m.packing + std::max(m.step_peak, m.state + m.checkpoint));
+             std::max(m.token_read, m.batch_ids + m.packing +
+                                        std::max(m.step_peak + m.cache, m.state + m.checkpoint));
     ranks.push_back(m);
   }
   return ranks;

@@ -136,6 +136,9 @@ std::vector<StepRecord> train_local(const TrainOptions& o);
 struct TrainMemory {
   std::int64_t state = 0;      // parameters, AdamW m and v, gradients (pool)
   std::int64_t step_peak = 0;  // the pool's peak over a step: state + activations + staging
+  // What the pool may hold beyond step_peak in any number of steps: page
+  // rounding and its block cache's kept blocks (MemoryPool::held_bound).
+  std::int64_t cache = 0;
   // Outside the pool:
   std::int64_t rope = 0;        // the RoPE table: cos and sin, seq x dr/2 doubles each
   std::int64_t token_ids = 0;   // a --data file's ids as uint32 (0 for random data)
@@ -149,7 +152,8 @@ struct TrainMemory {
   std::int64_t checkpoint = 0;  // a save's copy of parameters, m and v (rank 0, --checkpoint)
   // The largest sum live at once: while the token file is read (nothing of
   // the model exists yet), or during training:
-  //   rope + token_ids + max(token_read, batch_ids + packing + max(step_peak, state + checkpoint))
+  //   rope + token_ids + max(token_read,
+  //                          batch_ids + packing + max(step_peak + cache, state + checkpoint))
   std::int64_t peak = 0;
 };
 // One per rank of o.sp. Reads (and so validates) a --data file, as

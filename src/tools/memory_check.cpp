@@ -91,26 +91,31 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
   JobMemory job;
   job.lower_with =
       "Lower the peak with a larger --sp (under mpirun, one rank per process), a shorter --seq, "
-      "--attention flash, or --count-only to account without allocating";
+      "--attention flash, LAGA_POOL_CACHE=1 (the block cache keeps no more than the live "
+      "peak), or --count-only to account without allocating";
   for (FormVariant f : forms) {
-    std::int64_t sum = 0, worst = 0;
+    std::int64_t sum = 0, worst = 0, cache = 0;
     for (int r = 0; r < layout.ranks; ++r) {
       if (rank_only >= 0 && r != rank_only) continue;
       const MemoryPrediction p = predict_memory(cfg, layout, f, attention, r, 4, opt);
       // Its working peak, its gradient accumulators, its x, dout, out and dx
-      // shards (B, L_r, D), and what the job keeps per rank.
+      // shards (B, L_r, D), what the job keeps per rank, and what its pool's
+      // block cache may keep on top in any number of steps.
       const std::int64_t shard =
           4 * layout.batch * layout.seq_count[static_cast<std::size_t>(r)] * cfg.dim;
-      const std::int64_t rank_bytes = p.peak_working + p.gradients + 4 * shard + held_per_rank;
+      const std::int64_t rank_bytes =
+          p.peak_working + p.gradients + 4 * shard + held_per_rank + p.cache_allowance;
       sum += rank_bytes;
       worst = std::max(worst, rank_bytes);
+      cache = std::max(cache, p.cache_allowance);
     }
     const std::int64_t here = (all_here ? sum : worst) + held_shared;
     if (here > job.bytes) {
       job.bytes = here;
       job.detail = cat(to_string(f), ": ", all_here ? layout.ranks : 1, " rank(s) of up to ",
-                       gb(worst), " each (activations, comm staging, gradients, shards) + ",
-                       gb(held_shared), " held by the job (weights, inputs)");
+                       gb(worst), " each (activations, comm staging, gradients, shards, and up to ",
+                       gb(cache), " the block cache may keep) + ", gb(held_shared),
+                       " held by the job (weights, inputs)");
     }
   }
   return job;
@@ -130,12 +135,14 @@ JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend) {
   job.detail = cat(all_here ? ranks.size() : 1, " rank(s) of up to ", gb(worst->peak),
                    " each: parameters, AdamW moments and gradients ", gb(worst->state),
                    ", activations and comm staging up to ", gb(worst->step_peak - worst->state),
+                   ", what the block cache may keep ", gb(worst->cache),
                    ", token data, batch and RoPE buffers ",
                    gb(worst->rope + worst->token_ids + worst->batch_ids + worst->packing),
                    worst->checkpoint > 0 ? ", a checkpoint's copy " + gb(worst->checkpoint) : "");
   job.lower_with =
       "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "
-      "(--layers, --d-model, --vocab, --ffn-hidden); with --comm local every --sp rank runs in "
+      "(--layers, --d-model, --vocab, --ffn-hidden), LAGA_POOL_CACHE=1 (the block cache keeps "
+      "no more than the live peak); with --comm local every --sp rank runs in "
       "this process with its own copy of the model, optimizer state and gradients, so under "
       "mpirun (one rank per process) each process holds one";
   return job;

@@ -162,5 +162,75 @@ TEST(PoolCache, ACountOnlyRunPredictsWhatEveryRankHolds) {
   EXPECT_GT(evicted, 0) << "no case evicted: the bound was never exercised";
 }
 
+// Per rank: the most its pool held over `steps` steps (the peak of each,
+// run_rank starting every step's peaks afresh), and after them
+// MemoryPool::held_bound() and the peak of the tensors' own bytes.
+struct Held {
+  std::int64_t most = 0, bound = 0, requested = 0;
+};
+std::vector<Held> held_over(const Case& c, int steps, std::int64_t min_bytes, bool count_only) {
+  const MlaConfig& cfg = *c.cfg;
+  const SpLayout& lay = kLayout;
+  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 3, 0.1);
+  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
+  fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
+  fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
+  const RopeTable rope(cfg.rope(), lay.seq);
+  RunSpec spec;
+  spec.set_variant(c.form);
+  spec.attention = c.attention;
+  std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
+  for (MemoryPool& p : pools) {
+    p.set_count_only(count_only);
+    p.cache().set_limit(1.25);
+    p.set_cache_min_bytes(min_bytes);
+  }
+  LocalRunOptions opts;
+  opts.pools = &pools;
+  std::vector<Held> held(static_cast<size_t>(lay.ranks));
+  run_local_ranks(
+      lay.ranks,
+      [&](Communicator& comm) {
+        MemoryPool& pool = pools[static_cast<size_t>(comm.rank())];
+        Held& h = held[static_cast<size_t>(comm.rank())];
+        for (int i = 0; i < steps; ++i) {
+          (void)run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+          h.most = std::max(h.most, pool.peak_held());
+          h.requested = std::max(h.requested, pool.peak_total());
+        }
+        h.bound = pool.held_bound();
+      },
+      opts);
+  return held;
+}
+
+// A count-only run of one step bounds what the pool holds over many: the
+// cache keeps more blocks as steps go by (a later step's held() can pass
+// the first step's), but never maps more than max(limit, 1) x its live
+// peak, which one counted step gives exactly; small tensors (under the
+// cache's minimum size, from malloc) count at their own peak. This is the
+// figure the upfront memory check adds (MemoryPrediction::cache_allowance).
+TEST(PoolCache, OneCountedStepBoundsWhatLaterStepsHold) {
+  const MlaConfig rq0 = small_config(0), rq7 = small_config(7);
+  int grew = 0;
+  for (const Case& c : cases(rq0, rq7))
+    for (std::int64_t min_bytes : {std::int64_t(1), std::int64_t(2048)}) {
+      const std::vector<Held> counted = held_over(c, 1, min_bytes, true),
+                              real = held_over(c, 4, min_bytes, false);
+      for (int r = 0; r < kLayout.ranks; ++r) {
+        const std::string what =
+            c.name() + " rank " + std::to_string(r) + " min " + std::to_string(min_bytes);
+        const Held &a = real[static_cast<size_t>(r)], &b = counted[static_cast<size_t>(r)];
+        EXPECT_LE(a.most, b.bound) << what;
+        EXPECT_EQ(a.bound, b.bound) << what << ": later steps raised the live peaks";
+        EXPECT_EQ(a.requested, b.requested) << what;
+        grew += a.most > b.most;
+      }
+    }
+  EXPECT_GT(grew, 0) << "no rank held more over 4 steps than one counted step predicts: the "
+                        "bound was not needed";
+}
+
 }  // namespace
 }  // namespace laga

@@ -71,6 +71,9 @@ TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
           << "rank " << r;
       // The state is held throughout, so the step's own part is what lies above it.
       EXPECT_GT(predicted[r].step_peak, predicted[r].state);
+      // What the pool held, its block cache's kept blocks and page rounding
+      // included, stays within the prediction's bound.
+      EXPECT_LE(pool.peak_held(), predicted[r].step_peak + predicted[r].cache) << "rank " << r;
       EXPECT_EQ(pool.current_total(), 0) << "rank " << r << ": a tensor outlived the run";
     }
   }
@@ -92,6 +95,7 @@ TEST(TrainMemory, ResumeAndCheckpointsAndTheTermsOutsideThePool) {
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_EQ(fresh[r].step_peak, first[r].peak_total()) << "rank " << r;
     EXPECT_EQ(fresh[r].step_peak, resumed[r].peak_total()) << "rank " << r;
+    EXPECT_LE(resumed[r].peak_held(), fresh[r].step_peak + fresh[r].cache) << "rank " << r;
   }
   // Parameters, m and v: three equal parts of the state besides the gradients.
   const std::int64_t params = 4 * [&] {
@@ -109,7 +113,8 @@ TEST(TrainMemory, ResumeAndCheckpointsAndTheTermsOutsideThePool) {
   EXPECT_EQ(fresh[0].token_ids, 0);  // random data holds no ids
   for (const TrainMemory& m : fresh) {
     EXPECT_EQ(m.packing, 0);
-    EXPECT_EQ(m.peak, m.rope + m.batch_ids + std::max(m.step_peak, m.state + m.checkpoint));
+    EXPECT_EQ(m.peak,
+              m.rope + m.batch_ids + std::max(m.step_peak + m.cache, m.state + m.checkpoint));
   }
   // --pack-eos: the pool is the same (the documents' arrays are not pool
   // tensors); outside it, the packed targets (B, S) int32, up to S + 1 cut
