@@ -230,69 +230,87 @@ struct SimdFor<float> {
 template <class T>
 using Simd = typename SimdFor<T>::type;
 
+// How tile_gemm reads A (M, K): which of its two strides is 1. A compile-time
+// choice, so that the micro-kernel's broadcasts are one pointer plus constant
+// offsets (rows_adjacent) or M pointers that step by one (cols_adjacent); with
+// both strides at run time GCC ran out of general registers and spilled.
+enum class ALayout {
+  rows_adjacent,  // element (m, k) at a[m + k * as]: A stored transposed (K, as)
+  cols_adjacent,  // element (m, k) at a[m * as + k]: A row-major, rows as apart
+};
+
 // C (M, N) = [C +] A (M, K) B (K, N) on a register block of M rows by NV
 // vectors: the one place where the FLOPs of the kernels are spent.
-// A element (m, k) is a[m * ars + k * acs], so A can be read transposed;
-// B row k is b + k * ldb, contiguous along N; C row m is c + m * ldc.
+// A is read as ALayout AL says, with stride `as`; B row k is b + k * ldb,
+// contiguous along N; C row m is c + m * ldc.
 // n: valid columns of this panel (TAIL: fewer than NV * W, loads and stores are
 // masked so nothing past column n is touched). ACC (C += rather than C =) is a
 // template argument so that the accumulators go straight from C, or zero,
 // into registers; as a run-time flag GCC merged both through the stack.
-template <class T, int M, bool TAIL, bool ACC>
-void micro_kernel(std::int64_t K, const T* a, std::int64_t ars, std::int64_t acs, const T* b,
-                  std::int64_t ldb, T* c, std::int64_t ldc, int n) {
-  constexpr bool accumulate = ACC;
+template <class T, int M, bool TAIL, bool ACC, ALayout AL>
+void micro_kernel(std::int64_t K, const T* a, std::int64_t as, const T* b, std::int64_t ldb, T* c,
+                  std::int64_t ldc, int n) {
   using S = Simd<T>;
   using V = typename S::V;
   constexpr int NV = S::NV, W = S::W;
   int cnt[NV];
   for (int v = 0; v < NV; ++v) cnt[v] = TAIL ? std::clamp(n - v * W, 0, W) : W;
   V acc[M][NV];
-  for (int m = 0; m < M; ++m)
+  const T* cm = c;
+  for (int m = 0; m < M; ++m, cm += ldc)
     for (int v = 0; v < NV; ++v)
-      acc[m][v] = !accumulate ? S::zero()
-                  : TAIL      ? S::load_n(c + m * ldc + v * W, cnt[v])
-                              : S::load(c + m * ldc + v * W);
-  for (std::int64_t k = 0; k < K; ++k) {
+      acc[m][v] = !ACC ? S::zero() : TAIL ? S::load_n(cm + v * W, cnt[v]) : S::load(cm + v * W);
+  // cols_adjacent: row m of A starts at a + m * as and walks by 1.
+  const T* arow[M];
+  for (int m = 0; m < M; ++m) arow[m] = a + m * as;
+  for (std::int64_t k = 0; k < K; ++k, b += ldb) {
     V bv[NV];
-    for (int v = 0; v < NV; ++v)
-      bv[v] = TAIL ? S::load_n(b + k * ldb + v * W, cnt[v]) : S::load(b + k * ldb + v * W);
-    const T* ak = a + k * acs;
+    for (int v = 0; v < NV; ++v) bv[v] = TAIL ? S::load_n(b + v * W, cnt[v]) : S::load(b + v * W);
     for (int m = 0; m < M; ++m) {
-      const V am = S::set1(ak[m * ars]);
+      const V am = S::set1(AL == ALayout::rows_adjacent ? a[k * as + m] : arow[m][k]);
       for (int v = 0; v < NV; ++v) acc[m][v] = S::fmadd(am, bv[v], acc[m][v]);
     }
   }
-  for (int m = 0; m < M; ++m)
+  // Without this, GCC keeps the M * NV addresses of C computed for the loads
+  // alive across the loop for the stores, out of general registers, and
+  // spills them (and the accumulators with them) to the stack. The empty asm
+  // makes c opaque here, so the stores recompute the addresses.
+  asm("" : "+r"(c));
+  for (int m = 0; m < M; ++m, c += ldc)
     for (int v = 0; v < NV; ++v) {
       if (TAIL)
-        S::store_n(c + m * ldc + v * W, acc[m][v], cnt[v]);
+        S::store_n(c + v * W, acc[m][v], cnt[v]);
       else
-        S::store(c + m * ldc + v * W, acc[m][v]);
+        S::store(c + v * W, acc[m][v]);
     }
 }
 
-template <class T, bool TAIL, bool ACC, std::size_t... I>
+template <class T, bool TAIL, bool ACC, ALayout AL, std::size_t... I>
 constexpr auto micro_kernel_table(std::index_sequence<I...>) {
-  using Fn = void (*)(std::int64_t, const T*, std::int64_t, std::int64_t, const T*, std::int64_t,
-                      T*, std::int64_t, int);
-  return std::array<Fn, sizeof...(I)>{&micro_kernel<T, int(I) + 1, TAIL, ACC>...};
+  using Fn =
+      void (*)(std::int64_t, const T*, std::int64_t, const T*, std::int64_t, T*, std::int64_t, int);
+  return std::array<Fn, sizeof...(I)>{&micro_kernel<T, int(I) + 1, TAIL, ACC, AL>...};
 }
 
 // The whole tile, blocked as a BLAS would: K in chunks of KC, so that one
 // panel of B (KC by NV * W, at most 24 KiB) stays in L1 while every block of
-// MR rows of A streams past it; then panels along N; then row blocks.
-template <class T>
-void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::int64_t ars,
-               std::int64_t acs, const T* b, std::int64_t ldb, T* c, std::int64_t ldc,
-               bool accumulate) {
+// MR rows of A streams past it; then panels along N; then row blocks. B rows
+// should be contiguous or nearly (a packed tile): rows a multiple of 4 KiB
+// apart all fall into the same L1 sets, and the panel then no longer stays.
+template <class T, ALayout AL>
+void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::int64_t as,
+               const T* b, std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
   using S = Simd<T>;
   constexpr int MR = S::MR, NB = S::NV * S::W;
   constexpr std::int64_t KC = std::max<std::int64_t>(16, 24576 / (NB * std::int64_t(sizeof(T))));
-  static constexpr auto full0 = micro_kernel_table<T, false, false>(std::make_index_sequence<MR>{});
-  static constexpr auto tail0 = micro_kernel_table<T, true, false>(std::make_index_sequence<MR>{});
-  static constexpr auto full1 = micro_kernel_table<T, false, true>(std::make_index_sequence<MR>{});
-  static constexpr auto tail1 = micro_kernel_table<T, true, true>(std::make_index_sequence<MR>{});
+  constexpr auto rows = std::make_index_sequence<MR>{};
+  static constexpr auto full0 = micro_kernel_table<T, false, false, AL>(rows);
+  static constexpr auto tail0 = micro_kernel_table<T, true, false, AL>(rows);
+  static constexpr auto full1 = micro_kernel_table<T, false, true, AL>(rows);
+  static constexpr auto tail1 = micro_kernel_table<T, true, true, AL>(rows);
+  // Offsets of A element (m, k).
+  const std::int64_t ars = AL == ALayout::rows_adjacent ? 1 : as;
+  const std::int64_t acs = AL == ALayout::rows_adjacent ? as : 1;
   if (K == 0 && !accumulate) {  // an empty sum: C = 0
     for (std::int64_t m = 0; m < M; ++m) std::fill(c + m * ldc, c + m * ldc + N, T(0));
     return;
@@ -305,8 +323,8 @@ void tile_gemm(std::int64_t M, std::int64_t N, std::int64_t K, const T* a, std::
       const auto& table = n == NB ? (acc ? full1 : full0) : (acc ? tail1 : tail0);
       for (std::int64_t m0 = 0; m0 < M; m0 += MR) {
         const int m = static_cast<int>(std::min<std::int64_t>(MR, M - m0));
-        table[static_cast<std::size_t>(m - 1)](kc, a + m0 * ars + k0 * acs, ars, acs,
-                                               b + k0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, n);
+        table[static_cast<std::size_t>(m - 1)](kc, a + m0 * ars + k0 * acs, as, b + k0 * ldb + n0,
+                                               ldb, c + m0 * ldc + n0, ldc, n);
       }
     }
   }
