@@ -79,9 +79,12 @@ struct Rank {
   std::int64_t peak_held = 0;
 };
 
-// Two steps on every rank of kLayout, each rank's pool with the cache at
-// `limit` for every tensor, real or count-only.
-std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
+// Runs body(comm, pool, step) on every rank of kLayout, each rank's pool
+// with the cache at `limit` serving every tensor of at least `min_bytes`,
+// real or count-only; step() runs one block step of the rank.
+template <class Body>
+void on_every_rank(const Case& c, double limit, std::int64_t min_bytes, bool count_only,
+                   Body&& body) {
   const MlaConfig& cfg = *c.cfg;
   const SpLayout& lay = kLayout;
   MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
@@ -91,33 +94,40 @@ std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
   fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
   const RopeTable rope(cfg.rope(), lay.seq);
   RunSpec spec;
-  spec.form = c.form.form;
-  spec.queries = c.form.queries;
+  spec.set_variant(c.form);
   spec.attention = c.attention;
   std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
   for (MemoryPool& p : pools) {
     p.set_count_only(count_only);
     p.cache().set_limit(limit);
-    p.set_cache_min_bytes(1);
+    p.set_cache_min_bytes(min_bytes);
   }
   LocalRunOptions opts;
   opts.pools = &pools;
-  std::vector<Rank> ranks(static_cast<size_t>(lay.ranks));
   run_local_ranks(
       lay.ranks,
       [&](Communicator& comm) {
-        const MemoryPool& pool = pools[static_cast<size_t>(comm.rank())];
-        Rank& rank = ranks[static_cast<size_t>(comm.rank())];
-        for (Step& step : rank.steps) {
-          const std::int64_t misses = pool.cache().stats().misses;
-          const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
-          step = {count_only ? std::vector<float>{} : values_of(res), res.report.memory,
-                  pool.cache().stats().misses - misses};
-        }
-        rank.cache = pool.cache().stats();
-        rank.peak_held = pool.peak_held();
+        body(comm, pools[static_cast<size_t>(comm.rank())],
+             [&] { return run_rank(comm, cfg, lay, rope, w, x, dout, spec); });
       },
       opts);
+}
+
+// Two steps on every rank of kLayout, each rank's pool with the cache at
+// `limit` for every tensor, real or count-only.
+std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
+  std::vector<Rank> ranks(static_cast<size_t>(kLayout.ranks));
+  on_every_rank(c, limit, 1, count_only, [&](Communicator& comm, MemoryPool& pool, auto step_of) {
+    Rank& rank = ranks[static_cast<size_t>(comm.rank())];
+    for (Step& step : rank.steps) {
+      const std::int64_t misses = pool.cache().stats().misses;
+      const RankResult<float> res = step_of();
+      step = {count_only ? std::vector<float>{} : values_of(res), res.report.memory,
+              pool.cache().stats().misses - misses};
+    }
+    rank.cache = pool.cache().stats();
+    rank.peak_held = pool.peak_held();
+  });
   return ranks;
 }
 
@@ -169,39 +179,17 @@ struct Held {
   std::int64_t most = 0, bound = 0, requested = 0;
 };
 std::vector<Held> held_over(const Case& c, int steps, std::int64_t min_bytes, bool count_only) {
-  const MlaConfig& cfg = *c.cfg;
-  const SpLayout& lay = kLayout;
-  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 3, 0.1);
-  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-  fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-  const RopeTable rope(cfg.rope(), lay.seq);
-  RunSpec spec;
-  spec.set_variant(c.form);
-  spec.attention = c.attention;
-  std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
-  for (MemoryPool& p : pools) {
-    p.set_count_only(count_only);
-    p.cache().set_limit(1.25);
-    p.set_cache_min_bytes(min_bytes);
-  }
-  LocalRunOptions opts;
-  opts.pools = &pools;
-  std::vector<Held> held(static_cast<size_t>(lay.ranks));
-  run_local_ranks(
-      lay.ranks,
-      [&](Communicator& comm) {
-        MemoryPool& pool = pools[static_cast<size_t>(comm.rank())];
-        Held& h = held[static_cast<size_t>(comm.rank())];
-        for (int i = 0; i < steps; ++i) {
-          (void)run_rank(comm, cfg, lay, rope, w, x, dout, spec);
-          h.most = std::max(h.most, pool.peak_held());
-          h.requested = std::max(h.requested, pool.peak_total());
-        }
-        h.bound = pool.held_bound();
-      },
-      opts);
+  std::vector<Held> held(static_cast<size_t>(kLayout.ranks));
+  on_every_rank(c, 1.25, min_bytes, count_only,
+                [&](Communicator& comm, MemoryPool& pool, auto step_of) {
+                  Held& h = held[static_cast<size_t>(comm.rank())];
+                  for (int i = 0; i < steps; ++i) {
+                    (void)step_of();
+                    h.most = std::max(h.most, pool.peak_held());
+                    h.requested = std::max(h.requested, pool.peak_total());
+                  }
+                  h.bound = pool.held_bound();
+                });
   return held;
 }
 
