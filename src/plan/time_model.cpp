@@ -164,9 +164,11 @@ std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwarePr
 StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, PlanDType dtype,
                    const Fabric& fabric) {
   double now = 0, link_free = 0;
+  double summed = 0;  // every segment's compute and every collective's time, one after another
   std::map<std::int64_t, double> done_at;  // started collectives by id
   for (const TimelineStep& s : work.timeline) {
-    now += compute_time(s.compute_before, profile, dtype).seconds();
+    const double compute = compute_time(s.compute_before, profile, dtype).seconds();
+    now += compute, summed += compute;
     const CollectiveEvent& e = s.event;
     if (e.what == CollectiveEvent::What::waited) {
       const auto it = done_at.find(e.id);
@@ -176,17 +178,17 @@ StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, 
       continue;
     }
     // One link per rank: a collective waits for the one before it.
-    const double done = std::max(now, link_free) + collective_seconds(e.kind, P, e.bytes, fabric);
+    const double link = collective_seconds(e.kind, P, e.bytes, fabric);
+    summed += link;
+    const double done = std::max(now, link_free) + link;
     link_free = done;
     if (e.started)
       done_at[e.id] = done;
     else
       now = done;
   }
-  now += compute_time(work.compute_after, profile, dtype).seconds();
-  double summed = 0;
-  for (const PhaseTime& p : rank_time(work, P, profile, dtype, fabric))
-    summed += p.compute_s() + p.comm_s;
+  const double last = compute_time(work.compute_after, profile, dtype).seconds();
+  now += last, summed += last;
   // Without started collectives the two agree but for rounding.
   const double hidden = summed - now;
   return {now, hidden > 1e-9 * summed ? hidden : 0.0};
