@@ -9,6 +9,8 @@ packages=(
   clang libclang-rt-dev      # scripts/fuzz.sh: libFuzzer, ASan, UBSan (the runtimes are
                              # only recommended by clang, and recommends are not installed)
   libdnnl-dev                # oneDNN: dnnl_sgemm, laga's float GEMMs (docs/performance.md)
+  ocl-icd-opencl-dev         # oneDNN's CMake config requires OpenCL (its GPU runtime); Debian
+                             # only recommends it, and recommends are not installed
   libopenblas-dev            # CBLAS dgemm (double: tests, finite differences)
   libomp-dev                 # OpenMP runtime headers (g++ uses libgomp)
   libopenmpi-dev openmpi-bin # MPI backend and mpirun
