@@ -129,7 +129,10 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
       laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
   ctx.header();
   for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
-    if (!laga::bench::case_selected(ctx.options(), laga::to_string(form))) continue;
+    const std::string op = laga::cat("block_", laga::to_string(form));
+    // --case and --op both select forms here: a form not run prints nothing.
+    if (!laga::bench::case_selected(ctx.options(), laga::to_string(form)) || !ctx.selected(op))
+      continue;
     // Each form starts from an empty block cache: what the reference or the
     // previous form kept is released (the pool's held peak is this form's).
     laga::MemoryPool& pool = laga::current_pool();
@@ -141,7 +144,7 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
     // to map afresh (its block cache had none of their size).
     std::vector<double> faults, fresh;
     auto& row = ctx.run(
-        laga::cat("block_", laga::to_string(form)), shape, gflop, isa,
+        op, shape, gflop, isa,
         [&] {
           const long before = minor_faults();
           const std::int64_t misses = pool.cache().stats().misses;
