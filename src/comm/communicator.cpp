@@ -420,7 +420,10 @@ PendingCollective::~PendingCollective() {
 void Communicator::wait(PendingCollective& p) {
   if (!p.pending_) return;
   LAGA_CHECK(p.owner_ == this, "internal: a started collective waited for on another communicator");
+  const auto start = std::chrono::steady_clock::now();
   wait_until(p.done_at_);
+  seconds_in_collectives_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   p.pending_ = false;
   if (observer_) {
     CollectiveEvent e;
@@ -481,6 +484,8 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
     throw;
   }
   ++calls_;
+  seconds_in_collectives_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return done;
 }
 

@@ -295,6 +295,10 @@ class Communicator {
   void set_phase(Phase p) { phase_ = p; }
   Ledger& ledger() { return ledger_; }
   const Ledger& ledger() const { return ledger_; }
+  // Wall seconds this rank has spent inside collective calls and waits so
+  // far: the transport, waiting for its peers (their skew included) and the
+  // link model's hold. The compute a started collective hides is not in it.
+  double seconds_in_collectives() const { return seconds_in_collectives_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   // Shapes every later collective of this rank by `link` (copied), or stops
@@ -413,6 +417,7 @@ class Communicator {
   std::chrono::steady_clock::time_point link_free_at_{};
   CollectiveObserver observer_;
   std::int64_t started_ = 0;  // start_* calls so far: the next one's id
+  double seconds_in_collectives_ = 0;
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its

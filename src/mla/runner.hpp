@@ -59,6 +59,10 @@ struct RankReport {
   Ledger ledger;
   RankMemory memory;
   double forward_ms = 0, backward_ms = 0, sync_ms = 0;
+  // Of forward + backward + sync: wall ms inside collectives and their waits
+  // (Communicator::seconds_in_collectives), the transfers and the waiting for
+  // peers; what a started collective hides under compute is not in it.
+  double comm_ms = 0;
 };
 
 // A rank's report as doubles, so the reporting rank can receive every rank's

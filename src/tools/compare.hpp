@@ -88,6 +88,9 @@ struct FormResult {
 
   // Time: per step the slowest rank's, then the median over steps.
   double forward_ms = 0, backward_ms = 0, sync_ms = 0, step_ms = 0;
+  // The slowest rank's wall ms inside collectives and their waits in its
+  // step (RankReport::comm_ms), median over steps.
+  double comm_ms = 0;
   std::vector<double> step_ms_all;  // slowest rank per measured step
   std::optional<double> tokens_per_s;
   std::optional<Agreement> agreement;  // against explicit at the same P

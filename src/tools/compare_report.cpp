@@ -216,12 +216,15 @@ std::string compare_table(const CompareResult& r) {
             ? "rank " + std::to_string(r.measured_ranks[0]) + " alone on all cores (no peers)"
             : std::string("per step the slowest rank's"))
     << ", median over steps\n";
-  Table time({"form", "forward", "backward", "grad all-reduce", "step", "tokens/s", "vs explicit"});
+  Table time({"form", "forward", "backward", "grad all-reduce", "step", "in comm", "comm %",
+              "tokens/s", "vs explicit"});
   for (const FormResult& f : r.results) {
     const bool timed = !o.count_only;
     time.add({to_string(f.form), timed ? fixed(f.forward_ms, 1) : "-",
               timed ? fixed(f.backward_ms, 1) : "-", timed ? fixed(f.sync_ms, 1) : "-",
-              timed ? fixed(f.step_ms, 1) : "-", f.tokens_per_s ? fixed(*f.tokens_per_s, 0) : "-",
+              timed ? fixed(f.step_ms, 1) : "-", timed ? fixed(f.comm_ms, 1) : "-",
+              timed && f.step_ms > 0 ? fixed(100 * f.comm_ms / f.step_ms, 1) : "-",
+              f.tokens_per_s ? fixed(*f.tokens_per_s, 0) : "-",
               ex && f.tokens_per_s && ex->tokens_per_s
                   ? fixed(*f.tokens_per_s / *ex->tokens_per_s, 3) + "x"
                   : "-"});
@@ -229,7 +232,8 @@ std::string compare_table(const CompareResult& r) {
   s << time.str();
   if (o.rank_only < 0 && !o.count_only)
     s << "  tokens/s = B*S / step time of the slowest rank (forward + backward + gradient "
-         "all-reduce).\n";
+         "all-reduce).\n  in comm: that rank's wall time inside collectives and their waits "
+         "(transfers, waiting for peers, --link's hold); comm % = in comm / step.\n";
 
   s << "\nAgreement with explicit at the same P (measured, fp32): max |diff| over the group\n";
   Table agr({"form", "out", "dx", "worst grad", "grad", "(scale: max |explicit grad|)"});
@@ -328,6 +332,7 @@ std::string compare_json(const CompareResult& r) {
     g["backward_ms"] = timed ? ojson(f.backward_ms) : ojson(nullptr);
     g["grad_sync_ms"] = timed ? ojson(f.sync_ms) : ojson(nullptr);
     g["step_ms"] = timed ? ojson(f.step_ms) : ojson(nullptr);
+    g["comm_ms"] = timed ? ojson(f.comm_ms) : ojson(nullptr);
     g["step_ms_per_step"] = timed ? ojson(f.step_ms_all) : ojson(nullptr);
     g["tokens_per_s"] = f.tokens_per_s ? ojson(*f.tokens_per_s) : ojson(nullptr);
     if (f.agreement) {

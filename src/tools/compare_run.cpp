@@ -43,16 +43,17 @@ double median(std::vector<double> v) {
 // measured steps' times, the last step's report (runner.hpp, pack_report)
 // and the agreement with explicit.
 struct RankRecord {
-  std::vector<double> fwd_ms, bwd_ms, sync_ms;        // measured steps
+  std::vector<double> fwd_ms, bwd_ms, sync_ms, comm_ms;  // measured steps
   RankReport last;                                    // the last step's ledger and memory
   double out = -1, dx = -1, out_ref = 0, dx_ref = 0;  // -1: not computed
   std::vector<double> grad, grad_ref;
 
   static std::size_t size(int steps, std::size_t keys, std::size_t params) {
-    return 3 * static_cast<std::size_t>(steps) + packed_report_size(keys) + 4 + 2 * params;
+    return 4 * static_cast<std::size_t>(steps) + packed_report_size(keys) + 4 + 2 * params;
   }
   void write(double* p, const std::vector<Key>& keys) const {
-    for (const auto* v : {&fwd_ms, &bwd_ms, &sync_ms}) p = std::copy(v->begin(), v->end(), p);
+    for (const auto* v : {&fwd_ms, &bwd_ms, &sync_ms, &comm_ms})
+      p = std::copy(v->begin(), v->end(), p);
     pack_report(last, keys, p);
     p += packed_report_size(keys.size());
     for (double x : {out, dx, out_ref, dx_ref}) *p++ = x;
@@ -61,7 +62,7 @@ struct RankRecord {
   static RankRecord read(const double* p, int steps, const std::vector<Key>& keys,
                          std::size_t params) {
     RankRecord r;
-    for (auto* v : {&r.fwd_ms, &r.bwd_ms, &r.sync_ms}) {
+    for (auto* v : {&r.fwd_ms, &r.bwd_ms, &r.sync_ms, &r.comm_ms}) {
       v->assign(p, p + steps);
       p += steps;
     }
@@ -159,6 +160,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
         rec.fwd_ms.push_back(rep.forward_ms);
         rec.bwd_ms.push_back(rep.backward_ms);
         rec.sync_ms.push_back(rep.sync_ms);
+        rec.comm_ms.push_back(rep.comm_ms);
       }
       if (!last) continue;
       rec.last = rep;
@@ -300,19 +302,24 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
               double(mp.forward_backward.bytes));
   }
 
-  // Time: the slowest rank of each step, then the median over steps.
-  std::vector<double> fwd, bwd, sync, step;
+  // Time: the slowest rank of each step, then the median over steps. Its
+  // time in collectives is the step's exposed communication: the others
+  // also wait there for it, which is skew, not communication.
+  std::vector<double> fwd, bwd, sync, step, comm_of_slowest;
   for (int s = 0; s < j.steps; ++s) {
-    double a = 0, b = 0, c = 0, t = 0;
+    double a = 0, b = 0, c = 0, t = -1, in_comm = 0;
     for (const RankRecord& rec : recs) {
       a = std::max(a, rec.fwd_ms[s]);
       b = std::max(b, rec.bwd_ms[s]);
       c = std::max(c, rec.sync_ms[s]);
-      t = std::max(t, rec.fwd_ms[s] + rec.bwd_ms[s] + rec.sync_ms[s]);
+      const double rank_step = rec.fwd_ms[s] + rec.bwd_ms[s] + rec.sync_ms[s];
+      if (rank_step > t) t = rank_step, in_comm = rec.comm_ms[s];
     }
     fwd.push_back(a), bwd.push_back(b), sync.push_back(c), step.push_back(t);
+    comm_of_slowest.push_back(in_comm);
   }
   f.forward_ms = median(fwd), f.backward_ms = median(bwd), f.sync_ms = median(sync);
+  f.comm_ms = median(comm_of_slowest);
   f.step_ms = median(step);
   f.step_ms_all = step;
   if (!j.o.count_only && j.o.rank_only < 0 && f.step_ms > 0)

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <thread>
 
 #include "comm/communicator.hpp"
@@ -623,6 +624,32 @@ TEST_P(LocalComm, StartedCollectivesMoveTheSameDataAndOverlapTheLinkTime) {
     c.all_gather_v(mine.data(), n, ag_block.data(), counts.data(), displs.data(), "ag");
     if (secs(Clock::now() - t0) < 2 * t_ag) e += "a call behind a started one did not queue; ";
     c.wait(p);
+
+    // The rank's time in collectives: a blocking call counts all of its
+    // modelled time; work between a start and its wait is not counted.
+    const auto time_in_collectives = [&](const std::function<void()>& calls) {
+      const double before = c.seconds_in_collectives();
+      const auto t = Clock::now();
+      calls();
+      return std::make_pair(c.seconds_in_collectives() - before, secs(Clock::now() - t));
+    };
+    auto [blocking, wall] = time_in_collectives([&] {
+      c.all_gather_v(mine.data(), n, ag_block.data(), counts.data(), displs.data(), "ag");
+    });
+    if (blocking < t_ag || blocking > wall)
+      e += "a blocking call's time in collectives " + std::to_string(blocking) +
+           " s is outside [modelled " + std::to_string(t_ag) + ", wall " + std::to_string(wall) +
+           "]; ";
+    const auto work = std::chrono::duration<double>(2 * t_ag);
+    auto [overlapped, wall2] = time_in_collectives([&] {
+      p = c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(),
+                               "ag");
+      std::this_thread::sleep_for(work);  // the compute a started call hides
+      c.wait(p);
+    });
+    if (overlapped > wall2 - work.count())
+      e += "time in collectives " + std::to_string(overlapped) +
+           " s counts the work between start and wait (wall " + std::to_string(wall2) + " s); ";
   });
   for (int r = 0; r < P; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
 }
