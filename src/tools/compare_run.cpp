@@ -44,8 +44,8 @@ double median(std::vector<double> v) {
 // and the agreement with explicit.
 struct RankRecord {
   std::vector<double> fwd_ms, bwd_ms, sync_ms, comm_ms;  // measured steps
-  RankReport last;                                    // the last step's ledger and memory
-  double out = -1, dx = -1, out_ref = 0, dx_ref = 0;  // -1: not computed
+  RankReport last;                                       // the last step's ledger and memory
+  double out = -1, dx = -1, out_ref = 0, dx_ref = 0;     // -1: not computed
   std::vector<double> grad, grad_ref;
 
   static std::size_t size(int steps, std::size_t keys, std::size_t params) {
