@@ -642,8 +642,7 @@ TEST_P(LocalComm, StartedCollectivesMoveTheSameDataAndOverlapTheLinkTime) {
            "]; ";
     const auto work = std::chrono::duration<double>(2 * t_ag);
     auto [overlapped, wall2] = time_in_collectives([&] {
-      p = c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(),
-                               "ag");
+      p = c.start_all_gather_v(mine.data(), n, ag_start.data(), counts.data(), displs.data(), "ag");
       std::this_thread::sleep_for(work);  // the compute a started call hides
       c.wait(p);
     });
