@@ -2,9 +2,10 @@
 """Checks `laga plan`'s time model against measurement on this machine
 (issue 13): `laga compare --link` at P 2 (ranks as threads, one core each)
 at bandwidths spanning the laga/explicit crossover, beside `laga plan
---profile this --link` for the same, with the % error per form, and the
-crossover bandwidth predicted and measured (docs/planning.md, "Checking the
-model").
+--profile this --link` for the same, with the % error per form, where
+that error lies (the time in collectives, predicted by the link model and
+measured by `laga compare`'s comm_ms, and the rest), and the crossover
+bandwidth predicted and measured (docs/planning.md, "Checking the model").
 
   python3 scripts/check_plan.py [--laga build/laga] [--seq 1024] [--latency-us 1000]
                                 [--bandwidths GBPS,...] [--config FILE] [--overlap both]
@@ -89,10 +90,17 @@ laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
 lat = args.latency_us
 
 
+def exposed_comm_s(q):
+    """A plan's communication that is not hidden under compute: its phases'
+    collective time less what overlap hides (the step's part that
+    `laga compare` measures as time in collectives)."""
+    return sum(ph["comm_s"] for ph in q["phases"].values()) - q["hidden_comm_s"]
+
+
 def plan(bw):
     p = laga(["plan", "--quiet", "--profile", profile, "--dtype", "fp32",
               "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "plan.json"))
-    return p, {q["form"]: q["predicted_step_s"] for q in p["plans"]}
+    return p, {q["form"]: (q["predicted_step_s"], exposed_comm_s(q)) for q in p["plans"]}
 
 
 p0, _ = plan(1.0)
@@ -111,22 +119,28 @@ for bw in bws:
     _, pred = plan(bw)
     c = laga(["compare", "--quiet", "--steps", str(args.steps), "--warmup", "2",
               "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "compare.json"))
-    meas = {f["form"]: f["step_ms"] / 1e3 for f in c["forms"]}
-    for form in meas:
-        rows.append((bw, form, pred[form], meas[form], 100 * (pred[form] - meas[form]) / meas[form]))
+    meas = {f["form"]: (f["step_ms"] / 1e3, f["comm_ms"] / 1e3) for f in c["forms"]}
+    for form, (step, comm) in meas.items():
+        rows.append((bw, form, pred[form][0], step, pred[form][1], comm))
     # The crossover the plan names is the first laga variant's.
     first_laga = next((f for f in meas if f.startswith("laga")), None)
     if first_laga and "explicit" in meas:
-        measured_lead.append((bw, meas[first_laga] - meas["explicit"]))
+        measured_lead.append((bw, meas[first_laga][0] - meas["explicit"][0]))
 
 cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
                      text=True).stdout.split(":", 1)[-1].strip()
 print(f"CPU: {cpu}; P 2 (ranks as threads, one core each); S {args.seq}; latency {lat:g} us")
-print(f"{'GB/s':>9} {'form':>14} {'predicted ms':>13} {'measured ms':>12} {'error':>8}")
+# Where the error is: the step split into its time in collectives (exposed:
+# predicted by the link model, measured by `laga compare`'s comm_ms) and the
+# rest (compute, in both), each predicted - measured in ms.
+print(f"{'GB/s':>9} {'form':>14} {'predicted ms':>13} {'measured ms':>12} {'error':>8}"
+      f" {'comm pred-meas':>15} {'rest pred-meas':>15}")
 worst = 0
-for bw, form, p, m, e in rows:
+for bw, form, p, m, pc, mc in rows:
+    e = 100 * (p - m) / m
     worst = max(worst, abs(e))
-    print(f"{bw:9.4g} {form:>14} {p * 1e3:13.3f} {m * 1e3:12.3f} {e:+7.1f}%")
+    print(f"{bw:9.4g} {form:>14} {p * 1e3:13.3f} {m * 1e3:12.3f} {e:+7.1f}%"
+          f" {(pc - mc) * 1e3:+15.2f} {((p - pc) - (m - mc)) * 1e3:+15.2f}")
 print(f"largest |error|: {worst:.1f}%")
 # The measured crossover: where laga's lead over explicit changes sign,
 # interpolated in log bandwidth.
