@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "mla/memory_model.hpp"
+#include "mla/params.hpp"
 
 namespace laga {
 namespace {
@@ -34,6 +35,32 @@ std::vector<FormVariant> variants(const MlaConfig& cfg) {
       v.push_back(o);
     }
   return v;
+}
+
+// wq (wq_a) and wkv_a are rows of in_proj, which no consumer sees by name:
+// for_each visits the same names and shapes as before, once each, and a
+// clone's views are onto its own in_proj.
+TEST(InputProjections, WeightsAreRowsOfOneMatrixSeenByTheirNames) {
+  for (std::int64_t rq : {0, 12}) {
+    SCOPED_TRACE("rq=" + std::to_string(rq));
+    const MlaConfig cfg = config(rq);
+    MlaParams<float> p = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+    init_params(p, 3);
+    std::vector<std::pair<std::string, Shape>> seen;
+    p.for_each([&](const std::string& n, Tensor<float>& t) { seen.push_back({n, t.shape()}); });
+    EXPECT_EQ(seen, mla_param_shapes(cfg));
+    const Tensor<float>& q_rows = rq == 0 ? p.wq : p.wq_a;
+    const std::int64_t Nq = q_rows.dim(0);
+    EXPECT_EQ(p.in_proj.shape(), (Shape{Nq + p.wkv_a.dim(0), cfg.dim}));
+    EXPECT_EQ(q_rows.data(), p.in_proj.data());
+    EXPECT_EQ(p.wkv_a.data(), p.in_proj.data() + Nq * cfg.dim);
+    const MlaParams<float> c = p.clone(MemCategory::parameters);
+    const Tensor<float>& c_rows = rq == 0 ? c.wq : c.wq_a;
+    EXPECT_EQ(c_rows.data(), c.in_proj.data());
+    EXPECT_EQ(c.wkv_a.data(), c.in_proj.data() + Nq * cfg.dim);
+    for (std::int64_t i = 0; i < p.in_proj.numel(); ++i)
+      ASSERT_EQ(c.in_proj[i], p.in_proj[i]) << "element " << i;
+  }
 }
 
 TEST(InputProjections, OneGemmForwardOneForDxOneForTheWeightGradient) {
