@@ -191,7 +191,9 @@ Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, Input
 template <class T>
 Tensor<T> Pieces<T>::queries_to_heads(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
   if (st.rq == 0) {
-    LAGA_CHECK(in.kv_a.defined(), "internal: q's exchange frees proj before kv_a is copied out");
+    LAGA_CHECK(in.kv_a.defined(),
+               "internal: queries_to_heads before project_latent would free proj before kv_a is "
+               "copied out of it");
     Tensor<T> q_h =
         to_heads(st, mat(std::as_const(in.proj)).col_range(0, st.Nq), st.dqk, "q_a2a", "q_h");
     in.proj.reset();
