@@ -113,6 +113,22 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
 }
 
 template <class T>
+Tensor<T> Tensor<T>::view_rows(Tensor& base, std::int64_t row0, std::int64_t rows) {
+  LAGA_CHECK(base.rank() >= 1 && row0 >= 0 && rows >= 0 && row0 + rows <= base.dim(0),
+             "internal: a view of rows [", row0, ", ", row0 + rows, ") of a tensor of shape ",
+             to_string(base.shape_));
+  Tensor v;
+  v.shape_ = base.shape_;
+  v.shape_[0] = rows;
+  v.numel_ = laga::numel(v.shape_);
+  const std::int64_t row_elements = base.dim(0) == 0 ? 0 : base.numel_ / base.dim(0);
+  v.data_ = base.data_ ? base.data_ + row0 * row_elements : nullptr;
+  v.category_ = base.category_;
+  // pool_ stays null: the pool never hears of a view; reset() gives nothing back.
+  return v;
+}
+
+template <class T>
 Tensor<T> Tensor<T>::clone(MemCategory cat) const {
   if (!defined()) return Tensor();  // shape {} would otherwise allocate one element
   Tensor t(shape_, cat);

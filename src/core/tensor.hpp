@@ -1,4 +1,5 @@
-// Tensor<T> — an owning, contiguous, row-major array of float or double.
+// Tensor<T> — a contiguous, row-major array of float or double: owning, or a
+// view of rows of another (Tensor::view_rows).
 //
 // Bytes are registered with the MemoryPool current on the allocating thread,
 // under a MemCategory, and unregistered with that same pool when the tensor is
@@ -42,6 +43,13 @@ class Tensor {
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   ~Tensor() { reset(); }
+
+  // A view of rows [row0, row0 + rows) of base's outermost dimension: the same
+  // storage, no bytes of its own (the pool counts base once, not the view
+  // again). It must not outlive base's storage; reset() only forgets it.
+  // Parameters packed for one GEMM use it (MlaParams::in_proj). A view of an
+  // unbacked (count-only) tensor is unbacked.
+  static Tensor view_rows(Tensor& base, std::int64_t row0, std::int64_t rows);
 
   // A deep copy, registered under `cat` with the current pool.
   Tensor clone(MemCategory cat) const;

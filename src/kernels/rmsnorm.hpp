@@ -15,17 +15,21 @@ template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w, std::int64_t N,
                      std::int64_t C, double eps);
 
-// dx (N, C) with row stride ldx, overwritten; dw (C) accumulated.
+// dx (N, C) with row stride lddx, overwritten; dy and x (N, C) with row
+// strides lddy and ldx; dw (C) accumulated. Each has its own stride because
+// each may be the first C columns of a different wider row (the block's
+// d[q | kv_a], d[c_hat | k_pe] and saved kv_a).
 template <class T>
-void rmsnorm_backward(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, const T* w,
-                      const T* rstd, std::int64_t N, std::int64_t C);
+void rmsnorm_backward(T* dx, std::int64_t lddx, T* dw, const T* dy, std::int64_t lddy, const T* x,
+                      std::int64_t ldx, const T* w, const T* rstd, std::int64_t N, std::int64_t C);
 
 // Naive versions in double, for tests.
 template <class T>
 void rmsnorm_forward_reference(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w,
                                std::int64_t N, std::int64_t C, double eps);
 template <class T>
-void rmsnorm_backward_reference(T* dx, std::int64_t ldx, T* dw, const T* dy, const T* x, const T* w,
-                                const T* rstd, std::int64_t N, std::int64_t C);
+void rmsnorm_backward_reference(T* dx, std::int64_t lddx, T* dw, const T* dy, std::int64_t lddy,
+                                const T* x, std::int64_t ldx, const T* w, const T* rstd,
+                                std::int64_t N, std::int64_t C);
 
 }  // namespace laga

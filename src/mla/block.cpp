@@ -101,6 +101,7 @@ Step::Step(const BlockContext& c) : ctx(c) {
   D = m.dim, H = m.n_heads, Hr = lay.head_count[r], h0 = lay.head_offset[r];
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
+  Nq = rq == 0 ? H * dqk : rq;
   pos0 = lay.seq_offset[r];
   const FormVariant variant{c.form, c.queries, c.head_groups};
   check_query_exchange(m, variant);
@@ -154,49 +155,74 @@ void for_key_blocks(const Step& st, std::int64_t keys, F&& f) {
 }  // namespace
 
 template <class T>
-void Pieces<T>::project_q_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                 InputSaved<T>& in) {
-  in.qa = Tensor<T>({st.B, st.L, st.rq}, "qa");
+void Pieces<T>::project_in(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                           InputSaved<T>& in) {
+  // One GEMM, N = Nq + C + dr wide, where the latent's alone (N = C + dr)
+  // would be a skinny GEMM well below the machine's rate.
+  in.proj = Tensor<T>({st.B, st.L, st.Nq + st.W}, "proj");
+  const ops::Mat<T> proj = mat(in.proj);
+  ops::linear(proj, mat(x), w.in_proj);
+  st.rope(proj.col_range(st.Nq + st.C, st.dr), 1, 0, false);
+  if (st.rq == 0) st.rope(proj.col_range(st.dn, st.Nq - st.dn), st.H, st.dqk, false);
+}
+
+template <class T>
+void Pieces<T>::project_q_latent(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
   in.q_rstd = Tensor<T>({st.B, st.L}, "q_rstd");
   in.qn = Tensor<T>({st.B, st.L, st.rq}, "qn");
-  ops::linear(mat(in.qa), mat(x), w.wq_a);
-  ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.qa), w.q_norm, st.ctx.cfg.norm_eps);
+  ops::rmsnorm(mat(in.qn), in.q_rstd, mat(in.proj).col_range(0, st.rq), w.q_norm,
+               st.ctx.cfg.norm_eps);
 }
 
 template <class T>
-Tensor<T> Pieces<T>::project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                               InputSaved<T>& in) {
-  Tensor<T> q({st.B, st.L, st.H * st.dqk}, "q");
-  if (st.rq == 0) {
-    ops::linear(mat(q), mat(x), w.wq);
-  } else {
-    project_q_latent(st, w, x, in);
-    ops::linear(mat(q), mat(in.qn), w.wq_b);
-  }
-  st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
-  return q;
-}
-
-template <class T>
-Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                    InputSaved<T>& in, const char* c_hat_name) {
-  in.kv_a = Tensor<T>({st.B, st.L, st.W}, "kv_a");
+Tensor<T> Pieces<T>::project_latent(const Step& st, const MlaParams<T>& w, InputSaved<T>& in,
+                                    const char* c_hat_name) {
+  const ops::Mat<const T> kv_a = mat(in.proj).col_range(st.Nq, st.W);
   in.kv_rstd = Tensor<T>({st.B, st.L}, "kv_rstd");
   Tensor<T> c_hat({st.B, st.L, st.C}, c_hat_name);
-  ops::linear(mat(in.kv_a), mat(x), w.wkv_a);
-  st.rope(mat(in.kv_a).col_range(st.C, st.dr), 1, 0, false);
-  ops::rmsnorm(mat(c_hat), in.kv_rstd, mat(in.kv_a).col_range(0, st.C), w.kv_norm,
-               st.ctx.cfg.norm_eps);
+  ops::rmsnorm(mat(c_hat), in.kv_rstd, kv_a.col_range(0, st.C), w.kv_norm, st.ctx.cfg.norm_eps);
+  if (st.rq == 0) {
+    in.kv_a = Tensor<T>({st.B, st.L, st.W}, "kv_a");
+    ops::copy(mat(in.kv_a), kv_a);
+  }
   return c_hat;
 }
 
 template <class T>
-Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a,
+Tensor<T> Pieces<T>::queries_to_heads(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
+  if (st.rq == 0) {
+    LAGA_CHECK(in.kv_a.defined(),
+               "internal: queries_to_heads before project_latent would free proj before kv_a is "
+               "copied out of it");
+    Tensor<T> q_h =
+        to_heads(st, mat(std::as_const(in.proj)).col_range(0, st.Nq), st.dqk, "q_a2a", "q_h");
+    in.proj.reset();
+    return q_h;
+  }
+  project_q_latent(st, w, in);
+  Tensor<T> q({st.B, st.L, st.H * st.dqk}, "q");
+  ops::linear(mat(q), mat(in.qn), w.wq_b);
+  st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
+  return to_heads(st, q, st.dqk, "q_a2a", "q_h");
+}
+
+template <class T>
+Tensor<T> Pieces<T>::queries_to_tokens(const Step& st, Tensor<T>& dq_h, Tensor<T>& dproj) {
+  if (st.rq > 0) return to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+  dproj = Tensor<T>({st.B, st.L, st.Nq + st.W}, "dproj");
+  redistribute(st.ctx.comm, st.B, st.attention, st.tokens, dq_h.data(), dproj.data(), st.dqk,
+               "q_a2a", 0, st.Nq + st.W);
+  dq_h.reset();
+  return {};
+}
+
+template <class T>
+Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, ops::In<T> kv_a,
                                    PendingCollective* started) {
   // The all-gather's send buffer: [c_hat | k_pe] per local token.
   Tensor<T> lat_loc({st.B, st.L, st.W}, "lat_loc", MemCategory::comm_buffers);
   ops::copy(mat(lat_loc).col_range(0, st.C), mat(c_hat));
-  ops::copy(mat(lat_loc).col_range(st.C, st.dr), mat(kv_a).col_range(st.C, st.dr));
+  ops::copy(mat(lat_loc).col_range(st.C, st.dr), kv_a.col_range(st.C, st.dr));
   Tensor<T> lat({st.B, st.S, st.W}, "lat");
   if (started)
     *started =
@@ -259,9 +285,16 @@ Tensor<T> Pieces<T>::up_project_kv_backward(const Step& st, const MlaParams<T>& 
 template <class T>
 Tensor<T> Pieces<T>::to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
                               const char* name) {
-  Tensor<T> h({st.B, st.Sq, st.Hr, d}, name);
-  redistribute(st.ctx.comm, st.B, st.tokens, st.attention, loc.data(), h.data(), d, label);
+  Tensor<T> h = to_heads(st, mat(std::as_const(loc)), d, label, name);
   loc.reset();
+  return h;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::to_heads(const Step& st, ops::In<T> loc, std::int64_t d, const char* label,
+                              const char* name) {
+  Tensor<T> h({st.B, st.Sq, st.Hr, d}, name);
+  redistribute(st.ctx.comm, st.B, st.tokens, st.attention, loc.p, h.data(), d, label, loc.ld);
   return h;
 }
 
@@ -371,67 +404,70 @@ Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
 
 template <class T>
 void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                    Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
-                                    Tensor<T>& dx, MlaParams<T>& grads,
+                                    Tensor<T>& dq, Tensor<T>& dlat_loc, Tensor<T>& dproj,
+                                    InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads,
                                     PendingCollective* dlat_pending) {
-  dx = Tensor<T>({st.B, st.L, st.D}, "dx");
+  if (!dproj.defined()) dproj = Tensor<T>({st.B, st.L, st.Nq + st.W}, "dproj");
   if (dlat_pending) {
-    query_backward(st, w, x, dq, in, dx, grads);
+    query_backward(st, w, dq, in, dproj, grads);
     st.ctx.comm.wait(*dlat_pending);
-    latent_norm_backward(st, w, dlat_loc, in, grads);
+    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);
   } else {
-    latent_norm_backward(st, w, dlat_loc, in, grads);
-    query_backward(st, w, x, dq, in, dx, grads);
+    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);
+    query_backward(st, w, dq, in, dproj, grads);
   }
+  in.proj.reset(), in.kv_a.reset();
+  // Both projections' backward in one GEMM each way: dx (N, D) = dproj
+  // in_proj, and in_proj's gradient (wq's or wq_a's rows and wkv_a's)
+  // += dproj^T x.
+  dx = Tensor<T>({st.B, st.L, st.D}, "dx");
   ops::Mat<T> dx_m = mat(dx);
-  ops::linear_backward(&dx_m, true, grads.wkv_a, mat(dlat_loc), mat(x), w.wkv_a);
-  dlat_loc.reset();
-  in.kv_a.reset();
+  ops::linear_backward(&dx_m, false, grads.in_proj, mat(std::as_const(dproj)), mat(x), w.in_proj);
+  dproj.reset();
 }
 
 template <class T>
 void Pieces<T>::latent_norm_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dlat_loc,
-                                     InputSaved<T>& in, MlaParams<T>& grads) {
+                                     InputSaved<T>& in, Tensor<T>& dproj, MlaParams<T>& grads) {
   // A rotation's Jacobian is its transpose: rotate the gradient back.
   st.rope(mat(dlat_loc).col_range(st.C, st.dr), 1, 0, true);
-  // d c_hat must be contiguous for the norm's backward, whose dx lands back in
-  // dlat_loc's first C columns: dlat_loc becomes d kv_a = [d c | d k_pe].
-  {
-    Tensor<T> dc_hat({st.B, st.L, st.C}, "dc_hat");
-    ops::copy(mat(dc_hat), mat(dlat_loc).col_range(0, st.C));
-    ops::rmsnorm_backward(mat(dlat_loc).col_range(0, st.C), grads.kv_norm, mat(dc_hat),
-                          mat(in.kv_a).col_range(0, st.C), w.kv_norm, in.kv_rstd);
-  }
+  // d kv_a = [d c | d k_pe], into dproj's last C + dr columns: d c through
+  // the norm, d k_pe as it is.
+  const ops::Mat<T> dkv_a = mat(dproj).col_range(st.Nq, st.W);
+  const ops::Mat<const T> dlat = mat(std::as_const(dlat_loc));
+  ops::rmsnorm_backward(dkv_a.col_range(0, st.C), grads.kv_norm, dlat.col_range(0, st.C),
+                        in.kv_a_rows(st).col_range(0, st.C), w.kv_norm, in.kv_rstd);
+  ops::copy(dkv_a.col_range(st.C, st.dr), dlat.col_range(st.C, st.dr));
+  dlat_loc.reset();
   in.kv_rstd.reset();
 }
 
 template <class T>
-void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                               Tensor<T>& dq, InputSaved<T>& in, Tensor<T>& dx,
-                               MlaParams<T>& grads) {
+void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq,
+                               InputSaved<T>& in, Tensor<T>& dproj, MlaParams<T>& grads) {
   const bool per_head = st.ctx.queries == QueryExchange::heads;
-  ops::Mat<T> dx_m = mat(dx);
-  // Rotated back as the latent is (the latent exchange's dq is past its
-  // rotation already).
-  if (per_head) st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
   if (st.rq == 0) {
-    ops::linear_backward(&dx_m, false, grads.wq, mat(dq), mat(x), w.wq);
-  } else {
-    // d qn (B, L, rq): through wq_b here, or already (the latent exchange).
-    Tensor<T> dqn_heads;
-    if (per_head) {
-      dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
-      ops::Mat<T> dqn_m = mat(dqn_heads);
-      ops::linear_backward(&dqn_m, false, grads.wq_b, mat(dq), mat(in.qn), w.wq_b);
-      in.qn.reset();
-    }
-    const Tensor<T>& dqn = per_head ? dqn_heads : dq;
-    Tensor<T> dqa({st.B, st.L, st.rq}, "dqa");
-    ops::rmsnorm_backward(mat(dqa), grads.q_norm, mat(dqn), mat(in.qa), w.q_norm, in.q_rstd);
-    ops::linear_backward(&dx_m, false, grads.wq_a, mat(dqa), mat(x), w.wq_a);
-    in.qa.reset();
-    in.q_rstd.reset();
+    // dq is dproj's first Nq columns already (queries_to_tokens); rotated
+    // back as the latent is.
+    st.rope(mat(dproj).col_range(st.dn, st.Nq - st.dn), st.H, st.dqk, true);
+    return;
   }
+  // d qn (B, L, rq): through wq_b here, or already (the latent exchange's dq
+  // is past its rotation and wq_b).
+  Tensor<T> dqn_heads;
+  if (per_head) {
+    st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
+    dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
+    ops::Mat<T> dqn_m = mat(dqn_heads);
+    ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
+    in.qn.reset();
+    dq.reset();
+  }
+  const Tensor<T>& dqn = per_head ? dqn_heads : dq;
+  // d qa, into dproj's first rq columns; qa is in.proj's.
+  ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), grads.q_norm, mat(dqn),
+                        mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+  in.q_rstd.reset();
   dq.reset();
 }
 
@@ -461,31 +497,23 @@ typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaPara
   using P = Pieces<T>;
   const bool latent = st.ctx.queries == QueryExchange::latent;
   Qkv r;
-  Tensor<T> q;  // per-head queries of local tokens (B, L, H*dqk), until their all-to-all
+  P::project_in(st, w, x, in);
   if (st.ctx.overlap == Overlap::on) {
     // The latent first: its all-gather is on the link while the queries are
     // projected (their own collective queues behind it); waited for only
     // where the up-projection reads it.
     PendingCollective lat_ag;
     {
-      Tensor<T> c_hat = P::project_latent(st, w, x, in, "c_hat");
-      lat = P::gather_latent(st, c_hat, in.kv_a, &lat_ag);
+      Tensor<T> c_hat = P::project_latent(st, w, in, "c_hat");
+      lat = P::gather_latent(st, c_hat, in.kv_a_rows(st), &lat_ag);
     }
-    if (latent) {
-      r.q_h = exchange_query_latent(st, w, x);
-    } else {
-      q = P::project_q(st, w, x, in);
-      r.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
-    }
+    r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);
     st.ctx.comm.wait(lat_ag);
   } else {
-    if (latent)
-      r.q_h = exchange_query_latent(st, w, x);
-    else
-      q = P::project_q(st, w, x, in);
-    Tensor<T> c_hat = P::project_latent(st, w, x, in, "c_hat");
-    if (!latent) r.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
-    lat = P::gather_latent(st, c_hat, in.kv_a);
+    if (latent) r.q_h = exchange_query_latent(st, w);
+    Tensor<T> c_hat = P::project_latent(st, w, in, "c_hat");
+    if (!latent) r.q_h = P::queries_to_heads(st, w, in);
+    lat = P::gather_latent(st, c_hat, in.kv_a_rows(st));
   }
   P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
   return r;
@@ -496,9 +524,9 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
                              Tensor<T>& dq_h, Tensor<T>& dk_h, Tensor<T>& dv_h, Tensor<T>& dx,
                              MlaParams<T>& grads) {
   using P = Pieces<T>;
-  Tensor<T> dq = st.ctx.queries == QueryExchange::latent
-                     ? query_latent_backward(st, w, dq_h, grads)
-                     : P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+  Tensor<T> dproj;  // rq == 0: the per-head dq lands in it
+  Tensor<T> dq = st.ctx.queries == QueryExchange::latent ? query_latent_backward(st, w, dq_h, grads)
+                                                         : P::queries_to_tokens(st, dq_h, dproj);
   Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
   lat.reset();
   // Overlap: the reduce-scatter is on the link while the query path's
@@ -506,7 +534,7 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
   PendingCollective dlat_rs;
   PendingCollective* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
   Tensor<T> dlat_loc = P::reduce_latent(st, dlat, started);
-  P::project_in_backward(st, w, x, dq, dlat_loc, in, dx, grads, started);
+  P::project_in_backward(st, w, x, dq, dlat_loc, dproj, in, dx, grads, started);
 }
 
 namespace {
@@ -527,9 +555,8 @@ void rotate_queries(const Step& st, Tensor<T>& q_h, bool inverse) {
 }  // namespace
 
 template <class T>
-Tensor<T> LagaInputs<T>::exchange_query_latent(const Step& st, const MlaParams<T>& w,
-                                               const Tensor<T>& x) {
-  Pieces<T>::project_q_latent(st, w, x, in);
+Tensor<T> LagaInputs<T>::exchange_query_latent(const Step& st, const MlaParams<T>& w) {
+  Pieces<T>::project_q_latent(st, w, in);
   qn_q = Tensor<T>({st.B, st.Sq, st.rq}, "qn_q");
   if (st.attends_all_queries)
     gather_seq(st.ctx.comm, st.ctx.layout, in.qn.data(), qn_q.data(), st.rq, "q_latent_ag");

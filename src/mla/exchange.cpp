@@ -33,11 +33,14 @@ T* at(T* p, std::int64_t off) {
 // Copies (add: adds) a (B, rows, heads, d) block between two head-sliced
 // layouts: the building block of every all-to-all packing (adding: of
 // redistribute_sum's unpacking). src element (b, l, h) at
-// src + ((b * src_rows + src_row0 + l) * src_heads + src_h0 + h) * d.
+// src + (b * src_rows + src_row0 + l) * src_ld + (src_h0 + h) * d, where
+// src_ld is the row stride (src's heads times d when its rows are dense;
+// more when they are columns of a wider row, as q is of the input
+// projections' [q | kv_a]); dst the same with its own.
 template <class T>
-void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_heads,
+void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_ld,
                 std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
-                std::int64_t dst_heads, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
+                std::int64_t dst_ld, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
                 std::int64_t heads, std::int64_t d, bool add = false) {
   // The packing is memory traffic the time model costs (plan/time_model.hpp):
   // each element read and written, and read again where it is added.
@@ -46,8 +49,8 @@ void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std:
   if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t l = 0; l < rows; ++l) {
-      T* y = dst + ((b * dst_rows + dst_row0 + l) * dst_heads + dst_h0) * d;
-      const T* x = src + ((b * src_rows + src_row0 + l) * src_heads + src_h0) * d;
+      T* y = dst + (b * dst_rows + dst_row0 + l) * dst_ld + dst_h0 * d;
+      const T* x = src + (b * src_rows + src_row0 + l) * src_ld + src_h0 * d;
       if (!add) {
         std::memcpy(y, x, sizeof(T) * u(heads * d));
         continue;
@@ -160,7 +163,8 @@ Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
 // collective; the adjoint adds what it receives into a zeroed dst.
 template <class T>
 void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
-                     const T* src, T* dst, std::int64_t d, const std::string& label, bool sum) {
+                     const T* src, std::int64_t src_ld, T* dst, std::int64_t dst_ld, std::int64_t d,
+                     const std::string& label, bool sum) {
   const int P = comm.size(), r = comm.rank();
   LAGA_CHECK(from.tokens.size() == u(P) && to.tokens.size() == u(P), "internal: redistribute '",
              label, "' between placements of ", from.tokens.size(), " and ", to.tokens.size(),
@@ -175,12 +179,24 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
     sc[u(j)] = out[u(j)].elements(B, d);
     rc[u(j)] = in[u(j)].elements(B, d);
   }
+  if (src_ld == 0) src_ld = from_heads * d;
+  if (dst_ld == 0) dst_ld = to_heads * d;
   const Counts sd = displs_of(sc), rd = displs_of(rc);
   // One rank whose rows and heads are the same on both sides: src is in
-  // dst's layout already, so nothing is packed (the collective copies it
-  // over once).
+  // dst's layout already, so nothing is packed. Dense rows: the collective
+  // copies them over once. Strided rows (columns of a wider row), which the
+  // collective cannot read: that one copy is made here, at the strides, and
+  // the collective carries nothing (a rank's own block is never on the
+  // wire: the ledger is the same).
   if (P == 1 && same_rows(from.tokens[0], to.tokens[0]) && from_heads == to_heads) {
-    comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
+    if (src_ld == from_heads * d && dst_ld == to_heads * d) {
+      comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
+      return;
+    }
+    copy_block(src, from_rows, 0, src_ld, 0, dst, to_rows, 0, dst_ld, 0, B, from_rows, from_heads,
+               d);
+    const Counts none(1, 0);
+    comm.all_to_all_v(src, none.data(), sd.data(), dst, none.data(), rd.data(), label);
     return;
   }
   Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
@@ -189,8 +205,8 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
     const Transfer& ps = out[u(j)];
     std::int64_t off = sd[u(j)];
     for (const Piece& p : ps.pieces) {  // (B, n, heads, d) each
-      copy_block(src, from_rows, p.from_row, from_heads, ps.from_h0, at(send.data(), off),
-                 p.t.size(), 0, ps.heads, 0, B, p.t.size(), ps.heads, d);
+      copy_block(src, from_rows, p.from_row, src_ld, ps.from_h0, at(send.data(), off), p.t.size(),
+                 0, ps.heads * d, 0, B, p.t.size(), ps.heads, d);
       off += B * p.t.size() * ps.heads * d;
     }
   }
@@ -199,13 +215,13 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   // Summing: every element of dst has at least one copy, but zero it so that
   // each is the sum of its copies alone, in the senders' rank order.
   if (sum) ops::count_elementwise<T>(B * to_rows * to_heads * d, 1);
-  if (sum && dst) std::fill(dst, dst + B * to_rows * to_heads * d, T(0));
+  if (sum && dst) std::fill(dst, dst + B * to_rows * dst_ld, T(0));
   for (int i = 0; i < P; ++i) {
     const Transfer& ps = in[u(i)];
     std::int64_t off = rd[u(i)];
     for (const Piece& p : ps.pieces) {
-      copy_block(at(recv.data(), off), p.t.size(), 0, ps.heads, 0, dst, to_rows, p.to_row, to_heads,
-                 ps.to_h0, B, p.t.size(), ps.heads, d, sum);
+      copy_block(at(recv.data(), off), p.t.size(), 0, ps.heads * d, 0, dst, to_rows, p.to_row,
+                 dst_ld, ps.to_h0, B, p.t.size(), ps.heads, d, sum);
       off += B * p.t.size() * ps.heads * d;
     }
   }
@@ -215,15 +231,16 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
 
 template <class T>
 void redistribute(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
-                  const T* src, T* dst, std::int64_t d, const std::string& label) {
-  exchange_pieces(comm, B, from, to, src, dst, d, label, false);
+                  const T* src, T* dst, std::int64_t d, const std::string& label,
+                  std::int64_t src_ld, std::int64_t dst_ld) {
+  exchange_pieces(comm, B, from, to, src, src_ld, dst, dst_ld, d, label, false);
 }
 
 template <class T>
 void redistribute_sum(Communicator& comm, std::int64_t B, const Placement& from,
                       const Placement& to, const T* src, T* dst, std::int64_t d,
                       const std::string& label) {
-  exchange_pieces(comm, B, from, to, src, dst, d, label, true);
+  exchange_pieces(comm, B, from, to, src, 0, dst, 0, d, label, true);
 }
 
 template <class T>
@@ -260,8 +277,8 @@ PendingCollective gather(Communicator& comm, const SpLayout& lay, const T* src, 
   Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
   PendingCollective pending = call(recv.data());
   for (int i = 0; i < P; ++i)
-    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, 1, 0, dst, lay.seq,
-               lay.seq_offset[u(i)], 1, 0, B, lay.seq_count[u(i)], 1, W);
+    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, W, 0, dst, lay.seq,
+               lay.seq_offset[u(i)], W, 0, B, lay.seq_count[u(i)], 1, W);
   return pending;
 }
 
@@ -281,8 +298,8 @@ PendingCollective reduce_scatter(Communicator& comm, const SpLayout& lay, const 
   if (B == 1) return call(src);
   Tensor<T> send({total(c)}, MemCategory::comm_buffers);
   for (int i = 0; i < P; ++i)
-    copy_block(src, lay.seq, lay.seq_offset[u(i)], 1, 0, at(send.data(), d[u(i)]),
-               lay.seq_count[u(i)], 0, 1, 0, B, lay.seq_count[u(i)], 1, W);
+    copy_block(src, lay.seq, lay.seq_offset[u(i)], W, 0, at(send.data(), d[u(i)]),
+               lay.seq_count[u(i)], 0, W, 0, B, lay.seq_count[u(i)], 1, W);
   return call(send.data());
 }
 
@@ -311,7 +328,8 @@ PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& l
 
 #define LAGA_INSTANTIATE(T)                                                                        \
   template void redistribute<T>(Communicator&, std::int64_t, const Placement&, const Placement&,   \
-                                const T*, T*, std::int64_t, const std::string&);                   \
+                                const T*, T*, std::int64_t, const std::string&, std::int64_t,      \
+                                std::int64_t);                                                     \
   template void redistribute_sum<T>(Communicator&, std::int64_t, const Placement&,                 \
                                     const Placement&, const T*, T*, std::int64_t,                  \
                                     const std::string&);                                           \

@@ -52,11 +52,15 @@ struct Placement {
 // group receives that group's query rows). Rank r sends rank j the
 // intersection of its tokens and heads with j's, piece by piece: for each
 // range of r's in order, for each range of j's in order, a (B, n, heads, d)
-// block.
+// block. src_ld and dst_ld: the row strides (elements from one token's row
+// to the next) of src and dst; 0 is dense (the rank's heads times d). A
+// wider stride reads or writes the rows as columns of a wider tensor (the
+// queries in the input projections' [q | kv_a], docs/forms.md, "The input
+// projections") with no copy beyond the packing every all-to-all does.
 template <class T>
 void redistribute(Communicator& comm, std::int64_t batch, const Placement& from,
                   const Placement& to, const T* src, T* dst, std::int64_t d,
-                  const std::string& label);
+                  const std::string& label, std::int64_t src_ld = 0, std::int64_t dst_ld = 0);
 // Its adjoint: `from` may hold an element on several ranks, `to` holds it
 // once, and dst's element is the sum of its copies, added in ascending rank
 // order of their holders (so every transport gives the same bits). With

@@ -24,6 +24,7 @@ struct Step {
   std::int64_t dn, dr, dqk, dv;
   std::int64_t C, rq;  // kv_lora_rank, q_lora_rank
   std::int64_t W;      // C + dr: one latent row [c | k_pe]
+  std::int64_t Nq;     // the query side's rows of in_proj: H dqk (wq, rq == 0) or rq (wq_a)
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
   std::int64_t pos0;   // global index of the first local token
   // Where attention runs. Every form but laga2d attends all S tokens for its
@@ -108,30 +109,54 @@ FormEntry laga2d_entry();
 // Saved by the input projections, consumed by project_in_backward.
 template <class T>
 struct InputSaved {
-  Tensor<T> qa, q_rstd, qn;  // rq > 0: wq_a output (B, L, rq), its rstd (B, L), q_norm output
-  Tensor<T> kv_a;            // (B, L, C+dr): [c | k_pe], k_pe already rotated
-  Tensor<T> kv_rstd;         // (B, L)
+  // proj (B, L, Nq + C + dr) = x in_proj^T: [q | kv_a] (rq == 0) or
+  // [qa | kv_a] (rq > 0), q_pe and k_pe rotated. rq > 0: kept whole, as qa
+  // and kv_a are what backward reads. rq == 0: freed once q is exchanged,
+  // after kv_a, all that backward reads of it, is copied out.
+  Tensor<T> proj;
+  Tensor<T> kv_a;        // rq == 0: (B, L, C+dr): [c | k_pe], k_pe rotated
+  Tensor<T> q_rstd, qn;  // rq > 0: q_norm's rstd (B, L) and output (B, L, rq)
+  Tensor<T> kv_rstd;     // (B, L)
+  // kv_a (B L, C+dr) wherever it is (proj's columns, or its copy).
+  ops::Mat<const T> kv_a_rows(const Step& st) const {
+    return kv_a.defined() ? ops::mat(kv_a) : ops::mat(proj).col_range(st.Nq, st.W);
+  }
 };
 
 // The pieces, as static members of one class template so that one explicit
 // instantiation per type (block.cpp) covers them all.
 template <class T>
 struct Pieces {
-  // rq > 0: the query latent of local tokens, qn = q_norm(wq_a x) (B, L, rq),
-  // into in.qn (with in.qa and in.q_rstd for its backward).
-  static void project_q_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                               InputSaved<T>& in);
-  // q (B, L, H*dqk) with q_pe rotated: wq x, or wq_b qn after project_q_latent.
-  static Tensor<T> project_q(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                             InputSaved<T>& in);
-  // c_hat (B, L, C), the normalised latent; in.kv_a, in.kv_rstd saved.
-  static Tensor<T> project_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                  InputSaved<T>& in, const char* c_hat_name);
+  // Both input projections of x in one GEMM (docs/forms.md, "The input
+  // projections"): in.proj = x in_proj^T, q_pe (rq == 0) and k_pe rotated.
+  // Every form calls it first; what follows reads in.proj.
+  static void project_in(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                         InputSaved<T>& in);
+  // rq > 0: the query latent of local tokens, qn = q_norm(qa) (B, L, rq),
+  // into in.qn (with in.q_rstd for its backward).
+  static void project_q_latent(const Step& st, const MlaParams<T>& w, InputSaved<T>& in);
+  // c_hat (B, L, C), the normalised latent; in.kv_rstd saved (rq == 0: and
+  // in.kv_a copied out of in.proj).
+  static Tensor<T> project_latent(const Step& st, const MlaParams<T>& w, InputSaved<T>& in,
+                                  const char* c_hat_name);
+  // The per-head queries q (B, L, H dqk) of local tokens moved to the
+  // attention's rows: q_a2a -> (B, Sq, H_r, dqk). rq == 0: q is in.proj's
+  // first columns, sent from there, and in.proj is then freed
+  // (project_latent must have run); rq > 0: q = wq_b qn, rotated, here.
+  static Tensor<T> queries_to_heads(const Step& st, const MlaParams<T>& w, InputSaved<T>& in);
+  // Its adjoint, dq_h (B, Sq, H_r, dqk) to local tokens (frees dq_h). rq == 0:
+  // into the first Nq columns of d proj (B, L, Nq + C + dr), allocated here
+  // as dproj, returning nothing; rq > 0: returned as dq_loc (B, L, H dqk),
+  // which wq_b's backward reads.
+  static Tensor<T> queries_to_tokens(const Step& st, Tensor<T>& dq_h, Tensor<T>& dproj);
 
   // The all-to-alls as the forms use them, each freeing its input:
   // (B, L, H*d) of local tokens -> (B, Sq, H_r, d) of the attention's rows
   // (Sq = S but in laga2d),
   static Tensor<T> to_heads(const Step& st, Tensor<T>& loc, std::int64_t d, const char* label,
+                            const char* name);
+  // (the same from a view whose rows may be strided: columns of a wider row)
+  static Tensor<T> to_heads(const Step& st, ops::In<T> loc, std::int64_t d, const char* label,
                             const char* name);
   // and back: (B, Sq, H_r, d) -> (B, L, H*d).
   static Tensor<T> to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, const char* label,
@@ -145,7 +170,8 @@ struct Pieces {
 
   // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
   // `started` as for reduce_latent.
-  static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, const Tensor<T>& kv_a,
+  // kv_a: (B L, C+dr) rows, whose k_pe columns are sent.
+  static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, ops::In<T> kv_a,
                                  PendingCollective* started = nullptr);
 
   // laga's up-projection for this rank's H_r heads over the first `keys`
@@ -187,26 +213,33 @@ struct Pieces {
                                         const Tensor<T>& dout, Tensor<T>& o_loc,
                                         MlaParams<T>& grads);
 
-  // From the queries' gradient dq and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
+  // From the queries' gradient and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
   // (before the inverse rotation) to dx and the wq*, q_norm, wkv_a, kv_norm
-  // gradients. dq is, with per-head queries (QueryExchange::heads), dq_loc
-  // (B, L, H*dqk) before the inverse rotation; with the latent exchange, d qn
-  // (B, L, rq), already taken back through the rotation and wq_b (whose
-  // gradient the form added). Consumes dq, dlat_loc and everything in `in`.
-  // With `dlat_pending` (Overlap::on: dlat_loc's reduce-scatter started by
-  // reduce_latent), the query path's backward runs first, then the wait,
-  // then the latent's: the same sums into dx and the gradients either way.
+  // gradients. The queries' gradient is, with per-head queries
+  // (QueryExchange::heads) and rq == 0, already in dproj's first Nq columns
+  // (queries_to_tokens; dq undefined); with rq > 0, dq_loc (B, L, H*dqk)
+  // (dproj undefined, allocated here); both before the inverse rotation;
+  // with the latent exchange, dq is d qn (B, L, rq), already taken back
+  // through the rotation and wq_b (whose gradient the form added). Both
+  // halves are written into dproj = d[q or qa | kv_a] (B, L, Nq + C + dr),
+  // then ONE GEMM gives dx = dproj in_proj and one in_proj's gradient
+  // (wq's or wq_a's and wkv_a's rows) += dproj^T x. Consumes dq, dlat_loc,
+  // dproj and everything in `in`. With `dlat_pending` (Overlap::on:
+  // dlat_loc's reduce-scatter started by reduce_latent), the query half
+  // runs first, then the wait, then the latent's: the same arithmetic
+  // either way, so the same bits.
   static void project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                  Tensor<T>& dq, Tensor<T>& dlat_loc, InputSaved<T>& in,
-                                  Tensor<T>& dx, MlaParams<T>& grads,
+                                  Tensor<T>& dq, Tensor<T>& dlat_loc, Tensor<T>& dproj,
+                                  InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads,
                                   PendingCollective* dlat_pending = nullptr);
-  // Its two halves: the queries' (dx written: the first sum into it) and the
-  // latent norm's (dlat_loc rotated back and taken through kv_norm to
-  // d kv_a = [d c | d k_pe], in place).
-  static void query_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                             Tensor<T>& dq, InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads);
+  // Its two halves, each writing its columns of dproj: the queries' (q_pe
+  // rotated back; rq > 0 through wq_b (heads) and q_norm) and the latent
+  // norm's (dlat_loc rotated back and taken through kv_norm; frees
+  // dlat_loc).
+  static void query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq,
+                             InputSaved<T>& in, Tensor<T>& dproj, MlaParams<T>& grads);
   static void latent_norm_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dlat_loc,
-                                   InputSaved<T>& in, MlaParams<T>& grads);
+                                   InputSaved<T>& in, Tensor<T>& dproj, MlaParams<T>& grads);
   // K = [k_nope | k_pe] (rows, heads, dqk) and V (rows, heads, dv) from kv
   // (rows, heads*(dn+dv)) and each row's rotated k_pe (rows, dr), which every
   // head shares (Megatron-Core expands it the same way).
@@ -252,7 +285,7 @@ struct LagaInputs {
 
  private:
   // The latent exchange's forward: returns q_h; keeps qn_q.
-  Tensor<T> exchange_query_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x);
+  Tensor<T> exchange_query_latent(const Step& st, const MlaParams<T>& w);
   // Its backward: returns d qn (B, L, rq) of local tokens, summed over the
   // ranks that attended them; wq_b's gradient of this rank's heads' rows
   // added. Frees dq_h and qn_q.

@@ -99,9 +99,10 @@ struct AbsorbedTape final : Tape<T> {
     dq_abs.reset();
     q_h.reset();
 
-    Tensor<T> dq_loc = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+    Tensor<T> dproj;  // rq == 0: dq lands in it
+    Tensor<T> dq_loc = P::queries_to_tokens(st, dq_h, dproj);
     Tensor<T> dlat_loc = P::reduce_latent(st, dlat);
-    P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
   }
 };
 
@@ -111,11 +112,11 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
   using P = Pieces<T>;
   using Tp = AbsorbedTape<T>;
   auto t = std::make_unique<Tp>();
-  Tensor<T> q = P::project_q(st, w, x, t->in);
+  P::project_in(st, w, x, t->in);
   {
-    Tensor<T> c_hat = P::project_latent(st, w, x, t->in, "c_hat");
-    t->q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
-    t->lat = P::gather_latent(st, c_hat, t->in.kv_a);
+    Tensor<T> c_hat = P::project_latent(st, w, t->in, "c_hat");
+    t->q_h = P::queries_to_heads(st, w, t->in);
+    t->lat = P::gather_latent(st, c_hat, t->in.kv_a_rows(st));
   }
   // The attention kernel takes values as their own contiguous tensor.
   t->v_lat = Tensor<T>({st.B, st.S, st.C}, "v_lat");

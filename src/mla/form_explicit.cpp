@@ -24,7 +24,8 @@ struct ExplicitTape final : Tape<T> {
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
-    Tensor<T> dq_loc = P::to_tokens(st, dq_h, st.dqk, "q_a2a", "dq_loc");
+    Tensor<T> dproj;  // rq == 0: dq lands in it
+    Tensor<T> dq_loc = P::queries_to_tokens(st, dq_h, dproj);
     Tensor<T> dk_loc = P::to_tokens(st, dk_h, st.dqk, "k_a2a", "dk_loc");
     Tensor<T> dv_loc = P::to_tokens(st, dv_h, st.dv, "v_a2a", "dv_loc");
 
@@ -41,7 +42,7 @@ struct ExplicitTape final : Tape<T> {
       ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);
     }
     c_hat.reset();
-    P::project_in_backward(st, w, x, dq_loc, dlat_loc, in, dx, grads);
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
   }
 };
 
@@ -50,19 +51,19 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
                                           Tensor<T>& out) {
   using P = Pieces<T>;
   auto t = std::make_unique<ExplicitTape<T>>();
-  Tensor<T> q = P::project_q(st, w, x, t->in);
-  t->c_hat = P::project_latent(st, w, x, t->in, "c_hat");
+  P::project_in(st, w, x, t->in);
+  t->c_hat = P::project_latent(st, w, t->in, "c_hat");
 
   // kv (N, H*(dn+dv)) = c_hat wkv_b^T, split into K = [k_nope | k_pe] (N, H, dqk), V (N, H, dv).
   Tensor<T> k_loc({st.B, st.L, st.H * st.dqk}, "k_loc"), v_loc({st.B, st.L, st.H * st.dv}, "v_loc");
   {
     Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
     ops::linear(mat(kv), mat(t->c_hat), w.wkv_b);
-    P::split_kv(st, st.H, mat(std::as_const(kv)), mat(t->in.kv_a).col_range(st.C, st.dr),
+    P::split_kv(st, st.H, mat(std::as_const(kv)), t->in.kv_a_rows(st).col_range(st.C, st.dr),
                 mat(k_loc), mat(v_loc));
   }
   HeadAttention<T>& a = t->att;
-  a.q_h = P::to_heads(st, q, st.dqk, "q_a2a", "q_h");
+  a.q_h = P::queries_to_heads(st, w, t->in);
   a.k_h = P::to_heads(st, k_loc, st.dqk, "k_a2a", "k_h");
   a.v_h = P::to_heads(st, v_loc, st.dv, "v_a2a", "v_h");
   a.forward(st, w, out, t->o_loc);

@@ -25,8 +25,8 @@
 // too: LagaInputs, form.hpp.
 //
 // Saved for backward: the input projections' tensors (the latent exchange
-// keeps qa and q_rstd of local tokens and the gathered qn_q (B, S, rq) in
-// place of qn), the gathered latent lat (B, S, C+dr), the head attention's
+// keeps proj = [qa | kv_a] and q_rstd of local tokens and the gathered qn_q
+// (B, S, rq) in place of qn), the gathered latent lat (B, S, C+dr), the head attention's
 // tensors, o_loc.
 #include "mla/form.hpp"
 

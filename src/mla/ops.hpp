@@ -243,14 +243,15 @@ void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps)
   if (!runs(y.rows * y.cols, {y.p, rstd.data(), x.p, w.data()})) return;
   rmsnorm_forward(y.p, rstd.data(), x.p, x.ld, w.data(), y.rows, y.cols, eps);
 }
-// dx (N, C), row stride dx.ld, overwritten; dw accumulated.
+// dx (N, C) overwritten, dw accumulated; dx, dy and x each at its own row
+// stride.
 template <class T>
 void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<T>& w,
                       const Tensor<T>& rstd) {
   count_elementwise<T>(dx.rows * dx.cols, 3);  // dy and x in, dx out
   if (!runs(dx.rows * dx.cols, {dx.p, dw.data(), dy.p, x.p, w.data(), rstd.data()})) return;
-  laga::rmsnorm_backward(dx.p, dx.ld, dw.data(), dy.p, x.p, w.data(), rstd.data(), dx.rows,
-                         dx.cols);
+  laga::rmsnorm_backward(dx.p, dx.ld, dw.data(), dy.p, dy.ld, x.p, x.ld, w.data(), rstd.data(),
+                         dx.rows, dx.cols);
 }
 
 // Rotates the rope part x of B * L tokens (rows) of H heads: head h of a row

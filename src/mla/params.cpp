@@ -42,29 +42,51 @@ void visit(P& p, F&& fn) {
 }
 }  // namespace
 
+namespace {
+// Points wq (or wq_a) and wkv_a at their rows of p.in_proj.
+template <class T>
+void view_in_proj(MlaParams<T>& p, const MlaConfig& cfg) {
+  const std::int64_t Nq = cfg.q_lora_rank == 0 ? cfg.n_heads * cfg.qk_head_dim() : cfg.q_lora_rank;
+  (cfg.q_lora_rank == 0 ? p.wq : p.wq_a) = Tensor<T>::view_rows(p.in_proj, 0, Nq);
+  p.wkv_a = Tensor<T>::view_rows(p.in_proj, Nq, cfg.kv_lora_rank + cfg.qk_rope_head_dim);
+}
+}  // namespace
+
 template <class T>
 MlaParams<T> MlaParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
   MlaParams p;
-  std::map<std::string, Tensor<T>*> slot = {
-      {"wq.weight", &p.wq},       {"wq_a.weight", &p.wq_a},   {"q_norm.weight", &p.q_norm},
-      {"wq_b.weight", &p.wq_b},   {"wkv_a.weight", &p.wkv_a}, {"kv_norm.weight", &p.kv_norm},
-      {"wkv_b.weight", &p.wkv_b}, {"wo.weight", &p.wo}};
-  for (auto& [name, shape] : mla_param_shapes(cfg)) *slot.at(name) = Tensor<T>::zeros(shape, cat);
+  std::map<std::string, Tensor<T>*> slot = {{"q_norm.weight", &p.q_norm},
+                                            {"wq_b.weight", &p.wq_b},
+                                            {"kv_norm.weight", &p.kv_norm},
+                                            {"wkv_b.weight", &p.wkv_b},
+                                            {"wo.weight", &p.wo}};
+  std::int64_t in_rows = 0;  // wq (wq_a) and wkv_a: rows of in_proj
+  for (auto& [name, shape] : mla_param_shapes(cfg)) {
+    if (name == "wq.weight" || name == "wq_a.weight" || name == "wkv_a.weight")
+      in_rows += shape[0];
+    else
+      *slot.at(name) = Tensor<T>::zeros(shape, cat);
+  }
+  p.in_proj = Tensor<T>::zeros({in_rows, cfg.dim}, "in_proj", cat);
+  view_in_proj(p, cfg);
   return p;
 }
 
 template <class T>
 MlaParams<T> MlaParams<T>::clone(MemCategory cat) const {
   MlaParams p;
-  for (auto [dst, src] : {std::pair{&p.wq, &wq},
-                          {&p.wq_a, &wq_a},
+  for (auto [dst, src] : {std::pair{&p.in_proj, &in_proj},
                           {&p.q_norm, &q_norm},
                           {&p.wq_b, &wq_b},
-                          {&p.wkv_a, &wkv_a},
                           {&p.kv_norm, &kv_norm},
                           {&p.wkv_b, &wkv_b},
                           {&p.wo, &wo}})
     *dst = src->clone(cat);  // an undefined tensor clones to an undefined one
+  if (!in_proj.defined()) return p;
+  // The views onto the copy, with the rows the originals had.
+  const std::int64_t Nq = in_proj.dim(0) - wkv_a.dim(0);
+  (wq.defined() ? p.wq : p.wq_a) = Tensor<T>::view_rows(p.in_proj, 0, Nq);
+  p.wkv_a = Tensor<T>::view_rows(p.in_proj, Nq, wkv_a.dim(0));
   return p;
 }
 

@@ -11,6 +11,14 @@
 //   wo.weight        (D, H*dv)
 //
 // The same struct holds gradients (grad.<name> in files).
+//
+// wq (or wq_a) and wkv_a both read the block's input x, so they are stored
+// as one matrix in_proj (Nq + C + dr, D), Nq = H*(dn+dr) (rq == 0) or rq:
+// rows [0, Nq) are wq (wq_a), rows [Nq, Nq + C + dr) are wkv_a, and the
+// block applies both in one GEMM (docs/forms.md, "The input projections").
+// wq, wq_a and wkv_a are row views of it (Tensor::view_rows); in_proj is
+// storage only, not a named parameter: for_each, files and every consumer
+// see wq/wq_a and wkv_a by name, as if they were stored apart.
 #pragma once
 
 #include <cstdint>
@@ -25,12 +33,15 @@ namespace laga {
 
 template <class T>
 struct MlaParams {
+  Tensor<T>
+      in_proj;  // (Nq + C + dr, D): [wq or wq_a | wkv_a]; declared first, as the views need it
   Tensor<T> wq, wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo;
 
   // Allocates every tensor the config uses (zeros), under `cat`.
   static MlaParams zeros(const MlaConfig& cfg, MemCategory cat);
   // A deep copy registered with the current pool (tensors made on a rank
-  // thread must move to a pool that outlives it).
+  // thread must move to a pool that outlives it), its views onto its own
+  // in_proj.
   MlaParams clone(MemCategory cat) const;
 
   // Visits the tensors the config uses, in a fixed order, with their names.

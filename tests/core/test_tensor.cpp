@@ -137,6 +137,39 @@ TYPED_TEST(TensorTest, MoveConstructTransfersOwnership) {
   EXPECT_EQ(pool.alloc_count(), 1);
 }
 
+// A view of rows shares its base's storage and registers nothing: the pool
+// counts the base once; resetting the view leaves the base as it was.
+TYPED_TEST(TensorTest, ViewRowsSharesStorageAndRegistersNothing) {
+  MemoryPool pool;
+  PoolScope scope(pool);
+  const std::int64_t sz = sizeof(TypeParam);
+  Tensor<TypeParam> base = Tensor<TypeParam>::zeros({5, 3}, MemCategory::parameters);
+  Tensor<TypeParam> top = Tensor<TypeParam>::view_rows(base, 0, 2);
+  Tensor<TypeParam> rest = Tensor<TypeParam>::view_rows(base, 2, 3);
+  EXPECT_EQ(top.shape(), (Shape{2, 3}));
+  EXPECT_EQ(rest.shape(), (Shape{3, 3}));
+  EXPECT_EQ(top.data(), base.data());
+  EXPECT_EQ(rest.data(), base.data() + 6);
+  EXPECT_EQ(rest.category(), MemCategory::parameters);
+  rest[0] = TypeParam(4);
+  EXPECT_EQ(base[6], TypeParam(4));
+  EXPECT_EQ(pool.current(MemCategory::parameters), 15 * sz);
+  EXPECT_EQ(pool.alloc_count(), 1);
+  rest.reset();
+  EXPECT_EQ(pool.current(MemCategory::parameters), 15 * sz);
+  EXPECT_EQ(base[6], TypeParam(4));
+  EXPECT_THROW(Tensor<TypeParam>::view_rows(base, 4, 2), Error);
+  // A view of an unbacked (count-only) tensor is unbacked.
+  MemoryPool counting;
+  counting.set_count_only(true);
+  PoolScope count_scope(counting);
+  Tensor<TypeParam> unbacked({4, 2});
+  Tensor<TypeParam> v = Tensor<TypeParam>::view_rows(unbacked, 1, 2);
+  EXPECT_EQ(v.data(), nullptr);
+  EXPECT_FALSE(v.backed());
+  EXPECT_EQ(counting.current(MemCategory::activations), 8 * sz);
+}
+
 TYPED_TEST(TensorTest, MoveAssignFreesTheOldStorage) {
   MemoryPool pool;
   PoolScope scope(pool);

@@ -101,24 +101,28 @@ TYPED_TEST(RmsNormTest, BackwardMatchesReferenceAndKeepsPadding) {
     SCOPED_TRACE(testing::Message() << "N=" << c.N << " C=" << c.C << " ldx=" << c.ldx);
     const auto x = random_vector<T>(c.N * c.ldx, seed++),
                w = random_vector<T>(c.C, seed++, 0.5, 1.5);
-    const auto dy = random_vector<T>(c.N * c.C, seed++);
+    // dy and dx rows are wider than x's (lddy = C + 1, lddx = ldx + 2), as the
+    // block's d[c_hat | k_pe] and d[q | kv_a] are wider than its saved kv_a:
+    // each stride must be the one used.
+    const std::int64_t lddy = c.C + 1, lddx = c.ldx + 2;
+    const auto dy = random_vector<T>(c.N * lddy, seed++);
     std::vector<T> y(c.N * c.C), r(c.N);
     rmsnorm_forward_reference<T>(y.data(), r.data(), x.data(), c.ldx, w.data(), c.N, c.C, kEps);
 
     // dx padding holds a sentinel that must survive; dw accumulates onto dw0.
     const T sentinel = T(777);
     const auto dw0 = random_vector<T>(c.C, seed++);
-    std::vector<T> dx(c.N * c.ldx, sentinel), dx_ref(c.N * c.ldx, sentinel);
+    std::vector<T> dx(c.N * lddx, sentinel), dx_ref(c.N * lddx, sentinel);
     std::vector<T> dw = dw0, dw_ref = dw0;
-    rmsnorm_backward<T>(dx.data(), c.ldx, dw.data(), dy.data(), x.data(), w.data(), r.data(), c.N,
-                        c.C);
-    rmsnorm_backward_reference<T>(dx_ref.data(), c.ldx, dw_ref.data(), dy.data(), x.data(),
-                                  w.data(), r.data(), c.N, c.C);
+    rmsnorm_backward<T>(dx.data(), lddx, dw.data(), dy.data(), lddy, x.data(), c.ldx, w.data(),
+                        r.data(), c.N, c.C);
+    rmsnorm_backward_reference<T>(dx_ref.data(), lddx, dw_ref.data(), dy.data(), lddy, x.data(),
+                                  c.ldx, w.data(), r.data(), c.N, c.C);
     for (std::int64_t n = 0; n < c.N; ++n)
-      for (std::int64_t k = c.C; k < c.ldx; ++k) {
-        ASSERT_EQ(dx[n * c.ldx + k], sentinel)
+      for (std::int64_t k = c.C; k < lddx; ++k) {
+        ASSERT_EQ(dx[n * lddx + k], sentinel)
             << "rmsnorm_backward wrote padding (" << n << ", " << k << ")";
-        ASSERT_EQ(dx_ref[n * c.ldx + k], sentinel) << "reference wrote padding";
+        ASSERT_EQ(dx_ref[n * lddx + k], sentinel) << "reference wrote padding";
       }
     EXPECT_TRUE(all_close("dx", dx, dx_ref, atol<T>(), rtol<T>()));
     // dw sums N rows: N times the per-element tolerance.
@@ -149,11 +153,11 @@ TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
     fwd();
     std::vector<double> dx(N * ldx, 0.0), dw(C, 0.0);
     if (reference)
-      rmsnorm_backward_reference<double>(dx.data(), ldx, dw.data(), G.data(), x.data(), w.data(),
-                                         r.data(), N, C);
+      rmsnorm_backward_reference<double>(dx.data(), ldx, dw.data(), G.data(), C, x.data(), ldx,
+                                         w.data(), r.data(), N, C);
     else
-      rmsnorm_backward<double>(dx.data(), ldx, dw.data(), G.data(), x.data(), w.data(), r.data(), N,
-                               C);
+      rmsnorm_backward<double>(dx.data(), ldx, dw.data(), G.data(), C, x.data(), ldx, w.data(),
+                               r.data(), N, C);
     test::GradientCheck gc;
     gc.add("x", x.data(), dx.data(), {N, ldx}).add("w", w.data(), dw.data(), C);
     EXPECT_TRUE(gc.run([&] {
@@ -171,7 +175,8 @@ TEST(RmsNorm, GradientIsOrthogonalToTheRowWithoutEps) {
   const auto G = random_vector<double>(N * C, 403);
   std::vector<double> y(N * C), r(N), dx(N * C), dw(C, 0.0);
   rmsnorm_forward<double>(y.data(), r.data(), x.data(), C, w.data(), N, C, 0.0);
-  rmsnorm_backward<double>(dx.data(), C, dw.data(), G.data(), x.data(), w.data(), r.data(), N, C);
+  rmsnorm_backward<double>(dx.data(), C, dw.data(), G.data(), C, x.data(), C, w.data(), r.data(), N,
+                           C);
   for (std::int64_t n = 0; n < N; ++n)
     EXPECT_NEAR(test::dot(dx.data() + n * C, x.data() + n * C, C), 0.0, 1e-13) << "row " << n;
 }
