@@ -78,11 +78,16 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
   const std::int64_t T = quick ? 256 : 2048;  // tokens
   const std::int64_t s = quick ? 8 : 1;       // --quick divides the widths by 8
   // in -> out per layer: D 2048 block (H 16, rq 0) and DeepSeek-V3 (H 128).
+  // The query and latent projections share their input and run as one GEMM
+  // each way (docs/forms.md, "The input projections"): the fused rows are
+  // the block's; the separate ones show what fusing saves.
   const std::vector<Linear> layers = {
+      {"D2048 wq | wkv_a fused: D -> H(dn+dr) + C+dr", 2048 / s, 3648 / s},
       {"D2048 wq: D -> H(dn+dr)", 2048 / s, 3072 / s},
       {"D2048 wkv_a: D -> C+dr", 2048 / s, 576 / s},
       {"D2048 wkv_b: C -> H(dn+dv)", 512 / s, 4096 / s},
       {"D2048 wo: H dv -> D", 2048 / s, 2048 / s},
+      {"V3 wq_a | wkv_a fused: D -> rq + C+dr", 7168 / s, 2112 / s},
       {"V3 wq_a: D -> rq", 7168 / s, 1536 / s},
       {"V3 wq_b: rq -> H(dn+dr)", 1536 / s, 24576 / s},
       {"V3 wkv_a: D -> C+dr", 7168 / s, 576 / s},
