@@ -18,6 +18,7 @@
 
 #include "common/check.hpp"
 #include "common/error_of.hpp"
+#include "common/variants.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "mla/comm_model.hpp"
@@ -95,16 +96,6 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
   }
 }
 
-// Every form, and with rq > 0 laga and laga2d with the query-latent
-// exchange.
-std::vector<FormVariant> variants(const MlaConfig& cfg) {
-  std::vector<FormVariant> v;
-  for (Form f : all_forms()) v.push_back(f);
-  if (cfg.q_lora_rank > 0)
-    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
-  return v;
-}
-
 RunSpec spec_of(FormVariant v, AttentionKind a) {
   RunSpec spec;
   spec.set_variant(v);
@@ -131,7 +122,7 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   spec.form = Form::explicit_form;
   const BlockRun<float> ref =
       run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
-  for (FormVariant v : variants(cfg)) {
+  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
     const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, fc.attention));
     // fp32 with other summation orders: 1e-5 of the largest reference value.
     expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
@@ -180,7 +171,7 @@ TEST(Forms, LagaEqualsExplicitBitForBitOnOneRank) {
       const Inputs in = make_inputs(cfg, 2, 13);
       const BlockRun<float> ex =
           run_local(cfg, lay, in.w, in.x, in.dout, spec_of(Form::explicit_form, a));
-      for (FormVariant v : variants(cfg)) {
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
         if (v.form != Form::laga) continue;
         const BlockRun<float> lg = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, a));
         expect_run_matches(lg, ex, 0.0,
@@ -268,7 +259,7 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
     spec.form = Form::explicit_form, spec.attention = AttentionKind::eager;
     const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-      for (FormVariant v : variants(cfg)) {
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
         RunSpec packed = spec_of(v, a);
         packed.documents = &docs;
         const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, packed);
@@ -313,7 +304,7 @@ TEST(Packed, OneDocumentPerRowIsTheUnpackedBlockBitForBit) {
   const Inputs in = make_inputs(cfg, 2, lay.seq);
   const Documents whole = Documents::parse_lengths("13", 2, 13);
   for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-    for (FormVariant v : variants(cfg)) {
+    for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
       RunSpec spec = spec_of(v, a);
       const BlockRun<float> plain = run_local(cfg, lay, in.w, in.x, in.dout, spec);
       spec.documents = &whole;

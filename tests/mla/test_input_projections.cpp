@@ -8,6 +8,7 @@
 // with K = D forward, or N = D backward, is an input projection's.
 #include <gtest/gtest.h>
 
+#include "common/variants.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/params.hpp"
 
@@ -20,21 +21,6 @@ MlaConfig config(std::int64_t rq) {
   c.v_head_dim = 6, c.q_lora_rank = rq;
   c.validate();
   return c;
-}
-
-std::vector<FormVariant> variants(const MlaConfig& cfg) {
-  std::vector<FormVariant> v;
-  for (Form f : all_forms()) v.push_back(f);
-  if (cfg.q_lora_rank > 0)
-    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
-  const std::size_t n = v.size();
-  for (std::size_t i = 0; i < n; ++i)
-    if (form_overlaps(v[i].form)) {
-      FormVariant o = v[i];
-      o.overlap = Overlap::on;
-      v.push_back(o);
-    }
-  return v;
 }
 
 // wq (wq_a) and wkv_a are rows of in_proj, which no consumer sees by name:
@@ -72,7 +58,7 @@ TEST(InputProjections, OneGemmForwardOneForDxOneForTheWeightGradient) {
     for (int P : {1, 2}) {
       const SpLayout lay = SpLayout::even(1, 16, cfg.n_heads, P);
       const std::int64_t N = lay.seq_count[0];
-      for (FormVariant v : variants(cfg)) {
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
         SCOPED_TRACE(to_string(v) + " rq=" + std::to_string(rq) + " P=" + std::to_string(P));
         ops::OpCounts counts;
         MemoryModelOptions o;

@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "comm/dry_run_comm.hpp"
+#include "common/variants.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "mla/memory_model.hpp"
@@ -31,24 +32,6 @@ MlaConfig dims(std::int64_t D, std::int64_t H, std::int64_t C, std::int64_t dn, 
   c.v_head_dim = dv, c.q_lora_rank = rq;
   c.validate();
   return c;
-}
-
-// Every form, with rq > 0 laga and laga2d with the query-latent exchange,
-// and laga's and laga2d's variants overlapped (another order of
-// allocations: their own peaks).
-std::vector<FormVariant> variants(const MlaConfig& cfg) {
-  std::vector<FormVariant> v;
-  for (Form f : all_forms()) v.push_back(f);
-  if (cfg.q_lora_rank > 0)
-    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
-  const std::size_t n = v.size();
-  for (std::size_t i = 0; i < n; ++i)
-    if (form_overlaps(v[i].form)) {
-      FormVariant o = v[i];
-      o.overlap = Overlap::on;
-      v.push_back(o);
-    }
-  return v;
 }
 
 std::string tag(const MlaConfig& cfg, const SpLayout& lay, FormVariant f, AttentionKind a, int r) {
@@ -73,7 +56,7 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
   Tensor<T> x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
   fill_normal(x.data(), x.numel(), 1, 1, 0, 1.0);
   fill_normal(dout.data(), dout.numel(), 1, 2, 0, 1.0);
-  for (FormVariant f : variants(cfg))
+  for (FormVariant f : test::form_variants(cfg, test::WithOverlap::yes))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       RunSpec spec;
       spec.set_variant(f);
@@ -168,7 +151,7 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
   const RopeTable rope(v3.rope(), 4096);
   for (int P : {3, 8})
-    for (FormVariant f : variants(v3))
+    for (FormVariant f : test::form_variants(v3, test::WithOverlap::yes))
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
         check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
   for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
