@@ -13,7 +13,9 @@
 // ONEDNN_MAX_CPU_ISA=AVX2, OPENBLAS_CORETYPE=Haswell|SkylakeX.
 #include <omp.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.hpp"
@@ -133,13 +135,26 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
       std::vector<std::vector<float>> c(libs.size(), std::vector<float>(size_t(p.M * p.N)));
       std::vector<laga::bench::Candidate> cands;
       const std::string shape = laga::cat(p.M, "x", p.N, "x", p.K);
+      // OpenBLAS' and BLIS' own pthreads spin for a while after a call
+      // (OpenBLAS: 2^28 cycles, ~0.1 s) on the cores the next library's
+      // OpenMP threads need: the call timed next ran up to 2x slower. So a
+      // call after one of theirs first waits, untimed, until they sleep.
+      bool pthreads_spinning = false;
+      const auto quiet_cores = [&] {
+        if (pthreads_spinning) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+        pthreads_spinning = false;
+      };
       for (size_t l = 0; l < libs.size(); ++l) {
         float* C = c[l].data();
         const laga::bench::SgemmFn fn = libs[l].sgemm;
+        const bool own_pthreads = libs[l].name == "openblas" || libs[l].name == "blis";
         const Product q = p;
         cands.push_back({laga::cat(p.name, "/", libs[l].name), shape,
                          2e-9 * double(p.M) * double(p.N) * double(p.K), libs[l].isa,
-                         [=] { fn(q.ta, q.tb, q.M, q.N, q.K, q.A, q.lda, q.B, q.ldb, C, q.N); },
+                         [=, &pthreads_spinning] {
+                           fn(q.ta, q.tb, q.M, q.N, q.K, q.A, q.lda, q.B, q.ldb, C, q.N);
+                           pthreads_spinning = own_pthreads;
+                         },
                          [&, C] {
                            std::vector<float> got;
                            for (std::int64_t i : rows)
@@ -148,7 +163,7 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
                                                            std::int64_t(ref.size()), 1e-5);
                          }});
       }
-      ctx.run_alternating(cands);
+      ctx.run_alternating(cands, quiet_cores);
     }
   }
 }
