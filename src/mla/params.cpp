@@ -43,12 +43,13 @@ void visit(P& p, F&& fn) {
 }  // namespace
 
 namespace {
-// Points wq (or wq_a) and wkv_a at their rows of p.in_proj.
+// Points the query projection (wq when `per_head_q`, else wq_a) at the first
+// rows of p.in_proj and wkv_a at its last `wkv_a_rows`.
 template <class T>
-void view_in_proj(MlaParams<T>& p, const MlaConfig& cfg) {
-  const std::int64_t Nq = cfg.q_lora_rank == 0 ? cfg.n_heads * cfg.qk_head_dim() : cfg.q_lora_rank;
-  (cfg.q_lora_rank == 0 ? p.wq : p.wq_a) = Tensor<T>::view_rows(p.in_proj, 0, Nq);
-  p.wkv_a = Tensor<T>::view_rows(p.in_proj, Nq, cfg.kv_lora_rank + cfg.qk_rope_head_dim);
+void view_in_proj(MlaParams<T>& p, bool per_head_q, std::int64_t wkv_a_rows) {
+  const std::int64_t q_rows = p.in_proj.dim(0) - wkv_a_rows;
+  (per_head_q ? p.wq : p.wq_a) = Tensor<T>::view_rows(p.in_proj, 0, q_rows);
+  p.wkv_a = Tensor<T>::view_rows(p.in_proj, q_rows, wkv_a_rows);
 }
 }  // namespace
 
@@ -68,7 +69,7 @@ MlaParams<T> MlaParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
       *slot.at(name) = Tensor<T>::zeros(shape, cat);
   }
   p.in_proj = Tensor<T>::zeros({in_rows, cfg.dim}, "in_proj", cat);
-  view_in_proj(p, cfg);
+  view_in_proj(p, cfg.q_lora_rank == 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim);
   return p;
 }
 
@@ -82,11 +83,8 @@ MlaParams<T> MlaParams<T>::clone(MemCategory cat) const {
                           {&p.wkv_b, &wkv_b},
                           {&p.wo, &wo}})
     *dst = src->clone(cat);  // an undefined tensor clones to an undefined one
-  if (!in_proj.defined()) return p;
   // The views onto the copy, with the rows the originals had.
-  const std::int64_t Nq = in_proj.dim(0) - wkv_a.dim(0);
-  (wq.defined() ? p.wq : p.wq_a) = Tensor<T>::view_rows(p.in_proj, 0, Nq);
-  p.wkv_a = Tensor<T>::view_rows(p.in_proj, Nq, wkv_a.dim(0));
+  if (in_proj.defined()) view_in_proj(p, wq.defined(), wkv_a.dim(0));
   return p;
 }
 
