@@ -215,7 +215,11 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   // Summing: every element of dst has at least one copy, but zero it so that
   // each is the sum of its copies alone, in the senders' rank order.
   if (sum) ops::count_elementwise<T>(B * to_rows * to_heads * d, 1);
-  if (sum && dst) std::fill(dst, dst + B * to_rows * dst_ld, T(0));
+  if (sum && dst) {  // redistribute_sum's dst is dense (dst_ld == to_heads d)
+    LAGA_CHECK(dst_ld == to_heads * d, "internal: redistribute_sum '", label,
+               "' into strided rows would zero the columns between them");
+    std::fill(dst, dst + B * to_rows * to_heads * d, T(0));
+  }
   for (int i = 0; i < P; ++i) {
     const Transfer& ps = in[u(i)];
     std::int64_t off = rd[u(i)];
