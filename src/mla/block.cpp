@@ -83,6 +83,11 @@ HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v) {
       layout, HeadContextGrid::resolve_head_groups(layout.heads, layout.ranks, v.head_groups));
 }
 
+Placement attention_placement(const SpLayout& layout, FormVariant v) {
+  return v.form == Form::laga2d ? Placement::query_chunks(laga2d_grid(layout, v))
+                                : Placement::head_shards(layout);
+}
+
 namespace detail {
 
 using ops::mat;
@@ -98,7 +103,7 @@ Step::Step(const BlockContext& c) : ctx(c) {
   LAGA_CHECK(c.rope.positions() >= lay.seq, "block: the RoPE table covers ", c.rope.positions(),
              " positions but the sequence has ", lay.seq);
   B = lay.batch, L = lay.seq_count[r], S = lay.seq, N = B * L, NS = B * S;
-  D = m.dim, H = m.n_heads, Hr = lay.head_count[r], h0 = lay.head_offset[r];
+  D = m.dim, H = m.n_heads;
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   Nq = rq == 0 ? H * dqk : rq;
@@ -106,19 +111,14 @@ Step::Step(const BlockContext& c) : ctx(c) {
   const FormVariant variant{c.form, c.queries, c.head_groups};
   check_query_exchange(m, variant);
   check_head_groups(lay, variant);
-  Sq = Sk = S;
-  query_ranges = {{0, S}};
   tokens = Placement::seq_shards(lay);
-  if (c.form == Form::laga2d) {
-    const HeadContextGrid grid = laga2d_grid(lay, variant);
-    Hr = grid.head_count[r], h0 = grid.head_offset[r];
-    Sq = grid.query_rows(c.comm.rank()), Sk = grid.key_end(c.comm.rank());
-    query_ranges = grid.queries[r];
-    attention = Placement::query_chunks(grid);
-    attends_all_queries = grid.context_groups == 1;
-  } else {
-    attention = Placement::head_shards(lay);
-  }
+  attention = attention_placement(lay, variant);
+  Hr = attention.head_count[r], h0 = attention.head_offset[r];
+  query_ranges = attention.tokens[r];
+  Sq = attention.rows(c.comm.rank());
+  Sk = query_ranges.empty() ? 0 : query_ranges.back().end;
+  for (const std::vector<TokenRange>& q : attention.tokens)
+    attends_all_queries = attends_all_queries && q == std::vector<TokenRange>{{0, S}};
   if (const Documents* docs = c.documents) {
     LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
                docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");

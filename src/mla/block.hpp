@@ -37,6 +37,7 @@
 #include "kernels/rope.hpp"
 #include "mla/config.hpp"
 #include "mla/documents.hpp"
+#include "mla/exchange.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
 
@@ -109,6 +110,13 @@ void check_query_exchange(const MlaConfig& cfg, FormVariant v);
 void check_head_groups(const SpLayout& layout, FormVariant v);
 // laga2d's grid on `layout` for v.head_groups (0: the default rule).
 HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v);
+// Where each rank's attention runs under v (the all-to-alls' destination):
+// every form but laga2d attends all S query rows for its SpLayout head
+// shard (Placement::head_shards); laga2d its head group's heads for its
+// context group's query chunks (Placement::query_chunks of laga2d_grid).
+// The one description of a rank's attention rows and heads: the block's
+// Step reads it, and so do the planner's rank classes (plan/time_model.hpp).
+Placement attention_placement(const SpLayout& layout, FormVariant v);
 
 struct BlockContext {
   const MlaConfig& cfg;

@@ -86,7 +86,7 @@ ops::OpCounts plan_calls(const PlanRequest& q) {
     for (int P : q.sps) {
       const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
       for (FormVariant form : q.forms)
-        for (int r : rank_classes(q.cfg, layout).representatives)
+        for (int r : rank_classes(q.cfg, layout, form).representatives)
           for (const ops::OpCounts& c :
                rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops) {
             add_calls(all.gemm_calls, c.gemm_calls);
@@ -111,11 +111,10 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       pc.seq = S, pc.sp = P;
       pc.links = plan_links(q.profile, P, q.nodes, q.link_bytes_per_s, q.link_latency_s);
       const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
-      const RankClasses classes = rank_classes(q.cfg, layout);
       std::vector<FormWork> work;
       for (FormVariant form : q.forms) {
         FormWork fw{form, {}};
-        for (int r : classes.representatives)
+        for (int r : rank_classes(q.cfg, layout, form).representatives)
           fw.classes.push_back(rank_work(q.cfg, layout, form, q.attention, r, q.dtype));
         FormPlan fp;
         fp.form = form;

@@ -101,13 +101,24 @@ RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant var
   return w;
 }
 
-RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout) {
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant) {
   const std::int64_t n = parameter_count(cfg);
-  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, int> index;
+  const Placement att = attention_placement(layout, variant);
+  using Key =
+      std::tuple<std::int64_t, std::int64_t, std::int64_t, std::vector<std::int64_t>, std::int64_t>;
+  std::map<Key, int> index;
   RankClasses c;
   for (int r = 0; r < layout.ranks; ++r) {
-    const auto key = std::make_tuple(layout.seq_count[size_t(r)], layout.head_count[size_t(r)],
-                                     all_reduce_chunk(n, layout.ranks, r));
+    const auto u = size_t(r);
+    const std::int64_t t0 = layout.seq_offset[u], t1 = t0 + layout.seq_count[u];
+    std::vector<std::int64_t> rows;  // the query ranges it attends, flattened
+    std::int64_t own = 0;            // of them, rows of its own tokens
+    for (const TokenRange& q : att.tokens[u]) {
+      rows.insert(rows.end(), {q.begin, q.end});
+      own += std::max<std::int64_t>(0, std::min(t1, q.end) - std::max(t0, q.begin));
+    }
+    const Key key{layout.seq_count[u], own, att.head_count[u], std::move(rows),
+                  all_reduce_chunk(n, layout.ranks, r)};
     const auto [it, fresh] = index.try_emplace(key, int(c.representatives.size()));
     if (fresh) c.representatives.push_back(r);
     c.class_of.push_back(it->second);

@@ -71,14 +71,25 @@ struct RankWork {
 RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                    AttentionKind attention, int rank, PlanDType dtype);
 
-// Ranks whose work is the same: same tokens, heads and all-reduce chunk
-// (every figure above depends on the rank only through these). Returns one
-// representative rank per class and, per rank, the index of its class.
+// Ranks whose work under `variant` is the same. Every figure above depends
+// on the rank only through what the form makes it do (attention_placement,
+// mla/block.hpp): its tokens L, the heads H_r and query rows Q_r it
+// attends, how many of Q_r are its own tokens, and its all-reduce chunk.
+// Why the last but one: an all-to-all to the attention's placement sends
+// each of the rank's tokens to every rank attending it, so rank r sends
+// L H d less what stays home, |shard_r ∩ Q_r| H_r d, and receives
+// (|Q_r| - |shard_r ∩ Q_r|) H_r d (the Q of one context group tile the
+// sequence, and its ranks' heads sum to H). Every form but laga2d attends
+// every row (Q_r = [0, S), so the overlap is L); under laga2d with more
+// than one context group ranks of equal shards differ there (at
+// DeepSeek-V3, S 4096, P 8, one head group: rank 0 sends 50.2 MB forward,
+// rank 3 92.1 MB). Returns one representative rank per class and, per
+// rank, the index of its class.
 struct RankClasses {
   std::vector<int> representatives;
   std::vector<int> class_of;  // size P
 };
-RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout);
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant);
 
 // The links a plan runs on: the profile's, or every link overridden by
 // --link (bandwidth, and latency when given).

@@ -8,6 +8,7 @@
 
 #include "comm/dry_run_comm.hpp"
 #include "common/error_of.hpp"
+#include "common/variants.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/runner.hpp"
 #include "plan/time_model.hpp"
@@ -88,8 +89,9 @@ TEST(OpCounts, CountOnlyEqualsARealRun) {
   const MlaConfig cfg = tiny();
   const SpLayout lay = SpLayout::even(2, 11, cfg.n_heads, 3);
   const RopeTable rope(cfg.rope(), lay.seq);
-  for (FormVariant f : {FormVariant(Form::explicit_form), FormVariant(Form::absorbed),
-                        FormVariant(Form::laga), FormVariant(Form::laga, QueryExchange::latent)})
+  // Every variant in the registry; laga2d's default at P 3 is one head group
+  // of three context groups, each rank attending its two query chunks.
+  for (FormVariant f : test::form_variants(cfg, test::WithOverlap::yes))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
       for (int r = 0; r < lay.ranks; ++r) {
         ops::OpCounts counted, real;
@@ -103,8 +105,7 @@ TEST(OpCounts, CountOnlyEqualsARealRun) {
           const TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
           DryRunCommunicator comm(r, lay.ranks);
           RunSpec spec;
-          spec.form = f.form;
-          spec.queries = f.queries;
+          spec.set_variant(f);
           spec.attention = a;
           const ops::CountOps counting(real);
           run_rank(comm, cfg, lay, rope, w, x, dout, spec);
@@ -136,8 +137,7 @@ TEST(OpCounts, CountOnlyEqualsARealRun) {
 TEST(TimeModel, PhasesSplitTheCallList) {
   const MlaConfig cfg = tiny();
   const SpLayout lay = SpLayout::even(1, 16, cfg.n_heads, 2);
-  for (FormVariant f :
-       {FormVariant(Form::explicit_form), FormVariant(Form::absorbed), FormVariant(Form::laga)}) {
+  for (FormVariant f : test::form_variants(cfg, test::WithOverlap::yes)) {
     const RankWork w = rank_work(cfg, lay, f, AttentionKind::flash, 0, PlanDType::fp32);
     ops::OpCounts whole;
     MemoryModelOptions o;
@@ -212,12 +212,82 @@ TEST(TimeModel, MeasuredShapesCostTheirCalls) {
 TEST(TimeModel, RankClassesGroupRanksWithTheSameWork) {
   const MlaConfig cfg = tiny();  // 4 heads
   // S 10 over 4 ranks: tokens 3+3+2+2, heads 1 each.
-  const RankClasses c = rank_classes(cfg, SpLayout::even(1, 10, cfg.n_heads, 4));
+  const RankClasses c =
+      rank_classes(cfg, SpLayout::even(1, 10, cfg.n_heads, 4), FormVariant(Form::laga));
   ASSERT_EQ(c.class_of.size(), 4u);
   EXPECT_EQ(c.class_of[0], c.class_of[1]);
   EXPECT_EQ(c.class_of[2], c.class_of[3]);
   EXPECT_NE(c.class_of[0], c.class_of[2]);
   EXPECT_EQ(c.representatives, (std::vector<int>{0, 2}));
+}
+
+// What the planner costs of a class is its representative's work, so every
+// rank of the class must do exactly that work: the same bytes per
+// collective, peak, ops per phase and timeline. Checked for every variant
+// on layouts where ranks of equal shards do different work: laga2d's
+// context groups send each rank's tokens to the chunks they fall in, so at
+// P 8 with one head group rank 0 sends 50.2 MB forward at DeepSeek-V3 dims
+// and rank 3 92.1 MB (issue 29's bug: the classes keyed on the shards only).
+void expect_same_work(const RankWork& a, const RankWork& b, const std::string& where) {
+  EXPECT_EQ(a.peak_activation_bytes, b.peak_activation_bytes) << where;
+  ASSERT_EQ(a.comm.size(), b.comm.size()) << where;
+  for (const auto& [key, x] : a.comm) {
+    const auto it = b.comm.find(key);
+    ASSERT_NE(it, b.comm.end()) << where << " " << key.second;
+    EXPECT_EQ(x.sent, it->second.sent) << where << " " << key.second;
+    EXPECT_EQ(x.received, it->second.received) << where << " " << key.second;
+    EXPECT_EQ(x.calls, it->second.calls) << where << " " << key.second;
+  }
+  for (size_t ph = 0; ph < 3; ++ph) {
+    EXPECT_EQ(a.ops[ph].gemm_calls, b.ops[ph].gemm_calls) << where << " phase " << ph;
+    EXPECT_EQ(a.ops[ph].attention_calls, b.ops[ph].attention_calls) << where << " phase " << ph;
+    EXPECT_EQ(a.ops[ph].elementwise_bytes, b.ops[ph].elementwise_bytes) << where << " phase " << ph;
+  }
+  ASSERT_EQ(a.timeline.size(), b.timeline.size()) << where;
+  for (size_t i = 0; i < a.timeline.size(); ++i) {
+    EXPECT_EQ(a.timeline[i].event.bytes.sent, b.timeline[i].event.bytes.sent) << where << " " << i;
+    EXPECT_EQ(a.timeline[i].event.bytes.received, b.timeline[i].event.bytes.received)
+        << where << " " << i;
+  }
+}
+
+TEST(TimeModel, EveryRankOfAClassDoesItsRepresentativesWork) {
+  struct Case {
+    const char* name;
+    MlaConfig cfg;
+    std::int64_t seq;
+    int ranks;
+    int head_groups;       // laga2d's; 0: the default rule
+    int classes_at_least;  // laga2d's classes: more than the shards' 1 or 2
+  };
+  const Case cases[] = {
+      {"tiny S 96 P 6", MlaConfig::preset("tiny"), 96, 6, 0, 3},
+      {"small S 1024 P 8, 2 head groups", MlaConfig::preset("small"), 1024, 8, 2, 4},
+      {"deepseek-v3 S 4096 P 8, 1 head group", MlaConfig::preset("deepseek-v3"), 4096, 8, 1, 4},
+      {"tiny+rq S 37 P 4 (uneven)", tiny(), 37, 4, 1, 4},
+  };
+  for (const Case& k : cases) {
+    const SpLayout lay = SpLayout::even(1, k.seq, k.cfg.n_heads, k.ranks);
+    for (FormVariant v : test::form_variants(k.cfg, test::WithOverlap::yes)) {
+      if (v.form == Form::laga2d) v.head_groups = k.head_groups;
+      const RankClasses c = rank_classes(k.cfg, lay, v);
+      ASSERT_EQ(c.class_of.size(), size_t(k.ranks));
+      if (v.form == Form::laga2d) {
+        EXPECT_GE(int(c.representatives.size()), k.classes_at_least) << k.name;
+      }
+      std::vector<RankWork> rep;
+      for (int r : c.representatives)
+        rep.push_back(rank_work(k.cfg, lay, v, AttentionKind::flash, r, PlanDType::fp32));
+      for (int r = 0; r < k.ranks; ++r) {
+        const int cls = c.class_of[size_t(r)];
+        ASSERT_EQ(c.class_of[size_t(c.representatives[size_t(cls)])], cls);
+        expect_same_work(rank_work(k.cfg, lay, v, AttentionKind::flash, r, PlanDType::fp32),
+                         rep[size_t(cls)],
+                         cat(k.name, ", ", to_string(v), ": rank ", r, " against rank ",
+                             c.representatives[size_t(cls)]));
+      }
+    }
+  }
 }
 
 TEST(TimeModel, CommunicationIsTheLinkModelPerCollective) {

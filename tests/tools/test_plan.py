@@ -105,9 +105,22 @@ if case == "exact":
     check_exact(tiny, 64, 8, "flash", [], "tiny_heads_empty")    # P > H: ranks without heads
     check_exact(["--preset", "small"], 1024, 4, "flash", [], "small")
     check_exact(["--preset", "small"], 1000, 3, "flash", ["--overlap", "both"], "small_overlap")
+    # Every variant on layouts where ranks of equal shards do different work
+    # (laga2d's context groups: what a rank sends depends on which query
+    # chunks its tokens fall in). Issue 29: the plan costed each class's
+    # first rank and reported 63,648 for tiny's 68,256 B, 2,421,184 for
+    # small's 2,748,864 B and 1.410 GB for DeepSeek-V3's 1.494 GB.
+    every = ["--overlap", "both"]
+    check_exact(tiny, 96, 6, "flash", every, "tiny_p6_grid")
+    check_exact(["--preset", "small"], 1024, 8, "flash", every + ["--head-groups", "2"],
+                "small_p8_hg2")
     v3 = ["--preset", "deepseek-v3"]
-    check_exact(v3, 32768, 8, "flash", ["--q-latent"], "v3_p8")
-    check_exact(v3, 131072, 64, "flash", ["--q-latent"], "v3_p64")
+    v3_every = every + ["--q-latent"]
+    check_exact(v3, 4096, 8, "flash", v3_every + ["--head-groups", "1"], "v3_p8_hg1")
+    check_exact(v3, 32768, 8, "flash", v3_every, "v3_p8")
+    check_exact(v3, 32768, 16, "flash", v3_every + ["--head-groups", "4"], "v3_p16_hg4")
+    check_exact(v3, 131072, 64, "flash", v3_every, "v3_p64")
+    check_exact(v3, 131072, 64, "flash", v3_every + ["--head-groups", "8"], "v3_p64_hg8")
     # A sweep: one plan per form, S and P, in that order.
     p = load(["plan", "--quiet", "--profile", "910b", "--preset", "tiny", "--seq", "64,128",
               "--sp", "1,2,4"], "sweep")
