@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -342,6 +344,50 @@ TEST(MemoryPoolCache, HeldIsLivePlusRoundingPlusKept) {
   EXPECT_EQ(pool.peak_held(), pool.held());
   EXPECT_EQ(pool.cache().trim(), kLarge * kF);
   EXPECT_EQ(pool.held(), pool.current_total() + rounding);
+}
+
+// The cache allowance the upfront memory check adds per rank, worked out by
+// hand on one allocation sequence: held_bound() = the small tensors' peak +
+// max(limit, 1) x the cache's live peak (in mapped pages), less the peak of
+// what tensors asked for. K = 256 KiB (whole pages); a is one float over K
+// (a page of rounding), b is 2K; a's block is kept when a is freed, then c
+// (K, another page count: a miss) evicts it under the bound.
+TEST(MemoryPoolCache, TheCacheAllowanceIsTheBoundLessThePeakRequested) {
+  const std::int64_t page = sysconf(_SC_PAGESIZE), K = kLarge * kF;
+  for (const double limit : {1.25, 1.0, 2.0, 0.0})
+    for (const bool count_only : {false, true}) {
+      MemoryPool pool;
+      pool.set_count_only(count_only);
+      pool.cache().set_limit(limit);
+      PoolScope scope(pool);
+      const std::string what = "limit " + std::to_string(limit) + (count_only ? " count-only" : "");
+      {
+        TensorF s({100});  // 400 B: from the heap, a small tensor
+        TensorF a({kLarge + 1}), b({2 * kLarge});
+        // live mapped: K + page + 2K; requested: 400 + K + 4 + 2K
+        a.reset();
+        TensorF c({kLarge});
+      }
+      const std::int64_t requested = 400 + 3 * K + 4;
+      if (limit == 0.0) {
+        // Off: every tensor is a small one (aligned_alloc); nothing beyond.
+        EXPECT_EQ(pool.cache().stats().live_peak, 0) << what;
+        EXPECT_EQ(pool.held_bound(), requested) << what;
+        EXPECT_EQ(pool.cache_allowance(), 0) << what;
+        continue;
+      }
+      const std::int64_t bound =
+          400 + static_cast<std::int64_t>(std::ceil(limit * double(3 * K + page)));
+      EXPECT_EQ(pool.cache().stats().live_peak, 3 * K + page) << what;
+      EXPECT_EQ(pool.held_bound(), bound) << what;
+      EXPECT_EQ(pool.cache_allowance(), bound - requested) << what;
+      if (limit == 1.25 && page == 4096) {
+        EXPECT_EQ(pool.cache_allowance(), 201724) << what;
+      }
+      // reset_peaks() starts the stretch's peaks again, not the allowance's.
+      pool.reset_peaks();
+      EXPECT_EQ(pool.cache_allowance(), bound - requested) << what;
+    }
 }
 
 // The address space this process has mapped (/proc/self/statm, in pages).
