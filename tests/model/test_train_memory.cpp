@@ -9,6 +9,7 @@
 
 #include "comm/local_comm.hpp"
 #include "common/scratch.hpp"
+#include "common/variants.hpp"
 #include "core/error.hpp"
 #include "model/train.hpp"
 
@@ -16,7 +17,7 @@ namespace laga {
 namespace {
 
 struct Case {
-  Form form;
+  FormVariant form;
   AttentionKind attention;
   int sp;
   std::int64_t seq, batch;
@@ -25,7 +26,11 @@ struct Case {
 TrainOptions options_of(const Case& c) {
   TrainOptions o;
   o.model = LmConfig::derive(32, 4, 2, 64, c.seq);
-  o.form = c.form;
+  o.model.mla.q_lora_rank = 12;  // so the query-latent variants run too
+  o.form = c.form.form;
+  o.queries = c.form.queries;
+  o.head_groups = c.form.head_groups;
+  o.overlap = c.form.overlap;
   o.attention = c.attention;
   o.sp = c.sp;
   o.batch = c.batch;
@@ -46,15 +51,16 @@ std::vector<MemoryPool> measured_pools(const TrainOptions& o) {
   return pools;
 }
 
-// Uneven shards (seq 33 over 2 ranks: 17 + 16; 4 heads over 3: 2 + 1 + 1),
-// every form, both attention kernels, batch 1 and 2.
+// Every variant in the registry (test::form_variants: each form, the query
+// latent, overlap), each on two layouts of uneven shards (seq 33 over 2
+// ranks: 17 + 16; seq 20 over 3 ranks, 4 heads: 2 + 1 + 1), both attention
+// kernels, batch 1 and 2.
 TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
-  const std::vector<Case> cases = {
-      {Form::laga, AttentionKind::flash, 1, 16, 2},
-      {Form::explicit_form, AttentionKind::eager, 2, 33, 1},
-      {Form::absorbed, AttentionKind::flash, 2, 33, 2},
-      {Form::laga, AttentionKind::eager, 3, 20, 1},
-  };
+  std::vector<Case> cases;
+  for (FormVariant v : test::form_variants(options_of({}).model.mla, test::WithOverlap::yes)) {
+    cases.push_back({v, AttentionKind::flash, 2, 33, 2});
+    cases.push_back({v, AttentionKind::eager, 3, 20, 1});
+  }
   for (const Case& c : cases) {
     const TrainOptions o = options_of(c);
     SCOPED_TRACE(cat(to_string(c.form), " ", to_string(c.attention), " P=", c.sp, " S=", c.seq,
@@ -84,7 +90,7 @@ TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
 // the pool's), and the closed-form terms follow the options.
 TEST(TrainMemory, ResumeAndCheckpointsAndTheTermsOutsideThePool) {
   const auto dir = test::scratch_dir("model_train_memory_", "resume");
-  TrainOptions o = options_of({Form::laga, AttentionKind::flash, 2, 24, 1});
+  TrainOptions o = options_of({FormVariant(Form::laga), AttentionKind::flash, 2, 24, 1});
   o.checkpoint_dir = dir.string();
   o.save_every = 1;
   const std::vector<TrainMemory> fresh = predict_train_memory(o, StagingRule::in_process);
