@@ -6,8 +6,10 @@ reports the crossover `laga plan` computes, and bad sweeps are refused.
 """
 import json
 import os
+import struct
 import subprocess
 import sys
+import time
 
 laga, scratch = sys.argv[1], sys.argv[2]
 os.makedirs(scratch, exist_ok=True)
@@ -24,22 +26,41 @@ def run(args, expect_rc=0):
     return p
 
 
-def is_png(path):
+def png_size(path):
+    """(width, height) from a PNG's IHDR chunk, or None when it is not a PNG."""
     with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+        head = f.read(24)
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return struct.unpack(">II", head[16:24])
+
+
+def check_written(path, what, since):
+    """The image at path was written by this run: a PNG of plot size, newer
+    than the run's start (a reused build tree may hold an earlier run's)."""
+    if not os.path.exists(path):
+        failures.append(f"{what}: no PNG written")
+        return
+    size, st = png_size(path), os.stat(path)
+    if size is None or st.st_size < 10_000 or size[0] < 400 or size[1] < 300:
+        failures.append(f"{what}: {path} is not a plot ({st.st_size} bytes, size {size})")
+    if st.st_mtime < since:
+        failures.append(f"{what}: {path} is older than this run")
 
 
 grid_png = os.path.join(scratch, "grid.png")
+bw_png = os.path.join(scratch, "bw.png")
+for old in (grid_png, bw_png):  # an earlier run's images must not pass for this one's
+    if os.path.exists(old):
+        os.remove(old)
+start = time.time() - 1  # mtime granularity
 run(["--out", grid_png, "grid", "--preset", "small", "--seq", "1024,4096", "--sp", "2,8",
      "--profile", "a100"])
-if not (os.path.exists(grid_png) and is_png(grid_png)):
-    failures.append("grid: no PNG written")
+check_written(grid_png, "grid", start)
 
-bw_png = os.path.join(scratch, "bw.png")
 p = run(["--out", bw_png, "--gbps", "0.01,100", "--points", "3", "bandwidth", "--preset",
          "small", "--seq", "4096", "--sp", "8", "--profile", "a100", "--forms", "explicit,laga"])
-if not (os.path.exists(bw_png) and is_png(bw_png)):
-    failures.append("bandwidth: no PNG written")
+check_written(bw_png, "bandwidth", start)
 # The crossover it reports is the planner's own sentence.
 plan_json = os.path.join(scratch, "plan.json")
 subprocess.run([laga, "plan", "--quiet", "--preset", "small", "--seq", "4096", "--sp", "8",
