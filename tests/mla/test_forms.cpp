@@ -436,9 +436,22 @@ void for_each_bitwise_case(Fn&& fn) {
       }
 }
 
-TEST(Laga2dAtPhEqualsP, IsLagaBitForBitAndByteForByte) {
+// At Ph = P laga2d has one context group: its grid must put each rank's
+// attention where laga's does (its own head shard of the layout, every query
+// row), which HeadContextGrid::make decides apart from SpLayout's shards, so
+// that is checked first and can fail on its own. Given that placement the
+// two forms run the same shared pieces (LagaInputs, the head attention), so
+// the bits and bytes that follow agree by construction: this guards the
+// placement rule and the laga2d file's use of the pieces, not the kernels.
+TEST(Laga2dAtPhEqualsP, TakesLagasPlacementSoItsBitsAndBytes) {
   for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
                            RunSpec spec, const std::string& tag) {
+    const Placement at_ph_p =
+        attention_placement(lay, {Form::laga2d, QueryExchange::heads, lay.ranks});
+    const Placement shards = attention_placement(lay, Form::laga);
+    EXPECT_EQ(at_ph_p.head_offset, shards.head_offset) << tag;
+    EXPECT_EQ(at_ph_p.head_count, shards.head_count) << tag;
+    EXPECT_EQ(at_ph_p.tokens, shards.tokens) << tag;
     for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
       if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
       spec.set_variant({Form::laga, q});

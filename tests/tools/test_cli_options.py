@@ -45,8 +45,10 @@ def expect_error(laga, args, needle):
         failures.append(f"laga {' '.join(args)}: still running after 60 s")
         return
     err = p.stderr.strip()
-    line = next((l for l in err.splitlines() if l.startswith(PREFIX)), "")
-    ok = (p.returncode == 2 and needle in err and line and PREFIX + PREFIX not in err
+    # One error, not two: exactly one line carries the prefix.
+    lines = [l for l in err.splitlines() if l.startswith(PREFIX)]
+    line = lines[0] if lines else ""
+    ok = (p.returncode == 2 and needle in err and len(lines) == 1 and PREFIX + PREFIX not in err
           and "Value 0 not in range" not in err)
     print(("ok:   " if ok else "FAIL: ") + f"laga {' '.join(args)} -> {p.returncode}: {line[:150]}")
     if not ok:
