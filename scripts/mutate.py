@@ -8,7 +8,8 @@ DIR/src, builds the test binaries listed in TESTS there once, then for each
 mutation in MUTATIONS, one at a time: applies it to the copy (the text must
 occur exactly once, so a mutation that no longer applies is an error, not a
 silent pass), rebuilds, runs TESTS with ctest, records which fail, and
-reverts. Prints a Markdown table (mutation, tests that failed) and exits 1
+reverts. A mutation whose tree does not build is reported as not applied
+(nothing ran), never as caught. Prints a Markdown table (mutation, tests that failed) and exits 1
 if any mutation was caught by no test, or could not be applied.
 
 The working tree itself is never modified. ccache (CMAKE_*_COMPILER_LAUNCHER)
@@ -26,9 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests every mutation is run against (ctest names; binaries of the same
 # name are the build targets, the Python fixture needs none).
 TESTS = [
-    "kernels_test_rmsnorm", "kernels_test_rope", "test_comm_local", "mla_test_config",
-    "mla_test_comm_model", "mla_test_block_grad", "mla_test_forms", "mla_test_naive_mla",
-    "mla_test_torch_reference",
+    "kernels_test_rmsnorm", "kernels_test_rope", "kernels_test_attention_packed",
+    "core_test_memory_pool", "test_comm_local", "mla_test_config", "mla_test_comm_model",
+    "mla_test_block_grad", "mla_test_forms", "mla_test_naive_mla", "mla_test_work_model",
+    "mla_test_torch_reference", "plan_test_time_model", "tools_test_memory_check_figure",
 ]
 
 # (name, what it breaks, file, original text, mutated text)
@@ -49,6 +51,26 @@ MUTATIONS = [
      "w.sent = P * send_count * dtype_bytes(dtype);"),
     ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
      "dxr[c] = r * w[c] * dyr[c] - xr[c] * k;", "dxr[c] = r * w[c] * dyr[c] + 0 * k;"),
+    # Issue 29: one for each part added since the list above was written.
+    ("plan_classes_by_shard", "the planner's rank classes keyed on the shards alone (the "
+     "shipped bug: laga2d's ranks of equal shards send different bytes)",
+     "src/plan/time_model.cpp", "const Key key{layout.seq_count[u], own,",
+     "const Key key{layout.seq_count[u], 0,"),
+    ("cache_bound_x2", "the block cache's share of the held bound (and so of the memory "
+     "check's allowance) doubled", "src/core/memory_pool.cpp",
+     "std::ceil(factor * double(cache_.stats().live_peak))",
+     "std::ceil(2 * factor * double(cache_.stats().live_peak))"),
+    ("memory_check_one_rank", "the memory check counts one rank of a local run, not all P",
+     "src/tools/memory_check.cpp", "(all_here ? sum : worst) + held_shared",
+     "worst + held_shared"),
+    ("packed_mask_leak", "the packed mask lets a row see the previous document's last key",
+     "src/kernels/attention.hpp", "return doc_start == nullptr || t < 0 ? 0 : doc_start[b * Sk + t];",
+     "return doc_start == nullptr || t < 0 ? 0\n"
+     "         : (doc_start[b * Sk + t] > 0 ? doc_start[b * Sk + t] - 1 : 0);"),
+    ("laga2d_chunks_unmirrored", "laga2d's context group c takes chunks c and Pc + c, not its "
+     "mirror 2Pc - 1 - c (still a tiling: only the balance shows it)", "src/mla/layout.cpp",
+     "for (const int k : {r % Pc, 2 * Pc - 1 - r % Pc}) {",
+     "for (const int k : {r % Pc, Pc + r % Pc}) {"),
 ]
 
 
@@ -120,13 +142,18 @@ def main():
         try:
             with open(path, "w") as f:
                 f.write(text.replace(old, new))
-            if sh(build_cmd, ROOT, log) != 0:
-                caught = ["(build failed)"]
-            else:
-                caught = failed_tests(build, log, a.jobs)
+            # A mutation that does not build was never run: not applied, not
+            # caught (a test cannot see what does not exist).
+            built = sh(build_cmd, ROOT, log) == 0
+            caught = failed_tests(build, log, a.jobs) if built else []
         finally:
             with open(path, "w") as f:
                 f.write(text)
+        if not built:
+            print(f"mutate: {name}: NOT APPLIED (the mutated tree does not build)", flush=True)
+            rows.append((name, what, rel, "**not applied: does not build**"))
+            bad.append(name)
+            continue
         print(f"mutate: {name}: {', '.join(caught) or 'NOT CAUGHT'}", flush=True)
         rows.append((name, what, rel, ", ".join(f"`{t}`" for t in caught) or "**not caught**"))
         if not caught:
