@@ -92,8 +92,10 @@
 // every comparison of results sees. Every buffer of a started call must then
 // be storage of the rank's memory pool with storage tracking on from before
 // it was allocated (LocalRunOptions::deferred_delivery_for_testing sets up
-// both on every rank). What it cannot see: a read of recv before the wait
-// whose result is never used, and memory that is not a tensor's.
+// both on every rank; a buffer it does not track is refused at start). What
+// it cannot see: a read of recv before the wait whose result is never used,
+// a write into recv that leaves quiet NaN there, and the timing of a real
+// asynchronous transport, whose data does not all arrive at the wait.
 //
 // Checks: every backend makes the same checks of one rank's own arguments
 // before anything moves, and words them alike ("<collective> '<label>' on
