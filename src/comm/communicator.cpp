@@ -4,12 +4,15 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "comm/collective_util.hpp"
 #include "comm/link_model.hpp"
 #include "core/error.hpp"
+#include "core/memory_pool.hpp"
 
 namespace laga {
 
@@ -406,7 +409,7 @@ void wait_until(std::chrono::steady_clock::time_point until) {
 
 PendingCollective& PendingCollective::operator=(PendingCollective&& o) noexcept {
   if (this != &o) {
-    if (pending_) owner_->wait(*this);
+    if (pending_) owner_->complete(*this, false);
     owner_ = o.owner_, id_ = o.id_, done_at_ = o.done_at_;
     pending_ = std::exchange(o.pending_, false);
   }
@@ -414,17 +417,29 @@ PendingCollective& PendingCollective::operator=(PendingCollective&& o) noexcept 
 }
 
 PendingCollective::~PendingCollective() {
-  if (pending_) owner_->wait(*this);
+  if (pending_) owner_->complete(*this, false);
 }
 
 void Communicator::wait(PendingCollective& p) {
   if (!p.pending_) return;
   LAGA_CHECK(p.owner_ == this, "internal: a started collective waited for on another communicator");
+  complete(p, true);
+}
+
+void Communicator::complete(PendingCollective& p, bool deliver_results) {
   const auto start = std::chrono::steady_clock::now();
   wait_until(p.done_at_);
   seconds_in_collectives_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   p.pending_ = false;
+  // Without delivery (a destructor, maybe unwinding) the buffers are not
+  // touched: they may be freed already.
+  const auto d = deferred_.find(p.id_);
+  if (d != deferred_.end()) {
+    const DeferredCall call = std::move(d->second);
+    deferred_.erase(d);
+    if (deliver_results) deliver(call);
+  }
   if (observer_) {
     CollectiveEvent e;
     e.what = CollectiveEvent::What::waited;
@@ -432,6 +447,113 @@ void Communicator::wait(PendingCollective& p) {
     e.id = p.id_;
     observer_(e);
   }
+}
+
+// ---------------------------------------------------------------- deferred delivery
+
+namespace {
+
+// FNV-1a of a buffer's bytes: a send buffer at start against itself at the wait.
+std::uint64_t checksum(const void* p, std::int64_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::int64_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+// One element of the poison: quiet NaN, which every later result it reaches
+// carries, in the dtype's bytes.
+std::vector<unsigned char> poison_element(DType t) {
+  std::vector<unsigned char> e(static_cast<size_t>(dtype_bytes(t)));
+  if (t == DType::f32) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(e.data(), &nan, sizeof nan);
+  } else {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    std::memcpy(e.data(), &nan, sizeof nan);
+  }
+  return e;
+}
+
+// "send buffer", "recv block 2"
+std::string buffer_name(const char* what, int index) {
+  return index < 0 ? cat(what, " buffer") : cat(what, " block ", index);
+}
+
+}  // namespace
+
+Communicator::DeferredCall Communicator::defer_check(CollectiveKind kind, const std::string& label,
+                                                     DType dtype, std::vector<DeferredBuffer> send,
+                                                     std::vector<DeferredBuffer> recv) const {
+  DeferredCall call{kind, label, dtype, &current_pool(), {}, {}};
+  const auto where = [&] {
+    return cat(call_name(kind, label), " on rank ", rank(), " of ", size());
+  };
+  const auto keep = [&](std::vector<DeferredBuffer>& from, std::vector<DeferredBuffer>& to,
+                        const char* what) {
+    for (DeferredBuffer& b : from) {
+      if (b.p == nullptr || b.bytes <= 0) continue;  // count-only or empty: nothing moves
+      LAGA_CHECK(call.pool->storage_tracking(), where(),
+                 ": deferred delivery (a test mode) checks that a started call's buffers stay "
+                 "allocated until its wait through the rank's memory pool, whose storage tracking "
+                 "is off; turn on MemoryPool::set_storage_tracking on the rank's thread before the "
+                 "buffers are allocated (LocalRunOptions::deferred_delivery_for_testing does)");
+      b.block = call.pool->storage_block(b.p, b.bytes);
+      LAGA_CHECK(b.block != 0, where(), ": its ", buffer_name(what, b.index),
+                 " is not storage of this rank's memory pool allocated while its storage tracking "
+                 "was on; under deferred delivery every buffer of a started call must be a "
+                 "tensor of the rank's pool, so that its wait can tell whether it is still "
+                 "allocated");
+      to.push_back(std::move(b));
+    }
+  };
+  keep(send, call.send, "send");
+  keep(recv, call.recv, "recv");
+  return call;
+}
+
+void Communicator::defer(DeferredCall call) {
+  for (DeferredBuffer& b : call.send) b.sum = checksum(b.p, b.bytes);
+  const std::vector<unsigned char> nan = poison_element(call.dtype);
+  for (DeferredBuffer& b : call.recv) {
+    const auto* p = static_cast<unsigned char*>(b.p);
+    b.staged.assign(p, p + b.bytes);
+    for (std::int64_t i = 0; i < b.bytes; i += dtype_bytes(call.dtype))
+      std::memcpy(static_cast<unsigned char*>(b.p) + i, nan.data(), nan.size());
+  }
+  if (!call.send.empty() || !call.recv.empty()) deferred_.emplace(started_ - 1, std::move(call));
+}
+
+void Communicator::deliver(const DeferredCall& call) const {
+  const auto where = [&] {
+    return cat(call_name(call.kind, call.label), " on rank ", rank(), " of ", size(),
+               " (deferred delivery, a test mode)");
+  };
+  for (const DeferredBuffer& b : call.send) {
+    // Only a buffer still allocated is read; a released one is the finding.
+    LAGA_CHECK(call.pool->storage_block(b.p, b.bytes) == b.block, where(), ": its ",
+               buffer_name("send", b.index),
+               " was released before wait(); an asynchronous transport (MPI nonblocking, NCCL) "
+               "reads the send buffer until the wait, so keep it alive until then");
+    LAGA_CHECK(checksum(b.p, b.bytes) == b.sum, where(), ": its ", buffer_name("send", b.index),
+               " changed between the start and wait(); an asynchronous transport reads the send "
+               "buffer until the wait, so leave it as it is until then");
+  }
+  const std::vector<unsigned char> nan = poison_element(call.dtype);
+  for (const DeferredBuffer& b : call.recv) {
+    LAGA_CHECK(call.pool->storage_block(b.p, b.bytes) == b.block, where(), ": its ",
+               buffer_name("recv", b.index),
+               " was released before wait(); the result lands there at the wait, so keep it "
+               "alive until then");
+    const auto* p = static_cast<const unsigned char*>(b.p);
+    bool untouched = true;
+    for (std::int64_t i = 0; untouched && i < b.bytes; i += dtype_bytes(call.dtype))
+      untouched = std::memcmp(p + i, nan.data(), nan.size()) == 0;
+    LAGA_CHECK(untouched, where(), ": its ", buffer_name("recv", b.index),
+               " was written between the start and wait(); the result lands there at the wait "
+               "and would overwrite it");
+  }
+  for (const DeferredBuffer& b : call.recv) std::memcpy(b.p, b.staged.data(), b.staged.size());
 }
 
 void Communicator::set_link_model(const LinkModel* link) {
@@ -522,8 +644,22 @@ PendingCollective Communicator::start_all_gather_v(const void* send, std::int64_
                                                    void* recv, const std::int64_t* recv_counts,
                                                    const std::int64_t* recv_displs, DType dtype,
                                                    const std::string& label) {
-  return pending_until(
-      all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, true));
+  std::optional<DeferredCall> d;
+  if (deferred_delivery_) {
+    // In place, the own recv block is the send buffer: checked as that.
+    const int r = rank();
+    const bool in_place = send && recv && send == at(recv, recv_displs[r], dtype);
+    std::vector<DeferredBuffer> in;
+    for (int j = 0; j < size() && recv; ++j)
+      if (!(in_place && j == r))
+        in.push_back({at(recv, recv_displs[j], dtype), recv_counts[j] * dtype_bytes(dtype), j});
+    d = defer_check(CollectiveKind::all_gather, label, dtype,
+                    {{const_cast<void*>(send), send_count * dtype_bytes(dtype)}}, std::move(in));
+  }
+  const auto done =
+      all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, true);
+  if (d) defer(std::move(*d));
+  return pending_until(done);
 }
 
 PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_point done) {
@@ -568,7 +704,22 @@ void Communicator::reduce_scatter_v(const void* send, const std::int64_t* counts
 PendingCollective Communicator::start_reduce_scatter_v(const void* send, const std::int64_t* counts,
                                                        const std::int64_t* displs, void* recv,
                                                        DType dtype, const std::string& label) {
-  return pending_until(reduce_scatter_call(send, counts, displs, recv, dtype, label, true));
+  std::optional<DeferredCall> d;
+  if (deferred_delivery_) {
+    // In place, the own send block is recv: checked as that.
+    const int r = rank();
+    const bool in_place = send && recv && recv == at(send, displs[r], dtype);
+    std::vector<DeferredBuffer> out;
+    for (int j = 0; j < size() && send; ++j)
+      if (!(in_place && j == r))
+        out.push_back({const_cast<std::byte*>(at(send, displs[j], dtype)),
+                       counts[j] * dtype_bytes(dtype), j});
+    d = defer_check(CollectiveKind::reduce_scatter, label, dtype, std::move(out),
+                    {{recv, counts[r] * dtype_bytes(dtype)}});
+  }
+  const auto done = reduce_scatter_call(send, counts, displs, recv, dtype, label, true);
+  if (d) defer(std::move(*d));
+  return pending_until(done);
 }
 
 std::chrono::steady_clock::time_point Communicator::reduce_scatter_call(

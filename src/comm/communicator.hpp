@@ -67,12 +67,35 @@
 // Overlap (start_all_gather_v, start_reduce_scatter_v, wait): the checks,
 // the transport and the ledger record of a started collective happen when it
 // starts, exactly as in the blocking call, so results and bytes are the same
-// bit for bit; `recv` may be read only after wait(). What overlaps is the
-// collective's modelled link time (above) with whatever the rank computes
-// between start and wait: wait returns at the modelled completion, or at
-// once when it is past. Without a link model both backends move the data at
-// start (in-process copies, MPI over shared memory), so there is no link
-// time to hide and the two orders cost the same (docs/forms.md, "Overlap").
+// bit for bit. What overlaps is the collective's modelled link time (above)
+// with whatever the rank computes between start and wait: wait returns at
+// the modelled completion, or at once when it is past. Without a link model
+// both backends move the data at start (in-process copies, MPI over shared
+// memory), so there is no link time to hide and the two orders cost the
+// same (docs/forms.md, "Overlap").
+//
+// The caller's side is the contract of an asynchronous transport (MPI
+// nonblocking, NCCL), although these backends finish at start: `recv` is
+// read, and written, only after wait(), and `send` stays allocated and
+// unchanged until wait() returns. Since the data is here at start, a caller
+// that breaks it passes every check of results on these backends, so tests
+// run the started calls under deferred delivery
+// (set_deferred_delivery_for_testing): the transport still runs at start (the
+// cross-rank order, the ledger and the link clock are unchanged), then the
+// communicator moves each recv block's result into a copy of its own (not in
+// any memory pool, so every count and peak is unchanged), fills the block
+// with quiet NaN, and notes each send block's pool block
+// (MemoryPool::storage_block) and checksum. wait() then throws, naming the
+// call, if a send block was released (its pool block is gone or handed out
+// again) or changed, or a recv block was released or written, and only then
+// copies the results in. A read before the wait computes with NaN, which
+// every comparison of results sees. Every buffer of a started call must then
+// be storage of the rank's memory pool with storage tracking on from before
+// it was allocated (LocalRunOptions::deferred_delivery_for_testing sets up
+// both on every rank; a buffer it does not track is refused at start). What
+// it cannot see: a read of recv before the wait whose result is never used,
+// a write into recv that leaves quiet NaN there, and the timing of a real
+// asynchronous transport, whose data does not all arrive at the wait.
 //
 // Checks: every backend makes the same checks of one rank's own arguments
 // before anything moves, and words them alike ("<collective> '<label>' on
@@ -205,11 +228,13 @@ enum class TransportFault {
 };
 
 class Communicator;
+class MemoryPool;  // core/memory_pool.hpp
 
 // A collective started by Communicator::start_* and not yet waited for. Its
-// destructor waits (a path that leaves early, e.g. on an exception, never
-// leaves the link model's clock behind). The communicator that started it
-// must outlive it.
+// destructor, and assigning over it, wait for its modelled time (a path
+// that leaves early, e.g. on an exception, never leaves the link model's
+// clock behind) but, under deferred delivery, deliver nothing: the buffers
+// may be gone by then. The communicator that started it must outlive it.
 class PendingCollective {
  public:
   PendingCollective() = default;
@@ -285,7 +310,8 @@ class Communicator {
   PendingCollective start_reduce_scatter_v(const void* send, const std::int64_t* counts,
                                            const std::int64_t* displs, void* recv, DType dtype,
                                            const std::string& label);
-  // Returns when the started collective is complete (its modelled time).
+  // Returns when the started collective is complete (its modelled time);
+  // under deferred delivery, with recv holding its result ("Overlap").
   void wait(PendingCollective& p);
   // In-place sum over ranks of n elements.
   void all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label);
@@ -307,6 +333,11 @@ class Communicator {
   const LinkModel* link_model() const { return link_model_.get(); }
   // Tests only: see TransportFault.
   void inject_fault_for_testing(TransportFault f) { fault_ = f; }
+  // Tests only: started collectives deliver their results at wait() and
+  // check their buffers there ("Overlap"). Set it between calls, with no
+  // started one pending.
+  void set_deferred_delivery_for_testing(bool on) { deferred_delivery_ = on; }
+  bool deferred_delivery_for_testing() const { return deferred_delivery_; }
   // Tells `observer` of every later collective and wait (CollectiveEvent);
   // an empty one stops telling.
   void set_observer(CollectiveObserver observer) { observer_ = std::move(observer); }
@@ -386,6 +417,7 @@ class Communicator {
   std::int64_t calls_done() const { return calls_; }
 
  private:
+  friend class PendingCollective;  // its destructor completes it without delivering
   // check_usable, then body(moved) -- the checks and the transport, returning
   // the derived bytes per peer -- then the ledger; call_failed on any error.
   // The bodies of all_gather_v / reduce_scatter_v and their start_* forms.
@@ -401,6 +433,38 @@ class Communicator {
                                                             bool started);
   // The started call just run (its id is started_ - 1), complete at `done`.
   PendingCollective pending_until(std::chrono::steady_clock::time_point done);
+  // Waits out p's modelled time; with `deliver`, what wait() does besides.
+  void complete(PendingCollective& p, bool deliver);
+
+  // Deferred delivery ("Overlap"): one buffer of a started call (a peer's
+  // block, or index -1: the whole buffer) and what its wait checks.
+  struct DeferredBuffer {
+    DeferredBuffer(void* p_, std::int64_t bytes_, int index_ = -1)
+        : p(p_), bytes(bytes_), index(index_) {}
+    void* p = nullptr;
+    std::int64_t bytes = 0;
+    int index = -1;
+    std::int64_t block = 0;             // its pool block (MemoryPool::storage_block) at start
+    std::uint64_t sum = 0;              // send: a checksum of its bytes at start
+    std::vector<unsigned char> staged;  // recv: the result, copied in at the wait
+  };
+  struct DeferredCall {
+    CollectiveKind kind = CollectiveKind::all_gather;
+    std::string label;
+    DType dtype = DType::f32;
+    const MemoryPool* pool = nullptr;  // the rank's, whose storage the buffers are
+    std::vector<DeferredBuffer> send, recv;
+  };
+  // Before the transport (a refused call moves nothing): every buffer must
+  // be a live block of this thread's pool, with its storage tracked.
+  DeferredCall defer_check(CollectiveKind kind, const std::string& label, DType dtype,
+                           std::vector<DeferredBuffer> send,
+                           std::vector<DeferredBuffer> recv) const;
+  // After the transport: the send checksums, recv's results staged and recv
+  // poisoned; kept for the wait of the started call just run.
+  void defer(DeferredCall call);
+  // At the wait: the checks, then the results into recv.
+  void deliver(const DeferredCall& call) const;
   // Returns the call's modelled completion (now without a link model), having
   // waited for it unless `started` (the start_* forms).
   template <class Body>
@@ -418,6 +482,8 @@ class Communicator {
   CollectiveObserver observer_;
   std::int64_t started_ = 0;  // start_* calls so far: the next one's id
   double seconds_in_collectives_ = 0;
+  bool deferred_delivery_ = false;
+  std::map<std::int64_t, DeferredCall> deferred_;  // by the started call's id
 };
 
 // The chunk of an n-element all_reduce that rank r owns in its

@@ -548,6 +548,10 @@ void run_local_ranks(std::vector<std::unique_ptr<Communicator>>& comms,
       PoolScope scope(options.pools ? (*options.pools)[r] : own_pool);
       try {
         set_rank_threads(threads);
+        if (options.deferred_delivery_for_testing) {
+          current_pool().set_storage_tracking(true);
+          comms[r]->set_deferred_delivery_for_testing(true);
+        }
         body(*comms[r]);
         locals[r]->mark_finished();
       } catch (const std::exception& e) {

@@ -90,6 +90,11 @@ struct LocalRunOptions {
   // a pool of its own that ends with the thread, so tensors made in the body
   // must not outlive it.
   std::vector<MemoryPool>* pools = nullptr;
+  // Tests only: every rank's started collectives deliver at wait() and check
+  // their buffers there (communicator.hpp, "Overlap"): each rank's pool
+  // tracks its storage from the start of its thread, and its communicator
+  // defers.
+  bool deferred_delivery_for_testing = false;
 };
 
 // Runs body(comm) on P threads, one per rank, and joins them. If any rank

@@ -105,17 +105,40 @@ void MemoryPool::set_count_only(bool on) {
 }
 
 MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
-  if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) return {cache_.acquire(bytes), true};
-  if (count_only_) return {};
-  const std::size_t rounded = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
-  return {std::aligned_alloc(kAlign, rounded), false};
+  Storage s;
+  if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) {
+    s = {cache_.acquire(bytes), true};
+  } else if (!count_only_) {
+    const std::size_t rounded = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
+    s = {std::aligned_alloc(kAlign, rounded), false};
+  }
+  if (storage_tracking_ && s.data) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(s.data);
+    blocks_[begin] = {begin + static_cast<std::uintptr_t>(bytes), next_block_++};
+  }
+  return s;
 }
 
 void MemoryPool::release_storage(Storage storage, std::int64_t bytes) {
+  if (storage.data) blocks_.erase(reinterpret_cast<std::uintptr_t>(storage.data));
   if (storage.cached)  // a count-only one too: the cache counts it back
     cache_.release(storage.data, bytes);
   else
     std::free(storage.data);
+}
+
+void MemoryPool::set_storage_tracking(bool on) {
+  if (on == storage_tracking_) return;  // on again keeps what it knows
+  storage_tracking_ = on;
+  blocks_.clear();
+}
+
+std::int64_t MemoryPool::storage_block(const void* p, std::int64_t bytes) const {
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  auto it = blocks_.upper_bound(begin);  // the first block starting after p
+  if (p == nullptr || bytes < 0 || it == blocks_.begin()) return 0;
+  --it;
+  return begin + static_cast<std::uintptr_t>(bytes) <= it->second.end ? it->second.number : 0;
 }
 
 void MemoryPool::set_cache_min_bytes(std::int64_t bytes) {

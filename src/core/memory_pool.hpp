@@ -79,6 +79,20 @@ class MemoryPool {
   // Gives back what acquire_storage(bytes) returned, with the same bytes.
   void release_storage(Storage storage, std::int64_t bytes);
 
+  // Storage tracking (tests: Communicator's deferred delivery,
+  // comm/communicator.hpp "Overlap"): while on, the pool keeps the address
+  // range of every block acquire_storage hands out, each under a number never
+  // used again, so a caller that noted a buffer's block can tell later
+  // whether that block is still live there: not released, nor released and
+  // handed out again at the same address (the cache does that). Only blocks
+  // acquired while it is on are known; turning it off forgets them. Off by
+  // default: a map update per allocation.
+  void set_storage_tracking(bool on);
+  bool storage_tracking() const { return storage_tracking_; }
+  // The number of the tracked live block that holds all of [p, p + bytes),
+  // or 0 when none does (tracking off, not this pool's storage, released).
+  std::int64_t storage_block(const void* p, std::int64_t bytes) const;
+
   // The pool's block cache: its limit, trim() (where a run ends) and stats.
   BlockCache& cache() { return cache_; }
   const BlockCache& cache() const { return cache_; }
@@ -148,6 +162,14 @@ class MemoryPool {
   BlockCache cache_;
   std::int64_t cache_min_bytes_ = BlockCache::kDefaultMinBytes;
   std::vector<Event>* trace_ = nullptr;
+  // Storage tracking: each tracked live block by its first byte: its end and number.
+  struct TrackedBlock {
+    std::uintptr_t end;
+    std::int64_t number;
+  };
+  bool storage_tracking_ = false;
+  std::int64_t next_block_ = 1;
+  std::map<std::uintptr_t, TrackedBlock> blocks_;
   bool live_tracking_ = false;
   std::int64_t next_id_ = 1, stretch_first_id_ = 1, stretch_base_ = 0;
   std::map<std::int64_t, LiveAlloc> live_;

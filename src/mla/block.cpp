@@ -218,15 +218,15 @@ Tensor<T> Pieces<T>::queries_to_tokens(const Step& st, Tensor<T>& dq_h, Tensor<T
 
 template <class T>
 Tensor<T> Pieces<T>::gather_latent(const Step& st, const Tensor<T>& c_hat, ops::In<T> kv_a,
-                                   PendingCollective* started) {
+                                   StartedSeq<T>* started) {
   // The all-gather's send buffer: [c_hat | k_pe] per local token.
   Tensor<T> lat_loc({st.B, st.L, st.W}, "lat_loc", MemCategory::comm_buffers);
   ops::copy(mat(lat_loc).col_range(0, st.C), mat(c_hat));
   ops::copy(mat(lat_loc).col_range(st.C, st.dr), kv_a.col_range(st.C, st.dr));
   Tensor<T> lat({st.B, st.S, st.W}, "lat");
-  if (started)
-    *started =
-        start_gather_seq(st.ctx.comm, st.ctx.layout, lat_loc.data(), lat.data(), st.W, "latent_ag");
+  if (started)  // lat_loc goes with it: the collective reads it until the wait
+    *started = start_gather_seq(st.ctx.comm, st.ctx.layout, std::move(lat_loc), lat.data(), st.W,
+                                "latent_ag");
   else
     gather_seq(st.ctx.comm, st.ctx.layout, lat_loc.data(), lat.data(), st.W, "latent_ag");
   return lat;
@@ -308,14 +308,15 @@ Tensor<T> Pieces<T>::to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, con
 }
 
 template <class T>
-Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, PendingCollective* started) {
+Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T>* started) {
   Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
-  if (started)
-    *started = start_reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(),
-                                        st.W, "latent_ag");
-  else
+  if (started) {  // dlat goes with it: the collective may read it until the wait
+    *started = start_reduce_scatter_seq(st.ctx.comm, st.ctx.layout, std::move(dlat),
+                                        dlat_loc.data(), st.W, "latent_ag");
+  } else {
     reduce_scatter_seq(st.ctx.comm, st.ctx.layout, dlat.data(), dlat_loc.data(), st.W, "latent_ag");
-  dlat.reset();
+    dlat.reset();
+  }
   return dlat_loc;
 }
 
@@ -406,11 +407,11 @@ template <class T>
 void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                     Tensor<T>& dq, Tensor<T>& dlat_loc, Tensor<T>& dproj,
                                     InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads,
-                                    PendingCollective* dlat_pending) {
+                                    StartedSeq<T>* dlat_pending) {
   if (!dproj.defined()) dproj = Tensor<T>({st.B, st.L, st.Nq + st.W}, "dproj");
   if (dlat_pending) {
     query_backward(st, w, dq, in, dproj, grads);
-    st.ctx.comm.wait(*dlat_pending);
+    dlat_pending->wait(st.ctx.comm);
     latent_norm_backward(st, w, dlat_loc, in, dproj, grads);
   } else {
     latent_norm_backward(st, w, dlat_loc, in, dproj, grads);
@@ -502,13 +503,13 @@ typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaPara
     // The latent first: its all-gather is on the link while the queries are
     // projected (their own collective queues behind it); waited for only
     // where the up-projection reads it.
-    PendingCollective lat_ag;
+    StartedSeq<T> lat_ag;
     {
       Tensor<T> c_hat = P::project_latent(st, w, in, "c_hat");
       lat = P::gather_latent(st, c_hat, in.kv_a_rows(st), &lat_ag);
     }
     r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);
-    st.ctx.comm.wait(lat_ag);
+    lat_ag.wait(st.ctx.comm);
   } else {
     if (latent) r.q_h = exchange_query_latent(st, w);
     Tensor<T> c_hat = P::project_latent(st, w, in, "c_hat");
@@ -531,8 +532,8 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
   lat.reset();
   // Overlap: the reduce-scatter is on the link while the query path's
   // backward runs (project_in_backward waits for it before the latent's).
-  PendingCollective dlat_rs;
-  PendingCollective* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
+  StartedSeq<T> dlat_rs;
+  StartedSeq<T>* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
   Tensor<T> dlat_loc = P::reduce_latent(st, dlat, started);
   P::project_in_backward(st, w, x, dq, dlat_loc, dproj, in, dx, grads, started);
 }

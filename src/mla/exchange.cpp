@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/error.hpp"
@@ -263,48 +264,28 @@ void head_to_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, 
 
 namespace {
 
-// gather_seq and its started form; `started` returns the pending call.
-template <class T>
-PendingCollective gather(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                         std::int64_t W, const std::string& label, bool started) {
-  const int P = lay.ranks, r = comm.rank();
-  const std::int64_t B = lay.batch;
-  Counts rc(u(P));
-  for (int i = 0; i < P; ++i) rc[u(i)] = B * lay.seq_count[u(i)] * W;
-  const Counts rd = displs_of(rc);
-  const auto call = [&](T* recv) {
-    if (started) return comm.start_all_gather_v(src, rc[u(r)], recv, rc.data(), rd.data(), label);
-    comm.all_gather_v(src, rc[u(r)], recv, rc.data(), rd.data(), label);
-    return PendingCollective{};
-  };
-  if (B == 1) return call(dst);  // rank-major (L_0 | L_1 | ...) is already (S, W)
-  Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
-  PendingCollective pending = call(recv.data());
-  for (int i = 0; i < P; ++i)
-    copy_block(at(recv.data(), rd[u(i)]), lay.seq_count[u(i)], 0, W, 0, dst, lay.seq,
-               lay.seq_offset[u(i)], W, 0, B, lay.seq_count[u(i)], 1, W);
-  return pending;
+// The all-gather's and reduce-scatter's counts of a (B, L_r, W) shard per
+// rank: rank-major, B L_r W each.
+Counts seq_counts(const SpLayout& lay, std::int64_t W) {
+  Counts c(u(lay.ranks));
+  for (int i = 0; i < lay.ranks; ++i) c[u(i)] = lay.batch * lay.seq_count[u(i)] * W;
+  return c;
 }
-
+// The rank-major blocks (B, L_i, W) at displs[i] into (B, S, W), and back.
+// At B = 1 the two are the same, and the collectives use dst or src as is.
 template <class T>
-PendingCollective reduce_scatter(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                                 std::int64_t W, const std::string& label, bool started) {
-  const int P = lay.ranks;
-  const std::int64_t B = lay.batch;
-  Counts c(u(P));
-  for (int i = 0; i < P; ++i) c[u(i)] = B * lay.seq_count[u(i)] * W;
-  const Counts d = displs_of(c);
-  const auto call = [&](const T* send) {
-    if (started) return comm.start_reduce_scatter_v(send, c.data(), d.data(), dst, label);
-    comm.reduce_scatter_v(send, c.data(), d.data(), dst, label);
-    return PendingCollective{};
-  };
-  if (B == 1) return call(src);
-  Tensor<T> send({total(c)}, MemCategory::comm_buffers);
-  for (int i = 0; i < P; ++i)
-    copy_block(src, lay.seq, lay.seq_offset[u(i)], W, 0, at(send.data(), d[u(i)]),
-               lay.seq_count[u(i)], 0, W, 0, B, lay.seq_count[u(i)], 1, W);
-  return call(send.data());
+void unpack_ranks(const SpLayout& lay, const T* blocks, const Counts& displs, T* dst,
+                  std::int64_t W) {
+  for (int i = 0; i < lay.ranks; ++i)
+    copy_block(at(blocks, displs[u(i)]), lay.seq_count[u(i)], 0, W, 0, dst, lay.seq,
+               lay.seq_offset[u(i)], W, 0, lay.batch, lay.seq_count[u(i)], 1, W);
+}
+template <class T>
+void pack_ranks(const SpLayout& lay, const T* src, const Counts& displs, T* blocks,
+                std::int64_t W) {
+  for (int i = 0; i < lay.ranks; ++i)
+    copy_block(src, lay.seq, lay.seq_offset[u(i)], W, 0, at(blocks, displs[u(i)]),
+               lay.seq_count[u(i)], 0, W, 0, lay.batch, lay.seq_count[u(i)], 1, W);
 }
 
 }  // namespace
@@ -312,43 +293,97 @@ PendingCollective reduce_scatter(Communicator& comm, const SpLayout& lay, const 
 template <class T>
 void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t W,
                 const std::string& label) {
-  gather(comm, lay, src, dst, W, label, false);
+  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  const std::int64_t own = rc[u(comm.rank())];
+  if (lay.batch == 1) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
+    comm.all_gather_v(src, own, dst, rc.data(), rd.data(), label);
+    return;
+  }
+  Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
+  comm.all_gather_v(src, own, recv.data(), rc.data(), rd.data(), label);
+  unpack_ranks(lay, recv.data(), rd, dst, W);
 }
+
 template <class T>
 void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                         std::int64_t W, const std::string& label) {
-  reduce_scatter(comm, lay, src, dst, W, label, false);
-}
-template <class T>
-PendingCollective start_gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                                   std::int64_t W, const std::string& label) {
-  return gather(comm, lay, src, dst, W, label, true);
-}
-template <class T>
-PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src,
-                                           T* dst, std::int64_t W, const std::string& label) {
-  return reduce_scatter(comm, lay, src, dst, W, label, true);
+  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  if (lay.batch == 1) {
+    comm.reduce_scatter_v(src, c.data(), d.data(), dst, label);
+    return;
+  }
+  Tensor<T> send({total(c)}, MemCategory::comm_buffers);
+  pack_ranks(lay, src, d, send.data(), W);
+  comm.reduce_scatter_v(send.data(), c.data(), d.data(), dst, label);
 }
 
-#define LAGA_INSTANTIATE(T)                                                                        \
-  template void redistribute<T>(Communicator&, std::int64_t, const Placement&, const Placement&,   \
-                                const T*, T*, std::int64_t, const std::string&, std::int64_t,      \
-                                std::int64_t);                                                     \
-  template void redistribute_sum<T>(Communicator&, std::int64_t, const Placement&,                 \
-                                    const Placement&, const T*, T*, std::int64_t,                  \
-                                    const std::string&);                                           \
-  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
-                               const std::string&);                                                \
-  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
-                               const std::string&);                                                \
-  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,          \
-                              const std::string&);                                                 \
-  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,  \
-                                      const std::string&);                                         \
-  template PendingCollective start_gather_seq<T>(Communicator&, const SpLayout&, const T*, T*,     \
-                                                 std::int64_t, const std::string&);                \
-  template PendingCollective start_reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, \
-                                                         T*, std::int64_t, const std::string&);
+template <class T>
+StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src, T* dst,
+                               std::int64_t W, const std::string& label) {
+  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  StartedSeq<T> s;
+  s.send_ = std::move(src);
+  T* recv = dst;
+  if (lay.batch > 1) {
+    s.staging_ = Tensor<T>({total(rc)}, MemCategory::comm_buffers);
+    s.unpack_ = true, s.dst_ = dst, s.lay_ = lay, s.W_ = W;
+    recv = s.staging_.data();
+    // dst is the result here, not the collective's recv: under deferred
+    // delivery it holds the communicator's poison too until the wait.
+    if (comm.deferred_delivery_for_testing() && dst)
+      std::fill(dst, dst + lay.batch * lay.seq * W, std::numeric_limits<T>::quiet_NaN());
+  }
+  s.call_ = comm.start_all_gather_v(s.send_.data(), rc[u(comm.rank())], recv, rc.data(), rd.data(),
+                                    label);
+  return s;
+}
+
+template <class T>
+StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src,
+                                       T* dst, std::int64_t W, const std::string& label) {
+  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  StartedSeq<T> s;
+  if (lay.batch == 1) {
+    s.send_ = std::move(src);
+  } else {
+    s.send_ = Tensor<T>({total(c)}, MemCategory::comm_buffers);
+    pack_ranks(lay, src.data(), d, s.send_.data(), W);
+    src.reset();
+  }
+  s.call_ = comm.start_reduce_scatter_v(s.send_.data(), c.data(), d.data(), dst, label);
+  return s;
+}
+
+template <class T>
+void StartedSeq<T>::wait(Communicator& comm) {
+  comm.wait(call_);
+  // Count-only too (no storage): the unpacking's traffic is counted.
+  if (unpack_) unpack_ranks(lay_, staging_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
+  unpack_ = false;
+  staging_.reset();
+  send_.reset();
+}
+
+#define LAGA_INSTANTIATE(T)                                                                       \
+  template void redistribute<T>(Communicator&, std::int64_t, const Placement&, const Placement&,  \
+                                const T*, T*, std::int64_t, const std::string&, std::int64_t,     \
+                                std::int64_t);                                                    \
+  template void redistribute_sum<T>(Communicator&, std::int64_t, const Placement&,                \
+                                    const Placement&, const T*, T*, std::int64_t,                 \
+                                    const std::string&);                                          \
+  template void seq_to_head<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
+                               const std::string&);                                               \
+  template void head_to_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,        \
+                               const std::string&);                                               \
+  template void gather_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t,         \
+                              const std::string&);                                                \
+  template void reduce_scatter_seq<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t, \
+                                      const std::string&);                                        \
+  template StartedSeq<T> start_gather_seq<T>(Communicator&, const SpLayout&, Tensor<T>, T*,       \
+                                             std::int64_t, const std::string&);                   \
+  template StartedSeq<T> start_reduce_scatter_seq<T>(Communicator&, const SpLayout&, Tensor<T>,   \
+                                                     T*, std::int64_t, const std::string&);       \
+  template class StartedSeq<T>;
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -84,14 +84,49 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
                         std::int64_t W, const std::string& label);
 
 // The started forms of the last two (communicator.hpp, "Overlap"): the same
-// collective, bytes and staging; dst is to be read after comm.wait() on the
-// result. The (B > 1) unpacking into dst happens at start, where the
-// transport has completed (the communicator's contract).
+// collective, bytes and staging, with dst to be read only after wait(). A
+// started call's buffers must outlive its wait on an asynchronous transport
+// (MPI nonblocking, NCCL), so the StartedSeq they return owns them: src,
+// moved in, which is the send buffer (the gather's, and the reduce-scatter's
+// at B = 1), the reduce-scatter's packed send buffer at B > 1 (src is then
+// freed at start: the collective does not read it), and the gather's
+// rank-major receive staging at B > 1, which wait() unpacks into dst. Each is
+// freed at the wait, so its bytes are live until then (the memory model,
+// the count-only run of this code, counts them there too). Under deferred
+// delivery (tests) dst holds quiet NaN until the wait at any B.
 template <class T>
-PendingCollective start_gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                                   std::int64_t W, const std::string& label);
+class StartedSeq {
+ public:
+  // Waits for the collective, unpacks into dst (the gather at B > 1) and
+  // frees the buffers it held. Dropped without it, the collective is
+  // waited for (its modelled time) and dst never receives.
+  void wait(Communicator& comm);
+  bool pending() const { return call_.pending(); }
+
+  template <class U>
+  friend StartedSeq<U> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<U> src,
+                                        U* dst, std::int64_t W, const std::string& label);
+  template <class U>
+  friend StartedSeq<U> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay,
+                                                Tensor<U> src, U* dst, std::int64_t W,
+                                                const std::string& label);
+
+ private:
+  Tensor<T> send_;     // what the collective reads
+  Tensor<T> staging_;  // the gather at B > 1: what it writes, rank-major
+  // The gather at B > 1: where and how staging_ is unpacked.
+  bool unpack_ = false;
+  T* dst_ = nullptr;
+  SpLayout lay_;
+  std::int64_t W_ = 0;
+  PendingCollective call_;  // last: destroyed (waited for) before the buffers are freed
+};
+
 template <class T>
-PendingCollective start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src,
-                                           T* dst, std::int64_t W, const std::string& label);
+StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src, T* dst,
+                               std::int64_t W, const std::string& label);
+template <class T>
+StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src,
+                                       T* dst, std::int64_t W, const std::string& label);
 
 }  // namespace laga

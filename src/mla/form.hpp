@@ -164,15 +164,15 @@ struct Pieces {
   // d latent (B, S, C+dr) of every token from this rank's heads, summed over
   // the group for this rank's tokens (B, L, C+dr): the all-gather's adjoint.
   // Frees dlat. With `started` (Overlap::on), the reduce-scatter is started
-  // and its handle put there: the result is to be read after comm.wait().
-  static Tensor<T> reduce_latent(const Step& st, Tensor<T>& dlat,
-                                 PendingCollective* started = nullptr);
+  // and put there, holding dlat (or its packed copy) until its wait: the
+  // result is to be read after started->wait().
+  static Tensor<T> reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T>* started = nullptr);
 
   // [c_hat | k_pe] of local tokens gathered over the group: (B, S, C+dr).
-  // `started` as for reduce_latent.
+  // `started` as for reduce_latent; it holds the send buffer of local rows.
   // kv_a: (B L, C+dr) rows, whose k_pe columns are sent.
   static Tensor<T> gather_latent(const Step& st, const Tensor<T>& c_hat, ops::In<T> kv_a,
-                                 PendingCollective* started = nullptr);
+                                 StartedSeq<T>* started = nullptr);
 
   // laga's up-projection for this rank's H_r heads over the first `keys`
   // tokens of every row of the gathered latent lat (B, S, C+dr):
@@ -231,7 +231,7 @@ struct Pieces {
   static void project_in_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                                   Tensor<T>& dq, Tensor<T>& dlat_loc, Tensor<T>& dproj,
                                   InputSaved<T>& in, Tensor<T>& dx, MlaParams<T>& grads,
-                                  PendingCollective* dlat_pending = nullptr);
+                                  StartedSeq<T>* dlat_pending = nullptr);
   // Its two halves, each writing its columns of dproj: the queries' (q_pe
   // rotated back; rq > 0 through wq_b (heads) and q_norm) and the latent
   // norm's (dlat_loc rotated back and taken through kv_norm; frees

@@ -20,7 +20,9 @@
 // and starts its all-gather before the queries' projection and exchange,
 // waiting for it at the up-projection; backward starts the latent
 // gradient's reduce-scatter before the query path's backward. The same
-// collectives and arithmetic: outputs and gradients are bit-identical.
+// collectives and arithmetic: outputs and gradients are bit-identical. Each
+// started collective holds what it sends (and its staging) until its wait
+// (StartedSeq, exchange.hpp), as an asynchronous transport needs.
 // The input side (both exchanges, overlap, the up-projection) is laga2d's
 // too: LagaInputs, form.hpp.
 //

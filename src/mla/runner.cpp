@@ -188,6 +188,7 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   LocalRunOptions opts;
   opts.pools = &pools;
   opts.timeout = spec.timeout;
+  opts.deferred_delivery_for_testing = spec.deferred_delivery_for_testing;
   run_local_ranks(
       P,
       [&](Communicator& comm) {

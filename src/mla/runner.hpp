@@ -26,6 +26,11 @@ struct RunSpec {
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row
   std::chrono::milliseconds timeout{0};  // 0: the communicator's default
+  // Tests only, run_local: the ranks' started collectives deliver at their
+  // wait and check their buffers there (LocalRunOptions, comm/communicator.hpp
+  // "Overlap"), so an overlapped path that reads a result early or frees a
+  // buffer early fails.
+  bool deferred_delivery_for_testing = false;
   // The variant's fields: form, query exchange, head groups, overlap.
   void set_variant(const FormVariant& v) {
     form = v.form;

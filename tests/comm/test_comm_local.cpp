@@ -1,7 +1,8 @@
 // The ledger, the self communicator and the in-process backend: results
 // against serial computation for P in {1, 2, 3, 4, 8}, f32 and f64, ledgers
-// against the closed form, and the failure modes (timeout, a failed or
-// departed rank, mismatched collectives) ending promptly with useful errors.
+// against the closed form, the failure modes (timeout, a failed or departed
+// rank, mismatched collectives) ending promptly with useful errors, and
+// started collectives (the link model's overlap; deferred delivery).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -18,6 +19,7 @@
 #include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
+#include "core/tensor.hpp"
 
 namespace laga {
 namespace {
@@ -651,6 +653,137 @@ TEST_P(LocalComm, StartedCollectivesMoveTheSameDataAndOverlapTheLinkTime) {
            " s counts the work between start and wait (wall " + std::to_string(wall2) + " s); ";
   });
   for (int r = 0; r < P; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+}
+
+// Deferred delivery (communicator.hpp, "Overlap"): a started all-gather's
+// and reduce-scatter's recv holds quiet NaN until the wait and the right
+// result after it, f32 and f64; and a send buffer released (and its memory
+// handed out again) or changed, or a recv buffer released or written, before
+// the wait is named there, with the call. The rank's other calls go on.
+TEST_P(LocalComm, DeferredDeliveryDeliversAtTheWaitAndNamesEarlyReleases) {
+  const int P = GetParam();
+  const std::int64_t n = 5;
+  I64s counts(static_cast<size_t>(P), n), displs(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) displs[static_cast<size_t>(j)] = j * n;
+  std::vector<std::string> errors(static_cast<size_t>(P));
+  LocalRunOptions opts;
+  opts.deferred_delivery_for_testing = true;
+  run_local_ranks(
+      P,
+      [&](Communicator& c) {
+        const int r = c.rank();
+        std::string& e = errors[static_cast<size_t>(r)];
+        const auto expect_error = [&](const std::string& what, const std::function<void()>& fn,
+                                      const std::string& words) {
+          const std::string got = test::error_of(fn);
+          if (got.find(words) == std::string::npos)
+            e += what + ": expected '" + words + "', got '" + got + "'; ";
+        };
+        const std::string me = " on rank " + std::to_string(r) + " of " + std::to_string(P) +
+                               " (deferred delivery, a test mode): its ";
+        TensorF mine({n}), gathered({n * P});
+        for (std::int64_t i = 0; i < n; ++i) mine[i] = float(100 * r + i);
+        PendingCollective p = c.start_all_gather_v(mine.data(), n, gathered.data(), counts.data(),
+                                                   displs.data(), "ag");
+        for (std::int64_t i = 0; i < n * P; ++i)
+          if (!std::isnan(gathered[i])) e += "all-gather recv not NaN before the wait; ";
+        c.wait(p);
+        for (int j = 0; j < P; ++j)
+          for (std::int64_t i = 0; i < n; ++i)
+            if (gathered[j * n + i] != float(100 * j + i)) e += "all-gather result wrong; ";
+
+        TensorD send({n * P}), mine_sum({n});
+        for (int j = 0; j < P; ++j)
+          for (std::int64_t i = 0; i < n; ++i) send[j * n + i] = 1000.0 * r + 10.0 * j + double(i);
+        p = c.start_reduce_scatter_v(send.data(), counts.data(), displs.data(), mine_sum.data(),
+                                     "rs");
+        for (std::int64_t i = 0; i < n; ++i)
+          if (!std::isnan(mine_sum[i])) e += "reduce-scatter recv not NaN before the wait; ";
+        c.wait(p);
+        for (std::int64_t i = 0; i < n; ++i)
+          if (mine_sum[i] != 1000.0 * P * (P - 1) / 2 + P * (10.0 * r + double(i)))
+            e += "reduce-scatter result wrong; ";
+
+        // The send buffer released, and its memory likely handed out again.
+        {
+          TensorF shard({n});
+          shard.fill(1.0f);
+          p = c.start_all_gather_v(shard.data(), n, gathered.data(), counts.data(), displs.data(),
+                                   "ag_send_freed");
+          shard.reset();
+          TensorF reused({n});
+          reused.fill(1.0f);
+          expect_error(
+              "released send", [&] { c.wait(p); },
+              "all_gather 'ag_send_freed'" + me +
+                  "send buffer was released before wait(); an asynchronous transport "
+                  "(MPI nonblocking, NCCL) reads the send buffer until the wait");
+        }
+        {
+          TensorD blocks({n * P});
+          blocks.fill(2.0);
+          p = c.start_reduce_scatter_v(blocks.data(), counts.data(), displs.data(), mine_sum.data(),
+                                       "rs_send_freed");
+          blocks.reset();
+          expect_error(
+              "released reduce-scatter send", [&] { c.wait(p); },
+              "reduce_scatter 'rs_send_freed'" + me + "send block 0 was released");
+        }
+        p = c.start_all_gather_v(mine.data(), n, gathered.data(), counts.data(), displs.data(),
+                                 "ag_send_changed");
+        mine[0] += 1;
+        expect_error(
+            "changed send", [&] { c.wait(p); },
+            "all_gather 'ag_send_changed'" + me +
+                "send buffer changed between the start and wait()");
+        {
+          TensorF into({n * P});
+          p = c.start_all_gather_v(mine.data(), n, into.data(), counts.data(), displs.data(),
+                                   "ag_recv_freed");
+          into.reset();
+          expect_error(
+              "released recv", [&] { c.wait(p); },
+              "all_gather 'ag_recv_freed'" + me + "recv block 0 was released");
+        }
+        p = c.start_reduce_scatter_v(send.data(), counts.data(), displs.data(), mine_sum.data(),
+                                     "rs_recv_written");
+        mine_sum[n - 1] = 0;
+        expect_error(
+            "written recv", [&] { c.wait(p); },
+            "reduce_scatter 'rs_recv_written'" + me +
+                "recv buffer was written between the start and wait()");
+        // A handle dropped without its wait delivers nothing.
+        {
+          PendingCollective dropped = c.start_all_gather_v(mine.data(), n, gathered.data(),
+                                                           counts.data(), displs.data(), "ag");
+        }
+        if (!std::isnan(gathered[0])) e += "a dropped started call delivered; ";
+        // Memory that is not the pool's is refused at the start, on every rank alike.
+        std::vector<float> plain(static_cast<size_t>(n));
+        expect_error(
+            "plain memory",
+            [&] {
+              c.start_all_gather_v(plain.data(), n, gathered.data(), counts.data(), displs.data(),
+                                   "ag");
+            },
+            "send buffer is not storage of this rank's memory pool");
+        c.barrier("still_in_step");
+      },
+      opts);
+  for (int r = 0; r < P; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+}
+
+TEST(LocalComm, DeferredDeliveryNeedsThePoolToTrackStorage) {
+  const std::vector<std::string> errors = errors_of(2, 10s, [](Communicator& c) {
+    c.set_deferred_delivery_for_testing(true);
+    TensorF mine({3}), all({6});
+    const I64s counts{3, 3}, displs{0, 3};
+    c.start_all_gather_v(mine.data(), 3, all.data(), counts.data(), displs.data(), "ag");
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("whose storage tracking is off; turn on MemoryPool::set_storage_tracking"),
+              std::string::npos)
+        << e;
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // MemoryPool / PoolScope: live and peak bytes per category, peak_working,
 // reset_peaks, scope nesting, cross-thread frees, count-only mode, and the
 // pool's block cache under tensors (reuse, counts unchanged, held bytes,
-// per-pool caches).
+// per-pool caches), and storage tracking (a released or reused block told
+// apart).
 #include "core/memory_pool.hpp"
 
 #include <gtest/gtest.h>
@@ -262,6 +263,37 @@ TEST(MemoryPoolCache, ASecondTensorOfTheSameSizeGetsTheFreedBlock) {
   TensorF z = TensorF::zeros({kLarge});
   ASSERT_EQ(z.data(), block);
   for (std::int64_t i = 0; i < kLarge; i += 1021) ASSERT_EQ(z[i], 0.0f) << i;
+}
+
+// Storage tracking: a live tensor's block is found from any range inside
+// it, not past its end; a released one is gone, and a block handed out again
+// at the same address (the cache's reuse) has another number, so a caller
+// that noted the first can tell the two apart.
+TEST(MemoryPoolCache, StorageTrackingTellsAReleasedOrReusedBlock) {
+  MemoryPool pool;
+  cache_on(pool);
+  PoolScope scope(pool);
+  TensorF untracked({kLarge});
+  pool.set_storage_tracking(true);
+  EXPECT_EQ(pool.storage_block(untracked.data(), kF), 0);  // acquired before tracking
+  TensorF a({kLarge}), small({10});
+  const std::int64_t na = pool.storage_block(a.data(), kLarge * kF);
+  EXPECT_NE(na, 0);
+  EXPECT_EQ(pool.storage_block(a.data() + 100, 10 * kF), na);   // a view inside it
+  EXPECT_EQ(pool.storage_block(a.data() + 1, kLarge * kF), 0);  // one element past its end
+  EXPECT_NE(pool.storage_block(small.data(), 10 * kF), 0);      // from the heap, tracked too
+  EXPECT_NE(pool.storage_block(small.data(), 10 * kF), na);
+  EXPECT_EQ(pool.storage_block(nullptr, 0), 0);
+  const float* block = a.data();
+  a.reset();
+  EXPECT_EQ(pool.storage_block(block, kF), 0);
+  TensorF b({kLarge});
+  ASSERT_EQ(b.data(), block);  // the cache hands out the same block again
+  const std::int64_t nb = pool.storage_block(b.data(), kF);
+  EXPECT_NE(nb, 0);
+  EXPECT_NE(nb, na);
+  pool.set_storage_tracking(false);
+  EXPECT_EQ(pool.storage_block(b.data(), kF), 0);
 }
 
 TEST(MemoryPoolCache, SmallTensorsStayOnTheHeap) {

@@ -12,6 +12,15 @@
 // document alone through single-rank explicit (out and dx concatenated, the
 // gradients summed over documents), the ledger is the unpacked one, and one
 // document per row given explicitly is bit for bit the unpacked block.
+//
+// Overlap: every overlapped variant (laga, laga2d; per-head and latent
+// queries) runs in these checks too, and bit for bit against itself not
+// overlapped, always under deferred delivery (comm/communicator.hpp,
+// "Overlap"): a started collective's result reaches its buffer only at the
+// wait, NaN until then, and a send or receive buffer freed or touched before
+// the wait throws there. So an overlapped path that reads the latent (or its
+// gradient) before the wait, or frees what the collective still reads, fails
+// here although the in-process transport has the data at start.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -96,10 +105,13 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
   }
 }
 
+// Every run under deferred delivery: only started collectives (the
+// overlapped variants') behave differently under it.
 RunSpec spec_of(FormVariant v, AttentionKind a) {
   RunSpec spec;
   spec.set_variant(v);
   spec.attention = a;
+  spec.deferred_delivery_for_testing = true;
   return spec;
 }
 
@@ -122,7 +134,7 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   spec.form = Form::explicit_form;
   const BlockRun<float> ref =
       run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
-  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
+  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
     const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, fc.attention));
     // fp32 with other summation orders: 1e-5 of the largest reference value.
     expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
@@ -259,7 +271,7 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
     spec.form = Form::explicit_form, spec.attention = AttentionKind::eager;
     const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
         RunSpec packed = spec_of(v, a);
         packed.documents = &docs;
         const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, packed);
@@ -318,8 +330,8 @@ TEST(Packed, OneDocumentPerRowIsTheUnpackedBlockBitForBit) {
 // laga2d at explicit head-group counts against single-rank explicit: P > H
 // (H 2, 3, 6 at P 8, where laga leaves ranks idle), uneven head groups
 // (H % Ph != 0), uneven sequence shards, ranks whose chunks hold no token
-// (S < 2 Pc), rq 0 and > 0, eager and flash, unpacked and packed. The ledger
-// equals the closed form on every rank.
+// (S < 2 Pc), rq 0 and > 0, eager and flash, unpacked and packed, overlapped
+// and not. The ledger equals the closed form on every rank.
 struct GridCase {
   std::int64_t heads;
   std::vector<std::int64_t> seq;  // per-rank shards; the size gives P
@@ -346,19 +358,21 @@ TEST_P(Laga2d, AgreesWithSingleRankExplicit) {
     for (int groups : gc.head_groups)
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
         for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs})
-          for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
-            if (q == QueryExchange::latent && rq == 0) continue;
-            const FormVariant v{Form::laga2d, q, groups};
-            RunSpec run_spec = spec_of(v, a);
-            run_spec.documents = d;
-            const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
-            const std::string tag = to_string(v) + " " + laga2d_grid(lay, v).describe() + " H " +
-                                    std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
-                                    to_string(a) + " " + lay.describe() +
-                                    (d ? " docs " + d->describe() : "");
-            expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
-            expect_ledger_matches_model(cfg, lay, v, run);
-          }
+          for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent})
+            for (Overlap o : {Overlap::off, Overlap::on}) {
+              if (q == QueryExchange::latent && rq == 0) continue;
+              FormVariant v{Form::laga2d, q, groups};
+              v.overlap = o;
+              RunSpec run_spec = spec_of(v, a);
+              run_spec.documents = d;
+              const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
+              const std::string tag = to_string(v) + " " + laga2d_grid(lay, v).describe() + " H " +
+                                      std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
+                                      to_string(a) + " " + lay.describe() +
+                                      (d ? " docs " + d->describe() : "");
+              expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
+              expect_ledger_matches_model(cfg, lay, v, run);
+            }
   }
 }
 
@@ -410,30 +424,31 @@ void expect_same_ledgers(const BlockRun<float>& a, const BlockRun<float>& b,
 
 // The cases two runs must agree on bit for bit and byte for byte: uneven
 // layouts (a rank with one token, ranks without heads, P > H), rq 0 and 7,
-// eager and flash, unpacked and packed; fn(cfg, lay, in, spec, tag) with
-// spec's attention and documents set.
+// eager and flash, unpacked and packed, at each batch size of `batches`;
+// fn(cfg, lay, in, spec, tag) with spec's attention and documents set.
 template <class Fn>
-void for_each_bitwise_case(Fn&& fn) {
+void for_each_bitwise_case(Fn&& fn, const std::vector<std::int64_t>& batches = {2}) {
   struct Case {
     std::vector<std::int64_t> seq, heads;
   };
   for (const Case& c : {Case{{13}, {5}}, Case{{5, 4, 4}, {2, 2, 1}}, Case{{1, 8, 4}, {0, 3, 2}},
                         Case{{2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}}})
-    for (std::int64_t rq : {0, 7})
-      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
-        const MlaConfig cfg = test_config(rq);
-        const SpLayout lay = SpLayout::custom(2, c.seq, c.heads);
-        const Inputs in = make_inputs(cfg, 2, lay.seq);
-        const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
-        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
-          RunSpec spec;
-          spec.attention = a;
-          spec.documents = d;
-          fn(cfg, lay, in, spec,
-             lay.describe() + " rq" + std::to_string(rq) + " " + to_string(a) +
-                 (d ? " packed" : ""));
+    for (std::int64_t B : batches)
+      for (std::int64_t rq : {0, 7})
+        for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+          const MlaConfig cfg = test_config(rq);
+          const SpLayout lay = SpLayout::custom(B, c.seq, c.heads);
+          const Inputs in = make_inputs(cfg, B, lay.seq);
+          const Documents docs = Documents::parse_lengths("3,1,6,3", B, 13);
+          for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs}) {
+            RunSpec spec;
+            spec.attention = a;
+            spec.documents = d;
+            fn(cfg, lay, in, spec,
+               lay.describe() + " B" + std::to_string(B) + " rq" + std::to_string(rq) + " " +
+                   to_string(a) + (d ? " packed" : ""));
+          }
         }
-      }
 }
 
 // At Ph = P laga2d has one context group: its grid must put each rank's
@@ -489,27 +504,34 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
 // Overlap changes when the latent's collectives are waited for, and the
 // order of independent work around them, nothing else: out, dx and every
 // gradient bit for bit, the same collectives and bytes, for per-head and
-// latent queries, packed or not, eager and flash, uneven layouts and P > H;
-// laga, and laga2d at its default grid and at one head group (Pc = P).
+// latent queries, packed or not, eager and flash, uneven layouts and P > H,
+// B 1 (the collectives send the latent and its gradient themselves) and 2
+// (packed copies of them); laga, and laga2d at its default grid and at one
+// head group (Pc = P). The overlapped run is under deferred delivery, so a
+// result read before its wait, or a buffer freed before it, fails.
 TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
-  for_each_bitwise_case([](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in,
-                           RunSpec spec, const std::string& tag) {
-    std::vector<FormVariant> vs;
-    for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
-      if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
-      vs.push_back({Form::laga, q});
-      vs.push_back({Form::laga2d, q});
-      vs.push_back({Form::laga2d, q, 1});
-    }
-    for (FormVariant v : vs) {
-      spec.set_variant(v);
-      const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      spec.overlap = Overlap::on;
-      const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      expect_run_matches(on, off, 0.0, to_string(v) + " " + tag);
-      expect_same_ledgers(on, off, to_string(v) + " " + tag);
-    }
-  });
+  for_each_bitwise_case(
+      [](const MlaConfig& cfg, const SpLayout& lay, const Inputs& in, RunSpec spec,
+         const std::string& tag) {
+        std::vector<FormVariant> vs;
+        for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
+          if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
+          vs.push_back({Form::laga, q});
+          vs.push_back({Form::laga2d, q});
+          vs.push_back({Form::laga2d, q, 1});
+        }
+        for (FormVariant v : vs) {
+          spec.set_variant(v);
+          spec.deferred_delivery_for_testing = false;
+          const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+          spec.overlap = Overlap::on;
+          spec.deferred_delivery_for_testing = true;
+          const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+          expect_run_matches(on, off, 0.0, to_string(v) + " " + tag);
+          expect_same_ledgers(on, off, to_string(v) + " " + tag);
+        }
+      },
+      {1, 2});
 }
 
 TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {

@@ -2,9 +2,10 @@
 // against the pool, byte for byte:
 //  - against real runs of every form on small dims, P ranks as threads, float
 //    and double, eager and flash, rq = 0 and > 0 (and then laga with the
-//    query-latent exchange too), batch 1 and 2, even and uneven shards (a
-//    rank with no head), forward-only too: what the counted run allocates is
-//    what the computing run allocates;
+//    query-latent exchange too), overlapped too, batch 1 and 2, even and
+//    uneven shards (a rank with no head), forward-only too, under deferred
+//    delivery (comm/communicator.hpp, "Overlap"): what the counted run
+//    allocates is what the computing run allocates;
 //  - the activations alive after forward against saved_for_backward_elements,
 //    an independent closed form of what each form saves (the paper's Table 2
 //    quantity), on real runs and on count-only runs up to DeepSeek-V3 dims;
@@ -62,6 +63,9 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
       spec.set_variant(f);
       spec.attention = a;
       spec.backward = backward;
+      // Its staging is outside the pools: it must change no count, and the
+      // overlapped variants keep their buffers to the wait under it.
+      spec.deferred_delivery_for_testing = true;
       const BlockRun<T> run = run_local(cfg, lay, w, x, dout, spec);
       MemoryModelOptions opt;
       opt.backward = backward;
