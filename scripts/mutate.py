@@ -47,8 +47,9 @@ MUTATIONS = [
      "(static_cast<double>(i) - low) / (high - low)",
      "(static_cast<double>(i) - low) / (high - low + 1)"),
     ("all_gather_bytes", "the all-gather byte rule: P copies sent instead of P - 1",
-     "src/comm/communicator.cpp", "w.sent = (P - 1) * send_count * dtype_bytes(dtype);",
-     "w.sent = P * send_count * dtype_bytes(dtype);"),
+     "src/comm/communicator.cpp",
+     "    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};",
+     "    w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};"),
     ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
      "dxr[c] = r * w[c] * dyr[c] - xr[c] * k;", "dxr[c] = r * w[c] * dyr[c] + 0 * k;"),
     # Issue 29: one for each part added since the list above was written.
@@ -71,6 +72,25 @@ MUTATIONS = [
      "mirror 2Pc - 1 - c (still a tiling: only the balance shows it)", "src/mla/layout.cpp",
      "for (const int k : {r % Pc, 2 * Pc - 1 - r % Pc}) {",
      "for (const int k : {r % Pc, Pc + r % Pc}) {"),
+    ("overlap_read_before_wait", "--overlap on up-projects the gathered latent before its "
+     "all-gather's wait", "src/mla/block.cpp",
+     "    r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);\n"
+     "    lat_ag.wait(st.ctx.comm);\n",
+     "    r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);\n"
+     "    P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);\n"
+     "    lat_ag.wait(st.ctx.comm);\n    return r;\n"),
+    ("overlap_backward_before_wait", "--overlap on runs the latent norm's backward before the "
+     "reduce-scatter's wait", "src/mla/block.cpp",
+     "    dlat_pending->wait(st.ctx.comm);\n"
+     "    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);\n",
+     "    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);\n"
+     "    dlat_pending->wait(st.ctx.comm);\n"),
+    ("overlap_send_released", "a started latent all-gather's send buffer freed at start, not at "
+     "its wait (a use-after-free on an asynchronous transport)", "src/mla/exchange.cpp",
+     "                                    label);\n  return s;\n}\n\ntemplate <class T>\n"
+     "StartedSeq<T> start_reduce_scatter_seq",
+     "                                    label);\n  s.send_.reset();\n  return s;\n}\n\n"
+     "template <class T>\nStartedSeq<T> start_reduce_scatter_seq"),
 ]
 
 
