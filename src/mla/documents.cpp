@@ -1,9 +1,9 @@
 #include "mla/documents.hpp"
 
-#include <charconv>
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/whole_number.hpp"
 
 namespace laga {
 
@@ -57,13 +57,12 @@ Documents Documents::parse_lengths(const std::string& text, std::int64_t batch, 
   for (const std::string& row : split(text, '/')) {
     std::vector<std::int64_t> cu{0};
     for (const std::string& piece : split(row, ',')) {
-      std::int64_t len = 0;
-      const char* end = piece.data() + piece.size();
-      const auto [ptr, ec] = std::from_chars(piece.data(), end, len);
-      LAGA_CHECK(!piece.empty() && ec == std::errc() && ptr == end, "--doc-lens: '", piece,
-                 "' in '", text,
-                 "' is not a whole number; give document lengths as 5,7 (rows split by /, "
-                 "e.g. 5,7/12)");
+      const std::optional<std::int64_t> parsed = parse_whole_number(piece);
+      LAGA_CHECK(parsed, "--doc-lens: '", piece,
+                 "' is not a whole number (decimal digits only, "
+                 "no leading zeros) in '",
+                 text, "'; give document lengths as 5,7 (rows split by /, e.g. 5,7/12)");
+      const std::int64_t len = *parsed;
       LAGA_CHECK(len >= 1, "--doc-lens: a document of length ", len, " in '", text,
                  "'; every document has at least one token");
       LAGA_CHECK(len <= seq - cu.back(), "--doc-lens: the lengths of row ", rows.size(), " in '",

@@ -19,6 +19,7 @@
 #include "comm/mpi_comm.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
+#include "core/whole_number.hpp"
 #include "io/atomic_file.hpp"
 
 namespace laga::tools {
@@ -80,25 +81,24 @@ std::string number_text(double x) {
 CLI::Validator whole(std::int64_t lo) {
   return CLI::Validator(
       [lo](std::string& text) -> std::string {
-        const bool digits =
-            !text.empty() &&
-            text.find_first_not_of("0123456789", text[0] == '-' ? 1 : 0) == std::string::npos &&
-            text != "-";
-        std::int64_t v = 0;
-        bool fits = digits;
-        if (digits) {
-          errno = 0;
-          v = std::strtoll(text.c_str(), nullptr, 10);
-          fits = errno != ERANGE;
-        }
-        if (!fits || v < lo)
-          return cat("'", text, "' is not a whole number >= ", lo,
-                     digits && fits ? "" : " (decimal digits only)");
-        // Leading zeros would otherwise read as octal in CLI11 (010 -> 8).
-        text = std::to_string(v);
+        const std::optional<std::int64_t> v = parse_whole_number(text);
+        if (!v || *v < lo) return whole_number_refusal(text, lo);
         return "";
       },
       cat("INT >= ", lo));
+}
+
+CLI::Validator non_empty(const char* option, const char* fix) {
+  return CLI::Validator(
+      [option, fix](std::string& text) -> std::string {
+        return text.empty() ? cat("an empty ", option, " means nothing; ", fix) : "";
+      },
+      "TEXT");
+}
+
+std::string whole_number_refusal(const std::string& text, std::int64_t lo) {
+  return cat("'", text, "' is not a whole number >= ", lo,
+             parse_whole_number(text) ? "" : " (decimal digits only, no leading zeros)");
 }
 
 CLI::Validator real(double lo, double hi, const char* bounds) {
@@ -173,15 +173,10 @@ std::vector<int> parse_int_list(const std::string& s, const std::string& option)
   std::stringstream ss(s);
   std::string tok;
   while (std::getline(ss, tok, ',')) {
-    try {
-      size_t used = 0;
-      const int x = std::stoi(tok, &used);
-      LAGA_CHECK(used == tok.size() && x >= 1, "");
-      v.push_back(x);
-    } catch (const std::exception&) {
-      fail(option, ": '", tok,
-           "' is not a positive integer; give a comma-separated list like 1,2,4");
-    }
+    const std::optional<std::int64_t> x = parse_whole_number(tok);
+    LAGA_CHECK(x && *x >= 1 && *x <= std::numeric_limits<int>::max(), option, ": ",
+               whole_number_refusal(tok, 1), "; give a comma-separated list like 1,2,4");
+    v.push_back(static_cast<int>(*x));
   }
   LAGA_CHECK(!v.empty(), option, ": empty list; give a comma-separated list like 1,2,4");
   return v;

@@ -42,11 +42,22 @@ Backend parse_comm_backend(const std::string& s);
 // default is never checked, and absence keeps its meaning). A failure reads
 // "--seq: 0 is not a whole number >= 1", which main prints in the one error
 // format, "laga: error: ...", with exit status 2.
-//   whole(lo):       a decimal integer >= lo (no 1e3, no 0x10, no 010 octal)
+//   whole(lo):       a decimal integer >= lo (no 1e3, no 0x10, no 010: one
+//                    rule, core/whole_number.hpp)
 //   real(lo, hi, bounds): a finite number in the interval; `bounds` says
 //                    which ends are included, e.g. "[)" for [lo, hi)
 //   real_at_least(lo) / real_above(lo): [lo, inf) / (lo, inf), finite
 CLI::Validator whole(std::int64_t lo);
+// Refuses an empty value ("--doc-lens ''" silently meant no documents):
+// "'' is empty; <fix>".
+CLI::Validator non_empty(const char* option, const char* fix);
+// --doc-lens' check (compare, forward, verify).
+inline const CLI::Validator kDocLensGiven =
+    non_empty("--doc-lens", "give document lengths like 5,7 or leave --doc-lens out");
+// whole()'s message for `text` (core/whole_number.hpp's rule), for the
+// parsers of comma lists: "'010' is not a whole number >= 1 (decimal digits
+// only, no leading zeros)".
+std::string whole_number_refusal(const std::string& text, std::int64_t lo);
 CLI::Validator real(double lo, double hi, const char* bounds);
 CLI::Validator real_at_least(double lo);
 CLI::Validator real_above(double lo);

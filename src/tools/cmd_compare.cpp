@@ -23,10 +23,15 @@ void register_compare(CLI::App& app) {
       "each byte and memory figure beside its closed-form prediction");
   o->model.add_to(*c);
   o->comm.add_to(*c);
-  c->add_option("--batch", o->batch, "sequences per batch (B)")->capture_default_str();
-  c->add_option("--seq", o->seq, "sequence length (S), split over the ranks")
+  c->add_option("--batch", o->batch, "sequences per batch (B)")
+      ->check(whole(1))
       ->capture_default_str();
-  c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")->capture_default_str();
+  c->add_option("--seq", o->seq, "sequence length (S), split over the ranks")
+      ->check(whole(1))
+      ->capture_default_str();
+  c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")
+      ->check(whole(1))
+      ->capture_default_str();
   c->add_option("--forms", o->forms,
                 "comma-separated forms to run (explicit, absorbed, laga, laga2d), or all")
       ->capture_default_str();
@@ -49,10 +54,13 @@ void register_compare(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--doc-lens", o->doc_lens,
                 "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
-                "row); attention stays within documents");
+                "row); attention stays within documents")
+      ->check(kDocLensGiven);
   c->add_option("--steps", o->steps, "measured forward+backward steps per form (median reported)")
+      ->check(whole(1))
       ->capture_default_str();
   c->add_option("--warmup", o->warmup, "unmeasured steps per form before them")
+      ->check(whole(0))
       ->capture_default_str();
   c->add_option("--seed", o->seed, "seed of the weights, input and upstream gradient")
       ->check(whole(0))

@@ -182,7 +182,8 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--output", opts->output, "safetensors to write 'out' (and 'dx', 'grad.<name>')");
   sub->add_option("--doc-lens", opts->doc_lens,
                   "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
-                  "row); or cu_seqlens in --input");
+                  "row); or cu_seqlens in --input")
+      ->check(kDocLensGiven);
   sub->add_flag("--backward", opts->backward, "also run backward (dout from --input, else ones)");
   sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "

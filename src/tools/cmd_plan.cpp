@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/whole_number.hpp"
 #include "plan/measure.hpp"
 #include "plan/planner.hpp"
 #include "tools/cli_common.hpp"
@@ -38,11 +39,10 @@ std::vector<std::int64_t> parse_seq_list(const std::string& s) {
   std::stringstream ss(s);
   std::string tok;
   while (std::getline(ss, tok, ',')) {
-    char* end = nullptr;
-    const long long x = std::strtoll(tok.c_str(), &end, 10);
-    LAGA_CHECK(!tok.empty() && end == tok.c_str() + tok.size() && x >= 1, "--seq: '", tok,
-               "' is not a positive integer; give a comma-separated list like 4096,32768");
-    v.push_back(x);
+    const std::optional<std::int64_t> x = parse_whole_number(tok);
+    LAGA_CHECK(x && *x >= 1, "--seq: ", whole_number_refusal(tok, 1),
+               "; give a comma-separated list like 4096,32768");
+    v.push_back(*x);
   }
   LAGA_CHECK(!v.empty(), "--seq: empty list; give a comma-separated list like 4096,32768");
   return v;
@@ -279,7 +279,9 @@ void register_plan(CLI::App& app) {
       "profile, for each --seq and --sp; name the winner and the link bandwidth where laga "
       "starts to beat explicit (docs/planning.md)");
   o->model.add_to(*c);
-  c->add_option("--batch", o->batch, "sequences per batch (B)")->capture_default_str();
+  c->add_option("--batch", o->batch, "sequences per batch (B)")
+      ->check(whole(1))
+      ->capture_default_str();
   c->add_option("--seq", o->seq, "sequence lengths, comma-separated (S)")->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks, comma-separated (P)")
       ->capture_default_str();

@@ -198,7 +198,8 @@ void register_verify_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--doc-lens", opts->doc_lens,
                   "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
-                  "row); the reference is then each document alone");
+                  "row); the reference is then each document alone")
+      ->check(kDocLensGiven);
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")
       ->check(whole(0))
       ->capture_default_str();

@@ -26,5 +26,5 @@ expect_error "cannot open config file" forward --config "$tmp/none.json"
 expect_error "garbage.st" forward --preset tiny --weights "$tmp/garbage.st"
 expect_error "shorter than --sp 8" forward --preset tiny --seq 4 --sp 8
 expect_error "unknown form 'lasp'" forward --preset tiny --form lasp
-expect_error "not a positive integer" verify --preset tiny --sp 2,x
+expect_error "'x' is not a whole number >= 1" verify --preset tiny --sp 2,x
 [ $fails -eq 0 ] && echo "all error cases ok" || exit 1

@@ -86,7 +86,7 @@ OPTION_CASES = [
     (TRAIN, "--q-lora-rank", "-1", "'-1' is not a whole number >= 0"),
     (TRAIN, "--ffn-hidden", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--seq", "0", "'0' is not a whole number >= 1"),
-    (TRAIN, "--seq", "1e3", "(decimal digits only)"),
+    (TRAIN, "--seq", "1e3", "(decimal digits only, no leading zeros)"),
     (TRAIN, "--batch", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--steps", "0", "'0' is not a whole number >= 1"),
     (TRAIN, "--layers", "0", "'0' is not a whole number >= 1"),
@@ -109,22 +109,53 @@ OPTION_CASES = [
     (["verify", "--preset", "tiny"], "--tol", "nan", "'nan' is not a finite number"),
     (["verify", "--preset", "tiny"], "--batch", "0", "'0' is not a whole number >= 1"),
     (["verify", "--preset", "tiny"], "--seq", "0", "'0' is not a whole number >= 1"),
-    (["verify", "--preset", "tiny"], "--sp", "0", "not a positive integer"),
+    (["verify", "--preset", "tiny"], "--sp", "0", "'0' is not a whole number >= 1"),
     (["verify", "--preset", "tiny"], "--seed", "-1", "'-1' is not a whole number >= 0"),
     # compare
     (["compare", "--preset", "tiny"], "--rank-only", "-1", "'-1' is not a whole number >= 0"),
     (["compare", "--preset", "tiny"], "--seed", "-1", "'-1' is not a whole number >= 0"),
-    (["compare", "--preset", "tiny"], "--batch", "0", "--batch 0"),
-    (["compare", "--preset", "tiny"], "--sp", "0", "--sp 0"),
-    (["compare", "--preset", "tiny"], "--steps", "0", "--steps 0"),
-    (["compare", "--preset", "tiny"], "--warmup", "-1", "--warmup -1"),
+    (["compare", "--preset", "tiny"], "--batch", "0", "'0' is not a whole number >= 1"),
+    (["compare", "--preset", "tiny"], "--sp", "0", "'0' is not a whole number >= 1"),
+    (["compare", "--preset", "tiny"], "--seq", "-5", "'-5' is not a whole number >= 1"),
+    (["compare", "--preset", "tiny"], "--steps", "0", "'0' is not a whole number >= 1"),
+    (["compare", "--preset", "tiny"], "--warmup", "-1", "'-1' is not a whole number >= 0"),
+    (["compare", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
+    (["forward", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
+    (["verify", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
     (["compare", "--preset", "tiny"], "--attention", "fast", "--attention"),
+]
+
+
+# Every whole-number option of every command, lists and --doc-lens too:
+# one rule (src/core/whole_number.hpp), decimal digits only. '010' was octal
+# 8 in some options and 10 in others, '0x10' 16 in some (issue 26 item 3).
+PLAN = ["plan", "--preset", "tiny", "--profile", "h100", "--quiet"]
+WHOLE_OPTIONS = [
+    (TRAIN, o) for o in ("--steps", "--seed", "--warmup", "--save-every", "--nope-dim",
+                         "--rope-dim", "--v-dim", "--kv-lora-rank", "--q-lora-rank",
+                         "--ffn-hidden", "--seq", "--batch", "--layers", "--d-model", "--heads",
+                         "--vocab", "--sp", "--comm-timeout", "--head-groups", "--pack-eos")
+] + [
+    (["forward", "--preset", "tiny"], o) for o in ("--layer", "--seed", "--seq", "--batch", "--sp",
+                                                   "--comm-timeout", "--head-groups", "--doc-lens")
+] + [
+    (["verify", "--preset", "tiny"], o) for o in ("--batch", "--seq", "--sp", "--seed",
+                                                  "--head-groups", "--doc-lens")
+] + [
+    (["compare", "--preset", "tiny"], o) for o in ("--rank-only", "--seed", "--batch", "--seq",
+                                                   "--sp", "--steps", "--warmup", "--head-groups",
+                                                   "--doc-lens", "--comm-timeout")
+] + [
+    (PLAN, o) for o in ("--batch", "--seq", "--sp", "--nodes", "--head-groups")
 ]
 
 
 def case_options(laga, scratch):
     for fixed, option, value, needle in OPTION_CASES:
         expect_error(laga, fixed + [option, value], needle)
+    for fixed, option in WHOLE_OPTIONS:
+        for value in ("010", "0x10", "1e3", "+5", "08"):
+            expect_error(laga, fixed + [option, value], f"'{value}' is not a whole number")
     # Absence of a size means its default: the run succeeds.
     p = run(laga, TRAIN, timeout=120)
     if p.returncode != 0:
