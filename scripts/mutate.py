@@ -36,8 +36,8 @@ TESTS = [
 # (name, what it breaks, file, original text, mutated text)
 MUTATIONS = [
     ("rmsnorm_eps_x10", "the RMSNorm epsilon, 10x (forward kernel)", "src/kernels/rmsnorm.cpp",
-     "ss / static_cast<T>(C) + static_cast<T>(eps));",
-     "ss / static_cast<T>(C) + static_cast<T>(10 * eps));"),
+     "ss / static_cast<T>(C) + static_cast<T>(eps) * s * s);",
+     "ss / static_cast<T>(C) + static_cast<T>(10 * eps) * s * s);"),
     ("softmax_scale_1e-4", "the softmax scale, relative +1e-4", "src/mla/config.cpp",
      "    s *= m * m;\n  }\n  return s;", "    s *= m * m;\n  }\n  return s * (1 + 1e-4);"),
     ("rope_freq_1", "RoPE pair 1's frequency, relative +1e-3", "src/kernels/rope.cpp",
@@ -51,7 +51,7 @@ MUTATIONS = [
      "    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};",
      "    w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};"),
     ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
-     "dxr[c] = r * w[c] * dyr[c] - xr[c] * k;", "dxr[c] = r * w[c] * dyr[c] + 0 * k;"),
+     "dxr[c] = r * (w[c] * dyr[c] - xhat * k);", "dxr[c] = r * (w[c] * dyr[c] + 0 * k);"),
     # Issue 29: one for each part added since the list above was written.
     ("plan_classes_by_shard", "the planner's rank classes keyed on the shards alone (the "
      "shipped bug: laga2d's ranks of equal shards send different bytes)",

@@ -2,21 +2,41 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace laga {
 
+// RMSNorm is scale-invariant but its sum of squares is not: a row whose
+// sum of x^2 passes the type's range (float: |x| ~ 1e19 over 512 columns)
+// made it inf, 1/sqrt(inf) = 0, and the row exactly 0 with nothing
+// non-finite to notice (issue 26). So each row is summed as (x / m)^2, m its
+// largest |x|, and
+//   rstd = 1 / sqrt(sum x^2 / C + eps) = (1/m) / sqrt(sum (x/m)^2 / C + eps / m^2),
+// which neither overflows nor, for rows of ordinary size, rounds differently
+// by more than an ulp or two. rstd itself stays representable: it is about
+// 1 / m.
 template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w, std::int64_t N,
                      std::int64_t C, double eps) {
 #pragma omp parallel for schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * ldx;
-    T ss = 0;
+    T m = 0;
+#pragma omp simd reduction(max : m)
+    for (std::int64_t c = 0; c < C; ++c) m = std::max(m, std::abs(xr[c]));
+    T r = T(1) / std::sqrt(static_cast<T>(eps));  // an all-zero row
+    if (m > 0 && std::isfinite(m)) {
+      const T s = T(1) / m;
+      T ss = 0;
 #pragma omp simd reduction(+ : ss)
-    for (std::int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
-    const T r = T(1) / std::sqrt(ss / static_cast<T>(C) + static_cast<T>(eps));
+      for (std::int64_t c = 0; c < C; ++c) ss += (xr[c] * s) * (xr[c] * s);
+      r = s / std::sqrt(ss / static_cast<T>(C) + static_cast<T>(eps) * s * s);
+    } else if (!(m == 0)) {
+      r = std::numeric_limits<T>::quiet_NaN();  // a non-finite input stays visible
+    }
     rstd[n] = r;
     T* yr = y + n * C;
 #pragma omp simd
@@ -24,6 +44,10 @@ void rmsnorm_forward(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w, st
   }
 }
 
+// With xhat = x rstd (of order 1 whatever the row's scale),
+//   dx = rstd (w dy - xhat (sum_c w dy xhat) / C),  dw += dy xhat:
+// the same gradient as rstd w dy - x rstd^3 (sum w dy x) / C, without the
+// rstd^3 that underflows (and x sum(x) that overflows) for large rows.
 template <class T>
 void rmsnorm_backward(T* dx, std::int64_t lddx, T* dw, const T* dy, std::int64_t lddy, const T* x,
                       std::int64_t ldx, const T* w, const T* rstd, std::int64_t N, std::int64_t C) {
@@ -41,15 +65,16 @@ void rmsnorm_backward(T* dx, std::int64_t lddx, T* dw, const T* dy, std::int64_t
       const T* xr = x + n * ldx;
       const T* dyr = dy + n * lddy;
       const T r = rstd[n];
-      T gx = 0;
-#pragma omp simd reduction(+ : gx)
-      for (std::int64_t c = 0; c < C; ++c) gx += w[c] * dyr[c] * xr[c];
-      const T k = r * r * r * gx / static_cast<T>(C);
+      T g = 0;
+#pragma omp simd reduction(+ : g)
+      for (std::int64_t c = 0; c < C; ++c) g += w[c] * dyr[c] * (xr[c] * r);
+      const T k = g / static_cast<T>(C);
       T* dxr = dx + n * lddx;
 #pragma omp simd
       for (std::int64_t c = 0; c < C; ++c) {
-        dxr[c] = r * w[c] * dyr[c] - xr[c] * k;
-        dw_local[c] += dyr[c] * xr[c] * r;
+        const T xhat = xr[c] * r;
+        dxr[c] = r * (w[c] * dyr[c] - xhat * k);
+        dw_local[c] += dyr[c] * xhat;
       }
     }
   }
@@ -62,9 +87,14 @@ template <class T>
 void rmsnorm_forward_reference(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w,
                                std::int64_t N, std::int64_t C, double eps) {
   for (std::int64_t n = 0; n < N; ++n) {
-    double ss = 0;
-    for (std::int64_t c = 0; c < C; ++c) ss += double(x[n * ldx + c]) * x[n * ldx + c];
-    const double r = 1.0 / std::sqrt(ss / double(C) + eps);
+    // In long double (x86's 80-bit: a double row's squares cannot overflow
+    // it), the definition as written.
+    long double ss = 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      const long double v = x[n * ldx + c];
+      ss += v * v;
+    }
+    const double r = static_cast<double>(1.0L / std::sqrt(ss / C + static_cast<long double>(eps)));
     rstd[n] = static_cast<T>(r);
     for (std::int64_t c = 0; c < C; ++c) y[n * C + c] = static_cast<T>(x[n * ldx + c] * r * w[c]);
   }
@@ -76,12 +106,13 @@ void rmsnorm_backward_reference(T* dx, std::int64_t lddx, T* dw, const T* dy, st
                                 std::int64_t N, std::int64_t C) {
   for (std::int64_t n = 0; n < N; ++n) {
     const double r = rstd[n];
-    double gx = 0;
-    for (std::int64_t c = 0; c < C; ++c) gx += double(w[c]) * dy[n * lddy + c] * x[n * ldx + c];
+    double g = 0;  // sum_c w dy xhat, xhat = x rstd
+    for (std::int64_t c = 0; c < C; ++c)
+      g += double(w[c]) * dy[n * lddy + c] * (double(x[n * ldx + c]) * r);
     for (std::int64_t c = 0; c < C; ++c) {
-      dx[n * lddx + c] =
-          static_cast<T>(r * w[c] * dy[n * lddy + c] - x[n * ldx + c] * r * r * r * gx / double(C));
-      dw[c] = static_cast<T>(dw[c] + double(dy[n * lddy + c]) * x[n * ldx + c] * r);
+      const double xhat = double(x[n * ldx + c]) * r;
+      dx[n * lddx + c] = static_cast<T>(r * (w[c] * dy[n * lddy + c] - xhat * g / double(C)));
+      dw[c] = static_cast<T>(dw[c] + double(dy[n * lddy + c]) * xhat);
     }
   }
 }

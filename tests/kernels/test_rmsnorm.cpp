@@ -80,11 +80,13 @@ TYPED_TEST(RmsNormTest, ForwardMatchesReference) {
                                  kEps);
     EXPECT_TRUE(all_close("rstd", r, r_ref, atol<T>(), rtol<T>()));
     EXPECT_TRUE(all_close("y", y, y_ref, atol<T>(), rtol<T>()));
-    // The reference itself against the definition, in double.
+    // The reference itself against the definition, in long double (as
+    // accurate as the reference, which sums in it too).
     for (std::int64_t n = 0; n < c.N; ++n) {
-      double ss = 0;
-      for (std::int64_t k = 0; k < c.C; ++k) ss += double(x[n * c.ldx + k]) * x[n * c.ldx + k];
-      const double rs = 1.0 / std::sqrt(ss / double(c.C) + kEps);
+      long double ss = 0;
+      for (std::int64_t k = 0; k < c.C; ++k)
+        ss += static_cast<long double>(x[n * c.ldx + k]) * x[n * c.ldx + k];
+      const double rs = static_cast<double>(1.0L / std::sqrt(ss / c.C + kEps));
       EXPECT_NEAR(r_ref[n], rs, 2 * std::numeric_limits<T>::epsilon() * rs);
       for (std::int64_t k = 0; k < c.C; ++k)
         ASSERT_NEAR(y_ref[n * c.C + k], x[n * c.ldx + k] * rs * w[k],
@@ -92,6 +94,49 @@ TYPED_TEST(RmsNormTest, ForwardMatchesReference) {
                         1e-300);
     }
   }
+}
+
+// RMSNorm is scale-invariant, so a row scaled by any factor its type holds
+// gives the same y (eps aside: it is below one ulp at these scales) and dx
+// scaled by the inverse. Unscaled, a float row of |x| ~ 1e19 over 512
+// columns summed to inf and came out exactly 0 (issue 26); a double row
+// of 1e160 the same. Checked against the row at scale 1, not only the
+// reference.
+TYPED_TEST(RmsNormTest, RowsOfAnyScaleGiveTheScaleInvariantAnswer) {
+  using T = TypeParam;
+  const std::int64_t N = 3, C = 512;
+  const auto x = random_vector<T>(N * C, 301), w = random_vector<T>(C, 302, 0.5, 1.5),
+             dy = random_vector<T>(N * C, 303);
+  const std::vector<double> scales = std::is_same_v<T, float>
+                                         ? std::vector<double>{1e19, 1e30, 1e36, 1e-19}
+                                         : std::vector<double>{1e160, 1e300, 1e-160};
+  std::vector<T> y1(N * C), r1(N), dx1(N * C), dw1(C, T(0));
+  // eps 0: the answer at scale 1 is then the exact one at every scale.
+  rmsnorm_forward<T>(y1.data(), r1.data(), x.data(), C, w.data(), N, C, 0.0);
+  rmsnorm_backward<T>(dx1.data(), C, dw1.data(), dy.data(), C, x.data(), C, w.data(), r1.data(), N,
+                      C);
+  for (const double scale : scales) {
+    SCOPED_TRACE(testing::Message() << "scale " << scale);
+    std::vector<T> xs(x.size());
+    for (size_t i = 0; i < x.size(); ++i) xs[i] = static_cast<T>(double(x[i]) * scale);
+    std::vector<T> y(N * C), r(N), dx(N * C), dw(C, T(0));
+    rmsnorm_forward<T>(y.data(), r.data(), xs.data(), C, w.data(), N, C, 0.0);
+    rmsnorm_backward<T>(dx.data(), C, dw.data(), dy.data(), C, xs.data(), C, w.data(), r.data(), N,
+                        C);
+    EXPECT_TRUE(all_close("y", y, y1, atol<T>(), rtol<T>()));
+    EXPECT_TRUE(all_close("dw", dw, dw1, atol<T>() * N, rtol<T>() * N));
+    std::vector<T> dx_back(dx.size());  // dx x scale: the unscaled row's gradient
+    for (size_t i = 0; i < dx.size(); ++i) dx_back[i] = static_cast<T>(double(dx[i]) * scale);
+    EXPECT_TRUE(all_close("dx * scale", dx_back, dx1, atol<T>(), rtol<T>()));
+    for (std::int64_t n = 0; n < N; ++n)
+      EXPECT_NEAR(double(r[n]) * scale, double(r1[n]), rtol<T>() * double(r1[n]));
+  }
+  // With eps, at a scale where eps is far below the mean square: the same.
+  std::vector<T> xs(x.size()), y(N * C), r(N);
+  const double big = std::is_same_v<T, float> ? 1e19 : 1e160;
+  for (size_t i = 0; i < x.size(); ++i) xs[i] = static_cast<T>(double(x[i]) * big);
+  rmsnorm_forward<T>(y.data(), r.data(), xs.data(), C, w.data(), N, C, kEps);
+  EXPECT_TRUE(all_close("y with eps", y, y1, atol<T>(), rtol<T>()));
 }
 
 TYPED_TEST(RmsNormTest, BackwardMatchesReferenceAndKeepsPadding) {

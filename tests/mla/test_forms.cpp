@@ -422,6 +422,36 @@ void expect_same_ledgers(const BlockRun<float>& a, const BlockRun<float>& b,
   }
 }
 
+// RMSNorm is scale-invariant, so the latent rows of wkv_a (and, with
+// rq > 0, wq_a) scaled by 1e19 must leave out and dx as they were: eps is
+// then far below the rows' mean square, and nothing else reads the scaled
+// values. Before issue 26 the float sum of squares overflowed, kv_norm
+// returned exactly 0 and every form silently dropped k_nope and v (exit 0,
+// nothing non-finite). Every variant, P 1 and 3, eager and flash.
+TEST(RmsNormScale, LatentRowsScaledBy1e19LeaveOutAndDx) {
+  for (std::int64_t rq : {0, 7}) {
+    const MlaConfig cfg = test_config(rq);
+    const Inputs in = make_inputs(cfg, 2, 13);
+    MlaParams<float> big = in.w.clone(MemCategory::parameters);
+    float* lat = big.wkv_a.data();  // rows [0, C) of (C + dr, D): the latent's
+    for (std::int64_t i = 0; i < cfg.kv_lora_rank * cfg.dim; ++i) lat[i] *= 1e19f;
+    if (rq > 0)
+      for (std::int64_t i = 0; i < big.wq_a.numel(); ++i) big.wq_a.data()[i] *= 1e19f;
+    for (int P : {1, 3})
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+        for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
+          const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, P);
+          const RunSpec spec = spec_of(v, a);
+          const BlockRun<float> ref = run_local(cfg, lay, in.w, in.x, in.dout, spec),
+                                run = run_local(cfg, lay, big, in.x, in.dout, spec);
+          const std::string tag = cat(to_string(v), " ", to_string(a), " P ", P, " rq ", rq);
+          // eps / mean square ~ 1e-5 at scale 1 moves rstd by ~5e-6.
+          expect_close(tag + " out", run.out, ref.out, 2e-5);
+          expect_close(tag + " dx", run.dx, ref.dx, 2e-5);
+        }
+  }
+}
+
 // The cases two runs must agree on bit for bit and byte for byte: uneven
 // layouts (a rank with one token, ranks without heads, P > H), rq 0 and 7,
 // eager and flash, unpacked and packed, at each batch size of `batches`;
