@@ -71,8 +71,11 @@ void MlaConfig::validate() const {
     LAGA_CHECK(std::isfinite(rope_factor) && rope_factor <= kMaxRopeFactor, "config: rope_factor ",
                rope_factor, " is beyond ", kMaxRopeFactor,
                " (the context-extension factor of YaRN; DeepSeek-V3 uses 40)");
-    LAGA_CHECK(rope_factor >= 1.0, "config: rope_factor must be >= 1 when YaRN is on (max_seq_len ",
-               max_seq_len, " > original_seq_len ", original_seq_len, "), got ", rope_factor);
+    LAGA_CHECK(rope_factor >= 1.0, "config: rope_factor must be >= 1 when YaRN is on (",
+               yarn_always
+                   ? std::string("the rope type is yarn")
+                   : cat("max_seq_len ", max_seq_len, " > original_seq_len ", original_seq_len),
+               "), got ", rope_factor);
     LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0,
                "config: YaRN needs beta_fast > beta_slow > 0, got ", beta_fast, " and ", beta_slow);
     LAGA_CHECK(mscale >= 0, "config: mscale must be >= 0, got ", mscale);
@@ -148,6 +151,119 @@ bool read_key(const json& j, const char* key, V& out, const std::string& source)
   return true;
 }
 
+// The RoPE block of a Hugging Face config.json, by transformers' own rules:
+// transformers 4 writes `rope_theta` and `rope_scaling`, transformers 5
+// `rope_parameters` (rope_theta inside). Every key of the block is read or
+// refused: an ignored key that changes the math is a silently wrong model.
+void read_hf_rope(const json& j, MlaConfig& c, const std::string& source) {
+  const auto block = [&](const char* key) -> const json* {
+    const auto it = j.find(key);
+    return it == j.end() || it->is_null() ? nullptr : &*it;
+  };
+  const json* scaling = block("rope_scaling");
+  const json* params = block("rope_parameters");
+  LAGA_CHECK(!(scaling && params), source,
+             ": both 'rope_scaling' (transformers 4) and 'rope_parameters' (transformers 5) are "
+             "given; keep the one your transformers wrote");
+  read_key(j, "rope_theta", c.rope_theta, source);
+  const json* rs = scaling ? scaling : params;
+  if (!rs) return;
+  const char* name = scaling ? "rope_scaling" : "rope_parameters";
+  LAGA_CHECK(rs->is_object(), source, ": '", name, "' must be an object or null");
+  if (params && params->contains("rope_theta")) {
+    double theta = 0;
+    read_key(*params, "rope_theta", theta, source);
+    LAGA_CHECK(!j.contains("rope_theta") || j.at("rope_theta").is_null() || theta == c.rope_theta,
+               source, ": rope_theta ", c.rope_theta, " and rope_parameters.rope_theta ", theta,
+               " disagree; give one");
+    c.rope_theta = theta;
+  }
+  // The type, under either spelling; two that differ are a contradiction.
+  std::string type;
+  for (const char* k : {"type", "rope_type"}) {
+    const auto it = rs->find(k);
+    if (it == rs->end() || it->is_null()) continue;
+    LAGA_CHECK(it->is_string(), source, ": ", name, " '", k, "' must be a string, got ",
+               it->dump());
+    LAGA_CHECK(type.empty() || type == it->get<std::string>(), source, ": ", name, " says type '",
+               type, "' and rope_type '", it->get<std::string>(),
+               "'; they contradict each other: keep one");
+    type = it->get<std::string>();
+  }
+  if (params && type == "default") type.clear();  // transformers 5's plain RoPE
+  LAGA_CHECK(type.empty() || type == "yarn", source, ": ", name, " type '", type,
+             "' is not supported; laga implements DeepSeek-V3's YaRN ('yarn') or plain RoPE");
+  if (scaling) LAGA_CHECK(!type.empty(), source, ": rope_scaling gives no 'type' or 'rope_type'");
+  const std::set<std::string> plain{"type", "rope_type", "rope_theta", "partial_rotary_factor"};
+  const std::set<std::string> yarn{"type",
+                                   "rope_type",
+                                   "rope_theta",
+                                   "factor",
+                                   "original_max_position_embeddings",
+                                   "beta_fast",
+                                   "beta_slow",
+                                   "mscale",
+                                   "mscale_all_dim",
+                                   "attention_factor",
+                                   "truncate",
+                                   "partial_rotary_factor"};
+  for (const auto& [k, v] : rs->items())
+    LAGA_CHECK((type.empty() ? plain : yarn).count(k) != 0, source, ": ", name, " key '", k,
+               "' is not read by laga", type.empty() ? " for plain RoPE" : " for YaRN",
+               "; it may change the math, so laga refuses it rather than ignore it (remove it if "
+               "it does not apply)");
+  if (rs->contains("partial_rotary_factor")) {
+    double f = 1.0;
+    read_key(*rs, "partial_rotary_factor", f, source);
+    LAGA_CHECK(f == 1.0, source, ": ", name, " partial_rotary_factor ", f,
+               " rotates part of the rope dims; DeepSeek-V3 rotates all qk_rope_head_dim (1.0)");
+  }
+  if (type.empty()) return;
+  read_key(*rs, "factor", c.rope_factor, source);
+  // HF's DeepSeek code defaults the original context to 4096 when absent.
+  c.original_seq_len = 4096;
+  read_key(*rs, "original_max_position_embeddings", c.original_seq_len, source);
+  // transformers applies YaRN whenever the type is yarn; DeepSeek's own code
+  // only when max_seq_len > original_seq_len. The flag is set only where the
+  // two differ, so every other config's JSON is what it was.
+  c.yarn_always = c.max_seq_len <= c.original_seq_len;
+  read_key(*rs, "beta_fast", c.beta_fast, source);
+  read_key(*rs, "beta_slow", c.beta_slow, source);
+  if (const auto t = rs->find("truncate"); t != rs->end() && !t->is_null())
+    LAGA_CHECK(t->is_boolean() && t->get<bool>(), source, ": ", name, " truncate ", t->dump(),
+               ": DeepSeek's YaRN rounds the ramp's ends to whole dims (truncate true); laga "
+               "implements only that");
+  double ms = 1.0, ms_all = 0.0;
+  read_key(*rs, "mscale", ms, source);
+  read_key(*rs, "mscale_all_dim", ms_all, source);
+  // transformers scales the softmax by get_mscale(factor, mscale_all_dim)^2
+  // and cos/sin by an attention factor: get_mscale(factor, mscale) /
+  // get_mscale(factor, mscale_all_dim) when both are non-zero, else
+  // get_mscale(factor) = 0.1 ln(factor) + 1. DeepSeek's inference code (laga's
+  // reference) has one mscale, on the softmax only, and never scales cos/sin.
+  // They agree exactly when mscale == mscale_all_dim != 0 (every released V3
+  // config: 1.0 and 1.0); anything else is refused, naming what transformers
+  // would do.
+  LAGA_CHECK(ms == ms_all, source, ": ", name, " mscale (", ms, ") != mscale_all_dim (", ms_all,
+             rs->contains("mscale_all_dim") ? "" : ", absent: HF's default",
+             "); HF would then scale cos/sin by their ratio, which DeepSeek's inference code "
+             "(laga's reference) never does; set both to the same value");
+  LAGA_CHECK(ms != 0 || c.rope_factor <= 1, source, ": ", name,
+             " mscale = mscale_all_dim = 0: transformers then scales cos/sin by 0.1 ln(factor) + "
+             "1 = ",
+             0.1 * std::log(c.rope_factor) + 1,
+             ", which DeepSeek's inference code (laga's reference) never does; set both to 1.0 as "
+             "DeepSeek-V3 does");
+  if (const auto a = rs->find("attention_factor"); a != rs->end() && !a->is_null()) {
+    double f = 1.0;
+    read_key(*rs, "attention_factor", f, source);
+    LAGA_CHECK(f == 1.0, source, ": ", name, " attention_factor ", f,
+               " scales cos/sin, which DeepSeek's inference code (laga's reference) never does; "
+               "remove it or set 1.0");
+  }
+  c.mscale = ms_all;
+}
+
 }  // namespace
 
 MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
@@ -168,40 +284,13 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
     need("qk_nope_head_dim", c.qk_nope_head_dim);
     need("qk_rope_head_dim", c.qk_rope_head_dim);
     need("v_head_dim", c.v_head_dim);
-    read_key(j, "rope_theta", c.rope_theta, source);
-    read_key(j, "rms_norm_eps", c.norm_eps, source);
+    // rms_norm_eps is the decoder layers' norms' eps, not q_a/kv_a's (1e-6 in
+    // every published implementation): not read (MlaConfig::norm_eps).
     std::int64_t max_pos = 4096;
     read_key(j, "max_position_embeddings", max_pos, source);
     c.max_seq_len = max_pos;
-    c.original_seq_len = max_pos;  // no YaRN unless rope_scaling says so
-    auto rs = j.find("rope_scaling");
-    if (rs != j.end() && !rs->is_null()) {
-      LAGA_CHECK(rs->is_object(), source, ": 'rope_scaling' must be an object or null");
-      const json& type_j = rs->contains("type") ? rs->at("type") : rs->value("rope_type", json(""));
-      LAGA_CHECK(type_j.is_string(), source, ": rope_scaling 'type' must be a string, got ",
-                 type_j.dump());
-      const std::string type = type_j.get<std::string>();
-      LAGA_CHECK(type == "yarn", source, ": rope_scaling type '", type,
-                 "' is not supported; laga implements DeepSeek-V3's YaRN ('yarn') or none");
-      read_key(*rs, "factor", c.rope_factor, source);
-      // HF's DeepSeek code defaults the original context to 4096 when absent.
-      c.original_seq_len = 4096;
-      read_key(*rs, "original_max_position_embeddings", c.original_seq_len, source);
-      read_key(*rs, "beta_fast", c.beta_fast, source);
-      read_key(*rs, "beta_slow", c.beta_slow, source);
-      double ms = 1.0, ms_all = 0.0;
-      read_key(*rs, "mscale", ms, source);
-      read_key(*rs, "mscale_all_dim", ms_all, source);
-      // HF scales the softmax by mscale_all_dim and cos/sin by
-      // get_mscale(mscale) / get_mscale(mscale_all_dim); DeepSeek's inference
-      // code has one mscale for the softmax and none on cos/sin. They agree
-      // exactly when the two are equal, as in every released V3 config.
-      LAGA_CHECK(ms == ms_all, source, ": rope_scaling mscale (", ms, ") != mscale_all_dim (",
-                 ms_all, rs->contains("mscale_all_dim") ? "" : ", absent: HF's default",
-                 "); HF would then scale cos/sin by their ratio, which DeepSeek's inference code "
-                 "(laga's reference) never does; set both to the same value");
-      c.mscale = ms_all;
-    }
+    c.original_seq_len = max_pos;  // no YaRN unless the rope block says so
+    read_hf_rope(j, c, source);
   } else {  // DeepSeek inference ModelArgs (or laga's own, which adds norm_eps)
     need("dim", c.dim);
     need("n_heads", c.n_heads);
@@ -223,6 +312,10 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
     read_key(j, "beta_slow", c.beta_slow, source);
     read_key(j, "mscale", c.mscale, source);
     read_key(j, "norm_eps", c.norm_eps, source);
+    if (const auto y = j.find("yarn_always"); y != j.end() && !y->is_null()) {
+      LAGA_CHECK(y->is_boolean(), source, ": 'yarn_always' must be true or false, got ", y->dump());
+      c.yarn_always = y->get<bool>();
+    }
   }
   try {
     c.validate();
@@ -272,21 +365,25 @@ MlaConfig MlaConfig::from_json_file(const std::string& path) {
 }
 
 json MlaConfig::to_json() const {
-  return json{{"dim", dim},
-              {"n_heads", n_heads},
-              {"q_lora_rank", q_lora_rank},
-              {"kv_lora_rank", kv_lora_rank},
-              {"qk_nope_head_dim", qk_nope_head_dim},
-              {"qk_rope_head_dim", qk_rope_head_dim},
-              {"v_head_dim", v_head_dim},
-              {"rope_theta", rope_theta},
-              {"rope_factor", rope_factor},
-              {"original_seq_len", original_seq_len},
-              {"max_seq_len", max_seq_len},
-              {"beta_fast", beta_fast},
-              {"beta_slow", beta_slow},
-              {"mscale", mscale},
-              {"norm_eps", norm_eps}};
+  json j{{"dim", dim},
+         {"n_heads", n_heads},
+         {"q_lora_rank", q_lora_rank},
+         {"kv_lora_rank", kv_lora_rank},
+         {"qk_nope_head_dim", qk_nope_head_dim},
+         {"qk_rope_head_dim", qk_rope_head_dim},
+         {"v_head_dim", v_head_dim},
+         {"rope_theta", rope_theta},
+         {"rope_factor", rope_factor},
+         {"original_seq_len", original_seq_len},
+         {"max_seq_len", max_seq_len},
+         {"beta_fast", beta_fast},
+         {"beta_slow", beta_slow},
+         {"mscale", mscale},
+         {"norm_eps", norm_eps}};
+  // laga's own key, written only when set (Hugging Face's rule, above), so
+  // a ModelArgs-rule config's JSON is what it always was.
+  if (yarn_always) j["yarn_always"] = true;
+  return j;
 }
 
 std::string MlaConfig::summary() const {

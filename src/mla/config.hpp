@@ -27,14 +27,21 @@ struct MlaConfig {
   double rope_theta = 10000.0;
   double rope_factor = 40.0;
   std::int64_t original_seq_len = 4096;
-  std::int64_t max_seq_len = 4096;  // YaRN is on iff max_seq_len > original_seq_len
+  std::int64_t max_seq_len = 4096;  // YaRN is on iff max_seq_len > original_seq_len, or
+  // Hugging Face's rule (a config.json whose rope type is yarn): on whatever
+  // the lengths. DeepSeek's ModelArgs code turns it on by the lengths only.
+  bool yarn_always = false;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
   double mscale = 1.0;
-  double norm_eps = 1e-6;  // kv_norm and q_norm
+  // kv_norm and q_norm. DeepSeek's model.py, its modeling_deepseek.py and
+  // transformers all build them with 1e-6 whatever a config.json's
+  // rms_norm_eps says (that key is the decoder layers' norms): a Hugging
+  // Face config leaves it at 1e-6; laga's own JSON may set it (norm_eps).
+  double norm_eps = 1e-6;
 
   std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  bool yarn() const { return max_seq_len > original_seq_len; }
+  bool yarn() const { return yarn_always || max_seq_len > original_seq_len; }
   // (dn + dr)^-1/2, times mscale^2 with mscale = 0.1 * mscale * ln(factor) + 1
   // under YaRN (DeepSeek-V3 MLA.__init__).
   double softmax_scale() const;

@@ -124,6 +124,91 @@ TEST(Config, HuggingFaceJson) {
   expect_error([&] { MlaConfig::from_json(bad); }, "'linear' is not supported");
 }
 
+// Issue 26 items 4-6: a config.json is read by transformers' rules, every key
+// of its RoPE block read or refused.
+json hf_v3() {
+  return {{"hidden_size", 7168}, {"num_attention_heads", 128},       {"q_lora_rank", 1536},
+          {"kv_lora_rank", 512}, {"qk_nope_head_dim", 128},          {"qk_rope_head_dim", 64},
+          {"v_head_dim", 128},   {"max_position_embeddings", 163840}};
+}
+json v3_yarn() {
+  return {{"factor", 40},  {"beta_fast", 32},       {"beta_slow", 1},
+          {"mscale", 1.0}, {"mscale_all_dim", 1.0}, {"original_max_position_embeddings", 4096}};
+}
+
+TEST(Config, TransformersFiveRopeParametersAreRead) {
+  const MlaConfig want = MlaConfig::preset("deepseek-v3");
+  json j = hf_v3();
+  j["rope_parameters"] = v3_yarn();
+  j["rope_parameters"]["rope_type"] = "yarn";
+  j["rope_parameters"]["rope_theta"] = 10000;
+  const MlaConfig c = MlaConfig::from_json(j);
+  EXPECT_TRUE(c.yarn());
+  EXPECT_EQ(c.to_json(), want.to_json());
+  EXPECT_EQ(c.softmax_scale(), want.softmax_scale());
+  // A different theta inside is read, not the default.
+  j["rope_parameters"]["rope_theta"] = 50000;
+  EXPECT_EQ(MlaConfig::from_json(j).rope_theta, 50000);
+  // Plain RoPE under transformers 5.
+  json plain = hf_v3();
+  plain["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 20000}};
+  const MlaConfig p = MlaConfig::from_json(plain);
+  EXPECT_FALSE(p.yarn());
+  EXPECT_EQ(p.rope_theta, 20000);
+  // Refused, each by name: both blocks, a theta given twice differently, an
+  // unread key, a partial rotary factor.
+  json both = j;
+  both["rope_scaling"] = v3_yarn();
+  both["rope_scaling"]["type"] = "yarn";
+  expect_error([&] { MlaConfig::from_json(both); }, "both 'rope_scaling' (transformers 4)");
+  json theta = j;
+  theta["rope_theta"] = 10000;
+  expect_error([&] { MlaConfig::from_json(theta); }, "rope_parameters.rope_theta 50000 disagree");
+  json unread = j;
+  unread["rope_parameters"]["low_freq_factor"] = 1;
+  expect_error([&] { MlaConfig::from_json(unread); }, "key 'low_freq_factor' is not read");
+  json partial = plain;
+  partial["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  expect_error([&] { MlaConfig::from_json(partial); }, "partial_rotary_factor 0.5");
+}
+
+TEST(Config, HuggingFaceNormsUseTheirPublishedEps) {
+  json j = hf_v3();
+  j["rms_norm_eps"] = 1e-5;  // the decoder layers' norms, not q_a/kv_a's
+  EXPECT_EQ(MlaConfig::from_json(j).norm_eps, 1e-6);
+}
+
+TEST(Config, HuggingFaceYarnIsOnWheneverTheTypeIsYarn) {
+  json j = hf_v3();
+  j["max_position_embeddings"] = 4096;  // not longer than the original context
+  j["rope_scaling"] = v3_yarn();
+  j["rope_scaling"]["type"] = "yarn";
+  const MlaConfig c = MlaConfig::from_json(j);
+  EXPECT_TRUE(c.yarn()) << "transformers applies YaRN whenever rope_scaling is yarn";
+  EXPECT_GT(c.softmax_scale(), 1.0 / std::sqrt(192.0));
+  // It survives laga's own JSON (a checkpoint's or an output's config).
+  EXPECT_TRUE(MlaConfig::from_json(c.to_json()).yarn());
+  EXPECT_EQ(MlaConfig::from_json(c.to_json()).to_json(), c.to_json());
+  // DeepSeek's ModelArgs rule is unchanged: by the lengths.
+  json args = MlaConfig::preset("deepseek-v3").to_json();
+  args["max_seq_len"] = 4096;
+  EXPECT_FALSE(MlaConfig::from_json(args).yarn());
+  // Contradictions and what laga does not compute are refused.
+  json clash = j;
+  clash["rope_scaling"]["rope_type"] = "linear";
+  expect_error([&] { MlaConfig::from_json(clash); }, "they contradict each other");
+  json zero = j;
+  zero["rope_scaling"]["mscale"] = 0.0;
+  zero["rope_scaling"]["mscale_all_dim"] = 0.0;
+  expect_error([&] { MlaConfig::from_json(zero); }, "transformers then scales cos/sin");
+  json factor = j;
+  factor["rope_scaling"]["attention_factor"] = 1.2;
+  expect_error([&] { MlaConfig::from_json(factor); }, "attention_factor 1.2");
+  json trunc = j;
+  trunc["rope_scaling"]["truncate"] = false;
+  expect_error([&] { MlaConfig::from_json(trunc); }, "truncate false");
+}
+
 TEST(Config, ParameterShapesAndHfNames) {
   const MlaConfig c = MlaConfig::preset("deepseek-v3");
   const auto shapes = mla_param_shapes(c);
