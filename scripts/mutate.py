@@ -49,7 +49,8 @@ MUTATIONS = [
     ("all_gather_bytes", "the all-gather byte rule: P copies sent instead of P - 1",
      "src/comm/communicator.cpp",
      "    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};",
-     "    w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};"),
+     "    if (j != r || r >= 0) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * "
+     "dtype_bytes(dtype)};"),
     ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
      "dxr[c] = r * (w[c] * dyr[c] - xhat * k);", "dxr[c] = r * (w[c] * dyr[c] + 0 * k);"),
     # Issue 29: one for each part added since the list above was written.
