@@ -591,6 +591,11 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
                " backend lost or misdirected data — a bug in laga, not in the caller");
     if (link_model_) {
       const double s = collective_seconds(kind, size(), d, single_level(*link_model_));
+      // Past this the clock's nanoseconds overflow and the hold would be
+      // silently wrong; a day is beyond any run this models.
+      LAGA_CHECK(s <= 86400.0, call_name(kind, label), " on rank ", rank(),
+                 ": the link model would hold it ", s,
+                 " s (more than a day); give the link a higher bandwidth or lower latency");
       done = std::max(start, link_free_at_) +
              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                  std::chrono::duration<double>(s));

@@ -218,6 +218,24 @@ std::string resolve_output_path(const std::string& path, const std::string& what
   return target.string();
 }
 
+void probe_writable_directory(const std::string& path, const std::string& what) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  std::error_code ec;
+  LAGA_CHECK(fs::is_directory(dir, ec), "cannot write ", what, " '", path, "': its directory '",
+             dir.string(), "' does not exist; create it or choose another path");
+  const std::string probe = (dir / cat(".laga-probe.", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  LAGA_CHECK(fd >= 0 || errno == EEXIST, "cannot write ", what, " '", path,
+             "': creating a file in '", dir.string(), "' failed: ", std::strerror(errno),
+             "; choose a writable directory (checked before the work, not after it)");
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+}
+
 void write_file_atomic(const std::string& path_given, const std::vector<std::string_view>& pieces) {
   LAGA_CHECK(!path_given.empty(), "cannot write a file with an empty path; give a file name");
   const std::string path = resolve_output_path(path_given, "output");

@@ -31,6 +31,11 @@ namespace laga {
 //   - a path that is the same file (device and inode, so through symlinks and
 //     hard links) as one of the inputs protected by a live ProtectedInputs.
 std::string resolve_output_path(const std::string& path, const std::string& what = "output");
+// Creates and removes a file in the directory `path` would be written in (the
+// way write_file_atomic's temporary is made), so an output that cannot be
+// written is refused before the work that produces it; the error names
+// `what`, the directory and the system's reason.
+void probe_writable_directory(const std::string& path, const std::string& what);
 
 // While alive, the named input files may not be written by any writer of this
 // process (resolve_output_path refuses them). Each entry: the path and what it

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -128,9 +129,13 @@ CLI::Validator real_above(double lo) {
 }
 
 LinkSpec parse_link(const std::string& text) {
+  // Bounds no real link is outside of: at 1 kB/s a 1 GB collective already
+  // holds a rank for 11 days, and a hold past ~292 years overflows the
+  // clock's nanoseconds, so the model was silently not applied (issue 26).
+  constexpr double kMinGbps = 1e-6, kMaxGbps = 1e6, kMaxLatencyUs = 1e7;
   const std::string usage =
-      "; give --link BW[,LAT]: BW in GB/s (10^9 bytes/s per direction) > 0, LAT in microseconds "
-      ">= 0, e.g. --link 25,5";
+      "; give --link BW[,LAT]: BW in GB/s (10^9 bytes/s per direction) in [1e-06, 1e+06], LAT in "
+      "microseconds in [0, 1e+07], e.g. --link 25,5";
   const size_t comma = text.find(',');
   const std::string bw = text.substr(0, comma);
   auto number = [&](const std::string& t, const char* what) {
@@ -143,11 +148,15 @@ LinkSpec parse_link(const std::string& text) {
   LinkSpec spec;
   const double gbps = number(bw, "bandwidth");
   LAGA_CHECK(gbps > 0, "--link: bandwidth ", bw, " GB/s is not positive", usage);
+  LAGA_CHECK(gbps >= kMinGbps && gbps <= kMaxGbps, "--link: bandwidth ", bw,
+             " GB/s is beyond what the link model holds a rank for", usage);
   spec.bytes_per_s = gbps * 1e9;
   if (comma != std::string::npos) {
     const std::string lat = text.substr(comma + 1);
     const double us = number(lat, "latency");
     LAGA_CHECK(us >= 0, "--link: latency ", lat, " us is negative", usage);
+    LAGA_CHECK(us <= kMaxLatencyUs, "--link: latency ", lat,
+               " us is beyond what the link model holds a rank for", usage);
     spec.latency_s = us * 1e-6;
   }
   return spec;
@@ -370,6 +379,27 @@ void protect_input(const std::string& path, const std::string& option) {
   std::lock_guard<std::mutex> lock(mutex);
   guards.push_back(std::make_unique<ProtectedInputs>(
       std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
+}
+
+void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<std::string, std::string>> seen;  // option, resolved path or "-"
+  for (const auto& [option, path] : outputs) {
+    if (path.empty()) continue;
+    std::string where = "-";
+    if (path != "-") {
+      const fs::path target = resolve_output_path(path, option);
+      probe_writable_directory(target, option);
+      std::error_code ec;
+      where = fs::weakly_canonical(fs::absolute(target), ec).string();
+      if (ec) where = fs::absolute(target).lexically_normal().string();
+    }
+    for (const auto& [other, other_where] : seen)
+      LAGA_CHECK(other_where != where, option, " and ", other, " are one ",
+                 where == "-" ? std::string("stream (stdout)") : cat("file ('", where, "')"),
+                 ": the second write would replace the first; give each its own file");
+    seen.emplace_back(option, where);
+  }
 }
 
 void write_output(const std::string& path, const std::string& text) {

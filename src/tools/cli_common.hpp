@@ -126,6 +126,15 @@ bool is_reporting_process(const CommOptions& comm);
 // command (protect_input) is refused.
 void write_output(const std::string& path, const std::string& text);
 
+// Vets a command's outputs before any work (docs/reliability.md, "Outputs
+// refused up front"): each given one (empty: not asked for; "-": stdout) is
+// resolved as its writer would (resolve_output_path) and its directory
+// probed by creating and removing a file there, so a read-only or missing
+// directory is named now, not after minutes of work; and no two of them may
+// be one file (the same path after symlinks, or both stdout), which would
+// keep only the last. Each entry: the option and its path.
+void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+
 // Protects an input file this command reads (--config, --weights, --input,
 // --data, ...) from every writer of this process until it exits: an output
 // that is the same file is refused. `option` names it in the message. Empty

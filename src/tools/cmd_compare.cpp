@@ -82,6 +82,7 @@ void register_compare(CLI::App& app) {
       ->check(link_spec());
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o] {
+    vet_outputs({{"--json", o->json}, {"--csv", o->csv}});
     const std::optional<CompareResult> r = run_compare(*o);
     if (!r) return;  // not the reporting process of an MPI job
     const bool table_to_stdout = o->json != "-" && o->csv != "-";

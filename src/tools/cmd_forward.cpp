@@ -61,7 +61,7 @@ void run_forward(const ForwardOptions& o) {
   protect_input(o.weights, "--weights");
   protect_input(o.input, "--input");
   const MlaConfig cfg = o.model.load();
-  if (!o.output.empty()) (void)resolve_output_path(o.output, "--output");
+  vet_outputs({{"--output", o.output}});
   // The batch's extents, from the input's x when there is one: the documents
   // are checked against them, and the job is refused before allocating
   // anything when it cannot fit.

@@ -203,6 +203,8 @@ void run_plan(const PlanOptions& o) {
     const double t = std::chrono::duration<double>(Clock::now() - start).count();
     if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
   };
+  protect_input(o.profile, "--profile");  // a profile FILE may not be an output
+  vet_outputs({{"--json", o.json}, {"--measure", o.measure}});
   const bool measuring = !o.measure.empty();
   LAGA_CHECK(
       measuring || !o.profile.empty(), "laga plan needs --profile NAME|FILE (",

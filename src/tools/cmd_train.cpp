@@ -6,6 +6,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -195,6 +196,7 @@ void run_train(const TrainCli& c) {
   if (report)
     o.warn = [](const std::string& w) { std::cerr << "laga train: warning: " << w << "\n"; };
   TrainEnd end;
+  bool log_failed = false;
   run_group(c.comm, o.sp, [&](Communicator& comm) {
     // train_rank stops at a non-finite loss or gradient before that step's
     // update (unless --allow-nonfinite), so no step reported here is one.
@@ -207,7 +209,19 @@ void run_train(const TrainCli& c) {
       j["lr"] = s.lr;
       j["tokens_per_s"] = s.tokens_per_s;
       j["targets"] = s.targets;
-      if (log.is_open()) log << j.dump() << "\n" << std::flush;
+      if (log.is_open()) {
+        log << j.dump() << "\n" << std::flush;
+        // A full disk or a file-size limit: say so once, naming the file,
+        // and stop logging (the log would be cut mid-line); training goes on
+        // and exits 1 at the end, so a script sees it (issue 26).
+        if (!log) {
+          std::cerr << "laga train: warning: --log '" << c.log << "': writing step " << s.step
+                    << " failed (" << std::strerror(errno)
+                    << "); the log stops here, the run goes on and will exit 1\n";
+          log.close();
+          log_failed = true;
+        }
+      }
       if (!c.quiet)
         std::cerr << "step " << s.step << "/" << o.steps << "  loss " << std::fixed
                   << std::setprecision(4) << s.loss << "  grad_norm " << s.grad_norm << "  lr "
@@ -218,7 +232,18 @@ void run_train(const TrainCli& c) {
     // Every rank agreed on how the run ended; MPI has one rank per process.
     if (comm.rank() == 0 || c.comm.backend == Backend::mpi) end = e;
   });
-  if (end.stop_signal == 0) return;
+  if (log.is_open()) {
+    log.close();
+    if (log.fail()) {
+      std::cerr << "laga train: warning: --log '" << c.log << "': closing it failed ("
+                << std::strerror(errno) << "); its last lines may be lost\n";
+      log_failed = true;
+    }
+  }
+  if (end.stop_signal == 0) {
+    if (log_failed) std::exit(1);
+    return;
+  }
   // Stopped by a signal after a whole step: say where things stand, exit
   // 128 + signal as a shell expects of an interrupted program.
   if (report) {

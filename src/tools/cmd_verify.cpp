@@ -37,7 +37,8 @@ struct Row {
 };
 
 void run_verify(const VerifyOptions& o) {
-  const MlaConfig cfg = o.model.load();
+  const MlaConfig cfg = o.model.load();  // protects --config: --json may not be it
+  vet_outputs({{"--json", o.json}});
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
   const std::vector<FormVariant> forms = form_variants(
       parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));

@@ -28,6 +28,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
 PREFIX = "laga: error: "
 failures = []
@@ -58,6 +59,8 @@ def expect_error(laga, args, needle):
 
 TRAIN = ["train", "--d-model", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
          "--seq", "16", "--steps", "1", "--quiet"]
+
+PLAN = ["plan", "--preset", "tiny", "--profile", "h100", "--quiet"]
 
 # (subcommand and fixed arguments, option, bad value, words the message must hold)
 OPTION_CASES = [
@@ -123,13 +126,17 @@ OPTION_CASES = [
     (["forward", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
     (["verify", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
     (["compare", "--preset", "tiny"], "--attention", "fast", "--attention"),
+    # --link beyond what the model can hold a rank for (it was accepted and
+    # silently not applied, issue 26 item 15)
+    (["compare", "--preset", "tiny"], "--link", "1e-300", "is beyond what the link model holds"),
+    (["compare", "--preset", "tiny"], "--link", "5,1e300", "is beyond what the link model holds"),
+    (PLAN, "--link", "1e9", "is beyond what the link model holds"),
 ]
 
 
 # Every whole-number option of every command, lists and --doc-lens too:
 # one rule (src/core/whole_number.hpp), decimal digits only. '010' was octal
 # 8 in some options and 10 in others, '0x10' 16 in some (issue 26 item 3).
-PLAN = ["plan", "--preset", "tiny", "--profile", "h100", "--quiet"]
 WHOLE_OPTIONS = [
     (TRAIN, o) for o in ("--steps", "--seed", "--warmup", "--save-every", "--nope-dim",
                          "--rope-dim", "--v-dim", "--kv-lora-rank", "--q-lora-rank",
@@ -188,6 +195,25 @@ def case_messages(laga, scratch):
     write(cfg, '{"dim": 1e300, "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,'
                ' "qk_rope_head_dim": 4, "v_head_dim": 8}')
     expect_error(laga, ["forward", "--config", cfg], "'dim' is 1e+300, beyond")
+    # Outputs are vetted before the work (issue 26 items 10, 11): two that are
+    # one file, and a directory that does not exist, refused at once, not
+    # after the run (plan --measure measured for seconds first).
+    same = os.path.join(scratch, "same.out")
+    expect_error(laga, ["compare", "--preset", "tiny", "--json", same, "--csv", same],
+                 "--csv and --json are one file")
+    expect_error(laga, ["compare", "--preset", "tiny", "--json", "-", "--csv", "-"],
+                 "are one stream (stdout)")
+    gone = os.path.join(scratch, "no_such_dir", "x.json")
+    for args, option in [(["verify", "--preset", "tiny", "--json", gone], "--json"),
+                         (["plan", "--preset", "tiny", "--measure", gone], "--measure"),
+                         (["plan", "--preset", "tiny", "--profile", "h100", "--json", gone],
+                          "--json"),
+                         (["compare", "--preset", "tiny", "--csv", gone], "--csv"),
+                         (["forward", "--preset", "tiny", "--output", gone], "--output")]:
+        t0 = time.time()
+        expect_error(laga, args, f"cannot write {option} '{gone}': its directory")
+        if time.time() - t0 > 5:
+            failures.append(f"laga {' '.join(args)}: refused only after {time.time() - t0:.1f} s")
 
 
 def safetensors(path, tensors):

@@ -33,6 +33,7 @@ Only the standard library.
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import struct
@@ -181,6 +182,23 @@ def case_log(laga, scratch):
     check(not os.path.exists(stale), "a stale laga temporary survived the next save")
     check(os.path.exists(other), "a file not of laga's naming was removed")
     check(latest_step(ck) == k + 5, "final checkpoint")
+    # A log the filesystem stops taking (a full disk; here a 2 KiB file-size
+    # limit, SIGXFSZ ignored so the write fails with EFBIG): named once, the
+    # run finishes and exits 1, never 0 with the log cut mid-line (issue 26).
+    full = os.path.join(scratch, "full.jsonl")
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    loud = [a for a in TINY if a != "--quiet"]  # its step lines show how far it went
+    p = subprocess.run([laga, "train"] + loud + ["--steps", "40", "--log", full],
+                       capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    warned = [l for l in p.stderr.splitlines() if "--log '" + full + "': writing step" in l]
+    check(p.returncode == 1 and len(warned) == 1,
+          f"a log that cannot be written: exit {p.returncode}, warnings {warned}:\n"
+          f"{p.stderr[-800:]}")
+    check("step 40/40" in p.stderr, "the run went on to its last step after the log failed")
 
 
 def write_safetensors(path, name, shape):
