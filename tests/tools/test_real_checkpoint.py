@@ -8,6 +8,9 @@
     here by numpy (weight_dequant: float32(x) * s[i // 128, j // 128]) and
     given as F32 under DeepSeek names; by the directory and by the index;
   - the layer-0 shard is garbage and is never opened;
+  - one layer at DeepSeek-V3's own shapes (--preset deepseek-v3: q_a_proj
+    [1536, 7168] with scales [12, 56], ..., o_proj [7168, 16384] with
+    [56, 128]), in sparse shards, loads and runs;
   - a malformed index and a scale of the wrong shape exit 2 with one error
     line naming the index or the tensor.
 
@@ -135,6 +138,68 @@ if "reference" in outputs:
                 diff = np.max(np.abs(outputs[label][t] - outputs["reference"][t]))
                 failures.append(f"{label}: '{t}' differs from numpy's dequantisation by {diff}")
 
+
+# One layer at V3's shapes, as the released checkpoint stores it: sparse
+# files (the header, the norms and one fp8 code written; the rest holes of
+# zeros), so ~190 MB of tensors cost a few KB of disk.
+V3 = {"q_a_proj.weight": (1536, 7168), "q_a_layernorm.weight": (1536,),
+      "q_b_proj.weight": (128 * 192, 1536), "kv_a_proj_with_mqa.weight": (512 + 64, 7168),
+      "kv_a_layernorm.weight": (512,), "kv_b_proj.weight": (128 * 256, 512),
+      "o_proj.weight": (7168, 128 * 128)}
+
+
+def write_sparse(path, tensors):
+    """tensors: name -> (dtype, shape, {byte offset: bytes}); data sparse."""
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        dtype, shape, _ = tensors[name]
+        n = int(np.prod(shape)) * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in sorted(tensors):
+            for at, raw in tensors[name][2].items():
+                f.seek(start + header[name]["data_offsets"][0] + at)
+                f.write(raw)
+        f.truncate(start + offset)
+
+
+v3 = os.path.join(tmp, "v3")
+os.makedirs(v3, exist_ok=True)
+p5 = "model.layers.5.self_attn."
+v3_shards = [{}, {}]
+for k, (hf, shape) in enumerate(V3.items()):
+    shard = v3_shards[0 if k < 3 else 1]
+    if len(shape) == 1:
+        shard[p5 + hf] = ("BF16", shape, {0: to_bf16_bits(np.ones(shape)).tobytes()})
+        continue
+    grid = (-(-shape[0] // 128), -(-shape[1] // 128))
+    # w[0, 0] = 1 · 0.5 in every weight, and in kv_b_proj also row 128 (head
+    # 0's first v row, in block row 1): so out[..., 0] alone is nonzero.
+    codes = {0: b"\x38", 128 * 512: b"\x38"} if hf == "kv_b_proj.weight" else {0: b"\x38"}
+    shard[p5 + hf] = ("F8_E4M3", shape, codes)
+    shard[p5 + hf + "_scale_inv"] = ("F32", grid, {0: np.full(grid, 0.5, np.float32).tobytes()})
+v3_map = {}
+for k, tensors in enumerate(v3_shards):
+    name = "model-%05d-of-00163.safetensors" % (k + 1)
+    write_sparse(os.path.join(v3, name), tensors)
+    v3_map.update({t: name for t in tensors})
+with open(os.path.join(v3, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {}, "weight_map": v3_map}, f)
+r = run(["forward", "--preset", "deepseek-v3", "--layer", "5", "--batch", "1", "--seq", "2",
+         "--weights", v3, "--output", os.path.join(tmp, "v3_out.st")])
+if r.returncode != 0:
+    failures.append(f"V3 dims: rc {r.returncode}: {r.stderr.strip()[:500]}")
+else:
+    out = safetensors_io.load_file(os.path.join(tmp, "v3_out.st"))[0]["out"]
+    if (out.shape != (1, 2, 7168) or not np.all(np.isfinite(out)) or np.any(out[..., 1:])
+            or not np.all(out[..., 0])):
+        failures.append(f"V3 dims: out {out.shape} should be finite, nonzero in column 0 only: "
+                        f"{out[..., :3]}, {np.count_nonzero(out)} nonzero")
 
 def expect_error(args, fragments):
     r = run(args)
