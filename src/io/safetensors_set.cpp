@@ -111,11 +111,14 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
       std::vector<std::string> files;
       for (const auto& entry : fs::directory_iterator(dir, ec))
         if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+      LAGA_CHECK(!ec, "weights '", path, "': cannot list the directory: ", ec.message());
       std::sort(files.begin(), files.end());
       LAGA_CHECK(!files.empty(), "weights '", path, "': the directory holds neither ", kIndexName,
                  " nor a .safetensors file; give a checkpoint directory or file");
       std::string list;
-      for (const std::string& f : files) list += (list.empty() ? "'" : ", '") + f + "'";
+      for (std::size_t k = 0; k < std::min<std::size_t>(files.size(), 8); ++k)
+        list += (k ? ", '" : "'") + files[k] + "'";
+      if (files.size() > 8) list += ", ...";
       LAGA_CHECK(files.size() == 1, "weights '", path, "': the directory holds ", files.size(),
                  " .safetensors files (", list, ") but no ", kIndexName,
                  " saying which tensor is where; give the index or one file");

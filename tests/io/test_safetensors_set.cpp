@@ -210,6 +210,12 @@ TEST_F(SafetensorsSetTest, RefusesBadScales) {
                           {"w.weight_scale_inv", "F32", {3, 2}, "", {}}});
   expect_error([&] { SafetensorsSet::open(at("h.st")).read_into("w.weight", y); },
                {"w.weight", "BF16", "not F8_E4M3"});
+  // Block scales are for matrices: an fp8 vector is refused, whatever its scale.
+  write_file(at("j.st"), {{"v.weight", "F8_E4M3", {4}, "\x38\x38\x38\x38", {}},
+                          {"v.weight_scale_inv", "F32", {1}, f32_bytes({1}), {}}});
+  Tensor<float> v({4});
+  expect_error([&] { SafetensorsSet::open(at("j.st")).read_into("v.weight", v); },
+               {"v.weight", "F8_E4M3 of shape [4]", "only matrices"});
   // The destination's shape is checked before anything is read.
   Tensor<float> wrong({200, 300});
   expect_error(
