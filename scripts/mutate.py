@@ -101,9 +101,9 @@ MUTATIONS = [
      "const std::int64_t R = M / kFp8BlockSize + (M < kFp8BlockSize);"),
     ("fp8_subnormal_2^-10", "F8_E4M3 subnormals as m * 2^-10, not m * 2^-9",
      "src/io/safetensors.cpp", "* 0x1p-9f;", "* 0x1p-10f;"),
-    ("index_listed_twice", "a tensor listed twice in the index accepted (the last shard wins)",
-     "src/io/safetensors_set.cpp", "LAGA_CHECK(duplicate.empty(),",
-     "LAGA_CHECK(true || duplicate.empty(),"),
+    ("index_listed_twice", "a key repeated in the index accepted (for a tensor: the last shard "
+     "wins)", "src/io/safetensors_set.cpp", "duplicate = key, duplicate_is_tensor = in_map;",
+     "duplicate_is_tensor = false;"),
     ("index_two_shards", "a tensor held by two opened shards accepted",
      "src/io/safetensors_set.cpp", "placed == weight_map_.end() || placed->second == shard,",
      "true,"),

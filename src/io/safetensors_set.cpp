@@ -58,18 +58,31 @@ std::map<std::string, std::string> SafetensorsSet::parse_index(const std::string
                                                                const std::string& text) {
   // nlohmann keeps the last of duplicated keys silently: a tensor listed
   // twice would name one of two shards unseen, so duplicates are refused.
-  // One key set per open object; the weight_map's keys are at depth 2.
+  // One key set per open object; the weight_map's keys are at depth 2, and
+  // the shards a duplicated tensor is given are kept to name both.
   std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  int duplicate_depth = 0;
+  std::string top_key, entry_key, duplicate;  // the keys at depth 1 and 2; the first repeat
+  bool duplicate_is_tensor = false;
+  std::map<std::string, std::string> first_shard;
+  std::string second_shard;
   auto note_duplicates = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    const bool in_map = depth == 2 && top_key == "weight_map";
     if (event == Json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == Json::parse_event_t::object_end) {
       if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && duplicate.empty() && !open_objects.empty()) {
+    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
       const std::string& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second) duplicate = key, duplicate_depth = depth;
+      if (depth == 1) top_key = key;
+      if (depth == 2) entry_key = key;
+      if (!open_objects.back().insert(key).second && duplicate.empty())
+        duplicate = key, duplicate_is_tensor = in_map;
+    } else if (event == Json::parse_event_t::value && in_map && parsed.is_string()) {
+      const std::string& shard = parsed.get_ref<const std::string&>();
+      if (entry_key == duplicate && duplicate_is_tensor && second_shard.empty())
+        second_shard = shard;
+      else
+        first_shard.emplace(entry_key, shard);
     }
     return true;
   };
@@ -82,10 +95,13 @@ std::map<std::string, std::string> SafetensorsSet::parse_index(const std::string
   }
   LAGA_CHECK(index.is_object(), "index '", where, "' is a JSON ", index.type_name(),
              ", not an object with a \"weight_map\"; give model.safetensors.index.json");
-  LAGA_CHECK(duplicate.empty(), "index '", where,
-             "': ", duplicate_depth == 2 ? "tensor '" : "key '", duplicate, "' is listed twice",
-             duplicate_depth == 2 ? " (in two shards)" : "",
-             "; the index is corrupt, download it again");
+  if (duplicate_is_tensor) {
+    fail("index '", where, "': tensor '", duplicate, "' is listed twice, in shard '",
+         first_shard[duplicate], "' and in '", second_shard,
+         "'; a tensor must be in one shard, download the index again");
+  }
+  LAGA_CHECK(duplicate.empty(), "index '", where, "': key '", duplicate,
+             "' appears twice in one object; the index is corrupt, download it again");
   auto map = index.find("weight_map");
   LAGA_CHECK(map != index.end() && map->is_object(), "index '", where,
              "' has no \"weight_map\" object (tensor name -> shard file); it is not a "

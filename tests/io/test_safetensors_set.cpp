@@ -338,7 +338,14 @@ TEST_F(V3Layer, RefusesInconsistentIndexes) {
                "\"" + p + "o_proj.weight\":\"model-00001-of-00003.safetensors\",");
   io_test::write_bytes(at(SafetensorsSet::kIndexName), twice);
   expect_error([&] { (void)SafetensorsSet::open(dir_.string()); },
-               {SafetensorsSet::kIndexName, p + "o_proj.weight", "listed twice"});
+               {SafetensorsSet::kIndexName, p + "o_proj.weight", "listed twice",
+                "'model-00001-of-00003.safetensors'", "'model-00002-of-00003.safetensors'"});
+  // A repeated key elsewhere is named as a key, not as a tensor.
+  std::string meta = index_;
+  meta.replace(meta.find("{\"total_size\":0}"), 16, "{\"total_size\":0,\"total_size\":1}");
+  io_test::write_bytes(at(SafetensorsSet::kIndexName), meta);
+  expect_error([&] { (void)SafetensorsSet::open(dir_.string()); },
+               {"key 'total_size' appears twice"});
 
   // Listed in a shard that lacks it.
   std::string moved = index_;
