@@ -33,7 +33,7 @@ flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -mavx2 -mfma
 # they are instrumented for coverage and the sanitizers).
 core=(src/core/tensor.cpp src/core/memory_pool.cpp src/core/block_cache.cpp src/core/rng.cpp)
 declare -A sources=(
-  [safetensors]="tests/fuzz/fuzz_safetensors.cpp src/io/safetensors.cpp src/io/atomic_file.cpp ${core[*]}"
+  [safetensors]="tests/fuzz/fuzz_safetensors.cpp src/io/safetensors.cpp src/io/safetensors_set.cpp src/io/atomic_file.cpp ${core[*]}"
   [config]="tests/fuzz/fuzz_config.cpp src/mla/config.cpp ${core[*]}"
   [tokens]="tests/fuzz/fuzz_tokens.cpp src/model/data.cpp src/mla/documents.cpp src/mla/params.cpp src/mla/config.cpp ${core[*]}"
   [manifest]="tests/fuzz/fuzz_manifest.cpp src/model/checkpoint_manifest.cpp"

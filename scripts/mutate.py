@@ -31,6 +31,7 @@ TESTS = [
     "core_test_memory_pool", "test_comm_local", "mla_test_config", "mla_test_comm_model",
     "mla_test_block_grad", "mla_test_forms", "mla_test_naive_mla", "mla_test_work_model",
     "mla_test_torch_reference", "plan_test_time_model", "tools_test_memory_check_figure",
+    "io_safetensors_set",
 ]
 
 # (name, what it breaks, file, original text, mutated text)
@@ -92,6 +93,30 @@ MUTATIONS = [
      "StartedSeq<T> start_reduce_scatter_seq",
      "                                    label);\n  s.send_.reset();\n  return s;\n}\n\n"
      "template <class T>\nStartedSeq<T> start_reduce_scatter_seq"),
+    # Issue 26: real checkpoints (fp8 block scales, sharded indexes).
+    ("fp8_scale_column_127", "the fp8 block scale's column taken as j / 127, not j / 128",
+     "src/io/safetensors_set.cpp", "s_row[j / kFp8BlockSize]", "s_row[j / (kFp8BlockSize - 1)]"),
+    ("fp8_scale_grid_floor", "the scale grid rounded down (the ragged last block row dropped)",
+     "src/io/safetensors_set.cpp",
+     "const std::int64_t R = (M + kFp8BlockSize - 1) / kFp8BlockSize;",
+     "const std::int64_t R = M / kFp8BlockSize + (M < kFp8BlockSize);"),
+    ("fp8_subnormal_2^-10", "F8_E4M3 subnormals as m * 2^-10, not m * 2^-9",
+     "src/io/safetensors.cpp", "* 0x1p-9f;", "* 0x1p-10f;"),
+    ("index_listed_twice", "a key repeated in the index accepted (for a tensor: the last shard "
+     "wins)", "src/io/safetensors_set.cpp", "duplicate = key, duplicate_is_tensor = in_map;",
+     "duplicate_is_tensor = false;"),
+    ("index_two_shards", "a tensor held by two opened shards accepted",
+     "src/io/safetensors_set.cpp", "placed == weight_map_.end() || placed->second == shard,",
+     "true,"),
+    ("index_dotdot", "a shard path climbing out with '..' accepted",
+     "src/io/safetensors_set.cpp", "climbs = climbs || part == \"..\";",
+     "climbs = climbs || part == \"...\";"),
+    ("scale_without_weight", "a _scale_inv without its weight accepted",
+     "src/io/safetensors_set.cpp", "LAGA_CHECK(contains(weight),", "LAGA_CHECK(true,"),
+    ("shards_opened_eagerly", "every shard of the index opened at open, not when read",
+     "src/io/safetensors_set.cpp", "  set.check_scales_have_weights();\n",
+     "  set.check_scales_have_weights();\n"
+     "  for (const auto& entry : set.weight_map_) (void)set.file_of(entry.first);\n"),
 ]
 
 

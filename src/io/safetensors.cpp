@@ -110,6 +110,22 @@ float f16_to_float(std::uint16_t bits) {
   return std::bit_cast<float>(out);
 }
 
+}  // namespace
+
+float f8_e4m3_to_float(std::uint8_t code) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(code & 0x80u) << 24;
+  const std::uint32_t exponent = (code >> 3) & 0xfu;
+  const std::uint32_t mantissa = code & 0x7u;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent != 0)  // rebias 7 → 127; the 3 mantissa bits lead float's 23
+    return std::bit_cast<float>(sign | ((exponent + 120) << 23) | (mantissa << 20));
+  // Subnormal (or zero): mantissa · 2^-9, exact in float.
+  const float magnitude = static_cast<float>(mantissa) * 0x1p-9f;
+  return sign ? -magnitude : magnitude;
+}
+
+namespace {
+
 // Element product of a shape with every extent already known non-negative;
 // nullopt when it does not fit in int64 (a corrupt or hostile header).
 std::optional<std::int64_t> checked_numel(const Shape& shape) {
@@ -486,6 +502,11 @@ void SafetensorsFile::check_shape(const std::string& name, const Shape& expected
 }
 
 void SafetensorsFile::check_readable(const std::string& name, const TensorInfo& entry) const {
+  if (entry.dtype == "F8_E4M3") {
+    fail("safetensors '", path_, "': tensor '", name,
+         "' has dtype F8_E4M3, a block-scaled weight that is read only together with its '", name,
+         "_scale_inv' (as --weights does); it reads ", kSafetensorsReadableDtypes, " alone");
+  }
   if (!readable_dtype(entry.dtype)) {
     fail("safetensors '", path_, "': tensor '", name, "' has dtype ", entry.dtype,
          ", which laga cannot convert to floating point; it reads ", kSafetensorsReadableDtypes);
@@ -569,6 +590,20 @@ std::vector<std::int64_t> SafetensorsFile::read_indices(const std::string& name)
              entry.bytes(), " bytes but only ", got_bytes,
              " could be read; the file was truncated or changed after it was opened");
   return values;
+}
+
+void SafetensorsFile::read_raw(const std::string& name, std::uint64_t begin, std::uint64_t size,
+                               void* destination) const {
+  const SafetensorsTensorInfo& entry = find(name);
+  LAGA_CHECK(begin <= entry.bytes() && size <= entry.bytes() - begin, "safetensors '", path_,
+             "': bytes [", begin, ", ", begin + size, ") of tensor '", name,
+             "' asked for, but it holds ", entry.bytes(), " (a laga bug)");
+  const std::size_t got =
+      read_at(descriptor_->fd, path_, destination, static_cast<std::size_t>(size),
+              data_start_ + entry.data_begin + begin);
+  LAGA_CHECK(got == size, "safetensors '", path_, "': tensor '", name, "' needs ", entry.bytes(),
+             " bytes but only ", begin + got,
+             " could be read; the file was truncated or changed after it was opened");
 }
 
 template Tensor<float> SafetensorsFile::read<float>(const std::string&, MemCategory) const;

@@ -45,6 +45,13 @@ struct SafetensorsTensorInfo {
 // refused by read().
 inline constexpr const char* kSafetensorsReadableDtypes = "F32, F64, BF16, F16";
 
+// One F8_E4M3 code as a float, exactly: PyTorch's float8_e4m3fn, which
+// DeepSeek-V3's weights use (1 sign bit, 4 exponent bits biased by 7, 3
+// mantissa bits; subnormals; no infinities; 0x7F and 0xFF are NaN). read()
+// refuses F8_E4M3 because a block-scaled weight means nothing without its
+// scale: SafetensorsSet (safetensors_set.hpp) reads the pair.
+float f8_e4m3_to_float(std::uint8_t code);
+
 class SafetensorsFile {
  public:
   using TensorInfo = SafetensorsTensorInfo;
@@ -76,6 +83,11 @@ class SafetensorsFile {
   // An index tensor (I32 or I64, any shape), flattened: the only integer
   // reader, for things like cu_seqlens. Other dtypes are an error naming it.
   std::vector<std::int64_t> read_indices(const std::string& name) const;
+
+  // The stored bytes [begin, begin + size) of a tensor's data, any dtype, as
+  // they are: for decoders that live outside this file (fp8 with a scale).
+  void read_raw(const std::string& name, std::uint64_t begin, std::uint64_t size,
+                void* destination) const;
 
  private:
   struct Descriptor;

@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "io/safetensors.hpp"
+#include "io/safetensors_set.hpp"
 #include "mla/exchange.hpp"
 #include "tools/memory_check.hpp"
 
@@ -123,11 +124,13 @@ std::optional<Documents> load_documents(const std::string& doc_lens, const Safet
 }
 
 MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {
-  const SafetensorsFile f = SafetensorsFile::open(path);
+  // A file, an index or a checkpoint directory; only this layer's tensors
+  // are read, from the shards that hold them.
+  const SafetensorsSet f = SafetensorsSet::open(path);
   auto w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
   w.for_each([&](const std::string& name, TensorF& t) {
     const std::string hf = hf_param_name(name, layer);
-    LAGA_CHECK(f.contains(name) || f.contains(hf), "weights '", path, "': no tensor '", name,
+    LAGA_CHECK(f.contains(name) || f.contains(hf), "weights '", f.path(), "': no tensor '", name,
                "' (DeepSeek inference name) or '", hf,
                "' (Hugging Face name); the config needs it — check --config/--preset and --layer");
     f.read_into(f.contains(name) ? name : hf, t);

@@ -42,9 +42,11 @@ std::optional<Documents> load_documents(const std::string& doc_lens, const Safet
                                         const std::string& input_path, std::int64_t batch,
                                         std::int64_t seq);
 
-// Weights from a safetensors file under DeepSeek inference names
-// (`wkv_b.weight`) or Hugging Face names (`model.layers.<layer>.self_attn.
-// kv_b_proj.weight`); every shape is checked against the config.
+// Weights from a safetensors file, a sharded checkpoint (its index or its
+// directory; SafetensorsSet) under DeepSeek inference names (`wkv_b.weight`)
+// or Hugging Face names (`model.layers.<layer>.self_attn.kv_b_proj.weight`);
+// fp8 weights are dequantised with their block scales; every shape is checked
+// against the config.
 MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer);
 MlaParams<float> random_weights(const MlaConfig& cfg, std::uint64_t seed);
 // x ~ N(0, 1) of shape (B, S, D) from (seed, stream).

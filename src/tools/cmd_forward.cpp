@@ -173,7 +173,9 @@ void register_forward_command(CLI::App& app) {
   opts->model.add_to(*sub);
   opts->comm.add_to(*sub);
   sub->add_option("--weights", opts->weights,
-                  "safetensors with the block's weights (DeepSeek or HF names)");
+                  "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "
+                  "checkpoint's model.safetensors.index.json or its directory; BF16/F16/F32/F64 "
+                  "or F8_E4M3 with 128x128 weight_scale_inv");
   sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")
       ->check(whole(0))
       ->capture_default_str();
