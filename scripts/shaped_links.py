@@ -21,8 +21,9 @@ never leaves it. At each rate it sets side by side, per form:
 
 It fails unless the traffic crossed the shaped queue: the bucket's byte
 counter (tc -s) must hold at least the bytes both ranks' ledgers sent, and
-from the lowest rate to the highest every form's step must fall by at
-least half of what the link model says its collectives' time falls.
+at the lowest rate every form's fastest step must take at least half of
+what the link model says its collectives take (load only adds time, so a
+busy machine cannot fail it).
 
 The loopback is one queue for both directions, and at P 2 every collective
 sends the same bytes each way at once, so each direction gets half the
@@ -151,6 +152,7 @@ def qdisc_bytes():
 
 
 rows = []
+fastest = {}  # (rate, form): the fastest measured step, for the slow-down check
 crossed = []  # per rate: (bytes through the bucket, the ledger's bytes of both ranks)
 for rate in rates:
     if sh(inside + ["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate",
@@ -177,6 +179,7 @@ for rate in rates:
     for f in shaped["forms"]:
         rows.append((rate, per_direction, f["form"], f["step_ms"], link[f["form"]],
                      pred[f["form"]], wire[f["form"]], f["comm_ms"], exposed[f["form"]]))
+        fastest[(rate, f["form"])] = min(f["step_ms_per_step"])
 
 # 'comm' columns: the time in collectives per step, measured on the shaped
 # MPI link (compare's comm_ms, the slowest rank) and the plan's exposed
@@ -202,23 +205,29 @@ for rate, through, ledger in crossed:
         sys.exit(f"shaped_links: FAILED: at {rate:g} Mbit/s only {through} bytes passed the "
                  f"shaped loopback, fewer than the {ledger} the ranks' ledgers sent: the traffic "
                  f"did not cross the shaped link")
-# And the rate must show in the step: from the lowest rate to the highest
-# the step falls by at least half of what the link model says the
-# collectives' time falls (a 3% gap, noise, does not pass).
-by_form = {}
-for rate, _, form, s, _, _, w, _, _ in rows:
-    by_form.setdefault(form, []).append((rate, s, w))
+# And the rate must show in the step: at the lowest rate, where the bucket
+# holds every byte, even the fastest measured step must take at least half
+# of what the link model says its collectives take there (a bypass leaves
+# only compute: a few ms against the 13-15 ms the model gives --quick).
+# Load from elsewhere only adds time, so this cannot fail for a busy
+# machine, as a comparison between two rates did (a build on the other core
+# made one high-rate median 9.5 ms where the rest of the run took 2).
+low = min(rates)
 slow = []
-for form, v in by_form.items():
-    (_, s_lo, w_lo), (_, s_hi, w_hi) = min(v), max(v)
-    print(f"shaped_links: {form}: the step falls {s_lo - s_hi:.2f} ms from {min(rates):g} to "
-          f"{max(rates):g} Mbit/s; the link model's collectives {w_lo - w_hi:.2f} ms")
-    if not s_lo - s_hi >= 0.5 * (w_lo - w_hi):
+for rate, _, form, _, _, _, w, _, _ in rows:
+    if rate != low:
+        continue
+    s_lo = fastest[(rate, form)]
+    hi = [fastest[(r, f)] for (r, f) in fastest if f == form and r == max(rates)]
+    print(f"shaped_links: {form}: at {low:g} Mbit/s the fastest step took {s_lo:.2f} ms, the "
+          f"link model's collectives {w:.2f} ms" +
+          (f" (at {max(rates):g} Mbit/s: {hi[0]:.2f} ms)" if hi else ""))
+    if not s_lo >= 0.5 * w:
         slow.append(form)
 if slow:
-    sys.exit(f"shaped_links: FAILED: for {', '.join(slow)} the step at {min(rates):g} Mbit/s is "
-             f"not slower than at {max(rates):g} by half the modelled wire time: the traffic did "
-             f"not cross the shaped link")
+    sys.exit(f"shaped_links: FAILED: for {', '.join(slow)} the fastest step at {low:g} Mbit/s "
+             f"took less than half the modelled wire time: the traffic did not cross the shaped "
+             f"link")
 if args.json:
     # Written beside its final name and renamed over it: a crash leaves the
     # old file whole.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <vector>
@@ -325,21 +326,8 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
   return c;
 }
 
-MlaConfig MlaConfig::from_json_file(const std::string& path) {
-  // stat before opening: an ifstream on a FIFO with no writer blocks forever.
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  LAGA_CHECK(fs::exists(st), "cannot open config file '", path, "': no such file; check the path");
-  LAGA_CHECK(!fs::is_directory(st), "config file '", path,
-             "' is a directory; give the JSON file (config.json) inside it");
-  LAGA_CHECK(fs::is_regular_file(st), "config file '", path,
-             "' is not a regular file (a FIFO, socket or device); give a JSON file");
-  std::ifstream in(path);
-  LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check its permissions");
-  // Duplicate keys: nlohmann keeps the last silently, so a config that sets
-  // "dim" twice would run with whichever came last. Track the keys of every
-  // open object while parsing and refuse a repeat.
+json parse_json_refusing_repeated_keys(const std::string& text, const std::string& where) {
+  // The keys of every open object, tracked while parsing.
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
   const json::parser_callback_t check_keys = [&](int, json::parse_event_t ev, json& parsed) {
@@ -355,12 +343,29 @@ MlaConfig MlaConfig::from_json_file(const std::string& path) {
   };
   json j;
   try {
-    j = json::parse(in, check_keys);
+    j = json::parse(text, check_keys);
   } catch (const std::exception& e) {
-    fail("config file '", path, "' is not valid JSON: ", e.what());
+    fail(where, " is not valid JSON: ", e.what());
   }
-  LAGA_CHECK(duplicate.empty(), "config file '", path, "': key '", duplicate,
+  LAGA_CHECK(duplicate.empty(), where, ": key '", duplicate,
              "' appears twice in one object; JSON readers disagree on which wins, so remove one");
+  return j;
+}
+
+MlaConfig MlaConfig::from_json_file(const std::string& path) {
+  // stat before opening: an ifstream on a FIFO with no writer blocks forever.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  LAGA_CHECK(fs::exists(st), "cannot open config file '", path, "': no such file; check the path");
+  LAGA_CHECK(!fs::is_directory(st), "config file '", path,
+             "' is a directory; give the JSON file (config.json) inside it");
+  LAGA_CHECK(fs::is_regular_file(st), "config file '", path,
+             "' is not a regular file (a FIFO, socket or device); give a JSON file");
+  std::ifstream in(path);
+  LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check its permissions");
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const json j = parse_json_refusing_repeated_keys(text, "config file '" + path + "'");
   return from_json(j, "config '" + path + "'");
 }
 

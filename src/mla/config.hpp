@@ -16,6 +16,14 @@
 
 namespace laga {
 
+// Parses JSON text, refusing a key repeated in one object: nlohmann keeps
+// the last silently and other readers the first, so a file that sets "dim"
+// (or a profile's "bytes_per_s") twice means different things to different
+// readers. Throws laga::Error: "<where>: not valid JSON (...)" or "<where>:
+// key 'k' appears twice in one object; ...". Used by the config and the
+// hardware-profile readers.
+nlohmann::json parse_json_refusing_repeated_keys(const std::string& text, const std::string& where);
+
 struct MlaConfig {
   std::int64_t dim = 256;
   std::int64_t n_heads = 8;

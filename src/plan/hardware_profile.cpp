@@ -106,6 +106,7 @@ class Fields {
   std::string path(const std::string& key) const {
     return where_.empty() ? key : where_ + "." + key;
   }
+  const std::string& source() const { return source_; }
   // Every key of the object was asked for.
   void done() const {
     for (const auto& [key, v] : j_.items())
@@ -120,10 +121,22 @@ class Fields {
   std::set<std::string> seen_;
 };
 
+// The least figures a profile may give (below them a plan's times are inf
+// or NaN, or meaningless): a device of 1 MFLOP/s and 1 MB, 1 kB/s memory
+// and links; at most 10 s of link latency. --link's own bounds are the
+// same for links (tools/cli_common.cpp).
+constexpr double kLeastFlops = 1e6, kLeastBytes = 1e6, kLeastBytesPerS = 1e3, kMostLatencyUs = 1e7;
+
 LinkModel read_link(Fields f) {
   LinkModel l;
   l.bytes_per_s = f.number("bytes_per_s");
+  LAGA_CHECK(l.bytes_per_s >= kLeastBytesPerS, "profile ", f.source(), ": ", f.path("bytes_per_s"),
+             " = ", l.bytes_per_s, " is below any link's (at least ", kLeastBytesPerS,
+             " bytes/s); the figure is bytes/s, not GB/s");
   l.latency_s = f.number("latency_us", true) * 1e-6;
+  LAGA_CHECK(l.latency_s * 1e6 <= kMostLatencyUs, "profile ", f.source(), ": ",
+             f.path("latency_us"), " = ", l.latency_s * 1e6, " us is beyond any link's (at most ",
+             kMostLatencyUs, " us)");
   l.topology = parse_topology(f.text("topology"), f.path("topology"));
   f.done();
   return l;
@@ -206,12 +219,9 @@ json shapes_json(const ShapeTimes& t) {
 }  // namespace
 
 HardwareProfile parse_profile(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    fail("profile ", source, ": not valid JSON (", e.what(), ")");
-  }
+  // A key given twice is refused, as configs, safetensors headers and
+  // checkpoint manifests refuse it (readers disagree on which wins).
+  const json j = parse_json_refusing_repeated_keys(text, "profile " + source);
   HardwareProfile p;
   p.source = source;
   Fields top(j, "", source);
@@ -223,6 +233,13 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
     p.device.peak_flops_fp32 = peak.number_or_null("fp32");
     p.device.peak_flops_bf16 = peak.number_or_null("bf16");
     peak.done();
+    // Positive but tiny figures gave inf/NaN step times with a named winner
+    // (issue 26): each figure must be one some hardware has.
+    for (const auto& [name, v] :
+         {std::pair{"fp32", p.device.peak_flops_fp32}, std::pair{"bf16", p.device.peak_flops_bf16}})
+      LAGA_CHECK(!v || *v >= kLeastFlops, "profile ", source, ": device.peak_flops.", name, " = ",
+                 *v, " FLOP/s is below any device's (at least ", kLeastFlops,
+                 "); the figure is FLOP/s, not TFLOP/s");
     LAGA_CHECK(p.device.peak_flops_fp32 || p.device.peak_flops_bf16, "profile ", source,
                ": device.peak_flops has neither fp32 nor bf16; give at least one");
     Fields eff = d.object("efficiency");
@@ -235,6 +252,16 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
                                            ? d.number("elementwise_bytes_per_s")
                                            : p.device.memory_bytes_per_s;
     d.done();
+    LAGA_CHECK(p.device.memory_bytes >= kLeastBytes, "profile ", source,
+               ": device.memory_bytes = ", p.device.memory_bytes,
+               " is below any device's (at least ", kLeastBytes,
+               " bytes); the figure is bytes, not GB");
+    for (const auto& [name, v] :
+         {std::pair{"memory_bytes_per_s", p.device.memory_bytes_per_s},
+          std::pair{"elementwise_bytes_per_s", p.device.elementwise_bytes_per_s}})
+      LAGA_CHECK(v >= kLeastBytesPerS, "profile ", source, ": device.", name, " = ", v,
+                 " is below any device's (at least ", kLeastBytesPerS,
+                 " bytes/s); the figure is bytes/s, not GB/s");
   }
   const double per_node = top.number("devices_per_node");
   LAGA_CHECK(per_node == std::floor(per_node) && per_node <= 1 << 20, "profile ", source,

@@ -187,6 +187,18 @@ TEST(HardwareProfile, BadFieldsAreNamed) {
       {[](json& j) { j["device"]["memory_bandwidth"] = 1; },
        "profile t: unknown field device.memory_bandwidth"},
       {[](json& j) { j = json::array(); }, "profile t:  must be a JSON object"},
+      // Positive but no device's (issue 26 item 16: inf/NaN step times and a
+      // named winner).
+      {[](json& j) { j["device"]["peak_flops"]["fp32"] = 1e-300; },
+       "profile t: device.peak_flops.fp32 = 1e-300 FLOP/s is below any device's"},
+      {[](json& j) { j["device"]["memory_bytes"] = 80; },
+       "profile t: device.memory_bytes = 80 is below any device's"},
+      {[](json& j) { j["device"]["memory_bytes_per_s"] = 3.35; },
+       "profile t: device.memory_bytes_per_s = 3.35 is below any device's"},
+      {[](json& j) { j["intra_node"]["bytes_per_s"] = 1e-9; },
+       "profile t: intra_node.bytes_per_s = 1e-09 is below any link's"},
+      {[](json& j) { j["inter_node"]["latency_us"] = 1e300; },
+       "profile t: inter_node.latency_us = 1e+300 us is beyond any link's"},
   };
   for (const Bad& b : cases) {
     json j = json::parse(kGood);
@@ -194,7 +206,14 @@ TEST(HardwareProfile, BadFieldsAreNamed) {
     const std::string e = error_of([&] { parse_profile(j.dump(), "t"); });
     EXPECT_EQ(e.rfind(b.error, 0), 0u) << "got: " << e << "\nwant: " << b.error;
   }
-  EXPECT_EQ(error_of([] { parse_profile("{", "t"); }).rfind("profile t: not valid JSON", 0), 0u);
+  EXPECT_EQ(error_of([] { parse_profile("{", "t"); }).rfind("profile t is not valid JSON", 0), 0u);
+  // A key given twice is refused, as configs and safetensors headers refuse it.
+  std::string twice = json::parse(kGood).dump();
+  twice.insert(twice.rfind('}'), ",\"devices_per_node\": 4");
+  EXPECT_NE(error_of([&] {
+              parse_profile(twice, "t");
+            }).find("profile t: key 'devices_per_node' appears twice in one object"),
+            std::string::npos);
   EXPECT_NE(error_of([] { load_profile("no-such-profile"); })
                 .find("--profile 'no-such-profile' is neither a built-in profile (910b, a100, "
                       "h100, h200, or 'this' to measure this machine) nor a readable file"),
