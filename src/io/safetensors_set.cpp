@@ -144,8 +144,10 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
   SafetensorsSet set;
   set.path_ = index;
   if (ends_with(index, ".json")) {
-    set.directory_ = fs::path(index).parent_path().string();
-    if (set.directory_.empty()) set.directory_ = ".";
+    // Built as one path and moved in: GCC 12's -Wrestrict misfires on
+    // assigning "." to the string under -O2 with the sanitizers.
+    const fs::path parent = fs::path(index).parent_path();
+    set.directory_ = (parent.empty() ? fs::path(".") : parent).string();
     set.weight_map_ = parse_index(index, read_text(index));
   } else {
     set.single_ = SafetensorsFile::open(index);
