@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "comm/link_bounds.hpp"
 #include "core/error.hpp"
 #include "mla/block.hpp"
 #include "plan/builtin_profiles.hpp"
@@ -123,9 +124,10 @@ class Fields {
 
 // The least figures a profile may give (below them a plan's times are inf
 // or NaN, or meaningless): a device of 1 MFLOP/s and 1 MB, 1 kB/s memory
-// and links; at most 10 s of link latency. --link's own bounds are the
-// same for links (tools/cli_common.cpp).
-constexpr double kLeastFlops = 1e6, kLeastBytes = 1e6, kLeastBytesPerS = 1e3, kMostLatencyUs = 1e7;
+// and links; at most 10 s of link latency. The link figures are
+// comm/link_bounds.hpp's, which --link reads too.
+constexpr double kLeastFlops = 1e6, kLeastBytes = 1e6, kLeastBytesPerS = kLeastLinkBytesPerS,
+                 kMostLatencyUs = kMostLinkLatencyUs;
 
 LinkModel read_link(Fields f) {
   LinkModel l;

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/link_bounds.hpp"
 #include "comm/local_comm.hpp"
 #include "comm/mpi_comm.hpp"
 #include "core/error.hpp"
@@ -129,10 +130,9 @@ CLI::Validator real_above(double lo) {
 }
 
 LinkSpec parse_link(const std::string& text) {
-  // Bounds no real link is outside of: at 1 kB/s a 1 GB collective already
-  // holds a rank for 11 days, and a hold past ~292 years overflows the
-  // clock's nanoseconds, so the model was silently not applied (issue 26).
-  constexpr double kMinGbps = 1e-6, kMaxGbps = 1e6, kMaxLatencyUs = 1e7;
+  // The bounds are comm/link_bounds.hpp's, in GB/s: [1e-06, 1e+06].
+  constexpr double kMinGbps = kLeastLinkBytesPerS / 1e9, kMaxGbps = kMostLinkBytesPerS / 1e9;
+  constexpr double kMaxLatencyUs = kMostLinkLatencyUs;
   const std::string usage =
       "; give --link BW[,LAT]: BW in GB/s (10^9 bytes/s per direction) in [1e-06, 1e+06], LAT in "
       "microseconds in [0, 1e+07], e.g. --link 25,5";
