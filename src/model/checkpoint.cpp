@@ -1,14 +1,17 @@
 #include "model/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string_view>
 #include <vector>
 
@@ -53,6 +56,15 @@ bool is_checkpoint_file_name(std::string_view n) {
   for (std::string_view ext : {std::string_view(".json"), std::string_view(".safetensors")})
     if (n.ends_with(ext) && digits(n.substr(5, n.size() - 5 - ext.size()), 8, 18)) return true;
   return false;
+}
+
+// The step of a tensors file named step-<N>.safetensors; -1 for any other.
+std::int64_t tensors_step_of(const fs::path& p) {
+  const std::string n = p.filename().string();
+  const std::string_view v(n);
+  if (!v.starts_with("step-") || !v.ends_with(".safetensors")) return -1;
+  const std::string_view d = v.substr(5, v.size() - 5 - 12);
+  return digits(d, 1, 18) ? std::stoll(std::string(d)) : -1;
 }
 
 // The pid in a temporary write_file_atomic made for a checkpoint file
@@ -118,15 +130,139 @@ int remove_stale_checkpoint_temporaries(const std::string& dir) {
   return removed;
 }
 
+std::vector<std::string> checkpoint_files(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (is_checkpoint_file_name(e.path().filename().string()))
+      out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+
+std::string host_name() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "unknown";
+  return host;
+}
+
+// The holder a lock file names ("pid <pid> host <host>"); pid -1 when the
+// text is not of that form (a damaged lock is not taken over silently).
+std::pair<long long, std::string> lock_holder(const std::string& text) {
+  std::istringstream in(text);
+  std::string pid_word, host_word, host;
+  long long pid = -1;
+  if (!(in >> pid_word >> pid >> host_word >> host) || pid_word != "pid" || host_word != "host" ||
+      pid <= 0)
+    return {-1, ""};
+  return {pid, host};
+}
+
+}  // namespace
+
+namespace {
+
+// What a lock file says of its holder, and whether it can be taken over.
+struct LockHolder {
+  bool present = false, stale = false;
+  std::string who;  // "pid 12 on host h, which is running"
+};
+
+LockHolder read_lock(const std::string& path) {
+  LockHolder h;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return h;
+  h.present = true;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto [pid, host] = lock_holder(text);
+  const bool here = pid > 0 && host == host_name();
+  h.stale = here && pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  h.who = pid <= 0 ? std::string("no valid holder")
+                   : cat("pid ", pid, " on host ", host,
+                         !here               ? ""
+                         : pid == ::getpid() ? " (this process)"
+                         : h.stale           ? ", which no longer runs"
+                                             : ", which is running");
+  return h;
+}
+
+[[noreturn]] void refuse_in_use(const std::string& dir, const std::string& path,
+                                const LockHolder& h) {
+  fail("--checkpoint '", dir, "' is in use: its lock '", path, "' names ", h.who,
+       ". Two runs in one directory would prune each other's checkpoints; wait for that run, "
+       "choose another --checkpoint directory, or, if no run holds it, remove the lock file");
+}
+
+}  // namespace
+
+void refuse_checkpoint_directory_in_use(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "laga.lock").string();
+  const LockHolder h = read_lock(path);
+  if (h.present && !h.stale) refuse_in_use(dir, path, h);
+}
+
+CheckpointDirectoryLock::CheckpointDirectoryLock(const std::string& dir_s) {
+  const fs::path dir(dir_s);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  LAGA_CHECK(fs::is_directory(dir), "--checkpoint '", dir_s, "': cannot create the directory (",
+             ec ? ec.message() : std::string("a file of that name is in the way"),
+             "); choose a writable path (checked before the first step, not at the first save)");
+  path_ = (dir / "laga.lock").string();
+  holder_ = cat("pid ", ::getpid(), " host ", host_name(), "\n");
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      const bool written =
+          ::write(fd, holder_.data(), holder_.size()) == static_cast<ssize_t>(holder_.size());
+      ::close(fd);
+      if (written) return;
+      ::unlink(path_.c_str());
+      fail("--checkpoint '", dir_s, "': cannot write its lock '", path_, "' (",
+           std::strerror(errno), "); choose a directory with room to write");
+    }
+    LAGA_CHECK(errno == EEXIST, "--checkpoint '", dir_s, "': cannot create files in it (",
+               std::strerror(errno), " creating '", path_,
+               "'); choose a writable directory (checked before the first step, not at the "
+               "first save)");
+    const LockHolder h = read_lock(path_);
+    // Taken over once; a second EEXIST means another run took it meanwhile.
+    if (h.stale && attempt == 0 && ::unlink(path_.c_str()) == 0) continue;
+    refuse_in_use(dir_s, path_, h);
+  }
+}
+
+CheckpointDirectoryLock::~CheckpointDirectoryLock() {
+  // Removed only while it still holds this process's line (never another's).
+  std::ifstream in(path_, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text == holder_) ::unlink(path_.c_str());
+}
+
 std::vector<std::string> set_aside_checkpoints_after(const std::string& dir_s, std::int64_t step,
                                                      std::string* folder) {
   const fs::path dir(dir_s);
   std::vector<fs::path> later;
   for (const auto& m : manifests(dir))
     if (step_of(m) > step) later.push_back(m);
+  // A tensors file of a later step without its manifest (a save killed
+  // between the two, or a file put there by hand): this run would write over
+  // it when it reaches that step. It goes aside with the rest.
+  std::vector<fs::path> orphans;
+  {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      fs::path manifest = e.path();
+      manifest.replace_extension(".json");
+      if (tensors_step_of(e.path()) > step && !fs::exists(manifest, ec))
+        orphans.push_back(e.path());
+    }
+  }
   std::vector<std::string> moved;
   if (folder) folder->clear();
-  if (later.empty()) return moved;
+  if (later.empty() && orphans.empty()) return moved;
   fs::path aside = dir / ("superseded-after-" + step_name(step));
   for (int k = 2; fs::exists(aside); ++k)
     aside = dir / ("superseded-after-" + step_name(step) + "-" + std::to_string(k));
@@ -156,6 +292,7 @@ std::vector<std::string> set_aside_checkpoints_after(const std::string& dir_s, s
     move(tensors);
     move(m);
   }
+  for (const auto& t : orphans) move(t);
   if (latest_is_later && fs::exists(latest)) {
     move(latest);
     std::ifstream in(own, std::ios::binary);

@@ -77,14 +77,45 @@ CheckpointManifest load_checkpoint(const std::string& where, const LmConfig& cfg
 // The checkpoints in dir (their step-*.json names), by step.
 std::vector<std::string> checkpoint_manifests(const std::string& dir);
 
-// Moves the checkpoints of steps above `step` (and latest.json when it names
-// one of them) into a new folder DIR/superseded-after-step-<step>[-k] and
+// Moves the checkpoints of steps above `step` (manifest and tensors, a tensors
+// file without its manifest too, and latest.json when it names one of them)
+// into a new folder DIR/superseded-after-step-<step>[-k] and
 // points latest.json at step's manifest. Used when a run resumes from an
 // earlier step into the directory: those checkpoints belong to a history this
 // run replaces, and are kept, never deleted. Returns the names moved and the
 // folder (empty when there was nothing to move).
 std::vector<std::string> set_aside_checkpoints_after(const std::string& dir, std::int64_t step,
                                                      std::string* folder);
+
+// The files of laga's checkpoint naming in dir (latest.json, step-<N>.json,
+// step-<N>.safetensors, N of at least 8 digits), sorted by name. A fresh run
+// refuses a directory holding any of them: a tensors file without its
+// manifest (a save killed between the two) is a checkpoint's too.
+std::vector<std::string> checkpoint_files(const std::string& dir);
+
+// One writer per checkpoint directory. While alive, holds DIR/laga.lock (made
+// with O_EXCL; it holds "pid <pid> host <host>"), creating DIR if needed, so
+// the directory's writability is checked before the first step rather than
+// at the first save. A lock whose pid no longer runs on this host is stale
+// (a run killed by SIGKILL leaves one) and is taken over, the rule the
+// checkpoint temporaries follow; a live one, or one from another host, is
+// refused naming its holder. Two runs in one directory would prune each
+// other's checkpoints (docs/reliability.md, "Checkpoints").
+class CheckpointDirectoryLock {
+ public:
+  explicit CheckpointDirectoryLock(const std::string& dir);
+  ~CheckpointDirectoryLock();
+  CheckpointDirectoryLock(const CheckpointDirectoryLock&) = delete;
+  CheckpointDirectoryLock& operator=(const CheckpointDirectoryLock&) = delete;
+
+ private:
+  std::string path_, holder_;  // the lock file and what this process wrote in it
+};
+
+// Refuses, as CheckpointDirectoryLock would, a directory whose lock names a
+// live holder; validation calls it first, so a second run into a directory
+// in use is told that rather than that the directory holds checkpoints.
+void refuse_checkpoint_directory_in_use(const std::string& dir);
 
 // Removes temporaries of laga's own naming (`latest.json.tmp.<pid>.<n>`,
 // `step-<N>.json|safetensors.tmp.<pid>.<n>`) left in dir by a process that no

@@ -93,10 +93,10 @@ void check_checkpoint_directory(const TrainOptions& o) {
   LAGA_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "--checkpoint '", o.checkpoint_dir,
              "' exists and is not a directory; give a directory (new or empty, or the one "
              "--resume reads)");
-  std::vector<std::string> names;
-  for (const auto& m : checkpoint_manifests(o.checkpoint_dir))
-    names.push_back(fs::path(m).filename().string());
-  if (fs::exists(dir / "latest.json", ec)) names.push_back("latest.json");
+  refuse_checkpoint_directory_in_use(o.checkpoint_dir);
+  // Every file of a checkpoint's naming counts, a tensors file without its
+  // manifest too: a fresh run would write over it at that step.
+  std::vector<std::string> names = checkpoint_files(o.checkpoint_dir);
   if (names.empty()) return;
   if (names.size() > 6) {
     const size_t more = names.size() - 5;
@@ -417,17 +417,24 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // A signal reaches one process (MPI) or is seen by each thread at its own
     // time (local ranks), so the ranks vote: all stop after the same step.
     // SIGTERM wins over SIGINT when both arrived.
-    int stop = 0;
-    if (o.stop_signal) {
+    const auto vote_stop = [&]() -> int {
+      if (!o.stop_signal) return 0;
       const int mine = o.stop_signal->load();
       double votes[2] = {mine == SIGTERM ? 1.0 : 0.0, mine != 0 && mine != SIGTERM ? 1.0 : 0.0};
       comm.all_reduce(votes, 2, "train_stop_vote");
-      stop = votes[0] > 0 ? SIGTERM : votes[1] > 0 ? SIGINT : 0;
-    }
+      return votes[0] > 0 ? SIGTERM : votes[1] > 0 ? SIGINT : 0;
+    };
+    int stop = vote_stop();
     const bool periodic = o.save_every > 0 && step % o.save_every == 0;
     const bool last = step == o.steps || stop != 0;
-    if (!o.checkpoint_dir.empty() && (periodic || last) && r == 0)
-      end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
+    const bool saves = !o.checkpoint_dir.empty() && (periodic || last);
+    if (saves && r == 0) end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
+    // A signal that arrived during a periodic save (a preemption's grace
+    // period often starts then: saves are the slow part) stops the run with
+    // that save, rather than one step and one more save later. Every rank
+    // knows whether this step saved, so every rank votes again (the others
+    // wait in the vote while rank 0 writes).
+    if (saves && !last) stop = vote_stop();
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
                          packed ? packed->counted : B * S});
@@ -441,6 +448,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
 
 std::vector<StepRecord> train_local(const TrainOptions& o) {
   validate_train_options(o);
+  std::optional<CheckpointDirectoryLock> lock;  // see cmd_train's run_train
+  if (!o.checkpoint_dir.empty()) lock.emplace(o.checkpoint_dir);
   (void)prepare_run(o);
   std::vector<StepRecord> out;
   run_local_ranks(o.sp, [&](Communicator& comm) {

@@ -5,6 +5,7 @@
 // settings (naming option: old -> new) unless allowed, a --steps at or below
 // the checkpoint's step, and a hand-edited manifest.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -296,6 +297,102 @@ TEST(CheckpointPolicy, StaleTemporariesOfLagaAreRemovedOthersKept) {
   train_local(a);
   for (const auto& n : stale) EXPECT_FALSE(fs::exists(dir / n)) << n;
   for (const auto& n : foreign) EXPECT_TRUE(fs::exists(dir / n)) << n;
+}
+
+// Issue 26 item 8. Today's main: the fresh run is accepted (only .json files
+// counted) and overwrites the orphan at its step 2; the resume also writes
+// over the orphan of a later step.
+TEST(CheckpointPolicy, AnOrphanTensorsFileIsNeverWrittenOver) {
+  const fs::path dir = scratch("orphan");
+  std::ofstream(dir / "step-00000002.safetensors") << "not laga's";
+  TrainOptions a = small(3);
+  a.save_every = 1;
+  a.checkpoint_dir = dir.string();
+  expect_has(error_of([&] { train_local(a); }),
+             {"already holds checkpoints", "step-00000002.safetensors"});
+  std::ifstream kept(dir / "step-00000002.safetensors");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "not laga's");
+
+  // A run to step 2, then a tensors file of step 4 without its manifest (a
+  // save killed between the two): the resume sets it aside before step 4.
+  const fs::path dir2 = scratch("orphan_resume");
+  TrainOptions b = small(2);
+  b.checkpoint_dir = dir2.string();
+  train_local(b);
+  std::ofstream(dir2 / "step-00000004.safetensors") << "the killed save's";
+  TrainOptions c = small(5);
+  c.save_every = 1;
+  c.checkpoint_dir = dir2.string();
+  c.resume = dir2.string();
+  const std::vector<std::string> notes = prepare_run(c);
+  ASSERT_EQ(notes.size(), 1u);
+  expect_has(notes[0], {"step-00000004.safetensors", "moved, not deleted"});
+  EXPECT_EQ(train_local(c).size(), 3u);
+  std::ifstream aside(dir2 / "superseded-after-step-00000002" / "step-00000004.safetensors");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(aside), {}), "the killed save's");
+  expect_latest_complete(dir2, 5);
+}
+
+// Issue 26 item 7: one writer per directory. Today's main has no lock, so
+// the second writer's construction (there: its run) succeeds.
+TEST(CheckpointPolicy, OneWriterPerDirectory) {
+  const fs::path dir = scratch("lock");
+  {
+    const CheckpointDirectoryLock held(dir.string());
+    expect_has(error_of([&] { CheckpointDirectoryLock second(dir.string()); }),
+               {"is in use", "laga.lock", "pid " + std::to_string(::getpid()), "this process",
+                "another --checkpoint directory"});
+    TrainOptions a = small(1);
+    a.checkpoint_dir = dir.string();
+    expect_has(error_of([&] { train_local(a); }), {"is in use"});
+    EXPECT_FALSE(fs::exists(dir / "latest.json"));  // refused before any step
+  }
+  EXPECT_FALSE(fs::exists(dir / "laga.lock"));  // released
+
+  // A lock left by a process that no longer runs (kill -9) is taken over.
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::ofstream(dir / "laga.lock") << "pid " << child << " host " << host << "\n";
+  TrainOptions a = small(1);
+  a.checkpoint_dir = dir.string();
+  EXPECT_EQ(train_local(a).size(), 1u);
+  EXPECT_FALSE(fs::exists(dir / "laga.lock"));
+
+  // Another host's lock (a shared filesystem) cannot be judged stale here.
+  const fs::path dir2 = scratch("lock_host");
+  std::ofstream(dir2 / "laga.lock") << "pid 1 host some-other-node\n";
+  expect_has(error_of([&] { CheckpointDirectoryLock l(dir2.string()); }),
+             {"is in use", "pid 1 on host some-other-node", "remove the lock file"});
+  // A damaged lock is not taken over silently either.
+  std::ofstream(dir2 / "laga.lock") << "garbage";
+  expect_has(error_of([&] { CheckpointDirectoryLock l(dir2.string()); }), {"no valid holder"});
+}
+
+// Issue 26 item 11: a --checkpoint that cannot be written is refused before
+// the first step (today's main trains every step, then fails the save): a
+// path through a file (for every user), and a read-only directory (not for
+// root, who may write into one).
+TEST(CheckpointPolicy, AnUnwritableDirectoryIsRefusedBeforeTheFirstStep) {
+  const fs::path dir = scratch("readonly");
+  std::ofstream(dir / "a-file") << "x";
+  int steps = 0;
+  TrainOptions a = small(2);
+  a.after_backward = [&](std::int64_t, const LmParams<float>&, LmParams<float>&) { ++steps; };
+  a.checkpoint_dir = (dir / "a-file" / "ck").string();
+  expect_has(error_of([&] { train_local(a); }), {"cannot create the directory", "writable"});
+  EXPECT_EQ(steps, 0);
+  if (::geteuid() == 0) return;
+  fs::create_directory(dir / "ro");
+  fs::permissions(dir / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+  a.checkpoint_dir = (dir / "ro").string();
+  expect_has(error_of([&] { train_local(a); }), {"cannot create files in it", "writable"});
+  EXPECT_EQ(steps, 0);
+  fs::permissions(dir / "ro", fs::perms::owner_all);
 }
 
 }  // namespace

@@ -28,6 +28,10 @@ Cases:
              is refused at resume, naming the tensor, the count and the
              previous checkpoint; parameters and AdamW moments alike;
              --allow-nonfinite loads it with a warning
+  save_signal  a SIGTERM while a periodic save is written stops the run with
+             that save (exit 143, latest.json and the log end at its step)
+  lock       a second run (fresh or resumed) into a directory a live run
+             writes is refused naming its pid; the lock goes with the run
 Only the standard library.
 """
 import json
@@ -146,6 +150,70 @@ def case_signals(laga, scratch):
     check(rc == 130, f"double SIGINT: exit {rc}, wanted 130\n{err}")
     check("second signal: stopping at once" in err, "double SIGINT message:\n" + err)
     check(not os.path.exists(os.path.join(ck2, "latest.json")), "nothing saved after two signals")
+
+
+# A checkpoint of some 40 MB: its save takes long enough to be caught.
+MID = ["--d-model", "256", "--heads", "8", "--layers", "4", "--vocab", "512", "--seq", "32",
+       "--quiet"]
+
+
+def saves_in_progress(ck):
+    """Steps whose save has a temporary in ck (write_file_atomic's .tmp.)."""
+    try:
+        names = os.listdir(ck)
+    except FileNotFoundError:
+        return []
+    return [int(n[5:13]) for n in names
+            if n.startswith("step-") and ".tmp." in n and n[5:13].isdigit()]
+
+
+def case_save_signal(laga, scratch):
+    # Issue 26 item 12: a SIGTERM that arrives while a periodic save is being
+    # written stops the run with that save. Today's main trains one more step
+    # and saves again (the extra save is what a preemption's grace period
+    # kills). The process is frozen (SIGSTOP) while a temporary of the save
+    # exists, so the signal surely lands inside the save.
+    ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
+    p = start(laga, ["train"] + MID + ["--steps", "1000000", "--save-every", "2",
+                                       "--checkpoint", ck, "--log", log])
+    end, saving = time.time() + 240, None
+    while saving is None:
+        check(time.time() < end and p.poll() is None, "no save was caught in progress")
+        if not saves_in_progress(ck):
+            continue
+        p.send_signal(signal.SIGSTOP)
+        steps = saves_in_progress(ck)
+        if steps:
+            saving = steps[0]
+            p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)
+    rc, err = finish(p)
+    check(rc == 143, f"SIGTERM during a save: exit {rc}, wanted 143\n{err}")
+    check(latest_step(ck) == saving and f"stopped by SIGTERM after step {saving} " in err,
+          f"signalled during the save of step {saving}; latest.json names step "
+          f"{latest_step(ck)}:\n{err}")
+    check(log_steps(log) == list(range(1, saving + 1)), f"log: {log_steps(log)}, saved {saving}")
+
+
+def case_lock(laga, scratch):
+    # Issue 26 item 7: a second run in a directory another run writes is
+    # refused naming the holder, fresh or resuming, and the first run's
+    # checkpoints are untouched; the lock goes with the run.
+    ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
+    p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--save-every", "2",
+                                        "--checkpoint", ck, "--log", log])
+    wait_for_lines(p, log, 3)
+    for extra in ([], ["--resume", ck]):
+        q = run(laga, ["train"] + TINY + ["--steps", "2000000", "--checkpoint", ck] + extra, 2)
+        check(f"is in use: its lock '{ck}/laga.lock' names pid {p.pid}" in q.stderr
+              and "which is running" in q.stderr, f"second writer {extra}:\n{q.stderr}")
+    p.send_signal(signal.SIGINT)
+    rc, err = finish(p)
+    check(rc == 130, f"the first run: exit {rc}\n{err}")
+    n = latest_step(ck)
+    check(log_steps(log) == list(range(1, n + 1)), f"log {log_steps(log)}, checkpoint {n}")
+    check(not os.path.exists(os.path.join(ck, "laga.lock")), "the lock outlived its run")
+    run(laga, ["train"] + TINY + ["--steps", str(n + 1), "--checkpoint", ck, "--resume", ck], 0)
 
 
 def case_log(laga, scratch):
@@ -367,7 +435,8 @@ def main():
         case_nonfinite(laga, scratch, sys.argv[4])
     else:
         {"signals": case_signals, "log": case_log, "outputs": case_outputs,
-         "diverged": case_diverged}[case](laga, scratch)
+         "diverged": case_diverged, "save_signal": case_save_signal,
+         "lock": case_lock}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
 
