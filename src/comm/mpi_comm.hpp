@@ -79,6 +79,11 @@ class MpiSession {
 // Whether this process was started by mpirun/mpiexec/srun (from the
 // environment, without initialising MPI): lets a tool pick its backend.
 bool launched_under_mpi();
+// How many processes that launcher started, from the same environment
+// (OMPI_COMM_WORLD_SIZE, PMI_SIZE, MV2_COMM_WORLD_SIZE); 0 when it does not
+// say. A tool run with --comm local under `mpirun -np 4` warns: each of the
+// four processes would run the whole job alone.
+int mpi_launcher_world_size();
 
 class MpiCommunicator final : public Communicator {
  public:

@@ -95,4 +95,14 @@ bool launched_under_mpi() {
   return false;
 }
 
+int mpi_launcher_world_size() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"})
+    if (const char* v = std::getenv(var)) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && n > 0 && n < (1L << 30)) return static_cast<int>(n);
+    }
+  return 0;
+}
+
 }  // namespace laga

@@ -7,12 +7,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +25,7 @@
 #include "core/threads.hpp"
 #include "core/whole_number.hpp"
 #include "io/atomic_file.hpp"
+#include "model/checkpoint_manifest.hpp"
 
 namespace laga::tools {
 
@@ -40,7 +43,9 @@ MlaConfig ModelOptions::load() const {
   MlaConfig cfg =
       config_path.empty() ? MlaConfig::preset(preset) : MlaConfig::from_json_file(config_path);
   // The resolved values: one path can hold different files on different nodes.
-  note_run_identity("the model config (" + source() + ")", cfg.to_json().dump());
+  // (The resolved values, not the file's name: --config's contents are
+  // compared as an input file's, and a preset may equal a file.)
+  note_run_identity("the model config", cfg.to_json().dump());
   return cfg;
 }
 
@@ -275,56 +280,186 @@ std::uint64_t digest(const std::string& s) {
   return h;
 }
 
-// Every rank's (what, value) digests side by side; refuses naming the first
-// entry whose value differs between ranks, or that some ranks lack.
+// The input files named by options (protect_input): option -> path. Under
+// MPI their contents are compared across ranks, not their spellings: one path
+// can hold different files on different nodes (-wdir, local disks), and
+// `cfg/x.json` and `./cfg/x.json` are one file.
+std::map<std::string, std::string>& input_files() {
+  static std::map<std::string, std::string> m;
+  return m;
+}
+
+// What a rank's input file is, as the ranks compare it: size and FNV-1a 64
+// of the bytes. A directory (a sharded checkpoint) is its entries' names and
+// sizes, with the bytes of its .json files (the index) and the headers of
+// its .safetensors shards (names, dtypes, shapes, offsets): not the shards'
+// data, which can be hundreds of GB.
+std::string input_identity(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec))
+    return cat(fs::file_size(path, ec), " bytes, FNV-1a 64 ", fnv1a64_hex(file_fnv1a64(path)));
+  if (!fs::is_directory(path, ec)) return "(no such file)";
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::directory_iterator(path, ec))
+    if (e.is_regular_file(ec)) entries.push_back(e.path());
+  std::sort(entries.begin(), entries.end());
+  std::string listing;
+  for (const fs::path& e : entries) {
+    listing += cat(e.filename().string(), " ", fs::file_size(e, ec));
+    if (e.extension() == ".json") {
+      listing += " " + fnv1a64_hex(file_fnv1a64(e.string()));
+    } else if (e.extension() == ".safetensors") {
+      std::ifstream in(e, std::ios::binary);
+      std::uint64_t header = 0;
+      in.read(reinterpret_cast<char*>(&header), sizeof header);
+      std::string text(static_cast<size_t>(std::min<std::uint64_t>(header, 100u << 20)), '\0');
+      in.read(text.data(), static_cast<std::streamsize>(text.size()));
+      listing += " header " + fnv1a64_hex(digest(text));
+    }
+    listing += "\n";
+  }
+  return cat("directory of ", entries.size(), " files, FNV-1a 64 of its listing ",
+             fnv1a64_hex(digest(listing)));
+}
+
+// Every rank's bytes, gathered to every rank (two all-gathers: the lengths,
+// then the bytes packed eight to a double, which the collectives copy
+// bit for bit).
+std::vector<std::string> gather_texts(Communicator& comm, const std::string& mine) {
+  const int P = comm.size();
+  std::vector<double> lengths(static_cast<size_t>(P));
+  std::vector<std::int64_t> ones(static_cast<size_t>(P), 1), at(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) at[size_t(r)] = r;
+  const double my_length = static_cast<double>(mine.size());
+  comm.all_gather_v(&my_length, 1, lengths.data(), ones.data(), at.data(), "option_check");
+  std::vector<std::int64_t> counts(static_cast<size_t>(P)), displs(static_cast<size_t>(P));
+  std::int64_t total = 0;
+  for (int r = 0; r < P; ++r) {
+    counts[size_t(r)] = (static_cast<std::int64_t>(lengths[size_t(r)]) + 7) / 8;
+    displs[size_t(r)] = total;
+    total += counts[size_t(r)];
+  }
+  std::vector<double> packed(static_cast<size_t>(counts[size_t(comm.rank())]), 0.0);
+  std::memcpy(packed.data(), mine.data(), mine.size());
+  std::vector<double> all(static_cast<size_t>(std::max<std::int64_t>(total, 1)));
+  comm.all_gather_v(packed.data(), counts[size_t(comm.rank())], all.data(), counts.data(),
+                    displs.data(), "option_check");
+  std::vector<std::string> out;
+  for (int r = 0; r < P; ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all.data() + displs[size_t(r)]),
+                     static_cast<size_t>(lengths[size_t(r)]));
+  return out;
+}
+
+// "0-3, 5, 7-8" for a sorted list of ranks.
+std::string rank_ranges(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    s += (s.empty() ? "" : ", ") + std::to_string(ranks[i]) +
+         (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return s;
+}
+
+constexpr const char* kFailure = "the failure of this rank";
+const std::string kFileOf = "the file of option ";  // + "--weights": its contents
+
+// Every rank's (what, value) entries side by side; every rank computes the
+// same verdict from the same gathered bytes, so all refuse at once with one
+// message: the first entry (in name order, a failure last) whose value
+// differs between ranks or that some ranks lack, each value with its ranks.
+// Whether this process has taken part in check_ranks_agree (passed or not):
+// its peers compare once, so a failure after it must not ask them again.
+bool g_ranks_compared = false;
+
 void check_ranks_agree(Communicator& comm) {
-  constexpr std::size_t kSlots = 128;  // (name, value) digest pairs per rank
-  std::vector<std::pair<std::string, std::string>> mine;
+  g_ranks_compared = true;
+  std::map<std::string, std::string> mine;
   {
     std::lock_guard<std::mutex> lock(identity_mutex);
-    mine.assign(run_identity().begin(), run_identity().end());
-  }
-  LAGA_CHECK(mine.size() <= kSlots, "internal: more than ", kSlots, " run options to compare");
-  const int P = comm.size();
-  const auto n = static_cast<std::int64_t>(2 * kSlots);
-  std::vector<double> all(static_cast<std::size_t>(n * P), 0.0);
-  for (std::size_t i = 0; i < mine.size(); ++i) {
-    const std::uint64_t d[2] = {digest(mine[i].first), digest(mine[i].second)};
-    std::memcpy(&all[static_cast<std::size_t>(n * comm.rank()) + 2 * i], d, sizeof d);
-  }
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(P), n),
-      displs(static_cast<std::size_t>(P));
-  for (int r = 0; r < P; ++r) displs[static_cast<std::size_t>(r)] = r * n;
-  const Ledger before = comm.ledger();
-  comm.all_gather_v(all.data() + n * comm.rank(), n, all.data(), counts.data(), displs.data(),
-                    "option_check");
-  comm.ledger() = before;  // bookkeeping, not the job's traffic
-  const auto slot = [&](int r, std::size_t i, int k) {
-    std::uint64_t v;
-    std::memcpy(&v, &all[static_cast<std::size_t>(n * r) + 2 * i + static_cast<std::size_t>(k)],
-                sizeof v);
-    return v;
-  };
-  for (std::size_t i = 0; i < mine.size(); ++i) {
-    std::vector<int> differ, lack;
-    for (int r = 0; r < P; ++r) {
-      std::size_t j = 0;
-      while (j < kSlots && slot(r, j, 0) != slot(comm.rank(), i, 0)) ++j;
-      if (j == kSlots)
-        lack.push_back(r);
-      else if (slot(r, j, 1) != slot(comm.rank(), i, 1))
-        differ.push_back(r);
+    mine = run_identity();
+    for (const auto& [option, path] : input_files()) {
+      // A value that names no file (a profile's name) is only its text.
+      std::error_code ec;
+      if (!std::filesystem::exists(path, ec)) continue;
+      mine[option.rfind("--", 0) == 0 ? kFileOf + option : "the " + option + " file"] =
+          "file of " + input_identity(path);
     }
-    const auto list = [](const std::vector<int>& v) {
-      std::string s;
-      for (int r : v) s += (s.empty() ? "" : ", ") + std::to_string(r);
-      return s;
-    };
-    LAGA_CHECK(differ.empty() && lack.empty(), "the MPI ranks disagree on ", mine[i].first,
-               ": rank ", comm.rank(), " has '", mine[i].second.substr(0, 200), "'",
-               differ.empty() ? "" : ", rank(s) " + list(differ) + " have another value",
-               lack.empty() ? "" : ", rank(s) " + list(lack) + " do not give it",
-               "; launch every rank with the same options and files");
+  }
+  // One line per entry: name \x1f digest \x1f the value's first 120 bytes.
+  std::string text;
+  for (const auto& [what, value] : mine) {
+    std::string preview = value.substr(0, 120);
+    for (char& ch : preview)
+      if (ch == '\x1e' || ch == '\x1f' || ch == '\n') ch = ' ';
+    text += what + "\x1f" + fnv1a64_hex(digest(value)) + "\x1f" + preview + "\x1e";
+  }
+  const Ledger before = comm.ledger();
+  const std::vector<std::string> texts = gather_texts(comm, text);
+  comm.ledger() = before;  // bookkeeping, not the job's traffic
+  const int P = comm.size();
+  // name -> rank -> (digest, preview)
+  std::map<std::string, std::map<int, std::pair<std::string, std::string>>> table;
+  for (int r = 0; r < P; ++r) {
+    std::stringstream in(texts[size_t(r)]);
+    std::string line;
+    while (std::getline(in, line, '\x1e')) {
+      const size_t a = line.find('\x1f'), b = line.find('\x1f', a + 1);
+      if (a == std::string::npos || b == std::string::npos) continue;
+      table[line.substr(0, a)][r] = {line.substr(a + 1, b - a - 1), line.substr(b + 1)};
+    }
+  }
+  // The command line first (every rank noted all of it before parsing, so a
+  // rank that failed early has it too), then a failure, then the rest.
+  const auto from_command_line = [](const std::string& what) {
+    return what == "the subcommand" || what.rfind("option ", 0) == 0;
+  };
+  std::vector<std::string> names;
+  for (const auto& [what, by_rank] : table)
+    if (from_command_line(what)) names.push_back(what);
+  if (table.count(kFailure)) names.push_back(kFailure);
+  for (const auto& [what, by_rank] : table)
+    if (!from_command_line(what) && what != kFailure && what.rfind(kFileOf, 0) != 0)
+      names.push_back(what);
+  for (const std::string& what : names) {
+    // An option naming an input file is compared by the file's contents
+    // where every rank read it (`cfg/x.json` and `./cfg/x.json` are one
+    // file; one path can be two files on two nodes), else by its text.
+    const std::string file_row = kFileOf + what.substr(std::min(what.size(), size_t(7)));
+    const bool by_contents = from_command_line(what) && table.count(file_row) &&
+                             static_cast<int>(table[file_row].size()) == P;
+    const auto& by_rank = table[by_contents ? file_row : what];
+    std::map<std::string, std::vector<int>> holders;  // digest -> ranks
+    std::vector<int> lack;
+    for (int r = 0; r < P; ++r) {
+      const auto it = by_rank.find(r);
+      if (it == by_rank.end())
+        lack.push_back(r);
+      else
+        holders[it->second.first].push_back(r);
+    }
+    if (holders.size() == 1 && lack.empty()) continue;
+    // Values in the order of their lowest rank: rank 0's first.
+    std::vector<std::vector<int>> groups;
+    for (const auto& [d, ranks] : holders) groups.push_back(ranks);
+    std::sort(groups.begin(), groups.end());
+    std::string said;
+    for (const std::vector<int>& ranks : groups)
+      said +=
+          cat(said.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ", rank_ranges(ranks),
+              ranks.size() == 1 ? " has '" : " have '", by_rank.at(ranks.front()).second, "'");
+    if (!lack.empty())
+      said += cat(said.empty() ? "" : "; ", lack.size() == 1 ? "rank " : "ranks ",
+                  rank_ranges(lack), lack.size() == 1 ? " does not give it" : " do not give it");
+    if (what == kFailure)
+      fail("an MPI rank stopped before the job began: ", said,
+           "; every rank stops (fix that rank's input or environment and launch again)");
+    fail("the MPI ranks disagree on ", what, ": ", said,
+         "; launch every rank with the same options and files");
   }
 }
 
@@ -356,6 +491,14 @@ void note_run_identity(const std::string& what, const std::string& value) {
 void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body) {
   const auto timeout = std::chrono::milliseconds(comm.timeout_ms);
   if (comm.backend == Backend::local) {
+    // Forgetting --comm mpi under mpirun runs N copies of the job, each
+    // alone, each writing the same outputs (issue 26): say so.
+    static bool warned = false;  // once per command, which may run several groups
+    if (const int n = mpi_launcher_world_size(); n > 1 && !std::exchange(warned, true))
+      std::cerr << "laga: warning: an MPI launcher started " << n
+                << " processes, but --comm local runs the whole job in each of them alone (" << n
+                << " copies, not one job of " << n
+                << " ranks); for one job across them pass --comm mpi\n";
     LocalRunOptions opts;
     opts.timeout = timeout;
     run_local_ranks(P, body, opts);
@@ -372,6 +515,34 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
   body(*c);
 }
 
+void note_input_file(const std::string& option, const std::string& path) {
+  if (path.empty()) return;
+  std::lock_guard<std::mutex> lock(identity_mutex);
+  input_files()[option] = path;
+}
+
+std::string agree_on_failure(const std::string& error, const std::vector<std::string>& args) {
+  const auto mpi_asked = [&] {
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i] == "--comm=mpi" ||
+          (args[i] == "--comm" && i + 1 < args.size() && args[i + 1] == to_string(Backend::mpi)))
+        return true;
+    return false;
+  };
+  if (g_ranks_compared || !mpi_asked() || mpi_launcher_world_size() < 2) return error;
+  try {
+    note_run_identity(kFailure, error);
+    MpiSession& s = mpi_session();
+    if (s.world_size() < 2) return error;
+    auto c = make_mpi_communicator();
+    c->set_timeout(std::chrono::milliseconds(CommOptions{}.timeout_ms));
+    check_ranks_agree(*c);
+  } catch (const Error& verdict) {
+    return verdict.what();
+  }
+  return error;  // every rank failed the same way: its own message says it
+}
+
 void protect_input(const std::string& path, const std::string& option) {
   // One command per process: the guards live until exit.
   static std::vector<std::unique_ptr<ProtectedInputs>> guards;
@@ -379,6 +550,7 @@ void protect_input(const std::string& path, const std::string& option) {
   std::lock_guard<std::mutex> lock(mutex);
   guards.push_back(std::make_unique<ProtectedInputs>(
       std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
+  note_input_file(option, path);
 }
 
 void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {

@@ -105,8 +105,23 @@ void add_head_groups_option(CLI::App& app, int& head_groups);
 // across ranks before the body runs and refuses, naming the option and the
 // ranks that differ: `mpirun -np 2 laga train --seed 1 : -np 2 laga train
 // --seed 2` is a mistake, not two replicas.
+// Every rank computes the same verdict from every rank's entries (all
+// gathered), so all refuse at once with one message naming the entry and
+// each rank's value. An input file (note_input_file; protect_input notes
+// each) is compared by its contents, not its path: size and FNV-1a 64 of
+// the bytes (a directory: its listing, index and shard headers).
 void note_command_line(int argc, char** argv);
 void note_run_identity(const std::string& what, const std::string& value);
+void note_input_file(const std::string& option, const std::string& path);
+
+// What main prints for `error`, an error this process hit before its job
+// began. Under `--comm mpi` with several launched ranks, before the ranks
+// compared their options (run_group), this rank joins that comparison with
+// its failure as one more entry, so every rank stops at once with the same
+// verdict (an option given on one rank only is named; otherwise the failing
+// rank and its error) instead of its peers waiting out --comm-timeout.
+// Anywhere else: `error` itself.
+std::string agree_on_failure(const std::string& error, const std::vector<std::string>& args);
 
 // Runs body once per rank of a P-rank group on the chosen backend and returns
 // on every participating process. Local: P threads in this process, each with

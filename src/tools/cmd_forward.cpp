@@ -70,8 +70,25 @@ void run_forward(const ForwardOptions& o) {
   std::optional<SafetensorsFile> in;
   if (!o.input.empty()) in = SafetensorsFile::open(o.input);
   std::int64_t B = o.batch, S = o.seq;
-  if (in && in->contains("x") && in->info("x").shape.size() == 3)
-    B = in->info("x").shape[0], S = in->info("x").shape[1];
+  if (in) {
+    // x's own extents, checked here so that each message names the file
+    // (not --seq or --batch, which an input overrides).
+    LAGA_CHECK(in->contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim,
+               "])");
+    const Shape xs = in->info("x").shape;
+    LAGA_CHECK(xs.size() == 3 && xs[2] == cfg.dim, "input '", o.input, "': 'x' has shape ",
+               to_string(xs), " but the config needs [B, S, ", cfg.dim, "]");
+    LAGA_CHECK(xs[0] >= 1, "input '", o.input, "': 'x' has shape ", to_string(xs),
+               ": no rows (B = 0); give x at least one sequence");
+    LAGA_CHECK(xs[1] >= o.sp, "input '", o.input, "': 'x' has shape ", to_string(xs), ": ", xs[1],
+               " tokens per row, fewer than --sp ", o.sp,
+               " (every rank needs at least one token); give a longer x or a smaller --sp");
+    if (o.backward && in->contains("dout"))
+      LAGA_CHECK(in->info("dout").shape == xs, "input '", o.input, "': 'dout' has shape ",
+                 to_string(in->info("dout").shape), " but --backward needs x's ", to_string(xs),
+                 " (dout is the gradient of a loss with respect to out, which has x's shape)");
+    B = xs[0], S = xs[1];
+  }
   const std::optional<Documents> docs =
       load_documents(o.doc_lens, in ? &*in : nullptr, o.input, B, S);
   FormVariant variant{parse_form(o.form), o.q_latent ? QueryExchange::latent : QueryExchange::heads,
@@ -86,11 +103,7 @@ void run_forward(const ForwardOptions& o) {
       o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
   TensorF x, dout;
   if (in) {
-    LAGA_CHECK(in->contains("x"), "input '", o.input, "' has no tensor 'x' (shape [B, S, ", cfg.dim,
-               "])");
-    const Shape xs = in->info("x").shape;
-    LAGA_CHECK(xs.size() == 3 && xs[2] == cfg.dim, "input '", o.input, "': 'x' has shape ",
-               to_string(xs), " but the config needs [B, S, ", cfg.dim, "]");
+    const Shape xs = in->info("x").shape;  // checked above
     x = in->read<float>("x", MemCategory::activations);
     if (o.backward && in->contains("dout"))
       dout = in->read<float>("dout", xs, MemCategory::activations);

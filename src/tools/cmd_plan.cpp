@@ -29,9 +29,13 @@ struct PlanOptions {
   std::string seq = "4096", sp = "8";
   std::string profile, measure;
   int nodes = 0;
-  std::string dtype = "bf16", link, json, forms = "all", attention = "flash", overlap = "off";
+  // dtype: empty means bf16, or fp32 with --profile this (its figures are
+  // laga's fp32 kernels).
+  std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
   bool q_latent = false, quiet = false;
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
+  // The options given that only a plan reads (--measure plans nothing).
+  std::vector<std::string> plan_only_given;
 };
 
 std::vector<std::int64_t> parse_seq_list(const std::string& s) {
@@ -214,6 +218,30 @@ void run_plan(const PlanOptions& o) {
         return n;
       }(),
       "or this) or --measure FILE");
+  // --measure writes a profile and plans nothing: an option only a plan
+  // reads would be ignored without a word (issue 26).
+  LAGA_CHECK(
+      !measuring || o.plan_only_given.empty(),
+      "--measure FILE measures this machine "
+      "and plans nothing, so ",
+      [&] {
+        std::string s;
+        for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
+        return s;
+      }(),
+      " would be ignored; measure first, then plan with --profile ", o.measure,
+      " and those options");
+  // This machine's figures (--profile this, --measure) are laga's fp32
+  // kernels': there is no bf16 rate to plan or measure with.
+  const bool this_machine = measuring || o.profile == "this";
+  const std::string dtype = !o.dtype.empty() ? o.dtype : this_machine ? "fp32" : "bf16";
+  LAGA_CHECK(!this_machine || dtype == "fp32", measuring ? "--measure" : "--profile this",
+             " measures laga's kernels on this machine, which run fp32, so it has no bf16 "
+             "figures; use --dtype fp32 (the default with ",
+             measuring ? "--measure" : "--profile this", ")");
+  if (o.profile == "this" && o.dtype.empty() && !o.quiet)
+    std::cerr << "laga plan --profile this: planning in fp32, the precision this machine's "
+                 "figures are measured in (laga's kernels run fp32)\n";
   PlanRequest q;
   q.cfg = o.model.load();
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
@@ -223,7 +251,7 @@ void run_plan(const PlanOptions& o) {
   q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg,
                           parse_overlap_runs(o.overlap));
   q.attention = parse_attention(o.attention);
-  q.dtype = parse_plan_dtype(o.dtype);
+  q.dtype = parse_plan_dtype(dtype);
   if (measuring || o.profile == "this") {
     // This machine, and the time of every GEMM and attention shape the plans
     // described by the other options cost.
@@ -298,9 +326,10 @@ void register_plan(CLI::App& app) {
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")
       ->check(whole(1));
-  c->add_option("--dtype", o->dtype, "element type of the plan: bf16 or fp32")
-      ->check(CLI::IsMember({"bf16", "fp32"}))
-      ->capture_default_str();
+  c->add_option("--dtype", o->dtype,
+                "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
+                "whose figures are fp32)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   c->add_option("--link", o->link,
                 "override every link of the profile: BW GB/s (10^9 bytes/s) per direction, and "
                 "LAT microseconds when given")
@@ -321,7 +350,11 @@ void register_plan(CLI::App& app) {
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
-  c->callback([o] { run_plan(*o); });
+  c->callback([o, c] {
+    for (const char* name : {"--profile", "--json", "--nodes", "--link"})
+      if (c->count(name) > 0) o->plan_only_given.push_back(name);
+    run_plan(*o);
+  });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -162,6 +163,11 @@ void run_train(const TrainCli& c) {
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
+  // One writer per --checkpoint directory, taken before anything is moved
+  // or written there (prepare_run may set checkpoints aside); creating the
+  // lock is also the up-front check that the directory can be written.
+  std::optional<CheckpointDirectoryLock> checkpoint_lock;
+  if (report && !o.checkpoint_dir.empty()) checkpoint_lock.emplace(o.checkpoint_dir);
   // Inputs no writer of this run may replace: the token file and the
   // checkpoint's tensors. The resume manifest is protected only from --log:
   // when it is DIR/latest.json, the next save rewrites it by design.
@@ -170,6 +176,7 @@ void run_train(const TrainCli& c) {
   if (!o.resume.empty()) {
     const CheckpointManifest m = read_checkpoint_manifest(o.resume);
     resume_manifest = m.path;
+    note_input_file("--resume", m.path);  // ranks compare the manifest, not its spelling
     protect_input(m.tensors, "--resume checkpoint");
   }
   std::ofstream log;
@@ -240,6 +247,7 @@ void run_train(const TrainCli& c) {
       log_failed = true;
     }
   }
+  checkpoint_lock.reset();  // std::exit below runs no destructors of locals
   if (end.stop_signal == 0) {
     if (log_failed) std::exit(1);
     return;

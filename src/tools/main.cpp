@@ -11,6 +11,7 @@
 #include <iostream>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "core/error.hpp"
 #include "tools/cli_common.hpp"
@@ -33,7 +34,8 @@ int error_exit(const std::string& what) {
   // A message that already carries the prefix (an error relayed from another
   // rank or process) is not prefixed twice.
   const std::string prefix = "laga: error: ";
-  std::cerr << (what.rfind(prefix, 0) == 0 ? "" : prefix) << what << "\n";
+  // One write: MPI ranks share a terminal, and pieces would interleave.
+  std::cerr << (what.rfind(prefix, 0) == 0 ? "" : prefix) + what + "\n" << std::flush;
   return 2;
 }
 
@@ -89,6 +91,12 @@ int main(int argc, char** argv) {
   if (argc == 1)
     return error_exit(
         laga::cat("give a command: ", command_names(app), " (laga COMMAND --help for each)"));
+  // Under MPI a rank that fails before its job begins joins the ranks'
+  // comparison with its failure, so its peers stop with it (agree_on_failure).
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  const auto fail_exit = [&](const std::string& what) {
+    return error_exit(laga::tools::agree_on_failure(what, args));
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -97,18 +105,18 @@ int main(int argc, char** argv) {
       return app.exit(e);
     std::string cmd = "laga";
     for (const CLI::App* sub : app.get_subcommands()) cmd += " " + sub->get_name();
-    return error_exit(laga::cat(e.what(), "; see '", cmd, " --help'"));
+    return fail_exit(laga::cat(e.what(), "; see '", cmd, " --help'"));
   } catch (const laga::Error& e) {
-    return error_exit(e.what());
+    return fail_exit(e.what());
   } catch (const std::bad_alloc& e) {
     // Tensors name themselves when they cannot be allocated (laga::Error);
     // this is any other allocation: operator new (out_of_memory.cpp) says how
     // large it was, anything else gets the generic advice.
     const std::string what = e.what();
-    return error_exit(what.rfind("out of memory", 0) == 0
-                          ? what
-                          : "out of memory: an allocation found no memory; use a smaller --seq, "
-                            "--batch or --vocab, or a larger --sp");
+    return fail_exit(what.rfind("out of memory", 0) == 0
+                         ? what
+                         : "out of memory: an allocation found no memory; use a smaller --seq, "
+                           "--batch or --vocab, or a larger --sp");
   } catch (const std::exception& e) {
     std::cerr << "laga: internal error: " << e.what() << "\n";
     return 3;
