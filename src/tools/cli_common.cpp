@@ -182,18 +182,25 @@ CLI::Validator link_spec() {
       "BW_GBPS[,LATENCY_US]");
 }
 
-std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
-  std::vector<int> v;
+std::vector<std::int64_t> parse_whole_list(const std::string& s, const std::string& option,
+                                           const std::string& example, std::int64_t max) {
+  std::vector<std::int64_t> v;
   std::stringstream ss(s);
   std::string tok;
   while (std::getline(ss, tok, ',')) {
     const std::optional<std::int64_t> x = parse_whole_number(tok);
-    LAGA_CHECK(x && *x >= 1 && *x <= std::numeric_limits<int>::max(), option, ": ",
-               whole_number_refusal(tok, 1), "; give a comma-separated list like 1,2,4");
-    v.push_back(static_cast<int>(*x));
+    LAGA_CHECK(x && *x >= 1 && *x <= max, option, ": ", whole_number_refusal(tok, 1),
+               "; give a comma-separated list like ", example);
+    v.push_back(*x);
   }
-  LAGA_CHECK(!v.empty(), option, ": empty list; give a comma-separated list like 1,2,4");
+  LAGA_CHECK(!v.empty(), option, ": empty list; give a comma-separated list like ", example);
   return v;
+}
+
+std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
+  const std::vector<std::int64_t> v =
+      parse_whole_list(s, option, "1,2,4", std::numeric_limits<int>::max());
+  return std::vector<int>(v.begin(), v.end());
 }
 
 std::vector<Form> parse_form_list(const std::string& s) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -74,7 +75,12 @@ struct LinkSpec {
 LinkSpec parse_link(const std::string& text);
 CLI::Validator link_spec();
 
-// "1,2,4" -> {1, 2, 4}; errors name the option and the bad token.
+// "1,2,4" -> {1, 2, 4}: each item a whole number in [1, max] by the one
+// rule (core/whole_number.hpp); errors name the option and the bad token and
+// show `example`. parse_int_list: the same for ints (rank counts).
+std::vector<std::int64_t> parse_whole_list(
+    const std::string& s, const std::string& option, const std::string& example,
+    std::int64_t max = std::numeric_limits<std::int64_t>::max());
 std::vector<int> parse_int_list(const std::string& s, const std::string& option);
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"
 

@@ -38,20 +38,6 @@ struct PlanOptions {
   std::vector<std::string> plan_only_given;
 };
 
-std::vector<std::int64_t> parse_seq_list(const std::string& s) {
-  std::vector<std::int64_t> v;
-  std::stringstream ss(s);
-  std::string tok;
-  while (std::getline(ss, tok, ',')) {
-    const std::optional<std::int64_t> x = parse_whole_number(tok);
-    LAGA_CHECK(x && *x >= 1, "--seq: ", whole_number_refusal(tok, 1),
-               "; give a comma-separated list like 4096,32768");
-    v.push_back(*x);
-  }
-  LAGA_CHECK(!v.empty(), "--seq: empty list; give a comma-separated list like 4096,32768");
-  return v;
-}
-
 std::string fmt(const char* f, double v) {
   char b[64];
   std::snprintf(b, sizeof b, f, v);
@@ -246,7 +232,7 @@ void run_plan(const PlanOptions& o) {
   q.cfg = o.model.load();
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
   q.batch = o.batch;
-  q.seqs = parse_seq_list(o.seq);
+  q.seqs = parse_whole_list(o.seq, "--seq", "4096,32768");
   q.sps = parse_int_list(o.sp, "--sp");
   q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg,
                           parse_overlap_runs(o.overlap));
