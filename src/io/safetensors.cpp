@@ -18,6 +18,7 @@
 
 #include "core/error.hpp"
 #include "io/atomic_file.hpp"
+#include "io/json_repeated_keys.hpp"
 
 namespace laga {
 
@@ -310,20 +311,12 @@ class HeaderParser {
 Json parse_header_json(const std::string& path, const std::string& text) {
   // nlohmann keeps the last of duplicated keys silently; a duplicated tensor
   // name would hide one of two tensors, a duplicated field (dtype, shape)
-  // one of two values, so both are refused. One key set per open object.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  bool duplicate_is_tensor = false;
+  // one of two values, so both are refused (io/json_repeated_keys.hpp).
+  RepeatedKeys repeated;
+  bool duplicate_is_tensor = false;  // the first repeat is a tensor's name (depth 1)
   auto note_duplicates = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && duplicate.empty() && !open_objects.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second)
-        duplicate = key, duplicate_is_tensor = depth == 1;
-    }
+    const bool first = repeated.first().empty();
+    if (repeated.observe(event, parsed) && first) duplicate_is_tensor = depth == 1;
     return true;
   };
   Json header;
@@ -337,7 +330,7 @@ Json parse_header_json(const std::string& path, const std::string& text) {
     fail("safetensors '", path, "': the header is a JSON ", header.type_name(),
          ", not an object mapping tensor names to entries; the file is not safetensors");
   }
-  if (!duplicate.empty()) {
+  if (const std::string& duplicate = repeated.first(); !duplicate.empty()) {
     fail("safetensors '", path, "': ", duplicate_is_tensor ? "tensor '" : "key '", duplicate,
          "' appears twice in ", duplicate_is_tensor ? "the header" : "one object of the header",
          "; the file is corrupt, re-export it");

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "io/json_repeated_keys.hpp"
 
 namespace laga {
 
@@ -58,25 +59,22 @@ std::map<std::string, std::string> SafetensorsSet::parse_index(const std::string
                                                                const std::string& text) {
   // nlohmann keeps the last of duplicated keys silently: a tensor listed
   // twice would name one of two shards unseen, so duplicates are refused.
-  // One key set per open object; the weight_map's keys are at depth 2, and
+  // (io/json_repeated_keys.hpp); the weight_map's keys are at depth 2, and
   // the shards a duplicated tensor is given are kept to name both.
-  std::vector<std::set<std::string>> open_objects;
-  std::string top_key, entry_key, duplicate;  // the keys at depth 1 and 2; the first repeat
+  RepeatedKeys repeated;
+  std::string top_key, entry_key;  // the keys at depth 1 and 2
   bool duplicate_is_tensor = false;
   std::map<std::string, std::string> first_shard;
   std::string second_shard;
   auto note_duplicates = [&](int depth, Json::parse_event_t event, Json& parsed) {
     const bool in_map = depth == 2 && top_key == "weight_map";
-    if (event == Json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
+    const bool none_yet = repeated.first().empty();
+    if (repeated.observe(event, parsed) && none_yet) duplicate_is_tensor = in_map;
+    const std::string& duplicate = repeated.first();
+    if (event == Json::parse_event_t::key) {
       const std::string& key = parsed.get_ref<const std::string&>();
       if (depth == 1) top_key = key;
       if (depth == 2) entry_key = key;
-      if (!open_objects.back().insert(key).second && duplicate.empty())
-        duplicate = key, duplicate_is_tensor = in_map;
     } else if (event == Json::parse_event_t::value && in_map && parsed.is_string()) {
       const std::string& shard = parsed.get_ref<const std::string&>();
       if (entry_key == duplicate && duplicate_is_tensor && second_shard.empty())
@@ -95,6 +93,7 @@ std::map<std::string, std::string> SafetensorsSet::parse_index(const std::string
   }
   LAGA_CHECK(index.is_object(), "index '", where, "' is a JSON ", index.type_name(),
              ", not an object with a \"weight_map\"; give model.safetensors.index.json");
+  const std::string& duplicate = repeated.first();
   if (duplicate_is_tensor) {
     fail("index '", where, "': tensor '", duplicate, "' is listed twice, in shard '",
          first_shard[duplicate], "' and in '", second_shard,

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "io/json_repeated_keys.hpp"
 
 namespace laga {
 
@@ -327,18 +328,9 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
 }
 
 json parse_json_refusing_repeated_keys(const std::string& text, const std::string& where) {
-  // The keys of every open object, tracked while parsing.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
+  RepeatedKeys repeated;  // io/json_repeated_keys.hpp
   const json::parser_callback_t check_keys = [&](int, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (ev == json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (ev == json::parse_event_t::key && !open_objects.empty()) {
-      const std::string key = parsed.get<std::string>();
-      if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
-    }
+    repeated.observe(ev, parsed);
     return true;
   };
   json j;
@@ -347,7 +339,7 @@ json parse_json_refusing_repeated_keys(const std::string& text, const std::strin
   } catch (const std::exception& e) {
     fail(where, " is not valid JSON: ", e.what());
   }
-  LAGA_CHECK(duplicate.empty(), where, ": key '", duplicate,
+  LAGA_CHECK(repeated.first().empty(), where, ": key '", repeated.first(),
              "' appears twice in one object; JSON readers disagree on which wins, so remove one");
   return j;
 }
