@@ -61,7 +61,8 @@ TokenSource TokenSource::random(std::int64_t vocab, std::uint64_t seed) {
 }
 
 TokenSource TokenSource::file(const std::string& path, const std::string& dtype_opt,
-                              std::int64_t vocab, std::int64_t seq, std::uint64_t seed) {
+                              std::int64_t vocab, std::int64_t seq, std::uint64_t seed,
+                              const std::string& option) {
   namespace fs = std::filesystem;
   TokenSource t;
   t.random_ = false;
@@ -72,23 +73,23 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   // with no writer would block forever.
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
-  LAGA_CHECK(fs::exists(st), "--data '", path,
+  LAGA_CHECK(fs::exists(st), option, " '", path,
              "': no such file; give a flat binary of uint16/uint32 token ids (nanoGPT/llm.c "
              ".bin) or --data random");
-  LAGA_CHECK(!fs::is_directory(st), "--data '", path,
+  LAGA_CHECK(!fs::is_directory(st), option, " '", path,
              "' is a directory; give the token file inside it (a flat binary of uint16/uint32 "
              "ids)");
-  LAGA_CHECK(fs::is_regular_file(st), "--data '", path,
+  LAGA_CHECK(fs::is_regular_file(st), option, " '", path,
              "' is not a regular file (a FIFO, socket or device); laga reads token data from a "
              "file whose size it knows: copy it to a file first");
   const auto size = static_cast<std::int64_t>(fs::file_size(path, ec));
-  LAGA_CHECK(!ec && size > 0, "--data '", path,
+  LAGA_CHECK(!ec && size > 0, option, " '", path,
              "' is empty; it must hold at least --seq + 1 = ", seq + 1, " token ids");
   std::ifstream in(path, std::ios::binary);
-  LAGA_CHECK(in, "--data '", path, "': cannot open it for reading; check its permissions");
+  LAGA_CHECK(in, option, " '", path, "': cannot open it for reading; check its permissions");
   std::string bytes(static_cast<size_t>(size), '\0');
   in.read(bytes.data(), size);
-  LAGA_CHECK(in.gcount() == size, "--data '", path, "': read ", in.gcount(), " of ", size,
+  LAGA_CHECK(in.gcount() == size, option, " '", path, "': read ", in.gcount(), " of ", size,
              " bytes; is the file being written?");
 
   std::int64_t header = 0;
@@ -100,12 +101,12 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   // when --vocab is large: refuse what looks like one (version 1 or 2, a
   // positive count, the rest of the 1024 bytes zero).
   if (!llmc && looks_like_llmc_header(bytes))
-    fail("--data '", path, "' starts with what looks like an llm.c header (version ", head[1], ", ",
-         head[2], " tokens) but its magic is ", head[0], ", not ", kLlmcMagic,
+    fail(option, " '", path, "' starts with what looks like an llm.c header (version ", head[1],
+         ", ", head[2], " tokens) but its magic is ", head[0], ", not ", kLlmcMagic,
          "; the file is damaged or of another format");
   if (dtype == "auto") {
     if (llmc) {
-      LAGA_CHECK(head[1] == 1 || head[1] == 2, "--data '", path, "': llm.c header version ",
+      LAGA_CHECK(head[1] == 1 || head[1] == 2, option, " '", path, "': llm.c header version ",
                  head[1],
                  " is not 1 (uint16) or 2 (uint32); pass --data-dtype u16|u32 for a raw file");
       dtype = head[1] == 1 ? "u16" : "u32";
@@ -114,7 +115,7 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
       dtype = ends_with(path, ".u32") || ends_with(path, ".uint32") ? "u32" : "u16";
     }
   } else {
-    LAGA_CHECK(!llmc, "--data '", path, "' has an llm.c header but --data-dtype ", dtype,
+    LAGA_CHECK(!llmc, option, " '", path, "' has an llm.c header but --data-dtype ", dtype,
                " reads it as raw ids (the header would become tokens); use --data-dtype auto");
   }
   LAGA_CHECK(dtype == "u16" || dtype == "u32", "--data-dtype '", dtype,
@@ -122,7 +123,7 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   t.dtype_ = dtype + (header ? " (llm.c header)" : "");
   const std::int64_t elem = dtype == "u16" ? 2 : 4;
   const std::int64_t body = size - header;
-  LAGA_CHECK(body % elem == 0, "--data '", path, "': ", body,
+  LAGA_CHECK(body % elem == 0, option, " '", path, "': ", body,
              " bytes of ids is not a whole number of ", dtype, " ids; is it a ",
              dtype == "u16" ? "u32" : "u16", " file? (set --data-dtype)");
   const std::int64_t n = body / elem;
@@ -130,13 +131,13 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
   // more (e.g. twice as many: uint32 ids under a version-1 uint16 header)
   // means the body is not what the header says.
   if (header)
-    LAGA_CHECK(head[2] == n, "--data '", path, "': the llm.c header says ", head[2],
+    LAGA_CHECK(head[2] == n, option, " '", path, "': the llm.c header says ", head[2],
                " tokens but the body holds ", n, " ", dtype, " ids",
                n > head[2] && head[2] > 0 && n == 2 * std::int64_t(head[2])
                    ? " (twice as many: uint32 ids under a version-1 header?)"
                    : "",
                "; the file is truncated or its header is wrong");
-  LAGA_CHECK(n >= seq + 1, "--data '", path, "' holds ", n,
+  LAGA_CHECK(n >= seq + 1, option, " '", path, "' holds ", n,
              " token ids but one window needs --seq + 1 = ", seq + 1,
              "; use a longer file or a smaller --seq");
   t.ids_.resize(static_cast<size_t>(n));
@@ -149,7 +150,7 @@ TokenSource TokenSource::file(const std::string& path, const std::string& dtype_
     } else {
       std::memcpy(&id, bytes.data() + header + 4 * i, 4);
     }
-    LAGA_CHECK(static_cast<std::int64_t>(id) < vocab, "--data '", path, "': token id ", id,
+    LAGA_CHECK(static_cast<std::int64_t>(id) < vocab, option, " '", path, "': token id ", id,
                " at position ", i, " is >= --vocab ", vocab, "; pass --vocab ",
                std::int64_t(id) + 1,
                " or more (the tokenizer's vocabulary size), or check --data-dtype");

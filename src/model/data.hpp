@@ -48,8 +48,10 @@ class TokenSource {
   static TokenSource random(std::int64_t vocab, std::uint64_t seed);
   // Opens and fully validates the file (exists, non-empty, whole ids, at
   // least seq + 1 of them, every id < vocab); errors name the file and the fix.
+  // `option` names the file in errors ("--data", "--val-data").
   static TokenSource file(const std::string& path, const std::string& dtype, std::int64_t vocab,
-                          std::int64_t seq, std::uint64_t seed);
+                          std::int64_t seq, std::uint64_t seed,
+                          const std::string& option = "--data");
 
   // out (B, S+1): rows for cursors cursor .. cursor + B - 1.
   void batch(std::int64_t cursor, std::int64_t B, std::int64_t S, std::int32_t* out) const;

@@ -188,6 +188,16 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every >= 0, "--save-every must be >= 0 (got ", o.save_every, ")");
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
+  LAGA_CHECK(o.val_every >= 0 && o.val_batches >= 1,
+             "--val-every must be >= 0 and "
+             "--val-batches >= 1 (got ",
+             o.val_every, ", ", o.val_batches, ")");
+  LAGA_CHECK(o.val_every == 0 || !o.val_data.empty(),
+             "--val-every needs --val-data FILE, the held-out tokens to evaluate on");
+  if (!o.val_data.empty()) {
+    LAGA_CHECK(o.val_every > 0, "--val-data needs --val-every N: how often to evaluate");
+    (void)TokenSource::file(o.val_data, o.data_dtype, o.model.vocab, o.seq, o.seed, "--val-data");
+  }
   check_overlap(o.variant());
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
@@ -381,15 +391,16 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   LrSchedule sched{o.adam.lr, o.warmup, o.steps, o.cosine, o.min_lr};
   std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B * L)),
       targets(size_t(B * L));
-  for (std::int64_t step = st.step + 1; step <= o.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    source.batch(st.data_cursor, B, S, window.data());
-    // Every rank draws the whole window, so each knows every row's documents
-    // and the global count of targets the loss is the mean over.
+  // The batch of `cursor` from src into this rank's tokens and targets (B, L)
+  // and its packing. Every rank draws the whole window, so each knows every
+  // row's documents and the global count of targets the loss is the mean over.
+  const auto load_batch = [&](const TokenSource& src, std::int64_t cursor,
+                              const std::string& what) {
+    src.batch(cursor, B, S, window.data());
     std::optional<PackedBatch> packed;
     if (o.pack_eos) {
       packed = pack_window(window.data(), B, S, static_cast<std::int32_t>(*o.pack_eos));
-      LAGA_CHECK(packed->counted > 0, "step ", step,
+      LAGA_CHECK(packed->counted > 0, what,
                  ": every input token of the batch is the "
                  "end-of-document id ",
                  *o.pack_eos,
@@ -401,11 +412,35 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
         targets[size_t(b * L + i)] = packed ? packed->targets[size_t(b * S + off + i)]
                                             : window[size_t(b * (S + 1) + off + i + 1)];
       }
-    LmContext step_ctx = ctx;
+    return packed;
+  };
+  const auto context_for = [&](const std::optional<PackedBatch>& packed) {
+    LmContext c = ctx;
     if (packed) {
-      step_ctx.documents = &packed->documents;
-      step_ctx.counted_targets = packed->counted;
+      c.documents = &packed->documents;
+      c.counted_targets = packed->counted;
     }
+    return c;
+  };
+  // Validation: the mean of val_batches forward losses on fixed batches.
+  const std::optional<TokenSource> val =
+      o.val_data.empty() ? std::nullopt
+                         : std::optional<TokenSource>(TokenSource::file(
+                               o.val_data, o.data_dtype, cfg.vocab, o.seq, o.seed, "--val-data"));
+  const auto validate = [&]() {
+    double sum = 0;
+    for (std::int64_t k = 0; k < o.val_batches; ++k) {
+      const std::optional<PackedBatch> packed =
+          load_batch(*val, k * B, cat("--val-data batch ", k));
+      sum += lm_loss(context_for(packed), st.params, tokens.data(), targets.data());
+    }
+    return sum / double(o.val_batches);
+  };
+  for (std::int64_t step = st.step + 1; step <= o.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::optional<PackedBatch> packed =
+        load_batch(source, st.data_cursor, cat("step ", step));
+    const LmContext step_ctx = context_for(packed);
     const double lr = sched.at(step);
     const StepOutcome done =
         take_step(step_ctx, o, step, lr, st, rank_tensors.grads, tokens.data(), targets.data());
@@ -435,9 +470,13 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // knows whether this step saved, so every rank votes again (the others
     // wait in the vote while rank 0 writes).
     if (saves && !last) stop = vote_stop();
+    // After the timing: a step's tokens/s is its training alone.
+    std::optional<double> val_loss;
+    if (val && o.val_every > 0 && stop == 0 && (step % o.val_every == 0 || step == o.steps))
+      val_loss = validate();
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
-                         packed ? packed->counted : B * S});
+                         packed ? packed->counted : B * S, val_loss});
     if (stop) {
       end.stop_signal = stop;
       break;
@@ -462,10 +501,19 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
   using T = float;
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, o.sp);
-  const std::int64_t token_ids =
+  // The --data and --val-data files' ids, resident for the run, and the
+  // larger file's bytes while it is read (counted beside both files' ids:
+  // at most the validation ids too many, on the safe side).
+  std::int64_t token_ids =
       o.data == "random" ? 0 : std::int64_t(sizeof(std::uint32_t)) * make_source(o).tokens();
-  const std::int64_t token_read =
+  std::int64_t token_read =
       o.data == "random" ? 0 : static_cast<std::int64_t>(fs::file_size(o.data));
+  if (!o.val_data.empty()) {
+    token_ids += std::int64_t(sizeof(std::uint32_t)) *
+                 TokenSource::file(o.val_data, o.data_dtype, cfg.vocab, o.seq, o.seed, "--val-data")
+                     .tokens();
+    token_read = std::max(token_read, static_cast<std::int64_t>(fs::file_size(o.val_data)));
+  }
   // The step's hooks belong to the real run.
   TrainOptions counted = o;
   counted.after_backward = nullptr;

@@ -48,6 +48,13 @@ struct TrainOptions {
   double min_lr = 0.0;
   double clip = 0.0;  // max global grad norm; 0: no clipping
   std::string data = "random", data_dtype = "auto";
+  // Validation (--val-data FILE, --val-every N, --val-batches K): every N
+  // steps and after the last, the mean loss over K fixed batches of B
+  // windows of the file (the seeded windows of cursors 0 .. K*B - 1, the
+  // same each time; packed like training under pack_eos), forward only. It
+  // reads the weights and changes nothing, so it is free to change on resume.
+  std::string val_data;
+  std::int64_t val_every = 0, val_batches = 4;
   // Packed documents (--pack-eos ID, model/data.hpp): the token stream is a
   // concatenation of documents each ending with this id; every window is cut
   // into its documents (attention and RoPE positions stay inside each), and
@@ -92,7 +99,8 @@ struct TrainEnd {
 struct StepRecord {
   std::int64_t step = 0;
   double loss = 0, grad_norm = 0, lr = 0, tokens_per_s = 0, seconds = 0;
-  std::int64_t targets = 0;  // the targets the loss is the mean over (B*S unless packed)
+  std::int64_t targets = 0;        // the targets the loss is the mean over (B*S unless packed)
+  std::optional<double> val_loss;  // this step's validation (val_every), after its update
 };
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -40,7 +41,8 @@ struct TrainCli {
          min_lr = 0.0;
   std::int64_t warmup = 0, save_every = 0;
   std::uint64_t seed = 0;
-  std::string data = "random", data_dtype = "auto", log, checkpoint, resume;
+  std::string data = "random", data_dtype = "auto", log, checkpoint, resume, val_data;
+  std::int64_t val_every = 0, val_batches = 4;
   bool quiet = false, allow_nonfinite = false;
   std::string allow_change;  // comma-separated option names
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
@@ -137,6 +139,9 @@ TrainOptions to_options(const TrainCli& c) {
   o.clip = c.clip;
   o.data = c.data;
   o.data_dtype = c.data_dtype;
+  o.val_data = c.val_data;
+  o.val_every = c.val_every;
+  o.val_batches = c.val_batches;
   if (c.pack_eos >= 0) o.pack_eos = c.pack_eos;
   o.save_every = c.save_every;
   o.checkpoint_dir = c.checkpoint;
@@ -172,6 +177,7 @@ void run_train(const TrainCli& c) {
   // checkpoint's tensors. The resume manifest is protected only from --log:
   // when it is DIR/latest.json, the next save rewrites it by design.
   if (o.data != "random") protect_input(o.data, "--data");
+  protect_input(o.val_data, "--val-data");
   std::string resume_manifest;
   if (!o.resume.empty()) {
     const CheckpointManifest m = read_checkpoint_manifest(o.resume);
@@ -216,6 +222,10 @@ void run_train(const TrainCli& c) {
       j["lr"] = s.lr;
       j["tokens_per_s"] = s.tokens_per_s;
       j["targets"] = s.targets;
+      if (s.val_loss) {
+        j["val_loss"] = *s.val_loss;
+        j["val_bits_per_token"] = *s.val_loss / std::log(2.0);  // per byte with --vocab 256 bytes
+      }
       if (log.is_open()) {
         log << j.dump() << "\n" << std::flush;
         // A full disk or a file-size limit: say so once, naming the file,
@@ -234,7 +244,8 @@ void run_train(const TrainCli& c) {
                   << std::setprecision(4) << s.loss << "  grad_norm " << s.grad_norm << "  lr "
                   << std::scientific << std::setprecision(2) << s.lr << std::fixed << "  "
                   << std::setprecision(0) << s.tokens_per_s << " tok/s  (" << std::setprecision(2)
-                  << s.seconds << " s)" << std::defaultfloat << "\n";
+                  << s.seconds << " s)" << std::defaultfloat
+                  << (s.val_loss ? cat("  val_loss ", *s.val_loss) : std::string()) << "\n";
     });
     // Every rank agreed on how the run ended; MPI has one rank per process.
     if (comm.rank() == 0 || c.comm.backend == Backend::mpi) end = e;
@@ -340,6 +351,14 @@ void register_train(CLI::App& app) {
   sub->add_option("--data", c->data,
                   "random (a fixed seeded sequence to memorise) or FILE (flat uint16/uint32 token "
                   "ids, nanoGPT/llm.c .bin)")
+      ->capture_default_str();
+  sub->add_option("--val-data", c->val_data,
+                  "held-out token file (as --data) to evaluate on every --val-every steps: the "
+                  "mean forward loss of --val-batches fixed batches, logged as val_loss");
+  sub->add_option("--val-every", c->val_every, "validate every N steps and after the last")
+      ->check(whole(1));
+  sub->add_option("--val-batches", c->val_batches, "batches of --batch windows per validation")
+      ->check(whole(1))
       ->capture_default_str();
   sub->add_option("--data-dtype", c->data_dtype,
                   "auto | u16 | u32 (auto: llm.c header if present, *.u32 names u32, else u16)")

@@ -14,10 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.hpp"
 #include "common/error_of.hpp"
 #include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
+#include "model/data.hpp"
 
 namespace laga {
 namespace {
@@ -276,6 +278,75 @@ TEST(Train, DataFileTrainsDeterministically) {
   EXPECT_EQ(losses(a), losses(b));
   // Each step draws fresh windows, so the batch (and loss) changes step to step.
   EXPECT_NE(a[0].loss, a[1].loss);
+}
+
+// Issue 28 item 5: validation. The logged val_loss of step N is the mean
+// forward loss of the fixed validation batches (cursors 0 .. K*B - 1 of the
+// file's seeded windows) under the weights after step N: recomputed here
+// from step N's checkpoint with lm_loss, bit for bit at P 1; every form at
+// P 2 follows it within 1e-5.
+TEST(Train, ValidationIsTheMeanForwardLossOfFixedHeldOutBatches) {
+  const fs::path dir = scratch("validation");
+  std::vector<std::uint16_t> train_ids(1500), val_ids(400);
+  for (size_t i = 0; i < train_ids.size(); ++i) train_ids[i] = std::uint16_t((i * 7 + i / 3) % 64);
+  for (size_t i = 0; i < val_ids.size(); ++i) val_ids[i] = std::uint16_t((i * 11 + i / 5) % 64);
+  write_u16(dir / "train.bin", train_ids);
+  write_u16(dir / "val.bin", val_ids);
+  TrainOptions o = small(Form::explicit_form, 1, 4);
+  o.data = (dir / "train.bin").string();
+  o.val_data = (dir / "val.bin").string();
+  o.val_every = 3;
+  o.val_batches = 3;
+  o.checkpoint_dir = (dir / "ck").string();
+  o.save_every = 3;
+  const std::vector<StepRecord> run = train_local(o);
+  ASSERT_EQ(run.size(), 4u);
+  EXPECT_FALSE(run[0].val_loss || run[1].val_loss);
+  ASSERT_TRUE(run[2].val_loss && run[3].val_loss);  // every 3 steps, and after the last
+  EXPECT_NE(*run[2].val_loss, *run[3].val_loss);
+
+  TrainState<float> st;
+  st.params = LmParams<float>::zeros(o.model, MemCategory::parameters);
+  st.m = LmParams<float>::zeros(o.model, MemCategory::parameters);
+  st.v = LmParams<float>::zeros(o.model, MemCategory::parameters);
+  load_checkpoint((dir / "ck" / "step-00000003.json").string(), o.model, st);
+  const TokenSource val = TokenSource::file(o.val_data, "u16", o.model.vocab, o.seq, o.seed);
+  auto comm = make_self_communicator();
+  const SpLayout layout = SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, 1);
+  const RopeTable rope(o.model.mla.rope(), o.seq);
+  const LmContext ctx{o.model, layout, *comm, rope, o.form, o.attention};
+  double sum = 0;
+  std::vector<std::int32_t> window(size_t(o.batch * (o.seq + 1))), tok, tgt;
+  for (std::int64_t k = 0; k < o.val_batches; ++k) {
+    val.batch(k * o.batch, o.batch, o.seq, window.data());
+    tok.clear(), tgt.clear();
+    for (std::int64_t b = 0; b < o.batch; ++b)
+      for (std::int64_t i = 0; i < o.seq; ++i) {
+        tok.push_back(window[size_t(b * (o.seq + 1) + i)]);
+        tgt.push_back(window[size_t(b * (o.seq + 1) + i + 1)]);
+      }
+    sum += lm_loss(ctx, st.params, tok.data(), tgt.data());
+  }
+  EXPECT_EQ(*run[2].val_loss, sum / double(o.val_batches));
+
+  for (Form f : all_forms()) {
+    TrainOptions p = o;
+    p.form = f;
+    p.sp = 2;
+    p.checkpoint_dir.clear();
+    p.save_every = 0;
+    const std::vector<StepRecord> r = train_local(p);
+    for (size_t i : {size_t(2), size_t(3)})
+      EXPECT_NEAR(*r[i].val_loss, *run[i].val_loss, 1e-5 * *run[i].val_loss) << to_string(f);
+  }
+  // Its options need each other and a valid file, named as --val-data.
+  TrainOptions bad = o;
+  bad.val_every = 0;
+  EXPECT_NE(error_of([&] { validate_train_options(bad); }).find("--val-data needs --val-every"),
+            std::string::npos);
+  bad = o;
+  bad.val_data = (dir / "missing.bin").string();
+  EXPECT_NE(error_of([&] { validate_train_options(bad); }).find("--val-data '"), std::string::npos);
 }
 
 // A token file of documents: lengths 1 to 12 (some shorter than a rank's
