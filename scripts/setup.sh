@@ -18,6 +18,7 @@ packages=(
   libcli11-dev               # command-line parsing
   nlohmann-json3-dev         # JSON configs and reports
   python3 python3-numpy python3-matplotlib python3-torch  # reference tests, plots
+  fortunes                   # real English text for the training run (python/train_text.sh)
 )
 
 missing=()

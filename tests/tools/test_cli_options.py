@@ -141,7 +141,8 @@ WHOLE_OPTIONS = [
     (TRAIN, o) for o in ("--steps", "--seed", "--warmup", "--save-every", "--nope-dim",
                          "--rope-dim", "--v-dim", "--kv-lora-rank", "--q-lora-rank",
                          "--ffn-hidden", "--seq", "--batch", "--layers", "--d-model", "--heads",
-                         "--vocab", "--sp", "--comm-timeout", "--head-groups", "--pack-eos")
+                         "--vocab", "--sp", "--comm-timeout", "--head-groups", "--pack-eos",
+                         "--val-every", "--val-batches")
 ] + [
     (["forward", "--preset", "tiny"], o) for o in ("--layer", "--seed", "--seq", "--batch", "--sp",
                                                    "--comm-timeout", "--head-groups", "--doc-lens")
@@ -237,6 +238,10 @@ def case_messages(laga, scratch):
                         (["--link", "10"], "--link")]:
         expect_error(laga, ["plan", "--preset", "tiny", "--measure", out] + extra,
                      f"plans nothing, so {name} would be ignored")
+    # Validation's options need each other (issue 28 item 5).
+    expect_error(laga, TRAIN + ["--val-every", "2"], "--val-every needs --val-data FILE")
+    expect_error(laga, TRAIN + ["--val-data", os.path.join(scratch, "none.bin"), "--val-every",
+                                "2"], "--val-data '")
     expect_error(laga, ["plan", "--preset", "tiny", "--profile", "this", "--dtype", "bf16"],
                  "no bf16 figures; use --dtype fp32")
     expect_error(laga, ["plan", "--preset", "tiny", "--measure", out, "--dtype", "bf16"],
