@@ -1,0 +1,314 @@
+#!/usr/bin/python3
+"""laga_torch (python/laga_torch) against the C++ forms.
+
+Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
+
+For every form and option (q_latent, overlap, laga2d head groups, packed
+documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
+  * out, dx and every parameter gradient (summed over ranks) of the torch
+    module in float64 equal `laga forward --backward --dtype float64` on the
+    same safetensors within 1e-12 relative per tensor (|diff| / max |ref|);
+  * the ledger of a float32 run (forward, backward, sync_gradients) equals
+    `laga compare --count-only --json` per (phase, label): calls, bytes sent
+    and received (compare reports the max over ranks; so does this);
+  * bad input gets a ValueError naming it.
+Ranks run as processes (this file with --worker) on a free port found at
+run time, one launch per P running every case, one thread each.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(HERE, "..", "..", "python")
+sys.path.insert(0, PY)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import safetensors_io  # noqa: E402
+
+TOL = 1e-12
+B, S = 2, 13  # S % P != 0 for P 2, 3, 4
+# H 5: H % P != 0 for P 2, 3, 4; dv 6 != dqk 12; YaRN on (max > original).
+BASE = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 6, "original_seq_len": 8, "max_seq_len": 32,
+        "rope_factor": 4.0, "mscale": 0.7, "beta_fast": 4.0, "beta_slow": 1.0}
+CONFIGS = {"rq0": dict(BASE, q_lora_rank=0), "rq7": dict(BASE, q_lora_rank=7)}
+# Documents straddling every shard boundary at P 2-4 (shards of 13: 7+6,
+# 5+4+4, 4+3+3+3), a one-token document, per-row lists.
+DOCS = [[0, 3, 9, 10, 13], [0, 6, 13]]
+
+# (name, config, form, options)
+VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed", {}),
+            ("laga", "rq0", "laga", {}), ("laga2d", "rq0", "laga2d", {}),
+            ("explicit", "rq7", "explicit", {}), ("absorbed", "rq7", "absorbed", {}),
+            ("laga", "rq7", "laga", {}), ("laga2d-g1", "rq7", "laga2d", {"head_groups": 1}),
+            ("laga-q-latent", "rq7", "laga", {"q_latent": True}),
+            ("laga2d-g1-q-latent", "rq7", "laga2d", {"head_groups": 1, "q_latent": True}),
+            ("laga-overlap", "rq7", "laga", {"overlap": True}),
+            ("laga2d-overlap", "rq7", "laga2d", {"overlap": True})]
+PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
+
+
+def cases():
+    out = []
+    for name, cfg, form, opts in VARIANTS:
+        out.append({"id": f"{cfg}-{name}", "cfg": cfg, "form": form, "opts": opts, "docs": None})
+        if name in PACKED and cfg == "rq7":
+            out.append({"id": f"{cfg}-{name}-packed", "cfg": cfg, "form": form, "opts": opts,
+                        "docs": DOCS})
+    return out
+
+
+def cxx_flags(case):
+    o = case["opts"]
+    f = ["--form", case["form"]]
+    if o.get("q_latent"):
+        f.append("--q-latent")
+    if o.get("overlap"):
+        f += ["--overlap", "on"]
+    if o.get("head_groups"):
+        f += ["--head-groups", str(o["head_groups"])]
+    return f
+
+
+def compare_name(case):
+    o = case["opts"]
+    return case["form"] + ("+q-latent" if o.get("q_latent") else "") + \
+        ("+overlap" if o.get("overlap") else "")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p.stdout
+
+
+# --------------------------------------------------------------------------
+# One rank: every case at this P
+# --------------------------------------------------------------------------
+
+def worker(args):
+    import torch.distributed as dist
+    import laga_torch as lt
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.world)
+    dev = torch.device(args.device if args.device == "cpu" else f"cuda:{args.rank}")
+    P, r = args.world, args.rank
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
+    results = {}
+    for case in cases():
+        w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
+        inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+        for dtype in (torch.float64, torch.float32):
+            m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=case["form"],
+                       attention="math", dtype=dtype, device=dev, **case["opts"])
+            m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+            m.ledger = lt.Ledger()
+            x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, s0:s1].clone().requires_grad_()
+            dout = torch.from_numpy(inp["dout"]).to(dev, dtype)[:, s0:s1]
+            out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            out.backward(dout)
+            if dtype == torch.float64:
+                res = {"out": out.detach().cpu().numpy(), "dx": x.grad.cpu().numpy()}
+                for n, p in m.named_parameters():  # this rank's partial
+                    res["grad." + n] = p.grad.cpu().numpy()
+                safetensors_io.save_file(res, os.path.join(
+                    args.dir, f"torch-{case['id']}-P{P}-r{r}.safetensors"))
+            else:
+                lt.sync_gradients(m, ledger=m.ledger)
+                results[case["id"]] = [[ph, lb, v["calls"], v["sent"], v["received"]]
+                                       for (ph, lb), v in m.ledger.rows.items()]
+    with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
+        json.dump(results, f)
+    errors(lt, dev, P, r)
+    dist.destroy_process_group()
+
+
+def expect_error(what, words, fn):
+    try:
+        fn()
+    except ValueError as e:
+        for w in words:
+            if w not in str(e):
+                sys.exit(f"FAIL: {what}: the ValueError does not name '{w}': {e}")
+        return
+    sys.exit(f"FAIL: {what}: no ValueError")
+
+
+def errors(lt, dev, P, r):
+    cfg0, cfg7 = lt.MLAConfig.from_json(CONFIGS["rq0"]), lt.MLAConfig.from_json(CONFIGS["rq7"])
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    m = lt.MLA(cfg7, form="laga", dtype=torch.float64, device=dev)
+    x = torch.zeros(B, lay.seq_count[r], BASE["dim"], dtype=torch.float64, device=dev)
+    expect_error("q_latent with q_lora_rank 0", ["q_latent", "q_lora_rank"],
+                 lambda: lt.MLA(cfg0, form="laga", q_latent=True))
+    expect_error("overlap with explicit", ["overlap", "explicit"],
+                 lambda: lt.MLA(cfg7, form="explicit", overlap=True))
+    expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    if P > 1:
+        expect_error("a group larger than the sequence", ["sequence length", str(P - 1)],
+                     lambda: m(x[:, :1], seq_len=P - 1))
+    expect_error("a shard of the wrong length", ["holds", f"rank {r}"],
+                 lambda: m(torch.zeros(B, lay.seq_count[r] + 1, BASE["dim"], dtype=torch.float64,
+                                       device=dev), seq_len=S))
+    expect_error("cu_seqlens not summing to S", ["cu_seqlens", "from 0"],
+                 lambda: m(x, cu_seqlens=[0, 5, S - 1], seq_len=S))
+    expect_error("cu_seqlens not increasing", ["cu_seqlens", "increasing"],
+                 lambda: m(x, cu_seqlens=[0, 5, 5, S], seq_len=S))
+    expect_error("mixed dtypes", ["float32", "wq_a.weight"], lambda: m(x.float(), seq_len=S))
+    meta = lt.MLA(cfg7, form="laga", dtype=torch.float64, device="meta")
+    expect_error("mixed devices", ["meta", "wq_a.weight"], lambda: meta(x, seq_len=S))
+    if P in (3, 4):  # 2 does not divide 3; 3 does not divide 4
+        hg = 2 if P == 3 else 3
+        expect_error("head groups not dividing P", ["head_groups", "divide", str(P)],
+                     lambda: lt.MLA(cfg7, form="laga2d", head_groups=hg,
+                                    dtype=torch.float64, device=dev)(x, seq_len=S))
+
+
+# --------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------
+
+def rel(a, ref):
+    scale = float(np.abs(ref).max())
+    d = float(np.abs(a - ref).max()) if a.size else 0.0
+    if not np.isfinite(a).all():
+        return float("inf")
+    return d / scale if scale > 0 else d
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("laga", nargs="?")
+    ap.add_argument("dir", nargs="?")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--sp", default="1,2,3,4")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    t0 = time.time()
+    os.makedirs(args.dir, exist_ok=True)
+    g = torch.Generator().manual_seed(24)
+    sys.path.insert(0, PY)
+    import laga_torch as lt
+    for name, cfg in CONFIGS.items():
+        with open(os.path.join(args.dir, f"{name}.json"), "w") as f:
+            json.dump(cfg, f)
+        m = lt.MLA(lt.MLAConfig.from_json(cfg), dtype=torch.float64)
+        w = {}
+        for n, p in m.named_parameters():  # norms 1 + 0.1 N so that ignoring one fails
+            t = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            w[n] = (1 + 0.1 * t if "norm" in n else t / p.shape[-1] ** 0.5).numpy()
+        safetensors_io.save_file(w, os.path.join(args.dir, f"weights-{name}.safetensors"))
+    inp = {"x": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy(),
+           "dout": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy()}
+    safetensors_io.save_file(inp, os.path.join(args.dir, "input.safetensors"))
+    sps = [int(p) for p in args.sp.split(",")]
+
+    # The torch ranks, one launch per P.
+    for P in sps:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
+                                   "--rank", str(r), "--world", str(P), "--port", str(port),
+                                   "--device", args.device, "--backend", args.backend],
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 for r in range(P)]
+        try:
+            for p in procs:
+                p.wait(timeout=300)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            sys.exit(f"FAIL: torch ranks at P {P} exited {[p.returncode for p in procs]}")
+    t_torch = time.time() - t0
+
+    # Values: C++ float64 against the torch module, per tensor.
+    worst, checked = 0.0, 0
+    for P in sps:
+        for case in cases():
+            ref_path = os.path.join(args.dir, f"cxx-{case['id']}-P{P}.safetensors")
+            cmd = [args.laga, "forward", "--config", os.path.join(args.dir, case["cfg"] + ".json"),
+                   "--weights", os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"),
+                   "--input", os.path.join(args.dir, "input.safetensors"), "--backward",
+                   "--dtype", "float64", "--sp", str(P), "--output", ref_path] + cxx_flags(case)
+            if case["docs"]:
+                cmd += ["--doc-lens", "/".join(",".join(str(e - s) for s, e in zip(d, d[1:]))
+                                               for d in case["docs"])]
+            run(cmd)
+            ref, _ = safetensors_io.load_file(ref_path)
+            parts = [safetensors_io.load_file(os.path.join(
+                args.dir, f"torch-{case['id']}-P{P}-r{r}.safetensors"))[0] for r in range(P)]
+            mine = {"out": np.concatenate([p["out"] for p in parts], 1),
+                    "dx": np.concatenate([p["dx"] for p in parts], 1)}
+            for k in parts[0]:
+                if k.startswith("grad."):
+                    mine[k] = sum(p[k] for p in parts[1:]) + parts[0][k]
+            if set(mine) != set(ref):
+                sys.exit(f"FAIL: {case['id']} P {P}: torch gives {sorted(mine)}, C++ {sorted(ref)}")
+            for k in ref:
+                e = rel(mine[k], ref[k])
+                worst = max(worst, e)
+                checked += 1
+                if not e <= TOL:
+                    sys.exit(f"FAIL: {case['id']} P {P}: {k} differs from the C++ form by {e:.3e} "
+                             f"relative (> {TOL})")
+
+    # The ledger: float32 runs against compare's count-only ledger (f32).
+    ledgers = 0
+    for P in sps:
+        per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
+                    for r in range(P)]
+        for hg in ("", "1"):
+            for cfg in CONFIGS:
+                cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
+                       "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
+                       "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
+                       "--json", "-"] + (["--q-latent"] if cfg == "rq7" else []) + \
+                      (["--head-groups", hg] if hg else [])
+                cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
+                for case in cases():
+                    if case["cfg"] != cfg or case["docs"] or \
+                            str(case["opts"].get("head_groups", "")) != hg:
+                        continue
+                    want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
+                                                       l["bytes_received"])
+                            for l in cmp_forms[compare_name(case)]["by_label"]}
+                    got = {}
+                    for rows in per_rank:
+                        for ph, lb, calls, sent, recv in rows[case["id"]]:
+                            c0 = got.get((ph, lb), (0, 0, 0))
+                            got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                    if got != want:
+                        sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
+                                 f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
+                    ledgers += 1
+    print(f"laga_torch: {checked} tensors within {TOL} of laga forward --dtype float64 (worst "
+          f"{worst:.2e}); {ledgers} ledgers equal laga compare's; torch ranks {t_torch:.1f} s, "
+          f"total {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
