@@ -16,31 +16,40 @@ import torch
 import torch.nn.functional as F
 
 
+def math_forward(q, k, v, mask, scale):
+    """o (B, Sq, H, dv) and the probabilities (B, H, Sq, Sk) eager saves."""
+    H = q.shape[2]
+    # scores (B, H, Sq, Sk); k's head axis broadcasts when Hk = 1.
+    s = torch.einsum("bihd,bjhd->bhij", q, k.expand(-1, -1, H, -1)) * scale
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhij,bjhd->bihd", p, v.expand(-1, -1, H, -1)), p
+
+
+def math_backward(q, k, v, p, do, scale):
+    H = q.shape[2]
+    ke, ve = k.expand(-1, -1, H, -1), v.expand(-1, -1, H, -1)
+    dv = torch.einsum("bhij,bihd->bjhd", p, do)
+    dp = torch.einsum("bihd,bjhd->bhij", do, ve)
+    # softmax backward: dS = P (dP - rowsum(dP * P))
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+    dq = torch.einsum("bhij,bjhd->bihd", ds, ke)
+    dk = torch.einsum("bhij,bihd->bjhd", ds, q)
+    if k.shape[2] == 1 and H != 1:  # the shared head's gradient is every head's sum
+        dk, dv = dk.sum(2, keepdim=True), dv.sum(2, keepdim=True)
+    return dq, dk, dv
+
+
 class _MathAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
-        # scores (B, H, Sq, Sk); k's head axis broadcasts when Hk = 1.
-        s = torch.einsum("bihd,bjhd->bhij", q, k.expand(-1, -1, q.shape[2], -1)) * scale
-        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-        o = torch.einsum("bhij,bjhd->bihd", p, v.expand(-1, -1, q.shape[2], -1))
+        o, p = math_forward(q, k, v, mask, scale)
         ctx.save_for_backward(q, k, v, p)
-        ctx.mask, ctx.scale = mask, scale
+        ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, p = ctx.saved_tensors
-        H = q.shape[2]
-        ke, ve = k.expand(-1, -1, H, -1), v.expand(-1, -1, H, -1)
-        dv = torch.einsum("bhij,bihd->bjhd", p, do)
-        dp = torch.einsum("bihd,bjhd->bhij", do, ve)
-        # softmax backward: dS = P (dP - rowsum(dP * P))
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
-        dq = torch.einsum("bhij,bjhd->bihd", ds, ke)
-        dk = torch.einsum("bhij,bihd->bjhd", ds, q)
-        if k.shape[2] == 1 and H != 1:  # the shared head's gradient is every head's sum
-            dk, dv = dk.sum(2, keepdim=True), dv.sum(2, keepdim=True)
-        return dq, dk, dv, None, None
+        return math_backward(*ctx.saved_tensors, do, ctx.scale) + (None, None)
 
 
 def has_sdpa():

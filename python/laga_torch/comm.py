@@ -106,6 +106,23 @@ def _exchange(flat, send_sizes, recv_sizes, group, async_op=False):
     return out, work
 
 
+def move(x, plan, group, ledger, phase, adjoint=False, started=None):
+    """One movement outside autograd: x (src placement) -> dst placement, or
+    with adjoint=True the way back (dst -> src), the copies' gradients summed
+    at their owner. With `started` (a list) the all-to-all is only started and
+    the flat receive buffer is returned: append the work, wait, then unpack."""
+    send, recv = (plan.recv, plan.send) if adjoint else (plan.send, plan.recv)
+    if ledger is not None:
+        ledger.add(phase, plan.label, plan.peer_bytes(send, x.element_size()),
+                   plan.peer_bytes(recv, x.element_size()))
+    flat, work = _exchange(_pack(x.contiguous(), send), plan.sizes(send), plan.sizes(recv), group,
+                           async_op=started is not None)
+    if started is not None:
+        started.append(work)
+        return flat
+    return _unpack_add(flat, recv, plan.src_shape if adjoint else plan.dst_shape)
+
+
 class _Exchange(torch.autograd.Function):
     """Forward: pack this rank's blocks and all-to-all them; returns the flat
     receive buffer (rank-major). Backward: the flat gradient back the other

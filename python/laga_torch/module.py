@@ -13,6 +13,7 @@ from torch import nn
 from .config import MLAConfig
 from .forms import FORMS, Sp, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout
+from .tape import Block
 
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
             "q_norm.weight": "q_a_layernorm.weight", "wq_b.weight": "q_b_proj.weight",
@@ -87,7 +88,7 @@ class MLA(nn.Module):
     move. Collectives are recorded in self.ledger (a Ledger) when set."""
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
-                 attention="auto", dtype=None, device=None):
+                 attention="auto", tape="laga", dtype=None, device=None):
         super().__init__()
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
@@ -106,7 +107,10 @@ class MLA(nn.Module):
             raise ValueError(f"head_groups {head_groups} with form '{form}': only laga2d has "
                              "head groups")
         self.cfg, self.form, self.q_latent, self.overlap = cfg, form, q_latent, overlap
-        self.head_groups, self.attention = head_groups, attention
+        if tape not in ("laga", "autograd"):
+            raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
+                             "the C++ tape keeps) or autograd (the functional layer composed)")
+        self.head_groups, self.attention, self.tape = head_groups, attention, tape
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
         D, H, dqk = cfg.dim, cfg.n_heads, cfg.qk_head_dim
@@ -163,6 +167,9 @@ class MLA(nn.Module):
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
                 cos, sin, self.head_groups, self.attention)
+        if self.tape == "laga":
+            return Block.apply(x, _Run(cfg, sp, self.form, self.q_latent, self.overlap, B),
+                               *[dict(self.named_parameters())[n] for n in param_order(cfg)])
         s0, s1 = sp.shard()
         pos = sp.pos[:, s0:s1]
         H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
@@ -184,6 +191,42 @@ class MLA(nn.Module):
         o = mla_attention(self.form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
                           q_latent=q_latent, overlap=self.overlap)
         return self.wo(o)
+
+
+class _Run:
+    """What tape.Block needs beyond tensors: the config, this rank's Sp, the
+    form's plans (labels as the C++ ledger's), query rows, heads and calls."""
+
+    def __init__(self, cfg, sp, form, q_latent, overlap, batch):
+        from .forms import _head_range, _query_rows
+        self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
+        self.names = param_order(cfg)
+        self.rows = _query_rows(sp, form)
+        self.heads = _head_range(sp, form)
+        self.key_end = int(self.rows[-1]) + 1 if len(self.rows) else 0
+        S, dqk, dv = sp.layout.seq, cfg.qk_head_dim, cfg.v_head_dim
+        if form == "laga2d":  # one attention call per query range (a, b rows of q_h; keys [0, e))
+            self.calls, a = [], 0
+            for lo, hi in sp.grid().queries[sp.rank]:
+                self.calls.append((a, a + hi - lo, hi))
+                a += hi - lo
+        else:
+            self.calls = [(0, S, S)]
+        grid = form == "laga2d"
+        if q_latent:
+            kind = "latent_to_queries" if grid and sp.grid().context_groups > 1 else "gather_seq"
+            label = "q_latent_a2a" if kind == "latent_to_queries" else "q_latent_ag"
+            q = sp.plan(kind, cfg.q_lora_rank, label)
+        else:
+            q = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
+        self.plans = {"q": q, "out": sp.plan("from_queries" if grid else "head_to_seq", dv,
+                                             "out_a2a")}
+        if form == "explicit":
+            self.plans.update(k=sp.plan("seq_to_head", dqk, "k_a2a"),
+                              v=sp.plan("seq_to_head", dv, "v_a2a"))
+        else:
+            self.plans["lat"] = sp.plan("gather_seq", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                        "latent_ag")
 
 
 def param_order(cfg):
