@@ -20,7 +20,7 @@ The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
 import torch
 
 from .attention import math_backward, math_forward
-from .comm import move
+from .comm import _unpack_add, move
 
 
 def _rot(x, cos, sin, inverse=False):
@@ -110,7 +110,6 @@ class Block(torch.autograd.Function):
                             started=started)
                 q_h = queries()
                 started[0].wait()
-                from .comm import _unpack_add
                 lat = _unpack_add(flat, run.plans["lat"].recv, run.plans["lat"].dst_shape)
             else:
                 q_h = queries()

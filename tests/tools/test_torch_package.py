@@ -6,12 +6,17 @@ Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nc
 For every form and option (q_latent, overlap, laga2d head groups, packed
 documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
-    module in float64 equal `laga forward --backward --dtype float64` on the
-    same safetensors within 1e-12 relative per tensor (|diff| / max |ref|);
+    module in float64, on laga's tape and on autograd's, equal
+    `laga forward --backward --dtype float64` on the same safetensors within
+    1e-12 relative per tensor (|diff| / max |ref|);
   * the same in float32 within 1e-5 of `laga forward` (float32);
   * the ledger of a float32 run (forward, backward, sync_gradients) equals
     `laga compare --count-only --json` per (phase, label): calls, bytes sent
     and received (compare reports the max over ranks; so does this);
+  * the bytes autograd keeps for backward (saved_tensors_hooks, each storage
+    once, parameters and input left out) plus the output equal the C++
+    closed form (compare's predicted_saved_after_forward_bytes, eager
+    attention, the rank compare names) for every form and option;
   * bad input gets a ValueError naming it.
 Ranks run as processes (this file with --worker) on a free port found at
 run time, one launch per P running every case, one thread each.
@@ -116,29 +121,54 @@ def worker(args):
     for case in cases():
         w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
         inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
-        for dtype in (torch.float64, torch.float32):
+        # float64 and float32 on laga's tape; float64 on autograd's (the functional
+        # layer composed).
+        for dtype, tape in ((torch.float64, "laga"), (torch.float32, "laga"),
+                            (torch.float64, "autograd")):
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=case["form"],
-                       attention="math", dtype=dtype, device=dev, **case["opts"])
+                       attention="math", tape=tape, dtype=dtype, device=dev, **case["opts"])
             m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
             m.ledger = lt.Ledger()
             x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, s0:s1].clone().requires_grad_()
             dout = torch.from_numpy(inp["dout"]).to(dev, dtype)[:, s0:s1]
-            out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            keep = saved_by(m, x)
+            with torch.autograd.graph.saved_tensors_hooks(keep.add, lambda t: t):
+                out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            saved = sum(b for _, b in keep) + out.numel() * out.element_size()
             out.backward(dout)
             res = {"out": out.detach().cpu().numpy(), "dx": x.grad.cpu().numpy()}
             for n, p in m.named_parameters():  # this rank's partial
                 res["grad." + n] = p.grad.cpu().numpy()
-            tag = "f64" if dtype == torch.float64 else "f32"
+            tag = ("f64" if dtype == torch.float64 else "f32") + \
+                ("-autograd" if tape == "autograd" else "")
             safetensors_io.save_file(res, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
-            if dtype == torch.float32:
+            if dtype == torch.float32 and tape == "laga":
                 lt.sync_gradients(m, ledger=m.ledger)
-                results[case["id"]] = [[ph, lb, v["calls"], v["sent"], v["received"]]
-                                       for (ph, lb), v in m.ledger.rows.items()]
+                results[case["id"]] = {"ledger": [[ph, lb, v["calls"], v["sent"], v["received"]]
+                                                  for (ph, lb), v in m.ledger.rows.items()],
+                                       "saved": saved}
     with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
         json.dump(results, f)
     errors(lt, dev, P, r)
     dist.destroy_process_group()
+
+
+class saved_by(set):
+    """What autograd keeps for backward, in bytes, each storage once, less the
+    parameters and the input shard (live before forward: the C++ closed form
+    leaves them out too). add() is the pack hook."""
+
+    def __init__(self, module, x):
+        super().__init__()
+        self.skip = {p.data_ptr() for p in module.parameters()} | {x.data_ptr()}
+
+    def add(self, t):
+        st = t.storage()
+        if st.data_ptr() not in self.skip:
+            set.add(self, (st.data_ptr(), st.nbytes() if hasattr(st, "nbytes") else
+                           st.size() * t.element_size()))
+        return t
 
 
 def expect_error(what, words, fn):
@@ -297,22 +327,25 @@ def main():
                                            for d in case["docs"])]
         run(cmd)
         ref, _ = safetensors_io.load_file(ref_path)
-        parts = [safetensors_io.load_file(os.path.join(
-            args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0] for r in range(P)]
-        mine = {"out": np.concatenate([p["out"] for p in parts], 1),
-                "dx": np.concatenate([p["dx"] for p in parts], 1)}
-        for k in parts[0]:
-            if k.startswith("grad."):
-                mine[k] = sum(p[k] for p in parts[1:]) + parts[0][k]
-        if set(mine) != set(ref):
-            sys.exit(f"FAIL: {case['id']} P {P}: torch gives {sorted(mine)}, C++ {sorted(ref)}")
-        for k in ref:
-            e = rel(mine[k].astype(np.float64), ref[k].astype(np.float64))
-            worst[dt] = max(worst[dt], e)
-            checked += 1
-            if not e <= tol:
-                sys.exit(f"FAIL: {case['id']} P {P} {dt}: {k} differs from the C++ form by "
-                         f"{e:.3e} relative (> {tol})")
+        for tag in [tag] + ([tag + "-autograd"] if dt == "float64" else []):
+            parts = [safetensors_io.load_file(os.path.join(
+                args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0]
+                for r in range(P)]
+            mine = {"out": np.concatenate([p["out"] for p in parts], 1),
+                    "dx": np.concatenate([p["dx"] for p in parts], 1)}
+            for k in parts[0]:
+                if k.startswith("grad."):
+                    mine[k] = sum(p[k] for p in parts[1:]) + parts[0][k]
+            if set(mine) != set(ref):
+                sys.exit(f"FAIL: {case['id']} P {P} {tag}: torch gives {sorted(mine)}, C++ "
+                         f"{sorted(ref)}")
+            for k in ref:
+                e = rel(mine[k].astype(np.float64), ref[k].astype(np.float64))
+                worst[dt] = max(worst[dt], e)
+                checked += 1
+                if not e <= tol:
+                    sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the C++ form by "
+                             f"{e:.3e} relative (> {tol})")
 
     # The ledger: float32 runs against compare's count-only ledger (f32).
     ledgers = 0
@@ -324,7 +357,7 @@ def main():
                 cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
                        "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
                        "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
-                       "--json", "-"] + (["--q-latent"] if cfg == "rq7" else []) + \
+                       "--attention", "eager", "--json", "-"] + (["--q-latent"] if cfg == "rq7" else []) + \
                       (["--head-groups", hg] if hg else [])
                 cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
                 for case in cases():
@@ -334,9 +367,15 @@ def main():
                     want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
                                                        l["bytes_received"])
                             for l in cmp_forms[compare_name(case)]["by_label"]}
+                    f = cmp_forms[compare_name(case)]
+                    mine = per_rank[f["peak_rank"]][case["id"]]["saved"]
+                    if mine != f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {mine} "
+                                 "bytes for backward (with the output), the C++ closed form "
+                                 f"{f['predicted_saved_after_forward_bytes']}")
                     got = {}
                     for rows in per_rank:
-                        for ph, lb, calls, sent, recv in rows[case["id"]]:
+                        for ph, lb, calls, sent, recv in rows[case["id"]]["ledger"]:
                             c0 = got.get((ph, lb), (0, 0, 0))
                             got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
                     if got != want:
@@ -345,7 +384,8 @@ def main():
                     ledgers += 1
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
-          f"{TOLS['float32']}); {ledgers} ledgers equal laga compare's; torch ranks {t_torch:.1f} s, "
+          f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
+          f"laga compare's; torch ranks {t_torch:.1f} s, "
           f"total {time.time() - t0:.1f} s")
 
 
