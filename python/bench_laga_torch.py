@@ -10,9 +10,9 @@ processes on gloo, cores split between them), the C++ tool's step time from
 keeps for backward on the rank compare reports as its peak (saved_tensors_hooks;
 parameters and the input shard left out, each storage once) beside the C++
 closed form (compare's predicted_saved_after_forward_bytes, which also
-counts the output). The package's forms compose torch ops under autograd,
-so what they keep is autograd's choice, not the C++ tape's: the table shows
-by how much (docs/pytorch.md).
+counts the output). MLA keeps what the C++ tape keeps (laga_torch.tape), so
+the ratio is 1 (tools_torch_package holds it equal at small shapes); the
+column shows it at these (docs/pytorch.md).
 """
 
 import argparse
