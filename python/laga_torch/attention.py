@@ -52,6 +52,13 @@ class _MathAttention(torch.autograd.Function):
         return math_backward(*ctx.saved_tensors, do, ctx.scale) + (None, None)
 
 
+def no_attention(q, k, v):
+    """The empty output of a rank that attends nothing, still joined to q, k
+    and v in the graph: its backward must reach the collectives that made
+    them, which every rank has to enter."""
+    return q.new_zeros(q.shape[:3] + (v.shape[3],)) + 0 * (q.sum() + k.sum() + v.sum())
+
+
 def has_sdpa():
     return hasattr(F, "scaled_dot_product_attention")
 
@@ -59,8 +66,8 @@ def has_sdpa():
 def attention(q, k, v, mask, scale, kind="auto"):
     """Returns o (B, Sq, H, dv). kind: "auto" (SDPA where torch has it, else
     math), "sdpa" or "math"."""
-    if q.shape[2] == 0:  # a rank without heads attends nothing
-        return q.new_zeros(q.shape[:3] + (v.shape[3],))
+    if q.shape[2] == 0 or q.shape[1] == 0:  # a rank without heads or query rows
+        return no_attention(q, k, v)
     if kind == "auto":
         kind = "sdpa" if has_sdpa() else "math"
     if kind == "math":

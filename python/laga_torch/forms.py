@@ -185,8 +185,5 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(nh * (dn + dv), C).t()).view(
         B, Sk, nh, dn + dv)
     k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)
-    if len(rows):
-        o_h = attention(q_h, k_h, kv_h[..., dn:], sp.mask(rows, Sk), scale, sp.attention_kind)
-    else:  # laga2d with S < 2 Pc: a rank whose chunks hold no tokens
-        o_h = q_h.new_zeros(B, 0, nh, dv) + 0 * q_h.sum()
+    o_h = attention(q_h, k_h, kv_h[..., dn:], sp.mask(rows, Sk), scale, sp.attention_kind)
     return sp.move(o_h, back, "out_a2a").reshape(B, L, H * dv)

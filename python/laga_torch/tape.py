@@ -45,7 +45,7 @@ def _rms_backward(dy, x, rstd, w):
 
 def _mm_t(a, b):
     """a^T b over every leading axis: (..., m)^T (..., n) -> (m, n)."""
-    return a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
+    return a.flatten(0, -2).t() @ b.flatten(0, -2)
 
 
 class Block(torch.autograd.Function):
@@ -90,7 +90,8 @@ class Block(torch.autograd.Function):
                 return move(q, run.plans["q"], sp.group, sp.ledger, "forward")
             qn_q = move(qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "forward")[:, :, 0]
             keep["qn_q"] = qn_q
-            q_h = (qn_q @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk].t()).view(B, -1, nh, dqk)
+            q_h = (qn_q @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk].t()).view(
+                B, qn_q.shape[1], nh, dqk)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
@@ -172,7 +173,7 @@ class Block(torch.autograd.Function):
                 return move(dq_h, run.plans["q"], sp.group, sp.ledger, "backward", adjoint=True)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             dq_h = torch.cat([dq_h[..., :dn], _rot(dq_h[..., dn:], *t, inverse=True)], -1)
-            dq_h = dq_h.reshape(B, -1, nh * dqk)
+            dq_h = dq_h.reshape(B, dq_h.shape[1], nh * dqk)
             g = torch.zeros_like(W["wq_b.weight"])
             g[h0 * dqk:(h0 + nh) * dqk] = _mm_t(dq_h, s["qn_q"])
             G["wq_b.weight"] = g
@@ -218,9 +219,10 @@ class Block(torch.autograd.Function):
                     dv_h[:, :e] += dv_
                 dkv = torch.cat([dk_h[..., :dn], dv_h], -1)  # (B, Sk, nh, dn+dv)
                 w_r = wkv[h0:h0 + nh].reshape(-1, C)
-                d_lat[:, :Sk, :C] = dkv.reshape(B, Sk, -1) @ w_r
+                dkv = dkv.reshape(B, Sk, nh * (dn + dv))
+                d_lat[:, :Sk, :C] = dkv @ w_r
                 d_lat[:, :Sk, C:] = dk_h[..., dn:].sum(2)
-                d_wkv[h0:h0 + nh] = _mm_t(dkv.reshape(B, Sk, -1), lat[:, :Sk, :C]).view(
+                d_wkv[h0:h0 + nh] = _mm_t(dkv, lat[:, :Sk, :C]).view(
                     nh, dn + dv, C)
             dq = queries_back(dq_h)
             d_loc = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger, "backward",

@@ -45,7 +45,9 @@ B, S = 2, 13  # S % P != 0 for P 2, 3, 4
 BASE = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 4, "v_head_dim": 6, "original_seq_len": 8, "max_seq_len": 32,
         "rope_factor": 4.0, "mscale": 0.7, "beta_fast": 4.0, "beta_slow": 1.0}
-CONFIGS = {"rq0": dict(BASE, q_lora_rank=0), "rq7": dict(BASE, q_lora_rank=7)}
+# h3: H 3 < P 4, a rank without heads (SpLayout heads 1+1+1+0).
+CONFIGS = {"rq0": dict(BASE, q_lora_rank=0), "rq7": dict(BASE, q_lora_rank=7),
+           "h3": dict(BASE, q_lora_rank=7, n_heads=3)}
 # Documents straddling every shard boundary at P 2-4 (shards of 13: 7+6,
 # 5+4+4, 4+3+3+3), a one-token document, per-row lists.
 DOCS = [[0, 3, 9, 10, 13], [0, 6, 13]]
@@ -58,7 +60,9 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("laga-q-latent", "rq7", "laga", {"q_latent": True}),
             ("laga2d-g1-q-latent", "rq7", "laga2d", {"head_groups": 1, "q_latent": True}),
             ("laga-overlap", "rq7", "laga", {"overlap": True}),
-            ("laga2d-overlap", "rq7", "laga2d", {"overlap": True})]
+            ("laga2d-overlap", "rq7", "laga2d", {"overlap": True}),
+            ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
+            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True})]
 PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
 
 
@@ -354,16 +358,17 @@ def main():
                     for r in range(P)]
         for hg in ("", "1"):
             for cfg in CONFIGS:
+                mine = [c for c in cases() if c["cfg"] == cfg and not c["docs"] and
+                        str(c["opts"].get("head_groups", "")) == hg]
+                if not mine:
+                    continue
                 cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
                        "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
                        "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
-                       "--attention", "eager", "--json", "-"] + (["--q-latent"] if cfg == "rq7" else []) + \
+                       "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
                       (["--head-groups", hg] if hg else [])
                 cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
-                for case in cases():
-                    if case["cfg"] != cfg or case["docs"] or \
-                            str(case["opts"].get("head_groups", "")) != hg:
-                        continue
+                for case in mine:
                     want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
                                                        l["bytes_received"])
                             for l in cmp_forms[compare_name(case)]["by_label"]}
