@@ -102,7 +102,15 @@ def _unpack_add(flat, side, shape):
 
 def _exchange(flat, send_sizes, recv_sizes, group, async_op=False):
     out = flat.new_empty(sum(recv_sizes))
-    work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group, async_op=async_op)
+    # A movement copies bits, so bf16 travels as bytes: gloo in torch 1.13
+    # refuses bf16 and int16 ("Invalid scalar type"); the bytes are the same.
+    if flat.dtype == torch.bfloat16:
+        work = dist.all_to_all_single(out.view(torch.uint8), flat.view(torch.uint8),
+                                      [2 * n for n in recv_sizes], [2 * n for n in send_sizes],
+                                      group=group, async_op=async_op)
+    else:
+        work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group,
+                                      async_op=async_op)
     return out, work
 
 
