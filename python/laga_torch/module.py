@@ -3,8 +3,14 @@
 construction. Parameters under DeepSeek names; load_state_dict also takes
 Hugging Face names (src/mla/params.cpp, hf_param_name)."""
 
+import json
+import logging
 import math
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -78,6 +84,35 @@ def doc_starts(cu_seqlens, batch, seq, device):
     return out.to(device)
 
 
+log = logging.getLogger("laga_torch")
+
+
+def plan_form(cfg, seq, ranks, batch, profile, laga=None):
+    """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
+    profile (a built-in name or a JSON file; docs/planning.md): (form,
+    q_latent, overlap) of its winner. The binary: `laga`, else LAGA_BIN, else
+    PATH."""
+    laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
+    if not laga:
+        raise ValueError("form 'auto' asks `laga plan`, but no laga binary was found: set "
+                         "LAGA_BIN or put laga on PATH, or choose a form")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg.to_json(), f)
+    try:
+        cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
+               "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet"]
+        if cfg.q_lora_rank:
+            cmd.append("--q-latent")
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.unlink(f.name)
+    if p.returncode:
+        raise ValueError(f"form 'auto': {' '.join(cmd)} failed: {p.stderr.strip()}")
+    winner = json.loads(p.stdout)["cases"][0]["winner"]
+    parts = winner.split("+")
+    return parts[0], "q-latent" in parts, "overlap" in parts
+
+
 class MLA(nn.Module):
     """forward(x_local (B, S_r, D), group=None, cu_seqlens=None, seq_len=None)
     -> (B, S_r, D) for this rank's shard of SpLayout.even(S, H, P).
@@ -88,12 +123,15 @@ class MLA(nn.Module):
     move. Collectives are recorded in self.ledger (a Ledger) when set."""
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
-                 attention="auto", tape="laga", dtype=None, device=None):
+                 attention="auto", tape="laga", profile=None, dtype=None, device=None):
         super().__init__()
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
-        if form not in FORMS:
-            raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)}")
+        if form not in FORMS + ("auto",):
+            raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)} or auto")
+        if form == "auto" and not profile:
+            raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
+                             "'h100', a built-in name, or a profile JSON file)")
         if q_latent and cfg.q_lora_rank == 0:
             raise ValueError("q_latent needs q_lora_rank > 0 (there is no query latent to move); "
                              "this config has q_lora_rank 0")
@@ -111,6 +149,7 @@ class MLA(nn.Module):
             raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
                              "the C++ tape keeps) or autograd (the functional layer composed)")
         self.head_groups, self.attention, self.tape = head_groups, attention, tape
+        self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
         D, H, dqk = cfg.dim, cfg.n_heads, cfg.qk_head_dim
@@ -161,25 +200,33 @@ class MLA(nn.Module):
         if L != lay.seq_count[r]:
             raise ValueError(f"x holds {L} tokens but rank {r} of {P} holds "
                              f"{lay.seq_count[r]} of S = {seq_len} ({lay.describe()})")
-        if self.form == "laga2d":
+        form, q_latent, overlap = self.form, self.q_latent, self.overlap
+        if form == "auto":
+            key = (seq_len, P, B)
+            if key not in self.plans:
+                self.plans[key] = plan_form(cfg, seq_len, P, B, self.profile)
+                log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
+                         self.plans[key], seq_len, P, B)
+            form, q_latent, overlap = self.plans[key]
+        if form == "laga2d":
             HeadContextGrid(lay, self.head_groups or
                             HeadContextGrid.default_head_groups(cfg.n_heads, P))
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
                 cos, sin, self.head_groups, self.attention)
         if self.tape == "laga":
-            return Block.apply(x, _Run(cfg, sp, self.form, self.q_latent, self.overlap, B),
+            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B),
                                *[dict(self.named_parameters())[n] for n in param_order(cfg)])
         s0, s1 = sp.shard()
         pos = sp.pos[:, s0:s1]
         H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
-        q = q_latent = None
+        q = query_latent = None
         if cfg.q_lora_rank == 0:
             q = self.wq(x)
         else:
             qn = self.q_norm(self.wq_a(x))
-            if self.q_latent:
-                q_latent = (qn, self.wq_b.weight)
+            if q_latent:
+                query_latent = (qn, self.wq_b.weight)
             else:
                 q = self.wq_b(qn)
         if q is not None:
@@ -188,8 +235,8 @@ class MLA(nn.Module):
         kv = self.wkv_a(x)
         c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
         k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
-        o = mla_attention(self.form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
-                          q_latent=q_latent, overlap=self.overlap)
+        o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
+                          q_latent=query_latent, overlap=overlap)
         return self.wo(o)
 
 

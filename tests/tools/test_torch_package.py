@@ -20,6 +20,7 @@ documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
     once, parameters and input left out) plus the output equal the C++
     closed form (compare's predicted_saved_after_forward_bytes, eager
     attention, the rank compare names) for every form and option;
+  * form "auto" runs `laga plan --json`'s winner (h100 profile), bit for bit;
   * bad input gets a ValueError naming it.
 Ranks run as processes (this file with --worker) on a free port found at
 run time, one launch per P running every case, one thread each.
@@ -180,6 +181,7 @@ def worker(args):
                                        "saved": saved}
     with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
         json.dump(results, f)
+    auto(lt, dev, P, args)
     errors(lt, dev, P, r)
     dist.destroy_process_group()
 
@@ -199,6 +201,33 @@ class saved_by(set):
             set.add(self, (st.data_ptr(), st.nbytes() if hasattr(st, "nbytes") else
                            st.size() * t.element_size()))
         return t
+
+
+def auto(lt, dev, P, args):
+    """form 'auto' runs the winner of `laga plan --json` (asked here too, on
+    the h100 profile): the same output, bit for bit, as that form chosen by
+    hand; every rank picks the same."""
+    cfg = lt.MLAConfig.from_json(CONFIGS["rq7"])
+    os.environ["LAGA_BIN"] = args.laga
+    plan = json.loads(run([args.laga, "plan", "--config", os.path.join(args.dir, "rq7.json"),
+                           "--seq", str(S), "--sp", str(P), "--batch", str(B), "--profile",
+                           "h100", "--q-latent", "--json", "-", "--quiet"]))
+    w = plan["cases"][0]["winner"].split("+")
+    picked = (w[0], "q-latent" in w, "overlap" in w)
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    torch.manual_seed(5)
+    x = torch.randn(B, S, BASE["dim"], dtype=torch.float64)[:, lay.seq_offset[args.rank]:][
+        :, :lay.seq_count[args.rank]].to(dev)
+    outs, mods = [], []
+    for kw in ({"form": "auto", "profile": "h100"},
+               {"form": picked[0], "q_latent": picked[1], "overlap": picked[2]}):
+        torch.manual_seed(6)
+        mods.append(lt.MLA(cfg, dtype=torch.float64, device=dev, **kw))
+        outs.append(mods[-1](x, seq_len=S))
+    if mods[0].plans != {(S, P, B): picked}:
+        sys.exit(f"FAIL: form auto at P {P} recorded {mods[0].plans}, laga plan picks {picked}")
+    if not torch.equal(outs[0], outs[1]):
+        sys.exit(f"FAIL: form auto at P {P} differs from {picked} chosen by hand")
 
 
 def expect_error(what, words, fn):
@@ -222,6 +251,8 @@ def errors(lt, dev, P, r):
     expect_error("overlap with explicit", ["overlap", "explicit"],
                  lambda: lt.MLA(cfg7, form="explicit", overlap=True))
     expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("form auto without a profile", ["auto", "profile"],
+                 lambda: lt.MLA(cfg7, form="auto"))
     if P > 1:
         expect_error("a group larger than the sequence", ["sequence length", str(P - 1)],
                      lambda: m(x[:, :1], seq_len=P - 1))
