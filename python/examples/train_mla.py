@@ -70,6 +70,8 @@ def main():
     rank, P = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     dev = torch.device(args.device if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # NCCL: one device per rank
     dtype = getattr(torch, args.dtype)
     cfg = lt.MLAConfig.from_json(CONFIG)
     torch.manual_seed(0)  # the same initial model on every rank and at every P

@@ -114,21 +114,28 @@ def _exchange(flat, send_sizes, recv_sizes, group, async_op=False):
     return out, work
 
 
+def _start(x, plan, group, ledger, phase, adjoint, async_op):
+    """Files the call in the ledger, packs x's blocks and all-to-alls them:
+    (flat receive buffer, work). adjoint: the way back, dst -> src."""
+    send, recv = (plan.recv, plan.send) if adjoint else (plan.send, plan.recv)
+    if ledger is not None:
+        ledger.add(phase, plan.label, plan.peer_bytes(send, x.element_size()),
+                   plan.peer_bytes(recv, x.element_size()))
+    return _exchange(_pack(x.contiguous(), send), plan.sizes(send), plan.sizes(recv), group,
+                     async_op=async_op)
+
+
 def move(x, plan, group, ledger, phase, adjoint=False, started=None):
     """One movement outside autograd: x (src placement) -> dst placement, or
     with adjoint=True the way back (dst -> src), the copies' gradients summed
     at their owner. With `started` (a list) the all-to-all is only started and
     the flat receive buffer is returned: append the work, wait, then unpack."""
-    send, recv = (plan.recv, plan.send) if adjoint else (plan.send, plan.recv)
-    if ledger is not None:
-        ledger.add(phase, plan.label, plan.peer_bytes(send, x.element_size()),
-                   plan.peer_bytes(recv, x.element_size()))
-    flat, work = _exchange(_pack(x.contiguous(), send), plan.sizes(send), plan.sizes(recv), group,
-                           async_op=started is not None)
+    flat, work = _start(x, plan, group, ledger, phase, adjoint, started is not None)
     if started is not None:
         started.append(work)
         return flat
-    return _unpack_add(flat, recv, plan.src_shape if adjoint else plan.dst_shape)
+    side, shape = (plan.send, plan.src_shape) if adjoint else (plan.recv, plan.dst_shape)
+    return _unpack_add(flat, side, shape)
 
 
 class _Exchange(torch.autograd.Function):
@@ -141,12 +148,7 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group, ledger, started):
         ctx.plan, ctx.group, ctx.ledger = plan, group, ledger
-        elem = x.element_size()
-        if ledger is not None:
-            ledger.add("forward", plan.label, plan.peer_bytes(plan.send, elem),
-                       plan.peer_bytes(plan.recv, elem))
-        flat, work = _exchange(_pack(x.contiguous(), plan.send), plan.sizes(plan.send),
-                               plan.sizes(plan.recv), group, async_op=started is not None)
+        flat, work = _start(x, plan, group, ledger, "forward", False, started is not None)
         if started is not None:
             started.append(work)  # the caller waits before reading `flat`
         return flat
@@ -154,10 +156,9 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         plan = ctx.plan
-        elem = grad.element_size()
         if ctx.ledger is not None:
-            ctx.ledger.add("backward", plan.label, plan.peer_bytes(plan.recv, elem),
-                           plan.peer_bytes(plan.send, elem))
+            ctx.ledger.add("backward", plan.label, plan.peer_bytes(plan.recv, grad.element_size()),
+                           plan.peer_bytes(plan.send, grad.element_size()))
         flat, _ = _exchange(grad.contiguous(), plan.sizes(plan.recv), plan.sizes(plan.send),
                             ctx.group)
         return _unpack_add(flat, plan.send, plan.src_shape), None, None, None, None

@@ -120,7 +120,10 @@ class MLA(nn.Module):
     form: explicit | absorbed | laga | laga2d (head_groups: laga2d's Ph, 0 =
     gcd(H, P)); q_latent: laga/laga2d with q_lora_rank > 0 move the query
     latent; overlap: laga/laga2d start the latent gather before the queries
-    move. Collectives are recorded in self.ledger (a Ledger) when set."""
+    move; "auto" with profile: laga plan's winner. tape "laga" (default):
+    tape.Block, keeping what the C++ tape keeps; "autograd": the functional
+    layer (forms.mla_attention) under autograd. Collectives are recorded in
+    self.ledger (a Ledger) when set."""
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None):

@@ -141,6 +141,8 @@ def worker(args):
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=args.rank, world_size=args.world)
     dev = torch.device(args.device if args.device == "cpu" else f"cuda:{args.rank}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # NCCL: one device per rank
     P, r = args.world, args.rank
     lay = lt.SpLayout.even(S, BASE["n_heads"], P)
     s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
