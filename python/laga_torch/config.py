@@ -68,9 +68,12 @@ class MLAConfig:
             if rs and kind not in ("", "default", "yarn"):
                 raise ValueError(f"{source}: rope type '{kind}': laga implements only yarn")
             if kind == "yarn":
-                c.yarn_always = True
                 c.rope_factor = rs.get("factor", c.rope_factor)
-                c.original_seq_len = rs.get("original_max_position_embeddings", c.original_seq_len)
+                # HF's DeepSeek code defaults the original context to 4096.
+                c.original_seq_len = rs.get("original_max_position_embeddings", 4096)
+                # transformers applies YaRN whenever the type is yarn, DeepSeek's
+                # code when max > original: laga's flag marks where they differ.
+                c.yarn_always = c.max_seq_len <= c.original_seq_len
                 c.beta_fast = rs.get("beta_fast", c.beta_fast)
                 c.beta_slow = rs.get("beta_slow", c.beta_slow)
                 ms, ms_all = rs.get("mscale", 1.0), rs.get("mscale_all_dim", 0.0)

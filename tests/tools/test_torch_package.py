@@ -20,6 +20,8 @@ documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
     once, parameters and input left out) plus the output equal the C++
     closed form (compare's predicted_saved_after_forward_bytes, eager
     attention, the rank compare names) for every form and option;
+  * MLAConfig reads ModelArgs and HF config.json files as laga does, and
+    HF parameter names load to the same module;
   * form "auto" runs `laga plan --json`'s winner (h100 profile), bit for bit;
   * bad input gets a ValueError naming it.
 Ranks run as processes (this file with --worker) on a free port found at
@@ -97,6 +99,22 @@ def bf16_case(case):
 # their float64 bound, so within twice it.
 U_BF16 = 2.0 ** -8
 BF16_BOUND = {"out": 12 * U_BF16, "grad": 24 * U_BF16}
+
+
+# Config files in both spellings laga reads, for the config check: the HF
+# one is rq7's block (YaRN from its rope_scaling), the bare ones lean on
+# each format's defaults.
+HF = {"hidden_size": 24, "num_attention_heads": 5, "q_lora_rank": 7, "kv_lora_rank": 10,
+      "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+      "max_position_embeddings": 32, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                       "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 0.7,
+                       "mscale_all_dim": 0.7}}
+CONFIG_FILES = {"hf": HF, "hf-plain": {k: v for k, v in HF.items() if k != "rope_scaling"},
+                "hf-yarn-always": dict(HF, max_position_embeddings=8),  # HF's rule, not DeepSeek's
+                "args-bare": {k: BASE[k] for k in ("dim", "n_heads", "kv_lora_rank",
+                                                   "qk_nope_head_dim", "qk_rope_head_dim",
+                                                   "v_head_dim")}}
 
 
 def cxx_flags(case):
@@ -183,6 +201,7 @@ def worker(args):
                                        "saved": saved}
     with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
         json.dump(results, f)
+    hf_names(lt, dev, P, args)
     auto(lt, dev, P, args)
     errors(lt, dev, P, r)
     dist.destroy_process_group()
@@ -203,6 +222,27 @@ class saved_by(set):
             set.add(self, (st.data_ptr(), st.nbytes() if hasattr(st, "nbytes") else
                            st.size() * t.element_size()))
         return t
+
+
+def hf_names(lt, dev, P, args):
+    """A module built from the HF config.json and loaded under HF names
+    (model.layers.<i>.self_attn.q_a_proj.weight, ...) equals the DeepSeek-named
+    one bit for bit."""
+    w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
+    hf = {f"model.layers.3.self_attn.{lt.module.HF_NAMES[k]}": torch.from_numpy(v)
+          for k, v in w.items()}
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    s0, L = lay.seq_offset[args.rank], lay.seq_count[args.rank]
+    x = torch.from_numpy(safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))[0]
+                         ["x"])[:, s0:s0 + L].to(dev)
+    outs = []
+    for cfg, state in ((CONFIGS["rq7"], {k: torch.from_numpy(v) for k, v in w.items()}),
+                       (HF, hf)):
+        m = lt.MLA(lt.MLAConfig.from_json(cfg), form="laga", dtype=torch.float64, device=dev)
+        m.load_state_dict(state)
+        outs.append(m(x, seq_len=S))
+    if not torch.equal(outs[0], outs[1]):
+        sys.exit(f"FAIL: P {P}: the HF config and names give another output than DeepSeek's")
 
 
 def auto(lt, dev, P, args):
@@ -355,6 +395,20 @@ def main():
            "dout": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy()}
     safetensors_io.save_file(inp, os.path.join(args.dir, "input.safetensors"))
     sps = [int(p) for p in args.sp.split(",")]
+
+    # Configs: MLAConfig reads each file as laga does (laga forward's output
+    # records the config it read).
+    for name, j in dict(CONFIG_FILES, **CONFIGS).items():
+        path = os.path.join(args.dir, f"config-{name}.json")
+        json.dump(j, open(path, "w"))
+        out = os.path.join(args.dir, f"config-{name}.safetensors")
+        run([args.laga, "forward", "--config", path, "--seq", "4", "--output", out])
+        theirs = json.loads(safetensors_io.load_file(out)[1]["config"])
+        mine = lt.MLAConfig.from_json(j).to_json()
+        bad = {k: (mine.get(k), v) for k, v in theirs.items() if mine.get(k) != v}
+        if bad or mine["yarn_always"] != theirs.get("yarn_always", False):
+            sys.exit(f"FAIL: config {name}: MLAConfig reads (ours, laga's) {bad}, yarn_always "
+                     f"{mine['yarn_always']} vs {theirs.get('yarn_always', False)}")
 
     # The torch ranks, one launch per P.
     for P in sps:
