@@ -225,24 +225,23 @@ class Block(torch.autograd.Function):
                 d_wkv[h0:h0 + nh] = _mm_t(dkv, lat[:, :Sk, :C]).view(
                     nh, dn + dv, C)
             dq = queries_back(dq_h)
-            d_loc = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger, "backward",
-                         adjoint=True)[:, :, 0]
-            d_chat, d_kpe = d_loc[..., :C], d_loc[..., C:]
+            if run.overlap:  # the latent's reduce-scatter on the wire during the query path's
+                started = []
+                flat = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger,
+                            "backward", adjoint=True, started=started)
+            else:
+                d_loc = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger,
+                             "backward", adjoint=True)
         G["wkv_b.weight"] = d_wkv.reshape(H * (dn + dv), C)
 
-        # The local inputs' backward: RoPE rotated back, the norms, dx.
-        kv_a = s["kv_a"]
-        d_c, G["kv_norm.weight"] = _rms_backward(d_chat, kv_a[..., :C], s["kv_rstd"],
-                                                 W["kv_norm.weight"])
-        d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
-        G["wkv_a.weight"] = _mm_t(d_kva, x)
-        dx = d_kva @ W["wkv_a.weight"]
+        # The local inputs' backward: the query path (RoPE rotated back, q_norm,
+        # wq or wq_a and wq_b), then the latent path (kv_norm, wkv_a); dx.
         if not run.q_latent:
             dq = torch.cat([dq[..., :dn], _rot(dq[..., dn:], *trig, inverse=True)], -1)
             dq = dq.reshape(B, L, H * dqk)
         if rq == 0:
             G["wq.weight"] = _mm_t(dq, x)
-            dx = dx + dq @ W["wq.weight"]
+            dx = dq @ W["wq.weight"]
         else:
             if run.q_latent:
                 d_qn = dq
@@ -252,5 +251,16 @@ class Block(torch.autograd.Function):
             d_qa, G["q_norm.weight"] = _rms_backward(d_qn, s["qa"], s["q_rstd"],
                                                      W["q_norm.weight"])
             G["wq_a.weight"] = _mm_t(d_qa, x)
-            dx = dx + d_qa @ W["wq_a.weight"]
+            dx = d_qa @ W["wq_a.weight"]
+        if form != "explicit":
+            if run.overlap:
+                started[0].wait()
+                d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)
+            d_chat, d_kpe = d_loc[:, :, 0, :C], d_loc[:, :, 0, C:]
+        kv_a = s["kv_a"]
+        d_c, G["kv_norm.weight"] = _rms_backward(d_chat, kv_a[..., :C], s["kv_rstd"],
+                                                 W["kv_norm.weight"])
+        d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
+        G["wkv_a.weight"] = _mm_t(d_kva, x)
+        dx = dx + d_kva @ W["wkv_a.weight"]
         return (dx, None) + tuple(G[n] for n in run.names)
