@@ -170,6 +170,7 @@ def worker(args):
         inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
         # float64 and float32 on laga's tape; float64 on autograd's (the functional
         # layer composed).
+        f64_ledgers = {}
         runs = [(torch.float64, "laga"), (torch.float32, "laga"), (torch.float64, "autograd")]
         if bf16_case(case):
             runs.append((torch.bfloat16, "laga"))
@@ -194,6 +195,12 @@ def worker(args):
                 ("-autograd" if tape == "autograd" else "")
             safetensors_io.save_file(res, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
+            if dtype == torch.float64:  # both tapes hand torch.distributed the same bytes
+                f64_ledgers[tape] = dict(m.ledger.rows)
+                if tape == "autograd" and f64_ledgers["autograd"] != f64_ledgers["laga"]:
+                    sys.exit(f"FAIL: {case['id']} P {P}: the autograd tape's ledger "
+                             f"{f64_ledgers['autograd']} differs from laga's "
+                             f"{f64_ledgers['laga']}")
             if dtype == torch.float32 and tape == "laga":
                 lt.sync_gradients(m, ledger=m.ledger)
                 results[case["id"]] = {"ledger": [[ph, lb, v["calls"], v["sent"], v["received"]]
