@@ -312,6 +312,11 @@ def errors(lt, dev, P, r):
                  lambda: m(x, cu_seqlens=[0, 5, S - 1], seq_len=S))
     expect_error("cu_seqlens not increasing", ["cu_seqlens", "increasing"],
                  lambda: m(x, cu_seqlens=[0, 5, 5, S], seq_len=S))
+    expect_error("float cu_seqlens", ["cu_seqlens", "float64"],
+                 lambda: m(x, cu_seqlens=torch.tensor([0.0, 5.0, S], dtype=torch.float64),
+                           seq_len=S))
+    expect_error("cu_seqlens rows != batch", ["cu_seqlens", "3 rows", f"batch of {B}"],
+                 lambda: m(x, cu_seqlens=[[0, S]] * 3, seq_len=S))
     expect_error("mixed dtypes", ["float32", "wq_a.weight"], lambda: m(x.float(), seq_len=S))
     meta = lt.MLA(cfg7, form="laga", dtype=torch.float64, device="meta")
     expect_error("mixed devices", ["meta", "wq_a.weight"], lambda: meta(x, seq_len=S))
