@@ -51,10 +51,9 @@ def rank_main(a):
         saved = {}
 
         def pack(t):
-            s = t.storage() if hasattr(t, "storage") else t
-            ptr = s.data_ptr()
-            if ptr not in params and ptr != x.data_ptr():
-                saved[ptr] = s.nbytes() if hasattr(s, "nbytes") else s.size() * t.element_size()
+            s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+            if s.data_ptr() not in params and s.data_ptr() != x.data_ptr():
+                saved[s.data_ptr()] = s.nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = m(x, seq_len=a.seq)

@@ -224,10 +224,10 @@ class saved_by(set):
         self.skip = {p.data_ptr() for p in module.parameters()} | {x.data_ptr()}
 
     def add(self, t):
-        st = t.storage()
+        # torch 2.x: untyped_storage (storage() warns there); 1.13: storage()
+        st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
         if st.data_ptr() not in self.skip:
-            set.add(self, (st.data_ptr(), st.nbytes() if hasattr(st, "nbytes") else
-                           st.size() * t.element_size()))
+            set.add(self, (st.data_ptr(), st.nbytes()))
         return t
 
 
@@ -358,7 +358,7 @@ def example(args):
                                            MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
                  for r in range(P)]
         for p in procs:
-            p.wait(timeout=300)
+            p.wait(timeout=200)
         if any(p.returncode for p in procs):
             sys.exit(f"FAIL: train_mla.py at P {P} exited {[p.returncode for p in procs]}")
         losses[P] = json.load(open(out))["losses"]
@@ -432,7 +432,7 @@ def main():
                  for r in range(P)]
         try:
             for p in procs:
-                p.wait(timeout=300)
+                p.wait(timeout=200)
         finally:
             for p in procs:
                 if p.poll() is None:
