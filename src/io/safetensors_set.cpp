@@ -213,6 +213,20 @@ void SafetensorsSet::read_into(const std::string& name, Tensor<float>& destinati
   file.read_into(name, destination);
 }
 
+void SafetensorsSet::read_into(const std::string& name, Tensor<double>& destination) const {
+  const SafetensorsFile& file = file_of(name);
+  if (file.info(name).dtype != "F8_E4M3") {
+    LAGA_CHECK(!contains(name + kScaleSuffix), "weights '", file.path(), "': tensor '", name,
+               "' has a scale '", name, kScaleSuffix, "' but dtype ", file.info(name).dtype,
+               ", not F8_E4M3; a scale belongs to an fp8 weight, re-export the checkpoint");
+    return file.read_into(name, destination);
+  }
+  Tensor<float> narrow(destination.shape(), destination.category());
+  read_fp8_into(file, name, narrow);
+  if (!destination.data()) return;  // count-only: checked, not read
+  for (std::int64_t i = 0; i < narrow.numel(); ++i) destination[i] = narrow[i];
+}
+
 void SafetensorsSet::read_fp8_into(const SafetensorsFile& file, const std::string& name,
                                    Tensor<float>& destination) const {
   const SafetensorsTensorInfo& w = file.info(name);

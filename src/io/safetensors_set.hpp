@@ -61,6 +61,9 @@ class SafetensorsSet {
   // dequantised with its scale. Under a count-only pool everything is
   // checked but nothing is read.
   void read_into(const std::string& name, Tensor<float>& destination) const;
+  // The same into double: F64 exactly, other dtypes widened (an fp8 weight
+  // dequantised in float first, as the float read does, then widened).
+  void read_into(const std::string& name, Tensor<double>& destination) const;
 
  private:
   SafetensorsSet() = default;

@@ -14,29 +14,31 @@ namespace laga::tools {
 
 namespace {
 // Copies a tensor made on a rank thread into `pool`, which outlives the rank.
-TensorF copy_into(MemoryPool& pool, const TensorF& t) {
+template <class T>
+Tensor<T> copy_into(MemoryPool& pool, const Tensor<T>& t) {
   PoolScope scope(pool);
   return t.clone(t.category());
 }
 }  // namespace
 
-BlockJob run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg, const SpLayout& layout,
-                       const MlaParams<float>& w, const TensorF& x, const TensorF& dout,
-                       const RunSpec& spec) {
-  BlockJob job;
+template <class T>
+BlockJobOf<T> run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg,
+                            const SpLayout& layout, const MlaParams<T>& w, const Tensor<T>& x,
+                            const Tensor<T>& dout, const RunSpec& spec) {
+  BlockJobOf<T> job;
   MemoryPool& caller_pool = current_pool();
   const RopeTable rope(cfg.rope(), layout.seq);
   std::mutex reports_mutex;
   std::vector<RankReport> reports(static_cast<size_t>(layout.ranks));
   run_group(comm_opts, layout.ranks, [&](Communicator& comm) {
-    RankResult<float> res = run_rank(comm, cfg, layout, rope, w, x, dout, spec);
+    RankResult<T> res = run_rank(comm, cfg, layout, rope, w, x, dout, spec);
     // Results travel to rank 0 after the measured step (the ledger is a copy).
     const std::int64_t D = cfg.dim;
-    TensorF out({layout.batch, layout.seq, D}), dx;
+    Tensor<T> out({layout.batch, layout.seq, D}), dx;
     comm.set_phase(Phase::forward);
     gather_seq(comm, layout, res.out.data(), out.data(), D, "result_gather");
     if (spec.backward) {
-      dx = TensorF({layout.batch, layout.seq, D});
+      dx = Tensor<T>({layout.batch, layout.seq, D});
       gather_seq(comm, layout, res.dx.data(), dx.data(), D, "result_gather");
     }
     // Every rank's report, so the reporter can show the max over ranks; under
@@ -123,12 +125,13 @@ std::optional<Documents> load_documents(const std::string& doc_lens, const Safet
   return Documents::from_cu_seqlens(where + ": tensors 'cu_seqlens.<row>'", batch, seq, rows);
 }
 
-MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {
+template <class T>
+MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int layer) {
   // A file, an index or a checkpoint directory; only this layer's tensors
   // are read, from the shards that hold them.
   const SafetensorsSet f = SafetensorsSet::open(path);
-  auto w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  w.for_each([&](const std::string& name, TensorF& t) {
+  auto w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  w.for_each([&](const std::string& name, Tensor<T>& t) {
     const std::string hf = hf_param_name(name, layer);
     LAGA_CHECK(f.contains(name) || f.contains(hf), "weights '", f.path(), "': no tensor '", name,
                "' (DeepSeek inference name) or '", hf,
@@ -138,16 +141,29 @@ MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int
   return w;
 }
 
-MlaParams<float> random_weights(const MlaConfig& cfg, std::uint64_t seed) {
-  auto w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+template <class T>
+MlaParams<T> random_weights(const MlaConfig& cfg, std::uint64_t seed) {
+  auto w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
   init_params(w, seed, 0.1);
   return w;
 }
 
-TensorF random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream) {
-  TensorF t(shape);
+template <class T>
+Tensor<T> random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream) {
+  Tensor<T> t(shape);
   if (t.data()) fill_normal(t.data(), t.numel(), seed, stream, 0, 1.0);
   return t;
 }
+
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template BlockJobOf<T> run_block_job<T>(const CommOptions&, const MlaConfig&, const SpLayout&,   \
+                                          const MlaParams<T>&, const Tensor<T>&, const Tensor<T>&, \
+                                          const RunSpec&);                                         \
+  template MlaParams<T> load_weights<T>(const std::string&, const MlaConfig&, int);                \
+  template MlaParams<T> random_weights<T>(const MlaConfig&, std::uint64_t);                        \
+  template Tensor<T> random_tensor<T>(const Shape&, std::uint64_t, std::uint64_t);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
 
 }  // namespace laga::tools

@@ -13,17 +13,23 @@
 
 namespace laga::tools {
 
-struct BlockJob {
-  TensorF out, dx;                // global (B, S, D); dx undefined without backward
-  MlaParams<float> grads;         // summed over the group
+// T: float (the tool's precision) or double (`--dtype float64`, so that
+// another implementation, such as the laga_torch package, can be held to the
+// forms to double rounding; the kernels are templates on T).
+template <class T>
+struct BlockJobOf {
+  Tensor<T> out, dx;              // global (B, S, D); dx undefined without backward
+  MlaParams<T> grads;             // summed over the group
   std::vector<RankReport> ranks;  // every rank's ledger and memory (reporter only)
 };
+using BlockJob = BlockJobOf<float>;
 
 // Runs spec on `layout.ranks` ranks. Every process calls it; the returned job
 // holds data only where is_reporting_process(comm) is true.
-BlockJob run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
-                       const MlaParams<float>& w, const TensorF& x, const TensorF& dout,
-                       const RunSpec& spec);
+template <class T>
+BlockJobOf<T> run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
+                            const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                            const RunSpec& spec);
 
 // The upfront memory check (tools/memory_check.hpp) of run_block_job with
 // these forms, before the caller allocates weights or inputs; nothing when
@@ -47,9 +53,12 @@ std::optional<Documents> load_documents(const std::string& doc_lens, const Safet
 // or Hugging Face names (`model.layers.<layer>.self_attn.kv_b_proj.weight`);
 // fp8 weights are dequantised with their block scales; every shape is checked
 // against the config.
-MlaParams<float> load_weights(const std::string& path, const MlaConfig& cfg, int layer);
-MlaParams<float> random_weights(const MlaConfig& cfg, std::uint64_t seed);
+template <class T = float>
+MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int layer);
+template <class T = float>
+MlaParams<T> random_weights(const MlaConfig& cfg, std::uint64_t seed);
 // x ~ N(0, 1) of shape (B, S, D) from (seed, stream).
-TensorF random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream);
+template <class T = float>
+Tensor<T> random_tensor(const Shape& shape, std::uint64_t seed, std::uint64_t stream);
 
 }  // namespace laga::tools

@@ -26,6 +26,8 @@ struct ForwardOptions {
   std::string overlap = "off";
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
   std::string form = "explicit", attention = "flash";
+  std::string dtype =
+      "float32";  // float64: the same forms in double (checks other implementations)
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
   std::uint64_t seed = 0;
@@ -35,7 +37,8 @@ struct ForwardOptions {
 // the tensor and the count, unless --allow-nonfinite; an error at the first
 // non-finite output otherwise (out, dx, then the gradients in order), since a
 // NaN that reached the output would be written and summed without a word.
-void check_finite(const TensorF& t, const std::string& what, bool loaded, bool allow) {
+template <class T>
+void check_finite(const Tensor<T>& t, const std::string& what, bool loaded, bool allow) {
   const NonFinite nf = count_nonfinite(t.data(), t.numel());
   if (nf.count == 0) return;
   const std::string found = describe_nonfinite(what, nf, t.numel());
@@ -49,12 +52,14 @@ void check_finite(const TensorF& t, const std::string& what, bool loaded, bool a
        "weights' scale), nothing was written");
 }
 
-double checksum(const TensorF& t) {
+template <class T>
+double checksum(const Tensor<T>& t) {
   double s = 0;
   for (std::int64_t i = 0; i < t.numel(); ++i) s += t[i];
   return s;
 }
 
+template <class T>
 void run_forward(const ForwardOptions& o) {
   // Inputs are protected from every writer, and the output is vetted now,
   // before the run, rather than found unwritable after it.
@@ -99,19 +104,19 @@ void run_forward(const ForwardOptions& o) {
   check_overlap(variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
                          parse_attention(o.attention));
-  MlaParams<float> w =
-      o.weights.empty() ? random_weights(cfg, o.seed) : load_weights(o.weights, cfg, o.layer);
-  TensorF x, dout;
+  MlaParams<T> w =
+      o.weights.empty() ? random_weights<T>(cfg, o.seed) : load_weights<T>(o.weights, cfg, o.layer);
+  Tensor<T> x, dout;
   if (in) {
     const Shape xs = in->info("x").shape;  // checked above
-    x = in->read<float>("x", MemCategory::activations);
+    x = in->read<T>("x", MemCategory::activations);
     if (o.backward && in->contains("dout"))
-      dout = in->read<float>("dout", xs, MemCategory::activations);
+      dout = in->read<T>("dout", xs, MemCategory::activations);
   } else {
-    x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
+    x = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 1);
   }
   // Refuse non-finite inputs before running (see check_finite).
-  w.for_each([&](const std::string& name, const TensorF& t) {
+  w.for_each([&](const std::string& name, const Tensor<T>& t) {
     check_finite(t,
                  o.weights.empty() ? "random weight '" + name + "'"
                                    : "weights '" + o.weights + "': tensor '" + name + "'",
@@ -123,8 +128,8 @@ void run_forward(const ForwardOptions& o) {
       check_finite(dout, "input '" + o.input + "': tensor 'dout'", true, o.allow_nonfinite);
   }
   if (o.backward && !dout.defined()) {
-    dout = TensorF(x.shape());
-    dout.fill(1.0f);  // d(sum of out)/d(.)
+    dout = Tensor<T>(x.shape());
+    dout.fill(T(1));  // d(sum of out)/d(.)
   }
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
   RunSpec spec;
@@ -136,11 +141,11 @@ void run_forward(const ForwardOptions& o) {
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
               << ", form " << describe_variant(variant, layout) << ", attention " << o.attention
-              << ", sp " << o.sp << " (" << layout.describe() << "), comm "
+              << ", " << o.dtype << ", sp " << o.sp << " (" << layout.describe() << "), comm "
               << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
   const auto t0 = std::chrono::steady_clock::now();
-  BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
+  BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!report) return;
@@ -148,7 +153,7 @@ void run_forward(const ForwardOptions& o) {
   check_finite(job.out, "output 'out'", false, o.allow_nonfinite);
   if (o.backward) {
     check_finite(job.dx, "output 'dx'", false, o.allow_nonfinite);
-    job.grads.for_each([&](const std::string& name, const TensorF& g) {
+    job.grads.for_each([&](const std::string& name, const Tensor<T>& g) {
       check_finite(g, "output 'grad." + name + "'", false, o.allow_nonfinite);
     });
   }
@@ -168,10 +173,11 @@ void run_forward(const ForwardOptions& o) {
     if (o.backward) {
       wr.add("dx", job.dx);
       job.grads.for_each(
-          [&](const std::string& name, const TensorF& g) { wr.add("grad." + name, g); });
+          [&](const std::string& name, const Tensor<T>& g) { wr.add("grad." + name, g); });
     }
     wr.add_metadata("config", cfg.to_json().dump());
     wr.add_metadata("form", to_string(variant));
+    wr.add_metadata("dtype", o.dtype);
     if (docs) wr.add_metadata("doc_lens", docs->describe());
     wr.write(o.output);
     std::cout << "wrote " << o.output << "\n";
@@ -217,6 +223,12 @@ void register_forward_command(CLI::App& app) {
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  sub->add_option("--dtype", opts->dtype,
+                  "precision of the run: float32 (the tool's) or float64 (the same kernels in "
+                  "double; the output file is then F64), to hold another implementation to the "
+                  "forms exactly")
+      ->check(CLI::IsMember({"float32", "float64"}))
+      ->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))
       ->capture_default_str();
@@ -229,7 +241,12 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--seed", opts->seed, "seed of random weights and input")
       ->check(whole(0))
       ->capture_default_str();
-  sub->callback([opts] { run_forward(*opts); });
+  sub->callback([opts] {
+    if (opts->dtype == "float64")
+      run_forward<double>(*opts);
+    else
+      run_forward<float>(*opts);
+  });
 }
 
 }  // namespace

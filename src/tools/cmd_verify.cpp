@@ -22,7 +22,8 @@ struct VerifyOptions {
   std::string sp = "1,2,3,4,8", forms = "all", attention = "flash", json, doc_lens;
   std::int64_t batch = 2, seq = 61;
   std::uint64_t seed = 0;
-  double tol = 1e-5;
+  double tol = 1e-5;              // float64 without --tol: 1e-12
+  std::string dtype = "float32";  // float64: every run in double
   bool q_latent = false;
   std::string overlap = "off";
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
@@ -36,6 +37,7 @@ struct Row {
   bool ok;
 };
 
+template <class T>
 void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();  // protects --config: --json may not be it
   vet_outputs({{"--json", o.json}});
@@ -52,9 +54,9 @@ void run_verify(const VerifyOptions& o) {
   for (int P : sps)
     check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P), forms,
                            parse_attention(o.attention));
-  const MlaParams<float> w = random_weights(cfg, o.seed);
-  const TensorF x = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 1);
-  const TensorF dout = random_tensor({o.batch, o.seq, cfg.dim}, o.seed, 2);
+  const MlaParams<T> w = random_weights<T>(cfg, o.seed);
+  const Tensor<T> x = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 1);
+  const Tensor<T> dout = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 2);
   RunSpec spec;
   spec.attention = parse_attention(o.attention);
   const bool report = is_reporting_process(o.comm);
@@ -63,9 +65,9 @@ void run_verify(const VerifyOptions& o) {
   // the whole batch, or with documents each document alone (unpacked), so
   // that the masks and positions are checked too, not only assumed.
   spec.form = Form::explicit_form;
-  BlockJob ref;
+  BlockJobOf<T> ref;
   if (docs) {
-    BlockRun<float> alone = run_documents_alone(cfg, w, x, dout, *docs, spec);
+    BlockRun<T> alone = run_documents_alone(cfg, w, x, dout, *docs, spec);
     ref.out = std::move(alone.out), ref.dx = std::move(alone.dx);
     ref.grads = std::move(alone.grads);
     spec.documents = &*docs;
@@ -84,7 +86,7 @@ void run_verify(const VerifyOptions& o) {
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
     for (FormVariant f : forms) {
       spec.set_variant(f);
-      BlockJob job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
+      BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
       Row row{to_string(f),
               P,
@@ -96,9 +98,11 @@ void run_verify(const VerifyOptions& o) {
               deviation(job.dx, ref.dx),
               {},
               true};
-      std::vector<std::pair<std::string, const TensorF*>> mine, theirs;
-      job.grads.for_each([&](const std::string& n, const TensorF& t) { mine.push_back({n, &t}); });
-      ref.grads.for_each([&](const std::string& n, const TensorF& t) {
+      std::vector<std::pair<std::string, const Tensor<T>*>> mine, theirs;
+      job.grads.for_each([&](const std::string& n, const Tensor<T>& t) {
+        mine.push_back({n, &t});
+      });
+      ref.grads.for_each([&](const std::string& n, const Tensor<T>& t) {
         theirs.push_back({n, &t});
       });
       for (size_t i = 0; i < mine.size(); ++i) {
@@ -128,7 +132,7 @@ void run_verify(const VerifyOptions& o) {
     << (docs ? ", documents " + docs->describe() : std::string()) << "\n"
     << "# reference: explicit form on 1 rank" << (docs ? ", each document alone" : "")
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
-    << "# tolerance: rel <= " << o.tol << " (fp32)"
+    << "# tolerance: rel <= " << o.tol << " (" << o.dtype << ")"
     << (docs ? "" : ", and laga and laga2d at P=1 must be bit-identical (|diff| = 0)") << "\n";
   // Columns as wide as their widest entry (laga2d+q-latent+overlap, a P 8
   // grid's shards), one space after.
@@ -153,6 +157,7 @@ void run_verify(const VerifyOptions& o) {
     nlohmann::json j;
     j["config"] = cfg.to_json();
     j["batch"] = o.batch, j["seq"] = o.seq, j["attention"] = o.attention, j["tolerance"] = o.tol;
+    j["dtype"] = o.dtype;
     if (docs) j["doc_lens"] = docs->describe();
     for (const Row& r : rows)
       j["runs"].push_back({{"form", r.form},
@@ -204,12 +209,25 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")
       ->check(whole(0))
       ->capture_default_str();
-  sub->add_option("--tol", opts->tol, "relative tolerance")
+  sub->add_option("--dtype", opts->dtype,
+                  "precision of every run: float32 (the tool's) or float64 (the same kernels in "
+                  "double)")
+      ->check(CLI::IsMember({"float32", "float64"}))
+      ->capture_default_str();
+  sub->add_option("--tol", opts->tol, "relative tolerance (float64 without --tol: 1e-12)")
       ->check(real_at_least(0))
       ->capture_default_str();
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
-  sub->callback([opts] { run_verify(*opts); });
+  sub->callback([opts, sub] {
+    if (opts->dtype == "float64") {
+      // Double rounding, not fp32's, unless the caller chose a tolerance.
+      if (sub->count("--tol") == 0) opts->tol = 1e-12;
+      run_verify<double>(*opts);
+    } else {
+      run_verify<float>(*opts);
+    }
+  });
 }
 
 }  // namespace

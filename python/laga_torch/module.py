@@ -1,0 +1,308 @@
+"""MLA(nn.Module): DeepSeek-V3's attention block as laga computes it
+(docs/mla-math.md), on this rank's sequence shard, with the form chosen at
+construction. Parameters under DeepSeek names; load_state_dict also takes
+Hugging Face names (src/mla/params.cpp, hf_param_name)."""
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import MLAConfig
+from .forms import FORMS, Sp, mla_attention, rope
+from .layout import HeadContextGrid, SpLayout
+from .tape import Block
+
+HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
+            "q_norm.weight": "q_a_layernorm.weight", "wq_b.weight": "q_b_proj.weight",
+            "wkv_a.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
+            "wkv_b.weight": "kv_b_proj.weight", "wo.weight": "o_proj.weight"}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(cfg, positions, dtype, device):
+    """cos, sin (positions, dr/2): angles in float64 (src/kernels/rope.cpp,
+    rope_frequencies), then cast."""
+    d = cfg.qk_rope_head_dim
+    i = torch.arange(d // 2, dtype=torch.float64)
+    f = 1.0 / cfg.rope_theta ** (2 * i / d)
+    if cfg.yarn:
+        def corr(rot):
+            return d * math.log(cfg.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(corr(cfg.beta_fast)), 0.0)
+        high = min(math.ceil(corr(cfg.beta_slow)), float(d - 1))
+        if low == high:
+            high += 0.001
+        smooth = 1 - ((i - low) / (high - low)).clamp(0, 1)
+        f = f / cfg.rope_factor * (1 - smooth) + f * smooth
+    a = torch.arange(positions, dtype=torch.float64)[:, None] * f[None, :]
+    return a.cos().to(dtype=dtype, device=device), a.sin().to(dtype=dtype, device=device)
+
+
+def doc_starts(cu_seqlens, batch, seq, device):
+    """(B, S) first token of each token's document, from cu_seqlens: one
+    list [0, e_1, ..., S] shared by every row, or one per row; GLOBAL
+    offsets (ring-flash-attn's convention), strictly increasing."""
+    if cu_seqlens is None:
+        return torch.zeros(batch, seq, dtype=torch.long, device=device)
+    rows = cu_seqlens
+    if isinstance(rows, torch.Tensor):
+        if rows.is_floating_point():
+            raise ValueError(f"cu_seqlens has dtype {rows.dtype}; it holds token offsets (int)")
+        rows = rows.tolist()
+    if rows and not isinstance(rows[0], (list, tuple)):
+        rows = [rows] * batch
+    if len(rows) != batch:
+        raise ValueError(f"cu_seqlens gives {len(rows)} rows for a batch of {batch}")
+    out = torch.empty(batch, seq, dtype=torch.long)
+    for b, cu in enumerate(rows):
+        cu = [int(v) for v in cu]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq:
+            raise ValueError(f"cu_seqlens row {b} = {cu}: must run from 0 to the sequence length "
+                             f"{seq}")
+        if any(e <= s for s, e in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens row {b} = {cu}: must be strictly increasing (every "
+                             "document at least one token)")
+        for s, e in zip(cu, cu[1:]):
+            out[b, s:e] = s
+    return out.to(device)
+
+
+log = logging.getLogger("laga_torch")
+
+
+def plan_form(cfg, seq, ranks, batch, profile, laga=None):
+    """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
+    profile (a built-in name or a JSON file; docs/planning.md): (form,
+    q_latent, overlap) of its winner. The binary: `laga`, else LAGA_BIN, else
+    PATH."""
+    laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
+    if not laga:
+        raise ValueError("form 'auto' asks `laga plan`, but no laga binary was found: set "
+                         "LAGA_BIN or put laga on PATH, or choose a form")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg.to_json(), f)
+    try:
+        cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
+               "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet"]
+        if cfg.q_lora_rank:
+            cmd.append("--q-latent")
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.unlink(f.name)
+    if p.returncode:
+        raise ValueError(f"form 'auto': {' '.join(cmd)} failed: {p.stderr.strip()}")
+    winner = json.loads(p.stdout)["cases"][0]["winner"]
+    parts = winner.split("+")
+    return parts[0], "q-latent" in parts, "overlap" in parts
+
+
+class MLA(nn.Module):
+    """forward(x_local (B, S_r, D), group=None, cu_seqlens=None, seq_len=None)
+    -> (B, S_r, D) for this rank's shard of SpLayout.even(S, H, P).
+
+    form: explicit | absorbed | laga | laga2d (head_groups: laga2d's Ph, 0 =
+    gcd(H, P)); q_latent: laga/laga2d with q_lora_rank > 0 move the query
+    latent; overlap: laga/laga2d start the latent gather before the queries
+    move; "auto" with profile: laga plan's winner. tape "laga" (default):
+    tape.Block, keeping what the C++ tape keeps; "autograd": the functional
+    layer (forms.mla_attention) under autograd. Collectives are recorded in
+    self.ledger (a Ledger) when set."""
+
+    def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
+                 attention="auto", tape="laga", profile=None, dtype=None, device=None):
+        super().__init__()
+        if isinstance(cfg, dict):
+            cfg = MLAConfig.from_json(cfg)
+        if form not in FORMS + ("auto",):
+            raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)} or auto")
+        if form == "auto" and not profile:
+            raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
+                             "'h100', a built-in name, or a profile JSON file)")
+        if q_latent and cfg.q_lora_rank == 0:
+            raise ValueError("q_latent needs q_lora_rank > 0 (there is no query latent to move); "
+                             "this config has q_lora_rank 0")
+        if q_latent and form not in ("laga", "laga2d"):
+            raise ValueError(f"q_latent with form '{form}': only laga and laga2d move the query "
+                             "latent")
+        if overlap and form not in ("laga", "laga2d"):
+            raise ValueError(f"overlap with form '{form}': only laga and laga2d have an "
+                             "overlapped path")
+        if head_groups and form != "laga2d":
+            raise ValueError(f"head_groups {head_groups} with form '{form}': only laga2d has "
+                             "head groups")
+        self.cfg, self.form, self.q_latent, self.overlap = cfg, form, q_latent, overlap
+        if tape not in ("laga", "autograd"):
+            raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
+                             "the C++ tape keeps) or autograd (the functional layer composed)")
+        self.head_groups, self.attention, self.tape = head_groups, attention, tape
+        self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
+        self.ledger = None
+        kw = {"dtype": dtype, "device": device}
+        D, H, dqk = cfg.dim, cfg.n_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank == 0:
+            self.wq = nn.Linear(D, H * dqk, bias=False, **kw)
+        else:
+            self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False, **kw)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps).to(**kw)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * dqk, bias=False, **kw)
+        self.wkv_a = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, **kw)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps).to(**kw)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                               bias=False, **kw)
+        self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """DeepSeek names, or Hugging Face's (with or without the
+        `model.layers.<i>.self_attn.` prefix)."""
+        back = {hf: ds for ds, hf in HF_NAMES.items()}
+        mapped = {}
+        for k, v in state_dict.items():
+            short = re.sub(r"^model\.layers\.\d+\.self_attn\.", "", k)
+            mapped[back.get(short, short)] = v
+        return super().load_state_dict(mapped, strict=strict)
+
+    def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
+        cfg = self.cfg
+        if x.dim() != 3 or x.shape[2] != cfg.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
+        for name, p in self.named_parameters():
+            if p.dtype != x.dtype or p.device != x.device:
+                raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
+                                 f"{p.dtype} on {p.device}; move the module or the input")
+        if not dist.is_initialized():
+            raise ValueError("MLA.forward needs torch.distributed initialised (a group of one "
+                             "rank is fine)")
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        B, L = x.shape[:2]
+        if seq_len is None:
+            if cu_seqlens is None:
+                raise ValueError("give seq_len (the whole sequence's length S) or cu_seqlens "
+                                 "(its documents; their last offset is S)")
+            last = cu_seqlens[-1]
+            last = last[-1] if isinstance(last, (list, tuple)) or (
+                isinstance(last, torch.Tensor) and last.dim()) else last
+            seq_len = int(last)
+        lay = SpLayout.even(seq_len, cfg.n_heads, P)
+        if L != lay.seq_count[r]:
+            raise ValueError(f"x holds {L} tokens but rank {r} of {P} holds "
+                             f"{lay.seq_count[r]} of S = {seq_len} ({lay.describe()})")
+        form, q_latent, overlap = self.form, self.q_latent, self.overlap
+        if form == "auto":
+            key = (seq_len, P, B)
+            if key not in self.plans:
+                self.plans[key] = plan_form(cfg, seq_len, P, B, self.profile)
+                log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
+                         self.plans[key], seq_len, P, B)
+            form, q_latent, overlap = self.plans[key]
+        if form == "laga2d":
+            HeadContextGrid(lay, self.head_groups or
+                            HeadContextGrid.default_head_groups(cfg.n_heads, P))
+        cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
+        sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
+                cos, sin, self.head_groups, self.attention)
+        if self.tape == "laga":
+            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B),
+                               *[dict(self.named_parameters())[n] for n in param_order(cfg)])
+        s0, s1 = sp.shard()
+        pos = sp.pos[:, s0:s1]
+        H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
+        q = query_latent = None
+        if cfg.q_lora_rank == 0:
+            q = self.wq(x)
+        else:
+            qn = self.q_norm(self.wq_a(x))
+            if q_latent:
+                query_latent = (qn, self.wq_b.weight)
+            else:
+                q = self.wq_b(qn)
+        if q is not None:
+            q = q.view(B, L, H, dqk)
+            q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
+        kv = self.wkv_a(x)
+        c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
+        k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
+        o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
+                          q_latent=query_latent, overlap=overlap)
+        return self.wo(o)
+
+
+class _Run:
+    """What tape.Block needs beyond tensors: the config, this rank's Sp, the
+    form's plans (labels as the C++ ledger's), query rows, heads and calls."""
+
+    def __init__(self, cfg, sp, form, q_latent, overlap, batch):
+        from .forms import _head_range, _query_rows
+        self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
+        self.names = param_order(cfg)
+        self.rows = _query_rows(sp, form)
+        self.heads = _head_range(sp, form)
+        self.key_end = int(self.rows[-1]) + 1 if len(self.rows) else 0
+        S, dqk, dv = sp.layout.seq, cfg.qk_head_dim, cfg.v_head_dim
+        if form == "laga2d":  # one attention call per query range (a, b rows of q_h; keys [0, e))
+            self.calls, a = [], 0
+            for lo, hi in sp.grid().queries[sp.rank]:
+                self.calls.append((a, a + hi - lo, hi))
+                a += hi - lo
+        else:
+            self.calls = [(0, S, S)]
+        grid = form == "laga2d"
+        if q_latent:
+            kind = "latent_to_queries" if grid and sp.grid().context_groups > 1 else "gather_seq"
+            label = "q_latent_a2a" if kind == "latent_to_queries" else "q_latent_ag"
+            q = sp.plan(kind, cfg.q_lora_rank, label)
+        else:
+            q = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
+        self.plans = {"q": q, "out": sp.plan("from_queries" if grid else "head_to_seq", dv,
+                                             "out_a2a")}
+        if form == "explicit":
+            self.plans.update(k=sp.plan("seq_to_head", dqk, "k_a2a"),
+                              v=sp.plan("seq_to_head", dv, "v_a2a"))
+        else:
+            self.plans["lat"] = sp.plan("gather_seq", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                        "latent_ag")
+
+
+def param_order(cfg):
+    """The C++ MlaParams::for_each order (the gradient all-reduce's flat buffer)."""
+    q = ["wq.weight"] if cfg.q_lora_rank == 0 else ["wq_a.weight", "q_norm.weight", "wq_b.weight"]
+    return q + ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
+
+
+def sync_gradients(module, group=None, ledger=None):
+    """Sums every parameter's gradient over the group in one all-reduce of a
+    flat buffer (mla_sync_gradients: label grad_allreduce, phase grad_sync,
+    bytes by the ring rule of src/comm/communicator.hpp)."""
+    P = dist.get_world_size(group)
+    if P == 1:
+        return
+    params = dict(module.named_parameters())
+    names = param_order(module.cfg)
+    flat = torch.cat([params[n].grad.reshape(-1) for n in names])
+    dist.all_reduce(flat, group=group)
+    if ledger is not None:
+        n, r = flat.numel(), dist.get_rank(group)
+        own = n // P + (1 if r < n % P else 0)
+        b = ((n - own) + (P - 1) * own) * flat.element_size()
+        ledger.add("grad_sync", "grad_allreduce", b, b)
+    i = 0
+    for name in names:
+        g = params[name].grad
+        g.copy_(flat[i:i + g.numel()].view_as(g))
+        i += g.numel()

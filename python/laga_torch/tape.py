@@ -1,0 +1,266 @@
+"""The whole block as one autograd.Function per call, keeping for backward
+what the C++ form's tape keeps (MlaSaved, docs/forms.md "What each form saves
+for backward") and nothing else: the paper's memory point, which autograd's
+own choices would blur (a composed absorbed form, for one, keeps every
+einsum's inputs). Forward and backward read as docs/forms.md's blocks for
+each form and as src/mla/form_*.cpp; the movements are comm.move with the C++
+labels, the attention the eager kernel's (probabilities saved).
+
+Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
+  every form   kv_a (B, L, C+dr) [rq > 0: with qa, the fused proj], kv_rstd,
+               qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc
+  explicit     q_h, k_h, v_h, probs, c_hat (local tokens)
+  laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), probs per
+               query range, lat (B, S, C+dr)
+  absorbed     q_h, lat, v_lat, q_abs, o_lat, probs
+The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
+(which also counts the output); tools_torch_package holds the two equal.
+"""
+
+import torch
+
+from .attention import math_backward, math_forward
+from .comm import _unpack_add, move
+
+
+def _rot(x, cos, sin, inverse=False):
+    """Interleaved-pair rotation of x (B, T, heads, dr) by (cos, sin) (B, T, 1, dr/2);
+    inverse: by minus the angle, the forward rotation's adjoint."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    if inverse:
+        sin = -sin
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+
+def _rstd(x, eps):
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_backward(dy, x, rstd, w):
+    """y = x rstd w: (dx, dw)."""
+    g = dy * w
+    dx = rstd * g - x * rstd.pow(3) * (g * x).mean(-1, keepdim=True)
+    return dx, (dy * x * rstd).reshape(-1, x.shape[-1]).sum(0)
+
+
+def _mm_t(a, b):
+    """a^T b over every leading axis: (..., m)^T (..., n) -> (m, n)."""
+    return a.flatten(0, -2).t() @ b.flatten(0, -2)
+
+
+class Block(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, run, *weights):
+        cfg, sp, form = run.cfg, run.sp, run.form
+        W = dict(zip(run.names, weights))
+        B, L = x.shape[:2]
+        H, C, dn, dr, dv, rq = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
+            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+        dqk, eps, scale = dn + dr, cfg.norm_eps, cfg.softmax_scale()
+        s0, s1 = sp.shard()
+        trig = sp.cos[sp.pos[:, s0:s1]][:, :, None], sp.sin[sp.pos[:, s0:s1]][:, :, None]
+        rows = run.rows
+        h0, nh = run.heads
+        keep = {}
+
+        # Local: q (or the query latent), kv_a = [c | k_pe], c_hat.
+        q = None
+        if rq == 0:
+            q = x @ W["wq.weight"].t()
+        else:
+            qa = x @ W["wq_a.weight"].t()
+            q_rstd = _rstd(qa, eps)
+            qn = qa * q_rstd * W["q_norm.weight"]
+            keep.update(qa=qa, q_rstd=q_rstd)
+            if not run.q_latent:
+                keep["qn"] = qn
+                q = qn @ W["wq_b.weight"].t()
+        if q is not None:
+            q = q.view(B, L, H, dqk)
+            q = torch.cat([q[..., :dn], _rot(q[..., dn:], *trig)], -1)
+        kv_a = x @ W["wkv_a.weight"].t()
+        kv_a[..., C:] = _rot(kv_a[..., None, C:], *trig)[:, :, 0]  # k_pe rotated in place
+        kv_rstd = _rstd(kv_a[..., :C], eps)
+        c_hat = kv_a[..., :C] * kv_rstd * W["kv_norm.weight"]
+        keep.update(kv_a=kv_a, kv_rstd=kv_rstd)
+        wkv = W["wkv_b.weight"].view(H, dn + dv, C)
+
+        def queries():
+            if not run.q_latent:
+                return move(q, run.plans["q"], sp.group, sp.ledger, "forward")
+            qn_q = move(qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "forward")[:, :, 0]
+            keep["qn_q"] = qn_q
+            q_h = (qn_q @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk].t()).view(
+                B, qn_q.shape[1], nh, dqk)
+            t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
+            return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
+
+        if form == "explicit":
+            kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
+            k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
+            q_h = queries()
+            k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
+            v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
+            o_h, p = math_forward(q_h, k_h, v_h, sp.mask(rows, sp.layout.seq), scale)
+            keep.update(q_h=q_h, k_h=k_h, v_h=v_h, p0=p, c_hat=c_hat)
+        else:
+            lat_loc = torch.cat([c_hat, kv_a[..., C:]], -1).unsqueeze(2)
+            if run.overlap:  # on the wire while the queries move
+                started = []
+                flat = move(lat_loc, run.plans["lat"], sp.group, sp.ledger, "forward",
+                            started=started)
+                q_h = queries()
+                started[0].wait()
+                lat = _unpack_add(flat, run.plans["lat"].recv, run.plans["lat"].dst_shape)
+            else:
+                q_h = queries()
+                lat = move(lat_loc, run.plans["lat"], sp.group, sp.ledger, "forward")
+            lat = lat[:, :, 0]
+            keep.update(q_h=q_h, lat=lat)
+            if form == "absorbed":
+                v_lat = lat[..., :C].contiguous()  # the kernel's contiguous values
+                q_abs = torch.cat([torch.einsum("bshn,hnc->bshc", q_h[..., :dn],
+                                                wkv[h0:h0 + nh, :dn]), q_h[..., dn:]], -1)
+                o_lat, p = math_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
+                                        sp.mask(rows, sp.layout.seq), scale)
+                o_h = torch.einsum("bshc,hvc->bshv", o_lat, wkv[h0:h0 + nh, dn:])
+                keep.update(v_lat=v_lat, q_abs=q_abs, o_lat=o_lat, p0=p)
+            else:  # laga, laga2d: the own heads up-projected over the keys needed
+                Sk = run.key_end
+                kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(-1, C).t()).view(
+                    B, Sk, nh, dn + dv)
+                k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)
+                v_h = kv_h[..., dn:].contiguous()
+                o_h = q_h.new_zeros(B, len(rows), nh, dv)
+                for i, (a, b, e) in enumerate(run.calls):  # one call per query range
+                    o_h[:, a:b], keep[f"p{i}"] = math_forward(
+                        q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
+                keep.update(k_h=k_h, v_h=v_h)
+        o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(B, L, H * dv)
+        keep["o_loc"] = o_loc
+        ctx.run, ctx.names = run, list(keep)
+        ctx.save_for_backward(x, *weights, *keep.values())
+        return o_loc @ W["wo.weight"].t()
+
+    @staticmethod
+    def backward(ctx, dout):
+        run = ctx.run
+        cfg, sp, form = run.cfg, run.sp, run.form
+        saved = ctx.saved_tensors
+        x, weights = saved[0], saved[1:1 + len(run.names)]
+        W = dict(zip(run.names, weights))
+        s = dict(zip(ctx.names, saved[1 + len(run.names):]))
+        B, L = x.shape[:2]
+        H, C, dn, dr, dv, rq = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
+            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+        dqk, scale = dn + dr, cfg.softmax_scale()
+        s0, s1 = sp.shard()
+        trig = sp.cos[sp.pos[:, s0:s1]][:, :, None], sp.sin[sp.pos[:, s0:s1]][:, :, None]
+        rows = run.rows
+        h0, nh = run.heads
+        G = {n: None for n in run.names}
+        wkv = W["wkv_b.weight"].view(H, dn + dv, C)
+        d_wkv = torch.zeros_like(wkv)
+
+        G["wo.weight"] = _mm_t(dout, s["o_loc"])
+        d_o = (dout @ W["wo.weight"]).view(B, L, H, dv)
+        do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
+
+        def queries_back(dq_h):
+            """dq_h of the rank's heads and query rows -> dq (B, L, H, dqk) of its
+            tokens, or with q_latent d qn (B, L, rq) (wq_b's gradient taken here)."""
+            if not run.q_latent:
+                return move(dq_h, run.plans["q"], sp.group, sp.ledger, "backward", adjoint=True)
+            t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
+            dq_h = torch.cat([dq_h[..., :dn], _rot(dq_h[..., dn:], *t, inverse=True)], -1)
+            dq_h = dq_h.reshape(B, dq_h.shape[1], nh * dqk)
+            g = torch.zeros_like(W["wq_b.weight"])
+            g[h0 * dqk:(h0 + nh) * dqk] = _mm_t(dq_h, s["qn_q"])
+            G["wq_b.weight"] = g
+            d_qn = dq_h @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk]
+            return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
+                        adjoint=True)[:, :, 0]
+
+        if form == "explicit":
+            dq_h, dk_h, dv_h = math_backward(s["q_h"], s["k_h"], s["v_h"], s["p0"], do_h, scale)
+            dq = queries_back(dq_h)
+            dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
+            dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
+            dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
+            d_kpe = dk[..., dn:].sum(2)
+            d_chat = dkv @ W["wkv_b.weight"]
+            d_wkv = _mm_t(dkv, s["c_hat"]).view(H, dn + dv, C)
+        else:
+            lat = s["lat"]
+            d_lat = torch.zeros_like(lat)
+            if form == "absorbed":
+                w_uk, w_uv = wkv[h0:h0 + nh, :dn], wkv[h0:h0 + nh, dn:]
+                do_lat = torch.einsum("bshv,hvc->bshc", do_h, w_uv)
+                d_wkv[h0:h0 + nh, dn:] = torch.einsum("bshv,bshc->hvc", do_h, s["o_lat"])
+                dq_abs, dk_lat, dv_lat = math_backward(s["q_abs"], lat[:, :, None],
+                                                       s["v_lat"][:, :, None], s["p0"], do_lat,
+                                                       scale)
+                d_lat += dk_lat[:, :, 0]
+                d_lat[..., :C] += dv_lat[:, :, 0]
+                q_nope = s["q_h"][..., :dn]
+                d_wkv[h0:h0 + nh, :dn] = torch.einsum("bshn,bshc->hnc", q_nope, dq_abs[..., :C])
+                dq_h = torch.cat([torch.einsum("bshc,hnc->bshn", dq_abs[..., :C], w_uk),
+                                  dq_abs[..., C:]], -1)
+            else:
+                Sk = run.key_end
+                q_h, k_h, v_h = s["q_h"], s["k_h"], s["v_h"]
+                dq_h, dk_h, dv_h = torch.zeros_like(q_h), torch.zeros_like(k_h), \
+                    torch.zeros_like(v_h)
+                for i, (a, b, e) in enumerate(run.calls):
+                    dq_, dk_, dv_ = math_backward(q_h[:, a:b], k_h[:, :e], v_h[:, :e],
+                                                  s[f"p{i}"], do_h[:, a:b], scale)
+                    dq_h[:, a:b] = dq_
+                    dk_h[:, :e] += dk_
+                    dv_h[:, :e] += dv_
+                dkv = torch.cat([dk_h[..., :dn], dv_h], -1)  # (B, Sk, nh, dn+dv)
+                w_r = wkv[h0:h0 + nh].reshape(-1, C)
+                dkv = dkv.reshape(B, Sk, nh * (dn + dv))
+                d_lat[:, :Sk, :C] = dkv @ w_r
+                d_lat[:, :Sk, C:] = dk_h[..., dn:].sum(2)
+                d_wkv[h0:h0 + nh] = _mm_t(dkv, lat[:, :Sk, :C]).view(
+                    nh, dn + dv, C)
+            dq = queries_back(dq_h)
+            if run.overlap:  # the latent's reduce-scatter on the wire during the query path's
+                started = []
+                flat = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger,
+                            "backward", adjoint=True, started=started)
+            else:
+                d_loc = move(d_lat.unsqueeze(2), run.plans["lat"], sp.group, sp.ledger,
+                             "backward", adjoint=True)
+        G["wkv_b.weight"] = d_wkv.reshape(H * (dn + dv), C)
+
+        # The local inputs' backward: the query path (RoPE rotated back, q_norm,
+        # wq or wq_a and wq_b), then the latent path (kv_norm, wkv_a); dx.
+        if not run.q_latent:
+            dq = torch.cat([dq[..., :dn], _rot(dq[..., dn:], *trig, inverse=True)], -1)
+            dq = dq.reshape(B, L, H * dqk)
+        if rq == 0:
+            G["wq.weight"] = _mm_t(dq, x)
+            dx = dq @ W["wq.weight"]
+        else:
+            if run.q_latent:
+                d_qn = dq
+            else:
+                G["wq_b.weight"] = _mm_t(dq, s["qn"])
+                d_qn = dq @ W["wq_b.weight"]
+            d_qa, G["q_norm.weight"] = _rms_backward(d_qn, s["qa"], s["q_rstd"],
+                                                     W["q_norm.weight"])
+            G["wq_a.weight"] = _mm_t(d_qa, x)
+            dx = d_qa @ W["wq_a.weight"]
+        if form != "explicit":
+            if run.overlap:
+                started[0].wait()
+                d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)
+            d_chat, d_kpe = d_loc[:, :, 0, :C], d_loc[:, :, 0, C:]
+        kv_a = s["kv_a"]
+        d_c, G["kv_norm.weight"] = _rms_backward(d_chat, kv_a[..., :C], s["kv_rstd"],
+                                                 W["kv_norm.weight"])
+        d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
+        G["wkv_a.weight"] = _mm_t(d_kva, x)
+        dx = dx + d_kva @ W["wkv_a.weight"]
+        return (dx, None) + tuple(G[n] for n in run.names)

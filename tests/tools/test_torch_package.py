@@ -1,0 +1,552 @@
+#!/usr/bin/python3
+"""laga_torch (python/laga_torch) against the C++ forms.
+
+Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
+
+For every form and option (q_latent, overlap, laga2d head groups, packed
+documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
+  * out, dx and every parameter gradient (summed over ranks) of the torch
+    module in float64, on laga's tape and on autograd's, equal
+    `laga forward --backward --dtype float64` on the same safetensors within
+    1e-12 relative per tensor (|diff| / max |ref|);
+  * the same in float32 within 1e-5 of `laga forward` (float32);
+  * bf16 (the forms with q_lora_rank 7, unpacked) within a first-order bound
+    from bf16's unit roundoff of float64, and at P 2-4 of bf16 explicit at
+    P 1 (BF16_BOUND below says how it is derived);
+  * the ledger of a float32 run (forward, backward, sync_gradients) equals
+    `laga compare --count-only --json` per (phase, label): calls, bytes sent
+    and received (compare reports the max over ranks; so does this);
+  * the bytes autograd keeps for backward (saved_tensors_hooks, each storage
+    once, parameters and input left out) plus the output equal the C++
+    closed form (compare's predicted_saved_after_forward_bytes, eager
+    attention, the rank compare names) for every form and option;
+  * MLAConfig reads ModelArgs and HF config.json files as laga does, and
+    HF parameter names load to the same module;
+  * form "auto" runs `laga plan --json`'s winner (h100 profile), bit for bit;
+  * bad input gets a ValueError naming it.
+Ranks run as processes (this file with --worker) on a free port found at
+run time, one launch per P running every case, one thread each.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(HERE, "..", "..", "python")
+sys.path.insert(0, PY)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import safetensors_io  # noqa: E402
+
+TOLS = {"float64": 1e-12, "float32": 1e-5}
+B, S = 2, 13  # S % P != 0 for P 2, 3, 4
+# H 5: H % P != 0 for P 2, 3, 4; dv 6 != dqk 12; YaRN on (max > original).
+BASE = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 6, "original_seq_len": 8, "max_seq_len": 32,
+        "rope_factor": 4.0, "mscale": 0.7, "beta_fast": 4.0, "beta_slow": 1.0}
+# h3: H 3 < P 4, a rank without heads (SpLayout heads 1+1+1+0).
+CONFIGS = {"rq0": dict(BASE, q_lora_rank=0), "rq7": dict(BASE, q_lora_rank=7),
+           "h3": dict(BASE, q_lora_rank=7, n_heads=3)}
+# Documents straddling every shard boundary at P 2-4 (shards of 13: 7+6,
+# 5+4+4, 4+3+3+3), a one-token document, per-row lists.
+DOCS = [[0, 3, 9, 10, 13], [0, 6, 13]]
+
+# (name, config, form, options)
+VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed", {}),
+            ("laga", "rq0", "laga", {}), ("laga2d", "rq0", "laga2d", {}),
+            ("explicit", "rq7", "explicit", {}), ("absorbed", "rq7", "absorbed", {}),
+            ("laga", "rq7", "laga", {}), ("laga2d-g1", "rq7", "laga2d", {"head_groups": 1}),
+            ("laga-q-latent", "rq7", "laga", {"q_latent": True}),
+            ("laga2d-g1-q-latent", "rq7", "laga2d", {"head_groups": 1, "q_latent": True}),
+            ("laga-overlap", "rq7", "laga", {"overlap": True}),
+            ("laga2d-overlap", "rq7", "laga2d", {"overlap": True}),
+            ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
+            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True})]
+PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
+
+
+def cases():
+    out = []
+    for name, cfg, form, opts in VARIANTS:
+        out.append({"id": f"{cfg}-{name}", "cfg": cfg, "form": form, "opts": opts, "docs": None})
+        if name in PACKED and cfg == "rq7":
+            out.append({"id": f"{cfg}-{name}-packed", "cfg": cfg, "form": form, "opts": opts,
+                        "docs": DOCS})
+    return out
+
+
+def bf16_case(case):
+    return case["cfg"] == "rq7" and not case["docs"]
+
+
+# bf16 (unit roundoff u = 2^-8; torch's CPU bf16 matmuls accumulate in fp32,
+# so each dot product rounds once). Forward, x to out, rounds at about 12
+# stages (proj, norm, rope, kv up-projection, scores, softmax, P V, q_abs or
+# W_UV, wo, and the casts between); to first order each adds u relative to
+# the largest value of what it produces, so out is within 12 u of float64
+# relative to max |out|; backward runs the chain back, about twice the
+# stages: dx and every gradient within 24 u. The bound ignores how the
+# block's conditioning amplifies errors, so it is a first-order bound, not a
+# proof; the measured figures are printed beside it. Each form at P 2-4
+# against bf16 explicit at P 1 (the paper's comparison): both sides within
+# their float64 bound, so within twice it.
+U_BF16 = 2.0 ** -8
+BF16_BOUND = {"out": 12 * U_BF16, "grad": 24 * U_BF16}
+
+
+# Config files in both spellings laga reads, for the config check: the HF
+# one is rq7's block (YaRN from its rope_scaling), the bare ones lean on
+# each format's defaults.
+HF = {"hidden_size": 24, "num_attention_heads": 5, "q_lora_rank": 7, "kv_lora_rank": 10,
+      "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+      "max_position_embeddings": 32, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                       "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 0.7,
+                       "mscale_all_dim": 0.7}}
+CONFIG_FILES = {"hf": HF, "hf-plain": {k: v for k, v in HF.items() if k != "rope_scaling"},
+                "hf-yarn-always": dict(HF, max_position_embeddings=8),  # HF's rule, not DeepSeek's
+                "args-bare": {k: BASE[k] for k in ("dim", "n_heads", "kv_lora_rank",
+                                                   "qk_nope_head_dim", "qk_rope_head_dim",
+                                                   "v_head_dim")}}
+
+
+def cxx_flags(case):
+    o = case["opts"]
+    f = ["--form", case["form"]]
+    if o.get("q_latent"):
+        f.append("--q-latent")
+    if o.get("overlap"):
+        f += ["--overlap", "on"]
+    if o.get("head_groups"):
+        f += ["--head-groups", str(o["head_groups"])]
+    return f
+
+
+def compare_name(case):
+    o = case["opts"]
+    return case["form"] + ("+q-latent" if o.get("q_latent") else "") + \
+        ("+overlap" if o.get("overlap") else "")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p.stdout
+
+
+# --------------------------------------------------------------------------
+# One rank: every case at this P
+# --------------------------------------------------------------------------
+
+def worker(args):
+    import torch.distributed as dist
+    import laga_torch as lt
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.world)
+    dev = torch.device(args.device if args.device == "cpu" else f"cuda:{args.rank}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # NCCL: one device per rank
+    P, r = args.world, args.rank
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
+    results = {}
+    for case in cases():
+        w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
+        inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+        # float64 and float32 on laga's tape; float64 on autograd's (the functional
+        # layer composed).
+        f64_ledgers = {}
+        runs = [(torch.float64, "laga"), (torch.float32, "laga"), (torch.float64, "autograd")]
+        if bf16_case(case):
+            runs.append((torch.bfloat16, "laga"))
+        for dtype, tape in runs:
+            m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=case["form"],
+                       attention="math", tape=tape, dtype=dtype, device=dev, **case["opts"])
+            m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+            m.ledger = lt.Ledger()
+            x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, s0:s1].clone().requires_grad_()
+            dout = torch.from_numpy(inp["dout"]).to(dev, dtype)[:, s0:s1]
+            keep = saved_by(m, x)
+            with torch.autograd.graph.saved_tensors_hooks(keep.add, lambda t: t):
+                out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            saved = sum(b for _, b in keep) + out.numel() * out.element_size()
+            out.backward(dout)
+            res = {"out": out.detach(), "dx": x.grad}
+            for n, p in m.named_parameters():  # this rank's partial
+                res["grad." + n] = p.grad
+            res = {k: v.cpu().double().numpy() if dtype == torch.bfloat16 else v.cpu().numpy()
+                   for k, v in res.items()}
+            tag = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16"}[dtype] + \
+                ("-autograd" if tape == "autograd" else "")
+            safetensors_io.save_file(res, os.path.join(
+                args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
+            if dtype == torch.float64:  # both tapes hand torch.distributed the same bytes
+                f64_ledgers[tape] = dict(m.ledger.rows)
+                if tape == "autograd" and f64_ledgers["autograd"] != f64_ledgers["laga"]:
+                    sys.exit(f"FAIL: {case['id']} P {P}: the autograd tape's ledger "
+                             f"{f64_ledgers['autograd']} differs from laga's "
+                             f"{f64_ledgers['laga']}")
+            if dtype == torch.float32 and tape == "laga":
+                lt.sync_gradients(m, ledger=m.ledger)
+                results[case["id"]] = {"ledger": [[ph, lb, v["calls"], v["sent"], v["received"]]
+                                                  for (ph, lb), v in m.ledger.rows.items()],
+                                       "saved": saved}
+    with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
+        json.dump(results, f)
+    hf_names(lt, dev, P, args)
+    auto(lt, dev, P, args)
+    errors(lt, dev, P, r)
+    dist.destroy_process_group()
+
+
+class saved_by(set):
+    """What autograd keeps for backward, in bytes, each storage once, less the
+    parameters and the input shard (live before forward: the C++ closed form
+    leaves them out too). add() is the pack hook."""
+
+    def __init__(self, module, x):
+        super().__init__()
+        self.skip = {p.data_ptr() for p in module.parameters()} | {x.data_ptr()}
+
+    def add(self, t):
+        # torch 2.x: untyped_storage (storage() warns there); 1.13: storage()
+        st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+        if st.data_ptr() not in self.skip:
+            set.add(self, (st.data_ptr(), st.nbytes()))
+        return t
+
+
+def hf_names(lt, dev, P, args):
+    """A module built from the HF config.json and loaded under HF names
+    (model.layers.<i>.self_attn.q_a_proj.weight, ...) equals the DeepSeek-named
+    one bit for bit."""
+    w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
+    hf = {f"model.layers.3.self_attn.{lt.module.HF_NAMES[k]}": torch.from_numpy(v)
+          for k, v in w.items()}
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    s0, L = lay.seq_offset[args.rank], lay.seq_count[args.rank]
+    x = torch.from_numpy(safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))[0]
+                         ["x"])[:, s0:s0 + L].to(dev)
+    outs = []
+    for cfg, state in ((CONFIGS["rq7"], {k: torch.from_numpy(v) for k, v in w.items()}),
+                       (HF, hf)):
+        m = lt.MLA(lt.MLAConfig.from_json(cfg), form="laga", dtype=torch.float64, device=dev)
+        m.load_state_dict(state)
+        outs.append(m(x, seq_len=S))
+    if not torch.equal(outs[0], outs[1]):
+        sys.exit(f"FAIL: P {P}: the HF config and names give another output than DeepSeek's")
+
+
+def auto(lt, dev, P, args):
+    """form 'auto' runs the winner of `laga plan --json` (asked here too, on
+    the h100 profile): the same output, bit for bit, as that form chosen by
+    hand; every rank picks the same."""
+    cfg = lt.MLAConfig.from_json(CONFIGS["rq7"])
+    os.environ["LAGA_BIN"] = args.laga
+    plan = json.loads(run([args.laga, "plan", "--config", os.path.join(args.dir, "rq7.json"),
+                           "--seq", str(S), "--sp", str(P), "--batch", str(B), "--profile",
+                           "h100", "--q-latent", "--json", "-", "--quiet"]))
+    w = plan["cases"][0]["winner"].split("+")
+    picked = (w[0], "q-latent" in w, "overlap" in w)
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    torch.manual_seed(5)
+    x = torch.randn(B, S, BASE["dim"], dtype=torch.float64)[:, lay.seq_offset[args.rank]:][
+        :, :lay.seq_count[args.rank]].to(dev)
+    outs, mods = [], []
+    for kw in ({"form": "auto", "profile": "h100"},
+               {"form": picked[0], "q_latent": picked[1], "overlap": picked[2]}):
+        torch.manual_seed(6)
+        mods.append(lt.MLA(cfg, dtype=torch.float64, device=dev, **kw))
+        outs.append(mods[-1](x, seq_len=S))
+    if mods[0].plans != {(S, P, B): picked}:
+        sys.exit(f"FAIL: form auto at P {P} recorded {mods[0].plans}, laga plan picks {picked}")
+    if not torch.equal(outs[0], outs[1]):
+        sys.exit(f"FAIL: form auto at P {P} differs from {picked} chosen by hand")
+
+
+def expect_error(what, words, fn):
+    try:
+        fn()
+    except ValueError as e:
+        for w in words:
+            if w not in str(e):
+                sys.exit(f"FAIL: {what}: the ValueError does not name '{w}': {e}")
+        return
+    sys.exit(f"FAIL: {what}: no ValueError")
+
+
+def errors(lt, dev, P, r):
+    cfg0, cfg7 = lt.MLAConfig.from_json(CONFIGS["rq0"]), lt.MLAConfig.from_json(CONFIGS["rq7"])
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    m = lt.MLA(cfg7, form="laga", dtype=torch.float64, device=dev)
+    x = torch.zeros(B, lay.seq_count[r], BASE["dim"], dtype=torch.float64, device=dev)
+    expect_error("q_latent with q_lora_rank 0", ["q_latent", "q_lora_rank"],
+                 lambda: lt.MLA(cfg0, form="laga", q_latent=True))
+    expect_error("overlap with explicit", ["overlap", "explicit"],
+                 lambda: lt.MLA(cfg7, form="explicit", overlap=True))
+    expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("form auto without a profile", ["auto", "profile"],
+                 lambda: lt.MLA(cfg7, form="auto"))
+    if P > 1:
+        expect_error("a group larger than the sequence", ["sequence length", str(P - 1)],
+                     lambda: m(x[:, :1], seq_len=P - 1))
+    expect_error("a shard of the wrong length", ["holds", f"rank {r}"],
+                 lambda: m(torch.zeros(B, lay.seq_count[r] + 1, BASE["dim"], dtype=torch.float64,
+                                       device=dev), seq_len=S))
+    expect_error("cu_seqlens not summing to S", ["cu_seqlens", "from 0"],
+                 lambda: m(x, cu_seqlens=[0, 5, S - 1], seq_len=S))
+    expect_error("cu_seqlens not increasing", ["cu_seqlens", "increasing"],
+                 lambda: m(x, cu_seqlens=[0, 5, 5, S], seq_len=S))
+    expect_error("float cu_seqlens", ["cu_seqlens", "float64"],
+                 lambda: m(x, cu_seqlens=torch.tensor([0.0, 5.0, S], dtype=torch.float64),
+                           seq_len=S))
+    expect_error("cu_seqlens rows != batch", ["cu_seqlens", "3 rows", f"batch of {B}"],
+                 lambda: m(x, cu_seqlens=[[0, S]] * 3, seq_len=S))
+    expect_error("mixed dtypes", ["float32", "wq_a.weight"], lambda: m(x.float(), seq_len=S))
+    meta = lt.MLA(cfg7, form="laga", dtype=torch.float64, device="meta")
+    expect_error("mixed devices", ["meta", "wq_a.weight"], lambda: meta(x, seq_len=S))
+    if P in (3, 4):  # 2 does not divide 3; 3 does not divide 4
+        hg = 2 if P == 3 else 3
+        expect_error("head groups not dividing P", ["head_groups", "divide", str(P)],
+                     lambda: lt.MLA(cfg7, form="laga2d", head_groups=hg,
+                                    dtype=torch.float64, device=dev)(x, seq_len=S))
+
+
+# --------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------
+
+def rel(a, ref):
+    scale = float(np.abs(ref).max())
+    d = float(np.abs(a - ref).max()) if a.size else 0.0
+    if not np.isfinite(a).all():
+        return float("inf")
+    return d / scale if scale > 0 else d
+
+
+def example(args):
+    """The example trainer's 20 float64 steps at P 2 equal P 1 within 1e-6 per
+    step's loss. Ranks get torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) from here: Debian's torchrun 1.13 fails under
+    Python 3.11 before starting any worker (elastic's to_map)."""
+    os.makedirs(args.dir, exist_ok=True)
+    script = os.path.join(PY, "examples", "train_mla.py")
+    losses = {}
+    for P in (1, 2):
+        port, out = free_port(), os.path.join(args.dir, f"example-P{P}.json")
+        procs = [subprocess.Popen([sys.executable, script, "--steps", "20", "--dtype", "float64",
+                                   "--backend", args.backend, "--device", args.device,
+                                   "--json", out],
+                                  stdout=subprocess.DEVNULL,
+                                  env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r),
+                                           WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+                 for r in range(P)]
+        for p in procs:
+            p.wait(timeout=200)
+        if any(p.returncode for p in procs):
+            sys.exit(f"FAIL: train_mla.py at P {P} exited {[p.returncode for p in procs]}")
+        losses[P] = json.load(open(out))["losses"]
+    if len(losses[1]) != 20 or len(losses[2]) != 20:
+        sys.exit(f"FAIL: expected 20 losses per run, got {len(losses[1])} and {len(losses[2])}")
+    worst = max(abs(a - b) for a, b in zip(losses[1], losses[2]))
+    if not worst <= 1e-6:
+        sys.exit(f"FAIL: train_mla.py P 2 differs from P 1 by {worst:.3e} in a step's loss")
+    print(f"train_mla.py: 20 steps, P 2 within {worst:.2e} of P 1 per step (loss "
+          f"{losses[1][0]:.6f} -> {losses[1][-1]:.6f})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("laga", nargs="?")
+    ap.add_argument("dir", nargs="?")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--sp", default="1,2,3,4")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--example", action="store_true",
+                    help="instead: python/examples/train_mla.py at P 2 against P 1")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.example:
+        return example(args)
+    t0 = time.time()
+    os.makedirs(args.dir, exist_ok=True)
+    g = torch.Generator().manual_seed(24)
+    sys.path.insert(0, PY)
+    import laga_torch as lt
+    for name, cfg in CONFIGS.items():
+        with open(os.path.join(args.dir, f"{name}.json"), "w") as f:
+            json.dump(cfg, f)
+        m = lt.MLA(lt.MLAConfig.from_json(cfg), dtype=torch.float64)
+        w = {}
+        for n, p in m.named_parameters():  # norms 1 + 0.1 N so that ignoring one fails
+            t = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            w[n] = (1 + 0.1 * t if "norm" in n else t / p.shape[-1] ** 0.5).numpy()
+        safetensors_io.save_file(w, os.path.join(args.dir, f"weights-{name}.safetensors"))
+    inp = {"x": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy(),
+           "dout": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy()}
+    safetensors_io.save_file(inp, os.path.join(args.dir, "input.safetensors"))
+    sps = [int(p) for p in args.sp.split(",")]
+
+    # Configs: MLAConfig reads each file as laga does (laga forward's output
+    # records the config it read).
+    for name, j in dict(CONFIG_FILES, **CONFIGS).items():
+        path = os.path.join(args.dir, f"config-{name}.json")
+        json.dump(j, open(path, "w"))
+        out = os.path.join(args.dir, f"config-{name}.safetensors")
+        run([args.laga, "forward", "--config", path, "--seq", "4", "--output", out])
+        theirs = json.loads(safetensors_io.load_file(out)[1]["config"])
+        mine = lt.MLAConfig.from_json(j).to_json()
+        bad = {k: (mine.get(k), v) for k, v in theirs.items() if mine.get(k) != v}
+        if bad or mine["yarn_always"] != theirs.get("yarn_always", False):
+            sys.exit(f"FAIL: config {name}: MLAConfig reads (ours, laga's) {bad}, yarn_always "
+                     f"{mine['yarn_always']} vs {theirs.get('yarn_always', False)}")
+
+    # The torch ranks, one launch per P.
+    for P in sps:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
+                                   "--rank", str(r), "--world", str(P), "--port", str(port),
+                                   "--device", args.device, "--backend", args.backend],
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 for r in range(P)]
+        try:
+            for p in procs:
+                p.wait(timeout=200)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            sys.exit(f"FAIL: torch ranks at P {P} exited {[p.returncode for p in procs]}")
+    t_torch = time.time() - t0
+
+    # Values: the C++ forms against the torch module, per tensor: float64
+    # within 1e-12, float32 within 1e-5 (the paper's fp32 check).
+    worst, checked = {"float64": 0.0, "float32": 0.0}, 0
+    for P, case, dt in [(P, c, dt) for P in sps for c in cases() for dt in TOLS]:
+        tol, tag = TOLS[dt], "f64" if dt == "float64" else "f32"
+        ref_path = os.path.join(args.dir, f"cxx-{tag}-{case['id']}-P{P}.safetensors")
+        cmd = [args.laga, "forward", "--config", os.path.join(args.dir, case["cfg"] + ".json"),
+               "--weights", os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"),
+               "--input", os.path.join(args.dir, "input.safetensors"), "--backward",
+               "--dtype", dt, "--sp", str(P), "--output", ref_path] + cxx_flags(case)
+        if case["docs"]:
+            cmd += ["--doc-lens", "/".join(",".join(str(e - s) for s, e in zip(d, d[1:]))
+                                           for d in case["docs"])]
+        run(cmd)
+        ref, _ = safetensors_io.load_file(ref_path)
+        for tag in [tag] + ([tag + "-autograd"] if dt == "float64" else []):
+            parts = [safetensors_io.load_file(os.path.join(
+                args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0]
+                for r in range(P)]
+            mine = {"out": np.concatenate([p["out"] for p in parts], 1),
+                    "dx": np.concatenate([p["dx"] for p in parts], 1)}
+            for k in parts[0]:
+                if k.startswith("grad."):
+                    mine[k] = sum(p[k] for p in parts[1:]) + parts[0][k]
+            if set(mine) != set(ref):
+                sys.exit(f"FAIL: {case['id']} P {P} {tag}: torch gives {sorted(mine)}, C++ "
+                         f"{sorted(ref)}")
+            for k in ref:
+                e = rel(mine[k].astype(np.float64), ref[k].astype(np.float64))
+                worst[dt] = max(worst[dt], e)
+                checked += 1
+                if not e <= tol:
+                    sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the C++ form by "
+                             f"{e:.3e} relative (> {tol})")
+
+    # bf16: against float64 at the same P, and at P 2-4 against bf16 explicit at P 1.
+    def assembled(tag, case, P):
+        parts = [safetensors_io.load_file(os.path.join(
+            args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0] for r in range(P)]
+        full = {"out": np.concatenate([p["out"] for p in parts], 1),
+                "dx": np.concatenate([p["dx"] for p in parts], 1)}
+        for k in parts[0]:
+            if k.startswith("grad."):
+                full[k] = sum(p[k] for p in parts)
+        return full
+    bf16_worst = {"f64": 0.0, "explicit P1": 0.0}
+    explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and c["form"] == "explicit"}
+    for P in sps:
+        for case in filter(bf16_case, cases()):
+            mine = assembled("bf16", case, P)
+            refs = [("f64", assembled("f64", case, P), 1)]
+            if P > 1 and 1 in sps:
+                refs.append(("explicit P1", assembled("bf16", explicit_p1[case["cfg"]], 1), 2))
+            for what, ref, factor in refs:
+                for k in ref:
+                    bound = factor * BF16_BOUND["out" if k == "out" else "grad"]
+                    e = rel(mine[k], ref[k])
+                    bf16_worst[what] = max(bf16_worst[what], e / bound)
+                    if not e <= bound:
+                        sys.exit(f"FAIL: {case['id']} P {P} bf16: {k} differs from {what} by "
+                                 f"{e:.3e} relative (> {bound:.3e}, bf16's first-order bound)")
+
+    # The ledger: float32 runs against compare's count-only ledger (f32).
+    ledgers = 0
+    for P in sps:
+        per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
+                    for r in range(P)]
+        for hg in ("", "1"):
+            for cfg in CONFIGS:
+                mine = [c for c in cases() if c["cfg"] == cfg and not c["docs"] and
+                        str(c["opts"].get("head_groups", "")) == hg]
+                if not mine:
+                    continue
+                cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
+                       "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
+                       "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
+                       "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
+                      (["--head-groups", hg] if hg else [])
+                cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
+                for case in mine:
+                    want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
+                                                       l["bytes_received"])
+                            for l in cmp_forms[compare_name(case)]["by_label"]}
+                    f = cmp_forms[compare_name(case)]
+                    mine = per_rank[f["peak_rank"]][case["id"]]["saved"]
+                    if mine != f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {mine} "
+                                 "bytes for backward (with the output), the C++ closed form "
+                                 f"{f['predicted_saved_after_forward_bytes']}")
+                    got = {}
+                    for rows in per_rank:
+                        for ph, lb, calls, sent, recv in rows[case["id"]]["ledger"]:
+                            c0 = got.get((ph, lb), (0, 0, 0))
+                            got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                    if got != want:
+                        sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
+                                 f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
+                    ledgers += 1
+    print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
+          f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
+    print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
+          f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
+          f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
+          f"laga compare's; torch ranks {t_torch:.1f} s, "
+          f"total {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
