@@ -67,7 +67,9 @@ namespace {
 // it (another document, the causal past). Rows go in blocks of 64: their
 // common range [lo[last], hi[first]) is one GEMM, each row's rest a few axpys
 // (under the causal mask fewer than 64 keys); a block with no common range
-// (a document starts inside it) is halved until it has one.
+// (a document starts inside it) is halved until it has one. Which GEMMs and
+// axpys run depends on the ranges only, never on the values, so a row's
+// result is the same bits whether or not another row holds a NaN.
 template <class T>
 void ranged_gemm(bool trans_a, std::int64_t M, std::int64_t N, T alpha, const T* a,
                  std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc,
@@ -85,7 +87,11 @@ void ranged_gemm(bool trans_a, std::int64_t M, std::int64_t N, T alpha, const T*
   };
   auto block = [&](auto&& self, std::int64_t m0, std::int64_t m1) -> void {
     const std::int64_t k0 = lo[size_t(m1 - 1)], k1 = hi[size_t(m0)];
-    if (k0 >= k1 && m1 - m0 > 1) {
+    // Less than half the block's span in common (the first blocks of a
+    // causal triangle, where the rest would be most of the work as axpys):
+    // halved too, down to 8 rows.
+    const bool thin = k0 < k1 && 2 * (k1 - k0) < hi[size_t(m1 - 1)] - lo[size_t(m0)];
+    if ((k0 >= k1 && m1 - m0 > 1) || (thin && m1 - m0 > 8)) {
       const std::int64_t mid = m0 + (m1 - m0) / 2;
       self(self, m0, mid);
       self(self, mid, m1);
