@@ -28,8 +28,12 @@
 //   ds_ij = p_ij (dp_ij - D_i)
 //   dq_i = scale * sum_j ds_ij k_j,  dk_j = scale * sum_i ds_ij q_i,  dv_j = sum_i p_ij do_i
 // dk and dv of a shared key/value head sum over the Hq / Hk query heads that
-// read it. Masked pairs have p_ij = 0, hence ds_ij = 0: the mask needs nothing
-// more in backward.
+// read it. Every sum (o_i, D_i, dq_i, dk_j, dv_j) runs over the unmasked pairs
+// only: a masked pair is left out (selected away), not multiplied by p_ij = 0,
+// because 0 * NaN is NaN. So a NaN or inf in the q, k or v row of one token
+// reaches exactly the rows that see that token (its document's causal future;
+// in backward, through their dq and D, the keys those rows see), in every
+// kernel alike, and never another document or an earlier position.
 #pragma once
 
 #include <cstdint>

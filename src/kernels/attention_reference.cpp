@@ -52,9 +52,12 @@ void attention_reference_forward(const AttnShape& s, T* o, T* lse, const T* q, c
         double l = 0;
         row_probs(s, q, k, b, h, i, p, &l);
         if (lse) lse[(b * s.Hq + h) * s.Sq + i] = static_cast<T>(l);
+        // Every sum over the row's keys only: a masked pair is left out, not
+        // multiplied by p = 0 (0 * NaN is NaN; attention.hpp).
+        const std::int64_t begin = s.key_begin(b, i), end = s.key_end(i);
         for (std::int64_t c = 0; c < s.dv; ++c) {
           double acc = 0;
-          for (std::int64_t j = 0; j < s.Sk; ++j)
+          for (std::int64_t j = begin; j < end; ++j)
             acc += p[static_cast<size_t>(j)] * v[at(b, j, hk, c, s.Sk, s.Hk, s.dv)];
           o[at(b, i, h, c, s.Sq, s.Hq, s.dv)] = static_cast<T>(acc);
         }
@@ -75,8 +78,9 @@ void attention_reference_backward(const AttnShape& s, T* dq, T* dk, T* dv, const
       const std::int64_t hk = h / (s.Hq / s.Hk);
       for (std::int64_t i = 0; i < s.Sq; ++i) {
         if (!row_probs(s, q, k, b, h, i, p, nullptr)) continue;
+        const std::int64_t begin = s.key_begin(b, i), end = s.key_end(i);
         double D = 0;
-        for (std::int64_t j = 0; j < s.Sk; ++j) {
+        for (std::int64_t j = begin; j < end; ++j) {
           double acc = 0;
           for (std::int64_t c = 0; c < s.dv; ++c)
             acc += double(dout[at(b, i, h, c, s.Sq, s.Hq, s.dv)]) *
@@ -84,9 +88,8 @@ void attention_reference_backward(const AttnShape& s, T* dq, T* dk, T* dv, const
           dp[static_cast<size_t>(j)] = acc;
           D += p[static_cast<size_t>(j)] * acc;
         }
-        for (std::int64_t j = 0; j < s.Sk; ++j) {
+        for (std::int64_t j = begin; j < end; ++j) {
           const double pj = p[static_cast<size_t>(j)];
-          if (pj == 0.0) continue;
           const double ds = pj * (dp[static_cast<size_t>(j)] - D) * s.scale;
           for (std::int64_t c = 0; c < s.dqk; ++c) {
             gq[static_cast<size_t>(at(b, i, h, c, s.Sq, s.Hq, s.dqk))] +=

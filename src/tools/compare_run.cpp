@@ -20,6 +20,7 @@
 #include "mla/comm_model.hpp"
 #include "mla/runner.hpp"
 #include "mla/work_model.hpp"
+#include "plan/time_model.hpp"
 #include "tools/block_job.hpp"
 #include "tools/compare.hpp"
 #include "tools/memory_check.hpp"
@@ -194,6 +195,54 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
   return records;
 }
 
+// Every rank of a --count-only job with every rank in this process
+// (--comm local): a count-only run's record (its ledger and its pool's peaks,
+// no times, no values) depends on the rank only through its class of
+// identical ranks (rank_classes, plan/time_model.hpp: what the planner runs
+// once per class too), so one DryRunCommunicator run per class stands for
+// all its ranks, exactly (a dry rank's ledger and peaks are those of the
+// same rank in the group). Running all P as threads instead cost P runs of
+// O(P) collectives each, P thread stacks and P ledgers: over 60 s and 3.3 GB
+// at P 512 on the tiny preset. The ranks run here are the union over the
+// forms of each form's representatives (rank 0 always among them, whose
+// ledger keys the report's rows).
+struct ClassRecords {
+  std::vector<std::vector<double>> records;  // per form: one serialised record per run rank
+  std::vector<std::vector<int>> rec_of;      // per form, per rank: its record's index
+};
+ClassRecords count_by_class(const Job& j, const MlaParams<float>& w, const TensorF& x,
+                            const TensorF& dout, std::vector<std::vector<Key>>& keys) {
+  const int P = j.layout.ranks;
+  std::vector<RankClasses> classes;
+  std::vector<int> run;  // the ranks to run, ascending
+  for (FormVariant f : j.order) {
+    classes.push_back(rank_classes(j.cfg, j.layout, f));
+    run.insert(run.end(), classes.back().representatives.begin(),
+               classes.back().representatives.end());
+  }
+  std::sort(run.begin(), run.end());
+  run.erase(std::unique(run.begin(), run.end()), run.end());
+  ClassRecords out;
+  out.records.assign(j.order.size(), {});
+  out.rec_of.assign(j.order.size(), std::vector<int>(size_t(P)));
+  std::map<int, std::vector<std::vector<double>>> mine;  // rank -> its record per form
+  for (int r : run) {
+    DryRunCommunicator comm(r, P);
+    std::vector<std::vector<Key>> k;
+    mine[r] = rank_body(comm, j, w, x, dout, k);
+    if (r == 0) keys = k;
+  }
+  for (size_t fi = 0; fi < j.order.size(); ++fi) {
+    const RankClasses& c = classes[fi];
+    for (int rep : c.representatives) {
+      const std::vector<double>& rec = mine.at(rep)[fi];
+      out.records[fi].insert(out.records[fi].end(), rec.begin(), rec.end());
+    }
+    for (int r = 0; r < P; ++r) out.rec_of[fi][size_t(r)] = c.class_of[size_t(r)];
+  }
+  return out;
+}
+
 // Every rank's records on every rank: slot r of a zeroed buffer holds rank
 // r's, one all-reduce sums them. Not the block's traffic: the ledger is
 // restored afterwards.
@@ -216,8 +265,11 @@ std::vector<double> gather_records(Communicator& comm, const std::vector<double>
 
 // keys: the (phase, label)s of the form's ledger in issue order (every rank
 // issues the same collectives, so every rank's ledger has these keys).
+// ranks[i]'s record is recs[rec_of[i]]: one per rank, or one per class of
+// identical ranks under --count-only (count_by_class).
 FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
-                     const std::vector<RankRecord>& recs, const std::vector<int>& ranks) {
+                     const std::vector<RankRecord>& recs, const std::vector<int>& rec_of,
+                     const std::vector<int>& ranks) {
   const FormVariant form = j.order[fi];
   FormResult f;
   f.form = form;
@@ -235,10 +287,23 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
                                 j.o.comm.backend == Backend::mpi && j.o.rank_only < 0
                                     ? StagingRule::mpi
                                     : StagingRule::in_process};
+  // The closed forms depend on the rank only through its class
+  // (rank_classes): computed once per class, not once per rank (each
+  // predict_memory is a count-only run of the rank, at P 4096 the bulk of the
+  // work).
+  const RankClasses classes = rank_classes(j.cfg, j.layout, form);
+  std::map<int, std::pair<CommPrediction, MemoryPrediction>> by_class;
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int r = ranks[i];
-    const RankRecord& rec = recs[i];
-    const CommPrediction pred = predict_comm(j.cfg, j.layout, form, r, 4, true, true);
+    const RankRecord& rec = recs[size_t(rec_of[i])];
+    const int cls = classes.class_of[size_t(r)];
+    if (!by_class.count(cls)) {
+      const int rep = classes.representatives[size_t(cls)];
+      by_class.emplace(cls,
+                       std::pair{predict_comm(j.cfg, j.layout, form, rep, 4, true, true),
+                                 predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
+    }
+    const CommPrediction& pred = by_class.at(cls).first;
     std::int64_t sent[3] = {0, 0, 0}, model[3] = {0, 0, 0}, recv = 0;
     for (size_t k = 0; k < keys.size(); ++k) {
       const LedgerEntry& e = rec.last.ledger.entries().at(keys[k]);
@@ -274,7 +339,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.predicted_total = std::max(f.predicted_total, model[0] + model[1] + model[2]);
     f.received_total = std::max(f.received_total, recv);
 
-    const MemoryPrediction mp = predict_memory(j.cfg, j.layout, form, j.attention, r, 4, mopt);
+    const MemoryPrediction& mp = by_class.at(cls).second;
     if (i == 0 || rec.last.memory.peak_forward_backward > f.peak) {
       f.peak = rec.last.memory.peak_forward_backward;
       f.peak_rank = r;
@@ -485,6 +550,17 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
     res.notes.push_back("explicit is not among --forms: no max |diff| against it");
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) j.param_names.push_back(name);
 
+  // Count-only holds bookkeeping only, but of every rank: checked too.
+  if (o.count_only && o.comm.memory_check) {
+    const std::size_t params = j.param_names.size();
+    const bool all_here = o.comm.backend == Backend::local && o.rank_only < 0;
+    check_memory_fits(predict_count_only_job_memory(
+                          res.cfg, res.layout, res.forms, all_here ? o.sp : 1,
+                          [&](std::size_t keys) {
+                            return std::int64_t(sizeof(double) * RankRecord::size(1, keys, params));
+                          }),
+                      "laga compare");
+  }
   // Refuse now, not after an OOM kill, when the run cannot fit.
   std::int64_t param_bytes = 0;
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) param_bytes += 4 * numel(shape);
@@ -512,7 +588,15 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
 
   std::vector<std::vector<double>> gathered(j.order.size());
   std::vector<std::vector<Key>> keys;  // the reporting rank's ledger keys per form
-  if (o.rank_only >= 0) {
+  // Per form, per measured rank: the index of its record in gathered.
+  std::vector<std::vector<int>> rec_of;
+  if (o.count_only && o.rank_only < 0 && o.comm.backend == Backend::local) {
+    res.threads_per_rank = threads_per_rank(o.sp);  // what run_group would give each rank
+    ClassRecords c = count_by_class(j, w, x, dout, keys);
+    gathered = std::move(c.records);
+    rec_of = std::move(c.rec_of);
+    for (int r = 0; r < o.sp; ++r) res.measured_ranks.push_back(r);
+  } else if (o.rank_only >= 0) {
     res.threads_per_rank = hardware_cores();
     set_rank_threads(res.threads_per_rank);
     DryRunCommunicator comm(o.rank_only, o.sp);
@@ -536,10 +620,13 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
     const std::size_t n = RankRecord::size(j.steps, keys[fi].size(), j.param_names.size());
     std::vector<RankRecord> recs;
-    for (size_t i = 0; i < res.measured_ranks.size(); ++i)
+    for (size_t i = 0; i < gathered[fi].size() / n; ++i)
       recs.push_back(
           RankRecord::read(gathered[fi].data() + i * n, j.steps, keys[fi], j.param_names.size()));
-    res.results.push_back(summarise(j, fi, keys[fi], recs, res.measured_ranks));
+    std::vector<int> identity(res.measured_ranks.size());
+    for (size_t i = 0; i < identity.size(); ++i) identity[i] = int(i);
+    res.results.push_back(summarise(j, fi, keys[fi], recs, rec_of.empty() ? identity : rec_of[fi],
+                                    res.measured_ranks));
   }
   res.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
   return res;

@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "core/error.hpp"
+#include "mla/comm_model.hpp"
 #include "mla/memory_model.hpp"
+#include "plan/time_model.hpp"
 
 namespace laga::tools {
 
@@ -95,9 +98,20 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
       "peak), or --count-only to account without allocating";
   for (FormVariant f : forms) {
     std::int64_t sum = 0, worst = 0, cache = 0;
+    // A rank's prediction depends on it only through its class of identical
+    // ranks (rank_classes): one count-only run per class, not per rank (P
+    // runs of O(P) collectives each would make the check itself super-linear
+    // in P).
+    const RankClasses classes = rank_classes(cfg, layout, f);
+    std::vector<std::optional<MemoryPrediction>> of_class(classes.representatives.size());
     for (int r = 0; r < layout.ranks; ++r) {
       if (rank_only >= 0 && r != rank_only) continue;
-      const MemoryPrediction p = predict_memory(cfg, layout, f, attention, r, 4, opt);
+      std::optional<MemoryPrediction>& cached = of_class[size_t(classes.class_of[size_t(r)])];
+      if (!cached)
+        cached =
+            predict_memory(cfg, layout, f, attention,
+                           classes.representatives[size_t(classes.class_of[size_t(r)])], 4, opt);
+      const MemoryPrediction& p = *cached;
       // Its working peak, its gradient accumulators, its x, dout, out and dx
       // shards (B, L_r, D), what the job keeps per rank, and what its pool's
       // block cache may keep on top in any number of steps.
@@ -118,6 +132,31 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                        " held by the job (weights, inputs)");
     }
   }
+  return job;
+}
+
+JobMemory predict_count_only_job_memory(
+    const MlaConfig& cfg, const SpLayout& layout, const std::vector<FormVariant>& forms,
+    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes) {
+  const std::int64_t P = layout.ranks;
+  std::int64_t records = 0, runs = 0;
+  for (FormVariant f : forms) {
+    const RankClasses classes = rank_classes(cfg, layout, f);
+    const std::int64_t n = ranks_here < P ? 1 : std::int64_t(classes.representatives.size());
+    runs = std::max(runs, n);
+    const std::size_t keys = predict_comm(cfg, layout, f, 0, 4, true, true).size();
+    records += n * record_bytes(keys);
+  }
+  // Per rank: its record index per form, its measured-rank entry, and the
+  // layout's seq_count, seq_offset, head_count, head_offset.
+  const std::int64_t per_rank = std::int64_t(forms.size() + 1) * std::int64_t(sizeof(int)) +
+                                4 * std::int64_t(sizeof(std::int64_t));
+  JobMemory job;
+  job.bytes = records + P * per_rank;
+  job.detail = cat("count-only: no tensor storage; ", runs, " rank run(s) per form (one per class ",
+                   "of identical ranks), their records ", gb(records), ", and ", gb(P * per_rank),
+                   " of per-rank bookkeeping for ", P, " ranks");
+  job.lower_with = "Lower it with a smaller --sp, or fewer --forms";
   return job;
 }
 

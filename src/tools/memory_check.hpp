@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,19 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
                              std::int64_t held_per_rank);
+
+// A `laga compare --count-only` job's peak in this process (--comm local, or
+// one MPI rank: ranks_here of P). No tensor has storage and no thread runs a
+// rank: the ranks run one after another, one per class of identical ranks
+// (rank_classes), so what the job holds is bookkeeping: per form, each run
+// rank's serialised record (record_bytes(keys): keys = the collectives the
+// closed form predicts, mla/comm_model.hpp), each rank's index into them,
+// the layout's four per-rank entries and the report's list of measured ranks.
+// Before, all P ranks ran as threads, each with its stack, its ledger and
+// O(P) collectives: 3.3 GB at P 512, never checked.
+JobMemory predict_count_only_job_memory(
+    const MlaConfig& cfg, const SpLayout& layout, const std::vector<FormVariant>& forms,
+    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes);
 
 // A `laga train` job's peak in this process (model/train.hpp,
 // predict_train_memory): every rank's with --comm local (each holds its own

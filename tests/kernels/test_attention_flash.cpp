@@ -180,9 +180,9 @@ TEST_P(FlashAttention, BitwiseIndependentOfThreadCount) {
 // fully-masked convention o = 0, so one NaN in wq.weight gave a finite out.)
 // Also with packed documents, where a poisoned key must reach its own
 // document's rows only (eager leaves other documents' scores out of the
-// softmax; flash sets them to -inf whatever they were). Poison in v is left
-// out: eager's P V product also multiplies the masked zeros of later keys (and
-// of other documents), a difference of no consequence here.
+// softmax; flash sets them to -inf whatever they were). Poison in v, and
+// which elements stay bit for bit the clean run's in every kernel, forward
+// and backward: test_attention_nonfinite.cpp.
 TEST_P(FlashAttention, NonFiniteInputsPropagateAsInEager) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();

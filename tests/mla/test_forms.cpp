@@ -23,6 +23,8 @@
 // here although the in-process transport has the data at start.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "common/check.hpp"
@@ -584,6 +586,69 @@ TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
   FormVariant v(Form::laga, QueryExchange::latent);
   v.overlap = Overlap::on;
   EXPECT_EQ(to_string(v), "laga+q-latent+overlap");
+}
+
+// ------------------------------------------------------------ non-finite input
+
+// One NaN in one token's input (x of token 5 of row 1, inside the document
+// [4, 10) of "3,1,6,3") stays where the math puts it: out is non-finite
+// exactly at the tokens that see it (5 .. 9 of row 1, every element) and
+// bit-for-bit the clean run's everywhere else (other documents, the other
+// row, the earlier positions 4 of its own document); dx outside the document
+// is the clean run's too (in backward the NaN reaches, through D and dS, every
+// key its document's later rows see, so the whole document). Every variant,
+// even and uneven layouts, eager and flash, which report the same counts.
+// Before issue 26 the masked zeros of the P V product (and of dq, dk, dv)
+// multiplied the NaN into other documents and the causal past (eager: every
+// row; flash: the rows of its tile), and flash and eager counted differently.
+TEST(NonFinite, OneNanTokenStaysInTheRowsThatSeeIt) {
+  const std::int64_t B = 2, S = 13, bad_b = 1, bad_t = 5, doc0 = 4, doc1 = 10;
+  const Documents docs = Documents::parse_lengths("3,1,6,3", B, S);
+  struct Layout {
+    std::vector<std::int64_t> seq, heads;
+  };
+  for (std::int64_t rq : {0, 7}) {
+    const MlaConfig cfg = test_config(rq);
+    const Inputs in = make_inputs(cfg, B, S);
+    TensorF x_bad = in.x.clone();
+    x_bad.data()[(bad_b * S + bad_t) * cfg.dim + 3] = std::numeric_limits<float>::quiet_NaN();
+    for (const Layout& l :
+         {Layout{{5, 4, 4}, {2, 2, 1}}, Layout{{1, 8, 4}, {0, 3, 2}}, Layout{{7, 6}, {3, 2}}})
+      for (const Documents* d : {&docs, static_cast<const Documents*>(nullptr)})
+        for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+          const SpLayout lay = SpLayout::custom(B, l.seq, l.heads);
+          // Unpacked, the document is the whole row [0, S).
+          const std::int64_t lo = d ? doc0 : 0, hi = d ? doc1 : S;
+          std::int64_t counts[2][2] = {};  // [eager, flash][out, dx]
+          for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+            RunSpec spec = spec_of(v, a);
+            spec.documents = d;
+            const BlockRun<float> clean = run_local(cfg, lay, in.w, in.x, in.dout, spec),
+                                  bad = run_local(cfg, lay, in.w, x_bad, in.dout, spec);
+            const std::string tag = cat(to_string(v), " ", to_string(a), " rq ", rq, " ",
+                                        lay.describe(), d ? " packed" : "");
+            std::int64_t wrong_out = 0, wrong_dx = 0, nf_out = 0, nf_dx = 0;
+            for (std::int64_t i = 0; i < bad.out.numel(); ++i) {
+              const std::int64_t t = (i / cfg.dim) % S, b = i / (cfg.dim * S);
+              const bool sees = b == bad_b && t >= bad_t && t < hi;
+              const bool in_doc = b == bad_b && t >= lo && t < hi;
+              nf_out += !std::isfinite(bad.out[i]);
+              nf_dx += !std::isfinite(bad.dx[i]);
+              // A NaN never equals anything: a leaked one is wrong here.
+              wrong_out += sees ? std::isfinite(bad.out[i]) : !(bad.out[i] == clean.out[i]);
+              wrong_dx += !in_doc && !(bad.dx[i] == clean.dx[i]);
+            }
+            EXPECT_EQ(wrong_out, 0) << tag << ": elements of out not where the math puts them";
+            EXPECT_EQ(wrong_dx, 0) << tag << ": elements of dx outside the poisoned document "
+                                   << "differ from the clean run";
+            EXPECT_GT(nf_dx, 0) << tag;
+            counts[a == AttentionKind::flash][0] = nf_out;
+            counts[a == AttentionKind::flash][1] = nf_dx;
+          }
+          EXPECT_EQ(counts[0][0], counts[1][0]) << to_string(v) << ": out non-finite counts";
+          EXPECT_EQ(counts[0][1], counts[1][1]) << to_string(v) << ": dx non-finite counts";
+        }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`laga compare --count-only` at scales no machine could run for real
 (issue 10 item 6): its memory does not grow with the sequence, and byte
-counts beyond 2^53 stay exact integers in the JSON.
+counts beyond 2^53 stay exact integers in the JSON; nor, beyond a few bytes
+per rank, with P (issue 26 item 14).
 
   test_count_only_scale.py LAGA TMPDIR
 """
@@ -12,13 +13,24 @@ import subprocess
 import sys
 
 laga, tmp = sys.argv[1], sys.argv[2]
+# tiny's dims with q_lora_rank 20, for --q-latent.
+q_latent_config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration",
+                               "tiny_q_latent.json")
 os.makedirs(tmp, exist_ok=True)
+
+
+def limit_address_space():
+    # An old binary that ran every rank as a thread took the whole machine at
+    # P 4096: under this limit it fails instead (a real count-only run needs a
+    # small fraction of it).
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
 def compare(args, name):
     out = os.path.join(tmp, name + ".json")
     r = subprocess.run([laga, "compare", "--quiet", "--count-only", "--json", out] + args,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit_address_space)
     if r.returncode != 0:
         sys.exit(f"FAILED: laga compare {' '.join(args)} exited {r.returncode}: {r.stderr}")
     with open(out) as f:
@@ -53,6 +65,35 @@ if total != f["predicted_peak_activation_bytes"] or f["peak_activation_bytes"] !
                     f"{f['predicted_peak_activation_bytes']} != sum of live terms {total}")
 if not f["bytes_match"]:
     failures.append("ledger != closed form at S=1e8+1")
+
+# Issue 26 item 14: count-only costs what plan and --rank-only cost, one
+# dry run per class of identical ranks (rank_classes), not P ranks as threads
+# with O(P) collectives each: the tiny preset at S 512 over P 512 took over
+# 60 s and 3.3 GB, P 1000 19 GB, P >= 2000 the whole machine. Bounded by
+# memory (the house rule: speed is a benchmark's, not a unit test's); every
+# form, even and uneven shards, packed, eager. laga2d only to P 1000: with
+# many context groups nearly every rank is a class of its own (its query
+# chunks differ), so its count-only cost is O(P) dry runs of O(P) each, as
+# in `laga plan` (about a minute at P 4096 here: not what this test bounds).
+no_laga2d = ["--forms", "explicit,absorbed,laga"]
+for args, name in [(["--seq", "512", "--sp", "512"], "tiny_p512"),
+                   (["--seq", "1500", "--sp", "1000", "--doc-lens", "300,1000,200"],
+                    "tiny_p1000_uneven_packed"),
+                   (["--seq", "4096", "--sp", "4096"] + no_laga2d, "tiny_p4096"),
+                   (["--seq", "5000", "--sp", "4096", "--doc-lens", "1000,3000,1000"] + no_laga2d,
+                    "tiny_p4096_uneven_packed"),
+                   (["--seq", "4096", "--sp", "4096", "--attention", "eager", "--q-latent",
+                     "--config", q_latent_config] + no_laga2d, "tiny_q_latent_p4096_eager")]:
+    d = compare((["--preset", "tiny"] if "--config" not in args else []) + args, name)
+    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if rss_kb > 200 * 1024:
+        failures.append(f"{name}: count-only peaked at {rss_kb / 1024:.0f} MB RSS (limit 200 MB)")
+    if len(d["measured_ranks"]) != int(args[3]):
+        failures.append(f"{name}: {len(d['measured_ranks'])} measured ranks, not {args[3]}")
+    for f in d["forms"]:
+        if not f["bytes_match"] or not f["memory_match"]:
+            failures.append(f"{name} {f['form']}: bytes_match {f['bytes_match']}, "
+                            f"memory_match {f['memory_match']}")
 
 for m in failures:
     print("FAILED:", m)

@@ -13,8 +13,10 @@
 #include <algorithm>
 #include <vector>
 
+#include "mla/comm_model.hpp"
 #include "mla/memory_model.hpp"
 #include "model/train.hpp"
+#include "plan/time_model.hpp"
 #include "tools/memory_check.hpp"
 
 namespace laga::tools {
@@ -99,6 +101,36 @@ TEST(MemoryCheck, ATrainJobIsEveryRankLocallyAndTheLargestUnderMpi) {
   ASSERT_LT(sum, 3 * local_worst) << "the layout must make the ranks' peaks differ";
   EXPECT_EQ(predict_train_job_memory(o, Backend::local).bytes, sum);
   EXPECT_EQ(predict_train_job_memory(o, Backend::mpi).bytes, worst);
+}
+
+// --count-only: no tensor storage, so the figure is one record per class of
+// identical ranks (all P here) or one (an MPI process), plus per rank its
+// record index per form, its measured-rank entry and the layout's four
+// entries; nothing else grows with P. Before issue 26 item 14 count-only was
+// never checked (and ran P threads: 3.3 GB at P 512).
+TEST(MemoryCheck, ACountOnlyJobIsOneRecordPerRankClassPlusPerRankBookkeeping) {
+  const MlaConfig cfg = MlaConfig::preset("tiny");
+  const std::vector<FormVariant> forms{FormVariant(Form::explicit_form), FormVariant(Form::laga)};
+  const auto record = [](std::size_t keys) { return std::int64_t(1'009 + 17 * keys); };
+  for (int P : {3, 4096}) {
+    const SpLayout lay = SpLayout::even(2, P == 3 ? 37 : 5000, cfg.n_heads, P);
+    std::int64_t all_records = 0, one_record = 0;
+    for (FormVariant f : forms) {
+      const std::int64_t r = record(predict_comm(cfg, lay, f, 0, 4, true, true).size());
+      all_records += std::int64_t(rank_classes(cfg, lay, f).representatives.size()) * r;
+      one_record += r;
+    }
+    const std::int64_t per_rank = P * (3 * std::int64_t(sizeof(int)) + 4 * 8);
+    EXPECT_EQ(predict_count_only_job_memory(cfg, lay, forms, P, record).bytes,
+              all_records + per_rank)
+        << "P " << P;
+    EXPECT_EQ(predict_count_only_job_memory(cfg, lay, forms, 1, record).bytes,
+              one_record + per_rank)
+        << "P " << P;
+    // A handful of classes, not P records: two shard sizes, two all-reduce
+    // chunk sizes, ranks with a head or none.
+    EXPECT_LE(all_records, 8 * one_record) << "P " << P;
+  }
 }
 
 }  // namespace
