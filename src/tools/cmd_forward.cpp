@@ -103,7 +103,7 @@ void run_forward(const ForwardOptions& o) {
   variant.overlap = parse_overlap(o.overlap);
   check_overlap(variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
-                         parse_attention(o.attention));
+                         parse_attention(o.attention), sizeof(T));
   MlaParams<T> w =
       o.weights.empty() ? random_weights<T>(cfg, o.seed) : load_weights<T>(o.weights, cfg, o.layer);
   Tensor<T> x, dout;

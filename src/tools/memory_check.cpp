@@ -86,7 +86,7 @@ StagingRule staging_of(Backend backend) {
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
-                             std::int64_t held_per_rank) {
+                             std::int64_t held_per_rank, std::int64_t elem_bytes) {
   MemoryModelOptions opt;
   opt.staging = staging_of(backend);
   // Local runs every rank in this process; an MPI process or a dry run one.
@@ -108,15 +108,15 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
       if (rank_only >= 0 && r != rank_only) continue;
       std::optional<MemoryPrediction>& cached = of_class[size_t(classes.class_of[size_t(r)])];
       if (!cached)
-        cached =
-            predict_memory(cfg, layout, f, attention,
-                           classes.representatives[size_t(classes.class_of[size_t(r)])], 4, opt);
+        cached = predict_memory(cfg, layout, f, attention,
+                                classes.representatives[size_t(classes.class_of[size_t(r)])],
+                                elem_bytes, opt);
       const MemoryPrediction& p = *cached;
       // Its working peak, its gradient accumulators, its x, dout, out and dx
       // shards (B, L_r, D), what the job keeps per rank, and what its pool's
       // block cache may keep on top in any number of steps.
       const std::int64_t shard =
-          4 * layout.batch * layout.seq_count[static_cast<std::size_t>(r)] * cfg.dim;
+          elem_bytes * layout.batch * layout.seq_count[static_cast<std::size_t>(r)] * cfg.dim;
       const std::int64_t rank_bytes =
           p.peak_working + p.gradients + 4 * shard + held_per_rank + p.cache_allowance;
       sum += rank_bytes;

@@ -37,10 +37,11 @@ struct JobMemory {
   std::string detail;      // "laga: 4 rank(s) up to 2.61 GB each + 0.21 GB held"
   std::string lower_with;  // "Lower the peak with ...": the options that shrink it
 };
+// elem_bytes: the job's element type (4: float, 8: `--dtype float64`).
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
-                             std::int64_t held_per_rank);
+                             std::int64_t held_per_rank, std::int64_t elem_bytes = 4);
 
 // A `laga compare --count-only` job's peak in this process (--comm local, or
 // one MPI rank: ranks_here of P). No tensor has storage and no thread runs a

@@ -238,6 +238,16 @@ def case_messages(laga, scratch):
                         (["--link", "10"], "--link")]:
         expect_error(laga, ["plan", "--preset", "tiny", "--measure", out] + extra,
                      f"plans nothing, so {name} would be ignored")
+    # The upfront memory check predicts the job's element type: --dtype
+    # float64 needs twice float32's bytes (it predicted float32's for both).
+    need = {}
+    for dtype in ("float32", "float64"):
+        p = run(laga, ["forward", "--preset", "deepseek-v3", "--seq", "200000", "--dtype", dtype])
+        words = p.stderr.split("would need about ")
+        need[dtype] = float(words[1].split(" GB")[0]) if len(words) > 1 else None
+    if not need["float32"] or not need["float64"] or \
+            abs(need["float64"] / need["float32"] - 2) > 0.01:
+        failures.append(f"forward's memory check by --dtype: {need}")
     # Validation's options need each other (issue 28 item 5).
     expect_error(laga, TRAIN + ["--val-every", "2"], "--val-every needs --val-data FILE")
     expect_error(laga, TRAIN + ["--val-data", os.path.join(scratch, "none.bin"), "--val-every",
