@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .attention import attention
+from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
 
@@ -55,10 +55,10 @@ class Sp:
     documents' starts (B, S) and in-document positions (B, S), the RoPE table."""
 
     def __init__(self, layout, rank, group, ledger, batch, doc_start, cos, sin, head_groups=0,
-                 attention_kind="auto"):
+                 attention_kind="auto", flash_block=64):
         self.layout, self.rank, self.group, self.ledger = layout, rank, group, ledger
         self.batch, self.doc_start, self.cos, self.sin = batch, doc_start, cos, sin
-        self.attention_kind = attention_kind
+        self.attention_kind, self.flash_block = attention_kind, flash_block
         self.head_groups = head_groups or HeadContextGrid.default_head_groups(layout.heads,
                                                                               layout.ranks)
         S = layout.seq
@@ -85,6 +85,18 @@ class Sp:
         see = (j[None, None, :] <= rows[None, :, None]) & \
               (j[None, None, :] >= self.doc_start[:, rows][:, :, None])
         return see[:, None]
+
+    def key_ranges(self, rows, keys):
+        """The same mask as flash's KeyRanges: row i sees [start(i), min(i + 1, keys))."""
+        hi = (rows + 1).clamp(max=keys)[None].expand(self.batch, -1).contiguous()
+        return KeyRanges(self.doc_start[:, rows].contiguous(), hi)
+
+    def attend(self, q, k, v, rows, keys, scale):
+        """attention() of query rows `rows` over keys [0, keys), the mask as
+        the kind needs it (flash: ranges, never the (Sq, Sk) mask)."""
+        def mask(what):
+            return self.key_ranges(rows, keys) if what == "ranges" else self.mask(rows, keys)
+        return attention(q, k, v, mask, scale, self.attention_kind, self.flash_block)
 
 
 def rope(x, sp, pos):
@@ -154,7 +166,7 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
         k_h = sp.move(k, "seq_to_head", "k_a2a")
         v_h = sp.move(kv[..., dn:].contiguous(), "seq_to_head", "v_a2a")
-        o_h = attention(q_h, k_h, v_h, sp.mask(rows, sp.layout.seq), scale, sp.attention_kind)
+        o_h = sp.attend(q_h, k_h, v_h, rows, sp.layout.seq, scale)
         return sp.move(o_h, "head_to_seq", "out_a2a").reshape(B, L, H * dv)
 
     # laga, laga2d, absorbed: the latent [c_kv | k_pe] of every token, gathered.
@@ -175,8 +187,7 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
         w_uk, w_uv = wkv[h0:h0 + nh, :dn], wkv[h0:h0 + nh, dn:]
         q_abs = torch.cat([torch.einsum("bshn,hnc->bshc", q_h[..., :dn], w_uk), q_h[..., dn:]], -1)
         lat_k = lat.unsqueeze(2)
-        o_lat = attention(q_abs, lat_k, lat_k[..., :C], sp.mask(rows, sp.layout.seq), scale,
-                          sp.attention_kind)
+        o_lat = sp.attend(q_abs, lat_k, lat_k[..., :C], rows, sp.layout.seq, scale)
         o_h = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
         return sp.move(o_h, back, "out_a2a").reshape(B, L, H * dv)
 
@@ -185,5 +196,5 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(nh * (dn + dv), C).t()).view(
         B, Sk, nh, dn + dv)
     k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)
-    o_h = attention(q_h, k_h, kv_h[..., dn:], sp.mask(rows, Sk), scale, sp.attention_kind)
+    o_h = sp.attend(q_h, k_h, kv_h[..., dn:], rows, Sk, scale)
     return sp.move(o_h, back, "out_a2a").reshape(B, L, H * dv)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Sp, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout
@@ -122,11 +123,15 @@ class MLA(nn.Module):
     latent; overlap: laga/laga2d start the latent gather before the queries
     move; "auto" with profile: laga plan's winner. tape "laga" (default):
     tape.Block, keeping what the C++ tape keeps; "autograd": the functional
-    layer (forms.mla_attention) under autograd. Collectives are recorded in
-    self.ledger (a Ledger) when set."""
+    layer (forms.mla_attention) under autograd. attention: "eager" (or
+    "math"; "auto" on laga's tape) keeps the probabilities, "flash" o and
+    the log-sum-exp per row, in tiles of flash_block rows x keys, as the
+    C++ tool's --attention; on tape "autograd" "auto" is SDPA where torch has
+    it. Collectives are recorded in self.ledger (a Ledger) when set."""
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
-                 attention="auto", tape="laga", profile=None, dtype=None, device=None):
+                 attention="auto", tape="laga", profile=None, dtype=None, device=None,
+                 flash_block=64):
         super().__init__()
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
@@ -151,7 +156,17 @@ class MLA(nn.Module):
         if tape not in ("laga", "autograd"):
             raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
                              "the C++ tape keeps) or autograd (the functional layer composed)")
+        if attention not in KINDS:
+            raise ValueError(f"attention '{attention}': expected eager or flash (the C++ tool's "
+                             "--attention), auto, math (= eager) or sdpa (tape autograd)")
+        if tape == "laga" and attention == "sdpa":
+            raise ValueError("attention 'sdpa' with tape 'laga': laga's tape computes attention "
+                             "itself, eager or flash; sdpa is tape 'autograd''s")
+        if int(flash_block) != flash_block or flash_block < 1:
+            raise ValueError(f"flash_block {flash_block}: expected a positive whole number of "
+                             "rows and keys per tile")
         self.head_groups, self.attention, self.tape = head_groups, attention, tape
+        self.flash_block = int(flash_block)
         self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
@@ -216,9 +231,10 @@ class MLA(nn.Module):
                             HeadContextGrid.default_head_groups(cfg.n_heads, P))
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
-                cos, sin, self.head_groups, self.attention)
+                cos, sin, self.head_groups, self.attention, self.flash_block)
         if self.tape == "laga":
-            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B),
+            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
+                                       self.attention == "flash", self.flash_block),
                                *[dict(self.named_parameters())[n] for n in param_order(cfg)])
         s0, s1 = sp.shard()
         pos = sp.pos[:, s0:s1]
@@ -247,9 +263,10 @@ class _Run:
     """What tape.Block needs beyond tensors: the config, this rank's Sp, the
     form's plans (labels as the C++ ledger's), query rows, heads and calls."""
 
-    def __init__(self, cfg, sp, form, q_latent, overlap, batch):
+    def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64):
         from .forms import _head_range, _query_rows
         self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
+        self.flash, self.block = flash, block  # attention: flash (o, lse saved) or eager
         self.names = param_order(cfg)
         self.rows = _query_rows(sp, form)
         self.heads = _head_range(sp, form)

@@ -4,22 +4,29 @@ for backward") and nothing else: the paper's memory point, which autograd's
 own choices would blur (a composed absorbed form, for one, keeps every
 einsum's inputs). Forward and backward read as docs/forms.md's blocks for
 each form and as src/mla/form_*.cpp; the movements are comm.move with the C++
-labels, the attention the eager kernel's (probabilities saved).
+labels. Attention is the C++ tool's choice (run.flash): eager (the
+probabilities saved) or flash (attention.flash_forward: o and the
+log-sum-exp per row saved, the probabilities recomputed tile by tile in
+backward).
 
 Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
   every form   kv_a (B, L, C+dr) [rq > 0: with qa, the fused proj], kv_rstd,
                qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc
-  explicit     q_h, k_h, v_h, probs, c_hat (local tokens)
-  laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), probs per
-               query range, lat (B, S, C+dr)
-  absorbed     q_h, lat, v_lat, q_abs, o_lat, probs
+  explicit     q_h, k_h, v_h, c_hat (local tokens); eager: probs;
+               flash: o_h (B, S, H_r, dv), lse (B, H_r, S)
+  laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), lat (B, S, C+dr);
+               eager: probs per query range; flash: o_h, lse over the query rows
+  absorbed     q_h, lat, v_lat, q_abs, o_lat; eager: probs; flash: lse
+               (o_lat, which d W_UV needs, is flash's output)
 The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
-(which also counts the output); tools_torch_package holds the two equal.
+(which also counts the output); tools_torch_package holds the two equal, for
+eager and for flash. In bf16 flash keeps lse in fp32 (its statistics'
+type), where the closed form counts bf16's 2 bytes.
 """
 
 import torch
 
-from .attention import math_backward, math_forward
+from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
 from .comm import _unpack_add, move
 
 
@@ -101,8 +108,13 @@ class Block(torch.autograd.Function):
             q_h = queries()
             k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
             v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
-            o_h, p = math_forward(q_h, k_h, v_h, sp.mask(rows, sp.layout.seq), scale)
-            keep.update(q_h=q_h, k_h=k_h, v_h=v_h, p0=p, c_hat=c_hat)
+            if run.flash:
+                o_h, lse = flash_forward(q_h, k_h, v_h, sp.key_ranges(rows, sp.layout.seq), scale,
+                                         run.block)
+                keep.update(q_h=q_h, k_h=k_h, v_h=v_h, o_h=o_h, lse=lse, c_hat=c_hat)
+            else:
+                o_h, p = math_forward(q_h, k_h, v_h, sp.mask(rows, sp.layout.seq), scale)
+                keep.update(q_h=q_h, k_h=k_h, v_h=v_h, p0=p, c_hat=c_hat)
         else:
             lat_loc = torch.cat([c_hat, kv_a[..., C:]], -1).unsqueeze(2)
             if run.overlap:  # on the wire while the queries move
@@ -121,10 +133,16 @@ class Block(torch.autograd.Function):
                 v_lat = lat[..., :C].contiguous()  # the kernel's contiguous values
                 q_abs = torch.cat([torch.einsum("bshn,hnc->bshc", q_h[..., :dn],
                                                 wkv[h0:h0 + nh, :dn]), q_h[..., dn:]], -1)
-                o_lat, p = math_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
-                                        sp.mask(rows, sp.layout.seq), scale)
+                if run.flash:  # o_lat is kept either way (d W_UV): flash adds only lse
+                    o_lat, stats = flash_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
+                                                 sp.key_ranges(rows, sp.layout.seq), scale,
+                                                 run.block)
+                else:
+                    o_lat, stats = math_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
+                                                sp.mask(rows, sp.layout.seq), scale)
                 o_h = torch.einsum("bshc,hvc->bshv", o_lat, wkv[h0:h0 + nh, dn:])
-                keep.update(v_lat=v_lat, q_abs=q_abs, o_lat=o_lat, p0=p)
+                keep.update(v_lat=v_lat, q_abs=q_abs, o_lat=o_lat)
+                keep["lse" if run.flash else "p0"] = stats
             else:  # laga, laga2d: the own heads up-projected over the keys needed
                 Sk = run.key_end
                 kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(-1, C).t()).view(
@@ -132,10 +150,20 @@ class Block(torch.autograd.Function):
                 k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)
                 v_h = kv_h[..., dn:].contiguous()
                 o_h = q_h.new_zeros(B, len(rows), nh, dv)
+                if run.flash:  # o_h and lse (B, H_r, Sq) over every query range
+                    lse = torch.zeros(B, nh, len(rows), dtype=_acc_dtype(q_h.dtype),
+                                      device=q_h.device)
                 for i, (a, b, e) in enumerate(run.calls):  # one call per query range
-                    o_h[:, a:b], keep[f"p{i}"] = math_forward(
-                        q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
+                    if run.flash:
+                        o_h[:, a:b], lse[:, :, a:b] = flash_forward(
+                            q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
+                            scale, run.block)
+                    else:
+                        o_h[:, a:b], keep[f"p{i}"] = math_forward(
+                            q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
                 keep.update(k_h=k_h, v_h=v_h)
+                if run.flash:
+                    keep.update(o_h=o_h, lse=lse)
         o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(B, L, H * dv)
         keep["o_loc"] = o_loc
         ctx.run, ctx.names = run, list(keep)
@@ -182,7 +210,13 @@ class Block(torch.autograd.Function):
                         adjoint=True)[:, :, 0]
 
         if form == "explicit":
-            dq_h, dk_h, dv_h = math_backward(s["q_h"], s["k_h"], s["v_h"], s["p0"], do_h, scale)
+            if run.flash:
+                dq_h, dk_h, dv_h = flash_backward(s["q_h"], s["k_h"], s["v_h"], s["o_h"], s["lse"],
+                                                  do_h, sp.key_ranges(rows, sp.layout.seq), scale,
+                                                  run.block)
+            else:
+                dq_h, dk_h, dv_h = math_backward(s["q_h"], s["k_h"], s["v_h"], s["p0"], do_h,
+                                                 scale)
             dq = queries_back(dq_h)
             dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
             dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
@@ -197,9 +231,14 @@ class Block(torch.autograd.Function):
                 w_uk, w_uv = wkv[h0:h0 + nh, :dn], wkv[h0:h0 + nh, dn:]
                 do_lat = torch.einsum("bshv,hvc->bshc", do_h, w_uv)
                 d_wkv[h0:h0 + nh, dn:] = torch.einsum("bshv,bshc->hvc", do_h, s["o_lat"])
-                dq_abs, dk_lat, dv_lat = math_backward(s["q_abs"], lat[:, :, None],
-                                                       s["v_lat"][:, :, None], s["p0"], do_lat,
-                                                       scale)
+                if run.flash:
+                    dq_abs, dk_lat, dv_lat = flash_backward(
+                        s["q_abs"], lat[:, :, None], s["v_lat"][:, :, None], s["o_lat"], s["lse"],
+                        do_lat, sp.key_ranges(rows, sp.layout.seq), scale, run.block)
+                else:
+                    dq_abs, dk_lat, dv_lat = math_backward(s["q_abs"], lat[:, :, None],
+                                                           s["v_lat"][:, :, None], s["p0"],
+                                                           do_lat, scale)
                 d_lat += dk_lat[:, :, 0]
                 d_lat[..., :C] += dv_lat[:, :, 0]
                 q_nope = s["q_h"][..., :dn]
@@ -212,8 +251,14 @@ class Block(torch.autograd.Function):
                 dq_h, dk_h, dv_h = torch.zeros_like(q_h), torch.zeros_like(k_h), \
                     torch.zeros_like(v_h)
                 for i, (a, b, e) in enumerate(run.calls):
-                    dq_, dk_, dv_ = math_backward(q_h[:, a:b], k_h[:, :e], v_h[:, :e],
-                                                  s[f"p{i}"], do_h[:, a:b], scale)
+                    if run.flash:
+                        dq_, dk_, dv_ = flash_backward(
+                            q_h[:, a:b], k_h[:, :e], v_h[:, :e], s["o_h"][:, a:b],
+                            s["lse"][:, :, a:b], do_h[:, a:b], sp.key_ranges(rows[a:b], e), scale,
+                            run.block)
+                    else:
+                        dq_, dk_, dv_ = math_backward(q_h[:, a:b], k_h[:, :e], v_h[:, :e],
+                                                      s[f"p{i}"], do_h[:, a:b], scale)
                     dq_h[:, a:b] = dq_
                     dk_h[:, :e] += dk_
                     dv_h[:, :e] += dv_
