@@ -20,6 +20,14 @@ documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
     once, parameters and input left out) plus the output equal the C++
     closed form (compare's predicted_saved_after_forward_bytes, eager
     attention, the rank compare names) for every form and option;
+  * with attention "flash" (the FLASH cases: every form, uneven S and H, a
+    rank without heads, packed, q_latent, laga2d; tiles of FLASH_BLOCK rows
+    and keys): out, dx and every gradient within 1e-12 of `laga forward
+    --dtype float64 --attention flash` (float32 within 1e-5), bf16 within
+    its bound of float64, the float32 bytes kept for backward equal to
+    compare's flash closed form (o and lse, no probabilities), the ledger the
+    eager run's; a NaN in one token reaches no other document's out or dx,
+    and flash's exact (run by run) and dense products agree;
   * MLAConfig reads ModelArgs and HF config.json files as laga does, and
     HF parameter names load to the same module;
   * form "auto" runs `laga plan --json`'s winner (h100 profile), bit for bit;
@@ -70,6 +78,16 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
             ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True})]
 PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
+# attention "flash" as well (float64, float32; bf16 and autograd's tape for a
+# few): each form, H 3 (a rank without heads at P 4), packed, q_latent,
+# laga2d at both grids. Tiles of 4 rows x 4 keys over S 13: tiles skipped,
+# masked and whole, documents and shards cutting through them.
+FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g1-q-latent",
+         "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
+         "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed"}
+FLASH_BF16 = {"rq7-laga2d-g1-q-latent"}
+FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed"}
+FLASH_BLOCK = 4
 
 
 def cases():
@@ -171,12 +189,20 @@ def worker(args):
         # float64 and float32 on laga's tape; float64 on autograd's (the functional
         # layer composed).
         f64_ledgers = {}
-        runs = [(torch.float64, "laga"), (torch.float32, "laga"), (torch.float64, "autograd")]
+        runs = [(torch.float64, "laga", "math"), (torch.float32, "laga", "math"),
+                (torch.float64, "autograd", "math")]
         if bf16_case(case):
-            runs.append((torch.bfloat16, "laga"))
-        for dtype, tape in runs:
+            runs.append((torch.bfloat16, "laga", "math"))
+        if case["id"] in FLASH:
+            runs += [(torch.float64, "laga", "flash"), (torch.float32, "laga", "flash")]
+        if case["id"] in FLASH_BF16:
+            runs.append((torch.bfloat16, "laga", "flash"))
+        if case["id"] in FLASH_AUTOGRAD:
+            runs.append((torch.float64, "autograd", "flash"))
+        for dtype, tape, attention in runs:
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=case["form"],
-                       attention="math", tape=tape, dtype=dtype, device=dev, **case["opts"])
+                       attention=attention, tape=tape, dtype=dtype, device=dev,
+                       flash_block=FLASH_BLOCK, **case["opts"])
             m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
             m.ledger = lt.Ledger()
             x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, s0:s1].clone().requires_grad_()
@@ -192,9 +218,21 @@ def worker(args):
             res = {k: v.cpu().double().numpy() if dtype == torch.bfloat16 else v.cpu().numpy()
                    for k, v in res.items()}
             tag = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16"}[dtype] + \
-                ("-autograd" if tape == "autograd" else "")
+                ("-autograd" if tape == "autograd" else "") + \
+                ("-flash" if attention == "flash" else "")
             safetensors_io.save_file(res, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
+            if attention == "flash":  # the same movements as eager's
+                if dtype == torch.float32:
+                    lt.sync_gradients(m, ledger=m.ledger)
+                    eager = results[case["id"]]["ledger"]
+                    mine = [[ph, lb, v["calls"], v["sent"], v["received"]]
+                            for (ph, lb), v in m.ledger.rows.items()]
+                    if mine != eager:
+                        sys.exit(f"FAIL: {case['id']} P {P}: flash's ledger {mine} differs from "
+                                 f"eager's {eager}")
+                    results[case["id"]]["saved_flash"] = saved
+                continue
             if dtype == torch.float64:  # both tapes hand torch.distributed the same bytes
                 f64_ledgers[tape] = dict(m.ledger.rows)
                 if tape == "autograd" and f64_ledgers["autograd"] != f64_ledgers["laga"]:
@@ -208,6 +246,7 @@ def worker(args):
                                        "saved": saved}
     with open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json"), "w") as f:
         json.dump(results, f)
+    nan_isolated(lt, dev, P, r, args)
     hf_names(lt, dev, P, args)
     auto(lt, dev, P, args)
     errors(lt, dev, P, r)
@@ -229,6 +268,43 @@ class saved_by(set):
         if st.data_ptr() not in self.skip:
             set.add(self, (st.data_ptr(), st.nbytes()))
         return t
+
+
+def nan_isolated(lt, dev, P, r, args):
+    """Flash leaves masked pairs out of every sum by selection: a NaN in one
+    token's input (row 0, token 4, document [3, 9)) reaches out and dx of
+    that document's later tokens (and its keys' dx) and of nothing else, on
+    every form, packed at P 1-4; elsewhere out and dx equal the clean run's
+    (1e-12 relative; the NaN run takes flash's exact products, the clean one
+    its dense ones). Eager, which multiplies masked pairs by p = 0, fails this."""
+    w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
+    inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
+    s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
+    hit = torch.zeros(B, S, dtype=torch.bool)
+    hit[0, 3:9] = True  # the NaN's document
+    hit = hit[:, s0:s1]
+    for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
+                       ("laga2d", {"head_groups": 1})):
+        got = []
+        for poison in (False, True):
+            m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, attention="flash",
+                       dtype=torch.float64, device=dev, flash_block=FLASH_BLOCK, **opts)
+            m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+            x = torch.from_numpy(inp["x"]).clone()
+            if poison:
+                x[0, 4, 5] = float("nan")
+            x = x.to(dev)[:, s0:s1].clone().requires_grad_()
+            out = m(x, cu_seqlens=DOCS, seq_len=S)
+            out.backward(torch.from_numpy(inp["dout"]).to(dev)[:, s0:s1])
+            got.append((out.detach().cpu(), x.grad.cpu()))
+        for name, clean, bad in zip(("out", "dx"), *got):
+            e = rel(bad[~hit].numpy(), clean[~hit].numpy())
+            if not e <= 1e-12:
+                sys.exit(f"FAIL: {form} flash at P {P}, rank {r}: a NaN in token 4 of row 0 "
+                         f"reaches {name} outside its document ({e:.3e} relative)")
+        if s0 <= 4 < s1 and not torch.isnan(got[1][0][0, 4 - s0]).all():
+            sys.exit(f"FAIL: {form} flash at P {P}: the NaN in token 4 did not reach its own out")
 
 
 def hf_names(lt, dev, P, args):
@@ -339,6 +415,39 @@ def rel(a, ref):
     return d / scale if scale > 0 else d
 
 
+def flash_kernels(lt, dev):
+    """laga_torch.attention's flash against its math path in float64 on the
+    packed documents (one key head per query head, and one shared, as
+    absorbed's), blocks 1, FLASH_BLOCK and 64: o, dq, dk, dv within 1e-13,
+    with the dense and the exact (run by run) products alike."""
+    from laga_torch.attention import flash_backward, flash_forward, math_backward, math_forward
+    g = torch.Generator().manual_seed(7)
+    starts = torch.tensor([[a for a, b in zip(d, d[1:]) for _ in range(b - a)] for d in DOCS],
+                          device=dev)
+    worst = 0.0
+    for Hk in (3, 1):
+        for a, b in ((0, S), (4, 11)):  # every row; a range of rows over keys [0, b)
+            rows = torch.arange(a, b, device=dev)
+            q, k, v, do = (torch.randn(shape, generator=g, dtype=torch.float64).to(dev) for shape in
+                           ((B, b - a, 3, 7), (B, b, Hk, 7), (B, b, Hk, 5), (B, b - a, 3, 5)))
+            sp = lt.forms.Sp(lt.SpLayout.even(S, 3, 1), 0, None, None, B, starts,
+                             None, None)
+            o_ref, p = math_forward(q, k, v, sp.mask(rows, b), 0.3)
+            want = (o_ref,) + math_backward(q, k, v, p, do, 0.3)
+            for block in (1, FLASH_BLOCK, 64):
+                for exact in (False, True):
+                    kr = sp.key_ranges(rows, b)
+                    o, lse = flash_forward(q, k, v, kr, 0.3, block, exact=exact)
+                    got = (o,) + flash_backward(q, k, v, o, lse, do, kr, 0.3, block, exact=exact)
+                    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+                        e = rel(x.cpu().numpy(), y.cpu().numpy())
+                        worst = max(worst, e)
+                        if not e <= 1e-13:
+                            sys.exit(f"FAIL: flash (Hk {Hk}, rows [{a}, {b}), block {block}, "
+                                     f"exact {exact}): {name} differs from math by {e:.3e}")
+    return worst
+
+
 def example(args):
     """The example trainer's 20 float64 steps at P 2 equal P 1 within 1e-6 per
     step's loss. Ranks get torchrun's environment (RANK, WORLD_SIZE,
@@ -422,6 +531,8 @@ def main():
             sys.exit(f"FAIL: config {name}: MLAConfig reads (ours, laga's) {bad}, yarn_always "
                      f"{mine['yarn_always']} vs {theirs.get('yarn_always', False)}")
 
+    flash_worst = flash_kernels(lt, torch.device(args.device))
+
     # The torch ranks, one launch per P.
     for P in sps:
         port = free_port()
@@ -444,19 +555,26 @@ def main():
     # Values: the C++ forms against the torch module, per tensor: float64
     # within 1e-12, float32 within 1e-5 (the paper's fp32 check).
     worst, checked = {"float64": 0.0, "float32": 0.0}, 0
+    worst_flash = {"float64": 0.0, "float32": 0.0}
     for P, case, dt in [(P, c, dt) for P in sps for c in cases() for dt in TOLS]:
         tol, tag = TOLS[dt], "f64" if dt == "float64" else "f32"
         ref_path = os.path.join(args.dir, f"cxx-{tag}-{case['id']}-P{P}.safetensors")
         cmd = [args.laga, "forward", "--config", os.path.join(args.dir, case["cfg"] + ".json"),
                "--weights", os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"),
                "--input", os.path.join(args.dir, "input.safetensors"), "--backward",
-               "--dtype", dt, "--sp", str(P), "--output", ref_path] + cxx_flags(case)
+               "--dtype", dt, "--sp", str(P), "--attention", "flash",
+               "--output", ref_path] + cxx_flags(case)
         if case["docs"]:
             cmd += ["--doc-lens", "/".join(",".join(str(e - s) for s, e in zip(d, d[1:]))
                                            for d in case["docs"])]
         run(cmd)
         ref, _ = safetensors_io.load_file(ref_path)
-        for tag in [tag] + ([tag + "-autograd"] if dt == "float64" else []):
+        tags = [tag] + ([tag + "-autograd"] if dt == "float64" else [])
+        if case["id"] in FLASH:
+            tags.append(tag + "-flash")
+        if case["id"] in FLASH_AUTOGRAD and dt == "float64":
+            tags.append(tag + "-autograd-flash")
+        for tag in tags:
             parts = [safetensors_io.load_file(os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0]
                 for r in range(P)]
@@ -470,7 +588,8 @@ def main():
                          f"{sorted(ref)}")
             for k in ref:
                 e = rel(mine[k].astype(np.float64), ref[k].astype(np.float64))
-                worst[dt] = max(worst[dt], e)
+                (worst_flash if tag.endswith("-flash") else worst)[dt] = max(
+                    (worst_flash if tag.endswith("-flash") else worst)[dt], e)
                 checked += 1
                 if not e <= tol:
                     sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the C++ form by "
@@ -486,7 +605,7 @@ def main():
             if k.startswith("grad."):
                 full[k] = sum(p[k] for p in parts)
         return full
-    bf16_worst = {"f64": 0.0, "explicit P1": 0.0}
+    bf16_worst = {"f64": 0.0, "explicit P1": 0.0, "flash f64": 0.0}
     explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and c["form"] == "explicit"}
     for P in sps:
         for case in filter(bf16_case, cases()):
@@ -494,17 +613,20 @@ def main():
             refs = [("f64", assembled("f64", case, P), 1)]
             if P > 1 and 1 in sps:
                 refs.append(("explicit P1", assembled("bf16", explicit_p1[case["cfg"]], 1), 2))
+            if case["id"] in FLASH_BF16:
+                refs.append(("flash f64", refs[0][1], 1))
             for what, ref, factor in refs:
+                got = assembled("bf16-flash", case, P) if what == "flash f64" else mine
                 for k in ref:
                     bound = factor * BF16_BOUND["out" if k == "out" else "grad"]
-                    e = rel(mine[k], ref[k])
+                    e = rel(got[k], ref[k])
                     bf16_worst[what] = max(bf16_worst[what], e / bound)
                     if not e <= bound:
                         sys.exit(f"FAIL: {case['id']} P {P} bf16: {k} differs from {what} by "
                                  f"{e:.3e} relative (> {bound:.3e}, bf16's first-order bound)")
 
     # The ledger: float32 runs against compare's count-only ledger (f32).
-    ledgers = 0
+    ledgers, flash_saved = 0, 0
     for P in sps:
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
@@ -520,6 +642,19 @@ def main():
                        "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
                       (["--head-groups", hg] if hg else [])
                 cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
+                flash = [c for c in mine if c["id"] in FLASH]
+                if flash:  # flash's closed form: o and lse in place of the probabilities
+                    i = cmd.index("--attention")
+                    cmp_flash = {f["form"]: f for f in json.loads(run(
+                        cmd[:i + 1] + ["flash"] + cmd[i + 2:]))["forms"]}
+                for case in flash:
+                    f = cmp_flash[compare_name(case)]
+                    got = per_rank[f["peak_rank"]][case["id"]]["saved_flash"]
+                    if got != f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P} flash: rank {f['peak_rank']} keeps "
+                                 f"{got} bytes for backward (with the output), the C++ flash "
+                                 f"closed form {f['predicted_saved_after_forward_bytes']}")
+                    flash_saved += 1
                 for case in mine:
                     want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
                                                        l["bytes_received"])
@@ -539,12 +674,17 @@ def main():
                         sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
                                  f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
                     ledgers += 1
+    print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
+          "exact products, blocks 1, 4, 64)")
     print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
           f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
           f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
-          f"laga compare's; torch ranks {t_torch:.1f} s, "
+          f"laga compare's; flash: worst relative float64 {worst_flash['float64']:.2e}, float32 "
+          f"{worst_flash['float32']:.2e}, bf16 error / bound {bf16_worst['flash f64']:.2f}, "
+          f"{flash_saved} saved-for-backward byte counts equal compare's flash closed form; "
+          f"torch ranks {t_torch:.1f} s, "
           f"total {time.time() - t0:.1f} s")
 
 
