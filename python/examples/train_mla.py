@@ -60,6 +60,8 @@ def main():
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16"])
+    ap.add_argument("--attention", default="eager", choices=["eager", "flash"],
+                    help="laga's tape: probabilities saved (eager) or o and lse (flash)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=61)
     ap.add_argument("--batch", type=int, default=2)
@@ -75,7 +77,8 @@ def main():
     dtype = getattr(torch, args.dtype)
     cfg = lt.MLAConfig.from_json(CONFIG)
     torch.manual_seed(0)  # the same initial model on every rank and at every P
-    model = TinyLM(cfg, vocab=64, layers=2, form=args.form).to(dev, dtype)
+    model = TinyLM(cfg, vocab=64, layers=2, form=args.form,
+                  attention=args.attention).to(dev, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lay = lt.SpLayout.even(args.seq + 0, cfg.n_heads, P)
     s0, s1 = lay.seq_offset[rank], lay.seq_offset[rank] + lay.seq_count[rank]

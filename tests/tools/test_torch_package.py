@@ -376,6 +376,10 @@ def errors(lt, dev, P, r):
     expect_error("overlap with explicit", ["overlap", "explicit"],
                  lambda: lt.MLA(cfg7, form="explicit", overlap=True))
     expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("unknown attention", ["attention", "ring", "flash"],
+                 lambda: lt.MLA(cfg7, attention="ring"))
+    expect_error("sdpa on laga's tape", ["sdpa", "laga"], lambda: lt.MLA(cfg7, attention="sdpa"))
+    expect_error("flash_block 0", ["flash_block"], lambda: lt.MLA(cfg7, flash_block=0))
     expect_error("form auto without a profile", ["auto", "profile"],
                  lambda: lt.MLA(cfg7, form="auto"))
     if P > 1:
