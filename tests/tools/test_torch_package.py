@@ -423,8 +423,10 @@ def flash_kernels(lt, dev):
     """laga_torch.attention's flash against its math path in float64 on the
     packed documents (one key head per query head, and one shared, as
     absorbed's), blocks 1, FLASH_BLOCK and 64: o, dq, dk, dv within 1e-13,
-    with the dense and the exact (run by run) products alike."""
-    from laga_torch.attention import flash_backward, flash_forward, math_backward, math_forward
+    with the dense and the exact (run by run) products alike; and a row that
+    sees no key gets o = 0, lse = 0 and passes no gradient."""
+    from laga_torch.attention import (KeyRanges, flash_backward, flash_forward, math_backward,
+                                      math_forward)
     g = torch.Generator().manual_seed(7)
     starts = torch.tensor([[a for a, b in zip(d, d[1:]) for _ in range(b - a)] for d in DOCS],
                           device=dev)
@@ -449,6 +451,31 @@ def flash_kernels(lt, dev):
                         if not e <= 1e-13:
                             sys.exit(f"FAIL: flash (Hk {Hk}, rows [{a}, {b}), block {block}, "
                                      f"exact {exact}): {name} differs from math by {e:.3e}")
+    # A row that sees no key (row 2's range emptied): o = 0, lse = 0, no gradient
+    # from it, as the C++ kernel's convention; the math path with that row's
+    # probabilities set to 0 is the reference.
+    rows = torch.arange(S, device=dev)
+    q, k, v, do = (torch.randn(shape, generator=g, dtype=torch.float64).to(dev) for shape in
+                   ((B, S, 3, 7), (B, S, 3, 7), (B, S, 3, 5), (B, S, 3, 5)))
+    kr = sp.key_ranges(rows, S)
+    hi = kr.hi.clone()
+    hi[:, 2] = kr.lo[:, 2]
+    kr = KeyRanges(kr.lo, hi)
+    mask = sp.mask(rows, S).clone()
+    mask[:, :, 2] = False
+    o_ref, p = math_forward(q, k, v, mask, 0.3)
+    p = torch.nan_to_num(p, nan=0.0)
+    want = (torch.nan_to_num(o_ref, nan=0.0),) + math_backward(q, k, v, p, do, 0.3)
+    o, lse = flash_forward(q, k, v, kr, 0.3, FLASH_BLOCK)
+    got = (o,) + flash_backward(q, k, v, o, lse, do, kr, 0.3, FLASH_BLOCK)
+    if not (torch.all(o[:, 2] == 0) and torch.all(lse[:, :, 2] == 0)):
+        sys.exit("FAIL: flash: a row that sees no key does not get o = 0 and lse = 0")
+    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+        e = rel(x.cpu().numpy(), y.cpu().numpy())
+        worst = max(worst, e)
+        if not e <= 1e-13:
+            sys.exit(f"FAIL: flash with a row that sees no key: {name} differs from math by "
+                     f"{e:.3e}")
     return worst
 
 
@@ -679,7 +706,7 @@ def main():
                                  f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
                     ledgers += 1
     print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
-          "exact products, blocks 1, 4, 64)")
+          "exact products, blocks 1, 4, 64; a row that sees no key)")
     print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
           f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
