@@ -39,12 +39,13 @@ bool digits(std::string_view s, size_t min_len, size_t max_len) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// The step of a manifest named step-<digits>.json; -1 for any other name.
-std::int64_t step_of(const fs::path& p) {
+// The step of a file named step-<digits><ext> (the manifest's .json, or its
+// tensors' .safetensors); -1 for any other name.
+std::int64_t step_of(const fs::path& p, std::string_view ext = ".json") {
   const std::string n = p.filename().string();
   const std::string_view v(n);
-  if (!v.starts_with("step-") || !v.ends_with(".json")) return -1;
-  const std::string_view d = v.substr(5, v.size() - 10);
+  if (!v.starts_with("step-") || !v.ends_with(ext)) return -1;
+  const std::string_view d = v.substr(5, v.size() - 5 - ext.size());
   return digits(d, 1, 18) ? std::stoll(std::string(d)) : -1;
 }
 
@@ -56,15 +57,6 @@ bool is_checkpoint_file_name(std::string_view n) {
   for (std::string_view ext : {std::string_view(".json"), std::string_view(".safetensors")})
     if (n.ends_with(ext) && digits(n.substr(5, n.size() - 5 - ext.size()), 8, 18)) return true;
   return false;
-}
-
-// The step of a tensors file named step-<N>.safetensors; -1 for any other.
-std::int64_t tensors_step_of(const fs::path& p) {
-  const std::string n = p.filename().string();
-  const std::string_view v(n);
-  if (!v.starts_with("step-") || !v.ends_with(".safetensors")) return -1;
-  const std::string_view d = v.substr(5, v.size() - 5 - 12);
-  return digits(d, 1, 18) ? std::stoll(std::string(d)) : -1;
 }
 
 // The pid in a temporary write_file_atomic made for a checkpoint file
@@ -160,10 +152,6 @@ std::pair<long long, std::string> lock_holder(const std::string& text) {
   return {pid, host};
 }
 
-}  // namespace
-
-namespace {
-
 // What a lock file says of its holder, and whether it can be taken over.
 struct LockHolder {
   bool present = false, stale = false;
@@ -256,7 +244,7 @@ std::vector<std::string> set_aside_checkpoints_after(const std::string& dir_s, s
     for (const auto& e : fs::directory_iterator(dir, ec)) {
       fs::path manifest = e.path();
       manifest.replace_extension(".json");
-      if (tensors_step_of(e.path()) > step && !fs::exists(manifest, ec))
+      if (step_of(e.path(), ".safetensors") > step && !fs::exists(manifest, ec))
         orphans.push_back(e.path());
     }
   }

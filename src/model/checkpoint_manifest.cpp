@@ -69,9 +69,13 @@ std::string fnv1a64_hex(std::uint64_t h) {
   return buf;
 }
 
+std::uint64_t fnv1a64(std::string_view bytes) {
+  return fnv1a64(kFnvOffset, bytes);
+}
+
 std::uint64_t file_fnv1a64(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  LAGA_CHECK(in, "checkpoint: cannot open '", path, "' to verify it");
+  LAGA_CHECK(in, "cannot open '", path, "' to hash its contents; check its permissions");
   std::uint64_t h = kFnvOffset;
   std::vector<char> buf(1 << 20);
   while (in) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -61,8 +62,10 @@ CheckpointManifest parse_checkpoint_manifest(const std::string& text, const std:
 std::string checkpoint_manifest_hash(const nlohmann::json& manifest);
 
 // FNV-1a 64 of a file's bytes (the manifest's integrity hash of its tensors
-// file, and the identity of a --data file).
+// file, and the identity of a --data file, and of every input MPI ranks
+// compare), and of bytes in memory.
 std::uint64_t file_fnv1a64(const std::string& path);
+std::uint64_t fnv1a64(std::string_view bytes);
 // h as 16 lower-case hex digits, as a manifest records it.
 std::string fnv1a64_hex(std::uint64_t h);
 

@@ -189,9 +189,8 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.save_every == 0 || !o.checkpoint_dir.empty(),
              "--save-every needs --checkpoint DIR to write into");
   LAGA_CHECK(o.val_every >= 0 && o.val_batches >= 1,
-             "--val-every must be >= 0 and "
-             "--val-batches >= 1 (got ",
-             o.val_every, ", ", o.val_batches, ")");
+             "--val-every must be >= 0 and --val-batches >= 1 (got ", o.val_every, ", ",
+             o.val_batches, ")");
   LAGA_CHECK(o.val_every == 0 || !o.val_data.empty(),
              "--val-every needs --val-data FILE, the held-out tokens to evaluate on");
   if (!o.val_data.empty()) {

@@ -280,13 +280,6 @@ std::map<std::string, std::string>& run_identity() {
   return m;
 }
 
-// FNV-1a: the same bytes give the same digest in every process.
-std::uint64_t digest(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // The input files named by options (protect_input): option -> path. Under
 // MPI their contents are compared across ranks, not their spellings: one path
 // can hold different files on different nodes (-wdir, local disks), and
@@ -322,12 +315,12 @@ std::string input_identity(const std::string& path) {
       in.read(reinterpret_cast<char*>(&header), sizeof header);
       std::string text(static_cast<size_t>(std::min<std::uint64_t>(header, 100u << 20)), '\0');
       in.read(text.data(), static_cast<std::streamsize>(text.size()));
-      listing += " header " + fnv1a64_hex(digest(text));
+      listing += " header " + fnv1a64_hex(fnv1a64(text));
     }
     listing += "\n";
   }
   return cat("directory of ", entries.size(), " files, FNV-1a 64 of its listing ",
-             fnv1a64_hex(digest(listing)));
+             fnv1a64_hex(fnv1a64(listing)));
 }
 
 // Every rank's bytes, gathered to every rank (two all-gathers: the lengths,
@@ -375,14 +368,16 @@ std::string rank_ranges(const std::vector<int>& ranks) {
 constexpr const char* kFailure = "the failure of this rank";
 const std::string kFileOf = "the file of option ";  // + "--weights": its contents
 
-// Every rank's (what, value) entries side by side; every rank computes the
-// same verdict from the same gathered bytes, so all refuse at once with one
-// message: the first entry (in name order, a failure last) whose value
-// differs between ranks or that some ranks lack, each value with its ranks.
 // Whether this process has taken part in check_ranks_agree (passed or not):
 // its peers compare once, so a failure after it must not ask them again.
 bool g_ranks_compared = false;
 
+// Every rank's (what, value) entries side by side; every rank computes the
+// same verdict from the same gathered bytes (FNV-1a: the same bytes give the
+// same digest in every process), so all refuse at once with one message: the
+// first entry (the command line first, a failure next, then the rest, each
+// in name order) whose value differs between ranks or that some ranks lack,
+// each value with its ranks.
 void check_ranks_agree(Communicator& comm) {
   g_ranks_compared = true;
   std::map<std::string, std::string> mine;
@@ -403,7 +398,7 @@ void check_ranks_agree(Communicator& comm) {
     std::string preview = value.substr(0, 120);
     for (char& ch : preview)
       if (ch == '\x1e' || ch == '\x1f' || ch == '\n') ch = ' ';
-    text += what + "\x1f" + fnv1a64_hex(digest(value)) + "\x1f" + preview + "\x1e";
+    text += what + "\x1f" + fnv1a64_hex(fnv1a64(value)) + "\x1f" + preview + "\x1e";
   }
   const Ledger before = comm.ledger();
   const std::vector<std::string> texts = gather_texts(comm, text);

@@ -208,8 +208,7 @@ void run_plan(const PlanOptions& o) {
   // reads would be ignored without a word (issue 26).
   LAGA_CHECK(
       !measuring || o.plan_only_given.empty(),
-      "--measure FILE measures this machine "
-      "and plans nothing, so ",
+      "--measure FILE measures this machine and plans nothing, so ",
       [&] {
         std::string s;
         for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
