@@ -431,6 +431,16 @@ def flash_kernels(lt, dev):
     starts = torch.tensor([[a for a, b in zip(d, d[1:]) for _ in range(b - a)] for d in DOCS],
                           device=dev)
     worst = 0.0
+
+    def expect_math(got, want, what):
+        # o, dq, dk, dv of flash against the math path, within 1e-13.
+        nonlocal worst
+        for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+            e = rel(x.cpu().numpy(), y.cpu().numpy())
+            worst = max(worst, e)
+            if not e <= 1e-13:
+                sys.exit(f"FAIL: flash {what}: {name} differs from math by {e:.3e}")
+
     for Hk in (3, 1):
         for a, b in ((0, S), (4, 11)):  # every row; a range of rows over keys [0, b)
             rows = torch.arange(a, b, device=dev)
@@ -445,12 +455,8 @@ def flash_kernels(lt, dev):
                     kr = sp.key_ranges(rows, b)
                     o, lse = flash_forward(q, k, v, kr, 0.3, block, exact=exact)
                     got = (o,) + flash_backward(q, k, v, o, lse, do, kr, 0.3, block, exact=exact)
-                    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
-                        e = rel(x.cpu().numpy(), y.cpu().numpy())
-                        worst = max(worst, e)
-                        if not e <= 1e-13:
-                            sys.exit(f"FAIL: flash (Hk {Hk}, rows [{a}, {b}), block {block}, "
-                                     f"exact {exact}): {name} differs from math by {e:.3e}")
+                    expect_math(got, want,
+                                f"(Hk {Hk}, rows [{a}, {b}), block {block}, exact {exact})")
     # A row that sees no key (row 2's range emptied): o = 0, lse = 0, no gradient
     # from it, as the C++ kernel's convention; the math path with that row's
     # probabilities set to 0 is the reference.
@@ -470,12 +476,7 @@ def flash_kernels(lt, dev):
     got = (o,) + flash_backward(q, k, v, o, lse, do, kr, 0.3, FLASH_BLOCK)
     if not (torch.all(o[:, 2] == 0) and torch.all(lse[:, :, 2] == 0)):
         sys.exit("FAIL: flash: a row that sees no key does not get o = 0 and lse = 0")
-    for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
-        e = rel(x.cpu().numpy(), y.cpu().numpy())
-        worst = max(worst, e)
-        if not e <= 1e-13:
-            sys.exit(f"FAIL: flash with a row that sees no key: {name} differs from math by "
-                     f"{e:.3e}")
+    expect_math(got, want, "with a row that sees no key")
     return worst
 
 
