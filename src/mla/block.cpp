@@ -11,83 +11,6 @@
 
 namespace laga {
 
-const char* to_string(AttentionKind a) {
-  return a == AttentionKind::eager ? "eager" : "flash";
-}
-
-AttentionKind parse_attention(const std::string& s) {
-  if (s == "eager") return AttentionKind::eager;
-  if (s == "flash") return AttentionKind::flash;
-  fail("unknown attention kernel '", s, "'; choose eager or flash");
-}
-
-const char* to_string(QueryExchange q) {
-  return q == QueryExchange::heads ? "heads" : "latent";
-}
-
-QueryExchange parse_query_exchange(const std::string& s) {
-  if (s == "heads") return QueryExchange::heads;
-  if (s == "latent") return QueryExchange::latent;
-  fail("unknown query exchange '", s, "'; choose heads or latent");
-}
-
-const char* to_string(Overlap o) {
-  return o == Overlap::on ? "on" : "off";
-}
-
-Overlap parse_overlap(const std::string& s) {
-  if (s == "off") return Overlap::off;
-  if (s == "on") return Overlap::on;
-  fail("unknown --overlap value '", s, "'; choose on or off");
-}
-
-bool form_overlaps(Form f) {
-  return f == Form::laga || f == Form::laga2d;
-}
-
-void check_overlap(FormVariant v) {
-  LAGA_CHECK(v.overlap == Overlap::off || form_overlaps(v.form),
-             "--overlap on applies to the laga and laga2d forms (they overlap the latent "
-             "all-gather and its reduce-scatter with compute); the ",
-             to_string(v.form),
-             " form has no overlapped path: use --form laga or laga2d, or --overlap off");
-}
-
-std::string to_string(FormVariant v) {
-  return cat(to_string(v.form), v.queries == QueryExchange::latent ? "+q-latent" : "",
-             v.overlap == Overlap::on ? "+overlap" : "");
-}
-
-void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
-  if (v.queries == QueryExchange::heads) return;
-  const char* what = "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; ";
-  LAGA_CHECK(v.form == Form::laga || v.form == Form::laga2d, what, "not to the ", to_string(v.form),
-             " form, which sends per-head queries: use --form laga or laga2d, or drop --q-latent");
-  LAGA_CHECK(cfg.q_lora_rank > 0, what,
-             "the config has q_lora_rank 0 (queries come from wq directly: there is no query "
-             "latent to gather); give q_lora_rank > 0 (--preset deepseek-v3, a --config with "
-             "it, or train's --q-lora-rank) or drop --q-latent");
-}
-
-void check_head_groups(const SpLayout& layout, FormVariant v) {
-  if (v.form != Form::laga2d) {
-    LAGA_CHECK(v.head_groups == 0, "--head-groups applies to the laga2d form only, not to ",
-               to_string(v.form), ": use --form laga2d or drop --head-groups");
-    return;
-  }
-  laga2d_grid(layout, v);
-}
-
-HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v) {
-  return HeadContextGrid::make(
-      layout, HeadContextGrid::resolve_head_groups(layout.heads, layout.ranks, v.head_groups));
-}
-
-Placement attention_placement(const SpLayout& layout, FormVariant v) {
-  return v.form == Form::laga2d ? Placement::query_chunks(laga2d_grid(layout, v))
-                                : Placement::head_shards(layout);
-}
-
 namespace detail {
 
 using ops::mat;
@@ -108,11 +31,9 @@ Step::Step(const BlockContext& c) : ctx(c) {
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   Nq = rq == 0 ? H * dqk : rq;
   pos0 = lay.seq_offset[r];
-  const FormVariant variant{c.form, c.queries, c.head_groups};
-  check_query_exchange(m, variant);
-  check_head_groups(lay, variant);
+  check_variant(m, lay, c.variant);
   tokens = Placement::seq_shards(lay);
-  attention = attention_placement(lay, variant);
+  attention = attention_placement(lay, c.variant);
   Hr = attention.head_count[r], h0 = attention.head_offset[r];
   query_ranges = attention.tokens[r];
   Sq = attention.rows(c.comm.rank());
@@ -125,7 +46,7 @@ Step::Step(const BlockContext& c) : ctx(c) {
     if (!current_pool().count_only()) {
       doc_start = docs->doc_starts();
       positions = docs->positions(pos0, L);
-      if (c.queries == QueryExchange::latent) seq_positions = docs->positions(0, S);
+      if (c.variant.queries == QueryExchange::latent) seq_positions = docs->positions(0, S);
     }
   }
 }
@@ -446,7 +367,7 @@ void Pieces<T>::latent_norm_backward(const Step& st, const MlaParams<T>& w, Tens
 template <class T>
 void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq,
                                InputSaved<T>& in, Tensor<T>& dproj, MlaParams<T>& grads) {
-  const bool per_head = st.ctx.queries == QueryExchange::heads;
+  const bool per_head = st.ctx.variant.queries == QueryExchange::heads;
   if (st.rq == 0) {
     // dq is dproj's first Nq columns already (queries_to_tokens); rotated
     // back as the latent is.
@@ -496,10 +417,10 @@ template <class T>
 typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaParams<T>& w,
                                                    const Tensor<T>& x) {
   using P = Pieces<T>;
-  const bool latent = st.ctx.queries == QueryExchange::latent;
+  const bool latent = st.ctx.variant.queries == QueryExchange::latent;
   Qkv r;
   P::project_in(st, w, x, in);
-  if (st.ctx.overlap == Overlap::on) {
+  if (st.ctx.variant.overlap == Overlap::on) {
     // The latent first: its all-gather is on the link while the queries are
     // projected (their own collective queues behind it); waited for only
     // where the up-projection reads it.
@@ -526,14 +447,15 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
                              MlaParams<T>& grads) {
   using P = Pieces<T>;
   Tensor<T> dproj;  // rq == 0: the per-head dq lands in it
-  Tensor<T> dq = st.ctx.queries == QueryExchange::latent ? query_latent_backward(st, w, dq_h, grads)
-                                                         : P::queries_to_tokens(st, dq_h, dproj);
+  Tensor<T> dq = st.ctx.variant.queries == QueryExchange::latent
+                     ? query_latent_backward(st, w, dq_h, grads)
+                     : P::queries_to_tokens(st, dq_h, dproj);
   Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
   lat.reset();
   // Overlap: the reduce-scatter is on the link while the query path's
   // backward runs (project_in_backward waits for it before the latent's).
   StartedSeq<T> dlat_rs;
-  StartedSeq<T>* started = st.ctx.overlap == Overlap::on ? &dlat_rs : nullptr;
+  StartedSeq<T>* started = st.ctx.variant.overlap == Overlap::on ? &dlat_rs : nullptr;
   Tensor<T> dlat_loc = P::reduce_latent(st, dlat, started);
   P::project_in_backward(st, w, x, dq, dlat_loc, dproj, in, dx, grads, started);
 }
@@ -652,11 +574,8 @@ void BlockApi<T>::forward(const BlockContext& ctx, const MlaParams<T>& w, const 
   LAGA_CHECK(x.shape() == Shape({st.B, st.L, st.D}), "mla_forward: x on rank ", ctx.comm.rank(),
              " has shape ", to_string(x.shape()), " but this rank's shard needs ",
              to_string(Shape{st.B, st.L, st.D}));
-  FormVariant ran(ctx.form, ctx.queries, ctx.head_groups);
-  ran.overlap = ctx.overlap;
-  check_overlap(ran);
   ctx.comm.set_phase(Phase::forward);
-  const FormEntry& form = form_entry(ctx.form);
+  const FormEntry& form = form_entry(ctx.variant.form);
   if constexpr (std::is_same_v<T, float>)
     saved.tape_ = form.f32(st, w, x, out);
   else
@@ -668,10 +587,14 @@ void BlockApi<T>::backward(const BlockContext& ctx, const MlaParams<T>& w, const
                            const Tensor<T>& dout, MlaSaved<T>& saved, Tensor<T>& dx,
                            MlaParams<T>& grads) {
   LAGA_CHECK(!saved.empty(), "mla_backward: nothing saved; call mla_forward first");
-  const FormVariant ran{saved.step_->ctx.form, saved.step_->ctx.queries};
-  LAGA_CHECK(ran == FormVariant(ctx.form, ctx.queries), "mla_backward: forward ran ",
-             to_string(ran), " but backward was asked for ",
-             to_string(FormVariant(ctx.form, ctx.queries)));
+  // The whole variant and the kernel: a backward of another variant would
+  // read the tape of one form with the geometry of another.
+  const BlockContext& ran = saved.step_->ctx;
+  LAGA_CHECK(ran.variant == ctx.variant && ran.attention == ctx.attention,
+             "mla_backward: forward ran ", to_string(ran.variant), " (head groups ",
+             ran.variant.head_groups, ", ", to_string(ran.attention),
+             ") but backward was asked for ", to_string(ctx.variant), " (head groups ",
+             ctx.variant.head_groups, ", ", to_string(ctx.attention), ")");
   LAGA_CHECK(&saved.step_->ctx.comm == &ctx.comm,
              "mla_backward: called with another communicator than its forward");
   LAGA_CHECK(dout.shape() == x.shape(), "mla_backward: dout has shape ", to_string(dout.shape()),

@@ -6,119 +6,122 @@
 
 namespace laga {
 
-CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
-                            std::int64_t e, bool backward, bool grad_sync) {
-  check_query_exchange(c, variant);
-  check_head_groups(lay, variant);
-  const Form form = variant.form;
-  const bool q_latent = variant.queries == QueryExchange::latent;
-  auto z = [](std::int64_t i) { return static_cast<size_t>(i); };
-  const int P = lay.ranks;
-  const std::int64_t B = lay.batch, Lr = lay.seq_count[z(r)];
-  const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim,
-                     W = c.kv_lora_rank + c.qk_rope_head_dim;
-  // The attention's rows: every form but laga2d attends all S tokens for its
-  // SpLayout head shard; laga2d its query ranges for its head group's heads
-  // (HeadContextGrid).
-  const bool grid = form == Form::laga2d;
-  const HeadContextGrid g = grid ? laga2d_grid(lay, variant) : HeadContextGrid{};
-  auto attended_heads = [&](int j) { return grid ? g.head_count[z(j)] : lay.head_count[z(j)]; };
+namespace {
+std::size_t z(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
+}  // namespace
+
+CommTerms::CommTerms(const MlaConfig& c, const SpLayout& lay, FormVariant v, int r, std::int64_t e,
+                     bool bwd)
+    : cfg(c),
+      layout(lay),
+      variant(v),
+      rank(r),
+      elem_bytes(e),
+      backward(bwd),
+      attention(attention_placement(lay, v)) {}
+
+PredictedBytes CommTerms::seq_to_head(std::int64_t d, bool per_head) const {
   // The tokens of rank i's seq shard that rank j attends as queries.
   auto attended_tokens = [&](int i, int j) {
-    if (!grid) return lay.seq_count[z(i)];
-    const std::int64_t s0 = lay.seq_offset[z(i)], s1 = s0 + lay.seq_count[z(i)];
+    const std::int64_t s0 = layout.seq_offset[z(i)], s1 = s0 + layout.seq_count[z(i)];
     std::int64_t n = 0;
-    for (const TokenRange& q : g.queries[z(j)])
+    for (const TokenRange& q : attention.tokens[z(j)])
       n += std::max<std::int64_t>(0, std::min(s1, q.end) - std::max(s0, q.begin));
     return n;
   };
-  // seq->head all-to-all of width d: this rank sends every peer its tokens
-  // that the peer attends, for the peer's heads (per_head; else the one row
-  // of width d, laga2d's query latent), and receives its own heads of the
-  // tokens it attends from every peer.
-  auto seq_to_head = [&](std::int64_t d, bool per_head = true) {
-    auto heads = [&](int j) { return per_head ? attended_heads(j) : 1; };
-    PredictedBytes b;
-    for (int j = 0; j < P; ++j) {
-      if (j == r) continue;
-      b.sent += B * attended_tokens(r, j) * heads(j) * d * e;
-      b.received += B * attended_tokens(j, r) * heads(r) * d * e;
-    }
-    return b;
-  };
-  auto head_to_seq = [&](std::int64_t d, bool per_head = true) {
-    const PredictedBytes f = seq_to_head(d, per_head);
-    return PredictedBytes{f.received, f.sent};
-  };
-  auto all_gather = [&](std::int64_t w) {
-    PredictedBytes b;
-    for (int j = 0; j < P; ++j)
-      if (j != r) b.sent += B * Lr * w * e, b.received += B * lay.seq_count[z(j)] * w * e;
-    return b;
-  };
-  auto reduce_scatter = [&](std::int64_t w) {
-    const PredictedBytes f = all_gather(w);
-    return PredictedBytes{f.received, f.sent};
-  };
+  auto heads = [&](int j) { return per_head ? attention.head_count[z(j)] : 1; };
+  const std::int64_t B = layout.batch, e = elem_bytes;
+  PredictedBytes b;
+  for (int j = 0; j < layout.ranks; ++j) {
+    if (j == rank) continue;
+    b.sent += B * attended_tokens(rank, j) * heads(j) * d * e;
+    b.received += B * attended_tokens(j, rank) * heads(rank) * d * e;
+  }
+  return b;
+}
 
-  CommPrediction p;
-  auto add = [&](Phase ph, const char* label, PredictedBytes b, CollectiveKind kind) {
-    if (P == 1) b = {};  // a single rank sends nothing, but the call is still made
-    auto& slot = p[{ph, label}];
-    slot.kind = kind;
-    slot.sent += b.sent;
-    slot.received += b.received;
-    slot.calls += 1;
-  };
-  // The queries: per head seq->head, or (--q-latent) the rq-wide normalised
-  // query latent all-gathered, or (laga2d with Pc > 1) sent to the ranks
-  // that attend its tokens (each head group of the context group a copy).
-  const std::int64_t rq = c.q_lora_rank;
-  const bool q_latent_a2a = q_latent && grid && g.context_groups > 1;
-  if (q_latent_a2a)
-    add(Phase::forward, "q_latent_a2a", seq_to_head(rq, false), CollectiveKind::all_to_all);
-  else if (q_latent)
-    add(Phase::forward, "q_latent_ag", all_gather(rq), CollectiveKind::all_gather);
-  else
-    add(Phase::forward, "q_a2a", seq_to_head(dqk), CollectiveKind::all_to_all);
-  if (form == Form::explicit_form) {
-    add(Phase::forward, "k_a2a", seq_to_head(dqk), CollectiveKind::all_to_all);
-    add(Phase::forward, "v_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
-  } else {
-    add(Phase::forward, "latent_ag", all_gather(W), CollectiveKind::all_gather);
-  }
-  add(Phase::forward, "out_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
-  if (backward) {
-    add(Phase::backward, "out_a2a", seq_to_head(dv), CollectiveKind::all_to_all);
-    if (q_latent_a2a)
-      add(Phase::backward, "q_latent_a2a", head_to_seq(rq, false), CollectiveKind::all_to_all);
-    else if (q_latent)
-      add(Phase::backward, "q_latent_ag", reduce_scatter(rq), CollectiveKind::reduce_scatter);
-    else
-      add(Phase::backward, "q_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
-    if (form == Form::explicit_form) {
-      add(Phase::backward, "k_a2a", head_to_seq(dqk), CollectiveKind::all_to_all);
-      add(Phase::backward, "v_a2a", head_to_seq(dv), CollectiveKind::all_to_all);
-    } else {
-      add(Phase::backward, "latent_ag", reduce_scatter(W), CollectiveKind::reduce_scatter);
-    }
-  }
+PredictedBytes CommTerms::head_to_seq(std::int64_t d, bool per_head) const {
+  const PredictedBytes f = seq_to_head(d, per_head);
+  return PredictedBytes{f.received, f.sent};
+}
+
+PredictedBytes CommTerms::all_gather(std::int64_t w) const {
+  const std::int64_t B = layout.batch, e = elem_bytes;
+  PredictedBytes b;
+  for (int j = 0; j < layout.ranks; ++j)
+    if (j != rank)
+      b.sent += B * layout.seq_count[z(rank)] * w * e,
+          b.received += B * layout.seq_count[z(j)] * w * e;
+  return b;
+}
+
+PredictedBytes CommTerms::reduce_scatter(std::int64_t w) const {
+  const PredictedBytes f = all_gather(w);
+  return PredictedBytes{f.received, f.sent};
+}
+
+void CommTerms::add(Phase ph, const char* label, PredictedBytes b, CollectiveKind kind) {
+  if (layout.ranks == 1) b = {};
+  auto& slot = result[{ph, label}];
+  slot.kind = kind;
+  slot.sent += b.sent;
+  slot.received += b.received;
+  slot.calls += 1;
+}
+
+void CommTerms::to_heads(Phase ph, const char* label, std::int64_t d) {
+  add(ph, label, ph == Phase::forward ? seq_to_head(d) : head_to_seq(d),
+      CollectiveKind::all_to_all);
+}
+
+void CommTerms::queries(Phase ph) {
+  const bool fwd = ph == Phase::forward;
+  const std::int64_t rq = cfg.q_lora_rank;
+  if (variant.queries == QueryExchange::heads) return to_heads(ph, "q_a2a", cfg.qk_head_dim());
+  // The query latent: all-gathered where every rank attends every row;
+  // else sent to the ranks that attend its tokens (each of them a copy),
+  // the copies' gradients summed by the tokens' owner.
+  bool all_rows = true;
+  for (const std::vector<TokenRange>& q : attention.tokens)
+    all_rows = all_rows && q == std::vector<TokenRange>{{0, layout.seq}};
+  if (all_rows)
+    return add(ph, "q_latent_ag", fwd ? all_gather(rq) : reduce_scatter(rq),
+               fwd ? CollectiveKind::all_gather : CollectiveKind::reduce_scatter);
+  add(ph, "q_latent_a2a", fwd ? seq_to_head(rq, false) : head_to_seq(rq, false),
+      CollectiveKind::all_to_all);
+}
+
+void CommTerms::latent_gather(Phase ph) {
+  const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+  if (ph == Phase::forward) return add(ph, "latent_ag", all_gather(W), CollectiveKind::all_gather);
+  add(ph, "latent_ag", reduce_scatter(W), CollectiveKind::reduce_scatter);
+}
+
+CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
+                            std::int64_t e, bool backward, bool grad_sync) {
+  check_variant(c, lay, variant);
+  CommTerms t(c, lay, variant, r, e, backward);
+  form_spec(variant.form).collectives(t);
+  const int P = lay.ranks;
   if (grad_sync && P > 1) {  // one rank has nothing to sum: mla_sync_gradients returns
     // The block's parameter count from DeepSeek-V3's shapes, written out here
     // rather than taken from mla_param_shapes (which also allocates and
     // reduces the gradients), so that this term is a check on that code:
     //   wq (H dqk, D) | wq_a (rq, D) + q_norm (rq) + wq_b (H dqk, rq)
     //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv)
-    const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank;
+    const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
+    const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = C + c.qk_rope_head_dim;
     const std::int64_t q = rq == 0 ? H * dqk * D : rq * D + rq + H * dqk * rq;
     const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv;
     // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
     // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
     const std::int64_t own = all_reduce_chunk(n, P, r);
     const std::int64_t mine = ((n - own) + (P - 1) * own) * e;
-    add(Phase::grad_sync, "grad_allreduce", {mine, mine}, CollectiveKind::all_reduce);
+    t.add(Phase::grad_sync, "grad_allreduce", {mine, mine}, CollectiveKind::all_reduce);
   }
-  return p;
+  return t.result;
 }
 
 QueryExchangeCost query_exchange_cost(const MlaConfig& c, const SpLayout& lay, int r) {

@@ -34,6 +34,7 @@
 
 #include "comm/communicator.hpp"
 #include "mla/block.hpp"
+#include "mla/exchange.hpp"
 
 namespace laga {
 
@@ -44,9 +45,66 @@ struct PredictedBytes {
 };
 using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 
-// Throws laga::Error for a variant the block refuses (check_query_exchange).
+// Throws laga::Error for a variant the block refuses (check_variant). The
+// form's own collectives are its registry row's closed form
+// (FormSpec::collectives, in its file); the gradient all-reduce, the same
+// for every form, is here.
 CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                             int rank, std::int64_t elem_bytes, bool backward, bool grad_sync);
+
+// The terms a form's closed form is written in, for rank r of the layout,
+// with the attention placed where the form places it (FormSpec::attention):
+// each returns the bytes r sends and receives in one collective of that
+// shape, and add() files them under a label. A form's `collectives` adds
+// its forward's calls and, when `backward`, its backward's.
+struct CommTerms {
+  CommTerms(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant, int rank,
+            std::int64_t elem_bytes, bool backward);
+  const MlaConfig& cfg;
+  const SpLayout& layout;
+  const FormVariant variant;
+  const int rank;
+  const std::int64_t elem_bytes;
+  const bool backward;
+  const Placement attention;  // where each rank attends
+  CommPrediction result;
+
+  // seq->head of width d: every (token, head) element of r's seq shard goes
+  // to each rank that attends it (per_head: for that rank's heads; else the
+  // one row of width d per token, a tensor without heads), and r receives
+  // its heads of the tokens it attends from their owners.
+  PredictedBytes seq_to_head(std::int64_t d, bool per_head = true) const;
+  PredictedBytes head_to_seq(std::int64_t d, bool per_head = true) const;  // its adjoint
+  PredictedBytes all_gather(std::int64_t width) const;                     // r's rows to every peer
+  PredictedBytes reduce_scatter(std::int64_t width) const;                 // its adjoint
+  // Files one call under (phase, label); at P 1 with no bytes (a single
+  // rank sends nothing, but the call is still made).
+  void add(Phase phase, const char* label, PredictedBytes bytes, CollectiveKind kind);
+
+  // The head-parallel forms' frame: the queries to the attention (q_a2a,
+  // or with the query latent q_latent_ag, or q_latent_a2a where the ranks
+  // attend part of the rows), then `kv(Phase::forward)`, the keys' and
+  // values' way there, then out_a2a back; backward each one's adjoint in
+  // reverse, `kv(Phase::backward)` last.
+  template <class KeysValues>
+  void head_parallel(KeysValues&& kv) {
+    queries(Phase::forward);
+    kv(Phase::forward);
+    add(Phase::forward, "out_a2a", head_to_seq(cfg.v_head_dim), CollectiveKind::all_to_all);
+    if (!backward) return;
+    add(Phase::backward, "out_a2a", seq_to_head(cfg.v_head_dim), CollectiveKind::all_to_all);
+    queries(Phase::backward);
+    kv(Phase::backward);
+  }
+  // An all-to-all of width d to the attention's heads forward (seq_to_head),
+  // back backward (head_to_seq), under `label`.
+  void to_heads(Phase phase, const char* label, std::int64_t d);
+  // The queries' exchange of the variant in `phase` (backward: its adjoint).
+  void queries(Phase phase);
+  // The latent [c_hat | k_pe] all-gathered forward, its gradient
+  // reduce-scattered backward (label latent_ag).
+  void latent_gather(Phase phase);
+};
 
 // The crossover of the query exchange. Per local token of rank r, forward
 // (backward moves the same, reversed), the per-head all-to-all sends

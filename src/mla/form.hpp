@@ -11,7 +11,9 @@
 
 #include "kernels/attention.hpp"
 #include "mla/block.hpp"
+#include "mla/comm_model.hpp"
 #include "mla/exchange.hpp"
+#include "mla/memory_model.hpp"
 #include "mla/ops.hpp"
 
 namespace laga::detail {
@@ -91,18 +93,28 @@ template <class T>
 using FormForward = std::unique_ptr<Tape<T>> (*)(const Step&, const MlaParams<T>&,
                                                  const Tensor<T>& x, Tensor<T>& out);
 
-// One row of the form registry (form.cpp).
+// One row of the form registry: the form's description (FormSpec, what the
+// rest of laga reads) and its forward for each element type. Each form's
+// file defines its row's function, NAME_entry(), listed in mla/forms.def.
 struct FormEntry {
-  Form form;
-  const char* name;
+  FormSpec spec;
   FormForward<float> f32;
   FormForward<double> f64;
 };
 const FormEntry& form_entry(Form f);  // form.cpp
-FormEntry explicit_entry();
-FormEntry laga_entry();
-FormEntry absorbed_entry();
-FormEntry laga2d_entry();
+
+// What the head-parallel rows share: every rank attends all S query rows
+// for its SpLayout head shard, and the head attention multiplies dqk + dv
+// per pair and head.
+inline Placement head_shards(const SpLayout& layout, FormVariant) {
+  return Placement::head_shards(layout);
+}
+inline std::int64_t head_pair_width(const MlaConfig& cfg) {
+  return cfg.qk_head_dim() + cfg.v_head_dim;
+}
+#define LAGA_FORM(enumerator, entry) FormEntry entry();
+#include "mla/forms.def"
+#undef LAGA_FORM
 
 // --- the shared pieces -----------------------------------------------------
 

@@ -149,7 +149,30 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
 }  // namespace
 
 FormEntry absorbed_entry() {
-  return {Form::absorbed, "absorbed", &absorbed_forward<float>, &absorbed_forward<double>};
+  return {
+      .spec = {
+          .form = Form::absorbed,
+          .name = "absorbed",
+          .flow = "all-to-all Q, all-gather [c | k_pe], fold W_UK into q, attend in "
+                  "latent space, unfold W_UV after, all-to-all out (the inference trick)",
+          .traits = {},
+          .attention = head_shards,
+          .geometry = nullptr,
+          .note = nullptr,
+          .collectives =
+              [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
+          // q_h, the gathered latent, its values c_hat, q_abs = [q_nope W_UK | q_pe]
+          // and o_lat, both H_r x latent wide, and the attention statistics.
+          .saved_elements =
+              [](const SavedShape& s) {
+                const std::int64_t B = s.B, S = s.S, Hr = s.Hr;
+                return B * S * Hr * s.dqk + B * S * s.W + B * S * s.C + B * S * Hr * s.W +
+                       B * S * Hr * s.C + (s.eager ? B * Hr * S * S : B * Hr * S);
+              },
+          // q_abs . [c_hat | k_pe] is C + dr wide, p . c_hat C wide.
+          .pair_width = [](const MlaConfig& c) { return 2 * c.kv_lora_rank + c.qk_rope_head_dim; }},
+      .f32 = &absorbed_forward<float>,
+      .f64 = &absorbed_forward<double>};
 }
 
 }  // namespace laga::detail

@@ -73,7 +73,28 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
 }  // namespace
 
 FormEntry explicit_entry() {
-  return {Form::explicit_form, "explicit", &explicit_forward<float>, &explicit_forward<double>};
+  return {.spec = {.form = Form::explicit_form,
+                   .name = "explicit",
+                   .flow = "up-project K/V for local tokens and all heads, all-to-all Q, K, V "
+                           "seq->head, attend, all-to-all out head->seq (Megatron-Core)",
+                   .traits = {.reference = true},
+                   .attention = head_shards,
+                   .geometry = nullptr,
+                   .note = nullptr,
+                   // q_a2a, then per-head K and V of local tokens to their heads.
+                   .collectives =
+                       [](CommTerms& t) {
+                         t.head_parallel([&](Phase ph) {
+                           t.to_heads(ph, "k_a2a", t.cfg.qk_head_dim());
+                           t.to_heads(ph, "v_a2a", t.cfg.v_head_dim);
+                         });
+                       },
+                   // The head attention's tensors and c_hat (B, L, C) of local tokens.
+                   .saved_elements =
+                       [](const SavedShape& s) { return s.head_attention() + s.B * s.L * s.C; },
+                   .pair_width = head_pair_width},
+          .f32 = &explicit_forward<float>,
+          .f64 = &explicit_forward<double>};
 }
 
 }  // namespace laga::detail

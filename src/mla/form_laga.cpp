@@ -63,7 +63,24 @@ std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, con
 }  // namespace
 
 FormEntry laga_entry() {
-  return {Form::laga, "laga", &laga_forward<float>, &laga_forward<double>};
+  return {
+      .spec = {.form = Form::laga,
+               .name = "laga",
+               .flow = "all-to-all Q, all-gather [c | k_pe], up-project K/V locally for the "
+                       "rank's own heads, attend as explicit, all-to-all out (the paper's)",
+               .traits = {.query_latent = true, .overlap = true, .exact_at_one_rank = true},
+               .attention = head_shards,
+               .geometry = nullptr,
+               .note = nullptr,
+               // The queries to their heads; the latent gathered.
+               .collectives =
+                   [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
+               // The head attention's tensors and the gathered latent (B, S, C+dr).
+               .saved_elements =
+                   [](const SavedShape& s) { return s.head_attention() + s.B * s.S * s.W; },
+               .pair_width = head_pair_width},
+      .f32 = &laga_forward<float>,
+      .f64 = &laga_forward<double>};
 }
 
 }  // namespace laga::detail

@@ -31,8 +31,10 @@
 // (B, Sk, H_g, .), the attention statistics of every call (eager
 // probabilities, flash lse and o), o_loc.
 #include <algorithm>
+#include <cstdio>
 
 #include "mla/form.hpp"
+#include "mla/work_model.hpp"
 
 namespace laga::detail {
 
@@ -177,10 +179,73 @@ std::unique_ptr<Tape<T>> laga2d_forward(const Step& st, const MlaParams<T>& w, c
   return t;
 }
 
+// laga2d's grid and its attention balance, in words; for laga2d+q-latent,
+// where its query exchange pays.
+std::string laga2d_note(const MlaConfig& cfg, const SpLayout& lay, FormVariant v) {
+  const HeadContextGrid g = laga2d_grid(lay, v);
+  if (v.queries == QueryExchange::latent) {
+    if (g.context_groups == 1)
+      return "laga2d+q-latent: one context group, so it all-gathers the query latent as "
+             "laga+q-latent does";
+    std::int64_t Hg = 0;
+    for (std::int64_t h : g.head_count) Hg = std::max(Hg, h);
+    const std::int64_t per_head = Hg * cfg.qk_head_dim();
+    return cat("laga2d+q-latent: each rank receives its query rows' latent, rq = ", cfg.q_lora_rank,
+               " elements per row, where laga2d's q_a2a moves its head group's queries, H_g dqk = ",
+               per_head, " (H_g = ", Hg,
+               "): it sends fewer bytes while rq < H_g dqk, so with fewer head groups (more "
+               "heads each); here it sends ",
+               cfg.q_lora_rank < per_head ? "fewer" : "as many or more", " bytes");
+  }
+  char balance[32];
+  std::snprintf(balance, sizeof balance, "%.3f", attention_balance(cfg, lay, v, nullptr));
+  return cat("laga2d: ", g.describe(),
+             v.head_groups == 0 ? " by its default rule, Ph = gcd(H, P)" : "",
+             "; each rank attends its head group's heads for query chunks c and 2Pc-1-c of ",
+             2 * g.context_groups,
+             ", over the keys up to its last query. Attention work max/min over ranks ", balance,
+             " (unpacked)");
+}
+
 }  // namespace
 
 FormEntry laga2d_entry() {
-  return {Form::laga2d, "laga2d", &laga2d_forward<float>, &laga2d_forward<double>};
+  return {
+      .spec = {.form = Form::laga2d,
+               .name = "laga2d",
+               .flow = "laga on a grid of Ph head groups x Pc context groups (any P): each rank "
+                       "attends its group's heads for two mirrored query chunks, so causal work "
+                       "is balanced and no rank idles when P > H",
+               .traits = {.query_latent = true,
+                          .overlap = true,
+                          .head_groups = true,
+                          .exact_at_one_rank = true},
+               .attention =
+                   [](const SpLayout& layout, FormVariant v) {
+                     return Placement::query_chunks(laga2d_grid(layout, v));
+                   },
+               .geometry = [](const SpLayout& layout,
+                              FormVariant v) { return laga2d_grid(layout, v).describe(); },
+               .note = laga2d_note,
+               // laga's, to the grid's ranks (CommTerms reads the placement).
+               .collectives =
+                   [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
+               // laga's tensors over the rank's Sq query rows and Sk keys for its head
+               // group's heads, and the gathered latent.
+               .saved_elements =
+                   [](const SavedShape& s) { return s.head_attention() + s.B * s.S * s.W; },
+               .pair_width = head_pair_width},
+      .f32 = &laga2d_forward<float>,
+      .f64 = &laga2d_forward<double>};
 }
 
 }  // namespace laga::detail
+
+namespace laga {
+
+HeadContextGrid laga2d_grid(const SpLayout& layout, FormVariant v) {
+  return HeadContextGrid::make(
+      layout, HeadContextGrid::resolve_head_groups(layout.heads, layout.ranks, v.head_groups));
+}
+
+}  // namespace laga

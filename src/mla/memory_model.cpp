@@ -48,7 +48,7 @@ CountedRank count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant
     });
   }
   RunSpec spec;
-  spec.set_variant(variant);
+  spec.variant = variant;
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;
@@ -90,62 +90,44 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
   return p;
 }
 
+SavedShape::SavedShape(const MlaConfig& c, const SpLayout& lay, FormVariant v, AttentionKind a,
+                       int r)
+    : cfg(c),
+      layout(lay),
+      variant(v),
+      rank(r),
+      eager(a == AttentionKind::eager),
+      placement(attention_placement(lay, v)) {
+  const auto i = static_cast<std::size_t>(r);
+  B = lay.batch, L = lay.seq_count[i], S = lay.seq;
+  Hr = placement.head_count[i];
+  Sq = placement.rows(r);
+  Sk = placement.tokens[i].empty() ? 0 : placement.tokens[i].back().end;
+  dqk = c.qk_head_dim(), dv = c.v_head_dim, C = c.kv_lora_rank, W = C + c.qk_rope_head_dim;
+}
+
+std::int64_t SavedShape::head_attention() const {
+  std::int64_t n = B * Sq * Hr * dqk + B * Sk * Hr * (dqk + dv);
+  if (!eager) return n + B * Hr * Sq + B * Sq * Hr * dv;
+  for (const TokenRange& q : placement.tokens[static_cast<std::size_t>(rank)])
+    n += B * Hr * q.size() * q.end;
+  return n;
+}
+
 std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay,
                                          FormVariant variant, AttentionKind attention, int rank) {
-  check_query_exchange(c, variant);
-  check_head_groups(lay, variant);
-  const Form form = variant.form;
-  const auto r = static_cast<std::size_t>(rank);
-  const std::int64_t B = lay.batch, L = lay.seq_count[r], S = lay.seq, Hr = lay.head_count[r];
-  const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
-  const std::int64_t dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
-  const std::int64_t dqk = dn + dr, W = C + dr;
-  const bool eager = attention == AttentionKind::eager;
+  check_variant(c, lay, variant);
+  const SavedShape sh(c, lay, variant, attention, rank);
+  const std::int64_t B = sh.B, L = sh.L, D = c.dim, H = c.n_heads, rq = c.q_lora_rank;
   // Every form: the output, the input projections' kv_a = [c | k_pe] and
   // the norms' rstd (and with rq > 0, q's latent before and after its norm),
   // o_loc for wo's gradient.
-  std::int64_t n = B * L * D + B * L * W + B * L + B * L * H * dv;
+  std::int64_t n = B * L * D + B * L * sh.W + B * L + B * L * H * sh.dv;
   if (rq > 0) n += 2 * B * L * rq + B * L;
   // --q-latent: the exchanged qn of the attention's query rows (B, Sq, rq),
-  // which wq_b's gradient reads, replaces the local tokens' qn (B, L, rq);
-  // Sq = S but in laga2d.
-  if (variant.queries == QueryExchange::latent) {
-    const std::int64_t Sq = form == Form::laga2d ? laga2d_grid(lay, variant).query_rows(rank) : S;
-    n += B * Sq * rq - B * L * rq;
-  }
-  switch (form) {
-    case Form::explicit_form:
-    case Form::laga: {
-      // The head attention's q, k, v over the full sequence; eager's
-      // probabilities or flash's lse and output.
-      n += B * S * Hr * (2 * dqk + dv);
-      n += eager ? B * Hr * S * S : B * Hr * S + B * S * Hr * dv;
-      // explicit keeps c_hat of local tokens; laga the gathered latent.
-      n += form == Form::explicit_form ? B * L * C : B * S * W;
-      break;
-    }
-    case Form::laga2d: {
-      // laga's tensors over the rank's Sq query rows and Sk key rows for its
-      // head group's H_g heads (HeadContextGrid): q_h (B, Sq, H_g, dqk), k_h
-      // and v_h (B, Sk, H_g, .), the gathered latent; eager's probabilities
-      // of each query range of n tokens ending at e are (B, H_g, n, e).
-      const HeadContextGrid g = laga2d_grid(lay, variant);
-      const std::int64_t Hg = g.head_count[r], Sq = g.query_rows(rank), Sk = g.key_end(rank);
-      n += B * Sq * Hg * dqk + B * Sk * Hg * (dqk + dv) + B * S * W;
-      if (eager)
-        for (const TokenRange& q : g.queries[r]) n += B * Hg * q.size() * q.end;
-      else
-        n += B * Hg * Sq + B * Sq * Hg * dv;
-      break;
-    }
-    case Form::absorbed:
-      // q_h, the gathered latent, its values c_hat, q_abs = [q_nope W_UK | q_pe]
-      // and o_lat, both H_r x latent wide, and the attention statistics.
-      n += B * S * Hr * dqk + B * S * W + B * S * C + B * S * Hr * W + B * S * Hr * C;
-      n += eager ? B * Hr * S * S : B * Hr * S;
-      break;
-  }
-  return n;
+  // which wq_b's gradient reads, replaces the local tokens' qn (B, L, rq).
+  if (variant.queries == QueryExchange::latent) n += B * sh.Sq * rq - B * L * rq;
+  return n + form_spec(variant.form).saved_elements(sh);
 }
 
 }  // namespace laga

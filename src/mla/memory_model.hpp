@@ -105,4 +105,27 @@ MemoryPrediction predict_memory(const MlaConfig& cfg, const SpLayout& layout, Fo
 std::int64_t saved_for_backward_elements(const MlaConfig& cfg, const SpLayout& layout,
                                          FormVariant variant, AttentionKind attention, int rank);
 
+// The extents a form's own term of that closed form is written in
+// (FormSpec::saved_elements), for one rank: its attention's rows and keys
+// where the form places them (FormSpec::attention).
+struct SavedShape {
+  SavedShape(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+             AttentionKind attention, int rank);
+  const MlaConfig& cfg;
+  const SpLayout& layout;
+  const FormVariant variant;
+  const int rank;
+  const bool eager;
+  const Placement placement;  // where each rank attends
+  std::int64_t B, L, S;       // batch, local tokens, sequence
+  std::int64_t Hr;            // the heads this rank attends
+  std::int64_t Sq, Sk;        // its query rows, and the keys [0, Sk) they see
+  std::int64_t dqk, dv, C, W;
+  // The head attention's q_h (B, Sq, H_r, dqk), k_h and v_h (B, Sk, H_r, .)
+  // and its statistics: eager's probabilities, (B, H_r, n, e) for each
+  // query range of n rows ending at e, or flash's lse (B, H_r, Sq) and
+  // output (B, Sq, H_r, dv). Over the whole sequence, Sq = Sk = S.
+  std::int64_t head_attention() const;
+};
+
 }  // namespace laga

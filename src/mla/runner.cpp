@@ -121,9 +121,7 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
                        const Tensor<T>& dout, const RunSpec& spec) {
   const int r = comm.rank();
   if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
-  const BlockContext ctx{
-      cfg,          layout,           comm,        rope, spec.form, spec.attention, spec.documents,
-      spec.queries, spec.head_groups, spec.overlap};
+  const BlockContext ctx{cfg, layout, comm, rope, spec.variant, spec.attention, spec.documents};
   const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
   const std::int64_t L = layout.seq_count[static_cast<size_t>(r)];
   RankResult<T> res;

@@ -17,11 +17,8 @@
 namespace laga {
 
 struct RunSpec {
-  Form form = Form::laga;
+  FormVariant variant = Form::laga;
   AttentionKind attention = AttentionKind::eager;
-  QueryExchange queries = QueryExchange::heads;  // latent: laga, laga2d with q_lora_rank > 0
-  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
-  Overlap overlap = Overlap::off;  // laga: the latent's collectives overlapped (--overlap)
   bool backward = true;
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row
@@ -31,13 +28,6 @@ struct RunSpec {
   // "Overlap"), so an overlapped path that reads a result early or frees a
   // buffer early fails.
   bool deferred_delivery_for_testing = false;
-  // The variant's fields: form, query exchange, head groups, overlap.
-  void set_variant(const FormVariant& v) {
-    form = v.form;
-    queries = v.queries;
-    head_groups = v.head_groups;
-    overlap = v.overlap;
-  }
 };
 
 // Memory of one rank during one forward(+backward), in bytes above what was

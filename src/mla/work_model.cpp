@@ -37,30 +37,13 @@ double range_pairs(const SpLayout& lay, const std::vector<TokenRange>& ranges,
 AttentionWork attention_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                              int rank, const Documents* docs) {
   LAGA_CHECK(rank >= 0 && rank < layout.ranks, "attention_work: rank ", rank, " of ", layout.ranks);
-  const double S = double(layout.seq);
   AttentionWork w;
-  double heads = double(layout.head_count[std::size_t(rank)]);
-  if (variant.form == Form::laga2d) {
-    const HeadContextGrid g = laga2d_grid(layout, variant);
-    w.pairs = range_pairs(layout, g.queries[std::size_t(rank)], docs);
-    heads = double(g.head_count[std::size_t(rank)]);
-  } else {
-    w.pairs = docs ? docs->causal_pairs() : double(layout.batch) * S * (S + 1) / 2;
-  }
-  const double dqk = double(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim);
-  double dims = 0;
-  switch (variant.form) {
-    case Form::explicit_form:
-    case Form::laga:
-    case Form::laga2d:
-      dims = dqk + double(cfg.v_head_dim);
-      break;
-    case Form::absorbed:
-      dims = double(cfg.kv_lora_rank + cfg.qk_rope_head_dim) + double(cfg.kv_lora_rank);
-      break;
-  }
-  LAGA_CHECK(dims > 0, "attention_work: no work model for form ", static_cast<int>(variant.form));
-  w.flops = 2 * w.pairs * heads * dims;
+  // Where the form attends: its query ranges, over the keys up to each,
+  // for its heads (FormSpec::attention).
+  const Placement at = attention_placement(layout, variant);
+  w.pairs = range_pairs(layout, at.tokens[std::size_t(rank)], docs);
+  const double heads = double(at.head_count[std::size_t(rank)]);
+  w.flops = 2 * w.pairs * heads * double(form_spec(variant.form).pair_width(cfg));
   return w;
 }
 

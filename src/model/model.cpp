@@ -174,10 +174,7 @@ struct LmSaved {
 
 template <class T>
 BlockContext block_ctx(const LmContext& c) {
-  BlockContext b{c.cfg.mla,   c.layout,    c.comm,    c.rope,       c.form,
-                 c.attention, c.documents, c.queries, c.head_groups};
-  b.overlap = c.overlap;
-  return b;
+  return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.variant, c.attention, c.documents};
 }
 
 // Returns this rank's SUM of token losses and fills s with what backward needs.

@@ -96,11 +96,9 @@ struct LmContext {
   const LmConfig& cfg;
   const SpLayout& layout;
   Communicator& comm;
-  const RopeTable& rope;  // positions [0, layout.seq)
-  Form form = Form::laga;
+  const RopeTable& rope;             // positions [0, layout.seq)
+  FormVariant variant = Form::laga;  // every block's
   AttentionKind attention = AttentionKind::eager;
-  QueryExchange queries = QueryExchange::heads;  // latent: laga, laga2d with q_lora_rank > 0
-  int head_groups = 0;  // laga2d: Ph (--head-groups); 0: HeadContextGrid::default_head_groups
   // Packed rows (`laga train --pack-eos`, model/data.hpp): the documents the
   // block's attention and RoPE stay inside (null: one per row), and how many
   // targets of the whole batch, every rank's, count in the loss: the mean's
@@ -108,7 +106,6 @@ struct LmContext {
   // (0: all B*S count).
   const Documents* documents = nullptr;
   std::int64_t counted_targets = 0;
-  Overlap overlap = Overlap::off;  // laga: the latent's collectives overlapped (--overlap on)
   // The loss mean's denominator.
   double loss_tokens() const;
 };

@@ -169,9 +169,9 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   // Recorded only when used, so that checkpoints written before the option
   // existed still compare equal on resume.
   if (o.pack_eos) r["pack-eos"] = std::to_string(*o.pack_eos);
-  r["form"] = to_string(o.form);
-  if (o.queries == QueryExchange::latent) r["q-latent"] = "on";
-  if (o.overlap == Overlap::on) r["overlap"] = "on";
+  r["form"] = to_string(o.variant.form);
+  if (o.variant.queries == QueryExchange::latent) r["q-latent"] = "on";
+  if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
   r["attention"] = to_string(o.attention);
   r["sp"] = std::to_string(o.sp);
   return r;
@@ -197,7 +197,7 @@ void validate_train_options(const TrainOptions& o) {
     LAGA_CHECK(o.val_every > 0, "--val-data needs --val-every N: how often to evaluate");
     (void)TokenSource::file(o.val_data, o.data_dtype, o.model.vocab, o.seq, o.seed, "--val-data");
   }
-  check_overlap(o.variant());
+  check_overlap(o.variant);
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;
@@ -250,8 +250,7 @@ namespace {
 // (predict_train_memory), so the two run the same model.
 LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& comm,
                      const RopeTable& rope) {
-  LmContext ctx{o.model, layout, comm, rope, o.form, o.attention, o.queries, o.head_groups};
-  ctx.overlap = o.overlap;
+  LmContext ctx{o.model, layout, comm, rope, o.variant, o.attention};
   return ctx;
 }
 
@@ -543,7 +542,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
       // and, with the query-latent exchange, seq_positions (B, S), int64.
       const std::int64_t i64 = sizeof(std::int64_t), BS = o.batch * o.seq;
       const std::int64_t per_layer =
-          i64 * (BS + o.batch * L + (o.queries == QueryExchange::latent ? BS : 0));
+          i64 * (BS + o.batch * L + (o.variant.queries == QueryExchange::latent ? BS : 0));
       m.packing = std::int64_t(sizeof(std::int32_t)) * BS + i64 * o.batch * (o.seq + 1) +
                   cfg.layers * per_layer;
     }

@@ -27,17 +27,8 @@ namespace laga {
 
 struct TrainOptions {
   LmConfig model;
-  Form form = Form::laga;
+  FormVariant variant = Form::laga;  // the blocks' (--form, --q-latent, --head-groups, --overlap)
   AttentionKind attention = AttentionKind::eager;
-  QueryExchange queries = QueryExchange::heads;  // the block's query exchange (--q-latent)
-  int head_groups = 0;             // laga2d's head groups (--head-groups); 0: its default rule
-  Overlap overlap = Overlap::off;  // laga's and laga2d's latent collectives overlapped
-  // The block's variant: form, queries, head groups and overlap above.
-  FormVariant variant() const {
-    FormVariant v(form, queries, head_groups);
-    v.overlap = overlap;
-    return v;
-  }
   int sp = 1;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step

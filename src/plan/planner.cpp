@@ -151,7 +151,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
           if (q.forms[i].form == f) return int(i);
         return -1;
       };
-      const int l = find(Form::laga), e = find(Form::explicit_form);
+      const int l = find(Form::laga), e = find(forms_with(&FormTraits::reference).front());
       if (l >= 0 && e >= 0 && P > 1) {
         pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], P, q, pc.links.fabric);
         pc.crossover->laga = q.forms[size_t(l)];

@@ -209,13 +209,8 @@ std::vector<Form> parse_form_list(const std::string& s) {
   std::stringstream ss(s);
   std::string tok;
   while (std::getline(ss, tok, ',')) v.push_back(parse_form(tok));
-  LAGA_CHECK(!v.empty(), "--forms: empty list; give e.g. explicit,absorbed,laga");
+  LAGA_CHECK(!v.empty(), "--forms: empty list; give some of ", form_names(","), ", or all");
   return v;
-}
-
-std::string describe_variant(const FormVariant& v, const SpLayout& layout) {
-  if (v.form != Form::laga2d) return to_string(v);
-  return cat(to_string(v), " (", laga2d_grid(layout, v).describe(), ")");
 }
 
 OverlapRuns parse_overlap_runs(const std::string& s) {
@@ -228,25 +223,32 @@ OverlapRuns parse_overlap_runs(const std::string& s) {
 std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_latent,
                                        int head_groups, const MlaConfig& cfg, OverlapRuns overlap) {
   std::vector<FormVariant> v;
+  // Each listed form, and beside it what its traits admit of the options.
+  bool any_groups = false;
   for (Form f : forms) {
-    const int groups = f == Form::laga2d ? head_groups : 0;
+    const FormTraits& t = form_spec(f).traits;
+    const int groups = t.head_groups ? head_groups : 0;
+    any_groups = any_groups || t.head_groups;
     v.push_back({f, QueryExchange::heads, groups});
-    if (q_latent && (f == Form::laga || f == Form::laga2d))
-      v.push_back({f, QueryExchange::latent, groups});
+    if (q_latent && t.query_latent) v.push_back({f, QueryExchange::latent, groups});
   }
-  LAGA_CHECK(head_groups == 0 || std::find(forms.begin(), forms.end(), Form::laga2d) != forms.end(),
-             "--head-groups applies to the laga2d form; --forms does not include it: add it "
-             "(e.g. --forms laga,laga2d) or drop --head-groups");
+  LAGA_CHECK(head_groups == 0 || any_groups, "--head-groups applies to the ",
+             names_of_forms_with(&FormTraits::head_groups),
+             " form; --forms does not include it: add it (e.g. --forms laga,",
+             to_string(forms_with(&FormTraits::head_groups).front()), ") or drop --head-groups");
   if (q_latent) {
-    LAGA_CHECK(v.size() > forms.size(),
-               "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; --forms "
-               "includes neither: add one (e.g. --forms explicit,laga) or drop --q-latent");
-    check_query_exchange(cfg, {Form::laga, QueryExchange::latent});
+    LAGA_CHECK(v.size() > forms.size(), "--q-latent applies to the ",
+               names_of_forms_with(&FormTraits::query_latent),
+               " forms with q_lora_rank > 0; --forms includes none of them: add one (e.g. --forms "
+               "explicit,",
+               to_string(forms_with(&FormTraits::query_latent).front()), ") or drop --q-latent");
+    check_query_exchange(cfg,
+                         {forms_with(&FormTraits::query_latent).front(), QueryExchange::latent});
   }
   if (overlap == OverlapRuns::off) return v;
   std::vector<FormVariant> out;
   for (FormVariant f : v) {
-    if (!form_overlaps(f.form)) {
+    if (!form_spec(f.form).traits.overlap) {
       out.push_back(f);
       continue;
     }
@@ -256,8 +258,9 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
   }
   LAGA_CHECK(std::any_of(out.begin(), out.end(),
                          [](const FormVariant& f) { return f.overlap == Overlap::on; }),
-             "--overlap applies to the laga and laga2d forms (they overlap the latent's "
-             "collectives with compute); --forms includes neither: add one or drop --overlap");
+             "--overlap applies to the ", names_of_forms_with(&FormTraits::overlap),
+             " forms (they overlap their collectives with compute); --forms includes none of "
+             "them: add one or drop --overlap");
   return out;
 }
 

@@ -98,10 +98,6 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
                                        int head_groups, const MlaConfig& cfg,
                                        OverlapRuns overlap = OverlapRuns::off);
 
-// A run's variant as a header line names it: "laga2d+q-latent (1 head group
-// x 2 context groups (heads 16))"; the grid for laga2d only.
-std::string describe_variant(const FormVariant& v, const SpLayout& layout);
-
 // --head-groups on a command: the option, its help and its check (>= 1).
 void add_head_groups_option(CLI::App& app, int& head_groups);
 

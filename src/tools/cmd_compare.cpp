@@ -17,10 +17,11 @@ void register_compare(CLI::App& app) {
   auto o = std::make_shared<CompareOptions>();
   CLI::App* c = app.add_subcommand(
       "compare",
-      "Run the explicit, absorbed and laga forms on the same seeded weights and input and "
-      "report, per form: bytes sent per rank (forward, backward, gradient all-reduce, by "
-      "collective), peak activation memory per rank, tokens/s, and max |diff| against explicit; "
-      "each byte and memory figure beside its closed-form prediction");
+      cat("Run the forms on the same seeded weights and input and report, per form: bytes sent "
+          "per rank (forward, backward, gradient all-reduce, by collective), peak activation "
+          "memory per rank, tokens/s, and max |diff| against the reference form; each byte and "
+          "memory figure beside its closed-form prediction. The forms:",
+          form_flows()));
   o->model.add_to(*c);
   o->comm.add_to(*c);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
@@ -33,7 +34,7 @@ void register_compare(CLI::App& app) {
       ->check(whole(1))
       ->capture_default_str();
   c->add_option("--forms", o->forms,
-                "comma-separated forms to run (explicit, absorbed, laga, laga2d), or all")
+                cat("comma-separated forms to run (", form_names(", "), "), or all"))
       ->capture_default_str();
   c->add_option("--overlap", o->overlap,
                 "laga's and laga2d's latent collectives overlapped with compute: off, on (they "

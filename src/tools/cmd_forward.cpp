@@ -96,12 +96,10 @@ void run_forward(const ForwardOptions& o) {
   }
   const std::optional<Documents> docs =
       load_documents(o.doc_lens, in ? &*in : nullptr, o.input, B, S);
-  FormVariant variant{parse_form(o.form), o.q_latent ? QueryExchange::latent : QueryExchange::heads,
-                      o.head_groups};
-  check_query_exchange(cfg, variant);
-  check_head_groups(SpLayout::even(B, S, cfg.n_heads, o.sp), variant);
-  variant.overlap = parse_overlap(o.overlap);
-  check_overlap(variant);
+  const FormVariant variant{parse_form(o.form),
+                            o.q_latent ? QueryExchange::latent : QueryExchange::heads,
+                            o.head_groups, parse_overlap(o.overlap)};
+  check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
                          parse_attention(o.attention), sizeof(T));
   MlaParams<T> w =
@@ -134,7 +132,7 @@ void run_forward(const ForwardOptions& o) {
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
   RunSpec spec;
   spec.documents = docs ? &*docs : nullptr;
-  spec.set_variant(variant);
+  spec.variant = variant;
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
   const bool report = is_reporting_process(o.comm);
@@ -209,8 +207,7 @@ void register_forward_command(CLI::App& app) {
   sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "
                 "warning naming each tensor (default: refuse them, naming the tensor and count)");
-  sub->add_option("--form", opts->form, "explicit | absorbed | laga | laga2d")
-      ->capture_default_str();
+  sub->add_option("--form", opts->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, opts->head_groups);
   sub->add_flag("--q-latent", opts->q_latent,
                 "laga or laga2d with q_lora_rank > 0: move the normalised query latent (rq per "

@@ -117,8 +117,9 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
       const FormPlan& w = c.forms[size_t(c.winner)];
       o << "  winner: " << to_string(w.form);
       for (const FormPlan& f : c.forms)
-        if (f.form == Form::explicit_form && !(w.form == Form::explicit_form))
-          o << fmt(" (%.3fx explicit's tokens/s)", w.tokens_per_s / f.tokens_per_s);
+        if (form_spec(f.form.form).traits.reference && !form_spec(w.form.form).traits.reference)
+          o << " (" << fmt("%.3f", w.tokens_per_s / f.tokens_per_s) << "x "
+            << to_string(f.form.form) << "'s tokens/s)";
       o << "\n";
     } else {
       o << "  winner: none fits " << gb(q.profile.device.memory_bytes)
@@ -320,8 +321,7 @@ void register_plan(CLI::App& app) {
                 "LAT microseconds when given")
       ->check(link_spec());
   c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
-  c->add_option("--forms", o->forms,
-                "comma-separated forms (explicit, absorbed, laga, laga2d), or all")
+  c->add_option("--forms", o->forms, cat("comma-separated forms (", form_names(", "), "), or all"))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
               "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");

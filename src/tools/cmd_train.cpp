@@ -121,11 +121,11 @@ TrainOptions to_options(const TrainCli& c) {
   if (c.v_dim) o.model.mla.v_head_dim = c.v_dim;
   if (c.kv_lora_rank) o.model.mla.kv_lora_rank = c.kv_lora_rank;
   o.model.mla.q_lora_rank = c.q_lora_rank;
-  o.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
-  o.overlap = parse_overlap(c.overlap);
-  o.head_groups = c.head_groups;
+  o.variant.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
+  o.variant.overlap = parse_overlap(c.overlap);
+  o.variant.head_groups = c.head_groups;
   o.model.ffn_hidden = c.ffn_hidden;
-  o.form = parse_form(c.form);
+  o.variant.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
   o.sp = c.sp;
   o.batch = c.batch;
@@ -163,8 +163,7 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
-  check_query_exchange(o.model.mla, o.variant());
-  check_head_groups(SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp), o.variant());
+  check_variant(o.model.mla, SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
@@ -195,7 +194,7 @@ void run_train(const TrainCli& c) {
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
               << ", form "
-              << describe_variant(o.variant(),
+              << describe_variant(o.variant,
                                   SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp))
               << ", attention " << c.attention << ", sp " << o.sp << ", comm "
               << to_string(c.comm.backend) << ", data " << c.data
@@ -284,7 +283,7 @@ void register_train(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "train", "train a small MLA language model sequence-parallel (the paper's §4.5 run)");
   c->comm.add_to(*sub);
-  sub->add_option("--form", c->form, "explicit | absorbed | laga | laga2d")->capture_default_str();
+  sub->add_option("--form", c->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, c->head_groups);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
   sub->add_flag("--q-latent", c->q_latent,

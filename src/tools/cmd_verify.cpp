@@ -45,12 +45,15 @@ void run_verify(const VerifyOptions& o) {
   const std::vector<FormVariant> forms = form_variants(
       parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));
   const std::optional<Documents> docs = load_documents(o.doc_lens, nullptr, "", o.batch, o.seq);
+  // The reference form (FormTraits::reference: explicit) on one in-process
+  // rank, against which every form is held.
+  const Form reference = forms_with(&FormTraits::reference).front();
   // Refuse before allocating anything when a run cannot fit: the reference
-  // (explicit, one in-process rank) and every P.
+  // and every P.
   CommOptions one_rank = o.comm;
   one_rank.backend = Backend::local;
-  check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1),
-                         {Form::explicit_form}, parse_attention(o.attention), sizeof(T));
+  check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), {reference},
+                         parse_attention(o.attention), sizeof(T));
   for (int P : sps)
     check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P), forms,
                            parse_attention(o.attention), sizeof(T));
@@ -64,7 +67,7 @@ void run_verify(const VerifyOptions& o) {
   // The reference runs on one in-process rank on every process: explicit on
   // the whole batch, or with documents each document alone (unpacked), so
   // that the masks and positions are checked too, not only assumed.
-  spec.form = Form::explicit_form;
+  spec.variant = reference;
   BlockJobOf<T> ref;
   if (docs) {
     BlockRun<T> alone = run_documents_alone(cfg, w, x, dout, *docs, spec);
@@ -85,13 +88,13 @@ void run_verify(const VerifyOptions& o) {
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
     for (FormVariant f : forms) {
-      spec.set_variant(f);
+      spec.variant = f;
       BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
       Row row{to_string(f),
               P,
-              f.form == Form::laga2d
-                  ? cat(layout.describe(), "; ", laga2d_grid(layout, f).describe())
+              form_spec(f.form).geometry
+                  ? cat(layout.describe(), "; ", form_spec(f.form).geometry(layout, f))
                   : layout.describe(),
               "",
               deviation(job.out, ref.out),
@@ -110,11 +113,11 @@ void run_verify(const VerifyOptions& o) {
         if (row.worst.empty() || d.relative() > row.worst_grad.relative())
           row.worst = mine[i].first, row.worst_grad = d;
       }
-      // Bit-identity holds against explicit on the same (packed) batch, not
+      // Bit-identity (FormTraits::exact_at_one_rank: laga, whose q-latent
+      // runs the same GEMMs at P 1, and laga2d, which is laga there;
+      // docs/forms.md) holds against the reference on the same batch, not
       // against documents run alone.
-      // laga+q-latent too: at P = 1 it runs the same GEMMs (docs/forms.md).
-      // laga2d at P = 1 is laga (one head group, one context group).
-      const bool exact_needed = (f.form == Form::laga || f.form == Form::laga2d) && P == 1 && !docs;
+      const bool exact_needed = form_spec(f.form).traits.exact_at_one_rank && P == 1 && !docs;
       const double worst =
           std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
       row.ok = exact_needed
@@ -130,7 +133,8 @@ void run_verify(const VerifyOptions& o) {
   t << "# laga verify: " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", attention "
     << o.attention << ", comm " << to_string(o.comm.backend)
     << (docs ? ", documents " + docs->describe() : std::string()) << "\n"
-    << "# reference: explicit form on 1 rank" << (docs ? ", each document alone" : "")
+    << "# reference: " << to_string(reference) << " form on 1 rank"
+    << (docs ? ", each document alone" : "")
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol << " (" << o.dtype << ")"
     << (docs ? "" : ", and laga and laga2d at P=1 must be bit-identical (|diff| = 0)") << "\n";
@@ -184,7 +188,7 @@ void register_verify_command(CLI::App& app) {
   opts->comm.add_to(*sub);
   sub->add_option("--sp", opts->sp, "comma-separated rank counts")->capture_default_str();
   sub->add_option("--forms", opts->forms,
-                  "comma-separated forms (explicit, absorbed, laga, laga2d), or all")
+                  cat("comma-separated forms (", form_names(", "), "), or all"))
       ->capture_default_str();
   sub->add_option("--overlap", opts->overlap,
                   "laga's and laga2d's latent collectives overlapped with compute: off, on (they "

@@ -102,7 +102,7 @@ class Table {
 
 const FormResult* find_explicit(const CompareResult& r) {
   for (const FormResult& f : r.results)
-    if (f.form == Form::explicit_form) return &f;
+    if (form_spec(f.form.form).traits.reference) return &f;
   return nullptr;
 }
 
@@ -160,7 +160,7 @@ std::string compare_table(const CompareResult& r) {
   s << bytes.str();
   if (const FormResult* ex = find_explicit(r)) {
     for (const FormResult& f : r.results)
-      if (f.form != Form::explicit_form && f.sent_forward > 0)
+      if (!form_spec(f.form.form).traits.reference && f.sent_forward > 0)
         s << "  explicit/" << to_string(f.form)
           << " forward bytes: " << fixed(double(ex->sent_forward) / double(f.sent_forward), 3)
           << "x\n";

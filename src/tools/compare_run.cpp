@@ -132,7 +132,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
   for (size_t fi = 0; fi < j.order.size(); ++fi) {
     const FormVariant form = j.order[fi];
     RunSpec spec;
-    spec.set_variant(form);
+    spec.variant = form;
     spec.attention = j.attention;
     spec.documents = j.documents;
     RankRecord rec;
@@ -167,7 +167,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
       rec.last = rep;
       keys[fi] = rep.ledger.order();
       if (j.diffs) {
-        if (form == Form::explicit_form) {
+        if (form_spec(form.form).traits.reference) {
           PoolScope keep(ref_pool);
           ref.out = res.out.clone(), ref.dx = res.dx.clone();
           ref.grads = res.grads.clone(MemCategory::gradients);
@@ -441,34 +441,6 @@ std::string query_latent_note(const MlaConfig& cfg, const SpLayout& lay) {
              " at this P. ", rule);
 }
 
-// laga2d's grid and its attention balance, in words; for laga2d+q-latent,
-// where its query exchange pays.
-std::string laga2d_note(const MlaConfig& cfg, const SpLayout& lay, FormVariant v) {
-  const HeadContextGrid g = laga2d_grid(lay, v);
-  if (v.queries == QueryExchange::latent) {
-    if (g.context_groups == 1)
-      return "laga2d+q-latent: one context group, so it all-gathers the query latent as "
-             "laga+q-latent does";
-    std::int64_t Hg = 0;
-    for (std::int64_t h : g.head_count) Hg = std::max(Hg, h);
-    const std::int64_t per_head = Hg * cfg.qk_head_dim();
-    return cat("laga2d+q-latent: each rank receives its query rows' latent, rq = ", cfg.q_lora_rank,
-               " elements per row, where laga2d's q_a2a moves its head group's queries, H_g dqk = ",
-               per_head, " (H_g = ", Hg,
-               "): it sends fewer bytes while rq < H_g dqk, so with fewer head groups (more "
-               "heads each); here it sends ",
-               cfg.q_lora_rank < per_head ? "fewer" : "as many or more", " bytes");
-  }
-  char balance[32];
-  std::snprintf(balance, sizeof balance, "%.3f", attention_balance(cfg, lay, v, nullptr));
-  return cat("laga2d: ", g.describe(),
-             v.head_groups == 0 ? " by its default rule, Ph = gcd(H, P)" : "",
-             "; each rank attends its head group's heads for query chunks c and 2Pc-1-c of ",
-             2 * g.context_groups,
-             ", over the keys up to its last query. Attention work max/min over ranks ", balance,
-             " (unpacked)");
-}
-
 }  // namespace
 
 std::optional<CompareResult> run_compare(const CompareOptions& o) {
@@ -537,17 +509,22 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
                             " us per message (docs/planning.md, the link model)"));
   }
   res.values_meaningful = !o.count_only && (o.rank_only < 0 || o.sp == 1);
+  // The reference (FormTraits::reference: explicit) runs first, so the
+  // others' max |diff| is against it.
+  const Form reference = forms_with(&FormTraits::reference).front();
   for (FormVariant f : res.forms)
-    if (f == Form::explicit_form) j.order.push_back(f);
+    if (f == reference) j.order.push_back(f);
   for (FormVariant f : res.forms)
-    if (f != Form::explicit_form) j.order.push_back(f);
+    if (f != reference) j.order.push_back(f);
   if (o.q_latent) res.notes.push_back(query_latent_note(res.cfg, res.layout));
   for (FormVariant f : res.forms)
-    if (f.form == Form::laga2d) res.notes.push_back(laga2d_note(res.cfg, res.layout, f));
-  const bool has_explicit = j.order.front() == Form::explicit_form;
+    if (const FormSpec& s = form_spec(f.form); s.note)
+      res.notes.push_back(s.note(res.cfg, res.layout, f));
+  const bool has_explicit = j.order.front() == reference;
   j.diffs = res.values_meaningful && o.rank_only < 0 && has_explicit;
   if (res.values_meaningful && !has_explicit)
-    res.notes.push_back("explicit is not among --forms: no max |diff| against it");
+    res.notes.push_back(
+        cat(to_string(reference), " is not among --forms: no max |diff| against it"));
   for (const auto& [name, shape] : mla_param_shapes(res.cfg)) j.param_names.push_back(name);
 
   // Count-only holds bookkeeping only, but of every rank: checked too.

@@ -75,9 +75,8 @@ void replace_positive_checks(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{
-      "laga: the explicit, absorbed and LAGA forms of sequence-parallel MLA, forward and "
-      "backward, with exact wire bytes and activation memory"};
+  CLI::App app{laga::cat("laga: the forms of sequence-parallel MLA (", laga::form_names(", "),
+                         "), forward and backward, with exact wire bytes and activation memory")};
   app.require_subcommand(1);
   app.set_version_flag("--version", "laga 0.1.0");
   for (const auto& reg : laga::tools::command_registry()) reg(app);

@@ -1,5 +1,6 @@
 // The form variants a config admits, for the tests that run each of them:
-// every form; with rq > 0 laga and laga2d with the query-latent exchange;
+// every form; with rq > 0 every form that can move the query latent
+// (FormTraits::query_latent) with that exchange;
 // and, optionally, every variant that can overlap, overlapped (another order
 // of collectives and allocations).
 #pragma once
@@ -18,11 +19,11 @@ inline std::vector<FormVariant> form_variants(const MlaConfig& cfg, WithOverlap 
   std::vector<FormVariant> v;
   for (Form f : all_forms()) v.push_back(f);
   if (cfg.q_lora_rank > 0)
-    for (Form f : {Form::laga, Form::laga2d}) v.push_back({f, QueryExchange::latent});
+    for (Form f : forms_with(&FormTraits::query_latent)) v.push_back({f, QueryExchange::latent});
   if (overlap == WithOverlap::no) return v;
   const std::size_t n = v.size();
   for (std::size_t i = 0; i < n; ++i)
-    if (form_overlaps(v[i].form)) {
+    if (form_spec(v[i].form).traits.overlap) {
       FormVariant o = v[i];
       o.overlap = Overlap::on;
       v.push_back(o);

@@ -56,7 +56,7 @@ TEST_P(BlockGrad, MatchesFiniteDifferences) {
   const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, 1);
   const RopeTable rope(cfg.rope(), S);
   auto comm = make_self_communicator();
-  const BlockContext ctx{cfg, lay, *comm, rope, gc.form, gc.attention, nullptr, gc.queries};
+  const BlockContext ctx{cfg, lay, *comm, rope, {gc.form, gc.queries}, gc.attention, nullptr};
 
   auto w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
   init_params(w, 7, 0.1);
@@ -99,7 +99,7 @@ std::vector<GradCase> cases() {
     for (std::int64_t rq : {0, 5})
       for (bool yarn : {false, true}) v.push_back({"", rq, yarn, f, AttentionKind::eager});
   for (Form f : all_forms()) v.push_back({"", 5, true, f, AttentionKind::flash});
-  for (Form f : {Form::laga, Form::laga2d}) {
+  for (Form f : forms_with(&FormTraits::query_latent)) {
     for (bool yarn : {false, true})
       v.push_back({"", 5, yarn, f, AttentionKind::eager, QueryExchange::latent});
     v.push_back({"", 5, true, f, AttentionKind::flash, QueryExchange::latent});
@@ -134,9 +134,9 @@ TEST_P(BlockGradSp, MatchesFiniteDifferences) {
   test::fill_random(x.data(), x.numel(), 11);
   test::fill_random(g.data(), g.numel(), 12);
   RunSpec spec;
-  spec.form = sc.form;
+  spec.variant.form = sc.form;
   spec.attention = sc.attention;
-  spec.queries = sc.queries;
+  spec.variant.queries = sc.queries;
   BlockRun<double> run = run_local(cfg, lay, w, x, g, spec);
 
   spec.backward = false;
@@ -172,7 +172,7 @@ std::vector<SpCase> sp_cases() {
   // laga2d's default grid is Ph = gcd(3, P): at P 2 one head group of two
   // context groups (the query latent sent to each group's chunks), at P 3
   // laga's own (all-gathered).
-  for (Form f : {Form::laga, Form::laga2d})
+  for (Form f : forms_with(&FormTraits::query_latent))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       v.push_back({f, a, {3, 2}, {2, 1}, QueryExchange::latent});
       v.push_back({f, a, {2, 2, 1}, {2, 0, 1}, QueryExchange::latent});

@@ -224,8 +224,8 @@ TEST(DryRun, CountOnlyAndRealRunsReportTheSameBytesAndPeaks) {
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
         const MlaConfig& cfg = *cfg_p;
         RunSpec spec;
-        spec.form = f.form;
-        spec.queries = f.queries;
+        spec.variant.form = f.form;
+        spec.variant.queries = f.queries;
         spec.attention = a;
         const std::string what = to_string(f) + " " + to_string(a) + " " + lay.describe() +
                                  " B=" + std::to_string(lay.batch);
@@ -245,7 +245,7 @@ TEST(DryRun, OneRankDryRunIsARealRun) {
   const MlaConfig cfg = small_config();
   const SpLayout lay = SpLayout::even(2, 9, 5, 1);
   RunSpec spec;
-  spec.form = Form::laga;
+  spec.variant.form = Form::laga;
   std::vector<float> a, b;
   dry_rank(cfg, lay, spec, 0, false, &a);
   full_run(cfg, lay, spec, false, &b);

@@ -111,7 +111,7 @@ void expect_ledger_matches_model(const MlaConfig& cfg, const SpLayout& lay, Form
 // overlapped variants') behave differently under it.
 RunSpec spec_of(FormVariant v, AttentionKind a) {
   RunSpec spec;
-  spec.set_variant(v);
+  spec.variant = FormVariant(v);
   spec.attention = a;
   spec.deferred_delivery_for_testing = true;
   return spec;
@@ -133,7 +133,7 @@ TEST_P(Forms, AgreeWithSingleRankExplicit) {
   const Inputs in = make_inputs(cfg, B, lay.seq);
   RunSpec spec;
   spec.attention = AttentionKind::eager;
-  spec.form = Form::explicit_form;
+  spec.variant.form = Form::explicit_form;
   const BlockRun<float> ref =
       run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
   for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
@@ -214,14 +214,15 @@ TEST(Forms, QueryLatentIsRefusedWhereItDoesNotApply) {
     }
     return std::string("no error");
   };
-  for (Form f : {Form::explicit_form, Form::absorbed}) {
+  for (Form f : all_forms()) {
+    if (form_spec(f).traits.query_latent) continue;
     const std::string msg = refusal(test_config(7), in7, f);
     EXPECT_NE(msg.find("--q-latent applies to the laga and laga2d forms with q_lora_rank > 0"),
               std::string::npos)
         << msg;
     EXPECT_NE(msg.find(std::string("the ") + to_string(f) + " form"), std::string::npos) << msg;
   }
-  for (Form f : {Form::laga, Form::laga2d}) {
+  for (Form f : forms_with(&FormTraits::query_latent)) {
     const std::string msg = refusal(test_config(0), in0, f);
     EXPECT_NE(msg.find("q_lora_rank 0"), std::string::npos) << msg;
   }
@@ -270,7 +271,7 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
     const MlaConfig cfg = test_config(rq);
     const Inputs in = make_inputs(cfg, B, lay.seq);
     RunSpec spec;
-    spec.form = Form::explicit_form, spec.attention = AttentionKind::eager;
+    spec.variant.form = Form::explicit_form, spec.attention = AttentionKind::eager;
     const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
       for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
@@ -501,9 +502,9 @@ TEST(Laga2dAtPhEqualsP, TakesLagasPlacementSoItsBitsAndBytes) {
     EXPECT_EQ(at_ph_p.tokens, shards.tokens) << tag;
     for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
       if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
-      spec.set_variant({Form::laga, q});
+      spec.variant = FormVariant{Form::laga, q};
       const BlockRun<float> laga = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-      spec.set_variant({Form::laga2d, q, lay.ranks});
+      spec.variant = FormVariant{Form::laga2d, q, lay.ranks};
       const BlockRun<float> grid = run_local(cfg, lay, in.w, in.x, in.dout, spec);
       expect_run_matches(grid, laga, 0.0, std::string(to_string(q)) + " " + tag);
       expect_same_ledgers(grid, laga, std::string(to_string(q)) + " " + tag);
@@ -548,15 +549,17 @@ TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
         std::vector<FormVariant> vs;
         for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
           if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
-          vs.push_back({Form::laga, q});
-          vs.push_back({Form::laga2d, q});
-          vs.push_back({Form::laga2d, q, 1});
+          for (Form f : forms_with(&FormTraits::overlap)) {
+            vs.push_back({f, q});
+            // A grid form also at one head group (Pc = P).
+            if (form_spec(f).traits.head_groups) vs.push_back({f, q, 1});
+          }
         }
         for (FormVariant v : vs) {
-          spec.set_variant(v);
+          spec.variant = FormVariant(v);
           spec.deferred_delivery_for_testing = false;
           const BlockRun<float> off = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-          spec.overlap = Overlap::on;
+          spec.variant.overlap = Overlap::on;
           spec.deferred_delivery_for_testing = true;
           const BlockRun<float> on = run_local(cfg, lay, in.w, in.x, in.dout, spec);
           expect_run_matches(on, off, 0.0, to_string(v) + " " + tag);
@@ -570,12 +573,13 @@ TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
   const MlaConfig cfg = test_config(0);
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 2);
   const Inputs in = make_inputs(cfg, 2, lay.seq);
-  for (Form f : {Form::explicit_form, Form::absorbed}) {
+  for (Form f : all_forms()) {
+    if (form_spec(f).traits.overlap) continue;
     RunSpec spec = spec_of(f, AttentionKind::eager);
-    spec.overlap = Overlap::on;
+    spec.variant.overlap = Overlap::on;
     const std::string e = test::error_of([&] { run_local(cfg, lay, in.w, in.x, in.dout, spec); });
-    EXPECT_NE(e.find(cat("--overlap on applies to the laga and laga2d forms (they overlap the "
-                         "latent all-gather and its reduce-scatter with compute); the ",
+    EXPECT_NE(e.find(cat("--overlap on applies to the laga and laga2d forms (they overlap their "
+                         "collectives with compute); the ",
                          to_string(f), " form has no overlapped path")),
               std::string::npos)
         << e;

@@ -54,8 +54,8 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
         PoolScope scope(pool);
         auto comm = make_self_communicator();
         RunSpec spec;
-        spec.form = form.form;
-        spec.queries = form.queries;
+        spec.variant.form = form.form;
+        spec.variant.queries = form.queries;
         spec.attention = att;
         Peaks peaks;
         {

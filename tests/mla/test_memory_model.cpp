@@ -60,7 +60,7 @@ void check_real(const MlaConfig& cfg, const SpLayout& lay, bool backward) {
   for (FormVariant f : test::form_variants(cfg, test::WithOverlap::yes))
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       RunSpec spec;
-      spec.set_variant(f);
+      spec.variant = FormVariant(f);
       spec.attention = a;
       spec.backward = backward;
       // Its staging is outside the pools: it must change no count, and the
@@ -109,7 +109,7 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     DryRunCommunicator comm(r, lay.ranks);
     RunSpec spec;
-    spec.set_variant(f);
+    spec.variant = FormVariant(f);
     spec.attention = a;
     const RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
     expect_matches(p, res.report.memory, where);
@@ -117,8 +117,7 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
   {
     // forward + backward alone, as cmd_compare measures it
     DryRunCommunicator comm(r, lay.ranks);
-    const BlockContext ctx{cfg, lay,     comm,      rope,          f.form,
-                           a,   nullptr, f.queries, f.head_groups, f.overlap};
+    const BlockContext ctx{cfg, lay, comm, rope, f, a, nullptr};
     const std::int64_t off = lay.seq_offset[static_cast<size_t>(r)];
     const std::int64_t L = lay.seq_count[static_cast<size_t>(r)];
     const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);

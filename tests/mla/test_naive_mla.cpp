@@ -128,9 +128,9 @@ TEST_P(FormsVsNaive, DoubleMatchesEveryElement) {
                                                      {g.data(), g.data() + g.numel()}, B, S);
     for (int P : {1, 3}) {
       RunSpec spec;
-      spec.form = GetParam().form;
+      spec.variant.form = GetParam().form;
       spec.attention = GetParam().attention;
-      spec.queries = GetParam().queries;
+      spec.variant.queries = GetParam().queries;
       const BlockRun<double> run = run_local(c, SpLayout::even(B, S, c.n_heads, P), w, x, g, spec);
       const std::string tag = "rq " + std::to_string(rq) + " P " + std::to_string(P) + " ";
       const test::Tolerance tol = test::block_tolerance<double>();

@@ -94,7 +94,7 @@ void on_every_rank(const Case& c, double limit, std::int64_t min_bytes, bool cou
   fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
   const RopeTable rope(cfg.rope(), lay.seq);
   RunSpec spec;
-  spec.set_variant(c.form);
+  spec.variant = FormVariant(c.form);
   spec.attention = c.attention;
   std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
   for (MemoryPool& p : pools) {

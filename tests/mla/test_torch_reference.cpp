@@ -60,8 +60,8 @@ TEST_P(TorchReference, BlockMatchesAutograd) {
     for (FormVariant form : variants)
       for (AttentionKind att : {AttentionKind::eager, AttentionKind::flash}) {
         RunSpec spec;
-        spec.form = form.form;
-        spec.queries = form.queries;
+        spec.variant.form = form.form;
+        spec.variant.queries = form.queries;
         spec.attention = att;
         const BlockRun<float> run =
             run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), w, x, dout, spec);

@@ -34,7 +34,7 @@ fs::path scratch(const std::string& name) {
 TrainOptions small(std::int64_t steps) {
   TrainOptions o;
   o.model = LmConfig::derive(32, 4, 1, 64, 16);
-  o.form = Form::laga;
+  o.variant.form = Form::laga;
   o.sp = 1;
   o.batch = 1;
   o.seq = 16;
@@ -221,7 +221,7 @@ TEST(CheckpointPolicy, AllowChangeAndFreeOptions) {
   r.resume = dir.string();
   r.adam.lr = 0.01;
   r.allow_change = {"lr"};
-  r.form = Form::explicit_form;  // free: the same math
+  r.variant.form = Form::explicit_form;  // free: the same math
   const auto notes = prepare_run(r);
   ASSERT_EQ(notes.size(), 2u);
   expect_has(notes[0] + notes[1], {"form: laga -> explicit", "allowed by --allow-change"});

@@ -33,7 +33,7 @@ fs::path scratch(const std::string& name) {
 TrainOptions small(Form form, int sp, std::int64_t steps = 8) {
   TrainOptions o;
   o.model = LmConfig::derive(32, 4, 2, 64, 32);
-  o.form = form;
+  o.variant.form = form;
   o.sp = sp;
   o.batch = 2;
   o.seq = 32;
@@ -72,9 +72,9 @@ TEST(Train, FormsFollowExplicitAtP2) {
   // and overlapped.
   std::vector<TrainOptions> runs{small(Form::laga, 2), small(Form::absorbed, 2),
                                  small(Form::laga2d, 2)};
-  runs.back().head_groups = 1;
+  runs.back().variant.head_groups = 1;
   runs.push_back(runs.back());
-  runs.back().overlap = Overlap::on;
+  runs.back().variant.overlap = Overlap::on;
   for (const TrainOptions& o : runs) {
     const auto got = losses(train_local(o));
     ASSERT_EQ(got.size(), ex.size());
@@ -82,7 +82,7 @@ TEST(Train, FormsFollowExplicitAtP2) {
     // steps of Adam: ~1e-6 seen; 1e-4 is far below any real difference.
     for (size_t i = 0; i < ex.size(); ++i)
       EXPECT_NEAR(got[i], ex[i], 1e-4 * std::abs(ex[i]))
-          << to_string(o.variant()) << " step " << i + 1;
+          << to_string(o.variant) << " step " << i + 1;
   }
   // And the P = 2 run follows the P = 1 run the same way.
   const auto one = losses(train_local(small(Form::explicit_form, 1)));
@@ -314,7 +314,7 @@ TEST(Train, ValidationIsTheMeanForwardLossOfFixedHeldOutBatches) {
   auto comm = make_self_communicator();
   const SpLayout layout = SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, 1);
   const RopeTable rope(o.model.mla.rope(), o.seq);
-  const LmContext ctx{o.model, layout, *comm, rope, o.form, o.attention};
+  const LmContext ctx{o.model, layout, *comm, rope, o.variant, o.attention};
   double sum = 0;
   std::vector<std::int32_t> window(size_t(o.batch * (o.seq + 1))), tok, tgt;
   for (std::int64_t k = 0; k < o.val_batches; ++k) {
@@ -331,7 +331,7 @@ TEST(Train, ValidationIsTheMeanForwardLossOfFixedHeldOutBatches) {
 
   for (Form f : all_forms()) {
     TrainOptions p = o;
-    p.form = f;
+    p.variant.form = f;
     p.sp = 2;
     p.checkpoint_dir.clear();
     p.save_every = 0;
@@ -400,13 +400,13 @@ TEST(Train, PackedDataTrainsResumesExactlyAndFollowsAcrossForms) {
 
   // Every form and P follow single-rank explicit within fp32 rounding.
   TrainOptions ex = o;
-  ex.form = Form::explicit_form;
+  ex.variant.form = Form::explicit_form;
   ex.sp = 1;
   const auto ref = losses(train_local(ex));
   for (Form f : all_forms())
     for (int sp : {2, 3}) {
       TrainOptions g = o;
-      g.form = f;
+      g.variant.form = f;
       g.sp = sp;
       const auto got = losses(train_local(g));
       for (size_t i = 0; i < ref.size(); ++i)

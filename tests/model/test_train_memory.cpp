@@ -27,10 +27,7 @@ TrainOptions options_of(const Case& c) {
   TrainOptions o;
   o.model = LmConfig::derive(32, 4, 2, 64, c.seq);
   o.model.mla.q_lora_rank = 12;  // so the query-latent variants run too
-  o.form = c.form.form;
-  o.queries = c.form.queries;
-  o.head_groups = c.form.head_groups;
-  o.overlap = c.form.overlap;
+  o.variant = c.form;
   o.attention = c.attention;
   o.sp = c.sp;
   o.batch = c.batch;

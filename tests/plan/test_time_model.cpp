@@ -105,7 +105,7 @@ TEST(OpCounts, CountOnlyEqualsARealRun) {
           const TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
           DryRunCommunicator comm(r, lay.ranks);
           RunSpec spec;
-          spec.set_variant(f);
+          spec.variant = FormVariant(f);
           spec.attention = a;
           const ops::CountOps counting(real);
           run_rank(comm, cfg, lay, rope, w, x, dout, spec);
@@ -319,7 +319,7 @@ TEST(TimeModel, WithoutOverlapTheTimelineIsThePhasesSummed) {
   const HardwareProfile prof = load_profile("h100");
   const Fabric fabric = single_level({2e9, 30e-6, Topology::switched});
   for (int P : {2, 3})
-    for (Form f : {Form::explicit_form, Form::absorbed, Form::laga, Form::laga2d}) {
+    for (Form f : all_forms()) {
       const SpLayout lay = SpLayout::even(1, 40, cfg.n_heads, P);
       const RankWork w =
           rank_work(cfg, lay, FormVariant(f), AttentionKind::flash, P - 1, PlanDType::bf16);
@@ -351,7 +351,7 @@ TEST(TimeModel, OverlapHidesStartedCollectivesUnderCompute) {
   const MlaConfig cfg = tiny();
   const SpLayout lay = SpLayout::even(1, 64, cfg.n_heads, 2);
   HardwareProfile prof = load_profile("h100");
-  for (Form f : {Form::laga, Form::laga2d}) {
+  for (Form f : forms_with(&FormTraits::overlap)) {
     FormVariant on(f);
     on.overlap = Overlap::on;
     const RankWork plain =

@@ -373,7 +373,7 @@ def case_q_latent(laga, scratch):
                ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}')
     applies = "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; "
     rq0 = applies + "the config has q_lora_rank 0"
-    no_laga = applies + "--forms includes neither"
+    no_laga = applies + "--forms includes none of them"
     for form in ("explicit", "absorbed"):
         expect_error(laga, ["forward", "--config", cfg, "--form", form, "--q-latent"],
                      applies + f"not to the {form} form")

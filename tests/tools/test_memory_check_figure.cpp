@@ -87,7 +87,7 @@ TEST(MemoryCheck, ABlockJobIsEveryRankItRunsPlusWhatItHolds) {
 TEST(MemoryCheck, ATrainJobIsEveryRankLocallyAndTheLargestUnderMpi) {
   TrainOptions o;
   o.model = LmConfig::derive(32, 4, 2, 64, 34);
-  o.form = Form::laga;
+  o.variant.form = Form::laga;
   o.sp = 3;
   o.batch = 2;
   o.seq = 34;  // 12 + 11 + 11 tokens, heads 2 + 1 + 1
