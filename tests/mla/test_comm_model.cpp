@@ -57,8 +57,12 @@ TEST(CommModel, OneCallPerLabelAndPhase) {
   MlaConfig cfg;
   cfg.q_lora_rank = 24;
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 3);
-  std::vector<FormVariant> variants;
-  for (Form f : all_forms()) variants.push_back(f);
+  // Every form makes one call per label (a ring form's steps would be
+  // labelled apart); the head-parallel forms' labels are these.
+  for (Form f : all_forms())
+    for (const auto& [key, b] : predict_comm(cfg, lay, f, 1, 4, true, true))
+      EXPECT_EQ(b.calls, 1) << to_string(f) << " " << key.second;
+  std::vector<FormVariant> variants{Form::explicit_form, Form::absorbed, Form::laga, Form::laga2d};
   variants.push_back({Form::laga, QueryExchange::latent});
   variants.push_back({Form::laga2d, QueryExchange::latent, 3});  // Pc 1: all-gathered
   variants.push_back({Form::laga2d, QueryExchange::latent, 1});  // Pc 3: sent to the chunks

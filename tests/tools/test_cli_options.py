@@ -210,7 +210,8 @@ def case_messages(laga, scratch):
                          (["plan", "--preset", "tiny", "--profile", "h100", "--json", gone],
                           "--json"),
                          (["compare", "--preset", "tiny", "--csv", gone], "--csv"),
-                         (["forward", "--preset", "tiny", "--output", gone], "--output")]:
+                         (["forward", "--preset", "tiny", "--output", gone], "--output"),
+                         (["forms", "--json", gone], "--json")]:
         t0 = time.time()
         expect_error(laga, args, f"cannot write {option} '{gone}': its directory")
         if time.time() - t0 > 5:

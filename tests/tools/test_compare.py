@@ -40,6 +40,12 @@ def run(laga, args, expect_rc=0):
     return p
 
 
+def registry(laga):
+    """The forms of this build, in registry order (`laga forms --json -`)."""
+    r = subprocess.run([laga, "forms", "--json", "-"], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)["forms"]
+
+
 def compare_json(laga, scratch, name, args):
     path = os.path.join(scratch, name + ".json")
     run(laga, args + ["--json", path])
@@ -76,8 +82,8 @@ TINY = ["--preset", "tiny", "--batch", "2", "--seq", "23", "--sp", "3", "--steps
 
 def case_tiny(laga, scratch):
     doc = compare_json(laga, scratch, "tiny", TINY)
-    check([f["form"] for f in doc["forms"]] == ["explicit", "absorbed", "laga", "laga2d"],
-          "form order")
+    check([f["form"] for f in doc["forms"]] == [f["name"] for f in registry(laga)],
+          "form order: the registry's")
     check(doc["values_meaningful"] is True, "a full real run has meaningful values")
     check_models(doc, "tiny")
     keys = ["form", "bytes_sent_forward", "bytes_sent_total", "predicted_bytes_sent_forward",
@@ -104,8 +110,9 @@ def case_tiny(laga, scratch):
     # checked): out, dx and every gradient, fp32 with other summation orders,
     # within 1e-5 of each quantity's own scale (max |explicit|), and the scale
     # must be non-zero or the bound says nothing.
-    ex, ab, lg, l2 = doc["forms"]
-    for f in (ab, lg, l2):
+    by_name = {f["form"]: f for f in doc["forms"]}
+    ab, lg = by_name["absorbed"], by_name["laga"]
+    for f in doc["forms"][1:]:
         d = f["max_abs_diff"]
         for q in ("out", "dx", "grad"):
             check(d[q + "_scale"] > 0, f"{f['form']} {q}: the explicit reference is all zeros")
@@ -125,7 +132,8 @@ def case_tiny(laga, scratch):
     run(laga, TINY + ["--csv", csv])
     with open(csv) as f:
         rows = f.read().strip().split("\n")
-    check(len(rows) == 5 and rows[0].startswith("form,"), "CSV has a header and 4 rows")
+    check(len(rows) == 1 + len(doc["forms"]) and rows[0].startswith("form,"),
+          "CSV has a header and a row per form")
 
 
 def case_modes(laga, scratch):
@@ -191,9 +199,13 @@ def case_q_latent(laga, scratch):
     doc = compare_json(laga, scratch, "real", ["--config", cfg, "--batch", "2", "--seq", "23",
                                                "--sp", "3", "--steps", "1", "--warmup", "0",
                                                "--q-latent"])
-    check([f["form"] for f in doc["forms"]] ==
-          ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d", "laga2d+q-latent"],
-          "laga+q-latent right after laga, laga2d+q-latent after laga2d")
+    want = []
+    for f in registry(laga):
+        want += [f["name"]] + ([f["name"] + "+q-latent"] if f["traits"]["query_latent"] else [])
+    check(want[:6] == ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d",
+                       "laga2d+q-latent"], f"the registry's forms and traits: {want}")
+    check([f["form"] for f in doc["forms"]] == want,
+          "each form with the query latent right after it (laga+q-latent after laga, ...)")
     check_models(doc, "q-latent real")
     # H 5 at P 3: laga2d's default grid is one head group of three context
     # groups, so its query latent goes to each group's chunks.

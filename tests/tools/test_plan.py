@@ -30,6 +30,11 @@ def run(args, timeout=300):
     return subprocess.run([laga] + args, capture_output=True, text=True, timeout=timeout)
 
 
+# The forms of this build, in registry order (`laga forms --json -`).
+FORMS = [f["name"] for f in json.loads(subprocess.run(
+    [laga, "forms", "--json", "-"], capture_output=True, text=True, check=True).stdout)["forms"]]
+
+
 def load(args, name):
     out = os.path.join(tmp, name + ".json")
     r = run(args + ["--json", out])
@@ -125,7 +130,7 @@ if case == "exact":
     p = load(["plan", "--quiet", "--profile", "910b", "--preset", "tiny", "--seq", "64,128",
               "--sp", "1,2,4"], "sweep")
     got = [(q["seq"], q["sp"], q["form"]) for q in p["plans"]]
-    want = [(s, n, f) for s in (64, 128) for n in (1, 2, 4) for f in ("explicit", "absorbed", "laga", "laga2d")]
+    want = [(s, n, f) for s in (64, 128) for n in (1, 2, 4) for f in FORMS]
     if got != want:
         failures.append(f"sweep order {got} != {want}")
     if len(p["cases"]) != 6 or any(c["winner"] is None for c in p["cases"]):
@@ -191,7 +196,7 @@ elif case == "measure":
     elif any(not e["seconds"] > 0 for e in shapes["gemm"] + shapes["attention"]):
         failures.append("a measured shape took no time")
     p = load(["plan", "--quiet", "--profile", path, "--seq", "64"] + tiny, "with_measured")
-    if len(p["plans"]) != 4:
+    if len(p["plans"]) != len(FORMS):
         failures.append(f"plans with the measured profile: {p['plans']}")
     for seq, want in (("64", "compute: every GEMM and attention call at its shape's measured time"),
                       ("96", "compute: all GEMM and attention FLOPs at the profile's efficiency")):
