@@ -1,6 +1,7 @@
 // The public block API and the pieces every form shares (form.hpp).
 #include "mla/block.hpp"
 
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 
@@ -125,6 +126,32 @@ Tensor<T> Pieces<T>::queries_to_heads(const Step& st, const MlaParams<T>& w, Inp
   ops::linear(mat(q), mat(in.qn), w.wq_b);
   st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
   return to_heads(st, q, st.dqk, "q_a2a", "q_h");
+}
+
+template <class T>
+Tensor<T> Pieces<T>::local_queries(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
+  Tensor<T> q({st.B, st.L, st.H * st.dqk}, "q_h");
+  if (st.rq == 0) {
+    LAGA_CHECK(in.kv_a.defined(),
+               "internal: local_queries before project_latent would free proj before kv_a is "
+               "copied out of it");
+    ops::copy(mat(q), mat(std::as_const(in.proj)).col_range(0, st.Nq));
+    in.proj.reset();
+    return q;
+  }
+  project_q_latent(st, w, in);
+  ops::linear(mat(q), mat(in.qn), w.wq_b);
+  st.rope(mat(q).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, false);
+  return q;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::local_queries_backward(const Step& st, Tensor<T>& dq, Tensor<T>& dproj) {
+  if (st.rq > 0) return std::move(dq);
+  dproj = Tensor<T>({st.B, st.L, st.Nq + st.W}, "dproj");
+  ops::copy(mat(dproj).col_range(0, st.Nq), mat(std::as_const(dq)));
+  dq.reset();
+  return {};
 }
 
 template <class T>
@@ -537,6 +564,117 @@ typename HeadAttention<T>::Grads HeadAttention<T>::backward(const Step& st, Tens
   return g;
 }
 
+namespace {
+
+// A range of n queries ending at token `end` sees keys [0, end): Sq = n,
+// Sk = end, and the kernel's bottom-right alignment puts query i at token
+// end - n + i. One call over the whole batch when the rank has one range and
+// its rows are the batch's uniform slices (B = 1, or Sk = S = kv_rows so
+// that the documents' (B, S) starts are the kernel's (B, Sk)); else one per
+// batch row and range, the range that reaches Sk first in each row.
+std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
+  const bool eager = st.ctx.attention == AttentionKind::eager;
+  const std::int64_t* starts = st.doc_start.empty() ? nullptr : st.doc_start.data();
+  std::vector<AttnCall> calls;
+  std::int64_t stats = 0;
+  auto add = [&](std::int64_t batch, std::int64_t n, std::int64_t end, std::int64_t q_row,
+                 std::int64_t kv_row, const std::int64_t* doc_start) {
+    AttnCall c;
+    c.shape =
+        AttnShape{batch, n, end, st.Hr, st.Hr, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), true};
+    c.shape.doc_start = doc_start;
+    c.q_row = q_row, c.kv_row = kv_row, c.stats = stats, c.all_keys = end == st.Sk;
+    stats += batch * st.Hr * n * (eager ? end : 1);
+    calls.push_back(c);
+  };
+  const std::vector<TokenRange>& ranges = st.query_ranges;
+  if (ranges.size() == 1 && (st.B == 1 || (st.Sk == st.S && kv_rows == st.S))) {
+    add(st.B, ranges[0].size(), ranges[0].end, 0, 0, starts);
+    return calls;
+  }
+  for (std::int64_t b = 0; b < st.B; ++b) {
+    std::int64_t row = b * st.Sq + st.Sq;  // past the last range's rows
+    for (auto it = ranges.rbegin(); it != ranges.rend(); ++it) {
+      row -= it->size();
+      add(1, it->size(), it->end, row, b * kv_rows, starts ? starts + b * st.S : nullptr);
+    }
+  }
+  return calls;
+}
+
+// p + off; null stays null (count-only tensors have no storage).
+template <class T>
+T* at(T* p, std::int64_t off) {
+  return p ? p + off : nullptr;
+}
+// Row r of a (rows, H_r, d) view of t.
+template <class T>
+T* row(const Step& st, Tensor<T>& t, std::int64_t d, std::int64_t r) {
+  return at(t.data(), r * st.Hr * d);
+}
+
+}  // namespace
+
+template <class T>
+void RangeAttention<T>::forward(const Step& st) {
+  LAGA_CHECK(kv_rows >= st.Sk, "internal: RangeAttention over ", kv_rows,
+             " key rows per batch row, but its queries see ", st.Sk);
+  calls = attention_calls(st, kv_rows);
+  const bool eager = st.ctx.attention == AttentionKind::eager;
+  std::int64_t n = 0;  // every call's statistics: eager probabilities or flash lse
+  for (const AttnCall& c : calls)
+    n += c.shape.B * c.shape.Hq * c.shape.Sq * (eager ? c.shape.Sk : 1);
+  o_att = Tensor<T>({st.B, st.Sq, st.Hr, st.dv}, "o_att");
+  stats = Tensor<T>({n}, eager ? "attn_stats eager probs" : "attn_stats flash lse");
+  for (const AttnCall& c : calls)
+    Pieces<T>::attend(st, c.shape, row(st, o_att, st.dv, c.q_row), at(stats.data(), c.stats),
+                      row(st, q_h, st.dqk, c.q_row), row(st, k_h, st.dqk, c.kv_row),
+                      row(st, v_h, st.dv, c.kv_row));
+}
+
+template <class T>
+typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Tensor<T>& do_h) {
+  Grads g;
+  g.dq_h = Tensor<T>({st.B, st.Sq, st.Hr, st.dqk}, "dq_h");
+  // Key rows past Sk are no call's: zero, where the tensor has them.
+  const Shape dk_shape{st.B, kv_rows, st.Hr, st.dqk}, dv_shape{st.B, kv_rows, st.Hr, st.dv};
+  g.dk_h = kv_rows > st.Sk ? Tensor<T>::zeros(dk_shape, "dk_h") : Tensor<T>(dk_shape, "dk_h");
+  g.dv_h = kv_rows > st.Sk ? Tensor<T>::zeros(dv_shape, "dv_h") : Tensor<T>(dv_shape, "dv_h");
+  {
+    // Scratch: eager's dp of one head, and the keys' gradients of a call
+    // that does not reach Sk, added into dk_h and dv_h after it.
+    const bool eager = st.ctx.attention == AttentionKind::eager;
+    std::int64_t dp = 0, part = 0;
+    for (const AttnCall& c : calls) {
+      dp = std::max(dp, c.shape.Sq * c.shape.Sk);
+      if (!c.all_keys) part = std::max(part, c.shape.Sk);
+    }
+    Tensor<T> dp_scratch;
+    if (eager) dp_scratch = Tensor<T>({dp}, "eager dp scratch");
+    Tensor<T> dk_part({part, st.Hr, st.dqk}, "dk_part"), dv_part({part, st.Hr, st.dv}, "dv_part");
+    for (const AttnCall& c : calls) {
+      const AttnShape& s = c.shape;
+      T* dk = c.all_keys ? row(st, g.dk_h, st.dqk, c.kv_row) : dk_part.data();
+      T* dv = c.all_keys ? row(st, g.dv_h, st.dv, c.kv_row) : dv_part.data();
+      Pieces<T>::attend_backward(st, s, row(st, g.dq_h, st.dqk, c.q_row), dk, dv,
+                                 row(st, do_h, st.dv, c.q_row), row(st, q_h, st.dqk, c.q_row),
+                                 row(st, k_h, st.dqk, c.kv_row), row(st, v_h, st.dv, c.kv_row),
+                                 row(st, o_att, st.dv, c.q_row), at(stats.data(), c.stats),
+                                 dp_scratch.data());
+      if (c.all_keys) continue;
+      ops::add(mat(g.dk_h, st.B * kv_rows, st.Hr * st.dqk).row_range(c.kv_row, s.Sk),
+               mat(std::as_const(dk_part), part, st.Hr * st.dqk).row_range(0, s.Sk));
+      ops::add(mat(g.dv_h, st.B * kv_rows, st.Hr * st.dv).row_range(c.kv_row, s.Sk),
+               mat(std::as_const(dv_part), part, st.Hr * st.dv).row_range(0, s.Sk));
+    }
+  }
+  stats.reset(), do_h.reset();
+  q_h.reset(), k_h.reset(), v_h.reset(), o_att.reset();
+  return g;
+}
+
+template struct RangeAttention<float>;
+template struct RangeAttention<double>;
 template struct HeadAttention<float>;
 template struct HeadAttention<double>;
 template struct LagaInputs<float>;

@@ -161,6 +161,13 @@ struct Pieces {
   // as dproj, returning nothing; rq > 0: returned as dq_loc (B, L, H dqk),
   // which wq_b's backward reads.
   static Tensor<T> queries_to_tokens(const Step& st, Tensor<T>& dq_h, Tensor<T>& dproj);
+  // The same for a form whose ranks attend their own tokens with all heads
+  // (the query rows stay home): q (B, L, H, dqk) of local tokens, from
+  // in.proj's first columns (then freed; project_latent must have run) or,
+  // rq > 0, wq_b qn, rotated; and its adjoint, with queries_to_tokens'
+  // contract (dq lands in dproj, or is returned as dq_loc). Frees dq.
+  static Tensor<T> local_queries(const Step& st, const MlaParams<T>& w, InputSaved<T>& in);
+  static Tensor<T> local_queries_backward(const Step& st, Tensor<T>& dq, Tensor<T>& dproj);
 
   // The all-to-alls as the forms use them, each freeing its input:
   // (B, L, H*d) of local tokens -> (B, Sq, H_r, d) of the attention's rows
@@ -315,6 +322,42 @@ struct HeadAttention {
   // Runs it and returns out (B, L, D); keeps o_loc for wo's gradient.
   void forward(const Step& st, const MlaParams<T>& w, Tensor<T>& out, Tensor<T>& o_loc);
   // do_h in; dq_h, dk_h, dv_h (B, S, H_r, .) out; frees what it saved.
+  struct Grads {
+    Tensor<T> dq_h, dk_h, dv_h;
+  };
+  Grads backward(const Step& st, Tensor<T>& do_h);
+};
+
+// The attention of this rank's query ranges (Step::query_ranges, Sq rows,
+// one range after another) for its H_r heads, each range of n queries
+// ending at token e over keys [0, e): laga2d's mirrored chunks, allgather_kv's
+// local tokens. The key and value tensors hold kv_rows rows per batch row,
+// of which the first Sk are read (laga2d: kv_rows = Sk; allgather_kv: the
+// whole gathered sequence, kv_rows = S).
+//
+// One kernel call per range and batch row (AttnCall), or one over the whole
+// batch when the rank has one range and the batch rows are uniform slices;
+// the call that reaches Sk writes its keys' gradients in place, the others
+// through scratch, added after.
+struct AttnCall {
+  AttnShape shape;
+  std::int64_t q_row = 0, kv_row = 0,
+               stats = 0;  // first (B Sq) row, (B kv_rows) row, stats element
+  bool all_keys = false;   // reads keys [0, Sk): writes their gradients in place
+};
+template <class T>
+struct RangeAttention {
+  Tensor<T> q_h;             // (B, Sq, H_r, dqk)
+  Tensor<T> k_h, v_h;        // (B, kv_rows, H_r, dqk / dv)
+  std::int64_t kv_rows = 0;  // >= Sk
+  Tensor<T> o_att;           // (B, Sq, H_r, dv), from forward
+  Tensor<T> stats;           // every call's eager probabilities or flash lse
+  std::vector<AttnCall> calls;
+  // o_att and stats from q_h, k_h, v_h.
+  void forward(const Step& st);
+  // do_h (B, Sq, H_r, dv) in (freed); dq_h (B, Sq, H_r, dqk), dk_h and dv_h
+  // (B, kv_rows, H_r, .), zero past Sk in each batch row, out; frees what it
+  // saved.
   struct Grads {
     Tensor<T> dq_h, dk_h, dv_h;
   };
