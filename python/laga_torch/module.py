@@ -91,8 +91,9 @@ log = logging.getLogger("laga_torch")
 def plan_form(cfg, seq, ranks, batch, profile, laga=None):
     """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
     profile (a built-in name or a JSON file; docs/planning.md): (form,
-    q_latent, overlap) of its winner. The binary: `laga`, else LAGA_BIN, else
-    PATH."""
+    q_latent, overlap) of its winner among the forms this package implements
+    (FORMS; the C++ build may have more, `laga forms`). The binary: `laga`,
+    else LAGA_BIN, else PATH."""
     laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
     if not laga:
         raise ValueError("form 'auto' asks `laga plan`, but no laga binary was found: set "
@@ -101,7 +102,8 @@ def plan_form(cfg, seq, ranks, batch, profile, laga=None):
         json.dump(cfg.to_json(), f)
     try:
         cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
-               "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet"]
+               "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet",
+               "--forms", ",".join(FORMS)]
         if cfg.q_lora_rank:
             cmd.append("--q-latent")
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -24,14 +24,25 @@ TEST(AttentionWork, EqualsTheKernelsMaskCount) {
     const std::vector<std::int64_t> starts = d ? d->doc_starts() : std::vector<std::int64_t>{};
     for (Form f : all_forms())
       for (int r = 0; r < lay.ranks; ++r) {
-        if (f == Form::laga2d) continue;  // below
-        const std::int64_t Hr = lay.head_count[std::size_t(r)], dr = cfg.qk_rope_head_dim;
-        AttnShape s = f == Form::absorbed
-                          ? AttnShape{2, 25, 25, Hr, 1, cfg.kv_lora_rank + dr, cfg.kv_lora_rank}
-                          : AttnShape{2, 25, 25, Hr, Hr, cfg.qk_nope_head_dim + dr, cfg.v_head_dim};
-        s.doc_start = d ? starts.data() : nullptr;
+        if (f == Form::laga2d) continue;  // below, at several grids
+        // The kernel calls of the rank's query ranges (each of n rows ending
+        // at token e sees keys [0, e), per batch row) for its heads; the
+        // absorbed form attends in latent space, one key head.
+        const Placement at = attention_placement(lay, f);
+        const std::int64_t Hr = at.head_count[std::size_t(r)], dr = cfg.qk_rope_head_dim;
+        double flops = 0;
+        for (std::int64_t b = 0; b < 2; ++b)
+          for (const TokenRange& q : at.tokens[std::size_t(r)]) {
+            AttnShape s =
+                f == Form::absorbed
+                    ? AttnShape{1, q.size(), q.end, Hr, 1, cfg.kv_lora_rank + dr, cfg.kv_lora_rank}
+                    : AttnShape{
+                          1, q.size(), q.end, Hr, Hr, cfg.qk_nope_head_dim + dr, cfg.v_head_dim};
+            s.doc_start = d ? starts.data() + b * 25 : nullptr;
+            flops += s.useful_flops_forward();
+          }
         const AttentionWork w = attention_work(cfg, lay, f, r, d);
-        EXPECT_EQ(w.flops, s.useful_flops_forward()) << to_string(f) << " rank " << r;
+        EXPECT_EQ(w.flops, flops) << to_string(f) << " rank " << r;
       }
   }
   // laga2d: one kernel call per row and query range, Sq = its tokens, Sk =

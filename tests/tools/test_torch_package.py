@@ -329,14 +329,15 @@ def hf_names(lt, dev, P, args):
 
 
 def auto(lt, dev, P, args):
-    """form 'auto' runs the winner of `laga plan --json` (asked here too, on
-    the h100 profile): the same output, bit for bit, as that form chosen by
-    hand; every rank picks the same."""
+    """form 'auto' runs the winner of `laga plan --json` among the package's
+    forms (asked here too, on the h100 profile): the same output, bit for
+    bit, as that form chosen by hand; every rank picks the same."""
     cfg = lt.MLAConfig.from_json(CONFIGS["rq7"])
     os.environ["LAGA_BIN"] = args.laga
     plan = json.loads(run([args.laga, "plan", "--config", os.path.join(args.dir, "rq7.json"),
                            "--seq", str(S), "--sp", str(P), "--batch", str(B), "--profile",
-                           "h100", "--q-latent", "--json", "-", "--quiet"]))
+                           "h100", "--q-latent", "--json", "-", "--quiet",
+                           "--forms", ",".join(lt.FORMS)]))
     w = plan["cases"][0]["winner"].split("+")
     picked = (w[0], "q-latent" in w, "overlap" in w)
     lay = lt.SpLayout.even(S, BASE["n_heads"], P)
