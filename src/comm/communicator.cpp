@@ -42,8 +42,20 @@ const char* to_string(CollectiveKind k) {
       return "all_reduce";
     case CollectiveKind::barrier:
       return "barrier";
+    case CollectiveKind::ring_shift:
+      return "ring_shift";
   }
   return "?";
+}
+
+const char* to_string(RingDirection d) {
+  return d == RingDirection::forward ? "forward" : "backward";
+}
+
+RingPeers ring_peers(int P, int r, RingDirection d) {
+  LAGA_CHECK(P >= 1 && r >= 0 && r < P, "ring_peers(P=", P, ", r=", r, "): need 0 <= r < P");
+  const int next = (r + 1) % P, prev = (r - 1 + P) % P;
+  return d == RingDirection::forward ? RingPeers{next, prev} : RingPeers{prev, next};
 }
 
 const char* to_string(Backend b) {
@@ -167,6 +179,18 @@ std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType
   return w;
 }
 
+std::vector<WireBytes> ring_shift_peer_bytes(std::int64_t send_count, std::int64_t recv_count,
+                                             int P, int r, DType dtype, RingDirection direction) {
+  // One neighbour each way (at P == 2 the same one); on one rank the block
+  // goes to the rank itself, which is not traffic.
+  std::vector<WireBytes> w(static_cast<size_t>(P));
+  const RingPeers peers = ring_peers(P, r, direction);
+  if (P == 1) return w;
+  w[peers.to].sent += send_count * dtype_bytes(dtype);
+  w[peers.from].received += recv_count * dtype_bytes(dtype);
+  return w;
+}
+
 namespace {
 WireBytes sum(const std::vector<WireBytes>& per_peer) {
   WireBytes t;
@@ -191,6 +215,11 @@ WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DT
 
 WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype) {
   return sum(all_reduce_peer_bytes(n, P, r, dtype));
+}
+
+WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count, int P,
+                                DType dtype) {
+  return sum(ring_shift_peer_bytes(send_count, recv_count, P, 0, dtype, RingDirection::forward));
 }
 
 namespace comm_detail {
@@ -284,6 +313,9 @@ std::string peer_count_message(CollectiveKind kind, const std::string& label, in
       break;
     case CollectiveKind::barrier:
       rule = "a barrier moves no data";
+      break;
+    case CollectiveKind::ring_shift:
+      rule = "each rank's recv_count must equal the send_count of the rank it receives from";
       break;
   }
   return cat(call_name(kind, label), " on rank ", rank, " of ", P, ": rank ", receiver, " expects ",
@@ -747,6 +779,52 @@ std::chrono::steady_clock::time_point Communicator::reduce_scatter_call(
       started);
 }
 
+void Communicator::ring_shift(const void* send, std::int64_t send_count, void* recv,
+                              std::int64_t recv_count, DType dtype, const std::string& label,
+                              RingDirection direction) {
+  ring_shift_call(send, send_count, recv, recv_count, dtype, label, direction, false);
+}
+
+PendingCollective Communicator::start_ring_shift(const void* send, std::int64_t send_count,
+                                                 void* recv, std::int64_t recv_count, DType dtype,
+                                                 const std::string& label,
+                                                 RingDirection direction) {
+  std::optional<DeferredCall> d;
+  if (deferred_delivery_)
+    d = defer_check(CollectiveKind::ring_shift, label, dtype,
+                    {{const_cast<void*>(send), send_count * dtype_bytes(dtype)}},
+                    {{recv, recv_count * dtype_bytes(dtype)}});
+  const auto done =
+      ring_shift_call(send, send_count, recv, recv_count, dtype, label, direction, true);
+  if (d) defer(std::move(*d));
+  return pending_until(done);
+}
+
+std::chrono::steady_clock::time_point Communicator::ring_shift_call(
+    const void* send, std::int64_t send_count, void* recv, std::int64_t recv_count, DType dtype,
+    const std::string& label, RingDirection direction, bool started) {
+  const CollectiveKind kind = CollectiveKind::ring_shift;
+  return run(
+      kind, label,
+      [&](Traffic& moved) {
+        const int P = size(), r = rank();
+        const Checks c(kind, label, r, P);
+        c.count(send_count, "send_count");
+        c.count(recv_count, "recv_count");
+        // On one rank the block comes back to its sender: the peer check
+        // needs no peer, so it is made here, alike on every backend.
+        if (P == 1 && recv_count != send_count)
+          fail(peer_count_message(kind, label, r, P, r, r, recv_count, std::to_string(send_count)));
+        c.apart(Checks::region(send, 0, send_count, dtype, "send"),
+                {Checks::region(recv, 0, recv_count, dtype, "recv")}, nullptr,
+                "a ring_shift cannot run in place, since the block arriving would overwrite the "
+                "one leaving; use separate send and recv buffers");
+        transport_ring_shift(send, send_count, recv, recv_count, dtype, direction, label, moved);
+        return ring_shift_peer_bytes(send_count, recv_count, P, r, dtype, direction);
+      },
+      started);
+}
+
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {
   const CollectiveKind kind = CollectiveKind::all_reduce;
   run(kind, label, [&](Traffic& moved) {
@@ -767,8 +845,9 @@ void Communicator::barrier(const std::string& label) {
 
 namespace {
 
-// One rank: every collective is a copy of the own block; nothing moves
-// between ranks, so nothing is measured.
+// One rank: every collective is a copy of the own block (a ring_shift's
+// block comes back to its sender); nothing moves between ranks, so nothing
+// is measured.
 class SelfCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -796,6 +875,10 @@ class SelfCommunicator final : public Communicator {
   }
   void transport_all_reduce(void*, std::int64_t, DType, const std::string&, Traffic&) override {}
   void transport_barrier(const std::string&) override {}
+  void transport_ring_shift(const void* send, std::int64_t send_count, void* recv, std::int64_t,
+                            DType dtype, RingDirection, const std::string&, Traffic&) override {
+    copy_elems(recv, send, send_count, dtype);
+  }
 };
 
 }  // namespace

@@ -17,6 +17,11 @@
 //                     it does not, the ranks with a longer chunk send more in
 //                     the all-gather; the sum over ranks is 2 (P-1) n elem
 //                     either way.)
+//   ring_shift        send_count * elem to the one ring neighbour it sends
+//                     to (rank + 1 forward, rank - 1 backward); received:
+//                     recv_count * elem from the other one. Zero when P == 1
+//                     (the neighbour is the rank itself), and at P == 2 both
+//                     neighbours are the same peer.
 // Received bytes are the mirror image (for all_reduce they equal the sent
 // bytes). Nothing is counted for the data a rank keeps for itself. The
 // *_wire_bytes() functions below are these rules in code: the base class
@@ -38,7 +43,9 @@
 //  - Receive regions of different peers must not overlap each other. An
 //    all_gather_v may be in place (send == recv + recv_displs[rank]), a
 //    reduce_scatter_v may write into its own block (recv == send +
-//    displs[rank]); other overlaps of send and recv are not allowed.
+//    displs[rank]); other overlaps of send and recv are not allowed (a
+//    ring_shift never runs in place: the block arriving would overwrite the
+//    one still leaving, so a ring pass double-buffers its block).
 //  - Count-only (MemoryPool::count_only(), tensors without storage): a null
 //    buffer with a non-zero count moves no data, but the call still
 //    synchronises with its peers and the ledger records the bytes as if it
@@ -46,6 +53,7 @@
 //  - Staging, registered under MemCategory::comm_buffers only while a call
 //    runs (elements of the call's dtype), by StagingRule (staging_elements()):
 //      all_to_all_v, all_gather_v, barrier   none
+//      ring_shift                            none (send and recv are the wire's ends)
 //      reduce_scatter_v                      none in-process; (P-1) * counts[rank] on MPI
 //      all_reduce                            chunk_r in-process (local and dry-run);
 //                                            (P-1) * chunk_r on MPI; none on self
@@ -64,7 +72,7 @@
 // an earlier one is still on the link (a started, not yet waited for one,
 // below) begins its modelled time when that one ends.
 //
-// Overlap (start_all_gather_v, start_reduce_scatter_v, wait): the checks,
+// Overlap (start_all_gather_v, start_reduce_scatter_v, start_ring_shift, wait): the checks,
 // the transport and the ledger record of a started collective happen when it
 // starts, exactly as in the blocking call, so results and bytes are the same
 // bit for bit. What overlaps is the collective's modelled link time (above)
@@ -103,7 +111,10 @@
 // both ways, receive blocks disjoint, and send/recv overlapping only in the
 // two in-place forms above. Checks that need the peers' arguments (what a
 // peer sends against what this rank expects) are the transport's; both
-// backends word them as comm_detail::peer_count_message does.
+// backends word them as comm_detail::peer_count_message does. (A ring_shift
+// on one rank receives from itself: its recv_count against its own
+// send_count is checked with the rank's own arguments, in that wording, on
+// every backend.)
 #pragma once
 
 #include <chrono>
@@ -137,8 +148,31 @@ constexpr DType dtype_of<double>() {
 enum class Phase : int { forward = 0, backward, grad_sync, count };
 const char* to_string(Phase p);
 
-enum class CollectiveKind : int { all_to_all, all_gather, reduce_scatter, all_reduce, barrier };
+// ring_shift stays last: the MPI backend's message tags hold a kind in 3 bits,
+// and 7 is its failure notice.
+enum class CollectiveKind : int {
+  all_to_all,
+  all_gather,
+  reduce_scatter,
+  all_reduce,
+  barrier,
+  ring_shift
+};
 const char* to_string(CollectiveKind k);
+
+// Which way a ring_shift passes its block round the ring of ranks 0..P-1.
+// forward: to rank + 1, from rank - 1 (the ring attention's K/V pass);
+// backward: to rank - 1, from rank + 1 (dK/dV going home). Every rank of a
+// call must pass the same direction.
+enum class RingDirection { forward, backward };
+const char* to_string(RingDirection d);  // "forward", "backward"
+// The two neighbours of rank r of P in a ring_shift: the one it sends to and
+// the one it receives from (both r when P == 1).
+struct RingPeers {
+  int to = 0;
+  int from = 0;
+};
+RingPeers ring_peers(int P, int r, RingDirection d);
 
 // Which implementation moves the bytes. The CLI's --comm takes "local" or
 // "mpi"; the dry-run and self communicators are made by code, not chosen.
@@ -218,7 +252,8 @@ class Traffic {
 // A transport fault for tests that the measured ledger must catch: the
 // backend misbehaves once, in the first message it sends (MPI, any
 // collective) or the first block it copies from a peer (in-process,
-// all_to_all_v only) with a non-zero count, then behaves again. The dry-run
+// all_to_all_v and ring_shift only) with a non-zero count, then behaves
+// again. The dry-run
 // and self backends ignore it. Never set outside tests.
 enum class TransportFault {
   none,
@@ -310,6 +345,16 @@ class Communicator {
   PendingCollective start_reduce_scatter_v(const void* send, const std::int64_t* counts,
                                            const std::int64_t* displs, void* recv, DType dtype,
                                            const std::string& label);
+  // Every rank sends its send_count elements to its neighbour ring_peers().to
+  // and receives recv_count elements from ring_peers().from (recv_count must
+  // equal that rank's send_count): one step of a ring pass. send and recv
+  // must not overlap.
+  void ring_shift(const void* send, std::int64_t send_count, void* recv, std::int64_t recv_count,
+                  DType dtype, const std::string& label,
+                  RingDirection direction = RingDirection::forward);
+  PendingCollective start_ring_shift(const void* send, std::int64_t send_count, void* recv,
+                                     std::int64_t recv_count, DType dtype, const std::string& label,
+                                     RingDirection direction = RingDirection::forward);
   // Returns when the started collective is complete (its modelled time);
   // under deferred delivery, with recv holding its result ("Overlap").
   void wait(PendingCollective& p);
@@ -376,6 +421,19 @@ class Communicator {
                                   static_cast<void*>(recv), dtype_of<T>(), label);
   }
   template <class T>
+  void ring_shift(const T* send, std::int64_t send_count, T* recv, std::int64_t recv_count,
+                  const std::string& label, RingDirection direction = RingDirection::forward) {
+    ring_shift(static_cast<const void*>(send), send_count, static_cast<void*>(recv), recv_count,
+               dtype_of<T>(), label, direction);
+  }
+  template <class T>
+  PendingCollective start_ring_shift(const T* send, std::int64_t send_count, T* recv,
+                                     std::int64_t recv_count, const std::string& label,
+                                     RingDirection direction = RingDirection::forward) {
+    return start_ring_shift(static_cast<const void*>(send), send_count, static_cast<void*>(recv),
+                            recv_count, dtype_of<T>(), label, direction);
+  }
+  template <class T>
   void all_reduce(T* buf, std::int64_t n, const std::string& label) {
     all_reduce(static_cast<void*>(buf), n, dtype_of<T>(), label);
   }
@@ -400,6 +458,11 @@ class Communicator {
   virtual void transport_all_reduce(void* buf, std::int64_t n, DType dtype,
                                     const std::string& label, Traffic& moved) = 0;
   virtual void transport_barrier(const std::string& label) = 0;
+  // To ring_peers(size(), rank(), direction).to, from .from; with P == 1 a
+  // copy of send into recv.
+  virtual void transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
+                                    std::int64_t recv_count, DType dtype, RingDirection direction,
+                                    const std::string& label, Traffic& moved) = 0;
 
   // Throws when the backend refuses calls (an earlier one failed).
   virtual void check_usable(CollectiveKind kind, const std::string& label) const;
@@ -431,6 +494,10 @@ class Communicator {
                                                             const std::int64_t* displs, void* recv,
                                                             DType dtype, const std::string& label,
                                                             bool started);
+  std::chrono::steady_clock::time_point ring_shift_call(const void* send, std::int64_t send_count,
+                                                        void* recv, std::int64_t recv_count,
+                                                        DType dtype, const std::string& label,
+                                                        RingDirection direction, bool started);
   // The started call just run (its id is started_ - 1), complete at `done`.
   PendingCollective pending_until(std::chrono::steady_clock::time_point done);
   // Waits out p's modelled time; with `deliver`, what wait() does besides.
@@ -505,12 +572,18 @@ std::vector<WireBytes> all_gather_peer_bytes(std::int64_t send_count,
 std::vector<WireBytes> reduce_scatter_peer_bytes(const std::int64_t* counts, int P, int r,
                                                  DType dtype);
 std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType dtype);
+std::vector<WireBytes> ring_shift_peer_bytes(std::int64_t send_count, std::int64_t recv_count,
+                                             int P, int r, DType dtype, RingDirection direction);
 WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
                                 int P, int r, DType dtype);
 WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,
                                 int r, DType dtype);
 WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DType dtype);
 WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype);
+// The same on every rank and in both directions (one peer each way), hence
+// no r and no direction.
+WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count, int P,
+                                DType dtype);
 
 // A communicator of one rank: every collective is a local copy, nothing is
 // sent, and the ledger records zero-byte calls.

@@ -18,6 +18,9 @@
 //   all_gather_v      likewise: the own shard in place, copies of it for peers
 //   reduce_scatter_v  the own contribution only (send block R), not a sum
 //   all_reduce        buf unchanged: the own contribution only, not a sum
+//   ring_shift        the own send block repeated (cycled) or cut to
+//                     recv_count elements, zeros if it is empty (P == 1: the
+//                     send block itself, as on every backend)
 // Under a count-only pool (null buffers) nothing is copied.
 //
 // Memory: it stages by the rule it is given (StagingRule::in_process by
@@ -57,6 +60,9 @@ class DryRunCommunicator final : public Communicator {
   void transport_all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label,
                             Traffic& moved) override;
   void transport_barrier(const std::string&) override {}
+  void transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
+                            std::int64_t recv_count, DType dtype, RingDirection direction,
+                            const std::string& label, Traffic& moved) override;
 
  private:
   int rank_, size_;

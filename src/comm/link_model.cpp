@@ -64,6 +64,8 @@ double level_seconds(CollectiveKind kind, int P, double m, const LinkModel& link
       return mesh ? 2 * a + m / (peers * b) : 2 * peers * a + m / b;
     case CollectiveKind::barrier:
       return std::ceil(std::log2(double(P))) * a;
+    case CollectiveKind::ring_shift:
+      return a + m / b;  // one message to one neighbour, whatever the wiring
   }
   return 0;
 }
@@ -86,6 +88,8 @@ double node_crossing_share(CollectiveKind kind, int P, int g) {
       return double(nodes_of(P, g) - 1) / double(P - 1);
     case CollectiveKind::barrier:
       return 0;
+    case CollectiveKind::ring_shift:
+      return double(nodes_of(P, g)) / double(P);
   }
   return 0;
 }
@@ -109,6 +113,9 @@ double collective_seconds(CollectiveKind kind, int P, WireBytes bytes, const Fab
       return 2 * (N - 1) * a + f * m / b + intra;
     case CollectiveKind::barrier:
       return level_seconds(kind, g, 0, fabric.intra) + level_seconds(kind, N, 0, fabric.inter);
+    case CollectiveKind::ring_shift:
+      // The step waits for its slowest message, one that crosses nodes.
+      return std::max(level_seconds(kind, g, m, fabric.intra), a + m / b);
   }
   return 0;
 }

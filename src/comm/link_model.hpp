@@ -21,6 +21,10 @@
 //   all_reduce      switch, ring: ring reduce-scatter + all-gather: 2 (P-1) a + m / b
 //                   full mesh: 2 a + m / ((P-1) b)
 //   barrier         ceil(log2 P) a (dissemination; no bytes)
+//   ring_shift      one message to a neighbour, on every topology (one hop
+//                   on a ring, the direct link on a mesh, one switch
+//                   port):                                  a + m / b
+//                   (a ring pass of P-1 steps is P-1 calls, each charged so)
 //
 // With the ledger's bytes these are the textbook costs: a ring all-gather's
 // rank sends and receives (P-1)/P of the whole, which is what the ledger
@@ -40,9 +44,17 @@
 //   all_reduce                  intra reduce-scatter, inter all-reduce,
 //                               intra all-gather; f = (N - 1) / (P - 1):
 //                               2 (N-1) a_e + f m / b_e + intra(g, (1-f) m)
+//   ring_shift                  ranks fill nodes in order, so N of the P
+//                               neighbour messages cross nodes (the node
+//                               boundaries and the ring's wrap): f = N / P,
+//                               the mean over ranks. Every rank's next step
+//                               needs the block it just received, so a step
+//                               takes its slowest message:
+//                               max(a + m / b, a_e + m / b_e)
 // where intra(g, x) is the one-level cost above at P = g for x bytes.
 // Sums of these shares are the ledger's bytes exactly; the model does not
-// add or drop a byte.
+// add or drop a byte. (ring_shift alone charges a rank more than its own
+// share: the crossing message, which bounds the whole ring's step.)
 #pragma once
 
 #include <string>

@@ -17,6 +17,10 @@ using namespace comm_detail;
 using namespace mpi_detail;
 using Clock = std::chrono::steady_clock;
 
+// A kind's 3 tag bits must never read as a failure notice.
+static_assert(int(CollectiveKind::ring_shift) < mpi_detail::kNoticeKind,
+              "CollectiveKind outgrew the MPI tag's kind bits");
+
 namespace {
 std::uint32_t label_hash(const std::string& label) {
   std::uint32_t h = 2166136261u;  // FNV-1a
@@ -99,8 +103,8 @@ std::string MpiCommunicator::describe_tag(int t, int own) const {
   };
   const Fields f = decode(t), mine = decode(own);
   if (f.kind == mpi_detail::kNoticeKind) return "a failure notice";
-  std::string s = cat(f.kind <= int(CollectiveKind::barrier) ? to_string(CollectiveKind(f.kind))
-                                                             : "an unknown collective",
+  std::string s = cat(f.kind <= int(CollectiveKind::ring_shift) ? to_string(CollectiveKind(f.kind))
+                                                                : "an unknown collective",
                       " (", f.f64 ? "f64" : "f32", ")");
   if (f.hash != mine.hash) s += " with a different label";
   return s;

@@ -330,6 +330,26 @@ void MpiCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtyp
   gather.wait();
 }
 
+void MpiCommunicator::transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
+                                           std::int64_t recv_count, DType dtype,
+                                           RingDirection direction, const std::string& label,
+                                           Traffic& moved) {
+  // One message each way, straight between the caller's buffers (they never
+  // overlap), so nothing is staged. Only the neighbours are waited for: a
+  // rank that never calls is named by the rank receiving from it, while its
+  // other neighbour's send may complete (eagerly, when small).
+  const RingPeers peers = ring_peers(size_, rank_, direction);
+  if (size_ == 1) {
+    copy_elems(recv, send, send_count, dtype);
+    return;
+  }
+  const std::int64_t elem = dtype_bytes(dtype);
+  Round round(*this, CollectiveKind::ring_shift, dtype, label, Clock::now() + timeout(), moved);
+  round.recv(peers.from, recv, recv_count * elem);
+  round.send(peers.to, send, send_count * elem);
+  round.wait();
+}
+
 void MpiCommunicator::transport_barrier(const std::string& label) {
   Traffic none(size_);  // empty messages: nothing to measure
   Round round(*this, CollectiveKind::barrier, DType::f32, label, Clock::now() + timeout(), none);

@@ -144,4 +144,22 @@ std::int64_t predicted_sent(const CommPrediction& p, Phase phase) {
   return s;
 }
 
+PredictedBytes ring_pass_bytes(const std::vector<std::int64_t>& block_elems, int r, std::int64_t e,
+                               RingDirection direction) {
+  const int P = static_cast<int>(block_elems.size());
+  LAGA_CHECK(P >= 1 && r >= 0 && r < P, "ring_pass_bytes: rank ", r, " of ", P,
+             " blocks does not exist; pass one block size per rank and 0 <= rank < P");
+  std::int64_t all = 0;
+  for (std::int64_t b : block_elems) all += b;
+  // The block it receives in the last step, which would go on to its home.
+  const int last_in = direction == RingDirection::forward ? (r + 1) % P : (r - 1 + P) % P;
+  PredictedBytes p;
+  p.kind = CollectiveKind::ring_shift;
+  p.calls = P - 1;
+  if (P == 1) return p;
+  p.sent = (all - block_elems[static_cast<size_t>(last_in)]) * e;
+  p.received = (all - block_elems[static_cast<size_t>(r)]) * e;
+  return p;
+}
+
 }  // namespace laga

@@ -31,6 +31,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.hpp"
 #include "mla/block.hpp"
@@ -127,5 +128,19 @@ std::int64_t query_latent_crossover(const MlaConfig& cfg);
 
 // Sum over labels of one phase (Phase::count: all phases).
 std::int64_t predicted_sent(const CommPrediction& p, Phase phase = Phase::count);
+
+// One ring pass of a ring context-parallel form: block_elems[j] elements
+// start on rank j and each of P - 1 ring_shift steps passes every rank's
+// current block on (comm/communicator.hpp), so every rank sees every block.
+// Rank r sends every block but the one it receives in the last step
+// (forward: rank r + 1's, which would only go on to its home) and receives
+// every block but its own:
+//   sent     (sum_j b_j - b_{r+1}) e      forward (backward: b_{r-1})
+//   received (sum_j b_j - b_r) e
+// with calls = P - 1 (zero on one rank) and kind ring_shift. A closed form of
+// its own, for the ledger of a ring form to be checked against.
+PredictedBytes ring_pass_bytes(const std::vector<std::int64_t>& block_elems, int rank,
+                               std::int64_t elem_bytes,
+                               RingDirection direction = RingDirection::forward);
 
 }  // namespace laga

@@ -14,6 +14,7 @@
 #include "comm/local_comm.hpp"
 #include "comm/mpi_comm.hpp"
 #include "comm_cases.hpp"
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 
 namespace laga {
@@ -175,6 +176,119 @@ TEST(MpiComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
       if (fault == TransportFault::wrong_peer)
         want = test::mismatch_head(P, f, d, d, d, d) +
                " (per peer, derived/measured: rank 0: sent 8/0, received 8/8; rank 1: sent ";
+      EXPECT_EQ(err.rfind(want, 0), 0u) << err;
+      EXPECT_NE(err.find("the mpi backend lost or misdirected data"), std::string::npos) << err;
+    } else if (comm.rank() == 0) {
+      EXPECT_NE(err, "") << "rank 0 did not get its block from rank " << f;
+    }
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+    MpiCommunicator fresh;
+    fresh.barrier("resync");
+  }
+}
+
+template <class T>
+void check_ring_against_local(MpiCommunicator& comm) {
+  const int P = comm.size(), r = comm.rank();
+  comm.ledger().clear();
+  const test::RingResults<T> mpi = test::run_ring_shifts<T>(comm);
+  std::vector<test::RingResults<T>> local(P);
+  run_local_ranks(P, [&](Communicator& c) { local[c.rank()] = test::run_ring_shifts<T>(c); });
+  EXPECT_EQ(test::check_ring_against_serial(mpi, P, r), "") << "rank " << r << " of " << P;
+  EXPECT_EQ(test::check_ring_ledger(mpi.ledger, P, r, sizeof(T)), "")
+      << "rank " << r << " of " << P;
+  EXPECT_EQ(test::compare_ring_bitwise(mpi, local[r]), "") << "rank " << r << " of " << P;
+}
+
+TEST(MpiRingShift, BlocksLandOnTheNeighbourAsInProcess) {
+  MpiCommunicator comm;
+  check_ring_against_local<float>(comm);
+  check_ring_against_local<double>(comm);
+  comm.set_max_message_bytes(52);  // the long block in pieces
+  check_ring_against_local<float>(comm);
+}
+
+TEST(MpiRingShift, CountOnlyIsRecordedAsDerived) {
+  MpiCommunicator comm;
+  const int P = comm.size(), r = comm.rank();
+  const int from = ring_peers(P, r, RingDirection::forward).from;
+  comm.ring_shift(static_cast<const double*>(nullptr), test::ring_count(P, r),
+                  static_cast<double*>(nullptr), test::ring_count(P, from), "kv_ring");
+  std::map<std::pair<Phase, std::string>, LedgerEntry> want;
+  LedgerEntry& e = want[{Phase::forward, "kv_ring"}];
+  e.calls = 1;
+  e.bytes_sent = 8 * test::ring_count(P, r);
+  e.bytes_received = 8 * test::ring_count(P, from);
+  EXPECT_EQ(test::check_ledger_against(comm.ledger(), want), "");
+}
+
+TEST(MpiRingShift, WrongRecvCountIsNamedWithThePeer) {
+  // Rank 1 expects one element more than rank 0 sends it.
+  MpiCommunicator comm;
+  comm.set_timeout(20s);
+  const int P = comm.size(), r = comm.rank();
+  std::vector<float> send(4, 1.0f), recv(4);
+  const auto t0 = Clock::now();
+  const std::string err = test::error_of(
+      [&] { comm.ring_shift(send.data(), 2, recv.data(), r == 1 ? 3 : 2, "kv_ring"); });
+  if (r == 1) {
+    EXPECT_EQ(err, cat("ring_shift 'kv_ring' on rank 1 of ", P,
+                       ": rank 1 expects 3 elements from rank 0 but rank 0 sends it 2; each rank's "
+                       "recv_count must equal the send_count of the rank it receives from, and "
+                       "count-only must be on for all ranks of a call or for none"));
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+  MpiCommunicator fresh;
+  fresh.barrier("resync");
+}
+
+TEST(MpiRingShift, SkippedShiftTimesOutOnTheRankReceivingFromIt) {
+  // The last rank never calls: rank 0, which receives from it, times out
+  // naming it; the others only wait for their own neighbours and may finish.
+  MpiCommunicator comm;
+  comm.set_timeout(1500ms);
+  const int P = comm.size(), skipper = P - 1;
+  std::vector<float> send(4, 2.0f), recv(4);
+  if (comm.rank() == skipper) {
+    std::this_thread::sleep_for(3000ms);
+  } else {
+    const auto t0 = Clock::now();
+    const std::string err =
+        test::error_of([&] { comm.ring_shift(send.data(), 4, recv.data(), 4, "skipped_ring"); });
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(err.rfind(cat("ring_shift 'skipped_ring' on rank 0 of ", P,
+                              " timed out after 1500 ms waiting for rank(s) ", skipper),
+                          0),
+                0u)
+          << err;
+      EXPECT_GT(waited, 1.4);
+      EXPECT_LT(waited, 2.9) << "rank 0 must stop at its timeout";
+    }
+  }
+  MpiCommunicator fresh;
+  fresh.barrier("resync");
+  EXPECT_EQ(mpi_orphaned_requests(), 0) << "small messages must not be left pending";
+}
+
+TEST(MpiRingShift, TransportFaultsAreCaughtByTheMeasuredLedger) {
+  // The last rank misbehaves in its one send of 2 floats (8 bytes), to rank
+  // 0; its ledger check names it, and rank 0 stops on the short message or
+  // on the faulty rank's notice.
+  for (TransportFault fault :
+       {TransportFault::short_send, TransportFault::wrong_peer, TransportFault::skip_peer}) {
+    MpiCommunicator comm;
+    comm.set_timeout(20s);
+    const int P = comm.size(), f = P - 1;
+    const auto t0 = Clock::now();
+    const std::string err = test::faulty_ring_shift(comm, fault, comm.rank() == f);
+    if (comm.rank() == f) {
+      std::string want;
+      if (fault == TransportFault::short_send) want = test::ring_mismatch_head(P, f, 8, 8, 4, 8);
+      if (fault == TransportFault::skip_peer) want = test::ring_mismatch_head(P, f, 8, 8, 0, 8);
+      if (fault == TransportFault::wrong_peer)
+        want = test::ring_mismatch_head(P, f, 8, 8, 8, 8) +
+               " (per peer, derived/measured: rank 0: sent 8/0, received ";
       EXPECT_EQ(err.rfind(want, 0), 0u) << err;
       EXPECT_NE(err.find("the mpi backend lost or misdirected data"), std::string::npos) << err;
     } else if (comm.rank() == 0) {

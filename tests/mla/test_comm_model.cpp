@@ -4,9 +4,14 @@
 // dv 128), and against mla_param_shapes, which allocates the gradients: the
 // model writes the count out on its own, so the two are a check on each other.
 // The query-latent exchange's terms at DeepSeek-V3 against bytes worked out by
-// hand, and its crossover against the per-label closed form.
+// hand, and its crossover against the per-label closed form. A ring pass's
+// closed form (ring_pass_bytes) against the ledger of a real one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include "comm/local_comm.hpp"
+#include "core/error.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/params.hpp"
 
@@ -167,6 +172,51 @@ TEST(CommModel, QueryLatentCrossover) {
     EXPECT_EQ(sent(QueryExchange::heads, "q_a2a"), c.heads_per_token * per_token) << r;
     EXPECT_EQ(sent(QueryExchange::latent, "q_latent_ag"), c.latent_per_token * per_token) << r;
   }
+}
+
+// A forward and a backward ring pass of uneven blocks on P in-process ranks,
+// double-buffered as a ring attention runs it: each rank's ledger equals
+// ring_pass_bytes, which knows nothing of the steps.
+TEST(CommModel, RingPassBytesEqualTheLedgerOfARealPass) {
+  for (int P : {1, 2, 3, 5}) {
+    std::vector<std::int64_t> blocks(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) blocks[static_cast<size_t>(j)] = 3 + 2 * j + (j == 1 ? 7 : 0);
+    std::vector<Ledger> ledgers(static_cast<size_t>(P));
+    run_local_ranks(P, [&](Communicator& c) {
+      const int r = c.rank();
+      for (RingDirection d : {RingDirection::forward, RingDirection::backward}) {
+        const int step = d == RingDirection::forward ? 1 : -1;
+        std::vector<float> held(static_cast<size_t>(blocks[static_cast<size_t>(r)]), 1.0f), next;
+        for (int s = 1; s < P; ++s) {
+          const int origin = ((r - step * s) % P + P) % P;  // the block arriving now
+          next.assign(static_cast<size_t>(blocks[static_cast<size_t>(origin)]), 0.0f);
+          c.ring_shift(held.data(), static_cast<std::int64_t>(held.size()), next.data(),
+                       static_cast<std::int64_t>(next.size()), to_string(d), d);
+          std::swap(held, next);
+        }
+      }
+      ledgers[static_cast<size_t>(r)] = c.ledger();
+    });
+    for (int r = 0; r < P; ++r) {
+      for (RingDirection d : {RingDirection::forward, RingDirection::backward}) {
+        SCOPED_TRACE(cat("rank ", r, " of ", P, " ", to_string(d)));
+        const PredictedBytes want = ring_pass_bytes(blocks, r, 4, d);
+        EXPECT_EQ(want.kind, CollectiveKind::ring_shift);
+        const auto& e = ledgers[static_cast<size_t>(r)].entries();
+        const auto it = e.find({Phase::forward, to_string(d)});
+        if (P == 1) {
+          EXPECT_EQ(it, e.end());
+          EXPECT_EQ(want.calls, 0);
+          continue;
+        }
+        ASSERT_NE(it, e.end());
+        EXPECT_EQ(it->second.calls, want.calls);
+        EXPECT_EQ(it->second.bytes_sent, want.sent);
+        EXPECT_EQ(it->second.bytes_received, want.received);
+      }
+    }
+  }
+  EXPECT_THROW(ring_pass_bytes({1, 2}, 2, 4), Error);
 }
 
 }  // namespace
