@@ -202,6 +202,7 @@ void check_ring_against_local(MpiCommunicator& comm) {
 
 TEST(MpiRingShift, BlocksLandOnTheNeighbourAsInProcess) {
   MpiCommunicator comm;
+  comm.set_timeout(20s);  // a block sent the wrong way fails here, not at CTest's limit
   check_ring_against_local<float>(comm);
   check_ring_against_local<double>(comm);
   comm.set_max_message_bytes(52);  // the long block in pieces
@@ -210,6 +211,7 @@ TEST(MpiRingShift, BlocksLandOnTheNeighbourAsInProcess) {
 
 TEST(MpiRingShift, CountOnlyIsRecordedAsDerived) {
   MpiCommunicator comm;
+  comm.set_timeout(20s);
   const int P = comm.size(), r = comm.rank();
   const int from = ring_peers(P, r, RingDirection::forward).from;
   comm.ring_shift(static_cast<const double*>(nullptr), test::ring_count(P, r),
