@@ -310,28 +310,38 @@ TEST(GemmBf16, CachesOnePrimitivePerDistinctCall) {
 }
 
 // Ranks are threads of one process: several call one cached primitive at
-// once, each with its own OpenMP team (core/threads.hpp), and each gets the
-// single-threaded answer.
+// once, each with its own OpenMP team (core/threads.hpp) and its own
+// operands, and each gets its single-threaded answer. Distinct operands
+// matter: oneDNN packs B into the scratchpad, and threads that shared one
+// would overwrite each other's packed B (identical B's would hide that).
 TEST(GemmBf16, ThreadsShareTheCacheSafely) {
   const std::int64_t M = 96, N = 160, K = 257;
-  const auto A = random_bf16(M * K, 51), B = random_bf16(N * K, 52);
-  std::vector<float> want(std::size_t(M * N));
-  {
-    test::ScopedOmpThreads one(1);
-    gemm_bf16<float>(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, want.data(), N);
-  }
   constexpr int kThreads = 4;
-  std::vector<std::vector<float>> got(kThreads, std::vector<float>(want.size()));
+  std::vector<std::vector<bf16>> A, B;
+  std::vector<std::vector<float>> want(kThreads, std::vector<float>(std::size_t(M * N)));
+  for (int t = 0; t < kThreads; ++t) {
+    A.push_back(random_bf16(M * K, 51 + 2 * std::uint64_t(t)));
+    B.push_back(random_bf16(N * K, 52 + 2 * std::uint64_t(t)));
+    test::ScopedOmpThreads one(1);
+    gemm_bf16<float>(false, true, M, N, K, 1.0f, A.back().data(), K, B.back().data(), K, 0.0f,
+                     want[std::size_t(t)].data(), N);
+  }
+  std::vector<std::vector<float>> got(kThreads, std::vector<float>(std::size_t(M * N)));
+  std::vector<int> mismatches(kThreads, 0);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t)
     threads.emplace_back([&, t] {
       omp_set_num_threads(1);
-      for (int rep = 0; rep < 20; ++rep)
-        gemm_bf16<float>(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f,
-                         got[std::size_t(t)].data(), N);
+      const std::size_t i = std::size_t(t);
+      for (int rep = 0; rep < 50; ++rep) {
+        gemm_bf16<float>(false, true, M, N, K, 1.0f, A[i].data(), K, B[i].data(), K, 0.0f,
+                         got[i].data(), N);
+        if (got[i] != want[i]) ++mismatches[i];
+      }
     });
   for (std::thread& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(got[std::size_t(t)], want) << "thread " << t;
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(mismatches[std::size_t(t)], 0) << "thread " << t << " got a wrong product";
 }
 
 TEST(GemmBf16, ReportsTheImplementation) {
