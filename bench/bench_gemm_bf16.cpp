@@ -14,7 +14,9 @@
 //   bf16_acc     dW += dy^T x into the fp32 gradient (beta 1, the training op)
 //   bf16_packed  oneDNN's matmul on W reordered once into the blocked layout
 //                it asks for (format_tag::any): whether packing the weight
-//                pays; its reorder is timed alone on the next row
+//                pays; its reorder is timed alone on the next rows, from the
+//                bf16 copy (reorder_w) and from the fp32 master weight in one
+//                pass that converts as it packs (reorder_w_f32)
 //   bf16_strided gemm_bf16 with x's rows padded (lda > in): oneDNN 2.6 runs
 //                that on its jit gemm, not brgemm (gemm_bf16.hpp)
 //   cvt_w        convert_to_bf16 of W (out x in): the per-step copy of an
@@ -67,7 +69,7 @@ std::vector<float> widened(const std::vector<bf16>& x) {
 class PackedMatmul {
  public:
   PackedMatmul(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const bf16* A,
-               const bf16* B, float* C)
+               const bf16* B, const float* B_f32, float* C)
       : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
     const memory::desc a({M, K}, memory::data_type::bf16,
                          ta ? memory::dims{1, M} : memory::dims{K, 1});
@@ -83,7 +85,17 @@ class PackedMatmul {
     b_plain_ = memory(b_plain, engine_, const_cast<bf16*>(B));
     b_packed_ = memory(pd.weights_desc(), engine_);
     reorder_ = dnnl::reorder(b_plain_, b_packed_);
+    // The fp32 master weight straight into the packed bf16 layout: one pass
+    // that converts and packs, instead of convert_to_bf16 then reorder.
+    b_f32_ = memory(
+        memory::desc({K, N}, memory::data_type::f32, tb ? memory::dims{1, K} : memory::dims{N, 1}),
+        engine_, const_cast<float*>(B_f32));
+    reorder_f32_ = dnnl::reorder(b_f32_, b_packed_);
     pack();
+  }
+  void pack_from_f32() {
+    reorder_f32_.execute(stream_, b_f32_, b_packed_);
+    stream_.wait();
   }
   void pack() {
     reorder_.execute(stream_, b_plain_, b_packed_);
@@ -100,8 +112,8 @@ class PackedMatmul {
   dnnl::engine engine_;
   dnnl::stream stream_;
   dnnl::matmul matmul_;
-  dnnl::reorder reorder_;
-  memory a_, c_, b_plain_, b_packed_;
+  dnnl::reorder reorder_, reorder_f32_;
+  memory a_, c_, b_plain_, b_packed_, b_f32_;
   std::string implementation_;
 };
 
@@ -231,12 +243,19 @@ LAGA_BENCH(gemm_bf16,
       if (p.b_is_weight &&
           laga::gemm_bf16_implementation(p.ta, p.tb, p.M, p.N, p.K, p.lda, p.ldb, p.N, false)
                   .find("widened") == std::string::npos) {
-        packed = std::make_unique<PackedMatmul>(p.ta, p.tb, p.M, p.N, p.K, A, B, c_packed.data());
+        packed =
+            std::make_unique<PackedMatmul>(p.ta, p.tb, p.M, p.N, p.K, A, B, B32, c_packed.data());
         cands.push_back({laga::cat(p.name, "/bf16_packed"), shape, gflop, bf16_isa,
                          [&] { packed->run(); },
                          [&] { return wrong_in(c_packed.data(), ref_b16, 1e-5); }});
         cands.push_back(
             {laga::cat(p.name, "/reorder_w"), shape, 0.0, bf16_isa, [&] { packed->pack(); }, {}});
+        cands.push_back({laga::cat(p.name, "/reorder_w_f32"),
+                         shape,
+                         0.0,
+                         bf16_isa,
+                         [&] { packed->pack_from_f32(); },
+                         {}});
       }
       if (p.name == std::string("fwd_nt"))
         cands.push_back({laga::cat(p.name, "/bf16_strided"), laga::cat(shape, " lda ", ld_pad),
@@ -284,6 +303,10 @@ LAGA_BENCH(gemm_bf16,
       }
       if (const laga::bench::Row* r = row_named("reorder_w"); r && r_b16) {
         line += laga::cat(" reorder_w ", per_round(r, r_b16), ";");
+        any = true;
+      }
+      if (const laga::bench::Row* r = row_named("reorder_w_f32"); r && r_b16) {
+        line += laga::cat(" reorder_w_f32 ", per_round(r, r_b16), ";");
         any = true;
       }
       if (const laga::bench::Row* r = row_named("cvt_w"); r && r_b16) {
