@@ -6,9 +6,9 @@
 // (out, in, T). Layers: the D 2048 block of bench_block.cpp and DeepSeek-V3's
 // (D 7168, H 128, rq 1536, C 512, dn 128, dr 64, dv 128). GFLOP = 2 M N K.
 //
-// #wrong: every element of a sample of C's rows (every M/64-th and the last
-// eight, so edge tiles are in) against plain double loops over the same float
-// inputs, sharing no code with any library; wrong when farther than
+// #wrong: every element of a sample of C's rows (gemm_backends.hpp:
+// sampled_rows, reference_rows) against plain double loops over the same
+// float inputs, sharing no code with any library; wrong when farther than
 // 1e-5 * max |ref| of the sample. Force an ISA to measure the other path:
 // ONEDNN_MAX_CPU_ISA=AVX2, OPENBLAS_CORETYPE=Haswell|SkylakeX.
 #include <omp.h>
@@ -30,43 +30,6 @@ struct Linear {
   const char* what;
   std::int64_t in, out;
 };
-
-// The rows of C that #wrong checks: every stride-th, and the last 8.
-std::vector<std::int64_t> sampled_rows(std::int64_t M) {
-  std::vector<std::int64_t> rows;
-  const std::int64_t stride = std::max<std::int64_t>(1, M / 64);
-  for (std::int64_t i = 0; i < M; i += stride) rows.push_back(i);
-  for (std::int64_t i = std::max(M - 8, std::int64_t(0)); i < M; ++i)
-    if (rows.back() < i) rows.push_back(i);
-  return rows;
-}
-
-// ref (rows.size(), N) = rows of op(A) op(B) in double, loops ordered so that
-// the inner one runs along contiguous memory for either op(B).
-std::vector<double> reference_rows(const std::vector<std::int64_t>& rows, bool ta, bool tb,
-                                   std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
-                                   const float* B, std::int64_t ldb) {
-  std::vector<double> ref(rows.size() * size_t(N), 0.0);
-#pragma omp parallel for schedule(dynamic)
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const std::int64_t i = rows[r];
-    double* out = ref.data() + r * size_t(N);
-    auto a = [&](std::int64_t k) { return double(ta ? A[k * lda + i] : A[i * lda + k]); };
-    if (tb) {
-      for (std::int64_t j = 0; j < N; ++j) {
-        double acc = 0;
-        for (std::int64_t k = 0; k < K; ++k) acc += a(k) * double(B[j * ldb + k]);
-        out[j] = acc;
-      }
-    } else {
-      for (std::int64_t k = 0; k < K; ++k) {
-        const double ak = a(k);
-        for (std::int64_t j = 0; j < N; ++j) out[j] += ak * double(B[k * ldb + j]);
-      }
-    }
-  }
-  return ref;
-}
 
 void laga_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
                 std::int64_t lda, const float* B, std::int64_t ldb, float* C, std::int64_t ldc) {
@@ -101,7 +64,7 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
     ctx.note(laga::cat(b.name, ": runs its ", b.kernels, " kernels here (", b.isa, ")"));
   // laga::gemm's own row: whatever it routes to, the rows above say which.
   libs.push_back({"laga", laga::gemm_kernels(), laga::bench::gemm_isa(), &laga_sgemm});
-  ctx.note(laga::cat("T ", T, " tokens; #wrong on ", sampled_rows(T).size(),
+  ctx.note(laga::cat("T ", T, " tokens; #wrong on ", laga::bench::sampled_rows(T).size(),
                      "+ sampled rows of C vs double loops"));
   ctx.header();
 
@@ -129,9 +92,9 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
         {"dw_tn", true, false, out, in, T, dy.data(), out, x.data(), in},   // dW = dy^T x
     };
     for (const Product& p : products) {
-      const std::vector<std::int64_t> rows = sampled_rows(p.M);
+      const std::vector<std::int64_t> rows = laga::bench::sampled_rows(p.M);
       const std::vector<double> ref =
-          reference_rows(rows, p.ta, p.tb, p.N, p.K, p.A, p.lda, p.B, p.ldb);
+          laga::bench::reference_rows(rows, p.ta, p.tb, p.N, p.K, p.A, p.lda, p.B, p.ldb);
       std::vector<std::vector<float>> c(libs.size(), std::vector<float>(size_t(p.M * p.N)));
       std::vector<laga::bench::Candidate> cands;
       const std::string shape = laga::cat(p.M, "x", p.N, "x", p.K);

@@ -2,8 +2,11 @@
 
 #include <cblas.h>
 #include <dlfcn.h>
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_debug.h>
+
+#include <algorithm>
 
 #include "core/error.hpp"
 #include "harness.hpp"
@@ -46,6 +49,42 @@ void blis_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K
 }
 
 }  // namespace
+
+std::vector<std::int64_t> sampled_rows(std::int64_t M) {
+  std::vector<std::int64_t> rows;
+  const std::int64_t stride = std::max<std::int64_t>(1, M / 64);
+  for (std::int64_t i = 0; i < M; i += stride) rows.push_back(i);
+  for (std::int64_t i = std::max(M - 8, std::int64_t(0)); i < M; ++i)
+    if (rows.back() < i) rows.push_back(i);
+  return rows;
+}
+
+// Loops ordered so that the inner one runs along contiguous memory for
+// either op(B).
+std::vector<double> reference_rows(const std::vector<std::int64_t>& rows, bool ta, bool tb,
+                                   std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
+                                   const float* B, std::int64_t ldb) {
+  std::vector<double> ref(rows.size() * size_t(N), 0.0);
+#pragma omp parallel for schedule(dynamic)
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const std::int64_t i = rows[r];
+    double* out = ref.data() + r * size_t(N);
+    auto a = [&](std::int64_t k) { return double(ta ? A[k * lda + i] : A[i * lda + k]); };
+    if (tb) {
+      for (std::int64_t j = 0; j < N; ++j) {
+        double acc = 0;
+        for (std::int64_t k = 0; k < K; ++k) acc += a(k) * double(B[j * ldb + k]);
+        out[j] = acc;
+      }
+    } else {
+      for (std::int64_t k = 0; k < K; ++k) {
+        const double ak = a(k);
+        for (std::int64_t j = 0; j < N; ++j) out[j] += ak * double(B[k * ldb + j]);
+      }
+    }
+  }
+  return ref;
+}
 
 std::vector<GemmBackend> gemm_backends(int threads) {
   std::vector<GemmBackend> out;

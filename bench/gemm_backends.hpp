@@ -28,6 +28,15 @@ struct GemmBackend {
   SgemmFn sgemm = nullptr;
 };
 
+// The #wrong check of the GEMM benchmarks (bench_gemm.cpp, bench_gemm_bf16.cpp),
+// sharing no code with any library: the rows of C it samples (every M/64-th
+// and the last eight, so edge tiles are in) ...
+std::vector<std::int64_t> sampled_rows(std::int64_t M);
+// ... and those rows of op(A) op(B) (rows.size(), N) by plain double loops.
+std::vector<double> reference_rows(const std::vector<std::int64_t>& rows, bool ta, bool tb,
+                                   std::int64_t N, std::int64_t K, const float* A, std::int64_t lda,
+                                   const float* B, std::int64_t ldb);
+
 // The libraries present in this process, in the order above; BLIS only when
 // libblis.so.4 loads. Sets each one's thread count to `threads`.
 std::vector<GemmBackend> gemm_backends(int threads);

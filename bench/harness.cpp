@@ -64,6 +64,29 @@ __attribute__((target("avx512f"))) double fma_loop_avx512(std::int64_t iters, fl
 #undef LAGA_SUM
   return 12.0 * 16 * 2 * static_cast<double>(iters);
 }
+
+// The bf16 dot-product peak: VDPBF16PS adds two bf16 products into each of
+// 16 fp32 lanes (64 FLOP an instruction), what oneDNN's bf16 brgemm kernels
+// run on. The same 12 independent chains, no loads; the bf16 operands are
+// made once, outside the loop. Run only on CPUs with AVX512_BF16.
+__attribute__((target("avx512f,avx512bf16"))) double dpbf16_loop(std::int64_t iters, float* sink) {
+#define LAGA_DECL(i) __m512 a##i = _mm512_set1_ps(1.0f + 1e-3f * i);
+#define LAGA_DP(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+#define LAGA_SUM(i) s = _mm512_add_ps(s, a##i);
+  LAGA_R12(LAGA_DECL)
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999f), _mm512_set1_ps(0.999f));
+  const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7f), _mm512_set1_ps(1e-7f));
+  for (std::int64_t it = 0; it < iters; ++it) {
+    LAGA_R12(LAGA_DP)
+  }
+  __m512 s = _mm512_setzero_ps();
+  LAGA_R12(LAGA_SUM)
+  *sink += _mm512_reduce_add_ps(s);
+#undef LAGA_DECL
+#undef LAGA_DP
+#undef LAGA_SUM
+  return 12.0 * 16 * 2 * 2 * static_cast<double>(iters);
+}
 #endif
 
 // All threads run the loop at once (what a kernel on `threads` threads
@@ -92,12 +115,22 @@ double cpu_seconds() {
 
 }  // namespace
 
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
 double measure_isa_peak(const std::string& isa, int threads, int repeats) {
-  LAGA_CHECK(isa == "avx2" || isa == "avx512", "laga_bench: no FMA peak loop for ISA '", isa, "'");
+  LAGA_CHECK(isa == "avx2" || isa == "avx512" || isa == "bf16",
+             "laga_bench: no FMA peak loop for ISA '", isa, "'");
   __builtin_cpu_init();
   LAGA_CHECK(isa == "avx2" || __builtin_cpu_supports("avx512f"), "laga_bench: a row ran ", isa,
-             " kernels on a CPU without ", isa);
+             " kernels on a CPU without avx512f");
+  LAGA_CHECK(isa != "bf16" || cpu_has_avx512_bf16(),
+             "laga_bench: a row ran bf16 dot-product "
+             "kernels on a CPU without avx512bf16");
 #if defined(__AVX2__) && defined(__FMA__)
+  if (isa == "bf16") return peak_of(&dpbf16_loop, threads, repeats);
   return peak_of(isa == "avx512" ? &fma_loop_avx512 : &fma_loop_avx2, threads, repeats);
 #else
   fail("laga_bench: no FMA peak loop for this target; build with AVX2+FMA");

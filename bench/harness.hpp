@@ -42,14 +42,17 @@ struct Options {
 
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
 // at once, per instruction set: the ceiling no kernel of that ISA can pass.
-// The peak of one ISA ("avx2" or "avx512") now, best of `repeats` rounds;
-// throws for an ISA this CPU lacks.
+// The peak of one ISA ("avx2" or "avx512": fp32 FMA; "bf16": AVX512_BF16's
+// VDPBF16PS, two bf16 products summed into each fp32 lane) now, best of
+// `repeats` rounds; throws for an ISA this CPU lacks.
 double measure_isa_peak(const std::string& isa, int threads, int repeats);
 // Both, for the header of a run; avx512 is 0 on a CPU without AVX-512F.
 struct Peak {
   double avx2 = 0, avx512 = 0;
 };
 Peak measure_fma_peak(int threads, int repeats);
+// Whether this CPU (and its OS) runs AVX512_BF16, the "bf16" peak's loop.
+bool cpu_has_avx512_bf16();
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;

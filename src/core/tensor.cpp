@@ -170,5 +170,6 @@ void Tensor<T>::fill(T value) {
 
 template class Tensor<float>;
 template class Tensor<double>;
+template class Tensor<bf16>;  // zeros() is +0 in bf16 too: all bits clear
 
 }  // namespace laga

@@ -1,5 +1,6 @@
-// Tensor<T> — a contiguous, row-major array of float or double: owning, or a
-// view of rows of another (Tensor::view_rows).
+// Tensor<T> — a contiguous, row-major array of float, double or bf16 (a
+// storage type only, core/bf16.hpp: mixed-precision activations and weight
+// copies): owning, or a view of rows of another (Tensor::view_rows).
 //
 // Bytes are registered with the MemoryPool current on the allocating thread,
 // under a MemCategory, and unregistered with that same pool when the tensor is
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bf16.hpp"
 #include "core/memory_pool.hpp"
 
 namespace laga {
@@ -90,8 +92,10 @@ class Tensor {
 
 using TensorF = Tensor<float>;
 using TensorD = Tensor<double>;
+using TensorB16 = Tensor<bf16>;
 
 extern template class Tensor<float>;
 extern template class Tensor<double>;
+extern template class Tensor<bf16>;
 
 }  // namespace laga
