@@ -268,6 +268,13 @@ void read_hf_rope(const json& j, MlaConfig& c, const std::string& source) {
 
 }  // namespace
 
+bool read_config_key(const json& j, const char* key, std::int64_t& out, const std::string& source) {
+  return read_key(j, key, out, source);
+}
+bool read_config_key(const json& j, const char* key, double& out, const std::string& source) {
+  return read_key(j, key, out, source);
+}
+
 MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
   LAGA_CHECK(j.is_object(), source, ": expected a JSON object with the model's dimensions");
   MlaConfig c;

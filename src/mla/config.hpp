@@ -24,6 +24,17 @@ namespace laga {
 // hardware-profile readers.
 nlohmann::json parse_json_refusing_repeated_keys(const std::string& text, const std::string& where);
 
+// One key of a config JSON by the rules MlaConfig::from_json reads each of
+// its keys by: absent or null returns false and leaves `out` as it was; an
+// integer must be exact and at most 2^53 in size, a number finite; anything
+// else throws laga::Error naming source and key. MoeConfig (model/moe_config)
+// reads its keys through these, so both blocks of one config.json refuse the
+// same things in the same words.
+bool read_config_key(const nlohmann::json& j, const char* key, std::int64_t& out,
+                     const std::string& source);
+bool read_config_key(const nlohmann::json& j, const char* key, double& out,
+                     const std::string& source);
+
 struct MlaConfig {
   std::int64_t dim = 256;
   std::int64_t n_heads = 8;

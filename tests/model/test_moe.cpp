@@ -1,0 +1,528 @@
+// DeepSeek-V3's MoE layer and its gate against a plain-loop double reference
+// written here (per token, per selected expert, no permutation; the routing
+// by stable sorts of whole vectors, the gate's backward through the explicit
+// Jacobian of the weights), finite differences in double for dx and every
+// weight, and the routing's edge cases: group limiting, the bias, ties.
+//
+// Finite differences need the selection to stay put under a step of 1e-5:
+// the inputs are random with O(1) spread in the scores, and every perturbed
+// evaluation is checked to select exactly the experts the unperturbed one
+// did (a test whose inputs sat on a routing tie would fail that check, not
+// pass by luck).
+#include "model/moe.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/error_of.hpp"
+
+namespace laga {
+namespace {
+
+using test::all_close;
+
+double sig(double z) {
+  return 1.0 / (1.0 + std::exp(-z));
+}
+
+// ------------------------------------------------------------ reference
+
+struct RefRoute {
+  std::vector<int> expert;  // k, best biased score first
+  std::vector<double> weight;
+};
+
+// One token's routing by whole-vector stable sorts (ties keep the lower index).
+RefRoute ref_route(const MoeConfig& c, const std::vector<double>& z,
+                   const std::vector<double>& bias) {
+  const int E = int(c.n_routed_experts), G = int(c.n_group), per = E / G,
+            k = int(c.num_experts_per_tok);
+  std::vector<double> s(E), b(E);
+  for (int e = 0; e < E; ++e) s[e] = sig(z[e]), b[e] = s[e] + bias[e];
+  std::vector<bool> allowed(E, true);
+  if (G > 1) {
+    std::vector<double> gs(G);
+    for (int q = 0; q < G; ++q) {
+      std::vector<double> v(b.begin() + q * per, b.begin() + (q + 1) * per);
+      std::sort(v.begin(), v.end(), std::greater<>());
+      gs[q] = v[0] + v[1];
+    }
+    std::vector<int> gi(G);
+    std::iota(gi.begin(), gi.end(), 0);
+    std::stable_sort(gi.begin(), gi.end(), [&](int x, int y) { return gs[x] > gs[y]; });
+    allowed.assign(E, false);
+    for (int i = 0; i < int(c.topk_group); ++i)
+      for (int e = gi[i] * per; e < (gi[i] + 1) * per; ++e) allowed[e] = true;
+  }
+  std::vector<int> cand;
+  for (int e = 0; e < E; ++e)
+    if (allowed[e]) cand.push_back(e);
+  std::stable_sort(cand.begin(), cand.end(), [&](int x, int y) { return b[x] > b[y]; });
+  RefRoute r;
+  r.expert.assign(cand.begin(), cand.begin() + k);
+  double S = 0;
+  for (int e : r.expert) S += s[e];
+  for (int e : r.expert)
+    r.weight.push_back(c.routed_scaling_factor * s[e] / (c.norm_topk_prob ? S : 1.0));
+  return r;
+}
+
+// One SwiGLU on one token, and its backward (dx and the weights' gradients added to).
+struct Tape {
+  std::vector<double> a, b, h, y;
+};
+Tape swiglu_one(const ExpertParams<double>& p, const double* x, int D) {
+  const int F = int(p.w1.dim(0));
+  Tape t{std::vector<double>(F), std::vector<double>(F), std::vector<double>(F),
+         std::vector<double>(D, 0.0)};
+  for (int f = 0; f < F; ++f) {
+    for (int i = 0; i < D; ++i) t.a[f] += p.w1[f * D + i] * x[i], t.b[f] += p.w3[f * D + i] * x[i];
+    t.h[f] = t.a[f] * sig(t.a[f]) * t.b[f];
+  }
+  for (int o = 0; o < D; ++o)
+    for (int f = 0; f < F; ++f) t.y[o] += p.w2[o * F + f] * t.h[f];
+  return t;
+}
+void swiglu_one_backward(const ExpertParams<double>& p, ExpertParams<double>& g, const double* x,
+                         const Tape& t, const std::vector<double>& dy, double* dx, int D) {
+  const int F = int(p.w1.dim(0));
+  for (int f = 0; f < F; ++f) {
+    double dh = 0;
+    for (int o = 0; o < D; ++o) dh += p.w2[o * F + f] * dy[o], g.w2[o * F + f] += dy[o] * t.h[f];
+    const double sg = sig(t.a[f]);
+    const double da = dh * t.b[f] * (sg + t.a[f] * sg * (1 - sg)), db = dh * t.a[f] * sg;
+    for (int i = 0; i < D; ++i) {
+      g.w1[f * D + i] += da * x[i];
+      g.w3[f * D + i] += db * x[i];
+      dx[i] += p.w1[f * D + i] * da + p.w3[f * D + i] * db;
+    }
+  }
+}
+
+struct RefMoe {
+  std::vector<RefRoute> route;
+  std::vector<double> out, dx;
+  MoeParams<double> g;
+};
+
+RefMoe ref_moe(const MoeConfig& c, const MoeParams<double>& w, const std::vector<double>& x,
+               const std::vector<double>& dout, int N, int D) {
+  const int E = int(c.n_routed_experts), k = int(c.num_experts_per_tok);
+  const double sc = c.routed_scaling_factor;
+  RefMoe r;
+  r.out.assign(size_t(N * D), 0.0);
+  r.dx.assign(size_t(N * D), 0.0);
+  r.g = MoeParams<double>::zeros(c, D, MemCategory::gradients);
+  const std::vector<double> bias(w.gate_bias.data(), w.gate_bias.data() + E);
+  for (int t = 0; t < N; ++t) {
+    const double* xt = x.data() + t * D;
+    const std::vector<double> go(dout.begin() + t * D, dout.begin() + (t + 1) * D);
+    double* ot = r.out.data() + t * D;
+    double* dxt = r.dx.data() + t * D;
+    std::vector<double> z(E, 0.0);
+    for (int e = 0; e < E; ++e)
+      for (int i = 0; i < D; ++i) z[e] += w.gate[e * D + i] * xt[i];
+    r.route.push_back(ref_route(c, z, bias));
+    const RefRoute& rt = r.route.back();
+    if (c.n_shared_experts > 0) {
+      const Tape tp = swiglu_one(w.shared, xt, D);
+      for (int i = 0; i < D; ++i) ot[i] += tp.y[i];
+      swiglu_one_backward(w.shared, r.g.shared, xt, tp, go, dxt, D);
+    }
+    std::vector<double> dw(k, 0.0);
+    for (int j = 0; j < k; ++j) {
+      const int e = rt.expert[j];
+      const Tape tp = swiglu_one(w.experts[e], xt, D);
+      std::vector<double> dy(D);
+      for (int i = 0; i < D; ++i) {
+        ot[i] += rt.weight[j] * tp.y[i];
+        dw[j] += go[i] * tp.y[i];
+        dy[i] = rt.weight[j] * go[i];
+      }
+      swiglu_one_backward(w.experts[e], r.g.experts[e], xt, tp, dy, dxt, D);
+    }
+    // The gate through the Jacobian of w_j = c s_j / S (or c s_j) in s_i.
+    double S = 0;
+    for (int j = 0; j < k; ++j) S += sig(z[rt.expert[j]]);
+    for (int i = 0; i < k; ++i) {
+      const int e = rt.expert[i];
+      const double si = sig(z[e]);
+      double ds = 0;
+      for (int j = 0; j < k; ++j) {
+        const double sj = sig(z[rt.expert[j]]);
+        const double jac =
+            c.norm_topk_prob ? sc * ((i == j ? 1.0 / S : 0.0) - sj / (S * S)) : (i == j ? sc : 0.0);
+        ds += dw[j] * jac;
+      }
+      const double dz = ds * si * (1 - si);
+      for (int d = 0; d < D; ++d) {
+        r.g.gate[e * D + d] += dz * xt[d];
+        dxt[d] += w.gate[e * D + d] * dz;
+      }
+    }
+  }
+  return r;
+}
+
+// -------------------------------------------------------------- cases
+
+// Every value is a float rounded to double, so a float run sees exactly
+// the inputs the double reference does (and selects the same experts).
+double rounded(double v) {
+  return double(float(v));
+}
+
+struct Case {
+  MoeConfig cfg;
+  int N, D;
+  MoeParams<double> w;
+  std::vector<double> x, dout;
+};
+
+Case make_case(const MoeConfig& cfg, int N, int D, std::uint64_t seed) {
+  Case c{cfg, N, D, MoeParams<double>::zeros(cfg, D, MemCategory::parameters), {}, {}};
+  std::uint64_t stream = seed;
+  c.w.for_each([&](const std::string& name, Tensor<double>& t) {
+    // Gate logits with O(1) spread, biases small, SwiGLU weights ~ 1/sqrt(fan_in).
+    const double a = name == "gate.weight" ? 0.6
+                     : name == "gate.bias" ? 0.1
+                                           : 1.5 / std::sqrt(double(t.dim(t.rank() - 1)));
+    test::fill_random(t.data(), t.numel(), ++stream, -a, a);
+    for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = rounded(t[i]);
+  });
+  c.x = test::random_vector<double>(N * D, ++stream);
+  c.dout = test::random_vector<double>(N * D, ++stream);
+  for (auto* v : {&c.x, &c.dout})
+    for (double& e : *v) e = rounded(e);
+  return c;
+}
+
+template <class T>
+MoeParams<T> params_as(const MoeConfig& cfg, MoeParams<double>& w, int D) {
+  std::vector<const Tensor<double>*> src;
+  w.for_each([&](const std::string&, Tensor<double>& t) { src.push_back(&t); });
+  MoeParams<T> p = MoeParams<T>::zeros(cfg, D, MemCategory::parameters);
+  size_t i = 0;
+  p.for_each([&](const std::string&, Tensor<T>& t) {
+    const Tensor<double>& s = *src[i++];
+    for (std::int64_t j = 0; j < t.numel(); ++j) t[j] = static_cast<T>(s[j]);
+  });
+  return p;
+}
+
+MoeConfig grouped() {
+  MoeConfig c;
+  c.n_routed_experts = 8, c.num_experts_per_tok = 3, c.n_group = 4, c.topk_group = 2;
+  c.moe_intermediate_size = 8, c.n_shared_experts = 2, c.routed_scaling_factor = 2.5;
+  return c;
+}
+
+MoeConfig ungrouped_unnormalised() {
+  MoeConfig c;
+  c.n_routed_experts = 6, c.num_experts_per_tok = 2, c.n_group = 1, c.topk_group = 1;
+  c.moe_intermediate_size = 5, c.n_shared_experts = 0, c.routed_scaling_factor = 1.5;
+  c.norm_topk_prob = false;
+  return c;
+}
+
+// ------------------------------------------------------------- routing
+
+TEST(MoeRouting, MatchesReference) {
+  MoeConfig c;
+  c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
+  c.routed_scaling_factor = 2.5;
+  const int N = 64, E = 16, k = 4;
+  for (const bool norm : {true, false}) {
+    c.norm_topk_prob = norm;
+    const auto zf = test::random_vector<float>(N * E, 11, -3, 3);
+    const auto bf = test::random_vector<float>(E, 12, -0.2, 0.2);
+    const auto zd = test::convert<double>(zf), bd = test::convert<double>(bf);
+    const Routing<double> rd = route(c, zd.data(), bd.data(), N);
+    const Routing<float> rf = route(c, zf.data(), bf.data(), N);
+    for (int t = 0; t < N; ++t) {
+      const RefRoute ref =
+          ref_route(c, std::vector<double>(zd.begin() + t * E, zd.begin() + (t + 1) * E), bd);
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(rd.expert[size_t(t * k + j)], ref.expert[j]) << "token " << t << " slot " << j;
+        EXPECT_EQ(rf.expert[size_t(t * k + j)], ref.expert[j]) << "float, token " << t;
+      }
+      EXPECT_TRUE(
+          all_close("weight", rd.weight.data() + t * k, ref.weight.data(), k, 1e-15, 1e-14));
+      EXPECT_TRUE(
+          all_close("weight f32", rf.weight.data() + t * k, ref.weight.data(), k, 1e-7, 1e-6));
+    }
+  }
+}
+
+TEST(MoeRouting, GroupLimitingMasksAGroupWithTheBestExpert) {
+  MoeConfig c;
+  c.n_routed_experts = 8, c.num_experts_per_tok = 2, c.n_group = 4, c.topk_group = 2;
+  // Expert 0 scores best of all (sigmoid(4) = 0.98) but its group's top-2
+  // sum is 0.98 + 0.02 = 1.0, below groups 1 (1.46) and 2 (1.25).
+  const std::vector<double> z{4, -4, 1, 1, 0.5, 0.5, -1, -1};
+  const std::vector<double> bias(8, 0.0);
+  Routing<double> r = route(c, z.data(), bias.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{2, 3}));
+  // Without group limiting expert 0 is chosen first.
+  c.n_group = 1, c.topk_group = 1;
+  r = route(c, z.data(), bias.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{0, 2}));
+}
+
+TEST(MoeRouting, BiasSelectsButDoesNotWeight) {
+  MoeConfig c;
+  c.n_routed_experts = 4, c.num_experts_per_tok = 2, c.routed_scaling_factor = 2.5;
+  const std::vector<double> z{2, 1, 0, -1};
+  std::vector<double> bias(4, 0.0);
+  EXPECT_EQ(route(c, z.data(), bias.data(), 1).expert, (std::vector<std::int32_t>{0, 1}));
+  // sigmoid(-1) + 0.9 = 1.17 ranks above sigmoid(2) = 0.88: expert 3 first.
+  bias[3] = 0.9;
+  const Routing<double> r = route(c, z.data(), bias.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{3, 0}));
+  // The weights are the unbiased scores, normalised and scaled.
+  const double S = sig(-1) + sig(2);
+  EXPECT_NEAR(r.weight[0], 2.5 * sig(-1) / S, 1e-15);
+  EXPECT_NEAR(r.weight[1], 2.5 * sig(2) / S, 1e-15);
+  // A null bias is a zero one.
+  EXPECT_EQ(route(c, z.data(), static_cast<const double*>(nullptr), 1).expert,
+            (std::vector<std::int32_t>{0, 1}));
+}
+
+TEST(MoeRouting, TiesGoToTheLowerIndex) {
+  MoeConfig c;
+  c.n_routed_experts = 8, c.num_experts_per_tok = 3, c.n_group = 4, c.topk_group = 2;
+  const std::vector<double> zero(8, 0.0);
+  // Every score equal: groups 0 and 1 kept, experts 0, 1, 2, equal weights.
+  Routing<double> r = route(c, zero.data(), zero.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{0, 1, 2}));
+  for (double w : r.weight) EXPECT_NEAR(w, 1.0 / 3, 1e-15);
+  // Groups 1 and 3 tie for first and groups 0 and 2 for the rest: 1 and 3
+  // kept; in them experts 3 and 6 tie for best (3 first), then 2.
+  const std::vector<double> z{0, 0, 1, 2, 0, 0, 2, 1};
+  r = route(c, z.data(), zero.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{3, 6, 2}));
+  // With one group kept, the tie between groups 1 and 3 goes to group 1.
+  c.topk_group = 1, c.num_experts_per_tok = 2;
+  r = route(c, z.data(), zero.data(), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{3, 2}));
+  c.n_group = 1, c.topk_group = 1, c.num_experts_per_tok = 1;
+  const std::vector<double> z2{0, 0, 1, 0, 0, 1, 0, 0};
+  EXPECT_EQ(route(c, z2.data(), zero.data(), 1).expert, (std::vector<std::int32_t>{2}));
+}
+
+TEST(MoeRouting, WeightsSumToTheScaleOrAreScaledScores) {
+  MoeConfig c;
+  c.n_routed_experts = 8, c.num_experts_per_tok = 3, c.routed_scaling_factor = 2.5;
+  const int N = 10;
+  const auto z = test::random_vector<double>(N * 8, 21, -2, 2);
+  Routing<double> r = route(c, z.data(), static_cast<const double*>(nullptr), N);
+  for (int t = 0; t < N; ++t)
+    EXPECT_NEAR(r.weight[t * 3] + r.weight[t * 3 + 1] + r.weight[t * 3 + 2], 2.5, 1e-14);
+  c.norm_topk_prob = false;
+  r = route(c, z.data(), static_cast<const double*>(nullptr), N);
+  for (int i = 0; i < N * 3; ++i)
+    EXPECT_NEAR(r.weight[i], 2.5 * sig(z[(i / 3) * 8 + r.expert[i]]), 1e-15);
+}
+
+TEST(MoeRouting, RefusesNonFiniteLogitsAndBias) {
+  MoeConfig c;
+  std::vector<double> z(16, 0.0), bias(8, 0.0);
+  z[11] = NAN;
+  EXPECT_NE(test::error_of([&] {
+              route(c, z.data(), bias.data(), 2);
+            }).find("gate logit of token 1, expert 3 is nan"),
+            std::string::npos);
+  z[11] = 0, bias[5] = INFINITY;
+  EXPECT_NE(test::error_of([&] {
+              route(c, z.data(), bias.data(), 2);
+            }).find("e_score_correction_bias[5] is inf"),
+            std::string::npos);
+}
+
+// L = <G, w(z)> with the selection fixed: dz by route_backward vs central differences.
+TEST(MoeRouting, BackwardFiniteDifferences) {
+  MoeConfig c;
+  c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
+  c.routed_scaling_factor = 2.5;
+  const int N = 6, E = 16, k = 4;
+  for (const bool norm : {true, false}) {
+    c.norm_topk_prob = norm;
+    auto z = test::random_vector<double>(N * E, 31, -3, 3);
+    const auto bias = test::random_vector<double>(E, 32, -0.2, 0.2);
+    const auto G = test::random_vector<double>(N * k, 33);
+    const Routing<double> r0 = route(c, z.data(), bias.data(), N);
+    const std::vector<double> dz = route_backward(c, r0, G.data());
+    int moved = 0;
+    auto loss = [&] {
+      const Routing<double> r = route(c, z.data(), bias.data(), N);
+      if (r.expert != r0.expert) ++moved;
+      return test::dot(r.weight.data(), G.data(), N * k);
+    };
+    test::GradientCheck gc;
+    gc.add("logits", z.data(), dz.data(), {N, E});
+    EXPECT_TRUE(gc.run(loss)) << (norm ? "normalised" : "unnormalised");
+    EXPECT_EQ(moved, 0)
+        << "a finite-difference step changed the selection: the inputs sit on a tie";
+  }
+}
+
+TEST(MoeRouting, DispatchGroupsCopiesByExpert) {
+  MoeConfig c;
+  c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
+  const int N = 50, E = 16, k = 4;
+  const auto z = test::random_vector<double>(N * E, 41, -3, 3);
+  const Routing<double> r = route(c, z.data(), static_cast<const double*>(nullptr), N);
+  const Dispatch d = make_dispatch(r);
+  ASSERT_EQ(d.rows(), N * k);
+  std::vector<std::int64_t> hist(E, 0);
+  for (std::int32_t e : r.expert) ++hist[size_t(e)];
+  EXPECT_EQ(d.count, hist);
+  EXPECT_EQ(d.offset.front(), 0);
+  EXPECT_EQ(d.offset.back(), N * k);
+  for (int e = 0; e < E; ++e) EXPECT_EQ(d.offset[e + 1] - d.offset[e], d.count[e]);
+  std::vector<int> hits(size_t(N * k), 0);
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t p = d.row[size_t(t * k + j)];
+      const std::int32_t e = r.expert[size_t(t * k + j)];
+      ASSERT_GE(p, d.offset[e]);
+      ASSERT_LT(p, d.offset[e + 1]);  // the copy sits in its expert's rows
+      EXPECT_EQ(d.token[size_t(p)], t);
+      ++hits[size_t(p)];
+    }
+  for (int h : hits) EXPECT_EQ(h, 1);  // row is a permutation
+  for (int e = 0; e < E; ++e)
+    for (std::int64_t p = d.offset[e] + 1; p < d.offset[e + 1]; ++p)
+      EXPECT_LT(d.token[size_t(p - 1)], d.token[size_t(p)]) << "expert " << e;
+}
+
+TEST(MoeRouting, ExpertBiasUpdate) {
+  // Mean load 4: expert 0 over (down by gamma), 1 under (up), 2 and 3 even.
+  const std::vector<double> b{0.5, -0.25, 0.0, 1.0};
+  const std::vector<double> nb = update_expert_bias(b, {5, 3, 4, 4}, 0.01);
+  ASSERT_EQ(nb.size(), 4u);
+  EXPECT_DOUBLE_EQ(nb[0], 0.5 - 0.01);
+  EXPECT_DOUBLE_EQ(nb[1], -0.25 + 0.01);
+  EXPECT_EQ(nb[2], 0.0);
+  EXPECT_EQ(nb[3], 1.0);
+  // Mean 7/3: a load of 2 is under, 3 over.
+  EXPECT_EQ(update_expert_bias(std::vector<float>{0, 0, 0}, {2, 2, 3}, 0.5),
+            (std::vector<float>{0.5f, 0.5f, -0.5f}));
+  EXPECT_NE(test::error_of([&] {
+              update_expert_bias(b, {1, 2}, 0.01);
+            }).find("4 biases but 2"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] {
+              update_expert_bias(b, {1, 2, 3, 4}, -1);
+            }).find("gamma"),
+            std::string::npos);
+}
+
+// --------------------------------------------------------------- layer
+
+void expect_matches_reference(Case& c, double atol, double rtol) {
+  const MoeForward<double> f = moe_forward(c.cfg, c.w, c.x.data(), c.N, c.D);
+  MoeParams<double> g = MoeParams<double>::zeros(c.cfg, c.D, MemCategory::gradients);
+  const Tensor<double> dx = moe_backward(c.cfg, c.w, c.x.data(), f.saved, c.dout.data(), g);
+  RefMoe ref = ref_moe(c.cfg, c.w, c.x, c.dout, c.N, c.D);
+  const int k = int(c.cfg.num_experts_per_tok);
+  for (int t = 0; t < c.N; ++t)
+    for (int j = 0; j < k; ++j)
+      ASSERT_EQ(f.saved.routing.expert[size_t(t * k + j)], ref.route[t].expert[j]) << "token " << t;
+  EXPECT_TRUE(all_close("out", f.out.data(), ref.out.data(), c.N * c.D, atol, rtol));
+  EXPECT_TRUE(all_close("dx", dx.data(), ref.dx.data(), c.N * c.D, atol, rtol));
+  std::vector<std::pair<std::string, const Tensor<double>*>> want;
+  ref.g.for_each([&](const std::string& n, Tensor<double>& t) { want.push_back({n, &t}); });
+  size_t i = 0;
+  g.for_each([&](const std::string& n, Tensor<double>& t) {
+    const Tensor<double>& r = *want[i++].second;
+    EXPECT_TRUE(all_close(n, t.data(), r.data(), t.numel(), atol, rtol));
+  });
+}
+
+TEST(MoeLayer, MatchesPlainLoopReferenceDouble) {
+  Case a = make_case(grouped(), 24, 16, 100);
+  a.w.gate_bias[7] = -5;  // expert 7 never chosen: its rows are empty, its gradients 0
+  expect_matches_reference(a, 1e-13, 1e-12);
+  const MoeForward<double> f = moe_forward(a.cfg, a.w, a.x.data(), a.N, a.D);
+  EXPECT_EQ(f.saved.dispatch.count[7], 0);
+  Case b = make_case(ungrouped_unnormalised(), 24, 16, 200);
+  expect_matches_reference(b, 1e-13, 1e-12);
+}
+
+TEST(MoeLayer, FloatMatchesDoubleReference) {
+  for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
+    Case c = make_case(cfg, 24, 16, 300);
+    const MoeParams<float> wf = params_as<float>(cfg, c.w, c.D);
+    const auto xf = test::convert<float>(c.x), gof = test::convert<float>(c.dout);
+    const MoeForward<float> f = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+    MoeParams<float> g = MoeParams<float>::zeros(cfg, c.D, MemCategory::gradients);
+    const Tensor<float> dx = moe_backward(cfg, wf, xf.data(), f.saved, gof.data(), g);
+    RefMoe ref = ref_moe(cfg, c.w, c.x, c.dout, c.N, c.D);
+    const int k = int(cfg.num_experts_per_tok);
+    for (int t = 0; t < c.N; ++t)
+      for (int j = 0; j < k; ++j)
+        ASSERT_EQ(f.saved.routing.expert[size_t(t * k + j)], ref.route[t].expert[j]);
+    EXPECT_TRUE(all_close("out f32", f.out.data(), ref.out.data(), c.N * c.D, 2e-6, 2e-5));
+    EXPECT_TRUE(all_close("dx f32", dx.data(), ref.dx.data(), c.N * c.D, 2e-6, 2e-5));
+    std::vector<const Tensor<double>*> want;
+    ref.g.for_each([&](const std::string&, Tensor<double>& t) { want.push_back(&t); });
+    size_t i = 0;
+    g.for_each([&](const std::string& n, Tensor<float>& t) {
+      EXPECT_TRUE(all_close(n + " f32", t.data(), want[i++]->data(), t.numel(), 2e-6, 2e-5));
+    });
+  }
+}
+
+TEST(MoeLayer, FiniteDifferencesDouble) {
+  for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
+    Case c = make_case(cfg, 10, 8, 400);
+    const MoeForward<double> f0 = moe_forward(cfg, c.w, c.x.data(), c.N, c.D);
+    MoeParams<double> g = MoeParams<double>::zeros(cfg, c.D, MemCategory::gradients);
+    const Tensor<double> dx = moe_backward(cfg, c.w, c.x.data(), f0.saved, c.dout.data(), g);
+    int moved = 0;
+    auto loss = [&] {
+      const MoeForward<double> f = moe_forward(cfg, c.w, c.x.data(), c.N, c.D);
+      if (f.saved.routing.expert != f0.saved.routing.expert) ++moved;
+      return test::dot(f.out.data(), c.dout.data(), c.N * c.D);
+    };
+    test::GradientCheck gc;
+    gc.add("x", c.x.data(), dx.data(), {c.N, c.D});
+    std::vector<Tensor<double>*> grads;
+    g.for_each([&](const std::string&, Tensor<double>& t) { grads.push_back(&t); }, false);
+    size_t i = 0;
+    c.w.for_each([&](const std::string& n,
+                     Tensor<double>& t) { gc.add(n, t.data(), grads[i++]->data(), t.shape()); },
+                 false);
+    test::GradCheckOptions opt;
+    opt.floor_per_tensor = true;
+    EXPECT_TRUE(gc.run(loss, opt)) << cfg.summary();
+    EXPECT_EQ(moved, 0)
+        << "a finite-difference step changed the selection: the inputs sit on a tie";
+    // The bias has no gradient: it is not a function of the loss's slope.
+    for (std::int64_t e = 0; e < g.gate_bias.numel(); ++e) EXPECT_EQ(g.gate_bias[e], 0.0);
+  }
+}
+
+TEST(MoeLayer, RefusesParamsOfAnotherShape) {
+  Case c = make_case(grouped(), 4, 16, 500);
+  MoeParams<double> w = MoeParams<double>::zeros(grouped(), 12, MemCategory::parameters);
+  EXPECT_NE(test::error_of([&] {
+              moe_forward(c.cfg, w, c.x.data(), 4, 16);
+            }).find("gate.weight has shape [8, 12] but the config needs [8, 16]"),
+            std::string::npos);
+  MoeConfig more = grouped();
+  more.n_shared_experts = 3;
+  EXPECT_NE(test::error_of([&] {
+              moe_forward(more, c.w, c.x.data(), 4, 16);
+            }).find("shared_experts.w1.weight has shape [16, 16] but the config needs [24, 16]"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace laga

@@ -1,0 +1,221 @@
+// MoeConfig: validation names the bad field, and DeepSeek-V3's MoE block is
+// read from both JSON formats (Hugging Face config.json, DeepSeek's inference
+// ModelArgs) to the same config; what is not implemented is refused.
+#include "model/moe_config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/error_of.hpp"
+#include "mla/config.hpp"
+
+namespace laga {
+namespace {
+
+using nlohmann::json;
+using test::error_of;
+
+// `needle` is in the message of the error fn throws (and it throws one).
+::testing::AssertionResult refuses(const std::function<void()>& fn, const std::string& needle) {
+  const std::string msg = error_of(fn);
+  if (msg.empty()) return ::testing::AssertionFailure() << "no error; expected '" << needle << "'";
+  if (msg.find(needle) == std::string::npos)
+    return ::testing::AssertionFailure() << "'" << msg << "' does not say '" << needle << "'";
+  return ::testing::AssertionSuccess();
+}
+
+MoeConfig v3_like() {
+  MoeConfig c;
+  c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
+  return c;
+}
+
+TEST(MoeConfig, ValidationNamesTheField) {
+  EXPECT_NO_THROW(MoeConfig().validate());
+  EXPECT_NO_THROW(v3_like().validate());
+  MoeConfig c = v3_like();
+  c.topk_group = 5;
+  EXPECT_TRUE(refuses([&] { c.validate(); },
+                      "topk_group (n_limited_groups) 5 must be in [1, n_group = 4]"));
+  c = v3_like();
+  c.n_group = 3;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "n_routed_experts 16 is not a multiple of n_group"));
+  c = v3_like();
+  c.num_experts_per_tok = 9;  // 2 groups of 4 experts hold 8
+  EXPECT_TRUE(
+      refuses([&] { c.validate(); }, "is more than the 8 experts of the topk_group = 2 groups"));
+  c = v3_like();
+  c.n_group = 16, c.topk_group = 8;  // one expert per group: no top-2 sum
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "each group needs at least 2"));
+  c = v3_like();
+  c.num_experts_per_tok = 17;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "num_experts_per_tok (n_activated_experts) 17"));
+  c = v3_like();
+  c.routed_scaling_factor = 0;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "routed_scaling_factor (route_scale)"));
+  c = v3_like();
+  c.moe_intermediate_size = 0;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "moe_intermediate_size (moe_inter_dim)"));
+  c = v3_like();
+  c.n_shared_experts = -1;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "n_shared_experts must be >= 0"));
+  c = v3_like();
+  c.first_k_dense_replace = -1;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "first_k_dense_replace (n_dense_layers)"));
+}
+
+// DeepSeek-V3's config.json (the MoE and a few attention keys of it).
+json hf_v3() {
+  return {{"hidden_size", 7168},
+          {"num_attention_heads", 128},
+          {"q_lora_rank", 1536},
+          {"kv_lora_rank", 512},
+          {"qk_nope_head_dim", 128},
+          {"qk_rope_head_dim", 64},
+          {"v_head_dim", 128},
+          {"intermediate_size", 18432},
+          {"moe_intermediate_size", 2048},
+          {"n_routed_experts", 256},
+          {"num_experts_per_tok", 8},
+          {"n_shared_experts", 1},
+          {"n_group", 8},
+          {"topk_group", 4},
+          {"routed_scaling_factor", 2.5},
+          {"scoring_func", "sigmoid"},
+          {"topk_method", "noaux_tc"},
+          {"norm_topk_prob", true},
+          {"first_k_dense_replace", 3},
+          {"moe_layer_freq", 1},
+          {"ep_size", 1},
+          {"aux_loss_alpha", 0.001},
+          {"seq_aux", true}};
+}
+
+// DeepSeek-V3's inference/configs/config_671B.json.
+json modelargs_v3() {
+  return {{"vocab_size", 129280},    {"dim", 7168},
+          {"inter_dim", 18432},      {"moe_inter_dim", 2048},
+          {"n_layers", 61},          {"n_dense_layers", 3},
+          {"n_heads", 128},          {"n_routed_experts", 256},
+          {"n_shared_experts", 1},   {"n_activated_experts", 8},
+          {"n_expert_groups", 8},    {"n_limited_groups", 4},
+          {"route_scale", 2.5},      {"score_func", "sigmoid"},
+          {"q_lora_rank", 1536},     {"kv_lora_rank", 512},
+          {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64},
+          {"v_head_dim", 128},       {"dtype", "fp8"}};
+}
+
+void expect_v3(const MoeConfig& c) {
+  EXPECT_EQ(c.n_routed_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 2048);
+  EXPECT_EQ(c.n_shared_experts, 1);
+  EXPECT_EQ(c.shared_intermediate_size(), 2048);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.experts_per_group(), 32);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.scoring_func, ScoreFunc::sigmoid);
+  EXPECT_EQ(c.topk_method, TopkMethod::noaux_tc);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+}
+
+TEST(MoeConfig, BothFormatsReadDeepSeekV3Alike) {
+  const auto hf = MoeConfig::from_json(hf_v3(), "hf");
+  ASSERT_TRUE(hf.has_value());
+  expect_v3(*hf);
+  const auto ma = MoeConfig::from_json(modelargs_v3(), "modelargs");
+  ASSERT_TRUE(ma.has_value());
+  expect_v3(*ma);
+  EXPECT_EQ(hf->to_json(), ma->to_json());
+  // MLA's reader still reads the attention block of the same files and
+  // ignores the MoE keys, as before.
+  EXPECT_EQ(MlaConfig::from_json(hf_v3()).dim, 7168);
+  EXPECT_EQ(MlaConfig::from_json(modelargs_v3()).n_heads, 128);
+}
+
+TEST(MoeConfig, DenseConfigHasNoMoe) {
+  json hf = hf_v3();
+  hf.erase("n_routed_experts");
+  EXPECT_FALSE(MoeConfig::from_json(hf).has_value());
+  hf["n_routed_experts"] = nullptr;  // HF's DeepseekV2/V3 dense spelling
+  EXPECT_FALSE(MoeConfig::from_json(hf).has_value());
+  json ma = modelargs_v3();
+  ma["n_routed_experts"] = 0;
+  EXPECT_FALSE(MoeConfig::from_json(ma).has_value());
+}
+
+TEST(MoeConfig, HuggingFaceRefusals) {
+  for (const char* key : {"num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                          "n_group", "topk_group", "routed_scaling_factor", "scoring_func",
+                          "topk_method", "norm_topk_prob", "first_k_dense_replace"}) {
+    json j = hf_v3();
+    j.erase(key);
+    EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j, "cfg.json"); },
+                        std::string("cfg.json: missing '") + key + "'"))
+        << key;
+  }
+  json j = hf_v3();
+  j["scoring_func"] = "softmax";
+  EXPECT_TRUE(
+      refuses([&] { MoeConfig::from_json(j); }, "scoring_func 'softmax' is not implemented"));
+  j = hf_v3();
+  j["topk_method"] = "group_limited_greedy";
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "topk_method 'group_limited_greedy'"));
+  j = hf_v3();
+  j["moe_layer_freq"] = 2;
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "moe_layer_freq 2 is not implemented"));
+  j = hf_v3();
+  j["norm_topk_prob"] = 1;
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "'norm_topk_prob' must be true or false"));
+  j = hf_v3();
+  j["n_group"] = 2.5;
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "'n_group' must be an integer"));
+  // Validation's refusals carry the file's name.
+  j = hf_v3();
+  j["topk_group"] = 9;
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j, "cfg.json"); }, "cfg.json: moe: topk_group"));
+  // transformers skips the normalisation at k = 1 whatever norm_topk_prob says.
+  j = hf_v3();
+  j["num_experts_per_tok"] = 1;
+  EXPECT_FALSE(MoeConfig::from_json(j)->norm_topk_prob);
+  j["num_experts_per_tok"] = 2;
+  j["norm_topk_prob"] = false;
+  EXPECT_FALSE(MoeConfig::from_json(j)->norm_topk_prob);
+}
+
+TEST(MoeConfig, ModelArgsDefaultsAndRefusals) {
+  // ModelArgs' defaults: 2 shared experts, no groups, route_scale 1, 1 dense
+  // layer; its default score_func is softmax (V2), which is refused.
+  const json minimal = {{"dim", 64},
+                        {"n_routed_experts", 8},
+                        {"n_activated_experts", 2},
+                        {"moe_inter_dim", 32},
+                        {"score_func", "sigmoid"}};
+  const auto c = MoeConfig::from_json(minimal);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->n_shared_experts, 2);
+  EXPECT_EQ(c->n_group, 1);
+  EXPECT_EQ(c->topk_group, 1);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 1.0);
+  EXPECT_EQ(c->first_k_dense_replace, 1);
+  EXPECT_TRUE(c->norm_topk_prob);
+  json j = minimal;
+  j.erase("score_func");
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "score_func 'softmax' is not implemented"));
+  j = minimal;
+  j.erase("moe_inter_dim");
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "missing 'moe_inter_dim'"));
+  j = minimal;
+  j["n_expert_groups"] = 4, j["n_limited_groups"] = 1;  // 1 group of 2 experts, k 2: fine
+  EXPECT_NO_THROW(MoeConfig::from_json(j));
+  j["n_activated_experts"] = 3;
+  EXPECT_TRUE(
+      refuses([&] { MoeConfig::from_json(j); }, "num_experts_per_tok (n_activated_experts) 3"));
+}
+
+}  // namespace
+}  // namespace laga
