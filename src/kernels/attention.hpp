@@ -70,14 +70,22 @@ struct AttnShape {
 
 // Eager: the (B, Hq, Sq, Sk) probability matrix is materialised and saved for
 // backward. probs (B, Hq, Sq, Sk) is written by forward and read by backward.
+// lse (B, Hq, Sq), when not null, gets each row's log-sum-exp as the flash
+// kernel writes it (a ring form merges its steps' partial outputs by it).
 template <class T>
-void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, const T* k,
-                             const T* v);
+void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, const T* k, const T* v,
+                             T* lse = nullptr);
 // dq (B, Sq, Hq, dqk), dk (B, Sk, Hk, dqk), dv (B, Sk, Hk, dv): overwritten.
 // dp_scratch: Sq * Sk elements of scratch for one head's dp at a time.
+// delta (B, Hq, Sq), when not null, is D_i given: a call that holds only
+// some of a row's keys (one step of a ring form) has probs normalised over
+// ALL the row's keys (rescaled by exp(lse_step - lse_row)) and needs D_i =
+// do_i . o_i of the row's whole output, which its own keys cannot sum to.
+// Null: D_i = sum_j p_ij dp_ij over this call's keys, as above.
 template <class T>
 void attention_eager_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* dout, const T* q,
-                              const T* k, const T* v, const T* probs, T* dp_scratch);
+                              const T* k, const T* v, const T* probs, T* dp_scratch,
+                              const T* delta = nullptr);
 
 // Naive loops with double accumulators; lse (B, Hq, Sq) may be null.
 template <class T>

@@ -145,8 +145,8 @@ void zero_rows(T* c, std::int64_t M, std::int64_t n, std::int64_t ldc) {
 }  // namespace
 
 template <class T>
-void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, const T* k,
-                             const T* v) {
+void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, const T* k, const T* v,
+                             T* lse) {
   s.validate();
   const std::int64_t group = s.Hq / s.Hk;
   for (std::int64_t b = 0; b < s.B; ++b) {
@@ -163,8 +163,10 @@ void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, con
       for (std::int64_t i = 0; i < s.Sq; ++i) {
         T* row = p + i * s.Sk;
         const std::int64_t begin = s.key_begin(b, i), end = s.key_end(i);
+        T* row_lse = lse ? lse + (b * s.Hq + h) * s.Sq + i : nullptr;
         if (end <= begin) {
           std::fill(row, row + s.Sk, T(0));
+          if (row_lse) *row_lse = T(0);  // a fully masked row's convention
           continue;
         }
         T mx = -std::numeric_limits<T>::infinity();
@@ -176,6 +178,7 @@ void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, con
         }
         const T inv = T(1) / sum;
         for (std::int64_t j = begin; j < end; ++j) row[j] *= inv;
+        if (row_lse) *row_lse = mx + std::log(sum);
         // Masked probabilities are exact zeros: backward needs no mask.
         std::fill(row, row + begin, T(0));
         std::fill(row + end, row + s.Sk, T(0));
@@ -190,7 +193,7 @@ void attention_eager_forward(const AttnShape& s, T* o, T* probs, const T* q, con
 
 template <class T>
 void attention_eager_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* dout, const T* q,
-                              const T* k, const T* v, const T* probs, T* dp) {
+                              const T* k, const T* v, const T* probs, T* dp, const T* delta) {
   s.validate();
   const std::int64_t group = s.Hq / s.Hk;
   std::memset(dk, 0, sizeof(T) * static_cast<size_t>(s.B * s.Sk * s.Hk * s.dqk));
@@ -214,7 +217,10 @@ void attention_eager_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* 
         T* drow = dp + i * s.Sk;
         const std::int64_t lo = ranges.lo[size_t(i)], hi = ranges.hi[size_t(i)];
         T D = 0;
-        for (std::int64_t j = lo; j < hi; ++j) D += prow[j] * drow[j];
+        if (delta)
+          D = delta[(b * s.Hq + h) * s.Sq + i];
+        else
+          for (std::int64_t j = lo; j < hi; ++j) D += prow[j] * drow[j];
         for (std::int64_t j = lo; j < hi; ++j) drow[j] = prow[j] * (drow[j] - D);
       }
       const T sc = static_cast<T>(s.scale);
@@ -233,14 +239,15 @@ void attention_eager_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* 
 }
 
 template void attention_eager_forward<float>(const AttnShape&, float*, float*, const float*,
-                                             const float*, const float*);
+                                             const float*, const float*, float*);
 template void attention_eager_forward<double>(const AttnShape&, double*, double*, const double*,
-                                              const double*, const double*);
+                                              const double*, const double*, double*);
 template void attention_eager_backward<float>(const AttnShape&, float*, float*, float*,
                                               const float*, const float*, const float*,
-                                              const float*, const float*, float*);
+                                              const float*, const float*, float*, const float*);
 template void attention_eager_backward<double>(const AttnShape&, double*, double*, double*,
                                                const double*, const double*, const double*,
-                                               const double*, const double*, double*);
+                                               const double*, const double*, double*,
+                                               const double*);
 
 }  // namespace laga

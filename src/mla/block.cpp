@@ -270,7 +270,7 @@ Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T
 
 template <class T>
 void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                       const T* v) {
+                       const T* v, T* eager_lse) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   ops::count_attention(s, st.ctx.attention, ops::AttentionPass::forward,
                        [&] { return s.useful_flops_forward(); });
@@ -278,7 +278,7 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
   if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
   if (eager)
-    attention_eager_forward(s, o, stats, q, k, v);
+    attention_eager_forward(s, o, stats, q, k, v, eager_lse);
   else
     attention_flash_forward(s, o, stats, q, k, v);
 }
@@ -286,7 +286,7 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
 template <class T>
 void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                                 const T* dout, const T* q, const T* k, const T* v, const T* o,
-                                const T* stats, T* dp) {
+                                const T* stats, T* dp, const T* eager_delta) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   // Per (query, key) pair and head, forward does q.k (dqk) and p.v (dv).
   // Eager's backward: dv = p^T do and dp = do v^T (dv each), dq = ds k and
@@ -300,7 +300,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
   if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, q, k, v, eager ? dp : o})) return;
   if (eager)
-    attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp);
+    attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp, eager_delta);
   else
     attention_flash_backward(s, dq, dk, dv, dout, q, k, v, o, stats);
 }
@@ -602,11 +602,6 @@ std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
   return calls;
 }
 
-// p + off; null stays null (count-only tensors have no storage).
-template <class T>
-T* at(T* p, std::int64_t off) {
-  return p ? p + off : nullptr;
-}
 // Row r of a (rows, H_r, d) view of t.
 template <class T>
 T* row(const Step& st, Tensor<T>& t, std::int64_t d, std::int64_t r) {

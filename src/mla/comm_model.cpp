@@ -71,6 +71,18 @@ void CommTerms::add(Phase ph, const char* label, PredictedBytes b, CollectiveKin
   slot.calls += 1;
 }
 
+void CommTerms::add_ring(Phase ph, const char* label, std::int64_t width, bool home) {
+  if (layout.ranks == 1) return;
+  std::vector<std::int64_t> blocks;
+  for (std::int64_t n : layout.seq_count) blocks.push_back(layout.batch * n * width);
+  const PredictedBytes b = ring_pass_bytes(blocks, rank, elem_bytes, RingDirection::forward, home);
+  auto& slot = result[{ph, label}];
+  slot.kind = CollectiveKind::ring_shift;
+  slot.sent += b.sent;
+  slot.received += b.received;
+  slot.calls += b.calls;
+}
+
 void CommTerms::to_heads(Phase ph, const char* label, std::int64_t d) {
   add(ph, label, ph == Phase::forward ? seq_to_head(d) : head_to_seq(d),
       CollectiveKind::all_to_all);
@@ -145,7 +157,7 @@ std::int64_t predicted_sent(const CommPrediction& p, Phase phase) {
 }
 
 PredictedBytes ring_pass_bytes(const std::vector<std::int64_t>& block_elems, int r, std::int64_t e,
-                               RingDirection direction) {
+                               RingDirection direction, bool home) {
   const int P = static_cast<int>(block_elems.size());
   LAGA_CHECK(P >= 1 && r >= 0 && r < P, "ring_pass_bytes: rank ", r, " of ", P,
              " blocks does not exist; pass one block size per rank and 0 <= rank < P");
@@ -155,8 +167,12 @@ PredictedBytes ring_pass_bytes(const std::vector<std::int64_t>& block_elems, int
   const int last_in = direction == RingDirection::forward ? (r + 1) % P : (r - 1 + P) % P;
   PredictedBytes p;
   p.kind = CollectiveKind::ring_shift;
-  p.calls = P - 1;
+  p.calls = P == 1 ? 0 : home ? P : P - 1;
   if (P == 1) return p;
+  if (home) {
+    p.sent = p.received = all * e;
+    return p;
+  }
   p.sent = (all - block_elems[static_cast<size_t>(last_in)]) * e;
   p.received = (all - block_elems[static_cast<size_t>(r)]) * e;
   return p;

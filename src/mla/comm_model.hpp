@@ -105,6 +105,11 @@ struct CommTerms {
   // The latent [c_hat | k_pe] all-gathered forward, its gradient
   // reduce-scattered backward (label latent_ag).
   void latent_gather(Phase phase);
+  // A ring pass (ring_pass_bytes) of every rank's block of `width`
+  // elements per token, B L_j width each, under `label`; `home`: the pass
+  // that brings each block back to its owner. Nothing on one rank: a ring
+  // form makes no shift there.
+  void add_ring(Phase phase, const char* label, std::int64_t width, bool home);
 };
 
 // The crossover of the query exchange. Per local token of rank r, forward
@@ -138,9 +143,12 @@ std::int64_t predicted_sent(const CommPrediction& p, Phase phase = Phase::count)
 //   sent     (sum_j b_j - b_{r+1}) e      forward (backward: b_{r-1})
 //   received (sum_j b_j - b_r) e
 // with calls = P - 1 (zero on one rank) and kind ring_shift. A closed form of
-// its own, for the ledger of a ring form to be checked against.
+// its own, for the ledger of a ring form to be checked against. `home`: one
+// shift more, which brings every block back to the rank it started on (a
+// ring form's gradient accumulators): P calls, and every rank sends and
+// receives every block once, sum_j b_j e each way.
 PredictedBytes ring_pass_bytes(const std::vector<std::int64_t>& block_elems, int rank,
                                std::int64_t elem_bytes,
-                               RingDirection direction = RingDirection::forward);
+                               RingDirection direction = RingDirection::forward, bool home = false);
 
 }  // namespace laga

@@ -118,6 +118,21 @@ inline std::int64_t head_pair_width(const MlaConfig& cfg) {
 
 // --- the shared pieces -----------------------------------------------------
 
+// p + off; null stays null (count-only tensors have no storage).
+template <class T>
+T* at(T* p, std::int64_t off) {
+  return p ? p + off : nullptr;
+}
+
+// Each rank attends its own seq shard with all heads (allgather_kv,
+// ring_kv); a rank without tokens attends no range.
+inline Placement own_tokens_all_heads(const SpLayout& layout, FormVariant) {
+  Placement p = Placement::seq_shards(layout);
+  for (std::size_t r = 0; r < p.tokens.size(); ++r)
+    if (layout.seq_count[r] == 0) p.tokens[r].clear();
+  return p;
+}
+
 // Saved by the input projections, consumed by project_in_backward.
 template <class T>
 struct InputSaved {
@@ -207,12 +222,15 @@ struct Pieces {
 
   // One kernel call on raw pointers (s's extents; stats: eager probabilities
   // (B, Hq, Sq, Sk), flash lse (B, Hq, Sq)), skipped when counting, and its
-  // backward (dq, dk, dv overwritten; dp: eager's Sq Sk scratch).
+  // backward (dq, dk, dv overwritten; dp: eager's Sq Sk scratch). A ring
+  // form's step, which holds some of its rows' keys, also asks eager for
+  // the lse (eager_lse) and gives its backward the rows' D = do . o
+  // (eager_delta; attention.hpp says why); flash reads o for it.
   static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                     const T* v);
+                     const T* v, T* eager_lse = nullptr);
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
-                              const T* stats, T* dp);
+                              const T* stats, T* dp, const T* eager_delta = nullptr);
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,

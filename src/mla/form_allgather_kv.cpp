@@ -123,14 +123,6 @@ std::unique_ptr<Tape<T>> allgather_kv_forward(const Step& st, const MlaParams<T>
   return t;
 }
 
-// Each rank attends its own seq shard, all heads.
-Placement own_tokens_all_heads(const SpLayout& layout, FormVariant) {
-  Placement p = Placement::seq_shards(layout);
-  for (std::size_t r = 0; r < p.tokens.size(); ++r)
-    if (layout.seq_count[r] == 0) p.tokens[r].clear();  // no rows: no range
-  return p;
-}
-
 }  // namespace
 
 FormEntry allgather_kv_entry() {

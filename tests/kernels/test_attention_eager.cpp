@@ -146,6 +146,112 @@ TYPED_TEST(AttentionTest, EagerMatchesReference) {
   }
 }
 
+// The lse output equals the reference's, masked rows' 0 included.
+TYPED_TEST(AttentionTest, EagerLseMatchesReference) {
+  using T = TypeParam;
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  std::uint64_t seed = 3000;
+  for (const AttnShape& s : kShapes) {
+    SCOPED_TRACE(describe(s));
+    const Inputs<T> in(s, seed += 10);
+    std::vector<T> o(o_size(s)), probs(p_size(s)), o_ref(o_size(s));
+    std::vector<T> lse(s.B * s.Hq * s.Sq, nan), lse_ref(s.B * s.Hq * s.Sq, nan);
+    attention_eager_forward<T>(s, o.data(), probs.data(), in.q.data(), in.k.data(), in.v.data(),
+                               lse.data());
+    attention_reference_forward<T>(s, o_ref.data(), lse_ref.data(), in.q.data(), in.k.data(),
+                                   in.v.data());
+    EXPECT_TRUE(all_close("lse", lse, lse_ref, atol<T>(), rtol<T>()));
+  }
+}
+
+// What a ring step does with the eager kernel: the keys of a full
+// (non-causal) attention split into two calls, their outputs merged by
+// their lse, each call's probabilities rescaled to the row's whole
+// normalisation, and each call's backward given the row's D = do . o. The
+// two calls' dq summed, and dk, dv side by side, are the one call's.
+TYPED_TEST(AttentionTest, EagerKeySplitMergedByLseIsTheWholeCall) {
+  using T = TypeParam;
+  const AttnShape whole = make_shape(2, 6, 9, 4, 2, 5, 3, false);
+  const Inputs<T> in(whole, 4242);
+  std::vector<T> o_ref(o_size(whole)), dq_ref(q_size(whole)), dk_ref(k_size(whole)),
+      dv_ref(v_size(whole));
+  attention_reference_forward<T>(whole, o_ref.data(), nullptr, in.q.data(), in.k.data(),
+                                 in.v.data());
+  attention_reference_backward<T>(whole, dq_ref.data(), dk_ref.data(), dv_ref.data(),
+                                  in.dout.data(), in.q.data(), in.k.data(), in.v.data());
+  const std::int64_t split = 4, B = whole.B, Sq = whole.Sq, Hq = whole.Hq, Hk = whole.Hk;
+  const std::int64_t dqk = whole.dqk, dv = whole.dv, rows = B * Hq * Sq;
+  struct Part {
+    AttnShape s;
+    std::vector<T> k, v, o, probs, lse;
+  };
+  Part parts[2];
+  for (int p = 0; p < 2; ++p) {
+    const std::int64_t j0 = p == 0 ? 0 : split, n = p == 0 ? split : whole.Sk - split;
+    Part& part = parts[p];
+    part.s = whole;
+    part.s.Sk = n;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t j = j0; j < j0 + n; ++j) {
+        const T* krow = in.k.data() + (b * whole.Sk + j) * Hk * dqk;
+        const T* vrow = in.v.data() + (b * whole.Sk + j) * Hk * dv;
+        part.k.insert(part.k.end(), krow, krow + Hk * dqk);
+        part.v.insert(part.v.end(), vrow, vrow + Hk * dv);
+      }
+    part.o.resize(o_size(part.s));
+    part.probs.resize(p_size(part.s));
+    part.lse.resize(rows);
+    attention_eager_forward<T>(part.s, part.o.data(), part.probs.data(), in.q.data(), part.k.data(),
+                               part.v.data(), part.lse.data());
+  }
+  // o = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p).
+  std::vector<T> o(o_size(whole)), lse(rows), delta(rows);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < Sq; ++i) {
+        const std::int64_t r = (b * Hq + h) * Sq + i;
+        const T a = parts[0].lse[size_t(r)], c = parts[1].lse[size_t(r)], m = std::max(a, c);
+        lse[size_t(r)] = m + std::log(std::exp(a - m) + std::exp(c - m));
+        const std::int64_t oo = ((b * Sq + i) * Hq + h) * dv;
+        T D = 0;
+        for (std::int64_t e = 0; e < dv; ++e) {
+          o[size_t(oo + e)] = std::exp(a - lse[size_t(r)]) * parts[0].o[size_t(oo + e)] +
+                              std::exp(c - lse[size_t(r)]) * parts[1].o[size_t(oo + e)];
+          D += in.dout[size_t(oo + e)] * o[size_t(oo + e)];
+        }
+        delta[size_t(r)] = D;
+      }
+  EXPECT_TRUE(all_close("o", o, o_ref, atol<T>(), rtol<T>()));
+  std::vector<T> dq(q_size(whole), T(0)), dk, dv_all;
+  for (int p = 0; p < 2; ++p) {
+    Part& part = parts[p];
+    const std::int64_t n = part.s.Sk;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T f = std::exp(part.lse[size_t(r)] - lse[size_t(r)]);
+      for (std::int64_t j = 0; j < n; ++j) part.probs[size_t(r * n + j)] *= f;
+    }
+    std::vector<T> dq_p(q_size(part.s)), dk_p(k_size(part.s)), dv_p(v_size(part.s)),
+        scratch(Sq * n);
+    attention_eager_backward<T>(part.s, dq_p.data(), dk_p.data(), dv_p.data(), in.dout.data(),
+                                in.q.data(), part.k.data(), part.v.data(), part.probs.data(),
+                                scratch.data(), delta.data());
+    for (size_t e = 0; e < dq.size(); ++e) dq[e] += dq_p[e];
+    part.k = dk_p;
+    part.v = dv_p;
+  }
+  for (std::int64_t b = 0; b < B; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const std::int64_t n = parts[p].s.Sk;
+      dk.insert(dk.end(), parts[p].k.begin() + b * n * Hk * dqk,
+                parts[p].k.begin() + (b + 1) * n * Hk * dqk);
+      dv_all.insert(dv_all.end(), parts[p].v.begin() + b * n * Hk * dv,
+                    parts[p].v.begin() + (b + 1) * n * Hk * dv);
+    }
+  EXPECT_TRUE(all_close("dq", dq, dq_ref, atol<T>(), rtol<T>()));
+  EXPECT_TRUE(all_close("dk", dk, dk_ref, atol<T>(), rtol<T>()));
+  EXPECT_TRUE(all_close("dv", dv_all, dv_ref, atol<T>(), rtol<T>()));
+}
+
 TYPED_TEST(AttentionTest, FullyMaskedRowsAreZeroAndPassNoGradient) {
   using T = TypeParam;
   const AttnShape s = make_shape(2, 7, 3, 2, 1, 4, 5, true);  // rows 0..3 see no key
