@@ -121,7 +121,8 @@ struct PhaseTime {
 };
 
 // A rank's predicted compute and communication per phase on `profile` and
-// `fabric` (compute_time; the closed form's collectives at the link model).
+// `fabric` (compute_time; every collective of the timeline, whose bytes
+// are the closed form's, at the link model).
 std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwareProfile& profile,
                                    PlanDType dtype, const Fabric& fabric);
 

@@ -137,7 +137,10 @@ void run_verify(const VerifyOptions& o) {
     << (docs ? ", each document alone" : "")
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
     << "# tolerance: rel <= " << o.tol << " (" << o.dtype << ")"
-    << (docs ? "" : ", and laga and laga2d at P=1 must be bit-identical (|diff| = 0)") << "\n";
+    << (docs ? ""
+             : ", and " + names_of_forms_with(&FormTraits::exact_at_one_rank) +
+                   " at P=1 must be bit-identical (|diff| = 0)")
+    << "\n";
   // Columns as wide as their widest entry (laga2d+q-latent+overlap, a P 8
   // grid's shards), one space after.
   std::size_t form_w = 5, shards_w = 7;

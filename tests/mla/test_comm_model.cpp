@@ -62,11 +62,17 @@ TEST(CommModel, OneCallPerLabelAndPhase) {
   MlaConfig cfg;
   cfg.q_lora_rank = 24;
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 3);
-  // Every form makes one call per label (a ring form's steps would be
-  // labelled apart); the head-parallel forms' labels are these.
+  // Every form makes one call per label but a ring pass, one call per ring
+  // step: P - 1 for a pass of blocks, P for the one that also brings each
+  // block home (its label starts with "d", a gradient's); the head-parallel
+  // forms' labels are these.
   for (Form f : all_forms())
-    for (const auto& [key, b] : predict_comm(cfg, lay, f, 1, 4, true, true))
-      EXPECT_EQ(b.calls, 1) << to_string(f) << " " << key.second;
+    for (const auto& [key, b] : predict_comm(cfg, lay, f, 1, 4, true, true)) {
+      const std::int64_t calls = b.kind != CollectiveKind::ring_shift ? 1
+                                 : key.second[0] == 'd'               ? lay.ranks
+                                                                      : lay.ranks - 1;
+      EXPECT_EQ(b.calls, calls) << to_string(f) << " " << key.second;
+    }
   std::vector<FormVariant> variants{Form::explicit_form, Form::absorbed, Form::laga, Form::laga2d};
   variants.push_back({Form::laga, QueryExchange::latent});
   variants.push_back({Form::laga2d, QueryExchange::latent, 3});  // Pc 1: all-gathered

@@ -550,6 +550,7 @@ TEST(Overlap, IsBitIdenticalAndSendsTheSameBytes) {
         for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent}) {
           if (q == QueryExchange::latent && cfg.q_lora_rank == 0) continue;
           for (Form f : forms_with(&FormTraits::overlap)) {
+            if (q == QueryExchange::latent && !form_spec(f).traits.query_latent) continue;
             vs.push_back({f, q});
             // A grid form also at one head group (Pc = P).
             if (form_spec(f).traits.head_groups) vs.push_back({f, q, 1});
@@ -578,8 +579,8 @@ TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
     RunSpec spec = spec_of(f, AttentionKind::eager);
     spec.variant.overlap = Overlap::on;
     const std::string e = test::error_of([&] { run_local(cfg, lay, in.w, in.x, in.dout, spec); });
-    EXPECT_NE(e.find(cat("--overlap on applies to the laga and laga2d forms (they overlap their "
-                         "collectives with compute); the ",
+    EXPECT_NE(e.find(cat("--overlap on applies to the ", names_of_forms_with(&FormTraits::overlap),
+                         " forms (they overlap their collectives with compute); the ",
                          to_string(f), " form has no overlapped path")),
               std::string::npos)
         << e;

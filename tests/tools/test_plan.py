@@ -149,7 +149,8 @@ elif case == "errors":
     check_error(base + ["--profile", "910b", "--dtype", "fp32"],
                 "device.peak_flops.fp32 is null (not published", "unpublished peak")
     check_error(base + ["--profile", "h100", "--forms", "explicit", "--overlap", "on"],
-                "--overlap applies to the laga and laga2d forms", "overlap without laga")
+                "(they overlap their collectives with compute); --forms includes none of them",
+                "overlap without laga")
     check_error(["plan", "--preset", "tiny", "--seq", "4", "--sp", "8", "--profile", "h100"],
                 "--sp 8 is more ranks than the 4 tokens of --seq 4", "P > S")
     check_error(base[:-1] + ["16", "--profile", "h100", "--nodes", "1"],
