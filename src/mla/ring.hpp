@@ -1,0 +1,414 @@
+// The ring engine the ring forms share (docs/forms.md, "ring_kv",
+// "ring_latent"; private to src/mla). A ring form passes one block per
+// rank round the ring of ranks, rank r -> r + 1, in P - 1 shifts, and each
+// rank attends its own query tokens, with all heads, against the keys and
+// values of the block it holds, merging the steps' partial outputs by their
+// log-sum-exp:
+//
+//   step i = 0 .. P-1 holds rank j = r - i's block, tokens [k0, k0 + L_j):
+//     send it on and receive rank j - 1's (not after the last step), the
+//     transfer started before the step's attention and waited after it
+//     with --overlap on, or run first without (the same bytes and bits);
+//     j == r: causal attention of q over the block (the diagonal);
+//     j <  r: every key precedes every query, attention without a mask;
+//     j >  r: keys after every query, no work (the block still passes on);
+//     o = e^(lse - lse') o + e^(lse_j - lse') o_j,  lse' = log(e^lse + e^lse_j)
+//
+// Backward recomputes as flash does: the blocks pass round again, each
+// step's attention backward reads the final o and lse (eager: its saved
+// probabilities, rescaled in forward to the row's whole normalisation, and
+// D = do . o), and the block's gradient accumulator travels with it: the
+// rank adds its part to the accumulator of the block it holds and passes it
+// on, so after P steps and one more shift every block's gradient, summed
+// over the ranks that attended it in ring order, is home.
+//
+// What the block is, is the form's Codec: a type with
+//   const char* pass, grad_pass;             the two passes' labels
+//   std::int64_t width(const Step&);         block elements per token
+//   RingKv<T> kv(st, w, const T* block, L_j) its keys and values
+//   void add_grad(st, w, block, L_j, calls, const T* dkv, T* acc, grads)
+//       adds the step's dK/dV (dkv: the kernel's (B, L_j, H, dqk) then
+//       (B, L_j, H, dv), written at the calls' rows, zero elsewhere) into
+//       the block's accumulator `acc`, and any parameter gradient into grads
+// ring_kv's block is the per-head [K | V] itself; ring_latent's the latent
+// [c_hat | k_pe], up-projected with the full wkv_b at every step.
+//
+// Uneven shards: the blocks are the SpLayout's seq shards, of any length
+// (no S % 2P rule; a rank without tokens attends nothing but still relays).
+// Packed documents: a past block is attended only by the rows of the
+// document that runs into this rank's shard, over the keys from that
+// document's start (one unmasked call per batch row), the diagonal under
+// the documents' mask; blocks no row sees are skipped, and still passed on.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "mla/form.hpp"
+
+namespace laga::detail::ring {
+
+// Rows of a block (B L_j, width) split in two contiguous parts: the first
+// (B L_j, a) rows at p, then (B L_j, b) rows: [K | V], or [c_hat | k_pe].
+template <class T>
+ops::Mat<T> first_part(T* p, std::int64_t rows, std::int64_t a) {
+  return {p, rows, a, a};
+}
+template <class T>
+ops::Mat<T> second_part(T* p, std::int64_t rows, std::int64_t a, std::int64_t b) {
+  return {at(p, rows * a), rows, b, b};
+}
+// The per-head [K | V] parts of a (B L_j) block.
+template <class T>
+ops::Mat<T> block_k(const Step& st, T* p, std::int64_t Lj) {
+  return first_part(p, st.B * Lj, st.H * st.dqk);
+}
+template <class T>
+ops::Mat<T> block_v(const Step& st, T* p, std::int64_t Lj) {
+  return second_part(p, st.B * Lj, st.H * st.dqk, st.H * st.dv);
+}
+
+// A block's keys and values for the attention: views of it, or made from
+// it (held in `storage`).
+template <class T>
+struct RingKv {
+  const T* k = nullptr;  // (B, L_j, H, dqk)
+  const T* v = nullptr;  // (B, L_j, H, dv)
+  Tensor<T> storage;
+};
+
+using ops::mat;
+
+// One kernel call of a ring step: batch rows [b0, b0 + shape.B), the first
+// shape.Sq query rows of each, against the block's keys [key0, key0 +
+// shape.Sk). Its lse (and eager probabilities) sit in the step's
+// statistics at batch row b0, laid out compact for its shape.
+struct RingCall {
+  explicit RingCall(const AttnShape& s) : shape(s) {}
+  AttnShape shape;
+  std::int64_t b0 = 0, key0 = 0;
+  std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, L) local
+  AttnShape kernel_shape() const {
+    AttnShape s = shape;
+    s.doc_start = doc_start.empty() ? nullptr : doc_start.data();
+    return s;
+  }
+};
+
+// The calls of the step that holds `owner`'s block (see the top).
+inline std::vector<RingCall> ring_calls(const Step& st, int owner) {
+  const SpLayout& lay = st.ctx.layout;
+  const std::int64_t s0 = st.pos0, L = st.L;
+  const std::int64_t k0 = lay.seq_offset[size_t(owner)], Lk = lay.seq_count[size_t(owner)];
+  std::vector<RingCall> calls;
+  if (L == 0 || Lk == 0 || k0 > s0) return calls;
+  auto shape = [&](std::int64_t B, std::int64_t Sq, std::int64_t Sk, bool causal) {
+    return AttnShape{B, Sq, Sk, st.H, st.H, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), causal};
+  };
+  const bool packed = !st.doc_start.empty();
+  auto doc = [&](std::int64_t b, std::int64_t t) { return st.doc_start[size_t(b * st.S + t)]; };
+  if (k0 == s0) {  // the own block: the diagonal
+    RingCall c(shape(st.B, L, L, true));
+    if (packed) {
+      c.doc_start.resize(size_t(st.B * L));
+      for (std::int64_t b = 0; b < st.B; ++b)
+        for (std::int64_t t = 0; t < L; ++t)
+          c.doc_start[size_t(b * L + t)] = std::max(doc(b, s0 + t), s0) - s0;
+    }
+    calls.push_back(std::move(c));
+    return calls;
+  }
+  if (!packed) {
+    calls.emplace_back(shape(st.B, L, Lk, false));
+    return calls;
+  }
+  // Only the rows of the document that runs into this shard (those whose
+  // document started before s0, a prefix of the rows) see earlier tokens:
+  // all of them the keys from max(k0, its start).
+  for (std::int64_t b = 0; b < st.B; ++b) {
+    const std::int64_t start = doc(b, s0);
+    if (start == s0) continue;
+    std::int64_t rows = 0;
+    while (rows < L && doc(b, s0 + rows) == start) ++rows;
+    const std::int64_t lo = std::max(k0, start) - k0;
+    if (lo >= Lk) continue;
+    RingCall c(shape(1, rows, Lk - lo, false));
+    c.b0 = b;
+    c.key0 = lo;
+    calls.push_back(std::move(c));
+  }
+  return calls;
+}
+
+// One step of the ring: the block it holds and what its calls saved.
+template <class T>
+struct RingStep {
+  int owner = 0;
+  std::vector<RingCall> calls;
+  Tensor<T> probs;  // eager: (B, H, L, L_owner), each call's at its batch row
+  Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, L)
+};
+
+// Merges a call's partial output into the running one, row by row:
+// o (B, L, H, dv) and lse (B, H, L) of the whole rank, o_p and lse_p the
+// call's (at its batch row, compact for its shape). `first`: the rows hold
+// nothing yet (the diagonal, always step 0), copied as they are, so a rank
+// whose rows see only their own block has the kernel's bits.
+template <class T>
+void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p, const T* lse_p,
+                   bool first) {
+  const AttnShape& s = c.shape;
+  ops::count_elementwise<T>(s.B * s.Sq * st.H * (st.dv + 1), 3);
+  if (!ops::runs(s.B * s.Sq * st.H, {o, lse, o_p, lse_p})) return;
+  for (std::int64_t bb = 0; bb < s.B; ++bb) {
+    const std::int64_t b = c.b0 + bb;
+    for (std::int64_t h = 0; h < st.H; ++h)
+      for (std::int64_t i = 0; i < s.Sq; ++i) {
+        T& l = lse[(b * st.H + h) * st.L + i];
+        const T lp = lse_p[(bb * st.H + h) * s.Sq + i];
+        T* orow = o + ((b * st.L + i) * st.H + h) * st.dv;
+        const T* prow = o_p + ((bb * s.Sq + i) * st.H + h) * st.dv;
+        if (first) {
+          l = lp;
+          std::copy(prow, prow + st.dv, orow);
+          continue;
+        }
+        const T m = std::max(l, lp);
+        const T merged = m + std::log(std::exp(l - m) + std::exp(lp - m));
+        const T a = std::exp(l - merged), w = std::exp(lp - merged);
+        for (std::int64_t e = 0; e < st.dv; ++e) orow[e] = a * orow[e] + w * prow[e];
+        l = merged;
+      }
+  }
+}
+
+// Eager: a call's probabilities (at its batch row, compact for its shape)
+// were normalised over its own keys; times e^(lse_p - lse) they are the
+// row's over all its keys, which backward reads.
+template <class T>
+void rescale_probs(const Step& st, const RingCall& c, T* probs, const T* lse_p, const T* lse) {
+  const AttnShape& s = c.shape;
+  ops::count_elementwise<T>(s.B * st.H * s.Sq * s.Sk, 2);
+  if (!ops::runs(s.B * st.H * s.Sq, {probs, lse_p, lse})) return;
+  for (std::int64_t bb = 0; bb < s.B; ++bb)
+    for (std::int64_t h = 0; h < st.H; ++h)
+      for (std::int64_t i = 0; i < s.Sq; ++i) {
+        const std::int64_t row = (bb * st.H + h) * s.Sq + i;
+        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * st.H + h) * st.L + i]);
+        for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
+      }
+}
+
+// The call's rows of a (B, H, L) statistic, compact for its shape (the
+// kernels read lse and D that way).
+template <class T>
+void gather_rows(const Step& st, const RingCall& c, const T* full, T* part) {
+  const AttnShape& s = c.shape;
+  if (!ops::runs(s.B * s.Sq * st.H, {full, part})) return;
+  for (std::int64_t bb = 0; bb < s.B; ++bb)
+    for (std::int64_t h = 0; h < st.H; ++h)
+      std::copy_n(full + ((c.b0 + bb) * st.H + h) * st.L, s.Sq, part + (bb * st.H + h) * s.Sq);
+}
+
+// One shift of `cur` on to rank r + 1, receiving rank r - 1's block (or
+// accumulator, next_elems elements) into a new buffer, which it returns: started, and held in
+// `pending` until its wait, with Overlap::on; else done here. Either way the
+// same bytes move, so the same bits arrive. `cur` must live until the wait.
+template <class T>
+Tensor<T> shift(const Step& st, const Tensor<T>& cur, std::int64_t next_elems, const char* label,
+                const char* name, PendingCollective& pending) {
+  Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
+  if (st.ctx.variant.overlap == Overlap::on)
+    pending =
+        st.ctx.comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+  else
+    st.ctx.comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+  return next;
+}
+inline void wait(const Step& st, PendingCollective& pending) {
+  if (pending.pending()) st.ctx.comm.wait(pending);
+}
+
+// Whether rank j's block has keys this rank's queries may see: not after
+// them, and neither side empty.
+inline bool precedes(const Step& st, int j) {
+  const SpLayout& lay = st.ctx.layout;
+  return st.L > 0 && lay.seq_count[size_t(j)] > 0 && lay.seq_offset[size_t(j)] <= st.pos0;
+}
+
+// The attention of the ring: what forward keeps for backward.
+template <class T>
+struct RingAttention {
+  Tensor<T> lse;                   // flash: (B, H, L), the merged lse
+  std::vector<RingStep<T>> steps;  // P, in ring order
+
+  // q (B, L, H, dqk) of local tokens and the own block (B L width);
+  // returns o (B, L, H dv), the merged output.
+  template <class Codec>
+  Tensor<T> forward(const Step& st, const MlaParams<T>& w, const Codec& codec, const Tensor<T>& q,
+                    const Tensor<T>& own) {
+    const int ranks = st.ctx.layout.ranks, r = st.ctx.comm.rank();
+    const bool eager = st.ctx.attention == AttentionKind::eager;
+    const SpLayout& lay = st.ctx.layout;
+    auto elems = [&](int j) { return st.B * lay.seq_count[size_t(j)] * codec.width(st); };
+    Tensor<T> o({st.B, st.L, st.H * st.dv}, "o_loc");
+    Tensor<T> merged({st.B, st.H, st.L}, eager ? "ring lse" : "attn_stats flash lse");
+    const Tensor<T>* cur = &own;
+    Tensor<T> held;
+    steps.resize(size_t(ranks));
+    for (int i = 0; i < ranks; ++i) {
+      RingStep<T>& step = steps[size_t(i)];
+      step.owner = (r - i + ranks) % ranks;
+      const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
+      const int next_owner = (step.owner - 1 + ranks) % ranks;
+      PendingCollective pending;
+      Tensor<T> next;
+      if (i + 1 < ranks)
+        next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", pending);
+      step.calls = ring_calls(st, step.owner);
+      // What every block that does not follow the own tokens costs, packed
+      // or not: the count-only run, which has no documents, must allocate
+      // what the real one does.
+      if (precedes(st, step.owner)) {
+        if (eager) {
+          step.probs = Tensor<T>({st.B, st.H, st.L, Lk}, "attn_stats eager probs");
+          if (ranks > 1) step.lse = Tensor<T>({st.B, st.H, st.L}, "ring step lse");
+        }
+        RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
+        Tensor<T> o_part({st.B, st.L, st.H * st.dv}, "o_part");
+        Tensor<T> lse_part;
+        if (!step.lse.defined()) lse_part = Tensor<T>({st.B, st.H, st.L}, "lse_part");
+        T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
+        for (const RingCall& c : step.calls) {
+          const AttnShape s = c.kernel_shape();
+          const std::int64_t q_off = c.b0 * st.L * st.H, k_off = (c.b0 * Lk + c.key0) * st.H;
+          T* o_p = at(o_part.data(), q_off * st.dv);
+          T* lse_p = at(lse_base, c.b0 * st.H * st.L);
+          T* probs = at(step.probs.data(), c.b0 * st.H * st.L * Lk);
+          Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
+                            at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
+                            eager ? lse_p : nullptr);
+          merge_partial(st, c, o.data(), merged.data(), o_p, lse_p, i == 0);
+        }
+      }
+      wait(st, pending);
+      if (i + 1 < ranks) {
+        held = std::move(next);
+        cur = &held;
+      }
+    }
+    held.reset();
+    for (RingStep<T>& step : steps) {
+      if (!step.lse.defined()) continue;
+      const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
+      for (const RingCall& c : step.calls)
+        rescale_probs(st, c, at(step.probs.data(), c.b0 * st.H * st.L * Lk),
+                      at(step.lse.data(), c.b0 * st.H * st.L), merged.data());
+      step.lse.reset();
+    }
+    if (!eager) lse = std::move(merged);
+    return o;
+  }
+
+  // From do (B, L, H dv) of local tokens: dq (B, L, H dqk), returned with
+  // the own block's gradient (B L width), home after the ring; the codec's
+  // parameter gradients added. Frees what forward kept.
+  template <class Codec>
+  std::pair<Tensor<T>, Tensor<T>> backward(const Step& st, const MlaParams<T>& w,
+                                           const Codec& codec, const Tensor<T>& q,
+                                           const Tensor<T>& own, const Tensor<T>& o,
+                                           const Tensor<T>& do_loc, MlaParams<T>& grads) {
+    const int ranks = st.ctx.layout.ranks;
+    const bool eager = st.ctx.attention == AttentionKind::eager;
+    const SpLayout& lay = st.ctx.layout;
+    auto elems = [&](int j) { return st.B * lay.seq_count[size_t(j)] * codec.width(st); };
+    // Eager over several blocks: D = do . o of the whole row, (B, H, L).
+    Tensor<T> delta;
+    if (eager && ranks > 1) {
+      delta = Tensor<T>({st.B, st.H, st.L}, "ring delta");
+      ops::count_elementwise<T>(st.B * st.L * st.H * st.dv, 2);
+      if (ops::runs(st.B * st.L * st.H, {delta.data(), do_loc.data(), o.data()}))
+        for (std::int64_t b = 0; b < st.B; ++b)
+          for (std::int64_t i = 0; i < st.L; ++i)
+            for (std::int64_t h = 0; h < st.H; ++h) {
+              const std::int64_t off = ((b * st.L + i) * st.H + h) * st.dv;
+              T D = 0;
+              for (std::int64_t e = 0; e < st.dv; ++e)
+                D += do_loc.data()[off + e] * o.data()[off + e];
+              delta.data()[(b * st.H + h) * st.L + i] = D;
+            }
+    }
+    Tensor<T> dq = Tensor<T>::zeros({st.B, st.L, st.H * st.dqk}, "dq_h");
+    const Tensor<T>* cur = &own;
+    Tensor<T> held;  // the block held, once it is not the own one
+    Tensor<T> acc = Tensor<T>::zeros({own.numel()}, "ring grad acc", MemCategory::comm_buffers);
+    Tensor<T> acc_sent;             // the accumulator on its way to r + 1, until its wait
+    PendingCollective acc_pending;  // its shift (Overlap::on)
+    for (int i = 0; i < ranks; ++i) {
+      RingStep<T>& step = steps[size_t(i)];
+      const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
+      const int next_owner = (step.owner - 1 + ranks) % ranks;
+      PendingCollective kv_pending;
+      Tensor<T> next;
+      if (i + 1 < ranks)
+        next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", kv_pending);
+      // The step's gradients into scratch of the step's full extents (what
+      // the count-only run, which has no documents, allocates too), each
+      // call's at its rows: dq added at once, the block's dK/dV once its
+      // accumulator has arrived.
+      Tensor<T> dkv;
+      if (precedes(st, step.owner)) {
+        RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
+        Tensor<T> dq_part({st.B * st.L, st.H * st.dqk}, "dq_part");
+        dkv = Tensor<T>::zeros({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part");
+        Tensor<T> rows_stat, dp;  // the calls' rows of lse (flash) or D (eager, several blocks)
+        if (!eager || delta.defined()) rows_stat = Tensor<T>({st.B, st.H, st.L}, "ring stats rows");
+        if (eager) dp = Tensor<T>({st.L, Lk}, "eager dp scratch");
+        for (const RingCall& c : step.calls) {
+          const AttnShape s = c.kernel_shape();
+          const std::int64_t q_off = c.b0 * st.L * st.H, k_off = (c.b0 * Lk + c.key0) * st.H;
+          T* stat = at(rows_stat.data(), c.b0 * st.H * st.L);
+          if (rows_stat.defined()) gather_rows(st, c, eager ? delta.data() : lse.data(), stat);
+          Pieces<T>::attend_backward(st, s, at(dq_part.data(), q_off * st.dqk),
+                                     at(block_k(st, dkv.data(), Lk).p, k_off * st.dqk),
+                                     at(block_v(st, dkv.data(), Lk).p, k_off * st.dv),
+                                     at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
+                                     at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
+                                     at(o.data(), q_off * st.dv),
+                                     eager ? at(step.probs.data(), c.b0 * st.H * st.L * Lk) : stat,
+                                     dp.data(), eager ? stat : nullptr);
+          for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b)
+            ops::add(mat(dq).row_range(b * st.L, s.Sq),
+                     mat(std::as_const(dq_part)).row_range(b * st.L, s.Sq));
+        }
+      }
+      step.probs.reset();
+      wait(st, acc_pending);
+      acc_sent.reset();
+      if (dkv.defined())
+        codec.add_grad(st, w, cur->data(), Lk, step.calls, std::as_const(dkv).data(), acc.data(),
+                       grads);
+      dkv.reset();
+      wait(st, kv_pending);
+      // The accumulator goes on with its block; after the last step, home.
+      if (ranks > 1) {
+        Tensor<T> arriving =
+            shift(st, acc, elems(next_owner), codec.grad_pass, "ring_grad_acc", acc_pending);
+        acc_sent = std::move(acc);
+        acc = std::move(arriving);
+      }
+      if (i + 1 < ranks) {
+        held = std::move(next);
+        cur = &held;
+      }
+    }
+    wait(st, acc_pending);
+    steps.clear();
+    lse.reset();
+    return {std::move(dq), std::move(acc)};
+  }
+};
+
+}  // namespace laga::detail::ring
