@@ -1,0 +1,173 @@
+// ring_latent: the ring of the latent, pith-train's "pass-latent" ring
+// attention (docs/forms.md, "ring_latent"). The ring of mla/ring.hpp, with
+// the block each rank passes on being its tokens' latent [c_hat | k_pe]
+// (C + dr per token: 576 at DeepSeek-V3, against ring_kv's H (dqk + dv) =
+// 40,960), and every step up-projecting ALL heads' K and V from the block
+// it holds with the full wkv_b. No head is split, so there is no
+// head-divisibility limit; the price is the up-projection done once per
+// step, P times over the sequence, where explicit does it once:
+//
+//   own block [c_hat (B L, C) | k_pe (B L, dr)]               local
+//   step j: k, v (B, L_j, H, .) = split(c_j wkv_b^T, k_pe_j)  every step, all heads
+//   o (B, L, H, dv) = the ring's attention of q over every block's k, v
+//   out (B, L, D) = o wo^T
+//
+// Backward: the blocks round again, each step recomputing its K/V from the
+// latent, and its dK/dV taken through the up-projection at once: the
+// block's d[c_hat | k_pe] = [dkv wkv_b | sum over heads of dk_pe] joins the
+// accumulator that travels home with it, and wkv_b's gradient += dkv^T c_j
+// stays on the rank (summed over ranks by the gradient all-reduce). Home,
+// d[c_hat | k_pe] of local tokens goes through the latent norm as every
+// form's does.
+//
+// Saved for backward: the input projections' tensors, q (B, L, H, dqk), the
+// own latent block (B, L, C + dr), o (B, L, H, dv) (as o_loc) and the
+// statistics (flash's lse (B, H, L), or eager's probabilities, B H L s1):
+// no per-head K or V, of any token.
+#include "mla/ring.hpp"
+
+namespace laga::detail {
+
+namespace {
+
+using ops::mat;
+using ring::block_k;
+using ring::block_v;
+
+// The latent block, [c_hat (B L_j, C) | k_pe (B L_j, dr)] as two
+// contiguous parts (the GEMMs read c_hat dense).
+template <class T>
+ops::Mat<T> block_c(const Step& st, T* p, std::int64_t Lj) {
+  return ring::first_part(p, st.B * Lj, st.C);
+}
+template <class T>
+ops::Mat<T> block_pe(const Step& st, T* p, std::int64_t Lj) {
+  return ring::second_part(p, st.B * Lj, st.C, st.dr);
+}
+
+template <class T>
+struct LatentBlocks {
+  const char* pass = "latent_ring";
+  const char* grad_pass = "dlatent_ring";
+  std::int64_t width(const Step& st) const { return st.W; }
+  // kv (B L_j, H (dn+dv)) = c_j wkv_b^T of every head, split with k_pe.
+  ring::RingKv<T> kv(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj) const {
+    ring::RingKv<T> r;
+    r.storage = Tensor<T>({st.B * Lj * st.H * (st.dqk + st.dv)}, "ring k_v");
+    {
+      Tensor<T> kv({st.B * Lj, st.H * st.KV}, "kv");
+      ops::linear(mat(kv), block_c(st, block, Lj), w.wkv_b);
+      Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), block_pe(st, block, Lj),
+                          block_k(st, r.storage.data(), Lj), block_v(st, r.storage.data(), Lj));
+    }
+    r.k = block_k(st, std::as_const(r.storage).data(), Lj).p;
+    r.v = block_v(st, std::as_const(r.storage).data(), Lj).p;
+    return r;
+  }
+  // The step's dK/dV through the up-projection (zero rows outside the calls
+  // pass nothing): d k_pe += sum over heads of dk's rope part, dc += dkv
+  // wkv_b, into the accumulator; wkv_b's gradient += dkv^T c_j.
+  void add_grad(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj,
+                const std::vector<ring::RingCall>&, const T* dkv_heads, T* acc,
+                MlaParams<T>& grads) const {
+    Tensor<T> dkv({st.B * Lj, st.H * st.KV}, "dkv");
+    Pieces<T>::merge_dkv(st, st.H, block_k(st, dkv_heads, Lj), block_v(st, dkv_heads, Lj), mat(dkv),
+                         block_pe(st, acc, Lj));
+    ops::gemm(block_c(st, acc, Lj), T(1), mat(std::as_const(dkv)), false, mat(w.wkv_b), false);
+    ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), block_c(st, block, Lj), w.wkv_b);
+  }
+};
+
+template <class T>
+struct RingLatentTape final : Tape<T> {
+  using P = Pieces<T>;
+  InputSaved<T> in;
+  Tensor<T> q;        // (B, L, H, dqk)
+  Tensor<T> lat_own;  // (B L (C + dr)): [c_hat | k_pe] of local tokens
+  Tensor<T> o_loc;    // (B, L, H dv): the merged output, wo's input
+  ring::RingAttention<T> att;
+
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                Tensor<T>& dx, MlaParams<T>& grads) override {
+    // do (B, L, H dv) = dout wo; wo += dout^T o.
+    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
+    {
+      ops::Mat<T> do_m = mat(do_loc);
+      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
+    }
+    auto [dq, acc] = att.backward(st, w, LatentBlocks<T>{}, q, lat_own, o_loc, do_loc, grads);
+    do_loc.reset(), o_loc.reset(), lat_own.reset(), q.reset();
+    Tensor<T> dproj;  // rq == 0: dq lands in it
+    Tensor<T> dq_loc = P::local_queries_backward(st, dq, dproj);
+    // d[c_hat | k_pe] of local tokens, (B, L, C + dr) as the latent norm's
+    // backward reads it.
+    Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+    ops::copy(mat(dlat_loc).col_range(0, st.C), block_c(st, std::as_const(acc).data(), st.L));
+    ops::copy(mat(dlat_loc).col_range(st.C, st.dr), block_pe(st, std::as_const(acc).data(), st.L));
+    acc.reset();
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
+  }
+};
+
+template <class T>
+std::unique_ptr<Tape<T>> ring_latent_forward(const Step& st, const MlaParams<T>& w,
+                                             const Tensor<T>& x, Tensor<T>& out) {
+  using P = Pieces<T>;
+  auto t = std::make_unique<RingLatentTape<T>>();
+  P::project_in(st, w, x, t->in);
+  {
+    Tensor<T> c_hat = P::project_latent(st, w, t->in, "c_hat");
+    t->lat_own = Tensor<T>({st.B * st.L * st.W}, "lat_own");
+    ops::copy(block_c(st, t->lat_own.data(), st.L), mat(std::as_const(c_hat)));
+    ops::copy(block_pe(st, t->lat_own.data(), st.L), t->in.kv_a_rows(st).col_range(st.C, st.dr));
+  }
+  t->q = P::local_queries(st, w, t->in);
+  t->o_loc = t->att.forward(st, w, LatentBlocks<T>{}, t->q, t->lat_own);
+  out = Tensor<T>({st.B, st.L, st.D}, "out");
+  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
+  return t;
+}
+
+}  // namespace
+
+FormEntry ring_latent_entry() {
+  return {.spec = {.form = Form::ring_latent,
+                   .name = "ring_latent",
+                   .flow = "pass the latent [c | k_pe] of local tokens round the ring, each step "
+                           "up-projecting all heads' K/V from the block it holds, merge the "
+                           "steps' partial outputs by their lse; backward rings the latent's "
+                           "gradient home (pith-train's pass-latent ring)",
+                   .traits = {.overlap = true, .exact_at_one_rank = true},
+                   .attention = own_tokens_all_heads,
+                   .geometry =
+                       [](const SpLayout& layout, FormVariant) {
+                         return cat("each rank its own tokens, all ", layout.heads,
+                                    " heads; the latent round a ring of ", layout.ranks);
+                       },
+                   .note = nullptr,
+                   // Forward: one pass of the latent blocks. Backward: the
+                   // pass again (recomputation), and the latent gradients'
+                   // pass with one more shift home.
+                   .collectives =
+                       [](CommTerms& t) {
+                         const std::int64_t W = t.cfg.kv_lora_rank + t.cfg.qk_rope_head_dim;
+                         t.add_ring(Phase::forward, "latent_ring", W, false);
+                         if (!t.backward) return;
+                         t.add_ring(Phase::backward, "latent_ring", W, false);
+                         t.add_ring(Phase::backward, "dlatent_ring", W, true);
+                       },
+                   // q (B, L, H, dqk), the own latent block (B, L, C + dr)
+                   // and the statistics (its o is o_loc, which every form
+                   // saves).
+                   .saved_elements =
+                       [](const SavedShape& s) {
+                         const std::int64_t B = s.B, L = s.L, H = s.Hr;
+                         std::int64_t n = B * L * H * s.dqk + B * L * s.W;
+                         return n + (s.eager ? B * H * L * s.Sk : B * H * L);
+                       },
+                   .pair_width = head_pair_width},
+          .f32 = &ring_latent_forward<float>,
+          .f64 = &ring_latent_forward<double>};
+}
+
+}  // namespace laga::detail
