@@ -88,7 +88,7 @@ void MlaConfig::validate() const {
 }
 
 std::vector<std::string> MlaConfig::preset_names() {
-  return {"tiny", "small", "paper", "deepseek-v3"};
+  return {"tiny", "small", "paper", "deepseek-v3", "deepseek-v2-lite"};
 }
 
 MlaConfig MlaConfig::preset(const std::string& name) {
@@ -105,6 +105,14 @@ MlaConfig MlaConfig::preset(const std::string& name) {
     c.q_lora_rank = name == "paper" ? 0 : 1536;
     c.rope_factor = 40, c.original_seq_len = 4096, c.max_seq_len = 163840;
     c.beta_fast = 32, c.beta_slow = 1, c.mscale = 1.0;
+  } else if (name == "deepseek-v2-lite") {
+    // DeepSeek-V2-Lite's attention (its config.json: hidden 2048, 16 heads,
+    // no query latent); YaRN as shipped, its mscale_all_dim 0.707 being
+    // ModelArgs' mscale. pith-train's ring benchmarks ran this model.
+    c.dim = 2048, c.n_heads = 16, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128,
+    c.qk_rope_head_dim = 64, c.v_head_dim = 128, c.q_lora_rank = 0;
+    c.rope_factor = 40, c.original_seq_len = 4096, c.max_seq_len = 163840;
+    c.beta_fast = 32, c.beta_slow = 1, c.mscale = 0.707;
   } else {
     std::string names;
     for (auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;

@@ -122,6 +122,10 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
         double worst = -1;
         for (const RankWork& w : fw.classes) {
           fp.bytes_sent_per_rank = std::max(fp.bytes_sent_per_rank, predicted_sent(w.comm));
+          fp.bytes_sent_forward =
+              std::max(fp.bytes_sent_forward, predicted_sent(w.comm, Phase::forward));
+          fp.bytes_sent_backward =
+              std::max(fp.bytes_sent_backward, predicted_sent(w.comm, Phase::backward));
           fp.peak_activation_bytes = std::max(fp.peak_activation_bytes, w.peak_activation_bytes);
           const StepTime t = step_time(w, P, q.profile, q.dtype, pc.links.fabric);
           if (t.step_s > worst) {

@@ -30,6 +30,9 @@ struct PlanRequest {
 struct FormPlan {
   FormVariant form = Form::laga;
   std::int64_t bytes_sent_per_rank = 0;  // max over ranks, all phases (compare's bytes_sent_total)
+  // The same per phase, each its own max over ranks (compare's
+  // bytes_sent_forward and the backward's own share).
+  std::int64_t bytes_sent_forward = 0, bytes_sent_backward = 0;
   std::int64_t peak_activation_bytes = 0;  // max over ranks (compare's peak_activation_bytes)
   std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
   double crossing_bytes = 0;               // of the slowest rank: what crosses nodes

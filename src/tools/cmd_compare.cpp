@@ -37,9 +37,10 @@ void register_compare(CLI::App& app) {
                 cat("comma-separated forms to run (", form_names(", "), "), or all"))
       ->capture_default_str();
   c->add_option("--overlap", o->overlap,
-                "laga's and laga2d's latent collectives overlapped with compute: off, on (they "
-                "run overlapped) or both (+overlap right after each; with --link the table "
-                "shows what overlap hides)")
+                cat("the collectives of the forms with an overlapped path (",
+                    names_of_forms_with(&FormTraits::overlap),
+                    ") overlapped with compute: off, on (they run overlapped) or both (+overlap "
+                    "right after each; with --link the table shows what overlap hides)"))
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,

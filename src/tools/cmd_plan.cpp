@@ -165,6 +165,8 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
                             {"seq", c.seq},
                             {"sp", c.sp},
                             {"bytes_sent_per_rank", f.bytes_sent_per_rank},
+                            {"bytes_sent_forward", f.bytes_sent_forward},
+                            {"bytes_sent_backward", f.bytes_sent_backward},
                             {"peak_activation_bytes", f.peak_activation_bytes},
                             {"predicted_step_s", f.step_s},
                             {"predicted_tokens_per_s", f.tokens_per_s},
@@ -327,8 +329,10 @@ void register_plan(CLI::App& app) {
               "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
   add_head_groups_option(*c, o->head_groups);
   c->add_option("--overlap", o->overlap,
-                "plan laga's and laga2d's latent collectives overlapped with compute: off, on, "
-                "or both (+overlap right after each), as laga compare --overlap")
+                cat("plan the collectives of the forms with an overlapped path (",
+                    names_of_forms_with(&FormTraits::overlap),
+                    ") overlapped with compute: off, on, or both (+overlap right after each), as "
+                    "laga compare --overlap"))
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   c->add_option("--attention", o->attention, "attention kernel: flash or eager")

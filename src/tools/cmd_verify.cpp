@@ -194,8 +194,10 @@ void register_verify_command(CLI::App& app) {
                   cat("comma-separated forms (", form_names(", "), "), or all"))
       ->capture_default_str();
   sub->add_option("--overlap", opts->overlap,
-                  "laga's and laga2d's latent collectives overlapped with compute: off, on (they "
-                  "run overlapped) or both (+overlap right after each)")
+                  cat("the collectives of the forms with an overlapped path (",
+                      names_of_forms_with(&FormTraits::overlap),
+                      ") overlapped with compute: off, on (they run overlapped) or both "
+                      "(+overlap right after each)"))
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   sub->add_flag("--q-latent", opts->q_latent,

@@ -44,7 +44,8 @@ def load(args, name):
         return json.load(f)
 
 
-PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "peak_activation_bytes",
+PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "bytes_sent_forward",
+               "bytes_sent_backward", "peak_activation_bytes",
                "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
                "phases", "fits"]
 PHASE_FIELDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
@@ -71,6 +72,9 @@ def check_exact(model, seq, sp, attention, extra, name):
         if plan["bytes_sent_per_rank"] != f["bytes_sent_total"]:
             failures.append(f"{name} {plan['form']}: bytes {plan['bytes_sent_per_rank']} != "
                             f"compare's {f['bytes_sent_total']}")
+        if plan["bytes_sent_forward"] != f["bytes_sent_forward"]:
+            failures.append(f"{name} {plan['form']}: forward bytes {plan['bytes_sent_forward']} != "
+                            f"compare's {f['bytes_sent_forward']}")
         if plan["peak_activation_bytes"] != f["peak_activation_bytes"]:
             failures.append(f"{name} {plan['form']}: peak {plan['peak_activation_bytes']} != "
                             f"compare's {f['peak_activation_bytes']}")
