@@ -387,8 +387,9 @@ TEST(ModelMoe, TrainingLowersTheLoss) {
 
 // The expert bias moves only by the balancing rule: after n steps at speed
 // gamma each bias is an integer multiple of gamma in [-n gamma, n gamma],
-// and not all are 0. Weight decay is on: an AdamW step on the bias would
-// shrink it off those multiples. At speed 0 it stays exactly 0.
+// and not all are 0; at speed 0 it stays exactly 0. Its gradient slot is
+// poisoned with 1 after every backward (and weight decay is on): an AdamW
+// step on the bias would move it off those multiples and fill its moments.
 TEST(ModelMoe, ExpertBiasMovesByTheBalancingRuleOnly) {
   const std::int64_t steps = 10;
   const double gamma = 1.0 / 64;  // a power of 2: the multiples are exact in float
@@ -403,7 +404,8 @@ TEST(ModelMoe, ExpertBiasMovesByTheBalancingRuleOnly) {
     // reads is the whole group's, so all ranks move theirs alike.
     std::mutex mu;
     std::map<std::int64_t, std::vector<std::vector<float>>> seen;
-    o.after_backward = [&](std::int64_t step, const LmParams<float>& p, LmParams<float>&) {
+    o.after_backward = [&](std::int64_t step, const LmParams<float>& p, LmParams<float>& g) {
+      g.layers[1].moe.gate_bias.fill(1.0f);
       const Tensor<float>& b = p.layers[1].moe.gate_bias;
       const std::lock_guard<std::mutex> lock(mu);
       seen[step].emplace_back(b.data(), b.data() + b.numel());
