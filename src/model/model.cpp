@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
@@ -52,6 +54,50 @@ LmConfig LmConfig::derive(std::int64_t d, std::int64_t heads, std::int64_t layer
   c.mla.kv_lora_rank = 4 * hd;
   c.mla.original_seq_len = c.mla.max_seq_len = std::max<std::int64_t>(4096, seq);
   return c;
+}
+
+LmConfig LmConfig::from_json(const nlohmann::json& j, const std::string& source) {
+  LmConfig c;
+  c.mla = MlaConfig::from_json(j, source);
+  c.moe = MoeConfig::from_json(j, source);
+  const bool hf = j.contains("hidden_size");
+  const char* layers_key = hf ? "num_hidden_layers" : "n_layers";
+  const char* ffn_key = hf ? "intermediate_size" : "inter_dim";
+  const char* eps_key = hf ? "rms_norm_eps" : "lm_norm_eps";
+  LAGA_CHECK(read_config_key(j, layers_key, c.layers, source), source, ": missing '", layers_key,
+             "' (the number of layers the model has)");
+  LAGA_CHECK(c.layers >= 1, source, ": '", layers_key, "' must be >= 1, got ", c.layers);
+  LAGA_CHECK(read_config_key(j, "vocab_size", c.vocab, source), source,
+             ": missing 'vocab_size' (the embedding's and the head's rows)");
+  LAGA_CHECK(c.vocab >= 2 && c.vocab <= (std::int64_t{1} << 31) - 1, source, ": 'vocab_size' ",
+             c.vocab, " must be in [2, 2^31 - 1] (the token ids are int32)");
+  // A model whose every layer is MoE has no dense FFN to size.
+  const bool dense_layer = !c.moe || c.moe->first_k_dense_replace > 0;
+  const bool ffn_given = read_config_key(j, ffn_key, c.ffn_hidden, source);
+  LAGA_CHECK(ffn_given || !dense_layer, source, ": missing '", ffn_key,
+             "' (the dense SwiGLU width of the layers before first_k_dense_replace)");
+  LAGA_CHECK(!ffn_given || c.ffn_hidden >= 1, source, ": '", ffn_key, "' must be >= 1, got ",
+             c.ffn_hidden);
+  read_config_key(j, eps_key, c.norm_eps, source);
+  LAGA_CHECK(c.norm_eps > 0, source, ": '", eps_key, "' must be > 0, got ", c.norm_eps);
+  read_config_key(j, "bias_update_speed", c.bias_update_speed, source);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail(source, ": ", e.what());
+  }
+  return c;
+}
+
+LmConfig LmConfig::from_json_file(const std::string& path) {
+  // MlaConfig's reader vets the path (no directory, FIFO or missing file)
+  // and the JSON (valid, no key twice) before anything else reads it.
+  (void)MlaConfig::from_json_file(path);
+  std::ifstream in(path);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  LAGA_CHECK(in.good() || in.eof(), "cannot read config file '", path, "'; check its permissions");
+  return from_json(parse_json_refusing_repeated_keys(text, "config file '" + path + "'"),
+                   "config '" + path + "'");
 }
 
 void LmConfig::validate() const {

@@ -73,6 +73,19 @@ struct LmConfig {
   // SwiGLU width 8/3 D rounded up to a multiple of 64 (LLaMA's rule; 1408 at D = 512).
   static std::int64_t default_ffn_hidden(std::int64_t d_model);
 
+  // The model of a DeepSeek-V3 config (`laga train --config`), in either of
+  // the formats MlaConfig::from_json reads (told apart by `hidden_size`):
+  // the attention block (MlaConfig::from_json), the MoE (MoeConfig::from_json;
+  // none: every layer dense), and the model's own sizes:
+  //   layers       num_hidden_layers (HF) | n_layers (ModelArgs)   required
+  //   vocab        vocab_size                                      required
+  //   ffn_hidden   intermediate_size | inter_dim    required when a layer is dense
+  //   norm_eps     rms_norm_eps | lm_norm_eps                      default 1e-6
+  //   bias_update_speed (laga's own key, both formats)             default 0
+  // Throws laga::Error naming source, the key and the fix.
+  static LmConfig from_json(const nlohmann::json& j, const std::string& source = "config");
+  static LmConfig from_json_file(const std::string& path);
+
   void validate() const;
   nlohmann::json to_json() const;
   std::string summary() const;
