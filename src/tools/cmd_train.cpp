@@ -179,8 +179,8 @@ void check_option_pairs(const TrainCli& c) {
   std::string given;
   for (const std::string& f : c.model_options_given) given += (given.empty() ? "" : ", ") + f;
   LAGA_CHECK(c.config.empty() || given.empty(), "--config '", c.config,
-             "' gives the whole model, so ", given,
-             " would be ignored; drop them (or drop --config and give the model by options)");
+             "' gives the whole model; drop ", given,
+             " (or drop --config and give the model by options)");
   LAGA_CHECK(c.min_lr <= c.lr, "--min-lr ", c.min_lr, " is above --lr ", c.lr,
              "; the schedule decays from --lr down to --min-lr, so give --min-lr <= --lr");
 }
