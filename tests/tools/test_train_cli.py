@@ -461,7 +461,7 @@ def case_moe_config(laga, scratch):
     begin, end = info["data_offsets"]
     bias = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
     steps = [abs(b) / 0.001 for b in bias]
-    check(any(b != 0 for b in bias) and all(abs(q - round(q)) < 1e-3 and q <= 12 for q in steps),
+    check(any(b != 0 for b in bias) and all(abs(q - round(q)) < 1e-3 and round(q) <= 12 for q in steps),
           f"the bias moves by multiples of bias_update_speed 0.001: {bias}")
     p = run(laga, args + ["--steps", "14", "--resume", ck], 0)
     check(log_steps(log) == list(range(1, 15)), f"resumed log: {log_steps(log)}")
