@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
@@ -355,6 +357,117 @@ TEST(ModelMoe, BadSettingsAreRefusedNamingTheField) {
   e = error_of([&] { c.validate(); });
   EXPECT_NE(e.find("first_k_dense_replace (n_dense_layers) must be >= 0"), std::string::npos) << e;
   EXPECT_NO_THROW(moe_tiny().validate());
+}
+
+// One model in both config formats reads to one LmConfig; a dense model's
+// JSON (what a checkpoint records) has no MoE key, as before the MoE.
+TEST(ModelMoe, ConfigFromBothFormats) {
+  const nlohmann::json hf = {{"hidden_size", 24},
+                             {"num_attention_heads", 3},
+                             {"q_lora_rank", nullptr},
+                             {"kv_lora_rank", 32},
+                             {"qk_nope_head_dim", 8},
+                             {"qk_rope_head_dim", 4},
+                             {"v_head_dim", 8},
+                             {"max_position_embeddings", 4096},
+                             {"num_hidden_layers", 3},
+                             {"vocab_size", 13},
+                             {"intermediate_size", 20},
+                             {"rms_norm_eps", 1e-5},
+                             {"n_routed_experts", 6},
+                             {"num_experts_per_tok", 2},
+                             {"moe_intermediate_size", 8},
+                             {"n_shared_experts", 1},
+                             {"n_group", 2},
+                             {"topk_group", 1},
+                             {"routed_scaling_factor", 1.5},
+                             {"scoring_func", "sigmoid"},
+                             {"topk_method", "noaux_tc"},
+                             {"norm_topk_prob", true},
+                             {"first_k_dense_replace", 1},
+                             {"bias_update_speed", 0.25}};
+  const nlohmann::json args = {{"dim", 24},
+                               {"n_heads", 3},
+                               {"kv_lora_rank", 32},
+                               {"qk_nope_head_dim", 8},
+                               {"qk_rope_head_dim", 4},
+                               {"v_head_dim", 8},
+                               {"original_seq_len", 4096},
+                               {"max_seq_len", 4096},
+                               {"n_layers", 3},
+                               {"vocab_size", 13},
+                               {"inter_dim", 20},
+                               {"lm_norm_eps", 1e-5},
+                               {"n_routed_experts", 6},
+                               {"n_activated_experts", 2},
+                               {"moe_inter_dim", 8},
+                               {"n_shared_experts", 1},
+                               {"n_expert_groups", 2},
+                               {"n_limited_groups", 1},
+                               {"route_scale", 1.5},
+                               {"score_func", "sigmoid"},
+                               {"n_dense_layers", 1},
+                               {"bias_update_speed", 0.25}};
+  const LmConfig a = LmConfig::from_json(hf), b = LmConfig::from_json(args);
+  EXPECT_EQ(a.to_json(), b.to_json());
+  EXPECT_EQ(a.layers, 3);
+  EXPECT_EQ(a.vocab, 13);
+  EXPECT_EQ(a.hidden(), 20);
+  EXPECT_EQ(a.norm_eps, 1e-5);
+  EXPECT_EQ(a.bias_update_speed, 0.25);
+  ASSERT_TRUE(a.moe.has_value());
+  EXPECT_EQ(a.moe->to_json(), tiny_moe().to_json());
+  EXPECT_FALSE(a.is_moe_layer(0));
+  EXPECT_TRUE(a.is_moe_layer(1));
+  // Without experts, a dense model, and its JSON has no MoE key.
+  nlohmann::json dense = hf;
+  dense["n_routed_experts"] = 0;
+  dense.erase("bias_update_speed");
+  const LmConfig d = LmConfig::from_json(dense);
+  EXPECT_FALSE(d.moe.has_value());
+  EXPECT_FALSE(d.to_json().contains("n_routed_experts"));
+  EXPECT_FALSE(d.to_json().contains("bias_update_speed"));
+  EXPECT_EQ(d.to_json(),
+            [] {
+              LmConfig c = LmConfig::derive(24, 3, 3, 13, 64);
+              c.ffn_hidden = 20;
+              c.norm_eps = 1e-5;
+              return c;
+            }()
+                .to_json());
+  // Refusals name the source and the key.
+  nlohmann::json j = hf;
+  j.erase("num_hidden_layers");
+  EXPECT_NE(error_of([&] {
+              LmConfig::from_json(j, "cfg.json");
+            }).find("cfg.json: missing 'num_hidden_layers'"),
+            std::string::npos);
+  j = hf;
+  j["vocab_size"] = 1;
+  EXPECT_NE(error_of([&] {
+              LmConfig::from_json(j, "cfg.json");
+            }).find("cfg.json: 'vocab_size' 1 must be in [2, 2^31 - 1]"),
+            std::string::npos);
+  j = hf;
+  j.erase("intermediate_size");
+  EXPECT_NE(error_of([&] {
+              LmConfig::from_json(j, "cfg.json");
+            }).find("cfg.json: missing 'intermediate_size'"),
+            std::string::npos);
+  j["first_k_dense_replace"] = 0;  // every layer MoE: no dense width needed
+  EXPECT_NO_THROW(LmConfig::from_json(j, "cfg.json"));
+  j = hf;
+  j["bias_update_speed"] = -0.5;
+  EXPECT_NE(error_of([&] {
+              LmConfig::from_json(j, "cfg.json");
+            }).find("cfg.json: model: bias_update_speed must be finite and >= 0"),
+            std::string::npos);
+  j = args;
+  j["n_expert_groups"] = 4;
+  EXPECT_NE(error_of([&] {
+              LmConfig::from_json(j, "cfg.json");
+            }).find("cfg.json: moe: n_routed_experts 6 is not a multiple of n_group"),
+            std::string::npos);
 }
 
 TrainOptions moe_train(int sp, std::int64_t steps) {
