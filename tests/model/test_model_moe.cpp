@@ -171,10 +171,11 @@ TEST(ModelMoe, ParametersNamesShapesAndCounts) {
 // difference taken across such a tie is meaningless. The inputs are chosen
 // away from ties: the gate's logits z = x W_g^T are O(1) (W_g is N(0, 1/D) on
 // RMS-normalised rows), the biases are 0.1 sin(.), so the scores of 14 tokens
-// over 6 experts are spread over (0.2, 0.8) and the gap between the k-th and
-// (k+1)-th biased score of a token (and between its groups' scores) is
-// ~1e-2 or more, while a step of h = 1e-5 in one parameter moves any score by
-// ~1e-5. That is asserted, not assumed: every perturbed forward records its
+// over 6 experts are spread over (0.2, 0.8). The gap between the k-th and
+// (k+1)-th kept biased score of a token was measured at 0.032 at least, and
+// between its topk_group-th and next group score at 0.0099 at least, while a
+// step of h = 1e-5 in one parameter moves any score by ~1e-5 (the scores'
+// derivatives are O(1)). That is asserted, not assumed: every perturbed forward records its
 // routing (LmContext::routing) and must select exactly the experts of the
 // unperturbed one, so every difference below is taken where the selection is
 // locally constant. The expert bias's gradient is then 0 on both sides.
