@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
@@ -16,6 +18,15 @@
 namespace laga {
 
 // ------------------------------------------------------------------ config
+
+namespace {
+// An MoE layer's expert bias: "layers.N.ffn.gate.bias".
+bool is_expert_bias(const std::string& name) {
+  const std::string tail = ".ffn.gate.bias";
+  return name.size() > tail.size() &&
+         name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+}  // namespace
 
 std::int64_t LmConfig::default_ffn_hidden(std::int64_t d) {
   return (8 * d / 3 + 63) / 64 * 64;
@@ -45,6 +56,50 @@ LmConfig LmConfig::derive(std::int64_t d, std::int64_t heads, std::int64_t layer
   return c;
 }
 
+LmConfig LmConfig::from_json(const nlohmann::json& j, const std::string& source) {
+  LmConfig c;
+  c.mla = MlaConfig::from_json(j, source);
+  c.moe = MoeConfig::from_json(j, source);
+  const bool hf = j.contains("hidden_size");
+  const char* layers_key = hf ? "num_hidden_layers" : "n_layers";
+  const char* ffn_key = hf ? "intermediate_size" : "inter_dim";
+  const char* eps_key = hf ? "rms_norm_eps" : "lm_norm_eps";
+  LAGA_CHECK(read_config_key(j, layers_key, c.layers, source), source, ": missing '", layers_key,
+             "' (the number of layers the model has)");
+  LAGA_CHECK(c.layers >= 1, source, ": '", layers_key, "' must be >= 1, got ", c.layers);
+  LAGA_CHECK(read_config_key(j, "vocab_size", c.vocab, source), source,
+             ": missing 'vocab_size' (the embedding's and the head's rows)");
+  LAGA_CHECK(c.vocab >= 2 && c.vocab <= (std::int64_t{1} << 31) - 1, source, ": 'vocab_size' ",
+             c.vocab, " must be in [2, 2^31 - 1] (the token ids are int32)");
+  // A model whose every layer is MoE has no dense FFN to size.
+  const bool dense_layer = !c.moe || c.moe->first_k_dense_replace > 0;
+  const bool ffn_given = read_config_key(j, ffn_key, c.ffn_hidden, source);
+  LAGA_CHECK(ffn_given || !dense_layer, source, ": missing '", ffn_key,
+             "' (the dense SwiGLU width of the layers before first_k_dense_replace)");
+  LAGA_CHECK(!ffn_given || c.ffn_hidden >= 1, source, ": '", ffn_key, "' must be >= 1, got ",
+             c.ffn_hidden);
+  read_config_key(j, eps_key, c.norm_eps, source);
+  LAGA_CHECK(c.norm_eps > 0, source, ": '", eps_key, "' must be > 0, got ", c.norm_eps);
+  read_config_key(j, "bias_update_speed", c.bias_update_speed, source);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail(source, ": ", e.what());
+  }
+  return c;
+}
+
+LmConfig LmConfig::from_json_file(const std::string& path) {
+  // MlaConfig's reader vets the path (no directory, FIFO or missing file)
+  // and the JSON (valid, no key twice) before anything else reads it.
+  (void)MlaConfig::from_json_file(path);
+  std::ifstream in(path);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  LAGA_CHECK(in.good() || in.eof(), "cannot read config file '", path, "'; check its permissions");
+  return from_json(parse_json_refusing_repeated_keys(text, "config file '" + path + "'"),
+                   "config '" + path + "'");
+}
+
 void LmConfig::validate() const {
   mla.validate();
   LAGA_CHECK(layers >= 1, "model: --layers must be >= 1 (got ", layers, ")");
@@ -52,6 +107,14 @@ void LmConfig::validate() const {
   LAGA_CHECK(vocab <= (std::int64_t{1} << 31) - 1, "model: --vocab ", vocab,
              " does not fit the int32 token ids");
   LAGA_CHECK(hidden() >= 1, "model: --ffn-hidden must be >= 1 (got ", ffn_hidden, ")");
+  if (moe) moe->validate();  // names the MoE field under both of its names
+  LAGA_CHECK(std::isfinite(bias_update_speed) && bias_update_speed >= 0,
+             "model: bias_update_speed must be finite and >= 0 (got ", bias_update_speed,
+             "); it is the step of the experts' bias balancing (DeepSeek-V3: 0.001), 0 disables "
+             "it");
+  LAGA_CHECK(bias_update_speed == 0 || moe, "model: bias_update_speed ", bias_update_speed,
+             " steers the biases of MoE experts, but the model has none; set n_routed_experts "
+             "(and the other MoE settings) or drop bias_update_speed");
 }
 
 nlohmann::json LmConfig::to_json() const {
@@ -60,11 +123,19 @@ nlohmann::json LmConfig::to_json() const {
   j["vocab_size"] = vocab;
   j["inter_dim"] = hidden();
   j["lm_norm_eps"] = norm_eps;
+  // A dense model's JSON is what it was before the MoE existed, so its
+  // checkpoints still compare equal (model_changes).
+  if (moe) {
+    j.update(moe->to_json());
+    j["bias_update_speed"] = bias_update_speed;
+  }
   return j;
 }
 
 std::string LmConfig::summary() const {
-  return cat("layers=", layers, " vocab=", vocab, " F=", hidden(), " ", mla.summary());
+  return cat("layers=", layers, " vocab=", vocab, " F=", hidden(), " ", mla.summary(),
+             moe ? cat(" moe[", moe->summary(), " bias_update_speed=", bias_update_speed, "]")
+                 : std::string());
 }
 
 // --------------------------------------------------------------- params
@@ -79,9 +150,13 @@ LmParams<T> LmParams<T>::zeros(const LmConfig& cfg, MemCategory cat) {
     L.attn_norm = Tensor<T>::zeros({D}, cat);
     L.attn = MlaParams<T>::zeros(cfg.mla, cat);
     L.ffn_norm = Tensor<T>::zeros({D}, cat);
-    L.w1 = Tensor<T>::zeros({F, D}, cat);
-    L.w2 = Tensor<T>::zeros({D, F}, cat);
-    L.w3 = Tensor<T>::zeros({F, D}, cat);
+    if (cfg.is_moe_layer(l)) {
+      L.moe = MoeParams<T>::zeros(*cfg.moe, D, cat);
+    } else {
+      L.w1 = Tensor<T>::zeros({F, D}, cat);
+      L.w2 = Tensor<T>::zeros({D, F}, cat);
+      L.w3 = Tensor<T>::zeros({F, D}, cat);
+    }
     p.layers.push_back(std::move(L));
   }
   p.norm = Tensor<T>::zeros({D}, cat);
@@ -100,9 +175,13 @@ void visit(LmParams<T>& p, Fn&& fn) {
     L.attn.for_each(std::function<void(const std::string&, Tensor<T>&)>(
         [&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); }));
     fn(pre + "ffn_norm.weight", L.ffn_norm);
-    fn(pre + "ffn.w1.weight", L.w1);
-    fn(pre + "ffn.w2.weight", L.w2);
-    fn(pre + "ffn.w3.weight", L.w3);
+    if (L.moe.gate.defined()) {
+      L.moe.for_each([&](const std::string& n, Tensor<T>& t) { fn(pre + "ffn." + n, t); });
+    } else {
+      fn(pre + "ffn.w1.weight", L.w1);
+      fn(pre + "ffn.w2.weight", L.w2);
+      fn(pre + "ffn.w3.weight", L.w3);
+    }
   }
   fn("norm.weight", p.norm);
   fn("head.weight", p.head);
@@ -130,7 +209,9 @@ template <class T>
 void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
   p.for_each([&](const std::string& name, Tensor<T>& t) {
     if (!t.data()) return;
-    if (t.rank() == 1) {
+    if (is_expert_bias(name)) {
+      t.fill(T(0));  // DeepSeek-V3 starts the balancing from no correction
+    } else if (t.rank() == 1) {
       t.fill(T(1));
     } else {
       const double sd = name == "embed.weight" ? 1.0 : 1.0 / std::sqrt(double(t.dim(1)));
@@ -141,7 +222,11 @@ void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
 
 bool lm_param_decays(const std::string& name) {
   if (name == "embed.weight") return false;
-  return name.find("norm.weight") == std::string::npos;
+  return name.find("norm.weight") == std::string::npos && !is_expert_bias(name);
+}
+
+bool lm_param_trains(const std::string& name) {
+  return !is_expert_bias(name);
 }
 
 double LmContext::loss_tokens() const {
@@ -161,7 +246,8 @@ struct LayerSaved {
   Tensor<T> x, n1, rstd1;  // layer input, attn_norm output, its rstd
   MlaSaved<T> mla;
   Tensor<T> h, n2, rstd2;  // after the attention residual; ffn_norm output, rstd
-  Tensor<T> a, b, g;       // w1 n2, w3 n2, silu(a) * b   (N, F)
+  Tensor<T> a, b, g;       // dense: w1 n2, w3 n2, silu(a) * b   (N, F)
+  MoeSaved<T> moe;         // MoE layer: its routing and experts' activations
 };
 
 template <class T>
@@ -196,6 +282,10 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   if (ops::runs(N * D, {x.data(), tokens, w.embed.data()}))
     embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
   s.layers.resize(size_t(cfg.layers));
+  if (c.routing) {
+    c.routing->expert.assign(size_t(cfg.layers), {});
+    c.routing->count.assign(size_t(cfg.layers), {});
+  }
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     const LayerParams<T>& p = w.layers[size_t(l)];
     LayerSaved<T>& ls = s.layers[size_t(l)];
@@ -212,15 +302,26 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
     ls.n2 = Tensor<T>({N, D});
     ls.rstd2 = Tensor<T>({N});
     ops::rmsnorm(ops::mat(ls.n2), ls.rstd2, ops::mat(ls.h, N, D), p.ffn_norm, eps);
-    ls.a = Tensor<T>({N, F});
-    ls.b = Tensor<T>({N, F});
-    ls.g = Tensor<T>({N, F});
-    ops::linear(ops::mat(ls.a), ops::mat(ls.n2), p.w1);
-    ops::linear(ops::mat(ls.b), ops::mat(ls.n2), p.w3);
-    if (ops::runs(N * F, {ls.g.data(), ls.a.data(), ls.b.data()}))
-      swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
-    Tensor<T> m({N, D});
-    ops::linear(ops::mat(m), ops::mat(ls.g), p.w2);
+    Tensor<T> m;  // the FFN's output (N, D)
+    if (cfg.is_moe_layer(l)) {
+      MoeForward<T> f = moe_forward(*cfg.moe, p.moe, ls.n2.data(), N, D);
+      m = std::move(f.out);
+      ls.moe = std::move(f.saved);
+      if (c.routing) {
+        c.routing->expert[size_t(l)] = ls.moe.routing.expert;
+        c.routing->count[size_t(l)] = ls.moe.dispatch.count;
+      }
+    } else {
+      ls.a = Tensor<T>({N, F});
+      ls.b = Tensor<T>({N, F});
+      ls.g = Tensor<T>({N, F});
+      ops::linear(ops::mat(ls.a), ops::mat(ls.n2), p.w1);
+      ops::linear(ops::mat(ls.b), ops::mat(ls.n2), p.w3);
+      if (ops::runs(N * F, {ls.g.data(), ls.a.data(), ls.b.data()}))
+        swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
+      m = Tensor<T>({N, D});
+      ops::linear(ops::mat(m), ops::mat(ls.g), p.w2);
+    }
     x = Tensor<T>({B, L, D});
     ops::copy(ops::mat(x, N, D), ops::mat(ls.h, N, D));
     ops::add(ops::mat(x, N, D), ops::mat(m));
@@ -263,18 +364,26 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     const LayerParams<T>& p = w.layers[size_t(l)];
     LayerParams<T>& gp = g.layers[size_t(l)];
     LayerSaved<T>& ls = s.layers[size_t(l)];
-    // x_out = h + w2(g): dx flows to h unchanged and through the MLP.
-    Tensor<T> dg({N, F});
-    ops::Mat<T> dg_mat = ops::mat(dg);
-    ops::linear_backward<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g), p.w2);
-    Tensor<T> da({N, F}), db({N, F});
-    if (ops::runs(N * F, {da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data()}))
-      swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
-    dg.reset();
-    ops::linear_backward<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2), p.w1);
-    ops::linear_backward<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3);
-    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.ffn_norm, ops::mat(dn), ops::mat(ls.h, N, D),
+    // x_out = h + ffn(n2): dx flows to h unchanged and through the FFN to
+    // dn2 (N, D): dn for a dense layer, dmoe for an MoE layer.
+    Tensor<T> dmoe;
+    if (cfg.is_moe_layer(l)) {
+      dmoe = moe_backward(*cfg.moe, p.moe, ls.n2.data(), ls.moe, dx.data(), gp.moe);
+    } else {
+      Tensor<T> dg({N, F});
+      ops::Mat<T> dg_mat = ops::mat(dg);
+      ops::linear_backward<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g), p.w2);
+      Tensor<T> da({N, F}), db({N, F});
+      if (ops::runs(N * F, {da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data()}))
+        swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
+      dg.reset();
+      ops::linear_backward<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2), p.w1);
+      ops::linear_backward<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3);
+    }
+    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.ffn_norm,
+                          ops::mat(dmoe.defined() ? dmoe : dn, N, D), ops::mat(ls.h, N, D),
                           p.ffn_norm, ls.rstd2);
+    dmoe.reset();
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d h
     // h = x + attn(n1)
     Tensor<T> dn1;
@@ -329,6 +438,32 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
   }
   c.comm.all_reduce(&sum, 1, "loss_allreduce");
   return sum / total;
+}
+
+std::vector<std::vector<std::int64_t>> group_expert_load(Communicator& comm, const LmConfig& cfg,
+                                                         const ExpertRouting& routing) {
+  std::vector<std::vector<std::int64_t>> load(size_t(cfg.layers));
+  if (!cfg.moe) return load;
+  const std::int64_t E = cfg.moe->n_routed_experts;
+  std::vector<double> all;  // every MoE layer's (E) counts, in layer order
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    if (!cfg.is_moe_layer(l)) continue;
+    const std::vector<std::int64_t>& c = routing.count.at(size_t(l));
+    LAGA_CHECK(std::int64_t(c.size()) == E, "group_expert_load: layer ", l, " recorded ", c.size(),
+               " expert counts for n_routed_experts ", E,
+               "; pass the routing a forward of this model recorded (LmContext::routing)");
+    all.insert(all.end(), c.begin(), c.end());
+  }
+  if (comm.size() > 1 && !all.empty()) {
+    comm.set_phase(Phase::grad_sync);
+    comm.all_reduce(all.data(), std::int64_t(all.size()), "expert_load_allreduce");
+  }
+  size_t off = 0;
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    if (!cfg.is_moe_layer(l)) continue;
+    for (std::int64_t e = 0; e < E; ++e) load[size_t(l)].push_back(std::int64_t(all[off++]));
+  }
+  return load;
 }
 
 #define LAGA_INSTANTIATE(T)                                                                       \

@@ -1,10 +1,12 @@
-// A small MLA language model (DeepSeek-V3's dense layer without MoE) and its
-// sequence-parallel forward + backward:
+// A small MLA language model (DeepSeek-V3's layers: MLA and a dense SwiGLU FFN,
+// or DeepSeek-V3's MoE FFN after the first first_k_dense_replace layers) and
+// its sequence-parallel forward + backward:
 //
 //   x = embed[tokens]                                   (B, L_r, D)
 //   per layer l (prefix layers.l.):
 //     h = x + attn(attn_norm(x))                        MLA, any form, SP
-//     x = h + ffn.w2(silu(ffn.w1 n) * ffn.w3 n),  n = ffn_norm(h)
+//     x = h + ffn.w2(silu(ffn.w1 n) * ffn.w3 n),  n = ffn_norm(h)     dense layer
+//     x = h + moe(n)                                    MoE layer (moe.hpp), token-local
 //   logits = head(norm(x))                              (B, L_r, V)
 //   loss = mean over the counted targets of all ranks of cross-entropy:
 //          all B*S, or, for packed rows, those not marked kIgnoreTarget
@@ -18,12 +20,15 @@
 //
 // Names follow DeepSeek-V3's inference checkpoint: embed.weight,
 // layers.N.attn_norm.weight, layers.N.attn.<MLA names>, layers.N.ffn_norm.weight,
-// layers.N.ffn.w1.weight (F, D), ffn.w3.weight (F, D), ffn.w2.weight (D, F),
-// norm.weight, head.weight (V, D).
+// layers.N.ffn.w1.weight (F, D), ffn.w3.weight (F, D), ffn.w2.weight (D, F)
+// (dense layers) or layers.N.ffn.gate.weight (E, D), ffn.gate.bias (E),
+// ffn.experts.e.w1/w2/w3.weight, ffn.shared_experts.w1/w2/w3.weight (MoE
+// layers, moe.hpp), norm.weight, head.weight (V, D).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +40,7 @@
 #include "mla/config.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
+#include "model/moe.hpp"
 
 namespace laga {
 
@@ -44,9 +50,19 @@ struct LmConfig {
   std::int64_t vocab = 256;
   std::int64_t ffn_hidden = 0;  // F; 0 means default_ffn_hidden(D)
   double norm_eps = 1e-6;       // attn_norm, ffn_norm, norm
+  // DeepSeek-V3's MoE FFN (docs/moe.md, "In the model"): when set, layers l >=
+  // moe->first_k_dense_replace use it in place of the dense SwiGLU (which the
+  // first ones keep, of width hidden()). nullopt: every layer dense.
+  std::optional<MoeConfig> moe;
+  // gamma, the "bias update speed" of the auxiliary-loss-free balancing: after
+  // every optimizer step each MoE layer's gate.bias moves by -gamma for the
+  // experts that got more than the mean load, +gamma for those that got fewer
+  // (update_expert_bias; DeepSeek-V3 used 0.001). 0: the bias stays as it is.
+  double bias_update_speed = 0.0;
 
   std::int64_t dim() const { return mla.dim; }
   std::int64_t hidden() const;
+  bool is_moe_layer(std::int64_t l) const { return moe && l >= moe->first_k_dense_replace; }
 
   // The MLA dims for a width D and H heads, by DeepSeek's head ratios
   // (V2-Lite / V3: dn = dv = 128, dr = 64, C = 512 = 4 dn): dn = dv = D / H,
@@ -57,6 +73,19 @@ struct LmConfig {
   // SwiGLU width 8/3 D rounded up to a multiple of 64 (LLaMA's rule; 1408 at D = 512).
   static std::int64_t default_ffn_hidden(std::int64_t d_model);
 
+  // The model of a DeepSeek-V3 config (`laga train --config`), in either of
+  // the formats MlaConfig::from_json reads (told apart by `hidden_size`):
+  // the attention block (MlaConfig::from_json), the MoE (MoeConfig::from_json;
+  // none: every layer dense), and the model's own sizes:
+  //   layers       num_hidden_layers (HF) | n_layers (ModelArgs)   required
+  //   vocab        vocab_size                                      required
+  //   ffn_hidden   intermediate_size | inter_dim    required when a layer is dense
+  //   norm_eps     rms_norm_eps | lm_norm_eps                      default 1e-6
+  //   bias_update_speed (laga's own key, both formats)             default 0
+  // Throws laga::Error naming source, the key and the fix.
+  static LmConfig from_json(const nlohmann::json& j, const std::string& source = "config");
+  static LmConfig from_json_file(const std::string& path);
+
   void validate() const;
   nlohmann::json to_json() const;
   std::string summary() const;
@@ -64,7 +93,9 @@ struct LmConfig {
 
 template <class T>
 struct LayerParams {
-  Tensor<T> attn_norm, ffn_norm, w1, w2, w3;
+  Tensor<T> attn_norm, ffn_norm;
+  Tensor<T> w1, w2, w3;  // dense layers (undefined in MoE layers)
+  MoeParams<T> moe;      // MoE layers (empty in dense layers)
   MlaParams<T> attn;
 };
 
@@ -92,6 +123,20 @@ void init_lm_params(LmParams<T>& p, std::uint64_t seed);
 // its neutral 1; embedding rows of rare tokens would decay with no signal).
 bool lm_param_decays(const std::string& name);
 
+// Whether the optimizer updates it from its gradient: every parameter but an
+// MoE layer's expert bias (ffn.gate.bias, DeepSeek's e_score_correction_bias),
+// which only selects experts, has no gradient, and is moved by
+// update_expert_bias instead (LmConfig::bias_update_speed).
+bool lm_param_trains(const std::string& name);
+
+// What the MoE layers routed in one forward on this rank, per layer (both
+// empty for a dense layer): each token's selected experts (N k, best first,
+// Routing::expert) and the copies each expert received ((E), Dispatch::count).
+struct ExpertRouting {
+  std::vector<std::vector<std::int32_t>> expert;
+  std::vector<std::vector<std::int64_t>> count;
+};
+
 struct LmContext {
   const LmConfig& cfg;
   const SpLayout& layout;
@@ -106,6 +151,10 @@ struct LmContext {
   // (0: all B*S count).
   const Documents* documents = nullptr;
   std::int64_t counted_targets = 0;
+  // When set, every forward records its MoE layers' routing here (this
+  // rank's tokens only; resized to cfg.layers): the expert-bias update reads
+  // the counts, the tests the selection.
+  ExpertRouting* routing = nullptr;
   // The loss mean's denominator.
   double loss_tokens() const;
 };
@@ -122,5 +171,14 @@ double lm_forward_backward(const LmContext& ctx, const LmParams<T>& w, const std
 template <class T>
 double lm_loss(const LmContext& ctx, const LmParams<T>& w, const std::int32_t* tokens,
                const std::int32_t* targets);
+
+// The copies each expert of each MoE layer received in one forward of the
+// whole group: routing.count (this rank's) summed over the ranks by one
+// all-reduce of every layer's counts ("expert_load_allreduce", phase
+// grad_sync; none at P 1), in doubles, exact below 2^53. Returns one (E)
+// vector per layer, empty for dense layers; every rank gets the same, so
+// update_expert_bias moves every replica of a bias alike.
+std::vector<std::vector<std::int64_t>> group_expert_load(Communicator& comm, const LmConfig& cfg,
+                                                         const ExpertRouting& routing);
 
 }  // namespace laga

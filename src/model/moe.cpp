@@ -1,6 +1,7 @@
 #include "model/moe.hpp"
 
 #include "core/error.hpp"
+#include "core/memory_pool.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/swiglu.hpp"
 
@@ -44,10 +45,19 @@ void MoeParams<T>::for_each(const std::function<void(const std::string&, Tensor<
 
 namespace {
 
+// Under a count-only pool (the model's memory prediction, train.hpp) no
+// tensor is backed and no kernel runs: every tensor is still allocated in the
+// order and shape of a real run, which does not depend on the routing (N k
+// copies in all), so the pool's peak is the real one.
+bool counting() {
+  return current_pool().count_only();
+}
+
 template <class T>
 void check_shape(const Tensor<T>& t, const Shape& want, const std::string& name) {
-  LAGA_CHECK(t.shape() == want && t.backed(), "moe: ", name, " has shape ", to_string(t.shape()),
-             t.backed() ? "" : " (unbacked)", " but the config needs ", to_string(want),
+  const bool backed = t.backed() || counting();
+  LAGA_CHECK(t.shape() == want && backed, "moe: ", name, " has shape ", to_string(t.shape()),
+             backed ? "" : " (unbacked)", " but the config needs ", to_string(want),
              "; build the parameters with MoeParams::zeros for this config");
 }
 
@@ -80,6 +90,7 @@ void check_params(const MoeConfig& cfg, const MoeParams<T>& w, std::int64_t D) {
 template <class T>
 Tensor<T> gather_rows(const T* x, const Dispatch& d, std::int64_t D) {
   Tensor<T> xp({d.rows(), D});
+  if (!xp.data()) return xp;  // count-only
 #pragma omp parallel for schedule(static)
   for (std::int64_t p = 0; p < d.rows(); ++p) {
     const T* src = x + std::int64_t(d.token[size_t(p)]) * D;
@@ -97,15 +108,26 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   check_params(cfg, w, D);
   const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
+  const bool real = !counting();
+  LAGA_CHECK(!real || x || N == 0, "moe: x is null");
   MoeForward<T> f;
   MoeSaved<T>& s = f.saved;
   // The gate: z = x W_g^T (N, E), then the selection and weights.
   {
     Tensor<T> logits({N, E});
-    linear_forward(logits.data(), x, w.gate.data(), N, D, E);
-    s.routing = route(cfg, logits.data(), w.gate_bias.data(), N);
+    if (real) {
+      linear_forward(logits.data(), x, w.gate.data(), N, D, E);
+      s.routing = route(cfg, logits.data(), w.gate_bias.data(), N);
+      s.dispatch = make_dispatch(s.routing);
+    } else {
+      // Count-only: the sizes of a routing with no selection, every count 0.
+      s.routing.tokens = s.dispatch.tokens = N;
+      s.routing.top_k = s.dispatch.top_k = k;
+      s.routing.experts = s.dispatch.experts = E;
+      s.dispatch.count.assign(size_t(E), 0);
+      s.dispatch.offset.assign(size_t(E + 1), 0);
+    }
   }
-  s.dispatch = make_dispatch(s.routing);
   const Dispatch& d = s.dispatch;
   const std::int64_t R = d.rows();  // N k routed copies
   // Each expert's SwiGLU on its rows [o, o + c) of the permuted order.
@@ -130,6 +152,9 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.sa = Tensor<T>({N, Is});
     s.sb = Tensor<T>({N, Is});
     s.sh = Tensor<T>({N, Is});
+  }
+  if (!real) return f;
+  if (Is > 0) {
     linear_forward(s.sa.data(), x, w.shared.w1.data(), N, D, Is);
     linear_forward(s.sb.data(), x, w.shared.w3.data(), N, D, Is);
     swiglu_forward(s.sh.data(), s.sa.data(), s.sb.data(), N * Is);
@@ -158,22 +183,31 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
   const std::int64_t R = d.rows();
+  const bool real = !counting();
   Tensor<T> dx = Tensor<T>::zeros({N, D});
   // Shared expert: out += w2 h, h = silu(a) b, a = w1 x, b = w3 x.
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
-    linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(), w.shared.w2.data(), N,
-                    Is, D);
-    swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
-    linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N, D,
-                    Is);
-    linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N, D,
-                    Is);
+    if (real) {
+      linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(), w.shared.w2.data(),
+                      N, Is, D);
+      swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
+      linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N, D,
+                      Is);
+      linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N, D,
+                      Is);
+    }
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
   std::vector<T> dweight(size_t(N * k));
   Tensor<T> dy({R, D});
+  if (!real) {
+    // Count-only: what the rest allocates (the gate's dz is a std::vector).
+    Tensor<T> xp({R, D}), dxp({R, D});
+    Tensor<T> dh({R, I}), da({R, I}), db({R, I});
+    return dx;
+  }
 #pragma omp parallel for schedule(static)
   for (std::int64_t t = 0; t < N; ++t)
     for (std::int64_t j = 0; j < k; ++j) {

@@ -1,5 +1,6 @@
 #include "model/train.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -305,7 +306,12 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
                       TrainState<T>& st, LmParams<T>& grads, const std::int32_t* tokens,
                       const std::int32_t* targets) {
   StepOutcome out;
-  out.loss = lm_forward_backward(ctx, st.params, tokens, targets, grads);
+  // The aux-loss-free balancing needs the step's routing (docs/moe.md).
+  const bool balance = ctx.cfg.moe && ctx.cfg.bias_update_speed > 0;
+  ExpertRouting routing;
+  LmContext step_ctx = ctx;
+  if (balance) step_ctx.routing = &routing;
+  out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
   if (o.after_backward) o.after_backward(step, st.params, grads);
   const auto nonfinite = [&](const std::string& what) {
     const std::string untouched =
@@ -318,10 +324,11 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   };
   if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
   std::vector<Tensor<T>*> P, G, M, V;
-  std::vector<bool> decays;
+  std::vector<bool> decays, trains;
   st.params.for_each([&](const std::string& n, Tensor<T>& t) {
     P.push_back(&t);
     decays.push_back(lm_param_decays(n));
+    trains.push_back(lm_param_trains(n));
   });
   grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
@@ -345,10 +352,25 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   AdamWHyper h = o.adam;
   h.lr = lr;
   for (size_t k = 0; k < P.size(); ++k) {
+    if (!trains[k]) continue;  // an expert bias: its gradient slot is 0, its moments stay 0
     AdamWHyper hk = h;
     if (!decays[k]) hk.weight_decay = 0.0;
     if (ops::runs(P[k]->numel(), {P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data()}))
       adamw_step(P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data(), P[k]->numel(), step, hk);
+  }
+  // Then each MoE layer's bias by the step's load over the whole group, once
+  // per optimizer step.
+  if (balance) {
+    const std::vector<std::vector<std::int64_t>> load =
+        group_expert_load(ctx.comm, ctx.cfg, routing);
+    for (size_t l = 0; l < load.size(); ++l) {
+      Tensor<T>& bias = st.params.layers[l].moe.gate_bias;
+      if (load[l].empty() || !bias.data()) continue;  // dense layer; count-only
+      const std::vector<T> moved =
+          update_expert_bias(std::vector<T>(bias.data(), bias.data() + bias.numel()), load[l],
+                             ctx.cfg.bias_update_speed);
+      std::copy(moved.begin(), moved.end(), bias.data());
+    }
   }
   return out;
 }

@@ -3,7 +3,10 @@
 // Step s (1-based) of `steps`: draw the batch for data cursor (s-1) B, run
 // forward + backward on the rank's seq shard (model.hpp: gradients summed
 // over the group), clip by the global norm, lr from the schedule, AdamW on
-// every (replicated) parameter. Every rank holds the same parameters and
+// every (replicated) parameter but the MoE layers' expert biases, which then
+// move by the aux-loss-free balancing rule when the model's
+// bias_update_speed is above 0 (the step's expert load summed over the
+// group; docs/moe.md, "In the model"). Every rank holds the same parameters and
 // optimizer state after every step, so any rank can write a checkpoint and
 // all of them read it on resume. All reductions run in a fixed order, so
 // the same seed and P give bit-identical losses on every run and on both

@@ -51,7 +51,16 @@ struct TrainCli {
   std::int64_t pack_eos = -1;  // -1: not given
   std::string overlap = "off";
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
+  // --config FILE: the whole model (dims, layers, vocab, MoE) from a DeepSeek
+  // config (LmConfig::from_json), in place of the model options below.
+  std::string config;
+  std::vector<std::string> model_options_given;  // of kModelOptions, filled by the callback
 };
+
+// The options that shape the model, which --config gives instead.
+const char* const kModelOptions[] = {"--layers",     "--d-model", "--heads",        "--nope-dim",
+                                     "--rope-dim",   "--v-dim",   "--kv-lora-rank", "--q-lora-rank",
+                                     "--ffn-hidden", "--vocab"};
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
 // current step (train_rank polls stop_signal, saves, returns); a second one
@@ -113,18 +122,31 @@ std::string prepare_log(const std::string& path, const std::string& resume) {
   return target;
 }
 
+// The model: from --config, or derived from the model options.
+LmConfig model_of(const TrainCli& c) {
+  if (!c.config.empty()) {
+    protect_input(c.config, "--config");
+    const LmConfig m = LmConfig::from_json_file(c.config);
+    // The resolved values: one path can hold different files on different nodes.
+    note_run_identity("the model config", m.to_json().dump());
+    return m;
+  }
+  LmConfig m = LmConfig::derive(c.d_model, c.heads, c.layers, c.vocab, c.seq);
+  if (c.nope_dim) m.mla.qk_nope_head_dim = c.nope_dim;
+  if (c.rope_dim) m.mla.qk_rope_head_dim = c.rope_dim;
+  if (c.v_dim) m.mla.v_head_dim = c.v_dim;
+  if (c.kv_lora_rank) m.mla.kv_lora_rank = c.kv_lora_rank;
+  m.mla.q_lora_rank = c.q_lora_rank;
+  m.ffn_hidden = c.ffn_hidden;
+  return m;
+}
+
 TrainOptions to_options(const TrainCli& c) {
   TrainOptions o;
-  o.model = LmConfig::derive(c.d_model, c.heads, c.layers, c.vocab, c.seq);
-  if (c.nope_dim) o.model.mla.qk_nope_head_dim = c.nope_dim;
-  if (c.rope_dim) o.model.mla.qk_rope_head_dim = c.rope_dim;
-  if (c.v_dim) o.model.mla.v_head_dim = c.v_dim;
-  if (c.kv_lora_rank) o.model.mla.kv_lora_rank = c.kv_lora_rank;
-  o.model.mla.q_lora_rank = c.q_lora_rank;
+  o.model = model_of(c);
   o.variant.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
   o.variant.overlap = parse_overlap(c.overlap);
   o.variant.head_groups = c.head_groups;
-  o.model.ffn_hidden = c.ffn_hidden;
   o.variant.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
   o.sp = c.sp;
@@ -154,6 +176,11 @@ TrainOptions to_options(const TrainCli& c) {
 // Checks between options (each option's own range is checked as it is
 // parsed, register_train).
 void check_option_pairs(const TrainCli& c) {
+  std::string given;
+  for (const std::string& f : c.model_options_given) given += (given.empty() ? "" : ", ") + f;
+  LAGA_CHECK(c.config.empty() || given.empty(), "--config '", c.config,
+             "' gives the whole model; drop ", given,
+             " (or drop --config and give the model by options)");
   LAGA_CHECK(c.min_lr <= c.lr, "--min-lr ", c.min_lr, " is above --lr ", c.lr,
              "; the schedule decays from --lr down to --min-lr, so give --min-lr <= --lr");
 }
@@ -312,6 +339,11 @@ void register_train(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)")
       ->check(whole(1));
+  sub->add_option("--config", c->config,
+                  "the model from a DeepSeek-V3 config JSON (Hugging Face config.json or "
+                  "ModelArgs): attention, layers, vocab, dense FFN width and the MoE "
+                  "(n_routed_experts, ..., first_k_dense_replace; laga's bias_update_speed), "
+                  "in place of --layers, --d-model, --heads, ... (docs/moe.md, \"In the model\")");
   sub->add_option("--vocab", c->vocab, "vocabulary size")->check(whole(1))->capture_default_str();
   sub->add_option("--seq", c->seq, "sequence length S")->check(whole(1))->capture_default_str();
   sub->add_option("--batch", c->batch, "sequences per step")
@@ -386,7 +418,12 @@ void register_train(CLI::App& app) {
                 "or gradient is not finite, with a warning naming each (default: refuse the "
                 "checkpoint, or stop before that step's update, naming the tensor and count)");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
-  sub->callback([c] { run_train(*c); });
+  sub->callback([c, sub] {
+    c->model_options_given.clear();
+    for (const char* name : kModelOptions)
+      if (sub->count(name) > 0) c->model_options_given.push_back(name);
+    run_train(*c);
+  });
 }
 
 }  // namespace

@@ -3,14 +3,21 @@
 # bit-identical (the JSON numbers round-trip doubles exactly). With -DPYTHON
 # set, it trains on packed documents (--pack-eos 0) of a token file that
 # Python writes: documents of 1 to 13 tokens, crossing the ranks' shards.
+# With -DMOE_CONFIG set, the model is that --config's (an MoE with the
+# experts' bias balancing on, whose load all-reduce runs every step).
 if(NOT MPIEXEC OR NOT EXISTS "${MPIEXEC}")
   message(FATAL_ERROR "mpiexec was not found when the build was configured (MPIEXEC='${MPIEXEC}'): "
                       "install openmpi-bin (scripts/setup.sh) and re-run cmake")
 endif()
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
-set(ARGS train --form laga --sp 2 --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
-         --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
+if(MOE_CONFIG)
+  set(ARGS train --form laga --sp 2 --config ${MOE_CONFIG} --seq 32 --batch 2 --steps 6 --lr 3e-3
+           --seed 7 --quiet)
+else()
+  set(ARGS train --form laga --sp 2 --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
+           --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
+endif()
 if(PYTHON)
   string(CONCAT script "import array\nids = array.array('H')\nd = 0\nwhile len(ids) < 3000:\n"
              "    n = 1 + (7 * d) % 13\n    ids.extend([1 + (d + 3 * i) % 60 for i in range(n - 1)] + [0])\n"

@@ -32,6 +32,12 @@ Cases:
              that save (exit 143, latest.json and the log end at its step)
   lock       a second run (fresh or resumed) into a directory a live run
              writes is refused naming its pid; the lock goes with the run
+  moe_config `--config docs/assets/moe_tiny.json` (an MoE model, issue 28):
+             the loss falls at --sp 2, the checkpoint holds the MoE layers'
+             tensors (gate, bias, experts, shared) and the dense layer's, the
+             biases moved by multiples of bias_update_speed; resume continues
+             and refuses a changed MoE; bad configs and --config beside a model
+             option are refused naming the field
 Only the standard library.
 """
 import json
@@ -426,6 +432,74 @@ def case_nonfinite(laga, scratch, poison):
     check("non-finite" not in p.stderr, f"a finite checkpoint was reported:\n{p.stderr}")
 
 
+def safetensors_header(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        return header, f.read()
+
+
+def case_moe_config(laga, scratch):
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                          "assets", "moe_tiny.json")
+    ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
+    args = ["train", "--config", config, "--seq", "32", "--batch", "2", "--lr", "3e-3", "--sp",
+            "2", "--quiet", "--checkpoint", ck, "--log", log]
+    p = run(laga, args + ["--steps", "12"], 0)
+    check("moe[E=8 k=2 I=32 shared=1 groups=1/2" in p.stderr, "summary names the MoE:\n" + p.stderr)
+    with open(log) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    check(len(losses) == 12 and losses[-1] < losses[0] - 1.0, f"loss falls: {losses}")
+    header, data = safetensors_header(os.path.join(ck, "step-00000012.safetensors"))
+    for l in ("1", "2"):
+        for n in ("gate.weight", "gate.bias", "experts.0.w1.weight", "experts.7.w2.weight",
+                  "shared_experts.w3.weight"):
+            check(f"param.layers.{l}.ffn.{n}" in header, f"checkpoint holds layers.{l}.ffn.{n}")
+        check(f"param.layers.{l}.ffn.w1.weight" not in header, f"layer {l} has no dense FFN")
+    check("param.layers.0.ffn.w1.weight" in header, "layer 0 keeps the dense FFN")
+    info = header["param.layers.2.ffn.gate.bias"]
+    begin, end = info["data_offsets"]
+    bias = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
+    steps = [abs(b) / 0.001 for b in bias]
+    check(any(b != 0 for b in bias) and all(abs(q - round(q)) < 1e-3 and round(q) <= 12 for q in steps),
+          f"the bias moves by multiples of bias_update_speed 0.001: {bias}")
+    p = run(laga, args + ["--steps", "14", "--resume", ck], 0)
+    check(log_steps(log) == list(range(1, 15)), f"resumed log: {log_steps(log)}")
+    with open(config) as f:
+        base = json.load(f)
+
+    def variant(name, **changes):
+        path = os.path.join(scratch, name + ".json")
+        j = dict(base)
+        for k, v in changes.items():
+            if v is None:
+                del j[k]
+            else:
+                j[k] = v
+        with open(path, "w") as f:
+            json.dump(j, f)
+        return path
+
+    other = variant("other_k", num_experts_per_tok=3)
+    refused(laga, ["train", "--config", other, "--seq", "32", "--batch", "2", "--lr", "3e-3",
+                   "--sp", "2", "--quiet", "--steps", "16", "--resume", ck],
+            ["model num_experts_per_tok: 2 -> 3"])
+    refused(laga, ["train", "--config", config, "--layers", "2", "--steps", "1"],
+            ["laga: error: --config", "drop --layers"])
+    refused(laga, ["train", "--config", variant("groups", n_group=3), "--steps", "1"],
+            ["laga: error: config", "n_routed_experts 8 is not a multiple of n_group"])
+    refused(laga, ["train", "--config", variant("speed", bias_update_speed=-1), "--steps", "1"],
+            ["laga: error: config", "bias_update_speed must be finite and >= 0"])
+    refused(laga, ["train", "--config", variant("layers", num_hidden_layers=None), "--steps", "1"],
+            ["laga: error: config", "missing 'num_hidden_layers'"])
+    refused(laga, ["train", "--config", variant("ffn", intermediate_size=None), "--steps", "1"],
+            ["laga: error: config", "missing 'intermediate_size'"])
+    # With no dense layer the dense width is not needed.
+    run(laga, ["train", "--config", variant("all_moe", intermediate_size=None,
+                                            first_k_dense_replace=0),
+               "--seq", "16", "--steps", "2", "--quiet"], 0)
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
@@ -436,7 +510,7 @@ def main():
     else:
         {"signals": case_signals, "log": case_log, "outputs": case_outputs,
          "diverged": case_diverged, "save_signal": case_save_signal,
-         "lock": case_lock}[case](laga, scratch)
+         "lock": case_lock, "moe_config": case_moe_config}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
 
