@@ -139,6 +139,16 @@ if case == "exact":
         failures.append(f"sweep order {got} != {want}")
     if len(p["cases"]) != 6 or any(c["winner"] is None for c in p["cases"]):
         failures.append(f"sweep cases: {p['cases']}")
+    # A ring form wins where its bytes decide: DeepSeek-V3, 32k, P 64 on
+    # 8 nodes with every link at 1 GB/s, where the latent ring sends 0.11 GB
+    # per rank against laga's 0.63 (docs/paper-comparison.md, section 9);
+    # at the profile's own links laga wins again.
+    ring = ["plan", "--quiet", "--profile", "h100", "--preset", "deepseek-v3", "--seq", "32768",
+            "--sp", "64", "--overlap", "on", "--forms", "explicit,laga,ring_kv,ring_latent"]
+    for link, want in (("1", "ring_latent+overlap"), (None, "laga+overlap")):
+        p = load(ring + (["--link", link] if link else []), f"ring_winner_{link}")
+        if p["cases"][0]["winner"] != want:
+            failures.append(f"ring winner at --link {link}: {p['cases'][0]['winner']}, want {want}")
 elif case == "errors":
     base = ["plan", "--preset", "tiny", "--seq", "64", "--sp", "2"]
     check_error(base, "laga plan needs --profile NAME|FILE", "no profile")
