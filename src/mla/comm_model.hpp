@@ -11,9 +11,14 @@
 //             v_a2a      sum_{j!=r} B L_r H_j dv e        explicit
 //             latent_ag  (P-1) B L_r W e                  laga, absorbed
 //             out_a2a    sum_{j!=r} B L_j H_r dv e        (head -> seq)
+//             k_ag, v_ag (P-1) B L_r H dqk e, (P-1) B L_r H dv e   allgather_kv
+//             kv_ring    (sum_j B L_j - B L_{r+1}) H (dqk+dv) e    ring_kv, P-1 calls
+//             latent_ring (sum_j B L_j - B L_{r+1}) W e           ring_latent, P-1 calls
 //   backward  the same labels, each collective's adjoint: an all-to-all's is
 //             the inverse all-to-all (send and receive swap), the
-//             all-gather's a reduce-scatter, sum_{j!=r} B L_j W e
+//             all-gather's a reduce-scatter, sum_{j!=r} B L_j W e; a ring
+//             form's pass again (recomputation) and its gradients' pass
+//             home, dkv_ring / dlatent_ring, sum_j B L_j width e in P calls
 //   grad_sync grad_allreduce ((n - c_r) + (P-1) c_r) e, n = parameter count
 //             (from DeepSeek's shapes, written out in comm_model.cpp),
 //             c_r = all_reduce_chunk(n, P, r) (reduce-scatter + all-gather);
@@ -26,7 +31,8 @@
 // queries_j| rq e (every head group of a context group gets a copy);
 // backward the reverse, the copies' gradients summed by the tokens' owner.
 // At Pc = 1 it is laga's q_latent_ag.
-// Each (phase, label) is one collective call per block step (calls = 1).
+// Each (phase, label) is one collective call per block step (calls = 1),
+// but a ring pass: one call per shift (ring_pass_bytes).
 #pragma once
 
 #include <map>
