@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Checks `laga plan`'s time model against measurement on this machine
-(issue 13): `laga compare --link` at P 2 (ranks as threads, one core each)
+(issue 13): `laga compare --link` at P 2 by default (--sp; ranks as threads sharing the cores)
 at bandwidths spanning the laga/explicit crossover, beside `laga plan
 --profile this --link` for the same, with the % error per form, where
 that error lies (the time in collectives and the rest), and the crossover
@@ -39,6 +39,7 @@ ap.add_argument("--latency-us", type=float, default=1000)
 ap.add_argument("--bandwidths", default="")
 ap.add_argument("--config", default="")
 ap.add_argument("--forms", default="explicit,laga,absorbed")
+ap.add_argument("--sp", type=int, default=2, help="ranks (as threads, the cores shared among them)")
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--overlap", default="both", choices=["off", "on", "both"],
                 help="laga's overlapped variant beside it (both), instead (on) or not (off)")
@@ -83,7 +84,7 @@ print("before:", uptime())
 busy0, mine0, wall0 = busy_seconds(), os.times(), time.time()
 model = ["--config", config]
 profile = os.path.join(tmp, "this.json")
-common = model + ["--seq", str(args.seq), "--sp", "2", "--forms", args.forms,
+common = model + ["--seq", str(args.seq), "--sp", str(args.sp), "--forms", args.forms,
                   "--overlap", args.overlap]
 laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
 lat = args.latency_us
@@ -128,7 +129,7 @@ for bw in bws:
 
 cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
                      text=True).stdout.split(":", 1)[-1].strip()
-print(f"CPU: {cpu}; P 2 (ranks as threads, one core each); S {args.seq}; latency {lat:g} us")
+print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.seq}; latency {lat:g} us")
 # Where the error is: the step split into its time in collectives (exposed:
 # predicted by the link model, measured by `laga compare`'s comm_ms) and the
 # rest (compute, in both), each predicted - measured in ms. The comm split is

@@ -83,6 +83,13 @@ void CommTerms::add_ring(Phase ph, const char* label, std::int64_t width, bool h
   slot.calls += b.calls;
 }
 
+void CommTerms::ring_form(const char* pass, const char* grad_pass, std::int64_t width) {
+  add_ring(Phase::forward, pass, width, false);
+  if (!backward) return;
+  add_ring(Phase::backward, pass, width, false);
+  add_ring(Phase::backward, grad_pass, width, true);
+}
+
 void CommTerms::to_heads(Phase ph, const char* label, std::int64_t d) {
   add(ph, label, ph == Phase::forward ? seq_to_head(d) : head_to_seq(d),
       CollectiveKind::all_to_all);

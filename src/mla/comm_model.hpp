@@ -116,6 +116,10 @@ struct CommTerms {
   // that brings each block back to its owner. Nothing on one rank: a ring
   // form makes no shift there.
   void add_ring(Phase phase, const char* label, std::int64_t width, bool home);
+  // A ring form's whole frame (mla/ring.hpp): its blocks' pass forward
+  // under `pass`; backward the pass again (recomputation) and the
+  // gradients' pass home under `grad_pass`.
+  void ring_form(const char* pass, const char* grad_pass, std::int64_t width);
 };
 
 // The crossover of the query exchange. Per local token of rank r, forward

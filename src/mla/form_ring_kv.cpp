@@ -35,8 +35,8 @@ using ring::block_v;
 // place, and its gradient is the accumulator's, added at the calls' rows.
 template <class T>
 struct KvBlocks {
-  const char* pass = "kv_ring";
-  const char* grad_pass = "dkv_ring";
+  static constexpr const char* pass = "kv_ring";
+  static constexpr const char* grad_pass = "dkv_ring";
   std::int64_t width(const Step& st) const { return st.H * (st.dqk + st.dv); }
   ring::RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
     return {block_k(st, block, Lj).p, block_v(st, block, Lj).p, {}};
@@ -132,17 +132,11 @@ FormEntry ring_kv_entry() {
                                     " heads; K/V round a ring of ", layout.ranks);
                        },
                    .note = nullptr,
-                   // Forward: one pass of the [K | V] blocks. Backward: the
-                   // pass again (recomputation), and the dK/dV accumulators'
-                   // pass with one more shift home.
+                   // The ring's frame: the [K | V] blocks' pass (comm_model.hpp).
                    .collectives =
                        [](CommTerms& t) {
-                         const std::int64_t width =
-                             t.cfg.n_heads * (t.cfg.qk_head_dim() + t.cfg.v_head_dim);
-                         t.add_ring(Phase::forward, "kv_ring", width, false);
-                         if (!t.backward) return;
-                         t.add_ring(Phase::backward, "kv_ring", width, false);
-                         t.add_ring(Phase::backward, "dkv_ring", width, true);
+                         t.ring_form(KvBlocks<float>::pass, KvBlocks<float>::grad_pass,
+                                     t.cfg.n_heads * (t.cfg.qk_head_dim() + t.cfg.v_head_dim));
                        },
                    // q (B, L, H, dqk), the own block (B, L, H, dqk + dv),
                    // the statistics (its o is o_loc, which every form saves)

@@ -47,8 +47,8 @@ ops::Mat<T> block_pe(const Step& st, T* p, std::int64_t Lj) {
 
 template <class T>
 struct LatentBlocks {
-  const char* pass = "latent_ring";
-  const char* grad_pass = "dlatent_ring";
+  static constexpr const char* pass = "latent_ring";
+  static constexpr const char* grad_pass = "dlatent_ring";
   std::int64_t width(const Step& st) const { return st.W; }
   // kv (B L_j, H (dn+dv)) = c_j wkv_b^T of every head, split with k_pe.
   ring::RingKv<T> kv(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj) const {
@@ -145,16 +145,11 @@ FormEntry ring_latent_entry() {
                                     " heads; the latent round a ring of ", layout.ranks);
                        },
                    .note = nullptr,
-                   // Forward: one pass of the latent blocks. Backward: the
-                   // pass again (recomputation), and the latent gradients'
-                   // pass with one more shift home.
+                   // The ring's frame: the latent blocks' pass (comm_model.hpp).
                    .collectives =
                        [](CommTerms& t) {
-                         const std::int64_t W = t.cfg.kv_lora_rank + t.cfg.qk_rope_head_dim;
-                         t.add_ring(Phase::forward, "latent_ring", W, false);
-                         if (!t.backward) return;
-                         t.add_ring(Phase::backward, "latent_ring", W, false);
-                         t.add_ring(Phase::backward, "dlatent_ring", W, true);
+                         t.ring_form(LatentBlocks<float>::pass, LatentBlocks<float>::grad_pass,
+                                     t.cfg.kv_lora_rank + t.cfg.qk_rope_head_dim);
                        },
                    // q (B, L, H, dqk), the own latent block (B, L, C + dr)
                    // and the statistics (its o is o_loc, which every form
