@@ -2,10 +2,11 @@
 # The same P on the in-process and MPI backends must give bit-identical
 # outputs and gradients: run `laga forward --backward` for each form both ways
 # and compare the safetensors files byte for byte (their metadata is equal
-# too). laga --q-latent needs q_lora_rank > 0, which preset tiny lacks: it
+# too), for every form `laga forms` lists. laga --q-latent needs q_lora_rank > 0, which preset tiny lacks: it
 # runs on tiny_q_latent.json (tiny's dims with q_lora_rank 20 and 5 heads, so
-# P 3 splits them unevenly). laga-overlap runs laga --overlap on, whose
-# tensors must also equal plain laga's bit for bit (docs/forms.md, "Overlap").
+# P 3 splits them unevenly). NAME-overlap runs a form with an overlapped path
+# with --overlap on, whose tensors must also equal the plain form's bit for
+# bit (docs/forms.md, "Overlap").
 # laga2d runs with its default head groups (gcd(4, P): laga's split at P 2,
 # one head group of 3 context groups at P 3) and as laga2d-g1 with
 # --head-groups 1 (mirrored query chunks at every P), with the query latent
@@ -15,11 +16,21 @@ set -euo pipefail
 laga=$1 mpiexec=$2 tmp=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$tmp"
-for name in explicit absorbed laga laga-q-latent laga-overlap laga2d laga2d-g1 \
-            laga2d-g1-q-latent laga2d-g1-overlap; do
+# Every registered form (`laga forms`), each with an overlapped path also as
+# NAME-overlap, then the variants above.
+forms_with() {
+  "$laga" forms --json - | /usr/bin/python3 -c '
+import json, sys
+for f in json.load(sys.stdin)["forms"]:
+    if sys.argv[1] == "all" or f["traits"][sys.argv[1]]:
+        print(f["name"] + sys.argv[2])' "$@"
+}
+mapfile -t names < <(forms_with all "" && forms_with overlap -overlap)
+[ "${#names[@]}" -ge 5 ] || { echo "FAIL: laga forms listed ${#names[@]} forms"; exit 1; }
+for name in "${names[@]}" laga-q-latent laga2d-g1 laga2d-g1-q-latent laga2d-g1-overlap; do
   form=$name model=(--preset tiny) queries=()
+  [ "${name%-overlap}" != "$name" ] && form=${name%-overlap} queries=(--overlap on)
   [ "$name" = laga-q-latent ] && form=laga model=(--config "$here/tiny_q_latent.json") queries=(--q-latent)
-  [ "$name" = laga-overlap ] && form=laga queries=(--overlap on)
   [ "$name" = laga2d-g1 ] && form=laga2d queries=(--head-groups 1)
   [ "$name" = laga2d-g1-q-latent ] && form=laga2d model=(--config "$here/tiny_q_latent.json") \
     queries=(--head-groups 1 --q-latent)
