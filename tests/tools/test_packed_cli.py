@@ -62,7 +62,9 @@ for b, cu in enumerate(rows):
                 ref[t][b, t0:t1] = alone[t][0]
 
 per_row = {f"cu_seqlens.{b}": np.array(cu, dtype=np.int32) for b, cu in enumerate(rows)}
-for form in ("explicit", "absorbed", "laga"):
+# Every registered form (`laga forms`).
+registry = json.loads(run(["forms", "--json", "-"]).stdout)["forms"]
+for form in [f["name"] for f in registry]:
     for sp in ("1", "3"):
         got = forward(dict(x=x, dout=dout, **per_row), f"packed_{form}{sp}",
                       ["--form", form, "--sp", sp])
