@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -175,6 +176,10 @@ struct Case {
   AttnShape s;
   std::vector<std::vector<std::int64_t>> docs;  // empty: one document per row
 };
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
 
 const Case kCases[] = {
     {"one_token", shape(1, 1, 1, 2, 2, 8, 8, true), {}},
@@ -349,4 +354,9 @@ TEST(FlashBf16Isa, ResolvesTheSetting) {
 }
 
 }  // namespace
+
+void PrintTo(FlashBf16Isa isa, std::ostream* os) {
+  *os << to_string(isa);
+}
+
 }  // namespace laga
