@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "core/bf16.hpp"
@@ -81,10 +82,6 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
 }
 std::int64_t even_up(std::int64_t a) {
   return (a + 1) & ~std::int64_t(1);
-}
-
-bool is_finite(bf16 x) {
-  return (x.bits & 0x7F80u) != 0x7F80u;
 }
 
 __m512bh as_bh(__m512i x) {
@@ -255,49 +252,76 @@ void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::
 // products read: rows padded to an even width (A of S^T, dP^T), and
 // transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
 // in the padding, so a pair's partner past the end multiplies to 0.
+// Keys [j0, j1) of one head of x (B, Sk, Hk, d): rows copied into row
+// (stride d_p, the padding column zeroed), then transposed into col (stride
+// sk_p, from the rows just copied, which sit in L1: the transpose's strided
+// side reads a 64-row block, not the (B, Sk, Hk, d) tensor); an odd Sk's
+// padding key zeroed. Returns whether every value is finite.
+bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int64_t d_p,
+                    std::int64_t j0, std::int64_t j1, std::int64_t sk_p, bf16* row, bf16* col) {
+  std::uint16_t bad = 0;
+  for (std::int64_t j = j0; j < j1; ++j) {
+    const bf16* src = x + hv.key_off(j, d);
+    bf16* dst = row + j * d_p;
+    std::memcpy(dst, src, sizeof(bf16) * static_cast<size_t>(d));
+    if (d_p > d) dst[d] = bf16{};
+    // Exponent all ones: inf or NaN. An OR over the block, no branch, so
+    // that it vectorises.
+    for (std::int64_t e = 0; e < d; ++e)
+      bad |= static_cast<std::uint16_t>((src[e].bits & 0x7F80u) == 0x7F80u);
+  }
+  for (std::int64_t e = 0; e < d; ++e) {
+    bf16* dst = col + e * sk_p;
+    for (std::int64_t j = j0; j < j1; ++j) dst[j] = row[j * d_p + e];
+    if (j1 < sk_p && j1 == hv.s.Sk) dst[j1] = bf16{};
+  }
+  return bad == 0;
+}
+
+// Storage a packing writes in full before anything reads it: not
+// zero-initialised (std::vector would clear tens of MiB per call first).
+template <class T>
+std::unique_ptr<T[]> uninitialised(std::int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
+}
+
+// K and V of every key/value head bh = b * Hk + hk, in the two layouts the
+// products read: rows padded to an even width (A of S^T, dP^T), and
+// transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
+// in the padding, so a pair's partner past the end multiplies to 0.
 struct KeyPacks {
   std::int64_t dqk_p, dv_p, sk_p, nkb;
-  std::vector<bf16> krow, vrow, kt, vt;
+  std::unique_ptr<bf16[]> krow, vrow, kt, vt;
   std::vector<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
-  const bf16* krow_of(std::int64_t bh) const { return krow.data() + bh * skrow() * dqk_p; }
-  const bf16* vrow_of(std::int64_t bh) const { return vrow.data() + bh * skrow() * dv_p; }
-  const bf16* kt_of(std::int64_t bh, std::int64_t dqk) const { return kt.data() + bh * dqk * sk_p; }
-  const bf16* vt_of(std::int64_t bh, std::int64_t dv) const { return vt.data() + bh * dv * sk_p; }
-  std::int64_t skrow() const { return sk_p; }
+  std::int64_t dqk, dv;
+  const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
+  const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + bh * sk_p * dv_p; }
+  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * sk_p; }
+  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * sk_p; }
 
   KeyPacks(const AttnShape& s, const bf16* k, const bf16* v)
-      : dqk_p(even_up(s.dqk)), dv_p(even_up(s.dv)), sk_p(even_up(s.Sk)), nkb(ceil_div(s.Sk, kBc)) {
+      : dqk_p(even_up(s.dqk)),
+        dv_p(even_up(s.dv)),
+        sk_p(even_up(s.Sk)),
+        nkb(ceil_div(s.Sk, kBc)),
+        dqk(s.dqk),
+        dv(s.dv) {
     const std::int64_t heads = s.B * s.Hk;
-    krow.assign(static_cast<size_t>(heads * sk_p * dqk_p), bf16{});
-    vrow.assign(static_cast<size_t>(heads * sk_p * dv_p), bf16{});
-    kt.assign(static_cast<size_t>(heads * s.dqk * sk_p), bf16{});
-    vt.assign(static_cast<size_t>(heads * s.dv * sk_p), bf16{});
+    krow = uninitialised<bf16>(heads * sk_p * dqk_p);
+    vrow = uninitialised<bf16>(heads * sk_p * dv_p);
+    kt = uninitialised<bf16>(heads * s.dqk * sk_p);
+    vt = uninitialised<bf16>(heads * s.dv * sk_p);
     finite.assign(static_cast<size_t>(heads * nkb), 1);
 #pragma omp parallel for schedule(static) if (heads * nkb > 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u / nkb, kb = u % nkb;
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
       const std::int64_t j0 = kb * kBc, j1 = std::min(j0 + kBc, s.Sk);
-      bf16* kr = krow.data() + bh * sk_p * dqk_p;
-      bf16* vr = vrow.data() + bh * sk_p * dv_p;
-      bf16* ktp = kt.data() + bh * s.dqk * sk_p;
-      bf16* vtp = vt.data() + bh * s.dv * sk_p;
-      bool ok = true;
-      for (std::int64_t j = j0; j < j1; ++j) {
-        const bf16* kj = k + hv.key_off(j, s.dqk);
-        const bf16* vj = v + hv.key_off(j, s.dv);
-        for (std::int64_t e = 0; e < s.dqk; ++e) {
-          kr[j * dqk_p + e] = kj[e];
-          ktp[e * sk_p + j] = kj[e];
-          ok = ok && is_finite(kj[e]);
-        }
-        for (std::int64_t e = 0; e < s.dv; ++e) {
-          vr[j * dv_p + e] = vj[e];
-          vtp[e * sk_p + j] = vj[e];
-          ok = ok && is_finite(vj[e]);
-        }
-      }
-      finite[static_cast<size_t>(u)] = ok ? 1 : 0;
+      const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p,
+                                       krow.get() + bh * sk_p * dqk_p, kt.get() + bh * dqk * sk_p);
+      const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p,
+                                       vrow.get() + bh * sk_p * dv_p, vt.get() + bh * dv * sk_p);
+      finite[static_cast<size_t>(u)] = ok_k && ok_v ? 1 : 0;
     }
   }
 };
@@ -308,9 +332,11 @@ struct KeyPacks {
 void pack_rows_along_d(const HeadView& hv, const bf16* x, std::int64_t d, const RowBlock& rb,
                        bf16* out) {
   std::fill(out, out + even_up(d) * kBr, bf16{});
+  const std::int64_t full = d / 2;  // whole pairs: one 32-bit word each
   for (std::int64_t r = 0; r < rb.rows; ++r) {
     const bf16* src = x + hv.row_off(rb.r0 + r, d);
-    for (std::int64_t e = 0; e < d; ++e) out[((e >> 1) * kBr + r) * 2 + (e & 1)] = src[e];
+    for (std::int64_t p = 0; p < full; ++p) std::memcpy(out + (p * kBr + r) * 2, src + 2 * p, 4);
+    if (d & 1) out[(full * kBr + r) * 2] = src[d - 1];
   }
 }
 
@@ -319,15 +345,15 @@ void pack_rows_along_d(const HeadView& hv, const bf16* x, std::int64_t d, const 
 bool pack_rows_along_r(const HeadView& hv, const bf16* x, std::int64_t d, const RowBlock& rb,
                        bf16* out) {
   std::fill(out, out + kBr * d, bf16{});
-  bool ok = true;
+  std::uint16_t bad = 0;
   for (std::int64_t r = 0; r < rb.rows; ++r) {
     const bf16* src = x + hv.row_off(rb.r0 + r, d);
     for (std::int64_t e = 0; e < d; ++e) {
       out[((r >> 1) * d + e) * 2 + (r & 1)] = src[e];
-      ok = ok && is_finite(src[e]);
+      bad |= static_cast<std::uint16_t>((src[e].bits & 0x7F80u) == 0x7F80u);  // inf or NaN
     }
   }
-  return ok;
+  return bad == 0;
 }
 
 // Per-thread scratch.
@@ -444,7 +470,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
     // O^T += V_j^T P^T with P rounded to bf16 (the l above summed it unrounded).
     round_pairs_along_keys(st, cols, nr, w.pv.data());
     if (!masked || kp.finite[static_cast<size_t>(bh * kp.nkb + kb)]) {
-      bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh, s.dv) + kt.j0, kp.sk_p, w.pv.data(), 2 * kBr,
+      bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh) + kt.j0, kp.sk_p, w.pv.data(), 2 * kBr,
             w.acc.data(), kBr, true);
     } else {
       // A non-finite value in the block: each row sums its own keys only.
@@ -486,7 +512,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // block's lse (base 2), D and whether its Q and dO are finite.
 struct RowPacks {
   std::int64_t nrb, qv_n, dov_n, qr_n, dor_n;
-  std::vector<bf16> qv, dov, qr, dor;
+  std::unique_ptr<bf16[]> qv, dov, qr, dor;  // written in full by the packing
   std::vector<float> lse2, D;
   std::vector<unsigned char> finite;
   RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
@@ -497,10 +523,10 @@ struct RowPacks {
         qr_n(kBr * s.dqk),
         dor_n(kBr * s.dv) {
     const std::int64_t units = s.B * s.Hk * nrb;
-    qv.resize(static_cast<size_t>(units * qv_n));
-    dov.resize(static_cast<size_t>(units * dov_n));
-    qr.resize(static_cast<size_t>(units * qr_n));
-    dor.resize(static_cast<size_t>(units * dor_n));
+    qv = uninitialised<bf16>(units * qv_n);
+    dov = uninitialised<bf16>(units * dov_n);
+    qr = uninitialised<bf16>(units * qr_n);
+    dor = uninitialised<bf16>(units * dor_n);
     lse2.assign(static_cast<size_t>(units * kBr), 0.0f);
     D.assign(static_cast<size_t>(units * kBr), 0.0f);
     finite.assign(static_cast<size_t>(units), 1);
@@ -509,10 +535,10 @@ struct RowPacks {
       const std::int64_t bh = u / nrb;
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
       const RowBlock rb(hv, u % nrb);
-      pack_rows_along_d(hv, q, s.dqk, rb, qv.data() + u * qv_n);
-      pack_rows_along_d(hv, dout, s.dv, rb, dov.data() + u * dov_n);
-      const bool ok_q = pack_rows_along_r(hv, q, s.dqk, rb, qr.data() + u * qr_n);
-      const bool ok_do = pack_rows_along_r(hv, dout, s.dv, rb, dor.data() + u * dor_n);
+      pack_rows_along_d(hv, q, s.dqk, rb, qv.get() + u * qv_n);
+      pack_rows_along_d(hv, dout, s.dv, rb, dov.get() + u * dov_n);
+      const bool ok_q = pack_rows_along_r(hv, q, s.dqk, rb, qr.get() + u * qr_n);
+      const bool ok_do = pack_rows_along_r(hv, dout, s.dv, rb, dor.get() + u * dor_n);
       finite[static_cast<size_t>(u)] = ok_q && ok_do ? 1 : 0;
       for (std::int64_t r = 0; r < rb.rows; ++r) {
         lse2[static_cast<size_t>(u * kBr + r)] =
@@ -532,9 +558,9 @@ void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb,
   float* st = w.st.data();
   float* dpt = w.dpt.data();
   bgemm(cols, nr, kp.dqk_p / 2, kp.krow_of(bh) + kt.j0 * kp.dqk_p, kp.dqk_p,
-        rp.qv.data() + u * rp.qv_n, 2 * kBr, st, kBr, false);
+        rp.qv.get() + u * rp.qv_n, 2 * kBr, st, kBr, false);
   bgemm(cols, nr, kp.dv_p / 2, kp.vrow_of(bh) + kt.j0 * kp.dv_p, kp.dv_p,
-        rp.dov.data() + u * rp.dov_n, 2 * kBr, dpt, kBr, false);
+        rp.dov.get() + u * rp.dov_n, 2 * kBr, dpt, kBr, false);
   const float* lse2 = rp.lse2.data() + u * kBr;
   const float* D = rp.D.data() + u * kBr;
   const V sc2 = S::set1(static_cast<float>(s.scale * kLog2e));
@@ -567,9 +593,9 @@ void backward_kv(const AttnShape& s, const HeadView& hv, const RowBlock& rb, con
   round_rows(w.dpt.data(), kt.cols, rb.rows, w.dst.data());
   const std::int64_t kpairs = even_up(rb.rows) / 2;
   if (!tile_is_masked(rb, kt) || rp.finite[static_cast<size_t>(u)]) {
-    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor.data() + u * rp.dor_n, 2 * s.dv,
+    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor.get() + u * rp.dor_n, 2 * s.dv,
           w.dv.data(), s.dv, true);
-    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr.data() + u * rp.qr_n, 2 * s.dqk,
+    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr.get() + u * rp.qr_n, 2 * s.dqk,
           w.dk.data(), s.dqk, true);
     return;
   }
@@ -596,8 +622,8 @@ void backward_q(const AttnShape& s, const HeadView& hv, const RowBlock& rb, cons
   const std::int64_t nr = ceil_div(rb.rows, W) * W;
   if (!tile_is_masked(rb, kt) || kp.finite[static_cast<size_t>(bh * kp.nkb + kt.j0 / kBc)]) {
     round_pairs_along_keys(w.dpt.data(), kt.cols, nr, w.pv.data());
-    bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh, s.dqk) + kt.j0, kp.sk_p, w.pv.data(),
-          2 * kBr, w.acc.data(), kBr, true);
+    bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh) + kt.j0, kp.sk_p, w.pv.data(), 2 * kBr,
+          w.acc.data(), kBr, true);
     return;
   }
   // A non-finite K in the block: row r sums over its own keys.
