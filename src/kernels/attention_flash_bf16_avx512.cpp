@@ -586,17 +586,20 @@ void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb,
   }
 }
 
-// dV_j += P^T dO_i, dK_j += dS^T Q_i into w.dv, w.dk (key block rows).
+// dV_j += P^T dO_i, dK_j += dS^T Q_i into dvb (cols, dv), dkb (cols, dqk):
+// the key block's rows of w.dv, w.dk (two-pass) or of the head's sums
+// (per head). The same calls either way, so the same bits.
 void backward_kv(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const KeyTile& kt,
-                 const RowPacks& rp, std::int64_t u, Scratch& w, const bf16* q, const bf16* dout) {
+                 const RowPacks& rp, std::int64_t u, Scratch& w, const bf16* q, const bf16* dout,
+                 float* dkb, float* dvb) {
   round_rows(w.st.data(), kt.cols, rb.rows, w.pt.data());
   round_rows(w.dpt.data(), kt.cols, rb.rows, w.dst.data());
   const std::int64_t kpairs = even_up(rb.rows) / 2;
   if (!tile_is_masked(rb, kt) || rp.finite[static_cast<size_t>(u)]) {
-    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor.get() + u * rp.dor_n, 2 * s.dv,
-          w.dv.data(), s.dv, true);
-    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr.get() + u * rp.qr_n, 2 * s.dqk,
-          w.dk.data(), s.dqk, true);
+    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor.get() + u * rp.dor_n, 2 * s.dv, dvb, s.dv,
+          true);
+    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr.get() + u * rp.qr_n, 2 * s.dqk, dkb,
+          s.dqk, true);
     return;
   }
   // A non-finite Q or dO in the block: key c sums over the rows that see it.
@@ -607,10 +610,8 @@ void backward_kv(const AttnShape& s, const HeadView& hv, const RowBlock& rb, con
     for (std::int64_t c = tr.lo[r]; c < tr.hi[r]; ++c) {
       const float p = value(w.pt[static_cast<size_t>(c * kBr + r)]);
       const float ds = value(w.dst[static_cast<size_t>(c * kBr + r)]);
-      for (std::int64_t n = 0; n < s.dv; ++n)
-        w.dv[static_cast<size_t>(c * s.dv + n)] += p * value(dr[n]);
-      for (std::int64_t n = 0; n < s.dqk; ++n)
-        w.dk[static_cast<size_t>(c * s.dqk + n)] += ds * value(qr[n]);
+      for (std::int64_t n = 0; n < s.dv; ++n) dvb[c * s.dv + n] += p * value(dr[n]);
+      for (std::int64_t n = 0; n < s.dqk; ++n) dkb[c * s.dqk + n] += ds * value(qr[n]);
     }
   }
 }
@@ -637,6 +638,15 @@ void backward_q(const AttnShape& s, const HeadView& hv, const RowBlock& rb, cons
       for (std::int64_t n = 0; n < s.dqk; ++n)
         w.acc[static_cast<size_t>(n * kBr + r)] += ds * value(kj[n]);
     }
+}
+
+// dQ rows of the block from the transposed accumulator w.acc (dqk, Br).
+void store_dq(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const Scratch& w,
+              float* dq) {
+  for (std::int64_t r = 0; r < rb.rows; ++r) {
+    float* dst = dq + hv.row_off(rb.r0 + r, s.dqk);
+    for (std::int64_t n = 0; n < s.dqk; ++n) dst[n] = w.acc[static_cast<size_t>(n * kBr + r)];
+  }
 }
 
 std::int64_t first_row_block(const AttnShape& s, std::int64_t g, std::int64_t j0) {
@@ -687,6 +697,46 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
   const KeyPacks kp(s, k, v);
   const RowPacks rp(s, q, dout, lse, D);
   const std::int64_t nrb = rp.nrb, nkb = kp.nkb;
+  // One thread per head when the heads share the threads out evenly enough
+  // (the fp32 kernel's rule): each tile's S and dP computed once, dK, dV
+  // summed in a per-thread head buffer. Else two passes, which recompute
+  // them. Both make the same product calls in the same order for every
+  // output (row blocks ascending for dK, dV; key blocks for dQ), so the
+  // choice, which depends on the thread count, does not change a bit.
+  const std::int64_t nt =
+      omp_get_active_level() >= omp_get_max_active_levels() ? 1 : omp_get_max_threads();
+  if (ceil_div(heads, nt) * nt * 10 <= heads * 13) {
+#pragma omp parallel if (heads > 1)
+    {
+      Scratch w(s);
+      std::vector<float> head_dk(static_cast<size_t>(s.Sk * s.dqk));
+      std::vector<float> head_dv(static_cast<size_t>(s.Sk * s.dv));
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t bh = 0; bh < heads; ++bh) {
+        const HeadView hv(s, bh / s.Hk, bh % s.Hk);
+        std::fill(head_dk.begin(), head_dk.end(), 0.0f);
+        std::fill(head_dv.begin(), head_dv.end(), 0.0f);
+        for (std::int64_t ib = 0; ib < nrb; ++ib) {
+          const RowBlock rb(hv, ib);
+          const std::int64_t ru = bh * nrb + ib;
+          std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
+          for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
+            const KeyTile kt(s, kb);
+            backward_scores(s, hv, rb, kt, kp, rp, ru, w);
+            backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, head_dk.data() + kt.j0 * s.dqk,
+                        head_dv.data() + kt.j0 * s.dv);
+            backward_q(s, hv, rb, kt, kp, w);
+          }
+          store_dq(s, hv, rb, w, dq);
+        }
+        for (std::int64_t j = 0; j < s.Sk; ++j) {
+          std::copy_n(head_dk.data() + j * s.dqk, s.dqk, dk + hv.key_off(j, s.dqk));
+          std::copy_n(head_dv.data() + j * s.dv, s.dv, dv + hv.key_off(j, s.dv));
+        }
+      }
+    }
+    return;
+  }
 #pragma omp parallel if (heads * std::max(nkb, nrb) > 1)
   {
     Scratch w(s);
@@ -704,7 +754,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         if (rb.kend <= kt.j0) continue;
         const std::int64_t ru = bh * nrb + ib;
         backward_scores(s, hv, rb, kt, kp, rp, ru, w);
-        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout);
+        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, w.dk.data(), w.dv.data());
       }
       for (std::int64_t c = 0; c < kt.cols; ++c) {
         std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk + hv.key_off(kt.j0 + c, s.dqk));
@@ -724,10 +774,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         backward_scores(s, hv, rb, kt, kp, rp, ru, w);
         backward_q(s, hv, rb, kt, kp, w);
       }
-      for (std::int64_t r = 0; r < rb.rows; ++r) {
-        float* dst = dq + hv.row_off(rb.r0 + r, s.dqk);
-        for (std::int64_t n = 0; n < s.dqk; ++n) dst[n] = w.acc[static_cast<size_t>(n * kBr + r)];
-      }
+      store_dq(s, hv, rb, w, dq);
     }
   }
 }
