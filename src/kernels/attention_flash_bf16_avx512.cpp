@@ -48,9 +48,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "core/bf16.hpp"
@@ -253,10 +255,6 @@ void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::
 // ---------------------------------------------------------------------------
 // Packed operands of a call, shared by all threads once made.
 
-// K and V of every key/value head bh = b * Hk + hk, in the two layouts the
-// products read: rows padded to an even width (A of S^T, dP^T), and
-// transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
-// in the padding, so a pair's partner past the end multiplies to 0.
 // Keys [j0, j1) of one head of x (B, Sk, Hk, d): rows copied into row
 // (stride d_p, the padding column zeroed), then transposed into col (stride
 // sk_p, from the rows just copied, which sit in L1: the transpose's strided
@@ -283,11 +281,42 @@ bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int6
   return bad == 0;
 }
 
-// Storage a packing writes in full before anything reads it: not
-// zero-initialised (std::vector would clear tens of MiB per call first).
+// 64-byte aligned storage, left uninitialised (a packing writes it in full
+// before anything reads it; std::vector would clear tens of MiB per call
+// first). bgemm reads B and reads and writes C in whole 64-byte vectors at
+// multiples of 64 bytes from a buffer's start (every pair-row and tile row
+// is a multiple of 64 bytes long for the shapes that matter): from malloc's
+// 16-byte alignment, each of those accesses would straddle two cache lines.
 template <class T>
-std::unique_ptr<T[]> uninitialised(std::int64_t n) {
-  return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
+class Aligned {
+ public:
+  Aligned() = default;
+  explicit Aligned(std::int64_t n)
+      : n_(n),
+        p_(static_cast<T*>(std::aligned_alloc(
+            64,
+            (static_cast<size_t>(std::max<std::int64_t>(n, 1)) * sizeof(T) + 63) & ~size_t(63)))) {
+    if (!p_) throw std::bad_alloc();
+  }
+  T* data() const { return p_.get(); }
+  T* get() const { return p_.get(); }
+  T* begin() const { return p_.get(); }
+  T* end() const { return p_.get() + n_; }
+  T& operator[](size_t i) const { return p_.get()[i]; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::int64_t n_ = 0;
+  std::unique_ptr<T, Free> p_;
+};
+
+template <class T>
+Aligned<T> zeroed(std::int64_t n) {
+  Aligned<T> a(n);
+  std::fill(a.begin(), a.end(), T{});
+  return a;
 }
 
 // K and V of every key/value head bh = b * Hk + hk, in the two layouts the
@@ -296,7 +325,7 @@ std::unique_ptr<T[]> uninitialised(std::int64_t n) {
 // in the padding, so a pair's partner past the end multiplies to 0.
 struct KeyPacks {
   std::int64_t dqk_p, dv_p, sk_p, nkb;
-  std::unique_ptr<bf16[]> krow, vrow, kt, vt;
+  Aligned<bf16> krow, vrow, kt, vt;
   std::vector<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
   std::int64_t dqk, dv;
   const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
@@ -312,10 +341,10 @@ struct KeyPacks {
         dqk(s.dqk),
         dv(s.dv) {
     const std::int64_t heads = s.B * s.Hk;
-    krow = uninitialised<bf16>(heads * sk_p * dqk_p);
-    vrow = uninitialised<bf16>(heads * sk_p * dv_p);
-    kt = uninitialised<bf16>(heads * s.dqk * sk_p);
-    vt = uninitialised<bf16>(heads * s.dv * sk_p);
+    krow = Aligned<bf16>(heads * sk_p * dqk_p);
+    vrow = Aligned<bf16>(heads * sk_p * dv_p);
+    kt = Aligned<bf16>(heads * s.dqk * sk_p);
+    vt = Aligned<bf16>(heads * s.dv * sk_p);
     finite.assign(static_cast<size_t>(heads * nkb), 1);
 #pragma omp parallel for schedule(static) if (heads * nkb > 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
@@ -363,26 +392,26 @@ bool pack_rows_along_r(const HeadView& hv, const bf16* x, std::int64_t d, const 
 
 // Per-thread scratch.
 struct Scratch {
-  std::vector<float> st, dpt;  // (Bc, Br) S^T then P^T; dP^T then dS^T
-  std::vector<bf16> pv;        // (Bc / 2, Br, 2) P^T or dS^T pair-interleaved along keys
-  std::vector<bf16> pt, dst;   // (Bc, Br) P^T and dS^T rounded, rows as they are
-  std::vector<float> acc;      // (max(dqk, dv), Br) O^T or dQ^T
-  std::vector<float> dk, dv;   // (Bc, dqk), (Bc, dv) of one key block
-  std::vector<bf16> qv;        // forward's Q^T of the block (pack_rows_along_d)
-  std::vector<float> m, l, alpha;
+  Aligned<float> st, dpt;  // (Bc, Br) S^T then P^T; dP^T then dS^T
+  Aligned<bf16> pv;        // (Bc / 2, Br, 2) P^T or dS^T pair-interleaved along keys
+  Aligned<bf16> pt, dst;   // (Bc, Br) P^T and dS^T rounded, rows as they are
+  Aligned<float> acc;      // (max(dqk, dv), Br) O^T or dQ^T
+  Aligned<float> dk, dv;   // (Bc, dqk), (Bc, dv) of one key block
+  Aligned<bf16> qv;        // forward's Q^T of the block (pack_rows_along_d)
+  Aligned<float> m, l, alpha;
   explicit Scratch(const AttnShape& s)
-      : st(kBc * kBr),
-        dpt(kBc * kBr),
-        pv(kBc * kBr),
-        pt(kBc * kBr),
-        dst(kBc * kBr),
-        acc(static_cast<size_t>(std::max(s.dqk, s.dv) * kBr)),
-        dk(static_cast<size_t>(kBc * s.dqk)),
-        dv(static_cast<size_t>(kBc * s.dv)),
-        qv(static_cast<size_t>(even_up(s.dqk) * kBr)),
-        m(kBr),
-        l(kBr),
-        alpha(kBr) {}
+      : st(zeroed<float>(kBc * kBr)),
+        dpt(zeroed<float>(kBc * kBr)),
+        pv(zeroed<bf16>(kBc * kBr)),
+        pt(zeroed<bf16>(kBc * kBr)),
+        dst(zeroed<bf16>(kBc * kBr)),
+        acc(zeroed<float>(std::max(s.dqk, s.dv) * kBr)),
+        dk(zeroed<float>(kBc * s.dqk)),
+        dv(zeroed<float>(kBc * s.dv)),
+        qv(zeroed<bf16>(even_up(s.dqk) * kBr)),
+        m(zeroed<float>(kBr)),
+        l(zeroed<float>(kBr)),
+        alpha(zeroed<float>(kBr)) {}
 };
 
 // pv (cols_p / 2, Br, 2) = x (cols, Br) rounded to bf16, key pairs (c, c+1)
@@ -517,7 +546,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // block's lse (base 2), D and whether its Q and dO are finite.
 struct RowPacks {
   std::int64_t nrb, qv_n, dov_n, qr_n, dor_n;
-  std::unique_ptr<bf16[]> qv, dov, qr, dor;  // written in full by the packing
+  Aligned<bf16> qv, dov, qr, dor;  // written in full by the packing
   std::vector<float> lse2, D;
   std::vector<unsigned char> finite;
   RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
@@ -528,10 +557,10 @@ struct RowPacks {
         qr_n(kBr * s.dqk),
         dor_n(kBr * s.dv) {
     const std::int64_t units = s.B * s.Hk * nrb;
-    qv = uninitialised<bf16>(units * qv_n);
-    dov = uninitialised<bf16>(units * dov_n);
-    qr = uninitialised<bf16>(units * qr_n);
-    dor = uninitialised<bf16>(units * dor_n);
+    qv = Aligned<bf16>(units * qv_n);
+    dov = Aligned<bf16>(units * dov_n);
+    qr = Aligned<bf16>(units * qr_n);
+    dor = Aligned<bf16>(units * dor_n);
     lse2.assign(static_cast<size_t>(units * kBr), 0.0f);
     D.assign(static_cast<size_t>(units * kBr), 0.0f);
     finite.assign(static_cast<size_t>(units), 1);
@@ -714,8 +743,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
 #pragma omp parallel if (heads > 1)
     {
       Scratch w(s);
-      std::vector<float> head_dk(static_cast<size_t>(s.Sk * s.dqk));
-      std::vector<float> head_dv(static_cast<size_t>(s.Sk * s.dv));
+      Aligned<float> head_dk(s.Sk * s.dqk), head_dv(s.Sk * s.dv);
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t bh = 0; bh < heads; ++bh) {
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
