@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <ostream>
 #include <string>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "attention_cases.hpp"
+#include "common/error_of.hpp"
 #include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
@@ -351,6 +353,30 @@ TEST(FlashBf16Isa, ResolvesTheSetting) {
   EXPECT_EQ(resolve_flash_bf16_isa("avx512_bf16", nullptr), FlashBf16Isa::avx512_bf16);
   EXPECT_THROW(resolve_flash_bf16_isa("avx512_bf16", "this CPU has no avx512bf16"), Error);
   EXPECT_THROW(resolve_flash_bf16_isa("bf16", nullptr), Error);
+}
+
+// Run by CTest under each value of LAGA_FLASH_BF16_ISA, one of them wrong
+// (tests/kernels/CMakeLists.txt): the variable picks the path, and a bad or
+// unavailable value fails every call, naming itself.
+TEST(FlashBf16IsaEnvironment, IsFollowed) {
+  const char* env = std::getenv("LAGA_FLASH_BF16_ISA");
+  const std::string value = env ? env : "auto";
+  const std::vector<FlashBf16Isa> isas = flash_bf16_isas_available();
+  const bool fast = std::find(isas.begin(), isas.end(), FlashBf16Isa::avx512_bf16) != isas.end();
+  const Bf16Problem p(Problem<float>(shape(1, 7, 7, 2, 2, 8, 8, true)));
+  if (value == "fp32" || (value == "avx512_bf16" && fast)) {
+    EXPECT_EQ(to_string(flash_bf16_isa()), value);
+    const test::Result<double> ref = test::run_reference(p.wide);
+    EXPECT_TRUE(within(run_bf16(p).o, ref.o, bounds_of(p.wide, ref.o).o, "o"));
+  } else if (value == "auto") {
+    EXPECT_EQ(flash_bf16_isa(), isas.back());
+  } else {
+    const std::string prefix = value == "avx512_bf16" ? "LAGA_FLASH_BF16_ISA=avx512_bf16, but "
+                                                      : "LAGA_FLASH_BF16_ISA='" + value + "'";
+    const std::string e = test::error_of([&] { run_bf16(p); });
+    EXPECT_NE(e.find(prefix), std::string::npos) << e;
+    EXPECT_NE(test::error_of([] { flash_bf16_isa(); }).find(prefix), std::string::npos);
+  }
 }
 
 }  // namespace
