@@ -273,6 +273,15 @@ TEST_P(FlashBf16, BitwiseIndependentOfThreadCount) {
   }
 }
 
+// No keys at all (Sk = 0): every row fully masked, o = 0, lse = 0, dq = 0.
+TEST_P(FlashBf16, NoKeysAtAll) {
+  const Bf16Problem p(Problem<float>(shape(1, 3, 0, 2, 1, 4, 4, false)));
+  const Out r = run_bf16(p);
+  for (float x : r.o) EXPECT_EQ(x, 0.0f);
+  for (float x : r.lse) EXPECT_EQ(x, 0.0f);
+  for (float x : r.dq) EXPECT_EQ(x, 0.0f);
+}
+
 // A NaN in the value row of one token reaches its own document's later rows
 // and nothing else: the next document's rows share that token's key block
 // (so the AVX512_BF16 path must leave the masked pair out, not multiply it
