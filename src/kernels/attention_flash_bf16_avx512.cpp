@@ -6,14 +6,21 @@
 //
 // The shape of the fp32 kernels (attention_flash_impl.inc, read it first):
 // virtual rows (query heads of one key/value head, token-major), 64-row by
-// 128-key tiles aligned at multiples of 128 keys (kBc below), online softmax in base 2 with one
-// row per vector lane, block ranges from RowBlock, and a backward in two
-// passes (dK/dV parallel over key blocks, dQ over query blocks) whose every
-// sum runs in ascending block order in one thread: bitwise the same for any
-// thread count. HeadView, RowBlock and TileRanges are copies of theirs.
+// 128-key tiles aligned at multiples of 128 keys (kBc below), online
+// softmax in base 2 with one row per vector lane, block ranges from
+// RowBlock, and a backward either per head (one thread owns a head) or in
+// two passes (dK/dV parallel over key blocks, dQ over query blocks), where
+// every sum runs in ascending block order in one thread: bitwise the same
+// for any thread count. HeadView, RowBlock and TileRanges are copies of
+// theirs (that file is compiled per ISA into its own namespace; sharing
+// them would mean moving them out of it, for a few lines).
+//
+// dK, dV of the (B, Sk, Hk, d) tensors: written once per key block, in
+// ascending order of the row blocks summed into them (both schedules).
 //
 // VDPBF16PS multiplies PAIRS: lane n of C gets a[2p] b[2p][n] + a[2p+1]
-// b[2p+1][n] (an fp32 FMA chain of two exact bf16 products). So every B
+// b[2p+1][n] (two exact bf16 products added into fp32; bf16 denormal
+// inputs count as zero, which converted tensors never hold, core/bf16.hpp). So every B
 // operand is stored "pair-interleaved" along the reduction (VNNI layout):
 // pair-row p holds, for each column n, the two bf16 of rows 2p and 2p+1
 // side by side, and A is row-major bf16 whose pair (k, k+1) is one 32-bit
