@@ -73,9 +73,11 @@ LAGA_BENCH(flash_bf16, "flash attention fwd/bwd: bf16 Q/K/V (fp32 accumulation) 
   const std::string f32_isa = laga::to_string(laga::flash_isa());
   const std::string bf16_row_isa = bisa == laga::FlashBf16Isa::avx512_bf16 ? "bf16" : f32_isa;
   const int threads = ctx.options().threads;
+  // Why the fallback runs: the machine, else the variable chose it.
+  const char* why_fp32 = laga::flash_bf16_why_no_avx512_bf16();
   ctx.note(laga::cat("bf16 flash kernels: ", laga::to_string(bisa),
                      bisa == laga::FlashBf16Isa::fp32
-                         ? laga::cat(" (", laga::flash_bf16_why_no_avx512_bf16(),
+                         ? laga::cat(" (", why_fp32 ? why_fp32 : "LAGA_FLASH_BF16_ISA=fp32",
                                      "): widened to fp32, the fp32 kernels run")
                          : std::string(" (VDPBF16PS)"),
                      "; fp32 flash kernels: ", f32_isa));
