@@ -271,11 +271,12 @@ void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::
 
 // Keys [j0, j1) of one head of x (B, Sk, Hk, d): rows copied into row
 // (stride d_p, the padding column zeroed), then transposed into col (stride
-// sk_p, from the rows just copied, which sit in L1: the transpose's strided
+// ldt, from the rows just copied, which sit in L1: the transpose's strided
 // side reads a 64-row block, not the (B, Sk, Hk, d) tensor); an odd Sk's
 // padding key zeroed. Returns whether every value is finite.
 bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int64_t d_p,
-                    std::int64_t j0, std::int64_t j1, std::int64_t sk_p, bf16* row, bf16* col) {
+                    std::int64_t j0, std::int64_t j1, std::int64_t sk_p, std::int64_t ldt,
+                    bf16* row, bf16* col) {
   std::uint16_t bad = 0;
   for (std::int64_t j = j0; j < j1; ++j) {
     const bf16* src = x + hv.key_off(j, d);
@@ -288,7 +289,7 @@ bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int6
       bad |= static_cast<std::uint16_t>((src[e].bits & 0x7F80u) == 0x7F80u);
   }
   for (std::int64_t e = 0; e < d; ++e) {
-    bf16* dst = col + e * sk_p;
+    bf16* dst = col + e * ldt;
     for (std::int64_t j = j0; j < j1; ++j) dst[j] = row[j * d_p + e];
     if (j1 < sk_p && j1 == hv.s.Sk) dst[j1] = bf16{};
   }
@@ -338,37 +339,43 @@ Aligned<T> zeroed(std::int64_t n) {
 // transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
 // in the padding, so a pair's partner past the end multiplies to 0.
 struct KeyPacks {
-  std::int64_t dqk_p, dv_p, sk_p, nkb;
+  // ldt: the row stride of kt, vt. Those rows are the A operand of O^T and
+  // dQ^T, six streams at once; at S 2048 a stride of sk_p would put them
+  // exactly 4 KiB apart, all in one L1 set, so it is padded by 64 bytes
+  // there.
+  std::int64_t dqk_p, dv_p, sk_p, nkb, ldt;
   Aligned<bf16> krow, vrow, kt, vt;
   std::vector<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
   std::int64_t dqk, dv;
   const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
   const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + bh * sk_p * dv_p; }
-  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * sk_p; }
-  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * sk_p; }
+  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * ldt; }
+  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * ldt; }
 
   KeyPacks(const AttnShape& s, const bf16* k, const bf16* v)
       : dqk_p(even_up(s.dqk)),
         dv_p(even_up(s.dv)),
         sk_p(even_up(s.Sk)),
         nkb(ceil_div(s.Sk, kBc)),
+        ldt(ceil_div(sk_p, 32) * 32 % 2048 == 0 ? ceil_div(sk_p, 32) * 32 + 32
+                                                : ceil_div(sk_p, 32) * 32),
         dqk(s.dqk),
         dv(s.dv) {
     const std::int64_t heads = s.B * s.Hk;
     krow = Aligned<bf16>(heads * sk_p * dqk_p);
     vrow = Aligned<bf16>(heads * sk_p * dv_p);
-    kt = Aligned<bf16>(heads * s.dqk * sk_p);
-    vt = Aligned<bf16>(heads * s.dv * sk_p);
+    kt = Aligned<bf16>(heads * s.dqk * ldt);
+    vt = Aligned<bf16>(heads * s.dv * ldt);
     finite.assign(static_cast<size_t>(heads * nkb), 1);
 #pragma omp parallel for schedule(static) if (heads * nkb > 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u / nkb, kb = u % nkb;
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
       const std::int64_t j0 = kb * kBc, j1 = std::min(j0 + kBc, s.Sk);
-      const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p,
-                                       krow.get() + bh * sk_p * dqk_p, kt.get() + bh * dqk * sk_p);
-      const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p,
-                                       vrow.get() + bh * sk_p * dv_p, vt.get() + bh * dv * sk_p);
+      const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p, ldt,
+                                       krow.get() + bh * sk_p * dqk_p, kt.get() + bh * dqk * ldt);
+      const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p, ldt,
+                                       vrow.get() + bh * sk_p * dv_p, vt.get() + bh * dv * ldt);
       finite[static_cast<size_t>(u)] = ok_k && ok_v ? 1 : 0;
     }
   }
@@ -518,7 +525,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
     // O^T += V_j^T P^T with P rounded to bf16 (the l above summed it unrounded).
     round_pairs_along_keys(st, cols, nr, w.pv.data());
     if (!masked || kp.finite[static_cast<size_t>(bh * kp.nkb + kb)]) {
-      bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh) + kt.j0, kp.sk_p, w.pv.data(), 2 * kBr,
+      bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
             w.acc.data(), kBr, true);
     } else {
       // A non-finite value in the block: each row sums its own keys only.
@@ -671,7 +678,7 @@ void backward_q(const AttnShape& s, const HeadView& hv, const RowBlock& rb, cons
   const std::int64_t nr = ceil_div(rb.rows, W) * W;
   if (!tile_is_masked(rb, kt) || kp.finite[static_cast<size_t>(bh * kp.nkb + kt.j0 / kBc)]) {
     round_pairs_along_keys(w.dpt.data(), kt.cols, nr, w.pv.data());
-    bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh) + kt.j0, kp.sk_p, w.pv.data(), 2 * kBr,
+    bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
           w.acc.data(), kBr, true);
     return;
   }
