@@ -10,9 +10,11 @@
 // values summed in fp32; the softmax statistics (row max, row sum, lse) and
 // D_i = dO_i . o_i are fp32; P is rounded to bf16 for the P V and P^T dO
 // products, dS = P (dP - D) * scale to bf16 for dS K and dS^T Q, each once,
-// right before its product. That is two bf16 roundings (unit roundoff
-// u = 2^-8) per term of the o, dq, dk and dv sums, and nothing else of bf16
-// size: every sum itself runs in fp32.
+// right before its product. That is one bf16 rounding (unit roundoff
+// u = 2^-8) per term of each sum: of p in o and dv, of dS in dq and dk (plus
+// o's error carried into D); nothing else is of bf16 size, every sum itself
+// runs in fp32 (tests/kernels/test_attention_flash_bf16.cpp derives its
+// tolerance from this).
 //
 // Outputs are fp32, and that is a choice:
 //  - o: the exact fp32 accumulator over the fp32 row sum. The caller rounds
