@@ -3,8 +3,10 @@
 // timed alternately so that a drift of the shared machine falls on both.
 //
 // FLOP convention: bench_attention.cpp's (fwd = the causal half's useful
-// FLOPs, bwd = 2.5x, fwd+bwd = 3.5x), whatever a kernel executes (the bf16
-// backward runs two passes and recomputes S and dP in both: 3.5x of its own).
+// FLOPs, bwd = 2.5x, fwd+bwd = 3.5x), whatever a kernel executes (at 16
+// heads on 2 threads both backwards run one head per thread and execute
+// 2.6x forward; with fewer heads than threads they take two passes and
+// recompute S and dP, about 40% more).
 // %peak of the bf16 rows is against the bf16 dot-product peak (VDPBF16PS,
 // harness.hpp: 64 FLOP an instruction), of the fp32 rows against the FMA
 // peak of flash_isa(). #wrong: against the fp32 flash kernels on the widened
