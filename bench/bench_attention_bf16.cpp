@@ -69,8 +69,11 @@ LAGA_BENCH(flash_bf16, "flash attention fwd/bwd: bf16 Q/K/V (fp32 accumulation) 
     s.scale = 1.0 / std::sqrt(static_cast<double>(dqk));
     return s;
   };
-  // The explicit MLA form's attention: DeepSeek-V3 head dims, 16 heads.
-  std::vector<Case> cases = {{"v3_mha_causal_2k", make(quick ? 256 : 2048, 16, 16, 192, 128)}};
+  // The explicit MLA form's attention: DeepSeek-V3 head dims, 16 heads; and
+  // the absorbed form's, 16 heads against one shared [c | k_pe] (576),
+  // values c (512): one key/value head, so the two-pass backward.
+  std::vector<Case> cases = {{"v3_mha_causal_2k", make(quick ? 256 : 2048, 16, 16, 192, 128)},
+                             {"v3_latent_causal_1k", make(quick ? 128 : 1024, 16, 1, 576, 512)}};
   const laga::FlashBf16Isa bisa = laga::flash_bf16_isa();
   const std::string f32_isa = laga::to_string(laga::flash_isa());
   const std::string bf16_row_isa = bisa == laga::FlashBf16Isa::avx512_bf16 ? "bf16" : f32_isa;
