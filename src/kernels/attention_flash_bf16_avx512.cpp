@@ -6,7 +6,8 @@
 //
 // The shape of the fp32 kernels (attention_flash_impl.inc, read it first):
 // virtual rows (query heads of one key/value head, token-major), 64-row by
-// 128-key tiles aligned at multiples of 128 keys (kBc below), online
+// 128-key tiles aligned at multiples of 128 keys (kBc below; trimmed to
+// even keys, KeyTile), online
 // softmax in base 2 with one row per vector lane, block ranges from
 // RowBlock, and a backward either per head (one thread owns a head) or in
 // two passes (dK/dV parallel over key blocks, dQ over query blocks), where
@@ -24,10 +25,10 @@
 // operand is stored "pair-interleaved" along the reduction (VNNI layout):
 // pair-row p holds, for each column n, the two bf16 of rows 2p and 2p+1
 // side by side, and A is row-major bf16 whose pair (k, k+1) is one 32-bit
-// broadcast. Reductions of odd length are padded with zeros, which is why
-// the tiles keep their kBc-aligned start (an odd start, the fp32 kernel's
-// trim to a document's first key, would split pairs); the keys of earlier
-// documents in a tile are masked instead.
+// broadcast. Reductions of odd length are padded with zeros, and a tile
+// starts at an even key (an odd start, such as the fp32 kernel's trim to a
+// document's first key, would split pairs): KeyTile rounds it down, and
+// the one key of the earlier document that may leave in is masked.
 //
 // Products (rows in lanes, so statistics stay per lane, as in fp32):
 //   S^T  (Bc, Br)  = K_j (Bc, dqk)   . [Q_i^T]         K rows padded (krow)
@@ -152,10 +153,19 @@ struct RowBlock {
   std::int64_t end_key_block() const { return ceil_div(kend, kBc); }
 };
 
+// Keys [j0, j0 + cols): key block kb whole (KeyTile(s, kb)), or, for row
+// block rb, trimmed to the keys its rows see (KeyTile(s, rb, kb)): the start
+// to kbeg rounded down to even and the end to kend rounded up, so that j0
+// stays even and pairs stay whole (the top of this file). That saves the
+// masked part of the diagonal tile (half a tile on average) and all but
+// one key of earlier documents in a document's first tile.
 struct KeyTile {
   std::int64_t j0, cols;
   KeyTile(const AttnShape& s, std::int64_t kb)
       : j0(kb * kBc), cols(std::min(kBc, s.Sk - kb * kBc)) {}
+  KeyTile(const AttnShape& s, const RowBlock& rb, std::int64_t kb)
+      : j0(std::max(kb * kBc, rb.kbeg & ~std::int64_t(1))),
+        cols(std::min({kb * kBc + kBc, s.Sk, even_up(rb.kend)}) - j0) {}
 };
 
 bool tile_is_masked(const RowBlock& rb, const KeyTile& kt) {
@@ -483,7 +493,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
   const V sc2 = S::set1(static_cast<float>(s.scale * kLog2e));
   const float ninf = -std::numeric_limits<float>::infinity();
   for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
-    const KeyTile kt(s, kb);
+    const KeyTile kt(s, rb, kb);
     const std::int64_t cols = kt.cols;
     bgemm(cols, nr, kp.dqk_p / 2, kp.krow_of(bh) + kt.j0 * kp.dqk_p, kp.dqk_p, w.qv.data(), 2 * kBr,
           st, kBr, false);
@@ -775,7 +785,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
           const std::int64_t ru = bh * nrb + ib;
           std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
           for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
-            const KeyTile kt(s, kb);
+            const KeyTile kt(s, rb, kb);
             backward_scores(s, hv, rb, kt, kp, rp, ru, w);
             backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, head_dk.data() + kt.j0 * s.dqk,
                         head_dv.data() + kt.j0 * s.dv);
@@ -798,21 +808,23 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u % heads, kb = u / heads;
-      const KeyTile kt(s, kb);
+      const KeyTile blk(s, kb);  // the whole block: w.dk, w.dv hold its keys
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
       std::fill(w.dk.begin(), w.dk.end(), 0.0f);
       std::fill(w.dv.begin(), w.dv.end(), 0.0f);
-      for (std::int64_t ib = first_row_block(s, g, kt.j0); ib < nrb; ++ib) {
+      for (std::int64_t ib = first_row_block(s, g, blk.j0); ib < nrb; ++ib) {
         const RowBlock rb(hv, ib);
-        if (rb.kbeg >= kt.j0 + kt.cols) break;
-        if (rb.kend <= kt.j0) continue;
+        if (rb.kbeg >= blk.j0 + blk.cols) break;
+        if (rb.kend <= blk.j0) continue;
         const std::int64_t ru = bh * nrb + ib;
+        const KeyTile kt(s, rb, kb);
         backward_scores(s, hv, rb, kt, kp, rp, ru, w);
-        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, w.dk.data(), w.dv.data());
+        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, w.dk.data() + (kt.j0 - blk.j0) * s.dqk,
+                    w.dv.data() + (kt.j0 - blk.j0) * s.dv);
       }
-      for (std::int64_t c = 0; c < kt.cols; ++c) {
-        std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk + hv.key_off(kt.j0 + c, s.dqk));
-        std::copy_n(w.dv.data() + c * s.dv, s.dv, dv + hv.key_off(kt.j0 + c, s.dv));
+      for (std::int64_t c = 0; c < blk.cols; ++c) {
+        std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk + hv.key_off(blk.j0 + c, s.dqk));
+        std::copy_n(w.dv.data() + c * s.dv, s.dv, dv + hv.key_off(blk.j0 + c, s.dv));
       }
     }
     // dQ pass: one thread per row block sums its key blocks in order.
@@ -824,7 +836,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
       const std::int64_t ru = bh * nrb + ib;
       std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
       for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
-        const KeyTile kt(s, kb);
+        const KeyTile kt(s, rb, kb);
         backward_scores(s, hv, rb, kt, kp, rp, ru, w);
         backward_q(s, hv, rb, kt, kp, w);
       }
