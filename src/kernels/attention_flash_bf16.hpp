@@ -27,8 +27,18 @@
 //    head (the latent form: Hk = 1) sum over all Hq heads and every query,
 //    and trainers keep gradients and their accumulation in fp32 (fp32 master
 //    weights, kernels/gemm_bf16.hpp's linear_backward_bf16 adds dW into fp32);
-//    rounding them to bf16 here would be a third rounding the caller cannot
-//    undo, where rounding later is one convert call.
+//    rounding them to bf16 here would be a further rounding the caller
+//    cannot undo, where rounding later is one convert call.
+//
+// Non-finite inputs: as attention.hpp says, a NaN or inf in one token's q,
+// k or v reaches exactly the rows that see that token. The other rows of a
+// tile holding it are then summed by a scalar path (the AVX512_BF16 copy's
+// top comment says why), so they match a clean run to fp32 rounding, not
+// bit for bit as in the fp32 kernels.
+//
+// Memory: the AVX512_BF16 forward packs K and V into two layouts each
+// (about 4 (dqk + dv) bytes a key and head, fresh per call); backward also
+// packs Q and dO (as much again per query row). Not counted by the pool.
 //
 // Instruction set (FlashBf16Isa): on a CPU with AVX512_BF16 the products run
 // on VDPBF16PS (two bf16 products summed into each fp32 lane); elsewhere the
