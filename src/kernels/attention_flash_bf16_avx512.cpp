@@ -6,7 +6,7 @@
 //
 // The shape of the fp32 kernels (attention_flash_impl.inc, read it first):
 // virtual rows (query heads of one key/value head, token-major), 64-row by
-// 128-key tiles aligned at multiples of 128 keys (kBc below; trimmed to
+// 64-key tiles aligned at multiples of 64 keys (kBc below; trimmed to
 // even keys, KeyTile), online
 // softmax in base 2 with one row per vector lane, block ranges from
 // RowBlock, and a backward either per head (one thread owns a head) or in
@@ -84,13 +84,13 @@ constexpr int W = S::W;
 
 // Virtual rows and keys a tile. kBr: a multiple of W (the softmax walks
 // whole vectors of rows) and even. kBc: even, so pairs never straddle
-// tiles; 128 rather than the fp32 kernel's 64 because the key reductions
-// (O^T, dQ^T) then run 64 pairs a micro-kernel call instead of 32, halving
-// the share of C's loads and stores (measured on Zen 5, shared cores: fwd
-// and bwd about 15-25% faster per busy CPU second); the tiles (2 x 32 KiB
-// fp32) then live in L2, not L1.
+// tiles. 64 x 64 as the fp32 kernel: measured on a quiet Zen 5 (MLA dims,
+// S 2048 and the latent shape), kBc 128 was as fast within noise (speedup
+// over fp32 1.62-1.66x against 1.65-1.69x) and kBr 128 4-10% slower in
+// forward; 64 keeps the fp32 tiles in L1 and computes less of a masked
+// tile at a document's start.
 constexpr std::int64_t kBr = 64;
-constexpr std::int64_t kBc = 128;
+constexpr std::int64_t kBc = 64;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
