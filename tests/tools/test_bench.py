@@ -41,7 +41,8 @@ def main():
     bench, python = sys.argv[1], sys.argv[2]
     out = run([bench, "--quick", "--repeats", "1", "--warmup", "0"]).stdout
     ops = set(check_no_wrong(out, "laga_bench --quick"))
-    for want in ("attn_flash_fwd+bwd", "attn_eager_bwd", "fwd_nt/onednn", "dx_nn/openblas",
+    for want in ("attn_flash_fwd+bwd", "attn_eager_bwd", "attn_flash_fwd+bwd/bf16",
+                 "fwd_nt/onednn", "dx_nn/openblas",
                  "dw_tn/laga", "block_explicit",
                  "block_absorbed", "block_laga"):
         if want not in ops:
