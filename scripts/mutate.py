@@ -117,6 +117,20 @@ MUTATIONS = [
      "src/io/safetensors_set.cpp", "  set.check_scales_have_weights();\n",
      "  set.check_scales_have_weights();\n"
      "  for (const auto& entry : set.weight_map_) (void)set.file_of(entry.first);\n"),
+    ("ring_merge_unscaled", "a ring step's merge keeps the running output unscaled (drops "
+     "e^(lse - lse'))", "src/mla/ring.hpp",
+     "const T a = std::exp(l - merged), w = std::exp(lp - merged);",
+     "const T a = 1, w = std::exp(lp - merged);"),
+    ("ring_grad_not_home", "the ring's gradient accumulators miss their last shift home",
+     "src/mla/ring.hpp", "      if (ranks > 1) {\n        Tensor<T> arriving",
+     "      if (ranks > 1 && i + 1 < ranks) {\n        Tensor<T> arriving"),
+    ("ring_eager_probs_unrescaled", "eager's per-step probabilities left normalised over their "
+     "own block", "src/mla/ring.hpp",
+     "++p) *p *= f;", "++p) *p *= T(1) + T(0) * f;"),
+    ("ring_packed_whole_block", "a past block's keys seen from the block's start, across the "
+     "document boundary", "src/mla/ring.hpp",
+     "const std::int64_t lo = std::max(k0, start) - k0;",
+     "const std::int64_t lo = 0 * (std::max(k0, start) - k0);"),
 ]
 
 
