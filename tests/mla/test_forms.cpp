@@ -580,8 +580,8 @@ TEST(Overlap, IsRefusedForFormsWithoutAnOverlappedPath) {
     spec.variant.overlap = Overlap::on;
     const std::string e = test::error_of([&] { run_local(cfg, lay, in.w, in.x, in.dout, spec); });
     EXPECT_NE(e.find(cat("--overlap on applies to the ", names_of_forms_with(&FormTraits::overlap),
-                         " forms (they overlap their collectives with compute); the ",
-                         to_string(f), " form has no overlapped path")),
+                         " forms (they overlap their collectives with compute); the ", to_string(f),
+                         " form has no overlapped path")),
               std::string::npos)
         << e;
   }
