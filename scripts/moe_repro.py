@@ -17,15 +17,13 @@ layer; the first step at which the two MoE runs' counts differ is the first
 routing flip that counting can see (a flip that one token's swap in the
 other direction cancels leaves the counts equal; it is seen one step later
 at the latest when the loss moves). The table it prints is what the doc
-shows. Stdlib + numpy only; the runs use OMP_NUM_THREADS=1.
+shows. Stdlib only; the runs use OMP_NUM_THREADS=1.
 """
 import argparse
 import json
 import os
 import subprocess
 import sys
-
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MOE_TINY = os.path.join(HERE, "..", "docs", "assets", "moe_tiny.json")
@@ -55,9 +53,7 @@ def train(laga, cfg, log, args, seed):
 
 def compare(a, b):
     """Per-step |loss_a - loss_b|, and the first step whose expert loads differ."""
-    la = np.array([s["loss"] for s in a])
-    lb = np.array([s["loss"] for s in b])
-    d = np.abs(la - lb)
+    d = [abs(s["loss"] - t["loss"]) for s, t in zip(a, b)]
     flip = None
     for s, t in zip(a, b):
         if s.get("expert_load") != t.get("expert_load"):
@@ -101,14 +97,14 @@ def main():
     for name in ("moe", "dense"):
         for sw, (ra, rb) in (("off", ("off_a", "off_b")), ("on", ("on_a", "on_b"))):
             d, flip = compare(runs[name, ra], runs[name, rb])
-            means[name, sw] = d.mean()
-            nz = np.nonzero(d)[0]
+            means[name, sw] = sum(d) / len(d)
+            nz = [i for i, x in enumerate(d) if x > 0]
             first = str(runs[name, ra][nz[0]]["step"]) if len(nz) else "-"
             jump = "-"
             if flip is not None and flip >= 2:
                 before, at = d[flip - 2], d[flip - 1]  # steps flip-1 and flip
                 jump = f"{at:.2e} / {before:.2e}" if before > 0 else f"{at:.2e} / 0"
-            print(f"{name:6} {sw:6}  {d.max():11.3e}  {d.mean():12.3e}  {first:>13}  "
+            print(f"{name:6} {sw:6}  {max(d):11.3e}  {means[name, sw]:12.3e}  {first:>13}  "
                   f"{str(flip) if flip is not None else '-':>15}  {jump}")
     if means["dense", "on"] > 0:
         print(f"moe / dense mean |dloss| with the switch on: "
