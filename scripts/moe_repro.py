@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--reuse", action="store_true",
+                    help="read the logs already in OUT_DIR instead of training again")
     ap.add_argument("--data", help="token file (u16, vocab 256: scripts/text_data.py); "
                     "default random")
     args = ap.parse_args()
@@ -86,8 +88,9 @@ def main():
     runs = {}
     for name in ("moe", "dense"):
         for run, seed in (("off_a", None), ("off_b", None), ("on_a", 1), ("on_b", 2)):
-            runs[name, run] = train(args.laga, cfgs[name],
-                                    os.path.join(args.out, f"{name}_{run}.jsonl"), args, seed)
+            log = os.path.join(args.out, f"{name}_{run}.jsonl")
+            runs[name, run] = (read_log(log) if args.reuse else
+                               train(args.laga, cfgs[name], log, args, seed))
     n = args.steps
     print(f"# {n} steps, --sp {args.sp}, --seq {args.seq} --batch {args.batch} --lr {args.lr}, "
           f"data {args.data or 'random'}")
@@ -109,13 +112,26 @@ def main():
     if means["dense", "on"] > 0:
         print(f"moe / dense mean |dloss| with the switch on: "
               f"{means['moe', 'on'] / means['dense', 'on']:.1f}x")
+    # Around the MoE runs' first routing flip: mean |dloss| before it, and
+    # over the 100 steps from it on, MoE against dense over the same steps.
+    dm, flip = compare(runs["moe", "on_a"], runs["moe", "on_b"])
+    dd, _ = compare(runs["dense", "on_a"], runs["dense", "on_b"])
+    if flip is not None:
+        def mean(x):
+            return sum(x) / len(x) if x else float("nan")
+        lo, hi = flip - 1, min(n, flip - 1 + 100)
+        print(f"switch on, steps 1..{flip - 1} (before the flip): moe {mean(dm[:lo]):.3e}, "
+              f"dense {mean(dd[:lo]):.3e}, moe/dense {mean(dm[:lo]) / mean(dd[:lo]):.1f}x")
+        print(f"switch on, steps {flip}..{hi} (from the flip): moe {mean(dm[lo:hi]):.3e}, "
+              f"dense {mean(dd[lo:hi]):.3e}, moe/dense {mean(dm[lo:hi]) / mean(dd[lo:hi]):.1f}x")
+        print(f"jump at the flip: |dloss| step {flip - 1} {dm[lo - 1]:.3e} -> step {flip} "
+              f"{dm[lo]:.3e} ({dm[lo] / dm[lo - 1]:.0f}x) -> step {flip + 1} {dm[lo + 1]:.3e}")
     # Per-step rows for the doc's table: every 10th step, and the flip.
     print("step  moe_on|dloss|  dense_on|dloss|")
-    dm, _ = compare(runs["moe", "on_a"], runs["moe", "on_b"])
-    dd, _ = compare(runs["dense", "on_a"], runs["dense", "on_b"])
     for i in range(n):
         step = i + 1
-        if step in (1, 2, 5) or step % max(1, n // 10) == 0:
+        if step in (1, 2, 5) or step % max(1, n // 10) == 0 or (
+                flip is not None and abs(step - flip) <= 1):
             print(f"{step:4}  {dm[i]:13.3e}  {dd[i]:15.3e}")
 
 
