@@ -17,7 +17,9 @@ namespace laga::comm_detail {
 // Every backend reduces through this one function, so the result depends only
 // on the inputs and P, never on the backend or on message arrival order.
 // dst may equal one of the sources (a reduce_scatter into the own block): each
-// element is fully summed before it is written.
+// element is fully summed before it is written. Under set_reduction_order_seed
+// each 1024-element block adds the sources in a seed-permuted order instead
+// (communicator.hpp).
 void sum_in_rank_order(void* dst, const void* const* srcs, int P, std::int64_t n, DType dtype);
 
 // Scratch for one collective, registered under MemCategory::comm_buffers with

@@ -1,6 +1,7 @@
 #include "comm/communicator.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -222,21 +223,63 @@ WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count
   return sum(ring_shift_peer_bytes(send_count, recv_count, P, 0, dtype, RingDirection::forward));
 }
 
+namespace {
+// Set before the ranks start and only read while they run; atomics so that
+// the in-process ranks' threads read it without a race.
+std::atomic<bool> g_perturb{false};
+std::atomic<std::uint64_t> g_perturb_seed{0};
+}  // namespace
+
+void set_reduction_order_seed(std::optional<std::uint64_t> seed) {
+  g_perturb_seed.store(seed.value_or(0));
+  g_perturb.store(seed.has_value());
+}
+
+std::optional<std::uint64_t> reduction_order_seed() {
+  if (!g_perturb.load()) return std::nullopt;
+  return g_perturb_seed.load();
+}
+
 namespace comm_detail {
 
 namespace {
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The order block `block` of a reduction adds its P sources in under the
+// switch: a Fisher-Yates shuffle of 0..P-1 from (seed, block). A function of
+// those alone, so every rank and backend draws the same one.
+void permuted_order(std::uint64_t seed, std::int64_t block, int P, int* order) {
+  for (int j = 0; j < P; ++j) order[j] = j;
+  std::uint64_t state = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(block)));
+  for (int j = P - 1; j > 0; --j) {
+    state = splitmix64(state);
+    std::swap(order[j], order[state % static_cast<std::uint64_t>(j + 1)]);
+  }
+}
+
 template <class T>
 void sum_in_rank_order_t(T* dst, const T* const* srcs, int P, std::int64_t n) {
   // A block-sized accumulator keeps dst == srcs[j] safe (every source element
   // is read before its dst element is written) and stays in L1.
   constexpr std::int64_t kBlock = 1024;
   T acc[kBlock];
+  const std::optional<std::uint64_t> seed = reduction_order_seed();
+  std::vector<int> order(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) order[size_t(j)] = j;
   for (std::int64_t base = 0; base < n; base += kBlock) {
     const std::int64_t m = std::min(kBlock, n - base);
-    const T* s0 = srcs[0] + base;
+    // The one place the reduction order is chosen: rank order unless the
+    // debugging switch is on (set_reduction_order_seed).
+    if (seed) permuted_order(*seed, base / kBlock, P, order.data());
+    const T* s0 = srcs[order[0]] + base;
     for (std::int64_t i = 0; i < m; ++i) acc[i] = s0[i];
     for (int j = 1; j < P; ++j) {
-      const T* sj = srcs[j] + base;
+      const T* sj = srcs[order[size_t(j)]] + base;
       for (std::int64_t i = 0; i < m; ++i) acc[i] += sj[i];
     }
     std::memcpy(dst + base, acc, static_cast<std::size_t>(m) * sizeof(T));

@@ -31,7 +31,9 @@
 //
 // Reductions (reduce_scatter_v, all_reduce) add the P contributions in rank
 // order 0, 1, ..., P-1 on every backend, so the in-process and MPI backends
-// give bit-identical results.
+// give bit-identical results. A debugging switch (set_reduction_order_seed,
+// `laga train --perturb-reductions SEED`) replaces that order by a permuted
+// one drawn from the seed, still the same on every rank and backend.
 //
 // A collective that does not complete within timeout() (a peer failed or never
 // arrived) throws laga::Error naming the collective, its label and the ranks
@@ -122,6 +124,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,6 +147,22 @@ template <>
 constexpr DType dtype_of<double>() {
   return DType::f64;
 }
+
+// The reduction-order switch (docs/convergence.md, "Reproducibility under
+// perturbed reductions"): with a seed set, every reduction of every
+// communicator in the process adds its P contributions in an order permuted
+// by (seed, the 1024-element block of the reduced range), instead of rank
+// order. It stands in for a backend whose reduction order is not fixed (the
+// paper's NPU): the rounding changes in the last bits, yet a run stays
+// deterministic for its seed, and the in-process and MPI backends still agree,
+// because the order depends only on the seed, P and the element's place in
+// the range each backend reduces alike. Floating-point addition is
+// commutative, so at P <= 2 every order gives the same bits: it perturbs
+// only P >= 3. std::nullopt (the default) is rank order, bit for bit as
+// without the switch. Set it before any rank starts; every process of an MPI
+// group must set the same seed.
+void set_reduction_order_seed(std::optional<std::uint64_t> seed);
+std::optional<std::uint64_t> reduction_order_seed();
 
 enum class Phase : int { forward = 0, backward, grad_sync, count };
 const char* to_string(Phase p);

@@ -291,6 +291,7 @@ std::string first_nonfinite_gradient(const LmParams<T>& grads) {
 
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
+  std::vector<std::int64_t> expert_load;  // StepRecord::expert_load
 };
 
 // Step `step` on this rank: forward + backward (gradients summed over the
@@ -363,6 +364,8 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   if (balance) {
     const std::vector<std::vector<std::int64_t>> load =
         group_expert_load(ctx.comm, ctx.cfg, routing);
+    for (const std::vector<std::int64_t>& layer : load)
+      out.expert_load.insert(out.expert_load.end(), layer.begin(), layer.end());
     for (size_t l = 0; l < load.size(); ++l) {
       Tensor<T>& bias = st.params.layers[l].moe.gate_bias;
       if (load[l].empty() || !bias.data()) continue;  // dense layer; count-only
@@ -496,7 +499,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
       val_loss = validate();
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
-                         packed ? packed->counted : B * S, val_loss});
+                         packed ? packed->counted : B * S, val_loss, done.expert_load});
     if (stop) {
       end.stop_signal = stop;
       break;

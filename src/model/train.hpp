@@ -95,6 +95,11 @@ struct StepRecord {
   double loss = 0, grad_norm = 0, lr = 0, tokens_per_s = 0, seconds = 0;
   std::int64_t targets = 0;        // the targets the loss is the mean over (B*S unless packed)
   std::optional<double> val_loss;  // this step's validation (val_every), after its update
+  // The step's expert load over the whole group, every MoE layer's
+  // n_routed_experts counts in layer order (what the bias update all-reduces;
+  // empty without bias balancing). Two runs whose loads differ routed some
+  // token differently (`laga train --log-expert-load`, docs/convergence.md).
+  std::vector<std::int64_t> expert_load;
 };
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step

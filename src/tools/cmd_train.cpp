@@ -44,6 +44,10 @@ struct TrainCli {
   std::string data = "random", data_dtype = "auto", log, checkpoint, resume, val_data;
   std::int64_t val_every = 0, val_batches = 4;
   bool quiet = false, allow_nonfinite = false;
+  // Debugging: the reduction-order switch (set_reduction_order_seed) and the
+  // expert load in --log, for reproducibility experiments.
+  std::optional<std::uint64_t> perturb_reductions;
+  bool log_expert_load = false;
   std::string allow_change;  // comma-separated option names
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
   std::int64_t q_lora_rank = 0;
@@ -230,6 +234,13 @@ void run_train(const TrainCli& c) {
               << "\n";
     for (const std::string& note : prepare_run(o)) std::cerr << "laga train: " << note << "\n";
   }
+  // Process-wide, before any rank starts; every MPI process parses the same
+  // options, so all ranks add in the same order.
+  set_reduction_order_seed(c.perturb_reductions);
+  if (report && c.perturb_reductions)
+    std::cerr << "laga train: --perturb-reductions " << *c.perturb_reductions
+              << ": reductions add in a seed-permuted order, not rank order"
+              << (o.sp < 3 ? " (no effect at sp < 3: a + b == b + a)" : "") << "\n";
   install_stop_handlers();
   o.stop_signal = &stop_signal;
   if (report)
@@ -248,6 +259,7 @@ void run_train(const TrainCli& c) {
       j["lr"] = s.lr;
       j["tokens_per_s"] = s.tokens_per_s;
       j["targets"] = s.targets;
+      if (c.log_expert_load && !s.expert_load.empty()) j["expert_load"] = s.expert_load;
       if (s.val_loss) {
         j["val_loss"] = *s.val_loss;
         j["val_bits_per_token"] = *s.val_loss / std::log(2.0);  // per byte with --vocab 256 bytes
@@ -417,6 +429,16 @@ void register_train(CLI::App& app) {
                 "resume from a checkpoint holding NaN/inf and train on through a step whose loss "
                 "or gradient is not finite, with a warning naming each (default: refuse the "
                 "checkpoint, or stop before that step's update, naming the tensor and count)");
+  sub->add_option("--perturb-reductions", c->perturb_reductions,
+                  "SEED: debugging; the gradient all-reduce, the latent reduce-scatter and every "
+                  "other reduction add the ranks' contributions in an order permuted by SEED "
+                  "instead of rank order (deterministic per SEED, local == MPI; changes bits "
+                  "only at --sp >= 3; docs/convergence.md, \"Reproducibility under perturbed "
+                  "reductions\")")
+      ->check(whole(0));
+  sub->add_flag("--log-expert-load", c->log_expert_load,
+                "with --log and an MoE balancing its bias: each line also holds expert_load, "
+                "the step's global token count per expert of every MoE layer");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
   sub->callback([c, sub] {
     c->model_options_given.clear();

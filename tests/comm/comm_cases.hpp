@@ -756,4 +756,25 @@ inline std::string mismatch_head(int P, int r, std::int64_t derived_sent,
              measured_sent, " sent and ", measured_received, " received");
 }
 
+// The two reductions under the reduction-order switch
+// (set_reduction_order_seed): an all_reduce of 3000 elements (three of the
+// switch's 1024-element blocks, so each block draws its own order) and a
+// reduce_scatter_v of rs_layout, on this rank; the all_reduce's result, then
+// the own reduced block.
+template <class T>
+std::vector<T> run_reductions(Communicator& comm) {
+  const int P = comm.size(), r = comm.rank();
+  comm.set_phase(Phase::grad_sync);
+  std::vector<T> buf(3000);
+  for (std::int64_t i = 0; i < 3000; ++i) buf[size_t(i)] = input_value<T>(20, r, i);
+  comm.all_reduce(buf.data(), std::int64_t(buf.size()), "grad_allreduce");
+  const Layout l = rs_layout(P);
+  std::vector<T> send(size_t(l.total));
+  for (std::int64_t i = 0; i < l.total; ++i) send[size_t(i)] = input_value<T>(21, r, i);
+  std::vector<T> own(size_t(l.counts[r]));
+  comm.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(), own.data(), "latent_rs");
+  buf.insert(buf.end(), own.begin(), own.end());
+  return buf;
+}
+
 }  // namespace laga::test

@@ -8,7 +8,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include "comm/communicator.hpp"
@@ -1156,6 +1158,72 @@ TEST(RingShift, LinkModelHoldsTheModelledTimeAndStartedOverlaps) {
     if (seconds_since(t0) < t) errors[c.rank()] += "wait returned before the modelled time; ";
   });
   for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// ---- the reduction-order switch (set_reduction_order_seed,
+// `laga train --perturb-reductions`).
+
+// Every rank's run_reductions result on P local ranks under `seed`; the
+// switch is reset afterwards, also when a rank throws.
+std::vector<std::vector<float>> reductions_under(int P, std::optional<std::uint64_t> seed) {
+  struct Reset {
+    ~Reset() { set_reduction_order_seed(std::nullopt); }
+  } reset;
+  set_reduction_order_seed(seed);
+  std::vector<std::vector<float>> out(static_cast<size_t>(P));
+  run_local_ranks(P,
+                  [&](Communicator& c) { out[size_t(c.rank())] = test::run_reductions<float>(c); });
+  return out;
+}
+
+bool bitwise_equal(const std::vector<std::vector<float>>& a,
+                   const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t r = 0; r < a.size(); ++r)
+    if (a[r].size() != b[r].size() ||
+        std::memcmp(a[r].data(), b[r].data(), a[r].size() * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+TEST(PerturbedReductions, OffByDefaultAndOffAgainIsRankOrder) {
+  EXPECT_FALSE(reduction_order_seed().has_value());
+  for (int P : {2, 3, 4}) {
+    const auto before = reductions_under(P, std::nullopt);
+    // The serial reference adds in rank order: off is exactly today's sum.
+    run_local_ranks(P, [&](Communicator& c) {
+      EXPECT_EQ(test::check_against_serial(test::run_sequence<float>(c), P, c.rank()), "");
+    });
+    (void)reductions_under(P, 7);
+    EXPECT_FALSE(reduction_order_seed().has_value());
+    EXPECT_TRUE(bitwise_equal(reductions_under(P, std::nullopt), before)) << "P " << P;
+  }
+}
+
+TEST(PerturbedReductions, ASeedChangesTheLastBitsAtThreeRanksOrMore) {
+  for (int P : {3, 4, 8}) {
+    const auto plain = reductions_under(P, std::nullopt);
+    int differing = 0;
+    for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+      const auto a = reductions_under(P, seed);
+      // The same seed twice: the same bits (a run stays deterministic).
+      EXPECT_TRUE(bitwise_equal(a, reductions_under(P, seed))) << "P " << P << " seed " << seed;
+      if (!bitwise_equal(a, plain)) ++differing;
+      // Only the rounding moves: every element within a few ulps of the sum's
+      // magnitude (inputs reach 2^10 * a normal, so 1e-3 absolute is loose).
+      for (size_t r = 0; r < a.size(); ++r)
+        for (size_t i = 0; i < a[r].size(); ++i)
+          ASSERT_NEAR(a[r][i], plain[r][i], 1e-3) << "P " << P << " rank " << r << " i " << i;
+    }
+    EXPECT_GT(differing, 0) << "P " << P << ": no seed of 1..4 changed a bit";
+  }
+}
+
+TEST(PerturbedReductions, TwoRanksCannotBePerturbed) {
+  // a + b == b + a in IEEE arithmetic: at P = 2 every order is rank order.
+  const auto plain = reductions_under(2, std::nullopt);
+  for (std::uint64_t seed = 1; seed <= 4; ++seed)
+    EXPECT_TRUE(bitwise_equal(reductions_under(2, seed), plain)) << "seed " << seed;
 }
 
 }  // namespace

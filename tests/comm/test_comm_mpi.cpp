@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
+#include <optional>
 #include <thread>
 
 #include "comm/local_comm.hpp"
@@ -45,6 +47,38 @@ TEST(MpiComm, MatchesInProcessBitForBitF32) {
 TEST(MpiComm, MatchesInProcessBitForBitF64) {
   MpiCommunicator comm;
   check_against_local<double>(comm);
+}
+
+// Under the reduction-order switch (set_reduction_order_seed) the MPI
+// reductions still equal the in-process ones bit for bit, seed by seed, and
+// differ from rank order for some seed once P >= 3 (a + b is commutative, so
+// P = 2 cannot move).
+TEST(MpiComm, PerturbedReductionsMatchInProcessBitForBit) {
+  MpiCommunicator comm;
+  const int P = comm.size(), r = comm.rank();
+  const std::vector<float> plain = test::run_reductions<float>(comm);
+  int differing = 0;
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    set_reduction_order_seed(seed);
+    const std::vector<float> mpi = test::run_reductions<float>(comm);
+    std::vector<std::vector<float>> local(static_cast<size_t>(P));
+    run_local_ranks(
+        P, [&](Communicator& c) { local[size_t(c.rank())] = test::run_reductions<float>(c); });
+    set_reduction_order_seed(std::nullopt);
+    ASSERT_EQ(mpi.size(), local[size_t(r)].size());
+    EXPECT_EQ(std::memcmp(mpi.data(), local[size_t(r)].data(), mpi.size() * sizeof(float)), 0)
+        << "rank " << r << " of " << P << ", seed " << seed;
+    if (std::memcmp(mpi.data(), plain.data(), mpi.size() * sizeof(float)) != 0) ++differing;
+  }
+  // Every rank's own verdict: rank r's share of the results may by chance be
+  // unmoved, so the group's count is what is checked.
+  double moved = differing;
+  comm.all_reduce(&moved, 1, "differing");
+  if (P >= 3) {
+    EXPECT_GT(moved, 0) << "no seed of 1..4 moved a bit at P " << P;
+  } else {
+    EXPECT_EQ(moved, 0) << "at P " << P << " every order is rank order";
+  }
 }
 
 // Under a link model every collective takes at least its modelled time, and

@@ -5,17 +5,24 @@
 # Python writes: documents of 1 to 13 tokens, crossing the ranks' shards.
 # With -DMOE_CONFIG set, the model is that --config's (an MoE with the
 # experts' bias balancing on, whose load all-reduce runs every step).
+# With -DSP=N the runs are on N ranks (default 2). With -DPERTURB=SEED both
+# runs pass --perturb-reductions SEED, and a third, local run without it must
+# differ from them in some step's loss or grad_norm: the switch reaches the
+# training's reductions, and local and MPI still agree bit for bit under it.
 if(NOT MPIEXEC OR NOT EXISTS "${MPIEXEC}")
   message(FATAL_ERROR "mpiexec was not found when the build was configured (MPIEXEC='${MPIEXEC}'): "
                       "install openmpi-bin (scripts/setup.sh) and re-run cmake")
 endif()
+if(NOT SP)
+  set(SP 2)
+endif()
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 if(MOE_CONFIG)
-  set(ARGS train --form laga --sp 2 --config ${MOE_CONFIG} --seq 32 --batch 2 --steps 6 --lr 3e-3
+  set(ARGS train --form laga --sp ${SP} --config ${MOE_CONFIG} --seq 32 --batch 2 --steps 6 --lr 3e-3
            --seed 7 --quiet)
 else()
-  set(ARGS train --form laga --sp 2 --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
+  set(ARGS train --form laga --sp ${SP} --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
            --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
 endif()
 if(PYTHON)
@@ -28,9 +35,17 @@ if(PYTHON)
   endif()
   list(APPEND ARGS --data ${WORK}/docs.bin --pack-eos 0)
 endif()
-foreach(backend local mpi)
-  if(backend STREQUAL "mpi")
-    set(CMD ${TIMEOUT} 120 ${MPIEXEC} --allow-run-as-root --oversubscribe -np 2 ${LAGA} ${ARGS}
+set(BACKENDS local mpi)
+if(DEFINED PERTURB)
+  set(PLAIN_ARGS ${ARGS})
+  list(APPEND ARGS --perturb-reductions ${PERTURB})
+  list(APPEND BACKENDS plain)
+endif()
+foreach(backend ${BACKENDS})
+  if(backend STREQUAL "plain")
+    set(CMD ${TIMEOUT} 120 ${LAGA} ${PLAIN_ARGS} --comm local --log ${WORK}/plain.jsonl)
+  elseif(backend STREQUAL "mpi")
+    set(CMD ${TIMEOUT} 120 ${MPIEXEC} --allow-run-as-root --oversubscribe -np ${SP} ${LAGA} ${ARGS}
             --comm mpi --log ${WORK}/mpi.jsonl)
   else()
     set(CMD ${TIMEOUT} 120 ${LAGA} ${ARGS} --comm local --log ${WORK}/local.jsonl)
@@ -67,3 +82,23 @@ foreach(i RANGE ${last})
   message(STATUS "step ${i}: ${a}")
 endforeach()
 message(STATUS "local and MPI losses are bit-identical over ${n_local} steps")
+if(DEFINED PERTURB)
+  file(STRINGS ${WORK}/plain.jsonl plain_lines)
+  set(moved 0)
+  foreach(i RANGE ${last})
+    list(GET local_lines ${i} a)
+    list(GET plain_lines ${i} b)
+    foreach(key loss grad_norm)
+      string(JSON va GET "${a}" ${key})
+      string(JSON vb GET "${b}" ${key})
+      if(NOT va STREQUAL vb)
+        set(moved 1)
+      endif()
+    endforeach()
+  endforeach()
+  if(NOT moved)
+    message(FATAL_ERROR "--perturb-reductions ${PERTURB} at --sp ${SP} logged exactly the "
+                        "losses and grad norms of the run without it: the switch changed nothing")
+  endif()
+  message(STATUS "--perturb-reductions ${PERTURB} moved the losses off the rank-order run")
+endif()
