@@ -51,68 +51,36 @@ struct KvBlocks {
         ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
       }
   }
-};
-
-template <class T>
-struct RingKvTape final : Tape<T> {
-  using P = Pieces<T>;
-  InputSaved<T> in;
-  Tensor<T> c_hat;   // (B, L, C)
-  Tensor<T> q;       // (B, L, H, dqk)
-  Tensor<T> kv_own;  // (B L H (dqk + dv)): [k | v] of local tokens
-  Tensor<T> o_loc;   // (B, L, H dv): the merged output, wo's input
-  ring::RingAttention<T> att;
-
-  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
-                Tensor<T>& dx, MlaParams<T>& grads) override {
-    // do (B, L, H dv) = dout wo; wo += dout^T o.
-    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
-    {
-      ops::Mat<T> do_m = mat(do_loc);
-      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
-    }
-    auto [dq, acc] = att.backward(st, w, KvBlocks<T>{}, q, kv_own, o_loc, do_loc, grads);
-    do_loc.reset(), o_loc.reset(), kv_own.reset(), q.reset();
-    Tensor<T> dproj;  // rq == 0: dq lands in it
-    Tensor<T> dq_loc = P::local_queries_backward(st, dq, dproj);
-    // As explicit: d kv from [dk_nope | dv] per head; d k_pe = the sum over
-    // heads of dk's rope part.
+  // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
+  // c_hat kept for wkv_b's gradient.
+  Tensor<T> own_block(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
+    c_hat = Pieces<T>::project_latent(st, w, in, "c_hat");
+    Tensor<T> own({st.B * st.L * width(st)}, "kv_own");
+    Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
+    ops::linear(mat(kv), mat(std::as_const(c_hat)), w.wkv_b);
+    Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), in.kv_a_rows(st).col_range(st.C, st.dr),
+                        block_k(st, own.data(), st.L), block_v(st, own.data(), st.L));
+    return own;
+  }
+  // As explicit: d kv from [dk_nope | dv] per head; d k_pe = the sum over
+  // heads of dk's rope part; d c_hat = dkv wkv_b, wkv_b += dkv^T c_hat.
+  Tensor<T> latent_grad(const Step& st, const MlaParams<T>& w, Tensor<T>& acc,
+                        MlaParams<T>& grads) {
     Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
     {
       Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
       const T* a = acc.data();
-      P::merge_dkv(st, st.H, block_k(st, a, st.L), block_v(st, a, st.L), mat(dkv),
-                   mat(dlat_loc).col_range(st.C, st.dr));
+      Pieces<T>::merge_dkv(st, st.H, block_k(st, a, st.L), block_v(st, a, st.L), mat(dkv),
+                           mat(dlat_loc).col_range(st.C, st.dr));
       acc.reset();
       ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
       ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);
     }
     c_hat.reset();
-    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
+    return dlat_loc;
   }
+  Tensor<T> c_hat;  // (B, L, C)
 };
-
-template <class T>
-std::unique_ptr<Tape<T>> ring_kv_forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
-                                         Tensor<T>& out) {
-  using P = Pieces<T>;
-  auto t = std::make_unique<RingKvTape<T>>();
-  P::project_in(st, w, x, t->in);
-  t->c_hat = P::project_latent(st, w, t->in, "c_hat");
-  // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V.
-  t->kv_own = Tensor<T>({st.B * st.L * KvBlocks<T>{}.width(st)}, "kv_own");
-  {
-    Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
-    ops::linear(mat(kv), mat(t->c_hat), w.wkv_b);
-    P::split_kv(st, st.H, mat(std::as_const(kv)), t->in.kv_a_rows(st).col_range(st.C, st.dr),
-                block_k(st, t->kv_own.data(), st.L), block_v(st, t->kv_own.data(), st.L));
-  }
-  t->q = P::local_queries(st, w, t->in);
-  t->o_loc = t->att.forward(st, w, KvBlocks<T>{}, t->q, t->kv_own);
-  out = Tensor<T>({st.B, st.L, st.D}, "out");
-  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
-  return t;
-}
 
 }  // namespace
 
@@ -149,8 +117,8 @@ FormEntry ring_kv_entry() {
                          return n + B * L * s.C;
                        },
                    .pair_width = head_pair_width},
-          .f32 = &ring_kv_forward<float>,
-          .f64 = &ring_kv_forward<double>};
+          .f32 = &ring::ring_forward<float, KvBlocks<float>>,
+          .f64 = &ring::ring_forward<double, KvBlocks<double>>};
 }
 
 }  // namespace laga::detail

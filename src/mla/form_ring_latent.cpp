@@ -76,57 +76,24 @@ struct LatentBlocks {
     ops::gemm(block_c(st, acc, Lj), T(1), mat(std::as_const(dkv)), false, mat(w.wkv_b), false);
     ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), block_c(st, block, Lj), w.wkv_b);
   }
-};
-
-template <class T>
-struct RingLatentTape final : Tape<T> {
-  using P = Pieces<T>;
-  InputSaved<T> in;
-  Tensor<T> q;        // (B, L, H, dqk)
-  Tensor<T> lat_own;  // (B L (C + dr)): [c_hat | k_pe] of local tokens
-  Tensor<T> o_loc;    // (B, L, H dv): the merged output, wo's input
-  ring::RingAttention<T> att;
-
-  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
-                Tensor<T>& dx, MlaParams<T>& grads) override {
-    // do (B, L, H dv) = dout wo; wo += dout^T o.
-    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
-    {
-      ops::Mat<T> do_m = mat(do_loc);
-      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
-    }
-    auto [dq, acc] = att.backward(st, w, LatentBlocks<T>{}, q, lat_own, o_loc, do_loc, grads);
-    do_loc.reset(), o_loc.reset(), lat_own.reset(), q.reset();
-    Tensor<T> dproj;  // rq == 0: dq lands in it
-    Tensor<T> dq_loc = P::local_queries_backward(st, dq, dproj);
-    // d[c_hat | k_pe] of local tokens, (B, L, C + dr) as the latent norm's
-    // backward reads it.
+  // [c_hat | k_pe] of local tokens.
+  Tensor<T> own_block(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) const {
+    Tensor<T> c_hat = Pieces<T>::project_latent(st, w, in, "c_hat");
+    Tensor<T> own({st.B * st.L * width(st)}, "lat_own");
+    ops::copy(block_c(st, own.data(), st.L), mat(std::as_const(c_hat)));
+    ops::copy(block_pe(st, own.data(), st.L), in.kv_a_rows(st).col_range(st.C, st.dr));
+    return own;
+  }
+  // The accumulator is d[c_hat | k_pe] already, in two parts: (B, L, C + dr)
+  // as the latent norm's backward reads it.
+  Tensor<T> latent_grad(const Step& st, const MlaParams<T>&, Tensor<T>& acc, MlaParams<T>&) const {
     Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
     ops::copy(mat(dlat_loc).col_range(0, st.C), block_c(st, std::as_const(acc).data(), st.L));
     ops::copy(mat(dlat_loc).col_range(st.C, st.dr), block_pe(st, std::as_const(acc).data(), st.L));
     acc.reset();
-    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
+    return dlat_loc;
   }
 };
-
-template <class T>
-std::unique_ptr<Tape<T>> ring_latent_forward(const Step& st, const MlaParams<T>& w,
-                                             const Tensor<T>& x, Tensor<T>& out) {
-  using P = Pieces<T>;
-  auto t = std::make_unique<RingLatentTape<T>>();
-  P::project_in(st, w, x, t->in);
-  {
-    Tensor<T> c_hat = P::project_latent(st, w, t->in, "c_hat");
-    t->lat_own = Tensor<T>({st.B * st.L * st.W}, "lat_own");
-    ops::copy(block_c(st, t->lat_own.data(), st.L), mat(std::as_const(c_hat)));
-    ops::copy(block_pe(st, t->lat_own.data(), st.L), t->in.kv_a_rows(st).col_range(st.C, st.dr));
-  }
-  t->q = P::local_queries(st, w, t->in);
-  t->o_loc = t->att.forward(st, w, LatentBlocks<T>{}, t->q, t->lat_own);
-  out = Tensor<T>({st.B, st.L, st.D}, "out");
-  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
-  return t;
-}
 
 }  // namespace
 
@@ -161,8 +128,8 @@ FormEntry ring_latent_entry() {
                          return n + (s.eager ? B * H * L * s.Sk : B * H * L);
                        },
                    .pair_width = head_pair_width},
-          .f32 = &ring_latent_forward<float>,
-          .f64 = &ring_latent_forward<double>};
+          .f32 = &ring::ring_forward<float, LatentBlocks<float>>,
+          .f64 = &ring::ring_forward<double, LatentBlocks<double>>};
 }
 
 }  // namespace laga::detail

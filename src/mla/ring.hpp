@@ -30,6 +30,13 @@
 //       adds the step's dK/dV (dkv: the kernel's (B, L_j, H, dqk) then
 //       (B, L_j, H, dv), written at the calls' rows, zero elsewhere) into
 //       the block's accumulator `acc`, and any parameter gradient into grads
+//   Tensor<T> own_block(st, w, InputSaved<T>& in)
+//       the rank's own block from the input projections (it may keep what
+//       its gradient needs: ring_kv's c_hat)
+//   Tensor<T> latent_grad(st, w, Tensor<T>& acc, grads)
+//       d[c_hat | k_pe] (B, L, C + dr) of local tokens from the own block's
+//       gradient, home after the ring (frees acc and what own_block kept)
+// and the form is RingTape<T, Codec> (ring_forward below).
 // ring_kv's block is the per-head [K | V] itself; ring_latent's the latent
 // [c_hat | k_pe], up-projected with the full wkv_b at every step.
 //
@@ -410,5 +417,49 @@ struct RingAttention {
     return {std::move(dq), std::move(acc)};
   }
 };
+
+// A ring form's whole frame: the input projections, the own block, the
+// queries of local tokens with all heads, the ring's attention, wo; and
+// backward reversed. Only the codec differs between the ring forms.
+template <class T, class Codec>
+struct RingTape final : Tape<T> {
+  using P = Pieces<T>;
+  InputSaved<T> in;
+  Codec codec;
+  Tensor<T> q;      // (B, L, H, dqk)
+  Tensor<T> own;    // (B L width): the own block
+  Tensor<T> o_loc;  // (B, L, H dv): the merged output, wo's input
+  RingAttention<T> att;
+
+  void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
+                Tensor<T>& dx, MlaParams<T>& grads) override {
+    // do (B, L, H dv) = dout wo; wo += dout^T o.
+    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
+    {
+      ops::Mat<T> do_m = mat(do_loc);
+      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
+    }
+    auto [dq, acc] = att.backward(st, w, codec, q, own, o_loc, do_loc, grads);
+    do_loc.reset(), o_loc.reset(), own.reset(), q.reset();
+    Tensor<T> dproj;  // rq == 0: dq lands in it
+    Tensor<T> dq_loc = P::local_queries_backward(st, dq, dproj);
+    Tensor<T> dlat_loc = codec.latent_grad(st, w, acc, grads);
+    P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
+  }
+};
+
+template <class T, class Codec>
+std::unique_ptr<Tape<T>> ring_forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                      Tensor<T>& out) {
+  using P = Pieces<T>;
+  auto t = std::make_unique<RingTape<T, Codec>>();
+  P::project_in(st, w, x, t->in);
+  t->own = t->codec.own_block(st, w, t->in);
+  t->q = P::local_queries(st, w, t->in);
+  t->o_loc = t->att.forward(st, w, t->codec, t->q, t->own);
+  out = Tensor<T>({st.B, st.L, st.D}, "out");
+  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
+  return t;
+}
 
 }  // namespace laga::detail::ring
