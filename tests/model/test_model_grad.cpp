@@ -9,39 +9,21 @@
 
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
+#include "common/lm_batch.hpp"
 #include "kernels/cross_entropy.hpp"
 #include "model/model.hpp"
 
 namespace laga {
 namespace {
 
+using test::Batch;
+using test::batch;
+using test::shard;
+
 LmConfig tiny() {
   LmConfig c = LmConfig::derive(24, 3, 2, 13, 64);  // dn = dv = 8, dr = 4, C = 32
   c.ffn_hidden = 20;
   return c;
-}
-
-struct Batch {
-  std::int64_t B = 2, S = 7;
-  std::vector<std::int32_t> tok, tgt;  // (B, S)
-};
-Batch batch(const LmConfig& c) {
-  Batch b;
-  test::TestRng rng(11);
-  for (std::int64_t i = 0; i < b.B * b.S; ++i) {
-    b.tok.push_back(std::int32_t(rng.next_u64() % std::uint64_t(c.vocab)));
-    b.tgt.push_back(std::int32_t(rng.next_u64() % std::uint64_t(c.vocab)));
-  }
-  return b;
-}
-
-// Rows [off, off + L) of every sequence.
-std::vector<std::int32_t> shard(const std::vector<std::int32_t>& v, std::int64_t B, std::int64_t S,
-                                std::int64_t off, std::int64_t L) {
-  std::vector<std::int32_t> out;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t i = 0; i < L; ++i) out.push_back(v[size_t(b * S + off + i)]);
-  return out;
 }
 
 // Seeded parameters with the norm gains moved away from 1, so that a gain

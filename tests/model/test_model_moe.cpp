@@ -19,6 +19,7 @@
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
+#include "common/lm_batch.hpp"
 #include "common/scratch.hpp"
 #include "core/memory_pool.hpp"
 #include "model/checkpoint.hpp"
@@ -27,6 +28,11 @@
 
 namespace laga {
 namespace {
+
+using test::Batch;
+using test::batch;
+using test::losses;
+using test::shard;
 
 namespace fs = std::filesystem;
 using test::error_of;
@@ -58,28 +64,6 @@ LmConfig moe_tiny() {
   LmConfig c = dense_tiny();
   c.moe = tiny_moe();
   return c;
-}
-
-struct Batch {
-  std::int64_t B = 2, S = 7;
-  std::vector<std::int32_t> tok, tgt;  // (B, S)
-};
-Batch batch(const LmConfig& c) {
-  Batch b;
-  test::TestRng rng(11);
-  for (std::int64_t i = 0; i < b.B * b.S; ++i) {
-    b.tok.push_back(std::int32_t(rng.next_u64() % std::uint64_t(c.vocab)));
-    b.tgt.push_back(std::int32_t(rng.next_u64() % std::uint64_t(c.vocab)));
-  }
-  return b;
-}
-
-std::vector<std::int32_t> shard(const std::vector<std::int32_t>& v, std::int64_t B, std::int64_t S,
-                                std::int64_t off, std::int64_t L) {
-  std::vector<std::int32_t> out;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t i = 0; i < L; ++i) out.push_back(v[size_t(b * S + off + i)]);
-  return out;
 }
 
 // Seeded parameters with every 1-D tensor moved off its initial value (norm
@@ -484,12 +468,6 @@ TrainOptions moe_train(int sp, std::int64_t steps) {
   o.seed = 3;
   o.adam.lr = 3e-3;
   return o;
-}
-
-std::vector<double> losses(const std::vector<StepRecord>& r) {
-  std::vector<double> v;
-  for (const auto& s : r) v.push_back(s.loss);
-  return v;
 }
 
 TEST(ModelMoe, TrainingLowersTheLoss) {

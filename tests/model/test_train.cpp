@@ -16,6 +16,7 @@
 
 #include "comm/communicator.hpp"
 #include "common/error_of.hpp"
+#include "common/lm_batch.hpp"
 #include "common/scratch.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
@@ -23,6 +24,8 @@
 
 namespace laga {
 namespace {
+
+using test::losses;
 
 namespace fs = std::filesystem;
 
@@ -41,12 +44,6 @@ TrainOptions small(Form form, int sp, std::int64_t steps = 8) {
   o.seed = 3;
   o.adam.lr = 3e-3;
   return o;
-}
-
-std::vector<double> losses(const std::vector<StepRecord>& r) {
-  std::vector<double> v;
-  for (const auto& s : r) v.push_back(s.loss);
-  return v;
 }
 
 using test::error_of;
