@@ -166,21 +166,14 @@ std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwarePr
                                    PlanDType dtype, const Fabric& fabric) {
   std::array<PhaseTime, 3> t;
   for (size_t ph = 0; ph < 3; ++ph) t[ph].compute = compute_time(work.ops[ph], profile, dtype);
-  // Each call at its own bytes: the calls under one label need not move
+  // Each call of the timeline (every call the rank issues, with the closed
+  // form's bytes) at its own bytes: the calls under one label need not move
   // the same (a ring pass's steps carry blocks of unequal shards, and a
-  // call's time is not linear in its bytes). The timeline has every call;
-  // a work without one (none is made without the count-only run) would
-  // fall back to the label's mean call.
-  if (!work.timeline.empty()) {
-    for (const TimelineStep& s : work.timeline)
-      if (s.event.what == CollectiveEvent::What::issued)
-        t[static_cast<size_t>(s.event.phase)].comm_s +=
-            collective_seconds(s.event.kind, P, s.event.bytes, fabric);
-    return t;
-  }
-  for (const auto& [key, b] : work.comm)
-    t[static_cast<size_t>(key.first)].comm_s +=
-        b.calls * collective_seconds(b.kind, P, {b.sent / b.calls, b.received / b.calls}, fabric);
+  // call's time is not linear in its bytes).
+  for (const TimelineStep& s : work.timeline)
+    if (s.event.what == CollectiveEvent::What::issued)
+      t[static_cast<size_t>(s.event.phase)].comm_s +=
+          collective_seconds(s.event.kind, P, s.event.bytes, fabric);
   return t;
 }
 
