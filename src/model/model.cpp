@@ -56,6 +56,38 @@ LmConfig LmConfig::derive(std::int64_t d, std::int64_t heads, std::int64_t layer
   return c;
 }
 
+std::vector<std::string> LmConfig::preset_names() {
+  return {"deepseek-v3"};
+}
+
+LmConfig LmConfig::preset(const std::string& name) {
+  LmConfig c;
+  if (name == "deepseek-v3") {
+    // DeepSeek-V3's config.json (671B): hidden_size 7168, intermediate_size
+    // 18432, moe_intermediate_size 2048, num_hidden_layers 61, vocab_size
+    // 129280, n_routed_experts 256, num_experts_per_tok 8, n_shared_experts
+    // 1, n_group 8, topk_group 4, routed_scaling_factor 2.5,
+    // first_k_dense_replace 3, rms_norm_eps 1e-6.
+    c.mla = MlaConfig::preset("deepseek-v3");
+    c.layers = 61;
+    c.vocab = 129280;
+    c.ffn_hidden = 18432;
+    c.norm_eps = 1e-6;
+    MoeConfig m;
+    m.n_routed_experts = 256, m.num_experts_per_tok = 8, m.moe_intermediate_size = 2048;
+    m.n_shared_experts = 1, m.n_group = 8, m.topk_group = 4, m.routed_scaling_factor = 2.5;
+    m.first_k_dense_replace = 3;
+    c.moe = m;
+  } else {
+    std::string names;
+    for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("unknown model preset '", name, "'; choose one of: ", names,
+         " (or give a DeepSeek-V3 config.json FILE)");
+  }
+  c.validate();
+  return c;
+}
+
 LmConfig LmConfig::from_json(const nlohmann::json& j, const std::string& source) {
   LmConfig c;
   c.mla = MlaConfig::from_json(j, source);

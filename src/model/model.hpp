@@ -84,6 +84,14 @@ struct LmConfig {
   //   bias_update_speed (laga's own key, both formats)             default 0
   // Throws laga::Error naming source, the key and the fix.
   static LmConfig from_json(const nlohmann::json& j, const std::string& source = "config");
+  // A whole model by name (`laga plan --model NAME`): "deepseek-v3" is
+  // DeepSeek-V3 671B as its config.json gives it (MLA preset deepseek-v3, 61
+  // layers of which the first 3 dense with F 18432, then MoE E 256, k 8,
+  // I 2048, 1 shared, 8 groups, 4 per token, scale 2.5; vocab 129280; the
+  // multi-token-prediction module left out). Unknown: laga::Error listing
+  // preset_names().
+  static LmConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
   static LmConfig from_json_file(const std::string& path);
 
   void validate() const;

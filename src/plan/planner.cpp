@@ -114,11 +114,16 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       std::vector<FormWork> work;
       for (FormVariant form : q.forms) {
         FormWork fw{form, {}};
-        for (int r : rank_classes(q.cfg, layout, form).representatives)
+        const RankClasses rc = rank_classes(q.cfg, layout, form);
+        for (int r : rc.representatives)
           fw.classes.push_back(rank_work(q.cfg, layout, form, q.attention, r, q.dtype));
         FormPlan fp;
         fp.form = form;
         fp.resident_bytes = resident;
+        // Every rank's FLOPs: each class's representative's, once per member.
+        for (int k : rc.class_of)
+          for (const ops::OpCounts& c : fw.classes[size_t(k)].ops)
+            fp.flops_all_ranks += c.gemm_flops + c.attention_flops;
         double worst = -1;
         for (const RankWork& w : fw.classes) {
           fp.bytes_sent_per_rank = std::max(fp.bytes_sent_per_rank, predicted_sent(w.comm));
@@ -127,6 +132,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
           fp.bytes_sent_backward =
               std::max(fp.bytes_sent_backward, predicted_sent(w.comm, Phase::backward));
           fp.peak_activation_bytes = std::max(fp.peak_activation_bytes, w.peak_activation_bytes);
+          fp.after_forward_bytes = std::max(fp.after_forward_bytes, w.after_forward_bytes);
           const StepTime t = step_time(w, P, q.profile, q.dtype, pc.links.fabric);
           if (t.step_s > worst) {
             worst = t.step_s;

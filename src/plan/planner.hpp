@@ -34,6 +34,8 @@ struct FormPlan {
   // bytes_sent_forward and the backward's own share).
   std::int64_t bytes_sent_forward = 0, bytes_sent_backward = 0;
   std::int64_t peak_activation_bytes = 0;  // max over ranks (compare's peak_activation_bytes)
+  std::int64_t after_forward_bytes = 0;    // max over ranks: saved for backward + the output
+  double flops_all_ranks = 0;              // GEMM + attention FLOPs of the step, every rank summed
   std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
   double crossing_bytes = 0;               // of the slowest rank: what crosses nodes
   std::array<PhaseTime, 3> phases;         // the slowest rank's, per phase

@@ -98,6 +98,7 @@ RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant var
   w.compute_after = in_plan_type(minus(upto[2], before ? *before : none));
   w.comm = predict_comm(cfg, layout, variant, rank, e, true, true);
   w.peak_activation_bytes = full.forward_backward.bytes;
+  w.after_forward_bytes = full.after_forward;
   return w;
 }
 

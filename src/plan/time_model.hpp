@@ -60,8 +60,11 @@ struct RankWork {
   std::array<ops::OpCounts, 3> ops;        // per Phase, in the element type of the plan
   CommPrediction comm;                     // the closed form's collectives (mla/comm_model.hpp)
   std::int64_t peak_activation_bytes = 0;  // forward + backward, the memory model
-  std::vector<TimelineStep> timeline;      // the whole step in issue order
-  ops::OpCounts compute_after;             // the ops after the last event
+  // Live when forward returns (the memory model's after_forward): what the
+  // block keeps for backward and its output; a whole model holds it per layer.
+  std::int64_t after_forward_bytes = 0;
+  std::vector<TimelineStep> timeline;  // the whole step in issue order
+  ops::OpCounts compute_after;         // the ops after the last event
 };
 
 // The count-only run of rank `rank` of `layout` (three of them: forward,

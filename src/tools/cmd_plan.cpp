@@ -3,6 +3,7 @@
 // Bytes and peak memory are exact (the closed form and the memory model, as
 // `laga compare --count-only` reports them); the step time is the time model
 // of src/plan/time_model.hpp on the profile's links, or on --link.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "core/error.hpp"
 #include "core/whole_number.hpp"
 #include "plan/measure.hpp"
+#include "plan/model_plan.hpp"
 #include "plan/planner.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -24,7 +26,7 @@ using ojson = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
 struct PlanOptions {
-  ModelOptions model;
+  ModelOptions model_options;
   std::int64_t batch = 1;
   std::string seq = "4096", sp = "8";
   std::string profile, measure;
@@ -34,6 +36,14 @@ struct PlanOptions {
   std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
   bool q_latent = false, quiet = false;
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
+  // A whole model's step (--model NAME|FILE; model_plan.hpp): --layers N
+  // overrides its depth (0: the model's), --dp its data-parallel replicas.
+  std::string model, dp = "1";
+  std::int64_t layers = 0, micro_batches = 1;
+  bool zero1 = false, recompute = false;
+  // Given options that only --model reads, and whether --preset/--config was.
+  std::vector<std::string> model_only_given;
+  bool attention_config_given = false;
   // The options given that only a plan reads (--measure plans nothing).
   std::vector<std::string> plan_only_given;
 };
@@ -189,6 +199,193 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
   return j.dump(2) + "\n";
 }
 
+// The whole model's step (--model): per (S, P, DP) and form, the predicted
+// step, its parts, the memory per device and whether it fits.
+std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
+  const LmConfig& m = q.model;
+  const ModelParamCounts n = model_param_counts(m);
+  std::int64_t moe_layers = 0;
+  for (std::int64_t l = 0; l < m.layers; ++l) moe_layers += m.is_moe_layer(l) ? 1 : 0;
+  std::ostringstream o;
+  o << "laga plan --model: " << m.layers << " layers (" << m.layers - moe_layers << " dense, "
+    << moe_layers << " MoE), D " << m.dim() << ", vocab " << m.vocab;
+  if (m.moe) o << ", " << m.moe->summary();
+  o << "; " << fmt("%.4g", double(n.total()) / 1e9) << "B parameters ("
+    << fmt("%.4g", double(n.routed_experts) / 1e9) << "B in routed experts)\n";
+  o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
+    << to_string(q.block.dtype) << ", " << to_string(q.block.attention) << " attention, batch "
+    << q.block.batch << ", " << q.micro_batches
+    << " micro-batch(es) a step; one training step, predicted; EP = P (experts over the SP ranks); "
+    << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
+    << "; no overlap between attention, MoE and gradient collectives\n";
+  o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs at peak x "
+    << fmt("%.3g", q.block.profile.device.gemm_efficiency)
+    << "; MoE all-to-alls: the mean bytes under uniform routing on the link model\n";
+  for (const ModelPlanCase& c : r.cases) {
+    o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ": " << c.sp * c.dp
+      << " device(s) on " << c.nodes << " node(s)\n";
+    char line[320];
+    std::snprintf(line, sizeof line, "  %-22s %10s %12s %6s %6s %6s %10s %9s %9s %9s %6s\n", "form",
+                  "step s", "tok/s/dev", "MFU%", "attn%", "a2a%", "a2a GB/rk", "state GB", "act GB",
+                  "mem GB", "fits");
+    o << line;
+    for (const ModelPlan& f : c.forms) {
+      std::snprintf(
+          line, sizeof line, "  %-22s %10.4g %12.4g %6.1f %6.1f %6.1f %10s %9s %9s %9s %6s\n",
+          to_string(f.form).c_str(), f.step_s, f.tokens_per_s_per_device, 100 * f.mfu,
+          100 * f.attention_share, 100 * f.time.moe_a2a / f.step_s,
+          gb(f.moe_a2a_bytes_per_rank).c_str(), gb(f.state.total()).c_str(),
+          gb(f.activations.total()).c_str(), gb(f.memory_bytes()).c_str(), f.fits ? "yes" : "NO");
+      o << line;
+    }
+    if (c.winner >= 0) {
+      const ModelPlan& w = c.forms[size_t(c.winner)];
+      o << "  winner: " << to_string(w.form);
+      for (const ModelPlan& f : c.forms)
+        if (form_spec(f.form.form).traits.reference && !form_spec(w.form.form).traits.reference)
+          o << " (" << fmt("%.4f", f.step_s / w.step_s) << "x " << to_string(f.form.form)
+            << "'s speed)";
+      o << "\n";
+    } else {
+      o << "  winner: none fits " << gb(q.block.profile.device.memory_bytes)
+        << " GB of device memory\n";
+    }
+  }
+  o << "\nfewest devices that fit (of the --sp x --dp grid planned):\n";
+  for (const MinDevices& d : r.min_devices) {
+    if (d.found)
+      o << "  S " << d.seq << ": " << d.sp * d.dp << " (P " << d.sp << " x DP " << d.dp << ", "
+        << to_string(d.form) << ")\n";
+    else
+      o << "  S " << d.seq << ": none of the grid fits\n";
+  }
+  o << "\nstep s: the slowest device's step (predicted); MFU: model FLOPs (attention as the "
+       "reference form counts it, every rank; FFN 2*3*D*width per token and expert copy; head "
+       "2*D*V; backward 2x forward) / (devices x peak x step); attn%, a2a%: shares of the step; "
+       "a2a GB/rk: EP bytes sent per rank and step; state: parameters + gradients + AdamW ("
+    << (q.block.dtype == PlanDType::bf16 ? "bf16 params and grads, fp32 master, m, v"
+                                         : "fp32 params, grads, m, v")
+    << "); act: saved activations + the largest working set; fits: state + act <= "
+    << gb(q.block.profile.device.memory_bytes) << " GB\n";
+  return o.str();
+}
+
+std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
+  const ModelParamCounts n = model_param_counts(q.model);
+  ojson j;
+  j["profile"] = q.block.profile.name;
+  j["profile_source"] = q.block.profile.source;
+  j["dtype"] = to_string(q.block.dtype);
+  j["attention"] = to_string(q.block.attention);
+  j["batch"] = q.block.batch;
+  j["micro_batches"] = q.micro_batches;
+  j["model"] = q.model.summary();
+  j["layers"] = q.model.layers;
+  j["parameters"] = {{"total", n.total()},
+                     {"replicated", n.replicated()},
+                     {"attention", n.attention},
+                     {"norms", n.norms},
+                     {"dense_ffn", n.dense_ffn},
+                     {"gate", n.gate},
+                     {"shared_experts", n.shared_experts},
+                     {"routed_experts", n.routed_experts},
+                     {"embedding", n.embedding},
+                     {"head", n.head}};
+  j["zero1"] = q.zero1;
+  j["recompute"] = q.recompute;
+  j["plans"] = ojson::array();
+  j["cases"] = ojson::array();
+  for (const ModelPlanCase& c : r.cases) {
+    for (const ModelPlan& f : c.forms)
+      j["plans"].push_back({{"form", to_string(f.form)},
+                            {"seq", c.seq},
+                            {"sp", c.sp},
+                            {"dp", c.dp},
+                            {"devices", c.sp * c.dp},
+                            {"predicted_step_s", f.step_s},
+                            {"predicted_tokens_per_s_per_device", f.tokens_per_s_per_device},
+                            {"model_flops", f.model_flops},
+                            {"mfu", f.mfu},
+                            {"attention_share", f.attention_share},
+                            {"seconds",
+                             {{"attention", f.time.attention},
+                              {"ffn", f.time.ffn},
+                              {"moe_a2a", f.time.moe_a2a},
+                              {"head", f.time.head},
+                              {"elementwise", f.time.elementwise},
+                              {"grad_sync", f.time.grad_sync},
+                              {"optimizer", f.time.optimizer}}},
+                            {"moe_a2a_bytes_per_rank", f.moe_a2a_bytes_per_rank},
+                            {"memory",
+                             {{"parameters", f.state.parameters},
+                              {"gradients", f.state.gradients},
+                              {"optimizer", f.state.optimizer},
+                              {"activations", f.activations.total()},
+                              {"total", f.memory_bytes()}}},
+                            {"block_step_s", f.block.step_s},
+                            {"fits", f.fits}});
+    j["cases"].push_back(
+        {{"seq", c.seq},
+         {"sp", c.sp},
+         {"dp", c.dp},
+         {"nodes", c.nodes},
+         {"winner",
+          c.winner >= 0 ? ojson(to_string(c.forms[size_t(c.winner)].form)) : ojson(nullptr)}});
+  }
+  j["min_devices"] = ojson::array();
+  for (const MinDevices& d : r.min_devices)
+    j["min_devices"].push_back(d.found ? ojson{{"seq", d.seq},
+                                               {"devices", d.sp * d.dp},
+                                               {"sp", d.sp},
+                                               {"dp", d.dp},
+                                               {"form", to_string(d.form)}}
+                                       : ojson{{"seq", d.seq}, {"devices", nullptr}});
+  return j.dump(2) + "\n";
+}
+
+// --model NAME|FILE: a preset (LmConfig::preset) or a DeepSeek-V3 config.
+LmConfig load_model(const PlanOptions& o) {
+  const std::vector<std::string> names = LmConfig::preset_names();
+  LmConfig m;
+  if (std::find(names.begin(), names.end(), o.model) != names.end()) {
+    m = LmConfig::preset(o.model);
+  } else {
+    protect_input(o.model, "--model");
+    m = LmConfig::from_json_file(o.model);
+  }
+  if (o.layers > 0) m.layers = o.layers;
+  m.validate();
+  return m;
+}
+
+void run_model_plan(const PlanOptions& o, PlanRequest block) {
+  ModelPlanRequest q;
+  q.model = load_model(o);
+  block.cfg = q.model.mla;
+  q.block = std::move(block);
+  q.dps = parse_int_list(o.dp, "--dp");
+  q.micro_batches = o.micro_batches;
+  q.zero1 = o.zero1;
+  q.recompute = o.recompute;
+  const ModelPlanResult r = make_model_plans(q);
+  const bool table_to_stdout = o.json != "-";
+  (table_to_stdout ? std::cout : std::cerr) << model_table(q, r) << std::flush;
+  if (!o.json.empty()) write_output(o.json, model_json(q, r));
+  for (const MinDevices& d : r.min_devices) {
+    if (d.found) continue;
+    double least = -1;
+    for (const ModelPlanCase& c : r.cases)
+      if (c.seq == d.seq)
+        for (const ModelPlan& f : c.forms)
+          if (least < 0 || f.memory_bytes() < least) least = f.memory_bytes();
+    fail("--seq ", d.seq, " fits no form at any --sp and --dp on ", q.block.profile.name,
+         ": the smallest need is ", gb(least), " GB per device against ",
+         gb(q.block.profile.device.memory_bytes),
+         " GB; give a larger --sp (more expert and sequence shards) or --dp with --zero1 (the "
+         "optimizer sharded), --recompute, or fewer --layers (a pipeline stage)");
+  }
+}
+
 void run_plan(const PlanOptions& o) {
   const auto start = Clock::now();
   auto say = [&](const std::string& s) {
@@ -227,11 +424,24 @@ void run_plan(const PlanOptions& o) {
              " measures laga's kernels on this machine, which run fp32, so it has no bf16 "
              "figures; use --dtype fp32 (the default with ",
              measuring ? "--measure" : "--profile this", ")");
+  LAGA_CHECK(
+      !o.model.empty() || o.model_only_given.empty(),
+      o.model_only_given.empty() ? "" : o.model_only_given.front(),
+      " plans a whole model's step; give --model NAME|FILE (",
+      [] {
+        std::string n;
+        for (const std::string& s : LmConfig::preset_names()) n += (n.empty() ? "" : ", ") + s;
+        return n;
+      }(),
+      " or a DeepSeek-V3 config.json) or leave it out");
+  LAGA_CHECK(o.model.empty() || !o.attention_config_given,
+             "--model sets the attention block too (its MLA config); leave out --preset and "
+             "--config, or leave out --model to plan one block");
   if (o.profile == "this" && o.dtype.empty() && !o.quiet)
     std::cerr << "laga plan --profile this: planning in fp32, the precision this machine's "
                  "figures are measured in (laga's kernels run fp32)\n";
   PlanRequest q;
-  q.cfg = o.model.load();
+  q.cfg = o.model.empty() ? o.model_options.load() : load_model(o).mla;
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
   q.batch = o.batch;
   q.seqs = parse_whole_list(o.seq, "--seq", "4096,32768");
@@ -266,6 +476,10 @@ void run_plan(const PlanOptions& o) {
     q.link_latency_s = l.latency_s;
   }
   q.progress = say;
+  if (!o.model.empty()) {
+    run_model_plan(o, std::move(q));
+    return;
+  }
   const std::vector<PlanCase> cases = make_plans(q);
   const bool table_to_stdout = o.json != "-";
   (table_to_stdout ? std::cout : std::cerr) << plan_table(q, cases) << std::flush;
@@ -296,7 +510,7 @@ void register_plan(CLI::App& app) {
       "compare --count-only) and the step time, tokens/s and communication share on a hardware "
       "profile, for each --seq and --sp; name the winner and the link bandwidth where laga "
       "starts to beat explicit (docs/planning.md)");
-  o->model.add_to(*c);
+  o->model_options.add_to(*c);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
       ->check(whole(1))
       ->capture_default_str();
@@ -338,10 +552,30 @@ void register_plan(CLI::App& app) {
   c->add_option("--attention", o->attention, "attention kernel: flash or eager")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
+  c->add_option("--model", o->model,
+                "plan a whole model's training step: a preset (deepseek-v3) or a DeepSeek-V3 "
+                "config.json with its MoE and layers; in place of --preset/--config");
+  c->add_option("--layers", o->layers, "with --model: plan this many layers (a pipeline stage)")
+      ->check(whole(1));
+  c->add_option("--dp", o->dp,
+                "with --model: data-parallel replicas of the SP group, comma-separated")
+      ->capture_default_str();
+  c->add_option("--micro-batches", o->micro_batches,
+                "with --model: forward + backward passes of --batch sequences per optimizer step "
+                "(gradient accumulation; the gradient sync and AdamW once per step)")
+      ->check(whole(1))
+      ->capture_default_str();
+  c->add_flag("--zero1", o->zero1,
+              "with --model: shard AdamW's state over the replicas of each parameter (ZeRO-1)");
+  c->add_flag("--recompute", o->recompute,
+              "with --model: keep only each layer's input and re-run its forward in backward");
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
-    for (const char* name : {"--profile", "--json", "--nodes", "--link"})
+    for (const char* name : {"--profile", "--json", "--nodes", "--link", "--model"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
+    for (const char* name : {"--layers", "--dp", "--micro-batches", "--zero1", "--recompute"})
+      if (c->count(name) > 0) o->model_only_given.push_back(name);
+    o->attention_config_given = c->count("--preset") > 0 || c->count("--config") > 0;
     run_plan(*o);
   });
 }

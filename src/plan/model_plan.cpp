@@ -1,0 +1,297 @@
+#include "plan/model_plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "mla/params.hpp"
+
+namespace laga {
+
+double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
+                              std::int64_t elem_bytes, int ep) {
+  LAGA_CHECK(tokens_per_rank >= 0 && k >= 0 && dim >= 0 && elem_bytes >= 1 && ep >= 1,
+             "expected_moe_a2a_bytes(tokens ", tokens_per_rank, ", k ", k, ", D ", dim, ", elem ",
+             elem_bytes, ", EP ", ep, "): every size must be >= 0, elem and EP >= 1");
+  // Each copy leaves the rank unless its expert is one of the rank's own
+  // E / EP: probability 1 - 1/EP under uniform routing.
+  return double(tokens_per_rank) * double(k) * double(dim) * double(elem_bytes) *
+         (1.0 - 1.0 / double(ep));
+}
+
+ModelParamCounts model_param_counts(const LmConfig& cfg) {
+  ModelParamCounts n;
+  const std::int64_t D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
+  std::int64_t mla = 0;
+  for (const auto& [name, shape] : mla_param_shapes(cfg.mla)) mla += numel(shape);
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    n.attention += mla;
+    n.norms += 2 * D;  // attn_norm, ffn_norm
+    if (cfg.is_moe_layer(l)) {
+      const MoeConfig& m = *cfg.moe;
+      n.gate += m.n_routed_experts * D + m.n_routed_experts;  // weight (E, D), bias (E)
+      n.shared_experts += 3 * D * m.shared_intermediate_size();
+      n.routed_experts += 3 * D * m.moe_intermediate_size * m.n_routed_experts;
+    } else {
+      n.dense_ffn += 3 * D * F;
+    }
+  }
+  n.norms += D;  // the final norm
+  n.embedding = V * D;
+  n.head = V * D;
+  return n;
+}
+
+double ffn_flops_forward(const LmConfig& cfg, std::int64_t layer) {
+  const double D = double(cfg.dim());
+  // One SwiGLU of width w on one token: w1, w3 (D -> w) and w2 (w -> D), 2 D w each.
+  const auto swiglu = [D](double w) { return 2.0 * 3.0 * D * w; };
+  if (!cfg.is_moe_layer(layer)) return swiglu(double(cfg.hidden()));
+  const MoeConfig& m = *cfg.moe;
+  return 2.0 * D * double(m.n_routed_experts) +  // the gate's logits
+         double(m.num_experts_per_tok) * swiglu(double(m.moe_intermediate_size)) +
+         swiglu(double(m.shared_intermediate_size()));
+}
+
+double head_flops_forward(const LmConfig& cfg) {
+  return 2.0 * double(cfg.dim()) * double(cfg.vocab);
+}
+
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int dp,
+                       bool zero1) {
+  LAGA_CHECK(ep >= 1 && dp >= 1, "state_bytes: EP ", ep, " and DP ", dp, " must be >= 1");
+  const double e = double(element_bytes(dtype));
+  // AdamW's own state per parameter: bf16 keeps an fp32 master besides m and
+  // v; fp32 updates the parameters themselves.
+  const double opt = dtype == PlanDType::bf16 ? 12.0 : 8.0;
+  const double replicated = double(params.replicated());
+  const double experts = double(params.routed_experts) / double(ep);  // this device's share
+  StateBytes s;
+  s.parameters = (replicated + experts) * e;
+  s.gradients = (replicated + experts) * e;
+  s.optimizer = zero1 ? opt * (replicated / double(ep * dp) + experts / double(dp))
+                      : opt * (replicated + experts);
+  return s;
+}
+
+double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
+                         std::int64_t elem_bytes) {
+  const double N = double(tokens), D = double(cfg.dim()), e = double(elem_bytes);
+  double elements = 4 * N * D + 2 * N;  // x, n1, h, n2; rstd1, rstd2
+  if (cfg.is_moe_layer(layer)) {
+    const MoeConfig& m = *cfg.moe;
+    const double copies = N * double(m.num_experts_per_tok), I = double(m.moe_intermediate_size);
+    elements += copies * (3 * I + D) + 3 * N * double(m.shared_intermediate_size());
+  } else {
+    elements += 3 * N * double(cfg.hidden());  // a, b, g
+  }
+  return elements * e;
+}
+
+ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
+                                 double attn_after_forward, double attn_peak, bool recompute) {
+  const double N = double(tokens), D = double(cfg.dim()), V = double(cfg.vocab),
+               e = double(elem_bytes);
+  // The block's output (N, D) is in after_forward but freed after the
+  // residual add: the block keeps the rest.
+  const double attn_saved = std::max(0.0, attn_after_forward - N * D * e);
+  ActivationBytes a;
+  double largest_layer = 0;
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    const double layer = attn_saved + layer_saved_bytes(cfg, l, tokens, elem_bytes);
+    largest_layer = std::max(largest_layer, layer);
+    a.layers += recompute ? N * D * e : layer;  // recompute: the layer's input x only
+  }
+  if (recompute) a.layers += largest_layer;            // the one layer being re-run
+  a.head = (2 * N * D + N) * e + N * V * e + N * 8.0;  // xf, nf, rstdf; logits; lse (double)
+  // Beyond the saved: the residual stream's gradient and its temporary
+  // (N, D) each, and the larger of a block's backward working set and the
+  // logits' gradient (N, V).
+  a.transient = 2 * N * D * e + std::max(std::max(0.0, attn_peak - attn_after_forward), N * V * e);
+  return a;
+}
+
+namespace {
+
+// Forward elementwise elements per token of layer l beyond the attention
+// block (whose own are in its plan): two RMSNorms (read D, write D each),
+// two residual adds (read 2 D, write D each), the SwiGLU activations (read
+// 2 w, write w), and per routed copy its gather and its weighted combine
+// (read D, write D each). Backward is taken as 2x forward.
+double layer_elementwise_elements(const LmConfig& cfg, std::int64_t l) {
+  const double D = double(cfg.dim());
+  double n = 4 * D + 6 * D;
+  if (cfg.is_moe_layer(l)) {
+    const MoeConfig& m = *cfg.moe;
+    const double k = double(m.num_experts_per_tok);
+    n += k * 3 * double(m.moe_intermediate_size) + 3 * double(m.shared_intermediate_size()) +
+         k * 4 * D;
+  } else {
+    n += 3 * double(cfg.hidden());
+  }
+  return n;
+}
+
+// The gradient sync of n elements per device over a group of G, on
+// `fabric`: one all-reduce, or with ZeRO-1 a reduce-scatter of the
+// gradients and an all-gather of the updated parameters (together the
+// all-reduce's bytes). The ledger's rules (comm/communicator.hpp) give the
+// bytes, in fp32 elements scaled to the plan's element size.
+double sync_seconds(std::int64_t n, int G, bool zero1, std::int64_t e, const Fabric& fabric) {
+  if (G <= 1 || n == 0) return 0;
+  const auto scaled = [e](WireBytes w) { return WireBytes{w.sent / 4 * e, w.received / 4 * e}; };
+  if (!zero1)
+    return collective_seconds(CollectiveKind::all_reduce, G,
+                              scaled(all_reduce_wire_bytes(n, G, 0, DType::f32)), fabric);
+  std::vector<std::int64_t> counts(static_cast<size_t>(G));
+  for (int j = 0; j < G; ++j) counts[size_t(j)] = all_reduce_chunk(n, G, j);
+  return collective_seconds(CollectiveKind::reduce_scatter, G,
+                            scaled(reduce_scatter_wire_bytes(counts.data(), G, 0, DType::f32)),
+                            fabric) +
+         collective_seconds(
+             CollectiveKind::all_gather, G,
+             scaled(all_gather_wire_bytes(counts[0], counts.data(), G, 0, DType::f32)), fabric);
+}
+
+ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormPlan& f,
+                   double reference_flops, int dp, const Fabric& sp_fabric,
+                   const Fabric& world_fabric) {
+  const LmConfig& cfg = q.model;
+  const int P = block.sp;
+  const std::int64_t e = element_bytes(q.block.dtype);
+  const SpLayout layout = SpLayout::even(q.block.batch, block.seq, cfg.mla.n_heads, P);
+  const std::int64_t N =
+      q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
+  const DeviceProfile& d = q.block.profile.device;
+  const double peak = q.block.profile.peak_flops(q.block.dtype);
+  const double gemm_rate = peak * d.gemm_efficiency;
+
+  ModelPlan m;
+  m.form = f.form;
+  m.dp = dp;
+  m.block = f;
+  // The block's forward + backward: its step less its own gradient
+  // all-reduce (the last phase, blocking), which the model's sync replaces.
+  const PhaseTime& sync = f.phases[2];
+  const double block_s = f.step_s - (sync.compute_s() + sync.comm_s);
+  const double block_forward_s = f.phases[0].compute_s() + f.phases[0].comm_s;
+  const double passes = q.recompute ? 4.0 : 3.0;  // forward, backward 2x, forward again
+  const double a2a_bytes =
+      expected_moe_a2a_bytes(N, cfg.moe ? cfg.moe->num_experts_per_tok : 0, cfg.dim(), e, P);
+  const std::int64_t a2a_whole = std::int64_t(std::llround(a2a_bytes));
+  const double a2a_s =
+      collective_seconds(CollectiveKind::all_to_all, P, {a2a_whole, a2a_whole}, sp_fabric);
+  const int a2a_calls = q.recompute ? 6 : 4;  // dispatch, combine; their gradients; recompute
+  double ffn_flops = 0, elementwise_elements = 0;
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    m.time.attention += block_s + (q.recompute ? block_forward_s : 0.0);
+    ffn_flops += ffn_flops_forward(cfg, l);
+    elementwise_elements += layer_elementwise_elements(cfg, l) * passes;  // forward 1x, backward 2x
+    if (cfg.is_moe_layer(l)) {
+      m.time.moe_a2a += a2a_calls * a2a_s;
+      m.moe_a2a_bytes_per_rank += a2a_calls * a2a_bytes;
+    }
+  }
+  m.time.ffn = double(N) * ffn_flops * passes / gemm_rate;
+  m.time.head = double(N) * head_flops_forward(cfg) * 3.0 / gemm_rate;
+  // The embedding's gather and its gradient's scatter (D each), the final
+  // norm (4 D forward, 2x backward) and the cross-entropy: read the logits
+  // for the loss, read them and write their gradient (3 V).
+  const double D = double(cfg.dim()), V = double(cfg.vocab);
+  elementwise_elements += 2 * D + 12 * D + 3 * V;
+  m.time.elementwise = double(N) * elementwise_elements * double(e) / d.elementwise_bytes_per_s;
+
+  // Gradients: the replicated parameters' over every device holding them
+  // (P * dp), the routed experts' over the dp devices owning the same ones.
+  const ModelParamCounts params = model_param_counts(cfg);
+  Fabric dp_fabric = world_fabric;
+  dp_fabric.ranks_per_node = std::max(1, world_fabric.ranks_per_node / P);
+  m.time.grad_sync = sync_seconds(params.replicated(), P * dp, q.zero1, e, world_fabric) +
+                     sync_seconds(params.routed_experts / P, dp, q.zero1, e, dp_fabric);
+  // AdamW: per parameter it updates, 28 bytes either way (bf16: read the
+  // gradient 2, master, m, v 12, write them 12 and the bf16 copy 2; fp32:
+  // read gradient, parameter, m, v 16, write parameter, m, v 12).
+  const double updated = q.zero1 ? double(params.replicated()) / double(P * dp) +
+                                       double(params.routed_experts) / double(P * dp)
+                                 : double(params.replicated()) + double(params.routed_experts) / P;
+  m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
+
+  m.step_s = m.time.total();
+  m.tokens_per_s_per_device = double(q.block.batch * block.seq) / m.step_s / double(P);
+  m.model_flops = double(dp) *
+                  (double(cfg.layers) * reference_flops +
+                   double(q.block.batch * block.seq) * (ffn_flops + head_flops_forward(cfg)) * 3.0);
+  m.mfu = m.model_flops / (double(P * dp) * peak * m.step_s);
+  m.attention_share = m.time.attention / m.step_s;
+  m.state = state_bytes(params, q.block.dtype, P, dp, q.zero1);
+  m.activations = activation_bytes(cfg, N, e, double(f.after_forward_bytes),
+                                   double(f.peak_activation_bytes), q.recompute);
+  m.fits = m.memory_bytes() <= d.memory_bytes;
+  return m;
+}
+
+}  // namespace
+
+ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
+  LAGA_CHECK(!q.dps.empty(), "plan: need at least one --dp");
+  for (int dp : q.dps) LAGA_CHECK(dp >= 1, "--dp ", dp, ": need at least 1 replica");
+  q.model.validate();
+  if (q.model.moe)
+    for (int P : q.block.sps)
+      LAGA_CHECK(q.model.moe->n_routed_experts % P == 0, "--sp ", P,
+                 ": expert parallelism is folded onto the SP ranks (EP = P), so P must divide "
+                 "the ",
+                 q.model.moe->n_routed_experts, " routed experts; give --sp a divisor of ",
+                 q.model.moe->n_routed_experts);
+  // MFU counts the reference form's attention FLOPs: plan it too when it
+  // was not asked for (and leave it out of the model plans).
+  PlanRequest block = q.block;
+  block.cfg = q.model.mla;
+  const FormVariant reference = forms_with(&FormTraits::reference).front();
+  const bool reference_asked =
+      std::find(block.forms.begin(), block.forms.end(), reference) != block.forms.end();
+  if (!reference_asked) block.forms.push_back(reference);
+  ModelPlanResult r;
+  r.blocks = make_plans(block);
+  for (const PlanCase& b : r.blocks) {
+    double reference_flops = 0;
+    for (const FormPlan& f : b.forms)
+      if (f.form == reference) reference_flops = f.flops_all_ranks;
+    for (int dp : q.dps) {
+      ModelPlanCase c;
+      c.seq = b.seq, c.sp = b.sp, c.dp = dp;
+      const PlanLinks world =
+          plan_links(q.block.profile, b.sp * dp, q.block.nodes > 0 ? q.block.nodes * dp : 0,
+                     q.block.link_bytes_per_s, q.block.link_latency_s);
+      c.nodes = world.nodes;
+      for (size_t i = 0; i < b.forms.size(); ++i) {
+        if (!reference_asked && b.forms[i].form == reference) continue;
+        c.forms.push_back(
+            plan_one(q, b, b.forms[i], reference_flops, dp, b.links.fabric, world.fabric));
+      }
+      for (size_t i = 0; i < c.forms.size(); ++i)
+        if (c.forms[i].fits &&
+            (c.winner < 0 || c.forms[i].step_s < c.forms[size_t(c.winner)].step_s))
+          c.winner = int(i);
+      r.cases.push_back(std::move(c));
+    }
+  }
+  for (std::int64_t S : q.block.seqs) {
+    MinDevices m;
+    m.seq = S;
+    double best_step = 0;
+    for (const ModelPlanCase& c : r.cases) {
+      if (c.seq != S || c.winner < 0) continue;
+      const int devices = c.sp * c.dp;
+      const double step = c.forms[size_t(c.winner)].step_s;
+      if (!m.found || devices < m.sp * m.dp || (devices == m.sp * m.dp && step < best_step)) {
+        m.found = true, m.sp = c.sp, m.dp = c.dp, m.form = c.forms[size_t(c.winner)].form;
+        best_step = step;
+      }
+    }
+    r.min_devices.push_back(m);
+  }
+  return r;
+}
+
+}  // namespace laga

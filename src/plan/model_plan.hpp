@@ -1,0 +1,210 @@
+// `laga plan --model`: one training step of a whole N-layer model
+// (DeepSeek-V3: MLA in every layer, a dense SwiGLU FFN in the first
+// first_k_dense_replace layers and the MoE in the rest, embedding, final
+// norm, LM head, cross-entropy), planned on a hardware profile from the
+// per-block plan the planner already makes (docs/planning.md, "A whole
+// DeepSeek-V3 step"). Nothing of the attention is derived here: its time,
+// bytes and memory are the block plan's (FormPlan, planner.hpp), scaled by
+// depth. What is new is in closed form, each in one function below:
+//
+//   parameters      model_param_counts: every tensor of LmParams by kind
+//   FFN FLOPs       ffn_flops_forward: 2 * 3 * D * width per token per
+//                   SwiGLU (w1, w3: D -> width, w2: width -> D), an MoE
+//                   layer's gate 2 * D * E and its k routed copies plus the
+//                   shared expert; the head 2 * D * V; backward 2x forward
+//   EP traffic      expected_moe_a2a_bytes (below)
+//   state memory    state_bytes: parameters, gradients, AdamW's fp32
+//                   master (bf16 only) + m + v, ZeRO-1 sharded or not
+//   activations     activation_bytes: what each layer keeps for backward
+//                   (the block's after_forward, the model's norms and
+//                   residuals, the FFN's saved tensors), with or without
+//                   per-layer recompute
+//
+// Parallelism: the SP group of P ranks runs every layer's attention in the
+// chosen form; expert parallelism is folded onto the same ranks (Megatron's
+// MoE parallel folding): EP = P, so P must divide E and each rank owns E / P
+// experts of every MoE layer. dp data-parallel replicas of that group make
+// P * dp devices. No tensor or pipeline parallelism is modelled: every device
+// holds every layer (--layers N plans a stage of N layers).
+//
+// Time, per device, nothing overlapped (the paper's "temporally separated"
+// attention and MoE collectives, modelled so: each term waits for the one
+// before): per layer the attention block's predicted forward + backward (its
+// own gradient all-reduce left out: the model's gradient sync below
+// replaces it), the FFN's FLOPs at peak x gemm efficiency, the MoE's four
+// all-to-alls on the SP group's links (collective_seconds, the link model of
+// every other plan), the layer's elementwise bytes at the elementwise
+// bandwidth; the head's FLOPs and the cross-entropy's bytes; the gradient
+// sync; AdamW's bytes. Every figure but the parameter, FLOP and byte counts
+// is a prediction.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "model/model.hpp"
+#include "plan/planner.hpp"
+
+namespace laga {
+
+// The bytes one rank sends in ONE expert-parallel all-to-all of routed token
+// copies (moe_dispatch, moe_combine forward; dmoe_combine, dmoe_dispatch
+// backward: each the same size), in expectation under UNIFORM routing:
+//
+//   N_r * k * D * elem_bytes * (1 - 1/EP)
+//
+// The rank's N_r tokens make N_r k copies of D elements; with every expert
+// equally likely and E / EP experts per rank, a copy goes to an expert on
+// the rank itself with probability 1/EP and stays home (no wire bytes). It
+// receives as many in expectation. Real routing is not uniform: a rank whose
+// experts are popular receives more; this is the mean, not the max.
+// The one closed form of these bytes: the model's EP collectives (same
+// labels) are checked against it.
+double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
+                              std::int64_t elem_bytes, int ep);
+
+// A model's parameters by kind, counted from LmConfig (the shapes of
+// LmParams::zeros, model.cpp; tests/plan/test_model_plan.cpp checks the sum
+// against LmParams::numel).
+struct ModelParamCounts {
+  std::int64_t attention = 0;       // every layer's MLA block (mla_param_shapes)
+  std::int64_t norms = 0;           // attn_norm and ffn_norm of every layer, and the final norm
+  std::int64_t dense_ffn = 0;       // w1, w2, w3 of the dense layers: 3 D F each
+  std::int64_t gate = 0;            // the MoE layers' gate.weight (E, D) and gate.bias (E)
+  std::int64_t shared_experts = 0;  // 3 D (Ns I) per MoE layer
+  std::int64_t routed_experts = 0;  // 3 D I E per MoE layer: the only ones sharded (by EP)
+  std::int64_t embedding = 0, head = 0;  // V D each (not tied)
+  // Held by every rank of the SP group (and every replica).
+  std::int64_t replicated() const {
+    return attention + norms + dense_ffn + gate + shared_experts + embedding + head;
+  }
+  std::int64_t total() const { return replicated() + routed_experts; }
+};
+ModelParamCounts model_param_counts(const LmConfig& cfg);
+
+// Forward FLOPs per token of layer l's FFN (2 M N K per GEMM): dense
+// 2 * 3 * D * F; MoE 2 * D * E (gate) + (k + Ns) * 2 * 3 * D * I. Backward
+// is 2x forward (the input and the weight gradient, each a GEMM as large).
+double ffn_flops_forward(const LmConfig& cfg, std::int64_t layer);
+// The LM head's forward FLOPs per token: 2 * D * V.
+double head_flops_forward(const LmConfig& cfg);
+
+// Bytes per device of the training state. What is assumed:
+//   bf16 plan: parameters and gradients bf16 (2 + 2 bytes), AdamW an fp32
+//              master copy + m + v (12 bytes): 16 bytes per parameter;
+//   fp32 plan: parameters and gradients fp32 (4 + 4), m + v (8): 16 bytes,
+//              what laga train holds (no master: the parameters are fp32).
+// A device holds the replicated parameters and 1/ep of the routed experts.
+// ZeRO-1 shards the optimizer part (master, m, v) over every device holding
+// a replica of the parameter: the replicated ones over all ep * dp devices
+// (the SP ranks hold replicas too, as Megatron's distributed optimizer
+// shards over the data x context-parallel group), the routed experts over
+// the dp devices that own the same experts. Parameters and gradients stay
+// whole (ZeRO-2/3 would shard them).
+struct StateBytes {
+  double parameters = 0, gradients = 0, optimizer = 0;
+  double total() const { return parameters + gradients + optimizer; }
+};
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int dp, bool zero1);
+
+// What one layer keeps from forward to backward on a rank of N_r = tokens
+// tokens, in bytes of elem_bytes (closed form, the tensors of model.cpp's
+// LayerSaved): x, n1, h, n2 (N_r, D) and the two norms' rstd (N_r); dense:
+// a, b, g (N_r, F); MoE: per routed copy (N_r k of them on the rank under
+// uniform routing, its own experts' share of every rank's copies) a, b, h
+// (I) and the expert output y (D), the shared expert's a, b, h (N_r, Ns I).
+// The attention block's saved tensors are not in it (the block plan has them).
+double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
+                         std::int64_t elem_bytes);
+
+struct ActivationBytes {
+  double layers = 0;     // what the layers hold at the backward's peak
+  double head = 0;       // final norm's xf, nf, rstd, the logits (N_r, V) and lse (doubles)
+  double transient = 0;  // the largest working set beyond the saved: a block's
+                         // backward or the logits' gradient, and the residual stream's
+  double total() const { return layers + head + transient; }
+};
+// attn_after_forward: the block's after_forward (its saved tensors and its
+// output (N_r, D), which the model frees after the residual add);
+// attn_peak: its forward + backward peak. Without recompute every layer
+// keeps its saved tensors; with recompute each keeps its input x (N_r, D)
+// and one layer at a time is re-run and holds everything.
+ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
+                                 double attn_after_forward, double attn_peak, bool recompute);
+
+struct ModelPlanRequest {
+  PlanRequest block;  // block.cfg is model.mla; seqs, sps, forms, profile, ...
+  LmConfig model;
+  std::vector<int> dps{1};
+  // Gradient accumulation: micro-batches of block.batch sequences per
+  // optimizer step, each a forward + backward; the gradient sync and AdamW
+  // run once per step. Memory is one micro-batch's.
+  std::int64_t micro_batches = 1;
+  bool zero1 = false;
+  bool recompute = false;
+};
+
+// Seconds of one step (every micro-batch) of the slowest device, by what it does.
+struct ModelStepTime {
+  double attention = 0;    // the blocks' forward + backward (+ forward again with recompute)
+  double ffn = 0;          // the FFN GEMMs: dense, gate, routed and shared experts
+  double moe_a2a = 0;      // the EP all-to-alls
+  double head = 0;         // the LM head's GEMMs
+  double elementwise = 0;  // norms, residuals, SwiGLU, permutes, embedding, cross-entropy
+  double grad_sync = 0;    // the gradients over the SP and DP ranks
+  double optimizer = 0;    // AdamW's bytes
+  double total() const {
+    return attention + ffn + moe_a2a + head + elementwise + grad_sync + optimizer;
+  }
+};
+
+struct ModelPlan {
+  FormVariant form = Form::laga;
+  int dp = 1;
+  FormPlan block;  // the one-block plan this is scaled from
+  ModelStepTime time;
+  double step_s = 0;
+  double tokens_per_s_per_device = 0;
+  // FLOPs of the step over every device: each layer's attention as the
+  // reference form's count-only run counts it (every rank summed: no form's
+  // redundant work, flash's backward recompute of q k included), the FFN and
+  // head in closed form; the embedding, norms and cross-entropy not counted.
+  double model_flops = 0;
+  double mfu = 0;                     // model_flops / (devices x peak x step_s)
+  double attention_share = 0;         // time.attention / step_s
+  double moe_a2a_bytes_per_rank = 0;  // per step, sent, the mean under uniform routing
+  StateBytes state;
+  ActivationBytes activations;
+  double memory_bytes() const { return state.total() + activations.total(); }
+  bool fits = false;  // memory_bytes() <= the device's memory
+};
+
+struct ModelPlanCase {
+  std::int64_t seq = 0;
+  int sp = 1, dp = 1;
+  int nodes = 1;  // of the whole P * dp devices
+  std::vector<ModelPlan> forms;
+  int winner = -1;  // the fastest form that fits; -1: none
+};
+
+// Per sequence length: the fewest devices (P * dp) among the planned grid at
+// which some form fits, and the fastest fitting form there.
+struct MinDevices {
+  std::int64_t seq = 0;
+  bool found = false;
+  int sp = 0, dp = 0;
+  FormVariant form = Form::laga;
+};
+
+struct ModelPlanResult {
+  std::vector<PlanCase> blocks;         // make_plans(block): one per (S, P)
+  std::vector<ModelPlanCase> cases;     // one per (S, P, dp)
+  std::vector<MinDevices> min_devices;  // one per S
+};
+
+// Throws laga::Error when an --sp does not divide the routed experts (EP =
+// P), or a dp is below 1.
+ModelPlanResult make_model_plans(const ModelPlanRequest& request);
+
+}  // namespace laga

@@ -1,0 +1,230 @@
+// The whole-model plan's closed forms (plan/model_plan.hpp) against what
+// they describe: the parameter count against the model's own tensors
+// (LmParams, the ground truth, at the tiny MoE config and at DeepSeek-V3's
+// full size under a count-only pool), laga train's state against the state
+// formula, FLOPs, EP bytes and activations against hand counts, and the
+// depth-1 plan against the block plan it is scaled from.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "common/error_of.hpp"
+#include "core/memory_pool.hpp"
+#include "model/train.hpp"
+#include "plan/model_plan.hpp"
+
+namespace laga {
+namespace {
+
+LmConfig moe_tiny() {  // docs/assets/moe_tiny.json: 3 layers, the first dense
+  const char* src = std::getenv("LAGA_SOURCE_DIR");
+  return LmConfig::from_json_file(std::string(src ? src : ".") + "/docs/assets/moe_tiny.json");
+}
+
+std::int64_t model_numel(const LmConfig& cfg, const std::string& containing = "") {
+  MemoryPool pool;
+  pool.set_count_only(true);  // shapes only: DeepSeek-V3's 671B elements allocate nothing
+  PoolScope scope(pool);
+  const LmParams<float> p = LmParams<float>::zeros(cfg, MemCategory::parameters);
+  std::int64_t n = 0;
+  p.for_each([&](const std::string& name, const Tensor<float>& t) {
+    if (name.find(containing) != std::string::npos) n += t.numel();
+  });
+  return n;
+}
+
+// The count is the model's: every tensor LmParams holds, the routed experts
+// apart (the only tensors EP shards; forgetting the shared expert, the gate's
+// bias or a norm breaks the total).
+TEST(ModelPlan, ParameterCountIsTheModels) {
+  for (const LmConfig& cfg : {moe_tiny(), LmConfig::preset("deepseek-v3")}) {
+    const ModelParamCounts n = model_param_counts(cfg);
+    EXPECT_EQ(n.total(), model_numel(cfg)) << cfg.summary();
+    EXPECT_EQ(n.routed_experts, model_numel(cfg, ".ffn.experts.")) << cfg.summary();
+    EXPECT_EQ(n.shared_experts, model_numel(cfg, ".ffn.shared_experts.")) << cfg.summary();
+    EXPECT_EQ(n.attention, model_numel(cfg, ".attn.")) << cfg.summary();
+  }
+  // DeepSeek-V3's published size: 671B parameters, 37B activated per token
+  // (the report's Table 1, the MTP module not counted).
+  const ModelParamCounts v3 = model_param_counts(LmConfig::preset("deepseek-v3"));
+  EXPECT_NEAR(double(v3.total()) / 1e9, 671.0, 0.5);
+  const LmConfig c = LmConfig::preset("deepseek-v3");
+  const double per_expert = 3.0 * 7168 * 2048;
+  const double activated = double(v3.total()) - 58 * (256 - 8) * per_expert;
+  EXPECT_NEAR(activated / 1e9, 37.5, 0.5);
+  EXPECT_EQ(c.layers, 61);
+  EXPECT_EQ(c.moe->first_k_dense_replace, 3);
+}
+
+// FLOPs per token at the tiny dims, by hand: D 64, F 192, E 8, k 2, I 32, Ns 1, V 256.
+TEST(ModelPlan, FfnAndHeadFlopsByHand) {
+  const LmConfig cfg = moe_tiny();
+  EXPECT_EQ(ffn_flops_forward(cfg, 0), 2.0 * 3 * 64 * 192);  // dense: 73728
+  // gate 2 D E = 1024; two routed copies 2 * 12288; the shared expert 12288.
+  EXPECT_EQ(ffn_flops_forward(cfg, 1), 1024.0 + 2 * 12288 + 12288);
+  EXPECT_EQ(ffn_flops_forward(cfg, 2), 37888.0);
+  EXPECT_EQ(head_flops_forward(cfg), 2.0 * 64 * 256);
+}
+
+// The EP all-to-all's bytes against a count of copies: token copy c of rank
+// 0 routed to expert c mod E (exactly uniform), E / EP experts per rank; the
+// copies to another rank's experts are the wire's.
+TEST(ModelPlan, MoeAllToAllBytesAreTheCopiesThatLeave) {
+  const std::int64_t E = 8, k = 2, D = 64, tokens = 12;  // 24 copies: 3 per expert
+  for (int ep : {1, 2, 4, 8}) {
+    std::int64_t leaving = 0;
+    for (std::int64_t c = 0; c < tokens * k; ++c)
+      if ((c % E) / (E / ep) != 0) ++leaving;  // owner of expert c mod E; this is rank 0
+    for (std::int64_t elem : {2, 4})
+      EXPECT_EQ(expected_moe_a2a_bytes(tokens, k, D, elem, ep), double(leaving * D * elem))
+          << "EP " << ep;
+  }
+  EXPECT_EQ(expected_moe_a2a_bytes(10, 2, 64, 2, 4), 1920.0);  // 10 * 2 * 64 * 2 * 3/4
+  EXPECT_NE(test::error_of([] { expected_moe_a2a_bytes(10, 2, 64, 2, 0); }), "");
+}
+
+// laga train's own state (fp32 parameters, gradients, m, v: the count-only
+// run of its code) is the fp32 formula at one rank without ZeRO.
+TEST(ModelPlan, Fp32StateIsLagaTrainsState) {
+  TrainOptions o;
+  o.model = moe_tiny();
+  o.sp = 1, o.seq = 16, o.batch = 1;
+  const std::vector<TrainMemory> m = predict_train_memory(o, StagingRule::in_process);
+  const StateBytes s = state_bytes(model_param_counts(o.model), PlanDType::fp32, 1, 1, false);
+  EXPECT_EQ(s.total(), double(m[0].state));
+}
+
+// bf16: 2 + 2 bytes of parameters and gradients and 12 of AdamW per
+// parameter; EP divides the routed experts only, ZeRO-1 the optimizer only,
+// the replicated part over EP x DP and the experts over DP.
+TEST(ModelPlan, StateShardsWhatItShould) {
+  ModelParamCounts n;
+  n.attention = 1000, n.embedding = 200, n.routed_experts = 8000;  // replicated 1200
+  const StateBytes whole = state_bytes(n, PlanDType::bf16, 1, 1, false);
+  EXPECT_EQ(whole.parameters, 2.0 * 9200);
+  EXPECT_EQ(whole.gradients, 2.0 * 9200);
+  EXPECT_EQ(whole.optimizer, 12.0 * 9200);
+  const StateBytes ep4 = state_bytes(n, PlanDType::bf16, 4, 2, false);
+  EXPECT_EQ(ep4.parameters, 2.0 * (1200 + 2000));
+  EXPECT_EQ(ep4.optimizer, 12.0 * (1200 + 2000));  // no ZeRO: DP changes nothing
+  const StateBytes z = state_bytes(n, PlanDType::bf16, 4, 2, true);
+  EXPECT_EQ(z.parameters, ep4.parameters);
+  EXPECT_EQ(z.gradients, ep4.gradients);
+  EXPECT_EQ(z.optimizer, 12.0 * (1200.0 / 8 + 2000.0 / 2));
+  EXPECT_EQ(state_bytes(n, PlanDType::fp32, 4, 2, true).optimizer, 8.0 * (1200.0 / 8 + 1000));
+}
+
+// The saved tensors by hand at the tiny dims, N 16 tokens, 4 bytes: the
+// layers' own and the block's (its after_forward less its output), and with
+// recompute each layer's input plus one whole layer.
+TEST(ModelPlan, ActivationsByHand) {
+  const LmConfig cfg = moe_tiny();
+  const std::int64_t N = 16, e = 4;
+  const double dense = (4 * 16 * 64 + 2 * 16 + 3 * 16 * 192) * 4.0;
+  const double moe = (4 * 16 * 64 + 2 * 16 + 32 * (3 * 32 + 64) + 3 * 16 * 32) * 4.0;
+  EXPECT_EQ(layer_saved_bytes(cfg, 0, N, e), dense);
+  EXPECT_EQ(layer_saved_bytes(cfg, 1, N, e), moe);
+  const double out = 16 * 64 * 4.0, attn_saved = 1000;
+  const double after = attn_saved + out, peak = after + 500;
+  const ActivationBytes all = activation_bytes(cfg, N, e, after, peak, false);
+  EXPECT_EQ(all.layers, 3 * attn_saved + dense + 2 * moe);
+  EXPECT_EQ(all.head, (2 * 16 * 64 + 16) * 4.0 + 16 * 256 * 4.0 + 16 * 8.0);
+  EXPECT_EQ(all.transient, 2 * 16 * 64 * 4.0 + std::max(500.0, 16 * 256 * 4.0));
+  const ActivationBytes re = activation_bytes(cfg, N, e, after, peak, true);
+  EXPECT_EQ(re.layers, 3 * out + attn_saved + std::max(dense, moe));
+  EXPECT_EQ(re.head, all.head);
+}
+
+ModelPlanRequest request(const LmConfig& cfg, std::vector<int> sps) {
+  ModelPlanRequest q;
+  q.model = cfg;
+  q.block.cfg = cfg.mla;
+  q.block.seqs = {64};
+  q.block.sps = std::move(sps);
+  q.block.forms = {Form::explicit_form, Form::laga};
+  q.block.attention = AttentionKind::flash;
+  q.block.dtype = PlanDType::bf16;
+  q.block.profile = load_profile("h100");
+  return q;
+}
+
+// Depth 1, dense: the attention is the block plan's forward + backward (its
+// own gradient all-reduce left out), exactly; depth 3 is three of them; the
+// MoE layers' all-to-alls are four per layer at the link model's cost of the
+// expected bytes, and none at P 1.
+TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
+  LmConfig dense = moe_tiny();
+  dense.moe.reset();
+  dense.bias_update_speed = 0;
+  dense.layers = 1;
+  const ModelPlanResult one = make_model_plans(request(dense, {2}));
+  const std::vector<PlanCase> blocks = make_plans(request(dense, {2}).block);
+  ASSERT_EQ(one.cases.size(), 1u);
+  ASSERT_EQ(one.cases[0].forms.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const FormPlan& b = blocks[0].forms[i];
+    const ModelPlan& m = one.cases[0].forms[i];
+    EXPECT_EQ(m.form, b.form);
+    EXPECT_EQ(m.block.bytes_sent_per_rank, b.bytes_sent_per_rank);
+    EXPECT_GT(b.phases[2].comm_s, 0);  // P 2: the block's own all-reduce is there to leave out
+    EXPECT_EQ(m.time.attention, b.step_s - b.phases[2].compute_s() - b.phases[2].comm_s);
+    EXPECT_EQ(m.time.moe_a2a, 0);
+  }
+  LmConfig deep = moe_tiny();  // 1 dense + 2 MoE layers
+  const ModelPlanResult three = make_model_plans(request(deep, {2}));
+  const ModelPlan& m = three.cases[0].forms[1];
+  EXPECT_DOUBLE_EQ(m.time.attention, 3 * one.cases[0].forms[1].time.attention);
+  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 2);  // N_r 32 of S 64 at P 2
+  const std::int64_t b = std::int64_t(bytes);
+  EXPECT_EQ(m.moe_a2a_bytes_per_rank, 2 * 4 * bytes);
+  EXPECT_DOUBLE_EQ(m.time.moe_a2a, 2 * 4 *
+                                       collective_seconds(CollectiveKind::all_to_all, 2, {b, b},
+                                                          three.blocks[0].links.fabric));
+  const ModelPlanResult p1 = make_model_plans(request(deep, {1}));
+  EXPECT_EQ(p1.cases[0].forms[0].time.moe_a2a, 0);
+  EXPECT_EQ(p1.cases[0].forms[0].time.grad_sync, 0);
+  // Recompute re-runs each block's forward and the MoE's forward all-to-alls.
+  ModelPlanRequest rq = request(deep, {2});
+  rq.recompute = true;
+  const ModelPlan& r = make_model_plans(rq).cases[0].forms[1];
+  const FormPlan& blk = m.block;
+  EXPECT_DOUBLE_EQ(r.time.attention,
+                   m.time.attention + 3 * (blk.phases[0].compute_s() + blk.phases[0].comm_s));
+  EXPECT_DOUBLE_EQ(r.time.moe_a2a, m.time.moe_a2a * 6 / 4);
+  EXPECT_LT(r.activations.total(), m.activations.total());
+}
+
+// The reference form does no redundant work, so its FLOPs over every rank
+// do not depend on P: a check of the sum over rank classes MFU reads.
+TEST(ModelPlan, ReferenceFlopsOverAllRanksDoNotDependOnP) {
+  LmConfig cfg = moe_tiny();
+  const ModelPlanResult r = make_model_plans(request(cfg, {1, 2, 4}));
+  std::vector<double> flops;
+  for (const PlanCase& c : r.blocks) flops.push_back(c.forms[0].flops_all_ranks);
+  ASSERT_EQ(flops.size(), 3u);
+  EXPECT_GT(flops[0], 0);
+  EXPECT_DOUBLE_EQ(flops[1], flops[0]);
+  EXPECT_DOUBLE_EQ(flops[2], flops[0]);
+  // MFU's FLOPs: three layers of it, and the FFN and head closed forms fwd + 2x bwd.
+  const ModelPlan& m = r.cases[1].forms[0];
+  const double ffn = ffn_flops_forward(cfg, 0) + 2 * ffn_flops_forward(cfg, 1);
+  EXPECT_DOUBLE_EQ(m.model_flops, 3 * flops[0] + 64 * (ffn + head_flops_forward(cfg)) * 3);
+}
+
+TEST(ModelPlan, Refusals) {
+  LmConfig cfg = moe_tiny();  // 8 experts
+  EXPECT_NE(test::error_of([&] { make_model_plans(request(cfg, {3})); })
+                .find("--sp 3: expert parallelism is folded onto the SP ranks (EP = P), so P must "
+                      "divide the 8 routed experts"),
+            std::string::npos);
+  ModelPlanRequest q = request(cfg, {2});
+  q.dps = {0};
+  EXPECT_NE(test::error_of([&] { make_model_plans(q); }).find("--dp 0"), std::string::npos);
+  EXPECT_NE(test::error_of([] {
+              LmConfig::preset("deepseek-v4");
+            }).find("unknown model preset 'deepseek-v4'; choose one of: deepseek-v3"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace laga
