@@ -9,6 +9,8 @@ exact:   every plan's bytes_sent_per_rank and peak_activation_bytes equal
          (uneven shards included); bf16 is exactly half of fp32.
 errors:  bad flags and profiles exit 2 with one "laga: error:" line naming
          what was wrong.
+model:   --model: one plan per (S, P, DP, form) with its fields, its parts summing
+         to the step, the block it scales equal to the block plan's.
 measure: --measure FILE writes a profile that --profile FILE plans with,
          holding the time of every GEMM and attention shape of the plan the
          other options describe: a plan with those options costs every call
@@ -172,6 +174,28 @@ elif case == "errors":
     check_error(["plan", "--preset", "deepseek-v3", "--seq", "1048576", "--sp", "1",
                  "--attention", "eager", "--profile", "h100"],
                 "--seq 1048576 fits no form at any --sp on h100", "fits nowhere")
+    # The whole model's plan (--model): its options alone, beside --preset,
+    # an EP degree that does not divide the experts, a bad model, a fit nowhere.
+    moe_tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                            "assets", "moe_tiny.json")
+    model = ["plan", "--profile", "h100", "--seq", "64", "--sp", "2"]
+    check_error(model + ["--preset", "tiny", "--layers", "4"],
+                "--layers plans a whole model's step; give --model NAME|FILE (deepseek-v3",
+                "layers without model")
+    check_error(model + ["--preset", "tiny", "--zero1"], "--zero1 plans a whole model's step",
+                "zero1 without model")
+    check_error(model + ["--model", moe_tiny, "--preset", "tiny"],
+                "--model sets the attention block too", "model and preset")
+    check_error(["plan", "--profile", "h100", "--seq", "64", "--sp", "3", "--model", moe_tiny],
+                "--sp 3: expert parallelism is folded onto the SP ranks (EP = P), so P must "
+                "divide the 8 routed experts", "EP does not divide E")
+    check_error(model + ["--model", "deepseek-v4"], "deepseek-v4", "unknown model")
+    check_error(model + ["--model", moe_tiny, "--dp", "0"], "--dp", "dp 0")
+    check_error(model + ["--model", moe_tiny, "--micro-batches", "0"], "--micro-batches",
+                "micro-batches 0")
+    check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
+                 "deepseek-v3"], "--seq 4096 fits no form at any --sp and --dp on h100",
+                "model fits nowhere")
     # Profiles with one bad field each, edited from the shipped h100.json.
     shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "profiles",
                            "h100.json")
@@ -191,6 +215,45 @@ elif case == "errors":
         with open(path, "w") as f:
             json.dump(j, f)
         check_error(base + ["--profile", path], f"profile {path}: {want}", name)
+elif case == "model":
+    # --model: one plan per (S, P, DP, form) with exactly these fields; the
+    # block it scales is the block plan's own (--layers 1 of a dense model:
+    # the attention time is the block's step less its gradient all-reduce).
+    moe_tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                            "assets", "moe_tiny.json")
+    args = ["plan", "--quiet", "--profile", "h100", "--seq", "64,128", "--sp", "1,2",
+            "--forms", "explicit,laga"]
+    m = load(args + ["--model", moe_tiny, "--dp", "1,2", "--zero1"], "model")
+    fields = ["form", "seq", "sp", "dp", "devices", "predicted_step_s",
+              "predicted_tokens_per_s_per_device", "model_flops", "mfu", "attention_share",
+              "seconds", "moe_a2a_bytes_per_rank", "memory", "block_step_s", "fits"]
+    if len(m["plans"]) != 2 * 2 * 2 * 2:
+        failures.append(f"model: {len(m['plans'])} plans, want 16")
+    for p in m["plans"]:
+        if list(p.keys()) != fields:
+            failures.append(f"model plan fields {list(p.keys())} != {fields}")
+            break
+        parts = sum(p["seconds"].values())
+        if abs(parts - p["predicted_step_s"]) > 1e-12 * p["predicted_step_s"]:
+            failures.append(f"model {p['form']} S {p['seq']} P {p['sp']}: parts {parts} != step")
+        if (p["sp"] == 1) != (p["moe_a2a_bytes_per_rank"] == 0):
+            failures.append(f"model P {p['sp']}: a2a bytes {p['moe_a2a_bytes_per_rank']}")
+    n = m["parameters"]
+    if n["total"] != n["replicated"] + n["routed_experts"] or n["routed_experts"] != 2 * 8 * 3 * 64 * 32:
+        failures.append(f"model parameters {n}")  # 2 MoE layers of 8 experts, 3 D I each
+    if [d["devices"] for d in m["min_devices"]] != [1, 1]:
+        failures.append(f"model min_devices {m['min_devices']}")
+    # The block each layer scales is the block plan's, to the bit.
+    one = ["plan", "--quiet", "--profile", "h100", "--seq", "64", "--sp", "2", "--forms",
+           "explicit,laga"]
+    block = load(one + ["--config", moe_tiny], "model_block")
+    deep = load(one + ["--model", moe_tiny, "--layers", "1"], "model_one")
+    if [p["form"] for p in deep["plans"]] != [p["form"] for p in block["plans"]]:
+        failures.append(f"model forms {[p['form'] for p in deep['plans']]}")
+    for b, p in zip(block["plans"], deep["plans"]):
+        if b["predicted_step_s"] != p["block_step_s"]:
+            failures.append(f"model {p['form']}: block step {p['block_step_s']} != the block "
+                            f"plan's {b['predicted_step_s']}")
 elif case == "measure":
     path = os.path.join(tmp, "this.json")
     tiny = ["--dtype", "fp32", "--preset", "tiny", "--sp", "2"]
