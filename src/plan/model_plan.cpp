@@ -216,9 +216,15 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
                                  : double(params.replicated()) + double(params.routed_experts) / P;
   m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
 
+  // Every micro-batch runs the layers and the head; the sync and AdamW once.
+  const double M = double(q.micro_batches);
+  for (double* t :
+       {&m.time.attention, &m.time.ffn, &m.time.moe_a2a, &m.time.head, &m.time.elementwise})
+    *t *= M;
+  m.moe_a2a_bytes_per_rank *= M;
   m.step_s = m.time.total();
-  m.tokens_per_s_per_device = double(q.block.batch * block.seq) / m.step_s / double(P);
-  m.model_flops = double(dp) *
+  m.tokens_per_s_per_device = M * double(q.block.batch * block.seq) / m.step_s / double(P);
+  m.model_flops = M * double(dp) *
                   (double(cfg.layers) * reference_flops +
                    double(q.block.batch * block.seq) * (ffn_flops + head_flops_forward(cfg)) * 3.0);
   m.mfu = m.model_flops / (double(P * dp) * peak * m.step_s);
@@ -234,6 +240,8 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
 
 ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
   LAGA_CHECK(!q.dps.empty(), "plan: need at least one --dp");
+  LAGA_CHECK(q.micro_batches >= 1, "--micro-batches ", q.micro_batches,
+             ": need at least 1 forward + backward per step");
   for (int dp : q.dps) LAGA_CHECK(dp >= 1, "--dp ", dp, ": need at least 1 replica");
   q.model.validate();
   if (q.model.moe)

@@ -192,6 +192,21 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
                    m.time.attention + 3 * (blk.phases[0].compute_s() + blk.phases[0].comm_s));
   EXPECT_DOUBLE_EQ(r.time.moe_a2a, m.time.moe_a2a * 6 / 4);
   EXPECT_LT(r.activations.total(), m.activations.total());
+  // Gradient accumulation: M forward + backward passes, one sync and AdamW;
+  // the memory is one micro-batch's.
+  ModelPlanRequest mq = request(deep, {2});
+  mq.dps = {2};
+  const ModelPlan one_mb = make_model_plans(mq).cases[0].forms[1];
+  mq.micro_batches = 5;
+  const ModelPlan five = make_model_plans(mq).cases[0].forms[1];
+  EXPECT_GT(one_mb.time.grad_sync, 0);
+  EXPECT_EQ(five.time.grad_sync, one_mb.time.grad_sync);
+  EXPECT_EQ(five.time.optimizer, one_mb.time.optimizer);
+  EXPECT_DOUBLE_EQ(five.time.attention, 5 * one_mb.time.attention);
+  EXPECT_DOUBLE_EQ(five.time.ffn, 5 * one_mb.time.ffn);
+  EXPECT_DOUBLE_EQ(five.time.moe_a2a, 5 * one_mb.time.moe_a2a);
+  EXPECT_DOUBLE_EQ(five.model_flops, 5 * one_mb.model_flops);
+  EXPECT_EQ(five.memory_bytes(), one_mb.memory_bytes());
 }
 
 // The reference form does no redundant work, so its FLOPs over every rank
