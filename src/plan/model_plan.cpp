@@ -57,9 +57,10 @@ double head_flops_forward(const LmConfig& cfg) {
   return 2.0 * double(cfg.dim()) * double(cfg.vocab);
 }
 
-StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int dp,
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int world,
                        bool zero1) {
-  LAGA_CHECK(ep >= 1 && dp >= 1, "state_bytes: EP ", ep, " and DP ", dp, " must be >= 1");
+  LAGA_CHECK(ep >= 1 && world >= ep && world % ep == 0, "state_bytes: EP ", ep, " must divide the ",
+             world, " devices");
   const double e = double(element_bytes(dtype));
   // AdamW's own state per parameter: bf16 keeps an fp32 master besides m and
   // v; fp32 updates the parameters themselves.
@@ -69,7 +70,7 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
   StateBytes s;
   s.parameters = (replicated + experts) * e;
   s.gradients = (replicated + experts) * e;
-  s.optimizer = zero1 ? opt * (replicated / double(ep * dp) + experts / double(dp))
+  s.optimizer = zero1 ? opt * (replicated / double(world) + experts / double(world / ep))
                       : opt * (replicated + experts);
   return s;
 }
@@ -154,7 +155,7 @@ double sync_seconds(std::int64_t n, int G, bool zero1, std::int64_t e, const Fab
 }
 
 ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormPlan& f,
-                   double reference_flops, int dp, const Fabric& sp_fabric,
+                   double reference_flops, int dp, int ep, const Fabric& ep_fabric,
                    const Fabric& world_fabric) {
   const LmConfig& cfg = q.model;
   const int P = block.sp;
@@ -169,6 +170,8 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   ModelPlan m;
   m.form = f.form;
   m.dp = dp;
+  m.ep = ep;
+  const int world = P * dp;
   m.block = f;
   // The block's forward + backward: its step less its own gradient
   // all-reduce (the last phase, blocking), which the model's sync replaces.
@@ -177,10 +180,10 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const double block_forward_s = f.phases[0].compute_s() + f.phases[0].comm_s;
   const double passes = q.recompute ? 4.0 : 3.0;  // forward, backward 2x, forward again
   const double a2a_bytes =
-      expected_moe_a2a_bytes(N, cfg.moe ? cfg.moe->num_experts_per_tok : 0, cfg.dim(), e, P);
+      expected_moe_a2a_bytes(N, cfg.moe ? cfg.moe->num_experts_per_tok : 0, cfg.dim(), e, ep);
   const std::int64_t a2a_whole = std::int64_t(std::llround(a2a_bytes));
   const double a2a_s =
-      collective_seconds(CollectiveKind::all_to_all, P, {a2a_whole, a2a_whole}, sp_fabric);
+      collective_seconds(CollectiveKind::all_to_all, ep, {a2a_whole, a2a_whole}, ep_fabric);
   const int a2a_calls = q.recompute ? 6 : 4;  // dispatch, combine; their gradients; recompute
   double ffn_flops = 0, elementwise_elements = 0;
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
@@ -202,18 +205,19 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   m.time.elementwise = double(N) * elementwise_elements * double(e) / d.elementwise_bytes_per_s;
 
   // Gradients: the replicated parameters' over every device holding them
-  // (P * dp), the routed experts' over the dp devices owning the same ones.
+  // (P * dp), the routed experts' over the world / ep devices owning the same ones.
   const ModelParamCounts params = model_param_counts(cfg);
-  Fabric dp_fabric = world_fabric;
-  dp_fabric.ranks_per_node = std::max(1, world_fabric.ranks_per_node / P);
-  m.time.grad_sync = sync_seconds(params.replicated(), P * dp, q.zero1, e, world_fabric) +
-                     sync_seconds(params.routed_experts / P, dp, q.zero1, e, dp_fabric);
+  // The owners of one expert are every ep-th device: as many per node as
+  // the node holds EP groups.
+  Fabric owners = world_fabric;
+  owners.ranks_per_node = std::max(1, world_fabric.ranks_per_node / ep);
+  m.time.grad_sync = sync_seconds(params.replicated(), world, q.zero1, e, world_fabric) +
+                     sync_seconds(params.routed_experts / ep, world / ep, q.zero1, e, owners);
   // AdamW: per parameter it updates, 28 bytes either way (bf16: read the
   // gradient 2, master, m, v 12, write them 12 and the bf16 copy 2; fp32:
   // read gradient, parameter, m, v 16, write parameter, m, v 12).
-  const double updated = q.zero1 ? double(params.replicated()) / double(P * dp) +
-                                       double(params.routed_experts) / double(P * dp)
-                                 : double(params.replicated()) + double(params.routed_experts) / P;
+  const double updated = q.zero1 ? double(params.total()) / double(world)
+                                 : double(params.replicated()) + double(params.routed_experts) / ep;
   m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
 
   // Every micro-batch runs the layers and the head; the sync and AdamW once.
@@ -229,7 +233,7 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
                    double(q.block.batch * block.seq) * (ffn_flops + head_flops_forward(cfg)) * 3.0);
   m.mfu = m.model_flops / (double(P * dp) * peak * m.step_s);
   m.attention_share = m.time.attention / m.step_s;
-  m.state = state_bytes(params, q.block.dtype, P, dp, q.zero1);
+  m.state = state_bytes(params, q.block.dtype, ep, world, q.zero1);
   m.activations = activation_bytes(cfg, N, e, double(f.after_forward_bytes),
                                    double(f.peak_activation_bytes), q.recompute);
   m.fits = m.memory_bytes() <= d.memory_bytes;
@@ -237,6 +241,18 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
 }
 
 }  // namespace
+
+int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp) {
+  switch (ep.rule) {
+    case EpRule::sp:
+      return sp;
+    case EpRule::world:
+      return sp * dp;
+    case EpRule::fixed:
+      return ep.degree;
+  }
+  return sp;
+}
 
 ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
   LAGA_CHECK(!q.dps.empty(), "plan: need at least one --dp");
@@ -246,11 +262,28 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
   q.model.validate();
   if (q.model.moe)
     for (int P : q.block.sps)
-      LAGA_CHECK(q.model.moe->n_routed_experts % P == 0, "--sp ", P,
-                 ": expert parallelism is folded onto the SP ranks (EP = P), so P must divide "
-                 "the ",
-                 q.model.moe->n_routed_experts, " routed experts; give --sp a divisor of ",
-                 q.model.moe->n_routed_experts);
+      for (int dp : q.dps) {
+        const std::int64_t E = q.model.moe->n_routed_experts;
+        const int ep = expert_parallel_degree(q.ep, P, dp);
+        switch (q.ep.rule) {
+          case EpRule::sp:
+            LAGA_CHECK(E % P == 0, "--sp ", P,
+                       ": expert parallelism is folded onto the SP ranks (EP = P), so P must "
+                       "divide the ",
+                       E, " routed experts; give --sp a divisor of ", E, ", or --ep world|N");
+            break;
+          case EpRule::world:
+            LAGA_CHECK(E % ep == 0, "--ep world at --sp ", P, " x --dp ", dp, " is EP ", ep,
+                       ", which does not divide the ", E,
+                       " routed experts; give --sp and --dp whose product divides ", E);
+            break;
+          case EpRule::fixed:
+            LAGA_CHECK(E % ep == 0 && (P * dp) % ep == 0, "--ep ", ep, " must divide the ", E,
+                       " routed experts and the ", P * dp, " devices of --sp ", P, " x --dp ", dp,
+                       "; give --ep a divisor of both");
+            break;
+        }
+      }
   // MFU counts the reference form's attention FLOPs: plan it too when it
   // was not asked for (and leave it out of the model plans).
   PlanRequest block = q.block;
@@ -272,10 +305,16 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
           plan_links(q.block.profile, b.sp * dp, q.block.nodes > 0 ? q.block.nodes * dp : 0,
                      q.block.link_bytes_per_s, q.block.link_latency_s);
       c.nodes = world.nodes;
+      const int ep = q.model.moe ? expert_parallel_degree(q.ep, b.sp, dp) : 1;
+      const Fabric ep_fabric =
+          ep == b.sp
+              ? b.links.fabric
+              : plan_links(q.block.profile, ep, 0, q.block.link_bytes_per_s, q.block.link_latency_s)
+                    .fabric;
       for (size_t i = 0; i < b.forms.size(); ++i) {
         if (!reference_asked && b.forms[i].form == reference) continue;
         c.forms.push_back(
-            plan_one(q, b, b.forms[i], reference_flops, dp, b.links.fabric, world.fabric));
+            plan_one(q, b, b.forms[i], reference_flops, dp, ep, ep_fabric, world.fabric));
       }
       for (size_t i = 0; i < c.forms.size(); ++i)
         if (c.forms[i].fits &&

@@ -22,8 +22,9 @@
 //
 // Parallelism: the SP group of P ranks runs every layer's attention in the
 // chosen form; expert parallelism is folded onto the same ranks (Megatron's
-// MoE parallel folding): EP = P, so P must divide E and each rank owns E / P
-// experts of every MoE layer. dp data-parallel replicas of that group make
+// MoE parallel folding): by default EP = P, so P must divide E and each rank
+// owns E / P experts of every MoE layer (ExpertParallel below: EP over every
+// device, or a fixed degree). dp data-parallel replicas of that group make
 // P * dp devices. No tensor or pipeline parallelism is modelled: every device
 // holds every layer (--layers N plans a stage of N layers).
 //
@@ -97,16 +98,17 @@ double head_flops_forward(const LmConfig& cfg);
 //              what laga train holds (no master: the parameters are fp32).
 // A device holds the replicated parameters and 1/ep of the routed experts.
 // ZeRO-1 shards the optimizer part (master, m, v) over every device holding
-// a replica of the parameter: the replicated ones over all ep * dp devices
+// a replica of the parameter: the replicated ones over all `world` devices
 // (the SP ranks hold replicas too, as Megatron's distributed optimizer
 // shards over the data x context-parallel group), the routed experts over
-// the dp devices that own the same experts. Parameters and gradients stay
+// the world / ep devices that own the same experts. Parameters and gradients stay
 // whole (ZeRO-2/3 would shard them).
 struct StateBytes {
   double parameters = 0, gradients = 0, optimizer = 0;
   double total() const { return parameters + gradients + optimizer; }
 };
-StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int dp, bool zero1);
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int world,
+                       bool zero1);
 
 // What one layer keeps from forward to backward on a rank of N_r = tokens
 // tokens, in bytes of elem_bytes (closed form, the tensors of model.cpp's
@@ -133,6 +135,18 @@ struct ActivationBytes {
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
                                  double attn_after_forward, double attn_peak, bool recompute);
 
+// The expert-parallel degree: folded onto the SP ranks (EP = P, the
+// default), over every device (EP = P * dp: the experts spread over the
+// data-parallel replicas too), or a fixed N dividing every P * dp
+// (--ep sp|world|N). Each EP group is ep consecutive devices; E / ep experts
+// per device.
+enum class EpRule { sp, world, fixed };
+struct ExpertParallel {
+  EpRule rule = EpRule::sp;
+  int degree = 0;  // EpRule::fixed
+};
+int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp);
+
 struct ModelPlanRequest {
   PlanRequest block;  // block.cfg is model.mla; seqs, sps, forms, profile, ...
   LmConfig model;
@@ -141,6 +155,7 @@ struct ModelPlanRequest {
   // optimizer step, each a forward + backward; the gradient sync and AdamW
   // run once per step. Memory is one micro-batch's.
   std::int64_t micro_batches = 1;
+  ExpertParallel ep;
   bool zero1 = false;
   bool recompute = false;
 };
@@ -161,7 +176,7 @@ struct ModelStepTime {
 
 struct ModelPlan {
   FormVariant form = Form::laga;
-  int dp = 1;
+  int dp = 1, ep = 1;
   FormPlan block;  // the one-block plan this is scaled from
   ModelStepTime time;
   double step_s = 0;
@@ -203,8 +218,8 @@ struct ModelPlanResult {
   std::vector<MinDevices> min_devices;  // one per S
 };
 
-// Throws laga::Error when an --sp does not divide the routed experts (EP =
-// P), or a dp is below 1.
+// Throws laga::Error when the EP degree of some (P, dp) does not divide the
+// routed experts (or, fixed, the devices), or a dp is below 1.
 ModelPlanResult make_model_plans(const ModelPlanRequest& request);
 
 }  // namespace laga

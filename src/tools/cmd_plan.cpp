@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -38,7 +39,7 @@ struct PlanOptions {
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
   // A whole model's step (--model NAME|FILE; model_plan.hpp): --layers N
   // overrides its depth (0: the model's), --dp its data-parallel replicas.
-  std::string model, dp = "1";
+  std::string model, dp = "1", ep = "sp";
   std::int64_t layers = 0, micro_batches = 1;
   bool zero1 = false, recompute = false;
   // Given options that only --model reads, and whether --preset/--config was.
@@ -215,15 +216,20 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
   o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
     << to_string(q.block.dtype) << ", " << to_string(q.block.attention) << " attention, batch "
     << q.block.batch << ", " << q.micro_batches
-    << " micro-batch(es) a step; one training step, predicted; EP = P (experts over the SP ranks); "
+    << " micro-batch(es) a step; one training step, predicted; EP "
+    << (q.ep.rule == EpRule::sp      ? std::string("= P (experts over the SP ranks)")
+        : q.ep.rule == EpRule::world ? std::string("= P x DP (experts over every device)")
+                                     : cat("= ", q.ep.degree))
+    << "; "
     << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
     << "; no overlap between attention, MoE and gradient collectives\n";
   o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs at peak x "
     << fmt("%.3g", q.block.profile.device.gemm_efficiency)
     << "; MoE all-to-alls: the mean bytes under uniform routing on the link model\n";
   for (const ModelPlanCase& c : r.cases) {
-    o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ": " << c.sp * c.dp
-      << " device(s) on " << c.nodes << " node(s)\n";
+    o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ", EP "
+      << (c.forms.empty() ? 0 : c.forms.front().ep) << ": " << c.sp * c.dp << " device(s) on "
+      << c.nodes << " node(s)\n";
     char line[320];
     std::snprintf(line, sizeof line, "  %-22s %10s %12s %6s %6s %6s %10s %9s %9s %9s %6s\n", "form",
                   "step s", "tok/s/dev", "MFU%", "attn%", "a2a%", "a2a GB/rk", "state GB", "act GB",
@@ -301,6 +307,7 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
                             {"seq", c.seq},
                             {"sp", c.sp},
                             {"dp", c.dp},
+                            {"ep", f.ep},
                             {"devices", c.sp * c.dp},
                             {"predicted_step_s", f.step_s},
                             {"predicted_tokens_per_s_per_device", f.tokens_per_s_per_device},
@@ -358,6 +365,16 @@ LmConfig load_model(const PlanOptions& o) {
   return m;
 }
 
+// --ep sp|world|N.
+ExpertParallel parse_ep(const std::string& s) {
+  if (s == "sp") return {EpRule::sp, 0};
+  if (s == "world") return {EpRule::world, 0};
+  const std::optional<std::int64_t> n = parse_whole_number(s);
+  LAGA_CHECK(n && *n >= 1 && *n <= std::numeric_limits<int>::max(), "--ep '", s,
+             "' is none of sp (EP = P), world (EP = P x DP) or a whole number N >= 1");
+  return {EpRule::fixed, int(*n)};
+}
+
 void run_model_plan(const PlanOptions& o, PlanRequest block) {
   ModelPlanRequest q;
   q.model = load_model(o);
@@ -365,6 +382,7 @@ void run_model_plan(const PlanOptions& o, PlanRequest block) {
   q.block = std::move(block);
   q.dps = parse_int_list(o.dp, "--dp");
   q.micro_batches = o.micro_batches;
+  q.ep = parse_ep(o.ep);
   q.zero1 = o.zero1;
   q.recompute = o.recompute;
   const ModelPlanResult r = make_model_plans(q);
@@ -565,6 +583,10 @@ void register_plan(CLI::App& app) {
                 "(gradient accumulation; the gradient sync and AdamW once per step)")
       ->check(whole(1))
       ->capture_default_str();
+  c->add_option("--ep", o->ep,
+                "with --model: the expert-parallel degree: sp (EP = P, the experts over the SP "
+                "ranks), world (EP = P x DP, over every device) or N (dividing every P x DP)")
+      ->capture_default_str();
   c->add_flag("--zero1", o->zero1,
               "with --model: shard AdamW's state over the replicas of each parameter (ZeRO-1)");
   c->add_flag("--recompute", o->recompute,
@@ -573,7 +595,8 @@ void register_plan(CLI::App& app) {
   c->callback([o, c] {
     for (const char* name : {"--profile", "--json", "--nodes", "--link", "--model"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
-    for (const char* name : {"--layers", "--dp", "--micro-batches", "--zero1", "--recompute"})
+    for (const char* name :
+         {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute"})
       if (c->count(name) > 0) o->model_only_given.push_back(name);
     o->attention_config_given = c->count("--preset") > 0 || c->count("--config") > 0;
     run_plan(*o);

@@ -104,14 +104,21 @@ TEST(ModelPlan, StateShardsWhatItShould) {
   EXPECT_EQ(whole.parameters, 2.0 * 9200);
   EXPECT_EQ(whole.gradients, 2.0 * 9200);
   EXPECT_EQ(whole.optimizer, 12.0 * 9200);
-  const StateBytes ep4 = state_bytes(n, PlanDType::bf16, 4, 2, false);
+  const StateBytes ep4 = state_bytes(n, PlanDType::bf16, 4, 8, false);
   EXPECT_EQ(ep4.parameters, 2.0 * (1200 + 2000));
   EXPECT_EQ(ep4.optimizer, 12.0 * (1200 + 2000));  // no ZeRO: DP changes nothing
-  const StateBytes z = state_bytes(n, PlanDType::bf16, 4, 2, true);
+  const StateBytes z = state_bytes(n, PlanDType::bf16, 4, 8, true);
   EXPECT_EQ(z.parameters, ep4.parameters);
   EXPECT_EQ(z.gradients, ep4.gradients);
   EXPECT_EQ(z.optimizer, 12.0 * (1200.0 / 8 + 2000.0 / 2));
-  EXPECT_EQ(state_bytes(n, PlanDType::fp32, 4, 2, true).optimizer, 8.0 * (1200.0 / 8 + 1000));
+  EXPECT_EQ(state_bytes(n, PlanDType::fp32, 4, 8, true).optimizer, 8.0 * (1200.0 / 8 + 1000));
+  // EP over every device: each expert has one owner, ZeRO has nothing to shard of it.
+  const StateBytes world = state_bytes(n, PlanDType::bf16, 8, 8, true);
+  EXPECT_EQ(world.parameters, 2.0 * (1200 + 1000));
+  EXPECT_EQ(world.optimizer, 12.0 * (1200.0 / 8 + 1000));
+  EXPECT_EQ(expert_parallel_degree({EpRule::sp, 0}, 4, 2), 4);
+  EXPECT_EQ(expert_parallel_degree({EpRule::world, 0}, 4, 2), 8);
+  EXPECT_EQ(expert_parallel_degree({EpRule::fixed, 2}, 4, 2), 2);
 }
 
 // The saved tensors by hand at the tiny dims, N 16 tokens, 4 bytes: the
@@ -226,6 +233,28 @@ TEST(ModelPlan, ReferenceFlopsOverAllRanksDoNotDependOnP) {
   EXPECT_DOUBLE_EQ(m.model_flops, 3 * flops[0] + 64 * (ffn + head_flops_forward(cfg)) * 3);
 }
 
+// --ep world: the experts over P x DP devices, the all-to-all over all of
+// them (the expected bytes at that EP, on its links), fewer experts each.
+TEST(ModelPlan, ExpertParallelOverEveryDevice) {
+  ModelPlanRequest q = request(moe_tiny(), {2});
+  q.dps = {4};
+  const ModelPlan folded = make_model_plans(q).cases[0].forms[1];
+  q.ep = {EpRule::world, 0};
+  const ModelPlan world = make_model_plans(q).cases[0].forms[1];
+  EXPECT_EQ(folded.ep, 2);
+  EXPECT_EQ(world.ep, 8);
+  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 8);
+  const std::int64_t b = std::int64_t(bytes);
+  EXPECT_EQ(world.moe_a2a_bytes_per_rank, 2 * 4 * bytes);
+  const Fabric eight = plan_links(q.block.profile, 8, 0, {}, {}).fabric;
+  EXPECT_DOUBLE_EQ(world.time.moe_a2a,
+                   2 * 4 * collective_seconds(CollectiveKind::all_to_all, 8, {b, b}, eight));
+  const ModelParamCounts n = model_param_counts(q.model);
+  EXPECT_DOUBLE_EQ(folded.state.parameters - world.state.parameters,
+                   2.0 * (double(n.routed_experts) / 2 - double(n.routed_experts) / 8));
+  EXPECT_EQ(world.time.attention, folded.time.attention);  // the SP group's, unchanged
+}
+
 TEST(ModelPlan, Refusals) {
   LmConfig cfg = moe_tiny();  // 8 experts
   EXPECT_NE(test::error_of([&] { make_model_plans(request(cfg, {3})); })
@@ -235,6 +264,12 @@ TEST(ModelPlan, Refusals) {
   ModelPlanRequest q = request(cfg, {2});
   q.dps = {0};
   EXPECT_NE(test::error_of([&] { make_model_plans(q); }).find("--dp 0"), std::string::npos);
+  q.dps = {2};
+  q.ep = {EpRule::fixed, 3};
+  EXPECT_NE(test::error_of([&] {
+              make_model_plans(q);
+            }).find("--ep 3 must divide the 8 routed experts and the 4 devices"),
+            std::string::npos);
   EXPECT_NE(test::error_of([] {
               LmConfig::preset("deepseek-v4");
             }).find("unknown model preset 'deepseek-v4'; choose one of: deepseek-v3"),

@@ -190,6 +190,11 @@ elif case == "errors":
                 "--sp 3: expert parallelism is folded onto the SP ranks (EP = P), so P must "
                 "divide the 8 routed experts", "EP does not divide E")
     check_error(model + ["--model", "deepseek-v4"], "deepseek-v4", "unknown model")
+    check_error(model + ["--model", moe_tiny, "--ep", "3"],
+                "--ep 3 must divide the 8 routed experts and the 2 devices", "ep 3")
+    check_error(model + ["--model", moe_tiny, "--ep", "all"], "--ep", "ep all")
+    check_error(model + ["--model", moe_tiny, "--ep", "world", "--dp", "3"],
+                "--ep world at --sp 2 x --dp 3 is EP 6, which does not divide the 8", "ep world")
     check_error(model + ["--model", moe_tiny, "--dp", "0"], "--dp", "dp 0")
     check_error(model + ["--model", moe_tiny, "--micro-batches", "0"], "--micro-batches",
                 "micro-batches 0")
@@ -224,7 +229,7 @@ elif case == "model":
     args = ["plan", "--quiet", "--profile", "h100", "--seq", "64,128", "--sp", "1,2",
             "--forms", "explicit,laga"]
     m = load(args + ["--model", moe_tiny, "--dp", "1,2", "--zero1"], "model")
-    fields = ["form", "seq", "sp", "dp", "devices", "predicted_step_s",
+    fields = ["form", "seq", "sp", "dp", "ep", "devices", "predicted_step_s",
               "predicted_tokens_per_s_per_device", "model_flops", "mfu", "attention_share",
               "seconds", "moe_a2a_bytes_per_rank", "memory", "block_step_s", "fits"]
     if len(m["plans"]) != 2 * 2 * 2 * 2:
