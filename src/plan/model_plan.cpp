@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "core/error.hpp"
 #include "mla/params.hpp"
@@ -242,12 +243,12 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
 
 }  // namespace
 
-int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp) {
+int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp, std::int64_t experts) {
   switch (ep.rule) {
     case EpRule::sp:
       return sp;
-    case EpRule::world:
-      return sp * dp;
+    case EpRule::max:
+      return int(std::gcd(std::int64_t(sp) * dp, experts));
     case EpRule::fixed:
       return ep.degree;
   }
@@ -264,19 +265,16 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
     for (int P : q.block.sps)
       for (int dp : q.dps) {
         const std::int64_t E = q.model.moe->n_routed_experts;
-        const int ep = expert_parallel_degree(q.ep, P, dp);
+        const int ep = expert_parallel_degree(q.ep, P, dp, E);
         switch (q.ep.rule) {
           case EpRule::sp:
             LAGA_CHECK(E % P == 0, "--sp ", P,
                        ": expert parallelism is folded onto the SP ranks (EP = P), so P must "
                        "divide the ",
-                       E, " routed experts; give --sp a divisor of ", E, ", or --ep world|N");
+                       E, " routed experts; give --sp a divisor of ", E, ", or --ep max|N");
             break;
-          case EpRule::world:
-            LAGA_CHECK(E % ep == 0, "--ep world at --sp ", P, " x --dp ", dp, " is EP ", ep,
-                       ", which does not divide the ", E,
-                       " routed experts; give --sp and --dp whose product divides ", E);
-            break;
+          case EpRule::max:
+            break;  // gcd(P * dp, E) divides both
           case EpRule::fixed:
             LAGA_CHECK(E % ep == 0 && (P * dp) % ep == 0, "--ep ", ep, " must divide the ", E,
                        " routed experts and the ", P * dp, " devices of --sp ", P, " x --dp ", dp,
@@ -305,7 +303,8 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
           plan_links(q.block.profile, b.sp * dp, q.block.nodes > 0 ? q.block.nodes * dp : 0,
                      q.block.link_bytes_per_s, q.block.link_latency_s);
       c.nodes = world.nodes;
-      const int ep = q.model.moe ? expert_parallel_degree(q.ep, b.sp, dp) : 1;
+      const int ep =
+          q.model.moe ? expert_parallel_degree(q.ep, b.sp, dp, q.model.moe->n_routed_experts) : 1;
       const Fabric ep_fabric =
           ep == b.sp
               ? b.links.fabric

@@ -136,16 +136,17 @@ ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::
                                  double attn_after_forward, double attn_peak, bool recompute);
 
 // The expert-parallel degree: folded onto the SP ranks (EP = P, the
-// default), over every device (EP = P * dp: the experts spread over the
-// data-parallel replicas too), or a fixed N dividing every P * dp
-// (--ep sp|world|N). Each EP group is ep consecutive devices; E / ep experts
-// per device.
-enum class EpRule { sp, world, fixed };
+// default); as many devices as share the E experts evenly, the experts
+// spread over the data-parallel replicas too (EP = gcd(P * dp, E): every
+// device at P * dp <= E for powers of two); or a fixed N dividing E and every
+// P * dp (--ep sp|max|N). Each EP group is ep consecutive devices; E / ep
+// experts per device.
+enum class EpRule { sp, max, fixed };
 struct ExpertParallel {
   EpRule rule = EpRule::sp;
   int degree = 0;  // EpRule::fixed
 };
-int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp);
+int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp, std::int64_t experts);
 
 struct ModelPlanRequest {
   PlanRequest block;  // block.cfg is model.mla; seqs, sps, forms, profile, ...

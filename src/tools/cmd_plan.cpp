@@ -217,9 +217,9 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
     << to_string(q.block.dtype) << ", " << to_string(q.block.attention) << " attention, batch "
     << q.block.batch << ", " << q.micro_batches
     << " micro-batch(es) a step; one training step, predicted; EP "
-    << (q.ep.rule == EpRule::sp      ? std::string("= P (experts over the SP ranks)")
-        : q.ep.rule == EpRule::world ? std::string("= P x DP (experts over every device)")
-                                     : cat("= ", q.ep.degree))
+    << (q.ep.rule == EpRule::sp    ? std::string("= P (experts over the SP ranks)")
+        : q.ep.rule == EpRule::max ? std::string("= gcd(P x DP, E) (experts over the replicas too)")
+                                   : cat("= ", q.ep.degree))
     << "; "
     << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
     << "; no overlap between attention, MoE and gradient collectives\n";
@@ -365,13 +365,13 @@ LmConfig load_model(const PlanOptions& o) {
   return m;
 }
 
-// --ep sp|world|N.
+// --ep sp|max|N.
 ExpertParallel parse_ep(const std::string& s) {
   if (s == "sp") return {EpRule::sp, 0};
-  if (s == "world") return {EpRule::world, 0};
+  if (s == "max") return {EpRule::max, 0};
   const std::optional<std::int64_t> n = parse_whole_number(s);
   LAGA_CHECK(n && *n >= 1 && *n <= std::numeric_limits<int>::max(), "--ep '", s,
-             "' is none of sp (EP = P), world (EP = P x DP) or a whole number N >= 1");
+             "' is none of sp (EP = P), max (EP = gcd(P x DP, E)) or a whole number N >= 1");
   return {EpRule::fixed, int(*n)};
 }
 
@@ -583,9 +583,11 @@ void register_plan(CLI::App& app) {
                 "(gradient accumulation; the gradient sync and AdamW once per step)")
       ->check(whole(1))
       ->capture_default_str();
-  c->add_option("--ep", o->ep,
-                "with --model: the expert-parallel degree: sp (EP = P, the experts over the SP "
-                "ranks), world (EP = P x DP, over every device) or N (dividing every P x DP)")
+  c->add_option(
+       "--ep", o->ep,
+       "with --model: the expert-parallel degree: sp (EP = P, the experts over the SP "
+       "ranks), max (EP = gcd(P x DP, E): the experts over the DP replicas too) or N (dividing "
+       "E and every P x DP)")
       ->capture_default_str();
   c->add_flag("--zero1", o->zero1,
               "with --model: shard AdamW's state over the replicas of each parameter (ZeRO-1)");

@@ -116,9 +116,11 @@ TEST(ModelPlan, StateShardsWhatItShould) {
   const StateBytes world = state_bytes(n, PlanDType::bf16, 8, 8, true);
   EXPECT_EQ(world.parameters, 2.0 * (1200 + 1000));
   EXPECT_EQ(world.optimizer, 12.0 * (1200.0 / 8 + 1000));
-  EXPECT_EQ(expert_parallel_degree({EpRule::sp, 0}, 4, 2), 4);
-  EXPECT_EQ(expert_parallel_degree({EpRule::world, 0}, 4, 2), 8);
-  EXPECT_EQ(expert_parallel_degree({EpRule::fixed, 2}, 4, 2), 2);
+  EXPECT_EQ(expert_parallel_degree({EpRule::sp, 0}, 4, 2, 256), 4);
+  EXPECT_EQ(expert_parallel_degree({EpRule::max, 0}, 4, 2, 256), 8);
+  EXPECT_EQ(expert_parallel_degree({EpRule::max, 0}, 256, 4, 256), 256);
+  EXPECT_EQ(expert_parallel_degree({EpRule::max, 0}, 2, 3, 8), 2);
+  EXPECT_EQ(expert_parallel_degree({EpRule::fixed, 2}, 4, 2, 256), 2);
 }
 
 // The saved tensors by hand at the tiny dims, N 16 tokens, 4 bytes: the
@@ -233,13 +235,13 @@ TEST(ModelPlan, ReferenceFlopsOverAllRanksDoNotDependOnP) {
   EXPECT_DOUBLE_EQ(m.model_flops, 3 * flops[0] + 64 * (ffn + head_flops_forward(cfg)) * 3);
 }
 
-// --ep world: the experts over P x DP devices, the all-to-all over all of
+// --ep max: the experts over all P x DP = 8 devices (gcd(8, E 8)), the all-to-all over all of
 // them (the expected bytes at that EP, on its links), fewer experts each.
 TEST(ModelPlan, ExpertParallelOverEveryDevice) {
   ModelPlanRequest q = request(moe_tiny(), {2});
   q.dps = {4};
   const ModelPlan folded = make_model_plans(q).cases[0].forms[1];
-  q.ep = {EpRule::world, 0};
+  q.ep = {EpRule::max, 0};
   const ModelPlan world = make_model_plans(q).cases[0].forms[1];
   EXPECT_EQ(folded.ep, 2);
   EXPECT_EQ(world.ep, 8);

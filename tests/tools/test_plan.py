@@ -193,8 +193,8 @@ elif case == "errors":
     check_error(model + ["--model", moe_tiny, "--ep", "3"],
                 "--ep 3 must divide the 8 routed experts and the 2 devices", "ep 3")
     check_error(model + ["--model", moe_tiny, "--ep", "all"], "--ep", "ep all")
-    check_error(model + ["--model", moe_tiny, "--ep", "world", "--dp", "3"],
-                "--ep world at --sp 2 x --dp 3 is EP 6, which does not divide the 8", "ep world")
+    check_error(model + ["--model", moe_tiny, "--ep", "world"], "--ep 'world' is none of sp",
+                "ep world")
     check_error(model + ["--model", moe_tiny, "--dp", "0"], "--dp", "dp 0")
     check_error(model + ["--model", moe_tiny, "--micro-batches", "0"], "--micro-batches",
                 "micro-batches 0")
