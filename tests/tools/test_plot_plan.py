@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """python/plot_plan.py end to end: both modes write a PNG, the bandwidth mode
-reports the crossover `laga plan` computes, and bad sweeps are refused.
+reports the crossover `laga plan` computes, and bad sweeps are refused; and
+python/plot_model_plan.py writes its PNG and table (laga plan --model).
 
     test_plot_plan.py LAGA_BINARY SCRATCH_DIR
 """
@@ -83,6 +84,26 @@ for args, needle in [
     r = run(args, expect_rc=1)
     if needle not in r.stderr:
         failures.append(f"{args}: error should say '{needle}', got: {r.stderr}")
+
+# python/plot_model_plan.py: the PNG and the table of the fewest devices per
+# S, read from laga plan --model's JSON (moe_tiny fits on one device).
+model_png = os.path.join(scratch, "model.png")
+model_md = os.path.join(scratch, "model.md")
+moe_tiny = os.path.join(here, "..", "..", "docs", "assets", "moe_tiny.json")
+since = time.time()
+p = subprocess.run(["/usr/bin/python3", os.path.join(here, "..", "..", "python",
+                                                     "plot_model_plan.py"), laga,
+                    "--out", model_png, "--table", model_md, "--profiles", "h100",
+                    "--model", moe_tiny, "--seq", "64,128", "--sp", "1,2", "--dp", "1,2",
+                    "--forms", "explicit,laga"], capture_output=True, text=True, timeout=300)
+if p.returncode != 0:
+    failures.append(f"plot_model_plan.py: exit {p.returncode}\n{p.stderr[-800:]}")
+else:
+    check_written(model_png, "plot_model_plan.py", since)
+    with open(model_md) as f:
+        rows = [l for l in f.read().splitlines() if l.startswith("| h100 |")]
+    if len(rows) != 2 or any("| 1 (1 x 1) |" not in r for r in rows):
+        failures.append(f"plot_model_plan.py table rows: {rows}")
 
 if failures:
     sys.exit(f"{len(failures)} failed:\n" + "\n".join(failures))
