@@ -90,6 +90,18 @@ double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t t
   return elements * e;
 }
 
+double ffn_backward_working_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
+                                  std::int64_t elem_bytes) {
+  const double N = double(tokens), D = double(cfg.dim()), e = double(elem_bytes);
+  if (!cfg.is_moe_layer(layer)) return 3 * N * double(cfg.hidden()) * e;  // dg, da, db (N, F)
+  // moe_backward: dx (N, D), and per routed copy dy, its input xp and dxp
+  // (D each) and dh, da, db (I each); the shared expert's (N, Ns I) are
+  // freed before the routed ones are made.
+  const MoeConfig& m = *cfg.moe;
+  const double copies = N * double(m.num_experts_per_tok);
+  return (N * D + copies * (3 * D + 3 * double(m.moe_intermediate_size))) * e;
+}
+
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
                                  double attn_after_forward, double attn_peak, bool recompute) {
   const double N = double(tokens), D = double(cfg.dim()), V = double(cfg.vocab),
@@ -97,19 +109,27 @@ ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::
   // The block's output (N, D) is in after_forward but freed after the
   // residual add: the block keeps the rest.
   const double attn_saved = std::max(0.0, attn_after_forward - N * D * e);
+  const double attn_extra = std::max(0.0, attn_peak - attn_after_forward);
   ActivationBytes a;
-  double largest_layer = 0;
-  for (std::int64_t l = 0; l < cfg.layers; ++l) {
-    const double layer = attn_saved + layer_saved_bytes(cfg, l, tokens, elem_bytes);
-    largest_layer = std::max(largest_layer, layer);
-    a.layers += recompute ? N * D * e : layer;  // recompute: the layer's input x only
-  }
-  if (recompute) a.layers += largest_layer;            // the one layer being re-run
   a.head = (2 * N * D + N) * e + N * V * e + N * 8.0;  // xf, nf, rstdf; logits; lse (double)
-  // Beyond the saved: the residual stream's gradient and its temporary
-  // (N, D) each, and the larger of a block's backward working set and the
-  // logits' gradient (N, V).
-  a.transient = 2 * N * D * e + std::max(std::max(0.0, attn_peak - attn_after_forward), N * V * e);
+  // The backward's peak is the largest of (model.cpp's backward):
+  //   the head's: every layer's kept tensors, the head's, and dn (N, D);
+  //     the logits' gradient overwrites the logits;
+  //   layer l's: the kept tensors of layers < l, layer l's whole saved (with
+  //     recompute: re-run), the head's less the logits (freed), dn, dx, tmp
+  //     (N, D) each, and the larger of the block's backward working set and
+  //     the FFN's.
+  double kept_below = 0, peak = 0;
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    const double saved = attn_saved + layer_saved_bytes(cfg, l, tokens, elem_bytes);
+    const double work =
+        std::max(attn_extra, ffn_backward_working_bytes(cfg, l, tokens, elem_bytes));
+    peak = std::max(peak, kept_below + saved + a.head - N * V * e + 3 * N * D * e + work);
+    kept_below += recompute ? N * D * e : saved;  // recompute: the layer's input x only
+  }
+  a.layers = kept_below;
+  peak = std::max(peak, a.layers + a.head + N * D * e);
+  a.transient = peak - a.layers - a.head;
   return a;
 }
 

@@ -120,18 +120,27 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
 double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
                          std::int64_t elem_bytes);
 
+// The FFN backward's own working set on a rank (model.cpp, moe.cpp): dense
+// dg, da, db (N_r, F); MoE dx (N_r, D) and per routed copy dy, xp, dxp (D)
+// and dh, da, db (I).
+double ffn_backward_working_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
+                                  std::int64_t elem_bytes);
+
 struct ActivationBytes {
-  double layers = 0;     // what the layers hold at the backward's peak
+  double layers = 0;     // what every layer keeps from forward to backward
   double head = 0;       // final norm's xf, nf, rstd, the logits (N_r, V) and lse (doubles)
-  double transient = 0;  // the largest working set beyond the saved: a block's
-                         // backward or the logits' gradient, and the residual stream's
+  double transient = 0;  // the backward's peak beyond those two (below)
   double total() const { return layers + head + transient; }
 };
-// attn_after_forward: the block's after_forward (its saved tensors and its
-// output (N_r, D), which the model frees after the residual add);
-// attn_peak: its forward + backward peak. Without recompute every layer
-// keeps its saved tensors; with recompute each keeps its input x (N_r, D)
-// and one layer at a time is re-run and holds everything.
+// The peak activation bytes of the model's forward + backward on a rank,
+// as laga train's pool sees them (tests/plan/test_model_plan.cpp checks it
+// against predict_train_memory). attn_after_forward: the block's
+// after_forward (its saved tensors and its output (N_r, D), which the model
+// frees after the residual add); attn_peak: its forward + backward peak.
+// Without recompute every layer keeps its saved tensors; with recompute
+// each keeps its input x (N_r, D) and the layer in backward is re-run and
+// holds everything. The peak is the largest of the head's backward and each
+// layer's (model_plan.cpp has the terms).
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
                                  double attn_after_forward, double attn_peak, bool recompute);
 
