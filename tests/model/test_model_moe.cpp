@@ -86,15 +86,16 @@ std::vector<std::string> names_of(const LmParams<double>& w) {
 }
 
 // (loss, every gradient by name) of one forward+backward on P local ranks.
-std::pair<double, std::map<std::string, std::vector<double>>> run(const LmConfig& cfg, int P,
-                                                                  const Batch& bt,
-                                                                  Form form = Form::laga) {
+std::pair<double, std::map<std::string, std::vector<double>>> run(
+    const LmConfig& cfg, int P, const Batch& bt, Form form = Form::laga,
+    ExpertPlacement experts = ExpertPlacement::every_rank) {
   double loss = 0;
   std::map<std::string, std::vector<double>> grads;
   run_local_ranks(P, [&](Communicator& comm) {
     const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, P);
     const RopeTable rope(cfg.mla.rope(), bt.S);
-    const LmContext ctx{cfg, layout, comm, rope, form, AttentionKind::eager};
+    LmContext ctx{cfg, layout, comm, rope, form, AttentionKind::eager};
+    ctx.experts = experts;
     const LmParams<double> w = test_params(cfg);
     LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
     const int r = comm.rank();
@@ -234,6 +235,24 @@ TEST(ModelMoe, EveryFormAtP2MatchesP1) {
     for (const auto& [name, v] : ref.second)
       EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));
   }
+}
+
+// With the experts folded onto the ranks (expert parallelism), every form's
+// model at P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven
+// shards of S 7) has the loss and every gradient of one rank.
+TEST(ModelMoe, ExpertParallelEveryFormMatchesP1) {
+  const LmConfig cfg = moe_tiny();
+  const Batch bt = batch(cfg);
+  const auto ref = run(cfg, 1, bt, Form::explicit_form);
+  for (int P : {2, 3, 4})
+    for (Form f : all_forms()) {
+      if (P == 4 && f != Form::laga) continue;  // 4 ranks: one form is enough
+      SCOPED_TRACE(std::string(to_string(f)) + " P " + std::to_string(P));
+      const auto got = run(cfg, P, bt, f, ExpertPlacement::folded);
+      EXPECT_NEAR(got.first, ref.first, 1e-13);
+      for (const auto& [name, v] : ref.second)
+        EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));
+    }
 }
 
 // An MoE whose first_k_dense_replace is at or past the last layer leaves
@@ -580,6 +599,26 @@ TEST(ModelMoe, MemoryPredictionEqualsTheMeasuredPeak) {
                                       pools[r].peak(MemCategory::optimizer) +
                                       pools[r].peak(MemCategory::gradients));
   }
+}
+
+// Under expert parallelism a rank's receive buffers hold what the routing
+// sends it, which a count-only run cannot know: it sizes them by the uniform
+// expectation (ExpertParallel::expected_rows). With every token routed to
+// every expert (k = E) the routing is that expectation exactly, and the
+// prediction is the measured peak, byte for byte, at P 3 (4 experts: 2, 1, 1).
+TEST(ModelMoe, ExpertParallelMemoryPredictionIsExactUnderBalancedRouting) {
+  TrainOptions o = moe_train(3, 2);
+  MoeConfig& m = *o.model.moe;
+  m.n_routed_experts = 4, m.num_experts_per_tok = 4, m.n_group = 1, m.topk_group = 1;
+  o.experts = ExpertPlacement::folded;
+  const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+  std::vector<MemoryPool> pools(3);
+  LocalRunOptions run;
+  run.pools = &pools;
+  run_local_ranks(
+      3, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+  for (size_t r = 0; r < pools.size(); ++r)
+    EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
 }
 
 }  // namespace
