@@ -15,13 +15,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
+#include "io/safetensors.hpp"
 
 namespace laga {
 namespace {
@@ -686,6 +692,60 @@ TEST(MoeExpertParallel, RefusesAPlacementOfAnotherGroup) {
               std::string::npos);
   });
 }
+
+// ------------------------------------------------ the PyTorch reference
+
+// python/torch_reference_moe.py: DeepSeek-V3's Gate/Expert/MoE in PyTorch
+// autograd, float64, written from DeepSeek's model.py (fixture
+// model_torch_moe_data). The C++ layer in double selects the same experts
+// and gives its out, dx and every gradient to rounding (1e-13 absolute,
+// 1e-12 relative); so does the layer with its experts folded onto 3 ranks.
+class MoeTorchReference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeTorchReference, LayerMatchesAutograd) {
+  const char* tmp = std::getenv("LAGA_TEST_TMP");
+  const std::string path =
+      std::string(tmp ? tmp : ".") + "/torch_moe/moe_" + GetParam() + ".safetensors";
+  ASSERT_TRUE(std::filesystem::exists(path))
+      << path << " is missing: ctest runs model_torch_moe_data first (needs /usr/bin/python3 "
+      << "with torch: scripts/setup.sh installs python3-torch)";
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("config"));
+  const MoeConfig cfg = *MoeConfig::from_json(meta, path);
+  const int N = std::stoi(f.metadata().at("tokens")), D = std::stoi(f.metadata().at("dim"));
+  Case c{cfg, N, D, MoeParams<double>::zeros(cfg, D, MemCategory::parameters), {}, {}};
+  c.w.for_each([&](const std::string& name, Tensor<double>& t) { f.read_into(name, t); });
+  const auto vec = [&](const std::string& name) {
+    const Tensor<double> t = f.read<double>(name, MemCategory::activations);
+    return std::vector<double>(t.data(), t.data() + t.numel());
+  };
+  c.x = vec("x");
+  c.dout = vec("dout");
+  const std::vector<double> out = vec("out"), dx_ref = vec("dx"), idx = vec("indices");
+  const MoeForward<double> fw = moe_forward(cfg, c.w, c.x.data(), N, D);
+  MoeParams<double> g = MoeParams<double>::zeros(cfg, D, MemCategory::gradients);
+  const Tensor<double> dx = moe_backward(cfg, c.w, c.x.data(), fw.saved, c.dout.data(), g);
+  // torch.topk lists the experts best first, as Routing::expert does.
+  for (size_t i = 0; i < idx.size(); ++i)
+    ASSERT_EQ(fw.saved.routing.expert[i], std::int32_t(idx[i])) << "copy " << i;
+  EXPECT_TRUE(all_close("out", fw.out.data(), out.data(), N * D, 1e-13, 1e-12));
+  EXPECT_TRUE(all_close("dx", dx.data(), dx_ref.data(), N * D, 1e-13, 1e-12));
+  std::vector<std::vector<double>> want;
+  g.for_each(
+      [&](const std::string& name, Tensor<double>& t) {
+        const std::vector<double> r = vec("grad." + name);
+        EXPECT_TRUE(all_close(name, t.data(), r.data(), t.numel(), 1e-13, 1e-12));
+        want.push_back(r);
+      },
+      false);
+  const std::vector<EpRank<double>> ranks = run_ep<double>(c, 3);
+  std::vector<double> ep_out;
+  for (const auto& r : ranks) ep_out.insert(ep_out.end(), r.out.begin(), r.out.end());
+  EXPECT_TRUE(all_close("out, experts on 3 ranks", ep_out.data(), out.data(), N * D, 1e-13, 1e-12));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeTorchReference,
+                         ::testing::Values("grouped", "ungrouped_unnormalised"));
 
 }  // namespace
 }  // namespace laga
