@@ -224,32 +224,22 @@ TEST(ModelMoe, FiniteDifferencesEveryParameterDouble) {
 }
 
 // The MoE is token-local, so the sequence-parallel model with MoE layers has
-// the gradients of one rank, in every form.
-TEST(ModelMoe, EveryFormAtP2MatchesP1) {
+// the gradients of one rank, in every form: with every expert on every rank
+// at P 2, and with the experts folded onto the ranks (expert parallelism) at
+// P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven shards of S 7).
+TEST(ModelMoe, EveryFormAndPlacementMatchesP1) {
   const LmConfig cfg = moe_tiny();
   const Batch bt = batch(cfg);
   const auto ref = run(cfg, 1, bt, Form::explicit_form);
-  for (Form f : all_forms()) {
-    SCOPED_TRACE(to_string(f));
-    const auto got = run(cfg, 2, bt, f);
-    EXPECT_NEAR(got.first, ref.first, 1e-13);
-    for (const auto& [name, v] : ref.second)
-      EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));
-  }
-}
-
-// With the experts folded onto the ranks (expert parallelism), every form's
-// model at P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven
-// shards of S 7) has the loss and every gradient of one rank.
-TEST(ModelMoe, ExpertParallelEveryFormMatchesP1) {
-  const LmConfig cfg = moe_tiny();
-  const Batch bt = batch(cfg);
-  const auto ref = run(cfg, 1, bt, Form::explicit_form);
-  for (int P : {2, 3, 4})
+  const std::vector<std::pair<ExpertPlacement, int>> cases = {{ExpertPlacement::every_rank, 2},
+                                                              {ExpertPlacement::folded, 2},
+                                                              {ExpertPlacement::folded, 3},
+                                                              {ExpertPlacement::folded, 4}};
+  for (const auto& [experts, P] : cases)
     for (Form f : all_forms()) {
       if (P == 4 && f != Form::laga) continue;  // 4 ranks: one form is enough
-      SCOPED_TRACE(std::string(to_string(f)) + " P " + std::to_string(P));
-      const auto got = run(cfg, P, bt, f, ExpertPlacement::folded);
+      SCOPED_TRACE(cat(to_string(f), " P ", P, " experts ", to_string(experts)));
+      const auto got = run(cfg, P, bt, f, experts);
       EXPECT_NEAR(got.first, ref.first, 1e-13);
       for (const auto& [name, v] : ref.second)
         EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));
