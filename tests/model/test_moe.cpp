@@ -12,6 +12,7 @@
 #include "model/moe.hpp"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -547,8 +548,9 @@ struct EpRank {
 
 // The N tokens split over P ranks as the sequence is (the first N % P one
 // more); every rank runs the layer on its rows with the experts folded.
+// threads > 0: each rank's OpenMP team size.
 template <class T>
-std::vector<EpRank<T>> run_ep(Case& c, int P) {
+std::vector<EpRank<T>> run_ep(Case& c, int P, int threads = 0) {
   const MoeParams<T> w = params_as<T>(c.cfg, c.w, c.D);
   const auto x = test::convert<T>(c.x), go = test::convert<T>(c.dout);
   const size_t ranks_n = static_cast<size_t>(P);
@@ -557,6 +559,7 @@ std::vector<EpRank<T>> run_ep(Case& c, int P) {
   for (int j = 1; j < P; ++j) off[size_t(j)] = off[size_t(j - 1)] + n[size_t(j - 1)];
   std::vector<EpRank<T>> ranks(ranks_n);
   run_local_ranks(P, [&](Communicator& comm) {
+    if (threads > 0) omp_set_num_threads(threads);
     const int r = comm.rank();
     const ExpertParallel ep = ExpertParallel::folded(comm, c.cfg.n_routed_experts, n);
     const T* xr = x.data() + off[size_t(r)] * c.D;
@@ -673,6 +676,22 @@ TEST(MoeExpertParallel, FloatIsTheLocalLayerAtOneRankAndCloseAtThree) {
   std::vector<float> out;
   for (const auto& r : three) out.insert(out.end(), r.out.begin(), r.out.end());
   EXPECT_TRUE(all_close("out f32 P 3", out.data(), ref.out.data(), c.N * c.D, 2e-6, 2e-5));
+}
+
+// Deterministic: the same inputs give the same bits whatever each rank's
+// thread count (the permutations are counting sorts, the combine adds each
+// token's copies in slot order, the owners' rows arrive in rank order).
+TEST(MoeExpertParallel, BitwiseTheSameAtEveryThreadCount) {
+  Case c = make_case(grouped(), 29, 16, 900);
+  const std::vector<EpRank<float>> one = run_ep<float>(c, 3, 1);
+  for (int threads : {2, 3}) {
+    const std::vector<EpRank<float>> many = run_ep<float>(c, 3, threads);
+    for (size_t r = 0; r < one.size(); ++r) {
+      EXPECT_EQ(many[r].out, one[r].out) << "rank " << r << ", " << threads << " threads";
+      EXPECT_EQ(many[r].dx, one[r].dx) << "rank " << r << ", " << threads << " threads";
+      EXPECT_EQ(many[r].g, one[r].g) << "rank " << r << ", " << threads << " threads";
+    }
+  }
 }
 
 TEST(MoeExpertParallel, RefusesAPlacementOfAnotherGroup) {
