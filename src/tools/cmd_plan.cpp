@@ -144,7 +144,9 @@ ojson phases_json(const FormPlan& f) {
     j[to_string(static_cast<Phase>(ph))] = {{"gemm_s", p.compute.gemm_s},
                                             {"attention_s", p.compute.attention_s},
                                             {"elementwise_s", p.compute.elementwise_s},
-                                            {"comm_s", p.comm_s}};
+                                            {"comm_s", p.comm_s},
+                                            {"gemm_flops", p.compute.gemm_flops},
+                                            {"attention_flops", p.compute.attention_flops}};
   }
   return j;
 }
