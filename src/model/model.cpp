@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
@@ -290,6 +291,16 @@ struct LmSaved {
   Tensor<double> lse;       // (N)
 };
 
+// The MoE layers' expert placement for this context: null runs every expert
+// on every rank; folded spreads them over the ranks, which need every rank's
+// token count.
+std::optional<ExpertParallel> expert_parallel(const LmContext& c) {
+  if (!c.cfg.moe || c.experts == ExpertPlacement::every_rank) return std::nullopt;
+  std::vector<std::int64_t> tokens;
+  for (std::int64_t L : c.layout.seq_count) tokens.push_back(c.layout.batch * L);
+  return ExpertParallel::folded(c.comm, c.cfg.moe->n_routed_experts, std::move(tokens));
+}
+
 template <class T>
 BlockContext block_ctx(const LmContext& c) {
   return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.variant, c.attention, c.documents};
@@ -310,6 +321,7 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
   const double eps = cfg.norm_eps;
   const BlockContext bctx = block_ctx<T>(c);
+  const std::optional<ExpertParallel> ep = expert_parallel(c);
   Tensor<T> x({B, L, D});
   if (ops::runs(N * D, {x.data(), tokens, w.embed.data()}))
     embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
@@ -336,7 +348,7 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
     ops::rmsnorm(ops::mat(ls.n2), ls.rstd2, ops::mat(ls.h, N, D), p.ffn_norm, eps);
     Tensor<T> m;  // the FFN's output (N, D)
     if (cfg.is_moe_layer(l)) {
-      MoeForward<T> f = moe_forward(*cfg.moe, p.moe, ls.n2.data(), N, D);
+      MoeForward<T> f = moe_forward(*cfg.moe, p.moe, ls.n2.data(), N, D, ep ? &*ep : nullptr);
       m = std::move(f.out);
       ls.moe = std::move(f.saved);
       if (c.routing) {
@@ -381,6 +393,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
   const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
   const BlockContext bctx = block_ctx<T>(c);
+  const std::optional<ExpertParallel> ep = expert_parallel(c);
   // dlogits in place of the logits: they are not needed after this.
   if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
     cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
@@ -400,7 +413,8 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     // dn2 (N, D): dn for a dense layer, dmoe for an MoE layer.
     Tensor<T> dmoe;
     if (cfg.is_moe_layer(l)) {
-      dmoe = moe_backward(*cfg.moe, p.moe, ls.n2.data(), ls.moe, dx.data(), gp.moe);
+      dmoe = moe_backward(*cfg.moe, p.moe, ls.n2.data(), ls.moe, dx.data(), gp.moe,
+                          ep ? &*ep : nullptr);
     } else {
       Tensor<T> dg({N, F});
       ops::Mat<T> dg_mat = ops::mat(dg);

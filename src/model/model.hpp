@@ -163,6 +163,10 @@ struct LmContext {
   // rank's tokens only; resized to cfg.layers): the expert-bias update reads
   // the counts, the tests the selection.
   ExpertRouting* routing = nullptr;
+  // Where the MoE layers' routed experts run (moe.hpp): folded spreads them
+  // over the group's ranks (expert parallelism; every rank still holds every
+  // expert's weights, docs/moe.md "Expert parallelism").
+  ExpertPlacement experts = ExpertPlacement::every_rank;
   // The loss mean's denominator.
   double loss_tokens() const;
 };

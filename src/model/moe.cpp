@@ -101,13 +101,211 @@ Tensor<T> gather_rows(const T* x, const Dispatch& d, std::int64_t D) {
 
 }  // namespace
 
+// ---------------------------------------------------- expert parallelism
+
+const char* to_string(ExpertPlacement p) {
+  return p == ExpertPlacement::folded ? "folded" : "every-rank";
+}
+
+ExpertParallel ExpertParallel::folded(Communicator& comm, std::int64_t experts,
+                                      std::vector<std::int64_t> tokens_per_rank) {
+  const int P = comm.size();
+  LAGA_CHECK(experts >= 1, "moe: expert parallelism needs at least one routed expert");
+  LAGA_CHECK(std::int64_t(tokens_per_rank.size()) == P, "moe: expert parallelism over ", P,
+             " ranks was given the token counts of ", tokens_per_rank.size());
+  ExpertParallel ep;
+  ep.comm = &comm;
+  ep.tokens = std::move(tokens_per_rank);
+  ep.first.assign(size_t(P + 1), 0);
+  for (int j = 0; j < P; ++j)
+    ep.first[size_t(j + 1)] = ep.first[size_t(j)] + experts / P + (j < experts % P ? 1 : 0);
+  return ep;
+}
+
+std::int64_t ExpertParallel::expected_rows(int owner, std::int64_t top_k) const {
+  std::int64_t n = 0;
+  for (std::int64_t t : tokens) n += t;
+  const std::int64_t E = first.back();
+  // round(n k owned / E) in integers: (2 n k owned + E) / (2 E).
+  return (2 * n * top_k * owned(owner) + E) / (2 * E);
+}
+
+MoeEpBytes moe_ep_bytes(const ExpertParallel& ep,
+                        const std::vector<std::vector<std::int64_t>>& counts, int r, std::int64_t D,
+                        std::int64_t elem) {
+  const int P = ep.ranks();
+  LAGA_CHECK(std::int64_t(counts.size()) == P, "moe_ep_bytes: ", counts.size(),
+             " ranks' counts for ", P, " ranks");
+  MoeEpBytes b;
+  for (int j = 0; j < P; ++j) {
+    if (j == r) continue;
+    for (std::int64_t e = ep.first[size_t(j)]; e < ep.first[size_t(j + 1)]; ++e)
+      b.dispatch += counts[size_t(r)][size_t(e)] * D * elem;
+    for (std::int64_t e = ep.first[size_t(r)]; e < ep.first[size_t(r + 1)]; ++e)
+      b.combine += counts[size_t(j)][size_t(e)] * D * elem;
+    b.counts += ep.owned(j) * 8;
+  }
+  return b;
+}
+
+namespace {
+
+// Rows of rank r's owned experts as they arrive (source-major: every row
+// from rank 0, by expert, then rank 1's ...) and as the experts run them
+// (expert-major: expert e0's rows from every rank by rank, then e0 + 1's).
+// recv[i * Er + e]: rows of owned expert e from rank i.
+struct EpRows {
+  int P = 1;
+  std::int64_t Er = 0;
+  std::vector<std::int64_t> recv;  // (P x Er)
+  std::vector<std::int64_t> from,
+      from_off;                      // (P) rows from each rank, their offsets (source-major)
+  std::vector<std::int64_t> expert;  // (Er) rows of each owned expert (expert-major counts)
+  // A count-only run has no routing: every count above is 0 (so nothing is
+  // exchanged) and the tensors take the uniform expectation's size instead.
+  std::int64_t count_only_rows = -1;
+
+  EpRows(int P_, std::int64_t Er_, std::vector<std::int64_t> recv_,
+         std::int64_t count_only_rows_ = -1)
+      : P(P_), Er(Er_), count_only_rows(count_only_rows_) {
+    recv = std::move(recv_);
+    from.assign(size_t(P), 0);
+    from_off.assign(size_t(P), 0);
+    expert.assign(size_t(Er), 0);
+    for (int i = 0; i < P; ++i)
+      for (std::int64_t e = 0; e < Er; ++e) {
+        from[size_t(i)] += recv[size_t(i * Er + e)];
+        expert[size_t(e)] += recv[size_t(i * Er + e)];
+      }
+    for (int i = 1; i < P; ++i) from_off[size_t(i)] = from_off[size_t(i - 1)] + from[size_t(i - 1)];
+  }
+  std::int64_t rows() const {
+    return count_only_rows >= 0 ? count_only_rows : from_off.back() + from.back();
+  }
+
+  // Copies every (rank, expert) block of D wide rows between the two orders.
+  template <class T>
+  void reorder(const T* src, T* dst, std::int64_t D, bool to_expert_major) const {
+    if (!src || !dst) return;  // count-only
+    std::int64_t eo = 0;       // expert-major offset of (e, i)
+    for (std::int64_t e = 0; e < Er; ++e)
+      for (int i = 0; i < P; ++i) {
+        // Rank i's rows of expert e start after its rows of experts < e.
+        std::int64_t s_off = from_off[size_t(i)];
+        for (std::int64_t f = 0; f < e; ++f) s_off += recv[size_t(i * Er + f)];
+        const std::int64_t c = recv[size_t(i * Er + e)];
+        const T* a = src + (to_expert_major ? s_off : eo) * D;
+        T* b = dst + (to_expert_major ? eo : s_off) * D;
+        std::copy(a, a + c * D, b);
+        eo += c;
+      }
+  }
+};
+
+// The all_to_all_v of rows between the owners' order and the senders': a
+// sender's rows for rank j are its permuted rows of j's experts (contiguous,
+// since the permutation is expert-major); an owner's from rank i are
+// rows.from[i] (source-major). to_owners: the dispatch's way.
+template <class T>
+void exchange_rows(const ExpertParallel& ep, const Dispatch& d, const EpRows& rows, std::int64_t D,
+                   const T* send, T* recv, bool to_owners, const std::string& label) {
+  const int P = ep.ranks();
+  const size_t n = static_cast<size_t>(P);
+  std::vector<std::int64_t> mine(n), mine_off(n), theirs(n), theirs_off(n);
+  for (int j = 0; j < P; ++j) {
+    const std::int64_t f0 = ep.first[size_t(j)], f1 = ep.first[size_t(j + 1)];
+    mine[size_t(j)] = (d.offset[size_t(f1)] - d.offset[size_t(f0)]) * D;
+    mine_off[size_t(j)] = d.offset[size_t(f0)] * D;
+    theirs[size_t(j)] = rows.from[size_t(j)] * D;
+    theirs_off[size_t(j)] = rows.from_off[size_t(j)] * D;
+  }
+  if (to_owners)
+    ep.comm->all_to_all_v(send, mine.data(), mine_off.data(), recv, theirs.data(),
+                          theirs_off.data(), label);
+  else
+    ep.comm->all_to_all_v(send, theirs.data(), theirs_off.data(), recv, mine.data(),
+                          mine_off.data(), label);
+}
+
+// How many rows of each owned expert every rank sends this one
+// ("moe_counts"); a count-only run has no routing and sizes its tensors by
+// the uniform expectation (EpRows::count_only_rows).
+EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, bool real) {
+  Communicator& comm = *ep.comm;
+  const int P = ep.ranks(), r = comm.rank();
+  const std::int64_t Er = ep.owned(r);
+  std::vector<double> send(d.count.begin(), d.count.end()), recv(size_t(P * Er), 0.0);
+  const size_t n_ranks = static_cast<size_t>(P);
+  std::vector<std::int64_t> sc(n_ranks), sd(n_ranks), rc(n_ranks, Er), rd(n_ranks);
+  for (int j = 0; j < P; ++j) {
+    sc[size_t(j)] = ep.owned(j);
+    sd[size_t(j)] = ep.first[size_t(j)];
+    rd[size_t(j)] = j * Er;
+  }
+  comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(),
+                    DType::f64, "moe_counts");
+  std::vector<std::int64_t> n(size_t(P * Er), 0);
+  if (!real) return EpRows(P, Er, std::move(n), ep.expected_rows(r, d.top_k));
+  for (size_t i = 0; i < n.size(); ++i) n[i] = std::int64_t(recv[i]);
+  return EpRows(P, Er, std::move(n));
+}
+
+// Experts [e0, e0 + count.size()) each run their SwiGLU on their rows of xr
+// (rows, D), expert-major: a = w1 x, b = w3 x, h = silu(a) b (rows, I), y = w2 h.
+template <class T>
+void experts_forward(const MoeParams<T>& w, std::int64_t e0, const std::vector<std::int64_t>& count,
+                     const T* xr, std::int64_t D, std::int64_t I, T* a, T* b, T* h, T* y) {
+  std::int64_t o = 0;
+  for (size_t q = 0; q < count.size(); o += count[q], ++q) {
+    const std::int64_t c = count[q];
+    if (c == 0) continue;
+    const ExpertParams<T>& p = w.experts[size_t(e0) + q];
+    linear_forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
+    linear_forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
+    swiglu_forward(h + o * I, a + o * I, b + o * I, c * I);
+    linear_forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
+  }
+}
+
+// Their backward: dxr (rows, D) from dy, each expert's weight gradients added.
+template <class T>
+void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, std::int64_t e0,
+                      const std::vector<std::int64_t>& count, const T* xr, const T* a, const T* b,
+                      const T* h, const T* dy, std::int64_t D, std::int64_t I, T* dh, T* da, T* db,
+                      T* dxr) {
+  std::int64_t o = 0;
+  for (size_t q = 0; q < count.size(); o += count[q], ++q) {
+    const std::int64_t c = count[q];
+    if (c == 0) continue;
+    const ExpertParams<T>& p = w.experts[size_t(e0) + q];
+    ExpertParams<T>& gp = g.experts[size_t(e0) + q];
+    linear_backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I, D);
+    swiglu_backward(da + o * I, db + o * I, dh + o * I, a + o * I, b + o * I, c * I);
+    linear_backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D, I);
+    linear_backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D, I);
+  }
+}
+
+void check_ep(const ExpertParallel* ep, std::int64_t E, std::int64_t N) {
+  if (!ep) return;
+  LAGA_CHECK(ep->comm && ep->ranks() == ep->comm->size() && ep->first.back() == E &&
+                 std::int64_t(ep->tokens.size()) == ep->ranks() &&
+                 ep->tokens[size_t(ep->comm->rank())] == N,
+             "moe: the expert-parallel placement is not this group's (", ep->ranks(), " ranks, ",
+             ep->first.back(), " experts) for ", E,
+             " experts on this rank's tokens; make it with ExpertParallel::folded");
+}
+
+}  // namespace
+
 template <class T>
 MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x, std::int64_t N,
-                          std::int64_t D) {
+                          std::int64_t D, const ExpertParallel* ep) {
   cfg.validate();
   check_params(cfg, w, D);
   const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
+  check_ep(ep, E, N);
   const bool real = !counting();
   LAGA_CHECK(!real || x || N == 0, "moe: x is null");
   MoeForward<T> f;
@@ -132,20 +330,43 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   const std::int64_t R = d.rows();  // N k routed copies
   // Each expert's SwiGLU on its rows [o, o + c) of the permuted order.
   Tensor<T> xp = gather_rows(x, d, D);
-  s.a = Tensor<T>({R, I});
-  s.b = Tensor<T>({R, I});
-  s.h = Tensor<T>({R, I});
-  s.y = Tensor<T>({R, D});
-  for (std::int64_t e = 0; e < E; ++e) {
-    const std::int64_t o = d.offset[size_t(e)], c = d.count[size_t(e)];
-    if (c == 0) continue;
-    const ExpertParams<T>& p = w.experts[size_t(e)];
-    linear_forward(s.a.data() + o * I, xp.data() + o * D, p.w1.data(), c, D, I);
-    linear_forward(s.b.data() + o * I, xp.data() + o * D, p.w3.data(), c, D, I);
-    swiglu_forward(s.h.data() + o * I, s.a.data() + o * I, s.b.data() + o * I, c * I);
-    linear_forward(s.y.data() + o * D, s.h.data() + o * I, p.w2.data(), c, I, D);
+  if (!ep) {
+    s.a = Tensor<T>({R, I});
+    s.b = Tensor<T>({R, I});
+    s.h = Tensor<T>({R, I});
+    s.y = Tensor<T>({R, D});
+    if (real)
+      experts_forward(w, 0, d.count, xp.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
+                      s.y.data());
+    xp.reset();
+  } else {
+    // The copies to their experts' owners, the owned experts on every
+    // rank's copies, the outputs back.
+    Communicator& comm = *ep->comm;
+    comm.set_phase(Phase::forward);
+    const std::int64_t e0 = ep->first[size_t(comm.rank())];
+    const EpRows rows = exchange_counts(*ep, d, real);
+    s.recv = rows.recv;
+    const std::int64_t M = rows.rows();
+    Tensor<T> xs({M, D});  // source-major
+    exchange_rows(*ep, d, rows, D, xp.data(), xs.data(), true, "moe_dispatch");
+    xp.reset();
+    s.xe = Tensor<T>({M, D});
+    rows.reorder(xs.data(), s.xe.data(), D, true);
+    xs.reset();
+    s.a = Tensor<T>({M, I});
+    s.b = Tensor<T>({M, I});
+    s.h = Tensor<T>({M, I});
+    Tensor<T> ye({M, D});
+    if (real)
+      experts_forward(w, e0, rows.expert, s.xe.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
+                      ye.data());
+    Tensor<T> ys({M, D});
+    rows.reorder(ye.data(), ys.data(), D, false);
+    ye.reset();
+    s.y = Tensor<T>({R, D});
+    exchange_rows(*ep, d, rows, D, ys.data(), s.y.data(), false, "moe_combine");
   }
-  xp.reset();
   // The shared expert writes out; the combine adds the routed copies to it.
   f.out = Tensor<T>::zeros({N, D});
   if (Is > 0) {
@@ -174,7 +395,8 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
 
 template <class T>
 Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
-                       const MoeSaved<T>& s, const T* dout, MoeParams<T>& g) {
+                       const MoeSaved<T>& s, const T* dout, MoeParams<T>& g,
+                       const ExpertParallel* ep) {
   cfg.validate();
   const Dispatch& d = s.dispatch;
   const std::int64_t N = d.tokens, D = w.gate.dim(1);
@@ -182,6 +404,7 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   check_params(cfg, g, D);
   const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
+  check_ep(ep, E, N);
   const std::int64_t R = d.rows();
   const bool real = !counting();
   Tensor<T> dx = Tensor<T>::zeros({N, D});
@@ -202,49 +425,71 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
   std::vector<T> dweight(size_t(N * k));
   Tensor<T> dy({R, D});
-  if (!real) {
+  if (!real && !ep) {
     // Count-only: what the rest allocates (the gate's dz is a std::vector).
     Tensor<T> xp({R, D}), dxp({R, D});
     Tensor<T> dh({R, I}), da({R, I}), db({R, I});
     return dx;
   }
+  if (real) {
 #pragma omp parallel for schedule(static)
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t j = 0; j < k; ++j) {
-      const std::int64_t p = d.row[size_t(t * k + j)];
-      const T wt = s.routing.weight[size_t(t * k + j)];
-      const T* y = s.y.data() + p * D;
-      const T* go = dout + t * D;
-      T* gy = dy.data() + p * D;
-      double dot = 0.0;
-      for (std::int64_t i = 0; i < D; ++i) {
-        dot += double(go[i]) * double(y[i]);
-        gy[i] = wt * go[i];
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t j = 0; j < k; ++j) {
+        const std::int64_t p = d.row[size_t(t * k + j)];
+        const T wt = s.routing.weight[size_t(t * k + j)];
+        const T* y = s.y.data() + p * D;
+        const T* go = dout + t * D;
+        T* gy = dy.data() + p * D;
+        double dot = 0.0;
+        for (std::int64_t i = 0; i < D; ++i) {
+          dot += double(go[i]) * double(y[i]);
+          gy[i] = wt * go[i];
+        }
+        dweight[size_t(t * k + j)] = static_cast<T>(dot);
       }
-      dweight[size_t(t * k + j)] = static_cast<T>(dot);
-    }
-  // Each expert's SwiGLU backward on its rows; dxp (R, D) in permuted order.
-  Tensor<T> xp = gather_rows(x, d, D);
-  Tensor<T> dxp({R, D});
-  {
-    Tensor<T> dh({R, I}), da({R, I}), db({R, I});
-    for (std::int64_t e = 0; e < E; ++e) {
-      const std::int64_t o = d.offset[size_t(e)], c = d.count[size_t(e)];
-      if (c == 0) continue;
-      const ExpertParams<T>& p = w.experts[size_t(e)];
-      ExpertParams<T>& gp = g.experts[size_t(e)];
-      linear_backward(dh.data() + o * I, false, gp.w2.data(), dy.data() + o * D, s.h.data() + o * I,
-                      p.w2.data(), c, I, D);
-      swiglu_backward(da.data() + o * I, db.data() + o * I, dh.data() + o * I, s.a.data() + o * I,
-                      s.b.data() + o * I, c * I);
-      linear_backward(dxp.data() + o * D, false, gp.w1.data(), da.data() + o * I, xp.data() + o * D,
-                      p.w1.data(), c, D, I);
-      linear_backward(dxp.data() + o * D, true, gp.w3.data(), db.data() + o * I, xp.data() + o * D,
-                      p.w3.data(), c, D, I);
-    }
   }
-  xp.reset();
-  dy.reset();
+  // Each expert's SwiGLU backward on its rows; dxp (R, D) in permuted order.
+  Tensor<T> dxp;
+  if (!ep) {
+    Tensor<T> xp = gather_rows(x, d, D);
+    dxp = Tensor<T>({R, D});
+    {
+      Tensor<T> dh({R, I}), da({R, I}), db({R, I});
+      experts_backward(w, g, 0, d.count, xp.data(), s.a.data(), s.b.data(), s.h.data(), dy.data(),
+                       D, I, dh.data(), da.data(), db.data(), dxp.data());
+    }
+    xp.reset();
+    dy.reset();
+  } else {
+    // dy to the owners (the combine's adjoint), their experts' backward on
+    // the rows they ran, dx of each row home (the dispatch's adjoint).
+    Communicator& comm = *ep->comm;
+    comm.set_phase(Phase::backward);
+    const std::int64_t e0 = ep->first[size_t(comm.rank())];
+    const EpRows rows(ep->ranks(), ep->owned(comm.rank()), s.recv,
+                      real ? -1 : ep->expected_rows(comm.rank(), k));
+    const std::int64_t M = rows.rows();
+    Tensor<T> dys({M, D});
+    exchange_rows(*ep, d, rows, D, dy.data(), dys.data(), true, "dmoe_combine");
+    dy.reset();
+    Tensor<T> dye({M, D});
+    rows.reorder(dys.data(), dye.data(), D, true);
+    dys.reset();
+    Tensor<T> dxe({M, D});
+    {
+      Tensor<T> dh({M, I}), da({M, I}), db({M, I});
+      if (real)
+        experts_backward(w, g, e0, rows.expert, s.xe.data(), s.a.data(), s.b.data(), s.h.data(),
+                         dye.data(), D, I, dh.data(), da.data(), db.data(), dxe.data());
+    }
+    dye.reset();
+    Tensor<T> dxs({M, D});
+    rows.reorder(dxe.data(), dxs.data(), D, false);
+    dxe.reset();
+    dxp = Tensor<T>({R, D});
+    exchange_rows(*ep, d, rows, D, dxs.data(), dxp.data(), false, "dmoe_dispatch");
+  }
+  if (!real) return dx;
   // The permutation reversed: each token's k copies added back, slots in order.
   T* gx = dx.data();
 #pragma omp parallel for schedule(static)
@@ -261,12 +506,13 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   return dx;
 }
 
-#define LAGA_INSTANTIATE(T)                                                              \
-  template struct MoeParams<T>;                                                          \
-  template MoeForward<T> moe_forward<T>(const MoeConfig&, const MoeParams<T>&, const T*, \
-                                        std::int64_t, std::int64_t);                     \
-  template Tensor<T> moe_backward<T>(const MoeConfig&, const MoeParams<T>&, const T*,    \
-                                     const MoeSaved<T>&, const T*, MoeParams<T>&);
+#define LAGA_INSTANTIATE(T)                                                                 \
+  template struct MoeParams<T>;                                                             \
+  template MoeForward<T> moe_forward<T>(const MoeConfig&, const MoeParams<T>&, const T*,    \
+                                        std::int64_t, std::int64_t, const ExpertParallel*); \
+  template Tensor<T> moe_backward<T>(const MoeConfig&, const MoeParams<T>&, const T*,       \
+                                     const MoeSaved<T>&, const T*, MoeParams<T>&,           \
+                                     const ExpertParallel*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -18,6 +18,16 @@
 // copies back into dx; dw goes through route_backward to dz and the gate's
 // linear. The bias gets no gradient (update_expert_bias steers it).
 //
+// Expert parallelism folded onto the sequence-parallel ranks (docs/moe.md,
+// "Expert parallelism"; Megatron-Core's MoE parallel folding): rank j of the
+// group owns experts [first[j], first[j+1]) and runs them on every rank's
+// copies routed to them. Between the gate and the experts the copies go to
+// their owners (all_to_all_v "moe_dispatch", after "moe_counts" tells each
+// owner how many rows of each expert to expect), and back after them
+// ("moe_combine"); backward sends dy the dispatch's way ("dmoe_combine", the
+// adjoint of the combine) and dx home ("dmoe_dispatch"). The gate, the shared
+// expert, the combine and the un-permute stay token-local.
+//
 // Names follow DeepSeek-V3's inference checkpoint, under the layer's prefix
 // (layers.N.ffn.): gate.weight (E, D), gate.bias (E), experts.e.w1.weight
 // (I, D), experts.e.w2.weight (D, I), experts.e.w3.weight (I, D),
@@ -29,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.hpp"
 #include "core/tensor.hpp"
 #include "model/moe_config.hpp"
 #include "model/moe_routing.hpp"
@@ -56,15 +67,62 @@ struct MoeParams {
                 bool with_bias = true);
 };
 
+// Where the routed experts run (`laga train --expert-parallel`): every rank
+// runs every expert on its own tokens' copies (each holds all experts), or
+// the experts are folded onto the sequence-parallel ranks (below).
+enum class ExpertPlacement { every_rank, folded };
+const char* to_string(ExpertPlacement p);  // "every-rank", "folded"
+
+// Which rank runs which experts (above). Rank j owns first[j+1] - first[j]
+// experts, E / P each with the first E % P ranks one more (the sequence
+// split's rule); a rank may own none when P > E.
+struct ExpertParallel {
+  Communicator* comm = nullptr;
+  std::vector<std::int64_t> first;   // (P + 1) the first expert of each rank; first[P] = E
+  std::vector<std::int64_t> tokens;  // (P) each rank's N: only a count-only run reads it
+
+  static ExpertParallel folded(Communicator& comm, std::int64_t experts,
+                               std::vector<std::int64_t> tokens_per_rank);
+  int ranks() const { return int(first.size()) - 1; }
+  std::int64_t owned(int j) const { return first[size_t(j + 1)] - first[size_t(j)]; }
+  // The rows rank `owner` receives in a count-only run, where no routing
+  // exists: the uniform-routing expectation round(sum_i N_i k owned / E).
+  // A real run receives what the routing sends (docs/moe.md).
+  std::int64_t expected_rows(int owner, std::int64_t top_k) const;
+};
+
+// The bytes rank r's expert-parallel MoE layer sends under each label, given
+// every rank's Dispatch::count (P x E, row i rank i's): what the ledger
+// records, in closed form (docs/accounting.md, "Expert parallelism").
+//   moe_dispatch  sum_{j != r} sum_{e owned by j} count[r][e] D elem
+//   moe_combine   sum_{i != r} sum_{e owned by r} count[i][e] D elem
+//   moe_counts    sum_{j != r} owned(j) * 8            (the counts, as f64)
+// Backward: dmoe_combine sends what moe_dispatch does, dmoe_dispatch what
+// moe_combine does.
+struct MoeEpBytes {
+  std::int64_t dispatch = 0, combine = 0, counts = 0;
+};
+MoeEpBytes moe_ep_bytes(const ExpertParallel& ep,
+                        const std::vector<std::vector<std::int64_t>>& counts, int r, std::int64_t D,
+                        std::int64_t elem);
+
 // What backward needs: the routing, the permutation, and each SwiGLU's
 // pre-activations and outputs (x itself is backward's argument).
+// Without expert parallelism the experts' rows are the rank's own N k copies
+// in permuted order (R = N k). With it they are the M rows the rank's own
+// experts received from every rank, expert-major (each owned expert's rows,
+// by source rank, each source's in its permuted order), and the owner keeps
+// those rows' inputs (xe), since x is on the rank they came from.
 template <class T>
 struct MoeSaved {
   Routing<T> routing;
   Dispatch dispatch;
-  Tensor<T> a, b, h;     // (N k, I) w1 x, w3 x, silu(a) b of each copy, in permuted order
-  Tensor<T> y;           // (N k, D) each copy's expert output, unweighted (dw needs it)
+  Tensor<T> a, b, h;     // (R or M, I) w1 x, w3 x, silu(a) b of each row the rank's experts ran
+  Tensor<T> y;           // (N k, D) each own copy's expert output, unweighted (dw needs it)
   Tensor<T> sa, sb, sh;  // (N, Ns I) the shared expert's
+  // Expert parallel only:
+  std::vector<std::int64_t> recv;  // (P x owned) rows of owned expert e from rank i, [i][e]
+  Tensor<T> xe;                    // (M, D) the rows the owned experts ran, expert-major
 };
 
 template <class T>
@@ -74,16 +132,22 @@ struct MoeForward {
 };
 
 // x (N, D). Throws laga::Error when the parameters' shapes do not match cfg
-// and D, or the gate's logits are not finite.
+// and D, or the gate's logits are not finite. ep: the experts spread over
+// ep->comm's ranks (every rank of the group calls with the same ep), or null:
+// every expert on this rank.
 template <class T>
 MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x, std::int64_t N,
-                          std::int64_t D);
+                          std::int64_t D, const ExpertParallel* ep = nullptr);
 
 // Returns dx (N, D) from dout (N, D). Every weight's gradient is ADDED to
 // grads (a weight used by several calls sums its gradients); grads.gate_bias
-// is left as it is.
+// is left as it is. Under expert parallelism (the forward's ep) each rank
+// adds the gradients of the experts it owns only, from every rank's copies;
+// the others' stay as they are, so the sum over ranks of every gradient is
+// the single-rank one, as without it.
 template <class T>
 Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
-                       const MoeSaved<T>& s, const T* dout, MoeParams<T>& grads);
+                       const MoeSaved<T>& s, const T* dout, MoeParams<T>& grads,
+                       const ExpertParallel* ep = nullptr);
 
 }  // namespace laga

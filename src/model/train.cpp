@@ -32,8 +32,8 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form",      "attention", "sp",
-                                       "data-path", "q-latent",  "overlap"};
+  static const std::set<std::string> s{"form",    "attention",      "sp", "data-path", "q-latent",
+                                       "overlap", "expert-parallel"};
   return s;
 }
 
@@ -173,6 +173,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   r["form"] = to_string(o.variant.form);
   if (o.variant.queries == QueryExchange::latent) r["q-latent"] = "on";
   if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
+  if (o.experts == ExpertPlacement::folded) r["expert-parallel"] = "on";
   r["attention"] = to_string(o.attention);
   r["sp"] = std::to_string(o.sp);
   return r;
@@ -199,6 +200,9 @@ void validate_train_options(const TrainOptions& o) {
     (void)TokenSource::file(o.val_data, o.data_dtype, o.model.vocab, o.seq, o.seed, "--val-data");
   }
   check_overlap(o.variant);
+  LAGA_CHECK(o.experts == ExpertPlacement::every_rank || o.model.moe,
+             "--expert-parallel needs an MoE model: give --config a file with routed experts "
+             "(n_routed_experts), e.g. docs/assets/moe_tiny.json");
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;
@@ -252,6 +256,7 @@ namespace {
 LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& comm,
                      const RopeTable& rope) {
   LmContext ctx{o.model, layout, comm, rope, o.variant, o.attention};
+  ctx.experts = o.experts;
   return ctx;
 }
 

@@ -32,6 +32,9 @@ struct TrainOptions {
   LmConfig model;
   FormVariant variant = Form::laga;  // the blocks' (--form, --q-latent, --head-groups, --overlap)
   AttentionKind attention = AttentionKind::eager;
+  // --expert-parallel: the MoE layers' experts folded onto the sp ranks
+  // (model/moe.hpp, docs/moe.md "Expert parallelism"); needs an MoE model.
+  ExpertPlacement experts = ExpertPlacement::every_rank;
   int sp = 1;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step

@@ -263,7 +263,7 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
 
 }  // namespace
 
-int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp, std::int64_t experts) {
+int expert_parallel_degree(const EpChoice& ep, int sp, int dp, std::int64_t experts) {
   switch (ep.rule) {
     case EpRule::sp:
       return sp;

@@ -23,7 +23,7 @@
 // Parallelism: the SP group of P ranks runs every layer's attention in the
 // chosen form; expert parallelism is folded onto the same ranks (Megatron's
 // MoE parallel folding): by default EP = P, so P must divide E and each rank
-// owns E / P experts of every MoE layer (ExpertParallel below: EP over every
+// owns E / P experts of every MoE layer (EpChoice below: EP over every
 // device, or a fixed degree). dp data-parallel replicas of that group make
 // P * dp devices. No tensor or pipeline parallelism is modelled: every device
 // holds every layer (--layers N plans a stage of N layers).
@@ -151,11 +151,11 @@ ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::
 // P * dp (--ep sp|max|N). Each EP group is ep consecutive devices; E / ep
 // experts per device.
 enum class EpRule { sp, max, fixed };
-struct ExpertParallel {
+struct EpChoice {
   EpRule rule = EpRule::sp;
   int degree = 0;  // EpRule::fixed
 };
-int expert_parallel_degree(const ExpertParallel& ep, int sp, int dp, std::int64_t experts);
+int expert_parallel_degree(const EpChoice& ep, int sp, int dp, std::int64_t experts);
 
 struct ModelPlanRequest {
   PlanRequest block;  // block.cfg is model.mla; seqs, sps, forms, profile, ...
@@ -165,7 +165,7 @@ struct ModelPlanRequest {
   // optimizer step, each a forward + backward; the gradient sync and AdamW
   // run once per step. Memory is one micro-batch's.
   std::int64_t micro_batches = 1;
-  ExpertParallel ep;
+  EpChoice ep;
   bool zero1 = false;
   bool recompute = false;
 };

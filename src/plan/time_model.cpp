@@ -159,6 +159,8 @@ ComputeTime compute_time(const ops::OpCounts& c, const HardwareProfile& profile,
   t.attention_s = calls_seconds(c.attention_calls, shapes.attention, peak * d.attention_efficiency,
                                 t.unmeasured_flops);
   t.elementwise_s = c.elementwise_bytes / d.elementwise_bytes_per_s;
+  t.gemm_flops = c.gemm_flops;
+  t.attention_flops = c.attention_flops;
   t.flops = c.gemm_flops + c.attention_flops;
   return t;
 }

@@ -108,6 +108,7 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
 
 struct ComputeTime {
   double gemm_s = 0, attention_s = 0, elementwise_s = 0;
+  double gemm_flops = 0, attention_flops = 0;
   double flops = 0;             // GEMM + attention FLOPs
   double unmeasured_flops = 0;  // of those, costed at the profile's efficiency
   double seconds() const { return gemm_s + attention_s + elementwise_s; }

@@ -155,7 +155,9 @@ ojson phases_json(const FormPlan& f) {
     j[to_string(static_cast<Phase>(ph))] = {{"gemm_s", p.compute.gemm_s},
                                             {"attention_s", p.compute.attention_s},
                                             {"elementwise_s", p.compute.elementwise_s},
-                                            {"comm_s", p.comm_s}};
+                                            {"comm_s", p.comm_s},
+                                            {"gemm_flops", p.compute.gemm_flops},
+                                            {"attention_flops", p.compute.attention_flops}};
   }
   return j;
 }
@@ -366,7 +368,7 @@ LmConfig load_model(const PlanOptions& o) {
 }
 
 // --ep sp|max|N.
-ExpertParallel parse_ep(const std::string& s) {
+EpChoice parse_ep(const std::string& s) {
   if (s == "sp") return {EpRule::sp, 0};
   if (s == "max") return {EpRule::max, 0};
   const std::optional<std::int64_t> n = parse_whole_number(s);

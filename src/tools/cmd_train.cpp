@@ -48,6 +48,7 @@ struct TrainCli {
   // expert load in --log, for reproducibility experiments.
   std::optional<std::uint64_t> perturb_reductions;
   bool log_expert_load = false;
+  bool expert_parallel = false;
   std::string allow_change;  // comma-separated option names
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
   std::int64_t q_lora_rank = 0;
@@ -153,6 +154,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.variant.head_groups = c.head_groups;
   o.variant.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
+  o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.sp = c.sp;
   o.batch = c.batch;
   o.seq = c.seq;
@@ -436,6 +438,12 @@ void register_train(CLI::App& app) {
                   "only at --sp >= 3; docs/convergence.md, \"Reproducibility under perturbed "
                   "reductions\")")
       ->check(whole(0));
+  sub->add_flag("--expert-parallel", c->expert_parallel,
+                "MoE models: fold expert parallelism onto the --sp ranks (each rank runs "
+                "E / P consecutive experts, the first E % P ranks one more, on every rank's "
+                "copies routed to them: all_to_all_v dispatch and combine, ledgered as moe_counts, "
+                "moe_dispatch, moe_combine and their backward dmoe_*; docs/moe.md, \"Expert "
+                "parallelism\"). The same math as without it, rounded differently");
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
                 "the step's global token count per expert of every MoE layer");

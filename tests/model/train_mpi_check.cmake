@@ -5,6 +5,8 @@
 # Python writes: documents of 1 to 13 tokens, crossing the ranks' shards.
 # With -DMOE_CONFIG set, the model is that --config's (an MoE with the
 # experts' bias balancing on, whose load all-reduce runs every step).
+# With -DEXPERT_PARALLEL=ON both runs pass --expert-parallel (the MoE's
+# experts folded onto the ranks: all_to_all_v dispatch and combine).
 # With -DSP=N the runs are on N ranks (default 2). With -DPERTURB=SEED both
 # runs pass --perturb-reductions SEED, and a third, local run without it must
 # differ from them in some step's loss or grad_norm: the switch reaches the
@@ -24,6 +26,9 @@ if(MOE_CONFIG)
 else()
   set(ARGS train --form laga --sp ${SP} --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
            --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
+endif()
+if(EXPERT_PARALLEL)
+  list(APPEND ARGS --expert-parallel)
 endif()
 if(PYTHON)
   string(CONCAT script "import array\nids = array.array('H')\nd = 0\nwhile len(ids) < 3000:\n"

@@ -50,7 +50,8 @@ PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "bytes_sent_forward",
                "bytes_sent_backward", "peak_activation_bytes",
                "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
                "phases", "fits"]
-PHASE_FIELDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
+PHASE_SECONDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
+PHASE_FIELDS = PHASE_SECONDS + ["gemm_flops", "attention_flops"]
 
 
 def check_exact(model, seq, sp, attention, extra, name):
@@ -93,7 +94,13 @@ def check_exact(model, seq, sp, attention, extra, name):
                 any(list(v.keys()) != PHASE_FIELDS for v in phases.values()):
             failures.append(f"{name} {plan['form']}: phases {phases}")
             continue
-        total = sum(sum(v.values()) for v in phases.values())
+        total = sum(v[k] for v in phases.values() for k in PHASE_SECONDS)
+        # FLOPs: the busiest rank's, counted; grad_sync computes none, the
+        # attention's backward (recomputation + gradients) more than forward.
+        fl = {k: (v["gemm_flops"], v["attention_flops"]) for k, v in phases.items()}
+        if fl["grad_sync"] != (0, 0) or not (0 < fl["forward"][1] < fl["backward"][1]) or \
+                not (0 < fl["forward"][0] < fl["backward"][0]):
+            failures.append(f"{name} {plan['form']}: FLOPs per phase {fl}")
         step, hidden = plan["predicted_step_s"], plan["hidden_comm_s"]
         if abs(total - hidden - step) > 1e-9 * step:
             failures.append(f"{name} {plan['form']}: phases sum {total} - hidden {hidden} != "

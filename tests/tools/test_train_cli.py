@@ -36,8 +36,9 @@ Cases:
              the loss falls at --sp 2, the checkpoint holds the MoE layers'
              tensors (gate, bias, experts, shared) and the dense layer's, the
              biases moved by multiples of bias_update_speed; resume continues
-             and refuses a changed MoE; bad configs and --config beside a model
-             option are refused naming the field
+             (also with --expert-parallel) and refuses a changed MoE; bad
+             configs, --config beside a model option and --expert-parallel on
+             a dense model are refused naming the field
 Only the standard library.
 """
 import json
@@ -484,6 +485,12 @@ def case_moe_config(laga, scratch):
     refused(laga, ["train", "--config", other, "--seq", "32", "--batch", "2", "--lr", "3e-3",
                    "--sp", "2", "--quiet", "--steps", "16", "--resume", ck],
             ["model num_experts_per_tok: 2 -> 3"])
+    # The experts folded onto the ranks: free to change on resume (the same
+    # math, rounded differently); a dense model has none to fold.
+    run(laga, args + ["--steps", "15", "--resume", ck, "--expert-parallel"], 0)
+    check(log_steps(log) == list(range(1, 16)), f"resumed log with EP: {log_steps(log)}")
+    refused(laga, ["train", "--layers", "1", "--d-model", "16", "--heads", "2", "--steps", "1",
+                   "--expert-parallel"], ["--expert-parallel needs an MoE model"])
     refused(laga, ["train", "--config", config, "--layers", "2", "--steps", "1"],
             ["laga: error: --config", "drop --layers"])
     refused(laga, ["train", "--config", variant("groups", n_group=3), "--steps", "1"],
