@@ -20,6 +20,12 @@ double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std:
          (1.0 - 1.0 / double(ep));
 }
 
+double moe_counts_bytes(std::int64_t experts, int ep) {
+  LAGA_CHECK(ep >= 1 && experts % ep == 0, "moe_counts_bytes: EP ", ep, " must divide the ",
+             experts, " experts");
+  return 8.0 * double(experts - experts / ep);
+}
+
 ModelParamCounts model_param_counts(const LmConfig& cfg) {
   ModelParamCounts n;
   const std::int64_t D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
@@ -206,14 +212,20 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const double a2a_s =
       collective_seconds(CollectiveKind::all_to_all, ep, {a2a_whole, a2a_whole}, ep_fabric);
   const int a2a_calls = q.recompute ? 6 : 4;  // dispatch, combine; their gradients; recompute
+  // Each forward's moe_counts first (the owners' row counts).
+  const int count_calls = q.recompute ? 2 : 1;
+  const double counts_bytes = cfg.moe ? moe_counts_bytes(cfg.moe->n_routed_experts, ep) : 0.0;
+  const std::int64_t counts_whole = std::int64_t(counts_bytes);
+  const double counts_s =
+      collective_seconds(CollectiveKind::all_to_all, ep, {counts_whole, counts_whole}, ep_fabric);
   double ffn_flops = 0, elementwise_elements = 0;
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     m.time.attention += block_s + (q.recompute ? block_forward_s : 0.0);
     ffn_flops += ffn_flops_forward(cfg, l);
     elementwise_elements += layer_elementwise_elements(cfg, l) * passes;  // forward 1x, backward 2x
     if (cfg.is_moe_layer(l)) {
-      m.time.moe_a2a += a2a_calls * a2a_s;
-      m.moe_a2a_bytes_per_rank += a2a_calls * a2a_bytes;
+      m.time.moe_a2a += a2a_calls * a2a_s + count_calls * counts_s;
+      m.moe_a2a_bytes_per_rank += a2a_calls * a2a_bytes + count_calls * counts_bytes;
     }
   }
   m.time.ffn = double(N) * ffn_flops * passes / gemm_rate;

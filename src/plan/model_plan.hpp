@@ -32,12 +32,11 @@
 // attention and MoE collectives, modelled so: each term waits for the one
 // before): per layer the attention block's predicted forward + backward (its
 // own gradient all-reduce left out: the model's gradient sync below
-// replaces it), the FFN's FLOPs at peak x gemm efficiency, the MoE's four
-// all-to-alls on the SP group's links (collective_seconds, the link model of
-// every other plan), the layer's elementwise bytes at the elementwise
-// bandwidth; the head's FLOPs and the cross-entropy's bytes; the gradient
-// sync; AdamW's bytes. Every figure but the parameter, FLOP and byte counts
-// is a prediction.
+// replaces it), the FFN's FLOPs at peak x gemm efficiency, the MoE's
+// all-to-alls (moe_counts, then the four row exchanges) on the EP group's
+// links (collective_seconds, the link model of every other plan), the layer's elementwise bytes at
+// the elementwise bandwidth; the head's FLOPs and the cross-entropy's bytes; the gradient sync;
+// AdamW's bytes. Every figure but the parameter, FLOP and byte counts is a prediction.
 #pragma once
 
 #include <cstdint>
@@ -64,6 +63,12 @@ namespace laga {
 // labels) are checked against it.
 double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
                               std::int64_t elem_bytes, int ep);
+
+// The bytes one rank sends in the forward's moe_counts all-to-all, which
+// tells each owner how many copies of each of its experts come (model/moe.hpp,
+// moe_ep_bytes: 8 bytes, an f64, per expert owned by another rank):
+// 8 (E - E / EP) with E / EP experts a rank. Not routing-dependent.
+double moe_counts_bytes(std::int64_t experts, int ep);
 
 // A model's parameters by kind, counted from LmConfig (the shapes of
 // LmParams::zeros, model.cpp; tests/plan/test_model_plan.cpp checks the sum

@@ -233,10 +233,14 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
   EXPECT_DOUBLE_EQ(m.time.attention, 3 * one.cases[0].forms[1].time.attention);
   const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 2);  // N_r 32 of S 64 at P 2
   const std::int64_t b = std::int64_t(bytes);
-  EXPECT_EQ(m.moe_a2a_bytes_per_rank, 2 * 4 * bytes);
-  EXPECT_DOUBLE_EQ(m.time.moe_a2a, 2 * 4 *
-                                       collective_seconds(CollectiveKind::all_to_all, 2, {b, b},
-                                                          three.blocks[0].links.fabric));
+  // And each forward's moe_counts: 8 bytes for each of the other rank's 4 experts.
+  EXPECT_EQ(moe_counts_bytes(8, 2), 32.0);
+  const Fabric& f2 = three.blocks[0].links.fabric;
+  const double counts_s = collective_seconds(CollectiveKind::all_to_all, 2, {32, 32}, f2);
+  EXPECT_EQ(m.moe_a2a_bytes_per_rank, 2 * (4 * bytes + 32));
+  EXPECT_DOUBLE_EQ(
+      m.time.moe_a2a,
+      2 * (4 * collective_seconds(CollectiveKind::all_to_all, 2, {b, b}, f2) + counts_s));
   const ModelPlanResult p1 = make_model_plans(request(deep, {1}));
   EXPECT_EQ(p1.cases[0].forms[0].time.moe_a2a, 0);
   EXPECT_EQ(p1.cases[0].forms[0].time.grad_sync, 0);
@@ -247,7 +251,11 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
   const FormPlan& blk = m.block;
   EXPECT_DOUBLE_EQ(r.time.attention,
                    m.time.attention + 3 * (blk.phases[0].compute_s() + blk.phases[0].comm_s));
-  EXPECT_DOUBLE_EQ(r.time.moe_a2a, m.time.moe_a2a * 6 / 4);
+  // Recompute: the forward's three all-to-alls again (counts, dispatch, combine).
+  EXPECT_DOUBLE_EQ(
+      r.time.moe_a2a,
+      m.time.moe_a2a +
+          2 * (2 * collective_seconds(CollectiveKind::all_to_all, 2, {b, b}, f2) + counts_s));
   EXPECT_LT(r.activations.total(), m.activations.total());
   // Gradient accumulation: M forward + backward passes, one sync and AdamW;
   // the memory is one micro-batch's.
@@ -295,10 +303,13 @@ TEST(ModelPlan, ExpertParallelOverEveryDevice) {
   EXPECT_EQ(world.ep, 8);
   const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 8);
   const std::int64_t b = std::int64_t(bytes);
-  EXPECT_EQ(world.moe_a2a_bytes_per_rank, 2 * 4 * bytes);
+  const double counts = moe_counts_bytes(8, 8);  // 8 bytes for each of the 7 others' experts
+  EXPECT_EQ(counts, 56.0);
+  EXPECT_EQ(world.moe_a2a_bytes_per_rank, 2 * (4 * bytes + counts));
   const Fabric eight = plan_links(q.block.profile, 8, 0, {}, {}).fabric;
   EXPECT_DOUBLE_EQ(world.time.moe_a2a,
-                   2 * 4 * collective_seconds(CollectiveKind::all_to_all, 8, {b, b}, eight));
+                   2 * (4 * collective_seconds(CollectiveKind::all_to_all, 8, {b, b}, eight) +
+                        collective_seconds(CollectiveKind::all_to_all, 8, {56, 56}, eight)));
   const ModelParamCounts n = model_param_counts(q.model);
   EXPECT_DOUBLE_EQ(folded.state.parameters - world.state.parameters,
                    2.0 * (double(n.routed_experts) / 2 - double(n.routed_experts) / 8));
