@@ -83,13 +83,16 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
 }
 
 double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
-                         std::int64_t elem_bytes) {
+                         std::int64_t elem_bytes, int ep) {
   const double N = double(tokens), D = double(cfg.dim()), e = double(elem_bytes);
   double elements = 4 * N * D + 2 * N;  // x, n1, h, n2; rstd1, rstd2
   if (cfg.is_moe_layer(layer)) {
     const MoeConfig& m = *cfg.moe;
     const double copies = N * double(m.num_experts_per_tok), I = double(m.moe_intermediate_size);
     elements += copies * (3 * I + D) + 3 * N * double(m.shared_intermediate_size());
+    // Under EP the owner keeps the rows it received (xe): their x is on the
+    // rank they came from.
+    if (ep > 1) elements += copies * D;
   } else {
     elements += 3 * N * double(cfg.hidden());  // a, b, g
   }
@@ -109,7 +112,8 @@ double ffn_backward_working_bytes(const LmConfig& cfg, std::int64_t layer, std::
 }
 
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
-                                 double attn_after_forward, double attn_peak, bool recompute) {
+                                 double attn_after_forward, double attn_peak, bool recompute,
+                                 int ep) {
   const double N = double(tokens), D = double(cfg.dim()), V = double(cfg.vocab),
                e = double(elem_bytes);
   // The block's output (N, D) is in after_forward but freed after the
@@ -127,7 +131,7 @@ ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::
   //     the FFN's.
   double kept_below = 0, peak = 0;
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
-    const double saved = attn_saved + layer_saved_bytes(cfg, l, tokens, elem_bytes);
+    const double saved = attn_saved + layer_saved_bytes(cfg, l, tokens, elem_bytes, ep);
     const double work =
         std::max(attn_extra, ffn_backward_working_bytes(cfg, l, tokens, elem_bytes));
     peak = std::max(peak, kept_below + saved + a.head - N * V * e + 3 * N * D * e + work);
@@ -268,7 +272,7 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   m.attention_share = m.time.attention / m.step_s;
   m.state = state_bytes(params, q.block.dtype, ep, world, q.zero1);
   m.activations = activation_bytes(cfg, N, e, double(f.after_forward_bytes),
-                                   double(f.peak_activation_bytes), q.recompute);
+                                   double(f.peak_activation_bytes), q.recompute, ep);
   m.fits = m.memory_bytes() <= d.memory_bytes;
   return m;
 }

@@ -120,10 +120,12 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
 // LayerSaved): x, n1, h, n2 (N_r, D) and the two norms' rstd (N_r); dense:
 // a, b, g (N_r, F); MoE: per routed copy (N_r k of them on the rank under
 // uniform routing, its own experts' share of every rank's copies) a, b, h
-// (I) and the expert output y (D), the shared expert's a, b, h (N_r, Ns I).
+// (I) and the expert output y (D), the shared expert's a, b, h (N_r, Ns I);
+// with expert parallelism (ep > 1) also each received copy's input xe (D),
+// which the owner keeps (moe.hpp, MoeSaved::xe).
 // The attention block's saved tensors are not in it (the block plan has them).
 double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
-                         std::int64_t elem_bytes);
+                         std::int64_t elem_bytes, int ep = 1);
 
 // The FFN backward's own working set on a rank (model.cpp, moe.cpp): dense
 // dg, da, db (N_r, F); MoE dx (N_r, D) and per routed copy dy, xp, dxp (D)
@@ -146,8 +148,11 @@ struct ActivationBytes {
 // each keeps its input x (N_r, D) and the layer in backward is re-run and
 // holds everything. The peak is the largest of the head's backward and each
 // layer's (model_plan.cpp has the terms).
+// The FFN backward's working set is the one without EP (ffn_backward_working_bytes):
+// the EP backward's exchange buffers are not modelled.
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
-                                 double attn_after_forward, double attn_peak, bool recompute);
+                                 double attn_after_forward, double attn_peak, bool recompute,
+                                 int ep = 1);
 
 // The expert-parallel degree: folded onto the SP ranks (EP = P, the
 // default); as many devices as share the E experts evenly, the experts

@@ -134,6 +134,8 @@ TEST(ModelPlan, ActivationsByHand) {
   const double moe = (4 * 16 * 64 + 2 * 16 + 32 * (3 * 32 + 64) + 3 * 16 * 32) * 4.0;  // 43136
   EXPECT_EQ(layer_saved_bytes(cfg, 0, N, e), dense);
   EXPECT_EQ(layer_saved_bytes(cfg, 1, N, e), moe);
+  EXPECT_EQ(layer_saved_bytes(cfg, 1, N, e, 2), moe + 32 * 64 * 4.0);  // EP: the owner's xe
+  EXPECT_EQ(layer_saved_bytes(cfg, 0, N, e, 2), dense);
   EXPECT_EQ(ffn_backward_working_bytes(cfg, 0, N, e), 3 * 16 * 192 * 4.0);
   EXPECT_EQ(ffn_backward_working_bytes(cfg, 1, N, e), (16 * 64 + 32 * (3 * 64 + 3 * 32)) * 4.0);
   const double out = 16 * 64 * 4.0, attn_saved = 1000;
@@ -177,6 +179,7 @@ TEST(ModelPlan, ActivationPeakIsLagaTrainsPeak) {
         q.block.cfg = cfg.mla;
         q.block.seqs = {256};
         q.block.sps = {P};
+        q.ep = {EpRule::fixed, 1};  // laga train's experts run where their tokens are
         q.block.forms = {form};
         q.block.attention = AttentionKind::flash;
         q.block.dtype = PlanDType::fp32;
@@ -184,11 +187,8 @@ TEST(ModelPlan, ActivationPeakIsLagaTrainsPeak) {
         const ModelPlan p = make_model_plans(q).cases[0].forms[0];
         EXPECT_EQ(p.activations.total(), double(m.step_peak - m.state))
             << cfg.summary() << " " << to_string(FormVariant(form)) << " P " << P;
-        // laga train has no expert parallelism yet: every rank holds every
-        // expert, so its state is the plan's at EP 1.
-        if (P == 1 || !cfg.moe) {
-          EXPECT_EQ(p.state.total(), double(m.state)) << cfg.summary();
-        }
+        // Every rank of laga train holds every expert: the plan's state at EP 1.
+        EXPECT_EQ(p.state.total(), double(m.state)) << cfg.summary() << " P " << P;
       }
 }
 
