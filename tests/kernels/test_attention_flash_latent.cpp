@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,10 @@ struct Dims {
   bool causal;
   std::vector<std::vector<std::int64_t>> docs;  // per batch row; empty: none
 };
+
+void PrintTo(const Dims& d, std::ostream* os) {
+  *os << d.name;
+}
 
 // Keys cross kLatentKeyChunk (128) boundaries and query rows 64-row blocks,
 // neither a multiple; dims odd.
@@ -84,6 +89,19 @@ struct Problem {
   }
   Problem(const Problem& o)
       : p(o.p), q(o.q), lat(o.lat), w_kv(o.w_kv), dout(o.dout), doc_start(o.doc_start), W(o.W) {
+    point();
+  }
+  // The same problem in another type, element for element (a float one
+  // widened to double: the reference then sees exactly the float inputs).
+  template <class U>
+  explicit Problem(const Problem<U>& o)
+      : q(o.q.begin(), o.q.end()),
+        lat(o.lat.begin(), o.lat.end()),
+        w_kv(o.w_kv.begin(), o.w_kv.end()),
+        dout(o.dout.begin(), o.dout.end()),
+        doc_start(o.doc_start),
+        W(o.W) {
+    p.shape = o.p.shape, p.C = o.p.C, p.dn = o.p.dn;
     point();
   }
   Problem& operator=(const Problem&) = delete;
@@ -197,24 +215,26 @@ TEST_P(LatentFlash, DoubleMatchesReference) {
   EXPECT_TRUE(close(f.dw_kv, r.dw_kv, tol, "dw_kv"));
 }
 
-// Float, against the double reference: the fused kernel is held to 1e-6 of
-// each output's largest element, and to no more than twice the error of the
-// unfused float path it replaces (so fusing costs no accuracy). Why 1e-6:
-// every output is a sum of at most a few thousand fp32 products of
-// unit-scale terms (C = 64 in the up-projection, Sk <= 300 keys, Sq H <= 600
-// rows for dw_kv) taken by blocked GEMMs, whose error grows like sqrt(n) u
-// with u = 6e-8 (and measured here, the unfused path's error is of that
-// size); 1e-6 is about 16 u, a bound the naive sum (n u, up to 2e-4) would not
-// meet, so it catches a lost term or a wrongly scaled one but not rounding.
+// Float, against the double reference on the same (widened) inputs: the
+// fused kernel is held to 2e-6 of each output's largest element, and to no
+// more than twice the error of the unfused float path it replaces (laga's
+// up-projection GEMM + the flash kernel), so fusing costs no accuracy. Why
+// 2e-6 and not 1e-6: each output is a sum of at most a few thousand fp32
+// products of unit-scale terms taken by blocked GEMMs, whose error grows
+// like sqrt(n) u (u = 6e-8); measured, both paths stay below 6.5e-7 except
+// dq of query_offset, where the unfused path itself reaches 1.17e-6 (dq = ds
+// k with ds = p (dp - D), a difference of order-1 terms): 1e-6 would fail
+// the path laga runs today. 2e-6 (about 30 u) still catches a lost term or
+// a wrongly scaled one (errors of order 1e-2 and up), not rounding.
 TEST_P(LatentFlash, FloatMatchesReference) {
-  const Problem<double> pd(GetParam());
-  Problem<float> pf(GetParam());
+  const Problem<float> pf(GetParam());
+  const Problem<double> pd(pf);
   const Result<double> r = run(pd, Path::reference);
   const Result<float> f = run(pf, Path::fused), u = run(pf, Path::unfused);
   const auto check = [](const std::vector<float>& fused, const std::vector<float>& unfused,
                         const std::vector<double>& ref, const char* what) {
     const double ef = rel_error(widened(fused), ref), eu = rel_error(widened(unfused), ref);
-    EXPECT_LE(ef, 1e-6) << what << " (unfused path: " << eu << ")";
+    EXPECT_LE(ef, 2e-6) << what << " (unfused path: " << eu << ")";
     EXPECT_LE(ef, 2 * eu + 1e-7) << what << ": fused " << ef << " vs unfused " << eu;
     for (float x : fused) ASSERT_TRUE(std::isfinite(x)) << what;
   };
@@ -245,7 +265,7 @@ TEST(LatentFlashGradients, FiniteDifferencesOfEveryInput) {
       for (size_t i = 0; i < o.size(); ++i) l += x.dout[i] * o[i];
       return l;
     };
-    const double h = 1e-6;
+    const double h = 1e-5;
     struct Input {
       const char* what;
       std::vector<double>& x;
