@@ -136,7 +136,7 @@ FormEntry laga_fused_entry() {
                .attention = head_shards,
                .geometry = nullptr,
                .note = [](const MlaConfig&, const SpLayout&, FormVariant) -> std::string {
-                 return "flash only: with --attention eager it runs laga's unfused path";
+                 return "laga_fused: flash only; with --attention eager it runs laga's unfused path";
                },
                // laga's collectives: the queries to their heads, the latent gathered.
                .collectives =
