@@ -29,9 +29,43 @@
 #include "core/error.hpp"
 #include "kernels/gemm.hpp"
 
+// The flash kernels' vector exp2 (a degree-7 polynomial, NaN in NaN out), in
+// this file's own namespace: attention_flash_simd.hpp is compiled once per
+// includer's instruction set and must not share a name (it says why). The
+// build's AVX2+FMA flags select its AVX2 copy here.
+#define LAGA_FLASH_NS flash_latent_avx2
+#include "kernels/attention_flash_simd.hpp"
+#undef LAGA_FLASH_NS
+
 namespace laga {
 
 namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
+
+// x[c] = e^(x[c] - mu) for c < n, as 2^((x - mu) log2 e) by the vector exp2
+// (the scalar one in double); returns their sum, lanes in a fixed order.
+template <class T>
+T exp_shifted(T* x, std::int64_t n, T mu) {
+  using S = flash_latent_avx2::Simd<T>;
+  using V = typename S::V;
+  constexpr int W = S::W;
+  const V l2e = S::set1(static_cast<T>(kLog2e)), m = S::set1(mu);
+  V acc = S::zero();
+  std::int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    const V p = S::exp2(S::mul(S::sub(S::load(x + c), m), l2e));
+    S::store(x + c, p);
+    acc = S::add(acc, p);
+  }
+  T sum = 0;
+  if constexpr (W > 1)
+    sum = S::hsum(acc);
+  else
+    sum = acc;
+  for (; c < n; ++c) sum += (x[c] = std::exp2((x[c] - mu) * static_cast<T>(kLog2e)));
+  return sum;
+}
 
 constexpr std::int64_t kBr = 64;  // query rows per tile
 constexpr std::int64_t kKc = kLatentKeyChunk;
@@ -232,8 +266,7 @@ void attention_flash_latent_forward(const LatentAttnParams<T>& p, T* o, T* lse) 
           for (std::int64_t c = 0; c < t.cols; ++c) mx = x[c] > mx ? x[c] : mx;
           const T mu = std::isfinite(mx) ? mx : T(0);
           const T alpha = std::exp(m_old - mu);
-          T sum = 0;
-          for (std::int64_t c = 0; c < t.cols; ++c) sum += (x[c] = std::exp(x[c] - mu));
+          const T sum = exp_shifted(x, t.cols, mu);
           l[static_cast<size_t>(si)] = l[static_cast<size_t>(si)] * alpha + sum;
           m[static_cast<size_t>(si)] = mx;
           if (alpha != T(1))
@@ -316,11 +349,11 @@ void attention_flash_latent_backward(const LatentAttnParams<T>& p, const LatentA
         const T sc = static_cast<T>(s.scale);
         for (std::int64_t r = 0; r < t.rows; ++r) {
           const T ls = lse[ly.stat(t, r)], d = D[static_cast<size_t>(ly.stat(t, r))];
-          for (std::int64_t c = 0; c < t.cols; ++c) {
-            const T pr = std::exp(st[r * kKc + c] - ls);
-            st[r * kKc + c] = pr;
-            dpt[r * kKc + c] = pr * (dpt[r * kKc + c] - d) * sc;  // dS, times scale
-          }
+          T* pr = st + r * kKc;
+          T* ds = dpt + r * kKc;
+          exp_shifted(pr, t.cols, ls);  // p = e^(s - lse)
+          for (std::int64_t c = 0; c < t.cols; ++c)
+            ds[c] = pr[c] * (ds[c] - d) * sc;  // dS, times scale
         }
         T* dkn = dkv.data() + (t.lo - j0) * ly.ldkv + t.h * ly.KV;
         // dV += P^T dO, dK_nope += dS^T Q_nope, dk_pe[h] += dS^T Q_pe
