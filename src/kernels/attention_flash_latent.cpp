@@ -108,11 +108,31 @@ struct Tile {
   }
 };
 
+// Rows (or keys) of a masked tile taken together: each group's common range
+// by one GEMM, the rest of each row's (key's) range, at most a few pairs
+// past the diagonal, by a loop. Groups of one row each would make 64 GEMM
+// calls per product on every diagonal tile, which at 2k tokens cost more
+// than the attention itself (oneDNN's per-call overhead on 1-row products).
+constexpr std::int64_t kGroup = 8;
+
+// c (n) += sum over j in [a, b) of x[j] y (j, n): one row's (or key's) pairs
+// outside its group's common range.
+template <class T>
+void add_pairs(const T* x, std::int64_t x_step, const T* y, std::int64_t ldy, std::int64_t n,
+               std::int64_t a, std::int64_t b, T* c) {
+  for (std::int64_t j = a; j < b; ++j) {
+    const T xv = x[j * x_step];
+    const T* yj = y + j * ldy;
+    for (std::int64_t e = 0; e < n; ++e) c[e] += xv * yj[e];
+  }
+}
+
 // C (rows, n) += X (rows, cols) Y (cols, n), X the tile (stride kKc): row r
 // sums over its own columns [rlo, rhi) only. A masked pair holds p = 0 (or a
 // NaN dS), but 0 * NaN is NaN: it is left out by selection, never multiplied
-// (attention.hpp, "Every sum ... runs over the unmasked pairs only"). Runs of
-// rows with the same range make one GEMM each.
+// (attention.hpp, "Every sum ... runs over the unmasked pairs only"). In a
+// group of kGroup rows every row sees [rlo(last), rhi(first)) (both ends are
+// non-decreasing): one GEMM there, each row's remainder by add_pairs.
 template <class T>
 void rows_times_keys(const Tile& t, const T* x, const T* y, std::int64_t ldy, std::int64_t n, T* c,
                      std::int64_t ldc) {
@@ -120,18 +140,29 @@ void rows_times_keys(const Tile& t, const T* x, const T* y, std::int64_t ldy, st
     gemm<T>(false, false, t.rows, n, t.cols, T(1), x, kKc, y, ldy, T(1), c, ldc);
     return;
   }
-  for (std::int64_t r0 = 0, r1 = 0; r0 < t.rows; r0 = r1) {
-    for (r1 = r0 + 1; r1 < t.rows && t.rlo[r1] == t.rlo[r0] && t.rhi[r1] == t.rhi[r0];) ++r1;
-    const std::int64_t lo = t.rlo[r0], k = t.rhi[r0] - lo;
-    if (k > 0)
-      gemm<T>(false, false, r1 - r0, n, k, T(1), x + r0 * kKc + lo, kKc, y + lo * ldy, ldy, T(1),
-              c + r0 * ldc, ldc);
+  for (std::int64_t r0 = 0; r0 < t.rows; r0 += kGroup) {
+    const std::int64_t r1 = std::min(t.rows, r0 + kGroup);
+    const std::int64_t lo = t.rlo[r1 - 1], hi = t.rhi[r0];
+    const bool common = hi > lo;
+    if (common)
+      gemm<T>(false, false, r1 - r0, n, hi - lo, T(1), x + r0 * kKc + lo, kKc, y + lo * ldy, ldy,
+              T(1), c + r0 * ldc, ldc);
+    for (std::int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * kKc;
+      T* cr = c + r * ldc;
+      if (common) {
+        add_pairs(xr, 1, y, ldy, n, t.rlo[r], lo, cr);
+        add_pairs(xr, 1, y, ldy, n, hi, t.rhi[r], cr);
+      } else {
+        add_pairs(xr, 1, y, ldy, n, t.rlo[r], t.rhi[r], cr);
+      }
+    }
   }
 }
 
 // C (cols, n) += X^T Y, Y (rows, n): column (key) c sums over the rows that
-// see it, [first(c), last(c)), contiguous because rlo and rhi are
-// non-decreasing. Runs of keys with the same rows make one GEMM each.
+// see it, [first(c), last(c)), contiguous and non-decreasing in c because rlo
+// and rhi are. Groups of kGroup keys as in rows_times_keys.
 template <class T>
 void keys_times_rows(const Tile& t, const T* x, const T* y, std::int64_t ldy, std::int64_t n, T* c,
                      std::int64_t ldc) {
@@ -146,12 +177,23 @@ void keys_times_rows(const Tile& t, const T* x, const T* y, std::int64_t ldy, st
     while (l < t.rows && t.rlo[l] <= col) ++l;
     first[col] = f, last[col] = std::max(f, l);
   }
-  for (std::int64_t c0 = 0, c1 = 0; c0 < t.cols; c0 = c1) {
-    for (c1 = c0 + 1; c1 < t.cols && first[c1] == first[c0] && last[c1] == last[c0];) ++c1;
-    const std::int64_t f = first[c0], k = last[c0] - f;
-    if (k > 0)
-      gemm<T>(true, false, c1 - c0, n, k, T(1), x + f * kKc + c0, kKc, y + f * ldy, ldy, T(1),
+  for (std::int64_t c0 = 0; c0 < t.cols; c0 += kGroup) {
+    const std::int64_t c1 = std::min(t.cols, c0 + kGroup);
+    const std::int64_t f = first[c1 - 1], l = last[c0];
+    const bool common = l > f;
+    if (common)
+      gemm<T>(true, false, c1 - c0, n, l - f, T(1), x + f * kKc + c0, kKc, y + f * ldy, ldy, T(1),
               c + c0 * ldc, ldc);
+    for (std::int64_t col = c0; col < c1; ++col) {
+      const T* xc = x + col;
+      T* cc = c + col * ldc;
+      if (common) {
+        add_pairs(xc, kKc, y, ldy, n, first[col], f, cc);
+        add_pairs(xc, kKc, y, ldy, n, l, last[col], cc);
+      } else {
+        add_pairs(xc, kKc, y, ldy, n, first[col], last[col], cc);
+      }
+    }
   }
 }
 
