@@ -24,7 +24,9 @@
 //
 // Products are laga::gemm calls on the chunk (the up-projection and its two
 // transposes, all heads at once) and on one (query block, key chunk) tile
-// (scores, P V, dP, dQ, dK, dV). Each sum over keys (o, dq) runs in ascending
+// (scores, P V, dP, dQ, dK, dV; on a tile that the mask cuts, one GEMM per
+// group of 8 rows or keys over their common range and a loop over the few
+// pairs left, attention_flash_latent.cpp). Each sum over keys (o, dq) runs in ascending
 // chunk order and each sum over queries (dk, dv) in ascending query-block
 // order, each by one thread, and the chunk GEMMs run on the calling thread's
 // team: the attention part is bitwise independent of how the threads share
