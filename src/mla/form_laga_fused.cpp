@@ -127,30 +127,30 @@ std::unique_ptr<Tape<T>> laga_fused_forward(const Step& st, const MlaParams<T>& 
 }  // namespace
 
 FormEntry laga_fused_entry() {
-  return {
-      .spec = {.form = Form::laga_fused,
-               .name = "laga_fused",
-               .flow = "laga, with the up-projection fused into flash attention: K/V of the "
-                       "rank's heads made per key chunk from the gathered latent, never stored",
-               .traits = {.query_latent = true, .overlap = true},
-               .attention = head_shards,
-               .geometry = nullptr,
-               .note = [](const MlaConfig&, const SpLayout&, FormVariant) -> std::string {
-                 return "laga_fused: flash only; with --attention eager it runs laga's unfused path";
-               },
-               // laga's collectives: the queries to their heads, the latent gathered.
-               .collectives =
-                   [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
-               // q_h, flash's o_att and lse (the head attention's less k_h, v_h) and
-               // the gathered latent (B, S, C+dr).
-               .saved_elements =
-                   [](const SavedShape& s) {
-                     if (s.eager) return s.head_attention() + s.B * s.S * s.W;
-                     return s.B * s.Hr * (s.Sq * s.dqk + s.Sq * s.dv + s.Sq) + s.B * s.S * s.W;
-                   },
-               .pair_width = head_pair_width},
-      .f32 = &laga_fused_forward<float>,
-      .f64 = &laga_fused_forward<double>};
+  return {.spec = {
+              .form = Form::laga_fused,
+              .name = "laga_fused",
+              .flow = "laga, with the up-projection fused into flash attention: K/V of the "
+                      "rank's heads made per key chunk from the gathered latent, never stored",
+              .traits = {.query_latent = true, .overlap = true},
+              .attention = head_shards,
+              .geometry = nullptr,
+              .note = [](const MlaConfig&, const SpLayout&, FormVariant) -> std::string {
+                return "laga_fused: flash only; with --attention eager it runs laga's unfused path";
+              },
+              // laga's collectives: the queries to their heads, the latent gathered.
+              .collectives =
+                  [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
+              // q_h, flash's o_att and lse (the head attention's less k_h, v_h) and
+              // the gathered latent (B, S, C+dr).
+              .saved_elements =
+                  [](const SavedShape& s) {
+                    if (s.eager) return s.head_attention() + s.B * s.S * s.W;
+                    return s.B * s.Hr * (s.Sq * s.dqk + s.Sq * s.dv + s.Sq) + s.B * s.S * s.W;
+                  },
+              .pair_width = head_pair_width},
+          .f32 = &laga_fused_forward<float>,
+          .f64 = &laga_fused_forward<double>};
 }
 
 }  // namespace laga::detail
