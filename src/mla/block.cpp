@@ -442,7 +442,7 @@ void Pieces<T>::merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dkm, op
 
 template <class T>
 typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaParams<T>& w,
-                                                   const Tensor<T>& x) {
+                                                   const Tensor<T>& x, UpProjection up) {
   using P = Pieces<T>;
   const bool latent = st.ctx.variant.queries == QueryExchange::latent;
   Qkv r;
@@ -464,7 +464,7 @@ typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaPara
     if (!latent) r.q_h = P::queries_to_heads(st, w, in);
     lat = P::gather_latent(st, c_hat, in.kv_a_rows(st));
   }
-  P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
+  if (up == UpProjection::stored) P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
   return r;
 }
 
@@ -472,12 +472,34 @@ template <class T>
 void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
                              Tensor<T>& dq_h, Tensor<T>& dk_h, Tensor<T>& dv_h, Tensor<T>& dx,
                              MlaParams<T>& grads) {
-  using P = Pieces<T>;
   Tensor<T> dproj;  // rq == 0: the per-head dq lands in it
-  Tensor<T> dq = st.ctx.variant.queries == QueryExchange::latent
-                     ? query_latent_backward(st, w, dq_h, grads)
-                     : P::queries_to_tokens(st, dq_h, dproj);
-  Tensor<T> dlat = P::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
+  Tensor<T> dq = queries_backward(st, w, dq_h, dproj, grads);
+  Tensor<T> dlat = Pieces<T>::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
+  latent_backward(st, w, x, dq, dproj, dlat, dx, grads);
+}
+
+template <class T>
+void LagaInputs<T>::backward_from_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                         Tensor<T>& dq_h, Tensor<T>& dlat, Tensor<T>& dx,
+                                         MlaParams<T>& grads) {
+  Tensor<T> dproj;
+  Tensor<T> dq = queries_backward(st, w, dq_h, dproj, grads);
+  latent_backward(st, w, x, dq, dproj, dlat, dx, grads);
+}
+
+template <class T>
+Tensor<T> LagaInputs<T>::queries_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq_h,
+                                          Tensor<T>& dproj, MlaParams<T>& grads) {
+  return st.ctx.variant.queries == QueryExchange::latent
+             ? query_latent_backward(st, w, dq_h, grads)
+             : Pieces<T>::queries_to_tokens(st, dq_h, dproj);
+}
+
+template <class T>
+void LagaInputs<T>::latent_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                                    Tensor<T>& dq, Tensor<T>& dproj, Tensor<T>& dlat, Tensor<T>& dx,
+                                    MlaParams<T>& grads) {
+  using P = Pieces<T>;
   lat.reset();
   // Overlap: the reduce-scatter is on the link while the query path's
   // backward runs (project_in_backward waits for it before the latent's).

@@ -306,6 +306,12 @@ struct Pieces {
 // before the queries' projection and exchange, and waited for at the
 // up-projection; backward starts its reduce-scatter before the query
 // path's backward. The same collectives and arithmetic either way.
+// Where the up-projection of the gathered latent to this rank's heads runs:
+// stored (laga, laga2d: K, V (B, Sk, H_r, .) made here for the attention) or
+// in_kernel (laga_fused: the fused kernel makes them a key chunk at a time
+// from lat, kernels/attention_flash_latent.hpp; forward returns no k_h, v_h).
+enum class UpProjection { stored, in_kernel };
+
 template <class T>
 struct LagaInputs {
   InputSaved<T> in;
@@ -314,13 +320,26 @@ struct LagaInputs {
   struct Qkv {
     Tensor<T> q_h, k_h, v_h;  // (B, Sq, H_r, dqk), (B, Sk, H_r, dqk), (B, Sk, H_r, dv)
   };
-  Qkv forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x);
+  Qkv forward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+              UpProjection up = UpProjection::stored);
   // From the attention's gradients (freed) to dx and this side's parameter
   // gradients; frees everything saved.
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& dq_h,
                 Tensor<T>& dk_h, Tensor<T>& dv_h, Tensor<T>& dx, MlaParams<T>& grads);
+  // The same after UpProjection::in_kernel: the kernel gave dlat (B, S,
+  // C+dr), d[c_hat | k_pe] of every token from this rank's heads, and added
+  // wkv_b's gradient itself. Frees dq_h, dlat and everything saved.
+  void backward_from_latent(const Step& st, const MlaParams<T>& w, const Tensor<T>& x,
+                            Tensor<T>& dq_h, Tensor<T>& dlat, Tensor<T>& dx, MlaParams<T>& grads);
 
  private:
+  // The queries' exchange backward: d qn (latent exchange) returned, or
+  // (per-head queries) dq in dproj's first columns.
+  Tensor<T> queries_backward(const Step& st, const MlaParams<T>& w, Tensor<T>& dq_h,
+                             Tensor<T>& dproj, MlaParams<T>& grads);
+  // From dlat to dx: the reduce-scatter and the input projections' backward.
+  void latent_backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, Tensor<T>& dq,
+                       Tensor<T>& dproj, Tensor<T>& dlat, Tensor<T>& dx, MlaParams<T>& grads);
   // The latent exchange's forward: returns q_h; keeps qn_q.
   Tensor<T> exchange_query_latent(const Step& st, const MlaParams<T>& w);
   // Its backward: returns d qn (B, L, rq) of local tokens, summed over the

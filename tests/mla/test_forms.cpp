@@ -217,8 +217,10 @@ TEST(Forms, QueryLatentIsRefusedWhereItDoesNotApply) {
   for (Form f : all_forms()) {
     if (form_spec(f).traits.query_latent) continue;
     const std::string msg = refusal(test_config(7), in7, f);
-    EXPECT_NE(msg.find("--q-latent applies to the laga and laga2d forms with q_lora_rank > 0"),
-              std::string::npos)
+    EXPECT_NE(
+        msg.find(
+            "--q-latent applies to the laga, laga_fused and laga2d forms with q_lora_rank > 0"),
+        std::string::npos)
         << msg;
     EXPECT_NE(msg.find(std::string("the ") + to_string(f) + " form"), std::string::npos) << msg;
   }

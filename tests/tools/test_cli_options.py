@@ -372,7 +372,7 @@ def case_q_latent(laga, scratch):
     cfg = os.path.join(scratch, "rq.json")
     write(cfg, '{"dim": 48, "n_heads": 5, "q_lora_rank": 20, "kv_lora_rank": 24,'
                ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}')
-    applies = "--q-latent applies to the laga and laga2d forms with q_lora_rank > 0; "
+    applies = "--q-latent applies to the laga, laga_fused and laga2d forms with q_lora_rank > 0; "
     rq0 = applies + "the config has q_lora_rank 0"
     no_laga = applies + "--forms includes none of them"
     for form in ("explicit", "absorbed"):

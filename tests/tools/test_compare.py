@@ -204,20 +204,21 @@ def case_q_latent(laga, scratch):
     want = []
     for f in registry(laga):
         want += [f["name"]] + ([f["name"] + "+q-latent"] if f["traits"]["query_latent"] else [])
-    check(want[:6] == ["explicit", "absorbed", "laga", "laga+q-latent", "laga2d",
-                       "laga2d+q-latent"], f"the registry's forms and traits: {want}")
+    check(want[:8] == ["explicit", "absorbed", "laga", "laga+q-latent", "laga_fused",
+                       "laga_fused+q-latent", "laga2d", "laga2d+q-latent"],
+          f"the registry's forms and traits: {want}")
     check([f["form"] for f in doc["forms"]] == want,
           "each form with the query latent right after it (laga+q-latent after laga, ...)")
     check_models(doc, "q-latent real")
     # H 5 at P 3: laga2d's default grid is one head group of three context
     # groups, so its query latent goes to each group's chunks.
-    for i in (3, 5):
+    for i in (3, 5, 7):
         d = doc["forms"][i]["max_abs_diff"]
         name = doc["forms"][i]["form"]
         for q in ("out", "dx", "grad"):
             check(0 < d[q + "_scale"] and d[q] <= 1e-5 * d[q + "_scale"],
                   f"{name} {q} differs from explicit by {d[q]} (scale {d[q + '_scale']})")
-    check(by_label(doc["forms"][5], "forward", "q_latent_a2a")["bytes_sent"] > 0,
+    check(by_label(doc["forms"][7], "forward", "q_latent_a2a")["bytes_sent"] > 0,
           "laga2d+q-latent sends its query latent to the context groups")
     check(any("--q-latent" in n for n in doc["notes"]), "a note on the query exchange")
 
