@@ -1,8 +1,10 @@
-"""The four forms' attention on P ranks: the functional layer.
+"""The forms' attention on P ranks: the functional layer, and the forms'
+registry (FORMS).
 
 Each function reads as its block in docs/forms.md, which describes the same
 data flow for the C++ forms (src/mla/form_explicit.cpp, form_laga.cpp,
-form_laga2d.cpp, form_absorbed.cpp); the labels are the C++ ledger's.
+form_laga2d.cpp, form_absorbed.cpp, form_allgather_kv.cpp, form_ring_kv.cpp,
+form_ring_latent.cpp); the labels are the C++ ledger's.
 Inputs are this rank's seq shard after the local projections (the
 pith-train shape): q (B, L, H, dqk) = [q_nope | q_pe] with q_pe rotated (or
 with q_latent the normalised query latent qn (B, L, rq) and wq_b), c_kv =
@@ -20,7 +22,75 @@ from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
 
-FORMS = ("explicit", "absorbed", "laga", "laga2d")
+
+
+class FormSpec:
+    """One form's row, as the C++ registry row (src/mla/form_spec.hpp,
+    FormTraits and FormSpec::attention): what it admits and how its data
+    moves. Everything that is not the form reads it here.
+
+    query_latent, overlap, head_groups: the variants it admits (q_latent,
+    overlap, laga2d's head_groups). attends: where each rank's attention
+    runs: "heads" (every token, the rank's heads, after the seq->head
+    all-to-all), "grid" (laga2d's query chunks x its group's heads), "own"
+    (the rank's own tokens with all heads: no query or output exchange).
+    keys: how the keys reach it: "heads" (per-head K and V all-to-all,
+    k_a2a/v_a2a), "latent" (the latent all-gathered, latent_ag), "gather"
+    (per-head K and V all-gathered, k_ag/v_ag), "ring_kv" (per-head [K | V]
+    blocks round the ring, kv_ring/dkv_ring), "ring_latent" (the latent
+    blocks round the ring, latent_ring/dlatent_ring)."""
+
+    def __init__(self, name, attends, keys, query_latent=False, overlap=False, head_groups=False):
+        self.name, self.attends, self.keys = name, attends, keys
+        self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
+
+    @property
+    def ring(self):
+        return self.keys.startswith("ring_")
+
+
+# The registry, in the C++ order (src/mla/forms.def; `laga forms`).
+FORMS = {f.name: f for f in (
+    FormSpec("explicit", "heads", "heads"),
+    FormSpec("absorbed", "heads", "latent"),
+    FormSpec("laga", "heads", "latent", query_latent=True, overlap=True),
+    FormSpec("laga2d", "grid", "latent", query_latent=True, overlap=True, head_groups=True),
+    FormSpec("allgather_kv", "own", "gather"),
+    FormSpec("ring_kv", "own", "ring_kv", overlap=True),
+    FormSpec("ring_latent", "own", "ring_latent", overlap=True))}
+
+
+def form_spec(form):
+    """The row of a form name; an unknown name is a ValueError listing them."""
+    if form not in FORMS:
+        raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)}")
+    return FORMS[form]
+
+
+def names_with(trait):
+    """The forms with a trait in words, for the messages that refuse a
+    variant: "laga and laga2d", "laga, laga2d, ring_kv and ring_latent"."""
+    n = [f.name for f in FORMS.values() if getattr(f, trait)]
+    return n[0] if len(n) == 1 else ", ".join(n[:-1]) + " and " + n[-1]
+
+
+def check_variant(form, cfg, q_latent=False, overlap=False, head_groups=0):
+    """The one variant check (the C++ check_variant): a ValueError naming the
+    option and the form when the form's row does not admit it."""
+    spec = form_spec(form)
+    if q_latent and cfg.q_lora_rank == 0:
+        raise ValueError("q_latent needs q_lora_rank > 0 (there is no query latent to move); "
+                         "this config has q_lora_rank 0")
+    if q_latent and not spec.query_latent:
+        raise ValueError(f"q_latent with form '{form}': only {names_with('query_latent')} move "
+                         "the query latent")
+    if overlap and not spec.overlap:
+        raise ValueError(f"overlap with form '{form}': only {names_with('overlap')} have an "
+                         "overlapped path")
+    if head_groups and not spec.head_groups:
+        raise ValueError(f"head_groups {head_groups} with form '{form}': only "
+                         f"{names_with('head_groups')} has head groups")
+    return spec
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,18 +178,26 @@ def rope(x, sp, pos):
 
 def _query_rows(sp, form):
     """The attention's query rows (global token indices) on this rank: every
-    token but in laga2d, where they are its query chunks."""
-    if form != "laga2d":
-        return torch.arange(sp.layout.seq, device=sp.doc_start.device)
+    token (attends "heads"), laga2d's query chunks ("grid"), or its own
+    tokens ("own")."""
+    where = FORMS[form].attends
+    dev = sp.doc_start.device
+    if where == "heads":
+        return torch.arange(sp.layout.seq, device=dev)
+    if where == "own":
+        return torch.arange(*sp.shard(), device=dev)
     ranges = sp.grid().queries[sp.rank]
-    return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long,
-                        device=sp.doc_start.device)
+    return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long, device=dev)
 
 
 def _head_range(sp, form):
-    if form == "laga2d":
+    """(h0, nh): the heads this rank attends."""
+    where = FORMS[form].attends
+    if where == "grid":
         g = sp.grid()
         return g.head_offset[sp.rank], g.head_count[sp.rank]
+    if where == "own":
+        return 0, sp.layout.heads
     return sp.layout.head_offset[sp.rank], sp.layout.head_count[sp.rank]
 
 
@@ -127,11 +205,12 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
     """q_h (B, Sq, H_r, dqk) for the rank's heads and query rows: per-head
     queries all-to-all (q_a2a), or the query latent moved and wq_b applied
     for the own heads locally (q_latent_ag / laga2d's q_latent_a2a)."""
+    grid = FORMS[form].attends == "grid"
     if q_latent is None:
-        return sp.move(q, "to_queries" if form == "laga2d" else "seq_to_head", "q_a2a")
+        return sp.move(q, "to_queries" if grid else "seq_to_head", "q_a2a")
     qn, wq_b = q_latent
     qn = qn.unsqueeze(2)
-    if form == "laga2d" and sp.grid().context_groups > 1:
+    if grid and sp.grid().context_groups > 1:
         qn_q = sp.move(qn, "latent_to_queries", "q_latent_a2a")
     else:
         qn_q = sp.move(qn, "gather_seq", "q_latent_ag")
@@ -143,22 +222,50 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
     return torch.cat([q_h[..., :dn], rope(q_h[..., dn:], sp, sp.pos[:, rows])], -1)
 
 
-def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=False):
-    """o_loc (B, L, H dv) of this rank's seq shard; see the module docstring."""
-    if form not in FORMS:
-        raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)}")
-    if overlap and form not in ("laga", "laga2d"):
-        raise ValueError(f"overlap with form '{form}': only laga and laga2d have an overlapped "
-                         "path (their latent collectives do not depend on the query path)")
+def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
+    """allgather_kv and the ring forms: the rank's own tokens with all
+    heads, so no query or output exchange (q is already (B, L, H, dqk))."""
+    from .ring import RingAttention
     B, L = c_kv.shape[:2]
     H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
         cfg.qk_rope_head_dim, cfg.v_head_dim
+    dqk, keys = dn + dr, FORMS[form].keys
+    if keys == "ring_latent":  # the own block [c_kv | k_pe], flat (ring.LatentBlocks)
+        own = torch.cat([c_kv.reshape(-1), k_pe.reshape(-1)])
+        o = RingAttention.apply(q, own, wkv_b, sp, cfg, keys, overlap)
+        return o.reshape(B, L, H * dv)
+    # K and V of the local tokens for all heads, k_pe expanded (explicit's).
+    kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
+    k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
+    v = kv[..., dn:]
+    if keys == "ring_kv":  # the own block [K | V], flat (ring.KvBlocks)
+        own = torch.cat([k.reshape(-1), v.reshape(-1)])
+        o = RingAttention.apply(q, own, None, sp, cfg, keys, overlap)
+        return o.reshape(B, L, H * dv)
+    # allgather_kv: K and V of every token (one (B, L, 1, H d) row per token
+    # gathered), attended by the own queries over the keys [0, s1) they see.
+    S, (s0, s1) = sp.layout.seq, sp.shard()
+    k_ag = sp.move(k.reshape(B, L, 1, H * dqk), "gather_seq", "k_ag").view(B, S, H, dqk)
+    v_ag = sp.move(v.reshape(B, L, 1, H * dv), "gather_seq", "v_ag").view(B, S, H, dv)
+    rows = torch.arange(s0, s1, device=c_kv.device)
+    o = sp.attend(q, k_ag[:, :s1], v_ag[:, :s1], rows, s1, cfg.softmax_scale())
+    return o.reshape(B, L, H * dv)
+
+
+def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=False):
+    """o_loc (B, L, H dv) of this rank's seq shard; see the module docstring."""
+    spec = check_variant(form, cfg, q_latent is not None, overlap)
+    B, L = c_kv.shape[:2]
+    H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
+        cfg.qk_rope_head_dim, cfg.v_head_dim
+    if spec.attends == "own":
+        return _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap)
     rows = _query_rows(sp, form)
     h0, nh = _head_range(sp, form)
     scale = cfg.softmax_scale()
     wkv = wkv_b.view(H, dn + dv, C)
 
-    if form == "explicit":
+    if spec.keys == "heads":  # explicit
         # kv of the local tokens for ALL heads, k_pe expanded over heads
         # (Megatron-Core's way), then three seq->head all-to-alls.
         kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
@@ -179,7 +286,7 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     else:
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
         lat = redistribute(lat_loc, plan, sp.group, sp.ledger).squeeze(2)
-    back = "from_queries" if form == "laga2d" else "head_to_seq"
+    back = "from_queries" if spec.attends == "grid" else "head_to_seq"
 
     if form == "absorbed":
         # W_UK into the queries and W_UV after attention, per head: attention

@@ -28,6 +28,7 @@ import torch
 
 from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
 from .comm import _unpack_add, move
+from .ring import CODECS, ring_backward, ring_forward
 
 
 def _rot(x, cos, sin, inverse=False):
@@ -102,9 +103,41 @@ class Block(torch.autograd.Function):
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
-        if form == "explicit":
+        spec = run.spec
+        if spec.keys in ("heads", "gather", "ring_kv"):
+            # kv of the local tokens for ALL heads, k_pe expanded over heads.
             kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
             k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
+        if spec.attends == "own":  # the own tokens with all heads: no exchange of q or o
+            keep.update(q_h=q, c_hat=c_hat)
+            if spec.keys == "gather":  # allgather_kv: every token's K and V gathered
+                S, Sk = sp.layout.seq, run.key_end
+                k_h = move(k.reshape(B, L, 1, H * dqk), run.plans["k"], sp.group, sp.ledger,
+                           "forward").view(B, S, H, dqk)
+                v_h = move(kv[..., dn:].reshape(B, L, 1, H * dv), run.plans["v"], sp.group,
+                           sp.ledger, "forward").view(B, S, H, dv)
+                keep.update(k_h=k_h, v_h=v_h)
+                if run.flash:  # o_h is o_loc (a view), which every form keeps
+                    o_h, keep["lse"] = flash_forward(q, k_h[:, :Sk], v_h[:, :Sk],
+                                                     sp.key_ranges(rows, Sk), scale, run.block)
+                else:
+                    o_h, keep["p0"] = math_forward(q, k_h[:, :Sk], v_h[:, :Sk],
+                                                   sp.mask(rows, Sk), scale)
+            else:  # the ring forms: the own block round the ring (ring.py)
+                if spec.keys == "ring_kv":
+                    own = torch.cat([k.reshape(-1), kv[..., dn:].reshape(-1)])
+                else:  # ring_latent: [c_hat | k_pe]; c_hat is in it, not kept apart
+                    own = torch.cat([c_hat.reshape(-1), kv_a[..., C:].reshape(-1)])
+                    del keep["c_hat"]
+                codec = CODECS[spec.keys](cfg, B, W["wkv_b.weight"])
+                o_h, stats = ring_forward(sp, codec, q, own, run.flash, run.block, run.overlap,
+                                          scale)
+                keep["own"] = own
+                if run.flash:
+                    keep["lse"] = stats
+                else:
+                    keep.update({f"p{i}": p for i, p in stats.items()})
+        elif spec.keys == "heads":  # explicit
             q_h = queries()
             k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
             v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
@@ -164,7 +197,11 @@ class Block(torch.autograd.Function):
                 keep.update(k_h=k_h, v_h=v_h)
                 if run.flash:
                     keep.update(o_h=o_h, lse=lse)
-        o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(B, L, H * dv)
+        if spec.attends == "own":
+            o_loc = o_h.reshape(B, L, H * dv)
+        else:
+            o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(
+                B, L, H * dv)
         keep["o_loc"] = o_loc
         ctx.run, ctx.names = run, list(keep)
         ctx.save_for_backward(x, *weights, *keep.values())
@@ -190,9 +227,20 @@ class Block(torch.autograd.Function):
         wkv = W["wkv_b.weight"].view(H, dn + dv, C)
         d_wkv = torch.zeros_like(wkv)
 
+        spec = run.spec
         G["wo.weight"] = _mm_t(dout, s["o_loc"])
         d_o = (dout @ W["wo.weight"]).view(B, L, H, dv)
-        do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
+        if spec.attends == "own":
+            do_h = d_o
+        else:
+            do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
+
+        def merge_heads(dk, dvv, c_hat):
+            """explicit's local merge of per-head dK (B, L, H, dqk) and dV of
+            local tokens: (d c_hat, d k_pe = sum over heads, d wkv_b)."""
+            dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
+            return dkv @ W["wkv_b.weight"], dk[..., dn:].sum(2), \
+                _mm_t(dkv, c_hat).view(H, dn + dv, C)
 
         def queries_back(dq_h):
             """dq_h of the rank's heads and query rows -> dq (B, L, H, dqk) of its
@@ -209,7 +257,40 @@ class Block(torch.autograd.Function):
             return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
                         adjoint=True)[:, :, 0]
 
-        if form == "explicit":
+        if spec.keys == "gather":  # allgather_kv
+            S, Sk = sp.layout.seq, run.key_end
+            k_h, v_h = s["k_h"][:, :Sk], s["v_h"][:, :Sk]
+            if run.flash:
+                # flash's o is o_loc, which every form keeps
+                dq, dk_h, dv_h = flash_backward(s["q_h"], k_h, v_h, s["o_loc"].view(B, L, H, dv),
+                                                s["lse"], do_h, sp.key_ranges(rows, Sk), scale,
+                                                run.block)
+            else:
+                dq, dk_h, dv_h = math_backward(s["q_h"], k_h, v_h, s["p0"], do_h, scale)
+            # The all-gathers' adjoints: the keys' gradients (zero past s1 from
+            # this rank) reduce-scattered to their owners.
+            dk_all = dk_h.new_zeros(B, S, 1, H * dqk)
+            dk_all[:, :Sk, 0] = dk_h.reshape(B, Sk, H * dqk)
+            dv_all = dv_h.new_zeros(B, S, 1, H * dv)
+            dv_all[:, :Sk, 0] = dv_h.reshape(B, Sk, H * dv)
+            dk = move(dk_all, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
+            dvv = move(dv_all, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
+            d_chat, d_kpe, d_wkv = merge_heads(dk.view(B, L, H, dqk), dvv.view(B, L, H, dv),
+                                               s["c_hat"])
+        elif spec.ring:
+            codec = CODECS[spec.keys](cfg, B, W["wkv_b.weight"])
+            stats = s["lse"] if run.flash else {int(n[1:]): t for n, t in s.items()
+                                                if n[0] == "p" and n[1:].isdigit()}
+            dq, acc = ring_backward(sp, codec, s["q_h"], s["own"], s["o_loc"].view(B, L, H, dv),
+                                    stats, do_h, run.flash, run.block, run.overlap, scale)
+            if spec.keys == "ring_kv":  # the own block's [dK | dV], home: explicit's merge
+                n = B * L * H * dqk
+                d_chat, d_kpe, d_wkv = merge_heads(acc[:n].view(B, L, H, dqk),
+                                                   acc[n:].view(B, L, H, dv), s["c_hat"])
+            else:  # ring_latent: d[c_hat | k_pe] home; wkv_b's gradient taken on the ring
+                d_chat, d_kpe = acc[:B * L * C].view(B, L, C), acc[B * L * C:].view(B, L, dr)
+                d_wkv = codec.d_wkv.view(H, dn + dv, C)
+        elif spec.keys == "heads":  # explicit
             if run.flash:
                 dq_h, dk_h, dv_h = flash_backward(s["q_h"], s["k_h"], s["v_h"], s["o_h"], s["lse"],
                                                   do_h, sp.key_ranges(rows, sp.layout.seq), scale,
@@ -220,11 +301,8 @@ class Block(torch.autograd.Function):
             dq = queries_back(dq_h)
             dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
             dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
-            dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
-            d_kpe = dk[..., dn:].sum(2)
-            d_chat = dkv @ W["wkv_b.weight"]
-            d_wkv = _mm_t(dkv, s["c_hat"]).view(H, dn + dv, C)
-        else:
+            d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
+        else:  # the latent gathered: absorbed, laga, laga2d
             lat = s["lat"]
             d_lat = torch.zeros_like(lat)
             if form == "absorbed":
@@ -297,7 +375,7 @@ class Block(torch.autograd.Function):
                                                      W["q_norm.weight"])
             G["wq_a.weight"] = _mm_t(d_qa, x)
             dx = d_qa @ W["wq_a.weight"]
-        if form != "explicit":
+        if spec.keys == "latent":
             if run.overlap:
                 started[0].wait()
                 d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)
