@@ -76,17 +76,27 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("laga-overlap", "rq7", "laga", {"overlap": True}),
             ("laga2d-overlap", "rq7", "laga2d", {"overlap": True}),
             ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
-            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True})]
-PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
+            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True}),
+            # The context-parallel forms: each rank its own tokens with all heads
+            # (H 5 never split), the ring ones with and without overlap.
+            ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
+            ("ring_latent", "rq7", "ring_latent", {}),
+            ("ring_kv-overlap", "rq7", "ring_kv", {"overlap": True}),
+            ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True})]
+PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
+          "ring_kv", "ring_latent"]
 # attention "flash" as well (float64, float32; bf16 and autograd's tape for a
 # few): each form, H 3 (a rank without heads at P 4), packed, q_latent,
 # laga2d at both grids. Tiles of 4 rows x 4 keys over S 13: tiles skipped,
 # masked and whole, documents and shards cutting through them.
 FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g1-q-latent",
          "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
-         "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed"}
-FLASH_BF16 = {"rq7-laga2d-g1-q-latent"}
-FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed"}
+         "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
+         "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent", "rq7-ring_kv-overlap",
+         "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-ring_latent-packed"}
+FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
+FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_kv-packed",
+                  "rq7-ring_latent-overlap"}
 FLASH_BLOCK = 4
 
 
@@ -285,7 +295,8 @@ def nan_isolated(lt, dev, P, r, args):
     hit[0, 3:9] = True  # the NaN's document
     hit = hit[:, s0:s1]
     for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
-                       ("laga2d", {"head_groups": 1})):
+                       ("laga2d", {"head_groups": 1}), ("allgather_kv", {}), ("ring_kv", {}),
+                       ("ring_latent", {"overlap": True})):
         got = []
         for poison in (False, True):
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, attention="flash",
@@ -376,7 +387,15 @@ def errors(lt, dev, P, r):
                  lambda: lt.MLA(cfg0, form="laga", q_latent=True))
     expect_error("overlap with explicit", ["overlap", "explicit"],
                  lambda: lt.MLA(cfg7, form="explicit", overlap=True))
-    expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("unknown form", ["form", "ring", "ring_latent"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("overlap with allgather_kv", ["overlap", "allgather_kv", "ring_kv"],
+                 lambda: lt.MLA(cfg7, form="allgather_kv", overlap=True))
+    expect_error("q_latent with ring_kv", ["q_latent", "ring_kv", "laga2d"],
+                 lambda: lt.MLA(cfg7, form="ring_kv", q_latent=True))
+    expect_error("head_groups with ring_latent", ["head_groups", "ring_latent"],
+                 lambda: lt.MLA(cfg7, form="ring_latent", head_groups=1))
+    expect_error("sdpa with a ring form", ["sdpa", "ring_latent", "log-sum-exp"],
+                 lambda: lt.MLA(cfg7, form="ring_latent", tape="autograd", attention="sdpa"))
     expect_error("unknown attention", ["attention", "ring", "flash"],
                  lambda: lt.MLA(cfg7, attention="ring"))
     expect_error("sdpa on laga's tape", ["sdpa", "laga"], lambda: lt.MLA(cfg7, attention="sdpa"))
@@ -658,6 +677,28 @@ def main():
                         sys.exit(f"FAIL: {case['id']} P {P} bf16: {k} differs from {what} by "
                                  f"{e:.3e} relative (> {bound:.3e}, bf16's first-order bound)")
 
+    # Every form at every P against the package's own single-rank explicit
+    # (the same config and documents, float64, each tape and attention the
+    # case ran): within 1e-12 relative per tensor.
+    p1_worst, p1_checked = 0.0, 0
+    if 1 in sps:
+        for case in cases():
+            ref_case = [c for c in cases() if c["cfg"] == case["cfg"] and c["docs"] == case["docs"]
+                        and c["form"] == "explicit" and not c["opts"]]
+            if not ref_case:
+                continue
+            ref = assembled("f64", ref_case[0], 1)
+            tags = ["f64", "f64-autograd"] + (["f64-flash"] if case["id"] in FLASH else []) + \
+                (["f64-autograd-flash"] if case["id"] in FLASH_AUTOGRAD else [])
+            for P, tag in [(P, t) for P in sps for t in tags]:
+                got = assembled(tag, case, P)
+                for k in ref:
+                    e = rel(got[k], ref[k])
+                    p1_worst, p1_checked = max(p1_worst, e), p1_checked + 1
+                    if not e <= TOLS["float64"]:
+                        sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the package's "
+                                 f"explicit at P 1 by {e:.3e} relative (> {TOLS['float64']})")
+
     # The ledger: float32 runs against compare's count-only ledger (f32).
     ledgers, flash_saved = 0, 0
     for P in sps:
@@ -671,7 +712,7 @@ def main():
                     continue
                 cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
                        "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
-                       "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
+                       "--forms", ",".join(lt.FORMS), "--overlap", "both",
                        "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
                       (["--head-groups", hg] if hg else [])
                 cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
@@ -709,6 +750,8 @@ def main():
                     ledgers += 1
     print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
           "exact products, blocks 1, 4, 64; a row that sees no key)")
+    print(f"laga_torch: {p1_checked} float64 tensors of every form at P {args.sp} within "
+          f"{p1_worst:.2e} of the package's explicit at P 1")
     print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
           f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
