@@ -4,7 +4,8 @@ for backward") and nothing else: the paper's memory point, which autograd's
 own choices would blur (a composed absorbed form, for one, keeps every
 einsum's inputs). Forward and backward read as docs/forms.md's blocks for
 each form and as src/mla/form_*.cpp; the movements are comm.move with the C++
-labels. Attention is the C++ tool's choice (run.flash): eager (the
+labels, the rings' ring.ring_forward / ring_backward; which movements a form
+makes is its FORMS row (forms.FormSpec: attends, keys). Attention is the C++ tool's choice (run.flash): eager (the
 probabilities saved) or flash (attention.flash_forward: o and the
 log-sum-exp per row saved, the probabilities recomputed tile by tile in
 backward).
@@ -18,6 +19,12 @@ Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
                eager: probs per query range; flash: o_h, lse over the query rows
   absorbed     q_h, lat, v_lat, q_abs, o_lat; eager: probs; flash: lse
                (o_lat, which d W_UV needs, is flash's output)
+  allgather_kv q_h (B, L, H, dqk), c_hat, k_h, v_h (B, S, H, .) gathered;
+               eager: probs (B, H, L, s1); flash: lse (o_h is o_loc)
+  ring_kv      q_h, c_hat, own = the flat [K | V] block of local tokens;
+               eager: each preceding step's probs (rescaled to the row's
+               whole normalisation); flash: the merged lse (ring.py)
+  ring_latent  q_h, own = the flat [c_hat | k_pe]; the statistics as ring_kv
 The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
 (which also counts the output); tools_torch_package holds the two equal, for
 eager and for flash. In bf16 flash keeps lse in fp32 (its statistics'

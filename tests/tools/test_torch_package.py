@@ -3,13 +3,17 @@
 
 Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
 
-For every form and option (q_latent, overlap, laga2d head groups, packed
-documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
+For every form (the package's FORMS: explicit, absorbed, laga, laga2d and the
+context-parallel allgather_kv, ring_kv, ring_latent) and option (q_latent,
+overlap, laga2d head groups, packed documents straddling shards) at P 1, 2,
+3, 4, with S % P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
     module in float64, on laga's tape and on autograd's, equal
     `laga forward --backward --dtype float64` on the same safetensors within
     1e-12 relative per tensor (|diff| / max |ref|);
   * the same in float32 within 1e-5 of `laga forward` (float32);
+  * the same float64 runs within 1e-12 of the package's own explicit at P 1
+    (same config and documents), every tape and attention a case ran;
   * bf16 (the forms with q_lora_rank 7, unpacked) within a first-order bound
     from bf16's unit roundoff of float64, and at P 2-4 of bf16 explicit at
     P 1 (BF16_BOUND below says how it is derived);
@@ -700,7 +704,7 @@ def main():
                                  f"explicit at P 1 by {e:.3e} relative (> {TOLS['float64']})")
 
     # The ledger: float32 runs against compare's count-only ledger (f32).
-    ledgers, flash_saved = 0, 0
+    ledgers, flash_saved, rank_ledgers = 0, 0, 0
     for P in sps:
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
@@ -734,9 +738,9 @@ def main():
                                                        l["bytes_received"])
                             for l in cmp_forms[compare_name(case)]["by_label"]}
                     f = cmp_forms[compare_name(case)]
-                    mine = per_rank[f["peak_rank"]][case["id"]]["saved"]
-                    if mine != f["predicted_saved_after_forward_bytes"]:
-                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {mine} "
+                    kept = per_rank[f["peak_rank"]][case["id"]]["saved"]
+                    if kept != f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {kept} "
                                  "bytes for backward (with the output), the C++ closed form "
                                  f"{f['predicted_saved_after_forward_bytes']}")
                     got = {}
@@ -748,6 +752,32 @@ def main():
                         sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
                                  f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
                     ledgers += 1
+                # The maximum over ranks hides a rank that files another's bytes
+                # (a ring shift's received block counted as the one it sent has
+                # the same maximum): for rq7, which holds every form, every rank
+                # alone (compare --rank-only) against that rank's ledger and the
+                # bytes it keeps, exactly.
+                if cfg != "rq7" or hg or P == 1:
+                    continue
+                for r in range(P):
+                    alone = {f["form"]: f for f in json.loads(run(
+                        cmd + ["--rank-only", str(r)]))["forms"]}
+                    for case in mine:
+                        f = alone[compare_name(case)]
+                        want = [[l["phase"], l["label"], l["calls"], l["bytes_sent"],
+                                 l["bytes_received"]] for l in f["by_label"]]
+                        got = per_rank[r][case["id"]]["ledger"]
+                        if sorted(got) != sorted(want):
+                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r}'s ledger differs from "
+                                     f"laga compare --rank-only {r}\n  torch:   {sorted(got)}\n"
+                                     f"  compare: {sorted(want)}")
+                        if per_rank[r][case["id"]]["saved"] != \
+                                f["predicted_saved_after_forward_bytes"]:
+                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r} keeps "
+                                     f"{per_rank[r][case['id']]['saved']} bytes for backward "
+                                     "(with the output), the C++ closed form "
+                                     f"{f['predicted_saved_after_forward_bytes']}")
+                        rank_ledgers += 1
     print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
           "exact products, blocks 1, 4, 64; a row that sees no key)")
     print(f"laga_torch: {p1_checked} float64 tensors of every form at P {args.sp} within "
@@ -757,7 +787,8 @@ def main():
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
           f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
-          f"laga compare's; flash: worst relative float64 {worst_flash['float64']:.2e}, float32 "
+          f"laga compare's (and {rank_ledgers} on each rank alone); flash: worst relative "
+          f"float64 {worst_flash['float64']:.2e}, float32 "
           f"{worst_flash['float32']:.2e}, bf16 error / bound {bf16_worst['flash f64']:.2f}, "
           f"{flash_saved} saved-for-backward byte counts equal compare's flash closed form; "
           f"torch ranks {t_torch:.1f} s, "
