@@ -21,6 +21,7 @@ import torch
 from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
+from .ring import RingAttention
 
 
 
@@ -225,10 +226,8 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
 def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
     """allgather_kv and the ring forms: the rank's own tokens with all
     heads, so no query or output exchange (q is already (B, L, H, dqk))."""
-    from .ring import RingAttention
     B, L = c_kv.shape[:2]
-    H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
-        cfg.qk_rope_head_dim, cfg.v_head_dim
+    H, dn, dr, dv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     dqk, keys = dn + dr, FORMS[form].keys
     if keys == "ring_latent":  # the own block [c_kv | k_pe], flat (ring.LatentBlocks)
         own = torch.cat([c_kv.reshape(-1), k_pe.reshape(-1)])

@@ -82,10 +82,9 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
             ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True}),
             # The context-parallel forms: each rank its own tokens with all heads
-            # (H 5 never split), the ring ones with and without overlap.
+            # (H 5 never split); the rings' overlap (one engine, ring.py) once.
             ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
             ("ring_latent", "rq7", "ring_latent", {}),
-            ("ring_kv-overlap", "rq7", "ring_kv", {"overlap": True}),
             ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True})]
 PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
           "ring_kv", "ring_latent"]
@@ -96,7 +95,7 @@ PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgath
 FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g1-q-latent",
          "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
          "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
-         "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent", "rq7-ring_kv-overlap",
+         "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
          "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-ring_latent-packed"}
 FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
 FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_kv-packed",
