@@ -14,6 +14,7 @@ wkv_b's included, come through autograd, each rank's partial (sum them over
 the group, as `sync_gradients` does).
 """
 
+import enum
 import functools
 
 import torch
@@ -21,8 +22,22 @@ import torch
 from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
-from .ring import RingAttention
+from .ring import KvBlocks, LatentBlocks, RingAttention
 
+
+class Attends(enum.Enum):
+    """Where each rank's attention runs (the C++ FormSpec::attention)."""
+    heads = "every token, the rank's heads (after the seq->head all-to-all)"
+    grid = "laga2d's query chunks x its head group's heads"
+    own = "the rank's own tokens with all heads (no query or output exchange)"
+
+
+class Keys(enum.Enum):
+    """How the keys reach the rank's attention (the labels its ledger files)."""
+    heads = "per-head K and V all-to-all seq->head (k_a2a, v_a2a)"
+    latent = "the latent [c_hat | k_pe] all-gathered (latent_ag)"
+    gather = "per-head K and V all-gathered (k_ag, v_ag)"
+    ring = "blocks round the ring (ring.py; the codec's labels)"
 
 
 class FormSpec:
@@ -31,34 +46,32 @@ class FormSpec:
     moves. Everything that is not the form reads it here.
 
     query_latent, overlap, head_groups: the variants it admits (q_latent,
-    overlap, laga2d's head_groups). attends: where each rank's attention
-    runs: "heads" (every token, the rank's heads, after the seq->head
-    all-to-all), "grid" (laga2d's query chunks x its group's heads), "own"
-    (the rank's own tokens with all heads: no query or output exchange).
-    keys: how the keys reach it: "heads" (per-head K and V all-to-all,
-    k_a2a/v_a2a), "latent" (the latent all-gathered, latent_ag), "gather"
-    (per-head K and V all-gathered, k_ag/v_ag), "ring_kv" (per-head [K | V]
-    blocks round the ring, kv_ring/dkv_ring), "ring_latent" (the latent
-    blocks round the ring, latent_ring/dlatent_ring)."""
+    overlap, laga2d's head_groups). attends (Attends): where each rank's
+    attention runs. keys (Keys): how the keys reach it. codec (Keys.ring):
+    the block the ring passes, ring.KvBlocks (the per-head [K | V],
+    kv_ring/dkv_ring) or ring.LatentBlocks (the latent,
+    latent_ring/dlatent_ring), as the C++ ring forms' codecs."""
 
-    def __init__(self, name, attends, keys, query_latent=False, overlap=False, head_groups=False):
-        self.name, self.attends, self.keys = name, attends, keys
+    def __init__(self, name, attends, keys, codec=None, query_latent=False, overlap=False,
+                 head_groups=False):
+        self.name, self.attends, self.keys, self.codec = name, attends, keys, codec
         self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
 
     @property
     def ring(self):
-        return self.keys.startswith("ring_")
+        return self.keys is Keys.ring
 
 
 # The registry, in the C++ order (src/mla/forms.def; `laga forms`).
 FORMS = {f.name: f for f in (
-    FormSpec("explicit", "heads", "heads"),
-    FormSpec("absorbed", "heads", "latent"),
-    FormSpec("laga", "heads", "latent", query_latent=True, overlap=True),
-    FormSpec("laga2d", "grid", "latent", query_latent=True, overlap=True, head_groups=True),
-    FormSpec("allgather_kv", "own", "gather"),
-    FormSpec("ring_kv", "own", "ring_kv", overlap=True),
-    FormSpec("ring_latent", "own", "ring_latent", overlap=True))}
+    FormSpec("explicit", Attends.heads, Keys.heads),
+    FormSpec("absorbed", Attends.heads, Keys.latent),
+    FormSpec("laga", Attends.heads, Keys.latent, query_latent=True, overlap=True),
+    FormSpec("laga2d", Attends.grid, Keys.latent, query_latent=True, overlap=True,
+             head_groups=True),
+    FormSpec("allgather_kv", Attends.own, Keys.gather),
+    FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True),
+    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True))}
 
 
 def form_spec(form):
@@ -179,13 +192,13 @@ def rope(x, sp, pos):
 
 def _query_rows(sp, form):
     """The attention's query rows (global token indices) on this rank: every
-    token (attends "heads"), laga2d's query chunks ("grid"), or its own
-    tokens ("own")."""
+    token (Attends.heads), laga2d's query chunks (grid), or its own tokens
+    (own)."""
     where = FORMS[form].attends
     dev = sp.doc_start.device
-    if where == "heads":
+    if where is Attends.heads:
         return torch.arange(sp.layout.seq, device=dev)
-    if where == "own":
+    if where is Attends.own:
         return torch.arange(*sp.shard(), device=dev)
     ranges = sp.grid().queries[sp.rank]
     return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long, device=dev)
@@ -194,10 +207,10 @@ def _query_rows(sp, form):
 def _head_range(sp, form):
     """(h0, nh): the heads this rank attends."""
     where = FORMS[form].attends
-    if where == "grid":
+    if where is Attends.grid:
         g = sp.grid()
         return g.head_offset[sp.rank], g.head_count[sp.rank]
-    if where == "own":
+    if where is Attends.own:
         return 0, sp.layout.heads
     return sp.layout.head_offset[sp.rank], sp.layout.head_count[sp.rank]
 
@@ -206,7 +219,7 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
     """q_h (B, Sq, H_r, dqk) for the rank's heads and query rows: per-head
     queries all-to-all (q_a2a), or the query latent moved and wq_b applied
     for the own heads locally (q_latent_ag / laga2d's q_latent_a2a)."""
-    grid = FORMS[form].attends == "grid"
+    grid = FORMS[form].attends is Attends.grid
     if q_latent is None:
         return sp.move(q, "to_queries" if grid else "seq_to_head", "q_a2a")
     qn, wq_b = q_latent
@@ -228,19 +241,15 @@ def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
     heads, so no query or output exchange (q is already (B, L, H, dqk))."""
     B, L = c_kv.shape[:2]
     H, dn, dr, dv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    dqk, keys = dn + dr, FORMS[form].keys
-    if keys == "ring_latent":  # the own block [c_kv | k_pe], flat (ring.LatentBlocks)
-        own = torch.cat([c_kv.reshape(-1), k_pe.reshape(-1)])
-        o = RingAttention.apply(q, own, wkv_b, sp, cfg, keys, overlap)
+    dqk, spec = dn + dr, FORMS[form]
+    if spec.ring:  # the own block (made under autograd), round the ring
+        own = spec.codec(cfg, B, wkv_b).own_block(c_kv, k_pe)
+        o = RingAttention.apply(q, own, wkv_b, sp, cfg, spec.codec, overlap)
         return o.reshape(B, L, H * dv)
     # K and V of the local tokens for all heads, k_pe expanded (explicit's).
     kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
     k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
     v = kv[..., dn:]
-    if keys == "ring_kv":  # the own block [K | V], flat (ring.KvBlocks)
-        own = torch.cat([k.reshape(-1), v.reshape(-1)])
-        o = RingAttention.apply(q, own, None, sp, cfg, keys, overlap)
-        return o.reshape(B, L, H * dv)
     # allgather_kv: K and V of every token (one (B, L, 1, H d) row per token
     # gathered), attended by the own queries over the keys [0, s1) they see.
     S, (s0, s1) = sp.layout.seq, sp.shard()
@@ -257,14 +266,14 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     B, L = c_kv.shape[:2]
     H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
         cfg.qk_rope_head_dim, cfg.v_head_dim
-    if spec.attends == "own":
+    if spec.attends is Attends.own:
         return _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap)
     rows = _query_rows(sp, form)
     h0, nh = _head_range(sp, form)
     scale = cfg.softmax_scale()
     wkv = wkv_b.view(H, dn + dv, C)
 
-    if spec.keys == "heads":  # explicit
+    if spec.keys is Keys.heads:  # explicit
         # kv of the local tokens for ALL heads, k_pe expanded over heads
         # (Megatron-Core's way), then three seq->head all-to-alls.
         kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
@@ -285,7 +294,7 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     else:
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
         lat = redistribute(lat_loc, plan, sp.group, sp.ledger).squeeze(2)
-    back = "from_queries" if spec.attends == "grid" else "head_to_seq"
+    back = "from_queries" if spec.attends is Attends.grid else "head_to_seq"
 
     if form == "absorbed":
         # W_UK into the queries and W_UV after attention, per head: attention

@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import KINDS
 from .config import MLAConfig
-from .forms import FORMS, Sp, check_variant, mla_attention, rope
+from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout
 from .tape import Block
 
@@ -276,7 +276,7 @@ class _Run:
         self.heads = _head_range(sp, form)
         self.key_end = int(self.rows[-1]) + 1 if len(self.rows) else 0
         dqk, dv, H = cfg.qk_head_dim, cfg.v_head_dim, cfg.n_heads
-        if spec.attends == "grid":  # one attention call per query range (a, b rows of q_h; keys [0, e))
+        if spec.attends is Attends.grid:  # one call per query range (rows a, b of q_h; keys [0, e))
             self.calls, a = [], 0
             for lo, hi in sp.grid().queries[sp.rank]:
                 self.calls.append((a, a + hi - lo, hi))
@@ -285,8 +285,8 @@ class _Run:
             self.calls = [(0, len(self.rows), self.key_end)]
         # The movements, labels as the C++ ledger's (docs/forms.md, "Collectives per step").
         self.plans = {}
-        grid = spec.attends == "grid"
-        if spec.attends != "own":  # the queries to the heads' owners and the output back
+        grid = spec.attends is Attends.grid
+        if spec.attends is not Attends.own:  # the queries to the heads' owners and the output back
             if q_latent:
                 kind = "latent_to_queries" if grid and sp.grid().context_groups > 1 else \
                     "gather_seq"
@@ -295,13 +295,13 @@ class _Run:
             else:
                 self.plans["q"] = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
             self.plans["out"] = sp.plan("from_queries" if grid else "head_to_seq", dv, "out_a2a")
-        if spec.keys == "heads":
+        if spec.keys is Keys.heads:
             self.plans.update(k=sp.plan("seq_to_head", dqk, "k_a2a"),
                               v=sp.plan("seq_to_head", dv, "v_a2a"))
-        elif spec.keys == "latent":
+        elif spec.keys is Keys.latent:
             self.plans["lat"] = sp.plan("gather_seq", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                         "latent_ag")
-        elif spec.keys == "gather":  # every token's per-head K and V, as (B, L, 1, H d) rows
+        elif spec.keys is Keys.gather:  # every token's per-head K and V, as (B, L, 1, H d) rows
             self.plans.update(k=sp.plan("gather_seq", H * dqk, "k_ag"),
                               v=sp.plan("gather_seq", H * dv, "v_ag"))
         # the ring forms: ring.py's shifts, no plan

@@ -46,10 +46,28 @@ from .comm import start_ring_shift
 class KvBlocks:
     """ring_kv's block: the per-head [K | V] itself (form_ring_kv.cpp)."""
     pass_label, grad_label = "kv_ring", "dkv_ring"
+    keeps_c_hat = True  # wkv_b's gradient is taken at home, from the local c_hat
 
-    def __init__(self, cfg, batch, wkv_b=None):
+    def __init__(self, cfg, batch, wkv_b):
         self.B, self.H, self.dqk, self.dv = batch, cfg.n_heads, cfg.qk_head_dim, cfg.v_head_dim
-        self.d_wkv = None  # no parameter in the ring: wkv_b's gradient is taken at home
+        self.dn, self.wkv_b = cfg.qk_nope_head_dim, wkv_b
+        self.d_wkv = None  # no parameter in the ring
+
+    def own_block(self, c_hat, k_pe):
+        """kv (B, L, H, dn+dv) = c_hat wkv_b^T of the local tokens for all heads,
+        k_pe expanded over heads (explicit's), as the flat [K | V]."""
+        B, L, H, dn = self.B, c_hat.shape[1], self.H, self.dn
+        kv = (c_hat @ self.wkv_b.t()).view(B, L, H, dn + self.dv)
+        k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, self.dqk - dn)], -1)
+        return torch.cat([k.reshape(-1), kv[..., dn:].reshape(-1)])
+
+    def latent_grad(self, acc, L, c_hat):
+        """The own block's [dK | dV], home: explicit's merge into (d c_hat,
+        d k_pe = the sum over heads of dk's rope part, d wkv_b)."""
+        dk, dv = self.kv(acc, L)
+        dkv = torch.cat([dk[..., :self.dn], dv], -1).reshape(self.B * L, -1)
+        return (dkv @ self.wkv_b).view(self.B, L, -1), dk[..., self.dn:].sum(2), \
+            dkv.t() @ c_hat.reshape(self.B * L, -1)
 
     def width(self):
         return self.H * (self.dqk + self.dv)
@@ -69,6 +87,7 @@ class LatentBlocks:
     """ring_latent's block: the latent [c_hat | k_pe], every head's K and V
     up-projected from it at every step (form_ring_latent.cpp)."""
     pass_label, grad_label = "latent_ring", "dlatent_ring"
+    keeps_c_hat = False  # c_hat is in the block
 
     def __init__(self, cfg, batch, wkv_b):
         self.B, self.H, self.C = batch, cfg.n_heads, cfg.kv_lora_rank
@@ -82,6 +101,15 @@ class LatentBlocks:
     def _parts(self, block, Lj):
         n = self.B * Lj * self.C
         return block[:n].view(self.B, Lj, self.C), block[n:].view(self.B, Lj, self.dr)
+
+    def own_block(self, c_hat, k_pe):
+        return torch.cat([c_hat.reshape(-1), k_pe.reshape(-1)])
+
+    def latent_grad(self, acc, L, c_hat=None):
+        """The accumulator is d[c_hat | k_pe] already; wkv_b's gradient was
+        taken on the ring."""
+        d_c, d_pe = self._parts(acc, L)
+        return d_c, d_pe, self.d_wkv
 
     def kv(self, block, Lj):
         """k (B, L_j, H, dqk) = [c wkv_b^T's nope part | k_pe for every head], v."""
@@ -102,9 +130,6 @@ class LatentBlocks:
         a_c += (dkv @ self.wkv_b).view(B, Lj, C)
         a_pe += dk[..., dn:].sum(2)
         self.d_wkv += dkv.t() @ c.reshape(B * Lj, C)
-
-
-CODECS = {"ring_kv": KvBlocks, "ring_latent": LatentBlocks}
 
 
 def _block_elems(sp, codec, j):
@@ -251,34 +276,32 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
 class RingAttention(torch.autograd.Function):
     """The ring's attention under autograd (tape "autograd"): forward and
     backward are ring_forward / ring_backward, saving q, the own block, o and
-    the statistics (flash's lse, or eager's probabilities); wkv_b (ring_latent)
-    gets its gradient from the ring. Attention "flash" is flash, any other
+    the statistics (flash's lse, or eager's probabilities); wkv_b gets the
+    gradient the ring takes (ring_latent's; ring_kv's own block, built by
+    autograd from wkv_b, carries the rest). Attention "flash" is flash, any other
     kind eager (a ring merges each block's log-sum-exp, which SDPA does not
     give)."""
 
     @staticmethod
-    def forward(ctx, q, own, wkv_b, sp, cfg, keys, overlap):
-        codec = CODECS[keys](cfg, sp.batch, wkv_b)
+    def forward(ctx, q, own, wkv_b, sp, cfg, codec_type, overlap):
+        codec = codec_type(cfg, sp.batch, wkv_b)
         flash = sp.attention_kind == "flash"
         scale = cfg.softmax_scale()
         o, stats = ring_forward(sp, codec, q, own, flash, sp.flash_block, overlap, scale)
         steps = [] if flash else sorted(stats)
         saved = [stats] if flash else [stats[i] for i in steps]
-        ctx.sp, ctx.cfg, ctx.keys, ctx.overlap, ctx.flash, ctx.steps = \
-            sp, cfg, keys, overlap, flash, steps
-        ctx.has_w = wkv_b is not None
-        ctx.save_for_backward(q, own, o, *([wkv_b] if ctx.has_w else []), *saved)
+        ctx.sp, ctx.cfg, ctx.codec_type, ctx.overlap, ctx.flash, ctx.steps = \
+            sp, cfg, codec_type, overlap, flash, steps
+        ctx.save_for_backward(q, own, o, wkv_b, *saved)
         return o
 
     @staticmethod
     def backward(ctx, do):
         saved = ctx.saved_tensors
-        q, own, o = saved[:3]
-        wkv_b = saved[3] if ctx.has_w else None
-        rest = saved[3 + ctx.has_w:]
-        stats = rest[0] if ctx.flash else dict(zip(ctx.steps, rest))
+        q, own, o, wkv_b = saved[:4]
+        stats = saved[4] if ctx.flash else dict(zip(ctx.steps, saved[4:]))
         sp = ctx.sp
-        codec = CODECS[ctx.keys](ctx.cfg, sp.batch, wkv_b)
+        codec = ctx.codec_type(ctx.cfg, sp.batch, wkv_b)
         dq, d_own = ring_backward(sp, codec, q, own, o, stats, do.contiguous(), ctx.flash,
                                   sp.flash_block, ctx.overlap, ctx.cfg.softmax_scale())
         return dq, d_own, codec.d_wkv, None, None, None, None

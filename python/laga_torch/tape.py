@@ -35,7 +35,8 @@ import torch
 
 from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
 from .comm import _unpack_add, move
-from .ring import CODECS, ring_backward, ring_forward
+from .forms import Attends, Keys
+from .ring import ring_backward, ring_forward
 
 
 def _rot(x, cos, sin, inverse=False):
@@ -111,13 +112,14 @@ class Block(torch.autograd.Function):
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
         spec = run.spec
-        if spec.keys in ("heads", "gather", "ring_kv"):
+        if spec.keys in (Keys.heads, Keys.gather):
             # kv of the local tokens for ALL heads, k_pe expanded over heads.
             kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
             k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
-        if spec.attends == "own":  # the own tokens with all heads: no exchange of q or o
-            keep.update(q_h=q, c_hat=c_hat)
-            if spec.keys == "gather":  # allgather_kv: every token's K and V gathered
+        if spec.attends is Attends.own:  # the own tokens with all heads: no exchange of q or o
+            keep["q_h"] = q
+            if spec.keys is Keys.gather:  # allgather_kv: every token's K and V gathered
+                keep["c_hat"] = c_hat
                 S, Sk = sp.layout.seq, run.key_end
                 k_h = move(k.reshape(B, L, 1, H * dqk), run.plans["k"], sp.group, sp.ledger,
                            "forward").view(B, S, H, dqk)
@@ -131,12 +133,10 @@ class Block(torch.autograd.Function):
                     o_h, keep["p0"] = math_forward(q, k_h[:, :Sk], v_h[:, :Sk],
                                                    sp.mask(rows, Sk), scale)
             else:  # the ring forms: the own block round the ring (ring.py)
-                if spec.keys == "ring_kv":
-                    own = torch.cat([k.reshape(-1), kv[..., dn:].reshape(-1)])
-                else:  # ring_latent: [c_hat | k_pe]; c_hat is in it, not kept apart
-                    own = torch.cat([c_hat.reshape(-1), kv_a[..., C:].reshape(-1)])
-                    del keep["c_hat"]
-                codec = CODECS[spec.keys](cfg, B, W["wkv_b.weight"])
+                codec = spec.codec(cfg, B, W["wkv_b.weight"])
+                own = codec.own_block(c_hat, kv_a[..., C:])
+                if codec.keeps_c_hat:  # ring_kv: for wkv_b's gradient at home
+                    keep["c_hat"] = c_hat
                 o_h, stats = ring_forward(sp, codec, q, own, run.flash, run.block, run.overlap,
                                           scale)
                 keep["own"] = own
@@ -144,7 +144,7 @@ class Block(torch.autograd.Function):
                     keep["lse"] = stats
                 else:
                     keep.update({f"p{i}": p for i, p in stats.items()})
-        elif spec.keys == "heads":  # explicit
+        elif spec.keys is Keys.heads:  # explicit
             q_h = queries()
             k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
             v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
@@ -204,7 +204,7 @@ class Block(torch.autograd.Function):
                 keep.update(k_h=k_h, v_h=v_h)
                 if run.flash:
                     keep.update(o_h=o_h, lse=lse)
-        if spec.attends == "own":
+        if spec.attends is Attends.own:
             o_loc = o_h.reshape(B, L, H * dv)
         else:
             o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(
@@ -237,7 +237,7 @@ class Block(torch.autograd.Function):
         spec = run.spec
         G["wo.weight"] = _mm_t(dout, s["o_loc"])
         d_o = (dout @ W["wo.weight"]).view(B, L, H, dv)
-        if spec.attends == "own":
+        if spec.attends is Attends.own:
             do_h = d_o
         else:
             do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
@@ -264,7 +264,7 @@ class Block(torch.autograd.Function):
             return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
                         adjoint=True)[:, :, 0]
 
-        if spec.keys == "gather":  # allgather_kv
+        if spec.keys is Keys.gather:  # allgather_kv
             S, Sk = sp.layout.seq, run.key_end
             k_h, v_h = s["k_h"][:, :Sk], s["v_h"][:, :Sk]
             if run.flash:
@@ -285,19 +285,15 @@ class Block(torch.autograd.Function):
             d_chat, d_kpe, d_wkv = merge_heads(dk.view(B, L, H, dqk), dvv.view(B, L, H, dv),
                                                s["c_hat"])
         elif spec.ring:
-            codec = CODECS[spec.keys](cfg, B, W["wkv_b.weight"])
+            codec = spec.codec(cfg, B, W["wkv_b.weight"])
             stats = s["lse"] if run.flash else {int(n[1:]): t for n, t in s.items()
                                                 if n[0] == "p" and n[1:].isdigit()}
             dq, acc = ring_backward(sp, codec, s["q_h"], s["own"], s["o_loc"].view(B, L, H, dv),
                                     stats, do_h, run.flash, run.block, run.overlap, scale)
-            if spec.keys == "ring_kv":  # the own block's [dK | dV], home: explicit's merge
-                n = B * L * H * dqk
-                d_chat, d_kpe, d_wkv = merge_heads(acc[:n].view(B, L, H, dqk),
-                                                   acc[n:].view(B, L, H, dv), s["c_hat"])
-            else:  # ring_latent: d[c_hat | k_pe] home; wkv_b's gradient taken on the ring
-                d_chat, d_kpe = acc[:B * L * C].view(B, L, C), acc[B * L * C:].view(B, L, dr)
-                d_wkv = codec.d_wkv.view(H, dn + dv, C)
-        elif spec.keys == "heads":  # explicit
+            # The own block's gradient, home, as d[c_hat | k_pe] and d wkv_b.
+            d_chat, d_kpe, d_wkv = codec.latent_grad(acc, L, s.get("c_hat"))
+            d_wkv = d_wkv.view(H, dn + dv, C)
+        elif spec.keys is Keys.heads:  # explicit
             if run.flash:
                 dq_h, dk_h, dv_h = flash_backward(s["q_h"], s["k_h"], s["v_h"], s["o_h"], s["lse"],
                                                   do_h, sp.key_ranges(rows, sp.layout.seq), scale,
@@ -382,7 +378,7 @@ class Block(torch.autograd.Function):
                                                      W["q_norm.weight"])
             G["wq_a.weight"] = _mm_t(d_qa, x)
             dx = d_qa @ W["wq_a.weight"]
-        if spec.keys == "latent":
+        if spec.keys is Keys.latent:
             if run.overlap:
                 started[0].wait()
                 d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)

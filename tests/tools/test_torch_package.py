@@ -96,10 +96,9 @@ FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g
          "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
          "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
          "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
-         "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-ring_latent-packed"}
+         "rq7-allgather_kv-packed", "rq7-ring_kv-packed"}
 FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
-FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_kv-packed",
-                  "rq7-ring_latent-overlap"}
+FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap"}
 FLASH_BLOCK = 4
 
 
@@ -298,8 +297,8 @@ def nan_isolated(lt, dev, P, r, args):
     hit[0, 3:9] = True  # the NaN's document
     hit = hit[:, s0:s1]
     for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
-                       ("laga2d", {"head_groups": 1}), ("allgather_kv", {}), ("ring_kv", {}),
-                       ("ring_latent", {"overlap": True})):
+                       ("laga2d", {"head_groups": 1}), ("allgather_kv", {}),
+                       ("ring_latent", {"overlap": True})):  # (the rings share one engine)
         got = []
         for poison in (False, True):
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, attention="flash",
