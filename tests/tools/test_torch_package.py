@@ -262,6 +262,8 @@ def worker(args):
     hf_names(lt, dev, P, args)
     auto(lt, dev, P, args)
     errors(lt, dev, P, r)
+    if P == 3:
+        subgroup(lt, dev, r, args)
     dist.destroy_process_group()
 
 
@@ -318,6 +320,41 @@ def nan_isolated(lt, dev, P, r, args):
                          f"reaches {name} outside its document ({e:.3e} relative)")
         if s0 <= 4 < s1 and not torch.isnan(got[1][0][0, 4 - s0]).all():
             sys.exit(f"FAIL: {form} flash at P {P}: the NaN in token 4 did not reach its own out")
+
+
+def subgroup(lt, dev, r, args):
+    """A ring over a group that is not the world: global ranks 1 and 2 of 3
+    (group ranks 0 and 1, so P2POp's peers must be mapped to global ranks),
+    ring_kv in float64; out, dx and every gradient summed over the group
+    within 1e-12 of the package's explicit on the whole sequence in a group
+    of one."""
+    import torch.distributed as dist
+    pair = dist.new_group([1, 2])
+    alone = [dist.new_group([i]) for i in range(3)]  # every rank makes every group
+    if r == 0:
+        return
+    w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
+    inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+    lay = lt.SpLayout.even(S, BASE["n_heads"], 2)
+    s0, s1 = lay.seq_offset[r - 1], lay.seq_offset[r - 1] + lay.seq_count[r - 1]
+    got = {}
+    for form, group, lo, hi in (("ring_kv", pair, s0, s1), ("explicit", alone[r], 0, S)):
+        m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, dtype=torch.float64,
+                   device=dev)
+        m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+        x = torch.from_numpy(inp["x"]).to(dev)[:, lo:hi].clone().requires_grad_()
+        out = m(x, seq_len=S, group=group)
+        out.backward(torch.from_numpy(inp["dout"]).to(dev)[:, lo:hi])
+        got[form] = {"out": out.detach()[:, s0 - lo:s1 - lo], "dx": x.grad[:, s0 - lo:s1 - lo]}
+        for n, p in m.named_parameters():
+            if form == "ring_kv":
+                dist.all_reduce(p.grad, group=pair)
+            got[form]["grad." + n] = p.grad
+    for k, v in got["explicit"].items():
+        e = rel(got["ring_kv"][k].cpu().numpy(), v.cpu().numpy())
+        if not e <= TOLS["float64"]:
+            sys.exit(f"FAIL: ring_kv on the group of global ranks 1, 2: {k} differs from explicit "
+                     f"by {e:.3e} relative")
 
 
 def hf_names(lt, dev, P, args):
