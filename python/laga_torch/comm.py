@@ -204,8 +204,8 @@ def start_redistribute(x, plan, group, ledger=None):
 
 
 def _global_rank(group, rank):
-    """A group rank as the global rank P2POp takes (torch 2.x:
-    dist.get_global_rank; 1.13: the private _get_global_rank)."""
+    """A group rank as the global rank P2POp takes (dist.get_global_rank,
+    which torch 1.13 has; the private _get_global_rank where it is missing)."""
     if group is None or group is dist.GroupMember.WORLD:
         return rank
     if hasattr(dist, "get_global_rank"):
