@@ -441,6 +441,8 @@ def errors(lt, dev, P, r):
     expect_error("flash_block 0", ["flash_block"], lambda: lt.MLA(cfg7, flash_block=0))
     expect_error("form auto without a profile", ["auto", "profile"],
                  lambda: lt.MLA(cfg7, form="auto"))
+    expect_error("form auto with overlap", ["auto", "overlap", "plan"],
+                 lambda: lt.MLA(cfg7, form="auto", profile="h100", overlap=True))
     if P > 1:
         expect_error("a group larger than the sequence", ["sequence length", str(P - 1)],
                      lambda: m(x[:, :1], seq_len=P - 1))
