@@ -29,7 +29,6 @@ sys.path.insert(0, HERE)
 
 CONFIG = {"dim": 512, "n_heads": 8, "q_lora_rank": 0, "kv_lora_rank": 128,
           "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "max_seq_len": 4096}
-FORMS = ["explicit", "absorbed", "laga", "laga2d"]
 
 
 def rank_main(a):
@@ -43,7 +42,7 @@ def rank_main(a):
     lay = lt.SpLayout.even(a.seq, cfg.n_heads, P)
     L = lay.seq_count[r]
     out = {}
-    for form in FORMS:
+    for form in lt.FORMS:
         torch.manual_seed(0)
         m = lt.MLA(cfg, form=form, attention="math")
         x = torch.randn(a.batch, L, cfg.dim, requires_grad=True)
@@ -83,6 +82,7 @@ def main():
     a = ap.parse_args()
     if a.rank:
         return rank_main(a)
+    from laga_torch import FORMS  # every form of the package's registry
     os.makedirs(a.dir, exist_ok=True)
     cfg_path = os.path.join(a.dir, "config.json")
     json.dump(CONFIG, open(cfg_path, "w"))
@@ -90,7 +90,7 @@ def main():
     model = [l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")]
     print(f"# {' '.join(sys.argv)}\n# CPU: {model[0] if model else '?'}, {os.cpu_count()} cores; "
           f"config {CONFIG}, B {a.batch} S {a.seq}, float32, eager/math attention\n")
-    print(f"{'form':9} {'P':>2} {'torch ms':>9} {'laga ms':>8}  {'torch saved B':>13} "
+    print(f"{'form':12} {'P':>2} {'torch ms':>9} {'laga ms':>8}  {'torch saved B':>13} "
           f"{'C++ saved+out B':>15} {'ratio':>6}")
     for P in (1, 2):
         with socket.socket() as s:
@@ -117,7 +117,7 @@ def main():
             mine = torch_res[f["peak_rank"]][form]
             ms = max(t[form]["ms"] for t in torch_res)
             torch_saved = mine["saved"] + mine["out"]
-            print(f"{form:9} {P:>2} {ms:9.1f} {f['step_ms']:8.1f}  {torch_saved:13d} "
+            print(f"{form:12} {P:>2} {ms:9.1f} {f['step_ms']:8.1f}  {torch_saved:13d} "
                   f"{f['predicted_saved_after_forward_bytes']:15d} "
                   f"{torch_saved / f['predicted_saved_after_forward_bytes']:6.2f}")
 

@@ -28,13 +28,18 @@ def math_forward(q, k, v, mask, scale):
     return torch.einsum("bhij,bjhd->bihd", p, v.expand(-1, -1, H, -1)), p
 
 
-def math_backward(q, k, v, p, do, scale):
+def math_backward(q, k, v, p, do, scale, delta=None):
+    """dq, dk, dv from the probabilities p. delta (B, H, Sq): the rows'
+    D = do . o when p covers only part of each row's keys (a ring step's
+    block, its p rescaled to the whole row's normalisation); None: the
+    rowsum of dP * P over the keys given, which is D when they are all."""
     H = q.shape[2]
     ke, ve = k.expand(-1, -1, H, -1), v.expand(-1, -1, H, -1)
     dv = torch.einsum("bhij,bihd->bjhd", p, do)
     dp = torch.einsum("bihd,bjhd->bhij", do, ve)
     # softmax backward: dS = P (dP - rowsum(dP * P))
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+    D = (dp * p).sum(-1, keepdim=True) if delta is None else delta[..., None]
+    ds = p * (dp - D) * scale
     dq = torch.einsum("bhij,bjhd->bihd", ds, ke)
     dk = torch.einsum("bhij,bihd->bjhd", ds, q)
     if k.shape[2] == 1 and H != 1:  # the shared head's gradient is every head's sum

@@ -201,3 +201,42 @@ def start_redistribute(x, plan, group, ledger=None):
         started[0].wait()
         return _Unpack.apply(flat, plan)
     return wait
+
+
+def _global_rank(group, rank):
+    """A group rank as the global rank P2POp takes (dist.get_global_rank,
+    which torch 1.13 has; the private _get_global_rank where it is missing)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    if hasattr(dist, "get_global_rank"):
+        return dist.get_global_rank(group, rank)
+    return dist.distributed_c10d._get_global_rank(group, rank)
+
+
+def start_ring_shift(x, recv_numel, group, ledger, phase, label):
+    """One ring shift (the C++ Communicator::ring_shift, rank r -> r + 1):
+    sends the flat x to rank r + 1 and receives recv_numel elements from
+    rank r - 1, as one batch_isend_irecv; returns (the receive buffer, wait).
+    The ledger files it as the C++ does: x's bytes sent, the buffer's
+    received, one call. Only called at P > 1 (a ring of one rank has no
+    neighbour: the C++ ring makes no shift there and files nothing). bf16
+    travels as bytes, as in _exchange (gloo in torch 1.13 refuses bf16)."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    out = x.new_empty(recv_numel)
+    if ledger is not None:
+        ledger.add(phase, label, x.numel() * x.element_size(), recv_numel * x.element_size())
+    send, recv = x.contiguous(), out
+    if x.dtype == torch.bfloat16:
+        send, recv = send.view(torch.uint8), out.view(torch.uint8)
+    reqs = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, send, _global_rank(group, (r + 1) % P), group),
+        dist.P2POp(dist.irecv, recv, _global_rank(group, (r - 1) % P), group)])
+
+    held = [send]  # referenced until the wait: the transfer reads it
+
+    def wait():
+        for q in reqs:
+            q.wait()
+        held.clear()
+        return out
+    return out, wait

@@ -1,8 +1,10 @@
-"""The four forms' attention on P ranks: the functional layer.
+"""The forms' attention on P ranks: the functional layer, and the forms'
+registry (FORMS).
 
 Each function reads as its block in docs/forms.md, which describes the same
 data flow for the C++ forms (src/mla/form_explicit.cpp, form_laga.cpp,
-form_laga2d.cpp, form_absorbed.cpp); the labels are the C++ ledger's.
+form_laga2d.cpp, form_absorbed.cpp, form_allgather_kv.cpp, form_ring_kv.cpp,
+form_ring_latent.cpp); the labels are the C++ ledger's.
 Inputs are this rank's seq shard after the local projections (the
 pith-train shape): q (B, L, H, dqk) = [q_nope | q_pe] with q_pe rotated (or
 with q_latent the normalised query latent qn (B, L, rq) and wq_b), c_kv =
@@ -12,6 +14,7 @@ wkv_b's included, come through autograd, each rank's partial (sum them over
 the group, as `sync_gradients` does).
 """
 
+import enum
 import functools
 
 import torch
@@ -19,8 +22,89 @@ import torch
 from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
+from .ring import KvBlocks, LatentBlocks, RingAttention
 
-FORMS = ("explicit", "absorbed", "laga", "laga2d")
+
+class Attends(enum.Enum):
+    """Where each rank's attention runs (the C++ FormSpec::attention)."""
+    heads = "every token, the rank's heads (after the seq->head all-to-all)"
+    grid = "laga2d's query chunks x its head group's heads"
+    own = "the rank's own tokens with all heads (no query or output exchange)"
+
+
+class Keys(enum.Enum):
+    """How the keys reach the rank's attention (the labels its ledger files)."""
+    heads = "per-head K and V all-to-all seq->head (k_a2a, v_a2a)"
+    latent = "the latent [c_hat | k_pe] all-gathered (latent_ag)"
+    gather = "per-head K and V all-gathered (k_ag, v_ag)"
+    ring = "blocks round the ring (ring.py; the codec's labels)"
+
+
+class FormSpec:
+    """One form's row, as the C++ registry row (src/mla/form_spec.hpp,
+    FormTraits and FormSpec::attention): what it admits and how its data
+    moves. Everything that is not the form reads it here.
+
+    query_latent, overlap, head_groups: the variants it admits (q_latent,
+    overlap, laga2d's head_groups). attends (Attends): where each rank's
+    attention runs. keys (Keys): how the keys reach it. codec (Keys.ring):
+    the block the ring passes, ring.KvBlocks (the per-head [K | V],
+    kv_ring/dkv_ring) or ring.LatentBlocks (the latent,
+    latent_ring/dlatent_ring), as the C++ ring forms' codecs."""
+
+    def __init__(self, name, attends, keys, codec=None, query_latent=False, overlap=False,
+                 head_groups=False):
+        self.name, self.attends, self.keys, self.codec = name, attends, keys, codec
+        self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
+
+    @property
+    def ring(self):
+        return self.keys is Keys.ring
+
+
+# The registry, in the C++ order (src/mla/forms.def; `laga forms`).
+FORMS = {f.name: f for f in (
+    FormSpec("explicit", Attends.heads, Keys.heads),
+    FormSpec("absorbed", Attends.heads, Keys.latent),
+    FormSpec("laga", Attends.heads, Keys.latent, query_latent=True, overlap=True),
+    FormSpec("laga2d", Attends.grid, Keys.latent, query_latent=True, overlap=True,
+             head_groups=True),
+    FormSpec("allgather_kv", Attends.own, Keys.gather),
+    FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True),
+    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True))}
+
+
+def form_spec(form):
+    """The row of a form name; an unknown name is a ValueError listing them."""
+    if form not in FORMS:
+        raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)}")
+    return FORMS[form]
+
+
+def names_with(trait):
+    """The forms with a trait in words, for the messages that refuse a
+    variant: "laga and laga2d", "laga, laga2d, ring_kv and ring_latent"."""
+    n = [f.name for f in FORMS.values() if getattr(f, trait)]
+    return n[0] if len(n) == 1 else ", ".join(n[:-1]) + " and " + n[-1]
+
+
+def check_variant(form, cfg, q_latent=False, overlap=False, head_groups=0):
+    """The one variant check (the C++ check_variant): a ValueError naming the
+    option and the form when the form's row does not admit it."""
+    spec = form_spec(form)
+    if q_latent and cfg.q_lora_rank == 0:
+        raise ValueError("q_latent needs q_lora_rank > 0 (there is no query latent to move); "
+                         "this config has q_lora_rank 0")
+    if q_latent and not spec.query_latent:
+        raise ValueError(f"q_latent with form '{form}': only {names_with('query_latent')} move "
+                         "the query latent")
+    if overlap and not spec.overlap:
+        raise ValueError(f"overlap with form '{form}': only {names_with('overlap')} have an "
+                         "overlapped path")
+    if head_groups and not spec.head_groups:
+        raise ValueError(f"head_groups {head_groups} with form '{form}': only "
+                         f"{names_with('head_groups')} has head groups")
+    return spec
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,18 +192,26 @@ def rope(x, sp, pos):
 
 def _query_rows(sp, form):
     """The attention's query rows (global token indices) on this rank: every
-    token but in laga2d, where they are its query chunks."""
-    if form != "laga2d":
-        return torch.arange(sp.layout.seq, device=sp.doc_start.device)
+    token (Attends.heads), laga2d's query chunks (grid), or its own tokens
+    (own)."""
+    where = FORMS[form].attends
+    dev = sp.doc_start.device
+    if where is Attends.heads:
+        return torch.arange(sp.layout.seq, device=dev)
+    if where is Attends.own:
+        return torch.arange(*sp.shard(), device=dev)
     ranges = sp.grid().queries[sp.rank]
-    return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long,
-                        device=sp.doc_start.device)
+    return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long, device=dev)
 
 
 def _head_range(sp, form):
-    if form == "laga2d":
+    """(h0, nh): the heads this rank attends."""
+    where = FORMS[form].attends
+    if where is Attends.grid:
         g = sp.grid()
         return g.head_offset[sp.rank], g.head_count[sp.rank]
+    if where is Attends.own:
+        return 0, sp.layout.heads
     return sp.layout.head_offset[sp.rank], sp.layout.head_count[sp.rank]
 
 
@@ -127,11 +219,12 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
     """q_h (B, Sq, H_r, dqk) for the rank's heads and query rows: per-head
     queries all-to-all (q_a2a), or the query latent moved and wq_b applied
     for the own heads locally (q_latent_ag / laga2d's q_latent_a2a)."""
+    grid = FORMS[form].attends is Attends.grid
     if q_latent is None:
-        return sp.move(q, "to_queries" if form == "laga2d" else "seq_to_head", "q_a2a")
+        return sp.move(q, "to_queries" if grid else "seq_to_head", "q_a2a")
     qn, wq_b = q_latent
     qn = qn.unsqueeze(2)
-    if form == "laga2d" and sp.grid().context_groups > 1:
+    if grid and sp.grid().context_groups > 1:
         qn_q = sp.move(qn, "latent_to_queries", "q_latent_a2a")
     else:
         qn_q = sp.move(qn, "gather_seq", "q_latent_ag")
@@ -143,22 +236,44 @@ def _heads_queries(sp, cfg, form, q, q_latent, rows):
     return torch.cat([q_h[..., :dn], rope(q_h[..., dn:], sp, sp.pos[:, rows])], -1)
 
 
+def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
+    """allgather_kv and the ring forms: the rank's own tokens with all
+    heads, so no query or output exchange (q is already (B, L, H, dqk))."""
+    B, L = c_kv.shape[:2]
+    H, dn, dr, dv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    dqk, spec = dn + dr, FORMS[form]
+    if spec.ring:  # the own block (made under autograd), round the ring
+        own = spec.codec(cfg, B, wkv_b).own_block(c_kv, k_pe)
+        o = RingAttention.apply(q, own, wkv_b, sp, cfg, spec.codec, overlap)
+        return o.reshape(B, L, H * dv)
+    # K and V of the local tokens for all heads, k_pe expanded (explicit's).
+    kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
+    k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
+    v = kv[..., dn:]
+    # allgather_kv: K and V of every token (one (B, L, 1, H d) row per token
+    # gathered), attended by the own queries over the keys [0, s1) they see.
+    S, (s0, s1) = sp.layout.seq, sp.shard()
+    k_ag = sp.move(k.reshape(B, L, 1, H * dqk), "gather_seq", "k_ag").view(B, S, H, dqk)
+    v_ag = sp.move(v.reshape(B, L, 1, H * dv), "gather_seq", "v_ag").view(B, S, H, dv)
+    rows = torch.arange(s0, s1, device=c_kv.device)
+    o = sp.attend(q, k_ag[:, :s1], v_ag[:, :s1], rows, s1, cfg.softmax_scale())
+    return o.reshape(B, L, H * dv)
+
+
 def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=False):
     """o_loc (B, L, H dv) of this rank's seq shard; see the module docstring."""
-    if form not in FORMS:
-        raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)}")
-    if overlap and form not in ("laga", "laga2d"):
-        raise ValueError(f"overlap with form '{form}': only laga and laga2d have an overlapped "
-                         "path (their latent collectives do not depend on the query path)")
+    spec = check_variant(form, cfg, q_latent is not None, overlap)
     B, L = c_kv.shape[:2]
     H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
         cfg.qk_rope_head_dim, cfg.v_head_dim
+    if spec.attends is Attends.own:
+        return _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap)
     rows = _query_rows(sp, form)
     h0, nh = _head_range(sp, form)
     scale = cfg.softmax_scale()
     wkv = wkv_b.view(H, dn + dv, C)
 
-    if form == "explicit":
+    if spec.keys is Keys.heads:  # explicit
         # kv of the local tokens for ALL heads, k_pe expanded over heads
         # (Megatron-Core's way), then three seq->head all-to-alls.
         kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
@@ -179,7 +294,7 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     else:
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
         lat = redistribute(lat_loc, plan, sp.group, sp.ledger).squeeze(2)
-    back = "from_queries" if form == "laga2d" else "head_to_seq"
+    back = "from_queries" if spec.attends is Attends.grid else "head_to_seq"
 
     if form == "absorbed":
         # W_UK into the queries and W_UV after attention, per head: attention

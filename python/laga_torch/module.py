@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import KINDS
 from .config import MLAConfig
-from .forms import FORMS, Sp, mla_attention, rope
+from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout
 from .tape import Block
 
@@ -92,7 +92,7 @@ def plan_form(cfg, seq, ranks, batch, profile, laga=None):
     """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
     profile (a built-in name or a JSON file; docs/planning.md): (form,
     q_latent, overlap) of its winner among the forms this package implements
-    (FORMS; the C++ build may have more, `laga forms`). The binary: `laga`,
+    (FORMS, the C++ build's seven). The binary: `laga`,
     else LAGA_BIN, else PATH."""
     laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
     if not laga:
@@ -120,16 +120,19 @@ class MLA(nn.Module):
     """forward(x_local (B, S_r, D), group=None, cu_seqlens=None, seq_len=None)
     -> (B, S_r, D) for this rank's shard of SpLayout.even(S, H, P).
 
-    form: explicit | absorbed | laga | laga2d (head_groups: laga2d's Ph, 0 =
-    gcd(H, P)); q_latent: laga/laga2d with q_lora_rank > 0 move the query
-    latent; overlap: laga/laga2d start the latent gather before the queries
-    move; "auto" with profile: laga plan's winner. tape "laga" (default):
+    form: a name in FORMS (explicit | absorbed | laga | laga2d |
+    allgather_kv | ring_kv | ring_latent; each row says what it admits):
+    head_groups: laga2d's Ph, 0 = gcd(H, P); q_latent: laga/laga2d with
+    q_lora_rank > 0 move the query latent; overlap: laga/laga2d start the
+    latent gather before the queries move, the ring forms start each ring
+    shift before the step's attention; "auto" with profile: laga plan's
+    winner. tape "laga" (default):
     tape.Block, keeping what the C++ tape keeps; "autograd": the functional
     layer (forms.mla_attention) under autograd. attention: "eager" (or
     "math"; "auto" on laga's tape) keeps the probabilities, "flash" o and
     the log-sum-exp per row, in tiles of flash_block rows x keys, as the
     C++ tool's --attention; on tape "autograd" "auto" is SDPA where torch has
-    it. Collectives are recorded in self.ledger (a Ledger) when set."""
+    it (the ring forms: eager, as a ring needs each block's log-sum-exp). Collectives are recorded in self.ledger (a Ledger) when set."""
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
@@ -137,23 +140,17 @@ class MLA(nn.Module):
         super().__init__()
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
-        if form not in FORMS + ("auto",):
+        if form == "auto":
+            if not profile:
+                raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
+                                 "'h100', a built-in name, or a profile JSON file)")
+            if q_latent or overlap or head_groups:
+                raise ValueError("form 'auto' takes q_latent and overlap from laga plan's winner "
+                                 "(and laga2d's default head groups); give them with a form")
+        elif form not in FORMS:
             raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)} or auto")
-        if form == "auto" and not profile:
-            raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
-                             "'h100', a built-in name, or a profile JSON file)")
-        if q_latent and cfg.q_lora_rank == 0:
-            raise ValueError("q_latent needs q_lora_rank > 0 (there is no query latent to move); "
-                             "this config has q_lora_rank 0")
-        if q_latent and form not in ("laga", "laga2d"):
-            raise ValueError(f"q_latent with form '{form}': only laga and laga2d move the query "
-                             "latent")
-        if overlap and form not in ("laga", "laga2d"):
-            raise ValueError(f"overlap with form '{form}': only laga and laga2d have an "
-                             "overlapped path")
-        if head_groups and form != "laga2d":
-            raise ValueError(f"head_groups {head_groups} with form '{form}': only laga2d has "
-                             "head groups")
+        else:
+            check_variant(form, cfg, q_latent, overlap, head_groups)
         self.cfg, self.form, self.q_latent, self.overlap = cfg, form, q_latent, overlap
         if tape not in ("laga", "autograd"):
             raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
@@ -164,6 +161,10 @@ class MLA(nn.Module):
         if tape == "laga" and attention == "sdpa":
             raise ValueError("attention 'sdpa' with tape 'laga': laga's tape computes attention "
                              "itself, eager or flash; sdpa is tape 'autograd''s")
+        if attention == "sdpa" and form in FORMS and FORMS[form].ring:
+            raise ValueError(f"attention 'sdpa' with form '{form}': a ring merges each block's "
+                             "log-sum-exp, which scaled_dot_product_attention does not return; "
+                             "use eager or flash")
         if int(flash_block) != flash_block or flash_block < 1:
             raise ValueError(f"flash_block {flash_block}: expected a positive whole number of "
                              "rows and keys per tile")
@@ -228,7 +229,7 @@ class MLA(nn.Module):
                 log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
                          self.plans[key], seq_len, P, B)
             form, q_latent, overlap = self.plans[key]
-        if form == "laga2d":
+        if FORMS[form].head_groups:  # the grid's check, on every rank before any collective
             HeadContextGrid(lay, self.head_groups or
                             HeadContextGrid.default_head_groups(cfg.n_heads, P))
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
@@ -270,32 +271,40 @@ class _Run:
         self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
         self.flash, self.block = flash, block  # attention: flash (o, lse saved) or eager
         self.names = param_order(cfg)
+        self.spec = spec = FORMS[form]
         self.rows = _query_rows(sp, form)
         self.heads = _head_range(sp, form)
         self.key_end = int(self.rows[-1]) + 1 if len(self.rows) else 0
-        S, dqk, dv = sp.layout.seq, cfg.qk_head_dim, cfg.v_head_dim
-        if form == "laga2d":  # one attention call per query range (a, b rows of q_h; keys [0, e))
+        dqk, dv, H = cfg.qk_head_dim, cfg.v_head_dim, cfg.n_heads
+        if spec.attends is Attends.grid:  # one call per query range (rows a, b of q_h; keys [0, e))
             self.calls, a = [], 0
             for lo, hi in sp.grid().queries[sp.rank]:
                 self.calls.append((a, a + hi - lo, hi))
                 a += hi - lo
         else:
-            self.calls = [(0, S, S)]
-        grid = form == "laga2d"
-        if q_latent:
-            kind = "latent_to_queries" if grid and sp.grid().context_groups > 1 else "gather_seq"
-            label = "q_latent_a2a" if kind == "latent_to_queries" else "q_latent_ag"
-            q = sp.plan(kind, cfg.q_lora_rank, label)
-        else:
-            q = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
-        self.plans = {"q": q, "out": sp.plan("from_queries" if grid else "head_to_seq", dv,
-                                             "out_a2a")}
-        if form == "explicit":
+            self.calls = [(0, len(self.rows), self.key_end)]
+        # The movements, labels as the C++ ledger's (docs/forms.md, "Collectives per step").
+        self.plans = {}
+        grid = spec.attends is Attends.grid
+        if spec.attends is not Attends.own:  # the queries to the heads' owners and the output back
+            if q_latent:
+                kind = "latent_to_queries" if grid and sp.grid().context_groups > 1 else \
+                    "gather_seq"
+                label = "q_latent_a2a" if kind == "latent_to_queries" else "q_latent_ag"
+                self.plans["q"] = sp.plan(kind, cfg.q_lora_rank, label)
+            else:
+                self.plans["q"] = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
+            self.plans["out"] = sp.plan("from_queries" if grid else "head_to_seq", dv, "out_a2a")
+        if spec.keys is Keys.heads:
             self.plans.update(k=sp.plan("seq_to_head", dqk, "k_a2a"),
                               v=sp.plan("seq_to_head", dv, "v_a2a"))
-        else:
+        elif spec.keys is Keys.latent:
             self.plans["lat"] = sp.plan("gather_seq", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                         "latent_ag")
+        elif spec.keys is Keys.gather:  # every token's per-head K and V, as (B, L, 1, H d) rows
+            self.plans.update(k=sp.plan("gather_seq", H * dqk, "k_ag"),
+                              v=sp.plan("gather_seq", H * dv, "v_ag"))
+        # the ring forms: ring.py's shifts, no plan
 
 
 def param_order(cfg):

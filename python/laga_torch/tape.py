@@ -4,7 +4,8 @@ for backward") and nothing else: the paper's memory point, which autograd's
 own choices would blur (a composed absorbed form, for one, keeps every
 einsum's inputs). Forward and backward read as docs/forms.md's blocks for
 each form and as src/mla/form_*.cpp; the movements are comm.move with the C++
-labels. Attention is the C++ tool's choice (run.flash): eager (the
+labels, the rings' ring.ring_forward / ring_backward; which movements a form
+makes is its FORMS row (forms.FormSpec: attends, keys). Attention is the C++ tool's choice (run.flash): eager (the
 probabilities saved) or flash (attention.flash_forward: o and the
 log-sum-exp per row saved, the probabilities recomputed tile by tile in
 backward).
@@ -18,6 +19,12 @@ Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
                eager: probs per query range; flash: o_h, lse over the query rows
   absorbed     q_h, lat, v_lat, q_abs, o_lat; eager: probs; flash: lse
                (o_lat, which d W_UV needs, is flash's output)
+  allgather_kv q_h (B, L, H, dqk), c_hat, k_h, v_h (B, S, H, .) gathered;
+               eager: probs (B, H, L, s1); flash: lse (o_h is o_loc)
+  ring_kv      q_h, c_hat, own = the flat [K | V] block of local tokens;
+               eager: each preceding step's probs (rescaled to the row's
+               whole normalisation); flash: the merged lse (ring.py)
+  ring_latent  q_h, own = the flat [c_hat | k_pe]; the statistics as ring_kv
 The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
 (which also counts the output); tools_torch_package holds the two equal, for
 eager and for flash. In bf16 flash keeps lse in fp32 (its statistics'
@@ -28,6 +35,8 @@ import torch
 
 from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
 from .comm import _unpack_add, move
+from .forms import Attends, Keys
+from .ring import ring_backward, ring_forward
 
 
 def _rot(x, cos, sin, inverse=False):
@@ -102,9 +111,40 @@ class Block(torch.autograd.Function):
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
-        if form == "explicit":
+        spec = run.spec
+        if spec.keys in (Keys.heads, Keys.gather):
+            # kv of the local tokens for ALL heads, k_pe expanded over heads.
             kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
             k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
+        if spec.attends is Attends.own:  # the own tokens with all heads: no exchange of q or o
+            keep["q_h"] = q
+            if spec.keys is Keys.gather:  # allgather_kv: every token's K and V gathered
+                keep["c_hat"] = c_hat
+                S, Sk = sp.layout.seq, run.key_end
+                k_h = move(k.reshape(B, L, 1, H * dqk), run.plans["k"], sp.group, sp.ledger,
+                           "forward").view(B, S, H, dqk)
+                v_h = move(kv[..., dn:].reshape(B, L, 1, H * dv), run.plans["v"], sp.group,
+                           sp.ledger, "forward").view(B, S, H, dv)
+                keep.update(k_h=k_h, v_h=v_h)
+                if run.flash:  # o_h is o_loc (a view), which every form keeps
+                    o_h, keep["lse"] = flash_forward(q, k_h[:, :Sk], v_h[:, :Sk],
+                                                     sp.key_ranges(rows, Sk), scale, run.block)
+                else:
+                    o_h, keep["p0"] = math_forward(q, k_h[:, :Sk], v_h[:, :Sk],
+                                                   sp.mask(rows, Sk), scale)
+            else:  # the ring forms: the own block round the ring (ring.py)
+                codec = spec.codec(cfg, B, W["wkv_b.weight"])
+                own = codec.own_block(c_hat, kv_a[..., C:])
+                if codec.keeps_c_hat:  # ring_kv: for wkv_b's gradient at home
+                    keep["c_hat"] = c_hat
+                o_h, stats = ring_forward(sp, codec, q, own, run.flash, run.block, run.overlap,
+                                          scale)
+                keep["own"] = own
+                if run.flash:
+                    keep["lse"] = stats
+                else:
+                    keep.update({f"p{i}": p for i, p in stats.items()})
+        elif spec.keys is Keys.heads:  # explicit
             q_h = queries()
             k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
             v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
@@ -164,7 +204,11 @@ class Block(torch.autograd.Function):
                 keep.update(k_h=k_h, v_h=v_h)
                 if run.flash:
                     keep.update(o_h=o_h, lse=lse)
-        o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(B, L, H * dv)
+        if spec.attends is Attends.own:
+            o_loc = o_h.reshape(B, L, H * dv)
+        else:
+            o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(
+                B, L, H * dv)
         keep["o_loc"] = o_loc
         ctx.run, ctx.names = run, list(keep)
         ctx.save_for_backward(x, *weights, *keep.values())
@@ -190,9 +234,20 @@ class Block(torch.autograd.Function):
         wkv = W["wkv_b.weight"].view(H, dn + dv, C)
         d_wkv = torch.zeros_like(wkv)
 
+        spec = run.spec
         G["wo.weight"] = _mm_t(dout, s["o_loc"])
         d_o = (dout @ W["wo.weight"]).view(B, L, H, dv)
-        do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
+        if spec.attends is Attends.own:
+            do_h = d_o
+        else:
+            do_h = move(d_o, run.plans["out"], sp.group, sp.ledger, "backward", adjoint=True)
+
+        def merge_heads(dk, dvv, c_hat):
+            """explicit's local merge of per-head dK (B, L, H, dqk) and dV of
+            local tokens: (d c_hat, d k_pe = sum over heads, d wkv_b)."""
+            dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
+            return dkv @ W["wkv_b.weight"], dk[..., dn:].sum(2), \
+                _mm_t(dkv, c_hat).view(H, dn + dv, C)
 
         def queries_back(dq_h):
             """dq_h of the rank's heads and query rows -> dq (B, L, H, dqk) of its
@@ -209,7 +264,36 @@ class Block(torch.autograd.Function):
             return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
                         adjoint=True)[:, :, 0]
 
-        if form == "explicit":
+        if spec.keys is Keys.gather:  # allgather_kv
+            S, Sk = sp.layout.seq, run.key_end
+            k_h, v_h = s["k_h"][:, :Sk], s["v_h"][:, :Sk]
+            if run.flash:
+                # flash's o is o_loc, which every form keeps
+                dq, dk_h, dv_h = flash_backward(s["q_h"], k_h, v_h, s["o_loc"].view(B, L, H, dv),
+                                                s["lse"], do_h, sp.key_ranges(rows, Sk), scale,
+                                                run.block)
+            else:
+                dq, dk_h, dv_h = math_backward(s["q_h"], k_h, v_h, s["p0"], do_h, scale)
+            # The all-gathers' adjoints: the keys' gradients (zero past s1 from
+            # this rank) reduce-scattered to their owners.
+            dk_all = dk_h.new_zeros(B, S, 1, H * dqk)
+            dk_all[:, :Sk, 0] = dk_h.reshape(B, Sk, H * dqk)
+            dv_all = dv_h.new_zeros(B, S, 1, H * dv)
+            dv_all[:, :Sk, 0] = dv_h.reshape(B, Sk, H * dv)
+            dk = move(dk_all, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
+            dvv = move(dv_all, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
+            d_chat, d_kpe, d_wkv = merge_heads(dk.view(B, L, H, dqk), dvv.view(B, L, H, dv),
+                                               s["c_hat"])
+        elif spec.ring:
+            codec = spec.codec(cfg, B, W["wkv_b.weight"])
+            stats = s["lse"] if run.flash else {int(n[1:]): t for n, t in s.items()
+                                                if n[0] == "p" and n[1:].isdigit()}
+            dq, acc = ring_backward(sp, codec, s["q_h"], s["own"], s["o_loc"].view(B, L, H, dv),
+                                    stats, do_h, run.flash, run.block, run.overlap, scale)
+            # The own block's gradient, home, as d[c_hat | k_pe] and d wkv_b.
+            d_chat, d_kpe, d_wkv = codec.latent_grad(acc, L, s.get("c_hat"))
+            d_wkv = d_wkv.view(H, dn + dv, C)
+        elif spec.keys is Keys.heads:  # explicit
             if run.flash:
                 dq_h, dk_h, dv_h = flash_backward(s["q_h"], s["k_h"], s["v_h"], s["o_h"], s["lse"],
                                                   do_h, sp.key_ranges(rows, sp.layout.seq), scale,
@@ -220,11 +304,8 @@ class Block(torch.autograd.Function):
             dq = queries_back(dq_h)
             dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
             dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
-            dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
-            d_kpe = dk[..., dn:].sum(2)
-            d_chat = dkv @ W["wkv_b.weight"]
-            d_wkv = _mm_t(dkv, s["c_hat"]).view(H, dn + dv, C)
-        else:
+            d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
+        else:  # the latent gathered: absorbed, laga, laga2d
             lat = s["lat"]
             d_lat = torch.zeros_like(lat)
             if form == "absorbed":
@@ -297,7 +378,7 @@ class Block(torch.autograd.Function):
                                                      W["q_norm.weight"])
             G["wq_a.weight"] = _mm_t(d_qa, x)
             dx = d_qa @ W["wq_a.weight"]
-        if form != "explicit":
+        if spec.keys is Keys.latent:
             if run.overlap:
                 started[0].wait()
                 d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)

@@ -3,13 +3,17 @@
 
 Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
 
-For every form and option (q_latent, overlap, laga2d head groups, packed
-documents straddling shards) at P 1, 2, 3, 4, with S % P != 0 and H % P != 0:
+For every form (the package's FORMS: explicit, absorbed, laga, laga2d and the
+context-parallel allgather_kv, ring_kv, ring_latent) and option (q_latent,
+overlap, laga2d head groups, packed documents straddling shards) at P 1, 2,
+3, 4, with S % P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
     module in float64, on laga's tape and on autograd's, equal
     `laga forward --backward --dtype float64` on the same safetensors within
     1e-12 relative per tensor (|diff| / max |ref|);
   * the same in float32 within 1e-5 of `laga forward` (float32);
+  * the same float64 runs within 1e-12 of the package's own explicit at P 1
+    (same config and documents), every tape and attention a case ran;
   * bf16 (the forms with q_lora_rank 7, unpacked) within a first-order bound
     from bf16's unit roundoff of float64, and at P 2-4 of bf16 explicit at
     P 1 (BF16_BOUND below says how it is derived);
@@ -76,17 +80,25 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("laga-overlap", "rq7", "laga", {"overlap": True}),
             ("laga2d-overlap", "rq7", "laga2d", {"overlap": True}),
             ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
-            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True})]
-PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent"]
+            ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True}),
+            # The context-parallel forms: each rank its own tokens with all heads
+            # (H 5 never split); the rings' overlap (one engine, ring.py) once.
+            ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
+            ("ring_latent", "rq7", "ring_latent", {}),
+            ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True})]
+PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
+          "ring_kv", "ring_latent"]
 # attention "flash" as well (float64, float32; bf16 and autograd's tape for a
 # few): each form, H 3 (a rank without heads at P 4), packed, q_latent,
 # laga2d at both grids. Tiles of 4 rows x 4 keys over S 13: tiles skipped,
 # masked and whole, documents and shards cutting through them.
 FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g1-q-latent",
          "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
-         "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed"}
-FLASH_BF16 = {"rq7-laga2d-g1-q-latent"}
-FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed"}
+         "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
+         "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
+         "rq7-allgather_kv-packed", "rq7-ring_kv-packed"}
+FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
+FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap"}
 FLASH_BLOCK = 4
 
 
@@ -250,6 +262,8 @@ def worker(args):
     hf_names(lt, dev, P, args)
     auto(lt, dev, P, args)
     errors(lt, dev, P, r)
+    if P == 3:
+        subgroup(lt, dev, r, args)
     dist.destroy_process_group()
 
 
@@ -285,7 +299,8 @@ def nan_isolated(lt, dev, P, r, args):
     hit[0, 3:9] = True  # the NaN's document
     hit = hit[:, s0:s1]
     for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
-                       ("laga2d", {"head_groups": 1})):
+                       ("laga2d", {"head_groups": 1}), ("allgather_kv", {}),
+                       ("ring_latent", {"overlap": True})):  # (the rings share one engine)
         got = []
         for poison in (False, True):
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, attention="flash",
@@ -305,6 +320,41 @@ def nan_isolated(lt, dev, P, r, args):
                          f"reaches {name} outside its document ({e:.3e} relative)")
         if s0 <= 4 < s1 and not torch.isnan(got[1][0][0, 4 - s0]).all():
             sys.exit(f"FAIL: {form} flash at P {P}: the NaN in token 4 did not reach its own out")
+
+
+def subgroup(lt, dev, r, args):
+    """A ring over a group that is not the world: global ranks 1 and 2 of 3
+    (group ranks 0 and 1, so P2POp's peers must be mapped to global ranks),
+    ring_kv in float64; out, dx and every gradient summed over the group
+    within 1e-12 of the package's explicit on the whole sequence in a group
+    of one."""
+    import torch.distributed as dist
+    pair = dist.new_group([1, 2])
+    alone = [dist.new_group([i]) for i in range(3)]  # every rank makes every group
+    if r == 0:
+        return
+    w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
+    inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+    lay = lt.SpLayout.even(S, BASE["n_heads"], 2)
+    s0, s1 = lay.seq_offset[r - 1], lay.seq_offset[r - 1] + lay.seq_count[r - 1]
+    got = {}
+    for form, group, lo, hi in (("ring_kv", pair, s0, s1), ("explicit", alone[r], 0, S)):
+        m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, dtype=torch.float64,
+                   device=dev)
+        m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+        x = torch.from_numpy(inp["x"]).to(dev)[:, lo:hi].clone().requires_grad_()
+        out = m(x, seq_len=S, group=group)
+        out.backward(torch.from_numpy(inp["dout"]).to(dev)[:, lo:hi])
+        got[form] = {"out": out.detach()[:, s0 - lo:s1 - lo], "dx": x.grad[:, s0 - lo:s1 - lo]}
+        for n, p in m.named_parameters():
+            if form == "ring_kv":
+                dist.all_reduce(p.grad, group=pair)
+            got[form]["grad." + n] = p.grad
+    for k, v in got["explicit"].items():
+        e = rel(got["ring_kv"][k].cpu().numpy(), v.cpu().numpy())
+        if not e <= TOLS["float64"]:
+            sys.exit(f"FAIL: ring_kv on the group of global ranks 1, 2: {k} differs from explicit "
+                     f"by {e:.3e} relative")
 
 
 def hf_names(lt, dev, P, args):
@@ -376,13 +426,23 @@ def errors(lt, dev, P, r):
                  lambda: lt.MLA(cfg0, form="laga", q_latent=True))
     expect_error("overlap with explicit", ["overlap", "explicit"],
                  lambda: lt.MLA(cfg7, form="explicit", overlap=True))
-    expect_error("unknown form", ["form", "ring"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("unknown form", ["form", "ring", "ring_latent"], lambda: lt.MLA(cfg7, form="ring"))
+    expect_error("overlap with allgather_kv", ["overlap", "allgather_kv", "ring_kv"],
+                 lambda: lt.MLA(cfg7, form="allgather_kv", overlap=True))
+    expect_error("q_latent with ring_kv", ["q_latent", "ring_kv", "laga2d"],
+                 lambda: lt.MLA(cfg7, form="ring_kv", q_latent=True))
+    expect_error("head_groups with ring_latent", ["head_groups", "ring_latent"],
+                 lambda: lt.MLA(cfg7, form="ring_latent", head_groups=1))
+    expect_error("sdpa with a ring form", ["sdpa", "ring_latent", "log-sum-exp"],
+                 lambda: lt.MLA(cfg7, form="ring_latent", tape="autograd", attention="sdpa"))
     expect_error("unknown attention", ["attention", "ring", "flash"],
                  lambda: lt.MLA(cfg7, attention="ring"))
     expect_error("sdpa on laga's tape", ["sdpa", "laga"], lambda: lt.MLA(cfg7, attention="sdpa"))
     expect_error("flash_block 0", ["flash_block"], lambda: lt.MLA(cfg7, flash_block=0))
     expect_error("form auto without a profile", ["auto", "profile"],
                  lambda: lt.MLA(cfg7, form="auto"))
+    expect_error("form auto with overlap", ["auto", "overlap", "plan"],
+                 lambda: lt.MLA(cfg7, form="auto", profile="h100", overlap=True))
     if P > 1:
         expect_error("a group larger than the sequence", ["sequence length", str(P - 1)],
                      lambda: m(x[:, :1], seq_len=P - 1))
@@ -658,8 +718,30 @@ def main():
                         sys.exit(f"FAIL: {case['id']} P {P} bf16: {k} differs from {what} by "
                                  f"{e:.3e} relative (> {bound:.3e}, bf16's first-order bound)")
 
+    # Every form at every P against the package's own single-rank explicit
+    # (the same config and documents, float64, each tape and attention the
+    # case ran): within 1e-12 relative per tensor.
+    p1_worst, p1_checked = 0.0, 0
+    if 1 in sps:
+        for case in cases():
+            ref_case = [c for c in cases() if c["cfg"] == case["cfg"] and c["docs"] == case["docs"]
+                        and c["form"] == "explicit" and not c["opts"]]
+            if not ref_case:
+                continue
+            ref = assembled("f64", ref_case[0], 1)
+            tags = ["f64", "f64-autograd"] + (["f64-flash"] if case["id"] in FLASH else []) + \
+                (["f64-autograd-flash"] if case["id"] in FLASH_AUTOGRAD else [])
+            for P, tag in [(P, t) for P in sps for t in tags]:
+                got = assembled(tag, case, P)
+                for k in ref:
+                    e = rel(got[k], ref[k])
+                    p1_worst, p1_checked = max(p1_worst, e), p1_checked + 1
+                    if not e <= TOLS["float64"]:
+                        sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the package's "
+                                 f"explicit at P 1 by {e:.3e} relative (> {TOLS['float64']})")
+
     # The ledger: float32 runs against compare's count-only ledger (f32).
-    ledgers, flash_saved = 0, 0
+    ledgers, flash_saved, rank_ledgers = 0, 0, 0
     for P in sps:
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
@@ -671,7 +753,7 @@ def main():
                     continue
                 cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
                        "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
-                       "--forms", "explicit,absorbed,laga,laga2d", "--overlap", "both",
+                       "--forms", ",".join(lt.FORMS), "--overlap", "both",
                        "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
                       (["--head-groups", hg] if hg else [])
                 cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
@@ -693,9 +775,9 @@ def main():
                                                        l["bytes_received"])
                             for l in cmp_forms[compare_name(case)]["by_label"]}
                     f = cmp_forms[compare_name(case)]
-                    mine = per_rank[f["peak_rank"]][case["id"]]["saved"]
-                    if mine != f["predicted_saved_after_forward_bytes"]:
-                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {mine} "
+                    kept = per_rank[f["peak_rank"]][case["id"]]["saved"]
+                    if kept != f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {kept} "
                                  "bytes for backward (with the output), the C++ closed form "
                                  f"{f['predicted_saved_after_forward_bytes']}")
                     got = {}
@@ -707,14 +789,43 @@ def main():
                         sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
                                  f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
                     ledgers += 1
+                # The maximum over ranks hides a rank that files another's bytes
+                # (a ring shift's received block counted as the one it sent has
+                # the same maximum): for rq7, which holds every form, every rank
+                # alone (compare --rank-only) against that rank's ledger and the
+                # bytes it keeps, exactly.
+                if cfg != "rq7" or hg or P == 1:
+                    continue
+                for r in range(P):
+                    alone = {f["form"]: f for f in json.loads(run(
+                        cmd + ["--rank-only", str(r)]))["forms"]}
+                    for case in mine:
+                        f = alone[compare_name(case)]
+                        want = [[l["phase"], l["label"], l["calls"], l["bytes_sent"],
+                                 l["bytes_received"]] for l in f["by_label"]]
+                        got = per_rank[r][case["id"]]["ledger"]
+                        if sorted(got) != sorted(want):
+                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r}'s ledger differs from "
+                                     f"laga compare --rank-only {r}\n  torch:   {sorted(got)}\n"
+                                     f"  compare: {sorted(want)}")
+                        if per_rank[r][case["id"]]["saved"] != \
+                                f["predicted_saved_after_forward_bytes"]:
+                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r} keeps "
+                                     f"{per_rank[r][case['id']]['saved']} bytes for backward "
+                                     "(with the output), the C++ closed form "
+                                     f"{f['predicted_saved_after_forward_bytes']}")
+                        rank_ledgers += 1
     print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
           "exact products, blocks 1, 4, 64; a row that sees no key)")
+    print(f"laga_torch: {p1_checked} float64 tensors of every form at P {args.sp} within "
+          f"{p1_worst:.2e} of the package's explicit at P 1")
     print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
           f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
           f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
-          f"laga compare's; flash: worst relative float64 {worst_flash['float64']:.2e}, float32 "
+          f"laga compare's (and {rank_ledgers} on each rank alone); flash: worst relative "
+          f"float64 {worst_flash['float64']:.2e}, float32 "
           f"{worst_flash['float32']:.2e}, bf16 error / bound {bf16_worst['flash f64']:.2f}, "
           f"{flash_saved} saved-for-backward byte counts equal compare's flash closed form; "
           f"torch ranks {t_torch:.1f} s, "
