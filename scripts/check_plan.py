@@ -92,9 +92,11 @@ lat = args.latency_us
 
 def exposed_comm_s(q):
     """A plan's communication that is not hidden under compute: its phases'
-    collective time less what overlap hides (the step's part that
-    `laga compare` measures as time in collectives)."""
-    return sum(ph["comm_s"] for ph in q["phases"].values()) - q["hidden_comm_s"]
+    collective time less what overlap hides, plus its waits for peers to
+    issue a collective (the step's part that `laga compare` measures as time
+    in collectives)."""
+    return (sum(ph["comm_s"] for ph in q["phases"].values()) - q["hidden_comm_s"] +
+            q["peer_wait_s"])
 
 
 def plan(bw):

@@ -269,6 +269,12 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
   LAGA_CHECK(per_node == std::floor(per_node) && per_node <= 1 << 20, "profile ", source,
              ": devices_per_node = ", per_node, " must be a whole number of devices");
   p.devices_per_node = static_cast<int>(per_node);
+  if (top.has("shared_cores")) {
+    const double cores = top.number("shared_cores");
+    LAGA_CHECK(cores == std::floor(cores) && cores <= 1 << 20, "profile ", source,
+               ": shared_cores = ", cores, " must be a whole number of cores");
+    p.shared_cores = static_cast<int>(cores);
+  }
   p.intra_node = read_link(top.object("intra_node"));
   p.inter_node = read_link(top.object("inter_node"));
   if (top.has("measured_shapes"))
@@ -314,6 +320,7 @@ std::string profile_json(const HardwareProfile& p) {
       {"devices_per_node", p.devices_per_node},
       {"intra_node", link_json(p.intra_node)},
       {"inter_node", link_json(p.inter_node)}};
+  if (p.shared_cores > 0) j["shared_cores"] = p.shared_cores;
   if (!p.measured_shapes.gemm.empty() || !p.measured_shapes.attention.empty())
     j["measured_shapes"] = shapes_json(p.measured_shapes);
   return j.dump(2) + "\n";

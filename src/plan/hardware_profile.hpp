@@ -13,6 +13,7 @@
 //       "memory_bytes_per_s": 3.35e12                      // device memory bandwidth
 //     },
 //     "devices_per_node": 8,
+//     "shared_cores": 2,                                   // optional: ranks as threads of one host
 //     "intra_node": {"bytes_per_s": 450e9, "latency_us": 3, "topology": "switch"},
 //     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"},
 //     "measured_shapes": {                                 // optional: `laga plan --measure`
@@ -30,6 +31,13 @@
 // but elementwise_bytes_per_s and measured_shapes is required; an unknown
 // key, a missing one, a wrong type, a non-finite, zero or negative number is
 // a laga::Error naming the source and the field.
+//
+// shared_cores: the ranks do not each have a device but run as threads of
+// one host of this many cores, as laga's in-process ranks do (`laga plan
+// --measure` writes it: this machine's cores). The time model then runs the
+// ranks' timelines together and shares the cores among the ranks computing
+// at once (plan/time_model.hpp, group_step_time); the ranks are one node,
+// whatever devices_per_node says. Absent: one device per rank.
 //
 // measured_shapes: the seconds one call of each GEMM and attention kernel
 // shape took on one device (fp32, laga's own kernels, one thread), as
@@ -79,6 +87,7 @@ struct HardwareProfile {
   std::string source;  // "built-in h100" or the file's path
   DeviceProfile device;
   int devices_per_node = 1;
+  int shared_cores = 0;  // 0: one device per rank; else the host's cores all ranks share
   LinkModel intra_node, inter_node;
   ShapeTimes measured_shapes;  // empty unless measured (laga plan --measure)
 

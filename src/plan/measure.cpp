@@ -327,6 +327,7 @@ HardwareProfile measure_this_machine(const std::function<void(const std::string&
   p.device.memory_bytes_per_s = copy;
   p.device.memory_bytes = ram / cores;
   p.devices_per_node = cores;
+  p.shared_cores = cores;  // laga's ranks here are threads sharing these cores
   p.intra_node = p.inter_node = link;
   return p;
 }

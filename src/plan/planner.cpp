@@ -15,27 +15,32 @@ namespace {
 struct FormWork {
   FormVariant form;
   std::vector<RankWork> classes;  // per rank class
+  std::vector<int> class_of;      // per rank
+
+  std::vector<const RankWork*> ranks() const {
+    std::vector<const RankWork*> r;
+    for (int k : class_of) r.push_back(&classes[size_t(k)]);
+    return r;
+  }
 };
 
-double step_seconds(const FormWork& f, int P, const PlanRequest& q, const Fabric& fabric) {
-  double worst = 0;
-  for (const RankWork& w : f.classes)
-    worst = std::max(worst, step_time(w, P, q.profile, q.dtype, fabric).step_s);
-  return worst;
+GroupStepTime group_step(const FormWork& f, const PlanRequest& q, const Fabric& fabric) {
+  return group_step_time(f.ranks(), q.profile, q.dtype, fabric);
 }
+
 
 Fabric at_bandwidth(Fabric f, double bytes_per_s) {
   f.intra.bytes_per_s = f.inter.bytes_per_s = bytes_per_s;
   return f;
 }
 
-Crossover find_crossover(const FormWork& laga, const FormWork& expl, int P, const PlanRequest& q,
+Crossover find_crossover(const FormWork& laga, const FormWork& expl, const PlanRequest& q,
                          const Fabric& fabric) {
   Crossover c;
   // laga's time minus explicit's at bandwidth b: negative where laga wins.
   auto lead = [&](double b) {
     const Fabric f = at_bandwidth(fabric, b);
-    return step_seconds(laga, P, q, f) - step_seconds(expl, P, q, f);
+    return group_step(laga, q, f).step_s - group_step(expl, q, f).step_s;
   };
   const int steps = 160;  // half-decades over 1 MB/s .. 100 TB/s, 20 per decade
   const double lo = std::log10(c.scanned_low), hi = std::log10(c.scanned_high);
@@ -113,8 +118,8 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
       std::vector<FormWork> work;
       for (FormVariant form : q.forms) {
-        FormWork fw{form, {}};
         const RankClasses rc = rank_classes(q.cfg, layout, form);
+        FormWork fw{form, {}, rc.class_of};
         for (int r : rc.representatives)
           fw.classes.push_back(rank_work(q.cfg, layout, form, q.attention, r, q.dtype));
         FormPlan fp;
@@ -124,7 +129,6 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
         for (int k : rc.class_of)
           for (const ops::OpCounts& c : fw.classes[size_t(k)].ops)
             fp.flops_all_ranks += c.gemm_flops + c.attention_flops;
-        double worst = -1;
         for (const RankWork& w : fw.classes) {
           fp.bytes_sent_per_rank = std::max(fp.bytes_sent_per_rank, predicted_sent(w.comm));
           fp.bytes_sent_forward =
@@ -133,14 +137,25 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
               std::max(fp.bytes_sent_backward, predicted_sent(w.comm, Phase::backward));
           fp.peak_activation_bytes = std::max(fp.peak_activation_bytes, w.peak_activation_bytes);
           fp.after_forward_bytes = std::max(fp.after_forward_bytes, w.after_forward_bytes);
-          const StepTime t = step_time(w, P, q.profile, q.dtype, pc.links.fabric);
-          if (t.step_s > worst) {
-            worst = t.step_s;
-            fp.phases = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
-            fp.hidden_comm_s = t.hidden_comm_s;
-            fp.crossing_bytes = crossing_bytes(w.comm, P, pc.links.fabric);
-          }
         }
+        // The step: every rank's timeline together. The figures beside it
+        // are those of the rank on its critical path: of the ranks that end
+        // last, the one that waited least for its peers.
+        const GroupStepTime t = group_step(fw, q, pc.links.fabric);
+        size_t critical = 0;
+        for (size_t r = 0; r < t.ranks.size(); ++r) {
+          const RankStepTime &x = t.ranks[r], &c = t.ranks[critical];
+          const bool last = x.end_s >= t.step_s * (1 - 1e-12);
+          if (last && (c.end_s < t.step_s * (1 - 1e-12) || x.peer_wait_s < c.peer_wait_s))
+            critical = r;
+        }
+        const RankWork& w = fw.classes[size_t(rc.class_of[critical])];
+        fp.phases = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
+        fp.hidden_comm_s = t.ranks[critical].hidden_comm_s;
+        fp.peer_wait_s = t.ranks[critical].peer_wait_s;
+        fp.core_share_s = t.ranks[critical].core_share_s;
+        fp.crossing_bytes = crossing_bytes(w.comm, P, pc.links.fabric);
+        const double worst = t.step_s;
         fp.step_s = worst;
         double comm = 0;
         for (const PhaseTime& p : fp.phases) comm += p.comm_s;
@@ -163,7 +178,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       };
       const int l = find(Form::laga), e = find(forms_with(&FormTraits::reference).front());
       if (l >= 0 && e >= 0 && P > 1) {
-        pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], P, q, pc.links.fabric);
+        pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], q, pc.links.fabric);
         pc.crossover->laga = q.forms[size_t(l)];
       }
       cases.push_back(std::move(pc));

@@ -37,9 +37,14 @@ struct FormPlan {
   std::int64_t after_forward_bytes = 0;    // max over ranks: saved for backward + the output
   double flops_all_ranks = 0;              // GEMM + attention FLOPs of the step, every rank summed
   std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
-  double crossing_bytes = 0;               // of the slowest rank: what crosses nodes
-  std::array<PhaseTime, 3> phases;         // the slowest rank's, per phase
-  double hidden_comm_s = 0;                // of the slowest rank: comm under compute (overlap)
+  // The rank on the step's critical path (plan/time_model.hpp,
+  // group_step_time): its phases, summed, - hidden_comm_s + peer_wait_s +
+  // core_share_s are the step.
+  double crossing_bytes = 0;        // what crosses nodes
+  std::array<PhaseTime, 3> phases;  // per phase, its compute and collectives
+  double hidden_comm_s = 0;         // comm under compute (overlap)
+  double peer_wait_s = 0;           // blocked on collectives a peer had not issued yet
+  double core_share_s = 0;          // what sharing the host's cores added (shared_cores)
   double step_s = 0, tokens_per_s = 0;
   double comm_fraction = 0;  // exposed communication (not hidden) / step
   bool fits = false;         // peak + resident <= device memory

@@ -131,7 +131,9 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
                      std::optional<double> link_bytes_per_s, std::optional<double> link_latency_s) {
   LAGA_CHECK(P >= 1, "plan: P = ", P, " must be >= 1");
   LAGA_CHECK(nodes >= 0, "--nodes ", nodes, " must be >= 1");
-  const int g = profile.devices_per_node;
+  // Ranks sharing one host's cores are one node, however many there are.
+  const int g = profile.shared_cores > 0 ? std::max(P, profile.devices_per_node)
+                                         : profile.devices_per_node;
   PlanLinks l;
   l.nodes = nodes > 0 ? nodes : (P + g - 1) / g;
   LAGA_CHECK(l.nodes <= P, "--nodes ", l.nodes, " is more nodes than the ", P,
@@ -211,6 +213,174 @@ StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, 
   // Without started collectives the two agree but for rounding.
   const double hidden = summed - now;
   return {now, hidden > 1e-9 * summed ? hidden : 0.0};
+}
+
+GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
+                              const HardwareProfile& profile, PlanDType dtype,
+                              const Fabric& fabric) {
+  const int P = int(ranks.size());
+  LAGA_CHECK(P >= 1, "internal: group_step_time of no ranks");
+  // One rank's program: segment k computes for seconds[k], then meets
+  // timeline event k (none after the last segment).
+  struct Rank {
+    const RankWork* work = nullptr;
+    std::vector<double> seconds;
+    size_t segment = 0;     // the segment it computes or, blocked, has finished
+    double left = 0;        // seconds of its segment still to compute, at a core of its own
+    int blocked_on = -1;    // the collective (issue order) it waits for, or -1
+    int issued = 0;         // collectives it has issued
+    std::map<std::int64_t, int> started;  // a started call's id -> its collective
+    std::vector<size_t> issues;           // its timeline's issued events, in order
+    double link_free = 0;
+    double comm_s = 0;        // its collectives' link time
+    double core_share_s = 0;  // its compute's wall time beyond a core of its own
+    double blocked_since = 0, blocked_s = 0, peer_wait_s = 0;
+    double done_s = -1;  // when it ended; -1 while it runs
+  };
+  std::vector<Rank> rs;
+  for (const RankWork* w : ranks) {
+    Rank r;
+    r.work = w;
+    for (size_t k = 0; k < w->timeline.size(); ++k) {
+      const TimelineStep& s = w->timeline[k];
+      r.seconds.push_back(compute_time(s.compute_before, profile, dtype).seconds());
+      if (s.event.what == CollectiveEvent::What::issued) r.issues.push_back(k);
+    }
+    r.seconds.push_back(compute_time(w->compute_after, profile, dtype).seconds());
+    r.left = r.seconds[0];
+    rs.push_back(std::move(r));
+  }
+  // Per collective (the n-th issued by every rank): when each rank issued
+  // it, and, once all have, when it starts (its last issue), when each
+  // rank's link was free for it and when it completes there.
+  std::vector<std::vector<double>> arrived, done, link_was_free;
+  std::vector<double> start_at;
+  const double cores = profile.shared_cores > 0 ? profile.shared_cores : double(P);
+  double now = 0;
+  // The rank meets its segment's event (or ends) at `now`; false when blocked.
+  auto meet_event = [&](Rank& r, int index) {
+    if (r.segment + 1 == r.seconds.size()) {
+      r.done_s = now;
+      return false;
+    }
+    const CollectiveEvent& e = r.work->timeline[r.segment].event;
+    int n;
+    if (e.what == CollectiveEvent::What::waited) {
+      const auto it = r.started.find(e.id);
+      LAGA_CHECK(it != r.started.end(), "internal: a wait for collective ", e.id,
+                 " that the timeline did not start");
+      n = it->second;
+    } else {
+      n = r.issued++;
+      if (size_t(n) >= arrived.size()) {
+        arrived.emplace_back(size_t(P), -1.0);
+        done.emplace_back();
+        link_was_free.emplace_back(size_t(P), 0.0);
+        start_at.push_back(0);
+      }
+      arrived[size_t(n)][size_t(index)] = now;
+      if (e.started) r.started[e.id] = n;
+      if (e.started) n = -1;  // it goes on computing
+    }
+    r.blocked_on = n;
+    r.blocked_since = now;
+    return n < 0;
+  };
+  auto next_segment = [&](Rank& r) {
+    if (r.blocked_on >= 0) {
+      // Of the time it was blocked, the part before the call could run on a
+      // free link of its own: it waited for a peer to issue it.
+      const auto n = size_t(r.blocked_on), i = size_t(&r - rs.data());
+      r.blocked_s += now - r.blocked_since;
+      r.peer_wait_s += std::max(0.0, start_at[n] - std::max(r.blocked_since, link_was_free[n][i]));
+    }
+    ++r.segment;
+    r.left = r.seconds[r.segment];
+    r.blocked_on = -1;
+  };
+  for (int guard = 0;; ++guard) {
+    LAGA_CHECK(guard < 1 << 26, "internal: group_step_time did not finish");
+    // Settle everything that happens at `now`: finished segments meet their
+    // events, collectives every rank has issued get their completion times,
+    // ranks whose collective has completed go on.
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t i = 0; i < rs.size(); ++i) {
+        Rank& r = rs[i];
+        if (r.done_s >= 0) continue;
+        if (r.blocked_on < 0 && r.left <= 0) {
+          if (meet_event(r, int(i))) next_segment(r);
+          changed = true;
+        }
+      }
+      for (size_t n = 0; n < arrived.size(); ++n) {
+        if (!done[n].empty()) continue;
+        const auto& a = arrived[n];
+        if (std::any_of(a.begin(), a.end(), [](double t) { return t < 0; })) continue;
+        // It runs once every rank has issued it, on each rank's link after
+        // the call before it there, for that rank's link-model time.
+        const double start = *std::max_element(a.begin(), a.end());
+        start_at[n] = start;
+        done[n].resize(size_t(P));
+        for (size_t i = 0; i < rs.size(); ++i) {
+          Rank& r = rs[i];
+          const CollectiveEvent& e = r.work->timeline[r.issues[n]].event;
+          const double link = collective_seconds(e.kind, P, e.bytes, fabric);
+          link_was_free[n][i] = r.link_free;
+          done[n][i] = std::max(start, r.link_free) + link;
+          r.link_free = done[n][i];
+          r.comm_s += link;
+        }
+        changed = true;
+      }
+      for (size_t i = 0; i < rs.size(); ++i) {
+        Rank& r = rs[i];
+        if (r.done_s >= 0 || r.blocked_on < 0) continue;
+        const auto& d = done[size_t(r.blocked_on)];
+        if (!d.empty() && d[i] <= now) {
+          next_segment(r);
+          changed = true;
+        }
+      }
+    }
+    if (std::all_of(rs.begin(), rs.end(), [](const Rank& r) { return r.done_s >= 0; })) break;
+    // The next moment something happens: a computing rank ends its segment
+    // (the computing ranks share the cores: each at min(1, cores / n) of
+    // one) or a collective a rank waits for completes.
+    int computing = 0;
+    for (const Rank& r : rs) computing += r.done_s < 0 && r.blocked_on < 0;
+    const double rate = computing > cores ? cores / computing : 1.0;
+    double dt = INFINITY;
+    for (size_t i = 0; i < rs.size(); ++i) {
+      const Rank& r = rs[i];
+      if (r.done_s >= 0) continue;
+      if (r.blocked_on < 0) {
+        dt = std::min(dt, r.left / rate);
+      } else if (!done[size_t(r.blocked_on)].empty()) {
+        dt = std::min(dt, done[size_t(r.blocked_on)][i] - now);
+      }
+    }
+    LAGA_CHECK(std::isfinite(dt), "internal: the ranks' timelines deadlock (a collective "
+               "some rank never issues)");
+    now += dt;
+    for (Rank& r : rs)
+      if (r.done_s < 0 && r.blocked_on < 0) {
+        r.left = std::max(0.0, r.left - dt * rate);
+        r.core_share_s += dt * (1 - rate);  // exactly 0 unshared
+      }
+  }
+  GroupStepTime g;
+  for (const Rank& r : rs) {
+    g.step_s = std::max(g.step_s, r.done_s);
+    // Its end = its compute at a core of its own + what sharing the cores
+    // added + its collectives' link time - what of that ran under compute +
+    // its waits for peers: blocked, it waits for its links or its peers.
+    const double exposed = r.blocked_s - r.peer_wait_s;
+    const double hidden = r.comm_s - exposed;
+    g.ranks.push_back({r.done_s, hidden > 1e-9 * r.comm_s ? hidden : 0.0, r.peer_wait_s,
+                       r.core_share_s});
+  }
+  return g;
 }
 
 double crossing_bytes(const CommPrediction& comm, int P, const Fabric& fabric) {

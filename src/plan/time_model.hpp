@@ -139,6 +139,32 @@ struct StepTime {
 StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, PlanDType dtype,
                    const Fabric& fabric);
 
+// The step of all the ranks together (docs/planning.md, "The ranks'
+// step together"): each rank's timeline replayed as step_time does, but a
+// collective runs only once every rank has issued it (a rank that arrives
+// early waits for the last), and, on a profile with shared_cores, the ranks
+// computing at one moment share the cores: n of them on c cores each
+// compute at min(1, c / n) of a core's rate (processor sharing). Every
+// collective is taken to involve every rank (so a ring shift waits for the
+// whole ring, not only its neighbour). `ranks`: each rank's work, in rank
+// order. Without shared cores and with ranks whose waits line up (every
+// form's, balanced) it equals the slowest rank's step_time.
+// Per rank, its end = the compute and link time of its phases (rank_time)
+// - hidden_comm_s + peer_wait_s + core_share_s.
+struct RankStepTime {
+  double end_s = 0;
+  double hidden_comm_s = 0;  // its collectives' time that ran under its compute
+  double peer_wait_s = 0;    // blocked on a collective some peer had not issued yet
+  double core_share_s = 0;   // its compute's wall time beyond its own-core time (shared_cores)
+};
+struct GroupStepTime {
+  double step_s = 0;               // the last rank's end
+  std::vector<RankStepTime> ranks;  // in rank order
+};
+GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
+                              const HardwareProfile& profile, PlanDType dtype,
+                              const Fabric& fabric);
+
 // The share of a rank's collective bytes (max of sent, received per call)
 // that crosses nodes under `fabric`.
 double crossing_bytes(const CommPrediction& comm, int P, const Fabric& fabric);

@@ -99,8 +99,13 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
     << ", " << to_string(q.attention) << " attention, batch " << q.batch
     << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
   o << "  timeline: each rank's collectives in issue order on one link, the compute between "
-       "them at the costs below; a started collective (+overlap) holds the rank only at its "
-       "wait\n";
+       "them at the costs below; a collective runs once every rank has issued it; a started "
+       "collective (+overlap) holds the rank only at its wait"
+    << (q.profile.shared_cores > 0
+            ? cat("; the ranks share ", q.profile.shared_cores,
+                  " cores, those computing at once each at min(1, cores / n) of one")
+            : "")
+    << "\n";
   o << "  compute: " << measured_share(q, cases) << "\n";
   for (const PlanCase& c : cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
@@ -109,19 +114,19 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
     if (c.links.nodes > 1) o << "; inter " << link_text(c.links.fabric.inter);
     o << "\n";
     char line[256];
-    std::snprintf(line, sizeof line, "  %-22s %12s %12s %10s %12s %6s %8s %10s %10s %12s\n", "form",
-                  "sent/rank GB", "peak act GB", "step s", "tokens/s", "comm%", "fits", "compute s",
-                  "hidden s", "cross-node GB");
+    std::snprintf(line, sizeof line, "  %-22s %12s %12s %10s %12s %6s %8s %10s %10s %10s %12s\n",
+                  "form", "sent/rank GB", "peak act GB", "step s", "tokens/s", "comm%", "fits",
+                  "compute s", "hidden s", "waits s", "cross-node GB");
     o << line;
     for (const FormPlan& f : c.forms) {
       double compute = 0;
       for (const PhaseTime& p : f.phases) compute += p.compute_s();
       std::snprintf(line, sizeof line,
-                    "  %-22s %12s %12s %10.4g %12.4g %6.1f %8s %10.4g %10.4g %12s\n",
+                    "  %-22s %12s %12s %10.4g %12.4g %6.1f %8s %10.4g %10.4g %10.4g %12s\n",
                     to_string(f.form).c_str(), gb(double(f.bytes_sent_per_rank)).c_str(),
                     gb(double(f.peak_activation_bytes)).c_str(), f.step_s, f.tokens_per_s,
                     100 * f.comm_fraction, f.fits ? "yes" : "NO", compute, f.hidden_comm_s,
-                    gb(f.crossing_bytes).c_str());
+                    f.peer_wait_s + f.core_share_s, gb(f.crossing_bytes).c_str());
       o << line;
     }
     if (c.winner >= 0) {
@@ -185,6 +190,8 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
                             {"predicted_tokens_per_s", f.tokens_per_s},
                             {"comm_fraction", f.comm_fraction},
                             {"hidden_comm_s", f.hidden_comm_s},
+                            {"peer_wait_s", f.peer_wait_s},
+                            {"core_share_s", f.core_share_s},
                             {"phases", phases_json(f)},
                             {"fits", f.fits}});
     ojson k = {{"seq", c.seq},

@@ -49,7 +49,7 @@ def load(args, name):
 PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "bytes_sent_forward",
                "bytes_sent_backward", "peak_activation_bytes",
                "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
-               "phases", "fits"]
+               "peer_wait_s", "core_share_s", "phases", "fits"]
 PHASE_SECONDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
 PHASE_FIELDS = PHASE_SECONDS + ["gemm_flops", "attention_flops"]
 
@@ -101,10 +101,13 @@ def check_exact(model, seq, sp, attention, extra, name):
         if fl["grad_sync"] != (0, 0) or not (0 < fl["forward"][1] < fl["backward"][1]) or \
                 not (0 < fl["forward"][0] < fl["backward"][0]):
             failures.append(f"{name} {plan['form']}: FLOPs per phase {fl}")
+        # ... plus its waits for peers (the critical rank's: none on these
+        # profiles, which give every rank a device, so no core sharing).
         step, hidden = plan["predicted_step_s"], plan["hidden_comm_s"]
-        if abs(total - hidden - step) > 1e-9 * step:
-            failures.append(f"{name} {plan['form']}: phases sum {total} - hidden {hidden} != "
-                            f"step {step}")
+        waits = plan["peer_wait_s"] + plan["core_share_s"]
+        if abs(total - hidden + waits - step) > 1e-9 * step or plan["core_share_s"] != 0:
+            failures.append(f"{name} {plan['form']}: phases sum {total} - hidden {hidden} + "
+                            f"waits {waits} != step {step}")
         if (hidden > 0) != plan["form"].endswith("+overlap"):
             failures.append(f"{name} {plan['form']}: hidden_comm_s {hidden}")
 
