@@ -402,6 +402,123 @@ TEST(TimeModel, OverlapHidesStartedCollectivesUnderCompute) {
   }
 }
 
+// A hand-made timeline: each segment `seconds` of elementwise work (at 1
+// byte/s), then a blocking all-reduce of `bytes` (or, for the last, the end).
+RankWork hand_timeline(const std::vector<double>& seconds, std::int64_t bytes) {
+  RankWork w;
+  for (size_t k = 0; k + 1 < seconds.size(); ++k) {
+    TimelineStep s;
+    s.compute_before.elementwise_bytes = seconds[k];
+    s.event.kind = CollectiveKind::all_reduce;
+    s.event.bytes = {bytes, bytes};
+    w.timeline.push_back(s);
+  }
+  w.compute_after.elementwise_bytes = seconds.back();
+  return w;
+}
+
+HardwareProfile one_byte_per_second(int shared_cores) {
+  HardwareProfile p = load_profile("h100");
+  p.device.elementwise_bytes_per_s = 1;
+  p.shared_cores = shared_cores;
+  return p;
+}
+
+// The ranks together: a collective runs once its last rank issues it, so
+// the early rank waits for it (peer_wait_s), and the step is the critical
+// path's; each rank's end is its phases' time - hidden + its waits.
+TEST(GroupStepTime, ACollectiveWaitsForItsLastRank) {
+  const Fabric fabric = single_level({1e9, 0.5, Topology::switched});  // 0.5 s a call
+  const RankWork fast = hand_timeline({1, 2}, 8), slow = hand_timeline({3, 1}, 8);
+  const HardwareProfile prof = one_byte_per_second(0);
+  const double link = collective_seconds(CollectiveKind::all_reduce, 2, {8, 8}, fabric);
+  const GroupStepTime g = group_step_time({&fast, &slow}, prof, PlanDType::fp32, fabric);
+  EXPECT_DOUBLE_EQ(g.ranks[0].end_s, 3 + link + 2);
+  EXPECT_DOUBLE_EQ(g.ranks[1].end_s, 3 + link + 1);
+  EXPECT_DOUBLE_EQ(g.step_s, 3 + link + 2);
+  EXPECT_DOUBLE_EQ(g.ranks[0].peer_wait_s, 2);
+  EXPECT_DOUBLE_EQ(g.ranks[1].peer_wait_s, 0);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.ranks[r].hidden_comm_s, 0);
+    EXPECT_EQ(g.ranks[r].core_share_s, 0);
+  }
+  // Each alone (step_time) knows no peers: the fast rank would end at 3 + link.
+  EXPECT_DOUBLE_EQ(step_time(fast, 2, prof, PlanDType::fp32, fabric).step_s, 1 + link + 2);
+}
+
+// Ranks sharing a host's cores: two ranks computing at once on one core
+// each run at half a core's rate; alone (the other waiting), at a whole one.
+TEST(GroupStepTime, RanksComputingAtOnceShareTheCores) {
+  const Fabric fabric = single_level({1e9, 0.5, Topology::switched});
+  const double link = collective_seconds(CollectiveKind::all_reduce, 2, {8, 8}, fabric);
+  const RankWork a = hand_timeline({1, 2}, 8), b = hand_timeline({3, 1}, 8);
+  const GroupStepTime g =
+      group_step_time({&a, &b}, one_byte_per_second(1), PlanDType::fp32, fabric);
+  // Both compute for 2 s of wall time (1 s each of their own), then b
+  // alone for its remaining 2 s; the all-reduce; then both again: a's 2 s
+  // and b's 1 s share the core for 2 s, and a alone does its last 1 s.
+  EXPECT_DOUBLE_EQ(g.ranks[1].end_s, 4 + link + 2);
+  EXPECT_DOUBLE_EQ(g.ranks[0].end_s, 4 + link + 3);
+  EXPECT_DOUBLE_EQ(g.ranks[0].core_share_s, 1 + 1);
+  EXPECT_DOUBLE_EQ(g.ranks[1].core_share_s, 1 + 1);
+  EXPECT_DOUBLE_EQ(g.ranks[0].peer_wait_s, 2);
+  // As many cores as ranks: nothing shared, the unshared timeline.
+  const GroupStepTime two =
+      group_step_time({&a, &b}, one_byte_per_second(2), PlanDType::fp32, fabric);
+  const GroupStepTime none =
+      group_step_time({&a, &b}, one_byte_per_second(0), PlanDType::fp32, fabric);
+  EXPECT_EQ(two.step_s, none.step_s);
+  EXPECT_EQ(two.ranks[0].core_share_s, 0);
+}
+
+// Every form's real timelines, every rank: with a device per rank the
+// group's step is the slowest rank's own (a form's ranks meet each
+// collective after the same work, or the slowest is slowest before each),
+// and every rank's end is its phases - hidden + waits.
+TEST(GroupStepTime, EveryFormsRanksAddUp) {
+  const MlaConfig cfg = tiny();
+  const HardwareProfile prof = load_profile("h100");
+  const Fabric fabric = single_level({2e9, 30e-6, Topology::switched});
+  for (int P : {2, 3})
+    for (Form f : all_forms())
+      for (Overlap o : {Overlap::off, Overlap::on}) {
+        FormVariant v(f);
+        if (o == Overlap::on && !form_spec(f).traits.overlap) continue;
+        v.overlap = o;
+        const SpLayout lay = SpLayout::even(1, 40, cfg.n_heads, P);
+        std::vector<RankWork> works;
+        for (int r = 0; r < P; ++r)
+          works.push_back(rank_work(cfg, lay, v, AttentionKind::flash, r, PlanDType::bf16));
+        std::vector<const RankWork*> ranks;
+        for (const RankWork& w : works) ranks.push_back(&w);
+        const GroupStepTime g = group_step_time(ranks, prof, PlanDType::bf16, fabric);
+        double slowest = 0;
+        for (int r = 0; r < P; ++r) {
+          const RankWork& w = works[size_t(r)];
+          const RankStepTime& t = g.ranks[size_t(r)];
+          double summed = 0;
+          for (const PhaseTime& p : rank_time(w, P, prof, PlanDType::bf16, fabric))
+            summed += p.compute_s() + p.comm_s;
+          EXPECT_NEAR(t.end_s, summed - t.hidden_comm_s + t.peer_wait_s, 1e-9 * summed)
+              << to_string(v) << " P " << P << " rank " << r;
+          EXPECT_EQ(t.core_share_s, 0);
+          slowest = std::max(slowest, step_time(w, P, prof, PlanDType::bf16, fabric).step_s);
+        }
+        EXPECT_GE(g.step_s, slowest * (1 - 1e-12)) << to_string(v) << " P " << P;
+      }
+}
+
+// A profile whose ranks share a host's cores puts them on one node, however
+// many; it round-trips through the profile's JSON.
+TEST(TimeModel, SharedCoresAreOneNode) {
+  HardwareProfile prof = load_profile("h100");
+  prof.shared_cores = 2;
+  prof.devices_per_node = 2;
+  EXPECT_EQ(plan_links(prof, 4, 0, {}, {}).nodes, 1);
+  EXPECT_EQ(parse_profile(profile_json(prof), "round trip").shared_cores, 2);
+  EXPECT_EQ(parse_profile(profile_json(load_profile("h100")), "round trip").shared_cores, 0);
+}
+
 TEST(TimeModel, NodesMustHoldTheRanks) {
   const HardwareProfile prof = load_profile("h100");  // 8 per node
   EXPECT_EQ(plan_links(prof, 8, 0, {}, {}).nodes, 1);
