@@ -10,6 +10,7 @@
 
 #include "comm/collective_util.hpp"
 #include "core/error.hpp"
+#include "core/precision.hpp"
 #include "core/threads.hpp"
 
 namespace laga {
@@ -592,10 +593,14 @@ void run_local_ranks(std::vector<std::unique_ptr<Communicator>>& comms,
   std::vector<char> threw(static_cast<size_t>(P), 0);
   std::vector<std::thread> threads_of_ranks;
   threads_of_ranks.reserve(static_cast<size_t>(P));
+  // Each rank runs at the precision of the thread that starts them (--dtype:
+  // core/precision.hpp), as it would under MPI, where the body runs on it.
+  const Precision precision = op_precision;
   for (int r = 0; r < P; ++r) {
     threads_of_ranks.emplace_back([&, r] {
       MemoryPool own_pool;
       PoolScope scope(options.pools ? (*options.pools)[r] : own_pool);
+      const UsePrecision at_precision(precision);
       try {
         set_rank_threads(threads);
         if (options.deferred_delivery_for_testing) {

@@ -29,17 +29,37 @@ namespace {
 
 // The kernel's operands at this rank: its heads' queries, the gathered
 // latent and its heads' rows of wkv_b (H_r, dn + dv, C).
+//
+// Under bf16 mixed precision (ops.hpp, "Precision") there is no bf16 latent
+// kernel: the fp32 one runs on bf16 values -- q_h and lat are bf16 already
+// (GEMM, RMSNorm and RoPE outputs, moved unchanged), and wkv_b's rows are
+// taken from `w_kv_bf16`, their rounded copy -- so its in-kernel K/V
+// up-projection and P are fp32, not rounded as explicit's bf16 k_h, v_h
+// and the bf16 flash kernel's P are.
 template <class T>
 LatentAttnParams<T> latent_params(const Step& st, const MlaParams<T>& w, const Tensor<T>& q_h,
-                                  const Tensor<T>& lat) {
+                                  const Tensor<T>& lat, const Tensor<T>& w_kv_bf16) {
   LatentAttnParams<T> p;
   p.shape = st.head_attention();
   p.C = st.C, p.dn = st.dn;
   p.q = q_h.data();
   p.c = lat.data(), p.ld_c = st.W;
   p.k_pe = at(lat.data(), st.C), p.ld_k_pe = st.W;
-  p.w_kv = at(w.wkv_b.data(), st.h0 * st.KV * st.C);
+  p.w_kv = w_kv_bf16.defined() ? w_kv_bf16.data() : at(w.wkv_b.data(), st.h0 * st.KV * st.C);
   return p;
+}
+
+// This rank's heads' rows of wkv_b (H_r (dn + dv), C) rounded to bf16 under
+// bf16 mixed precision; undefined otherwise (the kernel reads wkv_b itself),
+// and count-only: the memory model counts an fp32 run (docs/performance.md,
+// "bf16 mixed precision", says what that leaves out).
+template <class T>
+Tensor<T> bf16_rows_of_wkv_b(const Step& st, const MlaParams<T>& w) {
+  if (current_pool().count_only() || !ops::in_bf16<T>()) return {};
+  Tensor<T> rows({st.Hr * st.KV, st.C}, "wkv_b bf16 rows");
+  ops::copy(ops::mat(rows), ops::mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV));
+  if constexpr (std::is_same_v<T, float>) ops::bf16_path::round_in_place(ops::mat(rows));
+  return rows;
 }
 
 // Counts what the kernel does (mla/ops.hpp, "Op counts"): its attention as
@@ -77,6 +97,7 @@ struct LagaFusedTape final : Tape<T> {
   LagaInputs<T> inputs;  // what the queries' and the latent's exchanges saved, lat among them
   Tensor<T> q_h;         // (B, S, H_r, dqk)
   Tensor<T> o_att, lse;  // (B, S, H_r, dv), (B, H_r, S): the kernel's backward reads both
+  Tensor<T> w_kv_bf16;   // bf16 only: latent_params' rounded wkv_b rows
   Tensor<T> o_loc;       // (B, L, H*dv)
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
@@ -88,7 +109,7 @@ struct LagaFusedTape final : Tape<T> {
     const Shape dlat_shape{st.B, st.S, st.W};
     Tensor<T> dlat =
         st.Hr == 0 ? Tensor<T>::zeros(dlat_shape, "dlat") : Tensor<T>(dlat_shape, "dlat");
-    const LatentAttnParams<T> p = latent_params(st, w, q_h, inputs.lat);
+    const LatentAttnParams<T> p = latent_params(st, w, q_h, inputs.lat, w_kv_bf16);
     count_latent_attention(st, p.shape, ops::AttentionPass::backward);
     if (ops::runs(st.B * st.S * st.Hr,
                   {dq_h.data(), dlat.data(), do_h.data(), o_att.data(), lse.data(), p.q, p.c}))
@@ -96,7 +117,7 @@ struct LagaFusedTape final : Tape<T> {
                                          {dq_h.data(), dlat.data(), st.W, at(dlat.data(), st.C),
                                           st.W, at(grads.wkv_b.data(), st.h0 * st.KV * st.C)},
                                          do_h.data(), o_att.data(), lse.data());
-    do_h.reset(), o_att.reset(), lse.reset(), q_h.reset();
+    do_h.reset(), o_att.reset(), lse.reset(), q_h.reset(), w_kv_bf16.reset();
     inputs.backward_from_latent(st, w, x, dq_h, dlat, dx, grads);
   }
 };
@@ -116,7 +137,8 @@ std::unique_ptr<Tape<T>> laga_fused_forward(const Step& st, const MlaParams<T>& 
   t->q_h = t->inputs.forward(st, w, x, UpProjection::in_kernel).q_h;
   t->o_att = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "o_att");
   t->lse = Tensor<T>({st.B, st.Hr, st.S}, "attn_stats flash lse");
-  const LatentAttnParams<T> p = latent_params(st, w, t->q_h, t->inputs.lat);
+  t->w_kv_bf16 = bf16_rows_of_wkv_b(st, w);
+  const LatentAttnParams<T> p = latent_params(st, w, t->q_h, t->inputs.lat, t->w_kv_bf16);
   count_latent_attention(st, p.shape, ops::AttentionPass::forward);
   if (ops::runs(st.B * st.S * st.Hr, {t->o_att.data(), t->lse.data(), p.q, p.c}))
     attention_flash_latent_forward<T>(p, t->o_att.data(), t->lse.data());

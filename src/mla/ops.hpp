@@ -14,6 +14,20 @@
 // times each listed shape on the machine it plans for, so no form's FLOPs or
 // shapes are derived by hand a second time.
 //
+// Precision (core/precision.hpp, --dtype): under a UsePrecision(bf16) scope
+// with T = float, the ops run bf16 mixed precision: every GEMM operand is
+// rounded to bf16 (into scratch, ops_bf16.hpp) and multiplied with fp32
+// sums (kernels/gemm_bf16.hpp); a product into fresh storage (gemm with
+// beta 0, linear, linear_backward's dx) is rounded to bf16, since a bf16 run
+// stores it, while one added into its output (beta 1: weight gradients, dx
+// added to) stays an fp32 sum; RMSNorm computes in fp32 (its rstd is fp32)
+// and its y is rounded, RoPE's forward rotation is computed in fp32 and
+// rounded, its inverse (backward, on gradients) is not; copy and add move
+// fp32. Attention (block.cpp, Pieces::attend) rounds q, k, v (and dO) and
+// runs the bf16 flash kernel. The tensors stay fp32 containers: bf16
+// storage emulated, so the pool, the memory model and the op counts see
+// fp32 bytes. T = double refuses bf16 (it is the exact reference).
+//
 // A Mat is a row-major matrix view (rows, cols, row stride ld) into a tensor:
 // a column slice is one head of a (B, S, H, d) tensor (ld = H d), a row slice
 // is one head's rows of a weight. A view of an unbacked tensor stays null
@@ -29,11 +43,13 @@
 
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
+#include "core/precision.hpp"
 #include "core/tensor.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
+#include "mla/ops_bf16.hpp"
 
 namespace laga {
 enum class AttentionKind;  // mla/block.hpp
@@ -185,6 +201,17 @@ inline bool runs(std::int64_t elements, std::initializer_list<const void*> ptrs)
   return false;
 }
 
+// Whether this thread's ops on T run bf16 mixed precision: T = float under
+// Precision::bf16. T = double under bf16 is refused, not quietly run in
+// double, so a bf16 request can never produce an fp64 result.
+template <class T>
+bool in_bf16() {
+  if (op_precision != Precision::bf16) return false;
+  LAGA_CHECK((std::is_same_v<T, float>),
+             "bf16 mixed precision runs the float path: it needs T = float, not double");
+  return true;
+}
+
 // A read-only operand: a Mat<const T> that a Mat<T> converts to (outside
 // template deduction, so T comes from the written operand).
 template <class T>
@@ -208,6 +235,10 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
     return;
   }
   if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+  if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
+    if constexpr (std::is_same_v<T, float>)
+      return bf16_path::gemm(C, beta, A, trans_a, B, trans_b, alpha);
+  }
   laga::gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
 }
 
@@ -220,6 +251,9 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
   // linear_forward's gemm: x (N, in) by w (out, in) transposed.
   count_gemm({false, true, y.rows, y.cols, x.cols, x.cols, x.cols, y.cols, false});
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
+  if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
+    if constexpr (std::is_same_v<T, float>) return bf16_path::linear(y, x, w);
+  }
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
 // dx = dy w (added when accumulate; skipped when dx.p is null and not
@@ -232,6 +266,10 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   count_gemm({true, false, out, in, N, out, in, in, true});
   if (dx) count_gemm({false, false, N, in, out, out, in, in, accumulate});
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
+  if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
+    if constexpr (std::is_same_v<T, float>)
+      return bf16_path::linear_backward(dx, accumulate, dw, dy, x, w);
+  }
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);
 }
@@ -242,6 +280,9 @@ void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps)
   count_elementwise<T>(y.rows * y.cols, 2);  // x in, y out
   if (!runs(y.rows * y.cols, {y.p, rstd.data(), x.p, w.data()})) return;
   rmsnorm_forward(y.p, rstd.data(), x.p, x.ld, w.data(), y.rows, y.cols, eps);
+  if (in_bf16<T>()) {
+    if constexpr (std::is_same_v<T, float>) bf16_path::round_in_place(y);
+  }
 }
 // dx (N, C) overwritten, dw accumulated; dx, dy and x each at its own row
 // stride.
@@ -266,6 +307,13 @@ void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t
     rope_apply_at(x.p, B, L, H, x.ld, head_stride, positions, table, inverse);
   else
     rope_apply(x.p, B, L, H, x.ld, head_stride, pos0, table, inverse);
+  // Forward rotates a GEMM's (bf16) output in place: the rotated values are
+  // rounded again, and the view's unrotated columns (the heads' nope parts,
+  // that GEMM's output too) are bf16 already, so rounding all of x changes
+  // only what was rotated.
+  if (!inverse && in_bf16<T>()) {
+    if constexpr (std::is_same_v<T, float>) bf16_path::round_in_place(x);
+  }
 }
 
 // dst = src, row by row.

@@ -1,0 +1,85 @@
+#include "mla/ops_bf16.hpp"
+
+#include <array>
+#include <vector>
+
+#include "kernels/bf16_convert.hpp"
+#include "kernels/gemm_bf16.hpp"
+#include "mla/ops.hpp"
+
+namespace laga::ops::bf16_path {
+
+namespace {
+
+// This thread's (this rank's) scratch, one buffer a slot, grown to the
+// largest operand it has held and kept: not counted by the memory pool
+// (docs/performance.md, "bf16 mixed precision", says what that leaves out).
+bf16* scratch(Slot slot, std::int64_t n) {
+  thread_local std::array<std::vector<bf16>, 4> slots;
+  std::vector<bf16>& s = slots[static_cast<std::size_t>(slot)];
+  if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
+  return s.data();
+}
+
+}  // namespace
+
+const bf16* operand(Slot slot, const Mat<const float>& m) {
+  bf16* out = scratch(slot, m.rows * m.cols);
+  if (m.ld == m.cols) {
+    convert_to_bf16(m.p, out, m.rows * m.cols);
+  } else {
+    for (std::int64_t i = 0; i < m.rows; ++i)
+      convert_to_bf16(m.p + i * m.ld, out + i * m.cols, m.cols);
+  }
+  return out;
+}
+
+const bf16* operand(Slot slot, const float* x, std::int64_t n) {
+  return operand(slot, Mat<const float>{x, 1, n, n});
+}
+
+void round_in_place(const Mat<float>& m) {
+  for (std::int64_t i = 0; i < m.rows; ++i) {
+    float* row = m.p + i * m.ld;
+    for (std::int64_t j = 0; j < m.cols; ++j) row[j] = to_float(to_bf16(row[j]));
+  }
+}
+
+// A product into fresh storage (beta 0) is a value a bf16 run would store:
+// rounded once, at the end, as gemm_bf16<bf16> would. A product added into
+// C (beta != 0) is an fp32 accumulator -- a weight gradient summed over
+// calls, or a partial sum over key blocks -- and is kept fp32, since rounding
+// every partial sum would add one roundoff per call to the total.
+void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans_a,
+          const Mat<const float>& B, bool trans_b, float alpha) {
+  const std::int64_t K = trans_a ? A.rows : A.cols;
+  const bf16* a = operand(Slot::first, A);
+  const bf16* b = operand(Slot::second, B);
+  gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a, A.cols, b, B.cols, beta, C.p,
+                   C.ld);
+  if (beta == 0.0f) round_in_place(C);
+}
+
+void linear(const Mat<float>& y, const Mat<const float>& x, const Tensor<float>& w) {
+  const std::int64_t in = x.cols, out = y.cols;
+  const bf16* xb = operand(Slot::first, x);
+  const bf16* wb = operand(Slot::second, w.data(), out * in);
+  linear_forward_bf16<float>(y.p, xb, wb, y.rows, in, out);
+  round_in_place(y);
+}
+
+void linear_backward(const Mat<float>* dx, bool accumulate, Tensor<float>& dw,
+                     const Mat<const float>& dy, const Mat<const float>& x,
+                     const Tensor<float>& w) {
+  const std::int64_t N = dy.rows, in = x.cols, out = dy.cols;
+  const bf16* dyb = operand(Slot::first, dy);
+  const bf16* xb = operand(Slot::second, x);
+  const bf16* wb = operand(Slot::third, w.data(), out * in);
+  // dW += dy^T x into the fp32 gradient (the master weights' precision).
+  linear_backward_bf16<float>(dx ? dx->p : nullptr, accumulate, dw.data(), dyb, xb, wb, N, in, out);
+  // dx: fresh, an activation gradient a bf16 run stores; added to, an fp32
+  // sum (the gemm rule above).
+  if (dx && !accumulate) round_in_place(*dx);
+}
+
+}  // namespace laga::ops::bf16_path
