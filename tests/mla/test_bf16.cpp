@@ -1,0 +1,317 @@
+// bf16 mixed precision (Precision::bf16, --dtype bf16; mla/ops.hpp,
+// "Precision"): every form at P = 1, 2, 3 (uneven sequence and head shards)
+// against single-rank explicit in bf16 and against the float64 block, the
+// op layer's rounding rules themselves, and that the scope reaches every
+// rank thread and changes results.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/variants.hpp"
+#include "core/bf16.hpp"
+#include "core/error.hpp"
+#include "core/precision.hpp"
+#include "core/rng.hpp"
+#include "kernels/gemm.hpp"
+#include "mla/ops.hpp"
+#include "mla/runner.hpp"
+
+namespace laga {
+namespace {
+
+// bf16's unit roundoff: 8 significant bits, round to nearest, so one
+// rounding moves a value by at most 2^-8 of itself.
+constexpr double kU = 1.0 / 256;
+
+bool is_bf16(float x) {
+  return to_float(to_bf16(x)) == x;
+}
+
+MlaConfig test_config(std::int64_t rq) {
+  MlaConfig c;
+  // test_forms.cpp's: H = 5 (no P > 1 divides it), C > dn, dqk != dv.
+  c.dim = 32, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
+  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
+  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
+  c.validate();
+  return c;
+}
+
+template <class T>
+struct Inputs {
+  MlaParams<T> w;
+  Tensor<T> x, dout;
+};
+
+Inputs<float> make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S) {
+  Inputs<float> in;
+  in.w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(in.w, 3, 0.1);
+  in.x = TensorF({B, S, cfg.dim});
+  in.dout = TensorF({B, S, cfg.dim});
+  fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
+  fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
+  return in;
+}
+
+TensorD widened(const TensorF& t) {
+  TensorD d(t.shape());
+  for (std::int64_t i = 0; i < t.numel(); ++i) d[i] = t[i];
+  return d;
+}
+
+// The same values in double (float -> double is exact).
+Inputs<double> widened(const MlaConfig& cfg, const Inputs<float>& in) {
+  Inputs<double> d;
+  d.w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+  std::vector<const TensorF*> from;
+  in.w.for_each([&](const std::string&, const TensorF& t) { from.push_back(&t); });
+  std::size_t i = 0;
+  d.w.for_each([&](const std::string&, TensorD& t) {
+    const TensorF& f = *from[i++];
+    for (std::int64_t j = 0; j < t.numel(); ++j) t[j] = f[j];
+  });
+  d.x = widened(in.x), d.dout = widened(in.dout);
+  return d;
+}
+
+BlockRun<float> run_bf16(const MlaConfig& cfg, const SpLayout& lay, const Inputs<float>& in,
+                         FormVariant v) {
+  const UsePrecision bf16(Precision::bf16);
+  RunSpec spec;
+  spec.variant = v;
+  spec.attention = AttentionKind::flash;
+  return run_local(cfg, lay, in.w, in.x, in.dout, spec);
+}
+
+// Every compared tensor of a run: out, dx, then the gradients in order.
+template <class T>
+std::vector<std::pair<std::string, const Tensor<T>*>> tensors(const BlockRun<T>& r) {
+  std::vector<std::pair<std::string, const Tensor<T>*>> v{{"out", &r.out}, {"dx", &r.dx}};
+  r.grads.for_each([&](const std::string& n, const Tensor<T>& t) {
+    v.push_back({"grad." + n, &t});
+  });
+  return v;
+}
+
+// max |a - b| <= bound * max |b|, tensor by tensor; `bound` for out, and
+// `grad_bound` for dx and the gradients.
+template <class T>
+void expect_within(const BlockRun<float>& run, const BlockRun<T>& ref, double bound,
+                   double grad_bound, const std::string& tag) {
+  const auto a = tensors(run);
+  const auto b = tensors(ref);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const TensorD ad = widened(*a[i].second);
+    TensorD bd(b[i].second->shape());
+    for (std::int64_t j = 0; j < bd.numel(); ++j) bd[j] = double((*b[i].second)[j]);
+    const Deviation d = deviation(ad, bd);
+    const double allowed = i == 0 ? bound : grad_bound;
+    EXPECT_LE(d.relative(), allowed)
+        << tag << " " << a[i].first << ": max |diff| " << d.max_abs << ", max |ref| " << d.ref_max;
+  }
+}
+
+// --------------------------------------------------------------- the bounds
+//
+// A bf16 run rounds, on the longest path from the inputs to `out`: x and
+// in_proj (the first GEMM's operands), its output, RoPE's rotation or
+// RMSNorm's c_hat, wkv_b and the K/V up-projection's output (or, absorbed,
+// W_UK folded into q), P inside the flash kernel, o and wo (the last GEMM's
+// operands) and out: at most n_out = 10 roundings (rq > 0 adds q's path,
+// RMSNorm, wq_b and its output, which runs beside the latent's, not after
+// it). To first order each adds at most u of its value, and with weights
+// that keep the block's activations at the scale of its input (init_params'
+// 0.1) the errors add up without growth relative to max |out|: a run is
+// within n_out u of the exact block. Backward retraces that path with as
+// many roundings again (each GEMM's dy and its fresh output, dO and dS in
+// the kernel): n_grad = 2 n_out.
+constexpr double kRoundingsOut = 10, kRoundingsGrad = 2 * kRoundingsOut;
+// Against float64 (the exact block, to fp32's 2^-24 that is far below):
+// n u.
+constexpr double kOutVsExact = kRoundingsOut * kU, kGradVsExact = kRoundingsGrad * kU;
+// Two bf16 runs that differ in where they round (absorbed's fold,
+// laga_fused's unrounded in-kernel K/V) or in fp32 summation order (which
+// can flip a rounding by one ulp, 2u): each within n u of the exact block,
+// so within 2 n u of each other.
+constexpr double kOutVsBf16 = 2 * kOutVsExact, kGradVsBf16 = 2 * kGradVsExact;
+
+struct Layout {
+  std::vector<std::int64_t> seq, heads;
+};
+
+TEST(Bf16, EveryFormAtEveryRankCountAgreesWithExplicitAndFloat64) {
+  const std::int64_t B = 2;
+  const std::vector<Layout> layouts{{{13}, {5}}, {{7, 6}, {3, 2}}, {{5, 4, 4}, {2, 2, 1}}};
+  for (std::int64_t rq : {0, 7}) {
+    const MlaConfig cfg = test_config(rq);
+    const std::int64_t S = 13;
+    const Inputs<float> in = make_inputs(cfg, B, S);
+    const Inputs<double> ind = widened(cfg, in);
+    const SpLayout one = SpLayout::even(B, S, cfg.n_heads, 1);
+    RunSpec spec;
+    spec.attention = AttentionKind::flash;
+    const BlockRun<double> exact = run_local(cfg, one, ind.w, ind.x, ind.dout, spec);
+    const BlockRun<float> ref = run_bf16(cfg, one, in, Form::explicit_form);
+    expect_within(ref, exact, kOutVsExact, kGradVsExact, "explicit P=1 vs float64");
+    for (const Layout& l : layouts) {
+      const SpLayout lay = SpLayout::custom(B, l.seq, l.heads);
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
+        const std::string tag = to_string(v) + " rq" + std::to_string(rq) + " " + lay.describe();
+        const BlockRun<float> run = run_bf16(cfg, lay, in, v);
+        expect_within(run, ref, kOutVsBf16, kGradVsBf16, tag + " vs bf16 explicit P=1");
+        expect_within(run, exact, kOutVsExact, kGradVsExact, tag + " vs float64");
+        // out is the output projection's fresh product: a bf16 value.
+        std::int64_t not_bf16 = 0;
+        for (std::int64_t i = 0; i < run.out.numel(); ++i) not_bf16 += !is_bf16(run.out[i]);
+        EXPECT_EQ(not_bf16, 0) << tag << ": out holds values a bf16 tensor cannot";
+      }
+    }
+  }
+}
+
+// The scope is not silently ignored: bf16 explicit (and a form whose ranks
+// are threads, so the scope must reach them) is further from float64 than
+// fp32 can be. fp32's error is within 2^-24 times the same path's
+// roundings; bf16's rounding of x alone is of order u, 2^16 times more; so
+// an fp32 run is within u / 2^8 of float64, and a bf16 run is not.
+TEST(Bf16, ChangesResultsOnEveryRank) {
+  const MlaConfig cfg = test_config(7);
+  const std::int64_t B = 2, S = 13;
+  const Inputs<float> in = make_inputs(cfg, B, S);
+  const Inputs<double> ind = widened(cfg, in);
+  RunSpec spec;
+  spec.attention = AttentionKind::flash;
+  const double fp32_scale = kU / 256;
+  for (int P : {1, 3}) {
+    const SpLayout lay = SpLayout::even(B, S, cfg.n_heads, P);
+    const BlockRun<double> exact = run_local(cfg, lay, ind.w, ind.x, ind.dout, spec);
+    const BlockRun<float> fp32 = run_local(cfg, lay, in.w, in.x, in.dout, spec);
+    const BlockRun<float> bf16 = run_bf16(cfg, lay, in, Form::laga);
+    EXPECT_LT(deviation(widened(fp32.out), exact.out).relative(), fp32_scale) << "P " << P;
+    // Every rank's rows: each one's out must show bf16's error.
+    for (std::int64_t r = 0; r < P; ++r) {
+      const std::int64_t off = lay.seq_offset[static_cast<std::size_t>(r)];
+      const std::int64_t n = lay.seq_count[static_cast<std::size_t>(r)];
+      const Deviation d =
+          deviation(widened(slice_seq(bf16.out, off, n)), slice_seq(exact.out, off, n));
+      EXPECT_GT(d.relative(), fp32_scale) << "P " << P << " rank " << r;
+    }
+  }
+}
+
+TEST(Bf16, DoubleRefusesIt) {
+  const MlaConfig cfg = test_config(0);
+  const Inputs<double> ind = widened(cfg, make_inputs(cfg, 1, 5));
+  const UsePrecision bf16(Precision::bf16);
+  RunSpec spec;
+  spec.attention = AttentionKind::flash;
+  EXPECT_THROW(run_local(cfg, SpLayout::even(1, 5, cfg.n_heads, 1), ind.w, ind.x, ind.dout, spec),
+               Error);
+}
+
+TEST(Bf16, EagerIsRefused) {
+  const MlaConfig cfg = test_config(0);
+  const Inputs<float> in = make_inputs(cfg, 1, 5);
+  const UsePrecision bf16(Precision::bf16);
+  RunSpec spec;
+  spec.attention = AttentionKind::eager;
+  EXPECT_THROW(run_local(cfg, SpLayout::even(1, 5, cfg.n_heads, 1), in.w, in.x, in.dout, spec),
+               Error);
+}
+
+TEST(Bf16, PrecisionNames) {
+  for (Precision p : {Precision::fp32, Precision::bf16})
+    EXPECT_EQ(parse_precision(to_string(p)), p);
+  EXPECT_THROW(parse_precision("float16"), Error);
+}
+
+// ------------------------------------------------------------ the op layer
+
+struct Gemm {
+  std::int64_t M, N, K;
+  std::vector<float> a, b;  // (M, K), (K, N) row-major, as given: not bf16 values
+};
+
+Gemm random_gemm(std::int64_t M, std::int64_t N, std::int64_t K) {
+  Gemm g{M, N, K, std::vector<float>(std::size_t(M * K)), std::vector<float>(std::size_t(K * N))};
+  fill_normal(g.a.data(), M * K, 9, 1, 0, 1.0);
+  fill_normal(g.b.data(), K * N, 9, 2, 0, 1.0);
+  return g;
+}
+
+// ops::gemm under bf16 = the bf16 value of the exact product of the rounded
+// operands: the fp32 sum of K exact products (each of two 8-bit
+// significands: exact in fp32) errs by at most K 2^-24 of sum |a b|, far
+// below the final rounding's u; so the result is the rounded exact sum or
+// its neighbour, within 2u of it. Against the unrounded operands' product
+// it is not: the operands' rounding moves the sum by order u / sqrt(K) of
+// sum |a b|, tens of times fp32's rounding.
+TEST(Bf16, GemmRoundsOperandsAndFreshOutputs) {
+  const Gemm g = random_gemm(17, 23, 40);
+  std::vector<float> c(std::size_t(g.M * g.N), 0.0f), acc(c.size(), 1.0f);
+  const ops::Mat<const float> A{g.a.data(), g.M, g.K, g.K}, B{g.b.data(), g.K, g.N, g.N};
+  {
+    const UsePrecision bf16(Precision::bf16);
+    ops::gemm(ops::Mat<float>{c.data(), g.M, g.N, g.N}, 0.0f, A, false, B, false);
+    ops::gemm(ops::Mat<float>{acc.data(), g.M, g.N, g.N}, 1.0f, A, false, B, false);
+  }
+  std::int64_t fresh_not_bf16 = 0, acc_not_bf16 = 0;
+  double worst = 0, unrounded_gap = 0, sum_abs = 0;
+  for (std::int64_t i = 0; i < g.M; ++i)
+    for (std::int64_t j = 0; j < g.N; ++j) {
+      double rounded = 0, unrounded = 0, row_abs = 0;
+      for (std::int64_t k = 0; k < g.K; ++k) {
+        row_abs += std::abs(double(g.a[i * g.K + k]) * double(g.b[k * g.N + j]));
+        rounded += double(to_float(to_bf16(g.a[i * g.K + k]))) *
+                   double(to_float(to_bf16(g.b[k * g.N + j])));
+        unrounded += double(g.a[i * g.K + k]) * double(g.b[k * g.N + j]);
+      }
+      sum_abs = std::max(sum_abs, row_abs);
+      const float got = c[std::size_t(i * g.N + j)];
+      fresh_not_bf16 += !is_bf16(got);
+      acc_not_bf16 += !is_bf16(acc[std::size_t(i * g.N + j)]);
+      worst = std::max(worst, std::abs(got - rounded) / std::abs(rounded));
+      unrounded_gap =
+          std::max(unrounded_gap, std::abs(acc[std::size_t(i * g.N + j)] - 1.0 - unrounded));
+    }
+  EXPECT_EQ(fresh_not_bf16, 0) << "a fresh product is stored as bf16";
+  EXPECT_GT(acc_not_bf16, 0) << "an accumulated product stays an fp32 sum";
+  EXPECT_LE(worst, 2 * kU);
+  // The operands were rounded: the accumulated (unrounded-output) product
+  // is away from the fp32 operands' product by more than an fp32 GEMM of
+  // them can err (K + 1 roundings of 2^-24 of sum |a b|, the + 1 the add).
+  EXPECT_GT(unrounded_gap, double(g.K + 1) * std::pow(2.0, -24) * (sum_abs + 1));
+}
+
+// linear's y and linear_backward's fresh dx are bf16 values; dW is an fp32
+// accumulation (1 + a sum: not a bf16 value in general).
+TEST(Bf16, LinearRoundsActivationsNotWeightGradients) {
+  const std::int64_t N = 9, in = 24, out = 14;
+  TensorF x({N, in}), w({out, in}), y({N, out}), dy({N, out}), dx({N, in}), dw({out, in});
+  fill_normal(x.data(), x.numel(), 4, 1, 0, 1.0);
+  fill_normal(w.data(), w.numel(), 4, 2, 0, 1.0);
+  fill_normal(dy.data(), dy.numel(), 4, 3, 0, 1.0);
+  for (std::int64_t i = 0; i < dw.numel(); ++i) dw[i] = 1.0f;
+  {
+    const UsePrecision bf16(Precision::bf16);
+    ops::linear(ops::mat(y), ops::mat(std::as_const(x)), w);
+    ops::Mat<float> dxm = ops::mat(dx);
+    ops::linear_backward(&dxm, false, dw, ops::mat(std::as_const(dy)), ops::mat(std::as_const(x)),
+                         w);
+  }
+  auto count_bf16 = [](const TensorF& t) {
+    std::int64_t n = 0;
+    for (std::int64_t i = 0; i < t.numel(); ++i) n += is_bf16(t[i]);
+    return n;
+  };
+  EXPECT_EQ(count_bf16(y), y.numel());
+  EXPECT_EQ(count_bf16(dx), dx.numel());
+  EXPECT_LT(count_bf16(dw), dw.numel());
+}
+
+}  // namespace
+}  // namespace laga
