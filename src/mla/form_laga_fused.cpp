@@ -38,27 +38,30 @@ namespace {
 // and the bf16 flash kernel's P are.
 template <class T>
 LatentAttnParams<T> latent_params(const Step& st, const MlaParams<T>& w, const Tensor<T>& q_h,
-                                  const Tensor<T>& lat, const Tensor<T>& w_kv_bf16) {
+                                  const Tensor<T>& lat, const std::vector<T>& w_kv_bf16) {
   LatentAttnParams<T> p;
   p.shape = st.head_attention();
   p.C = st.C, p.dn = st.dn;
   p.q = q_h.data();
   p.c = lat.data(), p.ld_c = st.W;
   p.k_pe = at(lat.data(), st.C), p.ld_k_pe = st.W;
-  p.w_kv = w_kv_bf16.defined() ? w_kv_bf16.data() : at(w.wkv_b.data(), st.h0 * st.KV * st.C);
+  p.w_kv = !w_kv_bf16.empty() ? w_kv_bf16.data() : at(w.wkv_b.data(), st.h0 * st.KV * st.C);
   return p;
 }
 
 // This rank's heads' rows of wkv_b (H_r (dn + dv), C) rounded to bf16 under
-// bf16 mixed precision; undefined otherwise (the kernel reads wkv_b itself),
-// and count-only: the memory model counts an fp32 run (docs/performance.md,
-// "bf16 mixed precision", says what that leaves out).
+// bf16 mixed precision; empty otherwise (the kernel reads wkv_b itself), and
+// count-only. Scratch outside the pool, as every bf16 operand copy is
+// (ops_bf16.cpp): the pool and the memory model count an fp32 run's tensors
+// (docs/performance.md, "bf16 mixed precision", says what that leaves out).
 template <class T>
-Tensor<T> bf16_rows_of_wkv_b(const Step& st, const MlaParams<T>& w) {
+std::vector<T> bf16_rows_of_wkv_b(const Step& st, const MlaParams<T>& w) {
   if (current_pool().count_only() || !ops::in_bf16<T>()) return {};
-  Tensor<T> rows({st.Hr * st.KV, st.C}, "wkv_b bf16 rows");
-  ops::copy(ops::mat(rows), ops::mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV));
-  if constexpr (std::is_same_v<T, float>) ops::bf16_path::round_in_place(ops::mat(rows));
+  const T* first = at(w.wkv_b.data(), st.h0 * st.KV * st.C);
+  std::vector<T> rows(first, first + st.Hr * st.KV * st.C);
+  if constexpr (std::is_same_v<T, float>)
+    ops::bf16_path::round_in_place(
+        {rows.data(), 1, std::int64_t(rows.size()), std::int64_t(rows.size())});
   return rows;
 }
 
@@ -94,11 +97,11 @@ inline void count_latent_attention(const Step& st, const AttnShape& s, ops::Atte
 
 template <class T>
 struct LagaFusedTape final : Tape<T> {
-  LagaInputs<T> inputs;  // what the queries' and the latent's exchanges saved, lat among them
-  Tensor<T> q_h;         // (B, S, H_r, dqk)
-  Tensor<T> o_att, lse;  // (B, S, H_r, dv), (B, H_r, S): the kernel's backward reads both
-  Tensor<T> w_kv_bf16;   // bf16 only: latent_params' rounded wkv_b rows
-  Tensor<T> o_loc;       // (B, L, H*dv)
+  LagaInputs<T> inputs;      // what the queries' and the latent's exchanges saved, lat among them
+  Tensor<T> q_h;             // (B, S, H_r, dqk)
+  Tensor<T> o_att, lse;      // (B, S, H_r, dv), (B, H_r, S): the kernel's backward reads both
+  std::vector<T> w_kv_bf16;  // bf16 only: latent_params' rounded wkv_b rows
+  Tensor<T> o_loc;           // (B, L, H*dv)
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
@@ -117,7 +120,8 @@ struct LagaFusedTape final : Tape<T> {
                                          {dq_h.data(), dlat.data(), st.W, at(dlat.data(), st.C),
                                           st.W, at(grads.wkv_b.data(), st.h0 * st.KV * st.C)},
                                          do_h.data(), o_att.data(), lse.data());
-    do_h.reset(), o_att.reset(), lse.reset(), q_h.reset(), w_kv_bf16.reset();
+    do_h.reset(), o_att.reset(), lse.reset(), q_h.reset();
+    w_kv_bf16 = {};
     inputs.backward_from_latent(st, w, x, dq_h, dlat, dx, grads);
   }
 };

@@ -10,6 +10,48 @@
 #include "core/bf16.hpp"
 #include "core/tensor.hpp"
 
+namespace laga {
+
+// ------------------------------------------------ what a bf16 block run meets
+//
+// bf16's unit roundoff: 8 significant bits, round to nearest, so one
+// rounding moves a value by at most 2^-8 of itself.
+inline constexpr double kBf16UnitRoundoff = 1.0 / 256;
+
+// The block's tensors by the bound they meet: out, or dx and every
+// parameter gradient.
+enum class BlockTensor { output, gradient };
+
+// Roundings on the longest path from the inputs to a tensor. A bf16 run
+// rounds, on the way to out: x and in_proj (the first GEMM's operands), its
+// output, RoPE's rotation or RMSNorm's c_hat, wkv_b and the K/V
+// up-projection's output (or, absorbed, W_UK folded into q), P inside the
+// flash kernel, o and wo (the last GEMM's operands) and out: 10 (rq > 0
+// adds q's path, RMSNorm, wq_b and its output, which runs beside the
+// latent's, not after it). Backward retraces that path with as many
+// roundings again (each GEMM's dy and its fresh output, dO and dS in the
+// kernel): twice as many.
+constexpr int bf16_roundings(BlockTensor t) {
+  return t == BlockTensor::output ? 10 : 20;
+}
+// max |bf16 run - exact| / max |exact|: to first order each rounding adds at
+// most u of its value, and with weights that keep the block's activations at
+// its input's scale (init_params' 0.1) the errors add without growth
+// relative to the tensor's largest value: n u (fp32's own 2^-24 per step
+// is far below).
+constexpr double bf16_bound_vs_exact(BlockTensor t) {
+  return bf16_roundings(t) * kBf16UnitRoundoff;
+}
+// Between two bf16 runs that round at different places (absorbed's fold,
+// laga_fused's unrounded in-kernel K/V) or sum in another fp32 order (which
+// can flip a rounding by one ulp): each within n u of the exact block, so
+// within 2 n u of each other.
+constexpr double bf16_bound_between_runs(BlockTensor t) {
+  return 2 * bf16_bound_vs_exact(t);
+}
+
+}  // namespace laga
+
 namespace laga::ops {
 
 template <class T>

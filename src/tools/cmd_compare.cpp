@@ -54,6 +54,13 @@ void register_compare(CLI::App& app) {
                 "(saves the log-sum-exp, recomputes in backward)")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
+  c->add_option_function<std::string>(
+       "--dtype", [o](const std::string& s) { o->precision = parse_precision(s); },
+       "precision of the runs: fp32, or bf16 mixed precision (every GEMM and attention operand "
+       "rounded to bf16, fp32 sums; flash attention only; docs/performance.md, \"bf16 mixed "
+       "precision\"). Tensors stay fp32 containers: bytes and memory are fp32's")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->default_str("fp32");
   c->add_option("--doc-lens", o->doc_lens,
                 "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
                 "row); attention stays within documents")

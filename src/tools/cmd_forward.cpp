@@ -8,6 +8,7 @@
 
 #include "core/error.hpp"
 #include "core/nonfinite.hpp"
+#include "core/precision.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
 #include "tools/block_job.hpp"
@@ -26,8 +27,9 @@ struct ForwardOptions {
   std::string overlap = "off";
   int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
   std::string form = "explicit", attention = "flash";
-  std::string dtype =
-      "float32";  // float64: the same forms in double (checks other implementations)
+  // float64: the same forms in double (checks other implementations); bf16:
+  // float tensors under bf16 mixed precision (core/precision.hpp)
+  std::string dtype = "float32";
   int sp = 1, layer = 0;
   std::int64_t batch = 1, seq = 128;
   std::uint64_t seed = 0;
@@ -221,10 +223,12 @@ void register_forward_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--dtype", opts->dtype,
-                  "precision of the run: float32 (the tool's) or float64 (the same kernels in "
-                  "double; the output file is then F64), to hold another implementation to the "
-                  "forms exactly")
-      ->check(CLI::IsMember({"float32", "float64"}))
+                  "precision of the run: float32 (the tool's), bf16 (mixed precision: every GEMM "
+                  "and attention operand rounded to bf16, fp32 sums; flash only; the file stays "
+                  "F32, holding bf16 values where a bf16 run stores them, and its metadata says "
+                  "bf16) or float64 (the same kernels in double; the output file is then F64), to "
+                  "hold another implementation to the forms exactly")
+      ->check(CLI::IsMember({"float32", "bf16", "float64"}))
       ->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))
@@ -239,10 +243,15 @@ void register_forward_command(CLI::App& app) {
       ->check(whole(0))
       ->capture_default_str();
   sub->callback([opts] {
-    if (opts->dtype == "float64")
+    if (opts->dtype == "float64") {
       run_forward<double>(*opts);
-    else
+    } else if (opts->dtype == "bf16") {
+      check_bf16_attention(opts->attention);
+      const UsePrecision bf16(Precision::bf16);
       run_forward<float>(*opts);
+    } else {
+      run_forward<float>(*opts);
+    }
   });
 }
 

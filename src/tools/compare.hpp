@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "core/precision.hpp"
 #include "mla/block.hpp"
 #include "mla/config.hpp"
 #include "mla/layout.hpp"
@@ -41,6 +42,9 @@ struct CompareOptions {
   std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
   int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule
   std::uint64_t seed = 0;
+  // --dtype: fp32, or bf16 mixed precision (core/precision.hpp; flash only),
+  // its tensors fp32 containers, so every byte and memory figure is fp32's.
+  Precision precision = Precision::fp32;
 };
 
 // One (phase, label) of one form: max over the measured ranks.

@@ -134,7 +134,11 @@ std::string compare_table(const CompareResult& r) {
   std::ostringstream s;
   s << "laga compare: " << o.model.source() << " (" << r.cfg.summary() << ")\n";
   s << "  B=" << r.layout.batch << " S=" << r.layout.seq << " P=" << r.layout.ranks << " ("
-    << r.layout.describe() << "), " << to_string(r.attention) << " attention, fp32\n";
+    << r.layout.describe() << "), " << to_string(r.attention) << " attention, "
+    << (r.options.precision == Precision::bf16
+            ? "bf16 mixed precision (bf16 values in fp32 tensors)"
+            : "fp32")
+    << "\n";
   if (r.documents)
     s << "  packed: documents " << r.documents->describe() << " (attention within documents, "
       << "RoPE positions restart at each)\n";
@@ -235,7 +239,8 @@ std::string compare_table(const CompareResult& r) {
          "all-reduce).\n  in comm: that rank's wall time inside collectives and their waits "
          "(transfers, waiting for peers, --link's hold); comm % = in comm / step.\n";
 
-  s << "\nAgreement with explicit at the same P (measured, fp32): max |diff| over the group\n";
+  s << "\nAgreement with explicit at the same P (measured, " << to_string(r.options.precision)
+    << "): max |diff| over the group\n";
   Table agr({"form", "out", "dx", "worst grad", "grad", "(scale: max |explicit grad|)"});
   for (const FormResult& f : r.results) {
     if (!f.agreement) {
@@ -263,7 +268,9 @@ std::string compare_json(const CompareResult& r) {
   j["layout"] = r.layout.describe();
   j["attention"] = to_string(r.attention);
   j["doc_lens"] = r.documents ? ojson(r.documents->describe()) : ojson(nullptr);
-  j["dtype"] = "f32";
+  // The arithmetic: "f32", or "bf16" mixed precision, whose values are held
+  // in fp32 tensors (element_bytes stays 4: every byte figure is fp32's).
+  j["dtype"] = r.options.precision == Precision::bf16 ? "bf16" : "f32";
   j["element_bytes"] = 4;
   j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
   j["rank_only"] = o.rank_only >= 0 ? ojson(o.rank_only) : ojson(nullptr);

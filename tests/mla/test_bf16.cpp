@@ -16,14 +16,13 @@
 #include "core/rng.hpp"
 #include "kernels/gemm.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
 namespace {
 
-// bf16's unit roundoff: 8 significant bits, round to nearest, so one
-// rounding moves a value by at most 2^-8 of itself.
-constexpr double kU = 1.0 / 256;
+constexpr double kU = kBf16UnitRoundoff;
 
 bool is_bf16(float x) {
   return to_float(to_bf16(x)) == x;
@@ -115,29 +114,11 @@ void expect_within(const BlockRun<float>& run, const BlockRun<T>& ref, double bo
   }
 }
 
-// --------------------------------------------------------------- the bounds
-//
-// A bf16 run rounds, on the longest path from the inputs to `out`: x and
-// in_proj (the first GEMM's operands), its output, RoPE's rotation or
-// RMSNorm's c_hat, wkv_b and the K/V up-projection's output (or, absorbed,
-// W_UK folded into q), P inside the flash kernel, o and wo (the last GEMM's
-// operands) and out: at most n_out = 10 roundings (rq > 0 adds q's path,
-// RMSNorm, wq_b and its output, which runs beside the latent's, not after
-// it). To first order each adds at most u of its value, and with weights
-// that keep the block's activations at the scale of its input (init_params'
-// 0.1) the errors add up without growth relative to max |out|: a run is
-// within n_out u of the exact block. Backward retraces that path with as
-// many roundings again (each GEMM's dy and its fresh output, dO and dS in
-// the kernel): n_grad = 2 n_out.
-constexpr double kRoundingsOut = 10, kRoundingsGrad = 2 * kRoundingsOut;
-// Against float64 (the exact block, to fp32's 2^-24 that is far below):
-// n u.
-constexpr double kOutVsExact = kRoundingsOut * kU, kGradVsExact = kRoundingsGrad * kU;
-// Two bf16 runs that differ in where they round (absorbed's fold,
-// laga_fused's unrounded in-kernel K/V) or in fp32 summation order (which
-// can flip a rounding by one ulp, 2u): each within n u of the exact block,
-// so within 2 n u of each other.
-constexpr double kOutVsBf16 = 2 * kOutVsExact, kGradVsBf16 = 2 * kGradVsExact;
+// The bounds (mla/ops_bf16.hpp derives them): out, and dx and the gradients.
+constexpr double kOutVsExact = bf16_bound_vs_exact(BlockTensor::output),
+                 kGradVsExact = bf16_bound_vs_exact(BlockTensor::gradient);
+constexpr double kOutVsBf16 = bf16_bound_between_runs(BlockTensor::output),
+                 kGradVsBf16 = bf16_bound_between_runs(BlockTensor::gradient);
 
 struct Layout {
   std::vector<std::int64_t> seq, heads;

@@ -16,6 +16,10 @@ Cases:
   memory     a job far beyond the machine is refused by the upfront memory
              check; with --no-memory-check its allocation is a laga error
              naming the size, not std::bad_alloc
+  bf16       --dtype bf16 on forward, verify and compare: each runs and records
+             its dtype (forward's file metadata, verify's and compare's JSON);
+             verify passes its derived bound, compare's forms agree within it
+             and differ from explicit by more than fp32 can
   q_latent   --q-latent where it does not apply (explicit or absorbed, q_lora_rank
              0, --forms without laga) on forward, verify, compare and train; and
              train with it: bit-identical losses at --sp 1, within fp32 rounding
@@ -126,6 +130,16 @@ OPTION_CASES = [
     (["forward", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
     (["verify", "--preset", "tiny"], "--doc-lens", "", "an empty --doc-lens means nothing"),
     (["compare", "--preset", "tiny"], "--attention", "fast", "--attention"),
+    # --dtype: a value outside the tool's set, and bf16 with eager attention
+    (["compare", "--preset", "tiny"], "--dtype", "fp16", "--dtype"),
+    (["verify", "--preset", "tiny"], "--dtype", "fp16", "--dtype"),
+    (["forward", "--preset", "tiny"], "--dtype", "fp16", "--dtype"),
+    (["compare", "--preset", "tiny", "--attention", "eager"], "--dtype", "bf16",
+     "--dtype bf16 runs flash attention only"),
+    (["verify", "--preset", "tiny", "--attention", "eager"], "--dtype", "bf16",
+     "--dtype bf16 runs flash attention only"),
+    (["forward", "--preset", "tiny", "--attention", "eager"], "--dtype", "bf16",
+     "--dtype bf16 runs flash attention only"),
     # --link beyond what the model can hold a rank for (it was accepted and
     # silently not applied, issue 26 item 15)
     (["compare", "--preset", "tiny"], "--link", "1e-300", "is beyond what the link model holds"),
@@ -407,12 +421,66 @@ def case_q_latent(laga, scratch):
                             f"allowed relative difference {rel}")
 
 
+def case_bf16(laga, scratch):
+    def ok_run(args):
+        p = run(laga, args, timeout=120)
+        if p.returncode != 0:
+            failures.append(f"laga {' '.join(args)}: exit {p.returncode}\n{p.stderr[-600:]}")
+        return p.returncode == 0
+
+    def read_json(path):
+        with open(path) as f:
+            return json.load(f)
+
+    small = ["--preset", "tiny", "--batch", "2", "--seq", "23"]
+    verify = os.path.join(scratch, "verify.json")
+    if not ok_run(["verify"] + small + ["--sp", "1,3", "--dtype", "bf16", "--json", verify]):
+        return
+    v = read_json(verify)
+    checks = [(v["dtype"] == "bf16", f"verify JSON dtype {v['dtype']!r}"),
+              (v["ok"], "verify --dtype bf16 within its bound"),
+              # fp32's default; bf16's derived bound is of bf16's roundoff
+              (v["tolerance"] > 1e-5, f"verify --dtype bf16 tolerance {v['tolerance']}")]
+    compare = os.path.join(scratch, "compare.json")
+    if not ok_run(["compare", "--quiet"] + small +
+                  ["--sp", "3", "--steps", "1", "--warmup", "0", "--dtype", "bf16", "--json",
+                   compare]):
+        return
+    c = read_json(compare)
+    checks.append((c["dtype"] == "bf16" and c["element_bytes"] == 4,
+                   f"compare JSON dtype {c['dtype']!r}, element_bytes {c['element_bytes']}"))
+    beyond_fp32 = False
+    for f in c["forms"][1:]:
+        d = f["max_abs_diff"]
+        for q in ("out", "dx", "grad"):
+            checks.append((d[q] <= v["tolerance"] * d[q + "_scale"],
+                           f"compare bf16 {f['form']} {q}: {d[q]} against scale {d[q + '_scale']}"))
+            beyond_fp32 = beyond_fp32 or d[q] > 1e-5 * d[q + "_scale"]
+        checks.append((f["bytes_match"] and f["memory_match"],
+                       f"compare bf16 {f['form']}: fp32 bytes and memory models still hold"))
+    checks.append((beyond_fp32, "compare --dtype bf16: every form within fp32's 1e-5 of explicit; "
+                   "did bf16 run?"))
+    out = os.path.join(scratch, "forward.safetensors")
+    if not ok_run(["forward"] + small + ["--sp", "2", "--form", "laga", "--dtype", "bf16",
+                                         "--output", out]):
+        return
+    with open(out, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    checks.append((header["__metadata__"]["dtype"] == "bf16",
+                   f"forward's file metadata dtype {header['__metadata__'].get('dtype')!r}"))
+    for good, what in checks:
+        print(("ok:   " if good else "FAIL: ") + what)
+        if not good:
+            failures.append(what)
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "cli_options_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"options": case_options, "messages": case_messages, "nonfinite": case_nonfinite,
-     "memory": case_memory, "q_latent": case_q_latent}[case](laga, scratch)
+     "memory": case_memory, "q_latent": case_q_latent, "bf16": case_bf16}[case](laga, scratch)
     if failures:
         sys.exit(f"{len(failures)} failed:\n" + "\n".join(failures))
     print("all ok")
