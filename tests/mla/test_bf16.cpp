@@ -15,6 +15,7 @@
 #include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "kernels/gemm.hpp"
+#include "mla/memory_model.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
@@ -182,6 +183,34 @@ TEST(Bf16, ChangesResultsOnEveryRank) {
       EXPECT_GT(d.relative(), fp32_scale) << "P " << P << " rank " << r;
     }
   }
+}
+
+// Count-only runs (the memory model, the planner's op counts) do no
+// arithmetic, so the precision changes none of their figures: every form's
+// peak and its counted GEMM and attention work equal fp32's.
+TEST(Bf16, CountOnlyRunsAreUnchanged) {
+  const MlaConfig cfg = test_config(7);
+  const SpLayout lay = SpLayout::custom(2, {5, 4, 4}, {2, 2, 1});
+  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no))
+    for (int rank = 0; rank < lay.ranks; ++rank) {
+      auto count = [&](Precision p) {
+        const UsePrecision at(p);
+        ops::OpCounts counts;
+        MemoryModelOptions options;
+        options.op_counts = &counts;
+        const MemoryPrediction m =
+            predict_memory(cfg, lay, v, AttentionKind::flash, rank, 4, options);
+        return std::pair{m, counts};
+      };
+      const auto [m32, c32] = count(Precision::fp32);
+      const auto [m16, c16] = count(Precision::bf16);
+      const std::string tag = to_string(v) + " rank " + std::to_string(rank);
+      EXPECT_EQ(m16.peak_working, m32.peak_working) << tag;
+      EXPECT_EQ(m16.forward_backward.bytes, m32.forward_backward.bytes) << tag;
+      EXPECT_EQ(c16.gemm_calls, c32.gemm_calls) << tag;
+      EXPECT_EQ(c16.attention_calls, c32.attention_calls) << tag;
+      EXPECT_EQ(c16.elementwise_bytes, c32.elementwise_bytes) << tag;
+    }
 }
 
 TEST(Bf16, DoubleRefusesIt) {
