@@ -257,6 +257,14 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
                                  : double(params.replicated()) + double(params.routed_experts) / ep;
   m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
 
+  // Ranks that are threads of one host (a profile with shared_cores, as
+  // `laga plan --measure` writes) run the layers' balanced work beyond
+  // attention all at once: each at cores / ranks of a core when there are
+  // more of them (the attention's block plan shares the cores itself,
+  // plan/time_model.hpp, group_step_time).
+  if (const int cores = q.block.profile.shared_cores; cores > 0 && world > cores)
+    for (double* t : {&m.time.ffn, &m.time.head, &m.time.elementwise, &m.time.optimizer})
+      *t *= double(world) / double(cores);
   // Every micro-batch runs the layers and the head; the sync and AdamW once.
   const double M = double(q.micro_batches);
   for (double* t :

@@ -338,4 +338,23 @@ TEST(ModelPlan, Refusals) {
 }
 
 }  // namespace
+// Ranks that share a host's cores (shared_cores): the layers' work beyond
+// attention, which every rank does at once, takes world / cores as long
+// when there are more ranks than cores, and no longer when there are not.
+TEST(ModelPlan, RanksSharingCoresShareTheLayersWork) {
+  ModelPlanRequest q = request(moe_tiny(), {4});
+  q.block.dtype = PlanDType::fp32;
+  const ModelPlan own = make_model_plans(q).cases[0].forms[1];
+  q.block.profile.shared_cores = 2;
+  q.block.profile.devices_per_node = 2;
+  const ModelPlan shared = make_model_plans(q).cases[0].forms[1];
+  EXPECT_DOUBLE_EQ(shared.time.ffn, 2 * own.time.ffn);
+  EXPECT_DOUBLE_EQ(shared.time.head, 2 * own.time.head);
+  EXPECT_DOUBLE_EQ(shared.time.elementwise, 2 * own.time.elementwise);
+  EXPECT_DOUBLE_EQ(shared.time.optimizer, 2 * own.time.optimizer);
+  EXPECT_GT(shared.time.attention, own.time.attention);  // the block plan shares them too
+  q.block.profile.shared_cores = 4;
+  EXPECT_DOUBLE_EQ(make_model_plans(q).cases[0].forms[1].time.ffn, own.time.ffn);
+}
+
 }  // namespace laga
