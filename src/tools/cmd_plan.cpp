@@ -384,7 +384,7 @@ EpChoice parse_ep(const std::string& s) {
   return {EpRule::fixed, int(*n)};
 }
 
-void run_model_plan(const PlanOptions& o, PlanRequest block) {
+ModelPlanRequest model_request(const PlanOptions& o, PlanRequest block) {
   ModelPlanRequest q;
   q.model = load_model(o);
   block.cfg = q.model.mla;
@@ -394,6 +394,11 @@ void run_model_plan(const PlanOptions& o, PlanRequest block) {
   q.ep = parse_ep(o.ep);
   q.zero1 = o.zero1;
   q.recompute = o.recompute;
+  return q;
+}
+
+void run_model_plan(const PlanOptions& o, PlanRequest block) {
+  const ModelPlanRequest q = model_request(o, std::move(block));
   const ModelPlanResult r = make_model_plans(q);
   const bool table_to_stdout = o.json != "-";
   (table_to_stdout ? std::cout : std::cerr) << model_table(q, r) << std::flush;
@@ -486,7 +491,9 @@ void run_plan(const PlanOptions& o) {
                   << s << "\n";
     };
     q.profile = measure_this_machine(tell);
-    measure_shapes(plan_calls(q), q.profile.measured_shapes, tell);
+    // With --model, the layers' FFN and head GEMMs too.
+    measure_shapes(o.model.empty() ? plan_calls(q) : model_plan_calls(model_request(o, q)),
+                   q.profile.measured_shapes, tell);
     if (measuring) {
       write_output(o.measure, profile_json(q.profile));
       return;
