@@ -80,7 +80,7 @@ void add_linear(ops::OpCounts& c, std::int64_t rows, std::int64_t in, std::int64
   };
   add({false, true, rows, out, in, in, in, out, false}, forwards);
   add({false, false, rows, in, out, out, in, in, accumulate_dx}, 1);  // dx = dy W
-  add({true, false, out, in, rows, out, in, in, true}, 1);             // dW += dy^T x
+  add({true, false, out, in, rows, out, in, in, true}, 1);            // dW += dy^T x
 }
 
 // A SwiGLU of width w on `rows` tokens: w1 and w3 (D -> w; w3's dx adds to
@@ -108,8 +108,8 @@ ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, boo
     add_linear(calls.ffn, N, D, E, forwards, true);  // the gate; its dx adds to the experts'
     if (m.shared_intermediate_size() > 0)
       add_swiglu(calls.ffn, N, D, m.shared_intermediate_size(), forwards, true);
-    const std::int64_t rows = std::llround(double(N) * double(m.num_experts_per_tok) *
-                                           double(ep) / double(E));
+    const std::int64_t rows =
+        std::llround(double(N) * double(m.num_experts_per_tok) * double(ep) / double(E));
     add_swiglu(calls.ffn, rows, D, m.moe_intermediate_size, forwards, false, E / ep);
   }
   add_linear(calls.head, N, D, cfg.vocab, 1.0, false);
@@ -361,8 +361,8 @@ ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
         const SpLayout layout = SpLayout::even(q.block.batch, S, q.model.mla.n_heads, P);
         const std::int64_t N =
             q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
-        const int ep = q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts)
-                                   : 1;
+        const int ep =
+            q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts) : 1;
         const ModelGemmCalls m = model_gemm_calls(q.model, N, ep, q.recompute);
         for (const ops::OpCounts* c : {&m.ffn, &m.head})
           for (const auto& [call, t] : c->gemm_calls) {

@@ -158,7 +158,7 @@ struct RankStepTime {
   double core_share_s = 0;   // its compute's wall time beyond its own-core time (shared_cores)
 };
 struct GroupStepTime {
-  double step_s = 0;               // the last rank's end
+  double step_s = 0;                // the last rank's end
   std::vector<RankStepTime> ranks;  // in rank order
 };
 GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,

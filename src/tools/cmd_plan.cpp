@@ -232,7 +232,8 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
     << "; "
     << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
     << "; no overlap between attention, MoE and gradient collectives\n";
-  o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs at peak x "
+  o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs by shape, "
+       "at each shape's measured time where the profile has it, else at peak x "
     << fmt("%.3g", q.block.profile.device.gemm_efficiency)
     << "; MoE all-to-alls: the mean bytes under uniform routing on the link model\n";
   for (const ModelPlanCase& c : r.cases) {
@@ -557,7 +558,8 @@ void register_plan(CLI::App& app) {
   c->add_option("--measure", o->measure,
                 "measure this machine (FMA peak, GEMM and flash rates, memory bandwidth, the "
                 "in-process communicator, and the time of every GEMM and attention shape of the "
-                "plan the other options describe) and write its profile to FILE; plans nothing");
+                "plan the other options describe, with --model its layers' FFN and head GEMMs "
+                "too) and write its profile to FILE; plans nothing");
   c->add_option("--nodes", o->nodes,
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")
@@ -611,7 +613,7 @@ void register_plan(CLI::App& app) {
               "with --model: keep only each layer's input and re-run its forward in backward");
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
-    for (const char* name : {"--profile", "--json", "--nodes", "--link", "--model"})
+    for (const char* name : {"--profile", "--json", "--nodes", "--link"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
     for (const char* name :
          {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute"})
