@@ -13,7 +13,7 @@
 //       "memory_bytes_per_s": 3.35e12                      // device memory bandwidth
 //     },
 //     "devices_per_node": 8,
-//     "shared_cores": 2,                                   // optional: ranks as threads of one host
+//     "shared_cores": 2,                                   // optional: ranks as host threads
 //     "intra_node": {"bytes_per_s": 450e9, "latency_us": 3, "topology": "switch"},
 //     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"},
 //     "measured_shapes": {                                 // optional: `laga plan --measure`

@@ -64,6 +64,58 @@ double head_flops_forward(const LmConfig& cfg) {
   return 2.0 * double(cfg.dim()) * double(cfg.vocab);
 }
 
+namespace {
+
+// One linear layer's calls, y (rows, out) = x (rows, in) W^T: its forward
+// (`forwards` times) and its backward, dx (accumulated or not) and dW.
+void add_linear(ops::OpCounts& c, std::int64_t rows, std::int64_t in, std::int64_t out,
+                double forwards, bool accumulate_dx, std::int64_t times = 1) {
+  if (rows <= 0 || times <= 0) return;
+  const double flops = 2.0 * double(rows) * double(in) * double(out);
+  const auto add = [&](const ops::GemmCall& g, double calls) {
+    ops::CallTally& t = c.gemm_calls[g];
+    t.calls += std::int64_t(calls) * times;
+    t.flops += flops * calls * double(times);
+    c.gemm_flops += flops * calls * double(times);
+  };
+  add({false, true, rows, out, in, in, in, out, false}, forwards);
+  add({false, false, rows, in, out, out, in, in, accumulate_dx}, 1);  // dx = dy W
+  add({true, false, out, in, rows, out, in, in, true}, 1);            // dW += dy^T x
+}
+
+// A SwiGLU of width w on `rows` tokens: w1 and w3 (D -> w; w3's dx adds to
+// w1's), w2 (w -> D).
+void add_swiglu(ops::OpCounts& c, std::int64_t rows, std::int64_t D, std::int64_t w,
+                double forwards, bool accumulate_first_dx, std::int64_t times = 1) {
+  add_linear(c, rows, D, w, forwards, accumulate_first_dx, times);
+  add_linear(c, rows, D, w, forwards, true, times);
+  add_linear(c, rows, w, D, forwards, false, times);
+}
+
+}  // namespace
+
+ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, bool recompute) {
+  ModelGemmCalls calls;
+  const std::int64_t D = cfg.dim();
+  const double forwards = recompute ? 2.0 : 1.0;
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    if (!cfg.is_moe_layer(l)) {
+      add_swiglu(calls.ffn, N, D, cfg.hidden(), forwards, false);
+      continue;
+    }
+    const MoeConfig& m = *cfg.moe;
+    const std::int64_t E = m.n_routed_experts;
+    add_linear(calls.ffn, N, D, E, forwards, true);  // the gate; its dx adds to the experts'
+    if (m.shared_intermediate_size() > 0)
+      add_swiglu(calls.ffn, N, D, m.shared_intermediate_size(), forwards, true);
+    const std::int64_t rows =
+        std::llround(double(N) * double(m.num_experts_per_tok) * double(ep) / double(E));
+    add_swiglu(calls.ffn, rows, D, m.moe_intermediate_size, forwards, false, E / ep);
+  }
+  add_linear(calls.head, N, D, cfg.vocab, 1.0, false);
+  return calls;
+}
+
 StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int world,
                        bool zero1) {
   LAGA_CHECK(ep >= 1 && world >= ep && world % ep == 0, "state_bytes: EP ", ep, " must divide the ",
@@ -196,7 +248,6 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
       q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
   const DeviceProfile& d = q.block.profile.device;
   const double peak = q.block.profile.peak_flops(q.block.dtype);
-  const double gemm_rate = peak * d.gemm_efficiency;
 
   ModelPlan m;
   m.form = f.form;
@@ -232,8 +283,9 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
       m.moe_a2a_bytes_per_rank += a2a_calls * a2a_bytes + count_calls * counts_bytes;
     }
   }
-  m.time.ffn = double(N) * ffn_flops * passes / gemm_rate;
-  m.time.head = double(N) * head_flops_forward(cfg) * 3.0 / gemm_rate;
+  const ModelGemmCalls gemms = model_gemm_calls(cfg, N, ep, q.recompute);
+  m.time.ffn = compute_time(gemms.ffn, q.block.profile, q.block.dtype).gemm_s;
+  m.time.head = compute_time(gemms.head, q.block.profile, q.block.dtype).gemm_s;
   // The embedding's gather and its gradient's scatter (D each), the final
   // norm (4 D forward, 2x backward) and the cross-entropy: read the logits
   // for the loss, read them and write their gradient (3 V).
@@ -257,6 +309,14 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
                                  : double(params.replicated()) + double(params.routed_experts) / ep;
   m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
 
+  // Ranks that are threads of one host (a profile with shared_cores, as
+  // `laga plan --measure` writes) run the layers' balanced work beyond
+  // attention all at once: each at cores / ranks of a core when there are
+  // more of them (the attention's block plan shares the cores itself,
+  // plan/time_model.hpp, group_step_time).
+  if (const int cores = q.block.profile.shared_cores; cores > 0 && world > cores)
+    for (double* t : {&m.time.ffn, &m.time.head, &m.time.elementwise, &m.time.optimizer})
+      *t *= double(world) / double(cores);
   // Every micro-batch runs the layers and the head; the sync and AdamW once.
   const double M = double(q.micro_batches);
   for (double* t :
@@ -289,6 +349,29 @@ int expert_parallel_degree(const EpChoice& ep, int sp, int dp, std::int64_t expe
       return ep.degree;
   }
   return sp;
+}
+
+ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
+  PlanRequest block = q.block;
+  block.cfg = q.model.mla;
+  ops::OpCounts all = plan_calls(block);
+  for (std::int64_t S : q.block.seqs)
+    for (int P : q.block.sps)
+      for (int dp : q.dps) {
+        const SpLayout layout = SpLayout::even(q.block.batch, S, q.model.mla.n_heads, P);
+        const std::int64_t N =
+            q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
+        const int ep =
+            q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts) : 1;
+        const ModelGemmCalls m = model_gemm_calls(q.model, N, ep, q.recompute);
+        for (const ops::OpCounts* c : {&m.ffn, &m.head})
+          for (const auto& [call, t] : c->gemm_calls) {
+            ops::CallTally& sum = all.gemm_calls[call];
+            sum.calls += t.calls, sum.flops += t.flops;
+            all.gemm_flops += t.flops;
+          }
+      }
+  return all;
 }
 
 ModelPlanResult make_model_plans(const ModelPlanRequest& q) {

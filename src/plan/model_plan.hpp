@@ -32,7 +32,8 @@
 // attention and MoE collectives, modelled so: each term waits for the one
 // before): per layer the attention block's predicted forward + backward (its
 // own gradient all-reduce left out: the model's gradient sync below
-// replaces it), the FFN's FLOPs at peak x gemm efficiency, the MoE's
+// replaces it), the FFN's GEMM calls (model_gemm_calls: measured shapes
+// where the profile has them, else FLOPs at peak x gemm efficiency), the MoE's
 // all-to-alls (moe_counts, then the four row exchanges) on the EP group's
 // links (collective_seconds, the link model of every other plan), the layer's elementwise bytes at
 // the elementwise bandwidth; the head's FLOPs and the cross-entropy's bytes; the gradient sync;
@@ -95,6 +96,22 @@ ModelParamCounts model_param_counts(const LmConfig& cfg);
 double ffn_flops_forward(const LmConfig& cfg, std::int64_t layer);
 // The LM head's forward FLOPs per token: 2 * D * V.
 double head_flops_forward(const LmConfig& cfg);
+
+// The GEMM calls, by shape, of one forward + backward (+ the forward again
+// with recompute) of every layer's FFN and of the head on a device holding
+// N tokens, as the model's kernels issue them (model/model.cpp and
+// model/moe.cpp through kernels/gemm.hpp's linear_forward and
+// linear_backward: y = x W^T; dx (+)= dy W; dW += dy^T x). A routed
+// expert's rows are their expectation under uniform routing, N k ep / E
+// rounded (each of the E / ep experts a device owns takes its share of
+// the ep devices' tokens). Their FLOPs sum to ffn_flops_forward's and
+// head_flops_forward's but for that rounding. The time model costs each
+// call at its shape's measured time where the profile has it (`laga plan
+// --measure --model`) and at peak x gemm efficiency where not.
+struct ModelGemmCalls {
+  ops::OpCounts ffn, head;
+};
+ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, bool recompute);
 
 // Bytes per device of the training state. What is assumed:
 //   bf16 plan: parameters and gradients bf16 (2 + 2 bytes), AdamW an fp32
@@ -179,6 +196,11 @@ struct ModelPlanRequest {
   bool zero1 = false;
   bool recompute = false;
 };
+
+// Every GEMM and attention call the model plans of `q` cost: the blocks'
+// (plan_calls) and each (S, P, dp)'s model_gemm_calls, what `laga plan
+// --measure --model` times.
+ops::OpCounts model_plan_calls(const ModelPlanRequest& q);
 
 // Seconds of one step (every micro-batch) of the slowest device, by what it does.
 struct ModelStepTime {

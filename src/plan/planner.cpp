@@ -28,7 +28,6 @@ GroupStepTime group_step(const FormWork& f, const PlanRequest& q, const Fabric& 
   return group_step_time(f.ranks(), q.profile, q.dtype, fabric);
 }
 
-
 Fabric at_bandwidth(Fabric f, double bytes_per_s) {
   f.intra.bytes_per_s = f.inter.bytes_per_s = bytes_per_s;
   return f;

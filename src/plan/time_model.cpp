@@ -132,8 +132,8 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
   LAGA_CHECK(P >= 1, "plan: P = ", P, " must be >= 1");
   LAGA_CHECK(nodes >= 0, "--nodes ", nodes, " must be >= 1");
   // Ranks sharing one host's cores are one node, however many there are.
-  const int g = profile.shared_cores > 0 ? std::max(P, profile.devices_per_node)
-                                         : profile.devices_per_node;
+  const int g =
+      profile.shared_cores > 0 ? std::max(P, profile.devices_per_node) : profile.devices_per_node;
   PlanLinks l;
   l.nodes = nodes > 0 ? nodes : (P + g - 1) / g;
   LAGA_CHECK(l.nodes <= P, "--nodes ", l.nodes, " is more nodes than the ", P,
@@ -225,10 +225,10 @@ GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
   struct Rank {
     const RankWork* work = nullptr;
     std::vector<double> seconds;
-    size_t segment = 0;     // the segment it computes or, blocked, has finished
-    double left = 0;        // seconds of its segment still to compute, at a core of its own
-    int blocked_on = -1;    // the collective (issue order) it waits for, or -1
-    int issued = 0;         // collectives it has issued
+    size_t segment = 0;   // the segment it computes or, blocked, has finished
+    double left = 0;      // seconds of its segment still to compute, at a core of its own
+    int blocked_on = -1;  // the collective (issue order) it waits for, or -1
+    int issued = 0;       // collectives it has issued
     std::map<std::int64_t, int> started;  // a started call's id -> its collective
     std::vector<size_t> issues;           // its timeline's issued events, in order
     double link_free = 0;
@@ -360,7 +360,8 @@ GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
         dt = std::min(dt, done[size_t(r.blocked_on)][i] - now);
       }
     }
-    LAGA_CHECK(std::isfinite(dt), "internal: the ranks' timelines deadlock (a collective "
+    LAGA_CHECK(std::isfinite(dt),
+               "internal: the ranks' timelines deadlock (a collective "
                "some rank never issues)");
     now += dt;
     for (Rank& r : rs)
@@ -377,8 +378,8 @@ GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
     // its waits for peers: blocked, it waits for its links or its peers.
     const double exposed = r.blocked_s - r.peer_wait_s;
     const double hidden = r.comm_s - exposed;
-    g.ranks.push_back({r.done_s, hidden > 1e-9 * r.comm_s ? hidden : 0.0, r.peer_wait_s,
-                       r.core_share_s});
+    g.ranks.push_back(
+        {r.done_s, hidden > 1e-9 * r.comm_s ? hidden : 0.0, r.peer_wait_s, r.core_share_s});
   }
   return g;
 }

@@ -139,8 +139,8 @@ struct StepTime {
 StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, PlanDType dtype,
                    const Fabric& fabric);
 
-// The step of all the ranks together (docs/planning.md, "The ranks'
-// step together"): each rank's timeline replayed as step_time does, but a
+// The step of all the ranks together (docs/planning.md, "The time model",
+// "The ranks run together"): each rank's timeline replayed as step_time does, but a
 // collective runs only once every rank has issued it (a rank that arrives
 // early waits for the last), and, on a profile with shared_cores, the ranks
 // computing at one moment share the cores: n of them on c cores each
@@ -158,7 +158,7 @@ struct RankStepTime {
   double core_share_s = 0;   // its compute's wall time beyond its own-core time (shared_cores)
 };
 struct GroupStepTime {
-  double step_s = 0;               // the last rank's end
+  double step_s = 0;                // the last rank's end
   std::vector<RankStepTime> ranks;  // in rank order
 };
 GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,

@@ -232,7 +232,8 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
     << "; "
     << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
     << "; no overlap between attention, MoE and gradient collectives\n";
-  o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs at peak x "
+  o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs by shape, "
+       "at each shape's measured time where the profile has it, else at peak x "
     << fmt("%.3g", q.block.profile.device.gemm_efficiency)
     << "; MoE all-to-alls: the mean bytes under uniform routing on the link model\n";
   for (const ModelPlanCase& c : r.cases) {
@@ -384,7 +385,7 @@ EpChoice parse_ep(const std::string& s) {
   return {EpRule::fixed, int(*n)};
 }
 
-void run_model_plan(const PlanOptions& o, PlanRequest block) {
+ModelPlanRequest model_request(const PlanOptions& o, PlanRequest block) {
   ModelPlanRequest q;
   q.model = load_model(o);
   block.cfg = q.model.mla;
@@ -394,6 +395,11 @@ void run_model_plan(const PlanOptions& o, PlanRequest block) {
   q.ep = parse_ep(o.ep);
   q.zero1 = o.zero1;
   q.recompute = o.recompute;
+  return q;
+}
+
+void run_model_plan(const PlanOptions& o, PlanRequest block) {
+  const ModelPlanRequest q = model_request(o, std::move(block));
   const ModelPlanResult r = make_model_plans(q);
   const bool table_to_stdout = o.json != "-";
   (table_to_stdout ? std::cout : std::cerr) << model_table(q, r) << std::flush;
@@ -486,7 +492,9 @@ void run_plan(const PlanOptions& o) {
                   << s << "\n";
     };
     q.profile = measure_this_machine(tell);
-    measure_shapes(plan_calls(q), q.profile.measured_shapes, tell);
+    // With --model, the layers' FFN and head GEMMs too.
+    measure_shapes(o.model.empty() ? plan_calls(q) : model_plan_calls(model_request(o, q)),
+                   q.profile.measured_shapes, tell);
     if (measuring) {
       write_output(o.measure, profile_json(q.profile));
       return;
@@ -550,7 +558,8 @@ void register_plan(CLI::App& app) {
   c->add_option("--measure", o->measure,
                 "measure this machine (FMA peak, GEMM and flash rates, memory bandwidth, the "
                 "in-process communicator, and the time of every GEMM and attention shape of the "
-                "plan the other options describe) and write its profile to FILE; plans nothing");
+                "plan the other options describe, with --model its layers' FFN and head GEMMs "
+                "too) and write its profile to FILE; plans nothing");
   c->add_option("--nodes", o->nodes,
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")
@@ -604,7 +613,7 @@ void register_plan(CLI::App& app) {
               "with --model: keep only each layer's input and re-run its forward in backward");
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
-    for (const char* name : {"--profile", "--json", "--nodes", "--link", "--model"})
+    for (const char* name : {"--profile", "--json", "--nodes", "--link"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
     for (const char* name :
          {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute"})

@@ -338,4 +338,55 @@ TEST(ModelPlan, Refusals) {
 }
 
 }  // namespace
+// Ranks that share a host's cores (shared_cores): the layers' work beyond
+// attention, which every rank does at once, takes world / cores as long
+// when there are more ranks than cores, and no longer when there are not.
+TEST(ModelPlan, RanksSharingCoresShareTheLayersWork) {
+  ModelPlanRequest q = request(moe_tiny(), {4});
+  q.block.dtype = PlanDType::fp32;
+  const ModelPlan own = make_model_plans(q).cases[0].forms[1];
+  q.block.profile.shared_cores = 2;
+  q.block.profile.devices_per_node = 2;
+  const ModelPlan shared = make_model_plans(q).cases[0].forms[1];
+  EXPECT_DOUBLE_EQ(shared.time.ffn, 2 * own.time.ffn);
+  EXPECT_DOUBLE_EQ(shared.time.head, 2 * own.time.head);
+  EXPECT_DOUBLE_EQ(shared.time.elementwise, 2 * own.time.elementwise);
+  EXPECT_DOUBLE_EQ(shared.time.optimizer, 2 * own.time.optimizer);
+  EXPECT_GT(shared.time.attention, own.time.attention);  // the block plan shares them too
+  q.block.profile.shared_cores = 4;
+  EXPECT_DOUBLE_EQ(make_model_plans(q).cases[0].forms[1].time.ffn, own.time.ffn);
+}
+
+// The layers' GEMM calls add up to the closed form's FLOPs (N k ep / E a
+// whole number of rows here), forward once and backward twice, with the
+// forward again under recompute; a measured shape replaces its calls'
+// FLOPs / efficiency in the model's FFN time.
+TEST(ModelPlan, GemmCallsAreTheClosedFormsFlops) {
+  const LmConfig cfg = moe_tiny();  // E 8, k 2
+  for (int ep : {1, 2, 4})
+    for (bool recompute : {false, true}) {
+      const std::int64_t N = 64;
+      const ModelGemmCalls c = model_gemm_calls(cfg, N, ep, recompute);
+      double want = 0;
+      for (std::int64_t l = 0; l < cfg.layers; ++l) want += ffn_flops_forward(cfg, l);
+      want *= double(N) * (recompute ? 4.0 : 3.0);
+      EXPECT_DOUBLE_EQ(c.ffn.gemm_flops, want) << "ep " << ep;
+      EXPECT_DOUBLE_EQ(c.head.gemm_flops, 3.0 * double(N) * head_flops_forward(cfg));
+      double listed = 0;
+      for (const auto& [call, t] : c.ffn.gemm_calls) listed += t.flops;
+      EXPECT_DOUBLE_EQ(listed, want);
+    }
+  ModelPlanRequest q = request(moe_tiny(), {2});
+  q.block.dtype = PlanDType::fp32;
+  const ModelPlan plain = make_model_plans(q).cases[0].forms[1];
+  const ModelGemmCalls c = model_gemm_calls(q.model, 32, 2, false);  // S 64 over P 2, EP 2
+  const auto& [call, tally] = *c.ffn.gemm_calls.begin();
+  const double at_rate = tally.flops / (*q.block.profile.device.peak_flops_fp32 *
+                                        q.block.profile.device.gemm_efficiency);
+  q.block.profile.measured_shapes.gemm[call] = 1.0;  // one second a call
+  const ModelPlan measured = make_model_plans(q).cases[0].forms[1];
+  EXPECT_NEAR(measured.time.ffn, plain.time.ffn - at_rate + double(tally.calls),
+              1e-9 * measured.time.ffn);
+}
+
 }  // namespace laga
