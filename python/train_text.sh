@@ -5,7 +5,9 @@
 # byte beside the unigram baseline (docs/convergence.md, "Real text").
 #   dense (default): explicit at SP 1 and every form at SP 2 from one seed;
 #   MODEL=moe: docs/assets/moe_text.json (DeepSeek-V3's MoE in the second
-#     layer), laga at SP 1, SP 2, and SP 2 and 4 with --expert-parallel.
+#     layer), laga at SP 1, SP 2, and SP 2 and 4 with --expert-parallel;
+#   MODEL=bf16: the dense model under --dtype bf16 (explicit at SP 1, laga at
+#     SP 2) beside explicit fp32 at SP 1 (docs/convergence.md, "bf16").
 # Usage:
 #   [MODEL=moe] python/train_text.sh [LAGA_BINARY] [OUT_DIR] [extra laga train args...]
 set -eu
@@ -43,6 +45,16 @@ if [ "$MODEL" = moe ]; then
   exit 0
 fi
 DENSE="--vocab 256 --layers 2 --d-model 128 --heads 4"
+if [ "$MODEL" = bf16 ]; then
+  # shellcheck disable=SC2086
+  run explicit-sp1 1 explicit $DENSE
+  run bf16-explicit-sp1 1 explicit $DENSE --dtype bf16
+  run bf16-laga-sp2 2 laga $DENSE --dtype bf16
+  /usr/bin/python3 "$DIR/plot_text.py" --out "$OUT/text_bf16.png" \
+    --data "$OUT/data/text_data.json" "explicit fp32 SP 1=$OUT/explicit-sp1.jsonl" \
+    "explicit bf16 SP 1=$OUT/bf16-explicit-sp1.jsonl" "laga bf16 SP 2=$OUT/bf16-laga-sp2.jsonl"
+  exit 0
+fi
 # shellcheck disable=SC2086
 run explicit-sp1 1 explicit $DENSE
 for form in explicit absorbed laga laga2d; do run "$form" 2 "$form" $DENSE; done

@@ -23,9 +23,10 @@ enum class Precision { fp32, bf16 };
 inline const char* to_string(Precision p) {
   return p == Precision::bf16 ? "bf16" : "fp32";
 }
-// "fp32" or "bf16" (--dtype's values); laga::Error naming both otherwise.
+// "fp32" (or forward's and verify's "float32") or "bf16" (--dtype's
+// values); laga::Error naming both otherwise.
 inline Precision parse_precision(std::string_view s) {
-  if (s == "fp32") return Precision::fp32;
+  if (s == "fp32" || s == "float32") return Precision::fp32;
   if (s == "bf16") return Precision::bf16;
   fail("unknown dtype '", std::string(s), "'; use fp32 or bf16");
 }

@@ -82,4 +82,21 @@ void linear_backward(const Mat<float>* dx, bool accumulate, Tensor<float>& dw,
   if (dx && !accumulate) round_in_place(*dx);
 }
 
+void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
+            std::int64_t out) {
+  const bf16* xb = operand(Slot::first, x, N * in);
+  const bf16* wb = operand(Slot::second, w, out * in);
+  linear_forward_bf16<float>(y, xb, wb, N, in, out);
+  round_in_place(Mat<float>{y, N, out, out});
+}
+
+void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
+                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  const bf16* dyb = operand(Slot::first, dy, N * out);
+  const bf16* xb = operand(Slot::second, x, N * in);
+  const bf16* wb = operand(Slot::third, w, out * in);
+  linear_backward_bf16<float>(dx, accumulate, dw, dyb, xb, wb, N, in, out);
+  if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
+}
+
 }  // namespace laga::ops::bf16_path

@@ -80,6 +80,12 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 void linear(const Mat<float>& y, const Mat<const float>& x, const Tensor<float>& w);
 void linear_backward(const Mat<float>* dx, bool accumulate, Tensor<float>& dw,
                      const Mat<const float>& dy, const Mat<const float>& x, const Tensor<float>& w);
+// The same two on dense rows (x (N, in), y and dy (N, out), w (out, in)), for
+// callers that hold pointers, not views: the MoE's experts (model/moe.cpp).
+void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
+            std::int64_t out);
+void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
+                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out);
 
 }  // namespace bf16_path
 }  // namespace laga::ops

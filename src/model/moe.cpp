@@ -4,6 +4,7 @@
 #include "core/memory_pool.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/swiglu.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -44,6 +45,28 @@ void MoeParams<T>::for_each(const std::function<void(const std::string&, Tensor<
 }
 
 namespace {
+
+// The MoE's GEMMs (gate, shared and routed experts) at this thread's
+// precision (core/precision.hpp): under --dtype bf16 their operands are
+// rounded to bf16 and summed in fp32, as the attention block's and the dense
+// FFN's are (mla/ops.hpp, "Precision"); fp32 and double otherwise.
+template <class T>
+void moe_linear_forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in,
+                        std::int64_t out) {
+  if (ops::in_bf16<T>()) {  // T = float: in_bf16<double> throws
+    if constexpr (std::is_same_v<T, float>) return ops::bf16_path::linear(y, x, w, N, in, out);
+  }
+  linear_forward(y, x, w, N, in, out);
+}
+template <class T>
+void moe_linear_backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x, const T* w,
+                         std::int64_t N, std::int64_t in, std::int64_t out) {
+  if (ops::in_bf16<T>()) {
+    if constexpr (std::is_same_v<T, float>)
+      return ops::bf16_path::linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
+  }
+  linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
+}
 
 // Under a count-only pool (the model's memory prediction, train.hpp) no
 // tensor is backed and no kernel runs: every tensor is still allocated in the
@@ -260,10 +283,10 @@ void experts_forward(const MoeParams<T>& w, std::int64_t e0, const std::vector<s
     const std::int64_t c = count[q];
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
-    linear_forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
-    linear_forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
+    moe_linear_forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
+    moe_linear_forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
     swiglu_forward(h + o * I, a + o * I, b + o * I, c * I);
-    linear_forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
+    moe_linear_forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
   }
 }
 
@@ -279,10 +302,13 @@ void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, std::int64_t e0,
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
     ExpertParams<T>& gp = g.experts[size_t(e0) + q];
-    linear_backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I, D);
+    moe_linear_backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I,
+                        D);
     swiglu_backward(da + o * I, db + o * I, dh + o * I, a + o * I, b + o * I, c * I);
-    linear_backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D, I);
-    linear_backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D, I);
+    moe_linear_backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D,
+                        I);
+    moe_linear_backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D,
+                        I);
   }
 }
 
@@ -314,7 +340,7 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   {
     Tensor<T> logits({N, E});
     if (real) {
-      linear_forward(logits.data(), x, w.gate.data(), N, D, E);
+      moe_linear_forward(logits.data(), x, w.gate.data(), N, D, E);
       s.routing = route(cfg, logits.data(), w.gate_bias.data(), N);
       s.dispatch = make_dispatch(s.routing);
     } else {
@@ -376,10 +402,10 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   }
   if (!real) return f;
   if (Is > 0) {
-    linear_forward(s.sa.data(), x, w.shared.w1.data(), N, D, Is);
-    linear_forward(s.sb.data(), x, w.shared.w3.data(), N, D, Is);
+    moe_linear_forward(s.sa.data(), x, w.shared.w1.data(), N, D, Is);
+    moe_linear_forward(s.sb.data(), x, w.shared.w3.data(), N, D, Is);
     swiglu_forward(s.sh.data(), s.sa.data(), s.sb.data(), N * Is);
-    linear_forward(f.out.data(), s.sh.data(), w.shared.w2.data(), N, Is, D);
+    moe_linear_forward(f.out.data(), s.sh.data(), w.shared.w2.data(), N, Is, D);
   }
   // Combine: out_t += sum_j w_tj y_row(t, j), slots in order.
   T* out = f.out.data();
@@ -412,13 +438,13 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
     if (real) {
-      linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(), w.shared.w2.data(),
-                      N, Is, D);
+      moe_linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(),
+                          w.shared.w2.data(), N, Is, D);
       swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
-      linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N, D,
-                      Is);
-      linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N, D,
-                      Is);
+      moe_linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N,
+                          D, Is);
+      moe_linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N,
+                          D, Is);
     }
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
@@ -502,7 +528,7 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   // The gate: dz from the weights (the selection is locally constant), then
   // z = x W_g^T.
   const std::vector<T> dlogits = route_backward(cfg, s.routing, dweight.data());
-  linear_backward(dx.data(), true, g.gate.data(), dlogits.data(), x, w.gate.data(), N, D, E);
+  moe_linear_backward(dx.data(), true, g.gate.data(), dlogits.data(), x, w.gate.data(), N, D, E);
   return dx;
 }
 

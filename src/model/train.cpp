@@ -32,8 +32,8 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form",    "attention",      "sp", "data-path", "q-latent",
-                                       "overlap", "expert-parallel"};
+  static const std::set<std::string> s{
+      "form", "attention", "sp", "data-path", "q-latent", "overlap", "expert-parallel", "dtype"};
   return s;
 }
 
@@ -175,12 +175,16 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
   if (o.experts == ExpertPlacement::folded) r["expert-parallel"] = "on";
   r["attention"] = to_string(o.attention);
+  if (o.precision == Precision::bf16) r["dtype"] = to_string(o.precision);
   r["sp"] = std::to_string(o.sp);
   return r;
 }
 
 void validate_train_options(const TrainOptions& o) {
   o.model.validate();
+  LAGA_CHECK(o.precision != Precision::bf16 || o.attention == AttentionKind::flash,
+             "--dtype bf16 runs flash attention only (--attention ", to_string(o.attention),
+             "); pass --attention flash");
   LAGA_CHECK(o.sp >= 1, "--sp must be >= 1 (got ", o.sp, ")");
   LAGA_CHECK(o.seq >= o.sp, "--seq ", o.seq, " is shorter than --sp ", o.sp,
              ": every rank needs at least one token");
@@ -388,6 +392,9 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
 TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
                     const std::function<void(const StepRecord&)>& on_step) {
   using T = float;
+  // This rank's ops at the run's precision; an in-process rank thread would
+  // inherit it from its starter, an MPI rank is the process that parsed it.
+  const UsePrecision at_precision(o.precision);
   const LmConfig& cfg = o.model;
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "core/precision.hpp"
 #include "kernels/adamw.hpp"
 #include "mla/block.hpp"
 #include "model/checkpoint.hpp"
@@ -32,6 +33,11 @@ struct TrainOptions {
   LmConfig model;
   FormVariant variant = Form::laga;  // the blocks' (--form, --q-latent, --head-groups, --overlap)
   AttentionKind attention = AttentionKind::eager;
+  // --dtype: fp32, or bf16 mixed precision (core/precision.hpp; flash
+  // attention only): every GEMM and attention operand rounded to bf16 and
+  // summed in fp32, while the weights, their gradients and AdamW's moments
+  // stay fp32 (the master copy; docs/performance.md, "bf16 mixed precision").
+  Precision precision = Precision::fp32;
   // --expert-parallel: the MoE layers' experts folded onto the sp ranks
   // (model/moe.hpp, docs/moe.md "Expert parallelism"); needs an MoE model.
   ExpertPlacement experts = ExpertPlacement::every_rank;

@@ -228,7 +228,7 @@ void register_forward_command(CLI::App& app) {
                   "F32, holding bf16 values where a bf16 run stores them, and its metadata says "
                   "bf16) or float64 (the same kernels in double; the output file is then F64), to "
                   "hold another implementation to the forms exactly")
-      ->check(CLI::IsMember({"float32", "bf16", "float64"}))
+      ->check(CLI::IsMember({"float32", "fp32", "bf16", "float64"}))
       ->capture_default_str();
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))
@@ -243,6 +243,7 @@ void register_forward_command(CLI::App& app) {
       ->check(whole(0))
       ->capture_default_str();
   sub->callback([opts] {
+    if (opts->dtype == "fp32") opts->dtype = "float32";  // compare's and plan's spelling
     if (opts->dtype == "float64") {
       run_forward<double>(*opts);
     } else if (opts->dtype == "bf16") {

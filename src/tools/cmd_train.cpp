@@ -32,6 +32,7 @@ namespace {
 struct TrainCli {
   CommOptions comm;
   std::string form = "laga", attention = "flash", schedule = "constant";
+  std::string dtype = "fp32";  // --dtype: fp32 | bf16 (TrainOptions::precision)
   int sp = 1;
   std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
                batch = 1;
@@ -154,6 +155,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.variant.head_groups = c.head_groups;
   o.variant.form = parse_form(c.form);
   o.attention = parse_attention(c.attention);
+  o.precision = parse_precision(c.dtype);
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.sp = c.sp;
   o.batch = c.batch;
@@ -229,8 +231,9 @@ void run_train(const TrainCli& c) {
               << ", form "
               << describe_variant(o.variant,
                                   SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp))
-              << ", attention " << c.attention << ", sp " << o.sp << ", comm "
-              << to_string(c.comm.backend) << ", data " << c.data
+              << ", attention " << c.attention
+              << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
+              << o.sp << ", comm " << to_string(c.comm.backend) << ", data " << c.data
               << (o.pack_eos ? cat(" packed at end-of-document id ", *o.pack_eos) : "")
               << ", steps " << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume)
               << "\n";
@@ -327,6 +330,13 @@ void register_train(CLI::App& app) {
   sub->add_option("--form", c->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, c->head_groups);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
+  sub->add_option("--dtype", c->dtype,
+                  "precision of the step: fp32, or bf16 mixed precision (every GEMM and "
+                  "attention operand rounded to bf16, fp32 sums; fp32 master weights, gradients "
+                  "and AdamW state; flash attention only; docs/performance.md, \"bf16 mixed "
+                  "precision\")")
+      ->check(CLI::IsMember({"fp32", "float32", "bf16"}))
+      ->capture_default_str();
   sub->add_flag("--q-latent", c->q_latent,
                 "laga or laga2d with --q-lora-rank > 0: move the normalised query latent instead "
                 "of per-head Q (docs/forms.md)");

@@ -229,7 +229,7 @@ void register_verify_command(CLI::App& app) {
                   "precision of every run: float32 (the tool's), bf16 (mixed precision: every "
                   "GEMM and attention operand rounded to bf16, fp32 sums, in fp32 tensors; flash "
                   "only; the reference runs in bf16 too) or float64 (the same kernels in double)")
-      ->check(CLI::IsMember({"float32", "bf16", "float64"}))
+      ->check(CLI::IsMember({"float32", "fp32", "bf16", "float64"}))
       ->capture_default_str();
   sub->add_option("--tol", opts->tol,
                   "relative tolerance (float64 without --tol: 1e-12; bf16: the derived bound of "
@@ -239,6 +239,7 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
   sub->callback([opts, sub] {
+    if (opts->dtype == "fp32") opts->dtype = "float32";  // compare's and plan's spelling
     if (opts->dtype == "float64") {
       // Double rounding, not fp32's, unless the caller chose a tolerance.
       if (sub->count("--tol") == 0) opts->tol = 1e-12;

@@ -28,7 +28,9 @@
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
+#include "core/precision.hpp"
 #include "io/safetensors.hpp"
+#include "mla/ops_bf16.hpp"
 
 namespace laga {
 namespace {
@@ -484,6 +486,58 @@ TEST(MoeLayer, FloatMatchesDoubleReference) {
     size_t i = 0;
     g.for_each([&](const std::string& n, Tensor<float>& t) {
       EXPECT_TRUE(all_close(n + " f32", t.data(), want[i++]->data(), t.numel(), 2e-6, 2e-5));
+    });
+  }
+}
+
+// max |a - ref| / max |ref|: the bf16 bounds' measure (mla/ops_bf16.hpp).
+template <class T>
+double relative_to_largest(const T* a, const double* ref, std::int64_t n) {
+  double diff = 0, scale = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - ref[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+// Under --dtype bf16 the gate's, the shared and the routed experts' GEMMs
+// round their operands (model/moe.cpp, moe_linear_forward): out within the
+// block's bound of the double reference, dx and every gradient within the
+// gradients' (their paths are no longer than the attention block's:
+// x, W1/W3, a and b, h, W2, y forward, as many again backward), and not
+// fp32's result, which would mean the MoE's GEMMs stayed fp32.
+TEST(MoeLayer, Bf16WithinItsBoundOfTheDoubleReference) {
+  for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
+    Case c = make_case(cfg, 24, 16, 300);
+    const MoeParams<float> wf = params_as<float>(cfg, c.w, c.D);
+    const auto xf = test::convert<float>(c.x), gof = test::convert<float>(c.dout);
+    RefMoe ref = ref_moe(cfg, c.w, c.x, c.dout, c.N, c.D);
+    const MoeForward<float> f32 = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+    const UsePrecision bf16(Precision::bf16);
+    const MoeForward<float> f = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+    MoeParams<float> g = MoeParams<float>::zeros(cfg, c.D, MemCategory::gradients);
+    const Tensor<float> dx = moe_backward(cfg, wf, xf.data(), f.saved, gof.data(), g);
+    // The case's gate margins are wider than bf16's rounding of the
+    // logits: the same experts are chosen, so the values compare.
+    const int k = int(cfg.num_experts_per_tok);
+    for (int t = 0; t < c.N; ++t)
+      for (int j = 0; j < k; ++j)
+        ASSERT_EQ(f.saved.routing.expert[size_t(t * k + j)], ref.route[t].expert[j]);
+    const double out_bound = bf16_bound_vs_exact(BlockTensor::output);
+    const double grad_bound = bf16_bound_vs_exact(BlockTensor::gradient);
+    const double out_err = relative_to_largest(f.out.data(), ref.out.data(), c.N * c.D);
+    EXPECT_LE(out_err, out_bound);
+    std::vector<double> out_f32(f32.out.data(), f32.out.data() + c.N * c.D);
+    EXPECT_GT(relative_to_largest(f.out.data(), out_f32.data(), c.N * c.D), 1e-5)
+        << "bf16 out equals fp32's to fp32 rounding: the MoE's GEMMs did not run bf16";
+    EXPECT_LE(relative_to_largest(dx.data(), ref.dx.data(), c.N * c.D), grad_bound);
+    std::vector<const Tensor<double>*> want;
+    ref.g.for_each([&](const std::string&, Tensor<double>& t) { want.push_back(&t); });
+    size_t i = 0;
+    g.for_each([&](const std::string& n, Tensor<float>& t) {
+      const Tensor<double>& r = *want[i++];
+      EXPECT_LE(relative_to_largest(t.data(), r.data(), t.numel()), grad_bound) << n;
     });
   }
 }

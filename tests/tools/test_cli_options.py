@@ -140,6 +140,8 @@ OPTION_CASES = [
      "--dtype bf16 runs flash attention only"),
     (["forward", "--preset", "tiny", "--attention", "eager"], "--dtype", "bf16",
      "--dtype bf16 runs flash attention only"),
+    (TRAIN, "--dtype", "fp16", "--dtype"),
+    (TRAIN + ["--attention", "eager"], "--dtype", "bf16", "--dtype bf16 runs flash attention only"),
     # --link beyond what the model can hold a rank for (it was accepted and
     # silently not applied, issue 26 item 15)
     (["compare", "--preset", "tiny"], "--link", "1e-300", "is beyond what the link model holds"),
@@ -469,6 +471,21 @@ def case_bf16(laga, scratch):
         header = json.loads(f.read(n))
     checks.append((header["__metadata__"]["dtype"] == "bf16",
                    f"forward's file metadata dtype {header['__metadata__'].get('dtype')!r}"))
+    # train: the same seed's first step in fp32 and in bf16, from the same
+    # fp32 master weights. The losses differ (bf16 ran) by less than the
+    # block's own bound on its output, 10 u (mla/ops_bf16.hpp): the loss is
+    # a log-sum-exp of logits no worse rounded than a block's output.
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        log = os.path.join(scratch, f"train-{dtype}.jsonl")
+        if not ok_run(TRAIN + ["--attention", "flash", "--sp", "2", "--dtype", dtype,
+                               "--log", log]):
+            return
+        with open(log) as f:
+            losses[dtype] = json.loads(f.readline())["loss"]
+    rel = abs(losses["bf16"] - losses["fp32"]) / abs(losses["fp32"])
+    checks.append((0 < rel < 10 / 256, f"train --dtype bf16 step 1 loss {losses['bf16']} against "
+                   f"fp32's {losses['fp32']} (relative {rel:.2e}; 0 < it < 10 u)"))
     for good, what in checks:
         print(("ok:   " if good else "FAIL: ") + what)
         if not good:
