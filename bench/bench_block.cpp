@@ -25,11 +25,13 @@
 #include "comm/communicator.hpp"
 #include "common/naive_mla.hpp"
 #include "core/error.hpp"
+#include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "harness.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash.hpp"
 #include "mla/block.hpp"
+#include "mla/ops_bf16.hpp"
 #include "torch_peer.hpp"
 
 namespace {
@@ -73,35 +75,74 @@ BlockState<T> make_state(const MlaConfig& cfg, std::int64_t S) {
   return st;
 }
 
-}  // namespace
-
-LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager with --torch)") {
-  const bool quick = ctx.options().quick;
+// The benchmarked block: D 2048, H 16, C 512, dn 128, dr 64, dv 128, rq 0,
+// B 1, S 2048 (--quick: D 512, H 4, S 256), and its GFLOP (the header's
+// convention).
+struct BenchBlock {
   MlaConfig cfg;
+  std::int64_t S = 0;
+  double gflop = 0;
+  std::string shape;
+};
+
+BenchBlock bench_block_shape(bool quick) {
+  BenchBlock b;
+  MlaConfig& cfg = b.cfg;
   cfg.dim = quick ? 512 : 2048, cfg.n_heads = quick ? 4 : 16, cfg.kv_lora_rank = 512;
   cfg.qk_nope_head_dim = 128, cfg.qk_rope_head_dim = 64, cfg.v_head_dim = 128;
   cfg.max_seq_len = cfg.original_seq_len = 4096;
   const std::int64_t S = quick ? 256 : 2048, N = S;
-  const laga::SpLayout lay = laga::SpLayout::even(1, S, cfg.n_heads, 1);
-  const laga::RopeTable rope(cfg.rope(), S);
   const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim;
   const std::int64_t dqk = cfg.qk_head_dim(), dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
   const double linear =
       2.0 * double(N) * double(D * H * dqk + D * (C + dr) + C * H * (dn + dv) + H * dv * D);
   const laga::AttnShape attn{1, S, S, H, H, dqk, dv, cfg.softmax_scale(), true};
-  const double gflop = 1e-9 * (3.0 * linear + 3.5 * attn.useful_flops_forward());
-  const std::string shape = laga::cat("D", D, " H", H, " C", C, " S", S);
+  b.S = S;
+  b.gflop = 1e-9 * (3.0 * linear + 3.5 * attn.useful_flops_forward());
+  b.shape = laga::cat("D", D, " H", H, " C", C, " S", S);
+  return b;
+}
+
+// One step of the naive double block on make_state's inputs.
+laga::test::NaiveMlaResult naive_reference(const MlaConfig& cfg, std::int64_t S) {
+  const BlockState<float> in = make_state<float>(cfg, S);
+  laga::test::NaiveTensors w;
+  in.w.for_each([&](const std::string& name, const laga::Tensor<float>& t) {
+    w[name].assign(t.data(), t.data() + t.numel());
+  });
+  return laga::test::naive_mla(cfg, w, {in.x.data(), in.x.data() + in.x.numel()},
+                               {in.dout.data(), in.dout.data() + in.dout.numel()}, 1, S);
+}
+
+// #wrong of one step from zero gradients against the naive block: out at
+// rel_out * max|ref| of it, dx and every gradient at rel_grad.
+std::int64_t wrong_against(const MlaConfig& cfg, const laga::SpLayout& lay,
+                           const laga::RopeTable& rope, laga::Form form, BlockState<float>& st,
+                           const laga::test::NaiveMlaResult& ref, double rel_out, double rel_grad) {
+  st.grads.for_each([](const std::string&, laga::Tensor<float>& t) { t.fill(0.0f); });
+  run_block(cfg, lay, rope, form, st);
+  std::int64_t wrong =
+      laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), rel_out) +
+      laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), rel_grad);
+  st.grads.for_each([&](const std::string& name, const laga::Tensor<float>& g) {
+    wrong += laga::bench::count_wrong(g.data(), ref.grads.at(name).data(), g.numel(), rel_grad);
+  });
+  return wrong;
+}
+
+}  // namespace
+
+LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager with --torch)") {
+  const BenchBlock b = bench_block_shape(ctx.options().quick);
+  const MlaConfig& cfg = b.cfg;
+  const std::int64_t S = b.S, D = cfg.dim, H = cfg.n_heads;
+  const double gflop = b.gflop;
+  const std::string& shape = b.shape;
+  const laga::SpLayout lay = laga::SpLayout::even(1, S, cfg.n_heads, 1);
+  const laga::RopeTable rope(cfg.rope(), S);
 
   ctx.note("reference: tests/common/naive_mla.hpp, naive double loops, once (out, dx, every grad)");
-  const laga::test::NaiveMlaResult ref = [&] {
-    const BlockState<float> in = make_state<float>(cfg, S);
-    laga::test::NaiveTensors w;
-    in.w.for_each([&](const std::string& name, const laga::Tensor<float>& t) {
-      w[name].assign(t.data(), t.data() + t.numel());
-    });
-    return laga::test::naive_mla(cfg, w, {in.x.data(), in.x.data() + in.x.numel()},
-                                 {in.dout.data(), in.dout.data() + in.dout.numel()}, 1, S);
-  }();
+  const laga::test::NaiveMlaResult ref = naive_reference(cfg, S);
 
   // --torch: a PyTorch peer process running the same block; its steps
   // alternate with laga's (bench/torch_peer.hpp), and each row's ratio is
@@ -154,15 +195,7 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
         },
         [&] {
           // backward adds into grads: one step from zero for the check.
-          st.grads.for_each([](const std::string&, laga::Tensor<float>& t) { t.fill(0.0f); });
-          run_block(cfg, lay, rope, form, st);
-          std::int64_t wrong =
-              laga::bench::count_wrong(st.out.data(), ref.out.data(), st.out.numel(), 1e-5) +
-              laga::bench::count_wrong(st.dx.data(), ref.dx.data(), st.dx.numel(), 1e-5);
-          st.grads.for_each([&](const std::string& name, const laga::Tensor<float>& g) {
-            wrong += laga::bench::count_wrong(g.data(), ref.grads.at(name).data(), g.numel(), 1e-5);
-          });
-          return wrong;
+          return wrong_against(cfg, lay, rope, form, st, ref, 1e-5, 1e-5);
         },
         [&] {
           if (torch) torch_ms.push_back(torch->step());
@@ -193,6 +226,65 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
                         "x, range ", *lo, "x..", *hi, "x");
     }
     ctx.note(line);
+  }
+  laga::current_pool().cache().trim();
+}
+
+// The same block in bf16 mixed precision (--dtype bf16: every GEMM and
+// attention operand rounded to bf16 into scratch, fp32 sums; mla/ops.hpp,
+// "Precision") against fp32, per form, the two timed alternately (every
+// round runs fp32 then bf16), and the speedup taken per round. %peak: fp32
+// rows against the fp32 FMA peak, bf16 rows against the bf16 dot-product
+// peak (VDPBF16PS) where the CPU has AVX512_BF16, else against fp32's (oneDNN
+// then emulates bf16 or the operands are widened: the note says which).
+// #wrong: fp32 at 1e-5, bf16 at its derived bounds (mla/ops_bf16.hpp: 10 u
+// for out, 20 u for dx and the gradients), both against the naive double
+// block.
+LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, alternating") {
+  const BenchBlock b = bench_block_shape(ctx.options().quick);
+  const MlaConfig& cfg = b.cfg;
+  const laga::SpLayout lay = laga::SpLayout::even(1, b.S, cfg.n_heads, 1);
+  const laga::RopeTable rope(cfg.rope(), b.S);
+  const bool bf16_cpu = laga::bench::cpu_has_avx512_bf16();
+  const std::string f32_isa =
+      laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
+  const std::string bf16_isa = bf16_cpu ? "bf16" : f32_isa;
+  ctx.note(bf16_cpu ? "bf16: AVX512_BF16 dot products (oneDNN brgemm, the bf16 flash kernel)"
+                    : "bf16: this CPU has no AVX512_BF16; oneDNN emulates bf16 or the operands "
+                      "are widened to fp32 (kernels/gemm_bf16.hpp): bf16 rows measure that");
+  ctx.note("reference: tests/common/naive_mla.hpp, naive double loops, once (out, dx, every grad)");
+  const laga::test::NaiveMlaResult ref = naive_reference(cfg, b.S);
+  const double out_bound = laga::bf16_bound_vs_exact(laga::BlockTensor::output);
+  const double grad_bound = laga::bf16_bound_vs_exact(laga::BlockTensor::gradient);
+  ctx.header();
+  for (laga::Form form : {laga::Form::explicit_form, laga::Form::absorbed, laga::Form::laga}) {
+    const std::string name = laga::to_string(form);
+    if (!laga::bench::case_selected(ctx.options(), name)) continue;
+    laga::current_pool().cache().trim();
+    BlockState<float> f32 = make_state<float>(cfg, b.S), b16 = make_state<float>(cfg, b.S);
+    const auto step_bf16 = [&] {
+      const laga::UsePrecision bf16(laga::Precision::bf16);
+      run_block(cfg, lay, rope, form, b16);
+    };
+    const std::vector<laga::bench::Row*> got = ctx.run_alternating({
+        {laga::cat("block_", name, "/f32"), b.shape, b.gflop, f32_isa,
+         [&] { run_block(cfg, lay, rope, form, f32); },
+         [&] { return wrong_against(cfg, lay, rope, form, f32, ref, 1e-5, 1e-5); }},
+        {laga::cat("block_", name, "/bf16"), b.shape, b.gflop, bf16_isa, step_bf16,
+         [&] {
+           const laga::UsePrecision bf16(laga::Precision::bf16);
+           return wrong_against(cfg, lay, rope, form, b16, ref, out_bound, grad_bound);
+         }},
+    });
+    if (got.size() != 2) continue;  // --op kept one row: no ratio
+    std::vector<double> ratio;
+    for (size_t i = 0; i < got[0]->t.samples_ms.size(); ++i)
+      ratio.push_back(got[0]->t.samples_ms[i] / got[1]->t.samples_ms[i]);
+    const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
+    ctx.note(laga::cat(name, ": fp32 ", double(b.S) / got[0]->t.median_ms * 1e3, " tokens/s, bf16 ",
+                       double(b.S) / got[1]->t.median_ms * 1e3,
+                       " tokens/s; bf16 speedup per round (fp32 ms / bf16 ms): median ",
+                       laga::bench::median(ratio), "x, range ", *lo, "x..", *hi, "x"));
   }
   laga::current_pool().cache().trim();
 }
