@@ -82,7 +82,12 @@ LAGA_BENCH(flash_bf16, "flash attention fwd/bwd: bf16 Q/K/V (fp32 accumulation) 
   const char* why_fp32 = laga::flash_bf16_why_no_avx512_bf16();
   ctx.note(laga::cat("bf16 flash kernels: ", laga::to_string(bisa),
                      bisa == laga::FlashBf16Isa::fp32
-                         ? laga::cat(" (", why_fp32 ? why_fp32 : "LAGA_FLASH_BF16_ISA=fp32",
+                         ? laga::cat(" (",
+                                     why_fp32 ? why_fp32
+                                     : laga::flash_bf16_dot_products_pay()
+                                         ? "LAGA_FLASH_BF16_ISA=fp32"
+                                         : "auto on Intel, where VDPBF16PS runs at half FMA's "
+                                           "rate; LAGA_FLASH_BF16_ISA=avx512_bf16 runs it",
                                      "): widened to fp32, the fp32 kernels run")
                          : std::string(" (VDPBF16PS)"),
                      "; fp32 flash kernels: ", f32_isa));

@@ -30,6 +30,8 @@
 #include "harness.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash.hpp"
+#include "kernels/attention_flash_bf16.hpp"
+#include "kernels/gemm_bf16.hpp"
 #include "mla/block.hpp"
 #include "mla/ops_bf16.hpp"
 #include "torch_peer.hpp"
@@ -249,9 +251,19 @@ LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, a
   const std::string f32_isa =
       laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
   const std::string bf16_isa = bf16_cpu ? "bf16" : f32_isa;
-  ctx.note(bf16_cpu ? "bf16: AVX512_BF16 dot products (oneDNN brgemm, the bf16 flash kernel)"
-                    : "bf16: this CPU has no AVX512_BF16; oneDNN emulates bf16 or the operands "
-                      "are widened to fp32 (kernels/gemm_bf16.hpp): bf16 rows measure that");
+  // What the bf16 step runs on here, in oneDNN's and the flash kernels' words.
+  const std::int64_t D = cfg.dim, H = cfg.n_heads;
+  ctx.note(laga::cat(
+      "bf16 GEMMs: oneDNN ",
+      laga::gemm_bf16_implementation(false, true, b.S, H * cfg.v_head_dim * 2, cfg.kv_lora_rank,
+                                     cfg.kv_lora_rank, cfg.kv_lora_rank, H * cfg.v_head_dim * 2,
+                                     false),
+      " (wkv_b's shape; D ", D, "); bf16 flash: ", laga::to_string(laga::flash_bf16_isa()),
+      bf16_cpu ? "" : "; this CPU has no AVX512_BF16: oneDNN emulates bf16 or widens to fp32"));
+  if (bf16_cpu)
+    ctx.note(
+        "bf16 %peak is against the VDPBF16PS register loop; oneDNN's AMX kernels (brg:"
+        "avx512_core_amx_bf16, where the CPU has AMX) run above it, so %peak can pass 100%");
   ctx.note("reference: tests/common/naive_mla.hpp, naive double loops, once (out, dx, every grad)");
   const laga::test::NaiveMlaResult ref = naive_reference(cfg, b.S);
   const double out_bound = laga::bf16_bound_vs_exact(laga::BlockTensor::output);

@@ -48,8 +48,8 @@ const char* why_not_here() {
 }
 
 FlashBf16Isa environment_choice() {
-  static const FlashBf16Isa isa =
-      detail::resolve_flash_bf16_isa(std::getenv("LAGA_FLASH_BF16_ISA"), why_not_here());
+  static const FlashBf16Isa isa = detail::resolve_flash_bf16_isa(
+      std::getenv("LAGA_FLASH_BF16_ISA"), why_not_here(), flash_bf16_dot_products_pay());
   return isa;
 }
 
@@ -81,10 +81,19 @@ const char* flash_bf16_why_no_avx512_bf16() {
   return why_not_here();
 }
 
-FlashBf16Isa detail::resolve_flash_bf16_isa(const char* setting, const char* unusable) {
+bool flash_bf16_dot_products_pay() {
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("intel");
+}
+
+FlashBf16Isa flash_bf16_auto_isa() {
+  return detail::resolve_flash_bf16_isa(nullptr, why_not_here(), flash_bf16_dot_products_pay());
+}
+
+FlashBf16Isa detail::resolve_flash_bf16_isa(const char* setting, const char* unusable, bool pays) {
   const std::string value = setting ? setting : "";
   if (value.empty() || value == "auto")
-    return unusable ? FlashBf16Isa::fp32 : FlashBf16Isa::avx512_bf16;
+    return unusable || !pays ? FlashBf16Isa::fp32 : FlashBf16Isa::avx512_bf16;
   if (value == "fp32") return FlashBf16Isa::fp32;
   if (value == "avx512_bf16") {
     LAGA_CHECK(!unusable, "LAGA_FLASH_BF16_ISA=avx512_bf16, but ", unusable, " (", kNeeds,

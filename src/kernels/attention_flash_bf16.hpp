@@ -77,9 +77,21 @@ std::vector<FlashBf16Isa> flash_bf16_isas_available();
 // Why avx512_bf16 cannot run here, or null when it can (for reports).
 const char* flash_bf16_why_no_avx512_bf16();
 
+// What auto picks here: avx512_bf16 where it is available and its dot
+// products pay (flash_bf16_dot_products_pay), else fp32.
+FlashBf16Isa flash_bf16_auto_isa();
+// Whether VDPBF16PS outruns the fp32 FMAs on this CPU, decided by vendor so
+// that a run's bits do not depend on a timing: AMD's Zen 4 and Zen 5 issue it
+// at twice FMA's FLOP rate (docs/performance.md: 765-870 GFLOP/s against
+// 420-530 on 2 cores); Intel's Xeons issue it on one port where FMA has two,
+// half FMA's rate (this repository's Xeon: 214 against 433 GFLOP/s), and there
+// the bf16 kernel's backward is 15% slower than widening to the fp32 kernels.
+// Other vendors: assumed to pay.
+bool flash_bf16_dot_products_pay();
+
 // The one in use: the last set_flash_bf16_isa(), else LAGA_FLASH_BF16_ISA
 // (fp32, avx512_bf16 or auto; unset = auto), read at the first call; auto is
-// avx512_bf16 where available. Throws laga::Error for an unknown value or an
+// flash_bf16_auto_isa(). Throws laga::Error for an unknown value or an
 // unavailable ISA.
 FlashBf16Isa flash_bf16_isa();
 // Selects the ISA for later calls, returns the previous one (tests,
@@ -89,8 +101,9 @@ FlashBf16Isa set_flash_bf16_isa(FlashBf16Isa isa);
 
 namespace detail {
 // LAGA_FLASH_BF16_ISA's value (null or empty: auto) resolved, where
-// `unusable` says why avx512_bf16 cannot run (null: it can).
-FlashBf16Isa resolve_flash_bf16_isa(const char* setting, const char* unusable);
+// `unusable` says why avx512_bf16 cannot run (null: it can) and `pays`
+// whether auto should take it when it can.
+FlashBf16Isa resolve_flash_bf16_isa(const char* setting, const char* unusable, bool pays = true);
 }  // namespace detail
 
 }  // namespace laga
