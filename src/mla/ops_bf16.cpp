@@ -1,5 +1,6 @@
 #include "mla/ops_bf16.hpp"
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -38,10 +39,18 @@ const bf16* operand(Slot slot, const float* x, std::int64_t n) {
   return operand(slot, Mat<const float>{x, 1, n, n});
 }
 
+// Through the vectorised conversions (the same bits as to_bf16, one value at
+// a time: kernels/bf16_convert.hpp), a chunk of a row at a time.
 void round_in_place(const Mat<float>& m) {
+  constexpr std::int64_t kChunk = 2048;
+  std::array<bf16, kChunk> chunk;
   for (std::int64_t i = 0; i < m.rows; ++i) {
     float* row = m.p + i * m.ld;
-    for (std::int64_t j = 0; j < m.cols; ++j) row[j] = to_float(to_bf16(row[j]));
+    for (std::int64_t j = 0; j < m.cols; j += kChunk) {
+      const std::int64_t n = std::min(kChunk, m.cols - j);
+      convert_to_bf16(row + j, chunk.data(), n);
+      convert_to_float(chunk.data(), row + j, n);
+    }
   }
 }
 

@@ -5,7 +5,10 @@
 // rank thread and changes results.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -260,6 +263,26 @@ Gemm random_gemm(std::int64_t M, std::int64_t N, std::int64_t K) {
 // its neighbour, within 2u of it. Against the unrounded operands' product
 // it is not: the operands' rounding moves the sum by order u / sqrt(K) of
 // sum |a b|, tens of times fp32's rounding.
+// round_in_place (the vectorised conversions, a chunk at a time) gives
+// to_bf16's bits for every element of a strided view, rows longer than its
+// chunk included, and leaves the columns outside the view as they were.
+TEST(Bf16, RoundInPlaceIsToBf16OnTheViewOnly) {
+  const std::int64_t rows = 3, cols = 2050, ld = 2053;
+  std::vector<float> x(size_t(rows * ld));
+  fill_normal(x.data(), std::int64_t(x.size()), 0, 7, 0, 3.0);
+  x[5] = std::numeric_limits<float>::infinity(), x[6] = -0.0f, x[7] = 1e-40f;  // inf, -0, denormal
+  x[8] = std::numeric_limits<float>::quiet_NaN(), x[9] = 3.0e38f;  // NaN, rounds past bf16's max
+  const std::vector<float> before = x;
+  ops::bf16_path::round_in_place(ops::Mat<float>{x.data(), rows, cols, ld});
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < ld; ++j) {
+      const float b = before[size_t(i * ld + j)], got = x[size_t(i * ld + j)];
+      const float want = j < cols ? to_float(to_bf16(b)) : b;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(want))
+          << "row " << i << " col " << j << " of " << b;
+    }
+}
+
 TEST(Bf16, GemmRoundsOperandsAndFreshOutputs) {
   const Gemm g = random_gemm(17, 23, 40);
   std::vector<float> c(std::size_t(g.M * g.N), 0.0f), acc(c.size(), 1.0f);
