@@ -65,15 +65,6 @@ AttnShape Step::head_attention() const {
 }
 
 namespace {
-// bf16 mixed precision (ops.hpp, "Precision") runs flash attention only:
-// the eager kernel has no bf16 form, and a widened fp32 copy of it would
-// measure nothing a bf16 run does.
-void check_bf16_attention(AttentionKind kind) {
-  LAGA_CHECK(kind == AttentionKind::flash,
-             "bf16 mixed precision runs flash attention only; use --attention flash (or --dtype "
-             "fp32 for eager)");
-}
-
 // The first `keys` tokens of every row of a (B, S, .) tensor and of a
 // (B, keys, .) one, as blocks of rows both hold contiguously: f(row in the
 // (B S) rows, row in the (B keys) rows, rows). One block of all B S rows when
@@ -291,7 +282,7 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
     // q, k, v rounded to bf16, their products summed in fp32; o and lse
     // come back fp32 (attention_flash_bf16.hpp says why), and o is rounded
     // where it enters the output projection's GEMM.
-    check_bf16_attention(st.ctx.attention);
+    check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       using ops::bf16_path::operand, ops::bf16_path::Slot;
       attention_flash_forward_bf16(s, o, stats, operand(Slot::first, q, s.B * s.Sq * s.Hq * s.dqk),
@@ -325,7 +316,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
     // the recomputed scores); dq, dk, dv are the kernel's fp32 sums.
-    check_bf16_attention(st.ctx.attention);
+    check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       using ops::bf16_path::operand, ops::bf16_path::Slot;
       attention_flash_backward_bf16(s, dq, dk, dv,

@@ -93,6 +93,12 @@ AttentionKind parse_attention(const std::string& s) {
   fail("unknown attention kernel '", s, "'; choose eager or flash");
 }
 
+void check_precision_supports(Precision p, AttentionKind a) {
+  LAGA_CHECK(p != Precision::bf16 || a == AttentionKind::flash, "--dtype ", to_string(p),
+             " runs flash attention only (--attention ", to_string(a),
+             "); pass --attention flash, or --dtype fp32 for eager");
+}
+
 const char* to_string(QueryExchange q) {
   return q == QueryExchange::heads ? "heads" : "latent";
 }

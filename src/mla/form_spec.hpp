@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/precision.hpp"
 #include "mla/config.hpp"
 #include "mla/exchange.hpp"
 #include "mla/layout.hpp"
@@ -34,6 +35,11 @@ std::string form_flows();
 enum class AttentionKind { eager, flash };
 const char* to_string(AttentionKind a);
 AttentionKind parse_attention(const std::string& s);  // "eager" | "flash"
+// bf16 mixed precision (ops.hpp, "Precision") runs flash attention only: the
+// eager kernel has no bf16 form, and a widened fp32 copy of it would measure
+// nothing a bf16 run does. laga::Error naming --attention flash otherwise;
+// the CLI asks before it runs, the block asks again where it attends.
+void check_precision_supports(Precision p, AttentionKind a);
 
 // How the queries reach the rank that owns their heads (docs/forms.md):
 //   heads   q (B, L_r, H dqk) all-to-all seq->head, every form (label q_a2a)

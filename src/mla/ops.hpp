@@ -252,7 +252,8 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
   count_gemm({false, true, y.rows, y.cols, x.cols, x.cols, x.cols, y.cols, false});
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
   if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
-    if constexpr (std::is_same_v<T, float>) return bf16_path::linear(y, x, w);
+    if constexpr (std::is_same_v<T, float>)
+      return bf16_path::linear(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
   }
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
@@ -268,7 +269,8 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
   if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
     if constexpr (std::is_same_v<T, float>)
-      return bf16_path::linear_backward(dx, accumulate, dw, dy, x, w);
+      return bf16_path::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p,
+                                        w.data(), dy.rows, x.cols, dy.cols);
   }
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);

@@ -69,28 +69,6 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
   if (beta == 0.0f) round_in_place(C);
 }
 
-void linear(const Mat<float>& y, const Mat<const float>& x, const Tensor<float>& w) {
-  const std::int64_t in = x.cols, out = y.cols;
-  const bf16* xb = operand(Slot::first, x);
-  const bf16* wb = operand(Slot::second, w.data(), out * in);
-  linear_forward_bf16<float>(y.p, xb, wb, y.rows, in, out);
-  round_in_place(y);
-}
-
-void linear_backward(const Mat<float>* dx, bool accumulate, Tensor<float>& dw,
-                     const Mat<const float>& dy, const Mat<const float>& x,
-                     const Tensor<float>& w) {
-  const std::int64_t N = dy.rows, in = x.cols, out = dy.cols;
-  const bf16* dyb = operand(Slot::first, dy);
-  const bf16* xb = operand(Slot::second, x);
-  const bf16* wb = operand(Slot::third, w.data(), out * in);
-  // dW += dy^T x into the fp32 gradient (the master weights' precision).
-  linear_backward_bf16<float>(dx ? dx->p : nullptr, accumulate, dw.data(), dyb, xb, wb, N, in, out);
-  // dx: fresh, an activation gradient a bf16 run stores; added to, an fp32
-  // sum (the gemm rule above).
-  if (dx && !accumulate) round_in_place(*dx);
-}
-
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out) {
   const bf16* xb = operand(Slot::first, x, N * in);
@@ -99,6 +77,9 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
   round_in_place(Mat<float>{y, N, out, out});
 }
 
+// dx: fresh, an activation gradient a bf16 run stores, rounded; added to,
+// an fp32 sum (the gemm rule above). dW is always added into the fp32
+// gradient (the master weights' precision).
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
   const bf16* dyb = operand(Slot::first, dy, N * out);

@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "core/bf16.hpp"
-#include "core/tensor.hpp"
 
 namespace laga {
 
@@ -77,11 +76,9 @@ void round_in_place(const Mat<float>& m);
 // (their contracts; ops.hpp has already counted and checked the shapes).
 void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans_a,
           const Mat<const float>& B, bool trans_b, float alpha);
-void linear(const Mat<float>& y, const Mat<const float>& x, const Tensor<float>& w);
-void linear_backward(const Mat<float>* dx, bool accumulate, Tensor<float>& dw,
-                     const Mat<const float>& dy, const Mat<const float>& x, const Tensor<float>& w);
-// The same two on dense rows (x (N, in), y and dy (N, out), w (out, in)), for
-// callers that hold pointers, not views: the MoE's experts (model/moe.cpp).
+// The linears on dense rows (x (N, in), y and dy (N, out), w (out, in)), as
+// laga::linear_forward/backward take them: ops.hpp's views (checked dense
+// there) and the MoE's experts (model/moe.cpp), which hold pointers.
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out);
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,

@@ -182,9 +182,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
 
 void validate_train_options(const TrainOptions& o) {
   o.model.validate();
-  LAGA_CHECK(o.precision != Precision::bf16 || o.attention == AttentionKind::flash,
-             "--dtype bf16 runs flash attention only (--attention ", to_string(o.attention),
-             "); pass --attention flash");
+  check_precision_supports(o.precision, o.attention);
   LAGA_CHECK(o.sp >= 1, "--sp must be >= 1 (got ", o.sp, ")");
   LAGA_CHECK(o.seq >= o.sp, "--seq ", o.seq, " is shorter than --sp ", o.sp,
              ": every rank needs at least one token");

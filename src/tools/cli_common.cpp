@@ -587,11 +587,6 @@ void write_output(const std::string& path, const std::string& text) {
   write_file_atomic(path, text);
 }
 
-void check_bf16_attention(const std::string& attention) {
-  LAGA_CHECK(attention == "flash", "--dtype bf16 runs flash attention only (--attention ",
-             attention, "); pass --attention flash");
-}
-
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
                  "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "

@@ -101,10 +101,6 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
 // --head-groups on a command: the option, its help and its check (>= 1).
 void add_head_groups_option(CLI::App& app, int& head_groups);
 
-// --dtype bf16 runs flash attention only (the block refuses eager under
-// it): the one error for --attention eager with it, before anything runs.
-void check_bf16_attention(const std::string& attention);
-
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved
 // model config (ModelOptions::load). run_group's MPI path compares them

@@ -247,7 +247,7 @@ void register_forward_command(CLI::App& app) {
     if (opts->dtype == "float64") {
       run_forward<double>(*opts);
     } else if (opts->dtype == "bf16") {
-      check_bf16_attention(opts->attention);
+      check_precision_supports(Precision::bf16, parse_attention(opts->attention));
       const UsePrecision bf16(Precision::bf16);
       run_forward<float>(*opts);
     } else {

@@ -245,7 +245,7 @@ void register_verify_command(CLI::App& app) {
       if (sub->count("--tol") == 0) opts->tol = 1e-12;
       run_verify<double>(*opts);
     } else if (opts->dtype == "bf16") {
-      check_bf16_attention(opts->attention);
+      check_precision_supports(Precision::bf16, parse_attention(opts->attention));
       if (sub->count("--tol") == 0) opts->tol = bf16_bound_between_runs(BlockTensor::gradient);
       const UsePrecision bf16(Precision::bf16);
       run_verify<float>(*opts);

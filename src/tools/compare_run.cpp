@@ -461,7 +461,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   res.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, res.cfg,
                             parse_overlap_runs(o.overlap));
   res.attention = parse_attention(o.attention);
-  if (o.precision == Precision::bf16) check_bf16_attention(o.attention);
+  check_precision_supports(o.precision, res.attention);
   // Every run below, on this thread and on the rank threads it starts.
   const UsePrecision precision(o.precision);
   if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);

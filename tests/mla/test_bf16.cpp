@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/block_inputs.hpp"
 #include "common/variants.hpp"
 #include "core/bf16.hpp"
 #include "core/error.hpp"
@@ -43,21 +44,8 @@ MlaConfig test_config(std::int64_t rq) {
 }
 
 template <class T>
-struct Inputs {
-  MlaParams<T> w;
-  Tensor<T> x, dout;
-};
-
-Inputs<float> make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S) {
-  Inputs<float> in;
-  in.w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(in.w, 3, 0.1);
-  in.x = TensorF({B, S, cfg.dim});
-  in.dout = TensorF({B, S, cfg.dim});
-  fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
-  fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
-  return in;
-}
+using Inputs = test::BlockInputs<T>;
+using test::make_inputs;
 
 TensorD widened(const TensorF& t) {
   TensorD d(t.shape());

@@ -27,6 +27,7 @@
 #include <limits>
 #include <numeric>
 
+#include "common/block_inputs.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
 #include "common/variants.hpp"
@@ -49,21 +50,8 @@ MlaConfig test_config(std::int64_t rq, std::int64_t heads = 5) {
   return c;
 }
 
-struct Inputs {
-  MlaParams<float> w;
-  TensorF x, dout;
-};
-
-Inputs make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S) {
-  Inputs in;
-  in.w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(in.w, 3, 0.1);
-  in.x = TensorF({B, S, cfg.dim});
-  in.dout = TensorF({B, S, cfg.dim});
-  fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
-  fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
-  return in;
-}
+using Inputs = test::BlockInputs<float>;
+using test::make_inputs;
 
 // max |a - b| <= rel * max |b| over the tensor; exact when rel == 0.
 void expect_close(const std::string& what, const TensorF& a, const TensorF& b, double rel) {
