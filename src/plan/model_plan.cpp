@@ -9,20 +9,36 @@
 
 namespace laga {
 
+std::int64_t most_experts_per_device(std::int64_t experts, int ep) {
+  LAGA_CHECK(experts >= 1 && ep >= 1, "most_experts_per_device(E ", experts, ", EP ", ep,
+             "): need E and EP >= 1");
+  return (experts + ep - 1) / ep;
+}
+
 double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
-                              std::int64_t elem_bytes, int ep) {
-  LAGA_CHECK(tokens_per_rank >= 0 && k >= 0 && dim >= 0 && elem_bytes >= 1 && ep >= 1,
-             "expected_moe_a2a_bytes(tokens ", tokens_per_rank, ", k ", k, ", D ", dim, ", elem ",
-             elem_bytes, ", EP ", ep, "): every size must be >= 0, elem and EP >= 1");
-  // Each copy leaves the rank unless its expert is one of the rank's own
-  // E / EP: probability 1 - 1/EP under uniform routing.
-  return double(tokens_per_rank) * double(k) * double(dim) * double(elem_bytes) *
-         (1.0 - 1.0 / double(ep));
+                              std::int64_t elem_bytes, std::int64_t experts, int ep) {
+  LAGA_CHECK(
+      tokens_per_rank >= 0 && k >= 0 && dim >= 0 && elem_bytes >= 1 && experts >= 1 && ep >= 1,
+      "expected_moe_a2a_bytes(tokens ", tokens_per_rank, ", k ", k, ", D ", dim, ", elem ",
+      elem_bytes, ", E ", experts, ", EP ", ep, "): every size must be >= 0, elem, E and EP >= 1");
+  // A rank owning o of the E experts sends the copies not routed to its own
+  // (probability 1 - o/E under uniform routing) and receives the other ep - 1
+  // ranks' copies routed to its own (o/E of each rank's). The dispatch's
+  // busiest rank is the one with the larger of those; the combine's is the
+  // same rank, the directions swapped. o is E / ep or one more.
+  const double copies = double(tokens_per_rank) * double(k), E = double(experts);
+  const double fewest = double(experts / ep), most = double(most_experts_per_device(experts, ep));
+  double busiest = 0;
+  for (double o : {fewest, most})
+    busiest = std::max({busiest, copies * (1.0 - o / E), double(ep - 1) * copies * o / E});
+  return busiest * double(dim) * double(elem_bytes);
 }
 
 double moe_counts_bytes(std::int64_t experts, int ep) {
-  LAGA_CHECK(ep >= 1 && experts % ep == 0, "moe_counts_bytes: EP ", ep, " must divide the ",
-             experts, " experts");
+  LAGA_CHECK(experts >= 1 && ep >= 1, "moe_counts_bytes(E ", experts, ", EP ", ep,
+             "): need E and EP >= 1");
+  // Rank r sends 8 bytes per expert owned by another: E - owned(r), the most
+  // on a rank owning the fewest.
   return 8.0 * double(experts - experts / ep);
 }
 
@@ -44,6 +60,7 @@ ModelParamCounts model_param_counts(const LmConfig& cfg) {
     }
   }
   n.norms += D;  // the final norm
+  if (cfg.moe) n.routed_expert_count = cfg.moe->n_routed_experts;
   n.embedding = V * D;
   n.head = V * D;
   return n;
@@ -110,7 +127,8 @@ ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, boo
       add_swiglu(calls.ffn, N, D, m.shared_intermediate_size(), forwards, true);
     const std::int64_t rows =
         std::llround(double(N) * double(m.num_experts_per_tok) * double(ep) / double(E));
-    add_swiglu(calls.ffn, rows, D, m.moe_intermediate_size, forwards, false, E / ep);
+    add_swiglu(calls.ffn, rows, D, m.moe_intermediate_size, forwards, false,
+               most_experts_per_device(E, ep));
   }
   add_linear(calls.head, N, D, cfg.vocab, 1.0, false);
   return calls;
@@ -125,7 +143,7 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
   // v; fp32 updates the parameters themselves.
   const double opt = dtype == PlanDType::bf16 ? 12.0 : 8.0;
   const double replicated = double(params.replicated());
-  const double experts = double(params.routed_experts) / double(ep);  // this device's share
+  const double experts = double(params.routed_experts_on_device(ep));  // this device's share
   StateBytes s;
   s.parameters = (replicated + experts) * e;
   s.gradients = (replicated + experts) * e;
@@ -141,10 +159,15 @@ double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t t
   if (cfg.is_moe_layer(layer)) {
     const MoeConfig& m = *cfg.moe;
     const double copies = N * double(m.num_experts_per_tok), I = double(m.moe_intermediate_size);
-    elements += copies * (3 * I + D) + 3 * N * double(m.shared_intermediate_size());
-    // Under EP the owner keeps the rows it received (xe): their x is on the
-    // rank they came from.
-    if (ep > 1) elements += copies * D;
+    // The rows the rank's experts ran: its own copies, or under EP the
+    // busiest owner's expected rows from every rank, whose inputs (xe) it
+    // keeps too (their x is on the rank they came from).
+    const double rows = ep > 1 ? double(m.num_experts_per_tok) * N * double(ep) *
+                                     double(most_experts_per_device(m.n_routed_experts, ep)) /
+                                     double(m.n_routed_experts)
+                               : copies;
+    elements += copies * D + rows * 3 * I + 3 * N * double(m.shared_intermediate_size());
+    if (ep > 1) elements += rows * D;
   } else {
     elements += 3 * N * double(cfg.hidden());  // a, b, g
   }
@@ -261,8 +284,10 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const double block_s = f.step_s - (sync.compute_s() + sync.comm_s);
   const double block_forward_s = f.phases[0].compute_s() + f.phases[0].comm_s;
   const double passes = q.recompute ? 4.0 : 3.0;  // forward, backward 2x, forward again
-  const double a2a_bytes =
-      expected_moe_a2a_bytes(N, cfg.moe ? cfg.moe->num_experts_per_tok : 0, cfg.dim(), e, ep);
+  const double a2a_bytes = cfg.moe
+                               ? expected_moe_a2a_bytes(N, cfg.moe->num_experts_per_tok, cfg.dim(),
+                                                        e, cfg.moe->n_routed_experts, ep)
+                               : 0.0;
   const std::int64_t a2a_whole = std::int64_t(std::llround(a2a_bytes));
   const double a2a_s =
       collective_seconds(CollectiveKind::all_to_all, ep, {a2a_whole, a2a_whole}, ep_fabric);
@@ -300,13 +325,15 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   // the node holds EP groups.
   Fabric owners = world_fabric;
   owners.ranks_per_node = std::max(1, world_fabric.ranks_per_node / ep);
-  m.time.grad_sync = sync_seconds(params.replicated(), world, q.zero1, e, world_fabric) +
-                     sync_seconds(params.routed_experts / ep, world / ep, q.zero1, e, owners);
+  m.time.grad_sync =
+      sync_seconds(params.replicated(), world, q.zero1, e, world_fabric) +
+      sync_seconds(params.routed_experts_on_device(ep), world / ep, q.zero1, e, owners);
   // AdamW: per parameter it updates, 28 bytes either way (bf16: read the
   // gradient 2, master, m, v 12, write them 12 and the bf16 copy 2; fp32:
   // read gradient, parameter, m, v 16, write parameter, m, v 12).
-  const double updated = q.zero1 ? double(params.total()) / double(world)
-                                 : double(params.replicated()) + double(params.routed_experts) / ep;
+  const double updated = q.zero1
+                             ? double(params.total()) / double(world)
+                             : double(params.replicated() + params.routed_experts_on_device(ep));
   m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
 
   // Ranks that are threads of one host (a profile with shared_cores, as
@@ -387,17 +414,14 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
         const int ep = expert_parallel_degree(q.ep, P, dp, E);
         switch (q.ep.rule) {
           case EpRule::sp:
-            LAGA_CHECK(E % P == 0, "--sp ", P,
-                       ": expert parallelism is folded onto the SP ranks (EP = P), so P must "
-                       "divide the ",
-                       E, " routed experts; give --sp a divisor of ", E, ", or --ep max|N");
-            break;
+            break;  // P ranks, E / P experts each, the first E % P one more (as laga train)
           case EpRule::max:
             break;  // gcd(P * dp, E) divides both
           case EpRule::fixed:
-            LAGA_CHECK(E % ep == 0 && (P * dp) % ep == 0, "--ep ", ep, " must divide the ", E,
-                       " routed experts and the ", P * dp, " devices of --sp ", P, " x --dp ", dp,
-                       "; give --ep a divisor of both");
+            LAGA_CHECK((P * dp) % ep == 0, "--ep ", ep, " must divide the ", P * dp,
+                       " devices of --sp ", P, " x --dp ", dp,
+                       " (each EP group is EP consecutive devices); give --ep a divisor of ",
+                       P * dp);
             break;
         }
       }

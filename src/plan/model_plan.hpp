@@ -22,11 +22,11 @@
 //
 // Parallelism: the SP group of P ranks runs every layer's attention in the
 // chosen form; expert parallelism is folded onto the same ranks (Megatron's
-// MoE parallel folding): by default EP = P, so P must divide E and each rank
-// owns E / P experts of every MoE layer (EpChoice below: EP over every
-// device, or a fixed degree). dp data-parallel replicas of that group make
-// P * dp devices. No tensor or pipeline parallelism is modelled: every device
-// holds every layer (--layers N plans a stage of N layers).
+// MoE parallel folding): by default EP = P and each rank owns E / P experts
+// of every MoE layer, the first E % P one more (as laga train places them) (EpChoice below: EP over
+// every device, or a fixed degree). dp data-parallel replicas of that group make P * dp devices. No
+// tensor or pipeline parallelism is modelled: every device holds every layer (--layers N plans a
+// stage of N layers).
 //
 // Time, per device, nothing overlapped (the paper's "temporally separated"
 // attention and MoE collectives, modelled so: each term waits for the one
@@ -49,26 +49,34 @@
 
 namespace laga {
 
-// The bytes one rank sends in ONE expert-parallel all-to-all of routed token
-// copies (moe_dispatch, moe_combine forward; dmoe_combine, dmoe_dispatch
-// backward: each the same size), in expectation under UNIFORM routing:
-//
-//   N_r * k * D * elem_bytes * (1 - 1/EP)
-//
-// The rank's N_r tokens make N_r k copies of D elements; with every expert
-// equally likely and E / EP experts per rank, a copy goes to an expert on
-// the rank itself with probability 1/EP and stays home (no wire bytes). It
-// receives as many in expectation. Real routing is not uniform: a rank whose
-// experts are popular receives more; this is the mean, not the max.
-// The one closed form of these bytes: the model's EP collectives (same
-// labels) are checked against it.
-double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
-                              std::int64_t elem_bytes, int ep);
+// The most routed experts one device of an EP group of ep owns: ceil(E / ep).
+// laga train's split (ExpertParallel::folded, model/moe.hpp) gives E / ep
+// each and the first E % ep devices one more, so ep need not divide E; a
+// device owns none where ep > E.
+std::int64_t most_experts_per_device(std::int64_t experts, int ep);
 
-// The bytes one rank sends in the forward's moe_counts all-to-all, which
-// tells each owner how many copies of each of its experts come (model/moe.hpp,
-// moe_ep_bytes: 8 bytes, an f64, per expert owned by another rank):
-// 8 (E - E / EP) with E / EP experts a rank. Not routing-dependent.
+// The bytes the busiest rank moves in ONE expert-parallel all-to-all of
+// routed token copies (moe_dispatch, moe_combine forward; dmoe_combine,
+// dmoe_dispatch backward: each the same size), in expectation under UNIFORM
+// routing, every rank holding N_r tokens. A rank owning o of the E experts
+// sends its N_r k copies (D elements each) not routed to its own experts
+// and receives the other EP - 1 ranks' copies routed to its own:
+//
+//   sent N_r k (1 - o/E),  received (EP - 1) N_r k o/E   (x D x elem_bytes)
+//
+// and the combine swaps the two. The result is the larger of them over
+// o = floor(E/EP) and ceil(E/EP): at EP | E both are N_r k D elem (1 - 1/EP).
+// Real routing is not uniform: a rank whose experts are popular receives
+// more; this is the mean, not the max. The one closed form of these bytes:
+// the model's EP collectives (same labels) are checked against it.
+double expected_moe_a2a_bytes(std::int64_t tokens_per_rank, std::int64_t k, std::int64_t dim,
+                              std::int64_t elem_bytes, std::int64_t experts, int ep);
+
+// The most bytes one rank sends in the forward's moe_counts all-to-all,
+// which tells each owner how many copies of each of its experts come
+// (model/moe.hpp, moe_ep_bytes: 8 bytes, an f64, per expert owned by
+// another rank): 8 (E - floor(E / EP)), on a rank owning the fewest. Not
+// routing-dependent.
 double moe_counts_bytes(std::int64_t experts, int ep);
 
 // A model's parameters by kind, counted from LmConfig (the shapes of
@@ -81,12 +89,19 @@ struct ModelParamCounts {
   std::int64_t gate = 0;            // the MoE layers' gate.weight (E, D) and gate.bias (E)
   std::int64_t shared_experts = 0;  // 3 D (Ns I) per MoE layer
   std::int64_t routed_experts = 0;  // 3 D I E per MoE layer: the only ones sharded (by EP)
+  std::int64_t routed_expert_count = 0;  // E (experts, not elements); 0 without MoE
   std::int64_t embedding = 0, head = 0;  // V D each (not tied)
   // Held by every rank of the SP group (and every replica).
   std::int64_t replicated() const {
     return attention + norms + dense_ffn + gate + shared_experts + embedding + head;
   }
   std::int64_t total() const { return replicated() + routed_experts; }
+  // The routed experts' elements on the device owning the most of them at
+  // EP ep (most_experts_per_device of every MoE layer's E).
+  std::int64_t routed_experts_on_device(int ep) const {
+    if (routed_expert_count == 0) return routed_experts;  // no MoE: none
+    return routed_experts / routed_expert_count * most_experts_per_device(routed_expert_count, ep);
+  }
 };
 ModelParamCounts model_param_counts(const LmConfig& cfg);
 
@@ -118,7 +133,8 @@ ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, boo
 //              master copy + m + v (12 bytes): 16 bytes per parameter;
 //   fp32 plan: parameters and gradients fp32 (4 + 4), m + v (8): 16 bytes,
 //              what laga train holds (no master: the parameters are fp32).
-// A device holds the replicated parameters and 1/ep of the routed experts.
+// A device holds the replicated parameters and its share of the routed
+// experts: the busiest device's, ceil(E / ep) of every MoE layer's E.
 // ZeRO-1 shards the optimizer part (master, m, v) over every device holding
 // a replica of the parameter: the replicated ones over all `world` devices
 // (the SP ranks hold replicas too, as Megatron's distributed optimizer
@@ -136,10 +152,11 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
 // tokens, in bytes of elem_bytes (closed form, the tensors of model.cpp's
 // LayerSaved): x, n1, h, n2 (N_r, D) and the two norms' rstd (N_r); dense:
 // a, b, g (N_r, F); MoE: per routed copy (N_r k of them on the rank under
-// uniform routing, its own experts' share of every rank's copies) a, b, h
-// (I) and the expert output y (D), the shared expert's a, b, h (N_r, Ns I);
-// with expert parallelism (ep > 1) also each received copy's input xe (D),
-// which the owner keeps (moe.hpp, MoeSaved::xe).
+// uniform routing) the expert output y (D), and per row its experts ran a, b,
+// h (I): its own N_r k copies, or with expert parallelism (ep > 1) the
+// busiest owner's expected rows N_r k ep ceil(E/ep) / E, with each row's
+// input xe (D), which the owner keeps (moe.hpp, MoeSaved::xe); the shared
+// expert's a, b, h (N_r, Ns I).
 // The attention block's saved tensors are not in it (the block plan has them).
 double layer_saved_bytes(const LmConfig& cfg, std::int64_t layer, std::int64_t tokens,
                          std::int64_t elem_bytes, int ep = 1);

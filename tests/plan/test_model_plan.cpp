@@ -6,8 +6,11 @@
 // depth-1 plan against the block plan it is scaled from.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <vector>
 
+#include "comm/dry_run_comm.hpp"
 #include "common/error_of.hpp"
 #include "core/memory_pool.hpp"
 #include "model/train.hpp"
@@ -66,21 +69,48 @@ TEST(ModelPlan, FfnAndHeadFlopsByHand) {
   EXPECT_EQ(head_flops_forward(cfg), 2.0 * 64 * 256);
 }
 
-// The EP all-to-all's bytes against a count of copies: token copy c of rank
-// 0 routed to expert c mod E (exactly uniform), E / EP experts per rank; the
-// copies to another rank's experts are the wire's.
+// The EP all-to-all's bytes against a count of copies: token copy c of
+// every rank routed to expert c mod E (exactly uniform), the experts placed
+// as laga train places them (ExpertParallel::folded: E / EP each, the first
+// E % EP one more); each rank sends its copies to another rank's experts
+// and receives the others' copies to its own. The busiest rank's larger
+// direction is the plan's, at EP dividing E and not (3, 5, 6, 12 > E).
 TEST(ModelPlan, MoeAllToAllBytesAreTheCopiesThatLeave) {
   const std::int64_t E = 8, k = 2, D = 64, tokens = 12;  // 24 copies: 3 per expert
-  for (int ep : {1, 2, 4, 8}) {
-    std::int64_t leaving = 0;
-    for (std::int64_t c = 0; c < tokens * k; ++c)
-      if ((c % E) / (E / ep) != 0) ++leaving;  // owner of expert c mod E; this is rank 0
+  for (int ep : {1, 2, 3, 4, 5, 6, 8, 12}) {
+    DryRunCommunicator group(0, ep);  // only its size: the placement's ranks
+    const ExpertParallel owners =
+        ExpertParallel::folded(group, E, std::vector<std::int64_t>(size_t(ep), tokens));
+    std::int64_t busiest = 0;
+    for (int r = 0; r < ep; ++r) {
+      std::int64_t sent = 0, received = 0;
+      for (int i = 0; i < ep; ++i)
+        for (std::int64_t c = 0; c < tokens * k; ++c) {
+          const std::int64_t e = c % E;
+          const bool to_r = owners.first[size_t(r)] <= e && e < owners.first[size_t(r + 1)];
+          if (i == r && !to_r) ++sent;
+          if (i != r && to_r) ++received;
+        }
+      busiest = std::max({busiest, sent, received});
+    }
     for (std::int64_t elem : {2, 4})
-      EXPECT_EQ(expected_moe_a2a_bytes(tokens, k, D, elem, ep), double(leaving * D * elem))
+      EXPECT_EQ(expected_moe_a2a_bytes(tokens, k, D, elem, E, ep), double(busiest * D * elem))
           << "EP " << ep;
   }
-  EXPECT_EQ(expected_moe_a2a_bytes(10, 2, 64, 2, 4), 1920.0);  // 10 * 2 * 64 * 2 * 3/4
-  EXPECT_NE(test::error_of([] { expected_moe_a2a_bytes(10, 2, 64, 2, 0); }), "");
+  EXPECT_EQ(expected_moe_a2a_bytes(10, 2, 64, 2, 8, 4), 1920.0);  // 10 * 2 * 64 * 2 * 3/4
+  EXPECT_NE(test::error_of([] { expected_moe_a2a_bytes(10, 2, 64, 2, 8, 0); }), "");
+}
+
+// moe_counts: 8 bytes per expert another rank owns, the most on the rank
+// owning the fewest (EP 3 over 8: 2 of them); every expert elsewhere on a
+// rank owning none (EP 12 > E 8).
+TEST(ModelPlan, MoeCountsBytesAtAnyEp) {
+  EXPECT_EQ(moe_counts_bytes(8, 1), 0.0);
+  EXPECT_EQ(moe_counts_bytes(8, 2), 32.0);
+  EXPECT_EQ(moe_counts_bytes(8, 3), 48.0);
+  EXPECT_EQ(moe_counts_bytes(8, 12), 64.0);
+  EXPECT_EQ(most_experts_per_device(8, 3), 3);
+  EXPECT_EQ(most_experts_per_device(8, 12), 1);
 }
 
 // laga train's own state (fp32 parameters, gradients, m, v: the count-only
@@ -100,6 +130,7 @@ TEST(ModelPlan, Fp32StateIsLagaTrainsState) {
 TEST(ModelPlan, StateShardsWhatItShould) {
   ModelParamCounts n;
   n.attention = 1000, n.embedding = 200, n.routed_experts = 8000;  // replicated 1200
+  n.routed_expert_count = 8;                                       // of 1000 elements each
   const StateBytes whole = state_bytes(n, PlanDType::bf16, 1, 1, false);
   EXPECT_EQ(whole.parameters, 2.0 * 9200);
   EXPECT_EQ(whole.gradients, 2.0 * 9200);
@@ -231,7 +262,7 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
   const ModelPlanResult three = make_model_plans(request(deep, {2}));
   const ModelPlan& m = three.cases[0].forms[1];
   EXPECT_DOUBLE_EQ(m.time.attention, 3 * one.cases[0].forms[1].time.attention);
-  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 2);  // N_r 32 of S 64 at P 2
+  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 8, 2);  // N_r 32 of S 64 at P 2
   const std::int64_t b = std::int64_t(bytes);
   // And each forward's moe_counts: 8 bytes for each of the other rank's 4 experts.
   EXPECT_EQ(moe_counts_bytes(8, 2), 32.0);
@@ -301,7 +332,7 @@ TEST(ModelPlan, ExpertParallelOverEveryDevice) {
   const ModelPlan world = make_model_plans(q).cases[0].forms[1];
   EXPECT_EQ(folded.ep, 2);
   EXPECT_EQ(world.ep, 8);
-  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 8);
+  const double bytes = expected_moe_a2a_bytes(32, 2, 64, 2, 8, 8);
   const std::int64_t b = std::int64_t(bytes);
   const double counts = moe_counts_bytes(8, 8);  // 8 bytes for each of the 7 others' experts
   EXPECT_EQ(counts, 56.0);
@@ -316,12 +347,27 @@ TEST(ModelPlan, ExpertParallelOverEveryDevice) {
   EXPECT_EQ(world.time.attention, folded.time.attention);  // the SP group's, unchanged
 }
 
+// P 3 over 8 experts: EP = 3, folded as laga train folds them (3 + 3 + 2);
+// the busiest device holds 3 experts' state and keeps its 3 experts'
+// expected rows (3 x 22 x 2 x 3 / 8 = 49.5: the largest shard 22 of S 64).
+TEST(ModelPlan, FoldedExpertsWherePDoesNotDivideE) {
+  ModelPlanRequest q = request(moe_tiny(), {3});
+  const ModelPlan p = make_model_plans(q).cases[0].forms[1];
+  EXPECT_EQ(p.ep, 3);
+  const ModelParamCounts n = model_param_counts(q.model);
+  EXPECT_EQ(p.state.parameters, 2.0 * double(n.replicated() + n.routed_experts / 8 * 3));
+  const LmConfig& cfg = q.model;
+  const double D = double(cfg.dim()), I = double(cfg.moe->moe_intermediate_size);
+  const double copies = 22 * 2, rows = 49.5;
+  EXPECT_EQ(layer_saved_bytes(cfg, 1, 22, 2, 3),
+            2 * (4 * 22 * D + 2 * 22 + copies * D + rows * 3 * I + rows * D +
+                 3 * 22 * double(cfg.moe->shared_intermediate_size())));
+  EXPECT_EQ(p.moe_a2a_bytes_per_rank,
+            2 * (4 * expected_moe_a2a_bytes(22, 2, 64, 2, 8, 3) + moe_counts_bytes(8, 3)));
+}
+
 TEST(ModelPlan, Refusals) {
   LmConfig cfg = moe_tiny();  // 8 experts
-  EXPECT_NE(test::error_of([&] { make_model_plans(request(cfg, {3})); })
-                .find("--sp 3: expert parallelism is folded onto the SP ranks (EP = P), so P must "
-                      "divide the 8 routed experts"),
-            std::string::npos);
   ModelPlanRequest q = request(cfg, {2});
   q.dps = {0};
   EXPECT_NE(test::error_of([&] { make_model_plans(q); }).find("--dp 0"), std::string::npos);
@@ -329,7 +375,7 @@ TEST(ModelPlan, Refusals) {
   q.ep = {EpRule::fixed, 3};
   EXPECT_NE(test::error_of([&] {
               make_model_plans(q);
-            }).find("--ep 3 must divide the 8 routed experts and the 4 devices"),
+            }).find("--ep 3 must divide the 4 devices of --sp 2 x --dp 2"),
             std::string::npos);
   EXPECT_NE(test::error_of([] {
               LmConfig::preset("deepseek-v4");
@@ -376,6 +422,19 @@ TEST(ModelPlan, GemmCallsAreTheClosedFormsFlops) {
       for (const auto& [call, t] : c.ffn.gemm_calls) listed += t.flops;
       EXPECT_DOUBLE_EQ(listed, want);
     }
+  // EP 3 over E 8: the busiest device runs 3 experts, each on the 3
+  // devices' expected 64 * 2 * 3 / 8 = 48 rows: 9/8 of its own 128 copies.
+  {
+    const std::int64_t N = 64, D = cfg.dim(), I = cfg.moe->moe_intermediate_size;
+    const ModelGemmCalls c = model_gemm_calls(cfg, N, 3, false);
+    double want = 0;
+    for (std::int64_t l = 0; l < cfg.layers; ++l) {
+      want += 3.0 * double(N) * ffn_flops_forward(cfg, l);
+      if (cfg.is_moe_layer(l))
+        want += 3.0 * (3 * 48 - N * cfg.moe->num_experts_per_tok) * 2.0 * 3 * double(D * I);
+    }
+    EXPECT_DOUBLE_EQ(c.ffn.gemm_flops, want);
+  }
   ModelPlanRequest q = request(moe_tiny(), {2});
   q.block.dtype = PlanDType::fp32;
   const ModelPlan plain = make_model_plans(q).cases[0].forms[1];

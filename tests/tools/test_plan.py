@@ -196,12 +196,15 @@ elif case == "errors":
                 "zero1 without model")
     check_error(model + ["--model", moe_tiny, "--preset", "tiny"],
                 "--model sets the attention block too", "model and preset")
-    check_error(["plan", "--profile", "h100", "--seq", "64", "--sp", "3", "--model", moe_tiny],
-                "--sp 3: expert parallelism is folded onto the SP ranks (EP = P), so P must "
-                "divide the 8 routed experts", "EP does not divide E")
+    # P 3 over 8 experts folds them as laga train does (3 + 3 + 2): EP 3.
+    uneven = load(["plan", "--profile", "h100", "--seq", "64", "--sp", "3", "--model", moe_tiny],
+                  "ep_uneven")
+    if {p["ep"] for p in uneven["plans"]} != {3}:
+        failures.append(f"ep_uneven: --sp 3 over 8 experts planned EP "
+                        f"{sorted({p['ep'] for p in uneven['plans']})}, want 3")
     check_error(model + ["--model", "deepseek-v4"], "deepseek-v4", "unknown model")
     check_error(model + ["--model", moe_tiny, "--ep", "3"],
-                "--ep 3 must divide the 8 routed experts and the 2 devices", "ep 3")
+                "--ep 3 must divide the 2 devices of --sp 2 x --dp 1", "ep 3")
     check_error(model + ["--model", moe_tiny, "--ep", "all"], "--ep", "ep all")
     check_error(model + ["--model", moe_tiny, "--ep", "world"], "--ep 'world' is none of sp",
                 "ep world")
