@@ -116,9 +116,15 @@ struct Layout {
   std::vector<std::int64_t> seq, heads;
 };
 
-TEST(Bf16, EveryFormAtEveryRankCountAgreesWithExplicitAndFloat64) {
+TEST(Bf16, EveryFormAtP1To8AgreesWithExplicitAndFloat64) {
   const std::int64_t B = 2;
-  const std::vector<Layout> layouts{{{13}, {5}}, {{7, 6}, {3, 2}}, {{5, 4, 4}, {2, 2, 1}}};
+  // P 1-8: uneven shards, and at P 8 > H ranks that own no head.
+  const std::vector<Layout> layouts{{{13}, {5}},
+                                    {{7, 6}, {3, 2}},
+                                    {{5, 4, 4}, {2, 2, 1}},
+                                    {{4, 3, 3, 3}, {2, 1, 1, 1}},
+                                    {{3, 3, 3, 2, 2}, {1, 1, 1, 1, 1}},
+                                    {{2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0}}};
   for (std::int64_t rq : {0, 7}) {
     const MlaConfig cfg = test_config(rq);
     const std::int64_t S = 13;
