@@ -76,10 +76,13 @@ BlockCache::~BlockCache() {
   release_kept();
 }
 
-void* BlockCache::acquire(std::int64_t bytes) {
-  const std::int64_t mapped = round_to_pages(bytes);
+BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
+  std::int64_t mapped = round_to_pages(bytes);
   void* block = nullptr;
-  if (const auto it = kept_.find(mapped); it != kept_.end()) {
+  // The smallest kept block of mapped .. mapped + mapped / 8 bytes.
+  const std::int64_t most = mapped + mapped / 8 * kSlackEighths;
+  if (const auto it = kept_.lower_bound(mapped); it != kept_.end() && it->first <= most) {
+    mapped = it->first;
     block = it->second.back();
     it->second.pop_back();
     if (it->second.empty()) kept_.erase(it);
@@ -92,7 +95,7 @@ void* BlockCache::acquire(std::int64_t bytes) {
       block = map_pages(mapped);
       // What is kept is memory the system could use: give it back and retry.
       if (!block && release_kept() > 0) block = map_pages(mapped);
-      if (!block) return nullptr;
+      if (!block) return {};
     }
     ++stats_.misses;
   }
@@ -100,11 +103,12 @@ void* BlockCache::acquire(std::int64_t bytes) {
   stats_.live_requested += bytes;
   stats_.live_peak = std::max(stats_.live_peak, stats_.live_mapped);
   stats_.mapped_peak = std::max(stats_.mapped_peak, stats_.mapped());
-  return block;
+  return {block, mapped};
 }
 
-void BlockCache::release(void* block, std::int64_t bytes) {
-  const std::int64_t mapped = round_to_pages(bytes);
+void BlockCache::release(const Block& b, std::int64_t bytes) {
+  void* const block = b.data;
+  const std::int64_t mapped = b.mapped;
   stats_.live_mapped -= mapped;
   stats_.live_requested -= bytes;
   if (limit() == 0.0) {

@@ -9,10 +9,15 @@
 //
 // How: a block is an anonymous mmap of the request rounded up to whole pages;
 // when freed it is kept in a free list of its mapped size, and a request
-// reuses a kept block of exactly its page-rounded size (a step's shapes repeat
-// every step; size classes found no more blocks on the block's allocation
-// traces and mapped more: docs/performance.md). Each MemoryPool owns one (a
-// rank's footprint is its own) and decides which requests come here.
+// reuses the smallest kept block of at least its page-rounded size and at
+// most 1/8 more (kSlackEighths): its exact size whenever one is kept, as in a
+// dense step, whose shapes repeat every step (size classes found no more
+// blocks on the block's allocation traces and mapped more); and a block a
+// little larger for the tensors whose sizes follow the routing (an MoE
+// layer's rows under expert parallelism differ from step to step, and at
+// exact sizes every step mapped them afresh: docs/performance.md, "Page
+// faults"). Each MemoryPool owns one (a rank's footprint is its own) and
+// decides which requests come here.
 //
 // The bound: mapped() = live_mapped + cached never exceeds
 // limit x live_peak, live_peak being the peak of live_mapped since
@@ -57,14 +62,19 @@ class BlockCache {
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
+  // A block and the bytes mapped for it (whole pages, at least the request).
+  struct Block {
+    void* data = nullptr;
+    std::int64_t mapped = 0;
+  };
   // A block of at least `bytes` (> 0) bytes, page-aligned; its contents are
-  // whatever its last user left (a fresh mapping reads as zeros). nullptr
-  // when the system has no memory even after every kept block is released,
-  // and always in count-only mode.
-  void* acquire(std::int64_t bytes);
+  // whatever its last user left (a fresh mapping reads as zeros). data is
+  // nullptr when the system has no memory even after every kept block is
+  // released, and always in count-only mode (mapped says what was counted).
+  Block acquire(std::int64_t bytes);
   // Gives back a block from acquire(bytes), with the same bytes: kept when
   // the cache is on, unmapped when it is off.
-  void release(void* block, std::int64_t bytes);
+  void release(const Block& block, std::int64_t bytes);
   // Unmaps every kept block and starts live_peak again from live_mapped;
   // returns the bytes unmapped.
   std::int64_t trim();
@@ -86,6 +96,8 @@ class BlockCache {
   // mmap threshold (128 KiB); below it glibc serves requests from its heap,
   // which it keeps mapped.
   static constexpr std::int64_t kDefaultMinBytes = std::int64_t{128} << 10;
+  // A kept block serves a request of up to 1/8 fewer pages than its own.
+  static constexpr std::int64_t kSlackEighths = 1;
 
  private:
   void unmap(void* block, std::int64_t mapped);

@@ -68,12 +68,15 @@ class MemoryPool {
   // Storage for `bytes` (> 0) bytes of a tensor, 64-byte aligned and
   // uninitialised: from the cache when its limit is not 0 and bytes >=
   // cache_min_bytes(), else from aligned_alloc. data is nullptr when there is
-  // no memory, and always in count-only mode (where `cached` still says
-  // whether the cache counted the request). The caller accounts the bytes
-  // with on_alloc.
+  // no memory, and always in count-only mode (where `mapped` still says
+  // whether, and what, the cache counted for the request). The caller
+  // accounts the bytes with on_alloc.
   struct Storage {
     void* data = nullptr;
-    bool cached = false;  // from cache(): release_storage gives it back there
+    // > 0: from the cache, its block's mapped bytes (release_storage gives
+    // it back there); 0: from aligned_alloc.
+    std::int64_t mapped = 0;
+    bool cached() const { return mapped > 0; }
   };
   Storage acquire_storage(std::int64_t bytes);
   // Gives back what acquire_storage(bytes) returned, with the same bytes.

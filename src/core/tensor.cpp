@@ -47,7 +47,7 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
     // Count-only: no storage, but the pool's cache counts the block.
     const MemoryPool::Storage storage = pool.acquire_storage(this->bytes());
     data_ = static_cast<T*>(storage.data);
-    cached_ = storage.cached;
+    mapped_ = storage.mapped;
     if (!data_ && !pool.count_only()) {
       fail("out of memory allocating ", this->bytes(), " bytes (",
            static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
@@ -82,9 +82,9 @@ Tensor<T>::Tensor(Tensor&& o) noexcept
       category_(o.category_),
       pool_(o.pool_),
       live_id_(o.live_id_),
-      cached_(o.cached_) {
+      mapped_(o.mapped_) {
   o.live_id_ = 0;
-  o.cached_ = false;
+  o.mapped_ = 0;
   o.shape_.clear();
   o.numel_ = 0;
   o.data_ = nullptr;
@@ -101,9 +101,9 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
     category_ = o.category_;
     pool_ = o.pool_;
     live_id_ = o.live_id_;
-    cached_ = o.cached_;
+    mapped_ = o.mapped_;
     o.live_id_ = 0;
-    o.cached_ = false;
+    o.mapped_ = 0;
     o.shape_.clear();
     o.numel_ = 0;
     o.data_ = nullptr;
@@ -139,12 +139,12 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 template <class T>
 void Tensor<T>::reset() {
   if (pool_) {
-    if (data_ || cached_) pool_->release_storage({data_, cached_}, bytes());
+    if (data_ || mapped_ > 0) pool_->release_storage({data_, mapped_}, bytes());
     pool_->on_free(category_, bytes(), live_id_);
   }
   live_id_ = 0;
   data_ = nullptr;
-  cached_ = false;
+  mapped_ = 0;
   pool_ = nullptr;
   shape_.clear();
   numel_ = 0;

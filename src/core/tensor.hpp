@@ -87,7 +87,9 @@ class Tensor {
   MemCategory category_ = MemCategory::activations;
   MemoryPool* pool_ = nullptr;
   std::int64_t live_id_ = 0;  // the pool's id while it tracks live tensors
-  bool cached_ = false;       // pool_'s block cache gave the storage (or, count-only, counted it)
+  // > 0: pool_'s block cache gave the storage (or, count-only, counted it),
+  // a block of this many mapped bytes.
+  std::int64_t mapped_ = 0;
 };
 
 using TensorF = Tensor<float>;

@@ -29,35 +29,35 @@ const std::int64_t kPage = sysconf(_SC_PAGESIZE);
 
 // Whether the page at p is mapped: mincore fails with ENOMEM on an unmapped
 // range, so a block that was really given back to the system reads false.
-bool mapped(void* p) {
+bool mapped(const BlockCache::Block& b) {
   unsigned char resident = 0;
-  return mincore(p, static_cast<std::size_t>(kPage), &resident) == 0 || errno != ENOMEM;
+  return mincore(b.data, static_cast<std::size_t>(kPage), &resident) == 0 || errno != ENOMEM;
 }
 
 TEST(BlockCache, ReusesAFreedBlockOfTheSamePageCount) {
   BlockCache cache;
   cache.set_limit(1.25);
   // 3 pages + 1 byte and 4 pages round to the same 4 pages.
-  void* a = cache.acquire(3 * kPage + 1);
-  ASSERT_NE(a, nullptr);
+  const BlockCache::Block a = cache.acquire(3 * kPage + 1);
+  ASSERT_NE(a.data, nullptr);
   EXPECT_EQ(cache.stats().live_mapped, 4 * kPage);
   EXPECT_EQ(cache.stats().live_requested, 3 * kPage + 1);
-  std::memset(a, 0x5a, static_cast<std::size_t>(3 * kPage + 1));  // writable
+  std::memset(a.data, 0x5a, static_cast<std::size_t>(3 * kPage + 1));  // writable
   cache.release(a, 3 * kPage + 1);
   EXPECT_EQ(cache.stats().cached, 4 * kPage);
   EXPECT_EQ(cache.stats().live_mapped, 0);
   EXPECT_TRUE(mapped(a));  // kept, not unmapped
 
-  void* b = cache.acquire(4 * kPage);
-  EXPECT_EQ(b, a);
-  EXPECT_EQ(static_cast<unsigned char*>(b)[0], 0x5a);  // reused as it was left
+  const BlockCache::Block b = cache.acquire(4 * kPage);
+  EXPECT_EQ(b.data, a.data);
+  EXPECT_EQ(static_cast<unsigned char*>(b.data)[0], 0x5a);  // reused as it was left
   EXPECT_EQ(cache.stats().cached, 0);
   EXPECT_EQ(cache.stats().hits, 1);
   EXPECT_EQ(cache.stats().misses, 1);
 
-  // Another page count is another block: exact sizes only.
-  void* c = cache.acquire(5 * kPage);
-  EXPECT_NE(c, b);
+  // A larger page count is another block (b, the only one of 4 pages, is live).
+  const BlockCache::Block c = cache.acquire(5 * kPage);
+  EXPECT_NE(c.data, b.data);
   EXPECT_EQ(cache.stats().misses, 2);
   EXPECT_EQ(cache.stats().live_mapped, 9 * kPage);
   EXPECT_EQ(cache.stats().live_peak, 9 * kPage);
@@ -67,18 +67,55 @@ TEST(BlockCache, ReusesAFreedBlockOfTheSamePageCount) {
   EXPECT_EQ(cache.stats().mapped_peak, 9 * kPage);
 }
 
+// A request takes the smallest kept block of its page count up to 1/8
+// more (routing-dependent sizes: an MoE layer's rows), its exact size
+// first, and counts the block's pages as live; beyond 1/8 it maps afresh.
+TEST(BlockCache, AKeptBlockUpToAnEighthLargerServesARequest) {
+  BlockCache cache;
+  cache.set_limit(2.0);
+  const BlockCache::Block b16 = cache.acquire(16 * kPage);
+  const BlockCache::Block b18 = cache.acquire(18 * kPage);
+  const BlockCache::Block b20 = cache.acquire(20 * kPage);
+  cache.release(b20, 20 * kPage);
+  cache.release(b18, 18 * kPage);
+  cache.release(b16, 16 * kPage);
+  // 16 pages: the exact one, not the 18.
+  const BlockCache::Block e = cache.acquire(16 * kPage);
+  EXPECT_EQ(e.data, b16.data);
+  EXPECT_EQ(e.mapped, 16 * kPage);
+  // 17 pages: the 18 (within 17 + 2), live as 18 pages.
+  const BlockCache::Block n = cache.acquire(17 * kPage - 5);
+  EXPECT_EQ(n.data, b18.data);
+  EXPECT_EQ(n.mapped, 18 * kPage);
+  EXPECT_EQ(cache.stats().live_mapped, 34 * kPage);
+  EXPECT_EQ(cache.stats().live_requested, 33 * kPage - 5);
+  EXPECT_EQ(cache.stats().hits, 2);
+  // 17 pages again: the 20 is more than 17 + 2: a fresh block.
+  const BlockCache::Block f = cache.acquire(17 * kPage);
+  EXPECT_NE(f.data, b20.data);
+  EXPECT_EQ(f.mapped, 17 * kPage);
+  EXPECT_EQ(cache.stats().misses, 4);
+  // Released with its own pages, the 18 is kept as 18.
+  cache.release(n, 17 * kPage - 5);
+  EXPECT_EQ(cache.stats().cached, (20 + 18) * kPage);
+  EXPECT_EQ(cache.acquire(18 * kPage).data, b18.data);
+  EXPECT_EQ(cache.stats().live_requested, 16 * kPage + 17 * kPage + 18 * kPage);
+  cache.release(e, 16 * kPage);
+  cache.release(f, 17 * kPage);
+}
+
 TEST(BlockCache, AFreshMappingReleasesKeptBlocksLargestFirstToKeepTheBound) {
   BlockCache cache;
   cache.set_limit(1.0);
-  void* small = cache.acquire(2 * kPage);
-  void* large = cache.acquire(6 * kPage);
+  const BlockCache::Block small = cache.acquire(2 * kPage);
+  const BlockCache::Block large = cache.acquire(6 * kPage);
   cache.release(small, 2 * kPage);
   cache.release(large, 6 * kPage);
   EXPECT_EQ(cache.stats().live_peak, 8 * kPage);
   EXPECT_EQ(cache.stats().cached, 8 * kPage);
   // 3 new pages over 8 kept, bound 1.0 x 8: the 6-page block goes, the
   // 2-page one stays (2 + 3 <= 8).
-  void* fresh = cache.acquire(3 * kPage);
+  const BlockCache::Block fresh = cache.acquire(3 * kPage);
   EXPECT_EQ(cache.stats().evicted, 1);
   EXPECT_EQ(cache.stats().cached, 2 * kPage);
   EXPECT_FALSE(mapped(large));
@@ -92,30 +129,32 @@ TEST(BlockCache, MappedStaysWithinTheBoundUnderRandomTraffic) {
     BlockCache cache;
     cache.set_limit(limit);
     std::mt19937 rng(7);
-    std::vector<std::pair<unsigned char*, std::int64_t>> live;
+    std::vector<std::pair<BlockCache::Block, std::int64_t>> live;
     std::int64_t acquires = 0;
     for (int op = 0; op < 3000; ++op) {
       if (live.empty() || rng() % 5 < 3) {
         // Sizes from a few page counts, so that some requests find a block.
         const std::int64_t bytes = (1 + std::int64_t(rng() % 12)) * kPage - std::int64_t(rng() % 7);
-        unsigned char* p = static_cast<unsigned char*>(cache.acquire(bytes));
+        const BlockCache::Block block = cache.acquire(bytes);
+        unsigned char* p = static_cast<unsigned char*>(block.data);
         ASSERT_NE(p, nullptr);
         ++acquires;
         // A block handed out twice at once would lose this mark.
         std::memset(p, static_cast<int>(live.size() & 0xff), static_cast<std::size_t>(bytes));
-        live.emplace_back(p, bytes);
+        live.emplace_back(block, bytes);
       } else {
         const std::size_t i = rng() % live.size();
-        const auto [p, bytes] = live[i];
+        const auto [block, bytes] = live[i];
+        const unsigned char* p = static_cast<const unsigned char*>(block.data);
         for (std::int64_t k = 0; k < bytes; k += kPage / 2)
           ASSERT_EQ(p[k], static_cast<unsigned char>(i & 0xff)) << "block shared by two tensors";
         // Keep the marks matching their indices: move the last block into i.
         live[i] = live.back();
         live.pop_back();
         if (i < live.size())
-          std::memset(live[i].first, static_cast<int>(i & 0xff),
+          std::memset(live[i].first.data, static_cast<int>(i & 0xff),
                       static_cast<std::size_t>(live[i].second));
-        cache.release(p, bytes);
+        cache.release(block, bytes);
       }
       const BlockCache::Stats& s = cache.stats();
       ASSERT_LE(double(s.mapped()), limit * double(s.live_peak) + 0.5)
@@ -125,16 +164,16 @@ TEST(BlockCache, MappedStaysWithinTheBoundUnderRandomTraffic) {
       ASSERT_EQ(s.hits + s.misses, acquires);
     }
     EXPECT_GT(cache.stats().hits, 0) << "limit " << limit;
-    for (const auto& [p, bytes] : live) cache.release(p, bytes);
+    for (const auto& [block, bytes] : live) cache.release(block, bytes);
   }
 }
 
 TEST(BlockCache, TrimUnmapsKeptBlocksAndStartsThePeakAgain) {
   BlockCache cache;
   cache.set_limit(1.25);
-  void* keep = cache.acquire(kPage);
-  void* a = cache.acquire(4 * kPage);
-  void* b = cache.acquire(2 * kPage);
+  const BlockCache::Block keep = cache.acquire(kPage);
+  const BlockCache::Block a = cache.acquire(4 * kPage);
+  const BlockCache::Block b = cache.acquire(2 * kPage);
   cache.release(a, 4 * kPage);
   cache.release(b, 2 * kPage);
   EXPECT_EQ(cache.trim(), 6 * kPage);
@@ -146,7 +185,7 @@ TEST(BlockCache, TrimUnmapsKeptBlocksAndStartsThePeakAgain) {
   EXPECT_EQ(cache.stats().mapped_peak, kPage);
   // The next request of a trimmed size maps afresh.
   const std::int64_t misses = cache.stats().misses;
-  void* c = cache.acquire(4 * kPage);
+  const BlockCache::Block c = cache.acquire(4 * kPage);
   EXPECT_EQ(cache.stats().misses, misses + 1);
   cache.release(c, 4 * kPage);
   cache.release(keep, kPage);
@@ -155,8 +194,8 @@ TEST(BlockCache, TrimUnmapsKeptBlocksAndStartsThePeakAgain) {
 TEST(BlockCache, LimitZeroUnmapsEveryFreedBlockAndLoweringReleasesNow) {
   BlockCache cache;
   cache.set_limit(2.0);
-  void* a = cache.acquire(4 * kPage);
-  void* b = cache.acquire(4 * kPage);
+  const BlockCache::Block a = cache.acquire(4 * kPage);
+  const BlockCache::Block b = cache.acquire(4 * kPage);
   cache.release(a, 4 * kPage);
   EXPECT_EQ(cache.stats().cached, 4 * kPage);
   // Off: what is kept goes now, and what is freed later goes at once.
@@ -204,14 +243,14 @@ TEST(BlockCache, ParsesLagaPoolCache) {
 TEST(BlockCache, KeptBlocksArePoisonedUnderAddressSanitizer) {
   BlockCache cache;
   cache.set_limit(1.25);
-  void* a = cache.acquire(2 * kPage);
-  EXPECT_FALSE(__asan_address_is_poisoned(a));
+  const BlockCache::Block a = cache.acquire(2 * kPage);
+  EXPECT_FALSE(__asan_address_is_poisoned(a.data));
   cache.release(a, 2 * kPage);
-  EXPECT_TRUE(__asan_address_is_poisoned(a));
-  EXPECT_TRUE(__asan_address_is_poisoned(static_cast<char*>(a) + 2 * kPage - 1));
-  void* b = cache.acquire(2 * kPage);
-  ASSERT_EQ(b, a);
-  EXPECT_FALSE(__asan_address_is_poisoned(b));
+  EXPECT_TRUE(__asan_address_is_poisoned(a.data));
+  EXPECT_TRUE(__asan_address_is_poisoned(static_cast<char*>(a.data) + 2 * kPage - 1));
+  const BlockCache::Block b = cache.acquire(2 * kPage);
+  ASSERT_EQ(b.data, a.data);
+  EXPECT_FALSE(__asan_address_is_poisoned(b.data));
   cache.release(b, 2 * kPage);
 }
 #endif
