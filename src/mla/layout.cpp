@@ -1,5 +1,6 @@
 #include "mla/layout.hpp"
 
+#include <algorithm>
 #include <numeric>
 #include <sstream>
 
@@ -30,6 +31,10 @@ SpLayout SpLayout::even(std::int64_t batch, std::int64_t seq, std::int64_t heads
   LAGA_CHECK(seq >= ranks, "--seq ", seq, " is shorter than --sp ", ranks,
              ": every rank must hold at least one token; use a longer sequence or fewer ranks");
   return custom(batch, split(seq, ranks), split(heads, ranks));
+}
+
+std::int64_t SpLayout::largest_shard_tokens() const {
+  return batch * *std::max_element(seq_count.begin(), seq_count.end());
 }
 
 SpLayout SpLayout::custom(std::int64_t batch, std::vector<std::int64_t> seq_counts,

@@ -26,6 +26,8 @@ struct SpLayout {
                          std::vector<std::int64_t> head_counts);
   void validate() const;
   std::string describe() const;  // "seq 5+5+4, heads 3+3+2"
+  // B x the longest seq shard: the most tokens any rank holds.
+  std::int64_t largest_shard_tokens() const;
 };
 
 // Tokens [begin, end) of every sequence of the batch.

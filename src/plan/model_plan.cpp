@@ -267,8 +267,7 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const int P = block.sp;
   const std::int64_t e = element_bytes(q.block.dtype);
   const SpLayout layout = SpLayout::even(q.block.batch, block.seq, cfg.mla.n_heads, P);
-  const std::int64_t N =
-      q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
+  const std::int64_t N = layout.largest_shard_tokens();
   const DeviceProfile& d = q.block.profile.device;
   const double peak = q.block.profile.peak_flops(q.block.dtype);
 
@@ -386,8 +385,7 @@ ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
     for (int P : q.block.sps)
       for (int dp : q.dps) {
         const SpLayout layout = SpLayout::even(q.block.batch, S, q.model.mla.n_heads, P);
-        const std::int64_t N =
-            q.block.batch * *std::max_element(layout.seq_count.begin(), layout.seq_count.end());
+        const std::int64_t N = layout.largest_shard_tokens();
         const int ep =
             q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts) : 1;
         const ModelGemmCalls m = model_gemm_calls(q.model, N, ep, q.recompute);

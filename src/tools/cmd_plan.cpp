@@ -9,6 +9,7 @@
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "core/error.hpp"
@@ -385,9 +386,10 @@ EpChoice parse_ep(const std::string& s) {
   return {EpRule::fixed, int(*n)};
 }
 
-ModelPlanRequest model_request(const PlanOptions& o, PlanRequest block) {
+// The whole model's request: `model` (load_model's, read once) and `block`.
+ModelPlanRequest model_request(const PlanOptions& o, const LmConfig& model, PlanRequest block) {
   ModelPlanRequest q;
-  q.model = load_model(o);
+  q.model = model;
   block.cfg = q.model.mla;
   q.block = std::move(block);
   q.dps = parse_int_list(o.dp, "--dp");
@@ -398,8 +400,8 @@ ModelPlanRequest model_request(const PlanOptions& o, PlanRequest block) {
   return q;
 }
 
-void run_model_plan(const PlanOptions& o, PlanRequest block) {
-  const ModelPlanRequest q = model_request(o, std::move(block));
+void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest block) {
+  const ModelPlanRequest q = model_request(o, model, std::move(block));
   const ModelPlanResult r = make_model_plans(q);
   const bool table_to_stdout = o.json != "-";
   (table_to_stdout ? std::cout : std::cerr) << model_table(q, r) << std::flush;
@@ -474,7 +476,10 @@ void run_plan(const PlanOptions& o) {
     std::cerr << "laga plan --profile this: planning in fp32, the precision this machine's "
                  "figures are measured in (laga's kernels run fp32)\n";
   PlanRequest q;
-  q.cfg = o.model.empty() ? o.model_options.load() : load_model(o).mla;
+  // --model: read once, for the block's config, the measured shapes and the plan.
+  const std::optional<LmConfig> model =
+      o.model.empty() ? std::nullopt : std::optional<LmConfig>(load_model(o));
+  q.cfg = model ? model->mla : o.model_options.load();
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
   q.batch = o.batch;
   q.seqs = parse_whole_list(o.seq, "--seq", "4096,32768");
@@ -493,7 +498,7 @@ void run_plan(const PlanOptions& o) {
     };
     q.profile = measure_this_machine(tell);
     // With --model, the layers' FFN and head GEMMs too.
-    measure_shapes(o.model.empty() ? plan_calls(q) : model_plan_calls(model_request(o, q)),
+    measure_shapes(model ? model_plan_calls(model_request(o, *model, q)) : plan_calls(q),
                    q.profile.measured_shapes, tell);
     if (measuring) {
       write_output(o.measure, profile_json(q.profile));
@@ -511,8 +516,8 @@ void run_plan(const PlanOptions& o) {
     q.link_latency_s = l.latency_s;
   }
   q.progress = say;
-  if (!o.model.empty()) {
-    run_model_plan(o, std::move(q));
+  if (model) {
+    run_model_plan(o, *model, std::move(q));
     return;
   }
   const std::vector<PlanCase> cases = make_plans(q);
