@@ -86,12 +86,7 @@ inline void count_latent_attention(const Step& st, const AttnShape& s, ops::Atte
       calls.push_back({false, false, rows, st.C, ldkv, ldkv, st.C, st.W, false});  // dc
       calls.push_back({true, false, ldkv, st.C, rows, ldkv, st.W, st.C, true});    // dw_kv
     }
-    for (const ops::GemmCall& g : calls) {
-      const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k) * double(s.B * chunks);
-      ops::op_counter->gemm_flops += flops;
-      ops::CallTally& t = ops::op_counter->gemm_calls[g];
-      t.calls += s.B * chunks, t.flops += flops;
-    }
+    for (const ops::GemmCall& g : calls) ops::op_counter->add_gemm(g, s.B * chunks);
   }
 }
 

@@ -144,6 +144,30 @@ struct OpCounts {
   double elementwise_bytes = 0;                        // read + written by the memory-bound ops
   std::map<GemmCall, CallTally> gemm_calls;            // sums to gemm_flops
   std::map<AttentionCall, CallTally> attention_calls;  // sums to attention_flops
+
+  // `calls` calls of g: their 2 m n k FLOPs each, and its tally; an empty
+  // product counts no call (ops::gemm runs no kernel for it).
+  void add_gemm(const GemmCall& g, std::int64_t calls = 1) {
+    const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k) * double(calls);
+    gemm_flops += flops;
+    if (g.m == 0 || g.n == 0 || g.k == 0) return;
+    CallTally& t = gemm_calls[g];
+    t.calls += calls, t.flops += flops;
+  }
+  // Every figure and tally of `o` added to these (sums over ranks, cases, layers).
+  void add(const OpCounts& o) {
+    gemm_flops += o.gemm_flops;
+    attention_flops += o.attention_flops;
+    elementwise_bytes += o.elementwise_bytes;
+    for (const auto& [call, t] : o.gemm_calls) {
+      CallTally& sum = gemm_calls[call];
+      sum.calls += t.calls, sum.flops += t.flops;
+    }
+    for (const auto& [call, t] : o.attention_calls) {
+      CallTally& sum = attention_calls[call];
+      sum.calls += t.calls, sum.flops += t.flops;
+    }
+  }
 };
 
 // The counter this thread's ops add to: null (the default) counts nothing.
@@ -162,13 +186,7 @@ class CountOps {
 };
 
 inline void count_gemm(const GemmCall& g) {
-  if (!op_counter) return;
-  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
-  op_counter->gemm_flops += flops;
-  // An empty product runs no kernel (ops::gemm clears C instead).
-  if (g.m == 0 || g.n == 0 || g.k == 0) return;
-  CallTally& t = op_counter->gemm_calls[g];
-  t.calls += 1, t.flops += flops;
+  if (op_counter) op_counter->add_gemm(g);
 }
 // `flops()` is called only while counting: an attention shape's count walks
 // its rows, which a count-only run at S = 10^14 must not do for nothing.

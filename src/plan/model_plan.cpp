@@ -88,16 +88,9 @@ namespace {
 void add_linear(ops::OpCounts& c, std::int64_t rows, std::int64_t in, std::int64_t out,
                 double forwards, bool accumulate_dx, std::int64_t times = 1) {
   if (rows <= 0 || times <= 0) return;
-  const double flops = 2.0 * double(rows) * double(in) * double(out);
-  const auto add = [&](const ops::GemmCall& g, double calls) {
-    ops::CallTally& t = c.gemm_calls[g];
-    t.calls += std::int64_t(calls) * times;
-    t.flops += flops * calls * double(times);
-    c.gemm_flops += flops * calls * double(times);
-  };
-  add({false, true, rows, out, in, in, in, out, false}, forwards);
-  add({false, false, rows, in, out, out, in, in, accumulate_dx}, 1);  // dx = dy W
-  add({true, false, out, in, rows, out, in, in, true}, 1);            // dW += dy^T x
+  c.add_gemm({false, true, rows, out, in, in, in, out, false}, std::int64_t(forwards) * times);
+  c.add_gemm({false, false, rows, in, out, out, in, in, accumulate_dx}, times);  // dx = dy W
+  c.add_gemm({true, false, out, in, rows, out, in, in, true}, times);            // dW += dy^T x
 }
 
 // A SwiGLU of width w on `rows` tokens: w1 and w3 (D -> w; w3's dx adds to
@@ -389,12 +382,8 @@ ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
         const int ep =
             q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts) : 1;
         const ModelGemmCalls m = model_gemm_calls(q.model, N, ep, q.recompute);
-        for (const ops::OpCounts* c : {&m.ffn, &m.head})
-          for (const auto& [call, t] : c->gemm_calls) {
-            ops::CallTally& sum = all.gemm_calls[call];
-            sum.calls += t.calls, sum.flops += t.flops;
-            all.gemm_flops += t.flops;
-          }
+        all.add(m.ffn);
+        all.add(m.head);
       }
   return all;
 }

@@ -73,14 +73,6 @@ void check_request(const PlanRequest& q) {
                  ": every rank needs at least one token; give --sp <= ", S);
 }
 
-template <class Call>
-void add_calls(std::map<Call, ops::CallTally>& to, const std::map<Call, ops::CallTally>& from) {
-  for (const auto& [call, t] : from) {
-    ops::CallTally& sum = to[call];
-    sum.calls += t.calls, sum.flops += t.flops;
-  }
-}
-
 }  // namespace
 
 ops::OpCounts plan_calls(const PlanRequest& q) {
@@ -91,13 +83,8 @@ ops::OpCounts plan_calls(const PlanRequest& q) {
       const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
       for (FormVariant form : q.forms)
         for (int r : rank_classes(q.cfg, layout, form).representatives)
-          for (const ops::OpCounts& c :
-               rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops) {
-            add_calls(all.gemm_calls, c.gemm_calls);
-            add_calls(all.attention_calls, c.attention_calls);
-            all.gemm_flops += c.gemm_flops;
-            all.attention_flops += c.attention_flops;
-          }
+          for (const ops::OpCounts& c : rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops)
+            all.add(c);
     }
   return all;
 }
