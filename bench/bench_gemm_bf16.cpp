@@ -139,9 +139,14 @@ LAGA_BENCH(gemm_bf16,
                      laga::to_string(laga::bf16_convert_isa())));
   if (bf16_cpu)
     ctx.note(laga::cat("peaks on ", threads, " threads: bf16 dot product (VDPBF16PS) ",
-                       laga::bench::measure_isa_peak("bf16", threads, 3), " GFLOP/s, fp32 FMA (",
-                       f32_isa, ") ", laga::bench::measure_isa_peak(f32_isa, threads, 3),
-                       " GFLOP/s"));
+                       laga::bench::measure_isa_peak("bf16", threads, 3), " GFLOP/s, ",
+                       laga::bench::cpu_has_amx_bf16()
+                           ? laga::cat("AMX bf16 tiles (TDPBF16PS) ",
+                                       laga::bench::measure_isa_peak("amx", threads, 3),
+                                       " GFLOP/s (the rows oneDNN runs on AMX are held to it), ")
+                           : std::string(),
+                       "fp32 FMA (", f32_isa, ") ",
+                       laga::bench::measure_isa_peak(f32_isa, threads, 3), " GFLOP/s"));
   ctx.header();
 
   struct Product {
@@ -189,6 +194,16 @@ LAGA_BENCH(gemm_bf16,
           laga::bench::reference_rows(rows, p.ta, p.tb, p.N, p.K, b16_wide[size_t(p.a)].data(),
                                       p.lda, b16_wide[size_t(p.b)].data(), p.ldb);
       const std::string shape = laga::cat(p.M, "x", p.N, "x", p.K);
+      // The peak a bf16 row is held to: AMX's where oneDNN runs its AMX
+      // kernels on this product (brg:avx512_core_amx_bf16), else VDPBF16PS's.
+      const auto isa_at = [&](std::int64_t lda) -> std::string {
+        const bool amx =
+            laga::bench::cpu_has_amx_bf16() &&
+            laga::gemm_bf16_implementation(p.ta, p.tb, p.M, p.N, p.K, lda, p.ldb, p.N, false)
+                    .find("amx") != std::string::npos;
+        return amx ? "amx" : bf16_isa;
+      };
+      const std::string b_isa = isa_at(p.lda);
       const double gflop = 2e-9 * double(p.M) * double(p.N) * double(p.K);
       const size_t mn = size_t(p.M * p.N);
       std::vector<float> c_f32(mn), c_b16(mn), c_acc(mn, 0.0f), c_strided(mn), c_packed(mn);
@@ -210,14 +225,14 @@ LAGA_BENCH(gemm_bf16,
                                            0.0f, c_f32.data(), p.N);
                        },
                        [&] { return wrong_in(c_f32.data(), ref_f32, 1e-5); }});
-      cands.push_back({laga::cat(p.name, "/bf16"), shape, gflop, bf16_isa,
+      cands.push_back({laga::cat(p.name, "/bf16"), shape, gflop, b_isa,
                        [&] {
                          laga::gemm_bf16<float>(p.ta, p.tb, p.M, p.N, p.K, 1.0f, A, p.lda, B, p.ldb,
                                                 0.0f, c_b16.data(), p.N);
                        },
                        [&] { return wrong_in(c_b16.data(), ref_b16, 1e-5); }});
       if (p.b_is_weight) {
-        cands.push_back({laga::cat(p.name, "/bf16_out"), shape, gflop, bf16_isa,
+        cands.push_back({laga::cat(p.name, "/bf16_out"), shape, gflop, b_isa,
                          [&] {
                            laga::gemm_bf16<bf16>(p.ta, p.tb, p.M, p.N, p.K, 1.0f, A, p.lda, B,
                                                  p.ldb, 0.0f, c_out.data(), p.N);
@@ -232,7 +247,7 @@ LAGA_BENCH(gemm_bf16,
         cands.push_back({laga::cat(p.name, "/bf16_acc"),
                          shape,
                          gflop,
-                         bf16_isa,
+                         b_isa,
                          [&] {
                            laga::gemm_bf16<float>(p.ta, p.tb, p.M, p.N, p.K, 1.0f, A, p.lda, B,
                                                   p.ldb, 1.0f, c_acc.data(), p.N);
@@ -245,21 +260,21 @@ LAGA_BENCH(gemm_bf16,
                   .find("widened") == std::string::npos) {
         packed =
             std::make_unique<PackedMatmul>(p.ta, p.tb, p.M, p.N, p.K, A, B, B32, c_packed.data());
-        cands.push_back({laga::cat(p.name, "/bf16_packed"), shape, gflop, bf16_isa,
+        cands.push_back({laga::cat(p.name, "/bf16_packed"), shape, gflop, b_isa,
                          [&] { packed->run(); },
                          [&] { return wrong_in(c_packed.data(), ref_b16, 1e-5); }});
         cands.push_back(
-            {laga::cat(p.name, "/reorder_w"), shape, 0.0, bf16_isa, [&] { packed->pack(); }, {}});
+            {laga::cat(p.name, "/reorder_w"), shape, 0.0, b_isa, [&] { packed->pack(); }, {}});
         cands.push_back({laga::cat(p.name, "/reorder_w_f32"),
                          shape,
                          0.0,
-                         bf16_isa,
+                         b_isa,
                          [&] { packed->pack_from_f32(); },
                          {}});
       }
       if (p.name == std::string("fwd_nt"))
         cands.push_back({laga::cat(p.name, "/bf16_strided"), laga::cat(shape, " lda ", ld_pad),
-                         gflop, bf16_isa,
+                         gflop, isa_at(ld_pad),
                          [&] {
                            laga::gemm_bf16<float>(p.ta, p.tb, p.M, p.N, p.K, 1.0f, x_padded.data(),
                                                   ld_pad, B, p.ldb, 0.0f, c_strided.data(), p.N);
@@ -269,7 +284,7 @@ LAGA_BENCH(gemm_bf16,
         cands.push_back({laga::cat(p.name, "/cvt_w"),
                          laga::cat(out, "x", in, " fp32->bf16"),
                          0.0,
-                         bf16_isa,
+                         b_isa,
                          [&] { laga::convert_to_bf16(f32[1].data(), w_copy.data(), out * in); },
                          {}});
       const std::vector<laga::bench::Row*> got = ctx.run_alternating(cands);

@@ -1,8 +1,11 @@
 #include "harness.hpp"
 
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <ctime>
 #include <memory>
@@ -87,12 +90,50 @@ __attribute__((target("avx512f,avx512bf16"))) double dpbf16_loop(std::int64_t it
 #undef LAGA_SUM
   return 12.0 * 16 * 2 * 2 * static_cast<double>(iters);
 }
+
+// The AMX bf16 peak: TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16
+// one (stored as 16 rows of 16 bf16 pairs) into a 16 x 16 fp32 tile, 16,384
+// FLOP an instruction; what oneDNN's brg:avx512_core_amx_bf16 kernels run
+// on. Four independent accumulator tiles over two A and two B tiles loaded
+// once, outside the loop: no loads inside it, as the FMA loops. Run only
+// where cpu_has_amx_bf16() (the OS has granted the tile data state).
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+__attribute__((target("amx-tile,amx-bf16"))) double amx_bf16_loop(std::int64_t iters, float* sink) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  alignas(64) std::uint16_t ones[16 * 32];
+  for (std::uint16_t& v : ones) v = 0x3f80;  // bf16 1.0
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (std::int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float out[16 * 16];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  *sink += out[0];
+  return 4.0 * 16 * 16 * 32 * 2 * static_cast<double>(iters);
+}
 #endif
 
 // All threads run the loop at once (what a kernel on `threads` threads
 // competes for: shared cores, turbo limits); the best of `repeats` rounds.
-double peak_of(double (*loop)(std::int64_t, float*), int threads, int repeats) {
-  const std::int64_t iters = 20'000'000;
+double peak_of(double (*loop)(std::int64_t, float*), int threads, int repeats,
+               std::int64_t iters = 20'000'000) {
   double best = 0;
   for (int r = 0; r <= repeats; ++r) {  // round 0 warms up (clocks, pages)
     double flops = 0;
@@ -120,17 +161,31 @@ bool cpu_has_avx512_bf16() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
-double measure_isa_peak(const std::string& isa, int threads, int repeats) {
-  LAGA_CHECK(isa == "avx2" || isa == "avx512" || isa == "bf16",
-             "laga_bench: no FMA peak loop for ISA '", isa, "'");
+bool cpu_has_amx_bf16() {
   __builtin_cpu_init();
-  LAGA_CHECK(isa == "avx2" || __builtin_cpu_supports("avx512f"), "laga_bench: a row ran ", isa,
-             " kernels on a CPU without avx512f");
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+  // Linux hands out the tile data state only on request (once per process;
+  // oneDNN makes the same request): ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA.
+  constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  return granted;
+}
+
+double measure_isa_peak(const std::string& isa, int threads, int repeats) {
+  LAGA_CHECK(isa == "avx2" || isa == "avx512" || isa == "bf16" || isa == "amx",
+             "laga_bench: no FMA peak loop for ISA '", isa, "'");
+  LAGA_CHECK(isa != "amx" || cpu_has_amx_bf16(),
+             "laga_bench: a row ran AMX bf16 kernels on a CPU (or OS) without amx-bf16");
+  __builtin_cpu_init();
+  LAGA_CHECK(isa == "avx2" || isa == "amx" || __builtin_cpu_supports("avx512f"),
+             "laga_bench: a row ran ", isa, " kernels on a CPU without avx512f");
   LAGA_CHECK(isa != "bf16" || cpu_has_avx512_bf16(),
              "laga_bench: a row ran bf16 dot-product "
              "kernels on a CPU without avx512bf16");
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa == "bf16") return peak_of(&dpbf16_loop, threads, repeats);
+  // One TDPBF16PS takes 16 cycles: 2M iterations run as long as the FMA loops' 20M.
+  if (isa == "amx") return peak_of(&amx_bf16_loop, threads, repeats, 2'000'000);
   return peak_of(isa == "avx512" ? &fma_loop_avx512 : &fma_loop_avx2, threads, repeats);
 #else
   fail("laga_bench: no FMA peak loop for this target; build with AVX2+FMA");

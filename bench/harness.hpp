@@ -43,7 +43,8 @@ struct Options {
 // GFLOP/s of a register-resident FMA loop (no loads) run on `threads` threads
 // at once, per instruction set: the ceiling no kernel of that ISA can pass.
 // The peak of one ISA ("avx2" or "avx512": fp32 FMA; "bf16": AVX512_BF16's
-// VDPBF16PS, two bf16 products summed into each fp32 lane) now, best of
+// VDPBF16PS, two bf16 products summed into each fp32 lane; "amx": AMX's
+// TDPBF16PS, a 16 x 32 by 32 x 16 bf16 tile product a call) now, best of
 // `repeats` rounds; throws for an ISA this CPU lacks.
 double measure_isa_peak(const std::string& isa, int threads, int repeats);
 // Both, for the header of a run; avx512 is 0 on a CPU without AVX-512F.
@@ -53,6 +54,9 @@ struct Peak {
 Peak measure_fma_peak(int threads, int repeats);
 // Whether this CPU (and its OS) runs AVX512_BF16, the "bf16" peak's loop.
 bool cpu_has_avx512_bf16();
+// Whether this CPU has AMX's bf16 tiles and the OS grants their state: the
+// "amx" peak's loop (TDPBF16PS), where oneDNN's AMX bf16 kernels run.
+bool cpu_has_amx_bf16();
 
 struct Timing {
   double median_ms = 0, min_ms = 0, max_ms = 0;
