@@ -298,7 +298,8 @@ std::optional<ExpertParallel> expert_parallel(const LmContext& c) {
   if (!c.cfg.moe || c.experts == ExpertPlacement::every_rank) return std::nullopt;
   std::vector<std::int64_t> tokens;
   for (std::int64_t L : c.layout.seq_count) tokens.push_back(c.layout.batch * L);
-  return ExpertParallel::folded(c.comm, c.cfg.moe->n_routed_experts, std::move(tokens));
+  return ExpertParallel::folded(c.comm, c.cfg.moe->n_routed_experts, std::move(tokens),
+                                c.expert_degree);
 }
 
 template <class T>

@@ -167,6 +167,9 @@ struct LmContext {
   // over the group's ranks (expert parallelism; every rank still holds every
   // expert's weights, docs/moe.md "Expert parallelism").
   ExpertPlacement experts = ExpertPlacement::every_rank;
+  // folded: the EP degree G, groups of G consecutive ranks each holding all
+  // experts (ExpertParallel); 0: every rank of the group in one (G = P).
+  int expert_degree = 0;
   // The loss mean's denominator.
   double loss_tokens() const;
 };

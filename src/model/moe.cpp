@@ -131,24 +131,29 @@ const char* to_string(ExpertPlacement p) {
 }
 
 ExpertParallel ExpertParallel::folded(Communicator& comm, std::int64_t experts,
-                                      std::vector<std::int64_t> tokens_per_rank) {
+                                      std::vector<std::int64_t> tokens_per_rank, int degree) {
   const int P = comm.size();
   LAGA_CHECK(experts >= 1, "moe: expert parallelism needs at least one routed expert");
   LAGA_CHECK(std::int64_t(tokens_per_rank.size()) == P, "moe: expert parallelism over ", P,
              " ranks was given the token counts of ", tokens_per_rank.size());
+  const int G = degree == 0 ? P : degree;
+  LAGA_CHECK(G >= 1 && P % G == 0, "--ep ", G, " must divide the ", P,
+             " ranks of --sp (each EP group is EP consecutive ranks); give --ep a divisor of ", P);
   ExpertParallel ep;
   ep.comm = &comm;
+  ep.group = G;
   ep.tokens = std::move(tokens_per_rank);
-  ep.first.assign(size_t(P + 1), 0);
-  for (int j = 0; j < P; ++j)
-    ep.first[size_t(j + 1)] = ep.first[size_t(j)] + experts / P + (j < experts % P ? 1 : 0);
+  ep.first.assign(size_t(G + 1), 0);
+  for (int s = 0; s < G; ++s)
+    ep.first[size_t(s + 1)] = ep.first[size_t(s)] + experts / G + (s < experts % G ? 1 : 0);
   return ep;
 }
 
 std::int64_t ExpertParallel::expected_rows(int owner, std::int64_t top_k) const {
   std::int64_t n = 0;
-  for (std::int64_t t : tokens) n += t;
-  const std::int64_t E = first.back();
+  for (int i = 0; i < ranks(); ++i)
+    if (same_group(i, owner)) n += tokens[size_t(i)];
+  const std::int64_t E = experts();
   // round(n k owned / E) in integers: (2 n k owned + E) / (2 E).
   return (2 * n * top_k * owned(owner) + E) / (2 * E);
 }
@@ -161,10 +166,10 @@ MoeEpBytes moe_ep_bytes(const ExpertParallel& ep,
              " ranks' counts for ", P, " ranks");
   MoeEpBytes b;
   for (int j = 0; j < P; ++j) {
-    if (j == r) continue;
-    for (std::int64_t e = ep.first[size_t(j)]; e < ep.first[size_t(j + 1)]; ++e)
+    if (j == r || !ep.same_group(j, r)) continue;
+    for (std::int64_t e = ep.first_expert(j); e < ep.first_expert(j) + ep.owned(j); ++e)
       b.dispatch += counts[size_t(r)][size_t(e)] * D * elem;
-    for (std::int64_t e = ep.first[size_t(r)]; e < ep.first[size_t(r + 1)]; ++e)
+    for (std::int64_t e = ep.first_expert(r); e < ep.first_expert(r) + ep.owned(r); ++e)
       b.combine += counts[size_t(j)][size_t(e)] * D * elem;
     b.counts += ep.owned(j) * 8;
   }
@@ -232,13 +237,16 @@ struct EpRows {
 template <class T>
 void exchange_rows(const ExpertParallel& ep, const Dispatch& d, const EpRows& rows, std::int64_t D,
                    const T* send, T* recv, bool to_owners, const std::string& label) {
-  const int P = ep.ranks();
+  const int P = ep.ranks(), r = ep.comm->rank();
   const size_t n = static_cast<size_t>(P);
-  std::vector<std::int64_t> mine(n), mine_off(n), theirs(n), theirs_off(n);
+  std::vector<std::int64_t> mine(n, 0), mine_off(n, 0), theirs(n), theirs_off(n);
   for (int j = 0; j < P; ++j) {
-    const std::int64_t f0 = ep.first[size_t(j)], f1 = ep.first[size_t(j + 1)];
-    mine[size_t(j)] = (d.offset[size_t(f1)] - d.offset[size_t(f0)]) * D;
-    mine_off[size_t(j)] = d.offset[size_t(f0)] * D;
+    // Rank j's rows from this one: its experts' copies, from its own group only.
+    if (ep.same_group(j, r)) {
+      const std::int64_t f0 = ep.first_expert(j), f1 = f0 + ep.owned(j);
+      mine[size_t(j)] = (d.offset[size_t(f1)] - d.offset[size_t(f0)]) * D;
+      mine_off[size_t(j)] = d.offset[size_t(f0)] * D;
+    }
     theirs[size_t(j)] = rows.from[size_t(j)] * D;
     theirs_off[size_t(j)] = rows.from_off[size_t(j)] * D;
   }
@@ -259,10 +267,13 @@ EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, bool real) {
   const std::int64_t Er = ep.owned(r);
   std::vector<double> send(d.count.begin(), d.count.end()), recv(size_t(P * Er), 0.0);
   const size_t n_ranks = static_cast<size_t>(P);
-  std::vector<std::int64_t> sc(n_ranks), sd(n_ranks), rc(n_ranks, Er), rd(n_ranks);
+  std::vector<std::int64_t> sc(n_ranks, 0), sd(n_ranks, 0), rc(n_ranks, 0), rd(n_ranks);
   for (int j = 0; j < P; ++j) {
-    sc[size_t(j)] = ep.owned(j);
-    sd[size_t(j)] = ep.first[size_t(j)];
+    if (ep.same_group(j, r)) {  // the counts go to the own group's owners only
+      sc[size_t(j)] = ep.owned(j);
+      sd[size_t(j)] = ep.first_expert(j);
+      rc[size_t(j)] = Er;
+    }
     rd[size_t(j)] = j * Er;
   }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(),
@@ -314,11 +325,11 @@ void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, std::int64_t e0,
 
 void check_ep(const ExpertParallel* ep, std::int64_t E, std::int64_t N) {
   if (!ep) return;
-  LAGA_CHECK(ep->comm && ep->ranks() == ep->comm->size() && ep->first.back() == E &&
-                 std::int64_t(ep->tokens.size()) == ep->ranks() &&
+  LAGA_CHECK(ep->comm && ep->ranks() == ep->comm->size() && ep->experts() == E && ep->group >= 1 &&
+                 ep->ranks() % ep->group == 0 && std::int64_t(ep->tokens.size()) == ep->ranks() &&
                  ep->tokens[size_t(ep->comm->rank())] == N,
              "moe: the expert-parallel placement is not this group's (", ep->ranks(), " ranks, ",
-             ep->first.back(), " experts) for ", E,
+             ep->experts(), " experts) for ", E,
              " experts on this rank's tokens; make it with ExpertParallel::folded");
 }
 
@@ -370,7 +381,7 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     // rank's copies, the outputs back.
     Communicator& comm = *ep->comm;
     comm.set_phase(Phase::forward);
-    const std::int64_t e0 = ep->first[size_t(comm.rank())];
+    const std::int64_t e0 = ep->first_expert(comm.rank());
     const EpRows rows = exchange_counts(*ep, d, real);
     s.recv = rows.recv;
     const std::int64_t M = rows.rows();
@@ -491,7 +502,7 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     // the rows they ran, dx of each row home (the dispatch's adjoint).
     Communicator& comm = *ep->comm;
     comm.set_phase(Phase::backward);
-    const std::int64_t e0 = ep->first[size_t(comm.rank())];
+    const std::int64_t e0 = ep->first_expert(comm.rank());
     const EpRows rows(ep->ranks(), ep->owned(comm.rank()), s.recv,
                       real ? -1 : ep->expected_rows(comm.rank(), k));
     const std::int64_t M = rows.rows();

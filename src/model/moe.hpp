@@ -73,27 +73,40 @@ struct MoeParams {
 enum class ExpertPlacement { every_rank, folded };
 const char* to_string(ExpertPlacement p);  // "every-rank", "folded"
 
-// Which rank runs which experts (above). Rank j owns first[j+1] - first[j]
-// experts, E / P each with the first E % P ranks one more (the sequence
-// split's rule); a rank may own none when P > E.
+// Which rank runs which experts (above). The P ranks form P / G groups of G
+// consecutive ranks (G = the EP degree, P by default); every group holds
+// all E experts, G slots of them: slot s owns first[s+1] - first[s], E / G
+// each with the first E % G slots one more (the sequence split's rule), and
+// rank j is slot j % G of group j / G. A rank sends its copies to its own
+// group's owners only; with G < P each expert has P / G owners, whose
+// gradients the gradient all-reduce sums. A slot may own none when G > E.
 struct ExpertParallel {
   Communicator* comm = nullptr;
-  std::vector<std::int64_t> first;   // (P + 1) the first expert of each rank; first[P] = E
+  int group = 1;                     // G: ranks per EP group, the EP degree
+  std::vector<std::int64_t> first;   // (G + 1) the first expert of each slot; first[G] = E
   std::vector<std::int64_t> tokens;  // (P) each rank's N: only a count-only run reads it
 
+  // degree 0: G = P, the experts over every rank of comm; else G = degree,
+  // which must divide P.
   static ExpertParallel folded(Communicator& comm, std::int64_t experts,
-                               std::vector<std::int64_t> tokens_per_rank);
-  int ranks() const { return int(first.size()) - 1; }
-  std::int64_t owned(int j) const { return first[size_t(j + 1)] - first[size_t(j)]; }
+                               std::vector<std::int64_t> tokens_per_rank, int degree = 0);
+  int ranks() const { return int(tokens.size()); }
+  std::int64_t experts() const { return first.back(); }
+  int slot(int j) const { return j % group; }
+  bool same_group(int i, int j) const { return i / group == j / group; }
+  std::int64_t first_expert(int j) const { return first[size_t(slot(j))]; }
+  std::int64_t owned(int j) const { return first[size_t(slot(j) + 1)] - first[size_t(slot(j))]; }
   // The rows rank `owner` receives in a count-only run, where no routing
-  // exists: the uniform-routing expectation round(sum_i N_i k owned / E).
-  // A real run receives what the routing sends (docs/moe.md).
+  // exists: the uniform-routing expectation round(sum_i N_i k owned / E)
+  // over the ranks i of its group. A real run receives what the routing
+  // sends (docs/moe.md).
   std::int64_t expected_rows(int owner, std::int64_t top_k) const;
 };
 
 // The bytes rank r's expert-parallel MoE layer sends under each label, given
 // every rank's Dispatch::count (P x E, row i rank i's): what the ledger
-// records, in closed form (docs/accounting.md, "Expert parallelism").
+// records, in closed form (docs/accounting.md, "Expert parallelism"); j and
+// i run over r's group only.
 //   moe_dispatch  sum_{j != r} sum_{e owned by j} count[r][e] D elem
 //   moe_combine   sum_{i != r} sum_{e owned by r} count[i][e] D elem
 //   moe_counts    sum_{j != r} owned(j) * 8            (the counts, as f64)

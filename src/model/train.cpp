@@ -32,8 +32,8 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{
-      "form", "attention", "sp", "data-path", "q-latent", "overlap", "expert-parallel", "dtype"};
+  static const std::set<std::string> s{"form",    "attention",       "sp", "data-path", "q-latent",
+                                       "overlap", "expert-parallel", "ep", "dtype"};
   return s;
 }
 
@@ -174,6 +174,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.variant.queries == QueryExchange::latent) r["q-latent"] = "on";
   if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
   if (o.experts == ExpertPlacement::folded) r["expert-parallel"] = "on";
+  if (o.expert_degree > 0) r["ep"] = std::to_string(o.expert_degree);
   r["attention"] = to_string(o.attention);
   if (o.precision == Precision::bf16) r["dtype"] = to_string(o.precision);
   r["sp"] = std::to_string(o.sp);
@@ -205,6 +206,12 @@ void validate_train_options(const TrainOptions& o) {
   LAGA_CHECK(o.experts == ExpertPlacement::every_rank || o.model.moe,
              "--expert-parallel needs an MoE model: give --config a file with routed experts "
              "(n_routed_experts), e.g. docs/assets/moe_tiny.json");
+  LAGA_CHECK(o.expert_degree >= 0, "--ep must be >= 1 (got ", o.expert_degree, ")");
+  LAGA_CHECK(o.expert_degree == 0 || o.experts == ExpertPlacement::folded, "--ep ", o.expert_degree,
+             " sets the expert-parallel degree; add --expert-parallel");
+  LAGA_CHECK(o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ", o.expert_degree,
+             " must divide --sp ", o.sp,
+             " (each EP group is EP consecutive ranks); give --ep a divisor of ", o.sp);
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;
@@ -259,6 +266,7 @@ LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator
                      const RopeTable& rope) {
   LmContext ctx{o.model, layout, comm, rope, o.variant, o.attention};
   ctx.experts = o.experts;
+  ctx.expert_degree = o.expert_degree;
   return ctx;
 }
 

@@ -41,6 +41,9 @@ struct TrainOptions {
   // --expert-parallel: the MoE layers' experts folded onto the sp ranks
   // (model/moe.hpp, docs/moe.md "Expert parallelism"); needs an MoE model.
   ExpertPlacement experts = ExpertPlacement::every_rank;
+  // --ep N: the EP degree, groups of N consecutive sp ranks, each holding
+  // every expert (N divides sp); 0: all sp ranks in one group (EP = sp).
+  int expert_degree = 0;
   int sp = 1;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step

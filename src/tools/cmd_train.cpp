@@ -50,6 +50,7 @@ struct TrainCli {
   std::optional<std::uint64_t> perturb_reductions;
   bool log_expert_load = false;
   bool expert_parallel = false;
+  int ep = 0;
   std::string allow_change;  // comma-separated option names
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
   std::int64_t q_lora_rank = 0;
@@ -157,6 +158,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.attention = parse_attention(c.attention);
   o.precision = parse_precision(c.dtype);
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
+  o.expert_degree = c.ep;
   o.sp = c.sp;
   o.batch = c.batch;
   o.seq = c.seq;
@@ -454,6 +456,12 @@ void register_train(CLI::App& app) {
                 "copies routed to them: all_to_all_v dispatch and combine, ledgered as moe_counts, "
                 "moe_dispatch, moe_combine and their backward dmoe_*; docs/moe.md, \"Expert "
                 "parallelism\"). The same math as without it, rounded differently");
+  sub->add_option("--ep", c->ep,
+                  "with --expert-parallel: the EP degree N, a divisor of --sp: groups of N "
+                  "consecutive ranks, each holding every expert (E / N per rank), the copies "
+                  "exchanged within a group, each expert's gradients summed over the groups by "
+                  "the gradient all-reduce (default: --sp, one group)")
+      ->check(whole(1));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
                 "the step's global token count per expert of every MoE layer");

@@ -89,7 +89,7 @@ std::vector<std::string> names_of(const LmParams<double>& w) {
 // (loss, every gradient by name) of one forward+backward on P local ranks.
 std::pair<double, std::map<std::string, std::vector<double>>> run(
     const LmConfig& cfg, int P, const Batch& bt, Form form = Form::laga,
-    ExpertPlacement experts = ExpertPlacement::every_rank) {
+    ExpertPlacement experts = ExpertPlacement::every_rank, int expert_degree = 0) {
   double loss = 0;
   std::map<std::string, std::vector<double>> grads;
   run_local_ranks(P, [&](Communicator& comm) {
@@ -97,6 +97,7 @@ std::pair<double, std::map<std::string, std::vector<double>>> run(
     const RopeTable rope(cfg.mla.rope(), bt.S);
     LmContext ctx{cfg, layout, comm, rope, form, AttentionKind::eager};
     ctx.experts = experts;
+    ctx.expert_degree = expert_degree;
     const LmParams<double> w = test_params(cfg);
     LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
     const int r = comm.rank();
@@ -226,20 +227,27 @@ TEST(ModelMoe, FiniteDifferencesEveryParameterDouble) {
 // The MoE is token-local, so the sequence-parallel model with MoE layers has
 // the gradients of one rank, in every form: with every expert on every rank
 // at P 2, and with the experts folded onto the ranks (expert parallelism) at
-// P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven shards of S 7).
+// P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven shards of S 7),
+// and in EP groups of 2 at P 4 (two groups, each holding all 6 experts).
 TEST(ModelMoe, EveryFormAndPlacementMatchesP1) {
   const LmConfig cfg = moe_tiny();
   const Batch bt = batch(cfg);
   const auto ref = run(cfg, 1, bt, Form::explicit_form);
-  const std::vector<std::pair<ExpertPlacement, int>> cases = {{ExpertPlacement::every_rank, 2},
-                                                              {ExpertPlacement::folded, 2},
-                                                              {ExpertPlacement::folded, 3},
-                                                              {ExpertPlacement::folded, 4}};
-  for (const auto& [experts, P] : cases)
+  struct Placement {
+    ExpertPlacement experts;
+    int P, degree;
+  };
+  const std::vector<Placement> cases = {{ExpertPlacement::every_rank, 2, 0},
+                                        {ExpertPlacement::folded, 2, 0},
+                                        {ExpertPlacement::folded, 3, 0},
+                                        {ExpertPlacement::folded, 4, 0},
+                                        {ExpertPlacement::folded, 4, 2}};
+  for (const auto& [experts, P, degree] : cases)
     for (Form f : all_forms()) {
       if (P == 4 && f != Form::laga) continue;  // 4 ranks: one form is enough
-      SCOPED_TRACE(cat(to_string(f), " P ", P, " experts ", to_string(experts)));
-      const auto got = run(cfg, P, bt, f, experts);
+      SCOPED_TRACE(cat(to_string(f), " P ", P, " experts ", to_string(experts), " EP ",
+                       degree == 0 ? P : degree));
+      const auto got = run(cfg, P, bt, f, experts, degree);
       EXPECT_NEAR(got.first, ref.first, 1e-13);
       for (const auto& [name, v] : ref.second)
         EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));

@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
@@ -602,9 +603,10 @@ struct EpRank {
 
 // The N tokens split over P ranks as the sequence is (the first N % P one
 // more); every rank runs the layer on its rows with the experts folded.
-// threads > 0: each rank's OpenMP team size.
+// threads > 0: each rank's OpenMP team size; degree: the EP groups' size
+// (0: all P ranks in one).
 template <class T>
-std::vector<EpRank<T>> run_ep(Case& c, int P, int threads = 0) {
+std::vector<EpRank<T>> run_ep(Case& c, int P, int threads = 0, int degree = 0) {
   const MoeParams<T> w = params_as<T>(c.cfg, c.w, c.D);
   const auto x = test::convert<T>(c.x), go = test::convert<T>(c.dout);
   const size_t ranks_n = static_cast<size_t>(P);
@@ -615,7 +617,7 @@ std::vector<EpRank<T>> run_ep(Case& c, int P, int threads = 0) {
   run_local_ranks(P, [&](Communicator& comm) {
     if (threads > 0) omp_set_num_threads(threads);
     const int r = comm.rank();
-    const ExpertParallel ep = ExpertParallel::folded(comm, c.cfg.n_routed_experts, n);
+    const ExpertParallel ep = ExpertParallel::folded(comm, c.cfg.n_routed_experts, n, degree);
     const T* xr = x.data() + off[size_t(r)] * c.D;
     const MoeForward<T> f = moe_forward(c.cfg, w, xr, n[size_t(r)], c.D, &ep);
     EpRank<T>& me = ranks[size_t(r)];
@@ -639,17 +641,22 @@ std::int64_t sent(const Ledger& l, Phase phase, const std::string& label) {
 }
 
 // Folded onto P ranks, with P not dividing E and P > E (a rank with no
-// experts), the layer gives the plain-loop reference's out and dx, and the
-// gradients summed over ranks are the reference's; each rank's gradient of
-// an expert it does not own is exactly 0; the ledger is the closed form
-// moe_ep_bytes of the routing's counts, byte for byte, per label and phase.
+// experts), and in EP groups of G < P ranks (each group holding every
+// expert: G 2 and 3, E % G != 0), the layer gives the plain-loop
+// reference's out and dx, and the gradients summed over ranks are the
+// reference's; each rank's gradient of an expert it does not own is
+// exactly 0; the ledger is the closed form moe_ep_bytes of the routing's
+// counts, byte for byte, per label and phase (nothing sent outside a group).
 TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
+  const std::vector<std::pair<int, int>> placements = {{1, 0}, {2, 0}, {3, 0}, {5, 0}, {7, 0},
+                                                       {9, 0}, {4, 2}, {6, 3}, {6, 2}, {9, 3}};
   for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
     Case c = make_case(cfg, 13, 16, 600);
     RefMoe ref = ref_moe(cfg, c.w, c.x, c.dout, c.N, c.D);
-    for (int P : {1, 2, 3, 5, 7, 9}) {
-      SCOPED_TRACE(cfg.summary() + " P " + std::to_string(P));
-      const std::vector<EpRank<double>> ranks = run_ep<double>(c, P);
+    for (const auto& [P, degree] : placements) {
+      SCOPED_TRACE(cfg.summary() + " P " + std::to_string(P) + " EP " +
+                   std::to_string(degree == 0 ? P : degree));
+      const std::vector<EpRank<double>> ranks = run_ep<double>(c, P, 0, degree);
       const std::vector<std::string> names = [&] {
         std::vector<std::string> v;
         c.w.for_each([&](const std::string& name, Tensor<double>&) { v.push_back(name); });
@@ -674,13 +681,16 @@ TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
         EXPECT_TRUE(all_close(name, sum[i].data(), t.data(), t.numel(), 1e-13, 1e-12));
         ++i;
       });
-      std::vector<std::int64_t> first(size_t(P + 1), 0);
-      for (int j = 0; j < P; ++j)
-        first[size_t(j + 1)] =
-            first[size_t(j)] + cfg.n_routed_experts / P + (j < cfg.n_routed_experts % P ? 1 : 0);
+      // The placement by hand: slot s of G owns E / G experts, the first
+      // E % G slots one more; rank r is slot r % G.
+      const int G = degree == 0 ? P : degree;
+      std::vector<std::int64_t> first(size_t(G + 1), 0);
+      for (int s = 0; s < G; ++s)
+        first[size_t(s + 1)] =
+            first[size_t(s)] + cfg.n_routed_experts / G + (s < cfg.n_routed_experts % G ? 1 : 0);
       for (int r = 0; r < P; ++r)
         for (std::int64_t e = 0; e < cfg.n_routed_experts; ++e) {
-          if (e >= first[size_t(r)] && e < first[size_t(r + 1)]) continue;
+          if (e >= first[size_t(r % G)] && e < first[size_t(r % G + 1)]) continue;
           const std::string pre = "experts." + std::to_string(e) + ".";
           for (size_t t = 0; t < names.size(); ++t) {
             if (names[t].rfind(pre, 0) != 0) continue;
@@ -689,8 +699,10 @@ TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
           }
         }
       // The ledger against the closed form, which the counts determine.
-      ExpertParallel ep;
-      ep.first = first;
+      DryRunCommunicator group(0, P);  // only its size
+      const ExpertParallel ep = ExpertParallel::folded(
+          group, cfg.n_routed_experts, std::vector<std::int64_t>(size_t(P), 1), degree);
+      ASSERT_EQ(ep.first, first);
       for (int r = 0; r < P; ++r) {
         const Ledger& l = ranks[size_t(r)].ledger;
         const MoeEpBytes b = moe_ep_bytes(ep, counts, r, c.D, 8);
@@ -764,6 +776,11 @@ TEST(MoeExpertParallel, RefusesAPlacementOfAnotherGroup) {
               }).find("given the token counts of 1"),
               std::string::npos);
   });
+  DryRunCommunicator three(0, 3);
+  EXPECT_NE(test::error_of([&] {
+              ExpertParallel::folded(three, 8, {1, 1, 1}, 2);
+            }).find("--ep 2 must divide the 3 ranks of --sp"),
+            std::string::npos);
 }
 
 // ------------------------------------------------ the PyTorch reference

@@ -6,7 +6,8 @@
 # With -DMOE_CONFIG set, the model is that --config's (an MoE with the
 # experts' bias balancing on, whose load all-reduce runs every step).
 # With -DEXPERT_PARALLEL=ON both runs pass --expert-parallel (the MoE's
-# experts folded onto the ranks: all_to_all_v dispatch and combine).
+# experts folded onto the ranks: all_to_all_v dispatch and combine), and
+# with -DEP=N also --ep N (EP groups of N ranks, each holding every expert).
 # With -DSP=N the runs are on N ranks (default 2). With -DPERTURB=SEED both
 # runs pass --perturb-reductions SEED, and a third, local run without it must
 # differ from them in some step's loss or grad_norm: the switch reaches the
@@ -29,6 +30,9 @@ else()
 endif()
 if(EXPERT_PARALLEL)
   list(APPEND ARGS --expert-parallel)
+endif()
+if(EP)
+  list(APPEND ARGS --ep ${EP})
 endif()
 if(PYTHON)
   string(CONCAT script "import array\nids = array.array('H')\nd = 0\nwhile len(ids) < 3000:\n"

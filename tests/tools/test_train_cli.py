@@ -491,6 +491,11 @@ def case_moe_config(laga, scratch):
     check(log_steps(log) == list(range(1, 16)), f"resumed log with EP: {log_steps(log)}")
     refused(laga, ["train", "--layers", "1", "--d-model", "16", "--heads", "2", "--steps", "1",
                    "--expert-parallel"], ["--expert-parallel needs an MoE model"])
+    # EP groups (--ep N): a divisor of --sp, with --expert-parallel.
+    refused(laga, ["train", "--config", config, "--sp", "2", "--steps", "1", "--expert-parallel",
+                   "--ep", "3"], ["--ep 3 must divide --sp 2", "give --ep a divisor of 2"])
+    refused(laga, ["train", "--config", config, "--sp", "2", "--steps", "1", "--ep", "2"],
+            ["--ep 2 sets the expert-parallel degree; add --expert-parallel"])
     refused(laga, ["train", "--config", config, "--layers", "2", "--steps", "1"],
             ["laga: error: --config", "drop --layers"])
     refused(laga, ["train", "--config", variant("groups", n_group=3), "--steps", "1"],
