@@ -86,10 +86,6 @@ bool flash_bf16_dot_products_pay() {
   return !__builtin_cpu_is("intel");
 }
 
-FlashBf16Isa flash_bf16_auto_isa() {
-  return detail::resolve_flash_bf16_isa(nullptr, why_not_here(), flash_bf16_dot_products_pay());
-}
-
 FlashBf16Isa detail::resolve_flash_bf16_isa(const char* setting, const char* unusable, bool pays) {
   const std::string value = setting ? setting : "";
   if (value.empty() || value == "auto")

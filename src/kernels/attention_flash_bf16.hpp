@@ -77,9 +77,6 @@ std::vector<FlashBf16Isa> flash_bf16_isas_available();
 // Why avx512_bf16 cannot run here, or null when it can (for reports).
 const char* flash_bf16_why_no_avx512_bf16();
 
-// What auto picks here: avx512_bf16 where it is available and its dot
-// products pay (flash_bf16_dot_products_pay), else fp32.
-FlashBf16Isa flash_bf16_auto_isa();
 // Whether VDPBF16PS outruns the fp32 FMAs on this CPU, decided by vendor so
 // that a run's bits do not depend on a timing: AMD's Zen 4 and Zen 5 issue it
 // at twice FMA's FLOP rate (docs/performance.md: 765-870 GFLOP/s against
@@ -91,7 +88,8 @@ bool flash_bf16_dot_products_pay();
 
 // The one in use: the last set_flash_bf16_isa(), else LAGA_FLASH_BF16_ISA
 // (fp32, avx512_bf16 or auto; unset = auto), read at the first call; auto is
-// flash_bf16_auto_isa(). Throws laga::Error for an unknown value or an
+// avx512_bf16 where it is available and its dot products pay
+// (flash_bf16_dot_products_pay), else fp32. Throws laga::Error for an unknown value or an
 // unavailable ISA.
 FlashBf16Isa flash_bf16_isa();
 // Selects the ISA for later calls, returns the previous one (tests,

@@ -325,9 +325,9 @@ void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, std::int64_t e0,
 
 void check_ep(const ExpertParallel* ep, std::int64_t E, std::int64_t N) {
   if (!ep) return;
-  LAGA_CHECK(ep->comm && ep->ranks() == ep->comm->size() && ep->experts() == E && ep->group >= 1 &&
-                 ep->ranks() % ep->group == 0 && std::int64_t(ep->tokens.size()) == ep->ranks() &&
-                 ep->tokens[size_t(ep->comm->rank())] == N,
+  LAGA_CHECK(ep->comm && ep->ranks() == ep->comm->size() && ep->group >= 1 &&
+                 ep->ranks() % ep->group == 0 && ep->first.size() == size_t(ep->group) + 1 &&
+                 ep->experts() == E && ep->tokens[size_t(ep->comm->rank())] == N,
              "moe: the expert-parallel placement is not this group's (", ep->ranks(), " ranks, ",
              ep->experts(), " experts) for ", E,
              " experts on this rank's tokens; make it with ExpertParallel::folded");

@@ -23,10 +23,11 @@
 // Parallelism: the SP group of P ranks runs every layer's attention in the
 // chosen form; expert parallelism is folded onto the same ranks (Megatron's
 // MoE parallel folding): by default EP = P and each rank owns E / P experts
-// of every MoE layer, the first E % P one more (as laga train places them) (EpChoice below: EP over
-// every device, or a fixed degree). dp data-parallel replicas of that group make P * dp devices. No
-// tensor or pipeline parallelism is modelled: every device holds every layer (--layers N plans a
-// stage of N layers).
+// of every MoE layer, the first E % P one more, as laga train places them
+// (EpChoice below: EP over every device, or a fixed degree). dp
+// data-parallel replicas of that group make P * dp devices. No tensor or
+// pipeline parallelism is modelled: every device holds every layer
+// (--layers N plans a stage of N layers).
 //
 // Time, per device, nothing overlapped (the paper's "temporally separated"
 // attention and MoE collectives, modelled so: each term waits for the one
