@@ -32,7 +32,7 @@ Step::Step(const BlockContext& c) : ctx(c) {
   dn = m.qk_nope_head_dim, dr = m.qk_rope_head_dim, dqk = dn + dr, dv = m.v_head_dim;
   C = m.kv_lora_rank, rq = m.q_lora_rank, W = C + dr, KV = dn + dv;
   Nq = rq == 0 ? H * dqk : rq;
-  pos0 = lay.seq_offset[r];
+  pos0 = lay.seq_ranges[r].front().begin;
   check_variant(m, lay, c.variant);
   tokens = Placement::seq_shards(lay);
   attention = attention_placement(lay, c.variant);
@@ -42,14 +42,19 @@ Step::Step(const BlockContext& c) : ctx(c) {
   Sk = query_ranges.empty() ? 0 : query_ranges.back().end;
   for (const std::vector<TokenRange>& q : attention.tokens)
     attends_all_queries = attends_all_queries && q == std::vector<TokenRange>{{0, S}};
+  own_ranges = lay.seq_ranges[r];
   if (const Documents* docs = c.documents) {
     LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
                docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");
     if (!current_pool().count_only()) {
       doc_start = docs->doc_starts();
-      positions = docs->positions(pos0, L);
-      if (c.variant.queries == QueryExchange::latent) seq_positions = docs->positions(0, S);
+      positions = docs->positions(own_ranges);
+      if (c.variant.queries == QueryExchange::latent) seq_positions = docs->positions({{0, S}});
     }
+  } else if (own_ranges.size() > 1 && !current_pool().count_only()) {
+    // A zigzag shard: its tokens' global positions, the same for every row.
+    const std::vector<std::int64_t> own = lay.positions(c.comm.rank());
+    for (std::int64_t b = 0; b < B; ++b) positions.insert(positions.end(), own.begin(), own.end());
   }
 }
 

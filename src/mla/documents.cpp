@@ -101,16 +101,23 @@ std::vector<std::int64_t> Documents::doc_starts() const {
   return start;
 }
 
-std::vector<std::int64_t> Documents::positions(std::int64_t t0, std::int64_t L) const {
-  LAGA_CHECK(t0 >= 0 && L >= 0 && t0 + L <= seq_, "internal: positions of tokens [", t0, ", ",
-             t0 + L, ") in a sequence of ", seq_);
+std::vector<std::int64_t> Documents::positions(const std::vector<TokenRange>& ranges) const {
+  std::int64_t L = 0;
+  for (const TokenRange& r : ranges) {
+    LAGA_CHECK(r.begin >= 0 && r.begin <= r.end && r.end <= seq_, "internal: positions of tokens [",
+               r.begin, ", ", r.end, ") in a sequence of ", seq_);
+    L += r.size();
+  }
   std::vector<std::int64_t> pos(std::size_t(batch_ * L));
   for (std::int64_t b = 0; b < batch_; ++b) {
     const auto& cu = cu_seqlens(b);
-    std::size_t k = 0;  // the document holding token t: cu[k] <= t < cu[k + 1]
-    for (std::int64_t t = t0; t < t0 + L; ++t) {
-      while (cu[k + 1] <= t) ++k;
-      pos[std::size_t(b * L + t - t0)] = t - cu[k];
+    std::int64_t i = b * L;
+    for (const TokenRange& r : ranges) {
+      std::size_t k = 0;  // the document holding token t: cu[k] <= t < cu[k + 1]
+      for (std::int64_t t = r.begin; t < r.end; ++t) {
+        while (cu[k + 1] <= t) ++k;
+        pos[std::size_t(i++)] = t - cu[k];
+      }
     }
   }
   return pos;

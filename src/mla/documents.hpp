@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "mla/layout.hpp"
+
 namespace laga {
 
 class Documents {
@@ -44,9 +46,10 @@ class Documents {
   // (B, S): doc_start[b * S + t] = the first token of token t's document,
   // as AttnShape::doc_start takes it.
   std::vector<std::int64_t> doc_starts() const;
-  // (B, L): the in-document position of tokens [t0, t0 + L) of every row,
-  // as rope_apply_at takes them.
-  std::vector<std::int64_t> positions(std::int64_t t0, std::int64_t L) const;
+  // (B, L): the in-document position of the tokens `ranges` (L in all, one
+  // range after the other: a rank's seq shard) of every row, as
+  // rope_apply_at takes them.
+  std::vector<std::int64_t> positions(const std::vector<TokenRange>& ranges) const;
   // (query, key) pairs a causal packed attention computes, summed over rows:
   // sum over documents of len (len + 1) / 2.
   double causal_pairs() const;

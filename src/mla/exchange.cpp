@@ -70,8 +70,7 @@ std::int64_t Placement::rows(int rank) const {
 Placement Placement::seq_shards(const SpLayout& lay) {
   Placement p;
   for (int r = 0; r < lay.ranks; ++r) {
-    const std::int64_t s0 = lay.seq_offset[u(r)];
-    p.tokens.push_back({{s0, s0 + lay.seq_count[u(r)]}});
+    p.tokens.push_back(lay.seq_ranges[u(r)]);
     p.head_offset.push_back(0);
     p.head_count.push_back(lay.heads);
   }
@@ -271,21 +270,36 @@ Counts seq_counts(const SpLayout& lay, std::int64_t W) {
   for (int i = 0; i < lay.ranks; ++i) c[u(i)] = lay.batch * lay.seq_count[u(i)] * W;
   return c;
 }
-// The rank-major blocks (B, L_i, W) at displs[i] into (B, S, W), and back.
-// At B = 1 the two are the same, and the collectives use dst or src as is.
+// The rank-major blocks (B, L_i, W) at displs[i] into (B, S, W), and back,
+// range by range of each rank's shard. Where the layout's rank-major order
+// is the sequence's (contiguous, B = 1) the two are the same, and the
+// collectives use dst or src as is.
+bool lands_in_place(const SpLayout& lay) {
+  return lay.batch == 1 && lay.rank_major_is_sequence();
+}
 template <class T>
 void unpack_ranks(const SpLayout& lay, const T* blocks, const Counts& displs, T* dst,
                   std::int64_t W) {
-  for (int i = 0; i < lay.ranks; ++i)
-    copy_block(at(blocks, displs[u(i)]), lay.seq_count[u(i)], 0, W, 0, dst, lay.seq,
-               lay.seq_offset[u(i)], W, 0, lay.batch, lay.seq_count[u(i)], 1, W);
+  for (int i = 0; i < lay.ranks; ++i) {
+    std::int64_t row = 0;  // the range's first row in rank i's (B, L_i) block
+    for (const TokenRange& t : lay.seq_ranges[u(i)]) {
+      copy_block(at(blocks, displs[u(i)]), lay.seq_count[u(i)], row, W, 0, dst, lay.seq, t.begin, W,
+                 0, lay.batch, t.size(), 1, W);
+      row += t.size();
+    }
+  }
 }
 template <class T>
 void pack_ranks(const SpLayout& lay, const T* src, const Counts& displs, T* blocks,
                 std::int64_t W) {
-  for (int i = 0; i < lay.ranks; ++i)
-    copy_block(src, lay.seq, lay.seq_offset[u(i)], W, 0, at(blocks, displs[u(i)]),
-               lay.seq_count[u(i)], 0, W, 0, lay.batch, lay.seq_count[u(i)], 1, W);
+  for (int i = 0; i < lay.ranks; ++i) {
+    std::int64_t row = 0;
+    for (const TokenRange& t : lay.seq_ranges[u(i)]) {
+      copy_block(src, lay.seq, t.begin, W, 0, at(blocks, displs[u(i)]), lay.seq_count[u(i)], row, W,
+                 0, lay.batch, t.size(), 1, W);
+      row += t.size();
+    }
+  }
 }
 
 }  // namespace
@@ -295,7 +309,7 @@ void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, s
                 const std::string& label) {
   const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
   const std::int64_t own = rc[u(comm.rank())];
-  if (lay.batch == 1) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
+  if (lands_in_place(lay)) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
     comm.all_gather_v(src, own, dst, rc.data(), rd.data(), label);
     return;
   }
@@ -308,7 +322,7 @@ template <class T>
 void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                         std::int64_t W, const std::string& label) {
   const Counts c = seq_counts(lay, W), d = displs_of(c);
-  if (lay.batch == 1) {
+  if (lands_in_place(lay)) {
     comm.reduce_scatter_v(src, c.data(), d.data(), dst, label);
     return;
   }
@@ -324,7 +338,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
   StartedSeq<T> s;
   s.send_ = std::move(src);
   T* recv = dst;
-  if (lay.batch > 1) {
+  if (!lands_in_place(lay)) {
     s.staging_ = Tensor<T>({total(rc)}, MemCategory::comm_buffers);
     s.unpack_ = true, s.dst_ = dst, s.lay_ = lay, s.W_ = W;
     recv = s.staging_.data();
@@ -343,7 +357,7 @@ StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, 
                                        T* dst, std::int64_t W, const std::string& label) {
   const Counts c = seq_counts(lay, W), d = displs_of(c);
   StartedSeq<T> s;
-  if (lay.batch == 1) {
+  if (lands_in_place(lay)) {
     s.send_ = std::move(src);
   } else {
     s.send_ = Tensor<T>({total(c)}, MemCategory::comm_buffers);

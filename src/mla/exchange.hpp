@@ -88,16 +88,17 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
 // started call's buffers must outlive its wait on an asynchronous transport
 // (MPI nonblocking, NCCL), so the StartedSeq they return owns them: src,
 // moved in, which is the send buffer (the gather's, and the reduce-scatter's
-// at B = 1), the reduce-scatter's packed send buffer at B > 1 (src is then
-// freed at start: the collective does not read it), and the gather's
-// rank-major receive staging at B > 1, which wait() unpacks into dst. Each is
+// at B = 1 on a contiguous layout), the reduce-scatter's packed send buffer
+// otherwise (B > 1, or zigzag: src is then freed at start: the collective
+// does not read it), and the gather's rank-major receive staging there,
+// which wait() unpacks into dst. Each is
 // freed at the wait, so its bytes are live until then (the memory model,
 // the count-only run of this code, counts them there too). Under deferred
 // delivery (tests) dst holds quiet NaN until the wait at any B.
 template <class T>
 class StartedSeq {
  public:
-  // Waits for the collective, unpacks into dst (the gather at B > 1) and
+  // Waits for the collective, unpacks into dst (the gather, staged) and
   // frees the buffers it held. Dropped without it, the collective is
   // waited for (its modelled time) and dst never receives.
   void wait(Communicator& comm);
@@ -113,8 +114,8 @@ class StartedSeq {
 
  private:
   Tensor<T> send_;     // what the collective reads
-  Tensor<T> staging_;  // the gather at B > 1: what it writes, rank-major
-  // The gather at B > 1: where and how staging_ is unpacked.
+  Tensor<T> staging_;  // the gather, staged: what it writes, rank-major
+  // The staged gather: where and how staging_ is unpacked.
   bool unpack_ = false;
   T* dst_ = nullptr;
   SpLayout lay_;

@@ -29,6 +29,9 @@ struct Step {
   std::int64_t Nq;     // the query side's rows of in_proj: H dqk (wq, rq == 0) or rq (wq_a)
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
   std::int64_t pos0;   // global index of the first local token
+  // The local tokens, SpLayout::seq_ranges (one range unless zigzag; L rows
+  // in all, one range after the other).
+  std::vector<TokenRange> own_ranges;
   // Where attention runs. Every form but laga2d attends all S tokens for its
   // SpLayout head shard (Hr heads from h0); laga2d attends its head group's
   // Hr heads from h0 for its query ranges over keys [0, Sk)
@@ -46,7 +49,8 @@ struct Step {
   // count-only run): each token's document start (B, S), each local token's
   // in-document RoPE position (B, L), and, for the query-latent exchange
   // (which rotates the queries of the attention's rows), every token's
-  // (B, S). Empty: one document per row, token t at position t.
+  // (B, S). Empty: one document per row, token t at position t. A zigzag
+  // shard without documents has `positions` too: its tokens' global ones.
   std::vector<std::int64_t> doc_start, positions, seq_positions;
   explicit Step(const BlockContext& ctx);
   // Causal attention over this rank's heads, full sequence, head dims;

@@ -42,14 +42,13 @@ struct KvBlocks {
     return {block_k(st, block, Lj).p, block_v(st, block, Lj).p, {}};
   }
   void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
-                const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
+                const std::vector<ring::KeySpan>& spans, const T* dkv, T* acc,
                 MlaParams<T>&) const {
-    for (const ring::RingCall& c : calls)
-      for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-        const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
-        ops::add(block_k(st, acc, Lj).row_range(row, n), block_k(st, dkv, Lj).row_range(row, n));
-        ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
-      }
+    for (const ring::KeySpan& k : spans) {
+      const std::int64_t row = k.b * Lj + k.row0, n = k.rows;
+      ops::add(block_k(st, acc, Lj).row_range(row, n), block_k(st, dkv, Lj).row_range(row, n));
+      ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
+    }
   }
   // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
   // c_hat kept for wkv_b's gradient.

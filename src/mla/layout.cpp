@@ -26,11 +26,70 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 }
 }  // namespace
 
-SpLayout SpLayout::even(std::int64_t batch, std::int64_t seq, std::int64_t heads, int ranks) {
+const char* to_string(SeqLayout l) {
+  switch (l) {
+    case SeqLayout::contiguous:
+      return "contiguous";
+    case SeqLayout::zigzag:
+      return "zigzag";
+  }
+  return "?";
+}
+
+SeqLayout parse_seq_layout(const std::string& s) {
+  if (s == "contiguous") return SeqLayout::contiguous;
+  if (s == "zigzag") return SeqLayout::zigzag;
+  throw Error("unknown --seq-layout '" + s + "': use contiguous or zigzag");
+}
+
+std::vector<TokenRange> mirrored_chunks(std::int64_t seq, int parts, int c) {
+  const std::vector<std::int64_t> chunk = split(seq, 2 * parts), chunk0 = offsets(chunk);
+  std::vector<TokenRange> q;
+  for (const int k : {c, 2 * parts - 1 - c}) {
+    const TokenRange t{chunk0[static_cast<size_t>(k)],
+                       chunk0[static_cast<size_t>(k)] + chunk[static_cast<size_t>(k)]};
+    if (t.size() == 0) continue;
+    if (!q.empty() && q.back().end == t.begin)
+      q.back().end = t.end;  // adjacent chunks: one range, one attention call
+    else
+      q.push_back(t);
+  }
+  return q;
+}
+
+SpLayout SpLayout::even(std::int64_t batch, std::int64_t seq, std::int64_t heads, int ranks,
+                        SeqLayout l) {
   LAGA_CHECK(ranks >= 1, "sequence parallelism needs at least 1 rank, got --sp ", ranks);
   LAGA_CHECK(seq >= ranks, "--seq ", seq, " is shorter than --sp ", ranks,
              ": every rank must hold at least one token; use a longer sequence or fewer ranks");
-  return custom(batch, split(seq, ranks), split(heads, ranks));
+  SpLayout lay = custom(batch, split(seq, ranks), split(heads, ranks));
+  if (l == SeqLayout::contiguous) return lay;
+  // S >= P leaves chunk r (r < P) at least one token, so every rank holds one.
+  lay.seq_layout = l;
+  for (int r = 0; r < ranks; ++r) {
+    auto& ranges = lay.seq_ranges[static_cast<size_t>(r)];
+    ranges = mirrored_chunks(seq, ranks, r);
+    std::int64_t n = 0;
+    for (const TokenRange& t : ranges) n += t.size();
+    lay.seq_count[static_cast<size_t>(r)] = n;
+  }
+  lay.validate();
+  return lay;
+}
+
+std::int64_t SpLayout::shard_begin(int r) const {
+  LAGA_CHECK(seq_layout == SeqLayout::contiguous, "layout: rank ", r,
+             "'s shard is not one range under --seq-layout ", to_string(seq_layout),
+             "; read its seq_ranges");
+  return seq_ranges[static_cast<size_t>(r)].front().begin;
+}
+
+std::vector<std::int64_t> SpLayout::positions(int r) const {
+  std::vector<std::int64_t> p;
+  p.reserve(static_cast<size_t>(seq_count[static_cast<size_t>(r)]));
+  for (const TokenRange& t : seq_ranges[static_cast<size_t>(r)])
+    for (std::int64_t i = t.begin; i < t.end; ++i) p.push_back(i);
+  return p;
 }
 
 std::int64_t SpLayout::largest_shard_tokens() const {
@@ -44,7 +103,9 @@ SpLayout SpLayout::custom(std::int64_t batch, std::vector<std::int64_t> seq_coun
   l.ranks = static_cast<int>(seq_counts.size());
   l.seq = sum(seq_counts);
   l.heads = sum(head_counts);
-  l.seq_offset = offsets(seq_counts);
+  const std::vector<std::int64_t> seq0 = offsets(seq_counts);
+  for (size_t r = 0; r < seq_counts.size(); ++r)
+    l.seq_ranges.push_back({{seq0[r], seq0[r] + seq_counts[r]}});
   l.head_offset = offsets(head_counts);
   l.seq_count = std::move(seq_counts);
   l.head_count = std::move(head_counts);
@@ -56,6 +117,8 @@ void SpLayout::validate() const {
   LAGA_CHECK(ranks >= 1 && seq_count.size() == static_cast<size_t>(ranks) &&
                  head_count.size() == static_cast<size_t>(ranks),
              "layout: need one seq count and one head count per rank (", ranks, " ranks)");
+  LAGA_CHECK(seq_ranges.size() == static_cast<size_t>(ranks), "layout: need the seq ranges of ",
+             ranks, " ranks, got ", seq_ranges.size());
   LAGA_CHECK(batch >= 1, "layout: batch must be >= 1, got ", batch);
   for (int r = 0; r < ranks; ++r) {
     LAGA_CHECK(
@@ -64,12 +127,35 @@ void SpLayout::validate() const {
     LAGA_CHECK(head_count[static_cast<size_t>(r)] >= 0, "layout: rank ", r,
                " has a negative head count");
   }
+  // The ranks' ranges hold every token once, each rank seq_count of them.
+  std::vector<TokenRange> all;
+  for (int r = 0; r < ranks; ++r) {
+    std::int64_t n = 0;
+    for (const TokenRange& t : seq_ranges[static_cast<size_t>(r)]) {
+      LAGA_CHECK(t.begin >= 0 && t.end > t.begin && t.end <= seq, "layout: rank ", r,
+                 "'s seq range [", t.begin, ", ", t.end, ") is empty or outside [0, ", seq, ")");
+      n += t.size();
+      all.push_back(t);
+    }
+    LAGA_CHECK(n == seq_count[static_cast<size_t>(r)], "layout: rank ", r, "'s seq ranges hold ", n,
+               " tokens but its seq count is ", seq_count[static_cast<size_t>(r)]);
+  }
+  std::sort(all.begin(), all.end(),
+            [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
+  std::int64_t next = 0;
+  for (const TokenRange& t : all) {
+    LAGA_CHECK(t.begin == next, "layout: the ranks' seq ranges do not tile [0, ", seq, "): token ",
+               std::min(t.begin, next), " is held ", t.begin > next ? "by no rank" : "twice");
+    next = t.end;
+  }
+  LAGA_CHECK(next == seq, "layout: the ranks' seq ranges end at ", next, " of ", seq, " tokens");
 }
 
 std::string SpLayout::describe() const {
   std::ostringstream os;
   os << "seq ";
   for (int r = 0; r < ranks; ++r) os << (r ? "+" : "") << seq_count[static_cast<size_t>(r)];
+  if (seq_layout != SeqLayout::contiguous) os << " " << to_string(seq_layout);
   os << ", heads ";
   for (int r = 0; r < ranks; ++r) os << (r ? "+" : "") << head_count[static_cast<size_t>(r)];
   return os.str();
@@ -99,22 +185,11 @@ HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups) {
   const std::vector<std::int64_t> group_heads =
       head_groups == P ? lay.head_count : split(lay.heads, head_groups);
   const std::vector<std::int64_t> group_offsets = offsets(group_heads);
-  const std::vector<std::int64_t> chunk = split(lay.seq, 2 * Pc), chunk0 = offsets(chunk);
   for (int r = 0; r < P; ++r) {
     const auto grp = static_cast<size_t>(r / Pc);
     g.head_count.push_back(group_heads[grp]);
     g.head_offset.push_back(group_offsets[grp]);
-    std::vector<TokenRange> q;
-    for (const int k : {r % Pc, 2 * Pc - 1 - r % Pc}) {
-      const TokenRange t{chunk0[static_cast<size_t>(k)],
-                         chunk0[static_cast<size_t>(k)] + chunk[static_cast<size_t>(k)]};
-      if (t.size() == 0) continue;
-      if (!q.empty() && q.back().end == t.begin)
-        q.back().end = t.end;  // adjacent chunks: one range, one attention call
-      else
-        q.push_back(t);
-    }
-    g.queries.push_back(std::move(q));
+    g.queries.push_back(mirrored_chunks(lay.seq, Pc, r % Pc));
   }
   return g;
 }

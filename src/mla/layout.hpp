@@ -1,11 +1,21 @@
 // SpLayout — how a (B, S) batch and H heads are split over P ranks.
 //
-// Rank r holds tokens [seq_offset[r], seq_offset[r] + seq_count[r]) of every
-// sequence of the batch (its seq shard) and owns heads
-// [head_offset[r], head_offset[r] + head_count[r]) after the seq->head
-// all-to-all (its head shard). Shards may be uneven: the default split gives
-// the first S % P ranks one token more, and likewise for heads. A rank may own
-// zero heads (H < P) but must hold at least one token.
+// Rank r holds the tokens seq_ranges[r] of every sequence of the batch (its
+// seq shard, seq_count[r] tokens, its ranges' rows one after the other) and
+// owns heads [head_offset[r], head_offset[r] + head_count[r]) after the
+// seq->head all-to-all (its head shard). Shards may be uneven: the default
+// split gives the first S % P ranks one token more, and likewise for heads.
+// A rank may own zero heads (H < P) but must hold at least one token.
+//
+// How the tokens are placed (SeqLayout, docs/forms.md, "The zigzag
+// layout"): contiguous, rank r one range, in rank order; or zigzag, the
+// load-balanced layout of TransformerEngine's and Megatron's context
+// parallelism: the sequence cut into 2P near-equal chunks (the first S % 2P
+// one token more), rank r holding chunks r and 2P-1-r, so that under a
+// causal mask every rank's queries see nearly the same number of keys
+// (rank P-1's two chunks are adjacent: one range). Every token-local
+// computation is the same either way; what differs is which tokens a rank
+// holds, so RoPE, the masks and the exchanges read seq_ranges.
 #pragma once
 
 #include <cstdint>
@@ -14,27 +24,49 @@
 
 namespace laga {
 
-struct SpLayout {
-  std::int64_t batch = 1, seq = 1, heads = 1;
-  int ranks = 1;
-  std::vector<std::int64_t> seq_count, seq_offset, head_count, head_offset;
-
-  // Near-equal split of seq and heads.
-  static SpLayout even(std::int64_t batch, std::int64_t seq, std::int64_t heads, int ranks);
-  // Explicit shard sizes (must sum to seq and heads).
-  static SpLayout custom(std::int64_t batch, std::vector<std::int64_t> seq_counts,
-                         std::vector<std::int64_t> head_counts);
-  void validate() const;
-  std::string describe() const;  // "seq 5+5+4, heads 3+3+2"
-  // B x the longest seq shard: the most tokens any rank holds.
-  std::int64_t largest_shard_tokens() const;
-};
-
 // Tokens [begin, end) of every sequence of the batch.
 struct TokenRange {
   std::int64_t begin = 0, end = 0;
   std::int64_t size() const { return end - begin; }
   friend bool operator==(const TokenRange&, const TokenRange&) = default;
+};
+
+enum class SeqLayout { contiguous, zigzag };
+const char* to_string(SeqLayout l);
+SeqLayout parse_seq_layout(const std::string& s);  // "contiguous" | "zigzag"
+
+// Chunks c and 2 parts - 1 - c of the sequence cut into 2 parts near-equal
+// chunks (the first seq % (2 parts) one token more): ascending, empty ones
+// dropped, adjacent ones merged into one range (c = parts - 1). The zigzag
+// layout's shards and laga2d's context groups' query rows.
+std::vector<TokenRange> mirrored_chunks(std::int64_t seq, int parts, int c);
+
+struct SpLayout {
+  std::int64_t batch = 1, seq = 1, heads = 1;
+  int ranks = 1;
+  SeqLayout seq_layout = SeqLayout::contiguous;
+  std::vector<std::int64_t> seq_count, head_count, head_offset;
+  std::vector<std::vector<TokenRange>> seq_ranges;  // per rank, ascending, seq_count[r] tokens
+
+  // Near-equal split of seq and heads, the tokens placed as `l` says.
+  static SpLayout even(std::int64_t batch, std::int64_t seq, std::int64_t heads, int ranks,
+                       SeqLayout l = SeqLayout::contiguous);
+  // Explicit shard sizes (must sum to seq and heads), contiguous.
+  static SpLayout custom(std::int64_t batch, std::vector<std::int64_t> seq_counts,
+                         std::vector<std::int64_t> head_counts);
+  void validate() const;
+  // "seq 5+5+4, heads 3+3+2"; zigzag: "seq 5+5+4 zigzag, heads 3+3+2"
+  std::string describe() const;
+  // B x the longest seq shard: the most tokens any rank holds.
+  std::int64_t largest_shard_tokens() const;
+  // The first token of rank r's shard, for a contiguous layout (laga::Error
+  // on a zigzag one: its shards are not one range).
+  std::int64_t shard_begin(int r) const;
+  // Whether the ranks' shards, rank after rank, are the sequence in order:
+  // then at B = 1 a gather of them is the (S, .) tensor as it lands.
+  bool rank_major_is_sequence() const { return seq_layout == SeqLayout::contiguous; }
+  // Each local token's global position, (L_r) in the shard's row order.
+  std::vector<std::int64_t> positions(int r) const;
 };
 
 // The laga2d form's split of attention (docs/forms.md, "laga2d"): the P ranks

@@ -12,6 +12,9 @@
 //     j == r: causal attention of q over the block (the diagonal);
 //     j <  r: every key precedes every query, attention without a mask;
 //     j >  r: keys after every query, no work (the block still passes on);
+//     (zigzag shards, two ranges each: the same per pair of a query range
+//     and a key range, RingPairs; every block then has keys every rank
+//     sees, and each step does about the same work)
 //     o = e^(lse - lse') o + e^(lse_j - lse') o_j,  lse' = log(e^lse + e^lse_j)
 //
 // Backward recomputes as flash does: the blocks pass round again, each
@@ -26,9 +29,9 @@
 //   const char* pass, grad_pass;             the two passes' labels
 //   std::int64_t width(const Step&);         block elements per token
 //   RingKv<T> kv(st, w, const T* block, L_j) its keys and values
-//   void add_grad(st, w, block, L_j, calls, const T* dkv, T* acc, grads)
+//   void add_grad(st, w, block, L_j, spans, const T* dkv, T* acc, grads)
 //       adds the step's dK/dV (dkv: the kernel's (B, L_j, H, dqk) then
-//       (B, L_j, H, dv), written at the calls' rows, zero elsewhere) into
+//       (B, L_j, H, dv), written at the spans' rows, zero elsewhere) into
 //       the block's accumulator `acc`, and any parameter gradient into grads
 //   Tensor<T> own_block(st, w, InputSaved<T>& in)
 //       the rank's own block from the input projections (it may keep what
@@ -41,7 +44,9 @@
 // [c_hat | k_pe], up-projected with the full wkv_b at every step.
 //
 // Uneven shards: the blocks are the SpLayout's seq shards, of any length
-// (no S % 2P rule; a rank without tokens attends nothing but still relays).
+// (no S % 2P rule; a rank without tokens attends nothing but still relays),
+// contiguous or zigzag (SpLayout::seq_ranges, docs/forms.md, "The zigzag
+// layout").
 // Packed documents: a past block is attended only by the rows of the
 // document that runs into this rank's shard, over the keys from that
 // document's start (one unmasked call per batch row), the diagonal under
@@ -88,15 +93,67 @@ struct RingKv {
 
 using ops::mat;
 
-// One kernel call of a ring step: batch rows [b0, b0 + shape.B), the first
-// shape.Sq query rows of each, against the block's keys [key0, key0 +
-// shape.Sk). Its lse (and eager probabilities) sit in the step's
-// statistics at batch row b0, laid out compact for its shape.
+// The pairs of ranges a ring step attends (geometry only: the count-only
+// run, which has no documents, sizes its buffers by them): a query range
+// of this rank (at local row q_row) against a key range of the block's
+// owner (at block row k_row) that precedes it (every key before every
+// query: no mask) or is it (the diagonal, the own block only). Ranges are
+// SpLayout::seq_ranges, whole chunks of one tiling, so no other overlap
+// exists. Each pair's statistics have a slot in the step's: lse (B, H, n_q)
+// and eager's probabilities (B, H, n_q, n_k), from lse_off and probs_off.
+struct RingPair {
+  TokenRange q, k;
+  std::int64_t q_row = 0, k_row = 0;
+  bool diagonal = false;
+  std::int64_t lse_off = 0, probs_off = 0;
+};
+struct RingPairs {
+  std::vector<RingPair> pairs;  // the diagonals first (they start their rows' merge)
+  std::int64_t lse_elems = 0, probs_elems = 0;
+  // Two pairs share a key range (zigzag: both query ranges see it), so
+  // backward adds a second call's dK/dV to the first's (RingCall::first_write).
+  bool shared_keys = false;
+};
+inline RingPairs ring_pairs(const Step& st, int owner) {
+  const SpLayout& lay = st.ctx.layout;
+  const std::vector<TokenRange>& keys = lay.seq_ranges[size_t(owner)];
+  RingPairs out;
+  std::vector<RingPair> past;
+  std::int64_t q_row = 0;
+  for (const TokenRange& q : st.own_ranges) {
+    std::int64_t k_row = 0;
+    for (const TokenRange& k : keys) {
+      if (k == q || k.end <= q.begin) (k == q ? out.pairs : past).push_back({q, k, q_row, k_row});
+      k_row += k.size();
+    }
+    q_row += q.size();
+  }
+  out.pairs.insert(out.pairs.end(), past.begin(), past.end());
+  for (RingPair& p : out.pairs) {
+    for (const RingPair& e : out.pairs)
+      out.shared_keys = out.shared_keys || (&e != &p && e.k_row == p.k_row);
+    p.diagonal = p.k == p.q;
+    p.lse_off = out.lse_elems, p.probs_off = out.probs_elems;
+    out.lse_elems += st.B * st.H * p.q.size();
+    out.probs_elems += st.B * st.H * p.q.size() * p.k.size();
+  }
+  return out;
+}
+
+// One kernel call of a ring step: batch rows [b0, b0 + shape.B), query rows
+// [q_row, q_row + shape.Sq) of the L local ones, against the block's rows
+// [key0, key0 + shape.Sk) of each. Its lse (and eager probabilities) sit in
+// the step's statistics from lse_off (probs_off), compact for its shape.
+// `first_write`: no earlier call of the step wrote its key rows' gradient
+// (backward then writes it in place, else adds it).
 struct RingCall {
   explicit RingCall(const AttnShape& s) : shape(s) {}
   AttnShape shape;
-  std::int64_t b0 = 0, key0 = 0;
-  std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, L) local
+  std::int64_t b0 = 0, q_row = 0, key0 = 0;
+  std::int64_t key_range = 0;  // the block row its key range starts at
+  std::int64_t lse_off = 0, probs_off = 0;
+  bool first_write = true;
+  std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, Sq) local
   AttnShape kernel_shape() const {
     AttnShape s = shape;
     s.doc_start = doc_start.empty() ? nullptr : doc_start.data();
@@ -104,49 +161,103 @@ struct RingCall {
   }
 };
 
-// The calls of the step that holds `owner`'s block (see the top).
-inline std::vector<RingCall> ring_calls(const Step& st, int owner) {
-  const SpLayout& lay = st.ctx.layout;
-  const std::int64_t s0 = st.pos0, L = st.L;
-  const std::int64_t k0 = lay.seq_offset[size_t(owner)], Lk = lay.seq_count[size_t(owner)];
+// Block rows [row0, row0 + rows) of batch row b whose gradient a step wrote:
+// a ring_kv accumulator adds them (each once, however many calls wrote them).
+struct KeySpan {
+  std::int64_t b = 0, row0 = 0, rows = 0;
+};
+
+// The calls of the step that holds `owner`'s block, pair by pair (see the
+// top). A pair of the whole shard and the whole block is one call over
+// every batch row; else one per batch row, as the kernel's batch rows must
+// be the tensors' own.
+inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingPairs& geometry) {
+  const std::int64_t Lk = st.ctx.layout.seq_count[size_t(owner)];
   std::vector<RingCall> calls;
-  if (L == 0 || Lk == 0 || k0 > s0) return calls;
   auto shape = [&](std::int64_t B, std::int64_t Sq, std::int64_t Sk, bool causal) {
     return AttnShape{B, Sq, Sk, st.H, st.H, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), causal};
   };
   const bool packed = !st.doc_start.empty();
   auto doc = [&](std::int64_t b, std::int64_t t) { return st.doc_start[size_t(b * st.S + t)]; };
-  if (k0 == s0) {  // the own block: the diagonal
-    RingCall c(shape(st.B, L, L, true));
-    if (packed) {
-      c.doc_start.resize(size_t(st.B * L));
-      for (std::int64_t b = 0; b < st.B; ++b)
-        for (std::int64_t t = 0; t < L; ++t)
-          c.doc_start[size_t(b * L + t)] = std::max(doc(b, s0 + t), s0) - s0;
+  for (const RingPair& p : geometry.pairs) {
+    const std::int64_t n = p.q.size(), nk = p.k.size(), a = p.q.begin;
+    const bool whole = n == st.L && nk == Lk;
+    auto add = [&](RingCall c, std::int64_t b0) {
+      c.b0 = b0, c.q_row = p.q_row;
+      c.key0 += p.k_row;
+      c.key_range = p.k_row;
+      c.lse_off = p.lse_off + b0 * st.H * n;
+      c.probs_off = p.probs_off + b0 * st.H * n * nk;
+      calls.push_back(std::move(c));
+    };
+    if (p.diagonal) {
+      const std::int64_t B = whole ? st.B : 1;
+      for (std::int64_t b0 = 0; b0 < st.B; b0 += B) {
+        RingCall c(shape(B, n, n, true));
+        if (packed) {
+          c.doc_start.resize(size_t(B * n));
+          for (std::int64_t b = 0; b < B; ++b)
+            for (std::int64_t t = 0; t < n; ++t)
+              c.doc_start[size_t(b * n + t)] = std::max(doc(b0 + b, a + t), a) - a;
+        }
+        add(std::move(c), b0);
+      }
+      continue;
     }
-    calls.push_back(std::move(c));
-    return calls;
+    if (!packed) {
+      const std::int64_t B = whole ? st.B : 1;
+      for (std::int64_t b0 = 0; b0 < st.B; b0 += B) add(RingCall(shape(B, n, nk, false)), b0);
+      continue;
+    }
+    // Only the rows of the document that runs into the query range (those
+    // whose document started before it, a prefix of its rows: a document
+    // reaching back past the keys' end also holds the range's first token)
+    // see earlier tokens: all of them the keys from max(k.begin, its start).
+    for (std::int64_t b = 0; b < st.B; ++b) {
+      const std::int64_t start = doc(b, a);
+      if (start == a) continue;
+      std::int64_t rows = 0;
+      while (rows < n && doc(b, a + rows) == start) ++rows;
+      const std::int64_t lo = std::max(p.k.begin, start) - p.k.begin;
+      if (lo >= nk) continue;
+      RingCall c(shape(1, rows, nk - lo, false));
+      c.key0 = lo;
+      add(std::move(c), b);
+    }
   }
-  if (!packed) {
-    calls.emplace_back(shape(st.B, L, Lk, false));
-    return calls;
-  }
-  // Only the rows of the document that runs into this shard (those whose
-  // document started before s0, a prefix of the rows) see earlier tokens:
-  // all of them the keys from max(k0, its start).
-  for (std::int64_t b = 0; b < st.B; ++b) {
-    const std::int64_t start = doc(b, s0);
-    if (start == s0) continue;
-    std::int64_t rows = 0;
-    while (rows < L && doc(b, s0 + rows) == start) ++rows;
-    const std::int64_t lo = std::max(k0, start) - k0;
-    if (lo >= Lk) continue;
-    RingCall c(shape(1, rows, Lk - lo, false));
-    c.b0 = b;
-    c.key0 = lo;
-    calls.push_back(std::move(c));
-  }
+  // Which calls write key rows an earlier call of the step wrote: a block's
+  // key range is attended by every query range after it.
+  std::vector<std::pair<std::int64_t, std::int64_t>> written;  // (batch row, key range's row)
+  for (RingCall& c : calls)
+    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
+      const std::pair<std::int64_t, std::int64_t> key{b, c.key_range};
+      if (std::find(written.begin(), written.end(), key) != written.end())
+        c.first_write = false;
+      else
+        written.push_back(key);
+    }
   return calls;
+}
+
+// The key rows the calls wrote, each once: per batch row and key range,
+// from the lowest row any call wrote to the range's end (every call runs
+// to it).
+inline std::vector<KeySpan> written_keys(const std::vector<RingCall>& calls) {
+  std::vector<KeySpan> spans;
+  std::vector<std::int64_t> ranges;  // each span's key range
+  for (const RingCall& c : calls)
+    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
+      std::size_t i = 0;
+      while (i < spans.size() && !(spans[i].b == b && ranges[i] == c.key_range)) ++i;
+      if (i == spans.size()) {
+        spans.push_back({b, c.key0, c.shape.Sk});
+        ranges.push_back(c.key_range);
+      } else if (c.key0 < spans[i].row0) {
+        spans[i].rows += spans[i].row0 - c.key0;
+        spans[i].row0 = c.key0;
+      }
+    }
+  return spans;
 }
 
 // One step of the ring: the block it holds and what its calls saved.
@@ -154,28 +265,29 @@ template <class T>
 struct RingStep {
   int owner = 0;
   std::vector<RingCall> calls;
-  Tensor<T> probs;  // eager: (B, H, L, L_owner), each call's at its batch row
-  Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, L)
+  Tensor<T> probs;  // eager: each pair's (B, H, n_q, n_k) (RingPairs), each call's at probs_off
+  Tensor<T> lse;    // eager over several steps, until forward rescales probs: each pair's
+                    // (B, H, n_q), each call's at lse_off
 };
 
 // Merges a call's partial output into the running one, row by row:
 // o (B, L, H, dv) and lse (B, H, L) of the whole rank, o_p and lse_p the
-// call's (at its batch row, compact for its shape). `first`: the rows hold
-// nothing yet (the diagonal, always step 0), copied as they are, so a rank
-// whose rows see only their own block has the kernel's bits.
+// call's (compact for its shape). The diagonal's calls (step 0, before any
+// other) find their rows empty and copy them as they are, so a rank whose
+// rows see only their own block has the kernel's bits.
 template <class T>
-void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p, const T* lse_p,
-                   bool first) {
+void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p, const T* lse_p) {
   const AttnShape& s = c.shape;
+  const bool first = s.causal;
   ops::count_elementwise<T>(s.B * s.Sq * st.H * (st.dv + 1), 3);
   if (!ops::runs(s.B * s.Sq * st.H, {o, lse, o_p, lse_p})) return;
   for (std::int64_t bb = 0; bb < s.B; ++bb) {
     const std::int64_t b = c.b0 + bb;
     for (std::int64_t h = 0; h < st.H; ++h)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
-        T& l = lse[(b * st.H + h) * st.L + i];
+        T& l = lse[(b * st.H + h) * st.L + c.q_row + i];
         const T lp = lse_p[(bb * st.H + h) * s.Sq + i];
-        T* orow = o + ((b * st.L + i) * st.H + h) * st.dv;
+        T* orow = o + ((b * st.L + c.q_row + i) * st.H + h) * st.dv;
         const T* prow = o_p + ((bb * s.Sq + i) * st.H + h) * st.dv;
         if (first) {
           l = lp;
@@ -191,7 +303,7 @@ void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p
   }
 }
 
-// Eager: a call's probabilities (at its batch row, compact for its shape)
+// Eager: a call's probabilities (compact for its shape)
 // were normalised over its own keys; times e^(lse_p - lse) they are the
 // row's over all its keys, which backward reads.
 template <class T>
@@ -203,7 +315,7 @@ void rescale_probs(const Step& st, const RingCall& c, T* probs, const T* lse_p, 
     for (std::int64_t h = 0; h < st.H; ++h)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
         const std::int64_t row = (bb * st.H + h) * s.Sq + i;
-        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * st.H + h) * st.L + i]);
+        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * st.H + h) * st.L + c.q_row + i]);
         for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
       }
 }
@@ -216,7 +328,8 @@ void gather_rows(const Step& st, const RingCall& c, const T* full, T* part) {
   if (!ops::runs(s.B * s.Sq * st.H, {full, part})) return;
   for (std::int64_t bb = 0; bb < s.B; ++bb)
     for (std::int64_t h = 0; h < st.H; ++h)
-      std::copy_n(full + ((c.b0 + bb) * st.H + h) * st.L, s.Sq, part + (bb * st.H + h) * s.Sq);
+      std::copy_n(full + ((c.b0 + bb) * st.H + h) * st.L + c.q_row, s.Sq,
+                  part + (bb * st.H + h) * s.Sq);
 }
 
 // One shift of `cur` on to rank r + 1, receiving rank r - 1's block (or
@@ -236,13 +349,6 @@ Tensor<T> shift(const Step& st, const Tensor<T>& cur, std::int64_t next_elems, c
 }
 inline void wait(const Step& st, PendingCollective& pending) {
   if (pending.pending()) st.ctx.comm.wait(pending);
-}
-
-// Whether rank j's block has keys this rank's queries may see: not after
-// them, and neither side empty.
-inline bool precedes(const Step& st, int j) {
-  const SpLayout& lay = st.ctx.layout;
-  return st.L > 0 && lay.seq_count[size_t(j)] > 0 && lay.seq_offset[size_t(j)] <= st.pos0;
 }
 
 // The attention of the ring: what forward keeps for backward.
@@ -274,30 +380,32 @@ struct RingAttention {
       Tensor<T> next;
       if (i + 1 < ranks)
         next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", pending);
-      step.calls = ring_calls(st, step.owner);
-      // What every block that does not follow the own tokens costs, packed
-      // or not: the count-only run, which has no documents, must allocate
-      // what the real one does.
-      if (precedes(st, step.owner)) {
+      // What every block with keys the own tokens see costs, packed or
+      // not: the count-only run, which has no documents, must allocate what
+      // the real one does (RingPairs).
+      const RingPairs pairs = ring_pairs(st, step.owner);
+      step.calls = ring_calls(st, step.owner, pairs);
+      if (!pairs.pairs.empty()) {
         if (eager) {
-          step.probs = Tensor<T>({st.B, st.H, st.L, Lk}, "attn_stats eager probs");
-          if (ranks > 1) step.lse = Tensor<T>({st.B, st.H, st.L}, "ring step lse");
+          step.probs = Tensor<T>({pairs.probs_elems}, "attn_stats eager probs");
+          if (ranks > 1) step.lse = Tensor<T>({pairs.lse_elems}, "ring step lse");
         }
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
         Tensor<T> o_part({st.B, st.L, st.H * st.dv}, "o_part");
         Tensor<T> lse_part;
-        if (!step.lse.defined()) lse_part = Tensor<T>({st.B, st.H, st.L}, "lse_part");
+        if (!step.lse.defined()) lse_part = Tensor<T>({pairs.lse_elems}, "lse_part");
         T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
-          const std::int64_t q_off = c.b0 * st.L * st.H, k_off = (c.b0 * Lk + c.key0) * st.H;
+          const std::int64_t q_off = (c.b0 * st.L + c.q_row) * st.H,
+                             k_off = (c.b0 * Lk + c.key0) * st.H;
           T* o_p = at(o_part.data(), q_off * st.dv);
-          T* lse_p = at(lse_base, c.b0 * st.H * st.L);
-          T* probs = at(step.probs.data(), c.b0 * st.H * st.L * Lk);
+          T* lse_p = at(lse_base, c.lse_off);
+          T* probs = at(step.probs.data(), c.probs_off);
           Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
                             at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
                             eager ? lse_p : nullptr);
-          merge_partial(st, c, o.data(), merged.data(), o_p, lse_p, i == 0);
+          merge_partial(st, c, o.data(), merged.data(), o_p, lse_p);
         }
       }
       wait(st, pending);
@@ -309,10 +417,9 @@ struct RingAttention {
     held.reset();
     for (RingStep<T>& step : steps) {
       if (!step.lse.defined()) continue;
-      const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
       for (const RingCall& c : step.calls)
-        rescale_probs(st, c, at(step.probs.data(), c.b0 * st.H * st.L * Lk),
-                      at(step.lse.data(), c.b0 * st.H * st.L), merged.data());
+        rescale_probs(st, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
+                      merged.data());
       step.lse.reset();
     }
     if (!eager) lse = std::move(merged);
@@ -366,37 +473,53 @@ struct RingAttention {
       // call's at its rows: dq added at once, the block's dK/dV once its
       // accumulator has arrived.
       Tensor<T> dkv;
-      if (precedes(st, step.owner)) {
+      const RingPairs pairs = ring_pairs(st, step.owner);
+      if (!pairs.pairs.empty()) {
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
         Tensor<T> dq_part({st.B * st.L, st.H * st.dqk}, "dq_part");
         dkv = Tensor<T>::zeros({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part");
+        // A call whose key rows an earlier call wrote (zigzag: a key range
+        // seen by both query ranges) writes its dK/dV into scratch of the
+        // step's pair extents, added there.
+        Tensor<T> dkv_more;
+        if (pairs.shared_keys)
+          dkv_more = Tensor<T>({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part more");
         Tensor<T> rows_stat, dp;  // the calls' rows of lse (flash) or D (eager, several blocks)
-        if (!eager || delta.defined()) rows_stat = Tensor<T>({st.B, st.H, st.L}, "ring stats rows");
+        if (!eager || delta.defined()) rows_stat = Tensor<T>({pairs.lse_elems}, "ring stats rows");
         if (eager) dp = Tensor<T>({st.L, Lk}, "eager dp scratch");
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
-          const std::int64_t q_off = c.b0 * st.L * st.H, k_off = (c.b0 * Lk + c.key0) * st.H;
-          T* stat = at(rows_stat.data(), c.b0 * st.H * st.L);
+          const std::int64_t q_off = (c.b0 * st.L + c.q_row) * st.H,
+                             k_off = (c.b0 * Lk + c.key0) * st.H;
+          T* stat = at(rows_stat.data(), c.lse_off);
           if (rows_stat.defined()) gather_rows(st, c, eager ? delta.data() : lse.data(), stat);
-          Pieces<T>::attend_backward(st, s, at(dq_part.data(), q_off * st.dqk),
-                                     at(block_k(st, dkv.data(), Lk).p, k_off * st.dqk),
-                                     at(block_v(st, dkv.data(), Lk).p, k_off * st.dv),
-                                     at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
-                                     at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-                                     at(o.data(), q_off * st.dv),
-                                     eager ? at(step.probs.data(), c.b0 * st.H * st.L * Lk) : stat,
-                                     dp.data(), eager ? stat : nullptr);
-          for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b)
-            ops::add(mat(dq).row_range(b * st.L, s.Sq),
-                     mat(std::as_const(dq_part)).row_range(b * st.L, s.Sq));
+          T* into = c.first_write ? dkv.data() : dkv_more.data();
+          Pieces<T>::attend_backward(
+              st, s, at(dq_part.data(), q_off * st.dqk),
+              at(block_k(st, into, Lk).p, k_off * st.dqk),
+              at(block_v(st, into, Lk).p, k_off * st.dv), at(do_loc.data(), q_off * st.dv),
+              at(q.data(), q_off * st.dqk), at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
+              at(o.data(), q_off * st.dv), eager ? at(step.probs.data(), c.probs_off) : stat,
+              dp.data(), eager ? stat : nullptr);
+          for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
+            const std::int64_t row = b * st.L + c.q_row;
+            ops::add(mat(dq).row_range(row, s.Sq),
+                     mat(std::as_const(dq_part)).row_range(row, s.Sq));
+            if (c.first_write) continue;
+            const std::int64_t key = b * Lk + c.key0;
+            ops::add(block_k(st, dkv.data(), Lk).row_range(key, s.Sk),
+                     block_k(st, std::as_const(dkv_more).data(), Lk).row_range(key, s.Sk));
+            ops::add(block_v(st, dkv.data(), Lk).row_range(key, s.Sk),
+                     block_v(st, std::as_const(dkv_more).data(), Lk).row_range(key, s.Sk));
+          }
         }
       }
       step.probs.reset();
       wait(st, acc_pending);
       acc_sent.reset();
       if (dkv.defined())
-        codec.add_grad(st, w, cur->data(), Lk, step.calls, std::as_const(dkv).data(), acc.data(),
-                       grads);
+        codec.add_grad(st, w, cur->data(), Lk, written_keys(step.calls), std::as_const(dkv).data(),
+                       acc.data(), grads);
       dkv.reset();
       wait(st, kv_pending);
       // The accumulator goes on with its block; after the last step, home.

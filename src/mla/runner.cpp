@@ -94,25 +94,36 @@ Deviation deviation(const Tensor<T>& a, const Tensor<T>& ref) {
 }
 
 template <class T>
-Tensor<T> slice_seq(const Tensor<T>& g, std::int64_t offset, std::int64_t count) {
+Tensor<T> shard_of(const Tensor<T>& g, const SpLayout& lay, int r) {
   const std::int64_t B = g.dim(0), S = g.dim(1), W = g.dim(2);
-  LAGA_CHECK(offset >= 0 && offset + count <= S, "slice_seq: rows [", offset, ", ", offset + count,
-             ") out of a sequence of ", S);
+  LAGA_CHECK(S == lay.seq && B == lay.batch, "shard_of: a (", B, ", ", S,
+             ", .) tensor for a layout of (B ", lay.batch, ", S ", lay.seq, ")");
+  const std::int64_t count = lay.seq_count[static_cast<size_t>(r)];
   Tensor<T> s({B, count, W});
   if (s.data() && g.data())
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(s.data() + b * count * W, g.data() + (b * S + offset) * W,
-                  sizeof(T) * static_cast<size_t>(count * W));
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::int64_t row = 0;
+      for (const TokenRange& t : lay.seq_ranges[static_cast<size_t>(r)]) {
+        std::memcpy(s.data() + (b * count + row) * W, g.data() + (b * S + t.begin) * W,
+                    sizeof(T) * static_cast<size_t>(t.size() * W));
+        row += t.size();
+      }
+    }
   return s;
 }
 
 template <class T>
-void place_seq(Tensor<T>& g, const Tensor<T>& s, std::int64_t offset) {
+void place_shard(Tensor<T>& g, const Tensor<T>& s, const SpLayout& lay, int r) {
   const std::int64_t B = g.dim(0), S = g.dim(1), W = g.dim(2), count = s.dim(1);
   if (s.data() && g.data())
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(g.data() + (b * S + offset) * W, s.data() + b * count * W,
-                  sizeof(T) * static_cast<size_t>(count * W));
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::int64_t row = 0;
+      for (const TokenRange& t : lay.seq_ranges[static_cast<size_t>(r)]) {
+        std::memcpy(g.data() + (b * S + t.begin) * W, s.data() + (b * count + row) * W,
+                    sizeof(T) * static_cast<size_t>(t.size() * W));
+        row += t.size();
+      }
+    }
 }
 
 template <class T>
@@ -122,14 +133,12 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   const int r = comm.rank();
   if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
   const BlockContext ctx{cfg, layout, comm, rope, spec.variant, spec.attention, spec.documents};
-  const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
-  const std::int64_t L = layout.seq_count[static_cast<size_t>(r)];
   RankResult<T> res;
   res.report.rank = r;
   MemoryPool& pool = current_pool();
-  Tensor<T> x_loc = slice_seq(x, off, L);
+  Tensor<T> x_loc = shard_of(x, layout, r);
   Tensor<T> dout_loc;
-  if (spec.backward) dout_loc = slice_seq(dout, off, L);
+  if (spec.backward) dout_loc = shard_of(dout, layout, r);
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
 
   const std::int64_t base_act = pool.current(MemCategory::activations);
@@ -199,9 +208,8 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   if (spec.backward) run.dx = Tensor<T>(x.shape());
   for (int r = 0; r < P; ++r) {
     auto& res = results[static_cast<size_t>(r)];
-    const std::int64_t off = layout.seq_offset[static_cast<size_t>(r)];
-    place_seq(run.out, res.out, off);
-    if (spec.backward) place_seq(run.dx, res.dx, off);
+    place_shard(run.out, res.out, layout, r);
+    if (spec.backward) place_shard(run.dx, res.dx, layout, r);
     run.ranks.push_back(res.report);
   }
   // Rank 0's tensors belong to its pool, which ends here: copy them out.
@@ -261,8 +269,8 @@ BlockRun<T> run_documents_alone(const MlaConfig& cfg, const MlaParams<T>& w, con
 
 #define LAGA_INSTANTIATE(T)                                                                   \
   template Deviation deviation<T>(const Tensor<T>&, const Tensor<T>&);                        \
-  template Tensor<T> slice_seq<T>(const Tensor<T>&, std::int64_t, std::int64_t);              \
-  template void place_seq<T>(Tensor<T>&, const Tensor<T>&, std::int64_t);                     \
+  template Tensor<T> shard_of<T>(const Tensor<T>&, const SpLayout&, int);                     \
+  template void place_shard<T>(Tensor<T>&, const Tensor<T>&, const SpLayout&, int);           \
   template RankResult<T> run_rank<T>(Communicator&, const MlaConfig&, const SpLayout&,        \
                                      const RopeTable&, const MlaParams<T>&, const Tensor<T>&, \
                                      const Tensor<T>&, const RunSpec&);                       \

@@ -115,11 +115,12 @@ struct Deviation {
 template <class T>
 Deviation deviation(const Tensor<T>& a, const Tensor<T>& ref);
 
-// Rows [offset, offset + count) of every batch of a (B, S, W) tensor, and the
-// inverse (writes a (B, count, W) shard into the global tensor).
+// Rank r's seq shard of every batch row of a (B, S, W) tensor, (B, L_r, W),
+// its ranges' rows one after the other (SpLayout::seq_ranges); and the
+// inverse (writes the shard into the global tensor).
 template <class T>
-Tensor<T> slice_seq(const Tensor<T>& global, std::int64_t offset, std::int64_t count);
+Tensor<T> shard_of(const Tensor<T>& global, const SpLayout& layout, int r);
 template <class T>
-void place_seq(Tensor<T>& global, const Tensor<T>& shard, std::int64_t offset);
+void place_shard(Tensor<T>& global, const Tensor<T>& shard, const SpLayout& layout, int r);
 
 }  // namespace laga

@@ -408,7 +408,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const TokenSource source = make_source(o);
   const int r = comm.rank();
   const std::int64_t B = o.batch, S = o.seq;
-  const std::int64_t off = layout.seq_offset[size_t(r)], L = layout.seq_count[size_t(r)];
+  const std::int64_t L = layout.seq_count[size_t(r)];
+  const std::vector<std::int64_t> own_positions = layout.positions(r);  // (L), SpLayout's order
   // Rank 0 writes the checkpoints; what they record is fixed for the run.
   const CheckpointOptions recorded =
       r == 0 && !o.checkpoint_dir.empty() ? recorded_options(o) : CheckpointOptions{};
@@ -449,9 +450,10 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     }
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < L; ++i) {
-        tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + off + i)];
-        targets[size_t(b * L + i)] = packed ? packed->targets[size_t(b * S + off + i)]
-                                            : window[size_t(b * (S + 1) + off + i + 1)];
+        const std::int64_t t = own_positions[size_t(i)];
+        tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + t)];
+        targets[size_t(b * L + i)] =
+            packed ? packed->targets[size_t(b * S + t)] : window[size_t(b * (S + 1) + t + 1)];
       }
     return packed;
   };

@@ -111,12 +111,12 @@ RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVaria
   RankClasses c;
   for (int r = 0; r < layout.ranks; ++r) {
     const auto u = size_t(r);
-    const std::int64_t t0 = layout.seq_offset[u], t1 = t0 + layout.seq_count[u];
     std::vector<std::int64_t> rows;  // the query ranges it attends, flattened
     std::int64_t own = 0;            // of them, rows of its own tokens
     for (const TokenRange& q : att.tokens[u]) {
       rows.insert(rows.end(), {q.begin, q.end});
-      own += std::max<std::int64_t>(0, std::min(t1, q.end) - std::max(t0, q.begin));
+      for (const TokenRange& t : layout.seq_ranges[u])
+        own += std::max<std::int64_t>(0, std::min(t.end, q.end) - std::max(t.begin, q.begin));
     }
     const Key key{layout.seq_count[u], own, att.head_count[u], std::move(rows),
                   all_reduce_chunk(n, layout.ranks, r)};

@@ -173,10 +173,8 @@ TEST(Bf16, ChangesResultsOnEveryRank) {
     EXPECT_LT(deviation(widened(fp32.out), exact.out).relative(), fp32_scale) << "P " << P;
     // Every rank's rows: each one's out must show bf16's error.
     for (std::int64_t r = 0; r < P; ++r) {
-      const std::int64_t off = lay.seq_offset[static_cast<std::size_t>(r)];
-      const std::int64_t n = lay.seq_count[static_cast<std::size_t>(r)];
       const Deviation d =
-          deviation(widened(slice_seq(bf16.out, off, n)), slice_seq(exact.out, off, n));
+          deviation(widened(shard_of(bf16.out, lay, int(r))), shard_of(exact.out, lay, int(r)));
       EXPECT_GT(d.relative(), fp32_scale) << "P " << P << " rank " << r;
     }
   }

@@ -29,8 +29,11 @@ TEST(Documents, StartsPositionsAndPairs) {
   EXPECT_EQ(d.doc_starts(), (std::vector<std::int64_t>{0, 1, 1, 1, 1, 0, 0, 2, 2, 4}));
   // Tokens [2, 5) of each row: row 0 at 1, 2, 3 of its second document; row 1
   // at 0, 1 of its second and 0 of its third.
-  EXPECT_EQ(d.positions(2, 3), (std::vector<std::int64_t>{1, 2, 3, 0, 1, 0}));
-  EXPECT_EQ(d.positions(0, 0), (std::vector<std::int64_t>{}));
+  EXPECT_EQ(d.positions({{2, 5}}), (std::vector<std::int64_t>{1, 2, 3, 0, 1, 0}));
+  EXPECT_EQ(d.positions({}), (std::vector<std::int64_t>{}));
+  // A zigzag shard's two ranges, [0, 1) and [4, 5), one after the other in
+  // each row: row 0 at 0 (first document) and 3; row 1 at 0 and 0.
+  EXPECT_EQ(d.positions({{0, 1}, {4, 5}}), (std::vector<std::int64_t>{0, 3, 0, 0}));
   // 1 + 10 for row 0, 3 + 3 + 1 for row 1.
   EXPECT_EQ(d.causal_pairs(), 18.0);
 }

@@ -162,6 +162,64 @@ INSTANTIATE_TEST_SUITE_P(Layouts, Forms, ::testing::ValuesIn(form_cases()),
                            return s + "_" + to_string(p.param.attention);
                          });
 
+// The zigzag layout (SpLayout::even's SeqLayout::zigzag; docs/forms.md,
+// "The zigzag layout"): rank r holds chunks r and 2P-1-r of 2P. Every form
+// and variant, against single-rank explicit on the contiguous sequence, and
+// the ledger against the closed form: S not a multiple of 2P (uneven
+// chunks), S < 2P (empty chunks), P > H (ranks without heads).
+struct ZigzagCase {
+  std::int64_t rq, seq;
+  int ranks;
+  AttentionKind attention;
+};
+
+class Zigzag : public ::testing::TestWithParam<ZigzagCase> {};
+
+TEST_P(Zigzag, EveryFormAgreesWithSingleRankExplicit) {
+  const ZigzagCase& zc = GetParam();
+  const MlaConfig cfg = test_config(zc.rq);
+  const std::int64_t B = 2;
+  const SpLayout lay = SpLayout::even(B, zc.seq, cfg.n_heads, zc.ranks, SeqLayout::zigzag);
+  const Inputs in = make_inputs(cfg, B, lay.seq);
+  RunSpec spec;
+  spec.attention = AttentionKind::eager;
+  spec.variant.form = Form::explicit_form;
+  const BlockRun<float> ref =
+      run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
+  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, zc.attention));
+    expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
+    expect_ledger_matches_model(cfg, lay, v, run);
+  }
+}
+
+std::vector<ZigzagCase> zigzag_cases() {
+  std::vector<ZigzagCase> v;
+  for (std::int64_t rq : {0, 7})
+    for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
+      v.push_back({rq, 13, 1, a});
+      v.push_back({rq, 13, 2, a});  // chunks 4+3+3+3
+      v.push_back({rq, 14, 3, a});  // chunks 3+3+2+2+2+2
+      v.push_back({rq, 16, 4, a});
+      v.push_back({rq, 11, 8, a});  // S < 2P: empty chunks; P > H: ranks without heads
+    }
+  v.push_back({0, 29, 5, AttentionKind::eager});
+  v.push_back({7, 150, 3, AttentionKind::flash});  // chunks over flash's 64-row blocks
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Zigzag, ::testing::ValuesIn(zigzag_cases()),
+                         [](const ::testing::TestParamInfo<ZigzagCase>& p) {
+                           std::string s("rq");
+                           s += std::to_string(p.param.rq);
+                           s += "_S";
+                           s += std::to_string(p.param.seq);
+                           s += "_P";
+                           s += std::to_string(p.param.ranks);
+                           s += "_";
+                           return s + to_string(p.param.attention);
+                         });
+
 // At P = 1 the query-latent exchange runs the same GEMMs as per-head queries
 // (wq_b over all S tokens and all H heads, its gradient likewise), and its
 // collectives are copies: bit for bit too.
@@ -274,6 +332,35 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
         // The same tensors cross the wire: packing changes no byte.
         expect_ledger_matches_model(cfg, lay, v, run);
       }
+  }
+}
+
+// Packed documents on zigzag shards: every form equals each document run
+// alone; a document may span a rank's two ranges and the chunks between.
+TEST(Packed, ZigzagShardsEqualEachDocumentAlone) {
+  const std::int64_t B = 2;
+  for (const auto& [S, P] : std::vector<std::pair<std::int64_t, int>>{{13, 2}, {20, 3}, {17, 4}}) {
+    const SpLayout lay = SpLayout::even(B, S, 5, P, SeqLayout::zigzag);
+    test::TestRng rng(S * 37 + P);
+    const Documents docs =
+        Documents::from_cu_seqlens("test", B, S, {random_cuts(S, 0, rng), random_cuts(S, 2, rng)});
+    for (std::int64_t rq : {0, 7}) {
+      const MlaConfig cfg = test_config(rq);
+      const Inputs in = make_inputs(cfg, B, S);
+      RunSpec spec;
+      spec.variant.form = Form::explicit_form, spec.attention = AttentionKind::eager;
+      const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+        for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+          RunSpec packed = spec_of(v, a);
+          packed.documents = &docs;
+          const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, packed);
+          const std::string tag = to_string(v) + " " + to_string(a) + " rq" + std::to_string(rq) +
+                                  " " + lay.describe() + " docs " + docs.describe();
+          expect_run_matches(run, ref, 1e-5, tag);
+          expect_ledger_matches_model(cfg, lay, v, run);
+        }
+    }
   }
 }
 

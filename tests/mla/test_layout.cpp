@@ -22,7 +22,9 @@ void expect_layout(const SpLayout& l, std::int64_t batch, V seq_count, V seq_off
   EXPECT_EQ(l.batch, batch);
   EXPECT_EQ(l.ranks, static_cast<int>(seq_count.size()));
   EXPECT_EQ(l.seq_count, seq_count);
-  EXPECT_EQ(l.seq_offset, seq_offset);
+  V begins;
+  for (int r = 0; r < l.ranks; ++r) begins.push_back(l.shard_begin(r));
+  EXPECT_EQ(begins, seq_offset);
   EXPECT_EQ(l.head_count, head_count);
   EXPECT_EQ(l.head_offset, head_offset);
 }
@@ -56,6 +58,52 @@ TEST(SpLayout, CustomShards) {
   EXPECT_EQ(l.seq, 13);
   EXPECT_EQ(l.heads, 5);
   EXPECT_EQ(l.describe(), "seq 1+8+4, heads 0+3+2");
+}
+
+// The zigzag layout by hand: 13 tokens over 3 ranks, 6 chunks 3+2+2+2+2+2:
+// [0,3) [3,5) [5,7) [7,9) [9,11) [11,13). Rank r holds chunks r and 5-r;
+// rank 2's, [5,7) and [7,9), are adjacent: one range.
+TEST(SpLayout, ZigzagByHand) {
+  using R = std::vector<TokenRange>;
+  const SpLayout l = SpLayout::even(2, 13, 5, 3, SeqLayout::zigzag);
+  EXPECT_EQ(l.seq_layout, SeqLayout::zigzag);
+  EXPECT_EQ(l.seq_ranges[0], R({{0, 3}, {11, 13}}));
+  EXPECT_EQ(l.seq_ranges[1], R({{3, 5}, {9, 11}}));
+  EXPECT_EQ(l.seq_ranges[2], R({{5, 9}}));
+  EXPECT_EQ(l.seq_count, V({5, 4, 4}));
+  EXPECT_EQ(l.head_count, V({2, 2, 1}));  // heads as the contiguous layout's
+  EXPECT_EQ(l.positions(0), V({0, 1, 2, 11, 12}));
+  EXPECT_EQ(l.describe(), "seq 5+4+4 zigzag, heads 2+2+1");
+  EXPECT_FALSE(l.rank_major_is_sequence());
+  EXPECT_EQ(l.largest_shard_tokens(), 10);
+  // S < 2P: the last chunks are empty, and every rank still holds a token.
+  const SpLayout short_seq = SpLayout::even(1, 5, 2, 4, SeqLayout::zigzag);
+  EXPECT_EQ(short_seq.seq_ranges[0], R({{0, 1}}));
+  EXPECT_EQ(short_seq.seq_ranges[3], R({{3, 5}}));  // chunks 3 and 4, adjacent
+  EXPECT_EQ(short_seq.seq_count, V({1, 1, 1, 2}));
+  // At P 1 zigzag is the whole sequence, one range.
+  EXPECT_EQ(SpLayout::even(1, 9, 3, 1, SeqLayout::zigzag).seq_ranges[0], R({{0, 9}}));
+  // shard_begin is for contiguous layouts only.
+  EXPECT_NE(test::error_of([&] { (void)l.shard_begin(0); }).find("read its seq_ranges"),
+            std::string::npos);
+  EXPECT_EQ(parse_seq_layout("zigzag"), SeqLayout::zigzag);
+  EXPECT_NE(test::error_of([] { parse_seq_layout("mirror"); }).find("use contiguous or zigzag"),
+            std::string::npos);
+}
+
+// validate() holds the ranges to a tiling of the sequence.
+TEST(SpLayout, RangesThatDoNotTileAreRefused) {
+  SpLayout l = SpLayout::even(1, 8, 2, 2, SeqLayout::zigzag);
+  l.seq_ranges[1] = {{2, 4}, {4, 6}};  // [2, 6) in two pieces still tiles
+  EXPECT_NO_THROW(l.validate());
+  l.seq_ranges[1] = {{1, 3}, {4, 6}};
+  EXPECT_NE(test::error_of([&] { l.validate(); }).find("token 1 is held twice"), std::string::npos);
+  l.seq_ranges[1] = {{2, 4}, {4, 7}};
+  EXPECT_NE(test::error_of([&] { l.validate(); }).find("seq ranges hold 5 tokens"),
+            std::string::npos);
+  l.seq_ranges[1] = {{3, 5}, {5, 7}};
+  EXPECT_NE(test::error_of([&] { l.validate(); }).find("token 2 is held by no rank"),
+            std::string::npos);
 }
 
 using test::error_of;

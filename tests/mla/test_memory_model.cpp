@@ -118,9 +118,7 @@ void check_count_only(const MlaConfig& cfg, const SpLayout& lay, const RopeTable
     // forward + backward alone, as cmd_compare measures it
     DryRunCommunicator comm(r, lay.ranks);
     const BlockContext ctx{cfg, lay, comm, rope, f, a, nullptr};
-    const std::int64_t off = lay.seq_offset[static_cast<size_t>(r)];
-    const std::int64_t L = lay.seq_count[static_cast<size_t>(r)];
-    const TensorF x_loc = slice_seq(x, off, L), dout_loc = slice_seq(dout, off, L);
+    const TensorF x_loc = shard_of(x, lay, r), dout_loc = shard_of(dout, lay, r);
     MlaParams<float> grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
     const std::int64_t base =
         pool.current(MemCategory::activations) + pool.current(MemCategory::comm_buffers);

@@ -55,7 +55,7 @@ std::pair<double, std::map<std::string, std::vector<double>>> run(
     const LmParams<double> w = test_params(cfg);
     LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
     const int r = comm.rank();
-    const auto off = layout.seq_offset[size_t(r)], L = layout.seq_count[size_t(r)];
+    const auto off = layout.shard_begin(r), L = layout.seq_count[size_t(r)];
     auto tok = shard(bt.tok, bt.B, bt.S, off, L), tgt = shard(bt.tgt, bt.B, bt.S, off, L);
     const double l = lm_forward_backward(ctx, w, tok.data(), tgt.data(), g);
     if (r != 0) return;
