@@ -159,7 +159,7 @@ FormEntry allgather_kv_entry() {
                        [](const SavedShape& s) {
                          const std::int64_t B = s.B, L = s.L, H = s.Hr;
                          std::int64_t n = B * L * H * s.dqk + B * s.S * H * (s.dqk + s.dv);
-                         n += s.eager ? B * H * L * s.Sk : B * H * L;
+                         n += s.attention_stats();
                          return n + B * L * s.C;
                        },
                    .pair_width = head_pair_width},

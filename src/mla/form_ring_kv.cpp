@@ -112,8 +112,7 @@ FormEntry ring_kv_entry() {
                        [](const SavedShape& s) {
                          const std::int64_t B = s.B, L = s.L, H = s.Hr;
                          std::int64_t n = B * L * H * s.dqk + B * L * H * (s.dqk + s.dv);
-                         n += s.eager ? B * H * L * s.Sk : B * H * L;
-                         return n + B * L * s.C;
+                         return n + s.attention_stats() + B * L * s.C;
                        },
                    .pair_width = head_pair_width},
           .f32 = &ring::ring_forward<float, KvBlocks<float>>,

@@ -125,7 +125,7 @@ FormEntry ring_latent_entry() {
                        [](const SavedShape& s) {
                          const std::int64_t B = s.B, L = s.L, H = s.Hr;
                          std::int64_t n = B * L * H * s.dqk + B * L * s.W;
-                         return n + (s.eager ? B * H * L * s.Sk : B * H * L);
+                         return n + s.attention_stats();
                        },
                    .pair_width = head_pair_width},
           .f32 = &ring::ring_forward<float, LatentBlocks<float>>,

@@ -106,12 +106,17 @@ SavedShape::SavedShape(const MlaConfig& c, const SpLayout& lay, FormVariant v, A
   dqk = c.qk_head_dim(), dv = c.v_head_dim, C = c.kv_lora_rank, W = C + c.qk_rope_head_dim;
 }
 
-std::int64_t SavedShape::head_attention() const {
-  std::int64_t n = B * Sq * Hr * dqk + B * Sk * Hr * (dqk + dv);
-  if (!eager) return n + B * Hr * Sq + B * Sq * Hr * dv;
+std::int64_t SavedShape::attention_stats() const {
+  if (!eager) return B * Hr * Sq;
+  std::int64_t n = 0;
   for (const TokenRange& q : placement.tokens[static_cast<std::size_t>(rank)])
     n += B * Hr * q.size() * q.end;
   return n;
+}
+
+std::int64_t SavedShape::head_attention() const {
+  const std::int64_t n = B * Sq * Hr * dqk + B * Sk * Hr * (dqk + dv) + attention_stats();
+  return eager ? n : n + B * Sq * Hr * dv;
 }
 
 std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay,

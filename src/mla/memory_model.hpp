@@ -126,6 +126,11 @@ struct SavedShape {
   // query range of n rows ending at e, or flash's lse (B, H_r, Sq) and
   // output (B, Sq, H_r, dv). Over the whole sequence, Sq = Sk = S.
   std::int64_t head_attention() const;
+  // Its attention's statistics alone: eager's probabilities, (B, H_r, n, e)
+  // for each query range of n rows ending at e (on zigzag shards too: the
+  // keys before e are every rank's, whoever holds them), or flash's lse
+  // (B, H_r, Sq).
+  std::int64_t attention_stats() const;
 };
 
 }  // namespace laga

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <numeric>
 
 #include "comm/communicator.hpp"
 #include "common/check.hpp"
@@ -119,6 +120,9 @@ struct SpCase {
   AttentionKind attention;
   std::vector<std::int64_t> seq, heads;  // per-rank shards; sizes give P
   QueryExchange queries = QueryExchange::heads;
+  // zigzag: SpLayout::even's zigzag shards of sum(seq) tokens over seq.size()
+  // ranks instead (heads split evenly).
+  SeqLayout layout = SeqLayout::contiguous;
 };
 
 class BlockGradSp : public ::testing::TestWithParam<SpCase> {};
@@ -127,7 +131,10 @@ TEST_P(BlockGradSp, MatchesFiniteDifferences) {
   const SpCase& sc = GetParam();
   const MlaConfig cfg = tiny_config(5, true);
   const std::int64_t B = 2;
-  const SpLayout lay = SpLayout::custom(B, sc.seq, sc.heads);
+  const SpLayout lay = sc.layout == SeqLayout::zigzag
+                           ? SpLayout::even(B, std::accumulate(sc.seq.begin(), sc.seq.end(), 0),
+                                            cfg.n_heads, int(sc.seq.size()), sc.layout)
+                           : SpLayout::custom(B, sc.seq, sc.heads);
   auto w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
   init_params(w, 7, 0.1);
   TensorD x({B, lay.seq, cfg.dim}), g({B, lay.seq, cfg.dim});
@@ -168,6 +175,9 @@ std::vector<SpCase> sp_cases() {
     for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash}) {
       v.push_back({f, a, {3, 2}, {2, 1}});
       v.push_back({f, a, {2, 2, 1}, {2, 0, 1}});  // rank 1 owns no head
+      // Zigzag: 7 tokens in 4 chunks 2+2+2+1 over P 2, 8 in 6 (2+2+1+1+1+1) over P 3.
+      v.push_back({f, a, {4, 3}, {}, QueryExchange::heads, SeqLayout::zigzag});
+      v.push_back({f, a, {3, 3, 2}, {}, QueryExchange::heads, SeqLayout::zigzag});
     }
   // laga2d's default grid is Ph = gcd(3, P): at P 2 one head group of two
   // context groups (the query latent sent to each group's chunks), at P 3
@@ -184,7 +194,8 @@ INSTANTIATE_TEST_SUITE_P(AllForms, BlockGradSp, ::testing::ValuesIn(sp_cases()),
                          [](const ::testing::TestParamInfo<SpCase>& p) {
                            return name_of(p.param.form, p.param.queries) + "_P" +
                                   std::to_string(p.param.seq.size()) + "_" +
-                                  to_string(p.param.attention);
+                                  to_string(p.param.attention) +
+                                  (p.param.layout == SeqLayout::zigzag ? "_zigzag" : "");
                          });
 
 }  // namespace

@@ -87,6 +87,9 @@ TEST(MemoryModel, ExactOnRealRuns) {
     check_real<float>(*cfg, SpLayout::even(2, 13, 5, 3), true);
     check_real<float>(*cfg, SpLayout::custom(1, {6, 1, 5}, {0, 3, 2}), true);
     check_real<float>(*cfg, SpLayout::custom(2, {4, 3, 3, 3}, {2, 1, 1, 1}), false);
+    // Zigzag shards (two ranges a rank, uneven chunks; P 4 at S 13).
+    check_real<float>(*cfg, SpLayout::even(2, 13, 5, 3, SeqLayout::zigzag), true);
+    check_real<float>(*cfg, SpLayout::even(1, 13, 5, 4, SeqLayout::zigzag), true);
   }
   // Another element size: the sequence is dtype-independent, bytes scale with e.
   check_real<double>(c7, SpLayout::even(2, 11, 5, 2), true);
@@ -154,7 +157,8 @@ TEST(MemoryModel, ExactOnCountOnlySweepToDeepSeekV3Dims) {
   for (int P : {3, 8})
     for (FormVariant f : test::form_variants(v3, test::WithOverlap::yes))
       for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-        check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P), rope, P - 1, f, a);
+        for (SeqLayout l : {SeqLayout::contiguous, SeqLayout::zigzag})
+          check_count_only(v3, SpLayout::even(2, 4096, v3.n_heads, P, l), rope, P - 1, f, a);
   for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
     for (int r : {0, 255})
       for (FormVariant v : {FormVariant{Form::laga, QueryExchange::latent},

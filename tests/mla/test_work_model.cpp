@@ -114,5 +114,32 @@ TEST(AttentionWork, Laga2dIsBalancedWithinTenPercent) {
                    2.0);
 }
 
+// The sequence-parallel forms on zigzag shards: by hand at S 8, P 2 (chunks
+// of 2; rank 0 holds [0, 2) and [6, 8), 1+2 + 7+8 = 18 pairs, rank 1 [2, 6),
+// 3+4+5+6 = 18), where contiguous shards give 10 and 26; and within 1% at
+// DeepSeek-V3's S 4096 up to P 64, where contiguous shards of L give the
+// last rank L (S - L) + L (L + 1) / 2 pairs against the first's L (L + 1) / 2:
+// (2S - L + 1) / (L + 1), about 2P - 1.
+TEST(AttentionWork, ZigzagBalancesTheSequenceParallelForms) {
+  MlaConfig cfg = MlaConfig::preset("deepseek-v3");
+  for (Form f : {Form::allgather_kv, Form::ring_kv, Form::ring_latent}) {
+    const SpLayout zig = SpLayout::even(1, 8, cfg.n_heads, 2, SeqLayout::zigzag);
+    const SpLayout contiguous = SpLayout::even(1, 8, cfg.n_heads, 2);
+    EXPECT_EQ(attention_work(cfg, zig, f, 0, nullptr).pairs, 18);
+    EXPECT_EQ(attention_work(cfg, zig, f, 1, nullptr).pairs, 18);
+    EXPECT_EQ(attention_work(cfg, contiguous, f, 0, nullptr).pairs, 10);
+    EXPECT_EQ(attention_work(cfg, contiguous, f, 1, nullptr).pairs, 26);
+    for (int P : {8, 16, 64}) {
+      const double zigzag = attention_balance(
+          cfg, SpLayout::even(1, 4096, cfg.n_heads, P, SeqLayout::zigzag), f, nullptr);
+      EXPECT_LE(zigzag, 1.01) << to_string(f) << " P " << P;
+      const double L = 4096.0 / P;
+      EXPECT_DOUBLE_EQ(attention_balance(cfg, SpLayout::even(1, 4096, cfg.n_heads, P), f, nullptr),
+                       (2 * 4096 - L + 1) / (L + 1))
+          << to_string(f) << " P " << P;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace laga
