@@ -257,6 +257,10 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
   return notes;
 }
 
+SpLayout train_layout(const TrainOptions& o, int ranks) {
+  return SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, ranks, o.seq_layout);
+}
+
 namespace {
 
 // The model's context for the options' form, attention, query exchange, head
@@ -402,7 +406,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   // inherit it from its starter, an MPI rank is the process that parsed it.
   const UsePrecision at_precision(o.precision);
   const LmConfig& cfg = o.model;
-  const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, comm.size());
+  const SpLayout layout = train_layout(o, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
   const LmContext ctx = lm_context(o, layout, comm, rope);
   const TokenSource source = make_source(o);
@@ -543,7 +547,7 @@ std::vector<StepRecord> train_local(const TrainOptions& o) {
 std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule staging) {
   using T = float;
   const LmConfig& cfg = o.model;
-  const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.mla.n_heads, o.sp);
+  const SpLayout layout = train_layout(o, o.sp);
   // The --data and --val-data files' ids, resident for the run, and the
   // larger file's bytes while it is read (counted beside both files' ids:
   // at most the validation ids too many, on the safe side).

@@ -45,6 +45,10 @@ struct TrainOptions {
   // every expert (N divides sp); 0: all sp ranks in one group (EP = sp).
   int expert_degree = 0;
   int sp = 1;
+  // --seq-layout: how each window's tokens are sharded over the sp ranks
+  // (SpLayout, docs/forms.md "The zigzag layout"). Free to change on resume:
+  // it moves which rank computes a token, not what is computed.
+  SeqLayout seq_layout = SeqLayout::contiguous;
   std::int64_t batch = 1, seq = 64;
   std::int64_t steps = 10;  // total: a resumed run continues up to this step
   std::uint64_t seed = 0;
@@ -94,6 +98,10 @@ struct TrainOptions {
   std::function<void(std::int64_t step, const LmParams<float>& params, LmParams<float>& grads)>
       after_backward;
 };
+
+// The run's SpLayout over `ranks` (o.sp, or an MPI world's size): B x S
+// tokens, the model's heads, sharded as o.seq_layout says.
+SpLayout train_layout(const TrainOptions& o, int ranks);
 
 // How train_rank ended.
 struct TrainEnd {

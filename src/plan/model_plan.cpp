@@ -259,7 +259,8 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const LmConfig& cfg = q.model;
   const int P = block.sp;
   const std::int64_t e = element_bytes(q.block.dtype);
-  const SpLayout layout = SpLayout::even(q.block.batch, block.seq, cfg.mla.n_heads, P);
+  const SpLayout layout =
+      SpLayout::even(q.block.batch, block.seq, cfg.mla.n_heads, P, q.block.seq_layout);
   const std::int64_t N = layout.largest_shard_tokens();
   const DeviceProfile& d = q.block.profile.device;
   const double peak = q.block.profile.peak_flops(q.block.dtype);
@@ -377,7 +378,8 @@ ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
   for (std::int64_t S : q.block.seqs)
     for (int P : q.block.sps)
       for (int dp : q.dps) {
-        const SpLayout layout = SpLayout::even(q.block.batch, S, q.model.mla.n_heads, P);
+        const SpLayout layout =
+            SpLayout::even(q.block.batch, S, q.model.mla.n_heads, P, q.block.seq_layout);
         const std::int64_t N = layout.largest_shard_tokens();
         const int ep =
             q.model.moe ? expert_parallel_degree(q.ep, P, dp, q.model.moe->n_routed_experts) : 1;

@@ -80,7 +80,7 @@ ops::OpCounts plan_calls(const PlanRequest& q) {
   ops::OpCounts all;
   for (std::int64_t S : q.seqs)
     for (int P : q.sps) {
-      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
+      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P, q.seq_layout);
       for (FormVariant form : q.forms)
         for (int r : rank_classes(q.cfg, layout, form).representatives)
           for (const ops::OpCounts& c : rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops)
@@ -101,7 +101,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
       PlanCase pc;
       pc.seq = S, pc.sp = P;
       pc.links = plan_links(q.profile, P, q.nodes, q.link_bytes_per_s, q.link_latency_s);
-      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
+      const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P, q.seq_layout);
       std::vector<FormWork> work;
       for (FormVariant form : q.forms) {
         const RankClasses rc = rank_classes(q.cfg, layout, form);

@@ -18,6 +18,7 @@ struct PlanRequest {
   std::vector<std::int64_t> seqs;
   std::vector<int> sps;
   std::vector<FormVariant> forms;
+  SeqLayout seq_layout = SeqLayout::contiguous;  // every form's shards (--seq-layout)
   AttentionKind attention = AttentionKind::flash;
   PlanDType dtype = PlanDType::bf16;
   HardwareProfile profile;

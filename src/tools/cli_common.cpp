@@ -587,6 +587,17 @@ void write_output(const std::string& path, const std::string& text) {
   write_file_atomic(path, text);
 }
 
+void add_seq_layout_option(CLI::App& app, std::string& seq_layout) {
+  app.add_option("--seq-layout", seq_layout,
+                 "how the sequence is sharded over the --sp ranks: contiguous (rank r one "
+                 "range, in rank order) or zigzag (2P chunks, rank r holding chunks r and "
+                 "2P-1-r: the load-balanced layout of TransformerEngine's and Megatron's "
+                 "context parallelism, which evens the causal work of the sequence-parallel "
+                 "forms; docs/forms.md, \"The zigzag layout\")")
+      ->check(CLI::IsMember({"contiguous", "zigzag"}))
+      ->capture_default_str();
+}
+
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
                  "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "

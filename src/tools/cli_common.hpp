@@ -100,6 +100,9 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
 
 // --head-groups on a command: the option, its help and its check (>= 1).
 void add_head_groups_option(CLI::App& app, int& head_groups);
+// --seq-layout contiguous|zigzag (SpLayout's SeqLayout), into a string the
+// command parses with parse_seq_layout.
+void add_seq_layout_option(CLI::App& app, std::string& seq_layout);
 
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved

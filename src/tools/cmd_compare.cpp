@@ -49,6 +49,7 @@ void register_compare(CLI::App& app) {
               "needs laga or laga2d among --forms and q_lora_rank > 0. The notes say where it "
               "stops paying");
   add_head_groups_option(*c, o->head_groups);
+  add_seq_layout_option(*c, o->seq_layout);
   c->add_option("--attention", o->attention,
                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
                 "(saves the log-sum-exp, recomputes in backward)")

@@ -25,7 +25,8 @@ struct ForwardOptions {
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
   std::string overlap = "off";
-  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  std::string seq_layout = "contiguous";  // --seq-layout
   std::string form = "explicit", attention = "flash";
   // float64: the same forms in double (checks other implementations); bf16:
   // float tensors under bf16 mixed precision (core/precision.hpp)
@@ -101,9 +102,10 @@ void run_forward(const ForwardOptions& o) {
   const FormVariant variant{parse_form(o.form),
                             o.q_latent ? QueryExchange::latent : QueryExchange::heads,
                             o.head_groups, parse_overlap(o.overlap)};
-  check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), variant);
-  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp), {variant},
-                         parse_attention(o.attention), sizeof(T));
+  const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
+  check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), variant);
+  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout),
+                         {variant}, parse_attention(o.attention), sizeof(T));
   MlaParams<T> w =
       o.weights.empty() ? random_weights<T>(cfg, o.seed) : load_weights<T>(o.weights, cfg, o.layer);
   Tensor<T> x, dout;
@@ -131,7 +133,7 @@ void run_forward(const ForwardOptions& o) {
     dout = Tensor<T>(x.shape());
     dout.fill(T(1));  // d(sum of out)/d(.)
   }
-  const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp);
+  const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp, seq_layout);
   RunSpec spec;
   spec.documents = docs ? &*docs : nullptr;
   spec.variant = variant;
@@ -211,6 +213,7 @@ void register_forward_command(CLI::App& app) {
                 "warning naming each tensor (default: refuse them, naming the tensor and count)");
   sub->add_option("--form", opts->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, opts->head_groups);
+  add_seq_layout_option(*sub, opts->seq_layout);
   sub->add_flag("--q-latent", opts->q_latent,
                 "laga or laga2d with q_lora_rank > 0: move the normalised query latent (rq per "
                 "token) instead of per-head Q (H*dqk), and apply wq_b for the rank's own heads "

@@ -37,7 +37,8 @@ struct PlanOptions {
   // laga's fp32 kernels).
   std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
   bool q_latent = false, quiet = false;
-  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule at each P
+  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule at each P
+  std::string seq_layout = "contiguous";  // --seq-layout
   // A whole model's step (--model NAME|FILE; model_plan.hpp): --layers N
   // overrides its depth (0: the model's), --dp its data-parallel replicas.
   std::string model, dp = "1", ep = "sp";
@@ -486,6 +487,7 @@ void run_plan(const PlanOptions& o) {
   q.sps = parse_int_list(o.sp, "--sp");
   q.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, q.cfg,
                           parse_overlap_runs(o.overlap));
+  q.seq_layout = parse_seq_layout(o.seq_layout);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(dtype);
   if (measuring || o.profile == "this") {
@@ -583,6 +585,7 @@ void register_plan(CLI::App& app) {
   c->add_flag("--q-latent", o->q_latent,
               "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
   add_head_groups_option(*c, o->head_groups);
+  add_seq_layout_option(*c, o->seq_layout);
   c->add_option("--overlap", o->overlap,
                 cat("plan the collectives of the forms with an overlapped path (",
                     names_of_forms_with(&FormTraits::overlap),

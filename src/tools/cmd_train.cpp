@@ -57,7 +57,8 @@ struct TrainCli {
   bool q_latent = false;
   std::int64_t pack_eos = -1;  // -1: not given
   std::string overlap = "off";
-  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  std::string seq_layout = "contiguous";  // --seq-layout
   // --config FILE: the whole model (dims, layers, vocab, MoE) from a DeepSeek
   // config (LmConfig::from_json), in place of the model options below.
   std::string config;
@@ -155,6 +156,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.variant.overlap = parse_overlap(c.overlap);
   o.variant.head_groups = c.head_groups;
   o.variant.form = parse_form(c.form);
+  o.seq_layout = parse_seq_layout(c.seq_layout);
   o.attention = parse_attention(c.attention);
   o.precision = parse_precision(c.dtype);
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
@@ -200,7 +202,7 @@ void run_train(const TrainCli& c) {
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
-  check_variant(o.model.mla, SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp), o.variant);
+  check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
@@ -230,9 +232,10 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form "
-              << describe_variant(o.variant,
-                                  SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.sp))
+              << ", form " << describe_variant(o.variant, train_layout(o, o.sp))
+              << (o.seq_layout == SeqLayout::contiguous
+                      ? std::string()
+                      : cat(", seq layout ", to_string(o.seq_layout)))
               << ", attention " << c.attention
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
               << o.sp << ", comm " << to_string(c.comm.backend) << ", data " << c.data
@@ -331,6 +334,7 @@ void register_train(CLI::App& app) {
   c->comm.add_to(*sub);
   sub->add_option("--form", c->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, c->head_groups);
+  add_seq_layout_option(*sub, c->seq_layout);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
   sub->add_option("--dtype", c->dtype,
                   "precision of the step: fp32, or bf16 mixed precision (every GEMM and "

@@ -28,7 +28,8 @@ struct VerifyOptions {
   std::string dtype = "float32";  // float64: every run in double; bf16: mixed precision
   bool q_latent = false;
   std::string overlap = "off";
-  int head_groups = 0;  // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  std::string seq_layout = "contiguous";  // --seq-layout: the P-rank runs' shards
 };
 
 struct Row {
@@ -57,8 +58,9 @@ void run_verify(const VerifyOptions& o) {
   check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), {reference},
                          parse_attention(o.attention), sizeof(T));
   for (int P : sps)
-    check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P), forms,
-                           parse_attention(o.attention), sizeof(T));
+    check_block_job_memory(
+        o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P, parse_seq_layout(o.seq_layout)),
+        forms, parse_attention(o.attention), sizeof(T));
   const MlaParams<T> w = random_weights<T>(cfg, o.seed);
   const Tensor<T> x = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 1);
   const Tensor<T> dout = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 2);
@@ -89,7 +91,8 @@ void run_verify(const VerifyOptions& o) {
   for (int P : sps) {
     if (o.comm.backend == Backend::mpi && sps.size() > 1)
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
-    const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P);
+    const SpLayout layout =
+        SpLayout::even(o.batch, o.seq, cfg.n_heads, P, parse_seq_layout(o.seq_layout));
     for (FormVariant f : forms) {
       spec.variant = f;
       BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
@@ -211,6 +214,7 @@ void register_verify_command(CLI::App& app) {
                 "also run laga+q-latent and laga2d+q-latent (the query latent moved instead of "
                 "per-head Q; q_lora_rank > 0) beside those forms");
   add_head_groups_option(*sub, opts->head_groups);
+  add_seq_layout_option(*sub, opts->seq_layout);
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")
       ->check(CLI::PositiveNumber)

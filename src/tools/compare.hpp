@@ -41,6 +41,7 @@ struct CompareOptions {
   std::string overlap = "off";  // --overlap off|on|both (form_variants)
   std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
   int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule
+  std::string seq_layout = "contiguous";  // --seq-layout contiguous|zigzag
   std::uint64_t seed = 0;
   // --dtype: fp32, or bf16 mixed precision (core/precision.hpp; flash only),
   // its tensors fp32 containers, so every byte and memory figure is fp32's.

@@ -457,7 +457,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   LAGA_CHECK(o.rank_only < 0 || o.comm.backend == Backend::local,
              "--rank-only runs one rank alone in "
              "this process on a dry-run communicator; drop --comm mpi (and mpirun)");
-  res.layout = SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp);
+  res.layout =
+      SpLayout::even(o.batch, o.seq, res.cfg.n_heads, o.sp, parse_seq_layout(o.seq_layout));
   res.forms = form_variants(parse_form_list(o.forms), o.q_latent, o.head_groups, res.cfg,
                             parse_overlap_runs(o.overlap));
   res.attention = parse_attention(o.attention);

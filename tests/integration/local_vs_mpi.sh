@@ -36,17 +36,20 @@ for name in "${names[@]}" laga-q-latent laga2d-g1 laga2d-g1-q-latent laga2d-g1-o
     queries=(--head-groups 1 --q-latent)
   [ "$name" = laga2d-g1-overlap ] && form=laga2d queries=(--head-groups 1 --overlap on)
   # P 3 again with packed documents (issue 15): one crosses every rank
-  # boundary, one is a single token.
-  for run in 2 3 3packed; do
-    P=${run%packed} docs=()
-    [ "$run" = 3packed ] && docs=(--doc-lens 1,20,2/23)
+  # boundary, one is a single token; and P 4 on zigzag shards with them
+  # (docs/forms.md, "The zigzag layout").
+  for run in 2 3 3packed 4zigzag; do
+    P=${run%packed} docs=() layout=()
+    P=${P%zigzag}
+    [ "$run" = 3packed ] || [ "$run" = 4zigzag ] && docs=(--doc-lens 1,20,2/23)
+    [ "$run" = 4zigzag ] && layout=(--seq-layout zigzag)
     common=(forward "${model[@]}" --batch 2 --seq 23 --backward --form "$form" "${queries[@]}"
-            --sp "$P" --attention flash "${docs[@]}")
+            --sp "$P" --attention flash "${docs[@]}" "${layout[@]}")
     "$laga" "${common[@]}" --comm local --output "$tmp/local_$name$run.st" >/dev/null 2>&1
     timeout 120 "$mpiexec" --allow-run-as-root --oversubscribe -np "$P" \
       "$laga" "${common[@]}" --comm mpi --output "$tmp/mpi_$name$run.st" >/dev/null 2>&1
     if ! cmp -s "$tmp/local_$name$run.st" "$tmp/mpi_$name$run.st"; then
-      echo "FAIL: $name P=$P ${docs[*]}: local and MPI outputs differ"; exit 1
+      echo "FAIL: $name P=$P ${docs[*]} ${layout[*]}: local and MPI outputs differ"; exit 1
     fi
     # The files' metadata name the variant (laga+overlap); the tensors must
     # equal those of the same variant without overlap.
@@ -63,6 +66,6 @@ PY
     then
       echo "FAIL: ${name%-overlap} P=$P ${docs[*]}: --overlap on and off give different tensors"; exit 1
     fi
-    echo "ok: $name P=$P ${docs[*]} local == mpi (bit-identical out, dx, grads)"
+    echo "ok: $name P=$P ${docs[*]} ${layout[*]} local == mpi (bit-identical out, dx, grads)"
   done
 done
