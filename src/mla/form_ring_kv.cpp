@@ -42,13 +42,14 @@ struct KvBlocks {
     return {block_k(st, block, Lj).p, block_v(st, block, Lj).p, {}};
   }
   void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
-                const std::vector<ring::KeySpan>& spans, const T* dkv, T* acc,
+                const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
                 MlaParams<T>&) const {
-    for (const ring::KeySpan& k : spans) {
-      const std::int64_t row = k.b * Lj + k.row0, n = k.rows;
-      ops::add(block_k(st, acc, Lj).row_range(row, n), block_k(st, dkv, Lj).row_range(row, n));
-      ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
-    }
+    for (const ring::RingCall& c : calls)
+      for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
+        const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
+        ops::add(block_k(st, acc, Lj).row_range(row, n), block_k(st, dkv, Lj).row_range(row, n));
+        ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
+      }
   }
   // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
   // c_hat kept for wkv_b's gradient.
@@ -112,7 +113,7 @@ FormEntry ring_kv_entry() {
                        [](const SavedShape& s) {
                          const std::int64_t B = s.B, L = s.L, H = s.Hr;
                          std::int64_t n = B * L * H * s.dqk + B * L * H * (s.dqk + s.dv);
-                         return n + s.attention_stats() + B * L * s.C;
+                         return n + ring::ring_saved_stats(s) + B * L * s.C;
                        },
                    .pair_width = head_pair_width},
           .f32 = &ring::ring_forward<float, KvBlocks<float>>,

@@ -68,7 +68,7 @@ struct LatentBlocks {
   // pass nothing): d k_pe += sum over heads of dk's rope part, dc += dkv
   // wkv_b, into the accumulator; wkv_b's gradient += dkv^T c_j.
   void add_grad(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj,
-                const std::vector<ring::KeySpan>&, const T* dkv_heads, T* acc,
+                const std::vector<ring::RingCall>&, const T* dkv_heads, T* acc,
                 MlaParams<T>& grads) const {
     Tensor<T> dkv({st.B * Lj, st.H * st.KV}, "dkv");
     Pieces<T>::merge_dkv(st, st.H, block_k(st, dkv_heads, Lj), block_v(st, dkv_heads, Lj), mat(dkv),
@@ -125,7 +125,7 @@ FormEntry ring_latent_entry() {
                        [](const SavedShape& s) {
                          const std::int64_t B = s.B, L = s.L, H = s.Hr;
                          std::int64_t n = B * L * H * s.dqk + B * L * s.W;
-                         return n + s.attention_stats();
+                         return n + ring::ring_saved_stats(s);
                        },
                    .pair_width = head_pair_width},
           .f32 = &ring::ring_forward<float, LatentBlocks<float>>,

@@ -12,9 +12,9 @@
 //     j == r: causal attention of q over the block (the diagonal);
 //     j <  r: every key precedes every query, attention without a mask;
 //     j >  r: keys after every query, no work (the block still passes on);
-//     (zigzag shards, two ranges each: the same per pair of a query range
-//     and a key range, RingPairs; every block then has keys every rank
-//     sees, and each step does about the same work)
+//     (zigzag shards, two ranges each: the same per query range and key
+//     range, one rectangle a step, RingRect; every block then has keys
+//     every rank sees, and each step does about the same work)
 //     o = e^(lse - lse') o + e^(lse_j - lse') o_j,  lse' = log(e^lse + e^lse_j)
 //
 // Backward recomputes as flash does: the blocks pass round again, each
@@ -29,9 +29,9 @@
 //   const char* pass, grad_pass;             the two passes' labels
 //   std::int64_t width(const Step&);         block elements per token
 //   RingKv<T> kv(st, w, const T* block, L_j) its keys and values
-//   void add_grad(st, w, block, L_j, spans, const T* dkv, T* acc, grads)
+//   void add_grad(st, w, block, L_j, calls, const T* dkv, T* acc, grads)
 //       adds the step's dK/dV (dkv: the kernel's (B, L_j, H, dqk) then
-//       (B, L_j, H, dv), written at the spans' rows, zero elsewhere) into
+//       (B, L_j, H, dv), written at the calls' rows, zero elsewhere) into
 //       the block's accumulator `acc`, and any parameter gradient into grads
 //   Tensor<T> own_block(st, w, InputSaved<T>& in)
 //       the rank's own block from the input projections (it may keep what
@@ -93,67 +93,79 @@ struct RingKv {
 
 using ops::mat;
 
-// The pairs of ranges a ring step attends (geometry only: the count-only
-// run, which has no documents, sizes its buffers by them): a query range
-// of this rank (at local row q_row) against a key range of the block's
-// owner (at block row k_row) that precedes it (every key before every
-// query: no mask) or is it (the diagonal, the own block only). Ranges are
-// SpLayout::seq_ranges, whole chunks of one tiling, so no other overlap
-// exists. Each pair's statistics have a slot in the step's: lse (B, H, n_q)
-// and eager's probabilities (B, H, n_q, n_k), from lse_off and probs_off.
-struct RingPair {
-  TokenRange q, k;
-  std::int64_t q_row = 0, k_row = 0;
+// The (query row, key row) rectangle a ring step attends: local rows
+// [q_row, q_row + rows) against the block's rows [k_row, k_row + keys).
+// The own block's is every row against every row under the causal mask:
+// the local tokens are in ascending order (SpLayout::seq_ranges), so the
+// causal mask of the rows as they lie is the sequence's. Another block's
+// keys either all precede a query range or all follow it (whole chunks of
+// one tiling), and on contiguous and zigzag shards those that precede form
+// one rectangle, unmasked (zigzag: rank j < r's first chunk against both
+// of r's; rank j > r's two chunks against r's second): one call, and no
+// key row written twice. Empty (rows 0) when no key precedes.
+struct RingRect {
+  std::int64_t q_row = 0, rows = 0, k_row = 0, keys = 0;
   bool diagonal = false;
-  std::int64_t lse_off = 0, probs_off = 0;
+  // The step's statistics: lse (B, H, rows), eager's probabilities (B, H,
+  // rows, keys).
+  std::int64_t lse_elems(std::int64_t B, std::int64_t H) const { return B * H * rows; }
+  std::int64_t probs_elems(std::int64_t B, std::int64_t H) const { return B * H * rows * keys; }
 };
-struct RingPairs {
-  std::vector<RingPair> pairs;  // the diagonals first (they start their rows' merge)
-  std::int64_t lse_elems = 0, probs_elems = 0;
-  // Two pairs share a key range (zigzag: both query ranges see it), so
-  // backward adds a second call's dK/dV to the first's (RingCall::first_write).
-  bool shared_keys = false;
-};
-inline RingPairs ring_pairs(const Step& st, int owner) {
-  const SpLayout& lay = st.ctx.layout;
-  const std::vector<TokenRange>& keys = lay.seq_ranges[size_t(owner)];
-  RingPairs out;
-  std::vector<RingPair> past;
-  std::int64_t q_row = 0;
-  for (const TokenRange& q : st.own_ranges) {
-    std::int64_t k_row = 0;
-    for (const TokenRange& k : keys) {
-      if (k == q || k.end <= q.begin) (k == q ? out.pairs : past).push_back({q, k, q_row, k_row});
-      k_row += k.size();
+inline RingRect ring_rect(const SpLayout& lay, int r, int owner) {
+  const std::vector<TokenRange>& mine = lay.seq_ranges[size_t(r)];
+  const std::vector<TokenRange>& theirs = lay.seq_ranges[size_t(owner)];
+  const std::int64_t L = lay.seq_count[size_t(r)];
+  if (owner == r) return {0, L, 0, L, true};
+  // Which of my ranges (by index) see which of theirs.
+  std::vector<std::size_t> qs, ks;
+  std::size_t visible = 0;
+  for (std::size_t a = 0; a < mine.size(); ++a)
+    for (std::size_t b = 0; b < theirs.size(); ++b) {
+      if (theirs[b].end > mine[a].begin) continue;
+      ++visible;
+      if (std::find(qs.begin(), qs.end(), a) == qs.end()) qs.push_back(a);
+      if (std::find(ks.begin(), ks.end(), b) == ks.end()) ks.push_back(b);
     }
-    q_row += q.size();
-  }
-  out.pairs.insert(out.pairs.end(), past.begin(), past.end());
-  for (RingPair& p : out.pairs) {
-    for (const RingPair& e : out.pairs)
-      out.shared_keys = out.shared_keys || (&e != &p && e.k_row == p.k_row);
-    p.diagonal = p.k == p.q;
-    p.lse_off = out.lse_elems, p.probs_off = out.probs_elems;
-    out.lse_elems += st.B * st.H * p.q.size();
-    out.probs_elems += st.B * st.H * p.q.size() * p.k.size();
-  }
-  return out;
+  RingRect rect;
+  if (visible == 0) return rect;
+  std::sort(ks.begin(), ks.end());
+  LAGA_CHECK(visible == qs.size() * ks.size() && qs.back() - qs.front() + 1 == qs.size() &&
+                 ks.back() - ks.front() + 1 == ks.size(),
+             "ring: rank ", r, "'s seq ranges against rank ", owner,
+             "'s are no one rectangle; the ring forms run contiguous or zigzag shards "
+             "(--seq-layout)");
+  auto rows_before = [](const std::vector<TokenRange>& v, std::size_t n) {
+    std::int64_t rows = 0;
+    for (std::size_t i = 0; i < n; ++i) rows += v[i].size();
+    return rows;
+  };
+  rect.q_row = rows_before(mine, qs.front());
+  rect.rows = rows_before(mine, qs.back() + 1) - rect.q_row;
+  rect.k_row = rows_before(theirs, ks.front());
+  rect.keys = rows_before(theirs, ks.back() + 1) - rect.k_row;
+  return rect;
+}
+
+// A ring form's saved statistics (FormSpec::saved_elements): flash's lse
+// (B, H, L), or eager's probabilities of every step's rectangle.
+inline std::int64_t ring_saved_stats(const SavedShape& s) {
+  if (!s.eager) return s.B * s.Hr * s.L;
+  std::int64_t n = 0;
+  for (int j = 0; j < s.layout.ranks; ++j)
+    n += ring_rect(s.layout, s.rank, j).probs_elems(s.B, s.Hr);
+  return n;
 }
 
 // One kernel call of a ring step: batch rows [b0, b0 + shape.B), query rows
 // [q_row, q_row + shape.Sq) of the L local ones, against the block's rows
 // [key0, key0 + shape.Sk) of each. Its lse (and eager probabilities) sit in
 // the step's statistics from lse_off (probs_off), compact for its shape.
-// `first_write`: no earlier call of the step wrote its key rows' gradient
-// (backward then writes it in place, else adds it).
 struct RingCall {
   explicit RingCall(const AttnShape& s) : shape(s) {}
   AttnShape shape;
   std::int64_t b0 = 0, q_row = 0, key0 = 0;
-  std::int64_t key_range = 0;  // the block row its key range starts at
   std::int64_t lse_off = 0, probs_off = 0;
-  bool first_write = true;
-  std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, Sq) local
+  std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, L) local
   AttnShape kernel_shape() const {
     AttnShape s = shape;
     s.doc_start = doc_start.empty() ? nullptr : doc_start.data();
@@ -161,103 +173,59 @@ struct RingCall {
   }
 };
 
-// Block rows [row0, row0 + rows) of batch row b whose gradient a step wrote:
-// a ring_kv accumulator adds them (each once, however many calls wrote them).
-struct KeySpan {
-  std::int64_t b = 0, row0 = 0, rows = 0;
-};
-
-// The calls of the step that holds `owner`'s block, pair by pair (see the
-// top). A pair of the whole shard and the whole block is one call over
-// every batch row; else one per batch row, as the kernel's batch rows must
-// be the tensors' own.
-inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingPairs& geometry) {
-  const std::int64_t Lk = st.ctx.layout.seq_count[size_t(owner)];
+// The calls of the step that holds `owner`'s block (see the top): one over
+// every batch row where the rectangle is the whole shard and block, else
+// one per batch row (the kernel's batch rows must be the tensors' own).
+inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingRect& rect) {
+  const SpLayout& lay = st.ctx.layout;
+  const std::int64_t Lk = lay.seq_count[size_t(owner)];
   std::vector<RingCall> calls;
+  if (rect.rows == 0 || rect.keys == 0) return calls;
   auto shape = [&](std::int64_t B, std::int64_t Sq, std::int64_t Sk, bool causal) {
     return AttnShape{B, Sq, Sk, st.H, st.H, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), causal};
   };
-  const bool packed = !st.doc_start.empty();
-  auto doc = [&](std::int64_t b, std::int64_t t) { return st.doc_start[size_t(b * st.S + t)]; };
-  for (const RingPair& p : geometry.pairs) {
-    const std::int64_t n = p.q.size(), nk = p.k.size(), a = p.q.begin;
-    const bool whole = n == st.L && nk == Lk;
-    auto add = [&](RingCall c, std::int64_t b0) {
-      c.b0 = b0, c.q_row = p.q_row;
-      c.key0 += p.k_row;
-      c.key_range = p.k_row;
-      c.lse_off = p.lse_off + b0 * st.H * n;
-      c.probs_off = p.probs_off + b0 * st.H * n * nk;
-      calls.push_back(std::move(c));
-    };
-    if (p.diagonal) {
-      const std::int64_t B = whole ? st.B : 1;
-      for (std::int64_t b0 = 0; b0 < st.B; b0 += B) {
-        RingCall c(shape(B, n, n, true));
-        if (packed) {
-          c.doc_start.resize(size_t(B * n));
-          for (std::int64_t b = 0; b < B; ++b)
-            for (std::int64_t t = 0; t < n; ++t)
-              c.doc_start[size_t(b * n + t)] = std::max(doc(b0 + b, a + t), a) - a;
-        }
-        add(std::move(c), b0);
-      }
-      continue;
-    }
-    if (!packed) {
-      const std::int64_t B = whole ? st.B : 1;
-      for (std::int64_t b0 = 0; b0 < st.B; b0 += B) add(RingCall(shape(B, n, nk, false)), b0);
-      continue;
-    }
-    // Only the rows of the document that runs into the query range (those
-    // whose document started before it, a prefix of its rows: a document
-    // reaching back past the keys' end also holds the range's first token)
-    // see earlier tokens: all of them the keys from max(k.begin, its start).
-    for (std::int64_t b = 0; b < st.B; ++b) {
-      const std::int64_t start = doc(b, a);
-      if (start == a) continue;
-      std::int64_t rows = 0;
-      while (rows < n && doc(b, a + rows) == start) ++rows;
-      const std::int64_t lo = std::max(p.k.begin, start) - p.k.begin;
-      if (lo >= nk) continue;
-      RingCall c(shape(1, rows, nk - lo, false));
-      c.key0 = lo;
-      add(std::move(c), b);
-    }
+  auto add = [&](RingCall c, std::int64_t b0, std::int64_t lo) {
+    c.b0 = b0, c.q_row = rect.q_row, c.key0 = rect.k_row + lo;
+    c.lse_off = b0 * st.H * rect.rows;
+    c.probs_off = b0 * st.H * rect.rows * rect.keys;
+    calls.push_back(std::move(c));
+  };
+  const bool whole = rect.rows == st.L && rect.keys == Lk;
+  if (st.doc_start.empty()) {
+    const std::int64_t B = whole ? st.B : 1;
+    for (std::int64_t b0 = 0; b0 < st.B; b0 += B)
+      add(RingCall(shape(B, rect.rows, rect.keys, rect.diagonal)), b0, 0);
+    return calls;
   }
-  // Which calls write key rows an earlier call of the step wrote: a block's
-  // key range is attended by every query range after it.
-  std::vector<std::pair<std::int64_t, std::int64_t>> written;  // (batch row, key range's row)
-  for (RingCall& c : calls)
-    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-      const std::pair<std::int64_t, std::int64_t> key{b, c.key_range};
-      if (std::find(written.begin(), written.end(), key) != written.end())
-        c.first_write = false;
-      else
-        written.push_back(key);
-    }
+  // Packed: the global positions of the local rows and of the block's.
+  auto doc = [&](std::int64_t b, std::int64_t t) { return st.doc_start[size_t(b * st.S + t)]; };
+  const std::vector<std::int64_t> qpos = lay.positions(st.ctx.comm.rank());
+  if (rect.diagonal) {
+    // Each row's keys from the first local row of its document.
+    RingCall c(shape(st.B, st.L, st.L, true));
+    c.doc_start.resize(size_t(st.B * st.L));
+    for (std::int64_t b = 0; b < st.B; ++b)
+      for (std::int64_t t = 0; t < st.L; ++t)
+        c.doc_start[size_t(b * st.L + t)] =
+            std::lower_bound(qpos.begin(), qpos.end(), doc(b, qpos[size_t(t)])) - qpos.begin();
+    add(std::move(c), 0, 0);
+    return calls;
+  }
+  // Only the rows of the document that runs into the rectangle's first
+  // query (a prefix of its rows: a document reaching back past the keys'
+  // end holds every token from there to its last) see earlier tokens:
+  // each of them the keys from that document's start.
+  const std::vector<std::int64_t> kpos = lay.positions(owner);
+  const auto k0 = kpos.begin() + rect.k_row, k1 = k0 + rect.keys;
+  for (std::int64_t b = 0; b < st.B; ++b) {
+    const std::int64_t start = doc(b, qpos[size_t(rect.q_row)]);
+    if (start > *(k1 - 1)) continue;
+    std::int64_t rows = 0;
+    while (rows < rect.rows && doc(b, qpos[size_t(rect.q_row + rows)]) == start) ++rows;
+    const std::int64_t lo = std::lower_bound(k0, k1, start) - k0;
+    add(RingCall(shape(1, rows, rect.keys - lo, false)), b, lo);
+  }
   return calls;
-}
-
-// The key rows the calls wrote, each once: per batch row and key range,
-// from the lowest row any call wrote to the range's end (every call runs
-// to it).
-inline std::vector<KeySpan> written_keys(const std::vector<RingCall>& calls) {
-  std::vector<KeySpan> spans;
-  std::vector<std::int64_t> ranges;  // each span's key range
-  for (const RingCall& c : calls)
-    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-      std::size_t i = 0;
-      while (i < spans.size() && !(spans[i].b == b && ranges[i] == c.key_range)) ++i;
-      if (i == spans.size()) {
-        spans.push_back({b, c.key0, c.shape.Sk});
-        ranges.push_back(c.key_range);
-      } else if (c.key0 < spans[i].row0) {
-        spans[i].rows += spans[i].row0 - c.key0;
-        spans[i].row0 = c.key0;
-      }
-    }
-  return spans;
 }
 
 // One step of the ring: the block it holds and what its calls saved.
@@ -265,9 +233,8 @@ template <class T>
 struct RingStep {
   int owner = 0;
   std::vector<RingCall> calls;
-  Tensor<T> probs;  // eager: each pair's (B, H, n_q, n_k) (RingPairs), each call's at probs_off
-  Tensor<T> lse;    // eager over several steps, until forward rescales probs: each pair's
-                    // (B, H, n_q), each call's at lse_off
+  Tensor<T> probs;  // eager: (B, H, rows, keys) of its RingRect, each call's at probs_off
+  Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, rows)
 };
 
 // Merges a call's partial output into the running one, row by row:
@@ -383,17 +350,17 @@ struct RingAttention {
       // What every block with keys the own tokens see costs, packed or
       // not: the count-only run, which has no documents, must allocate what
       // the real one does (RingPairs).
-      const RingPairs pairs = ring_pairs(st, step.owner);
-      step.calls = ring_calls(st, step.owner, pairs);
-      if (!pairs.pairs.empty()) {
+      const RingRect rect = ring_rect(lay, r, step.owner);
+      step.calls = ring_calls(st, step.owner, rect);
+      if (rect.rows > 0) {
         if (eager) {
-          step.probs = Tensor<T>({pairs.probs_elems}, "attn_stats eager probs");
-          if (ranks > 1) step.lse = Tensor<T>({pairs.lse_elems}, "ring step lse");
+          step.probs = Tensor<T>({rect.probs_elems(st.B, st.H)}, "attn_stats eager probs");
+          if (ranks > 1) step.lse = Tensor<T>({rect.lse_elems(st.B, st.H)}, "ring step lse");
         }
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
         Tensor<T> o_part({st.B, st.L, st.H * st.dv}, "o_part");
         Tensor<T> lse_part;
-        if (!step.lse.defined()) lse_part = Tensor<T>({pairs.lse_elems}, "lse_part");
+        if (!step.lse.defined()) lse_part = Tensor<T>({rect.lse_elems(st.B, st.H)}, "lse_part");
         T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
@@ -473,19 +440,14 @@ struct RingAttention {
       // call's at its rows: dq added at once, the block's dK/dV once its
       // accumulator has arrived.
       Tensor<T> dkv;
-      const RingPairs pairs = ring_pairs(st, step.owner);
-      if (!pairs.pairs.empty()) {
+      const RingRect rect = ring_rect(lay, st.ctx.comm.rank(), step.owner);
+      if (rect.rows > 0) {
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
         Tensor<T> dq_part({st.B * st.L, st.H * st.dqk}, "dq_part");
         dkv = Tensor<T>::zeros({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part");
-        // A call whose key rows an earlier call wrote (zigzag: a key range
-        // seen by both query ranges) writes its dK/dV into scratch of the
-        // step's pair extents, added there.
-        Tensor<T> dkv_more;
-        if (pairs.shared_keys)
-          dkv_more = Tensor<T>({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part more");
         Tensor<T> rows_stat, dp;  // the calls' rows of lse (flash) or D (eager, several blocks)
-        if (!eager || delta.defined()) rows_stat = Tensor<T>({pairs.lse_elems}, "ring stats rows");
+        if (!eager || delta.defined())
+          rows_stat = Tensor<T>({rect.lse_elems(st.B, st.H)}, "ring stats rows");
         if (eager) dp = Tensor<T>({st.L, Lk}, "eager dp scratch");
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
@@ -493,11 +455,10 @@ struct RingAttention {
                              k_off = (c.b0 * Lk + c.key0) * st.H;
           T* stat = at(rows_stat.data(), c.lse_off);
           if (rows_stat.defined()) gather_rows(st, c, eager ? delta.data() : lse.data(), stat);
-          T* into = c.first_write ? dkv.data() : dkv_more.data();
           Pieces<T>::attend_backward(
               st, s, at(dq_part.data(), q_off * st.dqk),
-              at(block_k(st, into, Lk).p, k_off * st.dqk),
-              at(block_v(st, into, Lk).p, k_off * st.dv), at(do_loc.data(), q_off * st.dv),
+              at(block_k(st, dkv.data(), Lk).p, k_off * st.dqk),
+              at(block_v(st, dkv.data(), Lk).p, k_off * st.dv), at(do_loc.data(), q_off * st.dv),
               at(q.data(), q_off * st.dqk), at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
               at(o.data(), q_off * st.dv), eager ? at(step.probs.data(), c.probs_off) : stat,
               dp.data(), eager ? stat : nullptr);
@@ -505,12 +466,6 @@ struct RingAttention {
             const std::int64_t row = b * st.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),
                      mat(std::as_const(dq_part)).row_range(row, s.Sq));
-            if (c.first_write) continue;
-            const std::int64_t key = b * Lk + c.key0;
-            ops::add(block_k(st, dkv.data(), Lk).row_range(key, s.Sk),
-                     block_k(st, std::as_const(dkv_more).data(), Lk).row_range(key, s.Sk));
-            ops::add(block_v(st, dkv.data(), Lk).row_range(key, s.Sk),
-                     block_v(st, std::as_const(dkv_more).data(), Lk).row_range(key, s.Sk));
           }
         }
       }
@@ -518,8 +473,8 @@ struct RingAttention {
       wait(st, acc_pending);
       acc_sent.reset();
       if (dkv.defined())
-        codec.add_grad(st, w, cur->data(), Lk, written_keys(step.calls), std::as_const(dkv).data(),
-                       acc.data(), grads);
+        codec.add_grad(st, w, cur->data(), Lk, step.calls, std::as_const(dkv).data(), acc.data(),
+                       grads);
       dkv.reset();
       wait(st, kv_pending);
       // The accumulator goes on with its block; after the last step, home.
