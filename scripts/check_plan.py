@@ -41,6 +41,8 @@ ap.add_argument("--config", default="")
 ap.add_argument("--forms", default="explicit,laga,absorbed")
 ap.add_argument("--sp", type=int, default=2, help="ranks (as threads, the cores shared among them)")
 ap.add_argument("--steps", type=int, default=5)
+ap.add_argument("--seq-layout", default="contiguous", choices=["contiguous", "zigzag"],
+                help="the shards of every run (laga --seq-layout)")
 ap.add_argument("--overlap", default="both", choices=["off", "on", "both"],
                 help="laga's overlapped variant beside it (both), instead (on) or not (off)")
 args = ap.parse_args()
@@ -85,7 +87,7 @@ busy0, mine0, wall0 = busy_seconds(), os.times(), time.time()
 model = ["--config", config]
 profile = os.path.join(tmp, "this.json")
 common = model + ["--seq", str(args.seq), "--sp", str(args.sp), "--forms", args.forms,
-                  "--overlap", args.overlap]
+                  "--overlap", args.overlap, "--seq-layout", args.seq_layout]
 laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
 lat = args.latency_us
 

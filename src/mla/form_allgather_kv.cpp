@@ -19,11 +19,11 @@
 // elements, to each of the P-1 others, and receives everyone else's, where
 // explicit's all-to-alls move only the (H - H_r)/H of Q, K, V and out that
 // leave the rank. And every rank holds the whole sequence's K and V,
-// B S H (dqk + dv): the form's memory cost at long S. The shards are
-// contiguous (SpLayout's), so causal work is not balanced: the last rank
-// attends about 2P-1 times the first's pairs (TE and torchtitan reorder the
-// sequence into mirrored chunks; laga's layout does not, and the work
-// model's balance reports it).
+// B S H (dqk + dv): the form's memory cost at long S. On contiguous shards
+// causal work is not balanced: the last rank attends about 2P-1 times the
+// first's pairs (the work model's balance reports it); on zigzag shards
+// (--seq-layout zigzag, TE's and torchtitan's mirrored chunks) each query
+// range attends keys [0, its end) and the ranks' work is even.
 //
 // Saved for backward: the input projections' tensors, c_hat (B, L, C),
 // q (B, L, H, dqk), the gathered k and v (B, S, H, .), the attention

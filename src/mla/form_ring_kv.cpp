@@ -11,10 +11,10 @@
 // Backward: the ring's backward (the blocks round again, the dK/dV
 // accumulators travelling with them and one shift more home), then
 // explicit's merge into d[c_hat | k_pe] and wkv_b's gradient, local tokens
-// only. The shards are contiguous, so causal work is not balanced (the last
-// rank attends about 2P-1 times the first's pairs; TE balances it with two
-// mirrored chunks per rank, which laga's layout does not have: the work
-// model's balance reports it).
+// only. On contiguous shards causal work is not balanced (the last rank
+// attends about 2P-1 times the first's pairs: the work model's balance
+// reports it); on zigzag shards (--seq-layout zigzag, TE's two mirrored
+// chunks per rank) it is, one rectangle of rows a step (ring.hpp).
 //
 // Saved for backward: the input projections' tensors, c_hat (B, L, C),
 // q (B, L, H, dqk), the own block (B, L, H (dqk + dv)), o (B, L, H, dv) (as

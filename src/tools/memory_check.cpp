@@ -148,9 +148,12 @@ JobMemory predict_count_only_job_memory(
     records += n * record_bytes(keys);
   }
   // Per rank: its record index per form, its measured-rank entry, and the
-  // layout's seq_count, seq_offset, head_count, head_offset.
+  // layout's seq_count, head_count, head_offset and seq_ranges (a vector of
+  // at most two ranges: its header and their heap).
   const std::int64_t per_rank = std::int64_t(forms.size() + 1) * std::int64_t(sizeof(int)) +
-                                4 * std::int64_t(sizeof(std::int64_t));
+                                3 * std::int64_t(sizeof(std::int64_t)) +
+                                std::int64_t(sizeof(std::vector<TokenRange>)) +
+                                2 * std::int64_t(sizeof(TokenRange));
   JobMemory job;
   job.bytes = records + P * per_rank;
   job.detail = cat("count-only: no tensor storage; ", runs, " rank run(s) per form (one per class ",

@@ -120,7 +120,9 @@ TEST(MemoryCheck, ACountOnlyJobIsOneRecordPerRankClassPlusPerRankBookkeeping) {
       all_records += std::int64_t(rank_classes(cfg, lay, f).representatives.size()) * r;
       one_record += r;
     }
-    const std::int64_t per_rank = P * (3 * std::int64_t(sizeof(int)) + 4 * 8);
+    // Per rank: 3 ints; seq_count, head_count, head_offset; seq_ranges'
+    // vector header (3 pointers) and two ranges of two int64 each.
+    const std::int64_t per_rank = P * (3 * std::int64_t(sizeof(int)) + 3 * 8 + 3 * 8 + 2 * 16);
     EXPECT_EQ(predict_count_only_job_memory(cfg, lay, forms, P, record).bytes,
               all_records + per_rank)
         << "P " << P;
