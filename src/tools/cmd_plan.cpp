@@ -98,8 +98,9 @@ std::string measured_share(const PlanRequest& q, const std::vector<PlanCase>& ca
 std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
   std::ostringstream o;
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
-    << ", " << to_string(q.attention) << " attention, batch " << q.batch
-    << "; one MLA block, forward + backward + gradient all-reduce, predicted\n";
+    << ", " << to_string(q.attention) << " attention, batch " << q.batch << ", "
+    << to_string(q.seq_layout)
+    << " seq shards; one MLA block, forward + backward + gradient all-reduce, predicted\n";
   o << "  timeline: each rank's collectives in issue order on one link, the compute between "
        "them at the costs below; a collective runs once every rank has issued it; a started "
        "collective (+overlap) holds the rank only at its wait"
@@ -176,6 +177,7 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
   j["dtype"] = to_string(q.dtype);
   j["attention"] = to_string(q.attention);
   j["batch"] = q.batch;
+  j["seq_layout"] = to_string(q.seq_layout);
   j["overlap"] = "timeline";  // started collectives hidden under compute (time_model.hpp)
   j["plans"] = ojson::array();
   j["cases"] = ojson::array();
@@ -226,7 +228,7 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
     << fmt("%.4g", double(n.routed_experts) / 1e9) << "B in routed experts)\n";
   o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
     << to_string(q.block.dtype) << ", " << to_string(q.block.attention) << " attention, batch "
-    << q.block.batch << ", " << q.micro_batches
+    << q.block.batch << ", " << to_string(q.block.seq_layout) << " seq shards, " << q.micro_batches
     << " micro-batch(es) a step; one training step, predicted; EP "
     << (q.ep.rule == EpRule::sp    ? std::string("= P (experts over the SP ranks)")
         : q.ep.rule == EpRule::max ? std::string("= gcd(P x DP, E) (experts over the replicas too)")

@@ -113,23 +113,27 @@ struct FormCase {
 
 class Forms : public ::testing::TestWithParam<FormCase> {};
 
-TEST_P(Forms, AgreeWithSingleRankExplicit) {
-  const FormCase& fc = GetParam();
-  const MlaConfig cfg = test_config(fc.rq);
-  const std::int64_t B = 2;
-  const SpLayout lay = SpLayout::custom(B, fc.seq, fc.heads);
-  const Inputs in = make_inputs(cfg, B, lay.seq);
+// Every form and variant on `lay` against single-rank explicit (eager, on
+// the whole sequence), and its ledger against the closed form.
+void expect_every_variant_agrees(const MlaConfig& cfg, const SpLayout& lay, AttentionKind a) {
+  const Inputs in = make_inputs(cfg, lay.batch, lay.seq);
   RunSpec spec;
   spec.attention = AttentionKind::eager;
   spec.variant.form = Form::explicit_form;
   const BlockRun<float> ref =
-      run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
+      run_local(cfg, SpLayout::even(lay.batch, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
   for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
-    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, fc.attention));
+    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, a));
     // fp32 with other summation orders: 1e-5 of the largest reference value.
     expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
     expect_ledger_matches_model(cfg, lay, v, run);
   }
+}
+
+TEST_P(Forms, AgreeWithSingleRankExplicit) {
+  const FormCase& fc = GetParam();
+  expect_every_variant_agrees(test_config(fc.rq), SpLayout::custom(2, fc.seq, fc.heads),
+                              fc.attention);
 }
 
 std::vector<FormCase> form_cases() {
@@ -178,19 +182,8 @@ class Zigzag : public ::testing::TestWithParam<ZigzagCase> {};
 TEST_P(Zigzag, EveryFormAgreesWithSingleRankExplicit) {
   const ZigzagCase& zc = GetParam();
   const MlaConfig cfg = test_config(zc.rq);
-  const std::int64_t B = 2;
-  const SpLayout lay = SpLayout::even(B, zc.seq, cfg.n_heads, zc.ranks, SeqLayout::zigzag);
-  const Inputs in = make_inputs(cfg, B, lay.seq);
-  RunSpec spec;
-  spec.attention = AttentionKind::eager;
-  spec.variant.form = Form::explicit_form;
-  const BlockRun<float> ref =
-      run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
-  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
-    const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, zc.attention));
-    expect_run_matches(run, ref, 1e-5, to_string(v) + " " + lay.describe());
-    expect_ledger_matches_model(cfg, lay, v, run);
-  }
+  expect_every_variant_agrees(
+      cfg, SpLayout::even(2, zc.seq, cfg.n_heads, zc.ranks, SeqLayout::zigzag), zc.attention);
 }
 
 std::vector<ZigzagCase> zigzag_cases() {

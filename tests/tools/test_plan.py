@@ -142,6 +142,22 @@ if case == "exact":
     check_exact(v3, 32768, 16, "flash", v3_every + ["--head-groups", "4"], "v3_p16_hg4")
     check_exact(v3, 131072, 64, "flash", v3_every, "v3_p64")
     check_exact(v3, 131072, 64, "flash", v3_every + ["--head-groups", "8"], "v3_p64_hg8")
+    # Zigzag shards (--seq-layout zigzag): the same exactness, uneven chunks,
+    # P > H, and the sequence-parallel forms' predicted step below
+    # contiguous's (their busiest rank's attention halves at P 8).
+    zig = ["--seq-layout", "zigzag"]
+    check_exact(tiny, 37, 3, "eager", zig, "tiny_uneven_eager_zigzag")
+    check_exact(tiny, 64, 8, "flash", zig, "tiny_heads_empty_zigzag")
+    check_exact(v3, 32768, 8, "flash", v3_every + zig, "v3_p8_zigzag")
+    seq_sp = ["--seq", "32768", "--sp", "8", "--forms", "allgather_kv,ring_kv,ring_latent"]
+    both = {lay: load(["plan", "--quiet", "--profile", "h100", "--seq-layout", lay] + v3 + seq_sp,
+                      "v3_p8_sp_" + lay) for lay in ("contiguous", "zigzag")}
+    if both["zigzag"]["seq_layout"] != "zigzag":
+        failures.append(f"plan --seq-layout zigzag: JSON seq_layout {both['zigzag']['seq_layout']}")
+    for a, b in zip(both["contiguous"]["plans"], both["zigzag"]["plans"]):
+        if not b["predicted_step_s"] < 0.8 * a["predicted_step_s"]:
+            failures.append(f"{a['form']} at 32k P 8: zigzag {b['predicted_step_s']} s is not "
+                            f"below 0.8x contiguous's {a['predicted_step_s']} s")
     # A sweep: one plan per form, S and P, in that order.
     p = load(["plan", "--quiet", "--profile", "910b", "--preset", "tiny", "--seq", "64,128",
               "--sp", "1,2,4"], "sweep")
