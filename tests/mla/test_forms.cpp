@@ -300,17 +300,14 @@ struct PackedCase {
 
 class Packed : public ::testing::TestWithParam<PackedCase> {};
 
-TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
-  const PackedCase& pc = GetParam();
-  const std::int64_t B = 2;
-  const SpLayout lay = SpLayout::custom(B, pc.seq, pc.heads);
-  test::TestRng rng(lay.seq * 31 + pc.seq.size());
-  const Documents docs = Documents::from_cu_seqlens(
-      "test", B, lay.seq,
-      {random_cuts(lay.seq, pc.shape0, rng), random_cuts(lay.seq, pc.shape1, rng)});
+// Every form and variant on `lay`, eager and flash, rq 0 and 7, with the
+// documents: equal to explicit run on each document alone, and its ledger
+// to the closed form (the same tensors cross the wire: packing changes no
+// byte).
+void expect_every_variant_matches_documents(const SpLayout& lay, const Documents& docs) {
   for (std::int64_t rq : {0, 7}) {
     const MlaConfig cfg = test_config(rq);
-    const Inputs in = make_inputs(cfg, B, lay.seq);
+    const Inputs in = make_inputs(cfg, lay.batch, lay.seq);
     RunSpec spec;
     spec.variant.form = Form::explicit_form, spec.attention = AttentionKind::eager;
     const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
@@ -322,10 +319,20 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
         const std::string tag = to_string(v) + " " + to_string(a) + " rq" + std::to_string(rq) +
                                 " " + lay.describe() + " docs " + docs.describe();
         expect_run_matches(run, ref, 1e-5, tag);
-        // The same tensors cross the wire: packing changes no byte.
         expect_ledger_matches_model(cfg, lay, v, run);
       }
   }
+}
+
+TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
+  const PackedCase& pc = GetParam();
+  const std::int64_t B = 2;
+  const SpLayout lay = SpLayout::custom(B, pc.seq, pc.heads);
+  test::TestRng rng(lay.seq * 31 + pc.seq.size());
+  expect_every_variant_matches_documents(
+      lay, Documents::from_cu_seqlens(
+               "test", B, lay.seq,
+               {random_cuts(lay.seq, pc.shape0, rng), random_cuts(lay.seq, pc.shape1, rng)}));
 }
 
 // Packed documents on zigzag shards: every form equals each document run
@@ -333,27 +340,10 @@ TEST_P(Packed, EveryFormEqualsEachDocumentAlone) {
 TEST(Packed, ZigzagShardsEqualEachDocumentAlone) {
   const std::int64_t B = 2;
   for (const auto& [S, P] : std::vector<std::pair<std::int64_t, int>>{{13, 2}, {20, 3}, {17, 4}}) {
-    const SpLayout lay = SpLayout::even(B, S, 5, P, SeqLayout::zigzag);
     test::TestRng rng(S * 37 + P);
-    const Documents docs =
-        Documents::from_cu_seqlens("test", B, S, {random_cuts(S, 0, rng), random_cuts(S, 2, rng)});
-    for (std::int64_t rq : {0, 7}) {
-      const MlaConfig cfg = test_config(rq);
-      const Inputs in = make_inputs(cfg, B, S);
-      RunSpec spec;
-      spec.variant.form = Form::explicit_form, spec.attention = AttentionKind::eager;
-      const BlockRun<float> ref = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
-      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-        for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
-          RunSpec packed = spec_of(v, a);
-          packed.documents = &docs;
-          const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, packed);
-          const std::string tag = to_string(v) + " " + to_string(a) + " rq" + std::to_string(rq) +
-                                  " " + lay.describe() + " docs " + docs.describe();
-          expect_run_matches(run, ref, 1e-5, tag);
-          expect_ledger_matches_model(cfg, lay, v, run);
-        }
-    }
+    expect_every_variant_matches_documents(
+        SpLayout::even(B, S, 5, P, SeqLayout::zigzag),
+        Documents::from_cu_seqlens("test", B, S, {random_cuts(S, 0, rng), random_cuts(S, 2, rng)}));
   }
 }
 
