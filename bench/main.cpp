@@ -39,7 +39,10 @@ int main(int argc, char** argv) {
   Options opt;
   bool list = false;
   CLI::App app{"laga_bench: kernel benchmarks in one table (see docs/performance.md)"};
-  app.add_option("names", opt.filters, "benchmarks to run (substring match); all when omitted");
+  app.add_option(
+      "names", opt.filters,
+      "benchmarks to run: a whole name selects that one, else every name it is a substring "
+      "of; all when omitted");
   app.add_option("--case", opt.cases, "only the cases whose name contains this (repeatable)")
       ->expected(1)
       ->allow_extra_args(false)
@@ -89,9 +92,16 @@ int main(int argc, char** argv) {
         "higher of the two): the machine's speed drifts\n");
     Context ctx(opt);
     int ran = 0;
+    // A name that is a benchmark's whole name selects that one (`block`, not
+    // also block_bf16); any other is a substring of the names it selects.
+    auto selects = [](const std::string& f, const std::string& name) {
+      for (const Benchmark& other : registry())
+        if (other.name == f) return name == f;
+      return name.find(f) != std::string::npos;
+    };
     for (const Benchmark& b : registry()) {
       bool match = opt.filters.empty();
-      for (const std::string& f : opt.filters) match = match || b.name.find(f) != std::string::npos;
+      for (const std::string& f : opt.filters) match = match || selects(f, b.name);
       if (!match) continue;
       std::printf("#\n# ---- %s: %s\n", b.name.c_str(), b.help.c_str());
       b.fn(ctx);

@@ -51,6 +51,9 @@ def main():
     out = run([bench, "block", "--quick", "--torch", "--python", python, "--repeats", "2",
                "--warmup", "0"]).stdout
     check_no_wrong(out, "laga_bench block --quick --torch")
+    # "block" is a whole benchmark's name: it selects that one, not block_bf16 too.
+    if "# ---- block: " not in out or "# ---- block_bf16" in out:
+        sys.exit(f"FAIL: laga_bench block ran other benchmarks than block:\n{out}")
     speedups = re.findall(r"^  (block_\w+)\s.*\s([0-9.]+)x$", out, re.M)
     if sorted(op for op, _ in speedups) != ["block_absorbed", "block_explicit", "block_laga"]:
         sys.exit(f"FAIL: block --torch: expected one speedup per form, got {speedups}\n{out}")
