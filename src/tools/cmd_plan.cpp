@@ -14,6 +14,7 @@
 
 #include "core/error.hpp"
 #include "core/whole_number.hpp"
+#include "mla/work_model.hpp"
 #include "plan/measure.hpp"
 #include "plan/model_plan.hpp"
 #include "plan/planner.hpp"
@@ -95,6 +96,39 @@ std::string measured_share(const PlanRequest& q, const std::vector<PlanCase>& ca
              efficiency);
 }
 
+// On contiguous shards the forms that attend their own tokens' queries
+// (the work model's balance, not their names) leave the last rank about
+// 2P - 1 times the first's causal work; the note names them and the layout
+// that evens it, as TransformerEngine runs its rings.
+std::string unbalanced_note(const PlanRequest& q) {
+  if (q.seq_layout != SeqLayout::contiguous || q.seqs.empty() || q.sps.empty()) return "";
+  const int P = *std::max_element(q.sps.begin(), q.sps.end());
+  const std::int64_t S = *std::max_element(q.seqs.begin(), q.seqs.end());
+  if (P < 2 || S < P) return "";
+  const SpLayout contiguous = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
+  const SpLayout zigzag = SpLayout::even(q.batch, S, q.cfg.n_heads, P, SeqLayout::zigzag);
+  std::vector<std::string> names;
+  double worst = 0;  // the first such form's max/min
+  for (FormVariant v : q.forms) {
+    const std::string name = form_spec(v.form).name;
+    const double balance = attention_balance(q.cfg, contiguous, v, nullptr);
+    if (balance > 2 * attention_balance(q.cfg, zigzag, v, nullptr) &&
+        std::find(names.begin(), names.end(), name) == names.end()) {
+      if (names.empty()) worst = balance;
+      names.push_back(name);
+    }
+  }
+  if (names.empty()) return "";
+  std::string list;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    list += (i ? (i + 1 == names.size() ? " and " : ", ") : "") + names[i];
+  return cat("  note: ", list, " attend their own tokens' queries: on these contiguous shards the ",
+             "last rank does most of the causal work (", names.size() > 1 ? "the first's" : "its",
+             " max/min ", fmt("%.3g", worst), " at S ", S, ", P ", P,
+             "); --seq-layout zigzag plans them on the load-balanced layout ",
+             "TransformerEngine and Megatron run\n");
+}
+
 std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
   std::ostringstream o;
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
@@ -110,6 +144,7 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
             : "")
     << "\n";
   o << "  compute: " << measured_share(q, cases) << "\n";
+  o << unbalanced_note(q);
   for (const PlanCase& c : cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
       << (c.links.nodes > 1 ? c.links.fabric.ranks_per_node : c.sp) << " rank(s) per node; intra "

@@ -154,6 +154,18 @@ if case == "exact":
                       "v3_p8_sp_" + lay) for lay in ("contiguous", "zigzag")}
     if both["zigzag"]["seq_layout"] != "zigzag":
         failures.append(f"plan --seq-layout zigzag: JSON seq_layout {both['zigzag']['seq_layout']}")
+    # The table says where the contiguous layout leaves a form unbalanced.
+    for lay, want in (("contiguous", True), ("zigzag", False)):
+        out = run(["plan", "--quiet", "--profile", "h100", "--seq-layout", lay] + v3 +
+                  seq_sp).stdout
+        note = "allgather_kv, ring_kv and ring_latent attend their own tokens' queries"
+        if (note in out) != want or (want and "--seq-layout zigzag plans them" not in out):
+            failures.append(f"plan --seq-layout {lay}: the balance note is "
+                            f"{'missing' if want else 'printed'}:\n{out}")
+    if "attend their own tokens' queries" in run(["plan", "--quiet", "--profile", "h100"] + v3 +
+                                                 ["--seq", "32768", "--sp", "8", "--forms",
+                                                  "laga,explicit"]).stdout:
+        failures.append("plan of head-parallel forms: the balance note is printed")
     for a, b in zip(both["contiguous"]["plans"], both["zigzag"]["plans"]):
         if not b["predicted_step_s"] < 0.8 * a["predicted_step_s"]:
             failures.append(f"{a['form']} at 32k P 8: zigzag {b['predicted_step_s']} s is not "
