@@ -42,7 +42,8 @@ Step::Step(const BlockContext& c) : ctx(c) {
   Sk = query_ranges.empty() ? 0 : query_ranges.back().end;
   for (const std::vector<TokenRange>& q : attention.tokens)
     attends_all_queries = attends_all_queries && q == std::vector<TokenRange>{{0, S}};
-  own_ranges = lay.seq_ranges[r];
+  // The local tokens: one range, or a zigzag shard's two.
+  const std::vector<TokenRange>& own_ranges = lay.seq_ranges[r];
   if (const Documents* docs = c.documents) {
     LAGA_CHECK(docs->batch() == B && docs->seq() == S, "block: the documents are for (B ",
                docs->batch(), ", S ", docs->seq(), ") but the batch is (B ", B, ", S ", S, ")");

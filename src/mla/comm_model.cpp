@@ -25,11 +25,7 @@ CommTerms::CommTerms(const MlaConfig& c, const SpLayout& lay, FormVariant v, int
 PredictedBytes CommTerms::seq_to_head(std::int64_t d, bool per_head) const {
   // The tokens of rank i's seq shard that rank j attends as queries.
   auto attended_tokens = [&](int i, int j) {
-    std::int64_t n = 0;
-    for (const TokenRange& t : layout.seq_ranges[z(i)])
-      for (const TokenRange& q : attention.tokens[z(j)])
-        n += std::max<std::int64_t>(0, std::min(t.end, q.end) - std::max(t.begin, q.begin));
-    return n;
+    return tokens_in_common(layout.seq_ranges[z(i)], attention.tokens[z(j)]);
   };
   auto heads = [&](int j) { return per_head ? attention.head_count[z(j)] : 1; };
   const std::int64_t B = layout.batch, e = elem_bytes;

@@ -76,7 +76,10 @@ std::vector<Form> forms_with(bool FormTraits::*trait) {
 }
 
 std::string names_of_forms_with(bool FormTraits::*trait) {
-  const std::vector<Form> forms = forms_with(trait);
+  return names_of(forms_with(trait));
+}
+
+std::string names_of(const std::vector<Form>& forms) {
   std::string s;
   for (std::size_t i = 0; i < forms.size(); ++i)
     s += cat(i == 0 ? "" : i + 1 == forms.size() ? " and " : ", ", to_string(forms[i]));

@@ -29,9 +29,6 @@ struct Step {
   std::int64_t Nq;     // the query side's rows of in_proj: H dqk (wq, rq == 0) or rq (wq_a)
   std::int64_t KV;     // dn + dv: one head's rows of wkv_b
   std::int64_t pos0;   // global index of the first local token
-  // The local tokens, SpLayout::seq_ranges (one range unless zigzag; L rows
-  // in all, one range after the other).
-  std::vector<TokenRange> own_ranges;
   // Where attention runs. Every form but laga2d attends all S tokens for its
   // SpLayout head shard (Hr heads from h0); laga2d attends its head group's
   // Hr heads from h0 for its query ranges over keys [0, Sk)

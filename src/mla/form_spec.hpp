@@ -135,6 +135,8 @@ const FormSpec& form_spec(Form f);  // the row (form.cpp)
 // words ("laga and laga2d") for the messages that refuse a variant.
 std::vector<Form> forms_with(bool FormTraits::*trait);
 std::string names_of_forms_with(bool FormTraits::*trait);
+// Any forms' names in words: "allgather_kv, ring_kv and ring_latent"; "no form".
+std::string names_of(const std::vector<Form>& forms);
 
 // The one variant check: throws laga::Error naming the option and the form
 // when v asks what its form does not admit (FormTraits), when the query

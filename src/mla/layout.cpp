@@ -26,6 +26,14 @@ std::int64_t sum(const std::vector<std::int64_t>& v) {
 }
 }  // namespace
 
+std::int64_t tokens_in_common(const std::vector<TokenRange>& a, const std::vector<TokenRange>& b) {
+  std::int64_t n = 0;
+  for (const TokenRange& s : a)
+    for (const TokenRange& t : b)
+      n += std::max<std::int64_t>(0, std::min(s.end, t.end) - std::max(s.begin, t.begin));
+  return n;
+}
+
 const char* to_string(SeqLayout l) {
   switch (l) {
     case SeqLayout::contiguous:

@@ -31,6 +31,9 @@ struct TokenRange {
   friend bool operator==(const TokenRange&, const TokenRange&) = default;
 };
 
+// How many tokens two sets of ranges share (each ascending and disjoint).
+std::int64_t tokens_in_common(const std::vector<TokenRange>& a, const std::vector<TokenRange>& b);
+
 enum class SeqLayout { contiguous, zigzag };
 const char* to_string(SeqLayout l);
 SeqLayout parse_seq_layout(const std::string& s);  // "contiguous" | "zigzag"

@@ -232,6 +232,7 @@ inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingRec
 template <class T>
 struct RingStep {
   int owner = 0;
+  RingRect rect;  // what it attends (forward's; backward reads it)
   std::vector<RingCall> calls;
   Tensor<T> probs;  // eager: (B, H, rows, keys) of its RingRect, each call's at probs_off
   Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, rows)
@@ -349,8 +350,9 @@ struct RingAttention {
         next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", pending);
       // What every block with keys the own tokens see costs, packed or
       // not: the count-only run, which has no documents, must allocate what
-      // the real one does (RingPairs).
-      const RingRect rect = ring_rect(lay, r, step.owner);
+      // the real one does (RingRect).
+      step.rect = ring_rect(lay, r, step.owner);
+      const RingRect& rect = step.rect;
       step.calls = ring_calls(st, step.owner, rect);
       if (rect.rows > 0) {
         if (eager) {
@@ -440,7 +442,7 @@ struct RingAttention {
       // call's at its rows: dq added at once, the block's dK/dV once its
       // accumulator has arrived.
       Tensor<T> dkv;
-      const RingRect rect = ring_rect(lay, st.ctx.comm.rank(), step.owner);
+      const RingRect& rect = step.rect;
       if (rect.rows > 0) {
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
         Tensor<T> dq_part({st.B * st.L, st.H * st.dqk}, "dq_part");

@@ -112,12 +112,9 @@ RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVaria
   for (int r = 0; r < layout.ranks; ++r) {
     const auto u = size_t(r);
     std::vector<std::int64_t> rows;  // the query ranges it attends, flattened
-    std::int64_t own = 0;            // of them, rows of its own tokens
-    for (const TokenRange& q : att.tokens[u]) {
-      rows.insert(rows.end(), {q.begin, q.end});
-      for (const TokenRange& t : layout.seq_ranges[u])
-        own += std::max<std::int64_t>(0, std::min(t.end, q.end) - std::max(t.begin, q.begin));
-    }
+    for (const TokenRange& q : att.tokens[u]) rows.insert(rows.end(), {q.begin, q.end});
+    // Of them, rows of its own tokens.
+    const std::int64_t own = tokens_in_common(att.tokens[u], layout.seq_ranges[u]);
     const Key key{layout.seq_count[u], own, att.head_count[u], std::move(rows),
                   all_reduce_chunk(n, layout.ranks, r)};
     const auto [it, fresh] = index.try_emplace(key, int(c.representatives.size()));

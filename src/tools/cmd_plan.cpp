@@ -107,23 +107,20 @@ std::string unbalanced_note(const PlanRequest& q) {
   if (P < 2 || S < P) return "";
   const SpLayout contiguous = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
   const SpLayout zigzag = SpLayout::even(q.batch, S, q.cfg.n_heads, P, SeqLayout::zigzag);
-  std::vector<std::string> names;
+  std::vector<Form> forms;
   double worst = 0;  // the first such form's max/min
   for (FormVariant v : q.forms) {
-    const std::string name = form_spec(v.form).name;
     const double balance = attention_balance(q.cfg, contiguous, v, nullptr);
     if (balance > 2 * attention_balance(q.cfg, zigzag, v, nullptr) &&
-        std::find(names.begin(), names.end(), name) == names.end()) {
-      if (names.empty()) worst = balance;
-      names.push_back(name);
+        std::find(forms.begin(), forms.end(), v.form) == forms.end()) {
+      if (forms.empty()) worst = balance;
+      forms.push_back(v.form);
     }
   }
-  if (names.empty()) return "";
-  std::string list;
-  for (std::size_t i = 0; i < names.size(); ++i)
-    list += (i ? (i + 1 == names.size() ? " and " : ", ") : "") + names[i];
-  return cat("  note: ", list, " attend their own tokens' queries: on these contiguous shards the ",
-             "last rank does most of the causal work (", names.size() > 1 ? "the first's" : "its",
+  if (forms.empty()) return "";
+  return cat("  note: ", names_of(forms),
+             " attend their own tokens' queries: on these contiguous shards the ",
+             "last rank does most of the causal work (", forms.size() > 1 ? "the first's" : "its",
              " max/min ", fmt("%.3g", worst), " at S ", S, ", P ", P,
              "); --seq-layout zigzag plans them on the load-balanced layout ",
              "TransformerEngine and Megatron run\n");

@@ -45,6 +45,8 @@ void run_verify(const VerifyOptions& o) {
   const MlaConfig cfg = o.model.load();  // protects --config: --json may not be it
   vet_outputs({{"--json", o.json}});
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
+  // The P-rank runs' shards (the reference at P 1 is one range either way).
+  const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
   const std::vector<FormVariant> forms = form_variants(
       parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));
   const std::optional<Documents> docs = load_documents(o.doc_lens, nullptr, "", o.batch, o.seq);
@@ -58,9 +60,8 @@ void run_verify(const VerifyOptions& o) {
   check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), {reference},
                          parse_attention(o.attention), sizeof(T));
   for (int P : sps)
-    check_block_job_memory(
-        o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P, parse_seq_layout(o.seq_layout)),
-        forms, parse_attention(o.attention), sizeof(T));
+    check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P, seq_layout),
+                           forms, parse_attention(o.attention), sizeof(T));
   const MlaParams<T> w = random_weights<T>(cfg, o.seed);
   const Tensor<T> x = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 1);
   const Tensor<T> dout = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 2);
@@ -91,8 +92,7 @@ void run_verify(const VerifyOptions& o) {
   for (int P : sps) {
     if (o.comm.backend == Backend::mpi && sps.size() > 1)
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
-    const SpLayout layout =
-        SpLayout::even(o.batch, o.seq, cfg.n_heads, P, parse_seq_layout(o.seq_layout));
+    const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P, seq_layout);
     for (FormVariant f : forms) {
       spec.variant = f;
       BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
