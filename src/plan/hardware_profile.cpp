@@ -163,6 +163,12 @@ ops::AttentionPass parse_pass(const std::string& s, const std::string& where) {
 // A measured call's seconds: positive and finite.
 ShapeTimes read_shapes(Fields f, const std::string& source) {
   ShapeTimes t;
+  if (f.has("dtype")) {
+    const std::string d = f.text("dtype");
+    LAGA_CHECK(d == "fp32" || d == "bf16", "profile ", source, ": ", f.path("dtype"), " = '", d,
+               "' must be fp32 or bf16 (the element type the shapes were timed in)");
+    t.dtype = parse_plan_dtype(d);
+  }
   for (Fields g : f.objects("gemm")) {
     ops::GemmCall c;
     c.trans_a = g.flag("trans_a"), c.trans_b = g.flag("trans_b");
@@ -190,32 +196,42 @@ ShapeTimes read_shapes(Fields f, const std::string& source) {
   return t;
 }
 
+// One call's shape as measured_shapes names it (the op counters' fields).
+json shape_json(const ops::GemmCall& c) {
+  return {{"trans_a", c.trans_a},
+          {"trans_b", c.trans_b},
+          {"m", c.m},
+          {"n", c.n},
+          {"k", c.k},
+          {"lda", c.lda},
+          {"ldb", c.ldb},
+          {"ldc", c.ldc},
+          {"accumulate", c.accumulate}};
+}
+json shape_json(const ops::AttentionCall& c) {
+  return {{"kernel", to_string(c.kernel)},
+          {"pass", to_string(c.pass)},
+          {"B", c.B},
+          {"Sq", c.Sq},
+          {"Sk", c.Sk},
+          {"Hq", c.Hq},
+          {"Hk", c.Hk},
+          {"dqk", c.dqk},
+          {"dv", c.dv},
+          {"causal", c.causal}};
+}
+
+// j with more's fields added.
+json with(json j, const json& more) {
+  j.update(more);
+  return j;
+}
+
 json shapes_json(const ShapeTimes& t) {
   json gemm = json::array(), attention = json::array();
-  for (const auto& [c, s] : t.gemm)
-    gemm.push_back({{"trans_a", c.trans_a},
-                    {"trans_b", c.trans_b},
-                    {"m", c.m},
-                    {"n", c.n},
-                    {"k", c.k},
-                    {"lda", c.lda},
-                    {"ldb", c.ldb},
-                    {"ldc", c.ldc},
-                    {"accumulate", c.accumulate},
-                    {"seconds", s}});
-  for (const auto& [c, s] : t.attention)
-    attention.push_back({{"kernel", to_string(c.kernel)},
-                         {"pass", to_string(c.pass)},
-                         {"B", c.B},
-                         {"Sq", c.Sq},
-                         {"Sk", c.Sk},
-                         {"Hq", c.Hq},
-                         {"Hk", c.Hk},
-                         {"dqk", c.dqk},
-                         {"dv", c.dv},
-                         {"causal", c.causal},
-                         {"seconds", s}});
-  return {{"gemm", gemm}, {"attention", attention}};
+  for (const auto& [c, s] : t.gemm) gemm.push_back(with(shape_json(c), {{"seconds", s}}));
+  for (const auto& [c, s] : t.attention) attention.push_back(with(shape_json(c), {{"seconds", s}}));
+  return {{"dtype", to_string(t.dtype)}, {"gemm", gemm}, {"attention", attention}};
 }
 
 }  // namespace
@@ -324,6 +340,21 @@ std::string profile_json(const HardwareProfile& p) {
   if (!p.measured_shapes.gemm.empty() || !p.measured_shapes.attention.empty())
     j["measured_shapes"] = shapes_json(p.measured_shapes);
   return j.dump(2) + "\n";
+}
+
+std::string shape_list_json(const ops::OpCounts& calls) {
+  json gemm = json::array(), attention = json::array();
+  const auto tally = [](const ops::CallTally& t) {
+    return json{{"calls", t.calls}, {"flops", t.flops}};
+  };
+  for (const auto& [c, t] : calls.gemm_calls) gemm.push_back(with(shape_json(c), tally(t)));
+  for (const auto& [c, t] : calls.attention_calls) {
+    // An empty call (a rank without heads) costs nothing; one with document
+    // starts costs what their positions make it, which its extents do not say.
+    if (c.documents || c.B == 0 || c.Sq == 0 || c.Sk == 0 || c.Hq == 0 || c.Hk == 0) continue;
+    attention.push_back(with(shape_json(c), tally(t)));
+  }
+  return json{{"gemm", gemm}, {"attention", attention}}.dump(1) + "\n";
 }
 
 }  // namespace laga

@@ -17,6 +17,7 @@
 //     "intra_node": {"bytes_per_s": 450e9, "latency_us": 3, "topology": "switch"},
 //     "inter_node": {"bytes_per_s": 50e9, "latency_us": 5, "topology": "switch"},
 //     "measured_shapes": {                                 // optional: `laga plan --measure`
+//       "dtype": "fp32",                                   // optional: the timings' element type
 //       "gemm": [{"trans_a": false, "trans_b": true, "m": 512, "n": 272, "k": 256,
 //                 "lda": 256, "ldb": 256, "ldc": 272, "accumulate": false,
 //                 "seconds": 1.2e-4}, ...],
@@ -40,10 +41,13 @@
 // whatever devices_per_node says. Absent: one device per rank.
 //
 // measured_shapes: the seconds one call of each GEMM and attention kernel
-// shape took on one device (fp32, laga's own kernels, one thread), as
-// `laga plan --measure` times them for the shapes of the plan it is given.
-// The time model uses a shape's own time where the profile has it and the
-// efficiency figures where it does not (plan/time_model.hpp).
+// shape took on one device, as `laga plan --measure` times them for the
+// shapes of the plan it is given (fp32, laga's own kernels, one thread), or
+// as scripts/time_shapes_torch.py times the shapes `laga plan --list-shapes`
+// lists on a GPU (bf16, cuBLAS and torch's attention). `dtype` says which
+// element type the timings are of (default fp32); the time model uses a
+// shape's own time for plans of that dtype, where the profile has it, and
+// the efficiency figures otherwise (plan/time_model.hpp).
 //
 // The shipped profiles (profiles/*.json) are compiled into the binary by
 // CMake (src/plan/CMakeLists.txt), so `laga plan --profile h100` works from
@@ -76,8 +80,9 @@ struct DeviceProfile {
   double memory_bytes_per_s = 0;
 };
 
-// Seconds per call of each kernel shape, measured in fp32 on one device.
+// Seconds per call of each kernel shape, measured in `dtype` on one device.
 struct ShapeTimes {
+  PlanDType dtype = PlanDType::fp32;  // the plans these timings cost
   std::map<ops::GemmCall, double> gemm;
   std::map<ops::AttentionCall, double> attention;
 };
@@ -102,5 +107,11 @@ HardwareProfile load_profile(const std::string& name_or_path);
 std::vector<std::string> builtin_profile_names();
 // The profile as JSON in the schema above (parse_profile reads it back).
 std::string profile_json(const HardwareProfile& p);
+// The GEMM and attention call shapes of `calls` in measured_shapes' fields,
+// each with its "calls" and "flops" instead of "seconds" (`laga plan
+// --list-shapes`: what a device timer, scripts/time_shapes_torch.py, times).
+// Attention calls with document starts and empty calls are left out: the
+// extents alone do not say what they cost.
+std::string shape_list_json(const ops::OpCounts& calls);
 
 }  // namespace laga

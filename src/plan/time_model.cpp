@@ -150,9 +150,11 @@ PlanLinks plan_links(const HardwareProfile& profile, int P, int nodes,
 ComputeTime compute_time(const ops::OpCounts& c, const HardwareProfile& profile, PlanDType dtype) {
   const double peak = profile.peak_flops(dtype);
   const DeviceProfile& d = profile.device;
-  // Measured shapes are fp32 timings of laga's kernels: they cost fp32 plans only.
+  // Measured shapes cost only plans of the element type they were timed in
+  // (laga's CPU kernels time fp32; a GPU's bf16 timings cost bf16 plans).
   static const ShapeTimes none;
-  const ShapeTimes& shapes = dtype == PlanDType::fp32 ? profile.measured_shapes : none;
+  const ShapeTimes& shapes =
+      dtype == profile.measured_shapes.dtype ? profile.measured_shapes : none;
   ComputeTime t;
   t.gemm_s = calls_seconds(c.gemm_calls, shapes.gemm, peak * d.gemm_efficiency, t.unmeasured_flops);
   t.attention_s = calls_seconds(c.attention_calls, shapes.attention, peak * d.attention_efficiency,

@@ -32,7 +32,7 @@ struct PlanOptions {
   ModelOptions model_options;
   std::int64_t batch = 1;
   std::string seq = "4096", sp = "8";
-  std::string profile, measure;
+  std::string profile, measure, list_shapes;
   int nodes = 0;
   // dtype: empty means bf16, or fp32 with --profile this (its figures are
   // laga's fp32 kernels).
@@ -48,7 +48,8 @@ struct PlanOptions {
   // Given options that only --model reads, and whether --preset/--config was.
   std::vector<std::string> model_only_given;
   bool attention_config_given = false;
-  // The options given that only a plan reads (--measure plans nothing).
+  // The options given that only a plan reads (--measure and --list-shapes
+  // plan nothing).
   std::vector<std::string> plan_only_given;
 };
 
@@ -464,16 +465,30 @@ void run_plan(const PlanOptions& o) {
     if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
   };
   protect_input(o.profile, "--profile");  // a profile FILE may not be an output
-  vet_outputs({{"--json", o.json}, {"--measure", o.measure}});
+  vet_outputs({{"--json", o.json}, {"--measure", o.measure}, {"--list-shapes", o.list_shapes}});
   const bool measuring = !o.measure.empty();
+  const bool listing = !o.list_shapes.empty();
+  LAGA_CHECK(!(measuring && listing),
+             "--measure times this machine's shapes and --list-shapes lists them for another "
+             "device to time; give one of them");
   LAGA_CHECK(
-      measuring || !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
+      !listing || o.plan_only_given.empty(),
+      "--list-shapes FILE lists the plan's GEMM and attention shapes and plans nothing, so ",
+      [&] {
+        std::string s;
+        for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
+        return s;
+      }(),
+      " would be ignored; time the shapes (scripts/time_shapes_torch.py), then plan with "
+      "--profile and those options");
+  LAGA_CHECK(
+      measuring || listing || !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
       [] {
         std::string n;
         for (const std::string& s : builtin_profile_names()) n += s + ", ";
         return n;
       }(),
-      "or this) or --measure FILE");
+      "or this), --measure FILE or --list-shapes FILE");
   // --measure writes a profile and plans nothing: an option only a plan
   // reads would be ignored without a word (issue 26).
   LAGA_CHECK(
@@ -524,6 +539,14 @@ void run_plan(const PlanOptions& o) {
   q.seq_layout = parse_seq_layout(o.seq_layout);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(dtype);
+  if (listing) {
+    // The shapes a device must time to cost these plans call by call; with
+    // --model, the layers' FFN and head GEMMs too.
+    write_output(
+        o.list_shapes,
+        shape_list_json(model ? model_plan_calls(model_request(o, *model, q)) : plan_calls(q)));
+    return;
+  }
   if (measuring || o.profile == "this") {
     // This machine, and the time of every GEMM and attention shape the plans
     // described by the other options cost.
@@ -601,6 +624,11 @@ void register_plan(CLI::App& app) {
                 "in-process communicator, and the time of every GEMM and attention shape of the "
                 "plan the other options describe, with --model its layers' FFN and head GEMMs "
                 "too) and write its profile to FILE; plans nothing");
+  c->add_option("--list-shapes", o->list_shapes,
+                "write the GEMM and attention call shapes of the plan the other options describe "
+                "(with --model its layers' FFN and head GEMMs too), each with its calls and "
+                "FLOPs, as JSON to FILE, for a device to time (scripts/time_shapes_torch.py "
+                "writes a profile with their measured_shapes); plans nothing");
   c->add_option("--nodes", o->nodes,
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")

@@ -111,6 +111,49 @@ TEST(HardwareProfile, MeasuredShapesParseAndRoundTrip) {
   const HardwareProfile b = parse_profile(profile_json(a), "again");
   EXPECT_EQ(a.measured_shapes.gemm, b.measured_shapes.gemm);
   EXPECT_EQ(a.measured_shapes.attention, b.measured_shapes.attention);
+  // Without "dtype" the timings are fp32 (laga plan --measure's); a GPU's
+  // bf16 timings say so, and the dtype round-trips.
+  EXPECT_EQ(a.measured_shapes.dtype, PlanDType::fp32);
+  json j = with_shapes();
+  j["measured_shapes"]["dtype"] = "bf16";
+  const HardwareProfile c = parse_profile(j.dump(), "bf16");
+  EXPECT_EQ(c.measured_shapes.dtype, PlanDType::bf16);
+  EXPECT_EQ(parse_profile(profile_json(c), "again").measured_shapes.dtype, PlanDType::bf16);
+}
+
+TEST(HardwareProfile, ShapeListNamesEachCallWithItsCallsAndFlops) {
+  ops::OpCounts c;
+  const ops::GemmCall g{false, true, 64, 32, 16, 16, 48, 32, true};
+  c.add_gemm(g, 3);
+  ops::AttentionCall at;
+  at.B = 2, at.Sq = 128, at.Sk = 256, at.Hq = 4, at.Hk = 1, at.dqk = 40, at.dv = 32;
+  at.kernel = AttentionKind::flash;
+  c.attention_calls[at] = {2, 1e9};
+  ops::AttentionCall docs = at, empty = at;  // neither is listed
+  docs.documents = true, empty.Hq = 0;
+  c.attention_calls[docs] = {1, 5e8};
+  c.attention_calls[empty] = {1, 0};
+  const json j = json::parse(shape_list_json(c));
+  ASSERT_EQ(j.at("gemm").size(), 1u);
+  ASSERT_EQ(j.at("attention").size(), 1u);
+  const json& jg = j["gemm"][0];
+  EXPECT_EQ(jg.at("m"), 64);
+  EXPECT_EQ(jg.at("ldb"), 48);
+  EXPECT_EQ(jg.at("accumulate"), true);
+  EXPECT_EQ(jg.at("calls"), 3);
+  EXPECT_EQ(jg.at("flops"), 2.0 * 64 * 32 * 16 * 3);
+  const json& ja = j["attention"][0];
+  EXPECT_EQ(ja.at("kernel"), "flash");
+  EXPECT_EQ(ja.at("Sk"), 256);
+  EXPECT_EQ(ja.at("calls"), 2);
+  // A shape listed and then timed is a measured shape the profile reads back.
+  json timed = json::parse(kGood);
+  json g1 = jg, a1 = ja;
+  for (json* s : {&g1, &a1}) s->erase("calls"), s->erase("flops"), (*s)["seconds"] = 1e-4;
+  timed["measured_shapes"] = {{"dtype", "bf16"}, {"gemm", {g1}}, {"attention", {a1}}};
+  const HardwareProfile p = parse_profile(timed.dump(), "timed");
+  EXPECT_EQ(p.measured_shapes.gemm.at(g), 1e-4);
+  EXPECT_EQ(p.measured_shapes.attention.at(at), 1e-4);
 }
 
 TEST(HardwareProfile, BadMeasuredShapesAreNamed) {
@@ -131,6 +174,8 @@ TEST(HardwareProfile, BadMeasuredShapesAreNamed) {
        "profile t: unknown field measured_shapes.attention[0].documents"},
       {[](json& j) { j["measured_shapes"]["gemm"] = 3; },
        "profile t: measured_shapes.gemm must be a JSON array"},
+      {[](json& j) { j["measured_shapes"]["dtype"] = "fp16"; },
+       "profile t: measured_shapes.dtype = 'fp16' must be fp32 or bf16"},
   };
   for (const Bad& b : cases) {
     json j = with_shapes();

@@ -209,6 +209,35 @@ TEST(TimeModel, MeasuredShapesCostTheirCalls) {
                                                tally.flops / (peak * d.gemm_efficiency));
 }
 
+TEST(TimeModel, MeasuredShapesCostPlansOfTheirDtypeOnly) {
+  // A GPU's bf16 timings (scripts/time_shapes_torch.py) cost bf16 plans and
+  // leave fp32 plans at the efficiency: the reverse of laga's fp32 CPU timings.
+  const MlaConfig cfg = tiny();
+  const SpLayout lay = SpLayout::even(1, 32, cfg.n_heads, 2);
+  const Fabric fabric = single_level({10e9, 20e-6, Topology::switched});
+  HardwareProfile prof = load_profile("h200");
+  prof.measured_shapes.dtype = PlanDType::bf16;
+  const auto work = [&](PlanDType t) {
+    return rank_work(cfg, lay, FormVariant(Form::laga), AttentionKind::flash, 0, t);
+  };
+  const RankWork bf16 = work(PlanDType::bf16), fp32 = work(PlanDType::fp32);
+  for (const ops::OpCounts& c : bf16.ops) {
+    for (const auto& [g, t] : c.gemm_calls) prof.measured_shapes.gemm[g] = 2e-3;
+    for (const auto& [a, t] : c.attention_calls) prof.measured_shapes.attention[a] = 7e-3;
+  }
+  const auto b = rank_time(bf16, 2, prof, PlanDType::bf16, fabric);
+  const auto f = rank_time(fp32, 2, prof, PlanDType::fp32, fabric);
+  for (size_t ph = 0; ph < 3; ++ph) {
+    const ops::OpCounts& c = bf16.ops[ph];
+    double want = c.elementwise_bytes / prof.device.elementwise_bytes_per_s;
+    for (const auto& [g, t] : c.gemm_calls) want += 2e-3 * double(t.calls);
+    for (const auto& [a, t] : c.attention_calls) want += 7e-3 * double(t.calls);
+    EXPECT_DOUBLE_EQ(b[ph].compute_s(), want) << ph;
+    EXPECT_EQ(b[ph].compute.unmeasured_flops, 0) << ph;
+    EXPECT_EQ(f[ph].compute.unmeasured_flops, f[ph].compute.flops) << ph;
+  }
+}
+
 TEST(TimeModel, RankClassesGroupRanksWithTheSameWork) {
   const MlaConfig cfg = tiny();  // 4 heads
   // S 10 over 4 ranks: tokens 3+3+2+2, heads 1 each.

@@ -15,7 +15,10 @@ measure: --measure FILE writes a profile that --profile FILE plans with,
          holding the time of every GEMM and attention shape of the plan the
          other options describe: a plan with those options costs every call
          at its measured time, one at another S costs them at the
-         efficiency.
+         efficiency. --list-shapes FILE lists the same shapes, each with its
+         calls and FLOPs; timed in bf16 (as scripts/time_shapes_torch.py
+         does on a GPU) they cost a bf16 plan's every call and no fp32
+         plan's.
 """
 import json
 import os
@@ -192,6 +195,14 @@ if case == "exact":
 elif case == "errors":
     base = ["plan", "--preset", "tiny", "--seq", "64", "--sp", "2"]
     check_error(base, "laga plan needs --profile NAME|FILE", "no profile")
+    listed = os.path.join(tmp, "listed.json")
+    check_error(base + ["--list-shapes", listed, "--profile", "h100"],
+                "--list-shapes FILE lists the plan's GEMM and attention shapes and plans nothing, "
+                "so --profile would be ignored", "list-shapes with a profile")
+    check_error(base + ["--list-shapes", listed, "--measure", os.path.join(tmp, "m.json")],
+                "give one of them", "list-shapes with measure")
+    if os.path.exists(listed):
+        failures.append("a refused --list-shapes wrote its file")
     check_error(base + ["--profile", "h100", "--link", "0"], "--link: bandwidth 0 GB/s is not positive",
                 "zero link")
     check_error(base + ["--profile", "h100", "--link", "5,-1"], "latency -1 us is negative",
@@ -327,6 +338,35 @@ elif case == "measure":
         r = run(["plan", "--profile", path, "--seq", seq] + tiny)
         if r.returncode != 0 or want not in r.stdout:
             failures.append(f"plan at S {seq} with the measured profile: want '{want}' in\n"
+                            f"{r.stdout}{r.stderr}")
+    # --list-shapes: the shapes --measure timed, each with its calls and FLOPs.
+    listed = os.path.join(tmp, "listed.json")
+    r = run(["plan", "--quiet", "--list-shapes", listed, "--seq", "64"] + tiny)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: laga plan --list-shapes exited {r.returncode}: {r.stderr}")
+    with open(listed) as f:
+        lst = json.load(f)
+    def keys(entries, drop):
+        return sorted(json.dumps({k: v for k, v in e.items() if k not in drop}, sort_keys=True)
+                      for e in entries)
+    for kind in ("gemm", "attention"):
+        if keys(lst[kind], ("calls", "flops")) != keys(shapes[kind], ("seconds",)):
+            failures.append(f"--list-shapes {kind} differs from the shapes --measure timed")
+        if any(not (e["calls"] >= 1 and e["flops"] > 0) for e in lst[kind]):
+            failures.append(f"--list-shapes {kind}: a shape without calls or FLOPs")
+    timed = dict(prof, measured_shapes={"dtype": "bf16", **{
+        kind: [dict({k: v for k, v in e.items() if k not in ("calls", "flops")}, seconds=1e-3)
+               for e in lst[kind]] for kind in ("gemm", "attention")}})
+    timed["device"]["peak_flops"]["bf16"] = 1e12  # a bf16 plan needs a bf16 peak
+    timed_path = os.path.join(tmp, "timed_bf16.json")
+    with open(timed_path, "w") as f:
+        json.dump(timed, f)
+    for dtype, want in (("bf16", "compute: every GEMM and attention call at its shape's measured time"),
+                        ("fp32", "compute: all GEMM and attention FLOPs at the profile's efficiency")):
+        r = run(["plan", "--profile", timed_path, "--seq", "64", "--preset", "tiny", "--sp", "2",
+                 "--dtype", dtype])
+        if r.returncode != 0 or want not in r.stdout:
+            failures.append(f"{dtype} plan with bf16 timings: want '{want}' in\n"
                             f"{r.stdout}{r.stderr}")
 else:
     sys.exit(f"unknown case {case}")
