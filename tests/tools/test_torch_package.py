@@ -102,6 +102,14 @@ FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap"
 FLASH_BLOCK = 4
 
 
+def sdpa_case(lt, case):
+    """torch's scaled_dot_product_attention (tape autograd) runs every form
+    but the rings (their lse merge needs what SDPA does not return), where
+    this torch has it (2.x; Debian's 1.13 does not)."""
+    from laga_torch.attention import has_sdpa
+    return has_sdpa() and not lt.FORMS[case["form"]].ring
+
+
 def cases():
     out = []
     for name, cfg, form, opts in VARIANTS:
@@ -211,6 +219,8 @@ def worker(args):
             runs.append((torch.bfloat16, "laga", "flash"))
         if case["id"] in FLASH_AUTOGRAD:
             runs.append((torch.float64, "autograd", "flash"))
+        if sdpa_case(lt, case):
+            runs.append((torch.float64, "autograd", "sdpa"))
         for dtype, tape, attention in runs:
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=case["form"],
                        attention=attention, tape=tape, dtype=dtype, device=dev,
@@ -231,7 +241,7 @@ def worker(args):
                    for k, v in res.items()}
             tag = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16"}[dtype] + \
                 ("-autograd" if tape == "autograd" else "") + \
-                ("-flash" if attention == "flash" else "")
+                ("-flash" if attention == "flash" else "") + ("-sdpa" if attention == "sdpa" else "")
             safetensors_io.save_file(res, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
             if attention == "flash":  # the same movements as eager's
@@ -649,6 +659,7 @@ def main():
     # within 1e-12, float32 within 1e-5 (the paper's fp32 check).
     worst, checked = {"float64": 0.0, "float32": 0.0}, 0
     worst_flash = {"float64": 0.0, "float32": 0.0}
+    worst_sdpa, sdpa_checked = 0.0, 0
     for P, case, dt in [(P, c, dt) for P in sps for c in cases() for dt in TOLS]:
         tol, tag = TOLS[dt], "f64" if dt == "float64" else "f32"
         ref_path = os.path.join(args.dir, f"cxx-{tag}-{case['id']}-P{P}.safetensors")
@@ -667,6 +678,8 @@ def main():
             tags.append(tag + "-flash")
         if case["id"] in FLASH_AUTOGRAD and dt == "float64":
             tags.append(tag + "-autograd-flash")
+        if sdpa_case(lt, case) and dt == "float64":
+            tags.append(tag + "-autograd-sdpa")
         for tag in tags:
             parts = [safetensors_io.load_file(os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0]
@@ -683,6 +696,8 @@ def main():
                 e = rel(mine[k].astype(np.float64), ref[k].astype(np.float64))
                 (worst_flash if tag.endswith("-flash") else worst)[dt] = max(
                     (worst_flash if tag.endswith("-flash") else worst)[dt], e)
+                if tag.endswith("-sdpa"):
+                    worst_sdpa, sdpa_checked = max(worst_sdpa, e), sdpa_checked + 1
                 checked += 1
                 if not e <= tol:
                     sys.exit(f"FAIL: {case['id']} P {P} {tag}: {k} differs from the C++ form by "
@@ -730,7 +745,8 @@ def main():
                 continue
             ref = assembled("f64", ref_case[0], 1)
             tags = ["f64", "f64-autograd"] + (["f64-flash"] if case["id"] in FLASH else []) + \
-                (["f64-autograd-flash"] if case["id"] in FLASH_AUTOGRAD else [])
+                (["f64-autograd-flash"] if case["id"] in FLASH_AUTOGRAD else []) + \
+                (["f64-autograd-sdpa"] if sdpa_case(lt, case) else [])
             for P, tag in [(P, t) for P in sps for t in tags]:
                 got = assembled(tag, case, P)
                 for k in ref:
@@ -821,6 +837,13 @@ def main():
           f"{p1_worst:.2e} of the package's explicit at P 1")
     print(f"laga_torch bf16: worst error / bound against float64 {bf16_worst['f64']:.2f}, "
           f"against bf16 explicit at P 1 {bf16_worst['explicit P1']:.2f}")
+    from laga_torch.attention import has_sdpa
+    if has_sdpa() and not sdpa_checked:
+        sys.exit("FAIL: this torch has scaled_dot_product_attention, but no sdpa run was checked")
+    print(f"laga_torch sdpa (tape autograd, float64, every form but the rings): "
+          + (f"{sdpa_checked} tensors within {worst_sdpa:.2e} of laga forward's"
+             if has_sdpa() else
+             f"not run: torch {torch.__version__} has no scaled_dot_product_attention"))
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
           f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
