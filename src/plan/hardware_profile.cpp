@@ -175,7 +175,12 @@ ShapeTimes read_shapes(Fields f, const std::string& source) {
     c.m = g.whole("m", 1), c.n = g.whole("n", 1), c.k = g.whole("k", 1);
     c.lda = g.whole("lda", 1), c.ldb = g.whole("ldb", 1), c.ldc = g.whole("ldc", 1);
     c.accumulate = g.flag("accumulate");
-    t.gemm[c] = g.number("seconds");
+    // A shape given twice has two times: which one costs the plan is not for
+    // the reader to guess (merged runs keep one on purpose).
+    LAGA_CHECK(t.gemm.emplace(c, g.number("seconds")).second, "profile ", source, ": ",
+               g.path("seconds"),
+               ": this GEMM shape is given twice in measured_shapes.gemm; "
+               "keep one time for each shape");
     g.done();
   }
   for (Fields a : f.objects("attention")) {
@@ -189,7 +194,10 @@ ShapeTimes read_shapes(Fields f, const std::string& source) {
     c.Hq = a.whole("Hq", 1), c.Hk = a.whole("Hk", 1), c.dqk = a.whole("dqk", 1);
     c.dv = a.whole("dv", 1);
     c.causal = a.flag("causal");
-    t.attention[c] = a.number("seconds");
+    LAGA_CHECK(t.attention.emplace(c, a.number("seconds")).second, "profile ", source, ": ",
+               a.path("seconds"),
+               ": this attention shape is given twice in "
+               "measured_shapes.attention; keep one time for each shape");
     a.done();
   }
   f.done();

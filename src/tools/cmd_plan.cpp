@@ -198,7 +198,8 @@ ojson phases_json(const FormPlan& f) {
                                             {"elementwise_s", p.compute.elementwise_s},
                                             {"comm_s", p.comm_s},
                                             {"gemm_flops", p.compute.gemm_flops},
-                                            {"attention_flops", p.compute.attention_flops}};
+                                            {"attention_flops", p.compute.attention_flops},
+                                            {"unmeasured_flops", p.compute.unmeasured_flops}};
   }
   return j;
 }

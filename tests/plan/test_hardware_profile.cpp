@@ -174,6 +174,16 @@ TEST(HardwareProfile, BadMeasuredShapesAreNamed) {
        "profile t: unknown field measured_shapes.attention[0].documents"},
       {[](json& j) { j["measured_shapes"]["gemm"] = 3; },
        "profile t: measured_shapes.gemm must be a JSON array"},
+      {[](json& j) {
+         json& g = j["measured_shapes"]["gemm"];
+         g.push_back(g[0]), g[1]["seconds"] = 1e-6;
+       },
+       "profile t: measured_shapes.gemm[1].seconds: this GEMM shape is given twice"},
+      {[](json& j) {
+         json& a = j["measured_shapes"]["attention"];
+         a.push_back(a[0]);
+       },
+       "profile t: measured_shapes.attention[1].seconds: this attention shape is given twice"},
       {[](json& j) { j["measured_shapes"]["dtype"] = "fp16"; },
        "profile t: measured_shapes.dtype = 'fp16' must be fp32 or bf16"},
   };

@@ -54,7 +54,7 @@ PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "bytes_sent_forward",
                "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
                "peer_wait_s", "core_share_s", "phases", "fits"]
 PHASE_SECONDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
-PHASE_FIELDS = PHASE_SECONDS + ["gemm_flops", "attention_flops"]
+PHASE_FIELDS = PHASE_SECONDS + ["gemm_flops", "attention_flops", "unmeasured_flops"]
 
 
 def check_exact(model, seq, sp, attention, extra, name):
@@ -333,6 +333,8 @@ elif case == "measure":
     p = load(["plan", "--quiet", "--profile", path, "--seq", "64"] + tiny, "with_measured")
     if len(p["plans"]) != len(FORMS):
         failures.append(f"plans with the measured profile: {p['plans']}")
+    if any(ph["unmeasured_flops"] != 0 for plan in p["plans"] for ph in plan["phases"].values()):
+        failures.append("a plan at the measured shapes has unmeasured FLOPs")
     for seq, want in (("64", "compute: every GEMM and attention call at its shape's measured time"),
                       ("96", "compute: all GEMM and attention FLOPs at the profile's efficiency")):
         r = run(["plan", "--profile", path, "--seq", seq] + tiny)
