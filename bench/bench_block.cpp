@@ -237,8 +237,9 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
 // "Precision") against fp32, per form, the two timed alternately (every
 // round runs fp32 then bf16), and the speedup taken per round. %peak: fp32
 // rows against the fp32 FMA peak, bf16 rows against the bf16 dot-product
-// peak (VDPBF16PS) where the CPU has AVX512_BF16, else against fp32's (oneDNN
-// then emulates bf16 or the operands are widened: the note says which).
+// peak (VDPBF16PS) where its GEMMs run oneDNN's bf16 matmul on a CPU with
+// AVX512_BF16, else against fp32's (the operands widened to fp32, or oneDNN
+// emulating bf16: the note says which; gemm_bf16_path).
 // #wrong: fp32 at 1e-5, bf16 at its derived bounds (mla/ops_bf16.hpp: 10 u
 // for out, 20 u for dx and the gradients), both against the naive double
 // block.
@@ -248,9 +249,10 @@ LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, a
   const laga::SpLayout lay = laga::SpLayout::even(1, b.S, cfg.n_heads, 1);
   const laga::RopeTable rope(cfg.rope(), b.S);
   const bool bf16_cpu = laga::bench::cpu_has_avx512_bf16();
+  const bool bf16_dots = bf16_cpu && laga::gemm_bf16_path() == laga::GemmBf16Path::onednn_bf16;
   const std::string f32_isa =
       laga::bench::wider_isa(laga::bench::gemm_isa(), laga::to_string(laga::flash_isa()));
-  const std::string bf16_isa = bf16_cpu ? "bf16" : f32_isa;
+  const std::string bf16_isa = bf16_dots ? "bf16" : f32_isa;
   // What the bf16 step runs on here, in oneDNN's and the flash kernels' words.
   const std::int64_t D = cfg.dim, H = cfg.n_heads;
   ctx.note(laga::cat(
@@ -260,7 +262,7 @@ LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, a
                                      false),
       " (wkv_b's shape; D ", D, "); bf16 flash: ", laga::to_string(laga::flash_bf16_isa()),
       bf16_cpu ? "" : "; this CPU has no AVX512_BF16: oneDNN emulates bf16 or widens to fp32"));
-  if (bf16_cpu)
+  if (bf16_dots)
     ctx.note(
         "bf16 %peak is against the VDPBF16PS register loop; oneDNN's AMX kernels (brg:"
         "avx512_core_amx_bf16, where the CPU has AMX) run above it, so %peak can pass 100%");

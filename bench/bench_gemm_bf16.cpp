@@ -147,6 +147,18 @@ LAGA_BENCH(gemm_bf16,
                            : std::string(),
                        "fp32 FMA (", f32_isa, ") ",
                        laga::bench::measure_isa_peak(f32_isa, threads, 3), " GFLOP/s"));
+  // The bf16 rows measure oneDNN's bf16 matmul, which is what is held to the
+  // bf16 peak, whatever path a run's auto takes here (gemm_bf16_path: an
+  // Intel CPU without AMX widens to fp32, where this matmul is the slower).
+  const laga::GemmBf16Path run_path = laga::gemm_bf16_path();
+  std::string forced = "widened to fp32 (oneDNN has no bf16 matmul on this CPU)";
+  try {
+    laga::set_gemm_bf16_path(laga::GemmBf16Path::onednn_bf16);
+    forced = "oneDNN's bf16 matmul";
+  } catch (const laga::Error&) {
+  }
+  ctx.note(laga::cat("bf16 rows: ", forced, "; a run here takes ", laga::to_string(run_path),
+                     " (gemm_bf16_path, LAGA_GEMM_BF16)"));
   ctx.header();
 
   struct Product {
@@ -341,4 +353,5 @@ LAGA_BENCH(gemm_bf16,
                 : std::string("-")));
     }
   }
+  laga::set_gemm_bf16_path(run_path);
 }

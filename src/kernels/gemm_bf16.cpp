@@ -2,6 +2,8 @@
 
 #include <omp.h>
 
+#include <array>
+#include <atomic>
 #include <bit>
 #include <compare>
 #include <cstdlib>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/attention_flash_bf16.hpp"
 #include "kernels/bf16_convert.hpp"
 #include "kernels/gemm.hpp"
 
@@ -185,39 +188,88 @@ bool onednn_has_bf16_matmul() {
   return has;
 }
 
-constexpr const char* kWidenedSgemm =
-    "fp32 sgemm on widened operands (oneDNN has no bf16 matmul on this CPU)";
+// oneDNN's bf16 matmul outruns its fp32 one here (gemm_bf16_path's auto).
+bool onednn_bf16_pays() {
+  return dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx ||
+         flash_bf16_dot_products_pay();
+}
 
-// Where oneDNN has no bf16 matmul: op(A) and op(B) widened to fp32 (exactly:
-// every bf16 is an fp32) and multiplied by laga::gemm<float>, which sums in
-// fp32 too, so the result meets the same bound; a bf16 C is computed in fp32
-// and rounded once. Slow (two copies, unaccounted by the pool); correct on
-// any CPU.
+GemmBf16Path environment_path() {
+  static const GemmBf16Path path = detail::resolve_gemm_bf16_path(
+      std::getenv("LAGA_GEMM_BF16"), onednn_has_bf16_matmul(), onednn_bf16_pays());
+  return path;
+}
+
+constexpr int kNotSet = -1;
+std::atomic<int> g_set_path{kNotSet};
+
+// This thread's fp32 copy of one operand, grown to the largest it has held
+// and kept (a fresh vector a call would map and fault in large operands on
+// every call).
+float* widening_scratch(int slot, std::int64_t n) {
+  thread_local std::array<std::vector<float>, 3> slots;
+  std::vector<float>& s = slots[static_cast<std::size_t>(slot)];
+  if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
+  return s.data();
+}
+
+// op(A) and op(B) widened to fp32 (exactly: every bf16 is an fp32) and
+// multiplied by laga::gemm<float>, which sums in fp32 too, so the result
+// meets the same bound; a bf16 C is computed in fp32 and rounded once.
 template <class TC>
 void gemm_by_widening(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
                       const bf16* A, std::int64_t lda, const bf16* B, std::int64_t ldb, float beta,
                       TC* C, std::int64_t ldc) {
-  auto widen_matrix = [](const bf16* X, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
-    std::vector<float> out(static_cast<std::size_t>(rows * cols));
-    for (std::int64_t r = 0; r < rows; ++r)
-      convert_to_float(X + r * ld, out.data() + r * cols, cols);
+  auto widen_matrix = [](int slot, const bf16* X, std::int64_t rows, std::int64_t cols,
+                         std::int64_t ld) {
+    float* out = widening_scratch(slot, rows * cols);
+    for (std::int64_t r = 0; r < rows; ++r) convert_to_float(X + r * ld, out + r * cols, cols);
     return out;
   };
-  const std::vector<float> a = widen_matrix(A, ta ? K : M, ta ? M : K, lda);
-  const std::vector<float> b = widen_matrix(B, tb ? N : K, tb ? K : N, ldb);
+  const float* a = widen_matrix(0, A, ta ? K : M, ta ? M : K, lda);
+  const float* b = widen_matrix(1, B, tb ? N : K, tb ? K : N, ldb);
   if constexpr (std::is_same_v<TC, float>) {
-    gemm<float>(ta, tb, M, N, K, alpha, a.data(), ta ? M : K, b.data(), tb ? K : N, beta, C, ldc);
+    gemm<float>(ta, tb, M, N, K, alpha, a, ta ? M : K, b, tb ? K : N, beta, C, ldc);
   } else {
-    std::vector<float> c(static_cast<std::size_t>(M * N), 0.0f);
+    float* c = widening_scratch(2, M * N);
     if (beta != 0.0f)
-      for (std::int64_t i = 0; i < M; ++i) convert_to_float(C + i * ldc, c.data() + i * N, N);
-    gemm<float>(ta, tb, M, N, K, alpha, a.data(), ta ? M : K, b.data(), tb ? K : N, beta, c.data(),
-                N);
-    for (std::int64_t i = 0; i < M; ++i) convert_to_bf16(c.data() + i * N, C + i * ldc, N);
+      for (std::int64_t i = 0; i < M; ++i) convert_to_float(C + i * ldc, c + i * N, N);
+    gemm<float>(ta, tb, M, N, K, alpha, a, ta ? M : K, b, tb ? K : N, beta, c, N);
+    for (std::int64_t i = 0; i < M; ++i) convert_to_bf16(c + i * N, C + i * ldc, N);
   }
 }
 
 }  // namespace
+
+GemmBf16Path detail::resolve_gemm_bf16_path(const char* setting, bool has_matmul, bool pays) {
+  const std::string value = setting ? setting : "";
+  if (value.empty() || value == "auto")
+    return has_matmul && pays ? GemmBf16Path::onednn_bf16 : GemmBf16Path::widened_fp32;
+  if (value == "widened_fp32") return GemmBf16Path::widened_fp32;
+  LAGA_CHECK(value == "onednn_bf16", "LAGA_GEMM_BF16='", value,
+             "' is not a bf16 GEMM path; use onednn_bf16, widened_fp32 or auto");
+  LAGA_CHECK(has_matmul, "LAGA_GEMM_BF16=onednn_bf16, but oneDNN has no bf16 matmul on this CPU ",
+             "(it needs avx512_core); unset LAGA_GEMM_BF16 or set it to widened_fp32 or auto");
+  return GemmBf16Path::onednn_bf16;
+}
+
+const char* to_string(GemmBf16Path p) {
+  return p == GemmBf16Path::onednn_bf16 ? "onednn_bf16" : "widened_fp32";
+}
+
+GemmBf16Path gemm_bf16_path() {
+  const int set = g_set_path.load(std::memory_order_relaxed);
+  return set == kNotSet ? environment_path() : static_cast<GemmBf16Path>(set);
+}
+
+GemmBf16Path set_gemm_bf16_path(GemmBf16Path p) {
+  LAGA_CHECK(p == GemmBf16Path::widened_fp32 || onednn_has_bf16_matmul(),
+             "set_gemm_bf16_path(onednn_bf16): oneDNN has no bf16 matmul on this CPU (it needs "
+             "avx512_core)");
+  const GemmBf16Path previous = gemm_bf16_path();
+  g_set_path.store(static_cast<int>(p), std::memory_order_relaxed);
+  return previous;
+}
 
 template <class TC>
 void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
@@ -231,7 +283,7 @@ void gemm_bf16(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K,
         C[i * ldc + j] = narrow<TC>(beta == 0.0f ? 0.0f : beta * widen(C[i * ldc + j]));
     return;
   }
-  if (!onednn_has_bf16_matmul()) {
+  if (gemm_bf16_path() == GemmBf16Path::widened_fp32) {
     gemm_by_widening(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
@@ -280,7 +332,11 @@ std::string gemm_bf16_implementation(bool ta, bool tb, std::int64_t M, std::int6
   check_strides("gemm_bf16_implementation", ta, tb, M, N, K, lda, ldb, ldc);
   LAGA_CHECK(M > 0 && N > 0 && K > 0, "gemm_bf16_implementation: M ", M, " N ", N, " K ", K,
              " runs no oneDNN primitive (an empty product is done in place)");
-  if (!onednn_has_bf16_matmul()) return kWidenedSgemm;
+  if (gemm_bf16_path() == GemmBf16Path::widened_fp32)
+    return onednn_has_bf16_matmul()
+               ? "fp32 sgemm on widened operands (LAGA_GEMM_BF16 widened_fp32, or auto where "
+                 "oneDNN's bf16 matmul is slower than its fp32 one: an Intel CPU without AMX)"
+               : "fp32 sgemm on widened operands (oneDNN has no bf16 matmul on this CPU)";
   const Key k = bf16_out ? key_of<bf16>(ta, tb, M, N, K, 1.0f, lda, ldb, 0.0f, ldc)
                          : key_of<float>(ta, tb, M, N, K, 1.0f, lda, ldb, 0.0f, ldc);
   return primitive_for(k)->implementation;

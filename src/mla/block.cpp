@@ -290,10 +290,18 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
     // where it enters the output projection's GEMM.
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
-      using ops::bf16_path::operand, ops::bf16_path::Slot;
-      attention_flash_forward_bf16(s, o, stats, operand(Slot::first, q, s.B * s.Sq * s.Hq * s.dqk),
-                                   operand(Slot::second, k, s.B * s.Sk * s.Hk * s.dqk),
-                                   operand(Slot::third, v, s.B * s.Sk * s.Hk * s.dv));
+      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot;
+      const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
+                         nv = s.B * s.Sk * s.Hk * s.dv;
+      // Where the bf16 flash kernels widen to fp32 (flash_bf16_isa), the
+      // fp32 kernel on the rounded values: the same bits, one pass each.
+      if (flash_bf16_isa() == FlashBf16Isa::fp32)
+        attention_flash_forward(s, o, stats, rounded_fp32(Slot::first, q, nq),
+                                rounded_fp32(Slot::second, k, nk),
+                                rounded_fp32(Slot::third, v, nv));
+      else
+        attention_flash_forward_bf16(s, o, stats, operand(Slot::first, q, nq),
+                                     operand(Slot::second, k, nk), operand(Slot::third, v, nv));
     }
     return;
   }
@@ -324,12 +332,17 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     // the recomputed scores); dq, dk, dv are the kernel's fp32 sums.
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
-      using ops::bf16_path::operand, ops::bf16_path::Slot;
-      attention_flash_backward_bf16(s, dq, dk, dv,
-                                    operand(Slot::fourth, dout, s.B * s.Sq * s.Hq * s.dv),
-                                    operand(Slot::first, q, s.B * s.Sq * s.Hq * s.dqk),
-                                    operand(Slot::second, k, s.B * s.Sk * s.Hk * s.dqk),
-                                    operand(Slot::third, v, s.B * s.Sk * s.Hk * s.dv), o, stats);
+      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot;
+      const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
+                         nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
+      if (flash_bf16_isa() == FlashBf16Isa::fp32)  // as forward
+        attention_flash_backward(
+            s, dq, dk, dv, rounded_fp32(Slot::fourth, dout, nd), rounded_fp32(Slot::first, q, nq),
+            rounded_fp32(Slot::second, k, nk), rounded_fp32(Slot::third, v, nv), o, stats);
+      else
+        attention_flash_backward_bf16(s, dq, dk, dv, operand(Slot::fourth, dout, nd),
+                                      operand(Slot::first, q, nq), operand(Slot::second, k, nk),
+                                      operand(Slot::third, v, nv), o, stats);
     }
     return;
   }

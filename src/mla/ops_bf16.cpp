@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/bf16_convert.hpp"
+#include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "mla/ops.hpp"
 
@@ -20,6 +21,35 @@ bf16* scratch(Slot slot, std::int64_t n) {
   std::vector<bf16>& s = slots[static_cast<std::size_t>(slot)];
   if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
   return s.data();
+}
+
+// The same, fp32: bf16 values widened (gemm_bf16_path's widened_fp32).
+float* wide_scratch(Slot slot, std::int64_t n) {
+  thread_local std::array<std::vector<float>, 4> slots;
+  std::vector<float>& s = slots[static_cast<std::size_t>(slot)];
+  if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
+  return s.data();
+}
+
+// Where bf16 GEMMs widen to fp32 (an Intel CPU without AMX: gemm_bf16.hpp),
+// the op rounds each operand straight into an fp32 copy of its bf16 values
+// and runs the fp32 GEMM on it: the same exact products and fp32 sums as
+// gemm_bf16's widening, without the bf16 copy in between (one pass over each
+// operand where that would take two).
+bool widened() {
+  return gemm_bf16_path() == GemmBf16Path::widened_fp32;
+}
+
+// n contiguous values into `out`, rounded to bf16 values, a chunk at a time
+// through bf16 (in L1): one pass over the operand.
+constexpr std::int64_t kChunk = 2048;
+void round_into(const float* x, float* out, std::int64_t n) {
+  std::array<bf16, kChunk> chunk;
+  for (std::int64_t j = 0; j < n; j += kChunk) {
+    const std::int64_t c = std::min(kChunk, n - j);
+    convert_to_bf16(x + j, chunk.data(), c);
+    convert_to_float(chunk.data(), out + j, c);
+  }
 }
 
 }  // namespace
@@ -39,19 +69,28 @@ const bf16* operand(Slot slot, const float* x, std::int64_t n) {
   return operand(slot, Mat<const float>{x, 1, n, n});
 }
 
+// The dense rounded copy, rows (or a contiguous operand's chunks) split
+// over the rank's threads as its GEMMs are: elementwise, so the same bits
+// on any thread count.
+const float* rounded_fp32(Slot slot, const Mat<const float>& m) {
+  float* out = wide_scratch(slot, m.rows * m.cols);
+#pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
+  for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, out + i * m.cols, m.cols);
+  return out;
+}
+
+const float* rounded_fp32(Slot slot, const float* x, std::int64_t n) {
+  float* out = wide_scratch(slot, n);
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, out + j, std::min(kChunk, n - j));
+  return out;
+}
+
 // Through the vectorised conversions (the same bits as to_bf16, one value at
 // a time: kernels/bf16_convert.hpp), a chunk of a row at a time.
 void round_in_place(const Mat<float>& m) {
-  constexpr std::int64_t kChunk = 2048;
-  std::array<bf16, kChunk> chunk;
-  for (std::int64_t i = 0; i < m.rows; ++i) {
-    float* row = m.p + i * m.ld;
-    for (std::int64_t j = 0; j < m.cols; j += kChunk) {
-      const std::int64_t n = std::min(kChunk, m.cols - j);
-      convert_to_bf16(row + j, chunk.data(), n);
-      convert_to_float(chunk.data(), row + j, n);
-    }
-  }
+#pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
+  for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, m.p + i * m.ld, m.cols);
 }
 
 // A product into fresh storage (beta 0) is a value a bf16 run would store:
@@ -62,6 +101,14 @@ void round_in_place(const Mat<float>& m) {
 void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans_a,
           const Mat<const float>& B, bool trans_b, float alpha) {
   const std::int64_t K = trans_a ? A.rows : A.cols;
+  if (widened()) {
+    const float* a = rounded_fp32(Slot::first, A);
+    const float* b = rounded_fp32(Slot::second, B);
+    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a, A.cols, b, B.cols, beta, C.p,
+                      C.ld);
+    if (beta == 0.0f) round_in_place(C);
+    return;
+  }
   const bf16* a = operand(Slot::first, A);
   const bf16* b = operand(Slot::second, B);
   gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a, A.cols, b, B.cols, beta, C.p,
@@ -71,6 +118,12 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out) {
+  if (widened()) {
+    laga::linear_forward<float>(y, rounded_fp32(Slot::first, x, N * in),
+                                rounded_fp32(Slot::second, w, out * in), N, in, out);
+    round_in_place(Mat<float>{y, N, out, out});
+    return;
+  }
   const bf16* xb = operand(Slot::first, x, N * in);
   const bf16* wb = operand(Slot::second, w, out * in);
   linear_forward_bf16<float>(y, xb, wb, N, in, out);
@@ -82,6 +135,13 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
 // gradient (the master weights' precision).
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  if (widened()) {
+    laga::linear_backward<float>(dx, accumulate, dw, rounded_fp32(Slot::first, dy, N * out),
+                                 rounded_fp32(Slot::second, x, N * in),
+                                 rounded_fp32(Slot::third, w, out * in), N, in, out);
+    if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
+    return;
+  }
   const bf16* dyb = operand(Slot::first, dy, N * out);
   const bf16* xb = operand(Slot::second, x, N * in);
   const bf16* wb = operand(Slot::third, w, out * in);

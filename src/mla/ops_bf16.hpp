@@ -67,6 +67,12 @@ enum class Slot { first, second, third, fourth };
 const bf16* operand(Slot slot, const Mat<const float>& m);
 // n contiguous values rounded to bf16, the same way.
 const bf16* operand(Slot slot, const float* x, std::int64_t n);
+// The same values widened back to fp32, in this thread's fp32 scratch of
+// `slot` (valid until its next use): the operands of an fp32 kernel run on
+// bf16 inputs (gemm_bf16_path's widened_fp32, the flash kernels' fp32 ISA),
+// rounded in one pass instead of a bf16 copy widened again.
+const float* rounded_fp32(Slot slot, const Mat<const float>& m);
+const float* rounded_fp32(Slot slot, const float* x, std::int64_t n);
 
 // Every element of m replaced by its bf16 value (to_float(to_bf16(x))):
 // what a bf16 tensor holding m would hold.

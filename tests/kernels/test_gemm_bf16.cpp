@@ -1,8 +1,9 @@
 // gemm_bf16 (oneDNN's bf16 matmul, fp32 accumulation) and the bf16 linear
 // layers against a naive double reference on the same bf16 inputs. CTest runs
-// this binary again with ONEDNN_MAX_CPU_ISA=AVX512_CORE (oneDNN's bf16
-// emulation, no AVX512_BF16) and =AVX2 (its reference kernels), so every
-// path oneDNN has for bf16 is checked on an AVX512_BF16 CPU.
+// this binary on each path (LAGA_GEMM_BF16=onednn_bf16 and widened_fp32, and
+// auto, whichever this CPU takes), and again with ONEDNN_MAX_CPU_ISA=
+// AVX512_CORE (oneDNN's bf16 emulation, no AVX512_BF16) and =AVX2 (no bf16
+// matmul: widened), so every path is checked on an AVX512_BF16 CPU.
 //
 // The bound. bf16 inputs are exact in fp32 and each product of two is exact
 // in fp32 (8 + 8 significand bits), so the only errors are the fp32 sums of
@@ -342,6 +343,45 @@ TEST(GemmBf16, ThreadsShareTheCacheSafely) {
   for (std::thread& th : threads) th.join();
   for (int t = 0; t < kThreads; ++t)
     EXPECT_EQ(mismatches[std::size_t(t)], 0) << "thread " << t << " got a wrong product";
+}
+
+TEST(GemmBf16, PathResolvesFromTheEnvironmentValue) {
+  using detail::resolve_gemm_bf16_path;
+  // auto (unset, empty or "auto"): oneDNN's matmul only where it has one and it pays.
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+    EXPECT_EQ(resolve_gemm_bf16_path(v, true, true), GemmBf16Path::onednn_bf16);
+    EXPECT_EQ(resolve_gemm_bf16_path(v, true, false), GemmBf16Path::widened_fp32);
+    EXPECT_EQ(resolve_gemm_bf16_path(v, false, true), GemmBf16Path::widened_fp32);
+  }
+  EXPECT_EQ(resolve_gemm_bf16_path("widened_fp32", true, true), GemmBf16Path::widened_fp32);
+  EXPECT_EQ(resolve_gemm_bf16_path("onednn_bf16", true, false), GemmBf16Path::onednn_bf16);
+  const std::string none =
+      test::error_of([] { resolve_gemm_bf16_path("onednn_bf16", false, true); });
+  EXPECT_NE(none.find("oneDNN has no bf16 matmul on this CPU"), std::string::npos) << none;
+  const std::string bad = test::error_of([] { resolve_gemm_bf16_path("bf16", true, true); });
+  EXPECT_NE(bad.find("LAGA_GEMM_BF16='bf16' is not a bf16 GEMM path"), std::string::npos) << bad;
+}
+
+// The two paths are the same function within the bound (each is checked
+// against the reference above on its own run); set_gemm_bf16_path switches
+// between them and the implementation report names the one that ran.
+TEST(GemmBf16, BothPathsMeetTheBoundAndReportThemselves) {
+  const std::int64_t M = 65, N = 130, K = 259;
+  const auto A = random_bf16(M * K, 91), B = random_bf16(N * K, 92);
+  const std::vector<float> C0(std::size_t(M * N), 0.5f);
+  const GemmBf16Path before = gemm_bf16_path();
+  const bool has_onednn =
+      test::error_of([] { (void)set_gemm_bf16_path(GemmBf16Path::onednn_bf16); }).empty();
+  for (GemmBf16Path p : {GemmBf16Path::widened_fp32, GemmBf16Path::onednn_bf16}) {
+    if (p == GemmBf16Path::onednn_bf16 && !has_onednn) continue;
+    set_gemm_bf16_path(p);
+    std::vector<float> C = C0;
+    gemm_bf16<float>(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 1.0f, C.data(), N);
+    expect_within_bound<float>(false, true, M, N, K, 1.0f, A, K, B, K, 1.0f, C0, C, N);
+    const std::string impl = gemm_bf16_implementation(false, true, M, N, K, K, K, N, false);
+    EXPECT_EQ(impl.find("widened") != std::string::npos, p == GemmBf16Path::widened_fp32) << impl;
+  }
+  set_gemm_bf16_path(before);
 }
 
 TEST(GemmBf16, ReportsTheImplementation) {
