@@ -43,7 +43,7 @@ const char* to_string(GemmBf16Path p);  // "onednn_bf16", "widened_fp32"
 // VDPBF16PS outruns the FMAs (flash_bf16_dot_products_pay: AMD's Zen 4 and
 // 5); else widened_fp32. An Intel Xeon without AMX issues VDPBF16PS at half
 // its FMA rate, and oneDNN's bf16 matmul runs the block's shapes at
-// 0.49-0.56x its fp32 one there (docs/performance.md, "bf16 GEMMs on an
+// 0.49-0.65x its fp32 one there (docs/performance.md, "bf16 GEMMs on an
 // Intel Xeon without AMX"). Decided by the CPU, not by a timing, so a run's
 // bits do not depend on the machine's load. Throws laga::Error for an
 // unknown value, or onednn_bf16 where oneDNN has no bf16 matmul.
