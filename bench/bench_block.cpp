@@ -243,7 +243,9 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
 // #wrong: fp32 at 1e-5, bf16 at its derived bounds (mla/ops_bf16.hpp: 10 u
 // for out, 20 u for dx and the gradients), both against the naive double
 // block.
-LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, alternating") {
+LAGA_BENCH(block_bf16,
+           "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, alternating (vs PyTorch "
+           "under bf16 autocast with --torch)") {
   const BenchBlock b = bench_block_shape(ctx.options().quick);
   const MlaConfig& cfg = b.cfg;
   const laga::SpLayout lay = laga::SpLayout::even(1, b.S, cfg.n_heads, 1);
@@ -268,6 +270,25 @@ LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, a
         "avx512_core_amx_bf16, where the CPU has AMX) run above it, so %peak can pass 100%");
   ctx.note("reference: tests/common/naive_mla.hpp, naive double loops, once (out, dx, every grad)");
   const laga::test::NaiveMlaResult ref = naive_reference(cfg, b.S);
+  // --torch: the same block in PyTorch under CPU bf16 autocast (fp32
+  // parameters), one step before each round; its ratio is against the bf16
+  // row of the same round.
+  std::unique_ptr<laga::bench::TorchPeer> torch;
+  if (ctx.options().torch) {
+    const auto& o = ctx.options();
+    const std::string cmd =
+        laga::cat(o.python, " ", laga::bench::source_dir(), "/python/bench_torch_block.py --dim ",
+                  D, " --heads ", H, " --seq ", b.S, " --threads ", o.threads, " --warmup ",
+                  std::max(1, o.warmup), " --autocast bf16 --serve");
+    torch = std::make_unique<laga::bench::TorchPeer>(cmd);
+    const bool sdpa = !torch->torch_version().empty() && torch->torch_version()[0] >= '2';
+    ctx.note("PyTorch " + torch->torch_version() +
+             ", explicit block under torch.autocast(\"cpu\", " +
+             "dtype=torch.bfloat16), eager autograd" +
+             (sdpa ? ", attention by F.scaled_dot_product_attention(is_causal=True)"
+                   : ", attention by matmul + softmax") +
+             " (" + cmd.substr(cmd.find("python/")) + ", one step before each round)");
+  }
   const double out_bound = laga::bf16_bound_vs_exact(laga::BlockTensor::output);
   const double grad_bound = laga::bf16_bound_vs_exact(laga::BlockTensor::gradient);
   ctx.header();
@@ -280,25 +301,42 @@ LAGA_BENCH(block_bf16, "whole MLA block fwd+bwd, bf16 mixed precision vs fp32, a
       const laga::UsePrecision bf16(laga::Precision::bf16);
       run_block(cfg, lay, rope, form, b16);
     };
-    const std::vector<laga::bench::Row*> got = ctx.run_alternating({
-        {laga::cat("block_", name, "/f32"), b.shape, b.gflop, f32_isa,
-         [&] { run_block(cfg, lay, rope, form, f32); },
-         [&] { return wrong_against(cfg, lay, rope, form, f32, ref, 1e-5, 1e-5); }},
-        {laga::cat("block_", name, "/bf16"), b.shape, b.gflop, bf16_isa, step_bf16,
-         [&] {
-           const laga::UsePrecision bf16(laga::Precision::bf16);
-           return wrong_against(cfg, lay, rope, form, b16, ref, out_bound, grad_bound);
-         }},
-    });
+    std::vector<double> torch_ms;
+    int between_calls = 0;  // `between` runs before each timed call: PyTorch before bf16's
+    const std::vector<laga::bench::Row*> got = ctx.run_alternating(
+        {
+            {laga::cat("block_", name, "/f32"), b.shape, b.gflop, f32_isa,
+             [&] { run_block(cfg, lay, rope, form, f32); },
+             [&] { return wrong_against(cfg, lay, rope, form, f32, ref, 1e-5, 1e-5); }},
+            {laga::cat("block_", name, "/bf16"), b.shape, b.gflop, bf16_isa, step_bf16,
+             [&] {
+               const laga::UsePrecision bf16(laga::Precision::bf16);
+               return wrong_against(cfg, lay, rope, form, b16, ref, out_bound, grad_bound);
+             }},
+        },
+        [&] {
+          if (torch && between_calls++ % 2 == 1) torch_ms.push_back(torch->step());
+        });
     if (got.size() != 2) continue;  // --op kept one row: no ratio
     std::vector<double> ratio;
     for (size_t i = 0; i < got[0]->t.samples_ms.size(); ++i)
       ratio.push_back(got[0]->t.samples_ms[i] / got[1]->t.samples_ms[i]);
     const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
-    ctx.note(laga::cat(name, ": fp32 ", double(b.S) / got[0]->t.median_ms * 1e3, " tokens/s, bf16 ",
-                       double(b.S) / got[1]->t.median_ms * 1e3,
-                       " tokens/s; bf16 speedup per round (fp32 ms / bf16 ms): median ",
-                       laga::bench::median(ratio), "x, range ", *lo, "x..", *hi, "x"));
+    std::string line = laga::cat(name, ": fp32 ", double(b.S) / got[0]->t.median_ms * 1e3,
+                                 " tokens/s, bf16 ", double(b.S) / got[1]->t.median_ms * 1e3,
+                                 " tokens/s; bf16 speedup per round (fp32 ms / bf16 ms): median ",
+                                 laga::bench::median(ratio), "x, range ", *lo, "x..", *hi, "x");
+    if (!torch_ms.empty()) {  // one PyTorch step just before each timed bf16 step
+      got[1]->torch_ms = laga::bench::median(torch_ms);
+      std::vector<double> pair;
+      for (size_t i = 0; i < torch_ms.size(); ++i)
+        pair.push_back(torch_ms[i] / got[1]->t.samples_ms[i]);
+      const auto [tlo, thi] = std::minmax_element(pair.begin(), pair.end());
+      line += laga::cat("; PyTorch bf16 autocast: ", double(b.S) / got[1]->torch_ms * 1e3,
+                        " tokens/s; laga bf16 over it per round: median ",
+                        laga::bench::median(pair), "x, range ", *tlo, "x..", *thi, "x");
+    }
+    ctx.note(line);
   }
   laga::current_pool().cache().trim();
 }

@@ -9,6 +9,9 @@ Default: prints one JSON object {"fwd_bwd_ms": median, "tokens_per_s": ...}.
 --serve: runs the warm-up, prints {"ready": true, "torch": version}, then
 runs one timed step per "step" line on stdin and prints {"ms": ...} for it,
 until stdin closes (bench/torch_peer.hpp: laga and PyTorch steps alternate).
+--autocast bf16: forward under torch.autocast("cpu", dtype=torch.bfloat16),
+fp32 parameters, as a PyTorch user trains in bf16 on the CPU (the peer of
+`laga_bench block_bf16 --torch`).
 Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU: eager attention)
 or an interpreter with PyTorch >= 2, where attention is
 F.scaled_dot_product_attention(is_causal=True) (docs/performance.md says how
@@ -69,6 +72,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                    help="bf16: the forward under CPU bf16 autocast (fp32 parameters)")
     ap.add_argument("--serve", action="store_true",
                     help="after warm-up, one timed step per 'step' line on stdin")
     a = ap.parse_args()
@@ -89,8 +94,12 @@ def main():
     cos, sin = ang.cos().float(), ang.sin().float()
 
     def step():
-        out = block(x, p, a, cos, sin)
-        out.backward(dout)
+        if a.autocast == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = block(x, p, a, cos, sin)
+        else:
+            out = block(x, p, a, cos, sin)
+        out.backward(dout.to(out.dtype))
 
     def timed_step():
         t0 = time.perf_counter()
@@ -100,7 +109,8 @@ def main():
     if a.serve:
         for _ in range(a.warmup):
             step()
-        print(json.dumps({"ready": True, "torch": torch.__version__}), flush=True)
+        print(json.dumps({"ready": True, "torch": torch.__version__, "autocast": a.autocast}),
+              flush=True)
         for line in sys.stdin:
             if line.strip() != "step":
                 raise SystemExit(f"bench_torch_block.py --serve: unknown request {line!r}")
@@ -112,7 +122,7 @@ def main():
     times = sorted(timed_step() for _ in range(a.repeats))
     med = times[len(times) // 2]
     print(json.dumps({"fwd_bwd_ms": med, "tokens_per_s": a.batch * a.seq / med * 1e3,
-                      "torch": torch.__version__, "threads": a.threads}))
+                      "torch": torch.__version__, "threads": a.threads, "autocast": a.autocast}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Smoke test of laga_bench: the harness, every benchmark at --quick shapes,
-and the PyTorch peer of `block --torch`.
+and the PyTorch peers of `block --torch` and `block_bf16 --torch` (bf16
+autocast).
 
 Checks what a run prints, not how fast it is: every table row has a #wrong
 of 0 (a kernel that regresses shows up here as well as in its unit test),
@@ -61,6 +62,14 @@ def main():
         sys.exit(f"FAIL: block --torch: non-positive speedup in {speedups}")
     if out.count("speedup per adjacent pair: median") != 3:
         sys.exit(f"FAIL: block --torch: no per-pair speedup line per form\n{out}")
+
+    # block_bf16 --torch: the PyTorch peer under CPU bf16 autocast, one ratio
+    # line per form against laga's bf16 step.
+    out = run([bench, "block_bf16", "--quick", "--torch", "--python", python, "--repeats", "2",
+               "--warmup", "0"]).stdout
+    check_no_wrong(out, "laga_bench block_bf16 --quick --torch")
+    if "torch.autocast" not in out or out.count("laga bf16 over it per round: median") != 3:
+        sys.exit(f"FAIL: block_bf16 --torch: no autocast peer line per form\n{out}")
 
     p = run([bench, "block", "--quick", "--torch", "--python", "/nonexistent/python3",
              "--repeats", "1", "--warmup", "0"], expect_ok=False)
