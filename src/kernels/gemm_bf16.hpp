@@ -12,10 +12,11 @@
 // the same exact products and fp32 sums, in another order, through two fp32
 // copies of the operands kept per thread (not in the memory pool). Which one
 // runs is gemm_bf16_path() below: widening where oneDNN has no bf16 matmul
-// (below avx512_core), or where its bf16 matmul is slower than its fp32 one. oneDNN 2.6 runs the
-// brgemm kernels only on dense operands (lda, ldb, ldc equal to the rows' widths); a strided
-// operand (one head of a (S, H, d) tensor) goes to its jit gemm instead
-// (gemm_bf16_implementation says which, docs/performance.md measures both).
+// (below avx512_core), or where its bf16 matmul is slower than its fp32 one.
+// oneDNN 2.6 runs the brgemm kernels only on dense operands (lda, ldb, ldc
+// equal to the rows' widths); a strided operand (one head of a (S, H, d)
+// tensor) goes to its jit gemm instead (gemm_bf16_implementation says which,
+// docs/performance.md measures both).
 //
 // Primitives are made once per (transposes, M, N, K, strides, output type,
 // alpha, beta, threads) and kept in a process-wide cache that any thread

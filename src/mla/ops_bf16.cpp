@@ -13,20 +13,15 @@ namespace laga::ops::bf16_path {
 
 namespace {
 
-// This thread's (this rank's) scratch, one buffer a slot, grown to the
+// This thread's (this rank's) scratch of T, one buffer a slot, grown to the
 // largest operand it has held and kept: not counted by the memory pool
 // (docs/performance.md, "bf16 mixed precision", says what that leaves out).
-bf16* scratch(Slot slot, std::int64_t n) {
-  thread_local std::array<std::vector<bf16>, 4> slots;
-  std::vector<bf16>& s = slots[static_cast<std::size_t>(slot)];
-  if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
-  return s.data();
-}
-
-// The same, fp32: bf16 values widened (gemm_bf16_path's widened_fp32).
-float* wide_scratch(Slot slot, std::int64_t n) {
-  thread_local std::array<std::vector<float>, 4> slots;
-  std::vector<float>& s = slots[static_cast<std::size_t>(slot)];
+// bf16 for oneDNN's bf16 kernels; fp32 holding bf16 values for the fp32
+// kernels where those do not pay (gemm_bf16_path's widened_fp32).
+template <class T>
+T* scratch(Slot slot, std::int64_t n) {
+  thread_local std::array<std::vector<T>, 4> slots;
+  std::vector<T>& s = slots[static_cast<std::size_t>(slot)];
   if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
   return s.data();
 }
@@ -55,7 +50,7 @@ void round_into(const float* x, float* out, std::int64_t n) {
 }  // namespace
 
 const bf16* operand(Slot slot, const Mat<const float>& m) {
-  bf16* out = scratch(slot, m.rows * m.cols);
+  bf16* out = scratch<bf16>(slot, m.rows * m.cols);
   if (m.ld == m.cols) {
     convert_to_bf16(m.p, out, m.rows * m.cols);
   } else {
@@ -73,14 +68,14 @@ const bf16* operand(Slot slot, const float* x, std::int64_t n) {
 // over the rank's threads as its GEMMs are: elementwise, so the same bits
 // on any thread count.
 const float* rounded_fp32(Slot slot, const Mat<const float>& m) {
-  float* out = wide_scratch(slot, m.rows * m.cols);
+  float* out = scratch<float>(slot, m.rows * m.cols);
 #pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
   for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, out + i * m.cols, m.cols);
   return out;
 }
 
 const float* rounded_fp32(Slot slot, const float* x, std::int64_t n) {
-  float* out = wide_scratch(slot, n);
+  float* out = scratch<float>(slot, n);
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, out + j, std::min(kChunk, n - j));
   return out;

@@ -472,16 +472,19 @@ void run_plan(const PlanOptions& o) {
   LAGA_CHECK(!(measuring && listing),
              "--measure times this machine's shapes and --list-shapes lists them for another "
              "device to time; give one of them");
-  LAGA_CHECK(
-      !listing || o.plan_only_given.empty(),
-      "--list-shapes FILE lists the plan's GEMM and attention shapes and plans nothing, so ",
-      [&] {
-        std::string s;
-        for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
-        return s;
-      }(),
-      " would be ignored; time the shapes (scripts/time_shapes_torch.py), then plan with "
-      "--profile and those options");
+  // --measure and --list-shapes plan nothing: an option only a plan reads
+  // would be ignored without a word (issue 26).
+  const std::string plan_only = [&] {
+    std::string s;
+    for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
+    return s;
+  }();
+  LAGA_CHECK(!listing || plan_only.empty(),
+             "--list-shapes FILE lists the plan's GEMM and attention shapes and plans nothing, "
+             "so ",
+             plan_only,
+             " would be ignored; time the shapes (scripts/time_shapes_torch.py), then plan with "
+             "--profile and those options");
   LAGA_CHECK(
       measuring || listing || !o.profile.empty(), "laga plan needs --profile NAME|FILE (",
       [] {
@@ -490,18 +493,10 @@ void run_plan(const PlanOptions& o) {
         return n;
       }(),
       "or this), --measure FILE or --list-shapes FILE");
-  // --measure writes a profile and plans nothing: an option only a plan
-  // reads would be ignored without a word (issue 26).
-  LAGA_CHECK(
-      !measuring || o.plan_only_given.empty(),
-      "--measure FILE measures this machine and plans nothing, so ",
-      [&] {
-        std::string s;
-        for (const std::string& n : o.plan_only_given) s += (s.empty() ? "" : ", ") + n;
-        return s;
-      }(),
-      " would be ignored; measure first, then plan with --profile ", o.measure,
-      " and those options");
+  LAGA_CHECK(!measuring || plan_only.empty(),
+             "--measure FILE measures this machine and plans nothing, so ", plan_only,
+             " would be ignored; measure first, then plan with --profile ", o.measure,
+             " and those options");
   // This machine's figures (--profile this, --measure) are laga's fp32
   // kernels': there is no bf16 rate to plan or measure with.
   const bool this_machine = measuring || o.profile == "this";
