@@ -35,7 +35,9 @@ faster). The output profile is --base's with the description saying what was
 timed and measured_shapes {"dtype", "gemm", "attention"} holding the seconds;
 --report also writes, per shape, the backend and the FLOP/s the plan's own
 count of the call's FLOPs gives at the measured time.
-Needs a CUDA device; nothing here runs in the test suite.
+Needs a CUDA device (--device cpu checks the script on the CPU: the suite's
+tools_plan_measure runs it so on Debian's torch 1.13, where attention has no
+SDPA and only the GEMMs are timed).
 """
 
 import argparse
@@ -119,7 +121,7 @@ def time_gemm(g, dtype, a):
     m, n, k = g["m"], g["n"], g["k"]
     a_rows, a_cols = (k, m) if g["trans_a"] else (m, k)
     b_rows, b_cols = (n, k) if g["trans_b"] else (k, n)
-    nbytes = (a_rows * g["lda"] + b_rows * g["ldb"] + m * g["ldc"]) * dtype.itemsize
+    nbytes = (a_rows * g["lda"] + b_rows * g["ldb"] + m * g["ldc"]) * torch.finfo(dtype).bits // 8
     sets = []
     for _ in range(copies_for(nbytes)):
         A, B = strided(a_rows, a_cols, g["lda"], dtype), strided(b_rows, b_cols, g["ldb"], dtype)
@@ -153,11 +155,14 @@ def causal_mask(Sq, Sk):
 
 
 def time_attention(c, dtype, a):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:  # torch >= 2.3 chooses SDPA's backend this way
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None, f"torch {torch.__version__} has no torch.nn.attention (SDPA backends)"
     B, Sq, Sk, Hq, Hk, dqk, dv = (c[x] for x in ("B", "Sq", "Sk", "Hq", "Hk", "dqk", "dv"))
     backward = c["pass"] == "backward"
     mask, is_causal = causal_mask(Sq, Sk) if c["causal"] else (None, False)
-    nbytes = (B * Sq * Hq * (dqk + dv) * 2 + B * Sk * Hk * (dqk + dv) * 2) * dtype.itemsize
+    nbytes = (B * Sq * Hq * (dqk + dv) * 2 + B * Sk * Hk * (dqk + dv) * 2) * torch.finfo(dtype).bits // 8
     sets = []
     for _ in range(copies_for(nbytes)):
         q = torch.randn(B, Hq, Sq, dqk, device=DEVICE, dtype=dtype, requires_grad=backward)

@@ -363,10 +363,39 @@ elif case == "measure":
     timed_path = os.path.join(tmp, "timed_bf16.json")
     with open(timed_path, "w") as f:
         json.dump(timed, f)
+    # scripts/time_shapes_torch.py end to end on the CPU (the GPU is its
+    # real place): it times the listed shapes, writes a profile the plan
+    # costs them with, and refuses to write over an existing file. Debian's
+    # torch 1.13 has no SDPA, so there only the GEMMs are timed.
+    here = os.path.dirname(os.path.abspath(__file__))
+    timer = os.path.join(here, "..", "..", "scripts", "time_shapes_torch.py")
+    cpu_prof = os.path.join(tmp, "timed_cpu_fp32.json")
+    if os.path.exists(cpu_prof):
+        os.remove(cpu_prof)
+    cmd = ["/usr/bin/python3", timer, listed, "--device", "cpu", "--dtype", "fp32", "--base", path,
+           "--out", cpu_prof, "--min-ms", "0.2", "--repeats", "1", "--warmup", "0"]
+    t = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if t.returncode != 0:
+        failures.append(f"time_shapes_torch.py --device cpu exited {t.returncode}: {t.stderr}")
+    else:
+        with open(cpu_prof) as f:
+            timed_cpu = json.load(f)["measured_shapes"]
+        if timed_cpu["dtype"] != "fp32" or len(timed_cpu["gemm"]) != len(lst["gemm"]) or \
+                any(not e["seconds"] > 0 for e in timed_cpu["gemm"] + timed_cpu["attention"]):
+            failures.append(f"time_shapes_torch.py's profile: {timed_cpu}")
+        r = run(["plan", "--profile", cpu_prof, "--seq", "64"] + tiny)
+        want = ("every GEMM and attention call at its shape's measured time"
+                if len(timed_cpu["attention"]) == len(lst["attention"])
+                else "of the GEMM and attention FLOPs at their shapes' measured times")
+        if r.returncode != 0 or want not in r.stdout:
+            failures.append(f"a plan with time_shapes_torch.py's profile: want '{want}' in\n"
+                            f"{r.stdout}{r.stderr}")
+        again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if again.returncode == 0 or "exists" not in again.stderr:
+            failures.append(f"time_shapes_torch.py wrote over {cpu_prof}: {again.stderr}")
     # The H200 timings shipped in docs/assets (docs/planning.md) cost every
     # call of laga's V3 plan they were listed from.
-    h200 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "assets",
-                        "h200_measured_v3.json")
+    h200 = os.path.join(here, "..", "..", "docs", "assets", "h200_measured_v3.json")
     r = run(["plan", "--profile", h200, "--preset", "deepseek-v3", "--seq", "32768", "--sp", "8",
              "--forms", "laga,ring_kv"])
     if r.returncode != 0 or "every GEMM and attention call at its shape's measured time" \
