@@ -129,6 +129,13 @@ struct AttentionCall {
   AttentionKind kernel{};
   AttentionPass pass = AttentionPass::forward;
   auto operator<=>(const AttentionCall&) const = default;
+  // Whether the call's extents alone say what it costs, so that timing the
+  // shape times the call: not an empty call (a rank without heads, P > H,
+  // records one; the kernels refuse zero heads, and it costs nothing), and
+  // no document starts (their positions set the work).
+  bool costed_by_extents() const {
+    return B > 0 && Sq > 0 && Sk > 0 && Hq > 0 && Hk > 0 && !documents;
+  }
 };
 
 // How often one shape was called and the FLOPs those calls counted.

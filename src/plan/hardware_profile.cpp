@@ -356,12 +356,8 @@ std::string shape_list_json(const ops::OpCounts& calls) {
     return json{{"calls", t.calls}, {"flops", t.flops}};
   };
   for (const auto& [c, t] : calls.gemm_calls) gemm.push_back(with(shape_json(c), tally(t)));
-  for (const auto& [c, t] : calls.attention_calls) {
-    // An empty call (a rank without heads) costs nothing; one with document
-    // starts costs what their positions make it, which its extents do not say.
-    if (c.documents || c.B == 0 || c.Sq == 0 || c.Sk == 0 || c.Hq == 0 || c.Hk == 0) continue;
-    attention.push_back(with(shape_json(c), tally(t)));
-  }
+  for (const auto& [c, t] : calls.attention_calls)
+    if (c.costed_by_extents()) attention.push_back(with(shape_json(c), tally(t)));
   return json{{"gemm", gemm}, {"attention", attention}}.dump(1) + "\n";
 }
 

@@ -110,8 +110,8 @@ std::string profile_json(const HardwareProfile& p);
 // The GEMM and attention call shapes of `calls` in measured_shapes' fields,
 // each with its "calls" and "flops" instead of "seconds" (`laga plan
 // --list-shapes`: what a device timer, scripts/time_shapes_torch.py, times).
-// Attention calls with document starts and empty calls are left out: the
-// extents alone do not say what they cost.
+// Attention calls whose extents do not say what they cost are left out
+// (AttentionCall::costed_by_extents: empty calls, document starts).
 std::string shape_list_json(const ops::OpCounts& calls);
 
 }  // namespace laga

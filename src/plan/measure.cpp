@@ -267,10 +267,7 @@ bool shape_timeable(const ops::GemmCall& g, const ops::CallTally& t) {
 }
 
 bool shape_timeable(const ops::AttentionCall& a, const ops::CallTally& t) {
-  // A rank with no heads (P > H in the laga form) records an empty call:
-  // nothing to time (the kernels refuse zero heads), and it costs nothing.
-  const bool empty = a.B == 0 || a.Sq == 0 || a.Sk == 0 || a.Hq == 0 || a.Hk == 0;
-  return !empty && !a.documents && t.flops / double(t.calls) <= kMaxCallFlops &&
+  return a.costed_by_extents() && t.flops / double(t.calls) <= kMaxCallFlops &&
          4.0 * attention_elements(a) <= kMaxCallBytes;
 }
 

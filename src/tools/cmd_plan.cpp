@@ -535,12 +535,14 @@ void run_plan(const PlanOptions& o) {
   q.seq_layout = parse_seq_layout(o.seq_layout);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(dtype);
+  // Every GEMM and attention call of the plans the options describe; with
+  // --model, the layers' FFN and head GEMMs too (what --list-shapes lists
+  // for a device to time, and --measure times here).
+  const auto calls = [&] {
+    return model ? model_plan_calls(model_request(o, *model, q)) : plan_calls(q);
+  };
   if (listing) {
-    // The shapes a device must time to cost these plans call by call; with
-    // --model, the layers' FFN and head GEMMs too.
-    write_output(
-        o.list_shapes,
-        shape_list_json(model ? model_plan_calls(model_request(o, *model, q)) : plan_calls(q)));
+    write_output(o.list_shapes, shape_list_json(calls()));
     return;
   }
   if (measuring || o.profile == "this") {
@@ -552,9 +554,7 @@ void run_plan(const PlanOptions& o) {
                   << s << "\n";
     };
     q.profile = measure_this_machine(tell);
-    // With --model, the layers' FFN and head GEMMs too.
-    measure_shapes(model ? model_plan_calls(model_request(o, *model, q)) : plan_calls(q),
-                   q.profile.measured_shapes, tell);
+    measure_shapes(calls(), q.profile.measured_shapes, tell);
     if (measuring) {
       write_output(o.measure, profile_json(q.profile));
       return;
