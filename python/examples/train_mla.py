@@ -5,7 +5,9 @@
         --backend gloo --device cpu --steps 20
 
 Every rank holds the whole model and its shard of every sequence
-(SpLayout.even: uneven lengths are fine); the attention blocks exchange what
+(SpLayout.even: uneven lengths are fine; --seq-layout zigzag shards it as
+TransformerEngine's load-balanced context parallelism does, two mirrored
+chunks a rank, SpLayout.positions); the attention blocks exchange what
 their form needs, everything else is per token. The loss is the mean over
 every token of the batch, so each rank's gradient is a partial sum: one
 all-reduce of all gradients per step (laga_torch.sync_gradients does it for
@@ -62,6 +64,8 @@ def main():
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16"])
     ap.add_argument("--attention", default="eager", choices=["eager", "flash"],
                     help="laga's tape: probabilities saved (eager) or o and lse (flash)")
+    ap.add_argument("--seq-layout", default="contiguous", choices=lt.layout.SEQ_LAYOUTS,
+                    help="contiguous (rank r one range) or zigzag (chunks r and 2P-1-r of 2P)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=61)
     ap.add_argument("--batch", type=int, default=2)
@@ -78,10 +82,11 @@ def main():
     cfg = lt.MLAConfig.from_json(CONFIG)
     torch.manual_seed(0)  # the same initial model on every rank and at every P
     model = TinyLM(cfg, vocab=64, layers=2, form=args.form,
-                  attention=args.attention).to(dev, dtype)
+                  attention=args.attention, seq_layout=args.seq_layout).to(dev, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    lay = lt.SpLayout.even(args.seq + 0, cfg.n_heads, P)
-    s0, s1 = lay.seq_offset[rank], lay.seq_offset[rank] + lay.seq_count[rank]
+    # This rank's tokens of every sequence, in its shard's order.
+    own = torch.tensor(lt.SpLayout.even(args.seq, cfg.n_heads, P, args.seq_layout).positions(rank),
+                       device=dev)
     data = torch.Generator().manual_seed(1)
     losses = []
     for step in range(args.steps):
@@ -89,10 +94,10 @@ def main():
         start = torch.randint(0, 64, (args.batch, 1), generator=data)
         seq = (start + torch.arange(args.seq + 1)) % 64
         tokens, targets = seq[:, :-1].to(dev), seq[:, 1:].to(dev)
-        logits = model(tokens[:, s0:s1], None, args.seq)
+        logits = model(tokens[:, own], None, args.seq)
         n = targets.numel()
         loss = F.cross_entropy(logits.flatten(0, 1).float() if dtype == torch.bfloat16 else
-                               logits.flatten(0, 1), targets[:, s0:s1].flatten(),
+                               logits.flatten(0, 1), targets[:, own].flatten(),
                                reduction="sum") / n
         opt.zero_grad()
         loss.backward()
@@ -110,7 +115,8 @@ def main():
             print(f"step {step:3d}  loss {total.item():.12f}", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"P": P, "form": args.form, "losses": losses}, f)
+            json.dump({"P": P, "form": args.form, "seq_layout": args.seq_layout,
+                       "losses": losses}, f)
     dist.destroy_process_group()
 
 

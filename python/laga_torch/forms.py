@@ -108,14 +108,15 @@ def check_variant(form, cfg, q_latent=False, overlap=False, head_groups=0):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(kind, seq_counts, head_counts, head_groups, rank, batch, width, label):
+def _plan(kind, seq_ranges, head_counts, head_groups, rank, batch, width, label):
     """The placements of each movement (docs/forms.md, "The four data
-    movements"; redistribute in src/mla/exchange.hpp)."""
+    movements"; redistribute in src/mla/exchange.hpp). seq_ranges: each
+    rank's token ranges (the layout's, contiguous or zigzag)."""
     from .layout import SpLayout
-    lay = SpLayout(list(seq_counts), list(head_counts))
+    lay = SpLayout([sum(e - b for b, e in rr) for rr in seq_ranges], list(head_counts),
+                   seq_ranges)
     P, S, H = lay.ranks, lay.seq, lay.heads
-    shard = [Placement([(lay.seq_offset[i], lay.seq_offset[i] + lay.seq_count[i])], 0, H)
-             for i in range(P)]
+    shard = [Placement(lay.seq_ranges[i], 0, H) for i in range(P)]
     row = [Placement(p.ranges, 0, 1) for p in shard]  # a (B, L, 1, W) row per token
     if kind in ("seq_to_head", "head_to_seq"):
         heads = [Placement([(0, S)], lay.head_offset[j], lay.head_count[j]) for j in range(P)]
@@ -147,11 +148,14 @@ class Sp:
                                                                               layout.ranks)
         S = layout.seq
         self.pos = torch.arange(S, device=doc_start.device)[None, :] - doc_start
+        # The own tokens' global indices (L,), in the shard's row order:
+        # one range, or the zigzag layout's two.
+        self.own = torch.tensor(layout.positions(rank), dtype=torch.long, device=doc_start.device)
 
     def plan(self, kind, width, label):
         lay = self.layout
-        return _plan(kind, tuple(lay.seq_count), tuple(lay.head_count), self.head_groups,
-                     self.rank, self.batch, width, label)
+        return _plan(kind, tuple(tuple(r) for r in lay.seq_ranges), tuple(lay.head_count),
+                     self.head_groups, self.rank, self.batch, width, label)
 
     def move(self, x, kind, label):
         return redistribute(x, self.plan(kind, x.shape[-1], label), self.group, self.ledger)
@@ -159,9 +163,9 @@ class Sp:
     def grid(self):
         return HeadContextGrid(self.layout, self.head_groups)
 
-    def shard(self):
-        s0 = self.layout.seq_offset[self.rank]
-        return s0, s0 + self.layout.seq_count[self.rank]
+    def own_key_end(self):
+        """One past the own tokens' last: the keys they can see are [0, this)."""
+        return int(self.layout.seq_ranges[self.rank][-1][1])
 
     def mask(self, rows, keys):
         """(B, 1, Sq, Sk): query token rows[i] sees key j when start(i) <= j <= i."""
@@ -199,7 +203,7 @@ def _query_rows(sp, form):
     if where is Attends.heads:
         return torch.arange(sp.layout.seq, device=dev)
     if where is Attends.own:
-        return torch.arange(*sp.shard(), device=dev)
+        return sp.own
     ranges = sp.grid().queries[sp.rank]
     return torch.tensor([t for b, e in ranges for t in range(b, e)], dtype=torch.long, device=dev)
 
@@ -251,12 +255,12 @@ def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
     k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
     v = kv[..., dn:]
     # allgather_kv: K and V of every token (one (B, L, 1, H d) row per token
-    # gathered), attended by the own queries over the keys [0, s1) they see.
-    S, (s0, s1) = sp.layout.seq, sp.shard()
+    # gathered, in sequence order), attended by the own queries over the keys
+    # [0, e) they see, e one past the last own token.
+    S, e = sp.layout.seq, sp.own_key_end()
     k_ag = sp.move(k.reshape(B, L, 1, H * dqk), "gather_seq", "k_ag").view(B, S, H, dqk)
     v_ag = sp.move(v.reshape(B, L, 1, H * dv), "gather_seq", "v_ag").view(B, S, H, dv)
-    rows = torch.arange(s0, s1, device=c_kv.device)
-    o = sp.attend(q, k_ag[:, :s1], v_ag[:, :s1], rows, s1, cfg.softmax_scale())
+    o = sp.attend(q, k_ag[:, :e], v_ag[:, :e], sp.own, e, cfg.softmax_scale())
     return o.reshape(B, L, H * dv)
 
 

@@ -1,6 +1,7 @@
 """SpLayout and HeadContextGrid: a port of src/mla/layout.{hpp,cpp}, the rule
-that places tokens and heads on ranks (docs/forms.md, "Uneven shards" and
-"laga2d"). Kept line for line with the C++ so the two place identically."""
+that places tokens and heads on ranks (docs/forms.md, "Uneven shards", "The
+zigzag layout" and "laga2d"). Kept line for line with the C++ so the two
+place identically."""
 
 import math
 
@@ -18,13 +19,39 @@ def _offsets(counts):
     return out
 
 
-class SpLayout:
-    """Rank r holds tokens [seq_offset[r], +seq_count[r]) of every row and,
-    between the seq->head and head->seq exchanges, heads
-    [head_offset[r], +head_count[r]). A rank may own zero heads but must hold
-    at least one token."""
+SEQ_LAYOUTS = ("contiguous", "zigzag")
 
-    def __init__(self, seq_counts, head_counts):
+
+def mirrored_chunks(seq, parts, c):
+    """Chunks c and 2 parts - 1 - c of the sequence cut into 2 parts
+    near-equal chunks (the first seq % (2 parts) one token more), as
+    ascending (begin, end) ranges, empty ones dropped and adjacent ones
+    merged (c = parts - 1): the zigzag layout's shards and laga2d's context
+    groups' query rows (the C++ mirrored_chunks)."""
+    chunk = _split(seq, 2 * parts)
+    chunk0 = _offsets(chunk)
+    q = []
+    for k in (c, 2 * parts - 1 - c):
+        b, e = chunk0[k], chunk0[k] + chunk[k]
+        if e == b:
+            continue
+        if q and q[-1][1] == b:
+            q[-1] = (q[-1][0], e)  # adjacent chunks: one range
+        else:
+            q.append((b, e))
+    return q
+
+
+class SpLayout:
+    """Rank r holds the tokens seq_ranges[r] of every row (ascending
+    (begin, end) ranges, seq_count[r] tokens, their rows one after the other
+    in the rank's shard: positions(r)) and, between the seq->head and
+    head->seq exchanges, heads [head_offset[r], +head_count[r]). A rank may
+    own zero heads but must hold at least one token. seq_layout "contiguous":
+    rank r one range, in rank order; "zigzag": chunks r and 2P-1-r of 2P
+    (docs/forms.md, "The zigzag layout")."""
+
+    def __init__(self, seq_counts, head_counts, seq_ranges=None, seq_layout="contiguous"):
         if len(seq_counts) != len(head_counts) or not seq_counts:
             raise ValueError("layout: need one seq count and one head count per rank")
         for r, n in enumerate(seq_counts):
@@ -34,22 +61,37 @@ class SpLayout:
         self.ranks = len(seq_counts)
         self.seq, self.heads = sum(seq_counts), sum(head_counts)
         self.seq_count, self.head_count = list(seq_counts), list(head_counts)
-        self.seq_offset, self.head_offset = _offsets(seq_counts), _offsets(head_counts)
+        self.head_offset = _offsets(head_counts)
+        self.seq_layout = seq_layout
+        if seq_ranges is None:  # contiguous: rank r one range, in rank order
+            seq_ranges = [[(b, b + n)] for b, n in zip(_offsets(seq_counts), seq_counts)]
+        self.seq_ranges = [list(r) for r in seq_ranges]
 
     @classmethod
-    def even(cls, seq, heads, ranks):
+    def even(cls, seq, heads, ranks, seq_layout="contiguous"):
         if ranks < 1:
             raise ValueError(f"sequence parallelism needs at least 1 rank, got group size {ranks}")
         if seq < ranks:
             raise ValueError(f"sequence length {seq} is shorter than the group size {ranks}: every "
                              "rank must hold at least one token; use a longer sequence or fewer ranks")
-        return cls(_split(seq, ranks), _split(heads, ranks))
+        if seq_layout not in SEQ_LAYOUTS:
+            raise ValueError(f"seq_layout '{seq_layout}': expected contiguous (rank r one range, in "
+                             "rank order) or zigzag (2P chunks, rank r holding chunks r and "
+                             "2P-1-r: TransformerEngine's load-balanced layout)")
+        if seq_layout == "contiguous":
+            return cls(_split(seq, ranks), _split(heads, ranks))
+        # S >= P leaves chunk r (r < P) at least one token, so every rank holds one.
+        ranges = [mirrored_chunks(seq, ranks, r) for r in range(ranks)]
+        return cls([sum(e - b for b, e in rr) for rr in ranges], _split(heads, ranks), ranges,
+                   seq_layout)
 
-    def tokens(self, r):
-        return range(self.seq_offset[r], self.seq_offset[r] + self.seq_count[r])
+    def positions(self, r):
+        """Rank r's tokens' global positions, in its shard's row order."""
+        return [t for b, e in self.seq_ranges[r] for t in range(b, e)]
 
     def describe(self):
         return ("seq " + "+".join(map(str, self.seq_count)) +
+                (" zigzag" if self.seq_layout == "zigzag" else "") +
                 ", heads " + "+".join(map(str, self.head_count)))
 
 
@@ -71,23 +113,12 @@ class HeadContextGrid:
         Pc = self.context_groups
         group_heads = layout.head_count if head_groups == P else _split(layout.heads, head_groups)
         group_off = _offsets(group_heads)
-        chunk = _split(layout.seq, 2 * Pc)
-        chunk0 = _offsets(chunk)
         self.head_count, self.head_offset, self.queries = [], [], []
         for r in range(P):
             g = r // Pc
             self.head_count.append(group_heads[g])
             self.head_offset.append(group_off[g])
-            q = []
-            for k in (r % Pc, 2 * Pc - 1 - r % Pc):
-                b, e = chunk0[k], chunk0[k] + chunk[k]
-                if e == b:
-                    continue
-                if q and q[-1][1] == b:
-                    q[-1] = (q[-1][0], e)  # adjacent chunks: one range
-                else:
-                    q.append((b, e))
-            self.queries.append(q)
+            self.queries.append(mirrored_chunks(layout.seq, Pc, r % Pc))
 
     @staticmethod
     def default_head_groups(heads, ranks):

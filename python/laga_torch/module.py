@@ -19,7 +19,7 @@ from torch import nn
 from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
-from .layout import HeadContextGrid, SpLayout
+from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout
 from .tape import Block
 
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
@@ -88,7 +88,7 @@ def doc_starts(cu_seqlens, batch, seq, device):
 log = logging.getLogger("laga_torch")
 
 
-def plan_form(cfg, seq, ranks, batch, profile, laga=None):
+def plan_form(cfg, seq, ranks, batch, profile, laga=None, seq_layout="contiguous"):
     """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
     profile (a built-in name or a JSON file; docs/planning.md): (form,
     q_latent, overlap) of its winner among the forms this package implements
@@ -103,7 +103,7 @@ def plan_form(cfg, seq, ranks, batch, profile, laga=None):
     try:
         cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
                "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet",
-               "--forms", ",".join(FORMS)]
+               "--forms", ",".join(FORMS), "--seq-layout", seq_layout]
         if cfg.q_lora_rank:
             cmd.append("--q-latent")
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,7 +118,13 @@ def plan_form(cfg, seq, ranks, batch, profile, laga=None):
 
 class MLA(nn.Module):
     """forward(x_local (B, S_r, D), group=None, cu_seqlens=None, seq_len=None)
-    -> (B, S_r, D) for this rank's shard of SpLayout.even(S, H, P).
+    -> (B, S_r, D) for this rank's shard of SpLayout.even(S, H, P,
+    seq_layout): the tokens SpLayout.positions(rank) of every row, in that
+    order. seq_layout "contiguous" (rank r one range, in rank order) or
+    "zigzag" (2P chunks, rank r holding chunks r and 2P-1-r: the
+    load-balanced layout of TransformerEngine's context parallelism, which
+    evens the causal work of allgather_kv and the rings; docs/forms.md, "The
+    zigzag layout"). cu_seqlens stays in global offsets either way.
 
     form: a name in FORMS (explicit | absorbed | laga | laga2d |
     allgather_kv | ring_kv | ring_latent; each row says what it admits):
@@ -136,8 +142,13 @@ class MLA(nn.Module):
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
-                 flash_block=64):
+                 flash_block=64, seq_layout="contiguous"):
         super().__init__()
+        if seq_layout not in SEQ_LAYOUTS:
+            raise ValueError(f"seq_layout '{seq_layout}': expected contiguous (rank r one range, "
+                             "in rank order) or zigzag (2P chunks, rank r holding chunks r and "
+                             "2P-1-r)")
+        self.seq_layout = seq_layout
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
         if form == "auto":
@@ -217,15 +228,18 @@ class MLA(nn.Module):
             last = last[-1] if isinstance(last, (list, tuple)) or (
                 isinstance(last, torch.Tensor) and last.dim()) else last
             seq_len = int(last)
-        lay = SpLayout.even(seq_len, cfg.n_heads, P)
+        lay = SpLayout.even(seq_len, cfg.n_heads, P, self.seq_layout)
         if L != lay.seq_count[r]:
+            ranges = ", ".join(f"[{b}, {e})" for b, e in lay.seq_ranges[r])
             raise ValueError(f"x holds {L} tokens but rank {r} of {P} holds "
-                             f"{lay.seq_count[r]} of S = {seq_len} ({lay.describe()})")
+                             f"{lay.seq_count[r]} of S = {seq_len}, tokens {ranges} "
+                             f"({lay.describe()})")
         form, q_latent, overlap = self.form, self.q_latent, self.overlap
         if form == "auto":
             key = (seq_len, P, B)
             if key not in self.plans:
-                self.plans[key] = plan_form(cfg, seq_len, P, B, self.profile)
+                self.plans[key] = plan_form(cfg, seq_len, P, B, self.profile,
+                                           seq_layout=self.seq_layout)
                 log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
                          self.plans[key], seq_len, P, B)
             form, q_latent, overlap = self.plans[key]
@@ -239,8 +253,7 @@ class MLA(nn.Module):
             return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
                                        self.attention == "flash", self.flash_block),
                                *[dict(self.named_parameters())[n] for n in param_order(cfg)])
-        s0, s1 = sp.shard()
-        pos = sp.pos[:, s0:s1]
+        pos = sp.pos[:, sp.own]
         H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
         q = query_latent = None
         if cfg.q_lora_rank == 0:
@@ -276,13 +289,16 @@ class _Run:
         self.heads = _head_range(sp, form)
         self.key_end = int(self.rows[-1]) + 1 if len(self.rows) else 0
         dqk, dv, H = cfg.qk_head_dim, cfg.v_head_dim, cfg.n_heads
-        if spec.attends is Attends.grid:  # one call per query range (rows a, b of q_h; keys [0, e))
-            self.calls, a = [], 0
-            for lo, hi in sp.grid().queries[sp.rank]:
-                self.calls.append((a, a + hi - lo, hi))
-                a += hi - lo
-        else:
-            self.calls = [(0, len(self.rows), self.key_end)]
+        # One attention call per query range (rows a, b of q_h; keys [0, e)):
+        # laga2d's query chunks, the own seq ranges (allgather_kv: two on
+        # zigzag shards, as the C++ form calls), or every token.
+        ranges = {Attends.grid: lambda: sp.grid().queries[sp.rank],
+                  Attends.own: lambda: sp.layout.seq_ranges[sp.rank],
+                  Attends.heads: lambda: [(0, sp.layout.seq)]}[spec.attends]()
+        self.calls, a = [], 0
+        for lo, hi in ranges:
+            self.calls.append((a, a + hi - lo, hi))
+            a += hi - lo
         # The movements, labels as the C++ ledger's (docs/forms.md, "Collectives per step").
         self.plans = {}
         grid = spec.attends is Attends.grid

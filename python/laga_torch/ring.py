@@ -2,25 +2,30 @@
 (docs/forms.md, "ring_kv", "ring_latent"), shared by laga's tape
 (tape.Block) and autograd's (RingAttention below).
 
-Each rank attends its own query tokens [s0, s1), with all heads, against
-the block of every rank that passes round the ring (rank r -> r + 1, P - 1
-shifts), merging the steps' partial outputs by their log-sum-exp:
+Each rank attends its own query tokens (its seq shard: one range, or the
+zigzag layout's two), with all heads, against the block of every rank that
+passes round the ring (rank r -> r + 1, P - 1 shifts), merging the steps'
+partial outputs by their log-sum-exp:
 
-  step i = 0 .. P-1 holds rank j = r - i's block, tokens [k0, k0 + L_j):
+  step i = 0 .. P-1 holds rank j = r - i's block, its L_j tokens:
     send it on and receive rank j - 1's (not after the last step): started
     before the step's attention and waited after it with overlap, else
     waited at once (the same bytes and values);
     j == r: causal attention of q over the block (the diagonal);
-    j <  r: every key precedes every query: no causal mask;
-    j >  r: keys after every query: no work (the block still passes on);
+    j != r: the rectangle of the rank's query rows that follow the block's
+    key rows (RingRect: contiguous shards, every row x every key when
+    j < r, nothing when j > r, the block still passing on; zigzag shards,
+    rank j < r's first chunk against both of r's, rank j > r's two chunks
+    against r's second), unmasked but for packed documents;
     o = e^(lse - lse') o + e^(lse_j - lse') o_j,  lse' = log(e^lse + e^lse_j)
+    over the rectangle's rows.
 
-Packed documents: row t sees the block's keys [max(start(t), k0), t] (the
-C++ ring_calls' cases as key ranges: the diagonal under the documents'
+Packed documents: row t sees the block's keys at positions [start(t), t]
+(the C++ ring_calls' cases as key ranges: the diagonal under the documents'
 mask, a past block seen from its document's start by the rows of the
-document that runs into the shard, and by no other row). A row that sees
-no key of a block takes lse_j = -inf there, so the merge leaves it as it
-was; step 0 is the diagonal, where every row sees itself.
+document that runs into it, and by no other row). A row that sees no key
+of a block takes lse_j = -inf there, so the merge leaves it as it was;
+step 0 is the diagonal, where every row sees itself.
 
 Backward recomputes as flash does: the blocks pass round again, each step's
 attention backward reads the merged o and lse (eager: its probabilities,
@@ -77,10 +82,11 @@ class KvBlocks:
         return (block[:n].view(self.B, Lj, self.H, self.dqk),
                 block[n:].view(self.B, Lj, self.H, self.dv))
 
-    def add_grad(self, block, Lj, dk, dv, acc):
-        n = self.B * Lj * self.H * self.dqk
-        acc[:n] += dk.reshape(-1)
-        acc[n:] += dv.reshape(-1)
+    def add_grad(self, block, Lj, k_row, dk, dv, acc):
+        """dk (B, keys, H, dqk), dv of the block's rows [k_row, k_row + keys)."""
+        k, v = self.kv(acc, Lj)
+        k[:, k_row:k_row + dk.shape[1]] += dk
+        v[:, k_row:k_row + dv.shape[1]] += dv
 
 
 class LatentBlocks:
@@ -119,36 +125,84 @@ class LatentBlocks:
         k = torch.cat([kv[..., :dn], pe[:, :, None, :].expand(B, Lj, H, dr)], -1)
         return k, kv[..., dn:]
 
-    def add_grad(self, block, Lj, dk, dv, acc):
-        """The step's dK/dV through the up-projection: d k_pe += sum over heads
-        of dk's rope part, dc += dkv wkv_b into the accumulator; wkv_b's
-        gradient += dkv^T c (stays on the rank)."""
-        B, H, dn, C = self.B, self.H, self.dn, self.C
+    def add_grad(self, block, Lj, k_row, dk, dv, acc):
+        """The step's dK/dV (B, keys, H, .) of the block's rows [k_row, k_row +
+        keys) through the up-projection: d k_pe += sum over heads of dk's rope
+        part, dc += dkv wkv_b into the accumulator; wkv_b's gradient += dkv^T c
+        (stays on the rank)."""
+        B, H, dn, C, n = self.B, self.H, self.dn, self.C, dk.shape[1]
         c, _ = self._parts(block, Lj)
-        dkv = torch.cat([dk[..., :dn], dv], -1).reshape(B * Lj, H * (dn + self.dv))
+        c = c[:, k_row:k_row + n]
+        dkv = torch.cat([dk[..., :dn], dv], -1).reshape(B * n, H * (dn + self.dv))
         a_c, a_pe = self._parts(acc, Lj)
-        a_c += (dkv @ self.wkv_b).view(B, Lj, C)
-        a_pe += dk[..., dn:].sum(2)
-        self.d_wkv += dkv.t() @ c.reshape(B * Lj, C)
+        a_c[:, k_row:k_row + n] += (dkv @ self.wkv_b).view(B, n, C)
+        a_pe[:, k_row:k_row + n] += dk[..., dn:].sum(2)
+        self.d_wkv += dkv.t() @ c.reshape(B * n, C)
 
 
 def _block_elems(sp, codec, j):
     return sp.batch * sp.layout.seq_count[j] * codec.width()
 
 
+class RingRect:
+    """The (query row, key row) rectangle a ring step attends: the rank's
+    local rows [q_row, q_row + rows) against the block's rows [k_row, k_row +
+    keys) (the C++ ring_rect, src/mla/ring.hpp). The own block's is every row
+    against every row under the causal mask (the local tokens are ascending,
+    so the mask of the rows as they lie is the sequence's). Another block's
+    keys either all precede a query range or all follow it (whole chunks of
+    one tiling), and on contiguous and zigzag shards those that precede form
+    one rectangle, unmasked: rows 0 when no key precedes."""
+
+    def __init__(self, lay, r, owner):
+        mine, theirs = lay.seq_ranges[r], lay.seq_ranges[owner]
+        self.diagonal = owner == r
+        self.q_row = self.rows = self.k_row = self.keys = 0
+        if self.diagonal:
+            self.rows = self.keys = lay.seq_count[r]
+            return
+        pairs = [(a, b) for a in range(len(mine)) for b in range(len(theirs))
+                 if theirs[b][1] <= mine[a][0]]  # every key of range b precedes range a
+        if not pairs:
+            return
+        qs, ks = sorted({a for a, _ in pairs}), sorted({b for _, b in pairs})
+        if len(pairs) != len(qs) * len(ks) or qs[-1] - qs[0] + 1 != len(qs) or \
+                ks[-1] - ks[0] + 1 != len(ks):
+            raise ValueError(f"ring: rank {r}'s seq ranges against rank {owner}'s are no one "
+                             "rectangle; the ring forms run contiguous or zigzag shards")
+
+        def rows_before(v, n):
+            return sum(e - b for b, e in v[:n])
+        self.q_row, self.k_row = rows_before(mine, qs[0]), rows_before(theirs, ks[0])
+        self.rows = rows_before(mine, qs[-1] + 1) - self.q_row
+        self.keys = rows_before(theirs, ks[-1] + 1) - self.k_row
+
+    def q(self, x):
+        """The rectangle's rows of a (B, L, ...) tensor."""
+        return x[:, self.q_row:self.q_row + self.rows]
+
+    def k(self, x):
+        """The rectangle's keys of a (B, L_j, ...) block tensor."""
+        return x[:, self.k_row:self.k_row + self.keys]
+
+
 def key_ranges(sp, owner):
-    """(lo, hi) (B, L) of the block of rank `owner`, local to it: row t of
-    the shard sees keys [lo, hi) of the block; None when the block follows
-    every query (skipped, still passed on)."""
+    """(rect, lo, hi) of the block of rank `owner`: row q_row + i of the
+    shard sees the rectangle's keys [lo[b, i], hi[b, i]), (B, rows) local to
+    it (those at positions [start(t), t] of its token t: the positions are
+    ascending, so a range); None when no key of the block precedes a row
+    (skipped, still passed on)."""
     lay = sp.layout
-    s0, s1 = sp.shard()
-    k0, Lk = lay.seq_offset[owner], lay.seq_count[owner]
-    if k0 > s0:
+    rect = RingRect(lay, sp.rank, owner)
+    if rect.rows == 0:
         return None
-    t = torch.arange(s0, s1, device=sp.doc_start.device)
-    lo = (sp.doc_start[:, s0:s1] - k0).clamp(0, Lk)
-    hi = (t + 1 - k0).clamp(0, Lk)[None].expand_as(lo)
-    return lo.contiguous(), hi.contiguous()
+    dev = sp.doc_start.device
+    kpos = torch.tensor(lay.positions(owner)[rect.k_row:rect.k_row + rect.keys], dtype=torch.long,
+                        device=dev)
+    t = sp.own[rect.q_row:rect.q_row + rect.rows]
+    lo = torch.searchsorted(kpos, sp.doc_start[:, t].contiguous())
+    hi = torch.searchsorted(kpos, t, right=True)[None].expand_as(lo)
+    return rect, lo.contiguous(), hi.contiguous()
 
 
 def _see(lo, hi, Lk):
@@ -194,31 +248,36 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
                          "forward", overlap)
         rng = key_ranges(sp, owner)
         if rng is not None:
-            Lk = lay.seq_count[owner]
-            k, v = codec.kv(cur, Lk)
-            lo, hi = rng
+            rect, lo, hi = rng
+            k, v = codec.kv(cur, lay.seq_count[owner])
+            q_r, k_r, v_r = rect.q(q), rect.k(k), rect.k(v)
             if flash:
-                o_j, lse_j = flash_forward(q, k, v, KeyRanges(lo, hi), scale, block)
+                o_j, lse_j = flash_forward(q_r, k_r, v_r, KeyRanges(lo, hi), scale, block)
                 lse_j = torch.where((lo < hi)[:, None], lse_j, lse_j.new_tensor(float("-inf")))
             else:
-                o_j, lse_j, probs[i] = _eager_step(q, k, v, _see(lo, hi, Lk), scale)
-                step_lse[i] = lse_j
+                o_j, lse_j, probs[i] = _eager_step(q_r, k_r, v_r, _see(lo, hi, rect.keys), scale)
+                step_lse[i] = (rect, lse_j)
             o_j, lse_j = o_j.to(acc), lse_j.to(acc)
             if o is None:  # step 0, the diagonal: every row sees itself
-                o, lse = o_j, lse_j
-            else:
-                m = torch.maximum(lse, lse_j)
-                merged = m + torch.log(torch.exp(lse - m) + torch.exp(lse_j - m))
-                a, w = torch.exp(lse - merged), torch.exp(lse_j - merged)
-                o = a.transpose(1, 2)[..., None] * o + w.transpose(1, 2)[..., None] * o_j
-                lse = merged
+                o, lse = o_j, lse_j.clone()  # (merged in place; eager keeps the step's lse_j)
+            else:  # the rectangle's rows, in place
+                a0, a1 = rect.q_row, rect.q_row + rect.rows
+                lse_r = lse[:, :, a0:a1]
+                m = torch.maximum(lse_r, lse_j)
+                merged = m + torch.log(torch.exp(lse_r - m) + torch.exp(lse_j - m))
+                a, w = torch.exp(lse_r - merged), torch.exp(lse_j - merged)
+                o[:, a0:a1] = a.transpose(1, 2)[..., None] * o[:, a0:a1] + \
+                    w.transpose(1, 2)[..., None] * o_j
+                lse[:, :, a0:a1] = merged
         if nxt is not None:
             cur = nxt() if overlap else nxt
     if flash:
         return o.to(q.dtype), lse
     # Eager: each step's probabilities to the row's whole normalisation.
     for i, p in probs.items():
-        probs[i] = (p.to(acc) * torch.exp(step_lse[i] - lse)[..., None]).to(p.dtype)
+        rect, lse_i = step_lse[i]
+        scale_i = torch.exp(lse_i - lse[:, :, rect.q_row:rect.q_row + rect.rows])
+        probs[i] = (p.to(acc) * scale_i[..., None]).to(p.dtype)
     return o.to(q.dtype), probs
 
 
@@ -242,21 +301,24 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
         rng = key_ranges(sp, owner)
         grads = None
         if rng is not None:
+            rect, lo, hi = rng
             Lk = lay.seq_count[owner]
             k, v = codec.kv(cur, Lk)
-            lo, hi = rng
+            q_r, k_r, v_r, do_r = rect.q(q), rect.k(k), rect.k(v), rect.q(do)
             if flash:
-                dq_, dk, dv = flash_backward(q, k, v, o, stats, do, KeyRanges(lo, hi), scale,
-                                             block)
+                lse_r = stats[:, :, rect.q_row:rect.q_row + rect.rows]
+                dq_, dk, dv = flash_backward(q_r, k_r, v_r, rect.q(o), lse_r, do_r,
+                                             KeyRanges(lo, hi), scale, block)
             else:
-                dq_, dk, dv = math_backward(q, k, v, stats[i], do, scale, delta=delta)
-            dq += dq_
-            grads = (Lk, dk, dv)
+                delta_r = delta[:, :, rect.q_row:rect.q_row + rect.rows]
+                dq_, dk, dv = math_backward(q_r, k_r, v_r, stats[i], do_r, scale, delta=delta_r)
+            dq[:, rect.q_row:rect.q_row + rect.rows] += dq_
+            grads = (Lk, rect.k_row, dk, dv)
         if acc_wait is not None:
             acc = acc_wait()
             acc_wait = None
         if grads is not None:
-            codec.add_grad(cur, grads[0], grads[1], grads[2], acc)
+            codec.add_grad(cur, *grads, acc)
         if nxt is not None and overlap:
             nxt = nxt()
         if P > 1:  # the accumulator goes on with its block; after the last step, home

@@ -73,8 +73,8 @@ class Block(torch.autograd.Function):
         H, C, dn, dr, dv, rq = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
         dqk, eps, scale = dn + dr, cfg.norm_eps, cfg.softmax_scale()
-        s0, s1 = sp.shard()
-        trig = sp.cos[sp.pos[:, s0:s1]][:, :, None], sp.sin[sp.pos[:, s0:s1]][:, :, None]
+        own_pos = sp.pos[:, sp.own]  # the own tokens' in-document positions
+        trig = sp.cos[own_pos][:, :, None], sp.sin[own_pos][:, :, None]
         rows = run.rows
         h0, nh = run.heads
         keep = {}
@@ -126,12 +126,18 @@ class Block(torch.autograd.Function):
                 v_h = move(kv[..., dn:].reshape(B, L, 1, H * dv), run.plans["v"], sp.group,
                            sp.ledger, "forward").view(B, S, H, dv)
                 keep.update(k_h=k_h, v_h=v_h)
-                if run.flash:  # o_h is o_loc (a view), which every form keeps
-                    o_h, keep["lse"] = flash_forward(q, k_h[:, :Sk], v_h[:, :Sk],
-                                                     sp.key_ranges(rows, Sk), scale, run.block)
-                else:
-                    o_h, keep["p0"] = math_forward(q, k_h[:, :Sk], v_h[:, :Sk],
-                                                   sp.mask(rows, Sk), scale)
+                o_h = q.new_zeros(B, L, H, dv)  # o_loc's storage, which every form keeps
+                if run.flash:
+                    keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
+                                              device=q.device)
+                for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
+                    if run.flash:
+                        o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
+                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
+                            scale, run.block)
+                    else:
+                        o_h[:, a:b], keep[f"p{i}"] = math_forward(
+                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
             else:  # the ring forms: the own block round the ring (ring.py)
                 codec = spec.codec(cfg, B, W["wkv_b.weight"])
                 own = codec.own_block(c_hat, kv_a[..., C:])
@@ -226,8 +232,8 @@ class Block(torch.autograd.Function):
         H, C, dn, dr, dv, rq = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
         dqk, scale = dn + dr, cfg.softmax_scale()
-        s0, s1 = sp.shard()
-        trig = sp.cos[sp.pos[:, s0:s1]][:, :, None], sp.sin[sp.pos[:, s0:s1]][:, :, None]
+        own_pos = sp.pos[:, sp.own]  # the own tokens' in-document positions
+        trig = sp.cos[own_pos][:, :, None], sp.sin[own_pos][:, :, None]
         rows = run.rows
         h0, nh = run.heads
         G = {n: None for n in run.names}
@@ -266,14 +272,20 @@ class Block(torch.autograd.Function):
 
         if spec.keys is Keys.gather:  # allgather_kv
             S, Sk = sp.layout.seq, run.key_end
-            k_h, v_h = s["k_h"][:, :Sk], s["v_h"][:, :Sk]
-            if run.flash:
-                # flash's o is o_loc, which every form keeps
-                dq, dk_h, dv_h = flash_backward(s["q_h"], k_h, v_h, s["o_loc"].view(B, L, H, dv),
-                                                s["lse"], do_h, sp.key_ranges(rows, Sk), scale,
-                                                run.block)
-            else:
-                dq, dk_h, dv_h = math_backward(s["q_h"], k_h, v_h, s["p0"], do_h, scale)
+            q, k_h, v_h = s["q_h"], s["k_h"][:, :Sk], s["v_h"][:, :Sk]
+            o_h = s["o_loc"].view(B, L, H, dv)  # flash's o is o_loc, which every form keeps
+            dq, dk_h, dv_h = torch.zeros_like(q), torch.zeros_like(k_h), torch.zeros_like(v_h)
+            for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
+                if run.flash:
+                    dq_, dk_, dv_ = flash_backward(
+                        q[:, a:b], k_h[:, :e], v_h[:, :e], o_h[:, a:b], s["lse"][:, :, a:b],
+                        do_h[:, a:b], sp.key_ranges(rows[a:b], e), scale, run.block)
+                else:
+                    dq_, dk_, dv_ = math_backward(q[:, a:b], k_h[:, :e], v_h[:, :e], s[f"p{i}"],
+                                                  do_h[:, a:b], scale)
+                dq[:, a:b] = dq_
+                dk_h[:, :e] += dk_
+                dv_h[:, :e] += dv_
             # The all-gathers' adjoints: the keys' gradients (zero past s1 from
             # this rank) reduce-scattered to their owners.
             dk_all = dk_h.new_zeros(B, S, 1, H * dqk)

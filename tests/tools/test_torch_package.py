@@ -5,8 +5,8 @@ Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nc
 
 For every form (the package's FORMS: explicit, absorbed, laga, laga2d and the
 context-parallel allgather_kv, ring_kv, ring_latent) and option (q_latent,
-overlap, laga2d head groups, packed documents straddling shards) at P 1, 2,
-3, 4, with S % P != 0 and H % P != 0:
+overlap, laga2d head groups, packed documents straddling shards, the zigzag
+layout) at P 1, 2, 3, 4, with S % P != 0, S % 2P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
     module in float64, on laga's tape and on autograd's, equal
     `laga forward --backward --dtype float64` on the same safetensors within
@@ -86,8 +86,19 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
             ("ring_latent", "rq7", "ring_latent", {}),
             ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True})]
+# The zigzag layout (seq_layout "zigzag", laga's --seq-layout zigzag): every
+# form on two ranges a rank, S 13 cut into 2P chunks of unequal length (at P 4
+# 2+2+2+2+2+1+1+1: rank 0 [0, 2) and [12, 13), rank 3 one merged range), the
+# rings' rectangles (RingRect) other than every row x every key.
+ZIGZAG = {"seq_layout": "zigzag"}
+VARIANTS += [(name + "-zigzag", "rq7", form, dict(opts, **ZIGZAG)) for name, form, opts in (
+    ("explicit", "explicit", {}), ("absorbed", "absorbed", {}), ("laga", "laga", {}),
+    ("laga2d", "laga2d", {}), ("laga2d-g1", "laga2d", {"head_groups": 1}),
+    ("allgather_kv", "allgather_kv", {}), ("ring_kv", "ring_kv", {}),
+    ("ring_latent", "ring_latent", {}), ("ring_kv-overlap", "ring_kv", {"overlap": True}))]
 PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
-          "ring_kv", "ring_latent"]
+          "ring_kv", "ring_latent", "laga-zigzag", "allgather_kv-zigzag", "ring_kv-zigzag",
+          "ring_latent-zigzag"]
 # attention "flash" as well (float64, float32; bf16 and autograd's tape for a
 # few): each form, H 3 (a rank without heads at P 4), packed, q_latent,
 # laga2d at both grids. Tiles of 4 rows x 4 keys over S 13: tiles skipped,
@@ -96,9 +107,11 @@ FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g
          "h3-absorbed", "h3-laga-q-latent", "rq7-explicit-packed", "rq7-absorbed-packed",
          "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
          "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
-         "rq7-allgather_kv-packed", "rq7-ring_kv-packed"}
+         "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-laga2d-zigzag",
+         "rq7-allgather_kv-zigzag-packed", "rq7-ring_kv-zigzag", "rq7-ring_latent-zigzag-packed"}
 FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
-FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap"}
+FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap",
+                  "rq7-ring_kv-zigzag-packed"}
 FLASH_BLOCK = 4
 
 
@@ -121,7 +134,16 @@ def cases():
 
 
 def bf16_case(case):
-    return case["cfg"] == "rq7" and not case["docs"]
+    return case["cfg"] == "rq7" and not case["docs"] and seq_layout(case) == "contiguous"
+
+
+def seq_layout(case):
+    return case["opts"].get("seq_layout", "contiguous")
+
+
+def shard(lt, P, r, layout="contiguous"):
+    """Rank r's tokens (a long tensor of positions) under the layout."""
+    return torch.tensor(lt.SpLayout.even(S, BASE["n_heads"], P, layout).positions(r))
 
 
 # bf16 (unit roundoff u = 2^-8; torch's CPU bf16 matmuls accumulate in fp32,
@@ -164,7 +186,7 @@ def cxx_flags(case):
         f += ["--overlap", "on"]
     if o.get("head_groups"):
         f += ["--head-groups", str(o["head_groups"])]
-    return f
+    return f + ["--seq-layout", seq_layout(case)]
 
 
 def compare_name(case):
@@ -200,10 +222,9 @@ def worker(args):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # NCCL: one device per rank
     P, r = args.world, args.rank
-    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
-    s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
     results = {}
     for case in cases():
+        own = shard(lt, P, r, seq_layout(case))
         w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
         inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
         # float64 and float32 on laga's tape; float64 on autograd's (the functional
@@ -227,8 +248,8 @@ def worker(args):
                        flash_block=FLASH_BLOCK, **case["opts"])
             m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
             m.ledger = lt.Ledger()
-            x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, s0:s1].clone().requires_grad_()
-            dout = torch.from_numpy(inp["dout"]).to(dev, dtype)[:, s0:s1]
+            x = torch.from_numpy(inp["x"]).to(dev, dtype)[:, own].clone().requires_grad_()
+            dout = torch.from_numpy(inp["dout"]).to(dev, dtype)[:, own]
             keep = saved_by(m, x)
             with torch.autograd.graph.saved_tensors_hooks(keep.add, lambda t: t):
                 out = m(x, cu_seqlens=case["docs"], seq_len=S)
@@ -303,14 +324,14 @@ def nan_isolated(lt, dev, P, r, args):
     its dense ones). Eager, which multiplies masked pairs by p = 0, fails this."""
     w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
     inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
-    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
-    s0, s1 = lay.seq_offset[r], lay.seq_offset[r] + lay.seq_count[r]
-    hit = torch.zeros(B, S, dtype=torch.bool)
-    hit[0, 3:9] = True  # the NaN's document
-    hit = hit[:, s0:s1]
     for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
                        ("laga2d", {"head_groups": 1}), ("allgather_kv", {}),
-                       ("ring_latent", {"overlap": True})):  # (the rings share one engine)
+                       ("ring_latent", {"overlap": True}),  # (the rings share one engine)
+                       ("ring_kv", ZIGZAG)):
+        own = shard(lt, P, r, opts.get("seq_layout", "contiguous"))
+        hit = torch.zeros(B, S, dtype=torch.bool)
+        hit[0, 3:9] = True  # the NaN's document
+        hit = hit[:, own]
         got = []
         for poison in (False, True):
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, attention="flash",
@@ -319,17 +340,19 @@ def nan_isolated(lt, dev, P, r, args):
             x = torch.from_numpy(inp["x"]).clone()
             if poison:
                 x[0, 4, 5] = float("nan")
-            x = x.to(dev)[:, s0:s1].clone().requires_grad_()
+            x = x.to(dev)[:, own].clone().requires_grad_()
             out = m(x, cu_seqlens=DOCS, seq_len=S)
-            out.backward(torch.from_numpy(inp["dout"]).to(dev)[:, s0:s1])
+            out.backward(torch.from_numpy(inp["dout"]).to(dev)[:, own])
             got.append((out.detach().cpu(), x.grad.cpu()))
         for name, clean, bad in zip(("out", "dx"), *got):
             e = rel(bad[~hit].numpy(), clean[~hit].numpy())
             if not e <= 1e-12:
                 sys.exit(f"FAIL: {form} flash at P {P}, rank {r}: a NaN in token 4 of row 0 "
                          f"reaches {name} outside its document ({e:.3e} relative)")
-        if s0 <= 4 < s1 and not torch.isnan(got[1][0][0, 4 - s0]).all():
-            sys.exit(f"FAIL: {form} flash at P {P}: the NaN in token 4 did not reach its own out")
+        at = (own == 4).nonzero()[:, 0]
+        if len(at) and not torch.isnan(got[1][0][0, at[0]]).all():
+            sys.exit(f"FAIL: {form} {opts} flash at P {P}: the NaN in token 4 did not reach its "
+                     "own out")
 
 
 def subgroup(lt, dev, r, args):
@@ -346,7 +369,7 @@ def subgroup(lt, dev, r, args):
     w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
     inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
     lay = lt.SpLayout.even(S, BASE["n_heads"], 2)
-    s0, s1 = lay.seq_offset[r - 1], lay.seq_offset[r - 1] + lay.seq_count[r - 1]
+    (s0, s1), = lay.seq_ranges[r - 1]
     got = {}
     for form, group, lo, hi in (("ring_kv", pair, s0, s1), ("explicit", alone[r], 0, S)):
         m = lt.MLA(lt.MLAConfig.from_json(CONFIGS["rq7"]), form=form, dtype=torch.float64,
@@ -374,10 +397,8 @@ def hf_names(lt, dev, P, args):
     w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
     hf = {f"model.layers.3.self_attn.{lt.module.HF_NAMES[k]}": torch.from_numpy(v)
           for k, v in w.items()}
-    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
-    s0, L = lay.seq_offset[args.rank], lay.seq_count[args.rank]
     x = torch.from_numpy(safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))[0]
-                         ["x"])[:, s0:s0 + L].to(dev)
+                         ["x"])[:, shard(lt, P, args.rank)].to(dev)
     outs = []
     for cfg, state in ((CONFIGS["rq7"], {k: torch.from_numpy(v) for k, v in w.items()}),
                        (HF, hf)):
@@ -400,10 +421,8 @@ def auto(lt, dev, P, args):
                            "--forms", ",".join(lt.FORMS)]))
     w = plan["cases"][0]["winner"].split("+")
     picked = (w[0], "q-latent" in w, "overlap" in w)
-    lay = lt.SpLayout.even(S, BASE["n_heads"], P)
     torch.manual_seed(5)
-    x = torch.randn(B, S, BASE["dim"], dtype=torch.float64)[:, lay.seq_offset[args.rank]:][
-        :, :lay.seq_count[args.rank]].to(dev)
+    x = torch.randn(B, S, BASE["dim"], dtype=torch.float64)[:, shard(lt, P, args.rank)].to(dev)
     outs, mods = [], []
     for kw in ({"form": "auto", "profile": "h100"},
                {"form": picked[0], "q_latent": picked[1], "overlap": picked[2]}):
@@ -449,6 +468,15 @@ def errors(lt, dev, P, r):
                  lambda: lt.MLA(cfg7, attention="ring"))
     expect_error("sdpa on laga's tape", ["sdpa", "laga"], lambda: lt.MLA(cfg7, attention="sdpa"))
     expect_error("flash_block 0", ["flash_block"], lambda: lt.MLA(cfg7, flash_block=0))
+    expect_error("unknown seq_layout", ["seq_layout", "zigzg", "contiguous", "zigzag"],
+                 lambda: lt.MLA(cfg7, seq_layout="zigzg"))
+    zz = lt.SpLayout.even(S, BASE["n_heads"], P, "zigzag")
+    want = ", ".join(f"[{b}, {e})" for b, e in zz.seq_ranges[r])
+    expect_error("a zigzag shard of the wrong length", ["holds", f"rank {r}", want, "zigzag"],
+                 lambda: lt.MLA(cfg7, form="ring_kv", dtype=torch.float64, device=dev,
+                                seq_layout="zigzag")(
+                     torch.zeros(B, zz.seq_count[r] + 1, BASE["dim"], dtype=torch.float64,
+                                 device=dev), seq_len=S))
     expect_error("form auto without a profile", ["auto", "profile"],
                  lambda: lt.MLA(cfg7, form="auto"))
     expect_error("form auto with overlap", ["auto", "overlap", "plan"],
@@ -552,18 +580,21 @@ def flash_kernels(lt, dev):
 
 
 def example(args):
-    """The example trainer's 20 float64 steps at P 2 equal P 1 within 1e-6 per
-    step's loss. Ranks get torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) from here: Debian's torchrun 1.13 fails under
-    Python 3.11 before starting any worker (elastic's to_map)."""
+    """The example trainer's 20 float64 steps at P 2 (laga, and ring_kv on the
+    zigzag layout) equal P 1 within 1e-6 per step's loss. Ranks get
+    torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from
+    here: Debian's torchrun 1.13 fails under Python 3.11 before starting any
+    worker (elastic's to_map)."""
     os.makedirs(args.dir, exist_ok=True)
     script = os.path.join(PY, "examples", "train_mla.py")
     losses = {}
-    for P in (1, 2):
-        port, out = free_port(), os.path.join(args.dir, f"example-P{P}.json")
+    for name, P, extra in ((1, 1, []), (2, 2, []),
+                           ("2 ring_kv zigzag", 2, ["--form", "ring_kv", "--seq-layout",
+                                                    "zigzag"])):
+        port, out = free_port(), os.path.join(args.dir, f"example-{name}.json".replace(" ", "-"))
         procs = [subprocess.Popen([sys.executable, script, "--steps", "20", "--dtype", "float64",
                                    "--backend", args.backend, "--device", args.device,
-                                   "--json", out],
+                                   "--json", out] + extra,
                                   stdout=subprocess.DEVNULL,
                                   env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r),
                                            WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1",
@@ -572,15 +603,37 @@ def example(args):
         for p in procs:
             p.wait(timeout=200)
         if any(p.returncode for p in procs):
-            sys.exit(f"FAIL: train_mla.py at P {P} exited {[p.returncode for p in procs]}")
-        losses[P] = json.load(open(out))["losses"]
-    if len(losses[1]) != 20 or len(losses[2]) != 20:
-        sys.exit(f"FAIL: expected 20 losses per run, got {len(losses[1])} and {len(losses[2])}")
-    worst = max(abs(a - b) for a, b in zip(losses[1], losses[2]))
-    if not worst <= 1e-6:
-        sys.exit(f"FAIL: train_mla.py P 2 differs from P 1 by {worst:.3e} in a step's loss")
-    print(f"train_mla.py: 20 steps, P 2 within {worst:.2e} of P 1 per step (loss "
-          f"{losses[1][0]:.6f} -> {losses[1][-1]:.6f})")
+            sys.exit(f"FAIL: train_mla.py at P {name} exited {[p.returncode for p in procs]}")
+        losses[name] = json.load(open(out))["losses"]
+    worst = {}
+    for name in (2, "2 ring_kv zigzag"):
+        if len(losses[1]) != 20 or len(losses[name]) != 20:
+            sys.exit(f"FAIL: expected 20 losses per run, got {len(losses[1])} and "
+                     f"{len(losses[name])}")
+        worst[name] = max(abs(a - b) for a, b in zip(losses[1], losses[name]))
+        if not worst[name] <= 1e-6:
+            sys.exit(f"FAIL: train_mla.py P {name} differs from P 1 by {worst[name]:.3e} in a "
+                     "step's loss")
+    print(f"train_mla.py: 20 steps, P 2 within {worst[2]:.2e} of P 1 per step, P 2 ring_kv "
+          f"zigzag within {worst['2 ring_kv zigzag']:.2e} (loss {losses[1][0]:.6f} -> "
+          f"{losses[1][-1]:.6f})")
+
+
+def assemble(lt, workdir, tag, case, P):
+    """The whole (B, S, .) out and dx from each rank's shard, each token at
+    its position under the case's layout, and every gradient summed over the
+    ranks."""
+    parts = [safetensors_io.load_file(os.path.join(
+        workdir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0] for r in range(P)]
+    full = {}
+    for k in ("out", "dx"):
+        full[k] = np.zeros((B, S) + parts[0][k].shape[2:], parts[0][k].dtype)
+        for r, p in enumerate(parts):
+            full[k][:, shard(lt, P, r, seq_layout(case)).numpy()] = p[k]
+    for k in parts[0]:
+        if k.startswith("grad."):
+            full[k] = sum(p[k] for p in parts)
+    return full
 
 
 def main():
@@ -681,14 +734,7 @@ def main():
         if sdpa_case(lt, case) and dt == "float64":
             tags.append(tag + "-autograd-sdpa")
         for tag in tags:
-            parts = [safetensors_io.load_file(os.path.join(
-                args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0]
-                for r in range(P)]
-            mine = {"out": np.concatenate([p["out"] for p in parts], 1),
-                    "dx": np.concatenate([p["dx"] for p in parts], 1)}
-            for k in parts[0]:
-                if k.startswith("grad."):
-                    mine[k] = sum(p[k] for p in parts[1:]) + parts[0][k]
+            mine = assemble(lt, args.dir, tag, case, P)
             if set(mine) != set(ref):
                 sys.exit(f"FAIL: {case['id']} P {P} {tag}: torch gives {sorted(mine)}, C++ "
                          f"{sorted(ref)}")
@@ -705,14 +751,7 @@ def main():
 
     # bf16: against float64 at the same P, and at P 2-4 against bf16 explicit at P 1.
     def assembled(tag, case, P):
-        parts = [safetensors_io.load_file(os.path.join(
-            args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))[0] for r in range(P)]
-        full = {"out": np.concatenate([p["out"] for p in parts], 1),
-                "dx": np.concatenate([p["dx"] for p in parts], 1)}
-        for k in parts[0]:
-            if k.startswith("grad."):
-                full[k] = sum(p[k] for p in parts)
-        return full
+        return assemble(lt, args.dir, tag, case, P)
     bf16_worst = {"f64": 0.0, "explicit P1": 0.0, "flash f64": 0.0}
     explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and c["form"] == "explicit"}
     for P in sps:
@@ -761,76 +800,77 @@ def main():
     for P in sps:
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
-        for hg in ("", "1"):
-            for cfg in CONFIGS:
-                mine = [c for c in cases() if c["cfg"] == cfg and not c["docs"] and
-                        str(c["opts"].get("head_groups", "")) == hg]
-                if not mine:
-                    continue
-                cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
-                       "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
-                       "--forms", ",".join(lt.FORMS), "--overlap", "both",
-                       "--attention", "eager", "--json", "-"] + (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
-                      (["--head-groups", hg] if hg else [])
-                cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
-                flash = [c for c in mine if c["id"] in FLASH]
-                if flash:  # flash's closed form: o and lse in place of the probabilities
-                    i = cmd.index("--attention")
-                    cmp_flash = {f["form"]: f for f in json.loads(run(
-                        cmd[:i + 1] + ["flash"] + cmd[i + 2:]))["forms"]}
-                for case in flash:
-                    f = cmp_flash[compare_name(case)]
-                    got = per_rank[f["peak_rank"]][case["id"]]["saved_flash"]
-                    if got != f["predicted_saved_after_forward_bytes"]:
-                        sys.exit(f"FAIL: {case['id']} P {P} flash: rank {f['peak_rank']} keeps "
-                                 f"{got} bytes for backward (with the output), the C++ flash "
-                                 f"closed form {f['predicted_saved_after_forward_bytes']}")
-                    flash_saved += 1
+        for hg, cfg, layout in [(hg, cfg, lay) for hg in ("", "1") for cfg in CONFIGS
+                                for lay in ("contiguous", "zigzag")]:
+            mine = [c for c in cases() if c["cfg"] == cfg and not c["docs"] and
+                    str(c["opts"].get("head_groups", "")) == hg and seq_layout(c) == layout]
+            if not mine:
+                continue
+            cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
+                   "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
+                   "--forms", ",".join(lt.FORMS), "--overlap", "both",
+                   "--attention", "eager", "--seq-layout", layout, "--json", "-"] + \
+                  (["--q-latent"] if CONFIGS[cfg]["q_lora_rank"] else []) + \
+                  (["--head-groups", hg] if hg else [])
+            cmp_forms = {f["form"]: f for f in json.loads(run(cmd))["forms"]}
+            flash = [c for c in mine if c["id"] in FLASH]
+            if flash:  # flash's closed form: o and lse in place of the probabilities
+                i = cmd.index("--attention")
+                cmp_flash = {f["form"]: f for f in json.loads(run(
+                    cmd[:i + 1] + ["flash"] + cmd[i + 2:]))["forms"]}
+            for case in flash:
+                f = cmp_flash[compare_name(case)]
+                got = per_rank[f["peak_rank"]][case["id"]]["saved_flash"]
+                if got != f["predicted_saved_after_forward_bytes"]:
+                    sys.exit(f"FAIL: {case['id']} P {P} flash: rank {f['peak_rank']} keeps "
+                             f"{got} bytes for backward (with the output), the C++ flash "
+                             f"closed form {f['predicted_saved_after_forward_bytes']}")
+                flash_saved += 1
+            for case in mine:
+                want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
+                                                   l["bytes_received"])
+                        for l in cmp_forms[compare_name(case)]["by_label"]}
+                f = cmp_forms[compare_name(case)]
+                kept = per_rank[f["peak_rank"]][case["id"]]["saved"]
+                if kept != f["predicted_saved_after_forward_bytes"]:
+                    sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {kept} "
+                             "bytes for backward (with the output), the C++ closed form "
+                             f"{f['predicted_saved_after_forward_bytes']}")
+                got = {}
+                for rows in per_rank:
+                    for ph, lb, calls, sent, recv in rows[case["id"]]["ledger"]:
+                        c0 = got.get((ph, lb), (0, 0, 0))
+                        got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                if got != want:
+                    sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
+                             f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
+                ledgers += 1
+            # The maximum over ranks hides a rank that files another's bytes
+            # (a ring shift's received block counted as the one it sent has
+            # the same maximum): for rq7, which holds every form, every rank
+            # alone (compare --rank-only) against that rank's ledger and the
+            # bytes it keeps, exactly.
+            if cfg != "rq7" or hg or P == 1:
+                continue
+            for r in range(P):
+                alone = {f["form"]: f for f in json.loads(run(
+                    cmd + ["--rank-only", str(r)]))["forms"]}
                 for case in mine:
-                    want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
-                                                       l["bytes_received"])
-                            for l in cmp_forms[compare_name(case)]["by_label"]}
-                    f = cmp_forms[compare_name(case)]
-                    kept = per_rank[f["peak_rank"]][case["id"]]["saved"]
-                    if kept != f["predicted_saved_after_forward_bytes"]:
-                        sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {kept} "
-                                 "bytes for backward (with the output), the C++ closed form "
+                    f = alone[compare_name(case)]
+                    want = [[l["phase"], l["label"], l["calls"], l["bytes_sent"],
+                             l["bytes_received"]] for l in f["by_label"]]
+                    got = per_rank[r][case["id"]]["ledger"]
+                    if sorted(got) != sorted(want):
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {r}'s ledger differs from "
+                                 f"laga compare --rank-only {r}\n  torch:   {sorted(got)}\n"
+                                 f"  compare: {sorted(want)}")
+                    if per_rank[r][case["id"]]["saved"] != \
+                            f["predicted_saved_after_forward_bytes"]:
+                        sys.exit(f"FAIL: {case['id']} P {P}: rank {r} keeps "
+                                 f"{per_rank[r][case['id']]['saved']} bytes for backward "
+                                 "(with the output), the C++ closed form "
                                  f"{f['predicted_saved_after_forward_bytes']}")
-                    got = {}
-                    for rows in per_rank:
-                        for ph, lb, calls, sent, recv in rows[case["id"]]["ledger"]:
-                            c0 = got.get((ph, lb), (0, 0, 0))
-                            got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
-                    if got != want:
-                        sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
-                                 f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
-                    ledgers += 1
-                # The maximum over ranks hides a rank that files another's bytes
-                # (a ring shift's received block counted as the one it sent has
-                # the same maximum): for rq7, which holds every form, every rank
-                # alone (compare --rank-only) against that rank's ledger and the
-                # bytes it keeps, exactly.
-                if cfg != "rq7" or hg or P == 1:
-                    continue
-                for r in range(P):
-                    alone = {f["form"]: f for f in json.loads(run(
-                        cmd + ["--rank-only", str(r)]))["forms"]}
-                    for case in mine:
-                        f = alone[compare_name(case)]
-                        want = [[l["phase"], l["label"], l["calls"], l["bytes_sent"],
-                                 l["bytes_received"]] for l in f["by_label"]]
-                        got = per_rank[r][case["id"]]["ledger"]
-                        if sorted(got) != sorted(want):
-                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r}'s ledger differs from "
-                                     f"laga compare --rank-only {r}\n  torch:   {sorted(got)}\n"
-                                     f"  compare: {sorted(want)}")
-                        if per_rank[r][case["id"]]["saved"] != \
-                                f["predicted_saved_after_forward_bytes"]:
-                            sys.exit(f"FAIL: {case['id']} P {P}: rank {r} keeps "
-                                     f"{per_rank[r][case['id']]['saved']} bytes for backward "
-                                     "(with the output), the C++ closed form "
-                                     f"{f['predicted_saved_after_forward_bytes']}")
-                        rank_ledgers += 1
+                    rank_ledgers += 1
     print(f"laga_torch flash kernels: within {flash_worst:.1e} of the math path (dense and "
           "exact products, blocks 1, 4, 64; a row that sees no key)")
     print(f"laga_torch: {p1_checked} float64 tensors of every form at P {args.sp} within "
