@@ -20,6 +20,12 @@ timeline, so what overlap hides is predicted too. The profile of this machine is
 the same model, S, P and forms, so every GEMM and attention shape the plans
 cost is timed). The load average (`uptime`) is printed before and after: on
 a shared machine, measured times mean little when it is above the 2 ranks'.
+With --rounds N every bandwidth's `laga compare` runs N times, the rounds
+alternating over the bandwidths, and each form's measured step (and time in
+collectives) is the median of its N rounds' medians, with their spread
+printed: a virtual machine's host can slow every core by 20-40% for a
+second at a time without the guest seeing other processes, and a window
+like that over one form's steps is one round of N, not the figure.
 """
 import argparse
 import atexit
@@ -41,6 +47,9 @@ ap.add_argument("--config", default="")
 ap.add_argument("--forms", default="explicit,laga,absorbed")
 ap.add_argument("--sp", type=int, default=2, help="ranks (as threads, the cores shared among them)")
 ap.add_argument("--steps", type=int, default=5)
+ap.add_argument("--rounds", type=int, default=1,
+                help="compares per bandwidth, alternating over the bandwidths; the median "
+                     "round per form is reported")
 ap.add_argument("--seq-layout", default="contiguous", choices=["contiguous", "zigzag"],
                 help="the shards of every run (laga --seq-layout)")
 ap.add_argument("--overlap", default="both", choices=["off", "on", "both"],
@@ -119,11 +128,34 @@ else:
     bws = [cross / 1e9 * k for k in (1 / 6, 1 / 2.5, 2.5, 6)]
 
 rows, measured_lead = [], []
+if args.rounds < 1:
+    sys.exit(f"--rounds {args.rounds}: need at least 1")
+pred_at = {bw: plan(bw)[1] for bw in bws}
+rounds = {bw: [] for bw in bws}  # per bandwidth, each round's {form: (step_s, comm_s)}
+for _ in range(args.rounds):
+    for bw in bws:
+        c = laga(["compare", "--quiet", "--steps", str(args.steps), "--warmup", "2",
+                  "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "compare.json"))
+        rounds[bw].append({f["form"]: (f["step_ms"] / 1e3, f["comm_ms"] / 1e3)
+                           for f in c["forms"]})
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+spread = {}  # (bw, form) -> (min, max) of the rounds' steps
 for bw in bws:
-    _, pred = plan(bw)
-    c = laga(["compare", "--quiet", "--steps", str(args.steps), "--warmup", "2",
-              "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "compare.json"))
-    meas = {f["form"]: (f["step_ms"] / 1e3, f["comm_ms"] / 1e3) for f in c["forms"]}
+    pred = pred_at[bw]
+    meas = {}
+    for form in rounds[bw][0]:
+        steps = [r[form][0] for r in rounds[bw]]
+        # The round whose step is the median, with its own time in collectives
+        # (an even count: the lower middle one).
+        mid = sorted(rounds[bw], key=lambda r: r[form][0])[(len(steps) - 1) // 2]
+        meas[form] = mid[form]
+        spread[(bw, form)] = (min(steps), max(steps))
     for form, (step, comm) in meas.items():
         rows.append((bw, form, pred[form][0], step, pred[form][1], comm))
     # The crossover the plan names is the first laga variant's.
@@ -133,7 +165,8 @@ for bw in bws:
 
 cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
                      text=True).stdout.split(":", 1)[-1].strip()
-print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.seq}; latency {lat:g} us")
+print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.seq}; latency "
+      f"{lat:g} us; {args.steps} steps a compare, {args.rounds} round(s)")
 # Where the error is: the step split into its time in collectives (exposed:
 # predicted by the link model, measured by `laga compare`'s comm_ms) and the
 # rest (compute, in both), each predicted - measured in ms. The comm split is
@@ -143,13 +176,16 @@ print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.se
 # other rank. Measure the communication against real links:
 # scripts/shaped_links.py (its 'comm' columns).
 print(f"{'GB/s':>9} {'form':>14} {'predicted ms':>13} {'measured ms':>12} {'error':>8}"
-      f" {'comm pred-meas':>15} {'rest pred-meas':>15}")
+      f" {'comm pred-meas':>15} {'rest pred-meas':>15}" +
+      (f" {'rounds min-max ms':>18}" if args.rounds > 1 else ""))
 worst = 0
 for bw, form, p, m, pc, mc in rows:
     e = 100 * (p - m) / m
     worst = max(worst, abs(e))
+    lo, hi = spread[(bw, form)]
     print(f"{bw:9.4g} {form:>14} {p * 1e3:13.3f} {m * 1e3:12.3f} {e:+7.1f}%"
-          f" {(pc - mc) * 1e3:+15.2f} {((p - pc) - (m - mc)) * 1e3:+15.2f}")
+          f" {(pc - mc) * 1e3:+15.2f} {((p - pc) - (m - mc)) * 1e3:+15.2f}" +
+          (f" {lo * 1e3:8.2f}-{hi * 1e3:<9.2f}" if args.rounds > 1 else ""))
 print(f"largest |error|: {worst:.1f}%")
 # The measured crossover: where laga's lead over explicit changes sign,
 # interpolated in log bandwidth.
