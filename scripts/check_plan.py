@@ -20,12 +20,14 @@ timeline, so what overlap hides is predicted too. The profile of this machine is
 the same model, S, P and forms, so every GEMM and attention shape the plans
 cost is timed). The load average (`uptime`) is printed before and after: on
 a shared machine, measured times mean little when it is above the 2 ranks'.
-With --rounds N every bandwidth's `laga compare` runs N times, the rounds
-alternating over the bandwidths, and each form's measured step (and time in
-collectives) is the median of its N rounds' medians, with their spread
-printed: a virtual machine's host can slow every core by 20-40% for a
-second at a time without the guest seeing other processes, and a window
-like that over one form's steps is one round of N, not the figure.
+With --rounds N the whole check runs N times: each round measures the
+profile afresh, plans and runs `laga compare` at every bandwidth, and its
+error is its prediction against its own measurement; each row is the round
+with the median error, beside the rounds' spread of errors. A virtual
+machine's host can slow its cores' memory and caches by a fifth or more for
+seconds to minutes without the guest seeing another process: a profile
+timed in one spell and steps in another would measure the host, and one
+such spell is one round of N, not the figure.
 """
 import argparse
 import atexit
@@ -36,7 +38,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
+
+from machine_load import Others, uptime
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--laga", default="build/laga")
@@ -48,8 +51,8 @@ ap.add_argument("--forms", default="explicit,laga,absorbed")
 ap.add_argument("--sp", type=int, default=2, help="ranks (as threads, the cores shared among them)")
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--rounds", type=int, default=1,
-                help="compares per bandwidth, alternating over the bandwidths; the median "
-                     "round per form is reported")
+                help="whole checks (profile, plans, compares), each its own error; the round "
+                     "with the median error per row is reported")
 ap.add_argument("--seq-layout", default="contiguous", choices=["contiguous", "zigzag"],
                 help="the shards of every run (laga --seq-layout)")
 ap.add_argument("--overlap", default="both", choices=["off", "on", "both"],
@@ -76,23 +79,8 @@ if not config:
     with open(config, "w") as f:
         json.dump({"dim": 256, "n_heads": 4, "kv_lora_rank": 256, "qk_nope_head_dim": 16,
                    "qk_rope_head_dim": 16, "v_head_dim": 16}, f)
-def uptime():
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def busy_seconds():
-    """CPU seconds every process of the machine has run (user, nice, system,
-    irq, softirq and steal from /proc/stat), or None where there is none."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
-
-
 print("before:", uptime())
-busy0, mine0, wall0 = busy_seconds(), os.times(), time.time()
+others = Others()
 model = ["--config", config]
 profile = os.path.join(tmp, "this.json")
 common = model + ["--seq", str(args.seq), "--sp", str(args.sp), "--forms", args.forms,
@@ -130,34 +118,30 @@ else:
 rows, measured_lead = [], []
 if args.rounds < 1:
     sys.exit(f"--rounds {args.rounds}: need at least 1")
-pred_at = {bw: plan(bw)[1] for bw in bws}
-rounds = {bw: [] for bw in bws}  # per bandwidth, each round's {form: (step_s, comm_s)}
-for _ in range(args.rounds):
+rounds = []  # each round's {(bw, form): (pred step, pred comm, measured step, measured comm)}
+for r in range(args.rounds):
+    if r:  # round 0 plans with the profile the bandwidths were chosen by
+        laga(["plan", "--quiet", "--measure", profile, "--dtype", "fp32"] + common)
+    this = {}
     for bw in bws:
+        _, pred = plan(bw)
         c = laga(["compare", "--quiet", "--steps", str(args.steps), "--warmup", "2",
                   "--link", f"{bw},{lat}"] + common, os.path.join(tmp, "compare.json"))
-        rounds[bw].append({f["form"]: (f["step_ms"] / 1e3, f["comm_ms"] / 1e3)
-                           for f in c["forms"]})
+        for f in c["forms"]:
+            this[(bw, f["form"])] = pred[f["form"]] + (f["step_ms"] / 1e3, f["comm_ms"] / 1e3)
+    rounds.append(this)
 
-
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
-spread = {}  # (bw, form) -> (min, max) of the rounds' steps
+spread = {}  # (bw, form) -> the rounds' smallest and largest error, %
 for bw in bws:
-    pred = pred_at[bw]
     meas = {}
-    for form in rounds[bw][0]:
-        steps = [r[form][0] for r in rounds[bw]]
-        # The round whose step is the median, with its own time in collectives
-        # (an even count: the lower middle one).
-        mid = sorted(rounds[bw], key=lambda r: r[form][0])[(len(steps) - 1) // 2]
-        meas[form] = mid[form]
-        spread[(bw, form)] = (min(steps), max(steps))
-    for form, (step, comm) in meas.items():
-        rows.append((bw, form, pred[form][0], step, pred[form][1], comm))
+    for (b, form) in rounds[0]:
+        if b != bw:
+            continue
+        errs = sorted((100 * (x[0] - x[2]) / x[2], x) for x in (r[(bw, form)] for r in rounds))
+        _, (p, pc, m, mc) = errs[(len(errs) - 1) // 2]  # the median round (even: the lower)
+        spread[(bw, form)] = (errs[0][0], errs[-1][0])
+        rows.append((bw, form, p, m, pc, mc))
+        meas[form] = (m, mc)
     # The crossover the plan names is the first laga variant's.
     first_laga = next((f for f in meas if f.startswith("laga")), None)
     if first_laga and "explicit" in meas:
@@ -177,7 +161,7 @@ print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.se
 # scripts/shaped_links.py (its 'comm' columns).
 print(f"{'GB/s':>9} {'form':>14} {'predicted ms':>13} {'measured ms':>12} {'error':>8}"
       f" {'comm pred-meas':>15} {'rest pred-meas':>15}" +
-      (f" {'rounds min-max ms':>18}" if args.rounds > 1 else ""))
+      (f" {'rounds: error min-max':>22}" if args.rounds > 1 else ""))
 worst = 0
 for bw, form, p, m, pc, mc in rows:
     e = 100 * (p - m) / m
@@ -185,7 +169,7 @@ for bw, form, p, m, pc, mc in rows:
     lo, hi = spread[(bw, form)]
     print(f"{bw:9.4g} {form:>14} {p * 1e3:13.3f} {m * 1e3:12.3f} {e:+7.1f}%"
           f" {(pc - mc) * 1e3:+15.2f} {((p - pc) - (m - mc)) * 1e3:+15.2f}" +
-          (f" {lo * 1e3:8.2f}-{hi * 1e3:<9.2f}" if args.rounds > 1 else ""))
+          (f" {lo:+10.1f}% to {hi:+.1f}%" if args.rounds > 1 else ""))
 print(f"largest |error|: {worst:.1f}%")
 # The measured crossover: where laga's lead over explicit changes sign,
 # interpolated in log bandwidth.
@@ -197,13 +181,5 @@ for (b0, d0), (b1, d1) in zip(measured_lead, measured_lead[1:]):
 print("measured crossover: " + (f"{found:.4g} GB/s" if found else "none in the range measured") +
       (f"; predicted {cross / 1e9:.4g} GB/s" if cross else ""))
 print("after:", uptime())
-# What the rest of the machine ran meanwhile: every process's CPU time less
-# this script's and its laga runs'. A quiet check has it near 0; the
-# measured times mean little when it is a sizeable share of the wall time.
-busy1, mine1, wall1 = busy_seconds(), os.times(), time.time()
-if busy0 is not None:
-    mine = (mine1.user + mine1.system + mine1.children_user + mine1.children_system) - \
-           (mine0.user + mine0.system + mine0.children_user + mine0.children_system)
-    others = busy1 - busy0 - mine
-    print(f"other processes ran {others:.1f} CPU-s during the {wall1 - wall0:.1f} s of this check "
-          f"({100 * others / ((wall1 - wall0) * os.cpu_count()):.0f}% of the {os.cpu_count()} cores)")
+# What the rest of the machine ran meanwhile (a quiet check has it near 0).
+print(others.report())
