@@ -3,6 +3,7 @@
 the same config (a benchmark, not a test: it asserts nothing).
 
     /usr/bin/python3 python/bench_laga_torch.py --laga build/laga [--seq 512 --steps 5]
+                                                [--seq-layout contiguous|zigzag]
 
 Per form and P: the median wall time of forward+backward (float32, ranks as
 processes on gloo, cores split between them), the C++ tool's step time from
@@ -39,12 +40,12 @@ def rank_main(a):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     dist.init_process_group("gloo")
     cfg = lt.MLAConfig.from_json(CONFIG)
-    lay = lt.SpLayout.even(a.seq, cfg.n_heads, P)
+    lay = lt.SpLayout.even(a.seq, cfg.n_heads, P, a.seq_layout)
     L = lay.seq_count[r]
     out = {}
     for form in lt.FORMS:
         torch.manual_seed(0)
-        m = lt.MLA(cfg, form=form, attention="math")
+        m = lt.MLA(cfg, form=form, attention="math", seq_layout=a.seq_layout)
         x = torch.randn(a.batch, L, cfg.dim, requires_grad=True)
         params = {p.data_ptr() for p in m.parameters()}
         saved = {}
@@ -78,6 +79,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/bench_laga_torch")
+    ap.add_argument("--seq-layout", default="contiguous", choices=("contiguous", "zigzag"),
+                    help="the shards of both (MLA seq_layout, laga --seq-layout)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.rank:
@@ -89,7 +92,8 @@ def main():
     lscpu = subprocess.run(["lscpu"], stdout=subprocess.PIPE, text=True).stdout
     model = [l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")]
     print(f"# {' '.join(sys.argv)}\n# CPU: {model[0] if model else '?'}, {os.cpu_count()} cores; "
-          f"config {CONFIG}, B {a.batch} S {a.seq}, float32, eager/math attention\n")
+          f"config {CONFIG}, B {a.batch} S {a.seq}, {a.seq_layout} shards, float32, eager/math "
+          "attention\n")
     print(f"{'form':12} {'P':>2} {'torch ms':>9} {'laga ms':>8}  {'torch saved B':>13} "
           f"{'C++ saved+out B':>15} {'ratio':>6}")
     for P in (1, 2):
@@ -98,7 +102,7 @@ def main():
             port = s.getsockname()[1]
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", "--seq", str(a.seq),
                                    "--batch", str(a.batch), "--steps", str(a.steps),
-                                   "--dir", a.dir],
+                                   "--dir", a.dir, "--seq-layout", a.seq_layout],
                                   env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(P),
                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
                  for r in range(P)]
@@ -108,7 +112,8 @@ def main():
                      for r in range(P)]
         c = subprocess.run([a.laga, "compare", "--config", cfg_path, "--seq", str(a.seq),
                             "--batch", str(a.batch), "--sp", str(P), "--forms", ",".join(FORMS),
-                            "--attention", "eager", "--steps", str(a.steps), "--json", "-"],
+                            "--attention", "eager", "--steps", str(a.steps),
+                            "--seq-layout", a.seq_layout, "--json", "-"],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                            check=True)
         cmp_forms = {f["form"]: f for f in json.loads(c.stdout)["forms"]}
