@@ -212,9 +212,10 @@ def _see(lo, hi, Lk):
 
 
 def _eager_step(q, k, v, see, scale):
-    """o_j (B, L, H, dv), lse_j (B, H, L) and the probabilities (B, H, L, L_j)
-    normalised over this block's keys; a row that sees none: o_j 0, lse_j
-    -inf, p 0."""
+    """Of a step's rectangle, q (B, rows, H, dqk) against k, v (B, keys, H, .):
+    o_j (B, rows, H, dv), lse_j (B, H, rows) and the probabilities (B, H,
+    rows, keys) normalised over these keys; a row that sees none: o_j 0,
+    lse_j -inf, p 0."""
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     s = s.masked_fill(~see, float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -232,8 +233,8 @@ def _shift(sp, x, numel, label, phase, overlap):
 def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
     """q (B, L, H, dqk) of the own tokens, own (the flat own block):
     (o (B, L, H, dv), stats): flash's merged lse (B, H, L), or eager's
-    {step: rescaled probabilities (B, H, L, L_j)} for every block that does
-    not follow the own tokens (what the C++ RingAttention keeps)."""
+    {step: rescaled probabilities (B, H, rows, keys)} of every step's
+    non-empty rectangle (RingRect; what the C++ RingAttention keeps)."""
     P, r, lay = sp.layout.ranks, sp.rank, sp.layout
     B, L, H, _ = q.shape
     acc = _acc_dtype(q.dtype)

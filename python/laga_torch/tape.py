@@ -20,10 +20,11 @@ Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
   absorbed     q_h, lat, v_lat, q_abs, o_lat; eager: probs; flash: lse
                (o_lat, which d W_UV needs, is flash's output)
   allgather_kv q_h (B, L, H, dqk), c_hat, k_h, v_h (B, S, H, .) gathered;
-               eager: probs (B, H, L, s1); flash: lse (o_h is o_loc)
+               eager: probs (B, H, rows, e) per own seq range [b, e) (one on
+               contiguous shards, two on zigzag); flash: lse (o_h is o_loc)
   ring_kv      q_h, c_hat, own = the flat [K | V] block of local tokens;
-               eager: each preceding step's probs (rescaled to the row's
-               whole normalisation); flash: the merged lse (ring.py)
+               eager: each step's probs over its rectangle (rescaled to the
+               row's whole normalisation); flash: the merged lse (ring.py)
   ring_latent  q_h, own = the flat [c_hat | k_pe]; the statistics as ring_kv
 The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
 (which also counts the output); tools_torch_package holds the two equal, for
