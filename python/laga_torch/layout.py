@@ -22,6 +22,15 @@ def _offsets(counts):
 SEQ_LAYOUTS = ("contiguous", "zigzag")
 
 
+def check_seq_layout(seq_layout):
+    """The layout's name back, or a ValueError naming the two there are."""
+    if seq_layout not in SEQ_LAYOUTS:
+        raise ValueError(f"seq_layout '{seq_layout}': expected contiguous (rank r one range, in "
+                         "rank order) or zigzag (2P chunks, rank r holding chunks r and 2P-1-r: "
+                         "TransformerEngine's load-balanced layout)")
+    return seq_layout
+
+
 def mirrored_chunks(seq, parts, c):
     """Chunks c and 2 parts - 1 - c of the sequence cut into 2 parts
     near-equal chunks (the first seq % (2 parts) one token more), as
@@ -74,11 +83,7 @@ class SpLayout:
         if seq < ranks:
             raise ValueError(f"sequence length {seq} is shorter than the group size {ranks}: every "
                              "rank must hold at least one token; use a longer sequence or fewer ranks")
-        if seq_layout not in SEQ_LAYOUTS:
-            raise ValueError(f"seq_layout '{seq_layout}': expected contiguous (rank r one range, in "
-                             "rank order) or zigzag (2P chunks, rank r holding chunks r and "
-                             "2P-1-r: TransformerEngine's load-balanced layout)")
-        if seq_layout == "contiguous":
+        if check_seq_layout(seq_layout) == "contiguous":
             return cls(_split(seq, ranks), _split(heads, ranks))
         # S >= P leaves chunk r (r < P) at least one token, so every rank holds one.
         ranges = [mirrored_chunks(seq, ranks, r) for r in range(ranks)]

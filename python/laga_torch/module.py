@@ -19,7 +19,7 @@ from torch import nn
 from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
-from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout
+from .layout import HeadContextGrid, SpLayout, check_seq_layout
 from .tape import Block
 
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
@@ -144,11 +144,7 @@ class MLA(nn.Module):
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
                  flash_block=64, seq_layout="contiguous"):
         super().__init__()
-        if seq_layout not in SEQ_LAYOUTS:
-            raise ValueError(f"seq_layout '{seq_layout}': expected contiguous (rank r one range, "
-                             "in rank order) or zigzag (2P chunks, rank r holding chunks r and "
-                             "2P-1-r)")
-        self.seq_layout = seq_layout
+        self.seq_layout = check_seq_layout(seq_layout)
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
         if form == "auto":
