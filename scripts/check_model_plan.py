@@ -24,11 +24,12 @@ import atexit
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 
-from machine_load import Others, uptime
+from machine_load import Others, cpu_model, uptime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,11 +59,6 @@ def laga(cmd):
     return r.stdout
 
 
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 print("before:", uptime())
 others = Others()
 profile = os.path.join(tmp, "this.json")
@@ -84,11 +80,10 @@ for _ in range(args.rounds):
         with open(log) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         this[P] = (q["predicted_step_s"], q["ep"],
-                   median([args.seq / r["tokens_per_s"] for r in lines[args.skip:]]))
+                   statistics.median([args.seq / r["tokens_per_s"] for r in lines[args.skip:]]))
     rounds.append(this)
 
-cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
-                     text=True).stdout.split(":", 1)[-1].strip()
+cpu = cpu_model()
 print(f"CPU: {cpu}; model {os.path.basename(args.model)}, S {args.seq}, form {args.form}, EP = P; "
       f"{args.steps} steps a run (median of steps {args.skip + 1}-{args.steps}), "
       f"{args.rounds} round(s)")

@@ -6,7 +6,7 @@ at bandwidths spanning the laga/explicit crossover, beside `laga plan
 that error lies (the time in collectives and the rest), and the crossover
 bandwidth predicted and measured (docs/planning.md, "Checking the model").
 
-  python3 scripts/check_plan.py [--laga build/laga] [--seq 1024] [--latency-us 1000]
+  python3 scripts/check_plan.py [--laga build/laga] [--seq 1024] [--latency-us 1000] [--rounds N]
                                 [--bandwidths GBPS,...] [--config FILE] [--overlap both]
 
 Without --config it writes a model whose latent is wide against its heads
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 
-from machine_load import Others, uptime
+from machine_load import Others, cpu_model, uptime
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--laga", default="build/laga")
@@ -58,6 +58,8 @@ ap.add_argument("--seq-layout", default="contiguous", choices=["contiguous", "zi
 ap.add_argument("--overlap", default="both", choices=["off", "on", "both"],
                 help="laga's overlapped variant beside it (both), instead (on) or not (off)")
 args = ap.parse_args()
+if args.rounds < 1:
+    sys.exit(f"--rounds {args.rounds}: need at least 1")
 tmp = tempfile.mkdtemp(prefix="laga_check_plan_")
 atexit.register(shutil.rmtree, tmp, ignore_errors=True)
 
@@ -116,8 +118,6 @@ else:
     bws = [cross / 1e9 * k for k in (1 / 6, 1 / 2.5, 2.5, 6)]
 
 rows, measured_lead = [], []
-if args.rounds < 1:
-    sys.exit(f"--rounds {args.rounds}: need at least 1")
 rounds = []  # each round's {(bw, form): (pred step, pred comm, measured step, measured comm)}
 for r in range(args.rounds):
     if r:  # round 0 plans with the profile the bandwidths were chosen by
@@ -147,8 +147,7 @@ for bw in bws:
     if first_laga and "explicit" in meas:
         measured_lead.append((bw, meas[first_laga][0] - meas["explicit"][0]))
 
-cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
-                     text=True).stdout.split(":", 1)[-1].strip()
+cpu = cpu_model()
 print(f"CPU: {cpu}; P {args.sp} (ranks as threads sharing the cores); S {args.seq}; latency "
       f"{lat:g} us; {args.steps} steps a compare, {args.rounds} round(s)")
 # Where the error is: the step split into its time in collectives (exposed:

@@ -1,5 +1,6 @@
-"""What else the machine ran while a check measured: the load average and the
-CPU seconds every process ran (scripts/check_plan.py, check_model_plan.py).
+"""The machine a check measured on, and what else it ran meanwhile: the CPU's
+model name, the load average and the CPU seconds every process ran
+(scripts/check_plan.py, check_model_plan.py).
 On a shared machine measured times mean little when others ran a sizeable
 share of the cores; a virtual machine's host can slow it too without any of
 this showing (hence those scripts' --rounds)."""
@@ -7,6 +8,13 @@ this showing (hence those scripts' --rounds)."""
 import os
 import subprocess
 import time
+
+
+def cpu_model():
+    """lscpu's "Model name", or "?" where it has none."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    names = [l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")]
+    return names[0] if names else "?"
 
 
 def uptime():

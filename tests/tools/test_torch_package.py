@@ -708,6 +708,9 @@ def main():
             sys.exit(f"FAIL: torch ranks at P {P} exited {[p.returncode for p in procs]}")
     t_torch = time.time() - t0
 
+    def assembled(tag, case, P):
+        return assemble(lt, args.dir, tag, case, P)
+
     # Values: the C++ forms against the torch module, per tensor: float64
     # within 1e-12, float32 within 1e-5 (the paper's fp32 check).
     worst, checked = {"float64": 0.0, "float32": 0.0}, 0
@@ -734,7 +737,7 @@ def main():
         if sdpa_case(lt, case) and dt == "float64":
             tags.append(tag + "-autograd-sdpa")
         for tag in tags:
-            mine = assemble(lt, args.dir, tag, case, P)
+            mine = assembled(tag, case, P)
             if set(mine) != set(ref):
                 sys.exit(f"FAIL: {case['id']} P {P} {tag}: torch gives {sorted(mine)}, C++ "
                          f"{sorted(ref)}")
@@ -750,8 +753,6 @@ def main():
                              f"{e:.3e} relative (> {tol})")
 
     # bf16: against float64 at the same P, and at P 2-4 against bf16 explicit at P 1.
-    def assembled(tag, case, P):
-        return assemble(lt, args.dir, tag, case, P)
     bf16_worst = {"f64": 0.0, "explicit P1": 0.0, "flash f64": 0.0}
     explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and c["form"] == "explicit"}
     for P in sps:
@@ -801,7 +802,7 @@ def main():
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
         for hg, cfg, layout in [(hg, cfg, lay) for hg in ("", "1") for cfg in CONFIGS
-                                for lay in ("contiguous", "zigzag")]:
+                                for lay in lt.layout.SEQ_LAYOUTS]:
             mine = [c for c in cases() if c["cfg"] == cfg and not c["docs"] and
                     str(c["opts"].get("head_groups", "")) == hg and seq_layout(c) == layout]
             if not mine:
