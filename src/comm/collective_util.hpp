@@ -28,11 +28,12 @@ void sum_in_rank_order(void* dst, const void* const* srcs, int P, std::int64_t n
 class Staging {
  public:
   Staging(DType dtype, std::int64_t n);
-  void* data() { return f32_.defined() ? static_cast<void*>(f32_.data()) : f64_.data(); }
+  void* data();
 
  private:
   TensorF f32_;
   TensorD f64_;
+  Tensor<bf16> bf16_;
 };
 
 // Count-only buffer: no storage behind a non-zero count.

@@ -8,10 +8,12 @@
 #include <limits>
 #include <optional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "comm/collective_util.hpp"
 #include "comm/link_model.hpp"
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
 
@@ -262,12 +264,33 @@ void permuted_order(std::uint64_t seed, std::int64_t block, int P, int* order) {
   }
 }
 
+// The type a sum of T is accumulated in: T itself, but fp32 for bf16, whose
+// sum is rounded once, when it is stored (communicator.hpp, DType).
+template <class T>
+using Accumulator = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
+inline float widen(bf16 x) {
+  return to_float(x);
+}
+inline float widen(float x) {
+  return x;
+}
+inline double widen(double x) {
+  return x;
+}
+template <class T>
+T narrow(Accumulator<T> x) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return to_bf16(x);
+  else
+    return x;
+}
+
 template <class T>
 void sum_in_rank_order_t(T* dst, const T* const* srcs, int P, std::int64_t n) {
   // A block-sized accumulator keeps dst == srcs[j] safe (every source element
   // is read before its dst element is written) and stays in L1.
   constexpr std::int64_t kBlock = 1024;
-  T acc[kBlock];
+  Accumulator<T> acc[kBlock];
   const std::optional<std::uint64_t> seed = reduction_order_seed();
   std::vector<int> order(static_cast<size_t>(P));
   for (int j = 0; j < P; ++j) order[size_t(j)] = j;
@@ -277,34 +300,51 @@ void sum_in_rank_order_t(T* dst, const T* const* srcs, int P, std::int64_t n) {
     // debugging switch is on (set_reduction_order_seed).
     if (seed) permuted_order(*seed, base / kBlock, P, order.data());
     const T* s0 = srcs[order[0]] + base;
-    for (std::int64_t i = 0; i < m; ++i) acc[i] = s0[i];
+    for (std::int64_t i = 0; i < m; ++i) acc[i] = widen(s0[i]);
     for (int j = 1; j < P; ++j) {
       const T* sj = srcs[order[size_t(j)]] + base;
-      for (std::int64_t i = 0; i < m; ++i) acc[i] += sj[i];
+      for (std::int64_t i = 0; i < m; ++i) acc[i] += widen(sj[i]);
     }
-    std::memcpy(dst + base, acc, static_cast<std::size_t>(m) * sizeof(T));
+    for (std::int64_t i = 0; i < m; ++i) dst[base + i] = narrow<T>(acc[i]);
   }
 }
 }  // namespace
 
 void sum_in_rank_order(void* dst, const void* const* srcs, int P, std::int64_t n, DType dtype) {
   if (n == 0) return;
-  if (dtype == DType::f32) {
-    std::vector<const float*> typed(static_cast<size_t>(P));
-    for (int j = 0; j < P; ++j) typed[j] = static_cast<const float*>(srcs[j]);
-    sum_in_rank_order_t(static_cast<float*>(dst), typed.data(), P, n);
-  } else {
-    std::vector<const double*> typed(static_cast<size_t>(P));
-    for (int j = 0; j < P; ++j) typed[j] = static_cast<const double*>(srcs[j]);
-    sum_in_rank_order_t(static_cast<double*>(dst), typed.data(), P, n);
+  auto typed = [&]<class T>(T* out) {
+    std::vector<const T*> in(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) in[size_t(j)] = static_cast<const T*>(srcs[j]);
+    sum_in_rank_order_t(out, in.data(), P, n);
+  };
+  switch (dtype) {
+    case DType::f32:
+      return typed(static_cast<float*>(dst));
+    case DType::f64:
+      return typed(static_cast<double*>(dst));
+    case DType::bf16:
+      return typed(static_cast<bf16*>(dst));
   }
 }
 
 Staging::Staging(DType dtype, std::int64_t n) {
-  if (dtype == DType::f32)
-    f32_ = TensorF({n}, MemCategory::comm_buffers);
-  else
-    f64_ = TensorD({n}, MemCategory::comm_buffers);
+  switch (dtype) {
+    case DType::f32:
+      f32_ = TensorF({n}, MemCategory::comm_buffers);
+      break;
+    case DType::f64:
+      f64_ = TensorD({n}, MemCategory::comm_buffers);
+      break;
+    case DType::bf16:
+      bf16_ = Tensor<bf16>({n}, MemCategory::comm_buffers);
+      break;
+  }
+}
+
+void* Staging::data() {
+  if (f32_.defined()) return f32_.data();
+  if (f64_.defined()) return f64_.data();
+  return bf16_.data();
 }
 
 void copy_elems(void* dst, const void* src, std::int64_t n, DType t) {
@@ -313,7 +353,15 @@ void copy_elems(void* dst, const void* src, std::int64_t n, DType t) {
 }
 
 const char* to_string(DType t) {
-  return t == DType::f32 ? "f32" : "f64";
+  switch (t) {
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+  }
+  return "?";
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
@@ -540,12 +588,17 @@ std::uint64_t checksum(const void* p, std::int64_t bytes) {
 // carries, in the dtype's bytes.
 std::vector<unsigned char> poison_element(DType t) {
   std::vector<unsigned char> e(static_cast<size_t>(dtype_bytes(t)));
-  if (t == DType::f32) {
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::memcpy(e.data(), &nan, sizeof nan);
-  } else {
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    std::memcpy(e.data(), &nan, sizeof nan);
+  auto put = [&e](auto nan) { std::memcpy(e.data(), &nan, sizeof nan); };
+  switch (t) {
+    case DType::f32:
+      put(std::numeric_limits<float>::quiet_NaN());
+      break;
+    case DType::f64:
+      put(std::numeric_limits<double>::quiet_NaN());
+      break;
+    case DType::bf16:
+      put(to_bf16(std::numeric_limits<float>::quiet_NaN()));
+      break;
   }
   return e;
 }

@@ -133,9 +133,14 @@ namespace laga {
 
 struct LinkModel;  // comm/link_model.hpp
 
-enum class DType { f32, f64 };
+// The element types a collective moves. bf16 (core/bf16.hpp) is the wire
+// type of `--dtype bf16`'s activations (docs/accounting.md, "bf16 on the
+// wire"): moved as 2-byte values; a reduction of bf16 contributions adds
+// them in fp32, in the same order as the other types, and rounds the sum to
+// bf16 once (sum_in_rank_order).
+enum class DType { f32, f64, bf16 };
 inline std::int64_t dtype_bytes(DType t) {
-  return t == DType::f32 ? 4 : 8;
+  return t == DType::f32 ? 4 : t == DType::f64 ? 8 : 2;
 }
 template <class T>
 constexpr DType dtype_of();
@@ -146,6 +151,11 @@ constexpr DType dtype_of<float>() {
 template <>
 constexpr DType dtype_of<double>() {
   return DType::f64;
+}
+struct bf16;  // core/bf16.hpp
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
 }
 
 // The reduction-order switch (docs/convergence.md, "Reproducibility under

@@ -53,8 +53,8 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, std::chrono::milliseconds create
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
 
-  // Tag layout, low to high: label hash, dtype (1 bit), kind (3 bits), round
-  // number. MPI only promises tags up to 32767; OpenMPI gives 2^31 - 1.
+  // Tag layout, low to high: label hash, dtype (kDtypeBits), kind (3 bits),
+  // round number. MPI only promises tags up to 32767; OpenMPI gives 2^31 - 1.
   int* tag_ub = nullptr;
   int flag = 0;
   MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &flag);
@@ -62,8 +62,8 @@ MpiCommunicator::MpiCommunicator(MPI_Comm base, std::chrono::milliseconds create
   int bits = 0;
   while (bits < 62 && ((std::int64_t{1} << (bits + 1)) - 1) <= ub) ++bits;
   LAGA_CHECK(bits >= 10, "MPI_TAG_UB = ", ub, " is too small for laga's message tags");
-  seq_bits_ = std::min(16, bits - 4);
-  hash_bits_ = std::min(11, bits - 4 - seq_bits_);
+  seq_bits_ = std::min(16, bits - kDtypeBits - 3);
+  hash_bits_ = std::min(11, bits - kDtypeBits - 3 - seq_bits_);
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -84,28 +84,28 @@ int MpiCommunicator::tag(std::int64_t round, CollectiveKind kind, DType dtype,
                          const std::string& label) const {
   const std::int64_t seq = round & ((std::int64_t{1} << seq_bits_) - 1);
   const std::int64_t hash = label_hash(label) & ((std::uint32_t{1} << hash_bits_) - 1);
-  return static_cast<int>((seq << (4 + hash_bits_)) | (std::int64_t(kind) << (1 + hash_bits_)) |
-                          (std::int64_t(dtype == DType::f64) << hash_bits_) | hash);
+  return static_cast<int>((seq << (kind_shift() + 3)) | (std::int64_t(kind) << kind_shift()) |
+                          (std::int64_t(dtype) << hash_bits_) | hash);
 }
 
 long MpiCommunicator::round_of(int t) const {
-  return static_cast<long>(t) >> (4 + hash_bits_);
+  return static_cast<long>(t) >> (kind_shift() + 3);
 }
 
 std::string MpiCommunicator::describe_tag(int t, int own) const {
   struct Fields {
-    int hash, kind;
-    bool f64;
+    int hash, kind, dtype;
   };
   auto decode = [&](int x) {
-    return Fields{x & ((1 << hash_bits_) - 1), (x >> (1 + hash_bits_)) & 7,
-                  static_cast<bool>((x >> hash_bits_) & 1)};
+    return Fields{x & ((1 << hash_bits_) - 1), (x >> kind_shift()) & 7,
+                  (x >> hash_bits_) & ((1 << kDtypeBits) - 1)};
   };
   const Fields f = decode(t), mine = decode(own);
   if (f.kind == mpi_detail::kNoticeKind) return "a failure notice";
-  std::string s = cat(f.kind <= int(CollectiveKind::ring_shift) ? to_string(CollectiveKind(f.kind))
-                                                                : "an unknown collective",
-                      " (", f.f64 ? "f64" : "f32", ")");
+  std::string s =
+      cat(f.kind <= int(CollectiveKind::ring_shift) ? to_string(CollectiveKind(f.kind))
+                                                    : "an unknown collective",
+          " (", f.dtype <= int(DType::bf16) ? to_string(DType(f.dtype)) : "an unknown dtype", ")");
   if (f.hash != mine.hash) s += " with a different label";
   return s;
 }

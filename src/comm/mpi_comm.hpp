@@ -147,6 +147,8 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::int64_t rounds_ = 0;  // message rounds so far; the tag's sequence number
   int seq_bits_ = 0, hash_bits_ = 0;
+  static constexpr int kDtypeBits = 2;                        // DType's values: f32, f64, bf16
+  int kind_shift() const { return hash_bits_ + kDtypeBits; }  // the kind's 3 bits start here
   std::int64_t max_message_bytes_ = std::int64_t{1} << 30;
   std::string broken_;  // why the communicator refuses calls; empty while usable
   std::vector<MPI_Request> orphans_;

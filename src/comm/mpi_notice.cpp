@@ -31,8 +31,8 @@ void MpiCommunicator::notify_peers(const std::string& why) {
   // A peer still waiting for this rank in this or a later collective finds
   // the notice when it probes for mismatches (mpi_transport.cpp) and stops.
   const int notice_tag =
-      static_cast<int>(((rounds_ & ((std::int64_t{1} << seq_bits_) - 1)) << (4 + hash_bits_)) |
-                       (std::int64_t{mpi_detail::kNoticeKind} << (1 + hash_bits_)));
+      static_cast<int>(((rounds_ & ((std::int64_t{1} << seq_bits_) - 1)) << (kind_shift() + 3)) |
+                       (std::int64_t{mpi_detail::kNoticeKind} << kind_shift()));
   const char* text = nullptr;
   {
     std::lock_guard lock(g_notice_mutex);

@@ -165,7 +165,7 @@ class MpiCommunicator::Round {
       MPI_Status st;
       if (MPI_Iprobe(peer, MPI_ANY_TAG, c_.comm_, &flag, &st) != MPI_SUCCESS || !flag) continue;
       if (st.MPI_TAG == tag_) continue;
-      if (((st.MPI_TAG >> (1 + c_.hash_bits_)) & 7) == kNoticeKind)
+      if (((st.MPI_TAG >> c_.kind_shift()) & 7) == kNoticeKind)
         fail_round(cat(where(), " stopped: rank ", peer, " failed (",
                        receive_notice(peer, st, c_.comm_), ")"));
       if (c_.round_of(st.MPI_TAG) != c_.round_of(tag_)) continue;

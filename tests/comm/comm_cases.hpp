@@ -20,6 +20,7 @@
 #include "comm/communicator.hpp"
 #include "comm/link_model.hpp"
 #include "common/error_of.hpp"
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 
@@ -775,6 +776,98 @@ std::vector<T> run_reductions(Communicator& comm) {
   comm.reduce_scatter_v(send.data(), l.counts.data(), l.displs.data(), own.data(), "latent_rs");
   buf.insert(buf.end(), own.begin(), own.end());
   return buf;
+}
+
+// bf16 (DType::bf16, the wire of --dtype bf16): an all_to_all_v, an
+// all_gather_v, a reduce_scatter_v and an all_reduce of bf16 values, and
+// what they must give. A reduction adds the bf16 contributions in fp32, in
+// rank order, and rounds the sum once: element 0 of each reduction is 1 on
+// rank 0 and 2^-8 on every other rank, whose fp32 sum 1 + (P - 1) 2^-8
+// bf16 rounds to 1 + 2^-7 at P 3 and 4, where adding in bf16 a rank at a
+// time would round every 1 + 2^-8 back to 1 (a tie, to even).
+inline bf16 bf16_input(int stream, int rank, std::int64_t i) {
+  if (i == 0 && stream >= 32) return to_bf16(rank == 0 ? 1.0f : 0x1p-8f);
+  return to_bf16(input_value<float>(stream, rank, i));
+}
+
+struct Bf16Results {
+  std::vector<bf16> a2a, ag, rs, ar;
+  Ledger ledger;
+};
+
+inline Bf16Results run_bf16_sequence(Communicator& comm) {
+  const int P = comm.size(), r = comm.rank();
+  Bf16Results out;
+  const Layout s = a2a_send_layout(P, r), d = a2a_recv_layout(P, r);
+  std::vector<bf16> send(size_t(s.total), bf16{0});
+  for (int j = 0; j < P; ++j)
+    for (std::int64_t i = 0; i < s.counts[j]; ++i)
+      send[size_t(s.displs[j] + i)] = bf16_input(30, r, j * 100 + i);
+  out.a2a.assign(size_t(d.total), bf16{0});
+  comm.all_to_all_v(send.data(), s.counts.data(), s.displs.data(), out.a2a.data(), d.counts.data(),
+                    d.displs.data(), "q_a2a");
+  const Layout g = ag_layout(P);
+  std::vector<bf16> shard(size_t(ag_count(r)));
+  for (std::int64_t i = 0; i < ag_count(r); ++i) shard[size_t(i)] = bf16_input(31, r, i);
+  out.ag.assign(size_t(g.total), bf16{0});
+  comm.all_gather_v(shard.data(), ag_count(r), out.ag.data(), g.counts.data(), g.displs.data(),
+                    "latent_ag");
+  const Layout l = rs_layout(P);
+  std::vector<bf16> contrib(size_t(l.total), bf16{0});
+  for (int j = 0; j < P; ++j)
+    for (std::int64_t i = 0; i < l.counts[j]; ++i)
+      contrib[size_t(l.displs[j] + i)] = bf16_input(32, r, i);
+  out.rs.assign(size_t(l.counts[r]), bf16{0});
+  comm.reduce_scatter_v(contrib.data(), l.counts.data(), l.displs.data(), out.rs.data(),
+                        "latent_rs");
+  out.ar.resize(3001);
+  for (std::int64_t i = 0; i < 3001; ++i) out.ar[size_t(i)] = bf16_input(33, r, i);
+  comm.all_reduce(out.ar.data(), 3001, "grad_allreduce");
+  out.ledger = comm.ledger();
+  return out;
+}
+
+// "" when rank r's results are the serial ones (bits), else what differs.
+inline std::string check_bf16_against_serial(const Bf16Results& got, int P, int r) {
+  const auto reduced = [P](int stream, std::int64_t i) {
+    float sum = to_float(bf16_input(stream, 0, i));
+    for (int j = 1; j < P; ++j) sum += to_float(bf16_input(stream, j, i));
+    return to_bf16(sum);
+  };
+  const Layout d = a2a_recv_layout(P, r), g = ag_layout(P), l = rs_layout(P);
+  for (int j = 0; j < P; ++j)
+    for (std::int64_t i = 0; i < d.counts[j]; ++i)
+      if (!(got.a2a[size_t(d.displs[j] + i)] == bf16_input(30, j, r * 100 + i)))
+        return cat("all_to_all_v bf16: element ", i, " from rank ", j);
+  for (int j = 0; j < P; ++j)
+    for (std::int64_t i = 0; i < g.counts[j]; ++i)
+      if (!(got.ag[size_t(g.displs[j] + i)] == bf16_input(31, j, i)))
+        return cat("all_gather_v bf16: element ", i, " of rank ", j);
+  for (std::int64_t i = 0; i < l.counts[r]; ++i)
+    if (!(got.rs[size_t(i)] == reduced(32, i)))
+      return cat("reduce_scatter_v bf16: element ", i, " is ", to_float(got.rs[size_t(i)]),
+                 ", the fp32 sum rounded once is ", to_float(reduced(32, i)));
+  for (std::int64_t i = 0; i < 3001; ++i)
+    if (!(got.ar[size_t(i)] == reduced(33, i)))
+      return cat("all_reduce bf16: element ", i, " is ", to_float(got.ar[size_t(i)]),
+                 ", the fp32 sum rounded once is ", to_float(reduced(33, i)));
+  // The ledger: 2 bytes an element.
+  for (const auto& [key, e] : got.ledger.entries()) {
+    WireBytes w;
+    if (key.second == "q_a2a") {
+      const Layout s = a2a_send_layout(P, r);
+      w = all_to_all_wire_bytes(s.counts.data(), d.counts.data(), P, r, DType::bf16);
+    } else if (key.second == "latent_ag") {
+      w = all_gather_wire_bytes(ag_count(r), g.counts.data(), P, r, DType::bf16);
+    } else if (key.second == "latent_rs") {
+      w = reduce_scatter_wire_bytes(l.counts.data(), P, r, DType::bf16);
+    } else {
+      w = all_reduce_wire_bytes(3001, P, r, DType::bf16);
+    }
+    if (e.bytes_sent != w.sent || e.bytes_received != w.received)
+      return cat("ledger ", key.second, ": ", e.bytes_sent, " sent, ", w.sent, " expected");
+  }
+  return "";
 }
 
 }  // namespace laga::test

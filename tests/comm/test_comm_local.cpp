@@ -153,6 +153,17 @@ TEST_P(LocalComm, EveryCollectiveMatchesSerialF64) {
   check_sequence<double>(GetParam());
 }
 
+// bf16, the wire of --dtype bf16 (comm_cases.hpp, run_bf16_sequence).
+TEST_P(LocalComm, EveryCollectiveMatchesSerialBf16) {
+  const int P = GetParam();
+  std::vector<test::Bf16Results> results(static_cast<size_t>(P));
+  run_local_ranks(P,
+                  [&](Communicator& c) { results[size_t(c.rank())] = test::run_bf16_sequence(c); });
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(test::check_bf16_against_serial(results[size_t(r)], P, r), "")
+        << "rank " << r << " of " << P;
+}
+
 TEST_P(LocalComm, ManySmallCollectivesStayInStep) {
   // Thousands of back-to-back rendezvous, mixing one-step barriers with
   // multi-step collectives: the post ring and the retract-on-failure logic

@@ -49,6 +49,19 @@ TEST(MpiComm, MatchesInProcessBitForBitF64) {
   check_against_local<double>(comm);
 }
 
+TEST(MpiComm, MatchesInProcessBitForBitBf16) {
+  MpiCommunicator comm;
+  const int P = comm.size(), r = comm.rank();
+  const test::Bf16Results mpi = test::run_bf16_sequence(comm);
+  std::vector<test::Bf16Results> local(static_cast<size_t>(P));
+  run_local_ranks(P,
+                  [&](Communicator& c) { local[size_t(c.rank())] = test::run_bf16_sequence(c); });
+  EXPECT_EQ(test::check_bf16_against_serial(mpi, P, r), "") << "rank " << r << " of " << P;
+  const test::Bf16Results& mine = local[size_t(r)];
+  EXPECT_TRUE(mpi.a2a == mine.a2a && mpi.ag == mine.ag && mpi.rs == mine.rs && mpi.ar == mine.ar)
+      << "rank " << r << " of " << P << ": MPI's bf16 results differ from in-process ones";
+}
+
 // Under the reduction-order switch (set_reduction_order_seed) the MPI
 // reductions still equal the in-process ones bit for bit, seed by seed, and
 // differ from rank order for some seed once P >= 3 (a + b is commutative, so
