@@ -116,8 +116,19 @@ void CommTerms::latent_gather(Phase ph) {
 
 CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
                             std::int64_t e, bool backward, bool grad_sync) {
+  return predict_comm(c, lay, variant, r, WireElementBytes{e, e}, backward, grad_sync);
+}
+
+WireElementBytes wire_element_bytes(Precision p, std::int64_t tensor_bytes) {
+  if (p == Precision::bf16) return {2, 4};
+  return {tensor_bytes, tensor_bytes};
+}
+
+CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
+                            WireElementBytes wire, bool backward, bool grad_sync) {
   check_variant(c, lay, variant);
-  CommTerms t(c, lay, variant, r, e, backward);
+  CommTerms t(c, lay, variant, r, wire.activations, backward);
+  const std::int64_t e = wire.gradients;
   form_spec(variant.form).collectives(t);
   const int P = lay.ranks;
   if (grad_sync && P > 1) {  // one rank has nothing to sum: mla_sync_gradients returns

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "core/precision.hpp"
 #include "mla/block.hpp"
 #include "mla/exchange.hpp"
 
@@ -58,6 +59,19 @@ using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 // for every form, is here.
 CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                             int rank, std::int64_t elem_bytes, bool backward, bool grad_sync);
+
+// An element's bytes on the wire: the form's collectives' (activations and
+// their gradients) and the gradient all-reduce's.
+struct WireElementBytes {
+  std::int64_t activations = 4, gradients = 4;
+};
+// What a run at `p` moves, its tensors being of tensor_bytes elements
+// (mla/wire.hpp): under bf16 the activations at 2 and the gradient
+// all-reduce at fp32's 4; otherwise both at tensor_bytes.
+WireElementBytes wire_element_bytes(Precision p, std::int64_t tensor_bytes);
+// predict_comm with the two sizes apart.
+CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                            int rank, WireElementBytes e, bool backward, bool grad_sync);
 
 // The terms a form's closed form is written in, for rank r of the layout,
 // with the attention placed where the form places it (FormSpec::attention):

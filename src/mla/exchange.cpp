@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/bf16_convert.hpp"
 #include "mla/ops.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -31,33 +34,49 @@ template <class T>
 T* at(T* p, std::int64_t off) {
   return p ? p + off : nullptr;
 }
+// One row of n elements from x to y, converted where the types differ (the
+// wire's bf16 and the tensors' fp32: wire.hpp); add: y += x.
+template <class S, class D>
+void copy_row(const S* x, D* y, std::int64_t n, bool add) {
+  if constexpr (std::is_same_v<S, D>) {
+    if (!add) {
+      std::memcpy(y, x, sizeof(S) * u(n));
+      return;
+    }
+    for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
+  } else if constexpr (std::is_same_v<D, bf16>) {  // packing for the wire: never added
+    LAGA_CHECK(!add, "internal: a sum into a bf16 wire block");
+    convert_to_bf16(x, y, n);
+  } else if (add) {
+    for (std::int64_t i = 0; i < n; ++i) y[i] += to_float(x[i]);
+  } else {
+    convert_to_float(x, y, n);
+  }
+}
+
 // Copies (add: adds) a (B, rows, heads, d) block between two head-sliced
 // layouts: the building block of every all-to-all packing (adding: of
-// redistribute_sum's unpacking). src element (b, l, h) at
+// redistribute_sum's unpacking), from and to the wire's type where it
+// differs from the tensors' (copy_row). src element (b, l, h) at
 // src + (b * src_rows + src_row0 + l) * src_ld + (src_h0 + h) * d, where
 // src_ld is the row stride (src's heads times d when its rows are dense;
 // more when they are columns of a wider row, as q is of the input
 // projections' [q | kv_a]); dst the same with its own.
-template <class T>
-void copy_block(const T* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_ld,
-                std::int64_t src_h0, T* dst, std::int64_t dst_rows, std::int64_t dst_row0,
+template <class S, class D>
+void copy_block(const S* src, std::int64_t src_rows, std::int64_t src_row0, std::int64_t src_ld,
+                std::int64_t src_h0, D* dst, std::int64_t dst_rows, std::int64_t dst_row0,
                 std::int64_t dst_ld, std::int64_t dst_h0, std::int64_t B, std::int64_t rows,
                 std::int64_t heads, std::int64_t d, bool add = false) {
   // The packing is memory traffic the time model costs (plan/time_model.hpp):
   // each element read and written, and read again where it is added.
-  ops::count_elementwise<T>(B * rows * heads * d, add ? 3 : 2);
+  ops::count_elementwise<S>(B * rows * heads * d, 1);
+  ops::count_elementwise<D>(B * rows * heads * d, add ? 2 : 1);
   // Count-only (no storage): nothing to copy; the collective still runs.
   if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t l = 0; l < rows; ++l) {
-      T* y = dst + (b * dst_rows + dst_row0 + l) * dst_ld + dst_h0 * d;
-      const T* x = src + (b * src_rows + src_row0 + l) * src_ld + src_h0 * d;
-      if (!add) {
-        std::memcpy(y, x, sizeof(T) * u(heads * d));
-        continue;
-      }
-      for (std::int64_t i = 0; i < heads * d; ++i) y[i] += x[i];
-    }
+    for (std::int64_t l = 0; l < rows; ++l)
+      copy_row(src + (b * src_rows + src_row0 + l) * src_ld + src_h0 * d,
+               dst + (b * dst_rows + dst_row0 + l) * dst_ld + dst_h0 * d, heads * d, add);
 }
 }  // namespace
 
@@ -161,7 +180,8 @@ Transfer transfer_of(const Placement& from, int a, const Placement& to, int b) {
 
 // redistribute (sum: false) and redistribute_sum (true): the same pieces and
 // collective; the adjoint adds what it receives into a zeroed dst.
-template <class T>
+// Wire: the type the collective moves, T or bf16 (wire.hpp).
+template <class Wire, class T>
 void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
                      const T* src, std::int64_t src_ld, T* dst, std::int64_t dst_ld, std::int64_t d,
                      const std::string& label, bool sum) {
@@ -199,7 +219,7 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
     comm.all_to_all_v(src, none.data(), sd.data(), dst, none.data(), rd.data(), label);
     return;
   }
-  Tensor<T> send({total(sc)}, MemCategory::comm_buffers),
+  Tensor<Wire> send({total(sc)}, MemCategory::comm_buffers),
       recv({total(rc)}, MemCategory::comm_buffers);
   for (int j = 0; j < P; ++j) {
     const Transfer& ps = out[u(j)];
@@ -231,20 +251,32 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   }
 }
 
+// exchange_pieces on the wire this thread's precision moves T on.
+template <class T>
+void exchange_pieces_on_wire(Communicator& comm, std::int64_t B, const Placement& from,
+                             const Placement& to, const T* src, std::int64_t src_ld, T* dst,
+                             std::int64_t dst_ld, std::int64_t d, const std::string& label,
+                             bool sum) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>())
+      return exchange_pieces<bf16>(comm, B, from, to, src, src_ld, dst, dst_ld, d, label, sum);
+  exchange_pieces<T>(comm, B, from, to, src, src_ld, dst, dst_ld, d, label, sum);
+}
+
 }  // namespace
 
 template <class T>
 void redistribute(Communicator& comm, std::int64_t B, const Placement& from, const Placement& to,
                   const T* src, T* dst, std::int64_t d, const std::string& label,
                   std::int64_t src_ld, std::int64_t dst_ld) {
-  exchange_pieces(comm, B, from, to, src, src_ld, dst, dst_ld, d, label, false);
+  exchange_pieces_on_wire(comm, B, from, to, src, src_ld, dst, dst_ld, d, label, false);
 }
 
 template <class T>
 void redistribute_sum(Communicator& comm, std::int64_t B, const Placement& from,
                       const Placement& to, const T* src, T* dst, std::int64_t d,
                       const std::string& label) {
-  exchange_pieces(comm, B, from, to, src, 0, dst, 0, d, label, true);
+  exchange_pieces_on_wire(comm, B, from, to, src, 0, dst, 0, d, label, true);
 }
 
 template <class T>
@@ -277,8 +309,8 @@ Counts seq_counts(const SpLayout& lay, std::int64_t W) {
 bool lands_in_place(const SpLayout& lay) {
   return lay.batch == 1 && lay.rank_major_is_sequence();
 }
-template <class T>
-void unpack_ranks(const SpLayout& lay, const T* blocks, const Counts& displs, T* dst,
+template <class S, class D>
+void unpack_ranks(const SpLayout& lay, const S* blocks, const Counts& displs, D* dst,
                   std::int64_t W) {
   for (int i = 0; i < lay.ranks; ++i) {
     std::int64_t row = 0;  // the range's first row in rank i's (B, L_i) block
@@ -289,8 +321,8 @@ void unpack_ranks(const SpLayout& lay, const T* blocks, const Counts& displs, T*
     }
   }
 }
-template <class T>
-void pack_ranks(const SpLayout& lay, const T* src, const Counts& displs, T* blocks,
+template <class S, class D>
+void pack_ranks(const SpLayout& lay, const S* src, const Counts& displs, D* blocks,
                 std::int64_t W) {
   for (int i = 0; i < lay.ranks; ++i) {
     std::int64_t row = 0;
@@ -302,11 +334,66 @@ void pack_ranks(const SpLayout& lay, const T* src, const Counts& displs, T* bloc
   }
 }
 
+// bf16 on the wire (wire.hpp) inside fp32 storage: the bf16 value of
+// element i at byte 2 i of a float buffer.
+void* bf16_at(void* base, std::int64_t i) {
+  return base ? static_cast<std::byte*>(base) + i * std::int64_t(sizeof(bf16)) : nullptr;
+}
+// Under deferred delivery (tests), the part of a float buffer whose front
+// half receives bf16 values that the collective does not write until the
+// wait: its back half, poisoned too, so that a read before the wait
+// computes with NaN there as well.
+void poison_back_half(const Communicator& comm, float* dst, std::int64_t n) {
+  if (comm.deferred_delivery_for_testing() && dst)
+    std::fill(dst + (n + 1) / 2, dst + n, std::numeric_limits<float>::quiet_NaN());
+}
+
+// The all-gather with bf16 on the wire. Landing in place, the (B, S, W)
+// values arrive in dst's front half and are widened there (the own block is
+// narrowed into its place first: src may be dst's own rows, which narrow
+// reads ahead of its writes); otherwise a bf16 staging of the rank-major
+// blocks, unpacked and widened.
+void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
+                     std::int64_t W, const std::string& label) {
+  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  const std::int64_t own = rc[u(comm.rank())], n = total(rc);
+  if (lands_in_place(lay)) {
+    void* mine = bf16_at(dst, rd[u(comm.rank())]);
+    wire::narrow(src, mine, own);
+    comm.all_gather_v(mine, own, dst, rc.data(), rd.data(), DType::bf16, label);
+    wire::widen(dst, dst, n);
+    return;
+  }
+  Tensor<bf16> recv({n}, MemCategory::comm_buffers);
+  bf16* mine = at(recv.data(), rd[u(comm.rank())]);
+  wire::narrow(src, mine, own);
+  comm.all_gather_v(mine, own, recv.data(), rc.data(), rd.data(), label);
+  unpack_ranks(lay, recv.data(), rd, dst, W);
+}
+
+// The reduce-scatter with bf16 on the wire: the contributions narrowed into
+// a bf16 staging (rank-major), reduced in place into the own block there
+// (the fp32 sum of the bf16 values, rounded once), and widened into dst.
+void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
+                             std::int64_t W, const std::string& label) {
+  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const int r = comm.rank();
+  Tensor<bf16> send({total(c)}, MemCategory::comm_buffers);
+  if (lands_in_place(lay))
+    wire::narrow(src, send.data(), total(c));
+  else
+    pack_ranks(lay, src, d, send.data(), W);
+  comm.reduce_scatter_v(send.data(), c.data(), d.data(), at(send.data(), d[u(r)]), label);
+  wire::widen(at(send.data(), d[u(r)]), dst, c[u(r)]);
+}
+
 }  // namespace
 
 template <class T>
 void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, std::int64_t W,
                 const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>()) return gather_seq_bf16(comm, lay, src, dst, W, label);
   const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
   const std::int64_t own = rc[u(comm.rank())];
   if (lands_in_place(lay)) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
@@ -321,6 +408,8 @@ void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, s
 template <class T>
 void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                         std::int64_t W, const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>()) return reduce_scatter_seq_bf16(comm, lay, src, dst, W, label);
   const Counts c = seq_counts(lay, W), d = displs_of(c);
   if (lands_in_place(lay)) {
     comm.reduce_scatter_v(src, c.data(), d.data(), dst, label);
@@ -335,7 +424,34 @@ template <class T>
 StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src, T* dst,
                                std::int64_t W, const std::string& label) {
   const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  const int r = comm.rank();
   StartedSeq<T> s;
+  if constexpr (std::is_same_v<T, float>) {
+    if (ops::in_bf16<T>()) {  // as gather_seq_bf16, finished at the wait
+      const std::int64_t n = total(rc);
+      s.on_wire_ = true;
+      s.dst_ = dst, s.lay_ = lay, s.W_ = W;
+      void* recv = dst;
+      if (lands_in_place(lay)) {
+        s.widen_ = n;
+        poison_back_half(comm, dst, n);
+      } else {
+        s.wire_ = Tensor<bf16>({n}, MemCategory::comm_buffers);
+        s.unpack_ = true;
+        recv = s.wire_.data();
+        if (comm.deferred_delivery_for_testing() && dst)
+          std::fill(dst, dst + lay.batch * lay.seq * W, std::numeric_limits<T>::quiet_NaN());
+      }
+      // The own block, narrowed into its place in recv: src is not read
+      // again, so it is freed now.
+      void* mine = bf16_at(recv, rd[u(r)]);
+      wire::narrow(src.data(), mine, rc[u(r)]);
+      src.reset();
+      s.call_ =
+          comm.start_all_gather_v(mine, rc[u(r)], recv, rc.data(), rd.data(), DType::bf16, label);
+      return s;
+    }
+  }
   s.send_ = std::move(src);
   T* recv = dst;
   if (!lands_in_place(lay)) {
@@ -347,8 +463,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
     if (comm.deferred_delivery_for_testing() && dst)
       std::fill(dst, dst + lay.batch * lay.seq * W, std::numeric_limits<T>::quiet_NaN());
   }
-  s.call_ = comm.start_all_gather_v(s.send_.data(), rc[u(comm.rank())], recv, rc.data(), rd.data(),
-                                    label);
+  s.call_ = comm.start_all_gather_v(s.send_.data(), rc[u(r)], recv, rc.data(), rd.data(), label);
   return s;
 }
 
@@ -356,7 +471,23 @@ template <class T>
 StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src,
                                        T* dst, std::int64_t W, const std::string& label) {
   const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const int r = comm.rank();
   StartedSeq<T> s;
+  if constexpr (std::is_same_v<T, float>) {
+    if (ops::in_bf16<T>()) {  // as reduce_scatter_seq_bf16, finished at the wait
+      s.on_wire_ = true;
+      s.wire_ = Tensor<bf16>({total(c)}, MemCategory::comm_buffers);
+      if (lands_in_place(lay))
+        wire::narrow(src.data(), s.wire_.data(), total(c));
+      else
+        pack_ranks(lay, src.data(), d, s.wire_.data(), W);
+      src.reset();
+      bf16* mine = at(s.wire_.data(), d[u(r)]);
+      s.widen_from_ = mine, s.dst_ = dst, s.widen_ = c[u(r)];
+      s.call_ = comm.start_reduce_scatter_v(mine - d[u(r)], c.data(), d.data(), mine, label);
+      return s;
+    }
+  }
   if (lands_in_place(lay)) {
     s.send_ = std::move(src);
   } else {
@@ -372,9 +503,18 @@ template <class T>
 void StartedSeq<T>::wait(Communicator& comm) {
   comm.wait(call_);
   // Count-only too (no storage): the unpacking's traffic is counted.
-  if (unpack_) unpack_ranks(lay_, staging_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
-  unpack_ = false;
+  if (unpack_ && !on_wire_)
+    unpack_ranks(lay_, staging_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
+  if constexpr (std::is_same_v<T, float>) {
+    if (unpack_ && on_wire_)
+      unpack_ranks(lay_, wire_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
+    if (widen_ > 0)
+      wire::widen(widen_from_ ? widen_from_ : static_cast<const void*>(dst_), dst_, widen_);
+  }
+  unpack_ = on_wire_ = false;
+  widen_ = 0;
   staging_.reset();
+  wire_.reset();
   send_.reset();
 }
 

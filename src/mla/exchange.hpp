@@ -115,7 +115,15 @@ class StartedSeq {
  private:
   Tensor<T> send_;     // what the collective reads
   Tensor<T> staging_;  // the gather, staged: what it writes, rank-major
-  // The staged gather: where and how staging_ is unpacked.
+  // bf16 on the wire (wire.hpp): the bf16 blocks the collective reads and
+  // writes where they are not in dst's front half (the gather, staged; the
+  // reduce-scatter's contributions), and the widening the wait does: widen_
+  // elements from widen_from_ (null: dst's front half) into dst_.
+  bool on_wire_ = false;
+  Tensor<bf16> wire_;
+  const void* widen_from_ = nullptr;
+  std::int64_t widen_ = 0;
+  // The staged gather: where and how staging_ (or wire_) is unpacked.
   bool unpack_ = false;
   T* dst_ = nullptr;
   SpLayout lay_;

@@ -55,10 +55,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "mla/form.hpp"
+#include "mla/wire.hpp"
 
 namespace laga::detail::ring {
 
@@ -300,23 +302,64 @@ void gather_rows(const Step& st, const RingCall& c, const T* full, T* part) {
                   part + (bb * st.H + h) * s.Sq);
 }
 
+// A shift in flight (Overlap::on), until its wait: its call and, with bf16
+// on the wire (wire.hpp), the bf16 copy of the block leaving, which must
+// live until then, and the arriving block, whose front half receives bf16
+// values that the wait widens.
+template <class T>
+struct InFlight {
+  Tensor<bf16> leaving;
+  T* arriving = nullptr;
+  std::int64_t arriving_elems = 0;
+  PendingCollective call;  // last: destroyed (waited for) before `leaving` is freed
+};
+
 // One shift of `cur` on to rank r + 1, receiving rank r - 1's block (or
 // accumulator, next_elems elements) into a new buffer, which it returns: started, and held in
-// `pending` until its wait, with Overlap::on; else done here. Either way the
+// `flight` until its wait, with Overlap::on; else done here. Either way the
 // same bytes move, so the same bits arrive. `cur` must live until the wait.
+// With bf16 on the wire, what moves is cur narrowed to bf16, and the new
+// buffer's front half receives it (wire.hpp).
 template <class T>
 Tensor<T> shift(const Step& st, const Tensor<T>& cur, std::int64_t next_elems, const char* label,
-                const char* name, PendingCollective& pending) {
+                const char* name, InFlight<T>& flight) {
   Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
-  if (st.ctx.variant.overlap == Overlap::on)
-    pending =
-        st.ctx.comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+  const bool overlap = st.ctx.variant.overlap == Overlap::on;
+  Communicator& comm = st.ctx.comm;
+  if constexpr (std::is_same_v<T, float>) {
+    if (ops::in_bf16<T>()) {
+      Tensor<bf16> leaving({cur.numel()}, "ring block, bf16 on the wire",
+                           MemCategory::comm_buffers);
+      wire::narrow(cur.data(), leaving.data(), cur.numel());
+      if (overlap) {
+        flight.call =
+            comm.start_ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(),
+                                  next.data(), next.numel(), DType::bf16, label);
+        flight.leaving = std::move(leaving);
+        flight.arriving = next.data(), flight.arriving_elems = next.numel();
+        return next;
+      }
+      comm.ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(), next.data(),
+                      next.numel(), DType::bf16, label);
+      leaving.reset();
+      wire::widen(next.data(), next.data(), next.numel());
+      return next;
+    }
+  }
+  if (overlap)
+    flight.call = comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
   else
-    st.ctx.comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+    comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
   return next;
 }
-inline void wait(const Step& st, PendingCollective& pending) {
-  if (pending.pending()) st.ctx.comm.wait(pending);
+template <class T>
+void wait(const Step& st, InFlight<T>& flight) {
+  if (!flight.call.pending()) return;
+  st.ctx.comm.wait(flight.call);
+  if constexpr (std::is_same_v<T, float>)
+    if (flight.arriving_elems > 0)
+      wire::widen(flight.arriving, flight.arriving, flight.arriving_elems);
+  flight = InFlight<T>{};
 }
 
 // The attention of the ring: what forward keeps for backward.
@@ -344,7 +387,7 @@ struct RingAttention {
       step.owner = (r - i + ranks) % ranks;
       const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
       const int next_owner = (step.owner - 1 + ranks) % ranks;
-      PendingCollective pending;
+      InFlight<T> pending;
       Tensor<T> next;
       if (i + 1 < ranks)
         next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", pending);
@@ -427,13 +470,13 @@ struct RingAttention {
     const Tensor<T>* cur = &own;
     Tensor<T> held;  // the block held, once it is not the own one
     Tensor<T> acc = Tensor<T>::zeros({own.numel()}, "ring grad acc", MemCategory::comm_buffers);
-    Tensor<T> acc_sent;             // the accumulator on its way to r + 1, until its wait
-    PendingCollective acc_pending;  // its shift (Overlap::on)
+    Tensor<T> acc_sent;       // the accumulator on its way to r + 1, until its wait
+    InFlight<T> acc_pending;  // its shift (Overlap::on)
     for (int i = 0; i < ranks; ++i) {
       RingStep<T>& step = steps[size_t(i)];
       const std::int64_t Lk = lay.seq_count[size_t(step.owner)];
       const int next_owner = (step.owner - 1 + ranks) % ranks;
-      PendingCollective kv_pending;
+      InFlight<T> kv_pending;
       Tensor<T> next;
       if (i + 1 < ranks)
         next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", kv_pending);

@@ -1,10 +1,14 @@
 #include "model/moe.hpp"
 
+#include <tuple>
+#include <type_traits>
+
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/swiglu.hpp"
 #include "mla/ops.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -250,12 +254,13 @@ void exchange_rows(const ExpertParallel& ep, const Dispatch& d, const EpRows& ro
     theirs[size_t(j)] = rows.from[size_t(j)] * D;
     theirs_off[size_t(j)] = rows.from_off[size_t(j)] * D;
   }
-  if (to_owners)
-    ep.comm->all_to_all_v(send, mine.data(), mine_off.data(), recv, theirs.data(),
-                          theirs_off.data(), label);
-  else
-    ep.comm->all_to_all_v(send, theirs.data(), theirs_off.data(), recv, mine.data(),
-                          mine_off.data(), label);
+  const auto& [sc, sd] = to_owners ? std::tie(mine, mine_off) : std::tie(theirs, theirs_off);
+  const auto& [rc, rd] = to_owners ? std::tie(theirs, theirs_off) : std::tie(mine, mine_off);
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>())  // bf16 on the wire (mla/wire.hpp)
+      return wire::all_to_all_v(*ep.comm, send, sc.data(), sd.data(), recv, rc.data(), rd.data(),
+                                label);
+  ep.comm->all_to_all_v(send, sc.data(), sd.data(), recv, rc.data(), rd.data(), label);
 }
 
 // How many rows of each owned expert every rank sends this one

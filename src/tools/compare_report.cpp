@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "mla/comm_model.hpp"
 #include "tools/compare.hpp"
 
 namespace laga::tools {
@@ -269,9 +270,13 @@ std::string compare_json(const CompareResult& r) {
   j["attention"] = to_string(r.attention);
   j["doc_lens"] = r.documents ? ojson(r.documents->describe()) : ojson(nullptr);
   // The arithmetic: "f32", or "bf16" mixed precision, whose values are held
-  // in fp32 tensors (element_bytes stays 4: every byte figure is fp32's).
+  // in fp32 tensors (element_bytes stays 4: the memory figures are fp32
+  // storage's) and cross the wire as bf16 (wire_element_bytes: the
+  // activation collectives at 2, the gradient all-reduce at 4; mla/wire.hpp).
   j["dtype"] = r.options.precision == Precision::bf16 ? "bf16" : "f32";
   j["element_bytes"] = 4;
+  const WireElementBytes wire = wire_element_bytes(r.options.precision, 4);
+  j["wire_element_bytes"] = {{"activations", wire.activations}, {"gradients", wire.gradients}};
   j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
   j["rank_only"] = o.rank_only >= 0 ? ojson(o.rank_only) : ojson(nullptr);
   j["count_only"] = o.count_only;

@@ -300,7 +300,8 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     if (!by_class.count(cls)) {
       const int rep = classes.representatives[size_t(cls)];
       by_class.emplace(cls,
-                       std::pair{predict_comm(j.cfg, j.layout, form, rep, 4, true, true),
+                       std::pair{predict_comm(j.cfg, j.layout, form, rep,
+                                              wire_element_bytes(j.o.precision, 4), true, true),
                                  predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
     }
     const CommPrediction& pred = by_class.at(cls).first;

@@ -8,7 +8,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,10 +21,13 @@
 #include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "kernels/gemm.hpp"
+#include "mla/comm_model.hpp"
+#include "mla/documents.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 namespace {
@@ -180,32 +185,97 @@ TEST(Bf16, ChangesResultsOnEveryRank) {
   }
 }
 
-// Count-only runs (the memory model, the planner's op counts) do no
-// arithmetic, so the precision changes none of their figures: every form's
-// peak and its counted GEMM and attention work equal fp32's.
-TEST(Bf16, CountOnlyRunsAreUnchanged) {
+// bf16 on the wire (mla/wire.hpp): on every rank of every form and variant
+// (overlap on and off, under deferred delivery, uneven, zigzag, packed),
+// the ledger of a real bf16 run is the closed form at 2 bytes an activation
+// element and fp32's 4 for the gradient all-reduce, byte for byte, and so
+// half an fp32 run's for every activation label; the memory model (a
+// count-only run at bf16) equals the bf16 run's pool, the wire's bf16
+// blocks included; and the counted GEMM and attention work is fp32's.
+TEST(Bf16, TheWireMovesBf16) {
   const MlaConfig cfg = test_config(7);
-  const SpLayout lay = SpLayout::custom(2, {5, 4, 4}, {2, 2, 1});
-  for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no))
-    for (int rank = 0; rank < lay.ranks; ++rank) {
-      auto count = [&](Precision p) {
-        const UsePrecision at(p);
-        ops::OpCounts counts;
+  struct Case {
+    SpLayout lay;
+    std::string doc_lens;  // empty: one document a row
+  };
+  const std::vector<Case> cases = {
+      {SpLayout::custom(2, {5, 4, 4}, {2, 2, 1}), ""},
+      {SpLayout::even(1, 13, 5, 3), ""},  // B 1, contiguous: the gathers land in place
+      {SpLayout::even(1, 13, 5, 4, SeqLayout::zigzag), ""},
+      {SpLayout::even(2, 13, 5, 2), "4,5,4"}};
+  for (const Case& c : cases) {
+    const Inputs<float> in = make_inputs(cfg, c.lay.batch, c.lay.seq);
+    std::optional<Documents> docs;
+    if (!c.doc_lens.empty()) docs = Documents::parse_lengths(c.doc_lens, c.lay.batch, c.lay.seq);
+    for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+      RunSpec spec;
+      spec.variant = v;
+      spec.attention = AttentionKind::flash;
+      spec.documents = docs ? &*docs : nullptr;
+      spec.deferred_delivery_for_testing = true;
+      const BlockRun<float> fp32 = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+      const UsePrecision bf16(Precision::bf16);
+      const BlockRun<float> run = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+      for (const RankReport& rep : run.ranks) {
+        const std::string tag = to_string(v) + " " + c.lay.describe() + " " + c.doc_lens +
+                                " rank " + std::to_string(rep.rank);
+        const CommPrediction pred = predict_comm(
+            cfg, c.lay, v, rep.rank, wire_element_bytes(Precision::bf16, 4), true, true);
+        const Ledger& as_fp32 = fp32.ranks[size_t(rep.rank)].ledger;
+        ASSERT_EQ(rep.ledger.entries().size(), pred.size()) << tag;
+        for (const auto& [key, entry] : rep.ledger.entries()) {
+          const std::string where = tag + " " + to_string(key.first) + "/" + key.second;
+          const auto it = pred.find(key);
+          ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
+          EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
+          EXPECT_EQ(entry.bytes_received, it->second.received) << where;
+          EXPECT_EQ(entry.calls, it->second.calls) << where;
+          const LedgerEntry& e32 = as_fp32.entries().at(key);
+          const std::int64_t ratio = key.second == "grad_allreduce" ? 1 : 2;
+          EXPECT_EQ(entry.bytes_sent * ratio, e32.bytes_sent) << where << " against fp32";
+          EXPECT_EQ(entry.bytes_received * ratio, e32.bytes_received) << where << " against fp32";
+        }
+        ops::OpCounts counted16, counted32;
         MemoryModelOptions options;
-        options.op_counts = &counts;
-        const MemoryPrediction m =
-            predict_memory(cfg, lay, v, AttentionKind::flash, rank, 4, options);
-        return std::pair{m, counts};
-      };
-      const auto [m32, c32] = count(Precision::fp32);
-      const auto [m16, c16] = count(Precision::bf16);
-      const std::string tag = to_string(v) + " rank " + std::to_string(rank);
-      EXPECT_EQ(m16.peak_working, m32.peak_working) << tag;
-      EXPECT_EQ(m16.forward_backward.bytes, m32.forward_backward.bytes) << tag;
-      EXPECT_EQ(c16.gemm_calls, c32.gemm_calls) << tag;
-      EXPECT_EQ(c16.attention_calls, c32.attention_calls) << tag;
-      EXPECT_EQ(c16.elementwise_bytes, c32.elementwise_bytes) << tag;
+        options.op_counts = &counted16;
+        const MemoryPrediction p =
+            predict_memory(cfg, c.lay, v, AttentionKind::flash, rep.rank, 4, options);
+        EXPECT_EQ(rep.memory.peak_activations, p.peak_activations) << tag;
+        EXPECT_EQ(rep.memory.peak_comm_buffers, p.peak_comm_buffers) << tag;
+        EXPECT_EQ(rep.memory.peak_working, p.peak_working) << tag;
+        EXPECT_EQ(rep.memory.after_forward, p.after_forward) << tag;
+        {
+          const UsePrecision at_fp32(Precision::fp32);
+          options.op_counts = &counted32;
+          predict_memory(cfg, c.lay, v, AttentionKind::flash, rep.rank, 4, options);
+        }
+        EXPECT_EQ(counted16.gemm_calls, counted32.gemm_calls) << tag;
+        EXPECT_EQ(counted16.attention_calls, counted32.attention_calls) << tag;
+      }
     }
+  }
+}
+
+// The wire's in-place conversions (wire.hpp): an fp32 block narrowed into
+// the front of itself, and bf16 values widened from the front of an fp32
+// buffer into all of it, across several of their chunks and at an odd
+// length, give to_bf16's and to_float's bits for every element.
+TEST(Bf16, WireConvertsInPlace) {
+  for (const std::int64_t n : {std::int64_t(1), std::int64_t(1023), std::int64_t(2500)}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    fill_normal(x.data(), n, 3, 1, 0, 5.0);
+    std::vector<float> buf = x;
+    wire::narrow(buf.data(), buf.data(), n);
+    std::vector<bf16> narrowed(static_cast<size_t>(n));
+    std::memcpy(narrowed.data(), buf.data(), sizeof(bf16) * size_t(n));
+    for (std::int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(narrowed[size_t(i)], to_bf16(x[size_t(i)])) << "n " << n << " element " << i;
+    wire::widen(buf.data(), buf.data(), n);
+    for (std::int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(buf[size_t(i)]),
+                std::bit_cast<std::uint32_t>(to_float(to_bf16(x[size_t(i)]))))
+          << "n " << n << " element " << i;
+  }
 }
 
 TEST(Bf16, DoubleRefusesIt) {

@@ -720,6 +720,46 @@ TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
   }
 }
 
+// Under --dtype bf16 the dispatch and combine (and their backward) move
+// the routed rows as bf16 (mla/wire.hpp): each rank's ledger is
+// moe_ep_bytes at 2 bytes an element (the counts stay f64), and out and dx
+// stay within the bf16 bounds of the double reference at P 2 and 3.
+TEST(MoeExpertParallel, Bf16MovesTheRowsAsBf16) {
+  // MoeLayer.Bf16WithinItsBoundOfTheDoubleReference's case: its gate margins
+  // are wider than bf16's rounding, so every rank routes as the reference.
+  Case c = make_case(grouped(), 24, 16, 300);
+  const RefMoe ref = ref_moe(c.cfg, c.w, c.x, c.dout, c.N, c.D);
+  for (int P : {2, 3}) {
+    SCOPED_TRACE("P " + std::to_string(P));
+    const UsePrecision bf16(Precision::bf16);
+    const std::vector<EpRank<float>> ranks = run_ep<float>(c, P);
+    std::vector<float> out, dx;
+    std::vector<std::vector<std::int64_t>> counts;
+    for (const auto& r : ranks) {
+      out.insert(out.end(), r.out.begin(), r.out.end());
+      dx.insert(dx.end(), r.dx.begin(), r.dx.end());
+      counts.push_back(r.count);
+    }
+    EXPECT_LE(relative_to_largest(out.data(), ref.out.data(), c.N * c.D),
+              bf16_bound_vs_exact(BlockTensor::output));
+    EXPECT_LE(relative_to_largest(dx.data(), ref.dx.data(), c.N * c.D),
+              bf16_bound_vs_exact(BlockTensor::gradient));
+    DryRunCommunicator group(0, P);  // only its size
+    const ExpertParallel ep = ExpertParallel::folded(group, c.cfg.n_routed_experts,
+                                                     std::vector<std::int64_t>(size_t(P), 1));
+    for (int r = 0; r < P; ++r) {
+      const Ledger& l = ranks[size_t(r)].ledger;
+      const MoeEpBytes b = moe_ep_bytes(ep, counts, r, c.D, 2);
+      EXPECT_GT(b.dispatch + b.combine, 0) << "rank " << r;
+      EXPECT_EQ(sent(l, Phase::forward, "moe_counts"), b.counts) << "rank " << r;
+      EXPECT_EQ(sent(l, Phase::forward, "moe_dispatch"), b.dispatch) << "rank " << r;
+      EXPECT_EQ(sent(l, Phase::forward, "moe_combine"), b.combine) << "rank " << r;
+      EXPECT_EQ(sent(l, Phase::backward, "dmoe_combine"), b.dispatch) << "rank " << r;
+      EXPECT_EQ(sent(l, Phase::backward, "dmoe_dispatch"), b.combine) << "rank " << r;
+    }
+  }
+}
+
 // In float: at P 1 expert parallelism is the local layer bit for bit; at P 3
 // the owners' GEMMs see other rows beside each copy and the weight
 // gradients sum in another order, so it agrees to float rounding only.
