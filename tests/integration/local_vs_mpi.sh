@@ -38,11 +38,15 @@ for name in "${names[@]}" laga-q-latent laga2d-g1 laga2d-g1-q-latent laga2d-g1-o
   # P 3 again with packed documents (issue 15): one crosses every rank
   # boundary, one is a single token; and P 4 on zigzag shards with them
   # (docs/forms.md, "The zigzag layout").
-  for run in 2 3 3packed 4zigzag; do
+  # And P 3 in bf16 mixed precision, its activations on the wire as bf16
+  # (mla/wire.hpp), whose reductions must agree bit for bit too.
+  for run in 2 3 3packed 4zigzag 3bf16; do
     P=${run%packed} docs=() layout=()
     P=${P%zigzag}
+    P=${P%bf16}
     [ "$run" = 3packed ] || [ "$run" = 4zigzag ] && docs=(--doc-lens 1,20,2/23)
     [ "$run" = 4zigzag ] && layout=(--seq-layout zigzag)
+    [ "$run" = 3bf16 ] && layout=(--dtype bf16)
     common=(forward "${model[@]}" --batch 2 --seq 23 --backward --form "$form" "${queries[@]}"
             --sp "$P" --attention flash "${docs[@]}" "${layout[@]}")
     "$laga" "${common[@]}" --comm local --output "$tmp/local_$name$run.st" >/dev/null 2>&1

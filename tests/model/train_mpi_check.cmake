@@ -8,7 +8,9 @@
 # With -DEXPERT_PARALLEL=ON both runs pass --expert-parallel (the MoE's
 # experts folded onto the ranks: all_to_all_v dispatch and combine), and
 # with -DEP=N also --ep N (EP groups of N ranks, each holding every expert).
-# With -DSP=N the runs are on N ranks (default 2). With -DPERTURB=SEED both
+# With -DSP=N the runs are on N ranks (default 2). With -DDTYPE=bf16 they
+# train in bf16 mixed precision (flash attention), the activations and the
+# MoE's dispatch and combine on the wire as bf16 (mla/wire.hpp). With -DPERTURB=SEED both
 # runs pass --perturb-reductions SEED, and a third, local run without it must
 # differ from them in some step's loss or grad_norm: the switch reaches the
 # training's reductions, and local and MPI still agree bit for bit under it.
@@ -33,6 +35,9 @@ if(EXPERT_PARALLEL)
 endif()
 if(EP)
   list(APPEND ARGS --ep ${EP})
+endif()
+if(DTYPE)
+  list(APPEND ARGS --dtype ${DTYPE} --attention flash)
 endif()
 if(PYTHON)
   string(CONCAT script "import array\nids = array.array('H')\nd = 0\nwhile len(ids) < 3000:\n"

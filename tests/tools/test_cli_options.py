@@ -449,8 +449,26 @@ def case_bf16(laga, scratch):
                    compare]):
         return
     c = read_json(compare)
-    checks.append((c["dtype"] == "bf16" and c["element_bytes"] == 4,
-                   f"compare JSON dtype {c['dtype']!r}, element_bytes {c['element_bytes']}"))
+    checks.append((c["dtype"] == "bf16" and c["element_bytes"] == 4 and
+                   c["wire_element_bytes"] == {"activations": 2, "gradients": 4},
+                   f"compare JSON dtype {c['dtype']!r}, element_bytes {c['element_bytes']}, "
+                   f"wire_element_bytes {c['wire_element_bytes']}"))
+    # bf16 on the wire (mla/wire.hpp): every activation label moves half
+    # fp32's bytes, the gradient all-reduce the same.
+    compare32 = os.path.join(scratch, "compare-fp32.json")
+    if not ok_run(["compare", "--quiet", "--count-only"] + small + ["--sp", "3", "--json",
+                                                                     compare32]):
+        return
+    fp32_bytes = {(f["form"], b["phase"], b["label"]): b["bytes_sent"]
+                  for f in read_json(compare32)["forms"] for b in f["by_label"]}
+    for f in c["forms"]:
+        for b in f["by_label"]:
+            want = fp32_bytes[(f["form"], b["phase"], b["label"])]
+            if b["label"] != "grad_allreduce":
+                want //= 2
+            checks.append((b["bytes_sent"] == want,
+                           f"compare bf16 {f['form']} {b['phase']}/{b['label']}: "
+                           f"{b['bytes_sent']} bytes sent, fp32's {'' if b['label'] == 'grad_allreduce' else 'half '}is {want}"))
     beyond_fp32 = False
     for f in c["forms"][1:]:
         d = f["max_abs_diff"]
@@ -459,7 +477,8 @@ def case_bf16(laga, scratch):
                            f"compare bf16 {f['form']} {q}: {d[q]} against scale {d[q + '_scale']}"))
             beyond_fp32 = beyond_fp32 or d[q] > 1e-5 * d[q + "_scale"]
         checks.append((f["bytes_match"] and f["memory_match"],
-                       f"compare bf16 {f['form']}: fp32 bytes and memory models still hold"))
+                       f"compare bf16 {f['form']}: the ledger is the bf16 wire's closed form and "
+                       "the pool the memory model"))
     checks.append((beyond_fp32, "compare --dtype bf16: every form within fp32's 1e-5 of explicit; "
                    "did bf16 run?"))
     out = os.path.join(scratch, "forward.safetensors")
