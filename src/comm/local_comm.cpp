@@ -596,11 +596,12 @@ void run_local_ranks(std::vector<std::unique_ptr<Communicator>>& comms,
   // Each rank runs at the precision of the thread that starts them (--dtype:
   // core/precision.hpp), as it would under MPI, where the body runs on it.
   const Precision precision = op_precision;
+  const GradReduce grad_reduce = op_grad_reduce;
   for (int r = 0; r < P; ++r) {
     threads_of_ranks.emplace_back([&, r] {
       MemoryPool own_pool;
       PoolScope scope(options.pools ? (*options.pools)[r] : own_pool);
-      const UsePrecision at_precision(precision);
+      const UsePrecision at_precision(precision, grad_reduce);
       try {
         set_rank_threads(threads);
         if (options.deferred_delivery_for_testing) {

@@ -31,19 +31,48 @@ inline Precision parse_precision(std::string_view s) {
   fail("unknown dtype '", std::string(s), "'; use fp32 or bf16");
 }
 
+// What the gradient all-reduce moves under bf16 mixed precision
+// (--grad-reduce; src/mla/wire.hpp): fp32, the default, as mixed-precision
+// trainers keep it (Megatron-Core's accumulate_allreduce_grads_in_fp32),
+// or bf16, half the bytes, each rank's gradient rounded to bf16 and their
+// fp32 sum rounded once (comm/communicator.hpp, DType). Under fp32 it is
+// always fp32.
+enum class GradReduce { fp32, bf16 };
+
+inline const char* to_string(GradReduce g) {
+  return g == GradReduce::bf16 ? "bf16" : "fp32";
+}
+inline GradReduce parse_grad_reduce(std::string_view s) {
+  if (s == "fp32") return GradReduce::fp32;
+  if (s == "bf16") return GradReduce::bf16;
+  fail("unknown --grad-reduce '", std::string(s), "'; use fp32 or bf16");
+}
+// bf16 gradients on the wire need bf16 mixed precision: refused otherwise,
+// naming both options.
+inline void check_grad_reduce(Precision p, GradReduce g) {
+  LAGA_CHECK(g == GradReduce::fp32 || p == Precision::bf16,
+             "--grad-reduce bf16 needs --dtype bf16 (an fp32 run reduces its gradients in fp32)");
+}
+
 // This thread's precision: fp32 (the default) unless a UsePrecision scope says.
 inline thread_local Precision op_precision = Precision::fp32;
+inline thread_local GradReduce op_grad_reduce = GradReduce::fp32;
 
-// Runs this thread's ops at `p` while it lives.
+// Runs this thread's ops at `p`, its gradient all-reduce at `g`, while it lives.
 class UsePrecision {
  public:
-  explicit UsePrecision(Precision p) : previous_(std::exchange(op_precision, p)) {}
-  ~UsePrecision() { op_precision = previous_; }
+  explicit UsePrecision(Precision p, GradReduce g = GradReduce::fp32)
+      : previous_(op_precision), previous_reduce_(op_grad_reduce) {
+    check_grad_reduce(p, g);
+    op_precision = p, op_grad_reduce = g;
+  }
+  ~UsePrecision() { op_precision = previous_, op_grad_reduce = previous_reduce_; }
   UsePrecision(const UsePrecision&) = delete;
   UsePrecision& operator=(const UsePrecision&) = delete;
 
  private:
   Precision previous_;
+  GradReduce previous_reduce_;
 };
 
 }  // namespace laga

@@ -10,6 +10,7 @@
 #include "kernels/attention_flash_bf16.hpp"
 #include "mla/exchange.hpp"
 #include "mla/form.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -818,7 +819,7 @@ void BlockApi<T>::sync_gradients(Communicator& comm, MlaParams<T>& grads) {
     ops::copy(ops::flat(flat).col_range(off, g.numel()), ops::flat(std::as_const(g)));
     off += g.numel();
   });
-  comm.all_reduce(flat.data(), flat.numel(), "grad_allreduce");
+  wire::all_reduce_gradients(comm, flat.data(), flat.numel());
   off = 0;
   grads.for_each([&](const std::string&, Tensor<T>& g) {
     ops::copy(ops::flat(g), ops::flat(std::as_const(flat)).col_range(off, g.numel()));

@@ -119,8 +119,9 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
   return predict_comm(c, lay, variant, r, WireElementBytes{e, e}, backward, grad_sync);
 }
 
-WireElementBytes wire_element_bytes(Precision p, std::int64_t tensor_bytes) {
-  if (p == Precision::bf16) return {2, 4};
+WireElementBytes wire_element_bytes(Precision p, GradReduce g, std::int64_t tensor_bytes) {
+  check_grad_reduce(p, g);
+  if (p == Precision::bf16) return {2, g == GradReduce::bf16 ? 2 : 4};
   return {tensor_bytes, tensor_bytes};
 }
 

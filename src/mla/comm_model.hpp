@@ -67,8 +67,9 @@ struct WireElementBytes {
 };
 // What a run at `p` moves, its tensors being of tensor_bytes elements
 // (mla/wire.hpp): under bf16 the activations at 2 and the gradient
-// all-reduce at fp32's 4; otherwise both at tensor_bytes.
-WireElementBytes wire_element_bytes(Precision p, std::int64_t tensor_bytes);
+// all-reduce at fp32's 4, or at 2 with --grad-reduce bf16; otherwise both
+// at tensor_bytes.
+WireElementBytes wire_element_bytes(Precision p, GradReduce g, std::int64_t tensor_bytes);
 // predict_comm with the two sizes apart.
 CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                             int rank, WireElementBytes e, bool backward, bool grad_sync);

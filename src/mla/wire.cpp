@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/bf16_convert.hpp"
@@ -66,5 +67,20 @@ void all_to_all_v(Communicator& comm, const float* send, const std::int64_t* sen
   for (size_t j = 0; j < P; ++j)
     widen(at(in.data(), rd[j]), at(recv, recv_displs[j]), recv_counts[j]);
 }
+
+template <class T>
+void all_reduce_gradients(Communicator& comm, T* flat, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (op_grad_reduce == GradReduce::bf16 && ops::in_bf16<T>()) {
+      narrow(flat, flat, n);
+      comm.all_reduce(flat, n, DType::bf16, "grad_allreduce");
+      widen(flat, flat, n);
+      return;
+    }
+  }
+  comm.all_reduce(flat, n, "grad_allreduce");
+}
+template void all_reduce_gradients<float>(Communicator&, float*, std::int64_t);
+template void all_reduce_gradients<double>(Communicator&, double*, std::int64_t);
 
 }  // namespace laga::wire

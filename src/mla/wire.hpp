@@ -48,4 +48,11 @@ void all_to_all_v(Communicator& comm, const float* send, const std::int64_t* sen
                   const std::int64_t* send_displs, float* recv, const std::int64_t* recv_counts,
                   const std::int64_t* recv_displs, const std::string& label);
 
+// The gradient all-reduce ("grad_allreduce") of n flattened gradients, in
+// place: in T, or under --grad-reduce bf16 (core/precision.hpp) as bf16,
+// narrowed into the buffer's front half and widened back in place (no
+// memory beyond fp32's).
+template <class T>
+void all_reduce_gradients(Communicator& comm, T* flat, std::int64_t n);
+
 }  // namespace laga::wire

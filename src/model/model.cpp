@@ -15,6 +15,7 @@
 #include "kernels/rmsnorm.hpp"
 #include "kernels/swiglu.hpp"
 #include "mla/ops.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -476,7 +477,7 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
       ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
       off += t.numel();
     });
-    c.comm.all_reduce(all.data(), all.numel(), "grad_allreduce");
+    wire::all_reduce_gradients(c.comm, all.data(), all.numel());
     off = 0;
     grads.for_each([&](const std::string&, Tensor<T>& t) {
       ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));

@@ -177,6 +177,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.expert_degree > 0) r["ep"] = std::to_string(o.expert_degree);
   r["attention"] = to_string(o.attention);
   if (o.precision == Precision::bf16) r["dtype"] = to_string(o.precision);
+  if (o.grad_reduce == GradReduce::bf16) r["grad_reduce"] = to_string(o.grad_reduce);
   r["sp"] = std::to_string(o.sp);
   return r;
 }
@@ -184,6 +185,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
 void validate_train_options(const TrainOptions& o) {
   o.model.validate();
   check_precision_supports(o.precision, o.attention);
+  check_grad_reduce(o.precision, o.grad_reduce);
   LAGA_CHECK(o.sp >= 1, "--sp must be >= 1 (got ", o.sp, ")");
   LAGA_CHECK(o.seq >= o.sp, "--seq ", o.seq, " is shorter than --sp ", o.sp,
              ": every rank needs at least one token");
@@ -404,7 +406,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   using T = float;
   // This rank's ops at the run's precision; an in-process rank thread would
   // inherit it from its starter, an MPI rank is the process that parsed it.
-  const UsePrecision at_precision(o.precision);
+  const UsePrecision at_precision(o.precision, o.grad_reduce);
   const LmConfig& cfg = o.model;
   const SpLayout layout = train_layout(o, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);

@@ -38,6 +38,8 @@ struct TrainOptions {
   // summed in fp32, while the weights, their gradients and AdamW's moments
   // stay fp32 (the master copy; docs/performance.md, "bf16 mixed precision").
   Precision precision = Precision::fp32;
+  // --grad-reduce: the gradient all-reduce's wire under bf16 (mla/wire.hpp).
+  GradReduce grad_reduce = GradReduce::fp32;
   // --expert-parallel: the MoE layers' experts folded onto the sp ranks
   // (model/moe.hpp, docs/moe.md "Expert parallelism"); needs an MoE model.
   ExpertPlacement experts = ExpertPlacement::every_rank;

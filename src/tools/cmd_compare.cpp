@@ -59,7 +59,14 @@ void register_compare(CLI::App& app) {
        "--dtype", [o](const std::string& s) { o->precision = parse_precision(s); },
        "precision of the runs: fp32, or bf16 mixed precision (every GEMM and attention operand "
        "rounded to bf16, fp32 sums; flash attention only; docs/performance.md, \"bf16 mixed "
-       "precision\"). Tensors stay fp32 containers: bytes and memory are fp32's")
+       "precision\"). Tensors stay fp32 containers (memory is fp32's); the activation "
+       "collectives move bf16 (docs/accounting.md, \"bf16 on the wire\")")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->default_str("fp32");
+  c->add_option_function<std::string>(
+       "--grad-reduce", [o](const std::string& s) { o->grad_reduce = parse_grad_reduce(s); },
+       "with --dtype bf16: the gradient all-reduce in fp32 (the default) or bf16 (half the "
+       "bytes; each rank's gradient rounded to bf16, their fp32 sum rounded once)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->default_str("fp32");
   c->add_option("--doc-lens", o->doc_lens,

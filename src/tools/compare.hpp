@@ -44,8 +44,11 @@ struct CompareOptions {
   std::string seq_layout = "contiguous";  // --seq-layout contiguous|zigzag
   std::uint64_t seed = 0;
   // --dtype: fp32, or bf16 mixed precision (core/precision.hpp; flash only),
-  // its tensors fp32 containers, so every byte and memory figure is fp32's.
+  // its tensors fp32 containers (the memory figures are fp32's), its
+  // activation collectives bf16 on the wire (mla/wire.hpp).
   Precision precision = Precision::fp32;
+  // --grad-reduce: the gradient all-reduce's wire under bf16.
+  GradReduce grad_reduce = GradReduce::fp32;
 };
 
 // One (phase, label) of one form: max over the measured ranks.

@@ -136,9 +136,12 @@ std::string compare_table(const CompareResult& r) {
   s << "laga compare: " << o.model.source() << " (" << r.cfg.summary() << ")\n";
   s << "  B=" << r.layout.batch << " S=" << r.layout.seq << " P=" << r.layout.ranks << " ("
     << r.layout.describe() << "), " << to_string(r.attention) << " attention, "
-    << (r.options.precision == Precision::bf16
-            ? "bf16 mixed precision (bf16 values in fp32 tensors)"
-            : "fp32")
+    << (r.options.precision != Precision::bf16 ? "fp32"
+        : r.options.grad_reduce == GradReduce::bf16
+            ? "bf16 mixed precision (bf16 values in fp32 tensors; every collective moves bf16, "
+              "the gradient all-reduce too)"
+            : "bf16 mixed precision (bf16 values in fp32 tensors; activation collectives move "
+              "bf16, the gradient all-reduce fp32)")
     << "\n";
   if (r.documents)
     s << "  packed: documents " << r.documents->describe() << " (attention within documents, "
@@ -275,7 +278,7 @@ std::string compare_json(const CompareResult& r) {
   // activation collectives at 2, the gradient all-reduce at 4; mla/wire.hpp).
   j["dtype"] = r.options.precision == Precision::bf16 ? "bf16" : "f32";
   j["element_bytes"] = 4;
-  const WireElementBytes wire = wire_element_bytes(r.options.precision, 4);
+  const WireElementBytes wire = wire_element_bytes(r.options.precision, r.options.grad_reduce, 4);
   j["wire_element_bytes"] = {{"activations", wire.activations}, {"gradients", wire.gradients}};
   j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
   j["rank_only"] = o.rank_only >= 0 ? ojson(o.rank_only) : ojson(nullptr);

@@ -299,10 +299,11 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     const int cls = classes.class_of[size_t(r)];
     if (!by_class.count(cls)) {
       const int rep = classes.representatives[size_t(cls)];
-      by_class.emplace(cls,
-                       std::pair{predict_comm(j.cfg, j.layout, form, rep,
-                                              wire_element_bytes(j.o.precision, 4), true, true),
-                                 predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
+      by_class.emplace(
+          cls,
+          std::pair{predict_comm(j.cfg, j.layout, form, rep,
+                                 wire_element_bytes(j.o.precision, j.o.grad_reduce, 4), true, true),
+                    predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
     }
     const CommPrediction& pred = by_class.at(cls).first;
     std::int64_t sent[3] = {0, 0, 0}, model[3] = {0, 0, 0}, recv = 0;
@@ -464,8 +465,9 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
                             parse_overlap_runs(o.overlap));
   res.attention = parse_attention(o.attention);
   check_precision_supports(o.precision, res.attention);
+  check_grad_reduce(o.precision, o.grad_reduce);
   // Every run below, on this thread and on the rank threads it starts.
-  const UsePrecision precision(o.precision);
+  const UsePrecision precision(o.precision, o.grad_reduce);
   if (!o.doc_lens.empty()) res.documents = Documents::parse_lengths(o.doc_lens, o.batch, o.seq);
   for (size_t i = 0; i < res.forms.size(); ++i)
     for (size_t k = 0; k < i; ++k)

@@ -192,6 +192,9 @@ TEST(Bf16, ChangesResultsOnEveryRank) {
 // half an fp32 run's for every activation label; the memory model (a
 // count-only run at bf16) equals the bf16 run's pool, the wire's bf16
 // blocks included; and the counted GEMM and attention work is fp32's.
+// With --grad-reduce bf16 the gradient all-reduce moves half fp32's bytes
+// too, and every gradient it leaves is a bf16 value (with fp32's, sums of
+// bf16 values that bf16 cannot hold).
 TEST(Bf16, TheWireMovesBf16) {
   const MlaConfig cfg = test_config(7);
   struct Case {
@@ -203,57 +206,70 @@ TEST(Bf16, TheWireMovesBf16) {
       {SpLayout::even(1, 13, 5, 3), ""},  // B 1, contiguous: the gathers land in place
       {SpLayout::even(1, 13, 5, 4, SeqLayout::zigzag), ""},
       {SpLayout::even(2, 13, 5, 2), "4,5,4"}};
-  for (const Case& c : cases) {
-    const Inputs<float> in = make_inputs(cfg, c.lay.batch, c.lay.seq);
-    std::optional<Documents> docs;
-    if (!c.doc_lens.empty()) docs = Documents::parse_lengths(c.doc_lens, c.lay.batch, c.lay.seq);
-    for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
-      RunSpec spec;
-      spec.variant = v;
-      spec.attention = AttentionKind::flash;
-      spec.documents = docs ? &*docs : nullptr;
-      spec.deferred_delivery_for_testing = true;
-      const BlockRun<float> fp32 = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
-      const UsePrecision bf16(Precision::bf16);
-      const BlockRun<float> run = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
-      for (const RankReport& rep : run.ranks) {
-        const std::string tag = to_string(v) + " " + c.lay.describe() + " " + c.doc_lens +
-                                " rank " + std::to_string(rep.rank);
-        const CommPrediction pred = predict_comm(
-            cfg, c.lay, v, rep.rank, wire_element_bytes(Precision::bf16, 4), true, true);
-        const Ledger& as_fp32 = fp32.ranks[size_t(rep.rank)].ledger;
-        ASSERT_EQ(rep.ledger.entries().size(), pred.size()) << tag;
-        for (const auto& [key, entry] : rep.ledger.entries()) {
-          const std::string where = tag + " " + to_string(key.first) + "/" + key.second;
-          const auto it = pred.find(key);
-          ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
-          EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
-          EXPECT_EQ(entry.bytes_received, it->second.received) << where;
-          EXPECT_EQ(entry.calls, it->second.calls) << where;
-          const LedgerEntry& e32 = as_fp32.entries().at(key);
-          const std::int64_t ratio = key.second == "grad_allreduce" ? 1 : 2;
-          EXPECT_EQ(entry.bytes_sent * ratio, e32.bytes_sent) << where << " against fp32";
-          EXPECT_EQ(entry.bytes_received * ratio, e32.bytes_received) << where << " against fp32";
+  for (const GradReduce reduce : {GradReduce::fp32, GradReduce::bf16})
+    for (const Case& c : cases) {
+      const Inputs<float> in = make_inputs(cfg, c.lay.batch, c.lay.seq);
+      std::optional<Documents> docs;
+      if (!c.doc_lens.empty()) docs = Documents::parse_lengths(c.doc_lens, c.lay.batch, c.lay.seq);
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+        RunSpec spec;
+        spec.variant = v;
+        spec.attention = AttentionKind::flash;
+        spec.documents = docs ? &*docs : nullptr;
+        spec.deferred_delivery_for_testing = true;
+        const BlockRun<float> fp32 = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+        const UsePrecision bf16(Precision::bf16, reduce);
+        const BlockRun<float> run = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+        if (c.lay.ranks > 1) {
+          std::int64_t not_bf16 = 0;
+          run.grads.for_each([&](const std::string&, const TensorF& g) {
+            for (std::int64_t i = 0; i < g.numel(); ++i) not_bf16 += !is_bf16(g[i]);
+          });
+          if (reduce == GradReduce::bf16)
+            EXPECT_EQ(not_bf16, 0) << to_string(v) << ": a gradient the bf16 all-reduce left";
+          else
+            EXPECT_GT(not_bf16, 0) << to_string(v) << ": the fp32 all-reduce's sums";
         }
-        ops::OpCounts counted16, counted32;
-        MemoryModelOptions options;
-        options.op_counts = &counted16;
-        const MemoryPrediction p =
+        for (const RankReport& rep : run.ranks) {
+          const std::string tag = to_string(v) + " " + c.lay.describe() + " " + c.doc_lens +
+                                  " rank " + std::to_string(rep.rank) + " --grad-reduce " +
+                                  to_string(reduce);
+          const CommPrediction pred = predict_comm(
+              cfg, c.lay, v, rep.rank, wire_element_bytes(Precision::bf16, reduce, 4), true, true);
+          const Ledger& as_fp32 = fp32.ranks[size_t(rep.rank)].ledger;
+          ASSERT_EQ(rep.ledger.entries().size(), pred.size()) << tag;
+          for (const auto& [key, entry] : rep.ledger.entries()) {
+            const std::string where = tag + " " + to_string(key.first) + "/" + key.second;
+            const auto it = pred.find(key);
+            ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the model";
+            EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
+            EXPECT_EQ(entry.bytes_received, it->second.received) << where;
+            EXPECT_EQ(entry.calls, it->second.calls) << where;
+            const LedgerEntry& e32 = as_fp32.entries().at(key);
+            const std::int64_t ratio =
+                key.second == "grad_allreduce" && reduce == GradReduce::fp32 ? 1 : 2;
+            EXPECT_EQ(entry.bytes_sent * ratio, e32.bytes_sent) << where << " against fp32";
+            EXPECT_EQ(entry.bytes_received * ratio, e32.bytes_received) << where << " against fp32";
+          }
+          ops::OpCounts counted16, counted32;
+          MemoryModelOptions options;
+          options.op_counts = &counted16;
+          const MemoryPrediction p =
+              predict_memory(cfg, c.lay, v, AttentionKind::flash, rep.rank, 4, options);
+          EXPECT_EQ(rep.memory.peak_activations, p.peak_activations) << tag;
+          EXPECT_EQ(rep.memory.peak_comm_buffers, p.peak_comm_buffers) << tag;
+          EXPECT_EQ(rep.memory.peak_working, p.peak_working) << tag;
+          EXPECT_EQ(rep.memory.after_forward, p.after_forward) << tag;
+          {
+            const UsePrecision at_fp32(Precision::fp32);
+            options.op_counts = &counted32;
             predict_memory(cfg, c.lay, v, AttentionKind::flash, rep.rank, 4, options);
-        EXPECT_EQ(rep.memory.peak_activations, p.peak_activations) << tag;
-        EXPECT_EQ(rep.memory.peak_comm_buffers, p.peak_comm_buffers) << tag;
-        EXPECT_EQ(rep.memory.peak_working, p.peak_working) << tag;
-        EXPECT_EQ(rep.memory.after_forward, p.after_forward) << tag;
-        {
-          const UsePrecision at_fp32(Precision::fp32);
-          options.op_counts = &counted32;
-          predict_memory(cfg, c.lay, v, AttentionKind::flash, rep.rank, 4, options);
+          }
+          EXPECT_EQ(counted16.gemm_calls, counted32.gemm_calls) << tag;
+          EXPECT_EQ(counted16.attention_calls, counted32.attention_calls) << tag;
         }
-        EXPECT_EQ(counted16.gemm_calls, counted32.gemm_calls) << tag;
-        EXPECT_EQ(counted16.attention_calls, counted32.attention_calls) << tag;
       }
     }
-  }
 }
 
 // The wire's in-place conversions (wire.hpp): an fp32 block narrowed into

@@ -481,6 +481,24 @@ def case_bf16(laga, scratch):
                        "the pool the memory model"))
     checks.append((beyond_fp32, "compare --dtype bf16: every form within fp32's 1e-5 of explicit; "
                    "did bf16 run?"))
+    # --grad-reduce bf16: the gradient all-reduce on the wire as bf16 too.
+    compare_rb = os.path.join(scratch, "compare-grad-reduce.json")
+    if not ok_run(["compare", "--quiet", "--count-only"] + small +
+                  ["--sp", "3", "--dtype", "bf16", "--grad-reduce", "bf16", "--json", compare_rb]):
+        return
+    rb = read_json(compare_rb)
+    checks.append((rb["wire_element_bytes"] == {"activations": 2, "gradients": 2},
+                   f"compare --grad-reduce bf16 wire_element_bytes {rb['wire_element_bytes']}"))
+    for f in rb["forms"]:
+        checks.append((f["bytes_match"], f"compare --grad-reduce bf16 {f['form']}: closed form"))
+        for b in f["by_label"]:
+            want = fp32_bytes[(f["form"], b["phase"], b["label"])] // 2
+            checks.append((b["bytes_sent"] == want,
+                           f"compare --grad-reduce bf16 {f['form']} {b['label']}: "
+                           f"{b['bytes_sent']} bytes, half fp32's is {want}"))
+    for cmd in ("compare", "train"):
+        expect_error(laga, [cmd, "--grad-reduce", "bf16", "--attention", "flash"],
+                     "--grad-reduce bf16 needs --dtype bf16")
     out = os.path.join(scratch, "forward.safetensors")
     if not ok_run(["forward"] + small + ["--sp", "2", "--form", "laga", "--dtype", "bf16",
                                          "--output", out]):
