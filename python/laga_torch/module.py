@@ -325,16 +325,27 @@ def param_order(cfg):
     return q + ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
 
 
-def sync_gradients(module, group=None, ledger=None):
+def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
     """Sums every parameter's gradient over the group in one all-reduce of a
     flat buffer (mla_sync_gradients: label grad_allreduce, phase grad_sync,
-    bytes by the ring rule of src/comm/communicator.hpp)."""
+    bytes by the ring rule of src/comm/communicator.hpp).
+
+    grad_reduce, for bf16 gradients (the C++ --grad-reduce): "fp32", the
+    default, reduces them widened to fp32 (4 bytes an element on the wire,
+    as mixed-precision trainers keep it) and rounds each sum to bf16 once;
+    "bf16" reduces the bf16 buffer itself (half the bytes; it needs a
+    backend that sums bf16: NCCL, not torch 1.13's gloo). fp32 and fp64
+    gradients are reduced as they are either way."""
+    if grad_reduce not in ("fp32", "bf16"):
+        raise ValueError(f"grad_reduce={grad_reduce!r}: use 'fp32' or 'bf16'")
     P = dist.get_world_size(group)
     if P == 1:
         return
     params = dict(module.named_parameters())
     names = param_order(module.cfg)
     flat = torch.cat([params[n].grad.reshape(-1) for n in names])
+    if flat.dtype in (torch.bfloat16, torch.float16) and grad_reduce == "fp32":
+        flat = flat.float()
     dist.all_reduce(flat, group=group)
     if ledger is not None:
         n, r = flat.numel(), dist.get_rank(group)

@@ -265,6 +265,15 @@ def worker(args):
                 ("-flash" if attention == "flash" else "") + ("-sdpa" if attention == "sdpa" else "")
             safetensors_io.save_file(res, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
+            if dtype == torch.bfloat16 and tape == "laga" and attention == "math":
+                # bf16 tensors on the wire, the gradient sum in fp32 (the
+                # default grad_reduce): laga compare --dtype bf16's ledger
+                # (checked below).
+                lt.sync_gradients(m, ledger=m.ledger)
+                results[case["id"]]["ledger_bf16"] = [
+                    [ph, lb, v["calls"], v["sent"], v["received"]]
+                    for (ph, lb), v in m.ledger.rows.items()]
+                continue
             if attention == "flash":  # the same movements as eager's
                 if dtype == torch.float32:
                     lt.sync_gradients(m, ledger=m.ledger)
@@ -797,7 +806,7 @@ def main():
                                  f"explicit at P 1 by {e:.3e} relative (> {TOLS['float64']})")
 
     # The ledger: float32 runs against compare's count-only ledger (f32).
-    ledgers, flash_saved, rank_ledgers = 0, 0, 0
+    ledgers, flash_saved, rank_ledgers, bf16_ledgers = 0, 0, 0, 0
     for P in sps:
         per_rank = [json.load(open(os.path.join(args.dir, f"ledger-P{P}-r{r}.json")))
                     for r in range(P)]
@@ -827,6 +836,26 @@ def main():
                              f"{got} bytes for backward (with the output), the C++ flash "
                              f"closed form {f['predicted_saved_after_forward_bytes']}")
                 flash_saved += 1
+            in_bf16 = [c for c in mine if bf16_case(c)]
+            if in_bf16:  # bf16 on the wire, the gradients' sum fp32 (C++ bf16 runs
+                # flash only: the movements are eager's)
+                i = cmd.index("--attention")
+                cmp_bf16 = {f["form"]: f for f in json.loads(run(
+                    cmd[:i + 1] + ["flash", "--dtype", "bf16"] + cmd[i + 2:]))["forms"]}
+            for case in in_bf16:
+                want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
+                                                   l["bytes_received"])
+                        for l in cmp_bf16[compare_name(case)]["by_label"]}
+                got = {}
+                for rows in per_rank:
+                    for ph, lb, calls, sent, recv in rows[case["id"]]["ledger_bf16"]:
+                        c0 = got.get((ph, lb), (0, 0, 0))
+                        got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                if got != want:
+                    sys.exit(f"FAIL: {case['id']} P {P} bf16: ledger differs from laga compare "
+                             f"--dtype bf16\n  torch:   {sorted(got.items())}"
+                             f"\n  compare: {sorted(want.items())}")
+                bf16_ledgers += 1
             for case in mine:
                 want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
                                                    l["bytes_received"])
@@ -888,7 +917,8 @@ def main():
     print(f"laga_torch: {checked} tensors equal laga forward's (worst relative: float64 "
           f"{worst['float64']:.2e} <= {TOLS['float64']}, float32 {worst['float32']:.2e} <= "
           f"{TOLS['float32']}); {ledgers} ledgers and saved-for-backward byte counts equal "
-          f"laga compare's (and {rank_ledgers} on each rank alone); flash: worst relative "
+          f"laga compare's (and {rank_ledgers} on each rank alone, and {bf16_ledgers} bf16 "
+          f"ledgers laga compare --dtype bf16's); flash: worst relative "
           f"float64 {worst_flash['float64']:.2e}, float32 "
           f"{worst_flash['float32']:.2e}, bf16 error / bound {bf16_worst['flash f64']:.2f}, "
           f"{flash_saved} saved-for-backward byte counts equal compare's flash closed form; "
