@@ -133,6 +133,23 @@ def cases():
     return out
 
 
+def compare_rows(form):
+    """A laga compare JSON form's ledger: (phase, label) -> (calls, sent, received)."""
+    return {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"], l["bytes_received"])
+            for l in form["by_label"]}
+
+
+def max_over_ranks(per_rank, case_id, key):
+    """The ranks' ledgers (each rank's saved rows under `key`) as compare
+    reports them: per (phase, label), the maximum over ranks of each count."""
+    got = {}
+    for rows in per_rank:
+        for ph, lb, calls, sent, recv in rows[case_id][key]:
+            c0 = got.get((ph, lb), (0, 0, 0))
+            got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+    return got
+
+
 def bf16_case(case):
     return case["cfg"] == "rq7" and not case["docs"] and seq_layout(case) == "contiguous"
 
@@ -843,34 +860,22 @@ def main():
                 cmp_bf16 = {f["form"]: f for f in json.loads(run(
                     cmd[:i + 1] + ["flash", "--dtype", "bf16"] + cmd[i + 2:]))["forms"]}
             for case in in_bf16:
-                want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
-                                                   l["bytes_received"])
-                        for l in cmp_bf16[compare_name(case)]["by_label"]}
-                got = {}
-                for rows in per_rank:
-                    for ph, lb, calls, sent, recv in rows[case["id"]]["ledger_bf16"]:
-                        c0 = got.get((ph, lb), (0, 0, 0))
-                        got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                want = compare_rows(cmp_bf16[compare_name(case)])
+                got = max_over_ranks(per_rank, case["id"], "ledger_bf16")
                 if got != want:
                     sys.exit(f"FAIL: {case['id']} P {P} bf16: ledger differs from laga compare "
                              f"--dtype bf16\n  torch:   {sorted(got.items())}"
                              f"\n  compare: {sorted(want.items())}")
                 bf16_ledgers += 1
             for case in mine:
-                want = {(l["phase"], l["label"]): (l["calls"], l["bytes_sent"],
-                                                   l["bytes_received"])
-                        for l in cmp_forms[compare_name(case)]["by_label"]}
+                want = compare_rows(cmp_forms[compare_name(case)])
                 f = cmp_forms[compare_name(case)]
                 kept = per_rank[f["peak_rank"]][case["id"]]["saved"]
                 if kept != f["predicted_saved_after_forward_bytes"]:
                     sys.exit(f"FAIL: {case['id']} P {P}: rank {f['peak_rank']} keeps {kept} "
                              "bytes for backward (with the output), the C++ closed form "
                              f"{f['predicted_saved_after_forward_bytes']}")
-                got = {}
-                for rows in per_rank:
-                    for ph, lb, calls, sent, recv in rows[case["id"]]["ledger"]:
-                        c0 = got.get((ph, lb), (0, 0, 0))
-                        got[(ph, lb)] = (max(c0[0], calls), max(c0[1], sent), max(c0[2], recv))
+                got = max_over_ranks(per_rank, case["id"], "ledger")
                 if got != want:
                     sys.exit(f"FAIL: {case['id']} P {P}: ledger differs from laga compare\n"
                              f"  torch:   {sorted(got.items())}\n  compare: {sorted(want.items())}")
@@ -910,7 +915,7 @@ def main():
     from laga_torch.attention import has_sdpa
     if has_sdpa() and not sdpa_checked:
         sys.exit("FAIL: this torch has scaled_dot_product_attention, but no sdpa run was checked")
-    print(f"laga_torch sdpa (tape autograd, float64, every form but the rings): "
+    print("laga_torch sdpa (tape autograd, float64, every form but the rings): "
           + (f"{sdpa_checked} tensors within {worst_sdpa:.2e} of laga forward's"
              if has_sdpa() else
              f"not run: torch {torch.__version__} has no scaled_dot_product_attention"))
