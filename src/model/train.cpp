@@ -572,6 +572,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     MemoryPool pool;
     pool.set_count_only(true);
     PoolScope scope(pool);
+    // The run's precision: under bf16 the collectives' stagings are bf16
+    // (mla/wire.hpp), and the count must allocate what the run does.
+    const UsePrecision at_precision(o.precision, o.grad_reduce);
     DryRunCommunicator comm(r, o.sp, staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
     const LmContext ctx = lm_context(o, layout, comm, rope);

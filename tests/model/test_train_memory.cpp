@@ -21,6 +21,8 @@ struct Case {
   AttentionKind attention;
   int sp;
   std::int64_t seq, batch;
+  Precision precision = Precision::fp32;
+  GradReduce grad_reduce = GradReduce::fp32;
 };
 
 TrainOptions options_of(const Case& c) {
@@ -35,6 +37,8 @@ TrainOptions options_of(const Case& c) {
   o.steps = 2;
   o.seed = 5;
   o.adam.lr = 3e-3;
+  o.precision = c.precision;
+  o.grad_reduce = c.grad_reduce;
   return o;
 }
 
@@ -51,17 +55,23 @@ std::vector<MemoryPool> measured_pools(const TrainOptions& o) {
 // Every variant in the registry (test::form_variants: each form, the query
 // latent, overlap), each on two layouts of uneven shards (seq 33 over 2
 // ranks: 17 + 16; seq 20 over 3 ranks, 4 heads: 2 + 1 + 1), both attention
-// kernels, batch 1 and 2.
+// kernels, batch 1 and 2; and in bf16 (flash) at 3 ranks, its activation
+// collectives and (--grad-reduce bf16) its gradient all-reduce on the wire
+// as bf16 (mla/wire.hpp), which the prediction must run at the same
+// precision to see.
 TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
   std::vector<Case> cases;
   for (FormVariant v : test::form_variants(options_of({}).model.mla, test::WithOverlap::yes)) {
     cases.push_back({v, AttentionKind::flash, 2, 33, 2});
     cases.push_back({v, AttentionKind::eager, 3, 20, 1});
+    cases.push_back({v, AttentionKind::flash, 3, 20, 2, Precision::bf16});
+    cases.push_back({v, AttentionKind::flash, 3, 20, 1, Precision::bf16, GradReduce::bf16});
   }
   for (const Case& c : cases) {
     const TrainOptions o = options_of(c);
     SCOPED_TRACE(cat(to_string(c.form), " ", to_string(c.attention), " P=", c.sp, " S=", c.seq,
-                     " B=", c.batch));
+                     " B=", c.batch, " ", to_string(c.precision), " grad-reduce ",
+                     to_string(c.grad_reduce)));
     const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
     const std::vector<MemoryPool> pools = measured_pools(o);
     ASSERT_EQ(predicted.size(), pools.size());
