@@ -4,7 +4,9 @@ mpirun run (issue 16 item 7): `laga compare --comm mpi` on 3 processes
 measures every rank's pool and sets the prediction (the count-only run on a
 dry-run communicator staging as MPI does) beside it; both must agree byte for
 byte for every form, and the MPI staging must be what the in-process backend
-does not do (else the check would not exercise the MPI rule).
+does not do (else the check would not exercise the MPI rule). Then the same
+in bf16 with the gradient all-reduce bf16 too (--dtype bf16 --grad-reduce
+bf16, flash): the MPI stagings in bf16 (mla/wire.hpp), predicted exactly.
 
   compare_mpi_memory.py LAGA MPIEXEC TMPDIR
 """
@@ -30,8 +32,11 @@ def run(cmd, out):
 mpi = run(["timeout", "100", mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "3", laga]
           + common + ["--comm", "mpi"], os.path.join(tmp, "mpi.json"))
 local = run([laga] + common, os.path.join(tmp, "local.json"))
+bf16 = common[:-1] + ["flash", "--dtype", "bf16", "--grad-reduce", "bf16"]
+mpi_bf16 = run(["timeout", "100", mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "3",
+                laga] + bf16 + ["--comm", "mpi"], os.path.join(tmp, "mpi-bf16.json"))
 failures = []
-for form, f in mpi.items():
+for form, f in list(mpi.items()) + [(k + " bf16", v) for k, v in mpi_bf16.items()]:
     for measured, predicted in [("peak_activation_bytes", "predicted_peak_activation_bytes"),
                                 ("peak_comm_buffer_bytes", "predicted_peak_comm_buffer_bytes"),
                                 ("peak_grad_sync_bytes", "predicted_peak_grad_sync_bytes")]:
@@ -46,6 +51,12 @@ for form, f in mpi.items():
 if all(mpi[k]["peak_grad_sync_bytes"] == local[k]["peak_grad_sync_bytes"] for k in mpi):
     failures.append("MPI and in-process grad-sync peaks are equal: the MPI staging rule is "
                     "not exercised")
+# In bf16 the all-reduce's MPI staging holds bf16: the grad-sync peak falls.
+for k in mpi:
+    if not mpi_bf16[k]["peak_grad_sync_bytes"] < mpi[k]["peak_grad_sync_bytes"]:
+        failures.append(f"{k}: --grad-reduce bf16's grad-sync peak "
+                        f"{mpi_bf16[k]['peak_grad_sync_bytes']} is not below fp32's "
+                        f"{mpi[k]['peak_grad_sync_bytes']}")
 for m in failures:
     print("FAILED:", m)
 print("compare_mpi_memory:", "FAILED" if failures else "ok", f"({len(mpi)} forms)")
