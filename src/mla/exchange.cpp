@@ -482,9 +482,9 @@ StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, 
       else
         pack_ranks(lay, src.data(), d, s.wire_.data(), W);
       src.reset();
-      bf16* mine = at(s.wire_.data(), d[u(r)]);
+      bf16* mine = at(s.wire_.data(), d[u(r)]);  // reduced in place: recv is the own block
       s.widen_from_ = mine, s.dst_ = dst, s.widen_ = c[u(r)];
-      s.call_ = comm.start_reduce_scatter_v(mine - d[u(r)], c.data(), d.data(), mine, label);
+      s.call_ = comm.start_reduce_scatter_v(s.wire_.data(), c.data(), d.data(), mine, label);
       return s;
     }
   }
