@@ -15,6 +15,9 @@
 // comm_buffers; at P 1, where both sides hold the same rows and heads, the
 // all-to-alls have none (src is already in dst's layout). Under a count-only pool (no storage)
 // nothing is packed or copied, but the collective is still issued so the ledger is exact.
+// Under --dtype bf16 (T = float, ops::in_bf16) every one of them moves bf16
+// on the wire (wire.hpp): its stagings are bf16, and a gather landing in
+// place receives into dst's front half and widens there.
 #pragma once
 
 #include <string>
