@@ -18,10 +18,18 @@ namespace {
 // (docs/performance.md, "bf16 mixed precision", says what that leaves out).
 // bf16 for oneDNN's bf16 kernels; fp32 holding bf16 values for the fp32
 // kernels where those do not pay (gemm_bf16_path's widened_fp32).
+struct Scratch {
+  std::array<std::vector<bf16>, 4> bf16s;
+  std::array<std::vector<float>, 4> floats;
+  auto& of(bf16*) { return bf16s; }
+  auto& of(float*) { return floats; }
+};
+thread_local Scratch this_thread_scratch;
+
 template <class T>
 T* scratch(Slot slot, std::int64_t n) {
-  thread_local std::array<std::vector<T>, 4> slots;
-  std::vector<T>& s = slots[static_cast<std::size_t>(slot)];
+  std::vector<T>& s =
+      this_thread_scratch.of(static_cast<T*>(nullptr))[static_cast<std::size_t>(slot)];
   if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
   return s.data();
 }
@@ -48,6 +56,19 @@ void round_into(const float* x, float* out, std::int64_t n) {
 }
 
 }  // namespace
+
+std::int64_t scratch_bytes() {
+  std::int64_t bytes = 0;
+  for (const auto& s : this_thread_scratch.bf16s)
+    bytes += std::int64_t(s.capacity() * sizeof(bf16));
+  for (const auto& s : this_thread_scratch.floats)
+    bytes += std::int64_t(s.capacity() * sizeof(float));
+  return bytes;
+}
+
+void free_scratch() {
+  this_thread_scratch = Scratch{};
+}
 
 const bf16* operand(Slot slot, const Mat<const float>& m) {
   bf16* out = scratch<bf16>(slot, m.rows * m.cols);

@@ -74,6 +74,13 @@ const bf16* operand(Slot slot, const float* x, std::int64_t n);
 const float* rounded_fp32(Slot slot, const Mat<const float>& m);
 const float* rounded_fp32(Slot slot, const float* x, std::int64_t n);
 
+// The bytes this thread's operand scratch holds (every slot's capacity, both
+// types), and freeing it. The scratch is outside the memory pool and the
+// memory model: run_rank reports its bytes after a run (RankReport::
+// bf16_scratch), and `laga compare` frees it before each form, so that each
+// form's own is measured and shown.
+std::int64_t scratch_bytes();
+void free_scratch();
 // Every element of m replaced by its bf16 value (to_float(to_bf16(x))):
 // what a bf16 tensor holding m would hold.
 void round_in_place(const Mat<float>& m);

@@ -8,6 +8,7 @@
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "mla/ops_bf16.hpp"
 
 namespace laga {
 
@@ -22,7 +23,7 @@ namespace {
 // Every scalar field of a report, in one order, for packing and unpacking.
 template <class Report, class F>
 void report_fields(Report& r, F&& f) {
-  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms);
+  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms), f(r.bf16_scratch);
   auto& m = r.memory;
   f(m.peak_activations), f(m.peak_comm_buffers), f(m.peak_working), f(m.peak_forward_backward);
   f(m.peak_grad_sync), f(m.after_forward), f(m.gradients), f(m.parameters);
@@ -33,7 +34,7 @@ void entry_fields(Entry& e, F&& f) {
 }
 // A byte count travels as two doubles (its high and low 32 bits), so it stays
 // exact beyond 2^53 (eager probabilities at S = 10^8 are ~10^17 bytes).
-constexpr std::size_t kReportFields = 1 + 4 + 2 * 8, kEntryFields = 2 * 5;
+constexpr std::size_t kReportFields = 1 + 4 + 2 * 9, kEntryFields = 2 * 5;
 void put(double*& out, double v) {
   *out++ = v;
 }
@@ -178,6 +179,7 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   }
   pool.set_stage("");
   res.report.comm_ms = (comm.seconds_in_collectives() - comm_before) * 1e3;
+  res.report.bf16_scratch = ops::bf16_path::scratch_bytes();
   m.peak_working = std::max(m.peak_forward_backward, m.peak_grad_sync);
   m.gradients = pool.current(MemCategory::gradients);
   w.for_each([&](const std::string&, const Tensor<T>& t) { m.parameters += t.bytes(); });

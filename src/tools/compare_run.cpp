@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "mla/comm_model.hpp"
+#include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
 #include "mla/work_model.hpp"
 #include "plan/time_model.hpp"
@@ -144,6 +145,9 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     MemoryPool pool;
     pool.set_count_only(j.o.count_only);
     PoolScope scope(pool);
+    // The op layer's bf16 scratch, outside the pool: freed so that the
+    // steps' report (RankReport::bf16_scratch) is this form's alone.
+    ops::bf16_path::free_scratch();
     const int total = j.warmup + j.steps;
     for (int step = 0; step < total; ++step) {
       const bool measured = step >= j.warmup, last = step == total - 1;
@@ -357,6 +361,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.predicted_peak_grad_sync = std::max(f.predicted_peak_grad_sync, mp.grad_sync.bytes);
     f.parameters = std::max(f.parameters, rec.last.memory.parameters);
     f.gradients = std::max(f.gradients, rec.last.memory.gradients);
+    f.bf16_scratch = std::max(f.bf16_scratch, rec.last.bf16_scratch);
     f.memory_match = f.memory_match &&
                      rec.last.memory.peak_forward_backward == mp.forward_backward.bytes &&
                      rec.last.memory.peak_activations == mp.peak_activations &&

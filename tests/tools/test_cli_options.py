@@ -459,8 +459,11 @@ def case_bf16(laga, scratch):
     if not ok_run(["compare", "--quiet", "--count-only"] + small + ["--sp", "3", "--json",
                                                                      compare32]):
         return
+    c32 = read_json(compare32)
     fp32_bytes = {(f["form"], b["phase"], b["label"]): b["bytes_sent"]
-                  for f in read_json(compare32)["forms"] for b in f["by_label"]}
+                  for f in c32["forms"] for b in f["by_label"]}
+    checks.append((all(f["bf16_scratch_bytes"] == 0 for f in c32["forms"]),
+                   "compare fp32: no bf16 scratch"))
     for f in c["forms"]:
         for b in f["by_label"]:
             want = fp32_bytes[(f["form"], b["phase"], b["label"])]
@@ -469,6 +472,10 @@ def case_bf16(laga, scratch):
             checks.append((b["bytes_sent"] == want,
                            f"compare bf16 {f['form']} {b['phase']}/{b['label']}: "
                            f"{b['bytes_sent']} bytes sent, fp32's {'' if b['label'] == 'grad_allreduce' else 'half '}is {want}"))
+    # The op layer's bf16 scratch, outside the pool: measured and reported.
+    for f in c["forms"]:
+        checks.append((f["bf16_scratch_bytes"] > 0,
+                       f"compare bf16 {f['form']}: bf16_scratch_bytes {f['bf16_scratch_bytes']}"))
     beyond_fp32 = False
     for f in c["forms"][1:]:
         d = f["max_abs_diff"]
