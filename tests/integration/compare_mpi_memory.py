@@ -52,7 +52,12 @@ if all(mpi[k]["peak_grad_sync_bytes"] == local[k]["peak_grad_sync_bytes"] for k 
     failures.append("MPI and in-process grad-sync peaks are equal: the MPI staging rule is "
                     "not exercised")
 # In bf16 the all-reduce's MPI staging holds bf16: the grad-sync peak falls.
+# And the op layer's bf16 scratch, outside the pool, travels in every
+# rank's report (pack_report) and is shown.
 for k in mpi:
+    if not mpi_bf16[k]["bf16_scratch_bytes"] > 0 or mpi[k]["bf16_scratch_bytes"] != 0:
+        failures.append(f"{k}: bf16_scratch_bytes {mpi_bf16[k]['bf16_scratch_bytes']} in bf16, "
+                        f"{mpi[k]['bf16_scratch_bytes']} in fp32 under MPI")
     if not mpi_bf16[k]["peak_grad_sync_bytes"] < mpi[k]["peak_grad_sync_bytes"]:
         failures.append(f"{k}: --grad-reduce bf16's grad-sync peak "
                         f"{mpi_bf16[k]['peak_grad_sync_bytes']} is not below fp32's "
