@@ -640,6 +640,46 @@ std::int64_t sent(const Ledger& l, Phase phase, const std::string& label) {
   return it == l.entries().end() ? 0 : it->second.bytes_sent;
 }
 
+// The ranks' rows one after the other (their out and dx), and their
+// routing's counts, row i rank i's.
+template <class T>
+struct Assembled {
+  std::vector<T> out, dx;
+  std::vector<std::vector<std::int64_t>> counts;
+};
+template <class T>
+Assembled<T> assembled(const std::vector<EpRank<T>>& ranks) {
+  Assembled<T> a;
+  for (const auto& r : ranks) {
+    a.out.insert(a.out.end(), r.out.begin(), r.out.end());
+    a.dx.insert(a.dx.end(), r.dx.begin(), r.dx.end());
+    a.counts.push_back(r.count);
+  }
+  return a;
+}
+
+// Every rank's ledger against moe_ep_bytes of the routing's counts at
+// `elem` bytes a row element, per label and phase.
+template <class T>
+void expect_ledgers_are_the_closed_form(const std::vector<EpRank<T>>& ranks,
+                                        const ExpertParallel& ep,
+                                        const std::vector<std::vector<std::int64_t>>& counts,
+                                        std::int64_t D, std::int64_t elem) {
+  for (int r = 0; r < int(ranks.size()); ++r) {
+    const Ledger& l = ranks[size_t(r)].ledger;
+    const MoeEpBytes b = moe_ep_bytes(ep, counts, r, D, elem);
+    EXPECT_EQ(sent(l, Phase::forward, "moe_counts"), b.counts) << "rank " << r;
+    EXPECT_EQ(sent(l, Phase::forward, "moe_dispatch"), b.dispatch) << "rank " << r;
+    EXPECT_EQ(sent(l, Phase::forward, "moe_combine"), b.combine) << "rank " << r;
+    EXPECT_EQ(sent(l, Phase::backward, "dmoe_combine"), b.dispatch) << "rank " << r;
+    EXPECT_EQ(sent(l, Phase::backward, "dmoe_dispatch"), b.combine) << "rank " << r;
+    EXPECT_EQ(l.bytes_sent(), b.counts + 2 * (b.dispatch + b.combine)) << "rank " << r;
+    if (ranks.size() > 1) {
+      EXPECT_GT(b.dispatch + b.combine, 0) << "rank " << r;
+    }
+  }
+}
+
 // Folded onto P ranks, with P not dividing E and P > E (a rank with no
 // experts), and in EP groups of G < P ranks (each group holding every
 // expert: G 2 and 3, E % G != 0), the layer gives the plain-loop
@@ -662,13 +702,7 @@ TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
         c.w.for_each([&](const std::string& name, Tensor<double>&) { v.push_back(name); });
         return v;
       }();
-      std::vector<double> out, dx;
-      std::vector<std::vector<std::int64_t>> counts;
-      for (const auto& r : ranks) {
-        out.insert(out.end(), r.out.begin(), r.out.end());
-        dx.insert(dx.end(), r.dx.begin(), r.dx.end());
-        counts.push_back(r.count);
-      }
+      const auto [out, dx, counts] = assembled(ranks);
       EXPECT_TRUE(all_close("out", out.data(), ref.out.data(), c.N * c.D, 1e-13, 1e-12));
       EXPECT_TRUE(all_close("dx", dx.data(), ref.dx.data(), c.N * c.D, 1e-13, 1e-12));
       // The gradients: summed over ranks; an expert's only on its owner.
@@ -703,19 +737,7 @@ TEST(MoeExpertParallel, MatchesTheReferenceAndTheClosedFormAtEveryP) {
       const ExpertParallel ep = ExpertParallel::folded(
           group, cfg.n_routed_experts, std::vector<std::int64_t>(size_t(P), 1), degree);
       ASSERT_EQ(ep.first, first);
-      for (int r = 0; r < P; ++r) {
-        const Ledger& l = ranks[size_t(r)].ledger;
-        const MoeEpBytes b = moe_ep_bytes(ep, counts, r, c.D, 8);
-        EXPECT_EQ(sent(l, Phase::forward, "moe_counts"), b.counts) << "rank " << r;
-        EXPECT_EQ(sent(l, Phase::forward, "moe_dispatch"), b.dispatch) << "rank " << r;
-        EXPECT_EQ(sent(l, Phase::forward, "moe_combine"), b.combine) << "rank " << r;
-        EXPECT_EQ(sent(l, Phase::backward, "dmoe_combine"), b.dispatch) << "rank " << r;
-        EXPECT_EQ(sent(l, Phase::backward, "dmoe_dispatch"), b.combine) << "rank " << r;
-        EXPECT_EQ(l.bytes_sent(), b.counts + 2 * (b.dispatch + b.combine)) << "rank " << r;
-        if (P > 1) {
-          EXPECT_GT(b.dispatch + b.combine, 0) << "rank " << r;
-        }
-      }
+      expect_ledgers_are_the_closed_form(ranks, ep, counts, c.D, 8);
     }
   }
 }
@@ -733,13 +755,7 @@ TEST(MoeExpertParallel, Bf16MovesTheRowsAsBf16) {
     SCOPED_TRACE("P " + std::to_string(P));
     const UsePrecision bf16(Precision::bf16);
     const std::vector<EpRank<float>> ranks = run_ep<float>(c, P);
-    std::vector<float> out, dx;
-    std::vector<std::vector<std::int64_t>> counts;
-    for (const auto& r : ranks) {
-      out.insert(out.end(), r.out.begin(), r.out.end());
-      dx.insert(dx.end(), r.dx.begin(), r.dx.end());
-      counts.push_back(r.count);
-    }
+    const auto [out, dx, counts] = assembled(ranks);
     EXPECT_LE(relative_to_largest(out.data(), ref.out.data(), c.N * c.D),
               bf16_bound_vs_exact(BlockTensor::output));
     EXPECT_LE(relative_to_largest(dx.data(), ref.dx.data(), c.N * c.D),
@@ -747,16 +763,7 @@ TEST(MoeExpertParallel, Bf16MovesTheRowsAsBf16) {
     DryRunCommunicator group(0, P);  // only its size
     const ExpertParallel ep = ExpertParallel::folded(group, c.cfg.n_routed_experts,
                                                      std::vector<std::int64_t>(size_t(P), 1));
-    for (int r = 0; r < P; ++r) {
-      const Ledger& l = ranks[size_t(r)].ledger;
-      const MoeEpBytes b = moe_ep_bytes(ep, counts, r, c.D, 2);
-      EXPECT_GT(b.dispatch + b.combine, 0) << "rank " << r;
-      EXPECT_EQ(sent(l, Phase::forward, "moe_counts"), b.counts) << "rank " << r;
-      EXPECT_EQ(sent(l, Phase::forward, "moe_dispatch"), b.dispatch) << "rank " << r;
-      EXPECT_EQ(sent(l, Phase::forward, "moe_combine"), b.combine) << "rank " << r;
-      EXPECT_EQ(sent(l, Phase::backward, "dmoe_combine"), b.dispatch) << "rank " << r;
-      EXPECT_EQ(sent(l, Phase::backward, "dmoe_dispatch"), b.combine) << "rank " << r;
-    }
+    expect_ledgers_are_the_closed_form(ranks, ep, counts, c.D, 2);
   }
 }
 
