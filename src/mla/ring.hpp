@@ -526,7 +526,9 @@ struct RingAttention {
       if (ranks > 1) {
         Tensor<T> arriving =
             shift(st, acc, elems(next_owner), codec.grad_pass, "ring_grad_acc", acc_pending);
-        acc_sent = std::move(acc);
+        // The accumulator is read until the wait, unless what the wire
+        // reads is its bf16 copy (InFlight::leaving): then it is freed now.
+        if (!acc_pending.leaving.defined()) acc_sent = std::move(acc);
         acc = std::move(arriving);
       }
       if (i + 1 < ranks) {

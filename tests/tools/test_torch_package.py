@@ -494,6 +494,8 @@ def errors(lt, dev, P, r):
                  lambda: lt.MLA(cfg7, attention="ring"))
     expect_error("sdpa on laga's tape", ["sdpa", "laga"], lambda: lt.MLA(cfg7, attention="sdpa"))
     expect_error("flash_block 0", ["flash_block"], lambda: lt.MLA(cfg7, flash_block=0))
+    expect_error("unknown grad_reduce", ["grad_reduce", "fp16", "fp32", "bf16"],
+                 lambda: lt.sync_gradients(m, grad_reduce="fp16"))
     expect_error("unknown seq_layout", ["seq_layout", "zigzg", "contiguous", "zigzag"],
                  lambda: lt.MLA(cfg7, seq_layout="zigzg"))
     zz = lt.SpLayout.even(S, BASE["n_heads"], P, "zigzag")
