@@ -374,15 +374,24 @@ void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, 
 // The reduce-scatter with bf16 on the wire: the contributions narrowed into
 // a bf16 staging (rank-major), reduced in place into the own block there
 // (the fp32 sum of the bf16 values, rounded once), and widened into dst.
-void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
-                             std::int64_t W, const std::string& label) {
-  const Counts c = seq_counts(lay, W), d = displs_of(c);
-  const int r = comm.rank();
+// The (B, S, W) contributions src as the reduce-scatter's bf16 send buffer:
+// rank-major blocks, narrowed (and packed where the layout's rank-major
+// order is not the sequence's).
+Tensor<bf16> contributions_bf16(const SpLayout& lay, const float* src, std::int64_t W) {
+  const Counts c = seq_counts(lay, W);
   Tensor<bf16> send({total(c)}, MemCategory::comm_buffers);
   if (lands_in_place(lay))
     wire::narrow(src, send.data(), total(c));
   else
-    pack_ranks(lay, src, d, send.data(), W);
+    pack_ranks(lay, src, displs_of(c), send.data(), W);
+  return send;
+}
+
+void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
+                             std::int64_t W, const std::string& label) {
+  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const int r = comm.rank();
+  Tensor<bf16> send = contributions_bf16(lay, src, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), at(send.data(), d[u(r)]), label);
   wire::widen(at(send.data(), d[u(r)]), dst, c[u(r)]);
 }
@@ -429,7 +438,6 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
   if constexpr (std::is_same_v<T, float>) {
     if (ops::in_bf16<T>()) {  // as gather_seq_bf16, finished at the wait
       const std::int64_t n = total(rc);
-      s.on_wire_ = true;
       s.dst_ = dst, s.lay_ = lay, s.W_ = W;
       void* recv = dst;
       if (lands_in_place(lay)) {
@@ -475,12 +483,7 @@ StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, 
   StartedSeq<T> s;
   if constexpr (std::is_same_v<T, float>) {
     if (ops::in_bf16<T>()) {  // as reduce_scatter_seq_bf16, finished at the wait
-      s.on_wire_ = true;
-      s.wire_ = Tensor<bf16>({total(c)}, MemCategory::comm_buffers);
-      if (lands_in_place(lay))
-        wire::narrow(src.data(), s.wire_.data(), total(c));
-      else
-        pack_ranks(lay, src.data(), d, s.wire_.data(), W);
+      s.wire_ = contributions_bf16(lay, src.data(), W);
       src.reset();
       bf16* mine = at(s.wire_.data(), d[u(r)]);  // reduced in place: recv is the own block
       s.widen_from_ = mine, s.dst_ = dst, s.widen_ = c[u(r)];
@@ -503,15 +506,17 @@ template <class T>
 void StartedSeq<T>::wait(Communicator& comm) {
   comm.wait(call_);
   // Count-only too (no storage): the unpacking's traffic is counted.
-  if (unpack_ && !on_wire_)
+  // The staged gather's blocks: in wire_ with bf16 on the wire (a count-only
+  // tensor has its shape too), else in staging_.
+  if (unpack_ && !wire_.defined())
     unpack_ranks(lay_, staging_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
   if constexpr (std::is_same_v<T, float>) {
-    if (unpack_ && on_wire_)
+    if (unpack_ && wire_.defined())
       unpack_ranks(lay_, wire_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
     if (widen_ > 0)
       wire::widen(widen_from_ ? widen_from_ : static_cast<const void*>(dst_), dst_, widen_);
   }
-  unpack_ = on_wire_ = false;
+  unpack_ = false;
   widen_ = 0;
   staging_.reset();
   wire_.reset();

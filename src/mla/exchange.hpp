@@ -122,7 +122,6 @@ class StartedSeq {
   // writes where they are not in dst's front half (the gather, staged; the
   // reduce-scatter's contributions), and the widening the wait does: widen_
   // elements from widen_from_ (null: dst's front half) into dst_.
-  bool on_wire_ = false;
   Tensor<bf16> wire_;
   const void* widen_from_ = nullptr;
   std::int64_t widen_ = 0;
