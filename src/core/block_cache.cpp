@@ -70,6 +70,16 @@ void* map_pages(std::int64_t mapped) {
   return p == MAP_FAILED ? nullptr : p;
 }
 
+// The block at `block` of `from` mapped bytes as one of `to`: shrunk in
+// place (its tail unmapped) or grown, moved if its neighbour is taken; the
+// pages it keeps keep their contents and stay resident. nullptr when the
+// system has no room to grow it (the block is then unchanged).
+void* resize_pages(void* block, std::int64_t from, std::int64_t to) {
+  void* p =
+      mremap(block, static_cast<std::size_t>(from), static_cast<std::size_t>(to), MREMAP_MAYMOVE);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
 }  // namespace
 
 BlockCache::~BlockCache() {
@@ -89,6 +99,28 @@ BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
     stats_.cached -= mapped;
     if (!count_only_) unpoison(block, mapped);
     ++stats_.hits;
+  } else if (!kept_.empty() && !fits_beside_kept(mapped)) {
+    // A fresh block would have to push kept ones out: take the kept block
+    // nearest in size and resize it instead, so that only the pages it grows
+    // by are new (and take page faults), not all of them.
+    const Block kept = take_nearest(mapped);
+    const std::int64_t size = kept.mapped;
+    block = kept.data;
+    stats_.live_mapped += size;  // live from here: make_room must not count or evict it
+    if (mapped > size) make_room(mapped - size);
+    stats_.live_mapped -= size;
+    if (!count_only_) {
+      void* const resized = resize_pages(block, size, mapped);
+      if (resized) {
+        block = resized;
+      } else {  // no room to grow it: give it and the kept ones back, map afresh
+        unmap(block, size);
+        release_kept();
+        block = map_pages(mapped);
+        if (!block) return {};
+      }
+    }
+    ++stats_.resized;
   } else {
     make_room(mapped);
     if (!count_only_) {
@@ -169,9 +201,29 @@ std::int64_t BlockCache::release_kept() {
   return released;
 }
 
+double BlockCache::bound_with(std::int64_t bytes) {
+  return limit() * static_cast<double>(std::max(stats_.live_peak, stats_.live_mapped + bytes));
+}
+
+bool BlockCache::fits_beside_kept(std::int64_t bytes) {
+  return static_cast<double>(stats_.mapped() + bytes) <= bound_with(bytes);
+}
+
+BlockCache::Block BlockCache::take_nearest(std::int64_t mapped) {
+  auto it = kept_.lower_bound(mapped);  // the smallest at least as large
+  if (it == kept_.end() ||
+      (it != kept_.begin() && mapped - std::prev(it)->first < it->first - mapped))
+    it = std::prev(it);  // the largest smaller one is nearer (a tie shrinks: no new pages)
+  const Block block{it->second.back(), it->first};
+  it->second.pop_back();
+  if (it->second.empty()) kept_.erase(it);
+  stats_.cached -= block.mapped;
+  if (!count_only_) unpoison(block.data, block.mapped);
+  return block;
+}
+
 void BlockCache::make_room(std::int64_t bytes) {
-  const double bound =
-      limit() * static_cast<double>(std::max(stats_.live_peak, stats_.live_mapped + bytes));
+  const double bound = bound_with(bytes);
   while (!kept_.empty() && static_cast<double>(stats_.mapped() + bytes) > bound) {
     const auto largest = std::prev(kept_.end());
     const std::int64_t mapped = largest->first;

@@ -22,9 +22,15 @@
 // The bound: mapped() = live_mapped + cached never exceeds
 // limit x live_peak, live_peak being the peak of live_mapped since
 // construction or the last trim(). A request that finds no kept block of its
-// size releases kept blocks, largest first, until the new mapping fits under
-// the bound (or none is left: live blocks alone are within it, limit >= 1).
-// Freeing and reusing change mapped() not at all.
+// size maps a fresh one when that fits under the bound beside every kept
+// block. Where it would not, it takes the kept block nearest in size and
+// resizes it (mremap: a shrink maps nothing, a growth only its new pages),
+// releasing other kept blocks, largest first, until the growth fits (or
+// none is left: live blocks alone are within it, limit >= 1). Evicting to
+// map afresh instead had each MoE step of `laga train` fault in ~6,200
+// pages (4 KiB) of its routing-sized tensors again; resizing leaves ~1,000
+// (docs/performance.md, "Page faults"). Freeing and reusing change mapped()
+// not at all.
 //
 // Count-only: a cache in count-only mode maps nothing and hands out nullptr,
 // but keeps, reuses, evicts and counts its (empty) blocks exactly as a
@@ -51,9 +57,10 @@ class BlockCache {
     std::int64_t live_peak = 0;       // peak of live_mapped since construction or trim()
     std::int64_t mapped_peak = 0;     // peak of live_mapped + cached, same span
     // Block counts since construction: requests served by a kept block, by
-    // a fresh mapping, and kept blocks unmapped to honour the bound (also
-    // after a lowered limit; trim() and a failed mapping's retry not counted).
-    std::int64_t hits = 0, misses = 0, evicted = 0;
+    // a fresh mapping, by a kept block of another size resized to theirs,
+    // and kept blocks unmapped to honour the bound (also after a lowered
+    // limit; trim() and a failed mapping's retry not counted).
+    std::int64_t hits = 0, misses = 0, resized = 0, evicted = 0;
     std::int64_t mapped() const { return live_mapped + cached; }
   };
 
@@ -106,6 +113,13 @@ class BlockCache {
   // Releases kept blocks, largest first, until `bytes` more fit under the
   // bound or none is left.
   void make_room(std::int64_t bytes);
+  // The bound when `bytes` more go live, and whether a fresh block of them
+  // fits under it beside every kept block.
+  double bound_with(std::int64_t bytes);
+  bool fits_beside_kept(std::int64_t bytes);
+  // The kept block nearest to `mapped` bytes in size (the larger one on a
+  // tie: shrinking maps no page), taken out of the cache.
+  Block take_nearest(std::int64_t mapped);
 
   static constexpr double kUnset = -1.0;
   double limit_ = kUnset;

@@ -1,5 +1,6 @@
-// BlockCache: reuse of a freed block of the same page-rounded size, the bound
-// (mapped <= limit x live peak) under random traffic, trim() and limit 0
+// BlockCache: reuse of a freed block of the same page-rounded size, a kept
+// block resized where a fresh one would not fit, the bound (mapped <= limit
+// x live peak) under random traffic, trim() and limit 0
 // unmapping for real, LAGA_POOL_CACHE's parsing, and (under AddressSanitizer)
 // poisoned kept blocks.
 #include "core/block_cache.hpp"
@@ -104,24 +105,70 @@ TEST(BlockCache, AKeptBlockUpToAnEighthLargerServesARequest) {
   cache.release(f, 17 * kPage);
 }
 
-TEST(BlockCache, AFreshMappingReleasesKeptBlocksLargestFirstToKeepTheBound) {
+// A request that finds no kept block of its size, where a fresh block would
+// not fit under the bound beside the kept ones, resizes the kept block
+// nearest in size (mremap): shrinking maps no page, growing maps only the
+// new ones, and the pages it keeps keep what they held.
+TEST(BlockCache, ARequestThatWouldPushKeptBlocksOutResizesTheNearestOne) {
   BlockCache cache;
   cache.set_limit(1.0);
-  const BlockCache::Block small = cache.acquire(2 * kPage);
-  const BlockCache::Block large = cache.acquire(6 * kPage);
-  cache.release(small, 2 * kPage);
-  cache.release(large, 6 * kPage);
+  const BlockCache::Block two = cache.acquire(2 * kPage);
+  const BlockCache::Block six = cache.acquire(6 * kPage);
+  std::memset(two.data, 0x22, static_cast<std::size_t>(2 * kPage));
+  std::memset(six.data, 0x66, static_cast<std::size_t>(6 * kPage));
+  cache.release(two, 2 * kPage);
+  cache.release(six, 6 * kPage);
   EXPECT_EQ(cache.stats().live_peak, 8 * kPage);
-  EXPECT_EQ(cache.stats().cached, 8 * kPage);
-  // 3 new pages over 8 kept, bound 1.0 x 8: the 6-page block goes, the
-  // 2-page one stays (2 + 3 <= 8).
-  const BlockCache::Block fresh = cache.acquire(3 * kPage);
-  EXPECT_EQ(cache.stats().evicted, 1);
+  // 5 new pages over 8 kept, bound 1.0 x 8: the 6-page block, nearest,
+  // shrinks to 5 in place; its last page is given back, the 2-page block stays.
+  const BlockCache::Block five = cache.acquire(5 * kPage);
+  EXPECT_EQ(five.data, six.data);
+  EXPECT_EQ(five.mapped, 5 * kPage);
+  EXPECT_EQ(static_cast<unsigned char*>(five.data)[5 * kPage - 1], 0x66);
+  EXPECT_FALSE(mapped({static_cast<char*>(six.data) + 5 * kPage, kPage}));
+  EXPECT_TRUE(mapped(two));
+  EXPECT_EQ(cache.stats().resized, 1);
+  EXPECT_EQ(cache.stats().evicted, 0);
   EXPECT_EQ(cache.stats().cached, 2 * kPage);
-  EXPECT_FALSE(mapped(large));
-  EXPECT_TRUE(mapped(small));
+  EXPECT_EQ(cache.stats().live_mapped, 5 * kPage);
+  // 3 pages beside the live 5 and the kept 2: 10 > 8, so the 2-page block
+  // grows to 3 (5 + 3 = 8 fits), keeping its first two pages' contents.
+  const BlockCache::Block three = cache.acquire(3 * kPage);
+  EXPECT_EQ(three.mapped, 3 * kPage);
+  EXPECT_EQ(static_cast<unsigned char*>(three.data)[0], 0x22);
+  EXPECT_EQ(static_cast<unsigned char*>(three.data)[2 * kPage - 1], 0x22);
+  std::memset(three.data, 0x33, static_cast<std::size_t>(3 * kPage));  // all of it writable
+  EXPECT_EQ(cache.stats().resized, 2);
+  EXPECT_EQ(cache.stats().misses, 2);  // the first two only
+  EXPECT_EQ(cache.stats().cached, 0);
   EXPECT_LE(cache.stats().mapped(), cache.stats().live_peak);
-  cache.release(fresh, 3 * kPage);
+  cache.release(five, 5 * kPage);
+  cache.release(three, 3 * kPage);
+}
+
+// Growing a kept block makes room for its new pages as a fresh block does:
+// other kept blocks are released, largest first, until they fit.
+TEST(BlockCache, GrowingAKeptBlockReleasesOthersLargestFirstToKeepTheBound) {
+  BlockCache cache;
+  cache.set_limit(1.0);
+  const BlockCache::Block one = cache.acquire(kPage);
+  const BlockCache::Block two = cache.acquire(2 * kPage);
+  const BlockCache::Block six = cache.acquire(6 * kPage);
+  cache.release(one, kPage);
+  cache.release(two, 2 * kPage);
+  cache.release(six, 6 * kPage);
+  // 8 pages: none kept that large, and 8 more over 9 kept passes the bound
+  // of 9. The 6-page block, nearest, grows by 2: live 8 + kept 3 > 9, so
+  // the 2-page block goes and the 1-page one stays (8 + 1 <= 9).
+  const BlockCache::Block eight = cache.acquire(8 * kPage);
+  EXPECT_EQ(eight.mapped, 8 * kPage);
+  EXPECT_EQ(cache.stats().resized, 1);
+  EXPECT_EQ(cache.stats().evicted, 1);
+  // (two's pages may be mapped again: the grown block may take them.)
+  EXPECT_TRUE(mapped(one));
+  EXPECT_EQ(cache.stats().cached, kPage);
+  EXPECT_LE(cache.stats().mapped(), cache.stats().live_peak);
+  cache.release(eight, 8 * kPage);
 }
 
 TEST(BlockCache, MappedStaysWithinTheBoundUnderRandomTraffic) {
@@ -161,9 +208,10 @@ TEST(BlockCache, MappedStaysWithinTheBoundUnderRandomTraffic) {
           << "limit " << limit << ", op " << op;
       ASSERT_LE(s.live_requested, s.live_mapped);
       ASSERT_GE(s.cached, 0);
-      ASSERT_EQ(s.hits + s.misses, acquires);
+      ASSERT_EQ(s.hits + s.misses + s.resized, acquires);
     }
     EXPECT_GT(cache.stats().hits, 0) << "limit " << limit;
+    EXPECT_GT(cache.stats().resized, 0) << "limit " << limit;
     for (const auto& [block, bytes] : live) cache.release(block, bytes);
   }
 }

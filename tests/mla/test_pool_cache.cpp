@@ -120,10 +120,13 @@ std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
   on_every_rank(c, limit, 1, count_only, [&](Communicator& comm, MemoryPool& pool, auto step_of) {
     Rank& rank = ranks[static_cast<size_t>(comm.rank())];
     for (Step& step : rank.steps) {
-      const std::int64_t misses = pool.cache().stats().misses;
+      const auto not_kept = [&] {
+        return pool.cache().stats().misses + pool.cache().stats().resized;
+      };
+      const std::int64_t not_kept_before = not_kept();
       const RankResult<float> res = step_of();
       step = {count_only ? std::vector<float>{} : values_of(res), res.report.memory,
-              pool.cache().stats().misses - misses};
+              not_kept() - not_kept_before};
     }
     rank.cache = pool.cache().stats();
     rank.peak_held = pool.peak_held();
@@ -149,7 +152,7 @@ TEST(PoolCache, ASecondStepOnReusedBlocksGivesTheSameResultsAndFigures) {
 
 TEST(PoolCache, ACountOnlyRunPredictsWhatEveryRankHolds) {
   const MlaConfig rq0 = small_config(0), rq7 = small_config(7);
-  std::int64_t evicted = 0;
+  std::int64_t evicted = 0, resized = 0;
   for (const Case& c : cases(rq0, rq7)) {
     // The default limit: tight enough that some steps evict.
     const std::vector<Rank> real = two_steps(c, 1.25, false), counted = two_steps(c, 1.25, true);
@@ -162,14 +165,17 @@ TEST(PoolCache, ACountOnlyRunPredictsWhatEveryRankHolds) {
       EXPECT_EQ(a.cache.cached, b.cache.cached) << what;
       EXPECT_EQ(a.cache.hits, b.cache.hits) << what;
       EXPECT_EQ(a.cache.misses, b.cache.misses) << what;
+      EXPECT_EQ(a.cache.resized, b.cache.resized) << what;
       EXPECT_EQ(a.cache.evicted, b.cache.evicted) << what;
       evicted += a.cache.evicted;
+      resized += a.cache.resized;
       for (int step = 0; step < 2; ++step)
         expect_same_memory(a.steps[size_t(step)].memory, b.steps[size_t(step)].memory,
                            what + " step " + std::to_string(step + 1));
     }
   }
   EXPECT_GT(evicted, 0) << "no case evicted: the bound was never exercised";
+  EXPECT_GT(resized, 0) << "no case resized a kept block: its counting was never exercised";
 }
 
 // Per rank: the most its pool held over `steps` steps (the peak of each,
