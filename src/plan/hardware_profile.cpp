@@ -30,6 +30,15 @@ std::int64_t element_bytes(PlanDType t) {
   return t == PlanDType::fp32 ? 4 : 2;
 }
 
+std::int64_t gradient_bytes(PlanDType t, GradReduce g) {
+  check_grad_reduce(precision_of(t), g);
+  return t == PlanDType::bf16 && g == GradReduce::bf16 ? 2 : 4;
+}
+
+Precision precision_of(PlanDType t) {
+  return t == PlanDType::bf16 ? Precision::bf16 : Precision::fp32;
+}
+
 double HardwareProfile::peak_flops(PlanDType t) const {
   const std::optional<double>& p =
       t == PlanDType::fp32 ? device.peak_flops_fp32 : device.peak_flops_bf16;

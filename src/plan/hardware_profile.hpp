@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "comm/link_model.hpp"
+#include "core/precision.hpp"
 #include "mla/ops.hpp"
 
 namespace laga {
@@ -71,6 +72,16 @@ enum class PlanDType { fp32, bf16 };
 const char* to_string(PlanDType t);  // "fp32", "bf16"
 PlanDType parse_plan_dtype(const std::string& s);
 std::int64_t element_bytes(PlanDType t);  // 4, 2
+// The bytes of one gradient element a plan holds and all-reduces: 4 unless
+// a bf16 plan reduces its gradients in bf16 (--grad-reduce bf16). A bf16
+// trainer keeps fp32 gradients by default: laga's runs reduce in fp32
+// (core/precision.hpp, GradReduce), Megatron forces fp32 gradient
+// accumulation and all-reduce under bf16 unless --grad-reduce-in-bf16, and
+// DeepSeek-V3 keeps its weight gradients in fp32.
+std::int64_t gradient_bytes(PlanDType t, GradReduce g);
+// The run precision a plan of `t` stands for (mla/comm_model.hpp's
+// wire_element_bytes reads it).
+Precision precision_of(PlanDType t);
 
 struct DeviceProfile {
   std::optional<double> peak_flops_fp32, peak_flops_bf16;  // absent: not published

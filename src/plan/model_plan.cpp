@@ -127,8 +127,8 @@ ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, boo
   return calls;
 }
 
-StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int world,
-                       bool zero1) {
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, GradReduce grad_reduce,
+                       int ep, int world, bool zero1) {
   LAGA_CHECK(ep >= 1 && world >= ep && world % ep == 0, "state_bytes: EP ", ep, " must divide the ",
              world, " devices");
   const double e = double(element_bytes(dtype));
@@ -139,7 +139,7 @@ StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, 
   const double experts = double(params.routed_experts_on_device(ep));  // this device's share
   StateBytes s;
   s.parameters = (replicated + experts) * e;
-  s.gradients = (replicated + experts) * e;
+  s.gradients = (replicated + experts) * double(gradient_bytes(dtype, grad_reduce));
   s.optimizer = zero1 ? opt * (replicated / double(world) + experts / double(world / ep))
                       : opt * (replicated + experts);
   return s;
@@ -235,22 +235,29 @@ double layer_elementwise_elements(const LmConfig& cfg, std::int64_t l) {
 // The gradient sync of n elements per device over a group of G, on
 // `fabric`: one all-reduce, or with ZeRO-1 a reduce-scatter of the
 // gradients and an all-gather of the updated parameters (together the
-// all-reduce's bytes). The ledger's rules (comm/communicator.hpp) give the
-// bytes, in fp32 elements scaled to the plan's element size.
-double sync_seconds(std::int64_t n, int G, bool zero1, std::int64_t e, const Fabric& fabric) {
+// all-reduce's bytes, when the two are of one size). The ledger's rules
+// (comm/communicator.hpp) give the bytes, in fp32 elements scaled to the
+// gradients' element (grad_bytes) and the parameters' (param_bytes).
+double sync_seconds(std::int64_t n, int G, bool zero1, std::int64_t grad_bytes,
+                    std::int64_t param_bytes, const Fabric& fabric) {
   if (G <= 1 || n == 0) return 0;
-  const auto scaled = [e](WireBytes w) { return WireBytes{w.sent / 4 * e, w.received / 4 * e}; };
+  const auto scaled = [](WireBytes w, std::int64_t e) {
+    return WireBytes{w.sent / 4 * e, w.received / 4 * e};
+  };
   if (!zero1)
     return collective_seconds(CollectiveKind::all_reduce, G,
-                              scaled(all_reduce_wire_bytes(n, G, 0, DType::f32)), fabric);
+                              scaled(all_reduce_wire_bytes(n, G, 0, DType::f32), grad_bytes),
+                              fabric);
   std::vector<std::int64_t> counts(static_cast<size_t>(G));
   for (int j = 0; j < G; ++j) counts[size_t(j)] = all_reduce_chunk(n, G, j);
-  return collective_seconds(CollectiveKind::reduce_scatter, G,
-                            scaled(reduce_scatter_wire_bytes(counts.data(), G, 0, DType::f32)),
-                            fabric) +
+  return collective_seconds(
+             CollectiveKind::reduce_scatter, G,
+             scaled(reduce_scatter_wire_bytes(counts.data(), G, 0, DType::f32), grad_bytes),
+             fabric) +
          collective_seconds(
              CollectiveKind::all_gather, G,
-             scaled(all_gather_wire_bytes(counts[0], counts.data(), G, 0, DType::f32)), fabric);
+             scaled(all_gather_wire_bytes(counts[0], counts.data(), G, 0, DType::f32), param_bytes),
+             fabric);
 }
 
 ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormPlan& f,
@@ -318,16 +325,18 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   // the node holds EP groups.
   Fabric owners = world_fabric;
   owners.ranks_per_node = std::max(1, world_fabric.ranks_per_node / ep);
+  const std::int64_t g = gradient_bytes(q.block.dtype, q.block.grad_reduce);
   m.time.grad_sync =
-      sync_seconds(params.replicated(), world, q.zero1, e, world_fabric) +
-      sync_seconds(params.routed_experts_on_device(ep), world / ep, q.zero1, e, owners);
-  // AdamW: per parameter it updates, 28 bytes either way (bf16: read the
-  // gradient 2, master, m, v 12, write them 12 and the bf16 copy 2; fp32:
-  // read gradient, parameter, m, v 16, write parameter, m, v 12).
+      sync_seconds(params.replicated(), world, q.zero1, g, e, world_fabric) +
+      sync_seconds(params.routed_experts_on_device(ep), world / ep, q.zero1, g, e, owners);
+  // AdamW, per parameter it updates: read the gradient (g bytes) and
+  // master, m, v (12), write master, m, v (12) and, bf16, the bf16 copy (2):
+  // 28 (fp32, and bf16 reducing in bf16) or 30 (bf16 with fp32 gradients).
   const double updated = q.zero1
                              ? double(params.total()) / double(world)
                              : double(params.replicated() + params.routed_experts_on_device(ep));
-  m.time.optimizer = updated * 28.0 / d.elementwise_bytes_per_s;
+  const double adamw_bytes = double(g) + 24.0 + (q.block.dtype == PlanDType::bf16 ? 2.0 : 0.0);
+  m.time.optimizer = updated * adamw_bytes / d.elementwise_bytes_per_s;
 
   // Ranks that are threads of one host (a profile with shared_cores, as
   // `laga plan --measure` writes) run the layers' balanced work beyond
@@ -350,7 +359,7 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
                    double(q.block.batch * block.seq) * (ffn_flops + head_flops_forward(cfg)) * 3.0);
   m.mfu = m.model_flops / (double(P * dp) * peak * m.step_s);
   m.attention_share = m.time.attention / m.step_s;
-  m.state = state_bytes(params, q.block.dtype, ep, world, q.zero1);
+  m.state = state_bytes(params, q.block.dtype, q.block.grad_reduce, ep, world, q.zero1);
   m.activations = activation_bytes(cfg, N, e, double(f.after_forward_bytes),
                                    double(f.peak_activation_bytes), q.recompute, ep);
   m.fits = m.memory_bytes() <= d.memory_bytes;

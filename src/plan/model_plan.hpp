@@ -146,8 +146,10 @@ struct StateBytes {
   double parameters = 0, gradients = 0, optimizer = 0;
   double total() const { return parameters + gradients + optimizer; }
 };
-StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, int ep, int world,
-                       bool zero1);
+// Parameters in the plan's element, gradients in gradient_bytes(dtype,
+// grad_reduce) (fp32 unless a bf16 plan reduces in bf16).
+StateBytes state_bytes(const ModelParamCounts& params, PlanDType dtype, GradReduce grad_reduce,
+                       int ep, int world, bool zero1);
 
 // What one layer keeps from forward to backward on a rank of N_r = tokens
 // tokens, in bytes of elem_bytes (closed form, the tensors of model.cpp's

@@ -71,6 +71,7 @@ void check_request(const PlanRequest& q) {
     for (int P : q.sps)
       LAGA_CHECK(P <= S, "--sp ", P, " is more ranks than the ", S, " tokens of --seq ", S,
                  ": every rank needs at least one token; give --sp <= ", S);
+  check_grad_reduce(precision_of(q.dtype), q.grad_reduce);
 }
 
 }  // namespace
@@ -83,7 +84,8 @@ ops::OpCounts plan_calls(const PlanRequest& q) {
       const SpLayout layout = SpLayout::even(q.batch, S, q.cfg.n_heads, P, q.seq_layout);
       for (FormVariant form : q.forms)
         for (int r : rank_classes(q.cfg, layout, form).representatives)
-          for (const ops::OpCounts& c : rank_work(q.cfg, layout, form, q.attention, r, q.dtype).ops)
+          for (const ops::OpCounts& c :
+               rank_work(q.cfg, layout, form, q.attention, r, q.dtype, q.grad_reduce).ops)
             all.add(c);
     }
   return all;
@@ -93,7 +95,8 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
   check_request(q);
   std::int64_t params = 0;
   for (const auto& [name, shape] : mla_param_shapes(q.cfg)) params += numel(shape);
-  const std::int64_t resident = 2 * params * element_bytes(q.dtype);  // parameters + gradients
+  const std::int64_t resident =
+      params * (element_bytes(q.dtype) + gradient_bytes(q.dtype, q.grad_reduce));
   std::vector<PlanCase> cases;
   for (std::int64_t S : q.seqs) {
     for (int P : q.sps) {
@@ -107,7 +110,8 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
         const RankClasses rc = rank_classes(q.cfg, layout, form);
         FormWork fw{form, {}, rc.class_of};
         for (int r : rc.representatives)
-          fw.classes.push_back(rank_work(q.cfg, layout, form, q.attention, r, q.dtype));
+          fw.classes.push_back(
+              rank_work(q.cfg, layout, form, q.attention, r, q.dtype, q.grad_reduce));
         FormPlan fp;
         fp.form = form;
         fp.resident_bytes = resident;

@@ -21,6 +21,9 @@ struct PlanRequest {
   SeqLayout seq_layout = SeqLayout::contiguous;  // every form's shards (--seq-layout)
   AttentionKind attention = AttentionKind::flash;
   PlanDType dtype = PlanDType::bf16;
+  // The gradients' element (held and all-reduced): fp32 unless a bf16 plan
+  // says bf16 (gradient_bytes, plan/hardware_profile.hpp).
+  GradReduce grad_reduce = GradReduce::fp32;
   HardwareProfile profile;
   int nodes = 0;                                           // 0: ceil(P / devices_per_node)
   std::optional<double> link_bytes_per_s, link_latency_s;  // --link: every link
@@ -37,7 +40,7 @@ struct FormPlan {
   std::int64_t peak_activation_bytes = 0;  // max over ranks (compare's peak_activation_bytes)
   std::int64_t after_forward_bytes = 0;    // max over ranks: saved for backward + the output
   double flops_all_ranks = 0;              // GEMM + attention FLOPs of the step, every rank summed
-  std::int64_t resident_bytes = 0;         // parameters + gradients of the block, every rank
+  std::int64_t resident_bytes = 0;         // parameters + gradients of the block, on each rank
   // The rank on the step's critical path (plan/time_model.hpp,
   // group_step_time): its phases, summed, - hidden_comm_s + peer_wait_s +
   // core_share_s are the step.

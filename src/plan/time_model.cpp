@@ -61,8 +61,9 @@ std::int64_t parameter_count(const MlaConfig& cfg) {
 }  // namespace
 
 RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
-                   AttentionKind attention, int rank, PlanDType dtype) {
+                   AttentionKind attention, int rank, PlanDType dtype, GradReduce grad_reduce) {
   const std::int64_t e = element_bytes(dtype);
+  const WireElementBytes wire{e, gradient_bytes(dtype, grad_reduce)};
   // Cumulative counts after forward, after backward and after the all-reduce;
   // the last run's events are the step's timeline.
   std::array<ops::OpCounts, 3> upto;
@@ -90,13 +91,15 @@ RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant var
   const ops::OpCounts* before = nullptr;
   static const ops::OpCounts none;
   for (StepEvent& s : events) {
-    s.event.bytes.sent = s.event.bytes.sent / 4 * e;
-    s.event.bytes.received = s.event.bytes.received / 4 * e;
+    // The count-only run moved fp32 elements (4 bytes) on every label.
+    const std::int64_t moved = s.event.phase == Phase::grad_sync ? wire.gradients : e;
+    s.event.bytes.sent = s.event.bytes.sent / 4 * moved;
+    s.event.bytes.received = s.event.bytes.received / 4 * moved;
     w.timeline.push_back({in_plan_type(minus(s.ops_before, before ? *before : none)), s.event});
     before = &s.ops_before;
   }
   w.compute_after = in_plan_type(minus(upto[2], before ? *before : none));
-  w.comm = predict_comm(cfg, layout, variant, rank, e, true, true);
+  w.comm = predict_comm(cfg, layout, variant, rank, wire, true, true);
   w.peak_activation_bytes = full.forward_backward.bytes;
   w.after_forward_bytes = full.after_forward;
   return w;

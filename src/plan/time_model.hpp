@@ -70,9 +70,11 @@ struct RankWork {
 // The count-only run of rank `rank` of `layout` (three of them: forward,
 // + backward, + gradient all-reduce; each phase's counts are the
 // difference), the closed-form bytes and the memory model's peak, in
-// elements of `dtype`.
+// elements of `dtype`; the gradient all-reduce's in gradient_bytes(dtype,
+// grad_reduce).
 RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
-                   AttentionKind attention, int rank, PlanDType dtype);
+                   AttentionKind attention, int rank, PlanDType dtype,
+                   GradReduce grad_reduce = GradReduce::fp32);
 
 // Ranks whose work under `variant` is the same. Every figure above depends
 // on the rank only through what the form makes it do (attention_placement,

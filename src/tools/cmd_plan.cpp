@@ -37,6 +37,7 @@ struct PlanOptions {
   // dtype: empty means bf16, or fp32 with --profile this (its figures are
   // laga's fp32 kernels).
   std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
+  GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce
   bool q_latent = false, quiet = false;
   int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule at each P
   std::string seq_layout = "contiguous";  // --seq-layout
@@ -52,6 +53,11 @@ struct PlanOptions {
   // plan nothing).
   std::vector<std::string> plan_only_given;
 };
+
+// What the plan's gradients are held and reduced in: "fp32" or "bf16".
+const char* gradient_names(const PlanRequest& q) {
+  return gradient_bytes(q.dtype, q.grad_reduce) == 4 ? "fp32" : "bf16";
+}
 
 std::string fmt(const char* f, double v) {
   char b[64];
@@ -130,8 +136,8 @@ std::string unbalanced_note(const PlanRequest& q) {
 std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
   std::ostringstream o;
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
-    << ", " << to_string(q.attention) << " attention, batch " << q.batch << ", "
-    << to_string(q.seq_layout)
+    << " (gradients " << gradient_names(q) << "), " << to_string(q.attention)
+    << " attention, batch " << q.batch << ", " << to_string(q.seq_layout)
     << " seq shards; one MLA block, forward + backward + gradient all-reduce, predicted\n";
   o << "  timeline: each rank's collectives in issue order on one link, the compute between "
        "them at the costs below; a collective runs once every rank has issued it; a started "
@@ -209,6 +215,7 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
   j["profile"] = q.profile.name;
   j["profile_source"] = q.profile.source;
   j["dtype"] = to_string(q.dtype);
+  j["grad_reduce"] = to_string(q.grad_reduce);
   j["attention"] = to_string(q.attention);
   j["batch"] = q.batch;
   j["seq_layout"] = to_string(q.seq_layout);
@@ -261,8 +268,9 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
   o << "; " << fmt("%.4g", double(n.total()) / 1e9) << "B parameters ("
     << fmt("%.4g", double(n.routed_experts) / 1e9) << "B in routed experts)\n";
   o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
-    << to_string(q.block.dtype) << ", " << to_string(q.block.attention) << " attention, batch "
-    << q.block.batch << ", " << to_string(q.block.seq_layout) << " seq shards, " << q.micro_batches
+    << to_string(q.block.dtype) << " (gradients " << gradient_names(q.block) << "), "
+    << to_string(q.block.attention) << " attention, batch " << q.block.batch << ", "
+    << to_string(q.block.seq_layout) << " seq shards, " << q.micro_batches
     << " micro-batch(es) a step; one training step, predicted; EP "
     << (q.ep.rule == EpRule::sp    ? std::string("= P (experts over the SP ranks)")
         : q.ep.rule == EpRule::max ? std::string("= gcd(P x DP, E) (experts over the replicas too)")
@@ -317,8 +325,9 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
        "reference form counts it, every rank; FFN 2*3*D*width per token and expert copy; head "
        "2*D*V; backward 2x forward) / (devices x peak x step); attn%, a2a%: shares of the step; "
        "a2a GB/rk: EP bytes sent per rank and step; state: parameters + gradients + AdamW ("
-    << (q.block.dtype == PlanDType::bf16 ? "bf16 params and grads, fp32 master, m, v"
-                                         : "fp32 params, grads, m, v")
+    << (q.block.dtype == PlanDType::bf16
+            ? cat("bf16 params, ", gradient_names(q.block), " grads, fp32 master, m, v")
+            : std::string("fp32 params, grads, m, v"))
     << "); act: saved activations + the largest working set; fits: state + act <= "
     << gb(q.block.profile.device.memory_bytes) << " GB\n";
   return o.str();
@@ -330,6 +339,7 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
   j["profile"] = q.block.profile.name;
   j["profile_source"] = q.block.profile.source;
   j["dtype"] = to_string(q.block.dtype);
+  j["grad_reduce"] = to_string(q.block.grad_reduce);
   j["attention"] = to_string(q.block.attention);
   j["batch"] = q.block.batch;
   j["micro_batches"] = q.micro_batches;
@@ -535,6 +545,8 @@ void run_plan(const PlanOptions& o) {
   q.seq_layout = parse_seq_layout(o.seq_layout);
   q.attention = parse_attention(o.attention);
   q.dtype = parse_plan_dtype(dtype);
+  q.grad_reduce = o.grad_reduce;
+  check_grad_reduce(precision_of(q.dtype), q.grad_reduce);
   // Every GEMM and attention call of the plans the options describe; with
   // --model, the layers' FFN and head GEMMs too (what --list-shapes lists
   // for a device to time, and --measure times here).
@@ -633,6 +645,12 @@ void register_plan(CLI::App& app) {
                 "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
                 "whose figures are fp32)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
+  c->add_option_function<std::string>(
+       "--grad-reduce", [o](const std::string& s) { o->grad_reduce = parse_grad_reduce(s); },
+       "with --dtype bf16: the gradients held and all-reduced in fp32 (the default, as laga's "
+       "runs, Megatron and DeepSeek-V3 keep them) or bf16 (half their bytes and memory)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->default_str("fp32");
   c->add_option("--link", o->link,
                 "override every link of the profile: BW GB/s (10^9 bytes/s) per direction, and "
                 "LAT microseconds when given")
@@ -679,7 +697,7 @@ void register_plan(CLI::App& app) {
               "with --model: keep only each layer's input and re-run its forward in backward");
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
-    for (const char* name : {"--profile", "--json", "--nodes", "--link"})
+    for (const char* name : {"--profile", "--json", "--nodes", "--link", "--grad-reduce"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
     for (const char* name :
          {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute"})

@@ -120,31 +120,36 @@ TEST(ModelPlan, Fp32StateIsLagaTrainsState) {
   o.model = moe_tiny();
   o.sp = 1, o.seq = 16, o.batch = 1;
   const std::vector<TrainMemory> m = predict_train_memory(o, StagingRule::in_process);
-  const StateBytes s = state_bytes(model_param_counts(o.model), PlanDType::fp32, 1, 1, false);
+  const StateBytes s =
+      state_bytes(model_param_counts(o.model), PlanDType::fp32, GradReduce::fp32, 1, 1, false);
   EXPECT_EQ(s.total(), double(m[0].state));
 }
 
-// bf16: 2 + 2 bytes of parameters and gradients and 12 of AdamW per
-// parameter; EP divides the routed experts only, ZeRO-1 the optimizer only,
-// the replicated part over EP x DP and the experts over DP.
+// bf16 reducing in bf16: 2 + 2 bytes of parameters and gradients and 12 of
+// AdamW per parameter; EP divides the routed experts only, ZeRO-1 the
+// optimizer only, the replicated part over EP x DP and the experts over DP.
 TEST(ModelPlan, StateShardsWhatItShould) {
   ModelParamCounts n;
   n.attention = 1000, n.embedding = 200, n.routed_experts = 8000;  // replicated 1200
   n.routed_expert_count = 8;                                       // of 1000 elements each
-  const StateBytes whole = state_bytes(n, PlanDType::bf16, 1, 1, false);
+  const auto state_bytes = [&n](PlanDType t, int ep, int world, bool zero1) {
+    return laga::state_bytes(n, t, t == PlanDType::bf16 ? GradReduce::bf16 : GradReduce::fp32, ep,
+                             world, zero1);
+  };
+  const StateBytes whole = state_bytes(PlanDType::bf16, 1, 1, false);
   EXPECT_EQ(whole.parameters, 2.0 * 9200);
   EXPECT_EQ(whole.gradients, 2.0 * 9200);
   EXPECT_EQ(whole.optimizer, 12.0 * 9200);
-  const StateBytes ep4 = state_bytes(n, PlanDType::bf16, 4, 8, false);
+  const StateBytes ep4 = state_bytes(PlanDType::bf16, 4, 8, false);
   EXPECT_EQ(ep4.parameters, 2.0 * (1200 + 2000));
   EXPECT_EQ(ep4.optimizer, 12.0 * (1200 + 2000));  // no ZeRO: DP changes nothing
-  const StateBytes z = state_bytes(n, PlanDType::bf16, 4, 8, true);
+  const StateBytes z = state_bytes(PlanDType::bf16, 4, 8, true);
   EXPECT_EQ(z.parameters, ep4.parameters);
   EXPECT_EQ(z.gradients, ep4.gradients);
   EXPECT_EQ(z.optimizer, 12.0 * (1200.0 / 8 + 2000.0 / 2));
-  EXPECT_EQ(state_bytes(n, PlanDType::fp32, 4, 8, true).optimizer, 8.0 * (1200.0 / 8 + 1000));
+  EXPECT_EQ(state_bytes(PlanDType::fp32, 4, 8, true).optimizer, 8.0 * (1200.0 / 8 + 1000));
   // EP over every device: each expert has one owner, ZeRO has nothing to shard of it.
-  const StateBytes world = state_bytes(n, PlanDType::bf16, 8, 8, true);
+  const StateBytes world = state_bytes(PlanDType::bf16, 8, 8, true);
   EXPECT_EQ(world.parameters, 2.0 * (1200 + 1000));
   EXPECT_EQ(world.optimizer, 12.0 * (1200.0 / 8 + 1000));
   EXPECT_EQ(expert_parallel_degree({EpRule::sp, 0}, 4, 2, 256), 4);
@@ -255,7 +260,7 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
     EXPECT_EQ(m.form, b.form);
     EXPECT_EQ(m.block.bytes_sent_per_rank, b.bytes_sent_per_rank);
     EXPECT_GT(b.phases[2].comm_s, 0);  // P 2: the block's own all-reduce is there to leave out
-    EXPECT_EQ(m.time.attention, b.step_s - b.phases[2].compute_s() - b.phases[2].comm_s);
+    EXPECT_DOUBLE_EQ(m.time.attention, b.step_s - b.phases[2].compute_s() - b.phases[2].comm_s);
     EXPECT_EQ(m.time.moe_a2a, 0);
   }
   LmConfig deep = moe_tiny();  // 1 dense + 2 MoE layers
@@ -303,6 +308,52 @@ TEST(ModelPlan, AttentionIsTheBlockPlanScaledByDepth) {
   EXPECT_DOUBLE_EQ(five.time.moe_a2a, 5 * one_mb.time.moe_a2a);
   EXPECT_DOUBLE_EQ(five.model_flops, 5 * one_mb.model_flops);
   EXPECT_EQ(five.memory_bytes(), one_mb.memory_bytes());
+}
+
+// A bf16 plan holds and all-reduces fp32 gradients unless told bf16 (as a
+// bf16 trainer does by default): the gradients' state is 4 bytes a
+// parameter, the sync moves 4-byte elements, AdamW reads 30 bytes a
+// parameter; with GradReduce::bf16, 2, 2 and 28. The parameters, the
+// optimizer state and everything else are the same; an fp32 plan cannot
+// reduce in bf16.
+TEST(ModelPlan, Bf16PlansKeepFp32GradientsUnlessToldBf16) {
+  LmConfig dense = moe_tiny();  // one group of owners: every gradient over all P x DP devices
+  dense.moe.reset();
+  dense.bias_update_speed = 0;
+  ModelPlanRequest q = request(dense, {2});
+  q.dps = {2};
+  const ModelPlan fp32_grads = make_model_plans(q).cases[0].forms[1];
+  q.block.grad_reduce = GradReduce::bf16;
+  const ModelPlan bf16_grads = make_model_plans(q).cases[0].forms[1];
+  const double n = double(model_param_counts(dense).replicated());
+  EXPECT_EQ(fp32_grads.state.gradients, 4 * n);
+  EXPECT_EQ(bf16_grads.state.gradients, 2 * n);
+  EXPECT_EQ(fp32_grads.state.parameters, 2 * n);
+  EXPECT_EQ(fp32_grads.state.parameters, bf16_grads.state.parameters);
+  EXPECT_EQ(fp32_grads.state.optimizer, bf16_grads.state.optimizer);
+  EXPECT_DOUBLE_EQ(fp32_grads.time.optimizer * 28, bf16_grads.time.optimizer * 30);
+  // The gradients over the P x DP = 4 devices: one all-reduce of 4- or
+  // 2-byte elements.
+  const Fabric f = plan_links(q.block.profile, 4, 0, std::nullopt, std::nullopt).fabric;
+  const auto sync = [&](std::int64_t e) {
+    const WireBytes w =
+        all_reduce_wire_bytes(model_param_counts(dense).replicated(), 4, 0, DType::f32);
+    return collective_seconds(CollectiveKind::all_reduce, 4, {w.sent / 4 * e, w.received / 4 * e},
+                              f);
+  };
+  EXPECT_DOUBLE_EQ(fp32_grads.time.grad_sync, sync(4));
+  EXPECT_DOUBLE_EQ(bf16_grads.time.grad_sync, sync(2));
+  EXPECT_EQ(fp32_grads.time.attention, bf16_grads.time.attention);
+  EXPECT_EQ(fp32_grads.activations.total(), bf16_grads.activations.total());
+  // The block plan's own gradient all-reduce moves 4- or 2-byte elements too.
+  const FormPlan &b32 = fp32_grads.block, &b16 = bf16_grads.block;
+  EXPECT_GT(b32.bytes_sent_per_rank, b16.bytes_sent_per_rank);
+  EXPECT_EQ(b32.bytes_sent_forward, b16.bytes_sent_forward);
+  EXPECT_EQ(b32.resident_bytes, b16.resident_bytes * 6 / 4);  // 2 + 4 against 2 + 2 a parameter
+  q.block.dtype = PlanDType::fp32;
+  EXPECT_NE(
+      test::error_of([&] { make_model_plans(q); }).find("--grad-reduce bf16 needs --dtype bf16"),
+      std::string::npos);
 }
 
 // The reference form does no redundant work, so its FLOPs over every rank

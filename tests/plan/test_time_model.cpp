@@ -331,12 +331,31 @@ TEST(TimeModel, CommunicationIsTheLinkModelPerCollective) {
     for (const auto& [key, b] : w.comm)
       want[size_t(key.first)] += collective_seconds(b.kind, 2, {b.sent, b.received}, fabric);
     for (size_t ph = 0; ph < 3; ++ph) EXPECT_DOUBLE_EQ(t[ph].comm_s, want[ph]) << ph;
-    // bf16 counts the same FLOPs and half the bytes.
+    // bf16 counts the same FLOPs and half the bytes, but for the gradient
+    // all-reduce's, which stay fp32's unless it is reduced in bf16; the
+    // timeline's events carry the same bytes as the closed form.
     const RankWork h = rank_work(cfg, lay, f, AttentionKind::flash, 0, PlanDType::bf16);
+    const RankWork hb =
+        rank_work(cfg, lay, f, AttentionKind::flash, 0, PlanDType::bf16, GradReduce::bf16);
     for (size_t ph = 0; ph < 3; ++ph) {
       EXPECT_EQ(h.ops[ph].gemm_flops, w.ops[ph].gemm_flops);
       EXPECT_EQ(2 * h.ops[ph].elementwise_bytes, w.ops[ph].elementwise_bytes);
     }
+    ASSERT_EQ(h.comm.size(), w.comm.size());
+    for (const auto& [key, b] : w.comm) {
+      const bool grads = key.first == Phase::grad_sync;
+      EXPECT_EQ(h.comm.at(key).sent, grads ? b.sent : b.sent / 2) << key.second;
+      EXPECT_EQ(hb.comm.at(key).sent, b.sent / 2) << key.second;
+    }
+    int grad_events = 0;
+    for (const RankWork* x : {&h, &hb})
+      for (const TimelineStep& s : x->timeline) {
+        if (s.event.what != CollectiveEvent::What::issued || s.event.phase != Phase::grad_sync)
+          continue;
+        EXPECT_EQ(s.event.bytes.sent, x->comm.at({Phase::grad_sync, s.event.label}).sent);
+        ++grad_events;
+      }
+    EXPECT_EQ(grad_events, 2);
   }
 }
 

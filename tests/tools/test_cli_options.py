@@ -506,6 +506,8 @@ def case_bf16(laga, scratch):
     for cmd in ("compare", "train"):
         expect_error(laga, [cmd, "--grad-reduce", "bf16", "--attention", "flash"],
                      "--grad-reduce bf16 needs --dtype bf16")
+    expect_error(laga, ["plan", "--grad-reduce", "bf16", "--dtype", "fp32", "--profile", "h100"],
+                 "--grad-reduce bf16 needs --dtype bf16")
     out = os.path.join(scratch, "forward.safetensors")
     if not ok_run(["forward"] + small + ["--sp", "2", "--form", "laga", "--dtype", "bf16",
                                          "--output", out]):

@@ -63,12 +63,27 @@ def check_exact(model, seq, sp, attention, extra, name):
               "--attention", attention] + model + extra, name + "_compare")
     p = load(["plan", "--quiet", "--profile", "h100", "--dtype", "fp32", "--seq", str(seq),
               "--sp", str(sp), "--attention", attention] + model + extra, name + "_plan")
-    b = load(["plan", "--quiet", "--profile", "h100", "--dtype", "bf16", "--seq", str(seq),
-              "--sp", str(sp), "--attention", attention] + model + extra, name + "_plan_bf16")
+    # bf16 with its gradients reduced in bf16: every byte half of fp32's;
+    # with the default fp32 gradients, what a `compare --dtype bf16` run
+    # moves (activations at 2 bytes, the gradient all-reduce at 4).
+    b = load(["plan", "--quiet", "--profile", "h100", "--dtype", "bf16", "--grad-reduce", "bf16",
+              "--seq", str(seq), "--sp", str(sp), "--attention", attention] + model + extra,
+             name + "_plan_bf16")
+    b32 = load(["plan", "--quiet", "--profile", "h100", "--dtype", "bf16", "--seq", str(seq),
+                "--sp", str(sp), "--attention", attention] + model + extra,
+               name + "_plan_bf16_fp32_grads")
+    if b32["grad_reduce"] != "fp32" or b["grad_reduce"] != "bf16":
+        failures.append(f"{name}: grad_reduce {b32['grad_reduce']}, {b['grad_reduce']}")
+    c16 = None
+    if attention == "flash":  # bf16 runs flash attention only
+        c16 = load(["compare", "--quiet", "--count-only", "--dtype", "bf16", "--seq", str(seq),
+                    "--sp", str(sp), "--attention", attention] + model + extra,
+                   name + "_compare_bf16")
+        c16 = {f["form"]: f for f in c16["forms"]}
     measured = {f["form"]: f for f in c["forms"]}
     if len(p["plans"]) != len(measured):
         failures.append(f"{name}: {len(p['plans'])} plans for {len(measured)} compared forms")
-    for plan, half in zip(p["plans"], b["plans"]):
+    for plan, half, fp32_grads in zip(p["plans"], b["plans"], b32["plans"]):
         if list(plan.keys()) != PLAN_FIELDS:
             failures.append(f"{name}: plan fields {list(plan.keys())} != {PLAN_FIELDS}")
         f = measured.get(plan["form"])
@@ -87,6 +102,11 @@ def check_exact(model, seq, sp, attention, extra, name):
         if 2 * half["bytes_sent_per_rank"] != plan["bytes_sent_per_rank"] or \
                 2 * half["peak_activation_bytes"] != plan["peak_activation_bytes"]:
             failures.append(f"{name} {plan['form']}: bf16 is not half of fp32: {half} / {plan}")
+        if c16 is not None and \
+                fp32_grads["bytes_sent_per_rank"] != c16[plan["form"]]["bytes_sent_total"]:
+            failures.append(f"{name} {plan['form']}: bf16 bytes with fp32 gradients "
+                            f"{fp32_grads['bytes_sent_per_rank']} != compare --dtype bf16's "
+                            f"{c16[plan['form']]['bytes_sent_total']}")
         if not (plan["predicted_step_s"] > 0 and 0 <= plan["comm_fraction"] <= 1):
             failures.append(f"{name} {plan['form']}: step {plan['predicted_step_s']}, comm "
                             f"fraction {plan['comm_fraction']}")
