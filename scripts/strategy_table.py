@@ -30,7 +30,8 @@ def main(argv):
             sys.exit(f"laga plan exited {r.returncode}: {r.stderr.strip()}")
         with open(out) as f:
             plan = json.load(f)
-    print(f"`laga plan {' '.join(args)}` ({plan['profile']}, {plan['dtype']}, "
+    print(f"`laga plan {' '.join(args)}` ({plan['profile']}, {plan['dtype']} with "
+          f"{plan['grad_reduce']} gradients, "
           f"{plan['attention']} attention, batch {plan['batch']}); GB = 10^9 bytes\n")
     print("| S | P | form | fwd GB/rank | bwd GB/rank | peak act GB | step ms | tokens/s | |")
     print("|---|---|---|---|---|---|---|---|---|")

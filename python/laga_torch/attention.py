@@ -304,7 +304,7 @@ def flash_backward(q, k, v, o, lse, do, kr, scale, block=64, exact=None):
     non-finite value). dk, dv summed over query blocks, dq over key blocks,
     in fp32 for bf16."""
     B, Sq, H, dqk = q.shape
-    Sk, dv_ = k.shape[1], v.shape[3]
+    Sk = k.shape[1]
     shared = k.shape[2] == 1 and H != 1
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
