@@ -464,7 +464,11 @@ void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest blo
          ": the smallest need is ", gb(least), " GB per device against ",
          gb(q.block.profile.device.memory_bytes),
          " GB; give a larger --sp (more expert and sequence shards) or --dp with --zero1 (the "
-         "optimizer sharded), --recompute, or fewer --layers (a pipeline stage)");
+         "optimizer sharded), --recompute, ",
+         q.block.dtype == PlanDType::bf16 && q.block.grad_reduce == GradReduce::fp32
+             ? "--grad-reduce bf16 (bf16 gradients: 2 bytes a parameter less), "
+             : "",
+         "or fewer --layers (a pipeline stage)");
   }
 }
 

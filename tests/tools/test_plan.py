@@ -273,6 +273,9 @@ elif case == "errors":
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
                  "deepseek-v3"], "--seq 4096 fits no form at any --sp and --dp on h100",
                 "model fits nowhere")
+    # A bf16 plan holding fp32 gradients names bf16 ones among the fixes.
+    check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
+                 "deepseek-v3"], "--grad-reduce bf16 (bf16 gradients", "fits nowhere: the fix")
     # Profiles with one bad field each, edited from the shipped h100.json.
     shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "profiles",
                            "h100.json")
