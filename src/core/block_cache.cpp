@@ -109,18 +109,17 @@ BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
     stats_.live_mapped += size;  // live from here: make_room must not count or evict it
     if (mapped > size) make_room(mapped - size);
     stats_.live_mapped -= size;
-    if (!count_only_) {
-      void* const resized = resize_pages(block, size, mapped);
-      if (resized) {
-        block = resized;
-      } else {  // no room to grow it: give it and the kept ones back, map afresh
-        unmap(block, size);
-        release_kept();
-        block = map_pages(mapped);
-        if (!block) return {};
-      }
+    void* const resized = count_only_ ? nullptr : resize_pages(block, size, mapped);
+    if (count_only_ || resized) {
+      block = resized;
+      ++stats_.resized;
+    } else {  // no room to grow it: give it and the kept ones back, map afresh
+      unmap(block, size);
+      release_kept();
+      block = map_pages(mapped);
+      if (!block) return {};
+      ++stats_.misses;
     }
-    ++stats_.resized;
   } else {
     make_room(mapped);
     if (!count_only_) {
