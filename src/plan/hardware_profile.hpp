@@ -79,8 +79,8 @@ std::int64_t element_bytes(PlanDType t);  // 4, 2
 // accumulation and all-reduce under bf16 unless --grad-reduce-in-bf16, and
 // DeepSeek-V3 keeps its weight gradients in fp32.
 std::int64_t gradient_bytes(PlanDType t, GradReduce g);
-// The run precision a plan of `t` stands for (mla/comm_model.hpp's
-// wire_element_bytes reads it).
+// The run precision a plan of `t` stands for (what check_grad_reduce
+// reads: bf16 gradients need a bf16 plan).
 Precision precision_of(PlanDType t);
 
 struct DeviceProfile {
