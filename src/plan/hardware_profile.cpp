@@ -10,6 +10,7 @@
 #include "comm/link_bounds.hpp"
 #include "core/error.hpp"
 #include "mla/block.hpp"
+#include "mla/comm_model.hpp"
 #include "plan/builtin_profiles.hpp"
 
 namespace laga {
@@ -31,8 +32,9 @@ std::int64_t element_bytes(PlanDType t) {
 }
 
 std::int64_t gradient_bytes(PlanDType t, GradReduce g) {
-  check_grad_reduce(precision_of(t), g);
-  return t == PlanDType::bf16 && g == GradReduce::bf16 ? 2 : 4;
+  // What a run of that precision moves its gradient all-reduce in (and
+  // refuses bf16 gradients of an fp32 one).
+  return wire_element_bytes(precision_of(t), g, element_bytes(PlanDType::fp32)).gradients;
 }
 
 Precision precision_of(PlanDType t) {

@@ -63,7 +63,7 @@ std::int64_t parameter_count(const MlaConfig& cfg) {
 RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
                    AttentionKind attention, int rank, PlanDType dtype, GradReduce grad_reduce) {
   const std::int64_t e = element_bytes(dtype);
-  const WireElementBytes wire{e, gradient_bytes(dtype, grad_reduce)};
+  const WireElementBytes wire = wire_element_bytes(precision_of(dtype), grad_reduce, 4);
   // Cumulative counts after forward, after backward and after the all-reduce;
   // the last run's events are the step's timeline.
   std::array<ops::OpCounts, 3> upto;
