@@ -71,21 +71,26 @@ def main():
              "| MFU % | attention % | fastest other form | its speed-up over explicit: one block "
              "(`laga plan`) | the attention at full depth | the whole step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for profile in profiles:
+    for i, profile in enumerate(profiles):
+        color = f"C{i}"  # one color per profile in both panels
         j, err = model_plan(a.laga, profile, rest)
         rs = rows(j)
         fit = [r for r in rs if r["devices"] is not None]
         xs = [r["seq"] for r in fit]
-        left.plot(xs, [r["devices"] for r in fit], "o-", label=profile)
+        # A profile on which no S fits draws nothing, and says so in its label.
+        left.plot(xs, [r["devices"] for r in fit], "o-", color=color,
+                  label=profile if fit else f"{profile}: no S fits")
         for r in fit:
             left.annotate(r["win"]["form"], (r["seq"], r["devices"]), fontsize=7,
                           textcoords="offset points", xytext=(3, 4))
         with_other = [r for r in fit if r["other"]]
         full = [r["ref"]["predicted_step_s"] / r["other"]["predicted_step_s"] for r in with_other]
         block = [r["ref"]["block_step_s"] / r["other"]["block_step_s"] for r in with_other]
-        p = right.plot([r["seq"] for r in with_other], full, "o-", label=f"{profile}: full depth")
-        right.plot([r["seq"] for r in with_other], block, "s--", color=p[0].get_color(),
-                   label=f"{profile}: one block")
+        if with_other:
+            right.plot([r["seq"] for r in with_other], full, "o-", color=color,
+                       label=f"{profile}: full depth")
+            right.plot([r["seq"] for r in with_other], block, "s--", color=color,
+                       label=f"{profile}: one block")
         for r in rs:
             if r["devices"] is None:
                 lines.append(f"| {profile} | {r['seq']} | none of the grid fits | | | | | | | | | |")
