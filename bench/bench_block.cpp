@@ -190,13 +190,10 @@ LAGA_BENCH(block, "whole MLA block fwd+bwd per form, one rank (vs PyTorch eager 
         op, shape, gflop, isa,
         [&] {
           const long before = minor_faults();
-          const auto not_kept = [&] {
-            return pool.cache().stats().misses + pool.cache().stats().resized;
-          };
-          const std::int64_t not_kept_before = not_kept();
+          const std::int64_t not_reused = pool.cache().stats().not_reused();
           run_block(cfg, lay, rope, form, st);
           faults.push_back(double(minor_faults() - before));
-          fresh.push_back(double(not_kept() - not_kept_before));
+          fresh.push_back(double(pool.cache().stats().not_reused() - not_reused));
         },
         [&] {
           // backward adds into grads: one step from zero for the check.

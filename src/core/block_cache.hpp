@@ -62,6 +62,8 @@ class BlockCache {
     // limit; trim() and a failed mapping's retry not counted).
     std::int64_t hits = 0, misses = 0, resized = 0, evicted = 0;
     std::int64_t mapped() const { return live_mapped + cached; }
+    // Requests that took new pages: a fresh block, or a kept one resized.
+    std::int64_t not_reused() const { return misses + resized; }
   };
 
   BlockCache() = default;

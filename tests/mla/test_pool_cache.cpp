@@ -120,13 +120,10 @@ std::vector<Rank> two_steps(const Case& c, double limit, bool count_only) {
   on_every_rank(c, limit, 1, count_only, [&](Communicator& comm, MemoryPool& pool, auto step_of) {
     Rank& rank = ranks[static_cast<size_t>(comm.rank())];
     for (Step& step : rank.steps) {
-      const auto not_kept = [&] {
-        return pool.cache().stats().misses + pool.cache().stats().resized;
-      };
-      const std::int64_t not_kept_before = not_kept();
+      const std::int64_t not_reused = pool.cache().stats().not_reused();
       const RankResult<float> res = step_of();
       step = {count_only ? std::vector<float>{} : values_of(res), res.report.memory,
-              not_kept() - not_kept_before};
+              pool.cache().stats().not_reused() - not_reused};
     }
     rank.cache = pool.cache().stats();
     rank.peak_held = pool.peak_held();
