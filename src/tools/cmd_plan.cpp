@@ -54,11 +54,6 @@ struct PlanOptions {
   std::vector<std::string> plan_only_given;
 };
 
-// What the plan's gradients are held and reduced in: "fp32" or "bf16".
-const char* gradient_names(const PlanRequest& q) {
-  return gradient_bytes(q.dtype, q.grad_reduce) == 4 ? "fp32" : "bf16";
-}
-
 std::string fmt(const char* f, double v) {
   char b[64];
   std::snprintf(b, sizeof b, f, v);
@@ -136,7 +131,7 @@ std::string unbalanced_note(const PlanRequest& q) {
 std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
   std::ostringstream o;
   o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
-    << " (gradients " << gradient_names(q) << "), " << to_string(q.attention)
+    << " (gradients " << to_string(q.grad_reduce) << "), " << to_string(q.attention)
     << " attention, batch " << q.batch << ", " << to_string(q.seq_layout)
     << " seq shards; one MLA block, forward + backward + gradient all-reduce, predicted\n";
   o << "  timeline: each rank's collectives in issue order on one link, the compute between "
@@ -268,7 +263,7 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
   o << "; " << fmt("%.4g", double(n.total()) / 1e9) << "B parameters ("
     << fmt("%.4g", double(n.routed_experts) / 1e9) << "B in routed experts)\n";
   o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
-    << to_string(q.block.dtype) << " (gradients " << gradient_names(q.block) << "), "
+    << to_string(q.block.dtype) << " (gradients " << to_string(q.block.grad_reduce) << "), "
     << to_string(q.block.attention) << " attention, batch " << q.block.batch << ", "
     << to_string(q.block.seq_layout) << " seq shards, " << q.micro_batches
     << " micro-batch(es) a step; one training step, predicted; EP "
@@ -326,7 +321,7 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
        "2*D*V; backward 2x forward) / (devices x peak x step); attn%, a2a%: shares of the step; "
        "a2a GB/rk: EP bytes sent per rank and step; state: parameters + gradients + AdamW ("
     << (q.block.dtype == PlanDType::bf16
-            ? cat("bf16 params, ", gradient_names(q.block), " grads, fp32 master, m, v")
+            ? cat("bf16 params, ", to_string(q.block.grad_reduce), " grads, fp32 master, m, v")
             : std::string("fp32 params, grads, m, v"))
     << "); act: saved activations + the largest working set; fits: state + act <= "
     << gb(q.block.profile.device.memory_bytes) << " GB\n";
