@@ -135,10 +135,11 @@ class Fields {
 
 // The least figures a profile may give (below them a plan's times are inf
 // or NaN, or meaningless): a device of 1 MFLOP/s and 1 MB, 1 kB/s memory
-// and links; at most 10 s of link latency. The link figures are
-// comm/link_bounds.hpp's, which --link reads too.
+// and links, a thousand exponentials a second; at most 10 s of link
+// latency. The link figures are comm/link_bounds.hpp's, which --link reads
+// too.
 constexpr double kLeastFlops = 1e6, kLeastBytes = 1e6, kLeastBytesPerS = kLeastLinkBytesPerS,
-                 kMostLatencyUs = kMostLinkLatencyUs;
+                 kLeastExpPerS = 1e3, kMostLatencyUs = kMostLinkLatencyUs;
 
 LinkModel read_link(Fields f) {
   LinkModel l;
@@ -288,6 +289,12 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
     p.device.elementwise_bytes_per_s = d.has("elementwise_bytes_per_s")
                                            ? d.number("elementwise_bytes_per_s")
                                            : p.device.memory_bytes_per_s;
+    if (d.has("exp_per_s")) {
+      p.device.exp_per_s = d.number("exp_per_s");
+      LAGA_CHECK(p.device.exp_per_s >= kLeastExpPerS, "profile ", source,
+                 ": device.exp_per_s = ", p.device.exp_per_s, " is below any device's (at least ",
+                 kLeastExpPerS, " exponentials/s); leave it out where they are not the bound");
+    }
     d.done();
     LAGA_CHECK(p.device.memory_bytes >= kLeastBytes, "profile ", source,
                ": device.memory_bytes = ", p.device.memory_bytes,
@@ -355,6 +362,7 @@ std::string profile_json(const HardwareProfile& p) {
       {"devices_per_node", p.devices_per_node},
       {"intra_node", link_json(p.intra_node)},
       {"inter_node", link_json(p.inter_node)}};
+  if (p.device.exp_per_s > 0) j["device"]["exp_per_s"] = p.device.exp_per_s;
   if (p.shared_cores > 0) j["shared_cores"] = p.shared_cores;
   if (!p.measured_shapes.gemm.empty() || !p.measured_shapes.attention.empty())
     j["measured_shapes"] = shapes_json(p.measured_shapes);

@@ -9,6 +9,7 @@
 //       "peak_flops": {"fp32": 67e12, "bf16": 989.4e12},   // FLOP/s; null: not published
 //       "efficiency": {"gemm": 0.6, "attention": 0.4},     // achieved / peak, in (0, 1]
 //       "elementwise_bytes_per_s": 3.35e12,                // optional; default: memory_bytes_per_s
+//       "exp_per_s": 2e8,                                  // optional; default: not priced
 //       "memory_bytes": 80e9,                              // device memory
 //       "memory_bytes_per_s": 3.35e12                      // device memory bandwidth
 //     },
@@ -29,9 +30,18 @@
 //
 // Link bandwidths are per direction per device (comm/link_model.hpp); the
 // inter-node link is one device's share of its node's network. Every field
-// but elementwise_bytes_per_s and measured_shapes is required; an unknown
+// but elementwise_bytes_per_s, exp_per_s and measured_shapes is required; an unknown
 // key, a missing one, a wrong type, a non-finite, zero or negative number is
 // a laga::Error naming the source and the field.
+//
+// exp_per_s: the exponentials one device evaluates a second in the
+// elementwise kernels that call one per element (SwiGLU's silu, the MoE
+// gate's sigmoid, the cross-entropy's softmax), each loop at that rate
+// (`laga plan --measure` times swiglu_forward, one exp and a division per
+// element, on one thread). On a CPU these loops run at a few ns an element,
+// ten times what their bytes cost at the copy bandwidth; on a GPU the
+// special-function units keep them memory-bound, so the shipped GPU
+// profiles leave it out and the time model prices their bytes alone.
 //
 // shared_cores: the ranks do not each have a device but run as threads of
 // one host of this many cores, as laga's in-process ranks do (`laga plan
@@ -87,6 +97,7 @@ struct DeviceProfile {
   std::optional<double> peak_flops_fp32, peak_flops_bf16;  // absent: not published
   double gemm_efficiency = 0, attention_efficiency = 0;    // achieved fraction of peak
   double elementwise_bytes_per_s = 0;                      // what memory-bound ops reach
+  double exp_per_s = 0;  // the elementwise kernels' exponentials a second; 0: not priced
   double memory_bytes = 0;
   double memory_bytes_per_s = 0;
 };

@@ -18,6 +18,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/swiglu.hpp"
 #include "mla/block.hpp"
 
 namespace laga {
@@ -178,6 +179,18 @@ double seconds_per_call(int sets, Call&& call) {
   return sample[samples / 2];
 }
 
+// Exponentials a second in the elementwise kernels that call one per
+// element: swiglu_forward (h = a sigmoid(a) b, a double exp and a division
+// per element) on one thread, 16K elements a call (192 KiB of operands: a
+// layer's shard-sized loop, from L2).
+double exp_rate() {
+  const std::int64_t n = 16 << 10;
+  const std::vector<float> a = random_floats(n, 21), b = random_floats(n, 22);
+  std::vector<float> h(static_cast<size_t>(n));
+  return double(n) /
+         seconds_per_call(1, [&](int) { swiglu_forward(h.data(), a.data(), b.data(), n); });
+}
+
 // Elements of a row-major (rows, cols) operand with row stride ld.
 std::int64_t strided(std::int64_t rows, std::int64_t cols, std::int64_t ld) {
   return rows == 0 ? 0 : (rows - 1) * ld + cols;
@@ -311,6 +324,8 @@ HardwareProfile measure_this_machine(const std::function<void(const std::string&
   const double peak = std::max(fma, gemm);
   say("memory bandwidth of one core");
   const double copy = copy_rate();
+  say("the elementwise kernels' exponentials on one core");
+  const double exps = exp_rate();
   say("the in-process communicator, 2 ranks");
   const LinkModel link = local_link();
   const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
@@ -322,6 +337,7 @@ HardwareProfile measure_this_machine(const std::function<void(const std::string&
   p.device.attention_efficiency = std::min(1.0, flash / peak);
   p.device.elementwise_bytes_per_s = copy;
   p.device.memory_bytes_per_s = copy;
+  p.device.exp_per_s = exps;
   p.device.memory_bytes = ram / cores;
   p.devices_per_node = cores;
   p.shared_cores = cores;  // laga's ranks here are threads sharing these cores

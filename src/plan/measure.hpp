@@ -14,6 +14,8 @@
 //                     against that peak
 //   elementwise_bytes_per_s, memory_bytes_per_s  one thread copying 64 MiB
 //                     buffers (read + write)
+//   exp_per_s         swiglu_forward on one thread, 16K elements a call (one
+//                     exp each): the rate of the loops that call exp per element
 //   memory_bytes      physical memory / cores
 //   intra_node        2 in-process ranks: the latency of a 4-byte all-to-all
 //                     round, the bandwidth of 8 MiB ones (the copy between

@@ -232,6 +232,27 @@ double layer_elementwise_elements(const LmConfig& cfg, std::int64_t l) {
   return n;
 }
 
+// Exponentials per token of layer l beyond the attention block, in one
+// forward (`forward`) and one backward: each SwiGLU's silu (swiglu_forward
+// and swiglu_backward each evaluate it) over its width, for the dense FFN,
+// the shared expert and the routed rows the device runs (per token: the
+// busiest owner's, as model_gemm_calls counts them), and the MoE gate's
+// sigmoid over the E experts (forward only: route_backward reads the saved
+// scores).
+struct Exponentials {
+  double forward = 0, backward = 0;
+};
+Exponentials layer_exponentials(const LmConfig& cfg, std::int64_t l, int ep) {
+  if (!cfg.is_moe_layer(l)) return {double(cfg.hidden()), double(cfg.hidden())};
+  const MoeConfig& m = *cfg.moe;
+  const double E = double(m.n_routed_experts);
+  const double routed_rows = double(m.num_experts_per_tok) * double(ep) *
+                             double(most_experts_per_device(m.n_routed_experts, ep)) / E;
+  const double silu =
+      routed_rows * double(m.moe_intermediate_size) + double(m.shared_intermediate_size());
+  return {silu + E, silu};
+}
+
 // The gradient sync of n elements per device over a group of G, on
 // `fabric`: one all-reduce, or with ZeRO-1 a reduce-scatter of the
 // gradients and an all-gather of the updated parameters (together the
@@ -298,11 +319,13 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   const std::int64_t counts_whole = std::int64_t(counts_bytes);
   const double counts_s =
       collective_seconds(CollectiveKind::all_to_all, ep, {counts_whole, counts_whole}, ep_fabric);
-  double ffn_flops = 0, elementwise_elements = 0;
+  double ffn_flops = 0, elementwise_elements = 0, exponentials = 0;
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     m.time.attention += block_s + (q.recompute ? block_forward_s : 0.0);
     ffn_flops += ffn_flops_forward(cfg, l);
     elementwise_elements += layer_elementwise_elements(cfg, l) * passes;  // forward 1x, backward 2x
+    const Exponentials x = layer_exponentials(cfg, l, ep);
+    exponentials += x.forward * (q.recompute ? 2.0 : 1.0) + x.backward;
     if (cfg.is_moe_layer(l)) {
       m.time.moe_a2a += a2a_calls * a2a_s + count_calls * counts_s;
       m.moe_a2a_bytes_per_rank += a2a_calls * a2a_bytes + count_calls * counts_bytes;
@@ -316,7 +339,13 @@ ModelPlan plan_one(const ModelPlanRequest& q, const PlanCase& block, const FormP
   // for the loss, read them and write their gradient (3 V).
   const double D = double(cfg.dim()), V = double(cfg.vocab);
   elementwise_elements += 2 * D + 12 * D + 3 * V;
+  exponentials += 2 * V;  // the cross-entropy's softmax, forward and backward
   m.time.elementwise = double(N) * elementwise_elements * double(e) / d.elementwise_bytes_per_s;
+  // Loops that call exp per element run at the profile's exp rate, where it
+  // has one (a CPU's: ~5 ns an element, against ~0.6 for their bytes); the
+  // bytes above are priced too, though the measured rate includes a loop's
+  // own loads and stores (a tenth of its time, counted twice).
+  if (d.exp_per_s > 0) m.time.elementwise += double(N) * exponentials / d.exp_per_s;
 
   // Gradients: the replicated parameters' over every device holding them
   // (P * dp), the routed experts' over the world / ep devices owning the same ones.

@@ -37,8 +37,10 @@
 // where the profile has them, else FLOPs at peak x gemm efficiency), the MoE's
 // all-to-alls (moe_counts, then the four row exchanges) on the EP group's
 // links (collective_seconds, the link model of every other plan), the layer's elementwise bytes at
-// the elementwise bandwidth; the head's FLOPs and the cross-entropy's bytes; the gradient sync;
-// AdamW's bytes. Every figure but the parameter, FLOP and byte counts is a prediction.
+// the elementwise bandwidth and its exponentials (SwiGLU's silu, the gate's sigmoid) at the
+// profile's exp_per_s where it has one (a CPU's; plan/hardware_profile.hpp); the head's FLOPs and
+// the cross-entropy's bytes and exponentials; the gradient sync; AdamW's bytes. Every figure but
+// the parameter, FLOP and byte counts is a prediction.
 #pragma once
 
 #include <cstdint>
@@ -228,7 +230,7 @@ struct ModelStepTime {
   double ffn = 0;          // the FFN GEMMs: dense, gate, routed and shared experts
   double moe_a2a = 0;      // the EP all-to-alls
   double head = 0;         // the LM head's GEMMs
-  double elementwise = 0;  // norms, residuals, SwiGLU, permutes, embedding, cross-entropy
+  double elementwise = 0;  // norms, residuals, SwiGLU, permutes, embedding, cross-entropy (+ exps)
   double grad_sync = 0;    // the gradients over the SP and DP ranks
   double optimizer = 0;    // AdamW's bytes
   double total() const {

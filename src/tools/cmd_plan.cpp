@@ -276,7 +276,13 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
   o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs by shape, "
        "at each shape's measured time where the profile has it, else at peak x "
     << fmt("%.3g", q.block.profile.device.gemm_efficiency)
-    << "; MoE all-to-alls: the mean bytes under uniform routing on the link model\n";
+    << "; MoE all-to-alls: the mean bytes under uniform routing on the link model; "
+       "elementwise: bytes at "
+    << fmt("%.3g", q.block.profile.device.elementwise_bytes_per_s / 1e9) << " GB/s"
+    << (q.block.profile.device.exp_per_s > 0
+            ? cat(", exponentials at ", fmt("%.3g", q.block.profile.device.exp_per_s), "/s")
+            : std::string(", exponentials not priced (the profile has no exp_per_s)"))
+    << "\n";
   for (const ModelPlanCase& c : r.cases) {
     o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ", EP "
       << (c.forms.empty() ? 0 : c.forms.front().ep) << ": " << c.sp * c.dp << " device(s) on "

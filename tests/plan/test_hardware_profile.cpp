@@ -34,6 +34,7 @@ TEST(HardwareProfile, ParsesEveryField) {
   EXPECT_EQ(p.device.attention_efficiency, 0.25);
   EXPECT_EQ(p.device.memory_bytes, 16e9);
   EXPECT_EQ(p.device.elementwise_bytes_per_s, 1e12);  // defaults to the memory bandwidth
+  EXPECT_EQ(p.device.exp_per_s, 0);                   // absent: exponentials not priced
   EXPECT_EQ(p.devices_per_node, 4);
   EXPECT_EQ(p.intra_node.bytes_per_s, 100e9);
   EXPECT_DOUBLE_EQ(p.intra_node.latency_s, 2e-6);
@@ -43,8 +44,14 @@ TEST(HardwareProfile, ParsesEveryField) {
 }
 
 TEST(HardwareProfile, RoundTripsThroughItsJson) {
-  const HardwareProfile a = parse_profile(kGood, "test");
+  json good = json::parse(kGood);
+  good["device"]["exp_per_s"] = 2.5e8;
+  const HardwareProfile a = parse_profile(good.dump(), "test");
+  EXPECT_EQ(a.device.exp_per_s, 2.5e8);
   const HardwareProfile b = parse_profile(profile_json(a), "again");
+  EXPECT_EQ(a.device.exp_per_s, b.device.exp_per_s);
+  // A profile without it writes none (reading it back gives 0, not priced).
+  EXPECT_EQ(profile_json(parse_profile(kGood, "t")).find("exp_per_s"), std::string::npos);
   EXPECT_EQ(a.name, b.name);
   EXPECT_EQ(a.description, b.description);
   EXPECT_EQ(a.device.peak_flops_fp32, b.device.peak_flops_fp32);
@@ -250,6 +257,10 @@ TEST(HardwareProfile, BadFieldsAreNamed) {
        "profile t: device.memory_bytes = 80 is below any device's"},
       {[](json& j) { j["device"]["memory_bytes_per_s"] = 3.35; },
        "profile t: device.memory_bytes_per_s = 3.35 is below any device's"},
+      {[](json& j) { j["device"]["exp_per_s"] = 1; },
+       "profile t: device.exp_per_s = 1 is below any device's"},
+      {[](json& j) { j["device"]["exp_per_s"] = "fast"; },
+       "profile t: device.exp_per_s must be a number"},
       {[](json& j) { j["intra_node"]["bytes_per_s"] = 1e-9; },
        "profile t: intra_node.bytes_per_s = 1e-09 is below any link's"},
       {[](json& j) { j["inter_node"]["latency_us"] = 1e300; },

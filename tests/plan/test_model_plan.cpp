@@ -454,6 +454,35 @@ TEST(ModelPlan, RanksSharingCoresShareTheLayersWork) {
   EXPECT_DOUBLE_EQ(make_model_plans(q).cases[0].forms[1].time.ffn, own.time.ffn);
 }
 
+// A profile with an exp rate prices the layers' exponentials at it, on top
+// of their bytes: per token, the dense SwiGLU's F forward and F backward,
+// each MoE layer's silu over the routed rows the device runs (the busiest
+// owner's: k ep ceil(E / ep) / E per token) and the shared expert's, forward
+// and backward, and the gate's E sigmoids forward; the cross-entropy's V
+// forward and V backward. Recompute runs the forwards again. Counted by hand
+// for moe_tiny (F 192, E 8, k 2, I 32, one shared expert of 32, V 256).
+TEST(ModelPlan, ExponentialsAtTheProfilesRateByHand) {
+  const double rate = 2.5e8;
+  for (int P : {2, 3, 4})
+    for (bool recompute : {false, true}) {
+      ModelPlanRequest q = request(moe_tiny(), {P});
+      q.recompute = recompute;
+      const ModelPlan without = make_model_plans(q).cases[0].forms[1];
+      q.block.profile.device.exp_per_s = rate;
+      const ModelPlan with = make_model_plans(q).cases[0].forms[1];
+      const double most = double((8 + P - 1) / P), rows = 2.0 * P * most / 8;  // per token
+      const double dense = 192, moe_fwd = rows * 32 + 32 + 8, moe_bwd = rows * 32 + 32;
+      const double forward = dense + 2 * moe_fwd, backward = dense + 2 * moe_bwd;
+      const double per_token = forward * (recompute ? 2 : 1) + backward + 2 * 256;
+      const double N =
+          double(SpLayout::even(1, 64, 4, P, SeqLayout::contiguous).largest_shard_tokens());
+      EXPECT_DOUBLE_EQ(with.time.elementwise - without.time.elementwise, N * per_token / rate)
+          << "P " << P << (recompute ? " recompute" : "");
+      EXPECT_DOUBLE_EQ(with.step_s - without.step_s, N * per_token / rate);
+      EXPECT_EQ(with.time.ffn, without.time.ffn);
+    }
+}
+
 // The layers' GEMM calls add up to the closed form's FLOPs (N k ep / E a
 // whole number of rows here), forward once and backward twice, with the
 // forward again under recompute; a measured shape replaces its calls'

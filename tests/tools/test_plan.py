@@ -348,6 +348,9 @@ elif case == "measure":
             failures.append(f"measured efficiency.{k} = {d['efficiency'][k]}")
     if d["peak_flops"]["bf16"] is not None or not d["peak_flops"]["fp32"] > 0:
         failures.append(f"measured peaks {d['peak_flops']}")
+    # The elementwise kernels' exp rate: a CPU evaluates 10^7 to 10^10 a second.
+    if not 1e7 < d.get("exp_per_s", 0) < 1e10:
+        failures.append(f"measured exp_per_s = {d.get('exp_per_s')}")
     shapes = prof.get("measured_shapes", {})
     if not shapes.get("gemm") or not shapes.get("attention"):
         failures.append(f"no measured GEMM or attention shapes: {shapes}")
