@@ -598,6 +598,17 @@ void add_seq_layout_option(CLI::App& app, std::string& seq_layout) {
       ->capture_default_str();
 }
 
+void add_grad_reduce_option(CLI::App& app, GradReduce& grad_reduce) {
+  app.add_option_function<std::string>(
+         "--grad-reduce",
+         [&grad_reduce](const std::string& s) { grad_reduce = parse_grad_reduce(s); },
+         "with --dtype bf16: the gradients held and all-reduced in fp32 (the default, as "
+         "Megatron and DeepSeek-V3 keep them) or bf16 (half their bytes: each rank's gradient "
+         "rounded to bf16, their fp32 sum rounded once)")
+      ->check(CLI::IsMember({to_string(GradReduce::fp32), to_string(GradReduce::bf16)}))
+      ->default_str(to_string(grad_reduce));
+}
+
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
                  "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "

@@ -103,6 +103,10 @@ void add_head_groups_option(CLI::App& app, int& head_groups);
 // --seq-layout contiguous|zigzag (SpLayout's SeqLayout), into a string the
 // command parses with parse_seq_layout.
 void add_seq_layout_option(CLI::App& app, std::string& seq_layout);
+// --grad-reduce fp32|bf16 (core/precision.hpp's GradReduce): compare, train
+// and plan hold and all-reduce gradients the same way, so one option and
+// one help text.
+void add_grad_reduce_option(CLI::App& app, GradReduce& grad_reduce);
 
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved

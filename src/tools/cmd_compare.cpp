@@ -63,12 +63,7 @@ void register_compare(CLI::App& app) {
        "collectives move bf16 (docs/accounting.md, \"bf16 on the wire\")")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->default_str("fp32");
-  c->add_option_function<std::string>(
-       "--grad-reduce", [o](const std::string& s) { o->grad_reduce = parse_grad_reduce(s); },
-       "with --dtype bf16: the gradient all-reduce in fp32 (the default) or bf16 (half the "
-       "bytes; each rank's gradient rounded to bf16, their fp32 sum rounded once)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->default_str("fp32");
+  add_grad_reduce_option(*c, o->grad_reduce);
   c->add_option("--doc-lens", o->doc_lens,
                 "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
                 "row); attention stays within documents")

@@ -650,12 +650,7 @@ void register_plan(CLI::App& app) {
                 "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
                 "whose figures are fp32)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
-  c->add_option_function<std::string>(
-       "--grad-reduce", [o](const std::string& s) { o->grad_reduce = parse_grad_reduce(s); },
-       "with --dtype bf16: the gradients held and all-reduced in fp32 (the default, as laga's "
-       "runs, Megatron and DeepSeek-V3 keep them) or bf16 (half their bytes and memory)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->default_str("fp32");
+  add_grad_reduce_option(*c, o->grad_reduce);
   c->add_option("--link", o->link,
                 "override every link of the profile: BW GB/s (10^9 bytes/s) per direction, and "
                 "LAT microseconds when given")

@@ -32,8 +32,8 @@ namespace {
 struct TrainCli {
   CommOptions comm;
   std::string form = "laga", attention = "flash", schedule = "constant";
-  std::string dtype = "fp32";        // --dtype: fp32 | bf16 (TrainOptions::precision)
-  std::string grad_reduce = "fp32";  // --grad-reduce: fp32 | bf16 (TrainOptions::grad_reduce)
+  std::string dtype = "fp32";                 // --dtype: fp32 | bf16 (TrainOptions::precision)
+  GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce (TrainOptions::grad_reduce)
   int sp = 1;
   std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
                batch = 1;
@@ -160,7 +160,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.seq_layout = parse_seq_layout(c.seq_layout);
   o.attention = parse_attention(c.attention);
   o.precision = parse_precision(c.dtype);
-  o.grad_reduce = parse_grad_reduce(c.grad_reduce);
+  o.grad_reduce = c.grad_reduce;
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
   o.sp = c.sp;
@@ -345,11 +345,7 @@ void register_train(CLI::App& app) {
                   "precision\")")
       ->check(CLI::IsMember({"fp32", "float32", "bf16"}))
       ->capture_default_str();
-  sub->add_option("--grad-reduce", c->grad_reduce,
-                  "with --dtype bf16: the gradient all-reduce in fp32 or bf16 (half the bytes; "
-                  "each rank's gradient rounded to bf16, their fp32 sum rounded once)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->capture_default_str();
+  add_grad_reduce_option(*sub, c->grad_reduce);
   sub->add_flag("--q-latent", c->q_latent,
                 "laga or laga2d with --q-lora-rank > 0: move the normalised query latent instead "
                 "of per-head Q (docs/forms.md)");
