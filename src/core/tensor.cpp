@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #include "core/error.hpp"
 
@@ -57,9 +58,68 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
     }
   }
   pool_ = &pool;
-  live_id_ = pool.on_alloc(
-      category_, this->bytes(),
-      pool.live_tracking() ? std::string(name ? name : "tensor") + " " + to_string(shape_) : "");
+  name_ = name;
+  live_id_ = register_bytes(pool, this->bytes(), "");
+}
+
+template <class T>
+std::int64_t Tensor<T>::register_bytes(MemoryPool& pool, std::int64_t bytes,
+                                       const char* suffix) const {
+  return pool.on_alloc(category_, bytes,
+                       pool.live_tracking() ? std::string(name_ ? name_ : "tensor") + " " +
+                                                  to_string(shape_) + suffix
+                                            : "");
+}
+
+template <class T>
+void Tensor<T>::narrow_to_bf16(Bf16Convert convert) {
+  LAGA_CHECK((std::is_same_v<T, float>)&&pool_ && !narrowed_,
+             "internal: only an fp32 tensor that owns its storage is held narrowed, once (shape ",
+             to_string(shape_), ")");
+  if constexpr (std::is_same_v<T, float>) {
+    MemoryPool& pool = *pool_;
+    const std::int64_t wide = bytes(), narrow = numel_ * std::int64_t(sizeof(bf16));
+    MemoryPool::Storage s;
+    if (numel_ > 0) {
+      s = pool.acquire_storage(narrow);
+      if (!s.data && !pool.count_only())
+        fail("out of memory allocating ", narrow, " bytes for the bf16 copy of a tensor of shape ",
+             to_string(shape_), "; use a smaller --seq/--batch or a larger --sp");
+    }
+    const std::int64_t id = register_bytes(pool, narrow, " bf16");
+    bf16* n = static_cast<bf16*>(s.data);
+    if (n && data_) {
+      if (convert)
+        convert(data_, n, numel_);
+      else
+        for (std::int64_t i = 0; i < numel_; ++i) n[i] = to_bf16(data_[i]);
+    }
+    if (data_ || mapped_ > 0) pool.release_storage({data_, mapped_}, wide);
+    pool.on_free(category_, wide, live_id_);
+    data_ = nullptr, narrow_ = n, narrowed_ = true, mapped_ = s.mapped, live_id_ = id;
+  }
+}
+
+template <class T>
+void Tensor<T>::widen_from_bf16() {
+  LAGA_CHECK(narrowed_, "internal: widen a tensor that is not narrowed (shape ", to_string(shape_),
+             ")");
+  MemoryPool& pool = *pool_;
+  const std::int64_t narrow = bytes(), wide = numel_ * std::int64_t(sizeof(T));
+  MemoryPool::Storage s;
+  if (numel_ > 0) {
+    s = pool.acquire_storage(wide);
+    if (!s.data && !pool.count_only())
+      fail("out of memory allocating ", wide, " bytes to widen a bf16 tensor of shape ",
+           to_string(shape_), "; use a smaller --seq/--batch or a larger --sp");
+  }
+  const std::int64_t id = register_bytes(pool, wide, "");
+  T* w = static_cast<T*>(s.data);
+  if (w && narrow_)
+    for (std::int64_t i = 0; i < numel_; ++i) w[i] = static_cast<T>(to_float(narrow_[i]));
+  if (narrow_ || mapped_ > 0) pool.release_storage({narrow_, mapped_}, narrow);
+  pool.on_free(category_, narrow, live_id_);
+  data_ = w, narrow_ = nullptr, narrowed_ = false, mapped_ = s.mapped, live_id_ = id;
 }
 
 template <class T>
@@ -82,9 +142,14 @@ Tensor<T>::Tensor(Tensor&& o) noexcept
       category_(o.category_),
       pool_(o.pool_),
       live_id_(o.live_id_),
-      mapped_(o.mapped_) {
+      mapped_(o.mapped_),
+      name_(o.name_),
+      narrowed_(o.narrowed_),
+      narrow_(o.narrow_) {
   o.live_id_ = 0;
   o.mapped_ = 0;
+  o.narrowed_ = false;
+  o.narrow_ = nullptr;
   o.shape_.clear();
   o.numel_ = 0;
   o.data_ = nullptr;
@@ -102,8 +167,13 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
     pool_ = o.pool_;
     live_id_ = o.live_id_;
     mapped_ = o.mapped_;
+    name_ = o.name_;
+    narrowed_ = o.narrowed_;
+    narrow_ = o.narrow_;
     o.live_id_ = 0;
     o.mapped_ = 0;
+    o.narrowed_ = false;
+    o.narrow_ = nullptr;
     o.shape_.clear();
     o.numel_ = 0;
     o.data_ = nullptr;
@@ -114,6 +184,7 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
 
 template <class T>
 Tensor<T> Tensor<T>::view_rows(Tensor& base, std::int64_t row0, std::int64_t rows) {
+  LAGA_CHECK(!base.narrowed_, "internal: a view of a narrowed tensor (widen it first)");
   LAGA_CHECK(base.rank() >= 1 && row0 >= 0 && rows >= 0 && row0 + rows <= base.dim(0),
              "internal: a view of rows [", row0, ", ", row0 + rows, ") of a tensor of shape ",
              to_string(base.shape_));
@@ -131,6 +202,7 @@ Tensor<T> Tensor<T>::view_rows(Tensor& base, std::int64_t row0, std::int64_t row
 template <class T>
 Tensor<T> Tensor<T>::clone(MemCategory cat) const {
   if (!defined()) return Tensor();  // shape {} would otherwise allocate one element
+  LAGA_CHECK(!narrowed_, "internal: a clone of a narrowed tensor (widen it first)");
   Tensor t(shape_, cat);
   if (t.data_ && data_) std::memcpy(t.data_, data_, static_cast<std::size_t>(bytes()));
   return t;
@@ -139,11 +211,13 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 template <class T>
 void Tensor<T>::reset() {
   if (pool_) {
-    if (data_ || mapped_ > 0) pool_->release_storage({data_, mapped_}, bytes());
+    if (storage() || mapped_ > 0) pool_->release_storage({storage(), mapped_}, bytes());
     pool_->on_free(category_, bytes(), live_id_);
   }
   live_id_ = 0;
   data_ = nullptr;
+  narrow_ = nullptr;
+  narrowed_ = false;
   mapped_ = 0;
   pool_ = nullptr;
   shape_.clear();
@@ -165,6 +239,7 @@ std::int64_t Tensor<T>::dim(int i) const {
 
 template <class T>
 void Tensor<T>::fill(T value) {
+  LAGA_CHECK(!narrowed_, "internal: fill of a narrowed tensor (widen it first)");
   if (data_) std::fill(data_, data_ + numel_, value);
 }
 

@@ -64,6 +64,22 @@ class Tensor {
   // Same elements, new extents: the product must not change.
   void reshape(Shape shape);
 
+  // Held narrowed (bf16 mixed precision's tensors kept for backward,
+  // mla/ops.hpp keep_narrowed): the storage replaced by the values rounded
+  // to bf16, 2 bytes an element, registered with the same pool under the
+  // same category; data() is null (an op on it is refused, as on an unbacked
+  // tensor) until widen_from_bf16 gives back fp32 storage holding those
+  // values (exactly: bf16 -> fp32 is exact). The new storage is registered
+  // before the old is given back, as both exist while the values are
+  // converted. Only an fp32 tensor that owns its storage narrows. `convert`
+  // (n values, the same bits as to_bf16's) is the vectorised conversion the
+  // op layer passes (kernels/bf16_convert.hpp); null: to_bf16, one by one.
+  using Bf16Convert = void (*)(const float*, bf16*, std::int64_t);
+  void narrow_to_bf16(Bf16Convert convert = nullptr);
+  void widen_from_bf16();
+  bool narrowed() const { return narrowed_; }
+  const bf16* narrowed_data() const { return narrowed_ ? narrow_ : nullptr; }
+
   T* data() { return data_; }
   const T* data() const { return data_; }
   bool backed() const { return data_ != nullptr || numel_ == 0; }
@@ -72,7 +88,9 @@ class Tensor {
   std::int64_t dim(int i) const;
   int rank() const { return static_cast<int>(shape_.size()); }
   std::int64_t numel() const { return numel_; }
-  std::int64_t bytes() const { return numel_ * static_cast<std::int64_t>(sizeof(T)); }
+  std::int64_t bytes() const {
+    return numel_ * (narrowed_ ? std::int64_t(sizeof(bf16)) : std::int64_t(sizeof(T)));
+  }
   MemCategory category() const { return category_; }
 
   T& operator[](std::int64_t i) { return data_[i]; }
@@ -90,6 +108,13 @@ class Tensor {
   // > 0: pool_'s block cache gave the storage (or, count-only, counted it),
   // a block of this many mapped bytes.
   std::int64_t mapped_ = 0;
+  const char* name_ = nullptr;  // what the pool's live list calls it
+  bool narrowed_ = false;       // the storage is narrow_ (bf16), data_ is null
+  bf16* narrow_ = nullptr;
+  // The storage as the pool handed it out: data_, or narrow_ when narrowed.
+  void* storage() const { return narrowed_ ? static_cast<void*>(narrow_) : data_; }
+  // Registers `bytes` under this tensor's category and name (+ `suffix`).
+  std::int64_t register_bytes(MemoryPool& pool, std::int64_t bytes, const char* suffix) const;
 };
 
 using TensorF = Tensor<float>;

@@ -315,7 +315,8 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
 template <class T>
 void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                                 const T* dout, const T* q, const T* k, const T* v, const T* o,
-                                const T* stats, T* dp, const T* eager_delta) {
+                                const T* stats, T* dp, const T* eager_delta,
+                                const NarrowedQkv* narrowed) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   // Per (query, key) pair and head, forward does q.k (dqk) and p.v (dv).
   // Eager's backward: dv = p^T do and dp = do v^T (dv each), dq = ds k and
@@ -327,23 +328,39 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   });
   // Eager reads the saved probabilities, writes dp and reads it back.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
-  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, q, k, v, eager ? dp : o})) return;
+  LAGA_CHECK(!narrowed || ops::in_bf16<T>(), "internal: narrowed q, k, v outside a bf16 run");
+  const void* qp = narrowed ? static_cast<const void*>(narrowed->q) : q;
+  const void* kp = narrowed ? static_cast<const void*>(narrowed->k) : k;
+  const void* vp = narrowed ? static_cast<const void*>(narrowed->v) : v;
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, eager ? dp : o})) return;
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
-    // the recomputed scores); dq, dk, dv are the kernel's fp32 sums.
+    // the recomputed scores), or, held narrowed, read as the bf16 values
+    // they are; dq, dk, dv are the kernel's fp32 sums.
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
-      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot;
+      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot,
+          ops::bf16_path::widened_fp32;
       const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                          nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
+      // One operand as the kernel takes it: bf16, or fp32 holding bf16 values.
+      const auto as_bf16 = [&](Slot slot, const T* x, const bf16* held, std::int64_t n) {
+        return held ? held : operand(slot, x, n);
+      };
+      const auto as_fp32 = [&](Slot slot, const T* x, const bf16* held, std::int64_t n) {
+        return held ? widened_fp32(slot, held, n) : rounded_fp32(slot, x, n);
+      };
+      const NarrowedQkv none;
+      const NarrowedQkv& held = narrowed ? *narrowed : none;
       if (flash_bf16_isa() == FlashBf16Isa::fp32)  // as forward
-        attention_flash_backward(
-            s, dq, dk, dv, rounded_fp32(Slot::fourth, dout, nd), rounded_fp32(Slot::first, q, nq),
-            rounded_fp32(Slot::second, k, nk), rounded_fp32(Slot::third, v, nv), o, stats);
+        attention_flash_backward(s, dq, dk, dv, rounded_fp32(Slot::fourth, dout, nd),
+                                 as_fp32(Slot::first, q, held.q, nq),
+                                 as_fp32(Slot::second, k, held.k, nk),
+                                 as_fp32(Slot::third, v, held.v, nv), o, stats);
       else
-        attention_flash_backward_bf16(s, dq, dk, dv, operand(Slot::fourth, dout, nd),
-                                      operand(Slot::first, q, nq), operand(Slot::second, k, nk),
-                                      operand(Slot::third, v, nv), o, stats);
+        attention_flash_backward_bf16(
+            s, dq, dk, dv, operand(Slot::fourth, dout, nd), as_bf16(Slot::first, q, held.q, nq),
+            as_bf16(Slot::second, k, held.k, nk), as_bf16(Slot::third, v, held.v, nv), o, stats);
     }
     return;
   }
@@ -371,8 +388,10 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> dp;  // eager: one head's dp at a time
   if (eager) dp = Tensor<T>({s.Sq, s.Sk}, "eager dp scratch");
+  const NarrowedQkv held{q.narrowed_data(), k.narrowed_data(), v.narrowed_data()};
+  const bool narrowed = q.narrowed() || k.narrowed() || v.narrowed();
   attend_backward(st, s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                  o.data(), stats.data(), dp.data());
+                  o.data(), stats.data(), dp.data(), nullptr, narrowed ? &held : nullptr);
   dp.reset();
   stats.reset();
 }
@@ -385,6 +404,8 @@ Tensor<T> Pieces<T>::project_out(const Step& st, const MlaParams<T>& w, const Te
                "out_a2a");
   out = Tensor<T>({st.B, st.L, st.D}, "out");
   ops::linear(mat(out), mat(o_loc), w.wo);
+  // Backward reads it only as wo's gradient's GEMM operand, rounded there.
+  ops::keep_narrowed(o_loc);
   return o_loc;
 }
 
@@ -392,6 +413,7 @@ template <class T>
 Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
                                           const Tensor<T>& dout, Tensor<T>& o_loc,
                                           MlaParams<T>& grads) {
+  ops::widen_kept(o_loc);
   Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_loc");
   ops::Mat<T> do_loc_m = mat(do_loc);
   ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
@@ -512,7 +534,12 @@ typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaPara
     if (!latent) r.q_h = P::queries_to_heads(st, w, in);
     lat = P::gather_latent(st, c_hat, in.kv_a_rows(st));
   }
-  if (up == UpProjection::stored) P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
+  if (up == UpProjection::stored) {
+    P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);
+    // [c_hat | k_pe]: RMSNorm's and RoPE's rounded outputs, gathered as
+    // bf16, so bf16 values; backward reads it as wkv_b's GEMM operand.
+    ops::keep_narrowed(lat);
+  }
   return r;
 }
 
@@ -522,6 +549,7 @@ void LagaInputs<T>::backward(const Step& st, const MlaParams<T>& w, const Tensor
                              MlaParams<T>& grads) {
   Tensor<T> dproj;  // rq == 0: the per-head dq lands in it
   Tensor<T> dq = queries_backward(st, w, dq_h, dproj, grads);
+  ops::widen_kept(lat);
   Tensor<T> dlat = Pieces<T>::up_project_kv_backward(st, w, lat, st.Sk, dk_h, dv_h, grads);
   latent_backward(st, w, x, dq, dproj, dlat, dx, grads);
 }
@@ -619,6 +647,9 @@ void HeadAttention<T>::forward(const Step& st, const MlaParams<T>& w, Tensor<T>&
   stats = Pieces<T>::attention_forward(st, st.head_attention(), o_att, q_h, k_h, v_h);
   o_loc = Pieces<T>::project_out(st, w, o_att, out);
   if (st.ctx.attention == AttentionKind::eager) o_att.reset();  // only flash's backward reads o
+  // Backward reads q, k, v only as attention's operands, rounded there (o_att
+  // stays fp32: flash's backward reads it in fp32, for D = rowsum(dO o)).
+  ops::keep_narrowed(q_h), ops::keep_narrowed(k_h), ops::keep_narrowed(v_h);
 }
 
 template <class T>
@@ -672,10 +703,14 @@ std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
   return calls;
 }
 
-// Row r of a (rows, H_r, d) view of t.
+// Row r of a (rows, H_r, d) view of t (of its bf16 values, held narrowed).
 template <class T>
 T* row(const Step& st, Tensor<T>& t, std::int64_t d, std::int64_t r) {
   return at(t.data(), r * st.Hr * d);
+}
+template <class T>
+const bf16* narrowed_row(const Step& st, const Tensor<T>& t, std::int64_t d, std::int64_t r) {
+  return at(t.narrowed_data(), r * st.Hr * d);
 }
 
 }  // namespace
@@ -695,6 +730,8 @@ void RangeAttention<T>::forward(const Step& st) {
     Pieces<T>::attend(st, c.shape, row(st, o_att, st.dv, c.q_row), at(stats.data(), c.stats),
                       row(st, q_h, st.dqk, c.q_row), row(st, k_h, st.dqk, c.kv_row),
                       row(st, v_h, st.dv, c.kv_row));
+  // As HeadAttention's: backward reads q, k, v only as attention's operands.
+  ops::keep_narrowed(q_h), ops::keep_narrowed(k_h), ops::keep_narrowed(v_h);
 }
 
 template <class T>
@@ -721,11 +758,15 @@ typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Te
       const AttnShape& s = c.shape;
       T* dk = c.all_keys ? row(st, g.dk_h, st.dqk, c.kv_row) : dk_part.data();
       T* dv = c.all_keys ? row(st, g.dv_h, st.dv, c.kv_row) : dv_part.data();
+      const typename Pieces<T>::NarrowedQkv held{narrowed_row(st, q_h, st.dqk, c.q_row),
+                                                 narrowed_row(st, k_h, st.dqk, c.kv_row),
+                                                 narrowed_row(st, v_h, st.dv, c.kv_row)};
+      const bool narrowed = q_h.narrowed() || k_h.narrowed() || v_h.narrowed();
       Pieces<T>::attend_backward(st, s, row(st, g.dq_h, st.dqk, c.q_row), dk, dv,
                                  row(st, do_h, st.dv, c.q_row), row(st, q_h, st.dqk, c.q_row),
                                  row(st, k_h, st.dqk, c.kv_row), row(st, v_h, st.dv, c.kv_row),
                                  row(st, o_att, st.dv, c.q_row), at(stats.data(), c.stats),
-                                 dp_scratch.data());
+                                 dp_scratch.data(), nullptr, narrowed ? &held : nullptr);
       if (c.all_keys) continue;
       ops::add(mat(g.dk_h, st.B * kv_rows, st.Hr * st.dqk).row_range(c.kv_row, s.Sk),
                mat(std::as_const(dk_part), part, st.Hr * st.dqk).row_range(0, s.Sk));

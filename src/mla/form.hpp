@@ -229,9 +229,15 @@ struct Pieces {
   // (eager_delta; attention.hpp says why); flash reads o for it.
   static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
                      const T* v, T* eager_lse = nullptr);
+  // q, k, v held narrowed (ops::keep_narrowed; bf16 runs only): `narrowed`
+  // gives their bf16 values, read in place of q, k, v (null then).
+  struct NarrowedQkv {
+    const bf16 *q = nullptr, *k = nullptr, *v = nullptr;
+  };
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
-                              const T* stats, T* dp, const T* eager_delta = nullptr);
+                              const T* stats, T* dp, const T* eager_delta = nullptr,
+                              const NarrowedQkv* narrowed = nullptr);
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,

@@ -83,6 +83,7 @@ struct AbsorbedTape final : Tape<T> {
     o_lat.reset(), q_abs.reset(), v_lat.reset(), lat.reset();
 
     // Through q_abs = [q_nope W_UK | q_pe].
+    ops::widen_kept(q_h);
     Tensor<T> dq_h({st.B, st.S, st.Hr, st.dqk}, "dq_h");
     {
       const ops::Mat<const T> dqa = mat(std::as_const(dq_abs), st.NS, st.Hr * st.W);
@@ -143,6 +144,10 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
                 Tp::w_uv(st, w.wkv_b, h), true);
   }
   t->o_loc = P::project_out(st, w, o_h, out);
+  // Backward reads q_abs, lat and v_lat only as attention's operands and
+  // q_h as W_UK's gradient's GEMM operand, each rounded there: kept at 2
+  // bytes (ops::keep_narrowed). o_lat stays fp32 (flash's D reads it).
+  for (Tensor<T>* k : {&t->q_h, &t->lat, &t->v_lat, &t->q_abs}) ops::keep_narrowed(*k);
   return t;
 }
 

@@ -100,6 +100,9 @@ struct LagaFusedTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
+    // The kernel reads q and the latent in fp32: widened first, while the
+    // least is live (each is briefly there in both widths).
+    ops::widen_kept(q_h), ops::widen_kept(inputs.lat);
     Tensor<T> do_h = Pieces<T>::project_out_backward(st, w, dout, o_loc, grads);
     Tensor<T> dq_h({st.B, st.S, st.Hr, st.dqk}, "dq_h");
     // The kernel writes dc and dk_pe of every key; a rank without heads
@@ -142,6 +145,9 @@ std::unique_ptr<Tape<T>> laga_fused_forward(const Step& st, const MlaParams<T>& 
   if (ops::runs(st.B * st.S * st.Hr, {t->o_att.data(), t->lse.data(), p.q, p.c}))
     attention_flash_latent_forward<T>(p, t->o_att.data(), t->lse.data());
   t->o_loc = Pieces<T>::project_out(st, w, t->o_att, out);
+  // q_h and the gathered latent hold bf16 values (rounded where made,
+  // moved as bf16): kept at 2 bytes until backward widens them.
+  ops::keep_narrowed(t->q_h), ops::keep_narrowed(t->inputs.lat);
   return t;
 }
 

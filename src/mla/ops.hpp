@@ -34,6 +34,7 @@
 // through slicing, so no arithmetic is ever done on a null pointer.
 #pragma once
 
+#include <atomic>
 #include <compare>
 #include <cstdint>
 #include <cstring>
@@ -46,6 +47,7 @@
 #include "core/precision.hpp"
 #include "core/tensor.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/bf16_convert.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
@@ -235,6 +237,25 @@ bool in_bf16() {
   LAGA_CHECK((std::is_same_v<T, float>),
              "bf16 mixed precision runs the float path: it needs T = float, not double");
   return true;
+}
+
+// bf16 mixed precision keeps a tensor for backward at 2 bytes an element
+// (Tensor::narrow_to_bf16) where doing so changes no bit of the step: the
+// tensor holds bf16 values already (a GEMM's fresh output, RMSNorm's y, what
+// a bf16 collective delivered), or backward reads it only as an operand the
+// op layer rounds to bf16 anyway (a GEMM's, attention's q, k, v). Each
+// caller names which (docs/accounting.md, "Held at 2 bytes"); widen_kept
+// gives the fp32 tensor back before backward reads it elsewhere. fp32 and
+// double runs keep every tensor as it is.
+inline std::atomic<bool> narrow_kept_tensors{true};  // tests switch it off to compare bits
+template <class T>
+void keep_narrowed(Tensor<T>& t) {
+  if (t.defined() && !t.narrowed() && in_bf16<T>() && narrow_kept_tensors)
+    t.narrow_to_bf16(&convert_to_bf16);
+}
+template <class T>
+void widen_kept(Tensor<T>& t) {
+  if (t.narrowed()) t.widen_from_bf16();
 }
 
 // A read-only operand: a Mat<const T> that a Mat<T> converts to (outside

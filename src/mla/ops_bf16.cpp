@@ -102,6 +102,13 @@ const float* rounded_fp32(Slot slot, const float* x, std::int64_t n) {
   return out;
 }
 
+const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n) {
+  float* out = scratch<float>(slot, n);
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; ++j) out[j] = to_float(x[j]);
+  return out;
+}
+
 // Through the vectorised conversions (the same bits as to_bf16, one value at
 // a time: kernels/bf16_convert.hpp), a chunk of a row at a time.
 void round_in_place(const Mat<float>& m) {

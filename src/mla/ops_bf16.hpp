@@ -73,6 +73,10 @@ const bf16* operand(Slot slot, const float* x, std::int64_t n);
 // rounded in one pass instead of a bf16 copy widened again.
 const float* rounded_fp32(Slot slot, const Mat<const float>& m);
 const float* rounded_fp32(Slot slot, const float* x, std::int64_t n);
+// n bf16 values (a narrowed tensor's, Tensor::narrowed_data) widened to
+// fp32 in this thread's fp32 scratch of `slot`: what rounded_fp32 gives for
+// the tensor they were narrowed from.
+const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n);
 
 // The bytes this thread's operand scratch holds (every slot's capacity, both
 // types), and freeing it. The scratch is outside the memory pool and the

@@ -558,6 +558,7 @@ struct RingTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
+    ops::widen_kept(q), ops::widen_kept(own);
     // do (B, L, H dv) = dout wo; wo += dout^T o.
     Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
     {
@@ -584,6 +585,10 @@ std::unique_ptr<Tape<T>> ring_forward(const Step& st, const MlaParams<T>& w, con
   t->o_loc = t->att.forward(st, w, t->codec, t->q, t->own);
   out = Tensor<T>({st.B, st.L, st.D}, "out");
   ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
+  // The queries and the own block hold bf16 values (GEMMs' and RoPE's
+  // rounded outputs) and are kept at 2 bytes (ops::keep_narrowed); o_loc
+  // is the merged output in fp32, whose D = rowsum(dO o) backward reads.
+  ops::keep_narrowed(t->q), ops::keep_narrowed(t->own);
   return t;
 }
 

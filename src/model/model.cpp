@@ -340,6 +340,10 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
     ops::rmsnorm(ops::mat(ls.n1, N, D), ls.rstd1, ops::mat(x, N, D), p.attn_norm, eps);
     Tensor<T> att;
     mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    // Kept at 2 bytes under bf16 (mla/ops.hpp, keep_narrowed): RMSNorm's
+    // rounded y, a bf16 value (so are n2, a and b: RMSNorm's and the GEMMs'
+    // fresh outputs); g is read back only as w2's GEMM operand.
+    ops::keep_narrowed(ls.n1);
     ls.h = Tensor<T>({B, L, D});
     ops::copy(ops::mat(ls.h, N, D), ops::mat(x, N, D));
     ops::add(ops::mat(ls.h, N, D), ops::mat(att, N, D));
@@ -368,6 +372,8 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
       m = Tensor<T>({N, D});
       ops::linear(ops::mat(m), ops::mat(ls.g), p.w2);
     }
+    ops::keep_narrowed(ls.n2), ops::keep_narrowed(ls.a), ops::keep_narrowed(ls.b);
+    ops::keep_narrowed(ls.g), keep_narrowed(ls.moe);
     x = Tensor<T>({B, L, D});
     ops::copy(ops::mat(x, N, D), ops::mat(ls.h, N, D));
     ops::add(ops::mat(x, N, D), ops::mat(m));
@@ -378,6 +384,7 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   s.xf = std::move(x);
   s.logits = Tensor<T>({N, V});
   ops::linear(ops::mat(s.logits), ops::mat(s.nf), w.head);
+  ops::keep_narrowed(s.nf);  // RMSNorm's y; the logits are overwritten by their gradient
   s.lse = Tensor<double>({N});
   Tensor<T> loss({N});
   double sum = 0.0;  // sequential: the same bits on every backend
@@ -399,6 +406,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
   // dlogits in place of the logits: they are not needed after this.
   if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
     cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
+  ops::widen_kept(s.nf);
   Tensor<T> dn({N, D});
   ops::Mat<T> dn_mat = ops::mat(dn);
   ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), ops::mat(s.nf), w.head);
@@ -413,6 +421,8 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     LayerSaved<T>& ls = s.layers[size_t(l)];
     // x_out = h + ffn(n2): dx flows to h unchanged and through the FFN to
     // dn2 (N, D): dn for a dense layer, dmoe for an MoE layer.
+    ops::widen_kept(ls.n2), ops::widen_kept(ls.a), ops::widen_kept(ls.b);
+    ops::widen_kept(ls.g), widen_kept(ls.moe);
     Tensor<T> dmoe;
     if (cfg.is_moe_layer(l)) {
       dmoe = moe_backward(*cfg.moe, p.moe, ls.n2.data(), ls.moe, dx.data(), gp.moe,
@@ -435,6 +445,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d h
     // h = x + attn(n1)
     Tensor<T> dn1;
+    ops::widen_kept(ls.n1);
     mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
     ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
                           ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1);

@@ -548,7 +548,19 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   return dx;
 }
 
+template <class T>
+void keep_narrowed(MoeSaved<T>& s) {
+  for (Tensor<T>* t : {&s.a, &s.b, &s.h, &s.y, &s.sa, &s.sb, &s.sh, &s.xe}) ops::keep_narrowed(*t);
+}
+
+template <class T>
+void widen_kept(MoeSaved<T>& s) {
+  for (Tensor<T>* t : {&s.a, &s.b, &s.h, &s.y, &s.sa, &s.sb, &s.sh, &s.xe}) ops::widen_kept(*t);
+}
+
 #define LAGA_INSTANTIATE(T)                                                                 \
+  template void keep_narrowed<T>(MoeSaved<T>&);                                             \
+  template void widen_kept<T>(MoeSaved<T>&);                                                \
   template struct MoeParams<T>;                                                             \
   template MoeForward<T> moe_forward<T>(const MoeConfig&, const MoeParams<T>&, const T*,    \
                                         std::int64_t, std::int64_t, const ExpertParallel*); \

@@ -138,6 +138,16 @@ struct MoeSaved {
   Tensor<T> xe;                    // (M, D) the rows the owned experts ran, expert-major
 };
 
+// bf16 runs hold a layer's expert activations at 2 bytes from forward to
+// backward (mla/ops.hpp, keep_narrowed), which changes no bit: a, b, sa, sb
+// are GEMMs' fresh outputs and y, xe what bf16 exchanges delivered (bf16
+// values already), and backward reads h and sh only as w2's GEMM operand,
+// rounded there. widen_kept gives them back in fp32 before moe_backward.
+template <class T>
+void keep_narrowed(MoeSaved<T>& s);
+template <class T>
+void widen_kept(MoeSaved<T>& s);
+
 template <class T>
 struct MoeForward {
   Tensor<T> out;  // (N, D)

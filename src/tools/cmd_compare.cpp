@@ -59,8 +59,9 @@ void register_compare(CLI::App& app) {
        "--dtype", [o](const std::string& s) { o->precision = parse_precision(s); },
        "precision of the runs: fp32, or bf16 mixed precision (every GEMM and attention operand "
        "rounded to bf16, fp32 sums; flash attention only; docs/performance.md, \"bf16 mixed "
-       "precision\"). Tensors stay fp32 containers (memory is fp32's); the activation "
-       "collectives move bf16 (docs/accounting.md, \"bf16 on the wire\")")
+       "precision\"). Tensors computed with stay fp32 containers; those kept for backward "
+       "are held at 2 bytes where that changes no bit (docs/accounting.md, \"Held at 2 "
+       "bytes\"); the activation collectives move bf16 (\"bf16 on the wire\")")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->default_str("fp32");
   add_grad_reduce_option(*c, o->grad_reduce);

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -168,6 +169,58 @@ TYPED_TEST(TensorTest, ViewRowsSharesStorageAndRegistersNothing) {
   EXPECT_EQ(v.data(), nullptr);
   EXPECT_FALSE(v.backed());
   EXPECT_EQ(counting.current(MemCategory::activations), 8 * sz);
+}
+
+// Held narrowed (bf16 mixed precision's kept tensors): the values rounded to
+// bf16 in 2 bytes an element under the same category; the fp32 storage
+// given back after the bf16 is registered (the peak sees both); data() null
+// until widened, which gives back exactly the bf16 values; moves carry the
+// state, and a view, clone or fill of a narrowed tensor is refused. Count-
+// only pools count the same bytes.
+TEST(Tensor, NarrowedHoldsBf16ValuesAtTwoBytes) {
+  MemoryPool pool;
+  PoolScope scope(pool);
+  TensorF t({3, 4}, MemCategory::activations);
+  for (std::int64_t i = 0; i < 12; ++i) t[i] = 1.0f + float(i) / 3.0f;  // most not bf16 values
+  const std::int64_t before_peak = pool.peak_total();
+  t.narrow_to_bf16();
+  EXPECT_TRUE(t.narrowed());
+  EXPECT_EQ(t.data(), nullptr);
+  EXPECT_FALSE(t.backed());
+  EXPECT_EQ(t.bytes(), 24);
+  EXPECT_EQ(pool.current(MemCategory::activations), 24);
+  EXPECT_EQ(pool.peak_total(), std::max<std::int64_t>(before_peak, 48 + 24));
+  for (std::int64_t i = 0; i < 12; ++i)
+    EXPECT_EQ(t.narrowed_data()[i], to_bf16(1.0f + float(i) / 3.0f));
+  EXPECT_THROW(TensorF::view_rows(t, 0, 1), Error);
+  EXPECT_THROW(t.clone(), Error);
+  EXPECT_THROW(t.fill(0.0f), Error);
+  EXPECT_THROW(t.narrow_to_bf16(), Error);  // once
+  TensorF moved = std::move(t);
+  EXPECT_TRUE(moved.narrowed());
+  EXPECT_FALSE(t.narrowed());
+  moved.widen_from_bf16();
+  EXPECT_FALSE(moved.narrowed());
+  EXPECT_EQ(pool.current(MemCategory::activations), 48);
+  for (std::int64_t i = 0; i < 12; ++i)
+    EXPECT_EQ(moved[i], to_float(to_bf16(1.0f + float(i) / 3.0f)));
+  EXPECT_THROW(moved.widen_from_bf16(), Error);
+  moved.narrow_to_bf16();
+  moved.reset();
+  EXPECT_EQ(pool.current_total(), 0);
+  // Only fp32 narrows.
+  TensorD d({2});
+  EXPECT_THROW(d.narrow_to_bf16(), Error);
+  // Count-only: the same bytes, no storage.
+  MemoryPool counting;
+  counting.set_count_only(true);
+  PoolScope count_scope(counting);
+  TensorF c({5});
+  c.narrow_to_bf16();
+  EXPECT_EQ(counting.current(MemCategory::activations), 10);
+  c.widen_from_bf16();
+  EXPECT_EQ(counting.current(MemCategory::activations), 20);
+  EXPECT_EQ(counting.peak_total(), 30);
 }
 
 TYPED_TEST(TensorTest, MoveAssignFreesTheOldStorage) {

@@ -294,6 +294,75 @@ TEST(Bf16, WireConvertsInPlace) {
   }
 }
 
+// The tensors bf16 runs keep for backward at 2 bytes (ops::keep_narrowed:
+// the attention's q, k, v, o_loc and each form's other tensors that hold
+// bf16 values or that backward reads only as rounded operands) change no
+// bit: every form and variant, overlap on and off, at P 1-4 with uneven
+// shards, zigzag and packed, rq 0 and > 0, gives the same out, dx and
+// gradients with them held narrowed as with them kept in fp32; and at P 1
+// explicit's and laga's activations after forward are smaller by exactly 2
+// bytes an element of q_h, k_h, v_h (B, S, H, dqk / dqk / dv) and o_loc
+// (B, S, H dv), and laga's by its gathered latent (B, S, C+dr) too, in the
+// pool and in the memory model.
+TEST(Bf16, KeptTensorsHeldAt2BytesChangeNoBit) {
+  const std::int64_t B = 2, S = 13;
+  struct Case {
+    SpLayout lay;
+    std::string doc_lens;  // empty: one document a row
+  };
+  const std::vector<Case> cases{{SpLayout::custom(B, {13}, {5}), ""},
+                                {SpLayout::custom(B, {7, 6}, {3, 2}), ""},
+                                {SpLayout::custom(B, {5, 4, 4}, {2, 2, 1}), ""},
+                                {SpLayout::custom(B, {4, 3, 3, 3}, {2, 1, 1, 1}), ""},
+                                {SpLayout::even(B, S, 5, 4, SeqLayout::zigzag), ""},
+                                {SpLayout::even(B, S, 5, 2), "4,5,4"}};
+  struct Restore {
+    ~Restore() { ops::narrow_kept_tensors = true; }
+  } restore;
+  for (std::int64_t rq : {0, 7}) {
+    const MlaConfig cfg = test_config(rq);
+    const Inputs<float> in = make_inputs(cfg, B, S);
+    for (const Case& c : cases) {
+      std::optional<Documents> docs;
+      if (!c.doc_lens.empty()) docs = Documents::parse_lengths(c.doc_lens, B, S);
+      for (FormVariant v : test::form_variants(cfg, test::WithOverlap::yes)) {
+        const std::string tag =
+            to_string(v) + " rq" + std::to_string(rq) + " " + c.lay.describe() + " " + c.doc_lens;
+        RunSpec spec;
+        spec.variant = v;
+        spec.attention = AttentionKind::flash;
+        spec.documents = docs ? &*docs : nullptr;
+        const UsePrecision bf16(Precision::bf16);
+        ops::narrow_kept_tensors = true;
+        const BlockRun<float> held = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+        ops::narrow_kept_tensors = false;
+        const BlockRun<float> kept = run_local(cfg, c.lay, in.w, in.x, in.dout, spec);
+        const auto a = tensors(held), b = tensors(kept);
+        ASSERT_EQ(a.size(), b.size());
+        for (std::size_t i = 0; i < a.size(); ++i)
+          EXPECT_EQ(std::memcmp(a[i].second->data(), b[i].second->data(),
+                                std::size_t(a[i].second->bytes())),
+                    0)
+              << tag << " " << a[i].first << " differs with the kept tensors held narrowed";
+        if (c.lay.ranks != 1 || !(v == Form::explicit_form || v == Form::laga)) continue;
+        const std::int64_t H = cfg.n_heads, dqk = cfg.qk_head_dim(), dv = cfg.v_head_dim;
+        // laga keeps its gathered latent (B, S, C+dr) at 2 bytes too.
+        const std::int64_t latent =
+            v == Form::laga ? B * S * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) : 0;
+        const std::int64_t narrowed = B * S * H * (2 * dqk + dv) + B * S * H * dv + latent;
+        EXPECT_EQ(held.ranks[0].memory.after_forward,
+                  kept.ranks[0].memory.after_forward - 2 * narrowed)
+            << tag;
+        for (bool on : {true, false}) {
+          ops::narrow_kept_tensors = on;
+          const MemoryPrediction m = predict_memory(cfg, c.lay, v, AttentionKind::flash, 0, 4);
+          EXPECT_EQ(m.after_forward, (on ? held : kept).ranks[0].memory.after_forward) << tag;
+        }
+      }
+    }
+  }
+}
+
 TEST(Bf16, DoubleRefusesIt) {
   const MlaConfig cfg = test_config(0);
   const Inputs<double> ind = widened(cfg, make_inputs(cfg, 1, 5));

@@ -23,6 +23,7 @@
 #include "common/lm_batch.hpp"
 #include "common/scratch.hpp"
 #include "core/memory_pool.hpp"
+#include "mla/ops.hpp"
 #include "model/checkpoint.hpp"
 #include "model/model.hpp"
 #include "model/train.hpp"
@@ -635,6 +636,54 @@ TEST(ModelMoe, ResumeIsBitIdentical) {
   TrainOptions still = o;
   still.model.bias_update_speed = 0;
   EXPECT_NE(losses(train_local(still)), losses(straight));
+}
+
+// bf16 training holds the layers' kept tensors at 2 bytes (the norms'
+// outputs, the dense FFN's and the experts' activations, the attention's q,
+// k, v and o_loc: mla/ops.hpp, keep_narrowed), which changes no bit: the
+// same losses and gradient norms step after step with them held narrowed and
+// with them kept in fp32, at P 1-3, every rank running every expert and
+// experts folded onto the ranks, for laga and explicit; and every rank's
+// pool holds fewer activations at its peak.
+TEST(ModelMoe, Bf16KeptTensorsHeldAt2BytesChangeNoBit) {
+  struct Restore {
+    ~Restore() { ops::narrow_kept_tensors = true; }
+  } restore;
+  for (int sp : {1, 2, 3})
+    for (ExpertPlacement experts : {ExpertPlacement::every_rank, ExpertPlacement::folded})
+      for (Form form : {Form::laga, Form::explicit_form}) {
+        TrainOptions o = moe_train(sp, 3);
+        o.model.bias_update_speed = 1.0 / 64;
+        o.variant.form = form;
+        o.experts = experts;
+        o.attention = AttentionKind::flash;
+        o.precision = Precision::bf16;
+        SCOPED_TRACE(cat(to_string(form), " P=", sp, " ", to_string(experts)));
+        // Every rank's losses, and its pool's peak of activations.
+        const auto run = [&](bool narrow) {
+          ops::narrow_kept_tensors = narrow;
+          std::vector<MemoryPool> pools(static_cast<size_t>(sp));
+          LocalRunOptions r;
+          r.pools = &pools;
+          std::vector<StepRecord> logs;
+          run_local_ranks(
+              sp,
+              [&](Communicator& comm) {
+                train_rank(comm, o, [&](const StepRecord& s) { logs.push_back(s); });
+              },
+              r);
+          std::vector<std::int64_t> peaks;
+          for (const MemoryPool& p : pools) peaks.push_back(p.peak(MemCategory::activations));
+          return std::pair{logs, peaks};
+        };
+        const auto [held, held_peaks] = run(true);
+        const auto [kept, kept_peaks] = run(false);
+        ASSERT_EQ(held.size(), kept.size());
+        EXPECT_EQ(losses(held), losses(kept));
+        for (size_t i = 0; i < held.size(); ++i) EXPECT_EQ(held[i].grad_norm, kept[i].grad_norm);
+        for (int r = 0; r < sp; ++r)
+          EXPECT_LT(held_peaks[size_t(r)], kept_peaks[size_t(r)]) << "rank " << r;
+      }
 }
 
 // The count-only run (laga train's memory check) allocates what a real MoE
