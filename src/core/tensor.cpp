@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <new>
 #include <type_traits>
@@ -44,19 +45,9 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
   LAGA_CHECK(numel_ <= std::numeric_limits<std::int64_t>::max() / std::int64_t(sizeof(T)), "a ",
              to_string(category_), " tensor of shape ", to_string(shape_),
              " would need more than 2^63 bytes; use a smaller --seq/--batch or a larger --sp");
-  if (numel_ > 0) {
-    // Count-only: no storage, but the pool's cache counts the block.
-    const MemoryPool::Storage storage = pool.acquire_storage(this->bytes());
-    data_ = static_cast<T*>(storage.data);
-    mapped_ = storage.mapped;
-    if (!data_ && !pool.count_only()) {
-      fail("out of memory allocating ", this->bytes(), " bytes (",
-           static_cast<double>(this->bytes()) / 1e9, " GB) for a tensor of shape ",
-           to_string(shape_), " (", to_string(category_), ")",
-           "; use a smaller --seq/--batch or a larger --sp (`laga compare --count-only` and "
-           "`laga plan` give a job's peak per rank without allocating it)");
-    }
-  }
+  const MemoryPool::Storage storage = acquire(pool, this->bytes());
+  data_ = static_cast<T*>(storage.data);
+  mapped_ = storage.mapped;
   pool_ = &pool;
   name_ = name;
   live_id_ = register_bytes(pool, this->bytes(), "");
@@ -72,54 +63,56 @@ std::int64_t Tensor<T>::register_bytes(MemoryPool& pool, std::int64_t bytes,
 }
 
 template <class T>
+MemoryPool::Storage Tensor<T>::acquire(MemoryPool& pool, std::int64_t bytes) const {
+  if (numel_ == 0) return {};
+  // Count-only: no storage, but the pool's cache counts the block.
+  const MemoryPool::Storage storage = pool.acquire_storage(bytes);
+  if (!storage.data && !pool.count_only())
+    fail("out of memory allocating ", bytes, " bytes (", static_cast<double>(bytes) / 1e9,
+         " GB) for a tensor of shape ", to_string(shape_), " (", to_string(category_), ")",
+         "; use a smaller --seq/--batch or a larger --sp (`laga compare --count-only` and "
+         "`laga plan` give a job's peak per rank without allocating it)");
+  return storage;
+}
+
+template <class T>
+void Tensor<T>::replace_storage(bool narrowed, const std::function<void(void*)>& fill) {
+  MemoryPool& pool = *pool_;
+  const std::int64_t old_bytes = bytes(),
+                     new_bytes = numel_ * std::int64_t(narrowed ? sizeof(bf16) : sizeof(T));
+  const MemoryPool::Storage fresh = acquire(pool, new_bytes);
+  const std::int64_t id = register_bytes(pool, new_bytes, narrowed ? " bf16" : "");
+  if (fresh.data && storage()) fill(fresh.data);
+  if (storage() || mapped_ > 0) pool.release_storage({storage(), mapped_}, old_bytes);
+  pool.on_free(category_, old_bytes, live_id_);
+  data_ = narrowed ? nullptr : static_cast<T*>(fresh.data);
+  narrow_ = narrowed ? static_cast<bf16*>(fresh.data) : nullptr;
+  narrowed_ = narrowed, mapped_ = fresh.mapped, live_id_ = id;
+}
+
+template <class T>
 void Tensor<T>::narrow_to_bf16(Bf16Convert convert) {
   LAGA_CHECK((std::is_same_v<T, float>)&&pool_ && !narrowed_,
              "internal: only an fp32 tensor that owns its storage is held narrowed, once (shape ",
              to_string(shape_), ")");
-  if constexpr (std::is_same_v<T, float>) {
-    MemoryPool& pool = *pool_;
-    const std::int64_t wide = bytes(), narrow = numel_ * std::int64_t(sizeof(bf16));
-    MemoryPool::Storage s;
-    if (numel_ > 0) {
-      s = pool.acquire_storage(narrow);
-      if (!s.data && !pool.count_only())
-        fail("out of memory allocating ", narrow, " bytes for the bf16 copy of a tensor of shape ",
-             to_string(shape_), "; use a smaller --seq/--batch or a larger --sp");
-    }
-    const std::int64_t id = register_bytes(pool, narrow, " bf16");
-    bf16* n = static_cast<bf16*>(s.data);
-    if (n && data_) {
+  if constexpr (std::is_same_v<T, float>)
+    replace_storage(true, [&](void* to) {
+      bf16* n = static_cast<bf16*>(to);
       if (convert)
         convert(data_, n, numel_);
       else
         for (std::int64_t i = 0; i < numel_; ++i) n[i] = to_bf16(data_[i]);
-    }
-    if (data_ || mapped_ > 0) pool.release_storage({data_, mapped_}, wide);
-    pool.on_free(category_, wide, live_id_);
-    data_ = nullptr, narrow_ = n, narrowed_ = true, mapped_ = s.mapped, live_id_ = id;
-  }
+    });
 }
 
 template <class T>
 void Tensor<T>::widen_from_bf16() {
   LAGA_CHECK(narrowed_, "internal: widen a tensor that is not narrowed (shape ", to_string(shape_),
              ")");
-  MemoryPool& pool = *pool_;
-  const std::int64_t narrow = bytes(), wide = numel_ * std::int64_t(sizeof(T));
-  MemoryPool::Storage s;
-  if (numel_ > 0) {
-    s = pool.acquire_storage(wide);
-    if (!s.data && !pool.count_only())
-      fail("out of memory allocating ", wide, " bytes to widen a bf16 tensor of shape ",
-           to_string(shape_), "; use a smaller --seq/--batch or a larger --sp");
-  }
-  const std::int64_t id = register_bytes(pool, wide, "");
-  T* w = static_cast<T*>(s.data);
-  if (w && narrow_)
+  replace_storage(false, [&](void* to) {
+    T* w = static_cast<T*>(to);
     for (std::int64_t i = 0; i < numel_; ++i) w[i] = static_cast<T>(to_float(narrow_[i]));
-  if (narrow_ || mapped_ > 0) pool.release_storage({narrow_, mapped_}, narrow);
-  pool.on_free(category_, narrow, live_id_);
-  data_ = w, narrow_ = nullptr, narrowed_ = false, mapped_ = s.mapped, live_id_ = id;
+  });
 }
 
 template <class T>

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -115,6 +116,13 @@ class Tensor {
   void* storage() const { return narrowed_ ? static_cast<void*>(narrow_) : data_; }
   // Registers `bytes` under this tensor's category and name (+ `suffix`).
   std::int64_t register_bytes(MemoryPool& pool, std::int64_t bytes, const char* suffix) const;
+  // `bytes` of storage from pool (none for no elements, none but counted
+  // when count-only); out of memory is an error naming the tensor.
+  MemoryPool::Storage acquire(MemoryPool& pool, std::int64_t bytes) const;
+  // Fresh storage of the other width (bf16 when `narrowed`), registered
+  // before the old is given back, as both exist while `fill` writes the
+  // values into it (not called when either has no storage: count-only).
+  void replace_storage(bool narrowed, const std::function<void(void*)>& fill);
 };
 
 using TensorF = Tensor<float>;
