@@ -20,7 +20,8 @@
 //   intra_node        2 in-process ranks: the latency of a 4-byte all-to-all
 //                     round, the bandwidth of 8 MiB ones (the copy between
 //                     threads), topology switch; inter_node the same (one node)
-//   peak_flops.bf16   null: laga's CPU kernels have no bf16 path
+//   peak_flops.bf16   null: no bf16 shape is timed (laga's bf16 path has its
+//                     own benchmarks: laga_bench gemm_bf16, flash_bf16)
 // Takes a few seconds. The efficiencies cost only the shapes a profile has
 // not timed: measure_shapes below times the plan's own GEMM and attention
 // shapes (measured_shapes), which is what the time model uses first.

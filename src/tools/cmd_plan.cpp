@@ -513,12 +513,13 @@ void run_plan(const PlanOptions& o) {
              " would be ignored; measure first, then plan with --profile ", o.measure,
              " and those options");
   // This machine's figures (--profile this, --measure) are laga's fp32
-  // kernels': there is no bf16 rate to plan or measure with.
+  // kernels': measure times no bf16 shape, so there is no bf16 rate to plan
+  // with (the bf16 path's own speed: laga_bench gemm_bf16, flash_bf16).
   const bool this_machine = measuring || o.profile == "this";
   const std::string dtype = !o.dtype.empty() ? o.dtype : this_machine ? "fp32" : "bf16";
   LAGA_CHECK(!this_machine || dtype == "fp32", measuring ? "--measure" : "--profile this",
-             " measures laga's kernels on this machine, which run fp32, so it has no bf16 "
-             "figures; use --dtype fp32 (the default with ",
+             " times laga's fp32 kernels on this machine (not its bf16 path), so it has no "
+             "bf16 figures; use --dtype fp32 (the default with ",
              measuring ? "--measure" : "--profile this", ")");
   LAGA_CHECK(
       !o.model.empty() || o.model_only_given.empty(),

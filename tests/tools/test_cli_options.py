@@ -272,7 +272,7 @@ def case_messages(laga, scratch):
     expect_error(laga, ["plan", "--preset", "tiny", "--profile", "this", "--dtype", "bf16"],
                  "no bf16 figures; use --dtype fp32")
     expect_error(laga, ["plan", "--preset", "tiny", "--measure", out, "--dtype", "bf16"],
-                 "--measure measures laga's kernels on this machine, which run fp32")
+                 "--measure times laga's fp32 kernels on this machine")
     # `--profile this` by default plans in fp32 and says so (today: "peak_flops.bf16
     # is null"); tiny's 4 heads at the default --sp 8 leave laga ranks with
     # no heads, whose empty attention calls are not timed (today: the
