@@ -28,7 +28,6 @@ Only the standard library, so any python3 runs it.
 """
 import json
 import os
-import stat
 import struct
 import subprocess
 import sys
