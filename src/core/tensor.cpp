@@ -109,10 +109,11 @@ template <class T>
 void Tensor<T>::widen_from_bf16() {
   LAGA_CHECK(narrowed_, "internal: widen a tensor that is not narrowed (shape ", to_string(shape_),
              ")");
-  replace_storage(false, [&](void* to) {
-    T* w = static_cast<T*>(to);
-    for (std::int64_t i = 0; i < numel_; ++i) w[i] = static_cast<T>(to_float(narrow_[i]));
-  });
+  if constexpr (std::is_same_v<T, float>)  // only fp32 narrows
+    replace_storage(false, [&](void* to) {
+      float* w = static_cast<float*>(to);
+      for (std::int64_t i = 0; i < numel_; ++i) w[i] = to_float(narrow_[i]);
+    });
 }
 
 template <class T>
