@@ -106,13 +106,16 @@ void Tensor<T>::narrow_to_bf16(Bf16Convert convert) {
 }
 
 template <class T>
-void Tensor<T>::widen_from_bf16() {
+void Tensor<T>::widen_from_bf16(Bf16Widen widen) {
   LAGA_CHECK(narrowed_, "internal: widen a tensor that is not narrowed (shape ", to_string(shape_),
              ")");
   if constexpr (std::is_same_v<T, float>)  // only fp32 narrows
     replace_storage(false, [&](void* to) {
       float* w = static_cast<float*>(to);
-      for (std::int64_t i = 0; i < numel_; ++i) w[i] = to_float(narrow_[i]);
+      if (widen)
+        widen(narrow_, w, numel_);
+      else
+        for (std::int64_t i = 0; i < numel_; ++i) w[i] = to_float(narrow_[i]);
     });
 }
 

@@ -73,11 +73,13 @@ class Tensor {
   // values (exactly: bf16 -> fp32 is exact). The new storage is registered
   // before the old is given back, as both exist while the values are
   // converted. Only an fp32 tensor that owns its storage narrows. `convert`
-  // (n values, the same bits as to_bf16's) is the vectorised conversion the
-  // op layer passes (kernels/bf16_convert.hpp); null: to_bf16, one by one.
+  // and `widen` (n values, the same bits as to_bf16's and to_float's) are
+  // the vectorised, threaded conversions the op layer passes
+  // (mla/ops_bf16.hpp); null: to_bf16 and to_float, one by one.
   using Bf16Convert = void (*)(const float*, bf16*, std::int64_t);
+  using Bf16Widen = void (*)(const bf16*, float*, std::int64_t);
   void narrow_to_bf16(Bf16Convert convert = nullptr);
-  void widen_from_bf16();
+  void widen_from_bf16(Bf16Widen widen = nullptr);
   bool narrowed() const { return narrowed_; }
   const bf16* narrowed_data() const { return narrowed_ ? narrow_ : nullptr; }
 

@@ -251,11 +251,11 @@ inline std::atomic<bool> narrow_kept_tensors{true};  // tests switch it off to c
 template <class T>
 void keep_narrowed(Tensor<T>& t) {
   if (t.defined() && !t.narrowed() && in_bf16<T>() && narrow_kept_tensors)
-    t.narrow_to_bf16(&convert_to_bf16);
+    t.narrow_to_bf16(&bf16_path::to_bf16_threaded);
 }
 template <class T>
 void widen_kept(Tensor<T>& t) {
-  if (t.narrowed()) t.widen_from_bf16();
+  if (t.narrowed()) t.widen_from_bf16(&bf16_path::to_float_threaded);
 }
 
 // A read-only operand: a Mat<const T> that a Mat<T> converts to (outside

@@ -70,19 +70,35 @@ void free_scratch() {
   this_thread_scratch = Scratch{};
 }
 
+// Chunks of kChunk split over the threads where n is large enough to pay
+// for waking them. A single thread converting a GEMM's operands left the
+// other core idle for ~5% of a bf16 block's step (docs/performance.md,
+// "bf16 on AMD Zen 4").
+void to_bf16_threaded(const float* x, bf16* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk)
+    convert_to_bf16(x + j, y + j, std::min(kChunk, n - j));
+}
+
+void to_float_threaded(const bf16* x, float* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk)
+    convert_to_float(x + j, y + j, std::min(kChunk, n - j));
+}
+
 const bf16* operand(Slot slot, const Mat<const float>& m) {
+  if (m.ld == m.cols) return operand(slot, m.p, m.rows * m.cols);
   bf16* out = scratch<bf16>(slot, m.rows * m.cols);
-  if (m.ld == m.cols) {
-    convert_to_bf16(m.p, out, m.rows * m.cols);
-  } else {
-    for (std::int64_t i = 0; i < m.rows; ++i)
-      convert_to_bf16(m.p + i * m.ld, out + i * m.cols, m.cols);
-  }
+#pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
+  for (std::int64_t i = 0; i < m.rows; ++i)
+    convert_to_bf16(m.p + i * m.ld, out + i * m.cols, m.cols);
   return out;
 }
 
 const bf16* operand(Slot slot, const float* x, std::int64_t n) {
-  return operand(slot, Mat<const float>{x, 1, n, n});
+  bf16* out = scratch<bf16>(slot, n);
+  to_bf16_threaded(x, out, n);
+  return out;
 }
 
 // The dense rounded copy, rows (or a contiguous operand's chunks) split
@@ -104,8 +120,7 @@ const float* rounded_fp32(Slot slot, const float* x, std::int64_t n) {
 
 const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n) {
   float* out = scratch<float>(slot, n);
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (std::int64_t j = 0; j < n; ++j) out[j] = to_float(x[j]);
+  to_float_threaded(x, out, n);
   return out;
 }
 

@@ -78,6 +78,12 @@ const float* rounded_fp32(Slot slot, const float* x, std::int64_t n);
 // the tensor they were narrowed from.
 const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n);
 
+// n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
+// vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:
+// elementwise, so the same bits on any thread count.
+void to_bf16_threaded(const float* x, bf16* y, std::int64_t n);
+void to_float_threaded(const bf16* x, float* y, std::int64_t n);
+
 // The bytes this thread's operand scratch holds (every slot's capacity, both
 // types), and freeing it. The scratch is outside the memory pool and the
 // memory model: run_rank reports its bytes after a run (RankReport::
