@@ -3,6 +3,7 @@
 // AVX512_BF16 kernels (attention_flash_bf16_avx512.cpp).
 #include "kernels/attention_flash_bf16.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -14,6 +15,9 @@
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
 namespace laga::flash_bf16 {
 void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v);
+std::int64_t workspace_bytes(const AttnShape& s, bool backward);
+std::int64_t allocated_peak();
+void reset_allocated_peak();
 void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* o, const float* lse);
 }  // namespace laga::flash_bf16
@@ -65,7 +69,48 @@ std::vector<float> widened(const bf16* x, std::int64_t n) {
   return y;
 }
 
+thread_local std::int64_t t_workspace_high_water = 0;
+
+void note_workspace(const AttnShape& s, bool backward) {
+  t_workspace_high_water =
+      std::max(t_workspace_high_water, attention_flash_bf16_workspace_bytes(s, backward));
+}
+
 }  // namespace
+
+std::int64_t attention_flash_bf16_workspace_bytes(const AttnShape& s, bool backward) {
+#if defined(LAGA_FLASH_HAVE_AVX512BF16)
+  if (flash_bf16_isa() == FlashBf16Isa::avx512_bf16)
+    return flash_bf16::workspace_bytes(s, backward);
+#endif
+  s.validate();
+  // widened(): q, k, v, and dout in backward.
+  const std::int64_t q = s.B * s.Sq * s.Hq * s.dqk, k = s.B * s.Sk * s.Hk * s.dqk,
+                     v = s.B * s.Sk * s.Hk * s.dv, dout = s.B * s.Sq * s.Hq * s.dv;
+  return std::int64_t(sizeof(float)) * (q + k + v + (backward ? dout : 0));
+}
+
+std::int64_t attention_flash_bf16_workspace_high_water() {
+  return t_workspace_high_water;
+}
+
+void reset_attention_flash_bf16_workspace_high_water() {
+  t_workspace_high_water = 0;
+}
+
+std::int64_t detail::flash_bf16_allocated_peak() {
+#if defined(LAGA_FLASH_HAVE_AVX512BF16)
+  return flash_bf16::allocated_peak();
+#else
+  return -1;
+#endif
+}
+
+void detail::reset_flash_bf16_allocated_peak() {
+#if defined(LAGA_FLASH_HAVE_AVX512BF16)
+  flash_bf16::reset_allocated_peak();
+#endif
+}
 
 const char* to_string(FlashBf16Isa isa) {
   return isa == FlashBf16Isa::avx512_bf16 ? "avx512_bf16" : "fp32";
@@ -118,6 +163,7 @@ void attention_flash_forward_bf16(const AttnShape& s, float* o, float* lse, cons
                                   const bf16* k, const bf16* v) {
   const FlashBf16Isa isa = flash_bf16_isa();
   s.validate();
+  note_workspace(s, false);
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
   if (isa == FlashBf16Isa::avx512_bf16) return flash_bf16::forward(s, o, lse, q, k, v);
 #endif
@@ -133,6 +179,7 @@ void attention_flash_backward_bf16(const AttnShape& s, float* dq, float* dk, flo
                                    const float* o, const float* lse) {
   const FlashBf16Isa isa = flash_bf16_isa();
   s.validate();
+  note_workspace(s, true);
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
   if (isa == FlashBf16Isa::avx512_bf16)
     return flash_bf16::backward(s, dq, dk, dv, dout, q, k, v, o, lse);

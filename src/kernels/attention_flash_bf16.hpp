@@ -66,6 +66,19 @@ void attention_flash_backward_bf16(const AttnShape& s, float* dq, float* dk, flo
                                    const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                                    const float* o, const float* lse);
 
+// The bytes one call of the two above holds besides its arguments, outside
+// any memory pool, at this thread's OpenMP thread count and flash_bf16_isa():
+// on avx512_bf16, the kernels' bf16 layouts of K and V for every head (and,
+// in backward, of Q, dO and their statistics) and each thread's tiles; on
+// fp32, the widened fp32 copies of q, k, v (and dout) -- the fp32 flash
+// kernel's own per-thread tiles not included. Computed from the shape, the
+// same figure the calls allocate (tests/kernels/test_attention_flash_bf16).
+std::int64_t attention_flash_bf16_workspace_bytes(const AttnShape& s, bool backward);
+// The largest workspace of this thread's calls since its last reset: what a
+// rank reports beside its pool (docs/accounting.md, "What is not counted").
+std::int64_t attention_flash_bf16_workspace_high_water();
+void reset_attention_flash_bf16_workspace_high_water();
+
 // How the bf16 kernels run: fp32 (widen, then the fp32 flash kernels of
 // flash_isa(); any CPU) or avx512_bf16 (VDPBF16PS; needs avx512f, avx512vl,
 // avx512bw, avx512dq and avx512bf16, and a compiler that builds it).
@@ -102,6 +115,11 @@ namespace detail {
 // `unusable` says why avx512_bf16 cannot run (null: it can) and `pays`
 // whether auto should take it when it can.
 FlashBf16Isa resolve_flash_bf16_isa(const char* setting, const char* unusable, bool pays = true);
+// The most bytes the AVX512_BF16 kernels' buffers held at once, process-wide,
+// since the last reset (tests: one call at a time); -1 in a build without
+// those kernels.
+std::int64_t flash_bf16_allocated_peak();
+void reset_flash_bf16_allocated_peak();
 }  // namespace detail
 
 }  // namespace laga

@@ -54,6 +54,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -73,6 +74,9 @@
 
 namespace laga::flash_bf16 {
 void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v);
+std::int64_t workspace_bytes(const AttnShape& s, bool backward);
+std::int64_t allocated_peak();
+void reset_allocated_peak();
 void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* o, const float* lse);
 
@@ -312,16 +316,31 @@ bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int6
 // multiples of 64 bytes from a buffer's start (every pair-row and tile row
 // is a multiple of 64 bytes long for the shapes that matter): from malloc's
 // 16-byte alignment, each of those accesses would straddle two cache lines.
+//
+// Every byte these buffers hold is counted, process-wide, so a test can hold
+// workspace_bytes (below: what a call holds, from its shape) to what the
+// calls allocated (allocated_peak).
+std::atomic<std::int64_t> g_live_bytes{0}, g_peak_bytes{0};
+
+template <class T>
+std::int64_t aligned_bytes(std::int64_t n) {
+  return static_cast<std::int64_t>(
+      (static_cast<size_t>(std::max<std::int64_t>(n, 1)) * sizeof(T) + 63) & ~size_t(63));
+}
+
 template <class T>
 class Aligned {
  public:
   Aligned() = default;
   explicit Aligned(std::int64_t n)
       : n_(n),
-        p_(static_cast<T*>(std::aligned_alloc(
-            64,
-            (static_cast<size_t>(std::max<std::int64_t>(n, 1)) * sizeof(T) + 63) & ~size_t(63)))) {
+        p_(static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(aligned_bytes<T>(n)))),
+           Free{aligned_bytes<T>(n)}) {
     if (!p_) throw std::bad_alloc();
+    const std::int64_t live = g_live_bytes += aligned_bytes<T>(n);
+    std::int64_t peak = g_peak_bytes.load();
+    while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live)) {
+    }
   }
   T* data() const { return p_.get(); }
   T* get() const { return p_.get(); }
@@ -331,38 +350,41 @@ class Aligned {
 
  private:
   struct Free {
-    void operator()(T* p) const { std::free(p); }
+    std::int64_t bytes = 0;
+    void operator()(T* p) const {
+      std::free(p);
+      g_live_bytes -= bytes;
+    }
   };
   std::int64_t n_ = 0;
   std::unique_ptr<T, Free> p_;
 };
 
 template <class T>
-Aligned<T> zeroed(std::int64_t n) {
+Aligned<T> filled(std::int64_t n, T value) {
   Aligned<T> a(n);
-  std::fill(a.begin(), a.end(), T{});
+  std::fill(a.begin(), a.end(), value);
   return a;
+}
+template <class T>
+Aligned<T> zeroed(std::int64_t n) {
+  return filled(n, T{});
 }
 
 // K and V of every key/value head bh = b * Hk + hk, in the two layouts the
 // products read: rows padded to an even width (A of S^T, dP^T), and
 // transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
 // in the padding, so a pair's partner past the end multiplies to 0.
-struct KeyPacks {
+// The packs' extents, from the shape alone: what KeyPacks allocates, and
+// what workspace_bytes counts without allocating it.
+struct KeyPacksLayout {
   // ldt: the row stride of kt, vt. Those rows are the A operand of O^T and
   // dQ^T, six streams at once; at S 2048 a stride of sk_p would put them
   // exactly 4 KiB apart, all in one L1 set, so it is padded by 64 bytes
   // there.
   std::int64_t dqk_p, dv_p, sk_p, nkb, ldt;
-  Aligned<bf16> krow, vrow, kt, vt;
-  std::vector<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
-  std::int64_t dqk, dv;
-  const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
-  const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + bh * sk_p * dv_p; }
-  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * ldt; }
-  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * ldt; }
-
-  KeyPacks(const AttnShape& s, const bf16* k, const bf16* v)
+  std::int64_t dqk, dv, heads;
+  explicit KeyPacksLayout(const AttnShape& s)
       : dqk_p(even_up(s.dqk)),
         dv_p(even_up(s.dv)),
         sk_p(even_up(s.Sk)),
@@ -370,13 +392,34 @@ struct KeyPacks {
         ldt(ceil_div(sk_p, 32) * 32 % 2048 == 0 ? ceil_div(sk_p, 32) * 32 + 32
                                                 : ceil_div(sk_p, 32) * 32),
         dqk(s.dqk),
-        dv(s.dv) {
-    const std::int64_t heads = s.B * s.Hk;
-    krow = Aligned<bf16>(heads * sk_p * dqk_p);
-    vrow = Aligned<bf16>(heads * sk_p * dv_p);
-    kt = Aligned<bf16>(heads * s.dqk * ldt);
-    vt = Aligned<bf16>(heads * s.dv * ldt);
-    finite.assign(static_cast<size_t>(heads * nkb), 1);
+        dv(s.dv),
+        heads(s.B * s.Hk) {}
+  std::int64_t krow_n() const { return heads * sk_p * dqk_p; }
+  std::int64_t vrow_n() const { return heads * sk_p * dv_p; }
+  std::int64_t kt_n() const { return heads * dqk * ldt; }
+  std::int64_t vt_n() const { return heads * dv * ldt; }
+  std::int64_t bytes() const {
+    return aligned_bytes<bf16>(krow_n()) + aligned_bytes<bf16>(vrow_n()) +
+           aligned_bytes<bf16>(kt_n()) + aligned_bytes<bf16>(vt_n()) +
+           aligned_bytes<unsigned char>(heads * nkb);
+  }
+};
+
+struct KeyPacks : KeyPacksLayout {
+  Aligned<bf16> krow, vrow, kt, vt;
+  Aligned<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
+  const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
+  const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + bh * sk_p * dv_p; }
+  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * ldt; }
+  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * ldt; }
+
+  KeyPacks(const AttnShape& s, const bf16* k, const bf16* v)
+      : KeyPacksLayout(s),
+        krow(krow_n()),
+        vrow(vrow_n()),
+        kt(kt_n()),
+        vt(vt_n()),
+        finite(filled<unsigned char>(heads * nkb, 1)) {
 #pragma omp parallel for schedule(static) if (heads * nkb > 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u / nkb, kb = u % nkb;
@@ -443,6 +486,14 @@ struct Scratch {
         m(zeroed<float>(kBr)),
         l(zeroed<float>(kBr)),
         alpha(zeroed<float>(kBr)) {}
+  // What the constructor allocates (tests/kernels/test_attention_flash_bf16
+  // holds the two equal).
+  static std::int64_t bytes(const AttnShape& s) {
+    return 2 * aligned_bytes<float>(kBc * kBr) + 3 * aligned_bytes<bf16>(kBc * kBr) +
+           aligned_bytes<float>(std::max(s.dqk, s.dv) * kBr) + aligned_bytes<float>(kBc * s.dqk) +
+           aligned_bytes<float>(kBc * s.dv) + aligned_bytes<bf16>(even_up(s.dqk) * kBr) +
+           3 * aligned_bytes<float>(kBr);
+  }
 };
 
 // pv (cols_p / 2, Br, 2) = x (cols, Br) rounded to bf16, key pairs (c, c+1)
@@ -575,26 +626,38 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // Q and dO of every row block of every head, packed once: along d (B of
 // S^T, dP^T: both passes) and along the rows (B of dK, dV), with each
 // block's lse (base 2), D and whether its Q and dO are finite.
-struct RowPacks {
-  std::int64_t nrb, qv_n, dov_n, qr_n, dor_n;
-  Aligned<bf16> qv, dov, qr, dor;  // written in full by the packing
-  std::vector<float> lse2, D;
-  std::vector<unsigned char> finite;
-  RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
-           const std::vector<float>& Dall)
+// The packs' extents per row block (unit), from the shape alone, as
+// KeyPacksLayout.
+struct RowPacksLayout {
+  std::int64_t nrb, qv_n, dov_n, qr_n, dor_n, units;
+  explicit RowPacksLayout(const AttnShape& s)
       : nrb(ceil_div(s.Sq * (s.Hq / s.Hk), kBr)),
         qv_n(even_up(s.dqk) * kBr),
         dov_n(even_up(s.dv) * kBr),
         qr_n(kBr * s.dqk),
-        dor_n(kBr * s.dv) {
-    const std::int64_t units = s.B * s.Hk * nrb;
-    qv = Aligned<bf16>(units * qv_n);
-    dov = Aligned<bf16>(units * dov_n);
-    qr = Aligned<bf16>(units * qr_n);
-    dor = Aligned<bf16>(units * dor_n);
-    lse2.assign(static_cast<size_t>(units * kBr), 0.0f);
-    D.assign(static_cast<size_t>(units * kBr), 0.0f);
-    finite.assign(static_cast<size_t>(units), 1);
+        dor_n(kBr * s.dv),
+        units(s.B * s.Hk * nrb) {}
+  std::int64_t bytes() const {
+    return aligned_bytes<bf16>(units * qv_n) + aligned_bytes<bf16>(units * dov_n) +
+           aligned_bytes<bf16>(units * qr_n) + aligned_bytes<bf16>(units * dor_n) +
+           2 * aligned_bytes<float>(units * kBr) + aligned_bytes<unsigned char>(units);
+  }
+};
+
+struct RowPacks : RowPacksLayout {
+  Aligned<bf16> qv, dov, qr, dor;  // written in full by the packing
+  Aligned<float> lse2, D;
+  Aligned<unsigned char> finite;
+  RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
+           const Aligned<float>& Dall)
+      : RowPacksLayout(s),
+        qv(units * qv_n),
+        dov(units * dov_n),
+        qr(units * qr_n),
+        dor(units * dor_n),
+        lse2(zeroed<float>(units * kBr)),
+        D(zeroed<float>(units * kBr)),
+        finite(filled<unsigned char>(units, 1)) {
 #pragma omp parallel for schedule(static) if (units > 1)
     for (std::int64_t u = 0; u < units; ++u) {
       const std::int64_t bh = u / nrb;
@@ -720,7 +783,50 @@ std::int64_t first_row_block(const AttnShape& s, std::int64_t g, std::int64_t j0
   return i_min * g / kBr;
 }
 
+// The threads a `#pragma omp parallel` region opened here gets: one where it
+// would nest past the active levels.
+std::int64_t threads_here() {
+  return omp_get_active_level() >= omp_get_max_active_levels() ? 1 : omp_get_max_threads();
+}
+
+// One thread per head when the heads share the threads out evenly enough
+// (the fp32 kernel's rule): each tile's S and dP computed once, dK, dV
+// summed in a per-thread head buffer. Else two passes, which recompute
+// them. Both make the same product calls in the same order for every
+// output (row blocks ascending for dK, dV; key blocks for dQ), so the
+// choice, which depends on the thread count, does not change a bit.
+bool backward_per_head(std::int64_t heads, std::int64_t nt) {
+  return ceil_div(heads, nt) * nt * 10 <= heads * 13;
+}
+
 }  // namespace
+
+std::int64_t workspace_bytes(const AttnShape& s, bool backward) {
+  s.validate();
+  const std::int64_t nt = threads_here(), heads = s.B * s.Hk;
+  const KeyPacksLayout keys(s);
+  const RowPacksLayout rows(s);
+  if (!backward) {
+    if (rows.units == 0) return 0;
+    return keys.bytes() + (rows.units > 1 ? nt : 1) * Scratch::bytes(s);
+  }
+  const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
+  if (heads == 0) return d_all;
+  const std::int64_t per_thread =
+      backward_per_head(heads, nt)
+          ? (heads > 1 ? nt : 1) * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
+                                    aligned_bytes<float>(s.Sk * s.dv))
+          : (heads * std::max(keys.nkb, rows.nrb) > 1 ? nt : 1) * Scratch::bytes(s);
+  return d_all + keys.bytes() + rows.bytes() + per_thread;
+}
+
+std::int64_t allocated_peak() {
+  return g_peak_bytes.load();
+}
+
+void reset_allocated_peak() {
+  g_peak_bytes.store(g_live_bytes.load());
+}
 
 void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k,
              const bf16* v) {
@@ -747,7 +853,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
   s.validate();
   const std::int64_t g = s.Hq / s.Hk, heads = s.B * s.Hk;
   // D_i = do_i . o_i (dO widened exactly, o fp32), in lse's (B, Hq, Sq) layout.
-  std::vector<float> D(static_cast<size_t>(s.B * s.Hq * s.Sq));
+  Aligned<float> D(s.B * s.Hq * s.Sq);
   const std::int64_t nrows = s.B * s.Sq * s.Hq;
 #pragma omp parallel for schedule(static) if (nrows * s.dv > (1 << 16))
   for (std::int64_t x = 0; x < nrows; ++x) {
@@ -762,15 +868,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
   const KeyPacks kp(s, k, v);
   const RowPacks rp(s, q, dout, lse, D);
   const std::int64_t nrb = rp.nrb, nkb = kp.nkb;
-  // One thread per head when the heads share the threads out evenly enough
-  // (the fp32 kernel's rule): each tile's S and dP computed once, dK, dV
-  // summed in a per-thread head buffer. Else two passes, which recompute
-  // them. Both make the same product calls in the same order for every
-  // output (row blocks ascending for dK, dV; key blocks for dQ), so the
-  // choice, which depends on the thread count, does not change a bit.
-  const std::int64_t nt =
-      omp_get_active_level() >= omp_get_max_active_levels() ? 1 : omp_get_max_threads();
-  if (ceil_div(heads, nt) * nt * 10 <= heads * 13) {
+  if (backward_per_head(heads, threads_here())) {
 #pragma omp parallel if (heads > 1)
     {
       Scratch w(s);

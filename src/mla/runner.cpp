@@ -8,6 +8,7 @@
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "kernels/attention_flash_bf16.hpp"
 #include "mla/ops_bf16.hpp"
 
 namespace laga {
@@ -23,7 +24,8 @@ namespace {
 // Every scalar field of a report, in one order, for packing and unpacking.
 template <class Report, class F>
 void report_fields(Report& r, F&& f) {
-  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms), f(r.bf16_scratch);
+  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms), f(r.bf16_scratch),
+      f(r.bf16_flash_workspace);
   auto& m = r.memory;
   f(m.peak_activations), f(m.peak_comm_buffers), f(m.peak_working), f(m.peak_forward_backward);
   f(m.peak_grad_sync), f(m.after_forward), f(m.gradients), f(m.parameters);
@@ -34,7 +36,27 @@ void entry_fields(Entry& e, F&& f) {
 }
 // A byte count travels as two doubles (its high and low 32 bits), so it stays
 // exact beyond 2^53 (eager probabilities at S = 10^8 are ~10^17 bytes).
-constexpr std::size_t kReportFields = 1 + 4 + 2 * 9, kEntryFields = 2 * 5;
+template <class V>
+constexpr std::size_t doubles_of() {
+  return std::is_same_v<V, double> ? 1 : 2;
+}
+// The doubles a packed report's scalars (the rank, then report_fields) and
+// one ledger entry take, counted from the field lists themselves.
+std::size_t report_doubles() {
+  static const std::size_t n = [] {
+    RankReport r;
+    std::size_t c = 1;
+    report_fields(r, [&](const auto& v) { c += doubles_of<std::decay_t<decltype(v)>>(); });
+    return c;
+  }();
+  return n;
+}
+std::size_t entry_doubles() {
+  LedgerEntry e;
+  std::size_t c = 0;
+  entry_fields(e, [&](const auto& v) { c += doubles_of<std::decay_t<decltype(v)>>(); });
+  return c;
+}
 void put(double*& out, double v) {
   *out++ = v;
 }
@@ -54,7 +76,7 @@ void get(const double*& in, std::int64_t& v) {
 }  // namespace
 
 std::size_t packed_report_size(std::size_t keys) {
-  return kReportFields + kEntryFields * keys;
+  return report_doubles() + entry_doubles() * keys;
 }
 
 void pack_report(const RankReport& report, const std::vector<LedgerKey>& keys, double* out) {
@@ -180,6 +202,7 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   pool.set_stage("");
   res.report.comm_ms = (comm.seconds_in_collectives() - comm_before) * 1e3;
   res.report.bf16_scratch = ops::bf16_path::scratch_bytes();
+  res.report.bf16_flash_workspace = attention_flash_bf16_workspace_high_water();
   m.peak_working = std::max(m.peak_forward_backward, m.peak_grad_sync);
   m.gradients = pool.current(MemCategory::gradients);
   w.for_each([&](const std::string&, const Tensor<T>& t) { m.parameters += t.bytes(); });

@@ -65,6 +65,11 @@ struct RankReport {
   // it is the run's own when nothing larger ran on the thread before
   // (`laga compare` frees it before each form).
   std::int64_t bf16_scratch = 0;
+  // The largest workspace of this thread's bf16 flash calls
+  // (kernels/attention_flash_bf16.hpp, attention_flash_bf16_workspace_
+  // high_water): allocated per call, outside the pool and the model, like
+  // the scratch above; its run's own when the caller reset it first.
+  std::int64_t bf16_flash_workspace = 0;
 };
 
 // A rank's report as doubles, so the reporting rank can receive every rank's

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "kernels/attention_flash_bf16.hpp"
 #include "mla/comm_model.hpp"
 #include "tools/compare.hpp"
 
@@ -204,6 +205,10 @@ std::string compare_table(const CompareResult& r) {
          "of the op layer (mla/ops_bf16.cpp),";
     for (const FormResult& f : r.results)
       s << " " << to_string(f.form) << " " << mb(f.bf16_scratch);
+    s << "; the bf16 flash kernels' largest per-call workspace "
+         "(kernels/attention_flash_bf16.hpp),";
+    for (const FormResult& f : r.results)
+      s << " " << to_string(f.form) << " " << mb(f.bf16_flash_workspace);
     s << "\n";
   }
   for (const FormResult& f : r.results) {
@@ -286,6 +291,11 @@ std::string compare_json(const CompareResult& r) {
   // activation collectives at 2, the gradient all-reduce at 4; mla/wire.hpp).
   j["dtype"] = r.options.precision == Precision::bf16 ? "bf16" : "f32";
   j["element_bytes"] = 4;
+  // bf16's attention kernel (kernels/attention_flash_bf16.hpp): avx512_bf16
+  // allocates the per-call workspace each form reports, fp32 rounds into the
+  // op layer's scratch instead.
+  j["bf16_flash_isa"] =
+      r.options.precision == Precision::bf16 ? ojson(to_string(flash_bf16_isa())) : ojson(nullptr);
   const WireElementBytes wire = wire_element_bytes(r.options.precision, r.options.grad_reduce, 4);
   j["wire_element_bytes"] = {{"activations", wire.activations}, {"gradients", wire.gradients}};
   j["comm"] = to_string(o.rank_only >= 0 ? Backend::dry_run : o.comm.backend);
@@ -343,6 +353,7 @@ std::string compare_json(const CompareResult& r) {
     g["predicted_saved_after_forward_bytes"] = f.saved_after_forward;
     g["parameter_bytes"] = f.parameters;
     g["bf16_scratch_bytes"] = f.bf16_scratch;
+    g["bf16_flash_workspace_bytes"] = f.bf16_flash_workspace;
     g["gradient_bytes"] = f.gradients;
     g["predicted_peak_at"] = f.model_peak.where;
     ojson live = ojson::array();

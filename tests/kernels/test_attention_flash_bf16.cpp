@@ -273,6 +273,50 @@ TEST_P(FlashBf16, BitwiseIndependentOfThreadCount) {
   }
 }
 
+// attention_flash_bf16_workspace_bytes, computed from the shape, is what a
+// call holds: on avx512_bf16 every byte its buffers held at once (counted as
+// they are allocated), on fp32 the widened copies of q, k, v (and dout).
+// Thread counts 1-3 take both backward schedules (one thread per head, and
+// two passes); the high water is the largest call's.
+TEST_P(FlashBf16, WorkspaceIsWhatTheCallsHold) {
+  for (const AttnShape& s :
+       {shape(1, 200, 200, 2, 2, 192, 128, true), shape(1, 130, 130, 4, 1, 36, 32, true),
+        shape(3, 90, 70, 2, 2, 16, 15, false), shape(1, 3, 0, 2, 1, 4, 4, false)}) {
+    const Bf16Problem p{Problem<float>(s)};
+    for (int t : {1, 2, 3}) {
+      set_rank_threads(t);
+      std::vector<float> o(p.dout.size()), lse(static_cast<size_t>(s.B * s.Hq * s.Sq));
+      std::vector<float> dq(p.q.size()), dk(p.k.size()), dv(p.v.size());
+      const std::int64_t fwd = attention_flash_bf16_workspace_bytes(s, false);
+      const std::int64_t bwd = attention_flash_bf16_workspace_bytes(s, true);
+      reset_attention_flash_bf16_workspace_high_water();
+      detail::reset_flash_bf16_allocated_peak();
+      attention_flash_forward_bf16(s, o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data());
+      const std::int64_t fwd_held = detail::flash_bf16_allocated_peak();
+      EXPECT_EQ(attention_flash_bf16_workspace_high_water(), fwd);
+      detail::reset_flash_bf16_allocated_peak();
+      attention_flash_backward_bf16(s, dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(),
+                                    p.k.data(), p.v.data(), o.data(), lse.data());
+      const std::int64_t bwd_held = detail::flash_bf16_allocated_peak();
+      EXPECT_EQ(attention_flash_bf16_workspace_high_water(), std::max(fwd, bwd));
+      const std::string where = cat("S ", s.Sq, "/", s.Sk, " H ", s.Hq, "/", s.Hk, " threads ", t);
+      if (GetParam() == FlashBf16Isa::avx512_bf16) {
+        EXPECT_EQ(fwd_held, fwd) << where;
+        EXPECT_EQ(bwd_held, bwd) << where;
+        if (s.Sk > 0) {
+          EXPECT_GT(bwd, fwd) << where;
+        }
+      } else {
+        const std::int64_t q = s.B * s.Sq * s.Hq * s.dqk, k = s.B * s.Sk * s.Hk * s.dqk,
+                           v = s.B * s.Sk * s.Hk * s.dv, d = s.B * s.Sq * s.Hq * s.dv;
+        EXPECT_EQ(fwd, 4 * (q + k + v)) << where;
+        EXPECT_EQ(bwd, 4 * (q + k + v + d)) << where;
+      }
+    }
+    set_rank_threads(2);
+  }
+}
+
 // No keys at all (Sk = 0): every row fully masked, o = 0, lse = 0, dq = 0.
 TEST_P(FlashBf16, NoKeysAtAll) {
   const Bf16Problem p(Problem<float>(shape(1, 3, 0, 2, 1, 4, 4, false)));

@@ -85,3 +85,57 @@ TEST(MemoryAccounting, PoolPeakEqualsReplayedLiveBytes) {
 
 }  // namespace
 }  // namespace laga
+
+namespace laga {
+namespace {
+
+// A rank's report crosses to the reporting rank as doubles (pack_report):
+// every scalar comes back exactly, byte counts beyond 2^53 included, and
+// packing writes exactly packed_report_size doubles, no more (a field added
+// to the report and not to the size overran the buffer once).
+TEST(RankReportPacking, EveryFieldComesBackAndTheSizeIsExact) {
+  RankReport r;
+  r.rank = 3;
+  r.forward_ms = 1.5, r.backward_ms = 2.25, r.sync_ms = 0.125, r.comm_ms = 7.0;
+  r.bf16_scratch = (std::int64_t(1) << 55) + 11;
+  r.bf16_flash_workspace = (std::int64_t(1) << 54) + 13;
+  RankMemory& m = r.memory;
+  m.peak_activations = 101, m.peak_comm_buffers = 102, m.peak_working = 103;
+  m.peak_forward_backward = 104, m.peak_grad_sync = 105, m.after_forward = 106;
+  m.gradients = 107, m.parameters = (std::int64_t(1) << 60) + 108;
+  const std::vector<LedgerKey> keys = {{Phase::forward, "q_a2a"}, {Phase::backward, "kv_ag"}};
+  LedgerEntry e;
+  e.calls = 2, e.bytes_sent = 300, e.bytes_received = 301;
+  for (const LedgerKey& k : keys) r.ledger.record_entry(k.first, k.second, e);
+  const std::size_t n = packed_report_size(keys.size());
+  std::vector<double> buf(n + 1, -99.0);
+  pack_report(r, keys, buf.data());
+  EXPECT_EQ(buf[n], -99.0) << "pack_report wrote past packed_report_size";
+  EXPECT_NE(buf[n - 1], -99.0) << "pack_report wrote less than packed_report_size";
+  const RankReport u = unpack_report(buf.data(), keys);
+  EXPECT_EQ(u.rank, 3);
+  EXPECT_EQ(u.forward_ms, 1.5);
+  EXPECT_EQ(u.backward_ms, 2.25);
+  EXPECT_EQ(u.sync_ms, 0.125);
+  EXPECT_EQ(u.comm_ms, 7.0);
+  EXPECT_EQ(u.bf16_scratch, r.bf16_scratch);
+  EXPECT_EQ(u.bf16_flash_workspace, r.bf16_flash_workspace);
+  EXPECT_EQ(u.memory.peak_activations, 101);
+  EXPECT_EQ(u.memory.peak_comm_buffers, 102);
+  EXPECT_EQ(u.memory.peak_working, 103);
+  EXPECT_EQ(u.memory.peak_forward_backward, 104);
+  EXPECT_EQ(u.memory.peak_grad_sync, 105);
+  EXPECT_EQ(u.memory.after_forward, 106);
+  EXPECT_EQ(u.memory.gradients, 107);
+  EXPECT_EQ(u.memory.parameters, m.parameters);
+  ASSERT_EQ(u.ledger.entries().size(), keys.size());
+  for (const LedgerKey& k : keys) {
+    const LedgerEntry& got = u.ledger.entries().at(k);
+    EXPECT_EQ(got.calls, 2);
+    EXPECT_EQ(got.bytes_sent, 300);
+    EXPECT_EQ(got.bytes_received, 301);
+  }
+}
+
+}  // namespace
+}  // namespace laga

@@ -461,8 +461,9 @@ def case_bf16(laga, scratch):
     c32 = read_json(compare32)
     fp32_bytes = {(f["form"], b["phase"], b["label"]): b["bytes_sent"]
                   for f in c32["forms"] for b in f["by_label"]}
-    checks.append((all(f["bf16_scratch_bytes"] == 0 for f in c32["forms"]),
-                   "compare fp32: no bf16 scratch"))
+    checks.append((all(f["bf16_scratch_bytes"] == 0 and f["bf16_flash_workspace_bytes"] == 0
+                       for f in c32["forms"]) and c32["bf16_flash_isa"] is None,
+                   "compare fp32: no bf16 scratch, no bf16 flash workspace, no bf16 flash isa"))
     for f in c["forms"]:
         for b in f["by_label"]:
             want = fp32_bytes[(f["form"], b["phase"], b["label"])]
@@ -471,10 +472,19 @@ def case_bf16(laga, scratch):
             checks.append((b["bytes_sent"] == want,
                            f"compare bf16 {f['form']} {b['phase']}/{b['label']}: "
                            f"{b['bytes_sent']} bytes sent, fp32's {'' if b['label'] == 'grad_allreduce' else 'half '}is {want}"))
-    # The op layer's bf16 scratch, outside the pool: measured and reported.
+    # The op layer's bf16 scratch, outside the pool: measured and reported;
+    # and the bf16 flash kernels' per-call workspace, where they run (on
+    # their fp32 path the op layer rounds into its scratch instead; every
+    # form here attends with them).
+    vdp = c["bf16_flash_isa"] == "avx512_bf16"
+    checks.append((c["bf16_flash_isa"] in ("fp32", "avx512_bf16"),
+                   f"compare bf16: bf16_flash_isa {c['bf16_flash_isa']}"))
     for f in c["forms"]:
         checks.append((f["bf16_scratch_bytes"] > 0,
                        f"compare bf16 {f['form']}: bf16_scratch_bytes {f['bf16_scratch_bytes']}"))
+        checks.append(((f["bf16_flash_workspace_bytes"] > 0) == vdp,
+                       f"compare bf16 {f['form']}: bf16_flash_workspace_bytes "
+                       f"{f['bf16_flash_workspace_bytes']} with the {c['bf16_flash_isa']} kernels"))
     beyond_fp32 = False
     for f in c["forms"][1:]:
         d = f["max_abs_diff"]
