@@ -10,6 +10,7 @@
 // never passes it, so one description of a form runs at either precision.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -37,6 +38,20 @@ inline Precision parse_precision(std::string_view s) {
 // or bf16, half the bytes, each rank's gradient rounded to bf16 and their
 // fp32 sum rounded once (comm/communicator.hpp, DType). Under fp32 it is
 // always fp32.
+// The element types a run can take, as every command's --dtype names them
+// (tools/cli_common.hpp, add_dtype_option): fp32 and bf16 (Precision), and
+// fp64, the kernels in double (laga verify and laga forward).
+enum class RunDtype { fp32, bf16, fp64 };
+inline const char* to_string(RunDtype d) {
+  return d == RunDtype::fp64 ? "fp64" : d == RunDtype::bf16 ? "bf16" : "fp32";
+}
+inline std::optional<RunDtype> parse_run_dtype(std::string_view s) {
+  if (s == "fp32" || s == "float32") return RunDtype::fp32;
+  if (s == "bf16") return RunDtype::bf16;
+  if (s == "fp64" || s == "float64") return RunDtype::fp64;
+  return std::nullopt;
+}
+
 enum class GradReduce { fp32, bf16 };
 
 inline const char* to_string(GradReduce g) {

@@ -609,6 +609,47 @@ void add_grad_reduce_option(CLI::App& app, GradReduce& grad_reduce) {
       ->default_str(to_string(grad_reduce));
 }
 
+namespace {
+
+// Where a dtype runs, for the refusal of a command that does not run it.
+const char* commands_running(RunDtype d) {
+  return d == RunDtype::fp64 ? "laga verify and laga forward (the kernels in double)"
+                             : "every command";
+}
+
+}  // namespace
+
+CLI::Option* add_dtype_option(CLI::App& app, std::function<void(RunDtype)> set,
+                              std::vector<RunDtype> runs, const std::string& help) {
+  // "fp32 (float32), bf16" in the help's set; "fp32 (float32) or bf16" in
+  // a refusal.
+  std::string set_names, names;
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const RunDtype d = runs[i];
+    const std::string name = std::string(to_string(d)) + (d == RunDtype::fp32   ? " (float32)"
+                                                          : d == RunDtype::fp64 ? " (float64)"
+                                                                                : "");
+    set_names += (i ? ", " : "") + name;
+    names += (i == 0 ? "" : i + 1 == runs.size() ? " or " : ", ") + name;
+  }
+  const std::string command = app.get_name();
+  CLI::Validator admitted(
+      [runs, names, command](std::string& s) -> std::string {
+        const std::optional<RunDtype> d = parse_run_dtype(s);
+        if (!d) return cat("'", s, "' is not a dtype; laga ", command, " runs ", names);
+        if (std::find(runs.begin(), runs.end(), *d) == runs.end())
+          return cat("laga ", command, " runs ", names, ", not ", to_string(*d), ", which runs in ",
+                     commands_running(*d));
+        return "";
+      },
+      "{" + set_names + "}");
+  return app
+      .add_option_function<std::string>(
+          "--dtype", [set = std::move(set)](const std::string& s) { set(*parse_run_dtype(s)); },
+          help)
+      ->check(admitted);
+}
+
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
                  "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "

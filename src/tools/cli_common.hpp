@@ -108,6 +108,15 @@ void add_seq_layout_option(CLI::App& app, std::string& seq_layout);
 // one help text.
 void add_grad_reduce_option(CLI::App& app, GradReduce& grad_reduce);
 
+// --dtype on every command, in one vocabulary (core/precision.hpp's
+// RunDtype: fp32, also float32; bf16; fp64, also float64). Each command
+// admits the ones it runs (`runs`, in the order its help lists them);
+// another word of the vocabulary is refused naming the commands that run
+// it, so a spelling that works on one command works on all. `set` receives
+// the choice.
+CLI::Option* add_dtype_option(CLI::App& app, std::function<void(RunDtype)> set,
+                              std::vector<RunDtype> runs, const std::string& help);
+
 // What every MPI rank of a job must agree on, noted as (what, value) pairs:
 // the command line's options (note_command_line, from main) and the resolved
 // model config (ModelOptions::load). run_group's MPI path compares them

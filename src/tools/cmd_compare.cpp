@@ -55,14 +55,15 @@ void register_compare(CLI::App& app) {
                 "(saves the log-sum-exp, recomputes in backward)")
       ->check(CLI::IsMember({"eager", "flash"}))
       ->capture_default_str();
-  c->add_option_function<std::string>(
-       "--dtype", [o](const std::string& s) { o->precision = parse_precision(s); },
-       "precision of the runs: fp32, or bf16 mixed precision (every GEMM and attention operand "
-       "rounded to bf16, fp32 sums; flash attention only; docs/performance.md, \"bf16 mixed "
-       "precision\"). Tensors computed with stay fp32 containers; those kept for backward "
-       "are held at 2 bytes where that changes no bit (docs/accounting.md, \"Held at 2 "
-       "bytes\"); the activation collectives move bf16 (\"bf16 on the wire\")")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  add_dtype_option(
+      *c,
+      [o](RunDtype d) { o->precision = d == RunDtype::bf16 ? Precision::bf16 : Precision::fp32; },
+      {RunDtype::fp32, RunDtype::bf16},
+      "precision of the runs: fp32, or bf16 mixed precision (every GEMM and attention operand "
+      "rounded to bf16, fp32 sums; flash attention only; docs/performance.md, \"bf16 mixed "
+      "precision\"). Tensors computed with stay fp32 containers; those kept for backward "
+      "are held at 2 bytes where that changes no bit (docs/accounting.md, \"Held at 2 "
+      "bytes\"); the activation collectives move bf16 (\"bf16 on the wire\")")
       ->default_str("fp32");
   add_grad_reduce_option(*c, o->grad_reduce);
   c->add_option("--doc-lens", o->doc_lens,

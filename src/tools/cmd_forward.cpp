@@ -225,14 +225,19 @@ void register_forward_command(CLI::App& app) {
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
-  sub->add_option("--dtype", opts->dtype,
-                  "precision of the run: float32 (the tool's), bf16 (mixed precision: every GEMM "
-                  "and attention operand rounded to bf16, fp32 sums; flash only; the file stays "
-                  "F32, holding bf16 values where a bf16 run stores them, and its metadata says "
-                  "bf16) or float64 (the same kernels in double; the output file is then F64), to "
-                  "hold another implementation to the forms exactly")
-      ->check(CLI::IsMember({"float32", "fp32", "bf16", "float64"}))
-      ->capture_default_str();
+  add_dtype_option(
+      *sub,
+      [opts](RunDtype d) {
+        // The tool's own spellings, which its outputs carry.
+        opts->dtype = d == RunDtype::fp64 ? "float64" : d == RunDtype::bf16 ? "bf16" : "float32";
+      },
+      {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
+      "precision of the run: float32 (the tool's), bf16 (mixed precision: every GEMM "
+      "and attention operand rounded to bf16, fp32 sums; flash only; the file stays "
+      "F32, holding bf16 values where a bf16 run stores them, and its metadata says "
+      "bf16) or float64 (the same kernels in double; the output file is then F64), to "
+      "hold another implementation to the forms exactly")
+      ->default_str("fp32");
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
       ->check(whole(1))
       ->capture_default_str();
@@ -246,7 +251,6 @@ void register_forward_command(CLI::App& app) {
       ->check(whole(0))
       ->capture_default_str();
   sub->callback([opts] {
-    if (opts->dtype == "fp32") opts->dtype = "float32";  // compare's and plan's spelling
     if (opts->dtype == "float64") {
       run_forward<double>(*opts);
     } else if (opts->dtype == "bf16") {

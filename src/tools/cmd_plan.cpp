@@ -647,10 +647,10 @@ void register_plan(CLI::App& app) {
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")
       ->check(whole(1));
-  c->add_option("--dtype", o->dtype,
-                "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
-                "whose figures are fp32)")
-      ->check(CLI::IsMember({"bf16", "fp32"}));
+  add_dtype_option(
+      *c, [o](RunDtype d) { o->dtype = to_string(d); }, {RunDtype::bf16, RunDtype::fp32},
+      "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
+      "whose figures are fp32)");
   add_grad_reduce_option(*c, o->grad_reduce);
   c->add_option("--link", o->link,
                 "override every link of the profile: BW GB/s (10^9 bytes/s) per direction, and "

@@ -338,13 +338,13 @@ void register_train(CLI::App& app) {
   add_head_groups_option(*sub, c->head_groups);
   add_seq_layout_option(*sub, c->seq_layout);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
-  sub->add_option("--dtype", c->dtype,
-                  "precision of the step: fp32, or bf16 mixed precision (every GEMM and "
-                  "attention operand rounded to bf16, fp32 sums; fp32 master weights, gradients "
-                  "and AdamW state; flash attention only; docs/performance.md, \"bf16 mixed "
-                  "precision\")")
-      ->check(CLI::IsMember({"fp32", "float32", "bf16"}))
-      ->capture_default_str();
+  add_dtype_option(
+      *sub, [c](RunDtype d) { c->dtype = to_string(d); }, {RunDtype::fp32, RunDtype::bf16},
+      "precision of the step: fp32, or bf16 mixed precision (every GEMM and "
+      "attention operand rounded to bf16, fp32 sums; fp32 master weights, gradients "
+      "and AdamW state; flash attention only; docs/performance.md, \"bf16 mixed "
+      "precision\")")
+      ->default_str("fp32");
   add_grad_reduce_option(*sub, c->grad_reduce);
   sub->add_flag("--q-latent", c->q_latent,
                 "laga or laga2d with --q-lora-rank > 0: move the normalised query latent instead "

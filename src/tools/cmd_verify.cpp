@@ -229,12 +229,17 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")
       ->check(whole(0))
       ->capture_default_str();
-  sub->add_option("--dtype", opts->dtype,
-                  "precision of every run: float32 (the tool's), bf16 (mixed precision: every "
-                  "GEMM and attention operand rounded to bf16, fp32 sums, in fp32 tensors; flash "
-                  "only; the reference runs in bf16 too) or float64 (the same kernels in double)")
-      ->check(CLI::IsMember({"float32", "fp32", "bf16", "float64"}))
-      ->capture_default_str();
+  add_dtype_option(
+      *sub,
+      [opts](RunDtype d) {
+        // The tool's own spellings, which its outputs carry.
+        opts->dtype = d == RunDtype::fp64 ? "float64" : d == RunDtype::bf16 ? "bf16" : "float32";
+      },
+      {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
+      "precision of every run: float32 (the tool's), bf16 (mixed precision: every "
+      "GEMM and attention operand rounded to bf16, fp32 sums, in fp32 tensors; flash "
+      "only; the reference runs in bf16 too) or float64 (the same kernels in double)")
+      ->default_str("fp32");
   sub->add_option("--tol", opts->tol,
                   "relative tolerance (float64 without --tol: 1e-12; bf16: the derived bound of "
                   "two bf16 runs of the block, docs/performance.md)")
@@ -243,7 +248,6 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
   sub->callback([opts, sub] {
-    if (opts->dtype == "fp32") opts->dtype = "float32";  // compare's and plan's spelling
     if (opts->dtype == "float64") {
       // Double rounding, not fp32's, unless the caller chose a tolerance.
       if (sub->count("--tol") == 0) opts->tol = 1e-12;

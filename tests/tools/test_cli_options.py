@@ -16,7 +16,9 @@ Cases:
   memory     a job far beyond the machine is refused by the upfront memory
              check; with --no-memory-check its allocation is a laga error
              naming the size, not std::bad_alloc
-  bf16       --dtype bf16 on forward, verify and compare: each runs and records
+  bf16       one --dtype vocabulary on every command (fp32 = float32, fp64 =
+             float64; refusals name where a dtype runs); --dtype bf16 on
+             forward, verify and compare: each runs and records
              its dtype (forward's file metadata, verify's and compare's JSON);
              verify passes its derived bound, compare's forms agree within it
              and differ from explicit by more than fp32 can
@@ -434,6 +436,30 @@ def case_bf16(laga, scratch):
             return json.load(f)
 
     small = ["--preset", "tiny", "--batch", "2", "--seq", "23"]
+    # One --dtype vocabulary on every command (add_dtype_option): fp32 =
+    # float32, fp64 = float64; a word a command does not run is refused
+    # naming where it runs, a word outside the vocabulary naming the choices.
+    for cmd in ("compare", "verify", "forward", "train", "plan"):
+        expect_error(laga, [cmd, "--dtype", "half"], "'half' is not a dtype; laga " + cmd + " runs")
+    for cmd in ("compare", "train", "plan"):
+        for word in ("fp64", "float64"):
+            expect_error(laga, [cmd, "--dtype", word],
+                         f"laga {cmd} runs bf16 or fp32 (float32), not fp64, which runs in "
+                         "laga verify and laga forward" if cmd == "plan" else
+                         f"laga {cmd} runs fp32 (float32) or bf16, not fp64, which runs in "
+                         "laga verify and laga forward")
+    spelled = os.path.join(scratch, "spelled.json")
+    for args, key, want in (
+            (["verify"] + small + ["--sp", "1,2", "--dtype", "fp64"], "dtype", "float64"),
+            (["compare", "--quiet", "--count-only"] + small + ["--dtype", "float32"], "dtype",
+             "f32"),
+            (["plan", "--profile", "h100", "--preset", "tiny", "--seq", "64", "--sp", "2",
+              "--quiet", "--dtype", "float32"], "dtype", "fp32")):
+        if ok_run(args + ["--json", spelled]):
+            got = read_json(spelled)[key]
+            print(("ok:   " if got == want else "FAIL: ") + f"laga {' '.join(args)}: {key} {got!r}")
+            if got != want:
+                failures.append(f"laga {' '.join(args)}: {key} {got!r}, wanted {want!r}")
     verify = os.path.join(scratch, "verify.json")
     if not ok_run(["verify"] + small + ["--sp", "1,3", "--dtype", "bf16", "--json", verify]):
         return
