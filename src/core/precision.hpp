@@ -45,6 +45,11 @@ enum class RunDtype { fp32, bf16, fp64 };
 inline const char* to_string(RunDtype d) {
   return d == RunDtype::fp64 ? "fp64" : d == RunDtype::bf16 ? "bf16" : "fp32";
 }
+// laga verify's and laga forward's own spellings, which their outputs (JSON,
+// file metadata) carry: float32, bf16, float64.
+inline const char* float_name(RunDtype d) {
+  return d == RunDtype::fp64 ? "float64" : d == RunDtype::bf16 ? "bf16" : "float32";
+}
 inline std::optional<RunDtype> parse_run_dtype(std::string_view s) {
   if (s == "fp32" || s == "float32") return RunDtype::fp32;
   if (s == "bf16") return RunDtype::bf16;

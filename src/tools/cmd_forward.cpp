@@ -226,11 +226,7 @@ void register_forward_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   add_dtype_option(
-      *sub,
-      [opts](RunDtype d) {
-        // The tool's own spellings, which its outputs carry.
-        opts->dtype = d == RunDtype::fp64 ? "float64" : d == RunDtype::bf16 ? "bf16" : "float32";
-      },
+      *sub, [opts](RunDtype d) { opts->dtype = float_name(d); },
       {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
       "precision of the run: float32 (the tool's), bf16 (mixed precision: every GEMM "
       "and attention operand rounded to bf16, fp32 sums; flash only; the file stays "

@@ -230,11 +230,7 @@ void register_verify_command(CLI::App& app) {
       ->check(whole(0))
       ->capture_default_str();
   add_dtype_option(
-      *sub,
-      [opts](RunDtype d) {
-        // The tool's own spellings, which its outputs carry.
-        opts->dtype = d == RunDtype::fp64 ? "float64" : d == RunDtype::bf16 ? "bf16" : "float32";
-      },
+      *sub, [opts](RunDtype d) { opts->dtype = float_name(d); },
       {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
       "precision of every run: float32 (the tool's), bf16 (mixed precision: every "
       "GEMM and attention operand rounded to bf16, fp32 sums, in fp32 tensors; flash "

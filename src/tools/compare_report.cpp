@@ -205,8 +205,8 @@ std::string compare_table(const CompareResult& r) {
          "of the op layer (mla/ops_bf16.cpp),";
     for (const FormResult& f : r.results)
       s << " " << to_string(f.form) << " " << mb(f.bf16_scratch);
-    s << "; the bf16 flash kernels' largest per-call workspace "
-         "(kernels/attention_flash_bf16.hpp),";
+    s << "; the bf16 flash kernels' (" << to_string(flash_bf16_isa())
+      << ") largest per-call workspace (kernels/attention_flash_bf16.hpp),";
     for (const FormResult& f : r.results)
       s << " " << to_string(f.form) << " " << mb(f.bf16_flash_workspace);
     s << "\n";
