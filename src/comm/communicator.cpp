@@ -55,10 +55,19 @@ const char* to_string(RingDirection d) {
   return d == RingDirection::forward ? "forward" : "backward";
 }
 
-RingPeers ring_peers(int P, int r, RingDirection d) {
+std::string to_string(Ring ring) {
+  if (ring.size == 0) return to_string(ring.direction);
+  return cat(to_string(ring.direction), " in rings of ", ring.size);
+}
+
+RingPeers ring_peers(int P, int r, Ring ring) {
   LAGA_CHECK(P >= 1 && r >= 0 && r < P, "ring_peers(P=", P, ", r=", r, "): need 0 <= r < P");
-  const int next = (r + 1) % P, prev = (r - 1 + P) % P;
-  return d == RingDirection::forward ? RingPeers{next, prev} : RingPeers{prev, next};
+  const int n = ring.ranks(P);
+  LAGA_CHECK(n >= 1 && P % n == 0, "ring_peers: rings of ", ring.size,
+             " ranks do not tile a group of ", P, "; the ring size must divide P (0: one ring)");
+  const int base = r - r % n, place = r % n;
+  const int next = base + (place + 1) % n, prev = base + (place - 1 + n) % n;
+  return ring.direction == RingDirection::forward ? RingPeers{next, prev} : RingPeers{prev, next};
 }
 
 const char* to_string(Backend b) {
@@ -183,12 +192,12 @@ std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType
 }
 
 std::vector<WireBytes> ring_shift_peer_bytes(std::int64_t send_count, std::int64_t recv_count,
-                                             int P, int r, DType dtype, RingDirection direction) {
-  // One neighbour each way (at P == 2 the same one); on one rank the block
-  // goes to the rank itself, which is not traffic.
+                                             int P, int r, DType dtype, Ring ring) {
+  // One neighbour each way (in a ring of two the same one); in a ring of
+  // one the block goes to the rank itself, which is not traffic.
   std::vector<WireBytes> w(static_cast<size_t>(P));
-  const RingPeers peers = ring_peers(P, r, direction);
-  if (P == 1) return w;
+  const RingPeers peers = ring_peers(P, r, ring);
+  if (peers.to == r) return w;
   w[peers.to].sent += send_count * dtype_bytes(dtype);
   w[peers.from].received += recv_count * dtype_bytes(dtype);
   return w;
@@ -221,8 +230,9 @@ WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype) {
 }
 
 WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count, int P,
-                                DType dtype) {
-  return sum(ring_shift_peer_bytes(send_count, recv_count, P, 0, dtype, RingDirection::forward));
+                                DType dtype, int ring_size) {
+  return sum(ring_shift_peer_bytes(send_count, recv_count, P, 0, dtype,
+                                   {RingDirection::forward, ring_size}));
 }
 
 namespace {
@@ -695,7 +705,7 @@ void Communicator::call_failed(const std::string&) {}
 template <class Body>
 std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
                                                         const std::string& label, Body&& body,
-                                                        bool started) {
+                                                        bool started, int ranks) {
   check_usable(kind, label);
   const auto start = std::chrono::steady_clock::now();
   auto done = start;
@@ -718,7 +728,8 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
                "); the ", to_string(backend()),
                " backend lost or misdirected data — a bug in laga, not in the caller");
     if (link_model_) {
-      const double s = collective_seconds(kind, size(), d, single_level(*link_model_));
+      const double s =
+          collective_seconds(kind, ranks == 0 ? size() : ranks, d, single_level(*link_model_));
       // Past this the clock's nanoseconds overflow and the hold would be
       // silently wrong; a day is beyond any run this models.
       LAGA_CHECK(s <= 86400.0, call_name(kind, label), " on rank ", rank(),
@@ -732,7 +743,7 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
     }
     if (observer_)
       observer_({CollectiveEvent::What::issued, kind, phase_, label, d, started,
-                 started ? started_ : -1});
+                 started ? started_ : -1, ranks == 0 ? size() : ranks});
     if (started) ++started_;
   } catch (const std::exception& e) {
     call_failed(e.what());
@@ -877,28 +888,26 @@ std::chrono::steady_clock::time_point Communicator::reduce_scatter_call(
 
 void Communicator::ring_shift(const void* send, std::int64_t send_count, void* recv,
                               std::int64_t recv_count, DType dtype, const std::string& label,
-                              RingDirection direction) {
-  ring_shift_call(send, send_count, recv, recv_count, dtype, label, direction, false);
+                              Ring ring) {
+  ring_shift_call(send, send_count, recv, recv_count, dtype, label, ring, false);
 }
 
 PendingCollective Communicator::start_ring_shift(const void* send, std::int64_t send_count,
                                                  void* recv, std::int64_t recv_count, DType dtype,
-                                                 const std::string& label,
-                                                 RingDirection direction) {
+                                                 const std::string& label, Ring ring) {
   std::optional<DeferredCall> d;
   if (deferred_delivery_)
     d = defer_check(CollectiveKind::ring_shift, label, dtype,
                     {{const_cast<void*>(send), send_count * dtype_bytes(dtype)}},
                     {{recv, recv_count * dtype_bytes(dtype)}});
-  const auto done =
-      ring_shift_call(send, send_count, recv, recv_count, dtype, label, direction, true);
+  const auto done = ring_shift_call(send, send_count, recv, recv_count, dtype, label, ring, true);
   if (d) defer(std::move(*d));
   return pending_until(done);
 }
 
 std::chrono::steady_clock::time_point Communicator::ring_shift_call(
     const void* send, std::int64_t send_count, void* recv, std::int64_t recv_count, DType dtype,
-    const std::string& label, RingDirection direction, bool started) {
+    const std::string& label, Ring ring, bool started) {
   const CollectiveKind kind = CollectiveKind::ring_shift;
   return run(
       kind, label,
@@ -907,18 +916,22 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
         const Checks c(kind, label, r, P);
         c.count(send_count, "send_count");
         c.count(recv_count, "recv_count");
-        // On one rank the block comes back to its sender: the peer check
-        // needs no peer, so it is made here, alike on every backend.
-        if (P == 1 && recv_count != send_count)
+        if (ring.size < 0 || P % ring.ranks(P) != 0)
+          fail(call_name(kind, label), " on rank ", r, " of ", P, ": rings of ", ring.size,
+               " ranks do not tile the group; pass a ring size that divides ", P,
+               " (0: one ring of every rank)");
+        // In a ring of one the block comes back to its sender: the peer
+        // check needs no peer, so it is made here, alike on every backend.
+        if (ring.ranks(P) == 1 && recv_count != send_count)
           fail(peer_count_message(kind, label, r, P, r, r, recv_count, std::to_string(send_count)));
         c.apart(Checks::region(send, 0, send_count, dtype, "send"),
                 {Checks::region(recv, 0, recv_count, dtype, "recv")}, nullptr,
                 "a ring_shift cannot run in place, since the block arriving would overwrite the "
                 "one leaving; use separate send and recv buffers");
-        transport_ring_shift(send, send_count, recv, recv_count, dtype, direction, label, moved);
-        return ring_shift_peer_bytes(send_count, recv_count, P, r, dtype, direction);
+        transport_ring_shift(send, send_count, recv, recv_count, dtype, ring, label, moved);
+        return ring_shift_peer_bytes(send_count, recv_count, P, r, dtype, ring);
       },
-      started);
+      started, ring.ranks(size()));
 }
 
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {
@@ -972,7 +985,7 @@ class SelfCommunicator final : public Communicator {
   void transport_all_reduce(void*, std::int64_t, DType, const std::string&, Traffic&) override {}
   void transport_barrier(const std::string&) override {}
   void transport_ring_shift(const void* send, std::int64_t send_count, void* recv, std::int64_t,
-                            DType dtype, RingDirection, const std::string&, Traffic&) override {
+                            DType dtype, Ring, const std::string&, Traffic&) override {
     copy_elems(recv, send, send_count, dtype);
   }
 };

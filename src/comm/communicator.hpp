@@ -18,9 +18,10 @@
 //                     the all-gather; the sum over ranks is 2 (P-1) n elem
 //                     either way.)
 //   ring_shift        send_count * elem to the one ring neighbour it sends
-//                     to (rank + 1 forward, rank - 1 backward); received:
-//                     recv_count * elem from the other one. Zero when P == 1
-//                     (the neighbour is the rank itself), and at P == 2 both
+//                     to (rank + 1 forward, rank - 1 backward, within its
+//                     ring: Ring); received: recv_count * elem from the
+//                     other one. Zero in a ring of one rank (the neighbour
+//                     is the rank itself), and in a ring of two both
 //                     neighbours are the same peer.
 // Received bytes are the mirror image (for all_reduce they equal the sent
 // bytes). Nothing is counted for the data a rank keeps for itself. The
@@ -195,13 +196,31 @@ const char* to_string(CollectiveKind k);
 // call must pass the same direction.
 enum class RingDirection { forward, backward };
 const char* to_string(RingDirection d);  // "forward", "backward"
+// Which rings a ring_shift passes its blocks round, and which way. The P
+// ranks form P / size rings of `size` consecutive ranks (rank r in ring
+// r / size, at place r % size), each passing its own blocks: the
+// hierarchical form's ring across context groups, one ring per head group
+// (docs/forms.md, "a2a_p2p"). size 0 is P: one ring of every rank. Every
+// rank of a call passes the same Ring, and size must divide P.
+struct Ring {
+  RingDirection direction = RingDirection::forward;
+  int size = 0;
+  Ring(RingDirection d = RingDirection::forward,  // NOLINT: a direction alone is the whole ring
+       int ring_size = 0)
+      : direction(d), size(ring_size) {}
+  // The ranks in each ring of a group of P.
+  int ranks(int P) const { return size == 0 ? P : size; }
+  friend bool operator==(const Ring&, const Ring&) = default;
+};
+std::string to_string(Ring ring);  // "forward", "backward in rings of 2"
 // The two neighbours of rank r of P in a ring_shift: the one it sends to and
-// the one it receives from (both r when P == 1).
+// the one it receives from (both r in a ring of one). laga::Error unless
+// 0 <= r < P and the ring's size divides P.
 struct RingPeers {
   int to = 0;
   int from = 0;
 };
-RingPeers ring_peers(int P, int r, RingDirection d);
+RingPeers ring_peers(int P, int r, Ring ring);
 
 // Which implementation moves the bytes. The CLI's --comm takes "local" or
 // "mpi"; the dry-run and self communicators are made by code, not chosen.
@@ -335,6 +354,9 @@ struct CollectiveEvent {
   WireBytes bytes;       // issued only: derived
   bool started = false;  // issued by a start_* call: complete at its wait
   std::int64_t id = -1;  // a started call's number on its communicator; its wait has the same
+  // issued only: the ranks one call spans, whose count the link model's cost
+  // takes (comm/link_model.hpp): the group's P, or a ring_shift's ring size.
+  int ranks = 0;
 };
 using CollectiveObserver = std::function<void(const CollectiveEvent&)>;
 
@@ -379,11 +401,10 @@ class Communicator {
   // equal that rank's send_count): one step of a ring pass. send and recv
   // must not overlap.
   void ring_shift(const void* send, std::int64_t send_count, void* recv, std::int64_t recv_count,
-                  DType dtype, const std::string& label,
-                  RingDirection direction = RingDirection::forward);
+                  DType dtype, const std::string& label, Ring ring = {});
   PendingCollective start_ring_shift(const void* send, std::int64_t send_count, void* recv,
                                      std::int64_t recv_count, DType dtype, const std::string& label,
-                                     RingDirection direction = RingDirection::forward);
+                                     Ring ring = {});
   // Returns when the started collective is complete (its modelled time);
   // under deferred delivery, with recv holding its result ("Overlap").
   void wait(PendingCollective& p);
@@ -451,16 +472,16 @@ class Communicator {
   }
   template <class T>
   void ring_shift(const T* send, std::int64_t send_count, T* recv, std::int64_t recv_count,
-                  const std::string& label, RingDirection direction = RingDirection::forward) {
+                  const std::string& label, Ring ring = {}) {
     ring_shift(static_cast<const void*>(send), send_count, static_cast<void*>(recv), recv_count,
-               dtype_of<T>(), label, direction);
+               dtype_of<T>(), label, ring);
   }
   template <class T>
   PendingCollective start_ring_shift(const T* send, std::int64_t send_count, T* recv,
                                      std::int64_t recv_count, const std::string& label,
-                                     RingDirection direction = RingDirection::forward) {
+                                     Ring ring = {}) {
     return start_ring_shift(static_cast<const void*>(send), send_count, static_cast<void*>(recv),
-                            recv_count, dtype_of<T>(), label, direction);
+                            recv_count, dtype_of<T>(), label, ring);
   }
   template <class T>
   void all_reduce(T* buf, std::int64_t n, const std::string& label) {
@@ -487,10 +508,10 @@ class Communicator {
   virtual void transport_all_reduce(void* buf, std::int64_t n, DType dtype,
                                     const std::string& label, Traffic& moved) = 0;
   virtual void transport_barrier(const std::string& label) = 0;
-  // To ring_peers(size(), rank(), direction).to, from .from; with P == 1 a
+  // To ring_peers(size(), rank(), ring).to, from .from; in a ring of one a
   // copy of send into recv.
   virtual void transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                                    std::int64_t recv_count, DType dtype, RingDirection direction,
+                                    std::int64_t recv_count, DType dtype, Ring ring,
                                     const std::string& label, Traffic& moved) = 0;
 
   // Throws when the backend refuses calls (an earlier one failed).
@@ -526,7 +547,7 @@ class Communicator {
   std::chrono::steady_clock::time_point ring_shift_call(const void* send, std::int64_t send_count,
                                                         void* recv, std::int64_t recv_count,
                                                         DType dtype, const std::string& label,
-                                                        RingDirection direction, bool started);
+                                                        Ring ring, bool started);
   // The started call just run (its id is started_ - 1), complete at `done`.
   PendingCollective pending_until(std::chrono::steady_clock::time_point done);
   // Waits out p's modelled time; with `deliver`, what wait() does besides.
@@ -564,8 +585,9 @@ class Communicator {
   // Returns the call's modelled completion (now without a link model), having
   // waited for it unless `started` (the start_* forms).
   template <class Body>
+  // `ranks`: the ranks one call spans (CollectiveEvent::ranks); 0 is size().
   std::chrono::steady_clock::time_point run(CollectiveKind kind, const std::string& label,
-                                            Body&& body, bool started = false);
+                                            Body&& body, bool started = false, int ranks = 0);
 
   Phase phase_ = Phase::forward;
   Ledger ledger_;
@@ -602,7 +624,7 @@ std::vector<WireBytes> reduce_scatter_peer_bytes(const std::int64_t* counts, int
                                                  DType dtype);
 std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType dtype);
 std::vector<WireBytes> ring_shift_peer_bytes(std::int64_t send_count, std::int64_t recv_count,
-                                             int P, int r, DType dtype, RingDirection direction);
+                                             int P, int r, DType dtype, Ring ring);
 WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
                                 int P, int r, DType dtype);
 WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,
@@ -610,9 +632,9 @@ WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* rec
 WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DType dtype);
 WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype);
 // The same on every rank and in both directions (one peer each way), hence
-// no r and no direction.
+// no r and no direction: zero in rings of one rank.
 WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count, int P,
-                                DType dtype);
+                                DType dtype, int ring_size = 0);
 
 // A communicator of one rank: every collective is a local copy, nothing is
 // sent, and the ledger records zero-byte calls.

@@ -108,11 +108,10 @@ void DryRunCommunicator::transport_all_reduce(void*, std::int64_t n, DType dtype
 }
 
 void DryRunCommunicator::transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                                              std::int64_t recv_count, DType dtype,
-                                              RingDirection direction, const std::string&,
-                                              Traffic& moved) {
-  const RingPeers peers = ring_peers(size_, rank_, direction);
-  if (size_ == 1) {  // the block comes back to its sender: not traffic
+                                              std::int64_t recv_count, DType dtype, Ring ring,
+                                              const std::string&, Traffic& moved) {
+  const RingPeers peers = ring_peers(size_, rank_, ring);
+  if (peers.to == rank_) {  // a ring of one: the block comes back to its sender, not traffic
     copy_elems(recv, send, send_count, dtype);
     return;
   }

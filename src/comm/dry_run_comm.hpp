@@ -61,7 +61,7 @@ class DryRunCommunicator final : public Communicator {
                             Traffic& moved) override;
   void transport_barrier(const std::string&) override {}
   void transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                            std::int64_t recv_count, DType dtype, RingDirection direction,
+                            std::int64_t recv_count, DType dtype, Ring ring,
                             const std::string& label, Traffic& moved) override;
 
  private:

@@ -34,7 +34,7 @@ struct Post {
   void* recv = nullptr;
   std::vector<std::int64_t> counts_a, displs_a, counts_b;
   std::int64_t n = 0;
-  RingDirection direction = RingDirection::forward;  // ring_shift only
+  Ring ring;  // ring_shift only
   const void* staging = nullptr;
   // Bytes this rank copied out of each rank's memory in the collective's
   // earlier stages: its measured receives, and its peers' measured sends.
@@ -504,9 +504,8 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
 }
 
 void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                                             std::int64_t recv_count, DType dtype,
-                                             RingDirection direction, const std::string& label,
-                                             Traffic& moved) {
+                                             std::int64_t recv_count, DType dtype, Ring ring,
+                                             const std::string& label, Traffic& moved) {
   // A rendezvous of the whole group, although only neighbours exchange: the
   // last one keeps send alive until the rank that reads it is done.
   const CollectiveKind kind = CollectiveKind::ring_shift;
@@ -517,25 +516,25 @@ void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send
   p.recv = recv;
   p.n = send_count;
   p.counts_b.assign(1, recv_count);
-  p.direction = direction;
+  p.ring = ring;
   note_buffer(p, send, send_count);
   note_buffer(p, recv, recv_count);
   const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
   check_same_call(posts, rank_);
   for (int j = 0; j < P; ++j)
-    if (posts[j].direction != posts[0].direction)
+    if (!(posts[j].ring == posts[0].ring))
       fail(call_name(kind, label), " on rank ", rank_, " of ", P, ": rank 0 shifts ",
-           to_string(posts[0].direction), " but rank ", j, " ", to_string(posts[j].direction),
-           "; every rank of a ring_shift must pass the same direction");
+           to_string(posts[0].ring), " but rank ", j, " ", to_string(posts[j].ring),
+           "; every rank of a ring_shift must pass the same direction and ring size");
   for (int i = 0; i < P; ++i) {
-    const int from = ring_peers(P, i, direction).from;
+    const int from = ring_peers(P, i, ring).from;
     if (posts[i].counts_b[0] != posts[from].n)
       fail(peer_count_message(kind, label, rank_, P, i, from, posts[i].counts_b[0],
                               std::to_string(posts[from].n)));
   }
-  const int from = ring_peers(P, rank_, direction).from;
+  const int from = ring_peers(P, rank_, ring).from;
   Puller puller(P, dtype);
-  if (from == rank_) {  // one rank: the block comes back, not traffic
+  if (from == rank_) {  // a ring of one: the block comes back, not traffic
     copy_elems(recv, send, send_count, dtype);
   } else if (const TransportFault fault = take_fault();
              fault != TransportFault::none && recv_count > 0) {  // tests only (TransportFault)

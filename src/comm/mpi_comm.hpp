@@ -122,7 +122,7 @@ class MpiCommunicator final : public Communicator {
                             Traffic& moved) override;
   void transport_barrier(const std::string& label) override;
   void transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                            std::int64_t recv_count, DType dtype, RingDirection direction,
+                            std::int64_t recv_count, DType dtype, Ring ring,
                             const std::string& label, Traffic& moved) override;
   // mpi_comm.cpp: refuse calls once broken; break and tell the peers.
   void check_usable(CollectiveKind kind, const std::string& label) const override;

@@ -331,15 +331,14 @@ void MpiCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtyp
 }
 
 void MpiCommunicator::transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
-                                           std::int64_t recv_count, DType dtype,
-                                           RingDirection direction, const std::string& label,
-                                           Traffic& moved) {
+                                           std::int64_t recv_count, DType dtype, Ring ring,
+                                           const std::string& label, Traffic& moved) {
   // One message each way, straight between the caller's buffers (they never
   // overlap), so nothing is staged. Only the neighbours are waited for: a
   // rank that never calls is named by the rank receiving from it, while its
   // other neighbour's send may complete (eagerly, when small).
-  const RingPeers peers = ring_peers(size_, rank_, direction);
-  if (size_ == 1) {
+  const RingPeers peers = ring_peers(size_, rank_, ring);
+  if (peers.to == rank_) {  // a ring of one
     copy_elems(recv, send, send_count, dtype);
     return;
   }

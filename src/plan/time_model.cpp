@@ -13,6 +13,12 @@ namespace laga {
 
 namespace {
 
+// The ranks a call's link cost spans: the group's P, or a ring_shift's ring
+// when the ranks form several (Ring, comm/communicator.hpp).
+int span(const CollectiveEvent& e, int P) {
+  return e.ranks > 0 ? e.ranks : P;
+}
+
 // The calls of `a` that `b` does not have (b's are a prefix of a's run).
 template <class Call>
 std::map<Call, ops::CallTally> minus(const std::map<Call, ops::CallTally>& a,
@@ -180,7 +186,7 @@ std::array<PhaseTime, 3> rank_time(const RankWork& work, int P, const HardwarePr
   for (const TimelineStep& s : work.timeline)
     if (s.event.what == CollectiveEvent::What::issued)
       t[static_cast<size_t>(s.event.phase)].comm_s +=
-          collective_seconds(s.event.kind, P, s.event.bytes, fabric);
+          collective_seconds(s.event.kind, span(s.event, P), s.event.bytes, fabric);
   return t;
 }
 
@@ -201,7 +207,7 @@ StepTime step_time(const RankWork& work, int P, const HardwareProfile& profile, 
       continue;
     }
     // One link per rank: a collective waits for the one before it.
-    const double link = collective_seconds(e.kind, P, e.bytes, fabric);
+    const double link = collective_seconds(e.kind, span(e, P), e.bytes, fabric);
     summed += link;
     const double done = std::max(now, link_free) + link;
     link_free = done;
@@ -327,7 +333,7 @@ GroupStepTime group_step_time(const std::vector<const RankWork*>& ranks,
         for (size_t i = 0; i < rs.size(); ++i) {
           Rank& r = rs[i];
           const CollectiveEvent& e = r.work->timeline[r.issues[n]].event;
-          const double link = collective_seconds(e.kind, P, e.bytes, fabric);
+          const double link = collective_seconds(e.kind, span(e, P), e.bytes, fabric);
           link_was_free[n][i] = r.link_free;
           done[n][i] = std::max(start, r.link_free) + link;
           r.link_free = done[n][i];

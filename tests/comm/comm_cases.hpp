@@ -464,6 +464,49 @@ inline std::string check_ring_ledger(const Ledger& got, int P, int r, std::int64
   return check_ledger_against(got, expected_ring_ledger(P, r, elem));
 }
 
+// Rings of `size` consecutive ranks (Ring): a forward pass of size - 1
+// started shifts, each arrival checked against the block of the ring member
+// it started on, then one blocking shift backward, checked likewise, and
+// the ledger of both (nothing in rings of one). The differences, empty when
+// exact.
+template <class T>
+std::string check_rings_of(Communicator& comm, int size) {
+  const int P = comm.size(), r = comm.rank(), base = r - r % size;
+  const Ring fwd{RingDirection::forward, size}, bwd{RingDirection::backward, size};
+  std::string diffs;
+  std::vector<T> held = ring_block<T>(30, P, r), next;
+  std::int64_t sent = 0, received = 0;
+  for (int s = 0; s + 1 < size; ++s) {
+    const int origin = base + ((r - base - s - 1) % size + size) % size;
+    next.assign(static_cast<size_t>(ring_count(P, origin)), kUntouched<T>);
+    PendingCollective p =
+        comm.start_ring_shift(held.data(), static_cast<std::int64_t>(held.size()), next.data(),
+                              ring_count(P, origin), "rings_pass", fwd);
+    comm.wait(p);
+    if (next != ring_block<T>(30, P, origin))
+      diffs += cat("step ", s, " on rank ", r, ": not rank ", origin, "'s block\n");
+    sent += static_cast<std::int64_t>(held.size()), received += ring_count(P, origin);
+    std::swap(held, next);
+  }
+  const int from = base + (r - base + 1) % size;
+  std::vector<T> back(static_cast<size_t>(ring_count(P, from)), kUntouched<T>);
+  const std::vector<T> mine = ring_block<T>(31, P, r);
+  comm.ring_shift(mine.data(), ring_count(P, r), back.data(), ring_count(P, from), "rings_home",
+                  bwd);
+  if (back != ring_block<T>(31, P, from))
+    diffs += cat("backward on rank ", r, ": not rank ", from, "'s block\n");
+  const std::int64_t e = sizeof(T);
+  std::map<std::pair<Phase, std::string>, LedgerEntry> want;
+  LedgerEntry& pass = want[{comm.phase(), "rings_pass"}];
+  pass.calls = size - 1, pass.bytes_sent = sent * e, pass.bytes_received = received * e;
+  LedgerEntry& home = want[{comm.phase(), "rings_home"}];
+  home.calls = 1;
+  if (size > 1)
+    home.bytes_sent = ring_count(P, r) * e, home.bytes_received = ring_count(P, from) * e;
+  if (size == 1) want.erase({comm.phase(), "rings_pass"});
+  return diffs + check_ledger_against(comm.ledger(), want);
+}
+
 template <class T>
 std::string compare_ring_bitwise(const RingResults<T>& a, const RingResults<T>& b) {
   auto same = [](const std::vector<T>& x, const std::vector<T>& y) {

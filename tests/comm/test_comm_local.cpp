@@ -978,7 +978,70 @@ TEST(RingShift, DirectionsThatDifferAreNamedOnEveryRank) {
   for (int r = 0; r < 3; ++r)
     EXPECT_EQ(errors[r], cat("ring_shift 'kv_ring' on rank ", r,
                              " of 3: rank 0 shifts forward but rank 1 backward; every rank of a "
-                             "ring_shift must pass the same direction"));
+                             "ring_shift must pass the same direction and ring size"));
+}
+
+// Rings of consecutive ranks (Ring::size): the hierarchical form's rings,
+// one per head group.
+TEST(RingShift, RingsOfConsecutiveRanksHaveTheirOwnNeighbours) {
+  // 6 ranks in rings of 3: {0 1 2} {3 4 5}; of 2: {0 1} {2 3} {4 5}.
+  const int fwd3_to[] = {1, 2, 0, 4, 5, 3}, fwd3_from[] = {2, 0, 1, 5, 3, 4};
+  for (int r = 0; r < 6; ++r) {
+    const RingPeers f = ring_peers(6, r, Ring{RingDirection::forward, 3});
+    const RingPeers b = ring_peers(6, r, Ring{RingDirection::backward, 3});
+    EXPECT_EQ(f.to, fwd3_to[r]) << r;
+    EXPECT_EQ(f.from, fwd3_from[r]) << r;
+    EXPECT_EQ(b.to, f.from) << r;
+    EXPECT_EQ(b.from, f.to) << r;
+    const RingPeers two = ring_peers(6, r, Ring{RingDirection::forward, 2});
+    EXPECT_EQ(two.to, r ^ 1) << r;
+    EXPECT_EQ(two.from, r ^ 1) << r;
+    const RingPeers one = ring_peers(6, r, Ring{RingDirection::forward, 1});
+    EXPECT_EQ(one.to, r);
+    EXPECT_EQ(one.from, r);
+    // Size 0 and size P are the one ring of every rank.
+    EXPECT_EQ(ring_peers(6, r, Ring{RingDirection::forward, 6}).to,
+              ring_peers(6, r, RingDirection::forward).to);
+  }
+  EXPECT_THROW(ring_peers(6, 0, Ring{RingDirection::forward, 4}), Error);
+  EXPECT_EQ(to_string(Ring{RingDirection::backward, 2}), "backward in rings of 2");
+  EXPECT_EQ(to_string(Ring{}), "forward");
+  // In rings of one nothing is traffic; in rings of two one peer each way.
+  EXPECT_EQ(ring_shift_wire_bytes(5, 7, 4, DType::f32, 1).sent, 0);
+  EXPECT_EQ(ring_shift_wire_bytes(5, 7, 4, DType::f32, 2).sent, 20);
+  EXPECT_EQ(ring_shift_wire_bytes(5, 7, 4, DType::f32, 2).received, 28);
+}
+
+TEST(RingShift, RingsOfConsecutiveRanksPassTheirOwnBlocks) {
+  for (auto [P, size] : {std::pair{4, 2}, {6, 3}, {6, 2}, {4, 1}, {4, 4}, {3, 3}}) {
+    std::vector<std::string> diffs(static_cast<size_t>(P));
+    run_local_ranks(P, [&, size = size](Communicator& c) {
+      diffs[size_t(c.rank())] = test::check_rings_of<float>(c, size);
+    });
+    for (int r = 0; r < P; ++r)
+      EXPECT_EQ(diffs[size_t(r)], "") << "rank " << r << " of " << P << " in rings of " << size;
+  }
+}
+
+TEST(RingShift, RingSizesThatDoNotTileOrDifferAreRefused) {
+  auto tile = errors_of(4, 20s, [](Communicator& c) {
+    std::vector<float> send(2, 1.0f), recv(2);
+    c.ring_shift(send.data(), 2, recv.data(), 2, "kv_ring", Ring{RingDirection::forward, 3});
+  });
+  for (int r = 0; r < 4; ++r)
+    EXPECT_EQ(tile[r], cat("ring_shift 'kv_ring' on rank ", r,
+                           " of 4: rings of 3 ranks do not tile the group; pass a ring size "
+                           "that divides 4 (0: one ring of every rank)"));
+  auto differ = errors_of(4, 20s, [](Communicator& c) {
+    std::vector<float> send(2, 1.0f), recv(2);
+    c.ring_shift(send.data(), 2, recv.data(), 2, "kv_ring",
+                 Ring{RingDirection::forward, c.rank() == 2 ? 4 : 2});
+  });
+  for (int r = 0; r < 4; ++r)
+    EXPECT_EQ(differ[r], cat("ring_shift 'kv_ring' on rank ", r,
+                             " of 4: rank 0 shifts forward in rings of 2 but rank 2 forward in "
+                             "rings of 4; every rank of a ring_shift must pass the same "
+                             "direction and ring size"));
 }
 
 TEST(RingShift, MissingRankTimesOutNamingLabelAndRank) {
