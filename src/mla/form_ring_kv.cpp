@@ -39,7 +39,7 @@ struct KvBlocks {
   static constexpr const char* grad_pass = "dkv_ring";
   std::int64_t width(const Step& st) const { return st.H * (st.dqk + st.dv); }
   ring::RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
-    return {block_k(st, block, Lj).p, block_v(st, block, Lj).p, {}};
+    return {block_k(st, st.H, block, Lj).p, block_v(st, st.H, block, Lj).p, {}};
   }
   void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
                 const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
@@ -47,8 +47,10 @@ struct KvBlocks {
     for (const ring::RingCall& c : calls)
       for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
         const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
-        ops::add(block_k(st, acc, Lj).row_range(row, n), block_k(st, dkv, Lj).row_range(row, n));
-        ops::add(block_v(st, acc, Lj).row_range(row, n), block_v(st, dkv, Lj).row_range(row, n));
+        ops::add(block_k(st, st.H, acc, Lj).row_range(row, n),
+                 block_k(st, st.H, dkv, Lj).row_range(row, n));
+        ops::add(block_v(st, st.H, acc, Lj).row_range(row, n),
+                 block_v(st, st.H, dkv, Lj).row_range(row, n));
       }
   }
   // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
@@ -59,7 +61,7 @@ struct KvBlocks {
     Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
     ops::linear(mat(kv), mat(std::as_const(c_hat)), w.wkv_b);
     Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), in.kv_a_rows(st).col_range(st.C, st.dr),
-                        block_k(st, own.data(), st.L), block_v(st, own.data(), st.L));
+                        block_k(st, st.H, own.data(), st.L), block_v(st, st.H, own.data(), st.L));
     return own;
   }
   // As explicit: d kv from [dk_nope | dv] per head; d k_pe = the sum over
@@ -70,8 +72,8 @@ struct KvBlocks {
     {
       Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
       const T* a = acc.data();
-      Pieces<T>::merge_dkv(st, st.H, block_k(st, a, st.L), block_v(st, a, st.L), mat(dkv),
-                           mat(dlat_loc).col_range(st.C, st.dr));
+      Pieces<T>::merge_dkv(st, st.H, block_k(st, st.H, a, st.L), block_v(st, st.H, a, st.L),
+                           mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
       acc.reset();
       ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
       ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);

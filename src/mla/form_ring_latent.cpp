@@ -58,10 +58,11 @@ struct LatentBlocks {
       Tensor<T> kv({st.B * Lj, st.H * st.KV}, "kv");
       ops::linear(mat(kv), block_c(st, block, Lj), w.wkv_b);
       Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), block_pe(st, block, Lj),
-                          block_k(st, r.storage.data(), Lj), block_v(st, r.storage.data(), Lj));
+                          block_k(st, st.H, r.storage.data(), Lj),
+                          block_v(st, st.H, r.storage.data(), Lj));
     }
-    r.k = block_k(st, std::as_const(r.storage).data(), Lj).p;
-    r.v = block_v(st, std::as_const(r.storage).data(), Lj).p;
+    r.k = block_k(st, st.H, std::as_const(r.storage).data(), Lj).p;
+    r.v = block_v(st, st.H, std::as_const(r.storage).data(), Lj).p;
     return r;
   }
   // The step's dK/dV through the up-projection (zero rows outside the calls
@@ -71,8 +72,8 @@ struct LatentBlocks {
                 const std::vector<ring::RingCall>&, const T* dkv_heads, T* acc,
                 MlaParams<T>& grads) const {
     Tensor<T> dkv({st.B * Lj, st.H * st.KV}, "dkv");
-    Pieces<T>::merge_dkv(st, st.H, block_k(st, dkv_heads, Lj), block_v(st, dkv_heads, Lj), mat(dkv),
-                         block_pe(st, acc, Lj));
+    Pieces<T>::merge_dkv(st, st.H, block_k(st, st.H, dkv_heads, Lj),
+                         block_v(st, st.H, dkv_heads, Lj), mat(dkv), block_pe(st, acc, Lj));
     ops::gemm(block_c(st, acc, Lj), T(1), mat(std::as_const(dkv)), false, mat(w.wkv_b), false);
     ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), block_c(st, block, Lj), w.wkv_b);
   }

@@ -74,15 +74,37 @@ template <class T>
 ops::Mat<T> second_part(T* p, std::int64_t rows, std::int64_t a, std::int64_t b) {
   return {at(p, rows * a), rows, b, b};
 }
-// The per-head [K | V] parts of a (B L_j) block.
+// The per-head [K | V] parts of a (B L_j) block of `heads` heads.
 template <class T>
-ops::Mat<T> block_k(const Step& st, T* p, std::int64_t Lj) {
-  return first_part(p, st.B * Lj, st.H * st.dqk);
+ops::Mat<T> block_k(const Step& st, std::int64_t heads, T* p, std::int64_t Lj) {
+  return first_part(p, st.B * Lj, heads * st.dqk);
 }
 template <class T>
-ops::Mat<T> block_v(const Step& st, T* p, std::int64_t Lj) {
-  return second_part(p, st.B * Lj, st.H * st.dqk, st.H * st.dv);
+ops::Mat<T> block_v(const Step& st, std::int64_t heads, T* p, std::int64_t Lj) {
+  return second_part(p, st.B * Lj, heads * st.dqk, heads * st.dv);
 }
+
+// The ring a ring form's attention runs round (docs/forms.md): its members,
+// each one's rows (a layout with one "rank" per member: its rows and their
+// count), this rank's place in it, the size the shifts pass (Ring), and
+// the heads attended. ring_kv and ring_latent: one ring of every rank, each
+// its own tokens with all H heads (of_ranks); a2a_p2p: the Pc ranks of a
+// head group, each its context group's query rows, the group's heads
+// (RingView::of_grid). The rows a member holds are its queries and its
+// block's keys alike.
+struct RingView {
+  SpLayout members;
+  int place = 0;
+  int ring_size = 0;    // Ring::size: 0 is one ring of every rank
+  std::int64_t L = 0;   // this rank's rows, members.seq_count[place]
+  std::int64_t H = 0;   // heads attended
+  std::int64_t h0 = 0;  // the first of them (their wq_b / wkv_b rows)
+  int ranks() const { return members.ranks; }
+  std::int64_t rows(int member) const { return members.seq_count[size_t(member)]; }
+  static RingView of_ranks(const Step& st) {
+    return {st.ctx.layout, st.ctx.comm.rank(), 0, st.L, st.H, 0};
+  }
+};
 
 // A block's keys and values for the attention: views of it, or made from
 // it (held in `storage`).
@@ -178,21 +200,22 @@ struct RingCall {
 // The calls of the step that holds `owner`'s block (see the top): one over
 // every batch row where the rectangle is the whole shard and block, else
 // one per batch row (the kernel's batch rows must be the tensors' own).
-inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingRect& rect) {
-  const SpLayout& lay = st.ctx.layout;
+inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int owner,
+                                        const RingRect& rect) {
+  const SpLayout& lay = g.members;
   const std::int64_t Lk = lay.seq_count[size_t(owner)];
   std::vector<RingCall> calls;
   if (rect.rows == 0 || rect.keys == 0) return calls;
   auto shape = [&](std::int64_t B, std::int64_t Sq, std::int64_t Sk, bool causal) {
-    return AttnShape{B, Sq, Sk, st.H, st.H, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), causal};
+    return AttnShape{B, Sq, Sk, g.H, g.H, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), causal};
   };
   auto add = [&](RingCall c, std::int64_t b0, std::int64_t lo) {
     c.b0 = b0, c.q_row = rect.q_row, c.key0 = rect.k_row + lo;
-    c.lse_off = b0 * st.H * rect.rows;
-    c.probs_off = b0 * st.H * rect.rows * rect.keys;
+    c.lse_off = b0 * g.H * rect.rows;
+    c.probs_off = b0 * g.H * rect.rows * rect.keys;
     calls.push_back(std::move(c));
   };
-  const bool whole = rect.rows == st.L && rect.keys == Lk;
+  const bool whole = rect.rows == g.L && rect.keys == Lk;
   if (st.doc_start.empty()) {
     const std::int64_t B = whole ? st.B : 1;
     for (std::int64_t b0 = 0; b0 < st.B; b0 += B)
@@ -201,14 +224,14 @@ inline std::vector<RingCall> ring_calls(const Step& st, int owner, const RingRec
   }
   // Packed: the global positions of the local rows and of the block's.
   auto doc = [&](std::int64_t b, std::int64_t t) { return st.doc_start[size_t(b * st.S + t)]; };
-  const std::vector<std::int64_t> qpos = lay.positions(st.ctx.comm.rank());
+  const std::vector<std::int64_t> qpos = lay.positions(g.place);
   if (rect.diagonal) {
     // Each row's keys from the first local row of its document.
-    RingCall c(shape(st.B, st.L, st.L, true));
-    c.doc_start.resize(size_t(st.B * st.L));
+    RingCall c(shape(st.B, g.L, g.L, true));
+    c.doc_start.resize(size_t(st.B * g.L));
     for (std::int64_t b = 0; b < st.B; ++b)
-      for (std::int64_t t = 0; t < st.L; ++t)
-        c.doc_start[size_t(b * st.L + t)] =
+      for (std::int64_t t = 0; t < g.L; ++t)
+        c.doc_start[size_t(b * g.L + t)] =
             std::lower_bound(qpos.begin(), qpos.end(), doc(b, qpos[size_t(t)])) - qpos.begin();
     add(std::move(c), 0, 0);
     return calls;
@@ -246,19 +269,20 @@ struct RingStep {
 // other) find their rows empty and copy them as they are, so a rank whose
 // rows see only their own block has the kernel's bits.
 template <class T>
-void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p, const T* lse_p) {
+void merge_partial(const Step& st, const RingView& g, const RingCall& c, T* o, T* lse, const T* o_p,
+                   const T* lse_p) {
   const AttnShape& s = c.shape;
   const bool first = s.causal;
-  ops::count_elementwise<T>(s.B * s.Sq * st.H * (st.dv + 1), 3);
-  if (!ops::runs(s.B * s.Sq * st.H, {o, lse, o_p, lse_p})) return;
+  ops::count_elementwise<T>(s.B * s.Sq * g.H * (st.dv + 1), 3);
+  if (!ops::runs(s.B * s.Sq * g.H, {o, lse, o_p, lse_p})) return;
   for (std::int64_t bb = 0; bb < s.B; ++bb) {
     const std::int64_t b = c.b0 + bb;
-    for (std::int64_t h = 0; h < st.H; ++h)
+    for (std::int64_t h = 0; h < g.H; ++h)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
-        T& l = lse[(b * st.H + h) * st.L + c.q_row + i];
-        const T lp = lse_p[(bb * st.H + h) * s.Sq + i];
-        T* orow = o + ((b * st.L + c.q_row + i) * st.H + h) * st.dv;
-        const T* prow = o_p + ((bb * s.Sq + i) * st.H + h) * st.dv;
+        T& l = lse[(b * g.H + h) * g.L + c.q_row + i];
+        const T lp = lse_p[(bb * g.H + h) * s.Sq + i];
+        T* orow = o + ((b * g.L + c.q_row + i) * g.H + h) * st.dv;
+        const T* prow = o_p + ((bb * s.Sq + i) * g.H + h) * st.dv;
         if (first) {
           l = lp;
           std::copy(prow, prow + st.dv, orow);
@@ -277,15 +301,15 @@ void merge_partial(const Step& st, const RingCall& c, T* o, T* lse, const T* o_p
 // were normalised over its own keys; times e^(lse_p - lse) they are the
 // row's over all its keys, which backward reads.
 template <class T>
-void rescale_probs(const Step& st, const RingCall& c, T* probs, const T* lse_p, const T* lse) {
+void rescale_probs(const RingView& g, const RingCall& c, T* probs, const T* lse_p, const T* lse) {
   const AttnShape& s = c.shape;
-  ops::count_elementwise<T>(s.B * st.H * s.Sq * s.Sk, 2);
-  if (!ops::runs(s.B * st.H * s.Sq, {probs, lse_p, lse})) return;
+  ops::count_elementwise<T>(s.B * g.H * s.Sq * s.Sk, 2);
+  if (!ops::runs(s.B * g.H * s.Sq, {probs, lse_p, lse})) return;
   for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < st.H; ++h)
+    for (std::int64_t h = 0; h < g.H; ++h)
       for (std::int64_t i = 0; i < s.Sq; ++i) {
-        const std::int64_t row = (bb * st.H + h) * s.Sq + i;
-        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * st.H + h) * st.L + c.q_row + i]);
+        const std::int64_t row = (bb * g.H + h) * s.Sq + i;
+        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * g.H + h) * g.L + c.q_row + i]);
         for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
       }
 }
@@ -293,13 +317,13 @@ void rescale_probs(const Step& st, const RingCall& c, T* probs, const T* lse_p, 
 // The call's rows of a (B, H, L) statistic, compact for its shape (the
 // kernels read lse and D that way).
 template <class T>
-void gather_rows(const Step& st, const RingCall& c, const T* full, T* part) {
+void gather_rows(const RingView& g, const RingCall& c, const T* full, T* part) {
   const AttnShape& s = c.shape;
-  if (!ops::runs(s.B * s.Sq * st.H, {full, part})) return;
+  if (!ops::runs(s.B * s.Sq * g.H, {full, part})) return;
   for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < st.H; ++h)
-      std::copy_n(full + ((c.b0 + bb) * st.H + h) * st.L + c.q_row, s.Sq,
-                  part + (bb * st.H + h) * s.Sq);
+    for (std::int64_t h = 0; h < g.H; ++h)
+      std::copy_n(full + ((c.b0 + bb) * g.H + h) * g.L + c.q_row, s.Sq,
+                  part + (bb * g.H + h) * s.Sq);
 }
 
 // A shift in flight (Overlap::on), until its wait: its call and, with bf16
@@ -321,8 +345,9 @@ struct InFlight {
 // With bf16 on the wire, what moves is cur narrowed to bf16, and the new
 // buffer's front half receives it (wire.hpp).
 template <class T>
-Tensor<T> shift(const Step& st, const Tensor<T>& cur, std::int64_t next_elems, const char* label,
-                const char* name, InFlight<T>& flight) {
+Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::int64_t next_elems,
+                const char* label, const char* name, InFlight<T>& flight) {
+  const Ring ring{RingDirection::forward, g.ring_size};
   Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
   const bool overlap = st.ctx.variant.overlap == Overlap::on;
   Communicator& comm = st.ctx.comm;
@@ -334,22 +359,23 @@ Tensor<T> shift(const Step& st, const Tensor<T>& cur, std::int64_t next_elems, c
       if (overlap) {
         flight.call =
             comm.start_ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(),
-                                  next.data(), next.numel(), DType::bf16, label);
+                                  next.data(), next.numel(), DType::bf16, label, ring);
         flight.leaving = std::move(leaving);
         flight.arriving = next.data(), flight.arriving_elems = next.numel();
         return next;
       }
       comm.ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(), next.data(),
-                      next.numel(), DType::bf16, label);
+                      next.numel(), DType::bf16, label, ring);
       leaving.reset();
       wire::widen(next.data(), next.data(), next.numel());
       return next;
     }
   }
   if (overlap)
-    flight.call = comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+    flight.call =
+        comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, ring);
   else
-    comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label);
+    comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, ring);
   return next;
 }
 template <class T>
@@ -371,14 +397,14 @@ struct RingAttention {
   // q (B, L, H, dqk) of local tokens and the own block (B L width);
   // returns o (B, L, H dv), the merged output.
   template <class Codec>
-  Tensor<T> forward(const Step& st, const MlaParams<T>& w, const Codec& codec, const Tensor<T>& q,
-                    const Tensor<T>& own) {
-    const int ranks = st.ctx.layout.ranks, r = st.ctx.comm.rank();
+  Tensor<T> forward(const Step& st, const RingView& g, const MlaParams<T>& w, const Codec& codec,
+                    const Tensor<T>& q, const Tensor<T>& own) {
+    const int ranks = g.ranks(), r = g.place;
     const bool eager = st.ctx.attention == AttentionKind::eager;
-    const SpLayout& lay = st.ctx.layout;
+    const SpLayout& lay = g.members;
     auto elems = [&](int j) { return st.B * lay.seq_count[size_t(j)] * codec.width(st); };
-    Tensor<T> o({st.B, st.L, st.H * st.dv}, "o_loc");
-    Tensor<T> merged({st.B, st.H, st.L}, eager ? "ring lse" : "attn_stats flash lse");
+    Tensor<T> o({st.B, g.L, g.H * st.dv}, "o_loc");
+    Tensor<T> merged({st.B, g.H, g.L}, eager ? "ring lse" : "attn_stats flash lse");
     const Tensor<T>* cur = &own;
     Tensor<T> held;
     steps.resize(size_t(ranks));
@@ -390,34 +416,34 @@ struct RingAttention {
       InFlight<T> pending;
       Tensor<T> next;
       if (i + 1 < ranks)
-        next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", pending);
+        next = shift(st, g, *cur, elems(next_owner), codec.pass, "ring_block", pending);
       // What every block with keys the own tokens see costs, packed or
       // not: the count-only run, which has no documents, must allocate what
       // the real one does (RingRect).
       step.rect = ring_rect(lay, r, step.owner);
       const RingRect& rect = step.rect;
-      step.calls = ring_calls(st, step.owner, rect);
+      step.calls = ring_calls(st, g, step.owner, rect);
       if (rect.rows > 0) {
         if (eager) {
-          step.probs = Tensor<T>({rect.probs_elems(st.B, st.H)}, "attn_stats eager probs");
-          if (ranks > 1) step.lse = Tensor<T>({rect.lse_elems(st.B, st.H)}, "ring step lse");
+          step.probs = Tensor<T>({rect.probs_elems(st.B, g.H)}, "attn_stats eager probs");
+          if (ranks > 1) step.lse = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring step lse");
         }
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
-        Tensor<T> o_part({st.B, st.L, st.H * st.dv}, "o_part");
+        Tensor<T> o_part({st.B, g.L, g.H * st.dv}, "o_part");
         Tensor<T> lse_part;
-        if (!step.lse.defined()) lse_part = Tensor<T>({rect.lse_elems(st.B, st.H)}, "lse_part");
+        if (!step.lse.defined()) lse_part = Tensor<T>({rect.lse_elems(st.B, g.H)}, "lse_part");
         T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
-          const std::int64_t q_off = (c.b0 * st.L + c.q_row) * st.H,
-                             k_off = (c.b0 * Lk + c.key0) * st.H;
+          const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
+                             k_off = (c.b0 * Lk + c.key0) * g.H;
           T* o_p = at(o_part.data(), q_off * st.dv);
           T* lse_p = at(lse_base, c.lse_off);
           T* probs = at(step.probs.data(), c.probs_off);
           Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
                             at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
                             eager ? lse_p : nullptr);
-          merge_partial(st, c, o.data(), merged.data(), o_p, lse_p);
+          merge_partial(st, g, c, o.data(), merged.data(), o_p, lse_p);
         }
       }
       wait(st, pending);
@@ -430,7 +456,7 @@ struct RingAttention {
     for (RingStep<T>& step : steps) {
       if (!step.lse.defined()) continue;
       for (const RingCall& c : step.calls)
-        rescale_probs(st, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
+        rescale_probs(g, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
                       merged.data());
       step.lse.reset();
     }
@@ -442,31 +468,31 @@ struct RingAttention {
   // the own block's gradient (B L width), home after the ring; the codec's
   // parameter gradients added. Frees what forward kept.
   template <class Codec>
-  std::pair<Tensor<T>, Tensor<T>> backward(const Step& st, const MlaParams<T>& w,
+  std::pair<Tensor<T>, Tensor<T>> backward(const Step& st, const RingView& g, const MlaParams<T>& w,
                                            const Codec& codec, const Tensor<T>& q,
                                            const Tensor<T>& own, const Tensor<T>& o,
                                            const Tensor<T>& do_loc, MlaParams<T>& grads) {
-    const int ranks = st.ctx.layout.ranks;
+    const int ranks = g.ranks();
     const bool eager = st.ctx.attention == AttentionKind::eager;
-    const SpLayout& lay = st.ctx.layout;
+    const SpLayout& lay = g.members;
     auto elems = [&](int j) { return st.B * lay.seq_count[size_t(j)] * codec.width(st); };
     // Eager over several blocks: D = do . o of the whole row, (B, H, L).
     Tensor<T> delta;
     if (eager && ranks > 1) {
-      delta = Tensor<T>({st.B, st.H, st.L}, "ring delta");
-      ops::count_elementwise<T>(st.B * st.L * st.H * st.dv, 2);
-      if (ops::runs(st.B * st.L * st.H, {delta.data(), do_loc.data(), o.data()}))
+      delta = Tensor<T>({st.B, g.H, g.L}, "ring delta");
+      ops::count_elementwise<T>(st.B * g.L * g.H * st.dv, 2);
+      if (ops::runs(st.B * g.L * g.H, {delta.data(), do_loc.data(), o.data()}))
         for (std::int64_t b = 0; b < st.B; ++b)
-          for (std::int64_t i = 0; i < st.L; ++i)
-            for (std::int64_t h = 0; h < st.H; ++h) {
-              const std::int64_t off = ((b * st.L + i) * st.H + h) * st.dv;
+          for (std::int64_t i = 0; i < g.L; ++i)
+            for (std::int64_t h = 0; h < g.H; ++h) {
+              const std::int64_t off = ((b * g.L + i) * g.H + h) * st.dv;
               T D = 0;
               for (std::int64_t e = 0; e < st.dv; ++e)
                 D += do_loc.data()[off + e] * o.data()[off + e];
-              delta.data()[(b * st.H + h) * st.L + i] = D;
+              delta.data()[(b * g.H + h) * g.L + i] = D;
             }
     }
-    Tensor<T> dq = Tensor<T>::zeros({st.B, st.L, st.H * st.dqk}, "dq_h");
+    Tensor<T> dq = Tensor<T>::zeros({st.B, g.L, g.H * st.dqk}, "dq_h");
     const Tensor<T>* cur = &own;
     Tensor<T> held;  // the block held, once it is not the own one
     Tensor<T> acc = Tensor<T>::zeros({own.numel()}, "ring grad acc", MemCategory::comm_buffers);
@@ -479,7 +505,7 @@ struct RingAttention {
       InFlight<T> kv_pending;
       Tensor<T> next;
       if (i + 1 < ranks)
-        next = shift(st, *cur, elems(next_owner), codec.pass, "ring_block", kv_pending);
+        next = shift(st, g, *cur, elems(next_owner), codec.pass, "ring_block", kv_pending);
       // The step's gradients into scratch of the step's full extents (what
       // the count-only run, which has no documents, allocates too), each
       // call's at its rows: dq added at once, the block's dK/dV once its
@@ -488,27 +514,27 @@ struct RingAttention {
       const RingRect& rect = step.rect;
       if (rect.rows > 0) {
         RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
-        Tensor<T> dq_part({st.B * st.L, st.H * st.dqk}, "dq_part");
-        dkv = Tensor<T>::zeros({st.B * Lk * st.H * (st.dqk + st.dv)}, "dkv_part");
+        Tensor<T> dq_part({st.B * g.L, g.H * st.dqk}, "dq_part");
+        dkv = Tensor<T>::zeros({st.B * Lk * g.H * (st.dqk + st.dv)}, "dkv_part");
         Tensor<T> rows_stat, dp;  // the calls' rows of lse (flash) or D (eager, several blocks)
         if (!eager || delta.defined())
-          rows_stat = Tensor<T>({rect.lse_elems(st.B, st.H)}, "ring stats rows");
-        if (eager) dp = Tensor<T>({st.L, Lk}, "eager dp scratch");
+          rows_stat = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring stats rows");
+        if (eager) dp = Tensor<T>({g.L, Lk}, "eager dp scratch");
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
-          const std::int64_t q_off = (c.b0 * st.L + c.q_row) * st.H,
-                             k_off = (c.b0 * Lk + c.key0) * st.H;
+          const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
+                             k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
-          if (rows_stat.defined()) gather_rows(st, c, eager ? delta.data() : lse.data(), stat);
+          if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
           Pieces<T>::attend_backward(
               st, s, at(dq_part.data(), q_off * st.dqk),
-              at(block_k(st, dkv.data(), Lk).p, k_off * st.dqk),
-              at(block_v(st, dkv.data(), Lk).p, k_off * st.dv), at(do_loc.data(), q_off * st.dv),
-              at(q.data(), q_off * st.dqk), at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-              at(o.data(), q_off * st.dv), eager ? at(step.probs.data(), c.probs_off) : stat,
-              dp.data(), eager ? stat : nullptr);
+              at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
+              at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
+              at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
+              at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
+              eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr);
           for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
-            const std::int64_t row = b * st.L + c.q_row;
+            const std::int64_t row = b * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),
                      mat(std::as_const(dq_part)).row_range(row, s.Sq));
           }
@@ -525,7 +551,7 @@ struct RingAttention {
       // The accumulator goes on with its block; after the last step, home.
       if (ranks > 1) {
         Tensor<T> arriving =
-            shift(st, acc, elems(next_owner), codec.grad_pass, "ring_grad_acc", acc_pending);
+            shift(st, g, acc, elems(next_owner), codec.grad_pass, "ring_grad_acc", acc_pending);
         // The accumulator is read until the wait, unless what the wire
         // reads is its bf16 copy (InFlight::leaving): then it is freed now.
         if (!acc_pending.leaving.defined()) acc_sent = std::move(acc);
@@ -565,7 +591,8 @@ struct RingTape final : Tape<T> {
       ops::Mat<T> do_m = mat(do_loc);
       ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
     }
-    auto [dq, acc] = att.backward(st, w, codec, q, own, o_loc, do_loc, grads);
+    auto [dq, acc] =
+        att.backward(st, RingView::of_ranks(st), w, codec, q, own, o_loc, do_loc, grads);
     do_loc.reset(), o_loc.reset(), own.reset(), q.reset();
     Tensor<T> dproj;  // rq == 0: dq lands in it
     Tensor<T> dq_loc = P::local_queries_backward(st, dq, dproj);
@@ -582,7 +609,7 @@ std::unique_ptr<Tape<T>> ring_forward(const Step& st, const MlaParams<T>& w, con
   P::project_in(st, w, x, t->in);
   t->own = t->codec.own_block(st, w, t->in);
   t->q = P::local_queries(st, w, t->in);
-  t->o_loc = t->att.forward(st, w, t->codec, t->q, t->own);
+  t->o_loc = t->att.forward(st, RingView::of_ranks(st), w, t->codec, t->q, t->own);
   out = Tensor<T>({st.B, st.L, st.D}, "out");
   ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
   // The queries and the own block hold bf16 values (GEMMs' and RoPE's
