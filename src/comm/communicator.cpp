@@ -56,17 +56,19 @@ const char* to_string(RingDirection d) {
 }
 
 std::string to_string(Ring ring) {
-  if (ring.size == 0) return to_string(ring.direction);
-  return cat(to_string(ring.direction), " in rings of ", ring.size);
+  if (ring.size == 0 && ring.stride == 1) return to_string(ring.direction);
+  std::string s = cat(to_string(ring.direction), " in rings of ", ring.size);
+  return ring.stride == 1 ? s : cat(s, ", stride ", ring.stride);
 }
 
 RingPeers ring_peers(int P, int r, Ring ring) {
   LAGA_CHECK(P >= 1 && r >= 0 && r < P, "ring_peers(P=", P, ", r=", r, "): need 0 <= r < P");
-  const int n = ring.ranks(P);
-  LAGA_CHECK(n >= 1 && P % n == 0, "ring_peers: rings of ", ring.size,
-             " ranks do not tile a group of ", P, "; the ring size must divide P (0: one ring)");
-  const int base = r - r % n, place = r % n;
-  const int next = base + (place + 1) % n, prev = base + (place - 1 + n) % n;
+  LAGA_CHECK(ring.tiles(P), "ring_peers: rings of ", ring.size, " ranks at stride ", ring.stride,
+             " do not tile a group of ", P,
+             "; size * stride must divide P (size 0: one ring of every rank)");
+  const int n = ring.ranks(P), s = ring.stride, block = n * s;
+  const int base = r - r % block + r % s, place = (r % block) / s;
+  const int next = base + ((place + 1) % n) * s, prev = base + ((place - 1 + n) % n) * s;
   return ring.direction == RingDirection::forward ? RingPeers{next, prev} : RingPeers{prev, next};
 }
 
@@ -916,10 +918,11 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
         const Checks c(kind, label, r, P);
         c.count(send_count, "send_count");
         c.count(recv_count, "recv_count");
-        if (ring.size < 0 || P % ring.ranks(P) != 0)
+        if (!ring.tiles(P))
           fail(call_name(kind, label), " on rank ", r, " of ", P, ": rings of ", ring.size,
-               " ranks do not tile the group; pass a ring size that divides ", P,
-               " (0: one ring of every rank)");
+               " ranks at stride ", ring.stride,
+               " do not tile the group; pass a ring size and stride whose product divides ", P,
+               " (size 0: one ring of every rank)");
         // In a ring of one the block comes back to its sender: the peer
         // check needs no peer, so it is made here, alike on every backend.
         if (ring.ranks(P) == 1 && recv_count != send_count)
@@ -931,7 +934,7 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
         transport_ring_shift(send, send_count, recv, recv_count, dtype, ring, label, moved);
         return ring_shift_peer_bytes(send_count, recv_count, P, r, dtype, ring);
       },
-      started, ring.ranks(size()));
+      started, ring.tiles(size()) ? ring.span(size()) : 0);
 }
 
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {

@@ -197,22 +197,34 @@ const char* to_string(CollectiveKind k);
 enum class RingDirection { forward, backward };
 const char* to_string(RingDirection d);  // "forward", "backward"
 // Which rings a ring_shift passes its blocks round, and which way. The P
-// ranks form P / size rings of `size` consecutive ranks (rank r in ring
-// r / size, at place r % size), each passing its own blocks: the
-// hierarchical form's ring across context groups, one ring per head group
-// (docs/forms.md, "a2a_p2p"). size 0 is P: one ring of every rank. Every
-// rank of a call passes the same Ring, and size must divide P.
+// ranks form P / size rings of `size` ranks each, `stride` apart: the
+// ranks are cut into blocks of size * stride consecutive ranks, and in each
+// block rank r's ring is the ranks of the block with r's residue mod
+// stride, at place (r mod (size stride)) / stride. Each ring passes its own
+// blocks: the hierarchical form's rings across context groups, one per head
+// group, a context group's ranks consecutive (stride = its size; docs/
+// forms.md, "a2a_p2p"). size 0 is P: one ring of every rank. Every rank of
+// a call passes the same Ring, and size * stride must divide P.
 struct Ring {
   RingDirection direction = RingDirection::forward;
   int size = 0;
+  int stride = 1;
   Ring(RingDirection d = RingDirection::forward,  // NOLINT: a direction alone is the whole ring
-       int ring_size = 0)
-      : direction(d), size(ring_size) {}
+       int ring_size = 0, int ring_stride = 1)
+      : direction(d), size(ring_size), stride(ring_stride) {}
   // The ranks in each ring of a group of P.
   int ranks(int P) const { return size == 0 ? P : size; }
+  // The consecutive ranks one ring's members span, first to last: the
+  // link model's extent of a call (CollectiveEvent::ranks).
+  int span(int P) const { return (ranks(P) - 1) * stride + 1; }
+  // Whether these rings tile a group of P (size * stride divides P).
+  bool tiles(int P) const {
+    return size >= 0 && stride >= 1 && P % ranks(P) == 0 && P % (ranks(P) * stride) == 0;
+  }
   friend bool operator==(const Ring&, const Ring&) = default;
 };
-std::string to_string(Ring ring);  // "forward", "backward in rings of 2"
+// "forward", "backward in rings of 2", "forward in rings of 2, stride 4"
+std::string to_string(Ring ring);
 // The two neighbours of rank r of P in a ring_shift: the one it sends to and
 // the one it receives from (both r in a ring of one). laga::Error unless
 // 0 <= r < P and the ring's size divides P.
@@ -355,7 +367,8 @@ struct CollectiveEvent {
   bool started = false;  // issued by a start_* call: complete at its wait
   std::int64_t id = -1;  // a started call's number on its communicator; its wait has the same
   // issued only: the ranks one call spans, whose count the link model's cost
-  // takes (comm/link_model.hpp): the group's P, or a ring_shift's ring size.
+  // takes (comm/link_model.hpp): the group's P, or the consecutive ranks a
+  // ring_shift's ring spans (Ring::span).
   int ranks = 0;
 };
 using CollectiveObserver = std::function<void(const CollectiveEvent&)>;

@@ -25,8 +25,10 @@
 //                   on a ring, the direct link on a mesh, one switch
 //                   port):                                  a + m / b
 //                   (a ring pass of P-1 steps is P-1 calls, each charged so;
-//                   where the ranks form several rings of consecutive ranks,
-//                   Ring, P is one ring's size: the call's CollectiveEvent::ranks)
+//                   where the ranks form several rings, Ring, P is the
+//                   consecutive ranks one ring spans, (size-1) stride + 1:
+//                   the call's CollectiveEvent::ranks; a strided ring whose
+//                   span passes a node crosses it)
 //
 // With the ledger's bytes these are the textbook costs: a ring all-gather's
 // rank sends and receives (P-1)/P of the whole, which is what the ledger

@@ -525,7 +525,7 @@ void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send
     if (!(posts[j].ring == posts[0].ring))
       fail(call_name(kind, label), " on rank ", rank_, " of ", P, ": rank 0 shifts ",
            to_string(posts[0].ring), " but rank ", j, " ", to_string(posts[j].ring),
-           "; every rank of a ring_shift must pass the same direction and ring size");
+           "; every rank of a ring_shift must pass the same direction, ring size and stride");
   for (int i = 0; i < P; ++i) {
     const int from = ring_peers(P, i, ring).from;
     if (posts[i].counts_b[0] != posts[from].n)

@@ -464,20 +464,22 @@ inline std::string check_ring_ledger(const Ledger& got, int P, int r, std::int64
   return check_ledger_against(got, expected_ring_ledger(P, r, elem));
 }
 
-// Rings of `size` consecutive ranks (Ring): a forward pass of size - 1
+// Rings of `size` ranks `stride` apart (Ring): a forward pass of size - 1
 // started shifts, each arrival checked against the block of the ring member
 // it started on, then one blocking shift backward, checked likewise, and
 // the ledger of both (nothing in rings of one). The differences, empty when
 // exact.
 template <class T>
-std::string check_rings_of(Communicator& comm, int size) {
-  const int P = comm.size(), r = comm.rank(), base = r - r % size;
-  const Ring fwd{RingDirection::forward, size}, bwd{RingDirection::backward, size};
+std::string check_rings_of(Communicator& comm, int size, int stride = 1) {
+  const int P = comm.size(), r = comm.rank(), block = size * stride;
+  const int base = r - r % block + r % stride, place = (r % block) / stride;
+  auto member = [&](int k) { return base + ((k % size + size) % size) * stride; };
+  const Ring fwd{RingDirection::forward, size, stride}, bwd{RingDirection::backward, size, stride};
   std::string diffs;
   std::vector<T> held = ring_block<T>(30, P, r), next;
   std::int64_t sent = 0, received = 0;
   for (int s = 0; s + 1 < size; ++s) {
-    const int origin = base + ((r - base - s - 1) % size + size) % size;
+    const int origin = member(place - s - 1);
     next.assign(static_cast<size_t>(ring_count(P, origin)), kUntouched<T>);
     PendingCollective p =
         comm.start_ring_shift(held.data(), static_cast<std::int64_t>(held.size()), next.data(),
@@ -488,7 +490,7 @@ std::string check_rings_of(Communicator& comm, int size) {
     sent += static_cast<std::int64_t>(held.size()), received += ring_count(P, origin);
     std::swap(held, next);
   }
-  const int from = base + (r - base + 1) % size;
+  const int from = member(place + 1);
   std::vector<T> back(static_cast<size_t>(ring_count(P, from)), kUntouched<T>);
   const std::vector<T> mine = ring_block<T>(31, P, r);
   comm.ring_shift(mine.data(), ring_count(P, r), back.data(), ring_count(P, from), "rings_home",

@@ -978,7 +978,7 @@ TEST(RingShift, DirectionsThatDifferAreNamedOnEveryRank) {
   for (int r = 0; r < 3; ++r)
     EXPECT_EQ(errors[r], cat("ring_shift 'kv_ring' on rank ", r,
                              " of 3: rank 0 shifts forward but rank 1 backward; every rank of a "
-                             "ring_shift must pass the same direction and ring size"));
+                             "ring_shift must pass the same direction, ring size and stride"));
 }
 
 // Rings of consecutive ranks (Ring::size): the hierarchical form's rings,
@@ -1004,6 +1004,21 @@ TEST(RingShift, RingsOfConsecutiveRanksHaveTheirOwnNeighbours) {
               ring_peers(6, r, RingDirection::forward).to);
   }
   EXPECT_THROW(ring_peers(6, 0, Ring{RingDirection::forward, 4}), Error);
+  // Strided: 8 ranks in rings of 2 at stride 4: {0 4} {1 5} {2 6} {3 7};
+  // of 2 at stride 2: {0 2} {1 3} {4 6} {5 7}; of 3 at stride 2 (6 ranks):
+  // {0 2 4} {1 3 5}.
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(ring_peers(8, r, Ring{RingDirection::forward, 2, 4}).to, (r + 4) % 8) << r;
+    EXPECT_EQ(ring_peers(8, r, Ring{RingDirection::forward, 2, 2}).to, r ^ 2) << r;
+  }
+  const int fwd32_to[] = {2, 3, 4, 5, 0, 1};
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_EQ(ring_peers(6, r, Ring{RingDirection::forward, 3, 2}).to, fwd32_to[r]) << r;
+    EXPECT_EQ(ring_peers(6, fwd32_to[r], Ring{RingDirection::backward, 3, 2}).to, r) << r;
+  }
+  EXPECT_THROW(ring_peers(6, 0, Ring{RingDirection::forward, 2, 2}), Error);  // 4 does not divide 6
+  EXPECT_EQ(Ring(RingDirection::forward, 3, 2).span(6), 5);
+  EXPECT_EQ(to_string(Ring{RingDirection::forward, 2, 4}), "forward in rings of 2, stride 4");
   EXPECT_EQ(to_string(Ring{RingDirection::backward, 2}), "backward in rings of 2");
   EXPECT_EQ(to_string(Ring{}), "forward");
   // In rings of one nothing is traffic; in rings of two one peer each way.
@@ -1013,13 +1028,27 @@ TEST(RingShift, RingsOfConsecutiveRanksHaveTheirOwnNeighbours) {
 }
 
 TEST(RingShift, RingsOfConsecutiveRanksPassTheirOwnBlocks) {
-  for (auto [P, size] : {std::pair{4, 2}, {6, 3}, {6, 2}, {4, 1}, {4, 4}, {3, 3}}) {
-    std::vector<std::string> diffs(static_cast<size_t>(P));
-    run_local_ranks(P, [&, size = size](Communicator& c) {
-      diffs[size_t(c.rank())] = test::check_rings_of<float>(c, size);
+  struct Case {
+    int P, size, stride;
+  };
+  for (const Case k : {Case{4, 2, 1},
+                       {6, 3, 1},
+                       {6, 2, 1},
+                       {4, 1, 1},
+                       {4, 4, 1},
+                       {3, 3, 1},
+                       {8, 2, 4},
+                       {8, 2, 2},
+                       {6, 3, 2},
+                       {6, 2, 3},
+                       {4, 1, 4}}) {
+    std::vector<std::string> diffs(static_cast<size_t>(k.P));
+    run_local_ranks(k.P, [&](Communicator& c) {
+      diffs[size_t(c.rank())] = test::check_rings_of<float>(c, k.size, k.stride);
     });
-    for (int r = 0; r < P; ++r)
-      EXPECT_EQ(diffs[size_t(r)], "") << "rank " << r << " of " << P << " in rings of " << size;
+    for (int r = 0; r < k.P; ++r)
+      EXPECT_EQ(diffs[size_t(r)], "")
+          << "rank " << r << " of " << k.P << " in rings of " << k.size << ", stride " << k.stride;
   }
 }
 
@@ -1030,8 +1059,9 @@ TEST(RingShift, RingSizesThatDoNotTileOrDifferAreRefused) {
   });
   for (int r = 0; r < 4; ++r)
     EXPECT_EQ(tile[r], cat("ring_shift 'kv_ring' on rank ", r,
-                           " of 4: rings of 3 ranks do not tile the group; pass a ring size "
-                           "that divides 4 (0: one ring of every rank)"));
+                           " of 4: rings of 3 ranks at stride 1 do not tile the group; pass a "
+                           "ring size and stride whose product divides 4 (size 0: one ring of "
+                           "every rank)"));
   auto differ = errors_of(4, 20s, [](Communicator& c) {
     std::vector<float> send(2, 1.0f), recv(2);
     c.ring_shift(send.data(), 2, recv.data(), 2, "kv_ring",
@@ -1041,7 +1071,7 @@ TEST(RingShift, RingSizesThatDoNotTileOrDifferAreRefused) {
     EXPECT_EQ(differ[r], cat("ring_shift 'kv_ring' on rank ", r,
                              " of 4: rank 0 shifts forward in rings of 2 but rank 2 forward in "
                              "rings of 4; every rank of a ring_shift must pass the same "
-                             "direction and ring size"));
+                             "direction, ring size and stride"));
 }
 
 TEST(RingShift, MissingRankTimesOutNamingLabelAndRank) {

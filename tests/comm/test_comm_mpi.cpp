@@ -256,18 +256,20 @@ TEST(MpiRingShift, BlocksLandOnTheNeighbourAsInProcess) {
   check_ring_against_local<float>(comm);
 }
 
-// Rings of every size that divides P (Ring::size): each rank's arrivals are
+// Rings of every size and stride that tile P (Ring): each rank's arrivals are
 // its own ring's blocks, and the ledger one block each way per shift.
 TEST(MpiRingShift, RingsOfConsecutiveRanksPassTheirOwnBlocks) {
   MpiCommunicator comm;
   comm.set_timeout(20s);
   const int P = comm.size();
-  for (int size = 1; size <= P; ++size) {
-    if (P % size != 0) continue;
-    comm.ledger().clear();
-    EXPECT_EQ(test::check_rings_of<double>(comm, size), "")
-        << "rank " << comm.rank() << " of " << P << " in rings of " << size;
-  }
+  for (int size = 1; size <= P; ++size)
+    for (int stride = 1; size * stride <= P; ++stride) {
+      if (P % (size * stride) != 0) continue;
+      comm.ledger().clear();
+      EXPECT_EQ(test::check_rings_of<double>(comm, size, stride), "")
+          << "rank " << comm.rank() << " of " << P << " in rings of " << size << ", stride "
+          << stride;
+    }
 }
 
 TEST(MpiRingShift, CountOnlyIsRecordedAsDerived) {
