@@ -68,10 +68,15 @@ void CommTerms::add(Phase ph, const char* label, PredictedBytes b, CollectiveKin
 }
 
 void CommTerms::add_ring(Phase ph, const char* label, std::int64_t width, bool home) {
-  if (layout.ranks == 1) return;
   std::vector<std::int64_t> blocks;
   for (std::int64_t n : layout.seq_count) blocks.push_back(layout.batch * n * width);
-  const PredictedBytes b = ring_pass_bytes(blocks, rank, elem_bytes, RingDirection::forward, home);
+  add_ring(ph, label, blocks, rank, home);
+}
+
+void CommTerms::add_ring(Phase ph, const char* label, const std::vector<std::int64_t>& blocks,
+                         int place, bool home) {
+  if (blocks.size() <= 1) return;
+  const PredictedBytes b = ring_pass_bytes(blocks, place, elem_bytes, RingDirection::forward, home);
   auto& slot = result[{ph, label}];
   slot.kind = CollectiveKind::ring_shift;
   slot.sent += b.sent;
@@ -80,10 +85,17 @@ void CommTerms::add_ring(Phase ph, const char* label, std::int64_t width, bool h
 }
 
 void CommTerms::ring_form(const char* pass, const char* grad_pass, std::int64_t width) {
-  add_ring(Phase::forward, pass, width, false);
+  std::vector<std::int64_t> blocks;
+  for (std::int64_t n : layout.seq_count) blocks.push_back(layout.batch * n * width);
+  ring_form(pass, grad_pass, blocks, rank);
+}
+
+void CommTerms::ring_form(const char* pass, const char* grad_pass,
+                          const std::vector<std::int64_t>& blocks, int place) {
+  add_ring(Phase::forward, pass, blocks, place, false);
   if (!backward) return;
-  add_ring(Phase::backward, pass, width, false);
-  add_ring(Phase::backward, grad_pass, width, true);
+  add_ring(Phase::backward, pass, blocks, place, false);
+  add_ring(Phase::backward, grad_pass, blocks, place, true);
 }
 
 void CommTerms::to_heads(Phase ph, const char* label, std::int64_t d) {

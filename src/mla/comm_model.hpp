@@ -131,10 +131,18 @@ struct CommTerms {
   // that brings each block back to its owner. Nothing on one rank: a ring
   // form makes no shift there.
   void add_ring(Phase phase, const char* label, std::int64_t width, bool home);
+  // The same round a ring of its own: the blocks (elements) of its members
+  // in ring order, this rank at `place` (a2a_p2p's ring of a head group's
+  // context groups). Nothing in a ring of one.
+  void add_ring(Phase phase, const char* label, const std::vector<std::int64_t>& blocks, int place,
+                bool home);
   // A ring form's whole frame (mla/ring.hpp): its blocks' pass forward
   // under `pass`; backward the pass again (recomputation) and the
-  // gradients' pass home under `grad_pass`.
+  // gradients' pass home under `grad_pass`. Over every rank (width per
+  // token), or over a ring of its own (its members' blocks, this rank's place).
   void ring_form(const char* pass, const char* grad_pass, std::int64_t width);
+  void ring_form(const char* pass, const char* grad_pass, const std::vector<std::int64_t>& blocks,
+                 int place);
 };
 
 // The crossover of the query exchange. Per local token of rank r, forward

@@ -162,10 +162,11 @@ void check_query_exchange(const MlaConfig& cfg, FormVariant v) {
 
 void check_head_groups(const SpLayout& layout, FormVariant v) {
   if (!form_spec(v.form).traits.head_groups) {
+    const std::vector<Form> grids = forms_with(&FormTraits::head_groups);
     LAGA_CHECK(v.head_groups == 0, "--head-groups applies to the ",
-               names_of_forms_with(&FormTraits::head_groups), " form only, not to ",
-               to_string(v.form), ": ", use_forms_with(&FormTraits::head_groups),
-               ", or drop --head-groups");
+               names_of_forms_with(&FormTraits::head_groups),
+               grids.size() == 1 ? " form" : " forms", " only, not to ", to_string(v.form), ": ",
+               use_forms_with(&FormTraits::head_groups), ", or drop --head-groups");
     return;
   }
   attention_placement(layout, v);  // its grid refuses head groups that do not fit

@@ -44,14 +44,7 @@ struct KvBlocks {
   void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
                 const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
                 MlaParams<T>&) const {
-    for (const ring::RingCall& c : calls)
-      for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-        const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
-        ops::add(block_k(st, st.H, acc, Lj).row_range(row, n),
-                 block_k(st, st.H, dkv, Lj).row_range(row, n));
-        ops::add(block_v(st, st.H, acc, Lj).row_range(row, n),
-                 block_v(st, st.H, dkv, Lj).row_range(row, n));
-      }
+    ring::add_kv_grad(st, st.H, Lj, calls, dkv, acc);
   }
   // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
   // c_hat kept for wkv_b's gradient.
@@ -68,17 +61,10 @@ struct KvBlocks {
   // heads of dk's rope part; d c_hat = dkv wkv_b, wkv_b += dkv^T c_hat.
   Tensor<T> latent_grad(const Step& st, const MlaParams<T>& w, Tensor<T>& acc,
                         MlaParams<T>& grads) {
-    Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
-    {
-      Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
-      const T* a = acc.data();
-      Pieces<T>::merge_dkv(st, st.H, block_k(st, st.H, a, st.L), block_v(st, st.H, a, st.L),
-                           mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
-      acc.reset();
-      ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
-      ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);
-    }
-    c_hat.reset();
+    const T* a = acc.data();
+    Tensor<T> dlat_loc = ring::kv_latent_grad(st, w, block_k(st, st.H, a, st.L),
+                                              block_v(st, st.H, a, st.L), c_hat, grads);
+    acc.reset(), c_hat.reset();
     return dlat_loc;
   }
   Tensor<T> c_hat;  // (B, L, C)

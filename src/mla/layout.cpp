@@ -179,7 +179,7 @@ int HeadContextGrid::resolve_head_groups(std::int64_t heads, int ranks, int requ
   return requested == 0 ? default_head_groups(heads, ranks) : requested;
 }
 
-HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups) {
+HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups, GridOrder order) {
   const int P = lay.ranks;
   LAGA_CHECK(head_groups >= 1 && head_groups <= P, "--head-groups ", head_groups,
              " must be between 1 and --sp ", P, " (the ranks form head groups x context groups)");
@@ -189,17 +189,30 @@ HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups) {
   HeadContextGrid g;
   g.head_groups = head_groups;
   g.context_groups = P / head_groups;
+  g.order = order;
   const int Pc = g.context_groups;
   const std::vector<std::int64_t> group_heads =
       head_groups == P ? lay.head_count : split(lay.heads, head_groups);
   const std::vector<std::int64_t> group_offsets = offsets(group_heads);
   for (int r = 0; r < P; ++r) {
-    const auto grp = static_cast<size_t>(r / Pc);
+    const auto grp = static_cast<size_t>(g.head_group(r));
     g.head_count.push_back(group_heads[grp]);
     g.head_offset.push_back(group_offsets[grp]);
-    g.queries.push_back(mirrored_chunks(lay.seq, Pc, r % Pc));
+    g.queries.push_back(mirrored_chunks(lay.seq, Pc, g.context_group(r)));
   }
   return g;
+}
+
+int HeadContextGrid::head_group(int rank) const {
+  return order == GridOrder::head_major ? rank / context_groups : rank % head_groups;
+}
+
+int HeadContextGrid::context_group(int rank) const {
+  return order == GridOrder::head_major ? rank % context_groups : rank / head_groups;
+}
+
+int HeadContextGrid::rank_at(int hg, int cg) const {
+  return order == GridOrder::head_major ? hg * context_groups + cg : cg * head_groups + hg;
 }
 
 std::int64_t HeadContextGrid::query_rows(int rank) const {
@@ -218,7 +231,7 @@ std::string HeadContextGrid::describe() const {
   os << head_groups << " head group" << (head_groups == 1 ? "" : "s") << " x " << context_groups
      << " context group" << (context_groups == 1 ? "" : "s") << " (heads ";
   const auto group_heads = [&](int grp) {
-    return head_count[static_cast<size_t>(grp * context_groups)];
+    return head_count[static_cast<size_t>(rank_at(grp, 0))];
   };
   bool equal = true;
   for (int grp = 1; grp < head_groups; ++grp) equal = equal && group_heads(grp) == group_heads(0);

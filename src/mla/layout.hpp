@@ -86,8 +86,17 @@ struct SpLayout {
 // heads); otherwise H is split near-evenly over the Ph groups (the first
 // H % Ph one head more). The input and output stay in the SpLayout's
 // contiguous seq shards; only attention uses this grid.
+//
+// Which rank sits where on the grid (GridOrder): head-major, laga2d's, rank r
+// in head group r / Pc and context group r % Pc (a head group's ranks
+// consecutive); context-major, a2a_p2p's, rank r in context group r / Ph and
+// head group r % Ph (a context group's ranks consecutive, so its all-to-all
+// stays inside a node and the ring across context groups crosses nodes, as
+// TransformerEngine's a2a+p2p places them).
+enum class GridOrder { head_major, context_major };
 struct HeadContextGrid {
   int head_groups = 1, context_groups = 1;  // Ph, Pc
+  GridOrder order = GridOrder::head_major;
   // Per rank: its group's heads [head_offset, head_offset + head_count) and
   // its query ranges (ascending, disjoint, not adjacent; empty when S < 2Pc
   // leaves its chunks without tokens).
@@ -95,7 +104,11 @@ struct HeadContextGrid {
   std::vector<std::vector<TokenRange>> queries;
 
   // Throws laga::Error unless 1 <= head_groups <= P and P % head_groups == 0.
-  static HeadContextGrid make(const SpLayout& layout, int head_groups);
+  static HeadContextGrid make(const SpLayout& layout, int head_groups,
+                              GridOrder order = GridOrder::head_major);
+  int head_group(int rank) const;
+  int context_group(int rank) const;
+  int rank_at(int head_group, int context_group) const;
   // The rule when --head-groups is not given: Ph = gcd(H, P), the most head
   // groups that split the heads evenly (every rank then attends H / Ph heads
   // over 1 / Pc of the causal work, within the chunks' rounding). At P | H

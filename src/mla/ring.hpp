@@ -90,19 +90,22 @@ ops::Mat<T> block_v(const Step& st, std::int64_t heads, T* p, std::int64_t Lj) {
 // the heads attended. ring_kv and ring_latent: one ring of every rank, each
 // its own tokens with all H heads (of_ranks); a2a_p2p: the Pc ranks of a
 // head group, each its context group's query rows, the group's heads
-// (RingView::of_grid). The rows a member holds are its queries and its
+// (form_a2a_p2p.cpp). The rows a member holds are its queries and its
 // block's keys alike.
 struct RingView {
   SpLayout members;
   int place = 0;
-  int ring_size = 0;    // Ring::size: 0 is one ring of every rank
-  std::int64_t L = 0;   // this rank's rows, members.seq_count[place]
-  std::int64_t H = 0;   // heads attended
-  std::int64_t h0 = 0;  // the first of them (their wq_b / wkv_b rows)
+  Ring ring;           // the shifts' rings (Ring::size 0: one ring of every rank)
+  std::int64_t L = 0;  // this rank's rows, members.seq_count[place]
+  std::int64_t H = 0;  // heads attended
   int ranks() const { return members.ranks; }
   std::int64_t rows(int member) const { return members.seq_count[size_t(member)]; }
+  // One ring of every rank of `layout`, rank r at place r, its own tokens.
+  static RingView of_ranks(const SpLayout& layout, int rank, std::int64_t heads) {
+    return {layout, rank, Ring{}, layout.seq_count[size_t(rank)], heads};
+  }
   static RingView of_ranks(const Step& st) {
-    return {st.ctx.layout, st.ctx.comm.rank(), 0, st.L, st.H, 0};
+    return of_ranks(st.ctx.layout, st.ctx.comm.rank(), st.H);
   }
 };
 
@@ -172,12 +175,14 @@ inline RingRect ring_rect(const SpLayout& lay, int r, int owner) {
 
 // A ring form's saved statistics (FormSpec::saved_elements): flash's lse
 // (B, H, L), or eager's probabilities of every step's rectangle.
-inline std::int64_t ring_saved_stats(const SavedShape& s) {
-  if (!s.eager) return s.B * s.Hr * s.L;
+inline std::int64_t ring_saved_stats(const RingView& g, std::int64_t B, bool eager) {
+  if (!eager) return B * g.H * g.L;
   std::int64_t n = 0;
-  for (int j = 0; j < s.layout.ranks; ++j)
-    n += ring_rect(s.layout, s.rank, j).probs_elems(s.B, s.Hr);
+  for (int j = 0; j < g.ranks(); ++j) n += ring_rect(g.members, g.place, j).probs_elems(B, g.H);
   return n;
+}
+inline std::int64_t ring_saved_stats(const SavedShape& s) {
+  return ring_saved_stats(RingView::of_ranks(s.layout, s.rank, s.Hr), s.B, s.eager);
 }
 
 // One kernel call of a ring step: batch rows [b0, b0 + shape.B), query rows
@@ -251,6 +256,38 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
     add(RingCall(shape(1, rows, rect.keys - lo, false)), b, lo);
   }
   return calls;
+}
+
+// The per-head [K | V] blocks' codec parts (ring_kv, a2a_p2p): a step's
+// dK/dV of `heads` heads, written at its calls' rows, into the block's
+// accumulator.
+template <class T>
+void add_kv_grad(const Step& st, std::int64_t heads, std::int64_t Lj,
+                 const std::vector<RingCall>& calls, const T* dkv, T* acc) {
+  for (const RingCall& c : calls)
+    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
+      const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
+      ops::add(block_k(st, heads, acc, Lj).row_range(row, n),
+               block_k(st, heads, dkv, Lj).row_range(row, n));
+      ops::add(block_v(st, heads, acc, Lj).row_range(row, n),
+               block_v(st, heads, dkv, Lj).row_range(row, n));
+    }
+}
+// From dK (B L, H dqk) and dV (B L, H dv) of local tokens and all heads to
+// d[c_hat | k_pe] (B, L, C + dr), as explicit's backward: d kv from
+// [dk_nope | dv] per head, d k_pe the sum over heads of dk's rope part,
+// d c_hat = dkv wkv_b; wkv_b += dkv^T c_hat.
+template <class T>
+Tensor<T> kv_latent_grad(const Step& st, const MlaParams<T>& w, ops::In<T> dk, ops::In<T> dv,
+                         const Tensor<T>& c_hat, MlaParams<T>& grads) {
+  Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
+  Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
+  Pieces<T>::merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
+  ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
+            false);
+  ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
+                          w.wkv_b);
+  return dlat_loc;
 }
 
 // One step of the ring: the block it holds and what its calls saved.
@@ -347,7 +384,7 @@ struct InFlight {
 template <class T>
 Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::int64_t next_elems,
                 const char* label, const char* name, InFlight<T>& flight) {
-  const Ring ring{RingDirection::forward, g.ring_size};
+  const Ring ring{RingDirection::forward, g.ring.size, g.ring.stride};
   Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
   const bool overlap = st.ctx.variant.overlap == Overlap::on;
   Communicator& comm = st.ctx.comm;

@@ -390,7 +390,8 @@ TEST(Packed, OneDocumentPerRowIsTheUnpackedBlockBitForBit) {
 
 // ---------------------------------------------------------------------- laga2d
 
-// laga2d at explicit head-group counts against single-rank explicit: P > H
+// The grid forms (FormTraits::head_groups: laga2d, a2a_p2p) at explicit
+// head-group counts against single-rank explicit: P > H
 // (H 2, 3, 6 at P 8, where laga leaves ranks idle), uneven head groups
 // (H % Ph != 0), uneven sequence shards, ranks whose chunks hold no token
 // (S < 2 Pc), rq 0 and > 0, eager and flash, unpacked and packed, overlapped
@@ -418,24 +419,26 @@ TEST_P(Laga2d, AgreesWithSingleRankExplicit) {
     const BlockRun<float> ref =
         run_local(cfg, SpLayout::even(B, lay.seq, cfg.n_heads, 1), in.w, in.x, in.dout, spec);
     const BlockRun<float> ref_packed = run_documents_alone(cfg, in.w, in.x, in.dout, docs, spec);
-    for (int groups : gc.head_groups)
-      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
-        for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs})
-          for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent})
-            for (Overlap o : {Overlap::off, Overlap::on}) {
-              if (q == QueryExchange::latent && rq == 0) continue;
-              FormVariant v{Form::laga2d, q, groups};
-              v.overlap = o;
-              RunSpec run_spec = spec_of(v, a);
-              run_spec.documents = d;
-              const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
-              const std::string tag = to_string(v) + " " + laga2d_grid(lay, v).describe() + " H " +
-                                      std::to_string(gc.heads) + " rq" + std::to_string(rq) + " " +
-                                      to_string(a) + " " + lay.describe() +
-                                      (d ? " docs " + d->describe() : "");
-              expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
-              expect_ledger_matches_model(cfg, lay, v, run);
-            }
+    for (Form f : forms_with(&FormTraits::head_groups))
+      for (int groups : gc.head_groups)
+        for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+          for (const Documents* d : {static_cast<const Documents*>(nullptr), &docs})
+            for (QueryExchange q : {QueryExchange::heads, QueryExchange::latent})
+              for (Overlap o : {Overlap::off, Overlap::on}) {
+                if (q == QueryExchange::latent && (rq == 0 || !form_spec(f).traits.query_latent))
+                  continue;
+                FormVariant v{f, q, groups};
+                v.overlap = o;
+                RunSpec run_spec = spec_of(v, a);
+                run_spec.documents = d;
+                const BlockRun<float> run = run_local(cfg, lay, in.w, in.x, in.dout, run_spec);
+                const std::string tag = describe_variant(v, lay) + " H " +
+                                        std::to_string(gc.heads) + " rq" + std::to_string(rq) +
+                                        " " + to_string(a) + " " + lay.describe() +
+                                        (d ? " docs " + d->describe() : "");
+                expect_run_matches(run, d ? ref_packed : ref, 1e-5, tag);
+                expect_ledger_matches_model(cfg, lay, v, run);
+              }
   }
 }
 
@@ -585,7 +588,8 @@ TEST(Laga2dRefusals, HeadGroupsNameTheFix) {
     return std::string("no error");
   };
   std::string e = refusal({Form::laga, QueryExchange::heads, 2});
-  EXPECT_NE(e.find("--head-groups applies to the laga2d form only, not to laga"), std::string::npos)
+  EXPECT_NE(e.find("--head-groups applies to the laga2d and a2a_p2p forms only, not to laga"),
+            std::string::npos)
       << e;
   e = refusal({Form::laga2d, QueryExchange::heads, 3});
   EXPECT_NE(e.find("--head-groups 3 does not divide --sp 8"), std::string::npos) << e;
