@@ -43,11 +43,21 @@ using ring::block_k;
 using ring::block_v;
 using ring::RingView;
 
-// The grid: --head-groups Ph (default gcd(H, P), laga2d's rule), context-major.
+// Its default Ph: the largest divisor of P below P that divides H (1 at
+// P 1), the most all-to-all that still leaves a ring of Pc >= 2 context
+// groups (laga2d's gcd(H, P) would be Pc 1 wherever P divides H: explicit).
+int default_head_groups(std::int64_t H, int P) {
+  for (int d = P - 1; d > 1; --d)
+    if (P % d == 0 && H % d == 0) return d;
+  return 1;
+}
+
+// The grid: --head-groups Ph (or its default), context-major.
 HeadContextGrid a2a_p2p_grid(const SpLayout& layout, FormVariant v) {
-  return HeadContextGrid::make(
-      layout, HeadContextGrid::resolve_head_groups(layout.heads, layout.ranks, v.head_groups),
-      GridOrder::context_major);
+  const int Ph = v.head_groups == 0 ? default_head_groups(layout.heads, layout.ranks)
+                                    : HeadContextGrid::resolve_head_groups(
+                                          layout.heads, layout.ranks, v.head_groups);
+  return HeadContextGrid::make(layout, Ph, GridOrder::context_major);
 }
 
 // Rank r's ring: the Pc ranks of its head group (stride Ph apart), in
@@ -181,7 +191,9 @@ std::string a2a_p2p_geometry(const SpLayout& layout, FormVariant v) {
 std::string a2a_p2p_note(const MlaConfig&, const SpLayout& lay, FormVariant v) {
   const HeadContextGrid g = a2a_p2p_grid(lay, v);
   return cat("a2a_p2p: ", g.describe(),
-             v.head_groups == 0 ? " by laga2d's default rule, Ph = gcd(H, P)" : "",
+             v.head_groups == 0 ? " by its default rule (the largest divisor of P below P "
+                                  "that divides H; --head-groups sets it)"
+                                : "",
              "; all-to-all of q, k, v inside each context group of ", g.head_groups,
              " consecutive ranks, per-head [K | V] round a ring of ", g.context_groups,
              " context groups (",

@@ -234,7 +234,8 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
   }
   LAGA_CHECK(head_groups == 0 || any_groups, "--head-groups applies to the ",
              names_of_forms_with(&FormTraits::head_groups),
-             " form; --forms does not include it: add it (e.g. --forms laga,",
+             forms_with(&FormTraits::head_groups).size() == 1 ? " form" : " forms",
+             "; --forms includes none: add one (e.g. --forms laga,",
              to_string(forms_with(&FormTraits::head_groups).front()), ") or drop --head-groups");
   if (q_latent) {
     LAGA_CHECK(v.size() > forms.size(), "--q-latent applies to the ",
@@ -652,8 +653,10 @@ CLI::Option* add_dtype_option(CLI::App& app, std::function<void(RunDtype)> set,
 
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
-                 "laga2d: Ph head groups x P/Ph context groups, Ph a divisor of --sp (default: "
-                 "gcd(heads, --sp), the most groups that split the heads evenly)")
+                 "the grid forms (laga2d, a2a_p2p): Ph head groups x P/Ph context groups, Ph a "
+                 "divisor of --sp. Default: laga2d gcd(heads, --sp), the most groups that split "
+                 "the heads evenly; a2a_p2p the largest divisor of --sp below it that divides "
+                 "the heads, so that a ring of context groups remains")
       ->check(CLI::PositiveNumber);
 }
 

@@ -25,7 +25,7 @@ struct ForwardOptions {
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
   std::string overlap = "off";
-  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout
   std::string form = "explicit", attention = "flash";
   // float64: the same forms in double (checks other implementations); bf16:

@@ -39,7 +39,7 @@ struct PlanOptions {
   std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce
   bool q_latent = false, quiet = false;
-  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule at each P
+  int head_groups = 0;  // the grid forms (--head-groups); 0: their default rule at each P
   std::string seq_layout = "contiguous";  // --seq-layout
   // A whole model's step (--model NAME|FILE; model_plan.hpp): --layers N
   // overrides its depth (0: the model's), --dp its data-parallel replicas.

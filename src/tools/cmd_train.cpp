@@ -58,7 +58,7 @@ struct TrainCli {
   bool q_latent = false;
   std::int64_t pack_eos = -1;  // -1: not given
   std::string overlap = "off";
-  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout
   // --config FILE: the whole model (dims, layers, vocab, MoE) from a DeepSeek
   // config (LmConfig::from_json), in place of the model options below.

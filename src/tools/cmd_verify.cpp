@@ -28,7 +28,7 @@ struct VerifyOptions {
   std::string dtype = "float32";  // float64: every run in double; bf16: mixed precision
   bool q_latent = false;
   std::string overlap = "off";
-  int head_groups = 0;                    // laga2d (--head-groups); 0: its default rule
+  int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout: the P-rank runs' shards
 };
 

@@ -1,14 +1,15 @@
-#!/usr/bin/env python3
+#!/ usr / bin / env python3
 """Packed sequences through the `laga` tool (issue 15):
 
   - `laga forward` with documents (cu_seqlens in --input, shared or one per
     row, int32 or int64; or --doc-lens) writes the same `out` and `dx` as
     `laga forward` on each document alone, concatenated, for every form at
     P 1 and 3;
-  - `laga verify --doc-lens` passes;
-  - `laga train --data FILE --pack-eos ID` trains, logs how many targets each
-    step counts (fewer than B*S), resumes to the same losses, and refuses an
-    id outside the vocabulary or absent from the file;
+- `laga verify-- doc - lens` passes;
+- `laga train-- data FILE-- pack -
+    eos ID` trains,
+    logs how many targets each step counts(fewer than B*S), resumes to the same losses,
+    and refuses an id outside the vocabulary or absent from the file;
   - bad document lists are refused with exit 2 and one error line naming the
     tensor or the flag.
 
@@ -49,8 +50,7 @@ def forward(inputs, name, extra):
         return None
     return safetensors_io.load_file(path_out)[0]
 
-
-# The reference: each document alone, through explicit on one rank.
+#The reference : each document alone, through explicit on one rank.
 ref = {"out": np.zeros_like(x), "dx": np.zeros_like(x)}
 for b, cu in enumerate(rows):
     for k in range(len(cu) - 1):
@@ -62,7 +62,7 @@ for b, cu in enumerate(rows):
                 ref[t][b, t0:t1] = alone[t][0]
 
 per_row = {f"cu_seqlens.{b}": np.array(cu, dtype=np.int32) for b, cu in enumerate(rows)}
-# Every registered form (`laga forms`).
+#Every registered form(`laga forms`).
 registry = json.loads(run(["forms", "--json", "-"]).stdout)["forms"]
 for form in [f["name"] for f in registry]:
     for sp in ("1", "3"):
@@ -76,7 +76,7 @@ for form in [f["name"] for f in registry]:
             if not diff <= 1e-5 * scale:
                 failures.append(f"{form} P={sp} {t}: max |diff| {diff:.3g} > 1e-5 x {scale:.3g}")
 
-# One list shared by every row (int64) and --doc-lens give the same file.
+#One list shared by every row(int64) and --doc - lens give the same file.
 shared = [0, 5, 29]
 a = forward({"x": x, "dout": dout, "cu_seqlens": np.array(shared, dtype=np.int64)}, "shared",
             ["--form", "laga", "--sp", "2"])
@@ -90,8 +90,8 @@ r = run(["verify", "--preset", "tiny", "--seq", "23", "--sp", "1,2,3", "--doc-le
 if r.returncode != 0 or "all forms agree" not in r.stdout:
     failures.append(f"verify --doc-lens: rc {r.returncode}: {r.stdout[-400:]} {r.stderr[-400:]}")
 
-# compare: packing changes no byte on the wire and the memory model stays
-# exact; the attention work falls by the pairs' ratio.
+#compare : packing changes no byte on the wire and the memory model stays
+#exact; the attention work falls by the pairs' ratio.
 reports = {}
 for name, extra in (("plain", []), ("packed", ["--doc-lens", "1,15,48"])):
     out = os.path.join(tmp, f"compare_{name}.json")
@@ -113,11 +113,12 @@ if len(reports) == 2:
             failures.append(f"compare {form} packed: bytes or memory differ from the model")
         if packed["max_abs_diff"]["out"] > 1e-5 * packed["max_abs_diff"]["out_scale"]:
             failures.append(f"compare {form} packed: out disagrees with explicit")
-        # Forms whose ranks attend part of the query rows (laga2d's chunks,
-        # allgather_kv's and the ring forms' own tokens): their max over ranks
-        # depends on where the documents fall, so only the whole-sequence
-        # forms' is the ratio.
-        if form in ("laga2d", "allgather_kv", "ring_kv", "ring_latent"):
+#Forms whose ranks attend part of the query rows(laga2d's and
+#a2a_p2p 's chunks, allgather_kv' s and the ring forms' own tokens):
+#their max over ranks
+#depends on where the documents fall, so only the whole - sequence
+#forms' is the ratio.
+        if form in ("laga2d", "a2a_p2p", "allgather_kv", "ring_kv", "ring_latent"):
             continue
         ratio = packed["attention_flops_forward_max"] / plain["attention_flops_forward_max"]
         if abs(ratio - pairs["packed"] / pairs["plain"]) > 1e-12:
@@ -125,7 +126,7 @@ if len(reports) == 2:
     if reports["packed"]["doc_lens"] != "1,15,48":
         failures.append(f"compare JSON doc_lens: {reports['packed']['doc_lens']}")
 
-# Bad lists: exit 2, one "laga: error:" line naming the flag or the tensor.
+#Bad lists : exit 2, one "laga: error:" line naming the flag or the tensor.
 xin = os.path.join(tmp, "bad_in.st")
 bad_files = {
     "unsorted": ({"cu_seqlens": np.array([0, 20, 10, 29], dtype=np.int64)},
@@ -154,7 +155,7 @@ r = run(["forward", "--preset", "tiny", "--input", xin, "--doc-lens", "29"])
 if r.returncode != 2 or "give them once" not in r.stderr:
     failures.append(f"--doc-lens with cu_seqlens: rc {r.returncode}: {r.stderr.strip()[:300]}")
 
-# Training on packed documents: a token file of documents ending with EOS 0.
+#Training on packed documents : a token file of documents ending with EOS 0.
 ids = []
 d = 0
 while len(ids) < 3000:
