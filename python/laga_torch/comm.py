@@ -213,8 +213,19 @@ def _global_rank(group, rank):
     return dist.distributed_c10d._get_global_rank(group, rank)
 
 
-def start_ring_shift(x, recv_numel, group, ledger, phase, label):
-    """One ring shift (the C++ Communicator::ring_shift, rank r -> r + 1):
+def ring_peers(P, r, ring=None):
+    """(to, from) of rank r of P in a ring shift forward: r + 1 and r - 1, or
+    in rings of `size` ranks `stride` apart, ring = (size, stride), the next
+    and previous member of r's ring (the C++ ring_peers, Ring)."""
+    size, stride = ring if ring else (P, 1)
+    block = size * stride
+    base, place = r - r % block + r % stride, (r % block) // stride
+    return base + (place + 1) % size * stride, base + (place - 1) % size * stride
+
+
+def start_ring_shift(x, recv_numel, group, ledger, phase, label, ring=None):
+    """One ring shift (the C++ Communicator::ring_shift, rank r -> r + 1;
+    ring = (size, stride): within r's ring, ring_peers):
     sends the flat x to rank r + 1 and receives recv_numel elements from
     rank r - 1, as one batch_isend_irecv; returns (the receive buffer, wait).
     The ledger files it as the C++ does: x's bytes sent, the buffer's
@@ -228,9 +239,10 @@ def start_ring_shift(x, recv_numel, group, ledger, phase, label):
     send, recv = x.contiguous(), out
     if x.dtype == torch.bfloat16:
         send, recv = send.view(torch.uint8), out.view(torch.uint8)
+    to, frm = ring_peers(P, r, ring)
     reqs = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, _global_rank(group, (r + 1) % P), group),
-        dist.P2POp(dist.irecv, recv, _global_rank(group, (r - 1) % P), group)])
+        dist.P2POp(dist.isend, send, _global_rank(group, to), group),
+        dist.P2POp(dist.irecv, recv, _global_rank(group, frm), group)])
 
     held = [send]  # referenced until the wait: the transfer reads it
 

@@ -4,7 +4,7 @@ registry (FORMS).
 Each function reads as its block in docs/forms.md, which describes the same
 data flow for the C++ forms (src/mla/form_explicit.cpp, form_laga.cpp,
 form_laga2d.cpp, form_absorbed.cpp, form_allgather_kv.cpp, form_ring_kv.cpp,
-form_ring_latent.cpp); the labels are the C++ ledger's.
+form_ring_latent.cpp, form_a2a_p2p.cpp); the labels are the C++ ledger's.
 Inputs are this rank's seq shard after the local projections (the
 pith-train shape): q (B, L, H, dqk) = [q_nope | q_pe] with q_pe rotated (or
 with q_latent the normalised query latent qn (B, L, rq) and wq_b), c_kv =
@@ -22,13 +22,13 @@ import torch
 from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
-from .ring import KvBlocks, LatentBlocks, RingAttention
+from .ring import KvBlocks, LatentBlocks, RingAttention, RingSp
 
 
 class Attends(enum.Enum):
     """Where each rank's attention runs (the C++ FormSpec::attention)."""
     heads = "every token, the rank's heads (after the seq->head all-to-all)"
-    grid = "laga2d's query chunks x its head group's heads"
+    grid = "the grid's query chunks x its head group's heads (laga2d, a2a_p2p)"
     own = "the rank's own tokens with all heads (no query or output exchange)"
 
 
@@ -50,12 +50,21 @@ class FormSpec:
     attention runs. keys (Keys): how the keys reach it. codec (Keys.ring):
     the block the ring passes, ring.KvBlocks (the per-head [K | V],
     kv_ring/dkv_ring) or ring.LatentBlocks (the latent,
-    latent_ring/dlatent_ring), as the C++ ring forms' codecs."""
+    latent_ring/dlatent_ring), as the C++ ring forms' codecs. grid_order
+    (Attends.grid): "head_major" (laga2d) or "context_major" (a2a_p2p, whose
+    ring runs across the context groups of the rank's head group)."""
 
     def __init__(self, name, attends, keys, codec=None, query_latent=False, overlap=False,
-                 head_groups=False):
+                 head_groups=False, grid_order="head_major"):
         self.name, self.attends, self.keys, self.codec = name, attends, keys, codec
         self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
+        self.grid_order = grid_order
+
+    def default_head_groups(self, heads, ranks):
+        """Ph when head_groups is 0: laga2d's gcd(H, P); a2a_p2p's leaves a ring."""
+        if self.grid_order == "context_major":
+            return HeadContextGrid.ring_default_head_groups(heads, ranks)
+        return HeadContextGrid.default_head_groups(heads, ranks)
 
     @property
     def ring(self):
@@ -71,7 +80,9 @@ FORMS = {f.name: f for f in (
              head_groups=True),
     FormSpec("allgather_kv", Attends.own, Keys.gather),
     FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True),
-    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True))}
+    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True),
+    FormSpec("a2a_p2p", Attends.grid, Keys.ring, codec=KvBlocks, overlap=True, head_groups=True,
+             grid_order="context_major"))}
 
 
 def form_spec(form):
@@ -108,7 +119,8 @@ def check_variant(form, cfg, q_latent=False, overlap=False, head_groups=0):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(kind, seq_ranges, head_counts, head_groups, rank, batch, width, label):
+def _plan(kind, seq_ranges, head_counts, head_groups, rank, batch, width, label,
+          order="head_major"):
     """The placements of each movement (docs/forms.md, "The four data
     movements"; redistribute in src/mla/exchange.hpp). seq_ranges: each
     rank's token ranges (the layout's, contiguous or zigzag)."""
@@ -124,7 +136,7 @@ def _plan(kind, seq_ranges, head_counts, head_groups, rank, batch, width, label)
     elif kind == "gather_seq":  # all-gather; its adjoint the reduce-scatter
         src, dst = row, [Placement([(0, S)], 0, 1)] * P
     else:  # laga2d: tokens <-> each rank's query chunks x its group's heads
-        g = HeadContextGrid(lay, head_groups)
+        g = HeadContextGrid(lay, head_groups, order)
         grid = [Placement(g.queries[j], g.head_offset[j], g.head_count[j]) for j in range(P)]
         if kind == "to_queries":
             src, dst = shard, grid
@@ -140,12 +152,16 @@ class Sp:
     documents' starts (B, S) and in-document positions (B, S), the RoPE table."""
 
     def __init__(self, layout, rank, group, ledger, batch, doc_start, cos, sin, head_groups=0,
-                 attention_kind="auto", flash_block=64):
+                 attention_kind="auto", flash_block=64, form=None):
         self.layout, self.rank, self.group, self.ledger = layout, rank, group, ledger
         self.batch, self.doc_start, self.cos, self.sin = batch, doc_start, cos, sin
         self.attention_kind, self.flash_block = attention_kind, flash_block
-        self.head_groups = head_groups or HeadContextGrid.default_head_groups(layout.heads,
-                                                                              layout.ranks)
+        # The grid of the form run (laga2d's, or a2a_p2p's context-major one).
+        spec = FORMS.get(form) if form else None
+        self.grid_order = spec.grid_order if spec else "head_major"
+        self.head_groups = head_groups or (
+            spec.default_head_groups(layout.heads, layout.ranks) if spec else
+            HeadContextGrid.default_head_groups(layout.heads, layout.ranks))
         S = layout.seq
         self.pos = torch.arange(S, device=doc_start.device)[None, :] - doc_start
         # The own tokens' global indices (L,), in the shard's row order:
@@ -155,13 +171,18 @@ class Sp:
     def plan(self, kind, width, label):
         lay = self.layout
         return _plan(kind, tuple(tuple(r) for r in lay.seq_ranges), tuple(lay.head_count),
-                     self.head_groups, self.rank, self.batch, width, label)
+                     self.head_groups, self.rank, self.batch, width, label, self.grid_order)
 
     def move(self, x, kind, label):
         return redistribute(x, self.plan(kind, x.shape[-1], label), self.group, self.ledger)
 
     def grid(self):
-        return HeadContextGrid(self.layout, self.head_groups)
+        return HeadContextGrid(self.layout, self.head_groups, self.grid_order)
+
+    def head_group_ring(self):
+        """a2a_p2p's ring (ring.RingSp): the Pc ranks of this rank's head
+        group, each with its context group's query rows, Ph apart."""
+        return RingSp.of_grid(self, self.grid())
 
     def own_key_end(self):
         """One past the own tokens' last: the keys they can see are [0, this)."""
@@ -276,6 +297,17 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     h0, nh = _head_range(sp, form)
     scale = cfg.softmax_scale()
     wkv = wkv_b.view(H, dn + dv, C)
+
+    if spec.ring:  # a2a_p2p: explicit's q, k, v to the grid, the [K | V] round the head group's ring
+        kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
+        k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
+        q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
+        k_h = sp.move(k, "to_queries", "k_a2a")
+        v_h = sp.move(kv[..., dn:].contiguous(), "to_queries", "v_a2a")
+        own = torch.cat([k_h.reshape(-1), v_h.reshape(-1)])
+        codec = functools.partial(spec.codec, heads=nh)
+        o_h = RingAttention.apply(q_h, own, wkv_b, sp.head_group_ring(), cfg, codec, overlap)
+        return sp.move(o_h, "from_queries", "out_a2a").reshape(B, L, H * dv)
 
     if spec.keys is Keys.heads:  # explicit
         # kv of the local tokens for ALL heads, k_pe expanded over heads

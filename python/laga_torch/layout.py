@@ -102,10 +102,12 @@ class SpLayout:
 
 class HeadContextGrid:
     """laga2d's grid: Ph head groups x Pc context groups, rank r in head group
-    r // Pc and context group r % Pc; the sequence cut into 2 Pc chunks and
+    r // Pc and context group r % Pc (order "head_major"; a2a_p2p's
+    "context_major": context group r // Ph, head group r % Ph, a context
+    group's ranks consecutive); the sequence cut into 2 Pc chunks and
     context group c attends chunks c and 2Pc-1-c (adjacent ones merged)."""
 
-    def __init__(self, layout, head_groups):
+    def __init__(self, layout, head_groups, order="head_major"):
         P = layout.ranks
         if not 1 <= head_groups <= P:
             raise ValueError(f"head_groups {head_groups} must be between 1 and the group size {P} "
@@ -115,19 +117,39 @@ class HeadContextGrid:
                              f"head group needs the same number of context groups; choose a divisor "
                              f"of {P} or leave head_groups out (laga picks gcd(heads, ranks))")
         self.head_groups, self.context_groups = head_groups, P // head_groups
+        self.order = order
         Pc = self.context_groups
         group_heads = layout.head_count if head_groups == P else _split(layout.heads, head_groups)
         group_off = _offsets(group_heads)
         self.head_count, self.head_offset, self.queries = [], [], []
         for r in range(P):
-            g = r // Pc
+            g = self.head_group(r)
             self.head_count.append(group_heads[g])
             self.head_offset.append(group_off[g])
-            self.queries.append(mirrored_chunks(layout.seq, Pc, r % Pc))
+            self.queries.append(mirrored_chunks(layout.seq, Pc, self.context_group(r)))
+
+    def head_group(self, r):
+        return r // self.context_groups if self.order == "head_major" else r % self.head_groups
+
+    def context_group(self, r):
+        return r % self.context_groups if self.order == "head_major" else r // self.head_groups
+
+    def rank_at(self, hg, cg):
+        return hg * self.context_groups + cg if self.order == "head_major" else \
+            cg * self.head_groups + hg
 
     @staticmethod
     def default_head_groups(heads, ranks):
         return math.gcd(heads, ranks)
+
+    @staticmethod
+    def ring_default_head_groups(heads, ranks):
+        """a2a_p2p's default: the largest divisor of P below P that divides H
+        (1 at P 1 and 2), so that a ring of Pc >= 2 context groups remains."""
+        for d in range(ranks - 1, 1, -1):
+            if ranks % d == 0 and heads % d == 0:
+                return d
+        return 1
 
     def query_rows(self, r):
         return sum(e - b for b, e in self.queries[r])

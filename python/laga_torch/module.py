@@ -128,7 +128,8 @@ class MLA(nn.Module):
 
     form: a name in FORMS (explicit | absorbed | laga | laga2d |
     allgather_kv | ring_kv | ring_latent; each row says what it admits):
-    head_groups: laga2d's Ph, 0 = gcd(H, P); q_latent: laga/laga2d with
+    head_groups: the grid forms' Ph (laga2d: 0 = gcd(H, P); a2a_p2p: 0 = the
+    largest divisor of P below P that divides H); q_latent: laga/laga2d with
     q_lora_rank > 0 move the query latent; overlap: laga/laga2d start the
     latent gather before the queries move, the ring forms start each ring
     shift before the step's attention; "auto" with profile: laga plan's
@@ -239,12 +240,13 @@ class MLA(nn.Module):
                 log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
                          self.plans[key], seq_len, P, B)
             form, q_latent, overlap = self.plans[key]
-        if FORMS[form].head_groups:  # the grid's check, on every rank before any collective
-            HeadContextGrid(lay, self.head_groups or
-                            HeadContextGrid.default_head_groups(cfg.n_heads, P))
+        spec = FORMS[form]
+        if spec.head_groups:  # the grid's check, on every rank before any collective
+            HeadContextGrid(lay, self.head_groups or spec.default_head_groups(cfg.n_heads, P),
+                            spec.grid_order)
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
-                cos, sin, self.head_groups, self.attention, self.flash_block)
+                cos, sin, self.head_groups, self.attention, self.flash_block, form)
         if self.tape == "laga":
             return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
                                        self.attention == "flash", self.flash_block),
@@ -307,16 +309,16 @@ class _Run:
             else:
                 self.plans["q"] = sp.plan("to_queries" if grid else "seq_to_head", dqk, "q_a2a")
             self.plans["out"] = sp.plan("from_queries" if grid else "head_to_seq", dv, "out_a2a")
-        if spec.keys is Keys.heads:
-            self.plans.update(k=sp.plan("seq_to_head", dqk, "k_a2a"),
-                              v=sp.plan("seq_to_head", dv, "v_a2a"))
+        if spec.keys is Keys.heads or (spec.ring and grid):  # explicit's K and V (a2a_p2p: to the grid)
+            kind = "to_queries" if grid else "seq_to_head"
+            self.plans.update(k=sp.plan(kind, dqk, "k_a2a"), v=sp.plan(kind, dv, "v_a2a"))
         elif spec.keys is Keys.latent:
             self.plans["lat"] = sp.plan("gather_seq", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                         "latent_ag")
         elif spec.keys is Keys.gather:  # every token's per-head K and V, as (B, L, 1, H d) rows
             self.plans.update(k=sp.plan("gather_seq", H * dqk, "k_ag"),
                               v=sp.plan("gather_seq", H * dv, "v_ag"))
-        # the ring forms: ring.py's shifts, no plan
+        # the ring forms' rings: ring.py's shifts, no plan
 
 
 def param_order(cfg):

@@ -53,8 +53,10 @@ class KvBlocks:
     pass_label, grad_label = "kv_ring", "dkv_ring"
     keeps_c_hat = True  # wkv_b's gradient is taken at home, from the local c_hat
 
-    def __init__(self, cfg, batch, wkv_b):
-        self.B, self.H, self.dqk, self.dv = batch, cfg.n_heads, cfg.qk_head_dim, cfg.v_head_dim
+    def __init__(self, cfg, batch, wkv_b, heads=None):
+        # heads: a2a_p2p's block holds its head group's H_g heads (default all H)
+        self.B, self.H = batch, heads or cfg.n_heads
+        self.dqk, self.dv = cfg.qk_head_dim, cfg.v_head_dim
         self.dn, self.wkv_b = cfg.qk_nope_head_dim, wkv_b
         self.d_wkv = None  # no parameter in the ring
 
@@ -138,6 +140,46 @@ class LatentBlocks:
         a_c[:, k_row:k_row + n] += (dkv @ self.wkv_b).view(B, n, C)
         a_pe[:, k_row:k_row + n] += dk[..., dn:].sum(2)
         self.d_wkv += dkv.t() @ c.reshape(B * n, C)
+
+
+class _Members:
+    """A ring's members as ring_forward reads a layout: each member's rows
+    (ascending ranges), their count and positions; a member may hold none
+    (a2a_p2p's chunks when S < 2 Pc)."""
+
+    def __init__(self, seq_ranges):
+        self.seq_ranges = [list(r) for r in seq_ranges]
+        self.seq_count = [sum(e - b for b, e in r) for r in self.seq_ranges]
+        self.ranks = len(self.seq_ranges)
+
+    def positions(self, r):
+        return [t for b, e in self.seq_ranges[r] for t in range(b, e)]
+
+
+class RingSp:
+    """The ring a rank's ring attention runs round, with what ring_forward
+    reads of an Sp (the C++ RingView, src/mla/ring.hpp): its members'
+    rows (`layout`), this rank's place (`rank`) and rows' global positions
+    (`own`), and the ring its shifts pass round (`ring`: (size, stride), or
+    None for one ring of every rank). ring_kv and ring_latent pass the Sp
+    itself; a2a_p2p this, of_grid."""
+
+    def __init__(self, layout, rank, sp, own, ring):
+        self.layout, self.rank, self.own, self.ring = layout, rank, own, ring
+        self.group, self.ledger, self.batch, self.doc_start = sp.group, sp.ledger, sp.batch, \
+            sp.doc_start
+        self.attention_kind, self.flash_block = sp.attention_kind, sp.flash_block
+
+    @classmethod
+    def of_grid(cls, sp, g):
+        """The Pc ranks of sp's head group on the context-major grid g, in
+        context-group order (Ph apart), each with its context group's query
+        rows."""
+        hg, Pc = g.head_group(sp.rank), g.context_groups
+        lay = _Members([g.queries[g.rank_at(hg, c)] for c in range(Pc)])
+        place = g.context_group(sp.rank)
+        own = torch.tensor(lay.positions(place), dtype=torch.long, device=sp.doc_start.device)
+        return cls(lay, place, sp, own, (Pc, g.head_groups))
 
 
 def _block_elems(sp, codec, j):
@@ -226,7 +268,8 @@ def _eager_step(q, k, v, see, scale):
 def _shift(sp, x, numel, label, phase, overlap):
     """The ring shift; without overlap waited here (returns the block), with
     overlap started (returns its wait)."""
-    _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, phase, label)
+    _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, phase, label,
+                               getattr(sp, "ring", None))
     return wait if overlap else wait()
 
 

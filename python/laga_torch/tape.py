@@ -26,6 +26,9 @@ Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
                eager: each step's probs over its rectangle (rescaled to the
                row's whole normalisation); flash: the merged lse (ring.py)
   ring_latent  q_h, own = the flat [c_hat | k_pe]; the statistics as ring_kv
+  a2a_p2p      q_h (B, Sq, H_g, dqk) of its grid's rows, own = the flat
+               [K | V] of them, o_h (the merged o, B, Sq, H_g, dv), c_hat;
+               the statistics as ring_kv, over its head group's ring
 The closed form is src/mla/memory_model.cpp's saved_for_backward_elements
 (which also counts the output); tools_torch_package holds the two equal, for
 eager and for flash. In bf16 flash keeps lse in fp32 (its statistics'
@@ -113,7 +116,8 @@ class Block(torch.autograd.Function):
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
         spec = run.spec
-        if spec.keys in (Keys.heads, Keys.gather):
+        grid_ring = spec.ring and spec.attends is Attends.grid  # a2a_p2p
+        if spec.keys in (Keys.heads, Keys.gather) or grid_ring:
             # kv of the local tokens for ALL heads, k_pe expanded over heads.
             kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
             k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
@@ -151,6 +155,20 @@ class Block(torch.autograd.Function):
                     keep["lse"] = stats
                 else:
                     keep.update({f"p{i}": p for i, p in stats.items()})
+        elif grid_ring:  # a2a_p2p: q, k, v to the grid, the [K | V] round the head group's ring
+            q_h = queries()
+            k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
+            v_h = move(kv[..., dn:], run.plans["v"], sp.group, sp.ledger, "forward")
+            own = torch.cat([k_h.reshape(-1), v_h.reshape(-1)])
+            del k_h, v_h
+            codec = spec.codec(cfg, B, W["wkv_b.weight"], heads=nh)
+            o_h, stats = ring_forward(sp.head_group_ring(), codec, q_h, own, run.flash, run.block,
+                                      run.overlap, scale)
+            keep.update(q_h=q_h, own=own, o_h=o_h, c_hat=c_hat)
+            if run.flash:
+                keep["lse"] = stats
+            else:
+                keep.update({f"p{i}": p for i, p in stats.items()})
         elif spec.keys is Keys.heads:  # explicit
             q_h = queries()
             k_h = move(k, run.plans["k"], sp.group, sp.ledger, "forward")
@@ -297,6 +315,19 @@ class Block(torch.autograd.Function):
             dvv = move(dv_all, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
             d_chat, d_kpe, d_wkv = merge_heads(dk.view(B, L, H, dqk), dvv.view(B, L, H, dv),
                                                s["c_hat"])
+        elif spec.ring and spec.attends is Attends.grid:  # a2a_p2p
+            codec = spec.codec(cfg, B, W["wkv_b.weight"], heads=nh)
+            stats = s["lse"] if run.flash else {int(n[1:]): t for n, t in s.items()
+                                                if n[0] == "p" and n[1:].isdigit()}
+            dq_h, acc = ring_backward(sp.head_group_ring(), codec, s["q_h"], s["own"], s["o_h"],
+                                      stats, do_h, run.flash, run.block, run.overlap, scale)
+            # The own block's gradient, home, back to the local tokens (the
+            # all-to-alls' adjoints), then explicit's merge.
+            dk_h, dv_h = codec.kv(acc, len(rows))
+            dq = queries_back(dq_h)
+            dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
+            dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
+            d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
         elif spec.ring:
             codec = spec.codec(cfg, B, W["wkv_b.weight"])
             stats = s["lse"] if run.flash else {int(n[1:]): t for n, t in s.items()

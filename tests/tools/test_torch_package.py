@@ -4,7 +4,7 @@
 Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
 
 For every form (the package's FORMS: explicit, absorbed, laga, laga2d and the
-context-parallel allgather_kv, ring_kv, ring_latent) and option (q_latent,
+context-parallel allgather_kv, ring_kv, ring_latent, a2a_p2p) and option (q_latent,
 overlap, laga2d head groups, packed documents straddling shards, the zigzag
 layout) at P 1, 2, 3, 4, with S % P != 0, S % 2P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
@@ -85,7 +85,13 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             # (H 5 never split); the rings' overlap (one engine, ring.py) once.
             ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
             ("ring_latent", "rq7", "ring_latent", {}),
-            ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True})]
+            ("ring_latent-overlap", "rq7", "ring_latent", {"overlap": True}),
+            # The hierarchical a2a_p2p: at H 5 and P <= 4 its default grid is
+            # one head group (the all-to-alls move tokens to the zigzag chunks,
+            # the ring runs over all ranks); the grids with Ph > 1 are the C++
+            # tests' (tests/mla/test_forms.cpp, "Grids").
+            ("a2a_p2p", "rq7", "a2a_p2p", {}),
+            ("a2a_p2p-overlap", "rq7", "a2a_p2p", {"overlap": True})]
 # The zigzag layout (seq_layout "zigzag", laga's --seq-layout zigzag): every
 # form on two ranges a rank, S 13 cut into 2P chunks of unequal length (at P 4
 # 2+2+2+2+2+1+1+1: rank 0 [0, 2) and [12, 13), rank 3 one merged range), the
@@ -95,10 +101,11 @@ VARIANTS += [(name + "-zigzag", "rq7", form, dict(opts, **ZIGZAG)) for name, for
     ("explicit", "explicit", {}), ("absorbed", "absorbed", {}), ("laga", "laga", {}),
     ("laga2d", "laga2d", {}), ("laga2d-g1", "laga2d", {"head_groups": 1}),
     ("allgather_kv", "allgather_kv", {}), ("ring_kv", "ring_kv", {}),
-    ("ring_latent", "ring_latent", {}), ("ring_kv-overlap", "ring_kv", {"overlap": True}))]
+    ("ring_latent", "ring_latent", {}), ("ring_kv-overlap", "ring_kv", {"overlap": True}),
+    ("a2a_p2p", "a2a_p2p", {}))]
 PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
           "ring_kv", "ring_latent", "laga-zigzag", "allgather_kv-zigzag", "ring_kv-zigzag",
-          "ring_latent-zigzag"]
+          "ring_latent-zigzag", "a2a_p2p"]
 # attention "flash" as well (float64, float32; bf16 and autograd's tape for a
 # few): each form, H 3 (a rank without heads at P 4), packed, q_latent,
 # laga2d at both grids. Tiles of 4 rows x 4 keys over S 13: tiles skipped,
@@ -108,10 +115,11 @@ FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g
          "rq7-laga2d-g1-packed", "rq7-laga-q-latent-packed",
          "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
          "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-laga2d-zigzag",
-         "rq7-allgather_kv-zigzag-packed", "rq7-ring_kv-zigzag", "rq7-ring_latent-zigzag-packed"}
+         "rq7-allgather_kv-zigzag-packed", "rq7-ring_kv-zigzag", "rq7-ring_latent-zigzag-packed",
+         "rq7-a2a_p2p", "rq7-a2a_p2p-packed"}
 FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
 FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap",
-                  "rq7-ring_kv-zigzag-packed"}
+                  "rq7-ring_kv-zigzag-packed", "rq7-a2a_p2p-packed"}
 FLASH_BLOCK = 4
 
 
