@@ -88,20 +88,10 @@ RingView ring_of(const Step& st) {
 }
 
 // The block is the per-head [K | V] of the head group's H_g heads over the
-// context group's rows: the attention reads it in place.
+// context group's rows (ring::PerHeadKv).
 template <class T>
-struct HeadGroupKv {
-  static constexpr const char* pass = "kv_ring";
-  static constexpr const char* grad_pass = "dkv_ring";
-  std::int64_t width(const Step& st) const { return st.Hr * (st.dqk + st.dv); }
-  ring::RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
-    return {block_k(st, st.Hr, block, Lj).p, block_v(st, st.Hr, block, Lj).p, {}};
-  }
-  void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
-                const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
-                MlaParams<T>&) const {
-    ring::add_kv_grad(st, st.Hr, Lj, calls, dkv, acc);
-  }
+struct HeadGroupKv : ring::PerHeadKv<T, &Step::Hr> {
+  using ring::PerHeadKv<T, &Step::Hr>::width;
   // kv (B, L, H (dn+dv)) = c_hat wkv_b^T of local tokens and all heads, split
   // into K and V, each sent to the grid (k_a2a, v_a2a) straight into the own
   // block's two parts; c_hat kept for wkv_b's gradient.

@@ -31,21 +31,10 @@ using ops::mat;
 using ring::block_k;
 using ring::block_v;
 
-// The block is the per-head [K | V] itself: the attention reads it in
-// place, and its gradient is the accumulator's, added at the calls' rows.
+// The block is the per-head [K | V] of all heads itself (ring::PerHeadKv).
 template <class T>
-struct KvBlocks {
-  static constexpr const char* pass = "kv_ring";
-  static constexpr const char* grad_pass = "dkv_ring";
-  std::int64_t width(const Step& st) const { return st.H * (st.dqk + st.dv); }
-  ring::RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
-    return {block_k(st, st.H, block, Lj).p, block_v(st, st.H, block, Lj).p, {}};
-  }
-  void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
-                const std::vector<ring::RingCall>& calls, const T* dkv, T* acc,
-                MlaParams<T>&) const {
-    ring::add_kv_grad(st, st.H, Lj, calls, dkv, acc);
-  }
+struct KvBlocks : ring::PerHeadKv<T, &Step::H> {
+  using ring::PerHeadKv<T, &Step::H>::width;
   // kv (N, H (dn+dv)) = c_hat wkv_b^T, split into the own block's K and V;
   // c_hat kept for wkv_b's gradient.
   Tensor<T> own_block(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {

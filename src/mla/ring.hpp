@@ -258,21 +258,33 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
   return calls;
 }
 
-// The per-head [K | V] blocks' codec parts (ring_kv, a2a_p2p): a step's
-// dK/dV of `heads` heads, written at its calls' rows, into the block's
-// accumulator.
-template <class T>
-void add_kv_grad(const Step& st, std::int64_t heads, std::int64_t Lj,
-                 const std::vector<RingCall>& calls, const T* dkv, T* acc) {
-  for (const RingCall& c : calls)
-    for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-      const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
-      ops::add(block_k(st, heads, acc, Lj).row_range(row, n),
-               block_k(st, heads, dkv, Lj).row_range(row, n));
-      ops::add(block_v(st, heads, acc, Lj).row_range(row, n),
-               block_v(st, heads, dkv, Lj).row_range(row, n));
-    }
-}
+// The codec parts of a block that is per-head [K | V] itself (ring_kv: all
+// H heads, Step::H; a2a_p2p: its head group's, Step::Hr): the attention
+// reads it in place, and a step's dK/dV is added into the accumulator at
+// its calls' rows. The form's codec derives from it and adds own_block and
+// latent_grad.
+template <class T, std::int64_t Step::*Heads>
+struct PerHeadKv {
+  static constexpr const char* pass = "kv_ring";
+  static constexpr const char* grad_pass = "dkv_ring";
+  std::int64_t width(const Step& st) const { return st.*Heads * (st.dqk + st.dv); }
+  RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
+    return {block_k(st, st.*Heads, block, Lj).p, block_v(st, st.*Heads, block, Lj).p, {}};
+  }
+  void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
+                const std::vector<RingCall>& calls, const T* dkv, T* acc, MlaParams<T>&) const {
+    const std::int64_t H = st.*Heads;
+    for (const RingCall& c : calls)
+      for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
+        const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
+        ops::add(block_k(st, H, acc, Lj).row_range(row, n),
+                 block_k(st, H, dkv, Lj).row_range(row, n));
+        ops::add(block_v(st, H, acc, Lj).row_range(row, n),
+                 block_v(st, H, dkv, Lj).row_range(row, n));
+      }
+  }
+};
+
 // From dK (B L, H dqk) and dV (B L, H dv) of local tokens and all heads to
 // d[c_hat | k_pe] (B, L, C + dr), as explicit's backward: d kv from
 // [dk_nope | dv] per head, d k_pe the sum over heads of dk's rope part,
