@@ -511,6 +511,31 @@ void Pieces<T>::merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dkm, op
 }
 
 template <class T>
+typename Pieces<T>::LocalKv Pieces<T>::local_kv(const Step& st, const MlaParams<T>& w,
+                                                const Tensor<T>& c_hat, const InputSaved<T>& in) {
+  LocalKv r{Tensor<T>({st.B, st.L, st.H * st.dqk}, "k_loc"),
+            Tensor<T>({st.B, st.L, st.H * st.dv}, "v_loc")};
+  Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
+  ops::linear(mat(kv), mat(c_hat), w.wkv_b);
+  split_kv(st, st.H, mat(std::as_const(kv)), in.kv_a_rows(st).col_range(st.C, st.dr), mat(r.k),
+           mat(r.v));
+  return r;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::local_kv_backward(const Step& st, const MlaParams<T>& w, ops::In<T> dk,
+                                       ops::In<T> dv, const Tensor<T>& c_hat, MlaParams<T>& grads) {
+  Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
+  Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
+  merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
+  ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
+            false);
+  ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
+                          w.wkv_b);
+  return dlat_loc;
+}
+
+template <class T>
 typename LagaInputs<T>::Qkv LagaInputs<T>::forward(const Step& st, const MlaParams<T>& w,
                                                    const Tensor<T>& x, UpProjection up) {
   using P = Pieces<T>;

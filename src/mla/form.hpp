@@ -294,6 +294,20 @@ struct Pieces {
   // (rows, dr) (added to what is there).
   static void merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dk, ops::In<T> dv,
                         ops::Mat<T> dkv, ops::Mat<T> dk_pe);
+  // explicit's per-head K and V of local tokens and all H heads (explicit,
+  // a2a_p2p): kv (B, L, H (dn+dv)) = c_hat wkv_b^T, split into k (B, L, H
+  // dqk), k_pe from in's kv_a broadcast over heads, and v (B, L, H dv).
+  struct LocalKv {
+    Tensor<T> k, v;
+  };
+  static LocalKv local_kv(const Step& st, const MlaParams<T>& w, const Tensor<T>& c_hat,
+                          const InputSaved<T>& in);
+  // Its backward from dk (B L, H dqk) and dv (B L, H dv): d[c_hat | k_pe]
+  // (B, L, C + dr) returned (d kv from [dk_nope | dv] per head, d k_pe the
+  // sum over heads of dk's rope part, d c_hat = dkv wkv_b); wkv_b += dkv^T
+  // c_hat (explicit, ring_kv, a2a_p2p).
+  static Tensor<T> local_kv_backward(const Step& st, const MlaParams<T>& w, ops::In<T> dk,
+                                     ops::In<T> dv, const Tensor<T>& c_hat, MlaParams<T>& grads);
 };
 
 // The input side laga and laga2d share (docs/forms.md, "laga", "laga2d"):

@@ -97,14 +97,7 @@ struct HeadGroupKv : ring::PerHeadKv<T, &Step::Hr> {
   // block's two parts; c_hat kept for wkv_b's gradient.
   Tensor<T> own_block(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) {
     c_hat = Pieces<T>::project_latent(st, w, in, "c_hat");
-    Tensor<T> k_loc({st.B, st.L, st.H * st.dqk}, "k_loc"),
-        v_loc({st.B, st.L, st.H * st.dv}, "v_loc");
-    {
-      Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
-      ops::linear(mat(kv), mat(std::as_const(c_hat)), w.wkv_b);
-      Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), in.kv_a_rows(st).col_range(st.C, st.dr),
-                          mat(k_loc), mat(v_loc));
-    }
+    auto [k_loc, v_loc] = Pieces<T>::local_kv(st, w, c_hat, in);
     Tensor<T> own({st.B * st.Sq * width(st)}, "kv_own");
     redistribute(st.ctx.comm, st.B, st.tokens, st.attention, std::as_const(k_loc).data(),
                  block_k(st, st.Hr, own.data(), st.Sq).p, st.dqk, "k_a2a");
@@ -125,8 +118,8 @@ struct HeadGroupKv : ring::PerHeadKv<T, &Step::Hr> {
     redistribute(st.ctx.comm, st.B, st.attention, st.tokens, block_v(st, st.Hr, a, st.Sq).p,
                  dv_loc.data(), st.dv, "v_a2a");
     acc.reset();
-    Tensor<T> dlat_loc = ring::kv_latent_grad(st, w, mat(std::as_const(dk_loc)),
-                                              mat(std::as_const(dv_loc)), c_hat, grads);
+    Tensor<T> dlat_loc = Pieces<T>::local_kv_backward(st, w, mat(std::as_const(dk_loc)),
+                                                      mat(std::as_const(dv_loc)), c_hat, grads);
     c_hat.reset();
     return dlat_loc;
   }

@@ -30,17 +30,10 @@ struct ExplicitTape final : Tape<T> {
     Tensor<T> dv_loc = P::to_tokens(st, dv_h, st.dv, "v_a2a", "dv_loc");
 
     // d kv from [dk_nope | dv] per head; d k_pe = sum over heads of dk's rope
-    // part (k_pe was broadcast to every head).
-    Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
-    {
-      Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
-      P::merge_dkv(st, st.H, mat(dk_loc), mat(dv_loc), mat(dkv),
-                   mat(dlat_loc).col_range(st.C, st.dr));
-      dk_loc.reset(), dv_loc.reset();
-      // d c_hat (N, C) = dkv wkv_b, into dlat's first C columns; wkv_b += dkv^T c_hat.
-      ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(dkv), false, mat(w.wkv_b), false);
-      ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), mat(c_hat), w.wkv_b);
-    }
+    // part (k_pe was broadcast to every head); wkv_b's gradient.
+    Tensor<T> dlat_loc = P::local_kv_backward(st, w, mat(std::as_const(dk_loc)),
+                                              mat(std::as_const(dv_loc)), c_hat, grads);
+    dk_loc.reset(), dv_loc.reset();
     c_hat.reset();
     P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
   }
@@ -55,13 +48,7 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
   t->c_hat = P::project_latent(st, w, t->in, "c_hat");
 
   // kv (N, H*(dn+dv)) = c_hat wkv_b^T, split into K = [k_nope | k_pe] (N, H, dqk), V (N, H, dv).
-  Tensor<T> k_loc({st.B, st.L, st.H * st.dqk}, "k_loc"), v_loc({st.B, st.L, st.H * st.dv}, "v_loc");
-  {
-    Tensor<T> kv({st.B, st.L, st.H * st.KV}, "kv");
-    ops::linear(mat(kv), mat(t->c_hat), w.wkv_b);
-    P::split_kv(st, st.H, mat(std::as_const(kv)), t->in.kv_a_rows(st).col_range(st.C, st.dr),
-                mat(k_loc), mat(v_loc));
-  }
+  auto [k_loc, v_loc] = P::local_kv(st, w, t->c_hat, t->in);
   HeadAttention<T>& a = t->att;
   a.q_h = P::queries_to_heads(st, w, t->in);
   a.k_h = P::to_heads(st, k_loc, st.dqk, "k_a2a", "k_h");

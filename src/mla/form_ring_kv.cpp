@@ -51,8 +51,8 @@ struct KvBlocks : ring::PerHeadKv<T, &Step::H> {
   Tensor<T> latent_grad(const Step& st, const MlaParams<T>& w, Tensor<T>& acc,
                         MlaParams<T>& grads) {
     const T* a = acc.data();
-    Tensor<T> dlat_loc = ring::kv_latent_grad(st, w, block_k(st, st.H, a, st.L),
-                                              block_v(st, st.H, a, st.L), c_hat, grads);
+    Tensor<T> dlat_loc = Pieces<T>::local_kv_backward(st, w, block_k(st, st.H, a, st.L),
+                                                      block_v(st, st.H, a, st.L), c_hat, grads);
     acc.reset(), c_hat.reset();
     return dlat_loc;
   }

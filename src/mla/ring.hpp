@@ -285,23 +285,6 @@ struct PerHeadKv {
   }
 };
 
-// From dK (B L, H dqk) and dV (B L, H dv) of local tokens and all heads to
-// d[c_hat | k_pe] (B, L, C + dr), as explicit's backward: d kv from
-// [dk_nope | dv] per head, d k_pe the sum over heads of dk's rope part,
-// d c_hat = dkv wkv_b; wkv_b += dkv^T c_hat.
-template <class T>
-Tensor<T> kv_latent_grad(const Step& st, const MlaParams<T>& w, ops::In<T> dk, ops::In<T> dv,
-                         const Tensor<T>& c_hat, MlaParams<T>& grads) {
-  Tensor<T> dlat_loc = Tensor<T>::zeros({st.B, st.L, st.W}, "dlat_loc");
-  Tensor<T> dkv({st.B, st.L, st.H * st.KV}, "dkv");
-  Pieces<T>::merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
-  ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
-            false);
-  ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
-                          w.wkv_b);
-  return dlat_loc;
-}
-
 // One step of the ring: the block it holds and what its calls saved.
 template <class T>
 struct RingStep {
