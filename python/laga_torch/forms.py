@@ -151,6 +151,8 @@ class Sp:
     """This rank's part in one forward: the layout, its group and ledger, the
     documents' starts (B, S) and in-document positions (B, S), the RoPE table."""
 
+    ring = None  # as ring.RingSp's: the ring forms run one ring of every rank
+
     def __init__(self, layout, rank, group, ledger, batch, doc_start, cos, sin, head_groups=0,
                  attention_kind="auto", flash_block=64, form=None):
         self.layout, self.rank, self.group, self.ledger = layout, rank, group, ledger
@@ -298,27 +300,24 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     scale = cfg.softmax_scale()
     wkv = wkv_b.view(H, dn + dv, C)
 
-    if spec.ring:  # a2a_p2p: explicit's q, k, v to the grid, the [K | V] round the head group's ring
-        kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
-        k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
-        q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
-        k_h = sp.move(k, "to_queries", "k_a2a")
-        v_h = sp.move(kv[..., dn:].contiguous(), "to_queries", "v_a2a")
-        own = torch.cat([k_h.reshape(-1), v_h.reshape(-1)])
-        codec = functools.partial(spec.codec, heads=nh)
-        o_h = RingAttention.apply(q_h, own, wkv_b, sp.head_group_ring(), cfg, codec, overlap)
-        return sp.move(o_h, "from_queries", "out_a2a").reshape(B, L, H * dv)
-
-    if spec.keys is Keys.heads:  # explicit
+    # To the heads' ranks and back: the whole sequence's, or the grid's chunks.
+    to, back = ("to_queries", "from_queries") if spec.attends is Attends.grid else \
+        ("seq_to_head", "head_to_seq")
+    if spec.keys is Keys.heads or spec.ring:  # explicit; a2a_p2p on its grid
         # kv of the local tokens for ALL heads, k_pe expanded over heads
-        # (Megatron-Core's way), then three seq->head all-to-alls.
+        # (Megatron-Core's way), then three all-to-alls to the heads' ranks.
         kv = (c_kv @ wkv_b.t()).view(B, L, H, dn + dv)
         k = torch.cat([kv[..., :dn], k_pe[:, :, None, :].expand(B, L, H, dr)], -1)
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
-        k_h = sp.move(k, "seq_to_head", "k_a2a")
-        v_h = sp.move(kv[..., dn:].contiguous(), "seq_to_head", "v_a2a")
-        o_h = sp.attend(q_h, k_h, v_h, rows, sp.layout.seq, scale)
-        return sp.move(o_h, "head_to_seq", "out_a2a").reshape(B, L, H * dv)
+        k_h = sp.move(k, to, "k_a2a")
+        v_h = sp.move(kv[..., dn:].contiguous(), to, "v_a2a")
+        if spec.ring:  # a2a_p2p: the [K | V] of its rows round the head group's ring
+            own = torch.cat([k_h.reshape(-1), v_h.reshape(-1)])
+            codec = functools.partial(spec.codec, heads=nh)
+            o_h = RingAttention.apply(q_h, own, wkv_b, sp.head_group_ring(), cfg, codec, overlap)
+        else:
+            o_h = sp.attend(q_h, k_h, v_h, rows, sp.layout.seq, scale)
+        return sp.move(o_h, back, "out_a2a").reshape(B, L, H * dv)
 
     # laga, laga2d, absorbed: the latent [c_kv | k_pe] of every token, gathered.
     lat_loc = torch.cat([c_kv, k_pe], -1).unsqueeze(2)
@@ -330,7 +329,6 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
     else:
         q_h = _heads_queries(sp, cfg, form, q, q_latent, rows)
         lat = redistribute(lat_loc, plan, sp.group, sp.ledger).squeeze(2)
-    back = "from_queries" if spec.attends is Attends.grid else "head_to_seq"
 
     if form == "absorbed":
         # W_UK into the queries and W_UV after attention, per head: attention

@@ -268,8 +268,7 @@ def _eager_step(q, k, v, see, scale):
 def _shift(sp, x, numel, label, phase, overlap):
     """The ring shift; without overlap waited here (returns the block), with
     overlap started (returns its wait)."""
-    _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, phase, label,
-                               getattr(sp, "ring", None))
+    _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, phase, label, sp.ring)
     return wait if overlap else wait()
 
 

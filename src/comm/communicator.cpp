@@ -934,7 +934,7 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
         transport_ring_shift(send, send_count, recv, recv_count, dtype, ring, label, moved);
         return ring_shift_peer_bytes(send_count, recv_count, P, r, dtype, ring);
       },
-      started, ring.tiles(size()) ? ring.span(size()) : 0);
+      started, ring.span(size()));
 }
 
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {

@@ -218,16 +218,14 @@ struct Ring {
   // link model's extent of a call (CollectiveEvent::ranks).
   int span(int P) const { return (ranks(P) - 1) * stride + 1; }
   // Whether these rings tile a group of P (size * stride divides P).
-  bool tiles(int P) const {
-    return size >= 0 && stride >= 1 && P % ranks(P) == 0 && P % (ranks(P) * stride) == 0;
-  }
+  bool tiles(int P) const { return size >= 0 && stride >= 1 && P % (ranks(P) * stride) == 0; }
   friend bool operator==(const Ring&, const Ring&) = default;
 };
 // "forward", "backward in rings of 2", "forward in rings of 2, stride 4"
 std::string to_string(Ring ring);
 // The two neighbours of rank r of P in a ring_shift: the one it sends to and
 // the one it receives from (both r in a ring of one). laga::Error unless
-// 0 <= r < P and the ring's size divides P.
+// 0 <= r < P and the rings tile P (Ring::tiles).
 struct RingPeers {
   int to = 0;
   int from = 0;
@@ -597,8 +595,8 @@ class Communicator {
   void deliver(const DeferredCall& call) const;
   // Returns the call's modelled completion (now without a link model), having
   // waited for it unless `started` (the start_* forms).
-  template <class Body>
   // `ranks`: the ranks one call spans (CollectiveEvent::ranks); 0 is size().
+  template <class Body>
   std::chrono::steady_clock::time_point run(CollectiveKind kind, const std::string& label,
                                             Body&& body, bool started = false, int ranks = 0);
 

@@ -67,12 +67,6 @@ void CommTerms::add(Phase ph, const char* label, PredictedBytes b, CollectiveKin
   slot.calls += 1;
 }
 
-void CommTerms::add_ring(Phase ph, const char* label, std::int64_t width, bool home) {
-  std::vector<std::int64_t> blocks;
-  for (std::int64_t n : layout.seq_count) blocks.push_back(layout.batch * n * width);
-  add_ring(ph, label, blocks, rank, home);
-}
-
 void CommTerms::add_ring(Phase ph, const char* label, const std::vector<std::int64_t>& blocks,
                          int place, bool home) {
   if (blocks.size() <= 1) return;

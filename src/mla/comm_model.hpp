@@ -126,14 +126,10 @@ struct CommTerms {
   // The latent [c_hat | k_pe] all-gathered forward, its gradient
   // reduce-scattered backward (label latent_ag).
   void latent_gather(Phase phase);
-  // A ring pass (ring_pass_bytes) of every rank's block of `width`
-  // elements per token, B L_j width each, under `label`; `home`: the pass
-  // that brings each block back to its owner. Nothing on one rank: a ring
-  // form makes no shift there.
-  void add_ring(Phase phase, const char* label, std::int64_t width, bool home);
-  // The same round a ring of its own: the blocks (elements) of its members
-  // in ring order, this rank at `place` (a2a_p2p's ring of a head group's
-  // context groups). Nothing in a ring of one.
+  // A ring pass (ring_pass_bytes) of the blocks (elements) of a ring's
+  // members, in ring order, this rank at `place`, under `label`; `home`:
+  // the pass that brings each block back to its owner. Nothing in a ring of
+  // one: a ring form makes no shift there.
   void add_ring(Phase phase, const char* label, const std::vector<std::int64_t>& blocks, int place,
                 bool home);
   // A ring form's whole frame (mla/ring.hpp): its blocks' pass forward

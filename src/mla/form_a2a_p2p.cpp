@@ -68,19 +68,16 @@ RingView ring_of(const SpLayout& layout, FormVariant v, int rank) {
   RingView view;
   SpLayout& m = view.members;
   m.batch = layout.batch, m.seq = layout.seq, m.ranks = Pc;
-  m.heads = g.head_count[size_t(rank)];
   m.seq_layout = SeqLayout::zigzag;
   for (int c = 0; c < Pc; ++c) {
     const int member = g.rank_at(hg, c);
     m.seq_ranges.push_back(g.queries[size_t(member)]);
     m.seq_count.push_back(g.query_rows(member));
-    m.head_count.push_back(m.heads);
-    m.head_offset.push_back(g.head_offset[size_t(member)]);
   }
   view.place = g.context_group(rank);
   view.ring = Ring{RingDirection::forward, Pc, g.head_groups};
   view.L = m.seq_count[size_t(view.place)];
-  view.H = m.heads;
+  view.H = g.head_count[size_t(rank)];
   return view;
 }
 RingView ring_of(const Step& st) {

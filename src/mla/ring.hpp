@@ -379,7 +379,6 @@ struct InFlight {
 template <class T>
 Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::int64_t next_elems,
                 const char* label, const char* name, InFlight<T>& flight) {
-  const Ring ring{RingDirection::forward, g.ring.size, g.ring.stride};
   Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
   const bool overlap = st.ctx.variant.overlap == Overlap::on;
   Communicator& comm = st.ctx.comm;
@@ -391,13 +390,13 @@ Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::in
       if (overlap) {
         flight.call =
             comm.start_ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(),
-                                  next.data(), next.numel(), DType::bf16, label, ring);
+                                  next.data(), next.numel(), DType::bf16, label, g.ring);
         flight.leaving = std::move(leaving);
         flight.arriving = next.data(), flight.arriving_elems = next.numel();
         return next;
       }
       comm.ring_shift(static_cast<const void*>(leaving.data()), leaving.numel(), next.data(),
-                      next.numel(), DType::bf16, label, ring);
+                      next.numel(), DType::bf16, label, g.ring);
       leaving.reset();
       wire::widen(next.data(), next.data(), next.numel());
       return next;
@@ -405,9 +404,9 @@ Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::in
   }
   if (overlap)
     flight.call =
-        comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, ring);
+        comm.start_ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, g.ring);
   else
-    comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, ring);
+    comm.ring_shift(cur.data(), cur.numel(), next.data(), next.numel(), label, g.ring);
   return next;
 }
 template <class T>

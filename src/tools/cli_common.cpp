@@ -653,10 +653,11 @@ CLI::Option* add_dtype_option(CLI::App& app, std::function<void(RunDtype)> set,
 
 void add_head_groups_option(CLI::App& app, int& head_groups) {
   app.add_option("--head-groups", head_groups,
-                 "the grid forms (laga2d, a2a_p2p): Ph head groups x P/Ph context groups, Ph a "
-                 "divisor of --sp. Default: laga2d gcd(heads, --sp), the most groups that split "
-                 "the heads evenly; a2a_p2p the largest divisor of --sp below it that divides "
-                 "the heads, so that a ring of context groups remains")
+                 cat("the grid forms (", names_of_forms_with(&FormTraits::head_groups),
+                     "): Ph head groups x P/Ph context groups, Ph a divisor of --sp. Default: "
+                     "laga2d gcd(heads, --sp), the most groups that split the heads evenly; "
+                     "a2a_p2p the largest divisor of --sp below it that divides the heads, so "
+                     "that a ring of context groups remains"))
       ->check(CLI::PositiveNumber);
 }
 
