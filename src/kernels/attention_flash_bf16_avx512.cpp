@@ -466,12 +466,13 @@ bool pack_rows_along_r(const HeadView& hv, const bf16* x, std::int64_t d, const 
 
 // Per-thread scratch.
 struct Scratch {
-  Aligned<float> st, dpt;  // (Bc, Br) S^T then P^T; dP^T then dS^T
-  Aligned<bf16> pv;        // (Bc / 2, Br, 2) P^T or dS^T pair-interleaved along keys
-  Aligned<bf16> pt, dst;   // (Bc, Br) P^T and dS^T rounded, rows as they are
-  Aligned<float> acc;      // (max(dqk, dv), Br) O^T or dQ^T
-  Aligned<float> dk, dv;   // (Bc, dqk), (Bc, dv) of one key block
-  Aligned<bf16> qv;        // forward's Q^T of the block (pack_rows_along_d)
+  Aligned<float> st, dpt;   // (Bc, Br) S^T then P^T; dP^T then dS^T
+  Aligned<bf16> pv;         // (Bc / 2, Br, 2) P^T or dS^T pair-interleaved along keys
+  Aligned<bf16> pt, dst;    // (Bc, Br) P^T and dS^T rounded, rows as they are
+  Aligned<float> acc;       // (max(dqk, dv), Br) O^T or dQ^T
+  Aligned<float> dk, dv;    // (Bc, dqk), (Bc, dv) of one key block: row set 0's sums
+  Aligned<float> dk1, dv1;  // the same of row set 1 (two-pass, with two row sets)
+  Aligned<bf16> qv;         // forward's Q^T of the block (pack_rows_along_d)
   Aligned<float> m, l, alpha;
   explicit Scratch(const AttnShape& s)
       : st(zeroed<float>(kBc * kBr)),
@@ -482,6 +483,8 @@ struct Scratch {
         acc(zeroed<float>(std::max(s.dqk, s.dv) * kBr)),
         dk(zeroed<float>(kBc * s.dqk)),
         dv(zeroed<float>(kBc * s.dv)),
+        dk1(zeroed<float>(kBc * s.dqk)),
+        dv1(zeroed<float>(kBc * s.dv)),
         qv(zeroed<bf16>(even_up(s.dqk) * kBr)),
         m(zeroed<float>(kBr)),
         l(zeroed<float>(kBr)),
@@ -490,9 +493,9 @@ struct Scratch {
   // holds the two equal).
   static std::int64_t bytes(const AttnShape& s) {
     return 2 * aligned_bytes<float>(kBc * kBr) + 3 * aligned_bytes<bf16>(kBc * kBr) +
-           aligned_bytes<float>(std::max(s.dqk, s.dv) * kBr) + aligned_bytes<float>(kBc * s.dqk) +
-           aligned_bytes<float>(kBc * s.dv) + aligned_bytes<bf16>(even_up(s.dqk) * kBr) +
-           3 * aligned_bytes<float>(kBr);
+           aligned_bytes<float>(std::max(s.dqk, s.dv) * kBr) +
+           2 * aligned_bytes<float>(kBc * s.dqk) + 2 * aligned_bytes<float>(kBc * s.dv) +
+           aligned_bytes<bf16>(even_up(s.dqk) * kBr) + 3 * aligned_bytes<float>(kBr);
   }
 };
 
@@ -789,14 +792,29 @@ std::int64_t threads_here() {
   return omp_get_active_level() >= omp_get_max_active_levels() ? 1 : omp_get_max_threads();
 }
 
-// One thread per head when the heads share the threads out evenly enough
-// (the fp32 kernel's rule): each tile's S and dP computed once, dK, dV
-// summed in a per-thread head buffer. Else two passes, which recompute
-// them. Both make the same product calls in the same order for every
-// output (row blocks ascending for dK, dV; key blocks for dQ), so the
-// choice, which depends on the thread count, does not change a bit.
-bool backward_per_head(std::int64_t heads, std::int64_t nt) {
-  return ceil_div(heads, nt) * nt * 10 <= heads * 13;
+// Row sets. dK_j and dV_j sum over a head's row blocks; with two row sets
+// each is taken as two partial sums, over the even and over the odd row
+// blocks (each in ascending order), and then added: a + b == b + a bitwise,
+// so the two schedules below agree bit for bit whichever partial is ready
+// first. Two sets let two threads share one head's backward without
+// recomputing its scores (the latent shape at B = 1 is one head). From the
+// shape alone, so that the bits never depend on the thread count; one set
+// from 8 heads up, where the heads keep the threads busy by themselves and a
+// second set would only pack each head's keys twice and add its sums once
+// more.
+std::int64_t row_sets(std::int64_t heads) {
+  return heads < 8 ? 2 : 1;
+}
+
+// One thread per (head, row set) when those units share the threads out
+// evenly enough (the fp32 kernel's rule): each tile's S and dP computed
+// once, dK, dV summed in a per-thread head buffer. Else two passes, which
+// recompute them. Both make the same product calls in the same order for
+// every output (row blocks ascending within a row set for dK, dV; key
+// blocks for dQ), so the choice, which depends on the thread count, does
+// not change a bit.
+bool backward_per_head(std::int64_t units, std::int64_t nt) {
+  return ceil_div(units, nt) * nt * 10 <= units * 13;
 }
 
 }  // namespace
@@ -812,9 +830,10 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward) {
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
   if (heads == 0) return d_all;
+  const std::int64_t units = heads * row_sets(heads);
   const std::int64_t per_thread =
-      backward_per_head(heads, nt)
-          ? (heads > 1 ? nt : 1) * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
+      backward_per_head(units, nt)
+          ? (units > 1 ? nt : 1) * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
                                     aligned_bytes<float>(s.Sk * s.dv))
           : (heads * std::max(keys.nkb, rows.nrb) > 1 ? nt : 1) * Scratch::bytes(s);
   return d_all + keys.bytes() + rows.bytes() + per_thread;
@@ -867,18 +886,28 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
   if (heads == 0) return;
   const KeyPacks kp(s, k, v);
   const RowPacks rp(s, q, dout, lse, D);
-  const std::int64_t nrb = rp.nrb, nkb = kp.nkb;
-  if (backward_per_head(heads, threads_here())) {
-#pragma omp parallel if (heads > 1)
+  const std::int64_t nrb = rp.nrb, nkb = kp.nkb, sets = row_sets(heads);
+  const std::int64_t units = heads * sets;
+  if (backward_per_head(units, threads_here())) {
+    // Unit u: head u / sets, its row blocks ib with ib % sets == u % sets.
+    // Units are handed out in ascending order (next, not an OpenMP
+    // schedule, whose order is unspecified), so a head's row set 1 starts
+    // after its set 0 and may wait for it to store its sums: set 0's thread
+    // waits for nothing, and neither does a lone thread, which ran set 0
+    // first.
+    std::atomic<std::int64_t> next{0};
+    std::unique_ptr<std::atomic<bool>[]> stored(new std::atomic<bool>[static_cast<size_t>(heads)]);
+    for (std::int64_t bh = 0; bh < heads; ++bh) stored[bh].store(false);
+#pragma omp parallel if (units > 1)
     {
       Scratch w(s);
       Aligned<float> head_dk(s.Sk * s.dqk), head_dv(s.Sk * s.dv);
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t bh = 0; bh < heads; ++bh) {
+      for (std::int64_t u = next++; u < units; u = next++) {
+        const std::int64_t bh = u / sets, set = u % sets;
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
         std::fill(head_dk.begin(), head_dk.end(), 0.0f);
         std::fill(head_dv.begin(), head_dv.end(), 0.0f);
-        for (std::int64_t ib = 0; ib < nrb; ++ib) {
+        for (std::int64_t ib = set; ib < nrb; ib += sets) {
           const RowBlock rb(hv, ib);
           const std::int64_t ru = bh * nrb + ib;
           std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
@@ -891,38 +920,64 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
           }
           store_dq(s, hv, rb, w, dq);
         }
+        if (set > 0)
+          while (!stored[bh].load(std::memory_order_acquire)) _mm_pause();
         for (std::int64_t j = 0; j < s.Sk; ++j) {
-          std::copy_n(head_dk.data() + j * s.dqk, s.dqk, dk + hv.key_off(j, s.dqk));
-          std::copy_n(head_dv.data() + j * s.dv, s.dv, dv + hv.key_off(j, s.dv));
+          float* dk_j = dk + hv.key_off(j, s.dqk);
+          float* dv_j = dv + hv.key_off(j, s.dv);
+          const float* sk = head_dk.data() + j * s.dqk;
+          const float* sv = head_dv.data() + j * s.dv;
+          if (set == 0) {
+            std::copy_n(sk, s.dqk, dk_j);
+            std::copy_n(sv, s.dv, dv_j);
+          } else {
+            for (std::int64_t n = 0; n < s.dqk; ++n) dk_j[n] += sk[n];
+            for (std::int64_t n = 0; n < s.dv; ++n) dv_j[n] += sv[n];
+          }
         }
+        if (set == 0) stored[bh].store(true, std::memory_order_release);
       }
+      // Every thread's buffers live until all are done, as in the two-pass
+      // schedule's loops: what workspace_bytes counts.
+#pragma omp barrier
     }
     return;
   }
 #pragma omp parallel if (heads * std::max(nkb, nrb) > 1)
   {
     Scratch w(s);
-    // dK/dV pass: one thread per key block sums its row blocks in order.
+    // dK/dV pass: one thread per key block sums its row blocks in order,
+    // each row set's into its own buffer (w.dk, w.dv; w.dk1, w.dv1).
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u % heads, kb = u / heads;
-      const KeyTile blk(s, kb);  // the whole block: w.dk, w.dv hold its keys
+      const KeyTile blk(s, kb);  // the whole block: the buffers hold its keys
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
-      std::fill(w.dk.begin(), w.dk.end(), 0.0f);
-      std::fill(w.dv.begin(), w.dv.end(), 0.0f);
+      float* set_dk[2] = {w.dk.data(), w.dk1.data()};
+      float* set_dv[2] = {w.dv.data(), w.dv1.data()};
+      for (std::int64_t set = 0; set < sets; ++set) {
+        std::fill_n(set_dk[set], blk.cols * s.dqk, 0.0f);
+        std::fill_n(set_dv[set], blk.cols * s.dv, 0.0f);
+      }
       for (std::int64_t ib = first_row_block(s, g, blk.j0); ib < nrb; ++ib) {
         const RowBlock rb(hv, ib);
         if (rb.kbeg >= blk.j0 + blk.cols) break;
         if (rb.kend <= blk.j0) continue;
-        const std::int64_t ru = bh * nrb + ib;
+        const std::int64_t ru = bh * nrb + ib, set = ib % sets;
         const KeyTile kt(s, rb, kb);
         backward_scores(s, hv, rb, kt, kp, rp, ru, w);
-        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, w.dk.data() + (kt.j0 - blk.j0) * s.dqk,
-                    w.dv.data() + (kt.j0 - blk.j0) * s.dv);
+        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, set_dk[set] + (kt.j0 - blk.j0) * s.dqk,
+                    set_dv[set] + (kt.j0 - blk.j0) * s.dv);
       }
       for (std::int64_t c = 0; c < blk.cols; ++c) {
-        std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk + hv.key_off(blk.j0 + c, s.dqk));
-        std::copy_n(w.dv.data() + c * s.dv, s.dv, dv + hv.key_off(blk.j0 + c, s.dv));
+        float* dk_c = dk + hv.key_off(blk.j0 + c, s.dqk);
+        float* dv_c = dv + hv.key_off(blk.j0 + c, s.dv);
+        std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk_c);
+        std::copy_n(w.dv.data() + c * s.dv, s.dv, dv_c);
+        if (sets == 1) continue;
+        for (std::int64_t n = 0; n < s.dqk; ++n)
+          dk_c[n] += w.dk1[static_cast<size_t>(c * s.dqk + n)];
+        for (std::int64_t n = 0; n < s.dv; ++n) dv_c[n] += w.dv1[static_cast<size_t>(c * s.dv + n)];
       }
     }
     // dQ pass: one thread per row block sums its key blocks in order.

@@ -151,15 +151,18 @@ TEST_P(FlashAttention, NoKeysAtAll) {
 }
 
 // The backward's reductions run in a fixed block order whatever the thread
-// count or schedule (one head per thread, or the two-pass schedule when there
-// are fewer heads than threads): results are bitwise equal.
+// count or schedule (one (head, row set) per thread, or the two-pass schedule
+// when there are fewer of those than threads): results are bitwise equal.
+// One head (two row sets): 1 and 2 threads per head, 3 two passes; 4 threads
+// per head on the batch of 6 heads (12 units), where row set 1's threads may
+// wait for set 0's.
 TEST_P(FlashAttention, BitwiseIndependentOfThreadCount) {
   for (const AttnShape& s :
        {shape(1, 200, 200, 1, 1, 24, 16, true), shape(1, 100, 100, 4, 1, 36, 32, true),
         shape(3, 90, 90, 2, 2, 16, 16, true)}) {
     const Problem<float> p(s);
     std::vector<Result<float>> runs;
-    for (int t : {1, 2, 3}) {
+    for (int t : {1, 2, 3, 4}) {
       set_rank_threads(t);
       runs.push_back(run_flash(p));
     }

@@ -245,7 +245,9 @@ class FlashBf16 : public ::testing::TestWithParam<FlashBf16Isa> {
 };
 
 // Every sum in a fixed block order by one thread: bitwise the same results
-// on 1, 2 and 3 threads (multi-head, latent with packed documents, batch).
+// on 1-4 threads (multi-head, latent with packed documents, batch), which
+// take both backward schedules: per (head, row set) and two passes (one
+// head, two row sets, at 3 threads).
 TEST_P(FlashBf16, BitwiseIndependentOfThreadCount) {
   struct Shape {
     AttnShape s;
@@ -258,7 +260,7 @@ TEST_P(FlashBf16, BitwiseIndependentOfThreadCount) {
     if (!c.docs.empty()) pf.set_documents(c.docs);
     const Bf16Problem p(pf);
     std::vector<Out> runs;
-    for (int t : {1, 2, 3}) {
+    for (int t : {1, 2, 3, 4}) {
       set_rank_threads(t);
       runs.push_back(run_bf16(p));
     }
