@@ -6,15 +6,15 @@
 //
 // The shape of the fp32 kernels (attention_flash_impl.inc, read it first):
 // virtual rows (query heads of one key/value head, token-major), 64-row by
-// 64-key tiles aligned at multiples of 64 keys (kBc below; trimmed to
-// even keys, KeyTile), online
-// softmax in base 2 with one row per vector lane, block ranges from
-// RowBlock, and a backward either per head and row set (one thread owns
-// one row set of a head; row_sets below) or in two passes (dK/dV parallel
-// over key blocks, dQ over query blocks), where every sum runs in ascending
-// block order in one thread: bitwise the same for any thread count. HeadView, RowBlock and TileRanges are copies of
-// theirs (that file is compiled per ISA into its own namespace; sharing
-// them would mean moving them out of it, for a few lines).
+// 64-key tiles aligned at multiples of 64 keys (kBc below; trimmed to even
+// keys, KeyTile), online softmax in base 2 with one row per vector lane,
+// block ranges from RowBlock, and a backward either per head and row set
+// (one thread owns one row set of a head; row_sets below) or in two passes
+// (dK/dV parallel over key blocks, dQ over query blocks), where every sum
+// runs in ascending block order in one thread: bitwise the same for any
+// thread count. HeadView, RowBlock and TileRanges are copies of theirs
+// (that file is compiled per ISA into its own namespace; sharing them
+// would mean moving them out of it, for a few lines).
 //
 // dK, dV of the (B, Sk, Hk, d) tensors: written once per key block, in
 // ascending order of the row blocks summed into them (both schedules).
