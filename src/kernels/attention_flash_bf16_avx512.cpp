@@ -780,6 +780,26 @@ void store_dq(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const 
   }
 }
 
+// Keys [j0, j0 + n) of head hv in dk, dv (B, Sk, Hk, d) = the sums sk (n,
+// dqk), sv (n, dv); += them with `add` (a row set's partial sums added to
+// the other's).
+void store_key_sums(const AttnShape& s, const HeadView& hv, std::int64_t j0, std::int64_t n,
+                    const float* sk, const float* sv, bool add, float* dk, float* dv) {
+  for (std::int64_t j = 0; j < n; ++j) {
+    float* dk_j = dk + hv.key_off(j0 + j, s.dqk);
+    float* dv_j = dv + hv.key_off(j0 + j, s.dv);
+    const float* sk_j = sk + j * s.dqk;
+    const float* sv_j = sv + j * s.dv;
+    if (!add) {
+      std::copy_n(sk_j, s.dqk, dk_j);
+      std::copy_n(sv_j, s.dv, dv_j);
+      continue;
+    }
+    for (std::int64_t e = 0; e < s.dqk; ++e) dk_j[e] += sk_j[e];
+    for (std::int64_t e = 0; e < s.dv; ++e) dv_j[e] += sv_j[e];
+  }
+}
+
 std::int64_t first_row_block(const AttnShape& s, std::int64_t g, std::int64_t j0) {
   if (!s.causal) return 0;
   const std::int64_t i_min = std::max<std::int64_t>(0, j0 + s.Sq - s.Sk);
@@ -922,19 +942,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         }
         if (set > 0)
           while (!stored[bh].load(std::memory_order_acquire)) _mm_pause();
-        for (std::int64_t j = 0; j < s.Sk; ++j) {
-          float* dk_j = dk + hv.key_off(j, s.dqk);
-          float* dv_j = dv + hv.key_off(j, s.dv);
-          const float* sk = head_dk.data() + j * s.dqk;
-          const float* sv = head_dv.data() + j * s.dv;
-          if (set == 0) {
-            std::copy_n(sk, s.dqk, dk_j);
-            std::copy_n(sv, s.dv, dv_j);
-          } else {
-            for (std::int64_t n = 0; n < s.dqk; ++n) dk_j[n] += sk[n];
-            for (std::int64_t n = 0; n < s.dv; ++n) dv_j[n] += sv[n];
-          }
-        }
+        store_key_sums(s, hv, 0, s.Sk, head_dk.data(), head_dv.data(), set > 0, dk, dv);
         if (set == 0) stored[bh].store(true, std::memory_order_release);
       }
       // Every thread's buffers live until all are done, as in the two-pass
@@ -969,16 +977,8 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, set_dk[set] + (kt.j0 - blk.j0) * s.dqk,
                     set_dv[set] + (kt.j0 - blk.j0) * s.dv);
       }
-      for (std::int64_t c = 0; c < blk.cols; ++c) {
-        float* dk_c = dk + hv.key_off(blk.j0 + c, s.dqk);
-        float* dv_c = dv + hv.key_off(blk.j0 + c, s.dv);
-        std::copy_n(w.dk.data() + c * s.dqk, s.dqk, dk_c);
-        std::copy_n(w.dv.data() + c * s.dv, s.dv, dv_c);
-        if (sets == 1) continue;
-        for (std::int64_t n = 0; n < s.dqk; ++n)
-          dk_c[n] += w.dk1[static_cast<size_t>(c * s.dqk + n)];
-        for (std::int64_t n = 0; n < s.dv; ++n) dv_c[n] += w.dv1[static_cast<size_t>(c * s.dv + n)];
-      }
+      for (std::int64_t set = 0; set < sets; ++set)
+        store_key_sums(s, hv, blk.j0, blk.cols, set_dk[set], set_dv[set], set > 0, dk, dv);
     }
     // dQ pass: one thread per row block sums its key blocks in order.
 #pragma omp for schedule(dynamic, 1)
