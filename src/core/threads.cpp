@@ -23,4 +23,12 @@ int threads_per_rank(int ranks) {
   return std::max(1, hardware_cores() / std::max(1, ranks));
 }
 
+OmpThreadsScope::OmpThreadsScope(int n) : previous_(omp_get_max_threads()) {
+  omp_set_num_threads(std::max(1, n));
+}
+
+OmpThreadsScope::~OmpThreadsScope() {
+  omp_set_num_threads(previous_);
+}
+
 }  // namespace laga

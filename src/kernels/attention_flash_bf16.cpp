@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -14,12 +15,17 @@
 
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
 namespace laga::flash_bf16 {
-void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v);
-std::int64_t workspace_bytes(const AttnShape& s, bool backward);
+// workspace: workspace_bytes(s, pass) bytes, 64-byte aligned; null: the
+// call allocates its buffers.
+void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v,
+             unsigned char* workspace);
+// bound: the most of any shape no larger than s (every schedule).
+std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound = false);
 std::int64_t allocated_peak();
 void reset_allocated_peak();
 void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
-              const bf16* k, const bf16* v, const float* o, const float* lse);
+              const bf16* k, const bf16* v, const float* o, const float* lse,
+              unsigned char* workspace);
 }  // namespace laga::flash_bf16
 #endif
 
@@ -63,10 +69,38 @@ std::atomic<int> g_set_isa{kNotSet};
 constexpr const char* kNeeds =
     "the AVX512_BF16 flash kernels need avx512f, avx512vl, avx512bw, avx512dq and avx512bf16";
 
-std::vector<float> widened(const bf16* x, std::int64_t n) {
-  std::vector<float> y(static_cast<size_t>(n));
-  convert_to_float(x, y.data(), n);
-  return y;
+// Where the fp32 path keeps its widened copies: the caller's workspace,
+// front to back (the copies are what attention_flash_bf16_workspace_bytes
+// counts on that path), or vectors of its own.
+class Widened {
+ public:
+  explicit Widened(const FlashWorkspace& ws) : at_(static_cast<float*>(ws.data)) {}
+  const float* operator()(const bf16* x, std::int64_t n) {
+    float* y = at_;
+    if (y) {
+      at_ += n;
+    } else {
+      own_.emplace_back(static_cast<size_t>(n));
+      y = own_.back().data();
+    }
+    convert_to_float(x, y, n);
+    return y;
+  }
+
+ private:
+  float* at_;
+  std::vector<std::vector<float>> own_;
+};
+
+// A workspace given is one of the size the call needs, 64-byte aligned.
+void check_workspace(const FlashWorkspace& ws, const AttnShape& s, bool backward) {
+  if (!ws.data) return;
+  const std::int64_t need = attention_flash_bf16_workspace_bytes(s, backward);
+  LAGA_CHECK(ws.bytes >= need, "bf16 flash attention (", backward ? "backward" : "forward",
+             "): a workspace of ", ws.bytes, " bytes, but the call needs ", need,
+             " (attention_flash_bf16_workspace_bytes at this thread's OpenMP thread count)");
+  LAGA_CHECK(reinterpret_cast<std::uintptr_t>(ws.data) % 64 == 0,
+             "bf16 flash attention: the workspace must be 64-byte aligned");
 }
 
 thread_local std::int64_t t_workspace_high_water = 0;
@@ -88,6 +122,14 @@ std::int64_t attention_flash_bf16_workspace_bytes(const AttnShape& s, bool backw
   const std::int64_t q = s.B * s.Sq * s.Hq * s.dqk, k = s.B * s.Sk * s.Hk * s.dqk,
                      v = s.B * s.Sk * s.Hk * s.dv, dout = s.B * s.Sq * s.Hq * s.dv;
   return std::int64_t(sizeof(float)) * (q + k + v + (backward ? dout : 0));
+}
+
+std::int64_t attention_flash_bf16_workspace_bound(const AttnShape& s, bool backward) {
+#if defined(LAGA_FLASH_HAVE_AVX512BF16)
+  if (flash_bf16_isa() == FlashBf16Isa::avx512_bf16)
+    return flash_bf16::workspace_bytes(s, backward, true);
+#endif
+  return attention_flash_bf16_workspace_bytes(s, backward);  // the widened copies: monotone
 }
 
 std::int64_t attention_flash_bf16_workspace_high_water() {
@@ -160,37 +202,43 @@ FlashBf16Isa set_flash_bf16_isa(FlashBf16Isa isa) {
 }
 
 void attention_flash_forward_bf16(const AttnShape& s, float* o, float* lse, const bf16* q,
-                                  const bf16* k, const bf16* v) {
+                                  const bf16* k, const bf16* v, const FlashWorkspace& workspace) {
   const FlashBf16Isa isa = flash_bf16_isa();
   s.validate();
+  check_workspace(workspace, s, false);
   note_workspace(s, false);
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
-  if (isa == FlashBf16Isa::avx512_bf16) return flash_bf16::forward(s, o, lse, q, k, v);
+  if (isa == FlashBf16Isa::avx512_bf16)
+    return flash_bf16::forward(s, o, lse, q, k, v, static_cast<unsigned char*>(workspace.data));
 #endif
   (void)isa;
-  const std::vector<float> qf = widened(q, s.B * s.Sq * s.Hq * s.dqk);
-  const std::vector<float> kf = widened(k, s.B * s.Sk * s.Hk * s.dqk);
-  const std::vector<float> vf = widened(v, s.B * s.Sk * s.Hk * s.dv);
-  attention_flash_forward<float>(s, o, lse, qf.data(), kf.data(), vf.data());
+  Widened widened(workspace);
+  const float* qf = widened(q, s.B * s.Sq * s.Hq * s.dqk);
+  const float* kf = widened(k, s.B * s.Sk * s.Hk * s.dqk);
+  const float* vf = widened(v, s.B * s.Sk * s.Hk * s.dv);
+  attention_flash_forward<float>(s, o, lse, qf, kf, vf);
 }
 
 void attention_flash_backward_bf16(const AttnShape& s, float* dq, float* dk, float* dv,
                                    const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                                   const float* o, const float* lse) {
+                                   const float* o, const float* lse,
+                                   const FlashWorkspace& workspace) {
   const FlashBf16Isa isa = flash_bf16_isa();
   s.validate();
+  check_workspace(workspace, s, true);
   note_workspace(s, true);
 #if defined(LAGA_FLASH_HAVE_AVX512BF16)
   if (isa == FlashBf16Isa::avx512_bf16)
-    return flash_bf16::backward(s, dq, dk, dv, dout, q, k, v, o, lse);
+    return flash_bf16::backward(s, dq, dk, dv, dout, q, k, v, o, lse,
+                                static_cast<unsigned char*>(workspace.data));
 #endif
   (void)isa;
-  const std::vector<float> qf = widened(q, s.B * s.Sq * s.Hq * s.dqk);
-  const std::vector<float> kf = widened(k, s.B * s.Sk * s.Hk * s.dqk);
-  const std::vector<float> vf = widened(v, s.B * s.Sk * s.Hk * s.dv);
-  const std::vector<float> df = widened(dout, s.B * s.Sq * s.Hq * s.dv);
-  attention_flash_backward<float>(s, dq, dk, dv, df.data(), qf.data(), kf.data(), vf.data(), o,
-                                  lse);
+  Widened widened(workspace);
+  const float* qf = widened(q, s.B * s.Sq * s.Hq * s.dqk);
+  const float* kf = widened(k, s.B * s.Sk * s.Hk * s.dqk);
+  const float* vf = widened(v, s.B * s.Sk * s.Hk * s.dv);
+  const float* df = widened(dout, s.B * s.Sq * s.Hq * s.dv);
+  attention_flash_backward<float>(s, dq, dk, dv, df, qf, kf, vf, o, lse);
 }
 
 }  // namespace laga

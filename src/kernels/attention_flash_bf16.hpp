@@ -37,8 +37,10 @@
 // bit for bit as in the fp32 kernels.
 //
 // Memory: the AVX512_BF16 forward packs K and V into two layouts each
-// (about 4 (dqk + dv) bytes a key and head, fresh per call); backward also
-// packs Q and dO (as much again per query row). Not counted by the pool.
+// (about 4 (dqk + dv) bytes a key and head); backward also packs Q and dO
+// (as much again per query row). The caller may hand the call that memory
+// (FlashWorkspace: the op layer gives a pool tensor, so that the pool and
+// the memory model count it, mla/block.cpp); else the call allocates it.
 //
 // Instruction set (FlashBf16Isa): on a CPU with AVX512_BF16 the products run
 // on VDPBF16PS (two bf16 products summed into each fp32 lane); elsewhere the
@@ -55,27 +57,42 @@
 
 namespace laga {
 
+// Memory a call works in, from its caller: `bytes` at `data`, 64-byte
+// aligned, at least attention_flash_bf16_workspace_bytes(s, pass) (checked).
+// Empty (data null): the call allocates its own.
+struct FlashWorkspace {
+  void* data = nullptr;
+  std::int64_t bytes = 0;
+};
+
 // o (B, Sq, Hq, dv) and lse (B, Hq, Sq) fp32, overwritten.
 void attention_flash_forward_bf16(const AttnShape& s, float* o, float* lse, const bf16* q,
-                                  const bf16* k, const bf16* v);
+                                  const bf16* k, const bf16* v,
+                                  const FlashWorkspace& workspace = {});
 
 // dq (B, Sq, Hq, dqk), dk (B, Sk, Hk, dqk), dv (B, Sk, Hk, dv) fp32,
 // overwritten. dout bf16 (it is an operand of dP = dO V^T and dV = P^T dO);
 // o and lse are forward's fp32 outputs.
 void attention_flash_backward_bf16(const AttnShape& s, float* dq, float* dk, float* dv,
                                    const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                                   const float* o, const float* lse);
+                                   const float* o, const float* lse,
+                                   const FlashWorkspace& workspace = {});
 
-// The bytes one call of the two above holds besides its arguments, outside
-// any memory pool, at this thread's OpenMP thread count and flash_bf16_isa():
+// The bytes one call of the two above works in besides its arguments (its
+// FlashWorkspace), at this thread's OpenMP thread count and flash_bf16_isa():
 // on avx512_bf16, the kernels' bf16 layouts of K and V for every head (and,
 // in backward, of Q, dO and their statistics) and each thread's tiles; on
 // fp32, the widened fp32 copies of q, k, v (and dout) -- the fp32 flash
 // kernel's own per-thread tiles not included. Computed from the shape, the
 // same figure the calls allocate (tests/kernels/test_attention_flash_bf16).
 std::int64_t attention_flash_bf16_workspace_bytes(const AttnShape& s, bool backward);
-// The largest workspace of this thread's calls since its last reset: what a
-// rank reports beside its pool (docs/accounting.md, "What is not counted").
+// At least attention_flash_bf16_workspace_bytes of every shape whose
+// extents are no larger than s's (the backward's per-head schedule, the
+// larger, whichever the call would take): one workspace for several calls
+// whose extents follow the data.
+std::int64_t attention_flash_bf16_workspace_bound(const AttnShape& s, bool backward);
+// The largest workspace of this thread's calls since its last reset, which
+// the kernel tests hold to what the calls allocate.
 std::int64_t attention_flash_bf16_workspace_high_water();
 void reset_attention_flash_bf16_workspace_high_water();
 

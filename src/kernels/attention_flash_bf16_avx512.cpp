@@ -57,6 +57,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -73,12 +74,17 @@
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,prefer-vector-width=256")
 
 namespace laga::flash_bf16 {
-void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v);
-std::int64_t workspace_bytes(const AttnShape& s, bool backward);
+// workspace: workspace_bytes(s, pass) bytes, 64-byte aligned, that the call
+// carves its buffers from; null: each buffer from aligned_alloc.
+void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v,
+             unsigned char* workspace);
+// bound: the most of any shape no larger than s (every schedule).
+std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound = false);
 std::int64_t allocated_peak();
 void reset_allocated_peak();
 void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
-              const bf16* k, const bf16* v, const float* o, const float* lse);
+              const bf16* k, const bf16* v, const float* o, const float* lse,
+              unsigned char* workspace);
 
 namespace {
 
@@ -259,7 +265,7 @@ constexpr Kernel kernel_for(int m) {
 // columns, 16 KiB, stays in L1 while A's row blocks stream past it).
 void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::int64_t lda,
            const bf16* b, std::int64_t ldb, float* c, std::int64_t ldc, bool accumulate) {
-  constexpr std::int64_t KC = 64;
+  constexpr std::int64_t KC = 96;
   if (KP == 0) {
     if (!accumulate)
       for (std::int64_t m = 0; m < M; ++m) std::fill(c + m * ldc, c + m * ldc + N, 0.0f);
@@ -328,14 +334,40 @@ std::int64_t aligned_bytes(std::int64_t n) {
       (static_cast<size_t>(std::max<std::int64_t>(n, 1)) * sizeof(T) + 63) & ~size_t(63));
 }
 
+// The caller's workspace, handed out front to back (threads take their
+// buffers at once, so the offset is atomic). The caller gave at least
+// workspace_bytes(s, pass), the sum of every buffer the call takes
+// (attention_flash_bf16.cpp checks the size), so a take past its end is a
+// bug here: no exception can leave an OpenMP region, so it aborts, naming it.
+// base null: no workspace, every buffer from aligned_alloc.
+struct Arena {
+  unsigned char* base = nullptr;
+  std::int64_t size = 0;
+  std::atomic<std::int64_t> used{0};
+  Arena(unsigned char* b, std::int64_t n) : base(b), size(n) {}
+  void* take(std::int64_t bytes) {
+    const std::int64_t at = used.fetch_add(bytes);
+    if (at + bytes > size) {
+      std::fprintf(stderr,
+                   "laga: internal error: the bf16 flash kernel took %lld bytes of a %lld-byte "
+                   "workspace (workspace_bytes undercounts)\n",
+                   static_cast<long long>(at + bytes), static_cast<long long>(size));
+      std::abort();
+    }
+    return base + at;
+  }
+};
+
 template <class T>
 class Aligned {
  public:
   Aligned() = default;
-  explicit Aligned(std::int64_t n)
+  Aligned(std::int64_t n, Arena& arena)
       : n_(n),
-        p_(static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(aligned_bytes<T>(n)))),
-           Free{aligned_bytes<T>(n)}) {
+        p_(static_cast<T*>(arena.base ? arena.take(aligned_bytes<T>(n))
+                                      : std::aligned_alloc(64, static_cast<size_t>(
+                                                                   aligned_bytes<T>(n)))),
+           Free{aligned_bytes<T>(n), arena.base == nullptr}) {
     if (!p_) throw std::bad_alloc();
     const std::int64_t live = g_live_bytes += aligned_bytes<T>(n);
     std::int64_t peak = g_peak_bytes.load();
@@ -351,8 +383,9 @@ class Aligned {
  private:
   struct Free {
     std::int64_t bytes = 0;
+    bool owned = true;  // from aligned_alloc, not the caller's workspace
     void operator()(T* p) const {
-      std::free(p);
+      if (owned) std::free(p);
       g_live_bytes -= bytes;
     }
   };
@@ -361,14 +394,14 @@ class Aligned {
 };
 
 template <class T>
-Aligned<T> filled(std::int64_t n, T value) {
-  Aligned<T> a(n);
+Aligned<T> filled(std::int64_t n, T value, Arena& arena) {
+  Aligned<T> a(n, arena);
   std::fill(a.begin(), a.end(), value);
   return a;
 }
 template <class T>
-Aligned<T> zeroed(std::int64_t n) {
-  return filled(n, T{});
+Aligned<T> zeroed(std::int64_t n, Arena& arena) {
+  return filled(n, T{}, arena);
 }
 
 // K and V of every key/value head bh = b * Hk + hk, in the two layouts the
@@ -413,13 +446,13 @@ struct KeyPacks : KeyPacksLayout {
   const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * ldt; }
   const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * ldt; }
 
-  KeyPacks(const AttnShape& s, const bf16* k, const bf16* v)
+  KeyPacks(const AttnShape& s, const bf16* k, const bf16* v, Arena& arena)
       : KeyPacksLayout(s),
-        krow(krow_n()),
-        vrow(vrow_n()),
-        kt(kt_n()),
-        vt(vt_n()),
-        finite(filled<unsigned char>(heads * nkb, 1)) {
+        krow(krow_n(), arena),
+        vrow(vrow_n(), arena),
+        kt(kt_n(), arena),
+        vt(vt_n(), arena),
+        finite(filled<unsigned char>(heads * nkb, 1, arena)) {
 #pragma omp parallel for schedule(static) if (heads * nkb > 1)
     for (std::int64_t u = 0; u < heads * nkb; ++u) {
       const std::int64_t bh = u / nkb, kb = u % nkb;
@@ -474,21 +507,21 @@ struct Scratch {
   Aligned<float> dk1, dv1;  // the same of row set 1 (two-pass, with two row sets)
   Aligned<bf16> qv;         // forward's Q^T of the block (pack_rows_along_d)
   Aligned<float> m, l, alpha;
-  explicit Scratch(const AttnShape& s)
-      : st(zeroed<float>(kBc * kBr)),
-        dpt(zeroed<float>(kBc * kBr)),
-        pv(zeroed<bf16>(kBc * kBr)),
-        pt(zeroed<bf16>(kBc * kBr)),
-        dst(zeroed<bf16>(kBc * kBr)),
-        acc(zeroed<float>(std::max(s.dqk, s.dv) * kBr)),
-        dk(zeroed<float>(kBc * s.dqk)),
-        dv(zeroed<float>(kBc * s.dv)),
-        dk1(zeroed<float>(kBc * s.dqk)),
-        dv1(zeroed<float>(kBc * s.dv)),
-        qv(zeroed<bf16>(even_up(s.dqk) * kBr)),
-        m(zeroed<float>(kBr)),
-        l(zeroed<float>(kBr)),
-        alpha(zeroed<float>(kBr)) {}
+  Scratch(const AttnShape& s, Arena& arena)
+      : st(zeroed<float>(kBc * kBr, arena)),
+        dpt(zeroed<float>(kBc * kBr, arena)),
+        pv(zeroed<bf16>(kBc * kBr, arena)),
+        pt(zeroed<bf16>(kBc * kBr, arena)),
+        dst(zeroed<bf16>(kBc * kBr, arena)),
+        acc(zeroed<float>(std::max(s.dqk, s.dv) * kBr, arena)),
+        dk(zeroed<float>(kBc * s.dqk, arena)),
+        dv(zeroed<float>(kBc * s.dv, arena)),
+        dk1(zeroed<float>(kBc * s.dqk, arena)),
+        dv1(zeroed<float>(kBc * s.dv, arena)),
+        qv(zeroed<bf16>(even_up(s.dqk) * kBr, arena)),
+        m(zeroed<float>(kBr, arena)),
+        l(zeroed<float>(kBr, arena)),
+        alpha(zeroed<float>(kBr, arena)) {}
   // What the constructor allocates (tests/kernels/test_attention_flash_bf16
   // holds the two equal).
   static std::int64_t bytes(const AttnShape& s) {
@@ -652,15 +685,15 @@ struct RowPacks : RowPacksLayout {
   Aligned<float> lse2, D;
   Aligned<unsigned char> finite;
   RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
-           const Aligned<float>& Dall)
+           const Aligned<float>& Dall, Arena& arena)
       : RowPacksLayout(s),
-        qv(units * qv_n),
-        dov(units * dov_n),
-        qr(units * qr_n),
-        dor(units * dor_n),
-        lse2(zeroed<float>(units * kBr)),
-        D(zeroed<float>(units * kBr)),
-        finite(filled<unsigned char>(units, 1)) {
+        qv(units * qv_n, arena),
+        dov(units * dov_n, arena),
+        qr(units * qr_n, arena),
+        dor(units * dor_n, arena),
+        lse2(zeroed<float>(units * kBr, arena)),
+        D(zeroed<float>(units * kBr, arena)),
+        finite(filled<unsigned char>(units, 1, arena)) {
 #pragma omp parallel for schedule(static) if (units > 1)
     for (std::int64_t u = 0; u < units; ++u) {
       const std::int64_t bh = u / nrb;
@@ -839,18 +872,25 @@ bool backward_per_head(std::int64_t units, std::int64_t nt) {
 
 }  // namespace
 
-std::int64_t workspace_bytes(const AttnShape& s, bool backward) {
+std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   s.validate();
   const std::int64_t nt = threads_here(), heads = s.B * s.Hk;
   const KeyPacksLayout keys(s);
   const RowPacksLayout rows(s);
+  // Every term grows with the extents; what a smaller shape may take more
+  // of is threads' buffers (one thread where there is one unit) and the
+  // per-head schedule's head buffers: the bound counts both always.
   if (!backward) {
-    if (rows.units == 0) return 0;
-    return keys.bytes() + (rows.units > 1 ? nt : 1) * Scratch::bytes(s);
+    if (rows.units == 0 && !bound) return 0;
+    return keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
-  if (heads == 0) return d_all;
+  if (heads == 0 && !bound) return d_all;
   const std::int64_t units = heads * row_sets(heads);
+  if (bound)
+    return d_all + keys.bytes() + rows.bytes() +
+           nt * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
+                 aligned_bytes<float>(s.Sk * s.dv));
   const std::int64_t per_thread =
       backward_per_head(units, nt)
           ? (units > 1 ? nt : 1) * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
@@ -867,16 +907,17 @@ void reset_allocated_peak() {
   g_peak_bytes.store(g_live_bytes.load());
 }
 
-void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k,
-             const bf16* v) {
+void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16* k, const bf16* v,
+             unsigned char* workspace) {
   s.validate();
+  Arena arena(workspace, workspace ? workspace_bytes(s, false) : 0);
   const std::int64_t g = s.Hq / s.Hk, heads = s.B * s.Hk, nrb = ceil_div(s.Sq * g, kBr);
   const std::int64_t units = heads * nrb;
   if (units == 0) return;
-  const KeyPacks kp(s, k, v);
+  const KeyPacks kp(s, k, v, arena);
 #pragma omp parallel if (units > 1)
   {
-    Scratch w(s);
+    Scratch w(s, arena);
     // The heaviest (last, under the causal mask) row blocks first.
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t u = 0; u < units; ++u) {
@@ -888,11 +929,13 @@ void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16
 }
 
 void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
-              const bf16* k, const bf16* v, const float* o, const float* lse) {
+              const bf16* k, const bf16* v, const float* o, const float* lse,
+              unsigned char* workspace) {
   s.validate();
+  Arena arena(workspace, workspace ? workspace_bytes(s, true) : 0);
   const std::int64_t g = s.Hq / s.Hk, heads = s.B * s.Hk;
   // D_i = do_i . o_i (dO widened exactly, o fp32), in lse's (B, Hq, Sq) layout.
-  Aligned<float> D(s.B * s.Hq * s.Sq);
+  Aligned<float> D(s.B * s.Hq * s.Sq, arena);
   const std::int64_t nrows = s.B * s.Sq * s.Hq;
 #pragma omp parallel for schedule(static) if (nrows * s.dv > (1 << 16))
   for (std::int64_t x = 0; x < nrows; ++x) {
@@ -904,8 +947,8 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     D[static_cast<size_t>((b * s.Hq + h) * s.Sq + i)] = acc;
   }
   if (heads == 0) return;
-  const KeyPacks kp(s, k, v);
-  const RowPacks rp(s, q, dout, lse, D);
+  const KeyPacks kp(s, k, v, arena);
+  const RowPacks rp(s, q, dout, lse, D, arena);
   const std::int64_t nrb = rp.nrb, nkb = kp.nkb, sets = row_sets(heads);
   const std::int64_t units = heads * sets;
   if (backward_per_head(units, threads_here())) {
@@ -920,8 +963,8 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     for (std::int64_t bh = 0; bh < heads; ++bh) stored[bh].store(false);
 #pragma omp parallel if (units > 1)
     {
-      Scratch w(s);
-      Aligned<float> head_dk(s.Sk * s.dqk), head_dv(s.Sk * s.dv);
+      Scratch w(s, arena);
+      Aligned<float> head_dk(s.Sk * s.dqk, arena), head_dv(s.Sk * s.dv, arena);
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t bh = u / sets, set = u % sets;
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
@@ -953,7 +996,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
   }
 #pragma omp parallel if (heads * std::max(nkb, nrb) > 1)
   {
-    Scratch w(s);
+    Scratch w(s, arena);
     // dK/dV pass: one thread per key block sums its row blocks in order,
     // each row set's into its own buffer (w.dk, w.dv; w.dk1, w.dv1).
 #pragma omp for schedule(dynamic, 1)

@@ -82,6 +82,51 @@ void for_key_blocks(const Step& st, std::int64_t keys, F&& f) {
   if (keys == st.S) return f(std::int64_t(0), std::int64_t(0), st.NS);
   for (std::int64_t b = 0; b < st.B; ++b) f(b * st.S, b * keys, keys);
 }
+// One bf16 attention call's scratch (Pieces::attend, attend_backward): the
+// copies of its operands the kernel reads -- bf16 for the VDPBF16PS kernels,
+// fp32 holding bf16 values where they widen (flash_bf16_isa) -- and the
+// bf16 kernel's workspace (FlashWorkspace), carved from one pool tensor, so
+// that the pool and the memory model count them, and the block cache hands
+// each step's call the same pages (the workspace alone was 90 MB of fresh
+// malloc a call at D 2048, S 2048: docs/accounting.md, "bf16 attention
+// scratch"). Each part's bytes are a multiple of 64 (the workspace must be
+// 64-byte aligned). The workspace follows this thread's OpenMP thread
+// count, which a count-only run sets to the rank's (memory_model.hpp).
+struct Bf16AttentionParts {
+  std::int64_t q = 0, k = 0, v = 0, dout = 0, workspace = 0;
+  std::int64_t bytes() const { return q + k + v + dout + workspace; }
+};
+
+std::int64_t whole_lines(std::int64_t bytes) {
+  return (bytes + 63) / 64 * 64;
+}
+
+// kept: q, k, v held narrowed (their bf16 values are the bf16 kernel's
+// operands as they are). bound: the workspace of every call with extents no
+// larger than s's (a caller sizing one scratch for several such calls).
+Bf16AttentionParts bf16_attention_parts(const AttnShape& s, ops::AttentionPass pass,
+                                        const std::array<bool, 3>& kept, bool bound) {
+  const bool backward = pass == ops::AttentionPass::backward;
+  const bool widens = flash_bf16_isa() == FlashBf16Isa::fp32;
+  const std::int64_t e = widens ? 4 : 2;
+  const auto copy = [&](std::int64_t n, bool is_kept) {
+    return is_kept && !widens ? 0 : whole_lines(e * n);
+  };
+  Bf16AttentionParts p;
+  p.q = copy(s.B * s.Sq * s.Hq * s.dqk, kept[0]);
+  p.k = copy(s.B * s.Sk * s.Hk * s.dqk, kept[1]);
+  p.v = copy(s.B * s.Sk * s.Hk * s.dv, kept[2]);
+  p.dout = backward ? copy(s.B * s.Sq * s.Hq * s.dv, false) : 0;
+  if (!widens)
+    p.workspace = whole_lines(bound ? attention_flash_bf16_workspace_bound(s, backward)
+                                    : attention_flash_bf16_workspace_bytes(s, backward));
+  return p;
+}
+
+Tensor<bf16> bf16_attention_scratch(const Bf16AttentionParts& p) {
+  return Tensor<bf16>({p.bytes() / 2}, "bf16 attention scratch");
+}
+
 }  // namespace
 
 template <class T>
@@ -278,34 +323,57 @@ Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T
 
 template <class T>
 void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                       const T* v, T* eager_lse) {
+                       const T* v, T* eager_lse, Tensor<bf16>* scratch) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   ops::count_attention(s, st.ctx.attention, ops::AttentionPass::forward,
                        [&] { return s.useful_flops_forward(); });
   // Eager writes the scores, reads them back and writes the probabilities.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
-  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
   if (ops::in_bf16<T>()) {
     // q, k, v rounded to bf16, their products summed in fp32; o and lse
     // come back fp32 (attention_flash_bf16.hpp says why), and o is rounded
-    // where it enters the output projection's GEMM.
+    // where it enters the output projection's GEMM. The copies and the
+    // kernel's workspace are pool tensors, made before runs() so that a
+    // count-only run registers them too (ops_bf16.hpp).
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
-      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot;
+      if (s.B * s.Hq * s.Sq == 0) return;
+      const Bf16AttentionParts parts =
+          bf16_attention_parts(s, ops::AttentionPass::forward, {false, false, false}, false);
+      Tensor<bf16> own;
+      if (!scratch) own = bf16_attention_scratch(parts);
+      Tensor<bf16>& buf = scratch ? *scratch : own;
+      LAGA_CHECK(buf.bytes() >= parts.bytes(), "internal: a bf16 attention scratch of ",
+                 buf.bytes(), " bytes for a call that needs ", parts.bytes());
+      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
       const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                          nv = s.B * s.Sk * s.Hk * s.dv;
-      // Where the bf16 flash kernels widen to fp32 (flash_bf16_isa), the
-      // fp32 kernel on the rounded values: the same bits, one pass each.
-      if (flash_bf16_isa() == FlashBf16Isa::fp32)
-        attention_flash_forward(s, o, stats, rounded_fp32(Slot::first, q, nq),
-                                rounded_fp32(Slot::second, k, nk),
-                                rounded_fp32(Slot::third, v, nv));
-      else
-        attention_flash_forward_bf16(s, o, stats, operand(Slot::first, q, nq),
-                                     operand(Slot::second, k, nk), operand(Slot::third, v, nv));
+      auto* at = reinterpret_cast<unsigned char*>(buf.data());
+      void* qc = at;
+      void* kc = at + parts.q;
+      void* vc = at + parts.q + parts.k;
+      if (flash_bf16_isa() == FlashBf16Isa::fp32) {
+        // The bf16 kernels widen (flash_bf16_isa): the fp32 kernel on the
+        // rounded values, the same bits, one pass each.
+        using ops::bf16_path::round_threaded;
+        round_threaded(q, static_cast<float*>(qc), nq);
+        round_threaded(k, static_cast<float*>(kc), nk);
+        round_threaded(v, static_cast<float*>(vc), nv);
+        attention_flash_forward(s, o, stats, static_cast<const float*>(qc),
+                                static_cast<const float*>(kc), static_cast<const float*>(vc));
+      } else {
+        using ops::bf16_path::to_bf16_threaded;
+        to_bf16_threaded(q, static_cast<bf16*>(qc), nq);
+        to_bf16_threaded(k, static_cast<bf16*>(kc), nk);
+        to_bf16_threaded(v, static_cast<bf16*>(vc), nv);
+        attention_flash_forward_bf16(s, o, stats, static_cast<const bf16*>(qc),
+                                     static_cast<const bf16*>(kc), static_cast<const bf16*>(vc),
+                                     {at + parts.q + parts.k + parts.v, parts.workspace});
+      }
     }
     return;
   }
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
   if (eager)
     attention_eager_forward(s, o, stats, q, k, v, eager_lse);
   else
@@ -316,7 +384,7 @@ template <class T>
 void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                                 const T* dout, const T* q, const T* k, const T* v, const T* o,
                                 const T* stats, T* dp, const T* eager_delta,
-                                const NarrowedQkv* narrowed) {
+                                const NarrowedQkv* narrowed, Tensor<bf16>* scratch) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   // Per (query, key) pair and head, forward does q.k (dqk) and p.v (dv).
   // Eager's backward: dv = p^T do and dp = do v^T (dv each), dq = ds k and
@@ -332,42 +400,75 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   const void* qp = narrowed ? static_cast<const void*>(narrowed->q) : q;
   const void* kp = narrowed ? static_cast<const void*>(narrowed->k) : k;
   const void* vp = narrowed ? static_cast<const void*>(narrowed->v) : v;
-  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, eager ? dp : o})) return;
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
     // the recomputed scores), or, held narrowed, read as the bf16 values
-    // they are; dq, dk, dv are the kernel's fp32 sums.
+    // they are; dq, dk, dv are the kernel's fp32 sums. Copies and workspace
+    // as in forward: pool tensors made before runs().
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
-      using ops::bf16_path::operand, ops::bf16_path::rounded_fp32, ops::bf16_path::Slot,
-          ops::bf16_path::widened_fp32;
-      const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
-                         nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
-      // One operand as the kernel takes it: bf16, or fp32 holding bf16 values.
-      const auto as_bf16 = [&](Slot slot, const T* x, const bf16* held, std::int64_t n) {
-        return held ? held : operand(slot, x, n);
-      };
-      const auto as_fp32 = [&](Slot slot, const T* x, const bf16* held, std::int64_t n) {
-        return held ? widened_fp32(slot, held, n) : rounded_fp32(slot, x, n);
-      };
+      if (s.B * s.Hq * s.Sq == 0) return;
       const NarrowedQkv none;
       const NarrowedQkv& held = narrowed ? *narrowed : none;
-      if (flash_bf16_isa() == FlashBf16Isa::fp32)  // as forward
-        attention_flash_backward(s, dq, dk, dv, rounded_fp32(Slot::fourth, dout, nd),
-                                 as_fp32(Slot::first, q, held.q, nq),
-                                 as_fp32(Slot::second, k, held.k, nk),
-                                 as_fp32(Slot::third, v, held.v, nv), o, stats);
-      else
+      const Bf16AttentionParts parts = bf16_attention_parts(
+          s, ops::AttentionPass::backward, {held.q_held, held.k_held, held.v_held}, false);
+      Tensor<bf16> own;
+      if (!scratch) own = bf16_attention_scratch(parts);
+      Tensor<bf16>& buf = scratch ? *scratch : own;
+      LAGA_CHECK(buf.bytes() >= parts.bytes(), "internal: a bf16 attention scratch of ",
+                 buf.bytes(), " bytes for a call that needs ", parts.bytes());
+      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, o})) return;
+      const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
+                         nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
+      auto* at = reinterpret_cast<unsigned char*>(buf.data());
+      void* qc = at;
+      void* kc = at + parts.q;
+      void* vc = at + parts.q + parts.k;
+      void* dc = at + parts.q + parts.k + parts.v;
+      if (flash_bf16_isa() == FlashBf16Isa::fp32) {  // as forward
+        // Each operand as fp32 holding bf16 values: a narrowed tensor's
+        // widened, another's rounded.
+        const auto fill = [](void* dst, const T* x, bool kept, const bf16* values,
+                             std::int64_t n) {
+          if (kept)
+            ops::bf16_path::to_float_threaded(values, static_cast<float*>(dst), n);
+          else
+            ops::bf16_path::round_threaded(x, static_cast<float*>(dst), n);
+          return static_cast<const float*>(dst);
+        };
+        attention_flash_backward(s, dq, dk, dv, fill(dc, dout, false, nullptr, nd),
+                                 fill(qc, q, held.q_held, held.q, nq),
+                                 fill(kc, k, held.k_held, held.k, nk),
+                                 fill(vc, v, held.v_held, held.v, nv), o, stats);
+      } else {
+        // A narrowed tensor's bf16 values are the operand as they are: a
+        // copy only of what is not held narrowed.
+        const auto operand = [](void* dst, const T* x, bool kept, const bf16* values,
+                                std::int64_t n) {
+          if (kept) return values;
+          ops::bf16_path::to_bf16_threaded(x, static_cast<bf16*>(dst), n);
+          return static_cast<const bf16*>(dst);
+        };
         attention_flash_backward_bf16(
-            s, dq, dk, dv, operand(Slot::fourth, dout, nd), as_bf16(Slot::first, q, held.q, nq),
-            as_bf16(Slot::second, k, held.k, nk), as_bf16(Slot::third, v, held.v, nv), o, stats);
+            s, dq, dk, dv, operand(dc, dout, false, nullptr, nd),
+            operand(qc, q, held.q_held, held.q, nq), operand(kc, k, held.k_held, held.k, nk),
+            operand(vc, v, held.v_held, held.v, nv), o, stats,
+            {at + parts.q + parts.k + parts.v + parts.dout, parts.workspace});
+      }
     }
     return;
   }
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, eager ? dp : o})) return;
   if (eager)
     attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp, eager_delta);
   else
     attention_flash_backward(s, dq, dk, dv, dout, q, k, v, o, stats);
+}
+
+template <class T>
+Tensor<bf16> Pieces<T>::attention_scratch(const AttnShape& s, ops::AttentionPass pass) {
+  if (!ops::in_bf16<T>()) return {};
+  return bf16_attention_scratch(bf16_attention_parts(s, pass, {false, false, false}, true));
 }
 
 template <class T>
@@ -388,7 +489,8 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> dp;  // eager: one head's dp at a time
   if (eager) dp = Tensor<T>({s.Sq, s.Sk}, "eager dp scratch");
-  const NarrowedQkv held{q.narrowed_data(), k.narrowed_data(), v.narrowed_data()};
+  const NarrowedQkv held{q.narrowed_data(), k.narrowed_data(), v.narrowed_data(),
+                        q.narrowed(),       k.narrowed(),       v.narrowed()};
   const bool narrowed = q.narrowed() || k.narrowed() || v.narrowed();
   attend_backward(st, s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
                   o.data(), stats.data(), dp.data(), nullptr, narrowed ? &held : nullptr);
@@ -785,7 +887,10 @@ typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Te
       T* dv = c.all_keys ? row(st, g.dv_h, st.dv, c.kv_row) : dv_part.data();
       const typename Pieces<T>::NarrowedQkv held{narrowed_row(st, q_h, st.dqk, c.q_row),
                                                  narrowed_row(st, k_h, st.dqk, c.kv_row),
-                                                 narrowed_row(st, v_h, st.dv, c.kv_row)};
+                                                 narrowed_row(st, v_h, st.dv, c.kv_row),
+                                                 q_h.narrowed(),
+                                                 k_h.narrowed(),
+                                                 v_h.narrowed()};
       const bool narrowed = q_h.narrowed() || k_h.narrowed() || v_h.narrowed();
       Pieces<T>::attend_backward(st, s, row(st, g.dq_h, st.dqk, c.q_row), dk, dv,
                                  row(st, do_h, st.dv, c.q_row), row(st, q_h, st.dqk, c.q_row),

@@ -227,17 +227,28 @@ struct Pieces {
   // form's step, which holds some of its rows' keys, also asks eager for
   // the lse (eager_lse) and gives its backward the rows' D = do . o
   // (eager_delta; attention.hpp says why); flash reads o for it.
+  // scratch: a bf16 run's memory for the call (copies of its operands, the
+  // flash workspace), made by attention_scratch for calls no larger than
+  // its shape: a caller whose calls' extents follow the data (the ring
+  // engine's, packed) makes one for all of them, so that a count-only run,
+  // which has no documents, allocates what the real one does. Null: the
+  // call makes its own, exactly its size.
   static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                     const T* v, T* eager_lse = nullptr);
+                     const T* v, T* eager_lse = nullptr, Tensor<bf16>* scratch = nullptr);
   // q, k, v held narrowed (ops::keep_narrowed; bf16 runs only): `narrowed`
   // gives their bf16 values, read in place of q, k, v (null then).
   struct NarrowedQkv {
-    const bf16 *q = nullptr, *k = nullptr, *v = nullptr;
+    const bf16 *q = nullptr, *k = nullptr, *v = nullptr;  // null in a count-only run
+    bool q_held = false, k_held = false, v_held = false;  // which are held narrowed
   };
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
                               const T* stats, T* dp, const T* eager_delta = nullptr,
-                              const NarrowedQkv* narrowed = nullptr);
+                              const NarrowedQkv* narrowed = nullptr,
+                              Tensor<bf16>* scratch = nullptr);
+  // The scratch of every bf16 attention call (pass) with extents no larger
+  // than s's and nothing held narrowed; an empty tensor outside bf16 runs.
+  static Tensor<bf16> attention_scratch(const AttnShape& s, ops::AttentionPass pass);
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,

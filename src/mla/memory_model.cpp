@@ -4,6 +4,7 @@
 
 #include "comm/dry_run_comm.hpp"
 #include "core/error.hpp"
+#include "core/threads.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
@@ -32,6 +33,8 @@ CountedRank count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant
   MemoryPool pool;
   pool.set_count_only(true);
   PoolScope scope(pool);
+  const OmpThreadsScope threads(options.threads > 0 ? options.threads
+                                                    : threads_per_rank(layout.ranks));
   DryRunCommunicator comm(rank, layout.ranks, options.staging);
   const RopeTable rope = RopeTable::unbacked(cfg.rope(), layout.seq);
   const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);

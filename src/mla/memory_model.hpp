@@ -87,6 +87,10 @@ struct MemoryModelOptions {
   // run, in the rank's order, with the ops counted before it: the step as a
   // timeline (plan/time_model.hpp costs it, overlap included).
   std::vector<StepEvent>* timeline = nullptr;
+  // The OpenMP threads the rank runs on; 0: threads_per_rank(layout.ranks),
+  // what an in-process or MPI run gives each rank (core/threads.hpp). A bf16
+  // run's flash workspace is per thread, so the count follows it.
+  int threads = 0;
 };
 
 // Rank `rank` of layout.ranks running `variant` (a form and its query

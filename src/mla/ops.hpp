@@ -16,7 +16,7 @@
 //
 // Precision (core/precision.hpp, --dtype): under a UsePrecision(bf16) scope
 // with T = float, the ops run bf16 mixed precision: every GEMM operand is
-// rounded to bf16 (into scratch, ops_bf16.hpp) and multiplied with fp32
+// rounded to bf16 (into pool copies, ops_bf16.hpp) and multiplied with fp32
 // sums (kernels/gemm_bf16.hpp); a product into fresh storage (gemm with
 // beta 0, linear, linear_backward's dx) is rounded to bf16, since a bf16 run
 // stores it, while one added into its output (beta 1: weight gradients, dx
@@ -280,11 +280,13 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
         C.p[i * C.ld + j] = beta == T(0) ? T(0) : beta * C.p[i * C.ld + j];
     return;
   }
-  if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+  // bf16 before runs(): its operand copies are pool tensors, which a
+  // count-only run registers too (bf16_path asks runs() after making them).
   if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
     if constexpr (std::is_same_v<T, float>)
       return bf16_path::gemm(C, beta, A, trans_a, B, trans_b, alpha);
   }
+  if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
   laga::gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
 }
 
@@ -296,11 +298,11 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
              "internal: linear of (", x.rows, ", ", x.cols, ") by ", to_string(w.shape()));
   // linear_forward's gemm: x (N, in) by w (out, in) transposed.
   count_gemm({false, true, y.rows, y.cols, x.cols, x.cols, x.cols, y.cols, false});
-  if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
-  if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
+  if (in_bf16<T>()) {  // as gemm: before runs()
     if constexpr (std::is_same_v<T, float>)
       return bf16_path::linear(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
   }
+  if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
 // dx = dy w (added when accumulate; skipped when dx.p is null and not
@@ -312,12 +314,12 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   const std::int64_t N = dy.rows, in = x.cols, out = dy.cols;
   count_gemm({true, false, out, in, N, out, in, in, true});
   if (dx) count_gemm({false, false, N, in, out, out, in, in, accumulate});
-  if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
-  if (in_bf16<T>()) {  // T = float: in_bf16<double> throws
+  if (in_bf16<T>()) {  // as gemm: before runs()
     if constexpr (std::is_same_v<T, float>)
       return bf16_path::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p,
                                         w.data(), dy.rows, x.cols, dy.cols);
   }
+  if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);
 }

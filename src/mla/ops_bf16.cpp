@@ -4,6 +4,7 @@
 #include <array>
 #include <vector>
 
+#include "core/tensor.hpp"
 #include "kernels/bf16_convert.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
@@ -12,27 +13,6 @@
 namespace laga::ops::bf16_path {
 
 namespace {
-
-// This thread's (this rank's) scratch of T, one buffer a slot, grown to the
-// largest operand it has held and kept: not counted by the memory pool
-// (docs/performance.md, "bf16 mixed precision", says what that leaves out).
-// bf16 for oneDNN's bf16 kernels; fp32 holding bf16 values for the fp32
-// kernels where those do not pay (gemm_bf16_path's widened_fp32).
-struct Scratch {
-  std::array<std::vector<bf16>, 4> bf16s;
-  std::array<std::vector<float>, 4> floats;
-  auto& of(bf16*) { return bf16s; }
-  auto& of(float*) { return floats; }
-};
-thread_local Scratch this_thread_scratch;
-
-template <class T>
-T* scratch(Slot slot, std::int64_t n) {
-  std::vector<T>& s =
-      this_thread_scratch.of(static_cast<T*>(nullptr))[static_cast<std::size_t>(slot)];
-  if (static_cast<std::int64_t>(s.size()) < n) s.resize(static_cast<std::size_t>(n));
-  return s.data();
-}
 
 // Where bf16 GEMMs widen to fp32 (an Intel CPU without AMX: gemm_bf16.hpp),
 // the op rounds each operand straight into an fp32 copy of its bf16 values
@@ -57,19 +37,6 @@ void round_into(const float* x, float* out, std::int64_t n) {
 
 }  // namespace
 
-std::int64_t scratch_bytes() {
-  std::int64_t bytes = 0;
-  for (const auto& s : this_thread_scratch.bf16s)
-    bytes += std::int64_t(s.capacity() * sizeof(bf16));
-  for (const auto& s : this_thread_scratch.floats)
-    bytes += std::int64_t(s.capacity() * sizeof(float));
-  return bytes;
-}
-
-void free_scratch() {
-  this_thread_scratch = Scratch{};
-}
-
 // Chunks of kChunk split over the threads where n is large enough to pay
 // for waking them. A single thread converting a GEMM's operands left the
 // other core idle for ~5% of a bf16 block's step (docs/performance.md,
@@ -80,47 +47,60 @@ void to_bf16_threaded(const float* x, bf16* y, std::int64_t n) {
     convert_to_bf16(x + j, y + j, std::min(kChunk, n - j));
 }
 
+void round_threaded(const float* x, float* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, y + j, std::min(kChunk, n - j));
+}
+
 void to_float_threaded(const bf16* x, float* y, std::int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (std::int64_t j = 0; j < n; j += kChunk)
     convert_to_float(x + j, y + j, std::min(kChunk, n - j));
 }
 
-const bf16* operand(Slot slot, const Mat<const float>& m) {
-  if (m.ld == m.cols) return operand(slot, m.p, m.rows * m.cols);
-  bf16* out = scratch<bf16>(slot, m.rows * m.cols);
+// The copies an op rounds its operands into: pool tensors for the op's
+// length (ops_bf16.hpp says why), converted where the operand has storage
+// (count-only: the tensor is registered, nothing is converted).
+Tensor<bf16> operand(const Mat<const float>& m) {
+  Tensor<bf16> out({m.rows, m.cols}, "bf16 operand copy");
+  if (!out.data() || !m.p) return out;
+  bf16* y = out.data();
+  if (m.ld == m.cols) {
+    to_bf16_threaded(m.p, y, m.rows * m.cols);
+    return out;
+  }
 #pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
-  for (std::int64_t i = 0; i < m.rows; ++i)
-    convert_to_bf16(m.p + i * m.ld, out + i * m.cols, m.cols);
+  for (std::int64_t i = 0; i < m.rows; ++i) convert_to_bf16(m.p + i * m.ld, y + i * m.cols, m.cols);
   return out;
 }
 
-const bf16* operand(Slot slot, const float* x, std::int64_t n) {
-  bf16* out = scratch<bf16>(slot, n);
-  to_bf16_threaded(x, out, n);
-  return out;
+Tensor<bf16> operand(const float* x, std::int64_t n) {
+  return operand(Mat<const float>{x, 1, n, n});
 }
 
 // The dense rounded copy, rows (or a contiguous operand's chunks) split
 // over the rank's threads as its GEMMs are: elementwise, so the same bits
 // on any thread count.
-const float* rounded_fp32(Slot slot, const Mat<const float>& m) {
-  float* out = scratch<float>(slot, m.rows * m.cols);
+Tensor<float> rounded_fp32(const Mat<const float>& m) {
+  Tensor<float> out({m.rows, m.cols}, "bf16 operand copy (fp32)");
+  if (!out.data() || !m.p) return out;
+  float* y = out.data();
+  if (m.ld == m.cols) {
+    round_threaded(m.p, y, m.rows * m.cols);
+    return out;
+  }
 #pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
-  for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, out + i * m.cols, m.cols);
+  for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, y + i * m.cols, m.cols);
   return out;
 }
 
-const float* rounded_fp32(Slot slot, const float* x, std::int64_t n) {
-  float* out = scratch<float>(slot, n);
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, out + j, std::min(kChunk, n - j));
-  return out;
+Tensor<float> rounded_fp32(const float* x, std::int64_t n) {
+  return rounded_fp32(Mat<const float>{x, 1, n, n});
 }
 
-const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n) {
-  float* out = scratch<float>(slot, n);
-  to_float_threaded(x, out, n);
+Tensor<float> widened_fp32(const bf16* x, std::int64_t n) {
+  Tensor<float> out({n}, "bf16 operand copy (fp32)");
+  if (out.data() && x) to_float_threaded(x, out.data(), n);
   return out;
 }
 
@@ -139,32 +119,33 @@ void round_in_place(const Mat<float>& m) {
 void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans_a,
           const Mat<const float>& B, bool trans_b, float alpha) {
   const std::int64_t K = trans_a ? A.rows : A.cols;
+  if (C.rows * C.cols == 0) return;
   if (widened()) {
-    const float* a = rounded_fp32(Slot::first, A);
-    const float* b = rounded_fp32(Slot::second, B);
-    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a, A.cols, b, B.cols, beta, C.p,
-                      C.ld);
-    if (beta == 0.0f) round_in_place(C);
-    return;
+    const Tensor<float> a = rounded_fp32(A), b = rounded_fp32(B);
+    if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(),
+                      B.cols, beta, C.p, C.ld);
+  } else {
+    const Tensor<bf16> a = operand(A), b = operand(B);
+    if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(),
+                     B.cols, beta, C.p, C.ld);
   }
-  const bf16* a = operand(Slot::first, A);
-  const bf16* b = operand(Slot::second, B);
-  gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a, A.cols, b, B.cols, beta, C.p,
-                   C.ld);
   if (beta == 0.0f) round_in_place(C);
 }
 
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out) {
+  if (N * out == 0) return;
   if (widened()) {
-    laga::linear_forward<float>(y, rounded_fp32(Slot::first, x, N * in),
-                                rounded_fp32(Slot::second, w, out * in), N, in, out);
-    round_in_place(Mat<float>{y, N, out, out});
-    return;
+    const Tensor<float> xr = rounded_fp32(x, N * in), wr = rounded_fp32(w, out * in);
+    if (!runs(N * out, {y, x, w})) return;
+    laga::linear_forward<float>(y, xr.data(), wr.data(), N, in, out);
+  } else {
+    const Tensor<bf16> xb = operand(x, N * in), wb = operand(w, out * in);
+    if (!runs(N * out, {y, x, w})) return;
+    linear_forward_bf16<float>(y, xb.data(), wb.data(), N, in, out);
   }
-  const bf16* xb = operand(Slot::first, x, N * in);
-  const bf16* wb = operand(Slot::second, w, out * in);
-  linear_forward_bf16<float>(y, xb, wb, N, in, out);
   round_in_place(Mat<float>{y, N, out, out});
 }
 
@@ -173,17 +154,18 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
 // gradient (the master weights' precision).
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  if (N * out == 0) return;
   if (widened()) {
-    laga::linear_backward<float>(dx, accumulate, dw, rounded_fp32(Slot::first, dy, N * out),
-                                 rounded_fp32(Slot::second, x, N * in),
-                                 rounded_fp32(Slot::third, w, out * in), N, in, out);
-    if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
-    return;
+    const Tensor<float> dyr = rounded_fp32(dy, N * out), xr = rounded_fp32(x, N * in),
+                        wr = rounded_fp32(w, out * in);
+    if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
+    laga::linear_backward<float>(dx, accumulate, dw, dyr.data(), xr.data(), wr.data(), N, in, out);
+  } else {
+    const Tensor<bf16> dyb = operand(dy, N * out), xb = operand(x, N * in),
+                       wb = operand(w, out * in);
+    if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
+    linear_backward_bf16<float>(dx, accumulate, dw, dyb.data(), xb.data(), wb.data(), N, in, out);
   }
-  const bf16* dyb = operand(Slot::first, dy, N * out);
-  const bf16* xb = operand(Slot::second, x, N * in);
-  const bf16* wb = operand(Slot::third, w, out * in);
-  linear_backward_bf16<float>(dx, accumulate, dw, dyb, xb, wb, N, in, out);
   if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
 }
 

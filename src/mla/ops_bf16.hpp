@@ -1,6 +1,6 @@
 // The op layer's bf16 mixed-precision path (Precision::bf16, --dtype bf16;
 // ops.hpp's header says what it rounds where): fp32 operands rounded to
-// bf16 into this thread's scratch (kernels/bf16_convert.hpp), multiplied by
+// bf16 into copies the pool counts (kernels/bf16_convert.hpp), multiplied by
 // kernels/gemm_bf16.hpp with fp32 sums. T = float only: the tensors stay
 // fp32 containers, holding bf16 values where a bf16 run stores bf16.
 #pragma once
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/bf16.hpp"
+#include "core/tensor.hpp"
 
 namespace laga {
 
@@ -58,39 +59,33 @@ struct Mat;
 
 namespace bf16_path {
 
-// The operand slots of one op: each op rounds at most this many inputs at
-// once, each into its own slot, and every slot is reused by the next op.
-enum class Slot { first, second, third, fourth };
-
-// The (rows, cols) matrix m rounded to bf16, dense (row stride cols), in
-// this thread's `slot` scratch: valid until the slot's next use.
-const bf16* operand(Slot slot, const Mat<const float>& m);
+// The copy of an operand an op rounds to bf16, for the op's length: a pool
+// tensor (MemCategory::activations, named "bf16 operand copy"), made before
+// the op asks whether it computes, so that a count-only run registers the
+// same bytes and the memory model counts what a real run holds
+// (docs/accounting.md, "bf16 operand copies and the flash workspace"). The
+// pool's block cache hands the next op's copy of the same size the same
+// pages. Unbacked (nothing converted) in a count-only run.
+// The (rows, cols) matrix m rounded to bf16, dense (row stride cols).
+Tensor<bf16> operand(const Mat<const float>& m);
 // n contiguous values rounded to bf16, the same way.
-const bf16* operand(Slot slot, const float* x, std::int64_t n);
-// The same values widened back to fp32, in this thread's fp32 scratch of
-// `slot` (valid until its next use): the operands of an fp32 kernel run on
-// bf16 inputs (gemm_bf16_path's widened_fp32, the flash kernels' fp32 ISA),
+Tensor<bf16> operand(const float* x, std::int64_t n);
+// The same values as fp32 (the operands of an fp32 kernel run on bf16
+// inputs: gemm_bf16_path's widened_fp32, the flash kernels' fp32 ISA),
 // rounded in one pass instead of a bf16 copy widened again.
-const float* rounded_fp32(Slot slot, const Mat<const float>& m);
-const float* rounded_fp32(Slot slot, const float* x, std::int64_t n);
+Tensor<float> rounded_fp32(const Mat<const float>& m);
+Tensor<float> rounded_fp32(const float* x, std::int64_t n);
 // n bf16 values (a narrowed tensor's, Tensor::narrowed_data) widened to
-// fp32 in this thread's fp32 scratch of `slot`: what rounded_fp32 gives for
-// the tensor they were narrowed from.
-const float* widened_fp32(Slot slot, const bf16* x, std::int64_t n);
-
+// fp32: what rounded_fp32 gives for the tensor they were narrowed from.
+Tensor<float> widened_fp32(const bf16* x, std::int64_t n);
 // n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
 // vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:
 // elementwise, so the same bits on any thread count.
 void to_bf16_threaded(const float* x, bf16* y, std::int64_t n);
 void to_float_threaded(const bf16* x, float* y, std::int64_t n);
-
-// The bytes this thread's operand scratch holds (every slot's capacity, both
-// types), and freeing it. The scratch is outside the memory pool and the
-// memory model: run_rank reports its bytes after a run (RankReport::
-// bf16_scratch), and `laga compare` frees it before each form, so that each
-// form's own is measured and shown.
-std::int64_t scratch_bytes();
-void free_scratch();
+// n values rounded to their bf16 values, kept fp32 (to_float(to_bf16(x))),
+// likewise: rounded_fp32 into storage of the caller's.
+void round_threaded(const float* x, float* y, std::int64_t n);
 // Every element of m replaced by its bf16 value (to_float(to_bf16(x))):
 // what a bf16 tensor holding m would hold.
 void round_in_place(const Mat<float>& m);

@@ -258,6 +258,17 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
   return calls;
 }
 
+// The call a step makes without documents, which each of its calls with
+// documents fits in (fewer batch rows, rows and keys): what the step's bf16
+// attention scratch is sized by (Pieces::attention_scratch), so that the
+// count-only run, which has no documents, allocates what the real one does.
+inline AttnShape ring_widest_call(const Step& st, const RingView& g, int owner,
+                                  const RingRect& rect) {
+  const bool whole = rect.rows == g.L && rect.keys == g.members.seq_count[size_t(owner)];
+  return AttnShape{whole ? st.B : 1,    rect.rows, rect.keys, g.H, g.H, st.dqk, st.dv,
+                   st.ctx.cfg.softmax_scale(), rect.diagonal};
+}
+
 // The codec parts of a block that is per-head [K | V] itself (ring_kv: all
 // H heads, Step::H; a2a_p2p: its head group's, Step::Hr): the attention
 // reads it in place, and a step's dK/dV is added into the accumulator at
@@ -464,6 +475,10 @@ struct RingAttention {
         Tensor<T> lse_part;
         if (!step.lse.defined()) lse_part = Tensor<T>({rect.lse_elems(st.B, g.H)}, "lse_part");
         T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
+        Tensor<bf16> scratch;
+        if (rect.keys > 0)  // as ring_calls without documents: a call
+          scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
+                                                 ops::AttentionPass::forward);
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
@@ -473,7 +488,7 @@ struct RingAttention {
           T* probs = at(step.probs.data(), c.probs_off);
           Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
                             at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-                            eager ? lse_p : nullptr);
+                            eager ? lse_p : nullptr, &scratch);
           merge_partial(st, g, c, o.data(), merged.data(), o_p, lse_p);
         }
       }
@@ -551,6 +566,10 @@ struct RingAttention {
         if (!eager || delta.defined())
           rows_stat = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring stats rows");
         if (eager) dp = Tensor<T>({g.L, Lk}, "eager dp scratch");
+        Tensor<bf16> scratch;
+        if (rect.keys > 0)  // as ring_calls without documents: a call
+          scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
+                                                 ops::AttentionPass::backward);
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
@@ -563,7 +582,8 @@ struct RingAttention {
               at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
               at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
               at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
-              eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr);
+              eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr,
+              nullptr, &scratch);
           for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
             const std::int64_t row = b * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),

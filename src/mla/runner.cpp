@@ -8,8 +8,6 @@
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
-#include "kernels/attention_flash_bf16.hpp"
-#include "mla/ops_bf16.hpp"
 
 namespace laga {
 
@@ -24,8 +22,7 @@ namespace {
 // Every scalar field of a report, in one order, for packing and unpacking.
 template <class Report, class F>
 void report_fields(Report& r, F&& f) {
-  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms), f(r.bf16_scratch),
-      f(r.bf16_flash_workspace);
+  f(r.forward_ms), f(r.backward_ms), f(r.sync_ms), f(r.comm_ms);
   auto& m = r.memory;
   f(m.peak_activations), f(m.peak_comm_buffers), f(m.peak_working), f(m.peak_forward_backward);
   f(m.peak_grad_sync), f(m.after_forward), f(m.gradients), f(m.parameters);
@@ -201,8 +198,6 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   }
   pool.set_stage("");
   res.report.comm_ms = (comm.seconds_in_collectives() - comm_before) * 1e3;
-  res.report.bf16_scratch = ops::bf16_path::scratch_bytes();
-  res.report.bf16_flash_workspace = attention_flash_bf16_workspace_high_water();
   m.peak_working = std::max(m.peak_forward_backward, m.peak_grad_sync);
   m.gradients = pool.current(MemCategory::gradients);
   w.for_each([&](const std::string&, const Tensor<T>& t) { m.parameters += t.bytes(); });

@@ -58,18 +58,6 @@ struct RankReport {
   // (Communicator::seconds_in_collectives), the transfers and the waiting for
   // peers; what a started collective hides under compute is not in it.
   double comm_ms = 0;
-  // Bytes of this thread's bf16 operand scratch after the run (Precision::
-  // bf16 only; ops_bf16.hpp, scratch_bytes): outside the pool, so not in
-  // `memory` nor in the memory model, measured here instead. It is kept
-  // between runs (grown to the largest operand the thread has rounded), so
-  // it is the run's own when nothing larger ran on the thread before
-  // (`laga compare` frees it before each form).
-  std::int64_t bf16_scratch = 0;
-  // The largest workspace of this thread's bf16 flash calls
-  // (kernels/attention_flash_bf16.hpp, attention_flash_bf16_workspace_
-  // high_water): allocated per call, outside the pool and the model, like
-  // the scratch above; its run's own when the caller reset it first.
-  std::int64_t bf16_flash_workspace = 0;
 };
 
 // A rank's report as doubles, so the reporting rank can receive every rank's

@@ -12,6 +12,7 @@
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
 #include "core/nonfinite.hpp"
+#include "core/threads.hpp"
 #include "mla/ops.hpp"
 #include "mla/runner.hpp"
 #include "model/checkpoint.hpp"
@@ -575,6 +576,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     // The run's precision: under bf16 the collectives' stagings are bf16
     // (mla/wire.hpp), and the count must allocate what the run does.
     const UsePrecision at_precision(o.precision, o.grad_reduce);
+    // The rank's OpenMP threads (run_group's), which size the bf16 flash
+    // workspace (mla/block.cpp).
+    const OmpThreadsScope threads(threads_per_rank(o.sp));
     DryRunCommunicator comm(r, o.sp, staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
     const LmContext ctx = lm_context(o, layout, comm, rope);

@@ -84,12 +84,6 @@ struct FormResult {
   std::int64_t peak_grad_sync = 0, predicted_peak_grad_sync = 0;
   std::int64_t saved_after_forward = 0;  // model: activations held between forward and backward
   std::int64_t parameters = 0, gradients = 0;
-  // --dtype bf16: the op layer's operand scratch, outside the pool and the
-  // model (RankReport::bf16_scratch), measured; 0 in fp32.
-  std::int64_t bf16_scratch = 0;
-  // --dtype bf16: the bf16 flash kernels' largest per-call workspace
-  // (RankReport::bf16_flash_workspace), likewise; 0 in fp32.
-  std::int64_t bf16_flash_workspace = 0;
   int peak_rank = 0;
   bool memory_match = true;     // every rank equals its prediction, every figure
   double memory_rel_error = 0;  // max over ranks of |measured - model| / model, fwd+bwd peak

@@ -199,18 +199,12 @@ std::string compare_table(const CompareResult& r) {
   s << mem.last_left().str();
   s << "  (activations / comm staging: each category's own peak over the whole step; grad "
        "all-reduce: the peak while gradients are summed; params and grads are held apart)\n";
-  if (r.options.precision == Precision::bf16 && !r.options.count_only) {
-    // Outside the pool, so in no column above: measured, and said.
-    s << "  outside the pool and the model (measured, max over ranks): the bf16 operand scratch "
-         "of the op layer (mla/ops_bf16.cpp),";
-    for (const FormResult& f : r.results)
-      s << " " << to_string(f.form) << " " << mb(f.bf16_scratch);
-    s << "; the bf16 flash kernels' (" << to_string(flash_bf16_isa())
-      << ") largest per-call workspace (kernels/attention_flash_bf16.hpp),";
-    for (const FormResult& f : r.results)
-      s << " " << to_string(f.form) << " " << mb(f.bf16_flash_workspace);
-    s << "\n";
-  }
+  if (r.options.precision == Precision::bf16)
+    s << "  bf16: the columns include the op layer's bf16 operand copies and the bf16 flash "
+         "kernels' ("
+      << to_string(flash_bf16_isa())
+      << ") workspace, pool tensors while their op runs (docs/accounting.md, \"bf16 operand "
+         "copies and the flash workspace\")\n";
   for (const FormResult& f : r.results) {
     s << "  " << to_string(f.form) << " at its peak (rank " << f.peak_rank << ", model):";
     int shown = 0;
@@ -352,8 +346,6 @@ std::string compare_json(const CompareResult& r) {
     g["predicted_peak_grad_sync_bytes"] = f.predicted_peak_grad_sync;
     g["predicted_saved_after_forward_bytes"] = f.saved_after_forward;
     g["parameter_bytes"] = f.parameters;
-    g["bf16_scratch_bytes"] = f.bf16_scratch;
-    g["bf16_flash_workspace_bytes"] = f.bf16_flash_workspace;
     g["gradient_bytes"] = f.gradients;
     g["predicted_peak_at"] = f.model_peak.where;
     ojson live = ojson::array();

@@ -17,9 +17,7 @@
 #include "comm/link_model.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
-#include "kernels/attention_flash_bf16.hpp"
 #include "mla/comm_model.hpp"
-#include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
 #include "mla/work_model.hpp"
 #include "plan/time_model.hpp"
@@ -146,11 +144,6 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     MemoryPool pool;
     pool.set_count_only(j.o.count_only);
     PoolScope scope(pool);
-    // The op layer's bf16 scratch and the bf16 flash workspace, outside the
-    // pool: freed and reset so that the steps' report (RankReport::
-    // bf16_scratch, bf16_flash_workspace) is this form's alone.
-    ops::bf16_path::free_scratch();
-    reset_attention_flash_bf16_workspace_high_water();
     const int total = j.warmup + j.steps;
     for (int step = 0; step < total; ++step) {
       const bool measured = step >= j.warmup, last = step == total - 1;
@@ -290,10 +283,13 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.by_label[k].phase = keys[k].first;
     f.by_label[k].label = keys[k].second;
   }
-  const MemoryModelOptions mopt{true, true,
-                                j.o.comm.backend == Backend::mpi && j.o.rank_only < 0
-                                    ? StagingRule::mpi
-                                    : StagingRule::in_process};
+  MemoryModelOptions mopt{true, true,
+                          j.o.comm.backend == Backend::mpi && j.o.rank_only < 0
+                              ? StagingRule::mpi
+                              : StagingRule::in_process};
+  // The threads the measured ranks ran on (run_records: --rank-only runs its
+  // rank alone on every core).
+  mopt.threads = j.o.rank_only >= 0 ? hardware_cores() : threads_per_rank(j.o.sp);
   // The closed forms depend on the rank only through its class
   // (rank_classes): computed once per class, not once per rank (each
   // predict_memory is a count-only run of the rank, at P 4096 the bulk of the
@@ -364,8 +360,6 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.predicted_peak_grad_sync = std::max(f.predicted_peak_grad_sync, mp.grad_sync.bytes);
     f.parameters = std::max(f.parameters, rec.last.memory.parameters);
     f.gradients = std::max(f.gradients, rec.last.memory.gradients);
-    f.bf16_scratch = std::max(f.bf16_scratch, rec.last.bf16_scratch);
-    f.bf16_flash_workspace = std::max(f.bf16_flash_workspace, rec.last.bf16_flash_workspace);
     f.memory_match = f.memory_match &&
                      rec.last.memory.peak_forward_backward == mp.forward_backward.bytes &&
                      rec.last.memory.peak_activations == mp.peak_activations &&

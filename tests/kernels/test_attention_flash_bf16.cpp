@@ -56,7 +56,20 @@ struct Out {
   std::vector<float> o, lse, dq, dk, dv;
 };
 
-Out run_bf16(const Bf16Problem& p) {
+// 64-byte aligned memory of `bytes`, filled with garbage (a call must not
+// read what it did not write).
+struct AlignedBuffer {
+  explicit AlignedBuffer(std::int64_t bytes) : raw(static_cast<size_t>(bytes) + 64, 0xA5) {
+    const auto at = reinterpret_cast<std::uintptr_t>(raw.data());
+    data = raw.data() + (64 - at % 64) % 64;
+  }
+  std::vector<unsigned char> raw;
+  unsigned char* data = nullptr;
+};
+
+// with_workspace: each call given a workspace of exactly its
+// attention_flash_bf16_workspace_bytes (FlashWorkspace), else none.
+Out run_bf16(const Bf16Problem& p, bool with_workspace = false) {
   const AttnShape& s = p.s;
   Out r;
   r.o.assign(p.dout.size(), -7.0f);  // garbage: every element must be written
@@ -64,9 +77,14 @@ Out run_bf16(const Bf16Problem& p) {
   r.dq.assign(p.q.size(), -7.0f);
   r.dk.assign(p.k.size(), -7.0f);
   r.dv.assign(p.v.size(), -7.0f);
-  attention_flash_forward_bf16(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data());
+  const std::int64_t fwd = attention_flash_bf16_workspace_bytes(s, false),
+                     bwd = attention_flash_bf16_workspace_bytes(s, true);
+  AlignedBuffer fwd_ws(fwd), bwd_ws(bwd);
+  attention_flash_forward_bf16(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(),
+                               with_workspace ? FlashWorkspace{fwd_ws.data, fwd} : FlashWorkspace{});
   attention_flash_backward_bf16(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
-                                p.k.data(), p.v.data(), r.o.data(), r.lse.data());
+                                p.k.data(), p.v.data(), r.o.data(), r.lse.data(),
+                                with_workspace ? FlashWorkspace{bwd_ws.data, bwd} : FlashWorkspace{});
   return r;
 }
 
@@ -314,6 +332,53 @@ TEST_P(FlashBf16, WorkspaceIsWhatTheCallsHold) {
         EXPECT_EQ(fwd, 4 * (q + k + v)) << where;
         EXPECT_EQ(bwd, 4 * (q + k + v + d)) << where;
       }
+    }
+    set_rank_threads(2);
+  }
+}
+
+// A caller's workspace (FlashWorkspace: the op layer gives a pool tensor)
+// of exactly attention_flash_bf16_workspace_bytes gives the same bits as
+// the call's own buffers, at 1-3 threads (both backward schedules; a
+// workspace too small for what the call takes would abort the run); one a
+// byte short is refused. attention_flash_bf16_workspace_bound covers every
+// smaller shape, at every thread count: at 4 threads B 3 of one key/value
+// head takes the two-pass backward and B 2 the per-head one, whose head
+// buffers make its workspace the larger of the two.
+TEST_P(FlashBf16, CallersWorkspaceGivesTheSameBitsAndBoundsSmallerCalls) {
+  for (const AttnShape& s :
+       {shape(1, 200, 200, 2, 2, 192, 128, true), shape(1, 130, 130, 4, 1, 36, 32, true),
+        shape(3, 90, 70, 2, 2, 16, 15, false), shape(3, 16, 200, 2, 1, 36, 32, false)}) {
+    const Bf16Problem p{Problem<float>(s)};
+    for (int t : {1, 2, 3, 4}) {
+      set_rank_threads(t);
+      const std::string where = cat("S ", s.Sq, "/", s.Sk, " H ", s.Hq, "/", s.Hk, " threads ", t);
+      const Out own = run_bf16(p), given = run_bf16(p, true);
+      EXPECT_EQ(own.o, given.o) << where;
+      EXPECT_EQ(own.lse, given.lse) << where;
+      EXPECT_EQ(own.dq, given.dq) << where;
+      EXPECT_EQ(own.dk, given.dk) << where;
+      EXPECT_EQ(own.dv, given.dv) << where;
+      const std::int64_t fwd = attention_flash_bf16_workspace_bytes(s, false);
+      AlignedBuffer short_ws(fwd);
+      std::vector<float> o(p.dout.size()), lse(static_cast<size_t>(s.B * s.Hq * s.Sq));
+      EXPECT_THROW(attention_flash_forward_bf16(s, o.data(), lse.data(), p.q.data(), p.k.data(),
+                                                p.v.data(), {short_ws.data, fwd - 1}),
+                   Error)
+          << where;
+      for (std::int64_t B : {std::int64_t(1), std::min<std::int64_t>(2, s.B), s.B})
+        for (std::int64_t Sq : {std::int64_t(1), s.Sq / 3, s.Sq})
+          for (std::int64_t Sk : {std::int64_t(1), s.Sk / 2, s.Sk})
+            for (bool backward : {false, true}) {
+              AttnShape small = s;
+              small.B = B, small.Sq = Sq, small.Sk = Sk;
+              if (s.causal && Sk < Sq) small.Sk = Sq;  // the causal mask wants Sk >= Sq
+              if (small.Sk > s.Sk) continue;
+              EXPECT_GE(attention_flash_bf16_workspace_bound(s, backward),
+                        attention_flash_bf16_workspace_bytes(small, backward))
+                  << where << " against B " << B << " S " << small.Sq << "/" << small.Sk
+                  << (backward ? " backward" : " forward");
+            }
     }
     set_rank_threads(2);
   }
