@@ -364,9 +364,9 @@ class Aligned {
   Aligned() = default;
   Aligned(std::int64_t n, Arena& arena)
       : n_(n),
-        p_(static_cast<T*>(arena.base ? arena.take(aligned_bytes<T>(n))
-                                      : std::aligned_alloc(64, static_cast<size_t>(
-                                                                   aligned_bytes<T>(n)))),
+        p_(static_cast<T*>(arena.base
+                               ? arena.take(aligned_bytes<T>(n))
+                               : std::aligned_alloc(64, static_cast<size_t>(aligned_bytes<T>(n)))),
            Free{aligned_bytes<T>(n), arena.base == nullptr}) {
     if (!p_) throw std::bad_alloc();
     const std::int64_t live = g_live_bytes += aligned_bytes<T>(n);
@@ -404,10 +404,13 @@ Aligned<T> zeroed(std::int64_t n, Arena& arena) {
   return filled(n, T{}, arena);
 }
 
-// K and V of every key/value head bh = b * Hk + hk, in the two layouts the
+// K and V of key/value heads bh = b * Hk + hk, in the two layouts the
 // products read: rows padded to an even width (A of S^T, dP^T), and
 // transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
-// in the padding, so a pair's partner past the end multiplies to 0.
+// in the padding, so a pair's partner past the end multiplies to 0. Either
+// every head (KeyPacks::of_every_head: forward, the two-pass backward) or
+// one at a time, packed again for each head a thread takes (the per-head
+// backward: a thread's buffers, not every head's).
 // The packs' extents, from the shape alone: what KeyPacks allocates, and
 // what workspace_bytes counts without allocating it.
 struct KeyPacksLayout {
@@ -417,7 +420,7 @@ struct KeyPacksLayout {
   // there.
   std::int64_t dqk_p, dv_p, sk_p, nkb, ldt;
   std::int64_t dqk, dv, heads;
-  explicit KeyPacksLayout(const AttnShape& s)
+  KeyPacksLayout(const AttnShape& s, std::int64_t held_heads)
       : dqk_p(even_up(s.dqk)),
         dv_p(even_up(s.dv)),
         sk_p(even_up(s.Sk)),
@@ -426,7 +429,7 @@ struct KeyPacksLayout {
                                                 : ceil_div(sk_p, 32) * 32),
         dqk(s.dqk),
         dv(s.dv),
-        heads(s.B * s.Hk) {}
+        heads(held_heads) {}
   std::int64_t krow_n() const { return heads * sk_p * dqk_p; }
   std::int64_t vrow_n() const { return heads * sk_p * dv_p; }
   std::int64_t kt_n() const { return heads * dqk * ldt; }
@@ -439,31 +442,46 @@ struct KeyPacksLayout {
 };
 
 struct KeyPacks : KeyPacksLayout {
+  std::int64_t h0 = 0;  // the first head held: heads [h0, h0 + heads)
   Aligned<bf16> krow, vrow, kt, vt;
   Aligned<unsigned char> finite;  // (heads, nkb): every K and V value of the block finite
-  const bf16* krow_of(std::int64_t bh) const { return krow.get() + bh * sk_p * dqk_p; }
-  const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + bh * sk_p * dv_p; }
-  const bf16* kt_of(std::int64_t bh) const { return kt.get() + bh * dqk * ldt; }
-  const bf16* vt_of(std::int64_t bh) const { return vt.get() + bh * dv * ldt; }
+  const bf16* krow_of(std::int64_t bh) const { return krow.get() + (bh - h0) * sk_p * dqk_p; }
+  const bf16* vrow_of(std::int64_t bh) const { return vrow.get() + (bh - h0) * sk_p * dv_p; }
+  const bf16* kt_of(std::int64_t bh) const { return kt.get() + (bh - h0) * dqk * ldt; }
+  const bf16* vt_of(std::int64_t bh) const { return vt.get() + (bh - h0) * dv * ldt; }
+  bool finite_of(std::int64_t bh, std::int64_t kb) const {
+    return finite[static_cast<size_t>((bh - h0) * nkb + kb)] != 0;
+  }
 
-  KeyPacks(const AttnShape& s, const bf16* k, const bf16* v, Arena& arena)
-      : KeyPacksLayout(s),
+  // Room for held_heads heads, nothing packed yet.
+  KeyPacks(const AttnShape& s, std::int64_t held_heads, Arena& arena)
+      : KeyPacksLayout(s, held_heads),
         krow(krow_n(), arena),
         vrow(vrow_n(), arena),
         kt(kt_n(), arena),
         vt(vt_n(), arena),
-        finite(filled<unsigned char>(heads * nkb, 1, arena)) {
-#pragma omp parallel for schedule(static) if (heads * nkb > 1)
-    for (std::int64_t u = 0; u < heads * nkb; ++u) {
-      const std::int64_t bh = u / nkb, kb = u % nkb;
-      const HeadView hv(s, bh / s.Hk, bh % s.Hk);
-      const std::int64_t j0 = kb * kBc, j1 = std::min(j0 + kBc, s.Sk);
-      const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p, ldt,
-                                       krow.get() + bh * sk_p * dqk_p, kt.get() + bh * dqk * ldt);
-      const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p, ldt,
-                                       vrow.get() + bh * sk_p * dv_p, vt.get() + bh * dv * ldt);
-      finite[static_cast<size_t>(u)] = ok_k && ok_v ? 1 : 0;
-    }
+        finite(filled<unsigned char>(heads * nkb, 1, arena)) {}
+
+  // Key block kb of head bh (held).
+  void pack(const AttnShape& s, const bf16* k, const bf16* v, std::int64_t bh, std::int64_t kb) {
+    const HeadView hv(s, bh / s.Hk, bh % s.Hk);
+    const std::int64_t j0 = kb * kBc, j1 = std::min(j0 + kBc, s.Sk), at = bh - h0;
+    const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p, ldt,
+                                     krow.get() + at * sk_p * dqk_p, kt.get() + at * dqk * ldt);
+    const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p, ldt,
+                                     vrow.get() + at * sk_p * dv_p, vt.get() + at * dv * ldt);
+    finite[static_cast<size_t>(at * nkb + kb)] = ok_k && ok_v ? 1 : 0;
+  }
+  // A one-head pack made to hold head bh, packed (on this thread).
+  void pack_head(const AttnShape& s, const bf16* k, const bf16* v, std::int64_t bh) {
+    h0 = bh;
+    for (std::int64_t kb = 0; kb < nkb; ++kb) pack(s, k, v, bh, kb);
+  }
+  static KeyPacks of_every_head(const AttnShape& s, const bf16* k, const bf16* v, Arena& arena) {
+    KeyPacks kp(s, s.B * s.Hk, arena);
+#pragma omp parallel for schedule(static) if (kp.heads * kp.nkb > 1)
+    for (std::int64_t u = 0; u < kp.heads * kp.nkb; ++u) kp.pack(s, k, v, u / kp.nkb, u % kp.nkb);
+    return kp;
   }
 };
 
@@ -621,7 +639,7 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
                  S::mul(S::load(w.acc.data() + n * kBr + r), S::load(w.alpha.data() + r)));
     // O^T += V_j^T P^T with P rounded to bf16 (the l above summed it unrounded).
     round_pairs_along_keys(st, cols, nr, w.pv.data());
-    if (!masked || kp.finite[static_cast<size_t>(bh * kp.nkb + kb)]) {
+    if (!masked || kp.finite_of(bh, kb)) {
       bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
             w.acc.data(), kBr, true);
     } else {
@@ -659,20 +677,26 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // ---------------------------------------------------------------------------
 // Backward.
 
-// Q and dO of every row block of every head, packed once: along d (B of
-// S^T, dP^T: both passes) and along the rows (B of dK, dV), with each
-// block's lse (base 2), D and whether its Q and dO are finite.
-// The packs' extents per row block (unit), from the shape alone, as
-// KeyPacksLayout.
+// Q and dO of row blocks, packed along d (B of S^T, dP^T: both passes) and
+// along the rows (B of dK, dV), with each block's lse (base 2), D and
+// whether its Q and dO are finite: every block of every head, packed once
+// (the two-pass backward), or one head's blocks of one row set (ib = set,
+// set + sets, ...), packed again for each (head, row set) a thread takes
+// (the per-head backward).
+// The packs' extents, from the shape alone, as KeyPacksLayout.
 struct RowPacksLayout {
-  std::int64_t nrb, qv_n, dov_n, qr_n, dor_n, units;
-  explicit RowPacksLayout(const AttnShape& s)
+  std::int64_t nrb;                       // row blocks of a head
+  std::int64_t sets, per_head, units;     // blocks held per head (of one row set), in all
+  std::int64_t qv_n, dov_n, qr_n, dor_n;  // per block
+  RowPacksLayout(const AttnShape& s, std::int64_t held_heads, std::int64_t row_sets)
       : nrb(ceil_div(s.Sq * (s.Hq / s.Hk), kBr)),
+        sets(row_sets),
+        per_head(ceil_div(nrb, row_sets)),
+        units(held_heads * per_head),
         qv_n(even_up(s.dqk) * kBr),
         dov_n(even_up(s.dv) * kBr),
         qr_n(kBr * s.dqk),
-        dor_n(kBr * s.dv),
-        units(s.B * s.Hk * nrb) {}
+        dor_n(kBr * s.dv) {}
   std::int64_t bytes() const {
     return aligned_bytes<bf16>(units * qv_n) + aligned_bytes<bf16>(units * dov_n) +
            aligned_bytes<bf16>(units * qr_n) + aligned_bytes<bf16>(units * dor_n) +
@@ -681,52 +705,89 @@ struct RowPacksLayout {
 };
 
 struct RowPacks : RowPacksLayout {
+  std::int64_t h0 = 0, set = 0;    // heads [h0, ...), row blocks ib = set mod sets
   Aligned<bf16> qv, dov, qr, dor;  // written in full by the packing
   Aligned<float> lse2, D;
   Aligned<unsigned char> finite;
-  RowPacks(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
-           const Aligned<float>& Dall, Arena& arena)
-      : RowPacksLayout(s),
+  // Row block ib of head bh (held) as its index among the blocks held.
+  std::int64_t at(std::int64_t bh, std::int64_t ib) const {
+    return (bh - h0) * per_head + (ib - set) / sets;
+  }
+  const bf16* qv_of(std::int64_t bh, std::int64_t ib) const { return qv.get() + at(bh, ib) * qv_n; }
+  const bf16* dov_of(std::int64_t bh, std::int64_t ib) const {
+    return dov.get() + at(bh, ib) * dov_n;
+  }
+  const bf16* qr_of(std::int64_t bh, std::int64_t ib) const { return qr.get() + at(bh, ib) * qr_n; }
+  const bf16* dor_of(std::int64_t bh, std::int64_t ib) const {
+    return dor.get() + at(bh, ib) * dor_n;
+  }
+  const float* lse2_of(std::int64_t bh, std::int64_t ib) const {
+    return lse2.data() + at(bh, ib) * kBr;
+  }
+  const float* D_of(std::int64_t bh, std::int64_t ib) const { return D.data() + at(bh, ib) * kBr; }
+  bool finite_of(std::int64_t bh, std::int64_t ib) const {
+    return finite[static_cast<size_t>(at(bh, ib))] != 0;
+  }
+
+  // Room for held_heads heads' blocks of one of row_sets sets, nothing packed.
+  RowPacks(const AttnShape& s, std::int64_t held_heads, std::int64_t row_sets, Arena& arena)
+      : RowPacksLayout(s, held_heads, row_sets),
         qv(units * qv_n, arena),
         dov(units * dov_n, arena),
         qr(units * qr_n, arena),
         dor(units * dor_n, arena),
         lse2(zeroed<float>(units * kBr, arena)),
         D(zeroed<float>(units * kBr, arena)),
-        finite(filled<unsigned char>(units, 1, arena)) {
-#pragma omp parallel for schedule(static) if (units > 1)
-    for (std::int64_t u = 0; u < units; ++u) {
-      const std::int64_t bh = u / nrb;
-      const HeadView hv(s, bh / s.Hk, bh % s.Hk);
-      const RowBlock rb(hv, u % nrb);
-      pack_rows_along_d(hv, q, s.dqk, rb, qv.get() + u * qv_n);
-      pack_rows_along_d(hv, dout, s.dv, rb, dov.get() + u * dov_n);
-      const bool ok_q = pack_rows_along_r(hv, q, s.dqk, rb, qr.get() + u * qr_n);
-      const bool ok_do = pack_rows_along_r(hv, dout, s.dv, rb, dor.get() + u * dor_n);
-      finite[static_cast<size_t>(u)] = ok_q && ok_do ? 1 : 0;
-      for (std::int64_t r = 0; r < rb.rows; ++r) {
-        lse2[static_cast<size_t>(u * kBr + r)] =
-            static_cast<float>(lse[hv.stat_off(rb.r0 + r)] * kLog2e);
-        D[static_cast<size_t>(u * kBr + r)] = Dall[static_cast<size_t>(hv.stat_off(rb.r0 + r))];
-      }
+        finite(filled<unsigned char>(units, 1, arena)) {}
+
+  // Row block ib of head bh (held; of the set held).
+  void pack(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
+            const float* Dall, std::int64_t bh, std::int64_t ib) {
+    const HeadView hv(s, bh / s.Hk, bh % s.Hk);
+    const RowBlock rb(hv, ib);
+    const std::int64_t u = at(bh, ib);
+    pack_rows_along_d(hv, q, s.dqk, rb, qv.get() + u * qv_n);
+    pack_rows_along_d(hv, dout, s.dv, rb, dov.get() + u * dov_n);
+    const bool ok_q = pack_rows_along_r(hv, q, s.dqk, rb, qr.get() + u * qr_n);
+    const bool ok_do = pack_rows_along_r(hv, dout, s.dv, rb, dor.get() + u * dor_n);
+    finite[static_cast<size_t>(u)] = ok_q && ok_do ? 1 : 0;
+    for (std::int64_t r = 0; r < rb.rows; ++r) {
+      lse2[static_cast<size_t>(u * kBr + r)] =
+          static_cast<float>(lse[hv.stat_off(rb.r0 + r)] * kLog2e);
+      D[static_cast<size_t>(u * kBr + r)] = Dall[hv.stat_off(rb.r0 + r)];
     }
+  }
+  // A one-head pack made to hold head bh's row set `row_set`, packed (on
+  // this thread).
+  void pack_head(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
+                 const float* Dall, std::int64_t bh, std::int64_t row_set) {
+    h0 = bh, set = row_set;
+    for (std::int64_t ib = row_set; ib < nrb; ib += sets) pack(s, q, dout, lse, Dall, bh, ib);
+  }
+  static RowPacks of_every_head(const AttnShape& s, const bf16* q, const bf16* dout,
+                                const float* lse, const float* Dall, Arena& arena) {
+    RowPacks rp(s, s.B * s.Hk, 1, arena);
+#pragma omp parallel for schedule(static) if (rp.units > 1)
+    for (std::int64_t u = 0; u < rp.units; ++u)
+      rp.pack(s, q, dout, lse, Dall, u / rp.nrb, u % rp.nrb);
+    return rp;
   }
 };
 
 // P^T into w.st and dS^T (times scale) into w.dpt for tile (rb, kt), both
 // exactly 0 at masked pairs and at lanes past the block's rows.
 void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const KeyTile& kt,
-                     const KeyPacks& kp, const RowPacks& rp, std::int64_t u, Scratch& w) {
-  const std::int64_t bh = hv.b * s.Hk + hv.hk, cols = kt.cols;
+                     const KeyPacks& kp, const RowPacks& rp, Scratch& w) {
+  const std::int64_t bh = hv.b * s.Hk + hv.hk, ib = rb.r0 / kBr, cols = kt.cols;
   const std::int64_t nr = ceil_div(rb.rows, W) * W;
   float* st = w.st.data();
   float* dpt = w.dpt.data();
-  bgemm(cols, nr, kp.dqk_p / 2, kp.krow_of(bh) + kt.j0 * kp.dqk_p, kp.dqk_p,
-        rp.qv.get() + u * rp.qv_n, 2 * kBr, st, kBr, false);
-  bgemm(cols, nr, kp.dv_p / 2, kp.vrow_of(bh) + kt.j0 * kp.dv_p, kp.dv_p,
-        rp.dov.get() + u * rp.dov_n, 2 * kBr, dpt, kBr, false);
-  const float* lse2 = rp.lse2.data() + u * kBr;
-  const float* D = rp.D.data() + u * kBr;
+  bgemm(cols, nr, kp.dqk_p / 2, kp.krow_of(bh) + kt.j0 * kp.dqk_p, kp.dqk_p, rp.qv_of(bh, ib),
+        2 * kBr, st, kBr, false);
+  bgemm(cols, nr, kp.dv_p / 2, kp.vrow_of(bh) + kt.j0 * kp.dv_p, kp.dv_p, rp.dov_of(bh, ib),
+        2 * kBr, dpt, kBr, false);
+  const float* lse2 = rp.lse2_of(bh, ib);
+  const float* D = rp.D_of(bh, ib);
   const V sc2 = S::set1(static_cast<float>(s.scale * kLog2e));
   const V sc = S::set1(static_cast<float>(s.scale));
   for (std::int64_t c = 0; c < cols; ++c)
@@ -754,16 +815,15 @@ void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb,
 // the key block's rows of w.dv, w.dk (two-pass) or of the head's sums
 // (per head). The same calls either way, so the same bits.
 void backward_kv(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const KeyTile& kt,
-                 const RowPacks& rp, std::int64_t u, Scratch& w, const bf16* q, const bf16* dout,
-                 float* dkb, float* dvb) {
+                 const RowPacks& rp, Scratch& w, const bf16* q, const bf16* dout, float* dkb,
+                 float* dvb) {
+  const std::int64_t bh = hv.b * s.Hk + hv.hk, ib = rb.r0 / kBr;
   round_rows(w.st.data(), kt.cols, rb.rows, w.pt.data());
   round_rows(w.dpt.data(), kt.cols, rb.rows, w.dst.data());
   const std::int64_t kpairs = even_up(rb.rows) / 2;
-  if (!tile_is_masked(rb, kt) || rp.finite[static_cast<size_t>(u)]) {
-    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor.get() + u * rp.dor_n, 2 * s.dv, dvb, s.dv,
-          true);
-    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr.get() + u * rp.qr_n, 2 * s.dqk, dkb,
-          s.dqk, true);
+  if (!tile_is_masked(rb, kt) || rp.finite_of(bh, ib)) {
+    bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor_of(bh, ib), 2 * s.dv, dvb, s.dv, true);
+    bgemm(kt.cols, s.dqk, kpairs, w.dst.data(), kBr, rp.qr_of(bh, ib), 2 * s.dqk, dkb, s.dqk, true);
     return;
   }
   // A non-finite Q or dO in the block: key c sums over the rows that see it.
@@ -785,7 +845,7 @@ void backward_q(const AttnShape& s, const HeadView& hv, const RowBlock& rb, cons
                 const KeyPacks& kp, Scratch& w) {
   const std::int64_t bh = hv.b * s.Hk + hv.hk;
   const std::int64_t nr = ceil_div(rb.rows, W) * W;
-  if (!tile_is_masked(rb, kt) || kp.finite[static_cast<size_t>(bh * kp.nkb + kt.j0 / kBc)]) {
+  if (!tile_is_masked(rb, kt) || kp.finite_of(bh, kt.j0 / kBc)) {
     round_pairs_along_keys(w.dpt.data(), kt.cols, nr, w.pv.data());
     bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
           w.acc.data(), kBr, true);
@@ -875,28 +935,36 @@ bool backward_per_head(std::int64_t units, std::int64_t nt) {
 std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   s.validate();
   const std::int64_t nt = threads_here(), heads = s.B * s.Hk;
-  const KeyPacksLayout keys(s);
-  const RowPacksLayout rows(s);
-  // Every term grows with the extents; what a smaller shape may take more
-  // of is threads' buffers (one thread where there is one unit) and the
-  // per-head schedule's head buffers: the bound counts both always.
+  const KeyPacksLayout keys(s, heads);
+  // Every term grows with the extents. What a smaller shape may take more
+  // of: threads' buffers (one thread where there is one unit) and the other
+  // backward schedule; the bound takes every thread and the larger
+  // schedule always.
   if (!backward) {
+    const RowPacksLayout rows(s, heads, 1);
     if (rows.units == 0 && !bound) return 0;
     return keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
   if (heads == 0 && !bound) return d_all;
-  const std::int64_t units = heads * row_sets(heads);
-  if (bound)
+  const std::int64_t sets = row_sets(heads), units = heads * sets;
+  // Per head: each thread one head's K, V packs, one row set's Q, dO packs
+  // (the most of either set: bound, one set), its tiles and the head's dK,
+  // dV sums.
+  const auto per_head = [&](std::int64_t packed_sets) {
+    return d_all + (units > 1 || bound ? nt : 1) *
+                       (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
+                        aligned_bytes<float>(s.Sk * s.dv) + KeyPacksLayout(s, 1).bytes() +
+                        RowPacksLayout(s, 1, packed_sets).bytes());
+  };
+  // Two passes: every head's packs, and each thread's tiles.
+  const auto two_pass = [&] {
+    const RowPacksLayout rows(s, heads, 1);
     return d_all + keys.bytes() + rows.bytes() +
-           nt * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
-                 aligned_bytes<float>(s.Sk * s.dv));
-  const std::int64_t per_thread =
-      backward_per_head(units, nt)
-          ? (units > 1 ? nt : 1) * (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
-                                    aligned_bytes<float>(s.Sk * s.dv))
-          : (heads * std::max(keys.nkb, rows.nrb) > 1 ? nt : 1) * Scratch::bytes(s);
-  return d_all + keys.bytes() + rows.bytes() + per_thread;
+           (heads * std::max(keys.nkb, rows.nrb) > 1 || bound ? nt : 1) * Scratch::bytes(s);
+  };
+  if (bound) return std::max(per_head(1), two_pass());
+  return backward_per_head(units, nt) ? per_head(sets) : two_pass();
 }
 
 std::int64_t allocated_peak() {
@@ -914,7 +982,7 @@ void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16
   const std::int64_t g = s.Hq / s.Hk, heads = s.B * s.Hk, nrb = ceil_div(s.Sq * g, kBr);
   const std::int64_t units = heads * nrb;
   if (units == 0) return;
-  const KeyPacks kp(s, k, v, arena);
+  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, arena);
 #pragma omp parallel if (units > 1)
   {
     Scratch w(s, arena);
@@ -947,10 +1015,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     D[static_cast<size_t>((b * s.Hq + h) * s.Sq + i)] = acc;
   }
   if (heads == 0) return;
-  const KeyPacks kp(s, k, v, arena);
-  const RowPacks rp(s, q, dout, lse, D, arena);
-  const std::int64_t nrb = rp.nrb, nkb = kp.nkb, sets = row_sets(heads);
-  const std::int64_t units = heads * sets;
+  const std::int64_t sets = row_sets(heads), units = heads * sets;
   if (backward_per_head(units, threads_here())) {
     // Unit u: head u / sets, its row blocks ib with ib % sets == u % sets.
     // Units are handed out in ascending order (next, not an OpenMP
@@ -963,21 +1028,28 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     for (std::int64_t bh = 0; bh < heads; ++bh) stored[bh].store(false);
 #pragma omp parallel if (units > 1)
     {
+      // The thread's buffers: one head's K, V and one row set's Q, dO,
+      // packed again for each unit it takes (a head's two row sets each
+      // pack its K, V: cheap against its S^2 work, and no thread waits for
+      // another's packing).
       Scratch w(s, arena);
       Aligned<float> head_dk(s.Sk * s.dqk, arena), head_dv(s.Sk * s.dv, arena);
+      KeyPacks kp(s, 1, arena);
+      RowPacks rp(s, 1, sets, arena);
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t bh = u / sets, set = u % sets;
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
+        kp.pack_head(s, k, v, bh);
+        rp.pack_head(s, q, dout, lse, D.data(), bh, set);
         std::fill(head_dk.begin(), head_dk.end(), 0.0f);
         std::fill(head_dv.begin(), head_dv.end(), 0.0f);
-        for (std::int64_t ib = set; ib < nrb; ib += sets) {
+        for (std::int64_t ib = set; ib < rp.nrb; ib += sets) {
           const RowBlock rb(hv, ib);
-          const std::int64_t ru = bh * nrb + ib;
           std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
           for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
             const KeyTile kt(s, rb, kb);
-            backward_scores(s, hv, rb, kt, kp, rp, ru, w);
-            backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, head_dk.data() + kt.j0 * s.dqk,
+            backward_scores(s, hv, rb, kt, kp, rp, w);
+            backward_kv(s, hv, rb, kt, rp, w, q, dout, head_dk.data() + kt.j0 * s.dqk,
                         head_dv.data() + kt.j0 * s.dv);
             backward_q(s, hv, rb, kt, kp, w);
           }
@@ -994,6 +1066,9 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     }
     return;
   }
+  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, arena);
+  const RowPacks rp = RowPacks::of_every_head(s, q, dout, lse, D.data(), arena);
+  const std::int64_t nrb = rp.nrb, nkb = kp.nkb;
 #pragma omp parallel if (heads * std::max(nkb, nrb) > 1)
   {
     Scratch w(s, arena);
@@ -1014,10 +1089,10 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         const RowBlock rb(hv, ib);
         if (rb.kbeg >= blk.j0 + blk.cols) break;
         if (rb.kend <= blk.j0) continue;
-        const std::int64_t ru = bh * nrb + ib, set = ib % sets;
+        const std::int64_t set = ib % sets;
         const KeyTile kt(s, rb, kb);
-        backward_scores(s, hv, rb, kt, kp, rp, ru, w);
-        backward_kv(s, hv, rb, kt, rp, ru, w, q, dout, set_dk[set] + (kt.j0 - blk.j0) * s.dqk,
+        backward_scores(s, hv, rb, kt, kp, rp, w);
+        backward_kv(s, hv, rb, kt, rp, w, q, dout, set_dk[set] + (kt.j0 - blk.j0) * s.dqk,
                     set_dv[set] + (kt.j0 - blk.j0) * s.dv);
       }
       for (std::int64_t set = 0; set < sets; ++set)
@@ -1029,11 +1104,10 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
       const std::int64_t bh = u % heads, ib = nrb - 1 - u / heads;
       const HeadView hv(s, bh / s.Hk, bh % s.Hk);
       const RowBlock rb(hv, ib);
-      const std::int64_t ru = bh * nrb + ib;
       std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
       for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
         const KeyTile kt(s, rb, kb);
-        backward_scores(s, hv, rb, kt, kp, rp, ru, w);
+        backward_scores(s, hv, rb, kt, kp, rp, w);
         backward_q(s, hv, rb, kt, kp, w);
       }
       store_dq(s, hv, rb, w, dq);

@@ -428,18 +428,16 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
       if (flash_bf16_isa() == FlashBf16Isa::fp32) {  // as forward
         // Each operand as fp32 holding bf16 values: a narrowed tensor's
         // widened, another's rounded.
-        const auto fill = [](void* dst, const T* x, bool kept, const bf16* values,
-                             std::int64_t n) {
+        const auto fill = [](void* dst, const T* x, bool kept, const bf16* values, std::int64_t n) {
           if (kept)
             ops::bf16_path::to_float_threaded(values, static_cast<float*>(dst), n);
           else
             ops::bf16_path::round_threaded(x, static_cast<float*>(dst), n);
           return static_cast<const float*>(dst);
         };
-        attention_flash_backward(s, dq, dk, dv, fill(dc, dout, false, nullptr, nd),
-                                 fill(qc, q, held.q_held, held.q, nq),
-                                 fill(kc, k, held.k_held, held.k, nk),
-                                 fill(vc, v, held.v_held, held.v, nv), o, stats);
+        attention_flash_backward(
+            s, dq, dk, dv, fill(dc, dout, false, nullptr, nd), fill(qc, q, held.q_held, held.q, nq),
+            fill(kc, k, held.k_held, held.k, nk), fill(vc, v, held.v_held, held.v, nv), o, stats);
       } else {
         // A narrowed tensor's bf16 values are the operand as they are: a
         // copy only of what is not held narrowed.
@@ -490,7 +488,7 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   Tensor<T> dp;  // eager: one head's dp at a time
   if (eager) dp = Tensor<T>({s.Sq, s.Sk}, "eager dp scratch");
   const NarrowedQkv held{q.narrowed_data(), k.narrowed_data(), v.narrowed_data(),
-                        q.narrowed(),       k.narrowed(),       v.narrowed()};
+                         q.narrowed(),      k.narrowed(),      v.narrowed()};
   const bool narrowed = q.narrowed() || k.narrowed() || v.narrowed();
   attend_backward(st, s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
                   o.data(), stats.data(), dp.data(), nullptr, narrowed ? &held : nullptr);

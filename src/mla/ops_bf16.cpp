@@ -128,8 +128,8 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
   } else {
     const Tensor<bf16> a = operand(A), b = operand(B);
     if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
-    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(),
-                     B.cols, beta, C.p, C.ld);
+    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(), B.cols,
+                     beta, C.p, C.ld);
   }
   if (beta == 0.0f) round_in_place(C);
 }

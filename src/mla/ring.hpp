@@ -265,7 +265,7 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
 inline AttnShape ring_widest_call(const Step& st, const RingView& g, int owner,
                                   const RingRect& rect) {
   const bool whole = rect.rows == g.L && rect.keys == g.members.seq_count[size_t(owner)];
-  return AttnShape{whole ? st.B : 1,    rect.rows, rect.keys, g.H, g.H, st.dqk, st.dv,
+  return AttnShape{whole ? st.B : 1,           rect.rows,    rect.keys, g.H, g.H, st.dqk, st.dv,
                    st.ctx.cfg.softmax_scale(), rect.diagonal};
 }
 
@@ -576,14 +576,14 @@ struct RingAttention {
                              k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
           if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
-          Pieces<T>::attend_backward(
-              st, s, at(dq_part.data(), q_off * st.dqk),
-              at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
-              at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
-              at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
-              at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
-              eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr,
-              nullptr, &scratch);
+          Pieces<T>::attend_backward(st, s, at(dq_part.data(), q_off * st.dqk),
+                                     at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
+                                     at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
+                                     at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
+                                     at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
+                                     at(o.data(), q_off * st.dv),
+                                     eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(),
+                                     eager ? stat : nullptr, nullptr, &scratch);
           for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
             const std::int64_t row = b * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),

@@ -80,11 +80,13 @@ Out run_bf16(const Bf16Problem& p, bool with_workspace = false) {
   const std::int64_t fwd = attention_flash_bf16_workspace_bytes(s, false),
                      bwd = attention_flash_bf16_workspace_bytes(s, true);
   AlignedBuffer fwd_ws(fwd), bwd_ws(bwd);
-  attention_flash_forward_bf16(s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(),
-                               with_workspace ? FlashWorkspace{fwd_ws.data, fwd} : FlashWorkspace{});
-  attention_flash_backward_bf16(s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
-                                p.k.data(), p.v.data(), r.o.data(), r.lse.data(),
-                                with_workspace ? FlashWorkspace{bwd_ws.data, bwd} : FlashWorkspace{});
+  attention_flash_forward_bf16(
+      s, r.o.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(),
+      with_workspace ? FlashWorkspace{fwd_ws.data, fwd} : FlashWorkspace{});
+  attention_flash_backward_bf16(
+      s, r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(), p.k.data(), p.v.data(),
+      r.o.data(), r.lse.data(),
+      with_workspace ? FlashWorkspace{bwd_ws.data, bwd} : FlashWorkspace{});
   return r;
 }
 
@@ -323,9 +325,6 @@ TEST_P(FlashBf16, WorkspaceIsWhatTheCallsHold) {
       if (GetParam() == FlashBf16Isa::avx512_bf16) {
         EXPECT_EQ(fwd_held, fwd) << where;
         EXPECT_EQ(bwd_held, bwd) << where;
-        if (s.Sk > 0) {
-          EXPECT_GT(bwd, fwd) << where;
-        }
       } else {
         const std::int64_t q = s.B * s.Sq * s.Hq * s.dqk, k = s.B * s.Sk * s.Hk * s.dqk,
                            v = s.B * s.Sk * s.Hk * s.dv, d = s.B * s.Sq * s.Hq * s.dv;
