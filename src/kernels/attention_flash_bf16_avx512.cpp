@@ -265,7 +265,7 @@ constexpr Kernel kernel_for(int m) {
 // columns, 16 KiB, stays in L1 while A's row blocks stream past it).
 void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::int64_t lda,
            const bf16* b, std::int64_t ldb, float* c, std::int64_t ldc, bool accumulate) {
-  constexpr std::int64_t KC = 96;
+  constexpr std::int64_t KC = 64;
   if (KP == 0) {
     if (!accumulate)
       for (std::int64_t m = 0; m < M; ++m) std::fill(c + m * ldc, c + m * ldc + N, 0.0f);
