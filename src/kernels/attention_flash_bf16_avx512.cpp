@@ -930,6 +930,14 @@ bool backward_per_head(std::int64_t units, std::int64_t nt) {
   return ceil_div(units, nt) * nt * 10 <= units * 13;
 }
 
+// Forward by the same rule, over heads (a head's row blocks in one thread):
+// each thread packs one head's K, V at a time instead of every head's up
+// front. With fewer heads (the latent shape: one) the threads share row
+// blocks of every head, whose packs they then share too.
+bool forward_per_head(std::int64_t heads, std::int64_t nt) {
+  return heads > 1 && backward_per_head(heads, nt);
+}
+
 }  // namespace
 
 std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
@@ -943,7 +951,11 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   if (!backward) {
     const RowPacksLayout rows(s, heads, 1);
     if (rows.units == 0 && !bound) return 0;
-    return keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
+    const std::int64_t per_head = nt * (Scratch::bytes(s) + KeyPacksLayout(s, 1).bytes());
+    const std::int64_t shared =
+        keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
+    if (bound) return std::max(per_head, shared);
+    return forward_per_head(heads, nt) ? per_head : shared;
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
   if (heads == 0 && !bound) return d_all;
@@ -982,6 +994,24 @@ void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16
   const std::int64_t g = s.Hq / s.Hk, heads = s.B * s.Hk, nrb = ceil_div(s.Sq * g, kBr);
   const std::int64_t units = heads * nrb;
   if (units == 0) return;
+  if (forward_per_head(heads, threads_here())) {
+    // A thread per head: its K, V packed into the thread's buffers, its row
+    // blocks in turn. Each row block is computed by one thread in one order
+    // whichever schedule runs it, so the bits are the same.
+#pragma omp parallel
+    {
+      Scratch w(s, arena);
+      KeyPacks kp(s, 1, arena);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t bh = 0; bh < heads; ++bh) {
+        kp.pack_head(s, k, v, bh);
+        const HeadView hv(s, bh / s.Hk, bh % s.Hk);
+        for (std::int64_t rb = nrb - 1; rb >= 0; --rb)
+          forward_block(s, hv, RowBlock(hv, rb), kp, w, o, lse, q);
+      }
+    }
+    return;
+  }
   const KeyPacks kp = KeyPacks::of_every_head(s, k, v, arena);
 #pragma omp parallel if (units > 1)
   {

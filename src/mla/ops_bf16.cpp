@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -58,50 +59,60 @@ void to_float_threaded(const bf16* x, float* y, std::int64_t n) {
     convert_to_float(x + j, y + j, std::min(kChunk, n - j));
 }
 
-// The copies an op rounds its operands into: pool tensors for the op's
-// length (ops_bf16.hpp says why), converted where the operand has storage
-// (count-only: the tensor is registered, nothing is converted).
-Tensor<bf16> operand(const Mat<const float>& m) {
-  Tensor<bf16> out({m.rows, m.cols}, "bf16 operand copy");
-  if (!out.data() || !m.p) return out;
-  bf16* y = out.data();
+// The (rows, cols) matrix m into y dense (row stride cols): rounded to bf16
+// (E = bf16) or to its bf16 values kept fp32 (E = float, where the GEMMs
+// widen). Rows, or a contiguous operand's chunks, split over the rank's
+// threads as its GEMMs are: elementwise, so the same bits on any count.
+template <class E>
+void copy_rounded(const Mat<const float>& m, E* y) {
   if (m.ld == m.cols) {
-    to_bf16_threaded(m.p, y, m.rows * m.cols);
-    return out;
+    if constexpr (std::is_same_v<E, bf16>)
+      to_bf16_threaded(m.p, y, m.rows * m.cols);
+    else
+      round_threaded(m.p, y, m.rows * m.cols);
+    return;
   }
 #pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
-  for (std::int64_t i = 0; i < m.rows; ++i) convert_to_bf16(m.p + i * m.ld, y + i * m.cols, m.cols);
-  return out;
-}
-
-Tensor<bf16> operand(const float* x, std::int64_t n) {
-  return operand(Mat<const float>{x, 1, n, n});
-}
-
-// The dense rounded copy, rows (or a contiguous operand's chunks) split
-// over the rank's threads as its GEMMs are: elementwise, so the same bits
-// on any thread count.
-Tensor<float> rounded_fp32(const Mat<const float>& m) {
-  Tensor<float> out({m.rows, m.cols}, "bf16 operand copy (fp32)");
-  if (!out.data() || !m.p) return out;
-  float* y = out.data();
-  if (m.ld == m.cols) {
-    round_threaded(m.p, y, m.rows * m.cols);
-    return out;
+  for (std::int64_t i = 0; i < m.rows; ++i) {
+    if constexpr (std::is_same_v<E, bf16>)
+      convert_to_bf16(m.p + i * m.ld, y + i * m.cols, m.cols);
+    else
+      round_into(m.p + i * m.ld, y + i * m.cols, m.cols);
   }
-#pragma omp parallel for schedule(static) if (m.rows * m.cols > 65536)
-  for (std::int64_t i = 0; i < m.rows; ++i) round_into(m.p + i * m.ld, y + i * m.cols, m.cols);
-  return out;
 }
 
-Tensor<float> rounded_fp32(const float* x, std::int64_t n) {
-  return rounded_fp32(Mat<const float>{x, 1, n, n});
-}
+// One op's operand copies in one pool tensor ("bf16 operand copies",
+// MemCategory::activations), each from a 64-byte boundary, made before the
+// op asks whether it computes (ops_bf16.hpp says why); one block a call, so
+// that the pool's block cache has fewer sizes to keep from step to step.
+// Count-only: registered, nothing converted.
+template <class E>
+class Copies {
+ public:
+  explicit Copies(std::initializer_list<Mat<const float>> operands) : ops_(operands) {
+    std::int64_t bytes = 0;
+    for (const Mat<const float>& m : ops_) {
+      at_.push_back(bytes);
+      bytes += (m.rows * m.cols * std::int64_t(sizeof(E)) + 63) / 64 * 64;
+    }
+    buf_ = Tensor<bf16>({bytes / 2}, "bf16 operand copies");
+  }
+  // Converts every operand (once the op computes) and gives operand i's copy.
+  void fill() {
+    for (std::size_t i = 0; i < ops_.size(); ++i) copy_rounded(ops_[i], get(i));
+  }
+  E* get(std::size_t i) {
+    return reinterpret_cast<E*>(reinterpret_cast<unsigned char*>(buf_.data()) + at_[i]);
+  }
 
-Tensor<float> widened_fp32(const bf16* x, std::int64_t n) {
-  Tensor<float> out({n}, "bf16 operand copy (fp32)");
-  if (out.data() && x) to_float_threaded(x, out.data(), n);
-  return out;
+ private:
+  std::vector<Mat<const float>> ops_;
+  std::vector<std::int64_t> at_;
+  Tensor<bf16> buf_;
+};
+
+Mat<const float> dense(const float* x, std::int64_t rows, std::int64_t cols) {
+  return {x, rows, cols, cols};
 }
 
 // Through the vectorised conversions (the same bits as to_bf16, one value at
@@ -121,14 +132,16 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
   const std::int64_t K = trans_a ? A.rows : A.cols;
   if (C.rows * C.cols == 0) return;
   if (widened()) {
-    const Tensor<float> a = rounded_fp32(A), b = rounded_fp32(B);
+    Copies<float> c{A, B};
     if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
-    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(),
+    c.fill();
+    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, c.get(0), A.cols, c.get(1),
                       B.cols, beta, C.p, C.ld);
   } else {
-    const Tensor<bf16> a = operand(A), b = operand(B);
+    Copies<bf16> c{A, B};
     if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
-    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, a.data(), A.cols, b.data(), B.cols,
+    c.fill();
+    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, c.get(0), A.cols, c.get(1), B.cols,
                      beta, C.p, C.ld);
   }
   if (beta == 0.0f) round_in_place(C);
@@ -138,13 +151,15 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
             std::int64_t out) {
   if (N * out == 0) return;
   if (widened()) {
-    const Tensor<float> xr = rounded_fp32(x, N * in), wr = rounded_fp32(w, out * in);
+    Copies<float> c{dense(x, N, in), dense(w, out, in)};
     if (!runs(N * out, {y, x, w})) return;
-    laga::linear_forward<float>(y, xr.data(), wr.data(), N, in, out);
+    c.fill();
+    laga::linear_forward<float>(y, c.get(0), c.get(1), N, in, out);
   } else {
-    const Tensor<bf16> xb = operand(x, N * in), wb = operand(w, out * in);
+    Copies<bf16> c{dense(x, N, in), dense(w, out, in)};
     if (!runs(N * out, {y, x, w})) return;
-    linear_forward_bf16<float>(y, xb.data(), wb.data(), N, in, out);
+    c.fill();
+    linear_forward_bf16<float>(y, c.get(0), c.get(1), N, in, out);
   }
   round_in_place(Mat<float>{y, N, out, out});
 }
@@ -156,15 +171,15 @@ void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, con
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
   if (N * out == 0) return;
   if (widened()) {
-    const Tensor<float> dyr = rounded_fp32(dy, N * out), xr = rounded_fp32(x, N * in),
-                        wr = rounded_fp32(w, out * in);
+    Copies<float> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
     if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
-    laga::linear_backward<float>(dx, accumulate, dw, dyr.data(), xr.data(), wr.data(), N, in, out);
+    c.fill();
+    laga::linear_backward<float>(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
   } else {
-    const Tensor<bf16> dyb = operand(dy, N * out), xb = operand(x, N * in),
-                       wb = operand(w, out * in);
+    Copies<bf16> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
     if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
-    linear_backward_bf16<float>(dx, accumulate, dw, dyb.data(), xb.data(), wb.data(), N, in, out);
+    c.fill();
+    linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
   }
   if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
 }

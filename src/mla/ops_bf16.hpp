@@ -59,25 +59,12 @@ struct Mat;
 
 namespace bf16_path {
 
-// The copy of an operand an op rounds to bf16, for the op's length: a pool
-// tensor (MemCategory::activations, named "bf16 operand copy"), made before
-// the op asks whether it computes, so that a count-only run registers the
-// same bytes and the memory model counts what a real run holds
-// (docs/accounting.md, "bf16 operand copies and the flash workspace"). The
-// pool's block cache hands the next op's copy of the same size the same
-// pages. Unbacked (nothing converted) in a count-only run.
-// The (rows, cols) matrix m rounded to bf16, dense (row stride cols).
-Tensor<bf16> operand(const Mat<const float>& m);
-// n contiguous values rounded to bf16, the same way.
-Tensor<bf16> operand(const float* x, std::int64_t n);
-// The same values as fp32 (the operands of an fp32 kernel run on bf16
-// inputs: gemm_bf16_path's widened_fp32, the flash kernels' fp32 ISA),
-// rounded in one pass instead of a bf16 copy widened again.
-Tensor<float> rounded_fp32(const Mat<const float>& m);
-Tensor<float> rounded_fp32(const float* x, std::int64_t n);
-// n bf16 values (a narrowed tensor's, Tensor::narrowed_data) widened to
-// fp32: what rounded_fp32 gives for the tensor they were narrowed from.
-Tensor<float> widened_fp32(const bf16* x, std::int64_t n);
+// The copies of an op's operands rounded to bf16 (ops_bf16.cpp, Copies) are
+// one pool tensor for the op's length (MemCategory::activations, "bf16
+// operand copies"), made before the op asks whether it computes, so that a
+// count-only run registers the same bytes and the memory model counts what
+// a real run holds (docs/accounting.md, "bf16 operand copies and attention
+// scratch"); attention's are mla/block.cpp's bf16 attention scratch.
 // n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
 // vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:
 // elementwise, so the same bits on any thread count.
