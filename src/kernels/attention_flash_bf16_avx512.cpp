@@ -680,9 +680,9 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // Q and dO of row blocks, packed along d (B of S^T, dP^T: both passes) and
 // along the rows (B of dK, dV), with each block's lse (base 2), D and
 // whether its Q and dO are finite: every block of every head, packed once
-// (the two-pass backward), or one head's blocks of one row set (ib = set,
-// set + sets, ...), packed again for each (head, row set) a thread takes
-// (the per-head backward).
+// (the two-pass backward), or the blocks of one head of one row set (ib =
+// set, set + sets, ...): the per-head backward holds one block so
+// (one_block_sets), packed right before the block's tiles.
 // The packs' extents, from the shape alone, as KeyPacksLayout.
 struct RowPacksLayout {
   std::int64_t nrb;                       // row blocks of a head
@@ -934,6 +934,12 @@ bool backward_per_head(std::int64_t units, std::int64_t nt) {
 // each thread packs one head's K, V at a time instead of every head's up
 // front. With fewer heads (the latent shape: one) the threads share row
 // blocks of every head, whose packs they then share too.
+// A RowPacks of one row block at a time: as many "row sets" as blocks, so
+// that each set is one block.
+std::int64_t one_block_sets(const AttnShape& s) {
+  return std::max<std::int64_t>(1, ceil_div(s.Sq * (s.Hq / s.Hk), kBr));
+}
+
 bool forward_per_head(std::int64_t heads, std::int64_t nt) {
   return heads > 1 && backward_per_head(heads, nt);
 }
@@ -960,14 +966,13 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
   if (heads == 0 && !bound) return d_all;
   const std::int64_t sets = row_sets(heads), units = heads * sets;
-  // Per head: each thread one head's K, V packs, one row set's Q, dO packs
-  // (the most of either set: bound, one set), its tiles and the head's dK,
-  // dV sums.
-  const auto per_head = [&](std::int64_t packed_sets) {
+  // Per head: each thread one head's K, V packs, one row block's Q, dO
+  // packs, its tiles and the head's dK, dV sums.
+  const auto per_head = [&] {
     return d_all + (units > 1 || bound ? nt : 1) *
                        (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
                         aligned_bytes<float>(s.Sk * s.dv) + KeyPacksLayout(s, 1).bytes() +
-                        RowPacksLayout(s, 1, packed_sets).bytes());
+                        RowPacksLayout(s, 1, one_block_sets(s)).bytes());
   };
   // Two passes: every head's packs, and each thread's tiles.
   const auto two_pass = [&] {
@@ -975,8 +980,8 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
     return d_all + keys.bytes() + rows.bytes() +
            (heads * std::max(keys.nkb, rows.nrb) > 1 || bound ? nt : 1) * Scratch::bytes(s);
   };
-  if (bound) return std::max(per_head(1), two_pass());
-  return backward_per_head(units, nt) ? per_head(sets) : two_pass();
+  if (bound) return std::max(per_head(), two_pass());
+  return backward_per_head(units, nt) ? per_head() : two_pass();
 }
 
 std::int64_t allocated_peak() {
@@ -1058,23 +1063,23 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     for (std::int64_t bh = 0; bh < heads; ++bh) stored[bh].store(false);
 #pragma omp parallel if (units > 1)
     {
-      // The thread's buffers: one head's K, V and one row set's Q, dO,
-      // packed again for each unit it takes (a head's two row sets each
-      // pack its K, V: cheap against its S^2 work, and no thread waits for
-      // another's packing).
+      // The thread's buffers: one head's K, V, packed again for each unit
+      // it takes (a head's two row sets each pack its K, V: cheap against
+      // its S^2 work, and no thread waits for another's packing), and one
+      // row block's Q, dO, packed right before the block's tiles.
       Scratch w(s, arena);
       Aligned<float> head_dk(s.Sk * s.dqk, arena), head_dv(s.Sk * s.dv, arena);
       KeyPacks kp(s, 1, arena);
-      RowPacks rp(s, 1, sets, arena);
+      RowPacks rp(s, 1, one_block_sets(s), arena);
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t bh = u / sets, set = u % sets;
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
         kp.pack_head(s, k, v, bh);
-        rp.pack_head(s, q, dout, lse, D.data(), bh, set);
         std::fill(head_dk.begin(), head_dk.end(), 0.0f);
         std::fill(head_dv.begin(), head_dv.end(), 0.0f);
         for (std::int64_t ib = set; ib < rp.nrb; ib += sets) {
           const RowBlock rb(hv, ib);
+          rp.pack_head(s, q, dout, lse, D.data(), bh, ib);  // this block alone
           std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
           for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
             const KeyTile kt(s, rb, kb);
