@@ -86,9 +86,9 @@ void for_key_blocks(const Step& st, std::int64_t keys, F&& f) {
 // copies of its operands the kernel reads -- bf16 for the VDPBF16PS kernels,
 // fp32 holding bf16 values where they widen (flash_bf16_isa) -- and the
 // bf16 kernel's workspace (FlashWorkspace), carved from one pool tensor, so
-// that the pool and the memory model count them, and the block cache hands
-// each step's call the same pages (the workspace alone was 90 MB of fresh
-// malloc a call at D 2048, S 2048: docs/accounting.md, "bf16 attention
+// that the pool and the memory model count them (they were malloc'd and
+// thread scratch outside both, 147 MB beside a 160 MB pool peak at D 2048,
+// S 2048: docs/accounting.md, "bf16 operand copies and attention
 // scratch"). Each part's bytes are a multiple of 64 (the workspace must be
 // 64-byte aligned). The workspace follows this thread's OpenMP thread
 // count, which a count-only run sets to the rank's (memory_model.hpp).

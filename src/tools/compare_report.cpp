@@ -204,7 +204,7 @@ std::string compare_table(const CompareResult& r) {
          "kernels' ("
       << to_string(flash_bf16_isa())
       << ") workspace, pool tensors while their op runs (docs/accounting.md, \"bf16 operand "
-         "copies and the flash workspace\")\n";
+         "copies and attention scratch\")\n";
   for (const FormResult& f : r.results) {
     s << "  " << to_string(f.form) << " at its peak (rank " << f.peak_rank << ", model):";
     int shown = 0;
