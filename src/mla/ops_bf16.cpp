@@ -36,29 +36,6 @@ void round_into(const float* x, float* out, std::int64_t n) {
   }
 }
 
-}  // namespace
-
-// Chunks of kChunk split over the threads where n is large enough to pay
-// for waking them. A single thread converting a GEMM's operands left the
-// other core idle for ~5% of a bf16 block's step (docs/performance.md,
-// "bf16 on AMD Zen 4").
-void to_bf16_threaded(const float* x, bf16* y, std::int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (std::int64_t j = 0; j < n; j += kChunk)
-    convert_to_bf16(x + j, y + j, std::min(kChunk, n - j));
-}
-
-void round_threaded(const float* x, float* y, std::int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, y + j, std::min(kChunk, n - j));
-}
-
-void to_float_threaded(const bf16* x, float* y, std::int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (std::int64_t j = 0; j < n; j += kChunk)
-    convert_to_float(x + j, y + j, std::min(kChunk, n - j));
-}
-
 // The (rows, cols) matrix m into y dense (row stride cols): rounded to bf16
 // (E = bf16) or to its bf16 values kept fp32 (E = float, where the GEMMs
 // widen). Rows, or a contiguous operand's chunks, split over the rank's
@@ -113,6 +90,29 @@ class Copies {
 
 Mat<const float> dense(const float* x, std::int64_t rows, std::int64_t cols) {
   return {x, rows, cols, cols};
+}
+
+}  // namespace
+
+// Chunks of kChunk split over the threads where n is large enough to pay
+// for waking them. A single thread converting a GEMM's operands left the
+// other core idle for ~5% of a bf16 block's step (docs/performance.md,
+// "bf16 on AMD Zen 4").
+void to_bf16_threaded(const float* x, bf16* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk)
+    convert_to_bf16(x + j, y + j, std::min(kChunk, n - j));
+}
+
+void round_threaded(const float* x, float* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk) round_into(x + j, y + j, std::min(kChunk, n - j));
+}
+
+void to_float_threaded(const bf16* x, float* y, std::int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (std::int64_t j = 0; j < n; j += kChunk)
+    convert_to_float(x + j, y + j, std::min(kChunk, n - j));
 }
 
 // Through the vectorised conversions (the same bits as to_bf16, one value at

@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "core/bf16.hpp"
-#include "core/tensor.hpp"
 
 namespace laga {
 
@@ -65,13 +64,14 @@ namespace bf16_path {
 // count-only run registers the same bytes and the memory model counts what
 // a real run holds (docs/accounting.md, "bf16 operand copies and attention
 // scratch"); attention's are mla/block.cpp's bf16 attention scratch.
+
 // n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
 // vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:
 // elementwise, so the same bits on any thread count.
 void to_bf16_threaded(const float* x, bf16* y, std::int64_t n);
 void to_float_threaded(const bf16* x, float* y, std::int64_t n);
 // n values rounded to their bf16 values, kept fp32 (to_float(to_bf16(x))),
-// likewise: rounded_fp32 into storage of the caller's.
+// likewise: the copies an fp32 kernel reads where bf16 kernels widen.
 void round_threaded(const float* x, float* y, std::int64_t n);
 // Every element of m replaced by its bf16 value (to_float(to_bf16(x))):
 // what a bf16 tensor holding m would hold.
