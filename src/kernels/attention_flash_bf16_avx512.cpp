@@ -680,19 +680,18 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
 // Q and dO of row blocks, packed along d (B of S^T, dP^T: both passes) and
 // along the rows (B of dK, dV), with each block's lse (base 2), D and
 // whether its Q and dO are finite: every block of every head, packed once
-// (the two-pass backward), or the blocks of one head of one row set (ib =
-// set, set + sets, ...): the per-head backward holds one block so
-// (one_block_sets), packed right before the block's tiles.
+// (the two-pass backward), or one block at a time, packed right before its
+// tiles (the per-head backward).
 // The packs' extents, from the shape alone, as KeyPacksLayout.
 struct RowPacksLayout {
+  bool every;                             // every block of every head, or one
   std::int64_t nrb;                       // row blocks of a head
-  std::int64_t sets, per_head, units;     // blocks held per head (of one row set), in all
+  std::int64_t units;                     // blocks held
   std::int64_t qv_n, dov_n, qr_n, dor_n;  // per block
-  RowPacksLayout(const AttnShape& s, std::int64_t held_heads, std::int64_t row_sets)
-      : nrb(ceil_div(s.Sq * (s.Hq / s.Hk), kBr)),
-        sets(row_sets),
-        per_head(ceil_div(nrb, row_sets)),
-        units(held_heads * per_head),
+  RowPacksLayout(const AttnShape& s, bool every_block)
+      : every(every_block),
+        nrb(ceil_div(s.Sq * (s.Hq / s.Hk), kBr)),
+        units(every ? s.B * s.Hk * nrb : std::min<std::int64_t>(nrb, 1)),
         qv_n(even_up(s.dqk) * kBr),
         dov_n(even_up(s.dv) * kBr),
         qr_n(kBr * s.dqk),
@@ -705,14 +704,11 @@ struct RowPacksLayout {
 };
 
 struct RowPacks : RowPacksLayout {
-  std::int64_t h0 = 0, set = 0;    // heads [h0, ...), row blocks ib = set mod sets
   Aligned<bf16> qv, dov, qr, dor;  // written in full by the packing
   Aligned<float> lse2, D;
   Aligned<unsigned char> finite;
   // Row block ib of head bh (held) as its index among the blocks held.
-  std::int64_t at(std::int64_t bh, std::int64_t ib) const {
-    return (bh - h0) * per_head + (ib - set) / sets;
-  }
+  std::int64_t at(std::int64_t bh, std::int64_t ib) const { return every ? bh * nrb + ib : 0; }
   const bf16* qv_of(std::int64_t bh, std::int64_t ib) const { return qv.get() + at(bh, ib) * qv_n; }
   const bf16* dov_of(std::int64_t bh, std::int64_t ib) const {
     return dov.get() + at(bh, ib) * dov_n;
@@ -729,9 +725,9 @@ struct RowPacks : RowPacksLayout {
     return finite[static_cast<size_t>(at(bh, ib))] != 0;
   }
 
-  // Room for held_heads heads' blocks of one of row_sets sets, nothing packed.
-  RowPacks(const AttnShape& s, std::int64_t held_heads, std::int64_t row_sets, Arena& arena)
-      : RowPacksLayout(s, held_heads, row_sets),
+  // Room for every block, or one, nothing packed yet.
+  RowPacks(const AttnShape& s, bool every_block, Arena& arena)
+      : RowPacksLayout(s, every_block),
         qv(units * qv_n, arena),
         dov(units * dov_n, arena),
         qr(units * qr_n, arena),
@@ -740,7 +736,7 @@ struct RowPacks : RowPacksLayout {
         D(zeroed<float>(units * kBr, arena)),
         finite(filled<unsigned char>(units, 1, arena)) {}
 
-  // Row block ib of head bh (held; of the set held).
+  // Row block ib of head bh (in place of the one held, when one).
   void pack(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
             const float* Dall, std::int64_t bh, std::int64_t ib) {
     const HeadView hv(s, bh / s.Hk, bh % s.Hk);
@@ -757,16 +753,9 @@ struct RowPacks : RowPacksLayout {
       D[static_cast<size_t>(u * kBr + r)] = Dall[hv.stat_off(rb.r0 + r)];
     }
   }
-  // A one-head pack made to hold head bh's row set `row_set`, packed (on
-  // this thread).
-  void pack_head(const AttnShape& s, const bf16* q, const bf16* dout, const float* lse,
-                 const float* Dall, std::int64_t bh, std::int64_t row_set) {
-    h0 = bh, set = row_set;
-    for (std::int64_t ib = row_set; ib < nrb; ib += sets) pack(s, q, dout, lse, Dall, bh, ib);
-  }
   static RowPacks of_every_head(const AttnShape& s, const bf16* q, const bf16* dout,
                                 const float* lse, const float* Dall, Arena& arena) {
-    RowPacks rp(s, s.B * s.Hk, 1, arena);
+    RowPacks rp(s, true, arena);
 #pragma omp parallel for schedule(static) if (rp.units > 1)
     for (std::int64_t u = 0; u < rp.units; ++u)
       rp.pack(s, q, dout, lse, Dall, u / rp.nrb, u % rp.nrb);
@@ -934,12 +923,6 @@ bool backward_per_head(std::int64_t units, std::int64_t nt) {
 // each thread packs one head's K, V at a time instead of every head's up
 // front. With fewer heads (the latent shape: one) the threads share row
 // blocks of every head, whose packs they then share too.
-// A RowPacks of one row block at a time: as many "row sets" as blocks, so
-// that each set is one block.
-std::int64_t one_block_sets(const AttnShape& s) {
-  return std::max<std::int64_t>(1, ceil_div(s.Sq * (s.Hq / s.Hk), kBr));
-}
-
 bool forward_per_head(std::int64_t heads, std::int64_t nt) {
   return heads > 1 && backward_per_head(heads, nt);
 }
@@ -955,7 +938,7 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   // backward schedule; the bound takes every thread and the larger
   // schedule always.
   if (!backward) {
-    const RowPacksLayout rows(s, heads, 1);
+    const RowPacksLayout rows(s, true);
     if (rows.units == 0 && !bound) return 0;
     const std::int64_t per_head = nt * (Scratch::bytes(s) + KeyPacksLayout(s, 1).bytes());
     const std::int64_t shared =
@@ -972,11 +955,11 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
     return d_all + (units > 1 || bound ? nt : 1) *
                        (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
                         aligned_bytes<float>(s.Sk * s.dv) + KeyPacksLayout(s, 1).bytes() +
-                        RowPacksLayout(s, 1, one_block_sets(s)).bytes());
+                        RowPacksLayout(s, false).bytes());
   };
   // Two passes: every head's packs, and each thread's tiles.
   const auto two_pass = [&] {
-    const RowPacksLayout rows(s, heads, 1);
+    const RowPacksLayout rows(s, true);
     return d_all + keys.bytes() + rows.bytes() +
            (heads * std::max(keys.nkb, rows.nrb) > 1 || bound ? nt : 1) * Scratch::bytes(s);
   };
@@ -1070,7 +1053,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
       Scratch w(s, arena);
       Aligned<float> head_dk(s.Sk * s.dqk, arena), head_dv(s.Sk * s.dv, arena);
       KeyPacks kp(s, 1, arena);
-      RowPacks rp(s, 1, one_block_sets(s), arena);
+      RowPacks rp(s, false, arena);
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t bh = u / sets, set = u % sets;
         const HeadView hv(s, bh / s.Hk, bh % s.Hk);
@@ -1079,7 +1062,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
         std::fill(head_dv.begin(), head_dv.end(), 0.0f);
         for (std::int64_t ib = set; ib < rp.nrb; ib += sets) {
           const RowBlock rb(hv, ib);
-          rp.pack_head(s, q, dout, lse, D.data(), bh, ib);  // this block alone
+          rp.pack(s, q, dout, lse, D.data(), bh, ib);  // this block alone
           std::fill(w.acc.begin(), w.acc.begin() + s.dqk * kBr, 0.0f);
           for (std::int64_t kb = rb.first_key_block(); kb < rb.end_key_block(); ++kb) {
             const KeyTile kt(s, rb, kb);
