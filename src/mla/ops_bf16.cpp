@@ -184,4 +184,99 @@ void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, con
   if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
 }
 
+// ------------------------------------------------------ RowSlicedLinears
+
+namespace {
+
+std::int64_t copy_bytes(std::int64_t elements) {
+  const std::int64_t e = widened() ? std::int64_t(sizeof(float)) : std::int64_t(sizeof(bf16));
+  return (elements * e + 63) / 64 * 64;
+}
+
+// One product of the copies, bf16 or (widened) fp32 copies of bf16 values.
+template <class E>
+void linear_of_copies(float* y, const E* x, const E* w, std::int64_t N, std::int64_t in,
+                      std::int64_t out) {
+  if constexpr (std::is_same_v<E, float>)
+    laga::linear_forward<float>(y, x, w, N, in, out);
+  else
+    linear_forward_bf16<float>(y, x, w, N, in, out);
+}
+template <class E>
+void linear_backward_of_copies(float* dx, bool accumulate, float* dw, const E* dy, const E* x,
+                               const E* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  if constexpr (std::is_same_v<E, float>)
+    laga::linear_backward<float>(dx, accumulate, dw, dy, x, w, N, in, out);
+  else
+    linear_backward_bf16<float>(dx, accumulate, dw, dy, x, w, N, in, out);
+}
+
+}  // namespace
+
+RowSlicedLinears::RowSlicedLinears(std::int64_t rows, std::initializer_list<InOut> shapes,
+                                   bool backward)
+    : rows_(rows), backward_(backward) {
+  LAGA_CHECK(rows >= 1, "internal: RowSlicedLinears needs slices of at least one row, not ", rows);
+  std::int64_t bytes = 0;
+  for (const InOut& s : shapes) bytes = std::max(bytes, layout(s.in, s.out).bytes);
+  buf_ = Tensor<bf16>({bytes / 2}, "bf16 operand copies");
+}
+
+RowSlicedLinears::Layout RowSlicedLinears::layout(std::int64_t in, std::int64_t out) const {
+  Layout l;
+  l.x = copy_bytes(out * in);                                  // w (out, in) first
+  l.dy = l.x + copy_bytes(rows_ * in);                         // then a slice of x (rows, in)
+  l.bytes = l.dy + (backward_ ? copy_bytes(rows_ * out) : 0);  // and of dy (rows, out)
+  return l;
+}
+
+void RowSlicedLinears::forward(float* y, const float* x, const float* w, std::int64_t N,
+                               std::int64_t in, std::int64_t out) {
+  const Layout l = layout(in, out);
+  LAGA_CHECK(!backward_ && l.bytes <= buf_.numel() * 2, "internal: RowSlicedLinears made for ",
+             backward_ ? "backward" : "other shapes", " ran a forward of (", in, " -> ", out, ")");
+  if (!runs(N * out, {y, x, w, buf_.data()})) return;
+  unsigned char* base = reinterpret_cast<unsigned char*>(buf_.data());
+  const auto run = [&](auto* wc, auto* xc) {
+    copy_rounded(dense(w, out, in), wc);
+    for (std::int64_t r0 = 0; r0 < N; r0 += rows_) {
+      const std::int64_t n = std::min(rows_, N - r0);
+      copy_rounded(dense(x + r0 * in, n, in), xc);
+      linear_of_copies(y + r0 * out, xc, wc, n, in, out);
+    }
+  };
+  if (widened())
+    run(reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + l.x));
+  else
+    run(reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + l.x));
+  round_in_place(Mat<float>{y, N, out, out});
+}
+
+void RowSlicedLinears::backward(float* dx, bool accumulate, float* dw, const float* dy,
+                                const float* x, const float* w, std::int64_t N, std::int64_t in,
+                                std::int64_t out) {
+  const Layout l = layout(in, out);
+  LAGA_CHECK(backward_ && l.bytes <= buf_.numel() * 2, "internal: RowSlicedLinears made for ",
+             backward_ ? "other shapes" : "forward", " ran a backward of (", in, " -> ", out, ")");
+  if (!runs(N * out, {dy, x, w, dw, dx ? dx : w, buf_.data()})) return;
+  unsigned char* base = reinterpret_cast<unsigned char*>(buf_.data());
+  const auto run = [&](auto* wc, auto* xc, auto* dyc) {
+    copy_rounded(dense(w, out, in), wc);
+    for (std::int64_t r0 = 0; r0 < N; r0 += rows_) {
+      const std::int64_t n = std::min(rows_, N - r0);
+      copy_rounded(dense(x + r0 * in, n, in), xc);
+      copy_rounded(dense(dy + r0 * out, n, out), dyc);
+      linear_backward_of_copies(dx ? dx + r0 * in : nullptr, accumulate, dw, dyc, xc, wc, n, in,
+                                out);
+    }
+  };
+  if (widened())
+    run(reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + l.x),
+        reinterpret_cast<float*>(base + l.dy));
+  else
+    run(reinterpret_cast<bf16*>(base), reinterpret_cast<bf16*>(base + l.x),
+        reinterpret_cast<bf16*>(base + l.dy));
+  if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
+}
+
 }  // namespace laga::ops::bf16_path

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/bf16.hpp"
+#include "core/tensor.hpp"
 
 namespace laga {
 
@@ -88,6 +90,41 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
             std::int64_t out);
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out);
+
+// Linears whose row counts follow data a count-only run does not have (the
+// MoE's routed experts: an expert's rows follow the routing, model/moe.cpp).
+// Copies sized per call would make the pool's peak depend on the routing,
+// which the memory model cannot predict; so every call's copies come from
+// one pool tensor ("bf16 operand copies") made up front, sized for a call of
+// `rows` rows at the widest of the (in, out) shapes the run will call, and a
+// call of more rows runs in slices of `rows` (a linear's rows are
+// independent; dW sums the slices in fp32, as it sums calls). Made whether
+// or not the run computes: a count-only run registers the same bytes.
+class RowSlicedLinears {
+ public:
+  struct InOut {
+    std::int64_t in, out;
+  };
+  // backward: the run calls backward() (copies of dy, x and w), else
+  // forward() (x and w).
+  RowSlicedLinears(std::int64_t rows, std::initializer_list<InOut> shapes, bool backward);
+  // y (N, out) = x (N, in) W^T, W (out, in): linear's contract.
+  void forward(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
+               std::int64_t out);
+  // dx (N, in) = dy W (or added to), dW += dy^T x: linear_backward's contract.
+  void backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
+                const float* w, std::int64_t N, std::int64_t in, std::int64_t out);
+
+ private:
+  // The copies' offsets in buf_ for a call of (in, out) and slices of rows_.
+  struct Layout {
+    std::int64_t x, dy, bytes;
+  };
+  Layout layout(std::int64_t in, std::int64_t out) const;
+  std::int64_t rows_;
+  bool backward_;
+  Tensor<bf16> buf_;
+};
 
 }  // namespace bf16_path
 }  // namespace laga::ops

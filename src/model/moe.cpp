@@ -1,6 +1,7 @@
 #include "model/moe.hpp"
 
 #include <array>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -9,6 +10,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/swiglu.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_bf16.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -51,17 +53,26 @@ void MoeParams<T>::for_each(const std::function<void(const std::string&, Tensor<
 
 namespace {
 
-// The MoE's GEMMs (gate, shared and routed experts) at this thread's
+// Under a count-only pool (the model's memory prediction, train.hpp) no
+// tensor is backed and no kernel runs: every tensor is still allocated in the
+// order and shape of a real run, which does not depend on the routing (N k
+// copies in all), so the pool's peak is the real one.
+bool counting() {
+  return current_pool().count_only();
+}
+
+// The gate's and the shared expert's GEMMs (N rows) at this thread's
 // precision (core/precision.hpp): under --dtype bf16 their operands are
 // rounded to bf16 and summed in fp32, as the attention block's and the dense
-// FFN's are (mla/ops.hpp, "Precision"); fp32 and double otherwise.
+// FFN's are (mla/ops.hpp, "Precision"); fp32 and double otherwise. Called in
+// a count-only run too, where only bf16's operand copies are allocated.
 template <class T>
 void moe_linear_forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in,
                         std::int64_t out) {
   if (ops::in_bf16<T>()) {  // T = float: in_bf16<double> throws
     if constexpr (std::is_same_v<T, float>) return ops::bf16_path::linear(y, x, w, N, in, out);
   }
-  linear_forward(y, x, w, N, in, out);
+  if (!counting()) linear_forward(y, x, w, N, in, out);
 }
 template <class T>
 void moe_linear_backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x, const T* w,
@@ -70,16 +81,38 @@ void moe_linear_backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x,
     if constexpr (std::is_same_v<T, float>)
       return ops::bf16_path::linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
   }
-  linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
+  if (!counting()) linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
 }
 
-// Under a count-only pool (the model's memory prediction, train.hpp) no
-// tensor is backed and no kernel runs: every tensor is still allocated in the
-// order and shape of a real run, which does not depend on the routing (N k
-// copies in all), so the pool's peak is the real one.
-bool counting() {
-  return current_pool().count_only();
-}
+// The routed experts' GEMMs, whose row counts follow the routing. Under
+// bf16 one pass's operand copies are one scratch made before the pass, in a
+// count-only run too (RowSlicedLinears; moe.hpp, moe_bf16_row_slice), for
+// slices of min(slice, max_rows) rows: max_rows bounds any expert's rows, so
+// a small layer holds no more than its largest possible call.
+template <class T>
+class ExpertLinears {
+ public:
+  ExpertLinears(std::int64_t max_rows, std::int64_t D, std::int64_t I, bool backward) {
+    if (ops::in_bf16<T>())
+      bf16_.emplace(std::max<std::int64_t>(1, std::min<std::int64_t>(moe_bf16_row_slice, max_rows)),
+                    std::initializer_list<ops::bf16_path::RowSlicedLinears::InOut>{{D, I}, {I, D}},
+                    backward);
+  }
+  void forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+    if constexpr (std::is_same_v<T, float>)
+      if (bf16_) return bf16_->forward(y, x, w, N, in, out);
+    linear_forward(y, x, w, N, in, out);
+  }
+  void backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x, const T* w, std::int64_t N,
+                std::int64_t in, std::int64_t out) {
+    if constexpr (std::is_same_v<T, float>)
+      if (bf16_) return bf16_->backward(dx, accumulate, dw, dy, x, w, N, in, out);
+    linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
+  }
+
+ private:
+  std::optional<ops::bf16_path::RowSlicedLinears> bf16_;
+};
 
 template <class T>
 void check_shape(const Tensor<T>& t, const Shape& want, const std::string& name) {
@@ -154,10 +187,15 @@ ExpertParallel ExpertParallel::folded(Communicator& comm, std::int64_t experts,
   return ep;
 }
 
-std::int64_t ExpertParallel::expected_rows(int owner, std::int64_t top_k) const {
+std::int64_t ExpertParallel::group_tokens(int j) const {
   std::int64_t n = 0;
   for (int i = 0; i < ranks(); ++i)
-    if (same_group(i, owner)) n += tokens[size_t(i)];
+    if (same_group(i, j)) n += tokens[size_t(i)];
+  return n;
+}
+
+std::int64_t ExpertParallel::expected_rows(int owner, std::int64_t top_k) const {
+  const std::int64_t n = group_tokens(owner);
   const std::int64_t E = experts();
   // round(n k owned / E) in integers: (2 n k owned + E) / (2 E).
   return (2 * n * top_k * owned(owner) + E) / (2 * E);
@@ -293,39 +331,37 @@ EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, bool real) {
 // Experts [e0, e0 + count.size()) each run their SwiGLU on their rows of xr
 // (rows, D), expert-major: a = w1 x, b = w3 x, h = silu(a) b (rows, I), y = w2 h.
 template <class T>
-void experts_forward(const MoeParams<T>& w, std::int64_t e0, const std::vector<std::int64_t>& count,
-                     const T* xr, std::int64_t D, std::int64_t I, T* a, T* b, T* h, T* y) {
+void experts_forward(const MoeParams<T>& w, ExpertLinears<T>& lin, std::int64_t e0,
+                     const std::vector<std::int64_t>& count, const T* xr, std::int64_t D,
+                     std::int64_t I, T* a, T* b, T* h, T* y) {
   std::int64_t o = 0;
   for (size_t q = 0; q < count.size(); o += count[q], ++q) {
     const std::int64_t c = count[q];
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
-    moe_linear_forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
-    moe_linear_forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
+    lin.forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
+    lin.forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
     swiglu_forward(h + o * I, a + o * I, b + o * I, c * I);
-    moe_linear_forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
+    lin.forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
   }
 }
 
 // Their backward: dxr (rows, D) from dy, each expert's weight gradients added.
 template <class T>
-void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, std::int64_t e0,
-                      const std::vector<std::int64_t>& count, const T* xr, const T* a, const T* b,
-                      const T* h, const T* dy, std::int64_t D, std::int64_t I, T* dh, T* da, T* db,
-                      T* dxr) {
+void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, ExpertLinears<T>& lin,
+                      std::int64_t e0, const std::vector<std::int64_t>& count, const T* xr,
+                      const T* a, const T* b, const T* h, const T* dy, std::int64_t D,
+                      std::int64_t I, T* dh, T* da, T* db, T* dxr) {
   std::int64_t o = 0;
   for (size_t q = 0; q < count.size(); o += count[q], ++q) {
     const std::int64_t c = count[q];
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
     ExpertParams<T>& gp = g.experts[size_t(e0) + q];
-    moe_linear_backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I,
-                        D);
+    lin.backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I, D);
     swiglu_backward(da + o * I, db + o * I, dh + o * I, a + o * I, b + o * I, c * I);
-    moe_linear_backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D,
-                        I);
-    moe_linear_backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D,
-                        I);
+    lin.backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D, I);
+    lin.backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D, I);
   }
 }
 
@@ -356,8 +392,8 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   // The gate: z = x W_g^T (N, E), then the selection and weights.
   {
     Tensor<T> logits({N, E});
+    moe_linear_forward(logits.data(), x, w.gate.data(), N, D, E);
     if (real) {
-      moe_linear_forward(logits.data(), x, w.gate.data(), N, D, E);
       s.routing = route(cfg, logits.data(), w.gate_bias.data(), N);
       s.dispatch = make_dispatch(s.routing);
     } else {
@@ -378,9 +414,12 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.b = Tensor<T>({R, I});
     s.h = Tensor<T>({R, I});
     s.y = Tensor<T>({R, D});
-    if (real)
-      experts_forward(w, 0, d.count, xp.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
-                      s.y.data());
+    {
+      ExpertLinears<T> lin(N, D, I, false);
+      if (real)
+        experts_forward(w, lin, 0, d.count, xp.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
+                        s.y.data());
+    }
     xp.reset();
   } else {
     // The copies to their experts' owners, the owned experts on every
@@ -401,9 +440,12 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.b = Tensor<T>({M, I});
     s.h = Tensor<T>({M, I});
     Tensor<T> ye({M, D});
-    if (real)
-      experts_forward(w, e0, rows.expert, s.xe.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
-                      ye.data());
+    {
+      ExpertLinears<T> lin(ep->group_tokens(comm.rank()), D, I, false);
+      if (real)
+        experts_forward(w, lin, e0, rows.expert, s.xe.data(), D, I, s.a.data(), s.b.data(),
+                        s.h.data(), ye.data());
+    }
     Tensor<T> ys({M, D});
     rows.reorder(ye.data(), ys.data(), D, false);
     ye.reset();
@@ -416,14 +458,12 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.sa = Tensor<T>({N, Is});
     s.sb = Tensor<T>({N, Is});
     s.sh = Tensor<T>({N, Is});
-  }
-  if (!real) return f;
-  if (Is > 0) {
     moe_linear_forward(s.sa.data(), x, w.shared.w1.data(), N, D, Is);
     moe_linear_forward(s.sb.data(), x, w.shared.w3.data(), N, D, Is);
-    swiglu_forward(s.sh.data(), s.sa.data(), s.sb.data(), N * Is);
+    if (real) swiglu_forward(s.sh.data(), s.sa.data(), s.sb.data(), N * Is);
     moe_linear_forward(f.out.data(), s.sh.data(), w.shared.w2.data(), N, Is, D);
   }
+  if (!real) return f;
   // Combine: out_t += sum_j w_tj y_row(t, j), slots in order.
   T* out = f.out.data();
 #pragma omp parallel for schedule(static)
@@ -454,26 +494,18 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   // Shared expert: out += w2 h, h = silu(a) b, a = w1 x, b = w3 x.
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
-    if (real) {
-      moe_linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(),
-                          w.shared.w2.data(), N, Is, D);
-      swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
-      moe_linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N,
-                          D, Is);
-      moe_linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N,
-                          D, Is);
-    }
+    moe_linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(), w.shared.w2.data(),
+                        N, Is, D);
+    if (real) swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
+    moe_linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N, D,
+                        Is);
+    moe_linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N, D,
+                        Is);
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
   std::vector<T> dweight(size_t(N * k));
   Tensor<T> dy({R, D});
-  if (!real && !ep) {
-    // Count-only: what the rest allocates (the gate's dz is a std::vector).
-    Tensor<T> xp({R, D}), dxp({R, D});
-    Tensor<T> dh({R, I}), da({R, I}), db({R, I});
-    return dx;
-  }
   if (real) {
 #pragma omp parallel for schedule(static)
     for (std::int64_t t = 0; t < N; ++t)
@@ -498,8 +530,10 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     dxp = Tensor<T>({R, D});
     {
       Tensor<T> dh({R, I}), da({R, I}), db({R, I});
-      experts_backward(w, g, 0, d.count, xp.data(), s.a.data(), s.b.data(), s.h.data(), dy.data(),
-                       D, I, dh.data(), da.data(), db.data(), dxp.data());
+      ExpertLinears<T> lin(N, D, I, true);
+      if (real)
+        experts_backward(w, g, lin, 0, d.count, xp.data(), s.a.data(), s.b.data(), s.h.data(),
+                         dy.data(), D, I, dh.data(), da.data(), db.data(), dxp.data());
     }
     xp.reset();
     dy.reset();
@@ -521,9 +555,10 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     Tensor<T> dxe({M, D});
     {
       Tensor<T> dh({M, I}), da({M, I}), db({M, I});
+      ExpertLinears<T> lin(ep->group_tokens(comm.rank()), D, I, true);
       if (real)
-        experts_backward(w, g, e0, rows.expert, s.xe.data(), s.a.data(), s.b.data(), s.h.data(),
-                         dye.data(), D, I, dh.data(), da.data(), db.data(), dxe.data());
+        experts_backward(w, g, lin, e0, rows.expert, s.xe.data(), s.a.data(), s.b.data(),
+                         s.h.data(), dye.data(), D, I, dh.data(), da.data(), db.data(), dxe.data());
     }
     dye.reset();
     Tensor<T> dxs({M, D});
@@ -532,19 +567,22 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     dxp = Tensor<T>({R, D});
     exchange_rows(*ep, d, rows, D, dxs.data(), dxp.data(), false, "dmoe_dispatch");
   }
-  if (!real) return dx;
-  // The permutation reversed: each token's k copies added back, slots in order.
-  T* gx = dx.data();
+  if (real) {
+    // The permutation reversed: each token's k copies added back, slots in order.
+    T* gx = dx.data();
 #pragma omp parallel for schedule(static)
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t j = 0; j < k; ++j) {
-      const T* src = dxp.data() + d.row[size_t(t * k + j)] * D;
-      for (std::int64_t i = 0; i < D; ++i) gx[t * D + i] += src[i];
-    }
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t j = 0; j < k; ++j) {
+        const T* src = dxp.data() + d.row[size_t(t * k + j)] * D;
+        for (std::int64_t i = 0; i < D; ++i) gx[t * D + i] += src[i];
+      }
+  }
   dxp.reset();
   // The gate: dz from the weights (the selection is locally constant), then
-  // z = x W_g^T.
-  const std::vector<T> dlogits = route_backward(cfg, s.routing, dweight.data());
+  // z = x W_g^T (count-only: no routing to differentiate; the GEMM still
+  // allocates what it does in a real run).
+  const std::vector<T> dlogits =
+      real ? route_backward(cfg, s.routing, dweight.data()) : std::vector<T>();
   moe_linear_backward(dx.data(), true, g.gate.data(), dlogits.data(), x, w.gate.data(), N, D, E);
   return dx;
 }

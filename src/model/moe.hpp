@@ -34,6 +34,7 @@
 // shared_experts.w1.weight (Ns I, D), .w2 (D, Ns I), .w3 (Ns I, D).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -84,7 +85,7 @@ struct ExpertParallel {
   Communicator* comm = nullptr;
   int group = 1;                     // G: ranks per EP group, the EP degree
   std::vector<std::int64_t> first;   // (G + 1) the first expert of each slot; first[G] = E
-  std::vector<std::int64_t> tokens;  // (P) each rank's N: only a count-only run reads it
+  std::vector<std::int64_t> tokens;  // (P) each rank's N: the sizes no routing changes
 
   // degree 0: G = P, the experts over every rank of comm; else G = degree,
   // which must divide P.
@@ -101,6 +102,9 @@ struct ExpertParallel {
   // over the ranks i of its group. A real run receives what the routing
   // sends (docs/moe.md).
   std::int64_t expected_rows(int owner, std::int64_t top_k) const;
+  // The tokens of rank j's group: the most rows any expert it owns can take
+  // (a token picks an expert once).
+  std::int64_t group_tokens(int j) const;
 };
 
 // The bytes rank r's expert-parallel MoE layer sends under each label, given
@@ -147,6 +151,14 @@ template <class T>
 void keep_narrowed(MoeSaved<T>& s);
 template <class T>
 void widen_kept(MoeSaved<T>& s);
+
+// Under --dtype bf16 a routed expert's GEMMs copy their operands a slice of
+// at most this many rows at a time, into one scratch per layer pass sized
+// for the slice (mla/ops_bf16.hpp, RowSlicedLinears): its size cannot follow
+// the routing, which the count-only memory prediction does not know. 512 rows
+// keep the GEMMs at full speed (their K and N are the model's D and the
+// expert's I); tests lower it to make the slices run.
+inline std::atomic<std::int64_t> moe_bf16_row_slice{512};
 
 template <class T>
 struct MoeForward {

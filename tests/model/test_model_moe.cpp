@@ -689,19 +689,24 @@ TEST(ModelMoe, Bf16KeptTensorsHeldAt2BytesChangeNoBit) {
 // The count-only run (laga train's memory check) allocates what a real MoE
 // step does: its prediction is the measured peak exactly.
 TEST(ModelMoe, MemoryPredictionEqualsTheMeasuredPeak) {
-  TrainOptions o = moe_train(2, 2);
-  o.model.bias_update_speed = 1.0 / 64;
-  const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
-  std::vector<MemoryPool> pools(2);
-  LocalRunOptions run;
-  run.pools = &pools;
-  run_local_ranks(
-      2, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
-  for (size_t r = 0; r < pools.size(); ++r) {
-    EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
-    EXPECT_EQ(predicted[r].state, pools[r].peak(MemCategory::parameters) +
-                                      pools[r].peak(MemCategory::optimizer) +
-                                      pools[r].peak(MemCategory::gradients));
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    SCOPED_TRACE(to_string(precision));
+    TrainOptions o = moe_train(2, 2);
+    o.model.bias_update_speed = 1.0 / 64;
+    o.precision = precision;
+    o.attention = AttentionKind::flash;
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    std::vector<MemoryPool> pools(2);
+    LocalRunOptions run;
+    run.pools = &pools;
+    run_local_ranks(
+        2, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+    for (size_t r = 0; r < pools.size(); ++r) {
+      EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
+      EXPECT_EQ(predicted[r].state, pools[r].peak(MemCategory::parameters) +
+                                        pools[r].peak(MemCategory::optimizer) +
+                                        pools[r].peak(MemCategory::gradients));
+    }
   }
 }
 
@@ -711,18 +716,23 @@ TEST(ModelMoe, MemoryPredictionEqualsTheMeasuredPeak) {
 // every expert (k = E) the routing is that expectation exactly, and the
 // prediction is the measured peak, byte for byte, at P 3 (4 experts: 2, 1, 1).
 TEST(ModelMoe, ExpertParallelMemoryPredictionIsExactUnderBalancedRouting) {
-  TrainOptions o = moe_train(3, 2);
-  MoeConfig& m = *o.model.moe;
-  m.n_routed_experts = 4, m.num_experts_per_tok = 4, m.n_group = 1, m.topk_group = 1;
-  o.experts = ExpertPlacement::folded;
-  const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
-  std::vector<MemoryPool> pools(3);
-  LocalRunOptions run;
-  run.pools = &pools;
-  run_local_ranks(
-      3, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
-  for (size_t r = 0; r < pools.size(); ++r)
-    EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    SCOPED_TRACE(to_string(precision));
+    TrainOptions o = moe_train(3, 2);
+    MoeConfig& m = *o.model.moe;
+    m.n_routed_experts = 4, m.num_experts_per_tok = 4, m.n_group = 1, m.topk_group = 1;
+    o.experts = ExpertPlacement::folded;
+    o.precision = precision;
+    o.attention = AttentionKind::flash;
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    std::vector<MemoryPool> pools(3);
+    LocalRunOptions run;
+    run.pools = &pools;
+    run_local_ranks(
+        3, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+    for (size_t r = 0; r < pools.size(); ++r)
+      EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -508,39 +508,98 @@ double relative_to_largest(const T* a, const double* ref, std::int64_t n) {
 // gradients' (their paths are no longer than the attention block's:
 // x, W1/W3, a and b, h, W2, y forward, as many again backward), and not
 // fp32's result, which would mean the MoE's GEMMs stayed fp32.
+// The experts' rows run whole (slice 512 > 24 rows) and in slices of 5 rows
+// (moe_bf16_row_slice: RowSlicedLinears' loop, dW summed over the slices).
+struct RowSlice {
+  explicit RowSlice(std::int64_t rows) { moe_bf16_row_slice = rows; }
+  ~RowSlice() { moe_bf16_row_slice = 512; }
+};
+
 TEST(MoeLayer, Bf16WithinItsBoundOfTheDoubleReference) {
-  for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
-    Case c = make_case(cfg, 24, 16, 300);
-    const MoeParams<float> wf = params_as<float>(cfg, c.w, c.D);
-    const auto xf = test::convert<float>(c.x), gof = test::convert<float>(c.dout);
-    RefMoe ref = ref_moe(cfg, c.w, c.x, c.dout, c.N, c.D);
-    const MoeForward<float> f32 = moe_forward(cfg, wf, xf.data(), c.N, c.D);
-    const UsePrecision bf16(Precision::bf16);
-    const MoeForward<float> f = moe_forward(cfg, wf, xf.data(), c.N, c.D);
-    MoeParams<float> g = MoeParams<float>::zeros(cfg, c.D, MemCategory::gradients);
-    const Tensor<float> dx = moe_backward(cfg, wf, xf.data(), f.saved, gof.data(), g);
-    // The case's gate margins are wider than bf16's rounding of the
-    // logits: the same experts are chosen, so the values compare.
-    const int k = int(cfg.num_experts_per_tok);
-    for (int t = 0; t < c.N; ++t)
-      for (int j = 0; j < k; ++j)
-        ASSERT_EQ(f.saved.routing.expert[size_t(t * k + j)], ref.route[t].expert[j]);
-    const double out_bound = bf16_bound_vs_exact(BlockTensor::output);
-    const double grad_bound = bf16_bound_vs_exact(BlockTensor::gradient);
-    const double out_err = relative_to_largest(f.out.data(), ref.out.data(), c.N * c.D);
-    EXPECT_LE(out_err, out_bound);
-    std::vector<double> out_f32(f32.out.data(), f32.out.data() + c.N * c.D);
-    EXPECT_GT(relative_to_largest(f.out.data(), out_f32.data(), c.N * c.D), 1e-5)
-        << "bf16 out equals fp32's to fp32 rounding: the MoE's GEMMs did not run bf16";
-    EXPECT_LE(relative_to_largest(dx.data(), ref.dx.data(), c.N * c.D), grad_bound);
-    std::vector<const Tensor<double>*> want;
-    ref.g.for_each([&](const std::string&, Tensor<double>& t) { want.push_back(&t); });
-    size_t i = 0;
-    g.for_each([&](const std::string& n, Tensor<float>& t) {
-      const Tensor<double>& r = *want[i++];
-      EXPECT_LE(relative_to_largest(t.data(), r.data(), t.numel()), grad_bound) << n;
-    });
-  }
+  for (std::int64_t slice : {512, 5})
+    for (const MoeConfig& cfg : {grouped(), ungrouped_unnormalised()}) {
+      const RowSlice rows(slice);
+      SCOPED_TRACE(cat("slice ", slice));
+      Case c = make_case(cfg, 24, 16, 300);
+      const MoeParams<float> wf = params_as<float>(cfg, c.w, c.D);
+      const auto xf = test::convert<float>(c.x), gof = test::convert<float>(c.dout);
+      RefMoe ref = ref_moe(cfg, c.w, c.x, c.dout, c.N, c.D);
+      const MoeForward<float> f32 = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+      const UsePrecision bf16(Precision::bf16);
+      const MoeForward<float> f = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+      MoeParams<float> g = MoeParams<float>::zeros(cfg, c.D, MemCategory::gradients);
+      const Tensor<float> dx = moe_backward(cfg, wf, xf.data(), f.saved, gof.data(), g);
+      // The case's gate margins are wider than bf16's rounding of the
+      // logits: the same experts are chosen, so the values compare.
+      const int k = int(cfg.num_experts_per_tok);
+      for (int t = 0; t < c.N; ++t)
+        for (int j = 0; j < k; ++j)
+          ASSERT_EQ(f.saved.routing.expert[size_t(t * k + j)], ref.route[t].expert[j]);
+      const double out_bound = bf16_bound_vs_exact(BlockTensor::output);
+      const double grad_bound = bf16_bound_vs_exact(BlockTensor::gradient);
+      const double out_err = relative_to_largest(f.out.data(), ref.out.data(), c.N * c.D);
+      EXPECT_LE(out_err, out_bound);
+      std::vector<double> out_f32(f32.out.data(), f32.out.data() + c.N * c.D);
+      EXPECT_GT(relative_to_largest(f.out.data(), out_f32.data(), c.N * c.D), 1e-5)
+          << "bf16 out equals fp32's to fp32 rounding: the MoE's GEMMs did not run bf16";
+      EXPECT_LE(relative_to_largest(dx.data(), ref.dx.data(), c.N * c.D), grad_bound);
+      std::vector<const Tensor<double>*> want;
+      ref.g.for_each([&](const std::string&, Tensor<double>& t) { want.push_back(&t); });
+      size_t i = 0;
+      g.for_each([&](const std::string& n, Tensor<float>& t) {
+        const Tensor<double>& r = *want[i++];
+        EXPECT_LE(relative_to_largest(t.data(), r.data(), t.numel()), grad_bound) << n;
+      });
+    }
+}
+
+// The count-only run (the memory prediction) allocates what a real forward
+// and backward do, event for event, whatever the routing: with the routing
+// spread and with every token sent to the same two experts (24 rows each,
+// more than a 5-row slice), fp32 and bf16 (whose operand copies are pool
+// tensors: an expert's would follow its rows, RowSlicedLinears' do not).
+TEST(MoeLayer, CountOnlyAllocatesWhatARealPassDoes) {
+  for (Precision precision : {Precision::fp32, Precision::bf16})
+    for (std::int64_t slice : {512, 5})
+      for (bool skewed : {false, true}) {
+        SCOPED_TRACE(cat(to_string(precision), " slice ", slice, skewed ? " skewed" : " spread"));
+        const RowSlice rows(slice);
+        const MoeConfig cfg = grouped();
+        Case c = make_case(cfg, 24, 16, 400);
+        if (skewed) {
+          for (std::int64_t e = 0; e < cfg.n_routed_experts; ++e) c.w.gate_bias[e] = -50;
+          c.w.gate_bias[0] = c.w.gate_bias[1] = 50;  // group 0 wins, its two experts take all
+        }
+        const MoeParams<float> wf = params_as<float>(cfg, c.w, c.D);
+        MoeParams<float> g = MoeParams<float>::zeros(cfg, c.D, MemCategory::gradients);
+        const auto xf = test::convert<float>(c.x), gof = test::convert<float>(c.dout);
+        const UsePrecision use(precision);
+        const auto pass = [&](bool count_only, std::int64_t* top_rows) {
+          std::vector<MemoryPool::Event> trace;
+          MemoryPool pool;
+          pool.set_count_only(count_only);
+          pool.set_trace(&trace);
+          {
+            const PoolScope scope(pool);
+            MoeForward<float> f = moe_forward(cfg, wf, xf.data(), c.N, c.D);
+            const Tensor<float> dx = moe_backward(cfg, wf, xf.data(), f.saved, gof.data(), g);
+            if (top_rows)
+              *top_rows =
+                  *std::max_element(f.saved.dispatch.count.begin(), f.saved.dispatch.count.end());
+          }
+          pool.set_trace(nullptr);
+          return trace;
+        };
+        std::int64_t top = 0;
+        const auto real = pass(false, &top);
+        const auto counted = pass(true, nullptr);
+        EXPECT_EQ(top, skewed ? c.N : top) << "the skewed routing did not concentrate the rows";
+        ASSERT_EQ(real.size(), counted.size());
+        for (size_t i = 0; i < real.size(); ++i) {
+          EXPECT_EQ(real[i].category, counted[i].category) << "event " << i;
+          ASSERT_EQ(real[i].delta, counted[i].delta) << "event " << i;
+        }
+      }
 }
 
 TEST(MoeLayer, FiniteDifferencesDouble) {
