@@ -101,11 +101,11 @@ std::int64_t whole_lines(std::int64_t bytes) {
   return (bytes + 63) / 64 * 64;
 }
 
-// kept: q, k, v held narrowed (their bf16 values are the bf16 kernel's
-// operands as they are). bound: the workspace of every call with extents no
+// kept: q, k, v, dout held narrowed (their bf16 values are the bf16
+// kernel's operands as they are). bound: the workspace of every call with extents no
 // larger than s's (a caller sizing one scratch for several such calls).
 Bf16AttentionParts bf16_attention_parts(const AttnShape& s, ops::AttentionPass pass,
-                                        const std::array<bool, 3>& kept, bool bound) {
+                                        const std::array<bool, 4>& kept, bool bound) {
   const bool backward = pass == ops::AttentionPass::backward;
   const bool widens = flash_bf16_isa() == FlashBf16Isa::fp32;
   const std::int64_t e = widens ? 4 : 2;
@@ -116,7 +116,7 @@ Bf16AttentionParts bf16_attention_parts(const AttnShape& s, ops::AttentionPass p
   p.q = copy(s.B * s.Sq * s.Hq * s.dqk, kept[0]);
   p.k = copy(s.B * s.Sk * s.Hk * s.dqk, kept[1]);
   p.v = copy(s.B * s.Sk * s.Hk * s.dv, kept[2]);
-  p.dout = backward ? copy(s.B * s.Sq * s.Hq * s.dv, false) : 0;
+  p.dout = backward ? copy(s.B * s.Sq * s.Hq * s.dv, kept[3]) : 0;
   if (!widens)
     p.workspace = whole_lines(bound ? attention_flash_bf16_workspace_bound(s, backward)
                                     : attention_flash_bf16_workspace_bytes(s, backward));
@@ -339,7 +339,7 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
     if constexpr (std::is_same_v<T, float>) {
       if (s.B * s.Hq * s.Sq == 0) return;
       const Bf16AttentionParts parts =
-          bf16_attention_parts(s, ops::AttentionPass::forward, {false, false, false}, false);
+          bf16_attention_parts(s, ops::AttentionPass::forward, {false, false, false, false}, false);
       Tensor<bf16> own;
       if (!scratch) own = bf16_attention_scratch(parts);
       Tensor<bf16>& buf = scratch ? *scratch : own;
@@ -384,7 +384,7 @@ template <class T>
 void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                                 const T* dout, const T* q, const T* k, const T* v, const T* o,
                                 const T* stats, T* dp, const T* eager_delta,
-                                const NarrowedQkv* narrowed, Tensor<bf16>* scratch) {
+                                const NarrowedOperands* narrowed, Tensor<bf16>* scratch) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   // Per (query, key) pair and head, forward does q.k (dqk) and p.v (dv).
   // Eager's backward: dv = p^T do and dp = do v^T (dv each), dq = ds k and
@@ -396,10 +396,13 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   });
   // Eager reads the saved probabilities, writes dp and reads it back.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
-  LAGA_CHECK(!narrowed || ops::in_bf16<T>(), "internal: narrowed q, k, v outside a bf16 run");
-  const void* qp = narrowed ? static_cast<const void*>(narrowed->q) : q;
-  const void* kp = narrowed ? static_cast<const void*>(narrowed->k) : k;
-  const void* vp = narrowed ? static_cast<const void*>(narrowed->v) : v;
+  LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
+             "internal: narrowed attention operands outside a bf16 run");
+  const void* qp = narrowed && narrowed->q_held ? static_cast<const void*>(narrowed->q) : q;
+  const void* kp = narrowed && narrowed->k_held ? static_cast<const void*>(narrowed->k) : k;
+  const void* vp = narrowed && narrowed->v_held ? static_cast<const void*>(narrowed->v) : v;
+  const void* dp_ =
+      narrowed && narrowed->dout_held ? static_cast<const void*>(narrowed->dout) : dout;
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
     // the recomputed scores), or, held narrowed, read as the bf16 values
@@ -408,16 +411,17 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       if (s.B * s.Hq * s.Sq == 0) return;
-      const NarrowedQkv none;
-      const NarrowedQkv& held = narrowed ? *narrowed : none;
-      const Bf16AttentionParts parts = bf16_attention_parts(
-          s, ops::AttentionPass::backward, {held.q_held, held.k_held, held.v_held}, false);
+      const NarrowedOperands none;
+      const NarrowedOperands& held = narrowed ? *narrowed : none;
+      const Bf16AttentionParts parts =
+          bf16_attention_parts(s, ops::AttentionPass::backward,
+                               {held.q_held, held.k_held, held.v_held, held.dout_held}, false);
       Tensor<bf16> own;
       if (!scratch) own = bf16_attention_scratch(parts);
       Tensor<bf16>& buf = scratch ? *scratch : own;
       LAGA_CHECK(buf.bytes() >= parts.bytes(), "internal: a bf16 attention scratch of ",
                  buf.bytes(), " bytes for a call that needs ", parts.bytes());
-      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, o})) return;
+      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dp_, qp, kp, vp, o})) return;
       const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                          nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
       auto* at = reinterpret_cast<unsigned char*>(buf.data());
@@ -435,9 +439,10 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
             ops::bf16_path::round_threaded(x, static_cast<float*>(dst), n);
           return static_cast<const float*>(dst);
         };
-        attention_flash_backward(
-            s, dq, dk, dv, fill(dc, dout, false, nullptr, nd), fill(qc, q, held.q_held, held.q, nq),
-            fill(kc, k, held.k_held, held.k, nk), fill(vc, v, held.v_held, held.v, nv), o, stats);
+        attention_flash_backward(s, dq, dk, dv, fill(dc, dout, held.dout_held, held.dout, nd),
+                                 fill(qc, q, held.q_held, held.q, nq),
+                                 fill(kc, k, held.k_held, held.k, nk),
+                                 fill(vc, v, held.v_held, held.v, nv), o, stats);
       } else {
         // A narrowed tensor's bf16 values are the operand as they are: a
         // copy only of what is not held narrowed.
@@ -448,7 +453,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
           return static_cast<const bf16*>(dst);
         };
         attention_flash_backward_bf16(
-            s, dq, dk, dv, operand(dc, dout, false, nullptr, nd),
+            s, dq, dk, dv, operand(dc, dout, held.dout_held, held.dout, nd),
             operand(qc, q, held.q_held, held.q, nq), operand(kc, k, held.k_held, held.k, nk),
             operand(vc, v, held.v_held, held.v, nv), o, stats,
             {at + parts.q + parts.k + parts.v + parts.dout, parts.workspace});
@@ -456,7 +461,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     }
     return;
   }
-  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dout, qp, kp, vp, eager ? dp : o})) return;
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dp_, qp, kp, vp, eager ? dp : o})) return;
   if (eager)
     attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp, eager_delta);
   else
@@ -466,7 +471,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
 template <class T>
 Tensor<bf16> Pieces<T>::attention_scratch(const AttnShape& s, ops::AttentionPass pass) {
   if (!ops::in_bf16<T>()) return {};
-  return bf16_attention_scratch(bf16_attention_parts(s, pass, {false, false, false}, true));
+  return bf16_attention_scratch(bf16_attention_parts(s, pass, {false, false, false, false}, true));
 }
 
 template <class T>
@@ -487,9 +492,10 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
   const bool eager = st.ctx.attention == AttentionKind::eager;
   Tensor<T> dp;  // eager: one head's dp at a time
   if (eager) dp = Tensor<T>({s.Sq, s.Sk}, "eager dp scratch");
-  const NarrowedQkv held{q.narrowed_data(), k.narrowed_data(), v.narrowed_data(),
-                         q.narrowed(),      k.narrowed(),      v.narrowed()};
-  const bool narrowed = q.narrowed() || k.narrowed() || v.narrowed();
+  const NarrowedOperands held{q.narrowed_data(),    k.narrowed_data(), v.narrowed_data(),
+                              dout.narrowed_data(), q.narrowed(),      k.narrowed(),
+                              v.narrowed(),         dout.narrowed()};
+  const bool narrowed = q.narrowed() || k.narrowed() || v.narrowed() || dout.narrowed();
   attend_backward(st, s, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
                   o.data(), stats.data(), dp.data(), nullptr, narrowed ? &held : nullptr);
   dp.reset();
@@ -779,6 +785,10 @@ void HeadAttention<T>::forward(const Step& st, const MlaParams<T>& w, Tensor<T>&
 
 template <class T>
 typename HeadAttention<T>::Grads HeadAttention<T>::backward(const Step& st, Tensor<T>& do_h) {
+  // Attention reads dO only as its bf16 operand and, widened exactly, for
+  // D = rowsum(dO o): held at 2 bytes from here, it needs no copy in the
+  // call's scratch (ops::keep_narrowed; the same bits).
+  ops::keep_narrowed(do_h);
   Grads g;
   g.dq_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "dq_h");
   g.dk_h = Tensor<T>({st.B, st.S, st.Hr, st.dqk}, "dk_h");
@@ -861,6 +871,7 @@ void RangeAttention<T>::forward(const Step& st) {
 
 template <class T>
 typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Tensor<T>& do_h) {
+  ops::keep_narrowed(do_h);  // as HeadAttention's
   Grads g;
   g.dq_h = Tensor<T>({st.B, st.Sq, st.Hr, st.dqk}, "dq_h");
   // Key rows past Sk are no call's: zero, where the tensor has them.
@@ -883,13 +894,15 @@ typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Te
       const AttnShape& s = c.shape;
       T* dk = c.all_keys ? row(st, g.dk_h, st.dqk, c.kv_row) : dk_part.data();
       T* dv = c.all_keys ? row(st, g.dv_h, st.dv, c.kv_row) : dv_part.data();
-      const typename Pieces<T>::NarrowedQkv held{narrowed_row(st, q_h, st.dqk, c.q_row),
-                                                 narrowed_row(st, k_h, st.dqk, c.kv_row),
-                                                 narrowed_row(st, v_h, st.dv, c.kv_row),
-                                                 q_h.narrowed(),
-                                                 k_h.narrowed(),
-                                                 v_h.narrowed()};
-      const bool narrowed = q_h.narrowed() || k_h.narrowed() || v_h.narrowed();
+      const typename Pieces<T>::NarrowedOperands held{narrowed_row(st, q_h, st.dqk, c.q_row),
+                                                      narrowed_row(st, k_h, st.dqk, c.kv_row),
+                                                      narrowed_row(st, v_h, st.dv, c.kv_row),
+                                                      narrowed_row(st, do_h, st.dv, c.q_row),
+                                                      q_h.narrowed(),
+                                                      k_h.narrowed(),
+                                                      v_h.narrowed(),
+                                                      do_h.narrowed()};
+      const bool narrowed = q_h.narrowed() || k_h.narrowed() || v_h.narrowed() || do_h.narrowed();
       Pieces<T>::attend_backward(st, s, row(st, g.dq_h, st.dqk, c.q_row), dk, dv,
                                  row(st, do_h, st.dv, c.q_row), row(st, q_h, st.dqk, c.q_row),
                                  row(st, k_h, st.dqk, c.kv_row), row(st, v_h, st.dv, c.kv_row),

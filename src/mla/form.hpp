@@ -235,16 +235,17 @@ struct Pieces {
   // call makes its own, exactly its size.
   static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
                      const T* v, T* eager_lse = nullptr, Tensor<bf16>* scratch = nullptr);
-  // q, k, v held narrowed (ops::keep_narrowed; bf16 runs only): `narrowed`
-  // gives their bf16 values, read in place of q, k, v (null then).
-  struct NarrowedQkv {
-    const bf16 *q = nullptr, *k = nullptr, *v = nullptr;  // null in a count-only run
-    bool q_held = false, k_held = false, v_held = false;  // which are held narrowed
+  // q, k, v (and backward's dout) held narrowed (ops::keep_narrowed; bf16
+  // runs only): `narrowed` gives their bf16 values, read in place of the
+  // fp32 pointers (null then).
+  struct NarrowedOperands {
+    const bf16 *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;    // null: count-only
+    bool q_held = false, k_held = false, v_held = false, dout_held = false;  // which are held
   };
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
                               const T* stats, T* dp, const T* eager_delta = nullptr,
-                              const NarrowedQkv* narrowed = nullptr,
+                              const NarrowedOperands* narrowed = nullptr,
                               Tensor<bf16>* scratch = nullptr);
   // The scratch of every bf16 attention call (pass) with extents no larger
   // than s's and nothing held narrowed; an empty tensor outside bf16 runs.

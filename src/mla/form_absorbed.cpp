@@ -68,6 +68,9 @@ struct AbsorbedTape final : Tape<T> {
       }
     }
     do_h.reset();
+    // Attention reads dO only as its bf16 operand and for D (as
+    // HeadAttention::backward): held at 2 bytes, no copy in its scratch.
+    ops::keep_narrowed(do_lat);
 
     const AttnShape s = latent_attention(st);
     Tensor<T> dq_abs({st.B, st.S, st.Hr, st.W}, "dq_abs");
