@@ -213,6 +213,10 @@ struct ClassRecords {
 ClassRecords count_by_class(const Job& j, const MlaParams<float>& w, const TensorF& x,
                             const TensorF& dout, std::vector<std::vector<Key>>& keys) {
   const int P = j.layout.ranks;
+  // Each rank counted at the OpenMP threads run_group would give it: what a
+  // bf16 run's flash workspace holds follows them (the memory model sizes
+  // it so too, MemoryModelOptions::threads).
+  const OmpThreadsScope threads(threads_per_rank(P));
   std::vector<RankClasses> classes;
   std::vector<int> run;  // the ranks to run, ascending
   for (FormVariant f : j.order) {
