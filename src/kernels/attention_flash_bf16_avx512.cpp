@@ -934,16 +934,29 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   const std::int64_t nt = threads_here(), heads = s.B * s.Hk;
   const KeyPacksLayout keys(s, heads);
   // Every term grows with the extents. What a smaller shape may take more
-  // of: threads' buffers (one thread where there is one unit) and the other
-  // backward schedule; the bound takes every thread and the larger
-  // schedule always.
+  // of: threads' buffers (one thread where there is one unit) and another
+  // schedule. The bound takes every thread, and each schedule a call of
+  // B' <= B batch rows would take (the rules read only B' Hk and the thread
+  // count), at s's extents: a ring step's calls at 16 heads all take the
+  // per-head schedule, so their bound is not the two-pass packs of every
+  // head (docs/performance.md, "bf16 flash workspace per head").
+  const auto schedules = [&](auto per_head_rule) {
+    std::pair<bool, bool> taken{false, false};  // {per head, the other}
+    for (std::int64_t b = 1; b <= s.B; ++b)
+      (per_head_rule(b * s.Hk) ? taken.first : taken.second) = true;
+    return taken;
+  };
   if (!backward) {
     const RowPacksLayout rows(s, true);
     if (rows.units == 0 && !bound) return 0;
     const std::int64_t per_head = nt * (Scratch::bytes(s) + KeyPacksLayout(s, 1).bytes());
     const std::int64_t shared =
         keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
-    if (bound) return std::max(per_head, shared);
+    if (bound) {
+      const auto [by_head, by_rows] =
+          schedules([&](std::int64_t h) { return forward_per_head(h, nt); });
+      return std::max(by_head ? per_head : 0, by_rows ? shared : 0);
+    }
     return forward_per_head(heads, nt) ? per_head : shared;
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
@@ -963,7 +976,11 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
     return d_all + keys.bytes() + rows.bytes() +
            (heads * std::max(keys.nkb, rows.nrb) > 1 || bound ? nt : 1) * Scratch::bytes(s);
   };
-  if (bound) return std::max(per_head(), two_pass());
+  if (bound) {
+    const auto [by_head, by_passes] =
+        schedules([&](std::int64_t h) { return h > 0 && backward_per_head(h * row_sets(h), nt); });
+    return std::max(by_head ? per_head() : d_all, by_passes ? two_pass() : d_all);
+  }
   return backward_per_head(units, nt) ? per_head() : two_pass();
 }
 

@@ -469,9 +469,13 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
 }
 
 template <class T>
-Tensor<bf16> Pieces<T>::attention_scratch(const AttnShape& s, ops::AttentionPass pass) {
+Tensor<bf16> Pieces<T>::attention_scratch(const AttnShape& s, ops::AttentionPass pass,
+                                          const NarrowedOperands* narrowed) {
   if (!ops::in_bf16<T>()) return {};
-  return bf16_attention_scratch(bf16_attention_parts(s, pass, {false, false, false, false}, true));
+  const NarrowedOperands none;
+  const NarrowedOperands& held = narrowed ? *narrowed : none;
+  return bf16_attention_scratch(
+      bf16_attention_parts(s, pass, {held.q_held, held.k_held, held.v_held, held.dout_held}, true));
 }
 
 template <class T>

@@ -248,8 +248,10 @@ struct Pieces {
                               const NarrowedOperands* narrowed = nullptr,
                               Tensor<bf16>* scratch = nullptr);
   // The scratch of every bf16 attention call (pass) with extents no larger
-  // than s's and nothing held narrowed; an empty tensor outside bf16 runs.
-  static Tensor<bf16> attention_scratch(const AttnShape& s, ops::AttentionPass pass);
+  // than s's and what `narrowed`'s flags say held narrowed (null: none); an
+  // empty tensor outside bf16 runs.
+  static Tensor<bf16> attention_scratch(const AttnShape& s, ops::AttentionPass pass,
+                                        const NarrowedOperands* narrowed = nullptr);
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,

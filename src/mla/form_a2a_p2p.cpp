@@ -136,8 +136,9 @@ struct A2aP2pTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    ops::widen_kept(q_h), ops::widen_kept(own);
+    ops::widen_kept(own);  // q_h and dO stay narrowed: as ring.hpp's RingTape
     Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    ops::keep_narrowed(do_h);
     auto [dq_h, acc] = att.backward(st, ring_of(st), w, codec, q_h, own, o_att, do_h, grads);
     do_h.reset(), o_att.reset(), own.reset(), q_h.reset();
     Tensor<T> dproj;  // rq == 0: dq lands in it

@@ -566,24 +566,31 @@ struct RingAttention {
         if (!eager || delta.defined())
           rows_stat = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring stats rows");
         if (eager) dp = Tensor<T>({g.L, Lk}, "eager dp scratch");
+        // q and dO held narrowed (bf16 runs: the tapes' backward) are read in
+        // place, rows at the call's offset; their copies are not in the scratch.
+        typename Pieces<T>::NarrowedOperands narrow;
+        narrow.q_held = q.narrowed(), narrow.dout_held = do_loc.narrowed();
         Tensor<bf16> scratch;
         if (rect.keys > 0)  // as ring_calls without documents: a call
           scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
-                                                 ops::AttentionPass::backward);
+                                                 ops::AttentionPass::backward, &narrow);
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
                              k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
           if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
-          Pieces<T>::attend_backward(st, s, at(dq_part.data(), q_off * st.dqk),
-                                     at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
-                                     at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
-                                     at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
-                                     at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-                                     at(o.data(), q_off * st.dv),
-                                     eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(),
-                                     eager ? stat : nullptr, nullptr, &scratch);
+          narrow.q = at(q.narrowed_data(), q_off * st.dqk);
+          narrow.dout = at(do_loc.narrowed_data(), q_off * st.dv);
+          const bool narrowed = narrow.q_held || narrow.dout_held;
+          Pieces<T>::attend_backward(
+              st, s, at(dq_part.data(), q_off * st.dqk),
+              at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
+              at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
+              at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
+              at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
+              eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr,
+              narrowed ? &narrow : nullptr, &scratch);
           for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
             const std::int64_t row = b * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),
@@ -635,13 +642,18 @@ struct RingTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    ops::widen_kept(q), ops::widen_kept(own);
+    // The own block is shifted round the ring in fp32; q and dO are read
+    // only as attention's bf16 operands (and dO, widened exactly, for D):
+    // they stay held at 2 bytes, read in place every step (RingAttention's
+    // backward), the same bits.
+    ops::widen_kept(own);
     // do (B, L, H dv) = dout wo; wo += dout^T o.
     Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
     {
       ops::Mat<T> do_m = mat(do_loc);
       ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
     }
+    ops::keep_narrowed(do_loc);
     auto [dq, acc] =
         att.backward(st, RingView::of_ranks(st), w, codec, q, own, o_loc, do_loc, grads);
     do_loc.reset(), o_loc.reset(), own.reset(), q.reset();
