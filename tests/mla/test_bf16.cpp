@@ -18,9 +18,11 @@
 #include "common/variants.hpp"
 #include "core/bf16.hpp"
 #include "core/error.hpp"
+#include "core/memory_pool.hpp"
 #include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemm_bf16.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/documents.hpp"
 #include "mla/memory_model.hpp"
@@ -491,6 +493,75 @@ TEST(Bf16, LinearRoundsActivationsNotWeightGradients) {
   EXPECT_EQ(count_bf16(y), y.numel());
   EXPECT_EQ(count_bf16(dx), dx.numel());
   EXPECT_LT(count_bf16(dw), dw.numel());
+}
+
+// RowSlicedLinears (the MoE's routed experts' GEMMs, model/moe.cpp): a call
+// of no more rows than its slice gives bf16_path::linear's and
+// linear_backward's bits; a call of more runs slice by slice, y and dx rows
+// independent (within one bf16 rounding of the whole call's: the GEMM's
+// blocking may follow M) and dW summed over the slices in fp32; its scratch
+// is one pool tensor of the size its widest shape needs, whether or not
+// it computes; and a run made for forward refuses a backward.
+TEST(Bf16, RowSlicedLinearsAreTheLinearsSliceBySlice) {
+  const std::int64_t N = 23, in = 24, out = 14;
+  TensorF x({N, in}), w({out, in}), dy({N, out});
+  fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
+  fill_normal(w.data(), w.numel(), 5, 2, 0, 1.0);
+  fill_normal(dy.data(), dy.numel(), 5, 3, 0, 1.0);
+  const UsePrecision bf16(Precision::bf16);
+  struct Out {
+    std::vector<float> y, dx, dw;
+  };
+  const auto fresh = [&] {
+    return Out{std::vector<float>(size_t(N * out)), std::vector<float>(size_t(N * in)),
+               std::vector<float>(size_t(out * in), 0.5f)};
+  };
+  Out whole = fresh();
+  ops::bf16_path::linear(whole.y.data(), x.data(), w.data(), N, in, out);
+  ops::bf16_path::linear_backward(whole.dx.data(), false, whole.dw.data(), dy.data(), x.data(),
+                                  w.data(), N, in, out);
+  const auto sliced = [&](std::int64_t rows) {
+    Out r = fresh();
+    ops::bf16_path::RowSlicedLinears fwd(rows, {{in, out}, {out, in}}, false);
+    fwd.forward(r.y.data(), x.data(), w.data(), N, in, out);
+    ops::bf16_path::RowSlicedLinears bwd(rows, {{in, out}}, true);
+    bwd.backward(r.dx.data(), false, r.dw.data(), dy.data(), x.data(), w.data(), N, in, out);
+    return r;
+  };
+  const Out one = sliced(N);
+  EXPECT_EQ(one.y, whole.y);
+  EXPECT_EQ(one.dx, whole.dx);
+  EXPECT_EQ(one.dw, whole.dw);
+  const Out five = sliced(5);
+  const auto near = [](const std::vector<float>& a, const std::vector<float>& b, double rel) {
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+      scale = std::max(scale, std::abs(double(b[i])));
+    }
+    return worst <= rel * scale;
+  };
+  EXPECT_TRUE(near(five.y, whole.y, kU));
+  EXPECT_TRUE(near(five.dx, whole.dx, kU));
+  EXPECT_TRUE(near(five.dw, whole.dw, 1e-5));  // fp32 sums in another grouping
+  EXPECT_NE(five.dw, std::vector<float>(size_t(out * in), 0.5f)) << "dW was not summed into";
+  // The scratch: one pool tensor, its size from the widest shape and the
+  // slice (w, then x's slice, each from a 64-byte line), in count-only too.
+  const std::int64_t e = gemm_bf16_path() == GemmBf16Path::widened_fp32 ? 4 : 2;
+  const auto line = [](std::int64_t b) { return (b + 63) / 64 * 64; };
+  for (bool count_only : {false, true}) {
+    MemoryPool pool;
+    pool.set_count_only(count_only);
+    const PoolScope scope(pool);
+    const ops::bf16_path::RowSlicedLinears run(5, {{in, out}, {out, in}}, true);
+    EXPECT_EQ(pool.current(MemCategory::activations),
+              line(e * out * in) + line(e * 5 * in) + line(e * 5 * out))
+        << (count_only ? "count-only" : "real");
+  }
+  ops::bf16_path::RowSlicedLinears forward_only(5, {{in, out}}, false);
+  EXPECT_THROW(forward_only.backward(whole.dx.data(), false, whole.dw.data(), dy.data(), x.data(),
+                                     w.data(), N, in, out),
+               Error);
 }
 
 }  // namespace
