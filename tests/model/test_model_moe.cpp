@@ -686,21 +686,33 @@ TEST(ModelMoe, Bf16KeptTensorsHeldAt2BytesChangeNoBit) {
       }
 }
 
+// Each rank's pool after a real in-process run of o (flash attention, which
+// bf16 needs, at o's precision).
+std::vector<MemoryPool> pools_of_a_real_run(TrainOptions o, Precision precision) {
+  o.precision = precision;
+  o.attention = AttentionKind::flash;
+  std::vector<MemoryPool> pools(size_t(o.sp));
+  LocalRunOptions run;
+  run.pools = &pools;
+  run_local_ranks(
+      o.sp, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+  return pools;
+}
+std::vector<TrainMemory> predicted_memory(TrainOptions o, Precision precision) {
+  o.precision = precision;
+  o.attention = AttentionKind::flash;
+  return predict_train_memory(o, StagingRule::in_process);
+}
+
 // The count-only run (laga train's memory check) allocates what a real MoE
-// step does: its prediction is the measured peak exactly.
+// step does: its prediction is the measured peak exactly, fp32 and bf16.
 TEST(ModelMoe, MemoryPredictionEqualsTheMeasuredPeak) {
   for (Precision precision : {Precision::fp32, Precision::bf16}) {
     SCOPED_TRACE(to_string(precision));
     TrainOptions o = moe_train(2, 2);
     o.model.bias_update_speed = 1.0 / 64;
-    o.precision = precision;
-    o.attention = AttentionKind::flash;
-    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
-    std::vector<MemoryPool> pools(2);
-    LocalRunOptions run;
-    run.pools = &pools;
-    run_local_ranks(
-        2, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+    const std::vector<TrainMemory> predicted = predicted_memory(o, precision);
+    const std::vector<MemoryPool> pools = pools_of_a_real_run(o, precision);
     for (size_t r = 0; r < pools.size(); ++r) {
       EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
       EXPECT_EQ(predicted[r].state, pools[r].peak(MemCategory::parameters) +
@@ -722,14 +734,8 @@ TEST(ModelMoe, ExpertParallelMemoryPredictionIsExactUnderBalancedRouting) {
     MoeConfig& m = *o.model.moe;
     m.n_routed_experts = 4, m.num_experts_per_tok = 4, m.n_group = 1, m.topk_group = 1;
     o.experts = ExpertPlacement::folded;
-    o.precision = precision;
-    o.attention = AttentionKind::flash;
-    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
-    std::vector<MemoryPool> pools(3);
-    LocalRunOptions run;
-    run.pools = &pools;
-    run_local_ranks(
-        3, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+    const std::vector<TrainMemory> predicted = predicted_memory(o, precision);
+    const std::vector<MemoryPool> pools = pools_of_a_real_run(o, precision);
     for (size_t r = 0; r < pools.size(); ++r)
       EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
   }
