@@ -401,7 +401,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   const void* qp = narrowed && narrowed->q_held ? static_cast<const void*>(narrowed->q) : q;
   const void* kp = narrowed && narrowed->k_held ? static_cast<const void*>(narrowed->k) : k;
   const void* vp = narrowed && narrowed->v_held ? static_cast<const void*>(narrowed->v) : v;
-  const void* dp_ =
+  const void* doutp =
       narrowed && narrowed->dout_held ? static_cast<const void*>(narrowed->dout) : dout;
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
@@ -411,17 +411,15 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       if (s.B * s.Hq * s.Sq == 0) return;
-      const NarrowedOperands none;
-      const NarrowedOperands& held = narrowed ? *narrowed : none;
+      const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
       const Bf16AttentionParts parts =
-          bf16_attention_parts(s, ops::AttentionPass::backward,
-                               {held.q_held, held.k_held, held.v_held, held.dout_held}, false);
+          bf16_attention_parts(s, ops::AttentionPass::backward, held.flags(), false);
       Tensor<bf16> own;
       if (!scratch) own = bf16_attention_scratch(parts);
       Tensor<bf16>& buf = scratch ? *scratch : own;
       LAGA_CHECK(buf.bytes() >= parts.bytes(), "internal: a bf16 attention scratch of ",
                  buf.bytes(), " bytes for a call that needs ", parts.bytes());
-      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dp_, qp, kp, vp, o})) return;
+      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, doutp, qp, kp, vp, o})) return;
       const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                          nv = s.B * s.Sk * s.Hk * s.dv, nd = s.B * s.Sq * s.Hq * s.dv;
       auto* at = reinterpret_cast<unsigned char*>(buf.data());
@@ -461,7 +459,7 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     }
     return;
   }
-  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, dp_, qp, kp, vp, eager ? dp : o})) return;
+  if (!ops::runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, doutp, qp, kp, vp, eager ? dp : o})) return;
   if (eager)
     attention_eager_backward(s, dq, dk, dv, dout, q, k, v, stats, dp, eager_delta);
   else
@@ -472,10 +470,8 @@ template <class T>
 Tensor<bf16> Pieces<T>::attention_scratch(const AttnShape& s, ops::AttentionPass pass,
                                           const NarrowedOperands* narrowed) {
   if (!ops::in_bf16<T>()) return {};
-  const NarrowedOperands none;
-  const NarrowedOperands& held = narrowed ? *narrowed : none;
   return bf16_attention_scratch(
-      bf16_attention_parts(s, pass, {held.q_held, held.k_held, held.v_held, held.dout_held}, true));
+      bf16_attention_parts(s, pass, narrowed ? narrowed->flags() : std::array<bool, 4>{}, true));
 }
 
 template <class T>

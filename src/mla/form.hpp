@@ -6,6 +6,7 @@
 // each returning what it computes. The forms are listed once, in form.cpp.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -241,6 +242,7 @@ struct Pieces {
   struct NarrowedOperands {
     const bf16 *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;    // null: count-only
     bool q_held = false, k_held = false, v_held = false, dout_held = false;  // which are held
+    std::array<bool, 4> flags() const { return {q_held, k_held, v_held, dout_held}; }
   };
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
