@@ -519,10 +519,10 @@ template <class T>
 Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
                                           const Tensor<T>& dout, Tensor<T>& o_loc,
                                           MlaParams<T>& grads) {
-  ops::widen_kept(o_loc);
+  // o_loc may be held narrowed: wo's gradient reads it in place.
   Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_loc");
   ops::Mat<T> do_loc_m = mat(do_loc);
-  ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
+  ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), std::as_const(o_loc), w.wo);
   o_loc.reset();
   return to_heads(st, do_loc, st.dv, "out_a2a", "do_h");
 }

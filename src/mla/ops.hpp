@@ -324,6 +324,25 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
                         x.cols, dy.cols);
 }
 
+// As above, x a whole tensor (mat(x)), which may be held narrowed
+// (keep_narrowed: bf16 runs): its bf16 values are then the product's operand
+// as they are, with no widening and no copy (the same bits: the op rounds x
+// to exactly those values).
+template <class T>
+void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T>& dw, In<T> dy,
+                     const Tensor<T>& x, const Tensor<T>& w) {
+  if (!x.narrowed()) return linear_backward(dx, accumulate, dw, dy, mat(x), w);
+  const Shape& s = x.shape();
+  const std::int64_t in = s.back(), N = x.numel() / std::max<std::int64_t>(in, 1), out = dy.cols;
+  LAGA_CHECK(dy.rows == N && dy.ld == dy.cols && w.dim(0) == out && w.dim(1) == in,
+             "internal: linear_backward of a held (", N, ", ", in, ") by ", to_string(w.shape()));
+  count_gemm({true, false, out, in, N, out, in, in, true});
+  if (dx) count_gemm({false, false, N, in, out, out, in, in, accumulate});
+  if constexpr (std::is_same_v<T, float>)  // narrowed: a bf16 run's float tensor
+    bf16_path::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, nullptr, w.data(),
+                               N, in, out, std::optional(x.narrowed_data()));
+}
+
 // y (N, C) contiguous = rmsnorm of x's first C columns (x may be wider).
 template <class T>
 void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps) {

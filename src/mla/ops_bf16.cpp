@@ -74,9 +74,11 @@ class Copies {
     }
     buf_ = Tensor<bf16>({bytes / 2}, "bf16 operand copies");
   }
-  // Converts every operand (once the op computes) and gives operand i's copy.
-  void fill() {
-    for (std::size_t i = 0; i < ops_.size(); ++i) copy_rounded(ops_[i], get(i));
+  // Converts every operand (once the op computes) but `skip`, which the
+  // caller fills; get(i) gives operand i's copy.
+  void fill(std::ptrdiff_t skip = -1) {
+    for (std::size_t i = 0; i < ops_.size(); ++i)
+      if (std::ptrdiff_t(i) != skip) copy_rounded(ops_[i], get(i));
   }
   E* get(std::size_t i) {
     return reinterpret_cast<E*>(reinterpret_cast<unsigned char*>(buf_.data()) + at_[i]);
@@ -168,13 +170,23 @@ void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64
 // an fp32 sum (the gemm rule above). dW is always added into the fp32
 // gradient (the master weights' precision).
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
-                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
+                     std::optional<const bf16*> x_held) {
   if (N * out == 0) return;
+  const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
   if (widened()) {
+    // A held x is widened into its copy (exactly: it holds bf16 values).
     Copies<float> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
-    if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
-    c.fill();
+    if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return;
+    c.fill(x_held ? 1 : -1);
+    if (x_held) to_float_threaded(*x_held, c.get(1), N * in);
     laga::linear_backward<float>(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
+  } else if (x_held) {
+    // The held values are the operand as they are: no copy of x.
+    Copies<bf16> c{dense(dy, N, out), dense(w, out, in)};
+    if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return;
+    c.fill();
+    linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), *x_held, c.get(1), N, in, out);
   } else {
     Copies<bf16> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
     if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;

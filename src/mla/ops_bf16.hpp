@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 
 #include "core/bf16.hpp"
 #include "core/tensor.hpp"
@@ -88,8 +89,12 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 // there) and the MoE's experts (model/moe.cpp), which hold pointers.
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out);
+// x_held: present when x is held narrowed (ops::keep_narrowed): its bf16
+// values (N, in), read as the operand in place of x's copy (x itself null;
+// the values null in a count-only run, which still allocates as a real one).
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
-                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out);
+                     const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
+                     std::optional<const bf16*> x_held = std::nullopt);
 
 // Linears whose row counts follow data a count-only run does not have (the
 // MoE's routed experts: an expert's rows follow the routing, model/moe.cpp).

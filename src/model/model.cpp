@@ -406,10 +406,10 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
   // dlogits in place of the logits: they are not needed after this.
   if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
     cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
-  ops::widen_kept(s.nf);
   Tensor<T> dn({N, D});
   ops::Mat<T> dn_mat = ops::mat(dn);
-  ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), ops::mat(s.nf), w.head);
+  // nf may be held narrowed: the head's gradient reads it in place.
+  ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf), w.head);
   s.logits.reset();
   Tensor<T> dx({B, L, D});  // gradient of the residual stream
   ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
