@@ -94,6 +94,57 @@ Mat<const float> dense(const float* x, std::int64_t rows, std::int64_t cols) {
   return {x, rows, cols, cols};
 }
 
+// One product of the copies, bf16 or (widened) fp32 copies of bf16 values.
+template <class E>
+void linear_of_copies(float* y, const E* x, const E* w, std::int64_t N, std::int64_t in,
+                      std::int64_t out) {
+  if constexpr (std::is_same_v<E, float>)
+    laga::linear_forward<float>(y, x, w, N, in, out);
+  else
+    linear_forward_bf16<float>(y, x, w, N, in, out);
+}
+template <class E>
+void linear_backward_of_copies(float* dx, bool accumulate, float* dw, const E* dy, const E* x,
+                               const E* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  if constexpr (std::is_same_v<E, float>)
+    laga::linear_backward<float>(dx, accumulate, dw, dy, x, w, N, in, out);
+  else
+    linear_backward_bf16<float>(dx, accumulate, dw, dy, x, w, N, in, out);
+}
+
+// linear's and linear_backward's bodies on copies of element E (bf16, or
+// fp32 where the GEMMs widen); false where the op does not compute.
+template <class E>
+bool linear_as(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
+               std::int64_t out) {
+  Copies<E> c{dense(x, N, in), dense(w, out, in)};
+  if (!runs(N * out, {y, x, w})) return false;
+  c.fill();
+  linear_of_copies(y, c.get(0), c.get(1), N, in, out);
+  return true;
+}
+template <class E>
+bool linear_backward_as(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
+                        const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
+                        std::optional<const bf16*> x_held) {
+  const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
+  if constexpr (std::is_same_v<E, bf16>)
+    if (x_held) {  // the held values are the operand as they are: no copy of x
+      Copies<bf16> c{dense(dy, N, out), dense(w, out, in)};
+      if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
+      c.fill();
+      linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), *x_held, c.get(1), N, in, out);
+      return true;
+    }
+  Copies<E> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
+  if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
+  c.fill(x_held ? 1 : -1);
+  if constexpr (std::is_same_v<E, float>)  // a held x widened into its copy (exactly)
+    if (x_held) to_float_threaded(*x_held, c.get(1), N * in);
+  linear_backward_of_copies(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
+  return true;
+}
+
 }  // namespace
 
 // Chunks of kChunk split over the threads where n is large enough to pay
@@ -152,17 +203,8 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
             std::int64_t out) {
   if (N * out == 0) return;
-  if (widened()) {
-    Copies<float> c{dense(x, N, in), dense(w, out, in)};
-    if (!runs(N * out, {y, x, w})) return;
-    c.fill();
-    laga::linear_forward<float>(y, c.get(0), c.get(1), N, in, out);
-  } else {
-    Copies<bf16> c{dense(x, N, in), dense(w, out, in)};
-    if (!runs(N * out, {y, x, w})) return;
-    c.fill();
-    linear_forward_bf16<float>(y, c.get(0), c.get(1), N, in, out);
-  }
+  if (!(widened() ? linear_as<float>(y, x, w, N, in, out) : linear_as<bf16>(y, x, w, N, in, out)))
+    return;
   round_in_place(Mat<float>{y, N, out, out});
 }
 
@@ -173,26 +215,9 @@ void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, con
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
                      std::optional<const bf16*> x_held) {
   if (N * out == 0) return;
-  const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
-  if (widened()) {
-    // A held x is widened into its copy (exactly: it holds bf16 values).
-    Copies<float> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
-    if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return;
-    c.fill(x_held ? 1 : -1);
-    if (x_held) to_float_threaded(*x_held, c.get(1), N * in);
-    laga::linear_backward<float>(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
-  } else if (x_held) {
-    // The held values are the operand as they are: no copy of x.
-    Copies<bf16> c{dense(dy, N, out), dense(w, out, in)};
-    if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return;
-    c.fill();
-    linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), *x_held, c.get(1), N, in, out);
-  } else {
-    Copies<bf16> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
-    if (!runs(N * out, {dy, x, w, dw, dx ? dx : w})) return;
-    c.fill();
-    linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
-  }
+  if (!(widened() ? linear_backward_as<float>(dx, accumulate, dw, dy, x, w, N, in, out, x_held)
+                  : linear_backward_as<bf16>(dx, accumulate, dw, dy, x, w, N, in, out, x_held)))
+    return;
   if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
 }
 
@@ -203,24 +228,6 @@ namespace {
 std::int64_t copy_bytes(std::int64_t elements) {
   const std::int64_t e = widened() ? std::int64_t(sizeof(float)) : std::int64_t(sizeof(bf16));
   return (elements * e + 63) / 64 * 64;
-}
-
-// One product of the copies, bf16 or (widened) fp32 copies of bf16 values.
-template <class E>
-void linear_of_copies(float* y, const E* x, const E* w, std::int64_t N, std::int64_t in,
-                      std::int64_t out) {
-  if constexpr (std::is_same_v<E, float>)
-    laga::linear_forward<float>(y, x, w, N, in, out);
-  else
-    linear_forward_bf16<float>(y, x, w, N, in, out);
-}
-template <class E>
-void linear_backward_of_copies(float* dx, bool accumulate, float* dw, const E* dy, const E* x,
-                               const E* w, std::int64_t N, std::int64_t in, std::int64_t out) {
-  if constexpr (std::is_same_v<E, float>)
-    laga::linear_backward<float>(dx, accumulate, dw, dy, x, w, N, in, out);
-  else
-    linear_backward_bf16<float>(dx, accumulate, dw, dy, x, w, N, in, out);
 }
 
 }  // namespace
