@@ -87,68 +87,82 @@ BlockCache::~BlockCache() {
 }
 
 BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
-  std::int64_t mapped = round_to_pages(bytes);
-  void* block = nullptr;
-  // The smallest kept block of mapped .. mapped + mapped / 8 bytes.
-  const std::int64_t most = mapped + mapped / 8 * kSlackEighths;
-  if (const auto it = kept_.lower_bound(mapped); it != kept_.end() && it->first <= most) {
-    mapped = it->first;
-    block = it->second.back();
-    it->second.pop_back();
-    if (it->second.empty()) kept_.erase(it);
-    stats_.cached -= mapped;
-    if (!count_only_) unpoison(block, mapped);
+  const std::int64_t mapped = round_to_pages(bytes);
+  Block block;
+  if (const auto fit = kept_by_size_.lower_bound({mapped, Place{}}); fit != kept_by_size_.end()) {
+    // The smallest kept block of at least `mapped` bytes: whole when at most
+    // 1/8 larger, else its front pages, the rest kept.
+    block = take(kept_.find(fit->second));
+    if (block.mapped > mapped + mapped / 8 * kSlackEighths) {
+      keep({block.place.mapping, block.place.offset + mapped}, block.mapped - mapped);
+      block = block_at(block.place, mapped);
+      ++stats_.splits;
+    }
     ++stats_.hits;
   } else if (!kept_.empty() && !fits_beside_kept(mapped)) {
-    // A fresh block would have to push kept ones out: take the kept block
-    // nearest in size and resize it instead, so that only the pages it grows
+    // A fresh block would have to push kept ones out: grow the largest kept
+    // block (every one is smaller) instead, so that only the pages it grows
     // by are new (and take page faults), not all of them.
-    const Block kept = take_nearest(mapped);
-    const std::int64_t size = kept.mapped;
-    block = kept.data;
-    stats_.live_mapped += size;  // live from here: make_room must not count or evict it
-    if (mapped > size) make_room(mapped - size);
-    stats_.live_mapped -= size;
-    void* const resized = count_only_ ? nullptr : resize_pages(block, size, mapped);
-    if (count_only_ || resized) {
-      block = resized;
+    const Block kept = take(kept_.find(std::prev(kept_by_size_.end())->second));
+    if (!count_only_) unpoison(kept.data, kept.mapped);  // its addresses may move
+    stats_.live_mapped += kept.mapped;  // live from here: make_room must not count or evict it
+    make_room(mapped - kept.mapped);
+    stats_.live_mapped -= kept.mapped;
+    void* const grown = count_only_ ? nullptr : resize_pages(kept.data, kept.mapped, mapped);
+    if (count_only_ || grown) {
+      // The grown block is a mapping of its own (it may have moved).
+      const auto from = mappings_.find(kept.place.mapping);
+      if ((from->second.bytes -= kept.mapped) == 0) mappings_.erase(from);
+      const std::int64_t number = next_mapping_++;
+      mappings_[number] = {static_cast<char*>(grown), mapped};
+      block = {grown, mapped, {number, 0}};
       ++stats_.resized;
     } else {  // no room to grow it: give it and the kept ones back, map afresh
-      unmap(block, size);
+      unmap(kept);
       release_kept();
-      block = map_pages(mapped);
-      if (!block) return {};
+      block = map_fresh(mapped);
+      if (!block.data) return {};
       ++stats_.misses;
     }
   } else {
     make_room(mapped);
-    if (!count_only_) {
-      block = map_pages(mapped);
-      // What is kept is memory the system could use: give it back and retry.
-      if (!block && release_kept() > 0) block = map_pages(mapped);
-      if (!block) return {};
-    }
+    block = map_fresh(mapped);
+    // What is kept is memory the system could use: give it back and retry.
+    if (!block.data && !count_only_ && release_kept() > 0) block = map_fresh(mapped);
+    if (!block.data && !count_only_) return {};
     ++stats_.misses;
   }
-  stats_.live_mapped += mapped;
+  if (!count_only_) unpoison(block.data, block.mapped);
+  stats_.live_mapped += block.mapped;
   stats_.live_requested += bytes;
   stats_.live_peak = std::max(stats_.live_peak, stats_.live_mapped);
   stats_.mapped_peak = std::max(stats_.mapped_peak, stats_.mapped());
-  return {block, mapped};
+  return block;
 }
 
 void BlockCache::release(const Block& b, std::int64_t bytes) {
-  void* const block = b.data;
-  const std::int64_t mapped = b.mapped;
-  stats_.live_mapped -= mapped;
+  stats_.live_mapped -= b.mapped;
   stats_.live_requested -= bytes;
   if (limit() == 0.0) {
-    unmap(block, mapped);
+    unmap(b);
     return;
   }
-  kept_[mapped].push_back(block);
-  stats_.cached += mapped;
-  if (!count_only_) poison(block, mapped);
+  if (!count_only_) poison(b.data, b.mapped);
+  // Merged with the kept blocks right after and right before it in its
+  // mapping, so that the pieces of a split block become one again.
+  Place place = b.place;
+  std::int64_t mapped = b.mapped;
+  if (const auto next = kept_.find({place.mapping, place.offset + mapped}); next != kept_.end())
+    mapped += take(next).mapped;
+  if (const auto after = kept_.lower_bound(place); after != kept_.begin()) {
+    const auto before = std::prev(after);
+    if (before->first.mapping == place.mapping &&
+        before->first.offset + before->second == place.offset) {
+      place = before->first;
+      mapped += take(before).mapped;
+    }
+  }
+  keep(place, mapped);
 }
 
 std::int64_t BlockCache::trim() {
@@ -182,21 +196,50 @@ void BlockCache::set_count_only(bool on) {
   count_only_ = on;
 }
 
-void BlockCache::unmap(void* block, std::int64_t mapped) {
-  if (count_only_) return;  // nothing was mapped
-  unpoison(block, mapped);  // the addresses may be mapped again, for anything
-  munmap(block, static_cast<std::size_t>(mapped));
+BlockCache::Block BlockCache::block_at(Place place, std::int64_t mapped) const {
+  char* const base = mappings_.at(place.mapping).base;
+  return {base ? base + place.offset : nullptr, mapped, place};
+}
+
+BlockCache::Block BlockCache::map_fresh(std::int64_t mapped) {
+  char* const base = count_only_ ? nullptr : static_cast<char*>(map_pages(mapped));
+  if (!base && !count_only_) return {};
+  const std::int64_t number = next_mapping_++;
+  mappings_[number] = {base, mapped};
+  return {base, mapped, {number, 0}};
+}
+
+void BlockCache::unmap(const Block& block) {
+  const auto mapping = mappings_.find(block.place.mapping);
+  if (!count_only_) {                    // else nothing was mapped
+    unpoison(block.data, block.mapped);  // the addresses may be mapped again, for anything
+    munmap(block.data, static_cast<std::size_t>(block.mapped));
+  }
+  mapping->second.bytes -= block.mapped;
+  if (mapping->second.bytes == 0) mappings_.erase(mapping);
+}
+
+void BlockCache::keep(Place place, std::int64_t mapped) {
+  kept_.emplace(place, mapped);
+  kept_by_size_.emplace(mapped, place);
+  stats_.cached += mapped;
+}
+
+BlockCache::Block BlockCache::take(Kept::iterator it) {
+  const Block block = block_at(it->first, it->second);
+  kept_by_size_.erase({it->second, it->first});
+  kept_.erase(it);
+  stats_.cached -= block.mapped;
+  return block;
 }
 
 std::int64_t BlockCache::release_kept() {
   std::int64_t released = 0;
-  for (auto& [mapped, blocks] : kept_)
-    for (void* block : blocks) {
-      unmap(block, mapped);
-      released += mapped;
-    }
-  kept_.clear();
-  stats_.cached = 0;
+  while (!kept_.empty()) {
+    const Block block = take(kept_.begin());
+    unmap(block);
+    released += block.mapped;
+  }
   return released;
 }
 
@@ -208,28 +251,10 @@ bool BlockCache::fits_beside_kept(std::int64_t bytes) {
   return static_cast<double>(stats_.mapped() + bytes) <= bound_with(bytes);
 }
 
-BlockCache::Block BlockCache::take_nearest(std::int64_t mapped) {
-  auto it = kept_.lower_bound(mapped);  // the smallest at least as large
-  if (it == kept_.end() ||
-      (it != kept_.begin() && mapped - std::prev(it)->first < it->first - mapped))
-    it = std::prev(it);  // the largest smaller one is nearer (a tie shrinks: no new pages)
-  const Block block{it->second.back(), it->first};
-  it->second.pop_back();
-  if (it->second.empty()) kept_.erase(it);
-  stats_.cached -= block.mapped;
-  if (!count_only_) unpoison(block.data, block.mapped);
-  return block;
-}
-
 void BlockCache::make_room(std::int64_t bytes) {
   const double bound = bound_with(bytes);
   while (!kept_.empty() && static_cast<double>(stats_.mapped() + bytes) > bound) {
-    const auto largest = std::prev(kept_.end());
-    const std::int64_t mapped = largest->first;
-    unmap(largest->second.back(), mapped);
-    largest->second.pop_back();
-    if (largest->second.empty()) kept_.erase(largest);
-    stats_.cached -= mapped;
+    unmap(take(kept_.find(std::prev(kept_by_size_.end())->second)));
     ++stats_.evicted;
   }
 }

@@ -7,30 +7,39 @@
 // fault per 4 KiB (docs/performance.md, "Page faults"); raising glibc's
 // thresholds instead fragments its heap, a footprint no laga figure sees.
 //
-// How: a block is an anonymous mmap of the request rounded up to whole pages;
-// when freed it is kept in a free list of its mapped size, and a request
-// reuses the smallest kept block of at least its page-rounded size and at
-// most 1/8 more (kSlackEighths): its exact size whenever one is kept, as in a
-// dense step, whose shapes repeat every step (size classes found no more
-// blocks on the block's allocation traces and mapped more); and a block a
-// little larger for the tensors whose sizes follow the routing (an MoE
-// layer's rows under expert parallelism differ from step to step, and at
-// exact sizes every step mapped them afresh: docs/performance.md, "Page
-// faults"). Each MemoryPool owns one (a rank's footprint is its own) and
-// decides which requests come here.
+// How: a mapping is an anonymous mmap of a request rounded up to whole
+// pages; a block is a run of whole pages of one mapping: all of it, or a
+// part split off. A freed block is kept, merged with the kept blocks just
+// before and after it in its mapping, and a request takes the smallest kept
+// block of at least its page-rounded size (best fit). A kept block up to 1/8
+// larger (kSlackEighths) is taken whole: its exact size whenever one is kept,
+// as in a dense step, whose shapes repeat every step, and one a little larger
+// for the tensors whose sizes follow the routing (an MoE layer's rows under
+// expert parallelism differ from step to step). A larger one is split: the
+// request takes its front pages and the rest stays kept, so a step that
+// allocates many sizes (bf16's tensors held at 2 bytes beside their 4-byte
+// copies) reuses pages it already has instead of faulting in new ones; when
+// the step's tensors are freed, the pieces merge back into the whole
+// mapping, and the next step splits it the same way (docs/performance.md,
+// "Page faults").
 //
 // The bound: mapped() = live_mapped + cached never exceeds
 // limit x live_peak, live_peak being the peak of live_mapped since
-// construction or the last trim(). A request that finds no kept block of its
-// size maps a fresh one when that fits under the bound beside every kept
-// block. Where it would not, it takes the kept block nearest in size and
-// resizes it (mremap: a shrink maps nothing, a growth only its new pages),
-// releasing other kept blocks, largest first, until the growth fits (or
-// none is left: live blocks alone are within it, limit >= 1). Evicting to
-// map afresh instead had each MoE step of `laga train` fault in ~6,200
-// pages (4 KiB) of its routing-sized tensors again; resizing leaves ~1,000
-// (docs/performance.md, "Page faults"). Freeing and reusing change mapped()
-// not at all.
+// construction or the last trim(). A request larger than every kept block
+// maps a fresh one when that fits under the bound beside every kept block.
+// Where it would not, it grows the largest kept block (mremap: only the new
+// pages are new), releasing other kept blocks, largest first, until the
+// growth fits (or none is left: live blocks alone are within it, limit >=
+// 1). Evicting to map afresh instead had each MoE step of `laga train`
+// fault in ~6,200 pages (4 KiB) of its routing-sized tensors again;
+// resizing leaves ~1,000 (docs/performance.md, "Page faults"). Freeing,
+// reusing and splitting change mapped() not at all.
+//
+// Where a block lies is its place: its mapping's number and its offset
+// there. Merging asks places, never addresses, so that it never
+// joins two mappings the system happened to put side by side (one system
+// call could not resize the pair), and so that a count-only run, which has
+// no addresses, makes every decision a mapping run makes.
 //
 // Count-only: a cache in count-only mode maps nothing and hands out nullptr,
 // but keeps, reuses, evicts and counts its (empty) blocks exactly as a
@@ -41,9 +50,11 @@
 // thread at a time (a rank's thread, or another one after a join).
 #pragma once
 
+#include <compare>
 #include <cstdint>
 #include <map>
-#include <vector>
+#include <set>
+#include <utility>
 
 namespace laga {
 
@@ -56,11 +67,12 @@ class BlockCache {
     std::int64_t cached = 0;          // freed blocks kept for reuse
     std::int64_t live_peak = 0;       // peak of live_mapped since construction or trim()
     std::int64_t mapped_peak = 0;     // peak of live_mapped + cached, same span
-    // Block counts since construction: requests served by a kept block, by
-    // a fresh mapping, by a kept block of another size resized to theirs,
-    // and kept blocks unmapped to honour the bound (also after a lowered
-    // limit; trim() and a failed mapping's retry not counted).
-    std::int64_t hits = 0, misses = 0, resized = 0, evicted = 0;
+    // Block counts since construction: requests served by a kept block (of
+    // those, `splits` by the front of a larger one), by a fresh mapping, by
+    // a smaller kept block grown to their size, and kept blocks unmapped to
+    // honour the bound (also after a lowered limit; trim() and a failed
+    // mapping's retry not counted).
+    std::int64_t hits = 0, splits = 0, misses = 0, resized = 0, evicted = 0;
     std::int64_t mapped() const { return live_mapped + cached; }
     // Requests that took new pages: a fresh block, or a kept one resized.
     std::int64_t not_reused() const { return misses + resized; }
@@ -71,18 +83,27 @@ class BlockCache {
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
-  // A block and the bytes mapped for it (whole pages, at least the request).
+  // Where a block lies: the number of its mapping (from 1, never reused)
+  // and its offset there, in bytes.
+  struct Place {
+    std::int64_t mapping = 0, offset = 0;
+    auto operator<=>(const Place&) const = default;
+  };
+  // A block, the bytes mapped for it (whole pages, at least the request) and
+  // its place (the cache's name for it: release() needs it back).
   struct Block {
     void* data = nullptr;
     std::int64_t mapped = 0;
+    Place place;
   };
   // A block of at least `bytes` (> 0) bytes, page-aligned; its contents are
   // whatever its last user left (a fresh mapping reads as zeros). data is
   // nullptr when the system has no memory even after every kept block is
   // released, and always in count-only mode (mapped says what was counted).
   Block acquire(std::int64_t bytes);
-  // Gives back a block from acquire(bytes), with the same bytes: kept when
-  // the cache is on, unmapped when it is off.
+  // Gives back a block from acquire(bytes), with the same bytes: kept (and
+  // merged with its kept neighbours) when the cache is on, unmapped when it
+  // is off.
   void release(const Block& block, std::int64_t bytes);
   // Unmaps every kept block and starts live_peak again from live_mapped;
   // returns the bytes unmapped.
@@ -109,7 +130,24 @@ class BlockCache {
   static constexpr std::int64_t kSlackEighths = 1;
 
  private:
-  void unmap(void* block, std::int64_t mapped);
+  // A mapping's address (nullptr in count-only mode) and the bytes of it
+  // still mapped, live or kept (it is forgotten at 0).
+  struct Mapping {
+    char* base = nullptr;
+    std::int64_t bytes = 0;
+  };
+  using Kept = std::map<Place, std::int64_t>;  // place -> mapped bytes
+
+  // The block of `mapped` bytes at `place`, with its address.
+  Block block_at(Place place, std::int64_t mapped) const;
+  // A fresh mapping of `mapped` bytes as one block; data is nullptr when the
+  // system has none (count-only: always, and the mapping is counted).
+  Block map_fresh(std::int64_t mapped);
+  // Unmaps one block (live or just taken out of the cache).
+  void unmap(const Block& block);
+  // Keeps a block / takes the kept block at `it` out of the cache.
+  void keep(Place place, std::int64_t mapped);
+  Block take(Kept::iterator it);
   // Unmaps every kept block; returns the bytes.
   std::int64_t release_kept();
   // Releases kept blocks, largest first, until `bytes` more fit under the
@@ -119,16 +157,16 @@ class BlockCache {
   // fits under it beside every kept block.
   double bound_with(std::int64_t bytes);
   bool fits_beside_kept(std::int64_t bytes);
-  // The kept block nearest to `mapped` bytes in size (the larger one on a
-  // tie: shrinking maps no page), taken out of the cache.
-  Block take_nearest(std::int64_t mapped);
 
   static constexpr double kUnset = -1.0;
   double limit_ = kUnset;
   bool count_only_ = false;
   Stats stats_;
-  // mapped size -> kept blocks (nullptr in count-only mode)
-  std::map<std::int64_t, std::vector<void*>> kept_;
+  std::map<std::int64_t, Mapping> mappings_;  // number -> mapping
+  std::int64_t next_mapping_ = 1;             // mapping 0 is no block's
+  // The kept blocks, by place, and by size then place.
+  Kept kept_;
+  std::set<std::pair<std::int64_t, Place>> kept_by_size_;
 };
 
 // The limit a BlockCache starts with: LAGA_POOL_CACHE when set, else 1.25

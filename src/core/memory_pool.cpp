@@ -108,10 +108,10 @@ MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
   Storage s;
   if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) {
     const BlockCache::Block b = cache_.acquire(bytes);  // {nullptr, 0} when out of memory
-    s = {b.data, b.mapped};
+    s = {b.data, b.mapped, b.place};
   } else if (!count_only_) {
     const std::size_t rounded = (static_cast<std::size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
-    s = {std::aligned_alloc(kAlign, rounded), 0};
+    s = {std::aligned_alloc(kAlign, rounded), 0, {}};
   }
   if (storage_tracking_ && s.data) {
     const auto begin = reinterpret_cast<std::uintptr_t>(s.data);
@@ -123,7 +123,7 @@ MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
 void MemoryPool::release_storage(Storage storage, std::int64_t bytes) {
   if (storage.data) blocks_.erase(reinterpret_cast<std::uintptr_t>(storage.data));
   if (storage.cached())  // a count-only one too: the cache counts it back
-    cache_.release({storage.data, storage.mapped}, bytes);
+    cache_.release({storage.data, storage.mapped, storage.place}, bytes);
   else
     std::free(storage.data);
 }

@@ -76,6 +76,7 @@ class MemoryPool {
     // > 0: from the cache, its block's mapped bytes (release_storage gives
     // it back there); 0: from aligned_alloc.
     std::int64_t mapped = 0;
+    BlockCache::Place place;  // the cache's name for the block
     bool cached() const { return mapped > 0; }
   };
   Storage acquire_storage(std::int64_t bytes);

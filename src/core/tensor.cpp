@@ -48,6 +48,7 @@ Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
   const MemoryPool::Storage storage = acquire(pool, this->bytes());
   data_ = static_cast<T*>(storage.data);
   mapped_ = storage.mapped;
+  place_ = storage.place;
   pool_ = &pool;
   name_ = name;
   live_id_ = register_bytes(pool, this->bytes(), "");
@@ -83,11 +84,11 @@ void Tensor<T>::replace_storage(bool narrowed, const std::function<void(void*)>&
   const MemoryPool::Storage fresh = acquire(pool, new_bytes);
   const std::int64_t id = register_bytes(pool, new_bytes, narrowed ? " bf16" : "");
   if (fresh.data && storage()) fill(fresh.data);
-  if (storage() || mapped_ > 0) pool.release_storage({storage(), mapped_}, old_bytes);
+  if (storage() || mapped_ > 0) pool.release_storage(held_storage(), old_bytes);
   pool.on_free(category_, old_bytes, live_id_);
   data_ = narrowed ? nullptr : static_cast<T*>(fresh.data);
   narrow_ = narrowed ? static_cast<bf16*>(fresh.data) : nullptr;
-  narrowed_ = narrowed, mapped_ = fresh.mapped, live_id_ = id;
+  narrowed_ = narrowed, mapped_ = fresh.mapped, place_ = fresh.place, live_id_ = id;
 }
 
 template <class T>
@@ -140,11 +141,13 @@ Tensor<T>::Tensor(Tensor&& o) noexcept
       pool_(o.pool_),
       live_id_(o.live_id_),
       mapped_(o.mapped_),
+      place_(o.place_),
       name_(o.name_),
       narrowed_(o.narrowed_),
       narrow_(o.narrow_) {
   o.live_id_ = 0;
   o.mapped_ = 0;
+  o.place_ = {};
   o.narrowed_ = false;
   o.narrow_ = nullptr;
   o.shape_.clear();
@@ -164,11 +167,13 @@ Tensor<T>& Tensor<T>::operator=(Tensor&& o) noexcept {
     pool_ = o.pool_;
     live_id_ = o.live_id_;
     mapped_ = o.mapped_;
+    place_ = o.place_;
     name_ = o.name_;
     narrowed_ = o.narrowed_;
     narrow_ = o.narrow_;
     o.live_id_ = 0;
     o.mapped_ = 0;
+    o.place_ = {};
     o.narrowed_ = false;
     o.narrow_ = nullptr;
     o.shape_.clear();
@@ -208,7 +213,7 @@ Tensor<T> Tensor<T>::clone(MemCategory cat) const {
 template <class T>
 void Tensor<T>::reset() {
   if (pool_) {
-    if (storage() || mapped_ > 0) pool_->release_storage({storage(), mapped_}, bytes());
+    if (storage() || mapped_ > 0) pool_->release_storage(held_storage(), bytes());
     pool_->on_free(category_, bytes(), live_id_);
   }
   live_id_ = 0;
@@ -216,6 +221,7 @@ void Tensor<T>::reset() {
   narrow_ = nullptr;
   narrowed_ = false;
   mapped_ = 0;
+  place_ = {};
   pool_ = nullptr;
   shape_.clear();
   numel_ = 0;

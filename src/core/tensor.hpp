@@ -111,11 +111,14 @@ class Tensor {
   // > 0: pool_'s block cache gave the storage (or, count-only, counted it),
   // a block of this many mapped bytes.
   std::int64_t mapped_ = 0;
+  BlockCache::Place place_;     // and the cache's name for that block
   const char* name_ = nullptr;  // what the pool's live list calls it
   bool narrowed_ = false;       // the storage is narrow_ (bf16), data_ is null
   bf16* narrow_ = nullptr;
   // The storage as the pool handed it out: data_, or narrow_ when narrowed.
   void* storage() const { return narrowed_ ? static_cast<void*>(narrow_) : data_; }
+  // The storage as release_storage takes it back.
+  MemoryPool::Storage held_storage() const { return {storage(), mapped_, place_}; }
   // Registers `bytes` under this tensor's category and name (+ `suffix`).
   std::int64_t register_bytes(MemoryPool& pool, std::int64_t bytes, const char* suffix) const;
   // `bytes` of storage from pool (none for no elements, none but counted

@@ -197,14 +197,15 @@ std::vector<Held> held_over(const Case& c, int steps, std::int64_t min_bytes, bo
 }
 
 // A count-only run of one step bounds what the pool holds over many: the
-// cache keeps more blocks as steps go by (a later step's held() can pass
-// the first step's), but never maps more than max(limit, 1) x its live
-// peak, which one counted step gives exactly; small tensors (under the
-// cache's minimum size, from malloc) count at their own peak. This is the
-// figure the upfront memory check adds (MemoryPrediction::cache_allowance).
+// cache never maps more than max(limit, 1) x its live peak, which one
+// counted step gives exactly; small tensors (under the cache's minimum
+// size, from malloc) count at their own peak. This is the figure the
+// upfront memory check adds (MemoryPrediction::cache_allowance). And a
+// repeated step holds what the first did: its blocks split and merge back
+// the same way every step, so no later step maps more (the bound's own
+// reach is BlockCache.MappedStaysWithinTheBoundUnderRandomTraffic's).
 TEST(PoolCache, OneCountedStepBoundsWhatLaterStepsHold) {
   const MlaConfig rq0 = small_config(0), rq7 = small_config(7);
-  int grew = 0;
   for (const Case& c : cases(rq0, rq7))
     for (std::int64_t min_bytes : {std::int64_t(1), std::int64_t(2048)}) {
       const std::vector<Held> counted = held_over(c, 1, min_bytes, true),
@@ -214,13 +215,11 @@ TEST(PoolCache, OneCountedStepBoundsWhatLaterStepsHold) {
             c.name() + " rank " + std::to_string(r) + " min " + std::to_string(min_bytes);
         const Held &a = real[static_cast<size_t>(r)], &b = counted[static_cast<size_t>(r)];
         EXPECT_LE(a.most, b.bound) << what;
+        EXPECT_EQ(a.most, b.most) << what << ": a later step held more than the first";
         EXPECT_EQ(a.bound, b.bound) << what << ": later steps raised the live peaks";
         EXPECT_EQ(a.requested, b.requested) << what;
-        grew += a.most > b.most;
       }
     }
-  EXPECT_GT(grew, 0) << "no rank held more over 4 steps than one counted step predicts: the "
-                        "bound was not needed";
 }
 
 }  // namespace
