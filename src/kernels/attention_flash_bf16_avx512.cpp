@@ -525,9 +525,6 @@ struct Scratch {
   Aligned<float> dk1, dv1;  // the same of row set 1 (two-pass, with two row sets)
   Aligned<bf16> qv;         // forward's Q^T of the block (pack_rows_along_d)
   Aligned<float> m, l, alpha;
-  // backward_scores left this tile's P^T and dS^T in pt, dst and pv
-  // (unmasked), not in st and dpt (masked: rounded after the mask).
-  bool rounded = false;
   Scratch(const AttnShape& s, Arena& arena)
       : st(zeroed<float>(kBc * kBr, arena)),
         dpt(zeroed<float>(kBc * kBr, arena)),
@@ -555,22 +552,19 @@ struct Scratch {
 
 // pv (cols_p / 2, Br, 2) = x (cols, Br) rounded to bf16, key pairs (c, c+1)
 // interleaved per lane; the partner of an odd last key is 0.
-// Keys c (lo) and c + 1 (hi) of 16 rows r.. rounded to bf16 into pv's
-// layout (pair-row c / 2: row r's two values side by side) at pv + ((c / 2)
-// * kBr + r) * 2.
-void store_key_pair(bf16* at, V lo, V hi) {
+void round_pairs_along_keys(const float* x, std::int64_t cols, std::int64_t nr, bf16* pv) {
   const __m512i interleave =
       _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                        21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  // cvtne2ps puts its first operand in the upper 16 values.
-  _mm512_storeu_si512(at, _mm512_permutexvar_epi16(interleave, as_si(_mm512_cvtne2ps_pbh(hi, lo))));
-}
-
-void round_pairs_along_keys(const float* x, std::int64_t cols, std::int64_t nr, bf16* pv) {
   for (std::int64_t c = 0; c < cols; c += 2)
-    for (std::int64_t r = 0; r < nr; r += W)
-      store_key_pair(pv + ((c >> 1) * kBr + r) * 2, S::load(x + c * kBr + r),
-                     c + 1 < cols ? S::load(x + (c + 1) * kBr + r) : S::zero());
+    for (std::int64_t r = 0; r < nr; r += W) {
+      const V lo = S::load(x + c * kBr + r);
+      const V hi = c + 1 < cols ? S::load(x + (c + 1) * kBr + r) : S::zero();
+      // cvtne2ps puts its first operand in the upper 16 values.
+      const __m512i both = as_si(_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(pv + ((c >> 1) * kBr + r) * 2,
+                          _mm512_permutexvar_epi16(interleave, both));
+    }
 }
 
 // out (cols, Br) = x rounded to bf16, lanes at and past `rows` zero (they
@@ -609,60 +603,42 @@ void forward_block(const AttnShape& s, const HeadView& hv, const RowBlock& rb, c
     bgemm(cols, nr, kp.dqk_p / 2, kp.krow_of(bh) + kt.j0 * kp.dqk_p, kp.dqk_p, w.qv.data(), 2 * kBr,
           st, kBr, false);
     // Scores in base 2, scaled here in fp32 (not folded into Q as the fp32
-    // kernel does: that would round Q * scale to bf16 a second time). A
-    // masked tile is scaled and masked in place first; an unmasked one is
-    // scaled where it is read (the same product, so the same bits), which
-    // saves a pass over the tile.
+    // kernel does: that would round Q * scale to bf16 a second time).
+    for (std::int64_t c = 0; c < cols; ++c)
+      for (std::int64_t r = 0; r < nr; r += W)
+        S::store(st + c * kBr + r, S::mul(S::load(st + c * kBr + r), sc2));
     const bool masked = tile_is_masked(rb, kt);
     if (masked) {
-      for (std::int64_t c = 0; c < cols; ++c)
-        for (std::int64_t r = 0; r < nr; r += W)
-          S::store(st + c * kBr + r, S::mul(S::load(st + c * kBr + r), sc2));
       const TileRanges tr(hv, rb, kt);
       for (std::int64_t r = 0; r < rb.rows; ++r) {
         for (std::int64_t c = 0; c < tr.lo[r]; ++c) st[c * kBr + r] = ninf;
         for (std::int64_t c = tr.hi[r]; c < cols; ++c) st[c * kBr + r] = ninf;
       }
     }
-    const auto score = [&](std::int64_t c, std::int64_t r) {
-      const V x = S::load(st + c * kBr + r);
-      return masked ? x : S::mul(x, sc2);
-    };
     // Online softmax as in the fp32 kernel (a row with every key so far
-    // masked shifts by 0, so p = 2^-inf = 0). P goes straight to bf16 pairs
-    // along the keys (the B operand of O^T += V_j^T P^T; the l summed here
-    // is of P unrounded), two keys at a time, summed in key order.
-    __mmask16 rescaled = 0;  // lanes whose running max moved (alpha != 1)
+    // masked shifts by 0, so p = 2^-inf = 0).
     for (std::int64_t r = 0; r < nr; r += W) {
       const V m_old = S::load(w.m.data() + r);
       V mx = m_old;
-      for (std::int64_t c = 0; c < cols; ++c) mx = S::max(mx, score(c, r));
+      for (std::int64_t c = 0; c < cols; ++c) mx = S::max(mx, S::load(st + c * kBr + r));
       const V mu = S::finite_or_zero(mx);
       const V alpha = S::exp2(S::sub(m_old, mu));
       V sum = S::zero();
-      for (std::int64_t c = 0; c < cols; c += 2) {
-        const V lo = S::exp2(S::sub(score(c, r), mu));
-        sum = S::add(sum, lo);
-        V hi = S::zero();
-        if (c + 1 < cols) {
-          hi = S::exp2(S::sub(score(c + 1, r), mu));
-          sum = S::add(sum, hi);
-        }
-        store_key_pair(w.pv.data() + ((c >> 1) * kBr + r) * 2, lo, hi);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const V p = S::exp2(S::sub(S::load(st + c * kBr + r), mu));
+        S::store(st + c * kBr + r, p);
+        sum = S::add(sum, p);
       }
       S::store(w.l.data() + r, S::fmadd(S::load(w.l.data() + r), alpha, sum));
       S::store(w.m.data() + r, mx);
       S::store(w.alpha.data() + r, alpha);
-      rescaled |= _mm512_cmp_ps_mask(alpha, S::set1(1.0f), _CMP_NEQ_UQ);
     }
-    // O^T *= alpha, skipped where every alpha is 1 (x * 1 == x bitwise):
-    // after the first tiles a row's max rarely moves.
-    if (rescaled)
-      for (std::int64_t n = 0; n < s.dv; ++n)
-        for (std::int64_t r = 0; r < nr; r += W)
-          S::store(w.acc.data() + n * kBr + r,
-                   S::mul(S::load(w.acc.data() + n * kBr + r), S::load(w.alpha.data() + r)));
+    for (std::int64_t n = 0; n < s.dv; ++n)
+      for (std::int64_t r = 0; r < nr; r += W)
+        S::store(w.acc.data() + n * kBr + r,
+                 S::mul(S::load(w.acc.data() + n * kBr + r), S::load(w.alpha.data() + r)));
     // O^T += V_j^T P^T with P rounded to bf16 (the l above summed it unrounded).
+    round_pairs_along_keys(st, cols, nr, w.pv.data());
     if (!masked || kp.finite_of(bh, kb)) {
       bgemm(s.dv, nr, even_up(cols) / 2, kp.vt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
             w.acc.data(), kBr, true);
@@ -787,13 +763,8 @@ struct RowPacks : RowPacksLayout {
   }
 };
 
-// P^T and dS^T (times scale) of tile (rb, kt), both exactly 0 at masked
-// pairs and at lanes past the block's rows: of an unmasked tile straight in
-// the bf16 layouts the products read (w.pt, w.dst rows as they are, w.pv
-// dS^T's pairs along the keys; w.rounded), saving the fp32 tiles' store and
-// three passes over them; of a masked one in fp32 into w.st and w.dpt, where
-// the mask is applied before backward_kv and backward_q round them. The
-// same values rounded the same way either way: the same bits.
+// P^T into w.st and dS^T (times scale) into w.dpt for tile (rb, kt), both
+// exactly 0 at masked pairs and at lanes past the block's rows.
 void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb, const KeyTile& kt,
                      const KeyPacks& kp, const RowPacks& rp, Scratch& w) {
   const std::int64_t bh = hv.b * s.Hk + hv.hk, ib = rb.r0 / kBr, cols = kt.cols;
@@ -808,44 +779,19 @@ void backward_scores(const AttnShape& s, const HeadView& hv, const RowBlock& rb,
   const float* D = rp.D_of(bh, ib);
   const V sc2 = S::set1(static_cast<float>(s.scale * kLog2e));
   const V sc = S::set1(static_cast<float>(s.scale));
-  const auto p_of = [&](std::int64_t c, std::int64_t r, __mmask16 live) {
-    return _mm512_maskz_mov_ps(
-        live, S::exp2(S::sub(S::mul(S::load(st + c * kBr + r), sc2), S::load(lse2 + r))));
-  };
-  const auto ds_of = [&](V p, std::int64_t c, std::int64_t r, __mmask16 live) {
-    return _mm512_maskz_mov_ps(
-        live, S::mul(S::mul(p, S::sub(S::load(dpt + c * kBr + r), S::load(D + r))), sc));
-  };
-  const auto rounded = [](V x) { return as_si(_mm512_cvtneps_pbh(x)); };
-  w.rounded = !tile_is_masked(rb, kt);
-  if (w.rounded) {
-    for (std::int64_t c = 0; c < cols; c += 2)
-      for (std::int64_t r = 0; r < nr; r += W) {
-        const __mmask16 live = S::lanes(static_cast<int>(rb.rows - r));
-        V ds[2] = {S::zero(), S::zero()};
-        for (std::int64_t e = 0; e < 2 && c + e < cols; ++e) {
-          const V p = p_of(c + e, r, live);
-          ds[e] = ds_of(p, c + e, r, live);
-          const std::int64_t at = (c + e) * kBr + r;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.pt.data() + at), rounded(p));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.dst.data() + at), rounded(ds[e]));
-        }
-        store_key_pair(w.pv.data() + ((c >> 1) * kBr + r) * 2, ds[0], ds[1]);
-      }
-    return;
-  }
   for (std::int64_t c = 0; c < cols; ++c)
     for (std::int64_t r = 0; r < nr; r += W) {
       const __mmask16 live = S::lanes(static_cast<int>(rb.rows - r));
-      const V p = p_of(c, r, live);
-      const V ds = ds_of(p, c, r, live);
+      const V p = _mm512_maskz_mov_ps(
+          live, S::exp2(S::sub(S::mul(S::load(st + c * kBr + r), sc2), S::load(lse2 + r))));
       S::store(st + c * kBr + r, p);
-      S::store(dpt + c * kBr + r, ds);
+      const V ds = S::mul(S::mul(p, S::sub(S::load(dpt + c * kBr + r), S::load(D + r))), sc);
+      S::store(dpt + c * kBr + r, _mm512_maskz_mov_ps(live, ds));
     }
   // Masked pairs: p and dS selected to 0 (a masked dS may be NaN, 0 times a
   // NaN dP from a value row the query does not see). Fully masked rows
   // (lse = 0 by convention) thus pass no gradient.
-  {
+  if (tile_is_masked(rb, kt)) {
     const TileRanges tr(hv, rb, kt);
     for (std::int64_t r = 0; r < rb.rows; ++r) {
       for (std::int64_t c = 0; c < tr.lo[r]; ++c) st[c * kBr + r] = dpt[c * kBr + r] = 0.0f;
@@ -861,10 +807,8 @@ void backward_kv(const AttnShape& s, const HeadView& hv, const RowBlock& rb, con
                  const RowPacks& rp, Scratch& w, const bf16* q, const bf16* dout, float* dkb,
                  float* dvb) {
   const std::int64_t bh = hv.b * s.Hk + hv.hk, ib = rb.r0 / kBr;
-  if (!w.rounded) {
-    round_rows(w.st.data(), kt.cols, rb.rows, w.pt.data());
-    round_rows(w.dpt.data(), kt.cols, rb.rows, w.dst.data());
-  }
+  round_rows(w.st.data(), kt.cols, rb.rows, w.pt.data());
+  round_rows(w.dpt.data(), kt.cols, rb.rows, w.dst.data());
   const std::int64_t kpairs = even_up(rb.rows) / 2;
   if (!tile_is_masked(rb, kt) || rp.finite_of(bh, ib)) {
     bgemm(kt.cols, s.dv, kpairs, w.pt.data(), kBr, rp.dor_of(bh, ib), 2 * s.dv, dvb, s.dv, true);
@@ -891,7 +835,7 @@ void backward_q(const AttnShape& s, const HeadView& hv, const RowBlock& rb, cons
   const std::int64_t bh = hv.b * s.Hk + hv.hk;
   const std::int64_t nr = ceil_div(rb.rows, W) * W;
   if (!tile_is_masked(rb, kt) || kp.finite_of(bh, kt.j0 / kBc)) {
-    if (!w.rounded) round_pairs_along_keys(w.dpt.data(), kt.cols, nr, w.pv.data());
+    round_pairs_along_keys(w.dpt.data(), kt.cols, nr, w.pv.data());
     bgemm(s.dqk, nr, even_up(kt.cols) / 2, kp.kt_of(bh) + kt.j0, kp.ldt, w.pv.data(), 2 * kBr,
           w.acc.data(), kBr, true);
     return;
