@@ -103,7 +103,7 @@ BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
     // A fresh block would have to push kept ones out: grow the largest kept
     // block (every one is smaller) instead, so that only the pages it grows
     // by are new (and take page faults), not all of them.
-    const Block kept = take(kept_.find(std::prev(kept_by_size_.end())->second));
+    const Block kept = take_largest();
     if (!count_only_) unpoison(kept.data, kept.mapped);  // its addresses may move
     stats_.live_mapped += kept.mapped;  // live from here: make_room must not count or evict it
     make_room(mapped - kept.mapped);
@@ -111,8 +111,7 @@ BlockCache::Block BlockCache::acquire(std::int64_t bytes) {
     void* const grown = count_only_ ? nullptr : resize_pages(kept.data, kept.mapped, mapped);
     if (count_only_ || grown) {
       // The grown block is a mapping of its own (it may have moved).
-      const auto from = mappings_.find(kept.place.mapping);
-      if ((from->second.bytes -= kept.mapped) == 0) mappings_.erase(from);
+      forget(kept);
       const std::int64_t number = next_mapping_++;
       mappings_[number] = {static_cast<char*>(grown), mapped};
       block = {grown, mapped, {number, 0}};
@@ -210,19 +209,26 @@ BlockCache::Block BlockCache::map_fresh(std::int64_t mapped) {
 }
 
 void BlockCache::unmap(const Block& block) {
-  const auto mapping = mappings_.find(block.place.mapping);
   if (!count_only_) {                    // else nothing was mapped
     unpoison(block.data, block.mapped);  // the addresses may be mapped again, for anything
     munmap(block.data, static_cast<std::size_t>(block.mapped));
   }
-  mapping->second.bytes -= block.mapped;
-  if (mapping->second.bytes == 0) mappings_.erase(mapping);
+  forget(block);
+}
+
+void BlockCache::forget(const Block& block) {
+  const auto mapping = mappings_.find(block.place.mapping);
+  if ((mapping->second.bytes -= block.mapped) == 0) mappings_.erase(mapping);
 }
 
 void BlockCache::keep(Place place, std::int64_t mapped) {
   kept_.emplace(place, mapped);
   kept_by_size_.emplace(mapped, place);
   stats_.cached += mapped;
+}
+
+BlockCache::Block BlockCache::take_largest() {
+  return take(kept_.find(std::prev(kept_by_size_.end())->second));
 }
 
 BlockCache::Block BlockCache::take(Kept::iterator it) {
@@ -254,7 +260,7 @@ bool BlockCache::fits_beside_kept(std::int64_t bytes) {
 void BlockCache::make_room(std::int64_t bytes) {
   const double bound = bound_with(bytes);
   while (!kept_.empty() && static_cast<double>(stats_.mapped() + bytes) > bound) {
-    unmap(take(kept_.find(std::prev(kept_by_size_.end())->second)));
+    unmap(take_largest());
     ++stats_.evicted;
   }
 }

@@ -145,9 +145,13 @@ class BlockCache {
   Block map_fresh(std::int64_t mapped);
   // Unmaps one block (live or just taken out of the cache).
   void unmap(const Block& block);
-  // Keeps a block / takes the kept block at `it` out of the cache.
+  // Takes a block's bytes off its mapping's (unmapped, or moved by mremap).
+  void forget(const Block& block);
+  // Keeps a block / takes the kept block at `it`, or the largest (one must
+  // be kept), out of the cache.
   void keep(Place place, std::int64_t mapped);
   Block take(Kept::iterator it);
+  Block take_largest();
   // Unmaps every kept block; returns the bytes.
   std::int64_t release_kept();
   // Releases kept blocks, largest first, until `bytes` more fit under the
