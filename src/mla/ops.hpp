@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -307,9 +308,12 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
 }
 // dx = dy w (added when accumulate; skipped when dx.p is null and not
 // needed), dw += dy^T x.
+// x_held (the overload below): x's bf16 values, x.p then null; only in a
+// bf16 run, the only one keep_narrowed narrows in.
 template <class T>
 void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T>& dw, In<T> dy,
-                     In<T> x, const Tensor<T>& w) {
+                     In<T> x, const Tensor<T>& w,
+                     std::optional<const bf16*> x_held = std::nullopt) {
   // laga::linear_backward's gemms: dw (out, in) += dy^T x; dx (N, in) = dy w.
   const std::int64_t N = dy.rows, in = x.cols, out = dy.cols;
   count_gemm({true, false, out, in, N, out, in, in, true});
@@ -317,8 +321,9 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   if (in_bf16<T>()) {  // as gemm: before runs()
     if constexpr (std::is_same_v<T, float>)
       return bf16_path::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p,
-                                        w.data(), dy.rows, x.cols, dy.cols);
+                                        w.data(), dy.rows, x.cols, dy.cols, x_held);
   }
+  LAGA_CHECK(!x_held, "internal: an operand held narrowed outside a bf16 run");
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
   laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
                         x.cols, dy.cols);
@@ -336,11 +341,8 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   const std::int64_t in = s.back(), N = x.numel() / std::max<std::int64_t>(in, 1), out = dy.cols;
   LAGA_CHECK(dy.rows == N && dy.ld == dy.cols && w.dim(0) == out && w.dim(1) == in,
              "internal: linear_backward of a held (", N, ", ", in, ") by ", to_string(w.shape()));
-  count_gemm({true, false, out, in, N, out, in, in, true});
-  if (dx) count_gemm({false, false, N, in, out, out, in, in, accumulate});
-  if constexpr (std::is_same_v<T, float>)  // narrowed: a bf16 run's float tensor
-    bf16_path::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, nullptr, w.data(),
-                               N, in, out, std::optional(x.narrowed_data()));
+  linear_backward(dx, accumulate, dw, dy, In<T>{nullptr, N, in, in}, w,
+                  std::optional(x.narrowed_data()));
 }
 
 // y (N, C) contiguous = rmsnorm of x's first C columns (x may be wider).

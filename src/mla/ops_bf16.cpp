@@ -128,20 +128,19 @@ bool linear_backward_as(float* dx, bool accumulate, float* dw, const float* dy, 
                         const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
                         std::optional<const bf16*> x_held) {
   const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
-  if constexpr (std::is_same_v<E, bf16>)
-    if (x_held) {  // the held values are the operand as they are: no copy of x
-      Copies<bf16> c{dense(dy, N, out), dense(w, out, in)};
-      if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
-      c.fill();
-      linear_backward_bf16<float>(dx, accumulate, dw, c.get(0), *x_held, c.get(1), N, in, out);
-      return true;
-    }
-  Copies<E> c{dense(dy, N, out), dense(x, N, in), dense(w, out, in)};
+  // A held x's bf16 values are the bf16 operand as they are (x's copy then
+  // has no rows); widened GEMMs widen them into the copy (exactly).
+  const bool read_in_place = x_held && std::is_same_v<E, bf16>;
+  Copies<E> c{dense(dy, N, out), dense(x, read_in_place ? 0 : N, in), dense(w, out, in)};
   if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
   c.fill(x_held ? 1 : -1);
-  if constexpr (std::is_same_v<E, float>)  // a held x widened into its copy (exactly)
-    if (x_held) to_float_threaded(*x_held, c.get(1), N * in);
-  linear_backward_of_copies(dx, accumulate, dw, c.get(0), c.get(1), c.get(2), N, in, out);
+  const E* xc = c.get(1);
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (x_held) xc = *x_held;
+  } else if (x_held) {
+    to_float_threaded(*x_held, c.get(1), N * in);
+  }
+  linear_backward_of_copies(dx, accumulate, dw, c.get(0), xc, c.get(2), N, in, out);
   return true;
 }
 
