@@ -513,6 +513,17 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     const bool periodic = o.save_every > 0 && step % o.save_every == 0;
     const bool last = step == o.steps || stop != 0;
     const bool saves = !o.checkpoint_dir.empty() && (periodic || last);
+    // After the timing: a step's tokens/s is its training alone.
+    std::optional<double> val_loss;
+    if (val && o.val_every > 0 && stop == 0 && (step % o.val_every == 0 || step == o.steps))
+      val_loss = validate();
+    // The step is reported (--log) before its checkpoint is written: a run
+    // killed between the two leaves the log ahead of the checkpoint, which a
+    // resume trims (cmd_train.cpp, prepare_log), never behind it, which would
+    // lose the step's line for good.
+    if (r == 0 && on_step)
+      on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
+                         packed ? packed->counted : B * S, val_loss, done.expert_load});
     if (saves && r == 0) end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     // A signal that arrived during a periodic save (a preemption's grace
     // period often starts then: saves are the slow part) stops the run with
@@ -520,13 +531,6 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // knows whether this step saved, so every rank votes again (the others
     // wait in the vote while rank 0 writes).
     if (saves && !last) stop = vote_stop();
-    // After the timing: a step's tokens/s is its training alone.
-    std::optional<double> val_loss;
-    if (val && o.val_every > 0 && stop == 0 && (step % o.val_every == 0 || step == o.steps))
-      val_loss = validate();
-    if (r == 0 && on_step)
-      on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
-                         packed ? packed->counted : B * S, val_loss, done.expert_load});
     if (stop) {
       end.stop_signal = stop;
       break;

@@ -89,6 +89,27 @@ def start(laga, args):
                             text=True)
 
 
+def freeze(proc, timeout=10):
+    """SIGSTOP, then wait until every thread has stopped: the signal is
+    delivered asynchronously, and a thread still running could write a log
+    line or a checkpoint after the caller has read them."""
+    proc.send_signal(signal.SIGSTOP)
+    task = f"/proc/{proc.pid}/task"
+    end = time.time() + timeout
+    while time.time() < end:
+        states = []
+        for tid in os.listdir(task):
+            try:
+                with open(os.path.join(task, tid, "stat")) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.001)
+    sys.exit(f"FAILED: laga (pid {proc.pid}) did not stop within {timeout} s of SIGSTOP")
+
+
 def wait_for_lines(proc, log, n, timeout=240):
     end = time.time() + timeout
     while len(log_steps(log)) < n:
@@ -228,12 +249,18 @@ def case_log(laga, scratch):
     p = start(laga, ["train"] + TINY + ["--steps", "1000000", "--save-every", "3",
                                         "--checkpoint", ck, "--log", log])
     wait_for_lines(p, log, 8)
-    # Freeze it (SIGSTOP) until the log has run past the last checkpoint, so
-    # the kill always leaves steps to be logged again; then SIGKILL: no
-    # handler runs.
+    # Freeze it (SIGSTOP, every thread stopped) until the log has run past
+    # the last checkpoint, so the kill always leaves steps to be logged
+    # again; then SIGKILL: no handler runs. Wherever it stops, the log is
+    # never behind the checkpoint: a step is logged before it is saved, so
+    # a kill can never leave a checkpointed step without its line.
     for _ in range(1000):
-        p.send_signal(signal.SIGSTOP)
-        if len(log_steps(log)) > latest_step(ck):
+        freeze(p)
+        logged, k = len(log_steps(log)), latest_step(ck)
+        if logged < k:
+            p.kill()
+            check(False, f"stopped with the log behind the checkpoint: {logged} lines, step {k}")
+        if logged > k:
             break
         p.send_signal(signal.SIGCONT)
         time.sleep(0.003)
