@@ -39,19 +39,33 @@ Tensor<T>::Tensor(Shape shape, MemCategory cat) : Tensor(std::move(shape), nullp
 
 template <class T>
 Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat)
-    : shape_(std::move(shape)), numel_(laga::numel(shape_)), category_(cat) {
+    : Tensor(std::move(shape), name, cat, false) {}
+
+template <class T>
+Tensor<T> Tensor<T>::born_narrowed(Shape shape, const char* name, MemCategory cat) {
+  LAGA_CHECK((std::is_same_v<T, float>), "internal: only an fp32 tensor is held narrowed (shape ",
+             to_string(shape), ")");
+  return Tensor(std::move(shape), name, cat, true);
+}
+
+template <class T>
+Tensor<T>::Tensor(Shape shape, const char* name, MemCategory cat, bool narrowed)
+    : shape_(std::move(shape)), numel_(laga::numel(shape_)), category_(cat), narrowed_(narrowed) {
   MemoryPool& pool = current_pool();
   // bytes() must be exact (the pool counts it), so its product may not wrap.
   LAGA_CHECK(numel_ <= std::numeric_limits<std::int64_t>::max() / std::int64_t(sizeof(T)), "a ",
              to_string(category_), " tensor of shape ", to_string(shape_),
              " would need more than 2^63 bytes; use a smaller --seq/--batch or a larger --sp");
   const MemoryPool::Storage storage = acquire(pool, this->bytes());
-  data_ = static_cast<T*>(storage.data);
+  if (narrowed_)
+    narrow_ = static_cast<bf16*>(storage.data);
+  else
+    data_ = static_cast<T*>(storage.data);
   mapped_ = storage.mapped;
   place_ = storage.place;
   pool_ = &pool;
   name_ = name;
-  live_id_ = register_bytes(pool, this->bytes(), "");
+  live_id_ = register_bytes(pool, this->bytes(), narrowed_ ? " bf16" : "");
 }
 
 template <class T>

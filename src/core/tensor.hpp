@@ -40,6 +40,12 @@ class Tensor {
   Tensor(Shape shape, const char* name, MemCategory cat = MemCategory::activations);
   static Tensor zeros(Shape shape, MemCategory cat = MemCategory::activations);
   static Tensor zeros(Shape shape, const char* name, MemCategory cat = MemCategory::activations);
+  // An fp32 tensor held narrowed from the start (narrow_to_bf16 below):
+  // uninitialised bf16 storage, 2 bytes an element, for values that arrive
+  // as bf16 (a ring block off a bf16 wire, mla/ring.hpp), which would
+  // otherwise be widened into 4 bytes an element only to be narrowed again.
+  static Tensor born_narrowed(Shape shape, const char* name,
+                              MemCategory cat = MemCategory::activations);
 
   Tensor(Tensor&& other) noexcept;
   Tensor& operator=(Tensor&& other) noexcept;
@@ -82,6 +88,7 @@ class Tensor {
   void widen_from_bf16(Bf16Widen widen = nullptr);
   bool narrowed() const { return narrowed_; }
   const bf16* narrowed_data() const { return narrowed_ ? narrow_ : nullptr; }
+  bf16* narrowed_data() { return narrowed_ ? narrow_ : nullptr; }
 
   T* data() { return data_; }
   const T* data() const { return data_; }
@@ -115,6 +122,8 @@ class Tensor {
   const char* name_ = nullptr;  // what the pool's live list calls it
   bool narrowed_ = false;       // the storage is narrow_ (bf16), data_ is null
   bf16* narrow_ = nullptr;
+  // Both constructors: storage of T, or of bf16 when `narrowed`.
+  Tensor(Shape shape, const char* name, MemCategory cat, bool narrowed);
   // The storage as the pool handed it out: data_, or narrow_ when narrowed.
   void* storage() const { return narrowed_ ? static_cast<void*>(narrow_) : data_; }
   // The storage as release_storage takes it back.

@@ -127,6 +127,25 @@ Tensor<bf16> bf16_attention_scratch(const Bf16AttentionParts& p) {
   return Tensor<bf16>({p.bytes() / 2}, "bf16 attention scratch");
 }
 
+// One attention operand of n values for the bf16 kernels: a tensor held
+// narrowed gives its bf16 values as they are; another's are rounded into
+// `dst`, its place in the call's scratch.
+const bf16* bf16_operand(void* dst, const float* x, bool held, const bf16* values, std::int64_t n) {
+  if (held) return values;
+  ops::bf16_path::to_bf16_threaded(x, static_cast<bf16*>(dst), n);
+  return static_cast<const bf16*>(dst);
+}
+// The same for the fp32 kernels where the bf16 ones widen (flash_bf16_isa):
+// the bf16 values as fp32 in `dst`, widened (exactly) or rounded.
+const float* widened_operand(void* dst, const float* x, bool held, const bf16* values,
+                             std::int64_t n) {
+  if (held)
+    ops::bf16_path::to_float_threaded(values, static_cast<float*>(dst), n);
+  else
+    ops::bf16_path::round_threaded(x, static_cast<float*>(dst), n);
+  return static_cast<const float*>(dst);
+}
+
 }  // namespace
 
 template <class T>
@@ -323,53 +342,54 @@ Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T
 
 template <class T>
 void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                       const T* v, T* eager_lse, Tensor<bf16>* scratch) {
+                       const T* v, T* eager_lse, const NarrowedOperands* narrowed,
+                       Tensor<bf16>* scratch) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   ops::count_attention(s, st.ctx.attention, ops::AttentionPass::forward,
                        [&] { return s.useful_flops_forward(); });
   // Eager writes the scores, reads them back and writes the probabilities.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
+  LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
+             "internal: narrowed attention operands outside a bf16 run");
+  const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
+  const void* qp = held.q_held ? static_cast<const void*>(held.q) : q;
+  const void* kp = held.k_held ? static_cast<const void*>(held.k) : k;
+  const void* vp = held.v_held ? static_cast<const void*>(held.v) : v;
   if (ops::in_bf16<T>()) {
-    // q, k, v rounded to bf16, their products summed in fp32; o and lse
-    // come back fp32 (attention_flash_bf16.hpp says why), and o is rounded
-    // where it enters the output projection's GEMM. The copies and the
-    // kernel's workspace are pool tensors, made before runs() so that a
-    // count-only run registers them too (ops_bf16.hpp).
+    // q, k, v rounded to bf16 (or, held narrowed, read as the bf16 values
+    // they are), their products summed in fp32; o and lse come back fp32
+    // (attention_flash_bf16.hpp says why), and o is rounded where it enters
+    // the output projection's GEMM. The copies and the kernel's workspace
+    // are pool tensors, made before runs() so that a count-only run
+    // registers them too (ops_bf16.hpp).
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       if (s.B * s.Hq * s.Sq == 0) return;
       const Bf16AttentionParts parts =
-          bf16_attention_parts(s, ops::AttentionPass::forward, {false, false, false, false}, false);
+          bf16_attention_parts(s, ops::AttentionPass::forward, held.flags(), false);
       Tensor<bf16> own;
       if (!scratch) own = bf16_attention_scratch(parts);
       Tensor<bf16>& buf = scratch ? *scratch : own;
       LAGA_CHECK(buf.bytes() >= parts.bytes(), "internal: a bf16 attention scratch of ",
                  buf.bytes(), " bytes for a call that needs ", parts.bytes());
-      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, q, k, v})) return;
+      if (!ops::runs(s.B * s.Hq * s.Sq, {stats, o, qp, kp, vp})) return;
       const std::int64_t nq = s.B * s.Sq * s.Hq * s.dqk, nk = s.B * s.Sk * s.Hk * s.dqk,
                          nv = s.B * s.Sk * s.Hk * s.dv;
       auto* at = reinterpret_cast<unsigned char*>(buf.data());
       void* qc = at;
       void* kc = at + parts.q;
       void* vc = at + parts.q + parts.k;
-      if (flash_bf16_isa() == FlashBf16Isa::fp32) {
+      if (flash_bf16_isa() == FlashBf16Isa::fp32)
         // The bf16 kernels widen (flash_bf16_isa): the fp32 kernel on the
-        // rounded values, the same bits, one pass each.
-        using ops::bf16_path::round_threaded;
-        round_threaded(q, static_cast<float*>(qc), nq);
-        round_threaded(k, static_cast<float*>(kc), nk);
-        round_threaded(v, static_cast<float*>(vc), nv);
-        attention_flash_forward(s, o, stats, static_cast<const float*>(qc),
-                                static_cast<const float*>(kc), static_cast<const float*>(vc));
-      } else {
-        using ops::bf16_path::to_bf16_threaded;
-        to_bf16_threaded(q, static_cast<bf16*>(qc), nq);
-        to_bf16_threaded(k, static_cast<bf16*>(kc), nk);
-        to_bf16_threaded(v, static_cast<bf16*>(vc), nv);
-        attention_flash_forward_bf16(s, o, stats, static_cast<const bf16*>(qc),
-                                     static_cast<const bf16*>(kc), static_cast<const bf16*>(vc),
+        // bf16 values, the same bits, one pass each.
+        attention_flash_forward(s, o, stats, widened_operand(qc, q, held.q_held, held.q, nq),
+                                widened_operand(kc, k, held.k_held, held.k, nk),
+                                widened_operand(vc, v, held.v_held, held.v, nv));
+      else
+        attention_flash_forward_bf16(s, o, stats, bf16_operand(qc, q, held.q_held, held.q, nq),
+                                     bf16_operand(kc, k, held.k_held, held.k, nk),
+                                     bf16_operand(vc, v, held.v_held, held.v, nv),
                                      {at + parts.q + parts.k + parts.v, parts.workspace});
-      }
     }
     return;
   }
@@ -398,11 +418,11 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
   LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
              "internal: narrowed attention operands outside a bf16 run");
-  const void* qp = narrowed && narrowed->q_held ? static_cast<const void*>(narrowed->q) : q;
-  const void* kp = narrowed && narrowed->k_held ? static_cast<const void*>(narrowed->k) : k;
-  const void* vp = narrowed && narrowed->v_held ? static_cast<const void*>(narrowed->v) : v;
-  const void* doutp =
-      narrowed && narrowed->dout_held ? static_cast<const void*>(narrowed->dout) : dout;
+  const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
+  const void* qp = held.q_held ? static_cast<const void*>(held.q) : q;
+  const void* kp = held.k_held ? static_cast<const void*>(held.k) : k;
+  const void* vp = held.v_held ? static_cast<const void*>(held.v) : v;
+  const void* doutp = held.dout_held ? static_cast<const void*>(held.dout) : dout;
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
     // the recomputed scores), or, held narrowed, read as the bf16 values
@@ -411,7 +431,6 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
     check_precision_supports(Precision::bf16, st.ctx.attention);
     if constexpr (std::is_same_v<T, float>) {
       if (s.B * s.Hq * s.Sq == 0) return;
-      const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
       const Bf16AttentionParts parts =
           bf16_attention_parts(s, ops::AttentionPass::backward, held.flags(), false);
       Tensor<bf16> own;
@@ -427,35 +446,19 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
       void* kc = at + parts.q;
       void* vc = at + parts.q + parts.k;
       void* dc = at + parts.q + parts.k + parts.v;
-      if (flash_bf16_isa() == FlashBf16Isa::fp32) {  // as forward
-        // Each operand as fp32 holding bf16 values: a narrowed tensor's
-        // widened, another's rounded.
-        const auto fill = [](void* dst, const T* x, bool kept, const bf16* values, std::int64_t n) {
-          if (kept)
-            ops::bf16_path::to_float_threaded(values, static_cast<float*>(dst), n);
-          else
-            ops::bf16_path::round_threaded(x, static_cast<float*>(dst), n);
-          return static_cast<const float*>(dst);
-        };
-        attention_flash_backward(s, dq, dk, dv, fill(dc, dout, held.dout_held, held.dout, nd),
-                                 fill(qc, q, held.q_held, held.q, nq),
-                                 fill(kc, k, held.k_held, held.k, nk),
-                                 fill(vc, v, held.v_held, held.v, nv), o, stats);
-      } else {
-        // A narrowed tensor's bf16 values are the operand as they are: a
-        // copy only of what is not held narrowed.
-        const auto operand = [](void* dst, const T* x, bool kept, const bf16* values,
-                                std::int64_t n) {
-          if (kept) return values;
-          ops::bf16_path::to_bf16_threaded(x, static_cast<bf16*>(dst), n);
-          return static_cast<const bf16*>(dst);
-        };
+      if (flash_bf16_isa() == FlashBf16Isa::fp32)  // as forward
+        attention_flash_backward(s, dq, dk, dv,
+                                 widened_operand(dc, dout, held.dout_held, held.dout, nd),
+                                 widened_operand(qc, q, held.q_held, held.q, nq),
+                                 widened_operand(kc, k, held.k_held, held.k, nk),
+                                 widened_operand(vc, v, held.v_held, held.v, nv), o, stats);
+      else
         attention_flash_backward_bf16(
-            s, dq, dk, dv, operand(dc, dout, held.dout_held, held.dout, nd),
-            operand(qc, q, held.q_held, held.q, nq), operand(kc, k, held.k_held, held.k, nk),
-            operand(vc, v, held.v_held, held.v, nv), o, stats,
+            s, dq, dk, dv, bf16_operand(dc, dout, held.dout_held, held.dout, nd),
+            bf16_operand(qc, q, held.q_held, held.q, nq),
+            bf16_operand(kc, k, held.k_held, held.k, nk),
+            bf16_operand(vc, v, held.v_held, held.v, nv), o, stats,
             {at + parts.q + parts.k + parts.v + parts.dout, parts.workspace});
-      }
     }
     return;
   }

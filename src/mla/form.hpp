@@ -234,16 +234,18 @@ struct Pieces {
   // engine's, packed) makes one for all of them, so that a count-only run,
   // which has no documents, allocates what the real one does. Null: the
   // call makes its own, exactly its size.
-  static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                     const T* v, T* eager_lse = nullptr, Tensor<bf16>* scratch = nullptr);
-  // q, k, v (and backward's dout) held narrowed (ops::keep_narrowed; bf16
-  // runs only): `narrowed` gives their bf16 values, read in place of the
-  // fp32 pointers (null then).
+  // q, k, v (and backward's dout) held narrowed (ops::keep_narrowed, or a
+  // ring block born narrowed; bf16 runs only): `narrowed` gives their bf16
+  // values, read in place of the fp32 pointers (null then).
   struct NarrowedOperands {
     const bf16 *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;    // null: count-only
     bool q_held = false, k_held = false, v_held = false, dout_held = false;  // which are held
     std::array<bool, 4> flags() const { return {q_held, k_held, v_held, dout_held}; }
+    bool any() const { return q_held || k_held || v_held || dout_held; }
   };
+  static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
+                     const T* v, T* eager_lse = nullptr, const NarrowedOperands* narrowed = nullptr,
+                     Tensor<bf16>* scratch = nullptr);
   static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
                               const T* dout, const T* q, const T* k, const T* v, const T* o,
                               const T* stats, T* dp, const T* eager_delta = nullptr,

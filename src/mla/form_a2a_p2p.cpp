@@ -136,7 +136,7 @@ struct A2aP2pTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    ops::widen_kept(own);  // q_h and dO stay narrowed: as ring.hpp's RingTape
+    // q_h, dO and the blocks stay narrowed: as ring.hpp's RingTape.
     Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
     ops::keep_narrowed(do_h);
     auto [dq_h, acc] = att.backward(st, ring_of(st), w, codec, q_h, own, o_att, do_h, grads);
@@ -156,11 +156,12 @@ std::unique_ptr<Tape<T>> a2a_p2p_forward(const Step& st, const MlaParams<T>& w, 
   P::project_in(st, w, x, t->in);
   t->own = t->codec.own_block(st, w, t->in);  // project_latent before the queries free proj
   t->q_h = P::queries_to_heads(st, w, t->in);
+  // q_h and the own block hold bf16 values (GEMMs' and RoPE's rounded
+  // outputs, moved unchanged): held at 2 bytes from here, the ring's blocks
+  // likewise (ring.hpp, the top).
+  ops::keep_narrowed(t->q_h), ops::keep_narrowed(t->own);
   t->o_att = t->att.forward(st, ring_of(st), w, t->codec, t->q_h, t->own);
   t->o_loc = P::project_out(st, w, t->o_att, out);
-  // q_h and the own block hold bf16 values (GEMMs' and RoPE's rounded
-  // outputs, moved unchanged) and are kept at 2 bytes (ops::keep_narrowed).
-  ops::keep_narrowed(t->q_h), ops::keep_narrowed(t->own);
   return t;
 }
 

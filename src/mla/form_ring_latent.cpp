@@ -50,32 +50,53 @@ struct LatentBlocks {
   static constexpr const char* pass = "latent_ring";
   static constexpr const char* grad_pass = "dlatent_ring";
   std::int64_t width(const Step& st) const { return st.W; }
-  // kv (B L_j, H (dn+dv)) = c_j wkv_b^T of every head, split with k_pe.
-  ring::RingKv<T> kv(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj) const {
-    ring::RingKv<T> r;
-    r.storage = Tensor<T>({st.B * Lj * st.H * (st.dqk + st.dv)}, "ring k_v");
+  // kv (B L_j, H (dn+dv)) = c_j wkv_b^T of every head, split with k_pe. A
+  // block held narrowed (bf16 runs, ring.hpp's top) is read in place: c_j
+  // as the GEMM's bf16 operand, k_pe widened (exactly) for the split; the
+  // K/V made (bf16 values: the GEMM's rounded output and k_pe) are then
+  // held narrowed too, and the attention reads them in place.
+  ring::RingKv<T> kv(const Step& st, const MlaParams<T>& w, const Tensor<T>& block,
+                     std::int64_t Lj) const {
+    Tensor<T> storage({st.B * Lj * st.H * (st.dqk + st.dv)}, "ring k_v");
     {
       Tensor<T> kv({st.B * Lj, st.H * st.KV}, "kv");
-      ops::linear(mat(kv), block_c(st, block, Lj), w.wkv_b);
-      Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)), block_pe(st, block, Lj),
-                          block_k(st, st.H, r.storage.data(), Lj),
-                          block_v(st, st.H, r.storage.data(), Lj));
+      Tensor<T> pe;  // a held block's k_pe, widened
+      if (block.narrowed()) {
+        const bf16* b16 = block.narrowed_data();
+        ops::linear(mat(kv), ops::In<T>{nullptr, st.B * Lj, st.C, st.C}, w.wkv_b,
+                    std::optional(block_c(st, b16, Lj).p));
+        pe = Tensor<T>({st.B * Lj, st.dr}, "ring k_pe");
+        ops::widen(mat(pe), block_pe(st, b16, Lj));
+      } else {
+        ops::linear(mat(kv), block_c(st, block.data(), Lj), w.wkv_b);
+      }
+      Pieces<T>::split_kv(st, st.H, mat(std::as_const(kv)),
+                          pe.defined() ? mat(std::as_const(pe)) : block_pe(st, block.data(), Lj),
+                          block_k(st, st.H, storage.data(), Lj),
+                          block_v(st, st.H, storage.data(), Lj));
     }
-    r.k = block_k(st, st.H, std::as_const(r.storage).data(), Lj).p;
-    r.v = block_v(st, st.H, std::as_const(r.storage).data(), Lj).p;
+    ops::keep_narrowed(storage);
+    ring::RingKv<T> r = ring::RingKv<T>::of_block(st, st.H, storage, Lj);
+    r.storage = std::move(storage);
     return r;
   }
   // The step's dK/dV through the up-projection (zero rows outside the calls
   // pass nothing): d k_pe += sum over heads of dk's rope part, dc += dkv
   // wkv_b, into the accumulator; wkv_b's gradient += dkv^T c_j.
-  void add_grad(const Step& st, const MlaParams<T>& w, const T* block, std::int64_t Lj,
+  void add_grad(const Step& st, const MlaParams<T>& w, const Tensor<T>& block, std::int64_t Lj,
                 const std::vector<ring::RingCall>&, const T* dkv_heads, T* acc,
                 MlaParams<T>& grads) const {
     Tensor<T> dkv({st.B * Lj, st.H * st.KV}, "dkv");
     Pieces<T>::merge_dkv(st, st.H, block_k(st, st.H, dkv_heads, Lj),
                          block_v(st, st.H, dkv_heads, Lj), mat(dkv), block_pe(st, acc, Lj));
     ops::gemm(block_c(st, acc, Lj), T(1), mat(std::as_const(dkv)), false, mat(w.wkv_b), false);
-    ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), block_c(st, block, Lj), w.wkv_b);
+    if (block.narrowed())  // c_j's bf16 values read in place (kv above)
+      ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv),
+                              ops::In<T>{nullptr, st.B * Lj, st.C, st.C}, w.wkv_b,
+                              std::optional(block_c(st, block.narrowed_data(), Lj).p));
+    else
+      ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(dkv), block_c(st, block.data(), Lj),
+                              w.wkv_b);
   }
   // [c_hat | k_pe] of local tokens.
   Tensor<T> own_block(const Step& st, const MlaParams<T>& w, InputSaved<T>& in) const {

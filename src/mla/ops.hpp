@@ -291,9 +291,11 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
   laga::gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
 }
 
-// y (N, out) = x (N, in) w^T.
+// y (N, out) = x (N, in) w^T. x_held: x's bf16 values, x.p then null, as
+// linear_backward's below.
 template <class T>
-void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
+void linear(Mat<T> y, In<T> x, const Tensor<T>& w,
+            std::optional<const bf16*> x_held = std::nullopt) {
   LAGA_CHECK(x.ld == x.cols && y.ld == y.cols && x.rows == y.rows && w.dim(0) == y.cols &&
                  w.dim(1) == x.cols,
              "internal: linear of (", x.rows, ", ", x.cols, ") by ", to_string(w.shape()));
@@ -301,8 +303,9 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w) {
   count_gemm({false, true, y.rows, y.cols, x.cols, x.cols, x.cols, y.cols, false});
   if (in_bf16<T>()) {  // as gemm: before runs()
     if constexpr (std::is_same_v<T, float>)
-      return bf16_path::linear(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
+      return bf16_path::linear(y.p, x.p, w.data(), y.rows, x.cols, y.cols, x_held);
   }
+  LAGA_CHECK(!x_held, "internal: an operand held narrowed outside a bf16 run");
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
   linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
 }
@@ -397,6 +400,22 @@ void copy(Mat<T> dst, In<T> src) {
   for (std::int64_t i = 0; i < dst.rows; ++i)
     std::memcpy(dst.p + i * dst.ld, src.p + i * src.ld,
                 sizeof(T) * static_cast<std::size_t>(dst.cols));
+}
+// dst = src's bf16 values widened (exactly), row by row: a tensor held
+// narrowed read where an fp32 operand is needed.
+// Only bf16 runs hold tensors narrowed, so T is float (a double run never
+// calls it; it compiles for the ring engine's double instantiation).
+template <class T>
+void widen(Mat<T> dst, Mat<const bf16> src) {
+  LAGA_CHECK(dst.rows == src.rows && dst.cols == src.cols, "internal: widen of (", src.rows, ", ",
+             src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  LAGA_CHECK(in_bf16<T>(), "internal: a tensor held narrowed outside a bf16 run");
+  count_elementwise<T>(dst.rows * dst.cols, 1);
+  count_elementwise<bf16>(dst.rows * dst.cols, 1);
+  if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
+  if constexpr (std::is_same_v<T, float>)
+    for (std::int64_t i = 0; i < dst.rows; ++i)
+      convert_to_float(src.p + i * src.ld, dst.p + i * dst.ld, dst.cols);
 }
 // dst += src.
 template <class T>

@@ -112,15 +112,36 @@ void linear_backward_of_copies(float* dx, bool accumulate, float* dw, const E* d
     linear_backward_bf16<float>(dx, accumulate, dw, dy, x, w, N, in, out);
 }
 
+// The copies of an op whose operand `held` may be held narrowed
+// (ops::keep_narrowed): its bf16 values are then the bf16 operand as they
+// are (its copy has no rows), and widened GEMMs widen them into the copy
+// (exactly). The same bits as its copy rounded from fp32.
+template <class E>
+Mat<const float> held_or_copied(const Mat<const float>& m, std::optional<const bf16*> held) {
+  return held && std::is_same_v<E, bf16> ? dense(nullptr, 0, m.cols) : m;
+}
+template <class E>
+const E* held_operand(Copies<E>& c, std::size_t i, std::optional<const bf16*> held,
+                      std::int64_t n) {
+  if (!held) return c.get(i);
+  if constexpr (std::is_same_v<E, bf16>) {
+    return *held;
+  } else {
+    to_float_threaded(*held, c.get(i), n);
+    return c.get(i);
+  }
+}
+
 // linear's and linear_backward's bodies on copies of element E (bf16, or
 // fp32 where the GEMMs widen); false where the op does not compute.
 template <class E>
 bool linear_as(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
-               std::int64_t out) {
-  Copies<E> c{dense(x, N, in), dense(w, out, in)};
-  if (!runs(N * out, {y, x, w})) return false;
-  c.fill();
-  linear_of_copies(y, c.get(0), c.get(1), N, in, out);
+               std::int64_t out, std::optional<const bf16*> x_held) {
+  const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
+  Copies<E> c{held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
+  if (!runs(N * out, {y, xp, w})) return false;
+  c.fill(x_held ? 0 : -1);
+  linear_of_copies(y, held_operand(c, 0, x_held, N * in), c.get(1), N, in, out);
   return true;
 }
 template <class E>
@@ -128,19 +149,11 @@ bool linear_backward_as(float* dx, bool accumulate, float* dw, const float* dy, 
                         const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
                         std::optional<const bf16*> x_held) {
   const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
-  // A held x's bf16 values are the bf16 operand as they are (x's copy then
-  // has no rows); widened GEMMs widen them into the copy (exactly).
-  const bool read_in_place = x_held && std::is_same_v<E, bf16>;
-  Copies<E> c{dense(dy, N, out), dense(x, read_in_place ? 0 : N, in), dense(w, out, in)};
+  Copies<E> c{dense(dy, N, out), held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
   if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
   c.fill(x_held ? 1 : -1);
-  const E* xc = c.get(1);
-  if constexpr (std::is_same_v<E, bf16>) {
-    if (x_held) xc = *x_held;
-  } else if (x_held) {
-    to_float_threaded(*x_held, c.get(1), N * in);
-  }
-  linear_backward_of_copies(dx, accumulate, dw, c.get(0), xc, c.get(2), N, in, out);
+  linear_backward_of_copies(dx, accumulate, dw, c.get(0), held_operand(c, 1, x_held, N * in),
+                            c.get(2), N, in, out);
   return true;
 }
 
@@ -200,9 +213,10 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 }
 
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
-            std::int64_t out) {
+            std::int64_t out, std::optional<const bf16*> x_held) {
   if (N * out == 0) return;
-  if (!(widened() ? linear_as<float>(y, x, w, N, in, out) : linear_as<bf16>(y, x, w, N, in, out)))
+  if (!(widened() ? linear_as<float>(y, x, w, N, in, out, x_held)
+                  : linear_as<bf16>(y, x, w, N, in, out, x_held)))
     return;
   round_in_place(Mat<float>{y, N, out, out});
 }

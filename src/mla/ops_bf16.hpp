@@ -87,11 +87,12 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
 // The linears on dense rows (x (N, in), y and dy (N, out), w (out, in)), as
 // laga::linear_forward/backward take them: ops.hpp's views (checked dense
 // there) and the MoE's experts (model/moe.cpp), which hold pointers.
+// x_held (both): present when x is held narrowed (ops::keep_narrowed): its
+// bf16 values (N, in), read as the operand in place of x's copy (x itself
+// null; the values null in a count-only run, which still allocates as a
+// real one).
 void linear(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
-            std::int64_t out);
-// x_held: present when x is held narrowed (ops::keep_narrowed): its bf16
-// values (N, in), read as the operand in place of x's copy (x itself null;
-// the values null in a count-only run, which still allocates as a real one).
+            std::int64_t out, std::optional<const bf16*> x_held = std::nullopt);
 void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, const float* x,
                      const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
                      std::optional<const bf16*> x_held = std::nullopt);

@@ -28,8 +28,9 @@
 // What the block is, is the form's Codec: a type with
 //   const char* pass, grad_pass;             the two passes' labels
 //   std::int64_t width(const Step&);         block elements per token
-//   RingKv<T> kv(st, w, const T* block, L_j) its keys and values
-//   void add_grad(st, w, block, L_j, calls, const T* dkv, T* acc, grads)
+//   RingKv<T> kv(st, w, const Tensor<T>& block, L_j) its keys and values
+//   void add_grad(st, w, const Tensor<T>& block, L_j, calls, const T* dkv,
+//                 T* acc, grads)
 //       adds the step's dK/dV (dkv: the kernel's (B, L_j, H, dqk) then
 //       (B, L_j, H, dv), written at the calls' rows, zero elsewhere) into
 //       the block's accumulator `acc`, and any parameter gradient into grads
@@ -42,6 +43,17 @@
 // and the form is RingTape<T, Codec> (ring_forward below).
 // ring_kv's block is the per-head [K | V] itself; ring_latent's the latent
 // [c_hat | k_pe], up-projected with the full wkv_b at every step.
+//
+// bf16 runs: the blocks are held at 2 bytes an element from end to end.
+// The own block holds bf16 values (GEMMs' and RoPE's rounded outputs) and
+// is narrowed before the ring (ops::keep_narrowed); a narrowed block goes on
+// the wire as it is and the next arrives into a tensor born narrowed
+// (shift), so nothing is narrowed or widened on the way; and the attention
+// reads a narrowed block's keys and values in place (RingKv's k16, v16;
+// ring_latent's up-projection reads its latent in place and narrows the
+// K/V it makes). The same bits as fp32 blocks holding those values: every
+// reader rounds them to bf16 anyway. The gradient accumulators are sums and
+// stay fp32 (they narrow on the wire only).
 //
 // Uneven shards: the blocks are the SpLayout's seq shards, of any length
 // (no S % 2P rule; a rank without tokens attends nothing but still relays),
@@ -110,12 +122,39 @@ struct RingView {
 };
 
 // A block's keys and values for the attention: views of it, or made from
-// it (held in `storage`).
+// it (held in `storage`); held narrowed (bf16 runs, see the top), their
+// bf16 values, k and v null then.
 template <class T>
 struct RingKv {
-  const T* k = nullptr;  // (B, L_j, H, dqk)
-  const T* v = nullptr;  // (B, L_j, H, dv)
+  const T* k = nullptr;       // (B, L_j, H, dqk)
+  const T* v = nullptr;       // (B, L_j, H, dv)
+  const bf16* k16 = nullptr;  // as k, held narrowed (null in a count-only run)
+  const bf16* v16 = nullptr;  // as v
+  bool held = false;          // k16 and v16 are the keys and values
   Tensor<T> storage;
+  // Views of a [K | V] block of `heads` heads, or of its bf16 values.
+  static RingKv of_block(const Step& st, std::int64_t heads, const Tensor<T>& block,
+                         std::int64_t Lj) {
+    RingKv r;
+    r.held = block.narrowed();
+    if (r.held) {
+      r.k16 = block_k(st, heads, block.narrowed_data(), Lj).p;
+      r.v16 = block_v(st, heads, block.narrowed_data(), Lj).p;
+    } else {
+      r.k = block_k(st, heads, block.data(), Lj).p;
+      r.v = block_v(st, heads, block.data(), Lj).p;
+    }
+    return r;
+  }
+  // The operands of a call whose keys start k_off (B L_j H) rows in, with
+  // q's (q_held: q's bf16 values at the call's rows, or none).
+  typename Pieces<T>::NarrowedOperands narrowed(const Step& st, std::int64_t k_off, const bf16* q16,
+                                                bool q_held) const {
+    typename Pieces<T>::NarrowedOperands n;
+    n.q = q16, n.q_held = q_held;
+    n.k = at(k16, k_off * st.dqk), n.v = at(v16, k_off * st.dv), n.k_held = n.v_held = held;
+    return n;
+  }
 };
 
 using ops::mat;
@@ -279,10 +318,10 @@ struct PerHeadKv {
   static constexpr const char* pass = "kv_ring";
   static constexpr const char* grad_pass = "dkv_ring";
   std::int64_t width(const Step& st) const { return st.*Heads * (st.dqk + st.dv); }
-  RingKv<T> kv(const Step& st, const MlaParams<T>&, const T* block, std::int64_t Lj) const {
-    return {block_k(st, st.*Heads, block, Lj).p, block_v(st, st.*Heads, block, Lj).p, {}};
+  RingKv<T> kv(const Step& st, const MlaParams<T>&, const Tensor<T>& block, std::int64_t Lj) const {
+    return RingKv<T>::of_block(st, st.*Heads, block, Lj);
   }
-  void add_grad(const Step& st, const MlaParams<T>&, const T*, std::int64_t Lj,
+  void add_grad(const Step& st, const MlaParams<T>&, const Tensor<T>&, std::int64_t Lj,
                 const std::vector<RingCall>& calls, const T* dkv, T* acc, MlaParams<T>&) const {
     const std::int64_t H = st.*Heads;
     for (const RingCall& c : calls)
@@ -370,9 +409,9 @@ void gather_rows(const RingView& g, const RingCall& c, const T* full, T* part) {
 }
 
 // A shift in flight (Overlap::on), until its wait: its call and, with bf16
-// on the wire (wire.hpp), the bf16 copy of the block leaving, which must
-// live until then, and the arriving block, whose front half receives bf16
-// values that the wait widens.
+// on the wire (wire.hpp) and an fp32 tensor leaving (a gradient
+// accumulator), the bf16 copy of it, which must live until then, and the
+// arriving one, whose front half receives bf16 values that the wait widens.
 template <class T>
 struct InFlight {
   Tensor<bf16> leaving;
@@ -385,14 +424,27 @@ struct InFlight {
 // accumulator, next_elems elements) into a new buffer, which it returns: started, and held in
 // `flight` until its wait, with Overlap::on; else done here. Either way the
 // same bytes move, so the same bits arrive. `cur` must live until the wait.
-// With bf16 on the wire, what moves is cur narrowed to bf16, and the new
-// buffer's front half receives it (wire.hpp).
+// A block held narrowed (bf16 runs, see the top) moves as it is, into a
+// buffer born narrowed. Else, with bf16 on the wire, what moves is cur
+// narrowed to bf16, and the new buffer's front half receives it
+// (wire.hpp).
 template <class T>
 Tensor<T> shift(const Step& st, const RingView& g, const Tensor<T>& cur, std::int64_t next_elems,
                 const char* label, const char* name, InFlight<T>& flight) {
-  Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
   const bool overlap = st.ctx.variant.overlap == Overlap::on;
   Communicator& comm = st.ctx.comm;
+  if (cur.narrowed()) {
+    Tensor<T> next = Tensor<T>::born_narrowed({next_elems}, name, MemCategory::comm_buffers);
+    const void* leaving = cur.narrowed_data();
+    if (overlap)
+      flight.call = comm.start_ring_shift(leaving, cur.numel(), next.narrowed_data(), next.numel(),
+                                          DType::bf16, label, g.ring);
+    else
+      comm.ring_shift(leaving, cur.numel(), next.narrowed_data(), next.numel(), DType::bf16, label,
+                      g.ring);
+    return next;
+  }
+  Tensor<T> next({next_elems}, name, MemCategory::comm_buffers);
   if constexpr (std::is_same_v<T, float>) {
     if (ops::in_bf16<T>()) {
       Tensor<bf16> leaving({cur.numel()}, "ring block, bf16 on the wire",
@@ -470,15 +522,19 @@ struct RingAttention {
           step.probs = Tensor<T>({rect.probs_elems(st.B, g.H)}, "attn_stats eager probs");
           if (ranks > 1) step.lse = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring step lse");
         }
-        RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
+        const RingKv<T> kv = codec.kv(st, w, *cur, Lk);
         Tensor<T> o_part({st.B, g.L, g.H * st.dv}, "o_part");
         Tensor<T> lse_part;
         if (!step.lse.defined()) lse_part = Tensor<T>({rect.lse_elems(st.B, g.H)}, "lse_part");
         T* lse_base = step.lse.defined() ? step.lse.data() : lse_part.data();
+        // q and the block's K/V held narrowed (bf16 runs) are read in
+        // place, rows at the call's offsets; their copies are not in the
+        // scratch.
+        const auto kept = kv.narrowed(st, 0, nullptr, q.narrowed());
         Tensor<bf16> scratch;
         if (rect.keys > 0)  // as ring_calls without documents: a call
           scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
-                                                 ops::AttentionPass::forward);
+                                                 ops::AttentionPass::forward, &kept);
         for (const RingCall& c : step.calls) {
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
@@ -486,9 +542,11 @@ struct RingAttention {
           T* o_p = at(o_part.data(), q_off * st.dv);
           T* lse_p = at(lse_base, c.lse_off);
           T* probs = at(step.probs.data(), c.probs_off);
+          const auto narrow =
+              kv.narrowed(st, k_off, at(q.narrowed_data(), q_off * st.dqk), q.narrowed());
           Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
                             at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-                            eager ? lse_p : nullptr, &scratch);
+                            eager ? lse_p : nullptr, narrow.any() ? &narrow : nullptr, &scratch);
           merge_partial(st, g, c, o.data(), merged.data(), o_p, lse_p);
         }
       }
@@ -559,17 +617,18 @@ struct RingAttention {
       Tensor<T> dkv;
       const RingRect& rect = step.rect;
       if (rect.rows > 0) {
-        RingKv<T> kv = codec.kv(st, w, cur->data(), Lk);
+        const RingKv<T> kv = codec.kv(st, w, *cur, Lk);
         Tensor<T> dq_part({st.B * g.L, g.H * st.dqk}, "dq_part");
         dkv = Tensor<T>::zeros({st.B * Lk * g.H * (st.dqk + st.dv)}, "dkv_part");
         Tensor<T> rows_stat, dp;  // the calls' rows of lse (flash) or D (eager, several blocks)
         if (!eager || delta.defined())
           rows_stat = Tensor<T>({rect.lse_elems(st.B, g.H)}, "ring stats rows");
         if (eager) dp = Tensor<T>({g.L, Lk}, "eager dp scratch");
-        // q and dO held narrowed (bf16 runs: the tapes' backward) are read in
-        // place, rows at the call's offset; their copies are not in the scratch.
-        typename Pieces<T>::NarrowedOperands narrow;
-        narrow.q_held = q.narrowed(), narrow.dout_held = do_loc.narrowed();
+        // q, dO and the block's K/V held narrowed (bf16 runs: the tapes'
+        // backward) are read in place, rows at the call's offsets; their
+        // copies are not in the scratch.
+        auto narrow = kv.narrowed(st, 0, nullptr, q.narrowed());
+        narrow.dout_held = do_loc.narrowed();
         Tensor<bf16> scratch;
         if (rect.keys > 0)  // as ring_calls without documents: a call
           scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
@@ -580,9 +639,10 @@ struct RingAttention {
                              k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
           if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
-          narrow.q = at(q.narrowed_data(), q_off * st.dqk);
+          const auto call =
+              kv.narrowed(st, k_off, at(q.narrowed_data(), q_off * st.dqk), q.narrowed());
+          narrow.q = call.q, narrow.k = call.k, narrow.v = call.v;
           narrow.dout = at(do_loc.narrowed_data(), q_off * st.dv);
-          const bool narrowed = narrow.q_held || narrow.dout_held;
           Pieces<T>::attend_backward(
               st, s, at(dq_part.data(), q_off * st.dqk),
               at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
@@ -590,7 +650,7 @@ struct RingAttention {
               at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),
               at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
               eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr,
-              narrowed ? &narrow : nullptr, &scratch);
+              narrow.any() ? &narrow : nullptr, &scratch);
           for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
             const std::int64_t row = b * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),
@@ -602,8 +662,7 @@ struct RingAttention {
       wait(st, acc_pending);
       acc_sent.reset();
       if (dkv.defined())
-        codec.add_grad(st, w, cur->data(), Lk, step.calls, std::as_const(dkv).data(), acc.data(),
-                       grads);
+        codec.add_grad(st, w, *cur, Lk, step.calls, std::as_const(dkv).data(), acc.data(), grads);
       dkv.reset();
       wait(st, kv_pending);
       // The accumulator goes on with its block; after the last step, home.
@@ -642,11 +701,10 @@ struct RingTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    // The own block is shifted round the ring in fp32; q and dO are read
-    // only as attention's bf16 operands (and dO, widened exactly, for D):
-    // they stay held at 2 bytes, read in place every step (RingAttention's
-    // backward), the same bits.
-    ops::widen_kept(own);
+    // q, dO and the blocks are read only as attention's (and the
+    // up-projection's) bf16 operands (and dO, widened exactly, for D): they
+    // stay held at 2 bytes, read in place every step (RingAttention's
+    // backward, see the top), the same bits.
     // do (B, L, H dv) = dout wo; wo += dout^T o.
     Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
     {
@@ -672,13 +730,14 @@ std::unique_ptr<Tape<T>> ring_forward(const Step& st, const MlaParams<T>& w, con
   P::project_in(st, w, x, t->in);
   t->own = t->codec.own_block(st, w, t->in);
   t->q = P::local_queries(st, w, t->in);
+  // The queries and the own block hold bf16 values (GEMMs' and RoPE's
+  // rounded outputs): held at 2 bytes from here (ops::keep_narrowed), the
+  // ring's blocks likewise (see the top). o_loc is the merged output in
+  // fp32, whose D = rowsum(dO o) backward reads.
+  ops::keep_narrowed(t->q), ops::keep_narrowed(t->own);
   t->o_loc = t->att.forward(st, RingView::of_ranks(st), w, t->codec, t->q, t->own);
   out = Tensor<T>({st.B, st.L, st.D}, "out");
   ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
-  // The queries and the own block hold bf16 values (GEMMs' and RoPE's
-  // rounded outputs) and are kept at 2 bytes (ops::keep_narrowed); o_loc
-  // is the merged output in fp32, whose D = rowsum(dO o) backward reads.
-  ops::keep_narrowed(t->q), ops::keep_narrowed(t->own);
   return t;
 }
 

@@ -223,6 +223,34 @@ TEST(Tensor, NarrowedHoldsBf16ValuesAtTwoBytes) {
   EXPECT_EQ(counting.peak_total(), 30);
 }
 
+// Born narrowed (a ring block off a bf16 wire): 2 bytes an element from the
+// start, never the 4 of an fp32 tensor narrowed later (the peak sees only
+// the bf16 bytes); it widens as any narrowed tensor, and a count-only pool
+// counts the same bytes.
+TEST(Tensor, BornNarrowedHoldsTwoBytesFromTheStart) {
+  MemoryPool pool;
+  PoolScope scope(pool);
+  TensorF t = TensorF::born_narrowed({3, 4}, "block", MemCategory::comm_buffers);
+  EXPECT_TRUE(t.narrowed());
+  EXPECT_EQ(t.data(), nullptr);
+  EXPECT_EQ(t.bytes(), 24);
+  EXPECT_EQ(pool.current(MemCategory::comm_buffers), 24);
+  EXPECT_EQ(pool.peak_total(), 24);
+  for (std::int64_t i = 0; i < 12; ++i) t.narrowed_data()[i] = to_bf16(float(i) - 5.5f);
+  t.widen_from_bf16();
+  EXPECT_EQ(pool.current(MemCategory::comm_buffers), 48);
+  for (std::int64_t i = 0; i < 12; ++i) EXPECT_EQ(t[i], float(i) - 5.5f);
+  t.reset();
+  EXPECT_EQ(pool.current_total(), 0);
+  EXPECT_THROW(TensorD::born_narrowed({2}, "block"), Error);  // only fp32 narrows
+  MemoryPool counting;
+  counting.set_count_only(true);
+  PoolScope count_scope(counting);
+  TensorF c = TensorF::born_narrowed({5}, "block");
+  EXPECT_TRUE(c.narrowed());
+  EXPECT_EQ(counting.current(MemCategory::activations), 10);
+}
+
 TYPED_TEST(TensorTest, MoveAssignFreesTheOldStorage) {
   MemoryPool pool;
   PoolScope scope(pool);
