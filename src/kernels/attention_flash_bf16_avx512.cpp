@@ -292,8 +292,9 @@ void bgemm(std::int64_t M, std::int64_t N, std::int64_t KP, const bf16* a, std::
 // Keys [j0, j1) of one head of x (B, Sk, Hk, d): rows copied into row
 // (stride d_p, the padding column zeroed), then transposed into col (stride
 // ldt, from the rows just copied, which sit in L1: the transpose's strided
-// side reads a 64-row block, not the (B, Sk, Hk, d) tensor); an odd Sk's
-// padding key zeroed. Returns whether every value is finite.
+// side reads a 64-row block, not the (B, Sk, Hk, d) tensor; none where col
+// is null); an odd Sk's padding key zeroed. Returns whether every value is
+// finite.
 bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int64_t d_p,
                     std::int64_t j0, std::int64_t j1, std::int64_t sk_p, std::int64_t ldt,
                     bf16* row, bf16* col) {
@@ -308,7 +309,7 @@ bool pack_key_block(const HeadView& hv, const bf16* x, std::int64_t d, std::int6
     for (std::int64_t e = 0; e < d; ++e)
       bad |= static_cast<std::uint16_t>((src[e].bits & 0x7F80u) == 0x7F80u);
   }
-  for (std::int64_t e = 0; e < d; ++e) {
+  for (std::int64_t e = 0; col && e < d; ++e) {
     bf16* dst = col + e * ldt;
     for (std::int64_t j = j0; j < j1; ++j) dst[j] = row[j * d_p + e];
     if (j1 < sk_p && j1 == hv.s.Sk) dst[j1] = bf16{};
@@ -404,9 +405,12 @@ Aligned<T> zeroed(std::int64_t n, Arena& arena) {
   return filled(n, T{}, arena);
 }
 
-// K and V of key/value heads bh = b * Hk + hk, in the two layouts the
-// products read: rows padded to an even width (A of S^T, dP^T), and
-// transposed with the keys padded to an even count (A of O^T, dQ^T). Zeros
+// K and V of key/value heads bh = b * Hk + hk, in the layouts the products
+// read: rows padded to an even width (A of S^T, dP^T; V's rows also for
+// forward's path around a non-finite value), and transposed with the keys
+// padded to an even count: V^T in forward (A of O^T), K^T in backward (A of
+// dQ^T). Each pass transposes only the one it reads (the transposing copy
+// is scalar: packing was 8.7% of the forward's samples with both). Zeros
 // in the padding, so a pair's partner past the end multiplies to 0. Either
 // every head (KeyPacks::of_every_head: forward, the two-pass backward) or
 // one at a time, packed again for each head a thread takes (the per-head
@@ -420,7 +424,8 @@ struct KeyPacksLayout {
   // there.
   std::int64_t dqk_p, dv_p, sk_p, nkb, ldt;
   std::int64_t dqk, dv, heads;
-  KeyPacksLayout(const AttnShape& s, std::int64_t held_heads)
+  bool backward;  // K^T (backward) or V^T (forward)
+  KeyPacksLayout(const AttnShape& s, std::int64_t held_heads, bool for_backward)
       : dqk_p(even_up(s.dqk)),
         dv_p(even_up(s.dv)),
         sk_p(even_up(s.Sk)),
@@ -429,11 +434,12 @@ struct KeyPacksLayout {
                                                 : ceil_div(sk_p, 32) * 32),
         dqk(s.dqk),
         dv(s.dv),
-        heads(held_heads) {}
+        heads(held_heads),
+        backward(for_backward) {}
   std::int64_t krow_n() const { return heads * sk_p * dqk_p; }
   std::int64_t vrow_n() const { return heads * sk_p * dv_p; }
-  std::int64_t kt_n() const { return heads * dqk * ldt; }
-  std::int64_t vt_n() const { return heads * dv * ldt; }
+  std::int64_t kt_n() const { return backward ? heads * dqk * ldt : 0; }
+  std::int64_t vt_n() const { return backward ? 0 : heads * dv * ldt; }
   std::int64_t bytes() const {
     return aligned_bytes<bf16>(krow_n()) + aligned_bytes<bf16>(vrow_n()) +
            aligned_bytes<bf16>(kt_n()) + aligned_bytes<bf16>(vt_n()) +
@@ -454,8 +460,8 @@ struct KeyPacks : KeyPacksLayout {
   }
 
   // Room for held_heads heads, nothing packed yet.
-  KeyPacks(const AttnShape& s, std::int64_t held_heads, Arena& arena)
-      : KeyPacksLayout(s, held_heads),
+  KeyPacks(const AttnShape& s, std::int64_t held_heads, bool for_backward, Arena& arena)
+      : KeyPacksLayout(s, held_heads, for_backward),
         krow(krow_n(), arena),
         vrow(vrow_n(), arena),
         kt(kt_n(), arena),
@@ -466,10 +472,12 @@ struct KeyPacks : KeyPacksLayout {
   void pack(const AttnShape& s, const bf16* k, const bf16* v, std::int64_t bh, std::int64_t kb) {
     const HeadView hv(s, bh / s.Hk, bh % s.Hk);
     const std::int64_t j0 = kb * kBc, j1 = std::min(j0 + kBc, s.Sk), at = bh - h0;
-    const bool ok_k = pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p, ldt,
-                                     krow.get() + at * sk_p * dqk_p, kt.get() + at * dqk * ldt);
-    const bool ok_v = pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p, ldt,
-                                     vrow.get() + at * sk_p * dv_p, vt.get() + at * dv * ldt);
+    const bool ok_k =
+        pack_key_block(hv, k, s.dqk, dqk_p, j0, j1, sk_p, ldt, krow.get() + at * sk_p * dqk_p,
+                       backward ? kt.get() + at * dqk * ldt : nullptr);
+    const bool ok_v =
+        pack_key_block(hv, v, s.dv, dv_p, j0, j1, sk_p, ldt, vrow.get() + at * sk_p * dv_p,
+                       backward ? nullptr : vt.get() + at * dv * ldt);
     finite[static_cast<size_t>(at * nkb + kb)] = ok_k && ok_v ? 1 : 0;
   }
   // A one-head pack made to hold head bh, packed (on this thread).
@@ -477,8 +485,9 @@ struct KeyPacks : KeyPacksLayout {
     h0 = bh;
     for (std::int64_t kb = 0; kb < nkb; ++kb) pack(s, k, v, bh, kb);
   }
-  static KeyPacks of_every_head(const AttnShape& s, const bf16* k, const bf16* v, Arena& arena) {
-    KeyPacks kp(s, s.B * s.Hk, arena);
+  static KeyPacks of_every_head(const AttnShape& s, const bf16* k, const bf16* v, bool for_backward,
+                                Arena& arena) {
+    KeyPacks kp(s, s.B * s.Hk, for_backward, arena);
 #pragma omp parallel for schedule(static) if (kp.heads * kp.nkb > 1)
     for (std::int64_t u = 0; u < kp.heads * kp.nkb; ++u) kp.pack(s, k, v, u / kp.nkb, u % kp.nkb);
     return kp;
@@ -932,7 +941,7 @@ bool forward_per_head(std::int64_t heads, std::int64_t nt) {
 std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   s.validate();
   const std::int64_t nt = threads_here(), heads = s.B * s.Hk;
-  const KeyPacksLayout keys(s, heads);
+  const KeyPacksLayout keys(s, heads, backward);
   // Every term grows with the extents. What a smaller shape may take more
   // of: threads' buffers (one thread where there is one unit) and another
   // schedule. The bound takes every thread, and each schedule a call of
@@ -949,7 +958,7 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   if (!backward) {
     const RowPacksLayout rows(s, true);
     if (rows.units == 0 && !bound) return 0;
-    const std::int64_t per_head = nt * (Scratch::bytes(s) + KeyPacksLayout(s, 1).bytes());
+    const std::int64_t per_head = nt * (Scratch::bytes(s) + KeyPacksLayout(s, 1, false).bytes());
     const std::int64_t shared =
         keys.bytes() + (rows.units > 1 || bound ? nt : 1) * Scratch::bytes(s);
     if (bound) {
@@ -967,7 +976,7 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   const auto per_head = [&] {
     return d_all + (units > 1 || bound ? nt : 1) *
                        (Scratch::bytes(s) + aligned_bytes<float>(s.Sk * s.dqk) +
-                        aligned_bytes<float>(s.Sk * s.dv) + KeyPacksLayout(s, 1).bytes() +
+                        aligned_bytes<float>(s.Sk * s.dv) + KeyPacksLayout(s, 1, true).bytes() +
                         RowPacksLayout(s, false).bytes());
   };
   // Two passes: every head's packs, and each thread's tiles.
@@ -1006,7 +1015,7 @@ void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16
 #pragma omp parallel
     {
       Scratch w(s, arena);
-      KeyPacks kp(s, 1, arena);
+      KeyPacks kp(s, 1, false, arena);
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t bh = 0; bh < heads; ++bh) {
         kp.pack_head(s, k, v, bh);
@@ -1017,7 +1026,7 @@ void forward(const AttnShape& s, float* o, float* lse, const bf16* q, const bf16
     }
     return;
   }
-  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, arena);
+  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, false, arena);
 #pragma omp parallel if (units > 1)
   {
     Scratch w(s, arena);
@@ -1069,7 +1078,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
       // row block's Q, dO, packed right before the block's tiles.
       Scratch w(s, arena);
       Aligned<float> head_dk(s.Sk * s.dqk, arena), head_dv(s.Sk * s.dv, arena);
-      KeyPacks kp(s, 1, arena);
+      KeyPacks kp(s, 1, true, arena);
       RowPacks rp(s, false, arena);
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t bh = u / sets, set = u % sets;
@@ -1101,7 +1110,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     }
     return;
   }
-  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, arena);
+  const KeyPacks kp = KeyPacks::of_every_head(s, k, v, true, arena);
   const RowPacks rp = RowPacks::of_every_head(s, q, dout, lse, D.data(), arena);
   const std::int64_t nrb = rp.nrb, nkb = kp.nkb;
 #pragma omp parallel if (heads * std::max(nkb, nrb) > 1)
