@@ -494,17 +494,58 @@ struct KeyPacks : KeyPacksLayout {
   }
 };
 
+// r[i] word j -> r[j] word i, for 16 x 16 32-bit words: pairs of rows
+// interleaved by words, then by double words, then the 128-bit lanes
+// shuffled twice.
+void transpose_16x16_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // out (d_p / 2, kBr, 2): block rows of x (B, Sq, Hq, d) transposed and
 // pair-interleaved along d (B of S^T, dP^T). Rows past the block and the
-// padding column are 0.
+// padding column are 0. A pair is one 32-bit word, so this is a transpose
+// of words, 16 rows by 16 pairs at a time (a word at a time, it was ~4% of
+// the forward's samples and ~5% of the backward's).
 void pack_rows_along_d(const HeadView& hv, const bf16* x, std::int64_t d, const RowBlock& rb,
                        bf16* out) {
   std::fill(out, out + even_up(d) * kBr, bf16{});
   const std::int64_t full = d / 2;  // whole pairs: one 32-bit word each
-  for (std::int64_t r = 0; r < rb.rows; ++r) {
-    const bf16* src = x + hv.row_off(rb.r0 + r, d);
-    for (std::int64_t p = 0; p < full; ++p) std::memcpy(out + (p * kBr + r) * 2, src + 2 * p, 4);
-    if (d & 1) out[(full * kBr + r) * 2] = src[d - 1];
+  for (std::int64_t r0 = 0; r0 < rb.rows; r0 += 16) {
+    const std::int64_t nr = std::min<std::int64_t>(16, rb.rows - r0);
+    const bf16* src[16];
+    for (std::int64_t i = 0; i < nr; ++i) src[i] = x + hv.row_off(rb.r0 + r0 + i, d);
+    for (std::int64_t p0 = 0; p0 < full; p0 += 16) {
+      const int np = static_cast<int>(std::min<std::int64_t>(16, full - p0));
+      const __mmask16 m = S::lanes(np);
+      __m512i w[16];
+      for (std::int64_t i = 0; i < 16; ++i)
+        w[i] = i < nr ? _mm512_maskz_loadu_epi32(m, src[i] + 2 * p0) : _mm512_setzero_si512();
+      transpose_16x16_words(w);
+      // Word (p, r) at out + (p kBr + r) 2: row p0 + p's 16 words from r0
+      // (rows past the block stored as the zeros they are).
+      for (int p = 0; p < np; ++p) _mm512_storeu_si512(out + ((p0 + p) * kBr + r0) * 2, w[p]);
+    }
+    if (d & 1)
+      for (std::int64_t i = 0; i < nr; ++i) out[(full * kBr + r0 + i) * 2] = src[i][d - 1];
   }
 }
 
