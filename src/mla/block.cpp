@@ -127,6 +127,21 @@ Tensor<bf16> bf16_attention_scratch(const Bf16AttentionParts& p) {
   return Tensor<bf16>({p.bytes() / 2}, "bf16 attention scratch");
 }
 
+// The operands a call was given held narrowed (none: null), refused
+// outside a bf16 run; and what the call reads of one operand, as runs()
+// checks it: the held bf16 values, else x.
+template <class T>
+typename Pieces<T>::NarrowedOperands held_operands(
+    const typename Pieces<T>::NarrowedOperands* narrowed) {
+  LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
+             "internal: narrowed attention operands outside a bf16 run");
+  return narrowed ? *narrowed : typename Pieces<T>::NarrowedOperands{};
+}
+template <class T>
+const void* read_ptr(bool held, const bf16* values, const T* x) {
+  return held ? static_cast<const void*>(values) : static_cast<const void*>(x);
+}
+
 // One attention operand of n values for the bf16 kernels: a tensor held
 // narrowed gives its bf16 values as they are; another's are rounded into
 // `dst`, its place in the call's scratch.
@@ -349,12 +364,10 @@ void Pieces<T>::attend(const Step& st, const AttnShape& s, T* o, T* stats, const
                        [&] { return s.useful_flops_forward(); });
   // Eager writes the scores, reads them back and writes the probabilities.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
-  LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
-             "internal: narrowed attention operands outside a bf16 run");
-  const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
-  const void* qp = held.q_held ? static_cast<const void*>(held.q) : q;
-  const void* kp = held.k_held ? static_cast<const void*>(held.k) : k;
-  const void* vp = held.v_held ? static_cast<const void*>(held.v) : v;
+  const NarrowedOperands held = held_operands<T>(narrowed);
+  const void* qp = read_ptr(held.q_held, held.q, q);
+  const void* kp = read_ptr(held.k_held, held.k, k);
+  const void* vp = read_ptr(held.v_held, held.v, v);
   if (ops::in_bf16<T>()) {
     // q, k, v rounded to bf16 (or, held narrowed, read as the bf16 values
     // they are), their products summed in fp32; o and lse come back fp32
@@ -416,13 +429,11 @@ void Pieces<T>::attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk
   });
   // Eager reads the saved probabilities, writes dp and reads it back.
   if (eager) ops::count_elementwise<T>(s.B * s.Hq * s.Sq * s.Sk, 3);
-  LAGA_CHECK(!narrowed || ops::in_bf16<T>(),
-             "internal: narrowed attention operands outside a bf16 run");
-  const NarrowedOperands held = narrowed ? *narrowed : NarrowedOperands{};
-  const void* qp = held.q_held ? static_cast<const void*>(held.q) : q;
-  const void* kp = held.k_held ? static_cast<const void*>(held.k) : k;
-  const void* vp = held.v_held ? static_cast<const void*>(held.v) : v;
-  const void* doutp = held.dout_held ? static_cast<const void*>(held.dout) : dout;
+  const NarrowedOperands held = held_operands<T>(narrowed);
+  const void* qp = read_ptr(held.q_held, held.q, q);
+  const void* kp = read_ptr(held.k_held, held.k, k);
+  const void* vp = read_ptr(held.v_held, held.v, v);
+  const void* doutp = read_ptr(held.dout_held, held.dout, dout);
   if (ops::in_bf16<T>()) {
     // dO, q, k, v rounded (the operands of dP = dO V^T, dV = P^T dO and
     // the recomputed scores), or, held narrowed, read as the bf16 values
