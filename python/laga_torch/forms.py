@@ -2,9 +2,9 @@
 registry (FORMS).
 
 Each function reads as its block in docs/forms.md, which describes the same
-data flow for the C++ forms (src/mla/form_explicit.cpp, form_laga.cpp,
-form_laga2d.cpp, form_absorbed.cpp, form_allgather_kv.cpp, form_ring_kv.cpp,
-form_ring_latent.cpp, form_a2a_p2p.cpp); the labels are the C++ ledger's.
+data flow for the C++ forms (src/mla/form_NAME.cpp, one file a form:
+explicit, absorbed, laga, laga_fused (here: fused.py), laga2d, allgather_kv,
+ring_kv, ring_latent, a2a_p2p); the labels are the C++ ledger's.
 Inputs are this rank's seq shard after the local projections (the
 pith-train shape): q (B, L, H, dqk) = [q_nope | q_pe] with q_pe rotated (or
 with q_latent the normalised query latent qn (B, L, rq) and wq_b), c_kv =
@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from . import fused
 from .attention import KeyRanges, attention
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
@@ -52,13 +53,23 @@ class FormSpec:
     kv_ring/dkv_ring) or ring.LatentBlocks (the latent,
     latent_ring/dlatent_ring), as the C++ ring forms' codecs. grid_order
     (Attends.grid): "head_major" (laga2d) or "context_major" (a2a_p2p, whose
-    ring runs across the context groups of the rank's head group)."""
+    ring runs across the context groups of the rank's head group).
+
+    reference, exact_at_one_rank: the C++ FormTraits of the same names (the
+    one form the others are held to; a form that runs the reference's
+    arithmetic at P 1). fused (Keys.latent): the up-projection made inside
+    the flash attention call and K/V never kept (laga_fused, fused.py).
+
+    tests/tools/test_forms_registry.py holds these rows equal to the C++
+    registry's (`laga forms --json`): the names in order and every trait."""
 
     def __init__(self, name, attends, keys, codec=None, query_latent=False, overlap=False,
-                 head_groups=False, grid_order="head_major"):
+                 head_groups=False, grid_order="head_major", reference=False,
+                 exact_at_one_rank=False, fused=False):
         self.name, self.attends, self.keys, self.codec = name, attends, keys, codec
         self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
-        self.grid_order = grid_order
+        self.grid_order, self.fused = grid_order, fused
+        self.reference, self.exact_at_one_rank = reference, exact_at_one_rank
 
     def default_head_groups(self, heads, ranks):
         """Ph when head_groups is 0: laga2d's gcd(H, P); a2a_p2p's leaves a ring."""
@@ -71,18 +82,45 @@ class FormSpec:
         return self.keys is Keys.ring
 
 
+def registry(rows):
+    """The rows as the registry {name: row}, refused (ValueError) unless the
+    names are distinct and exactly one row is the reference: the C++
+    registry's own check (check_form_rows, src/mla/form.cpp)."""
+    names = [f.name for f in rows]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"laga_torch's form registry names {', '.join(twice)} more than once")
+    refs = [f.name for f in rows if f.reference]
+    if len(refs) != 1:
+        raise ValueError("laga_torch's form registry must have exactly one reference form (the "
+                         "one every other form is held to); it has "
+                         f"{len(refs)}{': ' + ', '.join(refs) if refs else ''}")
+    return {f.name: f for f in rows}
+
+
 # The registry, in the C++ order (src/mla/forms.def; `laga forms`).
-FORMS = {f.name: f for f in (
-    FormSpec("explicit", Attends.heads, Keys.heads),
+FORMS = registry((
+    FormSpec("explicit", Attends.heads, Keys.heads, reference=True),
     FormSpec("absorbed", Attends.heads, Keys.latent),
-    FormSpec("laga", Attends.heads, Keys.latent, query_latent=True, overlap=True),
+    FormSpec("laga", Attends.heads, Keys.latent, query_latent=True, overlap=True,
+             exact_at_one_rank=True),
+    FormSpec("laga_fused", Attends.heads, Keys.latent, query_latent=True, overlap=True,
+             fused=True),
     FormSpec("laga2d", Attends.grid, Keys.latent, query_latent=True, overlap=True,
-             head_groups=True),
-    FormSpec("allgather_kv", Attends.own, Keys.gather),
-    FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True),
-    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True),
+             head_groups=True, exact_at_one_rank=True),
+    FormSpec("allgather_kv", Attends.own, Keys.gather, exact_at_one_rank=True),
+    FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True,
+             exact_at_one_rank=True),
+    FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True,
+             exact_at_one_rank=True),
     FormSpec("a2a_p2p", Attends.grid, Keys.ring, codec=KvBlocks, overlap=True, head_groups=True,
-             grid_order="context_major"))}
+             grid_order="context_major", exact_at_one_rank=True)))
+
+
+def reference_form():
+    """The name of the one reference row (every reader of "the reference
+    form" asks here, as the C++ readers ask reference_form())."""
+    return next(f.name for f in FORMS.values() if f.reference)
 
 
 def form_spec(form):
@@ -342,6 +380,12 @@ def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=Fa
 
     # laga / laga2d: up-project the OWN heads over the keys attention needs.
     Sk = int(rows[-1]) + 1 if len(rows) else 0
+    if spec.fused and sp.attention_kind == "flash" and nh and len(rows):
+        # laga_fused: K/V made inside the attention call, never kept (fused.py).
+        w_rows = wkv[h0:h0 + nh].reshape(nh * (dn + dv), C)
+        o_h = fused.LatentFlash.apply(q_h, lat[:, :Sk], w_rows, sp.key_ranges(rows, Sk), scale,
+                                      sp.flash_block, cfg)
+        return sp.move(o_h, back, "out_a2a").reshape(B, L, H * dv)
     kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(nh * (dn + dv), C).t()).view(
         B, Sk, nh, dn + dv)
     k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)

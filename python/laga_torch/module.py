@@ -92,7 +92,7 @@ def plan_form(cfg, seq, ranks, batch, profile, laga=None, seq_layout="contiguous
     """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
     profile (a built-in name or a JSON file; docs/planning.md): (form,
     q_latent, overlap) of its winner among the forms this package implements
-    (FORMS, the C++ build's seven). The binary: `laga`,
+    (FORMS, the C++ build's: tools_forms_registry). The binary: `laga`,
     else LAGA_BIN, else PATH."""
     laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
     if not laga:

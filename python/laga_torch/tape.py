@@ -17,6 +17,8 @@ Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
                flash: o_h (B, S, H_r, dv), lse (B, H_r, S)
   laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), lat (B, S, C+dr);
                eager: probs per query range; flash: o_h, lse over the query rows
+  laga_fused   flash: q_h, lat, o_h, lse (no k_h, v_h: backward makes them
+               again from lat, fused.py); eager: laga's
   absorbed     q_h, lat, v_lat, q_abs, o_lat; eager: probs; flash: lse
                (o_lat, which d W_UV needs, is flash's output)
   allgather_kv q_h (B, L, H, dqk), c_hat, k_h, v_h (B, S, H, .) gathered;
@@ -38,6 +40,7 @@ type), where the closed form counts bf16's 2 bytes.
 import torch
 
 from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
+from . import fused
 from .comm import _unpack_add, move
 from .forms import Attends, Keys
 from .ring import ring_backward, ring_forward
@@ -210,10 +213,14 @@ class Block(torch.autograd.Function):
                 keep["lse" if run.flash else "p0"] = stats
             else:  # laga, laga2d: the own heads up-projected over the keys needed
                 Sk = run.key_end
-                kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(-1, C).t()).view(
-                    B, Sk, nh, dn + dv)
-                k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(B, Sk, nh, dr)], -1)
-                v_h = kv_h[..., dn:].contiguous()
+                if spec.fused and run.flash:  # laga_fused: K/V for the call only (fused.py)
+                    k_h, v_h = fused.up_project(lat[:, :Sk], wkv[h0:h0 + nh].reshape(-1, C), cfg)
+                else:
+                    kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(-1, C).t()).view(
+                        B, Sk, nh, dn + dv)
+                    k_h = torch.cat([kv_h[..., :dn], lat[:, :Sk, None, C:].expand(
+                        B, Sk, nh, dr)], -1)
+                    v_h = kv_h[..., dn:].contiguous()
                 o_h = q_h.new_zeros(B, len(rows), nh, dv)
                 if run.flash:  # o_h and lse (B, H_r, Sq) over every query range
                     lse = torch.zeros(B, nh, len(rows), dtype=_acc_dtype(q_h.dtype),
@@ -226,7 +233,9 @@ class Block(torch.autograd.Function):
                     else:
                         o_h[:, a:b], keep[f"p{i}"] = math_forward(
                             q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
-                keep.update(k_h=k_h, v_h=v_h)
+                if not (spec.fused and run.flash):
+                    keep.update(k_h=k_h, v_h=v_h)
+                del k_h, v_h
                 if run.flash:
                     keep.update(o_h=o_h, lse=lse)
         if spec.attends is Attends.own:
@@ -372,7 +381,11 @@ class Block(torch.autograd.Function):
                                   dq_abs[..., C:]], -1)
             else:
                 Sk = run.key_end
-                q_h, k_h, v_h = s["q_h"], s["k_h"], s["v_h"]
+                q_h = s["q_h"]
+                if "k_h" in s:
+                    k_h, v_h = s["k_h"], s["v_h"]
+                else:  # laga_fused: K/V made again from the latent (fused.py)
+                    k_h, v_h = fused.up_project(lat[:, :Sk], wkv[h0:h0 + nh].reshape(-1, C), cfg)
                 dq_h, dk_h, dv_h = torch.zeros_like(q_h), torch.zeros_like(k_h), \
                     torch.zeros_like(v_h)
                 for i, (a, b, e) in enumerate(run.calls):
@@ -387,13 +400,18 @@ class Block(torch.autograd.Function):
                     dq_h[:, a:b] = dq_
                     dk_h[:, :e] += dk_
                     dv_h[:, :e] += dv_
-                dkv = torch.cat([dk_h[..., :dn], dv_h], -1)  # (B, Sk, nh, dn+dv)
                 w_r = wkv[h0:h0 + nh].reshape(-1, C)
-                dkv = dkv.reshape(B, Sk, nh * (dn + dv))
-                d_lat[:, :Sk, :C] = dkv @ w_r
-                d_lat[:, :Sk, C:] = dk_h[..., dn:].sum(2)
-                d_wkv[h0:h0 + nh] = _mm_t(dkv, lat[:, :Sk, :C]).view(
-                    nh, dn + dv, C)
+                if "k_h" not in s:  # laga_fused: the up-projection's adjoint (fused.py)
+                    d_lat[:, :Sk], d_w = fused.up_project_backward(dk_h, dv_h, lat[:, :Sk], w_r,
+                                                                   cfg)
+                    d_wkv[h0:h0 + nh] = d_w.view(nh, dn + dv, C)
+                else:
+                    dkv = torch.cat([dk_h[..., :dn], dv_h], -1)  # (B, Sk, nh, dn+dv)
+                    dkv = dkv.reshape(B, Sk, nh * (dn + dv))
+                    d_lat[:, :Sk, :C] = dkv @ w_r
+                    d_lat[:, :Sk, C:] = dk_h[..., dn:].sum(2)
+                    d_wkv[h0:h0 + nh] = _mm_t(dkv, lat[:, :Sk, :C]).view(
+                        nh, dn + dv, C)
             dq = queries_back(dq_h)
             if run.overlap:  # the latent's reduce-scatter on the wire during the query path's
                 started = []

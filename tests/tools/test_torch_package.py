@@ -3,8 +3,9 @@
 
 Usage: test_torch_package.py LAGA WORKDIR [--device cpu|cuda] [--backend gloo|nccl]
 
-For every form (the package's FORMS: explicit, absorbed, laga, laga2d and the
-context-parallel allgather_kv, ring_kv, ring_latent, a2a_p2p) and option (q_latent,
+For every form (the package's FORMS: explicit, absorbed, laga, laga_fused,
+laga2d and the context-parallel allgather_kv, ring_kv, ring_latent, a2a_p2p;
+tests/tools/test_forms_registry.py holds them equal to the C++ registry) and option (q_latent,
 overlap, laga2d head groups, packed documents straddling shards, the zigzag
 layout) at P 1, 2, 3, 4, with S % P != 0, S % 2P != 0 and H % P != 0:
   * out, dx and every parameter gradient (summed over ranks) of the torch
@@ -81,6 +82,12 @@ VARIANTS = [("explicit", "rq0", "explicit", {}), ("absorbed", "rq0", "absorbed",
             ("laga2d-overlap", "rq7", "laga2d", {"overlap": True}),
             ("explicit", "h3", "explicit", {}), ("absorbed", "h3", "absorbed", {}),
             ("laga", "h3", "laga", {}), ("laga-q-latent", "h3", "laga", {"q_latent": True}),
+            # laga_fused: laga's flow, K/V made inside the flash call and never
+            # kept (fused.py); eager runs laga's path, as the C++ form does.
+            ("laga_fused", "rq0", "laga_fused", {}), ("laga_fused", "rq7", "laga_fused", {}),
+            ("laga_fused-q-latent-overlap", "rq7", "laga_fused",
+             {"q_latent": True, "overlap": True}),
+            ("laga_fused", "h3", "laga_fused", {}),
             # The context-parallel forms: each rank its own tokens with all heads
             # (H 5 never split); the rings' overlap (one engine, ring.py) once.
             ("allgather_kv", "rq7", "allgather_kv", {}), ("ring_kv", "rq7", "ring_kv", {}),
@@ -100,10 +107,10 @@ ZIGZAG = {"seq_layout": "zigzag"}
 VARIANTS += [(name + "-zigzag", "rq7", form, dict(opts, **ZIGZAG)) for name, form, opts in (
     ("explicit", "explicit", {}), ("absorbed", "absorbed", {}), ("laga", "laga", {}),
     ("laga2d", "laga2d", {}), ("laga2d-g1", "laga2d", {"head_groups": 1}),
-    ("allgather_kv", "allgather_kv", {}), ("ring_kv", "ring_kv", {}),
+    ("laga_fused", "laga_fused", {}), ("allgather_kv", "allgather_kv", {}), ("ring_kv", "ring_kv", {}),
     ("ring_latent", "ring_latent", {}), ("ring_kv-overlap", "ring_kv", {"overlap": True}),
     ("a2a_p2p", "a2a_p2p", {}))]
-PACKED = ["explicit", "absorbed", "laga", "laga2d-g1", "laga-q-latent", "allgather_kv",
+PACKED = ["explicit", "absorbed", "laga", "laga_fused", "laga2d-g1", "laga-q-latent", "allgather_kv",
           "ring_kv", "ring_latent", "laga-zigzag", "allgather_kv-zigzag", "ring_kv-zigzag",
           "ring_latent-zigzag", "a2a_p2p"]
 # attention "flash" as well (float64, float32; bf16 and autograd's tape for a
@@ -116,10 +123,13 @@ FLASH = {"rq0-explicit", "rq0-absorbed", "rq0-laga", "rq0-laga2d", "rq7-laga2d-g
          "rq7-allgather_kv", "rq7-ring_kv", "rq7-ring_latent",
          "rq7-allgather_kv-packed", "rq7-ring_kv-packed", "rq7-laga2d-zigzag",
          "rq7-allgather_kv-zigzag-packed", "rq7-ring_kv-zigzag", "rq7-ring_latent-zigzag-packed",
-         "rq7-a2a_p2p", "rq7-a2a_p2p-packed"}
-FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent"}
+         "rq7-a2a_p2p", "rq7-a2a_p2p-packed", "rq0-laga_fused", "rq7-laga_fused",
+         "rq7-laga_fused-q-latent-overlap", "h3-laga_fused", "rq7-laga_fused-packed",
+         "rq7-laga_fused-zigzag"}
+FLASH_BF16 = {"rq7-laga2d-g1-q-latent", "rq7-ring_latent", "rq7-laga_fused"}
 FLASH_AUTOGRAD = {"rq0-laga2d", "rq7-absorbed-packed", "rq7-ring_latent-overlap",
-                  "rq7-ring_kv-zigzag-packed", "rq7-a2a_p2p-packed"}
+                  "rq7-ring_kv-zigzag-packed", "rq7-a2a_p2p-packed", "rq7-laga_fused-packed",
+                  "rq7-laga_fused-q-latent-overlap"}
 FLASH_BLOCK = 4
 
 
@@ -358,7 +368,7 @@ def nan_isolated(lt, dev, P, r, args):
     its dense ones). Eager, which multiplies masked pairs by p = 0, fails this."""
     w, _ = safetensors_io.load_file(os.path.join(args.dir, "weights-rq7.safetensors"))
     inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
-    for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}),
+    for form, opts in (("explicit", {}), ("absorbed", {}), ("laga", {}), ("laga_fused", {}),
                        ("laga2d", {"head_groups": 1}), ("allgather_kv", {}),
                        ("ring_latent", {"overlap": True}),  # (the rings share one engine)
                        ("ring_kv", ZIGZAG)):
@@ -790,7 +800,8 @@ def main():
 
     # bf16: against float64 at the same P, and at P 2-4 against bf16 explicit at P 1.
     bf16_worst = {"f64": 0.0, "explicit P1": 0.0, "flash f64": 0.0}
-    explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and c["form"] == "explicit"}
+    explicit_p1 = {c["cfg"]: c for c in cases() if bf16_case(c) and
+                   c["form"] == lt.forms.reference_form()}
     for P in sps:
         for case in filter(bf16_case, cases()):
             mine = assembled("bf16", case, P)
@@ -816,7 +827,7 @@ def main():
     if 1 in sps:
         for case in cases():
             ref_case = [c for c in cases() if c["cfg"] == case["cfg"] and c["docs"] == case["docs"]
-                        and c["form"] == "explicit" and not c["opts"]]
+                        and c["form"] == lt.forms.reference_form() and not c["opts"]]
             if not ref_case:
                 continue
             ref = assembled("f64", ref_case[0], 1)

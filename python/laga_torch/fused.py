@@ -1,0 +1,94 @@
+"""laga_fused in torch: laga's data flow with the up-projection made inside
+the flash attention call, the C++ src/mla/form_laga_fused.cpp (docs/forms.md,
+"laga_fused").
+
+What it keeps between forward and backward is the C++ form's: the rank's
+queries q_h, the gathered latent lat (B, S, C+dr), flash's output o_h and
+log-sum-exp lse, and never the per-head K and V of the whole sequence; its
+backward makes K and V again from the latent (the up-projection twice, the
+form's price). What it computes is laga's (the same products, so float64
+agrees with `laga forward --form laga_fused` to rounding).
+
+This is plain torch, not a fused kernel: K and V of the rank's heads exist
+for the whole sequence while the flash call runs (forward, and again in
+backward), where the C++ kernel makes them a key chunk at a time. So the
+bytes kept for backward are the form's; the transient peak inside the call
+is laga's.
+
+Under bf16 the C++ form runs its fp32 kernel on the bf16 operands: K and V
+are made in fp32 from the bf16 latent and wkv_b rows and never rounded to
+bf16 (form_laga_fused.cpp, latent_params); so are they here (the flash
+call's accumulation type).
+
+With attention other than flash the C++ form runs laga's unfused path
+(its note says so), and so does the package: only flash is fused.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .attention import _acc_dtype, flash_backward, flash_forward
+
+
+def up_project(lat, w_rows, cfg):
+    """k (B, Sk, nh, dqk) and v (B, Sk, nh, dv) of the rank's nh heads from
+    the gathered latent lat (B, Sk, C+dr) and their rows of wkv_b
+    (nh (dn+dv), C), in the flash call's accumulation type (bf16: fp32)."""
+    C, dn, dr = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    acc = _acc_dtype(lat.dtype)
+    lat, w_rows = lat.to(acc), w_rows.to(acc)
+    B, Sk = lat.shape[:2]
+    nh = w_rows.shape[0] // (dn + cfg.v_head_dim)
+    kv = (lat[..., :C] @ w_rows.t()).view(B, Sk, nh, dn + cfg.v_head_dim)
+    k = torch.cat([kv[..., :dn], lat[:, :, None, C:].expand(B, Sk, nh, dr)], -1)
+    return k, kv[..., dn:].contiguous()
+
+
+def up_project_backward(dk, dv, lat, w_rows, cfg):
+    """The up-projection's adjoint: (d lat (B, Sk, C+dr) in lat's type, d
+    w_rows (nh (dn+dv), C) in w_rows' type) from dk, dv of up_project's k, v;
+    d k_pe is the sum over heads (k_pe is every head's)."""
+    C, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    acc = _acc_dtype(lat.dtype)
+    B, Sk = lat.shape[:2]
+    dkv = torch.cat([dk[..., :dn].to(acc), dv.to(acc)], -1).reshape(B, Sk, -1)
+    d_lat = torch.cat([dkv @ w_rows.to(acc), dk[..., dn:].to(acc).sum(2)], -1)
+    d_w = dkv.flatten(0, 1).t() @ lat[..., :C].to(acc).flatten(0, 1)
+    return d_lat.to(lat.dtype), d_w.to(w_rows.dtype)
+
+
+def forward(q, lat, w_rows, ranges, scale, block, cfg):
+    """o (B, Sq, nh, dv) and lse of flash attention over keys made from lat."""
+    k, v = up_project(lat, w_rows, cfg)
+    return flash_forward(q, k, v, ranges, scale, block)
+
+
+def backward(q, lat, w_rows, o, lse, do, ranges, scale, block, cfg):
+    """(dq, d lat, d w_rows) from what forward kept: K and V made again."""
+    k, v = up_project(lat, w_rows, cfg)
+    dq, dk, dv = flash_backward(q, k, v, o, lse, do, ranges, scale, block)
+    del k, v
+    d_lat, d_w = up_project_backward(dk, dv, lat, w_rows, cfg)
+    return dq, d_lat, d_w
+
+
+class LatentFlash(torch.autograd.Function):
+    """The functional layer's (tape "autograd") laga_fused attention: saves
+    q, lat, w_rows, o and lse, no K or V. First derivatives only: a second
+    backward (create_graph=True through it) raises torch's error naming a
+    function marked once_differentiable, never a wrong number."""
+
+    @staticmethod
+    def forward(ctx, q, lat, w_rows, ranges, scale, block, cfg):
+        o, lse = forward(q, lat, w_rows, ranges, scale, block, cfg)
+        ctx.save_for_backward(q, lat, w_rows, o, lse)
+        ctx.ranges, ctx.scale, ctx.block, ctx.cfg = ranges, scale, block, cfg
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, lat, w_rows, o, lse = ctx.saved_tensors
+        dq, d_lat, d_w = backward(q, lat, w_rows, o, lse, do, ctx.ranges, ctx.scale, ctx.block,
+                                  ctx.cfg)
+        return dq, d_lat, d_w, None, None, None, None
