@@ -6,17 +6,25 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "mla/form_registry.hpp"
 
 namespace laga {
 
 namespace {
 
+std::vector<detail::FormEntry> checked(std::vector<detail::FormEntry> forms) {
+  std::vector<FormSpec> rows;
+  for (const detail::FormEntry& e : forms) rows.push_back(e.spec);
+  check_form_rows(rows);
+  return forms;
+}
+
 const std::vector<detail::FormEntry>& registry() {
-  static const std::vector<detail::FormEntry> forms{
+  static const std::vector<detail::FormEntry> forms = checked({
 #define LAGA_FORM(enumerator, entry) detail::entry(),
 #include "mla/forms.def"
 #undef LAGA_FORM
-  };
+  });
   return forms;
 }
 
@@ -34,6 +42,34 @@ const FormEntry& form_entry(Form f) {
 
 const FormSpec& form_spec(Form f) {
   return detail::form_entry(f).spec;
+}
+
+void check_form_rows(const std::vector<FormSpec>& rows) {
+  std::string refs;
+  std::size_t n_refs = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const FormSpec& r = rows[i];
+    const std::string name = r.name ? r.name : "";
+    LAGA_CHECK(static_cast<std::size_t>(r.form) == i, "internal: the form registry's row ", i,
+               " ('", name, "') is form ", static_cast<int>(r.form),
+               "; each row must be its mla/forms.def line's form, in that order");
+    LAGA_CHECK(!name.empty(), "internal: the form registry's row ", i, " has no name");
+    for (std::size_t j = 0; j < i; ++j)
+      LAGA_CHECK(name != rows[j].name, "internal: the form registry names '", name,
+                 "' twice (rows ", j, " and ", i, "); each form's name must be its own");
+    if (r.traits.reference) refs += cat(n_refs++ ? ", " : "", name);
+  }
+  LAGA_CHECK(n_refs == 1,
+             "internal: the form registry must have exactly one reference form "
+             "(FormTraits::reference: the one every other form is held to); it has ",
+             n_refs, n_refs ? cat(": ", refs) : std::string(),
+             ". Set reference in one row's traits (src/mla/form_NAME.cpp)");
+}
+
+Form reference_form() {
+  for (const detail::FormEntry& e : registry())
+    if (e.spec.traits.reference) return e.spec.form;
+  fail("internal: the form registry has no reference form");  // check_form_rows refuses it
 }
 
 const char* to_string(Form f) {

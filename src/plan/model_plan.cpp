@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/params.hpp"
 
 namespace laga {
@@ -456,7 +457,7 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
   // was not asked for (and leave it out of the model plans).
   PlanRequest block = q.block;
   block.cfg = q.model.mla;
-  const FormVariant reference = forms_with(&FormTraits::reference).front();
+  const FormVariant reference = reference_form();
   const bool reference_asked =
       std::find(block.forms.begin(), block.forms.end(), reference) != block.forms.end();
   if (!reference_asked) block.forms.push_back(reference);

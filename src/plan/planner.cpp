@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/params.hpp"
 
 namespace laga {
@@ -166,7 +167,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
           if (q.forms[i].form == f) return int(i);
         return -1;
       };
-      const int l = find(Form::laga), e = find(forms_with(&FormTraits::reference).front());
+      const int l = find(Form::laga), e = find(reference_form());
       if (l >= 0 && e >= 0 && P > 1) {
         pc.crossover = find_crossover(work[size_t(l)], work[size_t(e)], q, pc.links.fabric);
         pc.crossover->laga = q.forms[size_t(l)];

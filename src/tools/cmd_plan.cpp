@@ -14,6 +14,7 @@
 
 #include "core/error.hpp"
 #include "core/whole_number.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/work_model.hpp"
 #include "plan/measure.hpp"
 #include "plan/model_plan.hpp"
@@ -170,7 +171,7 @@ std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases)
       const FormPlan& w = c.forms[size_t(c.winner)];
       o << "  winner: " << to_string(w.form);
       for (const FormPlan& f : c.forms)
-        if (form_spec(f.form.form).traits.reference && !form_spec(w.form.form).traits.reference)
+        if (f.form.form == reference_form() && w.form.form != reference_form())
           o << " (" << fmt("%.3f", w.tokens_per_s / f.tokens_per_s) << "x "
             << to_string(f.form.form) << "'s tokens/s)";
       o << "\n";
@@ -305,7 +306,7 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
       const ModelPlan& w = c.forms[size_t(c.winner)];
       o << "  winner: " << to_string(w.form);
       for (const ModelPlan& f : c.forms)
-        if (form_spec(f.form.form).traits.reference && !form_spec(w.form.form).traits.reference)
+        if (f.form.form == reference_form() && w.form.form != reference_form())
           o << " (" << fmt("%.4f", f.step_s / w.step_s) << "x " << to_string(f.form.form)
             << "'s speed)";
       o << "\n";
@@ -660,7 +661,8 @@ void register_plan(CLI::App& app) {
   c->add_option("--forms", o->forms, cat("comma-separated forms (", form_names(", "), "), or all"))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
-              "also plan laga+q-latent and laga2d+q-latent (needs q_lora_rank > 0)");
+              cat("also plan FORM+q-latent for each form that can move the query latent (",
+                  names_of_forms_with(&FormTraits::query_latent), "; needs q_lora_rank > 0)"));
   add_head_groups_option(*c, o->head_groups);
   add_seq_layout_option(*c, o->seq_layout);
   c->add_option("--overlap", o->overlap,

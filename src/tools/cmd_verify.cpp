@@ -10,6 +10,7 @@
 
 #include "core/error.hpp"
 #include "core/precision.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/ops_bf16.hpp"
 #include "tools/block_job.hpp"
 #include "tools/commands.hpp"
@@ -52,7 +53,7 @@ void run_verify(const VerifyOptions& o) {
   const std::optional<Documents> docs = load_documents(o.doc_lens, nullptr, "", o.batch, o.seq);
   // The reference form (FormTraits::reference: explicit) on one in-process
   // rank, against which every form is held.
-  const Form reference = forms_with(&FormTraits::reference).front();
+  const Form reference = reference_form();
   // Refuse before allocating anything when a run cannot fit: the reference
   // and every P.
   CommOptions one_rank = o.comm;
@@ -211,8 +212,9 @@ void register_verify_command(CLI::App& app) {
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   sub->add_flag("--q-latent", opts->q_latent,
-                "also run laga+q-latent and laga2d+q-latent (the query latent moved instead of "
-                "per-head Q; q_lora_rank > 0) beside those forms");
+                cat("also run FORM+q-latent beside each form that can move the query latent (",
+                    names_of_forms_with(&FormTraits::query_latent),
+                    "; the query latent moved instead of per-head Q; q_lora_rank > 0)"));
   add_head_groups_option(*sub, opts->head_groups);
   add_seq_layout_option(*sub, opts->seq_layout);
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "kernels/attention_flash_bf16.hpp"
 #include "mla/comm_model.hpp"
+#include "mla/form_registry.hpp"
 #include "tools/compare.hpp"
 
 namespace laga::tools {
@@ -102,9 +103,9 @@ class Table {
   bool last_left_ = false;
 };
 
-const FormResult* find_explicit(const CompareResult& r) {
+const FormResult* find_reference(const CompareResult& r) {
   for (const FormResult& f : r.results)
-    if (form_spec(f.form.form).traits.reference) return &f;
+    if (f.form.form == reference_form()) return &f;
   return nullptr;
 }
 
@@ -167,10 +168,10 @@ std::string compare_table(const CompareResult& r) {
                mb(f.sent_grad_sync), mb(f.predicted_grad_sync), mb(f.sent_total),
                mb(f.predicted_total), f.bytes_match ? "exact" : "NO"});
   s << bytes.str();
-  if (const FormResult* ex = find_explicit(r)) {
+  if (const FormResult* ex = find_reference(r)) {
     for (const FormResult& f : r.results)
-      if (!form_spec(f.form.form).traits.reference && f.sent_forward > 0)
-        s << "  explicit/" << to_string(f.form)
+      if (f.form.form != reference_form() && f.sent_forward > 0)
+        s << "  " << to_string(ex->form) << "/" << to_string(f.form)
           << " forward bytes: " << fixed(double(ex->sent_forward) / double(f.sent_forward), 3)
           << "x\n";
   }
@@ -187,7 +188,7 @@ std::string compare_table(const CompareResult& r) {
   s << "\nPeak activation memory per rank [" << unit << "], " << who
     << ": activations + collective staging during forward+backward, above the input shard.\n"
        "  measured: the memory pool; model: mla/memory_model (the allocation sequence replayed)\n";
-  const FormResult* ex = find_explicit(r);
+  const FormResult* ex = find_reference(r);
   Table mem({"form", "peak", "model", "match", "vs explicit", "activations", "comm staging",
              "grad all-reduce", "params", "grads", "model: peak reached at"});
   for (const FormResult& f : r.results)
@@ -305,7 +306,7 @@ std::string compare_json(const CompareResult& r) {
   j["notes"] = r.notes;
   j["units"] = {
       {"bytes", "bytes (integers)"}, {"time", "milliseconds"}, {"throughput", "tokens/s"}};
-  const FormResult* ex = find_explicit(r);
+  const FormResult* ex = find_reference(r);
   ojson forms = ojson::array();
   for (const FormResult& f : r.results) {
     ojson g;

@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "mla/comm_model.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/runner.hpp"
 #include "mla/work_model.hpp"
 #include "plan/time_model.hpp"
@@ -167,7 +168,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
       rec.last = rep;
       keys[fi] = rep.ledger.order();
       if (j.diffs) {
-        if (form_spec(form.form).traits.reference) {
+        if (form.form == reference_form()) {
           PoolScope keep(ref_pool);
           ref.out = res.out.clone(), ref.dx = res.dx.clone();
           ref.grads = res.grads.clone(MemCategory::gradients);
@@ -525,7 +526,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   res.values_meaningful = !o.count_only && (o.rank_only < 0 || o.sp == 1);
   // The reference (FormTraits::reference: explicit) runs first, so the
   // others' max |diff| is against it.
-  const Form reference = forms_with(&FormTraits::reference).front();
+  const Form reference = reference_form();
   for (FormVariant f : res.forms)
     if (f == reference) j.order.push_back(f);
   for (FormVariant f : res.forms)

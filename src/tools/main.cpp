@@ -75,6 +75,15 @@ void replace_positive_checks(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The form registry is checked when first read (check_form_rows,
+  // mla/form_registry.hpp: one reference row, distinct names); a build
+  // whose rows break a rule stops here, before the help texts read them.
+  try {
+    laga::all_forms();
+  } catch (const laga::Error& e) {
+    std::cerr << "laga: " << e.what() << "\n";
+    return 3;
+  }
   CLI::App app{laga::cat("laga: the forms of sequence-parallel MLA (", laga::form_names(", "),
                          "), forward and backward, with exact wire bytes and activation memory")};
   app.require_subcommand(1);

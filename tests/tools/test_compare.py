@@ -12,8 +12,8 @@ Cases:
              ranks equals the max over R of the rank-only runs)
   default    `laga compare` with no arguments succeeds and matches its models
   errors     bad arguments fail with exit 2 and a message naming the fix
-  q_latent   --q-latent: laga+q-latent right after laga (and laga2d+q-latent after
-             laga2d) in one table; a real run
+  q_latent   --q-latent: FORM+q-latent right after each form with the query_latent
+             trait (laga, laga_fused, laga2d) in one table; a real run
              (q_lora_rank > 0, uneven shards) matches its models and explicit;
              at DeepSeek-V3 scale (--count-only, P 8 and 16) every rank's bytes
              per label and its peak equal the models, the query latent's bytes
@@ -112,6 +112,11 @@ def case_tiny(laga, scratch):
     # must be non-zero or the bound says nothing.
     by_name = {f["form"]: f for f in doc["forms"]}
     ab, lg = by_name["absorbed"], by_name["laga"]
+    # The reference is the registry's one reference row (laga forms --json),
+    # which compare runs first.
+    ref = [r["name"] for r in registry(laga) if r["traits"]["reference"]]
+    check(len(ref) == 1 and doc["forms"][0]["form"] == ref[0],
+          f"compare runs {doc['forms'][0]['form']} first; the registry's reference rows: {ref}")
     for f in doc["forms"][1:]:
         d = f["max_abs_diff"]
         for q in ("out", "dx", "grad"):
