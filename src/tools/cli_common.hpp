@@ -85,12 +85,12 @@ std::vector<int> parse_int_list(const std::string& s, const std::string& option)
 std::vector<Form> parse_form_list(const std::string& s);  // "laga,explicit" or "all"
 
 // What `laga verify` and `laga compare` run side by side: each form of
-// --forms, and with --q-latent laga+q-latent right after laga (one table
-// holds both); laga2d with --head-groups (0: its default rule). --q-latent
-// needs laga among the forms and q_lora_rank > 0, --head-groups laga2d;
-// otherwise a laga::Error says which is missing.
+// --forms, and with --q-latent FORM+q-latent right after each FORM with
+// FormTraits::query_latent; the grid forms with --head-groups (0: default).
+// --q-latent needs such a form and q_lora_rank > 0, --head-groups a form with
+// FormTraits::head_groups; otherwise a laga::Error says which is missing.
 // With `overlap` on, every variant of a form with an overlapped path
-// (laga, laga2d) runs overlapped; with both, overlapped right after it as
+// (FormTraits::overlap) runs overlapped; with both, overlapped after it as
 // "<variant>+overlap" (`--overlap off|on|both`).
 enum class OverlapRuns { off, on, both };
 OverlapRuns parse_overlap_runs(const std::string& s);

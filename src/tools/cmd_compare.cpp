@@ -1,8 +1,8 @@
-// laga compare: explicit, absorbed and LAGA on the same weights and input —
-// bytes on the wire, peak activation memory, throughput and agreement, each
-// measured figure beside its closed-form prediction (docs/compare.md).
-// With no options: preset small, S = 1024, P = 4, all three forms, seconds
-// on two cores.
+// laga compare: the registered forms (mla/forms.def) on the same weights and
+// input — bytes on the wire, peak activation memory, throughput and agreement,
+// each measured figure beside its closed-form prediction (docs/compare.md).
+// With no options: preset small, S = 1024, P = 4, every form, seconds on two
+// cores.
 #include <iostream>
 
 #include "core/error.hpp"
@@ -44,10 +44,11 @@ void register_compare(CLI::App& app) {
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
-              "also run laga+q-latent right after laga (and laga2d+q-latent after laga2d): the "
-              "normalised query latent (rq per token) moved instead of per-head Q (H*dqk); "
-              "needs laga or laga2d among --forms and q_lora_rank > 0. The notes say where it "
-              "stops paying");
+              cat("also run each form that can move the query latent (",
+                  names_of_forms_with(&FormTraits::query_latent),
+                  ") with it, as FORM+q-latent right after FORM: the normalised query latent (rq "
+                  "per token) moved instead of per-head Q (H*dqk); needs one of them among "
+                  "--forms and q_lora_rank > 0. The notes say where it stops paying"));
   add_head_groups_option(*c, o->head_groups);
   add_seq_layout_option(*c, o->seq_layout);
   c->add_option("--attention", o->attention,

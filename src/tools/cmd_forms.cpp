@@ -1,5 +1,8 @@
 // laga forms: the form registry as it is in this build (mla/forms.def), one
-// row per form: its name, its data flow, and what it admits (FormTraits).
+// row per form: its name, its data flow, what it admits (FormTraits), where
+// its ranks attend and how the keys reach them (read off the row's
+// placement and collectives). tests/tools/test_forms_registry.py holds the
+// package's registry (python/laga_torch/forms.py) equal to it.
 // Scripts and tests read the JSON rather than listing the forms themselves,
 // so a new form is under them from its first build.
 #include <iostream>
@@ -7,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "mla/comm_model.hpp"
+#include "mla/form_registry.hpp"
 #include "mla/form_spec.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -28,15 +33,61 @@ constexpr std::pair<const char*, bool FormTraits::*> kTraits[] = {
     {"reference", &FormTraits::reference},
     {"exact_at_one_rank", &FormTraits::exact_at_one_rank}};
 
+// Where the row places each rank's attention (FormSpec::attention), read off
+// it on a probe layout (S 16, H 2, P 4; the grid forms at 2 head groups x 2
+// context groups): "heads" (every token, the rank's heads: the head-sharded
+// forms), "own" (its own tokens, all heads: the context-parallel forms) or
+// "grid" (part of the tokens and part of the heads).
+std::string attends(const FormSpec& s) {
+  const SpLayout lay = SpLayout::even(1, 16, 2, 4);
+  FormVariant v(s.form);
+  if (s.traits.head_groups) v.head_groups = 2;
+  const Placement p = s.attention(lay, v);
+  bool every_token = true, every_head = true;
+  for (int r = 0; r < lay.ranks; ++r) {
+    every_token = every_token && p.rows(r) == lay.seq;
+    every_head = every_head && p.head_count[std::size_t(r)] == lay.heads;
+  }
+  return every_token ? "heads" : every_head ? "own" : "grid";
+}
+
+// How the keys reach the attention, read off the row's collectives (its
+// closed form, FormSpec::collectives) at the probe layout's rank 0, forward:
+// "ring" (blocks passed round a ring, *_ring), "gather" (per-head K and V
+// all-gathered, k_ag), "latent" (the latent all-gathered, latent_ag) or
+// "heads" (per-head K and V all-to-all, k_a2a); with the ring's block
+// ("kv" or "latent", the label's stem) for the ring forms.
+std::pair<std::string, std::string> keys(const FormSpec& s) {
+  const SpLayout lay = SpLayout::even(1, 16, 2, 4);
+  FormVariant v(s.form);
+  if (s.traits.head_groups) v.head_groups = 2;
+  std::string ring, gather, latent;
+  for (const auto& [key, bytes] : predict_comm(MlaConfig{}, lay, v, 0, 4, false, false)) {
+    const std::string& label = key.second;
+    if (label.size() > 5 && label.ends_with("_ring")) ring = label.substr(0, label.size() - 5);
+    if (label == "k_ag") gather = label;
+    if (label == "latent_ag") latent = label;
+  }
+  if (!ring.empty()) return {"ring", ring};
+  return {!gather.empty() ? "gather" : !latent.empty() ? "latent" : "heads", ""};
+}
+
 ojson forms_json() {
   ojson forms = ojson::array();
   for (Form f : all_forms()) {
     const FormSpec& s = form_spec(f);
     ojson traits = ojson::object();
     for (const auto& [name, trait] : kTraits) traits[name] = s.traits.*trait;
-    forms.push_back({{"name", s.name}, {"flow", s.flow}, {"traits", traits}});
+    const auto [how, block] = keys(s);
+    ojson row = {{"name", s.name},
+                 {"flow", s.flow},
+                 {"traits", traits},
+                 {"attends", attends(s)},
+                 {"keys", how}};
+    if (!block.empty()) row["ring_block"] = block;
+    forms.push_back(row);
   }
-  return {{"forms", forms}};
+  return {{"forms", forms}, {"reference", to_string(reference_form())}};
 }
 
 void run_forms(const FormsOptions& o) {

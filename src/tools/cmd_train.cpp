@@ -1,5 +1,5 @@
 // laga train: train the small MLA language model (src/model) sequence-parallel
-// over --sp ranks in one of the three forms, logging one JSON line per step.
+// over --sp ranks in any registered form (--form), logging one JSON line per step.
 // docs/convergence.md has the paper's run and the dimension mapping.
 #include <unistd.h>
 
@@ -347,11 +347,14 @@ void register_train(CLI::App& app) {
       ->default_str("fp32");
   add_grad_reduce_option(*sub, c->grad_reduce);
   sub->add_flag("--q-latent", c->q_latent,
-                "laga or laga2d with --q-lora-rank > 0: move the normalised query latent instead "
-                "of per-head Q (docs/forms.md)");
+                cat(names_of_forms_with(&FormTraits::query_latent),
+                    " with --q-lora-rank > 0: move the normalised query latent instead of "
+                    "per-head Q (docs/forms.md)"));
   sub->add_option("--overlap", c->overlap,
-                  "laga, laga2d: on overlaps the latent all-gather and its reduce-scatter with "
-                  "the query path's compute (the same bytes and results; docs/forms.md)")
+                  cat(names_of_forms_with(&FormTraits::overlap),
+                      ": on overlaps the form's collectives with compute (the latent all-gather "
+                      "and its reduce-scatter with the query path; a ring's shift with its "
+                      "step's attention); the same bytes and results (docs/forms.md)"))
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();

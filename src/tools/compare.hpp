@@ -1,6 +1,8 @@
-// `laga compare`: the three forms on the same weights and input, side by side:
-// bytes on the wire, peak activation memory, throughput and agreement with
-// explicit, each measured figure beside its closed-form prediction.
+// `laga compare`: the registered forms (--forms, every one by default) on the
+// same weights and input, side by side: bytes on the wire, peak activation
+// memory, throughput and agreement with the reference form (reference_form(),
+// mla/form_registry.hpp: explicit), each measured figure beside its
+// closed-form prediction.
 // docs/compare.md explains every column; docs/paper-comparison.md puts the
 // numbers beside the paper's.
 //
@@ -37,7 +39,7 @@ struct CompareOptions {
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
   bool count_only = false;
   bool quiet = false;           // no progress on stderr
-  bool q_latent = false;        // also +q-latent after laga and laga2d (--q-latent)
+  bool q_latent = false;        // also +q-latent after each query_latent form (--q-latent)
   std::string overlap = "off";  // --overlap off|on|both (form_variants)
   std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
   int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule
