@@ -1,9 +1,9 @@
 // The MLA block on one rank of a sequence-parallel group, in one of the
-// registered forms (mla/forms.def; each one's data flow in its registry row,
-// FormSpec::flow, and in docs/forms.md): explicit (Megatron-Core's
-// training path), absorbed (the inference trick), laga (the paper's) and
-// laga2d (laga on a head x context grid), with the variants their traits
-// admit (FormVariant: the query latent, overlap, head groups).
+// registered forms (mla/forms.def, one form_NAME.cpp each; their data flow in
+// their rows, FormSpec::flow, `laga forms` and docs/forms.md): the
+// head-parallel explicit, absorbed, laga, laga_fused and laga2d, the
+// context-parallel allgather_kv, ring_kv, ring_latent and the hierarchical
+// a2a_p2p, with the variants their traits admit (FormVariant, form_spec.hpp).
 //
 // x and out are the rank's seq shard (B, L_r, D). Forward fills MlaSaved with
 // what backward needs; backward consumes (and frees) it, writes dx (B, L_r, D)

@@ -57,7 +57,7 @@ QueryExchange parse_query_exchange(const std::string& s);  // "heads" | "latent"
 
 // Whether a form overlaps its collectives with compute (docs/forms.md,
 // "Overlap", `--overlap on|off`), where it has an overlapped path
-// (FormTraits::overlap). laga and laga2d: forward starts the latent
+// (FormTraits::overlap). laga's family: forward starts the latent
 // all-gather before the query projection and its all-to-all and waits for
 // it only at the up-projection; backward starts the latent gradient's
 // reduce-scatter before the query path's backward and waits for it only at
