@@ -15,9 +15,9 @@ Usage: test_forms_registry.py LAGA
     package's reference_form() is it, and the package's registry() refuses
     rows with two references (every pair of forms), with none, or with a
     name twice (the C++ side: tests/mla/test_form_registry.cpp);
-  * the help of --q-latent and --overlap in every command that takes them
-    (compare, forward, plan, train, verify) names exactly the forms whose
-    row has the trait, and no other.
+  * the help of --q-latent, --overlap and --head-groups in every command
+    that takes them (compare, forward, plan, train, verify) names exactly
+    the forms whose row has the trait, and no other.
 """
 
 import copy
@@ -34,7 +34,8 @@ TRAITS = ("query_latent", "overlap", "head_groups", "reference", "exact_at_one_r
 # The options whose help names the forms with a trait, and the commands
 # that take them.
 HELP = {"--q-latent": ("query_latent", ("compare", "forward", "plan", "train", "verify")),
-        "--overlap": ("overlap", ("compare", "forward", "plan", "train", "verify"))}
+        "--overlap": ("overlap", ("compare", "forward", "plan", "train", "verify")),
+        "--head-groups": ("head_groups", ("compare", "forward", "plan", "train", "verify"))}
 
 failures = []
 
