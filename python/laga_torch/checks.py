@@ -320,3 +320,74 @@ def describe(v, limit=300):
     t = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
     return t if len(t) <= limit else t[:limit - 40] + f"... ({len(t)} chars, hash " \
         f"{_hash(t) & 0xFFFFFFFF:08x})"
+
+
+# --------------------------------------------------------------------------
+# The functional layer (forms.mla_attention)
+# --------------------------------------------------------------------------
+
+def functional_args(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent, overlap):
+    """mla_attention's arguments against the config and this rank's Sp: a
+    ValueError / ArgumentTypeError naming the argument and the shape it
+    needs, before any collective. (Every rank checks the same rule on the
+    same agreed layout; MLA.forward's agreement check is the module's.)"""
+    from .config import MLAConfig
+    if not isinstance(cfg, MLAConfig):
+        raise ArgumentTypeError(f"cfg must be an MLAConfig, got {type(cfg).__name__}")
+    name_arg(form, "form", ())
+    flag(overlap, "overlap")
+    for n in ("group", "layout", "rank", "batch", "doc_start"):
+        if not hasattr(sp, n):
+            raise ArgumentTypeError(f"sp must be a laga_torch.forms.Sp (this rank's layout, "
+                                    f"group, documents and RoPE table), got {type(sp).__name__}")
+    B, L = sp.batch, sp.layout.seq_count[sp.rank]
+    H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
+        cfg.qk_rope_head_dim, cfg.v_head_dim
+    want = {"c_kv": (c_kv, (B, L, C)), "k_pe": (k_pe, (B, L, dr)),
+            "wkv_b": (wkv_b, (H * (dn + dv), C))}
+    if q_latent is None:
+        want["q"] = (q, (B, L, H, dn + dr))
+    else:
+        if not isinstance(q_latent, (tuple, list)) or len(q_latent) != 2:
+            raise ArgumentTypeError("q_latent must be None or the pair (qn (B, L, rq), wq_b "
+                                    f"(H dqk, rq)), got {type(q_latent).__name__}")
+        want["q_latent[0] (qn)"] = (q_latent[0], (B, L, cfg.q_lora_rank))
+        want["q_latent[1] (wq_b)"] = (q_latent[1], (H * (dn + dr), cfg.q_lora_rank))
+    dtypes = set()
+    for n, (t, shape) in want.items():
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"{n} must be a tensor of shape {shape}, got "
+                                    f"{type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{n} has shape {tuple(t.shape)}; rank {sp.rank} needs {shape} "
+                             f"(B {B}, its {L} tokens, the config's dimensions)")
+        dtypes.add((t.dtype, t.device))
+    if len(dtypes) > 1:
+        raise ValueError(f"mla_attention's tensors are of different dtypes or devices: "
+                         f"{sorted(map(str, dtypes))}")
+
+
+def functional_checked(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent, overlap, check_ranks):
+    """functional_args on this rank, then (check_ranks) the ranks' agreement
+    on the form, variant, config, layout, batch, documents and dtype."""
+    error = None
+    try:
+        functional_args(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent, overlap)
+    except (ValueError, TypeError) as e:
+        error = e
+    if not check_ranks:
+        if error is not None:
+            raise error
+        return
+    if not all(hasattr(sp, n) for n in ("group", "layout", "rank", "batch", "doc_start")):
+        raise error  # no group to tell: sp itself is what is wrong
+    group = sp.group
+    group_arg(group)
+    fields = {"form": describe(f"{form} q_latent={q_latent is not None} overlap={overlap}")}
+    if error is None:
+        lay = sp.layout
+        docs = sp.doc_start.detach().cpu().numpy().tobytes()
+        fields.update(config=describe(cfg.to_json(), 4000), layout=describe(lay.seq_ranges),
+                      batch=str(sp.batch), dtype=f"{c_kv.dtype} on {c_kv.device.type}",
+                      documents=f"hash {_hash(docs.hex()) & 0xFFFFFFFFFFFF:012x}")
+    agree(group, "mla_attention", fields, error)

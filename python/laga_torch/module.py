@@ -308,7 +308,7 @@ class MLA(nn.Module):
         c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
         k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
         o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
-                          q_latent=query_latent, overlap=overlap)
+                          q_latent=query_latent, overlap=overlap, check_ranks=False)
         return self.wo(o)
 
 
@@ -325,6 +325,9 @@ class MLA(nn.Module):
             if p.dtype != x.dtype or p.device != x.device:
                 raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
                                  f"{p.dtype} on {p.device}; move the module or the input")
+        if self.ledger is not None and not callable(getattr(self.ledger, "add", None)):
+            raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
+                                           f"{type(self.ledger).__name__}")
         B, L = x.shape[:2]
         if B < 1:
             raise ValueError(f"x has shape {tuple(x.shape)}: a batch of {B} rows; expected at "
@@ -469,6 +472,9 @@ def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
     try:  # this rank's refusal is every rank's (checks.agree), never an all-reduce of another size
         if not isinstance(module, MLA):
             raise checks.ArgumentTypeError(f"sync_gradients takes an MLA module, got {type(module).__name__}")
+        if ledger is not None and not callable(getattr(ledger, "add", None)):
+            raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
+                                           f"{type(ledger).__name__}")
         if not isinstance(grad_reduce, str) or grad_reduce not in ("fp32", "bf16"):
             raise ValueError(f"grad_reduce={grad_reduce!r}: use 'fp32' or 'bf16'")
         params = dict(module.named_parameters())

@@ -200,6 +200,17 @@ def ranks_scenarios(c):
         ("form None", lambda c: c.module(form=None), ("ArgumentTypeError", ["form", "NoneType"])),
         ("cfg a path", lambda c: lt.MLA("config.json"), ("ArgumentTypeError", ["cfg", "str"])),
         ("dtype int64", lambda c: c.module(dtype=torch.int64), ("ArgumentTypeError", ["dtype"])),
+        ("ledger a dict", lambda c: with_ledger(c.module(), {})(x, seq_len=S),
+         ("ArgumentTypeError", ["ledger", "dict"])),
+        ("functional: q of the wrong shape", lambda c: functional(c, q_shape=(B, 1, 5, 12)),
+         ("ValueError", ["q has shape", "(2, 1, 5, 12)"])),
+        ("functional: sp not an Sp", lambda c: functional(c, sp="sp"),
+         ("ArgumentTypeError", ["sp must be", "str"])),
+        ("functional: overlap 'on'", lambda c: functional(c, overlap="on"),
+         ("ArgumentTypeError", ["overlap", "'on'"])),
+        ("functional: q_latent a tensor", lambda c: functional(c, q_latent=torch.zeros(1)),
+         ("ArgumentTypeError", ["q_latent", "Tensor"])),
+        ("functional: as the module", lambda c: functional(c), ("ok",)),
         ("config mutated after building", mutated_config,
          ("ValueError", ["rope_theta must be > 1"])),
     ]
@@ -229,6 +240,31 @@ def no_grad_on(r, which, fn):
         with torch.no_grad():
             return fn()
     return fn()
+
+
+def with_ledger(m, ledger):
+    m.ledger = ledger
+    return m
+
+
+def functional(c, q_shape=None, sp=None, overlap=False, q_latent=None):
+    """lt.mla_attention on this rank's shard: right, or with one argument wrong."""
+    from laga_torch.forms import Sp
+    from laga_torch.module import rope_tables
+    lt, cfg = c.lt, c.lt.MLAConfig.from_json(RQ7)
+    lay = lt.SpLayout.even(S, cfg.n_heads, c.P)
+    L = lay.seq_count[c.r]
+    cos, sin = rope_tables(cfg, S, torch.float64, "cpu")
+    sp = sp or Sp(lay, c.r, None, None, B, torch.zeros(B, S, dtype=torch.long), cos, sin,
+                  form="laga")
+    torch.manual_seed(3)
+    q = torch.randn(q_shape or (B, L, cfg.n_heads, cfg.qk_head_dim), dtype=torch.float64)
+    c_kv = torch.randn(B, L, cfg.kv_lora_rank, dtype=torch.float64)
+    k_pe = torch.randn(B, L, cfg.qk_rope_head_dim, dtype=torch.float64)
+    wkv_b = torch.randn(cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
+                        dtype=torch.float64)
+    return lt.mla_attention("laga", q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=q_latent,
+                            overlap=overlap)
 
 
 def second_forward(c):
