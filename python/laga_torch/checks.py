@@ -307,8 +307,9 @@ def _message(P, what, got, info):
 
 
 TAILS = {"MLA.forward": "Every rank of the group must give the same form, options, config, "
-                        "module, sequence (seq_len, batch, cu_seqlens, layout) and dtype; a rank "
-                        "that differs would compute neither run (nothing has run)",
+                        "module and weights (load or broadcast the same), sequence (seq_len, "
+                        "batch, cu_seqlens, layout) and dtype; a rank that differs would compute "
+                        "neither run (nothing has run)",
          "sync_gradients": "Every rank of the group must sum the same module's gradients (the "
                            "same parameters, shapes and dtypes, and grad_reduce); nothing was "
                            "summed"}

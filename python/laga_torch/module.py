@@ -369,10 +369,29 @@ class MLA(nn.Module):
             f["dtype"] = f"{x.dtype} on {x.device.type}"
             f["grad"] = str(torch.is_grad_enabled() and (
                 x.requires_grad or any(p.requires_grad for p in self.parameters())))
+        f["weights"] = self._weights_sample()
         if local:
             f["seq_len"], f["batch"] = str(local[0]), str(local[1])
             f["cu_seqlens"] = d(local[2])
         return f
+
+    def _weights_sample(self):
+        """A hash of 64 evenly spaced elements of each parameter, bit for
+        bit: ranks that loaded or initialised different weights (a seed per
+        rank, a broadcast forgotten) differ here. Sampled, not summed, so
+        that no summation order can make equal weights differ; one small
+        device-to-host copy."""
+        try:
+            parts = []
+            for _, p in sorted(self.named_parameters()):
+                flat = p.detach().reshape(-1)
+                n = flat.numel()
+                idx = torch.linspace(0, max(n - 1, 0), min(n, 64), device=p.device).long()
+                parts.append(flat[idx].contiguous().view(torch.uint8))
+            data = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+            return f"sampled hash {checks._hash(data.hex()) & 0xFFFFFFFFFFFF:012x}"
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            return "?"  # a meta module: refused by the dtype/device check anyway
 
     def _plan_once(self, group, P, r, seq_len, B, flags):
         """form 'auto': `laga plan` run once, on the first rank that has the

@@ -103,6 +103,8 @@ def ranks_scenarios(c):
         ("module size differs (q_lora_rank)",
          lambda c: c.module(dict(RQ7, q_lora_rank=mine(r, 7, 6)))(x, seq_len=S),
          ("ValueError", ["config", "module", "wq_a.weight"])),
+        ("weights differ", lambda c: other_weights(c)(x, seq_len=S),
+         ("ValueError", ["weights", "sampled hash", "broadcast"])),
         ("form differs", lambda c: c.module(form=mine(r, "laga", "explicit"))(x, seq_len=S),
          ("ValueError", ["form", "laga q_latent", "explicit q_latent"])),
         ("a2a form differs from a ring",
@@ -240,6 +242,16 @@ def no_grad_on(r, which, fn):
         with torch.no_grad():
             return fn()
     return fn()
+
+
+def other_weights(c):
+    """Rank 1's wkv_b one ulp off in one element (rank 0's as loaded)."""
+    m = c.module()
+    if c.r == 1:
+        with torch.no_grad():
+            w = m.wkv_b.weight.view(-1)
+            w[0] = torch.nextafter(w[0], torch.tensor(1e9, dtype=w.dtype))
+    return m
 
 
 def with_ledger(m, ledger):
