@@ -50,7 +50,7 @@ def whole(v, name, what="a whole number"):
         if v.numel() != 1 or v.dtype.is_floating_point or v.dtype.is_complex or \
                 v.dtype == torch.bool:
             raise ArgumentTypeError(f"{name} must be {what}, got a {v.dtype} tensor of shape "
-                            f"{tuple(v.shape)}")
+                                    f"{tuple(v.shape)}")
         return int(v.item())
     if type(v).__module__ == "numpy" and getattr(v, "shape", None) == () and \
             getattr(getattr(v, "dtype", None), "kind", "") in "iu":
@@ -69,7 +69,7 @@ def flag(v, name):
 def name_arg(v, name, choices):
     if not isinstance(v, str):
         raise ArgumentTypeError(f"{name} must be a string, one of {', '.join(choices)}; got {v!r} "
-                        f"({type(v).__name__})")
+                                f"({type(v).__name__})")
     return v
 
 
@@ -91,15 +91,15 @@ def _offsets(row, where):
         if (isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex or
                                              dt == torch.bool)) or \
                 (not isinstance(dt, torch.dtype) and getattr(dt, "kind", "") not in "iu"):
-            raise ArgumentTypeError(f"{where} has dtype {dt}; it holds token offsets, whole numbers "
-                            "(an integer dtype)")
+            raise ArgumentTypeError(f"{where} has dtype {dt}; it holds token offsets, whole "
+                                    "numbers (an integer dtype)")
         if len(row.shape) != 1:
             raise ValueError(f"{where} has shape {tuple(row.shape)}; expected one list of "
                              "offsets")
         return [int(v) for v in row.tolist()]
     if not isinstance(row, (list, tuple)):
-        raise ArgumentTypeError(f"{where} must be a list, tuple, numpy array or tensor of offsets, got "
-                        f"{type(row).__name__}")
+        raise ArgumentTypeError(f"{where} must be a list, tuple, numpy array or tensor of "
+                                f"offsets, got {type(row).__name__}")
     out = []
     for i, v in enumerate(row):
         if isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim()) or \
@@ -119,7 +119,7 @@ def cu_seqlens_rows(cu_seqlens, batch):
     c = cu_seqlens
     if isinstance(c, (str, bytes, dict, set)) or not hasattr(c, "__len__"):
         raise ArgumentTypeError(f"cu_seqlens must be a list, tuple, numpy array or tensor of token "
-                        f"offsets, got {type(c).__name__}")
+                                f"offsets, got {type(c).__name__}")
     nd = len(c.shape) if isinstance(c, torch.Tensor) or type(c).__module__ == "numpy" else None
     if nd == 2:
         rows = [_offsets(c[b], f"cu_seqlens row {b}") for b in range(c.shape[0])]
@@ -161,8 +161,9 @@ def group_arg(group):
                          "the group given (dist.new_group returned NON_GROUP_MEMBER here); call "
                          "forward only on the group's ranks")
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ArgumentTypeError(f"group must be a torch.distributed process group (dist.new_group) or "
-                        f"None for the world, got {type(group).__name__}")
+        raise ArgumentTypeError(f"group must be a torch.distributed process group "
+                                f"(dist.new_group) or None for the world, got "
+                                f"{type(group).__name__}")
     r = dist.get_rank(group)
     if r < 0:
         raise ValueError(f"group: this rank (global rank {dist.get_rank()}) is not a member of "

@@ -229,13 +229,13 @@ class MLAConfig:
             v = getattr(self, k)
             if not _is_int(v):
                 raise ArgumentTypeError(f"{source}: {k} must be an integer, got {v!r} "
-                                f"({type(v).__name__})")
+                                        f"({type(v).__name__})")
             setattr(self, k, int(v))
         for k in FLOAT_FIELDS:
             v = getattr(self, k)
             if not _is_number(v):
                 raise ArgumentTypeError(f"{source}: {k} must be a number, got {v!r} "
-                                f"({type(v).__name__})")
+                                        f"({type(v).__name__})")
             try:
                 v = float(v)
             except OverflowError:
@@ -245,7 +245,7 @@ class MLAConfig:
             setattr(self, k, v)
         if not isinstance(self.yarn_always, bool):
             raise ArgumentTypeError(f"{source}: yarn_always must be True or False, got "
-                            f"{self.yarn_always!r}")
+                                    f"{self.yarn_always!r}")
         for k in ("dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                   "v_head_dim"):
             if getattr(self, k) <= 0:

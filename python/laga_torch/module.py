@@ -179,7 +179,7 @@ class MLA(nn.Module):
             cfg = MLAConfig.from_json(cfg)
         elif not isinstance(cfg, MLAConfig):
             raise checks.ArgumentTypeError(f"cfg must be an MLAConfig or a config dict, got "
-                            f"{type(cfg).__name__}")
+                                           f"{type(cfg).__name__}")
         cfg.validate()  # a config changed after it was built is checked again
         checks.name_arg(form, "form", list(FORMS) + ["auto"])
         q_latent, overlap = checks.flag(q_latent, "q_latent"), checks.flag(overlap, "overlap")
@@ -191,12 +191,13 @@ class MLA(nn.Module):
         checks.name_arg(tape, "tape", ("laga", "autograd"))
         flash_block = checks.whole(flash_block, "flash_block")
         if profile is not None and not isinstance(profile, (str, os.PathLike)):
-            raise checks.ArgumentTypeError(f"profile must be a built-in profile name or a profile JSON file's "
-                            f"path, got {type(profile).__name__}")
+            raise checks.ArgumentTypeError(f"profile must be a built-in profile name or a "
+                                           f"profile JSON file's path, got "
+                                           f"{type(profile).__name__}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or
                                   not dtype.is_floating_point):
             raise checks.ArgumentTypeError(f"dtype must be a floating torch.dtype (torch.float32, "
-                            f"torch.float64, torch.bfloat16) or None, got {dtype!r}")
+                                           f"torch.float64, torch.bfloat16) or None, got {dtype!r}")
         if form == "auto":
             if not profile:
                 raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
@@ -318,7 +319,8 @@ class MLA(nn.Module):
         arguments."""
         cfg = self.cfg
         if not isinstance(x, torch.Tensor):
-            raise checks.ArgumentTypeError(f"x must be a tensor (B, S_r, {cfg.dim}), got {type(x).__name__}")
+            raise checks.ArgumentTypeError(f"x must be a tensor (B, S_r, {cfg.dim}), got "
+                                           f"{type(x).__name__}")
         if x.dim() != 3 or x.shape[2] != cfg.dim:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
         for name, p in self.named_parameters():
@@ -490,7 +492,8 @@ def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
     error, names, params = None, [], {}
     try:  # this rank's refusal is every rank's (checks.agree), never an all-reduce of another size
         if not isinstance(module, MLA):
-            raise checks.ArgumentTypeError(f"sync_gradients takes an MLA module, got {type(module).__name__}")
+            raise checks.ArgumentTypeError(f"sync_gradients takes an MLA module, got "
+                                           f"{type(module).__name__}")
         if ledger is not None and not callable(getattr(ledger, "add", None)):
             raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
                                            f"{type(ledger).__name__}")

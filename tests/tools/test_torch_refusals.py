@@ -153,9 +153,11 @@ def ranks_scenarios(c):
         ("x not a tensor on one rank", lambda c: c.module()(mine(r, x.tolist(), x), seq_len=S),
          ("ArgumentTypeError", ["x must be a tensor", "list"])),
         # Every rank alike: refused naming the argument.
-        ("seq_len 12.7", lambda c: c.module()(x, seq_len=12.7), ("ArgumentTypeError", ["seq_len", "12.7"])),
+        ("seq_len 12.7", lambda c: c.module()(x, seq_len=12.7),
+         ("ArgumentTypeError", ["seq_len", "12.7"])),
         ("seq_len 13.0", lambda c: c.module()(x, seq_len=13.0), ("ArgumentTypeError", ["seq_len"])),
-        ("seq_len True", lambda c: c.module()(x, seq_len=True), ("ArgumentTypeError", ["seq_len", "bool"])),
+        ("seq_len True", lambda c: c.module()(x, seq_len=True),
+         ("ArgumentTypeError", ["seq_len", "bool"])),
         ("seq_len 0", lambda c: c.module()(x, seq_len=0), ("ValueError", ["seq_len 0"])),
         ("seq_len -13", lambda c: c.module()(x, seq_len=-S), ("ValueError", ["seq_len -13"])),
         ("seq_len a float tensor", lambda c: c.module()(x, seq_len=torch.tensor(13.0)),
