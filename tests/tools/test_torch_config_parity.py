@@ -19,6 +19,7 @@ refuse it (the package with a ValueError). A file the package reads into
 another model than the C++, or accepts where the C++ refuses, fails.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -179,7 +180,7 @@ def configs():
 
 
 def cxx(laga, path, work):
-    out = os.path.join(work, "compare.json")
+    out = path[:-len(".json")] + "-compare.json"
     if os.path.exists(out):
         os.unlink(out)
     p = subprocess.run([laga, "compare", "--config", path, "--seq", "4", "--sp", "1",
@@ -214,11 +215,15 @@ def main():
     os.makedirs(work, exist_ok=True)
     import laga_torch as lt
     t0, fails, n = time.time(), [], {"accept": 0, "refuse": 0}
+    paths = []
     for i, (name, text) in enumerate(configs()):
-        path = os.path.join(work, f"config-{i}.json")
-        with open(path, "w", encoding="utf-8") as f:
+        paths.append(os.path.join(work, f"config-{i}.json"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
             f.write(text)
-        c, p = cxx(laga, path, work), package(lt, path)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # laga's runs, a few at a time
+        verdicts = list(pool.map(lambda path: cxx(laga, path, work), paths))
+    for (name, text), path, c in zip(configs(), paths, verdicts):
+        p = package(lt, path)
         if p[0] == "raw":
             fails.append(f"{name}: the package raised {p[1]} (not a ValueError)")
         elif c[0] != p[0]:
