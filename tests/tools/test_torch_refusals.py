@@ -215,6 +215,8 @@ def ranks_scenarios(c):
         ("functional: q_latent a tensor", lambda c: functional(c, q_latent=torch.zeros(1)),
          ("ArgumentTypeError", ["q_latent", "Tensor"])),
         ("functional: as the module", lambda c: functional(c), ("ok",)),
+        ("SpLayout.even(12.7, ...)", lambda c: lt.SpLayout.even(12.7, 5, c.P),
+         ("ArgumentTypeError", ["seq", "12.7"])),
         ("config mutated after building", mutated_config,
          ("ValueError", ["rope_theta must be > 1"])),
     ]
