@@ -21,6 +21,7 @@ import torch
 
 from . import fused
 from .attention import KeyRanges, attention
+from .checks import functional_checked
 from .comm import Placement, Plan, redistribute, start_redistribute
 from .layout import HeadContextGrid
 from .ring import KvBlocks, LatentBlocks, RingAttention, RingSp
@@ -325,8 +326,13 @@ def _own_tokens(form, q, c_kv, k_pe, wkv_b, sp, cfg, overlap):
     return o.reshape(B, L, H * dv)
 
 
-def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=False):
-    """o_loc (B, L, H dv) of this rank's seq shard; see the module docstring."""
+def mla_attention(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent=None, overlap=False,
+                  check_ranks=True):
+    """o_loc (B, L, H dv) of this rank's seq shard; see the module docstring.
+    Every argument is checked first and, with check_ranks (MLA.forward,
+    which has checked, passes False), the ranks' agreement as MLA.forward's
+    (checks.agree): a bad argument on one rank is the same error on all."""
+    functional_checked(form, q, c_kv, k_pe, wkv_b, sp, cfg, q_latent, overlap, check_ranks)
     spec = check_variant(form, cfg, q_latent is not None, overlap)
     B, L = c_kv.shape[:2]
     H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \

@@ -78,6 +78,10 @@ class SpLayout:
 
     @classmethod
     def even(cls, seq, heads, ranks, seq_layout="contiguous"):
+        from .checks import whole  # whole numbers (ints, numpy ints, integer tensors) or refused
+        seq, heads, ranks = whole(seq, "seq"), whole(heads, "heads"), whole(ranks, "ranks")
+        if heads < 1:
+            raise ValueError(f"layout: heads must be at least 1, got {heads}")
         if ranks < 1:
             raise ValueError(f"sequence parallelism needs at least 1 rank, got group size {ranks}")
         if seq < ranks:

@@ -19,7 +19,9 @@ from torch import nn
 from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
-from .layout import HeadContextGrid, SpLayout, check_seq_layout
+from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout, check_seq_layout
+from . import checks
+from .checks import check_documents, cu_seqlens_rows
 from .tape import Block
 
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
@@ -59,27 +61,14 @@ def rope_tables(cfg, positions, dtype, device):
 def doc_starts(cu_seqlens, batch, seq, device):
     """(B, S) first token of each token's document, from cu_seqlens: one
     list [0, e_1, ..., S] shared by every row, or one per row; GLOBAL
-    offsets (ring-flash-attn's convention), strictly increasing."""
+    offsets (ring-flash-attn's convention), strictly increasing. Lists,
+    tuples, numpy arrays and tensors of whole numbers (checks.cu_seqlens_rows)."""
     if cu_seqlens is None:
         return torch.zeros(batch, seq, dtype=torch.long, device=device)
-    rows = cu_seqlens
-    if isinstance(rows, torch.Tensor):
-        if rows.is_floating_point():
-            raise ValueError(f"cu_seqlens has dtype {rows.dtype}; it holds token offsets (int)")
-        rows = rows.tolist()
-    if rows and not isinstance(rows[0], (list, tuple)):
-        rows = [rows] * batch
-    if len(rows) != batch:
-        raise ValueError(f"cu_seqlens gives {len(rows)} rows for a batch of {batch}")
+    rows = cu_seqlens_rows(cu_seqlens, batch)
+    check_documents(rows, seq)
     out = torch.empty(batch, seq, dtype=torch.long)
     for b, cu in enumerate(rows):
-        cu = [int(v) for v in cu]
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq:
-            raise ValueError(f"cu_seqlens row {b} = {cu}: must run from 0 to the sequence length "
-                             f"{seq}")
-        if any(e <= s for s, e in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens row {b} = {cu}: must be strictly increasing (every "
-                             "document at least one token)")
         for s, e in zip(cu, cu[1:]):
             out[b, s:e] = s
     return out.to(device)
@@ -88,31 +77,71 @@ def doc_starts(cu_seqlens, batch, seq, device):
 log = logging.getLogger("laga_torch")
 
 
+PLAN_TIMEOUT_S = 120
+
+
+def laga_binary(laga=None):
+    """(path, None) of the laga binary form 'auto' asks (the argument, else
+    LAGA_BIN, else PATH), or (None, why not) where there is none usable."""
+    if laga:
+        where = "the laga binary given"
+    elif os.environ.get("LAGA_BIN"):
+        laga, where = os.environ["LAGA_BIN"], "LAGA_BIN"
+    else:
+        laga, where = shutil.which("laga"), "PATH"
+        if not laga:
+            return None, "no laga binary: LAGA_BIN is not set and there is no laga on PATH"
+    if not os.path.exists(laga):
+        return None, f"{where} = {laga}: no such file"
+    if os.path.isdir(laga):
+        return None, f"{where} = {laga} is a directory; give the laga executable (build/laga)"
+    if not os.access(laga, os.X_OK):
+        return None, f"{where} = {laga} is not executable"
+    return laga, None
+
+
 def plan_form(cfg, seq, ranks, batch, profile, laga=None, seq_layout="contiguous"):
     """The form `laga plan --json` picks for (cfg, S, P, B) on a hardware
     profile (a built-in name or a JSON file; docs/planning.md): (form,
     q_latent, overlap) of its winner among the forms this package implements
     (FORMS, the C++ build's: tools_forms_registry). The binary: `laga`,
-    else LAGA_BIN, else PATH."""
-    laga = laga or os.environ.get("LAGA_BIN") or shutil.which("laga")
+    else LAGA_BIN, else PATH. Every failure is a ValueError saying what to
+    do."""
+    laga, why = laga_binary(laga)
     if not laga:
-        raise ValueError("form 'auto' asks `laga plan`, but no laga binary was found: set "
-                         "LAGA_BIN or put laga on PATH, or choose a form")
+        raise ValueError(f"form 'auto' asks `laga plan`, but {why}: set LAGA_BIN to the laga "
+                         "executable or put laga on PATH, or choose a form")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg.to_json(), f)
+    cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
+           "--batch", str(batch), "--profile", str(profile), "--json", "-", "--quiet",
+           "--forms", ",".join(FORMS), "--seq-layout", seq_layout]
+    if cfg.q_lora_rank:
+        cmd.append("--q-latent")
     try:
-        cmd = [laga, "plan", "--config", f.name, "--seq", str(seq), "--sp", str(ranks),
-               "--batch", str(batch), "--profile", profile, "--json", "-", "--quiet",
-               "--forms", ",".join(FORMS), "--seq-layout", seq_layout]
-        if cfg.q_lora_rank:
-            cmd.append("--q-latent")
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=PLAN_TIMEOUT_S, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"form 'auto': {laga} plan did not finish in {PLAN_TIMEOUT_S} s; check "
+                         "that LAGA_BIN is the laga tool, or choose a form") from None
+    except OSError as e:
+        raise ValueError(f"form 'auto': cannot run {laga} ({e.strerror}); LAGA_BIN must be the "
+                         "laga executable built for this machine, or choose a form") from None
     finally:
         os.unlink(f.name)
     if p.returncode:
-        raise ValueError(f"form 'auto': {' '.join(cmd)} failed: {p.stderr.strip()}")
-    winner = json.loads(p.stdout)["cases"][0]["winner"]
-    parts = winner.split("+")
+        err = p.stderr.strip()[-2000:] or "(nothing on stderr)"
+        raise ValueError(f"form 'auto': {' '.join(cmd)} exited {p.returncode}: {err}")
+    try:
+        winner = json.loads(p.stdout)["cases"][0]["winner"]
+        parts = winner.split("+")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        out = repr(p.stdout.strip()[:200]) if p.stdout.strip() else "nothing"
+        raise ValueError(f"form 'auto': {laga} plan printed {out}, not laga plan's JSON (a "
+                         "'cases' list with a 'winner'); is LAGA_BIN the laga tool?") from None
+    if parts[0] not in FORMS or not set(parts[1:]) <= {"q-latent", "overlap"}:
+        raise ValueError(f"form 'auto': laga plan's winner '{winner}' is not a form of this "
+                         f"package ({', '.join(FORMS)}); is LAGA_BIN another laga version?")
     return parts[0], "q-latent" in parts, "overlap" in parts
 
 
@@ -145,9 +174,31 @@ class MLA(nn.Module):
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
                  flash_block=64, seq_layout="contiguous"):
         super().__init__()
-        self.seq_layout = check_seq_layout(seq_layout)
+        # Every argument's type first (a TypeError naming it), then its value.
+        self.seq_layout = check_seq_layout(checks.name_arg(seq_layout, "seq_layout", SEQ_LAYOUTS))
         if isinstance(cfg, dict):
             cfg = MLAConfig.from_json(cfg)
+        elif not isinstance(cfg, MLAConfig):
+            raise checks.ArgumentTypeError(f"cfg must be an MLAConfig or a config dict, got "
+                                           f"{type(cfg).__name__}")
+        cfg.validate()  # a config changed after it was built is checked again
+        checks.name_arg(form, "form", list(FORMS) + ["auto"])
+        q_latent, overlap = checks.flag(q_latent, "q_latent"), checks.flag(overlap, "overlap")
+        head_groups = checks.whole(head_groups, "head_groups")
+        if head_groups < 0:
+            raise ValueError(f"head_groups {head_groups}: expected 0 (the form's default) or a "
+                             "positive number of head groups")
+        checks.name_arg(attention, "attention", KINDS)
+        checks.name_arg(tape, "tape", ("laga", "autograd"))
+        flash_block = checks.whole(flash_block, "flash_block")
+        if profile is not None and not isinstance(profile, (str, os.PathLike)):
+            raise checks.ArgumentTypeError(f"profile must be a built-in profile name or a "
+                                           f"profile JSON file's path, got "
+                                           f"{type(profile).__name__}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or
+                                  not dtype.is_floating_point):
+            raise checks.ArgumentTypeError(f"dtype must be a floating torch.dtype (torch.float32, "
+                                           f"torch.float64, torch.bfloat16) or None, got {dtype!r}")
         if form == "auto":
             if not profile:
                 raise ValueError("form 'auto' needs a hardware profile for `laga plan` (profile="
@@ -173,11 +224,11 @@ class MLA(nn.Module):
             raise ValueError(f"attention 'sdpa' with form '{form}': a ring merges each block's "
                              "log-sum-exp, which scaled_dot_product_attention does not return; "
                              "use eager or flash")
-        if int(flash_block) != flash_block or flash_block < 1:
+        if flash_block < 1:
             raise ValueError(f"flash_block {flash_block}: expected a positive whole number of "
                              "rows and keys per tile")
         self.head_groups, self.attention, self.tape = head_groups, attention, tape
-        self.flash_block = int(flash_block)
+        self.flash_block = flash_block
         self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
@@ -206,47 +257,37 @@ class MLA(nn.Module):
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
         cfg = self.cfg
-        if x.dim() != 3 or x.shape[2] != cfg.dim:
-            raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
-        for name, p in self.named_parameters():
-            if p.dtype != x.dtype or p.device != x.device:
-                raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
-                                 f"{p.dtype} on {p.device}; move the module or the input")
-        if not dist.is_initialized():
-            raise ValueError("MLA.forward needs torch.distributed initialised (a group of one "
-                             "rank is fine)")
-        P, r = dist.get_world_size(group), dist.get_rank(group)
-        B, L = x.shape[:2]
-        if seq_len is None:
-            if cu_seqlens is None:
-                raise ValueError("give seq_len (the whole sequence's length S) or cu_seqlens "
-                                 "(its documents; their last offset is S)")
-            last = cu_seqlens[-1]
-            last = last[-1] if isinstance(last, (list, tuple)) or (
-                isinstance(last, torch.Tensor) and last.dim()) else last
-            seq_len = int(last)
-        lay = SpLayout.even(seq_len, cfg.n_heads, P, self.seq_layout)
-        if L != lay.seq_count[r]:
-            ranges = ", ".join(f"[{b}, {e})" for b, e in lay.seq_ranges[r])
-            raise ValueError(f"x holds {L} tokens but rank {r} of {P} holds "
-                             f"{lay.seq_count[r]} of S = {seq_len}, tokens {ranges} "
-                             f"({lay.describe()})")
+        P, r = checks.group_arg(group)  # without a group there is no one to tell
+        # This rank's arguments, checked before any collective; a refusal
+        # is carried into the agreement check, so every rank raises it.
+        local, error = None, None
+        try:
+            local = self._check_local(x, P, r, cu_seqlens, seq_len)
+        except (ValueError, TypeError) as e:
+            error = e
+        flags = 0
+        if self.form == "auto":
+            if laga_binary()[0]:
+                flags |= checks.FLAG_CAN_PLAN
+            if local and (local[0], P, local[1]) not in self.plans:
+                flags |= checks.FLAG_NEEDS_PLAN
+        flags = checks.agree(group, "MLA.forward", self._fields(x, local), error, flags)
+        seq_len, B, rows, lay = local
+        L = x.shape[1]
         form, q_latent, overlap = self.form, self.q_latent, self.overlap
         if form == "auto":
             key = (seq_len, P, B)
-            if key not in self.plans:
-                self.plans[key] = plan_form(cfg, seq_len, P, B, self.profile,
-                                           seq_layout=self.seq_layout)
+            if any(f & checks.FLAG_NEEDS_PLAN for f in flags):
+                self.plans[key] = self._plan_once(group, P, r, seq_len, B, flags)
                 log.info("laga plan (profile %s) picks %s for S %d, P %d, B %d", self.profile,
                          self.plans[key], seq_len, P, B)
             form, q_latent, overlap = self.plans[key]
-        spec = FORMS[form]
-        if spec.head_groups:  # the grid's check, on every rank before any collective
-            HeadContextGrid(lay, self.head_groups or spec.default_head_groups(cfg.n_heads, P),
-                            spec.grid_order)
+            spec = FORMS[form]
+            if spec.head_groups:  # the same grid on every rank: S, P agreed
+                HeadContextGrid(lay, spec.default_head_groups(cfg.n_heads, P), spec.grid_order)
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
-        sp = Sp(lay, r, group, self.ledger, B, doc_starts(cu_seqlens, B, seq_len, x.device),
-                cos, sin, self.head_groups, self.attention, self.flash_block, form)
+        sp = Sp(lay, r, group, self.ledger, B, doc_starts(rows, B, seq_len, x.device), cos, sin,
+                self.head_groups, self.attention, self.flash_block, form)
         if self.tape == "laga":
             return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
                                        self.attention == "flash", self.flash_block),
@@ -269,8 +310,118 @@ class MLA(nn.Module):
         c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
         k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
         o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
-                          q_latent=query_latent, overlap=overlap)
+                          q_latent=query_latent, overlap=overlap, check_ranks=False)
         return self.wo(o)
+
+
+    def _check_local(self, x, P, r, cu_seqlens, seq_len):
+        """(S, B, cu_seqlens rows or None, layout) of this forward, or the
+        ValueError / TypeError naming what is wrong with this rank's
+        arguments."""
+        cfg = self.cfg
+        if not isinstance(x, torch.Tensor):
+            raise checks.ArgumentTypeError(f"x must be a tensor (B, S_r, {cfg.dim}), got "
+                                           f"{type(x).__name__}")
+        if x.dim() != 3 or x.shape[2] != cfg.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
+        for name, p in self.named_parameters():
+            if p.dtype != x.dtype or p.device != x.device:
+                raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
+                                 f"{p.dtype} on {p.device}; move the module or the input")
+        if self.ledger is not None and not callable(getattr(self.ledger, "add", None)):
+            raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
+                                           f"{type(self.ledger).__name__}")
+        B, L = x.shape[:2]
+        if B < 1:
+            raise ValueError(f"x has shape {tuple(x.shape)}: a batch of {B} rows; expected at "
+                             "least one")
+        seq_len = checks.seq_len_arg(seq_len)
+        rows = cu_seqlens_rows(cu_seqlens, B)
+        if seq_len is None:
+            if rows is None:
+                raise ValueError("give seq_len (the whole sequence's length S) or cu_seqlens "
+                                 "(its documents; their last offset is S)")
+            if not rows[0]:
+                raise ValueError("cu_seqlens is empty; it runs from 0 to S")
+            seq_len = checks.seq_len_arg(rows[0][-1])
+        if rows is not None:
+            check_documents(rows, seq_len)
+        lay = SpLayout.even(seq_len, cfg.n_heads, P, self.seq_layout)
+        if L != lay.seq_count[r]:
+            ranges = ", ".join(f"[{b}, {e})" for b, e in lay.seq_ranges[r])
+            raise ValueError(f"x holds {L} tokens but rank {r} of {P} holds "
+                             f"{lay.seq_count[r]} of S = {seq_len}, tokens {ranges} "
+                             f"({lay.describe()})")
+        if self.form != "auto" and FORMS[self.form].head_groups:  # the grid's check
+            spec = FORMS[self.form]
+            HeadContextGrid(lay, self.head_groups or spec.default_head_groups(cfg.n_heads, P),
+                            spec.grid_order)
+        return seq_len, B, rows, lay
+
+    def _fields(self, x, local):
+        """What every rank must agree on, as text (checks.agree)."""
+        d = checks.describe
+        f = {"form": d(f"{self.form} q_latent={self.q_latent} overlap={self.overlap} "
+                       f"head_groups={self.head_groups} profile={self.profile}"),
+             "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block}"),
+             "config": d(self.cfg.to_json(), 4000),
+             "module": d([[n, list(p.shape), str(p.dtype)] for n, p in self.named_parameters()],
+                         4000),
+             "seq_layout": self.seq_layout}
+        if isinstance(x, torch.Tensor):
+            f["dtype"] = f"{x.dtype} on {x.device.type}"
+            f["grad"] = str(torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())))
+        f["weights"] = self._weights_sample()
+        if local:
+            f["seq_len"], f["batch"] = str(local[0]), str(local[1])
+            f["cu_seqlens"] = d(local[2])
+        return f
+
+    def _weights_sample(self):
+        """A hash of 64 evenly spaced elements of each parameter, bit for
+        bit: ranks that loaded or initialised different weights (a seed per
+        rank, a broadcast forgotten) differ here. Sampled, not summed, so
+        that no summation order can make equal weights differ; one small
+        device-to-host copy."""
+        try:
+            parts = []
+            for _, p in sorted(self.named_parameters()):
+                flat = p.detach().reshape(-1)
+                n = flat.numel()
+                idx = torch.linspace(0, max(n - 1, 0), min(n, 64), device=p.device).long()
+                parts.append(flat[idx].contiguous().view(torch.uint8))
+            data = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+            return f"sampled hash {checks._hash(data.hex()) & 0xFFFFFFFFFFFF:012x}"
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            return "?"  # a meta module: refused by the dtype/device check anyway
+
+    def _plan_once(self, group, P, r, seq_len, B, flags):
+        """form 'auto': `laga plan` run once, on the first rank that has the
+        binary, and its choice (or its failure) read by every rank."""
+        def plan():
+            return plan_form(self.cfg, seq_len, P, B, self.profile, seq_layout=self.seq_layout)
+        if P == 1:
+            return plan()
+        device = checks._device(group)
+        planners = [i for i, f in enumerate(flags) if f & checks.FLAG_CAN_PLAN]
+        if not planners:
+            why = checks.gather_texts(group, checks.TEXT_CAP, laga_binary()[1] or "?", device)
+            said = "; ".join(f"{checks._ranks(rs)}: {w}" for w, rs in checks._grouped(why).items())
+            raise ValueError(f"form 'auto' asks `laga plan`, but no rank of the group can run it "
+                             f"({said}): set LAGA_BIN to the laga executable or put laga on PATH "
+                             "on at least one rank, or choose a form")
+        text = ""
+        if r == planners[0]:
+            try:
+                text = json.dumps({"plan": list(plan())})
+            except Exception as e:  # every rank must hear of it
+                text = json.dumps({"error": str(e) or type(e).__name__})
+        said = json.loads(checks.gather_texts(group, checks.TEXT_CAP, text, device)[planners[0]])
+        if "error" in said:
+            raise ValueError(f"{said['error']} (laga plan ran on rank {planners[0]} for every "
+                             "rank)")
+        return tuple(said["plan"])
 
 
 class _Run:
@@ -338,13 +489,38 @@ def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
     "bf16" reduces the bf16 buffer itself (half the bytes; it needs a
     backend that sums bf16: NCCL, not torch 1.13's gloo). fp32 and fp64
     gradients are reduced as they are either way."""
-    if grad_reduce not in ("fp32", "bf16"):
-        raise ValueError(f"grad_reduce={grad_reduce!r}: use 'fp32' or 'bf16'")
-    P = dist.get_world_size(group)
+    P, _ = checks.group_arg(group)
+    error, names, params = None, [], {}
+    try:  # this rank's refusal is every rank's (checks.agree), never an all-reduce of another size
+        if not isinstance(module, MLA):
+            raise checks.ArgumentTypeError(f"sync_gradients takes an MLA module, got "
+                                           f"{type(module).__name__}")
+        if ledger is not None and not callable(getattr(ledger, "add", None)):
+            raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
+                                           f"{type(ledger).__name__}")
+        if not isinstance(grad_reduce, str) or grad_reduce not in ("fp32", "bf16"):
+            raise ValueError(f"grad_reduce={grad_reduce!r}: use 'fp32' or 'bf16'")
+        params = dict(module.named_parameters())
+        names = param_order(module.cfg)
+        missing = [n for n in names if params[n].grad is None]
+        if missing:
+            raise ValueError(f"sync_gradients: parameter{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing)} ha{'ve' if len(missing) > 1 else 's'} no "
+                             "gradient: call it after backward (out.backward(...)), on every "
+                             "rank, with the gradients not set to None")
+        dts = {params[n].grad.dtype for n in names}
+        if len(dts) > 1:
+            raise ValueError(f"sync_gradients: the gradients have dtypes "
+                             f"{sorted(map(str, dts))}; one all-reduce needs one dtype")
+    except (ValueError, TypeError) as e:
+        error = e
+    fields = {"grad_reduce": str(grad_reduce),
+              "grads": checks.describe([[n, list(params[n].shape),
+                                         str(getattr(params[n].grad, "dtype", None))]
+                                        for n in names if n in params], 4000)}
+    checks.agree(group, "sync_gradients", fields, error)
     if P == 1:
         return
-    params = dict(module.named_parameters())
-    names = param_order(module.cfg)
     flat = torch.cat([params[n].grad.reshape(-1) for n in names])
     if flat.dtype in (torch.bfloat16, torch.float16) and grad_reduce == "fp32":
         flat = flat.float()
