@@ -20,6 +20,7 @@ from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout, check_seq_layout
+from .norm import rms_norm
 from .tape import Block
 
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
@@ -34,7 +35,9 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """x rstd w over the whole finite range (norm.py: rows divided by their
+        largest |x| before squaring, never x.pow(2) as it stands)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(cfg, positions, dtype, device):
