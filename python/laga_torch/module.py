@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -20,14 +19,9 @@ from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout, check_seq_layout
+from .names import HF_NAMES, resolve  # noqa: F401 (HF_NAMES: the package's map)
 from .norm import rms_norm
 from .tape import Block
-
-HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
-            "q_norm.weight": "q_a_layernorm.weight", "wq_b.weight": "q_b_proj.weight",
-            "wkv_a.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
-            "wkv_b.weight": "kv_b_proj.weight", "wo.weight": "o_proj.weight"}
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -197,15 +191,12 @@ class MLA(nn.Module):
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
 
-    def load_state_dict(self, state_dict, strict=True):
-        """DeepSeek names, or Hugging Face's (with or without the
-        `model.layers.<i>.self_attn.` prefix)."""
-        back = {hf: ds for ds, hf in HF_NAMES.items()}
-        mapped = {}
-        for k, v in state_dict.items():
-            short = re.sub(r"^model\.layers\.\d+\.self_attn\.", "", k)
-            mapped[back.get(short, short)] = v
-        return super().load_state_dict(mapped, strict=strict)
+    def load_state_dict(self, state_dict, strict=True, layer=None):
+        """DeepSeek names, or Hugging Face's, bare or under
+        `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
+        parameter given under two names is refused, and so are several
+        layers' attention weights unless `layer` picks one."""
+        return super().load_state_dict(resolve(state_dict, layer), strict=strict)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
         cfg = self.cfg
