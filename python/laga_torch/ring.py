@@ -259,6 +259,8 @@ def _eager_step(q, k, v, see, scale):
     o_j (B, rows, H, dv), lse_j (B, H, rows) and the probabilities (B, H,
     rows, keys) normalised over these keys; a row that sees none: o_j 0,
     lse_j -inf, p 0."""
+    acc = _acc_dtype(q.dtype)  # bf16: scores, lse and P V in fp32, as flash's tiles
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     s = s.masked_fill(~see, float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -336,7 +338,7 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
             if flash:
                 o_j, lse_j = flash_forward(q_r, k_r, v_r, KeyRanges(lo, hi), scale, block)
                 lse_j = torch.where((lo < hi)[:, None], lse_j, lse_j.new_tensor(float("-inf")))
-            else:
+            else:  # (bf16: the step's lse stays fp32 to the merge; its p is kept in bf16)
                 o_j, lse_j, probs[i] = _eager_step(q_r, k_r, v_r, _see(lo, hi, rect.keys), scale)
                 step_lse[i] = (rect, lse_j)
             o_j, lse_j = o_j.to(acc), lse_j.to(acc)
@@ -360,7 +362,7 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
     for i, p in probs.items():
         rect, lse_i = step_lse[i]
         scale_i = torch.exp(lse_i - lse[:, :, rect.q_row:rect.q_row + rect.rows])
-        probs[i] = (p.to(acc) * scale_i[..., None]).to(p.dtype)
+        probs[i] = (p.to(acc) * scale_i[..., None]).to(q.dtype)
     return o.to(q.dtype), probs
 
 
