@@ -19,7 +19,7 @@ from .attention import KINDS
 from .config import MLAConfig
 from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import HeadContextGrid, SpLayout, check_seq_layout
-from .names import HF_NAMES, resolve  # noqa: F401 (HF_NAMES: the package's map)
+from .names import HF_NAMES, resolve
 from .norm import rms_norm
 from .tape import Block
 
@@ -196,7 +196,14 @@ class MLA(nn.Module):
         `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
         parameter given under two names is refused, and so are several
         layers' attention weights unless `layer` picks one."""
-        return super().load_state_dict(resolve(state_dict, layer), strict=strict)
+        mapped = resolve(state_dict, layer)
+        unused = [k for k in HF_NAMES if k in mapped and not hasattr(
+            getattr(self, k.split(".")[0], None), "weight")]
+        if strict and unused:  # (the C++ reader's verdict: another model's weights)
+            raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
+                             f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
+                             "weights are another model's; check the config")
+        return super().load_state_dict(mapped, strict=strict)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
         cfg = self.cfg

@@ -150,7 +150,7 @@ MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int lay
       const std::string digits = n.substr(kPrefix.size(), dot - kPrefix.size());
       if (dot == std::string::npos || digits.empty() || digits.size() > 9 ||
           digits.find_first_not_of("0123456789") != std::string::npos ||
-          bare.count(n.substr(dot + kAttn.size())) == 0)
+          (digits[0] == '0' && digits.size() > 1) || bare.count(n.substr(dot + kAttn.size())) == 0)
         continue;
       layers.insert(std::stoll(digits));
     }
@@ -161,6 +161,21 @@ MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int lay
            list, ") under model.layers.<i>.self_attn.; pick one with --layer");
     }
     layer = layers.empty() ? 0 : static_cast<int>(*layers.begin());
+  }
+  // An attention parameter the config has no place for (q_proj beside a
+  // query latent, or q_a_proj without one) is another model's: refused, as
+  // strict loading refuses it in laga_torch.
+  std::set<std::string> used;
+  w.for_each([&](const std::string& name, Tensor<T>&) { used.insert(name); });
+  for (const std::string& name : {std::string("wq.weight"), std::string("wq_a.weight"),
+                                  std::string("q_norm.weight"), std::string("wq_b.weight")}) {
+    if (used.count(name)) continue;
+    const std::string hf = hf_param_name(name, layer);
+    const std::string at = kPrefix + std::to_string(layer) + kAttn;
+    for (const std::string& n : {name, hf.substr(hf.rfind(kAttn) + kAttn.size()), hf, at + name})
+      LAGA_CHECK(!f.contains(n), "weights '", f.path(), "': hold '", n, "' (", name,
+                 "), which this config has no place for (q_lora_rank ", cfg.q_lora_rank,
+                 "): the weights are another model's; check --config/--preset");
   }
   w.for_each([&](const std::string& name, Tensor<T>& t) {
     const std::string hf = hf_param_name(name, layer);

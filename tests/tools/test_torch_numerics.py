@@ -625,6 +625,13 @@ def names_verdicts(lt, args, w, inp):
         ("one layer's norm in another", dict(hf, **{pre.format(1) + "kv_a_layernorm.weight":
                                                     other["kv_norm.weight"]}), None, True,
          ["1, 3", "layer"]),
+        ("DeepSeek names under the prefix", {pre.format(2) + k: v for k, v in ds.items()}, None,
+         False, []),
+        ("q_proj beside the query latent", dict(ds, **{"q_proj.weight": torch.zeros(
+            CFG["n_heads"] * 12, CFG["dim"], dtype=torch.float64)}), None, True,
+         ["wq.weight", "q_lora_rank 7"]),
+        ("a layer index with a leading zero", {pre.format("03") + HF_OF[k]: v
+                                               for k, v in ds.items()}, None, True, []),
     ]
     x = torch.from_numpy(inp["x"])
     ref = {}
@@ -633,7 +640,7 @@ def names_verdicts(lt, args, w, inp):
         mine = None
         try:
             m.load_state_dict(sd, **({} if layer is None else {"layer": layer}))
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # (strict loading's unexpected keys: RuntimeError)
             mine = str(e)
         path = os.path.join(args.dir, "names-" + name.replace(" ", "_").replace(",", "") + ".st")
         safetensors_io.save_file({k: v.numpy() for k, v in sd.items()}, path)
