@@ -191,11 +191,12 @@ class MLA(nn.Module):
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
 
-    def load_state_dict(self, state_dict, strict=True, layer=None):
+    def load_state_dict(self, state_dict, strict=True, layer=None, **kwargs):
         """DeepSeek names, or Hugging Face's, bare or under
         `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
         parameter given under two names is refused, and so are several
-        layers' attention weights unless `layer` picks one."""
+        layers' attention weights unless `layer` picks one (a whole HF
+        checkpoint's other tensors are left out)."""
         mapped = resolve(state_dict, layer)
         unused = [k for k in HF_NAMES if k in mapped and not hasattr(
             getattr(self, k.split(".")[0], None), "weight")]
@@ -203,7 +204,7 @@ class MLA(nn.Module):
             raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
                              f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
                              "weights are another model's; check the config")
-        return super().load_state_dict(mapped, strict=strict)
+        return super().load_state_dict(mapped, strict=strict, **kwargs)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
         cfg = self.cfg

@@ -11,8 +11,10 @@ under `model.layers.<i>.self_attn.`. Refused, naming what to do:
   * prefixed attention names of several layers when no layer is picked
     (`load_state_dict(sd, layer=i)`; the C++ `--layer i`): loading the last
     one met was silent. With one layer there, that one is taken.
-Names that are none of these are passed on as they are (strict loading
-names them as unexpected)."""
+Other tensors of a whole Hugging Face checkpoint (`model.` and not the
+picked layer's attention: embeddings, MLPs, norms, other layers once one is
+picked) are left out, as the C++ reader reads only the block's; any other
+name is passed on as it is (strict loading names it as unexpected)."""
 
 import re
 
@@ -66,6 +68,8 @@ def resolve(state_dict, layer=None):
             if int(m.group(1)) != layer:
                 continue  # another layer's, not picked
             ds = _canonical(m.group(2))
+        elif k.startswith("model."):
+            continue  # the rest of a whole checkpoint: not this block's
         else:
             ds = _canonical(k)
         if ds is None:

@@ -630,6 +630,13 @@ def names_verdicts(lt, args, w, inp):
         ("q_proj beside the query latent", dict(ds, **{"q_proj.weight": torch.zeros(
             CFG["n_heads"] * 12, CFG["dim"], dtype=torch.float64)}), None, True,
          ["wq.weight", "q_lora_rank 7"]),
+        ("a whole checkpoint, layer 7 picked", dict(hf, **{pre.format(7) + HF_OF[k]: v
+                                                          for k, v in other.items()},
+                                                     **{"model.embed_tokens.weight": torch.ones(3, 2),
+                                                        "model.layers.7.mlp.gate_proj.weight":
+                                                        torch.ones(2, 2),
+                                                        "model.norm.weight": torch.ones(2)}),
+         7, False, []),
         ("a layer index with a leading zero", {pre.format("03") + HF_OF[k]: v
                                                for k, v in ds.items()}, None, True, []),
     ]
@@ -663,7 +670,11 @@ def names_verdicts(lt, args, w, inp):
         if not refused:
             got = m(x, seq_len=S).detach().numpy()
             cxx = safetensors_io.load_file(out)[0]["out"]
-            want = ref.setdefault("out", got) if "7" not in name else got
+            if not ref:  # the DeepSeek-named module's, and the one of layer 7's weights
+                m7 = module(lt)
+                m7.load_state_dict(other)
+                ref.update(out=got, out7=m7(x, seq_len=S).detach().numpy())
+            want = ref["out7" if "7" in name else "out"]
             e = max(rel(got, want), rel(cxx, got))
             if not e <= 1e-12:
                 fail(f"weights '{name}': the package and laga forward, or the names, give "
