@@ -17,7 +17,7 @@ Usage: test_torch_numerics.py LAGA WORKDIR
   * A NaN (or inf) in one token's input, or a NaN in one token's dout,
     reaches out and dx of its document only, on every attention path:
     every form, laga's tape and autograd's, eager and flash, the rings'
-    overlap, at P 1 and 2 (the rings merge at P 2).
+    overlap, at P 1 and 2 (the rings merge at P 2; and at P 3, the rings).
   * Double backward: every custom autograd.Function of the package either
     passes torch.autograd.gradgradcheck in float64 (the attention paths, the
     movements: the whole module on tape autograd, every form without a
@@ -298,14 +298,14 @@ def hvp(lt, dev, P, r, form, opts, att):
 # The ranks
 # --------------------------------------------------------------------------
 
-def nan_every_path(lt, dev, P, r, log):
+def nan_every_path(lt, dev, P, r, log, forms=FORMS):
     """A NaN (inf) in token 4 of row 0 (document [3, 9)) reaches out and dx
     of that document only; a NaN in token 4's dout reaches dx of it only."""
     g = torch.Generator().manual_seed(5)
     x0 = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64)
     d0 = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64)
     count = 0
-    for form, opts in FORMS:
+    for form, opts in forms:
         own = torch.tensor(lt.SpLayout.even(S, CFG["n_heads"], P, opts.get(
             "seq_layout", "contiguous")).positions(r))
         hit = torch.zeros(B, S, dtype=torch.bool)
@@ -438,6 +438,12 @@ def worker(args):
     P, r = args.world, args.rank
     log = {}
     res = {}
+    if P == 3:  # the rings' merges over three steps (and zigzag's rectangles): the NaN alone
+        nan_every_path(lt, dev, P, r, log, [f for f in FORMS if f[0] in RING])
+        with open(os.path.join(args.dir, f"log-P{P}-r{r}.json"), "w") as f:
+            json.dump(log, f)
+        dist.destroy_process_group()
+        return
     nan_every_path(lt, dev, P, r, log)
     ring_bf16(lt, dev, P, r, log)
     if P > 1:
@@ -742,9 +748,10 @@ def main():
     n_names = names_verdicts(lt, args, w, inp)
     dist.destroy_process_group()
 
-    for P in (1, 2):
+    for P in (1, 2, 3):
         launch(args, P)
     log = json.load(open(os.path.join(args.dir, "log-P1-r0.json")))
+    nan3 = json.load(open(os.path.join(args.dir, "log-P3-r0.json")))["nan_paths"]
 
     # The Hessian-vector product at P 2 equals P 1's (double backward
     # through the movements and the rings' absence).
@@ -807,8 +814,8 @@ def main():
           f"{max(v for (d, _), v in worst_norm.items() if d == torch.float64):.1e} (subnormal "
           f"to the largest finite maxima, zero rows); the module scaled 1e-20..1e30: float32 "
           f"{worst_module[torch.float32]:.1e}, bf16 {worst_module[torch.bfloat16]:.1e}")
-    print(f"laga_torch NaN per document: {log['nan_paths']} paths at P 1 and at P 2 keep it in "
-          f"its document; double backward: {log['gradgradcheck']} gradgradchecks, the "
+    print(f"laga_torch NaN per document: {log['nan_paths']} paths at P 1 and at P 2, the "
+          f"rings' {nan3} at P 3, keep it in its document; double backward: {log['gradgradcheck']} gradgradchecks, the "
           f"Hessian-vector product at P 2 within {hvp_worst:.1e} of P 1; flat cu_seqlens within "
           f"{flat_worst:.1e} of laga forward; bf16 error at most {bf16_ratio:.2f}x laga forward "
           f"--dtype bf16's (<= {BF16_CXX}); the rings' bf16 lse within "
