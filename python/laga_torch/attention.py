@@ -19,45 +19,140 @@ import torch
 import torch.nn.functional as F
 
 
+def _selected_einsum(eq, x, y, see):
+    """einsum(eq, x, y) of a (B, H, Sq, Sk) pair operand x against a row or
+    key operand y, each output summed over the pairs `see` (B, 1, Sq, Sk)
+    selects only: x is selected to 0 at the other pairs, and a non-finite
+    entry of y reaches only the outputs whose seen pairs meet it (NaN there),
+    never another document's through 0 * NaN (docs/reliability.md,
+    "Non-finite values": selected, not multiplied by 0)."""
+    x = torch.where(see, x, x.new_zeros(()))
+    bad = ~torch.isfinite(y)
+    out = torch.einsum(eq, x, y.masked_fill(bad, 0))
+    hit = torch.einsum(eq, see.expand_as(x).to(x.dtype), bad.to(x.dtype)) > 0
+    return out.masked_fill(hit, float("nan"))
+
+
+def _einsum_seen(eq, x, y, see):
+    """einsum(eq, x, y) over the seen pairs: dense where see is None (every
+    operand finite, x exactly 0 at unseen pairs: the same sum)."""
+    return torch.einsum(eq, x, y) if see is None else _selected_einsum(eq, x, y, see)
+
+
 def math_forward(q, k, v, mask, scale):
-    """o (B, Sq, H, dv) and the probabilities (B, H, Sq, Sk) eager saves."""
+    """o (B, Sq, H, dv) and the probabilities (B, H, Sq, Sk) eager saves.
+    Masked pairs are selected out of every sum: with a non-finite q, k or v
+    the probabilities are selected to 0 off the mask and P V sums over the
+    seen keys only, so a NaN stays in its document and its causal future."""
     H = q.shape[2]
     # scores (B, H, Sq, Sk); k's head axis broadcasts when Hk = 1.
     s = torch.einsum("bihd,bjhd->bhij", q, k.expand(-1, -1, H, -1)) * scale
     p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("bhij,bjhd->bihd", p, v.expand(-1, -1, H, -1)), p
+    ve = v.expand(-1, -1, H, -1)
+    see = None if _finite(q, k, v) else mask
+    if see is not None:
+        p = torch.where(mask, p, p.new_zeros(()))
+    return _einsum_seen("bhij,bjhd->bihd", p, ve, see), p
 
 
-def math_backward(q, k, v, p, do, scale, delta=None):
+def math_backward(q, k, v, p, do, scale, delta=None, see=None):
     """dq, dk, dv from the probabilities p. delta (B, H, Sq): the rows'
     D = do . o when p covers only part of each row's keys (a ring step's
     block, its p rescaled to the whole row's normalisation); None: the
-    rowsum of dP * P over the keys given, which is D when they are all."""
+    rowsum of dP * P over the keys given, which is D when they are all.
+    see: the (B, 1, Sq, Sk) mask p was taken under (or a callable giving
+    it), read only when an operand is non-finite: then every sum runs over
+    the seen pairs only (None: the pairs where p != 0)."""
     H = q.shape[2]
     ke, ve = k.expand(-1, -1, H, -1), v.expand(-1, -1, H, -1)
-    dv = torch.einsum("bhij,bihd->bjhd", p, do)
+    if _finite(q, k, v, do, p) and (delta is None or _finite(delta)):
+        see = None
+    else:
+        see = see() if callable(see) else see
+        see = (p != 0).any(1, keepdim=True) if see is None else see
+    dv = _einsum_seen("bhij,bihd->bjhd", p, do, see)
     dp = torch.einsum("bihd,bjhd->bhij", do, ve)
+    if see is not None:
+        dp = torch.where(see, dp, dp.new_zeros(()))
+        p = torch.where(see, p, p.new_zeros(()))
     # softmax backward: dS = P (dP - rowsum(dP * P))
     D = (dp * p).sum(-1, keepdim=True) if delta is None else delta[..., None]
     ds = p * (dp - D) * scale
-    dq = torch.einsum("bhij,bjhd->bihd", ds, ke)
-    dk = torch.einsum("bhij,bihd->bjhd", ds, q)
+    if see is not None:
+        ds = torch.where(see, ds, ds.new_zeros(()))
+    dq = _einsum_seen("bhij,bjhd->bihd", ds, ke, see)
+    dk = _einsum_seen("bhij,bihd->bjhd", ds, q, see)
     if k.shape[2] == 1 and H != 1:  # the shared head's gradient is every head's sum
         dk, dv = dk.sum(2, keepdim=True), dv.sum(2, keepdim=True)
     return dq, dk, dv
 
 
+def first_order_only(what, instead):
+    """backward's decorator for a Function whose backward is hand-written
+    and not itself differentiable: with create_graph=True the gradients come
+    back, but differentiating them again raises an error naming `what` and
+    what to use `instead` (torch's once_differentiable, with a message that
+    says what to do), never a second derivative that is None or wrong."""
+    from torch._C import _functions
+
+    def wrap(fn):
+        def backward(ctx, *grads):
+            with torch.no_grad():
+                out = fn(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return out
+            tup = out if isinstance(out, tuple) else (out,)
+            if not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads) and \
+                    not any(isinstance(t, torch.Tensor) and t.requires_grad
+                            for t in ctx.saved_tensors):
+                return out
+            err = _functions.DelayedError(
+                f"laga_torch: {what} has no second derivative (its backward is hand-written); "
+                f"double backward (create_graph=True, then a gradient of the gradient) needs "
+                f"{instead}".encode(), len(tup))
+
+            def leaf(t):
+                if t is None:
+                    return t
+                t = t.detach()
+                t.requires_grad = True
+                return t
+            res = err(*[leaf(t) for t in tup])
+            res = res if isinstance(res, tuple) else (res,)
+            return res if isinstance(out, tuple) else res[0]
+        return backward
+    return wrap
+
+
+def _recompute_backward(q, k, v, see, do, scale):
+    """dq, dk, dv as differentiable functions of q, k, v and do (the math
+    path recomputed under autograd): the double backward of both attention
+    Functions, whose first backward reads what forward saved."""
+    _, p = math_forward(q, k, v, see, scale)
+    return math_backward(q, k, v, p, do, scale, see=see)
+
+
 class _MathAttention(torch.autograd.Function):
+    """The math path: saves q, k, v and the probabilities (what laga's eager
+    kernel saves); the mask is recomputed when backward needs it (a
+    non-finite operand, or double backward, which recomputes the
+    probabilities under autograd: gradgradcheck holds it)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
-        o, p = math_forward(q, k, v, mask, scale)
+    def forward(ctx, q, k, v, mask_fn, scale):
+        o, p = math_forward(q, k, v, mask_fn("mask"), scale)
         ctx.save_for_backward(q, k, v, p)
-        ctx.scale = scale
+        ctx.scale, ctx.mask_fn = scale, mask_fn
         return o
 
     @staticmethod
     def backward(ctx, do):
-        return math_backward(*ctx.saved_tensors, do, ctx.scale) + (None, None)
+        q, k, v, p = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the gradient itself differentiable
+            return _recompute_backward(q, k, v, ctx.mask_fn("mask"), do, ctx.scale) + \
+                (None, None)
+        return math_backward(q, k, v, p, do, ctx.scale,
+                             see=lambda: ctx.mask_fn("mask")) + (None, None)
 
 
 def no_attention(q, k, v):
@@ -87,6 +182,10 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the math path under autograd (dense mask)
+            Sq, Sk = q.shape[1], k.shape[1]
+            see = ctx.ranges.see(0, Sq, 0, Sk)
+            return _recompute_backward(q, k, v, see, do, ctx.scale) + (None, None, None)
         return flash_backward(q, k, v, o, lse, do, ctx.ranges, ctx.scale, ctx.block) + \
             (None, None, None)
 
@@ -102,14 +201,16 @@ def attention(q, k, v, mask, scale, kind="auto", block=64):
         kind = "sdpa" if has_sdpa() else "math"
     if kind == "flash":
         return _FlashAttention.apply(q, k, v, mask("ranges"), scale, block)
-    mask = mask("mask")
-    if kind in ("math", "eager"):
-        return _MathAttention.apply(q, k, v, mask, scale)
-    if kind != "sdpa":
+    if kind not in ("math", "eager", "sdpa"):
         raise ValueError(f"attention kind '{kind}': expected auto, sdpa, math, eager or flash")
-    if not has_sdpa():
+    if kind == "sdpa" and not has_sdpa():
         raise ValueError("attention kind 'sdpa': this torch has no "
                          "scaled_dot_product_attention; use 'math' or 'auto'")
+    if kind in ("math", "eager") or not _finite(q, k, v):
+        # (SDPA multiplies masked pairs by 0: with a non-finite operand the
+        # math path, which selects them out, so a NaN stays in its document)
+        return _MathAttention.apply(q, k, v, mask, scale)
+    mask = mask("mask")
     H = q.shape[2]
     qt = q.transpose(1, 2)
     kt, vt = k.expand(-1, -1, H, -1).transpose(1, 2), v.expand(-1, -1, H, -1).transpose(1, 2)

@@ -159,9 +159,27 @@ class _Exchange(torch.autograd.Function):
         if ctx.ledger is not None:
             ctx.ledger.add("backward", plan.label, plan.peer_bytes(plan.recv, grad.element_size()),
                            plan.peer_bytes(plan.send, grad.element_size()))
-        flat, _ = _exchange(grad.contiguous(), plan.sizes(plan.recv), plan.sizes(plan.send),
-                            ctx.group)
+        flat = _AllToAll.apply(grad.contiguous(), plan.sizes(plan.recv), plan.sizes(plan.send),
+                               ctx.group)
         return _unpack_add(flat, plan.send, plan.src_shape), None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """The flat all-to-all of _Exchange's backward, itself differentiable (a
+    linear map whose adjoint is the all-to-all the other way, so a
+    gradient of the gradient (create_graph=True) moves back correctly);
+    _unpack_add and _pack are torch ops autograd differentiates."""
+
+    @staticmethod
+    def forward(ctx, flat, send_sizes, recv_sizes, group):
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        return _exchange(flat, send_sizes, recv_sizes, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_sizes, recv_sizes = ctx.sizes
+        return _AllToAll.apply(grad.contiguous(), recv_sizes, send_sizes, ctx.group), None, \
+            None, None
 
 
 class _Unpack(torch.autograd.Function):

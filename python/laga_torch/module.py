@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -22,13 +21,9 @@ from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
 from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout, check_seq_layout
 from . import checks
 from .checks import check_documents, cu_seqlens_rows
+from .names import HF_NAMES, resolve
+from .norm import rms_norm
 from .tape import Block
-
-HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
-            "q_norm.weight": "q_a_layernorm.weight", "wq_b.weight": "q_b_proj.weight",
-            "wkv_a.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
-            "wkv_b.weight": "kv_b_proj.weight", "wo.weight": "o_proj.weight"}
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -36,7 +31,9 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """x rstd w over the whole finite range (norm.py: rows divided by their
+        largest |x| before squaring, never x.pow(2) as it stands)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(cfg, positions, dtype, device):
@@ -245,15 +242,20 @@ class MLA(nn.Module):
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
 
-    def load_state_dict(self, state_dict, strict=True):
-        """DeepSeek names, or Hugging Face's (with or without the
-        `model.layers.<i>.self_attn.` prefix)."""
-        back = {hf: ds for ds, hf in HF_NAMES.items()}
-        mapped = {}
-        for k, v in state_dict.items():
-            short = re.sub(r"^model\.layers\.\d+\.self_attn\.", "", k)
-            mapped[back.get(short, short)] = v
-        return super().load_state_dict(mapped, strict=strict)
+    def load_state_dict(self, state_dict, strict=True, layer=None, **kwargs):
+        """DeepSeek names, or Hugging Face's, bare or under
+        `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
+        parameter given under two names is refused, and so are several
+        layers' attention weights unless `layer` picks one (a whole HF
+        checkpoint's other tensors are left out)."""
+        mapped = resolve(state_dict, layer)
+        unused = [k for k in HF_NAMES if k in mapped and not hasattr(
+            getattr(self, k.split(".")[0], None), "weight")]
+        if strict and unused:  # (the C++ reader's verdict: another model's weights)
+            raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
+                             f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
+                             "weights are another model's; check the config")
+        return super().load_state_dict(mapped, strict=strict, **kwargs)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
         cfg = self.cfg

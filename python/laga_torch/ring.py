@@ -44,7 +44,8 @@ full wkv_b at every step, wkv_b's gradient accumulated on the rank).
 
 import torch
 
-from .attention import KeyRanges, _acc_dtype, flash_backward, flash_forward, math_backward
+from .attention import (KeyRanges, _acc_dtype, _einsum_seen, _finite, first_order_only,
+                        flash_backward, flash_forward, math_backward)
 from .comm import start_ring_shift
 
 
@@ -258,18 +259,57 @@ def _eager_step(q, k, v, see, scale):
     o_j (B, rows, H, dv), lse_j (B, H, rows) and the probabilities (B, H,
     rows, keys) normalised over these keys; a row that sees none: o_j 0,
     lse_j -inf, p 0."""
+    acc = _acc_dtype(q.dtype)  # bf16: scores, lse and P V in fp32, as flash's tiles
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     s = s.masked_fill(~see, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.where(see, torch.exp(s - lse[..., None]), s.new_zeros(()))
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse, p
+    # P V over the seen keys only when an operand is non-finite (a NaN key
+    # another document holds never reaches a row through 0 * NaN).
+    exact = None if _finite(q, k, v) else see
+    return _einsum_seen("bhij,bjhd->bihd", p, v, exact), lse, p
 
 
-def _shift(sp, x, numel, label, phase, overlap):
-    """The ring shift; without overlap waited here (returns the block), with
-    overlap started (returns its wait)."""
-    _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, phase, label, sp.ring)
-    return wait if overlap else wait()
+class _Shifts:
+    """The ring shifts one pass (forward or backward) has started and not
+    yet waited, by label: at most one each (the block's, and in backward the
+    accumulator's). Starting a second while the first is open, or ending
+    the pass with one open, is a missing wait: its receive buffer would be
+    read, or overwritten, before the transfer lands, and the ranks' P2P
+    calls fall out of step (a hang, in gloo). Both raise at once, naming the
+    shift, after the open transfer has been waited (so no rank is left
+    inside it)."""
+
+    def __init__(self, phase):
+        self.phase, self.open = phase, {}
+
+    def start(self, sp, x, numel, label, step, overlap):
+        """The ring shift; without overlap waited here (returns the block),
+        with overlap started (returns its wait)."""
+        if label in self.open:
+            self._missing(label, "before the next one started at step " + str(step))
+        _, wait = start_ring_shift(x, numel, sp.group, sp.ledger, self.phase, label, sp.ring)
+        if not overlap:
+            return wait()
+        self.open[label] = (step, wait)
+
+        def waited():
+            self.open.pop(label, None)
+            return wait()
+        return waited
+
+    def close(self):
+        for label in list(self.open):
+            self._missing(label, "by the end of the pass")
+
+    def _missing(self, label, when):
+        step, wait = self.open.pop(label)
+        wait()
+        raise RuntimeError(f"ring {self.phase}: the '{label}' shift started at step {step} was "
+                           f"never waited {when}: a missing wait in the ring's overlap (each "
+                           "started shift must be waited before its buffer is read and before "
+                           "the next shift of its kind starts)")
 
 
 def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
@@ -283,12 +323,13 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
     o = lse = None
     probs, step_lse = {}, {}
     cur = own
+    shifts = _Shifts("forward")
     for i in range(P):
         owner = (r - i) % P
         nxt = None
         if i + 1 < P:
-            nxt = _shift(sp, cur, _block_elems(sp, codec, (owner - 1) % P), codec.pass_label,
-                         "forward", overlap)
+            nxt = shifts.start(sp, cur, _block_elems(sp, codec, (owner - 1) % P),
+                               codec.pass_label, i, overlap)
         rng = key_ranges(sp, owner)
         if rng is not None:
             rect, lo, hi = rng
@@ -297,7 +338,7 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
             if flash:
                 o_j, lse_j = flash_forward(q_r, k_r, v_r, KeyRanges(lo, hi), scale, block)
                 lse_j = torch.where((lo < hi)[:, None], lse_j, lse_j.new_tensor(float("-inf")))
-            else:
+            else:  # (bf16: the step's lse stays fp32 to the merge; its p is kept in bf16)
                 o_j, lse_j, probs[i] = _eager_step(q_r, k_r, v_r, _see(lo, hi, rect.keys), scale)
                 step_lse[i] = (rect, lse_j)
             o_j, lse_j = o_j.to(acc), lse_j.to(acc)
@@ -314,13 +355,14 @@ def ring_forward(sp, codec, q, own, flash, block, overlap, scale):
                 lse[:, :, a0:a1] = merged
         if nxt is not None:
             cur = nxt() if overlap else nxt
+    shifts.close()
     if flash:
         return o.to(q.dtype), lse
     # Eager: each step's probabilities to the row's whole normalisation.
     for i, p in probs.items():
         rect, lse_i = step_lse[i]
         scale_i = torch.exp(lse_i - lse[:, :, rect.q_row:rect.q_row + rect.rows])
-        probs[i] = (p.to(acc) * scale_i[..., None]).to(p.dtype)
+        probs[i] = (p.to(acc) * scale_i[..., None]).to(q.dtype)
     return o.to(q.dtype), probs
 
 
@@ -335,12 +377,13 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
     dq = torch.zeros_like(q)
     cur, acc = own, torch.zeros_like(own)
     acc_wait = None  # the accumulator's shift, with overlap, until the next step waits
+    shifts = _Shifts("backward")
     for i in range(P):
         owner = (r - i) % P
         nxt = None
         if i + 1 < P:
-            nxt = _shift(sp, cur, _block_elems(sp, codec, (owner - 1) % P), codec.pass_label,
-                         "backward", overlap)
+            nxt = shifts.start(sp, cur, _block_elems(sp, codec, (owner - 1) % P),
+                               codec.pass_label, i, overlap)
         rng = key_ranges(sp, owner)
         grads = None
         if rng is not None:
@@ -354,7 +397,8 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
                                              KeyRanges(lo, hi), scale, block)
             else:
                 delta_r = delta[:, :, rect.q_row:rect.q_row + rect.rows]
-                dq_, dk, dv = math_backward(q_r, k_r, v_r, stats[i], do_r, scale, delta=delta_r)
+                dq_, dk, dv = math_backward(q_r, k_r, v_r, stats[i], do_r, scale, delta=delta_r,
+                                            see=lambda: _see(lo, hi, rect.keys))
             dq[:, rect.q_row:rect.q_row + rect.rows] += dq_
             grads = (Lk, rect.k_row, dk, dv)
         if acc_wait is not None:
@@ -365,8 +409,8 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
         if nxt is not None and overlap:
             nxt = nxt()
         if P > 1:  # the accumulator goes on with its block; after the last step, home
-            arriving = _shift(sp, acc, _block_elems(sp, codec, (owner - 1) % P),
-                              codec.grad_label, "backward", overlap)
+            arriving = shifts.start(sp, acc, _block_elems(sp, codec, (owner - 1) % P),
+                                    codec.grad_label, i, overlap)
             if overlap:
                 acc_wait = arriving
             else:
@@ -375,6 +419,7 @@ def ring_backward(sp, codec, q, own, o, stats, do, flash, block, overlap, scale)
             cur = nxt
     if acc_wait is not None:
         acc = acc_wait()
+    shifts.close()
     return dq, acc
 
 
@@ -401,6 +446,9 @@ class RingAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @first_order_only("the ring forms' RingAttention (ring_kv, ring_latent, a2a_p2p)",
+                      "a form without a ring (explicit, absorbed, laga, laga2d or allgather_kv) "
+                      "on tape='autograd'")
     def backward(ctx, do):
         saved = ctx.saved_tensors
         q, own, o, wkv_b = saved[:4]

@@ -39,10 +39,12 @@ type), where the closed form counts bf16's 2 bytes.
 
 import torch
 
-from .attention import _acc_dtype, flash_backward, flash_forward, math_backward, math_forward
+from .attention import (_acc_dtype, first_order_only, flash_backward, flash_forward,
+                        math_backward, math_forward)
 from . import fused
 from .comm import _unpack_add, move
 from .forms import Attends, Keys
+from .norm import rms_backward, rms_forward
 from .ring import ring_backward, ring_forward
 
 
@@ -55,15 +57,10 @@ def _rot(x, cos, sin, inverse=False):
     return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
 
 
-def _rstd(x, eps):
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rms_backward(dy, x, rstd, w):
-    """y = x rstd w: (dx, dw)."""
-    g = dy * w
-    dx = rstd * g - x * rstd.pow(3) * (g * x).mean(-1, keepdim=True)
-    return dx, (dy * x * rstd).reshape(-1, x.shape[-1]).sum(0)
+def _mask_of(sp, rows, keys):
+    """The eager mask of query rows over keys [0, keys), built only when
+    math_backward needs it (a non-finite operand)."""
+    return lambda: sp.mask(rows, keys)
 
 
 def _mm_t(a, b):
@@ -92,8 +89,7 @@ class Block(torch.autograd.Function):
             q = x @ W["wq.weight"].t()
         else:
             qa = x @ W["wq_a.weight"].t()
-            q_rstd = _rstd(qa, eps)
-            qn = qa * q_rstd * W["q_norm.weight"]
+            qn, q_rstd = rms_forward(qa, W["q_norm.weight"], eps)
             keep.update(qa=qa, q_rstd=q_rstd)
             if not run.q_latent:
                 keep["qn"] = qn
@@ -103,8 +99,7 @@ class Block(torch.autograd.Function):
             q = torch.cat([q[..., :dn], _rot(q[..., dn:], *trig)], -1)
         kv_a = x @ W["wkv_a.weight"].t()
         kv_a[..., C:] = _rot(kv_a[..., None, C:], *trig)[:, :, 0]  # k_pe rotated in place
-        kv_rstd = _rstd(kv_a[..., :C], eps)
-        c_hat = kv_a[..., :C] * kv_rstd * W["kv_norm.weight"]
+        c_hat, kv_rstd = rms_forward(kv_a[..., :C], W["kv_norm.weight"], eps)
         keep.update(kv_a=kv_a, kv_rstd=kv_rstd)
         wkv = W["wkv_b.weight"].view(H, dn + dv, C)
 
@@ -249,6 +244,9 @@ class Block(torch.autograd.Function):
         return o_loc @ W["wo.weight"].t()
 
     @staticmethod
+    @first_order_only("laga's tape (MLA(tape='laga'), the default)",
+                      "MLA(..., tape='autograd') with attention 'eager' or 'flash' and a form "
+                      "without a ring (explicit, absorbed, laga, laga2d or allgather_kv)")
     def backward(ctx, dout):
         run = ctx.run
         cfg, sp, form = run.cfg, run.sp, run.form
@@ -310,7 +308,8 @@ class Block(torch.autograd.Function):
                         do_h[:, a:b], sp.key_ranges(rows[a:b], e), scale, run.block)
                 else:
                     dq_, dk_, dv_ = math_backward(q[:, a:b], k_h[:, :e], v_h[:, :e], s[f"p{i}"],
-                                                  do_h[:, a:b], scale)
+                                                  do_h[:, a:b], scale,
+                                                  see=_mask_of(sp, rows[a:b], e))
                 dq[:, a:b] = dq_
                 dk_h[:, :e] += dk_
                 dv_h[:, :e] += dv_
@@ -353,7 +352,7 @@ class Block(torch.autograd.Function):
                                                   run.block)
             else:
                 dq_h, dk_h, dv_h = math_backward(s["q_h"], s["k_h"], s["v_h"], s["p0"], do_h,
-                                                 scale)
+                                                 scale, see=_mask_of(sp, rows, sp.layout.seq))
             dq = queries_back(dq_h)
             dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
             dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
@@ -372,7 +371,8 @@ class Block(torch.autograd.Function):
                 else:
                     dq_abs, dk_lat, dv_lat = math_backward(s["q_abs"], lat[:, :, None],
                                                            s["v_lat"][:, :, None], s["p0"],
-                                                           do_lat, scale)
+                                                           do_lat, scale,
+                                                           see=_mask_of(sp, rows, sp.layout.seq))
                 d_lat += dk_lat[:, :, 0]
                 d_lat[..., :C] += dv_lat[:, :, 0]
                 q_nope = s["q_h"][..., :dn]
@@ -396,7 +396,8 @@ class Block(torch.autograd.Function):
                             run.block)
                     else:
                         dq_, dk_, dv_ = math_backward(q_h[:, a:b], k_h[:, :e], v_h[:, :e],
-                                                      s[f"p{i}"], do_h[:, a:b], scale)
+                                                      s[f"p{i}"], do_h[:, a:b], scale,
+                                                      see=_mask_of(sp, rows[a:b], e))
                     dq_h[:, a:b] = dq_
                     dk_h[:, :e] += dk_
                     dv_h[:, :e] += dv_
@@ -436,8 +437,8 @@ class Block(torch.autograd.Function):
             else:
                 G["wq_b.weight"] = _mm_t(dq, s["qn"])
                 d_qn = dq @ W["wq_b.weight"]
-            d_qa, G["q_norm.weight"] = _rms_backward(d_qn, s["qa"], s["q_rstd"],
-                                                     W["q_norm.weight"])
+            d_qa, G["q_norm.weight"] = rms_backward(d_qn, s["qa"], W["q_norm.weight"],
+                                                    cfg.norm_eps)
             G["wq_a.weight"] = _mm_t(d_qa, x)
             dx = d_qa @ W["wq_a.weight"]
         if spec.keys is Keys.latent:
@@ -446,8 +447,8 @@ class Block(torch.autograd.Function):
                 d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)
             d_chat, d_kpe = d_loc[:, :, 0, :C], d_loc[:, :, 0, C:]
         kv_a = s["kv_a"]
-        d_c, G["kv_norm.weight"] = _rms_backward(d_chat, kv_a[..., :C], s["kv_rstd"],
-                                                 W["kv_norm.weight"])
+        d_c, G["kv_norm.weight"] = rms_backward(d_chat, kv_a[..., :C], W["kv_norm.weight"],
+                                                cfg.norm_eps)
         d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
         G["wkv_a.weight"] = _mm_t(d_kva, x)
         dx = dx + d_kva @ W["wkv_a.weight"]

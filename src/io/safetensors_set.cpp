@@ -173,6 +173,14 @@ bool SafetensorsSet::contains(const std::string& name) const {
   return single_ ? single_->contains(name) : weight_map_.count(name) != 0;
 }
 
+std::vector<std::string> SafetensorsSet::names() const {
+  if (single_) return single_->names();
+  std::vector<std::string> out;
+  out.reserve(weight_map_.size());
+  for (const auto& entry : weight_map_) out.push_back(entry.first);
+  return out;
+}
+
 const SafetensorsFile& SafetensorsSet::file_of(const std::string& name) const {
   if (single_) return *single_;
   auto listed = weight_map_.find(name);

@@ -55,6 +55,8 @@ class SafetensorsSet {
   // The index, or the single file.
   const std::string& path() const { return path_; }
   bool contains(const std::string& name) const;
+  // Every tensor name the file or the index lists, sorted.
+  std::vector<std::string> names() const;
   // Opens the shard holding `name` if it is not open yet.
   const SafetensorsTensorInfo& info(const std::string& name) const;
   // The stored shape must equal destination's; an F8_E4M3 weight is

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <set>
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
@@ -132,12 +133,70 @@ MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int lay
   // are read, from the shards that hold them.
   const SafetensorsSet f = SafetensorsSet::open(path);
   auto w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  static const std::string kPrefix = "model.layers.";
+  static const std::string kAttn = ".self_attn.";
+  // Every name a parameter may go by, bare (DeepSeek's, HF's).
+  std::set<std::string> bare;
+  for (const char* name : {"wq.weight", "wq_a.weight", "q_norm.weight", "wq_b.weight",
+                           "wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"}) {
+    bare.insert(name);
+    bare.insert(hf_param_name(name, 0).substr(kPrefix.size() + 1 + kAttn.size()));
+  }
+  if (layer < 0) {  // the layers the file's prefixed attention names hold
+    std::set<long long> layers;
+    for (const std::string& n : f.names()) {
+      if (n.compare(0, kPrefix.size(), kPrefix) != 0) continue;
+      const std::size_t dot = n.find(kAttn, kPrefix.size());
+      const std::string digits = n.substr(kPrefix.size(), dot - kPrefix.size());
+      if (dot == std::string::npos || digits.empty() || digits.size() > 9 ||
+          digits.find_first_not_of("0123456789") != std::string::npos ||
+          (digits[0] == '0' && digits.size() > 1) || bare.count(n.substr(dot + kAttn.size())) == 0)
+        continue;
+      layers.insert(std::stoll(digits));
+    }
+    if (layers.size() > 1) {
+      std::string list;
+      for (long long l : layers) list += (list.empty() ? "" : ", ") + std::to_string(l);
+      fail("weights '", f.path(), "': holds the attention weights of ", layers.size(), " layers (",
+           list, ") under model.layers.<i>.self_attn.; pick one with --layer");
+    }
+    layer = layers.empty() ? 0 : static_cast<int>(*layers.begin());
+  }
+  // An attention parameter the config has no place for (q_proj beside a
+  // query latent, or q_a_proj without one) is another model's: refused, as
+  // strict loading refuses it in laga_torch.
+  std::set<std::string> used;
+  w.for_each([&](const std::string& name, Tensor<T>&) { used.insert(name); });
+  for (const std::string& name : {std::string("wq.weight"), std::string("wq_a.weight"),
+                                  std::string("q_norm.weight"), std::string("wq_b.weight")}) {
+    if (used.count(name)) continue;
+    const std::string hf = hf_param_name(name, layer);
+    const std::string at = kPrefix + std::to_string(layer) + kAttn;
+    for (const std::string& n : {name, hf.substr(hf.rfind(kAttn) + kAttn.size()), hf, at + name})
+      LAGA_CHECK(!f.contains(n), "weights '", f.path(), "': hold '", n, "' (", name,
+                 "), which this config has no place for (q_lora_rank ", cfg.q_lora_rank,
+                 "): the weights are another model's; check --config/--preset");
+  }
   w.for_each([&](const std::string& name, Tensor<T>& t) {
     const std::string hf = hf_param_name(name, layer);
-    LAGA_CHECK(f.contains(name) || f.contains(hf), "weights '", f.path(), "': no tensor '", name,
+    const std::string hf_bare = hf.substr(hf.rfind(kAttn) + kAttn.size());
+    const std::string at = kPrefix + std::to_string(layer) + kAttn;
+    std::vector<std::string> found;
+    for (const std::string& n : {name, hf_bare, hf, at + name})
+      if (f.contains(n)) found.push_back(n);
+    LAGA_CHECK(!found.empty(), "weights '", f.path(), "': no tensor '", name,
                "' (DeepSeek inference name) or '", hf,
                "' (Hugging Face name); the config needs it — check --config/--preset and --layer");
-    f.read_into(f.contains(name) ? name : hf, t);
+    if (found.size() > 1) {
+      std::string list;
+      for (std::size_t i = 0; i < found.size(); ++i)
+        list += (i == 0 ? "'" : i + 1 == found.size() ? "' and '" : "', '") + found[i];
+      fail("weights '", f.path(), "': parameter '", name, "' is there under ", found.size(),
+           " names, ", list,
+           "'; a file must give each parameter once (two copies may be two "
+           "models): remove all but one");
+    }
+    f.read_into(found[0], t);
   });
   return w;
 }

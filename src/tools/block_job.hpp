@@ -52,9 +52,14 @@ std::optional<Documents> load_documents(const std::string& doc_lens, const Safet
 
 // Weights from a safetensors file, a sharded checkpoint (its index or its
 // directory; SafetensorsSet) under DeepSeek inference names (`wkv_b.weight`)
-// or Hugging Face names (`model.layers.<layer>.self_attn.kv_b_proj.weight`);
-// fp8 weights are dequantised with their block scales; every shape is checked
-// against the config.
+// or Hugging Face names (`kv_b_proj.weight`), either bare or under
+// `model.layers.<layer>.self_attn.`; fp8 weights are dequantised with their
+// block scales; every shape is checked against the config. The rule
+// laga_torch's MLA.load_state_dict follows too (python/laga_torch/names.py):
+// a parameter found under more than one of its names is refused, naming them
+// (one file, two models); layer < 0 (--layer not given) takes the one
+// layer the file's prefixed attention names hold, and refuses a file holding
+// several, naming them (pick one with --layer).
 template <class T = float>
 MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int layer);
 template <class T = float>

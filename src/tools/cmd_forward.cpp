@@ -32,6 +32,7 @@ struct ForwardOptions {
   // float tensors under bf16 mixed precision (core/precision.hpp)
   std::string dtype = "float32";
   int sp = 1, layer = 0;
+  bool layer_given = false;  // --layer on the command line (else: the file's one layer)
   std::int64_t batch = 1, seq = 128;
   std::uint64_t seed = 0;
 };
@@ -106,8 +107,9 @@ void run_forward(const ForwardOptions& o) {
   check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout),
                          {variant}, parse_attention(o.attention), sizeof(T));
-  MlaParams<T> w =
-      o.weights.empty() ? random_weights<T>(cfg, o.seed) : load_weights<T>(o.weights, cfg, o.layer);
+  MlaParams<T> w = o.weights.empty()
+                       ? random_weights<T>(cfg, o.seed)
+                       : load_weights<T>(o.weights, cfg, o.layer_given ? o.layer : -1);
   Tensor<T> x, dout;
   if (in) {
     const Shape xs = in->info("x").shape;  // checked above
@@ -197,7 +199,9 @@ void register_forward_command(CLI::App& app) {
                   "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "
                   "checkpoint's model.safetensors.index.json or its directory; BF16/F16/F32/F64 "
                   "or F8_E4M3 with 128x128 weight_scale_inv");
-  sub->add_option("--layer", opts->layer, "layer index for Hugging Face names")
+  sub->add_option("--layer", opts->layer,
+                  "layer index for Hugging Face names (model.layers.<i>.self_attn.*); needed "
+                  "when the weights hold several layers' attention")
       ->check(whole(0))
       ->capture_default_str();
   sub->add_option("--input", opts->input,
@@ -248,7 +252,8 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--seed", opts->seed, "seed of random weights and input")
       ->check(whole(0))
       ->capture_default_str();
-  sub->callback([opts] {
+  sub->callback([opts, sub] {
+    opts->layer_given = sub->count("--layer") > 0;
     if (opts->dtype == "float64") {
       run_forward<double>(*opts);
     } else if (opts->dtype == "bf16") {
