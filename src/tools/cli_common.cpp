@@ -25,6 +25,7 @@
 #include "core/threads.hpp"
 #include "core/whole_number.hpp"
 #include "io/atomic_file.hpp"
+#include "io/safetensors_set.hpp"
 #include "model/checkpoint_manifest.hpp"
 
 namespace laga::tools {
@@ -549,14 +550,31 @@ std::string agree_on_failure(const std::string& error, const std::vector<std::st
   return error;  // every rank failed the same way: its own message says it
 }
 
-void protect_input(const std::string& path, const std::string& option) {
+namespace {
+void protect_until_exit(const std::vector<std::pair<std::string, std::string>>& files) {
   // One command per process: the guards live until exit.
   static std::vector<std::unique_ptr<ProtectedInputs>> guards;
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  guards.push_back(std::make_unique<ProtectedInputs>(
-      std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
+  guards.push_back(std::make_unique<ProtectedInputs>(files));
+}
+}  // namespace
+
+void protect_input(const std::string& path, const std::string& option) {
+  protect_until_exit({{path, option + " file"}});
   note_input_file(option, path);
+}
+
+void protect_weights(const std::string& path, const std::string& option) {
+  protect_input(path, option);
+  if (path.empty()) return;
+  // Every file of the set, not just the path given: a directory's or an
+  // index's shards are what an output could overwrite (issue 54 A). Opening
+  // the set parses the index (or one file's header) and reads no tensor.
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const auto& [file, kind] : SafetensorsSet::open(path).files())
+    files.emplace_back(file, cat(option, " ", kind));
+  protect_until_exit(files);
 }
 
 void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
