@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -199,10 +200,36 @@ void check_option_pairs(const TrainCli& c) {
              "; the schedule decays from --lr down to --min-lr, so give --min-lr <= --lr");
 }
 
+// No file of the run may take a name a checkpoint directory owns (its lock,
+// latest.json, step-N files, temporaries, superseded folders; issue 54 G):
+// --log neither in the --checkpoint directory nor in the one --resume reads
+// (whose older checkpoints are the user's), and no input in the directory
+// this run writes, moves and prunes. Checked before anything is written.
+void refuse_checkpoint_directory_names(const TrainCli& c, const TrainOptions& o) {
+  namespace fs = std::filesystem;
+  if (!o.checkpoint_dir.empty()) {
+    refuse_checkpoint_directory_file(c.log, "--log", o.checkpoint_dir, "--checkpoint", true);
+    if (o.data != "random")
+      refuse_checkpoint_directory_file(o.data, "--data", o.checkpoint_dir, "--checkpoint", false);
+    refuse_checkpoint_directory_file(o.val_data, "--val-data", o.checkpoint_dir, "--checkpoint",
+                                     false);
+    refuse_checkpoint_directory_file(c.config, "--config", o.checkpoint_dir, "--checkpoint", false);
+  }
+  if (!o.resume.empty()) {
+    std::error_code ec;
+    const fs::path r(o.resume);
+    const fs::path dir = fs::is_directory(r, ec)   ? r
+                         : r.parent_path().empty() ? fs::path(".")
+                                                   : r.parent_path();
+    refuse_checkpoint_directory_file(c.log, "--log", dir.string(), "--resume", true);
+  }
+}
+
 void run_train(const TrainCli& c) {
   check_option_pairs(c);
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
+  refuse_checkpoint_directory_names(c, o);
   validate_train_options(o);
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
