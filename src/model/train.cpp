@@ -528,9 +528,15 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // A signal that arrived during a periodic save (a preemption's grace
     // period often starts then: saves are the slow part) stops the run with
     // that save, rather than one step and one more save later. Every rank
-    // knows whether this step saved, so every rank votes again (the others
-    // wait in the vote while rank 0 writes).
-    if (saves && !last) stop = vote_stop();
+    // knows whether this step saved, so every rank votes again, and only
+    // after rank 0 has written it: the others wait in a barrier first, so a
+    // signal that reaches one of them (MPI: each rank is a process with its
+    // own flag) while rank 0 writes is read after the save, not before it
+    // (issue 54 M: their vote was cast on entering the wait).
+    if (saves && !last) {
+      comm.barrier("train_save_done");
+      stop = vote_stop();
+    }
     if (stop) {
       end.stop_signal = stop;
       break;
