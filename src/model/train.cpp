@@ -88,14 +88,17 @@ fs::path resume_directory(const std::string& resume) {
   return p.parent_path().empty() ? fs::path(".") : p.parent_path();
 }
 
-void check_checkpoint_directory(const TrainOptions& o) {
+void check_checkpoint_directory(const TrainOptions& o, bool writer) {
   if (o.checkpoint_dir.empty()) return;
   const fs::path dir(o.checkpoint_dir);
   std::error_code ec;
   LAGA_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "--checkpoint '", o.checkpoint_dir,
              "' exists and is not a directory; give a directory (new or empty, or the one "
              "--resume reads)");
-  refuse_checkpoint_directory_in_use(o.checkpoint_dir);
+  // Only the process that takes the lock judges it: under MPI the others
+  // would find that process's own fresh lock (a live pid on this host) and
+  // refuse their own job's directory as in use (issue 54 V).
+  if (writer) refuse_checkpoint_directory_in_use(o.checkpoint_dir);
   // Every file of a checkpoint's naming counts, a tensors file without its
   // manifest too: a fresh run would write over it at that step.
   std::vector<std::string> names = checkpoint_files(o.checkpoint_dir);
@@ -183,7 +186,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   return r;
 }
 
-void validate_train_options(const TrainOptions& o) {
+void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   o.model.validate();
   check_precision_supports(o.precision, o.attention);
   check_grad_reduce(o.precision, o.grad_reduce);
@@ -230,7 +233,7 @@ void validate_train_options(const TrainOptions& o) {
                "with, or drop --pack-eos");
   }
   check_resume(o);
-  check_checkpoint_directory(o);
+  check_checkpoint_directory(o, checkpoint_writer);
 }
 
 std::vector<std::string> prepare_run(const TrainOptions& o) {

@@ -397,10 +397,12 @@ void check_ranks_agree(Communicator& comm) {
           "file of " + input_identity(path);
     }
   }
-  // One line per entry: name \x1f digest \x1f the value's first 120 bytes.
+  // One line per entry: name \x1f digest \x1f the value's first 120 bytes
+  // (a failure's whole message, up to 2000: every rank prints it, and its end
+  // says what to do, e.g. the pid holding a checkpoint's lock).
   std::string text;
   for (const auto& [what, value] : mine) {
-    std::string preview = value.substr(0, 120);
+    std::string preview = value.substr(0, what == kFailure ? 2000 : 120);
     for (char& ch : preview)
       if (ch == '\x1e' || ch == '\x1f' || ch == '\n') ch = ' ';
     text += what + "\x1f" + fnv1a64_hex(fnv1a64(value)) + "\x1f" + preview + "\x1e";

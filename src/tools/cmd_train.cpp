@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -225,12 +227,28 @@ void refuse_checkpoint_directory_names(const TrainCli& c, const TrainOptions& o)
   }
 }
 
+// A test hook (issue 54 V): every MPI process but the reporting one waits
+// this many milliseconds before its checks, as a rank of a loaded machine
+// may, so the suite can make rank 0 take the checkpoint lock first.
+void stagger_for_tests(bool report) {
+  const char* ms = std::getenv("LAGA_TEST_STAGGER_MS");
+  if (report || !ms) return;
+  char* end = nullptr;
+  const long v = std::strtol(ms, &end, 10);
+  if (end != ms && *end == '\0' && v > 0 && v <= 60000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(v));
+}
+
 void run_train(const TrainCli& c) {
   check_option_pairs(c);
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
+  stagger_for_tests(report);
   refuse_checkpoint_directory_names(c, o);
-  validate_train_options(o);
+  // Only the process that takes the checkpoint lock judges it (MPI: the
+  // others could find its fresh lock and call their own job's directory in
+  // use, issue 54 V).
+  validate_train_options(o, report);
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
