@@ -209,6 +209,13 @@ void check_option_pairs(const TrainCli& c) {
 // this run writes, moves and prunes. Checked before anything is written.
 void refuse_checkpoint_directory_names(const TrainCli& c, const TrainOptions& o) {
   namespace fs = std::filesystem;
+  // A --log that is the very manifest resumed from is named as that first.
+  std::string manifest = o.resume;
+  std::error_code ec;
+  if (!manifest.empty() && fs::is_directory(manifest, ec))
+    manifest = (fs::path(manifest) / "latest.json").string();
+  const ProtectedInputs manifest_guard({{manifest, "--resume manifest"}});
+  if (!c.log.empty()) (void)resolve_output_path(c.log, "--log");
   if (!o.checkpoint_dir.empty()) {
     refuse_checkpoint_directory_file(c.log, "--log", o.checkpoint_dir, "--checkpoint", true);
     if (o.data != "random")
@@ -218,7 +225,6 @@ void refuse_checkpoint_directory_names(const TrainCli& c, const TrainOptions& o)
     refuse_checkpoint_directory_file(c.config, "--config", o.checkpoint_dir, "--checkpoint", false);
   }
   if (!o.resume.empty()) {
-    std::error_code ec;
     const fs::path r(o.resume);
     const fs::path dir = fs::is_directory(r, ec)   ? r
                          : r.parent_path().empty() ? fs::path(".")

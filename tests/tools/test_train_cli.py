@@ -414,8 +414,11 @@ def case_checkpoint_names(laga, scratch):
     kept = {n: read(os.path.join("ck", n)) for n in os.listdir("ck")}
     res = ["train"] + TINY + ["--steps", "3", "--resume", "ck"]
     os.link("ck/latest.json", "hard.json")
-    for log in ["ck/latest.json", "ck/step-00000002.safetensors", "ck/laga.lock", "hard.json"]:
+    for log in ["ck/step-00000002.safetensors", "ck/laga.lock", "ck/step-00000002.json.tmp.9.9"]:
         refused(laga, res + ["--checkpoint", "ck", "--log", log], ["--log '" + log + "'", "owns"])
+    for log in ["ck/latest.json", "hard.json"]:  # the manifest resumed from, named as that
+        refused(laga, res + ["--checkpoint", "ck", "--log", log],
+                ["--log '" + log + "'", "same file as the --resume manifest"])
     # The directory resumed from, when another is written: its checkpoints
     # are the user's too.
     refused(laga, res + ["--checkpoint", "ck2", "--log", "ck/step-00000002.json"],
