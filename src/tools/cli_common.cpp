@@ -553,12 +553,13 @@ std::string agree_on_failure(const std::string& error, const std::vector<std::st
 }
 
 namespace {
-void protect_until_exit(const std::vector<std::pair<std::string, std::string>>& files) {
+void protect_until_exit(const std::vector<std::pair<std::string, std::string>>& files,
+                        bool missing_too = false) {
   // One command per process: the guards live until exit.
   static std::vector<std::unique_ptr<ProtectedInputs>> guards;
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  guards.push_back(std::make_unique<ProtectedInputs>(files));
+  guards.push_back(std::make_unique<ProtectedInputs>(files, missing_too));
 }
 }  // namespace
 
@@ -576,7 +577,9 @@ void protect_weights(const std::string& path, const std::string& option) {
   std::vector<std::pair<std::string, std::string>> files;
   for (const auto& [file, kind] : SafetensorsSet::open(path).files())
     files.emplace_back(file, cat(option, " ", kind));
-  protect_until_exit(files);
+  // A shard the index lists but that is missing (not downloaded) is
+  // protected by name: an output there would pose as it.
+  protect_until_exit(files, /*missing_too=*/true);
 }
 
 void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {

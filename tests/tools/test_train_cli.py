@@ -480,6 +480,7 @@ def case_weights_outputs(laga, scratch):
     write_tensors("ck/model-3.safetensors", {"layers.9.other": ("F32", [2], b"\0" * 8)})
     weight_map = {n: s for s, held in shards.items() for n in held}
     weight_map["layers.9.other"] = "model-3.safetensors"
+    weight_map["layers.8.other"] = "model-4.safetensors"  # listed, not downloaded
     with open("ck/model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     files = {n: read(os.path.join("ck", n)) for n in os.listdir("ck")}
@@ -496,6 +497,10 @@ def case_weights_outputs(laga, scratch):
                     ["refusing to write --output '" + out + "'", "--weights"])
     check({n: read(os.path.join("ck", n)) for n in os.listdir("ck")} == files,
           "every shard and the index survive")
+    # A shard the index lists but that is missing is not created either.
+    refused(laga, fwd + ["--weights", "ck", "--output", "cklink/model-4.safetensors"],
+            ["--weights shard", "model-4.safetensors", "missing now"])
+    check(not os.path.exists("ck/model-4.safetensors"), "no file poses as the missing shard")
     # A directory of one file: that file.
     os.makedirs("one")
     shutil.copy("out.safetensors", "one/w.safetensors")
