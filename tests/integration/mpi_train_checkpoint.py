@@ -10,7 +10,8 @@ Cases:
                when they look: the job trains and saves at np 2, 3 and 4
                (today's main: the late ranks found rank 0's fresh lock and
                refused their own job's directory as "in use"); three starts
-               at np 4 without the hook too; and a lock naming a live
+               at np 4 without the hook too; a resume from an earlier step
+               (rank 0 sets the later checkpoint aside); and a lock naming a live
                process of another run is still refused, by every rank
                within seconds
   save_signal  SIGTERM to a rank that does not write, while rank 0 writes a
@@ -67,6 +68,18 @@ def case_lock_race(laga, mpiexec, scratch):
         check(p.returncode == 0, f"np {np} {env}: exit {p.returncode}\n{p.stdout}{p.stderr}")
         check(latest_step(ck) == 2, f"np {np}: latest.json")
         check(not os.path.exists(os.path.join(ck, "laga.lock")), f"np {np}: the lock outlived it")
+    # A resume from an earlier step: rank 0 takes the lock and moves the
+    # later checkpoint aside while the others start late.
+    ck = os.path.join(scratch, "resumed")
+    p = mpirun(mpiexec, 3, laga, TINY + ["--steps", "3", "--save-every", "1", "--checkpoint", ck],
+               {"LAGA_TEST_STAGGER_MS": "1500"})
+    check(p.returncode == 0 and latest_step(ck) == 3, f"np 3, three steps\n{p.stderr}")
+    p = mpirun(mpiexec, 3, laga, TINY + ["--steps", "4", "--checkpoint", ck, "--resume",
+                                         os.path.join(ck, "step-00000002.json")],
+               {"LAGA_TEST_STAGGER_MS": "1500"})
+    check(p.returncode == 0 and latest_step(ck) == 4, f"np 3, resumed from step 2\n{p.stderr}")
+    check(os.path.exists(os.path.join(ck, "superseded-after-step-00000002", "step-00000003.json")),
+          "step 3 set aside")
     # The lock of another run (a live process on this host) is still refused.
     ck = os.path.join(scratch, "held")
     os.makedirs(ck)
