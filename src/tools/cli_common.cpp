@@ -568,6 +568,12 @@ void protect_input(const std::string& path, const std::string& option) {
   note_input_file(option, path);
 }
 
+void protect_own_executable() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) protect_until_exit({{self.string(), "laga executable"}});
+}
+
 void protect_weights(const std::string& path, const std::string& option) {
   protect_input(path, option);
   if (path.empty()) return;

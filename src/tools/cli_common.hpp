@@ -178,5 +178,8 @@ void protect_input(const std::string& path, const std::string& option);
 // names, so an output may be none of them (issue 54 A). Their contents are
 // not compared across MPI ranks beyond what protect_input notes.
 void protect_weights(const std::string& path, const std::string& option);
+// The running laga executable is read too (by the kernel, and by each MPI
+// rank that starts from it): no output may replace it. main calls it.
+void protect_own_executable();
 
 }  // namespace laga::tools

@@ -34,7 +34,9 @@ Cases:
              owns (its lock, latest.json, step-N.*, temporaries, superseded
              folders), under any spelling, are refused up front (issue 54 G)
   weights_outputs  forward --output that is any file of the --weights set
-             (index, shards, a directory's one file) is refused (issue 54 A)
+             (index, shards, a listed shard that is missing, a directory's one
+             file), or an output that is the laga executable, is refused
+             (issue 54 A)
   lock       a second run (fresh or resumed) into a directory a live run
              writes is refused naming its pid; the lock goes with the run
   moe_config `--config docs/assets/moe_tiny.json` (an MoE model, issue 28):
@@ -509,6 +511,12 @@ def case_weights_outputs(laga, scratch):
     refused(laga, fwd + ["--weights", "one", "--output", "one/w.safetensors"],
             ["same file as the --weights file"])
     check(read("one/w.safetensors") == one, "a directory's one file survives")
+    # The running executable is read too.
+    shutil.copy(laga, "laga_copy")
+    exe = read("laga_copy")
+    refused(os.path.abspath("laga_copy"), ["forms", "--json", "laga_copy"],
+            ["same file as the laga executable"])
+    check(read("laga_copy") == exe, "the executable survives")
 
 
 def nonfinite_tensors(path):
