@@ -14,7 +14,7 @@ Cases:
                (rank 0 sets the later checkpoint aside); and a lock naming a live
                process of another run is still refused, by every rank
                within seconds
-  save_signal  SIGTERM to a rank that does not write, while rank 0 writes a
+  save_signal  SIGTERM to a rank that does not write (np 2 and 3), while rank 0 writes a
                periodic save (frozen with SIGSTOP while the save's temporary
                exists): every rank stops with that save; latest.json and the
                log end at its step (today's main: one more step and save)
@@ -147,11 +147,18 @@ def ranks_of(laga, ck):
 
 
 def case_save_signal(laga, mpiexec, scratch):
+    # np 2: the signal to rank 1; np 3: to one of the two ranks that do not write.
+    for np in (2, 3):
+        save_signal_at(laga, mpiexec, os.path.join(scratch, f"np{np}"), np)
+
+
+def save_signal_at(laga, mpiexec, scratch, np):
+    os.makedirs(scratch)
     ck, log = os.path.join(scratch, "ck"), os.path.join(scratch, "log.jsonl")
     err_path = os.path.join(scratch, "mpirun.err")
-    cmd = [mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", laga, "train",
-           "--comm", "mpi", "--sp", "2"] + MID + ["--steps", "1000000", "--save-every", "2",
-                                                   "--checkpoint", ck, "--log", log]
+    cmd = [mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(np), laga, "train",
+           "--comm", "mpi", "--sp", str(np)] + MID + ["--steps", "1000000", "--save-every", "2",
+                                                       "--checkpoint", ck, "--log", log]
     with open(err_path, "w") as err_file:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -172,9 +179,9 @@ def case_save_signal(laga, mpiexec, scratch):
             if (step, writer) not in saving_temporaries(ck):
                 os.kill(writer, signal.SIGCONT)  # the save ended meanwhile
                 continue
-            others = [r for r in ranks_of(laga, ck) if r != writer]
-            check(len(others) == 1, f"the other rank of 2: {others}, writer {writer}")
-            os.kill(others[0], signal.SIGTERM)
+            others = sorted(r for r in ranks_of(laga, ck) if r != writer)
+            check(len(others) == np - 1, f"the other ranks of {np}: {others}, writer {writer}")
+            os.kill(others[-1], signal.SIGTERM)
             # Its handler has run once it says so (on mpirun's stderr).
             wait = time.time() + 30
             while "signal received" not in open(err_path).read():
@@ -189,7 +196,7 @@ def case_save_signal(laga, mpiexec, scratch):
     err = open(err_path).read()
     check(rc != 0, f"mpirun exited 0 after a SIGTERM\n{err}")
     check(latest_step(ck) == saving and f"stopped by SIGTERM after step {saving} " in err,
-          f"SIGTERM to the rank that does not write, during the save of step {saving}: "
+          f"np {np}: SIGTERM to a rank that does not write, during the save of step {saving}: "
           f"latest.json names step {latest_step(ck)}\n{err[-3000:]}")
     check(log_steps(log) == list(range(1, saving + 1)), f"log: {log_steps(log)}, saved {saving}")
 
