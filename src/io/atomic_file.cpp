@@ -135,7 +135,15 @@ struct ProtectedEntry {
   dev_t dev;
   ino_t ino;
   std::string path, what;
+  std::string missing;  // for a path protected while it does not exist: its resolved name
 };
+
+std::string resolved_name(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path absolute = std::filesystem::absolute(path, ec);
+  const std::filesystem::path canonical = std::filesystem::weakly_canonical(absolute, ec);
+  return (ec ? absolute.lexically_normal() : canonical).string();
+}
 // Never destroyed: ProtectedInputs held by other statics (the CLI keeps its
 // guards until exit) unregister during static destruction, in no set order.
 std::mutex& protected_mutex() {
@@ -158,14 +166,19 @@ std::string file_kind(mode_t mode) {
 
 }  // namespace
 
-ProtectedInputs::ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs) {
+ProtectedInputs::ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs,
+                                 bool missing_too) {
   static std::atomic<unsigned long> next_id{1};
   std::lock_guard<std::mutex> lock(protected_mutex());
   for (const auto& [path, what] : inputs) {
+    if (path.empty()) continue;
     struct stat st {};
-    if (path.empty() || ::stat(path.c_str(), &st) != 0) continue;
+    const bool exists = ::stat(path.c_str(), &st) == 0;
+    if (!exists && !missing_too) continue;
     const unsigned long id = next_id.fetch_add(1);
-    protected_entries().push_back(ProtectedEntry{id, st.st_dev, st.st_ino, path, what});
+    protected_entries().push_back(ProtectedEntry{id, exists ? st.st_dev : dev_t{},
+                                                 exists ? st.st_ino : ino_t{}, path, what,
+                                                 exists ? std::string() : resolved_name(path)});
     ids_.push_back(id);
   }
 }
@@ -198,7 +211,17 @@ std::string resolve_output_path(const std::string& path, const std::string& what
     via = cat(" ('", path, "' is a symbolic link to '", target.string(), "')");
   }
   struct stat st {};
-  if (::stat(target.c_str(), &st) != 0) return target.string();  // a new file
+  if (::stat(target.c_str(), &st) != 0) {  // a new file, unless an input names it
+    const std::string name = resolved_name(target.string());
+    std::lock_guard<std::mutex> lock(protected_mutex());
+    for (const ProtectedEntry& e : protected_entries())
+      LAGA_CHECK(e.missing.empty() || e.missing != name, "refusing to write ", what, " '", path,
+                 "'", via, ": it is the ", e.what, " '", e.path,
+                 "' that this run's input names (missing now); writing it would make a file pose "
+                 "as that input; choose another path for ",
+                 what);
+    return target.string();
+  }
   LAGA_CHECK(S_ISREG(st.st_mode), "cannot write ", what, " '", path, "'", via, ": it is ",
              file_kind(st.st_mode),
              ", which writing would replace or destroy; give the path of a regular file or a new "
@@ -208,7 +231,9 @@ std::string resolve_output_path(const std::string& path, const std::string& what
     // An input since deleted (a pruned checkpoint) protects nothing: its
     // inode may now belong to a new file of ours.
     struct stat now {};
-    if (::stat(e.path.c_str(), &now) != 0 || now.st_dev != e.dev || now.st_ino != e.ino) continue;
+    if (!e.missing.empty() || ::stat(e.path.c_str(), &now) != 0 || now.st_dev != e.dev ||
+        now.st_ino != e.ino)
+      continue;
     LAGA_CHECK(e.dev != st.st_dev || e.ino != st.st_ino, "refusing to write ", what, " '", path,
                "'", via, ": it is the same file as the ", e.what, " '", e.path,
                "' that this run reads, and writing it would destroy that input; choose another "

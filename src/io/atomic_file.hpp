@@ -41,9 +41,14 @@ void probe_writable_directory(const std::string& path, const std::string& what);
 // process (resolve_output_path refuses them). Each entry: the path and what it
 // is ("--weights", "--data", "the resume checkpoint"); paths that do not exist
 // (yet) protect nothing. Tools hold one for the whole command.
+// With `missing_too`, a path that does not exist is protected by its name
+// (resolved: absolute, symlinks followed as far as they exist): a file a set
+// of inputs names but lacks (a shard not downloaded) may not be created by an
+// output either, where it would pose as that input.
 class ProtectedInputs {
  public:
-  explicit ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs);
+  explicit ProtectedInputs(const std::vector<std::pair<std::string, std::string>>& inputs,
+                           bool missing_too = false);
   ~ProtectedInputs();
   ProtectedInputs(const ProtectedInputs&) = delete;
   ProtectedInputs& operator=(const ProtectedInputs&) = delete;

@@ -155,6 +155,20 @@ SafetensorsSet SafetensorsSet::open(const std::string& path) {
   return set;
 }
 
+std::vector<std::pair<std::string, std::string>> SafetensorsSet::files() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  if (single_) {
+    out.emplace_back(path_, "file");
+    return out;
+  }
+  out.emplace_back(path_, "index");
+  std::set<std::string> shards;
+  for (const auto& entry : weight_map_) shards.insert(entry.second);
+  for (const std::string& shard : shards)
+    out.emplace_back((fs::path(directory_) / shard).string(), "shard");
+  return out;
+}
+
 void SafetensorsSet::check_scales_have_weights() const {
   const auto check = [&](const std::string& name) {
     if (!ends_with(name, kScaleSuffix)) return;

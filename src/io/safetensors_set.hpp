@@ -29,6 +29,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.hpp"
@@ -54,6 +55,10 @@ class SafetensorsSet {
 
   // The index, or the single file.
   const std::string& path() const { return path_; }
+  // Every file the set is made of: the single file, or the index and each
+  // shard it names (opened or not), as (path, "index" | "shard" | "file").
+  // What a tool protects from its outputs (issue 54 A).
+  std::vector<std::pair<std::string, std::string>> files() const;
   bool contains(const std::string& name) const;
   // Every tensor name the file or the index lists, sorted.
   std::vector<std::string> names() const;

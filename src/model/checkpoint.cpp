@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -227,6 +229,126 @@ CheckpointDirectoryLock::~CheckpointDirectoryLock() {
   std::ifstream in(path_, std::ios::binary);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (text == holder_) ::unlink(path_.c_str());
+}
+
+bool is_checkpoint_directory_name(std::string_view n) {
+  if (n.starts_with("superseded-after-") || n.starts_with(".laga-probe.")) return true;
+  const size_t tmp = n.find(".tmp.");
+  if (tmp != std::string_view::npos) n = n.substr(0, tmp);
+  if (n == "laga.lock" || n == "latest.json") return true;
+  if (!n.starts_with("step-")) return false;
+  const std::string_view rest = n.substr(5);
+  const size_t dot = rest.find('.');
+  return digits(rest.substr(0, dot), 1, 64);
+}
+
+namespace {
+
+// `p` absolute, each component's symlink resolved in order as the kernel
+// would (`..` after a link climbs from its target), dangling links and a
+// tail that does not exist yet included: a --log through a link to a
+// --checkpoint directory not created yet is inside it once it is.
+fs::path resolved(const fs::path& p) {
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(p, ec);
+  std::deque<fs::path> parts;
+  for (const fs::path& part : absolute.relative_path()) parts.push_back(part);
+  fs::path out = absolute.root_path();
+  for (int hops = 0; !parts.empty();) {
+    const fs::path part = parts.front();
+    parts.pop_front();
+    if (part.empty() || part == ".") continue;
+    if (part == "..") {
+      out = out.parent_path();
+      continue;
+    }
+    const fs::path next = out / part;
+    if (hops < 40 && fs::is_symlink(fs::symlink_status(next, ec))) {
+      const fs::path link = fs::read_symlink(next, ec);
+      if (!ec) {
+        ++hops;
+        std::vector<fs::path> inner;
+        for (const fs::path& q : link.relative_path()) inner.push_back(q);
+        parts.insert(parts.begin(), inner.begin(), inner.end());
+        if (link.is_absolute()) out = link.root_path();
+        continue;
+      }
+    }
+    out = next;
+  }
+  return out;
+}
+
+bool same_directory(const fs::path& a, const fs::path& b) {
+  if (a == b) return true;
+  struct stat sa {
+  }, sb{};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && S_ISDIR(sa.st_mode) &&
+         sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// The file of an owned name in dir (or in its superseded-after-* folders)
+// that is `st` (a hard link to it), relative to dir; empty if none.
+std::string owned_file_linked_to(const fs::path& dir, const struct stat& st) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!is_checkpoint_directory_name(name)) continue;
+    if (name.starts_with("superseded-after-") && e.is_directory(ec)) {
+      const std::string inner = owned_file_linked_to(e.path(), st);
+      if (!inner.empty()) return (fs::path(name) / inner).string();
+      continue;
+    }
+    struct stat other {};
+    if (::stat(e.path().c_str(), &other) == 0 && other.st_dev == st.st_dev &&
+        other.st_ino == st.st_ino)
+      return name;
+  }
+  return "";
+}
+
+}  // namespace
+
+void refuse_checkpoint_directory_file(const std::string& path, const std::string& option,
+                                      const std::string& dir_s, const std::string& dir_option,
+                                      bool output) {
+  if (path.empty() || dir_s.empty()) return;
+  const fs::path target = resolved(output ? resolve_output_path(path, option) : path);
+  const fs::path dir = resolved(dir_s);
+  const fs::path parent = target.parent_path();
+  const std::string name = target.filename().string();
+  std::string which;  // the owned file, as the user would name it
+  bool linked = false;
+  if (same_directory(parent, dir) && is_checkpoint_directory_name(name)) {
+    which = (fs::path(dir_s) / name).string();
+  } else if (same_directory(parent.parent_path(), dir) &&
+             parent.filename().string().starts_with("superseded-after-")) {
+    which = (fs::path(dir_s) / parent.filename() / name).string();
+  } else {
+    struct stat st {};
+    if (::stat(target.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      const std::string inside = owned_file_linked_to(dir, st);
+      if (!inside.empty()) which = (fs::path(dir_s) / inside).string();
+    }
+    linked = !which.empty();
+  }
+  if (which.empty()) return;
+  const std::string is =
+      cat(option, " '", path, "' is ",
+          linked          ? cat("the same file (a hard link) as '", which, "', ")
+          : which != path ? cat("'", which, "', ")
+                          : std::string(),
+          "a name the ", dir_option, " directory '", dir_s,
+          "' owns (its lock laga.lock, latest.json, the step-N files of its checkpoints, their "
+          "temporaries and the superseded-after-* folders, which laga train creates, rewrites, "
+          "moves and prunes)");
+  if (output)
+    fail(is, ": the ", option.substr(2),
+         " would be lost or would replace one of them (after which --resume is refused); give ",
+         option, " a path outside those names (another name, e.g. '",
+         (fs::path(dir_s) / "train.jsonl").string(), "', is fine)");
+  fail(is, ": this run could replace, move or delete the file it reads; copy it outside '", dir_s,
+       "' and give ", option, " that copy");
 }
 
 std::vector<std::string> set_aside_checkpoints_after(const std::string& dir_s, std::int64_t step,

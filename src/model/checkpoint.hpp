@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/checkpoint_manifest.hpp"
@@ -116,6 +117,24 @@ class CheckpointDirectoryLock {
 // live holder; validation calls it first, so a second run into a directory
 // in use is told that rather than that the directory holds checkpoints.
 void refuse_checkpoint_directory_in_use(const std::string& dir);
+
+// The names a checkpoint directory owns, which no other file of a run may take
+// (issue 54 G): its lock laga.lock, latest.json, every step-<N>.<anything>
+// (manifests, tensors, whatever the digits), a temporary of any of them
+// (`<name>.tmp.<...>`), the folders superseded-after-* (and what they hold)
+// and the writability probe `.laga-probe.*`.
+bool is_checkpoint_directory_name(std::string_view name);
+
+// Refuses `path`, a file of this run named by `option` ("--log", "--data",
+// ...), when it is, under any spelling (relative, `..`, symlinks; an existing
+// file also by device and inode, so a hard link), a file of a name the
+// directory `dir` (named by `dir_option`: "--checkpoint", "--resume") owns
+// (is_checkpoint_directory_name). `output`: the run writes `path` (the message
+// says what it would destroy); otherwise it reads it (the run writes, moves
+// and prunes such files). Checked before anything is written.
+void refuse_checkpoint_directory_file(const std::string& path, const std::string& option,
+                                      const std::string& dir, const std::string& dir_option,
+                                      bool output);
 
 // Removes temporaries of laga's own naming (`latest.json.tmp.<pid>.<n>`,
 // `step-<N>.json|safetensors.tmp.<pid>.<n>`) left in dir by a process that no

@@ -88,14 +88,17 @@ fs::path resume_directory(const std::string& resume) {
   return p.parent_path().empty() ? fs::path(".") : p.parent_path();
 }
 
-void check_checkpoint_directory(const TrainOptions& o) {
+void check_checkpoint_directory(const TrainOptions& o, bool writer) {
   if (o.checkpoint_dir.empty()) return;
   const fs::path dir(o.checkpoint_dir);
   std::error_code ec;
   LAGA_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "--checkpoint '", o.checkpoint_dir,
              "' exists and is not a directory; give a directory (new or empty, or the one "
              "--resume reads)");
-  refuse_checkpoint_directory_in_use(o.checkpoint_dir);
+  // Only the process that takes the lock judges it: under MPI the others
+  // would find that process's own fresh lock (a live pid on this host) and
+  // refuse their own job's directory as in use (issue 54 V).
+  if (writer) refuse_checkpoint_directory_in_use(o.checkpoint_dir);
   // Every file of a checkpoint's naming counts, a tensors file without its
   // manifest too: a fresh run would write over it at that step.
   std::vector<std::string> names = checkpoint_files(o.checkpoint_dir);
@@ -183,7 +186,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   return r;
 }
 
-void validate_train_options(const TrainOptions& o) {
+void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   o.model.validate();
   check_precision_supports(o.precision, o.attention);
   check_grad_reduce(o.precision, o.grad_reduce);
@@ -230,7 +233,7 @@ void validate_train_options(const TrainOptions& o) {
                "with, or drop --pack-eos");
   }
   check_resume(o);
-  check_checkpoint_directory(o);
+  check_checkpoint_directory(o, checkpoint_writer);
 }
 
 std::vector<std::string> prepare_run(const TrainOptions& o) {
@@ -528,9 +531,15 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // A signal that arrived during a periodic save (a preemption's grace
     // period often starts then: saves are the slow part) stops the run with
     // that save, rather than one step and one more save later. Every rank
-    // knows whether this step saved, so every rank votes again (the others
-    // wait in the vote while rank 0 writes).
-    if (saves && !last) stop = vote_stop();
+    // knows whether this step saved, so every rank votes again, and only
+    // after rank 0 has written it: the others wait in a barrier first, so a
+    // signal that reaches one of them (MPI: each rank is a process with its
+    // own flag) while rank 0 writes is read after the save, not before it
+    // (issue 54 M: their vote was cast on entering the wait).
+    if (saves && !last) {
+      comm.barrier("train_save_done");
+      stop = vote_stop();
+    }
     if (stop) {
       end.stop_signal = stop;
       break;

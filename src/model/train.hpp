@@ -135,8 +135,11 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
 // the checkpoint's: its manifest intact, --steps above its step, every
 // recorded option unchanged unless named in allow_change, and the checkpoint
 // directory policy. Made before any rank starts so errors come once and
-// clearly; reads files, writes none.
-void validate_train_options(const TrainOptions& o);
+// clearly; reads files, writes none. checkpoint_writer: this process is the
+// one that takes the checkpoint directory's lock and writes there (MPI: world
+// rank 0); only it judges whether another run holds the lock, since the
+// others may find its own lock already taken.
+void validate_train_options(const TrainOptions& o, bool checkpoint_writer = true);
 
 // The side effects a valid run needs before it starts, done by the one
 // writing process: a resume from step N into a checkpoint directory holding

@@ -25,6 +25,7 @@
 #include "core/threads.hpp"
 #include "core/whole_number.hpp"
 #include "io/atomic_file.hpp"
+#include "io/safetensors_set.hpp"
 #include "model/checkpoint_manifest.hpp"
 
 namespace laga::tools {
@@ -396,10 +397,12 @@ void check_ranks_agree(Communicator& comm) {
           "file of " + input_identity(path);
     }
   }
-  // One line per entry: name \x1f digest \x1f the value's first 120 bytes.
+  // One line per entry: name \x1f digest \x1f the value's first 120 bytes
+  // (a failure's whole message, up to 2000: every rank prints it, and its end
+  // says what to do, e.g. the pid holding a checkpoint's lock).
   std::string text;
   for (const auto& [what, value] : mine) {
-    std::string preview = value.substr(0, 120);
+    std::string preview = value.substr(0, what == kFailure ? 2000 : 120);
     for (char& ch : preview)
       if (ch == '\x1e' || ch == '\x1f' || ch == '\n') ch = ' ';
     text += what + "\x1f" + fnv1a64_hex(fnv1a64(value)) + "\x1f" + preview + "\x1e";
@@ -549,14 +552,40 @@ std::string agree_on_failure(const std::string& error, const std::vector<std::st
   return error;  // every rank failed the same way: its own message says it
 }
 
-void protect_input(const std::string& path, const std::string& option) {
+namespace {
+void protect_until_exit(const std::vector<std::pair<std::string, std::string>>& files,
+                        bool missing_too = false) {
   // One command per process: the guards live until exit.
   static std::vector<std::unique_ptr<ProtectedInputs>> guards;
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  guards.push_back(std::make_unique<ProtectedInputs>(
-      std::vector<std::pair<std::string, std::string>>{{path, option + " file"}}));
+  guards.push_back(std::make_unique<ProtectedInputs>(files, missing_too));
+}
+}  // namespace
+
+void protect_input(const std::string& path, const std::string& option) {
+  protect_until_exit({{path, option + " file"}});
   note_input_file(option, path);
+}
+
+void protect_own_executable() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) protect_until_exit({{self.string(), "laga executable"}});
+}
+
+void protect_weights(const std::string& path, const std::string& option) {
+  protect_input(path, option);
+  if (path.empty()) return;
+  // Every file of the set, not just the path given: a directory's or an
+  // index's shards are what an output could overwrite (issue 54 A). Opening
+  // the set parses the index (or one file's header) and reads no tensor.
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const auto& [file, kind] : SafetensorsSet::open(path).files())
+    files.emplace_back(file, cat(option, " ", kind));
+  // A shard the index lists but that is missing (not downloaded) is
+  // protected by name: an output there would pose as it.
+  protect_until_exit(files, /*missing_too=*/true);
 }
 
 void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {

@@ -173,5 +173,13 @@ void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs
 // that is the same file is refused. `option` names it in the message. Empty
 // or missing paths are ignored.
 void protect_input(const std::string& path, const std::string& option);
+// protect_input for a weights path (SafetensorsSet: a file, an index or a
+// directory), and every file of the set besides: the index and each shard it
+// names, so an output may be none of them (issue 54 A). Their contents are
+// not compared across MPI ranks beyond what protect_input notes.
+void protect_weights(const std::string& path, const std::string& option);
+// The running laga executable is read too (by the kernel, and by each MPI
+// rank that starts from it): no output may replace it. main calls it.
+void protect_own_executable();
 
 }  // namespace laga::tools

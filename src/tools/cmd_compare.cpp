@@ -97,6 +97,8 @@ void register_compare(CLI::App& app) {
       ->check(link_spec());
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o] {
+    // The config is an input the outputs may not be, known before the work.
+    protect_input(o->model.config_path, "--config");
     vet_outputs({{"--json", o->json}, {"--csv", o->csv}});
     const std::optional<CompareResult> r = run_compare(*o);
     if (!r) return;  // not the reporting process of an MPI job

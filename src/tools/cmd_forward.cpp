@@ -67,9 +67,9 @@ template <class T>
 void run_forward(const ForwardOptions& o) {
   // Inputs are protected from every writer, and the output is vetted now,
   // before the run, rather than found unwritable after it.
-  protect_input(o.weights, "--weights");
   protect_input(o.input, "--input");
   const MlaConfig cfg = o.model.load();
+  protect_weights(o.weights, "--weights");  // the set's index and shards too
   vet_outputs({{"--output", o.output}});
   // The batch's extents, from the input's x when there is one: the documents
   // are checked against them, and the job is refused before allocating

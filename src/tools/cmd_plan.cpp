@@ -481,7 +481,15 @@ void run_plan(const PlanOptions& o) {
     const double t = std::chrono::duration<double>(Clock::now() - start).count();
     if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
   };
-  protect_input(o.profile, "--profile");  // a profile FILE may not be an output
+  // Input files may not be outputs; known before the outputs are vetted, so
+  // an output that is one is refused before the work (issue 54 A).
+  protect_input(o.profile, "--profile");
+  protect_input(o.model_options.config_path, "--config");
+  {
+    const std::vector<std::string> presets = LmConfig::preset_names();
+    if (std::find(presets.begin(), presets.end(), o.model) == presets.end())
+      protect_input(o.model, "--model");
+  }
   vet_outputs({{"--json", o.json}, {"--measure", o.measure}, {"--list-shapes", o.list_shapes}});
   const bool measuring = !o.measure.empty();
   const bool listing = !o.list_shapes.empty();

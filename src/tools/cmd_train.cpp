@@ -4,16 +4,19 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -199,11 +202,59 @@ void check_option_pairs(const TrainCli& c) {
              "; the schedule decays from --lr down to --min-lr, so give --min-lr <= --lr");
 }
 
+// No file of the run may take a name a checkpoint directory owns (its lock,
+// latest.json, step-N files, temporaries, superseded folders; issue 54 G):
+// --log neither in the --checkpoint directory nor in the one --resume reads
+// (whose older checkpoints are the user's), and no input in the directory
+// this run writes, moves and prunes. Checked before anything is written.
+void refuse_checkpoint_directory_names(const TrainCli& c, const TrainOptions& o) {
+  namespace fs = std::filesystem;
+  // A --log that is the very manifest resumed from is named as that first.
+  std::string manifest = o.resume;
+  std::error_code ec;
+  if (!manifest.empty() && fs::is_directory(manifest, ec))
+    manifest = (fs::path(manifest) / "latest.json").string();
+  const ProtectedInputs manifest_guard({{manifest, "--resume manifest"}});
+  if (!c.log.empty()) (void)resolve_output_path(c.log, "--log");
+  if (!o.checkpoint_dir.empty()) {
+    refuse_checkpoint_directory_file(c.log, "--log", o.checkpoint_dir, "--checkpoint", true);
+    if (o.data != "random")
+      refuse_checkpoint_directory_file(o.data, "--data", o.checkpoint_dir, "--checkpoint", false);
+    refuse_checkpoint_directory_file(o.val_data, "--val-data", o.checkpoint_dir, "--checkpoint",
+                                     false);
+    refuse_checkpoint_directory_file(c.config, "--config", o.checkpoint_dir, "--checkpoint", false);
+  }
+  if (!o.resume.empty()) {
+    const fs::path r(o.resume);
+    const fs::path dir = fs::is_directory(r, ec)   ? r
+                         : r.parent_path().empty() ? fs::path(".")
+                                                   : r.parent_path();
+    refuse_checkpoint_directory_file(c.log, "--log", dir.string(), "--resume", true);
+  }
+}
+
+// A test hook (issue 54 V): every MPI process but the reporting one waits
+// this many milliseconds before its checks, as a rank of a loaded machine
+// may, so the suite can make rank 0 take the checkpoint lock first.
+void stagger_for_tests(bool report) {
+  const char* ms = std::getenv("LAGA_TEST_STAGGER_MS");
+  if (report || !ms) return;
+  char* end = nullptr;
+  const long v = std::strtol(ms, &end, 10);
+  if (end != ms && *end == '\0' && v > 0 && v <= 60000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(v));
+}
+
 void run_train(const TrainCli& c) {
   check_option_pairs(c);
   TrainOptions o = to_options(c);
   const bool report = is_reporting_process(c.comm);
-  validate_train_options(o);
+  stagger_for_tests(report);
+  refuse_checkpoint_directory_names(c, o);
+  // Only the process that takes the checkpoint lock judges it (MPI: the
+  // others could find its fresh lock and call their own job's directory in
+  // use, issue 54 V).
+  validate_train_options(o, report);
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)

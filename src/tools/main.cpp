@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "laga 0.1.0");
   for (const auto& reg : laga::tools::command_registry()) reg(app);
   laga::tools::note_command_line(argc, argv);  // what MPI ranks must agree on
+  laga::tools::protect_own_executable();
   replace_positive_checks(app);
 
   // An unknown command would otherwise read "A subcommand is required".

@@ -128,5 +128,28 @@ TEST(OutputPath, InputNoLongerAtItsPathProtectsNothing) {
   EXPECT_EQ(read_bytes(dir / "latest.json"), "new");
 }
 
+// Issue 54 A: a file a set of inputs names but lacks (a shard not
+// downloaded), protected with missing_too, may not be created by an output,
+// by its path or another spelling of it; without missing_too it protects
+// nothing, as before.
+TEST(OutputPath, AMissingInputProtectedByNameIsNotCreated) {
+  const auto dir = scratch_dir();
+  fs::create_directory(dir / "sub");
+  fs::create_directory_symlink(dir, dir / "here");
+  {
+    ProtectedInputs guard({{(dir / "shard-2.safetensors").string(), "--weights shard"}},
+                          /*missing_too=*/true);
+    for (const fs::path& p :
+         {dir / "shard-2.safetensors", dir / "sub" / ".." / "shard-2.safetensors",
+          dir / "here" / "shard-2.safetensors"})
+      expect_error([&] { write_file_atomic(p.string(), std::string_view("x")); },
+                   {"--weights shard", "names (missing now)"});
+    EXPECT_FALSE(fs::exists(dir / "shard-2.safetensors"));
+  }
+  ProtectedInputs by_inode_only({{(dir / "shard-3.safetensors").string(), "--weights shard"}});
+  write_file_atomic((dir / "shard-3.safetensors").string(), std::string_view("x"));
+  EXPECT_EQ(read_bytes(dir / "shard-3.safetensors"), "x");
+}
+
 }  // namespace
 }  // namespace laga

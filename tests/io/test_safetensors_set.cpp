@@ -310,6 +310,17 @@ TEST_F(V3Layer, ReadsOneLayerThroughTheIndexOrTheDirectory) {
   }
 }
 
+// Issue 54 A: every file of the set, opened or not, for the tools to protect.
+TEST_F(V3Layer, ListsTheIndexAndEveryShard) {
+  const SafetensorsSet set = SafetensorsSet::open(dir_.string());
+  const std::vector<std::pair<std::string, std::string>> want = {
+      {at(SafetensorsSet::kIndexName), "index"},
+      {at("model-00001-of-00003.safetensors"), "shard"},
+      {at("model-00002-of-00003.safetensors"), "shard"},
+      {at("model-00003-of-00003.safetensors"), "shard"}};
+  EXPECT_EQ(set.files(), want);
+}
+
 TEST_F(V3Layer, RefusesAWrongScaleShapeAtV3Dims) {
   const std::string p = "model.layers.5.self_attn.";
   // kv_a_proj_with_mqa's scale without its ragged last block row: [4, 56]
@@ -396,6 +407,8 @@ TEST_F(SafetensorsSetTest, DirectoryWithoutAnIndex) {
   write_file(at("only.safetensors"), {{"w.weight", "F32", {2}, f32_bytes({1, 2}), {}}});
   const SafetensorsSet set = SafetensorsSet::open(dir_.string());
   EXPECT_EQ(set.path(), at("only.safetensors"));
+  const std::vector<std::pair<std::string, std::string>> one = {{at("only.safetensors"), "file"}};
+  EXPECT_EQ(set.files(), one);
   Tensor<float> w({2});
   set.read_into("w.weight", w);
   EXPECT_EQ(w[1], 2.f);

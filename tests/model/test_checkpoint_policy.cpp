@@ -395,5 +395,60 @@ TEST(CheckpointPolicy, AnUnwritableDirectoryIsRefusedBeforeTheFirstStep) {
   fs::permissions(dir / "ro", fs::perms::owner_all);
 }
 
+// Issue 54 V: under MPI the ranks that do not write (checkpoint_writer
+// false) never judge the lock, which rank 0 may already hold; the writer
+// still refuses a live holder's.
+TEST(CheckpointPolicy, OnlyTheWriterJudgesTheLock) {
+  const fs::path dir = scratch("lock_judge");
+  const CheckpointDirectoryLock held(dir.string());  // as rank 0 takes it
+  TrainOptions a = small(1);
+  a.checkpoint_dir = dir.string();
+  EXPECT_EQ(error_of([&] { validate_train_options(a, /*checkpoint_writer=*/false); }), "");
+  expect_has(error_of([&] { validate_train_options(a); }), {"is in use", "this process"});
+}
+
+// Issue 54 G: the names a checkpoint directory owns, and a file of a run in
+// one of them refused under every spelling, naming both.
+TEST(CheckpointPolicy, NoFileOfARunTakesANameTheDirectoryOwns) {
+  for (const char* n : {"laga.lock", "latest.json", "step-00000002.json", "step-2.safetensors",
+                        "step-7", "step-00000004.json.tmp.12.0", "latest.json.tmp.1.2",
+                        "laga.lock.tmp.3.4", "superseded-after-step-00000002", ".laga-probe.99"})
+    EXPECT_TRUE(is_checkpoint_directory_name(n)) << n;
+  for (const char* n : {"train.jsonl", "step-notes.txt", "steps.json", "latest.jsonl", "lock",
+                        "my-step-00000002.json", "x.tmp.1.2"})
+    EXPECT_FALSE(is_checkpoint_directory_name(n)) << n;
+
+  const fs::path root = scratch("owned_names");
+  const fs::path ck = root / "ck";
+  fs::create_directories(root / "sub");
+  fs::create_directory_symlink("ck", root / "cklink");  // dangling until ck exists
+  const auto refused = [&](const fs::path& path, const fs::path& dir, bool output) {
+    return error_of([&] {
+      refuse_checkpoint_directory_file(path.string(), output ? "--log" : "--data", dir.string(),
+                                       "--checkpoint", output);
+    });
+  };
+  for (const fs::path& p : {ck / "laga.lock", root / "sub" / ".." / "ck" / "." / "latest.json",
+                            root / "cklink" / "step-00000002.json",
+                            ck / "superseded-after-step-00000002" / "x.jsonl"}) {
+    expect_has(refused(p, ck, true),
+               {"--log '" + p.string() + "'", "--checkpoint directory '" + ck.string() + "' owns",
+                "give --log a path outside those names"});
+    expect_has(refused(p, root / "cklink", false), {"--data", "this run could replace"});
+  }
+  EXPECT_EQ(refused(ck / "train.jsonl", ck, true), "");
+  EXPECT_EQ(refused(root / "latest.json", ck, true), "");  // another directory
+  EXPECT_FALSE(fs::exists(ck));                            // nothing made
+  // Existing files: a symlink and a hard link to an owned file.
+  fs::create_directory(ck);
+  std::ofstream(ck / "latest.json") << "{}";
+  fs::create_symlink(ck / "latest.json", root / "link.json");
+  fs::create_hard_link(ck / "latest.json", root / "hard.json");
+  expect_has(refused(root / "link.json", ck, true), {"is '" + (ck / "latest.json").string()});
+  expect_has(refused(root / "hard.json", ck, true),
+             {"the same file (a hard link) as '" + (ck / "latest.json").string() + "'"});
+  expect_has(refused(root / "hard.json", ck, false), {"--data", "hard link"});
+}
+
 }  // namespace
 }  // namespace laga

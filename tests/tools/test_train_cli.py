@@ -30,6 +30,13 @@ Cases:
              --allow-nonfinite loads it with a warning
   save_signal  a SIGTERM while a periodic save is written stops the run with
              that save (exit 143, latest.json and the log end at its step)
+  checkpoint_names  --log (and inputs) in a name the checkpoint directory
+             owns (its lock, latest.json, step-N.*, temporaries, superseded
+             folders), under any spelling, are refused up front (issue 54 G)
+  weights_outputs  forward --output that is any file of the --weights set
+             (index, shards, a listed shard that is missing, a directory's one
+             file), or an output that is the laga executable, is refused
+             (issue 54 A)
   lock       a second run (fresh or resumed) into a directory a live run
              writes is refused naming its pid; the lock goes with the run
   moe_config `--config docs/assets/moe_tiny.json` (an MoE model, issue 28):
@@ -382,6 +389,136 @@ def case_outputs(laga, scratch):
     check(read(cfg) == cfg_text, "the config survives")
 
 
+def case_checkpoint_names(laga, scratch):
+    """Issue 54 G: no file of a run may take a name its checkpoint directory
+    owns (laga.lock, latest.json, step-N.*, their temporaries, the
+    superseded-after-* folders), under any spelling; refused before anything
+    is written, naming both. Today's main wrote the log over the lock (a
+    resume is then refused) or lost it under latest.json, exit 0."""
+    os.chdir(scratch)  # relative spellings, as a user types them
+    tr = ["train"] + TINY + ["--steps", "2"]
+    words = ["--log '", "a name the --checkpoint directory 'ck' owns"]
+    os.makedirs("sub")
+    os.symlink("ck", "cklink")  # dangling until ck exists
+    for name in ["laga.lock", "latest.json", "step-00000002.json", "step-00000002.safetensors",
+                 "step-2.json", "step-00000004.json.tmp.123.0", "laga.lock.tmp.1.2",
+                 "superseded-after-step-00000002/log.jsonl"]:
+        refused(laga, tr + ["--checkpoint", "ck", "--log", "ck/" + name], words)
+        check(not os.path.exists("ck"), f"--log ck/{name}: refused before the lock was made")
+    for log in ["sub/../ck/latest.json", "./ck//./laga.lock", "cklink/laga.lock"]:
+        refused(laga, tr + ["--checkpoint", "ck", "--log", log], ["--log '" + log + "'", "owns"])
+    refused(laga, tr + ["--checkpoint", "cklink/", "--log", "ck/laga.lock"], ["owns"])
+    os.symlink("sub/../cklink/step-00000002.json", "loglink")
+    refused(laga, tr + ["--checkpoint", "ck", "--log", "loglink"], ["--log 'loglink'", "owns"])
+    # A log beside the checkpoints under a name of its own is fine.
+    run(laga, tr + ["--checkpoint", "ck", "--log", "ck/train.jsonl"], 0)
+    check(log_steps("ck/train.jsonl") == [1, 2], "a log beside the checkpoints")
+    kept = {n: read(os.path.join("ck", n)) for n in os.listdir("ck")}
+    res = ["train"] + TINY + ["--steps", "3", "--resume", "ck"]
+    os.link("ck/latest.json", "hard.json")
+    for log in ["ck/step-00000002.safetensors", "ck/laga.lock", "ck/step-00000002.json.tmp.9.9"]:
+        refused(laga, res + ["--checkpoint", "ck", "--log", log], ["--log '" + log + "'", "owns"])
+    for log in ["ck/latest.json", "hard.json"]:  # the manifest resumed from, named as that
+        refused(laga, res + ["--checkpoint", "ck", "--log", log],
+                ["--log '" + log + "'", "same file as the --resume manifest"])
+    # The directory resumed from, when another is written: its checkpoints
+    # are the user's too.
+    refused(laga, res + ["--checkpoint", "ck2", "--log", "ck/step-00000002.json"],
+            ["a name the --resume directory 'ck' owns"])
+    # An input there: the run writes, moves and prunes those names.
+    with open("tokens.bin", "wb") as f:
+        f.write(struct.pack("<1000H", *[(i * 7) % 64 for i in range(1000)]))
+    shutil.copy("tokens.bin", "ck/step-00000001.safetensors")
+    refused(laga, res + ["--checkpoint", "ck", "--data", "ck/step-00000001.safetensors"],
+            ["--data 'ck/step-00000001.safetensors'", "--checkpoint directory 'ck' owns"])
+    os.remove("ck/step-00000001.safetensors")
+    check({n: read(os.path.join("ck", n)) for n in os.listdir("ck")} == kept,
+          "every refused run left the checkpoint directory as it was")
+    run(laga, res + ["--checkpoint", "ck", "--log", "ck/train.jsonl"], 0)
+    check(latest_step("ck") == 3 and log_steps("ck/train.jsonl") == [1, 2, 3], "the resume")
+
+
+def write_tensors(path, tensors):
+    """tensors: name -> (dtype, shape, bytes)."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header)
+    text += " " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text.encode())
+        for _, _, data in tensors.values():
+            f.write(data)
+
+
+def read_tensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        body = f.read()
+    return {k: (v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def case_weights_outputs(laga, scratch):
+    """Issue 54 A: forward's --output may be no file of the --weights set (the
+    index and every shard it lists, read or not; a directory's one file), by
+    path, `..`, symlink or hard link. Today's main protected only the path
+    given to --weights: it wrote the output over a shard, exit 0."""
+    os.chdir(scratch)
+    fwd = ["forward", "--preset", "tiny", "--seq", "8"]
+    # Weights of preset tiny's shapes: the gradients of a forward, renamed.
+    run(laga, fwd + ["--backward", "--output", "g.safetensors"], 0)
+    grads = {k[5:]: v for k, v in read_tensors("g.safetensors").items() if k.startswith("grad.")}
+    names = sorted(grads)
+    check(len(names) >= 4, f"weights of preset tiny: {names}")
+    os.makedirs("ck")
+    half = len(names) // 2
+    shards = {"model-1.safetensors": names[:half], "model-2.safetensors": names[half:]}
+    for shard, held in shards.items():
+        write_tensors(os.path.join("ck", shard), {n: grads[n] for n in held})
+    # A shard this forward never opens: another layer's tensor.
+    write_tensors("ck/model-3.safetensors", {"layers.9.other": ("F32", [2], b"\0" * 8)})
+    weight_map = {n: s for s, held in shards.items() for n in held}
+    weight_map["layers.9.other"] = "model-3.safetensors"
+    weight_map["layers.8.other"] = "model-4.safetensors"  # listed, not downloaded
+    with open("ck/model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    files = {n: read(os.path.join("ck", n)) for n in os.listdir("ck")}
+    run(laga, fwd + ["--weights", "ck", "--output", "out.safetensors"], 0)  # it loads
+    os.makedirs("sub")
+    os.symlink("ck/model-2.safetensors", "shard_link")
+    os.link("ck/model-1.safetensors", "shard_hard")
+    os.symlink("ck", "cklink")
+    for weights in ["ck", "ck/model.safetensors.index.json", "cklink/"]:
+        for out in ["ck/model-1.safetensors", "ck/model-2.safetensors", "ck/model-3.safetensors",
+                    "ck/model.safetensors.index.json", "sub/../ck/./model-2.safetensors",
+                    "cklink/model-1.safetensors", "shard_link", "shard_hard"]:
+            refused(laga, fwd + ["--weights", weights, "--output", out],
+                    ["refusing to write --output '" + out + "'", "--weights"])
+    check({n: read(os.path.join("ck", n)) for n in os.listdir("ck")} == files,
+          "every shard and the index survive")
+    # A shard the index lists but that is missing is not created either.
+    refused(laga, fwd + ["--weights", "ck", "--output", "cklink/model-4.safetensors"],
+            ["--weights shard", "model-4.safetensors", "missing now"])
+    check(not os.path.exists("ck/model-4.safetensors"), "no file poses as the missing shard")
+    # A directory of one file: that file.
+    os.makedirs("one")
+    shutil.copy("out.safetensors", "one/w.safetensors")
+    write_tensors("one/w.safetensors", grads)
+    one = read("one/w.safetensors")
+    refused(laga, fwd + ["--weights", "one", "--output", "one/w.safetensors"],
+            ["same file as the --weights file"])
+    check(read("one/w.safetensors") == one, "a directory's one file survives")
+    # The running executable is read too.
+    shutil.copy(laga, "laga_copy")
+    exe = read("laga_copy")
+    refused(os.path.abspath("laga_copy"), ["forms", "--json", "laga_copy"],
+            ["same file as the laga executable"])
+    check(read("laga_copy") == exe, "the executable survives")
+
+
 def nonfinite_tensors(path):
     """The names of the F32 tensors of a safetensors file holding NaN or inf."""
     with open(path, "rb") as f:
@@ -565,6 +702,8 @@ def case_seq_layout(laga, scratch):
 
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    if os.sep in laga:
+        laga = os.path.abspath(laga)  # some cases work in their scratch directory
     scratch = os.path.join(os.path.abspath(scratch), "train_cli_" + case)
     subprocess.run(["rm", "-rf", scratch], check=True)
     os.makedirs(scratch)
@@ -574,6 +713,7 @@ def main():
         {"signals": case_signals, "log": case_log, "outputs": case_outputs,
          "diverged": case_diverged, "save_signal": case_save_signal,
          "lock": case_lock, "moe_config": case_moe_config,
+         "checkpoint_names": case_checkpoint_names, "weights_outputs": case_weights_outputs,
          "seq_layout": case_seq_layout}[case](laga, scratch)
     print(f"train_cli {case}: OK")
 
