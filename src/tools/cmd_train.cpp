@@ -225,6 +225,14 @@ void check_options_act(const TrainCli& c, const TrainOptions& o) {
   LAGA_CHECK(!given("--allow-change") || !c.allow_change.empty(),
              "an empty --allow-change allows nothing; name the options that may change (e.g. "
              "lr,steps) or drop it");
+  // The last step's checkpoint and validation run whatever N is: an N past
+  // --steps never comes.
+  LAGA_CHECK(c.save_every <= c.steps, "--save-every ", c.save_every, " never comes within --steps ",
+             c.steps, " (the last step's checkpoint is written anyway); give N <= ", c.steps,
+             " or drop --save-every");
+  LAGA_CHECK(c.val_every <= c.steps, "--val-every ", c.val_every, " never comes within --steps ",
+             c.steps, " (the last step is validated anyway); give N <= ", c.steps,
+             " or drop --val-every");
   LAGA_CHECK(!c.perturb_reductions || c.sp >= 3,
              "--perturb-reductions permutes the order in "
              "which the ranks' contributions to each reduction are added, and at --sp ",

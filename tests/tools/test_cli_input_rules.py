@@ -259,6 +259,15 @@ def case_ignored(laga, scratch):
     expect_error(laga, TRAIN + ["--val-batches", "2"], "--val-batches", "no --val-data")
     expect_error(laga, TRAIN + ["--perturb-reductions", "5", "--sp", "2"], "--perturb-reductions",
                  "at --sp 2 every order gives the same bits")
+    ck = os.path.join(scratch, "ck")
+    expect_error(laga, TRAIN + ["--save-every", "2", "--checkpoint", ck],
+                 "--save-every 2 never comes within --steps 1")
+    if os.path.exists(ck) and os.listdir(ck):
+        failures.append(f"--save-every past --steps: '{ck}' was written")
+    val = os.path.join(scratch, "val.u16")
+    write(val, bytes(range(64)) * 8, "wb")
+    expect_error(laga, TRAIN + ["--val-data", val, "--val-every", "3"],
+                 "--val-every 3 never comes within --steps 1")
     x = os.path.join(scratch, "x.safetensors")
     safetensors(x, {"x": ([1, 8, 48], [0.25] * (8 * 48))})
     for option, value in (("--seq", "16"), ("--batch", "2")):
