@@ -121,7 +121,8 @@ std::string explain_parse_error(const CLI::ParseError& e, const CLI::App* sub,
   if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
     const auto colon = what.find(": ");
     const std::string extras = colon == std::string::npos ? what : what.substr(colon + 2);
-    const std::string first = extras.substr(0, extras.find(' '));
+    // CLI11 lists the extras last first: the first one given is the last.
+    const std::string first = extras.substr(extras.rfind(' ') + 1);
     if (first.rfind("-", 0) == 0)
       return laga::cat("'", first, "' is not an option of ", cmd,
                        " (options are spelt --name; a value that starts with '-' is given as "
@@ -129,6 +130,18 @@ std::string explain_parse_error(const CLI::ParseError& e, const CLI::App* sub,
                        help);
     return laga::cat("unexpected argument '", first, "': ", cmd,
                      " takes options only (--name VALUE); a value belongs after its option", help);
+  }
+  if (dynamic_cast<const CLI::ValidationError*>(&e)) {
+    // CLI::IsMember's "--schedule: linear not in {constant,cosine}"; laga's
+    // own checks already speak laga's words.
+    const auto colon = what.find(": "), in = what.rfind(" not in {");
+    if (colon != std::string::npos && in != std::string::npos && in > colon && what.back() == '}') {
+      std::string choices = what.substr(in + 9, what.size() - in - 10);
+      for (size_t i = 0; (i = choices.find(',', i)) != std::string::npos; i += 2)
+        choices.replace(i, 1, ", ");
+      return laga::cat(what.substr(0, colon), ": '", what.substr(colon + 2, in - colon - 2),
+                       "' is not one of ", choices, help);
+    }
   }
   return laga::cat(what, help);
 }

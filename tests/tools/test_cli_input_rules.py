@@ -166,6 +166,11 @@ def case_parse(laga, scratch):
     expect_error(laga, TRAIN + ["--bogus"], "'--bogus' is not an option of laga train")
     expect_error(laga, TRAIN + ["extra"], "unexpected argument 'extra'")
     expect_error(laga, PLAN + ["-x"], "'-x' is not an option of laga plan")
+    expect_error(laga, TRAIN + ["---lr", "1"], "'---lr' is not an option of laga train")
+    for fixed, option, value, choices in ((TRAIN, "--schedule", "linear", "constant, cosine"),
+                                          (COMPARE, "--attention", "fast", "eager, flash"),
+                                          (PLAN, "--overlap", "x", "off, on, both")):
+        expect_error(laga, fixed + [option, value], f"{option}: '{value}' is not one of {choices}")
 
 
 def write(path, data, mode="w"):
