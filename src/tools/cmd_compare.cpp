@@ -99,12 +99,18 @@ void register_compare(CLI::App& app) {
     // Options given where they would change nothing are refused saying why
     // (issue 54, S): --count-only runs no kernel, so it takes one step of no
     // values and no time whatever --steps, --warmup and --seed say.
-    if (o->count_only)
-      for (const char* name : {"--steps", "--warmup", "--seed"})
-        LAGA_CHECK(c->count(name) == 0, name,
+    if (o->count_only) {
+      // (--steps 1 and --warmup 0 are what it does: accepted.)
+      const bool ignored[] = {c->count("--steps") > 0 && o->steps != 1,
+                              c->count("--warmup") > 0 && o->warmup != 0, c->count("--seed") > 0};
+      const char* const names[] = {"--steps", "--warmup", "--seed"};
+      for (int k = 0; k < 3; ++k)
+        LAGA_CHECK(!ignored[k], names[k],
                    " shapes the measured runs (their steps, their values), and --count-only runs "
-                   "no kernel: it accounts one step's bytes and memory, no values, no times; drop ",
-                   name, " or --count-only");
+                   "no kernel: it accounts one step's bytes and memory, no values, no times; "
+                   "drop ",
+                   names[k], " or --count-only");
+    }
     vet_outputs({{"--json", o->json}, {"--csv", o->csv}});
     const std::optional<CompareResult> r = run_compare(*o);
     if (!r) return;  // not the reporting process of an MPI job

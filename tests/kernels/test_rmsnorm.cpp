@@ -185,11 +185,11 @@ LongRef long_double_reference(const std::vector<float>& x, const std::vector<flo
   return o;
 }
 
-// The largest |x| of the rows: every power of two float holds, from the
-// least subnormal to 2^127, float's largest value, and values at the two
-// failures' edges.
+// The largest |x| of the rows: 0 (an all-zero row), every power of two
+// float holds, from the least subnormal to 2^127, float's largest value, and
+// values at the two failures' edges.
 std::vector<double> every_float_magnitude() {
-  std::vector<double> m;
+  std::vector<double> m{0.0};  // an all-zero row: rstd 1/sqrt(eps), y 0, dx r w dy
   for (int e = -149; e <= 127; ++e) m.push_back(std::ldexp(1.0, e));
   for (double v : {double(std::numeric_limits<float>::max()), 3e-39, 1e-38, 1e-30, 5e-23, 4e-23,
                    6e-23, 1e-19, 1e19, 3e38})
