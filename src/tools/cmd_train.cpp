@@ -244,9 +244,9 @@ void check_options_act(const TrainCli& c, const TrainOptions& o) {
 void run_train(const TrainCli& c) {
   check_option_pairs(c);
   TrainOptions o = to_options(c);
-  check_options_act(c, o);
   const bool report = is_reporting_process(c.comm);
   validate_train_options(o);
+  check_options_act(c, o);  // after the options' own errors, which say more
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)

@@ -270,7 +270,7 @@ def case_ignored(laga, scratch):
     if os.path.exists(ck) and os.listdir(ck):
         failures.append(f"--save-every past --steps: '{ck}' was written")
     val = os.path.join(scratch, "val.u16")
-    write(val, bytes(range(64)) * 8, "wb")
+    write(val, struct.pack("<512H", *[i % 64 for i in range(512)]), "wb")  # ids below --vocab
     expect_error(laga, TRAIN + ["--val-data", val, "--val-every", "3"],
                  "--val-every 3 never comes within --steps 1")
     x = os.path.join(scratch, "x.safetensors")
