@@ -424,8 +424,11 @@ void note_command_line(int argc, char** argv, const CLI::App& app) {
     const std::vector<std::string>& names = opt->get_lnames();
     if (names.empty()) continue;
     const std::string name = "--" + names.front();
-    if (given.count(name) || opt->get_default_str().empty()) continue;
-    const std::string value = canonical_value(opt, opt->get_default_str());
+    // A flag left out is off; an option with no default (a size derived
+    // from others) is not noted, and reads "does not give it".
+    const bool flag = opt->get_expected_max() == 0;
+    if (given.count(name) || (!flag && opt->get_default_str().empty())) continue;
+    const std::string value = flag ? "off" : canonical_value(opt, opt->get_default_str());
     note_run_identity("option " + name, value);
     std::lock_guard<std::mutex> lock(identity_mutex);
     run_identity_shown()["option " + name] = value + " (its default; not given)";

@@ -26,7 +26,7 @@ out=$(run -np 2 "$laga" train $A --seed 1) || { echo "FAILED: equal options: $ou
 # value that differs in its last digit is still refused.
 for opt in "--lr 1e-3:--lr 0.001" "--lr 0.001:" ":--warmup 0" "--beta2 0.999:--beta2 9.99e-1" \
            "--dtype fp32:--dtype float32" "--allow-nonfinite=true:--allow-nonfinite" \
-           "--weight-decay 0:--weight-decay 0.0"; do
+           "--weight-decay 0:--weight-decay 0.0" "--allow-nonfinite=false:" "--seed 0:"; do
   a=${opt%%:*} b=${opt##*:}
   out=$(run -np 1 "$laga" train $A $a : -np 1 "$laga" train $A $b) ||
     { echo "FAILED: one meaning, two spellings ($a against $b): $out"; fail=1; }
