@@ -352,8 +352,21 @@ namespace {
 // or `--lr 0.001` given on one and left at its default on another, were
 // refused as a disagreement). Numbers in one spelling (a real as the
 // shortest %g that reads back as it, -0 as 0; an integer in decimal), a
-// flag as on/off, a dtype by its canonical name; text as given. Text that
+// flag as on/off, a dtype by its canonical name, --link's two reals each
+// as a real; text as given. Text that
 // does not parse is kept as it is: the option's own check refuses it.
+// The shortest %g that reads back as x (0.0010000001, not
+// 0.0010000001000000001); -0 as 0.
+std::string shortest_real(double x) {
+  x += 0.0;
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  return buf;
+}
+
 std::string canonical_value(const CLI::Option* opt, const std::string& value) {
   if (!opt) return value;
   if (opt->get_expected_max() == 0) {  // a flag: absent value or true/false
@@ -365,17 +378,17 @@ std::string canonical_value(const CLI::Option* opt, const std::string& value) {
   }
   const std::string type = opt->get_type_name();
   if (type.rfind("FLOAT", 0) == 0) {
-    if (const std::optional<double> v = parse_decimal_real(value)) {
-      // The shortest %g that reads back as the same double (0.0010000001,
-      // not 0.0010000001000000001); -0 as 0.
-      const double x = *v + 0.0;
-      char buf[40];
-      for (int digits = 1; digits <= 17; ++digits) {
-        std::snprintf(buf, sizeof buf, "%.*g", digits, x);
-        if (std::strtod(buf, nullptr) == x) break;
-      }
-      return buf;
-    }
+    if (const std::optional<double> v = parse_decimal_real(value)) return shortest_real(*v);
+    return value;
+  }
+  if (opt->check_name("--link")) {  // BW[,LAT]: two reals
+    const size_t comma = value.find(',');
+    const std::optional<double> bw = parse_decimal_real(value.substr(0, comma));
+    const std::optional<double> lat = comma == std::string::npos
+                                          ? std::optional<double>()
+                                          : parse_decimal_real(value.substr(comma + 1));
+    if (bw && (comma == std::string::npos || lat))
+      return shortest_real(*bw) + (lat ? "," + shortest_real(*lat) : std::string());
     return value;
   }
   // An integer has one spelling already: whole() refuses any other.

@@ -31,6 +31,9 @@ for opt in "--lr 1e-3:--lr 0.001" "--lr 0.001:" ":--warmup 0" "--beta2 0.999:--b
   out=$(run -np 1 "$laga" train $A $a : -np 1 "$laga" train $A $b) ||
     { echo "FAILED: one meaning, two spellings ($a against $b): $out"; fail=1; }
 done
+C="compare --preset tiny --seq 16 --sp 2 --comm mpi --forms explicit --steps 1 --warmup 0 --quiet"
+out=$(run -np 1 "$laga" $C --link 25,5 : -np 1 "$laga" $C --link 2.5e1,5.0) ||
+  { echo "FAILED: --link 25,5 against 2.5e1,5.0: $out"; fail=1; }
 out=$(run -np 1 "$laga" train $A --lr 0.001 : -np 1 "$laga" train $A --lr 0.0010000001)
 rc=$?
 if [ $rc -eq 0 ] || ! grep -q "disagree on option --lr: rank 0 has '0.001'; rank 1 has '0.0010000001'" <<<"$out"; then
