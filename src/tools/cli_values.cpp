@@ -20,14 +20,11 @@ std::string number_text(double x) {
   os << x;
   return os.str();
 }
-}  // namespace
-
-namespace {
 
 // A whole number by core/whole_number.hpp's rule (decimal digits, an
-// optional '-', no leading zeros), in [lo, hi]; hi reaches 2^64 - 1 (the
-// seeds are uint64). nullopt when the text breaks the rule; `in_range`
-// says whether a well-formed number lies in [lo, hi].
+// optional '-', no leading zeros, no "-0"), in [lo, hi]; hi reaches
+// 2^64 - 1 (the seeds are uint64). `well_formed`: the text keeps the rule
+// (any size); `in_range`: it is a number in [lo, hi].
 struct WholeText {
   bool well_formed = false, in_range = false;
 };
