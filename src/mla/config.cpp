@@ -62,9 +62,10 @@ void MlaConfig::validate() const {
   // past them is a typo or a hostile file, not a model (issue 54, T), and
   // is refused here naming the key rather than found later as a wrong
   // number or an overflow blamed on something else.
-  LAGA_CHECK(rope_theta > 1.0 && rope_theta <= kMaxRopeTheta, "config: rope_theta ", rope_theta,
-             " must be in (1, ", kMaxRopeTheta,
-             "] (RoPE's base; published models use 1e4 to 1e7; past 1e12 every pair but the "
+  LAGA_CHECK(rope_theta > 1.0, "config: rope_theta must be > 1, got ", rope_theta);
+  LAGA_CHECK(rope_theta <= kMaxRopeTheta, "config: rope_theta ", rope_theta, " is beyond ",
+             kMaxRopeTheta,
+             " (RoPE's base; published models use 1e4 to 1e7; past 1e12 every pair but the "
              "first rotates by less than float's rounding)");
   LAGA_CHECK(norm_eps >= kLeastNormEps && norm_eps < 1, "config: norm_eps ", norm_eps,
              " must be in [", kLeastNormEps,
@@ -96,9 +97,9 @@ void MlaConfig::validate() const {
     LAGA_CHECK(beta_fast <= kMaxYarnBeta, "config: beta_fast ", beta_fast, " is beyond ",
                kMaxYarnBeta,
                " (YaRN's rotation counts over the original context; DeepSeek-V3: 32 and 1)");
-    LAGA_CHECK(mscale >= 0 && mscale <= kMaxMscale, "config: mscale ", mscale, " must be in [0, ",
-               kMaxMscale,
-               "] ((0.1 mscale ln(rope_factor) + 1)^2 multiplies the softmax scale; DeepSeek-V3: "
+    LAGA_CHECK(mscale >= 0, "config: mscale must be >= 0, got ", mscale);
+    LAGA_CHECK(mscale <= kMaxMscale, "config: mscale ", mscale, " is beyond ", kMaxMscale,
+               " ((0.1 mscale ln(rope_factor) + 1)^2 multiplies the softmax scale; DeepSeek-V3: "
                "1)");
   }
   // Sizes past this overflow int32 BLAS arguments somewhere; nobody needs them.
