@@ -149,6 +149,9 @@ def case_integers(laga, scratch):
     # The largest seed is a seed.
     expect_ok(laga, FORWARD + ["--seed", str(2**64 - 1)])
     expect_ok(laga, TRAIN + ["--seed", str(2**64 - 1)])
+    # --doc-lens' lengths name theirs (at most --seq).
+    expect_error(laga, FORWARD + ["--doc-lens", "3," + str(10**20)],
+                 f"--doc-lens: '{10**20}' is not a whole number >= 1 and <= 8")
     # Plan's lists name their range too.
     expect_error(laga, PLAN + ["--sp", "4294967296"], "'4294967296' is not a whole number >= 1",
                  "and <= 2147483647")
