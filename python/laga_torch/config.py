@@ -258,8 +258,11 @@ class MLAConfig:
                              f"{self.qk_rope_head_dim}")
         if not self.rope_theta > 1.0:
             raise ValueError(f"{source}: rope_theta must be > 1, got {self.rope_theta}")
-        if not 0 < self.norm_eps < 1:
-            raise ValueError(f"{source}: norm_eps must be in (0, 1), got {self.norm_eps}")
+        # src/mla/config.cpp's ranges (issue 54, T): kMaxRopeTheta, kLeastNormEps.
+        if self.rope_theta > 1e12:
+            raise ValueError(f"{source}: rope_theta {self.rope_theta} is beyond 1e+12")
+        if not 1e-30 <= self.norm_eps < 1:
+            raise ValueError(f"{source}: norm_eps {self.norm_eps} must be in [1e-30, 1)")
         if self.original_seq_len <= 0 or self.max_seq_len <= 0:
             raise ValueError(f"{source}: original_seq_len and max_seq_len must be positive, got "
                              f"{self.original_seq_len} and {self.max_seq_len}")
@@ -285,6 +288,10 @@ class MLAConfig:
                                  f"{self.beta_fast} and {self.beta_slow}")
             if self.mscale < 0:
                 raise ValueError(f"{source}: mscale must be >= 0, got {self.mscale}")
+            if self.beta_fast > 1e6:  # kMaxYarnBeta
+                raise ValueError(f"{source}: beta_fast {self.beta_fast} is beyond 1e+06")
+            if self.mscale > 100:  # kMaxMscale
+                raise ValueError(f"{source}: mscale {self.mscale} is beyond 100")
         if self.n_heads * (self.qk_head_dim + self.v_head_dim) >= 1 << 24 or \
                 self.dim >= 1 << 24:
             raise ValueError(f"{source}: dimensions too large (dim {self.dim}, n_heads "

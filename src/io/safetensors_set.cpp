@@ -249,6 +249,43 @@ void SafetensorsSet::read_into(const std::string& name, Tensor<double>& destinat
   for (std::int64_t i = 0; i < narrow.numel(); ++i) destination[i] = narrow[i];
 }
 
+namespace {
+
+// What a block scale may be: one that dequantises every code of its block
+// to a normal float. The least non-zero E4M3 magnitude is 2^-9 and the
+// largest 448, so the scale must lie in [2^-117, 2^119] (~[6.0e-36,
+// 6.6e35]; 448 x 2^119 is 1.75 x 2^127, below FLT_MAX); DeepSeek-V3's are
+// ~1e-5 to 1e-1. Outside it: 0
+// (what a preallocated, partly downloaded shard holds: every weight 0,
+// the run finite and wrong), negative (every weight's sign flipped),
+// subnormal or tiny (weights flushed or rounded to a few bits), huge (448 x
+// scale overflows to inf), NaN or inf. Each is refused naming the file,
+// the scale and its block; none is a checkpoint anyone exported.
+void check_fp8_scales(const std::vector<float>& scale, std::int64_t R, std::int64_t C,
+                      const std::string& path, const std::string& scale_name) {
+  constexpr float kLeast = 0x1p-117f;
+  constexpr float kMost = 0x1p119f;
+  for (std::int64_t k = 0; k < R * C; ++k) {
+    const float v = scale[static_cast<std::size_t>(k)];
+    if (v >= kLeast && v <= kMost) continue;
+    const char* why = !std::isfinite(v) ? "a scale must be finite"
+                      : v == 0.0f
+                          ? "a zero scale makes every weight of the block 0 (a preallocated or "
+                            "partly downloaded shard holds zeros)"
+                      : v < 0.0f ? "a scale must be positive (a negative one flips every weight's "
+                                   "sign)"
+                      : v < kLeast ? "a scale this small dequantises the block's weights to "
+                                     "subnormal floats or 0"
+                                   : "a scale this large dequantises the block's largest codes "
+                                     "(448) to inf";
+    fail("weights '", path, "': scale '", scale_name, "' block [", k / C, ", ", k % C, "] is ", v,
+         "; ", why, "; a block scale must lie in [2^-117, 2^119] = [", kLeast, ", ", kMost,
+         "]: the checkpoint is corrupt or incomplete, download it again");
+  }
+}
+
+}  // namespace
+
 void SafetensorsSet::read_fp8_into(const SafetensorsFile& file, const std::string& name,
                                    Tensor<float>& destination) const {
   const SafetensorsTensorInfo& w = file.info(name);
@@ -275,13 +312,7 @@ void SafetensorsSet::read_fp8_into(const SafetensorsFile& file, const std::strin
 
   std::vector<float> scale(static_cast<std::size_t>(R * C));
   scale_file.read_raw(scale_name, 0, s.bytes(), scale.data());
-  for (std::int64_t k = 0; k < R * C; ++k) {
-    LAGA_CHECK(std::isfinite(scale[static_cast<std::size_t>(k)]), "weights '", scale_file.path(),
-               "': scale '", scale_name, "' block [", k / C, ", ", k % C, "] is ",
-               scale[static_cast<std::size_t>(k)],
-               "; a scale must be finite, the checkpoint is "
-               "corrupt");
-  }
+  check_fp8_scales(scale, R, C, scale_file.path(), scale_name);
   // One block row (128 rows of N codes) at a time, so the fp8 bytes are
   // never held whole beside the floats.
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(std::min(M, kFp8BlockSize) * N));

@@ -9,38 +9,70 @@
 
 namespace laga {
 
-// RMSNorm is scale-invariant but its sum of squares is not: a row whose
-// sum of x^2 passes the type's range (float: |x| ~ 1e19 over 512 columns)
-// made it inf, 1/sqrt(inf) = 0, and the row exactly 0 with nothing
-// non-finite to notice (issue 26). So each row is summed as (x / m)^2, m its
-// largest |x|, and
-//   rstd = 1 / sqrt(sum x^2 / C + eps) = (1/m) / sqrt(sum (x/m)^2 / C + eps / m^2),
-// which neither overflows nor, for rows of ordinary size, rounds differently
-// by more than an ulp or two. rstd itself stays representable: it is about
-// 1 / m.
+// RMSNorm is scale-invariant but its sum of squares is not, and every
+// figure of the row must stay inside the type's range at both ends:
+//  - summed as x^2, a float row of |x| ~ 1e19 over 512 columns summed to
+//    inf and came out exactly 0 (issue 26);
+//  - summed as (x/m)^2 with m the row's largest |x| and eps carried as
+//    eps / m^2 (issue 26's fix), a float row with m below ~5e-23 made
+//    eps / m^2 inf and came out exactly 0, and a subnormal m made 1/m inf
+//    and the row NaN (issue 54, F).
+// So the row's root mean square d = sqrt(mean x^2 + eps) is computed in
+// double whatever T is, from m and the mean of (x/m)^2 (in [1/C, 1]):
+//   d = m sqrt(mean (x/m)^2 + (eps/m)/m),
+// and where (eps/m)/m passes double's range (eps exceeds m^2 by more than
+// 1e308, so m^2 is far below eps's last bit) d = sqrt(eps). Neither
+// overflows or underflows for any finite x of either type (a float's square
+// is within double's range; a double's is scaled by m first). y = x w / d,
+// rounded once to T; rstd = 1/d is saved for backward (for a float it stays
+// representable: it lies in [1/m, 1/sqrt(eps)], and eps >= 1e-30 by the
+// config's rule; eps = 0 with a zero row is 1/0, the caller's choice).
+namespace {
+template <class T>
+double row_rms(const T* xr, std::int64_t C, double eps) {
+  double m = 0;
+#pragma omp simd reduction(max : m)
+  for (std::int64_t c = 0; c < C; ++c) m = std::max(m, std::abs(static_cast<double>(xr[c])));
+  if (m == 0) return std::sqrt(eps);                                       // an all-zero row
+  if (!std::isfinite(m)) return std::numeric_limits<double>::quiet_NaN();  // stays visible
+  const double s = 1.0 / m;  // inf only for a double m below 1/DBL_MAX: divide then
+  double ss = 0;
+  if (std::isfinite(s)) {
+#pragma omp simd reduction(+ : ss)
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double v = static_cast<double>(xr[c]) * s;
+      ss += v * v;
+    }
+  } else {
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double v = static_cast<double>(xr[c]) / m;
+      ss += v * v;
+    }
+  }
+  const double mean = ss / static_cast<double>(C);  // NaN when the row holds one
+  const double q = eps / m / m;
+  if (!std::isfinite(q)) return std::isnan(mean) ? mean : std::sqrt(eps);
+  return m * std::sqrt(mean + q);
+}
+}  // namespace
+
 template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w, std::int64_t N,
                      std::int64_t C, double eps) {
 #pragma omp parallel for schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * ldx;
-    T m = 0;
-#pragma omp simd reduction(max : m)
-    for (std::int64_t c = 0; c < C; ++c) m = std::max(m, std::abs(xr[c]));
-    T r = T(1) / std::sqrt(static_cast<T>(eps));  // an all-zero row
-    if (m > 0 && std::isfinite(m)) {
-      const T s = T(1) / m;
-      T ss = 0;
-#pragma omp simd reduction(+ : ss)
-      for (std::int64_t c = 0; c < C; ++c) ss += (xr[c] * s) * (xr[c] * s);
-      r = s / std::sqrt(ss / static_cast<T>(C) + static_cast<T>(eps) * s * s);
-    } else if (!(m == 0)) {
-      r = std::numeric_limits<T>::quiet_NaN();  // a non-finite input stays visible
-    }
-    rstd[n] = r;
+    const double d = row_rms(xr, C, eps), r = 1.0 / d;
+    rstd[n] = static_cast<T>(r);
     T* yr = y + n * C;
+    if (std::isnormal(r) || !std::isfinite(r)) {
 #pragma omp simd
-    for (std::int64_t c = 0; c < C; ++c) yr[c] = xr[c] * r * w[c];
+      for (std::int64_t c = 0; c < C; ++c)
+        yr[c] = static_cast<T>(static_cast<double>(xr[c]) * r * static_cast<double>(w[c]));
+    } else {  // a double row near DBL_MAX: 1/d is subnormal, divide instead
+      for (std::int64_t c = 0; c < C; ++c)
+        yr[c] = static_cast<T>(static_cast<double>(xr[c]) / d * static_cast<double>(w[c]));
+    }
   }
 }
 

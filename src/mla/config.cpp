@@ -38,6 +38,9 @@ RopeParams MlaConfig::rope() const {
 
 namespace {
 constexpr double kMaxRopeFactor = 1e6;
+constexpr double kMaxRopeTheta = 1e12;
+constexpr double kMaxYarnBeta = 1e6;
+constexpr double kMaxMscale = 100;
 constexpr std::int64_t kMaxSeqLen = std::int64_t(1) << 40;
 }  // namespace
 
@@ -55,8 +58,19 @@ void MlaConfig::validate() const {
              q_lora_rank);
   LAGA_CHECK(qk_rope_head_dim % 2 == 0,
              "config: qk_rope_head_dim must be even (RoPE rotates pairs), got ", qk_rope_head_dim);
+  // The real-valued keys have physical ranges as the integers do: a value
+  // past them is a typo or a hostile file, not a model (issue 54, T), and
+  // is refused here naming the key rather than found later as a wrong
+  // number or an overflow blamed on something else.
   LAGA_CHECK(rope_theta > 1.0, "config: rope_theta must be > 1, got ", rope_theta);
-  LAGA_CHECK(norm_eps > 0 && norm_eps < 1, "config: norm_eps must be in (0, 1), got ", norm_eps);
+  LAGA_CHECK(rope_theta <= kMaxRopeTheta, "config: rope_theta ", rope_theta, " is beyond ",
+             kMaxRopeTheta,
+             " (RoPE's base; published models use 1e4 to 1e7; past 1e12 every pair but the "
+             "first rotates by less than float's rounding)");
+  LAGA_CHECK(norm_eps >= kLeastNormEps && norm_eps < 1, "config: norm_eps ", norm_eps,
+             " must be in [", kLeastNormEps,
+             ", 1) (the RMSNorms' eps, 1e-6 in DeepSeek-V3; below 1e-30 1/sqrt(eps) leaves "
+             "float's range for an all-zero row)");
   LAGA_CHECK(original_seq_len > 0 && max_seq_len > 0,
              "config: original_seq_len and max_seq_len must be positive");
   // A query compression wider than the model is legal algebra but no model
@@ -80,7 +94,13 @@ void MlaConfig::validate() const {
                "), got ", rope_factor);
     LAGA_CHECK(beta_fast > beta_slow && beta_slow > 0,
                "config: YaRN needs beta_fast > beta_slow > 0, got ", beta_fast, " and ", beta_slow);
+    LAGA_CHECK(beta_fast <= kMaxYarnBeta, "config: beta_fast ", beta_fast, " is beyond ",
+               kMaxYarnBeta,
+               " (YaRN's rotation counts over the original context; DeepSeek-V3: 32 and 1)");
     LAGA_CHECK(mscale >= 0, "config: mscale must be >= 0, got ", mscale);
+    LAGA_CHECK(mscale <= kMaxMscale, "config: mscale ", mscale, " is beyond ", kMaxMscale,
+               " ((0.1 mscale ln(rope_factor) + 1)^2 multiplies the softmax scale; DeepSeek-V3: "
+               "1)");
   }
   // Sizes past this overflow int32 BLAS arguments somewhere; nobody needs them.
   LAGA_CHECK(n_heads * (qk_head_dim() + v_head_dim) < (1ll << 24) && dim < (1ll << 24),

@@ -35,6 +35,12 @@ bool read_config_key(const nlohmann::json& j, const char* key, std::int64_t& out
 bool read_config_key(const nlohmann::json& j, const char* key, double& out,
                      const std::string& source);
 
+// The least eps an RMSNorm of a config may have (MlaConfig::norm_eps and the
+// model's norms alike): rstd = 1/sqrt(mean x^2 + eps) is at most
+// 1/sqrt(eps), which must stay inside float's range for an all-zero or
+// subnormal row (kernels/rmsnorm.cpp). Published models use 1e-6 to 1e-5.
+inline constexpr double kLeastNormEps = 1e-30;
+
 struct MlaConfig {
   std::int64_t dim = 256;
   std::int64_t n_heads = 8;

@@ -58,10 +58,14 @@ Documents Documents::parse_lengths(const std::string& text, std::int64_t batch, 
     std::vector<std::int64_t> cu{0};
     for (const std::string& piece : split(row, ',')) {
       const std::optional<std::int64_t> parsed = parse_whole_number(piece);
-      LAGA_CHECK(parsed, "--doc-lens: '", piece,
-                 "' is not a whole number (decimal digits only, "
-                 "no leading zeros) in '",
-                 text, "'; give document lengths as 5,7 (rows split by /, e.g. 5,7/12)");
+      // A length past int64 keeps the rule; it is refused by its range, as
+      // every integer a user types (issue 54, T).
+      const bool digits = !piece.empty() &&
+                          piece.find_first_not_of("0123456789") == std::string::npos &&
+                          (piece.size() == 1 || piece[0] != '0');
+      LAGA_CHECK(parsed, "--doc-lens: '", piece, "' is not a whole number >= 1 and <= ", seq,
+                 digits ? "" : " (decimal digits only, no leading zeros)", " in '", text,
+                 "'; give document lengths as 5,7 (rows split by /, e.g. 5,7/12)");
       const std::int64_t len = *parsed;
       LAGA_CHECK(len >= 1, "--doc-lens: a document of length ", len, " in '", text,
                  "'; every document has at least one token");

@@ -113,7 +113,10 @@ LmConfig LmConfig::from_json(const nlohmann::json& j, const std::string& source)
   LAGA_CHECK(!ffn_given || c.ffn_hidden >= 1, source, ": '", ffn_key, "' must be >= 1, got ",
              c.ffn_hidden);
   read_config_key(j, eps_key, c.norm_eps, source);
-  LAGA_CHECK(c.norm_eps > 0, source, ": '", eps_key, "' must be > 0, got ", c.norm_eps);
+  LAGA_CHECK(c.norm_eps >= kLeastNormEps && c.norm_eps < 1, source, ": '", eps_key, "' ",
+             c.norm_eps, " must be in [", kLeastNormEps,
+             ", 1) (the decoder norms' eps, 1e-6 in DeepSeek-V3; below 1e-30 1/sqrt(eps) leaves "
+             "float's range for an all-zero row)");
   read_config_key(j, "bias_update_speed", c.bias_update_speed, source);
   try {
     c.validate();
@@ -137,6 +140,8 @@ LmConfig LmConfig::from_json_file(const std::string& path) {
 void LmConfig::validate() const {
   mla.validate();
   LAGA_CHECK(layers >= 1, "model: --layers must be >= 1 (got ", layers, ")");
+  LAGA_CHECK(layers < (1ll << 20), "model: ", layers,
+             " layers is beyond any model (at most 2^20; DeepSeek-V3 has 61)");
   LAGA_CHECK(vocab >= 2, "model: --vocab must be >= 2 (got ", vocab, ")");
   LAGA_CHECK(vocab <= (std::int64_t{1} << 31) - 1, "model: --vocab ", vocab,
              " does not fit the int32 token ids");
@@ -146,6 +151,14 @@ void LmConfig::validate() const {
              "model: bias_update_speed must be finite and >= 0 (got ", bias_update_speed,
              "); it is the step of the experts' bias balancing (DeepSeek-V3: 0.001), 0 disables "
              "it");
+  // The biases only rank the experts; a step of 1 already reorders every
+  // token's choice each step, past it the balancing is noise (and at 1e300
+  // the biases overflow).
+  LAGA_CHECK(bias_update_speed <= 1, "model: bias_update_speed ", bias_update_speed,
+             " is beyond 1 (the step of the experts' bias balancing, DeepSeek-V3: 0.001: a step "
+             "that large reorders every token's experts each step); check the config");
+  LAGA_CHECK(norm_eps >= kLeastNormEps && norm_eps < 1, "model: norm_eps ", norm_eps,
+             " must be in [", kLeastNormEps, ", 1) (the decoder norms' eps)");
   LAGA_CHECK(bias_update_speed == 0 || moe, "model: bias_update_speed ", bias_update_speed,
              " steers the biases of MoE experts, but the model has none; set n_routed_experts "
              "(and the other MoE settings) or drop bias_update_speed");

@@ -26,6 +26,10 @@ const char* to_string(TopkMethod m) {
   return "?";
 }
 
+namespace {
+constexpr double kLeastRouteScale = 1e-3, kMostRouteScale = 1e3;
+}  // namespace
+
 void MoeConfig::validate() const {
   const std::int64_t E = n_routed_experts, k = num_experts_per_tok;
   LAGA_CHECK(E >= 1, "moe: n_routed_experts (n_routed_experts) must be >= 1, got ", E,
@@ -53,16 +57,24 @@ void MoeConfig::validate() const {
              " is more than the ", topk_group * (E / n_group),
              " experts of the topk_group = ", topk_group, " groups a token may use (", E / n_group,
              " per group); raise topk_group or lower num_experts_per_tok");
-  LAGA_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
-             "moe: routed_scaling_factor (route_scale) must be finite and > 0, got ",
-             routed_scaling_factor, " (DeepSeek-V3: 2.5)");
-  LAGA_CHECK(first_k_dense_replace >= 0,
-             "moe: first_k_dense_replace (n_dense_layers) must be >= 0, got ",
-             first_k_dense_replace);
+  // It multiplies every routed expert's output: published models use 1 to 16
+  // (DeepSeek-V2: 16, V3: 2.5). Far outside that the run does not fail here
+  // but later, in the gate or the loss, blaming another tensor (1e300 died
+  // "in the gate's input", issue 54).
+  LAGA_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor >= kLeastRouteScale &&
+                 routed_scaling_factor <= kMostRouteScale,
+             "moe: routed_scaling_factor (route_scale) ", routed_scaling_factor, " must be in [",
+             kLeastRouteScale, ", ", kMostRouteScale,
+             "] (it multiplies every routed expert's output; DeepSeek-V3: 2.5, V2: 16)");
+  LAGA_CHECK(first_k_dense_replace >= 0 && first_k_dense_replace < (1ll << 20),
+             "moe: first_k_dense_replace (n_dense_layers) must be >= 0 and < 2^20, got ",
+             first_k_dense_replace, " (the dense layers before the first MoE; DeepSeek-V3: 3)");
   // Past this, E x I x D weights and (N k, I) activations overflow int32
   // BLAS arguments long before memory runs out; no model is near it.
+  // (n_shared_experts is bounded before the product is formed: 2^53 of
+  // them times the width wrapped past int64 and passed.)
   LAGA_CHECK(E < (1ll << 20) && moe_intermediate_size < (1ll << 24) &&
-                 shared_intermediate_size() < (1ll << 24),
+                 n_shared_experts < (1ll << 20) && shared_intermediate_size() < (1ll << 24),
              "moe: dimensions too large (n_routed_experts ", E, ", moe_intermediate_size ",
              moe_intermediate_size, ", n_shared_experts ", n_shared_experts, ")");
 }

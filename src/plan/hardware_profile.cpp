@@ -133,24 +133,65 @@ class Fields {
   std::set<std::string> seen_;
 };
 
-// The least figures a profile may give (below them a plan's times are inf
-// or NaN, or meaningless): a device of 1 MFLOP/s and 1 MB, 1 kB/s memory
-// and links, a thousand exponentials a second; at most 10 s of link
-// latency. The link figures are comm/link_bounds.hpp's, which --link reads
-// too.
-constexpr double kLeastFlops = 1e6, kLeastBytes = 1e6, kLeastBytesPerS = kLeastLinkBytesPerS,
-                 kLeastExpPerS = 1e3, kMostLatencyUs = kMostLinkLatencyUs;
+// Every figure a profile gives, with the range some hardware has: below
+// the least a plan's times are inf or NaN, or meaningless (issue 26); past
+// the most the times shrink toward 0 and a plan names a winner of steps no
+// machine takes (1e308 FLOP/s planned 5e-303 s steps, issue 54). The most
+// is tens of times the largest figure any device or link has today, so a
+// real profile of the next generations still fits; the least is far below
+// any. In one place, with why:
+//   peak FLOP/s          [1e6, 1e17]   B200: 2.3e15 dense bf16; a 1 MFLOP/s
+//                                      device plans nothing useful
+//   memory bytes         [1e6, 1e14]   a GPU holds 2.9e11 (B300), a CPU node
+//                                      a few 1e13; 1 MB holds no layer
+//   memory/elementwise   [1e3, 1e14]   HBM3e: 8e12 bytes/s
+//     bytes/s
+//   exponentials/s       [1e3, 1e15]   an H100's SFUs: ~4e12/s
+//   efficiency           [1e-3, 1]     an achieved fraction of the peak;
+//                                      below 0.1% it measures something else
+//   link bytes/s         [1e3, 1e15]   NVLink 5: 9e11 bytes/s per GPU
+//                                      (comm/link_bounds.hpp, shared with
+//                                      --link)
+//   link latency us      [0, 1e7]      (comm/link_bounds.hpp)
+//   a measured call's    [1e-9, 1e6]   no kernel returns within a
+//     seconds                          nanosecond; 1e6 s is 11 days
+//   devices_per_node,    [1, 2^20]
+//     shared_cores
+struct Figure {
+  double least, most;
+  const char* unit;  // after the value, "" for none
+  const char* hint;  // after a figure below the least
+};
+constexpr Figure kFlops{1e6, 1e17, "FLOP/s", "the figure is FLOP/s, not TFLOP/s"};
+constexpr Figure kMemoryBytes{1e6, 1e14, "bytes", "the figure is bytes, not GB"};
+constexpr Figure kBytesPerS{kLeastLinkBytesPerS, 1e14, "bytes/s",
+                            "the figure is bytes/s, not GB/s"};
+constexpr Figure kExpPerS{1e3, 1e15, "exponentials/s", "leave it out where they are not the bound"};
+constexpr Figure kEfficiency{1e-3, 1, "", "it is an achieved fraction of the peak"};
+constexpr Figure kLinkBytesPerS{kLeastLinkBytesPerS, kMostLinkBytesPerS, "bytes/s",
+                                "the figure is bytes/s, not GB/s"};
+constexpr Figure kLatencyUs{0, kMostLinkLatencyUs, "us", ""};
+constexpr Figure kSeconds{1e-9, 1e6, "s", "the figure is seconds per call"};
+
+// `v` (f's field `key`) within `b`, or an error naming the field and the
+// bound: "device.peak_flops.fp32 = 1e+308 FLOP/s is above any device's (at
+// most 1e+17 FLOP/s); ...".
+double within(const Fields& f, const std::string& key, double v, const Figure& b,
+              const char* what) {
+  const std::string unit = *b.unit ? cat(" ", b.unit) : std::string();
+  LAGA_CHECK(v >= b.least, "profile ", f.source(), ": ", f.path(key), " = ", v, unit,
+             " is below any ", what, "'s (at least ", b.least, unit, ")", *b.hint ? "; " : "",
+             b.hint);
+  LAGA_CHECK(v <= b.most, "profile ", f.source(), ": ", f.path(key), " = ", v, unit,
+             " is beyond any ", what, "'s (at most ", b.most, unit,
+             "); the bounds of every figure are in docs/planning.md (Profiles)");
+  return v;
+}
 
 LinkModel read_link(Fields f) {
   LinkModel l;
-  l.bytes_per_s = f.number("bytes_per_s");
-  LAGA_CHECK(l.bytes_per_s >= kLeastBytesPerS, "profile ", f.source(), ": ", f.path("bytes_per_s"),
-             " = ", l.bytes_per_s, " is below any link's (at least ", kLeastBytesPerS,
-             " bytes/s); the figure is bytes/s, not GB/s");
-  l.latency_s = f.number("latency_us", true) * 1e-6;
-  LAGA_CHECK(l.latency_s * 1e6 <= kMostLatencyUs, "profile ", f.source(), ": ",
-             f.path("latency_us"), " = ", l.latency_s * 1e6, " us is beyond any link's (at most ",
-             kMostLatencyUs, " us)");
+  l.bytes_per_s = within(f, "bytes_per_s", f.number("bytes_per_s"), kLinkBytesPerS, "link");
+  l.latency_s = within(f, "latency_us", f.number("latency_us", true), kLatencyUs, "link") * 1e-6;
   l.topology = parse_topology(f.text("topology"), f.path("topology"));
   f.done();
   return l;
@@ -189,10 +230,11 @@ ShapeTimes read_shapes(Fields f, const std::string& source) {
     c.accumulate = g.flag("accumulate");
     // A shape given twice has two times: which one costs the plan is not for
     // the reader to guess (merged runs keep one on purpose).
-    LAGA_CHECK(t.gemm.emplace(c, g.number("seconds")).second, "profile ", source, ": ",
-               g.path("seconds"),
-               ": this GEMM shape is given twice in measured_shapes.gemm; "
-               "keep one time for each shape");
+    LAGA_CHECK(
+        t.gemm.emplace(c, within(g, "seconds", g.number("seconds"), kSeconds, "call")).second,
+        "profile ", source, ": ", g.path("seconds"),
+        ": this GEMM shape is given twice in measured_shapes.gemm; "
+        "keep one time for each shape");
     g.done();
   }
   for (Fields a : f.objects("attention")) {
@@ -206,10 +248,11 @@ ShapeTimes read_shapes(Fields f, const std::string& source) {
     c.Hq = a.whole("Hq", 1), c.Hk = a.whole("Hk", 1), c.dqk = a.whole("dqk", 1);
     c.dv = a.whole("dv", 1);
     c.causal = a.flag("causal");
-    LAGA_CHECK(t.attention.emplace(c, a.number("seconds")).second, "profile ", source, ": ",
-               a.path("seconds"),
-               ": this attention shape is given twice in "
-               "measured_shapes.attention; keep one time for each shape");
+    LAGA_CHECK(
+        t.attention.emplace(c, within(a, "seconds", a.number("seconds"), kSeconds, "call")).second,
+        "profile ", source, ": ", a.path("seconds"),
+        ": this attention shape is given twice in "
+        "measured_shapes.attention; keep one time for each shape");
     a.done();
   }
   f.done();
@@ -270,42 +313,29 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
     Fields peak = d.object("peak_flops");
     p.device.peak_flops_fp32 = peak.number_or_null("fp32");
     p.device.peak_flops_bf16 = peak.number_or_null("bf16");
-    peak.done();
-    // Positive but tiny figures gave inf/NaN step times with a named winner
-    // (issue 26): each figure must be one some hardware has.
     for (const auto& [name, v] :
          {std::pair{"fp32", p.device.peak_flops_fp32}, std::pair{"bf16", p.device.peak_flops_bf16}})
-      LAGA_CHECK(!v || *v >= kLeastFlops, "profile ", source, ": device.peak_flops.", name, " = ",
-                 *v, " FLOP/s is below any device's (at least ", kLeastFlops,
-                 "); the figure is FLOP/s, not TFLOP/s");
+      if (v) within(peak, name, *v, kFlops, "device");
+    peak.done();
     LAGA_CHECK(p.device.peak_flops_fp32 || p.device.peak_flops_bf16, "profile ", source,
                ": device.peak_flops has neither fp32 nor bf16; give at least one");
     Fields eff = d.object("efficiency");
-    p.device.gemm_efficiency = eff.fraction("gemm");
-    p.device.attention_efficiency = eff.fraction("attention");
+    p.device.gemm_efficiency = within(eff, "gemm", eff.fraction("gemm"), kEfficiency, "device");
+    p.device.attention_efficiency =
+        within(eff, "attention", eff.fraction("attention"), kEfficiency, "device");
     eff.done();
-    p.device.memory_bytes = d.number("memory_bytes");
-    p.device.memory_bytes_per_s = d.number("memory_bytes_per_s");
-    p.device.elementwise_bytes_per_s = d.has("elementwise_bytes_per_s")
-                                           ? d.number("elementwise_bytes_per_s")
-                                           : p.device.memory_bytes_per_s;
-    if (d.has("exp_per_s")) {
-      p.device.exp_per_s = d.number("exp_per_s");
-      LAGA_CHECK(p.device.exp_per_s >= kLeastExpPerS, "profile ", source,
-                 ": device.exp_per_s = ", p.device.exp_per_s, " is below any device's (at least ",
-                 kLeastExpPerS, " exponentials/s); leave it out where they are not the bound");
-    }
+    p.device.memory_bytes =
+        within(d, "memory_bytes", d.number("memory_bytes"), kMemoryBytes, "device");
+    p.device.memory_bytes_per_s =
+        within(d, "memory_bytes_per_s", d.number("memory_bytes_per_s"), kBytesPerS, "device");
+    p.device.elementwise_bytes_per_s =
+        d.has("elementwise_bytes_per_s")
+            ? within(d, "elementwise_bytes_per_s", d.number("elementwise_bytes_per_s"), kBytesPerS,
+                     "device")
+            : p.device.memory_bytes_per_s;
+    if (d.has("exp_per_s"))
+      p.device.exp_per_s = within(d, "exp_per_s", d.number("exp_per_s"), kExpPerS, "device");
     d.done();
-    LAGA_CHECK(p.device.memory_bytes >= kLeastBytes, "profile ", source,
-               ": device.memory_bytes = ", p.device.memory_bytes,
-               " is below any device's (at least ", kLeastBytes,
-               " bytes); the figure is bytes, not GB");
-    for (const auto& [name, v] :
-         {std::pair{"memory_bytes_per_s", p.device.memory_bytes_per_s},
-          std::pair{"elementwise_bytes_per_s", p.device.elementwise_bytes_per_s}})
-      LAGA_CHECK(v >= kLeastBytesPerS, "profile ", source, ": device.", name, " = ", v,
-                 " is below any device's (at least ", kLeastBytesPerS,
-                 " bytes/s); the figure is bytes/s, not GB/s");
   }
   const double per_node = top.number("devices_per_node");
   LAGA_CHECK(per_node == std::floor(per_node) && per_node <= 1 << 20, "profile ", source,

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -13,17 +15,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
-#include "comm/link_bounds.hpp"
 #include "comm/local_comm.hpp"
 #include "comm/mpi_comm.hpp"
 #include "core/error.hpp"
 #include "core/threads.hpp"
-#include "core/whole_number.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors_set.hpp"
 #include "model/checkpoint_manifest.hpp"
@@ -64,7 +65,7 @@ void CommOptions::add_to(CLI::App& app) {
   app.add_option("--comm-timeout", timeout_ms,
                  "milliseconds a collective waits for its peers before every rank stops with an "
                  "error naming the missing ones")
-      ->check(whole(1))
+      ->check(whole_for(1, timeout_ms))
       ->capture_default_str();
   app.add_flag_callback(
       "--no-memory-check", [this] { memory_check = false; },
@@ -76,142 +77,6 @@ Backend parse_comm_backend(const std::string& s) {
              "' is not a backend; use local (ranks as threads of this process) or mpi (one rank "
              "per process, launched with mpirun -np P)");
   return parse_backend(s);
-}
-
-namespace {
-std::string number_text(double x) {
-  std::ostringstream os;
-  os << x;
-  return os.str();
-}
-}  // namespace
-
-CLI::Validator whole(std::int64_t lo) {
-  return CLI::Validator(
-      [lo](std::string& text) -> std::string {
-        const std::optional<std::int64_t> v = parse_whole_number(text);
-        if (!v || *v < lo) return whole_number_refusal(text, lo);
-        return "";
-      },
-      cat("INT >= ", lo));
-}
-
-CLI::Validator non_empty(const char* option, const char* fix) {
-  return CLI::Validator(
-      [option, fix](std::string& text) -> std::string {
-        return text.empty() ? cat("an empty ", option, " means nothing; ", fix) : "";
-      },
-      "TEXT");
-}
-
-std::string whole_number_refusal(const std::string& text, std::int64_t lo) {
-  return cat("'", text, "' is not a whole number >= ", lo,
-             parse_whole_number(text) ? "" : " (decimal digits only, no leading zeros)");
-}
-
-CLI::Validator real(double lo, double hi, const char* bounds) {
-  const bool lo_in = bounds[0] == '[', hi_in = bounds[1] == ']';
-  const std::string interval =
-      cat(lo_in ? "[" : "(", number_text(lo), ", ", number_text(hi), hi_in ? "]" : ")");
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        const bool number = !text.empty() && end == text.c_str() + text.size();
-        if (!number || !std::isfinite(v))
-          return cat("'", text, "' is not a finite number in ", interval);
-        if (v < lo || (v == lo && !lo_in) || v > hi || (v == hi && !hi_in))
-          return cat(text, " is outside ", interval);
-        return "";
-      },
-      "REAL in " + interval);
-}
-
-CLI::Validator real_at_least(double lo) {
-  return real(lo, std::numeric_limits<double>::infinity(), "[)");
-}
-
-CLI::Validator real_above(double lo) {
-  return real(lo, std::numeric_limits<double>::infinity(), "()");
-}
-
-LinkSpec parse_link(const std::string& text) {
-  // The bounds are comm/link_bounds.hpp's, in GB/s: [1e-06, 1e+06].
-  constexpr double kMinGbps = kLeastLinkBytesPerS / 1e9, kMaxGbps = kMostLinkBytesPerS / 1e9;
-  constexpr double kMaxLatencyUs = kMostLinkLatencyUs;
-  const std::string usage =
-      "; give --link BW[,LAT]: BW in GB/s (10^9 bytes/s per direction) in [1e-06, 1e+06], LAT in "
-      "microseconds in [0, 1e+07], e.g. --link 25,5";
-  const size_t comma = text.find(',');
-  const std::string bw = text.substr(0, comma);
-  auto number = [&](const std::string& t, const char* what) {
-    char* end = nullptr;
-    const double v = std::strtod(t.c_str(), &end);
-    LAGA_CHECK(!t.empty() && end == t.c_str() + t.size() && std::isfinite(v), "--link: ", what,
-               " '", t, "' is not a finite number", usage);
-    return v;
-  };
-  LinkSpec spec;
-  const double gbps = number(bw, "bandwidth");
-  LAGA_CHECK(gbps > 0, "--link: bandwidth ", bw, " GB/s is not positive", usage);
-  LAGA_CHECK(gbps >= kMinGbps && gbps <= kMaxGbps, "--link: bandwidth ", bw,
-             " GB/s is beyond what the link model holds a rank for", usage);
-  spec.bytes_per_s = gbps * 1e9;
-  if (comma != std::string::npos) {
-    const std::string lat = text.substr(comma + 1);
-    const double us = number(lat, "latency");
-    LAGA_CHECK(us >= 0, "--link: latency ", lat, " us is negative", usage);
-    LAGA_CHECK(us <= kMaxLatencyUs, "--link: latency ", lat,
-               " us is beyond what the link model holds a rank for", usage);
-    spec.latency_s = us * 1e-6;
-  }
-  return spec;
-}
-
-CLI::Validator link_spec() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        try {
-          parse_link(text);
-        } catch (const Error& e) {
-          // CLI11 prefixes the option's name itself.
-          const std::string m = e.what();
-          return m.rfind("--link: ", 0) == 0 ? m.substr(8) : m;
-        }
-        return "";
-      },
-      "BW_GBPS[,LATENCY_US]");
-}
-
-std::vector<std::int64_t> parse_whole_list(const std::string& s, const std::string& option,
-                                           const std::string& example, std::int64_t max) {
-  std::vector<std::int64_t> v;
-  std::stringstream ss(s);
-  std::string tok;
-  while (std::getline(ss, tok, ',')) {
-    const std::optional<std::int64_t> x = parse_whole_number(tok);
-    LAGA_CHECK(x && *x >= 1 && *x <= max, option, ": ", whole_number_refusal(tok, 1),
-               "; give a comma-separated list like ", example);
-    v.push_back(*x);
-  }
-  LAGA_CHECK(!v.empty(), option, ": empty list; give a comma-separated list like ", example);
-  return v;
-}
-
-std::vector<int> parse_int_list(const std::string& s, const std::string& option) {
-  const std::vector<std::int64_t> v =
-      parse_whole_list(s, option, "1,2,4", std::numeric_limits<int>::max());
-  return std::vector<int>(v.begin(), v.end());
-}
-
-std::vector<Form> parse_form_list(const std::string& s) {
-  if (s == "all") return all_forms();  // every registered form (mla/form.cpp)
-  std::vector<Form> v;
-  std::stringstream ss(s);
-  std::string tok;
-  while (std::getline(ss, tok, ',')) v.push_back(parse_form(tok));
-  LAGA_CHECK(!v.empty(), "--forms: empty list; give some of ", form_names(","), ", or all");
-  return v;
 }
 
 OverlapRuns parse_overlap_runs(const std::string& s) {
@@ -281,6 +146,13 @@ namespace {
 
 std::mutex identity_mutex;
 std::map<std::string, std::string>& run_identity() {
+  static std::map<std::string, std::string> m;
+  return m;
+}
+// How an entry is shown in a refusal where that differs from its value: an
+// option left out is compared by its default's value but shown as
+// "0 (its default; not given)".
+std::map<std::string, std::string>& run_identity_shown() {
   static std::map<std::string, std::string> m;
   return m;
 }
@@ -385,10 +257,11 @@ bool g_ranks_compared = false;
 // each value with its ranks.
 void check_ranks_agree(Communicator& comm) {
   g_ranks_compared = true;
-  std::map<std::string, std::string> mine;
+  std::map<std::string, std::string> mine, shown;
   {
     std::lock_guard<std::mutex> lock(identity_mutex);
     mine = run_identity();
+    shown = run_identity_shown();
     for (const auto& [option, path] : input_files()) {
       // A value that names no file (a profile's name) is only its text.
       std::error_code ec;
@@ -402,7 +275,9 @@ void check_ranks_agree(Communicator& comm) {
   // says what to do, e.g. the pid holding a checkpoint's lock).
   std::string text;
   for (const auto& [what, value] : mine) {
-    std::string preview = value.substr(0, what == kFailure ? 2000 : 120);
+    const auto shown_as = shown.find(what);
+    std::string preview = (shown_as == shown.end() ? value : shown_as->second)
+                              .substr(0, what == kFailure ? 2000 : 120);
     for (char& ch : preview)
       if (ch == '\x1e' || ch == '\x1f' || ch == '\n') ch = ' ';
     text += what + "\x1f" + fnv1a64_hex(fnv1a64(value)) + "\x1f" + preview + "\x1e";
@@ -474,9 +349,75 @@ void check_ranks_agree(Communicator& comm) {
 
 }  // namespace
 
-void note_command_line(int argc, char** argv) {
+namespace {
+
+// An option's value as the ranks compare it: what it means, not how it was
+// spelt (issue 54, Q: `--lr 1e-3` on one rank and `--lr 0.001` on another,
+// or `--lr 0.001` given on one and left at its default on another, were
+// refused as a disagreement). Numbers in one spelling (a real as the
+// shortest %g that reads back as it, -0 as 0; an integer in decimal), a
+// flag as on/off, a dtype by its canonical name, --link's two reals each
+// as a real; text as given. Text that
+// does not parse is kept as it is: the option's own check refuses it.
+// The shortest %g that reads back as x (0.0010000001, not
+// 0.0010000001000000001); -0 as 0.
+std::string shortest_real(double x) {
+  x += 0.0;
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  return buf;
+}
+
+std::string canonical_value(const CLI::Option* opt, const std::string& value) {
+  if (!opt) return value;
+  if (opt->get_expected_max() == 0) {  // a flag: absent value or true/false
+    std::string v = value;
+    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (v.empty() || v == "true" || v == "1" || v == "on" || v == "yes") return "on";
+    if (v == "false" || v == "0" || v == "off" || v == "no") return "off";
+    return value;
+  }
+  const std::string type = opt->get_type_name();
+  if (type.rfind("FLOAT", 0) == 0) {
+    if (const std::optional<double> v = parse_decimal_real(value)) return shortest_real(*v);
+    return value;
+  }
+  if (opt->check_name("--link")) {  // BW[,LAT]: two reals
+    const size_t comma = value.find(',');
+    const std::optional<double> bw = parse_decimal_real(value.substr(0, comma));
+    const std::optional<double> lat = comma == std::string::npos
+                                          ? std::optional<double>()
+                                          : parse_decimal_real(value.substr(comma + 1));
+    if (bw && (comma == std::string::npos || lat))
+      return shortest_real(*bw) + (lat ? "," + shortest_real(*lat) : std::string());
+    return value;
+  }
+  // An integer has one spelling already: whole() refuses any other.
+  if (opt->check_name("--dtype"))
+    if (const std::optional<RunDtype> d = parse_run_dtype(value)) return to_string(*d);
+  return value;
+}
+
+}  // namespace
+
+void note_command_line(int argc, char** argv, const CLI::App& app) {
   // "--name value" and "--name=value" as options; a token after an option
-  // that is not itself one is its value; the first token names the command.
+  // that takes a value is its value; the first token names the command.
+  // Each option is noted by its canonical value (canonical_value), and every
+  // option of the command left out by its default where it has one, so that
+  // an explicit default and an omitted option agree.
+  const CLI::App* sub = nullptr;
+  if (argc > 1) {
+    for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+      if (s->check_name(argv[1])) sub = s;
+  }
+  const auto option = [&](const std::string& name) -> const CLI::Option* {
+    return sub ? sub->get_option_no_throw(name) : nullptr;
+  };
+  std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string tok = argv[i];
     if (tok.rfind("--", 0) != 0) {
@@ -484,11 +425,30 @@ void note_command_line(int argc, char** argv) {
       continue;
     }
     std::string value;
-    if (const auto eq = tok.find('='); eq != std::string::npos)
-      value = tok.substr(eq + 1), tok = tok.substr(0, eq);
-    else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0)
+    bool has_value = false;
+    if (const auto eq = tok.find('='); eq != std::string::npos) {
+      value = tok.substr(eq + 1), tok = tok.substr(0, eq), has_value = true;
+    }
+    const CLI::Option* opt = option(tok);
+    const bool flag = opt && opt->get_expected_max() == 0;
+    if (!has_value && !flag && i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0)
       value = argv[++i];
-    note_run_identity("option " + tok, value);
+    given.insert(tok);
+    note_run_identity("option " + tok, canonical_value(opt, value));
+  }
+  if (!sub) return;
+  for (const CLI::Option* opt : sub->get_options()) {
+    const std::vector<std::string>& names = opt->get_lnames();
+    if (names.empty()) continue;
+    const std::string name = "--" + names.front();
+    // A flag left out is off; an option with no default (a size derived
+    // from others) is not noted, and reads "does not give it".
+    const bool flag = opt->get_expected_max() == 0;
+    if (given.count(name) || (!flag && opt->get_default_str().empty())) continue;
+    const std::string value = flag ? "off" : canonical_value(opt, opt->get_default_str());
+    note_run_identity("option " + name, value);
+    std::lock_guard<std::mutex> lock(identity_mutex);
+    run_identity_shown()["option " + name] = value + " (its default; not given)";
   }
 }
 
@@ -687,7 +647,7 @@ void add_head_groups_option(CLI::App& app, int& head_groups) {
                      "laga2d gcd(heads, --sp), the most groups that split the heads evenly; "
                      "a2a_p2p the largest divisor of --sp below it that divides the heads, so "
                      "that a ring of context groups remains"))
-      ->check(CLI::PositiveNumber);
+      ->check(whole_for(1, head_groups));
 }
 
 }  // namespace laga::tools

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -41,24 +42,46 @@ Backend parse_comm_backend(const std::string& s);
 
 // Checks of an option's value, run by CLI11 on the text the user gave (so a
 // default is never checked, and absence keeps its meaning). A failure reads
-// "--seq: 0 is not a whole number >= 1", which main prints in the one error
-// format, "laga: error: ...", with exit status 2.
-//   whole(lo):       a decimal integer >= lo (no 1e3, no 0x10, no 010: one
-//                    rule, core/whole_number.hpp)
-//   real(lo, hi, bounds): a finite number in the interval; `bounds` says
-//                    which ends are included, e.g. "[)" for [lo, hi)
+// "--seq: '0' is not a whole number >= 1 and <= 9223372036854775807", which
+// main prints in the one error format, "laga: error: ...", with exit status
+// 2.
+//   whole(lo, hi):   a decimal integer in [lo, hi] (no 1e3, no 0x10, no 010:
+//                    one rule, core/whole_number.hpp); hi the option's type's
+//                    largest value: whole_for(lo, variable) picks it, so a
+//                    value past the type is refused naming the range, never
+//                    by CLI11's "Could not convert"
+//   real(lo, hi, bounds): a decimal number (parse_decimal_real) in the
+//                    interval; `bounds` says which ends are included, e.g.
+//                    "[)" for [lo, hi)
 //   real_at_least(lo) / real_above(lo): [lo, inf) / (lo, inf), finite
-CLI::Validator whole(std::int64_t lo);
+CLI::Validator whole(std::int64_t lo,
+                     std::uint64_t hi = std::uint64_t(std::numeric_limits<std::int64_t>::max()));
+template <class T>
+CLI::Validator whole_for(std::int64_t lo, const T&) {
+  static_assert(std::is_integral_v<T>);
+  return whole(lo, std::uint64_t(std::numeric_limits<T>::max()));
+}
+template <class T>
+CLI::Validator whole_for(std::int64_t lo, const std::optional<T>&) {
+  return whole_for(lo, T{});
+}
 // Refuses an empty value ("--doc-lens ''" silently meant no documents):
 // "'' is empty; <fix>".
 CLI::Validator non_empty(const char* option, const char* fix);
 // --doc-lens' check (compare, forward, verify).
 inline const CLI::Validator kDocLensGiven =
     non_empty("--doc-lens", "give document lengths like 5,7 or leave --doc-lens out");
-// whole()'s message for `text` (core/whole_number.hpp's rule), for the
-// parsers of comma lists: "'010' is not a whole number >= 1 (decimal digits
-// only, no leading zeros)".
-std::string whole_number_refusal(const std::string& text, std::int64_t lo);
+// whole()'s message for `text`, for the parsers of comma lists: "'010' is
+// not a whole number >= 1 and <= 2147483647 (decimal digits only, no leading
+// zeros)".
+std::string whole_number_refusal(
+    const std::string& text, std::int64_t lo,
+    std::uint64_t hi = std::uint64_t(std::numeric_limits<std::int64_t>::max()));
+// One rule for every real number laga reads from an option: decimal digits
+// with an optional '-', '.' and exponent (0.001, 1e-3, .5), finite and
+// within double's range; nullopt for anything else (hex floats such as 0x10,
+// inf, nan, spaces, 1e999, 1e-999).
+std::optional<double> parse_decimal_real(const std::string& text);
 CLI::Validator real(double lo, double hi, const char* bounds);
 CLI::Validator real_at_least(double lo);
 CLI::Validator real_above(double lo);
@@ -75,9 +98,15 @@ struct LinkSpec {
 LinkSpec parse_link(const std::string& text);
 CLI::Validator link_spec();
 
-// "1,2,4" -> {1, 2, 4}: each item a whole number in [1, max] by the one
-// rule (core/whole_number.hpp); errors name the option and the bad token and
-// show `example`. parse_int_list: the same for ints (rank counts).
+// A comma list's items, by one rule for every list option: no empty item
+// anywhere ("2," and "1,,2" alike), no item twice; errors name the option
+// and show `example`.
+std::vector<std::string> split_list(const std::string& s, const std::string& option,
+                                    const std::string& example);
+// "1,2,4" -> {1, 2, 4}: split_list's items, each a whole number in [1, max]
+// by the one rule (core/whole_number.hpp); errors name the option and the
+// bad token and show `example`. parse_int_list: the same for ints (rank
+// counts).
 std::vector<std::int64_t> parse_whole_list(
     const std::string& s, const std::string& option, const std::string& example,
     std::int64_t max = std::numeric_limits<std::int64_t>::max());
@@ -128,7 +157,7 @@ CLI::Option* add_dtype_option(CLI::App& app, std::function<void(RunDtype)> set,
 // each rank's value. An input file (note_input_file; protect_input notes
 // each) is compared by its contents, not its path: size and FNV-1a 64 of
 // the bytes (a directory: its listing, index and shard headers).
-void note_command_line(int argc, char** argv);
+void note_command_line(int argc, char** argv, const CLI::App& app);
 void note_run_identity(const std::string& what, const std::string& value);
 void note_input_file(const std::string& option, const std::string& path);
 

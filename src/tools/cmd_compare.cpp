@@ -25,13 +25,13 @@ void register_compare(CLI::App& app) {
   o->model.add_to(*c);
   o->comm.add_to(*c);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
-      ->check(whole(1))
+      ->check(whole_for(1, o->batch))
       ->capture_default_str();
   c->add_option("--seq", o->seq, "sequence length (S), split over the ranks")
-      ->check(whole(1))
+      ->check(whole_for(1, o->seq))
       ->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks (P)")
-      ->check(whole(1))
+      ->check(whole_for(1, o->sp))
       ->capture_default_str();
   c->add_option("--forms", o->forms,
                 cat("comma-separated forms to run (", form_names(", "), "), or all"))
@@ -72,13 +72,13 @@ void register_compare(CLI::App& app) {
                 "row); attention stays within documents")
       ->check(kDocLensGiven);
   c->add_option("--steps", o->steps, "measured forward+backward steps per form (median reported)")
-      ->check(whole(1))
+      ->check(whole_for(1, o->steps))
       ->capture_default_str();
   c->add_option("--warmup", o->warmup, "unmeasured steps per form before them")
-      ->check(whole(0))
+      ->check(whole_for(0, o->warmup))
       ->capture_default_str();
   c->add_option("--seed", o->seed, "seed of the weights, input and upstream gradient")
-      ->check(whole(0))
+      ->check(whole_for(0, o->seed))
       ->capture_default_str();
   c->add_option("--json", o->json, "write the results as JSON to this file ('-' for stdout)");
   c->add_option("--csv", o->csv, "write one CSV row per form to this file ('-' for stdout)");
@@ -86,7 +86,7 @@ void register_compare(CLI::App& app) {
                 "run only rank R of the --sp group, alone, on a dry-run communicator: exact "
                 "bytes and memory for one rank of a job too large for this machine; values are "
                 "not numerically meaningful")
-      ->check(whole(0));
+      ->check(whole_for(0, o->rank_only));
   c->add_flag("--count-only", o->count_only,
               "account every tensor without allocating it and run no kernel: exact bytes and "
               "memory at any size in seconds; no values, no times");
@@ -96,9 +96,24 @@ void register_compare(CLI::App& app) {
                 "earlier than its alpha-beta time (docs/planning.md). Bytes and results unchanged")
       ->check(link_spec());
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
-  c->callback([o] {
+  c->callback([o, c] {
     // The config is an input the outputs may not be, known before the work.
     protect_input(o->model.config_path, "--config");
+    // Options given where they would change nothing are refused saying why
+    // (issue 54, S): --count-only runs no kernel, so it takes one step of no
+    // values and no time whatever --steps, --warmup and --seed say.
+    if (o->count_only) {
+      // (--steps 1 and --warmup 0 are what it does: accepted.)
+      const bool ignored[] = {c->count("--steps") > 0 && o->steps != 1,
+                              c->count("--warmup") > 0 && o->warmup != 0, c->count("--seed") > 0};
+      const char* const names[] = {"--steps", "--warmup", "--seed"};
+      for (int k = 0; k < 3; ++k)
+        LAGA_CHECK(!ignored[k], names[k],
+                   " shapes the measured runs (their steps, their values), and --count-only runs "
+                   "no kernel: it accounts one step's bytes and memory, no values, no times; "
+                   "drop ",
+                   names[k], " or --count-only");
+    }
     vet_outputs({{"--json", o->json}, {"--csv", o->csv}});
     const std::optional<CompareResult> r = run_compare(*o);
     if (!r) return;  // not the reporting process of an MPI job

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.hpp"
 #include "core/nonfinite.hpp"
@@ -35,7 +36,25 @@ struct ForwardOptions {
   bool layer_given = false;  // --layer on the command line (else: the file's one layer)
   std::int64_t batch = 1, seq = 128;
   std::uint64_t seed = 0;
+  std::set<std::string> given;  // every option given (register_forward_command's callback)
 };
+
+// Options given where they would change nothing are refused saying why
+// (issue 54, S: --seq and --batch beside --input were ignored, the input's
+// x giving both).
+void check_options_act(const ForwardOptions& o) {
+  const auto given = [&](const char* name) { return o.given.count(name) > 0; };
+  for (const char* name : {"--seq", "--batch"})
+    LAGA_CHECK(
+        !given(name) || o.input.empty(), name, " sizes the random input, and --input '", o.input,
+        "' gives x, whose shape [B, S, D] sets the batch and the sequence length; drop ", name);
+  LAGA_CHECK(!given("--seed") || o.weights.empty() || o.input.empty(),
+             "--seed draws the random weights and input, and --weights and --input give both; "
+             "drop --seed");
+  LAGA_CHECK(!given("--layer") || !o.weights.empty(),
+             "--layer picks a layer's tensors by their Hugging Face names in --weights, and the "
+             "weights are random (no --weights); give --weights, or drop --layer");
+}
 
 // Non-finite values: refused in what is loaded (weights, x, dout), naming
 // the tensor and the count, unless --allow-nonfinite; an error at the first
@@ -52,8 +71,8 @@ void check_finite(const Tensor<T>& t, const std::string& what, bool loaded, bool
   }
   if (loaded) fail(found, "; fix the file, or pass --allow-nonfinite to run on it anyway");
   fail(found,
-       " although every input is finite; the computation overflowed (check the "
-       "weights' scale), nothing was written");
+       " although every input is finite; a value inside the block passed the type's range (an "
+       "overflow: check the scale of the weights and of x), nothing was written");
 }
 
 template <class T>
@@ -65,6 +84,7 @@ double checksum(const Tensor<T>& t) {
 
 template <class T>
 void run_forward(const ForwardOptions& o) {
+  check_options_act(o);
   // Inputs are protected from every writer, and the output is vetted now,
   // before the run, rather than found unwritable after it.
   protect_input(o.input, "--input");
@@ -202,7 +222,7 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--layer", opts->layer,
                   "layer index for Hugging Face names (model.layers.<i>.self_attn.*); needed "
                   "when the weights hold several layers' attention")
-      ->check(whole(0))
+      ->check(whole_for(0, opts->layer))
       ->capture_default_str();
   sub->add_option("--input", opts->input,
                   "safetensors with 'x' [B, S, D] (and 'dout' for --backward)");
@@ -241,19 +261,23 @@ void register_forward_command(CLI::App& app) {
       "hold another implementation to the forms exactly")
       ->default_str("fp32");
   sub->add_option("--sp", opts->sp, "sequence-parallel ranks")
-      ->check(whole(1))
+      ->check(whole_for(1, opts->sp))
       ->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch when the input is random")
-      ->check(whole(1))
+      ->check(whole_for(1, opts->batch))
       ->capture_default_str();
   sub->add_option("--seq", opts->seq, "sequence length when the input is random")
-      ->check(whole(1))
+      ->check(whole_for(1, opts->seq))
       ->capture_default_str();
   sub->add_option("--seed", opts->seed, "seed of random weights and input")
-      ->check(whole(0))
+      ->check(whole_for(0, opts->seed))
       ->capture_default_str();
   sub->callback([opts, sub] {
     opts->layer_given = sub->count("--layer") > 0;
+    opts->given.clear();
+    for (const CLI::Option* opt : sub->get_options())
+      if (opt->count() > 0 && !opt->get_lnames().empty())
+        opts->given.insert("--" + opt->get_lnames().front());
     if (opts->dtype == "float64") {
       run_forward<double>(*opts);
     } else if (opts->dtype == "bf16") {

@@ -420,8 +420,18 @@ LmConfig load_model(const PlanOptions& o) {
     protect_input(o.model, "--model");
     m = LmConfig::from_json_file(o.model);
   }
+  // A stage of more layers than the model has is no stage of it (issue 54,
+  // S: --layers 1000 planned a 3-layer model as 1000 layers).
+  LAGA_CHECK(o.layers <= m.layers, "--layers ", o.layers, " is more than the ", m.layers,
+             " layers of --model ", o.model,
+             "; --layers plans a pipeline stage of that many of its layers: give at most ",
+             m.layers, ", or leave it out for the whole model");
   if (o.layers > 0) m.layers = o.layers;
   m.validate();
+  LAGA_CHECK(m.moe || std::find(o.model_only_given.begin(), o.model_only_given.end(), "--ep") ==
+                          o.model_only_given.end(),
+             "--ep spreads the MoE experts over the ranks, and --model ", o.model,
+             " is dense (no routed experts); drop --ep");
   return m;
 }
 
@@ -634,7 +644,7 @@ void register_plan(CLI::App& app) {
       "starts to beat explicit (docs/planning.md)");
   o->model_options.add_to(*c);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
-      ->check(whole(1))
+      ->check(whole_for(1, o->batch))
       ->capture_default_str();
   c->add_option("--seq", o->seq, "sequence lengths, comma-separated (S)")->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks, comma-separated (P)")
@@ -655,7 +665,7 @@ void register_plan(CLI::App& app) {
   c->add_option("--nodes", o->nodes,
                 "nodes the ranks spread over (default: as few as the profile's devices per node "
                 "allow)")
-      ->check(whole(1));
+      ->check(whole_for(1, o->nodes));
   add_dtype_option(
       *c, [o](RunDtype d) { o->dtype = to_string(d); }, {RunDtype::bf16, RunDtype::fp32},
       "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
@@ -687,14 +697,14 @@ void register_plan(CLI::App& app) {
                 "plan a whole model's training step: a preset (deepseek-v3) or a DeepSeek-V3 "
                 "config.json with its MoE and layers; in place of --preset/--config");
   c->add_option("--layers", o->layers, "with --model: plan this many layers (a pipeline stage)")
-      ->check(whole(1));
+      ->check(whole_for(1, o->layers));
   c->add_option("--dp", o->dp,
                 "with --model: data-parallel replicas of the SP group, comma-separated")
       ->capture_default_str();
   c->add_option("--micro-batches", o->micro_batches,
                 "with --model: forward + backward passes of --batch sequences per optimizer step "
                 "(gradient accumulation; the gradient sync and AdamW once per step)")
-      ->check(whole(1))
+      ->check(whole_for(1, o->micro_batches))
       ->capture_default_str();
   c->add_option(
        "--ep", o->ep,

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -67,6 +68,7 @@ struct TrainCli {
   // config (LmConfig::from_json), in place of the model options below.
   std::string config;
   std::vector<std::string> model_options_given;  // of kModelOptions, filled by the callback
+  std::set<std::string> given;                   // every option given, filled by the callback
 };
 
 // The options that shape the model, which --config gives instead.
@@ -100,15 +102,6 @@ void install_stop_handlers() {
   sa.sa_flags = SA_RESTART;  // a signal mid-write must not fail the write
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
-}
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string tok;
-  while (std::getline(ss, tok, ','))
-    if (!tok.empty()) out.push_back(tok);
-  return out;
 }
 
 // The --log file, vetted like every output. A fresh run starts it empty; a
@@ -185,7 +178,8 @@ TrainOptions to_options(const TrainCli& c) {
   o.save_every = c.save_every;
   o.checkpoint_dir = c.checkpoint;
   o.resume = c.resume;
-  o.allow_change = split_commas(c.allow_change);
+  if (!c.allow_change.empty())
+    o.allow_change = split_list(c.allow_change, "--allow-change", "lr,steps");
   o.allow_nonfinite = c.allow_nonfinite;
   return o;
 }
@@ -245,6 +239,54 @@ void stagger_for_tests(bool report) {
     std::this_thread::sleep_for(std::chrono::milliseconds(v));
 }
 
+// Options given where they would change nothing: each is refused saying
+// why, since a user who gives one expects it to act (issue 54, S: --log-
+// expert-load on a dense model ran and logged nothing). Those needing the
+// resolved model run after it is built.
+void check_options_act(const TrainCli& c, const TrainOptions& o) {
+  const auto given = [&](const char* name) { return c.given.count(name) > 0; };
+  if (given("--log-expert-load")) {
+    LAGA_CHECK(!c.log.empty(),
+               "--log-expert-load adds each step's expert load to the --log file's lines; give "
+               "--log FILE, or drop --log-expert-load");
+    LAGA_CHECK(o.model.moe,
+               "--log-expert-load logs the tokens each MoE expert receives, but the model is "
+               "dense (no n_routed_experts); give --config with an MoE, or drop "
+               "--log-expert-load");
+    LAGA_CHECK(o.model.bias_update_speed > 0,
+               "--log-expert-load logs the expert load the bias balancing counts, and the "
+               "config's bias_update_speed is 0 (no balancing, nothing counted); set "
+               "bias_update_speed > 0 in the config, or drop --log-expert-load");
+  }
+  LAGA_CHECK(!given("--min-lr") || c.schedule == "cosine", "--min-lr ", c.min_lr,
+             " is the end of the cosine decay, and --schedule is ", c.schedule,
+             " (the lr stays at --lr after warm-up); give --schedule cosine, or drop --min-lr");
+  LAGA_CHECK(!given("--data-dtype") || c.data != "random" || !c.val_data.empty(),
+             "--data-dtype says how a token file is stored, and there is none (--data random, "
+             "no --val-data); give --data FILE, or drop --data-dtype");
+  LAGA_CHECK(!given("--val-batches") || !c.val_data.empty(),
+             "--val-batches sets how many batches of --val-data each validation reads, and "
+             "there is no --val-data; give --val-data FILE and --val-every N, or drop "
+             "--val-batches");
+  LAGA_CHECK(!given("--allow-change") || !c.allow_change.empty(),
+             "an empty --allow-change allows nothing; name the options that may change (e.g. "
+             "lr,steps) or drop it");
+  // The last step's checkpoint and validation run whatever N is: an N past
+  // --steps never comes.
+  LAGA_CHECK(c.save_every <= c.steps, "--save-every ", c.save_every, " never comes within --steps ",
+             c.steps, " (the last step's checkpoint is written anyway); give N <= ", c.steps,
+             " or drop --save-every");
+  LAGA_CHECK(c.val_every <= c.steps, "--val-every ", c.val_every, " never comes within --steps ",
+             c.steps, " (the last step is validated anyway); give N <= ", c.steps,
+             " or drop --val-every");
+  LAGA_CHECK(!c.perturb_reductions || c.sp >= 3,
+             "--perturb-reductions permutes the order in "
+             "which the ranks' contributions to each reduction are added, and at --sp ",
+             c.sp,
+             " every order gives the same bits (it changes bits only at --sp >= 3); give --sp "
+             ">= 3, or drop it");
+}
+
 void run_train(const TrainCli& c) {
   check_option_pairs(c);
   TrainOptions o = to_options(c);
@@ -255,6 +297,7 @@ void run_train(const TrainCli& c) {
   // others could find its fresh lock and call their own job's directory in
   // use, issue 54 V).
   validate_train_options(o, report);
+  check_options_act(c, o);  // after the options' own errors, which say more
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check)
@@ -408,36 +451,47 @@ void register_train(CLI::App& app) {
                       "step's attention); the same bytes and results (docs/forms.md)"))
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
-  sub->add_option("--sp", c->sp, "sequence-parallel ranks")->check(whole(1))->capture_default_str();
-  sub->add_option("--layers", c->layers, "transformer layers")
-      ->check(whole(1))
+  sub->add_option("--sp", c->sp, "sequence-parallel ranks")
+      ->check(whole_for(1, c->sp))
       ->capture_default_str();
-  sub->add_option("--d-model", c->d_model, "model width D")->check(whole(1))->capture_default_str();
-  sub->add_option("--heads", c->heads, "attention heads H")->check(whole(1))->capture_default_str();
-  sub->add_option("--nope-dim", c->nope_dim, "qk_nope_head_dim (default D/H)")->check(whole(1));
+  sub->add_option("--layers", c->layers, "transformer layers")
+      ->check(whole_for(1, c->layers))
+      ->capture_default_str();
+  sub->add_option("--d-model", c->d_model, "model width D")
+      ->check(whole_for(1, c->d_model))
+      ->capture_default_str();
+  sub->add_option("--heads", c->heads, "attention heads H")
+      ->check(whole_for(1, c->heads))
+      ->capture_default_str();
+  sub->add_option("--nope-dim", c->nope_dim, "qk_nope_head_dim (default D/H)")
+      ->check(whole_for(1, c->nope_dim));
   sub->add_option("--rope-dim", c->rope_dim, "qk_rope_head_dim (default D/H/2, even)")
-      ->check(whole(1));
-  sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)")->check(whole(1));
+      ->check(whole_for(1, c->rope_dim));
+  sub->add_option("--v-dim", c->v_dim, "v_head_dim (default D/H)")->check(whole_for(1, c->v_dim));
   sub->add_option("--kv-lora-rank", c->kv_lora_rank, "kv_lora_rank C (default 4 D/H)")
-      ->check(whole(1));
+      ->check(whole_for(1, c->kv_lora_rank));
   sub->add_option("--q-lora-rank", c->q_lora_rank,
                   "q_lora_rank rq: queries through wq_a, q_norm, wq_b (0: one wq)")
-      ->check(whole(0))
+      ->check(whole_for(0, c->q_lora_rank))
       ->capture_default_str();
   sub->add_option("--ffn-hidden", c->ffn_hidden, "SwiGLU width (default 8D/3 rounded up to 64)")
-      ->check(whole(1));
+      ->check(whole_for(1, c->ffn_hidden));
   sub->add_option("--config", c->config,
                   "the model from a DeepSeek-V3 config JSON (Hugging Face config.json or "
                   "ModelArgs): attention, layers, vocab, dense FFN width and the MoE "
                   "(n_routed_experts, ..., first_k_dense_replace; laga's bias_update_speed), "
                   "in place of --layers, --d-model, --heads, ... (docs/moe.md, \"In the model\")");
-  sub->add_option("--vocab", c->vocab, "vocabulary size")->check(whole(1))->capture_default_str();
-  sub->add_option("--seq", c->seq, "sequence length S")->check(whole(1))->capture_default_str();
+  sub->add_option("--vocab", c->vocab, "vocabulary size")
+      ->check(whole_for(1, c->vocab))
+      ->capture_default_str();
+  sub->add_option("--seq", c->seq, "sequence length S")
+      ->check(whole_for(1, c->seq))
+      ->capture_default_str();
   sub->add_option("--batch", c->batch, "sequences per step")
-      ->check(whole(1))
+      ->check(whole_for(1, c->batch))
       ->capture_default_str();
   sub->add_option("--steps", c->steps, "total optimizer steps")
-      ->check(whole(1))
+      ->check(whole_for(1, c->steps))
       ->capture_default_str();
   sub->add_option("--lr", c->lr, "peak learning rate")->check(real_above(0))->capture_default_str();
   sub->add_option("--beta1", c->beta1, "AdamW beta1")
@@ -455,7 +509,7 @@ void register_train(CLI::App& app) {
       ->check(real_at_least(0))
       ->capture_default_str();
   sub->add_option("--warmup", c->warmup, "linear warm-up steps")
-      ->check(whole(0))
+      ->check(whole_for(0, c->warmup))
       ->capture_default_str();
   sub->add_option("--schedule", c->schedule, "lr after warm-up: constant | cosine")
       ->check(CLI::IsMember({"constant", "cosine"}))
@@ -464,7 +518,7 @@ void register_train(CLI::App& app) {
       ->check(real_at_least(0))
       ->capture_default_str();
   sub->add_option("--seed", c->seed, "seed of weights and data")
-      ->check(whole(0))
+      ->check(whole_for(0, c->seed))
       ->capture_default_str();
   sub->add_option("--data", c->data,
                   "random (a fixed seeded sequence to memorise) or FILE (flat uint16/uint32 token "
@@ -474,9 +528,9 @@ void register_train(CLI::App& app) {
                   "held-out token file (as --data) to evaluate on every --val-every steps: the "
                   "mean forward loss of --val-batches fixed batches, logged as val_loss");
   sub->add_option("--val-every", c->val_every, "validate every N steps and after the last")
-      ->check(whole(1));
+      ->check(whole_for(1, c->val_every));
   sub->add_option("--val-batches", c->val_batches, "batches of --batch windows per validation")
-      ->check(whole(1))
+      ->check(whole_for(1, c->val_batches))
       ->capture_default_str();
   sub->add_option("--data-dtype", c->data_dtype,
                   "auto | u16 | u32 (auto: llm.c header if present, *.u32 names u32, else u16)")
@@ -486,13 +540,13 @@ void register_train(CLI::App& app) {
                   "ID: the data is documents each ending with token ID; attention and RoPE "
                   "positions stay inside each document of a row, and the target after ID is not "
                   "trained on (docs/forms.md, \"Packed sequences\")")
-      ->check(whole(0));
+      ->check(whole_for(0, c->pack_eos));
   sub->add_option("--log", c->log,
                   "JSONL file: one line per step (step, loss, grad_norm, lr, tokens_per_s, "
                   "targets: how many the loss is the mean over)");
   sub->add_option("--save-every", c->save_every,
                   "write a checkpoint every N steps (needs --checkpoint)")
-      ->check(whole(0));
+      ->check(whole_for(0, c->save_every));
   sub->add_option("--checkpoint", c->checkpoint,
                   "checkpoint directory: written every --save-every steps, after the last step "
                   "and on SIGINT/SIGTERM; must be new, empty, or the one --resume reads");
@@ -510,7 +564,7 @@ void register_train(CLI::App& app) {
                   "instead of rank order (deterministic per SEED, local == MPI; changes bits "
                   "only at --sp >= 3; docs/convergence.md, \"Reproducibility under perturbed "
                   "reductions\")")
-      ->check(whole(0));
+      ->check(whole_for(0, c->perturb_reductions));
   sub->add_flag("--expert-parallel", c->expert_parallel,
                 "MoE models: fold expert parallelism onto the --sp ranks (each rank runs "
                 "E / P consecutive experts, the first E % P ranks one more, on every rank's "
@@ -522,12 +576,16 @@ void register_train(CLI::App& app) {
                   "consecutive ranks, each holding every expert (E / N per rank), the copies "
                   "exchanged within a group, each expert's gradients summed over the groups by "
                   "the gradient all-reduce (default: --sp, one group)")
-      ->check(whole(1));
+      ->check(whole_for(1, c->ep));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
                 "the step's global token count per expert of every MoE layer");
   sub->add_flag("--quiet", c->quiet, "no per-step progress on stderr");
   sub->callback([c, sub] {
+    c->given.clear();
+    for (const CLI::Option* opt : sub->get_options())
+      if (opt->count() > 0 && !opt->get_lnames().empty())
+        c->given.insert("--" + opt->get_lnames().front());
     c->model_options_given.clear();
     for (const char* name : kModelOptions)
       if (sub->count(name) > 0) c->model_options_given.push_back(name);

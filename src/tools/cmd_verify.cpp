@@ -219,17 +219,17 @@ void register_verify_command(CLI::App& app) {
   add_seq_layout_option(*sub, opts->seq_layout);
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   sub->add_option("--batch", opts->batch, "batch")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_for(1, opts->batch))
       ->capture_default_str();
   sub->add_option("--seq", opts->seq, "sequence length (odd by default: uneven shards)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_for(1, opts->seq))
       ->capture_default_str();
   sub->add_option("--doc-lens", opts->doc_lens,
                   "packed sequences: document lengths, rows split by / (5,7/12; one list = every "
                   "row); the reference is then each document alone")
       ->check(kDocLensGiven);
   sub->add_option("--seed", opts->seed, "seed of weights and inputs")
-      ->check(whole(0))
+      ->check(whole_for(0, opts->seed))
       ->capture_default_str();
   add_dtype_option(
       *sub, [opts](RunDtype d) { opts->dtype = float_name(d); },

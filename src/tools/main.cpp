@@ -72,6 +72,80 @@ void replace_positive_checks(CLI::App& app) {
     }
 }
 
+// CLI11's own words for a malformed command line ("Could not convert: --x =
+// v", "--x: 1 required INT missing", "At Most 1 required but received 2",
+// "The following argument was not expected: y") name neither what was
+// wrong nor what to do; each is said again in laga's words (issue 54, T).
+// The values' own checks (whole, real, ...) already speak laga's.
+std::string explain_parse_error(const CLI::ParseError& e, const CLI::App* sub,
+                                const std::string& cmd) {
+  const std::string what = e.what();
+  const auto option_named = [&](const std::string& name) -> const CLI::Option* {
+    return sub ? sub->get_option_no_throw(name) : nullptr;
+  };
+  const std::string help = laga::cat("; see '", cmd, " --help'");
+  if (dynamic_cast<const CLI::ConversionError*>(&e)) {
+    // "Could not convert: NAME = VALUE", "NAME: too many inputs for a flag",
+    // "NAME: Should be true/false or a number".
+    std::string name = what, value;
+    if (const auto p = what.find("Could not convert: "); p == 0) {
+      const std::string rest = what.substr(19);
+      const auto eq = rest.find(" = ");
+      name = rest.substr(0, eq);
+      value = eq == std::string::npos ? "" : rest.substr(eq + 3);
+    } else if (const auto colon = what.find(':'); colon != std::string::npos) {
+      name = what.substr(0, colon);
+    }
+    const CLI::Option* opt = option_named(name);
+    if (opt && opt->get_expected_max() == 0)
+      return laga::cat(name, " is a flag and takes no value",
+                       value.empty() ? std::string() : laga::cat(" ('", value, "' given)"),
+                       ": give ", name, " alone, or leave it out", help);
+    return laga::cat(name, ": '", value, "' is not a value it takes",
+                     opt ? laga::cat(" (", opt->get_type_name(), ")") : std::string(), help);
+  }
+  if (dynamic_cast<const CLI::ArgumentMismatch*>(&e)) {
+    const auto colon = what.find(": ");
+    const std::string name = colon == std::string::npos ? std::string() : what.substr(0, colon);
+    if (what.find(" required but received ") != std::string::npos &&
+        what.find("At Most") != std::string::npos)
+      return laga::cat(name, " is given ", what.substr(what.rfind(' ') + 1), " times; give it once",
+                       help);
+    if (what.find(" missing") != std::string::npos) {
+      const CLI::Option* opt = option_named(name);
+      return laga::cat(name, " needs a value after it",
+                       opt ? laga::cat(" (", opt->get_type_name(), ")") : std::string(), help);
+    }
+    return laga::cat(what, help);
+  }
+  if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
+    const auto colon = what.find(": ");
+    const std::string extras = colon == std::string::npos ? what : what.substr(colon + 2);
+    // CLI11 lists the extras last first: the first one given is the last.
+    const std::string first = extras.substr(extras.rfind(' ') + 1);
+    if (first.rfind("-", 0) == 0)
+      return laga::cat("'", first, "' is not an option of ", cmd,
+                       " (options are spelt --name; a value that starts with '-' is given as "
+                       "--name=VALUE)",
+                       help);
+    return laga::cat("unexpected argument '", first, "': ", cmd,
+                     " takes options only (--name VALUE); a value belongs after its option", help);
+  }
+  if (dynamic_cast<const CLI::ValidationError*>(&e)) {
+    // CLI::IsMember's "--schedule: linear not in {constant,cosine}"; laga's
+    // own checks already speak laga's words.
+    const auto colon = what.find(": "), in = what.rfind(" not in {");
+    if (colon != std::string::npos && in != std::string::npos && in > colon && what.back() == '}') {
+      std::string choices = what.substr(in + 9, what.size() - in - 10);
+      for (size_t i = 0; (i = choices.find(',', i)) != std::string::npos; i += 2)
+        choices.replace(i, 1, ", ");
+      return laga::cat(what.substr(0, colon), ": '", what.substr(colon + 2, in - colon - 2),
+                       "' is not one of ", choices, help);
+    }
+  }
+  return laga::cat(what, help);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,7 +163,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "laga 0.1.0");
   for (const auto& reg : laga::tools::command_registry()) reg(app);
-  laga::tools::note_command_line(argc, argv);  // what MPI ranks must agree on
+  laga::tools::note_command_line(argc, argv, app);  // what MPI ranks must agree on
   laga::tools::protect_own_executable();
   replace_positive_checks(app);
 
@@ -113,8 +187,9 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0 || dynamic_cast<const CLI::RuntimeError*>(&e) != nullptr)
       return app.exit(e);
     std::string cmd = "laga";
-    for (const CLI::App* sub : app.get_subcommands()) cmd += " " + sub->get_name();
-    return fail_exit(laga::cat(e.what(), "; see '", cmd, " --help'"));
+    const CLI::App* parsed = nullptr;
+    for (const CLI::App* sub : app.get_subcommands()) cmd += " " + sub->get_name(), parsed = sub;
+    return fail_exit(explain_parse_error(e, parsed, cmd));
   } catch (const laga::Error& e) {
     return fail_exit(e.what());
   } catch (const std::bad_alloc& e) {

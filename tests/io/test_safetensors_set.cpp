@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -196,6 +197,53 @@ TEST_F(SafetensorsSetTest, RefusesBadScales) {
             .read_into("w.weight", y);
       },
       {"w.weight_scale_inv", "block [1, 1]", "finite"});
+  // Every scale that is not a positive normal float whose block's codes
+  // (448 the largest, 2^-9 the least) dequantise to normal floats: 0 (a
+  // preallocated, partly downloaded shard: it ran to an all-zero output,
+  // exit 0), -0, negative, subnormal, tiny, huge. Each names the file, the
+  // scale and the block.
+  const struct {
+    float value;
+    const char* why;
+  } hostile[] = {{0.0f, "zero scale"},
+                 {-0.0f, "zero scale"},
+                 {-1e-3f, "must be positive"},
+                 {-INFINITY, "must be finite"},
+                 {1e-40f, "subnormal"},
+                 {std::numeric_limits<float>::denorm_min(), "subnormal"},
+                 {std::numeric_limits<float>::min(), "subnormal"},
+                 {0x1p-118f, "subnormal"},
+                 {1e36f, "inf"},
+                 {0x1p120f, "inf"},
+                 {std::numeric_limits<float>::max(), "inf"}};
+  int n = 0;
+  for (const auto& h : hostile) {
+    bad = {1, 1, 1, h.value, 1, 1};
+    std::string name = "s";
+    name += std::to_string(n++);
+    name += ".st";
+    SCOPED_TRACE(testing::Message() << "scale " << h.value);
+    expect_error(
+        [&] {
+          file_with(name, {"w.weight_scale_inv", "F32", {3, 2}, f32_bytes(bad), {}})
+              .read_into("w.weight", y);
+        },
+        {name, "w.weight_scale_inv", "block [1, 1]", h.why, "[2^-117, 2^119]"});
+  }
+  // The bounds themselves are accepted, and dequantise to finite normal
+  // floats (code 0x01 is 2^-9, 0x7e is 448).
+  for (const float edge : {0x1p-117f, 0x1p119f}) {
+    std::string edge_codes(300 * 200, '\x38');
+    edge_codes[0] = '\x01', edge_codes[1] = '\x7e';
+    write_file(at("edge.st"), {{"w.weight", "F8_E4M3", {300, 200}, edge_codes, {}},
+                               {"w.weight_scale_inv",
+                                "F32",
+                                {3, 2},
+                                f32_bytes({edge, edge, edge, edge, edge, edge}),
+                                {}}});
+    SafetensorsSet::open(at("edge.st")).read_into("w.weight", y);
+    EXPECT_TRUE(std::isnormal(y[0]) && std::isnormal(y[1])) << y[0] << " " << y[1];
+  }
   // No scale at all.
   write_file(at("f.st"), {{"w.weight", "F8_E4M3", {300, 200}, codes, {}}});
   expect_error([&] { SafetensorsSet::open(at("f.st")).read_into("w.weight", y); },

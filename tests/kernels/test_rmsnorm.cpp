@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -12,6 +13,7 @@
 
 #include "common/check.hpp"
 #include "common/threads.hpp"
+#include "core/bf16.hpp"
 
 namespace laga {
 namespace {
@@ -137,6 +139,160 @@ TYPED_TEST(RmsNormTest, RowsOfAnyScaleGiveTheScaleInvariantAnswer) {
   for (size_t i = 0; i < x.size(); ++i) xs[i] = static_cast<T>(double(x[i]) * big);
   rmsnorm_forward<T>(y.data(), r.data(), xs.data(), C, w.data(), N, C, kEps);
   EXPECT_TRUE(all_close("y with eps", y, y1, atol<T>(), rtol<T>()));
+}
+
+// Rows whose largest |x| spans float's whole range, normal and subnormal,
+// forward and backward, against the definition in long double (its range
+// holds every float's square). After issue 26's fix (rows summed as
+// (x/m)^2, eps carried as eps/m^2) a row whose max was below ~5e-23 came
+// out exactly 0 (eps/m^2 was inf), and one with a subnormal max came out
+// NaN (1/m was inf) (issue 54, F). The error is measured against each row's
+// largest reference value (normwise, as the existing cases' tolerances
+// are), plus a few of the smallest subnormals where the outputs are
+// subnormal themselves and hold that absolute precision only.
+struct LongRef {
+  std::vector<long double> y, r, dx, dx_mag, dw, dw_mag;
+};
+
+LongRef long_double_reference(const std::vector<float>& x, const std::vector<float>& w,
+                              const std::vector<float>& dy, std::int64_t N, std::int64_t C,
+                              double eps) {
+  LongRef o;
+  o.y.resize(size_t(N * C)), o.r.resize(size_t(N)), o.dx.resize(size_t(N * C));
+  o.dx_mag.resize(size_t(N * C));
+  o.dw.assign(size_t(C), 0), o.dw_mag.assign(size_t(C), 0);
+  for (std::int64_t n = 0; n < N; ++n) {
+    long double ss = 0;
+    for (std::int64_t c = 0; c < C; ++c) ss += (long double)x[n * C + c] * x[n * C + c];
+    const long double r = 1.0L / std::sqrt(ss / C + (long double)eps);
+    o.r[size_t(n)] = r;
+    long double g = 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      o.y[size_t(n * C + c)] = x[n * C + c] * r * w[c];
+      g += (long double)w[c] * dy[n * C + c] * (x[n * C + c] * r);
+    }
+    for (std::int64_t c = 0; c < C; ++c) {
+      const long double xhat = x[n * C + c] * r;
+      o.dx[size_t(n * C + c)] = r * (w[c] * (long double)dy[n * C + c] - xhat * g / C);
+      // The terms' size before they cancel (a float sum's error is
+      // relative to it: at C = 1 dx = r w dy eps r^2, far below either).
+      o.dx_mag[size_t(n * C + c)] =
+          r * (std::abs(w[c] * (long double)dy[n * C + c]) + std::abs(xhat * g / C));
+      o.dw[size_t(c)] += dy[n * C + c] * xhat;
+      o.dw_mag[size_t(c)] += std::abs(dy[n * C + c] * xhat);
+    }
+  }
+  return o;
+}
+
+// The largest |x| of the rows: 0 (an all-zero row), every power of two
+// float holds, from the least subnormal to 2^127, float's largest value, and
+// values at the two failures' edges.
+std::vector<double> every_float_magnitude() {
+  std::vector<double> m{0.0};  // an all-zero row: rstd 1/sqrt(eps), y 0, dx r w dy
+  for (int e = -149; e <= 127; ++e) m.push_back(std::ldexp(1.0, e));
+  for (double v : {double(std::numeric_limits<float>::max()), 3e-39, 1e-38, 1e-30, 5e-23, 4e-23,
+                   6e-23, 1e-19, 1e19, 3e38})
+    m.push_back(double(static_cast<float>(v)));
+  return m;
+}
+
+// One row per magnitude: C values in [-1, 1] times it, the first exactly
+// +-it (so it is the row's max), rounded to float as a float run holds them.
+std::vector<float> rows_of(const std::vector<double>& mags, std::int64_t C, std::uint64_t seed) {
+  const auto u = random_vector<double>(std::int64_t(mags.size()) * C, seed);
+  std::vector<float> x(u.size());
+  for (size_t n = 0; n < mags.size(); ++n)
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double v = c == 0 ? (n % 2 ? -1.0 : 1.0) : u[n * size_t(C) + size_t(c)];
+      x[n * size_t(C) + size_t(c)] = static_cast<float>(v * mags[n]);
+    }
+  return x;
+}
+
+TEST(RmsNorm, RowsOfEveryFloatMagnitudeMatchTheDefinition) {
+  const double tiny = std::numeric_limits<float>::denorm_min();
+  for (const std::int64_t C : {std::int64_t(1), std::int64_t(7), std::int64_t(512)}) {
+    // eps: DeepSeek-V3's, the least a config may give, and 0 (where 1/rms
+    // stays a float: rows above 2^-120).
+    for (const double eps : {1e-6, 1e-30, 0.0}) {
+      std::vector<double> mags = every_float_magnitude();
+      if (eps == 0)
+        mags.erase(std::remove_if(mags.begin(), mags.end(),
+                                  [](double m) { return m < std::ldexp(1.0, -120); }),
+                   mags.end());
+      const std::int64_t N = std::int64_t(mags.size());
+      SCOPED_TRACE(testing::Message() << "C=" << C << " eps=" << eps);
+      const auto x = rows_of(mags, C, 500 + std::uint64_t(C));
+      const auto w = random_vector<float>(C, 502, 0.5, 1.5), dy = random_vector<float>(N * C, 503);
+      std::vector<float> y(size_t(N * C)), r(static_cast<size_t>(N)), dx(size_t(N * C)),
+          dw(size_t(C), 0.f);
+      rmsnorm_forward<float>(y.data(), r.data(), x.data(), C, w.data(), N, C, eps);
+      rmsnorm_backward<float>(dx.data(), C, dw.data(), dy.data(), C, x.data(), C, w.data(),
+                              r.data(), N, C);
+      const LongRef ref = long_double_reference(x, w, dy, N, C, eps);
+      int bad = 0;
+      for (std::int64_t n = 0; n < N && bad < 5; ++n) {
+        long double ymax = 0, dxmax = 0;
+        for (std::int64_t c = 0; c < C; ++c) {
+          ymax = std::max(ymax, std::abs(ref.y[size_t(n * C + c)]));
+          dxmax = std::max(dxmax, ref.dx_mag[size_t(n * C + c)]);
+        }
+        // y: one rounding to float from a double computation; rstd the
+        // same; dx: float sums over C (the tolerance of the cases above),
+        // against the size of its terms before they cancel.
+        const double rr = double(ref.r[size_t(n)]);
+        bool ok = std::abs(double(r[size_t(n)]) - rr) <= 4e-7 * rr + 2 * tiny;
+        for (std::int64_t c = 0; c < C; ++c) {
+          const size_t i = size_t(n * C + c);
+          ok = ok && std::abs(double(y[i]) - double(ref.y[i])) <= 4e-7 * double(ymax) + 2 * tiny;
+          ok = ok && std::abs(double(dx[i]) - double(ref.dx[i])) <= 3e-5 * double(dxmax) + 4 * tiny;
+        }
+        if (!ok) {
+          ++bad;
+          ADD_FAILURE() << "row max " << mags[size_t(n)] << ": rstd " << r[size_t(n)] << " (want "
+                        << rr << "), y[0] " << y[size_t(n * C)] << " (want "
+                        << double(ref.y[size_t(n * C)]) << "), dx[0] " << dx[size_t(n * C)]
+                        << " (want " << double(ref.dx[size_t(n * C)]) << ")";
+        }
+      }
+      for (std::int64_t c = 0; c < C; ++c)
+        EXPECT_LE(std::abs(double(dw[size_t(c)]) - double(ref.dw[size_t(c)])),
+                  3e-5 * double(ref.dw_mag[size_t(c)]) + 4 * tiny)
+            << "dw[" << c << "]";
+    }
+  }
+}
+
+// The same rows under bf16 mixed precision: the kernel runs in fp32 and its
+// y is rounded to bf16 (ops::rmsnorm), where fp32 subnormals become 0. Each
+// value is then within one bf16 rounding (2^-8 relative) of the definition's,
+// or below float's least normal where bf16 flushes it; the old kernel's
+// zero rows (max below ~5e-23: y ~ 1e3 x, normal) and NaN rows failed this.
+TEST(RmsNorm, RowsOfEveryFloatMagnitudeRoundedToBf16MatchTheDefinition) {
+  const std::int64_t C = 64;
+  const double least_normal = std::numeric_limits<float>::min();
+  for (const double eps : {1e-6, 1e-30}) {
+    const std::vector<double> mags = every_float_magnitude();
+    const std::int64_t N = std::int64_t(mags.size());
+    auto x = rows_of(mags, C, 600);
+    for (float& v : x) {  // bf16 values, where bf16 holds them (not past its largest, not flushed)
+      const float b = to_float(to_bf16(v));
+      if (std::isfinite(b) && b != 0) v = b;
+    }
+    const auto w = random_vector<float>(C, 602, 0.5, 1.5), dy = random_vector<float>(N * C, 603);
+    std::vector<float> y(size_t(N * C)), r(static_cast<size_t>(N));
+    rmsnorm_forward<float>(y.data(), r.data(), x.data(), C, w.data(), N, C, eps);
+    const LongRef ref = long_double_reference(x, w, dy, N, C, eps);
+    int bad = 0;
+    for (std::int64_t i = 0; i < N * C && bad < 5; ++i) {
+      const double got = to_float(to_bf16(y[size_t(i)])), want = double(ref.y[size_t(i)]);
+      if (std::abs(got - want) <= std::ldexp(std::abs(want), -8) + least_normal) continue;
+      ++bad;
+      ADD_FAILURE() << "eps " << eps << " row max " << mags[size_t(i / C)] << ": y " << got
+                    << " (want " << want << ")";
+    }
+  }
 }
 
 TYPED_TEST(RmsNormTest, BackwardMatchesReferenceAndKeepsPadding) {

@@ -275,6 +275,27 @@ TEST(Config, QLoraRankAboveDimAndAbsurdRopeFactorAreRefused) {
   expect_error([&] { MlaConfig::from_json_file(p); }, "rope_factor");
 }
 
+// The real-valued keys have ranges as the integers do (issue 54, T): a
+// value past them is refused naming the key, the bounds themselves load.
+TEST(Config, RealKeysOfAbsurdMagnitudeAreRefusedNamingTheKey) {
+  const auto refused = [](void (*change)(MlaConfig&), const std::string& words) {
+    MlaConfig c = MlaConfig::preset("deepseek-v3");  // YaRN on
+    change(c);
+    expect_error([&] { c.validate(); }, words);
+  };
+  refused([](MlaConfig& c) { c.rope_theta = 1e300; }, "rope_theta 1e+300 is beyond 1e+12");
+  refused([](MlaConfig& c) { c.norm_eps = 1e-300; }, "norm_eps 1e-300 must be in [1e-30, 1)");
+  refused([](MlaConfig& c) { c.norm_eps = 1; }, "norm_eps 1 must be in [1e-30, 1)");
+  refused([](MlaConfig& c) { c.mscale = 1e300; }, "mscale 1e+300 is beyond 100");
+  refused([](MlaConfig& c) { c.beta_fast = 1e300; }, "beta_fast 1e+300 is beyond 1e+06");
+  MlaConfig c = MlaConfig::preset("deepseek-v3");
+  c.rope_theta = 1e12, c.norm_eps = 1e-30, c.mscale = 100, c.beta_fast = 1e6;
+  EXPECT_NO_THROW(c.validate());
+  const std::string p = write_config(
+      "theta.json", std::string("{\"dim\": 64, \"rope_theta\": 1e300, ") + kBase + "}");
+  expect_error([&] { MlaConfig::from_json_file(p); }, "rope_theta 1e+300");
+}
+
 TEST(Config, DirectoryAndFifoConfigsAreNamedAndNeverOpened) {
   const std::string p = write_config("x.json", "{}");
   const std::string dir = std::filesystem::path(p).parent_path().string();

@@ -51,6 +51,13 @@ TEST(Documents, BadListsNameTheProblem) {
   // The one rule for whole numbers (core/whole_number.hpp): 010 was read as 10.
   EXPECT_NE(bad_lengths("010", 1, 10).find("'010' is not a whole number"), std::string::npos);
   EXPECT_NE(bad_lengths("2.5,2.5", 1, 5).find("is not a whole number"), std::string::npos);
+  // A length past int64 is refused by its range, not as "not a whole
+  // number" (issue 54, T).
+  const std::string huge = bad_lengths("99999999999999999999", 1, 10);
+  EXPECT_NE(huge.find("'99999999999999999999' is not a whole number >= 1 and <= 10"),
+            std::string::npos)
+      << huge;
+  EXPECT_EQ(huge.find("decimal digits only"), std::string::npos) << huge;
   EXPECT_NE(bad_lengths("5/5/5", 2, 5).find("3 rows of documents for a batch of 2"),
             std::string::npos);
 

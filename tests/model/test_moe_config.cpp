@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/error_of.hpp"
+#include "core/error.hpp"
 #include "mla/config.hpp"
 
 namespace laga {
@@ -64,6 +65,41 @@ TEST(MoeConfig, ValidationNamesTheField) {
   c = v3_like();
   c.first_k_dense_replace = -1;
   EXPECT_TRUE(refuses([&] { c.validate(); }, "first_k_dense_replace (n_dense_layers)"));
+}
+
+// Values of absurd magnitude are refused at load naming the key (issue 54,
+// T: route_scale 1e300 was accepted and training died blaming the gate's
+// input); the published ones (V2: 16, V3: 2.5, V2-Lite: 1) load.
+TEST(MoeConfig, RefusesAbsurdMagnitudesNamingTheKey) {
+  for (const double scale : {1e300, 1e4, 1e-4, 1e-300, -2.5}) {
+    MoeConfig c = v3_like();
+    c.routed_scaling_factor = scale;
+    EXPECT_TRUE(refuses([&] { c.validate(); }, "routed_scaling_factor (route_scale) " + cat(scale) +
+                                                   " must be in [0.001, 1000]"))
+        << scale;
+  }
+  for (const double scale : {16.0, 2.5, 1.0, 1e-3, 1e3}) {
+    MoeConfig c = v3_like();
+    c.routed_scaling_factor = scale;
+    EXPECT_NO_THROW(c.validate()) << scale;
+  }
+  // 2^53 shared experts times the width wrapped past int64 and passed the
+  // size check.
+  MoeConfig c = v3_like();
+  c.n_shared_experts = std::int64_t(1) << 53;
+  c.moe_intermediate_size = std::int64_t(1) << 11;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "dimensions too large"));
+  c = v3_like();
+  c.first_k_dense_replace = std::int64_t(1) << 53;
+  EXPECT_TRUE(refuses([&] { c.validate(); }, "first_k_dense_replace (n_dense_layers)"));
+  // Through the ModelArgs reader: the key as the file spells it.
+  json j = {{"n_routed_experts", 16},
+            {"n_activated_experts", 2},
+            {"moe_inter_dim", 32},
+            {"score_func", "sigmoid"},
+            {"route_scale", 1e300}};
+  EXPECT_TRUE(refuses([&] { (void)MoeConfig::from_json(j, "cfg.json"); },
+                      "routed_scaling_factor (route_scale) 1e+300"));
 }
 
 // DeepSeek-V3's config.json (the MoE and a few attention keys of it).
