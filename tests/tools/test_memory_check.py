@@ -75,6 +75,42 @@ r, _ = run(["compare", "--preset", "paper", "--seq", "8192", "--sp", "2", "--cou
 if r.returncode != 0:
     failures.append(f"count-only under the limit failed: {r.stderr.strip()[:300]}")
 
+# Issue 54 item W: under a small address space (ulimit -v 200000) OpenBLAS's
+# server threads, started when the library loads, retried their 128 MB
+# buffers without end: every command, `laga --version` included, spun at
+# 100% CPU and never exited. laga now runs itself again with one OpenBLAS
+# thread under any address-space limit and raises the count only where the
+# buffers fit (core/threads.hpp): each finishes at once, and count-only and
+# plan, which allocate nothing large, succeed. (A real job this close to the
+# limit can still fail inside oneDNN's or libgomp's own start-up, at times
+# with a crash: docs/reliability.md, "Allocation failures".)
+def small_address_space(kib):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (kib * 1024, kib * 1024))
+    return limit
+
+
+for kib in (200_000, 170_000):
+    for args in [
+            ["--version"], ["forms"],
+            ["compare", "--count-only", "--preset", "tiny", "--seq", "64", "--sp", "1", "--quiet"],
+            ["compare", "--count-only", "--preset", "tiny", "--seq", "64", "--sp", "2", "--quiet"],
+            ["compare", "--count-only", "--preset", "deepseek-v3", "--seq", "4096", "--sp", "8",
+             "--quiet"],
+            ["plan", "--preset", "tiny", "--seq", "64", "--sp", "2", "--profile", "h100",
+             "--quiet"]]:
+        t0 = time.monotonic()
+        try:
+            r = subprocess.run([laga] + args, capture_output=True, text=True, timeout=30,
+                               preexec_fn=small_address_space(kib))
+        except subprocess.TimeoutExpired:
+            failures.append(f"ulimit -v {kib}: laga {' '.join(args)} still running after 30 s")
+            continue
+        secs = time.monotonic() - t0
+        if r.returncode != 0 or secs > 10:
+            failures.append(f"ulimit -v {kib}: laga {' '.join(args)}: rc {r.returncode} after "
+                            f"{secs:.1f} s: {r.stderr.strip()[-300:]}")
+
 for m in failures:
     print("FAILED:", m)
 sys.exit(1 if failures else 0)
