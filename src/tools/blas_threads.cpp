@@ -9,7 +9,9 @@
 // OPENBLAS_NUM_THREADS=1: the library is loaded with no server thread. The
 // variable cannot be set earlier in this process: libc's initializer, which
 // runs after the executable's preinit array, resets the environment, and
-// OpenBLAS reads it in its own initializer, before main.
+// OpenBLAS reads it in its own initializer. So this runs as the
+// executable's constructor: after the libraries' initializers (OpenBLAS's
+// threads exist, and die with the exec) and before main.
 #include <execinfo.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -17,11 +19,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "tools/commands.hpp"
+namespace {
 
-namespace laga::tools {
-
-void start_openblas_with_one_thread(char** argv) {
+// glibc passes an ELF constructor argc, argv and envp.
+__attribute__((constructor)) void ready_for_memory_running_out(int, char** argv, char**) {
   // An exception thrown through a C frame (pthread_once in a library: a
   // failed allocation in oneDNN's first GEMM) needs glibc's link to the
   // unwinder, which it opens on first use and keeps: opened with no memory
@@ -39,4 +40,4 @@ void start_openblas_with_one_thread(char** argv) {
   // GEMM's check still keep OpenBLAS from a buffer that cannot be mapped.
 }
 
-}  // namespace laga::tools
+}  // namespace

@@ -13,13 +13,6 @@ namespace laga::tools {
 
 using CommandRegistration = std::function<void(CLI::App&)>;
 std::vector<CommandRegistration>& command_registry();
-
-// Readies the process for memory running out: glibc's unwinder link opened
-// while there is memory, and under an address-space limit this process run
-// again with OPENBLAS_NUM_THREADS=1 unless it has it (tools/blas_threads.cpp
-// says why); returns only where it is not (no limit, already so, or exec
-// failed).
-void start_openblas_with_one_thread(char** argv);
 bool register_command(CommandRegistration reg);
 
 }  // namespace laga::tools

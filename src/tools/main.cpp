@@ -75,7 +75,6 @@ void replace_positive_checks(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  laga::tools::start_openblas_with_one_thread(argv);  // first: before any thread of ours
   CLI::App app{laga::cat("laga: the forms of sequence-parallel MLA (", laga::form_names(", "),
                          "), forward and backward, with exact wire bytes and activation memory")};
   app.require_subcommand(1);
