@@ -5,6 +5,7 @@
 #include <oneapi/dnnl/dnnl_debug.h>
 
 #include "core/error.hpp"
+#include "core/threads.hpp"
 
 namespace laga {
 
@@ -29,6 +30,7 @@ void library_gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t
 void library_gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha,
                   const double* A, std::int64_t lda, const double* B, std::int64_t ldb, double beta,
                   double* C, std::int64_t ldc) {
+  check_openblas_buffer();  // else OpenBLAS retries a failed mapping without end
   cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), static_cast<blasint>(M), static_cast<blasint>(N),
               static_cast<blasint>(K), alpha, A, static_cast<blasint>(lda), B,
               static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));

@@ -80,7 +80,7 @@ namespace {
 template <class F>
 void for_key_blocks(const Step& st, std::int64_t keys, F&& f) {
   if (keys == st.S) return f(std::int64_t(0), std::int64_t(0), st.NS);
-  for (std::int64_t b = 0; b < st.B; ++b) f(b * st.S, b * keys, keys);
+  ops::for_batch_rows(st.B, [&](std::int64_t b) { f(b * st.S, b * keys, keys); });
 }
 // One bf16 attention call's scratch (Pieces::attend, attend_backward): the
 // copies of its operands the kernel reads -- bf16 for the VDPBF16PS kernels,
@@ -827,6 +827,11 @@ std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
   const std::int64_t* starts = st.doc_start.empty() ? nullptr : st.doc_start.data();
   std::vector<AttnCall> calls;
   std::int64_t stats = 0;
+  // Count-only (no documents there): batch row 0's calls, each standing for
+  // all B rows' (AttnCall::repeat), so that the list does not grow with B.
+  const bool counting = current_pool().count_only();
+  LAGA_CHECK(!counting || !starts, "internal: documents in a count-only run");
+  const std::int64_t repeat = counting ? st.B : 1;
   auto add = [&](std::int64_t batch, std::int64_t n, std::int64_t end, std::int64_t q_row,
                  std::int64_t kv_row, const std::int64_t* doc_start) {
     AttnCall c;
@@ -834,7 +839,8 @@ std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
         AttnShape{batch, n, end, st.Hr, st.Hr, st.dqk, st.dv, st.ctx.cfg.softmax_scale(), true};
     c.shape.doc_start = doc_start;
     c.q_row = q_row, c.kv_row = kv_row, c.stats = stats, c.all_keys = end == st.Sk;
-    stats += batch * st.Hr * n * (eager ? end : 1);
+    c.repeat = batch == 1 ? repeat : 1;
+    stats += c.repeat * batch * st.Hr * n * (eager ? end : 1);
     calls.push_back(c);
   };
   const std::vector<TokenRange>& ranges = st.query_ranges;
@@ -842,7 +848,7 @@ std::vector<AttnCall> attention_calls(const Step& st, std::int64_t kv_rows) {
     add(st.B, ranges[0].size(), ranges[0].end, 0, 0, starts);
     return calls;
   }
-  for (std::int64_t b = 0; b < st.B; ++b) {
+  for (std::int64_t b = 0; b < (counting ? 1 : st.B); ++b) {
     std::int64_t row = b * st.Sq + st.Sq;  // past the last range's rows
     for (auto it = ranges.rbegin(); it != ranges.rend(); ++it) {
       row -= it->size();
@@ -872,13 +878,15 @@ void RangeAttention<T>::forward(const Step& st) {
   const bool eager = st.ctx.attention == AttentionKind::eager;
   std::int64_t n = 0;  // every call's statistics: eager probabilities or flash lse
   for (const AttnCall& c : calls)
-    n += c.shape.B * c.shape.Hq * c.shape.Sq * (eager ? c.shape.Sk : 1);
+    n += c.repeat * c.shape.B * c.shape.Hq * c.shape.Sq * (eager ? c.shape.Sk : 1);
   o_att = Tensor<T>({st.B, st.Sq, st.Hr, st.dv}, "o_att");
   stats = Tensor<T>({n}, eager ? "attn_stats eager probs" : "attn_stats flash lse");
-  for (const AttnCall& c : calls)
+  for (const AttnCall& c : calls) {
+    const ops::RepeatCounts rows(c.repeat);
     Pieces<T>::attend(st, c.shape, row(st, o_att, st.dv, c.q_row), at(stats.data(), c.stats),
                       row(st, q_h, st.dqk, c.q_row), row(st, k_h, st.dqk, c.kv_row),
                       row(st, v_h, st.dv, c.kv_row));
+  }
   // As HeadAttention's: backward reads q, k, v only as attention's operands.
   ops::keep_narrowed(q_h), ops::keep_narrowed(k_h), ops::keep_narrowed(v_h);
 }
@@ -905,6 +913,7 @@ typename RangeAttention<T>::Grads RangeAttention<T>::backward(const Step& st, Te
     if (eager) dp_scratch = Tensor<T>({dp}, "eager dp scratch");
     Tensor<T> dk_part({part, st.Hr, st.dqk}, "dk_part"), dv_part({part, st.Hr, st.dv}, "dv_part");
     for (const AttnCall& c : calls) {
+      const ops::RepeatCounts rows(c.repeat);
       const AttnShape& s = c.shape;
       T* dk = c.all_keys ? row(st, g.dk_h, st.dqk, c.kv_row) : dk_part.data();
       T* dv = c.all_keys ? row(st, g.dv_h, st.dv, c.kv_row) : dv_part.data();

@@ -129,14 +129,13 @@ std::vector<std::int64_t> Documents::positions(const std::vector<TokenRange>& ra
 
 double Documents::causal_pairs() const {
   double pairs = 0;
-  for (std::int64_t b = 0; b < batch_; ++b) {
-    const auto& cu = cu_seqlens(b);
+  for (const std::vector<std::int64_t>& cu : rows_)
     for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
       const double len = double(cu[k + 1] - cu[k]);
       pairs += len * (len + 1) / 2;
     }
-  }
-  return pairs;
+  // A shared list: one row's pairs, B times (not a sum over B rows).
+  return shared() ? pairs * double(batch_) : pairs;
 }
 
 }  // namespace laga

@@ -41,6 +41,9 @@ class Documents {
   // Row b's cut points [0, ..., S].
   const std::vector<std::int64_t>& cu_seqlens(std::int64_t b) const;
   std::int64_t count(std::int64_t b) const { return std::int64_t(cu_seqlens(b).size()) - 1; }
+  // Whether every row has the same cut points (one list given for all):
+  // what is summed over rows is then one row's times the batch.
+  bool shared() const { return rows_.size() == 1; }
   std::string describe() const;  // "5,7/12": the --doc-lens spelling
 
   // (B, S): doc_start[b * S + t] = the first token of token t's document,

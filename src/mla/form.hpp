@@ -73,12 +73,14 @@ struct Step {
                     bool inverse) const {
     const std::int64_t* pos = seq_positions.empty() ? nullptr : seq_positions.data();
     if (Sq == S) return ops::rope(x, B, S, heads, head_stride, 0, pos, ctx.rope, inverse);
-    for (std::int64_t b = 0, row = 0; b < B; ++b)
+    ops::for_batch_rows(B, [&](std::int64_t b) {
+      std::int64_t row = b * Sq;
       for (const TokenRange& q : query_ranges) {
         ops::rope(x.row_range(row, q.size()), 1, q.size(), heads, head_stride, q.begin,
                   pos ? pos + b * S + q.begin : nullptr, ctx.rope, inverse);
         row += q.size();
       }
+    });
   }
 };
 
@@ -420,6 +422,9 @@ struct AttnCall {
   std::int64_t q_row = 0, kv_row = 0,
                stats = 0;  // first (B Sq) row, (B kv_rows) row, stats element
   bool all_keys = false;   // reads keys [0, Sk): writes their gradients in place
+  // How many batch rows' identical calls this one stands for: 1, or in a
+  // count-only run B (batch row 0's, ops::RepeatCounts).
+  std::int64_t repeat = 1;
 };
 template <class T>
 struct RangeAttention {

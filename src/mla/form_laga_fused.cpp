@@ -86,7 +86,8 @@ inline void count_latent_attention(const Step& st, const AttnShape& s, ops::Atte
       calls.push_back({false, false, rows, st.C, ldkv, ldkv, st.C, st.W, false});  // dc
       calls.push_back({true, false, ldkv, st.C, rows, ldkv, st.W, st.C, true});    // dw_kv
     }
-    for (const ops::GemmCall& g : calls) ops::op_counter->add_gemm(g, s.B * chunks);
+    for (const ops::GemmCall& g : calls)
+      ops::op_counter->add_gemm(g, s.B * chunks * ops::op_repeat);
   }
 }
 

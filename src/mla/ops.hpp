@@ -195,25 +195,61 @@ class CountOps {
   OpCounts* previous_;
 };
 
+// How many identical copies of what this thread runs now each op stands
+// for: a count-only run issues a per-batch-row call once, for all B rows
+// alike (they differ only in their offsets, and count-only has no
+// documents), under a RepeatCounts(B) scope, so that its cost does not grow
+// with --batch while its counts are the B calls' (calls, FLOPs and bytes B
+// times one's). 1 outside any scope. Pool tensors a repeated call makes are
+// made once: each of the B calls frees its own before the next, so the
+// pool's peak is one call's either way.
+inline thread_local std::int64_t op_repeat = 1;
+
+class RepeatCounts {
+ public:
+  explicit RepeatCounts(std::int64_t times)
+      : previous_(std::exchange(op_repeat, op_repeat * times)) {}
+  ~RepeatCounts() { op_repeat = previous_; }
+  RepeatCounts(const RepeatCounts&) = delete;
+  RepeatCounts& operator=(const RepeatCounts&) = delete;
+
+ private:
+  std::int64_t previous_;
+};
+
+// Per-batch-row work: f(b) for every row of B, or, in a count-only run
+// (every row alike), f(0) once standing for all B (RepeatCounts).
+template <class F>
+void for_batch_rows(std::int64_t B, F&& f) {
+  if (current_pool().count_only()) {
+    if (B <= 0) return;
+    const RepeatCounts all_rows(B);
+    f(std::int64_t(0));
+    return;
+  }
+  for (std::int64_t b = 0; b < B; ++b) f(b);
+}
+
 inline void count_gemm(const GemmCall& g) {
-  if (op_counter) op_counter->add_gemm(g);
+  if (op_counter) op_counter->add_gemm(g, op_repeat);
 }
 // `flops()` is called only while counting: an attention shape's count walks
 // its rows, which a count-only run at S = 10^14 must not do for nothing.
 template <class Flops>
 void count_attention(const AttnShape& s, AttentionKind kernel, AttentionPass pass, Flops&& flops) {
   if (!op_counter) return;
-  const double f = flops();
+  const double f = flops() * double(op_repeat);
   op_counter->attention_flops += f;
   const AttentionCall call{
       s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.causal, s.doc_start != nullptr, kernel, pass};
   CallTally& t = op_counter->attention_calls[call];
-  t.calls += 1, t.flops += f;
+  t.calls += op_repeat, t.flops += f;
 }
 // `elements` elements of T moved `passes` times (each read or write is one).
 template <class T>
 void count_elementwise(std::int64_t elements, int passes) {
-  if (op_counter) op_counter->elementwise_bytes += double(elements) * passes * sizeof(T);
+  if (op_counter)
+    op_counter->elementwise_bytes += double(elements) * passes * sizeof(T) * double(op_repeat);
 }
 
 // True when the op has work to do on real storage; false when there is

@@ -233,6 +233,9 @@ struct RingCall {
   AttnShape shape;
   std::int64_t b0 = 0, q_row = 0, key0 = 0;
   std::int64_t lse_off = 0, probs_off = 0;
+  // How many batch rows' identical calls this one stands for: 1, or in a
+  // count-only run B (batch row 0's, ops::RepeatCounts).
+  std::int64_t repeat = 1;
   std::vector<std::int64_t> doc_start;  // the diagonal's mask when packed, (B, L) local
   AttnShape kernel_shape() const {
     AttnShape s = shape;
@@ -262,6 +265,12 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
   const bool whole = rect.rows == g.L && rect.keys == Lk;
   if (st.doc_start.empty()) {
     const std::int64_t B = whole ? st.B : 1;
+    if (B == 1 && current_pool().count_only()) {  // row 0's call, for every row (no documents)
+      RingCall c(shape(1, rect.rows, rect.keys, rect.diagonal));
+      c.repeat = st.B;
+      add(std::move(c), 0, 0);
+      return calls;
+    }
     for (std::int64_t b0 = 0; b0 < st.B; b0 += B)
       add(RingCall(shape(B, rect.rows, rect.keys, rect.diagonal)), b0, 0);
     return calls;
@@ -324,14 +333,16 @@ struct PerHeadKv {
   void add_grad(const Step& st, const MlaParams<T>&, const Tensor<T>&, std::int64_t Lj,
                 const std::vector<RingCall>& calls, const T* dkv, T* acc, MlaParams<T>&) const {
     const std::int64_t H = st.*Heads;
-    for (const RingCall& c : calls)
-      for (std::int64_t b = c.b0; b < c.b0 + c.shape.B; ++b) {
-        const std::int64_t row = b * Lj + c.key0, n = c.shape.Sk;
+    for (const RingCall& c : calls) {
+      const ops::RepeatCounts rows(c.repeat);
+      ops::for_batch_rows(c.shape.B, [&](std::int64_t bb) {
+        const std::int64_t row = (c.b0 + bb) * Lj + c.key0, n = c.shape.Sk;
         ops::add(block_k(st, H, acc, Lj).row_range(row, n),
                  block_k(st, H, dkv, Lj).row_range(row, n));
         ops::add(block_v(st, H, acc, Lj).row_range(row, n),
                  block_v(st, H, dkv, Lj).row_range(row, n));
-      }
+      });
+    }
   }
 };
 
@@ -536,6 +547,7 @@ struct RingAttention {
           scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
                                                  ops::AttentionPass::forward, &kept);
         for (const RingCall& c : step.calls) {
+          const ops::RepeatCounts rows(c.repeat);
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
                              k_off = (c.b0 * Lk + c.key0) * g.H;
@@ -559,9 +571,11 @@ struct RingAttention {
     held.reset();
     for (RingStep<T>& step : steps) {
       if (!step.lse.defined()) continue;
-      for (const RingCall& c : step.calls)
+      for (const RingCall& c : step.calls) {
+        const ops::RepeatCounts rows(c.repeat);
         rescale_probs(g, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
                       merged.data());
+      }
       step.lse.reset();
     }
     if (!eager) lse = std::move(merged);
@@ -634,6 +648,7 @@ struct RingAttention {
           scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
                                                  ops::AttentionPass::backward, &narrow);
         for (const RingCall& c : step.calls) {
+          const ops::RepeatCounts rows(c.repeat);
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
                              k_off = (c.b0 * Lk + c.key0) * g.H;
@@ -651,11 +666,11 @@ struct RingAttention {
               at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv), at(o.data(), q_off * st.dv),
               eager ? at(step.probs.data(), c.probs_off) : stat, dp.data(), eager ? stat : nullptr,
               narrow.any() ? &narrow : nullptr, &scratch);
-          for (std::int64_t b = c.b0; b < c.b0 + s.B; ++b) {
-            const std::int64_t row = b * g.L + c.q_row;
+          ops::for_batch_rows(s.B, [&](std::int64_t bb) {
+            const std::int64_t row = (c.b0 + bb) * g.L + c.q_row;
             ops::add(mat(dq).row_range(row, s.Sq),
                      mat(std::as_const(dq_part)).row_range(row, s.Sq));
-          }
+          });
         }
       }
       step.probs.reset();

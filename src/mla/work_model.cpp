@@ -20,8 +20,11 @@ double pairs_in(std::int64_t a, std::int64_t e, std::int64_t d0) {
 double range_pairs(const SpLayout& lay, const std::vector<TokenRange>& ranges,
                    const Documents* docs) {
   double pairs = 0;
-  for (std::int64_t b = 0; b < lay.batch; ++b) {
-    const std::vector<std::int64_t> whole{0, lay.seq};
+  // Rows alike (no documents, or one list shared by every row): one row's
+  // pairs times the batch, so that the cost does not grow with --batch.
+  const bool alike = !docs || docs->shared();
+  const std::vector<std::int64_t> whole{0, lay.seq};
+  for (std::int64_t b = 0; b < (alike ? 1 : lay.batch); ++b) {
     const std::vector<std::int64_t>& cu = docs ? docs->cu_seqlens(b) : whole;
     for (const TokenRange& q : ranges)
       for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
@@ -29,7 +32,7 @@ double range_pairs(const SpLayout& lay, const std::vector<TokenRange>& ranges,
         if (a < e) pairs += pairs_in(a, e, cu[k]);
       }
   }
-  return pairs;
+  return alike ? pairs * double(lay.batch) : pairs;
 }
 
 }  // namespace

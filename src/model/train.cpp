@@ -212,6 +212,13 @@ void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   LAGA_CHECK(o.experts == ExpertPlacement::every_rank || o.model.moe,
              "--expert-parallel needs an MoE model: give --config a file with routed experts "
              "(n_routed_experts), e.g. docs/assets/moe_tiny.json");
+  LAGA_CHECK(!o.model.moe || o.model.moe->n_routed_experts <= kMaxRoutedExperts, "the model has ",
+             o.model.moe ? o.model.moe->n_routed_experts : 0,
+             " routed experts per MoE layer (n_routed_experts in --config); laga train takes at "
+             "most ",
+             kMaxRoutedExperts,
+             ": each expert is tensors of its own, so their count alone sets the run's time and "
+             "memory (DeepSeek-V3 has 256); give a config with fewer experts");
   LAGA_CHECK(o.expert_degree >= 0, "--ep must be >= 1 (got ", o.expert_degree, ")");
   LAGA_CHECK(o.expert_degree == 0 || o.experts == ExpertPlacement::folded, "--ep ", o.expert_degree,
              " sets the expert-parallel degree; add --expert-parallel");

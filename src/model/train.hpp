@@ -192,4 +192,11 @@ struct TrainMemory {
 // validate_train_options does, to know its token count.
 std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule staging);
 
+// The most routed experts per MoE layer laga train takes: each expert is
+// three tensors of its own (and their gradients and AdamW moments), looped
+// over by the step and by the memory check, so 10^6 of them cost the check
+// alone gigabytes and seconds (issue 54). DeepSeek-V3 has 256; the largest
+// published top-k routers about 2048.
+inline constexpr std::int64_t kMaxRoutedExperts = 16384;
+
 }  // namespace laga

@@ -300,8 +300,10 @@ void run_train(const TrainCli& c) {
   check_options_act(c, o);  // after the options' own errors, which say more
   check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
-  if (c.comm.memory_check)
+  if (c.comm.memory_check) {
+    check_memory_fits(train_state_lower_bound(o, c.comm.backend), "laga train");
     check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
+  }
   // One writer per --checkpoint directory, taken before anything is moved
   // or written there (prepare_run may set checkpoints aside); creating the
   // lock is also the up-front check that the directory can be written.

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/memory_model.hpp"
+#include "plan/model_plan.hpp"
 #include "plan/time_model.hpp"
 
 namespace laga::tools {
@@ -163,8 +164,67 @@ JobMemory predict_count_only_job_memory(
   return job;
 }
 
+namespace {
+
+// The model's size in words, for messages: its parameters and, for an MoE
+// model, what its routed experts hold.
+std::string model_size_words(const TrainOptions& o, const ModelParamCounts& n) {
+  const LmConfig& cfg = o.model;
+  std::string words = cat(n.total(), " parameters");
+  if (cfg.moe)
+    words += cat(", of which the routed experts hold ", n.routed_experts, " (n_routed_experts ",
+                 cfg.moe->n_routed_experts, " x 3 x moe_intermediate_size ",
+                 cfg.moe->moe_intermediate_size, " x ", cfg.dim(), " in each of ",
+                 cfg.layers - cfg.moe->first_k_dense_replace, " MoE layers)");
+  return words;
+}
+
+std::string train_lower_with(const TrainOptions& o) {
+  return cat(
+      "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "
+      "(--layers, --d-model, --vocab, --ffn-hidden",
+      o.model.moe ? "; for this MoE model fewer or smaller routed experts (n_routed_experts, "
+                    "moe_intermediate_size in --config), or --expert-parallel, which gives each "
+                    "rank E / --ep of them"
+                  : "",
+      "), LAGA_POOL_CACHE=1 (the block cache keeps no more than the live peak); with --comm "
+      "local every --sp rank runs in this process with its own copy of the model, optimizer "
+      "state and gradients, so under mpirun (one rank per process) each process holds one");
+}
+
+}  // namespace
+
+JobMemory train_state_lower_bound(const TrainOptions& o, Backend backend) {
+  const ModelParamCounts n = model_param_counts(o.model);
+  // Per rank at least its fp32 parameters and AdamW m and v (12 bytes a
+  // parameter; the gradients' precision varies): every expert, or with
+  // --expert-parallel the most any rank owns.
+  const int ep =
+      o.experts == ExpertPlacement::folded ? (o.expert_degree > 0 ? o.expert_degree : o.sp) : 1;
+  const double per_rank = 12.0 * double(n.replicated() + n.routed_experts_on_device(ep));
+  const double ranks = backend == Backend::local ? double(o.sp) : 1.0;
+  JobMemory job;
+  job.bytes = static_cast<std::int64_t>(std::min(per_rank * ranks, 9e18));
+  job.detail = cat(backend == Backend::local ? o.sp : 1,
+                   " rank(s) holding at least their fp32 parameters and AdamW moments, ",
+                   gb(static_cast<std::int64_t>(std::min(per_rank, 9e18))),
+                   " each, before any activation: the model has ", model_size_words(o, n));
+  job.lower_with = train_lower_with(o);
+  return job;
+}
+
 JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend) {
-  const std::vector<TrainMemory> ranks = predict_train_memory(o, staging_of(backend));
+  std::vector<TrainMemory> ranks;
+  try {
+    ranks = predict_train_memory(o, staging_of(backend));
+  } catch (const std::bad_alloc&) {
+    // The prediction's own bookkeeping (a tensor object per parameter
+    // tensor) found no memory: the run, which holds the same and more, would not fit.
+    throw Error(cat("out of memory while predicting laga train's memory: the model has ",
+                    model_size_words(o, model_param_counts(o.model)),
+                    ", whose tensors alone do not fit in what this process may use. ",
+                    train_lower_with(o)));
+  }
   const bool all_here = backend == Backend::local;
   std::int64_t sum = 0;
   const TrainMemory* worst = &ranks.front();
@@ -180,13 +240,9 @@ JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend) {
                    ", what the block cache may keep ", gb(worst->cache),
                    ", token data, batch and RoPE buffers ",
                    gb(worst->rope + worst->token_ids + worst->batch_ids + worst->packing),
-                   worst->checkpoint > 0 ? ", a checkpoint's copy " + gb(worst->checkpoint) : "");
-  job.lower_with =
-      "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "
-      "(--layers, --d-model, --vocab, --ffn-hidden), LAGA_POOL_CACHE=1 (the block cache keeps "
-      "no more than the live peak); with --comm local every --sp rank runs in "
-      "this process with its own copy of the model, optimizer state and gradients, so under "
-      "mpirun (one rank per process) each process holds one";
+                   worst->checkpoint > 0 ? ", a checkpoint's copy " + gb(worst->checkpoint) : "",
+                   "; the model has ", model_size_words(o, model_param_counts(o.model)));
+  job.lower_with = train_lower_with(o);
   return job;
 }
 

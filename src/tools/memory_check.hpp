@@ -61,6 +61,13 @@ JobMemory predict_count_only_job_memory(
 // copy of the model, its AdamW state and gradients), the largest rank's under
 // MPI (one rank per process).
 JobMemory predict_train_job_memory(const TrainOptions& o, Backend backend);
+// A closed-form floor under it, in time and memory independent of the
+// model's size (its parameter counts, model_plan.hpp): the fp32 parameters
+// and AdamW moments every rank holds, naming what the model's size is made
+// of (an MoE model's routed experts). Checked first, so that a model too
+// large to fit is refused before the count-only prediction, whose own
+// bookkeeping grows with its tensors (10^5 routed experts: 0.4 GB, 1 s).
+JobMemory train_state_lower_bound(const TrainOptions& o, Backend backend);
 
 // The staging rule of a rank on this backend (mpi under MPI, in_process for
 // ranks as threads): what a prediction's DryRunCommunicator must stage like.

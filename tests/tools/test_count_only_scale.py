@@ -2,7 +2,8 @@
 """`laga compare --count-only` at scales no machine could run for real
 (issue 10 item 6): its memory does not grow with the sequence, and byte
 counts beyond 2^53 stay exact integers in the JSON; nor, beyond a few bytes
-per rank, with P (issue 26 item 14).
+per rank, with P (issue 26 item 14); nor, for any form, with the batch, and
+`laga plan` neither (issue 54 item N).
 
   test_count_only_scale.py LAGA TMPDIR
 """
@@ -99,6 +100,96 @@ for args, name in [(["--seq", "512", "--sp", "512"], "tiny_p512"),
         if not f["bytes_match"] or not f["memory_match"]:
             failures.append(f"{name} {f['form']}: bytes_match {f['bytes_match']}, "
                             f"memory_match {f['memory_match']}")
+
+
+# Issue 54 item N: nor with --batch. allgather_kv's and a2a_p2p's dry runs
+# issued one attention call per batch row (and the ring forms one per row
+# of a step's rectangle, laga2d with the query latent one RoPE call per
+# row, the work model one sum per row): B 10^7 took 24 s and 2.4 GB, B 10^9
+# asked for 30 GB, `plan` at B 10^6 24 s. Now a count-only run issues row
+# 0's calls once for all B (ops::RepeatCounts) and costs what B 1 costs:
+# every form, each layout, kernel, precision and variant at B 10^8, bounded
+# by the address space and by CPU time (the old binary needed hours here),
+# with the ledger equal to the closed form and, per collective, B times the
+# bytes of B 1 (the gradient all-reduce's, which B does not change, alike).
+BIG_B = 100_000_000
+
+
+def limit_cpu_and_address_space():
+    limit_address_space()
+    resource.setrlimit(resource.RLIMIT_CPU, (30, 30))
+
+
+def run_limited(args, name):
+    out = os.path.join(tmp, name + ".json")
+    r = subprocess.run([laga] + args + ["--quiet", "--json", out], capture_output=True, text=True,
+                       timeout=120, preexec_fn=limit_cpu_and_address_space)
+    if r.returncode != 0:
+        why = " (killed at the CPU-time limit)" if r.returncode == -24 else ""
+        failures.append(f"{name}: laga {' '.join(args)} exited {r.returncode}{why}: "
+                        f"{r.stderr.strip()[-300:]}")
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
+def labels(form):
+    return {(b["phase"], b["label"]): b["bytes_sent"] for b in form["by_label"]}
+
+
+batch_cases = [
+    ([], "contiguous"),
+    (["--seq-layout", "zigzag"], "zigzag"),
+    (["--attention", "eager"], "eager"),
+    (["--attention", "eager", "--seq-layout", "zigzag"], "eager_zigzag"),
+    (["--dtype", "bf16"], "bf16"),
+    (["--dtype", "bf16", "--seq-layout", "zigzag"], "bf16_zigzag"),
+    (["--overlap", "on"], "overlap"),
+    (["--doc-lens", "40,24"], "packed"),
+    (["--forms", "laga2d,a2a_p2p", "--head-groups", "2"], "head_groups"),
+    (["--forms", "laga,laga_fused,laga2d", "--q-latent", "--config", q_latent_config],
+     "q_latent"),
+    (["--forms", "laga,laga_fused,laga2d", "--q-latent", "--config", q_latent_config,
+      "--seq-layout", "zigzag", "--attention", "eager"], "q_latent_zigzag_eager"),
+]
+for extra, name in batch_cases:
+    base = ["compare", "--count-only", "--seq", "64", "--sp", "4"]
+    base += ["--preset", "tiny"] if "--config" not in extra else []
+    small = run_limited(base + ["--batch", "1"] + extra, f"b1_{name}")
+    big = run_limited(base + ["--batch", str(BIG_B)] + extra, f"b1e8_{name}")
+    if small is None or big is None:
+        continue
+    if [f["form"] for f in small["forms"]] != [f["form"] for f in big["forms"]]:
+        failures.append(f"{name}: different forms at B 1 and B {BIG_B}")
+        continue
+    if "--forms" not in extra and len(big["forms"]) < 9:
+        failures.append(f"{name}: only {[f['form'] for f in big['forms']]}: not every form")
+    for f1, fb in zip(small["forms"], big["forms"]):
+        if not fb["bytes_match"] or not fb["memory_match"]:
+            failures.append(f"B {BIG_B} {name} {fb['form']}: bytes_match {fb['bytes_match']}, "
+                            f"memory_match {fb['memory_match']}")
+        one, many = labels(f1), labels(fb)
+        for key, sent in one.items():
+            want = sent if key[1] == "grad_allreduce" else BIG_B * sent
+            if many.get(key) != want:
+                failures.append(f"B {BIG_B} {name} {fb['form']} {key}: {many.get(key)} bytes, "
+                                f"not {want}")
+    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if rss_kb > 200 * 1024:
+        failures.append(f"B {BIG_B} {name}: peaked at {rss_kb / 1024:.0f} MB RSS (limit 200 MB)")
+
+# `laga plan` runs the same dry runs (and the work model, which summed every
+# row's pairs): every form, both layouts and kernels, overlap, at B 10^8.
+for extra, name in [([], "plan"), (["--seq-layout", "zigzag", "--attention", "eager"],
+                                   "plan_zigzag_eager"), (["--overlap", "both"], "plan_overlap")]:
+    # Nothing fits an h100 at this batch: the refusal (exit 2) still plans
+    # every form first, so its cost is what is bounded here.
+    t = subprocess.run([laga, "plan", "--quiet", "--preset", "tiny", "--seq", "64,96", "--sp",
+                        "2,4,6", "--batch", str(BIG_B), "--profile", "h100"] + extra,
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit_cpu_and_address_space)
+    if t.returncode not in (0, 2) or "fits no form" not in t.stderr:
+        failures.append(f"{name} at B {BIG_B}: exit {t.returncode}: {t.stderr.strip()[-300:]}")
 
 for m in failures:
     print("FAILED:", m)

@@ -11,11 +11,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "mla/comm_model.hpp"
 #include "mla/memory_model.hpp"
 #include "model/train.hpp"
+#include "plan/model_plan.hpp"
 #include "plan/time_model.hpp"
 #include "tools/memory_check.hpp"
 
@@ -101,6 +104,31 @@ TEST(MemoryCheck, ATrainJobIsEveryRankLocallyAndTheLargestUnderMpi) {
   ASSERT_LT(sum, 3 * local_worst) << "the layout must make the ranks' peaks differ";
   EXPECT_EQ(predict_train_job_memory(o, Backend::local).bytes, sum);
   EXPECT_EQ(predict_train_job_memory(o, Backend::mpi).bytes, worst);
+}
+
+// The train check's closed-form floor (issue 54 item O), checked before the
+// count-only prediction, whose bookkeeping grows with the model's tensors:
+// 12 bytes (fp32 parameters, AdamW m and v) per parameter a rank holds,
+// every rank with --comm local, one under MPI; with --expert-parallel the
+// most routed experts any rank owns. Never above the prediction (it is a
+// floor), and an MoE model's figure names its routed experts.
+TEST(MemoryCheck, ATrainJobsFloorIsItsParametersAndMomentsAndNamesTheExperts) {
+  const char* src = std::getenv("LAGA_SOURCE_DIR");
+  TrainOptions o;
+  o.model = LmConfig::from_json_file(std::string(src ? src : ".") + "/docs/assets/moe_tiny.json");
+  o.sp = 2, o.seq = 32, o.batch = 1, o.steps = 1;
+  const ModelParamCounts n = model_param_counts(o.model);
+  ASSERT_GT(n.routed_experts, 0);
+  const JobMemory every = train_state_lower_bound(o, Backend::local);
+  EXPECT_EQ(every.bytes, 2 * 12 * n.total());
+  EXPECT_EQ(train_state_lower_bound(o, Backend::mpi).bytes, 12 * n.total());
+  EXPECT_LE(every.bytes, predict_train_job_memory(o, Backend::local).bytes);
+  EXPECT_NE(every.detail.find("n_routed_experts 8"), std::string::npos) << every.detail;
+  EXPECT_NE(every.lower_with.find("n_routed_experts"), std::string::npos) << every.lower_with;
+  o.experts = ExpertPlacement::folded;  // EP 2: 4 of the 8 experts each
+  const JobMemory folded = train_state_lower_bound(o, Backend::local);
+  EXPECT_EQ(folded.bytes, 2 * 12 * (n.replicated() + n.routed_experts / 2));
+  EXPECT_LE(folded.bytes, predict_train_job_memory(o, Backend::local).bytes);
 }
 
 // --count-only: no tensor storage, so the figure is one record per class of
