@@ -25,9 +25,8 @@ With attention other than flash the C++ form runs laga's unfused path
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .attention import _acc_dtype, flash_backward, flash_forward
+from .attention import _acc_dtype, first_order_only, flash_backward, flash_forward
 
 
 def up_project(lat, w_rows, cfg):
@@ -75,8 +74,9 @@ def backward(q, lat, w_rows, o, lse, do, ranges, scale, block, cfg):
 class LatentFlash(torch.autograd.Function):
     """The functional layer's (tape "autograd") laga_fused attention: saves
     q, lat, w_rows, o and lse, no K or V. First derivatives only: a second
-    backward (create_graph=True through it) raises torch's error naming a
-    function marked once_differentiable, never a wrong number."""
+    backward (create_graph=True through it) raises an error naming this
+    kernel and what to use instead (first_order_only), never a wrong
+    number."""
 
     @staticmethod
     def forward(ctx, q, lat, w_rows, ranges, scale, block, cfg):
@@ -86,7 +86,9 @@ class LatentFlash(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("laga_fused's flash kernel (MLA(form='laga_fused') with flash attention)",
+                      "form='laga' (the same numbers, K and V kept) or eager attention on "
+                      "tape='autograd'")
     def backward(ctx, do):
         q, lat, w_rows, o, lse = ctx.saved_tensors
         dq, d_lat, d_w = backward(q, lat, w_rows, o, lse, do, ctx.ranges, ctx.scale, ctx.block,

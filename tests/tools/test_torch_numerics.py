@@ -195,7 +195,7 @@ COVERED = {"_MathAttention": "gradgradcheck", "_FlashAttention": "gradgradcheck"
            "_Exchange": "gradgradcheck (module, P 1) and the Hessian-vector product at P 2",
            "_Unpack": "gradgradcheck (module, P 1) and the Hessian-vector product at P 2",
            "_AllToAll": "gradgradcheck (module, P 1) and the Hessian-vector product at P 2",
-           "RingAttention": "refuses", "Block": "refuses"}
+           "RingAttention": "refuses", "Block": "refuses", "LatentFlash": "refuses"}
 
 
 def package_functions():
@@ -203,7 +203,7 @@ def package_functions():
     import inspect
     found = {}
     for name in ("attention", "comm", "forms", "module", "ring", "tape", "norm", "names",
-                 "layout", "config"):
+                 "layout", "config", "fused", "checks"):
         try:
             mod = importlib.import_module("laga_torch." + name)
         except ImportError:
@@ -256,9 +256,10 @@ def double_backward_p1(lt, dev):
                                             (x,), raise_exception=False):
             fail(f"{form} {opts} {att} on tape autograd: gradgradcheck fails in float64")
         checked += 1
-    for form, tape in (("laga", "laga"), ("ring_kv", "laga"), ("ring_kv", "autograd"),
-                       ("ring_latent", "autograd"), ("a2a_p2p", "autograd")):
-        m = lt.MLA(cfg, form=form, tape=tape, dtype=torch.float64, device=dev)
+    for form, tape, att in (("laga", "laga", "auto"), ("ring_kv", "laga", "auto"),
+                            ("ring_kv", "autograd", "auto"), ("ring_latent", "autograd", "auto"),
+                            ("a2a_p2p", "autograd", "auto"), ("laga_fused", "autograd", "flash")):
+        m = lt.MLA(cfg, form=form, tape=tape, attention=att, dtype=torch.float64, device=dev)
         x = torch.randn(1, 4, 6, generator=g, dtype=torch.float64, device=dev,
                         requires_grad=True)
         gx, = torch.autograd.grad(m(x, seq_len=4).square().sum(), x, create_graph=True)
