@@ -33,6 +33,8 @@ import struct
 import subprocess
 import sys
 
+from test_cli_options import safetensors, write  # the same files, written one way
+
 PREFIX = "laga: error: "
 # CLI11's words, which must never reach the user.
 CLI11_WORDS = ("Could not convert", "required but received", "was not expected",
@@ -176,11 +178,6 @@ def case_parse(laga, scratch):
         expect_error(laga, fixed + [option, value], f"{option}: '{value}' is not one of {choices}")
 
 
-def write(path, data, mode="w"):
-    with open(path, mode) as f:
-        f.write(data)
-
-
 def case_config(laga, scratch):
     moe = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "assets",
                                       "moe_tiny.json")))
@@ -220,19 +217,6 @@ def case_config(laga, scratch):
         path = os.path.join(scratch, f"mla_{key}.json")
         write(path, json.dumps(cfg))
         expect_error(laga, ["forward", "--config", path, "--seq", "8"], words)
-
-
-def safetensors(path, tensors):
-    """tensors: name -> (shape, list of floats), written as F32."""
-    header, blob = {}, b""
-    for name, (shape, values) in tensors.items():
-        data = struct.pack(f"<{len(values)}f", *values)
-        header[name] = {"dtype": "F32", "shape": shape,
-                        "data_offsets": [len(blob), len(blob) + len(data)]}
-        blob += data
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    write(path, struct.pack("<Q", len(text)) + text + blob, "wb")
 
 
 def read_safetensors(path, name):
