@@ -226,10 +226,8 @@ std::vector<std::int64_t> parse_whole_list(const std::string& s, const std::stri
                "; give a comma-separated list like ", example);
     v.push_back(*x);
   }
-  for (size_t i = 0; i < v.size(); ++i)
-    for (size_t j = 0; j < i; ++j)
-      LAGA_CHECK(v[i] != v[j], option, ": ", v[i], " appears twice in '", s,
-                 "'; give each item once");
+  // No value twice: split_list refuses a repeated item, and a whole number
+  // has one spelling (parse_whole_number: no leading zeros, sign or "-0").
   return v;
 }
 

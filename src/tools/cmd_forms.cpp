@@ -33,16 +33,25 @@ constexpr std::pair<const char*, bool FormTraits::*> kTraits[] = {
     {"reference", &FormTraits::reference},
     {"exact_at_one_rank", &FormTraits::exact_at_one_rank}};
 
+// The probe layout attends() and keys() read a row on (S 16, H 2, P 4),
+// and the row's variant there (the grid forms at 2 head groups).
+SpLayout probe_layout() {
+  return SpLayout::even(1, 16, 2, 4);
+}
+FormVariant probe_variant(const FormSpec& s) {
+  FormVariant v(s.form);
+  if (s.traits.head_groups) v.head_groups = 2;
+  return v;
+}
+
 // Where the row places each rank's attention (FormSpec::attention), read off
 // it on a probe layout (S 16, H 2, P 4; the grid forms at 2 head groups x 2
 // context groups): "heads" (every token, the rank's heads: the head-sharded
 // forms), "own" (its own tokens, all heads: the context-parallel forms) or
 // "grid" (part of the tokens and part of the heads).
 std::string attends(const FormSpec& s) {
-  const SpLayout lay = SpLayout::even(1, 16, 2, 4);
-  FormVariant v(s.form);
-  if (s.traits.head_groups) v.head_groups = 2;
-  const Placement p = s.attention(lay, v);
+  const SpLayout lay = probe_layout();
+  const Placement p = s.attention(lay, probe_variant(s));
   bool every_token = true, every_head = true;
   for (int r = 0; r < lay.ranks; ++r) {
     every_token = every_token && p.rows(r) == lay.seq;
@@ -58,11 +67,9 @@ std::string attends(const FormSpec& s) {
 // "heads" (per-head K and V all-to-all, k_a2a); with the ring's block
 // ("kv" or "latent", the label's stem) for the ring forms.
 std::pair<std::string, std::string> keys(const FormSpec& s) {
-  const SpLayout lay = SpLayout::even(1, 16, 2, 4);
-  FormVariant v(s.form);
-  if (s.traits.head_groups) v.head_groups = 2;
   std::string ring, gather, latent;
-  for (const auto& [key, bytes] : predict_comm(MlaConfig{}, lay, v, 0, 4, false, false)) {
+  for (const auto& [key, bytes] :
+       predict_comm(MlaConfig{}, probe_layout(), probe_variant(s), 0, 4, false, false)) {
     const std::string& label = key.second;
     if (label.size() > 5 && label.ends_with("_ring")) ring = label.substr(0, label.size() - 5);
     if (label == "k_ag") gather = label;
