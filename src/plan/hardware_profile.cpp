@@ -50,6 +50,13 @@ double HardwareProfile::peak_flops(PlanDType t) const {
   return *p;
 }
 
+double HardwareProfile::peak_flops_fp8() const {
+  LAGA_CHECK(device.peak_flops_fp8.has_value(), "profile ", source,
+             ": device.peak_flops.fp8 is not given (not published for this device); plan "
+             "without --fp8, or give a profile file with the figure");
+  return *device.peak_flops_fp8;
+}
+
 namespace {
 
 // Reads one object's fields by name and refuses keys it was not asked for,
@@ -313,8 +320,12 @@ HardwareProfile parse_profile(const std::string& text, const std::string& source
     Fields peak = d.object("peak_flops");
     p.device.peak_flops_fp32 = peak.number_or_null("fp32");
     p.device.peak_flops_bf16 = peak.number_or_null("bf16");
+    // fp8 (dense, the tensor cores' e4m3/e5m2 GEMMs) is optional: only
+    // `laga plan --model --fp8` reads it.
+    if (peak.has("fp8")) p.device.peak_flops_fp8 = peak.number_or_null("fp8");
     for (const auto& [name, v] :
-         {std::pair{"fp32", p.device.peak_flops_fp32}, std::pair{"bf16", p.device.peak_flops_bf16}})
+         {std::pair{"fp32", p.device.peak_flops_fp32}, std::pair{"bf16", p.device.peak_flops_bf16},
+          std::pair{"fp8", p.device.peak_flops_fp8}})
       if (v) within(peak, name, *v, kFlops, "device");
     peak.done();
     LAGA_CHECK(p.device.peak_flops_fp32 || p.device.peak_flops_bf16, "profile ", source,
@@ -378,20 +389,20 @@ HardwareProfile load_profile(const std::string& name_or_path) {
 
 std::string profile_json(const HardwareProfile& p) {
   auto peak = [](const std::optional<double>& v) { return v ? json(*v) : json(nullptr); };
-  json j = {
-      {"name", p.name},
-      {"description", p.description},
-      {"device",
-       {{"peak_flops",
-         {{"fp32", peak(p.device.peak_flops_fp32)}, {"bf16", peak(p.device.peak_flops_bf16)}}},
-        {"efficiency",
-         {{"gemm", p.device.gemm_efficiency}, {"attention", p.device.attention_efficiency}}},
-        {"elementwise_bytes_per_s", p.device.elementwise_bytes_per_s},
-        {"memory_bytes", p.device.memory_bytes},
-        {"memory_bytes_per_s", p.device.memory_bytes_per_s}}},
-      {"devices_per_node", p.devices_per_node},
-      {"intra_node", link_json(p.intra_node)},
-      {"inter_node", link_json(p.inter_node)}};
+  json peaks{{"fp32", peak(p.device.peak_flops_fp32)}, {"bf16", peak(p.device.peak_flops_bf16)}};
+  if (p.device.peak_flops_fp8) peaks["fp8"] = *p.device.peak_flops_fp8;
+  json j = {{"name", p.name},
+            {"description", p.description},
+            {"device",
+             {{"peak_flops", peaks},
+              {"efficiency",
+               {{"gemm", p.device.gemm_efficiency}, {"attention", p.device.attention_efficiency}}},
+              {"elementwise_bytes_per_s", p.device.elementwise_bytes_per_s},
+              {"memory_bytes", p.device.memory_bytes},
+              {"memory_bytes_per_s", p.device.memory_bytes_per_s}}},
+            {"devices_per_node", p.devices_per_node},
+            {"intra_node", link_json(p.intra_node)},
+            {"inter_node", link_json(p.inter_node)}};
   if (p.device.exp_per_s > 0) j["device"]["exp_per_s"] = p.device.exp_per_s;
   if (p.shared_cores > 0) j["shared_cores"] = p.shared_cores;
   if (!p.measured_shapes.gemm.empty() || !p.measured_shapes.attention.empty())

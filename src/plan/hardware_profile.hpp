@@ -6,7 +6,8 @@
 //     "name": "h100",
 //     "description": "...",
 //     "device": {
-//       "peak_flops": {"fp32": 67e12, "bf16": 989.4e12},   // FLOP/s; null: not published
+//       "peak_flops": {"fp32": 67e12, "bf16": 989.4e12,    // FLOP/s; null: not published
+//                      "fp8": 1978.9e12},                  // optional (--fp8)
 //       "efficiency": {"gemm": 0.6, "attention": 0.4},     // achieved / peak, in (0, 1]
 //       "elementwise_bytes_per_s": 3.35e12,                // optional; default: memory_bytes_per_s
 //       "exp_per_s": 2e8,                                  // optional; default: not priced
@@ -95,6 +96,7 @@ Precision precision_of(PlanDType t);
 
 struct DeviceProfile {
   std::optional<double> peak_flops_fp32, peak_flops_bf16;  // absent: not published
+  std::optional<double> peak_flops_fp8;                    // optional key; absent: not published
   double gemm_efficiency = 0, attention_efficiency = 0;    // achieved fraction of peak
   double elementwise_bytes_per_s = 0;                      // what memory-bound ops reach
   double exp_per_s = 0;  // the elementwise kernels' exponentials a second; 0: not priced
@@ -120,6 +122,9 @@ struct HardwareProfile {
 
   // Peak FLOP/s in `t`; a laga::Error naming the profile when not published.
   double peak_flops(PlanDType t) const;
+  // Dense FP8 GEMM FLOP/s (`laga plan --model --fp8`); a laga::Error naming
+  // the profile when it has none.
+  double peak_flops_fp8() const;
 };
 
 // Parses and validates one profile; `source` names it in every error.

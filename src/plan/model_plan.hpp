@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "model/model.hpp"
+#include "plan/pipeline.hpp"
 #include "plan/planner.hpp"
 
 namespace laga {
@@ -94,9 +95,11 @@ struct ModelParamCounts {
   std::int64_t routed_experts = 0;  // 3 D I E per MoE layer: the only ones sharded (by EP)
   std::int64_t routed_expert_count = 0;  // E (experts, not elements); 0 without MoE
   std::int64_t embedding = 0, head = 0;  // V D each (not tied)
+  std::int64_t mtp_projection = 0;       // an MTP module's eh_proj (D, 2 D); 0 without MTP
   // Held by every rank of the SP group (and every replica).
   std::int64_t replicated() const {
-    return attention + norms + dense_ffn + gate + shared_experts + embedding + head;
+    return attention + norms + dense_ffn + gate + shared_experts + embedding + head +
+           mtp_projection;
   }
   std::int64_t total() const { return replicated() + routed_experts; }
   // The routed experts' elements on the device owning the most of them at
@@ -107,6 +110,15 @@ struct ModelParamCounts {
   }
 };
 ModelParamCounts model_param_counts(const LmConfig& cfg);
+// A pipeline stage's: the layers of stage_config(cfg, span), the embedding,
+// final norm and head where the span holds them, and each MTP module's
+// layer (in the stage config), its two norms and its eh_proj (its embedding
+// and head are the main model's, shared on the same device: the report's
+// section 3.2.3).
+ModelParamCounts stage_param_counts(const LmConfig& cfg, const StageSpan& span);
+// The model a stage runs: cfg with the span's layers (its dense ones first,
+// as the model's are) and each MTP module's transformer layer after them.
+LmConfig stage_config(const LmConfig& cfg, const StageSpan& span);
 
 // Forward FLOPs per token of layer l's FFN (2 M N K per GEMM): dense
 // 2 * 3 * D * F; MoE 2 * D * E (gate) + (k + Ns) * 2 * 3 * D * I. Backward
@@ -129,7 +141,11 @@ double head_flops_forward(const LmConfig& cfg);
 struct ModelGemmCalls {
   ops::OpCounts ffn, head;
 };
-ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, bool recompute);
+// head_passes: the LM head's forward + backward, once per head the device
+// runs (0 on a stage without it, 2 with the MTP module's); each MTP module
+// adds its eh_proj (N, 2 D) -> (N, D) to the head's calls.
+ModelGemmCalls model_gemm_calls(const LmConfig& cfg, std::int64_t N, int ep, bool recompute,
+                                int head_passes = 1, int mtp_modules = 0);
 
 // Bytes per device of the training state. What is assumed:
 //   bf16 plan: parameters and gradients bf16 (2 + 2 bytes), AdamW an fp32
@@ -189,9 +205,10 @@ struct ActivationBytes {
 // layer's (model_plan.cpp has the terms).
 // The FFN backward's working set is the one without EP (ffn_backward_working_bytes):
 // the EP backward's exchange buffers are not modelled.
+// head false: a pipeline stage without the head (no logits, no final norm).
 ActivationBytes activation_bytes(const LmConfig& cfg, std::int64_t tokens, std::int64_t elem_bytes,
                                  double attn_after_forward, double attn_peak, bool recompute,
-                                 int ep = 1);
+                                 int ep = 1, bool head = true);
 
 // The expert-parallel degree: folded onto the SP ranks (EP = P, the
 // default); as many devices as share the E experts evenly, the experts
@@ -210,6 +227,9 @@ struct ModelPlanRequest {
   PlanRequest block;  // block.cfg is model.mla; seqs, sps, forms, profile, ...
   LmConfig model;
   std::vector<int> dps{1};
+  // Pipeline stages to plan, each a case beside the dps (pipeline.stages is
+  // set from it per case).
+  std::vector<int> pps{1};
   // Gradient accumulation: micro-batches of block.batch sequences per
   // optimizer step, each a forward + backward; the gradient sync and AdamW
   // run once per step. Memory is one micro-batch's.
@@ -217,6 +237,26 @@ struct ModelPlanRequest {
   EpChoice ep;
   bool zero1 = false;
   bool recompute = false;
+  // Pipeline stages (plan/pipeline.hpp): every (P, dp) case is one stage's
+  // devices, P * dp * pipeline.stages in all. stages 1 and no MTP: the
+  // whole model on every device, as before.
+  PipelineChoice pipeline;
+  // FP8 GEMMs (DeepSeek-V3's recipe, report section 3.3): every linear of
+  // the layers (the MLA projections and the FFNs) at the profile's FP8 peak x
+  // its GEMM efficiency, the head, gate, norms and attention core kept in
+  // bf16 as the report keeps them; each FP8 GEMM's inputs quantized per
+  // 1x128 tile (activations) in a memory-bound pass, read 2 bytes and write
+  // 1 + 4/128 (the scale) per element, forward and, 3x, backward (the
+  // output gradient and the transposed copies the weight gradient reads);
+  // the EP dispatch and its backward (dmoe_combine) move FP8 rows with their
+  // scales, the combine and dmoe_dispatch bf16 (report section 3.3.4).
+  bool fp8 = false;
+  // DeepSeek-V3's node-limited routing (plan/pipeline.hpp,
+  // node_limited_copies): each token's experts on at most node_limit of the
+  // EP group's nodes and sent once per node over the inter-node link, then
+  // forwarded within it; the inter- and intra-node shares at their own
+  // links, concurrently. 0: laga's dispatch (every copy to its owner).
+  int node_limit = 0;
 };
 
 // Every GEMM and attention call the model plans of `q` cost: the blocks'
@@ -233,9 +273,24 @@ struct ModelStepTime {
   double elementwise = 0;  // norms, residuals, SwiGLU, permutes, embedding, cross-entropy (+ exps)
   double grad_sync = 0;    // the gradients over the SP and DP ranks
   double optimizer = 0;    // AdamW's bytes
+  double p2p = 0;          // activations and their gradients between pipeline stages
+  double bubble = 0;       // the pipeline schedule's warm-up and drain (pipeline_bubble_s)
+  double comm_units = 0;   // DualPipe: the compute slowed by the SMs its communication takes
+  double hidden = 0;       // communication DualPipe hides under compute (subtracted)
   double total() const {
-    return attention + ffn + moe_a2a + head + elementwise + grad_sync + optimizer;
+    return attention + ffn + moe_a2a + head + elementwise + grad_sync + optimizer + p2p + bubble +
+           comm_units - hidden;
   }
+};
+
+// One pipeline device's share (a stage, or DualPipe's pair of stages).
+struct StagePlan {
+  std::vector<StageSpan> spans;  // one; DualPipe two (its own and the mirror stage)
+  PassTimes pass;                // per micro-batch (DualPipe: the mean of its two stages')
+  double in_flight = 0;          // micro-batches of activations held at the peak
+  StateBytes state;
+  ActivationBytes activations;  // of in_flight micro-batches
+  double memory_bytes() const { return state.total() + activations.total(); }
 };
 
 struct ModelPlan {
@@ -253,6 +308,13 @@ struct ModelPlan {
   double mfu = 0;                     // model_flops / (devices x peak x step_s)
   double attention_share = 0;         // time.attention / step_s
   double moe_a2a_bytes_per_rank = 0;  // per step, sent, the mean under uniform routing
+  // Of those, the bytes over the inter-node link (the EP group's nodes; the
+  // rest within a node).
+  double moe_a2a_inter_node_bytes_per_rank = 0;
+  double p2p_bytes_per_rank = 0;  // per step, sent to the next or previous stage
+  int pp = 1;
+  std::vector<StagePlan> stages;  // per pipeline device, with --pp or --mtp
+  int slowest_stage = 0;          // the device whose step is the plan's
   StateBytes state;
   ActivationBytes activations;
   double memory_bytes() const { return state.total() + activations.total(); }
@@ -261,8 +323,9 @@ struct ModelPlan {
 
 struct ModelPlanCase {
   std::int64_t seq = 0;
-  int sp = 1, dp = 1;
-  int nodes = 1;  // of the whole P * dp devices
+  int sp = 1, dp = 1, pp = 1;
+  int nodes = 1;  // of the whole P * dp * pp devices
+  int devices() const { return sp * dp * pp; }
   std::vector<ModelPlan> forms;
   int winner = -1;  // the fastest form that fits; -1: none
 };
@@ -272,7 +335,7 @@ struct ModelPlanCase {
 struct MinDevices {
   std::int64_t seq = 0;
   bool found = false;
-  int sp = 0, dp = 0;
+  int sp = 0, dp = 0, pp = 1;
   FormVariant form = Form::laga;
 };
 

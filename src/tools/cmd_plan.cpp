@@ -47,6 +47,13 @@ struct PlanOptions {
   std::string model, dp = "1", ep = "sp";
   std::int64_t layers = 0, micro_batches = 1;
   bool zero1 = false, recompute = false;
+  // Pipeline stages, DeepSeek's placement and FP8 (plan/pipeline.hpp):
+  // --pp, --schedule, --chunks, --stage-layers, --mtp, --node-limit, --fp8;
+  // --recipe fills every option the user left out from a published setup.
+  std::string pp = "1", schedule = "1f1b", stage_layers, recipe;
+  int chunks = 2, node_limit = 0;
+  std::string comm_sms = "20/132";
+  bool mtp = false, fp8 = false;
   // Given options that only --model reads, and whether --preset/--config was.
   std::vector<std::string> model_only_given;
   bool attention_config_given = false;
@@ -273,7 +280,16 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
                                    : cat("= ", q.ep.degree))
     << "; "
     << "ZeRO-1 " << (q.zero1 ? "on" : "off") << "; recompute " << (q.recompute ? "on" : "off")
-    << "; no overlap between attention, MoE and gradient collectives\n";
+    << "; GEMMs " << (q.fp8 ? "fp8 (the layers' linears; head and gate bf16)" : "in the dtype")
+    << "; routing "
+    << (q.node_limit > 0
+            ? cat("node-limited (at most ", q.node_limit, " nodes a token, sent once a node)")
+            : std::string("per copy"))
+    << "; pipeline " << to_string(q.pipeline.schedule)
+    << (q.pipeline.schedule == PipeSchedule::interleaved ? cat(" x", q.pipeline.chunks) : "")
+    << (q.pipeline.mtp ? ", MTP module on the last stage" : "")
+    << "; no overlap between attention, MoE and gradient collectives"
+    << (q.pipeline.schedule == PipeSchedule::dualpipe ? " but DualPipe's (F&B pairs)" : "") << "\n";
   o << "  attention: the one-block plan per layer (its timeline); FFN and head GEMMs by shape, "
        "at each shape's measured time where the profile has it, else at peak x "
     << fmt("%.3g", q.block.profile.device.gemm_efficiency)
@@ -285,8 +301,8 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
             : std::string(", exponentials not priced (the profile has no exp_per_s)"))
     << "\n";
   for (const ModelPlanCase& c : r.cases) {
-    o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ", EP "
-      << (c.forms.empty() ? 0 : c.forms.front().ep) << ": " << c.sp * c.dp << " device(s) on "
+    o << "\nS " << c.seq << ", P " << c.sp << ", DP " << c.dp << ", PP " << c.pp << ", EP "
+      << (c.forms.empty() ? 0 : c.forms.front().ep) << ": " << c.devices() << " device(s) on "
       << c.nodes << " node(s)\n";
     char line[320];
     std::snprintf(line, sizeof line, "  %-22s %10s %12s %6s %6s %6s %10s %9s %9s %9s %6s\n", "form",
@@ -301,6 +317,18 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
           gb(f.moe_a2a_bytes_per_rank).c_str(), gb(f.state.total()).c_str(),
           gb(f.activations.total()).c_str(), gb(f.memory_bytes()).c_str(), f.fits ? "yes" : "NO");
       o << line;
+      if (f.pp > 1 || !f.stages.empty()) {
+        const ModelStepTime& t = f.time;
+        o << "    slowest pipeline device " << f.slowest_stage << " of " << f.pp
+          << ", s: attention " << fmt("%.4g", t.attention) << ", ffn " << fmt("%.4g", t.ffn)
+          << ", a2a " << fmt("%.4g", t.moe_a2a) << ", head " << fmt("%.4g", t.head)
+          << ", elementwise " << fmt("%.4g", t.elementwise) << ", p2p " << fmt("%.4g", t.p2p)
+          << ", bubble " << fmt("%.4g", t.bubble) << ", hidden -" << fmt("%.4g", t.hidden)
+          << ", grad sync " << fmt("%.4g", t.grad_sync) << ", AdamW " << fmt("%.4g", t.optimizer)
+          << "; a2a over nodes " << gb(f.moe_a2a_inter_node_bytes_per_rank) << " GB/rk; "
+          << fmt("%.4g", 1e12 / f.tokens_per_s_per_device / 3600 / 1e3)
+          << "K device-hours per 10^12 tokens\n";
+      }
     }
     if (c.winner >= 0) {
       const ModelPlan& w = c.forms[size_t(c.winner)];
@@ -315,11 +343,11 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
         << " GB of device memory\n";
     }
   }
-  o << "\nfewest devices that fit (of the --sp x --dp grid planned):\n";
+  o << "\nfewest devices that fit (of the --sp x --dp x --pp grid planned):\n";
   for (const MinDevices& d : r.min_devices) {
     if (d.found)
-      o << "  S " << d.seq << ": " << d.sp * d.dp << " (P " << d.sp << " x DP " << d.dp << ", "
-        << to_string(d.form) << ")\n";
+      o << "  S " << d.seq << ": " << d.sp * d.dp * d.pp << " (P " << d.sp << " x DP " << d.dp
+        << " x PP " << d.pp << ", " << to_string(d.form) << ")\n";
     else
       o << "  S " << d.seq << ": none of the grid fits\n";
   }
@@ -333,6 +361,31 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
     << "); act: saved activations + the largest working set; fits: state + act <= "
     << gb(q.block.profile.device.memory_bytes) << " GB\n";
   return o.str();
+}
+
+// Each pipeline device's layers, per-micro-batch pass times and memory.
+ojson stages_json(const ModelPlan& f) {
+  ojson a = ojson::array();
+  for (const StagePlan& s : f.stages) {
+    ojson spans = ojson::array();
+    for (const StageSpan& p : s.spans)
+      spans.push_back({{"first_layer", p.first_layer},
+                       {"layers", p.layers},
+                       {"embedding", p.embedding},
+                       {"head", p.head},
+                       {"mtp_modules", p.mtp_modules}});
+    a.push_back({{"spans", spans},
+                 {"forward_s", s.pass.forward},
+                 {"backward_s", s.pass.backward},
+                 {"weight_grad_s", s.pass.weight_grad},
+                 {"forward_comm_s", s.pass.forward_comm},
+                 {"backward_comm_s", s.pass.backward_comm},
+                 {"in_flight_micro_batches", s.in_flight},
+                 {"state_bytes", s.state.total()},
+                 {"activation_bytes", s.activations.total()},
+                 {"memory_bytes", s.memory_bytes()}});
+  }
+  return a;
 }
 
 std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
@@ -359,42 +412,57 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
                      {"head", n.head}};
   j["zero1"] = q.zero1;
   j["recompute"] = q.recompute;
+  j["fp8"] = q.fp8;
+  j["node_limit"] = q.node_limit;
+  j["schedule"] = to_string(q.pipeline.schedule);
+  j["mtp"] = q.pipeline.mtp;
   j["plans"] = ojson::array();
   j["cases"] = ojson::array();
   for (const ModelPlanCase& c : r.cases) {
     for (const ModelPlan& f : c.forms)
-      j["plans"].push_back({{"form", to_string(f.form)},
-                            {"seq", c.seq},
-                            {"sp", c.sp},
-                            {"dp", c.dp},
-                            {"ep", f.ep},
-                            {"devices", c.sp * c.dp},
-                            {"predicted_step_s", f.step_s},
-                            {"predicted_tokens_per_s_per_device", f.tokens_per_s_per_device},
-                            {"model_flops", f.model_flops},
-                            {"mfu", f.mfu},
-                            {"attention_share", f.attention_share},
-                            {"seconds",
-                             {{"attention", f.time.attention},
-                              {"ffn", f.time.ffn},
-                              {"moe_a2a", f.time.moe_a2a},
-                              {"head", f.time.head},
-                              {"elementwise", f.time.elementwise},
-                              {"grad_sync", f.time.grad_sync},
-                              {"optimizer", f.time.optimizer}}},
-                            {"moe_a2a_bytes_per_rank", f.moe_a2a_bytes_per_rank},
-                            {"memory",
-                             {{"parameters", f.state.parameters},
-                              {"gradients", f.state.gradients},
-                              {"optimizer", f.state.optimizer},
-                              {"activations", f.activations.total()},
-                              {"total", f.memory_bytes()}}},
-                            {"block_step_s", f.block.step_s},
-                            {"fits", f.fits}});
+      j["plans"].push_back(
+          {{"form", to_string(f.form)},
+           {"seq", c.seq},
+           {"sp", c.sp},
+           {"dp", c.dp},
+           {"pp", c.pp},
+           {"ep", f.ep},
+           {"devices", c.devices()},
+           {"predicted_step_s", f.step_s},
+           {"predicted_tokens_per_s_per_device", f.tokens_per_s_per_device},
+           {"model_flops", f.model_flops},
+           {"mfu", f.mfu},
+           {"attention_share", f.attention_share},
+           {"seconds",
+            {{"attention", f.time.attention},
+             {"ffn", f.time.ffn},
+             {"moe_a2a", f.time.moe_a2a},
+             {"head", f.time.head},
+             {"elementwise", f.time.elementwise},
+             {"grad_sync", f.time.grad_sync},
+             {"optimizer", f.time.optimizer},
+             {"p2p", f.time.p2p},
+             {"bubble", f.time.bubble},
+             {"hidden", -f.time.hidden}}},
+           {"slowest_stage", f.slowest_stage},
+           {"device_hours_per_1e12_tokens", 1e12 / f.tokens_per_s_per_device / 3600},
+           {"moe_a2a_bytes_per_rank", f.moe_a2a_bytes_per_rank},
+           {"moe_a2a_inter_node_bytes_per_rank", f.moe_a2a_inter_node_bytes_per_rank},
+           {"p2p_bytes_per_rank", f.p2p_bytes_per_rank},
+           {"stages", stages_json(f)},
+           {"memory",
+            {{"parameters", f.state.parameters},
+             {"gradients", f.state.gradients},
+             {"optimizer", f.state.optimizer},
+             {"activations", f.activations.total()},
+             {"total", f.memory_bytes()}}},
+           {"block_step_s", f.block.step_s},
+           {"fits", f.fits}});
     j["cases"].push_back(
         {{"seq", c.seq},
          {"sp", c.sp},
          {"dp", c.dp},
+         {"pp", c.pp},
          {"nodes", c.nodes},
          {"winner",
           c.winner >= 0 ? ojson(to_string(c.forms[size_t(c.winner)].form)) : ojson(nullptr)}});
@@ -402,9 +470,10 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
   j["min_devices"] = ojson::array();
   for (const MinDevices& d : r.min_devices)
     j["min_devices"].push_back(d.found ? ojson{{"seq", d.seq},
-                                               {"devices", d.sp * d.dp},
+                                               {"devices", d.sp * d.dp * d.pp},
                                                {"sp", d.sp},
                                                {"dp", d.dp},
+                                               {"pp", d.pp},
                                                {"form", to_string(d.form)}}
                                        : ojson{{"seq", d.seq}, {"devices", nullptr}});
   return j.dump(2) + "\n";
@@ -445,6 +514,18 @@ EpChoice parse_ep(const std::string& s) {
   return {EpRule::fixed, int(*n)};
 }
 
+// --comm-sms USED/ALL: DualPipe's communication kernels' share of the SMs.
+double parse_comm_sms(const std::string& s) {
+  const size_t slash = s.find('/');
+  const std::optional<std::int64_t> used =
+      slash == std::string::npos ? std::nullopt : parse_whole_number(s.substr(0, slash));
+  const std::optional<std::int64_t> all =
+      slash == std::string::npos ? std::nullopt : parse_whole_number(s.substr(slash + 1));
+  LAGA_CHECK(used && all && *used >= 0 && *all >= 1 && *used < *all, "--comm-sms '", s,
+             "' is not USED/ALL with 0 <= USED < ALL (DeepSeek-V3 on H800: 20/132)");
+  return double(*used) / double(*all);
+}
+
 // The whole model's request: `model` (load_model's, read once) and `block`.
 ModelPlanRequest model_request(const PlanOptions& o, const LmConfig& model, PlanRequest block) {
   ModelPlanRequest q;
@@ -456,6 +537,16 @@ ModelPlanRequest model_request(const PlanOptions& o, const LmConfig& model, Plan
   q.ep = parse_ep(o.ep);
   q.zero1 = o.zero1;
   q.recompute = o.recompute;
+  q.pps = parse_int_list(o.pp, "--pp");
+  q.pipeline.schedule = parse_pipe_schedule(o.schedule);
+  q.pipeline.chunks = o.chunks;
+  q.pipeline.mtp = o.mtp;
+  q.pipeline.comm_unit_share = parse_comm_sms(o.comm_sms);
+  if (!o.stage_layers.empty())
+    q.pipeline.stage_layers = parse_int_list(o.stage_layers, "--stage-layers");
+  q.fp8 = o.fp8;
+  q.node_limit = o.node_limit;
+  if (q.fp8) q.block.profile.peak_flops_fp8();  // refuse an unpublished peak before planning
   return q;
 }
 
@@ -634,6 +725,39 @@ void run_plan(const PlanOptions& o) {
   }
 }
 
+// --recipe deepseek-v3: the DeepSeek-V3 technical report's pre-training
+// setup (arXiv 2412.19437), each option the user did not give:
+//   --model deepseek-v3 --mtp       the 671B model and its one MTP module (sec. 2.2)
+//   --profile h800                  2048 NVIDIA H800 in nodes of 8 (sec. 3.1)
+//   --pp 16 --schedule dualpipe     16-way PP with DualPipe (sec. 3.2)
+//   --ep 64 --node-limit 4          EP 64 over 8 nodes, each token to at most 4 (sec. 3.2.2, 2.1.2)
+//   --dp 128 --zero1 --sp 1         ZeRO-1 DP, no TP: 2048 / 16 stages = 128 a stage
+//   --fp8                           the FP8 framework (sec. 3.3)
+//   --seq 4096 --batch 1 --micro-batches 120
+//                                   4K sequences, the final batch of 15360 sequences
+//                                   (sec. 4.2) over 128 replicas; a micro-batch of one
+//                                   sequence is an assumption (the report gives none)
+void apply_recipe(PlanOptions& o, CLI::App& c) {
+  const auto unset = [&](const char* name) { return c.count(name) == 0; };
+  LAGA_CHECK(unset("--preset") && unset("--config"),
+             "--recipe deepseek-v3 plans DeepSeek-V3 (--model deepseek-v3); leave out --preset "
+             "and --config");
+  if (unset("--model")) o.model = "deepseek-v3";
+  if (unset("--mtp")) o.mtp = true;
+  if (unset("--profile")) o.profile = "h800";
+  if (unset("--pp")) o.pp = "16";
+  if (unset("--schedule")) o.schedule = "dualpipe";
+  if (unset("--ep")) o.ep = "64";
+  if (unset("--node-limit")) o.node_limit = 4;
+  if (unset("--dp")) o.dp = "128";
+  if (unset("--zero1")) o.zero1 = true;
+  if (unset("--sp")) o.sp = "1";
+  if (unset("--fp8")) o.fp8 = true;
+  if (unset("--seq")) o.seq = "4096";
+  if (unset("--micro-batches")) o.micro_batches = 120;
+  if (unset("--forms")) o.forms = "explicit";
+}
+
 void register_plan(CLI::App& app) {
   auto o = std::make_shared<PlanOptions>();
   CLI::App* c = app.add_subcommand(
@@ -716,12 +840,49 @@ void register_plan(CLI::App& app) {
               "with --model: shard AdamW's state over the replicas of each parameter (ZeRO-1)");
   c->add_flag("--recompute", o->recompute,
               "with --model: keep only each layer's input and re-run its forward in backward");
+  c->add_option("--pp", o->pp,
+                "with --model: pipeline stages over the layers, comma-separated (a grid beside "
+                "--sp and --dp)")
+      ->capture_default_str();
+  c->add_option("--schedule", o->schedule,
+                "with --model: the pipeline schedule: 1f1b, interleaved (--chunks per device) or "
+                "dualpipe (DeepSeek-V3's)")
+      ->check(CLI::IsMember({"1f1b", "interleaved", "dualpipe"}))
+      ->capture_default_str();
+  c->add_option("--chunks", o->chunks, "with --schedule interleaved: layer chunks per device")
+      ->check(whole_for(1, o->chunks))
+      ->capture_default_str();
+  c->add_option("--stage-layers", o->stage_layers,
+                "with --model and one --pp: the layers of each stage, comma-separated (default: "
+                "as even as counts allow, the MTP module counted as a layer of the last)");
+  c->add_flag("--mtp", o->mtp,
+              "with --model: plan DeepSeek-V3's multi-token-prediction module (one MoE layer, "
+              "its projection and the shared head again) on the last stage");
+  c->add_flag("--fp8", o->fp8,
+              "with --model: the layers' GEMMs in FP8 at the profile's fp8 peak, as DeepSeek-V3 "
+              "trained (attention core, head, gate, norms in the dtype)");
+  c->add_option("--node-limit", o->node_limit,
+                "with --model: DeepSeek-V3's node-limited routing: a token's experts on at most "
+                "N of its EP group's nodes, sent once a node (0: every copy to its owner)")
+      ->check(whole_for(0, o->node_limit))
+      ->capture_default_str();
+  c->add_option("--comm-sms", o->comm_sms,
+                "with --schedule dualpipe: USED/ALL, the SMs its all-to-all kernels take from "
+                "the overlapped compute (DeepSeek-V3's report: 20 of the H800's 132)")
+      ->capture_default_str();
+  c->add_option("--recipe", o->recipe,
+                "fill every option not given from a published training setup: deepseek-v3 (the "
+                "V3 report's pre-training: 2048 H800, PP 16 DualPipe, EP 64 over 8 nodes, "
+                "ZeRO-1 DP 128, no TP, FP8, S 4096; docs/planning.md)")
+      ->check(CLI::IsMember({"deepseek-v3"}));
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
+    if (!o->recipe.empty()) apply_recipe(*o, *c);
     for (const char* name : {"--profile", "--json", "--nodes", "--link", "--grad-reduce"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
-    for (const char* name :
-         {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute"})
+    for (const char* name : {"--layers", "--dp", "--micro-batches", "--ep", "--zero1",
+                             "--recompute", "--pp", "--schedule", "--chunks", "--stage-layers",
+                             "--mtp", "--fp8", "--node-limit", "--comm-sms"})
       if (c->count(name) > 0) o->model_only_given.push_back(name);
     o->attention_config_given = c->count("--preset") > 0 || c->count("--config") > 0;
     run_plan(*o);
