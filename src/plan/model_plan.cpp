@@ -87,7 +87,7 @@ ModelParamCounts stage_param_counts(const LmConfig& cfg, const StageSpan& span) 
   const std::int64_t D = cfg.dim();
   if (!span.embedding) n.embedding = 0;
   if (!span.head) n.head = 0, n.norms -= D;  // the final norm goes with the head
-  n.norms += 2 * D * span.mtp_modules;       // each MTP module's two input norms
+  n.norms += 3 * D * span.mtp_modules;       // each MTP module's enorm, hnorm and head norm
   n.mtp_projection = 2 * D * D * span.mtp_modules;
   return n;
 }

@@ -112,7 +112,8 @@ struct ModelParamCounts {
 ModelParamCounts model_param_counts(const LmConfig& cfg);
 // A pipeline stage's: the layers of stage_config(cfg, span), the embedding,
 // final norm and head where the span holds them, and each MTP module's
-// layer (in the stage config), its two norms and its eh_proj (its embedding
+// layer (in the stage config), its three norms (enorm, hnorm, the shared
+// head's) and its eh_proj (its embedding
 // and head are the main model's, shared on the same device: the report's
 // section 3.2.3).
 ModelParamCounts stage_param_counts(const LmConfig& cfg, const StageSpan& span);

@@ -335,7 +335,7 @@ TEST(HardwareProfile, BadFieldsAreNamed) {
             std::string::npos);
   EXPECT_NE(error_of([] { load_profile("no-such-profile"); })
                 .find("--profile 'no-such-profile' is neither a built-in profile (910b, a100, "
-                      "h100, h200, or 'this' to measure this machine) nor a readable file"),
+                      "h100, h200, h800, or 'this' to measure this machine) nor a readable file"),
             std::string::npos);
 }
 
