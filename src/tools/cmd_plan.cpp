@@ -293,6 +293,23 @@ EpChoice parse_ep(const std::string& s) {
   return {EpRule::fixed, int(*n)};
 }
 
+// --stage-layers N,N,..: each stage's layers, in order (a count may repeat,
+// unlike parse_int_list's sets of values).
+std::vector<int> parse_stage_layers(const std::string& s) {
+  std::vector<int> counts;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? comma : comma - start);
+    const std::optional<std::int64_t> n = parse_whole_number(item);
+    LAGA_CHECK(n && *n >= 0 && *n <= 1000000, "--stage-layers: '", item, "' in '", s,
+               "' is not a whole number of layers (0 or more)");
+    counts.push_back(int(*n));
+    if (comma == std::string::npos) return counts;
+    start = comma + 1;
+  }
+}
+
 // --comm-sms USED/ALL: DualPipe's communication kernels' share of the SMs.
 double parse_comm_sms(const std::string& s) {
   const size_t slash = s.find('/');
@@ -321,8 +338,7 @@ ModelPlanRequest model_request(const PlanOptions& o, const LmConfig& model, Plan
   q.pipeline.chunks = o.chunks;
   q.pipeline.mtp = o.mtp;
   q.pipeline.comm_unit_share = parse_comm_sms(o.comm_sms);
-  if (!o.stage_layers.empty())
-    q.pipeline.stage_layers = parse_int_list(o.stage_layers, "--stage-layers");
+  if (!o.stage_layers.empty()) q.pipeline.stage_layers = parse_stage_layers(o.stage_layers);
   q.fp8 = o.fp8;
   q.node_limit = o.node_limit;
   if (q.fp8) q.block.profile.peak_flops_fp8();  // refuse an unpublished peak before planning
