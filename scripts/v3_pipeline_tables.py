@@ -133,23 +133,28 @@ def recipe():
 
 
 def extension():
-    print("| S | P x DP x PP | micro-batches | form | step s | K GPU-hours / 10^12 tokens | "
-          "MFU % | memory GB | fits | against explicit |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| S | recompute | P x DP x PP | micro-batches | fastest form | its K GPU-hours / 10^12 "
+          "tokens | MFU % | memory GB | fits | explicit's K GPU-hours | fastest / explicit | "
+          "slowest form (its speed against explicit) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for S, batch, sps in [(32768, 1920, [1, 2, 4, 8, 16]), (131072, 480, [4, 8, 16, 32])]:
-        for P in sps:
-            dp = 128 // P
-            M = batch // dp
-            j = plan(["--recipe", "deepseek-v3", "--seq", str(S), "--sp", str(P), "--dp", str(dp),
-                      "--micro-batches", str(M), "--forms", "all", "--q-latent"], allow_fail=True)
-            plans = j["plans"]
-            ref = next(p for p in plans if p["form"] == "explicit")
-            for p in sorted(plans, key=lambda p: p["predicted_step_s"]):
-                k = p["device_hours_per_1e12_tokens"] / 1e3
-                print(f"| {S} | {P} x {dp} x 16 | {M} | {p['form']} | {p['predicted_step_s']:.4g} |"
-                      f" {k:.1f} | {100 * p['mfu']:.1f} | {p['memory']['total'] / 1e9:.1f} |"
-                      f" {'yes' if p['fits'] else 'NO'} |"
-                      f" {ref['predicted_step_s'] / p['predicted_step_s']:.3f}x |")
+        for recompute in [False, True]:
+            for P in sps:
+                dp = 128 // P
+                M = batch // dp
+                j = plan(["--recipe", "deepseek-v3", "--seq", str(S), "--sp", str(P), "--dp",
+                          str(dp), "--micro-batches", str(M), "--forms", "all", "--q-latent"] +
+                         (["--recompute"] if recompute else []), allow_fail=True)
+                plans = sorted(j["plans"], key=lambda p: p["predicted_step_s"])
+                ref = next(p for p in plans if p["form"] == "explicit")
+                best, worst = plans[0], plans[-1]
+                k = best["device_hours_per_1e12_tokens"] / 1e3
+                print(f"| {S} | {'on' if recompute else 'off'} | {P} x {dp} x 16 | {M} |"
+                      f" {best['form']} | {k:.1f} | {100 * best['mfu']:.1f} |"
+                      f" {best['memory']['total'] / 1e9:.1f} | {'yes' if best['fits'] else 'NO'} |"
+                      f" {ref['device_hours_per_1e12_tokens'] / 1e3:.1f} |"
+                      f" {ref['predicted_step_s'] / best['predicted_step_s']:.3f}x |"
+                      f" {worst['form']} ({ref['predicted_step_s'] / worst['predicted_step_s']:.3f}x) |")
 
 
 {"grid": grid, "recipe": recipe, "extension": extension}[args.what]()

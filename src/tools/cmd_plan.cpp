@@ -358,7 +358,7 @@ void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest blo
       if (c.seq == d.seq)
         for (const ModelPlan& f : c.forms)
           if (least < 0 || f.memory_bytes() < least) least = f.memory_bytes();
-    fail("--seq ", d.seq, " fits no form at any --sp and --dp on ", q.block.profile.name,
+    fail("--seq ", d.seq, " fits no form at any --sp, --dp and --pp on ", q.block.profile.name,
          ": the smallest need is ", gb(least), " GB per device against ",
          gb(q.block.profile.device.memory_bytes),
          " GB; give a larger --sp (more expert and sequence shards) or --dp with --zero1 (the "
@@ -366,7 +366,13 @@ void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest blo
          q.block.dtype == PlanDType::bf16 && q.block.grad_reduce == GradReduce::fp32
              ? "--grad-reduce bf16 (bf16 gradients: 2 bytes a parameter less), "
              : "",
-         "or fewer --layers (a pipeline stage)");
+         "or more --pp stages",
+         o.recipe.empty()
+             ? ""
+             : cat("; --recipe ", o.recipe,
+                   " trains with selective recompute and FP8-cached activations, which the "
+                   "plan does not model (docs/planning.md): --recompute is the closest plan "
+                   "that fits"));
   }
 }
 
@@ -568,9 +574,10 @@ void register_plan(CLI::App& app) {
   c->add_option("--seq", o->seq, "sequence lengths, comma-separated (S)")->capture_default_str();
   c->add_option("--sp", o->sp, "sequence-parallel ranks, comma-separated (P)")
       ->capture_default_str();
-  c->add_option("--profile", o->profile,
-                "hardware profile: a100, h100, h200, 910b (built in), a JSON file, or 'this' to "
-                "measure this machine first");
+  c->add_option(
+      "--profile", o->profile,
+      "hardware profile: a100, h100, h200, h800, 910b (built in), a JSON file, or 'this' to "
+      "measure this machine first");
   c->add_option("--measure", o->measure,
                 "measure this machine (FMA peak, GEMM and flash rates, memory bandwidth, the "
                 "in-process communicator, and the time of every GEMM and attention shape of the "

@@ -40,10 +40,10 @@ FORMS = [f["name"] for f in json.loads(subprocess.run(
     [laga, "forms", "--json", "-"], capture_output=True, text=True, check=True).stdout)["forms"]]
 
 
-def load(args, name):
+def load(args, name, ok=(0,)):
     out = os.path.join(tmp, name + ".json")
     r = run(args + ["--json", out])
-    if r.returncode != 0:
+    if r.returncode not in ok:
         sys.exit(f"FAILED: laga {' '.join(args)} exited {r.returncode}: {r.stderr}")
     with open(out) as f:
         return json.load(f)
@@ -271,7 +271,7 @@ elif case == "errors":
     check_error(model + ["--model", moe_tiny, "--micro-batches", "0"], "--micro-batches",
                 "micro-batches 0")
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
-                 "deepseek-v3"], "--seq 4096 fits no form at any --sp and --dp on h100",
+                 "deepseek-v3"], "--seq 4096 fits no form at any --sp, --dp and --pp on h100",
                 "model fits nowhere")
     # A bf16 plan holding fp32 gradients names bf16 ones among the fixes.
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
@@ -304,9 +304,11 @@ elif case == "model":
     args = ["plan", "--quiet", "--profile", "h100", "--seq", "64,128", "--sp", "1,2",
             "--forms", "explicit,laga"]
     m = load(args + ["--model", moe_tiny, "--dp", "1,2", "--zero1"], "model")
-    fields = ["form", "seq", "sp", "dp", "ep", "devices", "predicted_step_s",
+    fields = ["form", "seq", "sp", "dp", "pp", "ep", "devices", "predicted_step_s",
               "predicted_tokens_per_s_per_device", "model_flops", "mfu", "attention_share",
-              "seconds", "moe_a2a_bytes_per_rank", "memory", "block_step_s", "fits"]
+              "seconds", "slowest_stage", "device_hours_per_1e12_tokens",
+              "moe_a2a_bytes_per_rank", "moe_a2a_inter_node_bytes_per_rank",
+              "p2p_bytes_per_rank", "stages", "memory", "block_step_s", "fits"]
     if len(m["plans"]) != 2 * 2 * 2 * 2:
         failures.append(f"model: {len(m['plans'])} plans, want 16")
     for p in m["plans"]:
@@ -323,6 +325,27 @@ elif case == "model":
         failures.append(f"model parameters {n}")  # 2 MoE layers of 8 experts, 3 D I each
     if [d["devices"] for d in m["min_devices"]] != [1, 1]:
         failures.append(f"model min_devices {m['min_devices']}")
+    # Pipeline stages (--pp 3, or 4 with the MTP module, each schedule): the parts still
+    # sum to the step, a plan per device, P x DP x PP devices; the recipe is
+    # the report's setup.
+    for sched in ["1f1b", "interleaved", "dualpipe"]:
+        pp = "4" if sched == "dualpipe" else "3"  # DualPipe at PP 2 has no bubble
+        m = load(args + ["--model", moe_tiny, "--pp", pp, "--schedule", sched, "--mtp"],
+                 "model_pp_" + sched)
+        for p in m["plans"]:
+            parts = sum(p["seconds"].values())
+            if abs(parts - p["predicted_step_s"]) > 1e-12 * p["predicted_step_s"] or \
+                    len(p["stages"]) != int(pp) or p["devices"] != p["sp"] * int(pp) or \
+                    p["seconds"]["bubble"] <= 0:
+                failures.append(f"model --pp {pp} {sched}: {p}")
+                break
+    r = load(["plan", "--quiet", "--recipe", "deepseek-v3"], "recipe", ok=(0, 2))
+    p = r["plans"][0]
+    if (p["devices"], p["pp"], p["dp"], p["sp"], p["ep"], p["seq"], r["schedule"], r["fp8"],
+            r["node_limit"], r["mtp"], r["profile"]) != \
+            (2048, 16, 128, 1, 64, 4096, "dualpipe", True, 4, True, "h800"):
+        failures.append(f"recipe: {p['devices']} devices, PP {p['pp']}, DP {p['dp']}, "
+                        f"EP {p['ep']}, {r['schedule']}, fp8 {r['fp8']}, {r['profile']}")
     # The block each layer scales is the block plan's, to the bit.
     one = ["plan", "--quiet", "--profile", "h100", "--seq", "64", "--sp", "2", "--forms",
            "explicit,laga"]
