@@ -27,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--laga", default=os.path.join(HERE, "..", "build", "laga"))
 ap.add_argument("what", choices=["grid", "recipe", "extension"])
+ap.add_argument("--profiles", default="h100,h200", help="grid: the profiles")
+ap.add_argument("--schedules", default="1f1b,dualpipe", help="grid: the schedules")
 args = ap.parse_args()
 tmp = tempfile.mkdtemp(prefix="laga_v3_tables_")
 REPORT_K_GPU_HOURS = 180.0  # per 10^12 tokens: 2,664K H800 GPU-hours for 14.8T tokens
@@ -49,8 +51,8 @@ def grid():
     print("| profile | schedule | recompute | S | fewest devices (P x DP x PP) | EP | form | "
           "step s | tokens/s/device | MFU % | memory GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for profile in ["h100", "h200"]:
-        for schedule in ["1f1b", "dualpipe"]:
+    for profile in args.profiles.split(","):
+        for schedule in args.schedules.split(","):
             for recompute in [False, True]:
                 j = plan(["--model", "deepseek-v3", "--profile", profile, "--seq", seqs,
                           "--sp", "1,2,4,8,16,32,64,128", "--dp", "1,2,4,8,16,32,64,128",

@@ -25,9 +25,10 @@
 // MoE parallel folding): by default EP = P and each rank owns E / P experts
 // of every MoE layer, the first E % P one more, as laga train places them
 // (EpChoice below: EP over every device, or a fixed degree). dp
-// data-parallel replicas of that group make P * dp devices. No tensor or
-// pipeline parallelism is modelled: every device holds every layer
-// (--layers N plans a stage of N layers).
+// data-parallel replicas of that group make P * dp devices. Pipeline
+// stages (ModelPlanRequest::pps, plan/pipeline.hpp) put P * dp devices on
+// each stage's layers, P * dp * pp in all; without them every device holds
+// every layer. No tensor parallelism is modelled.
 //
 // Time, per device, nothing overlapped (the paper's "temporally separated"
 // attention and MoE collectives, modelled so: each term waits for the one
