@@ -273,6 +273,25 @@ elif case == "errors":
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
                  "deepseek-v3"], "--seq 4096 fits no form at any --sp, --dp and --pp on h100",
                 "model fits nowhere")
+    # Pipeline stages, node-limited routing and FP8: each bad value named.
+    check_error(model + ["--preset", "tiny", "--pp", "2"], "--pp plans a whole model's step",
+                "pp without model")
+    check_error(model + ["--model", moe_tiny, "--pp", "0"], "--pp", "pp 0")
+    check_error(model + ["--model", moe_tiny, "--pp", "5"],
+                "--pp 5 stages for 3 layers (the MTP module counted)", "pp past the layers")
+    check_error(model + ["--model", moe_tiny, "--pp", "3", "--schedule", "dualpipe"],
+                "--schedule dualpipe needs an even --pp", "dualpipe odd")
+    check_error(model + ["--model", moe_tiny, "--pp", "2", "--stage-layers", "1,1"],
+                "--stage-layers sums to 2 layers, and the model has 3", "stage layers sum")
+    check_error(model + ["--model", moe_tiny, "--pp", "2,3", "--stage-layers", "1,2"],
+                "--stage-layers gives one pipeline's stages; give one --pp", "stage layers pps")
+    check_error(["plan", "--profile", "a100", "--seq", "64", "--sp", "2", "--model", moe_tiny,
+                 "--fp8"],
+                "device.peak_flops.fp8 is not given", "fp8 on a100")
+    check_error(model + ["--model", moe_tiny, "--node-limit", "3"],
+                "--node-limit 3 exceeds the EP group's 1 nodes", "node limit")
+    check_error(model + ["--model", moe_tiny, "--comm-sms", "132/132"],
+                "--comm-sms '132/132' is not USED/ALL", "comm sms")
     # A bf16 plan holding fp32 gradients names bf16 ones among the fixes.
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
                  "deepseek-v3"], "--grad-reduce bf16 (bf16 gradients", "fits nowhere: the fix")
