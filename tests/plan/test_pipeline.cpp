@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <numeric>
 #include <random>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "common/error_of.hpp"
+#include "model/moe_routing.hpp"
 #include "plan/model_plan.hpp"
 #include "plan/pipeline.hpp"
 
@@ -175,6 +177,36 @@ TEST(Pipeline, NodeLimitedCopiesAreTheRoutingsMean) {
   EXPECT_DOUBLE_EQ(per_copy.intra, 8.0 * 7 / 64);
   EXPECT_NE(test::error_of([] { node_limited_copies(256, 8, 64, 8, 9); }).find("exceeds"),
             std::string::npos);
+}
+
+// The node limit the plan assumes is what laga's router does when the
+// expert groups are the nodes (DeepSeek-V3: 8 groups of 32 = EP 64 over 8
+// nodes, 4 groups a token): every token's 8 experts lie in at most 4 nodes.
+// The router picks the groups by their two best scores, not uniformly, so
+// on random logits its mean remote nodes a token is between the uniform
+// model's (node_limited_copies, which lets a picked node get no expert) and
+// 3.5 (every picked node hit); docs/planning.md quotes both.
+TEST(Pipeline, DeepSeekRouterKeepsTheNodeLimit) {
+  MoeConfig m;
+  m.n_routed_experts = 256, m.num_experts_per_tok = 8, m.n_group = 8, m.topk_group = 4;
+  const std::int64_t N = 4096, E = 256;
+  std::mt19937_64 rng(57);
+  std::normal_distribution<double> z;
+  std::vector<double> logits(size_t(N * E));
+  for (double& v : logits) v = z(rng);
+  const Routing<double> r = route<double>(m, logits.data(), nullptr, N);
+  double remote = 0;
+  for (std::int64_t t = 0; t < N; ++t) {
+    std::set<std::int64_t> nodes;
+    for (std::int64_t j = 0; j < 8; ++j) nodes.insert(r.expert[size_t(t * 8 + j)] / 32);
+    ASSERT_LE(nodes.size(), 4u) << "token " << t;
+    remote += double(nodes.size()) - double(nodes.count(t % 8));  // home node t % 8
+  }
+  remote /= double(N);
+  const LinkCopies uniform = node_limited_copies(256, 8, 64, 8, 4);
+  EXPECT_GT(remote, uniform.inter);
+  EXPECT_LE(remote, 3.5 + 0.05);  // 4 nodes, the home one among them half the time
+  std::printf("remote nodes a token: router %.3f, uniform model %.3f\n", remote, uniform.inter);
 }
 
 ModelPlanRequest request(const LmConfig& cfg) {
