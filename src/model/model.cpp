@@ -285,8 +285,6 @@ double LmContext::loss_tokens() const {
 
 // ------------------------------------------------------- forward/backward
 
-namespace {
-
 // What one layer's backward needs, all (B*L_r, .) on this rank.
 template <class T>
 struct LayerSaved {
@@ -304,6 +302,22 @@ struct LmSaved {
   Tensor<T> logits;         // (N, V)
   Tensor<double> lse;       // (N)
 };
+
+template <class T>
+LmStagePass<T>::LmStagePass() : saved(std::make_unique<LmSaved<T>>()) {}
+template <class T>
+LmStagePass<T>::~LmStagePass() = default;
+template <class T>
+LmStagePass<T>::LmStagePass(LmStagePass&&) noexcept = default;
+template <class T>
+LmStagePass<T>& LmStagePass<T>::operator=(LmStagePass&&) noexcept = default;
+
+namespace {
+
+// The whole model as one stage.
+LmStage whole_model(const LmConfig& cfg) {
+  return LmStage{0, cfg.layers, true, true};
+}
 
 // The MoE layers' expert placement for this context: null runs every expert
 // on every rank; folded spreads them over the ranks, which need every rank's
@@ -328,9 +342,14 @@ BlockContext block_ctx(const LmContext& c) {
 // a count-only pool: every tensor is accounted, none is backed, no kernel
 // runs, and the loss is 0. That run is the memory prediction of training
 // (predict_train_memory, train.hpp).
+//
+// A pipeline stage (st) runs its layers only: without the embedding it
+// starts from *x_io (its input, (N, D)); without the head it leaves its
+// output in *x_io and returns 0.
 template <class T>
-double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
-               const std::int32_t* targets, LmSaved<T>& s) {
+double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
+               const std::int32_t* tokens, const std::int32_t* targets, Tensor<T>* x_io,
+               LmSaved<T>& s) {
   const LmConfig& cfg = c.cfg;
   const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
@@ -338,14 +357,17 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   const BlockContext bctx = block_ctx<T>(c);
   const std::optional<ExpertParallel> ep = expert_parallel(c);
   Tensor<T> x({B, L, D});
-  if (ops::runs(N * D, {x.data(), tokens, w.embed.data()}))
+  if (!st.embedding) {
+    ops::copy(ops::mat(x, N, D), ops::mat(*x_io, N, D));
+  } else if (ops::runs(N * D, {x.data(), tokens, w.embed.data()})) {
     embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
+  }
   s.layers.resize(size_t(cfg.layers));
   if (c.routing) {
     c.routing->expert.assign(size_t(cfg.layers), {});
     c.routing->count.assign(size_t(cfg.layers), {});
   }
-  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+  for (std::int64_t l = st.first; l < st.last; ++l) {
     const LayerParams<T>& p = w.layers[size_t(l)];
     LayerSaved<T>& ls = s.layers[size_t(l)];
     ls.n1 = Tensor<T>({B, L, D});
@@ -391,6 +413,10 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
     ops::copy(ops::mat(x, N, D), ops::mat(ls.h, N, D));
     ops::add(ops::mat(x, N, D), ops::mat(m));
   }
+  if (!st.head) {
+    *x_io = std::move(x);
+    return 0.0;
+  }
   s.nf = Tensor<T>({N, D});
   s.rstdf = Tensor<T>({N});
   ops::rmsnorm(ops::mat(s.nf), s.rstdf, ops::mat(x, N, D), w.norm, eps);
@@ -408,27 +434,36 @@ double forward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   return sum;
 }
 
+// A pipeline stage (st): without the head it starts from *dx_io, the
+// gradient of its output; without the embedding it leaves the gradient of
+// its input there.
 template <class T>
-void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
-              const std::int32_t* targets, LmSaved<T>& s, double scale, LmParams<T>& g) {
+void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
+              const std::int32_t* tokens, const std::int32_t* targets, LmSaved<T>& s, double scale,
+              Tensor<T>* dx_io, LmParams<T>& g) {
   const LmConfig& cfg = c.cfg;
   const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
   const BlockContext bctx = block_ctx<T>(c);
   const std::optional<ExpertParallel> ep = expert_parallel(c);
-  // dlogits in place of the logits: they are not needed after this.
-  if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
-    cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
   Tensor<T> dn({N, D});
   ops::Mat<T> dn_mat = ops::mat(dn);
-  // nf may be held narrowed: the head's gradient reads it in place.
-  ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf), w.head);
-  s.logits.reset();
   Tensor<T> dx({B, L, D});  // gradient of the residual stream
-  ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
-                        s.rstdf);
+  if (st.head) {
+    // dlogits in place of the logits: they are not needed after this.
+    if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
+      cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
+    // nf may be held narrowed: the head's gradient reads it in place.
+    ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf),
+                            w.head);
+    s.logits.reset();
+    ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
+                          s.rstdf);
+  } else {
+    ops::copy(ops::mat(dx, N, D), ops::mat(*dx_io, N, D));
+  }
   Tensor<T> tmp({B, L, D});
-  for (std::int64_t l = cfg.layers - 1; l >= 0; --l) {
+  for (std::int64_t l = st.last - 1; l >= st.first; --l) {
     const LayerParams<T>& p = w.layers[size_t(l)];
     LayerParams<T>& gp = g.layers[size_t(l)];
     LayerSaved<T>& ls = s.layers[size_t(l)];
@@ -465,6 +500,10 @@ void backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* toke
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d x
     ls = LayerSaved<T>{};
   }
+  if (!st.embedding) {
+    *dx_io = std::move(dx);
+    return;
+  }
   if (ops::runs(N * D, {g.embed.data(), dx.data(), tokens}))
     embedding_backward(g.embed.data(), dx.data(), tokens, N, V, D);
 }
@@ -475,7 +514,8 @@ template <class T>
 double lm_loss(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
                const std::int32_t* targets) {
   LmSaved<T> s;
-  double sum = forward(c, w, tokens, targets, s);
+  double sum =
+      forward(c, w, whole_model(c.cfg), tokens, targets, static_cast<Tensor<T>*>(nullptr), s);
   c.comm.set_phase(Phase::forward);
   c.comm.all_reduce(&sum, 1, "loss_allreduce");
   return sum / c.loss_tokens();
@@ -485,10 +525,12 @@ template <class T>
 double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::int32_t* tokens,
                            const std::int32_t* targets, LmParams<T>& grads) {
   LmSaved<T> s;
-  double sum = forward(c, w, tokens, targets, s);
+  double sum =
+      forward(c, w, whole_model(c.cfg), tokens, targets, static_cast<Tensor<T>*>(nullptr), s);
   const double total = c.loss_tokens();
   grads.for_each([](const std::string&, Tensor<T>& t) { t.fill(T(0)); });
-  backward(c, w, tokens, targets, s, 1.0 / total, grads);
+  backward(c, w, whole_model(c.cfg), tokens, targets, s, 1.0 / total,
+           static_cast<Tensor<T>*>(nullptr), grads);
 
   // One all-reduce of every gradient flattened, then one of the loss. One
   // rank's gradients are the sum already: the all-reduce would only copy
@@ -510,6 +552,23 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
   }
   c.comm.all_reduce(&sum, 1, "loss_allreduce");
   return sum / total;
+}
+
+template <class T>
+double lm_stage_forward(const LmContext& c, const LmParams<T>& w, const LmStage& stage,
+                        const std::int32_t* tokens, const std::int32_t* targets, Tensor<T>& x,
+                        LmStagePass<T>& pass) {
+  LAGA_CHECK(stage.first >= 0 && stage.first <= stage.last && stage.last <= c.cfg.layers,
+             "lm_stage_forward: layers [", stage.first, ", ", stage.last, ") are not of the ",
+             c.cfg.layers, " layers");
+  return forward(c, w, stage, tokens, targets, &x, *pass.saved);
+}
+
+template <class T>
+void lm_stage_backward(const LmContext& c, const LmParams<T>& w, const LmStage& stage,
+                       const std::int32_t* tokens, const std::int32_t* targets, double scale,
+                       Tensor<T>& dx, LmStagePass<T>& pass, LmParams<T>& grads) {
+  backward(c, w, stage, tokens, targets, *pass.saved, scale, &dx, grads);
 }
 
 std::vector<std::vector<std::int64_t>> group_expert_load(Communicator& comm, const LmConfig& cfg,
@@ -538,13 +597,20 @@ std::vector<std::vector<std::int64_t>> group_expert_load(Communicator& comm, con
   return load;
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template struct LmParams<T>;                                                                    \
-  template void init_lm_params<T>(LmParams<T>&, std::uint64_t);                                   \
-  template double lm_forward_backward<T>(const LmContext&, const LmParams<T>&,                    \
-                                         const std::int32_t*, const std::int32_t*, LmParams<T>&); \
-  template double lm_loss<T>(const LmContext&, const LmParams<T>&, const std::int32_t*,           \
-                             const std::int32_t*);
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template struct LmParams<T>;                                                                     \
+  template void init_lm_params<T>(LmParams<T>&, std::uint64_t);                                    \
+  template double lm_forward_backward<T>(const LmContext&, const LmParams<T>&,                     \
+                                         const std::int32_t*, const std::int32_t*, LmParams<T>&);  \
+  template double lm_loss<T>(const LmContext&, const LmParams<T>&, const std::int32_t*,            \
+                             const std::int32_t*);                                                 \
+  template struct LmStagePass<T>;                                                                  \
+  template double lm_stage_forward<T>(const LmContext&, const LmParams<T>&, const LmStage&,        \
+                                      const std::int32_t*, const std::int32_t*, Tensor<T>&,        \
+                                      LmStagePass<T>&);                                            \
+  template void lm_stage_backward<T>(const LmContext&, const LmParams<T>&, const LmStage&,         \
+                                     const std::int32_t*, const std::int32_t*, double, Tensor<T>&, \
+                                     LmStagePass<T>&, LmParams<T>&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

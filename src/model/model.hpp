@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -181,6 +182,41 @@ struct LmContext {
 template <class T>
 double lm_forward_backward(const LmContext& ctx, const LmParams<T>& w, const std::int32_t* tokens,
                            const std::int32_t* targets, LmParams<T>& grads);
+
+// A pipeline stage's share of the model (model/pipeline.hpp): layers
+// [first, last), the embedding on the first stage, the final norm, head and
+// loss on the last.
+struct LmStage {
+  std::int64_t first = 0, last = 0;
+  bool embedding = true, head = true;
+};
+template <class T>
+struct LmSaved;  // what a forward keeps for its backward (model.cpp)
+// One micro-batch in flight on a stage: its saved tensors, forward to backward.
+template <class T>
+struct LmStagePass {
+  LmStagePass();
+  ~LmStagePass();
+  LmStagePass(LmStagePass&&) noexcept;
+  LmStagePass& operator=(LmStagePass&&) noexcept;
+  std::unique_ptr<LmSaved<T>> saved;
+};
+// The stage's forward on this rank's tokens: x (N, D) is its input unless
+// it holds the embedding (tokens are), and becomes its output unless it
+// holds the head; with the head, returns the rank's SUM of token losses
+// (else 0). The same ops, in the same order, as lm_forward_backward's.
+template <class T>
+double lm_stage_forward(const LmContext& c, const LmParams<T>& w, const LmStage& stage,
+                        const std::int32_t* tokens, const std::int32_t* targets, Tensor<T>& x,
+                        LmStagePass<T>& pass);
+// Its backward: dx (N, D) is the gradient of its output unless it holds the
+// head (the loss, scaled by `scale`, is), and becomes that of its input
+// unless it holds the embedding. The stage's gradients are ADDED to grads;
+// nothing is all-reduced.
+template <class T>
+void lm_stage_backward(const LmContext& c, const LmParams<T>& w, const LmStage& stage,
+                       const std::int32_t* tokens, const std::int32_t* targets, double scale,
+                       Tensor<T>& dx, LmStagePass<T>& pass, LmParams<T>& grads);
 
 // Forward only: the global mean loss (for finite differences and evaluation).
 template <class T>
