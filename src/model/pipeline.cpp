@@ -4,7 +4,6 @@
 #include <memory>
 
 #include "core/error.hpp"
-#include "mla/ops.hpp"
 
 namespace laga {
 
