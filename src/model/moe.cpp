@@ -55,8 +55,9 @@ namespace {
 // train.hpp): every tensor is still allocated in the order and shape of a
 // real run, which does not depend on the routing (N k copies in all), so
 // the pool's peak is the real one. Only the routing itself is data a
-// count-only run does not have; its stand-ins are the two
-// ops::data_dependent calls below (the gate's routing, an owner's rows).
+// count-only run does not have; what stands in for it is said by the three
+// ops::data_dependent calls below (the gate's routing, the gate's gradient,
+// an owner's rows), and the op layer decides which runs.
 
 // (rows, cols) dense rows at p: the layer's callers hand it pointers.
 template <class T>

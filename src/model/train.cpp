@@ -585,6 +585,8 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
   counted.warn = nullptr;
   std::vector<TrainMemory> ranks;
   for (int r = 0; r < o.sp; ++r) {
+    // The prediction is the step run on a count-only pool: which run to make
+    // (the ops then decide, each for itself, that they only count).
     MemoryPool pool;
     pool.set_count_only(true);
     PoolScope scope(pool);
