@@ -16,6 +16,20 @@
 // one has a naive double reference (mla_test_ops_model holds these ops to
 // theirs, and their count-only runs to the real runs' counts).
 //
+// Rows of the kernel table (mla/op_table.hpp, issue 52: its Op lists the
+// four below and leaves their slots to this header): each op
+// here computes with one kernel call after its runs(), the call a row's run
+// makes from an OpCall with these slots and shape fields (rows, cols; n the
+// vocabulary; RunDtype the thread's, fp32 values under bf16):
+//   embedding_forward   rows N, cols D, n V; in: ids, table; out: out
+//   embedding_backward  rows N, cols D, n V; in: dout, ids; out: dtable (added to)
+//   swiglu_forward      rows x cols elements; in: a, b; out: h
+//   swiglu_backward     rows x cols elements; in: dh, a, b; out: da, db
+//   cross_entropy       rows N, cols V; in: logits, targets; out: loss, lse (double);
+//                       backward (no Op yet): in: logits, lse, targets; out: dlogits;
+//                       alpha = scale
+//   adamw               rows n; in: g; out: p, m, v; context: AdamWHyper, k = step
+//
 // What a count-only run cannot have is data: a routing, which the MoE's
 // sizes depend on, exists only where tensors hold values. data_dependent
 // (below) is where the model states what a count-only run takes in its
