@@ -55,9 +55,9 @@ namespace {
 // train.hpp): every tensor is still allocated in the order and shape of a
 // real run, which does not depend on the routing (N k copies in all), so
 // the pool's peak is the real one. Only the routing itself is data a
-// count-only run does not have; what stands in for it is said by the three
-// ops::data_dependent calls below (the gate's routing, the gate's gradient,
-// an owner's rows), and the op layer decides which runs.
+// count-only run does not have; what stands in for it is said by the two
+// ops::data_dependent calls below (the gate's routing with an owner's rows,
+// and its gradient), and the op layer decides which runs.
 
 // (rows, cols) dense rows at p: the layer's callers hand it pointers.
 template <class T>
@@ -260,9 +260,9 @@ void exchange_rows(const ExpertParallel& ep, const Dispatch& d, const EpRows& ro
 }
 
 // How many rows of each owned expert every rank sends this one
-// ("moe_counts"); a count-only run has no routing and sizes its tensors by
-// the uniform expectation (EpRows::count_only_rows).
-EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d) {
+// ("moe_counts"). count_only_rows: the stand-in routing's rows (moe_forward),
+// -1 for a real routing.
+EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, std::int64_t count_only_rows) {
   Communicator& comm = *ep.comm;
   const int P = ep.ranks(), r = comm.rank();
   const std::int64_t Er = ep.owned(r);
@@ -279,17 +279,14 @@ EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d) {
   }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(),
                     DType::f64, "moe_counts");
+  // The stand-in routing was sent counts that stand for nothing (zeros, or
+  // a dry run's stand-ins): its rows are the stand-in's, and nothing is
+  // exchanged (EpRows::count_only_rows; a choice of what to run, made once
+  // in moe_forward).
   std::vector<std::int64_t> n(size_t(P * Er), 0);
-  // What a count-only run runs in place of the counts it was sent (which
-  // are the stand-in routing's zeros): nothing exchanged, the tensors
-  // sized by the uniform expectation. A decision of what to run; the op
-  // layer decides which.
-  return ops::data_dependent(
-      [&] {
-        for (size_t i = 0; i < n.size(); ++i) n[i] = std::int64_t(recv[i]);
-        return EpRows(P, Er, std::move(n));
-      },
-      [&] { return EpRows(P, Er, std::move(n), ep.expected_rows(r, d.top_k)); });
+  if (count_only_rows < 0)
+    for (size_t i = 0; i < n.size(); ++i) n[i] = std::int64_t(recv[i]);
+  return EpRows(P, Er, std::move(n), count_only_rows);
 }
 
 // Experts [e0, e0 + count.size()) each run their SwiGLU on their rows of xr
@@ -363,20 +360,24 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     ops::linear(ops::mat(logits), xm, w.gate);
     // A count-only run has no logits to route: it stands in a routing with
     // no selection, of the real one's sizes, every count 0 (so nothing is
-    // exchanged and no expert runs, and every tensor sized by N k is).
-    std::tie(s.routing, s.dispatch) = ops::data_dependent(
+    // exchanged and no expert runs, and every tensor sized by N k is), and,
+    // with expert parallelism, an owner's rows at the uniform expectation
+    // (ExpertParallel::expected_rows).
+    std::tie(s.routing, s.dispatch, s.count_only_rows) = ops::data_dependent(
         [&] {
           Routing<T> r = route(cfg, logits.data(), w.gate_bias.data(), N);
           Dispatch d = make_dispatch(r);
-          return std::pair(std::move(r), std::move(d));
+          return std::tuple(std::move(r), std::move(d), std::int64_t(-1));
         },
         [&] {
-          std::pair<Routing<T>, Dispatch> none;
-          none.first.tokens = none.second.tokens = N;
-          none.first.top_k = none.second.top_k = k;
-          none.first.experts = none.second.experts = E;
-          none.second.count.assign(size_t(E), 0);
-          none.second.offset.assign(size_t(E + 1), 0);
+          std::tuple<Routing<T>, Dispatch, std::int64_t> none;
+          auto& [r, d, rows] = none;
+          r.tokens = d.tokens = N;
+          r.top_k = d.top_k = k;
+          r.experts = d.experts = E;
+          d.count.assign(size_t(E), 0);
+          d.offset.assign(size_t(E + 1), 0);
+          rows = ep ? ep->expected_rows(ep->comm->rank(), k) : -1;
           return none;
         });
   }
@@ -400,9 +401,8 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     Communicator& comm = *ep->comm;
     comm.set_phase(Phase::forward);
     const std::int64_t e0 = ep->first_expert(comm.rank());
-    const EpRows rows = exchange_counts(*ep, d);
+    const EpRows rows = exchange_counts(*ep, d, s.count_only_rows);
     s.recv = rows.recv;
-    s.count_only_rows = rows.count_only_rows;
     const std::int64_t M = rows.rows();
     Tensor<T> xs({M, D});  // source-major
     exchange_rows(*ep, d, rows, D, xp.data(), xs.data(), true, "moe_dispatch");
