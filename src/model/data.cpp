@@ -7,7 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
-#include "kernels/cross_entropy.hpp"
+#include "mla/ops_model.hpp"  // kIgnoreTarget
 #include "mla/params.hpp"
 
 namespace laga {

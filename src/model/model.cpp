@@ -9,12 +9,8 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
-#include "kernels/cross_entropy.hpp"
-#include "kernels/embedding.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/swiglu.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_model.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -255,14 +251,13 @@ std::int64_t LmParams<T>::numel() const {
 template <class T>
 void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
   p.for_each([&](const std::string& name, Tensor<T>& t) {
-    if (!t.data()) return;
     if (is_expert_bias(name)) {
       t.fill(T(0));  // DeepSeek-V3 starts the balancing from no correction
     } else if (t.rank() == 1) {
       t.fill(T(1));
     } else {
       const double sd = name == "embed.weight" ? 1.0 : 1.0 / std::sqrt(double(t.dim(1)));
-      fill_normal(t.data(), t.numel(), seed, name_stream(name), 0, sd);
+      ops::fill_normal(t, seed, name_stream(name), 0, sd);
     }
   });
 }
@@ -337,11 +332,11 @@ BlockContext block_ctx(const LmContext& c) {
 
 // Returns this rank's SUM of token losses and fills s with what backward needs.
 //
-// The model's own ops go through src/mla/ops.hpp (or, for the kernels it has
-// no op for, its runs()), like the block's, so the same code also runs under
-// a count-only pool: every tensor is accounted, none is backed, no kernel
-// runs, and the loss is 0. That run is the memory prediction of training
-// (predict_train_memory, train.hpp).
+// The model's own ops are the op layer's (src/mla/ops.hpp, ops_model.hpp),
+// like the block's, so the same code also runs under a count-only pool:
+// every tensor is accounted, none is backed, no kernel runs, and the loss is
+// 0. That run is the memory prediction of training (predict_train_memory,
+// train.hpp).
 //
 // A pipeline stage (st) runs its layers only: without the embedding it
 // starts from *x_io (its input, (N, D)); without the head it leaves its
@@ -359,8 +354,8 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   Tensor<T> x({B, L, D});
   if (!st.embedding) {
     ops::copy(ops::mat(x, N, D), ops::mat(*x_io, N, D));
-  } else if (ops::runs(N * D, {x.data(), tokens, w.embed.data()})) {
-    embedding_forward(x.data(), tokens, w.embed.data(), N, V, D);
+  } else {
+    ops::embedding(ops::mat(x, N, D), tokens, w.embed);
   }
   s.layers.resize(size_t(cfg.layers));
   if (c.routing) {
@@ -402,8 +397,7 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
       ls.g = Tensor<T>({N, F});
       ops::linear(ops::mat(ls.a), ops::mat(ls.n2), p.w1);
       ops::linear(ops::mat(ls.b), ops::mat(ls.n2), p.w3);
-      if (ops::runs(N * F, {ls.g.data(), ls.a.data(), ls.b.data()}))
-        swiglu_forward(ls.g.data(), ls.a.data(), ls.b.data(), N * F);
+      ops::swiglu(ops::mat(ls.g), ops::mat(ls.a), ops::mat(ls.b));
       m = Tensor<T>({N, D});
       ops::linear(ops::mat(m), ops::mat(ls.g), p.w2);
     }
@@ -426,12 +420,7 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   ops::keep_narrowed(s.nf);  // RMSNorm's y; the logits are overwritten by their gradient
   s.lse = Tensor<double>({N});
   Tensor<T> loss({N});
-  double sum = 0.0;  // sequential: the same bits on every backend
-  if (ops::runs(N, {loss.data(), s.lse.data(), s.logits.data(), targets})) {
-    cross_entropy_forward(loss.data(), s.lse.data(), s.logits.data(), targets, N, V);
-    for (std::int64_t i = 0; i < N; ++i) sum += loss[i];
-  }
-  return sum;
+  return ops::cross_entropy(loss, s.lse, ops::mat(s.logits), targets);
 }
 
 // A pipeline stage (st): without the head it starts from *dx_io, the
@@ -443,7 +432,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
               Tensor<T>* dx_io, LmParams<T>& g) {
   const LmConfig& cfg = c.cfg;
   const std::int64_t B = c.layout.batch, L = c.layout.seq_count[size_t(c.comm.rank())];
-  const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden(), V = cfg.vocab;
+  const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden();
   const BlockContext bctx = block_ctx<T>(c);
   const std::optional<ExpertParallel> ep = expert_parallel(c);
   Tensor<T> dn({N, D});
@@ -451,8 +440,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   Tensor<T> dx({B, L, D});  // gradient of the residual stream
   if (st.head) {
     // dlogits in place of the logits: they are not needed after this.
-    if (ops::runs(N * V, {s.logits.data(), s.lse.data(), targets}))
-      cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), targets, scale, N, V);
+    ops::cross_entropy_backward(ops::mat(s.logits), ops::mat(s.logits), s.lse, targets, scale);
     // nf may be held narrowed: the head's gradient reads it in place.
     ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf),
                             w.head);
@@ -480,8 +468,8 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
       ops::Mat<T> dg_mat = ops::mat(dg);
       ops::linear_backward<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g), p.w2);
       Tensor<T> da({N, F}), db({N, F});
-      if (ops::runs(N * F, {da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data()}))
-        swiglu_backward(da.data(), db.data(), dg.data(), ls.a.data(), ls.b.data(), N * F);
+      ops::swiglu_backward(ops::mat(da), ops::mat(db), ops::mat(dg), ops::mat(ls.a),
+                           ops::mat(ls.b));
       dg.reset();
       ops::linear_backward<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2), p.w1);
       ops::linear_backward<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3);
@@ -504,8 +492,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     *dx_io = std::move(dx);
     return;
   }
-  if (ops::runs(N * D, {g.embed.data(), dx.data(), tokens}))
-    embedding_backward(g.embed.data(), dx.data(), tokens, N, V, D);
+  ops::embedding_backward(g.embed, ops::mat(dx, N, D), tokens);
 }
 
 }  // namespace

@@ -1,16 +1,13 @@
 #include "model/moe.hpp"
 
 #include <array>
-#include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "core/error.hpp"
-#include "core/memory_pool.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/swiglu.hpp"
 #include "mla/ops.hpp"
-#include "mla/ops_bf16.hpp"
+#include "mla/ops_model.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -53,70 +50,34 @@ void MoeParams<T>::for_each(const std::function<void(const std::string&, Tensor<
 
 namespace {
 
-// Under a count-only pool (the model's memory prediction, train.hpp) no
-// tensor is backed and no kernel runs: every tensor is still allocated in the
-// order and shape of a real run, which does not depend on the routing (N k
-// copies in all), so the pool's peak is the real one.
-bool counting() {
-  return current_pool().count_only();
+// Every computation here is an op of mla/ops_model.hpp or mla/ops.hpp, so the
+// same code runs under a count-only pool (the model's memory prediction,
+// train.hpp): every tensor is still allocated in the order and shape of a
+// real run, which does not depend on the routing (N k copies in all), so
+// the pool's peak is the real one. Only the routing itself is data a
+// count-only run does not have; what stands in for it is said by the two
+// ops::data_dependent calls below (the gate's routing with an owner's rows,
+// and its gradient), and the op layer decides which runs.
+
+// (rows, cols) dense rows at p: the layer's callers hand it pointers.
+template <class T>
+ops::Mat<T> rows_at(T* p, std::int64_t rows, std::int64_t cols) {
+  return {p, rows, cols, cols};
 }
 
-// The gate's and the shared expert's GEMMs (N rows) at this thread's
-// precision (core/precision.hpp): under --dtype bf16 their operands are
-// rounded to bf16 and summed in fp32, as the attention block's and the dense
-// FFN's are (mla/ops.hpp, "Precision"); fp32 and double otherwise. Called in
-// a count-only run too, where only bf16's operand copies are allocated.
+// The routed experts' linears (ops::RoutedLinears) for one layer pass, their
+// bf16 slices of min(moe_bf16_row_slice, max_rows) rows: max_rows bounds any
+// expert's rows, so a small layer holds no more than its largest possible
+// call.
 template <class T>
-void moe_linear_forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in,
-                        std::int64_t out) {
-  if (ops::in_bf16<T>()) {  // T = float: in_bf16<double> throws
-    if constexpr (std::is_same_v<T, float>) return ops::bf16_path::linear(y, x, w, N, in, out);
-  }
-  if (!counting()) linear_forward(y, x, w, N, in, out);
+ops::RoutedLinears<T> expert_linears(std::int64_t max_rows, std::int64_t D, std::int64_t I,
+                                     bool backward) {
+  return ops::RoutedLinears<T>(moe_bf16_row_slice, max_rows, {{D, I}, {I, D}}, backward);
 }
-template <class T>
-void moe_linear_backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x, const T* w,
-                         std::int64_t N, std::int64_t in, std::int64_t out) {
-  if (ops::in_bf16<T>()) {
-    if constexpr (std::is_same_v<T, float>)
-      return ops::bf16_path::linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
-  }
-  if (!counting()) linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
-}
-
-// The routed experts' GEMMs, whose row counts follow the routing. Under
-// bf16 one pass's operand copies are one scratch made before the pass, in a
-// count-only run too (RowSlicedLinears; moe.hpp, moe_bf16_row_slice), for
-// slices of min(slice, max_rows) rows: max_rows bounds any expert's rows, so
-// a small layer holds no more than its largest possible call.
-template <class T>
-class ExpertLinears {
- public:
-  ExpertLinears(std::int64_t max_rows, std::int64_t D, std::int64_t I, bool backward) {
-    if (ops::in_bf16<T>())
-      bf16_.emplace(std::max<std::int64_t>(1, std::min<std::int64_t>(moe_bf16_row_slice, max_rows)),
-                    std::initializer_list<ops::bf16_path::RowSlicedLinears::InOut>{{D, I}, {I, D}},
-                    backward);
-  }
-  void forward(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in, std::int64_t out) {
-    if constexpr (std::is_same_v<T, float>)
-      if (bf16_) return bf16_->forward(y, x, w, N, in, out);
-    linear_forward(y, x, w, N, in, out);
-  }
-  void backward(T* dx, bool accumulate, T* dw, const T* dy, const T* x, const T* w, std::int64_t N,
-                std::int64_t in, std::int64_t out) {
-    if constexpr (std::is_same_v<T, float>)
-      if (bf16_) return bf16_->backward(dx, accumulate, dw, dy, x, w, N, in, out);
-    linear_backward(dx, accumulate, dw, dy, x, w, N, in, out);
-  }
-
- private:
-  std::optional<ops::bf16_path::RowSlicedLinears> bf16_;
-};
 
 template <class T>
 void check_shape(const Tensor<T>& t, const Shape& want, const std::string& name) {
-  const bool backed = t.backed() || counting();
+  const bool backed = ops::usable(t);
   LAGA_CHECK(t.shape() == want && backed, "moe: ", name, " has shape ", to_string(t.shape()),
              backed ? "" : " (unbacked)", " but the config needs ", to_string(want),
              "; build the parameters with MoeParams::zeros for this config");
@@ -151,12 +112,7 @@ void check_params(const MoeConfig& cfg, const MoeParams<T>& w, std::int64_t D) {
 template <class T>
 Tensor<T> gather_rows(const T* x, const Dispatch& d, std::int64_t D) {
   Tensor<T> xp({d.rows(), D});
-  if (!xp.data()) return xp;  // count-only
-#pragma omp parallel for schedule(static)
-  for (std::int64_t p = 0; p < d.rows(); ++p) {
-    const T* src = x + std::int64_t(d.token[size_t(p)]) * D;
-    std::copy(src, src + D, xp.data() + p * D);
-  }
+  ops::gather_rows(ops::mat(xp), rows_at(x, d.tokens, D), d.token.data());
   return xp;
 }
 
@@ -254,20 +210,21 @@ struct EpRows {
     return count_only_rows >= 0 ? count_only_rows : from_off.back() + from.back();
   }
 
-  // Copies every (rank, expert) block of D wide rows between the two orders.
+  // Copies every (rank, expert) block of rows between the two orders; src
+  // and dst (rows(), D).
   template <class T>
-  void reorder(const T* src, T* dst, std::int64_t D, bool to_expert_major) const {
-    if (!src || !dst) return;  // count-only
-    std::int64_t eo = 0;       // expert-major offset of (e, i)
+  void reorder(const Tensor<T>& src, Tensor<T>& dst, bool to_expert_major) const {
+    const ops::Mat<const T> from_rows = ops::mat(src);
+    const ops::Mat<T> to_rows = ops::mat(dst);
+    std::int64_t eo = 0;  // expert-major offset of (e, i)
     for (std::int64_t e = 0; e < Er; ++e)
       for (int i = 0; i < P; ++i) {
         // Rank i's rows of expert e start after its rows of experts < e.
         std::int64_t s_off = from_off[size_t(i)];
         for (std::int64_t f = 0; f < e; ++f) s_off += recv[size_t(i * Er + f)];
         const std::int64_t c = recv[size_t(i * Er + e)];
-        const T* a = src + (to_expert_major ? s_off : eo) * D;
-        T* b = dst + (to_expert_major ? eo : s_off) * D;
-        std::copy(a, a + c * D, b);
+        ops::copy(to_rows.row_range(to_expert_major ? eo : s_off, c),
+                  from_rows.row_range(to_expert_major ? s_off : eo, c));
         eo += c;
       }
   }
@@ -303,9 +260,9 @@ void exchange_rows(const ExpertParallel& ep, const Dispatch& d, const EpRows& ro
 }
 
 // How many rows of each owned expert every rank sends this one
-// ("moe_counts"); a count-only run has no routing and sizes its tensors by
-// the uniform expectation (EpRows::count_only_rows).
-EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, bool real) {
+// ("moe_counts"). count_only_rows: the stand-in routing's rows (moe_forward),
+// -1 for a real routing.
+EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, std::int64_t count_only_rows) {
   Communicator& comm = *ep.comm;
   const int P = ep.ranks(), r = comm.rank();
   const std::int64_t Er = ep.owned(r);
@@ -322,46 +279,54 @@ EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, bool real) {
   }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(),
                     DType::f64, "moe_counts");
+  // The stand-in routing was sent counts that stand for nothing (zeros, or
+  // a dry run's stand-ins): its rows are the stand-in's, and nothing is
+  // exchanged (EpRows::count_only_rows; a choice of what to run, made once
+  // in moe_forward).
   std::vector<std::int64_t> n(size_t(P * Er), 0);
-  if (!real) return EpRows(P, Er, std::move(n), ep.expected_rows(r, d.top_k));
-  for (size_t i = 0; i < n.size(); ++i) n[i] = std::int64_t(recv[i]);
-  return EpRows(P, Er, std::move(n));
+  if (count_only_rows < 0)
+    for (size_t i = 0; i < n.size(); ++i) n[i] = std::int64_t(recv[i]);
+  return EpRows(P, Er, std::move(n), count_only_rows);
 }
 
 // Experts [e0, e0 + count.size()) each run their SwiGLU on their rows of xr
 // (rows, D), expert-major: a = w1 x, b = w3 x, h = silu(a) b (rows, I), y = w2 h.
+// A count-only run's counts are the stand-in routing's zeros: no expert runs.
 template <class T>
-void experts_forward(const MoeParams<T>& w, ExpertLinears<T>& lin, std::int64_t e0,
-                     const std::vector<std::int64_t>& count, const T* xr, std::int64_t D,
-                     std::int64_t I, T* a, T* b, T* h, T* y) {
+void experts_forward(const MoeParams<T>& w, ops::RoutedLinears<T>& lin, std::int64_t e0,
+                     const std::vector<std::int64_t>& count, const Tensor<T>& xr, Tensor<T>& a,
+                     Tensor<T>& b, Tensor<T>& h, Tensor<T>& y) {
   std::int64_t o = 0;
   for (size_t q = 0; q < count.size(); o += count[q], ++q) {
     const std::int64_t c = count[q];
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
-    lin.forward(a + o * I, xr + o * D, p.w1.data(), c, D, I);
-    lin.forward(b + o * I, xr + o * D, p.w3.data(), c, D, I);
-    swiglu_forward(h + o * I, a + o * I, b + o * I, c * I);
-    lin.forward(y + o * D, h + o * I, p.w2.data(), c, I, D);
+    const auto rows = [&](auto& t) { return ops::mat(t).row_range(o, c); };
+    lin.forward(rows(a), rows(xr), p.w1);
+    lin.forward(rows(b), rows(xr), p.w3);
+    ops::swiglu(rows(h), rows(a), rows(b));
+    lin.forward(rows(y), rows(h), p.w2);
   }
 }
 
 // Their backward: dxr (rows, D) from dy, each expert's weight gradients added.
 template <class T>
-void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, ExpertLinears<T>& lin,
-                      std::int64_t e0, const std::vector<std::int64_t>& count, const T* xr,
-                      const T* a, const T* b, const T* h, const T* dy, std::int64_t D,
-                      std::int64_t I, T* dh, T* da, T* db, T* dxr) {
+void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, ops::RoutedLinears<T>& lin,
+                      std::int64_t e0, const std::vector<std::int64_t>& count, const Tensor<T>& xr,
+                      const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& h,
+                      const Tensor<T>& dy, Tensor<T>& dh, Tensor<T>& da, Tensor<T>& db,
+                      Tensor<T>& dxr) {
   std::int64_t o = 0;
   for (size_t q = 0; q < count.size(); o += count[q], ++q) {
     const std::int64_t c = count[q];
     if (c == 0) continue;
     const ExpertParams<T>& p = w.experts[size_t(e0) + q];
     ExpertParams<T>& gp = g.experts[size_t(e0) + q];
-    lin.backward(dh + o * I, false, gp.w2.data(), dy + o * D, h + o * I, p.w2.data(), c, I, D);
-    swiglu_backward(da + o * I, db + o * I, dh + o * I, a + o * I, b + o * I, c * I);
-    lin.backward(dxr + o * D, false, gp.w1.data(), da + o * I, xr + o * D, p.w1.data(), c, D, I);
-    lin.backward(dxr + o * D, true, gp.w3.data(), db + o * I, xr + o * D, p.w3.data(), c, D, I);
+    const auto rows = [&](auto& t) { return ops::mat(t).row_range(o, c); };
+    lin.backward(rows(dh), false, gp.w2, rows(dy), rows(h), p.w2);
+    ops::swiglu_backward(rows(da), rows(db), rows(dh), rows(a), rows(b));
+    lin.backward(rows(dxr), false, gp.w1, rows(da), rows(xr), p.w1);
+    lin.backward(rows(dxr), true, gp.w3, rows(db), rows(xr), p.w3);
   }
 }
 
@@ -385,25 +350,36 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
   const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
   check_ep(ep, E, N);
-  const bool real = !counting();
-  LAGA_CHECK(!real || x || N == 0, "moe: x is null");
+  LAGA_CHECK(ops::usable(x, N * D), "moe: x is null");
+  const ops::Mat<const T> xm = rows_at(x, N, D);
   MoeForward<T> f;
   MoeSaved<T>& s = f.saved;
   // The gate: z = x W_g^T (N, E), then the selection and weights.
   {
     Tensor<T> logits({N, E});
-    moe_linear_forward(logits.data(), x, w.gate.data(), N, D, E);
-    if (real) {
-      s.routing = route(cfg, logits.data(), w.gate_bias.data(), N);
-      s.dispatch = make_dispatch(s.routing);
-    } else {
-      // Count-only: the sizes of a routing with no selection, every count 0.
-      s.routing.tokens = s.dispatch.tokens = N;
-      s.routing.top_k = s.dispatch.top_k = k;
-      s.routing.experts = s.dispatch.experts = E;
-      s.dispatch.count.assign(size_t(E), 0);
-      s.dispatch.offset.assign(size_t(E + 1), 0);
-    }
+    ops::linear(ops::mat(logits), xm, w.gate);
+    // A count-only run has no logits to route: it stands in a routing with
+    // no selection, of the real one's sizes, every count 0 (so nothing is
+    // exchanged and no expert runs, and every tensor sized by N k is), and,
+    // with expert parallelism, an owner's rows at the uniform expectation
+    // (ExpertParallel::expected_rows).
+    std::tie(s.routing, s.dispatch, s.count_only_rows) = ops::data_dependent(
+        [&] {
+          Routing<T> r = route(cfg, logits.data(), w.gate_bias.data(), N);
+          Dispatch d = make_dispatch(r);
+          return std::tuple(std::move(r), std::move(d), std::int64_t(-1));
+        },
+        [&] {
+          std::tuple<Routing<T>, Dispatch, std::int64_t> none;
+          auto& [r, d, rows] = none;
+          r.tokens = d.tokens = N;
+          r.top_k = d.top_k = k;
+          r.experts = d.experts = E;
+          d.count.assign(size_t(E), 0);
+          d.offset.assign(size_t(E + 1), 0);
+          rows = ep ? ep->expected_rows(ep->comm->rank(), k) : -1;
+          return none;
+        });
   }
   const Dispatch& d = s.dispatch;
   const std::int64_t R = d.rows();  // N k routed copies
@@ -415,10 +391,8 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.h = Tensor<T>({R, I});
     s.y = Tensor<T>({R, D});
     {
-      ExpertLinears<T> lin(N, D, I, false);
-      if (real)
-        experts_forward(w, lin, 0, d.count, xp.data(), D, I, s.a.data(), s.b.data(), s.h.data(),
-                        s.y.data());
+      ops::RoutedLinears<T> lin = expert_linears<T>(N, D, I, false);
+      experts_forward(w, lin, 0, d.count, xp, s.a, s.b, s.h, s.y);
     }
     xp.reset();
   } else {
@@ -427,27 +401,25 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     Communicator& comm = *ep->comm;
     comm.set_phase(Phase::forward);
     const std::int64_t e0 = ep->first_expert(comm.rank());
-    const EpRows rows = exchange_counts(*ep, d, real);
+    const EpRows rows = exchange_counts(*ep, d, s.count_only_rows);
     s.recv = rows.recv;
     const std::int64_t M = rows.rows();
     Tensor<T> xs({M, D});  // source-major
     exchange_rows(*ep, d, rows, D, xp.data(), xs.data(), true, "moe_dispatch");
     xp.reset();
     s.xe = Tensor<T>({M, D});
-    rows.reorder(xs.data(), s.xe.data(), D, true);
+    rows.reorder(xs, s.xe, true);
     xs.reset();
     s.a = Tensor<T>({M, I});
     s.b = Tensor<T>({M, I});
     s.h = Tensor<T>({M, I});
     Tensor<T> ye({M, D});
     {
-      ExpertLinears<T> lin(ep->group_tokens(comm.rank()), D, I, false);
-      if (real)
-        experts_forward(w, lin, e0, rows.expert, s.xe.data(), D, I, s.a.data(), s.b.data(),
-                        s.h.data(), ye.data());
+      ops::RoutedLinears<T> lin = expert_linears<T>(ep->group_tokens(comm.rank()), D, I, false);
+      experts_forward(w, lin, e0, rows.expert, s.xe, s.a, s.b, s.h, ye);
     }
     Tensor<T> ys({M, D});
-    rows.reorder(ye.data(), ys.data(), D, false);
+    rows.reorder(ye, ys, false);
     ye.reset();
     s.y = Tensor<T>({R, D});
     exchange_rows(*ep, d, rows, D, ys.data(), s.y.data(), false, "moe_combine");
@@ -458,21 +430,13 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.sa = Tensor<T>({N, Is});
     s.sb = Tensor<T>({N, Is});
     s.sh = Tensor<T>({N, Is});
-    moe_linear_forward(s.sa.data(), x, w.shared.w1.data(), N, D, Is);
-    moe_linear_forward(s.sb.data(), x, w.shared.w3.data(), N, D, Is);
-    if (real) swiglu_forward(s.sh.data(), s.sa.data(), s.sb.data(), N * Is);
-    moe_linear_forward(f.out.data(), s.sh.data(), w.shared.w2.data(), N, Is, D);
+    ops::linear(ops::mat(s.sa), xm, w.shared.w1);
+    ops::linear(ops::mat(s.sb), xm, w.shared.w3);
+    ops::swiglu(ops::mat(s.sh), ops::mat(s.sa), ops::mat(s.sb));
+    ops::linear(ops::mat(f.out), ops::mat(s.sh), w.shared.w2);
   }
-  if (!real) return f;
   // Combine: out_t += sum_j w_tj y_row(t, j), slots in order.
-  T* out = f.out.data();
-#pragma omp parallel for schedule(static)
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t j = 0; j < k; ++j) {
-      const T wt = s.routing.weight[size_t(t * k + j)];
-      const T* y = s.y.data() + d.row[size_t(t * k + j)] * D;
-      for (std::int64_t i = 0; i < D; ++i) out[t * D + i] += wt * y[i];
-    }
+  ops::combine_rows(ops::mat(f.out), ops::mat(s.y), d.row.data(), s.routing.weight.data(), k);
   return f;
 }
 
@@ -489,40 +453,24 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
                      I = cfg.moe_intermediate_size, Is = cfg.shared_intermediate_size();
   check_ep(ep, E, N);
   const std::int64_t R = d.rows();
-  const bool real = !counting();
+  const ops::Mat<const T> xm = rows_at(x, N, D), doutm = rows_at(dout, N, D);
   Tensor<T> dx = Tensor<T>::zeros({N, D});
+  ops::Mat<T> dxm = ops::mat(dx);
   // Shared expert: out += w2 h, h = silu(a) b, a = w1 x, b = w3 x.
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
-    moe_linear_backward(dh.data(), false, g.shared.w2.data(), dout, s.sh.data(), w.shared.w2.data(),
-                        N, Is, D);
-    if (real) swiglu_backward(da.data(), db.data(), dh.data(), s.sa.data(), s.sb.data(), N * Is);
-    moe_linear_backward(dx.data(), true, g.shared.w1.data(), da.data(), x, w.shared.w1.data(), N, D,
-                        Is);
-    moe_linear_backward(dx.data(), true, g.shared.w3.data(), db.data(), x, w.shared.w3.data(), N, D,
-                        Is);
+    ops::Mat<T> dhm = ops::mat(dh);
+    ops::linear_backward<T>(&dhm, false, g.shared.w2, doutm, ops::mat(s.sh), w.shared.w2);
+    ops::swiglu_backward(ops::mat(da), ops::mat(db), ops::mat(dh), ops::mat(s.sa), ops::mat(s.sb));
+    ops::linear_backward<T>(&dxm, true, g.shared.w1, ops::mat(da), xm, w.shared.w1);
+    ops::linear_backward<T>(&dxm, true, g.shared.w3, ops::mat(db), xm, w.shared.w3);
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
   std::vector<T> dweight(size_t(N * k));
   Tensor<T> dy({R, D});
-  if (real) {
-#pragma omp parallel for schedule(static)
-    for (std::int64_t t = 0; t < N; ++t)
-      for (std::int64_t j = 0; j < k; ++j) {
-        const std::int64_t p = d.row[size_t(t * k + j)];
-        const T wt = s.routing.weight[size_t(t * k + j)];
-        const T* y = s.y.data() + p * D;
-        const T* go = dout + t * D;
-        T* gy = dy.data() + p * D;
-        double dot = 0.0;
-        for (std::int64_t i = 0; i < D; ++i) {
-          dot += double(go[i]) * double(y[i]);
-          gy[i] = wt * go[i];
-        }
-        dweight[size_t(t * k + j)] = static_cast<T>(dot);
-      }
-  }
+  ops::combine_rows_backward(ops::mat(dy), dweight.data(), doutm, ops::mat(s.y), d.row.data(),
+                             s.routing.weight.data(), k);
   // Each expert's SwiGLU backward on its rows; dxp (R, D) in permuted order.
   Tensor<T> dxp;
   if (!ep) {
@@ -530,10 +478,8 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     dxp = Tensor<T>({R, D});
     {
       Tensor<T> dh({R, I}), da({R, I}), db({R, I});
-      ExpertLinears<T> lin(N, D, I, true);
-      if (real)
-        experts_backward(w, g, lin, 0, d.count, xp.data(), s.a.data(), s.b.data(), s.h.data(),
-                         dy.data(), D, I, dh.data(), da.data(), db.data(), dxp.data());
+      ops::RoutedLinears<T> lin = expert_linears<T>(N, D, I, true);
+      experts_backward(w, g, lin, 0, d.count, xp, s.a, s.b, s.h, dy, dh, da, db, dxp);
     }
     xp.reset();
     dy.reset();
@@ -543,47 +489,39 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     Communicator& comm = *ep->comm;
     comm.set_phase(Phase::backward);
     const std::int64_t e0 = ep->first_expert(comm.rank());
-    const EpRows rows(ep->ranks(), ep->owned(comm.rank()), s.recv,
-                      real ? -1 : ep->expected_rows(comm.rank(), k));
+    // The forward's rows (a count-only run's stand-in, exchange_counts).
+    const EpRows rows(ep->ranks(), ep->owned(comm.rank()), s.recv, s.count_only_rows);
     const std::int64_t M = rows.rows();
     Tensor<T> dys({M, D});
     exchange_rows(*ep, d, rows, D, dy.data(), dys.data(), true, "dmoe_combine");
     dy.reset();
     Tensor<T> dye({M, D});
-    rows.reorder(dys.data(), dye.data(), D, true);
+    rows.reorder(dys, dye, true);
     dys.reset();
     Tensor<T> dxe({M, D});
     {
       Tensor<T> dh({M, I}), da({M, I}), db({M, I});
-      ExpertLinears<T> lin(ep->group_tokens(comm.rank()), D, I, true);
-      if (real)
-        experts_backward(w, g, lin, e0, rows.expert, s.xe.data(), s.a.data(), s.b.data(),
-                         s.h.data(), dye.data(), D, I, dh.data(), da.data(), db.data(), dxe.data());
+      ops::RoutedLinears<T> lin = expert_linears<T>(ep->group_tokens(comm.rank()), D, I, true);
+      experts_backward(w, g, lin, e0, rows.expert, s.xe, s.a, s.b, s.h, dye, dh, da, db, dxe);
     }
     dye.reset();
     Tensor<T> dxs({M, D});
-    rows.reorder(dxe.data(), dxs.data(), D, false);
+    rows.reorder(dxe, dxs, false);
     dxe.reset();
     dxp = Tensor<T>({R, D});
     exchange_rows(*ep, d, rows, D, dxs.data(), dxp.data(), false, "dmoe_dispatch");
   }
-  if (real) {
-    // The permutation reversed: each token's k copies added back, slots in order.
-    T* gx = dx.data();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t t = 0; t < N; ++t)
-      for (std::int64_t j = 0; j < k; ++j) {
-        const T* src = dxp.data() + d.row[size_t(t * k + j)] * D;
-        for (std::int64_t i = 0; i < D; ++i) gx[t * D + i] += src[i];
-      }
-  }
+  // The permutation reversed: each token's k copies added back, slots in order.
+  ops::combine_rows<T>(dxm, ops::mat(dxp), d.row.data(), nullptr, k);
   dxp.reset();
   // The gate: dz from the weights (the selection is locally constant), then
-  // z = x W_g^T (count-only: no routing to differentiate; the GEMM still
-  // allocates what it does in a real run).
+  // z = x W_g^T. The stand-in routing (count-only) selected nothing, so it
+  // has nothing to differentiate: no dz (the GEMM still allocates what it
+  // does in a real run).
   const std::vector<T> dlogits =
-      real ? route_backward(cfg, s.routing, dweight.data()) : std::vector<T>();
-  moe_linear_backward(dx.data(), true, g.gate.data(), dlogits.data(), x, w.gate.data(), N, D, E);
+      ops::data_dependent([&] { return route_backward(cfg, s.routing, dweight.data()); },
+                          [] { return std::vector<T>(); });
+  ops::linear_backward<T>(&dxm, true, g.gate, rows_at(dlogits.data(), N, E), xm, w.gate);
   return dx;
 }
 

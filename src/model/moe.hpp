@@ -140,6 +140,10 @@ struct MoeSaved {
   // Expert parallel only:
   std::vector<std::int64_t> recv;  // (P x owned) rows of owned expert e from rank i, [i][e]
   Tensor<T> xe;                    // (M, D) the rows the owned experts ran, expert-major
+  // A count-only run's M, the stand-in for the rows no routing sent
+  // (ExpertParallel::expected_rows); -1 in a real run, whose M is recv's
+  // sum, and without expert parallelism.
+  std::int64_t count_only_rows = -1;
 };
 
 // bf16 runs hold a layer's expert activations at 2 bytes from forward to

@@ -14,6 +14,7 @@
 #include "core/nonfinite.hpp"
 #include "core/threads.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_model.hpp"
 #include "mla/runner.hpp"
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
@@ -309,8 +310,7 @@ std::string first_nonfinite_gradient(const LmParams<T>& grads) {
   std::string first;
   int others = 0;
   grads.for_each([&](const std::string& name, const Tensor<T>& g) {
-    if (!g.data()) return;  // count-only: nothing to look at
-    const NonFinite nf = count_nonfinite(g.data(), g.numel());
+    const NonFinite nf = ops::count_nonfinite(g);
     if (nf.count == 0) return;
     if (first.empty())
       first = describe_nonfinite("the gradient of '" + name + "'", nf, g.numel());
@@ -367,8 +367,7 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
   st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
   double sq = 0.0;
-  for (Tensor<T>* g : G)
-    if (ops::runs(g->numel(), {g->data()})) sq += sum_squares(g->data(), g->numel());
+  for (Tensor<T>* g : G) sq += ops::sum_squares(*g);
   out.grad_norm = std::sqrt(sq);
   // The squares of finite floats sum in double without overflow, so a
   // non-finite norm means a non-finite gradient (named), and a finite loss
@@ -379,17 +378,15 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
                   out.loss, ")", where.empty() ? "" : ": " + where));
   }
   const double factor = clip_factor(out.grad_norm, o.clip);
-  for (Tensor<T>* g : G)
-    if (factor < 1.0 && ops::runs(g->numel(), {g->data()}))
-      for (std::int64_t i = 0; i < g->numel(); ++i) (*g)[i] *= static_cast<T>(factor);
+  if (factor < 1.0)
+    for (Tensor<T>* g : G) ops::scale(*g, static_cast<T>(factor));
   AdamWHyper h = o.adam;
   h.lr = lr;
   for (size_t k = 0; k < P.size(); ++k) {
     if (!trains[k]) continue;  // an expert bias: its gradient slot is 0, its moments stay 0
     AdamWHyper hk = h;
     if (!decays[k]) hk.weight_decay = 0.0;
-    if (ops::runs(P[k]->numel(), {P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data()}))
-      adamw_step(P[k]->data(), M[k]->data(), V[k]->data(), G[k]->data(), P[k]->numel(), step, hk);
+    ops::adamw(*P[k], *M[k], *V[k], *G[k], step, hk);
   }
   // Then each MoE layer's bias by the step's load over the whole group, once
   // per optimizer step.
@@ -399,12 +396,10 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
     for (const std::vector<std::int64_t>& layer : load)
       out.expert_load.insert(out.expert_load.end(), layer.begin(), layer.end());
     for (size_t l = 0; l < load.size(); ++l) {
-      Tensor<T>& bias = st.params.layers[l].moe.gate_bias;
-      if (load[l].empty() || !bias.data()) continue;  // dense layer; count-only
-      const std::vector<T> moved =
-          update_expert_bias(std::vector<T>(bias.data(), bias.data() + bias.numel()), load[l],
-                             ctx.cfg.bias_update_speed);
-      std::copy(moved.begin(), moved.end(), bias.data());
+      if (load[l].empty()) continue;  // a dense layer
+      ops::update_on_host<T>(st.params.layers[l].moe.gate_bias, [&](std::vector<T> bias) {
+        return update_expert_bias(bias, load[l], ctx.cfg.bias_update_speed);
+      });
     }
   }
   return out;
@@ -590,6 +585,8 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
   counted.warn = nullptr;
   std::vector<TrainMemory> ranks;
   for (int r = 0; r < o.sp; ++r) {
+    // The prediction is the step run on a count-only pool: which run to make
+    // (the ops then decide, each for itself, that they only count).
     MemoryPool pool;
     pool.set_count_only(true);
     PoolScope scope(pool);

@@ -22,8 +22,8 @@
 
 #include "comm/communicator.hpp"
 #include "core/precision.hpp"
-#include "kernels/adamw.hpp"
 #include "mla/block.hpp"
+#include "mla/ops_model.hpp"  // AdamWHyper
 #include "model/checkpoint.hpp"
 #include "model/model.hpp"
 

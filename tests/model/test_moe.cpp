@@ -503,7 +503,7 @@ double relative_to_largest(const T* a, const double* ref, std::int64_t n) {
 }
 
 // Under --dtype bf16 the gate's, the shared and the routed experts' GEMMs
-// round their operands (model/moe.cpp, moe_linear_forward): out within the
+// round their operands (ops::linear, ops::RoutedLinears): out within the
 // block's bound of the double reference, dx and every gradient within the
 // gradients' (their paths are no longer than the attention block's:
 // x, W1/W3, a and b, h, W2, y forward, as many again backward), and not
