@@ -9,10 +9,12 @@ import math
 import os
 import shutil
 import subprocess
+import inspect
 import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import KINDS
@@ -24,6 +26,7 @@ from .checks import check_documents, cu_seqlens_rows
 from .names import HF_NAMES, resolve
 from .norm import rms_norm
 from .tape import Block
+from . import trainer
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -241,13 +244,19 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
+        self._register_load_state_dict_pre_hook(MLA._hf_names_pre_hook)
+        trainer.register(self)  # the opaque op's handle under torch.compile (trainer.py)
 
-    def load_state_dict(self, state_dict, strict=True, layer=None, **kwargs):
+    def load_state_dict(self, state_dict, strict=True, assign=False, layer=None):
         """DeepSeek names, or Hugging Face's, bare or under
         `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
         parameter given under two names is refused, and so are several
         layers' attention weights unless `layer` picks one (a whole HF
-        checkpoint's other tensors are left out)."""
+        checkpoint's other tensors are left out). `assign` is torch's (2.1+:
+        the module takes the state dict's tensors, as after building it on
+        the meta device); torch's own order, (state_dict, strict, assign).
+        As a submodule of a model, HF names under the module's prefix load
+        through _hf_names_pre_hook."""
         mapped = resolve(state_dict, layer)
         unused = [k for k in HF_NAMES if k in mapped and not hasattr(
             getattr(self, k.split(".")[0], None), "weight")]
@@ -255,16 +264,54 @@ class MLA(nn.Module):
             raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
                              f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
                              "weights are another model's; check the config")
-        return super().load_state_dict(mapped, strict=strict, **kwargs)
+        if not assign:
+            return super().load_state_dict(mapped, strict=strict)
+        if "assign" not in inspect.signature(nn.Module.load_state_dict).parameters:
+            raise ValueError(f"load_state_dict(assign=True) needs torch 2.1 or later (this is "
+                             f"torch {torch.__version__}); load without assign")
+        return super().load_state_dict(mapped, strict=strict, assign=True)
+
+    @staticmethod
+    def _hf_names_pre_hook(state_dict, prefix, *args):
+        """A load_state_dict pre-hook: under this module's prefix (as a
+        submodule, `model.layers.3.self_attn.`), Hugging Face's names
+        (`kv_b_proj.weight`) are renamed to the DeepSeek ones it holds; one
+        parameter under both names is refused naming both, as names.resolve
+        refuses it at the top."""
+        for ds, hf in HF_NAMES.items():
+            if prefix + hf not in state_dict:
+                continue
+            if prefix + ds in state_dict:
+                raise ValueError(f"parameter '{prefix}{ds}' is in the state dict under 2 names, "
+                                 f"'{prefix}{ds}' and '{prefix}{hf}'; give each parameter once "
+                                 "(two copies may be two models): remove one")
+            state_dict[prefix + ds] = state_dict.pop(prefix + hf)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
+        # Under torch.autocast the block runs in autocast's dtype, input and
+        # weights cast once here (differentiable: the weights' gradients come
+        # back in their own dtype), with autocast off inside, so forward and
+        # the tape's backward see one dtype (docs/pytorch.md, "Trainers").
+        amp = trainer.autocast_dtype(x)
+        if trainer.compiling():  # one opaque op for torch.compile: no graph break
+            return trainer.opaque_forward(self, x, group, cu_seqlens, seq_len, amp)
+        if amp is None:
+            return self.run_block(x, group, cu_seqlens, seq_len)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.run_block(x.to(amp), group, cu_seqlens, seq_len,
+                                  {n: p.to(amp) for n, p in self.named_parameters()})
+
+    def run_block(self, x, group=None, cu_seqlens=None, seq_len=None, weights=None):
+        """forward without autocast's casts, on `weights` ({name: tensor},
+        default the parameters): the block as the tapes compute it."""
         cfg = self.cfg
+        W = dict(self.named_parameters()) if weights is None else weights
         P, r = checks.group_arg(group)  # without a group there is no one to tell
         # This rank's arguments, checked before any collective; a refusal
         # is carried into the agreement check, so every rank raises it.
         local, error = None, None
         try:
-            local = self._check_local(x, P, r, cu_seqlens, seq_len)
+            local = self._check_local(x, P, r, cu_seqlens, seq_len, W)
         except (ValueError, TypeError) as e:
             error = e
         flags = 0
@@ -293,30 +340,30 @@ class MLA(nn.Module):
         if self.tape == "laga":
             return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
                                        self.attention == "flash", self.flash_block),
-                               *[dict(self.named_parameters())[n] for n in param_order(cfg)])
+                               *[W[n] for n in param_order(cfg)])
         pos = sp.pos[:, sp.own]
         H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
         q = query_latent = None
         if cfg.q_lora_rank == 0:
-            q = self.wq(x)
+            q = F.linear(x, W["wq.weight"])
         else:
-            qn = self.q_norm(self.wq_a(x))
+            qn = rms_norm(F.linear(x, W["wq_a.weight"]), W["q_norm.weight"], cfg.norm_eps)
             if q_latent:
-                query_latent = (qn, self.wq_b.weight)
+                query_latent = (qn, W["wq_b.weight"])
             else:
-                q = self.wq_b(qn)
+                q = F.linear(qn, W["wq_b.weight"])
         if q is not None:
             q = q.view(B, L, H, dqk)
             q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
-        kv = self.wkv_a(x)
-        c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
+        kv = F.linear(x, W["wkv_a.weight"])
+        c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], W["kv_norm.weight"], cfg.norm_eps)
         k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
-        o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
+        o = mla_attention(form, q, c_kv, k_pe, W["wkv_b.weight"], sp, cfg,
                           q_latent=query_latent, overlap=overlap, check_ranks=False)
-        return self.wo(o)
+        return F.linear(o, W["wo.weight"])
 
 
-    def _check_local(self, x, P, r, cu_seqlens, seq_len):
+    def _check_local(self, x, P, r, cu_seqlens, seq_len, W):
         """(S, B, cu_seqlens rows or None, layout) of this forward, or the
         ValueError / TypeError naming what is wrong with this rank's
         arguments."""
@@ -326,7 +373,7 @@ class MLA(nn.Module):
                                            f"{type(x).__name__}")
         if x.dim() != 3 or x.shape[2] != cfg.dim:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
-        for name, p in self.named_parameters():
+        for name, p in W.items():
             if p.dtype != x.dtype or p.device != x.device:
                 raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
                                  f"{p.dtype} on {p.device}; move the module or the input")
