@@ -16,7 +16,7 @@ gradient composition DistributedDataParallel and FSDP2 need.
 * Gradients: each rank's gradient is its part of the objective's, so the
   ranks of a sequence-parallel group must SUM them (sync_gradients does);
   DistributedDataParallel and FSDP2 AVERAGE over their group.
-  `SumOverSequenceRanks` is a DDP comm hook that sums over the sequence
+  `sum_over_sequence_ranks` makes a DDP comm hook that sums over the sequence
   ranks and averages over the data-parallel replicas only.
 """
 
@@ -83,7 +83,8 @@ def _define_ops():
                 with torch.no_grad():
                     out = mla.run_block(x, *args, weights=dict(zip(names, weights)))
                 return out, torch.zeros((), dtype=torch.long)
-            with torch.enable_grad(), _autograd_recorded():
+            with torch.enable_grad(), _autograd_recorded(), \
+                    torch.autocast(x.device.type, enabled=False):
                 leaves = [t.detach().requires_grad_(True) for t in [x] + list(weights)]
                 out = mla.run_block(leaves[0], *args, weights=dict(zip(names, leaves[1:])))
         _GRAPHS[handle] = (out, leaves)
@@ -103,7 +104,7 @@ def _define_ops():
                                "backward through a compiled MLA, or one after its forward ran "
                                "without grad); call backward once per forward")
         out, leaves = _GRAPHS.pop(key)
-        with _autograd_recorded():
+        with _autograd_recorded(), torch.autocast(dout.device.type, enabled=False):
             grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
@@ -127,24 +128,23 @@ def _define_ops():
 def _autograd_recorded():
     """A custom op's implementation runs with autograd's dispatch keys
     excluded (below autograd): include them again so the eager forward
-    inside records its graph (the backward op differentiates it)."""
+    inside records its graph (the backward op differentiates it). This
+    clears autocast's exclusion too: the callers turn autocast off again
+    inside it."""
     C = torch._C
     ex = C._dispatch_tls_local_exclude_set()
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), ex - ex)
 
 
-_BLOCK = None
+_BLOCK = _define_ops()  # at import: dynamo cannot trace an op's definition
 
 
 def opaque_forward(mla, x, group, cu_seqlens, seq_len, amp):
     """MLA.forward under dynamo: one call of laga::block (its checks and
     collectives inside), with autocast's casts outside it."""
-    global _BLOCK
     if _BLOCK is None:
-        _BLOCK = _define_ops()
-        if _BLOCK is None:
-            raise RuntimeError(f"torch.compile of laga_torch.MLA needs torch.library.custom_op "
-                               f"(torch 2.4 or later); this is torch {torch.__version__}")
+        raise RuntimeError(f"torch.compile of laga_torch.MLA needs torch.library.custom_op "
+                           f"(torch 2.4 or later); this is torch {torch.__version__}")
     weights = [p for _, p in mla.named_parameters()]
     if amp is not None:
         x, weights = x.to(amp), [w.to(amp) for w in weights]
@@ -166,33 +166,34 @@ def opaque_forward(mla, x, group, cu_seqlens, seq_len, amp):
     return out
 
 
-class SumOverSequenceRanks:
-    """A DistributedDataParallel comm hook: the gradient bucket summed over
-    the DDP group, divided by the number of data-parallel replicas only.
+def sum_over_sequence_ranks(dp_replicas=1):
+    """A DistributedDataParallel comm hook (register_comm_hook(group, hook)):
+    each gradient bucket summed over the DDP group (the `state` it is
+    registered with; None: the world), divided by the number of
+    data-parallel replicas only.
 
     Each rank of a sequence-parallel group holds its part of the
     objective's gradient (its tokens' losses, and what its collectives'
     adjoints brought back from its peers), so the group's ranks must sum;
-    DDP's own hook averages over every rank, 1/sp_size of the right
-    gradient when the DDP group is the sequence group. `dp_replicas` is
-    how many sequence groups the DDP group holds (its size / the sequence
-    group's; 1 when every rank is one sequence's): they average, as data
+    DDP's own hook averages over every rank: 1/sp_size of the right
+    gradient when the DDP group is the sequence group. `dp_replicas` is how
+    many sequence groups the DDP group holds (its size / the sequence
+    group's; 1 when the DDP group is one sequence's): they average, as data
     parallelism does.
 
         ddp = DistributedDataParallel(model)
-        ddp.register_comm_hook(None, laga_torch.SumOverSequenceRanks(dp_replicas=1))
+        ddp.register_comm_hook(None, laga_torch.sum_over_sequence_ranks(dp_replicas=1))
     """
+    from .checks import whole
+    dp_replicas = whole(dp_replicas, "dp_replicas")
+    if dp_replicas < 1:
+        raise ValueError(f"dp_replicas {dp_replicas}: expected the number (>= 1) of "
+                         "data-parallel replicas in the DDP group")
 
-    def __init__(self, dp_replicas=1, group=None):
-        from .checks import whole
-        self.dp_replicas, self.group = whole(dp_replicas, "dp_replicas"), group
-        if self.dp_replicas < 1:
-            raise ValueError(f"dp_replicas {self.dp_replicas}: expected the number (>= 1) of "
-                             "data-parallel replicas in the DDP group")
-
-    def __call__(self, state, bucket):
+    def sum_over_sequence_ranks_hook(state, bucket):
         buf = bucket.buffer()
-        if self.dp_replicas > 1:
-            buf.div_(self.dp_replicas)
-        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        if dp_replicas > 1:
+            buf.div_(dp_replicas)
+        fut = dist.all_reduce(buf, group=state, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
+    return sum_over_sequence_ranks_hook
