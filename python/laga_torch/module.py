@@ -26,7 +26,7 @@ from .checks import check_documents, cu_seqlens_rows
 from .names import HF_NAMES, resolve
 from .norm import rms_norm
 from .tape import Block
-from . import trainer
+from . import dispatch, trainer
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -172,7 +172,7 @@ class MLA(nn.Module):
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
-                 flash_block=64, seq_layout="contiguous"):
+                 flash_block=64, seq_layout="contiguous", attention_kernel="auto"):
         super().__init__()
         # Every argument's type first (a TypeError naming it), then its value.
         self.seq_layout = check_seq_layout(checks.name_arg(seq_layout, "seq_layout", SEQ_LAYOUTS))
@@ -190,6 +190,7 @@ class MLA(nn.Module):
                              "positive number of head groups")
         checks.name_arg(attention, "attention", KINDS)
         checks.name_arg(tape, "tape", ("laga", "autograd"))
+        checks.name_arg(attention_kernel, "attention_kernel", dispatch.REQUESTS)
         flash_block = checks.whole(flash_block, "flash_block")
         if profile is not None and not isinstance(profile, (str, os.PathLike)):
             raise checks.ArgumentTypeError(f"profile must be a built-in profile name or a "
@@ -229,6 +230,10 @@ class MLA(nn.Module):
                              "rows and keys per tile")
         self.head_groups, self.attention, self.tape = head_groups, attention, tape
         self.flash_block = flash_block
+        if attention_kernel not in dispatch.REQUESTS:
+            raise ValueError(f"attention_kernel '{attention_kernel}': expected "
+                             f"{', '.join(dispatch.REQUESTS)} (dispatch.py)")
+        self.attention_kernel = attention_kernel
         self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
@@ -337,30 +342,33 @@ class MLA(nn.Module):
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(rows, B, seq_len, x.device), cos, sin,
                 self.head_groups, self.attention, self.flash_block, form)
-        if self.tape == "laga":
-            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
-                                       self.attention == "flash", self.flash_block),
-                               *[W[n] for n in param_order(cfg)])
-        pos = sp.pos[:, sp.own]
-        H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
-        q = query_latent = None
-        if cfg.q_lora_rank == 0:
-            q = F.linear(x, W["wq.weight"])
-        else:
-            qn = rms_norm(F.linear(x, W["wq_a.weight"]), W["q_norm.weight"], cfg.norm_eps)
-            if q_latent:
-                query_latent = (qn, W["wq_b.weight"])
+        # every flash call inside picks its kernel (dispatch.py), counted in the ledger
+        with dispatch.context(self.ledger, self.attention_kernel):
+            if self.tape == "laga":
+                return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
+                                           self.attention == "flash", self.flash_block,
+                                           self.attention_kernel),
+                                   *[W[n] for n in param_order(cfg)])
+            pos = sp.pos[:, sp.own]
+            H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
+            q = query_latent = None
+            if cfg.q_lora_rank == 0:
+                q = F.linear(x, W["wq.weight"])
             else:
-                q = F.linear(qn, W["wq_b.weight"])
-        if q is not None:
-            q = q.view(B, L, H, dqk)
-            q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
-        kv = F.linear(x, W["wkv_a.weight"])
-        c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], W["kv_norm.weight"], cfg.norm_eps)
-        k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
-        o = mla_attention(form, q, c_kv, k_pe, W["wkv_b.weight"], sp, cfg,
-                          q_latent=query_latent, overlap=overlap, check_ranks=False)
-        return F.linear(o, W["wo.weight"])
+                qn = rms_norm(F.linear(x, W["wq_a.weight"]), W["q_norm.weight"], cfg.norm_eps)
+                if q_latent:
+                    query_latent = (qn, W["wq_b.weight"])
+                else:
+                    q = F.linear(qn, W["wq_b.weight"])
+            if q is not None:
+                q = q.view(B, L, H, dqk)
+                q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
+            kv = F.linear(x, W["wkv_a.weight"])
+            c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], W["kv_norm.weight"], cfg.norm_eps)
+            k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
+            o = mla_attention(form, q, c_kv, k_pe, W["wkv_b.weight"], sp, cfg,
+                              q_latent=query_latent, overlap=overlap, check_ranks=False)
+            return F.linear(o, W["wo.weight"])
 
 
     def _check_local(self, x, P, r, cu_seqlens, seq_len, W):
@@ -412,7 +420,8 @@ class MLA(nn.Module):
         d = checks.describe
         f = {"form": d(f"{self.form} q_latent={self.q_latent} overlap={self.overlap} "
                        f"head_groups={self.head_groups} profile={self.profile}"),
-             "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block}"),
+             "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block} "
+                            f"kernel={self.attention_kernel}"),
              "config": d(self.cfg.to_json(), 4000),
              "module": d([[n, list(p.shape), str(p.dtype)] for n, p in self.named_parameters()],
                          4000),
@@ -477,10 +486,12 @@ class _Run:
     """What tape.Block needs beyond tensors: the config, this rank's Sp, the
     form's plans (labels as the C++ ledger's), query rows, heads and calls."""
 
-    def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64):
+    def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64,
+                 kernel="auto"):
         from .forms import _head_range, _query_rows
         self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
         self.flash, self.block = flash, block  # attention: flash (o, lse saved) or eager
+        self.kernel = kernel  # flash's kernel request (dispatch.py)
         self.names = param_order(cfg)
         self.spec = spec = FORMS[form]
         self.rows = _query_rows(sp, form)
