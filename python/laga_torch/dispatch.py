@@ -11,8 +11,11 @@ scaled scores; 0, with o = 0, for a row that sees no key), and dq, dk, dv.
 So what laga's tape keeps for backward is the same whichever kernel runs
 (o and lse, never probabilities: the saved-bytes tests hold it).
 
-The kernels, in order of preference (supports() names why one cannot run a
-call, with the value it refuses, as flashinfer's dispatch errors do):
+The kernels (supports() names why one cannot run a call, with the value it
+refuses, as flashinfer's dispatch errors do); "auto" takes the first of
+PREFERENCE[device] that supports the call: flex then tiles on CUDA, the
+tiles on the CPU (flex's CPU path is unfused), where flex runs when asked
+for (MLA(attention_kernel="flex"); tools_torch_dispatch):
 
   flex   torch.nn.attention.flex_attention (torch 2.5+) with a block mask
          built from the key ranges (packed documents, laga2d's chunks, a
@@ -55,7 +58,12 @@ class Kernel(enum.Enum):
     tiles = "laga_torch's flash tiles in torch ops (attention.flash_forward)"
 
 
-PREFERENCE = (Kernel.flex, Kernel.tiles)
+# Per device: flex's fused kernel is its compiled CUDA form; on the CPU flex
+# runs unfused (the whole (Sq, Sk) score matrix per call, and a block mask
+# built by vmap), slower than the tiles, so "auto" takes the tiles there and
+# flex runs on the CPU when asked for (attention_kernel="flex": the suite).
+PREFERENCE = {"cuda": (Kernel.flex, Kernel.tiles)}
+DEFAULT_PREFERENCE = (Kernel.tiles,)
 REQUESTS = ("auto",) + tuple(k.name for k in Kernel)
 
 _state = threading.local()
@@ -119,7 +127,7 @@ def choose(q, k, v, request="auto", backward=False):
                              "kernel 'auto' (the first that can) or 'tiles'")
         return kern, finite
     whynot = []
-    for kern in PREFERENCE:
+    for kern in PREFERENCE.get(q.device.type, DEFAULT_PREFERENCE):
         why = supports(kern, q, k, v, finite, backward)
         if why is None:
             key = (kern, q.device.type, q.dtype, backward, tuple(whynot))
