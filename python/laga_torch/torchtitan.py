@@ -178,7 +178,7 @@ class HeadCPAttention(_CPBase):
                              "or ring_kv (the forms that move per-head K and V); the latent "
                              "forms take MLA's latent: LatentCPAttention")
 
-    def forward(self, q_THK, k_THK, v_THV, *, attention_metadata):
+    def forward(self, q_THK, k_THK, v_THV, *, attention_metadata, scale=None):
         md = attention_metadata
         dtype = q_THK.dtype
         ct = self._compute_dtype(dtype)
@@ -186,7 +186,8 @@ class HeadCPAttention(_CPBase):
         dqk, dv = k_THK.shape[2], v_THV.shape[2]
         sp = self._sp(md, T, ct, q_THK.device)
         q, k, v = (t[None].to(ct) for t in (q_THK, k_THK, v_THV))
-        spec, scale = FORMS[self.form], self.cfg.softmax_scale()
+        spec = FORMS[self.form]
+        scale = self.cfg.softmax_scale() if scale is None else scale
         with dispatch.context(None, self.attention_kernel):
             if spec.ring:  # ring_kv: the flat [K | V] of the own tokens round the ring
                 own = torch.cat([k.reshape(-1), v.reshape(-1)])
@@ -207,3 +208,34 @@ class HeadCPAttention(_CPBase):
         return o[0].reshape(T, H, dv).to(dtype)
 
     __call__ = forward
+
+
+class InnerAttention(torch.nn.Module):
+    """torchtitan's inner-attention call as its DeepSeek-V3 Attention makes
+    it (torchtitan 0.3: inner_attention(q, k, v, attention_masks=...,
+    scale=...) on [B, S, H, D] tensors): HeadCPAttention on each batch row,
+    the whole sequence on this rank's group of one (group None: the world;
+    a group of more ranks takes this rank's shard, contiguous). attention_
+    masks None is causal attention; a SequenceMetadata gives documents."""
+
+    def __init__(self, cfg, form="explicit", group=None, **kw):
+        super().__init__()
+        self.head = HeadCPAttention(cfg, form, **kw)
+        self.group = group
+
+    def forward(self, q, k, v, attention_masks=None, scale=None, **kwargs):
+        if attention_masks is None:
+            md = SequenceMetadata(seq_len=None, group=self.group)
+        elif isinstance(attention_masks, SequenceMetadata):
+            md = attention_masks
+        else:
+            raise TypeError(f"attention_masks {type(attention_masks).__name__}: laga's inner "
+                            "attention takes None (causal) or a laga_torch.torchtitan."
+                            "SequenceMetadata (packed documents)")
+        import torch.distributed as dist
+        P = dist.get_world_size(md.group)
+        S = q.shape[1] * P
+        md = dataclasses.replace(md, seq_len=md.seq_len or S)
+        local = HeadCPAttention.prepare_cp_metadata(md, permutation=None)
+        return torch.stack([self.head(q[b], k[b], v[b], attention_metadata=local, scale=scale)
+                            for b in range(q.shape[0])])

@@ -178,6 +178,54 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def torchtitan_swap():
+    """torchtitan's DeepSeek-V3 Attention (its debug model's, float64) with
+    its SDPA inner attention, then with laga's InnerAttention swapped in
+    (explicit, allgather_kv, ring_kv at P 1): out and every parameter's
+    gradient within 1e-12. Runs where torchtitan imports (PyPI's torchtitan
+    needs its own dependencies: spmd_types, tyro, einops)."""
+    import dataclasses
+    try:
+        from torchtitan.models.deepseek_v3 import model_registry
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+    except Exception as e:  # not installed, or its dependencies missing
+        return f"torchtitan swap: not run: torchtitan does not import here ({type(e).__name__}: {e})"
+    ac = model_registry("debugmodel").model.layers[0].attention
+    ac = dataclasses.replace(ac, inner_attention=ScaledDotProductAttention.Config())
+    torch.manual_seed(5)
+    attn = ac.build().double()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    rope = ac.rope
+    cfg = lt.MLAConfig(dim=ac.dim, n_heads=ac.n_heads, kv_lora_rank=ac.kv_lora_rank,
+                       qk_nope_head_dim=ac.qk_nope_head_dim, qk_rope_head_dim=ac.qk_rope_head_dim,
+                       v_head_dim=ac.v_head_dim, q_lora_rank=ac.q_lora_rank,
+                       rope_factor=rope.rope_factor, mscale=ac.mscale,
+                       original_seq_len=rope.original_seq_len, max_seq_len=rope.max_seq_len)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 24, ac.dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, 24, ac.dim, generator=g, dtype=torch.float64)
+
+    def run():
+        attn.zero_grad()
+        y = attn(x, None)
+        y.backward(dout)
+        return [y.detach()] + [p.grad.clone() for p in attn.parameters()]
+    ref = run()
+    worst = 0.0
+    for form in HEADS:
+        attn.inner_attention = tt.InnerAttention(cfg, form, reduce_dtype=torch.float64)
+        got = run()
+        e = max(rel(a, b) for a, b in zip(got, ref))
+        if e > 1e-12:
+            fail(f"torchtitan's DeepSeek-V3 Attention with laga's {form} inside: off by {e:.3g} "
+                 "from its SDPA")
+        worst = max(worst, e)
+    return (f"torchtitan swap: torchtitan's DeepSeek-V3 Attention (debug model, H "
+            f"{ac.n_heads}, 192/128, float64) with laga's {', '.join(HEADS)} inside within "
+            f"{worst:.2g} of its own SDPA (out and every gradient)")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,6 +265,10 @@ def main():
         return worker(args)
     os.makedirs(args.dir, exist_ok=True)
     t0 = time.time()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    print(torchtitan_swap())
+    dist.destroy_process_group()
     worst, worst_bf16, cases = 0.0, 0.0, 0
     for P in (1, 2, 3):
         for res in launch(args, P):
