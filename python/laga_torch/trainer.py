@@ -12,7 +12,8 @@ gradient composition DistributedDataParallel and FSDP2 need.
   op (`laga::block_backward`) by a handle: the compiled graph holds no break
   where the module is (its host syncs, collectives and Python loops run
   inside the op, as flash-attn's kernels are opaque ops), and the values
-  are the eager module's.
+  are the eager module's. The kept graph goes with the handle tensor (a
+  weakref finalizer), so a forward whose backward never runs frees it.
 * Gradients: each rank's gradient is its part of the objective's, so the
   ranks of a sequence-parallel group must SUM them (sync_gradients does);
   DistributedDataParallel and FSDP2 AVERAGE over their group.
@@ -88,7 +89,11 @@ def _define_ops():
                 leaves = [t.detach().requires_grad_(True) for t in [x] + list(weights)]
                 out = mla.run_block(leaves[0], *args, weights=dict(zip(names, leaves[1:])))
         _GRAPHS[handle] = (out, leaves)
-        return out.detach(), torch.tensor(handle, dtype=torch.long)
+        h = torch.tensor(handle, dtype=torch.long)
+        # The graph lives as long as the handle: a forward whose backward
+        # never runs (its output dropped) frees it with the handle.
+        weakref.finalize(h, _GRAPHS.pop, handle, None)
+        return out.detach(), h
 
     @block.register_fake
     def _(x, weights, module, group, seq_len, cu_json, cu_tensor, needs_grad):

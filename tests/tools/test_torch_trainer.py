@@ -23,7 +23,8 @@ One process (a gloo group of one):
     forward and backward graphs, no code generation) gives the eager
     model's loss bit for bit and every gradient within 1e-12 (float64; the
     embedding's backward sums in AOTAutograd's order), packed documents
-    too, and under autocast (bit for bit).
+    too, and under autocast (bit for bit); the graphs the op keeps for
+    backward are freed by it, or with the output when none runs.
   * activation checkpointing (torch.utils.checkpoint, use_reentrant=False):
     every gradient equal to the run without it.
 Ranks (gloo, free ports):
@@ -281,6 +282,19 @@ def check_compile():
                 if rel(g1[n], g0[n]) > (1e-12 if not amp else 0.0):
                     fail(f"compiled model (tape {tape}): gradient {n} off by {rel(g1[n], g0[n])}")
         worst_runs += 1
+        # the eager graph the op keeps for backward: gone after it, and
+        # with the output when no backward runs (trainer.py's finalizer)
+        import gc
+        from laga_torch import trainer
+        if trainer._GRAPHS:
+            fail(f"compiled model: {len(trainer._GRAPHS)} graphs kept after backward")
+        logits = compiled(inp, cu_seqlens=cu)
+        if len(trainer._GRAPHS) != 2:
+            fail(f"compiled model: {len(trainer._GRAPHS)} graphs kept by a forward of 2 blocks")
+        del logits
+        gc.collect()
+        if trainer._GRAPHS:
+            fail(f"compiled model: {len(trainer._GRAPHS)} graphs kept after the output was dropped")
         dynamo.reset()
     return (f"torch.compile: 0 graph breaks in {explained} forms' modules; fullgraph compile "
             f"(aot_eager) of a 2-layer model: loss bit for bit, gradients within {worst:.2g} "
