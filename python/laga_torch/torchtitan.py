@@ -214,9 +214,11 @@ class InnerAttention(torch.nn.Module):
     """torchtitan's inner-attention call as its DeepSeek-V3 Attention makes
     it (torchtitan 0.3: inner_attention(q, k, v, attention_masks=...,
     scale=...) on [B, S, H, D] tensors): HeadCPAttention on each batch row,
-    the whole sequence on this rank's group of one (group None: the world;
-    a group of more ranks takes this rank's shard, contiguous). attention_
-    masks None is causal attention; a SequenceMetadata gives documents."""
+    over `group` (None: the world), contiguous shards. attention_masks None
+    is causal attention over a group of one; a SequenceMetadata gives the
+    sequence's length or documents (needed over more ranks). Tested at P 1
+    inside torchtitan's DeepSeek-V3 Attention (tools_torch_torchtitan);
+    HeadCPAttention itself at P 2 and 3."""
 
     def __init__(self, cfg, form="explicit", group=None, **kw):
         super().__init__()
@@ -234,8 +236,12 @@ class InnerAttention(torch.nn.Module):
                             "SequenceMetadata (packed documents)")
         import torch.distributed as dist
         P = dist.get_world_size(md.group)
-        S = q.shape[1] * P
-        md = dataclasses.replace(md, seq_len=md.seq_len or S)
+        if md.seq_len is None and md.cu_seqlens is None:
+            if P > 1:  # (uneven shards: the length is not q's times P)
+                raise ValueError(f"InnerAttention over a group of {P} ranks needs the whole "
+                                 "sequence's length: attention_masks=SequenceMetadata(seq_len=S, "
+                                 "group=...)")
+            md = dataclasses.replace(md, seq_len=q.shape[1])
         local = HeadCPAttention.prepare_cp_metadata(md, permutation=None)
         return torch.stack([self.head(q[b], k[b], v[b], attention_metadata=local, scale=scale)
                             for b in range(q.shape[0])])
