@@ -11,6 +11,7 @@ from .comm import Ledger, redistribute
 from .attention import attention
 from .forms import FORMS, mla_attention
 from .module import MLA, sync_gradients
+from .trainer import sum_over_sequence_ranks
 
 __all__ = ["MLAConfig", "SpLayout", "HeadContextGrid", "Ledger", "redistribute", "attention",
-           "FORMS", "mla_attention", "MLA", "sync_gradients"]
+           "FORMS", "mla_attention", "MLA", "sync_gradients", "sum_over_sequence_ranks"]

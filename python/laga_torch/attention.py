@@ -170,13 +170,16 @@ KINDS = ("auto", "eager", "math", "flash", "sdpa")
 
 
 class _FlashAttention(torch.autograd.Function):
-    """flash_forward / flash_backward under autograd: saves q, k, v, o, lse."""
+    """flash attention under autograd (dispatch.forward / backward: the kernel
+    chosen per call): saves q, k, v, o, lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, ranges, scale, block):
-        o, lse = flash_forward(q, k, v, ranges, scale, block)
+        from . import dispatch  # (dispatch imports this module's tiles)
+        o, lse = dispatch.forward(q, k, v, ranges, scale, block)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.ranges, ctx.scale, ctx.block = ranges, scale, block
+        ctx.dispatch = dispatch.current()
         return o
 
     @staticmethod
@@ -186,8 +189,10 @@ class _FlashAttention(torch.autograd.Function):
             Sq, Sk = q.shape[1], k.shape[1]
             see = ctx.ranges.see(0, Sq, 0, Sk)
             return _recompute_backward(q, k, v, see, do, ctx.scale) + (None, None, None)
-        return flash_backward(q, k, v, o, lse, do, ctx.ranges, ctx.scale, ctx.block) + \
-            (None, None, None)
+        from . import dispatch
+        with dispatch.context(*ctx.dispatch):
+            return dispatch.backward(q, k, v, o, lse, do, ctx.ranges, ctx.scale, ctx.block) + \
+                (None, None, None)
 
 
 def attention(q, k, v, mask, scale, kind="auto", block=64):

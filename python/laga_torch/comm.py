@@ -23,6 +23,7 @@ class Ledger:
 
     def __init__(self):
         self.rows = {}
+        self.kernels = {}  # (phase, attention kernel) -> calls (dispatch.py)
 
     def add(self, phase, label, sent, received):
         row = self.rows.setdefault((phase, label), {"calls": 0, "sent": 0, "received": 0})
@@ -32,6 +33,7 @@ class Ledger:
 
     def clear(self):
         self.rows.clear()
+        self.kernels.clear()
 
 
 class Placement:

@@ -26,7 +26,9 @@ With attention other than flash the C++ form runs laga's unfused path
 
 import torch
 
-from .attention import _acc_dtype, first_order_only, flash_backward, flash_forward
+from .attention import _acc_dtype, first_order_only
+from . import dispatch
+from .dispatch import backward as flash_backward, forward as flash_forward
 
 
 def up_project(lat, w_rows, cfg):
@@ -83,6 +85,7 @@ class LatentFlash(torch.autograd.Function):
         o, lse = forward(q, lat, w_rows, ranges, scale, block, cfg)
         ctx.save_for_backward(q, lat, w_rows, o, lse)
         ctx.ranges, ctx.scale, ctx.block, ctx.cfg = ranges, scale, block, cfg
+        ctx.dispatch = dispatch.current()
         return o
 
     @staticmethod
@@ -91,6 +94,7 @@ class LatentFlash(torch.autograd.Function):
                       "tape='autograd'")
     def backward(ctx, do):
         q, lat, w_rows, o, lse = ctx.saved_tensors
-        dq, d_lat, d_w = backward(q, lat, w_rows, o, lse, do, ctx.ranges, ctx.scale, ctx.block,
-                                  ctx.cfg)
+        with dispatch.context(*ctx.dispatch):
+            dq, d_lat, d_w = backward(q, lat, w_rows, o, lse, do, ctx.ranges, ctx.scale,
+                                      ctx.block, ctx.cfg)
         return dq, d_lat, d_w, None, None, None, None

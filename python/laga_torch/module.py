@@ -9,10 +9,12 @@ import math
 import os
 import shutil
 import subprocess
+import inspect
 import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import KINDS
@@ -24,6 +26,7 @@ from .checks import check_documents, cu_seqlens_rows
 from .names import HF_NAMES, resolve
 from .norm import rms_norm
 from .tape import Block
+from . import dispatch, trainer
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -169,7 +172,7 @@ class MLA(nn.Module):
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
-                 flash_block=64, seq_layout="contiguous"):
+                 flash_block=64, seq_layout="contiguous", attention_kernel="auto"):
         super().__init__()
         # Every argument's type first (a TypeError naming it), then its value.
         self.seq_layout = check_seq_layout(checks.name_arg(seq_layout, "seq_layout", SEQ_LAYOUTS))
@@ -187,6 +190,7 @@ class MLA(nn.Module):
                              "positive number of head groups")
         checks.name_arg(attention, "attention", KINDS)
         checks.name_arg(tape, "tape", ("laga", "autograd"))
+        checks.name_arg(attention_kernel, "attention_kernel", dispatch.REQUESTS)
         flash_block = checks.whole(flash_block, "flash_block")
         if profile is not None and not isinstance(profile, (str, os.PathLike)):
             raise checks.ArgumentTypeError(f"profile must be a built-in profile name or a "
@@ -226,6 +230,10 @@ class MLA(nn.Module):
                              "rows and keys per tile")
         self.head_groups, self.attention, self.tape = head_groups, attention, tape
         self.flash_block = flash_block
+        if attention_kernel not in dispatch.REQUESTS:
+            raise ValueError(f"attention_kernel '{attention_kernel}': expected "
+                             f"{', '.join(dispatch.REQUESTS)} (dispatch.py)")
+        self.attention_kernel = attention_kernel
         self.profile, self.plans = profile, {}  # form 'auto': (S, P, B) -> laga plan's winner
         self.ledger = None
         kw = {"dtype": dtype, "device": device}
@@ -241,13 +249,19 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
+        self._register_load_state_dict_pre_hook(MLA._hf_names_pre_hook)
+        trainer.register(self)  # the opaque op's handle under torch.compile (trainer.py)
 
-    def load_state_dict(self, state_dict, strict=True, layer=None, **kwargs):
+    def load_state_dict(self, state_dict, strict=True, assign=False, layer=None):
         """DeepSeek names, or Hugging Face's, bare or under
         `model.layers.<i>.self_attn.` (names.py, the C++ reader's rule): a
         parameter given under two names is refused, and so are several
         layers' attention weights unless `layer` picks one (a whole HF
-        checkpoint's other tensors are left out)."""
+        checkpoint's other tensors are left out). `assign` is torch's (2.1+:
+        the module takes the state dict's tensors, as after building it on
+        the meta device); torch's own order, (state_dict, strict, assign).
+        As a submodule of a model, HF names under the module's prefix load
+        through _hf_names_pre_hook."""
         mapped = resolve(state_dict, layer)
         unused = [k for k in HF_NAMES if k in mapped and not hasattr(
             getattr(self, k.split(".")[0], None), "weight")]
@@ -255,16 +269,54 @@ class MLA(nn.Module):
             raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
                              f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
                              "weights are another model's; check the config")
-        return super().load_state_dict(mapped, strict=strict, **kwargs)
+        if not assign:
+            return super().load_state_dict(mapped, strict=strict)
+        if "assign" not in inspect.signature(nn.Module.load_state_dict).parameters:
+            raise ValueError(f"load_state_dict(assign=True) needs torch 2.1 or later (this is "
+                             f"torch {torch.__version__}); load without assign")
+        return super().load_state_dict(mapped, strict=strict, assign=True)
+
+    @staticmethod
+    def _hf_names_pre_hook(state_dict, prefix, *args):
+        """A load_state_dict pre-hook: under this module's prefix (as a
+        submodule, `model.layers.3.self_attn.`), Hugging Face's names
+        (`kv_b_proj.weight`) are renamed to the DeepSeek ones it holds; one
+        parameter under both names is refused naming both, as names.resolve
+        refuses it at the top."""
+        for ds, hf in HF_NAMES.items():
+            if prefix + hf not in state_dict:
+                continue
+            if prefix + ds in state_dict:
+                raise ValueError(f"parameter '{prefix}{ds}' is in the state dict under 2 names, "
+                                 f"'{prefix}{ds}' and '{prefix}{hf}'; give each parameter once "
+                                 "(two copies may be two models): remove one")
+            state_dict[prefix + ds] = state_dict.pop(prefix + hf)
 
     def forward(self, x, group=None, cu_seqlens=None, seq_len=None):
+        # Under torch.autocast the block runs in autocast's dtype, input and
+        # weights cast once here (differentiable: the weights' gradients come
+        # back in their own dtype), with autocast off inside, so forward and
+        # the tape's backward see one dtype (docs/pytorch.md, "Trainers").
+        amp = trainer.autocast_dtype(x)
+        if trainer.compiling():  # one opaque op for torch.compile: no graph break
+            return trainer.opaque_forward(self, x, group, cu_seqlens, seq_len, amp)
+        if amp is None:
+            return self.run_block(x, group, cu_seqlens, seq_len)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.run_block(x.to(amp), group, cu_seqlens, seq_len,
+                                  {n: p.to(amp) for n, p in self.named_parameters()})
+
+    def run_block(self, x, group=None, cu_seqlens=None, seq_len=None, weights=None):
+        """forward without autocast's casts, on `weights` ({name: tensor},
+        default the parameters): the block as the tapes compute it."""
         cfg = self.cfg
+        W = dict(self.named_parameters()) if weights is None else weights
         P, r = checks.group_arg(group)  # without a group there is no one to tell
         # This rank's arguments, checked before any collective; a refusal
         # is carried into the agreement check, so every rank raises it.
         local, error = None, None
         try:
-            local = self._check_local(x, P, r, cu_seqlens, seq_len)
+            local = self._check_local(x, P, r, cu_seqlens, seq_len, W)
         except (ValueError, TypeError) as e:
             error = e
         flags = 0
@@ -290,33 +342,36 @@ class MLA(nn.Module):
         cos, sin = rope_tables(cfg, seq_len, x.dtype, x.device)
         sp = Sp(lay, r, group, self.ledger, B, doc_starts(rows, B, seq_len, x.device), cos, sin,
                 self.head_groups, self.attention, self.flash_block, form)
-        if self.tape == "laga":
-            return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
-                                       self.attention == "flash", self.flash_block),
-                               *[dict(self.named_parameters())[n] for n in param_order(cfg)])
-        pos = sp.pos[:, sp.own]
-        H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
-        q = query_latent = None
-        if cfg.q_lora_rank == 0:
-            q = self.wq(x)
-        else:
-            qn = self.q_norm(self.wq_a(x))
-            if q_latent:
-                query_latent = (qn, self.wq_b.weight)
+        # every flash call inside picks its kernel (dispatch.py), counted in the ledger
+        with dispatch.context(self.ledger, self.attention_kernel):
+            if self.tape == "laga":
+                return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
+                                           self.attention == "flash", self.flash_block,
+                                           self.attention_kernel),
+                                   *[W[n] for n in param_order(cfg)])
+            pos = sp.pos[:, sp.own]
+            H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
+            q = query_latent = None
+            if cfg.q_lora_rank == 0:
+                q = F.linear(x, W["wq.weight"])
             else:
-                q = self.wq_b(qn)
-        if q is not None:
-            q = q.view(B, L, H, dqk)
-            q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
-        kv = self.wkv_a(x)
-        c_kv = self.kv_norm(kv[..., :cfg.kv_lora_rank])
-        k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
-        o = mla_attention(form, q, c_kv, k_pe, self.wkv_b.weight, sp, cfg,
-                          q_latent=query_latent, overlap=overlap, check_ranks=False)
-        return self.wo(o)
+                qn = rms_norm(F.linear(x, W["wq_a.weight"]), W["q_norm.weight"], cfg.norm_eps)
+                if q_latent:
+                    query_latent = (qn, W["wq_b.weight"])
+                else:
+                    q = F.linear(qn, W["wq_b.weight"])
+            if q is not None:
+                q = q.view(B, L, H, dqk)
+                q = torch.cat([q[..., :dn], rope(q[..., dn:], sp, pos)], -1)
+            kv = F.linear(x, W["wkv_a.weight"])
+            c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], W["kv_norm.weight"], cfg.norm_eps)
+            k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
+            o = mla_attention(form, q, c_kv, k_pe, W["wkv_b.weight"], sp, cfg,
+                              q_latent=query_latent, overlap=overlap, check_ranks=False)
+            return F.linear(o, W["wo.weight"])
 
 
-    def _check_local(self, x, P, r, cu_seqlens, seq_len):
+    def _check_local(self, x, P, r, cu_seqlens, seq_len, W):
         """(S, B, cu_seqlens rows or None, layout) of this forward, or the
         ValueError / TypeError naming what is wrong with this rank's
         arguments."""
@@ -326,7 +381,7 @@ class MLA(nn.Module):
                                            f"{type(x).__name__}")
         if x.dim() != 3 or x.shape[2] != cfg.dim:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected (B, S_r, {cfg.dim})")
-        for name, p in self.named_parameters():
+        for name, p in W.items():
             if p.dtype != x.dtype or p.device != x.device:
                 raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
                                  f"{p.dtype} on {p.device}; move the module or the input")
@@ -365,7 +420,8 @@ class MLA(nn.Module):
         d = checks.describe
         f = {"form": d(f"{self.form} q_latent={self.q_latent} overlap={self.overlap} "
                        f"head_groups={self.head_groups} profile={self.profile}"),
-             "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block}"),
+             "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block} "
+                            f"kernel={self.attention_kernel}"),
              "config": d(self.cfg.to_json(), 4000),
              "module": d([[n, list(p.shape), str(p.dtype)] for n, p in self.named_parameters()],
                          4000),
@@ -430,10 +486,12 @@ class _Run:
     """What tape.Block needs beyond tensors: the config, this rank's Sp, the
     form's plans (labels as the C++ ledger's), query rows, heads and calls."""
 
-    def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64):
+    def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64,
+                 kernel="auto"):
         from .forms import _head_range, _query_rows
         self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
         self.flash, self.block = flash, block  # attention: flash (o, lse saved) or eager
+        self.kernel = kernel  # flash's kernel request (dispatch.py)
         self.names = param_order(cfg)
         self.spec = spec = FORMS[form]
         self.rows = _query_rows(sp, form)

@@ -44,8 +44,10 @@ full wkv_b at every step, wkv_b's gradient accumulated on the rank).
 
 import torch
 
-from .attention import (KeyRanges, _acc_dtype, _einsum_seen, _finite, first_order_only,
-                        flash_backward, flash_forward, math_backward)
+from .attention import KeyRanges, _acc_dtype, _einsum_seen, _finite, first_order_only, \
+    math_backward
+from . import dispatch
+from .dispatch import backward as flash_backward, forward as flash_forward
 from .comm import start_ring_shift
 
 
@@ -443,6 +445,7 @@ class RingAttention(torch.autograd.Function):
         ctx.sp, ctx.cfg, ctx.codec_type, ctx.overlap, ctx.flash, ctx.steps = \
             sp, cfg, codec_type, overlap, flash, steps
         ctx.save_for_backward(q, own, o, wkv_b, *saved)
+        ctx.dispatch = dispatch.current()
         return o
 
     @staticmethod
@@ -455,6 +458,7 @@ class RingAttention(torch.autograd.Function):
         stats = saved[4] if ctx.flash else dict(zip(ctx.steps, saved[4:]))
         sp = ctx.sp
         codec = ctx.codec_type(ctx.cfg, sp.batch, wkv_b)
-        dq, d_own = ring_backward(sp, codec, q, own, o, stats, do.contiguous(), ctx.flash,
-                                  sp.flash_block, ctx.overlap, ctx.cfg.softmax_scale())
+        with dispatch.context(*ctx.dispatch):
+            dq, d_own = ring_backward(sp, codec, q, own, o, stats, do.contiguous(), ctx.flash,
+                                      sp.flash_block, ctx.overlap, ctx.cfg.softmax_scale())
         return dq, d_own, codec.d_wkv, None, None, None, None

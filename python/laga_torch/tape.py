@@ -39,8 +39,9 @@ type), where the closed form counts bf16's 2 bytes.
 
 import torch
 
-from .attention import (_acc_dtype, first_order_only, flash_backward, flash_forward,
-                        math_backward, math_forward)
+from .attention import _acc_dtype, first_order_only, math_backward, math_forward
+from . import dispatch
+from .dispatch import backward as flash_backward, forward as flash_forward
 from . import fused
 from .comm import _unpack_add, move
 from .forms import Attends, Keys
@@ -248,6 +249,11 @@ class Block(torch.autograd.Function):
                       "MLA(..., tape='autograd') with attention 'eager' or 'flash' and a form "
                       "without a ring (explicit, absorbed, laga, laga2d or allgather_kv)")
     def backward(ctx, dout):
+        with dispatch.context(ctx.run.sp.ledger, ctx.run.kernel):
+            return Block._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         run = ctx.run
         cfg, sp, form = run.cfg, run.sp, run.form
         saved = ctx.saved_tensors
