@@ -188,9 +188,14 @@ std::optional<MoeConfig> MoeConfig::from_json(const json& j, const std::string& 
     c.norm_topk_prob = c.scoring_func == ScoreFunc::sigmoid && c.num_experts_per_tok > 1;
     // Gate.__init__: `self.bias = nn.Parameter(...) if self.dim == 7168 else None`;
     // without one, a group scores its amax (Gate.forward).
+    // laga's own key "topk_method" (as in Hugging Face's configs) says it
+    // outright: a ModelArgs config for a small model trained with the bias
+    // balancing (bias_update_speed) needs noaux_tc at any dim.
     std::int64_t dim = 2048;  // ModelArgs.dim's default
     read_config_key(j, "dim", dim, source);
-    c.topk_method = dim == 7168      ? TopkMethod::noaux_tc
+    const std::string method = read_string(j, "topk_method", "", source);
+    c.topk_method = !method.empty()  ? parse_topk_method(method, source)
+                    : dim == 7168    ? TopkMethod::noaux_tc
                     : c.n_group == 1 ? TopkMethod::greedy
                                      : TopkMethod::group_limited_greedy;
   }

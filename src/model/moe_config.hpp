@@ -86,7 +86,8 @@ struct MoeConfig {
   //   normalises sigmoid weights and never softmax ones (norm_topk_prob =
   //   sigmoid), and has a bias when dim is 7168 (`self.bias = ... if
   //   self.dim == 7168 else None`): noaux_tc then, else greedy (one group)
-  //   or group_limited_greedy (its amax group score).
+  //   or group_limited_greedy (its amax group score), unless the config
+  //   names its topk_method (laga's key there, as in Hugging Face's).
   //   Hugging Face's V2 gate (topk_method greedy or group_limited_greedy,
   //   softmax only) multiplies by routed_scaling_factor only when it does
   //   not normalise (`if top_k > 1 and norm_topk_prob: w /= sum; else: w *=

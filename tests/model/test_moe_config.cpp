@@ -291,6 +291,8 @@ TEST(MoeConfig, ModelArgsDefaultsAndRefusals) {
   EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::group_limited_greedy);
   j["dim"] = 7168;
   EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::noaux_tc);
+  j["dim"] = 64, j["topk_method"] = "noaux_tc";  // laga's key says it at any dim
+  EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::noaux_tc);
   j = minimal;
   j.erase("moe_inter_dim");
   EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "missing 'moe_inter_dim'"));
