@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""DeepSeek-V3's MoE layer in PyTorch autograd, float64: the independent
+"""DeepSeek-V3's (and V2's) MoE layer in PyTorch autograd, float64: the independent
 reference the C++ layer (src/model/moe.cpp) is compared with
 (tests/model/test_moe.cpp, `MoeTorchReference`).
 
@@ -12,7 +12,9 @@ experts filled with -inf); the k best biased scores pick the experts; the
 weights are the UNBIASED scores gathered there, divided by their sum when
 normalised, times routed_scaling_factor; each selected expert's SwiGLU
 w2(silu(w1 x) * w3 x) weighted and added, plus the shared experts' SwiGLU.
-The backward is autograd's (the selection is piecewise constant).
+The backward is autograd's (the selection is piecewise constant). The v2_*
+cases use DeepSeek-V2's gate instead (`gate_v2`: softmax, no bias, groups
+scored by their maximum), written from Hugging Face's DeepSeek-V2 MoEGate.
 
     torch_reference_moe.py --out DIR [--check]
 
@@ -33,15 +35,30 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import safetensors_io  # noqa: E402
 
+V3 = dict(scoring_func="sigmoid", topk_method="noaux_tc")
 CASES = {
     # E, k, I, shared, n_group, topk_group, scale, norm, N, D
     "grouped": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8,
                     n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                    norm_topk_prob=True, tokens=24, dim=16),
+                    norm_topk_prob=True, tokens=24, dim=16, **V3),
     "ungrouped_unnormalised": dict(n_routed_experts=6, num_experts_per_tok=2,
                                    moe_intermediate_size=5, n_shared_experts=0, n_group=1,
                                    topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False,
-                                   tokens=24, dim=16),
+                                   tokens=24, dim=16, **V3),
+    # DeepSeek-V2's gates (softmax, no bias): V2's group_limited_greedy, whose
+    # groups score their maximum, and V2-Lite's greedy, normalised or not.
+    "v2_grouped": dict(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=6,
+                       n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=16.0,
+                       norm_topk_prob=False, tokens=40, dim=16, scoring_func="softmax",
+                       topk_method="group_limited_greedy"),
+    "v2_greedy": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=5,
+                      n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+                      norm_topk_prob=False, tokens=24, dim=16, scoring_func="softmax",
+                      topk_method="greedy"),
+    "v2_greedy_normalised": dict(n_routed_experts=8, num_experts_per_tok=3,
+                                 moe_intermediate_size=5, n_shared_experts=0, n_group=1,
+                                 topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True,
+                                 tokens=24, dim=16, scoring_func="softmax", topk_method="greedy"),
 }
 
 
@@ -65,7 +82,10 @@ def swiglu(x, w1, w2, w3):
 
 
 def gate(c, x, weight, bias):
-    """(weights (N, k), indices (N, k)), DeepSeek's Gate.forward."""
+    """(weights (N, k), indices (N, k)): DeepSeek-V3's Gate.forward, or for
+    the V2 cases Hugging Face's DeepSeek-V2 MoEGate.forward."""
+    if c["topk_method"] != "noaux_tc":
+        return gate_v2(c, x, weight)
     scores = torch.sigmoid(F.linear(x, weight))
     original = scores
     scores = scores + bias  # selection only
@@ -81,6 +101,32 @@ def gate(c, x, weight, bias):
     if c["norm_topk_prob"]:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * c["routed_scaling_factor"], indices
+
+
+def gate_v2(c, x, weight):
+    """DeepSeek-V2's MoEGate (modeling_deepseek.py): softmax scores in
+    float32 there (float64 here); greedy: top-k of all experts;
+    group_limited_greedy: a group scores its max, the topk_group best groups'
+    experts stay (the others' scores 0.0, below every softmax score); then
+    normalised by the sum when top_k > 1 and norm_topk_prob, else scaled."""
+    scores = F.linear(x, weight).softmax(dim=-1)
+    k = c["num_experts_per_tok"]
+    if c["topk_method"] == "greedy":
+        weights, indices = torch.topk(scores, k=k, dim=-1, sorted=True)
+    else:
+        G = c["n_group"]
+        group_scores = scores.view(x.size(0), G, -1).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=c["topk_group"], dim=-1, sorted=True)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(x.size(0), G, scores.size(-1) // G).reshape(
+            x.size(0), -1)
+        tmp = scores.masked_fill(~score_mask.bool(), 0.0)
+        weights, indices = torch.topk(tmp, k=k, dim=-1, sorted=True)
+    if k > 1 and c["norm_topk_prob"]:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = weights * c["routed_scaling_factor"]
+    return weights, indices
 
 
 def moe(c, x, p):
@@ -110,6 +156,8 @@ def make(c, seed):
     for n, shape in names(c).items():
         a = 0.6 if n == "gate.weight" else 0.1 if n == "gate.bias" else 1.5 / shape[-1] ** 0.5
         p[n] = uniform(shape, a).requires_grad_(n != "gate.bias")
+    if c["topk_method"] != "noaux_tc":  # V2's gate has no bias: laga reads zeros
+        p["gate.bias"] = torch.zeros_like(p["gate.bias"])
     x = uniform((N, D), 1.0).requires_grad_(True)
     dout = uniform((N, D), 1.0)
     return p, x, dout
@@ -126,15 +174,14 @@ def write(out_dir, name, c, seed):
         if n != "gate.bias":
             tensors["grad." + n] = t.grad.numpy()
     cfg = {k: v for k, v in c.items() if k not in ("tokens", "dim")}
-    cfg.update({"hidden_size": c["dim"], "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 0,
-                "moe_layer_freq": 1})
+    cfg.update({"hidden_size": c["dim"], "first_k_dense_replace": 0, "moe_layer_freq": 1})
     meta = {"config": json.dumps(cfg), "tokens": str(c["tokens"]), "dim": str(c["dim"]),
             "producer": f"python/torch_reference_moe.py (torch {torch.__version__}, float64)"}
     safetensors_io.save_file(tensors, os.path.join(out_dir, f"moe_{name}.safetensors"), meta)
 
 
-def gradcheck():
-    c = dict(CASES["grouped"], tokens=5, dim=6)
+def gradcheck(case="grouped"):
+    c = dict(CASES[case], tokens=5, dim=6)
     p, x, _ = make(c, 3)
     order = [n for n in p if n != "gate.bias"]
 
@@ -158,6 +205,7 @@ def main():
         write(a.out, name, c, 100 + i)
     if a.check:
         gradcheck()
+        gradcheck("v2_grouped")
     print(f"torch_reference_moe.py: wrote {len(CASES)} cases to {a.out}")
 
 

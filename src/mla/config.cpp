@@ -380,6 +380,10 @@ json parse_json_refusing_repeated_keys(const std::string& text, const std::strin
 }
 
 MlaConfig MlaConfig::from_json_file(const std::string& path) {
+  return from_json(read_config_json_file(path), "config '" + path + "'");
+}
+
+json read_config_json_file(const std::string& path) {
   // stat before opening: an ifstream on a FIFO with no writer blocks forever.
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -392,8 +396,7 @@ MlaConfig MlaConfig::from_json_file(const std::string& path) {
   std::ifstream in(path);
   LAGA_CHECK(in.good(), "cannot open config file '", path, "'; check its permissions");
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  const json j = parse_json_refusing_repeated_keys(text, "config file '" + path + "'");
-  return from_json(j, "config '" + path + "'");
+  return parse_json_refusing_repeated_keys(text, "config file '" + path + "'");
 }
 
 json MlaConfig::to_json() const {

@@ -23,6 +23,10 @@ namespace laga {
 // key 'k' appears twice in one object; ...". Used by the config and the
 // hardware-profile readers.
 nlohmann::json parse_json_refusing_repeated_keys(const std::string& text, const std::string& where);
+// A config file's JSON: the path vetted first (missing, a directory, a FIFO
+// or device: each its own message, and nothing blocks), then parsed with
+// parse_json_refusing_repeated_keys. What every --config reader starts from.
+nlohmann::json read_config_json_file(const std::string& path);
 
 // One key of a config JSON by the rules MlaConfig::from_json reads each of
 // its keys by: absent or null returns false and leaves `out` as it was; an

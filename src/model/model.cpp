@@ -158,6 +158,10 @@ void LmConfig::validate() const {
   LAGA_CHECK(bias_update_speed == 0 || moe, "model: bias_update_speed ", bias_update_speed,
              " steers the biases of MoE experts, but the model has none; set n_routed_experts "
              "(and the other MoE settings) or drop bias_update_speed");
+  LAGA_CHECK(bias_update_speed == 0 || !moe || moe->gate_has_bias(), "model: bias_update_speed ",
+             bias_update_speed, " steers the gate's bias, but topk_method '",
+             to_string(moe ? moe->topk_method : TopkMethod::noaux_tc),
+             "' (DeepSeek-V2's gate) has none; drop bias_update_speed or use noaux_tc");
 }
 
 nlohmann::json LmConfig::to_json() const {

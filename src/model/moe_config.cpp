@@ -14,6 +14,8 @@ const char* to_string(ScoreFunc f) {
   switch (f) {
     case ScoreFunc::sigmoid:
       return "sigmoid";
+    case ScoreFunc::softmax:
+      return "softmax";
   }
   return "?";
 }
@@ -22,6 +24,10 @@ const char* to_string(TopkMethod m) {
   switch (m) {
     case TopkMethod::noaux_tc:
       return "noaux_tc";
+    case TopkMethod::greedy:
+      return "greedy";
+    case TopkMethod::group_limited_greedy:
+      return "group_limited_greedy";
   }
   return "?";
 }
@@ -48,15 +54,21 @@ void MoeConfig::validate() const {
              "; the groups are equal slices of the experts: choose a divisor of ", E);
   LAGA_CHECK(topk_group >= 1 && topk_group <= n_group, "moe: topk_group (n_limited_groups) ",
              topk_group, " must be in [1, n_group = ", n_group, "]");
-  // A group's score is the sum of its two best biased scores (noaux_tc).
-  LAGA_CHECK(n_group == 1 || E / n_group >= 2, "moe: n_group ", n_group, " leaves ", E / n_group,
-             " expert per group; a group's score sums its top 2 experts, so each group needs at "
-             "least 2 (use n_group <= ",
+  // noaux_tc: a group's score is the sum of its two best biased scores.
+  LAGA_CHECK(topk_method != TopkMethod::noaux_tc || n_group == 1 || E / n_group >= 2,
+             "moe: n_group ", n_group, " leaves ", E / n_group,
+             " expert per group; a noaux_tc group's score sums its top 2 experts, so each group "
+             "needs at least 2 (use n_group <= ",
              E / 2, ", or 1 for no group limiting)");
-  LAGA_CHECK(k <= topk_group * (E / n_group), "moe: num_experts_per_tok (n_activated_experts) ", k,
-             " is more than the ", topk_group * (E / n_group),
-             " experts of the topk_group = ", topk_group, " groups a token may use (", E / n_group,
+  const std::int64_t G = selection_groups(), Gk = G == 1 ? 1 : topk_group;
+  LAGA_CHECK(k <= Gk * (E / G), "moe: num_experts_per_tok (n_activated_experts) ", k,
+             " is more than the ", Gk * (E / G), " experts of the topk_group = ", Gk,
+             " groups a token may use (", E / G,
              " per group); raise topk_group or lower num_experts_per_tok");
+  // The gates DeepSeek's code has: Hugging Face's V3 gate scores with sigmoid
+  // only, its V2 gates with softmax only; DeepSeek's Gate has any pairing
+  // (ModelArgs configs), so only the to_json/from_json round trip of a
+  // Hugging Face config is held to these.
   // It multiplies every routed expert's output: published models use 1 to 16
   // (DeepSeek-V2: 16, V3: 2.5). Far outside that the run does not fail here
   // but later, in the gate or the loss, blaming another tensor (1e300 died
@@ -90,10 +102,20 @@ std::string read_string(const json& j, const char* key, const std::string& fallb
 }
 
 ScoreFunc parse_score_func(const std::string& s, const char* key, const std::string& source) {
-  LAGA_CHECK(s == "sigmoid", source, ": ", key, " '", s,
-             "' is not implemented; laga's MoE is DeepSeek-V3's, whose scores are 'sigmoid' "
-             "(softmax is DeepSeek-V2's)");
-  return ScoreFunc::sigmoid;
+  if (s == "sigmoid") return ScoreFunc::sigmoid;
+  LAGA_CHECK(s == "softmax", source, ": ", key, " '", s,
+             "' is not implemented; DeepSeek's gates score with 'sigmoid' (V3) or 'softmax' (V2)");
+  return ScoreFunc::softmax;
+}
+
+TopkMethod parse_topk_method(const std::string& s, const std::string& source) {
+  for (const TopkMethod m :
+       {TopkMethod::noaux_tc, TopkMethod::greedy, TopkMethod::group_limited_greedy})
+    if (s == to_string(m)) return m;
+  fail(source, ": topk_method '", s,
+       "' is not implemented; DeepSeek's gates select with 'noaux_tc' (V3: top-k of the "
+       "bias-corrected sigmoid scores in the best groups), 'greedy' or 'group_limited_greedy' "
+       "(V2: top-k of the softmax scores, overall or in the groups of best maximum)");
 }
 
 }  // namespace
@@ -123,17 +145,24 @@ std::optional<MoeConfig> MoeConfig::from_json(const json& j, const std::string& 
                  "' (the MoE layer needs it; see docs/moe.md)");
     c.scoring_func =
         parse_score_func(read_string(j, "scoring_func", "", source), "scoring_func", source);
-    const std::string method = read_string(j, "topk_method", "", source);
-    LAGA_CHECK(method == "noaux_tc", source, ": topk_method '", method,
-               "' is not implemented; laga's MoE routes as DeepSeek-V3 does ('noaux_tc': "
-               "group-limited top-k on bias-corrected sigmoid scores)");
-    c.topk_method = TopkMethod::noaux_tc;
+    c.topk_method = parse_topk_method(read_string(j, "topk_method", "", source), source);
+    // Hugging Face's DeepSeek gates: V3's (noaux_tc) is sigmoid's, V2's
+    // (greedy, group_limited_greedy) softmax's; each raises on the other.
+    const ScoreFunc gate_scores =
+        c.topk_method == TopkMethod::noaux_tc ? ScoreFunc::sigmoid : ScoreFunc::softmax;
+    LAGA_CHECK(c.scoring_func == gate_scores, source, ": scoring_func '", to_string(c.scoring_func),
+               "' with topk_method '", to_string(c.topk_method),
+               "': Hugging Face's DeepSeek gate for ", to_string(c.topk_method), " scores with '",
+               to_string(gate_scores), "' only; set scoring_func to '", to_string(gate_scores),
+               "', or give the config in DeepSeek's ModelArgs names, whose Gate takes any pairing");
     const auto norm = j.find("norm_topk_prob");
     LAGA_CHECK(norm != j.end() && !norm->is_null(), source,
                ": missing 'norm_topk_prob' (the MoE layer needs it; see docs/moe.md)");
     LAGA_CHECK(norm->is_boolean(), source, ": 'norm_topk_prob' must be true or false, got ",
                norm->dump());
     c.norm_topk_prob = norm->get<bool>() && c.num_experts_per_tok > 1;
+    // V2's gate scales only what it does not normalise.
+    if (c.norm_topk_prob && c.topk_method != TopkMethod::noaux_tc) c.routed_scaling_factor = 1.0;
     std::int64_t freq = 1;
     read_config_key(j, "moe_layer_freq", freq, source);
     LAGA_CHECK(freq == 1, source, ": moe_layer_freq ", freq,
@@ -155,7 +184,20 @@ std::optional<MoeConfig> MoeConfig::from_json(const json& j, const std::string& 
     read_config_key(j, "n_dense_layers", c.first_k_dense_replace, source);
     c.scoring_func =
         parse_score_func(read_string(j, "score_func", "softmax", source), "score_func", source);
-    c.norm_topk_prob = true;  // Gate.forward: sigmoid weights /= their sum
+    // Gate.forward: `if self.score_func == "sigmoid": weights /= weights.sum(...)`.
+    c.norm_topk_prob = c.scoring_func == ScoreFunc::sigmoid && c.num_experts_per_tok > 1;
+    // Gate.__init__: `self.bias = nn.Parameter(...) if self.dim == 7168 else None`;
+    // without one, a group scores its amax (Gate.forward).
+    // laga's own key "topk_method" (as in Hugging Face's configs) says it
+    // outright: a ModelArgs config for a small model trained with the bias
+    // balancing (bias_update_speed) needs noaux_tc at any dim.
+    std::int64_t dim = 2048;  // ModelArgs.dim's default
+    read_config_key(j, "dim", dim, source);
+    const std::string method = read_string(j, "topk_method", "", source);
+    c.topk_method = !method.empty()  ? parse_topk_method(method, source)
+                    : dim == 7168    ? TopkMethod::noaux_tc
+                    : c.n_group == 1 ? TopkMethod::greedy
+                                     : TopkMethod::group_limited_greedy;
   }
   try {
     c.validate();

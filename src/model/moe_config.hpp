@@ -9,12 +9,15 @@
 //   G    n_group                 (n_expert_groups)      expert groups
 //   Gk   topk_group              (n_limited_groups)     groups a token may use
 //   c    routed_scaling_factor   (route_scale)          scale of the routed weights
-//        scoring_func            (score_func)           sigmoid only (V3)
-//        topk_method                                    noaux_tc only (V3)
+//        scoring_func            (score_func)           sigmoid (V3) or softmax (V2)
+//        topk_method             (the gate's bias)      noaux_tc (V3: a bias), greedy or
+//                                                       group_limited_greedy (V2: none)
 //        norm_topk_prob          (sigmoid implies it)   weights normalised to sum 1
 //        first_k_dense_replace   (n_dense_layers)       leading layers with a dense FFN
 //
 // DeepSeek-V3 671B: E 256, k 8, I 2048, Ns 1, G 8, Gk 4, c 2.5, 3 dense layers.
+// DeepSeek-V2 236B: E 160, k 6, I 1536, Ns 2, G 8, Gk 3, c 16, softmax,
+//   group_limited_greedy, not normalised, 1 dense layer (V2-Lite: E 64, greedy).
 #pragma once
 
 #include <cstdint>
@@ -25,11 +28,21 @@
 
 namespace laga {
 
-// How gate logits become scores. DeepSeek-V2's softmax is not implemented.
-enum class ScoreFunc { sigmoid };
-// How experts are selected: noaux_tc is V3's group-limited top-k on the
-// bias-corrected scores (the bias steered by the aux-loss-free balancing).
-enum class TopkMethod { noaux_tc };
+// How gate logits become scores s (N, E): sigmoid(z) each (V3), or the
+// softmax of the token's E logits (V2; DeepSeek's Gate with score_func
+// "softmax").
+enum class ScoreFunc { sigmoid, softmax };
+// How experts are selected (docs/moe.md, "The gate"), the three rules of
+// DeepSeek's code:
+//   noaux_tc  the gate has a bias (e_score_correction_bias, steered by the
+//             aux-loss-free balancing): top-k of s + bias; a group scores
+//             the sum of its two best biased scores (V3, Gate with a bias).
+//   greedy    no bias, no groups: top-k of s (V2-Lite; groups, if the config
+//             names any, are ignored, as HF's V2 gate ignores them).
+//   group_limited_greedy  no bias: a group scores its best s, the topk_group
+//             best groups stay, top-k of their s (V2; DeepSeek's Gate
+//             without a bias scores a group by its amax: the same rule).
+enum class TopkMethod { noaux_tc, greedy, group_limited_greedy };
 
 const char* to_string(ScoreFunc f);
 const char* to_string(TopkMethod m);
@@ -48,6 +61,10 @@ struct MoeConfig {
   std::int64_t first_k_dense_replace = 0;
 
   std::int64_t experts_per_group() const { return n_routed_experts / n_group; }
+  // Whether selection adds the gate's bias (and the balancing may move it).
+  bool gate_has_bias() const { return topk_method == TopkMethod::noaux_tc; }
+  // The groups selection sees: greedy ignores them.
+  std::int64_t selection_groups() const { return topk_method == TopkMethod::greedy ? 1 : n_group; }
   std::int64_t shared_intermediate_size() const { return n_shared_experts * moe_intermediate_size; }
 
   // Throws laga::Error naming the first bad field (both of its names) and the fix.
@@ -65,11 +82,19 @@ struct MoeConfig {
   //   normalisation at k = 1 (`top_k > 1 and norm_topk_prob`): read as that.
   //   ModelArgs: n_routed_experts, n_activated_experts and moe_inter_dim
   //   must be given; the rest take ModelArgs' defaults (the one class that
-  //   reads these names). Its default score_func is softmax, so a ModelArgs
-  //   MoE without "score_func": "sigmoid" is refused; sigmoid weights are
-  //   always normalised there (norm_topk_prob true).
-  // Refused as not implemented rather than ignored: softmax scores,
-  // topk_method other than noaux_tc, moe_layer_freq != 1.
+  //   reads these names). Its default score_func is softmax. DeepSeek's Gate
+  //   normalises sigmoid weights and never softmax ones (norm_topk_prob =
+  //   sigmoid), and has a bias when dim is 7168 (`self.bias = ... if
+  //   self.dim == 7168 else None`): noaux_tc then, else greedy (one group)
+  //   or group_limited_greedy (its amax group score), unless the config
+  //   names its topk_method (laga's key there, as in Hugging Face's).
+  //   Hugging Face's V2 gate (topk_method greedy or group_limited_greedy,
+  //   softmax only) multiplies by routed_scaling_factor only when it does
+  //   not normalise (`if top_k > 1 and norm_topk_prob: w /= sum; else: w *=
+  //   scale`): read with norm_topk_prob, its scale is 1. Its V3 gate
+  //   (noaux_tc) scores with sigmoid only.
+  // Refused as not implemented rather than ignored: a scoring_func that
+  // topk_method's gate does not have, other topk methods, moe_layer_freq != 1.
   static std::optional<MoeConfig> from_json(const nlohmann::json& j,
                                             const std::string& source = "config");
   nlohmann::json to_json() const;  // Hugging Face names

@@ -16,6 +16,21 @@ inline double sigmoid(double z) {
   return 1.0 / (1.0 + std::exp(-z));
 }
 
+// s (E) from one token's logits z (E), in double whatever T is. Softmax
+// subtracts the largest logit first (exp never overflows; the largest term
+// is 1, so the sum is in [1, E]).
+template <class T>
+void scores(ScoreFunc f, const T* z, std::int64_t E, double* s) {
+  if (f == ScoreFunc::sigmoid) {
+    for (std::int64_t e = 0; e < E; ++e) s[e] = sigmoid(double(z[e]));
+    return;
+  }
+  double m = -INFINITY, sum = 0.0;
+  for (std::int64_t e = 0; e < E; ++e) m = std::max(m, double(z[e]));
+  for (std::int64_t e = 0; e < E; ++e) sum += s[e] = std::exp(double(z[e]) - m);
+  for (std::int64_t e = 0; e < E; ++e) s[e] /= sum;
+}
+
 // The one ranking of the gate: larger first, of equals the lower index.
 inline bool ranks_before(double va, std::int64_t a, double vb, std::int64_t b) {
   return va > vb || (va == vb && a < b);
@@ -26,14 +41,21 @@ inline bool ranks_before(double va, std::int64_t a, double vb, std::int64_t b) {
 template <class T>
 Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int64_t N) {
   cfg.validate();
-  const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok, G = cfg.n_group,
-                     per = cfg.experts_per_group(), Gk = cfg.topk_group;
+  const std::int64_t E = cfg.n_routed_experts, k = cfg.num_experts_per_tok,
+                     G = cfg.selection_groups(), per = E / G, Gk = G == 1 ? 1 : cfg.topk_group;
+  const bool use_bias = bias && cfg.gate_has_bias(),
+             top_two = cfg.topk_method == TopkMethod::noaux_tc;
   LAGA_CHECK(N >= 0, "route: N must be >= 0, got ", N);
   // Refused before the parallel loop (no exception may leave it): a NaN has
   // no rank, so its selection would depend on the sort's internals.
-  for (std::int64_t e = 0; bias && e < E; ++e)
+  for (std::int64_t e = 0; bias && e < E; ++e) {
     LAGA_CHECK(std::isfinite(double(bias[e])), "route: e_score_correction_bias[", e, "] is ",
                double(bias[e]), "; the gate's bias must be finite");
+    // A gate without a bias (V2's) would ignore it: refused, not dropped.
+    LAGA_CHECK(cfg.gate_has_bias() || bias[e] == T(0), "route: e_score_correction_bias[", e,
+               "] is ", double(bias[e]), " but topk_method '", to_string(cfg.topk_method),
+               "' has no bias (only noaux_tc's gate adds one); drop the bias or use noaux_tc");
+  }
   for (std::int64_t i = 0; i < N * E; ++i)
     LAGA_CHECK(std::isfinite(double(logits[i])), "route: gate logit of token ", i / E, ", expert ",
                i % E, " is ", double(logits[i]), "; the gate's input or weight is not finite");
@@ -42,6 +64,7 @@ Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int6
   r.expert.resize(size_t(N * k));
   r.weight.resize(size_t(N * k));
   r.score.resize(size_t(N * k));
+  if (cfg.scoring_func == ScoreFunc::softmax) r.prob.resize(size_t(N * E));
 #pragma omp parallel
   {
     std::vector<double> s(static_cast<size_t>(E)), biased(static_cast<size_t>(E)),
@@ -50,12 +73,12 @@ Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int6
     std::vector<char> kept(static_cast<size_t>(G));
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < N; ++t) {
-      for (std::int64_t e = 0; e < E; ++e) {
-        s[size_t(e)] = sigmoid(double(logits[t * E + e]));
-        biased[size_t(e)] = s[size_t(e)] + (bias ? double(bias[e]) : 0.0);
-      }
-      // Group limiting: a group's score is the sum of its two best biased
-      // scores; only the topk_group best groups' experts may be chosen.
+      scores(cfg.scoring_func, logits + t * E, E, s.data());
+      for (std::int64_t e = 0; e < E; ++e)
+        biased[size_t(e)] = s[size_t(e)] + (use_bias ? double(bias[e]) : 0.0);
+      // Group limiting: only the topk_group best groups' experts may be
+      // chosen. A group scores the sum of its two best biased scores
+      // (noaux_tc) or its best score (group_limited_greedy).
       std::fill(kept.begin(), kept.end(), char(1));
       if (G > 1) {
         for (std::int64_t q = 0; q < G; ++q) {
@@ -69,7 +92,7 @@ Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int6
               m2 = v;
             }
           }
-          group[size_t(q)] = m1 + m2;
+          group[size_t(q)] = top_two ? m1 + m2 : m1;
         }
         std::iota(order.begin(), order.begin() + G, std::int64_t{0});
         std::partial_sort(order.begin(), order.begin() + Gk, order.begin() + G,
@@ -91,6 +114,7 @@ Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int6
       double sum = 0.0;
       for (std::int64_t j = 0; j < k; ++j) sum += s[size_t(order[size_t(j)])];
       const double scale = cfg.routed_scaling_factor / (cfg.norm_topk_prob ? sum : 1.0);
+      if (!r.prob.empty()) std::copy(s.begin(), s.end(), r.prob.begin() + t * E);
       for (std::int64_t j = 0; j < k; ++j) {
         const std::int64_t e = order[size_t(j)];
         r.expert[size_t(t * k + j)] = std::int32_t(e);
@@ -104,8 +128,9 @@ Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int6
       double sum = 0.0;
       for (std::int64_t j = 0; j < k; ++j) sum += r.score[size_t(t * k + j)];
       LAGA_CHECK(sum > 0, "route: token ", t,
-                 ": every selected expert's score underflows to 0 (gate logits below -745), so "
-                 "the weights' normalisation divides by 0; the gate's input is far out of range");
+                 ": every selected expert's score underflows to 0 (gate logits below -745, or "
+                 "745 below the token's best under softmax), so the weights' normalisation "
+                 "divides by 0; the gate's input is far out of range");
     }
   return r;
 }
@@ -114,6 +139,9 @@ template <class T>
 std::vector<T> route_backward(const MoeConfig& cfg, const Routing<T>& r, const T* dweight) {
   const std::int64_t N = r.tokens, k = r.top_k, E = r.experts;
   const double c = cfg.routed_scaling_factor;
+  const bool softmax = cfg.scoring_func == ScoreFunc::softmax;
+  LAGA_CHECK(!softmax || r.prob.size() == size_t(N * E),
+             "internal: a softmax routing without its probabilities");
   std::vector<T> dlogits(size_t(N * E), T(0));
 #pragma omp parallel for schedule(static)
   for (std::int64_t t = 0; t < N; ++t) {
@@ -124,12 +152,25 @@ std::vector<T> route_backward(const MoeConfig& cfg, const Routing<T>& r, const T
       S += s[j];
       dot += double(dw[j]) * s[j];
     }
+    // Softmax: every score depends on every logit, dz_i = p_i (g_i - gp) with
+    // g = ds (non-zero on the selection only) and gp = sum_j ds_j p_j, so the
+    // unselected experts' logits get -p_i gp. Normalised, w_j = c p_j / sum
+    // of the selected p = c e^z_j / sum of their e^z: the softmax's
+    // denominator cancels and gp is 0 (in exact arithmetic; taken so, not as
+    // its rounding residue): only the selected logits get a gradient.
+    double gp = 0.0;
+    if (softmax) {
+      for (std::int64_t j = 0; !cfg.norm_topk_prob && j < k; ++j) gp += c * double(dw[j]) * s[j];
+      const double* p = r.prob.data() + t * E;
+      for (std::int64_t e = 0; e < E; ++e) dlogits[size_t(t * E + e)] = static_cast<T>(-p[e] * gp);
+    }
     for (std::int64_t j = 0; j < k; ++j) {
       // w_j = c s_j / S: dw_j reaches s_j directly (c / S) and through S
       // (-c s_j / S^2 summed over j, the same for every i).
       const double ds = cfg.norm_topk_prob ? c * (double(dw[j]) - dot / S) / S : c * double(dw[j]);
+      // ds/dz: sigmoid's s (1 - s); softmax's p_j (ds_j - gp), gp below.
       dlogits[size_t(t * E + r.expert[size_t(t * k + j)])] =
-          static_cast<T>(ds * s[j] * (1.0 - s[j]));
+          static_cast<T>(softmax ? s[j] * (ds - gp) : ds * s[j] * (1.0 - s[j]));
     }
   }
   return dlogits;

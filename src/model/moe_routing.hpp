@@ -1,11 +1,13 @@
-// DeepSeek-V3's gate (inference/model.py `Gate`, HF `MoEGate` with
-// topk_method noaux_tc) on N tokens' logits z = x W_g^T (N, E), and the
-// permutation that groups the routed token copies by expert (the order an
-// expert-parallel all_to_all_v will send them in).
+// DeepSeek's gates (inference/model.py `Gate`; HF `MoEGate`: V3's noaux_tc,
+// V2's greedy and group_limited_greedy; MoeConfig names the three) on N
+// tokens' logits z = x W_g^T (N, E), and the permutation that groups the
+// routed token copies by expert (the order an expert-parallel all_to_all_v
+// will send them in).
 //
-//   s     = sigmoid(z)                                    (N, E) scores
-//   b     = s + bias                                      biased: selection only
-//   g_q   = sum of the 2 largest b in group q             (N, G) groups: E/G experts each
+//   s     = sigmoid(z), or softmax(z) over the E experts  (N, E) scores
+//   b     = s + bias (noaux_tc), s (V2's gates)           biased: selection only
+//   g_q   = sum of the 2 largest b in group q (noaux_tc)  (N, G) groups: E/G experts each
+//           the largest b in group q (group_limited_greedy); greedy: no groups
 //   keep the topk_group groups of largest g; the other groups' experts are
 //   excluded (DeepSeek's -inf fill; see docs/moe.md for HF's 0.0 fill)
 //   K     = the k kept experts of largest b               (N, k) expert ids
@@ -20,7 +22,8 @@
 // fixed; the bias gets none (it is steered by update_expert_bias instead):
 //   ds_i = c (dw_i - sum_j dw_j s_Kj / S) / S,  S = sum_j s_Kj   (norm)
 //   ds_i = c dw_i                                               (otherwise)
-//   dz_i = ds_i s_i (1 - s_i)      for i in K, 0 for every other expert.
+//   dz_i = ds_i s_i (1 - s_i)      for i in K, 0 for every other expert (sigmoid)
+//   dz_i = s_i (ds_i - sum_j ds_Kj s_Kj)  for every i, ds_i = 0 off K  (softmax)
 #pragma once
 
 #include <cstdint>
@@ -36,10 +39,12 @@ struct Routing {
   std::vector<std::int32_t> expert;  // (N, k) selected ids, best biased score first
   std::vector<T> weight;             // (N, k) w
   std::vector<double> score;         // (N, k) s of the selected experts (backward's S and s(1-s))
+  std::vector<double> prob;          // (N, E) every s under softmax (its dz is dense), else empty
 };
 
 // logits (N, E), bias (E) or null (all zero). Throws laga::Error on a
-// non-finite logit or bias (naming the token and expert).
+// non-finite logit or bias (naming the token and expert), and on a non-zero
+// bias for a gate that has none (greedy, group_limited_greedy).
 template <class T>
 Routing<T> route(const MoeConfig& cfg, const T* logits, const T* bias, std::int64_t N);
 

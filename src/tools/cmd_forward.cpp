@@ -12,6 +12,8 @@
 #include "core/precision.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
+#include "mla/config.hpp"
+#include "model/moe_config.hpp"
 #include "tools/block_job.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -168,6 +170,15 @@ void run_forward(const ForwardOptions& o) {
               << ", " << o.dtype << ", sp " << o.sp << " (" << layout.describe() << "), comm "
               << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
+  // A config's MoE keys are read (and so validated), never passed over in
+  // silence: forward runs the attention block, and says where the MoE runs.
+  if (!o.model.config_path.empty())
+    if (const std::optional<MoeConfig> moe =
+            MoeConfig::from_json(read_config_json_file(o.model.config_path), o.model.source());
+        moe && report)
+      std::cerr << "laga forward: note: the config's MoE (" << moe->summary()
+                << ") is not run here: forward runs the attention block; `laga moe` runs one "
+                   "MoE layer on given weights\n";
   const auto t0 = std::chrono::steady_clock::now();
   BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
   const double ms =

@@ -466,6 +466,7 @@ TEST(ModelMoe, ConfigFromBothFormats) {
                                {"n_limited_groups", 1},
                                {"route_scale", 1.5},
                                {"score_func", "sigmoid"},
+                               {"topk_method", "noaux_tc"},  // a bias at dim 24 (laga's key)
                                {"n_dense_layers", 1},
                                {"bias_update_speed", 0.25}};
   const LmConfig a = LmConfig::from_json(hf), b = LmConfig::from_json(args);

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -52,17 +53,28 @@ struct RefRoute {
 // One token's routing by whole-vector stable sorts (ties keep the lower index).
 RefRoute ref_route(const MoeConfig& c, const std::vector<double>& z,
                    const std::vector<double>& bias) {
-  const int E = int(c.n_routed_experts), G = int(c.n_group), per = E / G,
+  // DeepSeek's three gates (model.py Gate; HF MoEGate's noaux_tc, greedy,
+  // group_limited_greedy), written from their code, not from route()'s.
+  const bool greedy = c.topk_method == TopkMethod::greedy,
+             biased = c.topk_method == TopkMethod::noaux_tc;
+  const int E = int(c.n_routed_experts), G = greedy ? 1 : int(c.n_group), per = E / G,
             k = int(c.num_experts_per_tok);
   std::vector<double> s(E), b(E);
-  for (int e = 0; e < E; ++e) s[e] = sig(z[e]), b[e] = s[e] + bias[e];
+  if (c.scoring_func == ScoreFunc::softmax) {
+    double sum = 0;
+    for (int e = 0; e < E; ++e) sum += std::exp(z[e]);
+    for (int e = 0; e < E; ++e) s[e] = std::exp(z[e]) / sum;
+  } else {
+    for (int e = 0; e < E; ++e) s[e] = sig(z[e]);
+  }
+  for (int e = 0; e < E; ++e) b[e] = s[e] + (biased ? bias[e] : 0.0);
   std::vector<bool> allowed(E, true);
   if (G > 1) {
     std::vector<double> gs(G);
     for (int q = 0; q < G; ++q) {
       std::vector<double> v(b.begin() + q * per, b.begin() + (q + 1) * per);
       std::sort(v.begin(), v.end(), std::greater<>());
-      gs[q] = v[0] + v[1];
+      gs[q] = biased ? v[0] + v[1] : v[0];  // top-2 sum with a bias, amax without
     }
     std::vector<int> gi(G);
     std::iota(gi.begin(), gi.end(), 0);
@@ -249,10 +261,17 @@ TEST(MoeRouting, MatchesReference) {
   c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
   c.routed_scaling_factor = 2.5;
   const int N = 64, E = 16, k = 4;
-  for (const bool norm : {true, false}) {
-    c.norm_topk_prob = norm;
+  for (const auto& [scores, method, norm] :
+       {std::tuple{ScoreFunc::sigmoid, TopkMethod::noaux_tc, true},
+        std::tuple{ScoreFunc::sigmoid, TopkMethod::noaux_tc, false},
+        std::tuple{ScoreFunc::softmax, TopkMethod::greedy, false},
+        std::tuple{ScoreFunc::softmax, TopkMethod::greedy, true},
+        std::tuple{ScoreFunc::softmax, TopkMethod::group_limited_greedy, false},
+        std::tuple{ScoreFunc::sigmoid, TopkMethod::group_limited_greedy, true}}) {
+    c.scoring_func = scores, c.topk_method = method, c.norm_topk_prob = norm;
+    const bool biased = method == TopkMethod::noaux_tc;
     const auto zf = test::random_vector<float>(N * E, 11, -3, 3);
-    const auto bf = test::random_vector<float>(E, 12, -0.2, 0.2);
+    const auto bf = biased ? test::random_vector<float>(E, 12, -0.2, 0.2) : std::vector<float>(E);
     const auto zd = test::convert<double>(zf), bd = test::convert<double>(bf);
     const Routing<double> rd = route(c, zd.data(), bd.data(), N);
     const Routing<float> rf = route(c, zf.data(), bf.data(), N);
@@ -380,6 +399,78 @@ TEST(MoeRouting, BackwardFiniteDifferences) {
     EXPECT_TRUE(gc.run(loss)) << (norm ? "normalised" : "unnormalised");
     EXPECT_EQ(moved, 0)
         << "a finite-difference step changed the selection: the inputs sit on a tie";
+  }
+}
+
+// The V2 gates: softmax scores over all E experts, so dz is dense.
+TEST(MoeRouting, SoftmaxBackwardFiniteDifferences) {
+  MoeConfig c;
+  c.n_routed_experts = 16, c.num_experts_per_tok = 4, c.n_group = 4, c.topk_group = 2;
+  c.scoring_func = ScoreFunc::softmax, c.routed_scaling_factor = 16;
+  const int N = 6, E = 16, k = 4;
+  for (const TopkMethod m : {TopkMethod::greedy, TopkMethod::group_limited_greedy})
+    for (const bool norm : {true, false}) {
+      c.topk_method = m, c.norm_topk_prob = norm;
+      auto z = test::random_vector<double>(N * E, 34, -3, 3);
+      const auto G = test::random_vector<double>(N * k, 35);
+      const Routing<double> r0 = route(c, z.data(), static_cast<const double*>(nullptr), N);
+      const std::vector<double> dz = route_backward(c, r0, G.data());
+      int moved = 0, zeros = 0;
+      for (const double v : dz) zeros += v == 0.0;
+      // Unnormalised, every logit moves the selected p's; normalised, p_j / sum
+      // of the selected p is exp(z_j) / sum of their exp(z): the others' dz is 0.
+      EXPECT_EQ(zeros, norm ? N * (E - k) : 0);
+      auto loss = [&] {
+        const Routing<double> r = route(c, z.data(), static_cast<const double*>(nullptr), N);
+        if (r.expert != r0.expert) ++moved;
+        return test::dot(r.weight.data(), G.data(), N * k);
+      };
+      test::GradientCheck gc;
+      gc.add("logits", z.data(), dz.data(), {N, E});
+      EXPECT_TRUE(gc.run(loss)) << to_string(m) << (norm ? " normalised" : " unnormalised");
+      EXPECT_EQ(moved, 0);
+    }
+}
+
+// DeepSeek's Gate scores a group by its amax when it has no bias, by the sum
+// of its top two only with one: on this token the two rules keep different
+// groups (the rule laga had for every gate picked experts 2, 3 here).
+TEST(MoeRouting, BiaslessGroupsScoreTheirBest) {
+  MoeConfig c;
+  c.n_routed_experts = 8, c.num_experts_per_tok = 2, c.n_group = 4, c.topk_group = 2;
+  c.scoring_func = ScoreFunc::softmax, c.topk_method = TopkMethod::group_limited_greedy;
+  c.norm_topk_prob = false, c.routed_scaling_factor = 16;
+  const std::vector<double> z{4, -4, 1, 1, 0.5, 0.5, -1, -1};
+  // Group maxima: 0 (e^4), then 1 (e^1): experts 0 and 2 (2 before 3: ties
+  // go to the lower index).
+  const Routing<double> r = route(c, z.data(), static_cast<const double*>(nullptr), 1);
+  EXPECT_EQ(r.expert, (std::vector<std::int32_t>{0, 2}));
+  double sum = 0;
+  for (const double v : z) sum += std::exp(v);
+  EXPECT_NEAR(r.weight[0], 16 * std::exp(4.0) / sum, 1e-14);  // not normalised: p times 16
+  EXPECT_NEAR(r.weight[1], 16 * std::exp(1.0) / sum, 1e-14);
+  c.topk_method = TopkMethod::noaux_tc, c.scoring_func = ScoreFunc::sigmoid;
+  EXPECT_EQ(route(c, z.data(), static_cast<const double*>(nullptr), 1).expert,
+            (std::vector<std::int32_t>{2, 3}));
+}
+
+// A gate without a bias refuses a non-zero one rather than ignoring it.
+TEST(MoeRouting, BiaslessGateRefusesABias) {
+  MoeConfig c;
+  c.n_routed_experts = 4, c.num_experts_per_tok = 2;
+  c.scoring_func = ScoreFunc::softmax, c.topk_method = TopkMethod::greedy;
+  const std::vector<double> z{2, 1, 0, -1};
+  std::vector<double> bias(4, 0.0);
+  EXPECT_NO_THROW(route(c, z.data(), bias.data(), 1));
+  bias[2] = 0.25;
+  try {
+    route(c, z.data(), bias.data(), 1);
+    ADD_FAILURE() << "a bias on a greedy gate was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("e_score_correction_bias[2] is 0.25 but topk_method "
+                                         "'greedy' has no bias"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -941,7 +1032,8 @@ TEST_P(MoeTorchReference, LayerMatchesAutograd) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeTorchReference,
-                         ::testing::Values("grouped", "ungrouped_unnormalised"));
+                         ::testing::Values("grouped", "ungrouped_unnormalised", "v2_grouped",
+                                           "v2_greedy", "v2_greedy_normalised"));
 
 }  // namespace
 }  // namespace laga

@@ -194,13 +194,21 @@ TEST(MoeConfig, HuggingFaceRefusals) {
                         std::string("cfg.json: missing '") + key + "'"))
         << key;
   }
+  // Hugging Face's V3 gate scores with sigmoid only, its V2 gates with
+  // softmax only: each other pairing is refused, naming both values.
   json j = hf_v3();
   j["scoring_func"] = "softmax";
-  EXPECT_TRUE(
-      refuses([&] { MoeConfig::from_json(j); }, "scoring_func 'softmax' is not implemented"));
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); },
+                      "scoring_func 'softmax' with topk_method 'noaux_tc'"));
   j = hf_v3();
   j["topk_method"] = "group_limited_greedy";
-  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "topk_method 'group_limited_greedy'"));
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); },
+                      "scoring_func 'sigmoid' with topk_method 'group_limited_greedy'"));
+  j["scoring_func"] = "tanh";
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "scoring_func 'tanh' is not implemented"));
+  j = hf_v3();
+  j["topk_method"] = "aux_tc";
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "topk_method 'aux_tc' is not implemented"));
   j = hf_v3();
   j["moe_layer_freq"] = 2;
   EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "moe_layer_freq 2 is not implemented"));
@@ -223,9 +231,39 @@ TEST(MoeConfig, HuggingFaceRefusals) {
   EXPECT_FALSE(MoeConfig::from_json(j)->norm_topk_prob);
 }
 
+// DeepSeek-V2's Hugging Face configs: softmax scores, greedy (V2-Lite) or
+// group_limited_greedy (V2) selection, no bias; a normalised V2 gate is not
+// scaled (`if top_k > 1 and norm_topk_prob: ... else: w * scale`).
+TEST(MoeConfig, HuggingFaceV2Gates) {
+  json j = hf_v3();
+  j["scoring_func"] = "softmax", j["topk_method"] = "group_limited_greedy";
+  j["norm_topk_prob"] = false, j["routed_scaling_factor"] = 16.0;
+  auto c = MoeConfig::from_json(j);
+  EXPECT_EQ(c->scoring_func, ScoreFunc::softmax);
+  EXPECT_EQ(c->topk_method, TopkMethod::group_limited_greedy);
+  EXPECT_FALSE(c->gate_has_bias());
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 16.0);
+  json back = j;  // to_json writes the MoE keys only: read them in the whole config
+  back.update(c->to_json());
+  EXPECT_EQ(MoeConfig::from_json(back)->to_json(), c->to_json());
+  j["norm_topk_prob"] = true;
+  c = MoeConfig::from_json(j);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 1.0);
+  back = j;
+  back.update(c->to_json());
+  EXPECT_EQ(MoeConfig::from_json(back)->to_json(), c->to_json());
+  // greedy ignores the groups, so k may exceed the topk_group groups' experts.
+  j["topk_method"] = "greedy", j["n_group"] = 8, j["topk_group"] = 1;
+  j["num_experts_per_tok"] = 40;  // more than one group's 32
+  EXPECT_EQ(MoeConfig::from_json(j)->selection_groups(), 1);
+  j["topk_method"] = "group_limited_greedy";
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "num_experts_per_tok"));
+}
+
 TEST(MoeConfig, ModelArgsDefaultsAndRefusals) {
   // ModelArgs' defaults: 2 shared experts, no groups, route_scale 1, 1 dense
-  // layer; its default score_func is softmax (V2), which is refused.
+  // layer; its default score_func is softmax (V2).
   const json minimal = {{"dim", 64},
                         {"n_routed_experts", 8},
                         {"n_activated_experts", 2},
@@ -239,9 +277,22 @@ TEST(MoeConfig, ModelArgsDefaultsAndRefusals) {
   EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 1.0);
   EXPECT_EQ(c->first_k_dense_replace, 1);
   EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_EQ(c->topk_method, TopkMethod::greedy);  // no bias: dim is not 7168
   json j = minimal;
-  j.erase("score_func");
-  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "score_func 'softmax' is not implemented"));
+  j.erase("score_func");  // ModelArgs' default: softmax, never normalised
+  EXPECT_EQ(MoeConfig::from_json(j)->scoring_func, ScoreFunc::softmax);
+  EXPECT_FALSE(MoeConfig::from_json(j)->norm_topk_prob);
+  j["score_func"] = "relu";
+  EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "score_func 'relu' is not implemented"));
+  // Gate.__init__ gives the gate a bias at dim 7168 only; without one a group
+  // scores its amax (group_limited_greedy), with one its top-2 sum.
+  j = minimal;
+  j["n_expert_groups"] = 4, j["n_limited_groups"] = 2;
+  EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::group_limited_greedy);
+  j["dim"] = 7168;
+  EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::noaux_tc);
+  j["dim"] = 64, j["topk_method"] = "noaux_tc";  // laga's key says it at any dim
+  EXPECT_EQ(MoeConfig::from_json(j)->topk_method, TopkMethod::noaux_tc);
   j = minimal;
   j.erase("moe_inter_dim");
   EXPECT_TRUE(refuses([&] { MoeConfig::from_json(j); }, "missing 'moe_inter_dim'"));
