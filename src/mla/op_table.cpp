@@ -4,13 +4,15 @@
 
 #include "core/error.hpp"
 
-namespace laga::ops {
+namespace laga {
 
-const char* to_string(Device d) {
+const char* to_string(ops::Device d) {
+  using ops::Device;
   return d == Device::cuda ? "cuda" : "cpu";
 }
 
-const char* to_string(Op op) {
+const char* to_string(ops::Op op) {
+  using ops::Op;
   switch (op) {
     case Op::gemm:
       return "gemm";
@@ -52,6 +54,10 @@ const char* to_string(Op op) {
   return "unknown op";
 }
 
+}  // namespace laga
+
+namespace laga::ops {
+
 std::span<const KernelRow> kernel_rows(Device device) {
   switch (device) {
     case Device::cpu:
@@ -76,27 +82,29 @@ std::vector<Device> devices_built() {
 
 KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape) {
   KernelChoice best;
-  std::string refusals;
   bool any_row = false;
   for (const KernelRow& r : kernel_rows(device)) {
     if (r.op != op) continue;
     any_row = true;
-    const std::optional<std::string> why = r.why_not ? r.why_not(dtype, shape) : std::nullopt;
-    if (why) {
-      refusals += std::string(refusals.empty() ? "" : "; ") + r.name + ": " + *why;
-      continue;
-    }
+    if (r.why_not && r.why_not(dtype, shape)) continue;
     if (!best.row || r.rank < best.row->rank) best.row = &r;
   }
   if (best.row) return best;
+  // None takes it: every row's reason, asked again (a refusal is the rare
+  // case; a call that is taken builds no message).
   best.why_not = std::string(to_string(op)) + " " + to_string(dtype) + " on " + to_string(device);
-  if (!any_row)
-    best.why_not += ": no kernel for this op on " + std::string(to_string(device)) +
-                    (device == Device::cuda && kernel_rows(device).empty()
-                         ? " (this build has no CUDA backend; build with nvcc present)"
-                         : "");
-  else
-    best.why_not += ": no kernel takes it (" + refusals + ")";
+  if (!any_row) {
+    best.why_not += ": no kernel for this op on " + std::string(to_string(device));
+    if (device == Device::cuda && kernel_rows(device).empty())
+      best.why_not += " (this build has no CUDA backend; build with nvcc present)";
+    return best;
+  }
+  std::string refusals;
+  for (const KernelRow& r : kernel_rows(device))
+    if (r.op == op)
+      refusals += std::string(refusals.empty() ? "" : "; ") + r.name + ": " +
+                  r.why_not(dtype, shape).value_or("?");
+  best.why_not += ": no kernel takes it (" + refusals + ")";
   return best;
 }
 

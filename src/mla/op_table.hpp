@@ -46,7 +46,6 @@ namespace laga::ops {
 
 // Where a kernel runs.
 enum class Device { cpu, cuda };
-const char* to_string(Device d);  // "cpu", "cuda"
 
 // Every computation a form or the model asks the op layer for. Operand slots
 // (OpCall::in, OpCall::out) and the shape fields each reads, per op; element
@@ -106,7 +105,17 @@ enum class Op {
   adamw,
 };
 inline constexpr int kOpCount = int(Op::adamw) + 1;
-const char* to_string(Op op);  // the enumerator's name
+
+}  // namespace laga::ops
+
+namespace laga {
+// In laga, not laga::ops, so that they do not hide laga's other to_string
+// overloads inside laga::ops.
+const char* to_string(ops::Device d);  // "cpu", "cuda"
+const char* to_string(ops::Op op);     // the enumerator's name
+}  // namespace laga
+
+namespace laga::ops {
 
 // An op's extents: the fields its row of Op reads (the others stay 0).
 struct OpShape {
