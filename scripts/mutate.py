@@ -125,7 +125,7 @@ MUTATIONS = [
      "src/mla/ring.hpp", "      if (ranks > 1) {\n        Tensor<T> arriving",
      "      if (ranks > 1 && i + 1 < ranks) {\n        Tensor<T> arriving"),
     ("ring_eager_probs_unrescaled", "eager's per-step probabilities left normalised over their "
-     "own block", "src/mla/ring.hpp",
+     "own block", "src/mla/ops_attention.hpp",
      "++p) *p *= f;", "++p) *p *= T(1) + T(0) * f;"),
     ("ring_packed_whole_block", "a past block's keys seen from the block's start, across the "
      "document boundary", "src/mla/ring.hpp",

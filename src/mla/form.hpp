@@ -10,7 +10,6 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/attention.hpp"
 #include "mla/block.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/exchange.hpp"

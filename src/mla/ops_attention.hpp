@@ -15,7 +15,9 @@
 // OpenMP thread count, which a count-only run sets to the rank's.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -106,6 +108,51 @@ void fused_latent_attention_backward(const FusedLatentOperands<T>& a, T* dq, T* 
 template <class T>
 void lse_merge(const AttnShape& s, std::int64_t L, std::int64_t H, std::int64_t b0,
                std::int64_t q_row, T* o, T* lse, Src<T> o_p, Src<T> lse_p);
+
+// A ring of eager steps (mla/ring.hpp): a call's probabilities (compact for
+// its shape s, at batch row b0 and query row q_row of the rank's L rows and
+// H heads) were normalised over its own keys; times e^(lse_p - lse) they
+// are the row's over all its keys, which backward reads.
+template <class T>
+void rescale_probs(const AttnShape& s, std::int64_t L, std::int64_t H, std::int64_t b0,
+                   std::int64_t q_row, T* probs, Src<T> lse_p, Src<T> lse) {
+  count_elementwise<T>(s.B * H * s.Sq * s.Sk, 2);
+  if (!runs(s.B * H * s.Sq, {probs, lse_p, lse})) return;
+  for (std::int64_t bb = 0; bb < s.B; ++bb)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t i = 0; i < s.Sq; ++i) {
+        const std::int64_t row = (bb * H + h) * s.Sq + i;
+        const T f = std::exp(lse_p[row] - lse[((b0 + bb) * H + h) * L + q_row + i]);
+        for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
+      }
+}
+// The call's rows of a (B, H, L) statistic, compact for its shape (the
+// kernels read lse and D that way). Not counted (a gather of a statistic).
+template <class T>
+void gather_stat_rows(const AttnShape& s, std::int64_t L, std::int64_t H, std::int64_t b0,
+                      std::int64_t q_row, Src<T> full, T* part) {
+  if (!runs(s.B * s.Sq * H, {full, part})) return;
+  for (std::int64_t bb = 0; bb < s.B; ++bb)
+    for (std::int64_t h = 0; h < H; ++h)
+      std::copy_n(full + ((b0 + bb) * H + h) * L + q_row, s.Sq, part + (bb * H + h) * s.Sq);
+}
+// D = do . o of every row (B, H, L) from dout and o (B, L, H, dv): what the
+// eager backward of a step that holds part of a row's keys needs
+// (kernels/attention.hpp, eager_delta).
+template <class T>
+void attention_delta(std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t dv, T* delta,
+                     Src<T> dout, Src<T> o) {
+  count_elementwise<T>(B * L * H * dv, 2);
+  if (!runs(B * L * H, {delta, dout, o})) return;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < L; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t off = ((b * L + i) * H + h) * dv;
+        T D = 0;
+        for (std::int64_t e = 0; e < dv; ++e) D += dout[off + e] * o[off + e];
+        delta[(b * H + h) * L + i] = D;
+      }
+}
 
 // Batch rows issued one call each in a real run, or, in a count-only run
 // (every row alike, no documents), row 0's call standing for all B

@@ -358,35 +358,6 @@ struct RingStep {
   Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, rows)
 };
 
-// Eager: a call's probabilities (compact for its shape)
-// were normalised over its own keys; times e^(lse_p - lse) they are the
-// row's over all its keys, which backward reads.
-template <class T>
-void rescale_probs(const RingView& g, const RingCall& c, T* probs, const T* lse_p, const T* lse) {
-  const AttnShape& s = c.shape;
-  ops::count_elementwise<T>(s.B * g.H * s.Sq * s.Sk, 2);
-  if (!ops::runs(s.B * g.H * s.Sq, {probs, lse_p, lse})) return;
-  for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < g.H; ++h)
-      for (std::int64_t i = 0; i < s.Sq; ++i) {
-        const std::int64_t row = (bb * g.H + h) * s.Sq + i;
-        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * g.H + h) * g.L + c.q_row + i]);
-        for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
-      }
-}
-
-// The call's rows of a (B, H, L) statistic, compact for its shape (the
-// kernels read lse and D that way).
-template <class T>
-void gather_rows(const RingView& g, const RingCall& c, const T* full, T* part) {
-  const AttnShape& s = c.shape;
-  if (!ops::runs(s.B * s.Sq * g.H, {full, part})) return;
-  for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < g.H; ++h)
-      std::copy_n(full + ((c.b0 + bb) * g.H + h) * g.L + c.q_row, s.Sq,
-                  part + (bb * g.H + h) * s.Sq);
-}
-
 // A shift in flight (Overlap::on), until its wait: its call and, with bf16
 // on the wire (wire.hpp) and an fp32 tensor leaving (a gradient
 // accumulator), the bf16 copy of it, which must live until then, and the
@@ -544,8 +515,8 @@ struct RingAttention {
       if (!step.lse.defined()) continue;
       for (const RingCall& c : step.calls) {
         const ops::RepeatCounts rows(c.repeat);
-        rescale_probs(g, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
-                      merged.data());
+        ops::rescale_probs(c.shape, g.L, g.H, c.b0, c.q_row, at(step.probs.data(), c.probs_off),
+                           at(step.lse.data(), c.lse_off), merged.data());
       }
       step.lse.reset();
     }
@@ -569,17 +540,7 @@ struct RingAttention {
     Tensor<T> delta;
     if (eager && ranks > 1) {
       delta = Tensor<T>({st.B, g.H, g.L}, "ring delta");
-      ops::count_elementwise<T>(st.B * g.L * g.H * st.dv, 2);
-      if (ops::runs(st.B * g.L * g.H, {delta.data(), do_loc.data(), o.data()}))
-        for (std::int64_t b = 0; b < st.B; ++b)
-          for (std::int64_t i = 0; i < g.L; ++i)
-            for (std::int64_t h = 0; h < g.H; ++h) {
-              const std::int64_t off = ((b * g.L + i) * g.H + h) * st.dv;
-              T D = 0;
-              for (std::int64_t e = 0; e < st.dv; ++e)
-                D += do_loc.data()[off + e] * o.data()[off + e];
-              delta.data()[(b * g.H + h) * g.L + i] = D;
-            }
+      ops::attention_delta(st.B, g.L, g.H, st.dv, delta.data(), do_loc.data(), o.data());
     }
     Tensor<T> dq = Tensor<T>::zeros({st.B, g.L, g.H * st.dqk}, "dq_h");
     const Tensor<T>* cur = &own;
@@ -625,7 +586,9 @@ struct RingAttention {
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
                              k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
-          if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
+          if (rows_stat.defined())
+            ops::gather_stat_rows(c.shape, g.L, g.H, c.b0, c.q_row,
+                                  eager ? delta.data() : lse.data(), stat);
           const auto call =
               kv.narrowed(st, k_off, at(q.narrowed_data(), q_off * st.dqk), q.narrowed());
           narrow.q = call.q, narrow.k = call.k, narrow.v = call.v;
