@@ -410,6 +410,9 @@ const KernelRow kRows[] = {
        c.dtype == RunDtype::fp64 ? run_rope<double, true>(c) : run_rope<float, true>(c);
      },
      0, Bf16Operands::fp32_values},
+
+    // The model's ops (embedding, SwiGLU, cross-entropy, AdamW): their rows
+    // here, their op-layer functions in mla/ops_model.hpp.
 };
 #undef LAGA_ROW_DTYPE
 
