@@ -75,14 +75,14 @@ MUTATIONS = [
      "for (const int k : {r % Pc, 2 * Pc - 1 - r % Pc}) {",
      "for (const int k : {r % Pc, Pc + r % Pc}) {"),
     ("overlap_read_before_wait", "--overlap on up-projects the gathered latent before its "
-     "all-gather's wait", "src/mla/block.cpp",
+     "all-gather's wait", "src/mla/laga_inputs.cpp",
      "    r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);\n"
      "    lat_ag.wait(st.ctx.comm);\n",
      "    r.q_h = latent ? exchange_query_latent(st, w) : P::queries_to_heads(st, w, in);\n"
      "    P::up_project_kv(st, w, lat, st.Sk, r.k_h, r.v_h);\n"
      "    lat_ag.wait(st.ctx.comm);\n    return r;\n"),
     ("overlap_backward_before_wait", "--overlap on runs the latent norm's backward before the "
-     "reduce-scatter's wait", "src/mla/block.cpp",
+     "reduce-scatter's wait", "src/mla/pieces.cpp",
      "    dlat_pending->wait(st.ctx.comm);\n"
      "    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);\n",
      "    latent_norm_backward(st, w, dlat_loc, in, dproj, grads);\n"
@@ -118,14 +118,14 @@ MUTATIONS = [
      "  set.check_scales_have_weights();\n"
      "  for (const auto& entry : set.weight_map_) (void)set.file_of(entry.first);\n"),
     ("ring_merge_unscaled", "a ring step's merge keeps the running output unscaled (drops "
-     "e^(lse - lse'))", "src/mla/ring.hpp",
+     "e^(lse - lse'))", "src/kernels/lse_merge.cpp",
      "const T a = std::exp(l - merged), w = std::exp(lp - merged);",
      "const T a = 1, w = std::exp(lp - merged);"),
     ("ring_grad_not_home", "the ring's gradient accumulators miss their last shift home",
      "src/mla/ring.hpp", "      if (ranks > 1) {\n        Tensor<T> arriving",
      "      if (ranks > 1 && i + 1 < ranks) {\n        Tensor<T> arriving"),
     ("ring_eager_probs_unrescaled", "eager's per-step probabilities left normalised over their "
-     "own block", "src/mla/ring.hpp",
+     "own block", "src/mla/ops_attention.hpp",
      "++p) *p *= f;", "++p) *p *= T(1) + T(0) * f;"),
     ("ring_packed_whole_block", "a past block's keys seen from the block's start, across the "
      "document boundary", "src/mla/ring.hpp",

@@ -17,8 +17,8 @@ is laga's.
 
 Under bf16 the C++ form runs its fp32 kernel on the bf16 operands: K and V
 are made in fp32 from the bf16 latent and wkv_b rows and never rounded to
-bf16 (form_laga_fused.cpp, latent_params); so are they here (the flash
-call's accumulation type).
+bf16 (mla/ops_attention.cpp, fused_latent_attention_forward); so are they
+here (the flash call's accumulation type).
 
 With attention other than flash the C++ form runs laga's unfused path
 (its note says so), and so does the package: only flash is fused.

@@ -10,12 +10,12 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/attention.hpp"
 #include "mla/block.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/exchange.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_attention.hpp"
 
 namespace laga::detail {
 
@@ -155,7 +155,7 @@ struct InputSaved {
 };
 
 // The pieces, as static members of one class template so that one explicit
-// instantiation per type (block.cpp) covers them all.
+// instantiation per type (pieces.cpp) covers them all.
 template <class T>
 struct Pieces {
   // Both input projections of x in one GEMM (docs/forms.md, "The input
@@ -224,40 +224,8 @@ struct Pieces {
                                           const Tensor<T>& lat, std::int64_t keys, Tensor<T>& dk,
                                           Tensor<T>& dv, MlaParams<T>& grads);
 
-  // One kernel call on raw pointers (s's extents; stats: eager probabilities
-  // (B, Hq, Sq, Sk), flash lse (B, Hq, Sq)), skipped when counting, and its
-  // backward (dq, dk, dv overwritten; dp: eager's Sq Sk scratch). A ring
-  // form's step, which holds some of its rows' keys, also asks eager for
-  // the lse (eager_lse) and gives its backward the rows' D = do . o
-  // (eager_delta; attention.hpp says why); flash reads o for it.
-  // scratch: a bf16 run's memory for the call (copies of its operands, the
-  // flash workspace), made by attention_scratch for calls no larger than
-  // its shape: a caller whose calls' extents follow the data (the ring
-  // engine's, packed) makes one for all of them, so that a count-only run,
-  // which has no documents, allocates what the real one does. Null: the
-  // call makes its own, exactly its size.
-  // q, k, v (and backward's dout) held narrowed (ops::keep_narrowed, or a
-  // ring block born narrowed; bf16 runs only): `narrowed` gives their bf16
-  // values, read in place of the fp32 pointers (null then).
-  struct NarrowedOperands {
-    const bf16 *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;    // null: count-only
-    bool q_held = false, k_held = false, v_held = false, dout_held = false;  // which are held
-    std::array<bool, 4> flags() const { return {q_held, k_held, v_held, dout_held}; }
-    bool any() const { return q_held || k_held || v_held || dout_held; }
-  };
-  static void attend(const Step& st, const AttnShape& s, T* o, T* stats, const T* q, const T* k,
-                     const T* v, T* eager_lse = nullptr, const NarrowedOperands* narrowed = nullptr,
-                     Tensor<bf16>* scratch = nullptr);
-  static void attend_backward(const Step& st, const AttnShape& s, T* dq, T* dk, T* dv,
-                              const T* dout, const T* q, const T* k, const T* v, const T* o,
-                              const T* stats, T* dp, const T* eager_delta = nullptr,
-                              const NarrowedOperands* narrowed = nullptr,
-                              Tensor<bf16>* scratch = nullptr);
-  // The scratch of every bf16 attention call (pass) with extents no larger
-  // than s's and what `narrowed`'s flags say held narrowed (null: none); an
-  // empty tensor outside bf16 runs.
-  static Tensor<bf16> attention_scratch(const AttnShape& s, ops::AttentionPass pass,
-                                        const NarrowedOperands* narrowed = nullptr);
+  // The attention kernel calls themselves (one call on raw pointers, its
+  // backward, a bf16 run's scratch) are the op layer's: ops_attention.hpp.
   // The eager kernel's probabilities (B, Hq, S, S) or the flash kernel's lse
   // (B, Hq, S): what attention backward reads.
   static Tensor<T> attention_forward(const Step& st, const AttnShape& s, Tensor<T>& o,

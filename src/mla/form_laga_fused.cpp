@@ -15,89 +15,35 @@
 //
 // Saved for backward: the input projections' tensors, the gathered latent
 // lat (B, S, C+dr), q_h (B, S, H_r, dqk), the output o_att (B, S, H_r, dv)
-// and lse (B, H_r, S), o_loc.
+// and lse (B, H_r, S), o_loc; under bf16, wkv_b's rows of the rank's heads
+// rounded to bf16 values (H_r (dn + dv), C), which the kernel reads
+// (ops_attention.hpp, FusedLatentKept; docs/accounting.md).
 #include <type_traits>
-#include <utility>
-#include <vector>
 
-#include "kernels/attention_flash_latent.hpp"
 #include "mla/form.hpp"
+#include "mla/ops_attention.hpp"
 
 namespace laga::detail {
 
 namespace {
 
-// The kernel's operands at this rank: its heads' queries, the gathered
-// latent and its heads' rows of wkv_b (H_r, dn + dv, C).
-//
-// Under bf16 mixed precision (ops.hpp, "Precision") there is no bf16 latent
-// kernel: the fp32 one runs on bf16 values -- q_h and lat are bf16 already
-// (GEMM, RMSNorm and RoPE outputs, moved unchanged), and wkv_b's rows are
-// taken from `w_kv_bf16`, their rounded copy -- so its in-kernel K/V
-// up-projection and P are fp32, not rounded as explicit's bf16 k_h, v_h
-// and the bf16 flash kernel's P are.
+// The kernel's operands at this rank (ops_attention.hpp): its heads'
+// queries, the gathered latent and its heads' rows of wkv_b (H_r, dn + dv,
+// C).
 template <class T>
-LatentAttnParams<T> latent_params(const Step& st, const MlaParams<T>& w, const Tensor<T>& q_h,
-                                  const Tensor<T>& lat, const std::vector<T>& w_kv_bf16) {
-  LatentAttnParams<T> p;
-  p.shape = st.head_attention();
-  p.C = st.C, p.dn = st.dn;
-  p.q = q_h.data();
-  p.c = lat.data(), p.ld_c = st.W;
-  p.k_pe = at(lat.data(), st.C), p.ld_k_pe = st.W;
-  p.w_kv = !w_kv_bf16.empty() ? w_kv_bf16.data() : at(w.wkv_b.data(), st.h0 * st.KV * st.C);
-  return p;
-}
-
-// This rank's heads' rows of wkv_b (H_r (dn + dv), C) rounded to bf16 under
-// bf16 mixed precision; empty otherwise (the kernel reads wkv_b itself), and
-// count-only. Scratch outside the pool, as every bf16 operand copy is
-// (ops_bf16.cpp): the pool and the memory model count an fp32 run's tensors
-// (docs/performance.md, "bf16 mixed precision", says what that leaves out).
-template <class T>
-std::vector<T> bf16_rows_of_wkv_b(const Step& st, const MlaParams<T>& w) {
-  if (current_pool().count_only() || !ops::in_bf16<T>()) return {};
-  const T* first = at(w.wkv_b.data(), st.h0 * st.KV * st.C);
-  std::vector<T> rows(first, first + st.Hr * st.KV * st.C);
-  if constexpr (std::is_same_v<T, float>)
-    ops::bf16_path::round_in_place(
-        {rows.data(), 1, std::int64_t(rows.size()), std::int64_t(rows.size())});
-  return rows;
-}
-
-// Counts what the kernel does (mla/ops.hpp, "Op counts"): its attention as
-// the flash kernel's of the same shape (the same tile products), and its
-// chunk GEMMs, `passes` up-projection-shaped products per key chunk (1 in
-// forward; 3 in backward: the recomputation, dc and dw_kv). Per chunk
-// shape, in bulk: a count-only run at S = 10^14 must not walk the chunks.
-inline void count_latent_attention(const Step& st, const AttnShape& s, ops::AttentionPass pass) {
-  if (!ops::op_counter) return;
-  const double per_pair_forward = double(s.dqk + s.dv);
-  const double per_pair =
-      pass == ops::AttentionPass::forward ? per_pair_forward : 3.0 * s.dqk + 2.0 * s.dv;
-  ops::count_attention(s, AttentionKind::flash, pass,
-                       [&] { return s.useful_flops_forward() * per_pair / per_pair_forward; });
-  const std::int64_t full = s.Sk / kLatentKeyChunk, rest = s.Sk % kLatentKeyChunk;
-  const std::int64_t ldkv = st.Hr * st.KV;
-  for (const auto& [rows, chunks] : {std::pair{kLatentKeyChunk, full}, std::pair{rest, 1L}}) {
-    if (rows == 0 || chunks == 0 || ldkv == 0) continue;
-    std::vector<ops::GemmCall> calls{{false, true, rows, ldkv, st.C, st.W, st.C, ldkv, false}};
-    if (pass == ops::AttentionPass::backward) {
-      calls.push_back({false, false, rows, st.C, ldkv, ldkv, st.C, st.W, false});  // dc
-      calls.push_back({true, false, ldkv, st.C, rows, ldkv, st.W, st.C, true});    // dw_kv
-    }
-    for (const ops::GemmCall& g : calls)
-      ops::op_counter->add_gemm(g, s.B * chunks * ops::op_repeat);
-  }
+ops::FusedLatentOperands<T> latent_operands(const Step& st, const MlaParams<T>& w,
+                                            const Tensor<T>& q_h, const Tensor<T>& lat) {
+  return {st.head_attention(), st.C,       st.dn,
+          q_h.data(),          lat.data(), at(w.wkv_b.data(), st.h0 * st.KV * st.C)};
 }
 
 template <class T>
 struct LagaFusedTape final : Tape<T> {
-  LagaInputs<T> inputs;      // what the queries' and the latent's exchanges saved, lat among them
-  Tensor<T> q_h;             // (B, S, H_r, dqk)
-  Tensor<T> o_att, lse;      // (B, S, H_r, dv), (B, H_r, S): the kernel's backward reads both
-  std::vector<T> w_kv_bf16;  // bf16 only: latent_params' rounded wkv_b rows
-  Tensor<T> o_loc;           // (B, L, H*dv)
+  LagaInputs<T> inputs;  // what the queries' and the latent's exchanges saved, lat among them
+  Tensor<T> q_h;         // (B, S, H_r, dqk)
+  Tensor<T> o_att, lse;  // (B, S, H_r, dv), (B, H_r, S): the kernel's backward reads both
+  ops::FusedLatentKept<T> kept;  // bf16: the rounded wkv_b rows the kernel reads (a pool tensor)
+  Tensor<T> o_loc;               // (B, L, H*dv)
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
@@ -111,16 +57,10 @@ struct LagaFusedTape final : Tape<T> {
     const Shape dlat_shape{st.B, st.S, st.W};
     Tensor<T> dlat =
         st.Hr == 0 ? Tensor<T>::zeros(dlat_shape, "dlat") : Tensor<T>(dlat_shape, "dlat");
-    const LatentAttnParams<T> p = latent_params(st, w, q_h, inputs.lat, w_kv_bf16);
-    count_latent_attention(st, p.shape, ops::AttentionPass::backward);
-    if (ops::runs(st.B * st.S * st.Hr,
-                  {dq_h.data(), dlat.data(), do_h.data(), o_att.data(), lse.data(), p.q, p.c}))
-      attention_flash_latent_backward<T>(p,
-                                         {dq_h.data(), dlat.data(), st.W, at(dlat.data(), st.C),
-                                          st.W, at(grads.wkv_b.data(), st.h0 * st.KV * st.C)},
-                                         do_h.data(), o_att.data(), lse.data());
+    ops::fused_latent_attention_backward(latent_operands(st, w, q_h, inputs.lat), dq_h.data(),
+                                         dlat.data(), at(grads.wkv_b.data(), st.h0 * st.KV * st.C),
+                                         do_h.data(), o_att.data(), lse.data(), kept);
     do_h.reset(), o_att.reset(), lse.reset(), q_h.reset();
-    w_kv_bf16 = {};
     inputs.backward_from_latent(st, w, x, dq_h, dlat, dx, grads);
   }
 };
@@ -140,11 +80,8 @@ std::unique_ptr<Tape<T>> laga_fused_forward(const Step& st, const MlaParams<T>& 
   t->q_h = t->inputs.forward(st, w, x, UpProjection::in_kernel).q_h;
   t->o_att = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "o_att");
   t->lse = Tensor<T>({st.B, st.Hr, st.S}, "attn_stats flash lse");
-  t->w_kv_bf16 = bf16_rows_of_wkv_b(st, w);
-  const LatentAttnParams<T> p = latent_params(st, w, t->q_h, t->inputs.lat, t->w_kv_bf16);
-  count_latent_attention(st, p.shape, ops::AttentionPass::forward);
-  if (ops::runs(st.B * st.S * st.Hr, {t->o_att.data(), t->lse.data(), p.q, p.c}))
-    attention_flash_latent_forward<T>(p, t->o_att.data(), t->lse.data());
+  ops::fused_latent_attention_forward(latent_operands(st, w, t->q_h, t->inputs.lat),
+                                      t->o_att.data(), t->lse.data(), t->kept);
   t->o_loc = Pieces<T>::project_out(st, w, t->o_att, out);
   // q_h and the gathered latent hold bf16 values (rounded where made,
   // moved as bf16): kept at 2 bytes until backward widens them.

@@ -15,6 +15,13 @@
 // of what each form saves for backward (saved_for_backward below, the
 // paper's Table 2 quantity), against the pool after forward.
 //
+// What an op keeps for backward outside its outputs is a pool tensor too,
+// made in the count-only run as in the real one, so the prediction has it:
+// the bf16 operand copies and attention scratch, and laga_fused's wkv_b
+// rows rounded to bf16 values under --dtype bf16 (ops_attention.hpp,
+// FusedLatentKept; HeapOutsidePool.Bf16ForwardKeepsNoMoreHeapThanFp32 holds
+// every form's bf16 forward to keeping nothing else; docs/accounting.md).
+//
 // Every figure is in bytes above what is live when forward starts (the
 // rank's input and dout shards, parameters, gradient accumulators), as
 // laga::run_rank measures it.

@@ -7,7 +7,7 @@
 //
 // Op counts: with a CountOps scope on the thread, every op also adds what it
 // does -- or, count-only, would do -- to an OpCounts: GEMM FLOPs (2 M N K),
-// attention FLOPs (Pieces::attention_*, block.cpp) and the bytes the
+// attention FLOPs (ops_attention.cpp) and the bytes the
 // memory-bound ops read and write, and the list of GEMM and attention kernel
 // calls by shape (how many of each). The planner's time model reads a form's
 // compute from the count-only run this way (src/plan/time_model.hpp), and
@@ -23,7 +23,7 @@
 // added to) stays an fp32 sum; RMSNorm computes in fp32 (its rstd is fp32)
 // and its y is rounded, RoPE's forward rotation is computed in fp32 and
 // rounded, its inverse (backward, on gradients) is not; copy and add move
-// fp32. Attention (block.cpp, Pieces::attend) rounds q, k, v (and dO) and
+// fp32. Attention (ops_attention.hpp) rounds q, k, v (and dO) and
 // runs the bf16 flash kernel. The tensors stay fp32 containers: bf16
 // storage emulated, so the pool, the memory model and the op counts see
 // fp32 bytes. T = double refuses bf16 (it is the exact reference).
@@ -52,6 +52,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
+#include "mla/op_table.hpp"
 #include "mla/ops_bf16.hpp"
 
 namespace laga {
@@ -265,6 +266,24 @@ inline bool runs(std::int64_t elements, std::initializer_list<const void*> ptrs)
   return false;
 }
 
+// The kernel table's row for c on this thread's device (op_table.hpp), run.
+inline void run_kernel(const OpCall& c) {
+  pick(op_device, c.op, c.dtype, c.shape).run(c);
+}
+// C (m, n) = alpha op(A) op(B) + beta C through the table (T's dtype: fp32
+// or fp64; bf16's products are bf16_path's).
+template <class T>
+void run_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
+              const T* A, std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C,
+              std::int64_t ldc) {
+  OpCall c;
+  c.op = Op::gemm, c.dtype = std::is_same_v<T, double> ? RunDtype::fp64 : RunDtype::fp32;
+  c.shape.m = m, c.shape.n = n, c.shape.k = k, c.shape.lda = lda, c.shape.ldb = ldb;
+  c.shape.ldc = ldc, c.shape.trans_a = trans_a, c.shape.trans_b = trans_b;
+  c.in[0] = A, c.in[1] = B, c.out[0] = C, c.alpha = double(alpha), c.beta = double(beta);
+  run_kernel(c);
+}
+
 // Whether this thread's ops on T run bf16 mixed precision: T = float under
 // Precision::bf16. T = double under bf16 is refused, not quietly run in
 // double, so a bf16 request can never produce an fp64 result.
@@ -324,7 +343,7 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
       return bf16_path::gemm(C, beta, A, trans_a, B, trans_b, alpha);
   }
   if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
-  laga::gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
+  run_gemm<T>(trans_a, trans_b, C.rows, C.cols, K, alpha, A.p, A.ld, B.p, B.ld, beta, C.p, C.ld);
 }
 
 // y (N, out) = x (N, in) w^T. x_held: x's bf16 values, x.p then null, as
@@ -343,7 +362,9 @@ void linear(Mat<T> y, In<T> x, const Tensor<T>& w,
   }
   LAGA_CHECK(!x_held, "internal: an operand held narrowed outside a bf16 run");
   if (!runs(y.rows * y.cols, {y.p, x.p, w.data()})) return;
-  linear_forward(y.p, x.p, w.data(), y.rows, x.cols, y.cols);
+  // laga::linear_forward's one gemm.
+  run_gemm<T>(false, true, y.rows, y.cols, x.cols, T(1), x.p, x.cols, w.data(), x.cols, T(0), y.p,
+              y.cols);
 }
 // dx = dy w (added when accumulate; skipped when dx.p is null and not
 // needed), dw += dy^T x.
@@ -364,8 +385,11 @@ void linear_backward(std::type_identity_t<Mat<T>>* dx, bool accumulate, Tensor<T
   }
   LAGA_CHECK(!x_held, "internal: an operand held narrowed outside a bf16 run");
   if (!runs(dy.rows * dy.cols, {dy.p, x.p, w.data(), dw.data(), dx ? dx->p : w.data()})) return;
-  laga::linear_backward(dx ? dx->p : nullptr, accumulate, dw.data(), dy.p, x.p, w.data(), dy.rows,
-                        x.cols, dy.cols);
+  // laga::linear_backward's two gemms, in its order.
+  if (dx)
+    run_gemm<T>(false, false, N, in, out, T(1), dy.p, out, w.data(), in, accumulate ? T(1) : T(0),
+                dx->p, in);
+  run_gemm<T>(true, false, out, in, N, T(1), dy.p, out, x.p, in, T(1), dw.data(), in);
 }
 
 // As above, x a whole tensor (mat(x)), which may be held narrowed
@@ -389,7 +413,11 @@ template <class T>
 void rmsnorm(Mat<T> y, Tensor<T>& rstd, In<T> x, const Tensor<T>& w, double eps) {
   count_elementwise<T>(y.rows * y.cols, 2);  // x in, y out
   if (!runs(y.rows * y.cols, {y.p, rstd.data(), x.p, w.data()})) return;
-  rmsnorm_forward(y.p, rstd.data(), x.p, x.ld, w.data(), y.rows, y.cols, eps);
+  OpCall c;
+  c.op = Op::rmsnorm_forward, c.dtype = op_dtype<T>();
+  c.shape.rows = y.rows, c.shape.cols = y.cols, c.shape.lda = x.ld;
+  c.in[0] = x.p, c.in[1] = w.data(), c.out[0] = y.p, c.out[1] = rstd.data(), c.alpha = eps;
+  run_kernel(c);
   if (in_bf16<T>()) {
     if constexpr (std::is_same_v<T, float>) bf16_path::round_in_place(y);
   }
@@ -401,8 +429,13 @@ void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<
                       const Tensor<T>& rstd) {
   count_elementwise<T>(dx.rows * dx.cols, 3);  // dy and x in, dx out
   if (!runs(dx.rows * dx.cols, {dx.p, dw.data(), dy.p, x.p, w.data(), rstd.data()})) return;
-  laga::rmsnorm_backward(dx.p, dx.ld, dw.data(), dy.p, dy.ld, x.p, x.ld, w.data(), rstd.data(),
-                         dx.rows, dx.cols);
+  OpCall c;
+  c.op = Op::rmsnorm_backward, c.dtype = op_dtype<T>();
+  c.shape.rows = dx.rows, c.shape.cols = dx.cols;
+  c.shape.lda = x.ld, c.shape.ldb = dy.ld, c.shape.ldc = dx.ld;
+  c.in[0] = dy.p, c.in[1] = x.p, c.in[2] = w.data(), c.in[3] = rstd.data();
+  c.out[0] = dx.p, c.out[1] = dw.data();
+  run_kernel(c);
 }
 
 // Rotates the rope part x of B * L tokens (rows) of H heads: head h of a row
@@ -413,10 +446,12 @@ void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t
           std::int64_t pos0, const std::int64_t* positions, const RopeTable& table, bool inverse) {
   count_elementwise<T>(x.rows * H * table.dim(), 2);  // rotated in place
   if (!runs(x.rows * H, {x.p})) return;
-  if (positions)
-    rope_apply_at(x.p, B, L, H, x.ld, head_stride, positions, table, inverse);
-  else
-    rope_apply(x.p, B, L, H, x.ld, head_stride, pos0, table, inverse);
+  OpCall c;
+  c.op = inverse ? Op::rope_backward : Op::rope_forward, c.dtype = op_dtype<T>();
+  c.shape.batch = B, c.shape.tokens = L, c.shape.heads = H, c.shape.ld_token = x.ld;
+  c.shape.ld_head = head_stride, c.shape.pos0 = pos0;
+  c.in[0] = positions, c.out[0] = x.p, c.context = &table;
+  run_kernel(c);
   // Forward rotates a GEMM's (bf16) output in place: the rotated values are
   // rounded again, and the view's unrotated columns (the heads' nope parts,
   // that GEMM's output too) are bf16 already, so rounding all of x changes

@@ -9,6 +9,7 @@
 #include "kernels/bf16_convert.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
+#include "mla/op_table.hpp"
 #include "mla/ops.hpp"
 
 namespace laga::ops::bf16_path {
@@ -20,8 +21,13 @@ namespace {
 // and runs the fp32 GEMM on it: the same exact products and fp32 sums as
 // gemm_bf16's widening, without the bf16 copy in between (one pass over each
 // operand where that would take two).
+// Which the kernel table's bf16 gemm row says (op_table_cpu.cpp: the row
+// LAGA_GEMM_BF16 selects).
+const KernelRow& gemm_row() {
+  return pick(op_device, Op::gemm, RunDtype::bf16, OpShape{});
+}
 bool widened() {
-  return gemm_bf16_path() == GemmBf16Path::widened_fp32;
+  return gemm_row().operands == Bf16Operands::fp32_values;
 }
 
 // n contiguous values into `out`, rounded to bf16 values, a chunk at a time
@@ -196,18 +202,27 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
           const Mat<const float>& B, bool trans_b, float alpha) {
   const std::int64_t K = trans_a ? A.rows : A.cols;
   if (C.rows * C.cols == 0) return;
-  if (widened()) {
-    Copies<float> c{A, B};
-    if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
+  const KernelRow& row = gemm_row();
+  OpCall call;
+  call.op = Op::gemm, call.dtype = RunDtype::bf16;
+  call.shape.m = C.rows, call.shape.n = C.cols, call.shape.k = K;
+  call.shape.lda = A.cols, call.shape.ldb = B.cols, call.shape.ldc = C.ld;
+  call.shape.trans_a = trans_a, call.shape.trans_b = trans_b;
+  call.out[0] = C.p, call.alpha = alpha, call.beta = beta;
+  // The operands' copies dense, in the form the row takes them.
+  auto run_on = [&](auto& c) {
+    if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return false;
     c.fill();
-    laga::gemm<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, c.get(0), A.cols, c.get(1),
-                      B.cols, beta, C.p, C.ld);
+    call.in[0] = c.get(0), call.in[1] = c.get(1);
+    row.run(call);
+    return true;
+  };
+  if (row.operands == Bf16Operands::fp32_values) {
+    Copies<float> c{A, B};
+    if (!run_on(c)) return;
   } else {
     Copies<bf16> c{A, B};
-    if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return;
-    c.fill();
-    gemm_bf16<float>(trans_a, trans_b, C.rows, C.cols, K, alpha, c.get(0), A.cols, c.get(1), B.cols,
-                     beta, C.p, C.ld);
+    if (!run_on(c)) return;
   }
   if (beta == 0.0f) round_in_place(C);
 }

@@ -66,7 +66,7 @@ namespace bf16_path {
 // operand copies"), made before the op asks whether it computes, so that a
 // count-only run registers the same bytes and the memory model counts what
 // a real run holds (docs/accounting.md, "bf16 operand copies and attention
-// scratch"); attention's are mla/block.cpp's bf16 attention scratch.
+// scratch"); attention's are mla/ops_attention.cpp's bf16 attention scratch.
 
 // n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
 // vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:

@@ -148,9 +148,9 @@ struct RingKv {
   }
   // The operands of a call whose keys start k_off (B L_j H) rows in, with
   // q's (q_held: q's bf16 values at the call's rows, or none).
-  typename Pieces<T>::NarrowedOperands narrowed(const Step& st, std::int64_t k_off, const bf16* q16,
-                                                bool q_held) const {
-    typename Pieces<T>::NarrowedOperands n;
+  ops::HeldOperands narrowed(const Step& st, std::int64_t k_off, const bf16* q16,
+                             bool q_held) const {
+    ops::HeldOperands n;
     n.q = q16, n.q_held = q_held;
     n.k = at(k16, k_off * st.dqk), n.v = at(v16, k_off * st.dv), n.k_held = n.v_held = held;
     return n;
@@ -265,9 +265,11 @@ inline std::vector<RingCall> ring_calls(const Step& st, const RingView& g, int o
   const bool whole = rect.rows == g.L && rect.keys == Lk;
   if (st.doc_start.empty()) {
     const std::int64_t B = whole ? st.B : 1;
-    if (B == 1 && current_pool().count_only()) {  // row 0's call, for every row (no documents)
+    // Count-only (no documents): row 0's call, standing for every row.
+    const ops::BatchCalls rows = ops::batch_calls(st.B);
+    if (B == 1 && rows.repeat > 1) {
       RingCall c(shape(1, rect.rows, rect.keys, rect.diagonal));
-      c.repeat = st.B;
+      c.repeat = rows.repeat;
       add(std::move(c), 0, 0);
       return calls;
     }
@@ -355,69 +357,6 @@ struct RingStep {
   Tensor<T> probs;  // eager: (B, H, rows, keys) of its RingRect, each call's at probs_off
   Tensor<T> lse;    // eager over several steps, until forward rescales probs: (B, H, rows)
 };
-
-// Merges a call's partial output into the running one, row by row:
-// o (B, L, H, dv) and lse (B, H, L) of the whole rank, o_p and lse_p the
-// call's (compact for its shape). The diagonal's calls (step 0, before any
-// other) find their rows empty and copy them as they are, so a rank whose
-// rows see only their own block has the kernel's bits.
-template <class T>
-void merge_partial(const Step& st, const RingView& g, const RingCall& c, T* o, T* lse, const T* o_p,
-                   const T* lse_p) {
-  const AttnShape& s = c.shape;
-  const bool first = s.causal;
-  ops::count_elementwise<T>(s.B * s.Sq * g.H * (st.dv + 1), 3);
-  if (!ops::runs(s.B * s.Sq * g.H, {o, lse, o_p, lse_p})) return;
-  for (std::int64_t bb = 0; bb < s.B; ++bb) {
-    const std::int64_t b = c.b0 + bb;
-    for (std::int64_t h = 0; h < g.H; ++h)
-      for (std::int64_t i = 0; i < s.Sq; ++i) {
-        T& l = lse[(b * g.H + h) * g.L + c.q_row + i];
-        const T lp = lse_p[(bb * g.H + h) * s.Sq + i];
-        T* orow = o + ((b * g.L + c.q_row + i) * g.H + h) * st.dv;
-        const T* prow = o_p + ((bb * s.Sq + i) * g.H + h) * st.dv;
-        if (first) {
-          l = lp;
-          std::copy(prow, prow + st.dv, orow);
-          continue;
-        }
-        const T m = std::max(l, lp);
-        const T merged = m + std::log(std::exp(l - m) + std::exp(lp - m));
-        const T a = std::exp(l - merged), w = std::exp(lp - merged);
-        for (std::int64_t e = 0; e < st.dv; ++e) orow[e] = a * orow[e] + w * prow[e];
-        l = merged;
-      }
-  }
-}
-
-// Eager: a call's probabilities (compact for its shape)
-// were normalised over its own keys; times e^(lse_p - lse) they are the
-// row's over all its keys, which backward reads.
-template <class T>
-void rescale_probs(const RingView& g, const RingCall& c, T* probs, const T* lse_p, const T* lse) {
-  const AttnShape& s = c.shape;
-  ops::count_elementwise<T>(s.B * g.H * s.Sq * s.Sk, 2);
-  if (!ops::runs(s.B * g.H * s.Sq, {probs, lse_p, lse})) return;
-  for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < g.H; ++h)
-      for (std::int64_t i = 0; i < s.Sq; ++i) {
-        const std::int64_t row = (bb * g.H + h) * s.Sq + i;
-        const T f = std::exp(lse_p[row] - lse[((c.b0 + bb) * g.H + h) * g.L + c.q_row + i]);
-        for (T* p = probs + row * s.Sk; p != probs + (row + 1) * s.Sk; ++p) *p *= f;
-      }
-}
-
-// The call's rows of a (B, H, L) statistic, compact for its shape (the
-// kernels read lse and D that way).
-template <class T>
-void gather_rows(const RingView& g, const RingCall& c, const T* full, T* part) {
-  const AttnShape& s = c.shape;
-  if (!ops::runs(s.B * s.Sq * g.H, {full, part})) return;
-  for (std::int64_t bb = 0; bb < s.B; ++bb)
-    for (std::int64_t h = 0; h < g.H; ++h)
-      std::copy_n(full + ((c.b0 + bb) * g.H + h) * g.L + c.q_row, s.Sq,
-                  part + (bb * g.H + h) * s.Sq);
-}
 
 // A shift in flight (Overlap::on), until its wait: its call and, with bf16
 // on the wire (wire.hpp) and an fp32 tensor leaving (a gradient
@@ -544,8 +483,9 @@ struct RingAttention {
         const auto kept = kv.narrowed(st, 0, nullptr, q.narrowed());
         Tensor<bf16> scratch;
         if (rect.keys > 0)  // as ring_calls without documents: a call
-          scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
-                                                 ops::AttentionPass::forward, &kept);
+          scratch =
+              ops::attention_scratch<T>(st.ctx.attention, ring_widest_call(st, g, step.owner, rect),
+                                        ops::AttentionPass::forward, &kept);
         for (const RingCall& c : step.calls) {
           const ops::RepeatCounts rows(c.repeat);
           const AttnShape s = c.kernel_shape();
@@ -556,10 +496,12 @@ struct RingAttention {
           T* probs = at(step.probs.data(), c.probs_off);
           const auto narrow =
               kv.narrowed(st, k_off, at(q.narrowed_data(), q_off * st.dqk), q.narrowed());
-          Pieces<T>::attend(st, s, o_p, eager ? probs : lse_p, at(q.data(), q_off * st.dqk),
-                            at(kv.k, k_off * st.dqk), at(kv.v, k_off * st.dv),
-                            eager ? lse_p : nullptr, narrow.any() ? &narrow : nullptr, &scratch);
-          merge_partial(st, g, c, o.data(), merged.data(), o_p, lse_p);
+          ops::attention_forward(st.ctx.attention, s, o_p, eager ? probs : lse_p,
+                                 at(q.data(), q_off * st.dqk), at(kv.k, k_off * st.dqk),
+                                 at(kv.v, k_off * st.dv), eager ? lse_p : nullptr,
+                                 narrow.any() ? &narrow : nullptr, &scratch);
+          ops::lse_merge(c.shape, g.L, g.H, c.b0, c.q_row, o.data(), merged.data(),
+                         static_cast<const T*>(o_p), static_cast<const T*>(lse_p));
         }
       }
       wait(st, pending);
@@ -573,8 +515,8 @@ struct RingAttention {
       if (!step.lse.defined()) continue;
       for (const RingCall& c : step.calls) {
         const ops::RepeatCounts rows(c.repeat);
-        rescale_probs(g, c, at(step.probs.data(), c.probs_off), at(step.lse.data(), c.lse_off),
-                      merged.data());
+        ops::rescale_probs(c.shape, g.L, g.H, c.b0, c.q_row, at(step.probs.data(), c.probs_off),
+                           at(step.lse.data(), c.lse_off), merged.data());
       }
       step.lse.reset();
     }
@@ -598,17 +540,7 @@ struct RingAttention {
     Tensor<T> delta;
     if (eager && ranks > 1) {
       delta = Tensor<T>({st.B, g.H, g.L}, "ring delta");
-      ops::count_elementwise<T>(st.B * g.L * g.H * st.dv, 2);
-      if (ops::runs(st.B * g.L * g.H, {delta.data(), do_loc.data(), o.data()}))
-        for (std::int64_t b = 0; b < st.B; ++b)
-          for (std::int64_t i = 0; i < g.L; ++i)
-            for (std::int64_t h = 0; h < g.H; ++h) {
-              const std::int64_t off = ((b * g.L + i) * g.H + h) * st.dv;
-              T D = 0;
-              for (std::int64_t e = 0; e < st.dv; ++e)
-                D += do_loc.data()[off + e] * o.data()[off + e];
-              delta.data()[(b * g.H + h) * g.L + i] = D;
-            }
+      ops::attention_delta(st.B, g.L, g.H, st.dv, delta.data(), do_loc.data(), o.data());
     }
     Tensor<T> dq = Tensor<T>::zeros({st.B, g.L, g.H * st.dqk}, "dq_h");
     const Tensor<T>* cur = &own;
@@ -645,21 +577,24 @@ struct RingAttention {
         narrow.dout_held = do_loc.narrowed();
         Tensor<bf16> scratch;
         if (rect.keys > 0)  // as ring_calls without documents: a call
-          scratch = Pieces<T>::attention_scratch(ring_widest_call(st, g, step.owner, rect),
-                                                 ops::AttentionPass::backward, &narrow);
+          scratch =
+              ops::attention_scratch<T>(st.ctx.attention, ring_widest_call(st, g, step.owner, rect),
+                                        ops::AttentionPass::backward, &narrow);
         for (const RingCall& c : step.calls) {
           const ops::RepeatCounts rows(c.repeat);
           const AttnShape s = c.kernel_shape();
           const std::int64_t q_off = (c.b0 * g.L + c.q_row) * g.H,
                              k_off = (c.b0 * Lk + c.key0) * g.H;
           T* stat = at(rows_stat.data(), c.lse_off);
-          if (rows_stat.defined()) gather_rows(g, c, eager ? delta.data() : lse.data(), stat);
+          if (rows_stat.defined())
+            ops::gather_stat_rows(c.shape, g.L, g.H, c.b0, c.q_row,
+                                  eager ? delta.data() : lse.data(), stat);
           const auto call =
               kv.narrowed(st, k_off, at(q.narrowed_data(), q_off * st.dqk), q.narrowed());
           narrow.q = call.q, narrow.k = call.k, narrow.v = call.v;
           narrow.dout = at(do_loc.narrowed_data(), q_off * st.dv);
-          Pieces<T>::attend_backward(
-              st, s, at(dq_part.data(), q_off * st.dqk),
+          ops::attention_backward(
+              st.ctx.attention, s, at(dq_part.data(), q_off * st.dqk),
               at(block_k(st, g.H, dkv.data(), Lk).p, k_off * st.dqk),
               at(block_v(st, g.H, dkv.data(), Lk).p, k_off * st.dv),
               at(do_loc.data(), q_off * st.dv), at(q.data(), q_off * st.dqk),

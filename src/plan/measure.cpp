@@ -94,7 +94,7 @@ double flash_rate() {
     attention_flash_backward(sh, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                              v.data(), o.data(), lse.data());
   });
-  // What the time model counts for flash (block.cpp): forward, and backward
+  // What the time model counts for flash (mla/ops_attention.cpp): forward, and backward
   // at (3 dqk + 2 dv) / (dqk + dv) times forward.
   const double fwd = sh.useful_flops_forward();
   return fwd * (1.0 + (3.0 * sh.dqk + 2.0 * sh.dv) / double(sh.dqk + sh.dv)) / s;

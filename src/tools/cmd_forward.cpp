@@ -33,7 +33,7 @@ struct ForwardOptions {
   std::string form = "explicit", attention = "flash";
   // float64: the same forms in double (checks other implementations); bf16:
   // float tensors under bf16 mixed precision (core/precision.hpp)
-  std::string dtype = "float32";
+  RunDtype dtype = RunDtype::fp32;
   int sp = 1, layer = 0;
   bool layer_given = false;  // --layer on the command line (else: the file's one layer)
   std::int64_t batch = 1, seq = 128;
@@ -167,8 +167,8 @@ void run_forward(const ForwardOptions& o) {
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
               << ", form " << describe_variant(variant, layout) << ", attention " << o.attention
-              << ", " << o.dtype << ", sp " << o.sp << " (" << layout.describe() << "), comm "
-              << to_string(o.comm.backend)
+              << ", " << float_name(o.dtype) << ", sp " << o.sp << " (" << layout.describe()
+              << "), comm " << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
   // A config's MoE keys are read (and so validated), never passed over in
   // silence: forward runs the attention block, and says where the MoE runs.
@@ -212,7 +212,7 @@ void run_forward(const ForwardOptions& o) {
     }
     wr.add_metadata("config", cfg.to_json().dump());
     wr.add_metadata("form", to_string(variant));
-    wr.add_metadata("dtype", o.dtype);
+    wr.add_metadata("dtype", float_name(o.dtype));
     if (docs) wr.add_metadata("doc_lens", docs->describe());
     wr.write(o.output);
     std::cout << "wrote " << o.output << "\n";
@@ -263,7 +263,7 @@ void register_forward_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
   add_dtype_option(
-      *sub, [opts](RunDtype d) { opts->dtype = float_name(d); },
+      *sub, [opts](RunDtype d) { opts->dtype = d; },
       {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
       "precision of the run: float32 (the tool's), bf16 (mixed precision: every GEMM "
       "and attention operand rounded to bf16, fp32 sums; flash only; the file stays "
@@ -289,9 +289,9 @@ void register_forward_command(CLI::App& app) {
     for (const CLI::Option* opt : sub->get_options())
       if (opt->count() > 0 && !opt->get_lnames().empty())
         opts->given.insert("--" + opt->get_lnames().front());
-    if (opts->dtype == "float64") {
+    if (opts->dtype == RunDtype::fp64) {
       run_forward<double>(*opts);
-    } else if (opts->dtype == "bf16") {
+    } else if (opts->dtype == RunDtype::bf16) {
       check_precision_supports(Precision::bf16, parse_attention(opts->attention));
       const UsePrecision bf16(Precision::bf16);
       run_forward<float>(*opts);

@@ -36,9 +36,10 @@ struct PlanOptions {
   std::string seq = "4096", sp = "8";
   std::string profile, measure, list_shapes;
   int nodes = 0;
-  // dtype: empty means bf16, or fp32 with --profile this (its figures are
-  // laga's fp32 kernels).
-  std::string dtype, link, json, forms = "all", attention = "flash", overlap = "off";
+  // dtype: none given means bf16, or fp32 with --profile this (its figures
+  // are laga's fp32 kernels).
+  std::optional<PlanDType> dtype;
+  std::string link, json, forms = "all", attention = "flash", overlap = "off";
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce
   bool q_latent = false, quiet = false;
   int head_groups = 0;  // the grid forms (--head-groups); 0: their default rule at each P
@@ -426,8 +427,8 @@ void run_plan(const PlanOptions& o) {
   // kernels': measure times no bf16 shape, so there is no bf16 rate to plan
   // with (the bf16 path's own speed: laga_bench gemm_bf16, flash_bf16).
   const bool this_machine = measuring || o.profile == "this";
-  const std::string dtype = !o.dtype.empty() ? o.dtype : this_machine ? "fp32" : "bf16";
-  LAGA_CHECK(!this_machine || dtype == "fp32", measuring ? "--measure" : "--profile this",
+  const PlanDType dtype = o.dtype ? *o.dtype : this_machine ? PlanDType::fp32 : PlanDType::bf16;
+  LAGA_CHECK(!this_machine || dtype == PlanDType::fp32, measuring ? "--measure" : "--profile this",
              " times laga's fp32 kernels on this machine (not its bf16 path), so it has no "
              "bf16 figures; use --dtype fp32 (the default with ",
              measuring ? "--measure" : "--profile this", ")");
@@ -444,7 +445,7 @@ void run_plan(const PlanOptions& o) {
   LAGA_CHECK(o.model.empty() || !o.attention_config_given,
              "--model sets the attention block too (its MLA config); leave out --preset and "
              "--config, or leave out --model to plan one block");
-  if (o.profile == "this" && o.dtype.empty() && !o.quiet)
+  if (o.profile == "this" && !o.dtype && !o.quiet)
     std::cerr << "laga plan --profile this: planning in fp32, the precision this machine's "
                  "figures are measured in (laga's kernels run fp32)\n";
   PlanRequest q;
@@ -460,7 +461,7 @@ void run_plan(const PlanOptions& o) {
                           parse_overlap_runs(o.overlap));
   q.seq_layout = parse_seq_layout(o.seq_layout);
   q.attention = parse_attention(o.attention);
-  q.dtype = parse_plan_dtype(dtype);
+  q.dtype = dtype;
   q.grad_reduce = o.grad_reduce;
   check_grad_reduce(precision_of(q.dtype), q.grad_reduce);
   // Every GEMM and attention call of the plans the options describe; with
@@ -592,7 +593,8 @@ void register_plan(CLI::App& app) {
                 "allow)")
       ->check(whole_for(1, o->nodes));
   add_dtype_option(
-      *c, [o](RunDtype d) { o->dtype = to_string(d); }, {RunDtype::bf16, RunDtype::fp32},
+      *c, [o](RunDtype d) { o->dtype = d == RunDtype::bf16 ? PlanDType::bf16 : PlanDType::fp32; },
+      {RunDtype::bf16, RunDtype::fp32},
       "element type of the plan: bf16 or fp32 (default bf16; fp32 with --profile this, "
       "whose figures are fp32)");
   add_grad_reduce_option(*c, o->grad_reduce);

@@ -36,7 +36,7 @@ namespace {
 struct TrainCli {
   CommOptions comm;
   std::string form = "laga", attention = "flash", schedule = "constant";
-  std::string dtype = "fp32";                 // --dtype: fp32 | bf16 (TrainOptions::precision)
+  Precision dtype = Precision::fp32;          // --dtype: fp32 | bf16 (TrainOptions::precision)
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce (TrainOptions::grad_reduce)
   int sp = 1;
   std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
@@ -155,7 +155,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.variant.form = parse_form(c.form);
   o.seq_layout = parse_seq_layout(c.seq_layout);
   o.attention = parse_attention(c.attention);
-  o.precision = parse_precision(c.dtype);
+  o.precision = c.dtype;
   o.grad_reduce = c.grad_reduce;
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
@@ -435,7 +435,8 @@ void register_train(CLI::App& app) {
   add_seq_layout_option(*sub, c->seq_layout);
   sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
   add_dtype_option(
-      *sub, [c](RunDtype d) { c->dtype = to_string(d); }, {RunDtype::fp32, RunDtype::bf16},
+      *sub, [c](RunDtype d) { c->dtype = d == RunDtype::bf16 ? Precision::bf16 : Precision::fp32; },
+      {RunDtype::fp32, RunDtype::bf16},
       "precision of the step: fp32, or bf16 mixed precision (every GEMM and "
       "attention operand rounded to bf16, fp32 sums; fp32 master weights, gradients "
       "and AdamW state; flash attention only; docs/performance.md, \"bf16 mixed "

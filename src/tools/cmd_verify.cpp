@@ -25,8 +25,8 @@ struct VerifyOptions {
   std::string sp = "1,2,3,4,8", forms = "all", attention = "flash", json, doc_lens;
   std::int64_t batch = 2, seq = 61;
   std::uint64_t seed = 0;
-  double tol = 1e-5;              // float64 without --tol: 1e-12; bf16: bf16_bound_between_runs
-  std::string dtype = "float32";  // float64: every run in double; bf16: mixed precision
+  double tol = 1e-5;                // float64 without --tol: 1e-12; bf16: bf16_bound_between_runs
+  RunDtype dtype = RunDtype::fp32;  // fp64: every run in double; bf16: mixed precision
   bool q_latent = false;
   std::string overlap = "off";
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
@@ -69,7 +69,7 @@ void run_verify(const VerifyOptions& o) {
   RunSpec spec;
   spec.attention = parse_attention(o.attention);
   const bool report = is_reporting_process(o.comm);
-  const bool bf16 = o.dtype == "bf16";
+  const bool bf16 = o.dtype == RunDtype::bf16;
 
   // The reference runs on one in-process rank on every process: explicit on
   // the whole batch, or with documents each document alone (unpacked), so
@@ -147,7 +147,7 @@ void run_verify(const VerifyOptions& o) {
     << "# reference: " << to_string(reference) << " form on 1 rank"
     << (docs ? ", each document alone" : "")
     << "; |diff| = max over elements, rel = |diff| / max|ref|\n"
-    << "# tolerance: rel <= " << o.tol << " (" << o.dtype << ")"
+    << "# tolerance: rel <= " << o.tol << " (" << float_name(o.dtype) << ")"
     << (docs || bf16 ? ""
                      : ", and " + names_of_forms_with(&FormTraits::exact_at_one_rank) +
                            " at P=1 must be bit-identical (|diff| = 0)")
@@ -175,7 +175,7 @@ void run_verify(const VerifyOptions& o) {
     nlohmann::json j;
     j["config"] = cfg.to_json();
     j["batch"] = o.batch, j["seq"] = o.seq, j["attention"] = o.attention, j["tolerance"] = o.tol;
-    j["dtype"] = o.dtype;
+    j["dtype"] = float_name(o.dtype);
     if (docs) j["doc_lens"] = docs->describe();
     for (const Row& r : rows)
       j["runs"].push_back({{"form", r.form},
@@ -232,7 +232,7 @@ void register_verify_command(CLI::App& app) {
       ->check(whole_for(0, opts->seed))
       ->capture_default_str();
   add_dtype_option(
-      *sub, [opts](RunDtype d) { opts->dtype = float_name(d); },
+      *sub, [opts](RunDtype d) { opts->dtype = d; },
       {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},
       "precision of every run: float32 (the tool's), bf16 (mixed precision: every "
       "GEMM and attention operand rounded to bf16, fp32 sums, in fp32 tensors; flash "
@@ -246,11 +246,11 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
   sub->callback([opts, sub] {
-    if (opts->dtype == "float64") {
+    if (opts->dtype == RunDtype::fp64) {
       // Double rounding, not fp32's, unless the caller chose a tolerance.
       if (sub->count("--tol") == 0) opts->tol = 1e-12;
       run_verify<double>(*opts);
-    } else if (opts->dtype == "bf16") {
+    } else if (opts->dtype == RunDtype::bf16) {
       check_precision_supports(Precision::bf16, parse_attention(opts->attention));
       if (sub->count("--tol") == 0) opts->tol = bf16_bound_between_runs(BlockTensor::gradient);
       const UsePrecision bf16(Precision::bf16);

@@ -1,0 +1,117 @@
+// The kernel table's lookup (op_table.hpp); each backend's rows are in its
+// own file (op_table_cpu.cpp, the CUDA backend's).
+#include "mla/op_table.hpp"
+
+#include "core/error.hpp"
+
+namespace laga {
+
+const char* to_string(ops::Device d) {
+  using ops::Device;
+  return d == Device::cuda ? "cuda" : "cpu";
+}
+
+const char* to_string(ops::Op op) {
+  using ops::Op;
+  switch (op) {
+    case Op::gemm:
+      return "gemm";
+    case Op::attention_forward:
+      return "attention_forward";
+    case Op::attention_backward:
+      return "attention_backward";
+    case Op::latent_attention_forward:
+      return "latent_attention_forward";
+    case Op::latent_attention_backward:
+      return "latent_attention_backward";
+    case Op::fused_latent_attention_forward:
+      return "fused_latent_attention_forward";
+    case Op::fused_latent_attention_backward:
+      return "fused_latent_attention_backward";
+    case Op::lse_merge:
+      return "lse_merge";
+    case Op::rmsnorm_forward:
+      return "rmsnorm_forward";
+    case Op::rmsnorm_backward:
+      return "rmsnorm_backward";
+    case Op::rope_forward:
+      return "rope_forward";
+    case Op::rope_backward:
+      return "rope_backward";
+    case Op::embedding_forward:
+      return "embedding_forward";
+    case Op::embedding_backward:
+      return "embedding_backward";
+    case Op::swiglu_forward:
+      return "swiglu_forward";
+    case Op::swiglu_backward:
+      return "swiglu_backward";
+    case Op::cross_entropy:
+      return "cross_entropy";
+    case Op::adamw:
+      return "adamw";
+  }
+  return "unknown op";
+}
+
+}  // namespace laga
+
+namespace laga::ops {
+
+std::span<const KernelRow> kernel_rows(Device device) {
+  switch (device) {
+    case Device::cpu:
+      return cpu_kernel_rows();
+    case Device::cuda:
+#if defined(LAGA_HAVE_CUDA)
+      return cuda_kernel_rows();
+#else
+      return {};
+#endif
+  }
+  return {};
+}
+
+std::vector<Device> devices_built() {
+  std::vector<Device> d{Device::cpu};
+#if defined(LAGA_HAVE_CUDA)
+  d.push_back(Device::cuda);
+#endif
+  return d;
+}
+
+KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape) {
+  KernelChoice best;
+  bool any_row = false;
+  for (const KernelRow& r : kernel_rows(device)) {
+    if (r.op != op) continue;
+    any_row = true;
+    if (r.why_not && r.why_not(dtype, shape)) continue;
+    if (!best.row || r.rank < best.row->rank) best.row = &r;
+  }
+  if (best.row) return best;
+  // None takes it: every row's reason, asked again (a refusal is the rare
+  // case; a call that is taken builds no message).
+  best.why_not = std::string(to_string(op)) + " " + to_string(dtype) + " on " + to_string(device);
+  if (!any_row) {
+    best.why_not += ": no kernel for this op on " + std::string(to_string(device));
+    if (device == Device::cuda && kernel_rows(device).empty())
+      best.why_not += " (this build has no CUDA backend; build with nvcc present)";
+    return best;
+  }
+  std::string refusals;
+  for (const KernelRow& r : kernel_rows(device))
+    if (r.op == op)
+      refusals += std::string(refusals.empty() ? "" : "; ") + r.name + ": " +
+                  r.why_not(dtype, shape).value_or("?");
+  best.why_not += ": no kernel takes it (" + refusals + ")";
+  return best;
+}
+
+const KernelRow& pick(Device device, Op op, RunDtype dtype, const OpShape& shape) {
+  const KernelChoice c = supports(device, op, dtype, shape);
+  if (!c) fail(c.why_not);
+  return *c.row;
+}
+
+}  // namespace laga::ops

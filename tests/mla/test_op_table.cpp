@@ -1,0 +1,576 @@
+// The kernel table (mla/op_table.hpp), as ggml's test-backend-ops checks its
+// backends: every op on every device this build has, on every kernel variant
+// the table can pick that this machine runs (each switch's settings:
+// LAGA_GEMM_BF16's paths, the flash ISAs, the bf16 flash ISAs), run through
+// its row on small random operands against the naive double reference; and
+// that supports() names the row it picks and refuses what no row takes,
+// naming the refused value.
+//
+// Tolerances, relative to the reference's largest magnitude: fp64 1e-12 (the
+// same sums in another order); fp32 1e-5 (sums of at most 64 terms at
+// 2^-24 each, about 4e-6). bf16 calls get bf16 values as inputs, so a row
+// that computes in fp32 on them (GEMMs summing exact products in fp32, the
+// widening rows, the fused latent kernel, the row-wise ops) meets fp32's;
+// the bf16 flash kernels, which round P and dS, meet the elementwise
+// bounds of tests/kernels/test_attention_flash_bf16.cpp (bf16_bounds).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "core/bf16.hpp"
+#include "core/error.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_flash.hpp"
+#include "kernels/attention_flash_bf16.hpp"
+#include "kernels/attention_flash_latent.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_bf16.hpp"
+#include "kernels/lse_merge.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+#include "mla/form_spec.hpp"
+#include "mla/op_table.hpp"
+
+namespace laga::ops {
+namespace {
+
+constexpr double kU = 1.0 / 256;
+
+double tolerance(RunDtype d) {
+  return d == RunDtype::fp64 ? 1e-12 : 1e-5;
+}
+
+// max |a - ref| <= tol max |ref|.
+void expect_close(const std::vector<double>& a, const std::vector<double>& ref, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), ref.size()) << what;
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(a[i] - ref[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  EXPECT_GT(scale, 0) << what << ": an all-zero reference checks nothing";
+  EXPECT_LE(diff, tol * scale) << what << ": max |diff| " << diff << ", max |ref| " << scale;
+}
+
+// |a - ref| <= tol_i elementwise.
+void expect_within(const std::vector<double>& a, const std::vector<double>& ref,
+                   const std::vector<double>& tol, const std::string& what) {
+  ASSERT_EQ(a.size(), ref.size()) << what;
+  std::size_t bad = 0, worst = 0;
+  double worst_ratio = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double r = std::abs(a[i] - ref[i]) / tol[i];
+    bad += r > 1;
+    if (r > worst_ratio) worst_ratio = r, worst = i;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements out of bounds, worst " << worst << ": "
+                     << a[worst] << " against " << ref[worst] << " (tolerance " << tol[worst]
+                     << ")";
+}
+
+// The bf16 flash kernels' error bounds, per element, as
+// tests/kernels/test_attention_flash_bf16.cpp derives them (bounds_of; its
+// comment gives the reasoning): each term of o and dv carries one rounding
+// of p, each of dq and dk one of dS plus D's error through o's:
+//   A_o = sum_j p |v|,  A_dv = sum_i p |do|,
+//   e_ij = scale p_ij (|dP_ij| + |D_i| + sum_n |do_in| A_o[i,n]),
+//   A_dq = sum_j e_ij |k_j|,  A_dk = sum_i e_ij |q_i|;
+// an output is within u A of the exact one, and the test allows 2 u A (the
+// fp32 sums' own error as margin) plus 2^-20 max |ref| where A is 0.
+struct AttentionBounds {
+  std::vector<double> o, dq, dk, dv;
+};
+AttentionBounds bf16_bounds(const AttnShape& a, const std::vector<double>& q,
+                            const std::vector<double>& k, const std::vector<double>& v,
+                            const std::vector<double>& dout, const std::vector<double>& o,
+                            const std::vector<double>& lse) {
+  AttentionBounds A{std::vector<double>(o.size()), std::vector<double>(q.size()),
+                    std::vector<double>(k.size()), std::vector<double>(v.size())};
+  const std::int64_t group = a.Hq / a.Hk;
+  for (std::int64_t b = 0; b < a.B; ++b)
+    for (std::int64_t h = 0; h < a.Hq; ++h)
+      for (std::int64_t i = 0; i < a.Sq; ++i) {
+        const std::int64_t hk = h / group, qi = ((b * a.Sq + i) * a.Hq + h);
+        const std::int64_t kb = a.key_begin(b, i), ke = a.key_end(i);
+        auto prob = [&](std::int64_t j) {
+          const std::int64_t kj = (b * a.Sk + j) * a.Hk + hk;
+          double sc = 0;
+          for (std::int64_t e = 0; e < a.dqk; ++e) sc += q[qi * a.dqk + e] * k[kj * a.dqk + e];
+          return std::exp(a.scale * sc - lse[(b * a.Hq + h) * a.Sq + i]);
+        };
+        double D = 0, do_ao = 0;
+        for (std::int64_t e = 0; e < a.dv; ++e) D += dout[qi * a.dv + e] * o[qi * a.dv + e];
+        for (std::int64_t j = kb; j < ke; ++j) {
+          const std::int64_t kj = (b * a.Sk + j) * a.Hk + hk;
+          for (std::int64_t e = 0; e < a.dv; ++e)
+            A.o[qi * a.dv + e] += prob(j) * std::abs(v[kj * a.dv + e]);
+        }
+        for (std::int64_t e = 0; e < a.dv; ++e)
+          do_ao += std::abs(dout[qi * a.dv + e]) * A.o[qi * a.dv + e];
+        for (std::int64_t j = kb; j < ke; ++j) {
+          const std::int64_t kj = (b * a.Sk + j) * a.Hk + hk;
+          const double p = prob(j);
+          double dp = 0;
+          for (std::int64_t e = 0; e < a.dv; ++e) dp += dout[qi * a.dv + e] * v[kj * a.dv + e];
+          const double eij = a.scale * p * (std::abs(dp) + std::abs(D) + do_ao);
+          for (std::int64_t e = 0; e < a.dv; ++e)
+            A.dv[kj * a.dv + e] += p * std::abs(dout[qi * a.dv + e]);
+          for (std::int64_t e = 0; e < a.dqk; ++e) {
+            A.dq[qi * a.dqk + e] += eij * std::abs(k[kj * a.dqk + e]);
+            A.dk[kj * a.dqk + e] += eij * std::abs(q[qi * a.dqk + e]);
+          }
+        }
+      }
+  return A;
+}
+std::vector<double> tolerances(const std::vector<double>& A, const std::vector<double>& ref) {
+  double m = 0;
+  for (double r : ref) m = std::max(m, std::abs(r));
+  std::vector<double> t(A.size());
+  for (std::size_t i = 0; i < A.size(); ++i) t[i] = 2 * kU * A[i] + 0x1p-20 * m;
+  return t;
+}
+
+// n random values in [-1, 1], bf16 values when the call is bf16 (so that the
+// reference sees exactly what a bf16 kernel reads).
+std::vector<double> values(std::int64_t n, std::uint64_t seed, RunDtype d) {
+  std::vector<double> v(static_cast<std::size_t>(n));
+  test::fill_random(v.data(), n, seed);
+  if (d == RunDtype::bf16)
+    for (double& x : v) x = double(to_float(to_bf16(float(x))));
+  return v;
+}
+
+// A kernel's operand storage in the element type its row takes: double,
+// float, or bf16 (Bf16Operands::bf16 on a bf16 call).
+struct Buffer {
+  enum class Kind { f64, f32, b16 } kind;
+  std::vector<double> d;
+  std::vector<float> f;
+  std::vector<bf16> h;
+  Buffer(const std::vector<double>& v, Kind k) : kind(k) {
+    if (k == Kind::f64) d = v;
+    if (k == Kind::f32) f.assign(v.begin(), v.end());
+    if (k == Kind::b16)
+      for (double x : v) h.push_back(to_bf16(float(x)));
+  }
+  void* ptr() {
+    return kind == Kind::f64   ? static_cast<void*>(d.data())
+           : kind == Kind::f32 ? static_cast<void*>(f.data())
+                               : static_cast<void*>(h.data());
+  }
+  std::vector<double> get() const {
+    if (kind == Kind::f64) return d;
+    if (kind == Kind::f32) return {f.begin(), f.end()};
+    std::vector<double> r;
+    for (bf16 x : h) r.push_back(to_float(x));
+    return r;
+  }
+};
+Buffer::Kind operand_kind(const KernelRow& row, RunDtype d) {
+  if (d == RunDtype::fp64) return Buffer::Kind::f64;
+  if (d == RunDtype::bf16 && row.operands == Bf16Operands::bf16) return Buffer::Kind::b16;
+  return Buffer::Kind::f32;
+}
+// Outputs: double for fp64, else fp32 (bf16 calls' outputs are fp32 sums).
+Buffer::Kind output_kind(RunDtype d) {
+  return d == RunDtype::fp64 ? Buffer::Kind::f64 : Buffer::Kind::f32;
+}
+
+// 64-byte-aligned scratch for a row's workspace.
+struct Workspace {
+  void* p = nullptr;
+  std::int64_t bytes = 0;
+  Workspace(const KernelRow& row, RunDtype d, const OpShape& s) {
+    if (!row.workspace_bytes) return;
+    bytes = (row.workspace_bytes(d, s) + 63) / 64 * 64;
+    if (bytes > 0) p = std::aligned_alloc(64, static_cast<std::size_t>(bytes));
+  }
+  ~Workspace() { std::free(p); }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+};
+
+const std::vector<RunDtype> kDtypes{RunDtype::fp64, RunDtype::fp32, RunDtype::bf16};
+
+// The row supports() picks, checked to be one of `names` (the row the
+// switches select), or null with the refusal recorded.
+const KernelRow* picked(Device dev, Op op, RunDtype d, const OpShape& s) {
+  const KernelChoice c = supports(dev, op, d, s);
+  if (c) {
+    EXPECT_TRUE(c.why_not.empty());
+  }
+  return c.row;
+}
+
+// Every switch setting this machine runs, each a function selecting it; f
+// runs once per setting.
+template <class F>
+void for_each_variant(F&& f) {
+  const GemmBf16Path gemm0 = gemm_bf16_path();
+  const FlashIsa flash0 = flash_isa();
+  const FlashBf16Isa bf0 = flash_bf16_isa();
+  std::vector<GemmBf16Path> paths{GemmBf16Path::widened_fp32};
+  try {
+    set_gemm_bf16_path(GemmBf16Path::onednn_bf16);
+    paths.push_back(GemmBf16Path::onednn_bf16);
+  } catch (const Error&) {  // no bf16 matmul on this CPU: its row must refuse
+  }
+  for (GemmBf16Path p : paths)
+    for (FlashIsa isa : flash_isas_available())
+      for (FlashBf16Isa bisa : flash_bf16_isas_available()) {
+        set_gemm_bf16_path(p), set_flash_isa(isa), set_flash_bf16_isa(bisa);
+        f(std::string(to_string(p)) + "/" + to_string(isa) + "/" + to_string(bisa));
+      }
+  set_gemm_bf16_path(gemm0), set_flash_isa(flash0), set_flash_bf16_isa(bf0);
+}
+
+// ------------------------------------------------------------------ gemm
+
+void check_gemm(Device dev, RunDtype d, const std::string& tag) {
+  for (const bool ta : {false, true}) {
+    const bool tb = !ta;
+    const std::int64_t m = 7, n = 5, k = 9;
+    const double beta = ta ? 1.0 : 0.0;
+    OpShape s;
+    s.m = m, s.n = n, s.k = k, s.trans_a = ta, s.trans_b = tb;
+    s.lda = ta ? m : k, s.ldb = tb ? k : n, s.ldc = n;
+    const KernelRow* row = picked(dev, Op::gemm, d, s);
+    ASSERT_NE(row, nullptr) << tag << " gemm " << to_string(d);
+    if (d == RunDtype::bf16) {
+      EXPECT_EQ(std::string(row->name), gemm_bf16_path() == GemmBf16Path::onednn_bf16
+                                            ? "gemm_bf16_onednn"
+                                            : "gemm_bf16_widened_fp32");
+    }
+    const std::vector<double> a = values(m * k, 1, d), b = values(k * n, 2, d),
+                              c0 = values(m * n, 3, RunDtype::fp64);
+    std::vector<double> ref = c0;
+    gemm_reference<double>(ta, tb, m, n, k, 0.5, a.data(), s.lda, b.data(), s.ldb, beta, ref.data(),
+                           n);
+    Buffer A(a, operand_kind(*row, d)), B(b, operand_kind(*row, d)), C(c0, output_kind(d));
+    OpCall call;
+    call.op = Op::gemm, call.dtype = d, call.shape = s, call.alpha = 0.5, call.beta = beta;
+    call.in[0] = A.ptr(), call.in[1] = B.ptr(), call.out[0] = C.ptr();
+    row->run(call);
+    expect_close(C.get(), ref, tolerance(d), tag + " " + row->name + " " + to_string(d));
+  }
+}
+
+// ------------------------------------------------------- attention (per-head and latent)
+
+void check_attention(Device dev, RunDtype d, AttentionKind kind, bool latent,
+                     const std::string& tag) {
+  AttnShape a{2, 9, 9, 3, latent ? 1 : 3, latent ? 7 : 6, 5, 0.4, true};
+  OpShape s;
+  s.attn = a, s.attention = kind;
+  const Op fwd = latent ? Op::latent_attention_forward : Op::attention_forward;
+  const Op bwd = latent ? Op::latent_attention_backward : Op::attention_backward;
+  const KernelRow* rf = picked(dev, fwd, d, s);
+  const KernelRow* rb = picked(dev, bwd, d, s);
+  const std::string what = tag + " " + to_string(fwd) + " " + to_string(kind) + " " + to_string(d);
+  if (kind == AttentionKind::eager && d == RunDtype::bf16) {  // no bf16 eager kernel
+    EXPECT_EQ(rf, nullptr) << what;
+    EXPECT_NE(supports(dev, fwd, d, s).why_not.find("bf16"), std::string::npos);
+    return;
+  }
+  ASSERT_NE(rf, nullptr) << what << ": " << supports(dev, fwd, d, s).why_not;
+  ASSERT_NE(rb, nullptr) << what;
+  EXPECT_EQ(std::string(rf->name), rb->name) << what << ": forward and backward on one kernel";
+  if (kind == AttentionKind::flash && d == RunDtype::fp32) {
+    EXPECT_EQ(std::string(rf->name), std::string("flash_") + to_string(flash_isa()));
+  }
+  if (kind == AttentionKind::flash && d == RunDtype::bf16) {
+    EXPECT_EQ(std::string(rf->name), flash_bf16_isa() == FlashBf16Isa::avx512_bf16
+                                         ? "flash_bf16_avx512_bf16"
+                                         : "flash_bf16_widened_fp32");
+  }
+  const std::int64_t nq = a.B * a.Sq * a.Hq * a.dqk, nk = a.B * a.Sk * a.Hk * a.dqk,
+                     nv = a.B * a.Sk * a.Hk * a.dv, no = a.B * a.Sq * a.Hq * a.dv,
+                     nl = a.B * a.Hq * a.Sq;
+  const std::vector<double> q = values(nq, 4, d), k = values(nk, 5, d), v = values(nv, 6, d),
+                            dout = values(no, 7, d);
+  std::vector<double> o_ref(no), lse_ref(nl), dq_ref(nq), dk_ref(nk), dv_ref(nv);
+  attention_reference_forward<double>(a, o_ref.data(), lse_ref.data(), q.data(), k.data(),
+                                      v.data());
+  attention_reference_backward<double>(a, dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(),
+                                       q.data(), k.data(), v.data());
+  const Buffer::Kind in = operand_kind(*rf, d), out = output_kind(d);
+  Buffer Q(q, in), K(k, in), V(v, in), DO(dout, in);
+  const bool eager = kind == AttentionKind::eager;
+  Buffer O(std::vector<double>(no), out), LSE(std::vector<double>(nl), out),
+      STATS(std::vector<double>(eager ? nl * a.Sk : nl), out);
+  {
+    Workspace ws(*rf, d, s);
+    OpCall c;
+    c.op = fwd, c.dtype = d, c.shape = s, c.workspace = ws.p, c.workspace_bytes = ws.bytes;
+    c.in[0] = Q.ptr(), c.in[1] = K.ptr(), c.in[2] = V.ptr();
+    c.out[0] = O.ptr(), c.out[1] = STATS.ptr(), c.out[2] = eager ? LSE.ptr() : nullptr;
+    rf->run(c);
+  }
+  const bool bf16 = d == RunDtype::bf16;
+  AttentionBounds bounds;
+  if (bf16) bounds = bf16_bounds(a, q, k, v, dout, o_ref, lse_ref);
+  auto check = [&](const std::vector<double>& got, const std::vector<double>& ref,
+                   const std::vector<double>& A, const std::string& name) {
+    if (bf16)
+      expect_within(got, ref, tolerances(A, ref), what + " " + rf->name + " " + name);
+    else
+      expect_close(got, ref, tolerance(d), what + " " + rf->name + " " + name);
+  };
+  check(O.get(), o_ref, bounds.o, "o");
+  // lse: fp32 statistics of exact bf16 products (2^-20 relative; the kernel
+  // test's 1e-3 (1 + |lse|) holds any ISA's).
+  expect_close(eager ? LSE.get() : STATS.get(), lse_ref, bf16 ? 1e-5 : tolerance(d), what + " lse");
+  Buffer DQ(std::vector<double>(nq), out), DK(std::vector<double>(nk), out),
+      DV(std::vector<double>(nv), out), DP(std::vector<double>(a.Sq * a.Sk), out);
+  {
+    Workspace ws(*rb, d, s);
+    OpCall c;
+    c.op = bwd, c.dtype = d, c.shape = s, c.workspace = ws.p, c.workspace_bytes = ws.bytes;
+    c.in[0] = DO.ptr(), c.in[1] = Q.ptr(), c.in[2] = K.ptr(), c.in[3] = V.ptr();
+    c.in[4] = O.ptr(), c.in[5] = STATS.ptr(), c.in[6] = nullptr;
+    c.out[0] = DQ.ptr(), c.out[1] = DK.ptr(), c.out[2] = DV.ptr(), c.out[3] = DP.ptr();
+    rb->run(c);
+  }
+  check(DQ.get(), dq_ref, bounds.dq, "dq");
+  check(DK.get(), dk_ref, bounds.dk, "dk");
+  check(DV.get(), dv_ref, bounds.dv, "dv");
+}
+
+// ------------------------------------------------------- the fused latent attention
+
+void check_fused(Device dev, RunDtype d, const std::string& tag) {
+  const std::int64_t H = 2, C = 6, dn = 4, dr = 2, dvh = 3, W = C + dr;
+  AttnShape a{1, 9, 9, H, H, dn + dr, dvh, 0.4, true};
+  OpShape s;
+  s.attn = a, s.attention = AttentionKind::flash, s.C = C, s.dn = dn;
+  s.ld_c = s.ld_k_pe = s.ld_dc = s.ld_dk_pe = W;
+  const KernelRow* rf = picked(dev, Op::fused_latent_attention_forward, d, s);
+  const KernelRow* rb = picked(dev, Op::fused_latent_attention_backward, d, s);
+  const std::string what = tag + " fused_latent_attention " + to_string(d);
+  ASSERT_NE(rf, nullptr) << what;
+  ASSERT_NE(rb, nullptr) << what;
+  const std::int64_t nq = a.B * a.Sq * H * a.dqk, nl = a.B * a.Sk * W, nw = H * (dn + dvh) * C,
+                     no = a.B * a.Sq * H * dvh;
+  const std::vector<double> q = values(nq, 8, d), lat = values(nl, 9, d), w = values(nw, 10, d),
+                            dout = values(no, 11, d);
+  LatentAttnParams<double> p;
+  p.shape = a, p.C = C, p.dn = dn, p.q = q.data(), p.c = lat.data(), p.ld_c = W;
+  p.k_pe = lat.data() + C, p.ld_k_pe = W, p.w_kv = w.data();
+  std::vector<double> o_ref(no), lse_ref(a.B * H * a.Sq), dq_ref(nq), dlat_ref(nl), dw_ref(nw);
+  attention_latent_reference_forward(p, o_ref.data(), lse_ref.data());
+  attention_latent_reference_backward<double>(
+      p, {dq_ref.data(), dlat_ref.data(), W, dlat_ref.data() + C, W, dw_ref.data()}, dout.data());
+  const Buffer::Kind in = operand_kind(*rf, d), out = output_kind(d);
+  Buffer Q(q, in), L(lat, in), Wk(w, in), DO(dout, in);
+  Buffer O(std::vector<double>(no), out), LSE(std::vector<double>(lse_ref.size()), out);
+  OpCall c;
+  c.op = Op::fused_latent_attention_forward, c.dtype = d, c.shape = s;
+  auto* lp = static_cast<unsigned char*>(L.ptr());
+  const std::size_t esz = in == Buffer::Kind::f64 ? 8 : 4;
+  c.in[0] = Q.ptr(), c.in[1] = lp, c.in[2] = lp + C * esz, c.in[3] = Wk.ptr();
+  c.out[0] = O.ptr(), c.out[1] = LSE.ptr();
+  rf->run(c);
+  // bf16 calls run the fp32 kernel on bf16 values: fp32's tolerance.
+  const double tol = tolerance(d == RunDtype::bf16 ? RunDtype::fp32 : d);
+  expect_close(O.get(), o_ref, tol, what + " o");
+  expect_close(LSE.get(), lse_ref, tol, what + " lse");
+  Buffer DQ(std::vector<double>(nq), out), DL(std::vector<double>(nl), out),
+      DW(std::vector<double>(nw), out);
+  c.op = Op::fused_latent_attention_backward;
+  c.in[4] = DO.ptr(), c.in[5] = O.ptr(), c.in[6] = LSE.ptr();
+  auto* dl = static_cast<unsigned char*>(DL.ptr());
+  c.out[0] = DQ.ptr(), c.out[1] = dl, c.out[2] = dl + C * esz, c.out[3] = DW.ptr();
+  rb->run(c);
+  expect_close(DQ.get(), dq_ref, tol, what + " dq");
+  expect_close(DL.get(), dlat_ref, tol, what + " dlat");
+  expect_close(DW.get(), dw_ref, tol, what + " dw_kv");
+}
+
+// ------------------------------------------------------------ row-wise ops
+
+void check_lse_merge(Device dev, RunDtype d, const std::string& tag) {
+  for (const bool first : {false, true}) {
+    const std::int64_t B = 2, L = 5, H = 2, dvh = 3, Sq = 3, b0 = 1, q_row = 2;
+    OpShape s;
+    s.attn = AttnShape{1, Sq, 4, H, H, 1, dvh, 1.0, first};
+    s.rows = L, s.cols = H, s.b0 = b0, s.q_row = q_row;
+    const KernelRow* row = picked(dev, Op::lse_merge, d, s);
+    ASSERT_NE(row, nullptr) << tag;
+    const std::vector<double> o = values(B * L * H * dvh, 12, d), lse = values(B * H * L, 13, d),
+                              op = values(Sq * H * dvh, 14, d), lp = values(H * Sq, 15, d);
+    std::vector<double> o_ref = o, lse_ref = lse;
+    lse_merge_reference<double>({1, Sq, H, dvh, L, b0, q_row, first}, o_ref.data(), lse_ref.data(),
+                                op.data(), lp.data());
+    const Buffer::Kind k = output_kind(d);
+    Buffer O(o, k), LSE(lse, k), OP(op, k), LP(lp, k);
+    OpCall c;
+    c.op = Op::lse_merge, c.dtype = d, c.shape = s;
+    c.in[0] = OP.ptr(), c.in[1] = LP.ptr(), c.out[0] = O.ptr(), c.out[1] = LSE.ptr();
+    row->run(c);
+    const double tol = tolerance(d == RunDtype::bf16 ? RunDtype::fp32 : d);
+    expect_close(O.get(), o_ref, tol, tag + " lse_merge o");
+    expect_close(LSE.get(), lse_ref, tol, tag + " lse_merge lse");
+  }
+}
+
+void check_rmsnorm(Device dev, RunDtype d, const std::string& tag) {
+  const std::int64_t N = 4, C = 8, ldx = 11, lddy = 9, lddx = 10;
+  OpShape s;
+  s.rows = N, s.cols = C, s.lda = ldx, s.ldb = lddy, s.ldc = lddx;
+  const KernelRow* rf = picked(dev, Op::rmsnorm_forward, d, s);
+  const KernelRow* rb = picked(dev, Op::rmsnorm_backward, d, s);
+  ASSERT_NE(rf, nullptr) << tag;
+  ASSERT_NE(rb, nullptr) << tag;
+  const std::vector<double> x = values(N * ldx, 16, d), w = values(C, 17, d),
+                            dy = values(N * lddy, 18, d);
+  std::vector<double> y_ref(N * C), rstd_ref(N), dx_ref(N * lddx), dw_ref(C);
+  rmsnorm_forward_reference<double>(y_ref.data(), rstd_ref.data(), x.data(), ldx, w.data(), N, C,
+                                    1e-6);
+  rmsnorm_backward_reference<double>(dx_ref.data(), lddx, dw_ref.data(), dy.data(), lddy, x.data(),
+                                     ldx, w.data(), rstd_ref.data(), N, C);
+  const Buffer::Kind k = output_kind(d);
+  Buffer X(x, k), Wt(w, k), DY(dy, k), Y(std::vector<double>(N * C), k),
+      R(std::vector<double>(N), k), DX(std::vector<double>(N * lddx), k),
+      DW(std::vector<double>(C), k);
+  OpCall c;
+  c.op = Op::rmsnorm_forward, c.dtype = d, c.shape = s, c.alpha = 1e-6;
+  c.in[0] = X.ptr(), c.in[1] = Wt.ptr(), c.out[0] = Y.ptr(), c.out[1] = R.ptr();
+  rf->run(c);
+  const double tol = tolerance(d == RunDtype::bf16 ? RunDtype::fp32 : d);
+  expect_close(Y.get(), y_ref, tol, tag + " rmsnorm y");
+  OpCall b;
+  b.op = Op::rmsnorm_backward, b.dtype = d, b.shape = s;
+  b.in[0] = DY.ptr(), b.in[1] = X.ptr(), b.in[2] = Wt.ptr(), b.in[3] = R.ptr();
+  b.out[0] = DX.ptr(), b.out[1] = DW.ptr();
+  rb->run(b);
+  expect_close(DW.get(), dw_ref, tol, tag + " rmsnorm dw");
+  std::vector<double> dx = DX.get(), dxr = dx_ref;  // only each row's first C columns are dx
+  for (std::int64_t i = 0; i < N; ++i)
+    for (std::int64_t j = C; j < lddx; ++j) dx[i * lddx + j] = dxr[i * lddx + j] = 0;
+  expect_close(dx, dxr, tol, tag + " rmsnorm dx");
+}
+
+void check_rope(Device dev, RunDtype d, const std::string& tag) {
+  const std::int64_t B = 2, L = 5, H = 2, dim = 4, ld_head = 6, ld_token = H * ld_head, pos0 = 3;
+  RopeParams rp;
+  rp.dim = dim, rp.theta = 100;
+  const RopeTable table(rp, pos0 + L + 4);
+  const std::vector<std::int64_t> positions{0, 1, 2, 0, 1, 7, 8, 2, 3, 4};
+  for (const bool at : {false, true})
+    for (const bool inverse : {false, true}) {
+      OpShape s;
+      s.batch = B, s.tokens = L, s.heads = H, s.ld_token = ld_token, s.ld_head = ld_head;
+      s.pos0 = pos0;
+      const Op op = inverse ? Op::rope_backward : Op::rope_forward;
+      const KernelRow* row = picked(dev, op, d, s);
+      ASSERT_NE(row, nullptr) << tag;
+      const std::vector<double> x = values(B * L * ld_token, 19, d);
+      std::vector<double> ref = x;
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t l = 0; l < L; ++l) {
+          const std::int64_t pos = at ? positions[std::size_t(b * L + l)] : pos0 + l;
+          for (std::int64_t h = 0; h < H; ++h)
+            for (std::int64_t i = 0; i < dim / 2; ++i) {
+              double* e = ref.data() + (b * L + l) * ld_token + h * ld_head + 2 * i;
+              const double cs = table.cos(pos, i), sn = (inverse ? -1 : 1) * table.sin(pos, i);
+              const double x0 = e[0], x1 = e[1];
+              e[0] = x0 * cs - x1 * sn, e[1] = x0 * sn + x1 * cs;
+            }
+        }
+      Buffer X(x, output_kind(d));
+      OpCall c;
+      c.op = op, c.dtype = d, c.shape = s, c.context = &table;
+      c.in[0] = at ? positions.data() : nullptr, c.out[0] = X.ptr();
+      row->run(c);
+      const double tol = tolerance(d == RunDtype::bf16 ? RunDtype::fp32 : d);
+      expect_close(X.get(), ref, tol, tag + " " + to_string(op) + (at ? " at positions" : ""));
+    }
+}
+
+TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
+  for (Device dev : devices_built()) {
+    if (dev != Device::cpu) continue;  // a device's rows need its storage: its own test
+    for_each_variant([&](const std::string& variant) {
+      const std::string tag = std::string(to_string(dev)) + " " + variant;
+      for (RunDtype d : kDtypes) {
+        check_gemm(dev, d, tag);
+        for (AttentionKind kind : {AttentionKind::eager, AttentionKind::flash})
+          for (bool latent : {false, true}) check_attention(dev, d, kind, latent, tag);
+        check_fused(dev, d, tag);
+        check_lse_merge(dev, d, tag);
+        check_rmsnorm(dev, d, tag);
+        check_rope(dev, d, tag);
+      }
+    });
+  }
+}
+
+// Every op the forms ask for has a CPU row (the test above runs each for
+// every dtype); the model's ops (mla/ops_model.hpp fills their rows) are not
+// asked here. Every row names its device, kernel and refusals.
+TEST(OpTable, EveryBlockOpHasACpuRow) {
+  for (int i = 0; i <= int(Op::rope_backward); ++i) {
+    const Op op = Op(i);
+    bool any = false;
+    for (const KernelRow& r : kernel_rows(Device::cpu)) any = any || (r.op == op);
+    EXPECT_TRUE(any) << to_string(op) << " has no CPU row";
+  }
+  for (const KernelRow& r : kernel_rows(Device::cpu)) {
+    EXPECT_EQ(r.device, Device::cpu) << r.name;
+    EXPECT_NE(r.run, nullptr) << r.name;
+    EXPECT_NE(r.why_not, nullptr) << r.name;
+  }
+}
+
+// What no row takes is refused, naming the value.
+TEST(OpTable, RefusalsNameTheUnsupportedValue) {
+  OpShape s;
+  s.attn = AttnShape{1, 4, 4, 4, 2, 8, 8, 1.0, true};
+  s.attention = AttentionKind::flash;
+  const KernelChoice latent =
+      supports(Device::cpu, Op::latent_attention_forward, RunDtype::fp32, s);
+  EXPECT_FALSE(latent);
+  EXPECT_NE(latent.why_not.find("Hk 2"), std::string::npos) << latent.why_not;
+  EXPECT_EQ(std::string(latent.name()), "none");
+
+  s.attention = AttentionKind::eager;
+  const KernelChoice eager = supports(Device::cpu, Op::attention_forward, RunDtype::bf16, s);
+  EXPECT_FALSE(eager);
+  EXPECT_NE(eager.why_not.find("dtype bf16"), std::string::npos) << eager.why_not;
+  EXPECT_NE(eager.why_not.find("attention_forward bf16 on cpu"), std::string::npos)
+      << eager.why_not;
+  try {
+    pick(Device::cpu, Op::attention_forward, RunDtype::bf16, s);
+    ADD_FAILURE() << "pick took what supports refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find(eager.why_not) != std::string::npos, true) << e.what();
+  }
+
+  // Where this CPU lacks AVX512_BF16, its row refuses naming what is missing;
+  // where it has it, the fp32 switch setting makes it refuse naming the switch.
+  s.attention = AttentionKind::flash;
+  s.attn.Hk = 4;
+  const FlashBf16Isa before = set_flash_bf16_isa(FlashBf16Isa::fp32);
+  const KernelChoice bf = supports(Device::cpu, Op::attention_forward, RunDtype::bf16, s);
+  ASSERT_TRUE(bf) << bf.why_not;
+  EXPECT_EQ(std::string(bf.name()), "flash_bf16_widened_fp32");
+  set_flash_bf16_isa(before);
+
+  if (std::find(devices_built().begin(), devices_built().end(), Device::cuda) ==
+      devices_built().end()) {
+    const KernelChoice cuda = supports(Device::cuda, Op::gemm, RunDtype::fp32, OpShape{});
+    EXPECT_FALSE(cuda);
+    EXPECT_NE(cuda.why_not.find("no CUDA backend"), std::string::npos) << cuda.why_not;
+  }
+}
+
+}  // namespace
+}  // namespace laga::ops
