@@ -48,6 +48,8 @@ const char* to_string(ops::Op op) {
       return "swiglu_backward";
     case Op::cross_entropy:
       return "cross_entropy";
+    case Op::cross_entropy_backward:
+      return "cross_entropy_backward";
     case Op::adamw:
       return "adamw";
   }

@@ -96,12 +96,24 @@ enum class Op {
   // out: x. backward is the inverse rotation.
   rope_forward,
   rope_backward,
-  // The model's ops (mla/ops_model.hpp fills their rows and slots).
+  // The model's ops (mla/ops_model.hpp), dense rows (ld = cols):
+  // embedding_forward   in: ids (int32, shape.rows), table (shape.n, shape.cols);
+  //                     out: rows of the table.
+  // embedding_backward  in: dout (rows, cols), ids; out: dtable (added to).
+  // swiglu_forward      shape.rows elements; in: a, b; out: h = silu(a) b.
+  // swiglu_backward     in: dh, a, b; out: da, db.
+  // cross_entropy       shape.rows x shape.cols logits; in: logits, targets
+  //                     (int32); out: loss (rows), lse (double, rows).
+  // cross_entropy_backward  in: logits, lse (double), targets; out: dlogits
+  //                     (may be the logits); OpCall::alpha: the loss's scale.
+  // adamw               shape.rows parameters; in: g; out: p, m, v;
+  //                     shape.k: the step; context: the AdamWHyper.
   embedding_forward,
   embedding_backward,
   swiglu_forward,
   swiglu_backward,
   cross_entropy,
+  cross_entropy_backward,
   adamw,
 };
 inline constexpr int kOpCount = int(Op::adamw) + 1;

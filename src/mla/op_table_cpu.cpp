@@ -231,6 +231,56 @@ Why f64_f32_bf16(RunDtype d, const OpShape&) {
 template <class T>
 constexpr RunDtype dtype_of = std::is_same_v<T, double> ? RunDtype::fp64 : RunDtype::fp32;
 
+// The model's kernels, unpacked from their slots (op_table.hpp, Op).
+template <class F>
+void by_dtype(const OpCall& c, F&& f) {
+  if (c.dtype == RunDtype::fp64)
+    f(double{});
+  else
+    f(float{});
+}
+template <class T>
+void run_embedding(const OpCall& c) {
+  embedding_forward(static_cast<T*>(c.out[0]), static_cast<const std::int32_t*>(c.in[0]),
+                    static_cast<const T*>(c.in[1]), c.shape.rows, c.shape.n, c.shape.cols);
+}
+template <class T>
+void run_embedding_backward(const OpCall& c) {
+  embedding_backward(static_cast<T*>(c.out[0]), static_cast<const T*>(c.in[0]),
+                     static_cast<const std::int32_t*>(c.in[1]), c.shape.rows, c.shape.n,
+                     c.shape.cols);
+}
+template <class T>
+void run_swiglu(const OpCall& c) {
+  swiglu_forward(static_cast<T*>(c.out[0]), static_cast<const T*>(c.in[0]),
+                 static_cast<const T*>(c.in[1]), c.shape.rows);
+}
+template <class T>
+void run_swiglu_backward(const OpCall& c) {
+  swiglu_backward(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                  static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                  static_cast<const T*>(c.in[2]), c.shape.rows);
+}
+template <class T>
+void run_cross_entropy(const OpCall& c) {
+  cross_entropy_forward(static_cast<T*>(c.out[0]), static_cast<double*>(c.out[1]),
+                        static_cast<const T*>(c.in[0]), static_cast<const std::int32_t*>(c.in[1]),
+                        c.shape.rows, c.shape.cols);
+}
+template <class T>
+void run_cross_entropy_backward(const OpCall& c) {
+  cross_entropy_backward(static_cast<T*>(c.out[0]), static_cast<const T*>(c.in[0]),
+                         static_cast<const double*>(c.in[1]),
+                         static_cast<const std::int32_t*>(c.in[2]), c.alpha, c.shape.rows,
+                         c.shape.cols);
+}
+template <class T>
+void run_adamw(const OpCall& c) {
+  adamw_step(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]), static_cast<T*>(c.out[2]),
+             static_cast<const T*>(c.in[0]), c.shape.rows, c.shape.k,
+             *static_cast<const AdamWHyper*>(c.context));
+}
+
 #define LAGA_ROW_DTYPE(T) [](RunDtype d, const OpShape&) { return dtype_not_in(d, {dtype_of<T>}); }
 
 const KernelRow kRows[] = {
@@ -412,7 +462,31 @@ const KernelRow kRows[] = {
      0, Bf16Operands::fp32_values},
 
     // The model's ops (embedding, SwiGLU, cross-entropy, AdamW): their rows
-    // here, their op-layer functions in mla/ops_model.hpp.
+    // here, their op-layer functions in mla/ops_model.hpp. A bf16 run's
+    // model ops move fp32 containers (ops_model.hpp, "Precision").
+    {Device::cpu, Op::embedding_forward, "embedding", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_embedding<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
+    {Device::cpu, Op::embedding_backward, "embedding", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_embedding_backward<decltype(t)>(c); }); },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::swiglu_forward, "swiglu", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_swiglu<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
+    {Device::cpu, Op::swiglu_backward, "swiglu", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_swiglu_backward<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
+    {Device::cpu, Op::cross_entropy, "cross_entropy", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_cross_entropy<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
+    {Device::cpu, Op::cross_entropy_backward, "cross_entropy", &f64_f32_bf16,
+     [](const OpCall& c) {
+       by_dtype(c, [&](auto t) { run_cross_entropy_backward<decltype(t)>(c); });
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::adamw, "adamw", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_adamw<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
 };
 #undef LAGA_ROW_DTYPE
 

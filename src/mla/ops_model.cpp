@@ -4,9 +4,7 @@
 #include <cstring>
 
 #include "core/rng.hpp"
-#include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
-#include "kernels/swiglu.hpp"
 
 namespace laga::ops {
 
@@ -35,7 +33,11 @@ void embedding(Mat<T> out, const std::int32_t* ids, const Tensor<T>& table) {
   const std::int64_t N = out.rows, V = table.dim(0), D = out.cols;
   count_elementwise<T>(N * D, 2);
   if (!runs(N * D, {out.p, ids, table.data()})) return;
-  embedding_forward(out.p, ids, table.data(), N, V, D);
+  OpCall c;
+  c.op = Op::embedding_forward, c.dtype = op_dtype<T>();
+  c.shape.rows = N, c.shape.n = V, c.shape.cols = D;
+  c.in[0] = ids, c.in[1] = table.data(), c.out[0] = out.p;
+  run_kernel(c);
 }
 
 template <class T>
@@ -46,7 +48,11 @@ void embedding_backward(Tensor<T>& dtable, In<T> dout, const std::int32_t* ids) 
   const std::int64_t N = dout.rows, V = dtable.dim(0), D = dout.cols;
   count_elementwise<T>(N * D, 3);
   if (!runs(N * D, {dtable.data(), dout.p, ids})) return;
-  laga::embedding_backward(dtable.data(), dout.p, ids, N, V, D);
+  OpCall c;
+  c.op = Op::embedding_backward, c.dtype = op_dtype<T>();
+  c.shape.rows = N, c.shape.n = V, c.shape.cols = D;
+  c.in[0] = dout.p, c.in[1] = ids, c.out[0] = dtable.data();
+  run_kernel(c);
 }
 
 template <class T>
@@ -56,7 +62,10 @@ void swiglu(Mat<T> h, In<T> a, In<T> b) {
   const std::int64_t n = h.rows * h.cols;
   count_elementwise<T>(n, 3);
   if (!runs(n, {h.p, a.p, b.p})) return;
-  swiglu_forward(h.p, a.p, b.p, n);
+  OpCall c;
+  c.op = Op::swiglu_forward, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = a.p, c.in[1] = b.p, c.out[0] = h.p;
+  run_kernel(c);
 }
 
 template <class T>
@@ -68,7 +77,10 @@ void swiglu_backward(Mat<T> da, Mat<T> db, In<T> dh, In<T> a, In<T> b) {
   const std::int64_t n = da.rows * da.cols;
   count_elementwise<T>(n, 5);
   if (!runs(n, {da.p, db.p, dh.p, a.p, b.p})) return;
-  laga::swiglu_backward(da.p, db.p, dh.p, a.p, b.p, n);
+  OpCall c;
+  c.op = Op::swiglu_backward, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = dh.p, c.in[1] = a.p, c.in[2] = b.p, c.out[0] = da.p, c.out[1] = db.p;
+  run_kernel(c);
 }
 
 template <class T>
@@ -83,7 +95,10 @@ double cross_entropy(Tensor<T>& loss, Tensor<double>& lse, In<T> logits,
   count_elementwise<double>(N, 1);
   double sum = 0.0;  // sequential: the same bits on every backend
   if (!runs(N, {loss.data(), lse.data(), logits.p, targets})) return sum;
-  cross_entropy_forward(loss.data(), lse.data(), logits.p, targets, N, V);
+  OpCall c;
+  c.op = Op::cross_entropy, c.dtype = op_dtype<T>(), c.shape.rows = N, c.shape.cols = V;
+  c.in[0] = logits.p, c.in[1] = targets, c.out[0] = loss.data(), c.out[1] = lse.data();
+  run_kernel(c);
   for (std::int64_t i = 0; i < N; ++i) sum += loss[i];
   return sum;
 }
@@ -99,7 +114,11 @@ void cross_entropy_backward(Mat<T> dlogits, In<T> logits, const Tensor<double>& 
              lse.numel(), " lse");
   count_elementwise<T>(N * V, 2);
   if (!runs(N * V, {dlogits.p, logits.p, lse.data(), targets})) return;
-  laga::cross_entropy_backward(dlogits.p, logits.p, lse.data(), targets, scale, N, V);
+  OpCall c;
+  c.op = Op::cross_entropy_backward, c.dtype = op_dtype<T>(), c.shape.rows = N, c.shape.cols = V;
+  c.in[0] = logits.p, c.in[1] = lse.data(), c.in[2] = targets, c.out[0] = dlogits.p;
+  c.alpha = scale;
+  run_kernel(c);
 }
 
 template <class T>
@@ -111,7 +130,11 @@ void adamw(Tensor<T>& p, Tensor<T>& m, Tensor<T>& v, const Tensor<T>& g, std::in
              " gradients");
   count_elementwise<T>(n, 7);
   if (!runs(n, {p.data(), m.data(), v.data(), g.data()})) return;
-  adamw_step(p.data(), m.data(), v.data(), g.data(), n, step, h);
+  OpCall c;
+  c.op = Op::adamw, c.dtype = op_dtype<T>(), c.shape.rows = n, c.shape.k = step;
+  c.in[0] = g.data(), c.out[0] = p.data(), c.out[1] = m.data(), c.out[2] = v.data();
+  c.context = &h;
+  run_kernel(c);
 }
 
 template <class T>
