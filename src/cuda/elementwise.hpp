@@ -1,0 +1,49 @@
+// laga's small device kernels (elementwise.cu): RMSNorm and interleaved RoPE
+// with their backward, and the ring's merge of partial attention outputs by
+// log-sum-exp. fp32 on the device; the math is the CPU kernels' (read
+// kernels/rmsnorm.hpp, kernels/rope.hpp and mla/ring.hpp's merge_partial),
+// every pointer a device pointer with its shape beside it.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/rope.hpp"
+
+namespace laga::cuda {
+
+// y (N, C) contiguous, x (N, C) with row stride ldx, w (C), rstd (N) written.
+void rmsnorm_forward(float* y, float* rstd, const float* x, std::int64_t ldx, const float* w,
+                     std::int64_t N, std::int64_t C, double eps, void* stream = nullptr);
+// dx (N, C) stride lddx overwritten; dw (C) added to (one thread per column
+// sums the rows in order: deterministic); dy stride lddy, x stride ldx.
+void rmsnorm_backward(float* dx, std::int64_t lddx, float* dw, const float* dy, std::int64_t lddy,
+                      const float* x, std::int64_t ldx, const float* w, const float* rstd,
+                      std::int64_t N, std::int64_t C, void* stream = nullptr);
+
+// A RopeTable's cos and sin on the device, fp32 (positions, dim / 2) each,
+// rounded from the table's doubles.
+struct DeviceRope {
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  std::int64_t dim = 0, positions = 0;
+};
+
+// kernels/rope.hpp's rope_apply on the device: x's rope part, element i of
+// token (b, l) and head h at x + (b L + l) ld_token + h ld_head + i, rotated
+// in place at position positions[b L + l] (device, (B, L)) or, when
+// positions is null, at pos0 + l. inverse: the backward. A position outside
+// [0, table.positions) is clamped away (the kernel leaves that token
+// unrotated): the caller checks positions on the host, as rope_apply_at does.
+void rope_apply(float* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
+                std::int64_t ld_head, std::int64_t pos0, const std::int64_t* positions,
+                const DeviceRope& table, bool inverse, void* stream = nullptr);
+
+// The ring's merge (mla/ring.hpp, merge_partial, a step after the first):
+// o (B, Sq, H, dv) and lse (B, H, Sq) the running output, o_p and lse_p a
+// step's, all contiguous:
+//   m = max(lse, lse_p), merged = m + log(e^(lse - m) + e^(lse_p - m)),
+//   o = e^(lse - merged) o + e^(lse_p - merged) o_p,  lse = merged.
+void lse_merge(float* o, float* lse, const float* o_p, const float* lse_p, std::int64_t B,
+               std::int64_t Sq, std::int64_t H, std::int64_t dv, void* stream = nullptr);
+
+}  // namespace laga::cuda
