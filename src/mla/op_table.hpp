@@ -1,0 +1,209 @@
+// The kernel table: which kernel runs an op, per backend (issue 52, "the
+// seam"; docs/architecture.md, "The op layer and the kernel table", and
+// "Adding a kernel"). ggml's supports_op is the model: every backend lists
+// its kernels as rows (KernelRow), each row saying which (op, dtype, shape)
+// it takes, and the op layer (mla/ops.hpp) asks the table for the row to
+// run, never a kernel's own switch. A refusal names the unsupported value,
+// flashinfer-style ("rope_backward on cuda: no kernel for dtype fp64").
+//
+// Closed sets are enums end to end: the op (Op), the element type (RunDtype,
+// core/precision.hpp: fp64, fp32, or bf16 mixed precision -- bf16 operands,
+// fp32 sums), the backend (Device).
+//
+// What a row is: its device, op and name; `why_not(dtype, shape)`, null when
+// the row takes the call, else a sentence naming what it cannot take; `rank`,
+// which of several rows taking a call is picked (the lowest; a CPU row whose
+// selection follows an environment switch -- LAGA_GEMM_BF16,
+// LAGA_FLASH_ISA, LAGA_FLASH_BF16_ISA -- answers `why_not` with that
+// switch's current choice, so the switches keep working as they did); and
+// `run`, the kernel behind one signature, void(const OpCall&): the call's
+// operands in slots, as ggml's tensors carry src[] (the slot layout of each
+// op is below, beside the op). `operands` says in what form the op layer
+// hands bf16 operands to the row (as bf16, or as fp32 holding bf16 values,
+// where a kernel widens).
+//
+// How a backend registers its rows: one function returning its rows,
+// declared here (cpu_kernel_rows, op_table_cpu.cpp; cuda_kernel_rows, the
+// CUDA backend's file, built when LAGA_HAVE_CUDA is defined) and listed in
+// kernel_rows() (op_table.cpp). Adding a kernel = its file plus its row.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/precision.hpp"
+#include "kernels/attention.hpp"
+
+namespace laga {
+enum class AttentionKind;  // mla/form_spec.hpp: eager, flash
+}
+
+namespace laga::ops {
+
+// Where a kernel runs.
+enum class Device { cpu, cuda };
+const char* to_string(Device d);  // "cpu", "cuda"
+
+// Every computation a form or the model asks the op layer for. Operand slots
+// (OpCall::in, OpCall::out) and the shape fields each reads, per op; element
+// type per RunDtype (fp64: double; fp32: float; bf16: see KernelRow::operands,
+// outputs fp32 unless said). Row-major, strides in elements.
+enum class Op {
+  // C (m, n) = alpha op(A) op(B) + beta C; op(A) (m, k). in: A, B; out: C.
+  // shape: m, n, k, lda, ldb, ldc, trans_a, trans_b; OpCall alpha, beta.
+  // bf16: A and B bf16 (KernelRow::operands), C the fp32 sums; the op layer
+  // rounds a fresh product (beta 0) afterwards (mla/ops.hpp, "Precision").
+  gemm,
+  // Multi-head attention (kernels/attention.hpp), shape.attn, and
+  // shape.attention (eager or flash, what --attention asked for).
+  // forward  in: q, k, v; out: o, stats (flash: lse (B, Hq, Sq); eager:
+  //          probs (B, Hq, Sq, Sk)), eager_lse (eager only, may be null).
+  // backward in: dout, q, k, v, o, stats, eager_delta (may be null);
+  //          out: dq, dk, dv, eager dp scratch (Sq Sk).
+  attention_forward,
+  attention_backward,
+  // Latent-space (absorbed) attention: one shared key/value head
+  // (shape.attn.Hk == 1, keys [c | k_pe], values c). Slots as attention_*.
+  latent_attention_forward,
+  latent_attention_backward,
+  // Flash attention with the latent up-projection inside
+  // (kernels/attention_flash_latent.hpp); shape.attn, shape.C, shape.dn.
+  // forward  in: q, c (ld shape.ld_c), k_pe (ld shape.ld_k_pe), w_kv;
+  //          out: o, lse.
+  // backward in: the same four, dout, o, lse;
+  //          out: dq, dc (ld shape.ld_dc), dk_pe (ld shape.ld_dk_pe), dw_kv (added to).
+  fused_latent_attention_forward,
+  fused_latent_attention_backward,
+  // A ring step's partial output merged into the rank's by log-sum-exp
+  // (kernels/lse_merge.hpp). shape.attn: the step's call (B, Sq, dv; causal:
+  // the diagonal, the first, copied); shape.rows: the rank's query rows L,
+  // shape.cols: heads H, shape.b0, shape.q_row: where the call's rows sit.
+  // in: o_p, lse_p; out: o, lse (updated in place).
+  lse_merge,
+  // RMSNorm (kernels/rmsnorm.hpp) of shape.rows rows of shape.cols.
+  // forward  in: x (ld shape.lda), w; out: y, rstd. OpCall::alpha = eps.
+  // backward in: dy (ld shape.ldb), x (ld shape.lda), w, rstd;
+  //          out: dx (ld shape.ldc), dw (added to).
+  rmsnorm_forward,
+  rmsnorm_backward,
+  // Interleaved RoPE (kernels/rope.hpp, rope_apply / rope_apply_at) in
+  // place: shape.batch rows of shape.tokens tokens of shape.heads heads, the
+  // token stride shape.ld_token, the head stride shape.ld_head, positions
+  // pos0 .. or (in[0], not null) each token's; context: the RopeTable.
+  // out: x. backward is the inverse rotation.
+  rope_forward,
+  rope_backward,
+  // The model's ops (mla/ops_model.hpp fills their rows and slots).
+  embedding_forward,
+  embedding_backward,
+  swiglu_forward,
+  swiglu_backward,
+  cross_entropy,
+  adamw,
+};
+inline constexpr int kOpCount = int(Op::adamw) + 1;
+const char* to_string(Op op);  // the enumerator's name
+
+// An op's extents: the fields its row of Op reads (the others stay 0).
+struct OpShape {
+  // gemm; rmsnorm's strides (lda: x, ldb: dy, ldc: dx)
+  std::int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  bool trans_a = false, trans_b = false;
+  // the attention ops
+  AttnShape attn{};
+  AttentionKind attention{};  // attention_*: eager or flash (value-initialised: eager)
+  // the fused latent attention: latent width, nope width and operand strides
+  std::int64_t C = 0, dn = 0, ld_c = 0, ld_k_pe = 0, ld_dc = 0, ld_dk_pe = 0;
+  // row-wise ops (rmsnorm, lse_merge, the model's)
+  std::int64_t rows = 0, cols = 0, b0 = 0, q_row = 0;
+  // rope
+  std::int64_t batch = 0, tokens = 0, heads = 0, ld_token = 0, ld_head = 0, pos0 = 0;
+};
+
+// One call as a kernel receives it.
+struct OpCall {
+  Op op{};
+  RunDtype dtype = RunDtype::fp32;
+  OpShape shape{};
+  const void* in[8] = {};
+  void* out[4] = {};
+  double alpha = 1, beta = 0;  // gemm; rmsnorm: alpha is eps
+  // Scratch the op layer made for the call (a pool tensor, so that the pool
+  // and the memory model count it): KernelRow::workspace_bytes of it.
+  void* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
+  const void* context = nullptr;  // op-specific (rope: the RopeTable; see Op)
+};
+
+using KernelFn = void (*)(const OpCall&);
+
+// How a row takes a bf16 call's operands: as bf16, or as fp32 containers
+// holding bf16 values (a kernel that widens; the op layer's copies are then
+// 4 bytes an element).
+enum class Bf16Operands { bf16, fp32_values };
+
+struct KernelRow {
+  Device device{};
+  Op op{};
+  const char* name = "";  // names the kernel in reports: "flash_avx512", "gemm_bf16_onednn"
+  // Null when the row takes (dtype, shape) on this machine now; else why not,
+  // naming the value (dtype, extent, ISA, switch) it refuses.
+  std::optional<std::string> (*why_not)(RunDtype, const OpShape&) = nullptr;
+  KernelFn run = nullptr;
+  int rank = 0;  // among rows that take a call, the lowest is picked
+  Bf16Operands operands = Bf16Operands::bf16;
+  // Scratch one call needs besides its operands (null: none).
+  std::int64_t (*workspace_bytes)(RunDtype, const OpShape&) = nullptr;
+};
+
+// What the table answers: the row it picked, or why none takes the call
+// (every row's refusal, joined, or that the device has no row for the op).
+struct KernelChoice {
+  const KernelRow* row = nullptr;
+  std::string why_not;  // empty when row is set
+  explicit operator bool() const { return row != nullptr; }
+  const char* name() const { return row ? row->name : "none"; }
+};
+
+// Each backend's rows (op_table_cpu.cpp; the CUDA backend's file).
+std::span<const KernelRow> cpu_kernel_rows();
+#if defined(LAGA_HAVE_CUDA)
+std::span<const KernelRow> cuda_kernel_rows();
+#endif
+// Every row of `device` (empty for a device this build has no backend for).
+std::span<const KernelRow> kernel_rows(Device device);
+// Every device this build has a backend for: cpu, and cuda when built.
+std::vector<Device> devices_built();
+
+// The row that runs (op, dtype, shape) on `device`, or why none does.
+KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape);
+// As supports(), throwing laga::Error with its why_not when none does.
+const KernelRow& pick(Device device, Op op, RunDtype dtype, const OpShape& shape);
+
+// The device this thread's ops run on: cpu unless a UseDevice scope says
+// (the CUDA backend's runs; a thread-local as op_precision is).
+inline thread_local Device op_device = Device::cpu;
+class UseDevice {
+ public:
+  explicit UseDevice(Device d) : previous_(op_device) { op_device = d; }
+  ~UseDevice() { op_device = previous_; }
+  UseDevice(const UseDevice&) = delete;
+  UseDevice& operator=(const UseDevice&) = delete;
+
+ private:
+  Device previous_;
+};
+
+// This thread's dtype for T: fp64 for double, else bf16 or fp32 by
+// op_precision (core/precision.hpp).
+template <class T>
+RunDtype op_dtype() {
+  if constexpr (std::is_same_v<T, double>) return RunDtype::fp64;
+  return op_precision == Precision::bf16 ? RunDtype::bf16 : RunDtype::fp32;
+}
+
+}  // namespace laga::ops

@@ -1,0 +1,422 @@
+// The CPU backend's kernel table (op_table.hpp): one row per kernel variant
+// the CPU build has. The environment switches that chose a variant before
+// the table existed still do (kernels/gemm_bf16.hpp, LAGA_GEMM_BF16;
+// kernels/attention_flash.hpp, LAGA_FLASH_ISA;
+// kernels/attention_flash_bf16.hpp, LAGA_FLASH_BF16_ISA): the rows they
+// choose between answer why_not with the switch's current choice, so
+// exactly one of them takes a call, and a row naming an ISA this machine
+// lacks refuses naming what is missing.
+#include <algorithm>
+#include <string>
+
+#include "core/bf16.hpp"
+#include "kernels/adamw.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_flash.hpp"
+#include "kernels/attention_flash_bf16.hpp"
+#include "kernels/attention_flash_latent.hpp"
+#include "kernels/cross_entropy.hpp"
+#include "kernels/embedding.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_bf16.hpp"
+#include "kernels/lse_merge.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+#include "kernels/swiglu.hpp"
+#include "mla/form_spec.hpp"
+#include "mla/op_table.hpp"
+
+namespace laga::ops {
+
+namespace {
+
+using Why = std::optional<std::string>;
+
+Why dtype_not_in(RunDtype d, std::initializer_list<RunDtype> ok) {
+  for (RunDtype o : ok)
+    if (o == d) return std::nullopt;
+  std::string names;
+  for (RunDtype o : ok) names += std::string(names.empty() ? "" : " or ") + to_string(o);
+  return std::string("dtype ") + to_string(d) + " (it takes " + names + ")";
+}
+
+// ------------------------------------------------------------------ gemm
+
+template <class T>
+void run_gemm(const OpCall& c) {
+  const OpShape& s = c.shape;
+  laga::gemm<T>(s.trans_a, s.trans_b, s.m, s.n, s.k, T(c.alpha), static_cast<const T*>(c.in[0]),
+                s.lda, static_cast<const T*>(c.in[1]), s.ldb, T(c.beta), static_cast<T*>(c.out[0]),
+                s.ldc);
+}
+void run_gemm_bf16(const OpCall& c) {
+  const OpShape& s = c.shape;
+  gemm_bf16<float>(s.trans_a, s.trans_b, s.m, s.n, s.k, float(c.alpha),
+                   static_cast<const bf16*>(c.in[0]), s.lda, static_cast<const bf16*>(c.in[1]),
+                   s.ldb, float(c.beta), static_cast<float*>(c.out[0]), s.ldc);
+}
+Why gemm_bf16_takes(GemmBf16Path path, RunDtype d) {
+  if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;
+  if (gemm_bf16_path() != path)
+    return std::string("LAGA_GEMM_BF16 (gemm_bf16_path) selects ") + to_string(gemm_bf16_path());
+  return std::nullopt;
+}
+
+// ------------------------------------------------- per-head and latent attention
+
+AttentionKind kind(const OpShape& s) {
+  return s.attention;
+}
+Why flash_only(const OpShape& s) {
+  if (kind(s) != AttentionKind::flash)
+    return std::string("attention ") + to_string(kind(s)) + " (a flash kernel)";
+  return std::nullopt;
+}
+Why eager_only(const OpShape& s) {
+  if (kind(s) != AttentionKind::eager)
+    return std::string("attention ") + to_string(kind(s)) + " (the eager kernel)";
+  return std::nullopt;
+}
+Why flash_isa_is(FlashIsa isa) {
+  const std::vector<FlashIsa> have = flash_isas_available();
+  if (std::find(have.begin(), have.end(), isa) == have.end())
+    return std::string("ISA ") + to_string(isa) + ": this build or CPU does not run it";
+  if (flash_isa() != isa)
+    return std::string("LAGA_FLASH_ISA (flash_isa) selects ") + to_string(flash_isa());
+  return std::nullopt;
+}
+Why flash_bf16_isa_is(FlashBf16Isa isa) {
+  if (isa == FlashBf16Isa::avx512_bf16)
+    if (const char* why = flash_bf16_why_no_avx512_bf16())
+      return std::string("ISA avx512_bf16: ") + why;
+  if (flash_bf16_isa() != isa)
+    return std::string("LAGA_FLASH_BF16_ISA (flash_bf16_isa) selects ") +
+           to_string(flash_bf16_isa());
+  return std::nullopt;
+}
+// A latent (absorbed) call has one shared key/value head; a per-head call
+// as many as its query heads.
+Why heads_fit(Op op, const OpShape& s) {
+  const bool latent = op == Op::latent_attention_forward || op == Op::latent_attention_backward;
+  if (latent && s.attn.Hk != 1)
+    return "Hk " + std::to_string(s.attn.Hk) + " (latent attention shares one key/value head)";
+  return std::nullopt;
+}
+
+template <class T>
+void run_eager_forward(const OpCall& c) {
+  attention_eager_forward(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                          static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                          static_cast<const T*>(c.in[2]), static_cast<T*>(c.out[2]));
+}
+template <class T>
+void run_eager_backward(const OpCall& c) {
+  attention_eager_backward(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                           static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]),
+                           static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                           static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[5]),
+                           static_cast<T*>(c.out[3]), static_cast<const T*>(c.in[6]));
+}
+// T: the kernel's element type (float for a bf16 call whose operands are
+// fp32 values of bf16 numbers).
+template <class T>
+void run_flash_forward(const OpCall& c) {
+  attention_flash_forward(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                          static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                          static_cast<const T*>(c.in[2]));
+}
+template <class T>
+void run_flash_backward(const OpCall& c) {
+  attention_flash_backward(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                           static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]),
+                           static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                           static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]),
+                           static_cast<const T*>(c.in[5]));
+}
+void run_flash_bf16_forward(const OpCall& c) {
+  attention_flash_forward_bf16(c.shape.attn, static_cast<float*>(c.out[0]),
+                               static_cast<float*>(c.out[1]), static_cast<const bf16*>(c.in[0]),
+                               static_cast<const bf16*>(c.in[1]), static_cast<const bf16*>(c.in[2]),
+                               {c.workspace, c.workspace_bytes});
+}
+void run_flash_bf16_backward(const OpCall& c) {
+  attention_flash_backward_bf16(
+      c.shape.attn, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<float*>(c.out[2]), static_cast<const bf16*>(c.in[0]),
+      static_cast<const bf16*>(c.in[1]), static_cast<const bf16*>(c.in[2]),
+      static_cast<const bf16*>(c.in[3]), static_cast<const float*>(c.in[4]),
+      static_cast<const float*>(c.in[5]), {c.workspace, c.workspace_bytes});
+}
+std::int64_t flash_bf16_workspace(RunDtype, const OpShape& s) {
+  return attention_flash_bf16_workspace_bytes(s.attn, false);
+}
+std::int64_t flash_bf16_workspace_backward(RunDtype, const OpShape& s) {
+  return attention_flash_bf16_workspace_bytes(s.attn, true);
+}
+
+// --------------------------------------------------- fused latent attention
+
+template <class T>
+LatentAttnParams<T> latent_params(const OpCall& c) {
+  const OpShape& s = c.shape;
+  LatentAttnParams<T> p;
+  p.shape = s.attn, p.C = s.C, p.dn = s.dn;
+  p.q = static_cast<const T*>(c.in[0]);
+  p.c = static_cast<const T*>(c.in[1]), p.ld_c = s.ld_c;
+  p.k_pe = static_cast<const T*>(c.in[2]), p.ld_k_pe = s.ld_k_pe;
+  p.w_kv = static_cast<const T*>(c.in[3]);
+  return p;
+}
+template <class T>
+void run_fused_forward(const OpCall& c) {
+  attention_flash_latent_forward<T>(latent_params<T>(c), static_cast<T*>(c.out[0]),
+                                    static_cast<T*>(c.out[1]));
+}
+template <class T>
+void run_fused_backward(const OpCall& c) {
+  const OpShape& s = c.shape;
+  attention_flash_latent_backward<T>(
+      latent_params<T>(c),
+      {static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]), s.ld_dc, static_cast<T*>(c.out[2]),
+       s.ld_dk_pe, static_cast<T*>(c.out[3])},
+      static_cast<const T*>(c.in[4]), static_cast<const T*>(c.in[5]),
+      static_cast<const T*>(c.in[6]));
+}
+
+// ------------------------------------------------------ row-wise ops
+
+template <class T>
+void run_lse_merge(const OpCall& c) {
+  const OpShape& s = c.shape;
+  lse_merge<T>({s.attn.B, s.attn.Sq, s.cols, s.attn.dv, s.rows, s.b0, s.q_row, s.attn.causal},
+               static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]), static_cast<const T*>(c.in[0]),
+               static_cast<const T*>(c.in[1]));
+}
+template <class T>
+void run_rmsnorm_forward(const OpCall& c) {
+  const OpShape& s = c.shape;
+  rmsnorm_forward(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                  static_cast<const T*>(c.in[0]), s.lda, static_cast<const T*>(c.in[1]), s.rows,
+                  s.cols, c.alpha);
+}
+template <class T>
+void run_rmsnorm_backward(const OpCall& c) {
+  const OpShape& s = c.shape;
+  laga::rmsnorm_backward(static_cast<T*>(c.out[0]), s.ldc, static_cast<T*>(c.out[1]),
+                         static_cast<const T*>(c.in[0]), s.ldb, static_cast<const T*>(c.in[1]),
+                         s.lda, static_cast<const T*>(c.in[2]), static_cast<const T*>(c.in[3]),
+                         s.rows, s.cols);
+}
+template <class T, bool Inverse>
+void run_rope(const OpCall& c) {
+  const OpShape& s = c.shape;
+  const auto& table = *static_cast<const RopeTable*>(c.context);
+  const auto* positions = static_cast<const std::int64_t*>(c.in[0]);
+  if (positions)
+    rope_apply_at(static_cast<T*>(c.out[0]), s.batch, s.tokens, s.heads, s.ld_token, s.ld_head,
+                  positions, table, Inverse);
+  else
+    rope_apply(static_cast<T*>(c.out[0]), s.batch, s.tokens, s.heads, s.ld_token, s.ld_head, s.pos0,
+               table, Inverse);
+}
+
+// Rows that run in fp32 on a bf16 call's fp32 values (the op layer rounds
+// what a bf16 run stores) and in double.
+Why f64_f32_bf16(RunDtype d, const OpShape&) {
+  return dtype_not_in(d, {RunDtype::fp64, RunDtype::fp32, RunDtype::bf16});
+}
+
+// The rows. Each op has one row per element type it runs (rank orders them
+// only where two could take one call; the switches keep that from happening).
+template <class T>
+constexpr RunDtype dtype_of = std::is_same_v<T, double> ? RunDtype::fp64 : RunDtype::fp32;
+
+#define LAGA_ROW_DTYPE(T) [](RunDtype d, const OpShape&) { return dtype_not_in(d, {dtype_of<T>}); }
+
+const KernelRow kRows[] = {
+    // gemm: OpenBLAS (double), oneDNN's sgemm (float), and bf16 mixed
+    // precision either on oneDNN's bf16 matmul or widened to the fp32 one.
+    {Device::cpu, Op::gemm, "gemm_fp64", LAGA_ROW_DTYPE(double), &run_gemm<double>},
+    {Device::cpu, Op::gemm, "gemm_fp32", LAGA_ROW_DTYPE(float), &run_gemm<float>},
+    {Device::cpu, Op::gemm, "gemm_bf16_onednn",
+     [](RunDtype d, const OpShape&) { return gemm_bf16_takes(GemmBf16Path::onednn_bf16, d); },
+     &run_gemm_bf16, 0, Bf16Operands::bf16},
+    {Device::cpu, Op::gemm, "gemm_bf16_widened_fp32",
+     [](RunDtype d, const OpShape&) { return gemm_bf16_takes(GemmBf16Path::widened_fp32, d); },
+     &run_gemm<float>, 0, Bf16Operands::fp32_values},
+
+// Per-head and latent attention share kernels (kernels/attention.hpp: Hk
+// divides Hq), differing in heads_fit.
+#define LAGA_ATTENTION_ROWS(FWD, BWD)                                                              \
+  {Device::cpu, Op::FWD, "attention_eager",                                                        \
+   [](RunDtype d, const OpShape& s) -> Why {                                                       \
+     if (Why w = eager_only(s)) return w;                                                          \
+     if (d == RunDtype::bf16)                                                                      \
+       return std::string("dtype bf16 (the eager kernel has none; use --attention flash)");        \
+     return heads_fit(Op::FWD, s);                                                                 \
+   },                                                                                              \
+   [](const OpCall& c) {                                                                           \
+     c.dtype == RunDtype::fp64 ? run_eager_forward<double>(c) : run_eager_forward<float>(c);       \
+   }},                                                                                             \
+      {Device::cpu, Op::BWD, "attention_eager",                                                    \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = eager_only(s)) return w;                                                      \
+         if (d == RunDtype::bf16)                                                                  \
+           return std::string("dtype bf16 (the eager kernel has none; use --attention flash)");    \
+         return heads_fit(Op::BWD, s);                                                             \
+       },                                                                                          \
+       [](const OpCall& c) {                                                                       \
+         c.dtype == RunDtype::fp64 ? run_eager_backward<double>(c) : run_eager_backward<float>(c); \
+       }},                                                                                         \
+      {Device::cpu, Op::FWD, "flash_fp64",                                                         \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp64})) return w;                                  \
+         return heads_fit(Op::FWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_forward<double>},                                                                \
+      {Device::cpu, Op::BWD, "flash_fp64",                                                         \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp64})) return w;                                  \
+         return heads_fit(Op::BWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_backward<double>},                                                               \
+      {Device::cpu, Op::FWD, "flash_avx2",                                                         \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;                                  \
+         if (Why w = flash_isa_is(FlashIsa::avx2)) return w;                                       \
+         return heads_fit(Op::FWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_forward<float>},                                                                 \
+      {Device::cpu, Op::BWD, "flash_avx2",                                                         \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;                                  \
+         if (Why w = flash_isa_is(FlashIsa::avx2)) return w;                                       \
+         return heads_fit(Op::BWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_backward<float>},                                                                \
+      {Device::cpu, Op::FWD, "flash_avx512",                                                       \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;                                  \
+         if (Why w = flash_isa_is(FlashIsa::avx512)) return w;                                     \
+         return heads_fit(Op::FWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_forward<float>},                                                                 \
+      {Device::cpu, Op::BWD, "flash_avx512",                                                       \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;                                  \
+         if (Why w = flash_isa_is(FlashIsa::avx512)) return w;                                     \
+         return heads_fit(Op::BWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_backward<float>},                                                                \
+      {Device::cpu,                                                                                \
+       Op::FWD,                                                                                    \
+       "flash_bf16_avx512_bf16",                                                                   \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;                                  \
+         if (Why w = flash_bf16_isa_is(FlashBf16Isa::avx512_bf16)) return w;                       \
+         return heads_fit(Op::FWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_bf16_forward,                                                                    \
+       0,                                                                                          \
+       Bf16Operands::bf16,                                                                         \
+       &flash_bf16_workspace},                                                                     \
+      {Device::cpu,                                                                                \
+       Op::BWD,                                                                                    \
+       "flash_bf16_avx512_bf16",                                                                   \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;                                  \
+         if (Why w = flash_bf16_isa_is(FlashBf16Isa::avx512_bf16)) return w;                       \
+         return heads_fit(Op::BWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_bf16_backward,                                                                   \
+       0,                                                                                          \
+       Bf16Operands::bf16,                                                                         \
+       &flash_bf16_workspace_backward},                                                            \
+      {Device::cpu,                                                                                \
+       Op::FWD,                                                                                    \
+       "flash_bf16_widened_fp32",                                                                  \
+       [](RunDtype d, const OpShape& s) -> Why {                                                   \
+         if (Why w = flash_only(s)) return w;                                                      \
+         if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;                                  \
+         if (Why w = flash_bf16_isa_is(FlashBf16Isa::fp32)) return w;                              \
+         return heads_fit(Op::FWD, s);                                                             \
+       },                                                                                          \
+       &run_flash_forward<float>,                                                                  \
+       0,                                                                                          \
+       Bf16Operands::fp32_values},                                                                 \
+  {                                                                                                \
+    Device::cpu, Op::BWD, "flash_bf16_widened_fp32",                                               \
+        [](RunDtype d, const OpShape& s) -> Why {                                                  \
+          if (Why w = flash_only(s)) return w;                                                     \
+          if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;                                 \
+          if (Why w = flash_bf16_isa_is(FlashBf16Isa::fp32)) return w;                             \
+          return heads_fit(Op::BWD, s);                                                            \
+        },                                                                                         \
+        &run_flash_backward<float>, 0, Bf16Operands::fp32_values                                   \
+  }
+
+    LAGA_ATTENTION_ROWS(attention_forward, attention_backward),
+    LAGA_ATTENTION_ROWS(latent_attention_forward, latent_attention_backward),
+#undef LAGA_ATTENTION_ROWS
+
+    // The fused latent attention: one kernel per element type; a bf16 run
+    // runs the fp32 kernel on bf16 values (its in-kernel K/V and P fp32:
+    // form_laga_fused.cpp).
+    {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_fp64", LAGA_ROW_DTYPE(double),
+     &run_fused_forward<double>},
+    {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_fp64", LAGA_ROW_DTYPE(double),
+     &run_fused_backward<double>},
+    {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_fp32",
+     [](RunDtype d, const OpShape&) {
+       return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
+     },
+     &run_fused_forward<float>, 0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_fp32",
+     [](RunDtype d, const OpShape&) {
+       return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
+     },
+     &run_fused_backward<float>, 0, Bf16Operands::fp32_values},
+
+    {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_lse_merge<double>(c) : run_lse_merge<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::rmsnorm_forward, "rmsnorm", &f64_f32_bf16,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_rmsnorm_forward<double>(c) : run_rmsnorm_forward<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::rmsnorm_backward, "rmsnorm", &f64_f32_bf16,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_rmsnorm_backward<double>(c) : run_rmsnorm_backward<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::rope_forward, "rope", &f64_f32_bf16,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_rope<double, false>(c) : run_rope<float, false>(c);
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::rope_backward, "rope", &f64_f32_bf16,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_rope<double, true>(c) : run_rope<float, true>(c);
+     },
+     0, Bf16Operands::fp32_values},
+};
+#undef LAGA_ROW_DTYPE
+
+}  // namespace
+
+std::span<const KernelRow> cpu_kernel_rows() {
+  return kRows;
+}
+
+}  // namespace laga::ops
