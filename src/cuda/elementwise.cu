@@ -77,19 +77,24 @@ __global__ void rope_kernel(float* x, std::int64_t B, std::int64_t L, std::int64
   p[1] = a * s + b * c;
 }
 
-__global__ void lse_merge_kernel(float* o, float* lse, const float* o_p, const float* lse_p,
-                                 std::int64_t Sq, std::int64_t H, std::int64_t dv) {
-  // One block per (row i, head h, batch row b).
-  const std::int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const std::int64_t li = (b * H + h) * Sq + i;
-  const float l = lse[li], lp = lse_p[li];
+// One block per (call row i, head h, call batch row bc).
+__global__ void lse_merge_kernel(LseMergeShape s, float* o, float* lse, const float* o_p,
+                                 const float* lse_p) {
+  const std::int64_t i = blockIdx.x, h = blockIdx.y, bc = blockIdx.z, b = s.b0 + bc;
+  const std::int64_t li = (b * s.H + h) * s.L + s.q_row + i;
+  const float l = lse[li], lp = lse_p[(bc * s.H + h) * s.Sq + i];
+  float* orow = o + ((b * s.L + s.q_row + i) * s.H + h) * s.dv;
+  const float* prow = o_p + ((bc * s.Sq + i) * s.H + h) * s.dv;
+  if (s.first) {
+    for (std::int64_t e = threadIdx.x; e < s.dv; e += blockDim.x) orow[e] = prow[e];
+    if (threadIdx.x == 0) lse[li] = lp;
+    return;
+  }
   const float m = fmaxf(l, lp);
   const float merged = m + logf(expf(l - m) + expf(lp - m));
   const float a = expf(l - merged), w = expf(lp - merged);
-  float* orow = o + ((b * Sq + i) * H + h) * dv;
-  const float* prow = o_p + ((b * Sq + i) * H + h) * dv;
-  for (std::int64_t e = threadIdx.x; e < dv; e += blockDim.x) orow[e] = a * orow[e] + w * prow[e];
-  __syncthreads();
+  for (std::int64_t e = threadIdx.x; e < s.dv; e += blockDim.x) orow[e] = a * orow[e] + w * prow[e];
+  __syncthreads();  // every thread has read l before it is replaced
   if (threadIdx.x == 0) lse[li] = merged;
 }
 
@@ -144,15 +149,17 @@ void rope_apply(float* x, std::int64_t B, std::int64_t L, std::int64_t H, std::i
   check_launch("rope");
 }
 
-void lse_merge(float* o, float* lse, const float* o_p, const float* lse_p, std::int64_t B,
-               std::int64_t Sq, std::int64_t H, std::int64_t dv, void* stream) {
-  LAGA_CHECK(B >= 0 && Sq >= 0 && H > 0 && dv > 0 && B <= 65535 && H <= 65535, "cuda lse_merge: B ",
-             B, ", Sq ", Sq, ", H ", H, ", dv ", dv,
-             "; need B, H in [1, 65535], Sq >= 0 and dv > 0");
-  if (B == 0 || Sq == 0) return;
-  lse_merge_kernel<<<dim3(static_cast<unsigned>(Sq), static_cast<unsigned>(H),
-                          static_cast<unsigned>(B)),
-                     128, 0, static_cast<cudaStream_t>(stream)>>>(o, lse, o_p, lse_p, Sq, H, dv);
+void lse_merge(const LseMergeShape& s, float* o, float* lse, const float* o_p, const float* lse_p,
+               void* stream) {
+  LAGA_CHECK(s.Bc >= 0 && s.Sq >= 0 && s.H > 0 && s.dv > 0 && s.Bc <= 65535 && s.H <= 65535 &&
+                 s.b0 >= 0 && s.q_row >= 0 && s.q_row + s.Sq <= s.L,
+             "cuda lse_merge: Bc ", s.Bc, ", Sq ", s.Sq, ", H ", s.H, ", dv ", s.dv, ", L ", s.L,
+             ", b0 ", s.b0, ", q_row ", s.q_row,
+             "; need Bc, H in [1, 65535], dv > 0 and the call's rows inside the rank's");
+  if (s.Bc == 0 || s.Sq == 0) return;
+  lse_merge_kernel<<<dim3(static_cast<unsigned>(s.Sq), static_cast<unsigned>(s.H),
+                          static_cast<unsigned>(s.Bc)),
+                     128, 0, static_cast<cudaStream_t>(stream)>>>(s, o, lse, o_p, lse_p);
   check_launch("lse_merge");
 }
 

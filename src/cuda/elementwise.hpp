@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/lse_merge.hpp"
 #include "kernels/rope.hpp"
 
 namespace laga::cuda {
@@ -38,12 +39,10 @@ void rope_apply(float* x, std::int64_t B, std::int64_t L, std::int64_t H, std::i
                 std::int64_t ld_head, std::int64_t pos0, const std::int64_t* positions,
                 const DeviceRope& table, bool inverse, void* stream = nullptr);
 
-// The ring's merge (mla/ring.hpp, merge_partial, a step after the first):
-// o (B, Sq, H, dv) and lse (B, H, Sq) the running output, o_p and lse_p a
-// step's, all contiguous:
-//   m = max(lse, lse_p), merged = m + log(e^(lse - m) + e^(lse_p - m)),
-//   o = e^(lse - merged) o + e^(lse_p - merged) o_p,  lse = merged.
-void lse_merge(float* o, float* lse, const float* o_p, const float* lse_p, std::int64_t B,
-               std::int64_t Sq, std::int64_t H, std::int64_t dv, void* stream = nullptr);
+// The ring's merge of a step's partial output into the rank's by
+// log-sum-exp: kernels/lse_merge.hpp's contract (its shape, offsets and
+// `first` copy) with device pointers; fp32.
+void lse_merge(const LseMergeShape& s, float* o, float* lse, const float* o_p, const float* lse_p,
+               void* stream = nullptr);
 
 }  // namespace laga::cuda
