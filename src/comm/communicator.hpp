@@ -233,9 +233,10 @@ struct RingPeers {
 RingPeers ring_peers(int P, int r, Ring ring);
 
 // Which implementation moves the bytes. The CLI's --comm takes "local" or
-// "mpi"; the dry-run and self communicators are made by code, not chosen.
-enum class Backend { local, mpi, dry_run, self };
-const char* to_string(Backend b);  // "local", "mpi", "dry-run", "self"
+// "mpi"; the dry-run and self communicators are made by code, not chosen,
+// as is nccl (cuda/nccl_comm.hpp: one rank per GPU, built with LAGA_CUDA).
+enum class Backend { local, mpi, dry_run, self, nccl };
+const char* to_string(Backend b);  // "local", "mpi", "dry-run", "self", "nccl"
 // The inverse of to_string; an unknown name is a laga::Error listing the names.
 Backend parse_backend(const std::string& s);
 

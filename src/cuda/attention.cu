@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kThreads)
       const float cmax = warp_max(s);
       if (cmax == -INFINITY) continue;  // no key of this chunk for this row (warp-uniform)
       const float m_new = fmaxf(m[rr], cmax);
-      const float alpha = m[rr] == -INFINITY ? 0.f : __expf(m[rr] - m_new);
-      const float p = valid ? __expf(s - m_new) : 0.f;
+      const float alpha = m[rr] == -INFINITY ? 0.f : expf(m[rr] - m_new);
+      const float p = valid ? expf(s - m_new) : 0.f;
       l[rr] = l[rr] * alpha + warp_sum(p);
 #pragma unroll
       for (int sl = 0; sl < kMaxDvSlots; ++sl) acc[rr][sl] *= alpha;
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Dims d, Kv kv, const T* q,
       const bool valid = lane < n && j >= kb[rr] && j < ke[rr];
       float ds = 0.f;
       if (valid) {
-        const float p = __expf(d.scale * dot(sq + r * d.dqk, sk + lane * ldk, d.dqk) - row_lse[rr]);
+        const float p = expf(d.scale * dot(sq + r * d.dqk, sk + lane * ldk, d.dqk) - row_lse[rr]);
         const float dp = dot(sdo + r * d.dv, sv + lane * ldv, d.dv);
         ds = p * (dp - row_d[rr]);
       }
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kThreads)
         const bool valid = lane < nq && j >= d.key_begin(b, i) && j < d.key_end(i);
         float p = 0.f, ds = 0.f;
         if (valid) {
-          p = __expf(d.scale * dot(sq + lane * ldk, sk + kk * ldk, d.dqk) - sl[lane]);
+          p = expf(d.scale * dot(sq + lane * ldk, sk + kk * ldk, d.dqk) - sl[lane]);
           ds = p * (dot(sdo + lane * ldv, sv + kk * ldv, d.dv) - sd[lane]);
         }
         for (int ii = 0; ii < nq; ++ii) {

@@ -1,4 +1,5 @@
 // laga's small device kernels (contract: cuda/elementwise.hpp).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"
@@ -98,6 +99,23 @@ __global__ void lse_merge_kernel(LseMergeShape s, float* o, float* lse, const fl
   if (threadIdx.x == 0) lse[li] = merged;
 }
 
+template <class T>
+__global__ void sum_kernel(T* out, const T* const* parts, int P, std::int64_t n) {
+  const std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  T acc = parts[0][i];
+  for (int p = 1; p < P; ++p) acc += parts[p][i];
+  out[i] = acc;
+}
+__global__ void sum_bf16_kernel(__nv_bfloat16* out, const __nv_bfloat16* const* parts, int P,
+                                std::int64_t n) {
+  const std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float acc = __bfloat162float(parts[0][i]);
+  for (int p = 1; p < P; ++p) acc += __bfloat162float(parts[p][i]);
+  out[i] = __float2bfloat16_rn(acc);
+}
+
 void check_launch(const char* what) {
   check_cuda(cudaGetLastError(), cat("launch of ", what));
 }
@@ -161,6 +179,25 @@ void lse_merge(const LseMergeShape& s, float* o, float* lse, const float* o_p, c
                           static_cast<unsigned>(s.Bc)),
                      128, 0, static_cast<cudaStream_t>(stream)>>>(s, o, lse, o_p, lse_p);
   check_launch("lse_merge");
+}
+
+void sum_in_rank_order(void* out, const void* const* parts, int P, std::int64_t n, DType dtype,
+                       void* stream) {
+  LAGA_CHECK(P >= 1 && n >= 0, "cuda sum_in_rank_order: P ", P, ", n ", n, "; need P >= 1, n >= 0");
+  if (n == 0) return;
+  auto* st = static_cast<cudaStream_t>(stream);
+  const unsigned grid = blocks_of(n, 256);
+  if (dtype == DType::f32)
+    sum_kernel<float><<<grid, 256, 0, st>>>(static_cast<float*>(out),
+                                            reinterpret_cast<const float* const*>(parts), P, n);
+  else if (dtype == DType::f64)
+    sum_kernel<double><<<grid, 256, 0, st>>>(static_cast<double*>(out),
+                                             reinterpret_cast<const double* const*>(parts), P, n);
+  else
+    sum_bf16_kernel<<<grid, 256, 0, st>>>(static_cast<__nv_bfloat16*>(out),
+                                          reinterpret_cast<const __nv_bfloat16* const*>(parts), P,
+                                          n);
+  check_launch("sum_in_rank_order");
 }
 
 }  // namespace laga::cuda

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "comm/communicator.hpp"  // DType
+
 #include "kernels/lse_merge.hpp"
 #include "kernels/rope.hpp"
 
@@ -44,5 +46,13 @@ void rope_apply(float* x, std::int64_t B, std::int64_t L, std::int64_t H, std::i
 // `first` copy) with device pointers; fp32.
 void lse_merge(const LseMergeShape& s, float* o, float* lse, const float* o_p, const float* lse_p,
                void* stream = nullptr);
+
+// out[i] = sum over p = 0 .. P-1, in that order, of parts[p][i] (P device
+// pointers, themselves in device memory), n elements of dtype; bf16 parts
+// are added in fp32 and the sum rounded once (comm/communicator.hpp,
+// "Reductions": the order every backend sums in). `out` may be one of the
+// parts.
+void sum_in_rank_order(void* out, const void* const* parts, int P, std::int64_t n, DType dtype,
+                       void* stream = nullptr);
 
 }  // namespace laga::cuda
