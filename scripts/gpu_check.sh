@@ -1,8 +1,37 @@
 #!/usr/bin/env bash
 # What laga checks on a lent GPU, in one call (nothing here runs in CI, which
-# has no GPU; docs/pytorch.md "On a GPU" and docs/planning.md "Timing a
-# plan's shapes on a GPU" say what each part showed and when).
+# has no GPU; docs/pytorch.md "On a GPU", docs/planning.md "Timing a plan's
+# shapes on a GPU" and docs/performance.md "The CUDA backend" say what each
+# part showed and when). Three modes:
 #
+#   bash scripts/gpu_check.sh BUNDLE SHAPES OUTDIR         the PyTorch package (below)
+#   bash scripts/gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz
+#                                                          here: pack laga_cuda_check
+#   bash scripts/gpu_check.sh cuda OUT.tar.xz OUTDIR [--dry-run]
+#                                                          there: run it
+#
+# cuda-bundle (on the build machine, a LAGA_CUDA=ON build): laga_cuda_check
+# (sm_90, built with this machine's nvcc) and the shared libraries it needs
+# that the GPU image lacks (oneDNN, OpenBLAS and their runtimes), into one
+# .tar.xz to carry. The CUDA libraries (cuBLASLt, cuDNN, NVRTC, NCCL) are not
+# packed (over 800 MB): the GPU image's PyPI nvidia-* wheels provide them.
+# Why not build there: the image has nvcc, CMake and ninja but not the Debian
+# packages laga's CMake requires (oneDNN, OpenBLAS, MPI, CLI11, GTest).
+#
+# cuda (on the GPU machine): unpacks the bundle, puts its lib/ and the
+# wheels' nvidia/*/lib directories on LD_LIBRARY_PATH, records the device,
+# and runs laga_cuda_check (every op against the CPU's float64 reference,
+# then attention TFLOP/s at 192/128, H 128, S 4096..32768, within a time
+# budget), writing into OUTDIR:
+#   cuda_gpu.txt      nvidia-smi's device, driver and clocks
+#   cuda_check.json   every check (error, tolerance, pass) and timing
+#   cuda_check.md     the same as tables, for docs/performance.md
+#   cuda_check.log    its output
+# --dry-run: no device needed (CI's host test, tools_gpu_check_cuda_dry):
+# the bundle is unpacked and its binary runs with its libraries, listing
+# what it would check.
+#
+# The PyTorch mode:
 #   bash scripts/gpu_check.sh BUNDLE SHAPES OUTDIR
 #
 # BUNDLE: a .tar.xz of laga built elsewhere (laga and lib/ with the shared
@@ -17,6 +46,61 @@
 #   h200_measured.json      --base profiles/h200.json with the shapes' bf16
 #                           times (scripts/time_shapes_torch.py) and its report
 set -uo pipefail
+
+if [ "${1:-}" = "cuda-bundle" ]; then
+  build=${2:?"usage: gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz"}
+  tarball=${3:?"usage: gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz"}
+  tool="$build/laga_cuda_check"
+  [ -x "$tool" ] || { echo "gpu_check: $tool is missing: build target laga_cuda_check (LAGA_CUDA=ON)"; exit 2; }
+  stage=$(mktemp -d)
+  mkdir -p "$stage/lib"
+  cp "$tool" "$stage/"
+  # Every library it loads but CUDA's own (the GPU image has those) and libc's.
+  ldd "$tool" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libcuda*|libcublas*|libcudnn*|libnvrtc*|libnccl*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*) ;;
+      *) cp -L "$lib" "$stage/lib/" ;;
+    esac
+  done
+  XZ_OPT=${XZ_OPT:--3 -T2} tar -cJf "$tarball" -C "$stage" .
+  rm -rf "$stage"
+  echo "gpu_check: $tarball ($(du -h "$tarball" | cut -f1))"
+  exit 0
+fi
+
+if [ "${1:-}" = "cuda" ]; then
+  tarball=${2:?"usage: gpu_check.sh cuda OUT.tar.xz OUTDIR [--dry-run]"}
+  out=${3:?"usage: gpu_check.sh cuda OUT.tar.xz OUTDIR [--dry-run]"}
+  dry=${4:-}
+  mkdir -p "$out"
+  dir=$(mktemp -d)
+  tar xJf "$tarball" -C "$dir" || exit 2
+  libs="$dir/lib"
+  # The PyPI nvidia-* wheels' libraries (cuBLASLt, cuDNN, NVRTC, NCCL, cudart).
+  site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
+  if [ -n "$site" ] && [ -d "$site/nvidia" ]; then
+    for d in $(find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u); do
+      libs="$libs:$d"
+    done
+  fi
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ "$dry" = "--dry-run" ]; then
+    "$dir/laga_cuda_check" --dry-run --json "$out/cuda_check.json" 2>&1 | tee "$out/cuda_check.log"
+    exit "${PIPESTATUS[0]}"
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+    2>&1 | tee "$out/cuda_gpu.txt"
+  echo "== laga_cuda_check"
+  # 420 s of the lease's ten-minute command: the checks take seconds, the
+  # timings stop at their budget (--budget-s), the rest is slack.
+  time timeout 420 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
+    --table "$out/cuda_check.md" --budget-s 300 >"$out/cuda_check.log" 2>&1
+  rc=$?
+  echo "rc $rc" >>"$out/cuda_check.log"
+  tail -60 "$out/cuda_check.log"
+  exit $rc
+fi
+
 bundle=$1 shapes=$2 out=$3
 mkdir -p "$out" /tmp/laga-bundle
 tar xJf "$bundle" -C /tmp/laga-bundle || exit 1

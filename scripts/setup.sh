@@ -3,7 +3,50 @@
 # then the torch 2 venv (scripts/setup_torch2.sh).
 # Idempotent: packages already present are skipped, and `apt-get update` runs
 # at most once per invocation (and only when something is missing).
+#
+#   scripts/setup.sh                    the Debian packages
+#   scripts/setup.sh --cuda BUILD_DIR   and cudnn-frontend's C++ headers for the
+#                                       CUDA backend (docs/build.md, "The CUDA backend")
+#
+# --cuda: PyPI's nvidia-cudnn-frontend wheel (pinned below) is downloaded with
+# pip into BUILD_DIR/_deps/cudnn_frontend/ and its include/ unpacked there,
+# where CMake looks (LAGA_CUDNN_FRONTEND_INCLUDE). A second run finds the
+# headers and downloads nothing. Without network or pip the step says so and
+# exits 0: the build then has no cuDNN SDPA path (CMake says so), not a
+# failure.
 set -euo pipefail
+
+cudnn_frontend_version=1.32.0
+if [ "${1:-}" = "--cuda" ]; then
+  build_dir=${2:?"usage: scripts/setup.sh --cuda BUILD_DIR"}
+  deps="$build_dir/_deps/cudnn_frontend"
+  if [ -f "$deps/include/cudnn_frontend.h" ]; then
+    echo "setup: cudnn-frontend headers present in $deps/include"
+  else
+    mkdir -p "$deps/wheel"
+    wheel=$(ls "$deps"/wheel/nvidia_cudnn_frontend-"$cudnn_frontend_version"-*.whl 2>/dev/null | head -1 || true)
+    if [ -z "$wheel" ]; then
+      echo "setup: downloading nvidia-cudnn-frontend==$cudnn_frontend_version (its C++ headers)"
+      if ! python3 -m pip download --no-deps --only-binary=:all: -q -d "$deps/wheel" \
+          "nvidia-cudnn-frontend==$cudnn_frontend_version"; then
+        echo "setup: nvidia-cudnn-frontend could not be downloaded; the CUDA backend builds" \
+             "without its cuDNN SDPA path (run this again where PyPI is reachable)"
+        exit 0
+      fi
+      wheel=$(ls "$deps"/wheel/nvidia_cudnn_frontend-*.whl | head -1)
+    fi
+    rm -rf "$deps/include.tmp" && mkdir -p "$deps/include.tmp"
+    python3 - "$wheel" "$deps/include.tmp" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    names = [n for n in z.namelist() if n.startswith("include/")]
+    z.extractall(sys.argv[2], names)
+PY
+    rm -rf "$deps/include" && mv "$deps/include.tmp/include" "$deps/include" && rmdir "$deps/include.tmp"
+    echo "setup: cudnn-frontend headers in $deps/include"
+  fi
+  shift 2
+fi
 
 packages=(
   build-essential cmake ninja-build pkg-config clang-format

@@ -82,14 +82,17 @@ const char* to_string(Backend b) {
       return "dry-run";
     case Backend::self:
       return "self";
+    case Backend::nccl:
+      return "nccl";
   }
   return "?";
 }
 
 Backend parse_backend(const std::string& s) {
-  for (Backend b : {Backend::local, Backend::mpi, Backend::dry_run, Backend::self})
+  for (Backend b : {Backend::local, Backend::mpi, Backend::dry_run, Backend::self, Backend::nccl})
     if (s == to_string(b)) return b;
-  fail("unknown communicator backend '", s, "'; the backends are local, mpi, dry-run and self");
+  fail("unknown communicator backend '", s,
+       "'; the backends are local, mpi, dry-run, self and nccl");
 }
 
 std::int64_t staging_elements(StagingRule rule, CollectiveKind kind, int P, std::int64_t own) {

@@ -57,9 +57,9 @@
 //    runs (elements of the call's dtype), by StagingRule (staging_elements()):
 //      all_to_all_v, all_gather_v, barrier   none
 //      ring_shift                            none (send and recv are the wire's ends)
-//      reduce_scatter_v                      none in-process; (P-1) * counts[rank] on MPI
+//      reduce_scatter_v                      none in-process; (P-1) * counts[rank] on MPI and NCCL
 //      all_reduce                            chunk_r in-process (local and dry-run);
-//                                            (P-1) * chunk_r on MPI; none on self
+//                                            (P-1) * chunk_r on MPI and NCCL; none on self
 //
 // Link model (comm/link_model.hpp): with set_link_model, every collective of
 // this rank returns no earlier than its start plus the modelled time of the
@@ -233,9 +233,10 @@ struct RingPeers {
 RingPeers ring_peers(int P, int r, Ring ring);
 
 // Which implementation moves the bytes. The CLI's --comm takes "local" or
-// "mpi"; the dry-run and self communicators are made by code, not chosen.
-enum class Backend { local, mpi, dry_run, self };
-const char* to_string(Backend b);  // "local", "mpi", "dry-run", "self"
+// "mpi"; the dry-run and self communicators are made by code, not chosen,
+// as is nccl (cuda/nccl_comm.hpp: one rank per GPU, built with LAGA_CUDA).
+enum class Backend { local, mpi, dry_run, self, nccl };
+const char* to_string(Backend b);  // "local", "mpi", "dry-run", "self", "nccl"
 // The inverse of to_string; an unknown name is a laga::Error listing the names.
 Backend parse_backend(const std::string& s);
 

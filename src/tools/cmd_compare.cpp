@@ -8,6 +8,7 @@
 #include "core/error.hpp"
 #include "tools/commands.hpp"
 #include "tools/compare.hpp"
+#include "tools/device_option.hpp"
 
 namespace laga::tools {
 
@@ -96,7 +97,10 @@ void register_compare(CLI::App& app) {
                 "earlier than its alpha-beta time (docs/planning.md). Bytes and results unchanged")
       ->check(link_spec());
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
-  c->callback([o, c] {
+  auto device = std::make_shared<ops::Device>(ops::Device::cpu);
+  add_device_option(*c, device);
+  c->callback([device, o, c] {
+    require_device(*device, "compare");
     // The config is an input the outputs may not be, known before the work.
     protect_input(o->model.config_path, "--config");
     // Options given where they would change nothing are refused saying why

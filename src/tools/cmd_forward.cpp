@@ -17,6 +17,7 @@
 #include "tools/block_job.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
+#include "tools/device_option.hpp"
 
 namespace laga::tools {
 
@@ -283,7 +284,10 @@ void register_forward_command(CLI::App& app) {
   sub->add_option("--seed", opts->seed, "seed of random weights and input")
       ->check(whole_for(0, opts->seed))
       ->capture_default_str();
-  sub->callback([opts, sub] {
+  auto device = std::make_shared<ops::Device>(ops::Device::cpu);
+  add_device_option(*sub, device);
+  sub->callback([device, opts, sub] {
+    require_device(*device, "forward");
     opts->layer_given = sub->count("--layer") > 0;
     opts->given.clear();
     for (const CLI::Option* opt : sub->get_options())

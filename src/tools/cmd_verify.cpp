@@ -14,6 +14,7 @@
 #include "mla/ops_bf16.hpp"
 #include "tools/block_job.hpp"
 #include "tools/commands.hpp"
+#include "tools/device_option.hpp"
 
 namespace laga::tools {
 
@@ -245,7 +246,10 @@ void register_verify_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--json", opts->json,
                   "also write the results as JSON to this file ('-' for stdout)");
-  sub->callback([opts, sub] {
+  auto device = std::make_shared<ops::Device>(ops::Device::cpu);
+  add_device_option(*sub, device);
+  sub->callback([device, opts, sub] {
+    require_device(*device, "verify");
     if (opts->dtype == RunDtype::fp64) {
       // Double rounding, not fp32's, unless the caller chose a tolerance.
       if (sub->count("--tol") == 0) opts->tol = 1e-12;

@@ -1,0 +1,552 @@
+// laga_cuda_check: every op of the CUDA backend against the CPU's float64
+// reference, with a stated tolerance each, then timings (median after
+// warm-up, CUDA events) of attention at DeepSeek-V3's 192/128 heads and of a
+// bf16 GEMM; one JSON and one markdown table (docs/performance.md, "The CUDA
+// backend"; scripts/gpu_check.sh runs it on a lent GPU).
+//
+//   laga_cuda_check --json OUT.json --table OUT.md [--seqs 4096,8192,...]
+//                   [--heads 128] [--budget-s 240] [--dry-run]
+//
+// --dry-run needs no device: it lists the checks and timings it would run
+// and writes the JSON with "ran": false (what ctest runs on CI's machines).
+// Exit status: 0 every check within its tolerance, 1 one or more outside,
+// 2 the program could not run (no device: the reason is printed).
+//
+// Tolerances, on max |got - ref| / max(|ref|, 1e-30) over each output:
+//   fp32 (cuBLASLt's true fp32, laga's kernels): 1e-4 forward, 1e-3 backward
+//     (fp32 sums in another order over K up to 1000: a few ulps each, far
+//     below 1e-4; a wrong index or mask is O(1));
+//   bf16 operands (inputs rounded to bf16 first, the reference run on the
+//     rounded values in double; outputs rounded to bf16): 2e-2, about 2.5
+//     bf16 ulps, the rounding of the output plus fp32 sums.
+#include <cuda_runtime_api.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/bf16.hpp"
+#include "core/error.hpp"
+#include "core/memory_pool.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/cuda_error.hpp"
+#include "cuda/device.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/elementwise.hpp"
+#include "cuda/gemm_lt.hpp"
+#include "cuda/sdpa_cudnn.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_flash_latent.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/lse_merge.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+
+namespace laga::cuda {
+namespace {
+
+using json = nlohmann::json;
+using Vec = std::vector<float>;
+
+struct Result {
+  std::string name, shape, dtype;
+  double error = 0, tol = 0;
+  bool pass() const { return error <= tol; }
+};
+
+// Deterministic inputs in [-1, 1), optionally rounded to bf16.
+Vec inputs(std::int64_t n, std::uint32_t seed, bool bf16_values) {
+  Vec v(static_cast<std::size_t>(n));
+  std::uint32_t x = seed * 2654435761u + 12345u;
+  for (auto& e : v) {
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    e = static_cast<float>(x % 20000) / 10000.0f - 1.0f;
+    if (bf16_values) e = to_float(to_bf16(e));
+  }
+  return v;
+}
+std::vector<double> widen(const Vec& v) {
+  return {v.begin(), v.end()};
+}
+
+double rel_error(const Vec& got, const std::vector<double>& ref) {
+  double diff = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(double(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  return std::isfinite(diff) ? diff / scale : INFINITY;
+}
+
+// A device copy of host floats, as f32 or as bf16.
+DeviceBuffer up(const Vec& v, bool as_bf16, const char* name) {
+  if (!as_bf16) {
+    DeviceBuffer d(4 * std::int64_t(v.size()), name);
+    d.upload(v.data(), d.bytes());
+    return d;
+  }
+  std::vector<bf16> h(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) h[i] = to_bf16(v[i]);
+  DeviceBuffer d(2 * std::int64_t(v.size()), name);
+  d.upload(h.data(), d.bytes());
+  return d;
+}
+Vec down(const DeviceBuffer& d, bool as_bf16) {
+  if (!as_bf16) {
+    Vec v(static_cast<std::size_t>(d.bytes() / 4));
+    d.download(v.data(), d.bytes());
+    return v;
+  }
+  std::vector<bf16> h(static_cast<std::size_t>(d.bytes() / 2));
+  d.download(h.data(), d.bytes());
+  Vec v(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) v[i] = to_float(h[i]);
+  return v;
+}
+
+std::string attn_shape(const AttnShape& s) {
+  std::ostringstream o;
+  o << "B " << s.B << " Sq " << s.Sq << " Sk " << s.Sk << " Hq " << s.Hq << " Hk " << s.Hk
+    << " dqk " << s.dqk << " dv " << s.dv << (s.causal ? " causal" : "")
+    << (s.doc_start ? " packed" : "");
+  return o.str();
+}
+
+void check_gemm_ops(std::vector<Result>& out) {
+  GemmContext ctx;
+  const std::int64_t M = 67, N = 45, K = 300;
+  for (const bool bf : {false, true})
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true}) {
+        const std::int64_t lda = (ta ? M : K) + 5, ldb = (tb ? K : N) + 3, ldc = N + 2;
+        const Vec a = inputs((ta ? K : M) * lda, 1, bf), b = inputs((tb ? N : K) * ldb, 2, bf);
+        std::vector<double> ref(static_cast<std::size_t>(M * ldc), 0.0);
+        gemm_reference<double>(ta, tb, M, N, K, 1.0, widen(a).data(), lda, widen(b).data(), ldb,
+                               0.0, ref.data(), ldc);
+        DeviceBuffer da = up(a, bf, "a"), db = up(b, bf, "b"), dc(4 * M * ldc, "c");
+        dc.zero();
+        GemmArgs g;
+        g.trans_a = ta, g.trans_b = tb, g.M = M, g.N = N, g.K = K, g.A = da.data(), g.lda = lda;
+        g.B = db.data(), g.ldb = ldb, g.C = dc.data(), g.ldc = ldc;
+        g.dtype = bf ? DType::bf16 : DType::f32;
+        ctx.gemm(g);
+        out.push_back({"gemm_cublaslt", describe(g), bf ? "bf16" : "fp32",
+                       rel_error(down(dc, false), ref), 1e-4});
+      }
+}
+
+// One attention case through laga's tiled kernel (fp32 or bf16) and, for
+// bf16 without documents, cuDNN's SDPA.
+void check_attention_case(std::vector<Result>& out, AttnShape s,
+                          const std::vector<std::int64_t>& docs, bool bf) {
+  const Vec q = inputs(s.B * s.Sq * s.Hq * s.dqk, 3, bf),
+            k = inputs(s.B * s.Sk * s.Hk * s.dqk, 4, bf),
+            v = inputs(s.B * s.Sk * s.Hk * s.dv, 5, bf),
+            dout = inputs(s.B * s.Sq * s.Hq * s.dv, 6, bf);
+  AttnShape host = s;
+  host.doc_start = docs.empty() ? nullptr : docs.data();
+  std::vector<double> o(dout.size()), lse(static_cast<std::size_t>(s.B * s.Hq * s.Sq)),
+      dq(q.size()), dk(k.size()), dv(v.size());
+  attention_reference_forward<double>(host, o.data(), lse.data(), widen(q).data(), widen(k).data(),
+                                      widen(v).data());
+  attention_reference_backward<double>(host, dq.data(), dk.data(), dv.data(), widen(dout).data(),
+                                       widen(q).data(), widen(k).data(), widen(v).data());
+  DeviceBuffer dq_ = up(q, bf, "q"), dk_ = up(k, bf, "k"), dv_ = up(v, bf, "v"),
+               ddo = up(dout, bf, "dout");
+  DeviceBuffer ddocs(8 * std::int64_t(docs.size()), "doc_start");
+  ddocs.upload(docs.data(), ddocs.bytes());
+  s.doc_start = docs.empty() ? nullptr : ddocs.as<std::int64_t>();
+  const std::int64_t e = bf ? 2 : 4;
+  DeviceBuffer o_(e * std::int64_t(o.size()), "o"), lse_(4 * std::int64_t(lse.size()), "lse"),
+      gq(e * std::int64_t(q.size()), "dq"), gk(e * std::int64_t(k.size()), "dk"),
+      gv(e * std::int64_t(v.size()), "dv"), delta(4 * std::int64_t(lse.size()), "delta");
+  const double tf = bf ? 2e-2 : 1e-4, tb = bf ? 2e-2 : 1e-3;
+  const char* dt = bf ? "bf16" : "fp32";
+  const auto record = [&](const char* kernel) {
+    out.push_back({cat(kernel, " forward o"), attn_shape(s), dt, rel_error(down(o_, bf), o), tf});
+    out.push_back(
+        {cat(kernel, " forward lse"), attn_shape(s), dt, rel_error(down(lse_, false), lse), tf});
+    out.push_back(
+        {cat(kernel, " backward dq"), attn_shape(s), dt, rel_error(down(gq, bf), dq), tb});
+    out.push_back(
+        {cat(kernel, " backward dk"), attn_shape(s), dt, rel_error(down(gk, bf), dk), tb});
+    out.push_back(
+        {cat(kernel, " backward dv"), attn_shape(s), dt, rel_error(down(gv, bf), dv), tb});
+  };
+  if (bf) {
+    attention_forward<bf16>(s, o_.as<bf16>(), lse_.as<float>(), dq_.as<bf16>(), dk_.as<bf16>(),
+                            dv_.as<bf16>());
+    attention_backward<bf16>(s, gq.as<bf16>(), gk.as<bf16>(), gv.as<bf16>(), ddo.as<bf16>(),
+                             dq_.as<bf16>(), dk_.as<bf16>(), dv_.as<bf16>(), o_.as<bf16>(),
+                             lse_.as<float>(), delta.as<float>());
+  } else {
+    attention_forward<float>(s, o_.as<float>(), lse_.as<float>(), dq_.as<float>(), dk_.as<float>(),
+                             dv_.as<float>());
+    attention_backward<float>(s, gq.as<float>(), gk.as<float>(), gv.as<float>(), ddo.as<float>(),
+                              dq_.as<float>(), dk_.as<float>(), dv_.as<float>(), o_.as<float>(),
+                              lse_.as<float>(), delta.as<float>());
+  }
+  record(s.Hk == 1 && s.Hq > 1 ? "latent_attention_cuda_tiled" : "attention_cuda_tiled");
+  if (bf && cudnn_sdpa_refusal(s, DType::bf16).empty()) {
+    CudnnSdpa sdpa(s);
+    sdpa.forward(o_.as<bf16>(), lse_.as<float>(), dq_.as<bf16>(), dk_.as<bf16>(), dv_.as<bf16>());
+    sdpa.backward(gq.as<bf16>(), gk.as<bf16>(), gv.as<bf16>(), ddo.as<bf16>(), dq_.as<bf16>(),
+                  dk_.as<bf16>(), dv_.as<bf16>(), o_.as<bf16>(), lse_.as<float>());
+    record("attention_cudnn_sdpa");
+  }
+}
+
+std::vector<std::int64_t> packed_docs(std::int64_t B, std::int64_t S) {
+  std::vector<std::int64_t> d(static_cast<std::size_t>(B * S));
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t start = 0;
+    for (std::int64_t t = 0; t < S; ++t) {
+      if (t == S / 3 + b || t == (2 * S) / 3) start = t;
+      d[static_cast<std::size_t>(b * S + t)] = start;
+    }
+  }
+  return d;
+}
+
+void check_attention_ops(std::vector<Result>& out) {
+  AttnShape s;
+  s.B = 2, s.Sq = 100, s.Sk = 100, s.Hq = 4, s.Hk = 4, s.dqk = 48, s.dv = 32, s.scale = 0.15;
+  for (const bool bf : {false, true}) {
+    check_attention_case(out, s, {}, bf);
+    AttnShape ring = s;  // a ring step: fewer queries than keys, bottom-right causal
+    ring.Sq = 60;
+    check_attention_case(out, ring, {}, bf);
+    AttnShape full = s;
+    full.causal = false;
+    check_attention_case(out, full, {}, bf);
+    check_attention_case(out, s, packed_docs(s.B, s.Sk), bf);
+    AttnShape latent = s;  // latent space: one shared key head
+    latent.Hk = 1, latent.dqk = 72, latent.dv = 64;
+    check_attention_case(out, latent, {}, bf);
+    AttnShape v3 = s;  // DeepSeek-V3's head dims, cuDNN's shape
+    v3.B = 1, v3.Sq = v3.Sk = 256, v3.Hq = v3.Hk = 2, v3.dqk = 192, v3.dv = 128;
+    check_attention_case(out, v3, {}, bf);
+  }
+}
+
+void check_fused_latent(std::vector<Result>& out) {
+  LatentAttnParams<float> p;
+  AttnShape& s = p.shape;
+  s.B = 2, s.Sq = 70, s.Sk = 70, s.Hq = s.Hk = 3, s.dqk = 24, s.dv = 16, s.scale = 0.2;
+  p.C = 32, p.dn = 16;
+  const std::int64_t dr = s.dqk - p.dn, W = p.C + dr, KV = p.dn + s.dv;
+  const Vec q = inputs(s.B * s.Sq * s.Hq * s.dqk, 7, false), lat = inputs(s.B * s.Sk * W, 8, false),
+            w = inputs(s.Hq * KV * p.C, 9, false),
+            dout = inputs(s.B * s.Sq * s.Hq * s.dv, 10, false);
+  LatentAttnParams<double> r;
+  r.shape = s, r.C = p.C, r.dn = p.dn, r.ld_c = W, r.ld_k_pe = W;
+  const auto qd = widen(q), ld = widen(lat), wd = widen(w), dd = widen(dout);
+  r.q = qd.data(), r.c = ld.data(), r.k_pe = ld.data() + p.C, r.w_kv = wd.data();
+  std::vector<double> o(dout.size()), lse(static_cast<std::size_t>(s.B * s.Hq * s.Sq)),
+      dq(q.size()), dlat(lat.size()), dw(w.size(), 0.0);
+  attention_latent_reference_forward<double>(r, o.data(), lse.data());
+  LatentAttnGrads<double> rg{dq.data(), dlat.data(), W, dlat.data() + p.C, W, dw.data()};
+  attention_latent_reference_backward<double>(r, rg, dd.data());
+  DeviceBuffer q_ = up(q, false, "q"), l_ = up(lat, false, "latent"), w_ = up(w, false, "wkv_b"),
+               do_ = up(dout, false, "dout"), o_(4 * std::int64_t(o.size()), "o"),
+               lse_(4 * std::int64_t(lse.size()), "lse"), gq(4 * std::int64_t(q.size()), "dq"),
+               gl(4 * std::int64_t(lat.size()), "dlatent"), gw(4 * std::int64_t(w.size()), "dw"),
+               delta(4 * std::int64_t(lse.size()), "delta");
+  gw.zero();
+  p.q = q_.as<float>(), p.c = l_.as<float>(), p.ld_c = W, p.k_pe = l_.as<float>() + p.C;
+  p.ld_k_pe = W, p.w_kv = w_.as<float>();
+  fused_latent_forward(p, o_.as<float>(), lse_.as<float>());
+  LatentAttnGrads<float> g{gq.as<float>(), gl.as<float>(), W, gl.as<float>() + p.C, W,
+                           gw.as<float>()};
+  fused_latent_backward(p, g, do_.as<float>(), o_.as<float>(), lse_.as<float>(), delta.as<float>());
+  const std::string sh = cat(attn_shape(s), " C ", p.C, " dn ", p.dn);
+  out.push_back({"fused_latent_cuda forward o", sh, "fp32", rel_error(down(o_, false), o), 1e-4});
+  out.push_back(
+      {"fused_latent_cuda forward lse", sh, "fp32", rel_error(down(lse_, false), lse), 1e-4});
+  out.push_back(
+      {"fused_latent_cuda backward dq", sh, "fp32", rel_error(down(gq, false), dq), 1e-3});
+  out.push_back({"fused_latent_cuda backward d[c | k_pe]", sh, "fp32",
+                 rel_error(down(gl, false), dlat), 1e-3});
+  out.push_back(
+      {"fused_latent_cuda backward dw_kv", sh, "fp32", rel_error(down(gw, false), dw), 1e-3});
+}
+
+void check_small_ops(std::vector<Result>& out) {
+  {  // RMSNorm, x a slice of wider rows
+    const std::int64_t N = 37, C = 512, ldx = 576;
+    const Vec x = inputs(N * ldx, 11, false), w = inputs(C, 12, false),
+              dy = inputs(N * C, 13, false);
+    std::vector<double> y(static_cast<std::size_t>(N * C)), rstd(N), dx(y.size()), dw(C, 0.0);
+    rmsnorm_forward_reference<double>(y.data(), rstd.data(), widen(x).data(), ldx, widen(w).data(),
+                                      N, C, 1e-6);
+    rmsnorm_backward_reference<double>(dx.data(), C, dw.data(), widen(dy).data(), C,
+                                       widen(x).data(), ldx, widen(w).data(), rstd.data(), N, C);
+    DeviceBuffer x_ = up(x, false, "x"), w_ = up(w, false, "w"), dy_ = up(dy, false, "dy"),
+                 y_(4 * N * C, "y"), r_(4 * N, "rstd"), dx_(4 * N * C, "dx"), dw_(4 * C, "dw");
+    dw_.zero();
+    rmsnorm_forward(y_.as<float>(), r_.as<float>(), x_.as<float>(), ldx, w_.as<float>(), N, C,
+                    1e-6);
+    rmsnorm_backward(dx_.as<float>(), C, dw_.as<float>(), dy_.as<float>(), C, x_.as<float>(), ldx,
+                     w_.as<float>(), r_.as<float>(), N, C);
+    const std::string sh = cat("N ", N, " C ", C, " ldx ", ldx);
+    out.push_back({"rmsnorm_cuda forward", sh, "fp32", rel_error(down(y_, false), y), 1e-5});
+    out.push_back({"rmsnorm_cuda backward dx", sh, "fp32", rel_error(down(dx_, false), dx), 1e-4});
+    out.push_back({"rmsnorm_cuda backward dw", sh, "fp32", rel_error(down(dw_, false), dw), 1e-4});
+  }
+  {  // RoPE forward and inverse, against the CPU's rope_apply in double
+    RopeParams rp;
+    rp.dim = 64, rp.yarn = true, rp.original_seq_len = 64;
+    const std::int64_t B = 2, L = 50, H = 3, ld_head = 192, ld_token = H * ld_head, pos0 = 30;
+    const RopeTable table(rp, pos0 + L);
+    const Vec x = inputs(B * L * ld_token, 14, false);
+    const std::int64_t half = rp.dim / 2;
+    Vec c(static_cast<std::size_t>(table.positions() * half)), sn(c.size());
+    for (std::int64_t p = 0; p < table.positions(); ++p)
+      for (std::int64_t i = 0; i < half; ++i)
+        c[std::size_t(p * half + i)] = float(table.cos(p, i)),
+                                 sn[std::size_t(p * half + i)] = float(table.sin(p, i));
+    DeviceBuffer c_ = up(c, false, "cos"), s_ = up(sn, false, "sin");
+    const DeviceRope dr{c_.as<float>(), s_.as<float>(), rp.dim, table.positions()};
+    for (const bool inv : {false, true}) {
+      std::vector<double> ref = widen(x);
+      rope_apply<double>(ref.data() + 128, B, L, H, ld_token, ld_head, pos0, table, inv);
+      DeviceBuffer x_ = up(x, false, "x");
+      rope_apply(x_.as<float>() + 128, B, L, H, ld_token, ld_head, pos0, nullptr, dr, inv);
+      out.push_back({inv ? "rope_cuda backward" : "rope_cuda forward",
+                     cat("B ", B, " L ", L, " H ", H, " dim 64 at column 128, pos0 ", pos0), "fp32",
+                     rel_error(down(x_, false), ref), 1e-5});
+    }
+  }
+  {  // lse merge: a later ring step into the rank's rows
+    LseMergeShape m;
+    m.Bc = 2, m.Sq = 20, m.H = 3, m.dv = 16, m.L = 50, m.b0 = 0, m.q_row = 13;
+    const Vec o = inputs(m.Bc * m.L * m.H * m.dv, 15, false),
+              l = inputs(m.Bc * m.H * m.L, 16, false),
+              op = inputs(m.Bc * m.Sq * m.H * m.dv, 17, false),
+              lp = inputs(m.Bc * m.H * m.Sq, 18, false);
+    std::vector<double> ro = widen(o), rl = widen(l);
+    lse_merge_reference<double>(m, ro.data(), rl.data(), widen(op).data(), widen(lp).data());
+    DeviceBuffer o_ = up(o, false, "o"), l_ = up(l, false, "lse"), op_ = up(op, false, "o_p"),
+                 lp_ = up(lp, false, "lse_p");
+    lse_merge(m, o_.as<float>(), l_.as<float>(), op_.as<float>(), lp_.as<float>());
+    const std::string sh = "Bc 2 Sq 20 H 3 dv 16 into L 50 at row 13";
+    out.push_back({"lse_merge_cuda o", sh, "fp32", rel_error(down(o_, false), ro), 1e-5});
+    out.push_back({"lse_merge_cuda lse", sh, "fp32", rel_error(down(l_, false), rl), 1e-5});
+  }
+}
+
+// Median seconds of fn() over reps after one warm-up, by CUDA events.
+double median_seconds(const std::function<void()>& fn, int reps) {
+  fn();
+  check_cuda(cudaDeviceSynchronize(), "warm-up");
+  std::vector<double> t;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(a);
+    fn();
+    cudaEventRecord(b);
+    check_cuda(cudaEventSynchronize(b), "timed call");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms / 1e3);
+  }
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Timing {
+  std::string kernel, pass;
+  std::int64_t S = 0, H = 0;
+  double seconds = 0, tflops = 0;
+};
+
+void time_attention(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs, std::int64_t H,
+                    double budget_s) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto spent = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (const std::string kernel : {"attention_cudnn_sdpa", "attention_cuda_tiled"}) {
+    double last_call = 0;  // seconds of the last S's slowest pass
+    for (const std::int64_t S : seqs) {
+      // Each doubling of S quadruples the work: skip what would not fit the budget.
+      if (last_call > 0 && spent() + 4 * last_call * 8 > budget_s) {
+        std::cerr << "laga_cuda_check: " << kernel << " at S " << S << " skipped (budget)\n";
+        continue;
+      }
+      AttnShape s;
+      s.B = 1, s.Sq = s.Sk = S, s.Hq = s.Hk = H, s.dqk = 192, s.dv = 128, s.scale = 0.07;
+      if (kernel == "attention_cudnn_sdpa" && !cudnn_sdpa_refusal(s, DType::bf16).empty()) break;
+      const std::int64_t nq = S * H * 192, nv = S * H * 128;
+      DeviceBuffer q(2 * nq, "q"), k(2 * nq, "k"), v(2 * nv, "v"), o(2 * nv, "o"),
+          dout(2 * nv, "dout"), lse(4 * H * S, "lse"), dq(2 * nq, "dq"), dk(2 * nq, "dk"),
+          dv(2 * nv, "dv"), delta(4 * H * S, "delta");
+      for (DeviceBuffer* d : {&q, &k, &v, &dout})
+        check_cuda(cudaMemset(d->data(), 0x3c, d->bytes()), "fill");
+      const double fwd_flops = s.useful_flops_forward();
+      std::function<void()> fwd, bwd;
+      std::unique_ptr<CudnnSdpa> sdpa;
+      if (kernel == "attention_cudnn_sdpa") {
+        sdpa = std::make_unique<CudnnSdpa>(s);
+        fwd = [&] {
+          sdpa->forward(o.as<bf16>(), lse.as<float>(), q.as<bf16>(), k.as<bf16>(), v.as<bf16>());
+        };
+        bwd = [&] {
+          sdpa->backward(dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), dout.as<bf16>(), q.as<bf16>(),
+                         k.as<bf16>(), v.as<bf16>(), o.as<bf16>(), lse.as<float>());
+        };
+      } else {
+        fwd = [&] {
+          attention_forward<bf16>(s, o.as<bf16>(), lse.as<float>(), q.as<bf16>(), k.as<bf16>(),
+                                  v.as<bf16>());
+        };
+        bwd = [&] {
+          attention_backward<bf16>(s, dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), dout.as<bf16>(),
+                                   q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
+                                   lse.as<float>(), delta.as<float>());
+        };
+      }
+      fwd();
+      check_cuda(cudaDeviceSynchronize(), "first forward");
+      const double tf = median_seconds(fwd, 5);
+      const double tb = median_seconds(bwd, 3);
+      // Backward does 2.5x forward's multiply-adds (QK^T again, dP, dV, dQ, dK).
+      out.push_back({kernel, "forward", S, H, tf, fwd_flops / tf / 1e12});
+      out.push_back({kernel, "backward", S, H, tb, 2.5 * fwd_flops / tb / 1e12});
+      last_call = std::max(tf, tb);
+    }
+  }
+}
+
+void time_gemm(std::vector<Timing>& out) {
+  GemmContext ctx;
+  const std::int64_t M = 16384, N = 1536, K = 7168;  // x (S, D) by wq_a^T at S 16384
+  DeviceBuffer a(2 * M * K, "a"), b(2 * N * K, "b"), c(4 * M * N, "c");
+  check_cuda(cudaMemset(a.data(), 0x3c, a.bytes()), "fill");
+  check_cuda(cudaMemset(b.data(), 0x3c, b.bytes()), "fill");
+  GemmArgs g;
+  g.trans_b = true, g.M = M, g.N = N, g.K = K, g.A = a.data(), g.lda = K, g.B = b.data(), g.ldb = K;
+  g.C = c.data(), g.ldc = N, g.dtype = DType::bf16;
+  const double t = median_seconds([&] { ctx.gemm(g); }, 10);
+  out.push_back({"gemm_cublaslt bf16 (M 16384, N 1536, K 7168)", "forward", M, 0, t,
+                 2.0 * M * N * K / t / 1e12});
+}
+
+int run(int argc, char** argv) {
+  CLI::App app("laga_cuda_check: the CUDA backend's ops against the CPU, and their times");
+  std::string json_path = "cuda_check.json", table_path;
+  std::vector<std::int64_t> seqs{4096, 8192, 16384, 32768};
+  std::int64_t heads = 128;
+  double budget = 240;
+  bool dry = false;
+  app.add_option("--json", json_path, "where the JSON goes");
+  app.add_option("--table", table_path, "where the markdown table goes");
+  app.add_option("--seqs", seqs, "sequence lengths timed")->delimiter(',');
+  app.add_option("--heads", heads, "heads timed");
+  app.add_option("--budget-s", budget, "seconds the timings may take, about");
+  app.add_flag("--dry-run", dry, "list what would run; no device needed");
+  CLI11_PARSE(app, argc, argv);
+  json j;
+  j["seqs"] = seqs, j["heads"] = heads, j["cudnn_sdpa_built"] = cudnn_sdpa_built();
+  j["checks"] = {"gemm_cublaslt fp32/bf16 x 4 transposes",
+                 "attention_cuda_tiled fp32/bf16: causal, ring step Sq < Sk, full, packed, latent "
+                 "Hk 1, 192/128",
+                 "attention_cudnn_sdpa bf16 where it takes the shape",
+                 "fused_latent_cuda fp32",
+                 "rmsnorm_cuda",
+                 "rope_cuda",
+                 "lse_merge_cuda"};
+  if (dry) {
+    j["ran"] = false;
+    std::ofstream(json_path) << j.dump(2) << "\n";
+    std::cout << "laga_cuda_check --dry-run: " << j["checks"].size()
+              << " check groups; timings at S";
+    for (auto s : seqs) std::cout << " " << s;
+    std::cout << ", H " << heads << "; wrote " << json_path << "\n";
+    return 0;
+  }
+  const std::string why = device_unavailable_reason();
+  if (!why.empty()) {
+    std::cerr << "laga_cuda_check: " << why << "\n";
+    return 2;
+  }
+  const DeviceInfo d = current_device();
+  j["device"] = {{"name", d.name},
+                 {"sm", d.sm_major * 10 + d.sm_minor},
+                 {"memory_bytes", d.memory_bytes},
+                 {"driver", d.driver_version},
+                 {"runtime", d.runtime_version}};
+  MemoryPool pool;
+  PoolScope scope(pool);
+  std::vector<Result> results;
+  const auto guarded = [&](const char* what, const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      results.push_back({what, e.what(), "-", INFINITY, 0});
+    }
+  };
+  guarded("gemm", [&] { check_gemm_ops(results); });
+  guarded("attention", [&] { check_attention_ops(results); });
+  guarded("fused latent", [&] { check_fused_latent(results); });
+  guarded("rmsnorm/rope/lse_merge", [&] { check_small_ops(results); });
+  std::vector<Timing> times;
+  guarded("timing gemm", [&] { time_gemm(times); });
+  guarded("timing attention", [&] { time_attention(times, seqs, heads, budget); });
+  int failed = 0;
+  for (const Result& r : results) {
+    failed += !r.pass();
+    j["results"].push_back({{"op", r.name},
+                            {"shape", r.shape},
+                            {"dtype", r.dtype},
+                            {"error", std::isfinite(r.error) ? json(r.error) : json("inf")},
+                            {"tol", r.tol},
+                            {"pass", r.pass()}});
+  }
+  for (const Timing& t : times)
+    j["timings"].push_back({{"kernel", t.kernel},
+                            {"pass", t.pass},
+                            {"S", t.S},
+                            {"H", t.H},
+                            {"seconds", t.seconds},
+                            {"tflops", t.tflops}});
+  j["ran"] = true, j["failed"] = failed, j["peak_device_bytes"] = pool.peak_total();
+  std::ofstream(json_path) << j.dump(2) << "\n";
+  std::ostringstream md;
+  md << "device: " << d.name << " (sm_" << d.sm_major << d.sm_minor << "), driver "
+     << d.driver_version << ", CUDA runtime " << d.runtime_version
+     << "\n\n| op | shape | dtype | error | tol | |\n|---|---|---|---|---|---|\n";
+  for (const Result& r : results)
+    md << "| " << r.name << " | " << r.shape << " | " << r.dtype << " | " << r.error << " | "
+       << r.tol << " | " << (r.pass() ? "pass" : "FAIL") << " |\n";
+  md << "\n| kernel | pass | S | H | ms | TFLOP/s |\n|---|---|---|---|---|---|\n";
+  for (const Timing& t : times)
+    md << "| " << t.kernel << " | " << t.pass << " | " << t.S << " | " << t.H << " | "
+       << t.seconds * 1e3 << " | " << t.tflops << " |\n";
+  std::cout << md.str();
+  if (!table_path.empty()) std::ofstream(table_path) << md.str();
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace laga::cuda
+
+int main(int argc, char** argv) {
+  try {
+    return laga::cuda::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "laga_cuda_check: " << e.what() << "\n";
+    return 2;
+  }
+}

@@ -1,0 +1,298 @@
+// The CUDA backend's kernel table rows (mla/op_table.hpp, the seam's
+// contract: /docs/architecture.md "The op layer and the kernel table"). Each
+// row is a thin adapter from an OpCall's slots to one of this layer's raw
+// entry points; every pointer in a call is a device pointer. why_not names
+// the refused value in the table's words; a device's own limits (cuDNN's
+// check_support, the shared memory per block) are asked at run time, so a
+// row that the rules admit can still throw from run() naming the shape.
+//
+// Scratch: the rows that need some (attention backward's delta) take the
+// call's workspace when it holds enough device bytes, else allocate a
+// DeviceBuffer (counted by the pool) for the call. The cuBLASLt handle and
+// its workspace, cuDNN's graphs per shape and the RoPE tables on the device
+// are kept per thread (one rank per thread or process, one device each);
+// the op layer's count-only runs never call run(), so these are in the real
+// run's pool and not in the prediction yet (docs/accounting.md, "Device
+// memory").
+#include <cstring>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "core/error.hpp"
+#include "cuda/attention.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/elementwise.hpp"
+#include "cuda/gemm_lt.hpp"
+#include "cuda/sdpa_cudnn.hpp"
+#include "mla/form_spec.hpp"  // AttentionKind
+#include "mla/op_table.hpp"
+
+namespace laga::ops {
+
+namespace {
+
+using Why = std::optional<std::string>;
+using cuda::DeviceBuffer;
+
+Why dtype_not_in(RunDtype d, std::initializer_list<RunDtype> ok) {
+  for (RunDtype o : ok)
+    if (o == d) return std::nullopt;
+  std::string names;
+  for (RunDtype o : ok) names += std::string(names.empty() ? "" : " or ") + to_string(o);
+  return std::string("dtype ") + to_string(d) + " (it takes " + names + ")";
+}
+
+DType wire_dtype(RunDtype d) {
+  return d == RunDtype::bf16 ? DType::bf16 : DType::f32;
+}
+
+// ------------------------------------------------------------------ gemm
+
+cuda::GemmContext& gemm_context() {
+  thread_local std::unique_ptr<cuda::GemmContext> ctx;
+  if (!ctx) ctx = std::make_unique<cuda::GemmContext>();
+  return *ctx;
+}
+
+cuda::GemmArgs gemm_args(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::GemmArgs g;
+  g.trans_a = s.trans_a, g.trans_b = s.trans_b, g.M = s.m, g.N = s.n, g.K = s.k;
+  g.alpha = static_cast<float>(c.alpha), g.beta = static_cast<float>(c.beta);
+  g.A = c.in[0], g.lda = s.lda, g.B = c.in[1], g.ldb = s.ldb, g.C = c.out[0], g.ldc = s.ldc;
+  g.dtype = wire_dtype(c.dtype), g.c_dtype = DType::f32;
+  return g;
+}
+Why gemm_takes(RunDtype d, const OpShape&) {
+  return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
+}
+void run_gemm(const OpCall& c) {
+  gemm_context().gemm(gemm_args(c));
+}
+
+// ------------------------------------------------------------- attention
+
+float* delta_scratch(const OpCall& c, std::int64_t bytes, DeviceBuffer& own) {
+  if (c.workspace && c.workspace_bytes >= bytes) return static_cast<float*>(c.workspace);
+  own = DeviceBuffer(bytes, "attention delta (device)");
+  return own.as<float>();
+}
+std::int64_t delta_bytes(RunDtype, const OpShape& s) {
+  return 4 * s.attn.B * s.attn.Hq * s.attn.Sq;
+}
+
+Why flash_only(const OpShape& s) {
+  if (s.attention != AttentionKind::flash)
+    return std::string(
+        "attention eager (the CUDA rows are flash-style: no probabilities kept); "
+        "use --attention flash");
+  return std::nullopt;
+}
+
+Why tiled_takes(RunDtype d, const OpShape& s) {
+  if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
+  if (Why w = flash_only(s)) return w;
+  // The shared memory is checked against the device at run time; here
+  // against Hopper's, the architecture this build targets.
+  const std::string m =
+      cuda::attention_refusal(cuda::AttnKernel::dense, s.attn, wire_dtype(d), 232448);
+  if (!m.empty()) return m;
+  return std::nullopt;
+}
+Why latent_tiled_takes(RunDtype d, const OpShape& s) {
+  if (s.attn.Hk != 1)
+    return "Hk " + std::to_string(s.attn.Hk) + " (latent-space attention has one key head)";
+  return tiled_takes(d, s);
+}
+
+template <class T>
+void run_tiled_forward(const OpCall& c) {
+  cuda::attention_forward<T>(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<float*>(c.out[1]),
+                             static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                             static_cast<const T*>(c.in[2]));
+}
+template <class T>
+void run_tiled_backward(const OpCall& c) {
+  DeviceBuffer own;
+  float* delta = delta_scratch(c, delta_bytes(c.dtype, c.shape), own);
+  cuda::attention_backward<T>(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                              static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]),
+                              static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                              static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]),
+                              static_cast<const float*>(c.in[5]), delta);
+}
+void run_tiled_forward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_tiled_forward<bf16>(c) : run_tiled_forward<float>(c);
+}
+void run_tiled_backward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_tiled_backward<bf16>(c) : run_tiled_backward<float>(c);
+}
+
+// cuDNN's graphs, one per shape, kept per thread.
+cuda::CudnnSdpa& sdpa_for(const AttnShape& s) {
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, std::int64_t, double, bool>;
+  thread_local std::map<Key, std::unique_ptr<cuda::CudnnSdpa>> graphs;
+  const Key key{s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.scale, s.causal};
+  auto& g = graphs[key];
+  if (!g) g = std::make_unique<cuda::CudnnSdpa>(s);
+  return *g;
+}
+Why cudnn_takes(RunDtype d, const OpShape& s) {
+  if (Why w = flash_only(s)) return w;
+  const std::string m = cuda::cudnn_sdpa_refusal(s.attn, wire_dtype(d));
+  if (!m.empty()) return m;
+  return std::nullopt;
+}
+void run_cudnn_forward(const OpCall& c) {
+  sdpa_for(c.shape.attn)
+      .forward(static_cast<bf16*>(c.out[0]), static_cast<float*>(c.out[1]),
+               static_cast<const bf16*>(c.in[0]), static_cast<const bf16*>(c.in[1]),
+               static_cast<const bf16*>(c.in[2]));
+}
+void run_cudnn_backward(const OpCall& c) {
+  sdpa_for(c.shape.attn)
+      .backward(static_cast<bf16*>(c.out[0]), static_cast<bf16*>(c.out[1]),
+                static_cast<bf16*>(c.out[2]), static_cast<const bf16*>(c.in[0]),
+                static_cast<const bf16*>(c.in[1]), static_cast<const bf16*>(c.in[2]),
+                static_cast<const bf16*>(c.in[3]), static_cast<const bf16*>(c.in[4]),
+                static_cast<const float*>(c.in[5]));
+}
+
+// ------------------------------------------------------ fused latent (laga_fused)
+
+LatentAttnParams<float> latent_params(const OpCall& c) {
+  LatentAttnParams<float> p;
+  p.shape = c.shape.attn;
+  p.C = c.shape.C, p.dn = c.shape.dn;
+  p.q = static_cast<const float*>(c.in[0]);
+  p.c = static_cast<const float*>(c.in[1]), p.ld_c = c.shape.ld_c;
+  p.k_pe = static_cast<const float*>(c.in[2]), p.ld_k_pe = c.shape.ld_k_pe;
+  p.w_kv = static_cast<const float*>(c.in[3]);
+  return p;
+}
+Why fused_takes(RunDtype d, const OpShape& s) {
+  if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;
+  const std::string m =
+      cuda::attention_refusal(cuda::AttnKernel::fused_latent, s.attn, DType::f32, 232448);
+  if (!m.empty()) return m;
+  return std::nullopt;
+}
+void run_fused_forward(const OpCall& c) {
+  cuda::fused_latent_forward(latent_params(c), static_cast<float*>(c.out[0]),
+                             static_cast<float*>(c.out[1]));
+}
+void run_fused_backward(const OpCall& c) {
+  LatentAttnGrads<float> g;
+  g.dq = static_cast<float*>(c.out[0]);
+  g.dc = static_cast<float*>(c.out[1]), g.ld_dc = c.shape.ld_dc;
+  g.dk_pe = static_cast<float*>(c.out[2]), g.ld_dk_pe = c.shape.ld_dk_pe;
+  g.dw_kv = static_cast<float*>(c.out[3]);
+  DeviceBuffer own;
+  float* delta = delta_scratch(c, delta_bytes(c.dtype, c.shape), own);
+  cuda::fused_latent_backward(latent_params(c), g, static_cast<const float*>(c.in[4]),
+                              static_cast<const float*>(c.in[5]),
+                              static_cast<const float*>(c.in[6]), delta);
+}
+
+// ------------------------------------------------- merge, norm, rope (fp32 data)
+
+Why fp32_data(RunDtype d, const OpShape&) {
+  return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});  // bf16 runs keep these in fp32
+}
+void run_lse_merge(const OpCall& c) {
+  const OpShape& s = c.shape;
+  LseMergeShape m;
+  m.Bc = s.attn.B, m.Sq = s.attn.Sq, m.H = s.cols, m.dv = s.attn.dv, m.L = s.rows, m.b0 = s.b0;
+  m.q_row = s.q_row, m.first = s.attn.causal;
+  cuda::lse_merge(m, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+                  static_cast<const float*>(c.in[0]), static_cast<const float*>(c.in[1]));
+}
+void run_rmsnorm_forward(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::rmsnorm_forward(static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+                        static_cast<const float*>(c.in[0]), s.lda,
+                        static_cast<const float*>(c.in[1]), s.rows, s.cols, c.alpha);
+}
+void run_rmsnorm_backward(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::rmsnorm_backward(
+      static_cast<float*>(c.out[0]), s.ldc, static_cast<float*>(c.out[1]),
+      static_cast<const float*>(c.in[0]), s.ldb, static_cast<const float*>(c.in[1]), s.lda,
+      static_cast<const float*>(c.in[2]), static_cast<const float*>(c.in[3]), s.rows, s.cols);
+}
+
+// A RopeTable's cos/sin on the device, uploaded at its first use on this
+// thread and kept while the table lives at the same address and extents.
+const cuda::DeviceRope& device_rope(const RopeTable& t) {
+  struct Uploaded {
+    std::int64_t dim = 0, positions = 0;
+    DeviceBuffer cos, sin;
+    cuda::DeviceRope view;
+  };
+  thread_local std::map<const RopeTable*, Uploaded> tables;
+  Uploaded& u = tables[&t];
+  if (!u.view.cos || u.dim != t.dim() || u.positions != t.positions()) {
+    LAGA_CHECK(t.backed(),
+               "cuda rope: the RopeTable has no cos/sin (a count-only table); "
+               "build it with its values");
+    const std::int64_t half = t.dim() / 2, n = t.positions() * half;
+    std::vector<float> c(static_cast<std::size_t>(n)), s(static_cast<std::size_t>(n));
+    for (std::int64_t p = 0; p < t.positions(); ++p)
+      for (std::int64_t i = 0; i < half; ++i) {
+        c[static_cast<std::size_t>(p * half + i)] = static_cast<float>(t.cos(p, i));
+        s[static_cast<std::size_t>(p * half + i)] = static_cast<float>(t.sin(p, i));
+      }
+    u.cos = DeviceBuffer(4 * n, "rope cos (device)", MemCategory::parameters);
+    u.sin = DeviceBuffer(4 * n, "rope sin (device)", MemCategory::parameters);
+    u.cos.upload(c.data(), 4 * n);
+    u.sin.upload(s.data(), 4 * n);
+    u.dim = t.dim(), u.positions = t.positions();
+    u.view = cuda::DeviceRope{u.cos.as<float>(), u.sin.as<float>(), t.dim(), t.positions()};
+  }
+  return u.view;
+}
+template <bool Inverse>
+void run_rope(const OpCall& c) {
+  const OpShape& s = c.shape;
+  LAGA_CHECK(c.context, "cuda rope: the call has no RopeTable (OpCall::context)");
+  cuda::rope_apply(static_cast<float*>(c.out[0]), s.batch, s.tokens, s.heads, s.ld_token, s.ld_head,
+                   s.pos0, static_cast<const std::int64_t*>(c.in[0]),
+                   device_rope(*static_cast<const RopeTable*>(c.context)), Inverse);
+}
+
+// cuDNN's rows rank first (0): where they take a call they are picked.
+const KernelRow kRows[] = {
+    {Device::cuda, Op::gemm, "gemm_cublaslt", &gemm_takes, &run_gemm, 0},
+    {Device::cuda, Op::attention_forward, "attention_cudnn_sdpa", &cudnn_takes, &run_cudnn_forward,
+     0},
+    {Device::cuda, Op::attention_forward, "attention_cuda_tiled", &tiled_takes,
+     &run_tiled_forward_any, 1},
+    {Device::cuda, Op::attention_backward, "attention_cudnn_sdpa", &cudnn_takes,
+     &run_cudnn_backward, 0},
+    {Device::cuda, Op::attention_backward, "attention_cuda_tiled", &tiled_takes,
+     &run_tiled_backward_any, 1, Bf16Operands::bf16, &delta_bytes},
+    {Device::cuda, Op::latent_attention_forward, "latent_attention_cuda_tiled", &latent_tiled_takes,
+     &run_tiled_forward_any, 0},
+    {Device::cuda, Op::latent_attention_backward, "latent_attention_cuda_tiled",
+     &latent_tiled_takes, &run_tiled_backward_any, 0, Bf16Operands::bf16, &delta_bytes},
+    {Device::cuda, Op::fused_latent_attention_forward, "fused_latent_cuda", &fused_takes,
+     &run_fused_forward, 0},
+    {Device::cuda, Op::fused_latent_attention_backward, "fused_latent_cuda", &fused_takes,
+     &run_fused_backward, 0, Bf16Operands::bf16, &delta_bytes},
+    {Device::cuda, Op::lse_merge, "lse_merge_cuda", &fp32_data, &run_lse_merge, 0},
+    {Device::cuda, Op::rmsnorm_forward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_forward, 0},
+    {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
+    {Device::cuda, Op::rope_forward, "rope_cuda", &fp32_data, &run_rope<false>, 0},
+    {Device::cuda, Op::rope_backward, "rope_cuda", &fp32_data, &run_rope<true>, 0},
+};
+
+}  // namespace
+
+std::span<const KernelRow> cuda_kernel_rows() {
+  return kRows;
+}
+
+}  // namespace laga::ops

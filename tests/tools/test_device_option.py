@@ -1,0 +1,54 @@
+"""--device cpu|cuda on laga forward, verify and compare (tools/device_option.hpp).
+
+--device cuda is refused with one sentence naming what is missing: the backend
+(a build without CUDA), the device (a build with it, on a machine without a
+usable GPU: CI's), or the forms (a GPU is there: the blocks do not run on it
+yet). An unknown device is refused naming the value; --device cpu runs as
+before.
+
+usage: test_device_option.py LAGA CUDA_BUILT(ON|OFF)
+"""
+import subprocess
+import sys
+
+laga, cuda_built = sys.argv[1], sys.argv[2].upper() in ("ON", "1", "TRUE")
+failures = []
+
+
+def run(*args):
+    return subprocess.run([laga, *args], capture_output=True, text=True, timeout=120)
+
+
+for command in ("forward", "verify", "compare"):
+    r = run(command, "--device", "cuda", "--preset", "tiny")
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    if r.returncode != 2 or len(lines) != 1:
+        failures.append(f"{command} --device cuda: rc {r.returncode}, stderr {r.stderr!r}")
+        continue
+    msg = lines[0]
+    want_start = f"laga: error: laga {command} --device cuda: "
+    if not msg.startswith(want_start):
+        failures.append(f"{command}: message does not name the command and option: {msg!r}")
+    if cuda_built:
+        known = ("no usable CUDA device", "no CUDA device", "compute capability",
+                 "the forms do not run on the GPU yet")
+    else:
+        known = ("built without the CUDA backend",)
+    if not any(k in msg for k in known):
+        failures.append(f"{command}: the refusal names none of {known}: {msg!r}")
+    if "--device cpu" not in msg:
+        failures.append(f"{command}: the refusal does not say what to do (--device cpu): {msg!r}")
+
+r = run("forward", "--device", "gpu")
+if r.returncode == 0 or "'gpu' is not one of cpu, cuda" not in r.stderr:
+    failures.append(f"--device gpu: rc {r.returncode}, stderr {r.stderr!r}")
+
+a = run("forward", "--device", "cpu", "--preset", "tiny", "--seq", "8")
+b = run("forward", "--preset", "tiny", "--seq", "8")
+if a.returncode != 0 or b.returncode != 0:
+    failures.append(f"--device cpu: rc {a.returncode} / {b.returncode}: {a.stderr!r}")
+
+for f in failures:
+    print("FAIL:", f)
+print("ok" if not failures else f"{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
