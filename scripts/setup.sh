@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian package laga needs to build, test, benchmark and plot.
+# Installs every Debian package laga needs to build, test, benchmark and plot,
+# then the torch 2 venv (scripts/setup_torch2.sh).
 # Idempotent: packages already present are skipped, and `apt-get update` runs
 # at most once per invocation (and only when something is missing).
 set -euo pipefail
@@ -30,11 +31,14 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} packages present"
-  exit 0
+else
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "setup: installing ${missing[*]}"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# PyPI's torch 2 and triton in build/torch2-venv, for the package suite's
+# torch 2 run and the Triton kernel's tests (downloaded once, then reused).
+bash "$(dirname "$0")/setup_torch2.sh" build
