@@ -29,13 +29,16 @@ depend on scheduling on a GPU (not bitwise reproducible; the interpreter
 runs programs in order).
 
 Types: float32 and float64 operands compute in their own type (dots at
-full "ieee" precision); bf16/fp16 operands make K and V in fp32 and round
-the tile to the operands' type for the two tensor-core products (as
-FlashAttention does), where the C++ kernel keeps that tile fp32: a bf16
-Triton result is within bf16's bounds of the C++ one, not equal to it.
-lse, the softmax statistics and every gradient sum are fp32 (fp64 for
-float64). Under TRITON_INTERPRET=1 (the CPU tests) bf16 tl.dot is wrong
-(triton #11584): the tests run float32 and float64.
+full "ieee" precision); bf16/fp16 operands make K and V in fp32 and, in
+forward, round the tile to the operands' type for the two tensor-core
+products (as FlashAttention does), where the C++ kernel keeps that tile
+fp32: a bf16 Triton result is within bf16's bounds of the C++ one, not
+equal to it; their backward computes in fp32 with tf32 dots (the bf16
+operands convert exactly). lse, the softmax statistics and every gradient
+sum are fp32 (fp64 for float64). Under TRITON_INTERPRET=1 (the CPU tests)
+bf16 tl.dot is wrong (triton #11584): the tests run float32 and float64;
+the bf16 path has been traced there (it runs) but its numbers have not been
+checked anywhere.
 
 Non-finite operands go to fused.py (kernel_for): this kernel multiplies a
 masked p = 0 by v, so a NaN in another document's key would reach a row;
