@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Attention forward+backward at DeepSeek-V3's head dims on one GPU (issue 53
-item 5; scripts/gpu_check_torch.sh runs it; docs/pytorch.md "On a GPU").
+item 5; scripts/gpu_check_torch.sh runs it; docs/pytorch_triton.md "On a
+GPU (not run)").
 
   bench_torch_gpu.py --out DIR [--seqs 4096,8192,16384,32768] [--heads 16]
                      [--batch 1] [--dry]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # laga_torch on a lent GPU with torch 2 and Triton, in one call (issue 53
-# item 5; nothing here runs in CI, which has no GPU; docs/pytorch.md "On a
-# GPU" says what has run). Beside scripts/gpu_check.sh (torch 1.x package
+# item 5; nothing here runs in CI, which has no GPU; docs/pytorch_triton.md
+# "On a GPU (not run)" says what has run). Beside scripts/gpu_check.sh (torch 1.x package
 # checks and the plan's shapes).
 #
 #   bash scripts/gpu_check_torch.sh OUTDIR [LAGA]      (PYTHON: default python3)
@@ -36,7 +36,8 @@ export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   fi
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+'triton', triton.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   lscpu | grep 'Model name'
   "$laga" --version 2>&1 | head -1
 } 2>&1 | tee "$out/gpu_torch.txt"

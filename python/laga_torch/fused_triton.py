@@ -1,5 +1,5 @@
 """laga_fused in Triton: the up-projection made inside the attention kernel
-(docs/pytorch.md "laga_fused in Triton"; the C++ src/mla/form_laga_fused.cpp,
+(docs/pytorch_triton.md "laga_fused in Triton"; the C++ src/mla/form_laga_fused.cpp,
 docs/forms.md "laga_fused"). fused.py is the plain-torch reference and the
 fallback; fused.py's forward/backward call this module's when it is chosen
 (fused.kernel_for).

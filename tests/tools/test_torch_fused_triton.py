@@ -232,7 +232,8 @@ def worker(args):
     inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
     for case in cases():
         own = tp.shard(lt, P, r, tp.seq_layout(case))
-        w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
+        w, _ = safetensors_io.load_file(
+            os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
         for tag, dtype, tape in runs(case) + [("f64-laga", torch.float64, "laga")]:
             form = "laga" if tag == "f64-laga" else "laga_fused"
             m = lt.MLA(lt.MLAConfig.from_json(CONFIGS[case["cfg"]]), form=form,
