@@ -3,15 +3,16 @@
 # triton and numpy (python/requirements-torch2.txt) under the build directory,
 # for the package suite's second run (the tests named *_torch2; CMake's
 # LAGA_TORCH2_PYTHON, tests/tools/CMakeLists.txt laga_add_torch_test) and the
-# Triton kernel's tests under TRITON_INTERPRET=1 (docs/pytorch.md "Torch 2 and
-# Triton"). Debian's torch 1.13 suite (/usr/bin/python3) is untouched.
+# Triton kernel's tests under TRITON_INTERPRET=1 (docs/pytorch_triton.md "The torch 2
+# suite"). Debian's torch 1.13 suite (/usr/bin/python3) is untouched.
 #
 #   scripts/setup_torch2.sh [BUILD_DIR]        (default: build)
 #
 # The wheels are downloaded once into BUILD_DIR/torch2-wheels (multi-GB: torch
 # from PyPI is its CUDA build) and installed from there with --no-index, so a
 # second run, or a rebuilt venv, downloads nothing. A venv whose stamp holds
-# the requirements file's hash is reused as it is: no pip runs at all.
+# the hash of the requirements file's requirement lines is reused as it is:
+# no pip runs at all.
 # LAGA_TORCH2=off skips this (the *_torch2 tests are then not registered, and
 # this says so).
 set -euo pipefail
@@ -24,7 +25,8 @@ if [ "${LAGA_TORCH2:-on}" = off ]; then
   echo "setup_torch2: LAGA_TORCH2=off: no torch 2 venv; the *_torch2 tests are not registered"
   exit 0
 fi
-hash=$(sha256sum "$req" | cut -d' ' -f1)
+# The stamp: the requirement lines alone (a comment edit rebuilds nothing).
+hash=$(grep -v '^[[:space:]]*\(#\|$\)' "$req" | sha256sum | cut -d' ' -f1)
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.laga-stamp" 2>/dev/null)" = "$hash" ]; then
   echo "setup_torch2: $venv is ready ($req unchanged); nothing downloaded"
   exit 0
@@ -46,7 +48,7 @@ fi
 rm -rf "$venv"
 /usr/bin/python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheels" --no-cache-dir -r "$req"
-"$venv/bin/python" -c "import torch, triton, numpy; print('setup_torch2: torch', torch.__version__, \
-'triton', triton.__version__, 'numpy', numpy.__version__)"
+"$venv/bin/python" -c "import torch, triton, numpy; \
+print('setup_torch2: torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 echo "$hash" >"$venv/.laga-stamp"
 echo "setup_torch2: $venv made in $(( $(date +%s) - start )) s"

@@ -22,13 +22,83 @@ here (the flash call's accumulation type).
 
 With attention other than flash the C++ form runs laga's unfused path
 (its note says so), and so does the package: only flash is fused.
+
+The fused kernel itself is fused_triton.py (Triton, forward and backward:
+K and V a key tile at a time on chip); forward() and backward() here run it
+when kernel_for chooses it, and this file's torch code otherwise: it stays
+the reference the Triton kernel is tested against and the fallback
+wherever Triton cannot run.
 """
+
+import enum
+import logging
+import os
 
 import torch
 
-from .attention import _acc_dtype, first_order_only
-from . import dispatch
+from . import dispatch, fused_triton
+from .attention import _acc_dtype, _finite, first_order_only
 from .dispatch import backward as flash_backward, forward as flash_forward
+
+_log = logging.getLogger("laga_torch")
+
+
+class FusedKernel(enum.Enum):
+    """Which code runs laga_fused's flash attention (kernel_for)."""
+    triton = "triton"  # fused_triton.py: the up-projection inside the kernel
+    torch = "torch"    # this file: K and V made for the call, then flash_forward
+
+
+def _requested():
+    """LAGA_FUSED_KERNEL: auto (unset or empty), triton or torch; anything
+    else refused naming the variable and the values."""
+    v = os.environ.get("LAGA_FUSED_KERNEL", "") or "auto"
+    if v == "auto":
+        return None
+    try:
+        return FusedKernel(v)
+    except ValueError:
+        raise ValueError(f"LAGA_FUSED_KERNEL={v!r}: expected auto, triton or torch") from None
+
+
+def kernel_for(*tensors):
+    """The kernel for a laga_fused flash call on these operands (q, lat,
+    w_rows and, in backward, dO). auto: Triton where it is importable and
+    runs: on a CUDA device in float32, bf16 or fp16, or under
+    TRITON_INTERPRET=1 on the CPU in float32 or float64 (the interpreter's
+    bf16 tl.dot is wrong, triton #11584); torch otherwise. LAGA_FUSED_KERNEL
+    =triton asks for Triton and is refused, naming what is missing, where
+    it cannot run. Non-finite operands always take the torch code, which
+    keeps a NaN in its document (fused_triton's docstring says why)."""
+    want = _requested()
+    if want is FusedKernel.torch:
+        return FusedKernel.torch
+    q = tensors[0]
+    if not fused_triton.importable():
+        why = "triton is not importable (torch 1.13 from Debian has none: pip install triton)"
+    elif q.device.type == "cuda":
+        ok = q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        why = None if ok else f"dtype {q.dtype} on CUDA (float32, bfloat16 or float16)"
+    elif q.device.type == "cpu" and fused_triton.interpreted():
+        ok = q.dtype in (torch.float32, torch.float64)
+        why = None if ok else (f"dtype {q.dtype} under TRITON_INTERPRET=1 (float32 or float64: "
+                               "the interpreter's bf16 tl.dot is wrong, triton #11584)")
+    else:
+        why = (f"device {q.device.type} (CUDA, or the CPU with TRITON_INTERPRET=1 set before "
+               "importing laga_torch)")
+    if why is not None:
+        if want is FusedKernel.triton:
+            raise ValueError(f"LAGA_FUSED_KERNEL=triton: laga_fused's Triton kernel cannot run "
+                             f"here: {why}; unset it (auto) or set it to torch")
+        return FusedKernel.torch
+    if not _finite(*tensors):
+        return FusedKernel.torch
+    return FusedKernel.triton
+
+
+def _chosen(kernel, what):
+    _log.debug("laga_fused %s: %s kernel", what, kernel.value)
+    return kernel
 
 
 def up_project(lat, w_rows, cfg):
@@ -59,13 +129,18 @@ def up_project_backward(dk, dv, lat, w_rows, cfg):
 
 
 def forward(q, lat, w_rows, ranges, scale, block, cfg):
-    """o (B, Sq, nh, dv) and lse of flash attention over keys made from lat."""
+    """o (B, Sq, nh, dv) and lse of flash attention over keys made from lat
+    (block: the torch code's tile; the Triton kernel has its own)."""
+    if _chosen(kernel_for(q, lat, w_rows), "forward") is FusedKernel.triton:
+        return fused_triton.forward(q, lat, w_rows, ranges, scale, cfg)
     k, v = up_project(lat, w_rows, cfg)
     return flash_forward(q, k, v, ranges, scale, block)
 
 
 def backward(q, lat, w_rows, o, lse, do, ranges, scale, block, cfg):
     """(dq, d lat, d w_rows) from what forward kept: K and V made again."""
+    if _chosen(kernel_for(q, lat, w_rows, do), "backward") is FusedKernel.triton:
+        return fused_triton.backward(q, lat, w_rows, o, lse, do, ranges, scale, cfg)
     k, v = up_project(lat, w_rows, cfg)
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, ranges, scale, block)
     del k, v

@@ -209,8 +209,13 @@ class Block(torch.autograd.Function):
                 keep["lse" if run.flash else "p0"] = stats
             else:  # laga, laga2d: the own heads up-projected over the keys needed
                 Sk = run.key_end
-                if spec.fused and run.flash:  # laga_fused: K/V for the call only (fused.py)
-                    k_h, v_h = fused.up_project(lat[:, :Sk], wkv[h0:h0 + nh].reshape(-1, C), cfg)
+                w_r = wkv[h0:h0 + nh].reshape(-1, C)
+                triton = spec.fused and run.flash and fused.kernel_for(
+                    q_h, lat, w_r) is fused.FusedKernel.triton
+                if triton:  # laga_fused's Triton kernel: K/V a key tile at a time, on chip
+                    k_h = v_h = None
+                elif spec.fused and run.flash:  # laga_fused: K/V for the call only (fused.py)
+                    k_h, v_h = fused.up_project(lat[:, :Sk], w_r, cfg)
                 else:
                     kv_h = (lat[:, :Sk, :C] @ wkv[h0:h0 + nh].reshape(-1, C).t()).view(
                         B, Sk, nh, dn + dv)
@@ -222,7 +227,11 @@ class Block(torch.autograd.Function):
                     lse = torch.zeros(B, nh, len(rows), dtype=_acc_dtype(q_h.dtype),
                                       device=q_h.device)
                 for i, (a, b, e) in enumerate(run.calls):  # one call per query range
-                    if run.flash:
+                    if triton:
+                        o_h[:, a:b], lse[:, :, a:b] = fused.fused_triton.forward(
+                            q_h[:, a:b], lat[:, :e], w_r, sp.key_ranges(rows[a:b], e), scale,
+                            cfg)
+                    elif run.flash:
                         o_h[:, a:b], lse[:, :, a:b] = flash_forward(
                             q_h[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
                             scale, run.block)
@@ -388,13 +397,26 @@ class Block(torch.autograd.Function):
             else:
                 Sk = run.key_end
                 q_h = s["q_h"]
+                w_r = wkv[h0:h0 + nh].reshape(-1, C)
+                triton = "k_h" not in s and fused.kernel_for(
+                    q_h, lat, w_r, do_h) is fused.FusedKernel.triton
                 if "k_h" in s:
                     k_h, v_h = s["k_h"], s["v_h"]
+                elif triton:  # laga_fused's Triton kernel makes K/V again a tile at a time
+                    d_w = torch.zeros_like(w_r)
+                    k_h = v_h = q_h.new_zeros(0)
                 else:  # laga_fused: K/V made again from the latent (fused.py)
-                    k_h, v_h = fused.up_project(lat[:, :Sk], wkv[h0:h0 + nh].reshape(-1, C), cfg)
+                    k_h, v_h = fused.up_project(lat[:, :Sk], w_r, cfg)
                 dq_h, dk_h, dv_h = torch.zeros_like(q_h), torch.zeros_like(k_h), \
                     torch.zeros_like(v_h)
                 for i, (a, b, e) in enumerate(run.calls):
+                    if triton:
+                        dq_h[:, a:b], d_lat_, d_w_ = fused.fused_triton.backward(
+                            q_h[:, a:b], lat[:, :e], w_r, s["o_h"][:, a:b], s["lse"][:, :, a:b],
+                            do_h[:, a:b], sp.key_ranges(rows[a:b], e), scale, cfg)
+                        d_lat[:, :e] += d_lat_
+                        d_w += d_w_
+                        continue
                     if run.flash:
                         dq_, dk_, dv_ = flash_backward(
                             q_h[:, a:b], k_h[:, :e], v_h[:, :e], s["o_h"][:, a:b],
@@ -407,8 +429,9 @@ class Block(torch.autograd.Function):
                     dq_h[:, a:b] = dq_
                     dk_h[:, :e] += dk_
                     dv_h[:, :e] += dv_
-                w_r = wkv[h0:h0 + nh].reshape(-1, C)
-                if "k_h" not in s:  # laga_fused: the up-projection's adjoint (fused.py)
+                if triton:
+                    d_wkv[h0:h0 + nh] = d_w.view(nh, dn + dv, C)
+                elif "k_h" not in s:  # laga_fused: the up-projection's adjoint (fused.py)
                     d_lat[:, :Sk], d_w = fused.up_project_backward(dk_h, dv_h, lat[:, :Sk], w_r,
                                                                    cfg)
                     d_wkv[h0:h0 + nh] = d_w.view(nh, dn + dv, C)
