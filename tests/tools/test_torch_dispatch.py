@@ -31,8 +31,6 @@ import io
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -45,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import laga_torch as lt  # noqa: E402
 from laga_torch import dispatch  # noqa: E402
 from laga_torch.attention import KeyRanges  # noqa: E402
+from torch_ranks import run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -227,29 +226,8 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, P, timeout=200):
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
-                               "--rank", str(r), "--world", str(P), "--port", str(port)],
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(P)]
-    t0 = time.time()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1, timeout - (time.time() - t0)))
-    except subprocess.TimeoutExpired:
-        fail(f"ranks at P {P} ran past {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        fail(f"ranks at P {P} exited {[p.returncode for p in procs]}")
+    run_ranks(__file__, [args.laga, args.dir, "--worker"], P, timeout, fail)
     return [json.load(open(os.path.join(args.dir, f"disp-P{P}-r{r}.json"))) for r in range(P)]
 
 

@@ -42,7 +42,6 @@ Usage: test_torch_numerics.py LAGA WORKDIR
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
+from torch_ranks import free_port, run_ranks  # noqa: E402
 
 B, S = 2, 13
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
@@ -494,30 +494,10 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, P, timeout=150):
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
-                               "--rank", str(r), "--world", str(P), "--port", str(port)],
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(P)]
-    t0 = time.time()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1, timeout - (time.time() - t0)))
-    except subprocess.TimeoutExpired:
-        fail(f"the torch ranks at P {P} ran past {timeout} s: a rank waits in a collective or "
-             "ring shift the others never entered (or never waited)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        fail(f"torch ranks at P {P} exited {[p.returncode for p in procs]}")
+    run_ranks(__file__, [args.laga, args.dir, "--worker"], P, timeout, fail, what="torch ranks",
+              hang_hint=": a rank waits in a collective or ring shift the others never "
+              "entered (or never waited)")
 
 
 def assemble(args, P, key, layout="contiguous"):

@@ -44,8 +44,6 @@ import argparse
 import inspect
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -58,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import laga_torch as lt  # noqa: E402
+from torch_ranks import free_port, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -404,29 +403,9 @@ def fsdp(inp, tgt, my_sp, want):
     return out
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, what, P, timeout=150):
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker", what,
-                               "--rank", str(r), "--world", str(P), "--port", str(port)],
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(P)]
-    t0 = time.time()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1, timeout - (time.time() - t0)))
-    except subprocess.TimeoutExpired:
-        fail(f"{what} ranks at P {P} ran past {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        fail(f"{what} ranks at P {P} exited {[p.returncode for p in procs]}")
+    run_ranks(__file__, [args.laga, args.dir, "--worker", what], P, timeout, fail,
+              what=f"{what} ranks")
     return [json.load(open(os.path.join(args.dir, f"{what}-r{r}.json"))) for r in range(P)]
 
 
