@@ -18,7 +18,7 @@ CLI::Option* add_device_option(CLI::App& app, std::shared_ptr<ops::Device> devic
           },
           "where the blocks run: cpu, or cuda (the CUDA backend: refused until the forms run on "
           "it; laga_cuda_check runs its ops, docs/build.md)")
-      ->check(CLI::IsMember({ops::to_string(ops::Device::cpu), ops::to_string(ops::Device::cuda)}))
+      ->check(CLI::IsMember({to_string(ops::Device::cpu), to_string(ops::Device::cuda)}))
       ->default_str("cpu");
 }
 
