@@ -21,7 +21,9 @@ kernels' published speeds, not measured here: no GPU); the tiles on the CPU
 
   fa3, fa4, cudnn, efficient   varlen kernels (dispatch_varlen.py): the key
          ranges as packed documents (cu_seqlens), one call per mask kind,
-         lse brought back to (B, H, Sq); backward through the kernel's own.
+         lse brought back to (B, H, Sq); backward from the o and lse given
+         (cuDNN / efficient: their backward ops take them; FlashAttention:
+         merged_backward's correction of its recompute).
          None has run for real (no GPU); tested against stand-ins with the
          real signatures (tools_torch_dispatch_varlen). NEEDS below says
          what each takes (dtype, heads, head dims, device, GPU generation).
@@ -30,7 +32,9 @@ kernels' published speeds, not measured here: no GPU); the tiles on the CPU
          ring's rectangles: never a dense mask, never V padded), any head
          dims, a shared key head through enable_gqa; compiled on CUDA, its
          eager (unfused) path on the CPU, which is what the suite runs.
-         Backward (CUDA) recomputes the call under autograd from q, k, v;
+         Backward (CUDA) recomputes the call under autograd from q, k, v,
+         corrected to the o and lse given (a ring step's merged row's:
+         dispatch_varlen.merged_backward);
          torch's FlexAttention has no CPU backward, so on the CPU the tiles
          differentiate flex's o and lse (flash's backward reads only them).
   tiles  the package's flash tiles in torch ops (attention.flash_forward /
@@ -320,17 +324,18 @@ def _flex_forward(q, k, v, kr, scale):
     return o.to(q.dtype), lse
 
 
-def _flex_backward(q, k, v, do, kr, scale):
+def _flex_backward(q, k, v, o, lse, do, kr, scale):
     """dq, dk, dv: the call recomputed under autograd (flex's backward reads
-    its own forward's saved state)."""
+    its own forward's saved state), corrected to the forward's o and lse
+    where they are a ring step's merged row's (dispatch_varlen.merged_backward)."""
     B, Sq, H, _ = q.shape
     bm = _block_mask(kr, B, Sq, k.shape[1], q.device)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        o, _ = _flex_call(*leaves, bm, scale)
-        sees = (kr.lo < kr.hi)[:, :, None, None]
-        do = torch.where(sees, do, do.new_zeros(()))
-        return torch.autograd.grad(o, leaves, do.to(o.dtype))
+    sees = kr.lo < kr.hi
+
+    def call(a, b, c):
+        o_l, lse_l = _flex_call(a, b, c, bm, scale)
+        return torch.where(sees[:, :, None, None], o_l, o_l.new_zeros(())), lse_l
+    return varlen.merged_backward(call, q, k, v, o, lse, do, sees, scale, _acc_dtype(q.dtype))
 
 
 # --------------------------------------------------------------------------
@@ -363,9 +368,10 @@ def backward(q, k, v, o, lse, do, kr, scale, block=64, exact=None):
         kern = Kernel.tiles
     _note(ledger, "backward", kern)
     if kern is Kernel.flex:
-        dq, dk, dv = _flex_backward(q, k, v, do, kr, scale)
+        dq, dk, dv = _flex_backward(q, k, v, o, lse, do, kr, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     if kern in NEEDS:
-        dq, dk, dv = varlen.backward(kern.name, q, k, v, do, kr, scale, _acc_dtype(q.dtype))
+        dq, dk, dv = varlen.backward(kern.name, q, k, v, o, lse, do, kr, scale,
+                                     _acc_dtype(q.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     return tiles_backward(q, k, v, o, lse, do, kr, scale, block, exact)

@@ -15,7 +15,8 @@ varlen call's sequences (cu_seqlens_q/k: queries and keys gathered in run
 order, [T, H, D]); one call per mask kind present (at most two); rows that
 see no key get o = 0, lse = 0 without a kernel. Never a dense mask, never V
 padded to dqk. The kernel's lse comes back to (B, H, Sq) in the accumulation
-type (the layout the ring forms merge with).
+type (the layout the ring forms merge with). Backward starts from the o and
+lse the forward kept, a ring step's merged row's (merged_backward).
 """
 
 import enum
@@ -140,66 +141,35 @@ ATEN = {
 _EFF_MASK = {Mask.full: 0, Mask.causal: 2}
 
 
-class _Cudnn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, mq, mk, causal, scale):
-        res = ATEN["cudnn"]()(q, k, v, None, cu_q, cu_k, mq, mk, True, 0.0, causal, False,
-                              scale=scale)
-        out, lse = res[0], res[1]
-        ctx.save_for_backward(q, k, v, out, lse, res[6], res[7], cu_q, cu_k)
-        ctx.args = (mq, mk, causal, scale)
-        return out, _lse_ht(lse, q.shape[1], q.shape[0])
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
-        mq, mk, causal, scale = ctx.args
-        dq, dk, dv = ATEN["cudnn_backward"]()(do.contiguous(), q, k, v, out, lse, seed, offset,
-                                              torch.empty(0, device=q.device), cu_q, cu_k,
-                                              mq, mk, 0.0, causal, scale=scale)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
 def _cudnn(q, k, v, cu_q, cu_k, mq, mk, causal, scale):
-    return _Cudnn.apply(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
+    res = ATEN["cudnn"]()(q, k, v, None, cu_q, cu_k, mq, mk, True, 0.0, causal, False,
+                          scale=scale)
+    return res[0], _lse_ht(res[1], q.shape[1], q.shape[0])
 
 
-class _Efficient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, mq, mk, causal, scale):
-        mask = _EFF_MASK[Mask.causal if causal else Mask.full]
-        res = ATEN["efficient"]()(q[None], k[None], v[None], None, cu_q, cu_k, mq, mk, 0.0,
-                                  mask, True, scale=scale)
-        out, lse = res[0], res[1]  # (1, T, H, dv); (sequences, H, max_q rounded up to 32)
-        ctx.save_for_backward(q, k, v, out, lse, res[2], res[3], cu_q, cu_k)
-        ctx.args = (mq, mk, mask, scale)
-        # lse[s, h, j] is row j of sequence s: gather each packed row's.
-        T = q.shape[0]
-        seq = torch.searchsorted(cu_q[1:].long(), torch.arange(T, device=q.device),
-                                 right=True)
-        pos = torch.arange(T, device=q.device) - cu_q.long()[seq]
-        return out[0], lse[seq, :, pos].t()
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
-        mq, mk, mask, scale = ctx.args
-        dq, dk, dv, _ = ATEN["efficient_backward"]()(
-            do[None].contiguous(), q[None], k[None], v[None], None, out, cu_q, cu_k, mq, mk,
-            lse, 0.0, seed, offset, mask, False, scale=scale)
-        return dq[0], dk[0], dv[0], None, None, None, None, None, None
+def _rows_in_sequences(cu_q, T):
+    """(sequence, row within it) of each packed row."""
+    t = torch.arange(T, device=cu_q.device)
+    seq = torch.searchsorted(cu_q[1:].long(), t, right=True)
+    return seq, t - cu_q.long()[seq]
 
 
 def _efficient(q, k, v, cu_q, cu_k, mq, mk, causal, scale):
-    return _Efficient.apply(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
+    mask = _EFF_MASK[Mask.causal if causal else Mask.full]
+    res = ATEN["efficient"]()(q[None], k[None], v[None], None, cu_q, cu_k, mq, mk, 0.0, mask,
+                              True, scale=scale)
+    # out (1, T, H, dv); lse (sequences, H, max_q rounded up to 32): lse[s, h, j]
+    # is row j of sequence s, gathered per packed row.
+    seq, pos = _rows_in_sequences(cu_q, q.shape[0])
+    return res[0][0], res[1][seq, :, pos].t()
 
 
 CALLS = {"fa3": _fa3, "fa4": _fa4, "cudnn": _cudnn, "efficient": _efficient}
 
 
 def _run(name, q, k, v, kr, scale, acc):
-    """o (B, Sq, H, dv) in q's dtype and lse (B, H, Sq) in acc, differentiable
-    in q, k, v through the kernel's own backward."""
+    """o (B, Sq, H, dv) in q's dtype and lse (B, H, Sq) in acc (o
+    differentiable in q, k, v where the kernel's function is: FlashAttention's)."""
     B, Sq, H, _ = q.shape
     o = q.new_zeros(B, Sq, H, v.shape[3])
     lse = torch.zeros(B, H, Sq, dtype=acc, device=q.device)
@@ -216,11 +186,88 @@ def forward(name, q, k, v, kr, scale, acc):
         return _run(name, q.detach(), k.detach(), v.detach(), kr, scale, acc)
 
 
-def backward(name, q, k, v, do, kr, scale, acc):
-    """dq, dk, dv: the call recomputed through the kernel's autograd (its own
-    backward), dO scattered to the packed rows (rows that see no key: none)."""
+def merged_backward(call, q, k, v, o, lse, do, sees, scale, acc):
+    """dq, dk, dv of one call whose rows may be part of a larger softmax (a
+    ring's step: o and lse are the merged row's, as ring_backward passes
+    them), through a kernel that can only recompute its own o_l, lse_l under
+    autograd (FlashAttention's public functions, flex): lse's gradient is
+    not propagated by them, and its backward forms D = dO . o_l, not the
+    merged row's D = dO . o.
+
+    With w = exp(lse_l - lse) (the row's share of the merged softmax:
+    P = w P_l) and c = dO . (o_l - o), the gradient is that of o_l with
+    upstream w dO, plus dS_ij = P_ij c_i more: dq_i += scale c_i w_i (P_l K)_i,
+    dk_j += scale sum_i P_l,ij (w_i c_i q_i), i.e. a second call with K as
+    the values (its output, and its value gradient for upstream w c q).
+    For a call that is its own row (w = 1, c = 0 up to rounding) this is the
+    plain backward. sees: (B, Sq) rows that see a key."""
+    sees3 = sees[:, None, :]  # (B, 1, Sq) against lse's (B, H, Sq)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        o, _ = _run(name, *leaves, kr, scale, acc)
-        grads = torch.autograd.grad(o, leaves, do.to(o.dtype), allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+        o_l, lse_l = call(*leaves)
+        w = torch.where(sees3, torch.exp(lse_l.detach().to(acc) - lse.to(acc)),
+                        lse.new_zeros((), dtype=acc))
+        w = w.transpose(1, 2)[..., None]  # (B, Sq, H, 1)
+        grads = torch.autograd.grad(o_l, leaves, (w * do.to(acc)).to(o_l.dtype),
+                                    allow_unused=True)
+        dq, dk, dv = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+        c = (do.to(acc) * (o_l.detach().to(acc) - o.to(acc))).sum(-1, keepdim=True)
+        c = torch.where(sees[:, :, None, None], c, c.new_zeros(()))
+        kv = k.detach().requires_grad_(True)
+        o2, _ = call(q.detach(), k.detach(), kv)
+        (dk2,) = torch.autograd.grad(o2, [kv], (w * c * q.to(acc)).to(o2.dtype),
+                                     allow_unused=True)
+    dq = dq + (scale * w * c * o2.detach().to(acc)).to(dq.dtype)
+    if dk2 is not None:
+        dk = dk + scale * dk2
+    return dq, dk, dv
+
+
+def _given_rows(o, lse, qb, qi, acc):
+    """The forward's (merged) o and lse at the packed rows: (T, H, dv), (H, T)."""
+    return o[qb, qi], lse.transpose(1, 2)[qb, qi].t().to(acc)
+
+
+def _sdpa_backward(name, q, k, v, o, lse, do, kr, scale, acc):
+    """cuDNN / the memory-efficient kernel: their backward ops take o and lse,
+    so they get the forward's (a ring's merged row's) as they are, in their
+    layout; the forward runs once more for the philox state they also take
+    (dropout 0: unused by the math)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for mask, runs in Runs(kr).calls():
+        qp, kp, vp, cu_q, cu_k, mq, mk, (qb, qi), (kb, ki) = _pack(q, k, v, runs)
+        op, lp = _given_rows(o, lse, qb, qi, acc)
+        dop = do[qb, qi].contiguous()
+        causal = mask is Mask.causal
+        if name == "cudnn":
+            res = ATEN["cudnn"]()(qp, kp, vp, None, cu_q, cu_k, mq, mk, True, 0.0, causal,
+                                  False, scale=scale)
+            lse_k = lp if tuple(res[1].shape) == tuple(lp.shape) else lp.t()
+            g = ATEN["cudnn_backward"]()(dop, qp, kp, vp, op.contiguous(), lse_k.contiguous(),
+                                         res[6], res[7], torch.empty(0, device=q.device),
+                                         cu_q, cu_k, mq, mk, 0.0, causal, scale=scale)
+        else:
+            em = _EFF_MASK[mask]
+            res = ATEN["efficient"]()(qp[None], kp[None], vp[None], None, cu_q, cu_k, mq, mk,
+                                      0.0, em, True, scale=scale)
+            lse_k = torch.zeros_like(res[1])  # (sequences, H, max_q rounded up to 32)
+            seq, pos = _rows_in_sequences(cu_q, qp.shape[0])
+            lse_k[seq, :, pos] = lp.t().to(lse_k.dtype)
+            g = ATEN["efficient_backward"]()(
+                dop[None], qp[None], kp[None], vp[None], None, op[None].contiguous(), cu_q,
+                cu_k, mq, mk, lse_k, 0.0, res[2], res[3], em, False, scale=scale)
+            g = [t[0] for t in g[:3]]
+        dq = dq.index_put((qb, qi), g[0].to(q.dtype), accumulate=True)
+        dk = dk.index_put((kb, ki), g[1].to(k.dtype), accumulate=True)
+        dv = dv.index_put((kb, ki), g[2].to(v.dtype), accumulate=True)
+    return dq, dk, dv
+
+
+def backward(name, q, k, v, o, lse, do, kr, scale, acc):
+    """dq, dk, dv of the call, o and lse the forward's (a ring step's merged
+    row's): cuDNN and the memory-efficient kernel take them in their backward;
+    FlashAttention's public functions recompute (merged_backward)."""
+    if name in ("cudnn", "efficient"):
+        return _sdpa_backward(name, q, k, v, o, lse, do, kr, scale, acc)
+    return merged_backward(lambda a, b, c: _run(name, a, b, c, kr, scale, acc), q, k, v, o, lse,
+                           do, kr.lo < kr.hi, scale, acc)

@@ -25,13 +25,20 @@ attention on the packed tensors in float64:
   * supports() naming the value it refuses (head dims, heads, dtype, device,
     cuDNN's top-left causal), and, without the stand-ins, the kernels
     reported absent and "auto" taking the next one, the log line naming each
-    passed over and why.
+    passed over and why;
+  * ranks (P 2, gloo): every form on both tapes, packed, float64, "auto"
+    with FA3's stand-in, then the efficient kernel's, against the tiles:
+    out, dx, every gradient within 1e-12, the bytes kept equal, the ledger
+    naming the kernel (a ring step's backward starts from the merged o and
+    lse: merged_backward for FA3, the given o and lse for the SDPA ops).
 The stand-ins run on the CPU in float64 only because the test widens the
 kernels' NEEDS (dtype, device) for them; nothing of these kernels has run
 for real.
 """
 
+import argparse
 import io
+import json
 import logging
 import math
 import os
@@ -45,10 +52,11 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
+import laga_torch as lt  # noqa: E402
 from laga_torch import dispatch, dispatch_varlen  # noqa: E402
 from laga_torch.attention import KeyRanges, flash_backward, flash_forward  # noqa: E402
 from laga_torch.comm import Ledger  # noqa: E402
-from test_torch_dispatch import B, calls, rel  # noqa: E402
+from test_torch_dispatch import B, CFG, DOCS, S, calls, launch, rel, saved_bytes  # noqa: E402
 
 K = dispatch.Kernel
 
@@ -80,6 +88,33 @@ def naive_varlen(q, k, v, cu_q, cu_k, scale, causal, top_left=False):
         outs.append(torch.einsum("hij,jhd->ihd", torch.exp(sc - lse[..., None]), vs))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses, 1)
+
+
+def naive_varlen_backward(q, k, v, out, lse, do, cu_q, cu_k, scale, causal, top_left=False):
+    """dq, dk, dv from the GIVEN out and lse (H, T), as the SDPA kernels'
+    backward ops use theirs: P = exp(s - lse), dS = P (dO V^T - dO . out)."""
+    H, Hk = q.shape[1], k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for s in range(len(cu_q) - 1):
+        a, e, ka, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        qs, ks, vs = q[a:e], k[ka:ke].repeat_interleave(H // Hk, 1), \
+            v[ka:ke].repeat_interleave(H // Hk, 1)
+        n, m = qs.shape[0], ks.shape[0]
+        sc = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        if causal:
+            i = torch.arange(n)[:, None]
+            j = torch.arange(m)[None]
+            sc = sc.masked_fill(j > (i if top_left else m - n + i), float("-inf"))
+        p = torch.exp(sc - lse[:, a:e, None])
+        dos = do[a:e]
+        dp = torch.einsum("ihd,jhd->hij", dos, vs)
+        ds = p * (dp - (dos * out[a:e]).sum(-1).t()[..., None])
+        dq[a:e] = torch.einsum("hij,jhd->ihd", ds, ks) * scale
+        dks = torch.einsum("hij,ihd->jhd", ds, qs) * scale
+        dvs = torch.einsum("hij,ihd->jhd", p, dos)
+        dk[ka:ke] = dks.reshape(m, Hk, H // Hk, -1).sum(2)
+        dv[ka:ke] = dvs.reshape(m, Hk, H // Hk, -1).sum(2)
+    return dq, dk, dv
 
 
 def fa3_module(old=False):
@@ -120,12 +155,6 @@ def fa4_module():
     return {"flash_attn": pkg, "flash_attn.cute": cute}
 
 
-def _grads(q, k, v, do, fwd):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        return torch.autograd.grad(fwd(*leaves), leaves, do)
-
-
 def cudnn_ops():
     def fwd(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
             compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -138,8 +167,8 @@ def cudnn_ops():
     def bwd(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
             attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *,
             scale=None):
-        return _grads(query, key, value, grad_out, lambda q, k, v: naive_varlen(
-            q, k, v, cum_seq_q, cum_seq_k, scale, is_causal, top_left=True)[0])
+        return naive_varlen_backward(query, key, value, out, logsumexp, grad_out, cum_seq_q,
+                                     cum_seq_k, scale, is_causal, top_left=True)
     return {"cudnn": lambda: fwd, "cudnn_backward": lambda: bwd}
 
 
@@ -169,9 +198,12 @@ def efficient_ops():
             bias_requires_grad, *, scale=None, num_splits_key=None, window_size=None,
             shared_storage_dqdkdv=False):
         causal, top_left = mask_args(custom_mask_type)
-        dq, dk, dv = _grads(query[0], key[0], value[0], grad_out_[0], lambda q, k, v:
-                            naive_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
-                                         top_left)[0])
+        n = len(cu_seqlens_q) - 1
+        lse = torch.cat([logsumexp[s, :, :int(cu_seqlens_q[s + 1] - cu_seqlens_q[s])]
+                         for s in range(n)], 1)  # the per-sequence rows, padding left
+        dq, dk, dv = naive_varlen_backward(query[0], key[0], value[0], out[0], lse,
+                                           grad_out_[0], cu_seqlens_q, cu_seqlens_k, scale,
+                                           causal, top_left)
         return dq[None], dk[None], dv[None], None
     return {"efficient": lambda: fwd, "efficient_backward": lambda: bwd}
 
@@ -180,18 +212,22 @@ class StandIns:
     """Installs stand-in modules / aten entry points and widens the kernels'
     NEEDS to the CPU and float64 (restored on exit)."""
 
-    def __init__(self, modules=None, aten=None, widen=tuple(dispatch.NEEDS)):
+    def __init__(self, modules=None, aten=None, widen=tuple(dispatch.NEEDS), any_dims=False):
         self.modules, self.aten, self.widen = modules or {}, aten or {}, widen
+        self.any_dims = any_dims  # the model's small head dims (a stand-in has no limit)
 
     def __enter__(self):
         self.old_mods = {n: sys.modules.get(n) for n in self.modules}
         sys.modules.update(self.modules)
         self.old_aten = dict(dispatch_varlen.ATEN)
         dispatch_varlen.ATEN.update(self.aten)
-        self.old_needs = {k: (n.dtypes, n.devices, n.present) for k, n in dispatch.NEEDS.items()}
+        self.old_needs = {k: (n.dtypes, n.devices, n.present, n.dims)
+                          for k, n in dispatch.NEEDS.items()}
         for kern in self.widen:
             n = dispatch.NEEDS[kern]
             n.dtypes, n.devices = n.dtypes + (torch.float64,), n.devices + ("cpu",)
+            if self.any_dims:
+                n.dims = lambda dqk, dv: None
         for kern, ops in ((K.cudnn, "cudnn"), (K.efficient, "efficient")):
             if ops in self.aten:
                 dispatch.NEEDS[kern].present = lambda: None
@@ -207,9 +243,9 @@ class StandIns:
                 sys.modules[n] = m
         dispatch_varlen.ATEN.clear()
         dispatch_varlen.ATEN.update(self.old_aten)
-        for k, (d, dev, p) in self.old_needs.items():
-            dispatch.NEEDS[k].dtypes, dispatch.NEEDS[k].devices, dispatch.NEEDS[k].present = \
-                d, dev, p
+        for k, (d, dev, p, dims) in self.old_needs.items():
+            n = dispatch.NEEDS[k]
+            n.dtypes, n.devices, n.present, n.dims = d, dev, p, dims
         if self.old_pref is None:
             dispatch.PREFERENCE.pop("cpu", None)
         else:
@@ -364,7 +400,77 @@ def absent_then_next():
     return out
 
 
+# --------------------------------------------------------------------------
+# Ranks: every form, both tapes, through FA3's and the efficient kernel's
+# stand-ins against the tiles
+# --------------------------------------------------------------------------
+
+RANK_KERNELS = {"fa3": lambda: StandIns(modules=fa3_module(), widen=(K.fa3,), any_dims=True),
+                "efficient": lambda: StandIns(aten=efficient_ops(), widen=(K.efficient,),
+                                              any_dims=True)}
+
+
+def worker(args):
+    import torch.distributed as dist
+    r, P = args.rank, args.world
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r,
+                            world_size=P)
+    cfg = lt.MLAConfig.from_json(CFG)
+    own = lt.SpLayout.even(S, cfg.n_heads, P).positions(r)
+    g = torch.Generator().manual_seed(43)
+    x = torch.randn(B, S, cfg.dim, generator=g, dtype=torch.float64)[:, own]
+    dout = torch.randn(B, S, cfg.dim, generator=g, dtype=torch.float64)[:, own]
+    worst, cases, kernels = 0.0, 0, {}
+    for form in lt.FORMS:
+        for tape in ("laga", "autograd"):
+            for name, standins in RANK_KERNELS.items():
+                # absorbed's one shared key head: the efficient kernel (and cuDNN)
+                # needs equal heads, so its calls are refused; FA3 takes them.
+                res, kept = {}, {}
+                with standins():
+                    for kern in ("tiles", name):
+                        torch.manual_seed(44)
+                        m = lt.MLA(cfg, form=form, tape=tape, attention="flash", flash_block=4,
+                                   dtype=torch.float64,
+                                   attention_kernel=kern if kern == "tiles" else "auto")
+                        m.ledger = lt.Ledger()
+                        xi = x.clone().requires_grad_(True)
+                        y, kept[kern] = saved_bytes(lambda: m(xi, cu_seqlens=DOCS))
+                        y.backward(dout)
+                        res[kern] = [y, xi.grad] + [p.grad for p in m.parameters()]
+                        ks = {f"{a} {b}": c for (a, b), c in m.ledger.kernels.items()}
+                e = max(rel(a, b) for a, b in zip(res[name], res["tiles"]))
+                if not e <= 1e-12:
+                    fail(f"P {P} rank {r} {form} tape {tape}: {name} off by {e:.3g} from the "
+                         "tiles")
+                if kept[name] != kept["tiles"]:
+                    fail(f"P {P} rank {r} {form} tape {tape}: {name} keeps {kept[name]} bytes "
+                         f"for backward, the tiles {kept['tiles']}")
+                ran = {k.split()[1] for k in ks}
+                if form != "absorbed" or name == "fa3":
+                    if ran != {name}:
+                        fail(f"{form} tape {tape}: auto with {name}'s stand-in ran {ks}")
+                kernels[f"{form} {tape} {name}"] = ks
+                worst, cases = max(worst, e), cases + 1
+    with open(os.path.join(args.dir, f"disp-P{P}-r{r}.json"), "w") as f:
+        json.dump({"worst": worst, "cases": cases, "kernels": kernels}, f)
+    dist.destroy_process_group()
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("laga", nargs="?")
+    ap.add_argument("dir", nargs="?")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.dir, exist_ok=True)
+    torch.set_num_threads(2)
     t0 = time.time()
     rows, worst, refused = adapters_agree()
     print(f"adapters against the tiles: {rows} calls (5 kernels x calls x shapes), "
@@ -374,6 +480,14 @@ def main():
             print(f"  refused by {kern}: {w}")
     for line in refusals() + absent_then_next():
         print(line)
+    t1 = time.time()
+    res = launch(args, 2, script=__file__)
+    w = max(x["worst"] for x in res)
+    print(f"every form on both tapes at P 2 (packed, float64), auto with FA3's and the "
+          f"efficient kernel's stand-ins: {sum(x['cases'] for x in res)} rank-cases within "
+          f"{w:.2g} of the tiles, the bytes kept equal ({time.time() - t1:.1f} s); ledger "
+          f"(rank 0): laga {res[0]['kernels']['laga laga fa3']}, absorbed with efficient "
+          f"{res[0]['kernels']['absorbed laga efficient']}")
     print(f"PASS ({time.time() - t0:.1f} s)")
 
 
