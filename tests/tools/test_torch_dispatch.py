@@ -233,9 +233,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, P, timeout=200, script=__file__):
+def launch(args, P, timeout=200):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, script, args.laga, args.dir, "--worker",
+    procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
                                "--rank", str(r), "--world", str(P), "--port", str(port)],
                               env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(P)]
     t0 = time.time()

@@ -1,0 +1,39 @@
+"""The package tests' torch.distributed ranks, started the one way they all
+use: P processes of the test's own script with `--worker [WHAT] --rank r
+--world P --port PORT` appended (gloo on a free loopback port), waited for
+within one time budget, the survivors killed on the way out, and one
+message (through the test's `fail`) naming what ran past its time or
+exited non-zero."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script, argv, P, timeout, fail, what="ranks", hang_hint=""):
+    """Runs `script argv --worker ... --rank r --world P --port PORT` for r
+    in 0..P-1 (argv ends with "--worker" and its value, if any) with
+    OMP_NUM_THREADS=1, and returns when all exited 0; else calls fail."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, script] + list(argv) +
+                              ["--rank", str(r), "--world", str(P), "--port", str(port)],
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(P)]
+    t0 = time.time()
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, timeout - (time.time() - t0)))
+    except subprocess.TimeoutExpired:
+        fail(f"{what} at P {P} ran past {timeout} s{hang_hint}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        fail(f"{what} at P {P} exited {[p.returncode for p in procs]}")
