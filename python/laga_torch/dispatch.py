@@ -13,16 +13,28 @@ So what laga's tape keeps for backward is the same whichever kernel runs
 
 The kernels (supports() names why one cannot run a call, with the value it
 refuses, as flashinfer's dispatch errors do); "auto" takes the first of
-PREFERENCE[device] that supports the call: flex then tiles on CUDA, the
-tiles on the CPU (flex's CPU path is unfused), where flex runs when asked
-for (MLA(attention_kernel="flex"); tools_torch_dispatch):
+PREFERENCE[device] that supports the call: on CUDA FlashAttention-3, -4,
+cuDNN, the memory-efficient kernel, flex, the tiles (an order from the
+kernels' published speeds, not measured here: no GPU); the tiles on the CPU
+(flex's CPU path is unfused), where flex runs when asked for
+(MLA(attention_kernel="flex"); tools_torch_dispatch):
 
+  fa3, fa4, cudnn, efficient   varlen kernels (dispatch_varlen.py): the key
+         ranges as packed documents (cu_seqlens), one call per mask kind,
+         lse brought back to (B, H, Sq); backward from the o and lse given
+         (cuDNN / efficient: their backward ops take them; FlashAttention:
+         merged_backward's correction of its recompute).
+         None has run for real (no GPU); tested against stand-ins with the
+         real signatures (tools_torch_dispatch_varlen). NEEDS below says
+         what each takes (dtype, heads, head dims, device, GPU generation).
   flex   torch.nn.attention.flex_attention (torch 2.5+) with a block mask
          built from the key ranges (packed documents, laga2d's chunks, a
          ring's rectangles: never a dense mask, never V padded), any head
          dims, a shared key head through enable_gqa; compiled on CUDA, its
          eager (unfused) path on the CPU, which is what the suite runs.
-         Backward (CUDA) recomputes the call under autograd from q, k, v;
+         Backward (CUDA) recomputes the call under autograd from q, k, v,
+         corrected to the o and lse given (a ring step's merged row's:
+         dispatch_varlen.merged_backward);
          torch's FlexAttention has no CPU backward, so on the CPU the tiles
          differentiate flex's o and lse (flash's backward reads only them).
   tiles  the package's flash tiles in torch ops (attention.flash_forward /
@@ -30,16 +42,13 @@ for (MLA(attention_kernel="flex"); tools_torch_dispatch):
          keeps a non-finite value inside its document (exact products), so
          a call with a NaN or inf operand runs here.
 
-Not wired (no GPU here to run them; docs/pytorch.md says so):
-FlashAttention-3/4's varlen functions, cuDNN and the memory-efficient SDPA
-kernels through torch.ops.aten.
-
 The choice is logged once per (kernel, call kind) on logger `laga_torch`
 and, where a ledger records the run, counted in ledger.kernels[(phase,
 kernel)] (Ledger.kernels).
 """
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import threading
@@ -47,6 +56,7 @@ import warnings
 
 import torch
 
+from . import dispatch_varlen as varlen
 from .attention import _acc_dtype, _finite, flash_backward as tiles_backward, \
     flash_forward as tiles_forward
 
@@ -54,15 +64,82 @@ log = logging.getLogger("laga_torch")
 
 
 class Kernel(enum.Enum):
+    fa3 = "flash_attn_interface.flash_attn_varlen_func (FlashAttention-3)"
+    fa4 = "flash_attn.cute.flash_attn_varlen_func (FlashAttention-4)"
+    cudnn = "torch.ops.aten._cudnn_attention_forward (cuDNN SDPA, varlen)"
+    efficient = "torch.ops.aten._efficient_attention_forward (memory-efficient SDPA, varlen)"
     flex = "torch.nn.attention.flex_attention with a block mask"
     tiles = "laga_torch's flash tiles in torch ops (attention.flash_forward)"
 
+
+@dataclasses.dataclass
+class Needs:
+    """What a varlen kernel takes. present() is None when it can be called,
+    else why not; dims(dqk, dv) likewise; capability: the CUDA major versions
+    it was built for. (A test widens dtypes and devices to run a stand-in on
+    the CPU in float64.)"""
+    present: object
+    dtypes: tuple
+    devices: tuple
+    capability: tuple
+    dims: object
+    gqa: bool
+
+
+def _fa_dims(name, pairs, most):
+    def dims(dqk, dv):
+        if (dqk, dv) in pairs or (dqk == dv and dqk <= most and dqk % 8 == 0):
+            return None
+        return (f"head dims {dqk}/{dv} ({name}: equal dims up to {most}, multiples of 8, or "
+                f"{', '.join(f'{a}/{b}' for a, b in pairs)})")
+    return dims
+
+
+def _sdpa_dims(name, most):
+    def dims(dqk, dv):
+        if dqk <= most and dv <= most and dqk % 8 == 0 and dv % 8 == 0:
+            return None
+        return f"head dims {dqk}/{dv} ({name}: each up to {most}, multiples of 8)"
+    return dims
+
+
+def _module_present(find, name):
+    return lambda: None if find() is not None else f"{name} is not importable"
+
+
+def _cudnn_present():
+    v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if v is None or v < 91800:
+        return (f"cuDNN {v} (torch's varlen cuDNN attention needs 9.18+, "
+                "torch.nn.attention.varlen)")
+    return None
+
+
+def _op_present(name):
+    return lambda: None if hasattr(torch.ops.aten, name) else         f"torch {torch.__version__} has no torch.ops.aten.{name}"
+
+
+_HALF = (torch.float16, torch.bfloat16)
+NEEDS = {
+    Kernel.fa3: Needs(_module_present(varlen.fa3_module, "flash_attn_interface (FlashAttention-3)"),
+                      _HALF, ("cuda",), (9,), _fa_dims("fa3", ((192, 128),), 256), True),
+    Kernel.fa4: Needs(_module_present(varlen.fa4_module, "flash_attn.cute (FlashAttention-4)"),
+                      _HALF, ("cuda",), (9, 10), _fa_dims("fa4", ((192, 128),), 128), True),
+    Kernel.cudnn: Needs(lambda: _op_present("_cudnn_attention_forward")() or _cudnn_present(),
+                        _HALF, ("cuda",), (9, 10), _sdpa_dims("cudnn", 256), False),
+    Kernel.efficient: Needs(_op_present("_efficient_attention_forward"),
+                            _HALF + (torch.float32,), ("cuda",), (5, 6, 7, 8, 9, 10, 12),
+                            _sdpa_dims("efficient", 256), False),
+}
 
 # Per device: flex's fused kernel is its compiled CUDA form; on the CPU flex
 # runs unfused (the whole (Sq, Sk) score matrix per call, and a block mask
 # built by vmap), slower than the tiles, so "auto" takes the tiles there and
 # flex runs on the CPU when asked for (attention_kernel="flex": the suite).
-PREFERENCE = {"cuda": (Kernel.flex, Kernel.tiles)}
+# The varlen kernels are CUDA-only; their order is the published one (FA3 on
+# Hopper, FA4 on Blackwell where FA3 refuses the capability), unmeasured.
+PREFERENCE = {"cuda": (Kernel.fa3, Kernel.fa4, Kernel.cudnn, Kernel.efficient, Kernel.flex,
+                       Kernel.tiles)}
 DEFAULT_PREFERENCE = (Kernel.tiles,)
 REQUESTS = ("auto",) + tuple(k.name for k in Kernel)
 
@@ -83,13 +160,46 @@ def _flex_api():
     return flex_attention, create_block_mask
 
 
-def supports(kernel, q, k, v, finite, backward=False):
-    """None when `kernel` can run this call, else why not, naming the value."""
+def _varlen_supports(kernel, q, k, v, kr):
+    need = NEEDS[kernel]
+    why = need.present()
+    if why is not None:
+        return why
+    if q.dtype not in need.dtypes:
+        return (f"dtype {q.dtype} ({kernel.name}: "
+                f"{', '.join(str(d).replace('torch.', '') for d in need.dtypes)})")
+    H, Hk = q.shape[2], k.shape[2]
+    if H % Hk or (not need.gqa and H != Hk):
+        return (f"{H} query heads over {Hk} key heads ({kernel.name}: "
+                f"{'a divisor' if need.gqa else 'equal heads'})")
+    why = need.dims(q.shape[3], v.shape[3])
+    if why is not None:
+        return why
+    if q.device.type not in need.devices:
+        return f"device {q.device.type} ({kernel.name}: {', '.join(need.devices)} only)"
+    if q.device.type == "cuda":
+        major = torch.cuda.get_device_capability(q.device)[0]
+        if major not in need.capability:
+            return (f"GPU capability {major}.x ({kernel.name}: "
+                    f"{', '.join(f'{c}.x' for c in need.capability)})")
+    if kernel is Kernel.cudnn and kr is not None:
+        for b, q0, q1, k0, k1 in varlen.Runs(kr).by_mask[varlen.Mask.causal]:
+            if q1 - q0 != k1 - k0:
+                return (f"a causal run of {q1 - q0} query rows over {k1 - k0} keys (cudnn "
+                        "aligns a packed causal mask top-left: equal lengths only)")
+    return None
+
+
+def supports(kernel, q, k, v, finite, backward=False, kr=None):
+    """None when `kernel` can run this call, else why not, naming the value
+    (kr: the call's key ranges, where a kernel's mask depends on them)."""
     if kernel is Kernel.tiles:
         return None
     if not finite:
         return ("an operand holds a NaN or inf: only the tiles keep it inside its document "
                 "(exact products)")
+    if kernel in NEEDS:
+        return _varlen_supports(kernel, q, k, v, kr)
     if kernel is Kernel.flex:
         if _flex_api() is None:
             return (f"torch {torch.__version__} has no torch.nn.attention.flex_attention with "
@@ -109,7 +219,7 @@ def supports(kernel, q, k, v, finite, backward=False):
                      f"{', '.join(k.name for k in Kernel)}")
 
 
-def choose(q, k, v, request="auto", backward=False):
+def choose(q, k, v, request="auto", backward=False, kr=None):
     """(kernel, finite) of one call: the request ("auto": the first kernel
     of PREFERENCE that supports the call), refused naming why when a
     requested kernel cannot run it."""
@@ -119,7 +229,7 @@ def choose(q, k, v, request="auto", backward=False):
             raise ValueError(f"attention kernel '{request}': expected "
                              f"{', '.join(REQUESTS)}")
         kern = Kernel[request]
-        why = supports(kern, q, k, v, finite, backward)
+        why = supports(kern, q, k, v, finite, backward, kr)
         if why is not None:
             if not finite or backward:  # a non-finite call is the tiles' whatever was asked
                 return Kernel.tiles, finite
@@ -128,7 +238,7 @@ def choose(q, k, v, request="auto", backward=False):
         return kern, finite
     whynot = []
     for kern in PREFERENCE.get(q.device.type, DEFAULT_PREFERENCE):
-        why = supports(kern, q, k, v, finite, backward)
+        why = supports(kern, q, k, v, finite, backward, kr)
         if why is None:
             key = (kern, q.device.type, q.dtype, backward, tuple(whynot))
             if key not in _logged:
@@ -214,17 +324,18 @@ def _flex_forward(q, k, v, kr, scale):
     return o.to(q.dtype), lse
 
 
-def _flex_backward(q, k, v, do, kr, scale):
+def _flex_backward(q, k, v, o, lse, do, kr, scale):
     """dq, dk, dv: the call recomputed under autograd (flex's backward reads
-    its own forward's saved state)."""
+    its own forward's saved state), corrected to the forward's o and lse
+    where they are a ring step's merged row's (dispatch_varlen.merged_backward)."""
     B, Sq, H, _ = q.shape
     bm = _block_mask(kr, B, Sq, k.shape[1], q.device)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        o, _ = _flex_call(*leaves, bm, scale)
-        sees = (kr.lo < kr.hi)[:, :, None, None]
-        do = torch.where(sees, do, do.new_zeros(()))
-        return torch.autograd.grad(o, leaves, do.to(o.dtype))
+    sees = kr.lo < kr.hi
+
+    def call(a, b, c):
+        o_l, lse_l = _flex_call(a, b, c, bm, scale)
+        return torch.where(sees[:, :, None, None], o_l, o_l.new_zeros(())), lse_l
+    return varlen.merged_backward(call, q, k, v, o, lse, do, sees, scale, _acc_dtype(q.dtype))
 
 
 # --------------------------------------------------------------------------
@@ -237,10 +348,12 @@ def forward(q, k, v, kr, scale, block=64, exact=None, phase="forward"):
     ledger, request = current()
     if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
         return tiles_forward(q, k, v, kr, scale, block, exact)
-    kern, finite = choose(q, k, v, request)
+    kern, finite = choose(q, k, v, request, kr=kr)
     _note(ledger, phase, kern)
     if kern is Kernel.flex:
         return _flex_forward(q, k, v, kr, scale)
+    if kern in NEEDS:
+        return varlen.forward(kern.name, q, k, v, kr, scale, _acc_dtype(q.dtype))
     return tiles_forward(q, k, v, kr, scale, block, exact)
 
 
@@ -250,11 +363,15 @@ def backward(q, k, v, o, lse, do, kr, scale, block=64, exact=None):
     ledger, request = current()
     if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
         return tiles_backward(q, k, v, o, lse, do, kr, scale, block, exact)
-    kern, finite = choose(q, k, v, request, backward=True)
+    kern, finite = choose(q, k, v, request, backward=True, kr=kr)
     if kern is not Kernel.tiles and not _finite(do):
         kern = Kernel.tiles
     _note(ledger, "backward", kern)
     if kern is Kernel.flex:
-        dq, dk, dv = _flex_backward(q, k, v, do, kr, scale)
+        dq, dk, dv = _flex_backward(q, k, v, o, lse, do, kr, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if kern in NEEDS:
+        dq, dk, dv = varlen.backward(kern.name, q, k, v, o, lse, do, kr, scale,
+                                     _acc_dtype(q.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     return tiles_backward(q, k, v, o, lse, do, kr, scale, block, exact)

@@ -183,6 +183,16 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def made_with_torchtitan():
+    """Whether this Python is the torch 2 venv scripts/setup_torch2.sh made
+    (its stamp) from python/requirements-torch2.txt pinning torchtitan: there
+    the swap must run, not be reported as not run."""
+    req = os.path.join(HERE, "..", "..", "python", "requirements-torch2.txt")
+    if not os.path.exists(os.path.join(sys.prefix, ".laga-stamp")) or not os.path.exists(req):
+        return False
+    return any(ln.strip().startswith("torchtitan==") for ln in open(req))
+
+
 def torchtitan_swap():
     """torchtitan's DeepSeek-V3 Attention (its debug model's, float64) with
     its SDPA inner attention, then with laga's InnerAttention swapped in
@@ -194,6 +204,10 @@ def torchtitan_swap():
         from torchtitan.models.deepseek_v3 import model_registry
         from torchtitan.models.common.attention import ScaledDotProductAttention
     except Exception as e:  # not installed, or its dependencies missing
+        if made_with_torchtitan():
+            fail(f"torchtitan does not import in {sys.prefix}, a venv setup_torch2.sh made from "
+                 f"a requirements file that pins it ({type(e).__name__}: {e}): rerun "
+                 "scripts/setup_torch2.sh")
         return f"torchtitan swap: not run: torchtitan does not import here ({type(e).__name__}: {e})"
     ac = model_registry("debugmodel").model.layers[0].attention
     ac = dataclasses.replace(ac, inner_attention=ScaledDotProductAttention.Config())
