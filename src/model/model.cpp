@@ -441,7 +441,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   const std::optional<ExpertParallel> ep = expert_parallel(c);
   Tensor<T> dn({N, D});
   ops::Mat<T> dn_mat = ops::mat(dn);
-  Tensor<T> dx({B, L, D});  // gradient of the residual stream
+  Tensor<T> dx;  // gradient of the residual stream (B, L, D)
   if (st.head) {
     // dlogits in place of the logits: they are not needed after this.
     ops::cross_entropy_backward(ops::mat(s.logits), ops::mat(s.logits), s.lse, targets, scale);
@@ -449,9 +449,14 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf),
                             w.head);
     s.logits.reset();
+    // dx only once the logits are gone: beside the (N, V) logits the head's
+    // backward holds dn alone (the plan's closed form, model_plan.hpp
+    // ActivationBytes::transient; at vocab 4096 the head sets the peak).
+    dx = Tensor<T>({B, L, D});
     ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
                           s.rstdf);
   } else {
+    dx = Tensor<T>({B, L, D});
     ops::copy(ops::mat(dx, N, D), ops::mat(*dx_io, N, D));
   }
   Tensor<T> tmp({B, L, D});
