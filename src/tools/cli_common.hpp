@@ -15,6 +15,9 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "core/error.hpp"
+#include "core/nonfinite.hpp"
+#include "core/tensor.hpp"
 #include "mla/block.hpp"
 #include "mla/config.hpp"
 
@@ -202,6 +205,16 @@ void vet_outputs(const std::vector<std::pair<std::string, std::string>>& outputs
 // that is the same file is refused. `option` names it in the message. Empty
 // or missing paths are ignored.
 void protect_input(const std::string& path, const std::string& option);
+
+// Refuses a tensor holding a NaN or inf: laga::Error with
+// describe_nonfinite's sentence ("<what> holds N non-finite values ...")
+// followed by `fix` (what to do about it). What every command that reads or
+// writes tensors (forward, moe) calls for its weights, inputs and outputs.
+template <class T>
+void refuse_nonfinite(const Tensor<T>& t, const std::string& what, const std::string& fix) {
+  const NonFinite nf = count_nonfinite(t.data(), t.numel());
+  if (nf.count != 0) fail(describe_nonfinite(what, nf, t.numel()), fix);
+}
 // protect_input for a weights path (SafetensorsSet: a file, an index or a
 // directory), and every file of the set besides: the index and each shard it
 // names, so an output may be none of them (issue 54 A). Their contents are

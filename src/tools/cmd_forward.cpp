@@ -8,7 +8,6 @@
 #include <set>
 
 #include "core/error.hpp"
-#include "core/nonfinite.hpp"
 #include "core/precision.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
@@ -65,17 +64,18 @@ void check_options_act(const ForwardOptions& o) {
 // NaN that reached the output would be written and summed without a word.
 template <class T>
 void check_finite(const Tensor<T>& t, const std::string& what, bool loaded, bool allow) {
-  const NonFinite nf = count_nonfinite(t.data(), t.numel());
-  if (nf.count == 0) return;
-  const std::string found = describe_nonfinite(what, nf, t.numel());
   if (allow) {
-    std::cerr << "laga forward: warning: " << found << " (--allow-nonfinite)\n";
+    const NonFinite nf = count_nonfinite(t.data(), t.numel());
+    if (nf.count != 0)
+      std::cerr << "laga forward: warning: " << describe_nonfinite(what, nf, t.numel())
+                << " (--allow-nonfinite)\n";
     return;
   }
-  if (loaded) fail(found, "; fix the file, or pass --allow-nonfinite to run on it anyway");
-  fail(found,
-       " although every input is finite; a value inside the block passed the type's range (an "
-       "overflow: check the scale of the weights and of x), nothing was written");
+  refuse_nonfinite(t, what,
+                   loaded ? "; fix the file, or pass --allow-nonfinite to run on it anyway"
+                          : " although every input is finite; a value inside the block passed "
+                            "the type's range (an overflow: check the scale of the weights and "
+                            "of x), nothing was written");
 }
 
 template <class T>

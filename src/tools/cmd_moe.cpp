@@ -11,7 +11,6 @@
 #include <set>
 
 #include "core/error.hpp"
-#include "core/nonfinite.hpp"
 #include "core/precision.hpp"
 #include "io/safetensors.hpp"
 #include "io/safetensors_set.hpp"
@@ -65,11 +64,8 @@ MoeParams<T> load_moe_weights(const MoeOptions& o, const MoeConfig& cfg, std::in
         for (const std::string& n : names)
           if (set.contains(n)) {
             set.read_into(n, t);
-            const NonFinite nf = count_nonfinite(t.data(), t.numel());
-            LAGA_CHECK(nf.count == 0,
-                       describe_nonfinite("weights '" + o.weights + "': tensor '" + n + "'", nf,
-                                          t.numel()),
-                       "; fix the file");
+            refuse_nonfinite(t, "weights '" + o.weights + "': tensor '" + n + "'",
+                             "; fix the file");
             if (name == "gate.bias" && !cfg.gate_has_bias())
               for (std::int64_t e = 0; e < t.numel(); ++e)
                 LAGA_CHECK(t[e] == T(0), "weights '", o.weights, "': '", n, "' gives expert ", e,
@@ -112,10 +108,7 @@ Tensor<T> read_rows(const SafetensorsFile& in, const std::string& path, const ch
              "' has shape ", to_string(s), " but the layer needs [N, ", D, "] or [B, S, ", D,
              "] (its last dimension the config's width)");
   Tensor<T> t = in.read<T>(name, MemCategory::activations);
-  const NonFinite nf = count_nonfinite(t.data(), t.numel());
-  LAGA_CHECK(nf.count == 0,
-             describe_nonfinite("input '" + path + "': tensor '" + name + "'", nf, t.numel()),
-             "; fix the file");
+  refuse_nonfinite(t, "input '" + path + "': tensor '" + name + "'", "; fix the file");
   return t;
 }
 
@@ -211,15 +204,11 @@ void run_moe(const MoeOptions& o) {
         false);
   });
   if (!report) return;
-  for (const auto& [what, t] :
-       {std::pair<const char*, const Tensor<T>*>{"out", &out}, {"dx", &dx}}) {
-    if (!t->defined()) continue;
-    const NonFinite nf = count_nonfinite(t->data(), t->numel());
-    LAGA_CHECK(nf.count == 0,
-               describe_nonfinite(std::string("output '") + what + "'", nf, t->numel()),
-               " although every input is finite; check the scale of the weights and of x, "
-               "nothing was written");
-  }
+  for (const auto& [what, t] : {std::pair<const char*, const Tensor<T>*>{"out", &out}, {"dx", &dx}})
+    if (t->defined())
+      refuse_nonfinite(*t, std::string("output '") + what + "'",
+                       " although every input is finite; check the scale of the weights and of "
+                       "x, nothing was written");
   std::cout << "out  " << to_string(out.shape()) << "\n";
   if (o.backward) std::cout << "dx   " << to_string(dx.shape()) << "\n";
   if (o.output.empty()) return;
