@@ -26,7 +26,6 @@ on the CPU, the tiles backward). On torch 1.13 (no flex) the ranks' part
 is not run and the test says so.
 """
 
-import argparse
 import io
 import json
 import logging
@@ -43,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import laga_torch as lt  # noqa: E402
 from laga_torch import dispatch  # noqa: E402
 from laga_torch.attention import KeyRanges  # noqa: E402
-from torch_ranks import run_ranks  # noqa: E402
+from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -232,14 +231,7 @@ def launch(args, P, timeout=200):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("laga", nargs="?")
-    ap.add_argument("dir", nargs="?")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--rank", type=int)
-    ap.add_argument("--world", type=int)
-    ap.add_argument("--port", type=int)
-    args = ap.parse_args()
+    args = parse_rank_args()
     if args.worker:
         return worker(args)
     os.makedirs(args.dir, exist_ok=True)

@@ -36,7 +36,6 @@ kernels' NEEDS (dtype, device) for them; nothing of these kernels has run
 for real.
 """
 
-import argparse
 import io
 import json
 import logging
@@ -57,7 +56,7 @@ from laga_torch import dispatch, dispatch_varlen  # noqa: E402
 from laga_torch.attention import KeyRanges, flash_backward, flash_forward  # noqa: E402
 from laga_torch.comm import Ledger  # noqa: E402
 from test_torch_dispatch import B, CFG, DOCS, S, calls, rel, saved_bytes  # noqa: E402
-from torch_ranks import run_ranks  # noqa: E402
+from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
 
 K = dispatch.Kernel
 
@@ -460,14 +459,7 @@ def worker(args):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("laga", nargs="?")
-    ap.add_argument("dir", nargs="?")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--rank", type=int)
-    ap.add_argument("--world", type=int)
-    ap.add_argument("--port", type=int)
-    args = ap.parse_args()
+    args = parse_rank_args()
     if args.worker:
         return worker(args)
     os.makedirs(args.dir, exist_ok=True)

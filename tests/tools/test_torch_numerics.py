@@ -39,7 +39,6 @@ Usage: test_torch_numerics.py LAGA WORKDIR
     package's map) loading to the DeepSeek-named module bit for bit.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -54,7 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
-from torch_ranks import free_port, run_ranks  # noqa: E402
+from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
 
 B, S = 2, 13
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
@@ -694,14 +693,7 @@ def rms_rel(a, ref):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("laga", nargs="?")
-    ap.add_argument("dir", nargs="?")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--rank", type=int)
-    ap.add_argument("--world", type=int)
-    ap.add_argument("--port", type=int)
-    args = ap.parse_args()
+    args = parse_rank_args()
     if args.worker:
         return worker(args)
     t0 = time.time()

@@ -40,7 +40,6 @@ Ranks (gloo, free ports):
 Each part says what it ran or which torch feature it lacks.
 """
 
-import argparse
 import inspect
 import json
 import os
@@ -56,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import laga_torch as lt  # noqa: E402
-from torch_ranks import free_port, run_ranks  # noqa: E402
+from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -410,14 +409,7 @@ def launch(args, what, P, timeout=150):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("laga", nargs="?")
-    ap.add_argument("dir", nargs="?")
-    ap.add_argument("--worker")
-    ap.add_argument("--rank", type=int)
-    ap.add_argument("--world", type=int)
-    ap.add_argument("--port", type=int)
-    args = ap.parse_args()
+    args = parse_rank_args(worker_takes_value=True)
     if args.worker:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",

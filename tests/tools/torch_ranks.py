@@ -4,6 +4,7 @@ use: P processes of the test's own script with `--worker [WHAT] --rank r
 within one time budget, the survivors killed on the way out, and one
 message (through the test's `fail`) naming what ran past its time or
 exited non-zero."""
+import argparse
 import os
 import socket
 import subprocess
@@ -37,3 +38,20 @@ def run_ranks(script, argv, P, timeout, fail, what="ranks", hang_hint=""):
                 p.kill()
     if any(p.returncode for p in procs):
         fail(f"{what} at P {P} exited {[p.returncode for p in procs]}")
+
+
+def parse_rank_args(worker_takes_value=False):
+    """The command line run_ranks gives a worker, and the test's own: LAGA
+    DIR, then --worker (a flag, or with worker_takes_value the part to run)
+    --rank r --world P --port PORT."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("laga", nargs="?")
+    ap.add_argument("dir", nargs="?")
+    if worker_takes_value:
+        ap.add_argument("--worker")
+    else:
+        ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
+    return ap.parse_args()
