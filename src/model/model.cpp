@@ -160,7 +160,7 @@ void LmConfig::validate() const {
              "(and the other MoE settings) or drop bias_update_speed");
   LAGA_CHECK(bias_update_speed == 0 || !moe || moe->gate_has_bias(), "model: bias_update_speed ",
              bias_update_speed, " steers the gate's bias, but topk_method '",
-             to_string(moe ? moe->topk_method : TopkMethod::noaux_tc),
+             to_string(moe->topk_method),
              "' (DeepSeek-V2's gate) has none; drop bias_update_speed or use noaux_tc");
 }
 
