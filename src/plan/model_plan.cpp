@@ -7,6 +7,7 @@
 #include "core/error.hpp"
 #include "mla/form_registry.hpp"
 #include "mla/params.hpp"
+#include "plan/node_routing.hpp"
 
 namespace laga {
 
@@ -333,10 +334,11 @@ MoeExchange moe_exchange(const ModelPlanRequest& q, const LmConfig& cfg, std::in
   // One exchange of rows of `elem` bytes each: its seconds, bytes, inter-node bytes.
   const auto one = [&](double elem) -> std::array<double, 3> {
     if (q.node_limit > 0) {
-      const LinkCopies c =
-          node_limited_copies(m.n_routed_experts, m.num_experts_per_tok, ep, g, q.node_limit);
-      const double row = double(N) * double(cfg.dim()) * elem;
-      const double inter = c.inter * row, intra = c.intra * row;
+      // The routed count (plan/node_routing.hpp): laga's router on
+      // random logits, its rows as a count-only run's ledger has them.
+      const NodeExchangeBytes c =
+          node_limited_exchange_bytes(m, {ep, g, q.node_limit}, N, double(cfg.dim()) * elem);
+      const double inter = c.inter, intra = c.intra;
       // The two links run at once (the report's IB-then-NVLink forwarding,
       // pipelined); each pays a message latency per peer.
       const double s = std::max(
