@@ -666,11 +666,31 @@ ops::OpCounts model_plan_calls(const ModelPlanRequest& q) {
   return all;
 }
 
+MinDevices fewest_devices(const std::vector<ModelPlanCase>& cases, std::int64_t S) {
+  MinDevices m;
+  m.seq = S;
+  double best_rate = 0;
+  for (const ModelPlanCase& c : cases) {
+    if (c.seq != S || c.winner < 0) continue;
+    const int devices = c.devices();
+    const int best = m.sp * m.dp * m.pp;
+    const double rate = c.forms[size_t(c.winner)].tokens_per_s_per_device;
+    if (!m.found || devices < best || (devices == best && rate > best_rate)) {
+      m.found = true, m.sp = c.sp, m.dp = c.dp, m.pp = c.pp;
+      m.form = c.forms[size_t(c.winner)].form;
+      best_rate = rate;
+    }
+  }
+  return m;
+}
+
 ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
   LAGA_CHECK(!q.dps.empty(), "plan: need at least one --dp");
   LAGA_CHECK(q.micro_batches >= 1, "--micro-batches ", q.micro_batches,
              ": need at least 1 forward + backward per step");
   for (int dp : q.dps) LAGA_CHECK(dp >= 1, "--dp ", dp, ": need at least 1 replica");
+  LAGA_CHECK(q.global_batch_tokens >= 0, "--global-batch ", q.global_batch_tokens,
+             ": need 0 (none) or a number of tokens");
   LAGA_CHECK(!q.pps.empty(), "plan: need at least one --pp");
   for (int pp : q.pps) LAGA_CHECK(pp >= 1, "--pp ", pp, ": need at least 1 pipeline stage");
   LAGA_CHECK(q.pipeline.stage_layers.empty() || q.pps.size() == 1,
@@ -712,6 +732,18 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
       for (int pp : q.pps) {
         ModelPlanCase c;
         c.seq = b.seq, c.sp = b.sp, c.dp = dp, c.pp = pp;
+        // A fixed global batch: this dp's micro-batches (a copy of the
+        // request carries them to the plans).
+        ModelPlanRequest qd_storage;
+        const ModelPlanRequest* qd = &q;
+        if (q.global_batch_tokens > 0) {
+          const std::int64_t per_step = b.seq * q.block.batch * dp;
+          if (q.global_batch_tokens % per_step != 0) continue;
+          qd_storage = q;
+          qd_storage.micro_batches = q.global_batch_tokens / per_step;
+          qd = &qd_storage;
+        }
+        c.micro_batches = qd->micro_batches;
         const PlanLinks world =
             plan_links(q.block.profile, b.sp * dp, q.block.nodes > 0 ? q.block.nodes * dp : 0,
                        q.block.link_bytes_per_s, q.block.link_latency_s);
@@ -726,10 +758,10 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
         for (size_t i = 0; i < b.forms.size(); ++i) {
           if (!reference_asked && b.forms[i].form == reference) continue;
           const bool whole = pp == 1 && !q.pipeline.mtp;
-          c.forms.push_back(whole ? plan_one(q, StageSpan{0, q.model.layers, true, true, 0}, b,
+          c.forms.push_back(whole ? plan_one(*qd, StageSpan{0, q.model.layers, true, true, 0}, b,
                                              b.forms[i], reference_flops, dp, ep, ep_fabric,
                                              world.fabric, nullptr)
-                                  : plan_pipeline(q, pp, b, b.forms[i], reference_flops, dp, ep,
+                                  : plan_pipeline(*qd, pp, b, b.forms[i], reference_flops, dp, ep,
                                                   ep_fabric, world.fabric));
         }
         for (size_t i = 0; i < c.forms.size(); ++i)
@@ -740,21 +772,12 @@ ModelPlanResult make_model_plans(const ModelPlanRequest& q) {
       }
   }
   for (std::int64_t S : q.block.seqs) {
-    MinDevices m;
-    m.seq = S;
-    double best_step = 0;
-    for (const ModelPlanCase& c : r.cases) {
-      if (c.seq != S || c.winner < 0) continue;
-      const int devices = c.devices();
-      const int best = m.sp * m.dp * m.pp;
-      const double step = c.forms[size_t(c.winner)].step_s;
-      if (!m.found || devices < best || (devices == best && step < best_step)) {
-        m.found = true, m.sp = c.sp, m.dp = c.dp, m.pp = c.pp;
-        m.form = c.forms[size_t(c.winner)].form;
-        best_step = step;
-      }
-    }
-    r.min_devices.push_back(m);
+    LAGA_CHECK(std::any_of(r.cases.begin(), r.cases.end(),
+                           [&](const ModelPlanCase& c) { return c.seq == S; }),
+               "--global-batch ", q.global_batch_tokens, " tokens is no whole number of ",
+               "micro-batches of S ", S, " x batch ", q.block.batch,
+               " tokens at any --dp; give a batch that is a multiple of S x batch x DP");
+    r.min_devices.push_back(fewest_devices(r.cases, S));
   }
   return r;
 }

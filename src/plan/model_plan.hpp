@@ -236,6 +236,12 @@ struct ModelPlanRequest {
   // optimizer step, each a forward + backward; the gradient sync and AdamW
   // run once per step. Memory is one micro-batch's.
   std::int64_t micro_batches = 1;
+  // A fixed global batch of this many tokens a step over the replicas (the
+  // team's batch, plan/plan_search.hpp): each (S, dp) case then runs
+  // global_batch_tokens / (S x batch x dp) micro-batches (a dp that leaves
+  // no whole number of them, or none, is not planned) in place of
+  // micro_batches. 0: micro_batches for every case.
+  std::int64_t global_batch_tokens = 0;
   EpChoice ep;
   bool zero1 = false;
   bool recompute = false;
@@ -326,14 +332,17 @@ struct ModelPlan {
 struct ModelPlanCase {
   std::int64_t seq = 0;
   int sp = 1, dp = 1, pp = 1;
-  int nodes = 1;  // of the whole P * dp * pp devices
+  std::int64_t micro_batches = 1;  // a step's, per replica
+  int nodes = 1;                   // of the whole P * dp * pp devices
   int devices() const { return sp * dp * pp; }
   std::vector<ModelPlan> forms;
   int winner = -1;  // the fastest form that fits; -1: none
 };
 
-// Per sequence length: the fewest devices (P * dp) among the planned grid at
-// which some form fits, and the fastest fitting form there.
+// Per sequence length: the fewest devices (P * dp * pp) among the planned
+// grid at which some form fits, and of the fitting plans there the one of
+// the most tokens a second a device (not the shortest step: at equal
+// devices a case of more replicas steps more tokens).
 struct MinDevices {
   std::int64_t seq = 0;
   bool found = false;
@@ -346,6 +355,9 @@ struct ModelPlanResult {
   std::vector<ModelPlanCase> cases;     // one per (S, P, dp)
   std::vector<MinDevices> min_devices;  // one per S
 };
+
+// The fewest-devices pick (MinDevices above) over `cases` at S.
+MinDevices fewest_devices(const std::vector<ModelPlanCase>& cases, std::int64_t S);
 
 // Throws laga::Error when the EP degree of some (P, dp) does not divide the
 // routed experts (or, fixed, the devices), or a dp is below 1.

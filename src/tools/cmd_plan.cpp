@@ -18,6 +18,7 @@
 #include "mla/work_model.hpp"
 #include "plan/measure.hpp"
 #include "plan/model_plan.hpp"
+#include "plan/plan_search.hpp"
 #include "plan/planner.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
@@ -56,6 +57,10 @@ struct PlanOptions {
   int chunks = 2, node_limit = 0;
   std::string comm_sms = "20/132";
   bool mtp = false, fp8 = false;
+  // --search: the team grid (plan/plan_search.hpp) for every grid option
+  // not given; --global-batch TOKENS: a fixed batch a step over the replicas.
+  bool search = false;
+  std::int64_t global_batch = 0;
   // Given options that only --model reads, and whether --preset/--config was.
   std::vector<std::string> model_only_given;
   bool attention_config_given = false;
@@ -342,6 +347,11 @@ ModelPlanRequest model_request(const PlanOptions& o, const LmConfig& model, Plan
   if (!o.stage_layers.empty()) q.pipeline.stage_layers = parse_stage_layers(o.stage_layers);
   q.fp8 = o.fp8;
   q.node_limit = o.node_limit;
+  LAGA_CHECK(o.global_batch == 0 || std::find(o.model_only_given.begin(), o.model_only_given.end(),
+                                              "--micro-batches") == o.model_only_given.end(),
+             "--global-batch sets each DP's micro-batches (TOKENS / (S x batch x DP)) and "
+             "--micro-batches sets them for every DP; give one of them");
+  q.global_batch_tokens = o.global_batch;
   return q;
 }
 
@@ -559,6 +569,23 @@ void apply_recipe(PlanOptions& o, CLI::App& c) {
   if (unset("--forms")) o.forms = "explicit";
 }
 
+// --search: plan/plan_search.hpp's team grid, each grid option not given.
+void apply_search(PlanOptions& o, CLI::App& c) {
+  const auto unset = [&](const char* name) { return c.count(name) == 0; };
+  const auto list = [](const std::vector<int>& v) {
+    std::string s;
+    for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+    return s;
+  };
+  const TeamGrid& g = kTeamGrid;
+  if (unset("--sp")) o.sp = list(g.sps);
+  if (unset("--dp")) o.dp = list(g.dps);
+  if (unset("--pp")) o.pp = list(g.pps);
+  if (unset("--ep")) o.ep = "max";
+  if (unset("--zero1")) o.zero1 = g.zero1;
+  if (unset("--global-batch") && unset("--micro-batches")) o.global_batch = g.global_batch_tokens;
+}
+
 void register_plan(CLI::App& app) {
   auto o = std::make_shared<PlanOptions>();
   CLI::App* c = app.add_subcommand(
@@ -678,14 +705,25 @@ void register_plan(CLI::App& app) {
                 "V3 report's pre-training: 2048 H800, PP 16 DualPipe, EP 64 over 8 nodes, "
                 "ZeRO-1 DP 128, no TP, FP8, S 4096; docs/planning.md)")
       ->check(CLI::IsMember({"deepseek-v3"}));
+  c->add_flag("--search", o->search,
+              "with --model: plan the grid a team chooses among (docs/planning.md): --sp and --dp "
+              "1..128, --pp 1,2,4,8,16, --ep max, --zero1 and DeepSeek-V3's global batch of "
+              "62914560 tokens, each where not given");
+  c->add_option("--global-batch", o->global_batch,
+                "with --model: a fixed batch of this many tokens a step over the replicas; each "
+                "DP then runs TOKENS / (S x batch x DP) micro-batches (a DP leaving no whole "
+                "number is not planned)")
+      ->check(whole_for(1, o->global_batch));
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
   c->callback([o, c] {
     if (!o->recipe.empty()) apply_recipe(*o, *c);
+    if (o->search) apply_search(*o, *c);
     for (const char* name : {"--profile", "--json", "--nodes", "--link", "--grad-reduce"})
       if (c->count(name) > 0) o->plan_only_given.push_back(name);
-    for (const char* name : {"--layers", "--dp", "--micro-batches", "--ep", "--zero1",
-                             "--recompute", "--pp", "--schedule", "--chunks", "--stage-layers",
-                             "--mtp", "--fp8", "--node-limit", "--comm-sms"})
+    for (const char* name :
+         {"--layers", "--dp", "--micro-batches", "--ep", "--zero1", "--recompute", "--pp",
+          "--schedule", "--chunks", "--stage-layers", "--mtp", "--fp8", "--node-limit",
+          "--comm-sms", "--search", "--global-batch"})
       if (c->count(name) > 0) o->model_only_given.push_back(name);
     o->attention_config_given = c->count("--preset") > 0 || c->count("--config") > 0;
     run_plan(*o);

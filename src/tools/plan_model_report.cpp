@@ -65,8 +65,12 @@ std::string model_table(const ModelPlanRequest& q, const ModelPlanResult& r) {
   o << "  " << q.block.profile.name << " (" << q.block.profile.source << "), "
     << to_string(q.block.dtype) << " (gradients " << to_string(q.block.grad_reduce) << "), "
     << to_string(q.block.attention) << " attention, batch " << q.block.batch << ", "
-    << to_string(q.block.seq_layout) << " seq shards, " << q.micro_batches
-    << " micro-batch(es) a step; one training step, predicted; EP "
+    << to_string(q.block.seq_layout) << " seq shards, "
+    << (q.global_batch_tokens > 0
+            ? cat("a global batch of ", q.global_batch_tokens,
+                  " tokens a step (micro-batches a replica: that / (S x batch x DP))")
+            : cat(q.micro_batches, " micro-batch(es) a step"))
+    << "; one training step, predicted; EP "
     << (q.ep.rule == EpRule::sp    ? std::string("= P (experts over the SP ranks)")
         : q.ep.rule == EpRule::max ? std::string("= gcd(P x DP, E) (experts over the replicas too)")
                                    : cat("= ", q.ep.degree))
@@ -166,6 +170,7 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
   j["attention"] = to_string(q.block.attention);
   j["batch"] = q.block.batch;
   j["micro_batches"] = q.micro_batches;
+  j["global_batch_tokens"] = q.global_batch_tokens;
   j["model"] = q.model.summary();
   j["layers"] = q.model.layers;
   j["parameters"] = {{"total", n.total()},
@@ -232,6 +237,7 @@ std::string model_json(const ModelPlanRequest& q, const ModelPlanResult& r) {
          {"sp", c.sp},
          {"dp", c.dp},
          {"pp", c.pp},
+         {"micro_batches", c.micro_batches},
          {"nodes", c.nodes},
          {"winner",
           c.winner >= 0 ? ojson(to_string(c.forms[size_t(c.winner)].form)) : ojson(nullptr)}});
