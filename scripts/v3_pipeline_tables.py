@@ -6,8 +6,9 @@ the ratios between them.
 
   python3 scripts/v3_pipeline_tables.py [--laga build/laga] grid|recipe|extension
 
-grid       the fewest devices that fit at S 4K-128K on H100 and H200, with
-           PP and EP over the replicas in the grid (1F1B and DualPipe,
+grid       `laga plan --search`: the fewest devices that fit at S 4K-128K on
+           H100 and H200, with PP and EP over the replicas in the grid and
+           DeepSeek-V3's global batch of 62.9M tokens (1F1B and DualPipe,
            without and with recompute)
 recipe     `laga plan --recipe deepseek-v3`: the step's breakdown, GPU-hours
            per 10^12 tokens against the report's 180K, and the prediction's
@@ -47,30 +48,37 @@ def plan(options, allow_fail=False):
 
 
 def grid():
-    seqs = "4096,16384,32768,65536,131072"
-    print("| profile | schedule | recompute | S | fewest devices (P x DP x PP) | EP | form | "
-          "step s | tokens/s/device | MFU % | memory GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    seqs = "4096,8192,16384,32768,65536,131072"
+    print("| profile | schedule | recompute | S | fewest devices (P x DP x PP) | EP | micro-batches "
+          "a replica | form | tokens a device a micro-batch | tokens/s/device | MFU % | memory GB "
+          "| the grid's most tokens/s/device: P x DP x PP, tokens/s/device, MFU % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for profile in args.profiles.split(","):
         for schedule in args.schedules.split(","):
             for recompute in [False, True]:
                 j = plan(["--model", "deepseek-v3", "--profile", profile, "--seq", seqs,
-                          "--sp", "1,2,4,8,16,32,64,128", "--dp", "1,2,4,8,16,32,64,128",
-                          "--pp", "1,2,4,8,16", "--ep", "max", "--zero1", "--micro-batches",
-                          "32", "--schedule", schedule, "--forms", "all", "--q-latent"] +
+                          "--search", "--schedule", schedule, "--forms", "all", "--q-latent"] +
                          (["--recompute"] if recompute else []), allow_fail=True)
+                mb = {(c["seq"], c["sp"], c["dp"], c["pp"]): c["micro_batches"]
+                      for c in j["cases"]}
                 for d in j["min_devices"]:
                     head = f"| {profile} | {schedule} | {'on' if recompute else 'off'} | {d['seq']} |"
                     if d["devices"] is None:
-                        print(head + " none of the grid fits | | | | | | |")
+                        print(head + " none of the grid fits | | | | | | | | |")
                         continue
                     p = next(p for p in j["plans"] if p["seq"] == d["seq"] and p["sp"] == d["sp"]
                              and p["dp"] == d["dp"] and p["pp"] == d["pp"]
                              and p["form"] == d["form"])
+                    fit = [q for q in j["plans"] if q["seq"] == d["seq"] and q["fits"]]
+                    top = max(fit, key=lambda q: q["predicted_tokens_per_s_per_device"])
                     print(f"{head} {d['devices']} ({d['sp']} x {d['dp']} x {d['pp']}) | {p['ep']} |"
-                          f" {d['form']} | {p['predicted_step_s']:.3g} |"
+                          f" {mb[(d['seq'], d['sp'], d['dp'], d['pp'])]} | {d['form']} |"
+                          f" {d['seq'] // d['sp']} |"
                           f" {p['predicted_tokens_per_s_per_device']:.4g} | {100 * p['mfu']:.1f} |"
-                          f" {p['memory']['total'] / 1e9:.1f} |")
+                          f" {p['memory']['total'] / 1e9:.1f} |"
+                          f" {top['sp']} x {top['dp']} x {top['pp']},"
+                          f" {top['predicted_tokens_per_s_per_device']:.4g},"
+                          f" {100 * top['mfu']:.1f} |")
 
 
 def recipe_row(name, options, profile_edit=None):
@@ -139,6 +147,7 @@ def extension():
           "tokens | MFU % | memory GB | fits | explicit's K GPU-hours | fastest / explicit | "
           "slowest form (its speed against explicit) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    per_form = []  # (S, recompute, P, dp, M, plans)
     for S, batch, sps in [(32768, 1920, [1, 2, 4, 8, 16]), (131072, 480, [4, 8, 16, 32])]:
         for recompute in [False, True]:
             for P in sps:
@@ -147,6 +156,7 @@ def extension():
                 j = plan(["--recipe", "deepseek-v3", "--seq", str(S), "--sp", str(P), "--dp",
                           str(dp), "--micro-batches", str(M), "--forms", "all", "--q-latent"] +
                          (["--recompute"] if recompute else []), allow_fail=True)
+                per_form.append((S, recompute, P, dp, M, j["plans"]))
                 plans = sorted(j["plans"], key=lambda p: p["predicted_step_s"])
                 ref = next(p for p in plans if p["form"] == "explicit")
                 best, worst = plans[0], plans[-1]
@@ -157,6 +167,29 @@ def extension():
                       f" {ref['device_hours_per_1e12_tokens'] / 1e3:.1f} |"
                       f" {ref['predicted_step_s'] / best['predicted_step_s']:.3f}x |"
                       f" {worst['form']} ({ref['predicted_step_s'] / worst['predicted_step_s']:.3f}x) |")
+    # Each sequence-parallel form, side by side: K GPU-hours / 10^12 tokens
+    # (* where it does not fit 80 GB), the winner among those that fit and
+    # its lead over the runner-up and over explicit.
+    forms = [p["form"] for p in per_form[0][5]]
+    print()
+    print("| S | recompute | P | " + " | ".join(forms) +
+          " | winner (fits) | its lead over the runner-up | over explicit |")
+    print("|---|---|---|" + "---|" * len(forms) + "---|---|---|")
+    for S, recompute, P, dp, M, plans in per_form:
+        by = {p["form"]: p for p in plans}
+        cells = [f"{by[f]['device_hours_per_1e12_tokens'] / 1e3:.1f}{'' if by[f]['fits'] else '*'}"
+                 if f in by else "" for f in forms]
+        fit = sorted([p for p in plans if p["fits"]], key=lambda p: p["predicted_step_s"])
+        if not fit:
+            tail = "none fits | | |"
+        else:
+            win = fit[0]
+            ref = by["explicit"]
+            lead = (f"{100 * (fit[1]['predicted_step_s'] / win['predicted_step_s'] - 1):.2f}%"
+                    f" ({fit[1]['form']})" if len(fit) > 1 else "")
+            tail = (f"{win['form']} | {lead} |"
+                    f" {100 * (ref['predicted_step_s'] / win['predicted_step_s'] - 1):.2f}% |")
+        print(f"| {S} | {'on' if recompute else 'off'} | {P} | " + " | ".join(cells) + f" | {tail}")
 
 
 {"grid": grid, "recipe": recipe, "extension": extension}[args.what]()

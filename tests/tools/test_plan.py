@@ -292,6 +292,15 @@ elif case == "errors":
                 "--node-limit 3 exceeds the EP group's 1 nodes", "node limit")
     check_error(model + ["--model", moe_tiny, "--comm-sms", "132/132"],
                 "--comm-sms '132/132' is not USED/ALL", "comm sms")
+    # The team search's global batch (plan/plan_search.hpp): each bad value named.
+    check_error(model + ["--model", moe_tiny, "--global-batch", "0"], "--global-batch",
+                "global batch 0")
+    check_error(model + ["--model", moe_tiny, "--global-batch", "128", "--micro-batches", "2"],
+                "give one of them", "global batch and micro-batches")
+    check_error(model + ["--model", moe_tiny, "--global-batch", "100"],
+                "--global-batch 100 tokens is no whole number of micro-batches", "global batch")
+    check_error(model + ["--preset", "tiny", "--search"], "--search plans a whole model's step",
+                "search without model")
     # A bf16 plan holding fp32 gradients names bf16 ones among the fixes.
     check_error(["plan", "--profile", "h100", "--seq", "4096", "--sp", "8", "--model",
                  "deepseek-v3"], "--grad-reduce bf16 (bf16 gradients", "fits nowhere: the fix")
