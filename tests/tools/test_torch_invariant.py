@@ -1,0 +1,268 @@
+#!/usr/bin/python3
+"""laga_torch's invariant mode (MLA(..., invariant=True); docs/pytorch.md,
+"One answer whatever the parallelism"; python/laga_torch/invariant.py).
+
+Usage: test_torch_invariant.py LAGA WORKDIR
+
+Ranks (gloo, free ports, one thread each) at P 1, 2, 3, 4, S 200 (four
+chunks of the token tree, the last short; shards 100+100, 67+67+66,
+50+50+50+50 cut chunks), H 5 (uneven heads, P 4 has a rank with one):
+  * every form that offers the mode (explicit, absorbed, laga, laga_fused),
+    eager and flash, float32 and float64, one sequence and packed documents
+    (different per row), q_lora_rank 7 and 0, contiguous and zigzag: out
+    and dx (each rank's rows put back in sequence order) and every
+    parameter's gradient on every rank bitwise equal (the bits, so -0 and
+    +0 differ) to P 1's;
+  * a training run: two residual MLA layers (laga, float64 and float32),
+    AdamW, 4 steps, the loss summed in the token tree: every step's loss
+    and the final weights bitwise equal at P 1, 2, 3, 4;
+  * the mutation: with invariant.RANK_ORDER_MUTATION (each rank's chunks
+    summed, then the ranks' partials in rank order: an all-reduce's order)
+    the gradients at some P > 1 differ from P 1's, so the comparison above
+    can fail; and with the mode off some P > 1 differs from P 1 (what the
+    mode is for);
+  * refusals, on every rank, naming the form and what to use: each form
+    without the mode (laga2d, allgather_kv, the rings), tape autograd,
+    q_latent, overlap, form auto, bf16.
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import laga_torch as lt  # noqa: E402
+from laga_torch import invariant  # noqa: E402
+from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
+
+CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
+       "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "rope_theta": 10000.0}
+S, B = 200, 2
+DOCS = [[0, 30, 31, 120, 200], [0, 64, 65, 199, 200]]
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def cases():
+    out = []
+    for form in ("explicit", "absorbed", "laga", "laga_fused"):
+        for att in ("eager", "flash"):
+            for dt in DTYPES:
+                for docs in (None, DOCS):
+                    out.append(dict(form=form, attention=att, dtype=dt, docs=docs, rq=7,
+                                    layout="contiguous"))
+    out.append(dict(form="laga", attention="flash", dtype="float64", docs=DOCS, rq=0,
+                    layout="contiguous"))
+    out.append(dict(form="explicit", attention="eager", dtype="float32", docs=None, rq=0,
+                    layout="contiguous"))
+    for form in ("laga", "absorbed"):
+        out.append(dict(form=form, attention="flash", dtype="float32", docs=DOCS, rq=7,
+                        layout="zigzag"))
+    return out
+
+
+def name(c):
+    return (f"{c['form']}-{c['attention']}-{c['dtype']}-{'packed' if c['docs'] else 'one'}-"
+            f"rq{c['rq']}-{c['layout']}")
+
+
+def module(c, dt, invariant_mode=True):
+    cfg = lt.MLAConfig.from_json(dict(CFG, q_lora_rank=c["rq"]))
+    torch.manual_seed(1)
+    m = lt.MLA(cfg, form=c["form"], attention=c["attention"], dtype=dt,
+               seq_layout=c["layout"], invariant=invariant_mode)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, dtype=torch.float64) * 0.3 + (1 if p.dim() == 1 else 0))
+    return m
+
+
+def run_case(c, P, r, invariant_mode=True):
+    dt = DTYPES[c["dtype"]]
+    m = module(c, dt, invariant_mode)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
+    dout = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
+    pos = lt.SpLayout.even(S, CFG["n_heads"], P, c["layout"]).positions(r)
+    xl = x[:, pos].clone().requires_grad_(True)
+    out = m(xl, seq_len=S, cu_seqlens=c["docs"])
+    out.backward(dout[:, pos])
+    lt.sync_gradients(m)
+    return {"pos": torch.tensor(pos), "out": out.detach(), "dx": xl.grad,
+            **{n: p.grad for n, p in m.named_parameters()}}
+
+
+def train(dtype, P, r):
+    """Two residual laga layers, AdamW, 4 steps; the loss (the squared
+    error to a target, per token) summed in the token tree."""
+    dt = DTYPES[dtype]
+    c = dict(form="laga", attention="flash", layout="contiguous", rq=7)
+    layers = [module(c, dt) for _ in range(2)]
+    with torch.no_grad():  # two different layers
+        for p in layers[1].parameters():
+            p.mul_(0.9)
+    params = [p for m in layers for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
+    target = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
+    lay = lt.SpLayout.even(S, CFG["n_heads"], P)
+    pos = lay.positions(r)
+    tree = invariant.TokenTree(lay, r, None, None, B)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        h = x[:, pos]
+        for m in layers:
+            h = h + m(h, seq_len=S, cu_seqlens=DOCS)
+        per_token = ((h - target[:, pos]) ** 2).sum(-1)  # (B, L): row sums
+        per_token.sum().backward()  # each token's gradient is its own term's
+        for m in layers:
+            lt.sync_gradients(m)
+        losses.append(tree.column_sum(per_token.detach().unsqueeze(-1)))
+        opt.step()
+    return {"losses": torch.cat(losses), **{f"w{i}": p.detach() for i, p in enumerate(params)}}
+
+
+def refusals(P, r):
+    """Each refusal raised by this rank (the constructor is every rank's;
+    bf16 is the forward's, through the agreement check)."""
+    cfg = lt.MLAConfig.from_json(CFG)
+    said = []
+
+    def refused(want, **kw):
+        try:
+            lt.MLA(cfg, invariant=True, **kw)
+        except ValueError as e:
+            for w in want:
+                if w not in str(e):
+                    fail(f"rank {r}: the refusal of {kw} does not say '{w}': {e}")
+            said.append(str(e))
+            return
+        fail(f"rank {r}: MLA(invariant=True, {kw}) was accepted")
+    for form in ("laga2d", "allgather_kv", "ring_kv", "ring_latent", "a2a_p2p"):
+        refused([f"form '{form}'", "use explicit, absorbed, laga or laga_fused"], form=form)
+    refused(["tape 'autograd'", "tape='laga'"], form="laga", tape="autograd")
+    refused(["q_latent"], form="laga", q_latent=True)
+    refused(["overlap"], form="laga", overlap=True)
+    refused(["form 'auto'"], form="auto", profile="h100")
+    m = lt.MLA(cfg, form="laga", invariant=True, dtype=torch.bfloat16)
+    pos = lt.SpLayout.even(S, CFG["n_heads"], P).positions(r)
+    try:
+        m(torch.zeros(1, len(pos), CFG["dim"], dtype=torch.bfloat16), seq_len=S)
+        fail(f"rank {r}: a bf16 input was accepted by the invariant mode")
+    except ValueError as e:
+        if "float32 and float64" not in str(e):
+            fail(f"rank {r}: the bf16 refusal does not name the dtypes: {e}")
+        said.append(str(e))
+    return said
+
+
+def worker(args):
+    P, r = args.world, args.rank
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r,
+                            world_size=P)
+    res = {}
+    for c in cases():
+        res[name(c)] = run_case(c, P, r)
+    c = dict(form="laga", attention="eager", dtype="float64", docs=DOCS, rq=7,
+             layout="contiguous")
+    res["off:" + name(c)] = run_case(c, P, r, invariant_mode=False)
+    invariant.RANK_ORDER_MUTATION = True
+    res["mutated:" + name(c)] = run_case(c, P, r)
+    invariant.RANK_ORDER_MUTATION = False
+    for dt in DTYPES:
+        res[f"train-{dt}"] = train(dt, P, r)
+    res["refusals"] = refusals(P, r)
+    torch.save(res, os.path.join(args.dir, f"inv_P{P}_r{r}.pt"))
+    dist.destroy_process_group()
+
+
+def bits(t):
+    """The tensor's bits (so -0 and +0, and NaN payloads, differ)."""
+    t = t.contiguous()
+    return t.view(torch.int64 if t.element_size() == 8 else torch.int32)
+
+
+def whole(parts, key):
+    """Rank shards' rows (dim 1) back in sequence order."""
+    t = torch.cat([p[key] for p in parts], 1)
+    order = torch.cat([p["pos"] for p in parts]).argsort()
+    return t[:, order]
+
+
+def differ(a, b):
+    """Names of the tensors that differ bitwise between results a and b
+    (lists of every rank's dicts)."""
+    out = []
+    for key in ("out", "dx"):
+        if not torch.equal(bits(whole(a, key)), bits(whole(b, key))):
+            out.append(key)
+    for key in a[0]:
+        if key in ("pos", "out", "dx"):
+            continue
+        for r, p in enumerate(b):
+            if not torch.equal(bits(a[0][key]), bits(p[key])):
+                out.append(f"{key} (rank {r})")
+                break
+    return out
+
+
+def main():
+    args = parse_rank_args()
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.dir, exist_ok=True)
+    Ps = (1, 2, 3, 4)
+    for P in Ps:
+        run_ranks(__file__, [args.laga, args.dir, "--worker"], P, 240, fail)
+    res = {P: [torch.load(os.path.join(args.dir, f"inv_P{P}_r{r}.pt")) for r in range(P)]
+           for P in Ps}
+    names = [name(c) for c in cases()]
+    checked = 0
+    for n in names:
+        for P in Ps[1:]:
+            d = differ([res[1][0][n]], [x[n] for x in res[P]])
+            if d:
+                fail(f"{n}: at P {P} not bitwise P 1's: {', '.join(d)}")
+            checked += 1
+    print(f"invariant: {len(names)} cases bitwise equal to P 1 at P 2, 3, 4 ({checked} runs: "
+          "out, dx, every gradient on every rank)")
+    for dt in DTYPES:
+        k = f"train-{dt}"
+        for P in Ps[1:]:
+            for key, t in res[1][0][k].items():
+                for r in range(P):
+                    if not torch.equal(bits(t), bits(res[P][r][k][key])):
+                        fail(f"training {dt}: {key} at P {P} rank {r} not bitwise P 1's")
+        print(f"training {dt}: losses {[f'{v:.6g}' for v in res[1][0][k]['losses'].tolist()]} "
+              f"and final weights bitwise equal at P 1-4")
+    for what in ("mutated", "off"):
+        k = f"{what}:" + name(dict(form="laga", attention="eager", dtype="float64", docs=DOCS,
+                                   rq=7, layout="contiguous"))
+        d = {P: differ([res[1][0][k]], [x[k] for x in res[P]]) for P in Ps[1:]}
+        if not any(d.values()):
+            fail(f"{what}: every P equals P 1 bitwise: the comparison cannot tell a rank-order "
+                 "sum")
+        print(f"{what}: differs from P 1 at " +
+              "; ".join(f"P {P}: {len(v)} tensors ({', '.join(v[:3])}...)" for P, v in d.items()
+                        if v))
+    for P in Ps:
+        said = [res[P][r]["refusals"] for r in range(P)]
+        if any(s != said[0] for s in said):
+            fail(f"the refusals differ between ranks at P {P}")
+    print(f"refusals: {len(said[0])}, the same on every rank, e.g. {said[0][2]}")
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
