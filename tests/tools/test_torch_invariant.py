@@ -4,7 +4,8 @@
 
 Usage: test_torch_invariant.py LAGA WORKDIR
 
-Ranks (gloo, free ports, one thread each) at P 1, 2, 3, 4, S 200 (four
+One launch of 4 ranks (gloo, a free port, one thread each), the groups of
+its first 1, 2, 3 and 4 ranks in turn: at P 1, 2, 3, 4, S 200 (four
 chunks of the token tree, the last short; shards 100+100, 67+67+66,
 50+50+50+50 cut chunks), H 5 (uneven heads, P 4 has a rank with one):
   * every form that offers the mode (explicit, absorbed, laga, laga_fused),
@@ -44,6 +45,7 @@ CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
 S, B = 200, 2
 DOCS = [[0, 30, 31, 120, 200], [0, 64, 65, 199, 200]]
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+PS = (1, 2, 3, 4)
 
 
 def fail(msg):
@@ -85,7 +87,7 @@ def module(c, dt, invariant_mode=True):
     return m
 
 
-def run_case(c, P, r, invariant_mode=True):
+def run_case(c, P, r, group, invariant_mode=True):
     dt = DTYPES[c["dtype"]]
     m = module(c, dt, invariant_mode)
     g = torch.Generator().manual_seed(2)
@@ -93,14 +95,14 @@ def run_case(c, P, r, invariant_mode=True):
     dout = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
     pos = lt.SpLayout.even(S, CFG["n_heads"], P, c["layout"]).positions(r)
     xl = x[:, pos].clone().requires_grad_(True)
-    out = m(xl, seq_len=S, cu_seqlens=c["docs"])
+    out = m(xl, group, seq_len=S, cu_seqlens=c["docs"])
     out.backward(dout[:, pos])
-    lt.sync_gradients(m)
+    lt.sync_gradients(m, group)
     return {"pos": torch.tensor(pos), "out": out.detach(), "dx": xl.grad,
             **{n: p.grad for n, p in m.named_parameters()}}
 
 
-def train(dtype, P, r):
+def train(dtype, P, r, group):
     """Two residual laga layers, AdamW, 4 steps; the loss (the squared
     error to a target, per token) summed in the token tree."""
     dt = DTYPES[dtype]
@@ -116,23 +118,23 @@ def train(dtype, P, r):
     target = torch.randn(B, S, CFG["dim"], generator=g, dtype=torch.float64).to(dt)
     lay = lt.SpLayout.even(S, CFG["n_heads"], P)
     pos = lay.positions(r)
-    tree = invariant.TokenTree(lay, r, None, None, B)
+    tree = invariant.TokenTree(lay, r, group, None, B)
     losses = []
     for _ in range(4):
         opt.zero_grad()
         h = x[:, pos]
         for m in layers:
-            h = h + m(h, seq_len=S, cu_seqlens=DOCS)
+            h = h + m(h, group, seq_len=S, cu_seqlens=DOCS)
         per_token = ((h - target[:, pos]) ** 2).sum(-1)  # (B, L): row sums
         per_token.sum().backward()  # each token's gradient is its own term's
         for m in layers:
-            lt.sync_gradients(m)
+            lt.sync_gradients(m, group)
         losses.append(tree.column_sum(per_token.detach().unsqueeze(-1)))
         opt.step()
     return {"losses": torch.cat(losses), **{f"w{i}": p.detach() for i, p in enumerate(params)}}
 
 
-def refusals(P, r):
+def refusals(P, r, group):
     """Each refusal raised by this rank (the constructor is every rank's;
     bf16 is the forward's, through the agreement check)."""
     cfg = lt.MLAConfig.from_json(CFG)
@@ -157,7 +159,7 @@ def refusals(P, r):
     m = lt.MLA(cfg, form="laga", invariant=True, dtype=torch.bfloat16)
     pos = lt.SpLayout.even(S, CFG["n_heads"], P).positions(r)
     try:
-        m(torch.zeros(1, len(pos), CFG["dim"], dtype=torch.bfloat16), seq_len=S)
+        m(torch.zeros(1, len(pos), CFG["dim"], dtype=torch.bfloat16), group, seq_len=S)
         fail(f"rank {r}: a bf16 input was accepted by the invariant mode")
     except ValueError as e:
         if "float32 and float64" not in str(e):
@@ -167,23 +169,28 @@ def refusals(P, r):
 
 
 def worker(args):
-    P, r = args.world, args.rank
+    r = args.rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r,
-                            world_size=P)
-    res = {}
-    for c in cases():
-        res[name(c)] = run_case(c, P, r)
-    c = dict(form="laga", attention="eager", dtype="float64", docs=DOCS, rq=7,
-             layout="contiguous")
-    res["off:" + name(c)] = run_case(c, P, r, invariant_mode=False)
-    invariant.RANK_ORDER_MUTATION = True
-    res["mutated:" + name(c)] = run_case(c, P, r)
-    invariant.RANK_ORDER_MUTATION = False
-    for dt in DTYPES:
-        res[f"train-{dt}"] = train(dt, P, r)
-    res["refusals"] = refusals(P, r)
-    torch.save(res, os.path.join(args.dir, f"inv_P{P}_r{r}.pt"))
+                            world_size=args.world)
+    for P in PS:
+        group = dist.new_group(list(range(P)))  # every rank makes every group
+        if r >= P:
+            continue
+        res = {}
+        for c in cases():
+            res[name(c)] = run_case(c, P, r, group)
+        c = dict(form="laga", attention="eager", dtype="float64", docs=DOCS, rq=7,
+                 layout="contiguous")
+        res["off:" + name(c)] = run_case(c, P, r, group, invariant_mode=False)
+        invariant.RANK_ORDER_MUTATION = True
+        res["mutated:" + name(c)] = run_case(c, P, r, group)
+        invariant.RANK_ORDER_MUTATION = False
+        for dt in DTYPES:
+            res[f"train-{dt}"] = train(dt, P, r, group)
+        res["refusals"] = refusals(P, r, group)
+        torch.save(res, os.path.join(args.dir, f"inv_P{P}_r{r}.pt"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -222,9 +229,11 @@ def main():
     if args.worker:
         return worker(args)
     os.makedirs(args.dir, exist_ok=True)
-    Ps = (1, 2, 3, 4)
-    for P in Ps:
-        run_ranks(__file__, [args.laga, args.dir, "--worker"], P, 240, fail)
+    for f in os.listdir(args.dir):  # no result of an earlier run is read
+        if f.startswith("inv_P"):
+            os.unlink(os.path.join(args.dir, f))
+    Ps = PS
+    run_ranks(__file__, [args.laga, args.dir, "--worker"], max(Ps), 280, fail)
     res = {P: [torch.load(os.path.join(args.dir, f"inv_P{P}_r{r}.pt")) for r in range(P)]
            for P in Ps}
     names = [name(c) for c in cases()]
