@@ -112,7 +112,7 @@ FORMS = registry((
              fused=True, invariant=True),
     FormSpec("laga2d", Attends.grid, Keys.latent, query_latent=True, overlap=True,
              head_groups=True, exact_at_one_rank=True),
-    FormSpec("allgather_kv", Attends.own, Keys.gather, exact_at_one_rank=True),
+    FormSpec("allgather_kv", Attends.own, Keys.gather, exact_at_one_rank=True, invariant=True),
     FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True,
              exact_at_one_rank=True),
     FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True,
@@ -127,8 +127,6 @@ _RING_MERGE = ("its output merges the ring's P blocks by log-sum-exp, so the num
 INVARIANT_REFUSAL = {
     "laga2d": "its attention is cut into P-dependent query chunks and its keys' gradients are "
               "summed over the ranks of a head group in rank order",
-    "allgather_kv": "its keys' gradients are summed over the ranks holding the queries that see "
-                    "them (the all-gathers' reduce-scatter), in rank order",
     "ring_kv": _RING_MERGE,
     "ring_latent": _RING_MERGE,
     "a2a_p2p": _RING_MERGE,

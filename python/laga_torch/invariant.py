@@ -172,28 +172,44 @@ class TokenTree:
             self.nodes.append(nodes)
         self._plans = {}
 
-    def _to_owners(self, x, label):
-        """x (B, L, W) of the shard -> (chunks owned, B CHUNK, W), padded."""
-        W = x.shape[-1]
+    def _plan(self, W, label):
+        """The movement of (B, tokens, 1, W) from the shards to the chunks'
+        owners (each owner the tokens of its chunks, in chunk order)."""
         if W not in self._plans:
             P = self.layout.ranks
             src = [Placement(self.layout.seq_ranges[r], 0, 1) for r in range(P)]
             dst = [Placement(self.ranges[r], 0, 1) for r in range(P)]
             self._plans[W] = Plan(src, dst, self.rank, self.batch, W, label)
-        t = move(x.unsqueeze(2), self._plans[W], self.group, self.ledger, "backward")[:, :, 0]
+        return self._plans[W]
+
+    def _to_owners(self, x, label):
+        """x (B, L, W) of the shard -> (chunks owned, B CHUNK, W), padded."""
+        t = move(x.unsqueeze(2), self._plan(x.shape[-1], label), self.group, self.ledger,
+                 "backward")[:, :, 0]
         return _pad_chunks(t, t.shape[1])
 
+    def from_owners(self, per_chunk, width, like, label):
+        """The owners' rows back to the shards: per_chunk {chunk: (B, n, W)}
+        of this rank's chunks -> (B, L, W) of its shard (the exchange's
+        adjoint; each token has one copy)."""
+        B = self.batch
+        rows = [per_chunk[c] for c in self.owned[self.rank]]
+        t = torch.cat(rows, 1) if rows else like.new_zeros(B, 0, width)
+        return move(t.unsqueeze(2), self._plan(width, label), self.group, self.ledger,
+                    "backward", adjoint=True)[:, :, 0]
+
     def reduce(self, leaf_of, parts, shape, label):
-        """The canonical sum of leaf_of(*chunk's parts) (a tensor of `shape`)
-        over every chunk of the sequence, the same tensor on every rank.
-        parts: tensors (B, L, W_i) of the shard's tokens (concatenated for
-        one exchange)."""
+        """The canonical sum of leaf_of(c, *chunk c's parts) (a tensor of
+        `shape`) over every chunk c of the sequence, the same tensor on every
+        rank. parts: tensors (B, L, W_i) of the shard's tokens (concatenated
+        for one exchange); a chunk's part is (B CHUNK, W_i), b-major, zero
+        past the sequence."""
         widths = [p.shape[-1] for p in parts]
         both = self._to_owners(torch.cat(parts, -1), label).split(widths, -1)
         mine = {c: i for i, c in enumerate(self.owned[self.rank])}
 
         def leaf(c):
-            return leaf_of(*[p[mine[c]] for p in both])
+            return leaf_of(c, *[p[mine[c]] for p in both])
 
         if RANK_ORDER_MUTATION:
             return self._rank_order(leaf, shape, parts[0])
@@ -247,11 +263,12 @@ class TokenTree:
 
     def weight_grad(self, dy, x, label="grad_tree"):
         """sum over the sequence's tokens of dy_t^T x_t: (N, K), every rank."""
-        return self.reduce(lambda d, a: d.t() @ a, [dy, x], (dy.shape[-1], x.shape[-1]), label)
+        return self.reduce(lambda c, d, a: d.t() @ a, [dy, x], (dy.shape[-1], x.shape[-1]),
+                           label)
 
     def column_sum(self, v, label="grad_tree"):
         """sum over the sequence's tokens of v_t (B, L, W): (W,), every rank."""
-        return self.reduce(lambda a: a.sum(0), [v], (v.shape[-1],), label)
+        return self.reduce(lambda c, a: a.sum(0), [v], (v.shape[-1],), label)
 
 
 def gather_head_rows(g, layout, rank, group, rows_per_head):

@@ -19,7 +19,8 @@ from torch import nn
 
 from .attention import KINDS
 from .config import MLAConfig
-from .forms import FORMS, Attends, Keys, Sp, check_invariant, check_variant, mla_attention, rope
+from .forms import (FORMS, Attends, Keys, Sp, check_invariant, check_variant, mla_attention,
+                    names_with, rope)
 from .invariant import TokenTree
 from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout, check_seq_layout
 from . import checks
@@ -218,7 +219,7 @@ class MLA(nn.Module):
             if form == "auto":
                 raise ValueError("invariant=True with form 'auto': the planner's winner may be a "
                                  "form without the invariant mode; choose one of the forms that "
-                                 "offer it (explicit, absorbed, laga, laga_fused)")
+                                 f"offer it ({names_with('invariant', 'or')})")
             check_invariant(form)
             if tape != "laga":
                 raise ValueError(f"invariant=True with tape '{tape}': the invariant mode is laga's "

@@ -150,12 +150,16 @@ class Block(torch.autograd.Function):
                 v_h = move(kv[..., dn:].reshape(B, L, 1, H * dv), run.plans["v"], sp.group,
                            sp.ledger, "forward").view(B, S, H, dv)
                 keep.update(k_h=k_h, v_h=v_h)
-                o_h = q.new_zeros(B, L, H, dv)  # o_loc's storage, which every form keeps
-                if run.flash:
+                if run.tree is not None:  # the own rows in chunks of the global sequence
+                    o_h, lse = _gather_attend_invariant(run, q, k_h, v_h)
+                    if run.flash:
+                        keep["lse"] = lse
+                o_h = q.new_zeros(B, L, H, dv) if run.tree is None else o_h
+                if run.flash and run.tree is None:
                     keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
                                               device=q.device)
-                for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
-                    if run.flash:
+                for i, (a, b, e) in enumerate(run.calls if run.tree is None else ()):
+                    if run.flash:  # one call per own seq range
                         o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
                             q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
                             scale, run.block)
@@ -348,7 +352,10 @@ class Block(torch.autograd.Function):
             return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
                         adjoint=True)[:, :, 0]
 
-        if spec.keys is Keys.gather:  # allgather_kv
+        if spec.keys is Keys.gather and tree is not None:  # allgather_kv, invariant
+            dk, dvv, dq = _gather_backward_invariant(run, s, do_h)
+            d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
+        elif spec.keys is Keys.gather:  # allgather_kv
             S, Sk = sp.layout.seq, run.key_end
             q, k_h, v_h = s["q_h"], s["k_h"][:, :Sk], s["v_h"][:, :Sk]
             o_h = s["o_loc"].view(B, L, H, dv)  # flash's o is o_loc, which every form keeps
@@ -597,3 +604,82 @@ def _latent_backward_invariant(run, s, W, do_h):
         return q_h.new_zeros(B, len(rows), 0, q_h.shape[-1]), lat.new_zeros(B, S, 0, C + dr), \
             lat.new_zeros(0, C)
     return torch.stack(dq_h, 2), torch.stack(d_lat, 2), torch.cat(d_w)
+
+
+def _chunk_rows(c, S, device):
+    """The global token rows of chunk c of the token tree (its last may be short)."""
+    return torch.arange(c * invariant.CHUNK, min(c * invariant.CHUNK + invariant.CHUNK, S),
+                        device=device)
+
+
+def _gather_attend_invariant(run, q, k_h, v_h):
+    """allgather_kv's attention in the invariant mode: o (B, L, H, dv) and
+    (flash) lse (B, H, L) of the own rows, each computed in the call of its
+    chunk of the global sequence (the chunk's rows, the ones this rank lacks
+    zero; keys [0, the chunk's end)), the same call at every P."""
+    sp, cfg = run.sp, run.cfg
+    B, L, H, dqk = q.shape
+    dv, S, scale = v_h.shape[-1], sp.layout.seq, cfg.softmax_scale()
+    own = sp.own.tolist()
+    at = {t: i for i, t in enumerate(own)}
+    o = q.new_zeros(B, L, H, dv)
+    lse = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype), device=q.device)
+    for c in sorted({t // invariant.CHUNK for t in own}):
+        rows = _chunk_rows(c, S, q.device)
+        e = int(rows[-1]) + 1
+        mine = [(i, at[t]) for i, t in enumerate(rows.tolist()) if t in at]
+        blk = torch.tensor([i for i, _ in mine], dtype=torch.long, device=q.device)
+        loc = torch.tensor([j for _, j in mine], dtype=torch.long, device=q.device)
+        qb = q.new_zeros(B, len(rows), H, dqk)
+        qb[:, blk] = q[:, loc]
+        if run.flash:
+            ob, lb = flash_forward(qb, k_h[:, :e], v_h[:, :e], sp.key_ranges(rows, e), scale,
+                                   run.block)
+            lse[:, :, loc] = lb[:, :, blk]
+        else:
+            ob, _ = math_forward(qb, k_h[:, :e], v_h[:, :e], sp.mask(rows, e), scale)
+        o[:, loc] = ob[:, blk]
+    return o, lse
+
+
+def _gather_backward_invariant(run, s, do_h):
+    """allgather_kv's attention backward in the invariant mode: (dK, dV) of
+    the own tokens (B, L, H, .). Each chunk's rows (q, o, lse, dO) go whole
+    to the chunk's owner, which runs the chunk's backward (eager: its
+    probabilities recomputed by the forward's call); the chunks' dK, dV over
+    the whole sequence are summed in the token tree on every rank (where
+    the all-gathers' reduce-scatter summed the ranks in rank order), and dq
+    goes back to the rows' ranks."""
+    sp, cfg, tree = run.sp, run.cfg, run.tree
+    q, k_h, v_h = s["q_h"], s["k_h"], s["v_h"]
+    B, L, H, dqk = q.shape
+    dv, S, scale, CH = v_h.shape[-1], sp.layout.seq, cfg.softmax_scale(), invariant.CHUNK
+    parts = [q.reshape(B, L, H * dqk), s["o_loc"].reshape(B, L, H * dv),
+             do_h.reshape(B, L, H * dv)]
+    if run.flash:
+        parts.append(s["lse"].transpose(1, 2).to(q.dtype))  # (B, L, H)
+    dq_of = {}
+
+    def leaf(c, qc, oc, doc, *lc):
+        rows = _chunk_rows(c, S, q.device)
+        n, e = len(rows), int(rows[-1]) + 1
+        qb, ob = qc.view(B, CH, H, dqk)[:, :n], oc.view(B, CH, H, dv)[:, :n]
+        dob = doc.view(B, CH, H, dv)[:, :n]
+        if run.flash:
+            lb = lc[0].view(B, CH, H)[:, :n].transpose(1, 2).to(s["lse"].dtype)
+            dq_, dk_, dv_ = flash_backward(qb, k_h[:, :e], v_h[:, :e], ob, lb, dob,
+                                           sp.key_ranges(rows, e), scale, run.block)
+        else:
+            _, p = math_forward(qb, k_h[:, :e], v_h[:, :e], sp.mask(rows, e), scale)
+            dq_, dk_, dv_ = math_backward(qb, k_h[:, :e], v_h[:, :e], p, dob, scale,
+                                          see=_mask_of(sp, rows, e))
+        dq_of[c] = dq_.reshape(B, n, H * dqk)
+        out = q.new_zeros(B, S, H, dqk + dv)
+        out[:, :e, :, :dqk] = dk_
+        out[:, :e, :, dqk:] = dv_
+        return out
+
+    dkv = tree.reduce(leaf, parts, (B, S, H, dqk + dv), "attention_tree")
+    dq = tree.from_owners(dq_of, H * dqk, q, "attention_tree").view(B, L, H, dqk)
+    own = dkv[:, sp.own]
+    return own[..., :dqk], own[..., dqk:], dq
