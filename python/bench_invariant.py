@@ -8,7 +8,9 @@ asserts nothing; docs/pytorch.md, "One answer whatever the parallelism").
 Per form and P: forward + backward + sync_gradients (float32, gloo, ranks as
 processes, one thread each) with invariant=False and invariant=True on the
 same module weights and input, the two runs alternating step by step; the
-median over the steps after the first (warm-up) of each, and their ratio.
+median over the steps after the first (warm-up) of each, and their ratio,
+in wall time and in rank 0's CPU time (on a shared machine the CPU time is
+the less disturbed of the two).
 """
 
 import argparse
@@ -45,17 +47,21 @@ def rank_main(a):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(a.batch, a.seq, cfg.dim, generator=g)[:, pos].contiguous()
         times = {False: [], True: []}
+        cpu = {False: [], True: []}
         for _ in range(a.steps):
             for inv in (False, True):  # alternating
                 m = mods[inv]
                 m.zero_grad(set_to_none=True)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 m(x, seq_len=a.seq).sum().backward()
                 lt.sync_gradients(m)
+                c1 = time.process_time()
                 dist.barrier()
                 times[inv].append(time.perf_counter() - t0)
+                cpu[inv].append(c1 - c0)
         out[form] = {str(k): statistics.median(v[1:]) for k, v in times.items()}
+        out[form].update({"cpu" + str(k): statistics.median(v[1:]) for k, v in cpu.items()})
     if r == 0:
         print(json.dumps(out))
 
@@ -67,7 +73,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--ranks", default="1,2")
-    ap.add_argument("--forms", default="explicit,absorbed,laga,laga_fused")
+    ap.add_argument("--forms", default="explicit,absorbed,laga,laga_fused,allgather_kv")
     ap.add_argument("--attention", default="eager")
     ap.add_argument("--rank-main", action="store_true")
     a = ap.parse_args()
@@ -75,7 +81,8 @@ def main():
         return rank_main(a)
     print(f"float32, D {a.dim}, S {a.seq}, B {a.batch}, attention {a.attention}, one thread a "
           f"rank, median of {a.steps - 1} steps after one warm-up, off and on alternating")
-    print(f"{'form':12} {'P':>2} {'off ms':>9} {'on ms':>9} {'on/off':>7}")
+    print(f"{'form':12} {'P':>2} {'off ms':>9} {'on ms':>9} {'on/off':>7} {'off cpu':>9} "
+          f"{'on cpu':>9} {'on/off':>7}")
     for P in map(int, a.ranks.split(",")):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -90,7 +97,9 @@ def main():
         res = json.loads(outs[0].strip().splitlines()[-1])
         for form, t in res.items():
             off, on = t["False"] * 1e3, t["True"] * 1e3
-            print(f"{form:12} {P:>2} {off:9.1f} {on:9.1f} {on / off:7.2f}")
+            coff, con = t["cpuFalse"] * 1e3, t["cpuTrue"] * 1e3
+            print(f"{form:12} {P:>2} {off:9.1f} {on:9.1f} {on / off:7.2f} {coff:9.1f} "
+                  f"{con:9.1f} {con / coff:7.2f}")
 
 
 if __name__ == "__main__":
