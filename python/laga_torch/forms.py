@@ -122,11 +122,11 @@ FORMS = registry((
 
 
 # Why a form does not offer the invariant mode, and what to use (the refusal's words).
-_RING_MERGE = ("its output merges the ring's P blocks by log-sum-exp, so the number and order of "
-               "the merges follow P")
+_RING_MERGE = ("its output merges the ring's P blocks by log-sum-exp, as many and in an order "
+               "that P sets")
 INVARIANT_REFUSAL = {
-    "laga2d": "its attention is cut into P-dependent query chunks and its keys' gradients are "
-              "summed over the ranks of a head group in rank order",
+    "laga2d": "its attention is cut into query chunks that P sets, and its keys' gradients are "
+              "summed over a head group's ranks in rank order",
     "ring_kv": _RING_MERGE,
     "ring_latent": _RING_MERGE,
     "a2a_p2p": _RING_MERGE,
@@ -141,10 +141,9 @@ def check_invariant(form):
     """The invariant mode's form check: a ValueError naming the form, why it
     cannot, and the forms that can."""
     if not FORMS[form].invariant:
-        raise ValueError(f"invariant=True with form '{form}': "
-                         f"{INVARIANT_REFUSAL[form]}: its results change with P; use {names_with('invariant', 'or')} (the forms that offer "
-                         "the invariant mode: docs/pytorch.md, \"One answer whatever the "
-                         "parallelism\")")
+        raise ValueError(f"invariant=True with form '{form}': {INVARIANT_REFUSAL[form]}, so its "
+                         f"results change with P; use {names_with('invariant', 'or')} (the "
+                         "forms that offer the invariant mode: docs/pytorch_invariant.md)")
 
 
 def reference_form():

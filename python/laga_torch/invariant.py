@@ -1,6 +1,6 @@
-"""The invariant mode (MLA(..., invariant=True); docs/pytorch.md "One answer
-whatever the parallelism"): out, dx and every parameter gradient bitwise the
-same at every P, for the forms whose row says `invariant` (forms.FORMS).
+"""The invariant mode (MLA(..., invariant=True); docs/pytorch_invariant.md):
+out, dx and every parameter gradient bitwise the same at every P, for the
+forms whose row says `invariant` (forms.FORMS).
 
 What changes bits when P changes, and what this file does about each:
 
@@ -30,10 +30,14 @@ What changes bits when P changes, and what this file does about each:
   (head_to_seq) and summed there in the same binary tree over the head
   index (`head_tree_sum`).
 
+- allgather_kv's keys' gradients, summed over the ranks holding the queries
+  (its reduce-scatter, in rank order): each query chunk's backward runs
+  whole on the chunk's owner and the chunks' dK, dV are summed in the token
+  tree (tape._gather_backward_invariant).
+
 Not covered, and refused by the rows (forms.INVARIANT_REFUSAL): the ring
-forms' log-sum-exp merge follows the ring's P blocks; allgather_kv's and
-laga2d's key gradients are sums over the ranks holding the queries, made
-inside the attention kernel's tile loop.
+forms' log-sum-exp merge follows the ring's P blocks; laga2d's query chunks
+follow P and its keys' gradients are summed over a head group's ranks.
 """
 
 import torch

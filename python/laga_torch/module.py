@@ -215,7 +215,7 @@ class MLA(nn.Module):
             raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)} or auto")
         else:
             check_variant(form, cfg, q_latent, overlap, head_groups)
-        if invariant:  # docs/pytorch.md, "One answer whatever the parallelism"
+        if invariant:  # docs/pytorch_invariant.md
             if form == "auto":
                 raise ValueError("invariant=True with form 'auto': the planner's winner may be a "
                                  "form without the invariant mode; choose one of the forms that "
@@ -413,7 +413,7 @@ class MLA(nn.Module):
                                x.device.type != "cpu"):
             raise ValueError(f"invariant=True with {x.dtype} on {x.device.type}: the invariant "
                              "mode is built and tested for float32 and float64 on the CPU only "
-                             "(docs/pytorch.md, \"One answer whatever the parallelism\")")
+                             "(docs/pytorch_invariant.md)")
         if self.ledger is not None and not callable(getattr(self.ledger, "add", None)):
             raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
                                            f"{type(self.ledger).__name__}")

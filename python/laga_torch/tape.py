@@ -154,18 +154,19 @@ class Block(torch.autograd.Function):
                     o_h, lse = _gather_attend_invariant(run, q, k_h, v_h)
                     if run.flash:
                         keep["lse"] = lse
-                o_h = q.new_zeros(B, L, H, dv) if run.tree is None else o_h
-                if run.flash and run.tree is None:
-                    keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
-                                              device=q.device)
-                for i, (a, b, e) in enumerate(run.calls if run.tree is None else ()):
-                    if run.flash:  # one call per own seq range
-                        o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
-                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
-                            scale, run.block)
-                    else:
-                        o_h[:, a:b], keep[f"p{i}"] = math_forward(
-                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
+                else:
+                    o_h = q.new_zeros(B, L, H, dv)  # o_loc's storage, which every form keeps
+                    if run.flash:
+                        keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
+                                                  device=q.device)
+                    for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
+                        if run.flash:
+                            o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
+                                q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
+                                scale, run.block)
+                        else:
+                            o_h[:, a:b], keep[f"p{i}"] = math_forward(
+                                q[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
             else:  # the ring forms: the own block round the ring (ring.py)
                 codec = spec.codec(cfg, B, W["wkv_b.weight"])
                 own = codec.own_block(c_hat, kv_a[..., C:])

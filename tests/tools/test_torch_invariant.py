@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""laga_torch's invariant mode (MLA(..., invariant=True); docs/pytorch.md,
-"One answer whatever the parallelism"; python/laga_torch/invariant.py).
+"""laga_torch's invariant mode (MLA(..., invariant=True);
+docs/pytorch_invariant.md; python/laga_torch/invariant.py).
 
 Usage: test_torch_invariant.py LAGA WORKDIR
 
@@ -8,9 +8,11 @@ One launch of 4 ranks (gloo, a free port, one thread each), the groups of
 its first 1, 2, 3 and 4 ranks in turn: at P 1, 2, 3, 4, S 200 (four
 chunks of the token tree, the last short; shards 100+100, 67+67+66,
 50+50+50+50 cut chunks), H 5 (uneven heads, P 4 has a rank with one):
-  * every form that offers the mode (explicit, absorbed, laga, laga_fused),
-    eager and flash, float32 and float64, one sequence and packed documents
-    (different per row), q_lora_rank 7 and 0, contiguous and zigzag: out
+  * every form that offers the mode (explicit, absorbed, laga, laga_fused,
+    allgather_kv), eager and flash, float32 and float64, one sequence and
+    packed documents (different per row), q_lora_rank 7 and 0, contiguous
+    and zigzag, each at P 1 within 1e-12 (float64) / 1e-5 (float32) of the
+    mode off (the right numbers, not only the same ones): out
     and dx (each rank's rows put back in sequence order) and every
     parameter's gradient on every rank bitwise equal (the bits, so -0 and
     +0 differ) to P 1's;
@@ -23,8 +25,8 @@ chunks of the token tree, the last short; shards 100+100, 67+67+66,
     can fail; and with the mode off some P > 1 differs from P 1 (what the
     mode is for);
   * refusals, on every rank, naming the form and what to use: each form
-    without the mode (laga2d, allgather_kv, the rings), tape autograd,
-    q_latent, overlap, form auto, bf16.
+    without the mode (laga2d, the rings), tape autograd, q_latent, overlap,
+    form auto, bf16.
 """
 
 import os
