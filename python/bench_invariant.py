@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """The invariant mode's cost in laga_torch (a benchmark, not a test: it
-asserts nothing; docs/pytorch.md, "One answer whatever the parallelism").
+asserts nothing; docs/pytorch_invariant.md, "Cost").
 
     /usr/bin/python3 python/bench_invariant.py [--seq 512 --steps 7 --ranks 1,2]
                                                [--forms laga,explicit] [--attention eager]
