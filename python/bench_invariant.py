@@ -10,7 +10,8 @@ processes, one thread each) with invariant=False and invariant=True on the
 same module weights and input, the two runs alternating step by step; the
 median over the steps after the first (warm-up) of each, and their ratio,
 in wall time and in rank 0's CPU time (on a shared machine the CPU time is
-the less disturbed of the two).
+the less disturbed of the two); then one more step of each with a ledger:
+the bytes rank 0 sends in backward and in the gradients' sync, off and on.
 """
 
 import argparse
@@ -62,6 +63,14 @@ def rank_main(a):
                 cpu[inv].append(c1 - c0)
         out[form] = {str(k): statistics.median(v[1:]) for k, v in times.items()}
         out[form].update({"cpu" + str(k): statistics.median(v[1:]) for k, v in cpu.items()})
+        for inv in (False, True):
+            m = mods[inv]
+            m.zero_grad(set_to_none=True)
+            m.ledger = led = lt.Ledger()
+            m(x, seq_len=a.seq).sum().backward()
+            lt.sync_gradients(m, ledger=led)
+            out[form]["sent" + str(inv)] = sum(v["sent"] for (ph, _), v in led.rows.items()
+                                               if ph != "forward")
     if r == 0:
         print(json.dumps(out))
 
@@ -82,7 +91,7 @@ def main():
     print(f"float32, D {a.dim}, S {a.seq}, B {a.batch}, attention {a.attention}, one thread a "
           f"rank, median of {a.steps - 1} steps after one warm-up, off and on alternating")
     print(f"{'form':12} {'P':>2} {'off ms':>9} {'on ms':>9} {'on/off':>7} {'off cpu':>9} "
-          f"{'on cpu':>9} {'on/off':>7}")
+          f"{'on cpu':>9} {'on/off':>7} {'off bwd B':>11} {'on bwd B':>11}")
     for P in map(int, a.ranks.split(",")):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -99,7 +108,7 @@ def main():
             off, on = t["False"] * 1e3, t["True"] * 1e3
             coff, con = t["cpuFalse"] * 1e3, t["cpuTrue"] * 1e3
             print(f"{form:12} {P:>2} {off:9.1f} {on:9.1f} {on / off:7.2f} {coff:9.1f} "
-                  f"{con:9.1f} {con / coff:7.2f}")
+                  f"{con:9.1f} {con / coff:7.2f} {t['sentFalse']:11d} {t['sentTrue']:11d}")
 
 
 if __name__ == "__main__":

@@ -275,16 +275,21 @@ class TokenTree:
         return self.reduce(lambda c, a: a.sum(0), [v], (v.shape[-1],), label)
 
 
-def gather_head_rows(g, layout, rank, group, rows_per_head):
+def gather_head_rows(g, layout, rank, group, rows_per_head, ledger=None):
     """wkv_b's (or any per-head) gradient rows, each head's computed whole
     on the rank holding it: g (nh rows_per_head, K) of this rank's heads ->
-    (H rows_per_head, K) on every rank, by copies (no sums)."""
+    (H rows_per_head, K) on every rank, by copies (no sums; `grad_rows` in
+    the ledger)."""
     P = layout.ranks
     if P == 1:
         return g
     K = g.shape[-1]
     counts = [layout.head_count[r] * rows_per_head * K for r in range(P)]
     flat = g.reshape(-1)
+    if ledger is not None:
+        el = flat.element_size()
+        ledger.add("backward", "grad_rows", (P - 1) * counts[rank] * el,
+                   (sum(counts) - counts[rank]) * el)
     out, _ = _exchange(torch.cat([flat] * P) if flat.numel() else flat,
                        [flat.numel()] * P, counts, group)
     return out.view(-1, K)

@@ -420,7 +420,8 @@ class Block(torch.autograd.Function):
         elif tree is not None:  # absorbed, laga, laga_fused in the invariant mode
             dq_h, d_lat_h, d_w = _latent_backward_invariant(run, s, W, do_h)
             dq = queries_back(dq_h)
-            d_wkv = invariant.gather_head_rows(d_w, sp.layout, sp.rank, sp.group, dn + dv)
+            d_wkv = invariant.gather_head_rows(d_w, sp.layout, sp.rank, sp.group, dn + dv,
+                                               sp.ledger)
             # every head's part of the latent's gradient to the token's owner,
             # summed there over the heads in the tree (no rank-order reduce-scatter)
             d_loc = invariant.head_tree_sum(move(d_lat_h, sp.plan("head_to_seq", C + dr,
