@@ -225,11 +225,6 @@ class MLA(nn.Module):
                 raise ValueError(f"invariant=True with tape '{tape}': the invariant mode is laga's "
                                  "tape's (its backward sums each weight's gradient in the token "
                                  "tree); use tape='laga'")
-            if q_latent or overlap:
-                raise ValueError(f"invariant=True with {'q_latent' if q_latent else 'overlap'}: "
-                                 "not built in the invariant mode (q_latent's wq_b gradient and "
-                                 "overlap's reduce-scatter take the rank-order paths); leave it "
-                                 "False")
             if attention_kernel not in ("auto", "tiles"):
                 raise ValueError(f"invariant=True with attention_kernel '{attention_kernel}': "
                                  "only the package's tiles are aligned to the global sequence "

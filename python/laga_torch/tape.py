@@ -129,8 +129,11 @@ class Block(torch.autograd.Function):
                 return move(q, run.plans["q"], sp.group, sp.ledger, "forward")
             qn_q = move(qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "forward")[:, :, 0]
             keep["qn_q"] = qn_q
-            q_h = (qn_q @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk].t()).view(
-                B, qn_q.shape[1], nh, dqk)
+            w_q = W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk]
+            if run.tree is not None:  # each head's GEMM alone
+                q_h = invariant.per_head_mm(qn_q, w_q, nh, dqk)
+            else:
+                q_h = (qn_q @ w_q.t()).view(B, qn_q.shape[1], nh, dqk)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
@@ -345,6 +348,17 @@ class Block(torch.autograd.Function):
                 return move(dq_h, run.plans["q"], sp.group, sp.ledger, "backward", adjoint=True)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             dq_h = torch.cat([dq_h[..., :dn], _rot(dq_h[..., dn:], *t, inverse=True)], -1)
+            if tree is not None:  # per head, and summed over the heads in the head tree
+                w_q = W["wq_b.weight"].view(H, dqk, -1)
+                G["wq_b.weight"] = invariant.gather_head_rows(torch.cat(
+                    [invariant.local_token_grad(dq_h[:, :, i], s["qn_q"]) for i in range(nh)])
+                    if nh else W["wq_b.weight"].new_zeros(0, rq),
+                    sp.layout, sp.rank, sp.group, dqk, sp.ledger)
+                d_qn = invariant.per_head(lambda i: dq_h[:, :, i] @ w_q[h0 + i], nh,
+                                          dq_h.new_zeros(B, dq_h.shape[1], 0, rq))
+                return invariant.head_tree_sum(move(d_qn, sp.plan("head_to_seq", rq,
+                                                                  "q_latent_heads"),
+                                                    sp.group, sp.ledger, "backward"), 2)
             dq_h = dq_h.reshape(B, dq_h.shape[1], nh * dqk)
             g = torch.zeros_like(W["wq_b.weight"])
             g[h0 * dqk:(h0 + nh) * dqk] = _mm_t(dq_h, s["qn_q"])

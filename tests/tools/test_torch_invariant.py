@@ -11,7 +11,7 @@ chunks of the token tree, the last short; shards 100+100, 67+67+66,
   * every form that offers the mode (explicit, absorbed, laga, laga_fused,
     allgather_kv), eager and flash, float32 and float64, one sequence and
     packed documents (different per row), q_lora_rank 7 and 0, contiguous
-    and zigzag, each at P 1 within 1e-12 (float64) / 1e-5 (float32) of the
+    and zigzag, q_latent and overlap, each at P 1 within 1e-12 (float64) / 1e-5 (float32) of the
     mode off (the right numbers, not only the same ones): out
     and dx (each rank's rows put back in sequence order) and every
     parameter's gradient on every rank bitwise equal (the bits, so -0 and
@@ -25,8 +25,7 @@ chunks of the token tree, the last short; shards 100+100, 67+67+66,
     can fail; and with the mode off some P > 1 differs from P 1 (what the
     mode is for);
   * refusals, on every rank, naming the form and what to use: each form
-    without the mode (laga2d, the rings), tape autograd, q_latent, overlap,
-    form auto, bf16.
+    without the mode (laga2d, the rings), tape autograd, form auto, bf16.
 """
 
 import os
@@ -76,19 +75,27 @@ def cases():
     for form in ("laga", "absorbed", "allgather_kv"):
         out.append(dict(form=form, attention="flash", dtype="float32", docs=DOCS, rq=7,
                         layout="zigzag"))
+    for form, att, dt, ql, ov in [("laga", "flash", "float64", True, False),
+                                  ("laga", "eager", "float32", True, True),
+                                  ("laga_fused", "flash", "float32", True, True),
+                                  ("laga", "flash", "float64", False, True)]:
+        out.append(dict(form=form, attention=att, dtype=dt, docs=DOCS, rq=7,
+                        layout="contiguous", q_latent=ql, overlap=ov))
     return out
 
 
 def name(c):
     return (f"{c['form']}-{c['attention']}-{c['dtype']}-{'packed' if c['docs'] else 'one'}-"
-            f"rq{c['rq']}-{c['layout']}")
+            f"rq{c['rq']}-{c['layout']}" + "-q_latent" * c.get("q_latent", False) +
+            "-overlap" * c.get("overlap", False))
 
 
 def module(c, dt, invariant_mode=True):
     cfg = lt.MLAConfig.from_json(dict(CFG, q_lora_rank=c["rq"]))
     torch.manual_seed(1)
     m = lt.MLA(cfg, form=c["form"], attention=c["attention"], dtype=dt,
-               seq_layout=c["layout"], invariant=invariant_mode)
+               seq_layout=c["layout"], invariant=invariant_mode,
+               q_latent=c.get("q_latent", False), overlap=c.get("overlap", False))
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, dtype=torch.float64) * 0.3 + (1 if p.dim() == 1 else 0))
@@ -162,8 +169,6 @@ def refusals(P, r, group):
         refused([f"form '{form}'", "use explicit, absorbed, laga, laga_fused or allgather_kv"],
                 form=form)
     refused(["tape 'autograd'", "tape='laga'"], form="laga", tape="autograd")
-    refused(["q_latent"], form="laga", q_latent=True)
-    refused(["overlap"], form="laga", overlap=True)
     refused(["form 'auto'"], form="auto", profile="h100")
     m = lt.MLA(cfg, form="laga", invariant=True, dtype=torch.bfloat16)
     pos = lt.SpLayout.even(S, CFG["n_heads"], P).positions(r)
