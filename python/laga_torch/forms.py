@@ -60,16 +60,19 @@ class FormSpec:
     one form the others are held to; a form that runs the reference's
     arithmetic at P 1). fused (Keys.latent): the up-projection made inside
     the flash attention call and K/V never kept (laga_fused, fused.py).
+    invariant: the form offers MLA(..., invariant=True), out, dx and every
+    gradient bitwise the same at every P (invariant.py; the forms without
+    it say why in INVARIANT_REFUSAL).
 
     tests/tools/test_forms_registry.py holds these rows equal to the C++
     registry's (`laga forms --json`): the names in order and every trait."""
 
     def __init__(self, name, attends, keys, codec=None, query_latent=False, overlap=False,
                  head_groups=False, grid_order="head_major", reference=False,
-                 exact_at_one_rank=False, fused=False):
+                 exact_at_one_rank=False, fused=False, invariant=False):
         self.name, self.attends, self.keys, self.codec = name, attends, keys, codec
         self.query_latent, self.overlap, self.head_groups = query_latent, overlap, head_groups
-        self.grid_order, self.fused = grid_order, fused
+        self.grid_order, self.fused, self.invariant = grid_order, fused, invariant
         self.reference, self.exact_at_one_rank = reference, exact_at_one_rank
 
     def default_head_groups(self, heads, ranks):
@@ -101,21 +104,46 @@ def registry(rows):
 
 # The registry, in the C++ order (src/mla/forms.def; `laga forms`).
 FORMS = registry((
-    FormSpec("explicit", Attends.heads, Keys.heads, reference=True),
-    FormSpec("absorbed", Attends.heads, Keys.latent),
+    FormSpec("explicit", Attends.heads, Keys.heads, reference=True, invariant=True),
+    FormSpec("absorbed", Attends.heads, Keys.latent, invariant=True),
     FormSpec("laga", Attends.heads, Keys.latent, query_latent=True, overlap=True,
-             exact_at_one_rank=True),
+             exact_at_one_rank=True, invariant=True),
     FormSpec("laga_fused", Attends.heads, Keys.latent, query_latent=True, overlap=True,
-             fused=True),
+             fused=True, invariant=True),
     FormSpec("laga2d", Attends.grid, Keys.latent, query_latent=True, overlap=True,
              head_groups=True, exact_at_one_rank=True),
-    FormSpec("allgather_kv", Attends.own, Keys.gather, exact_at_one_rank=True),
+    FormSpec("allgather_kv", Attends.own, Keys.gather, exact_at_one_rank=True, invariant=True),
     FormSpec("ring_kv", Attends.own, Keys.ring, codec=KvBlocks, overlap=True,
              exact_at_one_rank=True),
     FormSpec("ring_latent", Attends.own, Keys.ring, codec=LatentBlocks, overlap=True,
              exact_at_one_rank=True),
     FormSpec("a2a_p2p", Attends.grid, Keys.ring, codec=KvBlocks, overlap=True, head_groups=True,
              grid_order="context_major", exact_at_one_rank=True)))
+
+
+# Why a form does not offer the invariant mode, and what to use (the refusal's words).
+_RING_MERGE = ("its output merges the ring's P blocks by log-sum-exp, as many and in an order "
+               "that P sets")
+INVARIANT_REFUSAL = {
+    "laga2d": "its attention is cut into query chunks that P sets, and its keys' gradients are "
+              "summed over a head group's ranks in rank order",
+    "ring_kv": _RING_MERGE,
+    "ring_latent": _RING_MERGE,
+    "a2a_p2p": _RING_MERGE,
+}
+
+if set(INVARIANT_REFUSAL) != {n for n, f in FORMS.items() if not f.invariant}:
+    raise ValueError("laga_torch's form registry: every form without the invariant mode needs "
+                     "its reason in INVARIANT_REFUSAL, and only those")
+
+
+def check_invariant(form):
+    """The invariant mode's form check: a ValueError naming the form, why it
+    cannot, and the forms that can."""
+    if not FORMS[form].invariant:
+        raise ValueError(f"invariant=True with form '{form}': {INVARIANT_REFUSAL[form]}, so its "
+                         f"results change with P; use {names_with('invariant', 'or')} (the "
+                         "forms that offer the invariant mode: docs/pytorch_invariant.md)")
 
 
 def reference_form():
@@ -131,11 +159,11 @@ def form_spec(form):
     return FORMS[form]
 
 
-def names_with(trait):
+def names_with(trait, conj="and"):
     """The forms with a trait in words, for the messages that refuse a
     variant: "laga and laga2d", "laga, laga2d, ring_kv and ring_latent"."""
     n = [f.name for f in FORMS.values() if getattr(f, trait)]
-    return n[0] if len(n) == 1 else ", ".join(n[:-1]) + " and " + n[-1]
+    return n[0] if len(n) == 1 else ", ".join(n[:-1]) + f" {conj} " + n[-1]
 
 
 def check_variant(form, cfg, q_latent=False, overlap=False, head_groups=0):

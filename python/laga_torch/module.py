@@ -19,7 +19,9 @@ from torch import nn
 
 from .attention import KINDS
 from .config import MLAConfig
-from .forms import FORMS, Attends, Keys, Sp, check_variant, mla_attention, rope
+from .forms import (FORMS, Attends, Keys, Sp, check_invariant, check_variant, mla_attention,
+                    names_with, rope)
+from .invariant import TokenTree
 from .layout import SEQ_LAYOUTS, HeadContextGrid, SpLayout, check_seq_layout
 from . import checks
 from .checks import check_documents, cu_seqlens_rows
@@ -172,7 +174,8 @@ class MLA(nn.Module):
 
     def __init__(self, cfg, form="laga", q_latent=False, overlap=False, head_groups=0,
                  attention="auto", tape="laga", profile=None, dtype=None, device=None,
-                 flash_block=64, seq_layout="contiguous", attention_kernel="auto"):
+                 flash_block=64, seq_layout="contiguous", attention_kernel="auto",
+                 invariant=False):
         super().__init__()
         # Every argument's type first (a TypeError naming it), then its value.
         self.seq_layout = check_seq_layout(checks.name_arg(seq_layout, "seq_layout", SEQ_LAYOUTS))
@@ -184,6 +187,7 @@ class MLA(nn.Module):
         cfg.validate()  # a config changed after it was built is checked again
         checks.name_arg(form, "form", list(FORMS) + ["auto"])
         q_latent, overlap = checks.flag(q_latent, "q_latent"), checks.flag(overlap, "overlap")
+        invariant = checks.flag(invariant, "invariant")
         head_groups = checks.whole(head_groups, "head_groups")
         if head_groups < 0:
             raise ValueError(f"head_groups {head_groups}: expected 0 (the form's default) or a "
@@ -211,6 +215,21 @@ class MLA(nn.Module):
             raise ValueError(f"form '{form}': expected one of {', '.join(FORMS)} or auto")
         else:
             check_variant(form, cfg, q_latent, overlap, head_groups)
+        if invariant:  # docs/pytorch_invariant.md
+            if form == "auto":
+                raise ValueError("invariant=True with form 'auto': the planner's winner may be a "
+                                 "form without the invariant mode; choose one of the forms that "
+                                 f"offer it ({names_with('invariant', 'or')})")
+            check_invariant(form)
+            if tape != "laga":
+                raise ValueError(f"invariant=True with tape '{tape}': the invariant mode is laga's "
+                                 "tape's (its backward sums each weight's gradient in the token "
+                                 "tree); use tape='laga'")
+            if attention_kernel not in ("auto", "tiles"):
+                raise ValueError(f"invariant=True with attention_kernel '{attention_kernel}': "
+                                 "only the package's tiles are aligned to the global sequence "
+                                 "and held bitwise across P; use 'tiles' or 'auto'")
+        self.invariant = invariant
         self.cfg, self.form, self.q_latent, self.overlap = cfg, form, q_latent, overlap
         if tape not in ("laga", "autograd"):
             raise ValueError(f"tape '{tape}': expected laga (one autograd.Function keeping what "
@@ -347,7 +366,7 @@ class MLA(nn.Module):
             if self.tape == "laga":
                 return Block.apply(x, _Run(cfg, sp, form, q_latent, overlap, B,
                                            self.attention == "flash", self.flash_block,
-                                           self.attention_kernel),
+                                           self.attention_kernel, self.invariant),
                                    *[W[n] for n in param_order(cfg)])
             pos = sp.pos[:, sp.own]
             H, dqk, dn = cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim
@@ -385,6 +404,11 @@ class MLA(nn.Module):
             if p.dtype != x.dtype or p.device != x.device:
                 raise ValueError(f"x is {x.dtype} on {x.device} but parameter '{name}' is "
                                  f"{p.dtype} on {p.device}; move the module or the input")
+        if self.invariant and (x.dtype not in (torch.float32, torch.float64) or
+                               x.device.type != "cpu"):
+            raise ValueError(f"invariant=True with {x.dtype} on {x.device.type}: the invariant "
+                             "mode is built and tested for float32 and float64 on the CPU only "
+                             "(docs/pytorch_invariant.md)")
         if self.ledger is not None and not callable(getattr(self.ledger, "add", None)):
             raise checks.ArgumentTypeError(f"ledger must be a laga_torch.Ledger or None, got "
                                            f"{type(self.ledger).__name__}")
@@ -419,7 +443,8 @@ class MLA(nn.Module):
         """What every rank must agree on, as text (checks.agree)."""
         d = checks.describe
         f = {"form": d(f"{self.form} q_latent={self.q_latent} overlap={self.overlap} "
-                       f"head_groups={self.head_groups} profile={self.profile}"),
+                       f"head_groups={self.head_groups} profile={self.profile} "
+                       f"invariant={self.invariant}"),
              "attention": d(f"{self.attention} tape={self.tape} flash_block={self.flash_block} "
                             f"kernel={self.attention_kernel}"),
              "config": d(self.cfg.to_json(), 4000),
@@ -487,11 +512,14 @@ class _Run:
     form's plans (labels as the C++ ledger's), query rows, heads and calls."""
 
     def __init__(self, cfg, sp, form, q_latent, overlap, batch, flash=False, block=64,
-                 kernel="auto"):
+                 kernel="auto", invariant=False):
         from .forms import _head_range, _query_rows
         self.cfg, self.sp, self.form, self.q_latent, self.overlap = cfg, sp, form, q_latent, overlap
         self.flash, self.block = flash, block  # attention: flash (o, lse saved) or eager
         self.kernel = kernel  # flash's kernel request (dispatch.py)
+        # the invariant mode's token tree (invariant.py); None: the rank-order paths
+        self.tree = TokenTree(sp.layout, sp.rank, sp.group, sp.ledger, batch) if invariant \
+            else None
         self.names = param_order(cfg)
         self.spec = spec = FORMS[form]
         self.rows = _query_rows(sp, form)
@@ -548,7 +576,11 @@ def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
     as mixed-precision trainers keep it) and rounds each sum to bf16 once;
     "bf16" reduces the bf16 buffer itself (half the bytes; it needs a
     backend that sums bf16: NCCL, not torch 1.13's gloo). fp32 and fp64
-    gradients are reduced as they are either way."""
+    gradients are reduced as they are either way.
+
+    A module with invariant=True needs no sum: its backward left the whole
+    sequence's gradients, summed in the token tree, on every rank
+    (invariant.py); sync_gradients checks the ranks agree and returns."""
     P, _ = checks.group_arg(group)
     error, names, params = None, [], {}
     try:  # this rank's refusal is every rank's (checks.agree), never an all-reduce of another size
@@ -574,12 +606,12 @@ def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):
                              f"{sorted(map(str, dts))}; one all-reduce needs one dtype")
     except (ValueError, TypeError) as e:
         error = e
-    fields = {"grad_reduce": str(grad_reduce),
+    fields = {"grad_reduce": str(grad_reduce), "invariant": str(getattr(module, "invariant", None)),
               "grads": checks.describe([[n, list(params[n].shape),
                                          str(getattr(params[n].grad, "dtype", None))]
                                         for n in names if n in params], 4000)}
     checks.agree(group, "sync_gradients", fields, error)
-    if P == 1:
+    if P == 1 or module.invariant:  # invariant: backward made the whole sequence's on every rank
         return
     flat = torch.cat([params[n].grad.reshape(-1) for n in names])
     if flat.dtype in (torch.bfloat16, torch.float16) and grad_reduce == "fp32":

@@ -60,13 +60,17 @@ def rms_forward(x, w, eps):
     return (xhat * w.to(xhat.dtype)).to(x.dtype), rstd.to(x.dtype)
 
 
-def rms_backward(dy, x, w, eps):
+def rms_backward(dy, x, w, eps, dw_sum=None):
     """(dx, dw) of y = x rstd w, from x itself (xhat recomputed, never x
-    rstd^3)."""
+    rstd^3). dw_sum: how the rows' terms dy xhat (..., C) are summed (the
+    invariant mode's token tree, invariant.TokenTree.column_sum)."""
     xhat, den, c = rms_parts(x, eps)
     t = xhat.dtype
     g = dy.to(t) * w.to(t)
     k = (g * xhat).mean(-1, keepdim=True)
     dx = (g - xhat * k) / den / c
-    dw = (dy.to(t) * xhat).reshape(-1, x.shape[-1]).sum(0)
+    if dw_sum is not None:
+        dw = dw_sum(dy.to(t) * xhat)
+    else:
+        dw = (dy.to(t) * xhat).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(w.dtype)

@@ -47,6 +47,7 @@ from .comm import _unpack_add, move
 from .forms import Attends, Keys
 from .norm import rms_backward, rms_forward
 from .ring import ring_backward, ring_forward
+from . import invariant
 
 
 def _rot(x, cos, sin, inverse=False):
@@ -69,6 +70,24 @@ def _mm_t(a, b):
     return a.flatten(0, -2).t() @ b.flatten(0, -2)
 
 
+def _local_mm(run):
+    """a @ w of the rank's token rows: one GEMM, or in the invariant mode
+    blocks aligned to the global sequence (invariant.rows_mm)."""
+    if run.tree is None:
+        return lambda a, w: a @ w
+    return lambda a, w: invariant.rows_mm(a, w, run.sp.own)
+
+
+def _up_heads(lat, w_heads, cfg):
+    """The invariant mode's up-projection: k (B, Sk, nh, dqk), v of the
+    latent, each head's GEMM alone (its columns the same at every nh)."""
+    C, dn, dr = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    B, Sk, nh = lat.shape[0], lat.shape[1], w_heads.shape[0]
+    kv = invariant.per_head_mm(lat[..., :C], w_heads.reshape(-1, C), nh, w_heads.shape[1])
+    k = torch.cat([kv[..., :dn], lat[:, :, None, C:].expand(B, Sk, nh, dr)], -1)
+    return k, kv[..., dn:].contiguous()
+
+
 class Block(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, run, *weights):
@@ -83,22 +102,23 @@ class Block(torch.autograd.Function):
         rows = run.rows
         h0, nh = run.heads
         keep = {}
+        mm = _local_mm(run)
 
         # Local: q (or the query latent), kv_a = [c | k_pe], c_hat.
         q = None
         if rq == 0:
-            q = x @ W["wq.weight"].t()
+            q = mm(x, W["wq.weight"].t())
         else:
-            qa = x @ W["wq_a.weight"].t()
+            qa = mm(x, W["wq_a.weight"].t())
             qn, q_rstd = rms_forward(qa, W["q_norm.weight"], eps)
             keep.update(qa=qa, q_rstd=q_rstd)
             if not run.q_latent:
                 keep["qn"] = qn
-                q = qn @ W["wq_b.weight"].t()
+                q = mm(qn, W["wq_b.weight"].t())
         if q is not None:
             q = q.view(B, L, H, dqk)
             q = torch.cat([q[..., :dn], _rot(q[..., dn:], *trig)], -1)
-        kv_a = x @ W["wkv_a.weight"].t()
+        kv_a = mm(x, W["wkv_a.weight"].t())
         kv_a[..., C:] = _rot(kv_a[..., None, C:], *trig)[:, :, 0]  # k_pe rotated in place
         c_hat, kv_rstd = rms_forward(kv_a[..., :C], W["kv_norm.weight"], eps)
         keep.update(kv_a=kv_a, kv_rstd=kv_rstd)
@@ -109,8 +129,11 @@ class Block(torch.autograd.Function):
                 return move(q, run.plans["q"], sp.group, sp.ledger, "forward")
             qn_q = move(qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "forward")[:, :, 0]
             keep["qn_q"] = qn_q
-            q_h = (qn_q @ W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk].t()).view(
-                B, qn_q.shape[1], nh, dqk)
+            w_q = W["wq_b.weight"][h0 * dqk:(h0 + nh) * dqk]
+            if run.tree is not None:  # each head's GEMM alone
+                q_h = invariant.per_head_mm(qn_q, w_q, nh, dqk)
+            else:
+                q_h = (qn_q @ w_q.t()).view(B, qn_q.shape[1], nh, dqk)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
@@ -118,7 +141,7 @@ class Block(torch.autograd.Function):
         grid_ring = spec.ring and spec.attends is Attends.grid  # a2a_p2p
         if spec.keys in (Keys.heads, Keys.gather) or grid_ring:
             # kv of the local tokens for ALL heads, k_pe expanded over heads.
-            kv = (c_hat @ W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
+            kv = mm(c_hat, W["wkv_b.weight"].t()).view(B, L, H, dn + dv)
             k = torch.cat([kv[..., :dn], kv_a[:, :, None, C:].expand(B, L, H, dr)], -1)
         if spec.attends is Attends.own:  # the own tokens with all heads: no exchange of q or o
             keep["q_h"] = q
@@ -130,18 +153,23 @@ class Block(torch.autograd.Function):
                 v_h = move(kv[..., dn:].reshape(B, L, 1, H * dv), run.plans["v"], sp.group,
                            sp.ledger, "forward").view(B, S, H, dv)
                 keep.update(k_h=k_h, v_h=v_h)
-                o_h = q.new_zeros(B, L, H, dv)  # o_loc's storage, which every form keeps
-                if run.flash:
-                    keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
-                                              device=q.device)
-                for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
+                if run.tree is not None:  # the own rows in chunks of the global sequence
+                    o_h, lse = _gather_attend_invariant(run, q, k_h, v_h)
                     if run.flash:
-                        o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
-                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
-                            scale, run.block)
-                    else:
-                        o_h[:, a:b], keep[f"p{i}"] = math_forward(
-                            q[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
+                        keep["lse"] = lse
+                else:
+                    o_h = q.new_zeros(B, L, H, dv)  # o_loc's storage, which every form keeps
+                    if run.flash:
+                        keep["lse"] = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype),
+                                                  device=q.device)
+                    for i, (a, b, e) in enumerate(run.calls):  # one call per own seq range
+                        if run.flash:
+                            o_h[:, a:b], keep["lse"][:, :, a:b] = flash_forward(
+                                q[:, a:b], k_h[:, :e], v_h[:, :e], sp.key_ranges(rows[a:b], e),
+                                scale, run.block)
+                        else:
+                            o_h[:, a:b], keep[f"p{i}"] = math_forward(
+                                q[:, a:b], k_h[:, :e], v_h[:, :e], sp.mask(rows[a:b], e), scale)
             else:  # the ring forms: the own block round the ring (ring.py)
                 codec = spec.codec(cfg, B, W["wkv_b.weight"])
                 own = codec.own_block(c_hat, kv_a[..., C:])
@@ -195,8 +223,13 @@ class Block(torch.autograd.Function):
             keep.update(q_h=q_h, lat=lat)
             if form == "absorbed":
                 v_lat = lat[..., :C].contiguous()  # the kernel's contiguous values
-                q_abs = torch.cat([torch.einsum("bshn,hnc->bshc", q_h[..., :dn],
-                                                wkv[h0:h0 + nh, :dn]), q_h[..., dn:]], -1)
+                if run.tree is not None:  # one head's GEMM at a time
+                    q_abs = torch.cat([invariant.per_head(
+                        lambda i: q_h[:, :, i, :dn] @ wkv[h0 + i, :dn], nh,
+                        q_h.new_zeros(B, len(rows), 0, C)), q_h[..., dn:]], -1)
+                else:
+                    q_abs = torch.cat([torch.einsum("bshn,hnc->bshc", q_h[..., :dn],
+                                                    wkv[h0:h0 + nh, :dn]), q_h[..., dn:]], -1)
                 if run.flash:  # o_lat is kept either way (d W_UV): flash adds only lse
                     o_lat, stats = flash_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
                                                  sp.key_ranges(rows, sp.layout.seq), scale,
@@ -204,15 +237,21 @@ class Block(torch.autograd.Function):
                 else:
                     o_lat, stats = math_forward(q_abs, lat[:, :, None], v_lat[:, :, None],
                                                 sp.mask(rows, sp.layout.seq), scale)
-                o_h = torch.einsum("bshc,hvc->bshv", o_lat, wkv[h0:h0 + nh, dn:])
+                if run.tree is not None:
+                    o_h = invariant.per_head(lambda i: o_lat[:, :, i] @ wkv[h0 + i, dn:].t(), nh,
+                                             o_lat.new_zeros(B, len(rows), 0, dv))
+                else:
+                    o_h = torch.einsum("bshc,hvc->bshv", o_lat, wkv[h0:h0 + nh, dn:])
                 keep.update(v_lat=v_lat, q_abs=q_abs, o_lat=o_lat)
                 keep["lse" if run.flash else "p0"] = stats
             else:  # laga, laga2d: the own heads up-projected over the keys needed
                 Sk = run.key_end
                 w_r = wkv[h0:h0 + nh].reshape(-1, C)
-                triton = spec.fused and run.flash and fused.kernel_for(
+                triton = spec.fused and run.flash and run.tree is None and fused.kernel_for(
                     q_h, lat, w_r) is fused.FusedKernel.triton
-                if triton:  # laga_fused's Triton kernel: K/V a key tile at a time, on chip
+                if run.tree is not None:  # each head's up-projection alone
+                    k_h, v_h = _up_heads(lat[:, :Sk], wkv[h0:h0 + nh], cfg)
+                elif triton:  # laga_fused's Triton kernel: K/V a key tile at a time, on chip
                     k_h = v_h = None
                 elif spec.fused and run.flash:  # laga_fused: K/V for the call only (fused.py)
                     k_h, v_h = fused.up_project(lat[:, :Sk], w_r, cfg)
@@ -251,7 +290,7 @@ class Block(torch.autograd.Function):
         keep["o_loc"] = o_loc
         ctx.run, ctx.names = run, list(keep)
         ctx.save_for_backward(x, *weights, *keep.values())
-        return o_loc @ W["wo.weight"].t()
+        return mm(o_loc, W["wo.weight"].t())
 
     @staticmethod
     @first_order_only("laga's tape (MLA(tape='laga'), the default)",
@@ -280,10 +319,15 @@ class Block(torch.autograd.Function):
         G = {n: None for n in run.names}
         wkv = W["wkv_b.weight"].view(H, dn + dv, C)
         d_wkv = torch.zeros_like(wkv)
+        tree, mm = run.tree, _local_mm(run)
+        # a weight's gradient over the rank's tokens: its part (sync_gradients
+        # sums the parts), or in the invariant mode the whole sequence's, summed
+        # in the token tree (invariant.TokenTree) on every rank
+        wgrad = _mm_t if tree is None else tree.weight_grad
 
         spec = run.spec
-        G["wo.weight"] = _mm_t(dout, s["o_loc"])
-        d_o = (dout @ W["wo.weight"]).view(B, L, H, dv)
+        G["wo.weight"] = wgrad(dout, s["o_loc"])
+        d_o = mm(dout, W["wo.weight"]).view(B, L, H, dv)
         if spec.attends is Attends.own:
             do_h = d_o
         else:
@@ -293,8 +337,9 @@ class Block(torch.autograd.Function):
             """explicit's local merge of per-head dK (B, L, H, dqk) and dV of
             local tokens: (d c_hat, d k_pe = sum over heads, d wkv_b)."""
             dkv = torch.cat([dk[..., :dn], dvv], -1).reshape(B, L, H * (dn + dv))
-            return dkv @ W["wkv_b.weight"], dk[..., dn:].sum(2), \
-                _mm_t(dkv, c_hat).view(H, dn + dv, C)
+            d_kpe = dk[..., dn:].sum(2) if tree is None else \
+                invariant.head_tree_sum(dk[..., dn:], 2)
+            return mm(dkv, W["wkv_b.weight"]), d_kpe, wgrad(dkv, c_hat).view(H, dn + dv, C)
 
         def queries_back(dq_h):
             """dq_h of the rank's heads and query rows -> dq (B, L, H, dqk) of its
@@ -303,6 +348,17 @@ class Block(torch.autograd.Function):
                 return move(dq_h, run.plans["q"], sp.group, sp.ledger, "backward", adjoint=True)
             t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
             dq_h = torch.cat([dq_h[..., :dn], _rot(dq_h[..., dn:], *t, inverse=True)], -1)
+            if tree is not None:  # per head, and summed over the heads in the head tree
+                w_q = W["wq_b.weight"].view(H, dqk, -1)
+                G["wq_b.weight"] = invariant.gather_head_rows(torch.cat(
+                    [invariant.local_token_grad(dq_h[:, :, i], s["qn_q"]) for i in range(nh)])
+                    if nh else W["wq_b.weight"].new_zeros(0, rq),
+                    sp.layout, sp.rank, sp.group, dqk, sp.ledger)
+                d_qn = invariant.per_head(lambda i: dq_h[:, :, i] @ w_q[h0 + i], nh,
+                                          dq_h.new_zeros(B, dq_h.shape[1], 0, rq))
+                return invariant.head_tree_sum(move(d_qn, sp.plan("head_to_seq", rq,
+                                                                  "q_latent_heads"),
+                                                    sp.group, sp.ledger, "backward"), 2)
             dq_h = dq_h.reshape(B, dq_h.shape[1], nh * dqk)
             g = torch.zeros_like(W["wq_b.weight"])
             g[h0 * dqk:(h0 + nh) * dqk] = _mm_t(dq_h, s["qn_q"])
@@ -311,7 +367,10 @@ class Block(torch.autograd.Function):
             return move(d_qn.unsqueeze(2), run.plans["q"], sp.group, sp.ledger, "backward",
                         adjoint=True)[:, :, 0]
 
-        if spec.keys is Keys.gather:  # allgather_kv
+        if spec.keys is Keys.gather and tree is not None:  # allgather_kv, invariant
+            dk, dvv, dq = _gather_backward_invariant(run, s, do_h)
+            d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
+        elif spec.keys is Keys.gather:  # allgather_kv
             S, Sk = sp.layout.seq, run.key_end
             q, k_h, v_h = s["q_h"], s["k_h"][:, :Sk], s["v_h"][:, :Sk]
             o_h = s["o_loc"].view(B, L, H, dv)  # flash's o is o_loc, which every form keeps
@@ -372,6 +431,17 @@ class Block(torch.autograd.Function):
             dk = move(dk_h, run.plans["k"], sp.group, sp.ledger, "backward", adjoint=True)
             dvv = move(dv_h, run.plans["v"], sp.group, sp.ledger, "backward", adjoint=True)
             d_chat, d_kpe, d_wkv = merge_heads(dk, dvv, s["c_hat"])
+        elif tree is not None:  # absorbed, laga, laga_fused in the invariant mode
+            dq_h, d_lat_h, d_w = _latent_backward_invariant(run, s, W, do_h)
+            dq = queries_back(dq_h)
+            d_wkv = invariant.gather_head_rows(d_w, sp.layout, sp.rank, sp.group, dn + dv,
+                                               sp.ledger)
+            # every head's part of the latent's gradient to the token's owner,
+            # summed there over the heads in the tree (no rank-order reduce-scatter)
+            d_loc = invariant.head_tree_sum(move(d_lat_h, sp.plan("head_to_seq", C + dr,
+                                                                  "latent_heads"),
+                                                 sp.group, sp.ledger, "backward"), 2)
+            d_loc = d_loc.unsqueeze(2)
         else:  # the latent gathered: absorbed, laga, laga2d
             lat = s["lat"]
             d_lat = torch.zeros_like(lat)
@@ -457,28 +527,175 @@ class Block(torch.autograd.Function):
         if not run.q_latent:
             dq = torch.cat([dq[..., :dn], _rot(dq[..., dn:], *trig, inverse=True)], -1)
             dq = dq.reshape(B, L, H * dqk)
+        dw_sum = None if tree is None else tree.column_sum  # RMSNorm's weights
         if rq == 0:
-            G["wq.weight"] = _mm_t(dq, x)
-            dx = dq @ W["wq.weight"]
+            G["wq.weight"] = wgrad(dq, x)
+            dx = mm(dq, W["wq.weight"])
         else:
             if run.q_latent:
                 d_qn = dq
             else:
-                G["wq_b.weight"] = _mm_t(dq, s["qn"])
-                d_qn = dq @ W["wq_b.weight"]
+                G["wq_b.weight"] = wgrad(dq, s["qn"])
+                d_qn = mm(dq, W["wq_b.weight"])
             d_qa, G["q_norm.weight"] = rms_backward(d_qn, s["qa"], W["q_norm.weight"],
-                                                    cfg.norm_eps)
-            G["wq_a.weight"] = _mm_t(d_qa, x)
-            dx = d_qa @ W["wq_a.weight"]
+                                                    cfg.norm_eps, dw_sum)
+            G["wq_a.weight"] = wgrad(d_qa, x)
+            dx = mm(d_qa, W["wq_a.weight"])
         if spec.keys is Keys.latent:
-            if run.overlap:
+            if run.overlap and tree is None:
                 started[0].wait()
                 d_loc = _unpack_add(flat, run.plans["lat"].send, run.plans["lat"].src_shape)
             d_chat, d_kpe = d_loc[:, :, 0, :C], d_loc[:, :, 0, C:]
         kv_a = s["kv_a"]
         d_c, G["kv_norm.weight"] = rms_backward(d_chat, kv_a[..., :C], W["kv_norm.weight"],
-                                                cfg.norm_eps)
+                                                cfg.norm_eps, dw_sum)
         d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
-        G["wkv_a.weight"] = _mm_t(d_kva, x)
-        dx = dx + d_kva @ W["wkv_a.weight"]
+        G["wkv_a.weight"] = wgrad(d_kva, x)
+        dx = dx + mm(d_kva, W["wkv_a.weight"])
         return (dx, None) + tuple(G[n] for n in run.names)
+
+
+def _latent_backward_invariant(run, s, W, do_h):
+    """The invariant mode's backward of absorbed, laga and laga_fused's
+    attention on the rank's heads (every token's rows): (dq_h, every head's
+    part of the latent's gradient (B, S, nh, C + dr), the heads' rows of
+    wkv_b's gradient (nh (dn + dv), C), each summed over the sequence in the
+    chunk tree). One head at a time wherever laga sums over the rank's heads
+    (the rank's number of heads changes with P)."""
+    cfg, sp, rows = run.cfg, run.sp, run.rows
+    H, C, dn, dr, dv = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, \
+        cfg.qk_rope_head_dim, cfg.v_head_dim
+    scale = cfg.softmax_scale()
+    h0, nh = run.heads
+    wkv = W["wkv_b.weight"].view(H, dn + dv, C)
+    lat, q_h = s["lat"], s["q_h"]
+    B, S = lat.shape[:2]
+    tok = invariant.local_token_grad
+    if run.form == "absorbed":
+        w_uk, w_uv = wkv[h0:h0 + nh, :dn], wkv[h0:h0 + nh, dn:]
+        dq_h, d_lat, d_w = [], [], []
+        for i in range(nh):  # the shared latent head: its gradient per query head
+            one = slice(i, i + 1)
+            do_lat = (do_h[:, :, i] @ w_uv[i]).unsqueeze(2)
+            if run.flash:
+                dq_abs, dk_lat, dv_lat = flash_backward(
+                    s["q_abs"][:, :, one], lat[:, :, None], s["v_lat"][:, :, None],
+                    s["o_lat"][:, :, one], s["lse"][:, one], do_lat,
+                    sp.key_ranges(rows, sp.layout.seq), scale, run.block)
+            else:
+                dq_abs, dk_lat, dv_lat = math_backward(
+                    s["q_abs"][:, :, one], lat[:, :, None], s["v_lat"][:, :, None],
+                    s["p0"][:, one], do_lat, scale, see=_mask_of(sp, rows, sp.layout.seq))
+            dl = dk_lat[:, :, 0].clone()
+            dl[..., :C] += dv_lat[:, :, 0]
+            d_lat.append(dl)
+            d_w.append(torch.cat([tok(q_h[:, :, i, :dn], dq_abs[:, :, 0, :C]),
+                                  tok(do_h[:, :, i], s["o_lat"][:, :, i])]))
+            dq_h.append(torch.cat([dq_abs[:, :, 0, :C] @ w_uk[i].t(), dq_abs[:, :, 0, C:]], -1))
+    else:  # laga, laga_fused: K and V of the own heads (kept, or made again per head)
+        Sk = run.key_end
+        k_h, v_h = (s["k_h"], s["v_h"]) if "k_h" in s else \
+            _up_heads(lat[:, :Sk], wkv[h0:h0 + nh], cfg)
+        dq_all, dk_h, dv_h = torch.zeros_like(q_h), torch.zeros_like(k_h), torch.zeros_like(v_h)
+        for i, (a, b, e) in enumerate(run.calls):
+            if run.flash:
+                dq_, dk_, dv_ = flash_backward(
+                    q_h[:, a:b], k_h[:, :e], v_h[:, :e], s["o_h"][:, a:b], s["lse"][:, :, a:b],
+                    do_h[:, a:b], sp.key_ranges(rows[a:b], e), scale, run.block)
+            else:
+                dq_, dk_, dv_ = math_backward(q_h[:, a:b], k_h[:, :e], v_h[:, :e], s[f"p{i}"],
+                                              do_h[:, a:b], scale, see=_mask_of(sp, rows[a:b], e))
+            dq_all[:, a:b] = dq_
+            dk_h[:, :e] += dk_
+            dv_h[:, :e] += dv_
+        dq_h, d_lat, d_w = list(dq_all.unbind(2)), [], []
+        for i in range(nh):
+            dkv = torch.cat([dk_h[:, :, i, :dn], dv_h[:, :, i]], -1)  # (B, Sk, dn + dv)
+            dl = lat.new_zeros(B, S, C + dr)
+            dl[:, :Sk, :C] = dkv @ wkv[h0 + i]
+            dl[:, :Sk, C:] = dk_h[:, :, i, dn:]
+            d_lat.append(dl)
+            d_w.append(tok(dkv, lat[:, :Sk, :C]))
+    if not nh:
+        return q_h.new_zeros(B, len(rows), 0, q_h.shape[-1]), lat.new_zeros(B, S, 0, C + dr), \
+            lat.new_zeros(0, C)
+    return torch.stack(dq_h, 2), torch.stack(d_lat, 2), torch.cat(d_w)
+
+
+def _chunk_rows(c, S, device):
+    """The global token rows of chunk c of the token tree (its last may be short)."""
+    return torch.arange(c * invariant.CHUNK, min(c * invariant.CHUNK + invariant.CHUNK, S),
+                        device=device)
+
+
+def _gather_attend_invariant(run, q, k_h, v_h):
+    """allgather_kv's attention in the invariant mode: o (B, L, H, dv) and
+    (flash) lse (B, H, L) of the own rows, each computed in the call of its
+    chunk of the global sequence (the chunk's rows, the ones this rank lacks
+    zero; keys [0, the chunk's end)), the same call at every P."""
+    sp, cfg = run.sp, run.cfg
+    B, L, H, dqk = q.shape
+    dv, S, scale = v_h.shape[-1], sp.layout.seq, cfg.softmax_scale()
+    own = sp.own.tolist()
+    at = {t: i for i, t in enumerate(own)}
+    o = q.new_zeros(B, L, H, dv)
+    lse = torch.zeros(B, H, L, dtype=_acc_dtype(q.dtype), device=q.device)
+    for c in sorted({t // invariant.CHUNK for t in own}):
+        rows = _chunk_rows(c, S, q.device)
+        e = int(rows[-1]) + 1
+        mine = [(i, at[t]) for i, t in enumerate(rows.tolist()) if t in at]
+        blk = torch.tensor([i for i, _ in mine], dtype=torch.long, device=q.device)
+        loc = torch.tensor([j for _, j in mine], dtype=torch.long, device=q.device)
+        qb = q.new_zeros(B, len(rows), H, dqk)
+        qb[:, blk] = q[:, loc]
+        if run.flash:
+            ob, lb = flash_forward(qb, k_h[:, :e], v_h[:, :e], sp.key_ranges(rows, e), scale,
+                                   run.block)
+            lse[:, :, loc] = lb[:, :, blk]
+        else:
+            ob, _ = math_forward(qb, k_h[:, :e], v_h[:, :e], sp.mask(rows, e), scale)
+        o[:, loc] = ob[:, blk]
+    return o, lse
+
+
+def _gather_backward_invariant(run, s, do_h):
+    """allgather_kv's attention backward in the invariant mode: (dK, dV) of
+    the own tokens (B, L, H, .). Each chunk's rows (q, o, lse, dO) go whole
+    to the chunk's owner, which runs the chunk's backward (eager: its
+    probabilities recomputed by the forward's call); the chunks' dK, dV over
+    the whole sequence are summed in the token tree on every rank (where
+    the all-gathers' reduce-scatter summed the ranks in rank order), and dq
+    goes back to the rows' ranks."""
+    sp, cfg, tree = run.sp, run.cfg, run.tree
+    q, k_h, v_h = s["q_h"], s["k_h"], s["v_h"]
+    B, L, H, dqk = q.shape
+    dv, S, scale, CH = v_h.shape[-1], sp.layout.seq, cfg.softmax_scale(), invariant.CHUNK
+    parts = [q.reshape(B, L, H * dqk), s["o_loc"].reshape(B, L, H * dv),
+             do_h.reshape(B, L, H * dv)]
+    if run.flash:
+        parts.append(s["lse"].transpose(1, 2).to(q.dtype))  # (B, L, H)
+    dq_of = {}
+
+    def leaf(c, qc, oc, doc, *lc):
+        rows = _chunk_rows(c, S, q.device)
+        n, e = len(rows), int(rows[-1]) + 1
+        qb, ob = qc.view(B, CH, H, dqk)[:, :n], oc.view(B, CH, H, dv)[:, :n]
+        dob = doc.view(B, CH, H, dv)[:, :n]
+        if run.flash:
+            lb = lc[0].view(B, CH, H)[:, :n].transpose(1, 2).to(s["lse"].dtype)
+            dq_, dk_, dv_ = flash_backward(qb, k_h[:, :e], v_h[:, :e], ob, lb, dob,
+                                           sp.key_ranges(rows, e), scale, run.block)
+        else:
+            _, p = math_forward(qb, k_h[:, :e], v_h[:, :e], sp.mask(rows, e), scale)
+            dq_, dk_, dv_ = math_backward(qb, k_h[:, :e], v_h[:, :e], p, dob, scale,
+                                          see=_mask_of(sp, rows, e))
+        dq_of[c] = dq_.reshape(B, n, H * dqk)
+        out = q.new_zeros(B, S, H, dqk + dv)
+        out[:, :e, :, :dqk] = dk_
+        out[:, :e, :, dqk:] = dv_
+        return out
+
+    dkv = tree.reduce(leaf, parts, (B, S, H, dqk + dv), "attention_tree")
+    dq = tree.from_owners(dq_of, H * dqk, q, "attention_tree").view(B, L, H, dqk)
+    own = dkv[:, sp.own]
+    return own[..., :dqk], own[..., dqk:], dq

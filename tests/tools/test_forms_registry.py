@@ -64,7 +64,8 @@ def package_row(f):
 
 def cxx_row(j):
     row = {"name": j["name"], "traits": {t: bool(j["traits"][t]) for t in TRAITS},
-           "attends": j.get("attends"), "keys": j.get("keys")}
+           "attends": j.get("attends"), "keys": j.get("keys"),
+           "invariant": j["traits"].get("invariant")}
     if "ring_block" in j:
         row["ring_block"] = j["ring_block"]
     return row
@@ -96,7 +97,18 @@ def check_rows(cxx, lt):
             if p.get(k) != r.get(k):
                 fail(f"form {r['name']}: {k} is {r.get(k)} in the C++ registry, "
                      f"{p.get(k)} in the package's")
-    print(f"registries: {len(theirs)} C++ rows, {len(mine)} package rows compared")
+        # invariant: each side's row says which forms its own mode covers
+        # (docs/pytorch_invariant.md); the package offers it for every form the
+        # C++ engine does (it may offer more: its mode is its own arithmetic)
+        if r["invariant"] and not lt.FORMS[r["name"]].invariant:
+            fail(f"form {r['name']}: the C++ registry offers the invariant mode, the package's "
+                 "row does not (FormSpec.invariant, python/laga_torch/forms.py)")
+    cxx_inv = [r["name"] for r in theirs if r["invariant"]]
+    pkg_inv = [f.name for f in lt.FORMS.values() if getattr(f, "invariant", False)]
+    print(f"registries: {len(theirs)} C++ rows, {len(mine)} package rows compared; invariant: "
+          f"package {', '.join(pkg_inv)}; C++ " +
+          (", ".join(cxx_inv) if any(r["invariant"] is not None for r in theirs) else
+           "(laga forms --json lists no invariant trait: not compared)"))
 
 
 def check_reference(cxx, lt):
