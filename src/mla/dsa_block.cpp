@@ -16,6 +16,9 @@ namespace laga {
 const char* to_string(DsaStage s) {
   return s == DsaStage::sparse ? "sparse" : "dense_warmup";
 }
+const char* to_string(DsaAttend a) {
+  return a == DsaAttend::latent ? "latent" : "per_head";
+}
 
 template <class T>
 DsaIndexerParams<T> DsaIndexerParams<T>::zeros(const MlaConfig& cfg) {
@@ -53,7 +56,7 @@ std::vector<T> buffer(std::int64_t n) {
 template <class T>
 DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
                             const DsaIndexerParams<T>& iw, const T* x, const T* dout,
-                            std::int64_t B, std::int64_t S, DsaStage stage) {
+                            std::int64_t B, std::int64_t S, DsaStage stage, DsaAttend attend) {
   cfg.validate();
   LAGA_CHECK(cfg.dsa(),
              "dsa_block: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
@@ -125,17 +128,46 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     dsa_all_causal(is, all.data());
     att_idx = all.data(), KA = S;
   }
+  // Per head (DeepSeek's prefill: K = [k_nope | k_pe], V per head) or in
+  // latent space (absorbed: q_nope W_UK against [c | k_pe], values c, one
+  // key/value head; o = o_lat W_UV^T): the same attention in exact
+  // arithmetic.
+  const bool latent = attend == DsaAttend::latent;
+  const std::int64_t qw = latent ? C + dr : dqk, vw = latent ? C : dv, HK = latent ? 1 : H;
   SparseAttnShape ss;
-  ss.attn = AttnShape{B, S, S, H, H, dqk, dv, cfg.softmax_scale(), true};
+  ss.attn = AttnShape{B, S, S, H, HK, qw, vw, cfg.softmax_scale(), true};
   ss.K = KA;
-  std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * S);
-  ops::sparse_attention_forward<T>(ss, o.data(), lse.data(), q.data(), k.data(), v.data(), att_idx);
+  std::vector<T> qa_abs, lat, o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * S);
+  std::vector<T> o_lat;
+  const T *q_att = q.data(), *k_att = k.data(), *v_att = v.data();
+  if (latent) {
+    qa_abs = buffer<T>(N * H * (C + dr)), lat = buffer<T>(N * (C + dr)),
+    o_lat = buffer<T>(N * H * C);
+    for (std::int64_t h = 0; h < H; ++h)  // q_nope (N, dn) W_UK[h] (dn, C) into qa_abs[:, h, :C]
+      gemm<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
+              w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * (C + dr),
+              H * (C + dr));
+    for (std::int64_t t = 0; t < N; ++t) {
+      for (std::int64_t h = 0; h < H; ++h)
+        std::copy_n(q.data() + (t * H + h) * dqk + dn, dr,
+                    qa_abs.data() + (t * H + h) * (C + dr) + C);
+      std::copy_n(c.data() + t * C, C, lat.data() + t * (C + dr));
+      std::copy_n(k_pe.data() + t * dr, dr, lat.data() + t * (C + dr) + C);
+    }
+    q_att = qa_abs.data(), k_att = lat.data(), v_att = c.data();
+  }
+  ops::sparse_attention_forward<T>(ss, latent ? o_lat.data() : o.data(), lse.data(), q_att, k_att,
+                                   v_att, att_idx);
+  if (latent)
+    for (std::int64_t h = 0; h < H; ++h)  // o_lat (N, C) W_UV[h]^T (C, dv)
+      gemm<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
+              w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv, H * dv);
   r.out = buffer<T>(N * D);
   linear_forward(r.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL against the main attention's head-summed distribution
   std::vector<T> p = buffer<T>(N * KA);
-  sparse_attention_head_summed_probs(ss, p.data(), q.data(), k.data(), lse.data(), att_idx);
+  sparse_attention_head_summed_probs(ss, p.data(), q_att, k_att, lse.data(), att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkI = buffer<T>(N * dI), dwI = buffer<T>(N * HI);
   dsa_indexer_kl(is, KA, att_idx, p.data(), qI.data(), kI.data(), wI.data(), loss.data(),
@@ -167,23 +199,55 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> dO = buffer<T>(N * H * dv);
   linear_backward<T>(dO.data(), false, r.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
                      D);
-  std::vector<T> dq = buffer<T>(N * H * dqk), dk = buffer<T>(N * H * dqk),
-                 dvv = buffer<T>(N * H * dv);
-  ops::sparse_attention_backward<T>(ss, dq.data(), dk.data(), dvv.data(), dO.data(), q.data(),
-                                    k.data(), v.data(), o.data(), lse.data(), att_idx);
-  std::vector<T> dkvb = buffer<T>(N * H * (dn + dv)), dkv = buffer<T>(N * (C + dr)),
-                 dc = buffer<T>(N * C);
-  for (std::int64_t t = 0; t < N; ++t)
+  std::vector<T> dq = buffer<T>(N * H * dqk), dkv = buffer<T>(N * (C + dr)), dc = buffer<T>(N * C);
+  if (!latent) {
+    std::vector<T> dk = buffer<T>(N * H * dqk), dvv = buffer<T>(N * H * dv);
+    ops::sparse_attention_backward<T>(ss, dq.data(), dk.data(), dvv.data(), dO.data(), q.data(),
+                                      k.data(), v.data(), o.data(), lse.data(), att_idx);
+    std::vector<T> dkvb = buffer<T>(N * H * (dn + dv));
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t h = 0; h < H; ++h) {
+        T* dst = dkvb.data() + (t * H + h) * (dn + dv);
+        std::copy_n(dk.data() + (t * H + h) * dqk, dn, dst);
+        std::copy_n(dvv.data() + (t * H + h) * dv, dv, dst + dn);
+        for (std::int64_t e = 0; e < dr; ++e)  // k_pe is every head's: its gradient sums them
+          dkv[std::size_t(t * (C + dr) + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
+      }
+    linear_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(),
+                       w.wkv_b.data(), N, C, H * (dn + dv));
+  } else {
+    std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * (C + dr));
+    std::vector<T> dlat = buffer<T>(N * (C + dr)), dval = buffer<T>(N * C);
     for (std::int64_t h = 0; h < H; ++h) {
-      T* dst = dkvb.data() + (t * H + h) * (dn + dv);
-      std::copy_n(dk.data() + (t * H + h) * dqk, dn, dst);
-      std::copy_n(dvv.data() + (t * H + h) * dv, dv, dst + dn);
-      for (std::int64_t e = 0; e < dr; ++e)  // k_pe is every head's: its gradient sums them
-        dkv[std::size_t(t * (C + dr) + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
+      T* dw_uv = r.grads.wkv_b.data() + (h * (dn + dv) + dn) * C;
+      // do_lat[h] = dO[h] W_UV[h]; dW_UV[h] += dO[h]^T o_lat[h]
+      gemm<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
+              w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C, H * C);
+      gemm<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv, o_lat.data() + h * C, H * C,
+              T(1), dw_uv, C);
     }
+    ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlat.data(), dval.data(), do_lat.data(),
+                                      qa_abs.data(), lat.data(), c.data(), o_lat.data(), lse.data(),
+                                      att_idx);
+    for (std::int64_t h = 0; h < H; ++h) {
+      T* dw_uk = r.grads.wkv_b.data() + h * (dn + dv) * C;
+      // dq_nope[h] = dq_abs[h, :C] W_UK[h]^T; dW_UK[h] += q_nope[h]^T dq_abs[h, :C]
+      gemm<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * (C + dr), H * (C + dr),
+              w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
+      gemm<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
+              dq_abs.data() + h * (C + dr), H * (C + dr), T(1), dw_uk, C);
+    }
+    for (std::int64_t t = 0; t < N; ++t) {
+      for (std::int64_t h = 0; h < H; ++h)
+        std::copy_n(dq_abs.data() + (t * H + h) * (C + dr) + C, dr,
+                    dq.data() + (t * H + h) * dqk + dn);
+      for (std::int64_t e = 0; e < C; ++e)  // c is the keys' latent and the values
+        dc[std::size_t(t * C + e)] =
+            dlat[std::size_t(t * (C + dr) + e)] + dval[std::size_t(t * C + e)];
+      std::copy_n(dlat.data() + t * (C + dr) + C, dr, dkv.data() + t * (C + dr) + C);
+    }
+  }
   rope_apply(dkv.data() + C, B, S, 1, C + dr, dr, 0, table, true);
-  linear_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(), w.wkv_b.data(),
-                     N, C, H * (dn + dv));
   rmsnorm_backward(dkv.data(), C + dr, r.grads.kv_norm.data(), dc.data(), C, kv.data(), C + dr,
                    w.kv_norm.data(), rstd_kv.data(), N, C);
   linear_backward<T>(r.dx.data(), false, r.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N, D,
@@ -203,7 +267,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   template struct DsaIndexerParams<T>;                                                    \
   template DsaBlockResult<T> dsa_block<T>(const MlaConfig&, const MlaParams<T>&,          \
                                           const DsaIndexerParams<T>&, const T*, const T*, \
-                                          std::int64_t, std::int64_t, DsaStage);
+                                          std::int64_t, std::int64_t, DsaStage, DsaAttend);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

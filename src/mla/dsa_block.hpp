@@ -38,6 +38,13 @@ namespace laga {
 
 enum class DsaStage { dense_warmup, sparse };
 const char* to_string(DsaStage s);  // "dense_warmup", "sparse"
+// Where the main attention runs: per head (DeepSeek's prefill, keys
+// [k_nope | k_pe] and values up-projected per head) or in latent space (the
+// absorbed form: q_nope W_UK against [c | k_pe], values c, o_lat W_UV^T --
+// what a rank runs after all-gathering the latent, the field's context-
+// parallel choice). The same numbers in exact arithmetic.
+enum class DsaAttend { per_head, latent };
+const char* to_string(DsaAttend a);  // "per_head", "latent"
 
 // The indexer's weights under DeepSeek's names (model.py, class Indexer):
 //   indexer.wq_b.weight          (index_n_heads * index_head_dim, q_lora_rank)
@@ -67,6 +74,7 @@ struct DsaBlockResult {
 template <class T>
 DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
                             const DsaIndexerParams<T>& iw, const T* x, const T* dout,
-                            std::int64_t B, std::int64_t S, DsaStage stage);
+                            std::int64_t B, std::int64_t S, DsaStage stage,
+                            DsaAttend attend = DsaAttend::per_head);
 
 }  // namespace laga

@@ -161,6 +161,36 @@ TEST(DsaBlock, IndexerInputIsDetached) {
   EXPECT_NE(a.kl_loss, b.kl_loss);
 }
 
+// The latent (absorbed) attention is the per-head one: outputs, the
+// selection, every gradient and the KL, in double, both stages.
+TEST(DsaBlock, LatentAttentionEqualsPerHead) {
+  for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup}) {
+    Case c(4);
+    const auto a = dsa_block(c.cfg, c.w, c.iw, c.x.data(), c.dout.data(), c.B, c.S, stage,
+                             DsaAttend::per_head);
+    const auto l =
+        dsa_block(c.cfg, c.w, c.iw, c.x.data(), c.dout.data(), c.B, c.S, stage, DsaAttend::latent);
+    const test::Tolerance tol = test::block_tolerance<double>();
+    const std::string tag = to_string(stage);
+    EXPECT_EQ(a.idx, l.idx) << tag;
+    EXPECT_TRUE(all_close(tag + " out", l.out, a.out, tol.atol, tol.rtol));
+    EXPECT_TRUE(all_close(tag + " dx", l.dx, a.dx, tol.atol, tol.rtol));
+    std::vector<std::vector<double>> ga;
+    a.grads.for_each([&](const std::string&, const Tensor<double>& g) {
+      ga.emplace_back(g.data(), g.data() + g.numel());
+    });
+    std::size_t n = 0;
+    l.grads.for_each([&](const std::string& name, const Tensor<double>& g) {
+      EXPECT_TRUE(all_close(tag + " grad " + name, g.data(), ga[n++].data(), g.numel(), tol));
+    });
+    DsaIndexerParams<double> ia = a.indexer_grads, il = l.indexer_grads;
+    for (std::size_t i = 0; i < ia.named().size(); ++i)
+      EXPECT_TRUE(all_close(tag + " " + ia.named()[i].first, *il.named()[i].second,
+                            *ia.named()[i].second, tol.atol, tol.rtol));
+    EXPECT_NEAR(l.kl_loss, a.kl_loss, 1e-12 * a.kl_loss) << tag;
+  }
+}
+
 TEST(DsaBlock, RefusesADenseConfig) {
   Case c(3);
   MlaConfig dense = c.cfg;

@@ -2,7 +2,7 @@
 //  - PyTorch autograd (python/dsa_reference.py, float64, dense index mask):
 //    the selection exactly, out, dx, every LM gradient, the KL loss and the
 //    indexer's KL gradients, in fp64 and fp32, sparse stage (YaRN off and on)
-//    and dense warm-up;
+//    and dense warm-up, attending per head and in latent space;
 //  - DeepSeek's own prefill math (python/dsa_deepseek_harness.py, a
 //    transcription of DeepSeek-V3.2-Exp inference/model.py after 8631a81
 //    "fix indexer rope", fp8 and the Hadamard rotation removed): each query's
@@ -41,7 +41,7 @@ test::Tolerance tolerance() {
 }
 
 template <class T>
-void check_case(const std::string& name, DsaStage stage) {
+void check_case(const std::string& name, DsaStage stage, DsaAttend attend) {
   const std::string path = dir() + "dsa_" + name + ".safetensors";
   ASSERT_TRUE(std::filesystem::exists(path))
       << path << " is missing: ctest runs mla_dsa_reference_data first (/usr/bin/python3 with "
@@ -61,8 +61,9 @@ void check_case(const std::string& name, DsaStage stage) {
   }
   const std::vector<double> x64 = values(f, "x"), dout64 = values(f, "dout");
   const std::vector<T> x(x64.begin(), x64.end()), dout(dout64.begin(), dout64.end());
-  const DsaBlockResult<T> r = dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage);
-  const std::string tag = name + (std::is_same_v<T, double> ? " fp64" : " fp32");
+  const DsaBlockResult<T> r = dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, attend);
+  const std::string tag =
+      name + (std::is_same_v<T, double> ? " fp64 " : " fp32 ") + to_string(attend);
   const test::Tolerance tol = tolerance<T>();
 
   const std::vector<std::int64_t> idx_ref = f.read_indices("idx");
@@ -107,16 +108,22 @@ void check_case(const std::string& name, DsaStage stage) {
 }
 
 TEST(DsaReference, SparseStage) {
-  check_case<double>("sparse", DsaStage::sparse);
-  check_case<float>("sparse", DsaStage::sparse);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<double>("sparse", DsaStage::sparse, a);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<float>("sparse", DsaStage::sparse, a);
 }
 TEST(DsaReference, SparseStageWithYarn) {
-  check_case<double>("sparse_yarn", DsaStage::sparse);
-  check_case<float>("sparse_yarn", DsaStage::sparse);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<double>("sparse_yarn", DsaStage::sparse, a);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<float>("sparse_yarn", DsaStage::sparse, a);
 }
 TEST(DsaReference, DenseWarmup) {
-  check_case<double>("dense_warmup", DsaStage::dense_warmup);
-  check_case<float>("dense_warmup", DsaStage::dense_warmup);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<double>("dense_warmup", DsaStage::dense_warmup, a);
+  for (DsaAttend a : {DsaAttend::per_head, DsaAttend::latent})
+    check_case<float>("dense_warmup", DsaStage::dense_warmup, a);
 }
 
 }  // namespace
