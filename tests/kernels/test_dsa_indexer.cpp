@@ -174,6 +174,37 @@ TEST(IndexerTopk, ExactTiesGoToTheLowerPosition) {
   EXPECT_EQ(tf, t);
 }
 
+// A rank that keeps its own query rows and gathers every earlier key (the
+// query-local gather form's indexer) selects, row by row, exactly what the
+// whole sequence selects: the scores of a pair are computed alike wherever
+// the row is, and the tie rule reads only scores and positions. Uneven
+// shards of 13 rows on 3 ranks, in float (where a different summation
+// would show first) and double.
+template <class T>
+void check_query_local() {
+  IndexerCase whole(1, 13, 13, 4, 6, 4, 77);
+  for (std::int64_t i = 0; i < 13; i += 3)  // exact ties too: zero-weight rows
+    for (std::int64_t h = 0; h < 4; ++h) whole.w[std::size_t(i * 4 + h)] = 0;
+  const std::vector<T> q(whole.q.begin(), whole.q.end()), k(whole.k.begin(), whole.k.end()),
+      w(whole.w.begin(), whole.w.end());
+  std::vector<std::int32_t> all(13 * 4);
+  dsa_index_topk(whole.s, all.data(), q.data(), k.data(), w.data());
+  std::int64_t s0 = 0;
+  for (std::int64_t L : {5, 3, 5}) {
+    IndexerShape rank = whole.s;
+    rank.attn.Sq = L, rank.attn.Sk = s0 + L;  // its rows, every key up to its last
+    std::vector<std::int32_t> mine(static_cast<std::size_t>(L * 4));
+    dsa_index_topk(rank, mine.data(), q.data() + s0 * 4 * 6, k.data(), w.data() + s0 * 4);
+    EXPECT_EQ(mine, std::vector<std::int32_t>(all.begin() + s0 * 4, all.begin() + (s0 + L) * 4))
+        << "rows from " << s0;
+    s0 += L;
+  }
+}
+TEST(IndexerTopk, QueryLocalRowsSelectAsTheWholeSequence) {
+  check_query_local<float>();
+  check_query_local<double>();
+}
+
 TEST(IndexerKl, LossAndGradientAgainstNaiveAndFiniteDifferences) {
   // Over the selected set (the sparse stage) and over every causal key (the
   // dense warm-up), with a target that is a distribution over each row.
