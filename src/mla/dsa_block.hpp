@@ -24,7 +24,7 @@
 //
 // The block calls the kernels directly and the op layer only for the
 // sparse attention, so it has no count-only run yet; the forms do not run
-// it (a DSA config is refused by them, tools/block_job.cpp).
+// it (a DSA config is refused by them: refuse_dsa_config, tools/block_job.hpp).
 #pragma once
 
 #include <cstdint>
