@@ -6,6 +6,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -102,9 +103,32 @@ void MlaConfig::validate() const {
                " ((0.1 mscale ln(rope_factor) + 1)^2 multiplies the softmax scale; DeepSeek-V3: "
                "1)");
   }
+  validate_dsa();
   // Sizes past this overflow int32 BLAS arguments somewhere; nobody needs them.
   LAGA_CHECK(n_heads * (qk_head_dim() + v_head_dim) < (1ll << 24) && dim < (1ll << 24),
              "config: dimensions too large (dim ", dim, ", n_heads ", n_heads, ")");
+}
+
+void MlaConfig::validate_dsa() const {
+  const bool any = index_n_heads != 0 || index_head_dim != 0 || index_topk != 0;
+  if (!any) return;
+  for (auto [v, name] :
+       {std::pair{index_n_heads, "index_n_heads"}, std::pair{index_head_dim, "index_head_dim"},
+        std::pair{index_topk, "index_topk"}})
+    LAGA_CHECK(v > 0, "config: ", name,
+               " must be positive when DeepSeek Sparse Attention is on, got ", v,
+               " (set index_n_heads, index_head_dim and index_topk together, as DeepSeek-V3.2's "
+               "config.json does: 64, 128, 2048; or none of them for dense MLA)");
+  LAGA_CHECK(q_lora_rank > 0, "config: the lightning indexer (index_topk ", index_topk,
+             ") projects its queries from the query latent (wq_b over q_lora_rank), but "
+             "q_lora_rank is 0; set q_lora_rank (DeepSeek-V3.2: 1536) or remove the index_* keys");
+  LAGA_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim ", index_head_dim,
+             " is narrower than qk_rope_head_dim ", qk_rope_head_dim,
+             "; the indexer rotates its first qk_rope_head_dim dims (DeepSeek-V3.2: 128 and 64)");
+  LAGA_CHECK(
+      index_n_heads < (1ll << 16) && index_head_dim < (1ll << 16) && index_topk <= kMaxSeqLen,
+      "config: indexer dimensions too large (index_n_heads ", index_n_heads, ", index_head_dim ",
+      index_head_dim, ", index_topk ", index_topk, ")");
 }
 
 std::vector<std::string> MlaConfig::preset_names() {
@@ -354,6 +378,11 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
       c.yarn_always = y->get<bool>();
     }
   }
+  // DeepSeek-V3.2's keys, the same names in its ModelArgs JSON and its
+  // Hugging Face config.json; absent: dense MLA.
+  read_key(j, "index_n_heads", c.index_n_heads, source);
+  read_key(j, "index_head_dim", c.index_head_dim, source);
+  read_key(j, "index_topk", c.index_topk, source);
   try {
     c.validate();
   } catch (const Error& e) {
@@ -418,13 +447,21 @@ json MlaConfig::to_json() const {
   // laga's own key, written only when set (Hugging Face's rule, above), so
   // a ModelArgs-rule config's JSON is what it always was.
   if (yarn_always) j["yarn_always"] = true;
+  if (dsa()) {  // written only when on, so a dense config's JSON is what it was
+    j["index_n_heads"] = index_n_heads;
+    j["index_head_dim"] = index_head_dim;
+    j["index_topk"] = index_topk;
+  }
   return j;
 }
 
 std::string MlaConfig::summary() const {
   return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank,
              " dn=", qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
-             yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"));
+             yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"),
+             dsa()
+                 ? cat(" dsa(HI=", index_n_heads, " dI=", index_head_dim, " topk=", index_topk, ")")
+                 : std::string());
 }
 
 }  // namespace laga

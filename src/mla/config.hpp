@@ -68,7 +68,16 @@ struct MlaConfig {
   // rms_norm_eps says (that key is the decoder layers' norms): a Hugging
   // Face config leaves it at 1e-6; laga's own JSON may set it (norm_eps).
   double norm_eps = 1e-6;
+  // DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer,
+  // docs/forms.md, "DeepSeek Sparse Attention (DSA)"), under the names of
+  // DeepSeek's config.json and ModelArgs: the indexer's heads, their width
+  // and how many keys each query attends. All three 0: dense MLA (every
+  // model before V3.2); all three positive: DSA. validate() refuses a mix.
+  std::int64_t index_n_heads = 0;
+  std::int64_t index_head_dim = 0;
+  std::int64_t index_topk = 0;
 
+  bool dsa() const { return index_topk > 0; }
   std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool yarn() const { return yarn_always || max_seq_len > original_seq_len; }
   // (dn + dr)^-1/2, times mscale^2 with mscale = 0.1 * mscale * ln(factor) + 1
@@ -78,6 +87,9 @@ struct MlaConfig {
 
   // Throws laga::Error naming the first bad field and the fix.
   void validate() const;
+  // The DSA keys' part of validate(): all three or none, and what the
+  // indexer reads (the query latent, its rope dims) present.
+  void validate_dsa() const;
 
   // Presets: "small" (the default, seconds on 2 cores), "paper" (DeepSeek-V3
   // attention dims with rq = 0, as in the LAGA paper's §4), "deepseek-v3"

@@ -38,6 +38,10 @@ const char* to_string(ops::Op op) {
       return "rope_forward";
     case Op::rope_backward:
       return "rope_backward";
+    case Op::sparse_attention_forward:
+      return "sparse_attention_forward";
+    case Op::sparse_attention_backward:
+      return "sparse_attention_backward";
     case Op::embedding_forward:
       return "embedding_forward";
     case Op::embedding_backward:

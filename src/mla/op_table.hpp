@@ -96,6 +96,15 @@ enum class Op {
   // out: x. backward is the inverse rotation.
   rope_forward,
   rope_backward,
+  // Attention over each query row's selected keys (DeepSeek Sparse
+  // Attention; kernels/attention_sparse.hpp, gathering the selected rows,
+  // no Sq x Sk mask): shape.attn (Hk == Hq per head, Hk == 1 latent; causal
+  // and doc_start not read), shape.k: K, the slots a row.
+  // forward  in: q, k, v, idx (int32 (B, Sq, K), -1 an empty slot);
+  //          out: o, lse (B, Hq, Sq).
+  // backward in: dout, q, k, v, o, lse, idx; out: dq, dk, dv (overwritten).
+  sparse_attention_forward,
+  sparse_attention_backward,
   // The model's ops (mla/ops_model.hpp), dense rows (ld = cols):
   // embedding_forward   in: ids (int32, shape.rows), table (shape.n, shape.cols);
   //                     out: rows of the table.

@@ -15,6 +15,7 @@
 #include "kernels/attention_flash.hpp"
 #include "kernels/attention_flash_bf16.hpp"
 #include "kernels/attention_flash_latent.hpp"
+#include "kernels/attention_sparse.hpp"
 #include "kernels/cross_entropy.hpp"
 #include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
@@ -181,6 +182,33 @@ void run_fused_backward(const OpCall& c) {
        s.ld_dk_pe, static_cast<T*>(c.out[3])},
       static_cast<const T*>(c.in[4]), static_cast<const T*>(c.in[5]),
       static_cast<const T*>(c.in[6]));
+}
+
+// ---------------------------------------------------------- sparse attention
+
+template <class T>
+void run_sparse_forward(const OpCall& c) {
+  sparse_attention_forward<T>({c.shape.attn, c.shape.k}, static_cast<T*>(c.out[0]),
+                              static_cast<T*>(c.out[1]), static_cast<const T*>(c.in[0]),
+                              static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                              static_cast<const std::int32_t*>(c.in[3]));
+}
+template <class T>
+void run_sparse_backward(const OpCall& c) {
+  sparse_attention_backward<T>({c.shape.attn, c.shape.k}, static_cast<T*>(c.out[0]),
+                               static_cast<T*>(c.out[1]), static_cast<T*>(c.out[2]),
+                               static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                               static_cast<const T*>(c.in[2]), static_cast<const T*>(c.in[3]),
+                               static_cast<const T*>(c.in[4]), static_cast<const T*>(c.in[5]),
+                               static_cast<const std::int32_t*>(c.in[6]));
+}
+// The gather kernel runs fp64 and fp32; it has no bf16 path yet.
+Why sparse_takes(RunDtype d, const OpShape&) {
+  if (d == RunDtype::bf16)
+    return std::string(
+        "dtype bf16 (the sparse gather kernel runs fp64 and fp32 only; use --dtype "
+        "fp32)");
+  return std::nullopt;
 }
 
 // ------------------------------------------------------ row-wise ops
@@ -434,6 +462,15 @@ const KernelRow kRows[] = {
        return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
      },
      &run_fused_backward<float>, 0, Bf16Operands::fp32_values},
+
+    {Device::cpu, Op::sparse_attention_forward, "sparse_gather", &sparse_takes,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_sparse_forward<double>(c) : run_sparse_forward<float>(c);
+     }},
+    {Device::cpu, Op::sparse_attention_backward, "sparse_gather", &sparse_takes,
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_sparse_backward<double>(c) : run_sparse_backward<float>(c);
+     }},
 
     {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
      [](const OpCall& c) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/naive_dsa.hpp"
 #include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "kernels/attention.hpp"
@@ -495,6 +496,60 @@ void check_rope(Device dev, RunDtype d, const std::string& tag) {
     }
 }
 
+// ------------------------------------------------------- sparse attention
+
+// Per-head and latent (one shared key/value head), against the naive
+// dense-masked reference (common/naive_dsa.hpp); bf16 is refused by name.
+void check_sparse(Device dev, RunDtype d, bool latent, const std::string& tag) {
+  const std::int64_t B = 2, S = 6, Hq = 3, Hk = latent ? 1 : 3, dqk = 5, dvh = 4, K = 3;
+  OpShape s;
+  s.attn = AttnShape{B, S, S, Hq, Hk, dqk, dvh, 0.4, true};
+  s.k = K;
+  const KernelRow* rf = picked(dev, Op::sparse_attention_forward, d, s);
+  const KernelRow* rb = picked(dev, Op::sparse_attention_backward, d, s);
+  if (d == RunDtype::bf16) {
+    EXPECT_EQ(rf, nullptr) << tag;
+    const KernelChoice c = supports(dev, Op::sparse_attention_forward, d, s);
+    EXPECT_NE(c.why_not.find("dtype bf16"), std::string::npos) << c.why_not;
+    return;
+  }
+  ASSERT_NE(rf, nullptr) << tag;
+  ASSERT_NE(rb, nullptr) << tag;
+  const std::vector<double> q = values(B * S * Hq * dqk, 31, d),
+                            k = values(B * S * Hk * dqk, 32, d),
+                            v = values(B * S * Hk * dvh, 33, d),
+                            dout = values(B * S * Hq * dvh, 34, d);
+  // Up to K earlier keys a row, the latest first, an empty slot in row 0's.
+  std::vector<std::int32_t> idx(std::size_t(B * S * K), -1);
+  for (std::int64_t r = 0; r < B * S; ++r)
+    for (std::int64_t slot = 0; slot < K && slot <= r % S; ++slot)
+      idx[std::size_t(r * K + slot)] = std::int32_t(r % S - slot);
+  const test::NaiveSparseResult ref =
+      test::naive_sparse_attention(B, S, S, Hq, Hk, dqk, dvh, 0.4, K, idx, q, k, v, &dout);
+  const Buffer::Kind kd = output_kind(d);
+  Buffer Q(q, kd), Kb(k, kd), V(v, kd), DO(dout, kd), O(std::vector<double>(ref.o.size()), kd),
+      L(std::vector<double>(ref.lse.size()), kd), DQ(std::vector<double>(q.size()), kd),
+      DK(std::vector<double>(k.size()), kd), DV(std::vector<double>(v.size()), kd);
+  OpCall c;
+  c.op = Op::sparse_attention_forward, c.dtype = d, c.shape = s;
+  c.in[0] = Q.ptr(), c.in[1] = Kb.ptr(), c.in[2] = V.ptr(), c.in[3] = idx.data();
+  c.out[0] = O.ptr(), c.out[1] = L.ptr();
+  rf->run(c);
+  const double tol = tolerance(d);
+  const std::string what = tag + (latent ? " latent" : " per-head") + " sparse_attention";
+  expect_close(O.get(), ref.o, tol, what + " o");
+  expect_close(L.get(), ref.lse, tol, what + " lse");
+  OpCall b;
+  b.op = Op::sparse_attention_backward, b.dtype = d, b.shape = s;
+  b.in[0] = DO.ptr(), b.in[1] = Q.ptr(), b.in[2] = Kb.ptr(), b.in[3] = V.ptr(), b.in[4] = O.ptr();
+  b.in[5] = L.ptr(), b.in[6] = idx.data();
+  b.out[0] = DQ.ptr(), b.out[1] = DK.ptr(), b.out[2] = DV.ptr();
+  rb->run(b);
+  expect_close(DQ.get(), ref.dq, tol, what + " dq");
+  expect_close(DK.get(), ref.dk, tol, what + " dk");
+  expect_close(DV.get(), ref.dv, tol, what + " dv");
+}
+
 TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
   for (Device dev : devices_built()) {
     if (dev != Device::cpu) continue;  // a device's rows need its storage: its own test
@@ -508,6 +563,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_lse_merge(dev, d, tag);
         check_rmsnorm(dev, d, tag);
         check_rope(dev, d, tag);
+        for (bool latent : {false, true}) check_sparse(dev, d, latent, tag);
       }
     });
   }
@@ -517,7 +573,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
 // every dtype); the model's ops (mla/ops_model.hpp fills their rows) are not
 // asked here. Every row names its device, kernel and refusals.
 TEST(OpTable, EveryBlockOpHasACpuRow) {
-  for (int i = 0; i <= int(Op::rope_backward); ++i) {
+  for (int i = 0; i <= int(Op::sparse_attention_backward); ++i) {
     const Op op = Op(i);
     bool any = false;
     for (const KernelRow& r : kernel_rows(Device::cpu)) any = any || (r.op == op);

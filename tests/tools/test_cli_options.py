@@ -213,6 +213,18 @@ def case_messages(laga, scratch):
     write(cfg, '{"dim": 1e300, "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,'
                ' "qk_rope_head_dim": 4, "v_head_dim": 8}')
     expect_error(laga, ["forward", "--config", cfg], "'dim' is 1e+300, beyond")
+    # DeepSeek Sparse Attention's keys: read, and refused by the dense forms
+    # rather than run densely; a partial set refused naming the key.
+    dsa = os.path.join(scratch, "dsa.json")
+    dsa_keys = ('{"dim": 48, "n_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,'
+                ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,'
+                ' "index_n_heads": 4, "index_head_dim": 8')
+    write(dsa, dsa_keys + ', "index_topk": 4}')
+    for cmd in (["forward"], ["verify"], ["compare", "--count-only"]):
+        expect_error(laga, cmd + ["--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
+    write(dsa, dsa_keys + '}')
+    expect_error(laga, ["forward", "--config", dsa],
+                 "index_topk must be positive when DeepSeek Sparse Attention is on")
     # Outputs are vetted before the work (issue 26 items 10, 11): two that are
     # one file, and a directory that does not exist, refused at once, not
     # after the run (plan --measure measured for seconds first).
