@@ -342,6 +342,11 @@ bool read_config_key(const json& j, const char* key, double& out, const std::str
 
 MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
   LAGA_CHECK(j.is_object(), source, ": expected a JSON object with the model's dimensions");
+  // A multimodal Hugging Face config (Kimi K3's) keeps the language model's
+  // keys under text_config.
+  if (const auto t = j.find("text_config");
+      t != j.end() && t->is_object() && !j.contains("hidden_size") && !j.contains("dim"))
+    return from_json(*t, source + " text_config");
   MlaConfig c;
   // Unlike ModelArgs' defaults, a JSON that omits a dimension is an error: a
   // silently defaulted head count gives silently wrong numbers.
