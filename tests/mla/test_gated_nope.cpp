@@ -22,8 +22,10 @@
 #include "common/check.hpp"
 #include "common/naive_mla.hpp"
 #include "common/variants.hpp"
+#include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "mla/comm_model.hpp"
+#include "mla/ops_bf16.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
@@ -309,6 +311,61 @@ TEST(GatedNope, TheGateAndNopeEachChangeTheOutput) {
   EXPECT_EQ(on.softmax_scale(), 1.0 / std::sqrt(12.0)) << "NoPE: (dn + dr)^-1/2, no YaRN mscale";
   EXPECT_FALSE(on.yarn());
   EXPECT_TRUE(roped.yarn());
+}
+
+// bf16 mixed precision (--dtype bf16): every form with the gate and NoPE
+// within the bounds ops_bf16.hpp derives for the block (the gate's branch,
+// x wg^T and its sigmoid, runs beside the attention's path and rounds no
+// more than it: o's rounding as wo's operand becomes y's), against float64
+// explicit on the same values, P 1 to 8.
+TEST(GatedNope, Bf16EveryFormWithinTheBlocksBounds) {
+  const double out_bound = bf16_bound_vs_exact(BlockTensor::output),
+               grad_bound = bf16_bound_vs_exact(BlockTensor::gradient);
+  for (std::int64_t rq : {0, 7})
+    for (std::int64_t dr : {0, 4}) {
+      const MlaConfig cfg = gated_nope(rq, dr);
+      const std::int64_t B = 2, S = 13;
+      const test::BlockInputs<float> in = test::make_inputs(cfg, B, S);
+      auto wd = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+      std::vector<const TensorF*> from;
+      in.w.for_each([&](const std::string&, const TensorF& t) { from.push_back(&t); });
+      std::size_t k = 0;
+      wd.for_each([&](const std::string&, TensorD& t) {
+        for (std::int64_t j = 0; j < t.numel(); ++j) t[j] = (*from[k])[j];
+        ++k;
+      });
+      TensorD xd({B, S, cfg.dim}), gd({B, S, cfg.dim});
+      for (std::int64_t j = 0; j < xd.numel(); ++j) xd[j] = in.x[j], gd[j] = in.dout[j];
+      RunSpec spec;
+      spec.variant.form = Form::explicit_form;
+      const BlockRun<double> exact =
+          run_local(cfg, SpLayout::even(B, S, cfg.n_heads, 1), wd, xd, gd, spec);
+      for (const SpLayout& lay :
+           {SpLayout::even(B, S, cfg.n_heads, 1), SpLayout::custom(B, {5, 4, 4}, {2, 2, 1}),
+            SpLayout::custom(B, {2, 2, 2, 2, 2, 1, 1, 1}, {1, 1, 1, 1, 1, 0, 0, 0})})
+        for (FormVariant v : test::form_variants(cfg, test::WithOverlap::no)) {
+          const UsePrecision bf16(Precision::bf16);
+          const BlockRun<float> run =
+              run_local(cfg, lay, in.w, in.x, in.dout, spec_of(v, AttentionKind::flash));
+          const std::string tag = name_of(cfg) + " bf16 " + to_string(v) + " " + lay.describe();
+          auto rel = [](const auto& a, const TensorD& b) {
+            double m = 0, r = 0;
+            for (std::int64_t j = 0; j < b.numel(); ++j) {
+              m = std::max(m, std::abs(double(a[j]) - b[j]));
+              r = std::max(r, std::abs(b[j]));
+            }
+            return m / r;
+          };
+          EXPECT_LE(rel(run.out, exact.out), out_bound) << tag << " out";
+          EXPECT_LE(rel(run.dx, exact.dx), grad_bound) << tag << " dx";
+          std::vector<const TensorD*> refs;
+          exact.grads.for_each([&](const std::string&, const TensorD& t) { refs.push_back(&t); });
+          std::size_t i = 0;
+          run.grads.for_each([&](const std::string& n, const TensorF& t) {
+            EXPECT_LE(rel(t, *refs[i++]), grad_bound) << tag << " grad." << n;
+          });
+        }
+    }
 }
 
 }  // namespace
