@@ -101,8 +101,33 @@ def main():
         json.dump(dict(cfg, mla_use_nope="yes"), f)
     refused(laga(exe, ["forward", "--config", cfg_path, "--weights", no_gate_w] + common),
             "'mla_use_nope' must be true or false", "a non-boolean mla_use_nope")
+    # `laga plan` at Kimi K3's attention dims (its config.json keys, under
+    # text_config as Kimi ships them), dr 64 unrotated and dr 0: every form
+    # planned, the latent forms sending less than explicit.
+    k3 = {"model_type": "kimi_k3", "hidden_size": 7168, "num_attention_heads": 96,
+          "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+          "mla_use_output_gate": True, "rope_scaling": None,
+          "max_position_embeddings": 1048576}
+    plans = 0
+    for name, text in (("k3", {"text_config": k3}), ("k3 dr 0", dict(k3, qk_rope_head_dim=0))):
+        cfg_path = os.path.join(work, "plan.json")
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump(text, f)
+        out = os.path.join(work, "plan-out.json")
+        p = laga(exe, ["plan", "--config", cfg_path, "--seq", "32768", "--sp", "8",
+                       "--profile", "h100", "--json", out])
+        if p.returncode != 0:
+            sys.exit(f"FAIL: laga plan on {name}: exited {p.returncode}: {p.stderr}")
+        rows = {r["form"]: r for r in json.load(open(out, encoding="utf-8"))["plans"]}
+        if len(rows) < 9 or not all(r["predicted_step_s"] > 0 for r in rows.values()):
+            sys.exit(f"FAIL: laga plan on {name}: forms {sorted(rows)}")
+        for latent in ("laga", "laga_fused", "ring_latent"):
+            if not rows[latent]["bytes_sent_per_rank"] < rows["explicit"]["bytes_sent_per_rank"]:
+                sys.exit(f"FAIL: laga plan on {name}: {latent} sends no less than explicit")
+        plans += 1
     print(f"ok: {runs} laga forward runs equal Kimi's attention (worst {worst:.2e} of the "
-          f"largest value); 3 refusals")
+          f"largest value); 3 refusals; {plans} plans at Kimi K3 dims")
     return 0
 
 
