@@ -57,6 +57,8 @@ void MlaConfig::validate() const {
   LAGA_CHECK(qk_rope_head_dim >= 0,
              "config: qk_rope_head_dim must be 0 (no rope part) or positive, got ",
              qk_rope_head_dim);
+  LAGA_CHECK(!(mla_use_nope && yarn_always),
+             "config: mla_use_nope is true but yarn_always is set; NoPE rotates nothing");
   positive(v_head_dim, "v_head_dim");
   LAGA_CHECK(q_lora_rank >= 0, "config: q_lora_rank must be 0 (no q compression) or positive, got ",
              q_lora_rank);
@@ -214,8 +216,6 @@ void read_kimi_keys(const json& j, MlaConfig& c, const std::string& source) {
                "mscale) cannot apply: remove '",
                k, "' or set mla_use_nope false");
   }
-  if (c.yarn_always)
-    fail(source, ": mla_use_nope is true but yarn_always is set; NoPE rotates nothing");
 }
 
 // The RoPE block of a Hugging Face config.json, by transformers' own rules:
@@ -348,6 +348,7 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
       t != j.end() && t->is_object() && !j.contains("hidden_size") && !j.contains("dim"))
     return from_json(*t, source + " text_config");
   MlaConfig c;
+  read_kimi_keys(j, c, source);
   // Unlike ModelArgs' defaults, a JSON that omits a dimension is an error: a
   // silently defaulted head count gives silently wrong numbers.
   auto need = [&](const char* key, std::int64_t& out) {
@@ -370,7 +371,6 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
     c.max_seq_len = max_pos;
     c.original_seq_len = max_pos;  // no YaRN unless the rope block says so
     read_hf_rope(j, c, source);
-    read_kimi_keys(j, c, source);
   } else {  // DeepSeek inference ModelArgs (or laga's own, which adds norm_eps)
     need("dim", c.dim);
     need("n_heads", c.n_heads);
@@ -396,7 +396,6 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
       LAGA_CHECK(y->is_boolean(), source, ": 'yarn_always' must be true or false, got ", y->dump());
       c.yarn_always = y->get<bool>();
     }
-    read_kimi_keys(j, c, source);
   }
   try {
     c.validate();
@@ -459,22 +458,20 @@ json MlaConfig::to_json() const {
          {"beta_slow", beta_slow},
          {"mscale", mscale},
          {"norm_eps", norm_eps}};
+  // Kimi K3's keys, written only when on, so every other config's JSON is
+  // what it was.
+  if (mla_use_nope) j["mla_use_nope"] = true;
+  if (mla_use_output_gate) j["mla_use_output_gate"] = true;
   // laga's own key, written only when set (Hugging Face's rule, above), so
   // a ModelArgs-rule config's JSON is what it always was.
   if (yarn_always) j["yarn_always"] = true;
-  // Kimi K3's keys likewise, written only when on.
-  if (mla_use_nope) j["mla_use_nope"] = true;
-  if (mla_use_output_gate) j["mla_use_output_gate"] = true;
   return j;
 }
 
 std::string MlaConfig::summary() const {
   return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank,
              " dn=", qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
-             !rotates() ? std::string(" nope")
-             : yarn()   ? cat(" yarn(factor=", rope_factor, ")")
-                        : std::string(" rope"),
-             mla_use_output_gate ? " gated" : "");
+             yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"));
 }
 
 }  // namespace laga

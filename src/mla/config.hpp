@@ -68,15 +68,15 @@ struct MlaConfig {
   double beta_fast = 32.0;
   double beta_slow = 1.0;
   double mscale = 1.0;
+  // Kimi K3 (config.json keys of the same names): no rotation anywhere, and
+  // the full-rank, channel-wise sigmoid output gate wg (H*dv, D).
+  bool mla_use_nope = false;
+  bool mla_use_output_gate = false;
   // kv_norm and q_norm. DeepSeek's model.py, its modeling_deepseek.py and
   // transformers all build them with 1e-6 whatever a config.json's
   // rms_norm_eps says (that key is the decoder layers' norms): a Hugging
   // Face config leaves it at 1e-6; laga's own JSON may set it (norm_eps).
   double norm_eps = 1e-6;
-  // Kimi K3 (config.json keys of the same names): no rotation anywhere, and
-  // the full-rank, channel-wise sigmoid output gate wg (H*dv, D).
-  bool mla_use_nope = false;
-  bool mla_use_output_gate = false;
 
   std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   // Never with nothing to rotate (NoPE): no YaRN, no mscale on the softmax
