@@ -80,6 +80,15 @@ def _read_float(j, key, source):
     return f
 
 
+# What laga_torch refuses that the C++ tool runs (docs/pytorch.md): Kimi K3's
+# gated NoPE MLA (docs/mla-math.md, "Gated NoPE MLA").
+NOPE_REFUSAL = ("{source}: {what}: Kimi K3's gated NoPE MLA (mla_use_nope, "
+                "mla_use_output_gate, qk_rope_head_dim 0) is not implemented in laga_torch, "
+                "whose MLA module always rotates qk_rope_head_dim > 0 dims and has no output "
+                "gate; run it with the C++ tool (laga forward / compare / train), which does "
+                "(docs/forms.md, \"Gated NoPE MLA\")")
+
+
 def _read_bool(j, key, source):
     v = j.get(key)
     if v is None:
@@ -246,6 +255,8 @@ class MLAConfig:
         if not isinstance(self.yarn_always, bool):
             raise ArgumentTypeError(f"{source}: yarn_always must be True or False, got "
                                     f"{self.yarn_always!r}")
+        if self.qk_rope_head_dim == 0:
+            raise ValueError(NOPE_REFUSAL.format(source=source, what="qk_rope_head_dim 0"))
         for k in ("dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                   "v_head_dim"):
             if getattr(self, k) <= 0:
@@ -312,6 +323,14 @@ class MLAConfig:
         refusals (ValueError naming the key)."""
         if not isinstance(j, dict):
             raise ValueError(f"{source}: expected a JSON object with the model's dimensions")
+        text = j.get("text_config")  # a multimodal config (Kimi K3's), as the C++ reads it
+        if isinstance(text, dict) and "hidden_size" not in j and "dim" not in j:
+            return cls.from_json(text, source + " text_config")
+        # Kimi K3's gated NoPE MLA: the C++ tool runs it, this package's module
+        # does not (it would rotate, and drop the gate): refused by name.
+        for key in ("mla_use_nope", "mla_use_output_gate"):
+            if _read_bool(j, key, source):
+                raise ValueError(NOPE_REFUSAL.format(source=source, what=f"'{key}' true"))
 
         def need(key):
             v = _read_int(j, key, source)

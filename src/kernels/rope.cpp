@@ -37,7 +37,8 @@ std::vector<double> rope_frequencies(const RopeParams& p) {
 
 RopeTable::RopeTable(const RopeParams& p, std::int64_t positions)
     : dim_(p.dim), positions_(positions) {
-  LAGA_CHECK(p.dim > 0 && p.dim % 2 == 0, "rope: qk_rope_head_dim must be even and positive, got ",
+  // dim 0: nothing rotates (NoPE); an empty table that no kernel reads.
+  LAGA_CHECK(p.dim >= 0 && p.dim % 2 == 0, "rope: qk_rope_head_dim must be even and >= 0, got ",
              p.dim);
   const auto freqs = rope_frequencies(p);
   const std::int64_t half = dim_ / 2;
@@ -52,7 +53,8 @@ RopeTable::RopeTable(const RopeParams& p, std::int64_t positions)
 }
 
 RopeTable RopeTable::unbacked(const RopeParams& p, std::int64_t positions) {
-  LAGA_CHECK(p.dim > 0 && p.dim % 2 == 0, "rope: qk_rope_head_dim must be even and positive, got ",
+  // dim 0: nothing rotates (NoPE); an empty table that no kernel reads.
+  LAGA_CHECK(p.dim >= 0 && p.dim % 2 == 0, "rope: qk_rope_head_dim must be even and >= 0, got ",
              p.dim);
   return RopeTable(p.dim, positions);
 }

@@ -24,7 +24,7 @@
 namespace laga {
 
 struct RopeParams {
-  std::int64_t dim = 64;  // qk_rope_head_dim, even
+  std::int64_t dim = 64;  // qk_rope_head_dim, even; 0: no rotation (NoPE)
   double theta = 10000.0;
   bool yarn = false;
   double factor = 40.0;
@@ -44,7 +44,7 @@ class RopeTable {
   // kernel reads it and a table of every position would cost memory in
   // proportion to the sequence (rope_apply must not be given one).
   static RopeTable unbacked(const RopeParams& p, std::int64_t positions);
-  bool backed() const { return !cos_.empty() || positions_ == 0; }
+  bool backed() const { return !cos_.empty() || positions_ == 0 || dim_ == 0; }
   std::int64_t dim() const { return dim_; }
   std::int64_t positions() const { return positions_; }
   double cos(std::int64_t pos, std::int64_t i) const { return cos_[idx(pos, i)]; }

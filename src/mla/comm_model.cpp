@@ -143,11 +143,13 @@ CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant
     // rather than taken from mla_param_shapes (which also allocates and
     // reduces the gradients), so that this term is a check on that code:
     //   wq (H dqk, D) | wq_a (rq, D) + q_norm (rq) + wq_b (H dqk, rq)
-    //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv)
+    //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv),
+    //   and Kimi K3's output gate wg (H dv, D)
     const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
     const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = C + c.qk_rope_head_dim;
     const std::int64_t q = rq == 0 ? H * dqk * D : rq * D + rq + H * dqk * rq;
-    const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv;
+    const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv +
+                           (c.mla_use_output_gate ? H * dv * D : 0);
     // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
     // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
     const std::int64_t own = all_reduce_chunk(n, P, r);

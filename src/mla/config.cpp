@@ -27,7 +27,7 @@ double MlaConfig::softmax_scale() const {
 
 RopeParams MlaConfig::rope() const {
   RopeParams p;
-  p.dim = qk_rope_head_dim;
+  p.dim = rotates() ? qk_rope_head_dim : 0;  // NoPE: an empty table, nothing rotated
   p.theta = rope_theta;
   p.yarn = yarn();
   p.factor = rope_factor;
@@ -53,7 +53,13 @@ void MlaConfig::validate() const {
   positive(n_heads, "n_heads");
   positive(kv_lora_rank, "kv_lora_rank");
   positive(qk_nope_head_dim, "qk_nope_head_dim");
-  positive(qk_rope_head_dim, "qk_rope_head_dim");
+  // qk_rope_head_dim may be 0: NoPE MLA (GLM-5.3-Flash's DSA layers; Kimi
+  // K3 keeps 64 unrotated dims instead, mla_use_nope).
+  LAGA_CHECK(qk_rope_head_dim >= 0,
+             "config: qk_rope_head_dim must be 0 (no rope part) or positive, got ",
+             qk_rope_head_dim);
+  LAGA_CHECK(!(mla_use_nope && yarn_always),
+             "config: mla_use_nope is true but yarn_always is set; NoPE rotates nothing");
   positive(v_head_dim, "v_head_dim");
   LAGA_CHECK(q_lora_rank >= 0, "config: q_lora_rank must be 0 (no q compression) or positive, got ",
              q_lora_rank);
@@ -82,7 +88,7 @@ void MlaConfig::validate() const {
   LAGA_CHECK(original_seq_len <= kMaxSeqLen && max_seq_len <= kMaxSeqLen,
              "config: original_seq_len ", original_seq_len, " / max_seq_len ", max_seq_len,
              " beyond ", kMaxSeqLen, " tokens; check the config");
-  if (yarn()) {
+  if (yarn() && rotates()) {
     // YaRN stretches the context by rope_factor; 1e308 overflows its
     // frequency arithmetic. No model extends its context a million-fold.
     LAGA_CHECK(std::isfinite(rope_factor) && rope_factor <= kMaxRopeFactor, "config: rope_factor ",
@@ -203,6 +209,37 @@ bool read_key(const json& j, const char* key, V& out, const std::string& source)
                "' must be finite, got ", it->dump());
   }
   return true;
+}
+
+// A boolean key: absent or null leaves `out`; anything but true/false is
+// refused naming the key.
+bool read_bool_key(const json& j, const char* key, bool& out, const std::string& source) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return false;
+  LAGA_CHECK(it->is_boolean(), source, ": '", key, "' must be true or false, got ", it->dump());
+  out = it->get<bool>();
+  return true;
+}
+
+// Kimi K3's two MLA switches (its config.json names, read under either key
+// set): mla_use_nope and mla_use_output_gate. A NoPE config with a RoPE
+// scaling block is contradictory (nothing rotates, yet YaRN would change the
+// softmax scale): refused, naming both keys.
+void read_kimi_keys(const json& j, MlaConfig& c, const std::string& source) {
+  read_bool_key(j, "mla_use_nope", c.mla_use_nope, source);
+  read_bool_key(j, "mla_use_output_gate", c.mla_use_output_gate, source);
+  if (!c.mla_use_nope) return;
+  for (const char* k : {"rope_scaling", "rope_parameters"}) {
+    const auto it = j.find(k);
+    if (it == j.end() || it->is_null() || !it->is_object()) continue;
+    const auto type = it->find("type") != it->end() ? it->find("type") : it->find("rope_type");
+    const bool plain =
+        type == it->end() || (type->is_string() && type->get<std::string>() == "default");
+    LAGA_CHECK(plain, source, ": mla_use_nope is true but '", k, "' asks for ", type->dump(),
+               " RoPE scaling; with NoPE nothing rotates, so the scaling (and its softmax "
+               "mscale) cannot apply: remove '",
+               k, "' or set mla_use_nope false");
+  }
 }
 
 // The RoPE block of a Hugging Face config.json, by transformers' own rules:
@@ -329,7 +366,13 @@ bool read_config_key(const json& j, const char* key, double& out, const std::str
 
 MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
   LAGA_CHECK(j.is_object(), source, ": expected a JSON object with the model's dimensions");
+  // A multimodal Hugging Face config (Kimi K3's) keeps the language model's
+  // keys under text_config.
+  if (const auto t = j.find("text_config");
+      t != j.end() && t->is_object() && !j.contains("hidden_size") && !j.contains("dim"))
+    return from_json(*t, source + " text_config");
   MlaConfig c;
+  read_kimi_keys(j, c, source);
   // Unlike ModelArgs' defaults, a JSON that omits a dimension is an error: a
   // silently defaulted head count gives silently wrong numbers.
   auto need = [&](const char* key, std::int64_t& out) {
@@ -444,6 +487,10 @@ json MlaConfig::to_json() const {
          {"beta_slow", beta_slow},
          {"mscale", mscale},
          {"norm_eps", norm_eps}};
+  // Kimi K3's keys, written only when on, so every other config's JSON is
+  // what it was.
+  if (mla_use_nope) j["mla_use_nope"] = true;
+  if (mla_use_output_gate) j["mla_use_output_gate"] = true;
   // laga's own key, written only when set (Hugging Face's rule, above), so
   // a ModelArgs-rule config's JSON is what it always was.
   if (yarn_always) j["yarn_always"] = true;

@@ -4,6 +4,11 @@
 //   D   dim                 H   n_heads             rq  q_lora_rank (0: wq)
 //   C   kv_lora_rank        dn  qk_nope_head_dim    dr  qk_rope_head_dim
 //   dv  v_head_dim
+//
+// Kimi K3's gated NoPE MLA (docs/mla-math.md, "Gated NoPE MLA") under its
+// config.json names: mla_use_nope (the dr "rope" dims are kept, k_pe shared
+// over heads, but never rotated; dr may also be 0) and mla_use_output_gate
+// (o = o_heads * sigmoid(x wg^T) before wo).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +68,10 @@ struct MlaConfig {
   double beta_fast = 32.0;
   double beta_slow = 1.0;
   double mscale = 1.0;
+  // Kimi K3 (config.json keys of the same names): no rotation anywhere, and
+  // the full-rank, channel-wise sigmoid output gate wg (H*dv, D).
+  bool mla_use_nope = false;
+  bool mla_use_output_gate = false;
   // kv_norm and q_norm. DeepSeek's model.py, its modeling_deepseek.py and
   // transformers all build them with 1e-6 whatever a config.json's
   // rms_norm_eps says (that key is the decoder layers' norms): a Hugging
@@ -79,11 +88,16 @@ struct MlaConfig {
 
   bool dsa() const { return index_topk > 0; }
   std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  bool yarn() const { return yarn_always || max_seq_len > original_seq_len; }
+  // Never with nothing to rotate (NoPE): no YaRN, no mscale on the softmax
+  // (Kimi K3's scale is (dn + dr)^-1/2).
+  bool yarn() const { return rotates() && (yarn_always || max_seq_len > original_seq_len); }
   // (dn + dr)^-1/2, times mscale^2 with mscale = 0.1 * mscale * ln(factor) + 1
   // under YaRN (DeepSeek-V3 MLA.__init__).
   double softmax_scale() const;
+  // dim 0 when nothing rotates (mla_use_nope, or qk_rope_head_dim 0): the
+  // RoPE op is then skipped (mla/ops.hpp, ops::rope).
   RopeParams rope() const;
+  bool rotates() const { return !mla_use_nope && qk_rope_head_dim > 0; }
 
   // Throws laga::Error naming the first bad field and the fix.
   void validate() const;

@@ -148,6 +148,10 @@ struct InputSaved {
   Tensor<T> kv_a;        // rq == 0: (B, L, C+dr): [c | k_pe], k_pe rotated
   Tensor<T> q_rstd, qn;  // rq > 0: q_norm's rstd (B, L) and output (B, L, rq)
   Tensor<T> kv_rstd;     // (B, L)
+  // mla_use_output_gate (Kimi K3): the gate's logits g = x wg^T (B, L, H dv),
+  // kept to the output projection's backward; its gradient dg there, which
+  // project_in_backward takes to dx and wg's gradient.
+  Tensor<T> gate, dgate;
   // kv_a (B L, C+dr) wherever it is (proj's columns, or its copy).
   ops::Mat<const T> kv_a_rows(const Step& st) const {
     return kv_a.defined() ? ops::mat(kv_a) : ops::mat(proj).col_range(st.Nq, st.W);
@@ -237,13 +241,25 @@ struct Pieces {
                                  Tensor<T>& stats);
 
   // o_h (B, S, H_r, dv) to heads of local tokens, o_loc (B, L, H*dv), returned
-  // (saved for wo's gradient); out (B, L, D) = o_loc wo^T.
-  static Tensor<T> project_out(const Step& st, const MlaParams<T>& w, const Tensor<T>& o_h,
-                               Tensor<T>& out);
+  // (saved for wo's gradient); out (B, L, D) = output_projection(o_loc).
+  static Tensor<T> project_out(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in,
+                               const Tensor<T>& o_h, Tensor<T>& out);
   // dout -> wo's gradient (frees o_loc); returns do_h (B, S, H_r, dv).
-  static Tensor<T> project_out_backward(const Step& st, const MlaParams<T>& w,
+  static Tensor<T> project_out_backward(const Step& st, const MlaParams<T>& w, InputSaved<T>& in,
                                         const Tensor<T>& dout, Tensor<T>& o_loc,
                                         MlaParams<T>& grads);
+  // The output projection of the local tokens' heads o_loc (B, L, H dv),
+  // every form's last step: out (B, L, D) = o_loc wo^T, or with Kimi K3's
+  // output gate (o_loc * sigmoid(in.gate)) wo^T (docs/mla-math.md, "Gated
+  // NoPE MLA"). o_loc itself stays ungated (the attention's backward reads it).
+  static void output_projection(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in,
+                                const Tensor<T>& o_loc, Tensor<T>& out);
+  // Its backward: do_loc (B, L, H dv, allocated here) = d o_loc, wo's
+  // gradient added, and with the gate in.dgate = d g (in.gate freed).
+  static Tensor<T> output_projection_backward(const Step& st, const MlaParams<T>& w,
+                                              InputSaved<T>& in, const Tensor<T>& dout,
+                                              const Tensor<T>& o_loc, MlaParams<T>& grads,
+                                              const char* name);
 
   // From the queries' gradient and dlat_loc (B, L, C+dr) = d[c_hat | k_pe]
   // (before the inverse rotation) to dx and the wq*, q_norm, wkv_a, kv_norm
@@ -366,7 +382,8 @@ struct HeadAttention {
   Tensor<T> o_att;          // (B, S, H_r, dv): flash's backward reads it; eager's does not
   Tensor<T> stats;
   // Runs it and returns out (B, L, D); keeps o_loc for wo's gradient.
-  void forward(const Step& st, const MlaParams<T>& w, Tensor<T>& out, Tensor<T>& o_loc);
+  void forward(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in, Tensor<T>& out,
+               Tensor<T>& o_loc);
   // do_h in; dq_h, dk_h, dv_h (B, S, H_r, .) out; frees what it saved.
   struct Grads {
     Tensor<T> dq_h, dk_h, dv_h;

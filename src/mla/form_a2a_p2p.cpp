@@ -137,7 +137,7 @@ struct A2aP2pTape final : Tape<T> {
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     // q_h, dO and the blocks stay narrowed: as ring.hpp's RingTape.
-    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = P::project_out_backward(st, w, in, dout, o_loc, grads);
     ops::keep_narrowed(do_h);
     auto [dq_h, acc] = att.backward(st, ring_of(st), w, codec, q_h, own, o_att, do_h, grads);
     do_h.reset(), o_att.reset(), own.reset(), q_h.reset();
@@ -161,7 +161,7 @@ std::unique_ptr<Tape<T>> a2a_p2p_forward(const Step& st, const MlaParams<T>& w, 
   // likewise (ring.hpp, the top).
   ops::keep_narrowed(t->q_h), ops::keep_narrowed(t->own);
   t->o_att = t->att.forward(st, ring_of(st), w, t->codec, t->q_h, t->own);
-  t->o_loc = P::project_out(st, w, t->o_att, out);
+  t->o_loc = P::project_out(st, w, t->in, t->o_att, out);
   return t;
 }
 

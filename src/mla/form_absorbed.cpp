@@ -53,7 +53,7 @@ struct AbsorbedTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = P::project_out_backward(st, w, in, dout, o_loc, grads);
 
     // Through o = o_lat W_UV^T.
     Tensor<T> do_lat({st.B, st.S, st.Hr, st.C}, "do_lat");
@@ -146,7 +146,7 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
       ops::gemm(oh.col_range(h * st.dv, st.dv), T(0), ol.col_range(h * st.C, st.C), false,
                 Tp::w_uv(st, w.wkv_b, h), true);
   }
-  t->o_loc = P::project_out(st, w, o_h, out);
+  t->o_loc = P::project_out(st, w, t->in, o_h, out);
   // Backward reads q_abs, lat and v_lat only as attention's operands and
   // q_h as W_UK's gradient's GEMM operand, each rounded there: kept at 2
   // bytes (ops::keep_narrowed). o_lat stays fp32 (flash's D reads it).

@@ -49,11 +49,7 @@ struct AllgatherKvTape final : Tape<T> {
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     // do (B, L, H dv) = dout wo; wo += dout^T o. Flash's backward reads o
     // as its o_att; eager's does not.
-    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
-    {
-      ops::Mat<T> do_m = mat(do_loc);
-      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
-    }
+    Tensor<T> do_loc = P::output_projection_backward(st, w, in, dout, o_loc, grads, "do_h");
     if (st.ctx.attention == AttentionKind::flash) att.o_att = std::move(o_loc);
     o_loc.reset();
     auto [dq, dk_all, dv_all] = att.backward(st, do_loc);
@@ -118,8 +114,7 @@ std::unique_ptr<Tape<T>> allgather_kv_forward(const Step& st, const MlaParams<T>
   // The output is already the rank's tokens with all heads: o_loc.
   t->o_loc = std::move(a.o_att);
   t->o_loc.reshape({st.B, st.L, st.H * st.dv});
-  out = Tensor<T>({st.B, st.L, st.D}, "out");
-  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
+  P::output_projection(st, w, t->in, t->o_loc, out);
   return t;
 }
 

@@ -22,7 +22,7 @@ struct ExplicitTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = P::project_out_backward(st, w, in, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
     Tensor<T> dproj;  // rq == 0: dq lands in it
     Tensor<T> dq_loc = P::queries_to_tokens(st, dq_h, dproj);
@@ -53,7 +53,7 @@ std::unique_ptr<Tape<T>> explicit_forward(const Step& st, const MlaParams<T>& w,
   a.q_h = P::queries_to_heads(st, w, t->in);
   a.k_h = P::to_heads(st, k_loc, st.dqk, "k_a2a", "k_h");
   a.v_h = P::to_heads(st, v_loc, st.dv, "v_a2a", "v_h");
-  a.forward(st, w, out, t->o_loc);
+  a.forward(st, w, t->in, out, t->o_loc);
   return t;
 }
 

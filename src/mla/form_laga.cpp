@@ -44,7 +44,7 @@ struct LagaTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    Tensor<T> do_h = Pieces<T>::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = Pieces<T>::project_out_backward(st, w, inputs.in, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
     inputs.backward(st, w, x, dq_h, dk_h, dv_h, dx, grads);
   }
@@ -56,7 +56,7 @@ std::unique_ptr<Tape<T>> laga_forward(const Step& st, const MlaParams<T>& w, con
   auto t = std::make_unique<LagaTape<T>>();
   auto [q_h, k_h, v_h] = t->inputs.forward(st, w, x);
   t->att.q_h = std::move(q_h), t->att.k_h = std::move(k_h), t->att.v_h = std::move(v_h);
-  t->att.forward(st, w, out, t->o_loc);
+  t->att.forward(st, w, t->inputs.in, out, t->o_loc);
   return t;
 }
 

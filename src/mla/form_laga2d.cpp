@@ -52,7 +52,7 @@ struct Laga2dTape final : Tape<T> {
 
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
-    Tensor<T> do_h = P::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = P::project_out_backward(st, w, inputs.in, dout, o_loc, grads);
     auto [dq_h, dk_h, dv_h] = att.backward(st, do_h);
     inputs.backward(st, w, x, dq_h, dk_h, dv_h, dx, grads);
   }
@@ -67,7 +67,7 @@ std::unique_ptr<Tape<T>> laga2d_forward(const Step& st, const MlaParams<T>& w, c
   auto [q_h, k_h, v_h] = t->inputs.forward(st, w, x);
   a.q_h = std::move(q_h), a.k_h = std::move(k_h), a.v_h = std::move(v_h), a.kv_rows = st.Sk;
   a.forward(st);
-  t->o_loc = P::project_out(st, w, a.o_att, out);
+  t->o_loc = P::project_out(st, w, t->inputs.in, a.o_att, out);
   if (st.ctx.attention == AttentionKind::eager) a.o_att.reset();  // only flash's backward reads o
   return t;
 }

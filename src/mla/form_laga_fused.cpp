@@ -50,7 +50,7 @@ struct LagaFusedTape final : Tape<T> {
     // The kernel reads q and the latent in fp32: widened first, while the
     // least is live (each is briefly there in both widths).
     ops::widen_kept(q_h), ops::widen_kept(inputs.lat);
-    Tensor<T> do_h = Pieces<T>::project_out_backward(st, w, dout, o_loc, grads);
+    Tensor<T> do_h = Pieces<T>::project_out_backward(st, w, inputs.in, dout, o_loc, grads);
     Tensor<T> dq_h({st.B, st.S, st.Hr, st.dqk}, "dq_h");
     // The kernel writes dc and dk_pe of every key; a rank without heads
     // (P > H) runs no kernel and sends zero.
@@ -82,7 +82,7 @@ std::unique_ptr<Tape<T>> laga_fused_forward(const Step& st, const MlaParams<T>& 
   t->lse = Tensor<T>({st.B, st.Hr, st.S}, "attn_stats flash lse");
   ops::fused_latent_attention_forward(latent_operands(st, w, t->q_h, t->inputs.lat),
                                       t->o_att.data(), t->lse.data(), t->kept);
-  t->o_loc = Pieces<T>::project_out(st, w, t->o_att, out);
+  t->o_loc = Pieces<T>::project_out(st, w, t->inputs.in, t->o_att, out);
   // q_h and the gathered latent hold bf16 values (rounded where made,
   // moved as bf16): kept at 2 bytes until backward widens them.
   ops::keep_narrowed(t->q_h), ops::keep_narrowed(t->inputs.lat);

@@ -15,11 +15,11 @@ namespace laga::detail {
 using ops::mat;
 
 template <class T>
-void HeadAttention<T>::forward(const Step& st, const MlaParams<T>& w, Tensor<T>& out,
-                               Tensor<T>& o_loc) {
+void HeadAttention<T>::forward(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in,
+                               Tensor<T>& out, Tensor<T>& o_loc) {
   o_att = Tensor<T>({st.B, st.S, st.Hr, st.dv}, "o_att");
   stats = Pieces<T>::attention_forward(st, st.head_attention(), o_att, q_h, k_h, v_h);
-  o_loc = Pieces<T>::project_out(st, w, o_att, out);
+  o_loc = Pieces<T>::project_out(st, w, in, o_att, out);
   if (st.ctx.attention == AttentionKind::eager) o_att.reset();  // only flash's backward reads o
   // Backward reads q, k, v only as attention's operands, rounded there (o_att
   // stays fp32: flash's backward reads it in fp32, for D = rowsum(dO o)).

@@ -132,6 +132,9 @@ std::int64_t saved_for_backward_elements(const MlaConfig& c, const SpLayout& lay
   // o_loc for wo's gradient.
   std::int64_t n = B * L * D + B * L * sh.W + B * L + B * L * H * sh.dv;
   if (rq > 0) n += 2 * B * L * rq + B * L;
+  // Kimi K3's output gate: its logits x wg^T (B, L, H dv), for the gate's
+  // backward (the gated output is made again there, not saved).
+  if (c.mla_use_output_gate) n += B * L * H * sh.dv;
   // --q-latent: the exchanged qn of the attention's query rows (B, Sq, rq),
   // which wq_b's gradient reads, replaces the local tokens' qn (B, L, rq).
   if (variant.queries == QueryExchange::latent) n += B * sh.Sq * rq - B * L * rq;

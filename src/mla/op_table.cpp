@@ -50,6 +50,10 @@ const char* to_string(ops::Op op) {
       return "swiglu_forward";
     case Op::swiglu_backward:
       return "swiglu_backward";
+    case Op::output_gate_forward:
+      return "output_gate_forward";
+    case Op::output_gate_backward:
+      return "output_gate_backward";
     case Op::cross_entropy:
       return "cross_entropy";
     case Op::cross_entropy_backward:

@@ -111,6 +111,9 @@ enum class Op {
   // embedding_backward  in: dout (rows, cols), ids; out: dtable (added to).
   // swiglu_forward      shape.rows elements; in: a, b; out: h = silu(a) b.
   // swiglu_backward     in: dh, a, b; out: da, db.
+  // output_gate_forward  shape.rows elements; in: o, g; out: y = o sigmoid(g)
+  //                     (Kimi K3's MLA output gate, kernels/output_gate.hpp).
+  // output_gate_backward in: dy, o, g; out: do, dg.
   // cross_entropy       shape.rows x shape.cols logits; in: logits, targets
   //                     (int32); out: loss (rows), lse (double, rows).
   // cross_entropy_backward  in: logits, lse (double), targets; out: dlogits
@@ -121,6 +124,8 @@ enum class Op {
   embedding_backward,
   swiglu_forward,
   swiglu_backward,
+  output_gate_forward,
+  output_gate_backward,
   cross_entropy,
   cross_entropy_backward,
   adamw,

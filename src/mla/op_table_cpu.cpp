@@ -21,6 +21,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "kernels/lse_merge.hpp"
+#include "kernels/output_gate.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
@@ -290,6 +291,17 @@ void run_swiglu_backward(const OpCall& c) {
                   static_cast<const T*>(c.in[2]), c.shape.rows);
 }
 template <class T>
+void run_output_gate(const OpCall& c) {
+  output_gate_forward(static_cast<T*>(c.out[0]), static_cast<const T*>(c.in[0]),
+                      static_cast<const T*>(c.in[1]), c.shape.rows);
+}
+template <class T>
+void run_output_gate_backward(const OpCall& c) {
+  output_gate_backward(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                       static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                       static_cast<const T*>(c.in[2]), c.shape.rows);
+}
+template <class T>
 void run_cross_entropy(const OpCall& c) {
   cross_entropy_forward(static_cast<T*>(c.out[0]), static_cast<double*>(c.out[1]),
                         static_cast<const T*>(c.in[0]), static_cast<const std::int32_t*>(c.in[1]),
@@ -513,6 +525,14 @@ const KernelRow kRows[] = {
     {Device::cpu, Op::swiglu_backward, "swiglu", &f64_f32_bf16,
      [](const OpCall& c) { by_dtype(c, [&](auto t) { run_swiglu_backward<decltype(t)>(c); }); }, 0,
      Bf16Operands::fp32_values},
+    {Device::cpu, Op::output_gate_forward, "output_gate", &f64_f32_bf16,
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_output_gate<decltype(t)>(c); }); }, 0,
+     Bf16Operands::fp32_values},
+    {Device::cpu, Op::output_gate_backward, "output_gate", &f64_f32_bf16,
+     [](const OpCall& c) {
+       by_dtype(c, [&](auto t) { run_output_gate_backward<decltype(t)>(c); });
+     },
+     0, Bf16Operands::fp32_values},
     {Device::cpu, Op::cross_entropy, "cross_entropy", &f64_f32_bf16,
      [](const OpCall& c) { by_dtype(c, [&](auto t) { run_cross_entropy<decltype(t)>(c); }); }, 0,
      Bf16Operands::fp32_values},

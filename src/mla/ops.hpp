@@ -444,6 +444,9 @@ void rmsnorm_backward(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, const Tensor<
 template <class T>
 void rope(Mat<T> x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t head_stride,
           std::int64_t pos0, const std::int64_t* positions, const RopeTable& table, bool inverse) {
+  // NoPE (MlaConfig::rotates): the table is empty and nothing rotates; no
+  // kernel is asked, on any backend (docs/mla-math.md, "Gated NoPE MLA").
+  if (table.dim() == 0) return;
   count_elementwise<T>(x.rows * H * table.dim(), 2);  // rotated in place
   if (!runs(x.rows * H, {x.p})) return;
   OpCall c;

@@ -84,6 +84,35 @@ void swiglu_backward(Mat<T> da, Mat<T> db, In<T> dh, In<T> a, In<T> b) {
 }
 
 template <class T>
+void output_gate(Mat<T> y, In<T> o, In<T> g) {
+  check_same(y, o, "output_gate"), check_same(y, g, "output_gate");
+  check_dense(y, "output_gate", "y"), check_dense(o, "output_gate", "o");
+  check_dense(g, "output_gate", "g");
+  const std::int64_t n = y.rows * y.cols;
+  count_elementwise<T>(n, 3);
+  if (!runs(n, {y.p, o.p, g.p})) return;
+  OpCall c;
+  c.op = Op::output_gate_forward, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = o.p, c.in[1] = g.p, c.out[0] = y.p;
+  run_kernel(c);
+}
+
+template <class T>
+void output_gate_backward(Mat<T> d_o, Mat<T> dg, In<T> dy, In<T> o, In<T> g) {
+  for (const Mat<const T>& m : {Mat<const T>(d_o), Mat<const T>(dg), dy, o, g}) {
+    check_same(m, Mat<const T>(d_o), "output_gate_backward");
+    check_dense(m, "output_gate_backward", "an operand");
+  }
+  const std::int64_t n = d_o.rows * d_o.cols;
+  count_elementwise<T>(n, 5);
+  if (!runs(n, {d_o.p, dg.p, dy.p, o.p, g.p})) return;
+  OpCall c;
+  c.op = Op::output_gate_backward, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = dy.p, c.in[1] = o.p, c.in[2] = g.p, c.out[0] = d_o.p, c.out[1] = dg.p;
+  run_kernel(c);
+}
+
+template <class T>
 double cross_entropy(Tensor<T>& loss, Tensor<double>& lse, In<T> logits,
                      const std::int32_t* targets) {
   check_dense(logits, "cross_entropy", "logits");
@@ -292,6 +321,8 @@ void RoutedLinears<T>::backward(Mat<T> dx, bool accumulate, Tensor<T>& dw, In<T>
   template void embedding_backward<T>(Tensor<T>&, In<T>, const std::int32_t*);                    \
   template void swiglu<T>(Mat<T>, In<T>, In<T>);                                                  \
   template void swiglu_backward<T>(Mat<T>, Mat<T>, In<T>, In<T>, In<T>);                          \
+  template void output_gate<T>(Mat<T>, In<T>, In<T>);                                             \
+  template void output_gate_backward<T>(Mat<T>, Mat<T>, In<T>, In<T>, In<T>);                     \
   template double cross_entropy<T>(Tensor<T>&, Tensor<double>&, In<T>, const std::int32_t*);      \
   template void cross_entropy_backward<T>(Mat<T>, In<T>, const Tensor<double>&,                   \
                                           const std::int32_t*, double);                           \

@@ -25,6 +25,8 @@
 //   embedding_backward  rows N, cols D, n V; in: dout, ids; out: dtable (added to)
 //   swiglu_forward      rows x cols elements; in: a, b; out: h
 //   swiglu_backward     rows x cols elements; in: dh, a, b; out: da, db
+//   output_gate_forward  rows x cols elements; in: o, g; out: y
+//   output_gate_backward rows x cols elements; in: dy, o, g; out: do, dg
 //   cross_entropy       rows N, cols V; in: logits, targets; out: loss, lse (double);
 //                       backward (no Op yet): in: logits, lse, targets; out: dlogits;
 //                       alpha = scale
@@ -94,6 +96,15 @@ void swiglu(Mat<T> h, In<T> a, In<T> b);
 // da, db overwritten from dh and the forward's a, b. Counts: 5 passes.
 template <class T>
 void swiglu_backward(Mat<T> da, Mat<T> db, In<T> dh, In<T> a, In<T> b);
+
+// y = o * sigmoid(g), elementwise over (N, H dv) views: Kimi K3's MLA
+// output gate (kernels/output_gate.hpp). Counts: 3 passes. bf16: computed in
+// fp32 from the GEMM's output; y stays fp32 (wo's GEMM rounds its operand).
+template <class T>
+void output_gate(Mat<T> y, In<T> o, In<T> g);
+// d_o, dg overwritten from dy and the forward's o, g. Counts: 5 passes.
+template <class T>
+void output_gate_backward(Mat<T> d_o, Mat<T> dg, In<T> dy, In<T> o, In<T> g);
 
 // loss (N) and lse (N) of logits (N, V) against targets (N)
 // (kernels/cross_entropy.hpp, fused with the log-softmax); returns the sum of

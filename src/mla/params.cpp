@@ -22,6 +22,7 @@ std::vector<std::pair<std::string, Shape>> mla_param_shapes(const MlaConfig& c) 
   v.push_back({"kv_norm.weight", {c.kv_lora_rank}});
   v.push_back({"wkv_b.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}});
   v.push_back({"wo.weight", {c.dim, H * c.v_head_dim}});
+  if (c.mla_use_output_gate) v.push_back({"wg.weight", {H * c.v_head_dim, c.dim}});
   return v;
 }
 
@@ -39,6 +40,7 @@ void visit(P& p, F&& fn) {
   maybe("kv_norm.weight", p.kv_norm);
   maybe("wkv_b.weight", p.wkv_b);
   maybe("wo.weight", p.wo);
+  maybe("wg.weight", p.wg);
 }
 }  // namespace
 
@@ -56,11 +58,9 @@ void view_in_proj(MlaParams<T>& p, bool per_head_q, std::int64_t wkv_a_rows) {
 template <class T>
 MlaParams<T> MlaParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
   MlaParams p;
-  std::map<std::string, Tensor<T>*> slot = {{"q_norm.weight", &p.q_norm},
-                                            {"wq_b.weight", &p.wq_b},
-                                            {"kv_norm.weight", &p.kv_norm},
-                                            {"wkv_b.weight", &p.wkv_b},
-                                            {"wo.weight", &p.wo}};
+  std::map<std::string, Tensor<T>*> slot = {
+      {"q_norm.weight", &p.q_norm}, {"wq_b.weight", &p.wq_b}, {"kv_norm.weight", &p.kv_norm},
+      {"wkv_b.weight", &p.wkv_b},   {"wo.weight", &p.wo},     {"wg.weight", &p.wg}};
   std::int64_t in_rows = 0;  // wq (wq_a) and wkv_a: rows of in_proj
   for (auto& [name, shape] : mla_param_shapes(cfg)) {
     if (name == "wq.weight" || name == "wq_a.weight" || name == "wkv_a.weight")
@@ -81,7 +81,8 @@ MlaParams<T> MlaParams<T>::clone(MemCategory cat) const {
                           {&p.wq_b, &wq_b},
                           {&p.kv_norm, &kv_norm},
                           {&p.wkv_b, &wkv_b},
-                          {&p.wo, &wo}})
+                          {&p.wo, &wo},
+                          {&p.wg, &wg}})
     *dst = src->clone(cat);  // an undefined tensor clones to an undefined one
   // The views onto the copy, with the rows the originals had.
   if (in_proj.defined()) view_in_proj(p, wq.defined(), wkv_a.dim(0));
@@ -137,7 +138,8 @@ std::string hf_param_name(const std::string& n, int layer) {
       {"wkv_a.weight", "kv_a_proj_with_mqa.weight"},
       {"kv_norm.weight", "kv_a_layernorm.weight"},
       {"wkv_b.weight", "kv_b_proj.weight"},
-      {"wo.weight", "o_proj.weight"}};
+      {"wo.weight", "o_proj.weight"},
+      {"wg.weight", "g_proj.weight"}};  // Kimi K3 (modeling_kimi_linear.py's g_proj)
   auto it = hf.find(n);
   LAGA_CHECK(it != hf.end(), "no Hugging Face name for parameter '", n, "'");
   return cat("model.layers.", layer, ".self_attn.", it->second);

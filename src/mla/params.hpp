@@ -9,6 +9,8 @@
 //   kv_norm.weight   (C)
 //   wkv_b.weight     (H*(dn+dv), C)     head h: rows h(dn+dv)..+dn are K, next dv are V
 //   wo.weight        (D, H*dv)
+//   wg.weight        (H*dv, D)          mla_use_output_gate (Kimi K3's g_proj):
+//                                       o_heads * sigmoid(x wg^T) feeds wo
 //
 // The same struct holds gradients (grad.<name> in files).
 //
@@ -36,6 +38,7 @@ struct MlaParams {
   Tensor<T>
       in_proj;  // (Nq + C + dr, D): [wq or wq_a | wkv_a]; declared first, as the views need it
   Tensor<T> wq, wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo;
+  Tensor<T> wg;  // mla_use_output_gate only
 
   // Allocates every tensor the config uses (zeros), under `cat`.
   static MlaParams zeros(const MlaConfig& cfg, MemCategory cat);

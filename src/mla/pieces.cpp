@@ -10,6 +10,7 @@
 #include "mla/exchange.hpp"
 #include "mla/form.hpp"
 #include "mla/ops_attention.hpp"
+#include "mla/ops_model.hpp"
 
 namespace laga::detail {
 
@@ -38,6 +39,11 @@ void Pieces<T>::project_in(const Step& st, const MlaParams<T>& w, const Tensor<T
   ops::linear(proj, mat(x), w.in_proj);
   st.rope(proj.col_range(st.Nq + st.C, st.dr), 1, 0, false);
   if (st.rq == 0) st.rope(proj.col_range(st.dn, st.Nq - st.dn), st.H, st.dqk, false);
+  if (st.ctx.cfg.mla_use_output_gate) {
+    // Kimi K3's gate logits, g = x wg^T (its g_proj, on the layer input).
+    in.gate = Tensor<T>({st.B, st.L, st.H * st.dv}, "gate");
+    ops::linear(mat(in.gate), mat(x), w.wg);
+  }
 }
 
 template <class T>
@@ -250,26 +256,60 @@ void Pieces<T>::attention_backward(const Step& st, const AttnShape& s, Tensor<T>
 }
 
 template <class T>
-Tensor<T> Pieces<T>::project_out(const Step& st, const MlaParams<T>& w, const Tensor<T>& o_h,
-                                 Tensor<T>& out) {
+void Pieces<T>::output_projection(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in,
+                                  const Tensor<T>& o_loc, Tensor<T>& out) {
+  out = Tensor<T>({st.B, st.L, st.D}, "out");
+  if (!st.ctx.cfg.mla_use_output_gate) return ops::linear(mat(out), mat(o_loc), w.wo);
+  Tensor<T> gated({st.B, st.L, st.H * st.dv}, "o_gated");
+  ops::output_gate(mat(gated), mat(o_loc), mat(in.gate));
+  ops::linear(mat(out), mat(std::as_const(gated)), w.wo);
+}
+
+template <class T>
+Tensor<T> Pieces<T>::output_projection_backward(const Step& st, const MlaParams<T>& w,
+                                                InputSaved<T>& in, const Tensor<T>& dout,
+                                                const Tensor<T>& o_loc, MlaParams<T>& grads,
+                                                const char* name) {
+  Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, name);
+  ops::Mat<T> do_loc_m = mat(do_loc);
+  if (!st.ctx.cfg.mla_use_output_gate) {
+    // o_loc may be held narrowed: wo's gradient reads it in place.
+    ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), o_loc, w.wo);
+    return do_loc;
+  }
+  // y = o_loc * sigmoid(g) again (wo's gradient reads it; not saved: one
+  // elementwise pass against B L H dv more held from forward to backward).
+  Tensor<T> gated({st.B, st.L, st.H * st.dv}, "o_gated");
+  ops::output_gate(mat(gated), mat(o_loc), mat(std::as_const(in.gate)));
+  Tensor<T> dgated({st.B, st.L, st.H * st.dv}, "do_gated");
+  ops::Mat<T> dgated_m = mat(dgated);
+  ops::linear_backward(&dgated_m, false, grads.wo, mat(dout), mat(std::as_const(gated)), w.wo);
+  gated.reset();
+  in.dgate = Tensor<T>({st.B, st.L, st.H * st.dv}, "dgate");
+  ops::output_gate_backward(do_loc_m, mat(in.dgate), mat(std::as_const(dgated)), mat(o_loc),
+                            mat(std::as_const(in.gate)));
+  in.gate.reset();
+  return do_loc;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::project_out(const Step& st, const MlaParams<T>& w, const InputSaved<T>& in,
+                                 const Tensor<T>& o_h, Tensor<T>& out) {
   Tensor<T> o_loc({st.B, st.L, st.H * st.dv}, "o_loc");
   redistribute(st.ctx.comm, st.B, st.attention, st.tokens, o_h.data(), o_loc.data(), st.dv,
                "out_a2a");
-  out = Tensor<T>({st.B, st.L, st.D}, "out");
-  ops::linear(mat(out), mat(o_loc), w.wo);
-  // Backward reads it only as wo's gradient's GEMM operand, rounded there.
-  ops::keep_narrowed(o_loc);
+  output_projection(st, w, in, o_loc, out);
+  // Backward reads it only as wo's gradient's GEMM operand, rounded there;
+  // the gate's backward reads it whole.
+  if (!st.ctx.cfg.mla_use_output_gate) ops::keep_narrowed(o_loc);
   return o_loc;
 }
 
 template <class T>
-Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w,
+Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w, InputSaved<T>& in,
                                           const Tensor<T>& dout, Tensor<T>& o_loc,
                                           MlaParams<T>& grads) {
-  // o_loc may be held narrowed: wo's gradient reads it in place.
-  Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_loc");
-  ops::Mat<T> do_loc_m = mat(do_loc);
-  ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), std::as_const(o_loc), w.wo);
+  Tensor<T> do_loc = output_projection_backward(st, w, in, dout, o_loc, grads, "do_loc");
   o_loc.reset();
   return to_heads(st, do_loc, st.dv, "out_a2a", "do_h");
 }
@@ -296,6 +336,11 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
   ops::Mat<T> dx_m = mat(dx);
   ops::linear_backward(&dx_m, false, grads.in_proj, mat(std::as_const(dproj)), mat(x), w.in_proj);
   dproj.reset();
+  if (in.dgate.defined()) {
+    // The output gate's logits g = x wg^T: dx += dg wg, wg's gradient += dg^T x.
+    ops::linear_backward(&dx_m, true, grads.wg, mat(std::as_const(in.dgate)), mat(x), w.wg);
+    in.dgate.reset();
+  }
 }
 
 template <class T>

@@ -656,11 +656,7 @@ struct RingTape final : Tape<T> {
     // stay held at 2 bytes, read in place every step (RingAttention's
     // backward, see the top), the same bits.
     // do (B, L, H dv) = dout wo; wo += dout^T o.
-    Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, "do_h");
-    {
-      ops::Mat<T> do_m = mat(do_loc);
-      ops::linear_backward(&do_m, false, grads.wo, mat(dout), mat(o_loc), w.wo);
-    }
+    Tensor<T> do_loc = P::output_projection_backward(st, w, in, dout, o_loc, grads, "do_h");
     ops::keep_narrowed(do_loc);
     auto [dq, acc] =
         att.backward(st, RingView::of_ranks(st), w, codec, q, own, o_loc, do_loc, grads);
@@ -686,8 +682,7 @@ std::unique_ptr<Tape<T>> ring_forward(const Step& st, const MlaParams<T>& w, con
   // fp32, whose D = rowsum(dO o) backward reads.
   ops::keep_narrowed(t->q), ops::keep_narrowed(t->own);
   t->o_loc = t->att.forward(st, RingView::of_ranks(st), w, t->codec, t->q, t->own);
-  out = Tensor<T>({st.B, st.L, st.D}, "out");
-  ops::linear(mat(out), mat(std::as_const(t->o_loc)), w.wo);
+  P::output_projection(st, w, t->in, t->o_loc, out);
   return t;
 }
 

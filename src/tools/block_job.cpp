@@ -146,8 +146,9 @@ MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int lay
   static const std::string kAttn = ".self_attn.";
   // Every name a parameter may go by, bare (DeepSeek's, HF's).
   std::set<std::string> bare;
-  for (const char* name : {"wq.weight", "wq_a.weight", "q_norm.weight", "wq_b.weight",
-                           "wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"}) {
+  for (const char* name :
+       {"wq.weight", "wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv_a.weight",
+        "kv_norm.weight", "wkv_b.weight", "wo.weight", "wg.weight"}) {
     bare.insert(name);
     bare.insert(hf_param_name(name, 0).substr(kPrefix.size() + 1 + kAttn.size()));
   }
@@ -176,14 +177,20 @@ MlaParams<T> load_weights(const std::string& path, const MlaConfig& cfg, int lay
   // strict loading refuses it in laga_torch.
   std::set<std::string> used;
   w.for_each([&](const std::string& name, Tensor<T>&) { used.insert(name); });
-  for (const std::string& name : {std::string("wq.weight"), std::string("wq_a.weight"),
-                                  std::string("q_norm.weight"), std::string("wq_b.weight")}) {
+  for (const std::string& name :
+       {std::string("wq.weight"), std::string("wq_a.weight"), std::string("q_norm.weight"),
+        std::string("wq_b.weight"), std::string("wg.weight")}) {
     if (used.count(name)) continue;
     const std::string hf = hf_param_name(name, layer);
     const std::string at = kPrefix + std::to_string(layer) + kAttn;
+    const std::string why = name == "wg.weight"
+                                ? std::string(
+                                      "mla_use_output_gate is false: the weights have "
+                                      "Kimi K3's output gate; set it true in the config")
+                                : cat("q_lora_rank ", cfg.q_lora_rank);
     for (const std::string& n : {name, hf.substr(hf.rfind(kAttn) + kAttn.size()), hf, at + name})
       LAGA_CHECK(!f.contains(n), "weights '", f.path(), "': hold '", n, "' (", name,
-                 "), which this config has no place for (q_lora_rank ", cfg.q_lora_rank,
+                 "), which this config has no place for (", why,
                  "): the weights are another model's; check --config/--preset");
   }
   w.for_each([&](const std::string& name, Tensor<T>& t) {

@@ -14,6 +14,11 @@
 // Layout: x, dout, out, dx are (B, S, D) row-major; token s is at global
 // position s; the mask is causal. Parameters and gradients are keyed by
 // DeepSeek's names ("wq.weight", ...), [out, in] row-major, y = W x.
+//
+// Kimi K3's gated NoPE MLA (docs/mla-math.md, "Gated NoPE MLA"): with
+// mla_use_nope no pair is rotated (the dr dims stay, unrotated), and with
+// mla_use_output_gate the heads' output is multiplied by sigmoid(wg x)
+// before wo ("wg.weight", Kimi's g_proj).
 #pragma once
 
 #include <algorithm>
@@ -70,7 +75,9 @@ inline std::vector<double> rope_freqs(const MlaConfig& c) {
 
 inline double softmax_scale(const MlaConfig& c) {
   double s = 1.0 / std::sqrt(double(c.qk_nope_head_dim + c.qk_rope_head_dim));
-  if (c.max_seq_len > c.original_seq_len) {
+  // NoPE: nothing rotates, so no YaRN and no mscale (Kimi K3: (dn + dr)^-1/2).
+  const bool rotates = !c.mla_use_nope && c.qk_rope_head_dim > 0;
+  if (rotates && c.max_seq_len > c.original_seq_len) {
     const double m = 0.1 * c.mscale * std::log(c.rope_factor) + 1.0;
     s *= m * m;
   }
@@ -136,7 +143,10 @@ inline NaiveMlaResult naive_mla(const MlaConfig& c, const NaiveTensors& w,
   const I D = c.dim, H = c.n_heads, rq = c.q_lora_rank, C = c.kv_lora_rank;
   const I dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim, dqk = dn + dr;
   const double eps = c.norm_eps, scale = softmax_scale(c);
-  const std::vector<double> f = rope_freqs(c);
+  // NoPE: every angle zero (the identity), written as a zero frequency.
+  std::vector<double> f = rope_freqs(c);
+  if (c.mla_use_nope) std::fill(f.begin(), f.end(), 0.0);
+  const bool gated = c.mla_use_output_gate;
   auto W = [&](const char* name) -> const std::vector<double>& { return w.at(name); };
   auto z = [](I i) { return static_cast<std::size_t>(i); };
 
@@ -152,6 +162,7 @@ inline NaiveMlaResult naive_mla(const MlaConfig& c, const NaiveTensors& w,
     std::vector<double> q(z(S * H * dqk)), kva(z(S * (C + dr))), kv_r(z(S)), ch(z(S * C));
     std::vector<double> k(z(S * H * dqk)), v(z(S * H * dv)), o(z(S * H * dv));
     std::vector<double> lse(z(H * S));
+    std::vector<double> gs(gated ? z(S * H * dv) : 0);  // sigmoid(wg x) per token
 #pragma omp parallel for
     for (I t = 0; t < S; ++t) {
       const double* xt = &x[z((b * S + t) * D)];
@@ -198,15 +209,38 @@ inline NaiveMlaResult naive_mla(const MlaConfig& c, const NaiveTensors& w,
           o[z((t * H + h) * dv + i)] = acc;
         }
       }
+    // The output gate: y = o * sigmoid(wg x), then wo. ungated keeps o.
+    std::vector<double> y = o;
+    if (gated)
+      for (I t = 0; t < S; ++t) {
+        std::vector<double> g(z(H * dv));
+        matvec(W("wg.weight"), &x[z((b * S + t) * D)], H * dv, D, g.data());
+        for (I i = 0; i < H * dv; ++i) {
+          const double s = 1.0 / (1.0 + std::exp(-g[z(i)]));
+          gs[z(t * H * dv + i)] = s;
+          y[z(t * H * dv + i)] = o[z(t * H * dv + i)] * s;
+        }
+      }
     for (I t = 0; t < S; ++t)
-      matvec(W("wo.weight"), &o[z(t * H * dv)], D, H * dv, &res.out[z((b * S + t) * D)]);
+      matvec(W("wo.weight"), &y[z(t * H * dv)], D, H * dv, &res.out[z((b * S + t) * D)]);
 
     // Backward.
     std::vector<double> d_o(z(S * H * dv), 0.0), dq(z(S * H * dqk), 0.0), dk(z(S * H * dqk), 0.0),
         d_v(z(S * H * dv), 0.0);
     for (I t = 0; t < S; ++t)
-      matvec_backward(W("wo.weight"), &o[z(t * H * dv)], &dout[z((b * S + t) * D)], D, H * dv,
+      matvec_backward(W("wo.weight"), &y[z(t * H * dv)], &dout[z((b * S + t) * D)], D, H * dv,
                       &d_o[z(t * H * dv)], G("wo.weight"));
+    if (gated)  // d_o holds dy: dg = dy o s (1 - s) to wg and dx; d_o = dy s
+      for (I t = 0; t < S; ++t) {
+        std::vector<double> dg(z(H * dv));
+        for (I i = 0; i < H * dv; ++i) {
+          const std::size_t j = z(t * H * dv + i);
+          dg[z(i)] = d_o[j] * o[j] * gs[j] * (1.0 - gs[j]);
+          d_o[j] *= gs[j];
+        }
+        matvec_backward(W("wg.weight"), &x[z((b * S + t) * D)], dg.data(), H * dv, D,
+                        &res.dx[z((b * S + t) * D)], G("wg.weight"));
+      }
       // dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, dK = scale dS^T Q,
       // dV = P^T dO. Heads touch disjoint parts of dq, dk and d_v.
 #pragma omp parallel for

@@ -201,8 +201,15 @@ TEST(RopeTable, HoldsCosSinOfPositionTimesFrequency) {
   RopeParams odd;
   odd.dim = 7;
   EXPECT_THROW(RopeTable(odd, 4), Error);
-  odd.dim = 0;
+  odd.dim = -2;
   EXPECT_THROW(RopeTable(odd, 4), Error);
+  // dim 0 is NoPE: an empty table, and the op layer rotates nothing
+  // (ops::rope returns before asking for a kernel).
+  RopeParams none;
+  none.dim = 0;
+  const RopeTable empty(none, 4);
+  EXPECT_EQ(empty.dim(), 0);
+  EXPECT_TRUE(empty.backed());
 }
 
 template <class T>

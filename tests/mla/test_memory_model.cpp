@@ -198,6 +198,29 @@ TEST(MemoryModel, NamesWhatIsLiveAtThePeak) {
   EXPECT_EQ(sum, p.forward_backward.bytes);
 }
 
+// Kimi K3's gated NoPE MLA (mla_use_nope, mla_use_output_gate; dr 0 and dr
+// unrotated): the model is exact on real runs (every form and variant, P 1
+// to 3, uneven) and count-only at Kimi K3's attention dims (D 7168, H 96,
+// C 512, dn = dv = 128, dr 64 unrotated, rq 1536), the gate's logits in the
+// saved-for-backward closed form.
+TEST(MemoryModel, ExactForGatedNope) {
+  for (std::int64_t dr : {0, 4})
+    for (std::int64_t rq : {0, 7}) {
+      MlaConfig c = dims(32, 5, 16, 8, dr, 6, rq);
+      c.mla_use_nope = true, c.mla_use_output_gate = true;
+      check_real<float>(c, SpLayout::even(2, 13, 5, 3), true);
+      check_real<float>(c, SpLayout::custom(1, {6, 1, 5}, {0, 3, 2}), true);
+      check_real<float>(c, SpLayout::custom(2, {4, 3, 3, 3}, {2, 1, 1, 1}), false);
+    }
+  MlaConfig k3 = dims(7168, 96, 512, 128, 64, 128, 1536);
+  k3.mla_use_nope = true, k3.mla_use_output_gate = true;
+  const RopeTable rope = RopeTable::unbacked(k3.rope(), 4096);
+  for (int P : {3, 8})
+    for (FormVariant f : test::form_variants(k3, test::WithOverlap::yes))
+      for (AttentionKind a : {AttentionKind::eager, AttentionKind::flash})
+        check_count_only(k3, SpLayout::even(1, 4096, k3.n_heads, P), rope, P - 1, f, a);
+}
+
 TEST(MemoryModel, RejectsBadArguments) {
   const MlaConfig cfg = dims(32, 5, 16, 8, 4, 6, 0);
   const SpLayout lay = SpLayout::even(1, 8, 5, 2);
