@@ -10,8 +10,8 @@
   target), and the winner is the fastest form that fits.
 - configs/kimi-k3-like.json (no index keys) plans the dense forms.
 - Refusals exit 2 with one "laga: error:" line naming what was wrong: a DSA
-  preset or config given to a command that runs the dense block, --model
-  with a DSA config, a dense variant option, an unknown DSA form, a config
+  preset or config given to a command that runs the dense block (forward,
+  compare, train), --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
   with index_topk but no index_head_dim.
 """
 import json
@@ -90,6 +90,9 @@ for args, words in [
         (["compare", "--preset", "deepseek-v3.2", "--count-only"], "is a DSA model"),
         (["forward", "--config", v32], "is a DSA model"),
         (["plan", "--model", v32, "--profile", "h100"], "--model plans dense MLA layers"),
+        (["plan", "--model", os.path.join(src, "configs", "glm-5-like.json"), "--profile",
+          "h100"], "--model plans dense MLA layers"),
+        (["train", "--config", v32], "laga train's layers run dense MLA"),
         (["plan", "--preset", "glm-5-like", "--profile", "h100", "--q-latent"],
          "--q-latent, --head-groups, --overlap and --attention"),
         (["plan", "--preset", "glm-5-like", "--profile", "h100", "--forms", "laga"],
