@@ -666,7 +666,17 @@ void register_plan(CLI::App& app) {
                 "LAT microseconds when given")
       ->check(link_spec());
   c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
-  c->add_option("--forms", o->forms, cat("comma-separated forms (", form_names(", "), "), or all"))
+  c->add_option("--forms", o->forms,
+                cat(
+                    "comma-separated forms (", form_names(", "),
+                    "; for a DSA preset or config the DSA forms: ",
+                    [] {
+                      std::string n;
+                      for (DsaForm f : all_dsa_forms())
+                        n += (n.empty() ? "" : ", ") + std::string(to_string(f));
+                      return n;
+                    }(),
+                    "), or all"))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
               cat("also plan FORM+q-latent for each form that can move the query latent (",
