@@ -127,28 +127,23 @@ FormVariant placement_variant(DsaForm f) {
   return Form::laga;
 }
 
-void merge(CommPrediction& into, const CommPrediction& from) {
-  for (const auto& [key, b] : from) {
-    PredictedBytes& slot = into[key];
-    slot.kind = b.kind;
-    slot.sent += b.sent;
-    slot.received += b.received;
-    slot.calls += b.calls;
-  }
-}
-
 }  // namespace
 
-CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
-                                DsaForm form, int rank, WireElementBytes wire, bool backward,
-                                bool grad_sync) {
-  dsa.validate(cfg);
-  const FormVariant v = placement_variant(form);
-  CommTerms t(cfg, layout, v, rank, wire.activations, backward);
-  // The int32 indices and fp32 KL target, apart (their own element size).
-  CommTerms t4(cfg, layout, v, rank, kIndexBytes, backward);
+FormVariant dsa_placement(DsaForm f) {
+  return placement_variant(f);
+}
+
+void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
+  const MlaConfig& cfg = t.cfg;
   const std::int64_t di = dsa.index_head_dim, Hi = dsa.index_n_heads, K = dsa.index_topk;
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+  // A term of width w in 4-byte elements (the int32 indices, the fp32 KL
+  // target), whatever the terms' element: every term is a multiple of it.
+  auto at4 = [&](PredictedBytes b) {
+    b.sent = b.sent / t.elem_bytes * kIndexBytes;
+    b.received = b.received / t.elem_bytes * kIndexBytes;
+    return b;
+  };
   // k_I gathered forward, its gradient reduce-scattered to the keys' owners
   // backward (wk's weight gradient needs each key's own x).
   auto index_keys = [&](Phase ph) {
@@ -159,13 +154,14 @@ CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, cons
   // Each rank's partial (its heads') sum of the selected keys' attention
   // probabilities, summed at the query's owner: the indexer's KL target.
   auto kl_target = [&]() {
-    t4.add(Phase::forward, "index_target_rs", t4.reduce_scatter(K), CollectiveKind::reduce_scatter);
+    t.add(Phase::forward, "index_target_rs", at4(t.reduce_scatter(K)),
+          CollectiveKind::reduce_scatter);
   };
   switch (form) {
     case DsaForm::latent_gather:
       t.latent_gather(Phase::forward);
       index_keys(Phase::forward);
-      if (backward) t.latent_gather(Phase::backward), index_keys(Phase::backward);
+      if (t.backward) t.latent_gather(Phase::backward), index_keys(Phase::backward);
       break;
     case DsaForm::laga_indices:
     case DsaForm::laga_recompute:
@@ -174,7 +170,7 @@ CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, cons
         index_keys(ph);
         if (ph != Phase::forward) return;
         if (form == DsaForm::laga_indices) {
-          t4.add(ph, "topk_ag", t4.all_gather(K), CollectiveKind::all_gather);
+          t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         } else {  // w for every query; qr came with the query latent exchange
           t.add(ph, "index_w_ag", t.all_gather(Hi), CollectiveKind::all_gather);
         }
@@ -187,7 +183,7 @@ CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, cons
         t.to_heads(ph, "v_a2a", cfg.v_head_dim);
         index_keys(ph);
         if (ph != Phase::forward) return;
-        t4.add(ph, "topk_ag", t4.all_gather(K), CollectiveKind::all_gather);
+        t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         kl_target();
       });
       break;
@@ -197,7 +193,15 @@ CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, cons
       t.ring_form("latent_ring", "dlatent_ring", W);
       break;
   }
-  merge(t.result, t4.result);
+}
+
+CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                                DsaForm form, int rank, WireElementBytes wire, bool backward,
+                                bool grad_sync) {
+  dsa.validate(cfg);
+  CommTerms t(cfg, layout, placement_variant(form), rank, wire.activations, backward);
+  dsa_collectives(t, dsa, form);
+  const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
   const int P = layout.ranks;
   if (grad_sync && P > 1) {
     // The block's parameters as comm_model.cpp writes them, and the

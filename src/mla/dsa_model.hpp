@@ -17,8 +17,8 @@
 // them): until a form's block exists, these closed forms are what `laga
 // plan --dsa` costs, written from the math, and the engine's ledger and
 // count-only pool are to be tested equal to them (the comm terms) when it
-// runs them. The comm terms reuse CommTerms (comm_model.hpp), so a
-// registry row's `collectives` can call dsa_collectives directly.
+// runs them. The comm terms are CommTerms' (comm_model.hpp): a DSA form's
+// registry row's `collectives` can call dsa_collectives.
 #pragma once
 
 #include <cstdint>
@@ -98,6 +98,17 @@ bool dsa_head_sharded(DsaForm f);
 std::int64_t dsa_selected_pairs(const std::vector<TokenRange>& rows, std::int64_t topk);
 // The indexer's (query, key) pairs of the rows: sum over t of t + 1.
 std::int64_t dsa_indexer_pairs(const std::vector<TokenRange>& rows);
+
+// The dense form whose placement (FormSpec::attention) a DSA form's terms
+// are written in: laga's for laga_indices, laga's with the query latent for
+// laga_recompute, explicit's, ring_latent's, and allgather_kv's (own
+// queries, every head) for latent_gather.
+FormVariant dsa_placement(DsaForm f);
+// Files the form's collectives in `terms` (made with dsa_placement(form)),
+// forward and, when terms.backward, backward: what a DSA form's registry
+// row's `collectives` is to call, so that its ledger is tested equal to
+// this closed form as the dense forms' are (tests/mla/test_forms.cpp).
+void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form);
 
 // Bytes on the wire of rank r per (phase, label), exactly as CommTerms
 // files the dense forms' (comm_model.hpp). The indices move as int32 and

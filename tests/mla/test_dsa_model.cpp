@@ -69,6 +69,11 @@ TEST(DsaComm, IndicesStayInt32UnderBf16) {
   EXPECT_EQ(sent(p, Phase::forward, "topk_ag"), 48);
   EXPECT_EQ(sent(p, Phase::forward, "index_target_rs"), 48);
   EXPECT_EQ(sent(p, Phase::forward, "latent_ag"), 448 / 2);
+  // ... and under float64 (a registry row's terms at 8 bytes).
+  CommTerms t(f.cfg, f.layout, dsa_placement(DsaForm::laga_indices), 0, 8, false);
+  dsa_collectives(t, kDsa, DsaForm::laga_indices);
+  EXPECT_EQ(sent(t.result, Phase::forward, "topk_ag"), 48);
+  EXPECT_EQ(sent(t.result, Phase::forward, "latent_ag"), 448 * 2);
 }
 
 TEST(DsaComm, LagaRecomputeMovesTheQueryLatentAndWeightsNotIndices) {
