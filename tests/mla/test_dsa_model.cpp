@@ -120,6 +120,26 @@ TEST(DsaComm, GradientAllReduceAddsTheIndexersParameters) {
             sent(p, Phase::grad_sync, "grad_allreduce"));
 }
 
+TEST(DsaComm, UnevenShards) {
+  // Ranks of 3 and 5 tokens: rank 0 gathers out 3 rows and back 5.
+  const MlaConfig cfg = tiny_q();
+  const SpLayout layout = SpLayout::custom(1, {3, 5}, {2, 2});
+  const CommPrediction p =
+      dsa_predict_comm(cfg, kDsa, layout, DsaForm::latent_gather, 0, {4, 4}, true, false);
+  EXPECT_EQ(sent(p, Phase::forward, "latent_ag"), 3 * 28 * 4);
+  EXPECT_EQ(p.at({Phase::forward, "latent_ag"}).received, 5 * 28 * 4);
+  EXPECT_EQ(sent(p, Phase::backward, "index_k_ag"), 5 * 4 * 4);
+  const CommPrediction q =
+      dsa_predict_comm(cfg, kDsa, layout, DsaForm::laga_indices, 1, {4, 4}, true, false);
+  EXPECT_EQ(sent(q, Phase::forward, "topk_ag"), 5 * 3 * 4);
+  EXPECT_EQ(sent(q, Phase::forward, "index_target_rs"), 3 * 3 * 4);  // rank 0's 3 queries
+  // Rank 1's rows 3..7 select 3 keys each (K 3): 15 pairs; its indexer
+  // pairs 4 + 5 + 6 + 7 + 8 = 30.
+  const DsaRankWork w = dsa_work(cfg, kDsa, layout, DsaForm::latent_gather, 1);
+  EXPECT_EQ(w.forward.attention_flops, 2.0 * 15 * 4 * 52);
+  EXPECT_EQ(w.forward.indexer_flops, 30.0 * 20);
+}
+
 TEST(DsaPairs, CountsAgainstALoop) {
   for (std::int64_t K : {1, 3, 5, 100}) {
     const std::vector<TokenRange> rows{{0, 4}, {6, 13}};
