@@ -1,0 +1,78 @@
+// The canonical reduction over tokens (issue 56; docs/invariance.md, "The
+// sum over tokens"): a sum over every token of the global sequence -- a
+// weight's gradient dW = sum_t dy_t^T x_t, RMSNorm's weight gradient -- whose
+// bits do not depend on how many ranks hold the tokens nor which holds which.
+//
+// The order is one binary tree over the global token index g = b S + s
+// (the B rows of S tokens, flattened), leaves padded to a power of two,
+// absent leaves passed over: the tree kernels/gemm_invariant.hpp sums its K
+// products by. Every node [i 2^l, (i + 1) 2^l) of that tree has one value,
+// whoever computes it. A rank's tokens (in every row, [begin, end)) cut
+// into O(log S) maximal aligned nodes -- its pieces -- which it sums with
+// the invariant GEMM (a piece is an aligned range, so that GEMM's tree over
+// it is the global tree's subtree). The pieces of every rank are gathered
+// (all_gather_v, through the Communicator under the caller's label, so the
+// ledger records them) and every rank evaluates the global tree from them in
+// the one fixed order: left child + right child, from the root down to the
+// pieces. P = 1 is the same tree with one rank's pieces.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "mla/ops.hpp"
+
+namespace laga::ops {
+
+// Where the tokens of a sum lie: the global sequence is B rows of S tokens;
+// rank r holds tokens [begin[r], end[r]) of every row, its local row
+// b (end[r] - begin[r]) + (s - begin[r]) (the block's sequence shards,
+// mla/layout.hpp).
+struct TokenShards {
+  std::int64_t B = 0, S = 0;
+  std::vector<std::int64_t> begin, end;  // one entry per rank
+  int ranks() const { return int(begin.size()); }
+  std::int64_t local_rows(int r) const { return B * (end[r] - begin[r]); }
+};
+
+// An aligned node of the global tree, clipped at the sequence's end: global
+// tokens [start, stop); `row`: its first token's local row on its rank.
+struct TreePiece {
+  std::int64_t start = 0, stop = 0, row = 0;
+};
+
+// Rank r's pieces in token order: its tokens cut into maximal aligned nodes.
+std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r);
+
+// Test-only: combine in rank order instead -- each rank's pieces summed left
+// to right, then the ranks' sums in rank order, the order an all-reduce of
+// partial sums has. The invariance tests switch it on to show they catch a
+// reduction whose order follows the ranks (docs/invariance.md).
+inline std::atomic<bool> canonical_sum_rank_order{false};
+
+// dst (m, n) += sum over every global token t of a_t^T b_t, a (rows, m) and b
+// (rows, n) this rank's local rows, in the canonical order above: the same
+// bits on every rank and at every P. label: the ledger's label for the
+// pieces' all_gather_v (in the communicator's current phase).
+template <class T>
+void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
+                         const TokenShards& shards, const std::string& label);
+
+// The latent's reduce-scatter made canonical: dst (this rank's token rows,
+// n) = rows of sum over a global index k of a(:, k) b(k, :), where k -- the
+// heads' columns, H (dn + dv) of them -- is sharded as `index` (B 1, S the
+// index's extent; rank r holds a's columns and b's rows [begin[r], end[r]))
+// and a's rows are every token (B S of them), of which rank q owns `rows`'
+// shard. The sum over k follows the same tree over k's global positions at
+// every P: each rank's pieces of its k-range, every token's rows, go to the
+// rows' owners (all_to_all_v under `label`), which evaluate the tree. A
+// bf16 run rounds the result once (a fresh product).
+template <class T>
+void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
+                              const TokenShards& index, const TokenShards& rows,
+                              const std::string& label);
+
+}  // namespace laga::ops
