@@ -17,6 +17,7 @@
 #include "common/check.hpp"
 #include "core/bf16.hpp"
 #include "core/precision.hpp"
+#include "kernels/attention_flash.hpp"
 
 namespace laga::ops {
 namespace {
@@ -248,6 +249,43 @@ TEST(InvariantGemmRow, TakesEveryGemmInTheModeAndNoneOutsideIt) {
     EXPECT_EQ(0, std::memcmp(one.data(), all.data() + 7 * 33, sizeof(float) * 33))
         << (p == Precision::bf16 ? "bf16" : "fp32");
   }
+}
+
+// The flash backward's dK, dV of a head in a call of 16 heads and in a call
+// of 2 (a rank's share at P 8): the same bits with one_row_set (the mode's
+// flag, which ops::attention_backward sets), not without it (below 8 heads
+// the kernel sums two row sets), which is why the mode needs it.
+TEST(InvariantAttention, AHeadsGradientsDoNotDependOnTheHeadsInItsCall) {
+  const std::int64_t S = 200, H = 16, d = 24;
+  const auto heads_of = [&](const std::vector<float>& x, std::int64_t h0, std::int64_t n) {
+    std::vector<float> y(static_cast<std::size_t>(S * n * d));
+    for (std::int64_t t = 0; t < S; ++t)
+      std::memcpy(y.data() + (t * n) * d, x.data() + (t * H + h0) * d, sizeof(float) * n * d);
+    return y;
+  };
+  const std::vector<float> q = test::random_vector<float>(S * H * d, 21),
+                           k = test::random_vector<float>(S * H * d, 22),
+                           v = test::random_vector<float>(S * H * d, 23),
+                           dout = test::random_vector<float>(S * H * d, 24);
+  const auto grads = [&](std::int64_t n, bool one_set) {
+    AttnShape s{1, S, S, n, n, d, d, 0.2, true};
+    s.one_row_set = one_set;
+    const std::vector<float> qh = heads_of(q, 0, n), kh = heads_of(k, 0, n), vh = heads_of(v, 0, n),
+                             dh = heads_of(dout, 0, n);
+    std::vector<float> o(qh.size()), lse(static_cast<std::size_t>(n * S)), dq(qh.size()),
+        dk(qh.size()), dv(qh.size());
+    attention_flash_forward<float>(s, o.data(), lse.data(), qh.data(), kh.data(), vh.data());
+    attention_flash_backward<float>(s, dq.data(), dk.data(), dv.data(), dh.data(), qh.data(),
+                                    kh.data(), vh.data(), o.data(), lse.data());
+    std::vector<float> both;
+    for (std::int64_t t = 0; t < S; ++t)  // head 0 and 1's dk and dv, token by token
+      for (const std::vector<float>* g : {&dk, &dv})
+        both.insert(both.end(), g->begin() + (t * n) * d, g->begin() + (t * n + 2) * d);
+    return both;
+  };
+  EXPECT_TRUE(same_bits(grads(2, true), grads(H, true)));
+  EXPECT_FALSE(same_bits(grads(2, false), grads(H, false)))
+      << "without one_row_set a 2-head call summed as a 16-head one: the flag's test shows nothing";
 }
 
 // A rank's pieces are maximal aligned nodes covering its tokens exactly.
