@@ -33,6 +33,27 @@ std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r) {
   return pieces;
 }
 
+PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width) {
+  PieceBytes b;
+  const int P = shards.ranks();
+  b.sent = (P - 1) * std::int64_t(canonical_pieces(shards, r).size()) * width;
+  for (int q = 0; q < P; ++q)
+    if (q != r) b.received += std::int64_t(canonical_pieces(shards, q).size()) * width;
+  return b;
+}
+
+PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
+                                             int r, std::int64_t n) {
+  PieceBytes b;
+  const std::int64_t own = std::int64_t(canonical_pieces(index, r).size());
+  for (int q = 0; q < rows.ranks(); ++q) {
+    if (q == r) continue;
+    b.sent += own * rows.local_rows(q) * n;
+    b.received += std::int64_t(canonical_pieces(index, q).size()) * rows.local_rows(r) * n;
+  }
+  return b;
+}
+
 namespace {
 
 using PieceIndex = std::map<std::pair<std::int64_t, std::int64_t>, std::int64_t>;

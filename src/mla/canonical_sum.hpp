@@ -61,6 +61,19 @@ template <class T>
 void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
                          const TokenShards& shards, const std::string& label);
 
+// What the two move, in elements, by the ledger's byte rules
+// (communicator.hpp; docs/accounting.md): the closed forms a form's
+// invariant-mode collectives add. Sum: rank r sends its pieces to each of
+// the P - 1 others and receives theirs. Reduce-scatter: rank r sends each
+// other rank q its pieces' rows of q's tokens, and receives its own rows of
+// every other rank's pieces.
+struct PieceBytes {
+  std::int64_t sent = 0, received = 0;  // elements
+};
+PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width);
+PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
+                                             int r, std::int64_t n);
+
 // The latent's reduce-scatter made canonical: dst (this rank's token rows,
 // n) = rows of sum over a global index k of a(:, k) b(k, :), where k -- the
 // heads' columns, H (dn + dv) of them -- is sharded as `index` (B 1, S the

@@ -16,6 +16,7 @@
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "core/bf16.hpp"
+#include "core/memory_pool.hpp"
 #include "core/precision.hpp"
 #include "kernels/attention_flash.hpp"
 
@@ -286,6 +287,61 @@ TEST(InvariantAttention, AHeadsGradientsDoNotDependOnTheHeadsInItsCall) {
   EXPECT_TRUE(same_bits(grads(2, true), grads(H, true)));
   EXPECT_FALSE(same_bits(grads(2, false), grads(H, false)))
       << "without one_row_set a 2-head call summed as a 16-head one: the flag's test shows nothing";
+}
+
+// The ledger records the pieces' collectives at their closed forms, and a
+// count-only run of a rank registers the pool bytes the real run does (the
+// memory model is the count-only run: docs/architecture.md).
+TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
+  const std::int64_t B = 2, S = 67, m = 5, n = 33, heads = 16, kv = 12;
+  for (int P : {1, 3, 8}) {
+    const TokenShards sh = shards_of(B, S, cuts(S, P, true));
+    std::vector<std::int64_t> head_cut = cuts(heads, P, true);
+    for (std::int64_t& c : head_cut) c *= kv;
+    const TokenShards index = shards_of(1, heads * kv, head_cut);
+    std::vector<std::int64_t> real;
+    for (bool count_only : {false, true}) {
+      std::vector<std::int64_t> peaks(static_cast<std::size_t>(P));
+      run_local_ranks(P, [&](Communicator& comm) {
+        const int r = comm.rank();
+        MemoryPool pool;
+        pool.set_count_only(count_only);
+        const PoolScope scope(pool);
+        const std::int64_t rows = sh.local_rows(r), k = index.end[r] - index.begin[r];
+        Tensor<float> a({rows, m}), b({rows, n}), dst = Tensor<float>::zeros({m, n});
+        Tensor<float> ra({B * S, k}), rb({k, n}), rdst({rows, n});
+        if (!count_only) {
+          std::fill_n(a.data(), a.numel(), 0.5f), std::fill_n(b.data(), b.numel(), 0.25f);
+          std::fill_n(ra.data(), ra.numel(), 0.5f), std::fill_n(rb.data(), rb.numel(), 0.25f);
+        }
+        pool.reset_peaks();
+        canonical_token_sum<float>(comm, mat(dst), mat(std::as_const(a)), mat(std::as_const(b)), sh,
+                                   "sum");
+        canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
+                                        mat(std::as_const(rb)), index, sh, "rs");
+        peaks[r] = pool.peak_total();
+        const PieceBytes sum = canonical_token_sum_elements(sh, r, m * n);
+        const PieceBytes rs = canonical_reduce_scatter_elements(index, sh, r, n);
+        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0;
+        for (const auto& [key, e] : comm.ledger().entries()) {
+          if (key.second == "sum") sent_sum += e.bytes_sent, recv_sum += e.bytes_received;
+          if (key.second == "rs") sent_rs += e.bytes_sent, recv_rs += e.bytes_received;
+        }
+        EXPECT_EQ(sent_sum, sum.sent * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(recv_sum, sum.received * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(sent_rs, rs.sent * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(recv_rs, rs.received * 4) << "rank " << r << " of " << P;
+        if (P == 1) {
+          EXPECT_EQ(sum.sent + rs.sent, 0);
+        }
+      });
+      if (!count_only) {
+        real = peaks;
+      } else {
+        EXPECT_EQ(peaks, real) << "P " << P << ": count-only peaks differ from the real run's";
+      }
+    }
+  }
 }
 
 // A rank's pieces are maximal aligned nodes covering its tokens exactly.
