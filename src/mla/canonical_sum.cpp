@@ -95,7 +95,7 @@ constexpr std::int64_t kElementChunk = 1024;
 
 template <class T>
 void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
-                         const TokenShards& shards, const std::string& label) {
+                         const TokenShards& shards, const std::string& label, bool add_here) {
   const int P = comm.size(), r = comm.rank();
   LAGA_CHECK(shards.ranks() == P, "internal: token shards of ", shards.ranks(),
              " ranks for a group of ", P);
@@ -131,7 +131,7 @@ void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
   comm.all_gather_v(gathered.data() ? gathered.data() + displs[r] : nullptr, counts[r],
                     gathered.data(), counts.data(), displs.data(), label);
   count_elementwise<T>(total + 2 * width, 1);  // the pieces read, dst read and written
-  if (!runs(width, {dst.p, gathered.data()})) return;
+  if (!add_here || !runs(width, {dst.p, gathered.data()})) return;
 
   PieceIndex index;
   std::vector<std::int64_t> order;  // piece numbers, rank by rank
@@ -253,10 +253,74 @@ void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
   }
 }
 
+template <class T>
+void canonical_rmsnorm_weight_grad(Communicator& comm, Tensor<T>& dw, In<T> dy, In<T> x,
+                                   const Tensor<T>& rstd, const TokenShards& shards,
+                                   const std::string& label, bool add_here) {
+  const std::int64_t rows = dy.rows, C = dy.cols;
+  Tensor<T> g({rows, C}, "canonical rmsnorm terms"), ones({rows, 1}, "canonical rmsnorm ones");
+  count_elementwise<T>(rows * C, 4);
+  if (runs(rows * C, {g.data(), ones.data(), dy.p, x.p, rstd.data()})) {
+    for (std::int64_t t = 0; t < rows; ++t) {
+      ones.data()[t] = T(1);
+      const T r = rstd.data()[t];
+      for (std::int64_t j = 0; j < C; ++j)
+        g.data()[t * C + j] = dy.p[t * dy.ld + j] * (x.p[t * x.ld + j] * r);
+    }
+  }
+  const UsePrecision fp32(Precision::fp32, op_grad_reduce);
+  canonical_token_sum<T>(comm, Mat<T>{dw.data(), 1, C, C}, mat(std::as_const(ones)),
+                         mat(std::as_const(g)), shards, label, add_here);
+}
+
+template <class T>
+void canonical_latent_reduce_scatter(Communicator& comm, Mat<T> dlat_loc, In<T> dk, In<T> dv,
+                                     In<T> wkv_b_r, std::int64_t Hr, std::int64_t dn,
+                                     std::int64_t dr, const TokenShards& heads,
+                                     const TokenShards& rows, const std::string& label) {
+  const std::int64_t R = dk.rows, dvd = Hr > 0 ? dv.cols / Hr : 0, KV = dn + dvd, Kh = KV + dr;
+  const std::int64_t C = wkv_b_r.cols, W = C + dr, dqk = dn + dr;
+  Tensor<T> a({R, Hr * Kh}, "canonical latent terms");
+  Tensor<T> b = Tensor<T>::zeros({Hr * Kh, W}, "canonical latent weights");
+  count_elementwise<T>(R * Hr * Kh, 2);
+  if (runs(R * Hr * Kh, {a.data(), b.data(), dk.p, dv.p, wkv_b_r.p})) {
+    for (std::int64_t t = 0; t < R; ++t)
+      for (std::int64_t h = 0; h < Hr; ++h) {
+        T* row = a.data() + t * Hr * Kh + h * Kh;
+        const T* k = dk.p + t * dk.ld + h * dqk;
+        std::copy_n(k, dn, row);
+        std::copy_n(dv.p + t * dv.ld + h * dvd, dvd, row + dn);
+        std::copy_n(k + dn, dr, row + KV);
+      }
+    for (std::int64_t h = 0; h < Hr; ++h) {
+      for (std::int64_t i = 0; i < KV; ++i)
+        std::copy_n(wkv_b_r.p + (h * KV + i) * wkv_b_r.ld, C, b.data() + (h * Kh + i) * W);
+      for (std::int64_t i = 0; i < dr; ++i) b.data()[(h * Kh + KV + i) * W + C + i] = T(1);
+    }
+  }
+  canonical_reduce_scatter<T>(comm, dlat_loc, mat(std::as_const(a)), mat(std::as_const(b)), heads,
+                              rows, label);
+}
+
 template void canonical_token_sum<float>(Communicator&, Mat<float>, In<float>, In<float>,
-                                         const TokenShards&, const std::string&);
+                                         const TokenShards&, const std::string&, bool);
 template void canonical_token_sum<double>(Communicator&, Mat<double>, In<double>, In<double>,
-                                          const TokenShards&, const std::string&);
+                                          const TokenShards&, const std::string&, bool);
+template void canonical_rmsnorm_weight_grad<float>(Communicator&, Tensor<float>&, In<float>,
+                                                   In<float>, const Tensor<float>&,
+                                                   const TokenShards&, const std::string&, bool);
+template void canonical_rmsnorm_weight_grad<double>(Communicator&, Tensor<double>&, In<double>,
+                                                    In<double>, const Tensor<double>&,
+                                                    const TokenShards&, const std::string&, bool);
+template void canonical_latent_reduce_scatter<float>(Communicator&, Mat<float>, In<float>,
+                                                     In<float>, In<float>, std::int64_t,
+                                                     std::int64_t, std::int64_t, const TokenShards&,
+                                                     const TokenShards&, const std::string&);
+template void canonical_latent_reduce_scatter<double>(Communicator&, Mat<double>, In<double>,
+                                                      In<double>, In<double>, std::int64_t,
+                                                      std::int64_t, std::int64_t,
+                                                      const TokenShards&, const TokenShards&,
+                                                      const std::string&);
 template void canonical_reduce_scatter<float>(Communicator&, Mat<float>, In<float>, In<float>,
                                               const TokenShards&, const TokenShards&,
                                               const std::string&);

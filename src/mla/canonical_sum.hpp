@@ -57,9 +57,32 @@ inline std::atomic<bool> canonical_sum_rank_order{false};
 // (rows, n) this rank's local rows, in the canonical order above: the same
 // bits on every rank and at every P. label: the ledger's label for the
 // pieces' all_gather_v (in the communicator's current phase).
+// add_here false: the sum is computed (and its collective joined) but not
+// added to dst -- the block adds a gradient's sum on rank 0 only, and the
+// gradient all-reduce then adds the other ranks' zeros to it, exactly.
 template <class T>
 void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
-                         const TokenShards& shards, const std::string& label);
+                         const TokenShards& shards, const std::string& label, bool add_here = true);
+
+// RMSNorm's weight gradient dw (C) += sum over every global token t of
+// dy_t * (x_t * rstd_t), canonically (canonical_token_sum of ones^T g, in
+// fp32 also in a bf16 run: the kernel's own dw is an fp32 sum).
+template <class T>
+void canonical_rmsnorm_weight_grad(Communicator& comm, Tensor<T>& dw, In<T> dy, In<T> x,
+                                   const Tensor<T>& rstd, const TokenShards& shards,
+                                   const std::string& label, bool add_here = true);
+
+// The latent's gradient d[c_hat | k_pe] of this rank's tokens, dlat_loc (B L,
+// C + dr), from every rank's heads, canonically: per head h the columns
+// [dk_nope_h | dv_h | dk_pe_h] of every token (dk (B S, Hr dqk), dv (B S, Hr
+// dv)) times [wkv_b_h 0; 0 I_dr], summed over the heads' columns by
+// canonical_reduce_scatter (`heads`: each rank's columns, (dn + dv + dr) a
+// head).
+template <class T>
+void canonical_latent_reduce_scatter(Communicator& comm, Mat<T> dlat_loc, In<T> dk, In<T> dv,
+                                     In<T> wkv_b_r, std::int64_t Hr, std::int64_t dn,
+                                     std::int64_t dr, const TokenShards& heads,
+                                     const TokenShards& rows, const std::string& label);
 
 // What the two move, in elements, by the ledger's byte rules
 // (communicator.hpp; docs/accounting.md): the closed forms a form's
