@@ -28,7 +28,7 @@ inline __attribute__((always_inline)) void tile_body(bool ta, bool tb, std::int6
                                                      std::int64_t mr, std::int64_t j0,
                                                      std::int64_t nb) {
   T b[kLeafBlock][kTileCols];                 // op(B)'s block rows, packed
-  T v[kLeafBlock][kTileCols];                 // one row's products, then its tree
+  T v[kTileRows][kLeafBlock][kTileCols];      // each row's products, then its block's tree
   T stack[kTileRows][kMaxLevels][kTileCols];  // the binary counter's left siblings
   const std::int64_t blocks = (K + kLeafBlock - 1) / kLeafBlock;
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
@@ -36,32 +36,40 @@ inline __attribute__((always_inline)) void tile_body(bool ta, bool tb, std::int6
     for (std::int64_t q = 0; q < n; ++q)
       for (std::int64_t j = 0; j < nb; ++j)
         b[q][j] = tb ? B[(j0 + j) * ldb + k0 + q] : B[(k0 + q) * ldb + j0 + j];
-    for (std::int64_t r = 0; r < mr; ++r) {
-      const std::int64_t i = i0 + r;
-      T a[kLeafBlock];
-      for (std::int64_t q = 0; q < n; ++q) a[q] = ta ? A[(k0 + q) * lda + i] : A[i * lda + k0 + q];
-      T* out = v[0];
-      if (n == kLeafBlock) {
+    // The rows' A values; rows past mr compute zeros that are never stored.
+    T a[kTileRows][kLeafBlock] = {};
+    for (std::int64_t r = 0; r < mr; ++r)
+      for (std::int64_t q = 0; q < n; ++q)
+        a[r][q] = ta ? A[(k0 + q) * lda + i0 + r] : A[(i0 + r) * lda + k0 + q];
+    if (n == kLeafBlock) {
+      // Four rows share each loaded element of B.
 #pragma omp simd
-        for (std::int64_t j = 0; j < nb; ++j) {
-          const T p0 = a[0] * b[0][j], p1 = a[1] * b[1][j], p2 = a[2] * b[2][j];
-          const T p3 = a[3] * b[3][j], p4 = a[4] * b[4][j], p5 = a[5] * b[5][j];
-          const T p6 = a[6] * b[6][j], p7 = a[7] * b[7][j];
-          out[j] = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7));
+      for (std::int64_t j = 0; j < nb; ++j) {
+        const T b0 = b[0][j], b1 = b[1][j], b2 = b[2][j], b3 = b[3][j];
+        const T b4 = b[4][j], b5 = b[5][j], b6 = b[6][j], b7 = b[7][j];
+        for (int r = 0; r < int(kTileRows); ++r) {
+          const T* ar = a[r];
+          v[r][0][j] = ((ar[0] * b0 + ar[1] * b1) + (ar[2] * b2 + ar[3] * b3)) +
+                       ((ar[4] * b4 + ar[5] * b5) + (ar[6] * b6 + ar[7] * b7));
         }
-      } else {  // the last block, n < 8 leaves: the padded tree
+      }
+    } else {  // the last block, n < 8 leaves: the padded tree
+      for (std::int64_t r = 0; r < mr; ++r) {
         for (std::int64_t q = 0; q < n; ++q)
 #pragma omp simd
-          for (std::int64_t j = 0; j < nb; ++j) v[q][j] = a[q] * b[q][j];
+          for (std::int64_t j = 0; j < nb; ++j) v[r][q][j] = a[r][q] * b[q][j];
         for (std::int64_t cnt = n; cnt > 1; cnt = (cnt + 1) / 2) {
           for (std::int64_t q = 0; q < cnt / 2; ++q)
 #pragma omp simd
-            for (std::int64_t j = 0; j < nb; ++j) v[q][j] = v[2 * q][j] + v[2 * q + 1][j];
+            for (std::int64_t j = 0; j < nb; ++j) v[r][q][j] = v[r][2 * q][j] + v[r][2 * q + 1][j];
           if (cnt % 2)
-            for (std::int64_t j = 0; j < nb; ++j) v[cnt / 2][j] = v[cnt - 1][j];
+            for (std::int64_t j = 0; j < nb; ++j) v[r][cnt / 2][j] = v[r][cnt - 1][j];
         }
       }
-      // The binary counter: block blk's value meets its left siblings.
+    }
+    // The binary counter: block blk's value meets its left siblings.
+    for (std::int64_t r = 0; r < mr; ++r) {
+      T* out = v[r][0];
       int l = 0;
       for (; (blk >> l) & 1; ++l) {
 #pragma omp simd
