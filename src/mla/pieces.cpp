@@ -36,8 +36,7 @@ ops::TokenShards head_column_shards(const Step& st) {
   t.B = 1, t.S = st.H * per_head;
   for (int r = 0; r < lay.ranks; ++r) {
     t.begin.push_back(lay.head_offset[std::size_t(r)] * per_head);
-    t.end.push_back((lay.head_offset[std::size_t(r)] + lay.head_count[std::size_t(r)]) *
-                    per_head);
+    t.end.push_back((lay.head_offset[std::size_t(r)] + lay.head_count[std::size_t(r)]) * per_head);
   }
   return t;
 }
@@ -415,14 +414,29 @@ void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>&
     st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
     dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
     ops::Mat<T> dqn_m = mat(dqn_heads);
-    ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
+    if (ops::op_invariant) {  // wq_b's gradient summed over the tokens canonically
+      ops::widen_kept(in.qn);
+      ops::gemm(dqn_m, T(0), mat(std::as_const(dq)), false, mat(w.wq_b), false);
+      token_grad(st, grads.wq_b, mat(std::as_const(dq)), mat(std::as_const(in.qn)), "wq_b_grad");
+    } else {
+      ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
+    }
     in.qn.reset();
     dq.reset();
   }
   const Tensor<T>& dqn = per_head ? dqn_heads : dq;
   // d qa, into dproj's first rq columns; qa is in.proj's.
-  ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), grads.q_norm, mat(dqn),
-                        mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+  if (ops::op_invariant) {  // q_norm's gradient summed over the tokens canonically
+    Tensor<T> dw_local = Tensor<T>::zeros(w.q_norm.shape(), "q_norm local grad (unused)");
+    ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), dw_local, mat(dqn),
+                          mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+    ops::canonical_rmsnorm_weight_grad(st.ctx.comm, grads.q_norm, mat(dqn),
+                                       mat(std::as_const(in.proj)).col_range(0, st.rq), in.q_rstd,
+                                       token_shards(st), "q_norm_grad", st.ctx.comm.rank() == 0);
+  } else {
+    ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), grads.q_norm, mat(dqn),
+                          mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+  }
   in.q_rstd.reset();
   dq.reset();
 }
@@ -467,8 +481,11 @@ Tensor<T> Pieces<T>::local_kv_backward(const Step& st, const MlaParams<T>& w, op
   merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
   ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
             false);
-  ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
-                          w.wkv_b);
+  if (ops::op_invariant)  // wkv_b's gradient summed over the tokens canonically
+    token_grad(st, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat), "wkv_b_grad");
+  else
+    ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
+                            w.wkv_b);
   return dlat_loc;
 }
 

@@ -19,9 +19,10 @@
 namespace laga {
 namespace {
 
-MlaConfig config() {
+// rq 0 (wq) or 7 (wq_a, q_norm, wq_b: more gradients summed over tokens).
+MlaConfig config(std::int64_t rq = 0) {
   MlaConfig c;  // H 6: uneven over 4, 5, 7 and 8 ranks (two of them without a head at 7 and 8)
-  c.dim = 32, c.n_heads = 6, c.q_lora_rank = 0, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
+  c.dim = 32, c.n_heads = 6, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
   c.qk_rope_head_dim = 4, c.v_head_dim = 6;
   c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 128, c.rope_factor = 4;
   c.validate();
@@ -59,17 +60,18 @@ std::string first_difference(const BlockRun<float>& a, const BlockRun<float>& b)
 }
 
 BlockRun<float> run(Form f, const SpLayout& lay, const test::BlockInputs<float>& in,
-                    const Documents* docs) {
+                    const Documents* docs, std::int64_t rq = 0) {
   RunSpec spec;
   spec.variant = f;
   spec.attention = AttentionKind::flash;
   spec.documents = docs;
   spec.invariant = true;
-  return run_local(config(), lay, in.w, in.x, in.dout, spec);
+  return run_local(config(rq), lay, in.w, in.x, in.dout, spec);
 }
 
-void expect_same_bits_at_every_p(Precision precision, bool packed, bool uneven_shards) {
-  const MlaConfig cfg = config();
+void expect_same_bits_at_every_p(Precision precision, bool packed, bool uneven_shards,
+                                 std::int64_t rq = 0) {
+  const MlaConfig cfg = config(rq);
   const std::int64_t B = 2, S = 71;
   const test::BlockInputs<float> in = test::make_inputs(cfg, B, S);
   const Documents docs = Documents::parse_lengths("20,3,30,18", B, S);
@@ -77,11 +79,11 @@ void expect_same_bits_at_every_p(Precision precision, bool packed, bool uneven_s
   for (Form f : all_forms()) {
     if (!form_spec(f).traits.invariant) continue;
     const BlockRun<float> one =
-        run(f, SpLayout::even(B, S, cfg.n_heads, 1), in, packed ? &docs : nullptr);
+        run(f, SpLayout::even(B, S, cfg.n_heads, 1), in, packed ? &docs : nullptr, rq);
     for (int P = 2; P <= 8; ++P) {
       const SpLayout lay =
           uneven_shards ? uneven(B, S, cfg.n_heads, P) : SpLayout::even(B, S, cfg.n_heads, P);
-      EXPECT_EQ(first_difference(run(f, lay, in, packed ? &docs : nullptr), one), "")
+      EXPECT_EQ(first_difference(run(f, lay, in, packed ? &docs : nullptr, rq), one), "")
           << form_spec(f).name << " at " << lay.describe()
           << (precision == Precision::bf16 ? " bf16" : " fp32") << (packed ? " packed" : "");
     }
@@ -96,6 +98,12 @@ TEST(InvariantForms, SameBitsAtEveryPFp32UnevenPacked) {
 }
 TEST(InvariantForms, SameBitsAtEveryPBf16UnevenPacked) {
   expect_same_bits_at_every_p(Precision::bf16, true, true);
+}
+TEST(InvariantForms, SameBitsAtEveryPWithAQueryLatentFp32) {
+  expect_same_bits_at_every_p(Precision::fp32, true, true, 7);
+}
+TEST(InvariantForms, SameBitsAtEveryPWithAQueryLatentBf16) {
+  expect_same_bits_at_every_p(Precision::bf16, false, true, 7);
 }
 
 // The mutation: the canonical sums combined in rank order (as an all-reduce
@@ -130,7 +138,7 @@ TEST(InvariantForms, OtherFormsAreRefusedByName) {
       EXPECT_NE(m.find(std::string("form ") + form_spec(f).name + " does not offer"),
                 std::string::npos)
           << m;
-      EXPECT_NE(m.find("--form laga"), std::string::npos) << m;
+      EXPECT_NE(m.find("use --form explicit, laga"), std::string::npos) << m;
     }
   }
 }
