@@ -166,6 +166,10 @@ static void check_invariant(const RunSpec& spec, const SpLayout& layout) {
              "invariant mode's)");
   LAGA_CHECK(op_grad_reduce == GradReduce::fp32,
              "--invariant sums the gradients in fp32: drop --grad-reduce bf16");
+  LAGA_CHECK(
+      ops::op_device == ops::Device::cpu, "--invariant runs on the CPU: the ",
+      to_string(ops::op_device),
+      " backend has no invariant kernels (docs/invariance.md); drop --invariant or --device");
   LAGA_CHECK(layout.rank_major_is_sequence(),
              "--invariant needs contiguous sequence shards (each rank one range of the sequence)");
 }
