@@ -1,7 +1,7 @@
 // sgemm on the shapes of an MLA block's projections, every GEMM library of
 // bench/gemm_backends.hpp side by side (timed alternately, one row each), and
-// laga::gemm itself: the measurement docs/performance.md chooses laga's GEMM
-// library by. Per linear layer y = x W^T, W (out, in), T tokens, three
+// laga::gemm itself, and the invariant mode's gemm_invariant: the measurement docs/performance.md
+// chooses laga's GEMM library by. Per linear layer y = x W^T, W (out, in), T tokens, three
 // products: forward NT (T, out, in), dx = dy W NN (T, in, out), dW = dy^T x TN
 // (out, in, T). Layers: the D 2048 block of bench_block.cpp and DeepSeek-V3's
 // (D 7168, H 128, rq 1536, C 512, dn 128, dr 64, dv 128). GFLOP = 2 M N K.
@@ -23,6 +23,7 @@
 #include "gemm_backends.hpp"
 #include "harness.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemm_invariant.hpp"
 
 namespace {
 
@@ -34,6 +35,14 @@ struct Linear {
 void laga_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
                 std::int64_t lda, const float* B, std::int64_t ldb, float* C, std::int64_t ldc) {
   laga::gemm<float>(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+}
+
+// The invariant mode's GEMM (kernels/gemm_invariant.hpp,
+// docs/invariance.md): its row beside the libraries' is that mode's cost.
+void invariant_sgemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K,
+                     const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float* C,
+                     std::int64_t ldc) {
+  laga::gemm_invariant<float>(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
 }
 
 }  // namespace
@@ -64,6 +73,10 @@ LAGA_BENCH(gemm, "sgemm per library (oneDNN, OpenBLAS, BLIS; alternating) on the
     ctx.note(laga::cat(b.name, ": runs its ", b.kernels, " kernels here (", b.isa, ")"));
   // laga::gemm's own row: whatever it routes to, the rows above say which.
   libs.push_back({"laga", laga::gemm_kernels(), laga::bench::gemm_isa(), &laga_sgemm});
+  // The invariant mode's GEMM: its own loops, vectorised by the compiler for
+  // the widest ISA the CPU has (target_clones), mul and add apart.
+  libs.push_back({"invariant", "gemm_invariant (pairwise tree over K)", laga::bench::gemm_isa(),
+                  &invariant_sgemm});
   ctx.note(laga::cat("T ", T, " tokens; #wrong on ", laga::bench::sampled_rows(T).size(),
                      "+ sampled rows of C vs double loops"));
   ctx.header();

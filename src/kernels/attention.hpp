@@ -49,6 +49,11 @@ struct AttnShape {
   // t, and == t exactly where a document starts (doc_start[b * Sk] == 0).
   // Needs causal. Not owned; read by every call that takes this shape.
   const std::int64_t* doc_start = nullptr;
+  // The invariant mode (docs/invariance.md): the flash kernels' backward sums
+  // every dK_j, dV_j over the query blocks as one ascending sum whatever the
+  // head count (else, below 8 heads, as two row sets added), so that a head's
+  // gradients do not depend on how many heads share its call.
+  bool one_row_set = false;
 
   // Query row i sees keys [key_begin(b, i), key_end(i)) (empty when end is 0).
   std::int64_t key_end(std::int64_t i) const {

@@ -953,9 +953,10 @@ std::int64_t threads_here() {
 // shape alone, so that the bits never depend on the thread count; one set
 // from 8 heads up, where the heads keep the threads busy by themselves and a
 // second set would only pack each head's keys twice and add its sums once
-// more.
-std::int64_t row_sets(std::int64_t heads) {
-  return heads < 8 ? 2 : 1;
+// more. One set whatever the heads in the invariant mode
+// (AttnShape::one_row_set).
+std::int64_t row_sets(const AttnShape& s, std::int64_t heads) {
+  return heads < 8 && !s.one_row_set ? 2 : 1;
 }
 
 // One thread per (head, row set) when those units share the threads out
@@ -1011,7 +1012,7 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
   }
   const std::int64_t d_all = aligned_bytes<float>(s.B * s.Hq * s.Sq);
   if (heads == 0 && !bound) return d_all;
-  const std::int64_t sets = row_sets(heads), units = heads * sets;
+  const std::int64_t sets = row_sets(s, heads), units = heads * sets;
   // Per head: each thread one head's K, V packs, one row block's Q, dO
   // packs, its tiles and the head's dK, dV sums.
   const auto per_head = [&] {
@@ -1027,8 +1028,8 @@ std::int64_t workspace_bytes(const AttnShape& s, bool backward, bool bound) {
            (heads * std::max(keys.nkb, rows.nrb) > 1 || bound ? nt : 1) * Scratch::bytes(s);
   };
   if (bound) {
-    const auto [by_head, by_passes] =
-        schedules([&](std::int64_t h) { return h > 0 && backward_per_head(h * row_sets(h), nt); });
+    const auto [by_head, by_passes] = schedules(
+        [&](std::int64_t h) { return h > 0 && backward_per_head(h * row_sets(s, h), nt); });
     return std::max(by_head ? per_head() : d_all, by_passes ? two_pass() : d_all);
   }
   return backward_per_head(units, nt) ? per_head() : two_pass();
@@ -1100,7 +1101,7 @@ void backward(const AttnShape& s, float* dq, float* dk, float* dv, const bf16* d
     D[static_cast<size_t>((b * s.Hq + h) * s.Sq + i)] = acc;
   }
   if (heads == 0) return;
-  const std::int64_t sets = row_sets(heads), units = heads * sets;
+  const std::int64_t sets = row_sets(s, heads), units = heads * sets;
   if (backward_per_head(units, threads_here())) {
     // Unit u: head u / sets, its row blocks ib with ib % sets == u % sets.
     // Units are handed out in ascending order (next, not an OpenMP

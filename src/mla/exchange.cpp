@@ -208,7 +208,11 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   // collective cannot read: that one copy is made here, at the strides, and
   // the collective carries nothing (a rank's own block is never on the
   // wire: the ledger is the same).
-  if (P == 1 && same_rows(from.tokens[0], to.tokens[0]) && from_heads == to_heads) {
+  // Not in the invariant mode under bf16 (docs/invariance.md): a block
+  // every P > 1 rounds to bf16 on its way (its own too) is rounded at P 1
+  // as well.
+  const bool rounds = std::is_same_v<Wire, bf16> && ops::op_invariant;
+  if (P == 1 && same_rows(from.tokens[0], to.tokens[0]) && from_heads == to_heads && !rounds) {
     if (src_ld == from_heads * d && dst_ld == to_heads * d) {
       comm.all_to_all_v(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), label);
       return;

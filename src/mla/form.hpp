@@ -296,6 +296,13 @@ struct Pieces {
   // The adjoint of split_kv: dkv (rows, heads*(dn+dv)) from dk's nope part and
   // dv; dk's rope parts are summed over heads, in head order, into dk_pe
   // (rows, dr) (added to what is there).
+  // The invariant mode's up_project_kv_backward (docs/invariance.md): the
+  // gradient of this rank's tokens' latent, (B, L, C + dr), summed over
+  // every rank's heads canonically.
+  static Tensor<T> up_project_kv_backward_invariant(const Step& st, const MlaParams<T>& w,
+                                                    const Tensor<T>& lat, std::int64_t keys,
+                                                    Tensor<T>& dk, Tensor<T>& dv,
+                                                    MlaParams<T>& grads);
   static void merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dk, ops::In<T> dv,
                         ops::Mat<T> dkv, ops::Mat<T> dk_pe);
   // explicit's per-head K and V of local tokens and all H heads (explicit,

@@ -64,7 +64,7 @@ FormEntry explicit_entry() {
                    .name = "explicit",
                    .flow = "up-project K/V for local tokens and all heads, all-to-all Q, K, V "
                            "seq->head, attend, all-to-all out head->seq (Megatron-Core)",
-                   .traits = {.reference = true},
+                   .traits = {.reference = true, .invariant = true},
                    .attention = head_shards,
                    .geometry = nullptr,
                    .note = nullptr,

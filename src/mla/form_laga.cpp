@@ -68,7 +68,10 @@ FormEntry laga_entry() {
                .name = "laga",
                .flow = "all-to-all Q, all-gather [c | k_pe], up-project K/V locally for the "
                        "rank's own heads, attend as explicit, all-to-all out (the paper's)",
-               .traits = {.query_latent = true, .overlap = true, .exact_at_one_rank = true},
+               .traits = {.query_latent = true,
+                          .overlap = true,
+                          .exact_at_one_rank = true,
+                          .invariant = true},
                .attention = head_shards,
                .geometry = nullptr,
                .note = nullptr,

@@ -97,6 +97,9 @@ struct FormTraits {
   // At P 1 on an unpacked batch it runs the reference's arithmetic, so
   // `laga verify` requires bit-identity there, not a tolerance.
   bool exact_at_one_rank = false;
+  // Offers the invariant mode (docs/invariance.md, "Which forms"): out, dx
+  // and every gradient bit-identical at every P, uneven and packed.
+  bool invariant = false;
 };
 
 struct CommTerms;   // mla/comm_model.hpp

@@ -55,6 +55,7 @@ CountedRank count_rank(const MlaConfig& cfg, const SpLayout& layout, FormVariant
   spec.attention = attention;
   spec.backward = options.backward;
   spec.grad_sync = options.grad_sync;
+  spec.invariant = options.invariant;
   const RankMemory m = run_rank(comm, cfg, layout, rope, w, x, dout, spec).report.memory;
   return {m, pool.cache_allowance()};
 }

@@ -98,6 +98,8 @@ struct MemoryModelOptions {
   // what an in-process or MPI run gives each rank (core/threads.hpp). A bf16
   // run's flash workspace is per thread, so the count follows it.
   int threads = 0;
+  // The invariant mode's run (RunSpec::invariant; docs/invariance.md).
+  bool invariant = false;
 };
 
 // Rank `rank` of layout.ranks running `variant` (a form and its query

@@ -157,6 +157,9 @@ struct OpShape {
   std::int64_t rows = 0, cols = 0, b0 = 0, q_row = 0;
   // rope
   std::int64_t batch = 0, tokens = 0, heads = 0, ld_token = 0, ld_head = 0, pos0 = 0;
+  // gemm: the invariant mode's call (op_invariant below): every element
+  // summed in the one order of kernels/gemm_invariant.hpp, whatever M.
+  bool invariant = false;
 };
 
 // One call as a kernel receives it.
@@ -231,6 +234,24 @@ class UseDevice {
 
  private:
   Device previous_;
+};
+
+// Whether this thread's GEMMs run in the invariant mode (docs/invariance.md):
+// every output element summed in one fixed order whatever the row count, the
+// thread count or the ISA, so that a row's bits do not depend on how many
+// rows its rank holds. The op layer copies it into OpShape::invariant; only
+// the gemm_invariant row takes such a call. Off unless a UseInvariant scope
+// says (a thread-local, as op_device is).
+inline thread_local bool op_invariant = false;
+class UseInvariant {
+ public:
+  explicit UseInvariant(bool on) : previous_(op_invariant) { op_invariant = on; }
+  ~UseInvariant() { op_invariant = previous_; }
+  UseInvariant(const UseInvariant&) = delete;
+  UseInvariant& operator=(const UseInvariant&) = delete;
+
+ private:
+  bool previous_;
 };
 
 // This thread's dtype for T: fp64 for double, else bf16 or fp32 by

@@ -20,6 +20,7 @@
 #include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
+#include "kernels/gemm_invariant.hpp"
 #include "kernels/lse_merge.hpp"
 #include "kernels/output_gate.hpp"
 #include "kernels/rmsnorm.hpp"
@@ -57,6 +58,23 @@ void run_gemm_bf16(const OpCall& c) {
                    static_cast<const bf16*>(c.in[0]), s.lda, static_cast<const bf16*>(c.in[1]),
                    s.ldb, float(c.beta), static_cast<float*>(c.out[0]), s.ldc);
 }
+// The invariant mode (op_table.hpp, op_invariant) is served by
+// gemm_invariant alone: the library rows' blocking and threading follow M.
+Why library_gemm_takes(const OpShape& s) {
+  if (s.invariant)
+    return std::string(
+        "the invariant mode (a library GEMM's sums depend on the row count; "
+        "gemm_invariant takes the call)");
+  return std::nullopt;
+}
+template <class T>
+void run_gemm_invariant(const OpCall& c) {
+  const OpShape& s = c.shape;
+  gemm_invariant<T>(s.trans_a, s.trans_b, s.m, s.n, s.k, T(c.alpha), static_cast<const T*>(c.in[0]),
+                    s.lda, static_cast<const T*>(c.in[1]), s.ldb, T(c.beta),
+                    static_cast<T*>(c.out[0]), s.ldc);
+}
+
 Why gemm_bf16_takes(GemmBf16Path path, RunDtype d) {
   if (Why w = dtype_not_in(d, {RunDtype::bf16})) return w;
   if (gemm_bf16_path() != path)
@@ -326,14 +344,42 @@ void run_adamw(const OpCall& c) {
 const KernelRow kRows[] = {
     // gemm: OpenBLAS (double), oneDNN's sgemm (float), and bf16 mixed
     // precision either on oneDNN's bf16 matmul or widened to the fp32 one.
-    {Device::cpu, Op::gemm, "gemm_fp64", LAGA_ROW_DTYPE(double), &run_gemm<double>},
-    {Device::cpu, Op::gemm, "gemm_fp32", LAGA_ROW_DTYPE(float), &run_gemm<float>},
+    {Device::cpu, Op::gemm, "gemm_fp64",
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = library_gemm_takes(s)) return w;
+       return dtype_not_in(d, {RunDtype::fp64});
+     },
+     &run_gemm<double>},
+    {Device::cpu, Op::gemm, "gemm_fp32",
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = library_gemm_takes(s)) return w;
+       return dtype_not_in(d, {RunDtype::fp32});
+     },
+     &run_gemm<float>},
     {Device::cpu, Op::gemm, "gemm_bf16_onednn",
-     [](RunDtype d, const OpShape&) { return gemm_bf16_takes(GemmBf16Path::onednn_bf16, d); },
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = library_gemm_takes(s)) return w;
+       return gemm_bf16_takes(GemmBf16Path::onednn_bf16, d);
+     },
      &run_gemm_bf16, 0, Bf16Operands::bf16},
     {Device::cpu, Op::gemm, "gemm_bf16_widened_fp32",
-     [](RunDtype d, const OpShape&) { return gemm_bf16_takes(GemmBf16Path::widened_fp32, d); },
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = library_gemm_takes(s)) return w;
+       return gemm_bf16_takes(GemmBf16Path::widened_fp32, d);
+     },
      &run_gemm<float>, 0, Bf16Operands::fp32_values},
+    // The invariant mode's GEMM (kernels/gemm_invariant.hpp), every dtype;
+    // bf16 widened (exact products of bf16 values, fp32 sums).
+    {Device::cpu, Op::gemm, "gemm_invariant",
+     [](RunDtype, const OpShape& s) -> Why {
+       if (!s.invariant)
+         return std::string("not the invariant mode (the library GEMMs are faster)");
+       return std::nullopt;
+     },
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_gemm_invariant<double>(c) : run_gemm_invariant<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
 
 // Per-head and latent attention share kernels (kernels/attention.hpp: Hk
 // divides Hq), differing in heads_fit.

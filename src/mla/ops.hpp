@@ -280,6 +280,7 @@ void run_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::i
   c.op = Op::gemm, c.dtype = std::is_same_v<T, double> ? RunDtype::fp64 : RunDtype::fp32;
   c.shape.m = m, c.shape.n = n, c.shape.k = k, c.shape.lda = lda, c.shape.ldb = ldb;
   c.shape.ldc = ldc, c.shape.trans_a = trans_a, c.shape.trans_b = trans_b;
+  c.shape.invariant = op_invariant;
   c.in[0] = A, c.in[1] = B, c.out[0] = C, c.alpha = double(alpha), c.beta = double(beta);
   run_kernel(c);
 }

@@ -183,9 +183,11 @@ void attention_forward(AttentionKind kind, const AttnShape& s, T* o, T* stats, S
 }
 
 template <class T>
-void attention_backward(AttentionKind kind, const AttnShape& s, T* dq, T* dk, T* dv, Src<T> dout,
-                        Src<T> q, Src<T> k, Src<T> v, Src<T> o, Src<T> stats, T* dp,
+void attention_backward(AttentionKind kind, const AttnShape& shape, T* dq, T* dk, T* dv,
+                        Src<T> dout, Src<T> q, Src<T> k, Src<T> v, Src<T> o, Src<T> stats, T* dp,
                         Src<T> eager_delta, const HeldOperands* narrowed, Tensor<bf16>* scratch) {
+  AttnShape s = shape;
+  s.one_row_set = op_invariant;  // docs/invariance.md: a head's sums whatever the heads
   const bool eager = kind == AttentionKind::eager;
   count_call(kind, s, AttentionPass::backward);
   // Eager reads the saved probabilities, writes dp and reads it back.
@@ -241,9 +243,12 @@ void attention_backward(AttentionKind kind, const AttnShape& s, T* dq, T* dk, T*
 }
 
 template <class T>
-Tensor<bf16> attention_scratch(AttentionKind kind, const AttnShape& s, AttentionPass pass,
+Tensor<bf16> attention_scratch(AttentionKind kind, const AttnShape& shape, AttentionPass pass,
                                const HeldOperands* held) {
   if (!in_bf16<T>()) return {};
+  AttnShape s = shape;
+  s.one_row_set = op_invariant && pass == AttentionPass::backward;  // as attention_backward's
+
   check_precision_supports(Precision::bf16, kind);
   return bf16_attention_scratch(bf16_attention_parts(attention_row<T>(kind, s, pass), s, pass,
                                                      held ? held->flags() : std::array<bool, 4>{},

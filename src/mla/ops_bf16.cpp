@@ -24,7 +24,9 @@ namespace {
 // Which the kernel table's bf16 gemm row says (op_table_cpu.cpp: the row
 // LAGA_GEMM_BF16 selects).
 const KernelRow& gemm_row() {
-  return pick(op_device, Op::gemm, RunDtype::bf16, OpShape{});
+  OpShape s;
+  s.invariant = op_invariant;  // the invariant row widens: fp32 copies of bf16 values
+  return pick(op_device, Op::gemm, RunDtype::bf16, s);
 }
 bool widened() {
   return gemm_row().operands == Bf16Operands::fp32_values;
@@ -104,17 +106,20 @@ Mat<const float> dense(const float* x, std::int64_t rows, std::int64_t cols) {
 template <class E>
 void linear_of_copies(float* y, const E* x, const E* w, std::int64_t N, std::int64_t in,
                       std::int64_t out) {
-  if constexpr (std::is_same_v<E, float>)
-    laga::linear_forward<float>(y, x, w, N, in, out);
+  if constexpr (std::is_same_v<E, float>)  // laga::linear_forward's gemm, through the table
+    run_gemm<float>(false, true, N, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
   else
     linear_forward_bf16<float>(y, x, w, N, in, out);
 }
 template <class E>
 void linear_backward_of_copies(float* dx, bool accumulate, float* dw, const E* dy, const E* x,
                                const E* w, std::int64_t N, std::int64_t in, std::int64_t out) {
-  if constexpr (std::is_same_v<E, float>)
-    laga::linear_backward<float>(dx, accumulate, dw, dy, x, w, N, in, out);
-  else
+  if constexpr (std::is_same_v<E, float>) {  // laga::linear_backward's gemms, through the table
+    if (dx)
+      run_gemm<float>(false, false, N, in, out, 1.0f, dy, out, w, in, accumulate ? 1.0f : 0.0f, dx,
+                      in);
+    if (dw) run_gemm<float>(true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dw, in);
+  } else
     linear_backward_bf16<float>(dx, accumulate, dw, dy, x, w, N, in, out);
 }
 
@@ -208,6 +213,7 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
   call.shape.m = C.rows, call.shape.n = C.cols, call.shape.k = K;
   call.shape.lda = A.cols, call.shape.ldb = B.cols, call.shape.ldc = C.ld;
   call.shape.trans_a = trans_a, call.shape.trans_b = trans_b;
+  call.shape.invariant = op_invariant;
   call.out[0] = C.p, call.alpha = alpha, call.beta = beta;
   // The operands' copies dense, in the form the row takes them.
   auto run_on = [&](auto& c) {

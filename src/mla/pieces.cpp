@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "mla/canonical_sum.hpp"
 #include "mla/exchange.hpp"
 #include "mla/form.hpp"
 #include "mla/ops_attention.hpp"
@@ -17,6 +18,37 @@ namespace laga::detail {
 using ops::mat;
 
 namespace {
+// The invariant mode's shards (docs/invariance.md): the sequence's, and the
+// heads' columns of the latent's gradient (dn + dv + dr a head).
+ops::TokenShards token_shards(const Step& st) {
+  const SpLayout& lay = st.ctx.layout;
+  ops::TokenShards t;
+  t.B = st.B, t.S = st.S;
+  for (int r = 0; r < lay.ranks; ++r) {
+    t.begin.push_back(lay.shard_begin(r));
+    t.end.push_back(lay.shard_begin(r) + lay.seq_count[std::size_t(r)]);
+  }
+  return t;
+}
+ops::TokenShards head_column_shards(const Step& st) {
+  const SpLayout& lay = st.ctx.layout;
+  const std::int64_t per_head = st.KV + st.dr;
+  ops::TokenShards t;
+  t.B = 1, t.S = st.H * per_head;
+  for (int r = 0; r < lay.ranks; ++r) {
+    t.begin.push_back(lay.head_offset[std::size_t(r)] * per_head);
+    t.end.push_back((lay.head_offset[std::size_t(r)] + lay.head_count[std::size_t(r)]) * per_head);
+  }
+  return t;
+}
+// A weight's gradient summed over the tokens canonically, added on rank 0
+// only: the gradient all-reduce adds the other ranks' zeros to it.
+template <class T>
+void token_grad(const Step& st, Tensor<T>& g, ops::In<T> dy, ops::In<T> x, const char* label) {
+  ops::canonical_token_sum(st.ctx.comm, mat(g), dy, x, token_shards(st), label,
+                           st.ctx.comm.rank() == 0);
+}
+
 // The first `keys` tokens of every row of a (B, S, .) tensor and of a
 // (B, keys, .) one, as blocks of rows both hold contiguously: f(row in the
 // (B S) rows, row in the (B keys) rows, rows). One block of all B S rows when
@@ -163,6 +195,7 @@ template <class T>
 Tensor<T> Pieces<T>::up_project_kv_backward(const Step& st, const MlaParams<T>& w,
                                             const Tensor<T>& lat, std::int64_t keys, Tensor<T>& dk,
                                             Tensor<T>& dv, MlaParams<T>& grads) {
+  if (ops::op_invariant) return up_project_kv_backward_invariant(st, w, lat, keys, dk, dv, grads);
   // d[c_hat | k_pe] of every token from this rank's heads (zero past the keys).
   Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
   Tensor<T> dkv_h({st.B, keys, st.Hr * st.KV}, "dkv_h");
@@ -186,6 +219,35 @@ Tensor<T> Pieces<T>::up_project_kv_backward(const Step& st, const MlaParams<T>& 
               false);
   });
   return dlat;
+}
+
+// The invariant mode's (docs/invariance.md): wkv_b's gradient as above, and
+// this rank's tokens' d[c_hat | k_pe] summed over every rank's heads by the
+// canonical reduce-scatter, in place of the sum over this rank's heads and
+// the reduce-scatter over the ranks (reduce_latent then passes it on).
+template <class T>
+Tensor<T> Pieces<T>::up_project_kv_backward_invariant(const Step& st, const MlaParams<T>& w,
+                                                      const Tensor<T>& lat, std::int64_t keys,
+                                                      Tensor<T>& dk, Tensor<T>& dv,
+                                                      MlaParams<T>& grads) {
+  LAGA_CHECK(keys == st.S, "internal: the invariant latent backward over ", keys, " keys of ",
+             st.S);
+  Tensor<T> dkv_h({st.B, keys, st.Hr * st.KV}, "dkv_h");
+  Tensor<T> dk_pe({st.B, keys, st.dr}, "dk_pe summed (unused)");
+  const ops::Mat<const T> wkv_b_r = mat(w.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+  const ops::Mat<T> dwkv_b_r = mat(grads.wkv_b).row_range(st.h0 * st.KV, st.Hr * st.KV);
+  const ops::Mat<const T> dk_m = mat(std::as_const(dk), st.B * keys, st.Hr * st.dqk),
+                          dv_m = mat(std::as_const(dv), st.B * keys, st.Hr * st.dv);
+  merge_dkv(st, st.Hr, dk_m, dv_m, mat(dkv_h), mat(dk_pe));
+  dk_pe.reset();
+  ops::gemm(dwkv_b_r, T(1), mat(std::as_const(dkv_h)), true, mat(lat).col_range(0, st.C), false);
+  dkv_h.reset();
+  Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+  ops::canonical_latent_reduce_scatter(st.ctx.comm, mat(dlat_loc), dk_m, dv_m, wkv_b_r, st.Hr,
+                                       st.dn, st.dr, head_column_shards(st), token_shards(st),
+                                       "latent_ag");
+  dk.reset(), dv.reset();
+  return dlat_loc;
 }
 
 template <class T>
@@ -215,6 +277,7 @@ Tensor<T> Pieces<T>::to_tokens(const Step& st, Tensor<T>& h, std::int64_t d, con
 
 template <class T>
 Tensor<T> Pieces<T>::reduce_latent(const Step& st, Tensor<T>& dlat, StartedSeq<T>* started) {
+  if (ops::op_invariant) return std::move(dlat);  // the canonical reduce-scatter's already
   Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
   if (started) {  // dlat goes with it: the collective may read it until the wait
     *started = start_reduce_scatter_seq(st.ctx.comm, st.ctx.layout, std::move(dlat),
@@ -273,8 +336,13 @@ Tensor<T> Pieces<T>::output_projection_backward(const Step& st, const MlaParams<
   Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, name);
   ops::Mat<T> do_loc_m = mat(do_loc);
   if (!st.ctx.cfg.mla_use_output_gate) {
-    // o_loc may be held narrowed: wo's gradient reads it in place.
-    ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), o_loc, w.wo);
+    if (ops::op_invariant) {  // wo's gradient summed over the tokens canonically
+      ops::gemm(do_loc_m, T(0), mat(dout), false, mat(w.wo), false);
+      token_grad(st, grads.wo, mat(dout), mat(o_loc), "wo_grad");
+    } else {
+      // o_loc may be held narrowed: wo's gradient reads it in place.
+      ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), o_loc, w.wo);
+    }
     return do_loc;
   }
   // y = o_loc * sigmoid(g) again (wo's gradient reads it; not saved: one
@@ -283,7 +351,12 @@ Tensor<T> Pieces<T>::output_projection_backward(const Step& st, const MlaParams<
   ops::output_gate(mat(gated), mat(o_loc), mat(std::as_const(in.gate)));
   Tensor<T> dgated({st.B, st.L, st.H * st.dv}, "do_gated");
   ops::Mat<T> dgated_m = mat(dgated);
-  ops::linear_backward(&dgated_m, false, grads.wo, mat(dout), mat(std::as_const(gated)), w.wo);
+  if (ops::op_invariant) {  // wo's gradient summed over the tokens canonically
+    ops::gemm(dgated_m, T(0), mat(dout), false, mat(w.wo), false);
+    token_grad(st, grads.wo, mat(dout), mat(std::as_const(gated)), "wo_grad");
+  } else {
+    ops::linear_backward(&dgated_m, false, grads.wo, mat(dout), mat(std::as_const(gated)), w.wo);
+  }
   gated.reset();
   in.dgate = Tensor<T>({st.B, st.L, st.H * st.dv}, "dgate");
   ops::output_gate_backward(do_loc_m, mat(in.dgate), mat(std::as_const(dgated)), mat(o_loc),
@@ -309,6 +382,8 @@ template <class T>
 Tensor<T> Pieces<T>::project_out_backward(const Step& st, const MlaParams<T>& w, InputSaved<T>& in,
                                           const Tensor<T>& dout, Tensor<T>& o_loc,
                                           MlaParams<T>& grads) {
+  // The invariant mode's wo gradient reads o_loc as a plain matrix (token_grad).
+  if (ops::op_invariant) ops::widen_kept(o_loc);
   Tensor<T> do_loc = output_projection_backward(st, w, in, dout, o_loc, grads, "do_loc");
   o_loc.reset();
   return to_heads(st, do_loc, st.dv, "out_a2a", "do_h");
@@ -334,11 +409,21 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
   // += dproj^T x.
   dx = Tensor<T>({st.B, st.L, st.D}, "dx");
   ops::Mat<T> dx_m = mat(dx);
-  ops::linear_backward(&dx_m, false, grads.in_proj, mat(std::as_const(dproj)), mat(x), w.in_proj);
+  if (ops::op_invariant) {  // in_proj's gradient summed over the tokens canonically
+    ops::gemm(dx_m, T(0), mat(std::as_const(dproj)), false, mat(w.in_proj), false);
+    token_grad(st, grads.in_proj, mat(std::as_const(dproj)), mat(x), "in_proj_grad");
+  } else {
+    ops::linear_backward(&dx_m, false, grads.in_proj, mat(std::as_const(dproj)), mat(x), w.in_proj);
+  }
   dproj.reset();
   if (in.dgate.defined()) {
     // The output gate's logits g = x wg^T: dx += dg wg, wg's gradient += dg^T x.
-    ops::linear_backward(&dx_m, true, grads.wg, mat(std::as_const(in.dgate)), mat(x), w.wg);
+    if (ops::op_invariant) {  // wg's gradient summed over the tokens canonically
+      ops::gemm(dx_m, T(1), mat(std::as_const(in.dgate)), false, mat(w.wg), false);
+      token_grad(st, grads.wg, mat(std::as_const(in.dgate)), mat(x), "wg_grad");
+    } else {
+      ops::linear_backward(&dx_m, true, grads.wg, mat(std::as_const(in.dgate)), mat(x), w.wg);
+    }
     in.dgate.reset();
   }
 }
@@ -352,8 +437,17 @@ void Pieces<T>::latent_norm_backward(const Step& st, const MlaParams<T>& w, Tens
   // the norm, d k_pe as it is.
   const ops::Mat<T> dkv_a = mat(dproj).col_range(st.Nq, st.W);
   const ops::Mat<const T> dlat = mat(std::as_const(dlat_loc));
-  ops::rmsnorm_backward(dkv_a.col_range(0, st.C), grads.kv_norm, dlat.col_range(0, st.C),
-                        in.kv_a_rows(st).col_range(0, st.C), w.kv_norm, in.kv_rstd);
+  if (ops::op_invariant) {  // kv_norm's gradient summed over the tokens canonically
+    Tensor<T> dw_local = Tensor<T>::zeros(w.kv_norm.shape(), "kv_norm local grad (unused)");
+    ops::rmsnorm_backward(dkv_a.col_range(0, st.C), dw_local, dlat.col_range(0, st.C),
+                          in.kv_a_rows(st).col_range(0, st.C), w.kv_norm, in.kv_rstd);
+    ops::canonical_rmsnorm_weight_grad(st.ctx.comm, grads.kv_norm, dlat.col_range(0, st.C),
+                                       in.kv_a_rows(st).col_range(0, st.C), in.kv_rstd,
+                                       token_shards(st), "kv_norm_grad", st.ctx.comm.rank() == 0);
+  } else {
+    ops::rmsnorm_backward(dkv_a.col_range(0, st.C), grads.kv_norm, dlat.col_range(0, st.C),
+                          in.kv_a_rows(st).col_range(0, st.C), w.kv_norm, in.kv_rstd);
+  }
   ops::copy(dkv_a.col_range(st.C, st.dr), dlat.col_range(st.C, st.dr));
   dlat_loc.reset();
   in.kv_rstd.reset();
@@ -376,14 +470,29 @@ void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>&
     st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
     dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
     ops::Mat<T> dqn_m = mat(dqn_heads);
-    ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
+    if (ops::op_invariant) {  // wq_b's gradient summed over the tokens canonically
+      ops::widen_kept(in.qn);
+      ops::gemm(dqn_m, T(0), mat(std::as_const(dq)), false, mat(w.wq_b), false);
+      token_grad(st, grads.wq_b, mat(std::as_const(dq)), mat(std::as_const(in.qn)), "wq_b_grad");
+    } else {
+      ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
+    }
     in.qn.reset();
     dq.reset();
   }
   const Tensor<T>& dqn = per_head ? dqn_heads : dq;
   // d qa, into dproj's first rq columns; qa is in.proj's.
-  ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), grads.q_norm, mat(dqn),
-                        mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+  if (ops::op_invariant) {  // q_norm's gradient summed over the tokens canonically
+    Tensor<T> dw_local = Tensor<T>::zeros(w.q_norm.shape(), "q_norm local grad (unused)");
+    ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), dw_local, mat(dqn),
+                          mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+    ops::canonical_rmsnorm_weight_grad(st.ctx.comm, grads.q_norm, mat(dqn),
+                                       mat(std::as_const(in.proj)).col_range(0, st.rq), in.q_rstd,
+                                       token_shards(st), "q_norm_grad", st.ctx.comm.rank() == 0);
+  } else {
+    ops::rmsnorm_backward(mat(dproj).col_range(0, st.rq), grads.q_norm, mat(dqn),
+                          mat(std::as_const(in.proj)).col_range(0, st.rq), w.q_norm, in.q_rstd);
+  }
   in.q_rstd.reset();
   dq.reset();
 }
@@ -428,8 +537,11 @@ Tensor<T> Pieces<T>::local_kv_backward(const Step& st, const MlaParams<T>& w, op
   merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
   ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
             false);
-  ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
-                          w.wkv_b);
+  if (ops::op_invariant)  // wkv_b's gradient summed over the tokens canonically
+    token_grad(st, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat), "wkv_b_grad");
+  else
+    ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
+                            w.wkv_b);
   return dlat_loc;
 }
 

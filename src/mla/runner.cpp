@@ -8,6 +8,8 @@
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "mla/form_registry.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -146,12 +148,40 @@ void place_shard(Tensor<T>& g, const Tensor<T>& s, const SpLayout& lay, int r) {
     }
 }
 
+static void check_invariant(const RunSpec& spec, const SpLayout& layout) {
+  const FormSpec& f = form_spec(spec.variant.form);
+  std::string offering;
+  for (Form g : all_forms())
+    if (form_spec(g).traits.invariant)
+      offering += std::string(offering.empty() ? "" : ", ") + form_spec(g).name;
+  LAGA_CHECK(f.traits.invariant, "--invariant: form ", f.name,
+             " does not offer the invariant mode (docs/invariance.md, \"Which forms\" says why); "
+             "use --form ",
+             offering, ", or drop --invariant");
+  LAGA_CHECK(spec.variant.queries == QueryExchange::heads && spec.variant.overlap == Overlap::off,
+             "--invariant: form ", to_string(spec.variant),
+             " has no invariant path for --q-latent or --overlap on; drop them with --invariant");
+  LAGA_CHECK(spec.attention == AttentionKind::flash,
+             "--invariant needs --attention flash (the eager kernel's GEMMs are not the "
+             "invariant mode's)");
+  LAGA_CHECK(op_grad_reduce == GradReduce::fp32,
+             "--invariant sums the gradients in fp32: drop --grad-reduce bf16");
+  LAGA_CHECK(
+      ops::op_device == ops::Device::cpu, "--invariant runs on the CPU: the ",
+      to_string(ops::op_device),
+      " backend has no invariant kernels (docs/invariance.md); drop --invariant or --device");
+  LAGA_CHECK(layout.rank_major_is_sequence(),
+             "--invariant needs contiguous sequence shards (each rank one range of the sequence)");
+}
+
 template <class T>
 RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
                        const RopeTable& rope, const MlaParams<T>& w, const Tensor<T>& x,
                        const Tensor<T>& dout, const RunSpec& spec) {
   const int r = comm.rank();
   if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
+  if (spec.invariant) check_invariant(spec, layout);
+  const ops::UseInvariant invariant(spec.invariant);
   const BlockContext ctx{cfg, layout, comm, rope, spec.variant, spec.attention, spec.documents};
   RankResult<T> res;
   res.report.rank = r;

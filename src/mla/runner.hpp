@@ -23,6 +23,9 @@ struct RunSpec {
   bool grad_sync = true;                 // with backward: the gradient all-reduce
   const Documents* documents = nullptr;  // packed sequences; null: one document per row
   std::chrono::milliseconds timeout{0};  // 0: the communicator's default
+  // The invariant mode (docs/invariance.md): the same bits at every P, for a
+  // form whose row offers it (FormTraits::invariant); refused otherwise.
+  bool invariant = false;
   // Tests only, run_local: the ranks' started collectives deliver at their
   // wait and check their buffers there (LocalRunOptions, comm/communicator.hpp
   // "Overlap"), so an overlapped path that reads a result early or frees a

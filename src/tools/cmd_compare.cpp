@@ -88,6 +88,10 @@ void register_compare(CLI::App& app) {
                 "bytes and memory for one rank of a job too large for this machine; values are "
                 "not numerically meaningful")
       ->check(whole_for(0, o->rank_only));
+  c->add_flag("--invariant", o->invariant,
+              cat("every form in the invariant mode (", names_of_forms_with(&FormTraits::invariant),
+                  "; --attention flash): the same bits at every --sp, at the cost "
+                  "docs/invariance.md measures"));
   c->add_flag("--count-only", o->count_only,
               "account every tensor without allocating it and run no kernel: exact bytes and "
               "memory at any size in seconds; no values, no times");

@@ -31,7 +31,8 @@ constexpr std::pair<const char*, bool FormTraits::*> kTraits[] = {
     {"overlap", &FormTraits::overlap},
     {"head_groups", &FormTraits::head_groups},
     {"reference", &FormTraits::reference},
-    {"exact_at_one_rank", &FormTraits::exact_at_one_rank}};
+    {"exact_at_one_rank", &FormTraits::exact_at_one_rank},
+    {"invariant", &FormTraits::invariant}};
 
 // The probe layout attends() and keys() read a row on (S 16, H 2, P 4),
 // and the row's variant there (the grid forms at 2 head groups).
@@ -106,6 +107,7 @@ void run_forms(const FormsOptions& o) {
       if (s.traits.query_latent) admits += " --q-latent";
       if (s.traits.overlap) admits += " --overlap";
       if (s.traits.head_groups) admits += " --head-groups";
+      if (s.traits.invariant) admits += " --invariant";
       std::cout << s.name << (s.traits.reference ? " (the reference)" : "") << "\n  " << s.flow
                 << "\n  admits:" << (admits.empty() ? " no variant options" : admits) << "\n";
     }

@@ -27,6 +27,7 @@ struct ForwardOptions {
   CommOptions comm;
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
+  bool invariant = false;  // --invariant (docs/invariance.md)
   std::string overlap = "off";
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout
@@ -164,6 +165,7 @@ void run_forward(const ForwardOptions& o) {
   spec.variant = variant;
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
+  spec.invariant = o.invariant;
   const bool report = is_reporting_process(o.comm);
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
@@ -263,6 +265,10 @@ void register_forward_command(CLI::App& app) {
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  sub->add_flag("--invariant", opts->invariant,
+                cat(names_of_forms_with(&FormTraits::invariant),
+                    ", flash: the invariant mode -- out, dx and every gradient bit-identical at "
+                    "every --sp, uneven and packed, fp32 and bf16 (docs/invariance.md)"));
   add_dtype_option(
       *sub, [opts](RunDtype d) { opts->dtype = d; },
       {RunDtype::fp32, RunDtype::bf16, RunDtype::fp64},

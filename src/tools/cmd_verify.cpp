@@ -5,6 +5,7 @@
 // --q-latent, laga+q-latent runs beside laga under the same checks.
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -29,6 +30,8 @@ struct VerifyOptions {
   double tol = 1e-5;                // float64 without --tol: 1e-12; bf16: bf16_bound_between_runs
   RunDtype dtype = RunDtype::fp32;  // fp64: every run in double; bf16: mixed precision
   bool q_latent = false;
+  bool invariant =
+      false;  // --invariant: the mode, and bit-identity across --sp (docs/invariance.md)
   std::string overlap = "off";
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout: the P-rank runs' shards
@@ -49,8 +52,10 @@ void run_verify(const VerifyOptions& o) {
   const std::vector<int> sps = parse_int_list(o.sp, "--sp");
   // The P-rank runs' shards (the reference at P 1 is one range either way).
   const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
-  const std::vector<FormVariant> forms = form_variants(
-      parse_form_list(o.forms), o.q_latent, o.head_groups, cfg, parse_overlap_runs(o.overlap));
+  std::vector<FormVariant> forms = form_variants(parse_form_list(o.forms), o.q_latent,
+                                                 o.head_groups, cfg, parse_overlap_runs(o.overlap));
+  if (o.invariant && o.forms == "all")  // all: every form offering the mode
+    std::erase_if(forms, [](const FormVariant& f) { return !form_spec(f.form).traits.invariant; });
   const std::optional<Documents> docs = load_documents(o.doc_lens, nullptr, "", o.batch, o.seq);
   // The reference form (FormTraits::reference: explicit) on one in-process
   // rank, against which every form is held.
@@ -69,6 +74,7 @@ void run_verify(const VerifyOptions& o) {
   const Tensor<T> dout = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 2);
   RunSpec spec;
   spec.attention = parse_attention(o.attention);
+  spec.invariant = o.invariant;
   const bool report = is_reporting_process(o.comm);
   const bool bf16 = o.dtype == RunDtype::bf16;
 
@@ -91,6 +97,19 @@ void run_verify(const VerifyOptions& o) {
 
   std::vector<Row> rows;
   bool all_ok = true;
+  // --invariant: each form's out, dx and gradients at the first P, byte for
+  // byte the bar of its later P.
+  std::map<std::string, std::vector<unsigned char>> first_bytes;
+  const auto bytes_of = [](const BlockJobOf<T>& job) {
+    std::vector<unsigned char> b;
+    const auto add = [&](const Tensor<T>& t) {
+      const auto* p = reinterpret_cast<const unsigned char*>(t.data());
+      b.insert(b.end(), p, p + t.numel() * std::int64_t(sizeof(T)));
+    };
+    add(job.out), add(job.dx);
+    job.grads.for_each([&](const std::string&, const Tensor<T>& t) { add(t); });
+    return b;
+  };
   for (int P : sps) {
     if (o.comm.backend == Backend::mpi && sps.size() > 1)
       fail("--comm mpi runs one P per launch (the MPI world size); pass a single --sp");
@@ -128,13 +147,23 @@ void run_verify(const VerifyOptions& o) {
       // product and keeps a sum added into its output in fp32, so a form that
       // sums what explicit computes at once (ring_latent's dlat over key
       // blocks) rounds at another place (mla/ops.hpp, "Precision").
+      // Nor in the invariant mode: each form sums in its own canonical order
+      // there (laga's latent gradient over its heads' columns, explicit's per
+      // token), the same bits at every P but not explicit's (docs/invariance.md).
       const bool exact_needed =
-          form_spec(f.form).traits.exact_at_one_rank && P == 1 && !docs && !bf16;
+          form_spec(f.form).traits.exact_at_one_rank && P == 1 && !docs && !bf16 && !o.invariant;
       const double worst =
           std::max({row.out.relative(), row.dx.relative(), row.worst_grad.relative()});
       row.ok = exact_needed
                    ? (row.out.max_abs == 0 && row.dx.max_abs == 0 && row.worst_grad.max_abs == 0)
                    : worst <= o.tol;
+      if (o.invariant) {  // the same bytes as at the first P
+        const auto [it, first] = first_bytes.try_emplace(row.form, bytes_of(job));
+        if (!first && it->second != bytes_of(job)) {
+          row.ok = false;
+          row.worst += " (--invariant: bits differ from --sp " + std::to_string(sps[0]) + ")";
+        }
+      }
       all_ok = all_ok && row.ok;
       rows.push_back(row);
     }
@@ -212,6 +241,10 @@ void register_verify_command(CLI::App& app) {
                       "(+overlap right after each)"))
       ->check(CLI::IsMember({"off", "on", "both"}))
       ->capture_default_str();
+  sub->add_flag("--invariant", opts->invariant,
+                cat("run in the invariant mode (", names_of_forms_with(&FormTraits::invariant),
+                    "; --forms all: those) and require each form's out, dx and gradients to be "
+                    "the same bytes at every --sp (docs/invariance.md)"));
   sub->add_flag("--q-latent", opts->q_latent,
                 cat("also run FORM+q-latent beside each form that can move the query latent (",
                     names_of_forms_with(&FormTraits::query_latent),

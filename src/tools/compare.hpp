@@ -38,8 +38,9 @@ struct CompareOptions {
   std::string json, csv;
   int rank_only = -1;  // >= 0: run only this rank, on a DryRunCommunicator
   bool count_only = false;
-  bool quiet = false;           // no progress on stderr
-  bool q_latent = false;        // also +q-latent after each query_latent form (--q-latent)
+  bool invariant = false;  // --invariant: every form in the invariant mode (docs/invariance.md)
+  bool quiet = false;      // no progress on stderr
+  bool q_latent = false;   // also +q-latent after each query_latent form (--q-latent)
   std::string overlap = "off";  // --overlap off|on|both (form_variants)
   std::string link;     // --link BW[,LAT]: every collective on the modelled link; empty: none
   int head_groups = 0;  // laga2d's head groups (--head-groups); 0: its default rule

@@ -136,6 +136,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     spec.variant = form;
     spec.attention = j.attention;
     spec.documents = j.documents;
+    spec.invariant = j.o.invariant;
     RankRecord rec;
     // One pool for the form's steps: its block cache hands each step the
     // blocks the step before freed (no fresh mapping, no page faults). Each
@@ -295,6 +296,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
   // The threads the measured ranks ran on (run_records: --rank-only runs its
   // rank alone on every core).
   mopt.threads = j.o.rank_only >= 0 ? hardware_cores() : threads_per_rank(j.o.sp);
+  mopt.invariant = j.o.invariant;
   // The closed forms depend on the rank only through its class
   // (rank_classes): computed once per class, not once per rank (each
   // predict_memory is a count-only run of the rank, at P 4096 the bulk of the

@@ -1,0 +1,114 @@
+// The canonical reduction over tokens (issue 56; docs/invariance.md, "The
+// sum over tokens"): a sum over every token of the global sequence -- a
+// weight's gradient dW = sum_t dy_t^T x_t, RMSNorm's weight gradient -- whose
+// bits do not depend on how many ranks hold the tokens nor which holds which.
+//
+// The order is one binary tree over the global token index g = b S + s
+// (the B rows of S tokens, flattened), leaves padded to a power of two,
+// absent leaves passed over: the tree kernels/gemm_invariant.hpp sums its K
+// products by. Every node [i 2^l, (i + 1) 2^l) of that tree has one value,
+// whoever computes it. A rank's tokens (in every row, [begin, end)) cut
+// into O(log S) maximal aligned nodes -- its pieces -- which it sums with
+// the invariant GEMM (a piece is an aligned range, so that GEMM's tree over
+// it is the global tree's subtree). The pieces of every rank are gathered
+// (all_gather_v, through the Communicator under the caller's label, so the
+// ledger records them) and every rank evaluates the global tree from them in
+// the one fixed order: left child + right child, from the root down to the
+// pieces. P = 1 is the same tree with one rank's pieces.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "mla/ops.hpp"
+
+namespace laga::ops {
+
+// Where the tokens of a sum lie: the global sequence is B rows of S tokens;
+// rank r holds tokens [begin[r], end[r]) of every row, its local row
+// b (end[r] - begin[r]) + (s - begin[r]) (the block's sequence shards,
+// mla/layout.hpp).
+struct TokenShards {
+  std::int64_t B = 0, S = 0;
+  std::vector<std::int64_t> begin, end;  // one entry per rank
+  int ranks() const { return int(begin.size()); }
+  std::int64_t local_rows(int r) const { return B * (end[r] - begin[r]); }
+};
+
+// An aligned node of the global tree, clipped at the sequence's end: global
+// tokens [start, stop); `row`: its first token's local row on its rank.
+struct TreePiece {
+  std::int64_t start = 0, stop = 0, row = 0;
+};
+
+// Rank r's pieces in token order: its tokens cut into maximal aligned nodes.
+std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r);
+
+// Test-only: combine in rank order instead -- each rank's pieces summed left
+// to right, then the ranks' sums in rank order, the order an all-reduce of
+// partial sums has. The invariance tests switch it on to show they catch a
+// reduction whose order follows the ranks (docs/invariance.md).
+inline std::atomic<bool> canonical_sum_rank_order{false};
+
+// dst (m, n) += sum over every global token t of a_t^T b_t, a (rows, m) and b
+// (rows, n) this rank's local rows, in the canonical order above: the same
+// bits on every rank and at every P. label: the ledger's label for the
+// pieces' all_gather_v (in the communicator's current phase).
+// add_here false: the sum is computed (and its collective joined) but not
+// added to dst -- the block adds a gradient's sum on rank 0 only, and the
+// gradient all-reduce then adds the other ranks' zeros to it, exactly.
+template <class T>
+void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
+                         const TokenShards& shards, const std::string& label, bool add_here = true);
+
+// RMSNorm's weight gradient dw (C) += sum over every global token t of
+// dy_t * (x_t * rstd_t), canonically (canonical_token_sum of ones^T g, in
+// fp32 also in a bf16 run: the kernel's own dw is an fp32 sum).
+template <class T>
+void canonical_rmsnorm_weight_grad(Communicator& comm, Tensor<T>& dw, In<T> dy, In<T> x,
+                                   const Tensor<T>& rstd, const TokenShards& shards,
+                                   const std::string& label, bool add_here = true);
+
+// The latent's gradient d[c_hat | k_pe] of this rank's tokens, dlat_loc (B L,
+// C + dr), from every rank's heads, canonically: per head h the columns
+// [dk_nope_h | dv_h | dk_pe_h] of every token (dk (B S, Hr dqk), dv (B S, Hr
+// dv)) times [wkv_b_h 0; 0 I_dr], summed over the heads' columns by
+// canonical_reduce_scatter (`heads`: each rank's columns, (dn + dv + dr) a
+// head).
+template <class T>
+void canonical_latent_reduce_scatter(Communicator& comm, Mat<T> dlat_loc, In<T> dk, In<T> dv,
+                                     In<T> wkv_b_r, std::int64_t Hr, std::int64_t dn,
+                                     std::int64_t dr, const TokenShards& heads,
+                                     const TokenShards& rows, const std::string& label);
+
+// What the two move, in elements, by the ledger's byte rules
+// (communicator.hpp; docs/accounting.md): the closed forms a form's
+// invariant-mode collectives add. Sum: rank r sends its pieces to each of
+// the P - 1 others and receives theirs. Reduce-scatter: rank r sends each
+// other rank q its pieces' rows of q's tokens, and receives its own rows of
+// every other rank's pieces.
+struct PieceBytes {
+  std::int64_t sent = 0, received = 0;  // elements
+};
+PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width);
+PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
+                                             int r, std::int64_t n);
+
+// The latent's reduce-scatter made canonical: dst (this rank's token rows,
+// n) = rows of sum over a global index k of a(:, k) b(k, :), where k -- the
+// heads' columns, H (dn + dv) of them -- is sharded as `index` (B 1, S the
+// index's extent; rank r holds a's columns and b's rows [begin[r], end[r]))
+// and a's rows are every token (B S of them), of which rank q owns `rows`'
+// shard. The sum over k follows the same tree over k's global positions at
+// every P: each rank's pieces of its k-range, every token's rows, go to the
+// rows' owners (all_to_all_v under `label`), which evaluate the tree. A
+// bf16 run rounds the result once (a fresh product).
+template <class T>
+void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
+                              const TokenShards& index, const TokenShards& rows,
+                              const std::string& label);
+
+}  // namespace laga::ops
