@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/device.hpp"
 #include "core/precision.hpp"
 #include "kernels/attention.hpp"
 
@@ -44,8 +45,9 @@ enum class AttentionKind;  // mla/form_spec.hpp: eager, flash
 
 namespace laga::ops {
 
-// Where a kernel runs.
-enum class Device { cpu, cuda };
+// Where a kernel runs (core/device.hpp): cpu, cuda, or the emulated device
+// (the CPU's kernels over device storage, checked: op_table.cpp).
+using laga::Device;
 
 // Every computation a form or the model asks the op layer for. Operand slots
 // (OpCall::in, OpCall::out) and the shape fields each reads, per op; element
@@ -123,8 +125,7 @@ inline constexpr int kOpCount = int(Op::adamw) + 1;
 namespace laga {
 // In laga, not laga::ops, so that they do not hide laga's other to_string
 // overloads inside laga::ops.
-const char* to_string(ops::Device d);  // "cpu", "cuda"
-const char* to_string(ops::Op op);     // the enumerator's name
+const char* to_string(ops::Op op);  // the enumerator's name
 }  // namespace laga
 
 namespace laga::ops {
@@ -190,20 +191,32 @@ struct KernelChoice {
   const char* name() const { return row ? row->name : "none"; }
 };
 
-// Each backend's rows (op_table_cpu.cpp; the CUDA backend's file).
+// Each backend's rows (op_table_cpu.cpp; the CUDA backend's file). The
+// emulated device's are the CPU's, each with device emulated: the same
+// kernels, so a form on it gives the CPU's bits (op_table.cpp).
 std::span<const KernelRow> cpu_kernel_rows();
+std::span<const KernelRow> emulated_kernel_rows();
 #if defined(LAGA_HAVE_CUDA)
 std::span<const KernelRow> cuda_kernel_rows();
 #endif
 // Every row of `device` (empty for a device this build has no backend for).
 std::span<const KernelRow> kernel_rows(Device device);
-// Every device this build has a backend for: cpu, and cuda when built.
+// Every device this build has a backend for: cpu, emulated, and cuda when
+// built.
 std::vector<Device> devices_built();
 
 // The row that runs (op, dtype, shape) on `device`, or why none does.
 KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape);
 // As supports(), throwing laga::Error with its why_not when none does.
 const KernelRow& pick(Device device, Op op, RunDtype dtype, const OpShape& shape);
+// Runs `row` on c: on a device whose memory checks operands (the emulated
+// one), first refuses an operand that is not that device's memory, naming
+// the op and the slot; after a device's kernel, waits for it (the host may
+// read what it wrote next: the CUDA pool's memory is managed).
+void run_row(const KernelRow& row, const OpCall& c);
+// How many kernels run_row has run on `device` in this process (all
+// threads): what shows a run went through a device's rows.
+std::int64_t kernel_calls(Device device);
 
 // The device this thread's ops run on: cpu unless a UseDevice scope says
 // (the CUDA backend's runs; a thread-local as op_precision is).
