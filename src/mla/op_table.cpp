@@ -57,6 +57,24 @@ const char* to_string(ops::Op op) {
 
 namespace laga::ops {
 
+namespace {
+// The CUDA rows, once a program that links the backend registers them
+// (laga_mla itself does not link it: src/cuda/CMakeLists.txt says why).
+std::atomic<const KernelRow*> cuda_rows{nullptr};
+std::atomic<std::size_t> cuda_row_count{0};
+std::span<const KernelRow> registered_cuda_rows() {
+  return {cuda_rows.load(), cuda_row_count.load()};
+}
+}  // namespace
+
+void register_kernel_rows(Device device, std::span<const KernelRow> rows) {
+  LAGA_CHECK(device == Device::cuda, "register_kernel_rows: ", to_string(device),
+             "'s rows are built in; only the CUDA backend registers its rows");
+  cuda_row_count.store(0);
+  cuda_rows.store(rows.data());
+  cuda_row_count.store(rows.size());
+}
+
 std::span<const KernelRow> emulated_kernel_rows() {
   static const std::vector<KernelRow> rows = [] {
     std::vector<KernelRow> r(cpu_kernel_rows().begin(), cpu_kernel_rows().end());
@@ -129,20 +147,14 @@ std::span<const KernelRow> kernel_rows(Device device) {
     case Device::emulated:
       return emulated_kernel_rows();
     case Device::cuda:
-#if defined(LAGA_HAVE_CUDA)
-      return cuda_kernel_rows();
-#else
-      return {};
-#endif
+      return registered_cuda_rows();
   }
   return {};
 }
 
 std::vector<Device> devices_built() {
   std::vector<Device> d{Device::cpu, Device::emulated};
-#if defined(LAGA_HAVE_CUDA)
-  d.push_back(Device::cuda);
-#endif
+  if (!registered_cuda_rows().empty()) d.push_back(Device::cuda);
   return d;
 }
 
@@ -162,7 +174,9 @@ KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape
   if (!any_row) {
     best.why_not += ": no kernel for this op on " + std::string(to_string(device));
     if (device == Device::cuda && kernel_rows(device).empty())
-      best.why_not += " (this build has no CUDA backend; build with nvcc present)";
+      best.why_not +=
+          " (no CUDA backend in this process: a build without nvcc has none, and a program "
+          "that links it registers its rows, register_kernel_rows, as laga_cuda_forms does)";
     return best;
   }
   std::string refusals;

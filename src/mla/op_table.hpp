@@ -25,7 +25,9 @@
 // How a backend registers its rows: one function returning its rows,
 // declared here (cpu_kernel_rows, op_table_cpu.cpp; cuda_kernel_rows, the
 // CUDA backend's file, built when LAGA_HAVE_CUDA is defined) and listed in
-// kernel_rows() (op_table.cpp). Adding a kernel = its file plus its row.
+// kernel_rows() (op_table.cpp); the CUDA rows are handed to
+// register_kernel_rows by the program that links them. Adding a kernel =
+// its file plus its row.
 #pragma once
 
 #include <cstdint>
@@ -199,10 +201,13 @@ std::span<const KernelRow> emulated_kernel_rows();
 #if defined(LAGA_HAVE_CUDA)
 std::span<const KernelRow> cuda_kernel_rows();
 #endif
-// Every row of `device` (empty for a device this build has no backend for).
+// The CUDA backend's rows for kernel_rows(Device::cuda), registered by a
+// program that links the backend (laga_cuda_forms: cuda_kernel_rows()).
+void register_kernel_rows(Device device, std::span<const KernelRow> rows);
+// Every row of `device` (empty for a device this process has no backend for).
 std::span<const KernelRow> kernel_rows(Device device);
-// Every device this build has a backend for: cpu, emulated, and cuda when
-// built.
+// Every device this process has a backend for: cpu, emulated, and cuda once
+// its rows are registered.
 std::vector<Device> devices_built();
 
 // The row that runs (op, dtype, shape) on `device`, or why none does.

@@ -136,6 +136,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     spec.variant = form;
     spec.attention = j.attention;
     spec.documents = j.documents;
+    spec.device = j.o.device;
     RankRecord rec;
     // One pool for the form's steps: its block cache hands each step the
     // blocks the step before freed (no fresh mapping, no page faults). Each
