@@ -20,7 +20,8 @@
 //  3. Step times (forward + backward, median of the timed steps after a
 //     warm-up) per form at DeepSeek-V3's block dims (the deepseek-v3 preset:
 //     H 128, 192/128, C 512), bf16 (laga_fused: fp32, its only CUDA dtype),
-//     S in --seqs at P 1, with the device pool's peak beside the model's;
+//     S in --seqs at P 1 and as rank 0 of P 8 would run it (alone, on a
+//     dry-run communicator), with the device pool's peak beside the model's;
 //     explicit, laga and laga_fused side by side are the fused kernel's peak
 //     and time against unfused laga and explicit. A run the model says will
 //     not fit in 85% of the device's memory is skipped and said so.
@@ -39,6 +40,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "comm/dry_run_comm.hpp"
 #include "core/rng.hpp"
 #include "cuda/device.hpp"
 #include "cuda/device_memory_cuda.hpp"
@@ -212,10 +214,35 @@ void check_forms(std::vector<Row>& rows) {
 struct Timing {
   std::string form, dtype;
   std::int64_t S = 0;
+  int P = 1;  // 8: rank 0 of 8 alone (time_rank)
   double step_ms = 0;
   std::int64_t device_peak = 0, model_peak = 0;
   std::string note;
 };
+
+// One rank's step: at P 1 the whole block; at P 8 rank 0 alone on a
+// dry-run communicator (comm/dry_run_comm.hpp: its collectives deliver
+// stand-ins of the right size, so the rank runs a P 8 rank's shapes and
+// allocations; its values are not checked). Median of two timed steps after
+// one warm-up; the device pool's working peak.
+void time_rank(Timing& t, const MlaConfig& cfg, const SpLayout& lay, const RunSpec& spec,
+               const Inputs<float>& in) {
+  const RopeTable rope(cfg.rope(), lay.seq);
+  std::vector<double> ms;
+  for (int step = 0; step < 3; ++step) {
+    RankReport rep;
+    if (lay.ranks == 1) {
+      rep = run_local(cfg, lay, in.w, in.x, in.dout, spec).ranks[0];
+    } else {
+      DryRunCommunicator dry(0, lay.ranks);
+      rep = run_rank(dry, cfg, lay, rope, in.w, in.x, in.dout, spec).report;
+    }
+    if (step > 0) ms.push_back(rep.forward_ms + rep.backward_ms);
+    t.device_peak = rep.memory.peak_working;
+  }
+  std::sort(ms.begin(), ms.end());
+  t.step_ms = ms[ms.size() / 2];
+}
 
 void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs, double budget_s,
                 std::int64_t memory_bytes) {
@@ -224,48 +251,38 @@ void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
   auto spent = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  std::int64_t params = 0;
+  for (const auto& [name, shape] : mla_param_shapes(cfg)) params += numel(shape);
   for (std::int64_t S : seqs)
-    for (Form f : {Form::explicit_form, Form::laga, Form::laga_fused}) {
-      Timing t;
-      t.form = to_string(FormVariant(f)), t.S = S;
-      const bool fused = f == Form::laga_fused;  // its CUDA kernel is fp32 only
-      t.dtype = fused ? "fp32" : "bf16";
-      const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, 1);
-      t.model_peak = predict_memory(cfg, lay, f, AttentionKind::flash, 0, 4).peak_working;
-      std::int64_t params = 0;
-      for (const auto& [name, shape] : mla_param_shapes(cfg)) params += numel(shape);
-      // The device pool's parameters and gradients, x, dout, out and dx, and
-      // the working peak.
-      const std::int64_t need = t.model_peak + 2 * 4 * params + 4 * 4 * S * cfg.dim;
-      if (double(need) > 0.85 * double(memory_bytes)) {
-        t.note = cat("skipped: the model's ", need / 1e9, " GB > 85% of the device's");
-        out.push_back(t);
-        continue;
-      }
-      if (spent() > budget_s) {
-        t.note = "skipped: over the time budget";
-        out.push_back(t);
-        continue;
-      }
-      try {
-        const UsePrecision prec(fused ? Precision::fp32 : Precision::bf16);
-        const Inputs<float> in = make_inputs<float>(cfg, 1, S);
-        RunSpec spec;
-        spec.variant = f, spec.attention = AttentionKind::flash, spec.device = Device::cuda;
-        spec.grad_sync = false;
-        std::vector<double> ms;
-        for (int step = 0; step < 3; ++step) {  // one warm-up, two timed
-          const BlockRun<float> r = run_local(cfg, lay, in.w, in.x, in.dout, spec);
-          if (step > 0) ms.push_back(r.ranks[0].forward_ms + r.ranks[0].backward_ms);
-          t.device_peak = r.ranks[0].memory.peak_working;
+    for (int P : {1, 8})
+      for (Form f : {Form::explicit_form, Form::laga, Form::laga_fused}) {
+        Timing t;
+        t.form = to_string(FormVariant(f)), t.S = S, t.P = P;
+        const bool fused = f == Form::laga_fused;  // its CUDA kernel is fp32 only
+        t.dtype = fused ? "fp32" : "bf16";
+        const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, P);
+        t.model_peak = predict_memory(cfg, lay, f, AttentionKind::flash, 0, 4).peak_working;
+        // The device pool's parameters and gradients, x, dout, out and dx
+        // (the rank's shard), and the working peak.
+        const std::int64_t need = t.model_peak + 2 * 4 * params + 4 * 4 * (S / P + 1) * cfg.dim;
+        if (double(need) > 0.85 * double(memory_bytes)) {
+          t.note = cat("skipped: the model's ", need / 1e9, " GB > 85% of the device's");
+        } else if (spent() > budget_s) {
+          t.note = "skipped: over the time budget";
+        } else {
+          try {
+            const UsePrecision prec(fused ? Precision::fp32 : Precision::bf16);
+            const Inputs<float> in = make_inputs<float>(cfg, 1, S);
+            RunSpec spec;
+            spec.variant = f, spec.attention = AttentionKind::flash, spec.device = Device::cuda;
+            spec.grad_sync = false;
+            time_rank(t, cfg, lay, spec, in);
+          } catch (const std::exception& e) {
+            t.note = e.what();
+          }
         }
-        std::sort(ms.begin(), ms.end());
-        t.step_ms = ms[ms.size() / 2];
-      } catch (const std::exception& e) {
-        t.note = e.what();
+        out.push_back(t);
       }
-      out.push_back(t);
-    }
 }
 
 int run(int argc, char** argv) {
@@ -325,18 +342,19 @@ int run(int argc, char** argv) {
     md << "| " << r.form << " | " << r.dtype << " | " << r.P << " | " << r.check << " | " << r.error
        << " | " << r.tol << " | " << (r.pass ? "pass" : "FAIL") << " | " << r.note << " |\n";
   }
-  md << "\n| form | dtype | S | step ms | device peak GB | model GB | note |\n"
-        "|---|---|---|---|---|---|---|\n";
+  md << "\n| form | dtype | S | P (rank 0) | step ms | device peak GB | model GB | note |\n"
+        "|---|---|---|---|---|---|---|---|\n";
   for (const Timing& t : times) {
     j["timings"].push_back({{"form", t.form},
                             {"dtype", t.dtype},
                             {"S", t.S},
+                            {"P", t.P},
                             {"step_ms", t.step_ms},
                             {"device_peak", t.device_peak},
                             {"model_peak", t.model_peak},
                             {"note", t.note}});
-    md << "| " << t.form << " | " << t.dtype << " | " << t.S << " | " << t.step_ms << " | "
-       << t.device_peak / 1e9 << " | " << t.model_peak / 1e9 << " | " << t.note << " |\n";
+    md << "| " << t.form << " | " << t.dtype << " | " << t.S << " | " << t.P << " | " << t.step_ms
+       << " | " << t.device_peak / 1e9 << " | " << t.model_peak / 1e9 << " | " << t.note << " |\n";
   }
   j["ran"] = true, j["failed"] = failed;
   std::ofstream(json_path) << j.dump(2) << "\n";
