@@ -11,7 +11,8 @@
 #                                                          there: run it
 #
 # cuda-bundle (on the build machine, a LAGA_CUDA=ON build): laga_cuda_check
-# (sm_90, built with this machine's nvcc) and the shared libraries it needs
+# and laga_cuda_forms (sm_90, built with this machine's nvcc) and the shared
+# libraries they need
 # that the GPU image lacks (oneDNN, OpenBLAS and their runtimes), into one
 # .tar.xz to carry. The CUDA libraries (cuBLASLt, cuDNN, NVRTC, NCCL) are not
 # packed (over 800 MB): the GPU image's PyPI nvidia-* wheels provide them.
@@ -21,12 +22,21 @@
 # cuda (on the GPU machine): unpacks the bundle, puts its lib/ and the
 # wheels' nvidia/*/lib directories on LD_LIBRARY_PATH, records the device,
 # and runs laga_cuda_check (every op against the CPU's float64 reference,
-# then attention TFLOP/s at 192/128, H 128, S 4096..32768, within a time
-# budget), writing into OUTDIR:
+# then cuDNN's and laga's attention TFLOP/s at 192/128, H 128, S
+# 4096..32768, within a time budget), then laga_cuda_forms (every form on
+# CUDA at P 1 and P 2-4 sharing the GPU against the CPU float64 reference,
+# the ledger, the device peak against the model, bf16 against CUDA explicit,
+# step times per form at DeepSeek-V3 block dims, S 4096..32768, with the
+# fused kernel's peak and time beside unfused laga and explicit), writing
+# into OUTDIR:
 #   cuda_gpu.txt      nvidia-smi's device, driver and clocks
-#   cuda_check.json   every check (error, tolerance, pass) and timing
+#   cuda_check.json   every op check (error, tolerance, pass) and timing
 #   cuda_check.md     the same as tables, for docs/performance.md
 #   cuda_check.log    its output
+#   cuda_forms.json   every form check and step time
+#   cuda_forms.md     the same as tables
+#   cuda_forms.log    its output
+# Budget: 260 s + 280 s of timeouts, inside the lease's ten-minute command.
 # --dry-run: no device needed (CI's host test, tools_gpu_check_cuda_dry):
 # the bundle is unpacked and its binary runs with its libraries, listing
 # what it would check.
@@ -50,13 +60,15 @@ set -uo pipefail
 if [ "${1:-}" = "cuda-bundle" ]; then
   build=${2:?"usage: gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz"}
   tarball=${3:?"usage: gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz"}
-  tool="$build/laga_cuda_check"
-  [ -x "$tool" ] || { echo "gpu_check: $tool is missing: build target laga_cuda_check (LAGA_CUDA=ON)"; exit 2; }
   stage=$(mktemp -d)
   mkdir -p "$stage/lib"
-  cp "$tool" "$stage/"
-  # Every library it loads but CUDA's own (the GPU image has those) and libc's.
-  ldd "$tool" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
+  for t in laga_cuda_check laga_cuda_forms; do
+    [ -x "$build/$t" ] || { echo "gpu_check: $build/$t is missing: build target $t (LAGA_CUDA=ON)"; exit 2; }
+    cp "$build/$t" "$stage/"
+  done
+  # Every library they load but CUDA's own (the GPU image has those) and libc's.
+  ldd "$build/laga_cuda_check" "$build/laga_cuda_forms" | awk '$3 ~ /^\// {print $3}' | sort -u |
+    while read -r lib; do
     case "$(basename "$lib")" in
       libcuda*|libcublas*|libcudnn*|libnvrtc*|libnccl*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*) ;;
       *) cp -L "$lib" "$stage/lib/" ;;
@@ -86,18 +98,28 @@ if [ "${1:-}" = "cuda" ]; then
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if [ "$dry" = "--dry-run" ]; then
     "$dir/laga_cuda_check" --dry-run --json "$out/cuda_check.json" 2>&1 | tee "$out/cuda_check.log"
-    exit "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    "$dir/laga_cuda_forms" --dry-run --json "$out/cuda_forms.json" 2>&1 | tee "$out/cuda_forms.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    exit "$rc"
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     2>&1 | tee "$out/cuda_gpu.txt"
   echo "== laga_cuda_check"
-  # 420 s of the lease's ten-minute command: the checks take seconds, the
-  # timings stop at their budget (--budget-s), the rest is slack.
-  time timeout 420 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
-    --table "$out/cuda_check.md" --budget-s 300 >"$out/cuda_check.log" 2>&1
+  # 260 s + 280 s of the lease's ten-minute command: the checks take
+  # seconds, the timings stop at their budget (--budget-s), the rest is slack.
+  time timeout 260 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
+    --table "$out/cuda_check.md" --budget-s 180 >"$out/cuda_check.log" 2>&1
   rc=$?
   echo "rc $rc" >>"$out/cuda_check.log"
-  tail -60 "$out/cuda_check.log"
+  tail -40 "$out/cuda_check.log"
+  echo "== laga_cuda_forms"
+  time timeout 280 "$dir/laga_cuda_forms" --json "$out/cuda_forms.json" \
+    --table "$out/cuda_forms.md" --budget-s 150 >"$out/cuda_forms.log" 2>&1
+  rc_forms=$?
+  echo "rc $rc_forms" >>"$out/cuda_forms.log"
+  tail -60 "$out/cuda_forms.log"
+  [ "$rc" = 0 ] && rc=$rc_forms
   exit $rc
 fi
 

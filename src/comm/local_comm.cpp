@@ -65,8 +65,10 @@ void note_buffer(Post& p, const void* ptr, std::int64_t count) {
 
 class LocalGroup {
  public:
-  explicit LocalGroup(int P) : ranks_(static_cast<size_t>(P)) {}
+  LocalGroup(int P, DeviceMemory* device) : ranks_(static_cast<size_t>(P)), device_(device) {}
   int size() const { return static_cast<int>(ranks_.size()); }
+  // The device the ranks' buffers are on (null: host memory).
+  DeviceMemory* device() const { return device_; }
 
   // Arrives at rank's next rendezvous with `post` and waits for all P ranks.
   // Returns every rank's post for this rendezvous (when want_posts).
@@ -201,6 +203,7 @@ class LocalGroup {
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<RankState> ranks_;
+  DeviceMemory* device_;
   std::int64_t completed_ = 0;  // highest step every rank has arrived at
   int failures_ = 0;
 };
@@ -277,15 +280,44 @@ void LocalCommunicator::call_failed(const std::string& why) {
 
 namespace {
 
+// n elements from src to dst: a memcpy, or, in a device-local group (ranks
+// sharing one device, make_local_communicators' `device`), the device's
+// device-to-device copy (cudaMemcpy on a GPU; the emulated device's checked
+// copy, which refuses a buffer that is not its memory). Null ends
+// (count-only) copy nothing.
+void move_elems(DeviceMemory* device, void* dst, const void* src, std::int64_t n, DType t) {
+  if (device && dst && src && n > 0) return device->on_device(dst, src, n * dtype_bytes(t));
+  copy_elems(dst, src, n, t);
+}
+
+// dst = the sum of srcs in rank order (sum_in_rank_order). In a device-local
+// group the buffers are device memory, summed where the host can address
+// them: the emulated device's (checked to be its memory first) and CUDA's
+// managed memory (cuda/device_memory_cuda.cpp); a device kernel for it is
+// future work (docs/architecture.md, "The transports").
+void sum_on(DeviceMemory* device, void* dst, const void* const* srcs, int P, std::int64_t n,
+            DType t) {
+  if (device && device->checks_operands()) {
+    const std::int64_t bytes = n * dtype_bytes(t);
+    LAGA_CHECK(device->holds(dst, bytes), "device-local reduction: the destination (", bytes,
+               " bytes) is not ", to_string(device->device()), " device memory");
+    for (int j = 0; j < P; ++j)
+      LAGA_CHECK(device->holds(srcs[j], bytes), "device-local reduction: rank ", j, "'s block (",
+                 bytes, " bytes) is not ", to_string(device->device()), " device memory");
+  }
+  sum_in_rank_order(dst, srcs, P, n, t);
+}
+
 // What one rank copies out of its peers' memory in one collective: the copy,
 // and its count per source rank (measured received bytes).
 class Puller {
  public:
-  Puller(int P, DType dtype) : pulled_(static_cast<size_t>(P), 0), dtype_(dtype) {}
+  Puller(int P, DType dtype, DeviceMemory* device)
+      : pulled_(static_cast<size_t>(P), 0), dtype_(dtype), device_(device) {}
   // n elements of rank `from`'s memory at src into dst; a null end (count-only)
   // copies nothing but counts what it would have copied.
   void copy(int from, void* dst, const void* src, std::int64_t n) {
-    copy_elems(dst, src, n, dtype_);
+    move_elems(device_, dst, src, n, dtype_);
     pulled_[from] += n * dtype_bytes(dtype_);
   }
   // Reads n elements of rank `from` (a reduction reads in place).
@@ -295,6 +327,7 @@ class Puller {
  private:
   std::vector<std::int64_t> pulled_;
   DType dtype_;
+  DeviceMemory* device_;
 };
 
 // Counts `pulled` (this rank's copies out of each rank's memory) as received,
@@ -350,13 +383,13 @@ void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_
   auto block_of = [&](int j) {
     return posts[j].send ? at(posts[j].send, posts[j].displs_a[rank_], dtype) : nullptr;
   };
-  Puller puller(P, dtype);
+  Puller puller(P, dtype, group_->device());
   const TransportFault fault = take_fault();
   bool faulted = fault == TransportFault::none;
   for (int j = 0; j < P; ++j) {
     void* dst = recv ? at(recv, recv_displs[j], dtype) : nullptr;
     if (j == rank_) {  // the own block: a local copy, not traffic
-      copy_elems(dst, block_of(j), recv_counts[j], dtype);
+      move_elems(group_->device(), dst, block_of(j), recv_counts[j], dtype);
       continue;
     }
     if (!faulted && recv_counts[j] > 0) {  // tests only (TransportFault)
@@ -398,11 +431,11 @@ void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send
       if (posts[i].counts_b[j] != posts[j].n)
         fail(peer_count_message(kind, label, rank_, P, i, j, posts[i].counts_b[j],
                                 std::to_string(posts[j].n)));
-  Puller puller(P, dtype);
+  Puller puller(P, dtype, group_->device());
   for (int j = 0; j < P; ++j) {
     void* dst = recv ? at(recv, recv_displs[j], dtype) : nullptr;
     if (j == rank_)
-      copy_elems(dst, send, send_count, dtype);
+      move_elems(group_->device(), dst, send, send_count, dtype);
     else
       puller.copy(j, dst, posts[j].send, recv_counts[j]);
   }
@@ -434,13 +467,13 @@ void LocalCommunicator::transport_reduce_scatter(const void* send, const std::in
       if (posts[j].counts_a[i] != posts[i].counts_a[i])
         fail(peer_count_message(kind, label, rank_, P, i, j, posts[i].counts_a[i],
                                 std::to_string(posts[j].counts_a[i])));
-  Puller puller(P, dtype);
+  Puller puller(P, dtype, group_->device());
   for (int j = 0; j < P; ++j)
     if (j != rank_) puller.read(j, counts[rank_]);
   if (recv && counts[rank_] > 0) {
     std::vector<const void*> srcs(static_cast<size_t>(P));
     for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
-    sum_in_rank_order(recv, srcs.data(), P, counts[rank_], dtype);
+    sum_on(group_->device(), recv, srcs.data(), P, counts[rank_], dtype);
   }
   last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
                   moved);
@@ -477,24 +510,24 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
       if (want != got)
         fail(peer_count_message(kind, label, rank_, P, i, j, want, std::to_string(got)));
     }
-  Puller scatter(P, dtype);
+  Puller scatter(P, dtype, group_->device());
   for (int j = 0; j < P; ++j)
     if (j != rank_) scatter.read(j, own);
   if (buf && staging.data() && own > 0) {
     std::vector<const void*> srcs(static_cast<size_t>(P));
     for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, offset[rank_], dtype);
-    sum_in_rank_order(staging.data(), srcs.data(), P, own, dtype);
+    sum_on(group_->device(), staging.data(), srcs.data(), P, own, dtype);
   }
   Post reduced = make_post(calls_done(), 1, kind, dtype, label);
   reduced.staging = staging.data();
   reduced.pulled = scatter.pulled();
   const std::vector<Post> chunks =
       group_->arrive(rank_, std::move(reduced), std::nullopt, timeout(), true);
-  Puller gather(P, dtype);
+  Puller gather(P, dtype, group_->device());
   for (int j = 0; j < P; ++j) {
     void* dst = buf ? at(buf, offset[j], dtype) : nullptr;
     if (j == rank_)
-      copy_elems(dst, chunks[j].staging, own, dtype);
+      move_elems(group_->device(), dst, chunks[j].staging, own, dtype);
     else
       gather.copy(j, dst, chunks[j].staging, offset[j + 1] - offset[j]);
   }
@@ -533,9 +566,9 @@ void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send
                               std::to_string(posts[from].n)));
   }
   const int from = ring_peers(P, rank_, ring).from;
-  Puller puller(P, dtype);
+  Puller puller(P, dtype, group_->device());
   if (from == rank_) {  // a ring of one: the block comes back, not traffic
-    copy_elems(recv, send, send_count, dtype);
+    move_elems(group_->device(), recv, send, send_count, dtype);
   } else if (const TransportFault fault = take_fault();
              fault != TransportFault::none && recv_count > 0) {  // tests only (TransportFault)
     if (fault == TransportFault::short_send) {
@@ -559,9 +592,9 @@ void LocalCommunicator::transport_barrier(const std::string& label) {
   check_same_call(posts, rank_);
 }
 
-std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P) {
+std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P, DeviceMemory* device) {
   LAGA_CHECK(P >= 1, "make_local_communicators: P = ", P, "; need at least one rank");
-  auto group = std::make_shared<LocalGroup>(P);
+  auto group = std::make_shared<LocalGroup>(P, device);
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) comms.push_back(std::make_unique<LocalCommunicator>(group, r));
@@ -634,7 +667,7 @@ void run_local_ranks(std::vector<std::unique_ptr<Communicator>>& comms,
 
 void run_local_ranks(int P, const std::function<void(Communicator&)>& body,
                      const LocalRunOptions& options) {
-  auto comms = make_local_communicators(P);
+  auto comms = make_local_communicators(P, options.device);
   run_local_ranks(comms, body, options);
 }
 

@@ -80,8 +80,14 @@ class LocalCommunicator final : public Communicator {
   int rank_;
 };
 
-// P communicators of one new group; give each to its own thread.
-std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P);
+// P communicators of one new group; give each to its own thread. `device`:
+// the ranks share that device and exchange its buffers (the device-local
+// transport: every copy between ranks is the device's device-to-device
+// copy, cudaMemcpy on a GPU, the emulated device's checked one in CI; the
+// ledger is recorded as for host buffers, by the same code); null: host
+// buffers.
+std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P,
+                                                                    DeviceMemory* device = nullptr);
 
 struct LocalRunOptions {
   // Collective timeout for every rank; zero keeps each communicator's own.
@@ -98,6 +104,8 @@ struct LocalRunOptions {
   // tracks its storage from the start of its thread, and its communicator
   // defers.
   bool deferred_delivery_for_testing = false;
+  // The device the ranks share (make_local_communicators); null: host.
+  DeviceMemory* device = nullptr;
 };
 
 // Runs body(comm) on P threads, one per rank, and joins them. If any rank

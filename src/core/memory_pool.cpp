@@ -104,9 +104,17 @@ void MemoryPool::set_count_only(bool on) {
   count_only_ = on;
 }
 
+void MemoryPool::set_device_memory(DeviceMemory* memory) {
+  LAGA_CHECK(current_total_ == 0, "internal: a memory pool changes device with ", current_total_,
+             " bytes live");
+  device_memory_ = memory;
+}
+
 MemoryPool::Storage MemoryPool::acquire_storage(std::int64_t bytes) {
   Storage s;
-  if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) {
+  if (device_memory_) {  // a device's pool: its memory, no cache
+    if (!count_only_) s.data = device_memory_->allocate(bytes);
+  } else if (bytes >= cache_min_bytes_ && cache_.limit() > 0.0) {
     const BlockCache::Block b = cache_.acquire(bytes);  // {nullptr, 0} when out of memory
     s = {b.data, b.mapped, b.place};
   } else if (!count_only_) {
@@ -124,6 +132,8 @@ void MemoryPool::release_storage(Storage storage, std::int64_t bytes) {
   if (storage.data) blocks_.erase(reinterpret_cast<std::uintptr_t>(storage.data));
   if (storage.cached())  // a count-only one too: the cache counts it back
     cache_.release({storage.data, storage.mapped, storage.place}, bytes);
+  else if (device_memory_)
+    device_memory_->release(storage.data);
   else
     std::free(storage.data);
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/block_cache.hpp"
+#include "core/device.hpp"
 
 namespace laga {
 
@@ -97,6 +98,15 @@ class MemoryPool {
   // or 0 when none does (tracking off, not this pool's storage, released).
   std::int64_t storage_block(const void* p, std::int64_t bytes) const;
 
+  // A device's pool (core/device.hpp): from now on the storage of its
+  // tensors comes from `memory` (null: the host again), counted exactly as
+  // the host's is; the block cache is not used (held() is then the live
+  // bytes). Only while nothing is live in the pool.
+  void set_device_memory(DeviceMemory* memory);
+  DeviceMemory* device_memory() const { return device_memory_; }
+  // Where this pool's tensors live: cpu, or its DeviceMemory's device.
+  Device device() const { return device_memory_ ? device_memory_->device() : Device::cpu; }
+
   // The pool's block cache: its limit, trim() (where a run ends) and stats.
   BlockCache& cache() { return cache_; }
   const BlockCache& cache() const { return cache_; }
@@ -163,6 +173,7 @@ class MemoryPool {
   // current_total, and of it less the cache's live requests.
   std::int64_t peak_requested_ = 0, peak_small_ = 0;
   bool count_only_ = false;
+  DeviceMemory* device_memory_ = nullptr;
   BlockCache cache_;
   std::int64_t cache_min_bytes_ = BlockCache::kDefaultMinBytes;
   std::vector<Event>* trace_ = nullptr;

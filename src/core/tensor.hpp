@@ -102,6 +102,8 @@ class Tensor {
     return numel_ * (narrowed_ ? std::int64_t(sizeof(bf16)) : std::int64_t(sizeof(T)));
   }
   MemCategory category() const { return category_; }
+  // Where the storage is: its pool's device (core/device.hpp).
+  Device device() const { return pool_ ? pool_->device() : Device::cpu; }
 
   T& operator[](std::int64_t i) { return data_[i]; }
   const T& operator[](std::int64_t i) const { return data_[i]; }

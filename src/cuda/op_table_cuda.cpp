@@ -13,7 +13,11 @@
 // are kept per thread (one rank per thread or process, one device each);
 // the op layer's count-only runs never call run(), so these are in the real
 // run's pool and not in the prediction yet (docs/accounting.md, "Device
-// memory").
+// memory"). So are the staging buffers of the step's host index arrays (RoPE
+// positions, packed documents' starts: std::vectors of mla::Step, which the
+// rows copy to the device per call, staged_indices below).
+#include <cuda_runtime_api.h>
+
 #include <cstring>
 #include <map>
 #include <memory>
@@ -22,6 +26,7 @@
 
 #include "core/error.hpp"
 #include "cuda/attention.hpp"
+#include "cuda/cuda_error.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/elementwise.hpp"
 #include "cuda/gemm_lt.hpp"
@@ -48,11 +53,64 @@ DType wire_dtype(RunDtype d) {
   return d == RunDtype::bf16 ? DType::bf16 : DType::f32;
 }
 
+// n int64 indices at `host` on the device: the pointer itself when it is
+// device or managed memory already, else a copy in this thread's staging
+// buffer `slot` (0: RoPE positions, 1: document starts), grown as needed
+// and kept (cudaMalloc'd outside the pool, as the cuBLASLt workspace is).
+const std::int64_t* staged_indices(const std::int64_t* host, std::int64_t n, int slot) {
+  if (!host || n <= 0) return host;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, host) == cudaSuccess &&
+      (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
+    return host;
+  (void)cudaGetLastError();
+  struct Staging {
+    void* p = nullptr;
+    std::int64_t bytes = 0;
+    ~Staging() {
+      if (p) (void)cudaFree(p);
+    }
+  };
+  thread_local Staging staging[2];
+  Staging& st = staging[slot];
+  const std::int64_t bytes = 8 * n;
+  if (st.bytes < bytes) {
+    if (st.p) (void)cudaFree(st.p);
+    st.p = nullptr, st.bytes = 0;
+    cuda::check_cuda(cudaMalloc(&st.p, static_cast<std::size_t>(bytes)),
+                     "cudaMalloc of index staging");
+    st.bytes = bytes;
+  }
+  cuda::check_cuda(cudaMemcpy(st.p, host, static_cast<std::size_t>(bytes), cudaMemcpyHostToDevice),
+                   "cudaMemcpy of indices to the device");
+  return static_cast<const std::int64_t*>(st.p);
+}
+// The call's attention shape with its document starts on the device.
+AttnShape device_shape(const AttnShape& s) {
+  AttnShape d = s;
+  d.doc_start = staged_indices(s.doc_start, s.B * s.Sk, 1);
+  return d;
+}
+
 // ------------------------------------------------------------------ gemm
 
+// The pool of what a thread keeps from call to call (cuBLASLt's workspace,
+// cuDNN's per shape, the RoPE tables): their own, not the rank's device
+// pool, which ends with the run while they live on with the thread (and is
+// the prediction's, which has none of them yet). Made before them, so
+// destroyed after them.
+MemoryPool& kept_pool() {
+  thread_local MemoryPool pool;
+  return pool;
+}
+
 cuda::GemmContext& gemm_context() {
+  MemoryPool& pool = kept_pool();
   thread_local std::unique_ptr<cuda::GemmContext> ctx;
-  if (!ctx) ctx = std::make_unique<cuda::GemmContext>();
+  if (!ctx) {
+    const PoolScope in_kept(pool);
+    ctx = std::make_unique<cuda::GemmContext>();
+  }
   return *ctx;
 }
 
@@ -109,19 +167,19 @@ Why latent_tiled_takes(RunDtype d, const OpShape& s) {
 
 template <class T>
 void run_tiled_forward(const OpCall& c) {
-  cuda::attention_forward<T>(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<float*>(c.out[1]),
-                             static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
-                             static_cast<const T*>(c.in[2]));
+  cuda::attention_forward<T>(device_shape(c.shape.attn), static_cast<T*>(c.out[0]),
+                             static_cast<float*>(c.out[1]), static_cast<const T*>(c.in[0]),
+                             static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]));
 }
 template <class T>
 void run_tiled_backward(const OpCall& c) {
   DeviceBuffer own;
   float* delta = delta_scratch(c, delta_bytes(c.dtype, c.shape), own);
-  cuda::attention_backward<T>(c.shape.attn, static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
-                              static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]),
-                              static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
-                              static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]),
-                              static_cast<const float*>(c.in[5]), delta);
+  cuda::attention_backward<T>(
+      device_shape(c.shape.attn), static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+      static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+      static_cast<const T*>(c.in[2]), static_cast<const T*>(c.in[3]),
+      static_cast<const T*>(c.in[4]), static_cast<const float*>(c.in[5]), delta);
 }
 void run_tiled_forward_any(const OpCall& c) {
   c.dtype == RunDtype::bf16 ? run_tiled_forward<bf16>(c) : run_tiled_forward<float>(c);
@@ -134,10 +192,14 @@ void run_tiled_backward_any(const OpCall& c) {
 cuda::CudnnSdpa& sdpa_for(const AttnShape& s) {
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                          std::int64_t, std::int64_t, double, bool>;
+  MemoryPool& pool = kept_pool();
   thread_local std::map<Key, std::unique_ptr<cuda::CudnnSdpa>> graphs;
   const Key key{s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.scale, s.causal};
   auto& g = graphs[key];
-  if (!g) g = std::make_unique<cuda::CudnnSdpa>(s);
+  if (!g) {
+    const PoolScope in_kept(pool);
+    g = std::make_unique<cuda::CudnnSdpa>(s);
+  }
   return *g;
 }
 Why cudnn_takes(RunDtype d, const OpShape& s) {
@@ -165,7 +227,7 @@ void run_cudnn_backward(const OpCall& c) {
 
 LatentAttnParams<float> latent_params(const OpCall& c) {
   LatentAttnParams<float> p;
-  p.shape = c.shape.attn;
+  p.shape = device_shape(c.shape.attn);
   p.C = c.shape.C, p.dn = c.shape.dn;
   p.q = static_cast<const float*>(c.in[0]);
   p.c = static_cast<const float*>(c.in[1]), p.ld_c = c.shape.ld_c;
@@ -232,7 +294,9 @@ const cuda::DeviceRope& device_rope(const RopeTable& t) {
     DeviceBuffer cos, sin;
     cuda::DeviceRope view;
   };
+  MemoryPool& pool = kept_pool();
   thread_local std::map<const RopeTable*, Uploaded> tables;
+  const PoolScope in_kept(pool);
   Uploaded& u = tables[&t];
   if (!u.view.cos || u.dim != t.dim() || u.positions != t.positions()) {
     LAGA_CHECK(t.backed(),
@@ -259,7 +323,8 @@ void run_rope(const OpCall& c) {
   const OpShape& s = c.shape;
   LAGA_CHECK(c.context, "cuda rope: the call has no RopeTable (OpCall::context)");
   cuda::rope_apply(static_cast<float*>(c.out[0]), s.batch, s.tokens, s.heads, s.ld_token, s.ld_head,
-                   s.pos0, static_cast<const std::int64_t*>(c.in[0]),
+                   s.pos0,
+                   staged_indices(static_cast<const std::int64_t*>(c.in[0]), s.batch * s.tokens, 0),
                    device_rope(*static_cast<const RopeTable*>(c.context)), Inverse);
 }
 

@@ -12,7 +12,8 @@
 // What is refused, by name (cudnn_sdpa_refusal, before any device work):
 // a build without cudnn-frontend's headers, f32/f64 (cuDNN's fused SDPA
 // takes bf16 or fp16; laga's own kernels run f32: cuda/attention.hpp),
-// packed documents (doc_start: not routed to cuDNN's ragged offsets yet; the
+// packed documents (doc_start: not routed to cuDNN's ragged offsets yet --
+// cuda/sdpa_ragged.hpp computes them, the graph does not take them; the
 // dense kernel runs them), head dims cuDNN's SDPA does not take (above 256,
 // or not a multiple of 8). What the device cannot run is cuDNN's to say:
 // CudnnSdpa's constructor builds both graphs and throws its

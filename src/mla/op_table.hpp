@@ -25,7 +25,9 @@
 // How a backend registers its rows: one function returning its rows,
 // declared here (cpu_kernel_rows, op_table_cpu.cpp; cuda_kernel_rows, the
 // CUDA backend's file, built when LAGA_HAVE_CUDA is defined) and listed in
-// kernel_rows() (op_table.cpp). Adding a kernel = its file plus its row.
+// kernel_rows() (op_table.cpp); the CUDA rows are handed to
+// register_kernel_rows by the program that links them. Adding a kernel =
+// its file plus its row.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/device.hpp"
 #include "core/precision.hpp"
 #include "kernels/attention.hpp"
 
@@ -44,8 +47,9 @@ enum class AttentionKind;  // mla/form_spec.hpp: eager, flash
 
 namespace laga::ops {
 
-// Where a kernel runs.
-enum class Device { cpu, cuda };
+// Where a kernel runs (core/device.hpp): cpu, cuda, or the emulated device
+// (the CPU's kernels over device storage, checked: op_table.cpp).
+using laga::Device;
 
 // Every computation a form or the model asks the op layer for. Operand slots
 // (OpCall::in, OpCall::out) and the shape fields each reads, per op; element
@@ -137,8 +141,7 @@ inline constexpr int kOpCount = int(Op::adamw) + 1;
 namespace laga {
 // In laga, not laga::ops, so that they do not hide laga's other to_string
 // overloads inside laga::ops.
-const char* to_string(ops::Device d);  // "cpu", "cuda"
-const char* to_string(ops::Op op);     // the enumerator's name
+const char* to_string(ops::Op op);  // the enumerator's name
 }  // namespace laga
 
 namespace laga::ops {
@@ -207,20 +210,35 @@ struct KernelChoice {
   const char* name() const { return row ? row->name : "none"; }
 };
 
-// Each backend's rows (op_table_cpu.cpp; the CUDA backend's file).
+// Each backend's rows (op_table_cpu.cpp; the CUDA backend's file). The
+// emulated device's are the CPU's, each with device emulated: the same
+// kernels, so a form on it gives the CPU's bits (op_table.cpp).
 std::span<const KernelRow> cpu_kernel_rows();
+std::span<const KernelRow> emulated_kernel_rows();
 #if defined(LAGA_HAVE_CUDA)
 std::span<const KernelRow> cuda_kernel_rows();
 #endif
-// Every row of `device` (empty for a device this build has no backend for).
+// The CUDA backend's rows for kernel_rows(Device::cuda), registered by a
+// program that links the backend (laga_cuda_forms: cuda_kernel_rows()).
+void register_kernel_rows(Device device, std::span<const KernelRow> rows);
+// Every row of `device` (empty for a device this process has no backend for).
 std::span<const KernelRow> kernel_rows(Device device);
-// Every device this build has a backend for: cpu, and cuda when built.
+// Every device this process has a backend for: cpu, emulated, and cuda once
+// its rows are registered.
 std::vector<Device> devices_built();
 
 // The row that runs (op, dtype, shape) on `device`, or why none does.
 KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape);
 // As supports(), throwing laga::Error with its why_not when none does.
 const KernelRow& pick(Device device, Op op, RunDtype dtype, const OpShape& shape);
+// Runs `row` on c: on a device whose memory checks operands (the emulated
+// one), first refuses an operand that is not that device's memory, naming
+// the op and the slot; after a device's kernel, waits for it (the host may
+// read what it wrote next: the CUDA pool's memory is managed).
+void run_row(const KernelRow& row, const OpCall& c);
+// How many kernels run_row has run on `device` in this process (all
+// threads): what shows a run went through a device's rows.
+std::int64_t kernel_calls(Device device);
 
 // The device this thread's ops run on: cpu unless a UseDevice scope says
 // (the CUDA backend's runs; a thread-local as op_precision is).

@@ -268,7 +268,7 @@ inline bool runs(std::int64_t elements, std::initializer_list<const void*> ptrs)
 
 // The kernel table's row for c on this thread's device (op_table.hpp), run.
 inline void run_kernel(const OpCall& c) {
-  pick(op_device, c.op, c.dtype, c.shape).run(c);
+  run_row(pick(op_device, c.op, c.dtype, c.shape), c);
 }
 // C (m, n) = alpha op(A) op(B) + beta C through the table (T's dtype: fp32
 // or fp64; bf16's products are bf16_path's).

@@ -169,7 +169,7 @@ void attention_forward(AttentionKind kind, const AttnShape& s, T* o, T* stats, S
       c.in[2] = bf16_operand(row, at + parts.q + parts.k, v, held.v_held, held.v, nv);
       c.out[0] = o, c.out[1] = stats;
       c.workspace = at + parts.q + parts.k + parts.v, c.workspace_bytes = parts.workspace;
-      row.run(c);
+      run_row(row, c);
     }
     return;
   }
@@ -179,7 +179,7 @@ void attention_forward(AttentionKind kind, const AttnShape& s, T* o, T* stats, S
   c.op = row.op, c.dtype = op_dtype<T>(), c.shape.attn = s, c.shape.attention = kind;
   c.in[0] = q, c.in[1] = k, c.in[2] = v;
   c.out[0] = o, c.out[1] = stats, c.out[2] = eager ? eager_lse : nullptr;
-  row.run(c);
+  run_row(row, c);
 }
 
 template <class T>
@@ -228,7 +228,7 @@ void attention_backward(AttentionKind kind, const AttnShape& shape, T* dq, T* dk
       c.out[0] = dq, c.out[1] = dk, c.out[2] = dv;
       c.workspace = at + parts.q + parts.k + parts.v + parts.dout;
       c.workspace_bytes = parts.workspace;
-      row.run(c);
+      run_row(row, c);
     }
     return;
   }
@@ -239,7 +239,7 @@ void attention_backward(AttentionKind kind, const AttnShape& shape, T* dq, T* dk
   c.in[0] = dout, c.in[1] = q, c.in[2] = k, c.in[3] = v, c.in[4] = o, c.in[5] = stats;
   c.in[6] = eager ? eager_delta : nullptr;
   c.out[0] = dq, c.out[1] = dk, c.out[2] = dv, c.out[3] = eager ? dp : nullptr;
-  row.run(c);
+  run_row(row, c);
 }
 
 template <class T>
@@ -327,7 +327,7 @@ void fused_latent_attention_forward(const FusedLatentOperands<T>& a, T* o, T* ls
   if (!runs(s.B * s.Sq * s.Hq, {o, lse, a.q, a.lat, w_kv})) return;
   OpCall c = fused_call(row, a, w_kv);
   c.out[0] = o, c.out[1] = lse;
-  row.run(c);
+  run_row(row, c);
 }
 
 template <class T>
@@ -344,7 +344,7 @@ void fused_latent_attention_backward(const FusedLatentOperands<T>& a, T* dq, T* 
     OpCall c = fused_call(row, a, w_kv);
     c.in[4] = dout, c.in[5] = o, c.in[6] = lse;
     c.out[0] = dq, c.out[1] = dlat, c.out[2] = dlat + a.C, c.out[3] = dw_kv;
-    row.run(c);
+    run_row(row, c);
   }
   kept.w_kv_rounded.reset();
 }
@@ -361,7 +361,7 @@ void lse_merge(const AttnShape& s, std::int64_t L, std::int64_t H, std::int64_t 
   c.shape.attn = s, c.shape.rows = L, c.shape.cols = H, c.shape.b0 = b0, c.shape.q_row = q_row;
   c.in[0] = o_p, c.in[1] = lse_p;
   c.out[0] = o, c.out[1] = lse;
-  pick(op_device, Op::lse_merge, c.dtype, c.shape).run(c);
+  run_row(pick(op_device, Op::lse_merge, c.dtype, c.shape), c);
 }
 
 #define LAGA_INSTANTIATE(T)                                                                        \

@@ -220,7 +220,7 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
     if (!runs(C.rows * C.cols, {C.p, A.p, B.p})) return false;
     c.fill();
     call.in[0] = c.get(0), call.in[1] = c.get(1);
-    row.run(call);
+    run_row(row, call);
     return true;
   };
   if (row.operands == Bf16Operands::fp32_values) {

@@ -38,7 +38,7 @@ void sparse_attention_forward(const SparseAttnShape& s, T* o, T* lse, Src<T> q, 
   c.op = Op::sparse_attention_forward, c.dtype = op_dtype<T>(), c.shape = op_shape(s);
   c.in[0] = q, c.in[1] = k, c.in[2] = v, c.in[3] = idx;
   c.out[0] = o, c.out[1] = lse;
-  pick(op_device, c.op, c.dtype, c.shape).run(c);
+  run_row(pick(op_device, c.op, c.dtype, c.shape), c);
 }
 
 template <class T>
@@ -53,7 +53,7 @@ void sparse_attention_backward(const SparseAttnShape& s, T* dq, T* dk, T* dv, Sr
   c.in[0] = dout, c.in[1] = q, c.in[2] = k, c.in[3] = v, c.in[4] = o, c.in[5] = lse;
   c.in[6] = idx;
   c.out[0] = dq, c.out[1] = dk, c.out[2] = dv;
-  pick(op_device, c.op, c.dtype, c.shape).run(c);
+  run_row(pick(op_device, c.op, c.dtype, c.shape), c);
 }
 
 #define LAGA_INSTANTIATE(T)                                                                      \

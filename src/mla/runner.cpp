@@ -9,6 +9,7 @@
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
 #include "mla/form_registry.hpp"
+#include "mla/op_table.hpp"
 #include "mla/ops.hpp"
 
 namespace laga {
@@ -167,28 +168,24 @@ static void check_invariant(const RunSpec& spec, const SpLayout& layout) {
   LAGA_CHECK(op_grad_reduce == GradReduce::fp32,
              "--invariant sums the gradients in fp32: drop --grad-reduce bf16");
   LAGA_CHECK(
-      ops::op_device == ops::Device::cpu, "--invariant runs on the CPU: the ",
-      to_string(ops::op_device),
+      spec.device == Device::cpu, "--invariant runs on the CPU: the ", to_string(spec.device),
       " backend has no invariant kernels (docs/invariance.md); drop --invariant or --device");
   LAGA_CHECK(layout.rank_major_is_sequence(),
              "--invariant needs contiguous sequence shards (each rank one range of the sequence)");
 }
 
+namespace {
+
+// The block on one rank from its shards (x_loc, dout_loc), under the current
+// pool (the host's, or the rank's device pool) and on op_device.
 template <class T>
-RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
-                       const RopeTable& rope, const MlaParams<T>& w, const Tensor<T>& x,
-                       const Tensor<T>& dout, const RunSpec& spec) {
-  const int r = comm.rank();
-  if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
-  if (spec.invariant) check_invariant(spec, layout);
-  const ops::UseInvariant invariant(spec.invariant);
+RankResult<T> run_block(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
+                        const RopeTable& rope, const MlaParams<T>& w, Tensor<T>& x_loc,
+                        Tensor<T>& dout_loc, const RunSpec& spec) {
   const BlockContext ctx{cfg, layout, comm, rope, spec.variant, spec.attention, spec.documents};
   RankResult<T> res;
-  res.report.rank = r;
+  res.report.rank = comm.rank();
   MemoryPool& pool = current_pool();
-  Tensor<T> x_loc = shard_of(x, layout, r);
-  Tensor<T> dout_loc;
-  if (spec.backward) dout_loc = shard_of(dout, layout, r);
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
 
   const std::int64_t base_act = pool.current(MemCategory::activations);
@@ -235,6 +232,84 @@ RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout&
   return res;
 }
 
+// The block's boundary with a device: host tensors copied into tensors of
+// the current (device) pool, and back into the host pool `host`.
+template <class T>
+Tensor<T> upload(DeviceMemory& mem, const Tensor<T>& t, const char* name, MemCategory cat) {
+  if (!t.defined()) return {};
+  Tensor<T> d(t.shape(), name, cat);
+  if (d.data() && t.data()) mem.to_device(d.data(), t.data(), t.bytes());
+  return d;
+}
+template <class T>
+Tensor<T> download(DeviceMemory& mem, MemoryPool& host, const Tensor<T>& d) {
+  if (!d.defined()) return {};
+  const PoolScope on_host(host);
+  Tensor<T> t(d.shape(), d.category());
+  if (d.data() && t.data()) mem.to_host(t.data(), d.data(), d.bytes());
+  return t;
+}
+template <class T>
+void copy_params(MlaParams<T>& dst, const MlaParams<T>& src,
+                 void (DeviceMemory::*copy)(void*, const void*, std::int64_t), DeviceMemory& mem) {
+  std::vector<Tensor<T>*> to;
+  dst.for_each([&](const std::string&, Tensor<T>& t) { to.push_back(&t); });
+  std::size_t i = 0;
+  src.for_each([&](const std::string&, const Tensor<T>& t) {
+    Tensor<T>& d = *to[i++];
+    if (d.data() && t.data()) (mem.*copy)(d.data(), t.data(), t.bytes());
+  });
+}
+
+}  // namespace
+
+template <class T>
+RankResult<T> run_rank(Communicator& comm, const MlaConfig& cfg, const SpLayout& layout,
+                       const RopeTable& rope, const MlaParams<T>& w, const Tensor<T>& x,
+                       const Tensor<T>& dout, const RunSpec& spec) {
+  const int r = comm.rank();
+  if (spec.timeout.count() > 0) comm.set_timeout(spec.timeout);
+  if (spec.invariant) check_invariant(spec, layout);
+  const ops::UseInvariant invariant(spec.invariant);
+  Tensor<T> x_loc = shard_of(x, layout, r);
+  Tensor<T> dout_loc;
+  if (spec.backward) dout_loc = shard_of(dout, layout, r);
+  if (spec.device == Device::cpu)
+    return run_block(comm, cfg, layout, rope, w, x_loc, dout_loc, spec);
+
+  // On a device: its pool, counting (or, count-only, only counting) as the
+  // host's does, with the host pool's settings.
+  DeviceMemory* mem = device_memory(spec.device);
+  LAGA_CHECK(mem, "run_rank on ", to_string(spec.device),
+             ": this process has no memory for that device (a CUDA run registers it: "
+             "cuda::register_cuda_memory)");
+  MemoryPool& host = current_pool();
+  MemoryPool device_pool;
+  device_pool.set_device_memory(mem);
+  device_pool.set_count_only(host.count_only());
+  device_pool.set_live_tracking(host.live_tracking());
+  device_pool.set_storage_tracking(host.storage_tracking());
+  RankResult<T> res;
+  {
+    const PoolScope on_device(device_pool);
+    const ops::UseDevice kernels_on(spec.device);
+    MlaParams<T> w_dev = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+    copy_params(w_dev, w, &DeviceMemory::to_device, *mem);
+    Tensor<T> x_dev = upload(*mem, x_loc, "x (rank shard)", MemCategory::activations);
+    Tensor<T> dout_dev = upload(*mem, dout_loc, "dout (rank shard)", MemCategory::activations);
+    RankResult<T> on_dev = run_block(comm, cfg, layout, rope, w_dev, x_dev, dout_dev, spec);
+    res.report = on_dev.report;
+    res.out = download(*mem, host, on_dev.out);
+    res.dx = download(*mem, host, on_dev.dx);
+    {
+      const PoolScope on_host(host);
+      res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+    }
+    copy_params(res.grads, on_dev.grads, &DeviceMemory::to_host, *mem);
+  }
+  return res;
+}
+
 template <class T>
 BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaParams<T>& w,
                       const Tensor<T>& x, const Tensor<T>& dout, const RunSpec& spec) {
@@ -246,6 +321,8 @@ BlockRun<T> run_local(const MlaConfig& cfg, const SpLayout& layout, const MlaPar
   opts.pools = &pools;
   opts.timeout = spec.timeout;
   opts.deferred_delivery_for_testing = spec.deferred_delivery_for_testing;
+  // Ranks on one device exchange its buffers (the device-local transport).
+  opts.device = device_memory(spec.device);
   run_local_ranks(
       P,
       [&](Communicator& comm) {

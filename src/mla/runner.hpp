@@ -31,6 +31,14 @@ struct RunSpec {
   // "Overlap"), so an overlapped path that reads a result early or frees a
   // buffer early fails.
   bool deferred_delivery_for_testing = false;
+  // Where the block runs (core/device.hpp; docs/architecture.md, "Device
+  // storage and the emulated device"). Not cpu: each rank's shard,
+  // parameters and gradient accumulators are uploaded into a pool of that
+  // device (its accounting the host pool's), the form runs there on the
+  // device's kernel rows, ranks in one process exchange device buffers
+  // (the device-local transport), and out, dx and the gradients are
+  // downloaded; RankMemory is the device pool's.
+  Device device = Device::cpu;
 };
 
 // Memory of one rank during one forward(+backward), in bytes above what was

@@ -105,6 +105,7 @@ void register_compare(CLI::App& app) {
   add_device_option(*c, device);
   c->callback([device, o, c] {
     require_device(*device, "compare");
+    o->device = *device;
     // The config is an input the outputs may not be, known before the work.
     protect_input(o->model.config_path, "--config");
     // Options given where they would change nothing are refused saying why

@@ -29,6 +29,7 @@ struct ForwardOptions {
   bool backward = false, allow_nonfinite = false, q_latent = false;
   bool invariant = false;  // --invariant (docs/invariance.md)
   std::string overlap = "off";
+  Device device = Device::cpu;            // --device
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout
   std::string form = "explicit", attention = "flash";
@@ -166,6 +167,7 @@ void run_forward(const ForwardOptions& o) {
   spec.attention = parse_attention(o.attention);
   spec.backward = o.backward;
   spec.invariant = o.invariant;
+  spec.device = o.device;
   const bool report = is_reporting_process(o.comm);
   if (report)
     std::cerr << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
@@ -294,6 +296,7 @@ void register_forward_command(CLI::App& app) {
   add_device_option(*sub, device);
   sub->callback([device, opts, sub] {
     require_device(*device, "forward");
+    opts->device = *device;
     opts->layer_given = sub->count("--layer") > 0;
     opts->given.clear();
     for (const CLI::Option* opt : sub->get_options())

@@ -35,6 +35,8 @@ struct VerifyOptions {
   std::string overlap = "off";
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout: the P-rank runs' shards
+  // --device: where the forms run; the reference stays on the CPU.
+  Device device = Device::cpu;
 };
 
 struct Row {
@@ -116,6 +118,7 @@ void run_verify(const VerifyOptions& o) {
     const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, P, seq_layout);
     for (FormVariant f : forms) {
       spec.variant = f;
+      spec.device = o.device;
       BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
       if (!report) continue;
       Row row{to_string(f),
@@ -283,6 +286,7 @@ void register_verify_command(CLI::App& app) {
   add_device_option(*sub, device);
   sub->callback([device, opts, sub] {
     require_device(*device, "verify");
+    opts->device = *device;
     if (opts->dtype == RunDtype::fp64) {
       // Double rounding, not fp32's, unless the caller chose a tolerance.
       if (sub->count("--tol") == 0) opts->tol = 1e-12;

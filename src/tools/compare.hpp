@@ -52,6 +52,9 @@ struct CompareOptions {
   Precision precision = Precision::fp32;
   // --grad-reduce: the gradient all-reduce's wire under bf16.
   GradReduce grad_reduce = GradReduce::fp32;
+  // --device: where the blocks run (their memory figures are then the
+  // device pool's).
+  Device device = Device::cpu;
 };
 
 // One (phase, label) of one form: max over the measured ranks.

@@ -137,6 +137,7 @@ std::vector<std::vector<double>> rank_body(Communicator& comm, const Job& j,
     spec.attention = j.attention;
     spec.documents = j.documents;
     spec.invariant = j.o.invariant;
+    spec.device = j.o.device;
     RankRecord rec;
     // One pool for the form's steps: its block cache hands each step the
     // blocks the step before freed (no fresh mapping, no page faults). Each

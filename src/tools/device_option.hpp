@@ -2,12 +2,12 @@
 // build.md, "The CUDA backend"). Parsed to ops::Device (mla/op_table.hpp),
 // never kept as a string.
 //
-// What --device cuda does today: it is refused, with one sentence naming
-// what is missing and what to do. In a build without the CUDA backend the
-// backend is missing; in one with it, on a machine without a usable GPU,
-// the device is (cuda/device.hpp's reason); and with a GPU, the forms:
-// the CUDA backend's ops are in the kernel table and laga_cuda_check runs
-// each against the CPU, but no form routes its block through them yet.
+// --device emulated runs the blocks on the emulated device (core/device.hpp):
+// the device code path on the CPU, its results the CPU's bit for bit. --device
+// cuda is refused, with one sentence naming what is missing: the backend (a
+// build without it), the device (cuda/device.hpp's reason), or, with a GPU,
+// this tool's CUDA rows (it does not load cuBLASLt/cuDNN/NCCL; the program
+// that runs the forms on a GPU is laga_cuda_check forms).
 #pragma once
 
 #include <memory>

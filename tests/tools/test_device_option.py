@@ -1,15 +1,20 @@
-"""--device cpu|cuda on laga forward, verify and compare (tools/device_option.hpp).
+"""--device cpu|emulated|cuda on laga forward, verify and compare
+(tools/device_option.hpp).
 
 --device cuda is refused with one sentence naming what is missing: the backend
 (a build without CUDA), the device (a build with it, on a machine without a
-usable GPU: CI's), or the forms (a GPU is there: the blocks do not run on it
-yet). An unknown device is refused naming the value; --device cpu runs as
-before.
+usable GPU: CI's), or this tool's CUDA rows (a GPU is there: laga_cuda_check
+forms runs the forms on it). An unknown device is refused naming the value;
+--device cpu runs as before. --device emulated runs the device code path on
+the CPU: verify passes every form on it against the CPU reference, and
+forward's output and gradients are the CPU's byte for byte.
 
 usage: test_device_option.py LAGA CUDA_BUILT(ON|OFF)
 """
+import os
 import subprocess
 import sys
+import tempfile
 
 laga, cuda_built = sys.argv[1], sys.argv[2].upper() in ("ON", "1", "TRUE")
 failures = []
@@ -31,7 +36,7 @@ for command in ("forward", "verify", "compare"):
         failures.append(f"{command}: message does not name the command and option: {msg!r}")
     if cuda_built:
         known = ("no usable CUDA device", "no CUDA device", "compute capability",
-                 "the forms do not run on the GPU yet")
+                 "does not load the CUDA backend")
     else:
         known = ("built without the CUDA backend",)
     if not any(k in msg for k in known):
@@ -40,13 +45,31 @@ for command in ("forward", "verify", "compare"):
         failures.append(f"{command}: the refusal does not say what to do (--device cpu): {msg!r}")
 
 r = run("forward", "--device", "gpu")
-if r.returncode == 0 or "'gpu' is not one of cpu, cuda" not in r.stderr:
+if r.returncode == 0 or "'gpu' is not one of cpu, emulated, cuda" not in r.stderr:
     failures.append(f"--device gpu: rc {r.returncode}, stderr {r.stderr!r}")
 
 a = run("forward", "--device", "cpu", "--preset", "tiny", "--seq", "8")
 b = run("forward", "--preset", "tiny", "--seq", "8")
 if a.returncode != 0 or b.returncode != 0:
     failures.append(f"--device cpu: rc {a.returncode} / {b.returncode}: {a.stderr!r}")
+
+v = run("verify", "--device", "emulated", "--preset", "tiny", "--seq", "13", "--sp", "1,3")
+if v.returncode != 0 or "FAIL" in v.stdout:
+    failures.append(f"verify --device emulated: rc {v.returncode}: {v.stdout[-2000:]!r} {v.stderr!r}")
+
+with tempfile.TemporaryDirectory() as tmp:
+    outs = {}
+    for device in ("cpu", "emulated"):
+        path = os.path.join(tmp, device + ".safetensors")
+        r = run("forward", "--device", device, "--preset", "tiny", "--seq", "13", "--sp", "3",
+                "--backward", "--output", path)
+        if r.returncode != 0:
+            failures.append(f"forward --device {device}: rc {r.returncode}: {r.stderr!r}")
+            continue
+        with open(path, "rb") as f:
+            outs[device] = f.read()
+    if len(outs) == 2 and outs["cpu"] != outs["emulated"]:
+        failures.append("forward --device emulated: its output file differs from --device cpu's")
 
 for f in failures:
     print("FAIL:", f)
