@@ -132,7 +132,9 @@ void MlaConfig::validate_dsa() const {
 }
 
 std::vector<std::string> MlaConfig::preset_names() {
-  return {"tiny", "small", "paper", "deepseek-v3", "deepseek-v2-lite"};
+  return {"tiny", "small", "paper", "deepseek-v3", "deepseek-v2-lite",
+          // DSA models' attention (their indexers: DsaConfig::preset)
+          "deepseek-v3.2", "glm-5-like"};
 }
 
 MlaConfig MlaConfig::preset(const std::string& name) {
@@ -142,8 +144,10 @@ MlaConfig MlaConfig::preset(const std::string& name) {
     c.v_head_dim = 6;
   } else if (name == "small") {
     // defaults above
-  } else if (name == "paper" || name == "deepseek-v3") {
+  } else if (name == "paper" || name == "deepseek-v3" || name == "deepseek-v3.2") {
     // DeepSeek-V3 671B attention (config_671B.json); YaRN on as shipped.
+    // DeepSeek-V3.2's MLA is V3's (config_671B_v3.2.json); its indexer is
+    // DsaConfig::preset's.
     c.dim = 7168, c.n_heads = 128, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128,
     c.qk_rope_head_dim = 64, c.v_head_dim = 128;
     c.q_lora_rank = name == "paper" ? 0 : 1536;
@@ -157,6 +161,12 @@ MlaConfig MlaConfig::preset(const std::string& name) {
     c.qk_rope_head_dim = 64, c.v_head_dim = 128, c.q_lora_rank = 0;
     c.rope_factor = 40, c.original_seq_len = 4096, c.max_seq_len = 163840;
     c.beta_fast = 32, c.beta_slow = 1, c.mscale = 0.707;
+  } else if (name == "glm-5-like") {
+    // GLM-5's attention as transformers' GlmMoeDsaConfig defaults give it
+    // (docs/configs.md, "Presets": hidden 6144, 64 heads, no YaRN, θ 1e6).
+    c.dim = 6144, c.n_heads = 64, c.q_lora_rank = 2048, c.kv_lora_rank = 512,
+    c.qk_nope_head_dim = 192, c.qk_rope_head_dim = 64, c.v_head_dim = 256;
+    c.rope_theta = 1e6, c.original_seq_len = 202752, c.max_seq_len = 202752;
   } else {
     std::string names;
     for (auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;

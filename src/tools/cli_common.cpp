@@ -48,7 +48,21 @@ MlaConfig ModelOptions::load() const {
   // (The resolved values, not the file's name: --config's contents are
   // compared as an input file's, and a preset may equal a file.)
   note_run_identity("the model config", cfg.to_json().dump());
+  if (const std::optional<DsaConfig> d = accepts_dsa ? std::nullopt : load_dsa(cfg))
+    fail(source(), " sets DeepSeek Sparse Attention (index_topk ", d->index_topk,
+         "): the lightning indexer and top-k attention, which this command does not run: it "
+         "would attend every key, a different model. `laga plan` costs its DSA forms "
+         "(docs/planning.md, \"DSA\"); for its dense MLA alone give a config without the "
+         "index keys");
   return cfg;
+}
+
+std::optional<DsaConfig> ModelOptions::load_dsa(const MlaConfig& cfg) const {
+  const std::optional<DsaConfig> d =
+      config_path.empty() ? DsaConfig::preset(preset)
+                          : DsaConfig::from_json(read_config_json_file(config_path), config_path);
+  if (d) d->validate(cfg);
+  return d;
 }
 
 std::string ModelOptions::source() const {

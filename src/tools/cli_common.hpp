@@ -20,6 +20,7 @@
 #include "core/tensor.hpp"
 #include "mla/block.hpp"
 #include "mla/config.hpp"
+#include "mla/dsa_model.hpp"
 
 namespace laga::tools {
 
@@ -28,8 +29,15 @@ struct ModelOptions {
   std::string preset = "small";
   std::string config_path;
   void add_to(CLI::App& app);
+  // Whether the command runs a DSA config's indexer (DsaConfig): `laga
+  // plan` costs it (plan/dsa_plan.hpp); a command that runs the dense
+  // block only refuses a DSA preset or config rather than drop its indexer.
+  bool accepts_dsa = false;
   MlaConfig load() const;      // validated
   std::string source() const;  // "preset small" or "config path"
+  // The preset's or config's indexer (DsaConfig::preset / from_json),
+  // validated against `cfg`; nullopt for a dense MLA.
+  std::optional<DsaConfig> load_dsa(const MlaConfig& cfg) const;
 };
 
 // --comm local|mpi and --comm-timeout.

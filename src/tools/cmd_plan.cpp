@@ -22,6 +22,7 @@
 #include "plan/planner.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
+#include "tools/plan_dsa_report.hpp"
 #include "tools/plan_model_report.hpp"
 
 namespace laga::tools {
@@ -273,6 +274,12 @@ LmConfig load_model(const PlanOptions& o) {
   } else {
     protect_input(o.model, "--model");
     m = LmConfig::from_json_file(o.model);
+    // The model plan's layers run dense MLA; a DSA model's would be another
+    // model's step, so it is refused rather than planned without its indexer.
+    LAGA_CHECK(!DsaConfig::from_json(read_config_json_file(o.model), o.model), "--model ", o.model,
+               " is a DSA model (index_n_heads, index_head_dim, index_topk), and --model plans "
+               "dense MLA layers; plan its attention block's DSA forms with --config ",
+               o.model, " (docs/planning.md, \"DSA\")");
   }
   // A stage of more layers than the model has is no stage of it (issue 54,
   // S: --layers 1000 planned a 3-layer model as 1000 layers).
@@ -386,6 +393,9 @@ void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest blo
   }
 }
 
+void run_dsa_plan(const PlanOptions& o, const MlaConfig& cfg, const DsaConfig& dsa,
+                  PlanDType dtype);
+
 void run_plan(const PlanOptions& o) {
   const auto start = Clock::now();
   auto say = [&](const std::string& s) {
@@ -463,6 +473,10 @@ void run_plan(const PlanOptions& o) {
   const std::optional<LmConfig> model =
       o.model.empty() ? std::nullopt : std::optional<LmConfig>(load_model(o));
   q.cfg = model ? model->mla : o.model_options.load();
+  if (const std::optional<DsaConfig> dsa = model ? std::nullopt : o.model_options.load_dsa(q.cfg)) {
+    run_dsa_plan(o, q.cfg, *dsa, dtype);
+    return;
+  }
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
   q.batch = o.batch;
   q.seqs = parse_whole_list(o.seq, "--seq", "4096,32768");
@@ -536,6 +550,54 @@ void run_plan(const PlanOptions& o) {
   }
 }
 
+// A DSA config (plan/dsa_plan.hpp): its forms' closed forms on the
+// profile. The options that choose among the dense forms' variants, and
+// --measure / --list-shapes (which time the dense forms' calls), are
+// refused rather than ignored.
+void run_dsa_plan(const PlanOptions& o, const MlaConfig& cfg, const DsaConfig& dsa,
+                  PlanDType dtype) {
+  LAGA_CHECK(o.measure.empty() && o.list_shapes.empty() && o.profile != "this",
+             "--measure, --list-shapes and --profile this time the dense forms' calls; a DSA "
+             "config is planned from its closed forms (docs/planning.md, \"DSA\") on a shipped "
+             "or given --profile");
+  LAGA_CHECK(
+      !o.q_latent && o.head_groups == 0 && o.overlap == "off" && o.attention == "flash",
+      "--q-latent, --head-groups, --overlap and --attention choose among the dense forms' "
+      "variants; the DSA forms (--forms ",
+      [] {
+        std::string n;
+        for (DsaForm f : all_dsa_forms()) n += (n.empty() ? "" : ", ") + std::string(to_string(f));
+        return n;
+      }(),
+      ") fix their own (laga_recompute moves the query latent; attention is flash)");
+  DsaPlanRequest d;
+  d.cfg = cfg;
+  d.dsa = dsa;
+  d.batch = o.batch;
+  d.seqs = parse_whole_list(o.seq, "--seq", "4096,32768");
+  d.sps = parse_int_list(o.sp, "--sp");
+  if (o.forms == "all") {
+    d.forms = all_dsa_forms();
+  } else {
+    std::stringstream in(o.forms);
+    for (std::string name; std::getline(in, name, ',');) d.forms.push_back(parse_dsa_form(name));
+  }
+  d.seq_layout = parse_seq_layout(o.seq_layout);
+  d.dtype = dtype;
+  d.grad_reduce = o.grad_reduce;
+  d.profile = load_profile(o.profile);
+  d.profile.peak_flops(dtype);  // refuse an unpublished peak before planning
+  d.nodes = o.nodes;
+  if (!o.link.empty()) {
+    const LinkSpec l = parse_link(o.link);
+    d.link_bytes_per_s = l.bytes_per_s;
+    d.link_latency_s = l.latency_s;
+  }
+  const std::vector<DsaPlanCase> cases = make_dsa_plans(d);
+  (o.json != "-" ? std::cout : std::cerr) << dsa_table(d, cases) << std::flush;
+  if (!o.json.empty()) write_output(o.json, dsa_json(d, cases));
+}
+
 // --recipe deepseek-v3: the DeepSeek-V3 technical report's pre-training
 // setup (arXiv 2412.19437), each option the user did not give:
 //   --model deepseek-v3 --mtp       the 671B model and its one MTP module (sec. 2.2)
@@ -595,6 +657,7 @@ void register_plan(CLI::App& app) {
       "profile, for each --seq and --sp; name the winner and the link bandwidth where laga "
       "starts to beat explicit (docs/planning.md)");
   o->model_options.add_to(*c);
+  o->model_options.accepts_dsa = true;  // a DSA config's forms are planned (plan/dsa_plan.hpp)
   c->add_option("--batch", o->batch, "sequences per batch (B)")
       ->check(whole_for(1, o->batch))
       ->capture_default_str();
@@ -630,7 +693,17 @@ void register_plan(CLI::App& app) {
                 "LAT microseconds when given")
       ->check(link_spec());
   c->add_option("--json", o->json, "write the plans as JSON to this file ('-' for stdout)");
-  c->add_option("--forms", o->forms, cat("comma-separated forms (", form_names(", "), "), or all"))
+  c->add_option("--forms", o->forms,
+                cat(
+                    "comma-separated forms (", form_names(", "),
+                    "; for a DSA preset or config the DSA forms: ",
+                    [] {
+                      std::string n;
+                      for (DsaForm f : all_dsa_forms())
+                        n += (n.empty() ? "" : ", ") + std::string(to_string(f));
+                      return n;
+                    }(),
+                    "), or all"))
       ->capture_default_str();
   c->add_flag("--q-latent", o->q_latent,
               cat("also plan FORM+q-latent for each form that can move the query latent (",

@@ -1,0 +1,371 @@
+// DSA's closed forms (mla/dsa_model.hpp; docs/forms.md, "DSA").
+#include "mla/dsa_model.hpp"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+
+namespace laga {
+
+namespace {
+std::size_t z(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
+// Indices (int32) and the KL target (fp32) keep 4 bytes under bf16.
+constexpr std::int64_t kIndexBytes = 4;
+constexpr std::int64_t kStatBytes = 4;
+
+struct Row {
+  DsaForm form;
+  const char* name;
+};
+constexpr Row kRows[] = {
+    {DsaForm::latent_gather, "latent_gather"},   {DsaForm::laga_indices, "laga_indices"},
+    {DsaForm::laga_recompute, "laga_recompute"}, {DsaForm::explicit_form, "explicit"},
+    {DsaForm::ring_latent, "ring_latent"},
+};
+}  // namespace
+
+void DsaConfig::validate(const MlaConfig& mla) const {
+  LAGA_CHECK(index_n_heads > 0 && index_head_dim > 0 && index_topk > 0,
+             "config: index_n_heads, index_head_dim and index_topk must be positive, got ",
+             index_n_heads, ", ", index_head_dim, ", ", index_topk);
+  LAGA_CHECK(index_head_dim >= mla.qk_rope_head_dim, "config: index_head_dim ", index_head_dim,
+             " is narrower than qk_rope_head_dim ", mla.qk_rope_head_dim,
+             "; the indexer rotates its first qk_rope_head_dim dims (DeepSeek-V3.2: 128 and 64)");
+  LAGA_CHECK(mla.q_lora_rank > 0,
+             "config: DSA needs q_lora_rank > 0: the indexer's queries are wq_b over the query "
+             "latent qr (DeepSeek-V3.2: 1536); this config has none");
+  LAGA_CHECK(index_n_heads * index_head_dim < (1ll << 24) && index_topk <= (1ll << 40),
+             "config: indexer dimensions too large (index_n_heads ", index_n_heads,
+             ", index_head_dim ", index_head_dim, ", index_topk ", index_topk, ")");
+}
+
+std::optional<DsaConfig> DsaConfig::from_json(const nlohmann::json& j, const std::string& source) {
+  DsaConfig d;
+  const bool heads = read_config_key(j, "index_n_heads", d.index_n_heads, source);
+  const bool dim = read_config_key(j, "index_head_dim", d.index_head_dim, source);
+  const bool topk = read_config_key(j, "index_topk", d.index_topk, source);
+  if (!heads && !dim && !topk) return std::nullopt;
+  const char* missing = !heads ? "index_n_heads" : !dim ? "index_head_dim" : "index_topk";
+  LAGA_CHECK(heads && dim && topk, source, ": '", missing,
+             "' is missing; a DSA config gives index_n_heads, index_head_dim and index_topk "
+             "together (DeepSeek-V3.2: 64, 128, 2048)");
+  return d;
+}
+
+std::optional<DsaConfig> DsaConfig::preset(const std::string& name) {
+  if (name == "deepseek-v3.2") return DsaConfig{64, 128, 2048};
+  if (name == "glm-5-like") return DsaConfig{32, 128, 2048};
+  return std::nullopt;
+}
+
+std::int64_t DsaConfig::parameter_count(const MlaConfig& m) const {
+  return index_n_heads * index_head_dim * m.q_lora_rank + index_head_dim * m.dim +
+         2 * index_head_dim + index_n_heads * m.dim;
+}
+
+const char* to_string(DsaForm f) {
+  for (const Row& r : kRows)
+    if (r.form == f) return r.name;
+  return "?";
+}
+
+DsaForm parse_dsa_form(const std::string& s) {
+  std::string names;
+  for (const Row& r : kRows) {
+    if (s == r.name) return r.form;
+    names += (names.empty() ? "" : ", ") + std::string(r.name);
+  }
+  fail("unknown DSA form '", s, "'; choose one of: ", names);
+}
+
+std::vector<DsaForm> all_dsa_forms() {
+  std::vector<DsaForm> v;
+  for (const Row& r : kRows) v.push_back(r.form);
+  return v;
+}
+
+bool dsa_head_sharded(DsaForm f) {
+  return f == DsaForm::laga_indices || f == DsaForm::laga_recompute || f == DsaForm::explicit_form;
+}
+
+std::int64_t dsa_selected_pairs(const std::vector<TokenRange>& rows, std::int64_t K) {
+  // sum_{t=b}^{e-1} min(K, t+1): the rows below K see t + 1 keys, the rest K.
+  std::int64_t n = 0;
+  for (const TokenRange& r : rows) {
+    const std::int64_t lo = std::min(r.begin, K), hi = std::min(r.end, K);  // rows t < K
+    n += (hi * (hi + 1) - lo * (lo + 1)) / 2;
+    n += (r.end - r.begin - (hi - lo)) * K;
+  }
+  return n;
+}
+
+std::int64_t dsa_indexer_pairs(const std::vector<TokenRange>& rows) {
+  std::int64_t n = 0;
+  for (const TokenRange& r : rows) n += (r.end * (r.end + 1) - r.begin * (r.begin + 1)) / 2;
+  return n;
+}
+
+namespace {
+
+// The dense form whose placement a DSA form's terms are written in.
+FormVariant placement_variant(DsaForm f) {
+  switch (f) {
+    case DsaForm::latent_gather:
+      return Form::allgather_kv;  // own queries, every head
+    case DsaForm::laga_indices:
+      return Form::laga;
+    case DsaForm::laga_recompute:
+      return {Form::laga, QueryExchange::latent};
+    case DsaForm::explicit_form:
+      return Form::explicit_form;
+    case DsaForm::ring_latent:
+      return Form::ring_latent;
+  }
+  return Form::laga;
+}
+
+}  // namespace
+
+FormVariant dsa_placement(DsaForm f) {
+  return placement_variant(f);
+}
+
+void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
+  const MlaConfig& cfg = t.cfg;
+  const std::int64_t di = dsa.index_head_dim, Hi = dsa.index_n_heads, K = dsa.index_topk;
+  const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+  // A term of width w in 4-byte elements (the int32 indices, the fp32 KL
+  // target), whatever the terms' element: every term is a multiple of it.
+  auto at4 = [&](PredictedBytes b) {
+    b.sent = b.sent / t.elem_bytes * kIndexBytes;
+    b.received = b.received / t.elem_bytes * kIndexBytes;
+    return b;
+  };
+  // k_I gathered forward, its gradient reduce-scattered to the keys' owners
+  // backward (wk's weight gradient needs each key's own x).
+  auto index_keys = [&](Phase ph) {
+    if (ph == Phase::forward)
+      return t.add(ph, "index_k_ag", t.all_gather(di), CollectiveKind::all_gather);
+    t.add(ph, "index_k_ag", t.reduce_scatter(di), CollectiveKind::reduce_scatter);
+  };
+  // Each rank's partial (its heads') sum of the selected keys' attention
+  // probabilities, summed at the query's owner: the indexer's KL target.
+  auto kl_target = [&]() {
+    t.add(Phase::forward, "index_target_rs", at4(t.reduce_scatter(K)),
+          CollectiveKind::reduce_scatter);
+  };
+  switch (form) {
+    case DsaForm::latent_gather:
+      t.latent_gather(Phase::forward);
+      index_keys(Phase::forward);
+      if (t.backward) t.latent_gather(Phase::backward), index_keys(Phase::backward);
+      break;
+    case DsaForm::laga_indices:
+    case DsaForm::laga_recompute:
+      t.head_parallel([&](Phase ph) {
+        t.latent_gather(ph);
+        index_keys(ph);
+        if (ph != Phase::forward) return;
+        if (form == DsaForm::laga_indices) {
+          t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
+        } else {  // w for every query; qr came with the query latent exchange
+          t.add(ph, "index_w_ag", t.all_gather(Hi), CollectiveKind::all_gather);
+        }
+        kl_target();
+      });
+      break;
+    case DsaForm::explicit_form:
+      t.head_parallel([&](Phase ph) {
+        t.to_heads(ph, "k_a2a", cfg.qk_head_dim());
+        t.to_heads(ph, "v_a2a", cfg.v_head_dim);
+        index_keys(ph);
+        if (ph != Phase::forward) return;
+        t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
+        kl_target();
+      });
+      break;
+    case DsaForm::ring_latent:
+      // k_I's pass first (the top-k needs every score), then the latent's.
+      t.ring_form("index_k_ring", "dindex_k_ring", di);
+      t.ring_form("latent_ring", "dlatent_ring", W);
+      break;
+  }
+}
+
+CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                                DsaForm form, int rank, WireElementBytes wire, bool backward,
+                                bool grad_sync) {
+  dsa.validate(cfg);
+  CommTerms t(cfg, layout, placement_variant(form), rank, wire.activations, backward);
+  dsa_collectives(t, dsa, form);
+  const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+  const int P = layout.ranks;
+  if (grad_sync && P > 1) {
+    // The block's parameters as comm_model.cpp writes them, and the
+    // indexer's (DsaConfig::parameter_count).
+    const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank, rq = cfg.q_lora_rank;
+    const std::int64_t dqk = cfg.qk_head_dim(), dv = cfg.v_head_dim;
+    const std::int64_t q = rq * D + rq + H * dqk * rq;
+    const std::int64_t n =
+        q + W * D + C + H * (cfg.qk_nope_head_dim + dv) * C + D * H * dv + dsa.parameter_count(cfg);
+    const std::int64_t own = all_reduce_chunk(n, P, rank);
+    const std::int64_t mine = ((n - own) + (P - 1) * own) * wire.gradients;
+    t.add(Phase::grad_sync, "grad_allreduce", {mine, mine}, CollectiveKind::all_reduce);
+  }
+  return t.result;
+}
+
+DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                     DsaForm form, int rank) {
+  dsa.validate(cfg);
+  const double B = static_cast<double>(layout.batch), S = static_cast<double>(layout.seq);
+  const double L = static_cast<double>(layout.seq_count[z(rank)]);
+  const double H = static_cast<double>(cfg.n_heads),
+               Hr = static_cast<double>(layout.head_count[z(rank)]);
+  const double D = static_cast<double>(cfg.dim), rq = static_cast<double>(cfg.q_lora_rank);
+  const double C = static_cast<double>(cfg.kv_lora_rank),
+               dn = static_cast<double>(cfg.qk_nope_head_dim);
+  const double dqk = static_cast<double>(cfg.qk_head_dim()),
+               dv = static_cast<double>(cfg.v_head_dim);
+  const double W = C + static_cast<double>(cfg.qk_rope_head_dim);
+  const double Hi = static_cast<double>(dsa.index_n_heads),
+               di = static_cast<double>(dsa.index_head_dim);
+  const std::vector<TokenRange>& own = layout.seq_ranges[z(rank)];
+  const std::vector<TokenRange> all{{0, layout.seq}};
+  const double sel_own = B * static_cast<double>(dsa_selected_pairs(own, dsa.index_topk));
+  const double sel_all = B * static_cast<double>(dsa_selected_pairs(all, dsa.index_topk));
+  const double idx_own = B * static_cast<double>(dsa_indexer_pairs(own));
+  const double idx_all = B * static_cast<double>(dsa_indexer_pairs(all));
+  // Per indexer (query, key) pair: the Hi dot products of width di, and
+  // each head's relu(.) times w_h added to the sum (2 FLOPs a head).
+  const double idx_pair = Hi * (2 * di + 2);
+
+  // Every form, its own tokens: wq_a, wkv_a, wo; the indexer's wk and
+  // weights_proj (their weight gradients only backward).
+  double main_gemm = 2 * B * L * D * (rq + W) + 2 * B * L * H * dv * D;
+  double index_gemm = 2 * B * L * D * (di + Hi);
+  double attention = 0, indexer = 0, bwd_factor = (3 * dqk + 2 * dv) / (dqk + dv);
+  double recomputed_gemm = 0;  // ring_latent's up-projection, again in backward
+  switch (form) {
+    case DsaForm::latent_gather:
+      main_gemm += 2 * B * L * rq * H * dqk;                         // wq_b, every head
+      main_gemm += 2 * B * L * H * dn * C + 2 * B * L * H * C * dv;  // W_UK into q, W_UV after
+      index_gemm += 2 * B * L * rq * Hi * di;
+      attention = 2 * sel_own * H * (W + C);
+      bwd_factor = (3 * W + 2 * C) / (W + C);
+      indexer = idx_own * idx_pair;
+      break;
+    case DsaForm::laga_indices:
+      main_gemm += 2 * B * L * rq * H * dqk + 2 * B * S * C * Hr * (dn + dv);
+      index_gemm += 2 * B * L * rq * Hi * di;
+      attention = 2 * sel_all * Hr * (dqk + dv);
+      indexer = idx_own * idx_pair;
+      break;
+    case DsaForm::laga_recompute:
+      main_gemm += 2 * B * S * rq * Hr * dqk + 2 * B * S * C * Hr * (dn + dv);
+      index_gemm += 2 * B * S * rq * Hi * di;
+      attention = 2 * sel_all * Hr * (dqk + dv);
+      indexer = idx_all * idx_pair;
+      break;
+    case DsaForm::explicit_form:
+      main_gemm += 2 * B * L * rq * H * dqk + 2 * B * L * C * H * (dn + dv);
+      index_gemm += 2 * B * L * rq * Hi * di;
+      attention = 2 * sel_all * Hr * (dqk + dv);
+      indexer = idx_own * idx_pair;
+      break;
+    case DsaForm::ring_latent:
+      main_gemm += 2 * B * L * rq * H * dqk;
+      recomputed_gemm = 2 * B * S * C * H * (dn + dv);  // every block's K/V, every head
+      main_gemm += recomputed_gemm;
+      index_gemm += 2 * B * L * rq * Hi * di;
+      attention = 2 * sel_own * H * (dqk + dv);
+      indexer = idx_own * idx_pair;
+      break;
+  }
+  DsaRankWork w;
+  w.forward = {main_gemm + index_gemm, attention, indexer};
+  // The KL backward over the rank's own queries' selected pairs: the
+  // logits again, then dq_I and dk_I.
+  const double index_bwd = 3 * sel_own * Hi * 2 * di;
+  w.backward = {2 * main_gemm + recomputed_gemm + index_gemm, bwd_factor * attention, index_bwd};
+  return w;
+}
+
+DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                     DsaForm form, int rank, std::int64_t e) {
+  dsa.validate(cfg);
+  const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
+  const std::int64_t H = cfg.n_heads, Hr = layout.head_count[z(rank)], D = cfg.dim;
+  const std::int64_t rq = cfg.q_lora_rank, C = cfg.kv_lora_rank, dqk = cfg.qk_head_dim();
+  const std::int64_t dv = cfg.v_head_dim, W = C + cfg.qk_rope_head_dim;
+  const std::int64_t Hi = dsa.index_n_heads, di = dsa.index_head_dim, K = dsa.index_topk;
+  DsaMemory m;
+  std::vector<DsaMemoryTerm> transient;
+  auto keep = [&](const char* name, std::int64_t bytes) { m.terms.push_back({name, bytes}); };
+  auto work = [&](const char* name, std::int64_t bytes) { transient.push_back({name, bytes}); };
+  const bool sharded = dsa_head_sharded(form);
+  const std::int64_t rows = sharded ? S : L;  // the query rows the rank attends
+  // Every form: the output, and the indexer's own queries for its KL backward.
+  keep("output (B, L, D)", B * L * D * e);
+  keep("index queries q_I (B, L, Hi, di)", B * L * Hi * di * e);
+  keep("index weights w (B, L, Hi)", B * L * Hi * e);
+  keep("top-k indices (B, rows, K) int32", B * rows * K * kIndexBytes);
+  keep("KL target (B, L, K) fp32", B * L * K * kStatBytes);
+  keep(form == DsaForm::laga_recompute ? "query latent gathered (B, S, rq)"
+                                       : "query latent (B, L, rq)",
+       B * (form == DsaForm::laga_recompute ? S : L) * rq * e);
+  switch (form) {
+    case DsaForm::latent_gather:
+      keep("latent gathered (B, S, C + dr)", B * S * W * e);
+      keep("index keys gathered (B, S, di)", B * S * di * e);
+      keep("absorbed queries (B, L, H, C + dr)", B * L * H * W * e);
+      keep("latent output (B, L, H, C)", B * L * H * C * e);
+      keep("lse (B, H, L) fp32", B * H * L * kStatBytes);
+      keep("wo input (B, L, H dv)", B * L * H * dv * e);
+      work("d latent gathered (B, S, C + dr)", B * S * W * e);
+      work("d index keys gathered (B, S, di)", B * S * di * e);
+      work("d absorbed queries (B, L, H, C + dr)", B * L * H * W * e);
+      break;
+    case DsaForm::laga_indices:
+    case DsaForm::laga_recompute:
+    case DsaForm::explicit_form:
+      if (form == DsaForm::explicit_form)
+        keep("latent (B, L, C + dr)", B * L * W * e);
+      else
+        keep("latent gathered (B, S, C + dr)", B * S * W * e);
+      keep("index keys gathered (B, S, di)", B * S * di * e);
+      keep("q_h, k_h (B, S, H_r, dqk)", 2 * B * S * Hr * dqk * e);
+      keep("v_h, head output (B, S, H_r, dv)", 2 * B * S * Hr * dv * e);
+      keep("lse (B, H_r, S) fp32", B * Hr * S * kStatBytes);
+      keep("wo input (B, L, H dv)", B * L * H * dv * e);
+      work("dq_h, dk_h, dv_h (B, S, H_r, 2 dqk + dv)", B * S * Hr * (2 * dqk + dv) * e);
+      if (form != DsaForm::explicit_form) work("d latent gathered (B, S, C + dr)", B * S * W * e);
+      work("d index keys gathered (B, S, di)", B * S * di * e);
+      break;
+    case DsaForm::ring_latent: {
+      const std::int64_t Lmax = layout.largest_shard_tokens();
+      keep("latent (B, L, C + dr)", B * L * W * e);
+      keep("index keys (B, L, di)", B * L * di * e);
+      keep("q (B, L, H, dqk)", B * L * H * dqk * e);
+      keep("output (B, L, H, dv)", B * L * H * dv * e);
+      keep("lse (B, H, L) fp32", B * H * L * kStatBytes);
+      work("a block's K, V and their gradients (B, L_max, H, 2 (dqk + dv))",
+           2 * B * Lmax * H * (dqk + dv) * e);
+      work("dq (B, L, H, dqk)", B * L * H * dqk * e);
+      break;
+    }
+  }
+  for (const DsaMemoryTerm& t : m.terms) m.saved += t.bytes;
+  std::int64_t working = 0;
+  for (const DsaMemoryTerm& t : transient) working += t.bytes;
+  m.peak = m.saved + working;
+  m.peak_where =
+      cat("backward: ", transient.empty() ? std::string("nothing") : transient.front().name);
+  m.terms.insert(m.terms.end(), transient.begin(), transient.end());
+  return m;
+}
+
+}  // namespace laga

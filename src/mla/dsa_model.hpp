@@ -1,0 +1,171 @@
+// DeepSeek Sparse Attention (DSA, DeepSeek-V3.2) under sequence parallelism,
+// in closed form: per form and rank, the bytes on the wire per (phase,
+// label), the FLOPs, and the activation memory, from the config and the
+// layout alone (docs/forms.md, "DSA: the lightning indexer and top-k
+// attention"; docs/planning.md, "DSA").
+//
+// The indexer, as DeepSeek-V3.2-Exp's inference/model.py `Indexer` computes
+// it (Hi index_n_heads, di index_head_dim, K index_topk, rq q_lora_rank):
+//   q_I = wq_b_I(qr)           (L, Hi di)   qr = q_norm(wq_a x), the MLA's query latent
+//   k_I = LayerNorm(wk(x))     (L, di)      one key per token, shared by the index heads
+//   w   = weights_proj(x) Hi^-1/2 di^-1/2   (L, Hi)
+//   I(t, s) = sum_h w_h(t) relu(q_I,h(t) . k_I(s))   for s <= t
+//   top-k: the K keys of largest I(t, .) (every key when t + 1 <= K)
+// and the MLA attends query t over its selected keys only.
+//
+// These forms are not yet run by the engine (the dsa branch implements
+// them): until a form's block exists, these closed forms are what `laga
+// plan --dsa` costs, written from the math, and the engine's ledger and
+// count-only pool are to be tested equal to them (the comm terms) when it
+// runs them. The comm terms are CommTerms' (comm_model.hpp): a DSA form's
+// registry row's `collectives` can call dsa_collectives.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "mla/comm_model.hpp"
+#include "mla/config.hpp"
+#include "mla/layout.hpp"
+
+namespace laga {
+
+// DeepSeek's names (ModelArgs and config.json alike): index_n_heads,
+// index_head_dim, index_topk. DeepSeek-V3.2: 64, 128, 2048.
+struct DsaConfig {
+  std::int64_t index_n_heads = 64;
+  std::int64_t index_head_dim = 128;
+  std::int64_t index_topk = 2048;
+
+  // Throws laga::Error naming the field: every dimension positive,
+  // index_head_dim >= qk_rope_head_dim (the indexer rotates its first
+  // qk_rope_head_dim dims), and q_lora_rank > 0 (the indexer's queries are
+  // wq_b over the query latent qr).
+  void validate(const MlaConfig& mla) const;
+  // The three keys of a config JSON (read by read_config_key's rules):
+  // nullopt when none is given (a dense MLA); all three when any is, or a
+  // laga::Error naming the missing one (DeepSeek's ModelArgs defaults
+  // them, but a config that names one and not the others is ambiguous).
+  static std::optional<DsaConfig> from_json(const nlohmann::json& j, const std::string& source);
+  // The indexer of a preset (MlaConfig::preset): "deepseek-v3.2"
+  // (config_671B_v3.2.json: 64, 128, 2048), "glm-5-like" (transformers'
+  // GlmMoeDsaConfig: 32, 128, 2048); nullopt for a dense preset.
+  static std::optional<DsaConfig> preset(const std::string& name);
+  // The indexer's parameters: wq_b (Hi di, rq), wk (di, D), k_norm's weight
+  // and bias (di each), weights_proj (Hi, D).
+  std::int64_t parameter_count(const MlaConfig& mla) const;
+};
+
+// The sequence-parallel forms of a DSA block that `laga plan --dsa` costs.
+enum class DsaForm {
+  // Queries stay on their rank with every head: all-gather the latent
+  // [c | k_pe] and the index keys k_I, run the indexer and the top-k for
+  // the rank's queries, attend in latent space (W_UK folded into q, W_UV
+  // after); backward reduce-scatters both gradients. The field's choice
+  // (Megatron-Core, hyper-parallel, PaddleFleet, prime-rl).
+  latent_gather,
+  // LAGA, head-sharded: q all-to-all (or the query latent gathered), the
+  // latent and k_I gathered, each rank runs the indexer for its own
+  // queries, and the top-k indices of every query are all-gathered (every
+  // rank attends every query for its heads): S K 4 bytes received per rank.
+  laga_indices,
+  // LAGA, head-sharded, the indexer recomputed: the query latent qr, k_I
+  // and w all-gathered, every rank runs the indexer for every query (P
+  // times the indexer FLOPs), no indices move.
+  laga_recompute,
+  // Megatron's explicit: per-head Q, K, V all-to-all; the indexer as
+  // laga_indices (k_I gathered, indices all-gathered).
+  explicit_form,
+  // The latent ring: queries local; a first pass of the k_I blocks builds
+  // each query's top-k, a second of the latent blocks attends the selected
+  // keys it holds; backward passes both again and brings their gradients
+  // home (P calls each).
+  ring_latent,
+};
+const char* to_string(DsaForm f);
+DsaForm parse_dsa_form(const std::string& s);  // a name above; an unknown one lists them
+std::vector<DsaForm> all_dsa_forms();
+// Whether every rank attends every query for its own heads (head-sharded)
+// rather than its own queries for every head.
+bool dsa_head_sharded(DsaForm f);
+
+// The selected (query, key) pairs of the query rows `rows` (token
+// positions; one document per row of the batch): sum over t of min(K, t+1).
+std::int64_t dsa_selected_pairs(const std::vector<TokenRange>& rows, std::int64_t topk);
+// The indexer's (query, key) pairs of the rows: sum over t of t + 1.
+std::int64_t dsa_indexer_pairs(const std::vector<TokenRange>& rows);
+
+// The dense form whose placement (FormSpec::attention) a DSA form's terms
+// are written in: laga's for laga_indices, laga's with the query latent for
+// laga_recompute, explicit's, ring_latent's, and allgather_kv's (own
+// queries, every head) for latent_gather.
+FormVariant dsa_placement(DsaForm f);
+// Files the form's collectives in `terms` (made with dsa_placement(form)),
+// forward and, when terms.backward, backward: what a DSA form's registry
+// row's `collectives` is to call, so that its ledger is tested equal to
+// this closed form as the dense forms' are (tests/mla/test_forms.cpp).
+void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form);
+
+// Bytes on the wire of rank r per (phase, label), exactly as CommTerms
+// files the dense forms' (comm_model.hpp). The indices move as int32 and
+// the head-summed attention distribution (the indexer's KL target) as fp32
+// whatever the activations' element; everything else at wire.activations,
+// the gradient all-reduce (over the MLA's and the indexer's parameters) at
+// wire.gradients. Labels beyond the dense forms':
+//   index_k_ag       (P-1) B L_r di e        k_I all-gathered (backward: its
+//                                            gradient reduce-scattered)
+//   index_w_ag       (P-1) B L_r Hi e        laga_recompute: w all-gathered
+//   topk_ag          (P-1) B L_r K 4         the indices, all-gathered
+//   index_target_rs  sum_{j!=r} B L_j K 4    head-sharded: each rank's
+//                                            partial head sum of the selected
+//                                            keys' probabilities, to the
+//                                            query's owner (forward)
+//   index_k_ring, dindex_k_ring              ring_latent's k_I passes
+CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                                DsaForm form, int rank, WireElementBytes wire, bool backward,
+                                bool grad_sync);
+
+// FLOPs of rank r, per phase (forward; backward), split as the time model
+// prices them: GEMMs (projections, up-projections, absorption, wo), the
+// main attention over the selected pairs, and the indexer's scores.
+// Backward: the GEMMs' input and weight gradients (2x forward; the
+// indexer's projections 1x, their input being detached in the sparse
+// stage), flash attention's (3 dqk + 2 dv) / (dqk + dv) of its forward,
+// and the indexer's KL backward over the selected pairs only (its logits
+// recomputed there, then dq_I and dk_I: 3x the selected pairs' forward).
+struct DsaWork {
+  double gemm_flops = 0;
+  double attention_flops = 0;  // main attention, selected pairs only
+  double indexer_flops = 0;    // the indexer's scores (q_I . k_I, relu, weighted head sum)
+  double total() const { return gemm_flops + attention_flops + indexer_flops; }
+};
+struct DsaRankWork {
+  DsaWork forward, backward;
+};
+DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                     DsaForm form, int rank);
+
+// Activation memory of rank r in bytes (activations at e, indices and
+// statistics at 4): `saved`, what the form holds from forward to backward
+// (its output (B, L_r, D) included), and `peak`, saved plus the largest
+// working set of backward (named in `peak_where`): the gathered buffers'
+// gradients and the per-head attention gradients. A closed form from the
+// math (terms named in `terms`); the count-only pool of the engine's DSA
+// forms is to be held to it when they run.
+struct DsaMemoryTerm {
+  std::string name;
+  std::int64_t bytes = 0;
+};
+struct DsaMemory {
+  std::int64_t saved = 0, peak = 0;
+  std::string peak_where;
+  std::vector<DsaMemoryTerm> terms;  // saved's terms, then the backward transient's
+};
+DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                     DsaForm form, int rank, std::int64_t elem_bytes);
+
+}  // namespace laga
