@@ -63,7 +63,8 @@ struct Shards {
 template <class T>
 DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                                     const DsaIndexerParams<T>& iw, const T* x, const T* dout,
-                                    const SpLayout& lay, DsaStage stage, Communicator& comm) {
+                                    const SpLayout& lay, DsaStage stage, Communicator& comm,
+                                    const std::int64_t* doc_start) {
   cfg.validate();
   lay.validate();
   LAGA_CHECK(cfg.dsa(),
@@ -84,6 +85,36 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   const RopeTable table(cfg.rope(), S);
   const Shards lat_sh(lay, W), key_sh(lay, dI);
 
+  // Packed documents: each token's first token of its document over the
+  // keys this rank reads (B, Sk), and its RoPE position within its
+  // document for the rank's rows (B, L) (docs/forms.md, "Packed sequences").
+  std::vector<std::int64_t> docs_k, pos;
+  if (doc_start) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < Sk; ++t) {
+        const std::int64_t d = doc_start[b * S + t];
+        LAGA_CHECK(d >= 0 && d <= t && (t == 0 ? d == 0 : d == t || d == doc_start[b * S + t - 1]),
+                   "dsa_latent_gather: doc_start[", b, ", ", t, "] = ", d,
+                   " is not the first token of a document holding token ", t);
+        docs_k.push_back(d);
+        if (t >= s0) pos.push_back(t - d);
+      }
+  }
+  const std::int64_t* docs = doc_start ? docs_k.data() : nullptr;
+  // RoPE of the rank's rows: at s0 + l, or at their positions in their documents.
+  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
+                      bool inverse) {
+    if (doc_start)
+      rope_apply_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
+    else
+      rope_apply(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
+  };
+  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
+    for (std::int64_t b = 0; b < B; ++b)
+      rope_halves_apply(p + b * L * ld_token, L, heads, ld_token, dI, s0,
+                        doc_start ? pos.data() + b * L : nullptr, table, inverse);
+  };
+
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
@@ -92,7 +123,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
   std::vector<T> q = buffer<T>(N * H * dqk);
   linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_apply(q.data() + dn, B, L, H, H * dqk, dqk, s0, table, false);
+  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
   std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
@@ -101,7 +132,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
     std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
     std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
   }
-  rope_apply(lat_own.data() + C, B, L, 1, W, dr, s0, table, false);
+  rope_mla(lat_own.data() + C, 1, W, dr, false);
   // ... and the indexer's
   std::vector<T> qI = buffer<T>(N * HI * dI), kpre = buffer<T>(N * dI), kI = buffer<T>(N * dI);
   std::vector<T> k_mean = buffer<T>(N), k_rstd = buffer<T>(N), wI = buffer<T>(N * HI);
@@ -109,10 +140,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   linear_forward(kpre.data(), x, iw.wk.data(), N, D, dI);
   layernorm_forward(kI.data(), k_mean.data(), k_rstd.data(), kpre.data(), iw.k_norm_weight.data(),
                     iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
-  for (std::int64_t b = 0; b < B; ++b) {
-    rope_halves_apply(qI.data() + b * L * HI * dI, L, HI, HI * dI, dI, s0, nullptr, table, false);
-    rope_halves_apply(kI.data() + b * L * dI, L, 1, dI, dI, s0, nullptr, table, false);
-  }
+  rope_index(qI.data(), HI, HI * dI, false);
+  rope_index(kI.data(), 1, dI, false);
   const double w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
   linear_forward(wI.data(), x, iw.weights_proj.data(), N, D, HI);
   for (T& e : wI) e = T(double(e) * w_scale);
@@ -131,6 +160,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the indexer and top-k of the rank's rows (row i is token s0 + i)
   IndexerShape is;
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
+  is.attn.doc_start = docs;
   is.topk = K;
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
@@ -147,6 +177,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the attention in latent space
   SparseAttnShape ss;
   ss.attn = AttnShape{B, L, Sk, H, 1, W, C, cfg.softmax_scale(), true};
+  ss.attn.doc_start = docs;
   ss.K = KA;
   std::vector<T> qa_abs = buffer<T>(N * H * W), o_lat = buffer<T>(N * H * C);
   std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * L);
@@ -184,10 +215,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   for (T& e : dwI) e = T(double(e) * w_scale);
   linear_backward<T>(nullptr, false, res.indexer_grads.weights_proj.data(), dwI.data(), x,
                      iw.weights_proj.data(), N, D, HI);
-  for (std::int64_t b = 0; b < B; ++b) {
-    rope_halves_apply(dqI.data() + b * L * HI * dI, L, HI, HI * dI, dI, s0, nullptr, table, true);
-    rope_halves_apply(dkI.data() + b * L * dI, L, 1, dI, dI, s0, nullptr, table, true);
-  }
+  rope_index(dqI.data(), HI, HI * dI, true);
+  rope_index(dkI.data(), 1, dI, true);
   linear_backward<T>(nullptr, false, res.indexer_grads.wq_b.data(), dqI.data(), qr.data(),
                      iw.wq_b.data(), N, rq, HI * dI);
   std::vector<T> dkpre = buffer<T>(N * dI);
@@ -233,12 +262,12 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(dq_abs.data() + (t * H + h) * W + C, dr, dq.data() + (t * H + h) * dqk + dn);
     std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
   }
-  rope_apply(dkv.data() + C, B, L, 1, W, dr, s0, table, true);
+  rope_mla(dkv.data() + C, 1, W, dr, true);
   rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
                    w.kv_norm.data(), rstd_kv.data(), N, C);
   linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
                      D, W);
-  rope_apply(dq.data() + dn, B, L, H, H * dqk, dqk, s0, table, true);
+  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
   std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
   linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(),
                      N, rq, H * dqk);
@@ -249,10 +278,10 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   return res;
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template DsaBlockResult<T> dsa_latent_gather<T>(const MlaConfig&, const MlaParams<T>&,          \
-                                                  const DsaIndexerParams<T>&, const T*, const T*, \
-                                                  const SpLayout&, DsaStage, Communicator&);
+#define LAGA_INSTANTIATE(T)                                                                  \
+  template DsaBlockResult<T> dsa_latent_gather<T>(                                           \
+      const MlaConfig&, const MlaParams<T>&, const DsaIndexerParams<T>&, const T*, const T*, \
+      const SpLayout&, DsaStage, Communicator&, const std::int64_t*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

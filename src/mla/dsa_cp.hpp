@@ -31,9 +31,14 @@ namespace laga {
 // r's partial weight gradients and KL loss: summed over the ranks (the
 // gradient all-reduce, not done here) they are dsa_block's. Contiguous
 // layouts only (laga::Error on zigzag).
+// doc_start (B, S), every rank's the same, or null (one document per row):
+// packed documents as AttnShape::doc_start gives them (kernels/
+// attention.hpp); a token's RoPE position restarts at its document's start,
+// and its indexer and attention read only its document's keys.
 template <class T>
 DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                                     const DsaIndexerParams<T>& iw, const T* x, const T* dout,
-                                    const SpLayout& layout, DsaStage stage, Communicator& comm);
+                                    const SpLayout& layout, DsaStage stage, Communicator& comm,
+                                    const std::int64_t* doc_start = nullptr);
 
 }  // namespace laga

@@ -66,8 +66,57 @@ std::vector<T> rows_of(const std::vector<T>& a, std::int64_t B, std::int64_t S, 
   return out;
 }
 
+// Packed: row 0 holds documents of 4 and 7 tokens, row 1 of 2, 5 and 4
+// (S 11). The reference is dsa_block on each document alone (B 1, its
+// positions from 0), the selection moved to the row's positions and the
+// gradients and KL summed over the documents.
+const std::vector<std::vector<std::int64_t>> kDocs = {{4, 7}, {2, 5, 4}};
+
 template <class T>
-void check_form(DsaStage stage, const std::vector<std::int64_t>& counts) {
+DsaBlockResult<T> per_document(const MlaConfig& cfg, const MlaParams<T>& w,
+                               const DsaIndexerParams<T>& iw, const std::vector<T>& x,
+                               const std::vector<T>& dout, std::int64_t S, DsaStage stage,
+                               std::vector<std::int64_t>& doc_start) {
+  const std::int64_t D = cfg.dim, K = cfg.index_topk;
+  DsaBlockResult<T> all;
+  all.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  all.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
+  for (std::size_t b = 0; b < kDocs.size(); ++b) {
+    std::int64_t a = 0;
+    for (std::int64_t len : kDocs[b]) {
+      const std::int64_t off = std::int64_t(b) * S + a;
+      for (std::int64_t t = 0; t < len; ++t) doc_start.push_back(a);
+      const std::vector<T> xd(x.begin() + off * D, x.begin() + (off + len) * D);
+      const std::vector<T> dd(dout.begin() + off * D, dout.begin() + (off + len) * D);
+      const DsaBlockResult<T> r =
+          dsa_block(cfg, w, iw, xd.data(), dd.data(), 1, len, stage, DsaAttend::per_head);
+      all.out.insert(all.out.end(), r.out.begin(), r.out.end());
+      all.dx.insert(all.dx.end(), r.dx.begin(), r.dx.end());
+      for (std::int64_t i = 0; i < len * K; ++i) {
+        const std::int32_t j = r.idx[std::size_t(i)];
+        all.idx.push_back(j < 0 ? j : std::int32_t(j + a));
+      }
+      all.kl_loss += r.kl_loss;
+      all.grads.for_each([&](const std::string& name, Tensor<T>& t) {
+        r.grads.for_each([&](const std::string& n2, const Tensor<T>& g) {
+          if (n2 != name) return;
+          for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] += g.data()[i];
+        });
+      });
+      DsaIndexerParams<T> ri = r.indexer_grads;
+      auto mine = all.indexer_grads.named();
+      auto theirs = ri.named();
+      for (std::size_t k = 0; k < mine.size(); ++k)
+        for (std::size_t i = 0; i < mine[k].second->size(); ++i)
+          (*mine[k].second)[i] += (*theirs[k].second)[i];
+      a += len;
+    }
+  }
+  return all;
+}
+
+template <class T>
+void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool packed = false) {
   const MlaConfig cfg = cp_config();
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
@@ -79,8 +128,10 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts) {
   const DsaIndexerParams<T> iw = indexer_weights<T>(cfg, 40);
   const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
   const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+  std::vector<std::int64_t> doc_start;
   const DsaBlockResult<T> want =
-      dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
+      packed ? per_document(cfg, w, iw, x, dout, S, stage, doc_start)
+             : dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
 
   // The ranks' gradients are pool tensors: the pools outlive the threads.
   std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
@@ -94,12 +145,14 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts) {
         const int r = comm.rank();
         const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
         const std::vector<T> xr = rows_of(x, B, S, D, s0, L), dr = rows_of(dout, B, S, D, s0, L);
-        got[std::size_t(r)] = dsa_latent_gather(cfg, w, iw, xr.data(), dr.data(), lay, stage, comm);
+        got[std::size_t(r)] = dsa_latent_gather(cfg, w, iw, xr.data(), dr.data(), lay, stage, comm,
+                                                packed ? doc_start.data() : nullptr);
       },
       options);
 
-  const std::string what = std::string(to_string(stage)) + " P " + std::to_string(P) + " " +
-                           lay.describe() + (sizeof(T) == 8 ? " double" : " float");
+  const std::string what = std::string(to_string(stage)) + (packed ? " packed" : "") + " P " +
+                           std::to_string(P) + " " + lay.describe() +
+                           (sizeof(T) == 8 ? " double" : " float");
   const test::Tolerance tol = test::block_tolerance<T>();
   double kl = 0;
   MlaParams<T> grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
@@ -169,6 +222,19 @@ TEST(DsaLatentGather, SparseEqualsSingleRankExplicitFloat) {
 }
 TEST(DsaLatentGather, DenseWarmupEqualsSingleRankExplicitFloat) {
   for (const auto& c : kShards) check_form<float>(DsaStage::dense_warmup, c);
+}
+
+TEST(DsaLatentGather, PackedDocumentsEqualEachDocumentAloneDouble) {
+  for (const auto& c : kShards) {
+    check_form<double>(DsaStage::sparse, c, true);
+    check_form<double>(DsaStage::dense_warmup, c, true);
+  }
+}
+TEST(DsaLatentGather, PackedDocumentsEqualEachDocumentAloneFloat) {
+  for (const auto& c : kShards) {
+    check_form<float>(DsaStage::sparse, c, true);
+    check_form<float>(DsaStage::dense_warmup, c, true);
+  }
 }
 
 }  // namespace
