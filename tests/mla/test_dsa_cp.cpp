@@ -16,6 +16,7 @@
 
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
+#include "common/error_of.hpp"
 #include "mla/dsa_model.hpp"
 
 namespace laga {
@@ -235,6 +236,28 @@ TEST(DsaLatentGather, PackedDocumentsEqualEachDocumentAloneFloat) {
     check_form<float>(DsaStage::sparse, c, true);
     check_form<float>(DsaStage::dense_warmup, c, true);
   }
+}
+
+// Bad input: one error naming what is wrong, the same on every rank.
+TEST(DsaLatentGather, RefusesZigzagAndABadDocStart) {
+  const MlaConfig cfg = cp_config();
+  MlaParams<double> w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+  const DsaIndexerParams<double> iw = DsaIndexerParams<double>::zeros(cfg);
+  const std::vector<double> x(std::size_t(8 * cfg.dim), 0.0);
+  auto run = [&](const SpLayout& lay, const std::int64_t* docs) {
+    return test::error_of([&] {
+      run_local_ranks(lay.ranks, [&](Communicator& comm) {
+        dsa_latent_gather<double>(cfg, w, iw, x.data(), nullptr, lay, DsaStage::sparse, comm, docs);
+      });
+    });
+  };
+  const std::string zig = run(SpLayout::even(1, 16, 4, 2, SeqLayout::zigzag), nullptr);
+  EXPECT_NE(zig.find("the zigzag layout is not implemented"), std::string::npos) << zig;
+  // token 3 claims a document starting at 2, but token 2's starts at 0
+  const std::vector<std::int64_t> bad = {0, 0, 0, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0};
+  const std::string doc = run(SpLayout::even(1, 16, 4, 2), bad.data());
+  EXPECT_NE(doc.find("doc_start[0, 3] = 2 is not the first token of a document"), std::string::npos)
+      << doc;
 }
 
 }  // namespace
