@@ -125,7 +125,8 @@ void MlaConfig::validate_dsa() const {
                " must be positive when DeepSeek Sparse Attention is on, got ", v,
                " (set index_n_heads, index_head_dim and index_topk together, as DeepSeek-V3.2's "
                "config.json does: 64, 128, 2048; or none of them for dense MLA)");
-  LAGA_CHECK(q_lora_rank > 0, "config: the lightning indexer (index_topk ", index_topk,
+  LAGA_CHECK(q_lora_rank > 0,
+             "config: DSA needs q_lora_rank > 0: the lightning indexer (index_topk ", index_topk,
              ") projects its queries from the query latent (wq_b over q_lora_rank), but "
              "q_lora_rank is 0; set q_lora_rank (DeepSeek-V3.2: 1536) or remove the index_* keys");
   LAGA_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim ", index_head_dim,
@@ -374,6 +375,21 @@ bool read_config_key(const json& j, const char* key, double& out, const std::str
   return read_key(j, key, out, source);
 }
 
+void MlaConfig::read_dsa_keys(const nlohmann::json& j, const std::string& source) {
+  // DeepSeek-V3.2's keys, the same names in its ModelArgs JSON and its
+  // Hugging Face config.json; absent: dense MLA.
+  const bool has_heads = read_key(j, "index_n_heads", index_n_heads, source);
+  const bool has_dim = read_key(j, "index_head_dim", index_head_dim, source);
+  const bool has_topk = read_key(j, "index_topk", index_topk, source);
+  if (!has_heads && !has_dim && !has_topk) return;
+  // DeepSeek's ModelArgs defaults them, but a config that names one and not
+  // the others is ambiguous.
+  const char* missing = !has_heads ? "index_n_heads" : !has_dim ? "index_head_dim" : "index_topk";
+  LAGA_CHECK(has_heads && has_dim && has_topk, source, ": '", missing,
+             "' is missing; a DSA config gives index_n_heads, index_head_dim and index_topk "
+             "together (DeepSeek-V3.2: 64, 128, 2048)");
+}
+
 MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
   LAGA_CHECK(j.is_object(), source, ": expected a JSON object with the model's dimensions");
   // A multimodal Hugging Face config (Kimi K3's) keeps the language model's
@@ -431,11 +447,7 @@ MlaConfig MlaConfig::from_json(const json& j, const std::string& source) {
       c.yarn_always = y->get<bool>();
     }
   }
-  // DeepSeek-V3.2's keys, the same names in its ModelArgs JSON and its
-  // Hugging Face config.json; absent: dense MLA.
-  read_key(j, "index_n_heads", c.index_n_heads, source);
-  read_key(j, "index_head_dim", c.index_head_dim, source);
-  read_key(j, "index_topk", c.index_topk, source);
+  c.read_dsa_keys(j, source);
   try {
     c.validate();
   } catch (const Error& e) {

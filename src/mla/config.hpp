@@ -102,8 +102,14 @@ struct MlaConfig {
   // Throws laga::Error naming the first bad field and the fix.
   void validate() const;
   // The DSA keys' part of validate(): all three or none, and what the
-  // indexer reads (the query latent, its rope dims) present.
+  // indexer reads (the query latent, its rope dims) present. The one
+  // validation of the indexer's dims (DsaConfig::validate calls it).
   void validate_dsa() const;
+  // Reads index_n_heads, index_head_dim and index_topk from a config JSON
+  // into this config: the one reader of DSA's keys (from_json and
+  // DsaConfig::from_json call it). None given: left 0 (dense MLA); some but
+  // not all: a laga::Error naming the missing one.
+  void read_dsa_keys(const nlohmann::json& j, const std::string& source);
 
   // Presets: "small" (the default, seconds on 2 cores), "paper" (DeepSeek-V3
   // attention dims with rq = 0, as in the LAGA paper's §4), "deepseek-v3"

@@ -24,7 +24,8 @@
 //
 // The block calls the kernels directly and the op layer only for the
 // sparse attention, so it has no count-only run yet; the forms do not run
-// it (a DSA config is refused by them: refuse_dsa_config, tools/block_job.hpp).
+// it (a DSA config is refused by the tool's ModelOptions::load); mla/dsa_cp.hpp
+// runs it query-local over P ranks.
 #pragma once
 
 #include <cstdint>

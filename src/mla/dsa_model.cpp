@@ -28,31 +28,25 @@ constexpr Row kRows[] = {
 }  // namespace
 
 void DsaConfig::validate(const MlaConfig& mla) const {
-  LAGA_CHECK(index_n_heads > 0 && index_head_dim > 0 && index_topk > 0,
-             "config: index_n_heads, index_head_dim and index_topk must be positive, got ",
-             index_n_heads, ", ", index_head_dim, ", ", index_topk);
-  LAGA_CHECK(index_head_dim >= mla.qk_rope_head_dim, "config: index_head_dim ", index_head_dim,
-             " is narrower than qk_rope_head_dim ", mla.qk_rope_head_dim,
-             "; the indexer rotates its first qk_rope_head_dim dims (DeepSeek-V3.2: 128 and 64)");
-  LAGA_CHECK(mla.q_lora_rank > 0,
-             "config: DSA needs q_lora_rank > 0: the indexer's queries are wq_b over the query "
-             "latent qr (DeepSeek-V3.2: 1536); this config has none");
-  LAGA_CHECK(index_n_heads * index_head_dim < (1ll << 24) && index_topk <= (1ll << 40),
-             "config: indexer dimensions too large (index_n_heads ", index_n_heads,
-             ", index_head_dim ", index_head_dim, ", index_topk ", index_topk, ")");
+  with(mla).validate_dsa();
+}
+
+MlaConfig DsaConfig::with(MlaConfig mla) const {
+  mla.index_n_heads = index_n_heads;
+  mla.index_head_dim = index_head_dim;
+  mla.index_topk = index_topk;
+  return mla;
+}
+
+std::optional<DsaConfig> DsaConfig::of(const MlaConfig& mla) {
+  if (!mla.dsa()) return std::nullopt;
+  return DsaConfig{mla.index_n_heads, mla.index_head_dim, mla.index_topk};
 }
 
 std::optional<DsaConfig> DsaConfig::from_json(const nlohmann::json& j, const std::string& source) {
-  DsaConfig d;
-  const bool heads = read_config_key(j, "index_n_heads", d.index_n_heads, source);
-  const bool dim = read_config_key(j, "index_head_dim", d.index_head_dim, source);
-  const bool topk = read_config_key(j, "index_topk", d.index_topk, source);
-  if (!heads && !dim && !topk) return std::nullopt;
-  const char* missing = !heads ? "index_n_heads" : !dim ? "index_head_dim" : "index_topk";
-  LAGA_CHECK(heads && dim && topk, source, ": '", missing,
-             "' is missing; a DSA config gives index_n_heads, index_head_dim and index_topk "
-             "together (DeepSeek-V3.2: 64, 128, 2048)");
-  return d;
+  MlaConfig keys;  // only the three keys are read: MlaConfig::read_dsa_keys
+  keys.read_dsa_keys(j, source);
+  return of(keys);
 }
 
 std::optional<DsaConfig> DsaConfig::preset(const std::string& name) {

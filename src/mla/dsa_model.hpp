@@ -13,10 +13,10 @@
 //   top-k: the K keys of largest I(t, .) (every key when t + 1 <= K)
 // and the MLA attends query t over its selected keys only.
 //
-// These forms are not yet run by the engine (the dsa branch implements
-// them): until a form's block exists, these closed forms are what `laga
-// plan --dsa` costs, written from the math, and the engine's ledger and
-// count-only pool are to be tested equal to them (the comm terms) when it
+// Of these forms the engine runs latent_gather (mla/dsa_cp.hpp, whose
+// ledger tests/mla/test_dsa_cp.cpp holds equal to dsa_predict_comm); the
+// others are what `laga plan --dsa` costs, written from the math, and the
+// engine's ledger and count-only pool are to be tested equal to them when it
 // runs them. The comm terms are CommTerms' (comm_model.hpp): a DSA form's
 // registry row's `collectives` can call dsa_collectives.
 #pragma once
@@ -35,21 +35,26 @@
 namespace laga {
 
 // DeepSeek's names (ModelArgs and config.json alike): index_n_heads,
-// index_head_dim, index_topk. DeepSeek-V3.2: 64, 128, 2048.
+// index_head_dim, index_topk. DeepSeek-V3.2: 64, 128, 2048. Described once,
+// by MlaConfig's fields of the same names (mla/config.hpp: read by
+// MlaConfig::read_dsa_keys, validated by MlaConfig::validate_dsa); a
+// DsaConfig is those three fields on their own, made by of() or preset().
 struct DsaConfig {
   std::int64_t index_n_heads = 64;
   std::int64_t index_head_dim = 128;
   std::int64_t index_topk = 2048;
 
-  // Throws laga::Error naming the field: every dimension positive,
-  // index_head_dim >= qk_rope_head_dim (the indexer rotates its first
-  // qk_rope_head_dim dims), and q_lora_rank > 0 (the indexer's queries are
-  // wq_b over the query latent qr).
+  // MlaConfig::validate_dsa of `with(mla)`: throws laga::Error naming the
+  // field (every dimension positive, index_head_dim >= qk_rope_head_dim,
+  // q_lora_rank > 0).
   void validate(const MlaConfig& mla) const;
-  // The three keys of a config JSON (read by read_config_key's rules):
-  // nullopt when none is given (a dense MLA); all three when any is, or a
-  // laga::Error naming the missing one (DeepSeek's ModelArgs defaults
-  // them, but a config that names one and not the others is ambiguous).
+  // mla with this indexer's three fields set.
+  MlaConfig with(MlaConfig mla) const;
+  // The indexer of a config: nullopt when it is dense MLA (mla.dsa() false).
+  static std::optional<DsaConfig> of(const MlaConfig& mla);
+  // The three keys of a config JSON (MlaConfig::read_dsa_keys): nullopt when
+  // none is given, all three when any is, or a laga::Error naming the
+  // missing one.
   static std::optional<DsaConfig> from_json(const nlohmann::json& j, const std::string& source);
   // The indexer of a preset (MlaConfig::preset): "deepseek-v3.2"
   // (config_671B_v3.2.json: 64, 128, 2048), "glm-5-like" (transformers'

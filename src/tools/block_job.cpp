@@ -22,19 +22,13 @@ Tensor<T> copy_into(MemoryPool& pool, const Tensor<T>& t) {
 }
 }  // namespace
 
-void refuse_dsa_config(const MlaConfig& cfg) {
-  LAGA_CHECK(!cfg.dsa(), "config sets DeepSeek Sparse Attention (index_topk ", cfg.index_topk,
-             "): laga's forms run dense MLA and none of them runs the sparse block yet (it is "
-             "single-rank, mla/dsa_block.hpp; docs/forms.md, \"DeepSeek Sparse Attention "
-             "(DSA)\"); remove index_n_heads, index_head_dim and index_topk to run the dense "
-             "block");
-}
-
 template <class T>
 BlockJobOf<T> run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg,
                             const SpLayout& layout, const MlaParams<T>& w, const Tensor<T>& x,
                             const Tensor<T>& dout, const RunSpec& spec) {
-  refuse_dsa_config(cfg);
+  // A DSA config never reaches here: ModelOptions::load refuses it
+  // (tools/cli_common.hpp, accepts_dsa).
+  LAGA_CHECK(!cfg.dsa(), "run_block_job: a DSA config reached the dense forms");
   BlockJobOf<T> job;
   MemoryPool& caller_pool = current_pool();
   const RopeTable rope(cfg.rope(), layout.seq);

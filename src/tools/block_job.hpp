@@ -26,10 +26,9 @@ using BlockJob = BlockJobOf<float>;
 
 // Runs spec on `layout.ranks` ranks. Every process calls it; the returned job
 // holds data only where is_reporting_process(comm) is true.
-// Refuses a config with DeepSeek Sparse Attention's keys: the forms compute
-// dense MLA and would attend every key, a different model (docs/forms.md,
-// "DeepSeek Sparse Attention (DSA)"). run_block_job and compare call it.
-void refuse_dsa_config(const MlaConfig& cfg);
+// A config with DeepSeek Sparse Attention's keys is refused before this, by
+// ModelOptions::load (tools/cli_common.hpp): the dense forms would attend
+// every key, a different model (docs/forms.md, "DeepSeek Sparse Attention").
 
 template <class T>
 BlockJobOf<T> run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,

@@ -58,9 +58,11 @@ MlaConfig ModelOptions::load() const {
 }
 
 std::optional<DsaConfig> ModelOptions::load_dsa(const MlaConfig& cfg) const {
-  const std::optional<DsaConfig> d =
-      config_path.empty() ? DsaConfig::preset(preset)
-                          : DsaConfig::from_json(read_config_json_file(config_path), config_path);
+  // A config's indexer is its MlaConfig's fields (read and validated with
+  // it); a preset's MlaConfig is its dense MLA and DsaConfig::preset its
+  // indexer.
+  if (!config_path.empty()) return DsaConfig::of(cfg);
+  const std::optional<DsaConfig> d = DsaConfig::preset(preset);
   if (d) d->validate(cfg);
   return d;
 }

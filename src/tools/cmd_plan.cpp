@@ -276,7 +276,7 @@ LmConfig load_model(const PlanOptions& o) {
     m = LmConfig::from_json_file(o.model);
     // The model plan's layers run dense MLA; a DSA model's would be another
     // model's step, so it is refused rather than planned without its indexer.
-    LAGA_CHECK(!DsaConfig::from_json(read_config_json_file(o.model), o.model), "--model ", o.model,
+    LAGA_CHECK(!m.mla.dsa(), "--model ", o.model,
                " is a DSA model (index_n_heads, index_head_dim, index_topk), and --model plans "
                "dense MLA layers; plan its attention block's DSA forms with --config ",
                o.model, " (docs/planning.md, \"DSA\")");

@@ -134,8 +134,7 @@ LmConfig model_of(const TrainCli& c) {
     const LmConfig m = LmConfig::from_json_file(c.config);
     // The model's attention is dense MLA: a DSA config's indexer would be
     // dropped without a word, training another model.
-    LAGA_CHECK(!DsaConfig::from_json(read_config_json_file(c.config), c.config), "--config ",
-               c.config,
+    LAGA_CHECK(!m.mla.dsa(), "--config ", c.config,
                " is a DSA model (index_n_heads, index_head_dim, index_topk), and laga train's "
                "layers run dense MLA; `laga plan --config ",
                c.config, "` costs its DSA forms (docs/planning.md, \"DSA\")");

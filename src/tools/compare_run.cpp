@@ -461,7 +461,6 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
   CompareResult res;
   res.options = o;
   res.cfg = o.model.load();
-  refuse_dsa_config(res.cfg);
   LAGA_CHECK(o.batch >= 1, "--batch ", o.batch, ": need at least 1 sequence");
   LAGA_CHECK(o.sp >= 1, "--sp ", o.sp, ": need at least 1 rank");
   LAGA_CHECK(o.steps >= 1, "--steps ", o.steps, ": need at least 1 measured step");

@@ -54,7 +54,7 @@ TEST(DsaConfig, BadIndexerKeysAreRefusedNamingTheKey) {
   j.erase("index_head_dim");
   EXPECT_NE(error_of([&] {
               MlaConfig::from_json(j, "cfg");
-            }).find("index_head_dim must be positive when DeepSeek Sparse Attention is on"),
+            }).find("cfg: 'index_head_dim' is missing; a DSA config gives"),
             std::string::npos);
   j = v32_model_args();
   j["index_topk"] = -1;

@@ -224,7 +224,7 @@ def case_messages(laga, scratch):
         expect_error(laga, cmd + ["--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
     write(dsa, dsa_keys + '}')
     expect_error(laga, ["forward", "--config", dsa],
-                 "index_topk must be positive when DeepSeek Sparse Attention is on")
+                 "'index_topk' is missing; a DSA config gives")
     # Outputs are vetted before the work (issue 26 items 10, 11): two that are
     # one file, and a directory that does not exist, refused at once, not
     # after the run (plan --measure measured for seconds first).

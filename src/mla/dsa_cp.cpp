@@ -1,0 +1,289 @@
+#include "mla/dsa_cp.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "kernels/attention_sparse.hpp"
+#include "kernels/dsa_indexer.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+#include "mla/ops_sparse.hpp"
+
+namespace laga {
+
+namespace {
+
+constexpr double kIndexerNormEps = 1e-6;  // dsa_block.cpp's (DeepSeek's LayerNorm)
+
+template <class T>
+std::vector<T> buffer(std::int64_t n) {
+  return std::vector<T>(static_cast<std::size_t>(n), T(0));
+}
+
+// Rank-major shards (rank j: B x L_j rows of width W, as all_gather_v lands
+// them) and the (B, Sk, W) prefix of the sequence they make: the keys a
+// rank whose shard ends at Sk reads.
+struct Shards {
+  const SpLayout& lay;
+  std::int64_t W;
+  std::vector<std::int64_t> counts, displs;
+  Shards(const SpLayout& l, std::int64_t w) : lay(l), W(w) {
+    std::int64_t off = 0;
+    for (int j = 0; j < l.ranks; ++j) {
+      counts.push_back(l.batch * l.seq_count[std::size_t(j)] * W);
+      displs.push_back(off);
+      off += counts.back();
+    }
+  }
+  std::int64_t total() const { return displs.back() + counts.back(); }
+  // dir true: rank-major -> (B, Sk, W); false: (B, Sk, W) -> rank-major
+  // (rows at or past Sk left as they are: zero in a fresh buffer).
+  template <class T>
+  void copy(T* rank_major, T* seq, std::int64_t Sk, bool to_seq) const {
+    for (int j = 0; j < lay.ranks; ++j) {
+      const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
+      const std::int64_t n = std::max<std::int64_t>(0, std::min(L, Sk - s0));
+      for (std::int64_t b = 0; b < lay.batch; ++b)
+        for (std::int64_t l = 0; l < n; ++l) {
+          T* rm = rank_major + displs[std::size_t(j)] + (b * L + l) * W;
+          T* sq = seq + (b * Sk + s0 + l) * W;
+          if (to_seq)
+            std::copy_n(rm, W, sq);
+          else
+            std::copy_n(sq, W, rm);
+        }
+    }
+  }
+};
+
+}  // namespace
+
+template <class T>
+DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
+                                    const DsaIndexerParams<T>& iw, const T* x, const T* dout,
+                                    const SpLayout& lay, DsaStage stage, Communicator& comm,
+                                    const std::int64_t* doc_start) {
+  cfg.validate();
+  lay.validate();
+  LAGA_CHECK(cfg.dsa(),
+             "dsa_latent_gather: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
+             "index_head_dim, index_topk)");
+  LAGA_CHECK(lay.seq_layout == SeqLayout::contiguous,
+             "dsa_latent_gather: the zigzag layout is not implemented; use --seq-layout "
+             "contiguous");
+  LAGA_CHECK(lay.ranks == comm.size(), "dsa_latent_gather: the layout has ", lay.ranks,
+             " ranks, the communicator ", comm.size());
+  const int r = comm.rank();
+  const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
+  const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
+  const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  const std::int64_t K = cfg.index_topk, W = C + dr;
+  const RopeTable table(cfg.rope(), S);
+  const Shards lat_sh(lay, W), key_sh(lay, dI);
+
+  // Packed documents: each token's first token of its document over the
+  // keys this rank reads (B, Sk), and its RoPE position within its
+  // document for the rank's rows (B, L) (docs/forms.md, "Packed sequences").
+  std::vector<std::int64_t> docs_k, pos;
+  if (doc_start) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < Sk; ++t) {
+        const std::int64_t d = doc_start[b * S + t];
+        LAGA_CHECK(d >= 0 && d <= t && (t == 0 ? d == 0 : d == t || d == doc_start[b * S + t - 1]),
+                   "dsa_latent_gather: doc_start[", b, ", ", t, "] = ", d,
+                   " is not the first token of a document holding token ", t);
+        docs_k.push_back(d);
+        if (t >= s0) pos.push_back(t - d);
+      }
+  }
+  const std::int64_t* docs = doc_start ? docs_k.data() : nullptr;
+  // RoPE of the rank's rows: at s0 + l, or at their positions in their documents.
+  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
+                      bool inverse) {
+    if (doc_start)
+      rope_apply_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
+    else
+      rope_apply(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
+  };
+  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
+    for (std::int64_t b = 0; b < B; ++b)
+      rope_halves_apply(p + b * L * ld_token, L, heads, ld_token, dI, s0,
+                        doc_start ? pos.data() + b * L : nullptr, table, inverse);
+  };
+
+  DsaBlockResult<T> res;
+  comm.set_phase(Phase::forward);
+  // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
+  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
+  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
+  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
+  std::vector<T> q = buffer<T>(N * H * dqk);
+  linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
+  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
+  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
+  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
+  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
+  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
+  for (std::int64_t t = 0; t < N; ++t) {
+    std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
+    std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
+  }
+  rope_mla(lat_own.data() + C, 1, W, dr, false);
+  // ... and the indexer's
+  std::vector<T> qI = buffer<T>(N * HI * dI), kpre = buffer<T>(N * dI), kI = buffer<T>(N * dI);
+  std::vector<T> k_mean = buffer<T>(N), k_rstd = buffer<T>(N), wI = buffer<T>(N * HI);
+  linear_forward(qI.data(), qr.data(), iw.wq_b.data(), N, rq, HI * dI);
+  linear_forward(kpre.data(), x, iw.wk.data(), N, D, dI);
+  layernorm_forward(kI.data(), k_mean.data(), k_rstd.data(), kpre.data(), iw.k_norm_weight.data(),
+                    iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
+  rope_index(qI.data(), HI, HI * dI, false);
+  rope_index(kI.data(), 1, dI, false);
+  const double w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
+  linear_forward(wI.data(), x, iw.weights_proj.data(), N, D, HI);
+  for (T& e : wI) e = T(double(e) * w_scale);
+
+  // ---- the gathers: every rank's latent and index keys, kept up to Sk
+  std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
+  comm.all_gather_v(lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
+                    lat_sh.displs.data(), "latent_ag");
+  comm.all_gather_v(kI.data(), N * dI, key_rm.data(), key_sh.counts.data(), key_sh.displs.data(),
+                    "index_k_ag");
+  std::vector<T> lat = buffer<T>(NK * W), kIS = buffer<T>(NK * dI), cS = buffer<T>(NK * C);
+  lat_sh.copy(lat_rm.data(), lat.data(), Sk, true);
+  key_sh.copy(key_rm.data(), kIS.data(), Sk, true);
+  for (std::int64_t t = 0; t < NK; ++t) std::copy_n(lat.data() + t * W, C, cS.data() + t * C);
+
+  // ---- the indexer and top-k of the rank's rows (row i is token s0 + i)
+  IndexerShape is;
+  is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
+  is.attn.doc_start = docs;
+  is.topk = K;
+  is.validate();
+  res.idx.assign(static_cast<std::size_t>(N * K), -1);
+  dsa_index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
+  std::vector<std::int32_t> all;
+  const std::int32_t* att_idx = res.idx.data();
+  std::int64_t KA = K;
+  if (stage == DsaStage::dense_warmup) {
+    all.assign(static_cast<std::size_t>(N * Sk), -1);
+    dsa_all_causal(is, all.data());
+    att_idx = all.data(), KA = Sk;
+  }
+
+  // ---- the attention in latent space
+  SparseAttnShape ss;
+  ss.attn = AttnShape{B, L, Sk, H, 1, W, C, cfg.softmax_scale(), true};
+  ss.attn.doc_start = docs;
+  ss.K = KA;
+  std::vector<T> qa_abs = buffer<T>(N * H * W), o_lat = buffer<T>(N * H * C);
+  std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * L);
+  for (std::int64_t h = 0; h < H; ++h)  // q_nope W_UK[h] into qa_abs[:, h, :C]
+    gemm<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
+            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
+  for (std::int64_t t = 0; t < N; ++t)
+    for (std::int64_t h = 0; h < H; ++h)
+      std::copy_n(q.data() + (t * H + h) * dqk + dn, dr, qa_abs.data() + (t * H + h) * W + C);
+  ops::sparse_attention_forward<T>(ss, o_lat.data(), lse.data(), qa_abs.data(), lat.data(),
+                                   cS.data(), att_idx);
+  for (std::int64_t h = 0; h < H; ++h)  // o_lat W_UV[h]^T
+    gemm<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
+            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv, H * dv);
+  res.out = buffer<T>(N * D);
+  linear_forward(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+
+  // ---- the indexer's KL over the rank's rows
+  std::vector<T> p = buffer<T>(N * KA);
+  sparse_attention_head_summed_probs(ss, p.data(), qa_abs.data(), lat.data(), lse.data(), att_idx);
+  std::vector<double> loss(static_cast<std::size_t>(N));
+  std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
+  dsa_indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
+                 dqI.data(), dkIS.data(), dwI.data());
+  for (double l : loss) res.kl_loss += l;
+  if (!dout) return res;
+
+  comm.set_phase(Phase::backward);
+  // ---- the indexer's weights: k_I's gradient to the keys' owners first
+  std::vector<T> dk_rm = buffer<T>(key_sh.total()), dkI = buffer<T>(N * dI);
+  key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
+  comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
+                        "index_k_ag");
+  res.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
+  for (T& e : dwI) e = T(double(e) * w_scale);
+  linear_backward<T>(nullptr, false, res.indexer_grads.weights_proj.data(), dwI.data(), x,
+                     iw.weights_proj.data(), N, D, HI);
+  rope_index(dqI.data(), HI, HI * dI, true);
+  rope_index(dkI.data(), 1, dI, true);
+  linear_backward<T>(nullptr, false, res.indexer_grads.wq_b.data(), dqI.data(), qr.data(),
+                     iw.wq_b.data(), N, rq, HI * dI);
+  std::vector<T> dkpre = buffer<T>(N * dI);
+  layernorm_backward(dkpre.data(), res.indexer_grads.k_norm_weight.data(),
+                     res.indexer_grads.k_norm_bias.data(), dkI.data(), kpre.data(),
+                     iw.k_norm_weight.data(), k_mean.data(), k_rstd.data(), N, dI);
+  linear_backward<T>(nullptr, false, res.indexer_grads.wk.data(), dkpre.data(), x, iw.wk.data(), N,
+                     D, dI);
+
+  // ---- the LM backward: the rank's rows, the latent's gradient to its owners
+  res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  res.dx = buffer<T>(N * D);
+  std::vector<T> dO = buffer<T>(N * H * dv);
+  linear_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
+                     D);
+  std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * W);
+  std::vector<T> dlatS = buffer<T>(NK * W), dvalS = buffer<T>(NK * C);
+  for (std::int64_t h = 0; h < H; ++h) {
+    gemm<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
+            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C, H * C);
+    gemm<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv, o_lat.data() + h * C, H * C,
+            T(1), res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
+  }
+  ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlatS.data(), dvalS.data(), do_lat.data(),
+                                    qa_abs.data(), lat.data(), cS.data(), o_lat.data(), lse.data(),
+                                    att_idx);
+  for (std::int64_t t = 0; t < NK; ++t)  // c is the keys' latent and the values
+    for (std::int64_t e = 0; e < C; ++e)
+      dlatS[std::size_t(t * W + e)] += dvalS[std::size_t(t * C + e)];
+  std::vector<T> dlat_rm = buffer<T>(lat_sh.total()), dkv = buffer<T>(N * W);
+  lat_sh.copy(dlat_rm.data(), dlatS.data(), Sk, false);
+  comm.reduce_scatter_v(dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
+                        "latent_ag");
+  std::vector<T> dq = buffer<T>(N * H * dqk), dc = buffer<T>(N * C);
+  for (std::int64_t h = 0; h < H; ++h) {
+    gemm<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
+            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
+    gemm<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk, dq_abs.data() + h * W, H * W,
+            T(1), res.grads.wkv_b.data() + h * (dn + dv) * C, C);
+  }
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t h = 0; h < H; ++h)
+      std::copy_n(dq_abs.data() + (t * H + h) * W + C, dr, dq.data() + (t * H + h) * dqk + dn);
+    std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
+  }
+  rope_mla(dkv.data() + C, 1, W, dr, true);
+  rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
+                   w.kv_norm.data(), rstd_kv.data(), N, C);
+  linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
+                     D, W);
+  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
+  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
+  linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(),
+                     N, rq, H * dqk);
+  rmsnorm_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
+                   w.q_norm.data(), rstd_q.data(), N, rq);
+  linear_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
+                     rq);
+  return res;
+}
+
+#define LAGA_INSTANTIATE(T)                                                                  \
+  template DsaBlockResult<T> dsa_latent_gather<T>(                                           \
+      const MlaConfig&, const MlaParams<T>&, const DsaIndexerParams<T>&, const T*, const T*, \
+      const SpLayout&, DsaStage, Communicator&, const std::int64_t*);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+}  // namespace laga
