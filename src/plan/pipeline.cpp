@@ -69,6 +69,16 @@ std::vector<StageSpan> pipeline_stages(const LmConfig& cfg, const PipelineChoice
   return spans;
 }
 
+std::vector<LmStage> lm_stages(const std::vector<StageSpan>& spans) {
+  std::vector<LmStage> out;
+  for (const StageSpan& s : spans) {
+    LAGA_CHECK(s.mtp_modules == 0,
+               "laga train has no multi-token-prediction module; plan the stages without --mtp");
+    out.push_back({s.first_layer, s.first_layer + s.layers, s.embedding, s.head});
+  }
+  return out;
+}
+
 double pipeline_bubble_s(PipeSchedule s, int pp, int chunks, const PassTimes& t) {
   LAGA_CHECK(pp >= 1, "pipeline_bubble_s: PP ", pp, " must be >= 1");
   if (pp == 1) return 0;

@@ -25,6 +25,7 @@
 namespace laga {
 
 struct LmConfig;
+struct LmStage;
 
 // The schedule of micro-batches over the stages:
 //   one_f_one_b   PipeDream-flush / Megatron's 1F1B: warm-up, one forward
@@ -74,6 +75,12 @@ struct StageSpan {
 // 61 layers are split; this is the even split, an assumption. A bad count is
 // a laga::Error naming it and what to give.
 std::vector<StageSpan> pipeline_stages(const LmConfig& cfg, const PipelineChoice& pp);
+
+// The same stages as the model's pipeline execution runs them
+// (model/pipeline.hpp, `laga train --pp`): one placement, read by the plan
+// and by the run. A stage with the MTP module is refused (laga's model has
+// none).
+std::vector<LmStage> lm_stages(const std::vector<StageSpan>& spans);
 
 // Per micro-batch, on one device, seconds of:
 struct PassTimes {
