@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Checks `laga plan --model --pp`'s step against `laga train --pp` of the same
+model on this machine (issue 57; docs/planning.md, "The pipelined plan against
+a measured step"): the small MoE model (docs/assets/moe_tiny.json with
+--layers layers, 4 by default so that 4 stages hold a layer each), its stages
+as the plan places them, ranks as threads (--comm local) or MPI processes
+(--mpi), M micro-batches of one sequence each.
+
+  python3 scripts/check_pipeline_plan.py [--laga build/laga] [--layers 4] [--seq 1024]
+      [--pp 2,3,4] [--micro-batches 4] [--steps 6] [--skip 2] [--rounds 3] [--mpi]
+      [--markdown]
+
+Each round measures the profile (`laga plan --measure --model`, the layers'
+shapes at P 1, one thread), plans each PP with it (`--dtype fp32 --sp 1
+--batch 1 --micro-batches M --schedule 1f1b-lockstep`: laga train's own
+schedule, and --schedule 1f1b for reference: the asynchronous 1F1B's
+formula), then trains each PP (`--batch M --micro-batches M`): a run's step
+is B S / tokens_per_s, the median over its steps after the first --skip. A
+round's error is its prediction against its own measurement; the error per
+PP is the median round's, with the rounds' spread (as check_model_plan.py
+does, for the same reason: a shared host's speed drifts between spells).
+--max-error E exits 1 when the median round's |error| at some PP is above E
+percent (the default, 0, only reports).
+"""
+import argparse
+import atexit
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from machine_load import Others, cpu_model, uptime
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--laga", default="build/laga")
+ap.add_argument("--model", default=os.path.join(HERE, "..", "docs", "assets", "moe_tiny.json"))
+ap.add_argument("--layers", type=int, default=4, help="the model's layers (num_hidden_layers)")
+ap.add_argument("--seq", type=int, default=1024)
+ap.add_argument("--pp", default="2,3,4")
+ap.add_argument("--micro-batches", type=int, default=4)
+ap.add_argument("--steps", type=int, default=6, help="optimizer steps per train run")
+ap.add_argument("--skip", type=int, default=2, help="first steps of a run left out of its median")
+ap.add_argument("--rounds", type=int, default=3, help="train runs per PP, alternating over the PP")
+ap.add_argument("--mpi", action="store_true", help="the stages as MPI processes (mpiexec)")
+ap.add_argument("--mpiexec", default="mpiexec")
+ap.add_argument("--max-error", type=float, default=0.0,
+                help="exit 1 if some PP's median-round |error| is above this percent (0: report)")
+ap.add_argument("--markdown", action="store_true", help="the table as docs/planning.md has it")
+args = ap.parse_args()
+if args.steps <= args.skip:
+    sys.exit(f"--steps {args.steps} leaves no step after --skip {args.skip}")
+if args.rounds < 1 or args.micro_batches < 1 or args.layers < 1:
+    sys.exit("--rounds, --micro-batches and --layers must each be at least 1")
+pps = [int(p) for p in args.pp.split(",")]
+if any(p < 2 or p > args.layers for p in pps):
+    sys.exit(f"--pp {args.pp}: each must be between 2 and --layers {args.layers}")
+tmp = tempfile.mkdtemp(prefix="laga_check_pipeline_plan_")
+atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+with open(args.model) as f:
+    config = json.load(f)
+config["num_hidden_layers"] = args.layers
+model = os.path.join(tmp, "model.json")
+with open(model, "w") as f:
+    json.dump(config, f)
+M = args.micro_batches
+
+
+def run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr}")
+    return r.stdout
+
+
+def laga(cmd):
+    return run([args.laga] + cmd)
+
+
+def plan(profile, pp, schedule):
+    out = os.path.join(tmp, f"plan-{pp}-{schedule}.json")
+    laga(["plan", "--quiet", "--profile", profile, "--dtype", "fp32", "--model", model, "--seq",
+          str(args.seq), "--sp", "1", "--pp", str(pp), "--micro-batches", str(M), "--schedule",
+          schedule, "--forms", "explicit", "--json", out])
+    with open(out) as f:
+        return json.load(f)["plans"][0]
+
+
+def train(pp):
+    log = os.path.join(tmp, f"train-{pp}.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    cmd = [args.laga, "train", "--config", model, "--seq", str(args.seq), "--batch", str(M),
+           "--micro-batches", str(M), "--pp", str(pp), "--steps", str(args.steps), "--form",
+           "explicit", "--attention", "flash", "--quiet", "--log", log]
+    if args.mpi:
+        cmd = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(pp)] + cmd + \
+              ["--comm", "mpi"]
+    run(cmd)
+    with open(log) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return statistics.median([M * args.seq / r["tokens_per_s"] for r in lines[args.skip:]])
+
+
+print("before:", uptime())
+others = Others()
+profile = os.path.join(tmp, "this.json")
+rounds = []  # per round {PP: (lockstep plan, 1f1b plan, measured s)}
+for _ in range(args.rounds):
+    laga(["plan", "--quiet", "--measure", profile, "--model", model, "--seq", str(args.seq),
+          "--sp", "1", "--forms", "explicit"])
+    this = {}
+    for pp in pps:
+        lock, formula = plan(profile, pp, "1f1b-lockstep"), plan(profile, pp, "1f1b")
+        this[pp] = (lock, formula, train(pp))
+    rounds.append(this)
+
+ranks = "MPI processes" if args.mpi else "threads"
+print(f"CPU: {cpu_model()}; {os.path.basename(args.model)} at {args.layers} layers, S {args.seq}, "
+      f"M {M} micro-batches of 1 sequence, stages as {ranks}; {args.steps} steps a run (median "
+      f"of steps {args.skip + 1}-{args.steps}), {args.rounds} round(s)")
+rows = []
+worst = 0.0
+for pp in pps:
+    errs = sorted((100 * (r[pp][0]["predicted_step_s"] - r[pp][2]) / r[pp][2], r[pp])
+                  for r in rounds)
+    e, (lock, formula, measured) = errs[(len(errs) - 1) // 2]  # the median round
+    worst = max(worst, abs(e))
+    f_err = 100 * (formula["predicted_step_s"] - measured) / measured
+    rows.append((pp, lock["predicted_step_s"], lock["seconds"]["bubble"],
+                 formula["predicted_step_s"], f_err, measured, e, errs[0][0], errs[-1][0]))
+if args.markdown:
+    print("| PP | predicted s (1f1b-lockstep) | of it bubble s | 1F1B formula s (error) "
+          "| measured s | error | rounds: error min-max |")
+    print("|---|---|---|---|---|---|---|")
+    for pp, p, bub, f, fe, m, e, lo, hi in rows:
+        print(f"| {pp} | {p:.4f} | {bub:.4f} | {f:.4f} ({fe:+.1f}%) | {m:.4f} | {e:+.1f}% "
+              f"| {lo:+.1f}% to {hi:+.1f}% |")
+else:
+    print(f"{'PP':>3} {'predicted s':>12} {'bubble s':>9} {'1F1B formula s':>15} {'measured s':>11} "
+          f"{'error':>8} {'rounds: error min-max':>22}")
+    for pp, p, bub, f, fe, m, e, lo, hi in rows:
+        print(f"{pp:3d} {p:12.4f} {bub:9.4f} {f:8.4f} ({fe:+5.1f}%) {m:11.4f} {e:+7.1f}% "
+              f"{lo:+10.1f}% to {hi:+.1f}%")
+print(f"largest |error|: {worst:.1f}%")
+print("after:", uptime())
+print(others.report())
+if args.max_error > 0 and worst > args.max_error:
+    sys.exit(f"the plan is off by {worst:.1f}% at some PP, above --max-error {args.max_error}")
