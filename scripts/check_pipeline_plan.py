@@ -21,11 +21,19 @@ PP is the median round's, with the rounds' spread (as check_model_plan.py
 does, for the same reason: a shared host's speed drifts between spells).
 --max-error E exits 1 when the median round's |error| at some PP is above E
 percent (the default, 0, only reports).
+
+Beside the step, the work: the plan's compute of every stage, M (F + B)
+summed over the stages (its per-stage pass times), against the CPU seconds
+the run's processes spent a step (getrusage of the children: a run of
+--steps less a run of --skip steps, over their difference). A busy machine
+stretches the step (the ranks wait for cores) but hardly the CPU time, so
+where the step cannot be measured cleanly the work still can.
 """
 import argparse
 import atexit
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -89,33 +97,51 @@ def plan(profile, pp, schedule):
         return json.load(f)["plans"][0]
 
 
+def children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def train(pp):
+    """The median step of a run of --steps, and its CPU seconds a step."""
     log = os.path.join(tmp, f"train-{pp}.jsonl")
-    if os.path.exists(log):
-        os.remove(log)
-    cmd = [args.laga, "train", "--config", model, "--seq", str(args.seq), "--batch", str(M),
-           "--micro-batches", str(M), "--pp", str(pp), "--steps", str(args.steps), "--form",
-           "explicit", "--attention", "flash", "--quiet", "--log", log]
-    if args.mpi:
-        cmd = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(pp)] + cmd + \
-              ["--comm", "mpi"]
-    run(cmd)
-    with open(log) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    return statistics.median([M * args.seq / r["tokens_per_s"] for r in lines[args.skip:]])
+    cpu = []
+    for steps in (args.steps, args.skip):
+        if os.path.exists(log):
+            os.remove(log)
+        cmd = [args.laga, "train", "--config", model, "--seq", str(args.seq), "--batch", str(M),
+               "--micro-batches", str(M), "--pp", str(pp), "--steps", str(steps), "--form",
+               "explicit", "--attention", "flash", "--quiet", "--log", log]
+        if args.mpi:
+            cmd = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(pp)] + \
+                  cmd + ["--comm", "mpi"]
+        c0 = children_cpu()
+        run(cmd)
+        cpu.append(children_cpu() - c0)
+        if steps == args.steps:
+            with open(log) as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+            step = statistics.median([M * args.seq / r["tokens_per_s"]
+                                      for r in lines[args.skip:]])
+    return step, (cpu[0] - cpu[1]) / (args.steps - args.skip)
+
+
+def work(plan):
+    """The plan's compute a step over every stage: M (F + B) each."""
+    return sum(M * (st["forward_s"] + st["backward_s"]) for st in plan["stages"])
 
 
 print("before:", uptime())
 others = Others()
 profile = os.path.join(tmp, "this.json")
-rounds = []  # per round {PP: (lockstep plan, 1f1b plan, measured s)}
+rounds = []  # per round {PP: (lockstep plan, 1f1b plan, measured s, CPU s a step)}
 for _ in range(args.rounds):
     laga(["plan", "--quiet", "--measure", profile, "--model", model, "--seq", str(args.seq),
           "--sp", "1", "--forms", "explicit"])
     this = {}
     for pp in pps:
         lock, formula = plan(profile, pp, "1f1b-lockstep"), plan(profile, pp, "1f1b")
-        this[pp] = (lock, formula, train(pp))
+        this[pp] = (lock, formula) + train(pp)
     rounds.append(this)
 
 ranks = "MPI processes" if args.mpi else "threads"
@@ -127,24 +153,26 @@ worst = 0.0
 for pp in pps:
     errs = sorted((100 * (r[pp][0]["predicted_step_s"] - r[pp][2]) / r[pp][2], r[pp])
                   for r in rounds)
-    e, (lock, formula, measured) = errs[(len(errs) - 1) // 2]  # the median round
+    e, (lock, formula, measured, cpu) = errs[(len(errs) - 1) // 2]  # the median round
     worst = max(worst, abs(e))
     f_err = 100 * (formula["predicted_step_s"] - measured) / measured
+    w = work(lock)
     rows.append((pp, lock["predicted_step_s"], lock["seconds"]["bubble"],
-                 formula["predicted_step_s"], f_err, measured, e, errs[0][0], errs[-1][0]))
+                 formula["predicted_step_s"], f_err, measured, e, errs[0][0], errs[-1][0], w, cpu,
+                 100 * (w - cpu) / cpu))
 if args.markdown:
     print("| PP | predicted s (1f1b-lockstep) | of it bubble s | 1F1B formula s (error) "
-          "| measured s | error | rounds: error min-max |")
-    print("|---|---|---|---|---|---|---|")
-    for pp, p, bub, f, fe, m, e, lo, hi in rows:
+          "| measured s | error | rounds: error min-max | plan's work s | run's CPU s | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for pp, p, bub, f, fe, m, e, lo, hi, w, c, we in rows:
         print(f"| {pp} | {p:.4f} | {bub:.4f} | {f:.4f} ({fe:+.1f}%) | {m:.4f} | {e:+.1f}% "
-              f"| {lo:+.1f}% to {hi:+.1f}% |")
+              f"| {lo:+.1f}% to {hi:+.1f}% | {w:.4f} | {c:.4f} | {we:+.1f}% |")
 else:
     print(f"{'PP':>3} {'predicted s':>12} {'bubble s':>9} {'1F1B formula s':>15} {'measured s':>11} "
-          f"{'error':>8} {'rounds: error min-max':>22}")
-    for pp, p, bub, f, fe, m, e, lo, hi in rows:
+          f"{'error':>8} {'rounds: error min-max':>22} {'work s':>8} {'CPU s':>8} {'error':>7}")
+    for pp, p, bub, f, fe, m, e, lo, hi, w, c, we in rows:
         print(f"{pp:3d} {p:12.4f} {bub:9.4f} {f:8.4f} ({fe:+5.1f}%) {m:11.4f} {e:+7.1f}% "
-              f"{lo:+10.1f}% to {hi:+.1f}%")
+              f"{lo:+10.1f}% to {hi:+.1f}% {w:8.4f} {c:8.4f} {we:+6.1f}%")
 print(f"largest |error|: {worst:.1f}%")
 print("after:", uptime())
 print(others.report())
