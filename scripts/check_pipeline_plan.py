@@ -8,7 +8,7 @@ as the plan places them, ranks as threads (--comm local) or MPI processes
 
   python3 scripts/check_pipeline_plan.py [--laga build/laga] [--layers 4] [--seq 1024]
       [--pp 2,3,4] [--micro-batches 4] [--steps 6] [--skip 2] [--rounds 3] [--mpi]
-      [--markdown]
+      [--cores N] [--markdown]
 
 Each round measures the profile (`laga plan --measure --model`, the layers'
 shapes at P 1, one thread), plans each PP with it (`--dtype fp32 --sp 1
@@ -28,6 +28,12 @@ the run's processes spent a step (getrusage of the children: a run of
 --steps less a run of --skip steps, over their difference). A busy machine
 stretches the step (the ranks wait for cores) but hardly the CPU time, so
 where the step cannot be measured cleanly the work still can.
+
+--cores N pins this script and every run it starts to the last N cores of
+its CPU affinity (sched_setaffinity): laga then sees N cores (hardware_cores
+reads the affinity), the profile says shared_cores N and the stages share
+those. On a machine others are using, the scheduler moves their work to the
+other cores, so the measured cores are quieter than the machine.
 """
 import argparse
 import atexit
@@ -57,12 +63,19 @@ ap.add_argument("--mpi", action="store_true", help="the stages as MPI processes 
 ap.add_argument("--mpiexec", default="mpiexec")
 ap.add_argument("--max-error", type=float, default=0.0,
                 help="exit 1 if some PP's median-round |error| is above this percent (0: report)")
+ap.add_argument("--cores", type=int, default=0,
+                help="run on the last N cores of this process's affinity (0: all of them)")
 ap.add_argument("--markdown", action="store_true", help="the table as docs/planning.md has it")
 args = ap.parse_args()
 if args.steps <= args.skip:
     sys.exit(f"--steps {args.steps} leaves no step after --skip {args.skip}")
 if args.rounds < 1 or args.micro_batches < 1 or args.layers < 1:
     sys.exit("--rounds, --micro-batches and --layers must each be at least 1")
+if args.cores:
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= args.cores <= len(allowed):
+        sys.exit(f"--cores {args.cores}: this process may run on {len(allowed)} core(s)")
+    os.sched_setaffinity(0, allowed[-args.cores:])
 pps = [int(p) for p in args.pp.split(",")]
 if any(p < 2 or p > args.layers for p in pps):
     sys.exit(f"--pp {args.pp}: each must be between 2 and --layers {args.layers}")
@@ -145,6 +158,7 @@ for _ in range(args.rounds):
     rounds.append(this)
 
 ranks = "MPI processes" if args.mpi else "threads"
+ranks += f" on core(s) {sorted(os.sched_getaffinity(0))}"
 print(f"CPU: {cpu_model()}; {os.path.basename(args.model)} at {args.layers} layers, S {args.seq}, "
       f"M {M} micro-batches of 1 sequence, stages as {ranks}; {args.steps} steps a run (median "
       f"of steps {args.skip + 1}-{args.steps}), {args.rounds} round(s)")
