@@ -126,8 +126,10 @@ def train(pp):
                "--micro-batches", str(M), "--pp", str(pp), "--steps", str(steps), "--form",
                "explicit", "--attention", "flash", "--quiet", "--log", log]
         if args.mpi:
-            cmd = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(pp)] + \
-                  cmd + ["--comm", "mpi"]
+            # --bind-to none: Open MPI binds 2 processes to a core each by
+            # default, which would undo --cores.
+            cmd = [args.mpiexec, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                   "-np", str(pp)] + cmd + ["--comm", "mpi"]
         c0 = children_cpu()
         run(cmd)
         cpu.append(children_cpu() - c0)
