@@ -61,7 +61,7 @@ double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
                                  const std::int32_t* tokens, const std::int32_t* targets,
                                  std::int64_t B, std::int64_t S, int micro_batches,
                                  AttentionKind attention, LmParams<T>& grads,
-                                 ExpertRouting* routing) {
+                                 ExpertRouting* routing, FormVariant variant) {
   const int PP = pp.size(), r = pp.rank();
   LAGA_CHECK(int(stages.size()) == PP, "pipeline: ", stages.size(), " stages on ", PP,
              " ranks; give one stage a rank");
@@ -73,7 +73,7 @@ double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
   const std::unique_ptr<Communicator> self = make_self_communicator();
   const SpLayout layout = SpLayout::even(Bm, S, cfg.mla.n_heads, 1);
   const RopeTable rope(cfg.mla.rope(), S);
-  LmContext ctx{cfg, layout, *self, rope, Form::explicit_form, attention};
+  LmContext ctx{cfg, layout, *self, rope, variant, attention};
   ExpertRouting micro;  // one micro-batch's, summed into *routing
   if (routing) {
     ctx.routing = &micro;
@@ -147,12 +147,12 @@ template double pipeline_forward_backward<float>(Communicator&, const LmConfig&,
                                                  const LmParams<float>&, const std::int32_t*,
                                                  const std::int32_t*, std::int64_t, std::int64_t,
                                                  int, AttentionKind, LmParams<float>&,
-                                                 ExpertRouting*);
+                                                 ExpertRouting*, FormVariant);
 template double pipeline_forward_backward<double>(Communicator&, const LmConfig&,
                                                   const std::vector<LmStage>&,
                                                   const LmParams<double>&, const std::int32_t*,
                                                   const std::int32_t*, std::int64_t, std::int64_t,
                                                   int, AttentionKind, LmParams<double>&,
-                                                  ExpertRouting*);
+                                                  ExpertRouting*, FormVariant);
 
 }  // namespace laga

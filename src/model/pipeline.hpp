@@ -54,13 +54,15 @@ std::vector<std::vector<std::optional<PipelinePass>>> pipeline_ticks(int stages,
 // routing (optional): the step's routing of this stage's MoE layers, every
 // micro-batch's counts summed and selections in row order (the other
 // stages' MoE layers: E zero counts each), so group_expert_load over `pp`
-// sums each layer's load from the one stage that ran it.
+// sums each layer's load from the one stage that ran it. variant: the
+// blocks' form (`laga train --form`), on the stage's one rank.
 template <class T>
 double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
                                  const std::vector<LmStage>& stages, const LmParams<T>& w,
                                  const std::int32_t* tokens, const std::int32_t* targets,
                                  std::int64_t B, std::int64_t S, int micro_batches,
                                  AttentionKind attention, LmParams<T>& grads,
-                                 ExpertRouting* routing = nullptr);
+                                 ExpertRouting* routing = nullptr,
+                                 FormVariant variant = Form::explicit_form);
 
 }  // namespace laga

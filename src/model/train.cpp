@@ -421,7 +421,7 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
     grads.for_each([](const std::string&, Tensor<T>& g) { g.fill(T(0)); });
     out.loss = pipeline_forward_backward(ctx.comm, ctx.cfg, o.stages, st.params, tokens, targets,
                                          o.batch, o.seq, int(o.micro_batches), ctx.attention, grads,
-                                         balance ? &routing : nullptr);
+                                         balance ? &routing : nullptr, ctx.variant);
   } else {
     out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
   }

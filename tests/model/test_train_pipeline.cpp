@@ -43,7 +43,7 @@ TrainOptions options(const LmConfig& cfg, int pp, std::int64_t micro_batches,
                      const std::string& dir) {
   TrainOptions o;
   o.model = cfg;
-  o.variant.form = Form::explicit_form;
+  o.variant.form = Form::laga;  // train's default form, on each stage's one rank
   o.attention = AttentionKind::flash;
   o.batch = 4;
   o.seq = 32;
