@@ -459,7 +459,19 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   // non-finite norm means a non-finite gradient (named), and a finite loss
   // beside it an overflowing backward.
   if (!std::isfinite(out.grad_norm)) {
-    const std::string where = first_nonfinite_gradient(grads);
+    std::string where = first_nonfinite_gradient(grads);
+    if (piped) {
+      // Only the stage's own rank sees its gradients: name the stages, the
+      // same words on every rank (each says whether its own holds one).
+      std::vector<double> bad(o.stages.size(), 0.0);
+      bad[size_t(stage)] = where.empty() ? 0.0 : 1.0;
+      ctx.comm.all_reduce(bad.data(), std::int64_t(bad.size()), "nonfinite_stages");
+      where.clear();
+      for (size_t s = 0; s < bad.size(); ++s)
+        if (bad[s] > 0)
+          where += cat(where.empty() ? "on pipeline stage " : ", stage ", s, " (layers [",
+                       o.stages[s].first, ", ", o.stages[s].last, "))");
+    }
     nonfinite(cat("the gradient at step ", step, " is not finite (norm ", out.grad_norm, ", loss ",
                   out.loss, ")", where.empty() ? "" : ": " + where));
   }

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -139,6 +140,23 @@ TEST(TrainPipeline, StagesTrainAsTheUnpipelinedRun) {
     std::printf("PP %d M %lld: weights' updates within %.2e, m %.2e, v %.2e\n", k.pp,
                 (long long)k.micro_batches, w, m, v);
   }
+}
+
+// A non-finite gradient on one stage stops the step on every stage before
+// its update (the norm's square is all-reduced), and every rank's message
+// names that stage from the all-reduced flags (only the stage's own rank
+// sees its tensors), so the words are the same on each.
+TEST(TrainPipeline, NonFiniteGradientNamesItsStage) {
+  const LmConfig cfg = moe_tiny(3);
+  TrainOptions o = options(cfg, 3, 1, "");
+  o.after_backward = [&](std::int64_t step, const LmParams<float>&, LmParams<float>& grads) {
+    // Stage 1 holds layer 1; the others' copies of it stay 0.
+    if (step == 2 && grads.layers[1].ffn_norm[0] != 0.0f)
+      grads.layers[1].ffn_norm[0] = std::numeric_limits<float>::quiet_NaN();
+  };
+  const std::string e = test::error_of([&] { train_local(o); });
+  EXPECT_NE(e.find("the gradient at step 2 is not finite"), std::string::npos) << e;
+  EXPECT_NE(e.find("on pipeline stage 1 (layers [1, 2))"), std::string::npos) << e;
 }
 
 TEST(TrainPipeline, RefusalsNameTheOptionAndTheFix) {
