@@ -1,6 +1,7 @@
 #include "core/threads.hpp"
 
 #include <omp.h>
+#include <sched.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -14,6 +15,11 @@ extern "C" void openblas_set_num_threads(int);
 namespace laga {
 
 int hardware_cores() {
+  // The cores this process may run on (taskset, a container's cpuset), not
+  // the machine's: ranks pinned to one core share that one.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -4,6 +4,8 @@
 
 namespace laga {
 
+// The cores this process may run on: its CPU affinity's count (taskset,
+// cpusets), else the machine's.
 int hardware_cores();
 // Threads for this calling thread's OpenMP regions and for OpenBLAS. OpenBLAS'
 // count is process-wide, so every rank of one process must ask for the same n.

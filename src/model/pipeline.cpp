@@ -55,25 +55,13 @@ std::vector<std::vector<std::optional<PipelinePass>>> pipeline_ticks(int stages,
   }
 }
 
-std::vector<LmStage> even_stages(const LmConfig& cfg, int stages) {
-  LAGA_CHECK(stages >= 1 && stages <= cfg.layers, "pipeline: ", stages, " stages for ", cfg.layers,
-             " layers; give between 1 and ", cfg.layers);
-  std::vector<LmStage> out;
-  std::int64_t first = 0;
-  for (int s = 0; s < stages; ++s) {
-    const std::int64_t n = cfg.layers / stages + (s < cfg.layers % stages ? 1 : 0);
-    out.push_back({first, first + n, s == 0, s == stages - 1});
-    first += n;
-  }
-  return out;
-}
-
 template <class T>
 double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
                                  const std::vector<LmStage>& stages, const LmParams<T>& w,
                                  const std::int32_t* tokens, const std::int32_t* targets,
                                  std::int64_t B, std::int64_t S, int micro_batches,
-                                 AttentionKind attention, LmParams<T>& grads) {
+                                 AttentionKind attention, LmParams<T>& grads,
+                                 ExpertRouting* routing, FormVariant variant) {
   const int PP = pp.size(), r = pp.rank();
   LAGA_CHECK(int(stages.size()) == PP, "pipeline: ", stages.size(), " stages on ", PP,
              " ranks; give one stage a rank");
@@ -85,7 +73,16 @@ double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
   const std::unique_ptr<Communicator> self = make_self_communicator();
   const SpLayout layout = SpLayout::even(Bm, S, cfg.mla.n_heads, 1);
   const RopeTable rope(cfg.mla.rope(), S);
-  LmContext ctx{cfg, layout, *self, rope, Form::explicit_form, attention};
+  LmContext ctx{cfg, layout, *self, rope, variant, attention};
+  ExpertRouting micro;  // one micro-batch's, summed into *routing
+  if (routing) {
+    ctx.routing = &micro;
+    routing->expert.assign(size_t(cfg.layers), {});
+    routing->count.assign(size_t(cfg.layers), {});
+    for (std::int64_t l = 0; l < cfg.layers; ++l)
+      if (cfg.is_moe_layer(l))
+        routing->count[size_t(l)].assign(size_t(cfg.moe->n_routed_experts), 0);
+  }
   const double scale = 1.0 / double(B * S);
   const auto ticks = pipeline_ticks(PP, micro_batches);
   std::map<int, LmStagePass<T>> passes;            // micro-batches in flight: forward to backward
@@ -103,6 +100,15 @@ double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
         Tensor<T> x;
         if (!stage.embedding) x = std::move(activations.at(m)), activations.erase(m);
         loss_sum += lm_stage_forward(ctx, w, stage, tok, tgt, x, passes[m]);
+        if (routing)
+          for (std::int64_t l = stage.first; l < stage.last; ++l) {
+            const std::vector<std::int64_t>& c = micro.count[size_t(l)];
+            std::vector<std::int64_t>& sum = routing->count[size_t(l)];
+            for (size_t e = 0; e < c.size() && e < sum.size(); ++e) sum[e] += c[e];
+            const std::vector<std::int32_t>& x_e = micro.expert[size_t(l)];
+            routing->expert[size_t(l)].insert(routing->expert[size_t(l)].end(), x_e.begin(),
+                                              x_e.end());
+          }
         if (!stage.head) out = std::move(x);
       } else {
         Tensor<T> dx;
@@ -140,11 +146,13 @@ template double pipeline_forward_backward<float>(Communicator&, const LmConfig&,
                                                  const std::vector<LmStage>&,
                                                  const LmParams<float>&, const std::int32_t*,
                                                  const std::int32_t*, std::int64_t, std::int64_t,
-                                                 int, AttentionKind, LmParams<float>&);
+                                                 int, AttentionKind, LmParams<float>&,
+                                                 ExpertRouting*, FormVariant);
 template double pipeline_forward_backward<double>(Communicator&, const LmConfig&,
                                                   const std::vector<LmStage>&,
                                                   const LmParams<double>&, const std::int32_t*,
                                                   const std::int32_t*, std::int64_t, std::int64_t,
-                                                  int, AttentionKind, LmParams<double>&);
+                                                  int, AttentionKind, LmParams<double>&,
+                                                  ExpertRouting*, FormVariant);
 
 }  // namespace laga

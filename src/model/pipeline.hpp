@@ -44,20 +44,25 @@ std::vector<PipelinePass> one_f_one_b_order(int stages, int stage, int micro_bat
 // earlier tick).
 std::vector<std::vector<std::optional<PipelinePass>>> pipeline_ticks(int stages, int micro_batches);
 
-// Layers [first, last) of each of `stages` stages, as even as counts allow
-// (the first stages one more): stage 0 holds the embedding, the last the head.
-std::vector<LmStage> even_stages(const LmConfig& cfg, int stages);
-
 // One training step's forward + backward of the (B, S) batch `tokens`,
 // `targets` (whole, on every rank) in M micro-batches of B / M rows: this
 // rank's stage's gradients of the mean loss over all B S targets are ADDED to
 // grads (the other stages' stay as they are); returns the mean loss, the
 // same on every rank. pp.size() must be stages.size(), B a multiple of M.
+// Which layers each stage holds is the plan's description
+// (plan/pipeline.hpp: pipeline_stages, lm_stages), not this file's.
+// routing (optional): the step's routing of this stage's MoE layers, every
+// micro-batch's counts summed and selections in row order (the other
+// stages' MoE layers: E zero counts each), so group_expert_load over `pp`
+// sums each layer's load from the one stage that ran it. variant: the
+// blocks' form (`laga train --form`), on the stage's one rank.
 template <class T>
 double pipeline_forward_backward(Communicator& pp, const LmConfig& cfg,
                                  const std::vector<LmStage>& stages, const LmParams<T>& w,
                                  const std::int32_t* tokens, const std::int32_t* targets,
                                  std::int64_t B, std::int64_t S, int micro_batches,
-                                 AttentionKind attention, LmParams<T>& grads);
+                                 AttentionKind attention, LmParams<T>& grads,
+                                 ExpertRouting* routing = nullptr,
+                                 FormVariant variant = Form::explicit_form);
 
 }  // namespace laga

@@ -18,6 +18,7 @@
 #include "mla/runner.hpp"
 #include "model/checkpoint.hpp"
 #include "model/data.hpp"
+#include "model/pipeline.hpp"
 
 namespace laga {
 
@@ -34,8 +35,9 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form",    "attention",       "sp", "data-path", "q-latent",
-                                       "overlap", "expert-parallel", "ep", "dtype"};
+  static const std::set<std::string> s{"form",     "attention", "sp",           "data-path",
+                                       "q-latent", "overlap",   "dtype",        "expert-parallel",
+                                       "ep",       "pp",        "micro-batches"};
   return s;
 }
 
@@ -184,8 +186,46 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.precision == Precision::bf16) r["dtype"] = to_string(o.precision);
   if (o.grad_reduce == GradReduce::bf16) r["grad_reduce"] = to_string(o.grad_reduce);
   r["sp"] = std::to_string(o.sp);
+  if (o.pp > 1) r["pp"] = std::to_string(o.pp);
+  if (o.micro_batches > 1) r["micro-batches"] = std::to_string(o.micro_batches);
   return r;
 }
+
+namespace {
+// --pp and --micro-batches: what the pipeline execution (model/pipeline.hpp)
+// runs today, and a stage list that covers the model once, in order.
+void check_pipeline_options(const TrainOptions& o) {
+  LAGA_CHECK(o.pp >= 1, "--pp must be >= 1 (got ", o.pp, ")");
+  LAGA_CHECK(o.micro_batches >= 1 && o.batch % o.micro_batches == 0, "--micro-batches ",
+             o.micro_batches, " must divide --batch ", o.batch,
+             " (each micro-batch is batch / micro-batches rows); give a divisor of ", o.batch);
+  LAGA_CHECK(o.micro_batches == 1 || o.pp > 1, "--micro-batches ", o.micro_batches,
+             " splits the batch over pipeline stages; add --pp N (N >= 2), or drop it");
+  if (o.pp == 1) return;
+  const auto without = [&](bool ok, const std::string& what) {
+    LAGA_CHECK(ok, "--pp ", o.pp, " runs one rank a stage; ", what,
+               " within a stage is not supported yet: drop it, or run without --pp");
+  };
+  without(o.sp == 1, cat("--sp ", o.sp, " (sequence parallelism)"));
+  without(o.experts == ExpertPlacement::every_rank, "--expert-parallel");
+  without(!o.pack_eos, "--pack-eos (packed documents)");
+  without(o.val_data.empty(), "--val-data (validation runs the model unpipelined)");
+  LAGA_CHECK(int(o.stages.size()) == o.pp, "train: ", o.stages.size(), " pipeline stages for --pp ",
+             o.pp, "; the stages come from the plan's placement (plan/pipeline.hpp, lm_stages)");
+  std::int64_t next = 0;
+  for (size_t s = 0; s < o.stages.size(); ++s) {
+    const LmStage& st = o.stages[s];
+    LAGA_CHECK(st.first == next && st.last >= st.first && st.embedding == (s == 0) &&
+                   st.head == (s + 1 == o.stages.size()),
+               "train: pipeline stage ", s, " holds layers [", st.first, ", ", st.last,
+               "); the stages must cover the model's layers in order, the embedding on the "
+               "first and the head on the last");
+    next = st.last;
+  }
+  LAGA_CHECK(next == o.model.layers, "train: the pipeline stages hold ", next,
+             " layers and the model has ", o.model.layers, "; give stages covering every layer");
+}
+}  // namespace
 
 void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   o.model.validate();
@@ -226,6 +266,7 @@ void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   LAGA_CHECK(o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ", o.expert_degree,
              " must divide --sp ", o.sp,
              " (each EP group is EP consecutive ranks); give --ep a divisor of ", o.sp);
+  check_pipeline_options(o);
   const TokenSource source = make_source(o);  // data errors before any rank starts
   if (o.pack_eos) {
     const std::int64_t eos = *o.pack_eos;
@@ -272,7 +313,8 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
 }
 
 SpLayout train_layout(const TrainOptions& o, int ranks) {
-  return SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, ranks, o.seq_layout);
+  // Pipeline stages each see the whole sequence (sp 1 within a stage).
+  return SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.pp > 1 ? 1 : ranks, o.seq_layout);
 }
 
 namespace {
@@ -321,6 +363,35 @@ std::string first_nonfinite_gradient(const LmParams<T>& grads) {
   return first;
 }
 
+// Whether parameter `name` (LmParams::for_each's) is one of `stage`'s: its
+// layers', the embedding on the first stage, the final norm and head on the
+// last.
+bool stage_holds(const LmStage& stage, const std::string& name) {
+  if (name.rfind("layers.", 0) == 0) {
+    const std::int64_t l = std::stoll(name.substr(7));
+    return l >= stage.first && l < stage.last;
+  }
+  if (name.rfind("embed", 0) == 0) return stage.embedding;
+  return stage.head;  // norm.weight, head.weight
+}
+
+// Under --pp every rank updates its own stage's parameters and moments only
+// (train_rank): before a checkpoint, each tensor's owner's values go to
+// every rank (an all-reduce of the owner's values and the others' zeros,
+// exact: x + 0 == x), so rank 0 writes the whole current state. The experts'
+// biases move alike on every rank (the load is summed over the stages) and
+// are taken from their owner too.
+template <class T>
+void gather_stage_state(Communicator& comm, const TrainOptions& o, TrainState<T>& st) {
+  const LmStage& mine = o.stages[size_t(comm.rank())];
+  comm.set_phase(Phase::grad_sync);
+  for (LmParams<T>* p : {&st.params, &st.m, &st.v})
+    p->for_each([&](const std::string& n, Tensor<T>& t) {
+      if (!stage_holds(mine, n)) t.fill(T(0));
+      comm.all_reduce(t.data(), t.numel(), "pp_state_gather");
+    });
+}
+
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
   std::vector<std::int64_t> expert_load;  // StepRecord::expert_load
@@ -344,7 +415,16 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   ExpertRouting routing;
   LmContext step_ctx = ctx;
   if (balance) step_ctx.routing = &routing;
-  out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
+  const bool piped = o.pp > 1;
+  if (piped) {
+    // The stage's gradients are added (model/pipeline.hpp): start from 0.
+    grads.for_each([](const std::string&, Tensor<T>& g) { g.fill(T(0)); });
+    out.loss = pipeline_forward_backward(ctx.comm, ctx.cfg, o.stages, st.params, tokens, targets,
+                                         o.batch, o.seq, int(o.micro_batches), ctx.attention, grads,
+                                         balance ? &routing : nullptr, ctx.variant);
+  } else {
+    out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
+  }
   if (o.after_backward) o.after_backward(step, st.params, grads);
   const auto nonfinite = [&](const std::string& what) {
     const std::string untouched =
@@ -358,22 +438,40 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
   std::vector<Tensor<T>*> P, G, M, V;
   std::vector<bool> decays, trains;
+  const int stage = piped ? ctx.comm.rank() : 0;
   st.params.for_each([&](const std::string& n, Tensor<T>& t) {
     P.push_back(&t);
     decays.push_back(lm_param_decays(n));
-    trains.push_back(lm_param_trains(n));
+    // Under --pp a rank updates its own stage's parameters only.
+    trains.push_back(lm_param_trains(n) && (!piped || stage_holds(o.stages[size_t(stage)], n)));
   });
   grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
   st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
   double sq = 0.0;
   for (Tensor<T>* g : G) sq += ops::sum_squares(*g);
+  if (piped) {  // each stage's gradients, the others 0: the global norm's square is their sum
+    ctx.comm.set_phase(Phase::grad_sync);
+    ctx.comm.all_reduce(&sq, 1, "grad_norm_allreduce");
+  }
   out.grad_norm = std::sqrt(sq);
   // The squares of finite floats sum in double without overflow, so a
   // non-finite norm means a non-finite gradient (named), and a finite loss
   // beside it an overflowing backward.
   if (!std::isfinite(out.grad_norm)) {
-    const std::string where = first_nonfinite_gradient(grads);
+    std::string where = first_nonfinite_gradient(grads);
+    if (piped) {
+      // Only the stage's own rank sees its gradients: name the stages, the
+      // same words on every rank (each says whether its own holds one).
+      std::vector<double> bad(o.stages.size(), 0.0);
+      bad[size_t(stage)] = where.empty() ? 0.0 : 1.0;
+      ctx.comm.all_reduce(bad.data(), std::int64_t(bad.size()), "nonfinite_stages");
+      where.clear();
+      for (size_t s = 0; s < bad.size(); ++s)
+        if (bad[s] > 0)
+          where += cat(where.empty() ? "on pipeline stage " : ", stage ", s, " (layers [",
+                       o.stages[s].first, ", ", o.stages[s].last, "))");
+    }
     nonfinite(cat("the gradient at step ", step, " is not finite (norm ", out.grad_norm, ", loss ",
                   out.loss, ")", where.empty() ? "" : ": " + where));
   }
@@ -419,9 +517,11 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmContext ctx = lm_context(o, layout, comm, rope);
   const TokenSource source = make_source(o);
   const int r = comm.rank();
+  const int sp_rank = o.pp > 1 ? 0 : r;  // a pipeline stage holds the whole sequence
   const std::int64_t B = o.batch, S = o.seq;
-  const std::int64_t L = layout.seq_count[size_t(r)];
-  const std::vector<std::int64_t> own_positions = layout.positions(r);  // (L), SpLayout's order
+  const std::int64_t L = layout.seq_count[size_t(sp_rank)];
+  // (L), SpLayout's order
+  const std::vector<std::int64_t> own_positions = layout.positions(sp_rank);
   // Rank 0 writes the checkpoints; what they record is fixed for the run.
   const CheckpointOptions recorded =
       r == 0 && !o.checkpoint_dir.empty() ? recorded_options(o) : CheckpointOptions{};
@@ -529,6 +629,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
                          packed ? packed->counted : B * S, val_loss, done.expert_load});
+    if (saves && o.pp > 1) gather_stage_state(comm, o, st);
     if (saves && r == 0) end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     // A signal that arrived during a periodic save (a preemption's grace
     // period often starts then: saves are the slow part) stops the run with
@@ -556,7 +657,7 @@ std::vector<StepRecord> train_local(const TrainOptions& o) {
   if (!o.checkpoint_dir.empty()) lock.emplace(o.checkpoint_dir);
   (void)prepare_run(o);
   std::vector<StepRecord> out;
-  run_local_ranks(o.sp, [&](Communicator& comm) {
+  run_local_ranks(o.ranks(), [&](Communicator& comm) {
     train_rank(comm, o, [&](const StepRecord& s) { out.push_back(s); });
   });
   return out;
@@ -565,7 +666,7 @@ std::vector<StepRecord> train_local(const TrainOptions& o) {
 std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule staging) {
   using T = float;
   const LmConfig& cfg = o.model;
-  const SpLayout layout = train_layout(o, o.sp);
+  const SpLayout layout = train_layout(o, o.ranks());
   // The --data and --val-data files' ids, resident for the run, and the
   // larger file's bytes while it is read (counted beside both files' ids:
   // at most the validation ids too many, on the safe side).
@@ -584,7 +685,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
   counted.after_backward = nullptr;
   counted.warn = nullptr;
   std::vector<TrainMemory> ranks;
-  for (int r = 0; r < o.sp; ++r) {
+  for (int r = 0; r < o.ranks(); ++r) {
     // The prediction is the step run on a count-only pool: which run to make
     // (the ops then decide, each for itself, that they only count).
     MemoryPool pool;
@@ -595,8 +696,8 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     const UsePrecision at_precision(o.precision, o.grad_reduce);
     // The rank's OpenMP threads (run_group's), which size the bf16 flash
     // workspace (mla/block.cpp).
-    const OmpThreadsScope threads(threads_per_rank(o.sp));
-    DryRunCommunicator comm(r, o.sp, staging);
+    const OmpThreadsScope threads(threads_per_rank(o.ranks()));
+    DryRunCommunicator comm(r, o.ranks(), staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
     const LmContext ctx = lm_context(o, layout, comm, rope);
     RankTensors<T> rank_tensors(cfg);
@@ -609,7 +710,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));
     m.token_ids = token_ids;
     m.token_read = token_read;
-    const std::int64_t L = layout.seq_count[size_t(r)];
+    const std::int64_t L = layout.seq_count[size_t(o.pp > 1 ? 0 : r)];
     m.batch_ids = std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * o.batch * L);
     if (o.pack_eos) {
       // PackedBatch: targets (B, S) int32, at most S + 1 cut points per row;

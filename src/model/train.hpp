@@ -47,6 +47,20 @@ struct TrainOptions {
   // every expert (N divides sp); 0: all sp ranks in one group (EP = sp).
   int expert_degree = 0;
   int sp = 1;
+  // --pp N (model/pipeline.hpp; docs/planning.md, "Pipeline stages, ..."):
+  // the ranks are N pipeline stages, rank s running stages[s]'s layers on
+  // each of micro_batches micro-batches of batch / micro_batches rows in 1F1B
+  // order, the activations and their gradients passed over the Communicator.
+  // stages is the plan's placement (plan/pipeline.hpp: lm_stages of
+  // pipeline_stages; the tool fills it). Within a stage one rank (sp 1, no
+  // expert parallelism). Every rank holds every parameter and its AdamW
+  // moments, but updates only its own stage's (the gradient norm and the
+  // expert load summed over the stages); the others are made current from
+  // their owners before a checkpoint is written (gather_stage_state).
+  int pp = 1;
+  std::int64_t micro_batches = 1;
+  std::vector<LmStage> stages;
+  int ranks() const { return sp * pp; }
   // --seq-layout: how each window's tokens are sharded over the sp ranks
   // (SpLayout, docs/forms.md "The zigzag layout"). Free to change on resume:
   // it moves which rank computes a token, not what is computed.
@@ -95,8 +109,9 @@ struct TrainOptions {
   bool allow_nonfinite = false;
   std::function<void(const std::string&)> warn;
   // When set, called on every rank at each step once the gradients are summed
-  // over the group, before they are checked, clipped and applied: to inspect
-  // or alter them (freezing a tensor, adding noise; the tests poison one).
+  // over the group (under --pp: this rank's stage's, the others zero), before they are checked,
+  // clipped and applied: to inspect or alter them (freezing a tensor, adding noise; the tests
+  // poison one).
   std::function<void(std::int64_t step, const LmParams<float>& params, LmParams<float>& grads)>
       after_backward;
 };

@@ -563,6 +563,11 @@ ModelPlan plan_pipeline(const ModelPlanRequest& q, int pp, const PlanCase& b, co
   m.model_flops = 0;
   for (const ModelPlan& p : pieces) m.model_flops += p.model_flops;
   const double M = double(q.micro_batches), peak = q.block.profile.peak_flops(q.block.dtype);
+  // laga train's lockstep 1F1B: one step for every device, from every
+  // stage's times; a device's bubble is that step less its own passes.
+  const bool lockstep = sched == PipeSchedule::one_f_one_b_lockstep && pp > 1;
+  const double lockstep_s =
+      lockstep ? lockstep_step_s(passes, q.micro_batches, q.block.profile.shared_cores) : 0.0;
   double worst_memory = -1;
   bool all_fit = true;
   for (int dev = 0; dev < pp; ++dev) {
@@ -606,7 +611,8 @@ ModelPlan plan_pipeline(const ModelPlanRequest& q, int pp, const PlanCase& b, co
     st.in_flight = in_flight_micro_batches(sched, pp, choice.chunks, dev, q.micro_batches);
     st.activations = per_batch;
     st.activations.layers *= st.in_flight;
-    t.bubble = pipeline_bubble_s(sched, pp, choice.chunks, st.pass);
+    t.bubble = lockstep ? std::max(0.0, lockstep_s - M * (st.pass.f() + st.pass.b()))
+                        : pipeline_bubble_s(sched, pp, choice.chunks, st.pass);
     if (dual) {
       const PassTimes& x = st.pass;
       t.comm_units = M * (x.forward + x.backward) * x.comm_unit_share / (1 - x.comm_unit_share);

@@ -5,6 +5,7 @@
 
 #include "core/error.hpp"
 #include "model/model.hpp"
+#include "model/pipeline.hpp"
 
 namespace laga {
 
@@ -16,15 +17,18 @@ const char* to_string(PipeSchedule s) {
       return "interleaved";
     case PipeSchedule::dualpipe:
       return "dualpipe";
+    case PipeSchedule::one_f_one_b_lockstep:
+      return "1f1b-lockstep";
   }
   return "?";
 }
 
 PipeSchedule parse_pipe_schedule(const std::string& s) {
-  for (PipeSchedule p :
-       {PipeSchedule::one_f_one_b, PipeSchedule::interleaved, PipeSchedule::dualpipe})
+  for (PipeSchedule p : {PipeSchedule::one_f_one_b, PipeSchedule::interleaved,
+                         PipeSchedule::dualpipe, PipeSchedule::one_f_one_b_lockstep})
     if (s == to_string(p)) return p;
-  fail("--schedule: unknown pipeline schedule '", s, "'; choose 1f1b, interleaved or dualpipe");
+  fail("--schedule: unknown pipeline schedule '", s,
+       "'; choose 1f1b, interleaved, dualpipe or 1f1b-lockstep");
 }
 
 std::vector<StageSpan> pipeline_stages(const LmConfig& cfg, const PipelineChoice& pp) {
@@ -69,6 +73,16 @@ std::vector<StageSpan> pipeline_stages(const LmConfig& cfg, const PipelineChoice
   return spans;
 }
 
+std::vector<LmStage> lm_stages(const std::vector<StageSpan>& spans) {
+  std::vector<LmStage> out;
+  for (const StageSpan& s : spans) {
+    LAGA_CHECK(s.mtp_modules == 0,
+               "laga train has no multi-token-prediction module; plan the stages without --mtp");
+    out.push_back({s.first_layer, s.first_layer + s.layers, s.embedding, s.head});
+  }
+  return out;
+}
+
 double pipeline_bubble_s(PipeSchedule s, int pp, int chunks, const PassTimes& t) {
   LAGA_CHECK(pp >= 1, "pipeline_bubble_s: PP ", pp, " must be >= 1");
   if (pp == 1) return 0;
@@ -82,16 +96,59 @@ double pipeline_bubble_s(PipeSchedule s, int pp, int chunks, const PassTimes& t)
       LAGA_CHECK(pp % 2 == 0, "--schedule dualpipe needs an even --pp (its micro-batches enter ",
                  "from both ends); got ", pp);
       return std::max(0.0, double(pp / 2 - 1) * (t.f_and_b() + t.b() - 3 * t.weight_grad));
+    case PipeSchedule::one_f_one_b_lockstep:
+      fail("internal: the lockstep 1F1B's bubble needs every stage's times (lockstep_step_s)");
   }
   return 0;
 }
 
 double pipeline_step_s(PipeSchedule s, int pp, int chunks, std::int64_t micro_batches,
                        const PassTimes& t) {
+  if (s == PipeSchedule::one_f_one_b_lockstep)
+    return lockstep_step_s(std::vector<PassTimes>(size_t(pp), t), micro_batches, 0);
   const double M = double(micro_batches);
   const double steady =
       s == PipeSchedule::dualpipe && pp > 1 ? M * t.f_and_b() : M * (t.f() + t.b());
   return steady + pipeline_bubble_s(s, pp, chunks, t);
+}
+
+double shared_makespan(std::vector<double> jobs, int cores) {
+  std::sort(jobs.begin(), jobs.end());
+  if (cores <= 0) return jobs.empty() ? 0.0 : jobs.back();
+  // In order of length: while n jobs are left each gets min(1, c / n) of a
+  // core, so the shortest left ends after (its work - the work each has had)
+  // / that rate.
+  double t = 0, had = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const double rate = std::min(1.0, double(cores) / double(jobs.size() - i));
+    t += (jobs[i] - had) / rate;
+    had = jobs[i];
+  }
+  return t;
+}
+
+double lockstep_step_s(const std::vector<PassTimes>& stages, std::int64_t micro_batches,
+                       int shared_cores) {
+  const int pp = int(stages.size());
+  LAGA_CHECK(pp >= 1 && micro_batches >= 1 && micro_batches <= 1000000, "lockstep_step_s: ", pp,
+             " stages, ", micro_batches, " micro-batches");
+  double step = 0;
+  for (const auto& tick : pipeline_ticks(pp, int(micro_batches))) {
+    std::vector<double> compute;
+    double forward_comm = 0, backward_comm = 0;  // the tick's two exchanges, one after the other
+    for (int s = 0; s < pp; ++s) {
+      const std::optional<PipelinePass>& p = tick[size_t(s)];
+      if (!p) continue;
+      const PassTimes& t = stages[size_t(s)];
+      compute.push_back(p->forward ? t.forward : t.backward);
+      if (p->forward)
+        forward_comm = std::max(forward_comm, t.forward_comm);
+      else
+        backward_comm = std::max(backward_comm, t.backward_comm);
+    }
+    step += shared_makespan(compute, shared_cores) + forward_comm + backward_comm;
+  }
+  return step;
 }
 
 double in_flight_micro_batches(PipeSchedule s, int pp, int chunks, int stage,
@@ -101,6 +158,7 @@ double in_flight_micro_batches(PipeSchedule s, int pp, int chunks, int stage,
   double n = 1;
   switch (s) {
     case PipeSchedule::one_f_one_b:
+    case PipeSchedule::one_f_one_b_lockstep:
       n = double(pp - stage);
       break;
     case PipeSchedule::interleaved:

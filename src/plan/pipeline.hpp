@@ -25,6 +25,7 @@
 namespace laga {
 
 struct LmConfig;
+struct LmStage;
 
 // The schedule of micro-batches over the stages:
 //   one_f_one_b   PipeDream-flush / Megatron's 1F1B: warm-up, one forward
@@ -34,10 +35,17 @@ struct LmConfig;
 //   dualpipe      DeepSeek-V3's DualPipe: micro-batches fed from both ends,
 //                 every device holding two stages (its own and the mirror
 //                 one), a forward chunk's compute overlapped with a backward
-//                 chunk's communication and back.
-enum class PipeSchedule { one_f_one_b, interleaved, dualpipe };
-const char* to_string(PipeSchedule s);  // "1f1b", "interleaved", "dualpipe"
-// "1f1b", "interleaved" or "dualpipe"; anything else is a laga::Error naming it.
+//                 chunk's communication and back;
+//   one_f_one_b_lockstep  `laga train --pp`'s own 1F1B (model/pipeline.hpp):
+//                 the same order, but in lockstep ticks (each tick every
+//                 stage runs its next pass whose input arrived, then every
+//                 rank takes part in one exchange), so a tick lasts as long
+//                 as its slowest pass: priced by lockstep_step_s from every
+//                 stage's times, not by a bubble formula.
+enum class PipeSchedule { one_f_one_b, interleaved, dualpipe, one_f_one_b_lockstep };
+// "1f1b", "interleaved", "dualpipe", "1f1b-lockstep"
+const char* to_string(PipeSchedule s);
+// One of to_string's names; anything else is a laga::Error naming it.
 PipeSchedule parse_pipe_schedule(const std::string& s);
 
 struct PipelineChoice {
@@ -75,6 +83,12 @@ struct StageSpan {
 // a laga::Error naming it and what to give.
 std::vector<StageSpan> pipeline_stages(const LmConfig& cfg, const PipelineChoice& pp);
 
+// The same stages as the model's pipeline execution runs them
+// (model/pipeline.hpp, `laga train --pp`): one placement, read by the plan
+// and by the run. A stage with the MTP module is refused (laga's model has
+// none).
+std::vector<LmStage> lm_stages(const std::vector<StageSpan>& spans);
+
 // Per micro-batch, on one device, seconds of:
 struct PassTimes {
   double forward = 0;       // forward compute (the recompute of backward is in backward)
@@ -105,7 +119,8 @@ struct PassTimes {
 //   1F1B          (PP - 1)(F + B)                     report Table 2
 //   interleaved   (PP - 1)(F + B) / v                 Narayanan et al. 2021
 //   DualPipe      (PP/2 - 1)(F&B + B - 3W)            report Table 2
-// PP 1 has none. DualPipe needs an even PP (a laga::Error otherwise).
+// PP 1 has none. DualPipe needs an even PP (a laga::Error otherwise). The
+// lockstep 1F1B has no closed form: every stage's times, lockstep_step_s.
 double pipeline_bubble_s(PipeSchedule s, int pp, int chunks, const PassTimes& t);
 
 // The step's time of M micro-batches on the slowest device, bubble included:
@@ -114,6 +129,24 @@ double pipeline_bubble_s(PipeSchedule s, int pp, int chunks, const PassTimes& t)
 // paired in the steady state).
 double pipeline_step_s(PipeSchedule s, int pp, int chunks, std::int64_t micro_batches,
                        const PassTimes& t);
+
+// The step of M micro-batches through stages.size() stages as `laga train
+// --pp` runs them (PipeSchedule::one_f_one_b_lockstep): over the ticks of
+// pipeline_ticks (model/pipeline.hpp, the table the run follows), each tick
+// the stages' passes (F or B compute of their PassTimes) run at once, then
+// the tick's two exchanges (the activations on, then the gradients back),
+// each as long as the longest of its passes' communication. With shared_cores c > 0 the stages are
+// threads of one host: n computing at once each run at min(1, c / n) of a
+// core (processor sharing, as group_step_time shares the cores among the
+// ranks of a block, plan/time_model.hpp), so a tick's compute lasts until
+// its longest pass ends under that sharing. Every stage ends with the last
+// tick.
+double lockstep_step_s(const std::vector<PassTimes>& stages, std::int64_t micro_batches,
+                       int shared_cores);
+// The makespan of jobs of the given seconds started together on c cores under
+// processor sharing (n jobs left each run at min(1, c / n)); c 0: no sharing
+// (the longest job).
+double shared_makespan(std::vector<double> jobs, int cores);
 
 // The micro-batches whose activations stage `stage` (0-based) of PP holds at
 // its peak, of M per step (never more than M):

@@ -748,9 +748,10 @@ void register_plan(CLI::App& app) {
                 "--sp and --dp)")
       ->capture_default_str();
   c->add_option("--schedule", o->schedule,
-                "with --model: the pipeline schedule: 1f1b, interleaved (--chunks per device) or "
-                "dualpipe (DeepSeek-V3's)")
-      ->check(CLI::IsMember({"1f1b", "interleaved", "dualpipe"}))
+                "with --model: the pipeline schedule: 1f1b, interleaved (--chunks per device), "
+                "dualpipe (DeepSeek-V3's) or 1f1b-lockstep (laga train --pp's own: 1F1B in "
+                "lockstep ticks)")
+      ->check(CLI::IsMember({"1f1b", "interleaved", "dualpipe", "1f1b-lockstep"}))
       ->capture_default_str();
   c->add_option("--chunks", o->chunks, "with --schedule interleaved: layer chunks per device")
       ->check(whole_for(1, o->chunks))

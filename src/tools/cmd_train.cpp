@@ -25,6 +25,7 @@
 #include "io/atomic_file.hpp"
 #include "model/checkpoint.hpp"
 #include "model/train.hpp"
+#include "plan/pipeline.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
 #include "tools/memory_check.hpp"
@@ -39,6 +40,10 @@ struct TrainCli {
   Precision dtype = Precision::fp32;          // --dtype: fp32 | bf16 (TrainOptions::precision)
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce (TrainOptions::grad_reduce)
   int sp = 1;
+  // --pp, --micro-batches, --schedule: pipeline stages (TrainOptions::pp).
+  int pp = 1;
+  std::int64_t micro_batches = 1;
+  std::string pipe_schedule = "1f1b";
   std::int64_t layers = 4, d_model = 512, heads = 16, seq = 512, steps = 60, vocab = 2048,
                batch = 1;
   // MLA dims: 0 = derived from d_model / heads (LmConfig::derive).
@@ -166,6 +171,18 @@ TrainOptions to_options(const TrainCli& c) {
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
   o.sp = c.sp;
+  o.pp = c.pp;
+  o.micro_batches = c.micro_batches;
+  LAGA_CHECK(parse_pipe_schedule(c.pipe_schedule) == PipeSchedule::one_f_one_b, "--pp-schedule ",
+             c.pipe_schedule,
+             ": laga train runs the 1F1B schedule only (model/pipeline.hpp); the others are "
+             "laga plan's; give --pp-schedule 1f1b");
+  if (c.pp > 1) {
+    // The plan's placement of the layers (plan/pipeline.hpp), one for both.
+    PipelineChoice choice;
+    choice.stages = c.pp;
+    o.stages = lm_stages(pipeline_stages(o.model, choice));
+  }
   o.batch = c.batch;
   o.seq = c.seq;
   o.steps = c.steps;
@@ -342,7 +359,10 @@ void run_train(const TrainCli& c) {
                       : cat(", seq layout ", to_string(o.seq_layout)))
               << ", attention " << c.attention
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
-              << o.sp << ", comm " << to_string(c.comm.backend) << ", data " << c.data
+              << o.sp
+              << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
+                           : std::string())
+              << ", comm " << to_string(c.comm.backend) << ", data " << c.data
               << (o.pack_eos ? cat(" packed at end-of-document id ", *o.pack_eos) : "")
               << ", steps " << o.steps << (o.resume.empty() ? "" : ", resuming from " + o.resume)
               << "\n";
@@ -361,7 +381,7 @@ void run_train(const TrainCli& c) {
     o.warn = [](const std::string& w) { std::cerr << "laga train: warning: " << w << "\n"; };
   TrainEnd end;
   bool log_failed = false;
-  run_group(c.comm, o.sp, [&](Communicator& comm) {
+  run_group(c.comm, o.ranks(), [&](Communicator& comm) {
     // train_rank stops at a non-finite loss or gradient before that step's
     // update (unless --allow-nonfinite), so no step reported here is one.
     const TrainEnd e = train_rank(comm, o, [&](const StepRecord& s) {
@@ -462,6 +482,22 @@ void register_train(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")
       ->check(whole_for(1, c->sp))
+      ->capture_default_str();
+  sub->add_option("--pp", c->pp,
+                  "pipeline stages: the ranks are stages, each running its layers (the plan's "
+                  "placement, as laga plan --model --pp places them) on every micro-batch in "
+                  "1F1B order, the activations passed over the communicator (docs/planning.md, "
+                  "\"Pipeline stages\"); --sp 1")
+      ->check(whole_for(1, c->pp))
+      ->capture_default_str();
+  sub->add_option("--micro-batches", c->micro_batches,
+                  "with --pp: micro-batches a step, each --batch / N rows")
+      ->check(whole_for(1, c->micro_batches))
+      ->capture_default_str();
+  sub->add_option("--pp-schedule", c->pipe_schedule,
+                  "with --pp: the pipeline schedule (1f1b; laga plan's interleaved and dualpipe "
+                  "are not run)")
+      ->check(CLI::IsMember({"1f1b", "interleaved", "dualpipe"}))
       ->capture_default_str();
   sub->add_option("--layers", c->layers, "transformer layers")
       ->check(whole_for(1, c->layers))

@@ -202,10 +202,10 @@ JobMemory train_state_lower_bound(const TrainOptions& o, Backend backend) {
   const int ep =
       o.experts == ExpertPlacement::folded ? (o.expert_degree > 0 ? o.expert_degree : o.sp) : 1;
   const double per_rank = 12.0 * double(n.replicated() + n.routed_experts_on_device(ep));
-  const double ranks = backend == Backend::local ? double(o.sp) : 1.0;
+  const double ranks = backend == Backend::local ? double(o.ranks()) : 1.0;
   JobMemory job;
   job.bytes = static_cast<std::int64_t>(std::min(per_rank * ranks, 9e18));
-  job.detail = cat(backend == Backend::local ? o.sp : 1,
+  job.detail = cat(backend == Backend::local ? o.ranks() : 1,
                    " rank(s) holding at least their fp32 parameters and AdamW moments, ",
                    gb(static_cast<std::int64_t>(std::min(per_rank, 9e18))),
                    " each, before any activation: the model has ", model_size_words(o, n));

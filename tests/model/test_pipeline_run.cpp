@@ -19,6 +19,7 @@
 
 #include "comm/local_comm.hpp"
 #include "model/pipeline.hpp"
+#include "plan/pipeline.hpp"
 
 namespace laga {
 namespace {
@@ -86,7 +87,9 @@ Step pipelined(const LmConfig& cfg, int PP, int M, const std::vector<std::int32_
                const std::vector<std::int32_t>& tgt, std::int64_t B, std::int64_t S) {
   Step out;
   out.sent.resize(size_t(PP));
-  const std::vector<LmStage> stages = even_stages(cfg, PP);
+  PipelineChoice choice;
+  choice.stages = PP;
+  const std::vector<LmStage> stages = lm_stages(pipeline_stages(cfg, choice));
   std::vector<double> losses(static_cast<size_t>(PP));
   std::vector<Grads> per_rank(static_cast<size_t>(PP));
   run_local_ranks(PP, [&](Communicator& comm) {

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/local_comm.hpp"
@@ -12,6 +15,7 @@
 #include "common/variants.hpp"
 #include "core/error.hpp"
 #include "model/train.hpp"
+#include "plan/pipeline.hpp"
 
 namespace laga {
 namespace {
@@ -88,6 +92,39 @@ TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
       // included, stays within the prediction's bound.
       EXPECT_LE(pool.peak_held(), predicted[r].step_peak + predicted[r].cache) << "rank " << r;
       EXPECT_EQ(pool.current_total(), 0) << "rank " << r << ": a tensor outlived the run";
+    }
+  }
+}
+
+// Under --pp the prediction runs the pipelined step on a dry-run
+// communicator of PP ranks (the activations each stage receives, the
+// micro-batches it holds in flight): each stage's peak equals its real
+// pool's, at PP 2 and 3 with 1 and 2 micro-batches, the MoE model with its
+// bias balancing.
+TEST(TrainMemory, PipelineStagesPredictionEqualsTheirMeasuredPeaks) {
+  const char* src = std::getenv("LAGA_SOURCE_DIR");
+  LmConfig moe =
+      LmConfig::from_json_file(std::string(src ? src : ".") + "/docs/assets/moe_tiny.json");
+  for (const auto& [pp, micro] : {std::pair{2, 2}, {3, 1}, {3, 2}}) {
+    TrainOptions o = options_of({Form::laga, AttentionKind::flash, 1, 24, 2});
+    o.model = moe;
+    o.pp = pp;
+    o.micro_batches = micro;
+    PipelineChoice choice;
+    choice.stages = pp;
+    o.stages = lm_stages(pipeline_stages(moe, choice));
+    SCOPED_TRACE(cat("PP ", pp, " M ", micro));
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    std::vector<MemoryPool> pools(static_cast<size_t>(pp));
+    LocalRunOptions run;
+    run.pools = &pools;
+    run_local_ranks(
+        pp, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, run);
+    ASSERT_EQ(predicted.size(), pools.size());
+    for (size_t r = 0; r < pools.size(); ++r) {
+      EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "stage " << r;
+      EXPECT_GT(predicted[r].step_peak, predicted[r].state) << "stage " << r;
+      EXPECT_EQ(pools[r].current_total(), 0) << "stage " << r;
     }
   }
 }

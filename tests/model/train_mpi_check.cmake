@@ -8,7 +8,9 @@
 # With -DEXPERT_PARALLEL=ON both runs pass --expert-parallel (the MoE's
 # experts folded onto the ranks: all_to_all_v dispatch and combine), and
 # with -DEP=N also --ep N (EP groups of N ranks, each holding every expert).
-# With -DSP=N the runs are on N ranks (default 2). With -DDTYPE=bf16 they
+# With -DSP=N the runs are on N ranks (default 2). With -DPP=N they are N
+# pipeline stages instead (--sp 1 --pp N --micro-batches 2: the activations
+# and their gradients passed between the processes). With -DDTYPE=bf16 they
 # train in bf16 mixed precision (flash attention), the activations and the
 # MoE's dispatch and combine on the wire as bf16 (mla/wire.hpp). With -DPERTURB=SEED both
 # runs pass --perturb-reductions SEED, and a third, local run without it must
@@ -21,6 +23,11 @@ endif()
 if(NOT SP)
   set(SP 2)
 endif()
+set(RANKS ${SP})
+if(PP)
+  set(RANKS ${PP})
+  set(SP 1)
+endif()
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 if(MOE_CONFIG)
@@ -29,6 +36,9 @@ if(MOE_CONFIG)
 else()
   set(ARGS train --form laga --sp ${SP} --layers 2 --d-model 32 --heads 4 --seq 32 --batch 2
            --vocab 64 --steps 6 --lr 3e-3 --seed 7 --quiet)
+endif()
+if(PP)
+  list(APPEND ARGS --pp ${PP} --micro-batches 2)
 endif()
 if(EXPERT_PARALLEL)
   list(APPEND ARGS --expert-parallel)
@@ -59,7 +69,7 @@ foreach(backend ${BACKENDS})
   if(backend STREQUAL "plain")
     set(CMD ${TIMEOUT} 120 ${LAGA} ${PLAIN_ARGS} --comm local --log ${WORK}/plain.jsonl)
   elseif(backend STREQUAL "mpi")
-    set(CMD ${TIMEOUT} 120 ${MPIEXEC} --allow-run-as-root --oversubscribe -np ${SP} ${LAGA} ${ARGS}
+    set(CMD ${TIMEOUT} 120 ${MPIEXEC} --allow-run-as-root --oversubscribe -np ${RANKS} ${LAGA} ${ARGS}
             --comm mpi --log ${WORK}/mpi.jsonl)
   else()
     set(CMD ${TIMEOUT} 120 ${LAGA} ${ARGS} --comm local --log ${WORK}/local.jsonl)

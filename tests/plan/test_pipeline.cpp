@@ -115,6 +115,39 @@ TEST(Pipeline, BubblesByHand) {
       std::string::npos);
 }
 
+// laga train's lockstep 1F1B, F 1 and B 2 on every stage, by hand from the
+// tick table (model/pipeline.hpp; F a forward, B a backward, . idle):
+//   PP 2, M 4:  F. FF .B BF FB BF FB BF .B B.   ticks of 1 1 2 2 2 2 2 2 2 2 = 18
+// against 1F1B's (M + PP - 1)(F + B) = 15: each steady tick holds a B. On 2
+// shared cores, PP 4, M 4: F... FF.. FFF. FFFF ...B ..BF .BFB BFBF .BFB B.BF
+// .B.B B.B. .B.. B... take 1 1 1.5 2 2 2 2.5 3 2.5 2.5 2 2 2 2 = 28 (FFF: 3
+// on 2 cores, 1.5; BFB: the three at 2/3 until F ends at 1.5, then the Bs'
+// last half at 1: 2.5). The exchanges: each tick's longest forward comm plus
+// its longest backward comm.
+TEST(Pipeline, LockstepOneFOneBByHand) {
+  PassTimes t;
+  t.forward = 1, t.backward = 2;
+  EXPECT_DOUBLE_EQ(lockstep_step_s({t, t}, 4, 0), 18);
+  EXPECT_DOUBLE_EQ(pipeline_step_s(PipeSchedule::one_f_one_b_lockstep, 2, 1, 4, t), 18);
+  EXPECT_DOUBLE_EQ(pipeline_step_s(PipeSchedule::one_f_one_b, 2, 1, 4, t), 15);
+  EXPECT_DOUBLE_EQ(lockstep_step_s({t, t, t, t}, 4, 2), 28);
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 1, 4}, 2), 4.5);
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 3}, 2), 3);
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 3}, 0), 3);
+  // One stage: its passes one after another.
+  EXPECT_DOUBLE_EQ(lockstep_step_s({t}, 3, 2), 9);
+  // Stage 0 sends activations (0.25), stage 1 gradients (0.5): the 4 ticks
+  // with a forward on stage 0 pay 0.25, the 4 with a backward on stage 1 0.5.
+  PassTimes first = t, last = t;
+  first.forward_comm = 0.25, last.backward_comm = 0.5;
+  EXPECT_DOUBLE_EQ(lockstep_step_s({first, last}, 4, 0), 18 + 4 * 0.25 + 4 * 0.5);
+  EXPECT_NE(test::error_of([&] {
+              pipeline_bubble_s(PipeSchedule::one_f_one_b_lockstep, 2, 1, t);
+            }).find("every stage's times"),
+            std::string::npos);
+  EXPECT_EQ(parse_pipe_schedule("1f1b-lockstep"), PipeSchedule::one_f_one_b_lockstep);
+}
+
 // In-flight micro-batches: 1F1B PP - stage; interleaved (Megatron's warm-up
 // of 2 (PP - stage - 1) + (v - 1) PP chunk forwards, plus one, in stages of
 // 1/v) PP + (PP - 1)/v on the first stage; DualPipe PP + 1; never more than M.
