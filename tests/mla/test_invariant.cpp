@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -147,14 +148,14 @@ std::vector<T> run_reduce_scatter(int P, bool uneven, std::int64_t B, std::int64
     const std::int64_t k0 = index.begin[r], kr = index.end[r] - k0;
     const std::int64_t len = rows.end[r] - rows.begin[r];
     Tensor<T> la({R, kr}), lb({kr, n}), d({B * len, n});
-    for (std::int64_t i = 0; i < R; ++i)
-      std::memcpy(la.data() + i * kr, a.data() + i * K + k0, sizeof(T) * kr);
-    std::memcpy(lb.data(), b.data() + k0 * n, sizeof(T) * kr * n);
+    // std::copy_n, not memcpy: a rank without heads (kr 0) or tokens (len 0)
+    // holds empty tensors, whose data() is null (memcpy's UB even for 0 bytes).
+    for (std::int64_t i = 0; i < R; ++i) std::copy_n(a.data() + i * K + k0, kr, la.data() + i * kr);
+    std::copy_n(b.data() + k0 * n, kr * n, lb.data());
     canonical_reduce_scatter<T>(comm, mat(d), mat(std::as_const(la)), mat(std::as_const(lb)), index,
                                 rows, "canonical test");
     for (std::int64_t bb = 0; bb < B; ++bb)
-      std::memcpy(out.data() + (bb * S + rows.begin[r]) * n, d.data() + bb * len * n,
-                  sizeof(T) * len * n);
+      std::copy_n(d.data() + bb * len * n, len * n, out.data() + (bb * S + rows.begin[r]) * n);
   });
   return out;
 }
