@@ -48,6 +48,19 @@ void token_grad(const Step& st, Tensor<T>& g, ops::In<T> dy, ops::In<T> x, const
   ops::canonical_token_sum(st.ctx.comm, mat(g), dy, x, token_shards(st), label,
                            st.ctx.comm.rank() == 0);
 }
+// A linear layer's backward on a step: dx (none when null) = dy W, beta 0
+// or added to when accumulate_dx; W's gradient += dy^T x, this rank's
+// partial sum for the gradient all-reduce, or in the invariant mode the
+// canonical sum over the tokens under `label` (token_grad; x held narrowed
+// is widened by the caller first, ops::widen_kept).
+template <class T>
+void linear_backward_tokens(const Step& st, ops::Mat<T>* dx, bool accumulate_dx, Tensor<T>& dw,
+                            ops::In<T> dy, const Tensor<T>& x, const Tensor<T>& w,
+                            const char* label) {
+  if (!ops::op_invariant) return ops::linear_backward(dx, accumulate_dx, dw, dy, x, w);
+  if (dx) ops::gemm(*dx, accumulate_dx ? T(1) : T(0), dy, false, mat(w), false);
+  token_grad(st, dw, dy, mat(x), label);
+}
 
 // The first `keys` tokens of every row of a (B, S, .) tensor and of a
 // (B, keys, .) one, as blocks of rows both hold contiguously: f(row in the
@@ -336,13 +349,8 @@ Tensor<T> Pieces<T>::output_projection_backward(const Step& st, const MlaParams<
   Tensor<T> do_loc({st.B, st.L, st.H * st.dv}, name);
   ops::Mat<T> do_loc_m = mat(do_loc);
   if (!st.ctx.cfg.mla_use_output_gate) {
-    if (ops::op_invariant) {  // wo's gradient summed over the tokens canonically
-      ops::gemm(do_loc_m, T(0), mat(dout), false, mat(w.wo), false);
-      token_grad(st, grads.wo, mat(dout), mat(o_loc), "wo_grad");
-    } else {
-      // o_loc may be held narrowed: wo's gradient reads it in place.
-      ops::linear_backward(&do_loc_m, false, grads.wo, mat(dout), o_loc, w.wo);
-    }
+    // o_loc may be held narrowed: wo's gradient reads it in place.
+    linear_backward_tokens(st, &do_loc_m, false, grads.wo, mat(dout), o_loc, w.wo, "wo_grad");
     return do_loc;
   }
   // y = o_loc * sigmoid(g) again (wo's gradient reads it; not saved: one
@@ -351,12 +359,7 @@ Tensor<T> Pieces<T>::output_projection_backward(const Step& st, const MlaParams<
   ops::output_gate(mat(gated), mat(o_loc), mat(std::as_const(in.gate)));
   Tensor<T> dgated({st.B, st.L, st.H * st.dv}, "do_gated");
   ops::Mat<T> dgated_m = mat(dgated);
-  if (ops::op_invariant) {  // wo's gradient summed over the tokens canonically
-    ops::gemm(dgated_m, T(0), mat(dout), false, mat(w.wo), false);
-    token_grad(st, grads.wo, mat(dout), mat(std::as_const(gated)), "wo_grad");
-  } else {
-    ops::linear_backward(&dgated_m, false, grads.wo, mat(dout), mat(std::as_const(gated)), w.wo);
-  }
+  linear_backward_tokens(st, &dgated_m, false, grads.wo, mat(dout), gated, w.wo, "wo_grad");
   gated.reset();
   in.dgate = Tensor<T>({st.B, st.L, st.H * st.dv}, "dgate");
   ops::output_gate_backward(do_loc_m, mat(in.dgate), mat(std::as_const(dgated)), mat(o_loc),
@@ -409,21 +412,13 @@ void Pieces<T>::project_in_backward(const Step& st, const MlaParams<T>& w, const
   // += dproj^T x.
   dx = Tensor<T>({st.B, st.L, st.D}, "dx");
   ops::Mat<T> dx_m = mat(dx);
-  if (ops::op_invariant) {  // in_proj's gradient summed over the tokens canonically
-    ops::gemm(dx_m, T(0), mat(std::as_const(dproj)), false, mat(w.in_proj), false);
-    token_grad(st, grads.in_proj, mat(std::as_const(dproj)), mat(x), "in_proj_grad");
-  } else {
-    ops::linear_backward(&dx_m, false, grads.in_proj, mat(std::as_const(dproj)), mat(x), w.in_proj);
-  }
+  linear_backward_tokens(st, &dx_m, false, grads.in_proj, mat(std::as_const(dproj)), x, w.in_proj,
+                         "in_proj_grad");
   dproj.reset();
   if (in.dgate.defined()) {
     // The output gate's logits g = x wg^T: dx += dg wg, wg's gradient += dg^T x.
-    if (ops::op_invariant) {  // wg's gradient summed over the tokens canonically
-      ops::gemm(dx_m, T(1), mat(std::as_const(in.dgate)), false, mat(w.wg), false);
-      token_grad(st, grads.wg, mat(std::as_const(in.dgate)), mat(x), "wg_grad");
-    } else {
-      ops::linear_backward(&dx_m, true, grads.wg, mat(std::as_const(in.dgate)), mat(x), w.wg);
-    }
+    linear_backward_tokens(st, &dx_m, true, grads.wg, mat(std::as_const(in.dgate)), x, w.wg,
+                           "wg_grad");
     in.dgate.reset();
   }
 }
@@ -470,13 +465,9 @@ void Pieces<T>::query_backward(const Step& st, const MlaParams<T>& w, Tensor<T>&
     st.rope(mat(dq).col_range(st.dn, st.H * st.dqk - st.dn), st.H, st.dqk, true);
     dqn_heads = Tensor<T>({st.B, st.L, st.rq}, "dqn");
     ops::Mat<T> dqn_m = mat(dqn_heads);
-    if (ops::op_invariant) {  // wq_b's gradient summed over the tokens canonically
-      ops::widen_kept(in.qn);
-      ops::gemm(dqn_m, T(0), mat(std::as_const(dq)), false, mat(w.wq_b), false);
-      token_grad(st, grads.wq_b, mat(std::as_const(dq)), mat(std::as_const(in.qn)), "wq_b_grad");
-    } else {
-      ops::linear_backward(&dqn_m, false, grads.wq_b, mat(std::as_const(dq)), mat(in.qn), w.wq_b);
-    }
+    if (ops::op_invariant) ops::widen_kept(in.qn);
+    linear_backward_tokens(st, &dqn_m, false, grads.wq_b, mat(std::as_const(dq)),
+                           std::as_const(in.qn), w.wq_b, "wq_b_grad");
     in.qn.reset();
     dq.reset();
   }
@@ -537,11 +528,8 @@ Tensor<T> Pieces<T>::local_kv_backward(const Step& st, const MlaParams<T>& w, op
   merge_dkv(st, st.H, dk, dv, mat(dkv), mat(dlat_loc).col_range(st.C, st.dr));
   ops::gemm(mat(dlat_loc).col_range(0, st.C), T(0), mat(std::as_const(dkv)), false, mat(w.wkv_b),
             false);
-  if (ops::op_invariant)  // wkv_b's gradient summed over the tokens canonically
-    token_grad(st, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat), "wkv_b_grad");
-  else
-    ops::linear_backward<T>(nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), mat(c_hat),
-                            w.wkv_b);
+  linear_backward_tokens<T>(st, nullptr, false, grads.wkv_b, mat(std::as_const(dkv)), c_hat,
+                            w.wkv_b, "wkv_b_grad");
   return dlat_loc;
 }
 
