@@ -54,6 +54,24 @@ std::vector<T> buffer(std::int64_t n) {
 }  // namespace
 
 template <class T>
+DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                             const T* x, const T* qr, std::int64_t N) {
+  const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
+                     dI = cfg.index_head_dim;
+  DsaIndexerProjections<T> p{buffer<T>(N * HI * dI), buffer<T>(N * dI), buffer<T>(N * dI),
+                             buffer<T>(N),           buffer<T>(N),      buffer<T>(N * HI)};
+  linear_forward(p.q.data(), qr, iw.wq_b.data(), N, rq, HI * dI);
+  linear_forward(p.k_pre.data(), x, iw.wk.data(), N, D, dI);
+  layernorm_forward(p.k.data(), p.k_mean.data(), p.k_rstd.data(), p.k_pre.data(),
+                    iw.k_norm_weight.data(), iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
+  // weights_proj(x) * n_heads^-0.5, times softmax_scale = head_dim^-0.5.
+  p.w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
+  linear_forward(p.w.data(), x, iw.weights_proj.data(), N, D, HI);
+  for (T& e : p.w) e = T(double(e) * p.w_scale);
+  return p;
+}
+
+template <class T>
 DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
                             const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                             std::int64_t B, std::int64_t S, DsaStage stage, DsaAttend attend) {
@@ -96,21 +114,18 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     }
 
   // ---- the lightning indexer (DeepSeek's Indexer.forward, no fp8)
-  std::vector<T> qI = buffer<T>(N * HI * dI), kpre = buffer<T>(N * dI), kI = buffer<T>(N * dI);
-  std::vector<T> k_mean = buffer<T>(N), k_rstd = buffer<T>(N), wI = buffer<T>(N * HI);
-  linear_forward(qI.data(), qr.data(), iw.wq_b.data(), N, rq, HI * dI);
-  linear_forward(kpre.data(), x, iw.wk.data(), N, D, dI);
-  layernorm_forward(kI.data(), k_mean.data(), k_rstd.data(), kpre.data(), iw.k_norm_weight.data(),
-                    iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
+  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
+  std::vector<T>& qI = ip.q;  // the names the rest of this function reads
+  std::vector<T>& kpre = ip.k_pre;
+  std::vector<T>& kI = ip.k;
+  std::vector<T>& k_mean = ip.k_mean;
+  std::vector<T>& k_rstd = ip.k_rstd;
+  std::vector<T>& wI = ip.w;
+  const double w_scale = ip.w_scale;
   for (std::int64_t b = 0; b < B; ++b) {
     rope_halves_apply(qI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, false);
     rope_halves_apply(kI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, false);
   }
-  // weights_proj(x) * n_heads^-0.5, times softmax_scale = head_dim^-0.5 (the
-  // q_scale of fp8 is 1 without quantization).
-  const double w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
-  linear_forward(wI.data(), x, iw.weights_proj.data(), N, D, HI);
-  for (T& e : wI) e = T(double(e) * w_scale);
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;
@@ -271,5 +286,12 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
+template DsaIndexerProjections<float> dsa_indexer_project(const MlaConfig&,
+                                                          const DsaIndexerParams<float>&,
+                                                          const float*, const float*, std::int64_t);
+template DsaIndexerProjections<double> dsa_indexer_project(const MlaConfig&,
+                                                           const DsaIndexerParams<double>&,
+                                                           const double*, const double*,
+                                                           std::int64_t);
 
 }  // namespace laga

@@ -60,6 +60,21 @@ struct DsaIndexerParams {
   std::vector<std::pair<std::string, std::vector<T>*>> named();
 };
 
+// The indexer's projections of N tokens (DeepSeek's Indexer.forward, no
+// fp8), before RoPE, which the caller applies from its tokens' positions:
+// q (N, HI dI) = qr wq_b^T; k (N, dI) = LayerNorm(k_pre), k_pre = x wk^T,
+// with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
+// HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The
+// single-rank block and the latent gather both call it.
+template <class T>
+struct DsaIndexerProjections {
+  std::vector<T> q, k_pre, k, k_mean, k_rstd, w;
+  double w_scale = 0;  // HI^-1/2 dI^-1/2: w's backward scales by it too
+};
+template <class T>
+DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                             const T* x, const T* qr, std::int64_t N);
+
 template <class T>
 struct DsaBlockResult {
   std::vector<T> out;                 // (B, S, D)

@@ -15,8 +15,6 @@ namespace laga {
 
 namespace {
 
-constexpr double kIndexerNormEps = 1e-6;  // dsa_block.cpp's (DeepSeek's LayerNorm)
-
 template <class T>
 std::vector<T> buffer(std::int64_t n) {
   return std::vector<T>(static_cast<std::size_t>(n), T(0));
@@ -134,17 +132,16 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   }
   rope_mla(lat_own.data() + C, 1, W, dr, false);
   // ... and the indexer's
-  std::vector<T> qI = buffer<T>(N * HI * dI), kpre = buffer<T>(N * dI), kI = buffer<T>(N * dI);
-  std::vector<T> k_mean = buffer<T>(N), k_rstd = buffer<T>(N), wI = buffer<T>(N * HI);
-  linear_forward(qI.data(), qr.data(), iw.wq_b.data(), N, rq, HI * dI);
-  linear_forward(kpre.data(), x, iw.wk.data(), N, D, dI);
-  layernorm_forward(kI.data(), k_mean.data(), k_rstd.data(), kpre.data(), iw.k_norm_weight.data(),
-                    iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
+  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
+  std::vector<T>& qI = ip.q;  // the names the rest of this function reads
+  std::vector<T>& kpre = ip.k_pre;
+  std::vector<T>& kI = ip.k;
+  std::vector<T>& k_mean = ip.k_mean;
+  std::vector<T>& k_rstd = ip.k_rstd;
+  std::vector<T>& wI = ip.w;
+  const double w_scale = ip.w_scale;
   rope_index(qI.data(), HI, HI * dI, false);
   rope_index(kI.data(), 1, dI, false);
-  const double w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
-  linear_forward(wI.data(), x, iw.weights_proj.data(), N, D, HI);
-  for (T& e : wI) e = T(double(e) * w_scale);
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
