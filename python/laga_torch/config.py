@@ -89,6 +89,15 @@ NOPE_REFUSAL = ("{source}: {what}: Kimi K3's gated NoPE MLA (mla_use_nope, "
                 "(docs/forms.md, \"Gated NoPE MLA\")")
 
 
+# DeepSeek Sparse Attention's indexer keys (DeepSeek-V3.2's config.json), which
+# neither laga_torch nor the C++ tool's dense commands run (docs/forms.md, DSA).
+DSA_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+DSA_REFUSAL = ("{source} sets DeepSeek Sparse Attention ({keys}): the lightning indexer and "
+               "top-k attention, which laga_torch does not run: it would attend every key, a "
+               "different model. `laga plan` costs its DSA forms (docs/planning.md, \"DSA\"); "
+               "for its dense MLA alone give a config without the index keys")
+
+
 def _read_bool(j, key, source):
     v = j.get(key)
     if v is None:
@@ -331,6 +340,12 @@ class MLAConfig:
         for key in ("mla_use_nope", "mla_use_output_gate"):
             if _read_bool(j, key, source):
                 raise ValueError(NOPE_REFUSAL.format(source=source, what=f"'{key}' true"))
+        # DeepSeek-V3.2's sparse attention: the C++ tool's dense commands refuse
+        # it too (ModelOptions::load, tools/cli_common.cpp): attending every key
+        # would be another model.
+        dsa = [f"{k} {_dump(j[k])}" for k in DSA_KEYS if j.get(k) is not None]
+        if dsa:
+            raise ValueError(DSA_REFUSAL.format(source=source, keys=", ".join(dsa)))
 
         def need(key):
             v = _read_int(j, key, source)

@@ -83,6 +83,12 @@ def configs():
     add("hf rope 0", dict(drop(HF, "rope_scaling"), qk_rope_head_dim=0))
     add("args rope 0", dict(ARGS_PLAIN, qk_rope_head_dim=0))
     add("args kimi", dict(ARGS, mla_use_nope=True, mla_use_output_gate=True))
+    # DeepSeek-V3.2's indexer keys: laga's dense commands refuse them, and so
+    # must the package (it would attend every key); a partial set too.
+    dsa = {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4}
+    add("hf dsa", dict(HF, **dsa))
+    add("args dsa", dict(ARGS, **dsa))
+    add("args dsa topk only", dict(ARGS, index_topk=4))
     for v in (1, 0, "true", [True]):
         add(f"hf mla_use_nope={v!r}", dict(HF, mla_use_nope=v))
         add(f"args mla_use_output_gate={v!r}", dict(ARGS, mla_use_output_gate=v))
