@@ -559,7 +559,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const int sp_size = o.pp > 1 ? 1 : layout.ranks;
   const int sp_rank = r % sp_size;
   const std::int64_t B = o.batch, S = o.seq, B_r = layout.batch;
-  const std::int64_t first_row = std::int64_t(r / sp_size) * B_r;
+  const std::int64_t first_row = o.dp > 1 ? std::int64_t(r / sp_size) * B_r : 0;
   const std::int64_t L = layout.seq_count[size_t(sp_rank)];
   // (L), SpLayout's order
   const std::vector<std::int64_t> own_positions = layout.positions(sp_rank);
