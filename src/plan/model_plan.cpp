@@ -418,9 +418,9 @@ ModelPlan plan_one(const ModelPlanRequest& q, const StageSpan& span, const PlanC
   // share its cores with the SP group: the block plan shared them among its
   // P ranks only (group_step_time, its core_share_s), while all P * dp
   // compute at once, each at cores / (P * dp) of a core. Its compute is
-  // stretched to that, less the share it already holds (issue 57: laga
-  // train --dp 3 and 4 on 2 cores ran the attention a third and a half
-  // slower than the plan said).
+  // stretched to that, less the share it already holds (issue 57; checked
+  // against laga train --dp in docs/planning.md, "EP over the data-parallel
+  // replicas against a measured step").
   if (const int cores = q.block.profile.shared_cores; cores > 0 && dp > 1 && P * dp > cores) {
     const double compute = block_forward_compute + block_backward_compute;
     const double extra =
