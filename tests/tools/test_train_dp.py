@@ -23,7 +23,9 @@ against `--sp 1` without --dp at the same --batch, over 3 steps:
     --expert-parallel bit for bit the 2 threads';
   - the refusals: a --batch D does not divide, --dp with --sp 2, --pp 2,
     --pack-eos, and an --ep that does not divide the ranks, each naming the
-    option.
+    option;
+  - a token file with --val-data at D 2: every validation loss within 1e-6
+    of one rank's.
 
 Reading the same rows on every replica (a broken split) moves the losses by
 about 1e-2 and fails the first check.
@@ -143,6 +145,18 @@ for name, model, extra, dps, batch in cases:
             print(f"{name} --dp {dp} {' '.join(extra)}: losses "
                   f"{[r['loss'] for r in got[0]]}; final tensors within "
                   f"{worst[0]:.2g} of their largest element ({worst[1]})")
+
+# A token file and validation: each replica validates its own rows too.
+tok = os.path.join(scratch, "tokens.u16")
+with open(tok, "wb") as f:
+    f.write(struct.pack("<4096H", *[(i * 7) % 200 for i in range(4096)]))
+DATA = ["--data", tok, "--val-data", tok, "--val-every", "1"]
+val_ref, _ = train("val_ref", MOE, DATA, 4, steps=2)
+val_dp, _ = train("val_dp2", MOE, DATA + ["--dp", "2", "--expert-parallel"], 4, steps=2)
+for a, b in zip(val_ref, val_dp):
+    if abs(a["val_loss"] - b["val_loss"]) > 1e-6 * abs(a["val_loss"]):
+        failures.append(f"--val-data at --dp 2: step {a['step']} val_loss {b['val_loss']!r}, "
+                        f"one rank {a['val_loss']!r}")
 
 # A checkpoint written at D 2, resumed at D 2 (bit for bit) and at D 1.
 whole, _ = train("resume_whole", MOE, ["--dp", "2", "--expert-parallel"], 6, steps=4)
