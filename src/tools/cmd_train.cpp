@@ -309,7 +309,7 @@ void check_options_act(const TrainCli& c, const TrainOptions& o) {
              "which the ranks' contributions to each reduction are added, and at --sp ",
              c.sp, c.dp > 1 ? cat(" x --dp ", c.dp) : std::string(),
              " every order gives the same bits (it changes bits only at 3 ranks or more); give "
-             "--sp >= 3, or drop it");
+             "--sp >= 3 (or --sp x --dp >= 3), or drop it");
 }
 
 void run_train(const TrainCli& c) {
@@ -622,7 +622,8 @@ void register_train(CLI::App& app) {
                   "reductions\")")
       ->check(whole_for(0, c->perturb_reductions));
   sub->add_flag("--expert-parallel", c->expert_parallel,
-                "MoE models: fold expert parallelism onto the --sp ranks (each rank runs "
+                "MoE models: fold expert parallelism onto the --sp ranks (with --dp, every "
+                "replica's: EP over DP; each rank runs "
                 "E / P consecutive experts, the first E % P ranks one more, on every rank's "
                 "copies routed to them: all_to_all_v dispatch and combine, ledgered as moe_counts, "
                 "moe_dispatch, moe_combine and their backward dmoe_*; docs/moe.md, \"Expert "
@@ -632,7 +633,7 @@ void register_train(CLI::App& app) {
          "with --expert-parallel: the EP degree N, a divisor of --sp (x --dp): groups of N "
          "consecutive ranks, each holding every expert (E / N per rank), the copies "
          "exchanged within a group, each expert's gradients summed over the groups by "
-         "the gradient all-reduce (default: --sp, one group)")
+         "the gradient all-reduce (default: every rank, --sp x --dp, one group)")
       ->check(whole_for(1, c->ep));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
