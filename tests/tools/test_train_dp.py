@@ -194,6 +194,14 @@ if mpiexec:
             [(r["loss"], r["grad_norm"]) for r in procs]:
         failures.append(f"--dp 2 under MPI: {[r['loss'] for r in procs]}, as threads "
                         f"{[r['loss'] for r in threads]}")
+    # Processes that are not --sp x --dp: refused, naming both.
+    r = run(MOE + ["--seq", "32", "--steps", "1", "--quiet", "--batch", "2", "--dp", "2",
+                   "--comm", "mpi"],
+            launcher=[mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "3"],
+            expect_ok=False)
+    if r.returncode == 0 or "3 MPI processes" not in r.stderr or "--dp" not in r.stderr:
+        failures.append(f"--dp 2 under 3 MPI processes: exit {r.returncode}, want a refusal "
+                        f"naming the 3 processes and --dp:\n{r.stderr}")
 
 # The refusals, each naming what to change.
 refusals = [
