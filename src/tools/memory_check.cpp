@@ -199,8 +199,9 @@ JobMemory train_state_lower_bound(const TrainOptions& o, Backend backend) {
   // Per rank at least its fp32 parameters and AdamW m and v (12 bytes a
   // parameter; the gradients' precision varies): every expert, or with
   // --expert-parallel the most any rank owns.
-  const int ep =
-      o.experts == ExpertPlacement::folded ? (o.expert_degree > 0 ? o.expert_degree : o.sp) : 1;
+  const int ep = o.experts == ExpertPlacement::folded
+                     ? (o.expert_degree > 0 ? o.expert_degree : o.sp * o.dp)
+                     : 1;
   const double per_rank = 12.0 * double(n.replicated() + n.routed_experts_on_device(ep));
   const double ranks = backend == Backend::local ? double(o.ranks()) : 1.0;
   JobMemory job;
