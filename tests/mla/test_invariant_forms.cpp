@@ -166,43 +166,49 @@ TEST(InvariantForms, SameBitsAtEveryPGatedNopeFp32) {
   expect_same_bits_at_every_p(Precision::fp32, true, true, 7, true);
 }
 
+// A count-only rank of `lay` on a dry-run communicator in the mode, in T:
+// its ledger the closed form at sizeof(T) an element and its pool the
+// memory model's.
+template <class T>
+void expect_count_only_closed_forms(const MlaConfig& cfg, const SpLayout& lay, Form f, int r) {
+  MemoryPool pool;
+  pool.set_count_only(true);
+  PoolScope scope(pool);
+  const RopeTable rope = RopeTable::unbacked(cfg.rope(), lay.seq);
+  const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  const Tensor<T> x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
+  DryRunCommunicator comm(r, lay.ranks);
+  RunSpec spec;
+  spec.variant = f;
+  spec.attention = AttentionKind::flash;
+  spec.invariant = true;
+  const RankResult<T> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+  const std::int64_t e = sizeof(T);
+  const std::string tag = std::string(form_spec(f).name) + " " + lay.describe() + " rank " +
+                          std::to_string(r) + " " + std::to_string(e) + "-byte elements";
+  EXPECT_GT(res.report.ledger.entries().at({Phase::backward, "wo_grad"}).bytes_sent, std::int64_t(1)
+                                                                                         << 30)
+      << tag << ": wo's pieces, 7168 x 16384 elements to 7 peers";
+  expect_ledger_is_the_closed_form(res.report.ledger,
+                                   predict_comm(cfg, lay, f, r, e, true, true, true), tag);
+  MemoryModelOptions opt;
+  opt.invariant = true;
+  const MemoryPrediction p = predict_memory(cfg, lay, f, AttentionKind::flash, r, e, opt);
+  EXPECT_EQ(res.report.memory.peak_working, p.peak_working) << tag;
+  EXPECT_EQ(res.report.memory.after_forward, p.after_forward) << tag;
+}
+
 // At DeepSeek-V3's dims (and its query latent, rq 1536), S 4096 and 4099
 // (uneven: ranks of equal shards at different offsets cut different
-// pieces), P 8: a count-only rank on a dry-run communicator, its ledger the
-// closed form in the mode and its pool the memory model's, rank by rank.
+// pieces), P 8, ranks 0, 3 and 7, fp32, and one rank in double.
 TEST(InvariantForms, CountOnlyLedgerAndPoolAreTheClosedFormsAtDeepSeekV3Dims) {
   const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
-  for (std::int64_t S : {4096, 4099}) {
-    const SpLayout lay = SpLayout::even(1, S, v3.n_heads, 8);
-    const RopeTable rope = RopeTable::unbacked(v3.rope(), S);
-    for (Form f : all_forms()) {
-      if (!form_spec(f).traits.invariant) continue;
-      for (int r : {0, 3, 7}) {
-        MemoryPool pool;
-        pool.set_count_only(true);
-        PoolScope scope(pool);
-        const MlaParams<float> w = MlaParams<float>::zeros(v3, MemCategory::parameters);
-        const TensorF x({1, S, v3.dim}), dout({1, S, v3.dim});
-        DryRunCommunicator comm(r, lay.ranks);
-        RunSpec spec;
-        spec.variant = f;
-        spec.attention = AttentionKind::flash;
-        spec.invariant = true;
-        const RankResult<float> res = run_rank(comm, v3, lay, rope, w, x, dout, spec);
-        const std::string tag = std::string(form_spec(f).name) + " V3 S " + std::to_string(S) +
-                                " rank " + std::to_string(r);
-        EXPECT_GT(res.report.ledger.entries().at({Phase::backward, "wo_grad"}).bytes_sent,
-                  std::int64_t(1) << 30)
-            << tag << ": wo's pieces, 7168 x 16384 fp32 to 7 peers";
-        expect_ledger_is_the_closed_form(res.report.ledger,
-                                         predict_comm(v3, lay, f, r, 4, true, true, true), tag);
-        MemoryModelOptions opt;
-        opt.invariant = true;
-        const MemoryPrediction p = predict_memory(v3, lay, f, AttentionKind::flash, r, 4, opt);
-        EXPECT_EQ(res.report.memory.peak_working, p.peak_working) << tag;
-        EXPECT_EQ(res.report.memory.after_forward, p.after_forward) << tag;
-      }
-    }
+  for (Form f : all_forms()) {
+    if (!form_spec(f).traits.invariant) continue;
+    for (std::int64_t S : {4096, 4099})
+      for (int r : {0, 3, 7})
+        expect_count_only_closed_forms<float>(v3, SpLayout::even(1, S, v3.n_heads, 8), f, r);
+    expect_count_only_closed_forms<double>(v3, SpLayout::even(1, 4099, v3.n_heads, 8), f, 3);
   }
 }
 
