@@ -127,7 +127,7 @@ FormVariant dsa_placement(DsaForm f) {
   return placement_variant(f);
 }
 
-void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
+void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage stage) {
   const MlaConfig& cfg = t.cfg;
   const std::int64_t di = dsa.index_head_dim, Hi = dsa.index_n_heads, K = dsa.index_topk;
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
@@ -146,10 +146,14 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
     t.add(ph, "index_k_ag", t.reduce_scatter(di), CollectiveKind::reduce_scatter);
   };
   // Each rank's partial (its heads') sum of the selected keys' attention
-  // probabilities, summed at the query's owner: the indexer's KL target.
+  // probabilities, summed at the query's owner: the indexer's KL target, a
+  // row's key set wide (K; every causal key in the warm-up, S slots), at
+  // fp32 under bf16 and at the tensors' element otherwise.
   auto kl_target = [&]() {
-    t.add(Phase::forward, "index_target_rs", at4(t.reduce_scatter(K)),
-          CollectiveKind::reduce_scatter);
+    PredictedBytes b = t.reduce_scatter(stage == DsaStage::sparse ? K : t.layout.seq);
+    const std::int64_t e = std::max(t.elem_bytes, kStatBytes);
+    b.sent = b.sent / t.elem_bytes * e, b.received = b.received / t.elem_bytes * e;
+    t.add(Phase::forward, "index_target_rs", b, CollectiveKind::reduce_scatter);
   };
   switch (form) {
     case DsaForm::latent_gather:
@@ -177,7 +181,8 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
         t.to_heads(ph, "v_a2a", cfg.v_head_dim);
         index_keys(ph);
         if (ph != Phase::forward) return;
-        t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
+        if (stage == DsaStage::sparse)  // the warm-up attends every causal key
+          t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         kl_target();
       });
       break;
@@ -191,10 +196,10 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
 
 CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                                 DsaForm form, int rank, WireElementBytes wire, bool backward,
-                                bool grad_sync) {
+                                bool grad_sync, DsaStage stage) {
   dsa.validate(cfg);
   CommTerms t(cfg, layout, placement_variant(form), rank, wire.activations, backward);
-  dsa_collectives(t, dsa, form);
+  dsa_collectives(t, dsa, form, stage);
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
   const int P = layout.ranks;
   if (grad_sync && P > 1) {
