@@ -242,6 +242,53 @@ TEST(DsaExplicit, PackedDocumentsEqualEachDocumentAloneFloat) {
   }
 }
 
+// Forward only (dout null): the rows' outputs, selections and KL as with a
+// backward, and a ledger of the forward's labels alone (backward false).
+TEST(DsaExplicit, ForwardOnlyMovesTheForwardAlone) {
+  const MlaConfig cfg = cp_config();
+  const std::int64_t B = 2, S = 11, D = cfg.dim, K = cfg.index_topk;
+  const SpLayout lay = SpLayout::custom(B, {5, 2, 4}, heads_of(3));
+  MlaParams<double> w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 5, 0.1);
+  const DsaIndexerParams<double> iw = indexer_weights<double>(cfg, 40);
+  const std::vector<double> x = test::random_vector<double>(B * S * D, 7);
+  for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup}) {
+    const DsaBlockResult<double> want =
+        dsa_block<double>(cfg, w, iw, x.data(), nullptr, B, S, stage, DsaAttend::per_head);
+    std::vector<DsaBlockResult<double>> got(3);
+    std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(3);
+    run_local_ranks(comms, [&](Communicator& comm) {
+      const int r = comm.rank();
+      const std::vector<double> xr =
+          rows_of(x, B, S, D, lay.shard_begin(r), lay.seq_count[std::size_t(r)]);
+      got[std::size_t(r)] = dsa_explicit<double>(cfg, w, iw, xr.data(), nullptr, lay, stage, comm);
+    });
+    const test::Tolerance tol = test::block_tolerance<double>();
+    double kl = 0;
+    for (int r = 0; r < 3; ++r) {
+      const DsaBlockResult<double>& g = got[std::size_t(r)];
+      const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+      const std::string wr = std::string(to_string(stage)) + " rank " + std::to_string(r);
+      EXPECT_TRUE(
+          all_close(wr + " out", g.out, rows_of(want.out, B, S, D, s0, L), tol.atol, tol.rtol));
+      EXPECT_EQ(g.idx, rows_of(want.idx, B, S, K, s0, L)) << wr;
+      EXPECT_TRUE(g.dx.empty()) << wr;
+      kl += g.kl_loss;
+      const CommPrediction p = dsa_predict_comm(
+          cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r, {8, 8}, false, false, stage);
+      const auto& entries = comms[std::size_t(r)]->ledger().entries();
+      EXPECT_EQ(entries.size(), p.size()) << wr;
+      for (const auto& [key, pred] : p) {
+        const auto it = entries.find(key);
+        ASSERT_NE(it, entries.end()) << wr << " no ledger entry " << key.second;
+        EXPECT_EQ(it->second.bytes_sent, pred.sent) << wr << " " << key.second;
+        EXPECT_EQ(it->second.calls, pred.calls) << wr << " " << key.second;
+      }
+    }
+    EXPECT_NEAR(kl, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss));
+  }
+}
+
 // Bad input: one error naming what is wrong, the same on every rank.
 TEST(DsaExplicit, RefusesZigzagOtherHeadsAndABadDocStart) {
   const MlaConfig cfg = cp_config();
