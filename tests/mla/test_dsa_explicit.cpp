@@ -121,13 +121,14 @@ DsaBlockResult<T> per_document(const MlaConfig& cfg, const MlaParams<T>& w,
 }
 
 template <class T>
-void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool packed = false) {
+void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool packed = false,
+                std::vector<std::int64_t> heads = {}) {
   const MlaConfig cfg = cp_config();
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
   std::int64_t S = 0;
   for (std::int64_t n : counts) S += n;
-  const SpLayout lay = SpLayout::custom(B, counts, heads_of(P));
+  const SpLayout lay = SpLayout::custom(B, counts, heads.empty() ? heads_of(P) : heads);
   MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
   init_params(w, 5, 0.1);
   const DsaIndexerParams<T> iw = indexer_weights<T>(cfg, 40);
@@ -239,6 +240,15 @@ TEST(DsaExplicit, PackedDocumentsEqualEachDocumentAloneFloat) {
   for (const auto& c : kShards) {
     check_form<float>(DsaStage::sparse, c, true);
     check_form<float>(DsaStage::dense_warmup, c, true);
+  }
+}
+
+// A rank without heads (P 6 > H 5, and one at P 3) attends nothing, sends
+// its rows' Q, K, V to the others and still gets its rows' KL target.
+TEST(DsaExplicit, RanksWithoutHeads) {
+  for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup}) {
+    check_form<double>(stage, {2, 2, 2, 2, 2, 1}, false, {1, 1, 1, 1, 1, 0});
+    check_form<double>(stage, {5, 2, 4}, true, {0, 3, 2});
   }
 }
 
