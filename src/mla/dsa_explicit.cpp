@@ -164,6 +164,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   seq_to_head(comm, lay, q.data(), q_h.data(), dqk, "q_a2a");
   seq_to_head(comm, lay, k.data(), k_h.data(), dqk, "k_a2a");
   seq_to_head(comm, lay, v.data(), v_h.data(), dv, "v_a2a");
+  q = {}, k = {}, v = {};  // backward reads the heads' copies
   SparseAttnShape ss;
   ss.attn = AttnShape{B, S, S, Hr, Hr, dqk, dv, cfg.softmax_scale(), true};
   ss.K = KA;
@@ -209,6 +210,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   dsa_indexer_kl(is, KO, own_idx, p_own.data(), ip.q.data(), kIS.data(), ip.w.data(), loss.data(),
                  dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
+  kIS = {}, p_own = {}, p_rows = {};  // the KL's gradients are taken: backward reads them
   if (!dout) return res;
 
   comm.set_phase(Phase::backward);
