@@ -145,15 +145,13 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage 
       return t.add(ph, "index_k_ag", t.all_gather(di), CollectiveKind::all_gather);
     t.add(ph, "index_k_ag", t.reduce_scatter(di), CollectiveKind::reduce_scatter);
   };
-  // Each rank's partial (its heads') sum of the selected keys' attention
-  // probabilities, summed at the query's owner: the indexer's KL target, a
-  // row's key set wide (K; every causal key in the warm-up, S slots), at
-  // fp32 under bf16 and at the tensors' element otherwise.
-  auto kl_target = [&]() {
-    PredictedBytes b = t.reduce_scatter(stage == DsaStage::sparse ? K : t.layout.seq);
-    const std::int64_t e = std::max(t.elem_bytes, kStatBytes);
-    b.sent = b.sent / t.elem_bytes * e, b.received = b.received / t.elem_bytes * e;
-    t.add(Phase::forward, "index_target_rs", b, CollectiveKind::reduce_scatter);
+  // Each rank's partial (its heads') sum of the slots' attention
+  // probabilities, summed at the query's owner: the indexer's KL target,
+  // at fp32 or the activations' element when wider (dsa_model.hpp).
+  auto kl_target = [&](std::int64_t slots) {
+    const PredictedBytes b = t.reduce_scatter(slots);
+    t.add(Phase::forward, "index_target_rs", t.elem_bytes < kStatBytes ? at4(b) : b,
+          CollectiveKind::reduce_scatter);
   };
   switch (form) {
     case DsaForm::latent_gather:
@@ -167,12 +165,13 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage 
         t.latent_gather(ph);
         index_keys(ph);
         if (ph != Phase::forward) return;
+        if (stage == DsaStage::dense_warmup) return kl_target(t.layout.seq);  // every causal key
         if (form == DsaForm::laga_indices) {
           t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         } else {  // w for every query; qr came with the query latent exchange
           t.add(ph, "index_w_ag", t.all_gather(Hi), CollectiveKind::all_gather);
         }
-        kl_target();
+        kl_target(K);
       });
       break;
     case DsaForm::explicit_form:
@@ -181,9 +180,9 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage 
         t.to_heads(ph, "v_a2a", cfg.v_head_dim);
         index_keys(ph);
         if (ph != Phase::forward) return;
-        if (stage == DsaStage::sparse)  // the warm-up attends every causal key
-          t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
-        kl_target();
+        if (stage == DsaStage::dense_warmup) return kl_target(t.layout.seq);  // every causal key
+        t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
+        kl_target(K);
       });
       break;
     case DsaForm::ring_latent:
