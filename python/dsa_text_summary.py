@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""The dense-vs-DSA table of docs/convergence.md ("DSA on real text") from
-two `laga train --log` files of the same schedule.
+"""The dense-vs-DSA table of docs/convergence.md ("The same text with
+DeepSeek Sparse Attention") from two `laga train --log` files of the same schedule.
 
     python/dsa_text_summary.py DENSE.jsonl DSA.jsonl
 

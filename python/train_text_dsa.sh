@@ -1,10 +1,11 @@
 #!/bin/sh
-# DeepSeek Sparse Attention on real text (issue 55; docs/convergence.md, "DSA
-# on real text"): the fortunes bytes (scripts/text_data.py), one small model
-# trained twice from one seed on the same batches and schedule: dense MLA,
-# and DSA (the lightning indexer, --index-warmup dense steps, then each query
-# attends its top-k keys). The two runs go side by side (one thread each);
-# then the summary table (python/dsa_text_summary.py).
+# DeepSeek Sparse Attention on real text (issue 55; docs/convergence.md, "The
+# same text with DeepSeek Sparse Attention"): the fortunes bytes
+# (scripts/text_data.py), one small model trained twice from one seed on the
+# same batches and schedule: dense MLA, and DSA (the lightning indexer,
+# --index-warmup dense steps, then each query attends its top-k keys). The
+# two runs go side by side (one thread each); then the summary table
+# (python/dsa_text_summary.py).
 # Usage:
 #   python/train_text_dsa.sh [LAGA_BINARY] [OUT_DIR]
 set -eu

@@ -1,7 +1,7 @@
 // DeepSeek Sparse Attention as a layer's attention in the language model
 // (`laga train` on a config with index_n_heads, index_head_dim and
 // index_topk; docs/forms.md, "DeepSeek Sparse Attention (DSA)", and
-// docs/convergence.md, "DSA on real text").
+// docs/convergence.md, "The same text with DeepSeek Sparse Attention").
 //
 // The layer's attention is mla/dsa_block.hpp's block at --sp 1 (per-head
 // keys, DeepSeek's prefill) and mla/dsa_cp.hpp's query-local latent gather

@@ -400,7 +400,7 @@ void run_train(const TrainCli& c) {
               << (o.seq_layout == SeqLayout::contiguous
                       ? std::string()
                       : cat(", seq layout ", to_string(o.seq_layout)))
-              << ", attention " << c.attention
+              << (dsa ? std::string() : ", attention " + c.attention)
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
               << o.sp
               << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
