@@ -227,9 +227,7 @@ void check_pipeline_options(const TrainOptions& o) {
   LAGA_CHECK(next == o.model.layers, "train: the pipeline stages hold ", next,
              " layers and the model has ", o.model.layers, "; give stages covering every layer");
 }
-}  // namespace
 
-namespace {
 // DSA models (model/dsa_layer.hpp): what their layers run today. Each
 // refusal names the option and what to do.
 void check_dsa_options(const TrainOptions& o) {
