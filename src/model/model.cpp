@@ -19,10 +19,12 @@ namespace laga {
 
 namespace {
 // An MoE layer's expert bias: "layers.N.ffn.gate.bias".
-bool is_expert_bias(const std::string& name) {
-  const std::string tail = ".ffn.gate.bias";
+bool ends_with(const std::string& name, const std::string& tail) {
   return name.size() > tail.size() &&
          name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+bool is_expert_bias(const std::string& name) {
+  return ends_with(name, ".ffn.gate.bias");
 }
 }  // namespace
 
@@ -196,6 +198,7 @@ LmParams<T> LmParams<T>::zeros(const LmConfig& cfg, MemCategory cat) {
     LayerParams<T> L;
     L.attn_norm = Tensor<T>::zeros({D}, cat);
     L.attn = MlaParams<T>::zeros(cfg.mla, cat);
+    L.indexer = LmIndexerParams<T>::zeros(cfg.mla, cat);
     L.ffn_norm = Tensor<T>::zeros({D}, cat);
     if (cfg.is_moe_layer(l)) {
       L.moe = MoeParams<T>::zeros(*cfg.moe, D, cat);
@@ -221,6 +224,7 @@ void visit(LmParams<T>& p, Fn&& fn) {
     fn(pre + "attn_norm.weight", L.attn_norm);
     L.attn.for_each(std::function<void(const std::string&, Tensor<T>&)>(
         [&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); }));
+    L.indexer.for_each([&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); });
     fn(pre + "ffn_norm.weight", L.ffn_norm);
     if (L.moe.gate.defined()) {
       L.moe.for_each([&](const std::string& n, Tensor<T>& t) { fn(pre + "ffn." + n, t); });
@@ -255,8 +259,10 @@ std::int64_t LmParams<T>::numel() const {
 template <class T>
 void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
   p.for_each([&](const std::string& name, Tensor<T>& t) {
-    if (is_expert_bias(name)) {
-      t.fill(T(0));  // DeepSeek-V3 starts the balancing from no correction
+    if (ends_with(name, ".bias")) {
+      // DeepSeek-V3 starts the balancing from no correction; the DSA
+      // indexer's LayerNorm bias starts at 0, as torch's LayerNorm does.
+      t.fill(T(0));
     } else if (t.rank() == 1) {
       t.fill(T(1));
     } else {
@@ -268,7 +274,8 @@ void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
 
 bool lm_param_decays(const std::string& name) {
   if (name == "embed.weight") return false;
-  return name.find("norm.weight") == std::string::npos && !is_expert_bias(name);
+  // Biases (an expert's, the DSA indexer's LayerNorm's) are not decayed either.
+  return name.find("norm.weight") == std::string::npos && !ends_with(name, ".bias");
 }
 
 bool lm_param_trains(const std::string& name) {
@@ -337,6 +344,11 @@ BlockContext block_ctx(const LmContext& c) {
   return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.variant, c.attention, c.documents};
 }
 
+// A DSA layer's attention context (model/dsa_layer.hpp).
+DsaLayerContext dsa_ctx(const LmContext& c) {
+  return DsaLayerContext{c.cfg.mla, c.layout, c.comm, c.dsa_stage};
+}
+
 // Returns this rank's SUM of token losses and fills s with what backward needs.
 //
 // The model's own ops are the op layer's (src/mla/ops.hpp, ops_model.hpp),
@@ -376,7 +388,12 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     ls.rstd1 = Tensor<T>({N});
     ops::rmsnorm(ops::mat(ls.n1, N, D), ls.rstd1, ops::mat(x, N, D), p.attn_norm, eps);
     Tensor<T> att;
-    mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    if (cfg.mla.dsa()) {
+      const double kl = dsa_layer_forward(dsa_ctx(c), p.attn, p.indexer, ls.n1, att);
+      if (c.index_kl) *c.index_kl += kl;
+    } else {
+      mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    }
     // Kept at 2 bytes under bf16 (mla/ops.hpp, keep_narrowed): RMSNorm's
     // rounded y, a bf16 value (so are n2, a and b: RMSNorm's and the GEMMs'
     // fresh outputs); g is read back only as w2's GEMM operand.
@@ -494,7 +511,14 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     // h = x + attn(n1)
     Tensor<T> dn1;
     ops::widen_kept(ls.n1);
-    mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
+    if (cfg.mla.dsa()) {
+      // The KL's gradient is that of its mean over the batch's query rows.
+      const double kl_scale = 1.0 / double(c.layout.batch * c.layout.seq);
+      dsa_layer_backward(dsa_ctx(c), p.attn, p.indexer, ls.n1, dx, kl_scale, dn1, gp.attn,
+                         gp.indexer);
+    } else {
+      mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
+    }
     ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
                           ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1);
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d x

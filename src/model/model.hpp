@@ -42,6 +42,7 @@
 #include "mla/config.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
+#include "model/dsa_layer.hpp"
 #include "model/moe.hpp"
 
 namespace laga {
@@ -107,6 +108,9 @@ struct LayerParams {
   Tensor<T> w1, w2, w3;  // dense layers (undefined in MoE layers)
   MoeParams<T> moe;      // MoE layers (empty in dense layers)
   MlaParams<T> attn;
+  // DSA models only (model/dsa_layer.hpp): the lightning indexer, named
+  // layers.N.attn.indexer.* after attn's own tensors; undefined otherwise.
+  LmIndexerParams<T> indexer;
 };
 
 template <class T>
@@ -165,6 +169,11 @@ struct LmContext {
   // rank's tokens only; resized to cfg.layers): the expert-bias update reads
   // the counts, the tests the selection.
   ExpertRouting* routing = nullptr;
+  // DSA models (model/dsa_layer.hpp): the stage every layer runs, and, when
+  // set, where a forward adds its layers' indexer KL (this rank's query
+  // rows, summed over them and over the layers).
+  DsaStage dsa_stage = DsaStage::sparse;
+  double* index_kl = nullptr;
   // Where the MoE layers' routed experts run (moe.hpp): folded spreads them
   // over the group's ranks (expert parallelism; every rank still holds every
   // expert's weights, docs/moe.md "Expert parallelism").

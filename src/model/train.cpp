@@ -44,8 +44,9 @@ const std::set<std::string>& free_options() {
 // The options a checkpoint may record and --allow-change may name.
 const std::set<std::string>& enforced_options() {
   static const std::set<std::string> s{
-      "seq",   "batch", "data",  "data-dtype", "lr",           "schedule", "warmup", "min-lr",
-      "steps", "beta1", "beta2", "eps",        "weight-decay", "clip",     "seed",   "pack-eos"};
+      "seq",          "batch",  "data",  "data-dtype", "lr",          "schedule",
+      "warmup",       "min-lr", "steps", "beta1",      "beta2",       "eps",
+      "weight-decay", "clip",   "seed",  "pack-eos",   "index-warmup"};
   return s;
 }
 
@@ -177,6 +178,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   // Recorded only when used, so that checkpoints written before the option
   // existed still compare equal on resume.
   if (o.pack_eos) r["pack-eos"] = std::to_string(*o.pack_eos);
+  if (o.model.mla.dsa()) r["index-warmup"] = std::to_string(o.index_warmup);
   r["form"] = to_string(o.variant.form);
   if (o.variant.queries == QueryExchange::latent) r["q-latent"] = "on";
   if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
@@ -246,10 +248,55 @@ void check_data_parallel_options(const TrainOptions& o) {
              " (each EP group is EP consecutive ranks, over the replicas); give a divisor of ",
              o.ranks());
 }
+
+// DSA models (model/dsa_layer.hpp): what their layers run today. Each
+// refusal names the option and what to do.
+void check_dsa_options(const TrainOptions& o) {
+  const MlaConfig& m = o.model.mla;
+  LAGA_CHECK(o.index_warmup >= 0, "--index-warmup must be >= 0 (got ", o.index_warmup, ")");
+  if (!m.dsa()) {
+    LAGA_CHECK(o.index_warmup == 0, "--index-warmup ", o.index_warmup,
+               " sets the DSA indexer's dense warm-up, and the model has no indexer; give "
+               "--index-topk/--index-heads/--index-head-dim (or a DSA --config), or drop it");
+    return;
+  }
+  const auto refuse = [&](bool ok, const std::string& what) {
+    LAGA_CHECK(ok, "a DeepSeek Sparse Attention model (index_topk ", m.index_topk, "): ", what);
+  };
+  refuse(o.index_warmup <= o.steps,
+         cat("--index-warmup ", o.index_warmup, " is beyond --steps ", o.steps,
+             ": the sparse stage would never run; give N <= ", o.steps));
+  refuse(m.index_topk <= o.seq,
+         cat("index_topk ", m.index_topk, " is above --seq ", o.seq,
+             ": a query has at most --seq keys; give index_topk <= ", o.seq));
+  refuse(o.dp == 1,
+         cat("--dp ", o.dp,
+             " is not supported yet (the indexer's KL and its gradient's scale are summed over "
+             "one replica's ranks, not the replicas'); drop --dp"));
+  refuse(o.pp == 1,
+         cat("--pp ", o.pp, " is not supported (the pipeline runs dense MLA stages); drop --pp"));
+  refuse(o.precision == Precision::fp32,
+         "--dtype bf16 is not supported (the DSA block computes in fp32 or fp64); drop --dtype");
+  refuse(o.seq_layout == SeqLayout::contiguous,
+         cat("--seq-layout ", to_string(o.seq_layout),
+             " is not supported (the latent gather of --sp > 1 is contiguous only, "
+             "mla/dsa_cp.hpp); drop --seq-layout"));
+  refuse(!o.pack_eos,
+         "--pack-eos is not supported yet (the single-rank DSA block attends one document per "
+         "row); drop --pack-eos");
+  refuse(!m.mla_use_output_gate && !m.mla_use_nope,
+         "Kimi's output gate and NoPE (mla_use_output_gate, mla_use_nope) are not in the DSA "
+         "block; give a config without them");
+}
 }  // namespace
+
+DsaStage dsa_stage_at(const TrainOptions& o, std::int64_t step) {
+  return step <= o.index_warmup ? DsaStage::dense_warmup : DsaStage::sparse;
+}
 
 void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   o.model.validate();
+  check_dsa_options(o);
   check_precision_supports(o.precision, o.attention);
   check_grad_reduce(o.precision, o.grad_reduce);
   LAGA_CHECK(o.sp >= 1, "--sp must be >= 1 (got ", o.sp, ")");
@@ -429,6 +476,7 @@ void gather_stage_state(Communicator& comm, const TrainOptions& o, TrainState<T>
 
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
+  std::optional<double> index_kl;         // StepRecord::index_kl
   std::vector<std::int64_t> expert_load;  // StepRecord::expert_load
 };
 
@@ -450,6 +498,9 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   ExpertRouting routing;
   LmContext step_ctx = ctx;
   if (balance) step_ctx.routing = &routing;
+  const bool dsa = ctx.cfg.mla.dsa();
+  double index_kl = 0;  // this rank's, summed over its query rows and the layers
+  if (dsa) step_ctx.index_kl = &index_kl;
   const bool piped = o.pp > 1;
   if (piped) {
     // The stage's gradients are added (model/pipeline.hpp): start from 0.
@@ -459,6 +510,13 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
                                          balance ? &routing : nullptr, ctx.variant);
   } else {
     out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
+  }
+  if (dsa) {
+    if (ctx.comm.size() > 1) {
+      ctx.comm.set_phase(Phase::forward);
+      ctx.comm.all_reduce(&index_kl, 1, "index_kl_allreduce");
+    }
+    out.index_kl = index_kl / double(ctx.layout.batch * ctx.layout.seq) / double(ctx.cfg.layers);
   }
   if (o.after_backward) o.after_backward(step, st.params, grads);
   const auto nonfinite = [&](const std::string& what) {
@@ -471,20 +529,29 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
     if (ctx.everyone().rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
   };
   if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
+  if (out.index_kl && !std::isfinite(*out.index_kl))
+    nonfinite(cat("the DSA indexer's KL at step ", step, " is ", *out.index_kl));
   std::vector<Tensor<T>*> P, G, M, V;
   std::vector<bool> decays, trains;
+  // The DSA indexers' gradients are their KL's, another loss: left out of
+  // the LM's norm and clipping (model/dsa_layer.hpp), checked on their own.
+  std::vector<bool> indexer;
   const int stage = piped ? ctx.comm.rank() : 0;
   st.params.for_each([&](const std::string& n, Tensor<T>& t) {
     P.push_back(&t);
     decays.push_back(lm_param_decays(n));
     // Under --pp a rank updates its own stage's parameters only.
     trains.push_back(lm_param_trains(n) && (!piped || stage_holds(o.stages[size_t(stage)], n)));
+    indexer.push_back(lm_param_is_indexer(n));
   });
   grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
   st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
-  double sq = 0.0;
-  for (Tensor<T>* g : G) sq += ops::sum_squares(*g);
+  double sq = 0.0, sq_indexer = 0.0;
+  for (size_t k = 0; k < G.size(); ++k) (indexer[k] ? sq_indexer : sq) += ops::sum_squares(*G[k]);
+  if (!std::isfinite(sq_indexer))
+    nonfinite(cat("the DSA indexer's gradient at step ", step,
+                  " is not finite: ", first_nonfinite_gradient(grads)));
   if (piped) {  // each stage's gradients, the others 0: the global norm's square is their sum
     ctx.comm.set_phase(Phase::grad_sync);
     ctx.comm.all_reduce(&sq, 1, "grad_norm_allreduce");
@@ -512,7 +579,8 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   }
   const double factor = clip_factor(out.grad_norm, o.clip);
   if (factor < 1.0)
-    for (Tensor<T>* g : G) ops::scale(*g, static_cast<T>(factor));
+    for (size_t k = 0; k < G.size(); ++k)
+      if (!indexer[k]) ops::scale(*G[k], static_cast<T>(factor));
   AdamWHyper h = o.adam;
   h.lr = lr;
   for (size_t k = 0; k < P.size(); ++k) {
@@ -610,8 +678,10 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
       }
     return packed;
   };
+  DsaStage dsa_stage = dsa_stage_at(o, st.step + 1);  // the step's, for training and validation
   const auto context_for = [&](const std::optional<PackedBatch>& packed) {
     LmContext c = ctx;
+    c.dsa_stage = dsa_stage;
     if (packed) {
       c.documents = &packed->documents;
       c.counted_targets = packed->counted;
@@ -634,6 +704,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   };
   for (std::int64_t step = st.step + 1; step <= o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    dsa_stage = dsa_stage_at(o, step);
     const std::optional<PackedBatch> packed =
         load_batch(source, st.data_cursor, cat("step ", step));
     const LmContext step_ctx = context_for(packed);
@@ -669,7 +740,9 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // lose the step's line for good.
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
-                         packed ? packed->counted : B * S, val_loss, done.expert_load});
+                         packed ? packed->counted : B * S, val_loss, done.expert_load,
+                         done.index_kl,
+                         cfg.mla.dsa() ? std::optional<DsaStage>(dsa_stage) : std::nullopt});
     if (saves && o.pp > 1) gather_stage_state(comm, o, st);
     if (saves && r == 0) end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     // A signal that arrived during a periodic save (a preemption's grace

@@ -98,6 +98,10 @@ struct TrainOptions {
   // the target after an end-of-document token is left out of the loss and of
   // its token count. Unset: one document per row.
   std::optional<std::int64_t> pack_eos;
+  // --index-warmup N, DSA models only (model/dsa_layer.hpp): steps 1..N run
+  // DsaStage::dense_warmup (dense attention, the indexer's KL over every
+  // causal key), the later ones DsaStage::sparse.
+  std::int64_t index_warmup = 0;
   // Checkpoints go to checkpoint_dir every save_every steps, after the last
   // step, and when stopped by a signal. A fresh run refuses a directory that
   // already holds checkpoints; a resumed run may write only into the
@@ -131,6 +135,9 @@ struct TrainOptions {
 // tokens, the model's heads, sharded as o.seq_layout says.
 SpLayout train_layout(const TrainOptions& o, int ranks);
 
+// The DSA stage step `step` runs (o.index_warmup).
+DsaStage dsa_stage_at(const TrainOptions& o, std::int64_t step);
+
 // How train_rank ended.
 struct TrainEnd {
   std::int64_t step = 0;   // the last step completed
@@ -148,6 +155,10 @@ struct StepRecord {
   // empty without bias balancing). Two runs whose loads differ routed some
   // token differently (`laga train --log-expert-load`, docs/convergence.md).
   std::vector<std::int64_t> expert_load;
+  // DSA models: the step's indexer KL, the mean over query rows and layers
+  // (model/dsa_layer.hpp), and the stage it ran.
+  std::optional<double> index_kl;
+  std::optional<DsaStage> dsa_stage;
 };
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step

@@ -73,14 +73,18 @@ struct TrainCli {
   // --config FILE: the whole model (dims, layers, vocab, MoE) from a DeepSeek
   // config (LmConfig::from_json), in place of the model options below.
   std::string config;
+  // DeepSeek Sparse Attention (model/dsa_layer.hpp): --index-heads,
+  // --index-head-dim, --index-topk (0: dense MLA), --index-warmup.
+  std::int64_t index_heads = 0, index_head_dim = 0, index_topk = 0, index_warmup = 0;
   std::vector<std::string> model_options_given;  // of kModelOptions, filled by the callback
   std::set<std::string> given;                   // every option given, filled by the callback
 };
 
 // The options that shape the model, which --config gives instead.
-const char* const kModelOptions[] = {"--layers",     "--d-model", "--heads",        "--nope-dim",
-                                     "--rope-dim",   "--v-dim",   "--kv-lora-rank", "--q-lora-rank",
-                                     "--ffn-hidden", "--vocab"};
+const char* const kModelOptions[] = {
+    "--layers",      "--d-model",        "--heads",       "--nope-dim",   "--rope-dim",
+    "--v-dim",       "--kv-lora-rank",   "--q-lora-rank", "--ffn-hidden", "--vocab",
+    "--index-heads", "--index-head-dim", "--index-topk"};
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
 // current step (train_rank polls stop_signal, saves, returns); a second one
@@ -137,13 +141,9 @@ std::string prepare_log(const std::string& path, const std::string& resume) {
 LmConfig model_of(const TrainCli& c) {
   if (!c.config.empty()) {
     protect_input(c.config, "--config");
+    // A DSA config's indexer (index_n_heads, index_head_dim, index_topk) is
+    // trained with the model (model/dsa_layer.hpp).
     const LmConfig m = LmConfig::from_json_file(c.config);
-    // The model's attention is dense MLA: a DSA config's indexer would be
-    // dropped without a word, training another model.
-    LAGA_CHECK(!m.mla.dsa(), "--config ", c.config,
-               " is a DSA model (index_n_heads, index_head_dim, index_topk), and laga train's "
-               "layers run dense MLA; `laga plan --config ",
-               c.config, "` costs its DSA forms (docs/planning.md, \"DSA\")");
     // The resolved values: one path can hold different files on different nodes.
     note_run_identity("the model config", m.to_json().dump());
     return m;
@@ -155,7 +155,43 @@ LmConfig model_of(const TrainCli& c) {
   if (c.kv_lora_rank) m.mla.kv_lora_rank = c.kv_lora_rank;
   m.mla.q_lora_rank = c.q_lora_rank;
   m.ffn_hidden = c.ffn_hidden;
+  m.mla.index_n_heads = c.index_heads;
+  m.mla.index_head_dim = c.index_head_dim;
+  m.mla.index_topk = c.index_topk;
   return m;
+}
+
+// ---- DeepSeek Sparse Attention (model/dsa_layer.hpp): its options, and the
+// form options its layers do not read, refused by name when given.
+void add_dsa_options(CLI::App& sub, TrainCli& c) {
+  sub.add_option("--index-heads", c.index_heads,
+                 "DSA: the lightning indexer's heads (index_n_heads); with --index-head-dim and "
+                 "--index-topk, and --q-lora-rank > 0 (docs/forms.md, \"DeepSeek Sparse "
+                 "Attention\")")
+      ->check(whole_for(1, c.index_heads));
+  sub.add_option("--index-head-dim", c.index_head_dim,
+                 "DSA: the indexer's head width (index_head_dim, >= --rope-dim)")
+      ->check(whole_for(1, c.index_head_dim));
+  sub.add_option("--index-topk", c.index_topk,
+                 "DSA: the keys each query attends in the sparse stage (index_topk, <= --seq)")
+      ->check(whole_for(1, c.index_topk));
+  sub.add_option("--index-warmup", c.index_warmup,
+                 "DSA: the first N steps are the dense warm-up (every causal key attended, the "
+                 "indexer's KL over them), the rest sparse; the main model trains in both "
+                 "(model/dsa_layer.hpp)")
+      ->check(whole_for(0, c.index_warmup));
+}
+
+void check_dsa_cli(const TrainCli& c, const TrainOptions& o) {
+  if (!o.model.mla.dsa()) return;
+  for (const char* opt : {"--form", "--attention", "--q-latent", "--head-groups", "--overlap"})
+    LAGA_CHECK(!c.given.count(opt), opt,
+               " chooses among the dense MLA block's forms and kernels, and the model has "
+               "DeepSeek Sparse Attention (index_topk ",
+               o.model.mla.index_topk,
+               "), whose layers run the DSA block at --sp 1 and the query-local latent gather at "
+               "--sp > 1 (model/dsa_layer.hpp); drop ",
+               opt);
 }
 
 TrainOptions to_options(const TrainCli& c) {
@@ -206,6 +242,7 @@ TrainOptions to_options(const TrainCli& c) {
   if (!c.allow_change.empty())
     o.allow_change = split_list(c.allow_change, "--allow-change", "lr,steps");
   o.allow_nonfinite = c.allow_nonfinite;
+  o.index_warmup = c.index_warmup;
   return o;
 }
 
@@ -323,11 +360,15 @@ void run_train(const TrainCli& c) {
   // use, issue 54 V).
   validate_train_options(o, report);
   check_options_act(c, o);  // after the options' own errors, which say more
-  check_variant(o.model.mla, train_layout(o, o.sp * o.dp), o.variant);
-  // Refuse before allocating the model when the job cannot fit.
+  check_dsa_cli(c, o);
+  const bool dsa = o.model.mla.dsa();
+  if (!dsa) check_variant(o.model.mla, train_layout(o, o.sp * o.dp), o.variant);
+  // Refuse before allocating the model when the job cannot fit. A DSA
+  // model's step has no count-only run (model/dsa_layer.hpp): its lower
+  // bound only.
   if (c.comm.memory_check) {
     check_memory_fits(train_state_lower_bound(o, c.comm.backend), "laga train");
-    check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
+    if (!dsa) check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
   }
   // One writer per --checkpoint directory, taken before anything is moved
   // or written there (prepare_run may set checkpoints aside); creating the
@@ -355,11 +396,13 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form " << describe_variant(o.variant, train_layout(o, o.sp * o.dp))
+              << (dsa ? cat(", DSA (", o.sp == 1 ? "single-rank block" : "latent gather",
+                            ", index warm-up ", o.index_warmup, " steps)")
+                      : ", form " + describe_variant(o.variant, train_layout(o, o.sp * o.dp)))
               << (o.seq_layout == SeqLayout::contiguous
                       ? std::string()
                       : cat(", seq layout ", to_string(o.seq_layout)))
-              << ", attention " << c.attention
+              << (dsa ? std::string() : ", attention " + c.attention)
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
               << o.sp << (o.dp > 1 ? cat(", dp ", o.dp, " (", o.batch / o.dp, " rows each)") : "")
               << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
@@ -396,6 +439,8 @@ void run_train(const TrainCli& c) {
       j["tokens_per_s"] = s.tokens_per_s;
       j["targets"] = s.targets;
       if (c.log_expert_load && !s.expert_load.empty()) j["expert_load"] = s.expert_load;
+      if (s.index_kl) j["index_kl"] = *s.index_kl;
+      if (s.dsa_stage) j["dsa_stage"] = to_string(*s.dsa_stage);
       if (s.val_loss) {
         j["val_loss"] = *s.val_loss;
         j["val_bits_per_token"] = *s.val_loss / std::log(2.0);  // per byte with --vocab 256 bytes
@@ -419,7 +464,8 @@ void run_train(const TrainCli& c) {
                   << std::scientific << std::setprecision(2) << s.lr << std::fixed << "  "
                   << std::setprecision(0) << s.tokens_per_s << " tok/s  (" << std::setprecision(2)
                   << s.seconds << " s)" << std::defaultfloat
-                  << (s.val_loss ? cat("  val_loss ", *s.val_loss) : std::string()) << "\n";
+                  << (s.val_loss ? cat("  val_loss ", *s.val_loss) : std::string())
+                  << (s.index_kl ? cat("  index_kl ", *s.index_kl) : std::string()) << "\n";
     });
     // Every rank agreed on how the run ended; MPI has one rank per process.
     if (comm.rank() == 0 || c.comm.backend == Backend::mpi) end = e;
@@ -537,6 +583,7 @@ void register_train(CLI::App& app) {
                   "ModelArgs): attention, layers, vocab, dense FFN width and the MoE "
                   "(n_routed_experts, ..., first_k_dense_replace; laga's bias_update_speed), "
                   "in place of --layers, --d-model, --heads, ... (docs/moe.md, \"In the model\")");
+  add_dsa_options(*sub, *c);
   sub->add_option("--vocab", c->vocab, "vocabulary size")
       ->check(whole_for(1, c->vocab))
       ->capture_default_str();
