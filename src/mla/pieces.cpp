@@ -19,7 +19,7 @@ using ops::mat;
 
 namespace {
 // The invariant mode's shards (docs/invariance.md): the sequence's, and the
-// heads' columns of the latent's gradient (dn + dv + dr a head).
+// heads' columns of a sum over the heads (per_head columns a head).
 ops::TokenShards token_shards(const Step& st) {
   const SpLayout& lay = st.ctx.layout;
   ops::TokenShards t;
@@ -30,9 +30,8 @@ ops::TokenShards token_shards(const Step& st) {
   }
   return t;
 }
-ops::TokenShards head_column_shards(const Step& st) {
+ops::TokenShards head_column_shards(const Step& st, std::int64_t per_head) {
   const SpLayout& lay = st.ctx.layout;
-  const std::int64_t per_head = st.KV + st.dr;
   ops::TokenShards t;
   t.B = 1, t.S = st.H * per_head;
   for (int r = 0; r < lay.ranks; ++r) {
@@ -257,9 +256,18 @@ Tensor<T> Pieces<T>::up_project_kv_backward_invariant(const Step& st, const MlaP
   dkv_h.reset();
   Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
   ops::canonical_latent_reduce_scatter(st.ctx.comm, mat(dlat_loc), dk_m, dv_m, wkv_b_r, st.Hr,
-                                       st.dn, st.dr, head_column_shards(st), token_shards(st),
-                                       "latent_ag");
+                                       st.dn, st.dr, head_column_shards(st, st.KV + st.dr),
+                                       token_shards(st), "latent_ag");
   dk.reset(), dv.reset();
+  return dlat_loc;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::latent_head_sum_invariant(const Step& st, Tensor<T>& dlat_heads) {
+  Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+  ops::canonical_parts_reduce_scatter(st.ctx.comm, mat(dlat_loc), dlat_heads,
+                                      head_column_shards(st, 1), token_shards(st), "latent_ag");
+  dlat_heads.reset();
   return dlat_loc;
 }
 
