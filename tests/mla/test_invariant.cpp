@@ -388,14 +388,24 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
                                    "sum");
         canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
                                         mat(std::as_const(rb)), index, sh, "rs");
+        // The sum of parts over the heads (absorbed's, laga_fused's): its
+        // bytes are canonical_reduce_scatter_elements' over the head index.
+        const TokenShards head_index = shards_of(1, heads, cuts(heads, P, true));
+        Tensor<float> parts({head_index.end[r] - head_index.begin[r], B * S, n}), pdst({rows, n});
+        if (!count_only) std::fill_n(parts.data(), parts.numel(), 0.5f);
+        canonical_parts_reduce_scatter<float>(comm, mat(pdst), parts, head_index, sh, "parts");
         peaks[r] = pool.peak_total();
+        const PieceBytes ps = canonical_reduce_scatter_elements(head_index, sh, r, n);
         const PieceBytes sum = canonical_token_sum_elements(sh, r, m * n);
         const PieceBytes rs = canonical_reduce_scatter_elements(index, sh, r, n);
-        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0;
+        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0, sent_ps = 0, recv_ps = 0;
         for (const auto& [key, e] : comm.ledger().entries()) {
           if (key.second == "sum") sent_sum += e.bytes_sent, recv_sum += e.bytes_received;
           if (key.second == "rs") sent_rs += e.bytes_sent, recv_rs += e.bytes_received;
+          if (key.second == "parts") sent_ps += e.bytes_sent, recv_ps += e.bytes_received;
         }
+        EXPECT_EQ(sent_ps, ps.sent * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(recv_ps, ps.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_sum, sum.sent * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(recv_sum, sum.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_rs, rs.sent * 4) << "rank " << r << " of " << P;
