@@ -16,8 +16,10 @@
 // The invariant mode (docs/invariance.md, "Which forms"): the kernel's rows
 // are (token, head) pairs of all H_r heads and its dK a sum over all of them,
 // an order that follows H_r, which P changes. In the mode the latent
-// attention runs one head per call (forward and backward: a head's rows,
-// tiles and sums then do not depend on the heads beside it), each head's
+// attention's backward runs one head per call (a head's sums then do not
+// depend on the heads beside it; forward needs none: a row's output reads
+// only its own row and the keys, the same at every H_r, which
+// mla_test_invariant_forms holds), each head's
 // d[c_hat | k_pe] is kept apart, and the heads' parts are summed over every
 // rank's heads by the canonical tree and scattered to the tokens' owners
 // (Pieces::latent_head_sum_invariant), in place of the kernel's sum over
@@ -59,23 +61,6 @@ struct AbsorbedTape final : Tape<T> {
   }
   static AttnShape latent_attention(const Step& st) {
     return st.sequence_attention(st.Hr, 1, st.W, st.C);
-  }
-
-  // The invariant mode's forward: o_lat written and the statistics (B, H_r,
-  // S) returned, one head per kernel call (the file's head says why).
-  static Tensor<T> per_head_forward(const Step& st, Tensor<T>& o_lat, Tensor<T>& q_abs,
-                                    const Tensor<T>& lat, const Tensor<T>& v_lat) {
-    const AttnShape s = st.sequence_attention(1, 1, st.W, st.C);
-    Tensor<T> stats({st.B, st.Hr, st.S}, "attn_stats flash lse");
-    Tensor<T> q1({st.B, st.S, 1, st.W}, "q_abs of a head");
-    Tensor<T> o1({st.B, st.S, 1, st.C}, "o_lat of a head");
-    for (std::int64_t h = 0; h < st.Hr; ++h) {
-      ops::copy(mat(q1), Pieces<T>::head_columns(st, q_abs, st.W, h));
-      Tensor<T> stats1 = Pieces<T>::attention_forward(st, s, o1, q1, lat, v_lat);
-      ops::copy(Pieces<T>::head_columns(st, o_lat, st.C, h), mat(std::as_const(o1)));
-      ops::copy(Pieces<T>::head_stats(st, stats, h), mat(std::as_const(stats1), st.B, st.S));
-    }
-    return stats;
   }
 
   // The backward through the latent attention, one kernel call: dq_abs (B,
@@ -208,9 +193,8 @@ std::unique_ptr<Tape<T>> absorbed_forward(const Step& st, const MlaParams<T>& w,
     }
   }
   t->o_lat = Tensor<T>({st.B, st.S, st.Hr, st.C}, "o_lat");
-  t->stats = ops::op_invariant ? Tp::per_head_forward(st, t->o_lat, t->q_abs, t->lat, t->v_lat)
-                               : P::attention_forward(st, Tp::latent_attention(st), t->o_lat,
-                                                      t->q_abs, t->lat, t->v_lat);
+  t->stats =
+      P::attention_forward(st, Tp::latent_attention(st), t->o_lat, t->q_abs, t->lat, t->v_lat);
   Tensor<T> o_h({st.B, st.S, st.Hr, st.dv}, "o_h");
   {
     const ops::Mat<const T> ol = mat(std::as_const(t->o_lat), st.NS, st.Hr * st.C);
