@@ -67,9 +67,6 @@ struct AbsorbedTape final : Tape<T> {
   // S, H_r, C + dr) written, d[c_hat | k_pe] of every token from this rank's
   // heads (B, S, C + dr) returned. Frees the attention's saved tensors.
   Tensor<T> latent_backward(const Step& st, Tensor<T>& dq_abs, Tensor<T>& do_lat) {
-    // Attention reads dO only as its bf16 operand and for D (as
-    // HeadAttention::backward): held at 2 bytes, no copy in its scratch.
-    ops::keep_narrowed(do_lat);
     // d keys, then d values added. Zeros: a rank with no heads runs no kernel
     // and adds nothing to d latent.
     Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
@@ -135,6 +132,10 @@ struct AbsorbedTape final : Tape<T> {
       }
     }
     do_h.reset();
+    // Attention reads dO only as its bf16 operand and for D (as
+    // HeadAttention::backward): held at 2 bytes, no copy in its scratch
+    // (the invariant mode's one-head calls copy it instead).
+    if (!ops::op_invariant) ops::keep_narrowed(do_lat);
 
     Tensor<T> dq_abs({st.B, st.S, st.Hr, st.W}, "dq_abs");
     // The invariant mode: this rank's tokens' d latent, already summed over
