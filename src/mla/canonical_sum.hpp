@@ -146,4 +146,19 @@ void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
                               const TokenShards& index, const TokenShards& rows,
                               const std::string& label);
 
+// The same reduce-scatter of a plain sum (absorbed's and laga_fused's latent
+// gradient over the heads, docs/invariance.md, "Which forms"): dst (this
+// rank's token rows, n) = rows of sum over the index k of parts a_k (every
+// token's B S rows, n), k sharded as `index` (B 1; rank r holds k in
+// [begin[r], end[r])), parts (end[r] - begin[r], B S, n) this rank's a_k in
+// turn. The same tree over k's global positions: each rank sums its pieces'
+// parts elementwise in it (a piece is an aligned node), the pieces' rows go
+// to the rows' owners (all_to_all_v under `label`), which finish it. Sums
+// only: nothing rounded in a bf16 run (the kernels' fp32 gradients summed).
+// Its bytes are canonical_reduce_scatter_elements'.
+template <class T>
+void canonical_parts_reduce_scatter(Communicator& comm, Mat<T> dst, const Tensor<T>& parts,
+                                    const TokenShards& index, const TokenShards& rows,
+                                    const std::string& label);
+
 }  // namespace laga::ops

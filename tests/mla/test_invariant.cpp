@@ -208,6 +208,74 @@ TEST(CanonicalReduceScatter, ARankOrderedCombinationIsCaught) {
   EXPECT_GT(differ, 0) << "a rank-ordered combination gave P 1's bits at every P 2..8";
 }
 
+// The plain sum's reduce-scatter (canonical_parts_reduce_scatter: the
+// latent's gradient over heads in absorbed and laga_fused): the global (B S,
+// n) sum of `heads` parts, the heads sharded (uneven where asked, ranks
+// without heads) and the rows like tokens; rank 0's assembled copy.
+template <class T>
+std::vector<T> run_parts_reduce_scatter(int P, bool uneven, std::int64_t B, std::int64_t S,
+                                        std::int64_t heads, std::int64_t n, Precision precision) {
+  const std::int64_t R = B * S;
+  const std::vector<T> a = test::random_vector<T>(heads * R * n, 9);
+  const TokenShards index = shards_of(1, heads, cuts(heads, P, uneven && heads > 3)),
+                    rows = shards_of(B, S, cuts(S, P, uneven));
+  std::vector<T> out(static_cast<std::size_t>(R * n));
+  run_local_ranks(P, [&](Communicator& comm) {
+    const UsePrecision prec(precision);
+    const int r = comm.rank();
+    const std::int64_t h0 = index.begin[r], hr = index.end[r] - h0;
+    const std::int64_t len = rows.end[r] - rows.begin[r];
+    Tensor<T> parts({hr, R, n}), d({B * len, n});
+    std::copy_n(a.data() + h0 * R * n, hr * R * n, parts.data());
+    canonical_parts_reduce_scatter<T>(comm, mat(d), parts, index, rows, "canonical test");
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      std::copy_n(d.data() + bb * len * n, len * n, out.data() + (bb * S + rows.begin[r]) * n);
+  });
+  return out;
+}
+
+template <class T>
+void check_parts_every_p(Precision precision) {
+  // 13 heads: not a power of two, so the tree has absent leaves.
+  const std::vector<T> one = run_parts_reduce_scatter<T>(1, false, 2, 37, 13, 9, precision);
+  const std::vector<T> a = test::random_vector<T>(13 * 74 * 9, 9);
+  std::vector<double> want(74 * 9, 0.0);
+  for (int h = 0; h < 13; ++h)
+    for (int e = 0; e < 74 * 9; ++e) want[e] += double(a[h * 74 * 9 + e]);
+  EXPECT_TRUE(test::all_close("parts sum", one, want, 1e-5, 1e-5));
+  // Sums only: a bf16 run rounds nothing.
+  if (precision == Precision::bf16) {
+    EXPECT_TRUE(
+        same_bits(run_parts_reduce_scatter<T>(1, false, 2, 37, 13, 9, Precision::fp32), one));
+  }
+  for (bool uneven : {false, true})
+    for (int P = 2; P <= 8; ++P) {
+      SCOPED_TRACE("P " + std::to_string(P) + (uneven ? " uneven" : " even"));
+      EXPECT_TRUE(same_bits(run_parts_reduce_scatter<T>(P, uneven, 2, 37, 13, 9, precision), one));
+    }
+}
+
+TEST(CanonicalPartsReduceScatter, SameBitsAtEveryPInDouble) {
+  check_parts_every_p<double>(Precision::fp32);
+}
+TEST(CanonicalPartsReduceScatter, SameBitsAtEveryPInFp32AndBf16) {
+  check_parts_every_p<float>(Precision::fp32);
+  check_parts_every_p<float>(Precision::bf16);
+}
+TEST(CanonicalPartsReduceScatter, ARankOrderedCombinationIsCaught) {
+  struct Restore {
+    ~Restore() { canonical_sum_rank_order = false; }
+  } restore;
+  const std::vector<float> one =
+      run_parts_reduce_scatter<float>(1, false, 2, 37, 13, 9, Precision::fp32);
+  canonical_sum_rank_order = true;
+  int differ = 0;
+  for (int P = 2; P <= 8; ++P)
+    differ +=
+        !same_bits(run_parts_reduce_scatter<float>(P, true, 2, 37, 13, 9, Precision::fp32), one);
+  EXPECT_GT(differ, 0) << "a rank-ordered combination gave P 1's bits at every P 2..8";
+}
+
 // The mutation: combined in rank order, the sum's bits follow P, and the
 // comparison above sees it at some P.
 TEST(CanonicalSum, ARankOrderedCombinationIsCaught) {
@@ -331,11 +399,26 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
         EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, rs.held * 4)
             << "the reduce-scatter's buffers, rank " << r << " of " << P;
         peaks[r] = std::max(peaks[r], pool.peak_total());
-        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0;
+        // The sum of parts over the heads (absorbed's, laga_fused's): its
+        // bytes and buffers are canonical_reduce_scatter_elements' over the
+        // head index.
+        const TokenShards head_index = shards_of(1, heads, cuts(heads, P, true));
+        Tensor<float> parts({head_index.end[r] - head_index.begin[r], B * S, n}), pdst({rows, n});
+        if (!count_only) std::fill_n(parts.data(), parts.numel(), 0.5f);
+        const PieceBytes ps = canonical_reduce_scatter_elements(head_index, sh, r, n);
+        pool.reset_peaks();
+        canonical_parts_reduce_scatter<float>(comm, mat(pdst), parts, head_index, sh, "parts");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, ps.held * 4)
+            << "the parts sum's buffers, rank " << r << " of " << P;
+        peaks[r] = std::max(peaks[r], pool.peak_total());
+        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0, sent_ps = 0, recv_ps = 0;
         for (const auto& [key, e] : comm.ledger().entries()) {
           if (key.second == "sum") sent_sum += e.bytes_sent, recv_sum += e.bytes_received;
           if (key.second == "rs") sent_rs += e.bytes_sent, recv_rs += e.bytes_received;
+          if (key.second == "parts") sent_ps += e.bytes_sent, recv_ps += e.bytes_received;
         }
+        EXPECT_EQ(sent_ps, ps.sent * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(recv_ps, ps.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_sum, sum.sent * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(recv_sum, sum.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_rs, rs.sent * 4) << "rank " << r << " of " << P;

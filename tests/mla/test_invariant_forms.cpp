@@ -229,11 +229,37 @@ TEST(InvariantForms, ARankOrderedReductionIsCaught) {
   EXPECT_GT(caught, 0) << "a rank-ordered reduction gave P 1's bits at P 3, 5 and 8";
 }
 
+// The same mutation in absorbed's and laga_fused's sum of the latent's
+// gradient over the heads (ops::canonical_parts_reduce_scatter): dx is the
+// first tensor to differ (dx reads that sum and none over tokens; out reads
+// neither).
+TEST(InvariantForms, ARankOrderedHeadSumIsCaughtInDx) {
+  struct Restore {
+    ~Restore() { ops::canonical_sum_rank_order = false; }
+  } restore;
+  const MlaConfig cfg = config();
+  const test::BlockInputs<float> in = test::make_inputs(cfg, 2, 71);
+  for (Form f : {Form::absorbed, Form::laga_fused}) {
+    ops::canonical_sum_rank_order = false;
+    const BlockRun<float> one = run(f, SpLayout::even(2, 71, cfg.n_heads, 1), in, nullptr);
+    ops::canonical_sum_rank_order = true;
+    int caught = 0;
+    for (int P : {3, 5, 8})
+      caught += first_difference(run(f, uneven(2, 71, cfg.n_heads, P), in, nullptr), one) == "dx";
+    EXPECT_GT(caught, 0) << form_spec(f).name
+                         << ": a rank-ordered head sum gave P 1's dx at P 3, 5 and 8";
+  }
+}
+
 // A form whose row does not offer the mode is refused, naming it and the
 // forms that do.
 TEST(InvariantForms, OtherFormsAreRefusedByName) {
   const MlaConfig cfg = config();
   const test::BlockInputs<float> in = test::make_inputs(cfg, 1, 16);
+  std::string offering;  // the registry's forms with the trait, in its order
+  for (Form f : all_forms())
+    if (form_spec(f).traits.invariant)
+      offering += (offering.empty() ? "" : ", ") + std::string(form_spec(f).name);
   for (Form f : all_forms()) {
     if (form_spec(f).traits.invariant) continue;
     try {
@@ -244,7 +270,7 @@ TEST(InvariantForms, OtherFormsAreRefusedByName) {
       EXPECT_NE(m.find(std::string("form ") + form_spec(f).name + " does not offer"),
                 std::string::npos)
           << m;
-      EXPECT_NE(m.find("use --form explicit, laga"), std::string::npos) << m;
+      EXPECT_NE(m.find("use --form " + offering + ","), std::string::npos) << m;
     }
   }
 }
