@@ -1,7 +1,8 @@
-// What the DSA forms' tests share (test_dsa_laga.cpp): the indexer's random
-// weights, the reference of a packed batch (dsa_block on each document
-// alone), rows of a (B, S, w) tensor, and the sum of the ranks' partial
-// gradients.
+// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp): the
+// indexer's random weights, the reference of a packed batch (dsa_block on
+// each document alone), rows of a (B, S, w) tensor, the sum of the ranks'
+// partial gradients and its comparison with the reference, and a rank's
+// ledger against its closed form.
 #pragma once
 
 #include <cmath>
@@ -9,7 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "comm/communicator.hpp"
 #include "common/check.hpp"
+#include "mla/comm_model.hpp"
 #include "mla/dsa_block.hpp"
 
 namespace laga::test {
@@ -93,6 +98,45 @@ DsaBlockResult<T> dsa_per_document(const MlaConfig& cfg, const MlaParams<T>& w,
     }
   }
   return all;
+}
+
+// The ranks' summed KL and gradients (dsa_add_grads) against the reference.
+template <class T>
+void dsa_expect_sum_equals(const std::string& what, DsaBlockResult<T>& sum,
+                           const DsaBlockResult<T>& want, const Tolerance& tol) {
+  EXPECT_NEAR(sum.kl_loss, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss))
+      << what << " KL";
+  sum.grads.for_each([&](const std::string& name, const Tensor<T>& t) {
+    want.grads.for_each([&](const std::string& n2, const Tensor<T>& ref) {
+      if (n2 != name) return;
+      EXPECT_TRUE(
+          all_close(what + " d" + name, t.data(), ref.data(), t.numel(), tol.atol, tol.rtol));
+    });
+  });
+  DsaIndexerParams<T> wi = want.indexer_grads;
+  auto mine = sum.indexer_grads.named();
+  auto ref = wi.named();
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    EXPECT_TRUE(all_close(what + " d" + mine[k].first, *mine[k].second, *ref[k].second, tol.atol,
+                          tol.rtol));
+}
+
+// A rank's ledger against its closed form, label for label: bytes both
+// ways and calls, and no label the closed form lacks.
+inline void dsa_expect_ledger(const std::string& what, const Ledger& ledger,
+                              const CommPrediction& p) {
+  const auto& entries = ledger.entries();
+  EXPECT_EQ(entries.size(), p.size()) << what << " ledger labels";
+  for (const auto& [key, pred] : p) {
+    const auto it = entries.find(key);
+    if (it == entries.end()) {
+      ADD_FAILURE() << what << " no ledger entry " << to_string(key.first) << " " << key.second;
+      continue;
+    }
+    EXPECT_EQ(it->second.bytes_sent, pred.sent) << what << " " << key.second;
+    EXPECT_EQ(it->second.bytes_received, pred.received) << what << " " << key.second;
+    EXPECT_EQ(it->second.calls, pred.calls) << what << " " << key.second;
+  }
 }
 
 }  // namespace laga::test

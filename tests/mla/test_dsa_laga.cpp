@@ -116,35 +116,10 @@ StepBytes check_form(DsaForm form, DsaStage stage, const Shards& sh, bool packed
     const CommPrediction p =
         dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, form, r,
                          {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage);
-    const auto& entries = comms[std::size_t(r)]->ledger().entries();
-    EXPECT_EQ(entries.size(), p.size()) << wr << " ledger labels";
-    for (const auto& [key, pred] : p) {
-      const auto it = entries.find(key);
-      if (it == entries.end()) {
-        ADD_FAILURE() << wr << " no ledger entry " << to_string(key.first) << " " << key.second;
-        continue;
-      }
-      EXPECT_EQ(it->second.bytes_sent, pred.sent) << wr << " " << key.second;
-      EXPECT_EQ(it->second.bytes_received, pred.received) << wr << " " << key.second;
-      EXPECT_EQ(it->second.calls, pred.calls) << wr << " " << key.second;
-    }
-    for (const auto& [key, e] : entries) run.sent += e.bytes_sent;
+    test::dsa_expect_ledger(wr, comms[std::size_t(r)]->ledger(), p);
+    for (const auto& [key, e] : comms[std::size_t(r)]->ledger().entries()) run.sent += e.bytes_sent;
   }
-  EXPECT_NEAR(sum.kl_loss, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss))
-      << what << " KL";
-  sum.grads.for_each([&](const std::string& name, const Tensor<T>& t) {
-    want.grads.for_each([&](const std::string& n2, const Tensor<T>& ref) {
-      if (n2 != name) return;
-      EXPECT_TRUE(
-          all_close(what + " d" + name, t.data(), ref.data(), t.numel(), tol.atol, tol.rtol));
-    });
-  });
-  DsaIndexerParams<T> wi = want.indexer_grads;
-  auto mine = sum.indexer_grads.named();
-  auto ref = wi.named();
-  for (std::size_t k = 0; k < mine.size(); ++k)
-    EXPECT_TRUE(all_close(what + " d" + mine[k].first, *mine[k].second, *ref[k].second, tol.atol,
-                          tol.rtol));
+  test::dsa_expect_sum_equals(what, sum, want, tol);
   return run;
 }
 
