@@ -180,6 +180,7 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage 
         t.to_heads(ph, "v_a2a", cfg.v_head_dim);
         index_keys(ph);
         if (ph != Phase::forward) return;
+        if (stage == DsaStage::dense_warmup) return kl_target(t.layout.seq);  // every causal key
         t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         kl_target(K);
       });

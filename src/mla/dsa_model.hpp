@@ -115,7 +115,7 @@ FormVariant dsa_placement(DsaForm f);
 // forward and, when terms.backward, backward: what a DSA form's registry
 // row's `collectives` is to call, so that its ledger is tested equal to
 // this closed form as the dense forms' are (tests/mla/test_forms.cpp).
-// `stage`: what the head-sharded LAGA forms move depends on it (below).
+// `stage`: what the head-sharded forms move depends on it (below).
 void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form,
                      DsaStage stage = DsaStage::sparse);
 
@@ -135,12 +135,12 @@ void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form,
 //                                            keys' probabilities, to the
 //                                            query's owner (forward)
 //   index_k_ring, dindex_k_ring              ring_latent's k_I passes
-// The dense warm-up (stage dense_warmup) changes the LAGA forms only: the
-// main attention reads every causal key, so no indices move (no topk_ag)
-// and laga_recompute gathers no w (no index_w_ag: each query's owner runs
-// the indexer for its own rows, as laga_indices does), and the KL target
-// is over every causal key, S slots a query (index_target_rs sum_{j!=r} B
-// L_j S et). The other forms move the same in both stages.
+// The dense warm-up (stage dense_warmup) changes the head-sharded forms
+// only: the main attention reads every causal key, so no indices move (no
+// topk_ag) and laga_recompute gathers no w (no index_w_ag: each query's
+// owner runs the indexer for its own rows, as laga_indices does), and the
+// KL target is over every causal key, S slots a query (index_target_rs
+// sum_{j!=r} B L_j S et). The other forms move the same in both stages.
 CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                                 DsaForm form, int rank, WireElementBytes wire, bool backward,
                                 bool grad_sync, DsaStage stage = DsaStage::sparse);
