@@ -188,7 +188,11 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     res.idx.assign(static_cast<std::size_t>(N * K), -1);
     dsa_index_topk(is_own, res.idx.data(), ip.q.data(), kIk.data(), ip.w.data());
     if (sparse) idxS = gather_indices(comm, lay, res.idx, K);
-  } else {  // every rank runs the indexer for every row from qr, k_I and w gathered
+  } else {
+    // Every rank runs the indexer for every row from qr, k_I and w
+    // gathered. (The rank's own rows' q_I, which the KL reads, were
+    // projected by dsa_indexer_project too: L / S of this projection
+    // again, which dsa_work does not count.)
     std::vector<T> wS = buffer<T>(NS * HI), qIS = buffer<T>(NS * HI * dI);
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
     linear_forward(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
