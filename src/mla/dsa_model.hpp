@@ -13,12 +13,15 @@
 //   top-k: the K keys of largest I(t, .) (every key when t + 1 <= K)
 // and the MLA attends query t over its selected keys only.
 //
-// Of these forms the engine runs latent_gather (mla/dsa_cp.hpp) and
-// explicit (mla/dsa_explicit.hpp), whose ledgers tests/mla/test_dsa_cp.cpp
-// and test_dsa_explicit.cpp hold equal to dsa_predict_comm; the others are what `laga plan --dsa`
-// costs, written from the math, and the engine's ledger and count-only pool are to be tested equal
-// to them when it runs them. The comm terms are CommTerms' (comm_model.hpp): a DSA form's registry
-// row's `collectives` can call dsa_collectives.
+// Of these forms the engine runs latent_gather (mla/dsa_cp.hpp),
+// laga_indices and laga_recompute (mla/dsa_laga.hpp) and explicit
+// (mla/dsa_explicit.hpp), whose ledgers tests/mla/test_dsa_cp.cpp,
+// test_dsa_laga.cpp and test_dsa_explicit.cpp hold equal to
+// dsa_predict_comm; ring_latent is what `laga plan --dsa` costs, written
+// from the math (docs/forms.md: why it is not built). No DSA form has a
+// count-only run yet, so no pool is held to dsa_memory. The comm terms are
+// CommTerms' (comm_model.hpp): a DSA form's registry row's `collectives` can
+// call dsa_collectives.
 #pragma once
 
 #include <cstdint>

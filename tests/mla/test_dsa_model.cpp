@@ -74,6 +74,30 @@ TEST(DsaComm, IndicesStayInt32UnderBf16) {
   dsa_collectives(t, kDsa, DsaForm::laga_indices);
   EXPECT_EQ(sent(t.result, Phase::forward, "topk_ag"), 48);
   EXPECT_EQ(sent(t.result, Phase::forward, "latent_ag"), 448 * 2);
+  // The KL target moves at the run's element when it is wider than fp32: a
+  // float64 run's target is not rounded (mla/dsa_laga.cpp moves it so).
+  EXPECT_EQ(sent(t.result, Phase::forward, "index_target_rs"), 4 * 3 * 8);
+}
+
+// The dense warm-up attends every causal key: the LAGA forms move no
+// indices and no w, and the KL target spans S = 8 slots a query; the other
+// forms move the same in both stages.
+TEST(DsaComm, DenseWarmupMovesNoIndicesAndAWholeRowOfTarget) {
+  Fixture f;
+  auto warm = [&](DsaForm form) {
+    return dsa_predict_comm(f.cfg, kDsa, f.layout, form, 0, {4, 4}, true, false,
+                            DsaStage::dense_warmup);
+  };
+  const CommPrediction ind = warm(DsaForm::laga_indices);
+  EXPECT_EQ(sent(ind, Phase::forward, "topk_ag"), -1);
+  EXPECT_EQ(sent(ind, Phase::forward, "index_target_rs"), 4 * 8 * 4);  // L_1 S 4 = 128
+  EXPECT_EQ(sent(ind, Phase::forward, "q_a2a"), 384);
+  const CommPrediction rec = warm(DsaForm::laga_recompute);
+  EXPECT_EQ(sent(rec, Phase::forward, "index_w_ag"), -1);
+  EXPECT_EQ(sent(rec, Phase::forward, "q_latent_ag"), 128);
+  EXPECT_EQ(sent(rec, Phase::forward, "index_target_rs"), 128);
+  EXPECT_EQ(predicted_sent(warm(DsaForm::latent_gather)),
+            predicted_sent(Fixture{}.comm(DsaForm::latent_gather)));
 }
 
 TEST(DsaComm, LagaRecomputeMovesTheQueryLatentAndWeightsNotIndices) {
