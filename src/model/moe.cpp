@@ -8,6 +8,7 @@
 #include "core/error.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_model.hpp"
+#include "mla/ops_token_sums.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -310,6 +311,12 @@ void experts_forward(const MoeParams<T>& w, ops::RoutedLinears<T>& lin, std::int
 }
 
 // Their backward: dxr (rows, D) from dy, each expert's weight gradients added.
+// An expert's gradient is one GEMM over its rows in their order here; in the
+// invariant mode (docs/invariance.md, "In training") that is the tree of
+// kernels/gemm_invariant.hpp over the expert's rows in global token order,
+// the same at every P, because the mode runs the experts folded over every
+// rank (EP = P, one owner per expert) on one row of tokens: the owner's rows
+// are every rank's copies, rank after rank, each rank's in token order.
 template <class T>
 void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, ops::RoutedLinears<T>& lin,
                       std::int64_t e0, const std::vector<std::int64_t>& count, const Tensor<T>& xr,
@@ -460,10 +467,13 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
     ops::Mat<T> dhm = ops::mat(dh);
-    ops::linear_backward<T>(&dhm, false, g.shared.w2, doutm, ops::mat(s.sh), w.shared.w2);
+    ops::linear_backward_over_tokens<T>(&dhm, false, g.shared.w2, doutm, ops::mat(s.sh),
+                                        w.shared.w2, "moe_shared_w2_grad");
     ops::swiglu_backward(ops::mat(da), ops::mat(db), ops::mat(dh), ops::mat(s.sa), ops::mat(s.sb));
-    ops::linear_backward<T>(&dxm, true, g.shared.w1, ops::mat(da), xm, w.shared.w1);
-    ops::linear_backward<T>(&dxm, true, g.shared.w3, ops::mat(db), xm, w.shared.w3);
+    ops::linear_backward_over_tokens<T>(&dxm, true, g.shared.w1, ops::mat(da), xm, w.shared.w1,
+                                        "moe_shared_w1_grad");
+    ops::linear_backward_over_tokens<T>(&dxm, true, g.shared.w3, ops::mat(db), xm, w.shared.w3,
+                                        "moe_shared_w3_grad");
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
@@ -521,7 +531,8 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   const std::vector<T> dlogits =
       ops::data_dependent([&] { return route_backward(cfg, s.routing, dweight.data()); },
                           [] { return std::vector<T>(); });
-  ops::linear_backward<T>(&dxm, true, g.gate, rows_at(dlogits.data(), N, E), xm, w.gate);
+  ops::linear_backward_over_tokens<T>(&dxm, true, g.gate, rows_at(dlogits.data(), N, E), xm, w.gate,
+                                      "moe_gate_grad");
   return dx;
 }
 
