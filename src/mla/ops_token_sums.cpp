@@ -110,8 +110,12 @@ double loss_sum_over_tokens(const Tensor<T>& loss, double local, const char* lab
                        displs.data(), label);
   count_elementwise<T>(total, 1);
   if (r != 0 || !runs(total, {all.data()})) return 0.0;
-  double sum = 0.0;  // in the global order: row b's tokens, rank after rank
-  for (std::int64_t b = 0; b < sh.B; ++b)
+  double sum = 0.0;
+  if (canonical_sum_rank_order) {  // the test-only mutation: rank after rank, each in row order
+    for (std::int64_t i = 0; i < total; ++i) sum += double(all.data()[i]);
+    return sum;
+  }
+  for (std::int64_t b = 0; b < sh.B; ++b)  // the global order: row b's tokens, rank after rank
     for (int q = 0; q < P; ++q) {
       const std::int64_t L = sh.end[std::size_t(q)] - sh.begin[std::size_t(q)];
       const T* row = all.data() + displs[std::size_t(q)] + b * L;

@@ -84,7 +84,8 @@ void embedding_backward_over_tokens(Tensor<T>& dtable, In<T> dout, const std::in
 // for the caller's all-reduce. In the mode: every rank's losses gathered
 // (under `label`) and summed in double in the global token order g = b S +
 // s, returned on rank 0, 0 on the others (the caller's all-reduce adds
-// them: exact).
+// them: exact). Under the test-only canonical_sum_rank_order the order is
+// rank after rank instead (the mode off's grouping), which a test catches.
 template <class T>
 double loss_sum_over_tokens(const Tensor<T>& loss, double local, const char* label);
 
