@@ -15,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "comm/local_comm.hpp"
 #include "common/error_of.hpp"
 #include "common/scratch.hpp"
+#include "core/memory_pool.hpp"
 #include "mla/canonical_sum.hpp"
 #include "model/train.hpp"
 
@@ -131,6 +133,28 @@ TEST(TrainInvariant, ARankOrderedReductionIsCaught) {
   TrainOptions off1 = dense(Form::laga, 1), off2 = dense(Form::laga, 2);
   off1.invariant = off2.invariant = false;
   EXPECT_NE(run(off2, "off2").loss, run(off1, "off1").loss);
+}
+
+// laga train's memory check in the mode: the count-only step (the canonical
+// sums' pieces and one-hot included) allocates what the real step does, its
+// peak the measured one exactly, fp32 and bf16 (dense: under expert
+// parallelism the count-only run sizes the experts' rows by the uniform
+// expectation, not the routing, ModelMoe's tests).
+TEST(TrainInvariant, TheMemoryPredictionIsTheMeasuredPeak) {
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    SCOPED_TRACE(to_string(precision));
+    TrainOptions o = dense(Form::laga, 2);
+    o.precision = precision;
+    o.steps = 1;
+    std::vector<MemoryPool> pools(2);
+    LocalRunOptions local;
+    local.pools = &pools;
+    run_local_ranks(
+        2, [&](Communicator& comm) { train_rank(comm, o, nullptr); }, local);
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    for (std::size_t r = 0; r < pools.size(); ++r)
+      EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
+  }
 }
 
 // What the mode does not cover, each refused by name before a rank starts.
