@@ -72,23 +72,69 @@ void rmsnorm_backward_over_tokens(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, c
   canonical_rmsnorm_weight_grad(*c.comm, dw, dy, x, rstd, c.shards, label, adds_here(c));
 }
 
+namespace {
+// Every rank's rows gathered: counts and displacements of each rank's
+// local rows (times `width` elements a row).
+struct Gathered {
+  std::vector<std::int64_t> counts, displs;
+  std::int64_t total = 0;  // rows
+  Gathered(const TokenShards& sh, std::int64_t width) {
+    for (int q = 0; q < sh.ranks(); ++q) {
+      counts.push_back(sh.local_rows(q) * width), displs.push_back(total * width);
+      total += sh.local_rows(q);
+    }
+  }
+};
+// f(row in the gathered rows) for every token, in the global order g = b S
+// + s (row b's tokens, rank after rank), or under the test-only mutation
+// rank after rank, each rank's rows in its order (the mode off's grouping).
+template <class F>
+void in_global_order(const TokenShards& sh, const Gathered& g, F&& f) {
+  if (canonical_sum_rank_order) {
+    for (std::int64_t t = 0; t < g.total; ++t) f(t);
+    return;
+  }
+  std::vector<std::int64_t> first(std::size_t(sh.ranks()), 0);  // each rank's first row
+  for (int q = 1; q < sh.ranks(); ++q)
+    first[std::size_t(q)] = first[std::size_t(q - 1)] + sh.local_rows(q - 1);
+  for (std::int64_t b = 0; b < sh.B; ++b)
+    for (int q = 0; q < sh.ranks(); ++q) {
+      const std::int64_t L = sh.end[std::size_t(q)] - sh.begin[std::size_t(q)];
+      for (std::int64_t i = 0; i < L; ++i) f(first[std::size_t(q)] + b * L + i);
+    }
+}
+}  // namespace
+
 template <class T>
 void embedding_backward_over_tokens(Tensor<T>& dtable, In<T> dout, const std::int32_t* ids,
                                     const char* label) {
   if (!op_invariant) return embedding_backward(dtable, dout, ids);
   const TokenSumContext& c = token_sums(label);
-  const std::int64_t N = dout.rows, V = dtable.dim(0);
-  Tensor<T> onehot = Tensor<T>::zeros({N, V}, "embedding one-hot");
-  count_elementwise<T>(N, 1);
-  if (runs(N * V, {onehot.data(), ids}))
-    for (std::int64_t t = 0; t < N; ++t) {
-      LAGA_CHECK(ids[t] >= 0 && ids[t] < V, "internal: token id ", ids[t], " outside [0, ", V, ")");
-      onehot.data()[t * V + ids[t]] = T(1);
-    }
-  // fp32 under bf16 as well: the scatter-add adds fp32 rows, unrounded.
-  const UsePrecision fp32(Precision::fp32, op_grad_reduce);
-  canonical_token_sum<T>(*c.comm, mat(dtable), mat(std::as_const(onehot)), dout, c.shards, label,
-                         adds_here(c));
+  const TokenShards& sh = c.shards;
+  const int r = c.comm->rank();
+  const std::int64_t D = dout.cols, V = dtable.dim(0), n = dout.rows;
+  LAGA_CHECK(dout.ld == D && n == sh.local_rows(r) && dtable.dim(1) == D,
+             "internal: embedding_backward_over_tokens of (", n, ", ", D, ") rows into ",
+             to_string(dtable.shape()), " on a rank of ", sh.local_rows(r), " tokens");
+  const Gathered rows(sh, D), tokens(sh, 1);
+  Tensor<T> all({rows.total, D}, "every token's embedding gradient", MemCategory::comm_buffers);
+  // The ids as doubles (exact for every int32), the collectives' element.
+  Tensor<double> mine({n}, "this rank's token ids", MemCategory::comm_buffers);
+  Tensor<double> who({tokens.total}, "every token's id", MemCategory::comm_buffers);
+  if (runs(n, {mine.data(), ids}))
+    for (std::int64_t t = 0; t < n; ++t) mine.data()[t] = double(ids[t]);
+  c.comm->all_gather_v(dout.p, n * D, all.data(), rows.counts.data(), rows.displs.data(), label);
+  c.comm->all_gather_v(mine.data(), n, who.data(), tokens.counts.data(), tokens.displs.data(),
+                       label);
+  count_elementwise<T>(rows.total * D, 3);
+  if (r != 0 || !runs(rows.total * D, {dtable.data(), all.data(), who.data()})) return;
+  in_global_order(sh, tokens, [&](std::int64_t t) {
+    const std::int64_t id = std::int64_t(who.data()[t]);
+    LAGA_CHECK(id >= 0 && id < V, "internal: token id ", id, " outside [0, ", V, ")");
+    T* dst = dtable.data() + id * D;
+    const T* src = all.data() + t * D;
+    for (std::int64_t j = 0; j < D; ++j) dst[j] = dst[j] + src[j];
+  });
 }
 
 template <class T>
@@ -96,31 +142,17 @@ double loss_sum_over_tokens(const Tensor<T>& loss, double local, const char* lab
   if (!op_invariant) return local;
   const TokenSumContext& c = token_sums(label);
   const TokenShards& sh = c.shards;
-  const int P = c.comm->size(), r = c.comm->rank();
-  std::vector<std::int64_t> counts(std::size_t(P), 0), displs(std::size_t(P), 0);
-  std::int64_t total = 0;
-  for (int q = 0; q < P; ++q) {
-    counts[std::size_t(q)] = sh.local_rows(q), displs[std::size_t(q)] = total;
-    total += counts[std::size_t(q)];
-  }
-  LAGA_CHECK(loss.numel() == counts[std::size_t(r)], "internal: ", loss.numel(),
-             " token losses on a rank of ", counts[std::size_t(r)], " tokens");
-  Tensor<T> all({total}, "every token's loss", MemCategory::comm_buffers);
-  c.comm->all_gather_v(loss.data(), counts[std::size_t(r)], all.data(), counts.data(),
-                       displs.data(), label);
-  count_elementwise<T>(total, 1);
-  if (r != 0 || !runs(total, {all.data()})) return 0.0;
+  const int r = c.comm->rank();
+  const Gathered tokens(sh, 1);
+  LAGA_CHECK(loss.numel() == sh.local_rows(r), "internal: ", loss.numel(),
+             " token losses on a rank of ", sh.local_rows(r), " tokens");
+  Tensor<T> all({tokens.total}, "every token's loss", MemCategory::comm_buffers);
+  c.comm->all_gather_v(loss.data(), loss.numel(), all.data(), tokens.counts.data(),
+                       tokens.displs.data(), label);
+  count_elementwise<T>(tokens.total, 1);
+  if (r != 0 || !runs(tokens.total, {all.data()})) return 0.0;
   double sum = 0.0;
-  if (canonical_sum_rank_order) {  // the test-only mutation: rank after rank, each in row order
-    for (std::int64_t i = 0; i < total; ++i) sum += double(all.data()[i]);
-    return sum;
-  }
-  for (std::int64_t b = 0; b < sh.B; ++b)  // the global order: row b's tokens, rank after rank
-    for (int q = 0; q < P; ++q) {
-      const std::int64_t L = sh.end[std::size_t(q)] - sh.begin[std::size_t(q)];
-      const T* row = all.data() + displs[std::size_t(q)] + b * L;
-      for (std::int64_t i = 0; i < L; ++i) sum += double(row[i]);
-    }
+  in_global_order(sh, tokens, [&](std::int64_t t) { sum += double(all.data()[t]); });
   return sum;
 }
 

@@ -70,11 +70,11 @@ void rmsnorm_backward_over_tokens(Mat<T> dx, Tensor<T>& dw, In<T> dy, In<T> x, c
                                   const Tensor<T>& rstd, const char* label);
 
 // The embedding's gradient: dtable (V, D) += dout (N, D) scattered to rows
-// ids (N). In the mode a row's sum over the tokens holding its id follows
-// the canonical tree: dtable += onehot(ids)^T dout by canonical_token_sum
-// (1 x and 0 x are exact; an absent token adds a zero), in fp32 under bf16
-// too (the scatter-add adds fp32 rows). It costs a GEMM of V D N, the head
-// gradient's size, and pieces of (V, D) like the head's.
+// ids (N). In the mode every rank's rows and ids are gathered (under
+// `label`) and rank 0 adds them in the global token order g = b S + s: each
+// table row's sum over the tokens holding its id in one order at every P (a
+// scatter-add, like the kernel's, of B S D gathered elements; under the
+// test-only canonical_sum_rank_order rank after rank instead).
 template <class T>
 void embedding_backward_over_tokens(Tensor<T>& dtable, In<T> dout, const std::int32_t* ids,
                                     const char* label);
