@@ -3,7 +3,8 @@
 # training"): 20 steps whose --log losses and gradient norms and whose final
 # checkpoint (weights, AdamW moments) are the same bytes at --sp 1, 2, 4
 # in-process, dense (two rows, uneven shards; fp32, and bf16 on packed
-# documents; and at 2 ranks under mpirun) and MoE with --expert-parallel, for
+# documents; and at 2 ranks under mpirun, and at --sp 3 with
+# --perturb-reductions) and MoE with --expert-parallel, for
 # every form `laga forms` lists as offering the mode. And what the mode does
 # not cover is refused by name.
 set -euo pipefail
@@ -54,11 +55,15 @@ for form in "${forms[@]}"; do
     run "$base-1" "$laga" "${common[@]}" --sp 1
     [ "$(wc -l <"$tmp/$base-1.txt")" = 20 ] || { echo "FAIL: $base: not 20 steps logged"; exit 1; }
     ranks=(2 4)
-    [ "$model" = dense ] && ranks+=(mpi2)  # mpirun's start is the slow part: once a form
+    # mpirun's start is the slow part: once a form. And at --sp 3 with the
+    # all-reduces' order permuted: the mode's sums do not depend on it.
+    [ "$model" = dense ] && ranks+=(mpi2 3perturbed)
     for P in "${ranks[@]}"; do
       if [ "$P" = mpi2 ]; then
         run "$base-$P" timeout 120 "$mpiexec" --allow-run-as-root --oversubscribe -np 2 \
           "$laga" "${common[@]}" --sp 2 --comm mpi
+      elif [ "$P" = 3perturbed ]; then
+        run "$base-$P" "$laga" "${common[@]}" --sp 3 --perturb-reductions 5
       else
         run "$base-$P" "$laga" "${common[@]}" --sp "$P"
       fi
@@ -81,4 +86,4 @@ refused() {  # EXPECTED-TEXT, then the options
 refused "form absorbed does not offer the invariant mode" --form absorbed --sp 2
 refused "needs --expert-parallel over every rank" --config "$moe" --batch 1 --sp 2
 refused "drop --seq-layout zigzag" --seq-layout zigzag --sp 2
-echo "OK: ${forms[*]}, dense, packed bf16 and MoE EP: 20 steps' losses and final checkpoints byte-identical at --sp 1, 2, 4 (dense: and mpirun -np 2)"
+echo "OK: ${forms[*]}, dense, packed bf16 and MoE EP: 20 steps' losses and final checkpoints byte-identical at --sp 1, 2, 4 (dense: and mpirun -np 2, and --sp 3 perturbed)"
