@@ -44,6 +44,15 @@ bool adds_here(const TokenSumContext& c) {
 }
 }  // namespace
 
+std::int64_t global_token_index(std::int64_t local_row, const char* what) {
+  const TokenSumContext& c = token_sums(what);
+  const int r = c.comm->rank();
+  const std::int64_t L = c.shards.end[std::size_t(r)] - c.shards.begin[std::size_t(r)];
+  LAGA_CHECK(L > 0 && local_row >= 0 && local_row < c.shards.local_rows(r), "internal: local row ",
+             local_row, " of a rank of ", c.shards.local_rows(r), " tokens");
+  return (local_row / L) * c.shards.S + c.shards.begin[std::size_t(r)] + local_row % L;
+}
+
 template <class T>
 void linear_backward_over_tokens(Mat<T>* dx, bool accumulate, Tensor<T>& dw, In<T> dy, In<T> x,
                                  const Tensor<T>& w, const char* label) {

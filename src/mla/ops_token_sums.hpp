@@ -48,6 +48,12 @@ class SumOverTokens {
   const TokenSumContext* previous_;
 };
 
+// This rank's local token row b L_r + i as its global index g = b S +
+// begin_r + i, under the thread's SumOverTokens scope (the mode's order of
+// an MoE expert's rows, model/moe.cpp). `what` names the caller if the
+// scope is missing.
+std::int64_t global_token_index(std::int64_t local_row, const char* what);
+
 // dx (N, in) = dy w (added when accumulate; none when dx is null), and w's
 // gradient dw (out, in) += dy^T x over the tokens: this rank's N rows
 // (ops::linear_backward), or in the mode the canonical sum over every

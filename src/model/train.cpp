@@ -263,9 +263,6 @@ void check_train_invariant(const TrainOptions& o) {
       "below --sp): an expert's gradient is summed over its tokens on its one owner, in "
       "global token order; with every rank running every expert (or EP groups) it is "
       "a sum of per-rank partials, whose grouping follows --sp");
-  LAGA_CHECK(o.batch == 1, "--invariant with an MoE model needs --batch 1 (got ", o.batch,
-             "): an expert's owner receives its rows rank after rank, the global token order "
-             "only for one row of tokens; give --batch 1 and a longer --seq");
 }
 }  // namespace
 

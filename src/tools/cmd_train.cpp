@@ -630,7 +630,7 @@ void register_train(CLI::App& app) {
                     "the weights after every step the same bits at every --sp and --comm; forms ",
                     names_of_forms_with(&FormTraits::invariant),
                     ", --attention flash, contiguous shards, no --pp; an MoE model with "
-                    "--expert-parallel over every rank and --batch 1"));
+                    "--expert-parallel over every rank"));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
                 "the step's global token count per expert of every MoE layer");

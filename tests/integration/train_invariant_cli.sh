@@ -42,7 +42,7 @@ for form in "${forms[@]}"; do
       m=(--layers 2 --d-model 32 --heads 4 --vocab 64 --seq 30 --batch 2 --data "$tmp/docs.bin"
          --pack-eos 0 --dtype bf16)
     else
-      m=(--config "$moe" --seq 62 --batch 1 --expert-parallel --log-expert-load)
+      m=(--config "$moe" --seq 31 --batch 2 --expert-parallel --log-expert-load)
     fi
     common=(train "${m[@]}" --steps 20 --form "$form" --attention flash --invariant --quiet)
     run() {  # NAME, then the launcher and the rank options
