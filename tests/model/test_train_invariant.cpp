@@ -1,7 +1,7 @@
 // laga train --invariant (docs/invariance.md, "In training"; issue 56): a
 // 20-step run's losses, gradient norms and final checkpoint (weights, AdamW
 // moments, expert biases) are the same bytes at --sp 1, 2 and 4, dense
-// (uneven shards, two rows) and MoE with expert
+// (uneven shards, two rows; and with q_lora_rank) and MoE with expert
 // parallelism, explicit and laga, fp32 and bf16. A reduction whose order
 // follows the ranks is caught, and what the mode does not cover is refused
 // by name.
@@ -44,6 +44,14 @@ TrainOptions dense(Form form, int sp) {
   o.seed = 5;
   o.adam.lr = 3e-3;
   o.clip = 1.0;  // the clip's global norm is summed too
+  return o;
+}
+
+// The query's low-rank path (wq_a, q_norm, wq_b: the block's canonical
+// q_norm and wq_b gradients).
+TrainOptions dense_q_lora(Form form, int sp) {
+  TrainOptions o = dense(form, sp);
+  o.model.mla.q_lora_rank = 16;
   return o;
 }
 
@@ -117,6 +125,7 @@ TEST(TrainInvariant, DenseSameBitsAtP124) {
   expect_same_at_every_p(&dense, Form::explicit_form, Precision::fp32, "dense_explicit_fp32_");
   expect_same_at_every_p(&dense, Form::laga, Precision::fp32, "dense_laga_fp32_");
   expect_same_at_every_p(&dense, Form::laga, Precision::bf16, "dense_laga_bf16_");
+  expect_same_at_every_p(&dense_q_lora, Form::explicit_form, Precision::fp32, "q_lora_fp32_");
 }
 
 TEST(TrainInvariant, MoeWithExpertParallelismSameBitsAtP124) {
