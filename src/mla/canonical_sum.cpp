@@ -33,25 +33,73 @@ std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r) {
   return pieces;
 }
 
+namespace {
+// The pieces of tokens [lo, hi) of one row, of N tokens in all (the closed
+// form canonical_piece_count's header derives).
+std::int64_t pieces_in(std::int64_t lo, std::int64_t hi, std::int64_t N) {
+  if (lo >= hi) return 0;
+  const auto u = [](std::int64_t v) { return std::uint64_t(v); };
+  if (hi == N) {  // the last node may reach past N: they only rise from lo
+    if (lo == 0) return 1;
+    std::int64_t X = lo;
+    for (int j = 0; X < N; ++j) {  // lo rounded up to a multiple of 2^j
+      const std::int64_t size = std::int64_t(1) << j;
+      X = (lo + size - 1) / size * size;
+    }
+    return std::popcount(u(X - lo));
+  }
+  const int t = std::bit_width(u(lo ^ hi)) - 1;
+  const std::int64_t M = (hi >> t) << t;
+  return std::popcount(u(M - lo)) + std::popcount(u(hi - M));
+}
+}  // namespace
+
+std::int64_t canonical_piece_count(const TokenShards& shards, int r) {
+  LAGA_CHECK(r >= 0 && r < shards.ranks() && shards.end.size() == shards.begin.size(),
+             "internal: canonical_piece_count of rank ", r, " of ", shards.ranks());
+  const std::int64_t N = shards.B * shards.S;
+  std::int64_t n = 0;
+  for (std::int64_t b = 0; b < shards.B; ++b)
+    n += pieces_in(b * shards.S + shards.begin[r], b * shards.S + shards.end[r], N);
+  return n;
+}
+
+TokenShards sequence_shards(const SpLayout& layout) {
+  TokenShards t;
+  t.B = layout.batch, t.S = layout.seq;
+  for (int r = 0; r < layout.ranks; ++r) {
+    t.begin.push_back(layout.shard_begin(r));
+    t.end.push_back(layout.shard_begin(r) + layout.seq_count[std::size_t(r)]);
+  }
+  return t;
+}
+
+TokenShards head_column_shards(const SpLayout& layout, std::int64_t per_head) {
+  TokenShards t;
+  t.B = 1, t.S = layout.heads * per_head;
+  for (int r = 0; r < layout.ranks; ++r) {
+    const std::int64_t h0 = layout.head_offset[std::size_t(r)];
+    t.begin.push_back(h0 * per_head);
+    t.end.push_back((h0 + layout.head_count[std::size_t(r)]) * per_head);
+  }
+  return t;
+}
+
 PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width) {
-  PieceBytes b;
   const int P = shards.ranks();
-  b.sent = (P - 1) * std::int64_t(canonical_pieces(shards, r).size()) * width;
-  for (int q = 0; q < P; ++q)
-    if (q != r) b.received += std::int64_t(canonical_pieces(shards, q).size()) * width;
-  return b;
+  std::int64_t all = 0;
+  for (int q = 0; q < P; ++q) all += canonical_piece_count(shards, q);
+  const std::int64_t own = canonical_piece_count(shards, r);
+  return {(P - 1) * own * width, (all - own) * width, all * width};
 }
 
 PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
                                              int r, std::int64_t n) {
-  PieceBytes b;
-  const std::int64_t own = std::int64_t(canonical_pieces(index, r).size());
-  for (int q = 0; q < rows.ranks(); ++q) {
-    if (q == r) continue;
-    b.sent += own * rows.local_rows(q) * n;
-    b.received += std::int64_t(canonical_pieces(index, q).size()) * rows.local_rows(r) * n;
-  }
-  return b;
+  std::int64_t all = 0, R = 0;
+  for (int q = 0; q < index.ranks(); ++q)
+    all += canonical_piece_count(index, q), R += rows.local_rows(q);
+  const std::int64_t own = canonical_piece_count(index, r), mine = rows.local_rows(r);
+  return {own * (R - mine) * n, (all - own) * mine * n, own * R * n + all * mine * n};
 }
 
 namespace {

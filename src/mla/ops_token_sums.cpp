@@ -10,18 +10,6 @@
 
 namespace laga::ops {
 
-TokenShards sequence_shards(const SpLayout& layout) {
-  LAGA_CHECK(layout.rank_major_is_sequence(),
-             "internal: the canonical sums over tokens need contiguous sequence shards");
-  TokenShards t;
-  t.B = layout.batch, t.S = layout.seq;
-  for (int r = 0; r < layout.ranks; ++r) {
-    t.begin.push_back(layout.shard_begin(r));
-    t.end.push_back(layout.shard_begin(r) + layout.seq_count[std::size_t(r)]);
-  }
-  return t;
-}
-
 SumOverTokens::SumOverTokens(Communicator& comm, const SpLayout& layout)
     : previous_(op_token_sums) {
   context_.comm = &comm;

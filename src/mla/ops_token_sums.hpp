@@ -23,11 +23,8 @@
 
 namespace laga::ops {
 
-// Every rank's shard of the sequence: rank r holds tokens [shard_begin(r),
-// shard_begin(r) + seq_count[r]) of every row (contiguous layouts only; the
-// mode refuses the others before a rank starts).
-TokenShards sequence_shards(const SpLayout& layout);
-
+// The scope's tokens: the sequence's shards (canonical_sum.hpp's
+// sequence_shards; contiguous layouts only, which the mode requires).
 struct TokenSumContext {
   Communicator* comm = nullptr;
   TokenShards shards;

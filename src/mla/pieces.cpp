@@ -18,28 +18,14 @@ namespace laga::detail {
 using ops::mat;
 
 namespace {
-// The invariant mode's shards (docs/invariance.md): the sequence's, and the
-// heads' columns of the latent's gradient (dn + dv + dr a head).
+// The invariant mode's shards (docs/invariance.md), as the closed forms read
+// them (ops::sequence_shards, ops::head_column_shards): the sequence's, and
+// the heads' columns of the latent's gradient (dn + dv + dr a head).
 ops::TokenShards token_shards(const Step& st) {
-  const SpLayout& lay = st.ctx.layout;
-  ops::TokenShards t;
-  t.B = st.B, t.S = st.S;
-  for (int r = 0; r < lay.ranks; ++r) {
-    t.begin.push_back(lay.shard_begin(r));
-    t.end.push_back(lay.shard_begin(r) + lay.seq_count[std::size_t(r)]);
-  }
-  return t;
+  return ops::sequence_shards(st.ctx.layout);
 }
 ops::TokenShards head_column_shards(const Step& st) {
-  const SpLayout& lay = st.ctx.layout;
-  const std::int64_t per_head = st.KV + st.dr;
-  ops::TokenShards t;
-  t.B = 1, t.S = st.H * per_head;
-  for (int r = 0; r < lay.ranks; ++r) {
-    t.begin.push_back(lay.head_offset[std::size_t(r)] * per_head);
-    t.end.push_back((lay.head_offset[std::size_t(r)] + lay.head_count[std::size_t(r)]) * per_head);
-  }
-  return t;
+  return ops::head_column_shards(st.ctx.layout, st.KV + st.dr);
 }
 // A weight's gradient summed over the tokens canonically, added on rank 0
 // only: the gradient all-reduce adds the other ranks' zeros to it.

@@ -277,10 +277,10 @@ bool lm_param_trains(const std::string& name) {
 }
 
 double LmContext::loss_tokens() const {
-  LAGA_CHECK(counted_targets >= 0 && counted_targets <= layout.batch * layout.seq,
-             "LmContext: counted_targets ", counted_targets,
-             " is outside [0, B*S = ", layout.batch * layout.seq, "]");
-  return double(counted_targets > 0 ? counted_targets : layout.batch * layout.seq);
+  const std::int64_t all = layout.batch * layout.seq * replicas();
+  LAGA_CHECK(counted_targets >= 0 && counted_targets <= all, "LmContext: counted_targets ",
+             counted_targets, " is outside [0, B*S = ", all, "]");
+  return double(counted_targets > 0 ? counted_targets : all);
 }
 
 // ------------------------------------------------------- forward/backward
@@ -320,13 +320,16 @@ LmStage whole_model(const LmConfig& cfg) {
 }
 
 // The MoE layers' expert placement for this context: null runs every expert
-// on every rank; folded spreads them over the ranks, which need every rank's
-// token count.
+// on every rank; folded spreads them over the ranks (every replica's under
+// data parallelism: world rank w is SP rank w % P of its replica), which need
+// every rank's token count.
 std::optional<ExpertParallel> expert_parallel(const LmContext& c) {
   if (!c.cfg.moe || c.experts == ExpertPlacement::every_rank) return std::nullopt;
   std::vector<std::int64_t> tokens;
-  for (std::int64_t L : c.layout.seq_count) tokens.push_back(c.layout.batch * L);
-  return ExpertParallel::folded(c.comm, c.cfg.moe->n_routed_experts, std::move(tokens),
+  const int P = c.comm.size();
+  for (int w = 0; w < c.everyone().size(); ++w)
+    tokens.push_back(c.layout.batch * c.layout.seq_count[size_t(w % P)]);
+  return ExpertParallel::folded(c.everyone(), c.cfg.moe->n_routed_experts, std::move(tokens),
                                 c.expert_degree);
 }
 
@@ -523,8 +526,8 @@ double lm_loss(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   LmSaved<T> s;
   double sum =
       forward(c, w, whole_model(c.cfg), tokens, targets, static_cast<Tensor<T>*>(nullptr), s);
-  c.comm.set_phase(Phase::forward);
-  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  c.everyone().set_phase(Phase::forward);
+  c.everyone().all_reduce(&sum, 1, "loss_allreduce");
   return sum / c.loss_tokens();
 }
 
@@ -542,22 +545,23 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
   // One all-reduce of every gradient flattened, then one of the loss. One
   // rank's gradients are the sum already: the all-reduce would only copy
   // every gradient twice through a buffer the size of the model.
-  c.comm.set_phase(Phase::grad_sync);
-  if (c.comm.size() > 1) {
+  Communicator& all_ranks = c.everyone();
+  all_ranks.set_phase(Phase::grad_sync);
+  if (all_ranks.size() > 1) {
     Tensor<T> all({grads.numel()}, MemCategory::comm_buffers);  // every gradient, in order
     std::int64_t off = 0;
     grads.for_each([&](const std::string&, Tensor<T>& t) {
       ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
       off += t.numel();
     });
-    wire::all_reduce_gradients(c.comm, all.data(), all.numel());
+    wire::all_reduce_gradients(all_ranks, all.data(), all.numel());
     off = 0;
     grads.for_each([&](const std::string&, Tensor<T>& t) {
       ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));
       off += t.numel();
     });
   }
-  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  all_ranks.all_reduce(&sum, 1, "loss_allreduce");
   return sum / total;
 }
 

@@ -17,6 +17,7 @@
 // rank and summed over the SP group by ONE all-reduce of all of them
 // flattened (label "grad_allreduce", phase grad_sync; none at P 1). The loss needs the
 // global token count: each rank's local sum is all-reduced ("loss_allreduce").
+// Under data parallelism (LmContext::world) both span every replica's ranks.
 //
 // Names follow DeepSeek-V3's inference checkpoint: embed.weight,
 // layers.N.attn_norm.weight, layers.N.attn.<MLA names>, layers.N.ffn_norm.weight,
@@ -171,7 +172,17 @@ struct LmContext {
   // folded: the EP degree G, groups of G consecutive ranks each holding all
   // experts (ExpertParallel); 0: every rank of the group in one (G = P).
   int expert_degree = 0;
-  // The loss mean's denominator.
+  // Data parallelism (`laga train --dp`): when set, comm is one replica's
+  // SP group and world every rank of the run, replica d the world ranks
+  // [d P, (d + 1) P); layout is the replica's (its own rows of the batch).
+  // The attention's collectives run on comm; the loss, the gradient
+  // all-reduce, the expert load and the MoE's expert parallelism (EP groups
+  // of consecutive world ranks: EP over the replicas) on world. null: comm
+  // is the whole run.
+  Communicator* world = nullptr;
+  Communicator& everyone() const { return world ? *world : comm; }
+  int replicas() const { return world ? world->size() / comm.size() : 1; }
+  // The loss mean's denominator: counted_targets, or every replica's B*S.
   double loss_tokens() const;
 };
 

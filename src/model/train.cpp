@@ -37,8 +37,9 @@ TokenSource make_source(const TrainOptions& o) {
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
   static const std::set<std::string> s{
-      "form",  "attention",       "sp", "data-path", "q-latent",      "overlap",
-      "dtype", "expert-parallel", "ep", "pp",        "micro-batches", "invariant"};
+      "form",     "attention",       "sp", "data-path", "q-latent",      "overlap",
+      "dtype",    "expert-parallel", "ep", "pp",        "micro-batches", "dp",
+      "invariant"};
   return s;
 }
 
@@ -189,6 +190,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.invariant) r["invariant"] = "on";
   r["sp"] = std::to_string(o.sp);
   if (o.pp > 1) r["pp"] = std::to_string(o.pp);
+  if (o.dp > 1) r["dp"] = std::to_string(o.dp);
   if (o.micro_batches > 1) r["micro-batches"] = std::to_string(o.micro_batches);
   return r;
 }
@@ -256,6 +258,9 @@ void check_train_invariant(const TrainOptions& o) {
   LAGA_CHECK(o.pp == 1, "--invariant: --pp ", o.pp,
              " has no invariant path (a stage's sums over its micro-batches follow the "
              "schedule); drop --pp with --invariant");
+  LAGA_CHECK(o.dp == 1, "--invariant: --dp ", o.dp,
+             " has no invariant path yet (its sums over tokens are the --sp group's); drop --dp "
+             "with --invariant");
   if (!o.model.moe) return;
   LAGA_CHECK(
       o.experts == ExpertPlacement::folded && (o.expert_degree == 0 || o.expert_degree == o.sp),
@@ -263,6 +268,26 @@ void check_train_invariant(const TrainOptions& o) {
       "below --sp): an expert's gradient is summed over its tokens on its one owner, in "
       "global token order; with every rank running every expert (or EP groups) it is "
       "a sum of per-rank partials, whose grouping follows --sp");
+}
+
+// --dp: what the data-parallel run (TrainOptions::dp) is built for today.
+void check_data_parallel_options(const TrainOptions& o) {
+  LAGA_CHECK(o.dp >= 1, "--dp must be >= 1 (got ", o.dp, ")");
+  if (o.dp == 1) return;
+  LAGA_CHECK(o.batch % o.dp == 0, "--batch ", o.batch, " does not split over --dp ", o.dp,
+             " replicas (each takes batch / dp whole rows); give a --batch that is a multiple "
+             "of ",
+             o.dp);
+  LAGA_CHECK(o.sp == 1, "--dp with --sp > 1 is not built yet (--sp ", o.sp,
+             "): each replica's attention runs on one rank; give --sp 1, or drop --dp");
+  LAGA_CHECK(o.pp == 1, "--dp with --pp is not built yet (--pp ", o.pp, "); give one of them");
+  LAGA_CHECK(!o.pack_eos,
+             "--dp with --pack-eos is not built yet (each replica would need its "
+             "rows' documents); drop one of them");
+  LAGA_CHECK(o.expert_degree == 0 || o.ranks() % o.expert_degree == 0, "--ep ", o.expert_degree,
+             " must divide the ", o.ranks(), " ranks of --sp ", o.sp, " x --dp ", o.dp,
+             " (each EP group is EP consecutive ranks, over the replicas); give a divisor of ",
+             o.ranks());
 }
 }  // namespace
 
@@ -303,8 +328,9 @@ void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   LAGA_CHECK(o.expert_degree >= 0, "--ep must be >= 1 (got ", o.expert_degree, ")");
   LAGA_CHECK(o.expert_degree == 0 || o.experts == ExpertPlacement::folded, "--ep ", o.expert_degree,
              " sets the expert-parallel degree; add --expert-parallel");
-  LAGA_CHECK(o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ", o.expert_degree,
-             " must divide --sp ", o.sp,
+  check_data_parallel_options(o);
+  LAGA_CHECK(o.dp > 1 || o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ",
+             o.expert_degree, " must divide --sp ", o.sp,
              " (each EP group is EP consecutive ranks); give --ep a divisor of ", o.sp);
   check_pipeline_options(o);
   const TokenSource source = make_source(o);  // data errors before any rank starts
@@ -353,8 +379,11 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
 }
 
 SpLayout train_layout(const TrainOptions& o, int ranks) {
-  // Pipeline stages each see the whole sequence (sp 1 within a stage).
-  return SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.pp > 1 ? 1 : ranks, o.seq_layout);
+  // Pipeline stages each see the whole sequence (sp 1 within a stage); a
+  // data-parallel replica its own rows over its ranks / dp.
+  const int dp = std::max(1, o.dp);
+  return SpLayout::even(o.batch / dp, o.seq, o.model.mla.n_heads, o.pp > 1 ? 1 : ranks / dp,
+                        o.seq_layout);
 }
 
 namespace {
@@ -362,12 +391,22 @@ namespace {
 // The model's context for the options' form, attention, query exchange, head
 // groups and overlap: one construction for train_rank and its count-only run
 // (predict_train_memory), so the two run the same model.
-LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& comm,
-                     const RopeTable& rope) {
-  LmContext ctx{o.model, layout, comm, rope, o.variant, o.attention};
+// Under --dp, group is the replica's SP group and world every rank.
+LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& group,
+                     const RopeTable& rope, Communicator* world = nullptr) {
+  LmContext ctx{o.model, layout, group, rope, o.variant, o.attention};
   ctx.experts = o.experts;
   ctx.expert_degree = o.expert_degree;
+  ctx.world = world;
   return ctx;
+}
+
+// A data-parallel run's replica group for this rank (sp 1: one rank alone,
+// TrainOptions::dp); null without --dp.
+std::unique_ptr<Communicator> replica_group(const TrainOptions& o) {
+  if (o.dp <= 1) return nullptr;
+  LAGA_CHECK(o.sp == 1, "--dp with --sp > 1 is not built yet");
+  return make_self_communicator();
 }
 
 // What a rank keeps for the whole run, allocated in this order by train_rank
@@ -473,7 +512,7 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
     LAGA_CHECK(o.allow_nonfinite, "train: ", what, untouched,
                ". Lower --lr, set --clip, or check --data; or pass --allow-nonfinite to train "
                "on anyway");
-    if (ctx.comm.rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
+    if (ctx.everyone().rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
   };
   if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
   std::vector<Tensor<T>*> P, G, M, V;
@@ -530,7 +569,7 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   // per optimizer step.
   if (balance) {
     const std::vector<std::vector<std::int64_t>> load =
-        group_expert_load(ctx.comm, ctx.cfg, routing);
+        group_expert_load(ctx.everyone(), ctx.cfg, routing);
     for (const std::vector<std::int64_t>& layer : load)
       out.expert_load.insert(out.expert_load.end(), layer.begin(), layer.end());
     for (size_t l = 0; l < load.size(); ++l) {
@@ -556,11 +595,17 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = train_layout(o, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  const LmContext ctx = lm_context(o, layout, comm, rope);
+  const std::unique_ptr<Communicator> replica = replica_group(o);
+  const LmContext ctx =
+      replica ? lm_context(o, layout, *replica, rope, &comm) : lm_context(o, layout, comm, rope);
   const TokenSource source = make_source(o);
   const int r = comm.rank();
-  const int sp_rank = o.pp > 1 ? 0 : r;  // a pipeline stage holds the whole sequence
-  const std::int64_t B = o.batch, S = o.seq;
+  // A pipeline stage holds the whole sequence; a data-parallel replica
+  // (TrainOptions::dp) its rows [first_row, first_row + B_r).
+  const int sp_size = o.pp > 1 ? 1 : layout.ranks;
+  const int sp_rank = r % sp_size;
+  const std::int64_t B = o.batch, S = o.seq, B_r = layout.batch;
+  const std::int64_t first_row = o.dp > 1 ? std::int64_t(r / sp_size) * B_r : 0;
   const std::int64_t L = layout.seq_count[size_t(sp_rank)];
   // (L), SpLayout's order
   const std::vector<std::int64_t> own_positions = layout.positions(sp_rank);
@@ -585,8 +630,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   TrainEnd end;
   end.step = st.step;
   LrSchedule sched{o.adam.lr, o.warmup, o.steps, o.cosine, o.min_lr};
-  std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B * L)),
-      targets(size_t(B * L));
+  std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B_r * L)),
+      targets(size_t(B_r * L));
   // The batch of `cursor` from src into this rank's tokens and targets (B, L)
   // and its packing. Every rank draws the whole window, so each knows every
   // row's documents and the global count of targets the loss is the mean over.
@@ -602,12 +647,12 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
                  *o.pack_eos,
                  " (--pack-eos), so no target counts in the loss; check the id and the data");
     }
-    for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t b = 0; b < B_r; ++b)
       for (std::int64_t i = 0; i < L; ++i) {
-        const std::int64_t t = own_positions[size_t(i)];
-        tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + t)];
+        const std::int64_t t = own_positions[size_t(i)], row = first_row + b;
+        tokens[size_t(b * L + i)] = window[size_t(row * (S + 1) + t)];
         targets[size_t(b * L + i)] =
-            packed ? packed->targets[size_t(b * S + t)] : window[size_t(b * (S + 1) + t + 1)];
+            packed ? packed->targets[size_t(row * S + t)] : window[size_t(row * (S + 1) + t + 1)];
       }
     return packed;
   };
@@ -742,7 +787,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     const OmpThreadsScope threads(threads_per_rank(o.ranks()));
     DryRunCommunicator comm(r, o.ranks(), staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
-    const LmContext ctx = lm_context(o, layout, comm, rope);
+    const std::unique_ptr<Communicator> replica = replica_group(o);
+    const LmContext ctx =
+        replica ? lm_context(o, layout, *replica, rope, &comm) : lm_context(o, layout, comm, rope);
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();
@@ -753,8 +800,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));
     m.token_ids = token_ids;
     m.token_read = token_read;
-    const std::int64_t L = layout.seq_count[size_t(o.pp > 1 ? 0 : r)];
-    m.batch_ids = std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * o.batch * L);
+    const std::int64_t L = layout.seq_count[size_t(o.pp > 1 ? 0 : r % layout.ranks)];
+    m.batch_ids =
+        std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * layout.batch * L);
     if (o.pack_eos) {
       // PackedBatch: targets (B, S) int32, at most S + 1 cut points per row;
       // per layer, the block's Step: doc_start (B, S), positions (B, L_r)

@@ -67,7 +67,18 @@ struct TrainOptions {
   int pp = 1;
   std::int64_t micro_batches = 1;
   std::vector<LmStage> stages;
-  int ranks() const { return sp * pp; }
+  // --dp D (docs/planning.md, "EP over the data-parallel replicas against a
+  // measured step"): D data-parallel replicas, replica d the ranks [d sp,
+  // (d + 1) sp) and the rows [d B/D, (d + 1) B/D) of every batch (D divides
+  // batch). Each replica's attention runs on its own SP group (sp 1 today:
+  // a one-rank communicator); the loss is the mean over every replica's
+  // targets, the dense gradients are all-reduced over every rank, and with
+  // --expert-parallel the EP groups (--ep N consecutive ranks, default all)
+  // span the replicas (LmContext::world). Every rank holds the same
+  // parameters after a step, so checkpoints are written and resumed as
+  // without it, and dp is free to change on resume.
+  int dp = 1;
+  int ranks() const { return sp * pp * dp; }
   // --seq-layout: how each window's tokens are sharded over the sp ranks
   // (SpLayout, docs/forms.md "The zigzag layout"). Free to change on resume:
   // it moves which rank computes a token, not what is computed.

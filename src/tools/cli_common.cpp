@@ -491,7 +491,7 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
   }
   MpiSession& s = mpi_session();
   LAGA_CHECK(s.world_size() == P, "--comm mpi: this job has ", s.world_size(),
-             " MPI processes but --sp (laga train: --sp x --pp) asks for ", P,
+             " MPI processes but --sp (laga train: --sp x --pp x --dp) asks for ", P,
              " ranks; launch with mpirun -np ", P, " (one rank per process), or use --comm local");
   set_rank_threads(threads_per_rank(P));
   auto c = make_mpi_communicator();

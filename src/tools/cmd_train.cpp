@@ -41,6 +41,7 @@ struct TrainCli {
   Precision dtype = Precision::fp32;          // --dtype: fp32 | bf16 (TrainOptions::precision)
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce (TrainOptions::grad_reduce)
   int sp = 1;
+  int dp = 1;  // --dp: data-parallel replicas (TrainOptions::dp)
   // --pp, --micro-batches, --schedule: pipeline stages (TrainOptions::pp).
   int pp = 1;
   std::int64_t micro_batches = 1;
@@ -174,6 +175,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
   o.sp = c.sp;
+  o.dp = c.dp;
   o.pp = c.pp;
   o.micro_batches = c.micro_batches;
   LAGA_CHECK(parse_pipe_schedule(c.pipe_schedule) == PipeSchedule::one_f_one_b, "--pp-schedule ",
@@ -305,12 +307,12 @@ void check_options_act(const TrainCli& c, const TrainOptions& o) {
   LAGA_CHECK(c.val_every <= c.steps, "--val-every ", c.val_every, " never comes within --steps ",
              c.steps, " (the last step is validated anyway); give N <= ", c.steps,
              " or drop --val-every");
-  LAGA_CHECK(!c.perturb_reductions || c.sp >= 3,
+  LAGA_CHECK(!c.perturb_reductions || c.sp * c.dp >= 3,
              "--perturb-reductions permutes the order in "
              "which the ranks' contributions to each reduction are added, and at --sp ",
-             c.sp,
-             " every order gives the same bits (it changes bits only at --sp >= 3); give --sp "
-             ">= 3, or drop it");
+             c.sp, c.dp > 1 ? cat(" x --dp ", c.dp) : std::string(),
+             " every order gives the same bits (it changes bits only at 3 ranks or more); give "
+             "--sp >= 3 (or --sp x --dp >= 3), or drop it");
 }
 
 void run_train(const TrainCli& c) {
@@ -324,7 +326,7 @@ void run_train(const TrainCli& c) {
   // use, issue 54 V).
   validate_train_options(o, report);
   check_options_act(c, o);  // after the options' own errors, which say more
-  check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
+  check_variant(o.model.mla, train_layout(o, o.sp * o.dp), o.variant);
   // Refuse before allocating the model when the job cannot fit.
   if (c.comm.memory_check) {
     check_memory_fits(train_state_lower_bound(o, c.comm.backend), "laga train");
@@ -356,13 +358,14 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form " << describe_variant(o.variant, train_layout(o, o.sp))
+              << ", form " << describe_variant(o.variant, train_layout(o, o.sp * o.dp))
               << (o.seq_layout == SeqLayout::contiguous
                       ? std::string()
                       : cat(", seq layout ", to_string(o.seq_layout)))
               << ", attention " << c.attention
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "")
               << (o.invariant ? ", invariant mode" : "") << ", sp " << o.sp
+              << (o.dp > 1 ? cat(", dp ", o.dp, " (", o.batch / o.dp, " rows each)") : "")
               << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
                            : std::string())
               << ", comm " << to_string(c.comm.backend) << ", data " << c.data
@@ -377,7 +380,7 @@ void run_train(const TrainCli& c) {
   if (report && c.perturb_reductions)
     std::cerr << "laga train: --perturb-reductions " << *c.perturb_reductions
               << ": reductions add in a seed-permuted order, not rank order"
-              << (o.sp < 3 ? " (no effect at sp < 3: a + b == b + a)" : "") << "\n";
+              << (o.ranks() < 3 ? " (no effect below 3 ranks: a + b == b + a)" : "") << "\n";
   install_stop_handlers();
   o.stop_signal = &stop_signal;
   if (report)
@@ -485,6 +488,15 @@ void register_train(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")
       ->check(whole_for(1, c->sp))
+      ->capture_default_str();
+  sub->add_option("--dp", c->dp,
+                  "data-parallel replicas: the ranks are --sp x --dp, replica d taking rows "
+                  "[d B/D, (d+1) B/D) of every --batch (D must divide it); the loss is the mean "
+                  "over every replica's targets, the gradients all-reduced over every rank, and "
+                  "--expert-parallel's EP groups span the replicas (EP over DP, as laga plan "
+                  "--model --dp --ep plans it; docs/planning.md, \"EP over the data-parallel "
+                  "replicas against a measured step\"); --sp 1, no --pp, no --pack-eos")
+      ->check(whole_for(1, c->dp))
       ->capture_default_str();
   sub->add_option("--pp", c->pp,
                   "pipeline stages: the ranks are stages, each running its layers (the plan's "
@@ -614,22 +626,24 @@ void register_train(CLI::App& app) {
                   "reductions\")")
       ->check(whole_for(0, c->perturb_reductions));
   sub->add_flag("--expert-parallel", c->expert_parallel,
-                "MoE models: fold expert parallelism onto the --sp ranks (each rank runs "
+                "MoE models: fold expert parallelism onto the --sp ranks (with --dp, every "
+                "replica's: EP over DP; each rank runs "
                 "E / P consecutive experts, the first E % P ranks one more, on every rank's "
                 "copies routed to them: all_to_all_v dispatch and combine, ledgered as moe_counts, "
                 "moe_dispatch, moe_combine and their backward dmoe_*; docs/moe.md, \"Expert "
                 "parallelism\"). The same math as without it, rounded differently");
-  sub->add_option("--ep", c->ep,
-                  "with --expert-parallel: the EP degree N, a divisor of --sp: groups of N "
-                  "consecutive ranks, each holding every expert (E / N per rank), the copies "
-                  "exchanged within a group, each expert's gradients summed over the groups by "
-                  "the gradient all-reduce (default: --sp, one group)")
+  sub->add_option(
+         "--ep", c->ep,
+         "with --expert-parallel: the EP degree N, a divisor of --sp (x --dp): groups of N "
+         "consecutive ranks, each holding every expert (E / N per rank), the copies "
+         "exchanged within a group, each expert's gradients summed over the groups by "
+         "the gradient all-reduce (default: every rank, --sp x --dp, one group)")
       ->check(whole_for(1, c->ep));
   sub->add_flag("--invariant", c->invariant,
                 cat("the invariant mode (docs/invariance.md, \"In training\"): the losses and "
                     "the weights after every step the same bits at every --sp and --comm; forms ",
                     names_of_forms_with(&FormTraits::invariant),
-                    ", --attention flash, contiguous shards, no --pp; an MoE model with "
+                    ", --attention flash, contiguous shards, no --pp or --dp; an MoE model with "
                     "--expert-parallel over every rank"));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "

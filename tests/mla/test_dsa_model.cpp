@@ -93,6 +93,23 @@ TEST(DsaComm, ExplicitMovesPerHeadKeysAndValues) {
   EXPECT_EQ(sent(p, Phase::forward, "topk_ag"), 48);
 }
 
+// The dense warm-up attends every causal key: the explicit form moves no
+// indices, and the KL target holds S slots a row (the peer's L_1 S = 32
+// values); a float64 run moves it at 8 bytes (at fp32 its KL would be off
+// by 1e-7; mla_test_dsa_explicit holds the engine's ledger to both).
+TEST(DsaComm, ExplicitWarmupMovesNoIndicesAndTheTargetAtEveryKey) {
+  Fixture f;
+  const CommPrediction w = dsa_predict_comm(f.cfg, kDsa, f.layout, DsaForm::explicit_form, 0,
+                                            {4, 4}, true, false, DsaStage::dense_warmup);
+  EXPECT_EQ(sent(w, Phase::forward, "topk_ag"), -1);
+  EXPECT_EQ(sent(w, Phase::forward, "index_target_rs"), 4 * 8 * 4);  // L_1 S 4 = 128
+  EXPECT_EQ(sent(w, Phase::forward, "k_a2a"), 384);
+  const CommPrediction d =
+      dsa_predict_comm(f.cfg, kDsa, f.layout, DsaForm::explicit_form, 0, {8, 8}, true, false);
+  EXPECT_EQ(sent(d, Phase::forward, "index_target_rs"), 4 * 3 * 8);  // L_1 K 8 = 96
+  EXPECT_EQ(sent(d, Phase::forward, "topk_ag"), 48);                 // int32 still
+}
+
 TEST(DsaComm, RingLatentPassesIndexKeysThenLatentAndBringsGradientsHome) {
   const CommPrediction p = Fixture{}.comm(DsaForm::ring_latent);
   // Blocks of L_j di = 16 and L_j W = 112 elements; P - 1 = 1 shift sends

@@ -290,7 +290,8 @@ TEST(InvariantAttention, AHeadsGradientsDoNotDependOnTheHeadsInItsCall) {
       << "without one_row_set a 2-head call summed as a 16-head one: the flag's test shows nothing";
 }
 
-// The ledger records the pieces' collectives at their closed forms, and a
+// The ledger records the pieces' collectives at their closed forms, the
+// comm buffers each call holds are its closed form's `held`, and a
 // count-only run of a rank registers the pool bytes the real run does (the
 // memory model is the count-only run: docs/architecture.md).
 TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
@@ -315,14 +316,21 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
           std::fill_n(a.data(), a.numel(), 0.5f), std::fill_n(b.data(), b.numel(), 0.25f);
           std::fill_n(ra.data(), ra.numel(), 0.5f), std::fill_n(rb.data(), rb.numel(), 0.25f);
         }
-        pool.reset_peaks();
-        canonical_token_sum<float>(comm, mat(dst), mat(std::as_const(a)), mat(std::as_const(b)), sh,
-                                   "sum");
-        canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
-                                        mat(std::as_const(rb)), index, sh, "rs");
-        peaks[r] = pool.peak_total();
         const PieceBytes sum = canonical_token_sum_elements(sh, r, m * n);
         const PieceBytes rs = canonical_reduce_scatter_elements(index, sh, r, n);
+        pool.reset_peaks();
+        const std::int64_t base = pool.current(MemCategory::comm_buffers);
+        canonical_token_sum<float>(comm, mat(dst), mat(std::as_const(a)), mat(std::as_const(b)), sh,
+                                   "sum");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, sum.held * 4)
+            << "the sum's buffer, rank " << r << " of " << P;
+        peaks[r] = pool.peak_total();
+        pool.reset_peaks();
+        canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
+                                        mat(std::as_const(rb)), index, sh, "rs");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, rs.held * 4)
+            << "the reduce-scatter's buffers, rank " << r << " of " << P;
+        peaks[r] = std::max(peaks[r], pool.peak_total());
         std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0;
         for (const auto& [key, e] : comm.ledger().entries()) {
           if (key.second == "sum") sent_sum += e.bytes_sent, recv_sum += e.bytes_received;
@@ -343,6 +351,31 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
       }
     }
   }
+}
+
+// The pieces' closed form (canonical_piece_count: popcounts of the shard's
+// ends) is the number canonical_pieces cuts, for every shard of every row
+// length up to 70 (and 2^k + 1 about the powers of two), B 1 to 3: the
+// sequence's end inside a row, at a power of two and not, a shard ending at
+// the end of the sequence (the last node clipped there) and not, empty ones.
+TEST(CanonicalSum, PieceCountClosedFormIsThePieces) {
+  std::vector<std::int64_t> lengths;
+  for (std::int64_t S = 1; S <= 70; ++S) lengths.push_back(S);
+  for (std::int64_t k : {7, 10, 12}) lengths.push_back((std::int64_t(1) << k) + 1);
+  std::int64_t checked = 0;
+  for (std::int64_t B : {1, 2, 3})
+    for (std::int64_t S : lengths) {
+      const std::int64_t step = S > 70 ? S / 13 : 1;
+      for (std::int64_t lo = 0; lo <= S; lo += step)
+        for (std::int64_t hi = lo; hi <= S; hi += step) {
+          const TokenShards sh = shards_of(B, S, {0, lo, hi, S});
+          for (int r = 0; r < 3; ++r, ++checked)
+            ASSERT_EQ(canonical_piece_count(sh, r), std::int64_t(canonical_pieces(sh, r).size()))
+                << "B " << B << " S " << S << " rank " << r << " of cuts 0, " << lo << ", " << hi
+                << ", " << S;
+        }
+    }
+  EXPECT_GT(checked, 100000);
 }
 
 // A rank's pieces are maximal aligned nodes covering its tokens exactly.

@@ -203,6 +203,9 @@ TEST(TrainInvariant, WhatTheModeDoesNotCoverIsRefusedByName) {
   o = dense(Form::laga, 1);
   o.pp = 2;
   EXPECT_NE(refusal(o).find("--invariant: --pp 2"), std::string::npos) << refusal(o);
+  o = dense(Form::laga, 1);
+  o.dp = 2;
+  EXPECT_NE(refusal(o).find("--invariant: --dp 2"), std::string::npos) << refusal(o);
   o = moe(Form::laga, 2);
   o.experts = ExpertPlacement::every_rank;
   EXPECT_NE(refusal(o).find("needs --expert-parallel over every rank"), std::string::npos)
