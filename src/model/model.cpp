@@ -11,6 +11,7 @@
 #include "core/rng.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_model.hpp"
+#include "mla/ops_token_sums.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -370,6 +371,8 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   const double eps = cfg.norm_eps;
   const BlockContext bctx = block_ctx<T>(c);
   const std::optional<ExpertParallel> ep = expert_parallel(c);
+  // The invariant mode's sums over tokens (mla/ops_token_sums.hpp): the loss's.
+  const ops::SumOverTokens token_sums(c.comm, c.layout);
   Tensor<T> x({B, L, D});
   if (!st.embedding) {
     ops::copy(ops::mat(x, N, D), ops::mat(*x_io, N, D));
@@ -444,7 +447,8 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   ops::keep_narrowed(s.nf);  // RMSNorm's y; the logits are overwritten by their gradient
   s.lse = Tensor<double>({N});
   Tensor<T> loss({N});
-  return ops::cross_entropy(loss, s.lse, ops::mat(s.logits), targets);
+  const double local = ops::cross_entropy(loss, s.lse, ops::mat(s.logits), targets);
+  return ops::loss_sum_over_tokens(loss, local, "loss_tokens");
 }
 
 // A pipeline stage (st): without the head it starts from *dx_io, the
@@ -459,6 +463,9 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
   const std::int64_t N = B * L, D = cfg.dim(), F = cfg.hidden();
   const BlockContext bctx = block_ctx<T>(c);
   const std::optional<ExpertParallel> ep = expert_parallel(c);
+  // Every weight gradient below is a sum over tokens: this rank's partial,
+  // or in the invariant mode the canonical sum (mla/ops_token_sums.hpp).
+  const ops::SumOverTokens token_sums(c.comm, c.layout);
   Tensor<T> dn({N, D});
   ops::Mat<T> dn_mat = ops::mat(dn);
   Tensor<T> dx;  // gradient of the residual stream (B, L, D)
@@ -466,15 +473,15 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     // dlogits in place of the logits: they are not needed after this.
     ops::cross_entropy_backward(ops::mat(s.logits), ops::mat(s.logits), s.lse, targets, scale);
     // nf may be held narrowed: the head's gradient reads it in place.
-    ops::linear_backward<T>(&dn_mat, false, g.head, ops::mat(s.logits), std::as_const(s.nf),
-                            w.head);
+    ops::linear_backward_over_tokens<T>(&dn_mat, false, g.head, ops::mat(s.logits), s.nf, w.head,
+                                        "head_grad");
     s.logits.reset();
     // dx only once the logits are gone: beside the (N, V) logits the head's
     // backward holds dn alone (the plan's closed form, model_plan.hpp
     // ActivationBytes::transient; at vocab 4096 the head sets the peak).
     dx = Tensor<T>({B, L, D});
-    ops::rmsnorm_backward(ops::mat(dx, N, D), g.norm, ops::mat(dn), ops::mat(s.xf, N, D), w.norm,
-                          s.rstdf);
+    ops::rmsnorm_backward_over_tokens(ops::mat(dx, N, D), g.norm, ops::mat(dn),
+                                      ops::mat(s.xf, N, D), w.norm, s.rstdf, "norm_grad");
   } else {
     dx = Tensor<T>({B, L, D});
     ops::copy(ops::mat(dx, N, D), ops::mat(*dx_io, N, D));
@@ -495,17 +502,20 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     } else {
       Tensor<T> dg({N, F});
       ops::Mat<T> dg_mat = ops::mat(dg);
-      ops::linear_backward<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g), p.w2);
+      ops::linear_backward_over_tokens<T>(&dg_mat, false, gp.w2, ops::mat(dx, N, D), ops::mat(ls.g),
+                                          p.w2, "ffn_w2_grad");
       Tensor<T> da({N, F}), db({N, F});
       ops::swiglu_backward(ops::mat(da), ops::mat(db), ops::mat(dg), ops::mat(ls.a),
                            ops::mat(ls.b));
       dg.reset();
-      ops::linear_backward<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2), p.w1);
-      ops::linear_backward<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3);
+      ops::linear_backward_over_tokens<T>(&dn_mat, false, gp.w1, ops::mat(da), ops::mat(ls.n2),
+                                          p.w1, "ffn_w1_grad");
+      ops::linear_backward_over_tokens<T>(&dn_mat, true, gp.w3, ops::mat(db), ops::mat(ls.n2), p.w3,
+                                          "ffn_w3_grad");
     }
-    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.ffn_norm,
-                          ops::mat(dmoe.defined() ? dmoe : dn, N, D), ops::mat(ls.h, N, D),
-                          p.ffn_norm, ls.rstd2);
+    ops::rmsnorm_backward_over_tokens(ops::mat(tmp, N, D), gp.ffn_norm,
+                                      ops::mat(dmoe.defined() ? dmoe : dn, N, D),
+                                      ops::mat(ls.h, N, D), p.ffn_norm, ls.rstd2, "ffn_norm_grad");
     dmoe.reset();
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d h
     // h = x + attn(n1)
@@ -519,8 +529,9 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     } else {
       mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
     }
-    ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
-                          ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1);
+    ops::rmsnorm_backward_over_tokens(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
+                                      ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1,
+                                      "attn_norm_grad");
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d x
     ls = LayerSaved<T>{};
   }
@@ -528,7 +539,7 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     *dx_io = std::move(dx);
     return;
   }
-  ops::embedding_backward(g.embed, ops::mat(dx, N, D), tokens);
+  ops::embedding_backward_over_tokens(g.embed, ops::mat(dx, N, D), tokens, "embed_grad");
 }
 
 }  // namespace

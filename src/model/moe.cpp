@@ -1,6 +1,8 @@
 #include "model/moe.hpp"
 
+#include <algorithm>
 #include <array>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -8,6 +10,7 @@
 #include "core/error.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_model.hpp"
+#include "mla/ops_token_sums.hpp"
 #include "mla/wire.hpp"
 
 namespace laga {
@@ -289,6 +292,57 @@ EpRows exchange_counts(const ExpertParallel& ep, const Dispatch& d, std::int64_t
   return EpRows(P, Er, std::move(n), count_only_rows);
 }
 
+// The invariant mode's order of an owner's rows (docs/invariance.md, "In
+// training"): within each owned expert, by global token index g = b S + s,
+// so that an expert's gradient, a GEMM over its rows, sums them in one order
+// at every P. The rows arrive rank after rank, each rank's in its token
+// order (make_dispatch): the global order for one row of tokens, not for
+// B > 1, where a rank's rows are b-major. Each copy's global index goes to
+// the owner beside it ("moe_token_index", one double a row, exact); the
+// owner sorts each expert's block by it. Returns the permutation (row k of
+// the sorted order is expert-major row order[k]); empty outside the mode. A
+// count-only run's stand-in rows keep their order.
+std::vector<std::int32_t> global_token_order(const ExpertParallel& ep, const Dispatch& d,
+                                             const EpRows& rows) {
+  if (!ops::op_invariant) return {};
+  const std::int64_t M = rows.rows(), R = d.rows();
+  std::vector<double> mine(size_t(R), 0.0), theirs(size_t(M), 0.0);
+  if (rows.count_only_rows < 0)
+    for (std::int64_t p = 0; p < R; ++p)
+      mine[size_t(p)] = double(ops::global_token_index(d.token[size_t(p)], "moe_token_index"));
+  exchange_rows<double>(ep, d, rows, 1, mine.data(), theirs.data(), true, "moe_token_index");
+  std::vector<std::int32_t> order(static_cast<size_t>(M));
+  std::iota(order.begin(), order.end(), 0);
+  if (rows.count_only_rows >= 0) return order;
+  std::vector<double> key(
+      static_cast<size_t>(M));  // expert-major, as EpRows::reorder lays the rows
+  std::int64_t eo = 0;
+  for (std::int64_t e = 0; e < rows.Er; ++e)
+    for (int i = 0; i < rows.P; ++i) {
+      std::int64_t s_off = rows.from_off[size_t(i)];
+      for (std::int64_t f = 0; f < e; ++f) s_off += rows.recv[size_t(i * rows.Er + f)];
+      for (std::int64_t j = 0; j < rows.recv[size_t(i * rows.Er + e)]; ++j)
+        key[size_t(eo++)] = theirs[size_t(s_off + j)];
+    }
+  std::int64_t o = 0;
+  for (std::int64_t e = 0; e < rows.Er; o += rows.expert[size_t(e)], ++e)
+    std::stable_sort(
+        order.begin() + o, order.begin() + o + rows.expert[size_t(e)],
+        [&](std::int32_t a, std::int32_t b) { return key[size_t(a)] < key[size_t(b)]; });
+  return order;
+}
+
+// src's rows in `order` (row k = src's row order[k]), or back (inverse).
+template <class T>
+Tensor<T> ordered_rows(const Tensor<T>& src, const std::vector<std::int32_t>& order, bool inverse) {
+  Tensor<T> dst(src.shape());
+  std::vector<std::int32_t> index = order;
+  if (inverse)
+    for (size_t k = 0; k < order.size(); ++k) index[size_t(order[k])] = std::int32_t(k);
+  ops::gather_rows(ops::mat(dst), ops::mat(src), index.data());
+  return dst;
+}
+
 // Experts [e0, e0 + count.size()) each run their SwiGLU on their rows of xr
 // (rows, D), expert-major: a = w1 x, b = w3 x, h = silu(a) b (rows, I), y = w2 h.
 // A count-only run's counts are the stand-in routing's zeros: no expert runs.
@@ -310,6 +364,11 @@ void experts_forward(const MoeParams<T>& w, ops::RoutedLinears<T>& lin, std::int
 }
 
 // Their backward: dxr (rows, D) from dy, each expert's weight gradients added.
+// An expert's gradient is one GEMM over its rows in their order here; in the
+// invariant mode (docs/invariance.md, "In training") that is the tree of
+// kernels/gemm_invariant.hpp over the expert's rows in global token order,
+// the same at every P, because the mode runs the experts folded over every
+// rank (EP = P, one owner per expert), whose rows global_token_order sorts.
 template <class T>
 void experts_backward(const MoeParams<T>& w, MoeParams<T>& g, ops::RoutedLinears<T>& lin,
                       std::int64_t e0, const std::vector<std::int64_t>& count, const Tensor<T>& xr,
@@ -410,6 +469,8 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
     s.xe = Tensor<T>({M, D});
     rows.reorder(xs, s.xe, true);
     xs.reset();
+    s.order = global_token_order(*ep, d, rows);  // the invariant mode's order
+    if (!s.order.empty()) s.xe = ordered_rows(s.xe, s.order, false);
     s.a = Tensor<T>({M, I});
     s.b = Tensor<T>({M, I});
     s.h = Tensor<T>({M, I});
@@ -418,6 +479,7 @@ MoeForward<T> moe_forward(const MoeConfig& cfg, const MoeParams<T>& w, const T* 
       ops::RoutedLinears<T> lin = expert_linears<T>(ep->group_tokens(comm.rank()), D, I, false);
       experts_forward(w, lin, e0, rows.expert, s.xe, s.a, s.b, s.h, ye);
     }
+    if (!s.order.empty()) ye = ordered_rows(ye, s.order, true);
     Tensor<T> ys({M, D});
     rows.reorder(ye, ys, false);
     ye.reset();
@@ -460,10 +522,13 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   if (Is > 0) {
     Tensor<T> dh({N, Is}), da({N, Is}), db({N, Is});
     ops::Mat<T> dhm = ops::mat(dh);
-    ops::linear_backward<T>(&dhm, false, g.shared.w2, doutm, ops::mat(s.sh), w.shared.w2);
+    ops::linear_backward_over_tokens<T>(&dhm, false, g.shared.w2, doutm, ops::mat(s.sh),
+                                        w.shared.w2, "moe_shared_w2_grad");
     ops::swiglu_backward(ops::mat(da), ops::mat(db), ops::mat(dh), ops::mat(s.sa), ops::mat(s.sb));
-    ops::linear_backward<T>(&dxm, true, g.shared.w1, ops::mat(da), xm, w.shared.w1);
-    ops::linear_backward<T>(&dxm, true, g.shared.w3, ops::mat(db), xm, w.shared.w3);
+    ops::linear_backward_over_tokens<T>(&dxm, true, g.shared.w1, ops::mat(da), xm, w.shared.w1,
+                                        "moe_shared_w1_grad");
+    ops::linear_backward_over_tokens<T>(&dxm, true, g.shared.w3, ops::mat(db), xm, w.shared.w3,
+                                        "moe_shared_w3_grad");
   }
   // Combine: out_t += sum_j w_tj y_p, p = row(t, j):
   //   dw_tj = <dout_t, y_p>,  dy_p = w_tj dout_t.
@@ -498,6 +563,7 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
     Tensor<T> dye({M, D});
     rows.reorder(dys, dye, true);
     dys.reset();
+    if (!s.order.empty()) dye = ordered_rows(dye, s.order, false);
     Tensor<T> dxe({M, D});
     {
       Tensor<T> dh({M, I}), da({M, I}), db({M, I});
@@ -505,6 +571,7 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
       experts_backward(w, g, lin, e0, rows.expert, s.xe, s.a, s.b, s.h, dye, dh, da, db, dxe);
     }
     dye.reset();
+    if (!s.order.empty()) dxe = ordered_rows(dxe, s.order, true);
     Tensor<T> dxs({M, D});
     rows.reorder(dxe, dxs, false);
     dxe.reset();
@@ -521,7 +588,8 @@ Tensor<T> moe_backward(const MoeConfig& cfg, const MoeParams<T>& w, const T* x,
   const std::vector<T> dlogits =
       ops::data_dependent([&] { return route_backward(cfg, s.routing, dweight.data()); },
                           [] { return std::vector<T>(); });
-  ops::linear_backward<T>(&dxm, true, g.gate, rows_at(dlogits.data(), N, E), xm, w.gate);
+  ops::linear_backward_over_tokens<T>(&dxm, true, g.gate, rows_at(dlogits.data(), N, E), xm, w.gate,
+                                      "moe_gate_grad");
   return dx;
 }
 

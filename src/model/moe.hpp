@@ -140,6 +140,10 @@ struct MoeSaved {
   // Expert parallel only:
   std::vector<std::int64_t> recv;  // (P x owned) rows of owned expert e from rank i, [i][e]
   Tensor<T> xe;                    // (M, D) the rows the owned experts ran, expert-major
+  // The invariant mode's order of those rows (docs/invariance.md, "In
+  // training"): within each owned expert by global token index, row k the
+  // expert-major row order[k]; empty outside the mode.
+  std::vector<std::int32_t> order;
   // A count-only run's M, the stand-in for the rows no routing sent
   // (ExpertParallel::expected_rows); -1 in a real run, whose M is recv's
   // sum, and without expert parallelism.

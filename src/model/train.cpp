@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "core/nonfinite.hpp"
 #include "core/threads.hpp"
+#include "mla/form_spec.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_model.hpp"
 #include "mla/runner.hpp"
@@ -36,8 +37,9 @@ TokenSource make_source(const TrainOptions& o) {
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
   static const std::set<std::string> s{
-      "form",  "attention",       "sp", "data-path", "q-latent",      "overlap",
-      "dtype", "expert-parallel", "ep", "pp",        "micro-batches", "dp"};
+      "form",     "attention",       "sp", "data-path", "q-latent",      "overlap",
+      "dtype",    "expert-parallel", "ep", "pp",        "micro-batches", "dp",
+      "invariant"};
   return s;
 }
 
@@ -187,6 +189,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   r["attention"] = to_string(o.attention);
   if (o.precision == Precision::bf16) r["dtype"] = to_string(o.precision);
   if (o.grad_reduce == GradReduce::bf16) r["grad_reduce"] = to_string(o.grad_reduce);
+  if (o.invariant) r["invariant"] = "on";
   r["sp"] = std::to_string(o.sp);
   if (o.pp > 1) r["pp"] = std::to_string(o.pp);
   if (o.dp > 1) r["dp"] = std::to_string(o.dp);
@@ -229,6 +232,46 @@ void check_pipeline_options(const TrainOptions& o) {
              " layers and the model has ", o.model.layers, "; give stages covering every layer");
 }
 
+// --invariant: what the mode covers (docs/invariance.md, "In training"), each
+// thing it does not refused by name. Checked before any rank starts, from
+// the options alone, so every rank (every MPI process) says the same.
+void check_train_invariant(const TrainOptions& o) {
+  if (!o.invariant) return;
+  const FormSpec& f = form_spec(o.variant.form);
+  LAGA_CHECK(f.traits.invariant, "--invariant: form ", f.name,
+             " does not offer the invariant mode (docs/invariance.md, \"Which forms\" says why); "
+             "use --form ",
+             names_of_forms_with(&FormTraits::invariant), ", or drop --invariant");
+  LAGA_CHECK(o.variant.queries == QueryExchange::heads,
+             "--invariant: --q-latent's query latent "
+             "reduce-scatter is not canonical yet; drop --q-latent with --invariant");
+  LAGA_CHECK(o.variant.overlap == Overlap::off,
+             "--invariant: --overlap on has no invariant path; "
+             "drop --overlap (or give --overlap off) with --invariant");
+  LAGA_CHECK(o.attention == AttentionKind::flash,
+             "--invariant needs --attention flash (the eager kernel's GEMMs are not the "
+             "invariant mode's)");
+  LAGA_CHECK(o.grad_reduce == GradReduce::fp32,
+             "--invariant sums the gradients in fp32: drop --grad-reduce bf16");
+  LAGA_CHECK(o.seq_layout == SeqLayout::contiguous,
+             "--invariant needs contiguous sequence shards "
+             "(its sums over tokens follow the global token order); drop --seq-layout ",
+             to_string(o.seq_layout));
+  LAGA_CHECK(o.pp == 1, "--invariant: --pp ", o.pp,
+             " has no invariant path (a stage's sums over its micro-batches follow the "
+             "schedule); drop --pp with --invariant");
+  LAGA_CHECK(o.dp == 1, "--invariant: --dp ", o.dp,
+             " has no invariant path yet (its sums over tokens are the --sp group's); drop --dp "
+             "with --invariant");
+  if (!o.model.moe) return;
+  LAGA_CHECK(
+      o.experts == ExpertPlacement::folded && (o.expert_degree == 0 || o.expert_degree == o.sp),
+      "--invariant with an MoE model needs --expert-parallel over every rank (no --ep "
+      "below --sp): an expert's gradient is summed over its tokens on its one owner, in "
+      "global token order; with every rank running every expert (or EP groups) it is "
+      "a sum of per-rank partials, whose grouping follows --sp");
+}
+
 // --dp: what the data-parallel run (TrainOptions::dp) is built for today.
 void check_data_parallel_options(const TrainOptions& o) {
   LAGA_CHECK(o.dp >= 1, "--dp must be >= 1 (got ", o.dp, ")");
@@ -269,6 +312,9 @@ void check_dsa_options(const TrainOptions& o) {
   refuse(m.index_topk <= o.seq,
          cat("index_topk ", m.index_topk, " is above --seq ", o.seq,
              ": a query has at most --seq keys; give index_topk <= ", o.seq));
+  refuse(!o.invariant,
+         "--invariant is not offered (the DSA block's sums over tokens and heads follow P: "
+         "docs/invariance.md); drop --invariant");
   refuse(o.dp == 1,
          cat("--dp ", o.dp,
              " is not supported yet (the indexer's KL and its gradient's scale are summed over "
@@ -318,6 +364,7 @@ void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
     (void)TokenSource::file(o.val_data, o.data_dtype, o.model.vocab, o.seq, o.seed, "--val-data");
   }
   check_overlap(o.variant);
+  check_train_invariant(o);
   LAGA_CHECK(o.experts == ExpertPlacement::every_rank || o.model.moe,
              "--expert-parallel needs an MoE model: give --config a file with routed experts "
              "(n_routed_experts), e.g. docs/assets/moe_tiny.json");
@@ -614,6 +661,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   // This rank's ops at the run's precision; an in-process rank thread would
   // inherit it from its starter, an MPI rank is the process that parsed it.
   const UsePrecision at_precision(o.precision, o.grad_reduce);
+  // --invariant: this rank's ops in the invariant mode (docs/invariance.md).
+  const ops::UseInvariant invariant(o.invariant);
   const LmConfig& cfg = o.model;
   const SpLayout layout = train_layout(o, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
@@ -808,6 +857,7 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     // The run's precision: under bf16 the collectives' stagings are bf16
     // (mla/wire.hpp), and the count must allocate what the run does.
     const UsePrecision at_precision(o.precision, o.grad_reduce);
+    const ops::UseInvariant invariant(o.invariant);  // its sums' pieces are counted too
     // The rank's OpenMP threads (run_group's), which size the bf16 flash
     // workspace (mla/block.cpp).
     const OmpThreadsScope threads(threads_per_rank(o.ranks()));

@@ -40,6 +40,13 @@ struct TrainOptions {
   Precision precision = Precision::fp32;
   // --grad-reduce: the gradient all-reduce's wire under bf16 (mla/wire.hpp).
   GradReduce grad_reduce = GradReduce::fp32;
+  // --invariant (docs/invariance.md, "In training"): every rank runs under
+  // ops::UseInvariant, so the losses and the weights after every step are
+  // the same bits at every --sp (and --comm): every GEMM the invariant one,
+  // every sum over tokens (weight, norm and embedding gradients, the loss)
+  // canonical. For the forms that offer it (FormTraits::invariant);
+  // validate_train_options refuses what it does not cover, naming it.
+  bool invariant = false;
   // --expert-parallel: the MoE layers' experts folded onto the sp ranks
   // (model/moe.hpp, docs/moe.md "Expert parallelism"); needs an MoE model.
   ExpertPlacement experts = ExpertPlacement::every_rank;

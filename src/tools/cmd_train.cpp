@@ -23,6 +23,7 @@
 
 #include "core/error.hpp"
 #include "io/atomic_file.hpp"
+#include "mla/form_spec.hpp"
 #include "model/checkpoint.hpp"
 #include "model/train.hpp"
 #include "plan/pipeline.hpp"
@@ -61,6 +62,7 @@ struct TrainCli {
   std::optional<std::uint64_t> perturb_reductions;
   bool log_expert_load = false;
   bool expert_parallel = false;
+  bool invariant = false;  // --invariant (TrainOptions::invariant)
   int ep = 0;
   std::string allow_change;  // comma-separated option names
   // The query path: q_lora_rank 0 is one wq (LmConfig::derive's default).
@@ -205,6 +207,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.attention = parse_attention(c.attention);
   o.precision = c.dtype;
   o.grad_reduce = c.grad_reduce;
+  o.invariant = c.invariant;
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
   o.sp = c.sp;
@@ -403,8 +406,9 @@ void run_train(const TrainCli& c) {
                       ? std::string()
                       : cat(", seq layout ", to_string(o.seq_layout)))
               << (dsa ? std::string() : ", attention " + c.attention)
-              << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
-              << o.sp << (o.dp > 1 ? cat(", dp ", o.dp, " (", o.batch / o.dp, " rows each)") : "")
+              << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "")
+              << (o.invariant ? ", invariant mode" : "") << ", sp " << o.sp
+              << (o.dp > 1 ? cat(", dp ", o.dp, " (", o.batch / o.dp, " rows each)") : "")
               << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
                            : std::string())
               << ", comm " << to_string(c.comm.backend) << ", data " << c.data
@@ -682,6 +686,12 @@ void register_train(CLI::App& app) {
          "exchanged within a group, each expert's gradients summed over the groups by "
          "the gradient all-reduce (default: every rank, --sp x --dp, one group)")
       ->check(whole_for(1, c->ep));
+  sub->add_flag("--invariant", c->invariant,
+                cat("the invariant mode (docs/invariance.md, \"In training\"): the losses and "
+                    "the weights after every step the same bits at every --sp and --comm; forms ",
+                    names_of_forms_with(&FormTraits::invariant),
+                    ", --attention flash, contiguous shards, no --pp or --dp; an MoE model with "
+                    "--expert-parallel over every rank"));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "
                 "the step's global token count per expert of every MoE layer");
