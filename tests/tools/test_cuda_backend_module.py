@@ -13,9 +13,10 @@ backend"): laga loads liblaga_cuda_backend.so only for --device cuda.
 - A module path that does not exist, a file that is not a module, and a
   library without laga's entry point each give their own error naming the path.
 - --comm nccl is refused where it cannot run (verify; without --device cuda),
-  and --device cuda with --comm mpi; with --device cuda and no GPU, the device.
+  and --device cuda with --comm mpi; with --device cuda and no GPU, the device,
+  the same line from each of 2 MPI ranks (with MPIEXEC).
 
-usage: test_cuda_backend_module.py LAGA ABI_HEADER
+usage: test_cuda_backend_module.py LAGA ABI_HEADER [MPIEXEC]
 """
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import tempfile
 
 laga, abi_header = sys.argv[1], sys.argv[2]
+mpiexec = sys.argv[3] if len(sys.argv) > 3 else None
 failures = []
 
 # Ops the CPU table has and the CUDA backend does not yet (docs/build.md, "The
@@ -108,6 +110,17 @@ for args, words in nccl_cases:
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     if r.returncode != 2 or len(lines) != 1 or words not in lines[0]:
         failures.append(f"{' '.join(args)}: rc {r.returncode}, stderr {r.stderr!r}; want {words!r}")
+
+# Under mpirun, every rank of --comm nccl without a device stops with the
+# same one line (tools/cli_common.cpp, agree_on_failure), none waits.
+if device_missing and mpiexec:
+    want = f"laga: error: laga forward --device cuda: {device_missing}"
+    cmd = [mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", laga, "forward",
+           "--device", "cuda", "--comm", "nccl", "--preset", "tiny", "--seq", "8", "--sp", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if r.returncode == 0 or (r.stdout + r.stderr).splitlines().count(want) != 2:
+        failures.append(f"mpirun -np 2 forward --comm nccl: rc {r.returncode}, output "
+                        f"{(r.stdout + r.stderr)[-1500:]!r}; want {want!r} from each rank")
 
 with tempfile.TemporaryDirectory() as tmp:
     missing = os.path.join(tmp, "no_such_module.so")
