@@ -20,8 +20,9 @@ CLI::Option* add_device_option(CLI::App& app, std::shared_ptr<ops::Device> devic
           "pool, uploads at the block's boundary, the device-local transport, the CPU's "
           "kernels checked to read device memory; for testing, docs/architecture.md); or cuda "
           "(the GPU: loads the CUDA backend, liblaga_cuda_backend.so beside laga or "
-          "$LAGA_CUDA_BACKEND; ranks as threads share the one GPU, or --comm nccl under mpirun "
-          "puts one rank on each; docs/build.md, \"The CUDA backend\")")
+          "$LAGA_CUDA_BACKEND; ranks as threads share the one GPU, or on compare and forward "
+          "--comm nccl under mpirun puts one rank on each GPU; docs/build.md, \"The CUDA "
+          "backend\")")
       ->check(CLI::IsMember(
           {to_string(Device::cpu), to_string(Device::emulated), to_string(Device::cuda)}))
       ->default_str("cpu");
