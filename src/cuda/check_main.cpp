@@ -145,7 +145,8 @@ void check_gemm_ops(std::vector<Result>& out) {
 }
 
 // One attention case through laga's tiled kernel (fp32 or bf16) and, for
-// bf16 without documents, cuDNN's SDPA.
+// bf16, cuDNN's SDPA (packed documents as its ragged batch) where it takes
+// the shape.
 void check_attention_case(std::vector<Result>& out, AttnShape s,
                           const std::vector<std::int64_t>& docs, bool bf) {
   const Vec q = inputs(s.B * s.Sq * s.Hq * s.dqk, 3, bf),
@@ -196,8 +197,12 @@ void check_attention_case(std::vector<Result>& out, AttnShape s,
                               lse_.as<float>(), delta.as<float>());
   }
   record(s.Hk == 1 && s.Hq > 1 ? "latent_attention_cuda_tiled" : "attention_cuda_tiled");
-  if (bf && cudnn_sdpa_refusal(s, DType::bf16).empty()) {
-    CudnnSdpa sdpa(s);
+  // cuDNN reads the document structure on the host when it builds the
+  // ragged graphs (sdpa_cudnn.hpp), so its shape keeps the host's starts.
+  AttnShape on_host_docs = s;
+  on_host_docs.doc_start = host.doc_start;
+  if (bf && cudnn_sdpa_refusal(on_host_docs, DType::bf16).empty()) {
+    CudnnSdpa sdpa(on_host_docs);
     sdpa.forward(o_.as<bf16>(), lse_.as<float>(), dq_.as<bf16>(), dk_.as<bf16>(), dv_.as<bf16>());
     sdpa.backward(gq.as<bf16>(), gk.as<bf16>(), gv.as<bf16>(), ddo.as<bf16>(), dq_.as<bf16>(),
                   dk_.as<bf16>(), dv_.as<bf16>(), o_.as<bf16>(), lse_.as<float>());

@@ -31,6 +31,7 @@
 #include "cuda/elementwise.hpp"
 #include "cuda/gemm_lt.hpp"
 #include "cuda/sdpa_cudnn.hpp"
+#include "cuda/sdpa_ragged.hpp"
 #include "mla/form_spec.hpp"  // AttentionKind
 #include "mla/op_table.hpp"
 
@@ -189,12 +190,24 @@ void run_tiled_backward_any(const OpCall& c) {
 }
 
 // cuDNN's graphs, one per shape, kept per thread.
+// Packed documents: a graph per document structure (its ragged batch's
+// first tokens are in the key), as cuDNN's batch is then the documents.
 cuda::CudnnSdpa& sdpa_for(const AttnShape& s) {
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t, double, bool>;
+                         std::int64_t, std::int64_t, double, bool, std::vector<std::int64_t>>;
   MemoryPool& pool = kept_pool();
   thread_local std::map<Key, std::unique_ptr<cuda::CudnnSdpa>> graphs;
-  const Key key{s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.scale, s.causal};
+  const Key key{s.B,
+                s.Sq,
+                s.Sk,
+                s.Hq,
+                s.Hk,
+                s.dqk,
+                s.dv,
+                s.scale,
+                s.causal,
+                s.doc_start ? cuda::ragged_documents(s.doc_start, s.B, s.Sq, 1, 1, 1).first_token
+                            : std::vector<std::int64_t>{}};
   auto& g = graphs[key];
   if (!g) {
     const PoolScope in_kept(pool);

@@ -6,15 +6,19 @@
 // the device (given to cuDNN as (B, H, S, d) with strides), causal aligned at
 // the bottom right (cuDNN's DiagonalAlignment_t::BOTTOM_RIGHT), lse (B, Hq,
 // Sq) fp32: cuDNN's softmax stats, the natural log of the scaled scores' sum,
-// which the ring merges read. Backward gives dq, dk, dv (a shared key head's
-// summed over the query heads that read it, as cuDNN does for GQA).
+// which the ring merges read. Packed documents (doc_start, Sq == Sk) are a
+// ragged batch, one cuDNN batch entry per document (cuda/sdpa_ragged.hpp):
+// the graphs are built for that document structure, which the refusal and
+// the constructor read from s.doc_start on the host (host or managed
+// memory; the tiled kernel's device copy will not do). Backward gives dq, dk, dv (a shared key
+// head's summed over the query heads that read it, as cuDNN does for GQA).
 //
 // What is refused, by name (cudnn_sdpa_refusal, before any device work):
 // a build without cudnn-frontend's headers, f32/f64 (cuDNN's fused SDPA
 // takes bf16 or fp16; laga's own kernels run f32: cuda/attention.hpp),
-// packed documents (doc_start: not routed to cuDNN's ragged offsets yet --
-// cuda/sdpa_ragged.hpp computes them, the graph does not take them; the
-// dense kernel runs them), head dims cuDNN's SDPA does not take (above 256,
+// packed documents where Sq != Sk (a ring step's queries: laga's tiled
+// kernel runs them) or whose offsets pass cuDNN's int32, head dims cuDNN's
+// SDPA does not take (above 256,
 // or not a multiple of 8). What the device cannot run is cuDNN's to say:
 // CudnnSdpa's constructor builds both graphs and throws its
 // check_support message, naming the shape.

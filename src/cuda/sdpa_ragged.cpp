@@ -19,6 +19,7 @@ RaggedDocuments ragged_documents(const std::int64_t* doc_start, std::int64_t B, 
     LAGA_CHECK(len <= std::numeric_limits<std::int32_t>::max(), "ragged_documents: a document of ",
                len, " tokens is past cuDNN's int32 sequence lengths");
     r.seq_len.push_back(static_cast<std::int32_t>(len));
+    r.first_token.push_back(start);
     r.qk_offset.push_back(start * H * dqk);
     r.vo_offset.push_back(start * H * dv);
     r.max_len = std::max(r.max_len, len);
@@ -41,7 +42,43 @@ RaggedDocuments ragged_documents(const std::int64_t* doc_start, std::int64_t B, 
   r.docs = static_cast<std::int64_t>(r.seq_len.size());
   r.qk_offset.push_back(B * S * H * dqk);
   r.vo_offset.push_back(B * S * H * dv);
+  r.first_token.push_back(B * S);
+  r.S = S;
   return r;
+}
+
+namespace {
+std::vector<std::int32_t> narrowed(const std::vector<std::int64_t>& v, const char* tensor) {
+  std::vector<std::int32_t> out;
+  out.reserve(v.size());
+  for (std::int64_t x : v) {
+    LAGA_CHECK(x >= 0 && x <= std::numeric_limits<std::int32_t>::max(), "cudnn sdpa: ", tensor,
+               "'s ragged offset ", x,
+               " is past cuDNN's int32 offsets; pack fewer tokens a call (a smaller --batch or "
+               "--seq), or leave the documents unpacked");
+    out.push_back(static_cast<std::int32_t>(x));
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::int32_t> ragged_offsets(const RaggedDocuments& r, std::int64_t per_token,
+                                         const char* tensor) {
+  std::vector<std::int64_t> v;
+  v.reserve(r.first_token.size());
+  for (std::int64_t t : r.first_token) v.push_back(t * per_token);
+  return narrowed(v, tensor);
+}
+
+std::vector<std::int32_t> ragged_stats_offsets(const RaggedDocuments& r, std::int64_t Hq) {
+  LAGA_CHECK(r.S > 0 && !r.first_token.empty(), "ragged_stats_offsets: an empty ragged batch");
+  std::vector<std::int64_t> v;
+  v.reserve(r.first_token.size());
+  for (std::int64_t t : r.first_token) {
+    const std::int64_t row = t / r.S;  // the end, B S, gives B Hq S
+    v.push_back(row * Hq * r.S + (t - row * r.S));
+  }
+  return narrowed(v, "the softmax stats");
 }
 
 }  // namespace laga::cuda

@@ -28,6 +28,7 @@
 
 #include "core/error.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemm_invariant.hpp"
 
 // The flash kernels' vector exp2 (a degree-7 polynomial, NaN in NaN out), in
 // this file's own namespace: attention_flash_simd.hpp is compiled once per
@@ -40,6 +41,16 @@
 namespace laga {
 
 namespace {
+
+// Every product of the kernel: the library's GEMM, or in the invariant mode
+// (LatentAttnParams::invariant) gemm_invariant's one tree.
+template <class T>
+void product(bool invariant, bool trans_a, bool trans_b, std::int64_t M, std::int64_t N,
+             std::int64_t K, T alpha, const T* A, std::int64_t lda, const T* B, std::int64_t ldb,
+             T beta, T* C, std::int64_t ldc) {
+  (invariant ? &gemm_invariant<T> : &gemm<T>)(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb,
+                                              beta, C, ldc);
+}
 
 constexpr double kLog2e = 1.4426950408889634;
 
@@ -134,10 +145,10 @@ void add_pairs(const T* x, std::int64_t x_step, const T* y, std::int64_t ldy, st
 // group of kGroup rows every row sees [rlo(last), rhi(first)) (both ends are
 // non-decreasing): one GEMM there, each row's remainder by add_pairs.
 template <class T>
-void rows_times_keys(const Tile& t, const T* x, const T* y, std::int64_t ldy, std::int64_t n, T* c,
-                     std::int64_t ldc) {
+void rows_times_keys(bool invariant, const Tile& t, const T* x, const T* y, std::int64_t ldy,
+                     std::int64_t n, T* c, std::int64_t ldc) {
   if (!t.masked) {
-    gemm<T>(false, false, t.rows, n, t.cols, T(1), x, kKc, y, ldy, T(1), c, ldc);
+    product<T>(invariant, false, false, t.rows, n, t.cols, T(1), x, kKc, y, ldy, T(1), c, ldc);
     return;
   }
   for (std::int64_t r0 = 0; r0 < t.rows; r0 += kGroup) {
@@ -145,8 +156,8 @@ void rows_times_keys(const Tile& t, const T* x, const T* y, std::int64_t ldy, st
     const std::int64_t lo = t.rlo[r1 - 1], hi = t.rhi[r0];
     const bool common = hi > lo;
     if (common)
-      gemm<T>(false, false, r1 - r0, n, hi - lo, T(1), x + r0 * kKc + lo, kKc, y + lo * ldy, ldy,
-              T(1), c + r0 * ldc, ldc);
+      product<T>(invariant, false, false, r1 - r0, n, hi - lo, T(1), x + r0 * kKc + lo, kKc,
+                 y + lo * ldy, ldy, T(1), c + r0 * ldc, ldc);
     for (std::int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * kKc;
       T* cr = c + r * ldc;
@@ -164,10 +175,10 @@ void rows_times_keys(const Tile& t, const T* x, const T* y, std::int64_t ldy, st
 // see it, [first(c), last(c)), contiguous and non-decreasing in c because rlo
 // and rhi are. Groups of kGroup keys as in rows_times_keys.
 template <class T>
-void keys_times_rows(const Tile& t, const T* x, const T* y, std::int64_t ldy, std::int64_t n, T* c,
-                     std::int64_t ldc) {
+void keys_times_rows(bool invariant, const Tile& t, const T* x, const T* y, std::int64_t ldy,
+                     std::int64_t n, T* c, std::int64_t ldc) {
   if (!t.masked) {
-    gemm<T>(true, false, t.cols, n, t.rows, T(1), x, kKc, y, ldy, T(1), c, ldc);
+    product<T>(invariant, true, false, t.cols, n, t.rows, T(1), x, kKc, y, ldy, T(1), c, ldc);
     return;
   }
   // first(c): the first row with rhi > c; last(c): the first row with rlo > c.
@@ -182,8 +193,8 @@ void keys_times_rows(const Tile& t, const T* x, const T* y, std::int64_t ldy, st
     const std::int64_t f = first[c1 - 1], l = last[c0];
     const bool common = l > f;
     if (common)
-      gemm<T>(true, false, c1 - c0, n, l - f, T(1), x + f * kKc + c0, kKc, y + f * ldy, ldy, T(1),
-              c + c0 * ldc, ldc);
+      product<T>(invariant, true, false, c1 - c0, n, l - f, T(1), x + f * kKc + c0, kKc,
+                 y + f * ldy, ldy, T(1), c + c0 * ldc, ldc);
     for (std::int64_t col = c0; col < c1; ++col) {
       const T* xc = x + col;
       T* cc = c + col * ldc;
@@ -223,18 +234,18 @@ struct Layout {
   }
   // The chunk's up-projection kv (chunk, H (dn + dv)) = c_chunk w_kv^T.
   void up_project(std::int64_t b, std::int64_t j0, std::int64_t n, T* kv) const {
-    gemm<T>(false, true, n, ldkv, p.C, T(1), p.c + (b * s.Sk + j0) * p.ld_c, p.ld_c, p.w_kv, p.C,
-            T(0), kv, ldkv);
+    product<T>(p.invariant, false, true, n, ldkv, p.C, T(1), p.c + (b * s.Sk + j0) * p.ld_c, p.ld_c,
+               p.w_kv, p.C, T(0), kv, ldkv);
   }
   // S (rows, cols) = scale (q_nope k_nope^T + q_pe k_pe^T), masked pairs
   // -inf whatever they held (a NaN from an unseen key included).
   void scores(const Tile& t, std::int64_t j0, const T* kv, T* st) const {
     const T sc = static_cast<T>(s.scale);
     const T* q = p.q + row(t, dqk);
-    gemm<T>(false, true, t.rows, t.cols, dn, sc, q, H * dqk, kv + (t.lo - j0) * ldkv + t.h * KV,
-            ldkv, T(0), st, kKc);
-    gemm<T>(false, true, t.rows, t.cols, dr, sc, q + dn, H * dqk,
-            p.k_pe + (t.b * s.Sk + t.lo) * p.ld_k_pe, p.ld_k_pe, T(1), st, kKc);
+    product<T>(p.invariant, false, true, t.rows, t.cols, dn, sc, q, H * dqk,
+               kv + (t.lo - j0) * ldkv + t.h * KV, ldkv, T(0), st, kKc);
+    product<T>(p.invariant, false, true, t.rows, t.cols, dr, sc, q + dn, H * dqk,
+               p.k_pe + (t.b * s.Sk + t.lo) * p.ld_k_pe, p.ld_k_pe, T(1), st, kKc);
     if (!t.masked) return;
     const T ninf = -std::numeric_limits<T>::infinity();
     for (std::int64_t r = 0; r < t.rows; ++r) {
@@ -315,8 +326,9 @@ void attention_flash_latent_forward(const LatentAttnParams<T>& p, T* o, T* lse) 
             for (std::int64_t e = 0; e < ly.dv; ++e) orow[r * ly.H * ly.dv + e] *= alpha;
         }
         // O (rows, dv) += P V over each row's keys.
-        rows_times_keys(t, st, kv.data() + (t.lo - j0) * ly.ldkv + t.h * ly.KV + ly.dn, ly.ldkv,
-                        ly.dv, orow, ly.H * ly.dv);
+        rows_times_keys(ly.p.invariant, t, st,
+                        kv.data() + (t.lo - j0) * ly.ldkv + t.h * ly.KV + ly.dn, ly.ldkv, ly.dv,
+                        orow, ly.H * ly.dv);
       });
     }
   for (std::int64_t b = 0; b < s.B; ++b)
@@ -387,7 +399,8 @@ void attention_flash_latent_backward(const LatentAttnParams<T>& p, const LatentA
         const T* kp = p.k_pe + (b * s.Sk + t.lo) * p.ld_k_pe;           // (cols, dr)
         ly.scores(t, j0, kv.data(), st);
         // dP (rows, cols) = dO V^T
-        gemm<T>(false, true, t.rows, t.cols, dv, T(1), dorow, H * dv, vv, ly.ldkv, T(0), dpt, kKc);
+        product<T>(ly.p.invariant, false, true, t.rows, t.cols, dv, T(1), dorow, H * dv, vv,
+                   ly.ldkv, T(0), dpt, kKc);
         const T sc = static_cast<T>(s.scale);
         for (std::int64_t r = 0; r < t.rows; ++r) {
           const T ls = lse[ly.stat(t, r)], d = D[static_cast<size_t>(ly.stat(t, r))];
@@ -399,14 +412,14 @@ void attention_flash_latent_backward(const LatentAttnParams<T>& p, const LatentA
         }
         T* dkn = dkv.data() + (t.lo - j0) * ly.ldkv + t.h * ly.KV;
         // dV += P^T dO, dK_nope += dS^T Q_nope, dk_pe[h] += dS^T Q_pe
-        keys_times_rows(t, st, dorow, H * dv, dv, dkn + dn, ly.ldkv);
-        keys_times_rows(t, dpt, q, H * dqk, dn, dkn, ly.ldkv);
-        keys_times_rows(t, dpt, q + dn, H * dqk, dr, dkpe.data() + (t.h * kKc + t.lo - j0) * dr,
-                        dr);
+        keys_times_rows(ly.p.invariant, t, st, dorow, H * dv, dv, dkn + dn, ly.ldkv);
+        keys_times_rows(ly.p.invariant, t, dpt, q, H * dqk, dn, dkn, ly.ldkv);
+        keys_times_rows(ly.p.invariant, t, dpt, q + dn, H * dqk, dr,
+                        dkpe.data() + (t.h * kKc + t.lo - j0) * dr, dr);
         // dQ += dS K = [dS K_nope | dS k_pe]
         T* dq = g.dq + ly.row(t, dqk);
-        rows_times_keys(t, dpt, kn, ly.ldkv, dn, dq, H * dqk);
-        rows_times_keys(t, dpt, kp, p.ld_k_pe, dr, dq + dn, H * dqk);
+        rows_times_keys(ly.p.invariant, t, dpt, kn, ly.ldkv, dn, dq, H * dqk);
+        rows_times_keys(ly.p.invariant, t, dpt, kp, p.ld_k_pe, dr, dq + dn, H * dqk);
       });
       // dk_pe of the chunk's keys: every head's, summed in head order.
       for (std::int64_t j = 0; j < n; ++j) {
@@ -417,10 +430,10 @@ void attention_flash_latent_backward(const LatentAttnParams<T>& p, const LatentA
             dst[e] += dkpe[static_cast<size_t>((h * kKc + j) * dr + e)];
       }
       // dc = dkv w_kv (overwritten), dw_kv += dkv^T c.
-      gemm<T>(false, false, n, p.C, ly.ldkv, T(1), dkv.data(), ly.ldkv, p.w_kv, p.C, T(0),
-              g.dc + (b * s.Sk + j0) * g.ld_dc, g.ld_dc);
-      gemm<T>(true, false, ly.ldkv, p.C, n, T(1), dkv.data(), ly.ldkv,
-              p.c + (b * s.Sk + j0) * p.ld_c, p.ld_c, T(1), g.dw_kv, p.C);
+      product<T>(ly.p.invariant, false, false, n, p.C, ly.ldkv, T(1), dkv.data(), ly.ldkv, p.w_kv,
+                 p.C, T(0), g.dc + (b * s.Sk + j0) * g.ld_dc, g.ld_dc);
+      product<T>(ly.p.invariant, true, false, ly.ldkv, p.C, n, T(1), dkv.data(), ly.ldkv,
+                 p.c + (b * s.Sk + j0) * p.ld_c, p.ld_c, T(1), g.dw_kv, p.C);
     }
 }
 

@@ -58,6 +58,12 @@ struct LatentAttnParams {
   const T* k_pe = nullptr;  // (B, Sk, dr) rotated, row stride ld_k_pe
   std::int64_t ld_k_pe = 0;
   const T* w_kv = nullptr;  // (H, dn + dv, C): the heads' rows of wkv_b, k_nope rows then v rows
+  // Every product by gemm_invariant (kernels/gemm_invariant.hpp) instead of
+  // the library's GEMM: the invariant mode's rows (docs/invariance.md). Its
+  // bits then follow neither the thread count nor the shapes beside a
+  // product; a head's own bits still follow the heads in the call (dc and
+  // dk_pe are sums over them), so the mode calls it one head at a time.
+  bool invariant = false;
   std::int64_t dr() const { return shape.dqk - dn; }
   // Throws laga::Error naming the bad extent, stride or null operand
   // (AttnShape::validate's checks included; Hq must equal Hk).

@@ -33,25 +33,73 @@ std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r) {
   return pieces;
 }
 
+namespace {
+// The pieces of tokens [lo, hi) of one row, of N tokens in all (the closed
+// form canonical_piece_count's header derives).
+std::int64_t pieces_in(std::int64_t lo, std::int64_t hi, std::int64_t N) {
+  if (lo >= hi) return 0;
+  const auto u = [](std::int64_t v) { return std::uint64_t(v); };
+  if (hi == N) {  // the last node may reach past N: they only rise from lo
+    if (lo == 0) return 1;
+    std::int64_t X = lo;
+    for (int j = 0; X < N; ++j) {  // lo rounded up to a multiple of 2^j
+      const std::int64_t size = std::int64_t(1) << j;
+      X = (lo + size - 1) / size * size;
+    }
+    return std::popcount(u(X - lo));
+  }
+  const int t = std::bit_width(u(lo ^ hi)) - 1;
+  const std::int64_t M = (hi >> t) << t;
+  return std::popcount(u(M - lo)) + std::popcount(u(hi - M));
+}
+}  // namespace
+
+std::int64_t canonical_piece_count(const TokenShards& shards, int r) {
+  LAGA_CHECK(r >= 0 && r < shards.ranks() && shards.end.size() == shards.begin.size(),
+             "internal: canonical_piece_count of rank ", r, " of ", shards.ranks());
+  const std::int64_t N = shards.B * shards.S;
+  std::int64_t n = 0;
+  for (std::int64_t b = 0; b < shards.B; ++b)
+    n += pieces_in(b * shards.S + shards.begin[r], b * shards.S + shards.end[r], N);
+  return n;
+}
+
+TokenShards sequence_shards(const SpLayout& layout) {
+  TokenShards t;
+  t.B = layout.batch, t.S = layout.seq;
+  for (int r = 0; r < layout.ranks; ++r) {
+    t.begin.push_back(layout.shard_begin(r));
+    t.end.push_back(layout.shard_begin(r) + layout.seq_count[std::size_t(r)]);
+  }
+  return t;
+}
+
+TokenShards head_column_shards(const SpLayout& layout, std::int64_t per_head) {
+  TokenShards t;
+  t.B = 1, t.S = layout.heads * per_head;
+  for (int r = 0; r < layout.ranks; ++r) {
+    const std::int64_t h0 = layout.head_offset[std::size_t(r)];
+    t.begin.push_back(h0 * per_head);
+    t.end.push_back((h0 + layout.head_count[std::size_t(r)]) * per_head);
+  }
+  return t;
+}
+
 PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width) {
-  PieceBytes b;
   const int P = shards.ranks();
-  b.sent = (P - 1) * std::int64_t(canonical_pieces(shards, r).size()) * width;
-  for (int q = 0; q < P; ++q)
-    if (q != r) b.received += std::int64_t(canonical_pieces(shards, q).size()) * width;
-  return b;
+  std::int64_t all = 0;
+  for (int q = 0; q < P; ++q) all += canonical_piece_count(shards, q);
+  const std::int64_t own = canonical_piece_count(shards, r);
+  return {(P - 1) * own * width, (all - own) * width, all * width};
 }
 
 PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
                                              int r, std::int64_t n) {
-  PieceBytes b;
-  const std::int64_t own = std::int64_t(canonical_pieces(index, r).size());
-  for (int q = 0; q < rows.ranks(); ++q) {
-    if (q == r) continue;
-    b.sent += own * rows.local_rows(q) * n;
-    b.received += std::int64_t(canonical_pieces(index, q).size()) * rows.local_rows(r) * n;
-  }
-  return b;
+  std::int64_t all = 0, R = 0;
+  for (int q = 0; q < index.ranks(); ++q)
+    all += canonical_piece_count(index, q), R += rows.local_rows(q);
+  const std::int64_t own = canonical_piece_count(index, r), mine = rows.local_rows(r);
+  return {own * (R - mine) * n, (all - own) * mine * n, own * R * n + all * mine * n};
 }
 
 namespace {
@@ -174,18 +222,19 @@ void canonical_token_sum(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
   }
 }
 
-template <class T>
-void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
-                              const TokenShards& index, const TokenShards& rows,
-                              const std::string& label) {
+namespace {
+
+// The reduce-scatter's exchange and tree, whatever makes the pieces
+// (canonical_reduce_scatter's GEMMs, canonical_parts_reduce_scatter's sums):
+// fill(piece, global row, rows, out) writes this rank's piece's rows [row,
+// row + rows) of the global B S, n wide, into out (rows, n). Each rank's
+// pieces' rows of rank q's tokens go to q (all_to_all_v under label), which
+// evaluates the tree over the index from every rank's pieces.
+template <class T, class Fill>
+void reduce_scatter_pieces(Communicator& comm, Mat<T> dst, std::int64_t n, const TokenShards& index,
+                           const TokenShards& rows, const std::string& label, Fill&& fill) {
   const int P = comm.size(), r = comm.rank();
-  LAGA_CHECK(index.ranks() == P && rows.ranks() == P && index.B == 1,
-             "internal: canonical_reduce_scatter's shards are not of one row for a group of ", P);
-  const std::int64_t R = rows.B * rows.S, n = b.cols, K = index.S;
-  LAGA_CHECK(a.rows == R && a.cols == index.end[r] - index.begin[r] && b.rows == a.cols &&
-                 dst.rows == rows.local_rows(r) && dst.cols == n,
-             "internal: canonical_reduce_scatter of (", a.rows, ", ", a.cols, ") (", b.rows, ", ",
-             b.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  const std::int64_t R = rows.B * rows.S, K = index.S;
   if (dst.rows * n == 0 && R * n == 0) return;
   std::vector<std::vector<TreePiece>> all(static_cast<std::size_t>(P));
   for (int q = 0; q < P; ++q) all[q] = canonical_pieces(index, q);
@@ -201,21 +250,14 @@ void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
   Tensor<T> send =
       Tensor<T>::zeros({sent}, "canonical reduce-scatter pieces", MemCategory::comm_buffers);
   Tensor<T> recv({received}, "canonical reduce-scatter received", MemCategory::comm_buffers);
-  {
-    const UseInvariant invariant(true);
-    for (int q = 0; q < P; ++q) {
-      const std::int64_t len = rows.end[q] - rows.begin[q];
-      for (std::size_t i = 0; i < all[r].size(); ++i) {
-        const TreePiece& p = all[r][i];  // p.row: its first column of a, row of b
-        const std::int64_t k = p.stop - p.start;
-        for (std::int64_t bb = 0; bb < rows.B; ++bb) {
-          T* at = send.data() ? send.data() + sd[q] + ((std::int64_t(i) * rows.B + bb) * len) * n
-                              : nullptr;
-          gemm(Mat<T>{at, len, n, n}, T(1), a.block(bb * rows.S + rows.begin[q], len, p.row, k),
-               false, b.row_range(p.row, k), false);
-        }
+  for (int q = 0; q < P; ++q) {
+    const std::int64_t len = rows.end[q] - rows.begin[q];
+    for (std::size_t i = 0; i < all[r].size(); ++i)
+      for (std::int64_t bb = 0; bb < rows.B; ++bb) {
+        T* at = send.data() ? send.data() + sd[q] + ((std::int64_t(i) * rows.B + bb) * len) * n
+                            : nullptr;
+        fill(all[r][i], bb * rows.S + rows.begin[q], len, Mat<T>{at, len, n, n});
       }
-    }
   }
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), label);
   const std::int64_t width = dst.rows * n;
@@ -248,9 +290,85 @@ void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
     }
     for (std::int64_t e = 0; e < m; ++e) dst.p[((e0 + e) / n) * dst.ld + (e0 + e) % n] = buf[e];
   }
+}
+
+// The node [lo, lo + size) of the tree over the parts' index, on elements
+// [off, off + m) of each part (parts: this rank's, `stride` apart, the first
+// index `first`; N the index's extent): left child + right child, an absent
+// right child (past N) passed over, as TreeEval.
+template <class T>
+void parts_node(const T* parts, std::int64_t stride, std::int64_t first, std::int64_t N,
+                std::int64_t lo, std::int64_t size, std::int64_t off, std::int64_t m, T* out,
+                T* scratch) {
+  if (size == 1) {
+    std::copy_n(parts + (lo - first) * stride + off, m, out);
+    return;
+  }
+  const std::int64_t half = size / 2;
+  parts_node(parts, stride, first, N, lo, half, off, m, out, scratch);
+  if (lo + half >= N) return;
+  parts_node(parts, stride, first, N, lo + half, half, off, m, scratch, scratch + m);
+  for (std::int64_t e = 0; e < m; ++e) out[e] = out[e] + scratch[e];
+}
+
+}  // namespace
+
+template <class T>
+void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
+                              const TokenShards& index, const TokenShards& rows,
+                              const std::string& label) {
+  const int P = comm.size(), r = comm.rank();
+  LAGA_CHECK(index.ranks() == P && rows.ranks() == P && index.B == 1,
+             "internal: canonical_reduce_scatter's shards are not of one row for a group of ", P);
+  const std::int64_t R = rows.B * rows.S, n = b.cols;
+  LAGA_CHECK(a.rows == R && a.cols == index.end[r] - index.begin[r] && b.rows == a.cols &&
+                 dst.rows == rows.local_rows(r) && dst.cols == n,
+             "internal: canonical_reduce_scatter of (", a.rows, ", ", a.cols, ") (", b.rows, ", ",
+             b.cols, ") into (", dst.rows, ", ", dst.cols, ")");
+  reduce_scatter_pieces<T>(comm, dst, n, index, rows, label,
+                           [&](const TreePiece& p, std::int64_t row, std::int64_t len, Mat<T> out) {
+                             // p.row: its first column of a, row of b
+                             const UseInvariant invariant(true);
+                             const std::int64_t k = p.stop - p.start;
+                             gemm(out, T(1), a.block(row, len, p.row, k), false,
+                                  b.row_range(p.row, k), false);
+                           });
   if (in_bf16<T>()) {  // a fresh product: a bf16 run stores it rounded once
     if constexpr (std::is_same_v<T, float>) bf16_path::round_in_place(dst);
   }
+}
+
+template <class T>
+void canonical_parts_reduce_scatter(Communicator& comm, Mat<T> dst, const Tensor<T>& parts,
+                                    const TokenShards& index, const TokenShards& rows,
+                                    const std::string& label) {
+  const int P = comm.size(), r = comm.rank();
+  LAGA_CHECK(index.ranks() == P && rows.ranks() == P && index.B == 1,
+             "internal: canonical_parts_reduce_scatter's shards are not of one row for a group "
+             "of ",
+             P);
+  const std::int64_t R = rows.B * rows.S, n = dst.cols, first = index.begin[r];
+  const std::int64_t K = index.S, own = index.end[r] - first;
+  LAGA_CHECK(parts.numel() == own * R * n && dst.rows == rows.local_rows(r),
+             "internal: canonical_parts_reduce_scatter of ", parts.numel(), " elements as ", own,
+             " parts of (", R, ", ", n, ") into (", dst.rows, ", ", dst.cols, ")");
+  const int depth = std::bit_width(std::uint64_t(std::max<std::int64_t>(K, 1))) + 1;
+  reduce_scatter_pieces<T>(
+      comm, dst, n, index, rows, label,
+      [&](const TreePiece& p, std::int64_t row, std::int64_t len, Mat<T> out) {
+        const std::int64_t m = len * n;
+        count_elementwise<T>(m * (p.stop - p.start), 1);
+        if (!runs(m, {out.p, parts.data()})) return;
+        const std::int64_t size = std::int64_t(std::bit_ceil(std::uint64_t(p.stop - p.start)));
+        const std::int64_t chunks = (m + kElementChunk - 1) / kElementChunk;
+#pragma omp parallel for schedule(static) if (m > 65536)
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t e0 = c * kElementChunk, mm = std::min(kElementChunk, m - e0);
+          std::vector<T> scratch(static_cast<std::size_t>(mm * depth));
+          parts_node(parts.data(), R * n, first, K, p.start, size, row * n + e0, mm, out.p + e0,
+                     scratch.data());
+        }
+      });
 }
 
 template <class T>
@@ -321,6 +439,12 @@ template void canonical_latent_reduce_scatter<double>(Communicator&, Mat<double>
                                                       std::int64_t, std::int64_t,
                                                       const TokenShards&, const TokenShards&,
                                                       const std::string&);
+template void canonical_parts_reduce_scatter<float>(Communicator&, Mat<float>, const Tensor<float>&,
+                                                    const TokenShards&, const TokenShards&,
+                                                    const std::string&);
+template void canonical_parts_reduce_scatter<double>(Communicator&, Mat<double>,
+                                                     const Tensor<double>&, const TokenShards&,
+                                                     const TokenShards&, const std::string&);
 template void canonical_reduce_scatter<float>(Communicator&, Mat<float>, In<float>, In<float>,
                                               const TokenShards&, const TokenShards&,
                                               const std::string&);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "mla/layout.hpp"
 #include "mla/ops.hpp"
 
 namespace laga::ops {
@@ -46,6 +47,26 @@ struct TreePiece {
 
 // Rank r's pieces in token order: its tokens cut into maximal aligned nodes.
 std::vector<TreePiece> canonical_pieces(const TokenShards& shards, int r);
+
+// How many pieces rank r has: the closed form of canonical_pieces(shards,
+// r).size(), written from the tree and not from that loop (so the tests that
+// hold the one to the other check something). In one row, tokens [lo, hi) of
+// the N = B S: with t the highest bit where lo and hi differ and M = hi with
+// the bits below t cleared, [lo, M) is popcount(M - lo) nodes rising from lo
+// and [M, hi) popcount(hi - M) falling to hi. Where hi = N the last node may
+// reach past N (it is clipped there): the nodes only rise, to the first
+// multiple X >= N of a power of two reached from lo, popcount(X - lo) of them
+// (one when lo = 0).
+std::int64_t canonical_piece_count(const TokenShards& shards, int r);
+
+// The shards the block's canonical sums run over (mla/pieces.cpp), from the
+// layout alone, so the closed forms (mla/comm_model.hpp) read the same
+// description: the sequence's (every rank one contiguous range of every row,
+// SpLayout::shard_begin), and the heads' columns of a sum over the heads
+// (one row of H per_head columns, rank r's heads' [head_offset per_head,
+// (head_offset + head_count) per_head)).
+TokenShards sequence_shards(const SpLayout& layout);
+TokenShards head_column_shards(const SpLayout& layout, std::int64_t per_head);
 
 // Test-only: combine in rank order instead -- each rank's pieces summed left
 // to right, then the ranks' sums in rank order, the order an all-reduce of
@@ -84,14 +105,28 @@ void canonical_latent_reduce_scatter(Communicator& comm, Mat<T> dlat_loc, In<T> 
                                      std::int64_t dr, const TokenShards& heads,
                                      const TokenShards& rows, const std::string& label);
 
-// What the two move, in elements, by the ledger's byte rules
-// (communicator.hpp; docs/accounting.md): the closed forms a form's
-// invariant-mode collectives add. Sum: rank r sends its pieces to each of
-// the P - 1 others and receives theirs. Reduce-scatter: rank r sends each
-// other rank q its pieces' rows of q's tokens, and receives its own rows of
-// every other rank's pieces.
+// What the primitives move and hold, in elements (times the tensors' own
+// element size: they move T, never narrowed, in a bf16 run too), by the
+// ledger's byte rules (communicator.hpp; docs/accounting.md): the closed
+// forms a form's invariant-mode collectives add (CommTerms::token_sum,
+// CommTerms::head_sum_reduce_scatter in mla/comm_model.hpp), from the pieces'
+// closed form (canonical_piece_count) alone. With p_q rank q's pieces and
+// p = sum_q p_q:
+//   canonical_token_sum of a width-element sum: rank r sends its pieces to
+//   each of the P - 1 others, (P - 1) p_r width, and receives theirs, (p -
+//   p_r) width; it holds every rank's pieces, p width (the all_gather_v's
+//   buffer, comm_buffers). canonical_rmsnorm_weight_grad is a token sum of
+//   width C (the norm's weight).
+//   canonical_reduce_scatter of n-wide rows (index: the sum's columns, rows:
+//   the tokens' owners, R = sum_q R_q rows): rank r sends each other q its
+//   pieces' rows of q's tokens, p_r (R - R_r) n, and receives its rows of
+//   every other rank's pieces, (p - p_r) R_r n; it holds its send buffer, p_r
+//   R n, and its receive buffer, p R_r n, at once (both comm_buffers).
+//   canonical_latent_reduce_scatter is one over the heads' columns (dn + dv +
+//   dr a head) of C + dr wide rows.
 struct PieceBytes {
   std::int64_t sent = 0, received = 0;  // elements
+  std::int64_t held = 0;                // elements of comm_buffers the call holds at its peak
 };
 PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width);
 PieceBytes canonical_reduce_scatter_elements(const TokenShards& index, const TokenShards& rows,
@@ -110,5 +145,20 @@ template <class T>
 void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
                               const TokenShards& index, const TokenShards& rows,
                               const std::string& label);
+
+// The same reduce-scatter of a plain sum (absorbed's and laga_fused's latent
+// gradient over the heads, docs/invariance.md, "Which forms"): dst (this
+// rank's token rows, n) = rows of sum over the index k of parts a_k (every
+// token's B S rows, n), k sharded as `index` (B 1; rank r holds k in
+// [begin[r], end[r])), parts (end[r] - begin[r], B S, n) this rank's a_k in
+// turn. The same tree over k's global positions: each rank sums its pieces'
+// parts elementwise in it (a piece is an aligned node), the pieces' rows go
+// to the rows' owners (all_to_all_v under `label`), which finish it. Sums
+// only: nothing rounded in a bf16 run (the kernels' fp32 gradients summed).
+// Its bytes are canonical_reduce_scatter_elements'.
+template <class T>
+void canonical_parts_reduce_scatter(Communicator& comm, Mat<T> dst, const Tensor<T>& parts,
+                                    const TokenShards& index, const TokenShards& rows,
+                                    const std::string& label);
 
 }  // namespace laga::ops

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "mla/canonical_sum.hpp"
 
 namespace laga {
 
@@ -12,15 +13,30 @@ std::size_t z(std::int64_t i) {
 }
 }  // namespace
 
+WeightElements::WeightElements(const MlaConfig& c) {
+  const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
+  const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = C + c.qk_rope_head_dim;
+  in_proj = (rq == 0 ? H * dqk : rq) * D + W * D;
+  q_norm = rq;
+  wq_b = rq == 0 ? 0 : H * dqk * rq;
+  kv_norm = C;
+  wkv_b = H * (c.qk_nope_head_dim + dv) * C;
+  wo = D * H * dv;
+  wg = c.mla_use_output_gate ? H * dv * D : 0;
+}
+
 CommTerms::CommTerms(const MlaConfig& c, const SpLayout& lay, FormVariant v, int r, std::int64_t e,
-                     bool bwd)
+                     bool bwd, bool inv, std::int64_t t)
     : cfg(c),
       layout(lay),
       variant(v),
       rank(r),
       elem_bytes(e),
       backward(bwd),
-      attention(attention_placement(lay, v)) {}
+      invariant(inv),
+      tensor_bytes(t),
+      attention(attention_placement(lay, v)),
+      weights(c) {}
 
 PredictedBytes CommTerms::seq_to_head(std::int64_t d, bool per_head) const {
   // The tokens of rank i's seq shard that rank j attends as queries.
@@ -115,41 +131,71 @@ void CommTerms::queries(Phase ph) {
 }
 
 void CommTerms::latent_gather(Phase ph) {
+  latent_gather(ph, cfg.qk_nope_head_dim + cfg.v_head_dim + cfg.qk_rope_head_dim);
+}
+
+void CommTerms::latent_gather(Phase ph, std::int64_t head_columns) {
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
   if (ph == Phase::forward) return add(ph, "latent_ag", all_gather(W), CollectiveKind::all_gather);
+  if (invariant) return head_sum_reduce_scatter("latent_ag", head_columns, W);
   add(ph, "latent_ag", reduce_scatter(W), CollectiveKind::reduce_scatter);
 }
 
+void CommTerms::token_sum(const char* label, std::int64_t width) {
+  if (!invariant || !backward) return;
+  const ops::PieceBytes b =
+      ops::canonical_token_sum_elements(ops::sequence_shards(layout), rank, width);
+  add(Phase::backward, label, {b.sent * tensor_bytes, b.received * tensor_bytes},
+      CollectiveKind::all_gather);
+}
+
+void CommTerms::head_sum_reduce_scatter(const char* label, std::int64_t head_columns,
+                                        std::int64_t n) {
+  if (!invariant || !backward) return;
+  const ops::PieceBytes b = ops::canonical_reduce_scatter_elements(
+      ops::head_column_shards(layout, head_columns), ops::sequence_shards(layout), rank, n);
+  add(Phase::backward, label, {b.sent * tensor_bytes, b.received * tensor_bytes},
+      CollectiveKind::all_to_all);
+}
+
+void CommTerms::projection_sums() {
+  token_sum("wo_grad", weights.wo);
+  if (cfg.mla_use_output_gate) token_sum("wg_grad", weights.wg);
+  token_sum("in_proj_grad", weights.in_proj);
+  token_sum("kv_norm_grad", weights.kv_norm);
+  if (cfg.q_lora_rank == 0) return;
+  if (variant.queries == QueryExchange::heads) token_sum("wq_b_grad", weights.wq_b);
+  token_sum("q_norm_grad", weights.q_norm);
+}
+
 CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
-                            std::int64_t e, bool backward, bool grad_sync) {
-  return predict_comm(c, lay, variant, r, WireElementBytes{e, e}, backward, grad_sync);
+                            std::int64_t e, bool backward, bool grad_sync, bool invariant) {
+  return predict_comm(c, lay, variant, r, WireElementBytes{e, e, e}, backward, grad_sync,
+                      invariant);
 }
 
 WireElementBytes wire_element_bytes(Precision p, GradReduce g, std::int64_t tensor_bytes) {
   check_grad_reduce(p, g);
-  if (p == Precision::bf16) return {2, g == GradReduce::bf16 ? 2 : 4};
-  return {tensor_bytes, tensor_bytes};
+  if (p == Precision::bf16) return {2, g == GradReduce::bf16 ? 2 : 4, tensor_bytes};
+  return {tensor_bytes, tensor_bytes, tensor_bytes};
 }
 
 CommPrediction predict_comm(const MlaConfig& c, const SpLayout& lay, FormVariant variant, int r,
-                            WireElementBytes wire, bool backward, bool grad_sync) {
+                            WireElementBytes wire, bool backward, bool grad_sync, bool invariant) {
   check_variant(c, lay, variant);
-  CommTerms t(c, lay, variant, r, wire.activations, backward);
+  LAGA_CHECK(!invariant || form_spec(variant.form).traits.invariant, "predict_comm: form ",
+             form_spec(variant.form).name,
+             " does not offer the invariant mode (docs/invariance.md, \"Which forms\"); the "
+             "forms that do: ",
+             names_of_forms_with(&FormTraits::invariant));
+  CommTerms t(c, lay, variant, r, wire.activations, backward, invariant, wire.tensors);
   const std::int64_t e = wire.gradients;
   form_spec(variant.form).collectives(t);
+  t.projection_sums();  // the invariant mode's, the same for every form
   const int P = lay.ranks;
   if (grad_sync && P > 1) {  // one rank has nothing to sum: mla_sync_gradients returns
-    // The block's parameter count from DeepSeek-V3's shapes, written out here
-    // rather than taken from mla_param_shapes (which also allocates and
-    // reduces the gradients), so that this term is a check on that code:
-    //   wq (H dqk, D) | wq_a (rq, D) + q_norm (rq) + wq_b (H dqk, rq)
-    //   wkv_a (C + dr, D), kv_norm (C), wkv_b (H (dn + dv), C), wo (D, H dv),
-    //   and Kimi K3's output gate wg (H dv, D)
-    const std::int64_t D = c.dim, H = c.n_heads, C = c.kv_lora_rank, rq = c.q_lora_rank;
-    const std::int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim, W = C + c.qk_rope_head_dim;
-    const std::int64_t q = rq == 0 ? H * dqk * D : rq * D + rq + H * dqk * rq;
-    const std::int64_t n = q + W * D + C + H * (c.qk_nope_head_dim + dv) * C + D * H * dv +
-                           (c.mla_use_output_gate ? H * dv * D : 0);
+    // The block's parameter count (WeightElements).
+    const std::int64_t n = t.weights.total();
     // Reduce-scatter: every chunk but the own one out, P-1 copies of it in;
     // all-gather: the own reduced chunk to P-1 peers, every other chunk in.
     const std::int64_t own = all_reduce_chunk(n, P, r);

@@ -31,6 +31,21 @@
 // queries_j| rq e (every head group of a context group gets a copy);
 // backward the reverse, the copies' gradients summed by the tokens' owner.
 // At Pc = 1 it is laga's q_latent_ag.
+// The invariant mode (docs/invariance.md; `invariant` below) adds, backward,
+// the canonical sums' collectives (mla/canonical_sum.hpp, their closed
+// forms there), in the tensors' own element size t (they do not narrow):
+//   every form   wo_grad, in_proj_grad, kv_norm_grad (q_norm_grad and, with
+//                per-head queries, wq_b_grad when rq > 0; wg_grad with Kimi's
+//                gate): each weight's gradient a canonical token sum,
+//                (P-1) p_r n t sent, (p - p_r) n t received (p_r: rank r's
+//                pieces of the sequence, p every rank's; n: the weight's size)
+//   explicit     wkv_b_grad, the same for wkv_b (its up-projection is token-sharded)
+//   latent_ag    backward, in place of the reduce-scatter: the canonical one
+//                over the heads' columns (k_h a head: laga dn + dv + dr),
+//                p_r (B S - B L_r) W t sent, (p - p_r) B L_r W t received
+//                (p_r: rank r's pieces of the heads' columns)
+// A form declares its own in its `collectives` (CommTerms::token_sum,
+// latent_gather's head_columns); the shared ones are added here.
 // Each (phase, label) is one collective call per block step (calls = 1),
 // but a ring pass: one call per shift (ring_pass_bytes).
 #pragma once
@@ -57,13 +72,19 @@ using CommPrediction = std::map<std::pair<Phase, std::string>, PredictedBytes>;
 // form's own collectives are its registry row's closed form
 // (FormSpec::collectives, in its file); the gradient all-reduce, the same
 // for every form, is here.
+// invariant: the run's RunSpec::invariant (docs/invariance.md); laga::Error
+// for a form whose row does not offer the mode.
 CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
-                            int rank, std::int64_t elem_bytes, bool backward, bool grad_sync);
+                            int rank, std::int64_t elem_bytes, bool backward, bool grad_sync,
+                            bool invariant = false);
 
 // An element's bytes on the wire: the form's collectives' (activations and
 // their gradients) and the gradient all-reduce's.
 struct WireElementBytes {
   std::int64_t activations = 4, gradients = 4;
+  // The tensors' own: what a collective that does not narrow moves (the
+  // invariant mode's canonical sums: mla/canonical_sum.hpp).
+  std::int64_t tensors = 4;
 };
 // What a run at `p` moves, its tensors being of tensor_bytes elements
 // (mla/wire.hpp): under bf16 the activations at 2 and the gradient
@@ -72,7 +93,23 @@ struct WireElementBytes {
 WireElementBytes wire_element_bytes(Precision p, GradReduce g, std::int64_t tensor_bytes);
 // predict_comm with the two sizes apart.
 CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
-                            int rank, WireElementBytes e, bool backward, bool grad_sync);
+                            int rank, WireElementBytes e, bool backward, bool grad_sync,
+                            bool invariant = false);
+
+// The block's parameters' elements, from DeepSeek-V3's shapes written out
+// here rather than taken from mla_param_shapes (which also allocates and
+// reduces the gradients), so that the terms read from it check that code.
+struct WeightElements {
+  explicit WeightElements(const MlaConfig& cfg);
+  std::int64_t in_proj = 0;  // [wq (H dqk, D) | wq_a (rq, D)] over wkv_a (C + dr, D)
+  std::int64_t q_norm = 0;   // (rq); 0 when rq = 0
+  std::int64_t wq_b = 0;     // (H dqk, rq); 0 when rq = 0
+  std::int64_t kv_norm = 0;  // (C)
+  std::int64_t wkv_b = 0;    // (H (dn + dv), C)
+  std::int64_t wo = 0;       // (D, H dv)
+  std::int64_t wg = 0;       // Kimi K3's output gate (H dv, D); 0 without it
+  std::int64_t total() const { return in_proj + q_norm + wq_b + kv_norm + wkv_b + wo + wg; }
+};
 
 // The terms a form's closed form is written in, for rank r of the layout,
 // with the attention placed where the form places it (FormSpec::attention):
@@ -81,14 +118,20 @@ CommPrediction predict_comm(const MlaConfig& cfg, const SpLayout& layout, FormVa
 // its forward's calls and, when `backward`, its backward's.
 struct CommTerms {
   CommTerms(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant, int rank,
-            std::int64_t elem_bytes, bool backward);
+            std::int64_t elem_bytes, bool backward, bool invariant = false,
+            std::int64_t tensor_bytes = 4);
   const MlaConfig& cfg;
   const SpLayout& layout;
   const FormVariant variant;
   const int rank;
   const std::int64_t elem_bytes;
   const bool backward;
+  // The invariant mode (RunSpec::invariant): its canonical sums move
+  // tensor_bytes an element (the tensors' own type; they do not narrow).
+  const bool invariant;
+  const std::int64_t tensor_bytes;
   const Placement attention;  // where each rank attends
+  const WeightElements weights;
   CommPrediction result;
 
   // seq->head of width d: every (token, head) element of r's seq shard goes
@@ -124,8 +167,29 @@ struct CommTerms {
   // The queries' exchange of the variant in `phase` (backward: its adjoint).
   void queries(Phase phase);
   // The latent [c_hat | k_pe] all-gathered forward, its gradient
-  // reduce-scattered backward (label latent_ag).
+  // reduce-scattered backward (label latent_ag). In the invariant mode the
+  // backward is the canonical sum over every rank's heads' columns instead
+  // (head_sum_reduce_scatter, C + dr wide): head_columns a head -- laga's
+  // dn + dv + dr (its up-projection's gradient folded into the sum:
+  // ops::canonical_latent_reduce_scatter), the one-argument call's; a form
+  // that keeps each head's d[c_hat | k_pe] apart, C + dr.
   void latent_gather(Phase phase);
+  void latent_gather(Phase phase, std::int64_t head_columns);
+
+  // The invariant mode's canonical sums (mla/canonical_sum.hpp), filed under
+  // (backward, label) in the mode when `backward`, nothing otherwise: a
+  // gradient of `width` elements summed over the sequence's tokens
+  // (ops::canonical_token_sum; kind all_gather) ...
+  void token_sum(const char* label, std::int64_t width);
+  // ... and a sum over the heads' columns (head_columns a head) of n-wide
+  // rows of every token, scattered to the tokens' owners
+  // (ops::canonical_reduce_scatter; kind all_to_all).
+  void head_sum_reduce_scatter(const char* label, std::int64_t head_columns, std::int64_t n);
+  // The token sums every form makes, of the weights it applies to its own
+  // tokens (mla/pieces.cpp): wo_grad, in_proj_grad, kv_norm_grad, with rq >
+  // 0 q_norm_grad and (per-head queries) wq_b_grad, with the gate wg_grad.
+  // predict_comm adds them for every form.
+  void projection_sums();
   // A ring pass (ring_pass_bytes) of the blocks (elements) of a ring's
   // members, in ring order, this rank at `place`, under `label`; `home`:
   // the pass that brings each block back to its owner. Nothing in a ring of

@@ -25,7 +25,7 @@
 // The block calls the kernels directly and the op layer only for the
 // sparse attention, so it has no count-only run yet; the forms do not run
 // it (a DSA config is refused by the tool's ModelOptions::load); mla/dsa_cp.hpp
-// runs it query-local over P ranks.
+// runs it query-local over P ranks, mla/dsa_explicit.hpp head-sharded.
 #pragma once
 
 #include <cstdint>

@@ -127,7 +127,7 @@ FormVariant dsa_placement(DsaForm f) {
   return placement_variant(f);
 }
 
-void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
+void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form, DsaStage stage) {
   const MlaConfig& cfg = t.cfg;
   const std::int64_t di = dsa.index_head_dim, Hi = dsa.index_n_heads, K = dsa.index_topk;
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
@@ -145,10 +145,12 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
       return t.add(ph, "index_k_ag", t.all_gather(di), CollectiveKind::all_gather);
     t.add(ph, "index_k_ag", t.reduce_scatter(di), CollectiveKind::reduce_scatter);
   };
-  // Each rank's partial (its heads') sum of the selected keys' attention
-  // probabilities, summed at the query's owner: the indexer's KL target.
-  auto kl_target = [&]() {
-    t.add(Phase::forward, "index_target_rs", at4(t.reduce_scatter(K)),
+  // Each rank's partial (its heads') sum of the slots' attention
+  // probabilities, summed at the query's owner: the indexer's KL target,
+  // at fp32 or the activations' element when wider (dsa_model.hpp).
+  auto kl_target = [&](std::int64_t slots) {
+    const PredictedBytes b = t.reduce_scatter(slots);
+    t.add(Phase::forward, "index_target_rs", t.elem_bytes < kStatBytes ? at4(b) : b,
           CollectiveKind::reduce_scatter);
   };
   switch (form) {
@@ -163,12 +165,13 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
         t.latent_gather(ph);
         index_keys(ph);
         if (ph != Phase::forward) return;
+        if (stage == DsaStage::dense_warmup) return kl_target(t.layout.seq);  // every causal key
         if (form == DsaForm::laga_indices) {
           t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
         } else {  // w for every query; qr came with the query latent exchange
           t.add(ph, "index_w_ag", t.all_gather(Hi), CollectiveKind::all_gather);
         }
-        kl_target();
+        kl_target(K);
       });
       break;
     case DsaForm::explicit_form:
@@ -177,8 +180,9 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
         t.to_heads(ph, "v_a2a", cfg.v_head_dim);
         index_keys(ph);
         if (ph != Phase::forward) return;
+        if (stage == DsaStage::dense_warmup) return kl_target(t.layout.seq);  // every causal key
         t.add(ph, "topk_ag", at4(t.all_gather(K)), CollectiveKind::all_gather);
-        kl_target();
+        kl_target(K);
       });
       break;
     case DsaForm::ring_latent:
@@ -191,10 +195,10 @@ void dsa_collectives(CommTerms& t, const DsaConfig& dsa, DsaForm form) {
 
 CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                                 DsaForm form, int rank, WireElementBytes wire, bool backward,
-                                bool grad_sync) {
+                                bool grad_sync, DsaStage stage) {
   dsa.validate(cfg);
   CommTerms t(cfg, layout, placement_variant(form), rank, wire.activations, backward);
-  dsa_collectives(t, dsa, form);
+  dsa_collectives(t, dsa, form, stage);
   const std::int64_t W = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
   const int P = layout.ranks;
   if (grad_sync && P > 1) {

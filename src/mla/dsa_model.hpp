@@ -13,12 +13,15 @@
 //   top-k: the K keys of largest I(t, .) (every key when t + 1 <= K)
 // and the MLA attends query t over its selected keys only.
 //
-// Of these forms the engine runs latent_gather (mla/dsa_cp.hpp, whose
-// ledger tests/mla/test_dsa_cp.cpp holds equal to dsa_predict_comm); the
-// others are what `laga plan --dsa` costs, written from the math, and the
-// engine's ledger and count-only pool are to be tested equal to them when it
-// runs them. The comm terms are CommTerms' (comm_model.hpp): a DSA form's
-// registry row's `collectives` can call dsa_collectives.
+// Of these forms the engine runs latent_gather (mla/dsa_cp.hpp),
+// laga_indices and laga_recompute (mla/dsa_laga.hpp) and explicit
+// (mla/dsa_explicit.hpp), whose ledgers tests/mla/test_dsa_cp.cpp,
+// test_dsa_laga.cpp and test_dsa_explicit.cpp hold equal to
+// dsa_predict_comm; ring_latent is what `laga plan --dsa` costs, written
+// from the math (docs/forms.md: why it is not built). No DSA form has a
+// count-only run yet, so no pool is held to dsa_memory. The comm terms are
+// CommTerms' (comm_model.hpp): a DSA form's registry row's `collectives` can
+// call dsa_collectives.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,7 @@
 
 #include "mla/comm_model.hpp"
 #include "mla/config.hpp"
+#include "mla/dsa_block.hpp"
 #include "mla/layout.hpp"
 
 namespace laga {
@@ -113,26 +117,35 @@ FormVariant dsa_placement(DsaForm f);
 // forward and, when terms.backward, backward: what a DSA form's registry
 // row's `collectives` is to call, so that its ledger is tested equal to
 // this closed form as the dense forms' are (tests/mla/test_forms.cpp).
-void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form);
+// `stage`: what the head-sharded forms move depends on it (below).
+void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form,
+                     DsaStage stage = DsaStage::sparse);
 
 // Bytes on the wire of rank r per (phase, label), exactly as CommTerms
 // files the dense forms' (comm_model.hpp). The indices move as int32 and
-// the head-summed attention distribution (the indexer's KL target) as fp32
-// whatever the activations' element; everything else at wire.activations,
-// the gradient all-reduce (over the MLA's and the indexer's parameters) at
-// wire.gradients. Labels beyond the dense forms':
+// the head-summed attention distribution (the indexer's KL target) at
+// et = max(4, e): fp32 under bf16, the run's element in fp32 and fp64 (a
+// float64 run's target is not rounded to fp32); everything else at
+// wire.activations, the gradient all-reduce (over the MLA's and the
+// indexer's parameters) at wire.gradients. Labels beyond the dense forms':
 //   index_k_ag       (P-1) B L_r di e        k_I all-gathered (backward: its
 //                                            gradient reduce-scattered)
 //   index_w_ag       (P-1) B L_r Hi e        laga_recompute: w all-gathered
 //   topk_ag          (P-1) B L_r K 4         the indices, all-gathered
-//   index_target_rs  sum_{j!=r} B L_j K 4    head-sharded: each rank's
+//   index_target_rs  sum_{j!=r} B L_j K et   head-sharded: each rank's
 //                                            partial head sum of the selected
 //                                            keys' probabilities, to the
 //                                            query's owner (forward)
 //   index_k_ring, dindex_k_ring              ring_latent's k_I passes
+// The dense warm-up (stage dense_warmup) changes the head-sharded forms
+// only: the main attention reads every causal key, so no indices move (no
+// topk_ag) and laga_recompute gathers no w (no index_w_ag: each query's
+// owner runs the indexer for its own rows, as laga_indices does), and the
+// KL target is over every causal key, S slots a query (index_target_rs
+// sum_{j!=r} B L_j S et). The other forms move the same in both stages.
 CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                                 DsaForm form, int rank, WireElementBytes wire, bool backward,
-                                bool grad_sync);
+                                bool grad_sync, DsaStage stage = DsaStage::sparse);
 
 // FLOPs of rank r, per phase (forward; backward), split as the time model
 // prices them: GEMMs (projections, up-projections, absorption, wo), the

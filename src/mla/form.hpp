@@ -303,6 +303,27 @@ struct Pieces {
                                                     const Tensor<T>& lat, std::int64_t keys,
                                                     Tensor<T>& dk, Tensor<T>& dv,
                                                     MlaParams<T>& grads);
+  // The invariant mode's latent gradient from per-head parts (absorbed,
+  // laga_fused; docs/invariance.md): dlat_heads (H_r, B, S, C + dr), each
+  // head's d[c_hat | k_pe] of every token, summed over every rank's heads
+  // in the one tree over the global head index
+  // (ops::canonical_parts_reduce_scatter) and scattered to the tokens'
+  // owners: (B, L, C + dr) returned (frees dlat_heads). Every rank joins,
+  // one without heads too.
+  static Tensor<T> latent_head_sum_invariant(const Step& st, Tensor<T>& dlat_heads);
+  // Head h's columns (B S, d) of a (B, S, H_r, d) tensor, and its rows (B, S)
+  // of attention's statistics (B, H_r, S): the invariant mode's calls of one
+  // head each (absorbed, laga_fused).
+  static ops::Mat<T> head_columns(const Step& st, Tensor<T>& t, std::int64_t d, std::int64_t h) {
+    return ops::mat(t, st.NS, st.Hr * d).col_range(h * d, d);
+  }
+  static ops::Mat<T> head_stats(const Step& st, Tensor<T>& stats, std::int64_t h) {
+    return ops::mat(stats, st.B, st.Hr * st.S).col_range(h * st.S, st.S);
+  }
+  // Head h's (B S, C + dr) of latent_head_sum_invariant's dlat_heads.
+  static ops::Mat<T> head_part(const Step& st, Tensor<T>& dlat_heads, std::int64_t h) {
+    return ops::mat(dlat_heads, st.Hr * st.NS, st.W).row_range(h * st.NS, st.NS);
+  }
   static void merge_dkv(const Step& st, std::int64_t heads, ops::In<T> dk, ops::In<T> dv,
                         ops::Mat<T> dkv, ops::Mat<T> dk_pe);
   // explicit's per-head K and V of local tokens and all H heads (explicit,

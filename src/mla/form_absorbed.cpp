@@ -13,6 +13,18 @@
 // explicit's K/V are H_r * (dqk + dv): the activation-memory trap the paper
 // measures once C > dn.
 //
+// The invariant mode (docs/invariance.md, "Which forms"): the kernel's rows
+// are (token, head) pairs of all H_r heads and its dK a sum over all of them,
+// an order that follows H_r, which P changes. In the mode the latent
+// attention's backward runs one head per call (a head's sums then do not
+// depend on the heads beside it; forward needs none: a row's output reads
+// only its own row and the keys, the same at every H_r, which
+// mla_test_invariant_forms holds), each head's
+// d[c_hat | k_pe] is kept apart, and the heads' parts are summed over every
+// rank's heads by the canonical tree and scattered to the tokens' owners
+// (Pieces::latent_head_sum_invariant), in place of the kernel's sum over
+// this rank's heads and the reduce-scatter over the ranks.
+//
 // Saved for backward: the input projections' tensors, q_h (B, S, H_r, dqk),
 // the gathered latent lat (B, S, C+dr) and its values v_lat (B, S, C),
 // q_abs (B, S, H_r, C+dr), o_lat (B, S, H_r, C), the statistics, o_loc.
@@ -51,6 +63,58 @@ struct AbsorbedTape final : Tape<T> {
     return st.sequence_attention(st.Hr, 1, st.W, st.C);
   }
 
+  // The backward through the latent attention, one kernel call: dq_abs (B,
+  // S, H_r, C + dr) written, d[c_hat | k_pe] of every token from this rank's
+  // heads (B, S, C + dr) returned. Frees the attention's saved tensors.
+  Tensor<T> latent_backward(const Step& st, Tensor<T>& dq_abs, Tensor<T>& do_lat) {
+    // d keys, then d values added. Zeros: a rank with no heads runs no kernel
+    // and adds nothing to d latent.
+    Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
+    {
+      Tensor<T> dv_lat = Tensor<T>::zeros({st.B, st.S, st.C}, "dv_lat");
+      Pieces<T>::attention_backward(st, latent_attention(st), dq_abs, dlat, dv_lat, do_lat, q_abs,
+                                    lat, v_lat, o_lat, stats);
+      ops::add(mat(dlat).col_range(0, st.C), mat(std::as_const(dv_lat)));
+    }
+    do_lat.reset();
+    o_lat.reset(), q_abs.reset(), v_lat.reset(), lat.reset();
+    return dlat;
+  }
+
+  // The invariant mode's backward through the latent attention: dq_abs
+  // (B, S, H_r, C + dr) written, this rank's tokens' d[c_hat | k_pe] (B, L,
+  // C + dr) returned, summed over every rank's heads canonically. Frees the
+  // attention's saved tensors.
+  Tensor<T> per_head_backward(const Step& st, Tensor<T>& dq_abs, Tensor<T>& do_lat) {
+    for (Tensor<T>* k : {&q_abs, &lat, &v_lat}) ops::widen_kept(*k);
+    const AttnShape s = st.sequence_attention(1, 1, st.W, st.C);
+    // Each head's d keys with its d values added: the head's d[c_hat | k_pe].
+    Tensor<T> dlat_heads({st.Hr, st.B, st.S, st.W}, "dlat of each head");
+    {
+      Tensor<T> q1({st.B, st.S, 1, st.W}, "q_abs of a head");
+      Tensor<T> o1({st.B, st.S, 1, st.C}, "o_lat of a head");
+      Tensor<T> do1({st.B, st.S, 1, st.C}, "do_lat of a head");
+      Tensor<T> dq1({st.B, st.S, 1, st.W}, "dq_abs of a head");
+      Tensor<T> dk1({st.B, st.S, st.W}, "dlat keys of a head");
+      Tensor<T> dv1({st.B, st.S, st.C}, "dlat values of a head");
+      for (std::int64_t h = 0; h < st.Hr; ++h) {
+        ops::copy(mat(q1), Pieces<T>::head_columns(st, q_abs, st.W, h));
+        ops::copy(mat(o1), Pieces<T>::head_columns(st, o_lat, st.C, h));
+        ops::copy(mat(do1), Pieces<T>::head_columns(st, do_lat, st.C, h));
+        Tensor<T> stats1({st.B, 1, st.S}, "attn_stats of a head");
+        ops::copy(mat(stats1, st.B, st.S), Pieces<T>::head_stats(st, stats, h));
+        Pieces<T>::attention_backward(st, s, dq1, dk1, dv1, do1, q1, lat, v_lat, o1, stats1);
+        ops::copy(Pieces<T>::head_columns(st, dq_abs, st.W, h), mat(std::as_const(dq1)));
+        const ops::Mat<T> dlat_h = Pieces<T>::head_part(st, dlat_heads, h);
+        ops::copy(dlat_h, mat(std::as_const(dk1)));
+        ops::add(dlat_h.col_range(0, st.C), mat(std::as_const(dv1)));
+      }
+    }
+    do_lat.reset(), stats.reset();
+    o_lat.reset(), q_abs.reset(), v_lat.reset(), lat.reset();
+    return Pieces<T>::latent_head_sum_invariant(st, dlat_heads);
+  }
+
   void backward(const Step& st, const MlaParams<T>& w, const Tensor<T>& x, const Tensor<T>& dout,
                 Tensor<T>& dx, MlaParams<T>& grads) override {
     Tensor<T> do_h = P::project_out_backward(st, w, in, dout, o_loc, grads);
@@ -69,21 +133,15 @@ struct AbsorbedTape final : Tape<T> {
     }
     do_h.reset();
     // Attention reads dO only as its bf16 operand and for D (as
-    // HeadAttention::backward): held at 2 bytes, no copy in its scratch.
-    ops::keep_narrowed(do_lat);
+    // HeadAttention::backward): held at 2 bytes, no copy in its scratch
+    // (the invariant mode's one-head calls copy it instead).
+    if (!ops::op_invariant) ops::keep_narrowed(do_lat);
 
-    const AttnShape s = latent_attention(st);
     Tensor<T> dq_abs({st.B, st.S, st.Hr, st.W}, "dq_abs");
-    // d keys, then d values added. Zeros: a rank with no heads runs no kernel
-    // and adds nothing to d latent.
-    Tensor<T> dlat = Tensor<T>::zeros({st.B, st.S, st.W}, "dlat");
-    {
-      Tensor<T> dv_lat = Tensor<T>::zeros({st.B, st.S, st.C}, "dv_lat");
-      P::attention_backward(st, s, dq_abs, dlat, dv_lat, do_lat, q_abs, lat, v_lat, o_lat, stats);
-      ops::add(mat(dlat).col_range(0, st.C), mat(std::as_const(dv_lat)));
-    }
-    do_lat.reset();
-    o_lat.reset(), q_abs.reset(), v_lat.reset(), lat.reset();
+    // The invariant mode: this rank's tokens' d latent, already summed over
+    // every rank's heads (reduce_latent passes it on).
+    Tensor<T> dlat = ops::op_invariant ? per_head_backward(st, dq_abs, do_lat)
+                                       : latent_backward(st, dq_abs, do_lat);
 
     // Through q_abs = [q_nope W_UK | q_pe].
     ops::widen_kept(q_h);
@@ -163,12 +221,15 @@ FormEntry absorbed_entry() {
           .name = "absorbed",
           .flow = "all-to-all Q, all-gather [c | k_pe], fold W_UK into q, attend in "
                   "latent space, unfold W_UV after, all-to-all out (the inference trick)",
-          .traits = {},
+          .traits = {.invariant = true},
           .attention = head_shards,
           .geometry = nullptr,
           .note = nullptr,
+          // In the invariant mode the latent's gradient is each head's
+          // d[c_hat | k_pe] summed over the heads (one column a head: the head
+          // index) by the canonical tree (pieces.cpp latent_head_sum_invariant).
           .collectives =
-              [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph); }); },
+              [](CommTerms& t) { t.head_parallel([&](Phase ph) { t.latent_gather(ph, 1); }); },
           // q_h, the gathered latent, its values c_hat, q_abs = [q_nope W_UK | q_pe]
           // and o_lat, both H_r x latent wide, and the attention statistics.
           .saved_elements =

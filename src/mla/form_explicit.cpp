@@ -68,13 +68,16 @@ FormEntry explicit_entry() {
                    .attention = head_shards,
                    .geometry = nullptr,
                    .note = nullptr,
-                   // q_a2a, then per-head K and V of local tokens to their heads.
+                   // q_a2a, then per-head K and V of local tokens to their heads;
+                   // in the invariant mode wkv_b's gradient, summed over the tokens
+                   // it up-projected here, is a canonical token sum.
                    .collectives =
                        [](CommTerms& t) {
                          t.head_parallel([&](Phase ph) {
                            t.to_heads(ph, "k_a2a", t.cfg.qk_head_dim());
                            t.to_heads(ph, "v_a2a", t.cfg.v_head_dim);
                          });
+                         t.token_sum("wkv_b_grad", t.weights.wkv_b);
                        },
                    // The head attention's tensors and c_hat (B, L, C) of local tokens.
                    .saved_elements =

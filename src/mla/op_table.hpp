@@ -160,8 +160,9 @@ struct OpShape {
   std::int64_t rows = 0, cols = 0, b0 = 0, q_row = 0;
   // rope
   std::int64_t batch = 0, tokens = 0, heads = 0, ld_token = 0, ld_head = 0, pos0 = 0;
-  // gemm: the invariant mode's call (op_invariant below): every element
-  // summed in the one order of kernels/gemm_invariant.hpp, whatever M.
+  // gemm and the fused latent attention: the invariant mode's call
+  // (op_invariant below): every element summed in the one order of
+  // kernels/gemm_invariant.hpp, whatever M (the fused kernel's products too).
   bool invariant = false;
 };
 

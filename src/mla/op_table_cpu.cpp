@@ -181,11 +181,22 @@ LatentAttnParams<T> latent_params(const OpCall& c) {
   const OpShape& s = c.shape;
   LatentAttnParams<T> p;
   p.shape = s.attn, p.C = s.C, p.dn = s.dn;
+  p.invariant = s.invariant;  // the flash_latent_invariant rows' calls
   p.q = static_cast<const T*>(c.in[0]);
   p.c = static_cast<const T*>(c.in[1]), p.ld_c = s.ld_c;
   p.k_pe = static_cast<const T*>(c.in[2]), p.ld_k_pe = s.ld_k_pe;
   p.w_kv = static_cast<const T*>(c.in[3]);
   return p;
+}
+// The library rows take the mode's calls off, the invariant rows on
+// (op_invariant; docs/invariance.md).
+Why fused_latent_takes(const OpShape& s, bool invariant_row) {
+  if (s.invariant && !invariant_row)
+    return std::string(
+        "the invariant mode (the library GEMMs inside follow the thread count; "
+        "flash_latent_invariant takes the call)");
+  if (!s.invariant && invariant_row) return std::string("only the invariant mode's calls");
+  return std::nullopt;
 }
 template <class T>
 void run_fused_forward(const OpCall& c) {
@@ -506,20 +517,45 @@ const KernelRow kRows[] = {
     // The fused latent attention: one kernel per element type; a bf16 run
     // runs the fp32 kernel on bf16 values (its in-kernel K/V and P fp32:
     // form_laga_fused.cpp).
-    {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_fp64", LAGA_ROW_DTYPE(double),
+    // In the invariant mode (OpShape::invariant) the flash_latent_invariant
+    // rows take the call: the same kernel with every product on
+    // gemm_invariant (LatentAttnParams::invariant; docs/invariance.md).
+    {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_fp64",
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = fused_latent_takes(s, false)) return w;
+       return dtype_not_in(d, {RunDtype::fp64});
+     },
      &run_fused_forward<double>},
-    {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_fp64", LAGA_ROW_DTYPE(double),
+    {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_fp64",
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = fused_latent_takes(s, false)) return w;
+       return dtype_not_in(d, {RunDtype::fp64});
+     },
      &run_fused_backward<double>},
     {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_fp32",
-     [](RunDtype d, const OpShape&) {
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = fused_latent_takes(s, false)) return w;
        return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
      },
      &run_fused_forward<float>, 0, Bf16Operands::fp32_values},
     {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_fp32",
-     [](RunDtype d, const OpShape&) {
+     [](RunDtype d, const OpShape& s) -> Why {
+       if (Why w = fused_latent_takes(s, false)) return w;
        return dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16});
      },
      &run_fused_backward<float>, 0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::fused_latent_attention_forward, "flash_latent_invariant",
+     [](RunDtype, const OpShape& s) { return fused_latent_takes(s, true); },
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_fused_forward<double>(c) : run_fused_forward<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
+    {Device::cpu, Op::fused_latent_attention_backward, "flash_latent_invariant",
+     [](RunDtype, const OpShape& s) { return fused_latent_takes(s, true); },
+     [](const OpCall& c) {
+       c.dtype == RunDtype::fp64 ? run_fused_backward<double>(c) : run_fused_backward<float>(c);
+     },
+     0, Bf16Operands::fp32_values},
 
     {Device::cpu, Op::sparse_attention_forward, "sparse_gather", &sparse_takes,
      [](const OpCall& c) {

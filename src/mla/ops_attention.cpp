@@ -288,7 +288,7 @@ OpCall fused_call(const KernelRow& row, const FusedLatentOperands<T>& a, const T
   OpCall c;
   c.op = row.op, c.dtype = op_dtype<T>();
   c.shape.attn = a.shape, c.shape.attention = AttentionKind::flash;
-  c.shape.C = a.C, c.shape.dn = a.dn;
+  c.shape.C = a.C, c.shape.dn = a.dn, c.shape.invariant = op_invariant;
   c.shape.ld_c = W, c.shape.ld_k_pe = W, c.shape.ld_dc = W, c.shape.ld_dk_pe = W;
   c.in[0] = a.q, c.in[1] = a.lat, c.in[2] = a.lat + a.C, c.in[3] = w_kv;
   return c;
@@ -298,6 +298,7 @@ template <class T>
 const KernelRow& fused_row(const FusedLatentOperands<T>& a, Op op) {
   OpShape shape;
   shape.attn = a.shape, shape.attention = AttentionKind::flash, shape.C = a.C, shape.dn = a.dn;
+  shape.invariant = op_invariant;  // the flash_latent_invariant rows' (op_table_cpu.cpp)
   return pick(op_device, op, op_dtype<T>(), shape);
 }
 

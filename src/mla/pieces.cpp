@@ -18,28 +18,15 @@ namespace laga::detail {
 using ops::mat;
 
 namespace {
-// The invariant mode's shards (docs/invariance.md): the sequence's, and the
-// heads' columns of the latent's gradient (dn + dv + dr a head).
+// The invariant mode's shards (docs/invariance.md), as the closed forms read
+// them (ops::sequence_shards, ops::head_column_shards): the sequence's, and
+// the heads' columns of a sum over the heads (per_head columns a head: laga's
+// latent gradient dn + dv + dr, absorbed's and laga_fused's parts C + dr).
 ops::TokenShards token_shards(const Step& st) {
-  const SpLayout& lay = st.ctx.layout;
-  ops::TokenShards t;
-  t.B = st.B, t.S = st.S;
-  for (int r = 0; r < lay.ranks; ++r) {
-    t.begin.push_back(lay.shard_begin(r));
-    t.end.push_back(lay.shard_begin(r) + lay.seq_count[std::size_t(r)]);
-  }
-  return t;
+  return ops::sequence_shards(st.ctx.layout);
 }
-ops::TokenShards head_column_shards(const Step& st) {
-  const SpLayout& lay = st.ctx.layout;
-  const std::int64_t per_head = st.KV + st.dr;
-  ops::TokenShards t;
-  t.B = 1, t.S = st.H * per_head;
-  for (int r = 0; r < lay.ranks; ++r) {
-    t.begin.push_back(lay.head_offset[std::size_t(r)] * per_head);
-    t.end.push_back((lay.head_offset[std::size_t(r)] + lay.head_count[std::size_t(r)]) * per_head);
-  }
-  return t;
+ops::TokenShards head_column_shards(const Step& st, std::int64_t per_head) {
+  return ops::head_column_shards(st.ctx.layout, per_head);
 }
 // A weight's gradient summed over the tokens canonically, added on rank 0
 // only: the gradient all-reduce adds the other ranks' zeros to it.
@@ -257,9 +244,18 @@ Tensor<T> Pieces<T>::up_project_kv_backward_invariant(const Step& st, const MlaP
   dkv_h.reset();
   Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
   ops::canonical_latent_reduce_scatter(st.ctx.comm, mat(dlat_loc), dk_m, dv_m, wkv_b_r, st.Hr,
-                                       st.dn, st.dr, head_column_shards(st), token_shards(st),
-                                       "latent_ag");
+                                       st.dn, st.dr, head_column_shards(st, st.KV + st.dr),
+                                       token_shards(st), "latent_ag");
   dk.reset(), dv.reset();
+  return dlat_loc;
+}
+
+template <class T>
+Tensor<T> Pieces<T>::latent_head_sum_invariant(const Step& st, Tensor<T>& dlat_heads) {
+  Tensor<T> dlat_loc({st.B, st.L, st.W}, "dlat_loc");
+  ops::canonical_parts_reduce_scatter(st.ctx.comm, mat(dlat_loc), dlat_heads,
+                                      head_column_shards(st, 1), token_shards(st), "latent_ag");
+  dlat_heads.reset();
   return dlat_loc;
 }
 

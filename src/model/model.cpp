@@ -19,10 +19,12 @@ namespace laga {
 
 namespace {
 // An MoE layer's expert bias: "layers.N.ffn.gate.bias".
-bool is_expert_bias(const std::string& name) {
-  const std::string tail = ".ffn.gate.bias";
+bool ends_with(const std::string& name, const std::string& tail) {
   return name.size() > tail.size() &&
          name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+bool is_expert_bias(const std::string& name) {
+  return ends_with(name, ".ffn.gate.bias");
 }
 }  // namespace
 
@@ -196,6 +198,7 @@ LmParams<T> LmParams<T>::zeros(const LmConfig& cfg, MemCategory cat) {
     LayerParams<T> L;
     L.attn_norm = Tensor<T>::zeros({D}, cat);
     L.attn = MlaParams<T>::zeros(cfg.mla, cat);
+    L.indexer = LmIndexerParams<T>::zeros(cfg.mla, cat);
     L.ffn_norm = Tensor<T>::zeros({D}, cat);
     if (cfg.is_moe_layer(l)) {
       L.moe = MoeParams<T>::zeros(*cfg.moe, D, cat);
@@ -221,6 +224,7 @@ void visit(LmParams<T>& p, Fn&& fn) {
     fn(pre + "attn_norm.weight", L.attn_norm);
     L.attn.for_each(std::function<void(const std::string&, Tensor<T>&)>(
         [&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); }));
+    L.indexer.for_each([&](const std::string& n, Tensor<T>& t) { fn(pre + "attn." + n, t); });
     fn(pre + "ffn_norm.weight", L.ffn_norm);
     if (L.moe.gate.defined()) {
       L.moe.for_each([&](const std::string& n, Tensor<T>& t) { fn(pre + "ffn." + n, t); });
@@ -255,8 +259,10 @@ std::int64_t LmParams<T>::numel() const {
 template <class T>
 void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
   p.for_each([&](const std::string& name, Tensor<T>& t) {
-    if (is_expert_bias(name)) {
-      t.fill(T(0));  // DeepSeek-V3 starts the balancing from no correction
+    if (ends_with(name, ".bias")) {
+      // DeepSeek-V3 starts the balancing from no correction; the DSA
+      // indexer's LayerNorm bias starts at 0, as torch's LayerNorm does.
+      t.fill(T(0));
     } else if (t.rank() == 1) {
       t.fill(T(1));
     } else {
@@ -268,7 +274,8 @@ void init_lm_params(LmParams<T>& p, std::uint64_t seed) {
 
 bool lm_param_decays(const std::string& name) {
   if (name == "embed.weight") return false;
-  return name.find("norm.weight") == std::string::npos && !is_expert_bias(name);
+  // Biases (an expert's, the DSA indexer's LayerNorm's) are not decayed either.
+  return name.find("norm.weight") == std::string::npos && !ends_with(name, ".bias");
 }
 
 bool lm_param_trains(const std::string& name) {
@@ -276,10 +283,10 @@ bool lm_param_trains(const std::string& name) {
 }
 
 double LmContext::loss_tokens() const {
-  LAGA_CHECK(counted_targets >= 0 && counted_targets <= layout.batch * layout.seq,
-             "LmContext: counted_targets ", counted_targets,
-             " is outside [0, B*S = ", layout.batch * layout.seq, "]");
-  return double(counted_targets > 0 ? counted_targets : layout.batch * layout.seq);
+  const std::int64_t all = layout.batch * layout.seq * replicas();
+  LAGA_CHECK(counted_targets >= 0 && counted_targets <= all, "LmContext: counted_targets ",
+             counted_targets, " is outside [0, B*S = ", all, "]");
+  return double(counted_targets > 0 ? counted_targets : all);
 }
 
 // ------------------------------------------------------- forward/backward
@@ -319,19 +326,27 @@ LmStage whole_model(const LmConfig& cfg) {
 }
 
 // The MoE layers' expert placement for this context: null runs every expert
-// on every rank; folded spreads them over the ranks, which need every rank's
-// token count.
+// on every rank; folded spreads them over the ranks (every replica's under
+// data parallelism: world rank w is SP rank w % P of its replica), which need
+// every rank's token count.
 std::optional<ExpertParallel> expert_parallel(const LmContext& c) {
   if (!c.cfg.moe || c.experts == ExpertPlacement::every_rank) return std::nullopt;
   std::vector<std::int64_t> tokens;
-  for (std::int64_t L : c.layout.seq_count) tokens.push_back(c.layout.batch * L);
-  return ExpertParallel::folded(c.comm, c.cfg.moe->n_routed_experts, std::move(tokens),
+  const int P = c.comm.size();
+  for (int w = 0; w < c.everyone().size(); ++w)
+    tokens.push_back(c.layout.batch * c.layout.seq_count[size_t(w % P)]);
+  return ExpertParallel::folded(c.everyone(), c.cfg.moe->n_routed_experts, std::move(tokens),
                                 c.expert_degree);
 }
 
 template <class T>
 BlockContext block_ctx(const LmContext& c) {
   return BlockContext{c.cfg.mla, c.layout, c.comm, c.rope, c.variant, c.attention, c.documents};
+}
+
+// A DSA layer's attention context (model/dsa_layer.hpp).
+DsaLayerContext dsa_ctx(const LmContext& c) {
+  return DsaLayerContext{c.cfg.mla, c.layout, c.comm, c.dsa_stage};
 }
 
 // Returns this rank's SUM of token losses and fills s with what backward needs.
@@ -373,7 +388,12 @@ double forward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     ls.rstd1 = Tensor<T>({N});
     ops::rmsnorm(ops::mat(ls.n1, N, D), ls.rstd1, ops::mat(x, N, D), p.attn_norm, eps);
     Tensor<T> att;
-    mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    if (cfg.mla.dsa()) {
+      const double kl = dsa_layer_forward(dsa_ctx(c), p.attn, p.indexer, ls.n1, att);
+      if (c.index_kl) *c.index_kl += kl;
+    } else {
+      mla_forward(bctx, p.attn, ls.n1, att, ls.mla);
+    }
     // Kept at 2 bytes under bf16 (mla/ops.hpp, keep_narrowed): RMSNorm's
     // rounded y, a bf16 value (so are n2, a and b: RMSNorm's and the GEMMs'
     // fresh outputs); g is read back only as w2's GEMM operand.
@@ -491,7 +511,14 @@ void backward(const LmContext& c, const LmParams<T>& w, const LmStage& st,
     // h = x + attn(n1)
     Tensor<T> dn1;
     ops::widen_kept(ls.n1);
-    mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
+    if (cfg.mla.dsa()) {
+      // The KL's gradient is that of its mean over the batch's query rows.
+      const double kl_scale = 1.0 / double(c.layout.batch * c.layout.seq);
+      dsa_layer_backward(dsa_ctx(c), p.attn, p.indexer, ls.n1, dx, kl_scale, dn1, gp.attn,
+                         gp.indexer);
+    } else {
+      mla_backward(bctx, p.attn, ls.n1, dx, ls.mla, dn1, gp.attn);
+    }
     ops::rmsnorm_backward(ops::mat(tmp, N, D), gp.attn_norm, ops::mat(dn1, N, D),
                           ops::mat(ls.x, N, D), p.attn_norm, ls.rstd1);
     ops::add(ops::mat(dx, N, D), ops::mat(tmp, N, D));  // now d x
@@ -512,8 +539,8 @@ double lm_loss(const LmContext& c, const LmParams<T>& w, const std::int32_t* tok
   LmSaved<T> s;
   double sum =
       forward(c, w, whole_model(c.cfg), tokens, targets, static_cast<Tensor<T>*>(nullptr), s);
-  c.comm.set_phase(Phase::forward);
-  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  c.everyone().set_phase(Phase::forward);
+  c.everyone().all_reduce(&sum, 1, "loss_allreduce");
   return sum / c.loss_tokens();
 }
 
@@ -531,22 +558,23 @@ double lm_forward_backward(const LmContext& c, const LmParams<T>& w, const std::
   // One all-reduce of every gradient flattened, then one of the loss. One
   // rank's gradients are the sum already: the all-reduce would only copy
   // every gradient twice through a buffer the size of the model.
-  c.comm.set_phase(Phase::grad_sync);
-  if (c.comm.size() > 1) {
+  Communicator& all_ranks = c.everyone();
+  all_ranks.set_phase(Phase::grad_sync);
+  if (all_ranks.size() > 1) {
     Tensor<T> all({grads.numel()}, MemCategory::comm_buffers);  // every gradient, in order
     std::int64_t off = 0;
     grads.for_each([&](const std::string&, Tensor<T>& t) {
       ops::copy(ops::flat(all).col_range(off, t.numel()), ops::flat(t));
       off += t.numel();
     });
-    wire::all_reduce_gradients(c.comm, all.data(), all.numel());
+    wire::all_reduce_gradients(all_ranks, all.data(), all.numel());
     off = 0;
     grads.for_each([&](const std::string&, Tensor<T>& t) {
       ops::copy(ops::flat(t), ops::flat(all).col_range(off, t.numel()));
       off += t.numel();
     });
   }
-  c.comm.all_reduce(&sum, 1, "loss_allreduce");
+  all_ranks.all_reduce(&sum, 1, "loss_allreduce");
   return sum / total;
 }
 

@@ -17,6 +17,7 @@
 // rank and summed over the SP group by ONE all-reduce of all of them
 // flattened (label "grad_allreduce", phase grad_sync; none at P 1). The loss needs the
 // global token count: each rank's local sum is all-reduced ("loss_allreduce").
+// Under data parallelism (LmContext::world) both span every replica's ranks.
 //
 // Names follow DeepSeek-V3's inference checkpoint: embed.weight,
 // layers.N.attn_norm.weight, layers.N.attn.<MLA names>, layers.N.ffn_norm.weight,
@@ -41,6 +42,7 @@
 #include "mla/config.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
+#include "model/dsa_layer.hpp"
 #include "model/moe.hpp"
 
 namespace laga {
@@ -106,6 +108,9 @@ struct LayerParams {
   Tensor<T> w1, w2, w3;  // dense layers (undefined in MoE layers)
   MoeParams<T> moe;      // MoE layers (empty in dense layers)
   MlaParams<T> attn;
+  // DSA models only (model/dsa_layer.hpp): the lightning indexer, named
+  // layers.N.attn.indexer.* after attn's own tensors; undefined otherwise.
+  LmIndexerParams<T> indexer;
 };
 
 template <class T>
@@ -164,6 +169,11 @@ struct LmContext {
   // rank's tokens only; resized to cfg.layers): the expert-bias update reads
   // the counts, the tests the selection.
   ExpertRouting* routing = nullptr;
+  // DSA models (model/dsa_layer.hpp): the stage every layer runs, and, when
+  // set, where a forward adds its layers' indexer KL (this rank's query
+  // rows, summed over them and over the layers).
+  DsaStage dsa_stage = DsaStage::sparse;
+  double* index_kl = nullptr;
   // Where the MoE layers' routed experts run (moe.hpp): folded spreads them
   // over the group's ranks (expert parallelism; every rank still holds every
   // expert's weights, docs/moe.md "Expert parallelism").
@@ -171,7 +181,17 @@ struct LmContext {
   // folded: the EP degree G, groups of G consecutive ranks each holding all
   // experts (ExpertParallel); 0: every rank of the group in one (G = P).
   int expert_degree = 0;
-  // The loss mean's denominator.
+  // Data parallelism (`laga train --dp`): when set, comm is one replica's
+  // SP group and world every rank of the run, replica d the world ranks
+  // [d P, (d + 1) P); layout is the replica's (its own rows of the batch).
+  // The attention's collectives run on comm; the loss, the gradient
+  // all-reduce, the expert load and the MoE's expert parallelism (EP groups
+  // of consecutive world ranks: EP over the replicas) on world. null: comm
+  // is the whole run.
+  Communicator* world = nullptr;
+  Communicator& everyone() const { return world ? *world : comm; }
+  int replicas() const { return world ? world->size() / comm.size() : 1; }
+  // The loss mean's denominator: counted_targets, or every replica's B*S.
   double loss_tokens() const;
 };
 

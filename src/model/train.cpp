@@ -35,17 +35,18 @@ TokenSource make_source(const TrainOptions& o) {
 // uninterrupted run only by floating-point rounding; and where the data file
 // lives (its content is "data").
 const std::set<std::string>& free_options() {
-  static const std::set<std::string> s{"form",     "attention", "sp",           "data-path",
-                                       "q-latent", "overlap",   "dtype",        "expert-parallel",
-                                       "ep",       "pp",        "micro-batches"};
+  static const std::set<std::string> s{
+      "form",  "attention",       "sp", "data-path", "q-latent",      "overlap",
+      "dtype", "expert-parallel", "ep", "pp",        "micro-batches", "dp"};
   return s;
 }
 
 // The options a checkpoint may record and --allow-change may name.
 const std::set<std::string>& enforced_options() {
   static const std::set<std::string> s{
-      "seq",   "batch", "data",  "data-dtype", "lr",           "schedule", "warmup", "min-lr",
-      "steps", "beta1", "beta2", "eps",        "weight-decay", "clip",     "seed",   "pack-eos"};
+      "seq",          "batch",  "data",  "data-dtype", "lr",          "schedule",
+      "warmup",       "min-lr", "steps", "beta1",      "beta2",       "eps",
+      "weight-decay", "clip",   "seed",  "pack-eos",   "index-warmup"};
   return s;
 }
 
@@ -177,6 +178,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   // Recorded only when used, so that checkpoints written before the option
   // existed still compare equal on resume.
   if (o.pack_eos) r["pack-eos"] = std::to_string(*o.pack_eos);
+  if (o.model.mla.dsa()) r["index-warmup"] = std::to_string(o.index_warmup);
   r["form"] = to_string(o.variant.form);
   if (o.variant.queries == QueryExchange::latent) r["q-latent"] = "on";
   if (o.variant.overlap == Overlap::on) r["overlap"] = "on";
@@ -187,6 +189,7 @@ CheckpointOptions recorded_options(const TrainOptions& o) {
   if (o.grad_reduce == GradReduce::bf16) r["grad_reduce"] = to_string(o.grad_reduce);
   r["sp"] = std::to_string(o.sp);
   if (o.pp > 1) r["pp"] = std::to_string(o.pp);
+  if (o.dp > 1) r["dp"] = std::to_string(o.dp);
   if (o.micro_batches > 1) r["micro-batches"] = std::to_string(o.micro_batches);
   return r;
 }
@@ -225,10 +228,75 @@ void check_pipeline_options(const TrainOptions& o) {
   LAGA_CHECK(next == o.model.layers, "train: the pipeline stages hold ", next,
              " layers and the model has ", o.model.layers, "; give stages covering every layer");
 }
+
+// --dp: what the data-parallel run (TrainOptions::dp) is built for today.
+void check_data_parallel_options(const TrainOptions& o) {
+  LAGA_CHECK(o.dp >= 1, "--dp must be >= 1 (got ", o.dp, ")");
+  if (o.dp == 1) return;
+  LAGA_CHECK(o.batch % o.dp == 0, "--batch ", o.batch, " does not split over --dp ", o.dp,
+             " replicas (each takes batch / dp whole rows); give a --batch that is a multiple "
+             "of ",
+             o.dp);
+  LAGA_CHECK(o.sp == 1, "--dp with --sp > 1 is not built yet (--sp ", o.sp,
+             "): each replica's attention runs on one rank; give --sp 1, or drop --dp");
+  LAGA_CHECK(o.pp == 1, "--dp with --pp is not built yet (--pp ", o.pp, "); give one of them");
+  LAGA_CHECK(!o.pack_eos,
+             "--dp with --pack-eos is not built yet (each replica would need its "
+             "rows' documents); drop one of them");
+  LAGA_CHECK(o.expert_degree == 0 || o.ranks() % o.expert_degree == 0, "--ep ", o.expert_degree,
+             " must divide the ", o.ranks(), " ranks of --sp ", o.sp, " x --dp ", o.dp,
+             " (each EP group is EP consecutive ranks, over the replicas); give a divisor of ",
+             o.ranks());
+}
+
+// DSA models (model/dsa_layer.hpp): what their layers run today. Each
+// refusal names the option and what to do.
+void check_dsa_options(const TrainOptions& o) {
+  const MlaConfig& m = o.model.mla;
+  LAGA_CHECK(o.index_warmup >= 0, "--index-warmup must be >= 0 (got ", o.index_warmup, ")");
+  if (!m.dsa()) {
+    LAGA_CHECK(o.index_warmup == 0, "--index-warmup ", o.index_warmup,
+               " sets the DSA indexer's dense warm-up, and the model has no indexer; give "
+               "--index-topk/--index-heads/--index-head-dim (or a DSA --config), or drop it");
+    return;
+  }
+  const auto refuse = [&](bool ok, const std::string& what) {
+    LAGA_CHECK(ok, "a DeepSeek Sparse Attention model (index_topk ", m.index_topk, "): ", what);
+  };
+  refuse(o.index_warmup <= o.steps,
+         cat("--index-warmup ", o.index_warmup, " is beyond --steps ", o.steps,
+             ": the sparse stage would never run; give N <= ", o.steps));
+  refuse(m.index_topk <= o.seq,
+         cat("index_topk ", m.index_topk, " is above --seq ", o.seq,
+             ": a query has at most --seq keys; give index_topk <= ", o.seq));
+  refuse(o.dp == 1,
+         cat("--dp ", o.dp,
+             " is not supported yet (the indexer's KL and its gradient's scale are summed over "
+             "one replica's ranks, not the replicas'); drop --dp"));
+  refuse(o.pp == 1,
+         cat("--pp ", o.pp, " is not supported (the pipeline runs dense MLA stages); drop --pp"));
+  refuse(o.precision == Precision::fp32,
+         "--dtype bf16 is not supported (the DSA block computes in fp32 or fp64); drop --dtype");
+  refuse(o.seq_layout == SeqLayout::contiguous,
+         cat("--seq-layout ", to_string(o.seq_layout),
+             " is not supported (the latent gather of --sp > 1 is contiguous only, "
+             "mla/dsa_cp.hpp); drop --seq-layout"));
+  refuse(!o.pack_eos,
+         "--pack-eos is not supported yet (the single-rank DSA block attends one document per "
+         "row); drop --pack-eos");
+  refuse(!m.mla_use_output_gate && !m.mla_use_nope,
+         "Kimi's output gate and NoPE (mla_use_output_gate, mla_use_nope) are not in the DSA "
+         "block; give a config without them");
+}
 }  // namespace
+
+DsaStage dsa_stage_at(const TrainOptions& o, std::int64_t step) {
+  return step <= o.index_warmup ? DsaStage::dense_warmup : DsaStage::sparse;
+}
 
 void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   o.model.validate();
+  check_dsa_options(o);
   check_precision_supports(o.precision, o.attention);
   check_grad_reduce(o.precision, o.grad_reduce);
   LAGA_CHECK(o.sp >= 1, "--sp must be >= 1 (got ", o.sp, ")");
@@ -263,8 +331,9 @@ void validate_train_options(const TrainOptions& o, bool checkpoint_writer) {
   LAGA_CHECK(o.expert_degree >= 0, "--ep must be >= 1 (got ", o.expert_degree, ")");
   LAGA_CHECK(o.expert_degree == 0 || o.experts == ExpertPlacement::folded, "--ep ", o.expert_degree,
              " sets the expert-parallel degree; add --expert-parallel");
-  LAGA_CHECK(o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ", o.expert_degree,
-             " must divide --sp ", o.sp,
+  check_data_parallel_options(o);
+  LAGA_CHECK(o.dp > 1 || o.expert_degree == 0 || o.sp % o.expert_degree == 0, "--ep ",
+             o.expert_degree, " must divide --sp ", o.sp,
              " (each EP group is EP consecutive ranks); give --ep a divisor of ", o.sp);
   check_pipeline_options(o);
   const TokenSource source = make_source(o);  // data errors before any rank starts
@@ -313,8 +382,11 @@ std::vector<std::string> prepare_run(const TrainOptions& o) {
 }
 
 SpLayout train_layout(const TrainOptions& o, int ranks) {
-  // Pipeline stages each see the whole sequence (sp 1 within a stage).
-  return SpLayout::even(o.batch, o.seq, o.model.mla.n_heads, o.pp > 1 ? 1 : ranks, o.seq_layout);
+  // Pipeline stages each see the whole sequence (sp 1 within a stage); a
+  // data-parallel replica its own rows over its ranks / dp.
+  const int dp = std::max(1, o.dp);
+  return SpLayout::even(o.batch / dp, o.seq, o.model.mla.n_heads, o.pp > 1 ? 1 : ranks / dp,
+                        o.seq_layout);
 }
 
 namespace {
@@ -322,12 +394,22 @@ namespace {
 // The model's context for the options' form, attention, query exchange, head
 // groups and overlap: one construction for train_rank and its count-only run
 // (predict_train_memory), so the two run the same model.
-LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& comm,
-                     const RopeTable& rope) {
-  LmContext ctx{o.model, layout, comm, rope, o.variant, o.attention};
+// Under --dp, group is the replica's SP group and world every rank.
+LmContext lm_context(const TrainOptions& o, const SpLayout& layout, Communicator& group,
+                     const RopeTable& rope, Communicator* world = nullptr) {
+  LmContext ctx{o.model, layout, group, rope, o.variant, o.attention};
   ctx.experts = o.experts;
   ctx.expert_degree = o.expert_degree;
+  ctx.world = world;
   return ctx;
+}
+
+// A data-parallel run's replica group for this rank (sp 1: one rank alone,
+// TrainOptions::dp); null without --dp.
+std::unique_ptr<Communicator> replica_group(const TrainOptions& o) {
+  if (o.dp <= 1) return nullptr;
+  LAGA_CHECK(o.sp == 1, "--dp with --sp > 1 is not built yet");
+  return make_self_communicator();
 }
 
 // What a rank keeps for the whole run, allocated in this order by train_rank
@@ -394,6 +476,7 @@ void gather_stage_state(Communicator& comm, const TrainOptions& o, TrainState<T>
 
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
+  std::optional<double> index_kl;         // StepRecord::index_kl
   std::vector<std::int64_t> expert_load;  // StepRecord::expert_load
 };
 
@@ -415,6 +498,9 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   ExpertRouting routing;
   LmContext step_ctx = ctx;
   if (balance) step_ctx.routing = &routing;
+  const bool dsa = ctx.cfg.mla.dsa();
+  double index_kl = 0;  // this rank's, summed over its query rows and the layers
+  if (dsa) step_ctx.index_kl = &index_kl;
   const bool piped = o.pp > 1;
   if (piped) {
     // The stage's gradients are added (model/pipeline.hpp): start from 0.
@@ -425,6 +511,13 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   } else {
     out.loss = lm_forward_backward(step_ctx, st.params, tokens, targets, grads);
   }
+  if (dsa) {
+    if (ctx.comm.size() > 1) {
+      ctx.comm.set_phase(Phase::forward);
+      ctx.comm.all_reduce(&index_kl, 1, "index_kl_allreduce");
+    }
+    out.index_kl = index_kl / double(ctx.layout.batch * ctx.layout.seq) / double(ctx.cfg.layers);
+  }
   if (o.after_backward) o.after_backward(step, st.params, grads);
   const auto nonfinite = [&](const std::string& what) {
     const std::string untouched =
@@ -433,23 +526,32 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
     LAGA_CHECK(o.allow_nonfinite, "train: ", what, untouched,
                ". Lower --lr, set --clip, or check --data; or pass --allow-nonfinite to train "
                "on anyway");
-    if (ctx.comm.rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
+    if (ctx.everyone().rank() == 0 && o.warn) o.warn(what + " (--allow-nonfinite: applied anyway)");
   };
   if (!std::isfinite(out.loss)) nonfinite(cat("the loss at step ", step, " is ", out.loss));
+  if (out.index_kl && !std::isfinite(*out.index_kl))
+    nonfinite(cat("the DSA indexer's KL at step ", step, " is ", *out.index_kl));
   std::vector<Tensor<T>*> P, G, M, V;
   std::vector<bool> decays, trains;
+  // The DSA indexers' gradients are their KL's, another loss: left out of
+  // the LM's norm and clipping (model/dsa_layer.hpp), checked on their own.
+  std::vector<bool> indexer;
   const int stage = piped ? ctx.comm.rank() : 0;
   st.params.for_each([&](const std::string& n, Tensor<T>& t) {
     P.push_back(&t);
     decays.push_back(lm_param_decays(n));
     // Under --pp a rank updates its own stage's parameters only.
     trains.push_back(lm_param_trains(n) && (!piped || stage_holds(o.stages[size_t(stage)], n)));
+    indexer.push_back(lm_param_is_indexer(n));
   });
   grads.for_each([&](const std::string&, Tensor<T>& t) { G.push_back(&t); });
   st.m.for_each([&](const std::string&, Tensor<T>& t) { M.push_back(&t); });
   st.v.for_each([&](const std::string&, Tensor<T>& t) { V.push_back(&t); });
-  double sq = 0.0;
-  for (Tensor<T>* g : G) sq += ops::sum_squares(*g);
+  double sq = 0.0, sq_indexer = 0.0;
+  for (size_t k = 0; k < G.size(); ++k) (indexer[k] ? sq_indexer : sq) += ops::sum_squares(*G[k]);
+  if (!std::isfinite(sq_indexer))
+    nonfinite(cat("the DSA indexer's gradient at step ", step,
+                  " is not finite: ", first_nonfinite_gradient(grads)));
   if (piped) {  // each stage's gradients, the others 0: the global norm's square is their sum
     ctx.comm.set_phase(Phase::grad_sync);
     ctx.comm.all_reduce(&sq, 1, "grad_norm_allreduce");
@@ -477,7 +579,8 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   }
   const double factor = clip_factor(out.grad_norm, o.clip);
   if (factor < 1.0)
-    for (Tensor<T>* g : G) ops::scale(*g, static_cast<T>(factor));
+    for (size_t k = 0; k < G.size(); ++k)
+      if (!indexer[k]) ops::scale(*G[k], static_cast<T>(factor));
   AdamWHyper h = o.adam;
   h.lr = lr;
   for (size_t k = 0; k < P.size(); ++k) {
@@ -490,7 +593,7 @@ StepOutcome take_step(const LmContext& ctx, const TrainOptions& o, std::int64_t 
   // per optimizer step.
   if (balance) {
     const std::vector<std::vector<std::int64_t>> load =
-        group_expert_load(ctx.comm, ctx.cfg, routing);
+        group_expert_load(ctx.everyone(), ctx.cfg, routing);
     for (const std::vector<std::int64_t>& layer : load)
       out.expert_load.insert(out.expert_load.end(), layer.begin(), layer.end());
     for (size_t l = 0; l < load.size(); ++l) {
@@ -514,11 +617,17 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   const LmConfig& cfg = o.model;
   const SpLayout layout = train_layout(o, comm.size());
   const RopeTable rope(cfg.mla.rope(), o.seq);
-  const LmContext ctx = lm_context(o, layout, comm, rope);
+  const std::unique_ptr<Communicator> replica = replica_group(o);
+  const LmContext ctx =
+      replica ? lm_context(o, layout, *replica, rope, &comm) : lm_context(o, layout, comm, rope);
   const TokenSource source = make_source(o);
   const int r = comm.rank();
-  const int sp_rank = o.pp > 1 ? 0 : r;  // a pipeline stage holds the whole sequence
-  const std::int64_t B = o.batch, S = o.seq;
+  // A pipeline stage holds the whole sequence; a data-parallel replica
+  // (TrainOptions::dp) its rows [first_row, first_row + B_r).
+  const int sp_size = o.pp > 1 ? 1 : layout.ranks;
+  const int sp_rank = r % sp_size;
+  const std::int64_t B = o.batch, S = o.seq, B_r = layout.batch;
+  const std::int64_t first_row = o.dp > 1 ? std::int64_t(r / sp_size) * B_r : 0;
   const std::int64_t L = layout.seq_count[size_t(sp_rank)];
   // (L), SpLayout's order
   const std::vector<std::int64_t> own_positions = layout.positions(sp_rank);
@@ -543,8 +652,8 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   TrainEnd end;
   end.step = st.step;
   LrSchedule sched{o.adam.lr, o.warmup, o.steps, o.cosine, o.min_lr};
-  std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B * L)),
-      targets(size_t(B * L));
+  std::vector<std::int32_t> window(size_t(B * (S + 1))), tokens(size_t(B_r * L)),
+      targets(size_t(B_r * L));
   // The batch of `cursor` from src into this rank's tokens and targets (B, L)
   // and its packing. Every rank draws the whole window, so each knows every
   // row's documents and the global count of targets the loss is the mean over.
@@ -560,17 +669,19 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
                  *o.pack_eos,
                  " (--pack-eos), so no target counts in the loss; check the id and the data");
     }
-    for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t b = 0; b < B_r; ++b)
       for (std::int64_t i = 0; i < L; ++i) {
-        const std::int64_t t = own_positions[size_t(i)];
-        tokens[size_t(b * L + i)] = window[size_t(b * (S + 1) + t)];
+        const std::int64_t t = own_positions[size_t(i)], row = first_row + b;
+        tokens[size_t(b * L + i)] = window[size_t(row * (S + 1) + t)];
         targets[size_t(b * L + i)] =
-            packed ? packed->targets[size_t(b * S + t)] : window[size_t(b * (S + 1) + t + 1)];
+            packed ? packed->targets[size_t(row * S + t)] : window[size_t(row * (S + 1) + t + 1)];
       }
     return packed;
   };
+  DsaStage dsa_stage = dsa_stage_at(o, st.step + 1);  // the step's, for training and validation
   const auto context_for = [&](const std::optional<PackedBatch>& packed) {
     LmContext c = ctx;
+    c.dsa_stage = dsa_stage;
     if (packed) {
       c.documents = &packed->documents;
       c.counted_targets = packed->counted;
@@ -593,6 +704,7 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
   };
   for (std::int64_t step = st.step + 1; step <= o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    dsa_stage = dsa_stage_at(o, step);
     const std::optional<PackedBatch> packed =
         load_batch(source, st.data_cursor, cat("step ", step));
     const LmContext step_ctx = context_for(packed);
@@ -628,7 +740,9 @@ TrainEnd train_rank(Communicator& comm, const TrainOptions& o,
     // lose the step's line for good.
     if (r == 0 && on_step)
       on_step(StepRecord{step, done.loss, done.grad_norm, lr, double(B * S) / secs, secs,
-                         packed ? packed->counted : B * S, val_loss, done.expert_load});
+                         packed ? packed->counted : B * S, val_loss, done.expert_load,
+                         done.index_kl,
+                         cfg.mla.dsa() ? std::optional<DsaStage>(dsa_stage) : std::nullopt});
     if (saves && o.pp > 1) gather_stage_state(comm, o, st);
     if (saves && r == 0) end.checkpoint = save_checkpoint(o.checkpoint_dir, cfg, st, recorded);
     // A signal that arrived during a periodic save (a preemption's grace
@@ -699,7 +813,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     const OmpThreadsScope threads(threads_per_rank(o.ranks()));
     DryRunCommunicator comm(r, o.ranks(), staging);
     const RopeTable rope = RopeTable::unbacked(cfg.mla.rope(), o.seq);
-    const LmContext ctx = lm_context(o, layout, comm, rope);
+    const std::unique_ptr<Communicator> replica = replica_group(o);
+    const LmContext ctx =
+        replica ? lm_context(o, layout, *replica, rope, &comm) : lm_context(o, layout, comm, rope);
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();
@@ -710,8 +826,9 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     m.rope = 2 * o.seq * (cfg.mla.qk_rope_head_dim / 2) * std::int64_t(sizeof(double));
     m.token_ids = token_ids;
     m.token_read = token_read;
-    const std::int64_t L = layout.seq_count[size_t(o.pp > 1 ? 0 : r)];
-    m.batch_ids = std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * o.batch * L);
+    const std::int64_t L = layout.seq_count[size_t(o.pp > 1 ? 0 : r % layout.ranks)];
+    m.batch_ids =
+        std::int64_t(sizeof(std::int32_t)) * (o.batch * (o.seq + 1) + 2 * layout.batch * L);
     if (o.pack_eos) {
       // PackedBatch: targets (B, S) int32, at most S + 1 cut points per row;
       // per layer, the block's Step: doc_start (B, S), positions (B, L_r)

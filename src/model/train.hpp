@@ -60,7 +60,18 @@ struct TrainOptions {
   int pp = 1;
   std::int64_t micro_batches = 1;
   std::vector<LmStage> stages;
-  int ranks() const { return sp * pp; }
+  // --dp D (docs/planning.md, "EP over the data-parallel replicas against a
+  // measured step"): D data-parallel replicas, replica d the ranks [d sp,
+  // (d + 1) sp) and the rows [d B/D, (d + 1) B/D) of every batch (D divides
+  // batch). Each replica's attention runs on its own SP group (sp 1 today:
+  // a one-rank communicator); the loss is the mean over every replica's
+  // targets, the dense gradients are all-reduced over every rank, and with
+  // --expert-parallel the EP groups (--ep N consecutive ranks, default all)
+  // span the replicas (LmContext::world). Every rank holds the same
+  // parameters after a step, so checkpoints are written and resumed as
+  // without it, and dp is free to change on resume.
+  int dp = 1;
+  int ranks() const { return sp * pp * dp; }
   // --seq-layout: how each window's tokens are sharded over the sp ranks
   // (SpLayout, docs/forms.md "The zigzag layout"). Free to change on resume:
   // it moves which rank computes a token, not what is computed.
@@ -87,6 +98,10 @@ struct TrainOptions {
   // the target after an end-of-document token is left out of the loss and of
   // its token count. Unset: one document per row.
   std::optional<std::int64_t> pack_eos;
+  // --index-warmup N, DSA models only (model/dsa_layer.hpp): steps 1..N run
+  // DsaStage::dense_warmup (dense attention, the indexer's KL over every
+  // causal key), the later ones DsaStage::sparse.
+  std::int64_t index_warmup = 0;
   // Checkpoints go to checkpoint_dir every save_every steps, after the last
   // step, and when stopped by a signal. A fresh run refuses a directory that
   // already holds checkpoints; a resumed run may write only into the
@@ -120,6 +135,9 @@ struct TrainOptions {
 // tokens, the model's heads, sharded as o.seq_layout says.
 SpLayout train_layout(const TrainOptions& o, int ranks);
 
+// The DSA stage step `step` runs (o.index_warmup).
+DsaStage dsa_stage_at(const TrainOptions& o, std::int64_t step);
+
 // How train_rank ended.
 struct TrainEnd {
   std::int64_t step = 0;   // the last step completed
@@ -137,6 +155,10 @@ struct StepRecord {
   // empty without bias balancing). Two runs whose loads differ routed some
   // token differently (`laga train --log-expert-load`, docs/convergence.md).
   std::vector<std::int64_t> expert_load;
+  // DSA models: the step's indexer KL, the mean over query rows and layers
+  // (model/dsa_layer.hpp), and the stage it ran.
+  std::optional<double> index_kl;
+  std::optional<DsaStage> dsa_stage;
 };
 
 // Runs the loop on this rank. on_step is called on rank 0 after each step

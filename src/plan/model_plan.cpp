@@ -410,10 +410,27 @@ ModelPlan plan_one(const ModelPlanRequest& q, const StageSpan& span, const PlanC
   const PhaseTime& sync = f.phases[2];
   const double gemm_saved_f = f.phases[0].compute.gemm_s * (1 - fp8_scale),
                gemm_saved_b = f.phases[1].compute.gemm_s * (1 - fp8_scale);
-  const double block_s = f.step_s - (sync.compute_s() + sync.comm_s) - gemm_saved_f - gemm_saved_b;
-  const double block_forward_s = f.phases[0].compute_s() + f.phases[0].comm_s - gemm_saved_f;
-  const double block_forward_compute = f.phases[0].compute_s() - gemm_saved_f;
-  const double block_backward_compute = f.phases[1].compute_s() - gemm_saved_b;
+  double block_s = f.step_s - (sync.compute_s() + sync.comm_s) - gemm_saved_f - gemm_saved_b;
+  double block_forward_s = f.phases[0].compute_s() + f.phases[0].comm_s - gemm_saved_f;
+  double block_forward_compute = f.phases[0].compute_s() - gemm_saved_f;
+  double block_backward_compute = f.phases[1].compute_s() - gemm_saved_b;
+  // Replicas that are threads of one host (a profile with shared_cores)
+  // share its cores with the SP group: the block plan shared them among its
+  // P ranks only (group_step_time, its core_share_s), while all P * dp
+  // compute at once, each at cores / (P * dp) of a core. Its compute is
+  // stretched to that, less the share it already holds (issue 57; checked
+  // against laga train --dp in docs/planning.md, "EP over the data-parallel
+  // replicas against a measured step").
+  if (const int cores = q.block.profile.shared_cores; cores > 0 && dp > 1 && P * dp > cores) {
+    const double compute = block_forward_compute + block_backward_compute;
+    const double extra =
+        std::max(0.0, compute * (double(P * dp) / double(cores) - 1.0) - f.core_share_s);
+    const double extra_forward = compute > 0 ? extra * block_forward_compute / compute : 0.0;
+    block_s += extra;
+    block_forward_s += extra_forward;
+    block_forward_compute += extra_forward;
+    block_backward_compute += extra - extra_forward;
+  }
   const double passes = q.recompute ? 4.0 : 3.0;  // forward, backward 2x, forward again
   const MoeExchange a2a = moe_exchange(q, cfg, N, ep, ep_fabric);
   double ffn_flops = 0, elementwise_elements = 0, exponentials = 0, quantized = 0;

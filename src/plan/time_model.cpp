@@ -111,11 +111,12 @@ RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant var
   return w;
 }
 
-RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant) {
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                         bool invariant) {
   const std::int64_t n = parameter_count(cfg);
   const Placement att = attention_placement(layout, variant);
-  using Key =
-      std::tuple<std::int64_t, std::int64_t, std::int64_t, std::vector<std::int64_t>, std::int64_t>;
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::vector<std::int64_t>,
+                         std::int64_t, std::vector<std::int64_t>>;
   std::map<Key, int> index;
   RankClasses c;
   for (int r = 0; r < layout.ranks; ++r) {
@@ -124,8 +125,14 @@ RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVaria
     for (const TokenRange& q : att.tokens[u]) rows.insert(rows.end(), {q.begin, q.end});
     // Of them, rows of its own tokens.
     const std::int64_t own = tokens_in_common(att.tokens[u], layout.seq_ranges[u]);
-    const Key key{layout.seq_count[u], own, att.head_count[u], std::move(rows),
-                  all_reduce_chunk(n, layout.ranks, r)};
+    std::vector<std::int64_t> where;  // the invariant mode's: where its tokens and heads start
+    if (invariant) where = {layout.shard_begin(r), layout.head_offset[u]};
+    const Key key{layout.seq_count[u],
+                  own,
+                  att.head_count[u],
+                  std::move(rows),
+                  all_reduce_chunk(n, layout.ranks, r),
+                  std::move(where)};
     const auto [it, fresh] = index.try_emplace(key, int(c.representatives.size()));
     if (fresh) c.representatives.push_back(r);
     c.class_of.push_back(it->second);

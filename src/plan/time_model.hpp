@@ -90,11 +90,17 @@ RankWork rank_work(const MlaConfig& cfg, const SpLayout& layout, FormVariant var
 // DeepSeek-V3, S 4096, P 8, one head group: rank 0 sends 50.2 MB forward,
 // rank 3 92.1 MB). Returns one representative rank per class and, per
 // rank, the index of its class.
+// invariant (RunSpec::invariant): the canonical sums' pieces follow where a
+// rank's tokens and heads lie, not only how many it has (ranks of equal
+// shards at S 100, P 4 hold 3 and 5 pieces: mla/canonical_sum.hpp), so
+// the class also keys the shard's first token and the first head: every
+// rank of a contiguous layout is its own class.
 struct RankClasses {
   std::vector<int> representatives;
   std::vector<int> class_of;  // size P
 };
-RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant);
+RankClasses rank_classes(const MlaConfig& cfg, const SpLayout& layout, FormVariant variant,
+                         bool invariant = false);
 
 // The links a plan runs on: the profile's, or every link overridden by
 // --link (bandwidth, and latency when given).

@@ -81,7 +81,7 @@ BlockJobOf<T> run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg,
 
 void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
                             const std::vector<FormVariant>& forms, AttentionKind attention,
-                            std::int64_t elem_bytes) {
+                            std::int64_t elem_bytes, bool invariant) {
   if (!comm.memory_check) return;
   // Held by the job: the weights, x and dout (B, S, D), and on every rank the
   // gathered global out and dx (B, S, D) for the report.
@@ -89,7 +89,7 @@ void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const
   std::int64_t params = 0;
   for (const auto& [name, shape] : mla_param_shapes(cfg)) params += elem_bytes * numel(shape);
   check_memory_fits(predict_job_memory(cfg, layout, forms, attention, comm.backend, -1,
-                                       params + 2 * global, 2 * global, elem_bytes),
+                                       params + 2 * global, 2 * global, elem_bytes, invariant),
                     "this block job");
 }
 

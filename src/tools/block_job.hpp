@@ -38,10 +38,11 @@ BlockJobOf<T> run_block_job(const CommOptions& comm, const MlaConfig& cfg, const
 // The upfront memory check (tools/memory_check.hpp) of run_block_job with
 // these forms, before the caller allocates weights or inputs; nothing when
 // --no-memory-check was given.
-// elem_bytes: the job's element type (sizeof(T) of run_block_job).
+// elem_bytes: the job's element type (sizeof(T) of run_block_job);
+// invariant: RunSpec::invariant (its canonical sums' buffers counted).
 void check_block_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
                             const std::vector<FormVariant>& forms, AttentionKind attention,
-                            std::int64_t elem_bytes);
+                            std::int64_t elem_bytes, bool invariant = false);
 
 // Packed sequences of a (batch, seq) block job (docs/forms.md, "Packed
 // sequences"): `doc_lens` (--doc-lens text), or in the input safetensors

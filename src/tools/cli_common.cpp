@@ -507,8 +507,8 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
   MpiSession& s = mpi_session();
   const bool nccl = comm.backend == Backend::nccl;
   LAGA_CHECK(s.world_size() == P, "--comm ", to_string(comm.backend), ": this job has ",
-             s.world_size(), " MPI processes but --sp (laga train: --sp x --pp) asks for ", P,
-             " ranks; launch with mpirun -np ", P,
+             s.world_size(), " MPI processes but --sp (laga train: --sp x --pp x --dp) asks for ",
+             P, " ranks; launch with mpirun -np ", P,
              nccl ? " (one rank per process and GPU), or use --comm local (ranks as threads "
                     "sharing one GPU)"
                   : " (one rank per process), or use --comm local");

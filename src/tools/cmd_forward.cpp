@@ -131,7 +131,7 @@ void run_forward(const ForwardOptions& o) {
   const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
   check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), variant);
   check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout),
-                         {variant}, parse_attention(o.attention), sizeof(T));
+                         {variant}, parse_attention(o.attention), sizeof(T), o.invariant);
   MlaParams<T> w = o.weights.empty()
                        ? random_weights<T>(cfg, o.seed)
                        : load_weights<T>(o.weights, cfg, o.layer_given ? o.layer : -1);

@@ -40,6 +40,7 @@ struct TrainCli {
   Precision dtype = Precision::fp32;          // --dtype: fp32 | bf16 (TrainOptions::precision)
   GradReduce grad_reduce = GradReduce::fp32;  // --grad-reduce (TrainOptions::grad_reduce)
   int sp = 1;
+  int dp = 1;  // --dp: data-parallel replicas (TrainOptions::dp)
   // --pp, --micro-batches, --schedule: pipeline stages (TrainOptions::pp).
   int pp = 1;
   std::int64_t micro_batches = 1;
@@ -72,14 +73,18 @@ struct TrainCli {
   // --config FILE: the whole model (dims, layers, vocab, MoE) from a DeepSeek
   // config (LmConfig::from_json), in place of the model options below.
   std::string config;
+  // DeepSeek Sparse Attention (model/dsa_layer.hpp): --index-heads,
+  // --index-head-dim, --index-topk (0: dense MLA), --index-warmup.
+  std::int64_t index_heads = 0, index_head_dim = 0, index_topk = 0, index_warmup = 0;
   std::vector<std::string> model_options_given;  // of kModelOptions, filled by the callback
   std::set<std::string> given;                   // every option given, filled by the callback
 };
 
 // The options that shape the model, which --config gives instead.
-const char* const kModelOptions[] = {"--layers",     "--d-model", "--heads",        "--nope-dim",
-                                     "--rope-dim",   "--v-dim",   "--kv-lora-rank", "--q-lora-rank",
-                                     "--ffn-hidden", "--vocab"};
+const char* const kModelOptions[] = {
+    "--layers",      "--d-model",        "--heads",       "--nope-dim",   "--rope-dim",
+    "--v-dim",       "--kv-lora-rank",   "--q-lora-rank", "--ffn-hidden", "--vocab",
+    "--index-heads", "--index-head-dim", "--index-topk"};
 
 // ---- signals: the first SIGINT/SIGTERM asks the loop to stop after the
 // current step (train_rank polls stop_signal, saves, returns); a second one
@@ -136,13 +141,9 @@ std::string prepare_log(const std::string& path, const std::string& resume) {
 LmConfig model_of(const TrainCli& c) {
   if (!c.config.empty()) {
     protect_input(c.config, "--config");
+    // A DSA config's indexer (index_n_heads, index_head_dim, index_topk) is
+    // trained with the model (model/dsa_layer.hpp).
     const LmConfig m = LmConfig::from_json_file(c.config);
-    // The model's attention is dense MLA: a DSA config's indexer would be
-    // dropped without a word, training another model.
-    LAGA_CHECK(!m.mla.dsa(), "--config ", c.config,
-               " is a DSA model (index_n_heads, index_head_dim, index_topk), and laga train's "
-               "layers run dense MLA; `laga plan --config ",
-               c.config, "` costs its DSA forms (docs/planning.md, \"DSA\")");
     // The resolved values: one path can hold different files on different nodes.
     note_run_identity("the model config", m.to_json().dump());
     return m;
@@ -154,7 +155,43 @@ LmConfig model_of(const TrainCli& c) {
   if (c.kv_lora_rank) m.mla.kv_lora_rank = c.kv_lora_rank;
   m.mla.q_lora_rank = c.q_lora_rank;
   m.ffn_hidden = c.ffn_hidden;
+  m.mla.index_n_heads = c.index_heads;
+  m.mla.index_head_dim = c.index_head_dim;
+  m.mla.index_topk = c.index_topk;
   return m;
+}
+
+// ---- DeepSeek Sparse Attention (model/dsa_layer.hpp): its options, and the
+// form options its layers do not read, refused by name when given.
+void add_dsa_options(CLI::App& sub, TrainCli& c) {
+  sub.add_option("--index-heads", c.index_heads,
+                 "DSA: the lightning indexer's heads (index_n_heads); with --index-head-dim and "
+                 "--index-topk, and --q-lora-rank > 0 (docs/forms.md, \"DeepSeek Sparse "
+                 "Attention\")")
+      ->check(whole_for(1, c.index_heads));
+  sub.add_option("--index-head-dim", c.index_head_dim,
+                 "DSA: the indexer's head width (index_head_dim, >= --rope-dim)")
+      ->check(whole_for(1, c.index_head_dim));
+  sub.add_option("--index-topk", c.index_topk,
+                 "DSA: the keys each query attends in the sparse stage (index_topk, <= --seq)")
+      ->check(whole_for(1, c.index_topk));
+  sub.add_option("--index-warmup", c.index_warmup,
+                 "DSA: the first N steps are the dense warm-up (every causal key attended, the "
+                 "indexer's KL over them), the rest sparse; the main model trains in both "
+                 "(model/dsa_layer.hpp)")
+      ->check(whole_for(0, c.index_warmup));
+}
+
+void check_dsa_cli(const TrainCli& c, const TrainOptions& o) {
+  if (!o.model.mla.dsa()) return;
+  for (const char* opt : {"--form", "--attention", "--q-latent", "--head-groups", "--overlap"})
+    LAGA_CHECK(!c.given.count(opt), opt,
+               " chooses among the dense MLA block's forms and kernels, and the model has "
+               "DeepSeek Sparse Attention (index_topk ",
+               o.model.mla.index_topk,
+               "), whose layers run the DSA block at --sp 1 and the query-local latent gather at "
+               "--sp > 1 (model/dsa_layer.hpp); drop ",
+               opt);
 }
 
 TrainOptions to_options(const TrainCli& c) {
@@ -171,6 +208,7 @@ TrainOptions to_options(const TrainCli& c) {
   o.experts = c.expert_parallel ? ExpertPlacement::folded : ExpertPlacement::every_rank;
   o.expert_degree = c.ep;
   o.sp = c.sp;
+  o.dp = c.dp;
   o.pp = c.pp;
   o.micro_batches = c.micro_batches;
   LAGA_CHECK(parse_pipe_schedule(c.pipe_schedule) == PipeSchedule::one_f_one_b, "--pp-schedule ",
@@ -204,6 +242,7 @@ TrainOptions to_options(const TrainCli& c) {
   if (!c.allow_change.empty())
     o.allow_change = split_list(c.allow_change, "--allow-change", "lr,steps");
   o.allow_nonfinite = c.allow_nonfinite;
+  o.index_warmup = c.index_warmup;
   return o;
 }
 
@@ -302,12 +341,12 @@ void check_options_act(const TrainCli& c, const TrainOptions& o) {
   LAGA_CHECK(c.val_every <= c.steps, "--val-every ", c.val_every, " never comes within --steps ",
              c.steps, " (the last step is validated anyway); give N <= ", c.steps,
              " or drop --val-every");
-  LAGA_CHECK(!c.perturb_reductions || c.sp >= 3,
+  LAGA_CHECK(!c.perturb_reductions || c.sp * c.dp >= 3,
              "--perturb-reductions permutes the order in "
              "which the ranks' contributions to each reduction are added, and at --sp ",
-             c.sp,
-             " every order gives the same bits (it changes bits only at --sp >= 3); give --sp "
-             ">= 3, or drop it");
+             c.sp, c.dp > 1 ? cat(" x --dp ", c.dp) : std::string(),
+             " every order gives the same bits (it changes bits only at 3 ranks or more); give "
+             "--sp >= 3 (or --sp x --dp >= 3), or drop it");
 }
 
 void run_train(const TrainCli& c) {
@@ -321,11 +360,15 @@ void run_train(const TrainCli& c) {
   // use, issue 54 V).
   validate_train_options(o, report);
   check_options_act(c, o);  // after the options' own errors, which say more
-  check_variant(o.model.mla, train_layout(o, o.sp), o.variant);
-  // Refuse before allocating the model when the job cannot fit.
+  check_dsa_cli(c, o);
+  const bool dsa = o.model.mla.dsa();
+  if (!dsa) check_variant(o.model.mla, train_layout(o, o.sp * o.dp), o.variant);
+  // Refuse before allocating the model when the job cannot fit. A DSA
+  // model's step has no count-only run (model/dsa_layer.hpp): its lower
+  // bound only.
   if (c.comm.memory_check) {
     check_memory_fits(train_state_lower_bound(o, c.comm.backend), "laga train");
-    check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
+    if (!dsa) check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
   }
   // One writer per --checkpoint directory, taken before anything is moved
   // or written there (prepare_run may set checkpoints aside); creating the
@@ -353,13 +396,15 @@ void run_train(const TrainCli& c) {
   }
   if (report) {
     std::cerr << "laga train: " << o.model.summary() << ", B=" << o.batch << " S=" << o.seq
-              << ", form " << describe_variant(o.variant, train_layout(o, o.sp))
+              << (dsa ? cat(", DSA (", o.sp == 1 ? "single-rank block" : "latent gather",
+                            ", index warm-up ", o.index_warmup, " steps)")
+                      : ", form " + describe_variant(o.variant, train_layout(o, o.sp * o.dp)))
               << (o.seq_layout == SeqLayout::contiguous
                       ? std::string()
                       : cat(", seq layout ", to_string(o.seq_layout)))
-              << ", attention " << c.attention
+              << (dsa ? std::string() : ", attention " + c.attention)
               << (o.precision == Precision::bf16 ? ", dtype bf16 (mixed precision)" : "") << ", sp "
-              << o.sp
+              << o.sp << (o.dp > 1 ? cat(", dp ", o.dp, " (", o.batch / o.dp, " rows each)") : "")
               << (o.pp > 1 ? cat(", pp ", o.pp, " (1f1b, ", o.micro_batches, " micro-batches)")
                            : std::string())
               << ", comm " << to_string(c.comm.backend) << ", data " << c.data
@@ -374,7 +419,7 @@ void run_train(const TrainCli& c) {
   if (report && c.perturb_reductions)
     std::cerr << "laga train: --perturb-reductions " << *c.perturb_reductions
               << ": reductions add in a seed-permuted order, not rank order"
-              << (o.sp < 3 ? " (no effect at sp < 3: a + b == b + a)" : "") << "\n";
+              << (o.ranks() < 3 ? " (no effect below 3 ranks: a + b == b + a)" : "") << "\n";
   install_stop_handlers();
   o.stop_signal = &stop_signal;
   if (report)
@@ -394,6 +439,8 @@ void run_train(const TrainCli& c) {
       j["tokens_per_s"] = s.tokens_per_s;
       j["targets"] = s.targets;
       if (c.log_expert_load && !s.expert_load.empty()) j["expert_load"] = s.expert_load;
+      if (s.index_kl) j["index_kl"] = *s.index_kl;
+      if (s.dsa_stage) j["dsa_stage"] = to_string(*s.dsa_stage);
       if (s.val_loss) {
         j["val_loss"] = *s.val_loss;
         j["val_bits_per_token"] = *s.val_loss / std::log(2.0);  // per byte with --vocab 256 bytes
@@ -417,7 +464,8 @@ void run_train(const TrainCli& c) {
                   << std::scientific << std::setprecision(2) << s.lr << std::fixed << "  "
                   << std::setprecision(0) << s.tokens_per_s << " tok/s  (" << std::setprecision(2)
                   << s.seconds << " s)" << std::defaultfloat
-                  << (s.val_loss ? cat("  val_loss ", *s.val_loss) : std::string()) << "\n";
+                  << (s.val_loss ? cat("  val_loss ", *s.val_loss) : std::string())
+                  << (s.index_kl ? cat("  index_kl ", *s.index_kl) : std::string()) << "\n";
     });
     // Every rank agreed on how the run ended; MPI has one rank per process.
     if (comm.rank() == 0 || c.comm.backend == Backend::mpi) end = e;
@@ -483,6 +531,15 @@ void register_train(CLI::App& app) {
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")
       ->check(whole_for(1, c->sp))
       ->capture_default_str();
+  sub->add_option("--dp", c->dp,
+                  "data-parallel replicas: the ranks are --sp x --dp, replica d taking rows "
+                  "[d B/D, (d+1) B/D) of every --batch (D must divide it); the loss is the mean "
+                  "over every replica's targets, the gradients all-reduced over every rank, and "
+                  "--expert-parallel's EP groups span the replicas (EP over DP, as laga plan "
+                  "--model --dp --ep plans it; docs/planning.md, \"EP over the data-parallel "
+                  "replicas against a measured step\"); --sp 1, no --pp, no --pack-eos")
+      ->check(whole_for(1, c->dp))
+      ->capture_default_str();
   sub->add_option("--pp", c->pp,
                   "pipeline stages: the ranks are stages, each running its layers (the plan's "
                   "placement, as laga plan --model --pp places them) on every micro-batch in "
@@ -526,6 +583,7 @@ void register_train(CLI::App& app) {
                   "ModelArgs): attention, layers, vocab, dense FFN width and the MoE "
                   "(n_routed_experts, ..., first_k_dense_replace; laga's bias_update_speed), "
                   "in place of --layers, --d-model, --heads, ... (docs/moe.md, \"In the model\")");
+  add_dsa_options(*sub, *c);
   sub->add_option("--vocab", c->vocab, "vocabulary size")
       ->check(whole_for(1, c->vocab))
       ->capture_default_str();
@@ -611,16 +669,18 @@ void register_train(CLI::App& app) {
                   "reductions\")")
       ->check(whole_for(0, c->perturb_reductions));
   sub->add_flag("--expert-parallel", c->expert_parallel,
-                "MoE models: fold expert parallelism onto the --sp ranks (each rank runs "
+                "MoE models: fold expert parallelism onto the --sp ranks (with --dp, every "
+                "replica's: EP over DP; each rank runs "
                 "E / P consecutive experts, the first E % P ranks one more, on every rank's "
                 "copies routed to them: all_to_all_v dispatch and combine, ledgered as moe_counts, "
                 "moe_dispatch, moe_combine and their backward dmoe_*; docs/moe.md, \"Expert "
                 "parallelism\"). The same math as without it, rounded differently");
-  sub->add_option("--ep", c->ep,
-                  "with --expert-parallel: the EP degree N, a divisor of --sp: groups of N "
-                  "consecutive ranks, each holding every expert (E / N per rank), the copies "
-                  "exchanged within a group, each expert's gradients summed over the groups by "
-                  "the gradient all-reduce (default: --sp, one group)")
+  sub->add_option(
+         "--ep", c->ep,
+         "with --expert-parallel: the EP degree N, a divisor of --sp (x --dp): groups of N "
+         "consecutive ranks, each holding every expert (E / N per rank), the copies "
+         "exchanged within a group, each expert's gradients summed over the groups by "
+         "the gradient all-reduce (default: every rank, --sp x --dp, one group)")
       ->check(whole_for(1, c->ep));
   sub->add_flag("--log-expert-load", c->log_expert_load,
                 "with --log and an MoE balancing its bias: each line also holds expert_load, "

@@ -67,10 +67,10 @@ void run_verify(const VerifyOptions& o) {
   CommOptions one_rank = o.comm;
   one_rank.backend = Backend::local;
   check_block_job_memory(one_rank, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, 1), {reference},
-                         parse_attention(o.attention), sizeof(T));
+                         parse_attention(o.attention), sizeof(T), o.invariant);
   for (int P : sps)
     check_block_job_memory(o.comm, cfg, SpLayout::even(o.batch, o.seq, cfg.n_heads, P, seq_layout),
-                           forms, parse_attention(o.attention), sizeof(T));
+                           forms, parse_attention(o.attention), sizeof(T), o.invariant);
   const MlaParams<T> w = random_weights<T>(cfg, o.seed);
   const Tensor<T> x = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 1);
   const Tensor<T> dout = random_tensor<T>({o.batch, o.seq, cfg.dim}, o.seed, 2);

@@ -223,7 +223,7 @@ ClassRecords count_by_class(const Job& j, const MlaParams<float>& w, const Tenso
   std::vector<RankClasses> classes;
   std::vector<int> run;  // the ranks to run, ascending
   for (FormVariant f : j.order) {
-    classes.push_back(rank_classes(j.cfg, j.layout, f));
+    classes.push_back(rank_classes(j.cfg, j.layout, f, j.o.invariant));
     run.insert(run.end(), classes.back().representatives.begin(),
                classes.back().representatives.end());
   }
@@ -302,7 +302,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
   // (rank_classes): computed once per class, not once per rank (each
   // predict_memory is a count-only run of the rank, at P 4096 the bulk of the
   // work).
-  const RankClasses classes = rank_classes(j.cfg, j.layout, form);
+  const RankClasses classes = rank_classes(j.cfg, j.layout, form, j.o.invariant);
   std::map<int, std::pair<CommPrediction, MemoryPrediction>> by_class;
   for (size_t i = 0; i < ranks.size(); ++i) {
     const int r = ranks[i];
@@ -311,10 +311,10 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     if (!by_class.count(cls)) {
       const int rep = classes.representatives[size_t(cls)];
       by_class.emplace(
-          cls,
-          std::pair{predict_comm(j.cfg, j.layout, form, rep,
-                                 wire_element_bytes(j.o.precision, j.o.grad_reduce, 4), true, true),
-                    predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
+          cls, std::pair{predict_comm(j.cfg, j.layout, form, rep,
+                                      wire_element_bytes(j.o.precision, j.o.grad_reduce, 4), true,
+                                      true, j.o.invariant),
+                         predict_memory(j.cfg, j.layout, form, j.attention, rep, 4, mopt)});
     }
     const CommPrediction& pred = by_class.at(cls).first;
     std::int64_t sent[3] = {0, 0, 0}, model[3] = {0, 0, 0}, recv = 0;
@@ -553,7 +553,8 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
                           res.cfg, res.layout, res.forms, all_here ? o.sp : 1,
                           [&](std::size_t keys) {
                             return std::int64_t(sizeof(double) * RankRecord::size(1, keys, params));
-                          }),
+                          },
+                          o.invariant),
                       "laga compare");
   }
   // Refuse now, not after an OOM kill, when the run cannot fit.
@@ -566,7 +567,7 @@ std::optional<CompareResult> run_compare(const CompareOptions& o) {
         j.diffs ? param_bytes + 2 * 4 * o.batch * res.layout.seq_count[0] * res.cfg.dim : 0;
     check_memory_fits(
         predict_job_memory(res.cfg, res.layout, res.forms, res.attention, o.comm.backend,
-                           o.rank_only, param_bytes + io_bytes, ref_bytes),
+                           o.rank_only, param_bytes + io_bytes, ref_bytes, 4, o.invariant),
         "laga compare");
   }
 

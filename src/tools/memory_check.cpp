@@ -88,9 +88,10 @@ StagingRule staging_of(Backend backend) {
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
-                             std::int64_t held_per_rank, std::int64_t elem_bytes) {
+                             std::int64_t held_per_rank, std::int64_t elem_bytes, bool invariant) {
   MemoryModelOptions opt;
   opt.staging = staging_of(backend);
+  opt.invariant = invariant;
   // Local runs every rank in this process; an MPI process or a dry run one.
   const bool all_here = backend == Backend::local && rank_only < 0;
   JobMemory job;
@@ -104,7 +105,7 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
     // ranks (rank_classes): one count-only run per class, not per rank (P
     // runs of O(P) collectives each would make the check itself super-linear
     // in P).
-    const RankClasses classes = rank_classes(cfg, layout, f);
+    const RankClasses classes = rank_classes(cfg, layout, f, invariant);
     std::vector<std::optional<MemoryPrediction>> of_class(classes.representatives.size());
     for (int r = 0; r < layout.ranks; ++r) {
       if (rank_only >= 0 && r != rank_only) continue;
@@ -139,14 +140,15 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
 
 JobMemory predict_count_only_job_memory(
     const MlaConfig& cfg, const SpLayout& layout, const std::vector<FormVariant>& forms,
-    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes) {
+    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes,
+    bool invariant) {
   const std::int64_t P = layout.ranks;
   std::int64_t records = 0, runs = 0;
   for (FormVariant f : forms) {
-    const RankClasses classes = rank_classes(cfg, layout, f);
+    const RankClasses classes = rank_classes(cfg, layout, f, invariant);
     const std::int64_t n = ranks_here < P ? 1 : std::int64_t(classes.representatives.size());
     runs = std::max(runs, n);
-    const std::size_t keys = predict_comm(cfg, layout, f, 0, 4, true, true).size();
+    const std::size_t keys = predict_comm(cfg, layout, f, 0, 4, true, true, invariant).size();
     records += n * record_bytes(keys);
   }
   // Per rank: its record index per form, its measured-rank entry, and the
@@ -200,8 +202,9 @@ JobMemory train_state_lower_bound(const TrainOptions& o, Backend backend) {
   // Per rank at least its fp32 parameters and AdamW m and v (12 bytes a
   // parameter; the gradients' precision varies): every expert, or with
   // --expert-parallel the most any rank owns.
-  const int ep =
-      o.experts == ExpertPlacement::folded ? (o.expert_degree > 0 ? o.expert_degree : o.sp) : 1;
+  const int ep = o.experts == ExpertPlacement::folded
+                     ? (o.expert_degree > 0 ? o.expert_degree : o.sp * o.dp)
+                     : 1;
   const double per_rank = 12.0 * double(n.replicated() + n.routed_experts_on_device(ep));
   const double ranks = backend == Backend::local ? double(o.ranks()) : 1.0;
   JobMemory job;

@@ -37,11 +37,13 @@ struct JobMemory {
   std::string detail;      // "laga: 4 rank(s) up to 2.61 GB each + 0.21 GB held"
   std::string lower_with;  // "Lower the peak with ...": the options that shrink it
 };
-// elem_bytes: the job's element type (4: float, 8: `--dtype float64`).
+// elem_bytes: the job's element type (4: float, 8: `--dtype float64`);
+// invariant: the runs' RunSpec::invariant (docs/invariance.md).
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
                              const std::vector<FormVariant>& forms, AttentionKind attention,
                              Backend backend, int rank_only, std::int64_t held_shared,
-                             std::int64_t held_per_rank, std::int64_t elem_bytes = 4);
+                             std::int64_t held_per_rank, std::int64_t elem_bytes = 4,
+                             bool invariant = false);
 
 // A `laga compare --count-only` job's peak in this process (--comm local, or
 // one MPI rank: ranks_here of P). No tensor has storage and no thread runs a
@@ -54,7 +56,8 @@ JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,
 // O(P) collectives: 3.3 GB at P 512, never checked.
 JobMemory predict_count_only_job_memory(
     const MlaConfig& cfg, const SpLayout& layout, const std::vector<FormVariant>& forms,
-    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes);
+    int ranks_here, const std::function<std::int64_t(std::size_t keys)>& record_bytes,
+    bool invariant = false);
 
 // A `laga train` job's peak in this process (model/train.hpp,
 // predict_train_memory): every rank's with --comm local (each holds its own

@@ -41,6 +41,22 @@ TEST(SdpaRagged, EveryDocumentOfEveryRowIsOneBatchEntry) {
   }
 }
 
+TEST(SdpaRagged, TheGraphsOffsetsAreTheFirstTokensScaled) {
+  // The B 2, S 13 rows above: first packed tokens 0, 3, 4, 10, 13, end 26.
+  const auto d = starts_of({{3, 1, 6, 3}, {13}});
+  const RaggedDocuments r = ragged_documents(d.data(), 2, 13, 4, 24, 16);
+  EXPECT_EQ(ragged_offsets(r, 4 * 24, "Q"),
+            (std::vector<std::int32_t>{0, 3 * 96, 4 * 96, 10 * 96, 13 * 96, 26 * 96}));
+  // The stats in laga's (B, Hq, S) layout, Hq 4: row 0's documents at their
+  // first token; row 1's at 1 * 4 * 13 + 0; the end at 2 * 4 * 13.
+  EXPECT_EQ(ragged_stats_offsets(r, 4), (std::vector<std::int32_t>{0, 3, 4, 10, 52, 104}));
+  // An offset past int32 is refused, naming the tensor.
+  EXPECT_NE(test::error_of([&] {
+              ragged_offsets(r, std::int64_t(1) << 28, "dO");
+            }).find("dO's ragged offset"),
+            std::string::npos);
+}
+
 TEST(SdpaRagged, OneDocumentPerRowIsTheDenseBatch) {
   const auto d = starts_of({{7}, {7}, {7}});
   const RaggedDocuments r = ragged_documents(d.data(), 3, 7, 2, 8, 8);

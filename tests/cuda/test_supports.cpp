@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "cuda/attention.hpp"
 #include "cuda/sdpa_cudnn.hpp"
@@ -90,11 +91,21 @@ TEST(CudaSupports, CudnnSdpaRefusesNamingTheValue) {
   s.dv = 100;
   m = cudnn_sdpa_refusal(s, DType::bf16);
   EXPECT_TRUE(has(m, "head dim dv 100")) << m;
-  static const std::int64_t docs[1] = {0};
+  // Packed documents: a ragged batch where Sq == Sk (read on the host,
+  // sdpa_ragged.hpp); a ring step's (Sq < Sk) and a broken structure are
+  // refused, naming why.
   s = v3_heads();
-  s.doc_start = docs;
+  std::vector<std::int64_t> docs(static_cast<std::size_t>(s.B * s.Sk));
+  for (std::int64_t t = 0; t < s.Sk; ++t) docs[static_cast<std::size_t>(t)] = t < 1000 ? 0 : 1000;
+  s.doc_start = docs.data();
+  EXPECT_EQ(cudnn_sdpa_refusal(s, DType::bf16), "");
+  AttnShape ring = s;
+  ring.Sq = 1024;
+  m = cudnn_sdpa_refusal(ring, DType::bf16);
+  EXPECT_TRUE(has(m, "packed documents with Sq != Sk")) << m;
+  docs[1500] = 7;
   m = cudnn_sdpa_refusal(s, DType::bf16);
-  EXPECT_TRUE(has(m, "packed documents (doc_start) are not routed")) << m;
+  EXPECT_TRUE(has(m, "batch row 0 token 1500 starts its document at 7")) << m;
 }
 
 }  // namespace

@@ -74,6 +74,30 @@ TEST(DsaComm, IndicesStayInt32UnderBf16) {
   dsa_collectives(t, kDsa, DsaForm::laga_indices);
   EXPECT_EQ(sent(t.result, Phase::forward, "topk_ag"), 48);
   EXPECT_EQ(sent(t.result, Phase::forward, "latent_ag"), 448 * 2);
+  // The KL target moves at the run's element when it is wider than fp32: a
+  // float64 run's target is not rounded (mla/dsa_laga.cpp moves it so).
+  EXPECT_EQ(sent(t.result, Phase::forward, "index_target_rs"), 4 * 3 * 8);
+}
+
+// The dense warm-up attends every causal key: the LAGA forms move no
+// indices and no w, and the KL target spans S = 8 slots a query; the other
+// forms move the same in both stages.
+TEST(DsaComm, DenseWarmupMovesNoIndicesAndAWholeRowOfTarget) {
+  Fixture f;
+  auto warm = [&](DsaForm form) {
+    return dsa_predict_comm(f.cfg, kDsa, f.layout, form, 0, {4, 4}, true, false,
+                            DsaStage::dense_warmup);
+  };
+  const CommPrediction ind = warm(DsaForm::laga_indices);
+  EXPECT_EQ(sent(ind, Phase::forward, "topk_ag"), -1);
+  EXPECT_EQ(sent(ind, Phase::forward, "index_target_rs"), 4 * 8 * 4);  // L_1 S 4 = 128
+  EXPECT_EQ(sent(ind, Phase::forward, "q_a2a"), 384);
+  const CommPrediction rec = warm(DsaForm::laga_recompute);
+  EXPECT_EQ(sent(rec, Phase::forward, "index_w_ag"), -1);
+  EXPECT_EQ(sent(rec, Phase::forward, "q_latent_ag"), 128);
+  EXPECT_EQ(sent(rec, Phase::forward, "index_target_rs"), 128);
+  EXPECT_EQ(predicted_sent(warm(DsaForm::latent_gather)),
+            predicted_sent(Fixture{}.comm(DsaForm::latent_gather)));
 }
 
 TEST(DsaComm, LagaRecomputeMovesTheQueryLatentAndWeightsNotIndices) {
@@ -91,6 +115,23 @@ TEST(DsaComm, ExplicitMovesPerHeadKeysAndValues) {
   EXPECT_EQ(sent(p, Phase::forward, "v_a2a"), 4 * 2 * 6 * 4);   // 192
   EXPECT_EQ(sent(p, Phase::forward, "latent_ag"), -1);
   EXPECT_EQ(sent(p, Phase::forward, "topk_ag"), 48);
+}
+
+// The dense warm-up attends every causal key: the explicit form moves no
+// indices, and the KL target holds S slots a row (the peer's L_1 S = 32
+// values); a float64 run moves it at 8 bytes (at fp32 its KL would be off
+// by 1e-7; mla_test_dsa_explicit holds the engine's ledger to both).
+TEST(DsaComm, ExplicitWarmupMovesNoIndicesAndTheTargetAtEveryKey) {
+  Fixture f;
+  const CommPrediction w = dsa_predict_comm(f.cfg, kDsa, f.layout, DsaForm::explicit_form, 0,
+                                            {4, 4}, true, false, DsaStage::dense_warmup);
+  EXPECT_EQ(sent(w, Phase::forward, "topk_ag"), -1);
+  EXPECT_EQ(sent(w, Phase::forward, "index_target_rs"), 4 * 8 * 4);  // L_1 S 4 = 128
+  EXPECT_EQ(sent(w, Phase::forward, "k_a2a"), 384);
+  const CommPrediction d =
+      dsa_predict_comm(f.cfg, kDsa, f.layout, DsaForm::explicit_form, 0, {8, 8}, true, false);
+  EXPECT_EQ(sent(d, Phase::forward, "index_target_rs"), 4 * 3 * 8);  // L_1 K 8 = 96
+  EXPECT_EQ(sent(d, Phase::forward, "topk_ag"), 48);                 // int32 still
 }
 
 TEST(DsaComm, RingLatentPassesIndexKeysThenLatentAndBringsGradientsHome) {

@@ -208,6 +208,74 @@ TEST(CanonicalReduceScatter, ARankOrderedCombinationIsCaught) {
   EXPECT_GT(differ, 0) << "a rank-ordered combination gave P 1's bits at every P 2..8";
 }
 
+// The plain sum's reduce-scatter (canonical_parts_reduce_scatter: the
+// latent's gradient over heads in absorbed and laga_fused): the global (B S,
+// n) sum of `heads` parts, the heads sharded (uneven where asked, ranks
+// without heads) and the rows like tokens; rank 0's assembled copy.
+template <class T>
+std::vector<T> run_parts_reduce_scatter(int P, bool uneven, std::int64_t B, std::int64_t S,
+                                        std::int64_t heads, std::int64_t n, Precision precision) {
+  const std::int64_t R = B * S;
+  const std::vector<T> a = test::random_vector<T>(heads * R * n, 9);
+  const TokenShards index = shards_of(1, heads, cuts(heads, P, uneven && heads > 3)),
+                    rows = shards_of(B, S, cuts(S, P, uneven));
+  std::vector<T> out(static_cast<std::size_t>(R * n));
+  run_local_ranks(P, [&](Communicator& comm) {
+    const UsePrecision prec(precision);
+    const int r = comm.rank();
+    const std::int64_t h0 = index.begin[r], hr = index.end[r] - h0;
+    const std::int64_t len = rows.end[r] - rows.begin[r];
+    Tensor<T> parts({hr, R, n}), d({B * len, n});
+    std::copy_n(a.data() + h0 * R * n, hr * R * n, parts.data());
+    canonical_parts_reduce_scatter<T>(comm, mat(d), parts, index, rows, "canonical test");
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      std::copy_n(d.data() + bb * len * n, len * n, out.data() + (bb * S + rows.begin[r]) * n);
+  });
+  return out;
+}
+
+template <class T>
+void check_parts_every_p(Precision precision) {
+  // 13 heads: not a power of two, so the tree has absent leaves.
+  const std::vector<T> one = run_parts_reduce_scatter<T>(1, false, 2, 37, 13, 9, precision);
+  const std::vector<T> a = test::random_vector<T>(13 * 74 * 9, 9);
+  std::vector<double> want(74 * 9, 0.0);
+  for (int h = 0; h < 13; ++h)
+    for (int e = 0; e < 74 * 9; ++e) want[e] += double(a[h * 74 * 9 + e]);
+  EXPECT_TRUE(test::all_close("parts sum", one, want, 1e-5, 1e-5));
+  // Sums only: a bf16 run rounds nothing.
+  if (precision == Precision::bf16) {
+    EXPECT_TRUE(
+        same_bits(run_parts_reduce_scatter<T>(1, false, 2, 37, 13, 9, Precision::fp32), one));
+  }
+  for (bool uneven : {false, true})
+    for (int P = 2; P <= 8; ++P) {
+      SCOPED_TRACE("P " + std::to_string(P) + (uneven ? " uneven" : " even"));
+      EXPECT_TRUE(same_bits(run_parts_reduce_scatter<T>(P, uneven, 2, 37, 13, 9, precision), one));
+    }
+}
+
+TEST(CanonicalPartsReduceScatter, SameBitsAtEveryPInDouble) {
+  check_parts_every_p<double>(Precision::fp32);
+}
+TEST(CanonicalPartsReduceScatter, SameBitsAtEveryPInFp32AndBf16) {
+  check_parts_every_p<float>(Precision::fp32);
+  check_parts_every_p<float>(Precision::bf16);
+}
+TEST(CanonicalPartsReduceScatter, ARankOrderedCombinationIsCaught) {
+  struct Restore {
+    ~Restore() { canonical_sum_rank_order = false; }
+  } restore;
+  const std::vector<float> one =
+      run_parts_reduce_scatter<float>(1, false, 2, 37, 13, 9, Precision::fp32);
+  canonical_sum_rank_order = true;
+  int differ = 0;
+  for (int P = 2; P <= 8; ++P)
+    differ +=
+        !same_bits(run_parts_reduce_scatter<float>(P, true, 2, 37, 13, 9, Precision::fp32), one);
+  EXPECT_GT(differ, 0) << "a rank-ordered combination gave P 1's bits at every P 2..8";
+}
+
 // The mutation: combined in rank order, the sum's bits follow P, and the
 // comparison above sees it at some P.
 TEST(CanonicalSum, ARankOrderedCombinationIsCaught) {
@@ -290,7 +358,8 @@ TEST(InvariantAttention, AHeadsGradientsDoNotDependOnTheHeadsInItsCall) {
       << "without one_row_set a 2-head call summed as a 16-head one: the flag's test shows nothing";
 }
 
-// The ledger records the pieces' collectives at their closed forms, and a
+// The ledger records the pieces' collectives at their closed forms, the
+// comm buffers each call holds are its closed form's `held`, and a
 // count-only run of a rank registers the pool bytes the real run does (the
 // memory model is the count-only run: docs/architecture.md).
 TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
@@ -315,19 +384,41 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
           std::fill_n(a.data(), a.numel(), 0.5f), std::fill_n(b.data(), b.numel(), 0.25f);
           std::fill_n(ra.data(), ra.numel(), 0.5f), std::fill_n(rb.data(), rb.numel(), 0.25f);
         }
-        pool.reset_peaks();
-        canonical_token_sum<float>(comm, mat(dst), mat(std::as_const(a)), mat(std::as_const(b)), sh,
-                                   "sum");
-        canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
-                                        mat(std::as_const(rb)), index, sh, "rs");
-        peaks[r] = pool.peak_total();
         const PieceBytes sum = canonical_token_sum_elements(sh, r, m * n);
         const PieceBytes rs = canonical_reduce_scatter_elements(index, sh, r, n);
-        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0;
+        pool.reset_peaks();
+        const std::int64_t base = pool.current(MemCategory::comm_buffers);
+        canonical_token_sum<float>(comm, mat(dst), mat(std::as_const(a)), mat(std::as_const(b)), sh,
+                                   "sum");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, sum.held * 4)
+            << "the sum's buffer, rank " << r << " of " << P;
+        peaks[r] = pool.peak_total();
+        pool.reset_peaks();
+        canonical_reduce_scatter<float>(comm, mat(rdst), mat(std::as_const(ra)),
+                                        mat(std::as_const(rb)), index, sh, "rs");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, rs.held * 4)
+            << "the reduce-scatter's buffers, rank " << r << " of " << P;
+        peaks[r] = std::max(peaks[r], pool.peak_total());
+        // The sum of parts over the heads (absorbed's, laga_fused's): its
+        // bytes and buffers are canonical_reduce_scatter_elements' over the
+        // head index.
+        const TokenShards head_index = shards_of(1, heads, cuts(heads, P, true));
+        Tensor<float> parts({head_index.end[r] - head_index.begin[r], B * S, n}), pdst({rows, n});
+        if (!count_only) std::fill_n(parts.data(), parts.numel(), 0.5f);
+        const PieceBytes ps = canonical_reduce_scatter_elements(head_index, sh, r, n);
+        pool.reset_peaks();
+        canonical_parts_reduce_scatter<float>(comm, mat(pdst), parts, head_index, sh, "parts");
+        EXPECT_EQ(pool.peak(MemCategory::comm_buffers) - base, ps.held * 4)
+            << "the parts sum's buffers, rank " << r << " of " << P;
+        peaks[r] = std::max(peaks[r], pool.peak_total());
+        std::int64_t sent_sum = 0, recv_sum = 0, sent_rs = 0, recv_rs = 0, sent_ps = 0, recv_ps = 0;
         for (const auto& [key, e] : comm.ledger().entries()) {
           if (key.second == "sum") sent_sum += e.bytes_sent, recv_sum += e.bytes_received;
           if (key.second == "rs") sent_rs += e.bytes_sent, recv_rs += e.bytes_received;
+          if (key.second == "parts") sent_ps += e.bytes_sent, recv_ps += e.bytes_received;
         }
+        EXPECT_EQ(sent_ps, ps.sent * 4) << "rank " << r << " of " << P;
+        EXPECT_EQ(recv_ps, ps.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_sum, sum.sent * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(recv_sum, sum.received * 4) << "rank " << r << " of " << P;
         EXPECT_EQ(sent_rs, rs.sent * 4) << "rank " << r << " of " << P;
@@ -343,6 +434,31 @@ TEST(CanonicalSum, LedgerIsTheClosedFormAndCountOnlyIsThePool) {
       }
     }
   }
+}
+
+// The pieces' closed form (canonical_piece_count: popcounts of the shard's
+// ends) is the number canonical_pieces cuts, for every shard of every row
+// length up to 70 (and 2^k + 1 about the powers of two), B 1 to 3: the
+// sequence's end inside a row, at a power of two and not, a shard ending at
+// the end of the sequence (the last node clipped there) and not, empty ones.
+TEST(CanonicalSum, PieceCountClosedFormIsThePieces) {
+  std::vector<std::int64_t> lengths;
+  for (std::int64_t S = 1; S <= 70; ++S) lengths.push_back(S);
+  for (std::int64_t k : {7, 10, 12}) lengths.push_back((std::int64_t(1) << k) + 1);
+  std::int64_t checked = 0;
+  for (std::int64_t B : {1, 2, 3})
+    for (std::int64_t S : lengths) {
+      const std::int64_t step = S > 70 ? S / 13 : 1;
+      for (std::int64_t lo = 0; lo <= S; lo += step)
+        for (std::int64_t hi = lo; hi <= S; hi += step) {
+          const TokenShards sh = shards_of(B, S, {0, lo, hi, S});
+          for (int r = 0; r < 3; ++r, ++checked)
+            ASSERT_EQ(canonical_piece_count(sh, r), std::int64_t(canonical_pieces(sh, r).size()))
+                << "B " << B << " S " << S << " rank " << r << " of cuts 0, " << lo << ", " << hi
+                << ", " << S;
+        }
+    }
+  EXPECT_GT(checked, 100000);
 }
 
 // A rank's pieces are maximal aligned nodes covering its tokens exactly.

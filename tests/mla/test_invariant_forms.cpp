@@ -1,19 +1,27 @@
 // The invariant mode on the forms whose registry rows offer it
 // (FormTraits::invariant; docs/invariance.md): out, dx and every parameter
 // gradient bit-identical at P 1 .. 8, with uneven sequence and head shards,
-// packed documents, fp32 and bf16; the mutation (the canonical sums combined
-// in rank order) caught; and the other forms refused, naming the form.
+// packed documents, fp32 and bf16; on every rank of those runs the ledger is
+// the closed form (predict_comm in the mode: the canonical sums' terms,
+// mla/comm_model.hpp) byte for byte and the pool is the memory model (the
+// count-only run in the mode), as at DeepSeek-V3 dims on count-only ranks;
+// the mutation (the canonical sums combined in rank order) caught; and the
+// other forms refused, naming the form.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "comm/dry_run_comm.hpp"
 #include "common/block_inputs.hpp"
 #include "core/error.hpp"
+#include "core/memory_pool.hpp"
 #include "core/precision.hpp"
 #include "mla/canonical_sum.hpp"
+#include "mla/comm_model.hpp"
 #include "mla/form_registry.hpp"
+#include "mla/memory_model.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
@@ -71,6 +79,50 @@ BlockRun<float> run(Form f, const SpLayout& lay, const test::BlockInputs<float>&
   return run_local(config(rq, gated), lay, in.w, in.x, in.dout, spec);
 }
 
+// A ledger against the closed form in the mode, label for label, both
+// directions and the calls; every label of the one in the other.
+void expect_ledger_is_the_closed_form(const Ledger& ledger, const CommPrediction& pred,
+                                      const std::string& tag) {
+  EXPECT_EQ(ledger.entries().size(), pred.size()) << tag << ": labels";
+  for (const auto& [key, entry] : ledger.entries()) {
+    const std::string where = tag + " " + to_string(key.first) + "/" + key.second;
+    const auto it = pred.find(key);
+    ASSERT_NE(it, pred.end()) << where << " is in the ledger but not in the closed form";
+    EXPECT_EQ(entry.bytes_sent, it->second.sent) << where;
+    EXPECT_EQ(entry.bytes_received, it->second.received) << where;
+    EXPECT_EQ(entry.calls, it->second.calls) << where << ": collective calls";
+  }
+}
+
+// Every rank of an invariant run: its ledger the closed form, its pool the
+// memory model's count-only run in the mode (and after forward, in fp32,
+// the independent closed form of what the form saves).
+void expect_closed_forms(const MlaConfig& cfg, const SpLayout& lay, Form f,
+                         const BlockRun<float>& run, Precision precision) {
+  for (const RankReport& rep : run.ranks) {
+    const std::string tag = std::string(form_spec(f).name) + " " + lay.describe() +
+                            (precision == Precision::bf16 ? " bf16" : " fp32") + " rank " +
+                            std::to_string(rep.rank);
+    expect_ledger_is_the_closed_form(
+        rep.ledger,
+        predict_comm(cfg, lay, f, rep.rank, wire_element_bytes(precision, GradReduce::fp32, 4),
+                     true, true, true),
+        tag);
+    MemoryModelOptions opt;
+    opt.invariant = true;
+    const MemoryPrediction p = predict_memory(cfg, lay, f, AttentionKind::flash, rep.rank, 4, opt);
+    EXPECT_EQ(rep.memory.peak_activations, p.peak_activations) << tag;
+    EXPECT_EQ(rep.memory.peak_comm_buffers, p.peak_comm_buffers) << tag;
+    EXPECT_EQ(rep.memory.peak_working, p.peak_working) << tag;
+    EXPECT_EQ(rep.memory.after_forward, p.after_forward) << tag;
+    if (precision == Precision::fp32) {
+      EXPECT_EQ(rep.memory.after_forward,
+                4 * saved_for_backward_elements(cfg, lay, f, AttentionKind::flash, rep.rank))
+          << tag << " saved for backward";
+    }
+  }
+}
+
 void expect_same_bits_at_every_p(Precision precision, bool packed, bool uneven_shards,
                                  std::int64_t rq = 0, bool gated = false) {
   const MlaConfig cfg = config(rq, gated);
@@ -80,14 +132,17 @@ void expect_same_bits_at_every_p(Precision precision, bool packed, bool uneven_s
   const UsePrecision prec(precision);
   for (Form f : all_forms()) {
     if (!form_spec(f).traits.invariant) continue;
-    const BlockRun<float> one =
-        run(f, SpLayout::even(B, S, cfg.n_heads, 1), in, packed ? &docs : nullptr, rq, gated);
+    const SpLayout single = SpLayout::even(B, S, cfg.n_heads, 1);
+    const BlockRun<float> one = run(f, single, in, packed ? &docs : nullptr, rq, gated);
+    expect_closed_forms(cfg, single, f, one, precision);
     for (int P = 2; P <= 8; ++P) {
       const SpLayout lay =
           uneven_shards ? uneven(B, S, cfg.n_heads, P) : SpLayout::even(B, S, cfg.n_heads, P);
-      EXPECT_EQ(first_difference(run(f, lay, in, packed ? &docs : nullptr, rq, gated), one), "")
+      const BlockRun<float> at_p = run(f, lay, in, packed ? &docs : nullptr, rq, gated);
+      EXPECT_EQ(first_difference(at_p, one), "")
           << form_spec(f).name << " at " << lay.describe()
           << (precision == Precision::bf16 ? " bf16" : " fp32") << (packed ? " packed" : "");
+      expect_closed_forms(cfg, lay, f, at_p, precision);
     }
   }
 }
@@ -111,6 +166,52 @@ TEST(InvariantForms, SameBitsAtEveryPGatedNopeFp32) {
   expect_same_bits_at_every_p(Precision::fp32, true, true, 7, true);
 }
 
+// A count-only rank of `lay` on a dry-run communicator in the mode, in T:
+// its ledger the closed form at sizeof(T) an element and its pool the
+// memory model's.
+template <class T>
+void expect_count_only_closed_forms(const MlaConfig& cfg, const SpLayout& lay, Form f, int r) {
+  MemoryPool pool;
+  pool.set_count_only(true);
+  PoolScope scope(pool);
+  const RopeTable rope = RopeTable::unbacked(cfg.rope(), lay.seq);
+  const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  const Tensor<T> x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
+  DryRunCommunicator comm(r, lay.ranks);
+  RunSpec spec;
+  spec.variant = f;
+  spec.attention = AttentionKind::flash;
+  spec.invariant = true;
+  const RankResult<T> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+  const std::int64_t e = sizeof(T);
+  const std::string tag = std::string(form_spec(f).name) + " " + lay.describe() + " rank " +
+                          std::to_string(r) + " " + std::to_string(e) + "-byte elements";
+  EXPECT_GT(res.report.ledger.entries().at({Phase::backward, "wo_grad"}).bytes_sent, std::int64_t(1)
+                                                                                         << 30)
+      << tag << ": wo's pieces, 7168 x 16384 elements to 7 peers";
+  expect_ledger_is_the_closed_form(res.report.ledger,
+                                   predict_comm(cfg, lay, f, r, e, true, true, true), tag);
+  MemoryModelOptions opt;
+  opt.invariant = true;
+  const MemoryPrediction p = predict_memory(cfg, lay, f, AttentionKind::flash, r, e, opt);
+  EXPECT_EQ(res.report.memory.peak_working, p.peak_working) << tag;
+  EXPECT_EQ(res.report.memory.after_forward, p.after_forward) << tag;
+}
+
+// At DeepSeek-V3's dims (and its query latent, rq 1536), S 4096 and 4099
+// (uneven: ranks of equal shards at different offsets cut different
+// pieces), P 8, ranks 0, 3 and 7, fp32, and one rank in double.
+TEST(InvariantForms, CountOnlyLedgerAndPoolAreTheClosedFormsAtDeepSeekV3Dims) {
+  const MlaConfig v3 = MlaConfig::preset("deepseek-v3");
+  for (Form f : all_forms()) {
+    if (!form_spec(f).traits.invariant) continue;
+    for (std::int64_t S : {4096, 4099})
+      for (int r : {0, 3, 7})
+        expect_count_only_closed_forms<float>(v3, SpLayout::even(1, S, v3.n_heads, 8), f, r);
+    expect_count_only_closed_forms<double>(v3, SpLayout::even(1, 4099, v3.n_heads, 8), f, 3);
+  }
+}
+
 // The mutation: the canonical sums combined in rank order (as an all-reduce
 // of partial sums does) is caught by the comparison above.
 TEST(InvariantForms, ARankOrderedReductionIsCaught) {
@@ -128,11 +229,37 @@ TEST(InvariantForms, ARankOrderedReductionIsCaught) {
   EXPECT_GT(caught, 0) << "a rank-ordered reduction gave P 1's bits at P 3, 5 and 8";
 }
 
+// The same mutation in absorbed's and laga_fused's sum of the latent's
+// gradient over the heads (ops::canonical_parts_reduce_scatter): dx is the
+// first tensor to differ (dx reads that sum and none over tokens; out reads
+// neither).
+TEST(InvariantForms, ARankOrderedHeadSumIsCaughtInDx) {
+  struct Restore {
+    ~Restore() { ops::canonical_sum_rank_order = false; }
+  } restore;
+  const MlaConfig cfg = config();
+  const test::BlockInputs<float> in = test::make_inputs(cfg, 2, 71);
+  for (Form f : {Form::absorbed, Form::laga_fused}) {
+    ops::canonical_sum_rank_order = false;
+    const BlockRun<float> one = run(f, SpLayout::even(2, 71, cfg.n_heads, 1), in, nullptr);
+    ops::canonical_sum_rank_order = true;
+    int caught = 0;
+    for (int P : {3, 5, 8})
+      caught += first_difference(run(f, uneven(2, 71, cfg.n_heads, P), in, nullptr), one) == "dx";
+    EXPECT_GT(caught, 0) << form_spec(f).name
+                         << ": a rank-ordered head sum gave P 1's dx at P 3, 5 and 8";
+  }
+}
+
 // A form whose row does not offer the mode is refused, naming it and the
 // forms that do.
 TEST(InvariantForms, OtherFormsAreRefusedByName) {
   const MlaConfig cfg = config();
   const test::BlockInputs<float> in = test::make_inputs(cfg, 1, 16);
+  std::string offering;  // the registry's forms with the trait, in its order
+  for (Form f : all_forms())
+    if (form_spec(f).traits.invariant)
+      offering += (offering.empty() ? "" : ", ") + std::string(form_spec(f).name);
   for (Form f : all_forms()) {
     if (form_spec(f).traits.invariant) continue;
     try {
@@ -143,7 +270,7 @@ TEST(InvariantForms, OtherFormsAreRefusedByName) {
       EXPECT_NE(m.find(std::string("form ") + form_spec(f).name + " does not offer"),
                 std::string::npos)
           << m;
-      EXPECT_NE(m.find("use --form explicit, laga"), std::string::npos) << m;
+      EXPECT_NE(m.find("use --form " + offering + ","), std::string::npos) << m;
     }
   }
 }

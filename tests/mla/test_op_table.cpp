@@ -347,17 +347,23 @@ void check_attention(Device dev, RunDtype d, AttentionKind kind, bool latent,
 
 // ------------------------------------------------------- the fused latent attention
 
-void check_fused(Device dev, RunDtype d, const std::string& tag) {
+// invariant: the invariant mode's call (OpShape::invariant), which the
+// flash_latent_invariant rows take (every product on gemm_invariant).
+void check_fused(Device dev, RunDtype d, const std::string& tag, bool invariant) {
   const std::int64_t H = 2, C = 6, dn = 4, dr = 2, dvh = 3, W = C + dr;
   AttnShape a{1, 9, 9, H, H, dn + dr, dvh, 0.4, true};
   OpShape s;
   s.attn = a, s.attention = AttentionKind::flash, s.C = C, s.dn = dn;
   s.ld_c = s.ld_k_pe = s.ld_dc = s.ld_dk_pe = W;
+  s.invariant = invariant;
   const KernelRow* rf = picked(dev, Op::fused_latent_attention_forward, d, s);
   const KernelRow* rb = picked(dev, Op::fused_latent_attention_backward, d, s);
-  const std::string what = tag + " fused_latent_attention " + to_string(d);
+  const std::string what =
+      tag + " fused_latent_attention " + to_string(d) + (invariant ? " invariant" : "");
   ASSERT_NE(rf, nullptr) << what;
   ASSERT_NE(rb, nullptr) << what;
+  for (const KernelRow* r : {rf, rb})
+    EXPECT_EQ(std::string(r->name) == "flash_latent_invariant", invariant) << what << r->name;
   const std::int64_t nq = a.B * a.Sq * H * a.dqk, nl = a.B * a.Sk * W, nw = H * (dn + dvh) * C,
                      no = a.B * a.Sq * H * dvh;
   const std::vector<double> q = values(nq, 8, d), lat = values(nl, 9, d), w = values(nw, 10, d),
@@ -559,7 +565,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_gemm(dev, d, tag);
         for (AttentionKind kind : {AttentionKind::eager, AttentionKind::flash})
           for (bool latent : {false, true}) check_attention(dev, d, kind, latent, tag);
-        check_fused(dev, d, tag);
+        for (bool invariant : {false, true}) check_fused(dev, d, tag, invariant);
         check_lse_merge(dev, d, tag);
         check_rmsnorm(dev, d, tag);
         check_rope(dev, d, tag);

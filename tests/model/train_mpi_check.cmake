@@ -8,7 +8,9 @@
 # With -DEXPERT_PARALLEL=ON both runs pass --expert-parallel (the MoE's
 # experts folded onto the ranks: all_to_all_v dispatch and combine), and
 # with -DEP=N also --ep N (EP groups of N ranks, each holding every expert).
-# With -DSP=N the runs are on N ranks (default 2). With -DPP=N they are N
+# With -DDSA=ON the model has DeepSeek Sparse Attention (3 dense warm-up
+# steps, then top-8 of 32; index_kl compared too). With -DSP=N the runs are
+# on N ranks (default 2). With -DPP=N they are N
 # pipeline stages instead (--sp 1 --pp N --micro-batches 2: the activations
 # and their gradients passed between the processes). With -DDTYPE=bf16 they
 # train in bf16 mixed precision (flash attention), the activations and the
@@ -30,7 +32,13 @@ if(PP)
 endif()
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
-if(MOE_CONFIG)
+if(DSA)
+  # A DeepSeek Sparse Attention model (model/dsa_layer.hpp): at --sp > 1 its
+  # layers run the query-local latent gather; the form options are refused.
+  set(ARGS train --sp ${SP} --layers 2 --d-model 32 --heads 4 --q-lora-rank 16 --index-heads 2
+           --index-head-dim 8 --index-topk 8 --index-warmup 3 --seq 32 --batch 2 --vocab 64
+           --steps 6 --lr 3e-3 --seed 7 --quiet)
+elseif(MOE_CONFIG)
   set(ARGS train --form laga --sp ${SP} --config ${MOE_CONFIG} --seq 32 --batch 2 --steps 6 --lr 3e-3
            --seed 7 --quiet)
 else()
@@ -90,7 +98,11 @@ math(EXPR last "${n_local} - 1")
 foreach(i RANGE ${last})
   list(GET local_lines ${i} a)
   list(GET mpi_lines ${i} b)
-  foreach(key loss grad_norm lr targets)
+  set(keys loss grad_norm lr targets)
+  if(DSA)
+    list(APPEND keys index_kl dsa_stage)
+  endif()
+  foreach(key ${keys})
     string(JSON va GET "${a}" ${key})
     string(JSON vb GET "${b}" ${key})
     if(NOT va STREQUAL vb)

@@ -512,6 +512,36 @@ TEST(ModelPlan, RanksSharingCoresShareTheLayersWork) {
   EXPECT_DOUBLE_EQ(make_model_plans(q).cases[0].forms[1].time.ffn, own.time.ffn);
 }
 
+// Data-parallel replicas that are threads of one host share its cores with
+// the SP group (issue 57, `laga train --dp`): at P 1 the block plan gives
+// each rank a core of its own, so the attention of P dp ranks on c < P dp
+// cores is its compute stretched by P dp / c (the forward and backward
+// compute; at P 1 the block has no collectives); at dp c or fewer, or on
+// a profile of devices, it is the block's own. Seen to fail with the
+// attention left at the block plan's (the replicas' sharing ignored).
+TEST(ModelPlan, ReplicasSharingCoresShareTheAttention) {
+  ModelPlanRequest q = request(moe_tiny(), {1});
+  q.block.dtype = PlanDType::fp32;
+  q.block.profile.shared_cores = 2;
+  q.block.profile.devices_per_node = 2;
+  q.dps = {1, 2, 3, 4};
+  const ModelPlanResult r = make_model_plans(q);
+  ASSERT_EQ(r.cases.size(), 4u);
+  const FormPlan& block = r.cases[0].forms[1].block;
+  const double compute = block.phases[0].compute_s() + block.phases[1].compute_s();
+  const double layers = double(q.model.layers);
+  for (const ModelPlanCase& c : r.cases) {
+    const double stretch = std::max(1.0, double(c.dp) / 2.0);
+    EXPECT_NEAR(c.forms[1].time.attention, layers * compute * stretch,
+                1e-12 * layers * compute * stretch)
+        << "dp " << c.dp;
+  }
+  q.block.profile.shared_cores = 0;  // a device per rank: no sharing
+  q.dps = {4};
+  EXPECT_NEAR(make_model_plans(q).cases[0].forms[1].time.attention, layers * compute,
+              1e-12 * layers * compute);
+}
+
 // A profile with an exp rate prices the layers' exponentials at it, on top
 // of their bytes: per token, the dense SwiGLU's F forward and F backward,
 // each MoE layer's silu over the routed rows the device runs (the busiest

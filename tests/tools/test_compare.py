@@ -24,6 +24,12 @@ Cases:
              max/min <= 1.10) where laga leaves ranks idle; at DeepSeek-V3
              (--count-only, P 8) it moves laga's bytes exactly and at P 64,
              --head-groups 16, it matches its models and stays balanced
+  invariant  --invariant, every form offering it (the registry's): a real run
+             at B 2, S 29, P 4 and its count-only twin match their models label
+             for label (the canonical sums' included) and report the same bytes
+             and peaks; at DeepSeek-V3 (--count-only, S 4099, P 8, where ranks of
+             equal shards cut different pieces) every rank's bytes and its peak
+             equal the models
 Only the standard library, so any python3 runs it.
 """
 import json
@@ -314,12 +320,42 @@ def case_laga2d(laga, scratch):
                "--head-groups", "2"], expect_rc=2)
 
 
+def case_invariant(laga, scratch):
+    offering = [r["name"] for r in registry(laga) if r["traits"]["invariant"]]
+    check(len(offering) >= 2, f"forms offering --invariant: {offering}")
+    base = ["--forms", ",".join(offering), "--invariant", "--steps", "1", "--warmup", "0"]
+    tiny = base + ["--preset", "tiny", "--batch", "2", "--seq", "29", "--sp", "4"]
+    full = compare_json(laga, scratch, "inv_full", tiny)
+    counted = compare_json(laga, scratch, "inv_count", tiny + ["--count-only"])
+    check([f["form"] for f in full["forms"]] == offering, "the forms asked for, in order")
+    check_models(full, "--invariant")
+    check_models(counted, "--invariant --count-only")
+    for f, c in zip(full["forms"], counted["forms"]):
+        rows = {(r["phase"], r["label"]): r for r in f["by_label"]}
+        for label in ["wo_grad", "in_proj_grad", "kv_norm_grad"]:
+            r = rows.get(("backward", label))
+            check(r is not None and r["bytes_sent"] > 0 and r["match"],
+                  f"{f['form']} backward {label}: {r}")
+        for r in c["by_label"]:
+            m = rows[(r["phase"], r["label"])]
+            check(r["bytes_sent"] == m["bytes_sent"] and r["bytes_received"] == m["bytes_received"],
+                  f"{f['form']} {r['phase']}/{r['label']}: count-only {r} vs real {m}")
+        for k in ["peak_activation_bytes", "bytes_sent_total", "peak_comm_buffer_bytes",
+                  "peak_grad_sync_bytes"]:
+            check(f[k] == c[k], f"{f['form']} {k}: real {f[k]} vs count-only {c[k]}")
+    v3 = compare_json(laga, scratch, "inv_v3", base + [
+        "--preset", "deepseek-v3", "--seq", "4099", "--sp", "8", "--count-only"])
+    check_models(v3, "--invariant DeepSeek-V3 count-only")
+    check(v3["measured_ranks"] == list(range(8)), f"measured ranks {v3['measured_ranks']}")
+
+
 def main():
     laga, scratch, case = sys.argv[1], sys.argv[2], sys.argv[3]
     scratch = os.path.join(scratch, "compare_" + case)
     os.makedirs(scratch, exist_ok=True)
     {"tiny": case_tiny, "modes": case_modes, "default": case_default,
-     "errors": case_errors, "q_latent": case_q_latent, "laga2d": case_laga2d}[case](laga, scratch)
+     "errors": case_errors, "q_latent": case_q_latent, "laga2d": case_laga2d,
+     "invariant": case_invariant}[case](laga, scratch)
     print(f"compare {case}: ok")
 
 

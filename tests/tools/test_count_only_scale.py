@@ -76,10 +76,18 @@ if not f["bytes_match"]:
 # many context groups nearly every rank is a class of its own (its query
 # chunks differ), so its count-only cost is O(P) dry runs of O(P) each, as
 # in `laga plan` (about a minute at P 4096 here: not what this test bounds).
+# The ring forms' count-only cost is O(P^2) when the shards are uneven (each
+# rank a class of its own, P steps each): at P 1000 uneven and packed they
+# took 150 of this case's 155 s of CPU (ring_kv 65 s, ring_latent 85 s,
+# every other form under 3 s, loaded machine, 2026-12-07), so they run that
+# case at P 250 and every other form at P 1000.
 no_laga2d = ["--forms", "explicit,absorbed,laga"]
+no_rings = ["--forms", "explicit,absorbed,laga,laga_fused,laga2d,allgather_kv,a2a_p2p"]
 for args, name in [(["--seq", "512", "--sp", "512"], "tiny_p512"),
-                   (["--seq", "1500", "--sp", "1000", "--doc-lens", "300,1000,200"],
+                   (["--seq", "1500", "--sp", "1000", "--doc-lens", "300,1000,200"] + no_rings,
                     "tiny_p1000_uneven_packed"),
+                   (["--seq", "375", "--sp", "250", "--doc-lens", "75,250,50", "--forms",
+                     "ring_kv,ring_latent"], "tiny_p250_uneven_packed_rings"),
                    (["--seq", "4096", "--sp", "4096"] + no_laga2d, "tiny_p4096"),
                    (["--seq", "5000", "--sp", "4096", "--doc-lens", "1000,3000,1000"] + no_laga2d,
                     "tiny_p4096_uneven_packed"),

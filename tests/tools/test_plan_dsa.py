@@ -11,7 +11,7 @@
 - configs/kimi-k3-like.json (no index keys) plans the dense forms.
 - Refusals exit 2 with one "laga: error:" line naming what was wrong: a DSA
   preset or config given to a command that runs the dense block (forward,
-  compare, train), --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
+  compare), V3.2's config to laga train at a --seq below its index_topk, --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
   with index_topk but no index_head_dim.
 """
 import json
@@ -93,7 +93,8 @@ for args, words in [
         (["plan", "--model", v32, "--profile", "h100"], "--model plans dense MLA layers"),
         (["plan", "--model", os.path.join(src, "configs", "glm-5-like.json"), "--profile",
           "h100"], "--model plans dense MLA layers"),
-        (["train", "--config", v32], "laga train's layers run dense MLA"),
+        # laga train runs DSA (model/dsa_layer.hpp); V3.2's top-2048 is above its --seq
+        (["train", "--config", v32], "index_topk 2048 is above --seq 512"),
         (["plan", "--preset", "glm-5-like", "--profile", "h100", "--q-latent"],
          "--q-latent, --head-groups, --overlap and --attention"),
         (["plan", "--preset", "glm-5-like", "--profile", "h100", "--forms", "laga"],

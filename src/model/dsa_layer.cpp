@@ -1,0 +1,127 @@
+#include "model/dsa_layer.hpp"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.hpp"
+#include "mla/dsa_cp.hpp"
+
+namespace laga {
+
+template <class T>
+LmIndexerParams<T> LmIndexerParams<T>::zeros(const MlaConfig& cfg, MemCategory cat) {
+  LmIndexerParams p;
+  if (!cfg.dsa()) return p;
+  const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
+                     dI = cfg.index_head_dim;
+  p.wq_b = Tensor<T>::zeros({HI * dI, rq}, cat);
+  p.wk = Tensor<T>::zeros({dI, D}, cat);
+  p.k_norm_weight = Tensor<T>::zeros({dI}, cat);
+  p.k_norm_bias = Tensor<T>::zeros({dI}, cat);
+  p.weights_proj = Tensor<T>::zeros({HI, D}, cat);
+  return p;
+}
+
+template <class T>
+void LmIndexerParams<T>::for_each(const std::function<void(const std::string&, Tensor<T>&)>& fn) {
+  if (!defined()) return;
+  fn("indexer.wq_b.weight", wq_b);
+  fn("indexer.wk.weight", wk);
+  fn("indexer.k_norm.weight", k_norm_weight);
+  fn("indexer.k_norm.bias", k_norm_bias);
+  fn("indexer.weights_proj.weight", weights_proj);
+}
+
+bool lm_param_is_indexer(const std::string& name) {
+  return name.find(".attn.indexer.") != std::string::npos;
+}
+
+namespace {
+
+// The block takes the indexer's weights as host vectors (DsaIndexerParams).
+template <class T>
+DsaIndexerParams<T> host_copy(const LmIndexerParams<T>& iw) {
+  auto& w = const_cast<LmIndexerParams<T>&>(iw);  // for_each is non-const; nothing is written
+  DsaIndexerParams<T> h;
+  std::vector<std::vector<T>*> dst;
+  for (auto& [name, v] : h.named()) dst.push_back(v);
+  std::size_t k = 0;
+  w.for_each([&](const std::string&, Tensor<T>& t) {
+    LAGA_CHECK(t.data() != nullptr,
+               "DSA layer: the indexer's weights are not backed (a count-only run?); the DSA "
+               "block has no count-only run (model/dsa_layer.hpp)");
+    dst[k++]->assign(t.data(), t.data() + t.numel());
+  });
+  return h;
+}
+
+template <class T>
+DsaBlockResult<T> run_block(const DsaLayerContext& c, const MlaParams<T>& w,
+                            const LmIndexerParams<T>& iw, const Tensor<T>& x, const T* dout) {
+  LAGA_CHECK(x.data() != nullptr,
+             "DSA layer: the attention's input is not backed: the DSA block has no count-only "
+             "run, so laga train predicts no memory for a DSA model (model/dsa_layer.hpp)");
+  const DsaIndexerParams<T> h = host_copy(iw);
+  if (c.comm.size() == 1)
+    return dsa_block(c.cfg, w, h, x.data(), dout, c.layout.batch, c.layout.seq, c.stage);
+  return dsa_latent_gather(c.cfg, w, h, x.data(), dout, c.layout, c.stage, c.comm);
+}
+
+template <class T>
+void add_into(Tensor<T>& dst, const T* src) {
+  T* d = dst.data();
+  for (std::int64_t i = 0; i < dst.numel(); ++i) d[i] += src[i];
+}
+
+}  // namespace
+
+template <class T>
+double dsa_layer_forward(const DsaLayerContext& c, const MlaParams<T>& w,
+                         const LmIndexerParams<T>& iw, const Tensor<T>& x, Tensor<T>& out) {
+  DsaBlockResult<T> r = run_block(c, w, iw, x, static_cast<const T*>(nullptr));
+  out = Tensor<T>(x.shape());
+  std::copy(r.out.begin(), r.out.end(), out.data());
+  return r.kl_loss;
+}
+
+template <class T>
+void dsa_layer_backward(const DsaLayerContext& c, const MlaParams<T>& w,
+                        const LmIndexerParams<T>& iw, const Tensor<T>& x, const Tensor<T>& dout,
+                        double kl_scale, Tensor<T>& dx, MlaParams<T>& g, LmIndexerParams<T>& gi) {
+  DsaBlockResult<T> r = run_block(c, w, iw, x, dout.data());
+  dx = Tensor<T>(x.shape());
+  std::copy(r.dx.begin(), r.dx.end(), dx.data());
+  // The MLA weights' LM gradient, tensor by tensor in for_each's order.
+  std::vector<const Tensor<T>*> from;
+  r.grads.for_each(std::function<void(const std::string&, Tensor<T>&)>(
+      [&](const std::string&, Tensor<T>& t) { from.push_back(&t); }));
+  std::size_t k = 0;
+  g.for_each(std::function<void(const std::string&, Tensor<T>&)>(
+      [&](const std::string& name, Tensor<T>& t) {
+        LAGA_CHECK(k < from.size() && from[k]->numel() == t.numel(), "DSA layer: the gradient of '",
+                   name, "' does not match the block's");
+        add_into(t, from[k++]->data());
+      }));
+  // The indexer's KL gradient, scaled to the mean over query rows.
+  k = 0;
+  std::vector<std::vector<T>*> kl;
+  for (auto& [name, v] : r.indexer_grads.named()) kl.push_back(v);
+  gi.for_each([&](const std::string&, Tensor<T>& t) {
+    std::vector<T>& v = *kl[k++];
+    for (T& e : v) e = T(double(e) * kl_scale);
+    add_into(t, v.data());
+  });
+}
+
+#define LAGA_INSTANTIATE(T)                                                                      \
+  template struct LmIndexerParams<T>;                                                            \
+  template double dsa_layer_forward<T>(const DsaLayerContext&, const MlaParams<T>&,              \
+                                       const LmIndexerParams<T>&, const Tensor<T>&, Tensor<T>&); \
+  template void dsa_layer_backward<T>(                                                           \
+      const DsaLayerContext&, const MlaParams<T>&, const LmIndexerParams<T>&, const Tensor<T>&,  \
+      const Tensor<T>&, double, Tensor<T>&, MlaParams<T>&, LmIndexerParams<T>&);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+}  // namespace laga

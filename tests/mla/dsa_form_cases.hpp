@@ -1,0 +1,142 @@
+// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp): the
+// indexer's random weights, the reference of a packed batch (dsa_block on
+// each document alone), rows of a (B, S, w) tensor, the sum of the ranks'
+// partial gradients and its comparison with the reference, and a rank's
+// ledger against its closed form.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "comm/communicator.hpp"
+#include "common/check.hpp"
+#include "mla/comm_model.hpp"
+#include "mla/dsa_block.hpp"
+
+namespace laga::test {
+
+// Uniform weights scaled by sqrt(3 / fan_in); the LayerNorm's weight about 1.
+template <class T>
+DsaIndexerParams<T> dsa_indexer_weights(const MlaConfig& c, std::uint64_t seed) {
+  DsaIndexerParams<T> p = DsaIndexerParams<T>::zeros(c);
+  std::uint64_t s = seed;
+  for (auto& [name, t] : p.named()) {
+    const double fan_in = name == "indexer.wq_b.weight" ? double(c.q_lora_rank) : double(c.dim);
+    const bool norm = name.find("k_norm") != std::string::npos;
+    fill_random(t->data(), std::int64_t(t->size()), ++s, norm ? -0.2 : -1.0, norm ? 0.2 : 1.0);
+    if (!norm)
+      for (T& e : *t) e = T(double(e) * std::sqrt(3.0 / fan_in));
+    if (name == "indexer.k_norm.weight")
+      for (T& e : *t) e += T(1);
+  }
+  return p;
+}
+
+// Rows [s0, s0 + L) of every batch row of a (B, S, w) tensor.
+template <class T>
+std::vector<T> dsa_rows(const std::vector<T>& a, std::int64_t B, std::int64_t S, std::int64_t w,
+                        std::int64_t s0, std::int64_t L) {
+  std::vector<T> out;
+  for (std::int64_t b = 0; b < B; ++b)
+    out.insert(out.end(), a.begin() + (b * S + s0) * w, a.begin() + (b * S + s0 + L) * w);
+  return out;
+}
+
+// sum += part, gradient by gradient (the MLA's and the indexer's), and the KL.
+template <class T>
+void dsa_add_grads(DsaBlockResult<T>& sum, const DsaBlockResult<T>& part) {
+  sum.kl_loss += part.kl_loss;
+  sum.grads.for_each([&](const std::string& name, Tensor<T>& t) {
+    part.grads.for_each([&](const std::string& n2, const Tensor<T>& g) {
+      if (n2 != name) return;
+      for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] += g.data()[i];
+    });
+  });
+  DsaIndexerParams<T> theirs_p = part.indexer_grads;
+  auto mine = sum.indexer_grads.named();
+  auto theirs = theirs_p.named();
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    for (std::size_t i = 0; i < mine[k].second->size(); ++i)
+      (*mine[k].second)[i] += (*theirs[k].second)[i];
+}
+
+// A packed batch: docs[b] the document lengths of batch row b (each row's
+// sum is S). The reference is dsa_block on each document alone (B 1, its
+// positions from 0), the selection moved to the row's positions, the
+// gradients and KL summed over the documents; doc_start (B, S) is filled.
+template <class T>
+DsaBlockResult<T> dsa_per_document(const MlaConfig& cfg, const MlaParams<T>& w,
+                                   const DsaIndexerParams<T>& iw, const std::vector<T>& x,
+                                   const std::vector<T>& dout, std::int64_t S, DsaStage stage,
+                                   const std::vector<std::vector<std::int64_t>>& docs,
+                                   std::vector<std::int64_t>& doc_start) {
+  const std::int64_t D = cfg.dim, K = cfg.index_topk;
+  DsaBlockResult<T> all;
+  all.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  all.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
+  for (std::size_t b = 0; b < docs.size(); ++b) {
+    std::int64_t a = 0;
+    for (std::int64_t len : docs[b]) {
+      const std::int64_t off = std::int64_t(b) * S + a;
+      for (std::int64_t t = 0; t < len; ++t) doc_start.push_back(a);
+      const std::vector<T> xd(x.begin() + off * D, x.begin() + (off + len) * D);
+      const std::vector<T> dd(dout.begin() + off * D, dout.begin() + (off + len) * D);
+      const DsaBlockResult<T> r =
+          dsa_block(cfg, w, iw, xd.data(), dd.data(), 1, len, stage, DsaAttend::per_head);
+      all.out.insert(all.out.end(), r.out.begin(), r.out.end());
+      all.dx.insert(all.dx.end(), r.dx.begin(), r.dx.end());
+      for (std::int64_t i = 0; i < len * K; ++i) {
+        const std::int32_t j = r.idx[std::size_t(i)];
+        all.idx.push_back(j < 0 ? j : std::int32_t(j + a));
+      }
+      dsa_add_grads(all, r);
+      a += len;
+    }
+  }
+  return all;
+}
+
+// The ranks' summed KL and gradients (dsa_add_grads) against the reference.
+template <class T>
+void dsa_expect_sum_equals(const std::string& what, DsaBlockResult<T>& sum,
+                           const DsaBlockResult<T>& want, const Tolerance& tol) {
+  EXPECT_NEAR(sum.kl_loss, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss))
+      << what << " KL";
+  sum.grads.for_each([&](const std::string& name, const Tensor<T>& t) {
+    want.grads.for_each([&](const std::string& n2, const Tensor<T>& ref) {
+      if (n2 != name) return;
+      EXPECT_TRUE(
+          all_close(what + " d" + name, t.data(), ref.data(), t.numel(), tol.atol, tol.rtol));
+    });
+  });
+  DsaIndexerParams<T> wi = want.indexer_grads;
+  auto mine = sum.indexer_grads.named();
+  auto ref = wi.named();
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    EXPECT_TRUE(all_close(what + " d" + mine[k].first, *mine[k].second, *ref[k].second, tol.atol,
+                          tol.rtol));
+}
+
+// A rank's ledger against its closed form, label for label: bytes both
+// ways and calls, and no label the closed form lacks.
+inline void dsa_expect_ledger(const std::string& what, const Ledger& ledger,
+                              const CommPrediction& p) {
+  const auto& entries = ledger.entries();
+  EXPECT_EQ(entries.size(), p.size()) << what << " ledger labels";
+  for (const auto& [key, pred] : p) {
+    const auto it = entries.find(key);
+    if (it == entries.end()) {
+      ADD_FAILURE() << what << " no ledger entry " << to_string(key.first) << " " << key.second;
+      continue;
+    }
+    EXPECT_EQ(it->second.bytes_sent, pred.sent) << what << " " << key.second;
+    EXPECT_EQ(it->second.bytes_received, pred.received) << what << " " << key.second;
+    EXPECT_EQ(it->second.calls, pred.calls) << what << " " << key.second;
+  }
+}
+
+}  // namespace laga::test

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""`laga train` on a DeepSeek Sparse Attention model from the command line
+(issue 55; model/dsa_layer.hpp).
+
+    test_train_dsa_cli.py LAGA_BINARY SCRATCH_DIR
+
+- the model from --index-heads/--index-head-dim/--index-topk: every --log
+  line holds index_kl (finite, >= 0) and dsa_stage (dense_warmup for the
+  first --index-warmup steps, then sparse);
+- a DSA --config (ModelArgs keys index_n_heads, index_head_dim, index_topk)
+  trains, where laga train refused it before; its checkpoint holds every
+  layer's indexer under DeepSeek's names (layers.N.attn.indexer.*);
+- refused, exit 2, one message naming the option: --form/--attention beside
+  a DSA model, --index-warmup on a dense model, --index-topk without the
+  other two, DSA without --q-lora-rank, --index-topk above --seq.
+Only the standard library.
+"""
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+LAGA, SCRATCH = sys.argv[1], os.path.join(sys.argv[2], "train_dsa_cli")
+shutil.rmtree(SCRATCH, ignore_errors=True)
+os.makedirs(SCRATCH)
+MODEL = ["--vocab", "64", "--layers", "2", "--d-model", "32", "--heads", "4",
+         "--q-lora-rank", "16", "--seq", "32", "--batch", "2", "--quiet"]
+INDEX = ["--index-heads", "2", "--index-head-dim", "8", "--index-topk", "8"]
+failures = []
+
+
+def run(args):
+    return subprocess.run([LAGA, "train"] + args, capture_output=True, text=True, timeout=120)
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+# ---- options, the log's fields
+log = os.path.join(SCRATCH, "dsa.jsonl")
+r = run(MODEL + INDEX + ["--steps", "4", "--index-warmup", "2", "--log", log])
+check(r.returncode == 0, f"DSA by options should train: {r.stderr}")
+lines = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+check(len(lines) == 4, f"4 log lines expected, got {len(lines)}")
+for i, j in enumerate(lines):
+    check(math.isfinite(j.get("index_kl", float("nan"))) and j["index_kl"] >= 0,
+          f"step {i + 1}: index_kl missing or not finite: {j}")
+    want = "dense_warmup" if i < 2 else "sparse"
+    check(j.get("dsa_stage") == want, f"step {i + 1}: dsa_stage {j.get('dsa_stage')}, want {want}")
+
+# ---- a DSA config, and its checkpoint's names
+cfg = os.path.join(SCRATCH, "dsa.json")
+json.dump({"dim": 32, "n_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 32,
+           "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+           "n_layers": 2, "vocab_size": 64, "inter_dim": 96,
+           "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8}, open(cfg, "w"))
+ck = os.path.join(SCRATCH, "ck")
+r = run(["--config", cfg, "--seq", "32", "--batch", "2", "--steps", "2", "--quiet",
+         "--checkpoint", ck])
+check(r.returncode == 0, f"a DSA --config should train: {r.stderr}")
+tensors = [f for f in os.listdir(ck) if f.endswith(".safetensors")] if os.path.isdir(ck) else []
+check(len(tensors) == 1, f"one checkpoint expected in {ck}: {tensors}")
+if tensors:
+    with open(os.path.join(ck, tensors[0]), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        names = set(json.loads(f.read(n)))
+    for l in range(2):
+        for t in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                  "weights_proj.weight"):
+            name = f"param.layers.{l}.attn.indexer.{t}"
+            check(name in names, f"checkpoint lacks {name}")
+
+# ---- refusals
+for args, words in [
+        (MODEL + INDEX + ["--steps", "2", "--form", "laga"], "--form chooses among"),
+        (MODEL + INDEX + ["--steps", "2", "--attention", "eager"], "drop --attention"),
+        (MODEL + ["--steps", "2", "--index-warmup", "1"], "the model has no indexer"),
+        (MODEL + ["--steps", "2", "--index-topk", "8"], "index_n_heads"),
+        ([a if a != "16" else "0" for a in MODEL] + INDEX + ["--steps", "2"], "q_lora_rank"),
+        (MODEL + ["--index-heads", "2", "--index-head-dim", "8", "--index-topk", "64",
+                  "--steps", "2"], "index_topk 64 is above --seq 32"),
+        (MODEL + INDEX + ["--steps", "2", "--batch", "2", "--dp", "2"], "--dp 2 is not supported")]:
+    r = run(args)
+    check(r.returncode == 2 and words in r.stderr,
+          f"{' '.join(args[len(MODEL) - 1:])}: want exit 2 naming '{words}', got "
+          f"{r.returncode}: {r.stderr.strip()[-300:]}")
+
+if failures:
+    sys.exit(f"{len(failures)} failure(s)")
+print("ok")
