@@ -6,13 +6,14 @@
 #
 #   bash scripts/gpu_check.sh BUNDLE SHAPES OUTDIR         the PyTorch package (below)
 #   bash scripts/gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz
-#                                                          here: pack laga_cuda_check
+#                                                          here: pack laga_cuda_check, laga
 #   bash scripts/gpu_check.sh cuda OUT.tar.xz OUTDIR [--dry-run]
 #                                                          there: run it
 #
-# cuda-bundle (on the build machine, a LAGA_CUDA=ON build): laga_cuda_check
-# and laga_cuda_forms (sm_90, built with this machine's nvcc) and the shared
-# libraries they need
+# cuda-bundle (on the build machine, a LAGA_CUDA=ON build): laga_cuda_check,
+# laga_cuda_forms, laga and its CUDA backend module liblaga_cuda_backend.so
+# (sm_90, built with this machine's nvcc; laga finds the module beside it)
+# and the shared libraries they need
 # that the GPU image lacks (oneDNN, OpenBLAS and their runtimes), into one
 # .tar.xz to carry. The CUDA libraries (cuBLASLt, cuDNN, NVRTC, NCCL) are not
 # packed (over 800 MB): the GPU image's PyPI nvidia-* wheels provide them.
@@ -27,7 +28,9 @@
 # CUDA at P 1 and P 2-4 sharing the GPU against the CPU float64 reference,
 # the ledger, the device peak against the model, bf16 against CUDA explicit,
 # step times per form at DeepSeek-V3 block dims, S 4096..32768, with the
-# fused kernel's peak and time beside unfused laga and explicit), writing
+# fused kernel's peak and time beside unfused laga and explicit), then `laga
+# compare --device cuda` (the tool's own path: the module loaded, every form
+# at P 1 and at P 2, 3, 4 as ranks sharing the GPU, its tables), writing
 # into OUTDIR:
 #   cuda_gpu.txt      nvidia-smi's device, driver and clocks
 #   cuda_check.json   every op check (error, tolerance, pass) and timing
@@ -36,10 +39,14 @@
 #   cuda_forms.json   every form check and step time
 #   cuda_forms.md     the same as tables
 #   cuda_forms.log    its output
-# Budget: 260 s + 280 s of timeouts, inside the lease's ten-minute command.
+#   laga_compare_cuda_pP.md / .json / .log   laga compare --device cuda at P
+#                     1..4: the table it prints, its JSON, its output
+# Budget: 210 s + 220 s + 4 x 30 s of timeouts, inside the lease's ten-minute
+# command.
 # --dry-run: no device needed (CI's host test, tools_gpu_check_cuda_dry):
-# the bundle is unpacked and its binary runs with its libraries, listing
-# what it would check.
+# the bundle is unpacked and its binaries run with its libraries, listing
+# what they would check; laga loads the module and lists its kernel rows
+# (laga_kernels_cuda.json).
 #
 # The PyTorch mode:
 #   bash scripts/gpu_check.sh BUNDLE SHAPES OUTDIR
@@ -62,12 +69,13 @@ if [ "${1:-}" = "cuda-bundle" ]; then
   tarball=${3:?"usage: gpu_check.sh cuda-bundle BUILD_DIR OUT.tar.xz"}
   stage=$(mktemp -d)
   mkdir -p "$stage/lib"
-  for t in laga_cuda_check laga_cuda_forms; do
-    [ -x "$build/$t" ] || { echo "gpu_check: $build/$t is missing: build target $t (LAGA_CUDA=ON)"; exit 2; }
+  for t in laga_cuda_check laga_cuda_forms laga liblaga_cuda_backend.so; do
+    [ -e "$build/$t" ] || { echo "gpu_check: $build/$t is missing: build it (LAGA_CUDA=ON; the module: target laga_cuda_backend)"; exit 2; }
     cp "$build/$t" "$stage/"
   done
   # Every library they load but CUDA's own (the GPU image has those) and libc's.
-  ldd "$build/laga_cuda_check" "$build/laga_cuda_forms" | awk '$3 ~ /^\// {print $3}' | sort -u |
+  ldd "$build/laga_cuda_check" "$build/laga_cuda_forms" "$build/laga" \
+    "$build/liblaga_cuda_backend.so" | awk '$3 ~ /^\// {print $3}' | sort -u |
     while read -r lib; do
     case "$(basename "$lib")" in
       libcuda*|libcublas*|libcudnn*|libnvrtc*|libnccl*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*) ;;
@@ -101,25 +109,45 @@ if [ "${1:-}" = "cuda" ]; then
     rc=${PIPESTATUS[0]}
     "$dir/laga_cuda_forms" --dry-run --json "$out/cuda_forms.json" 2>&1 | tee "$out/cuda_forms.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    "$dir/laga" kernels --device cuda --json "$out/laga_kernels_cuda.json" 2>&1 |
+      tee "$out/laga_kernels_cuda.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     exit "$rc"
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     2>&1 | tee "$out/cuda_gpu.txt"
   echo "== laga_cuda_check"
-  # 260 s + 280 s of the lease's ten-minute command: the checks take
+  # 210 s + 220 s + 120 s of the lease's ten-minute command: the checks take
   # seconds, the timings stop at their budget (--budget-s), the rest is slack.
-  time timeout 260 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
-    --table "$out/cuda_check.md" --budget-s 180 >"$out/cuda_check.log" 2>&1
+  time timeout 210 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
+    --table "$out/cuda_check.md" --budget-s 140 >"$out/cuda_check.log" 2>&1
   rc=$?
   echo "rc $rc" >>"$out/cuda_check.log"
   tail -40 "$out/cuda_check.log"
   echo "== laga_cuda_forms"
-  time timeout 280 "$dir/laga_cuda_forms" --json "$out/cuda_forms.json" \
-    --table "$out/cuda_forms.md" --budget-s 150 >"$out/cuda_forms.log" 2>&1
+  time timeout 220 "$dir/laga_cuda_forms" --json "$out/cuda_forms.json" \
+    --table "$out/cuda_forms.md" --budget-s 110 >"$out/cuda_forms.log" 2>&1
   rc_forms=$?
   echo "rc $rc_forms" >>"$out/cuda_forms.log"
   tail -60 "$out/cuda_forms.log"
   [ "$rc" = 0 ] && rc=$rc_forms
+  # laga itself on the GPU: the module loaded (beside laga), every form,
+  # ranks as threads sharing the GPU; its table and JSON as on the CPU.
+  # (The shape: compare's default model and S, two measured steps after one
+  # warm-up; LAGA_COMPARE_SHAPE replaces it.)
+  "$dir/laga" kernels --device cuda --json "$out/laga_kernels_cuda.json" >/dev/null 2>&1
+  shape=${LAGA_COMPARE_SHAPE:---preset small --seq 1024 --steps 2 --warmup 1}
+  for P in 1 2 3 4; do
+    echo "== laga compare --device cuda --sp $P"
+    f="$out/laga_compare_cuda_p$P"
+    timeout 30 "$dir/laga" compare --device cuda --forms all --sp "$P" \
+      $shape --json "$f.json" >"$f.md" 2>"$f.log"
+    rc_c=$?
+    echo "rc $rc_c" >>"$f.log"
+    tail -30 "$f.md"
+    tail -3 "$f.log"
+    [ "$rc" = 0 ] && rc=$rc_c
+  done
   exit $rc
 fi
 

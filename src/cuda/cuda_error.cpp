@@ -1,7 +1,8 @@
 // check_cuda only: the cuBLAS and NCCL checks are in files of their own
-// (cuda_error_cublas.cpp, cuda_error_nccl.cpp), so that a program that
-// calls only the runtime (laga's --device check) does not load cuBLASLt or
-// NCCL under --as-needed (src/tools/CMakeLists.txt).
+// (cuda_error_cublas.cpp, cuda_error_nccl.cpp), so that a program linking
+// laga_cuda statically that calls only the runtime does not pull cuBLASLt or
+// NCCL in under --as-needed. (laga itself links none of it: it loads the
+// module liblaga_cuda_backend.so for --device cuda, mla/cuda_backend.hpp.)
 #include "cuda/cuda_error.hpp"
 
 #include <cuda_runtime_api.h>

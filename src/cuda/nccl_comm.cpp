@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -51,6 +52,53 @@ struct Scratch {
   }
 };
 thread_local Scratch counts_scratch, parts_scratch;
+
+// A host buffer handed to a collective, moved through a device copy: NCCL
+// moves device memory only, and the tools gather their results and reports
+// after the measured step from host memory (std::vectors, host tensors;
+// tools/block_job.cpp, tools/compare_run.cpp). Device and managed pointers,
+// and null ones (count-only), pass as they are; the copy is outside the pool,
+// as MPI's own buffers are. done() copies an output back.
+class HostStage {
+ public:
+  HostStage(const void* p, std::int64_t bytes) : ptr_(const_cast<void*>(p)) {
+    if (!p || bytes <= 0) return;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) == cudaSuccess &&
+        (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
+      return;
+    (void)cudaGetLastError();
+    host_ = ptr_, bytes_ = static_cast<std::size_t>(bytes), ptr_ = nullptr;
+    check_cuda(cudaMalloc(&ptr_, bytes_), "cudaMalloc of a host buffer's device copy (NCCL)");
+    check_cuda(cudaMemcpy(ptr_, host_, bytes_, cudaMemcpyHostToDevice),
+               "upload of a host buffer for NCCL");
+  }
+  ~HostStage() {
+    if (host_) (void)cudaFree(ptr_);
+  }
+  HostStage(const HostStage&) = delete;
+  HostStage& operator=(const HostStage&) = delete;
+  void* get() const { return ptr_; }
+  void done() const {
+    if (host_)
+      check_cuda(cudaMemcpy(host_, ptr_, bytes_, cudaMemcpyDeviceToHost),
+                 "download of a host buffer from NCCL");
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  void* host_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// The bytes a v-collective's buffer spans: the end of its furthest block.
+std::int64_t span_bytes(const std::int64_t* counts, const std::int64_t* displs, int P,
+                        std::int64_t e) {
+  std::int64_t end = 0;
+  for (int j = 0; j < P; ++j)
+    if (counts[j] > 0) end = std::max(end, displs[j] + counts[j]);
+  return end * e;
+}
 
 }  // namespace
 
@@ -134,6 +182,9 @@ void NcclCommunicator::transport_all_to_all(const void* send, const std::int64_t
   const auto kind = CollectiveKind::all_to_all;
   const int P = size_, r = rank_;
   const std::int64_t e = dtype_bytes(dtype);
+  const HostStage send_stage(send, span_bytes(send_counts, send_displs, P, e)),
+      recv_stage(recv, span_bytes(recv_counts, recv_displs, P, e));
+  send = send_stage.get(), recv = recv_stage.get();
   const auto all = gather_counts(send_counts, P, kind, label);
   for (int j = 0; j < P; ++j) {
     const std::int64_t sent = all[static_cast<std::size_t>(j * P + r)];
@@ -170,6 +221,7 @@ void NcclCommunicator::transport_all_to_all(const void* send, const std::int64_t
                                cudaMemcpyDeviceToDevice, cs(stream_)),
                "own block copy");
   finish(kind, label);
+  recv_stage.done();
 }
 
 void NcclCommunicator::transport_all_gather(const void* send, std::int64_t send_count, void* recv,
@@ -179,6 +231,9 @@ void NcclCommunicator::transport_all_gather(const void* send, std::int64_t send_
   const auto kind = CollectiveKind::all_gather;
   const int P = size_, r = rank_;
   const std::int64_t e = dtype_bytes(dtype);
+  const HostStage send_stage(send, send_count * e),
+      recv_stage(recv, span_bytes(recv_counts, recv_displs, P, e));
+  send = send_stage.get(), recv = recv_stage.get();
   const auto all = gather_counts(&send_count, 1, kind, label);
   for (int j = 0; j < P; ++j)
     LAGA_CHECK(all[static_cast<std::size_t>(j)] == recv_counts[j],
@@ -212,6 +267,7 @@ void NcclCommunicator::transport_all_gather(const void* send, std::int64_t send_
                                cudaMemcpyDeviceToDevice, cs(stream_)),
                "own block copy");
   finish(kind, label);
+  recv_stage.done();
 }
 
 void NcclCommunicator::reduce_into(const void* send, const std::int64_t* counts,
@@ -265,6 +321,9 @@ void NcclCommunicator::transport_reduce_scatter(const void* send, const std::int
                                                 const std::string& label, Traffic& moved) {
   const auto kind = CollectiveKind::reduce_scatter;
   const int P = size_, r = rank_;
+  const std::int64_t e = dtype_bytes(dtype);
+  const HostStage send_stage(send, span_bytes(counts, displs, P, e)),
+      recv_stage(recv, counts[r] * e);
   // What each rank sends to this one (its counts[r]) against this rank's own block.
   const auto all = gather_counts(counts, P, kind, label);
   for (int j = 0; j < P; ++j) {
@@ -272,7 +331,8 @@ void NcclCommunicator::transport_reduce_scatter(const void* send, const std::int
     LAGA_CHECK(sent == counts[r], comm_detail::peer_count_message(kind, label, r, P, r, j,
                                                                   counts[r], std::to_string(sent)));
   }
-  reduce_into(send, counts, displs, recv, dtype, kind, label, moved);
+  reduce_into(send_stage.get(), counts, displs, recv_stage.get(), dtype, kind, label, moved);
+  recv_stage.done();
 }
 
 void NcclCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtype,
@@ -280,6 +340,8 @@ void NcclCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dty
   const auto kind = CollectiveKind::all_reduce;
   const int P = size_, r = rank_;
   const std::int64_t e = dtype_bytes(dtype);
+  const HostStage stage(buf, n * e);
+  buf = stage.get();
   const auto all = gather_counts(&n, 1, kind, label);
   for (int j = 0; j < P; ++j)
     LAGA_CHECK(all[static_cast<std::size_t>(j)] == n,
@@ -322,6 +384,7 @@ void NcclCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dty
   if (!moves) return;
   check_nccl(ncclGroupEnd(), "ncclGroupEnd");
   finish(kind, label);
+  stage.done();
 }
 
 void NcclCommunicator::transport_barrier(const std::string& label) {
@@ -336,6 +399,8 @@ void NcclCommunicator::transport_ring_shift(const void* send, std::int64_t send_
   const int P = size_, r = rank_;
   const std::int64_t e = dtype_bytes(dtype);
   const RingPeers peers = ring_peers(P, r, ring);
+  const HostStage send_stage(send, send_count * e), recv_stage(recv, recv_count * e);
+  send = send_stage.get(), recv = recv_stage.get();
   const auto all = gather_counts(&send_count, 1, kind, label);
   const std::int64_t sent = all[static_cast<std::size_t>(peers.from)];
   LAGA_CHECK(sent == recv_count, comm_detail::peer_count_message(kind, label, r, P, r, peers.from,
@@ -346,7 +411,7 @@ void NcclCommunicator::transport_ring_shift(const void* send, std::int64_t send_
       check_cuda(cudaMemcpyAsync(recv, send, static_cast<std::size_t>(send_count * e),
                                  cudaMemcpyDeviceToDevice, cs(stream_)),
                  "ring of one copy");
-    if (moves) finish(kind, label);
+    if (moves) finish(kind, label), recv_stage.done();
     return;
   }
   if (moves) check_nccl(ncclGroupStart(), "ncclGroupStart");
@@ -367,6 +432,7 @@ void NcclCommunicator::transport_ring_shift(const void* send, std::int64_t send_
   if (!moves) return;
   check_nccl(ncclGroupEnd(), "ncclGroupEnd");
   finish(kind, label);
+  recv_stage.done();
 }
 
 }  // namespace laga::cuda

@@ -6,7 +6,9 @@
 // hands to NCCL per peer as the measured bytes, so both ledgers hold the
 // same rules.
 //
-// Every buffer is device memory of the rank's GPU. Each collective is point
+// Buffers are device (or managed) memory of the rank's GPU; a host buffer (the
+// tools' gathers of results after the measured step) is moved through a
+// device copy outside the pool (nccl_comm.cpp, HostStage). Each collective is point
 // to point in one NCCL group (ncclSend / ncclRecv per peer with a non-zero
 // count; the own block by a device copy), so the v-collectives need no
 // padding, and reductions are made like the MPI backend's: every rank sends
@@ -24,7 +26,9 @@
 // throws naming the collective and its label; the communicator refuses every
 // later call.
 //
-// Not run on a GPU yet (docs/performance.md, "The CUDA backend"). Count-only
+// Made by `laga compare|forward --device cuda --comm nccl` under mpirun
+// (tools/cli_common.cpp, run_group, through the backend's module). Not run on a GPU yet
+// (docs/performance.md, "The CUDA backend"). Count-only
 // (null buffers): nothing moves, the counts are recorded as the other
 // backends record them.
 #pragma once

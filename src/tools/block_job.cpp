@@ -62,7 +62,7 @@ BlockJobOf<T> run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg,
     {
       std::lock_guard<std::mutex> lock(reports_mutex);
       reports[static_cast<std::size_t>(comm.rank())] = res.report;
-      if (comm.backend() == Backend::mpi)
+      if (process_per_rank(comm.backend()))
         for (int r = 0; r < P; ++r)
           if (r != comm.rank())
             reports[static_cast<std::size_t>(r)] =

@@ -19,6 +19,8 @@
 #include <sstream>
 #include <utility>
 
+#include <unistd.h>  // gethostname
+
 #include <nlohmann/json.hpp>
 
 #include "comm/local_comm.hpp"
@@ -27,6 +29,7 @@
 #include "core/threads.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors_set.hpp"
+#include "mla/cuda_backend.hpp"
 #include "model/checkpoint_manifest.hpp"
 
 namespace laga::tools {
@@ -71,12 +74,17 @@ std::string ModelOptions::source() const {
   return config_path.empty() ? "preset " + preset : "config " + config_path;
 }
 
-void CommOptions::add_to(CLI::App& app) {
+void CommOptions::add_to(CLI::App& app, bool takes_nccl) {
   // Parsed into the enum here, so a bad value stops the command before it runs.
   app.add_option_function<std::string>(
-         "--comm", [this](const std::string& s) { backend = parse_comm_backend(s); },
-         "collective backend: local (ranks as threads of this process) or mpi (one rank "
-         "per process, launched with mpirun -np P)")
+         "--comm",
+         [this, takes_nccl](const std::string& s) { backend = parse_comm_backend(s, takes_nccl); },
+         takes_nccl ? "collective backend: local (ranks as threads of this process; with "
+                      "--device cuda they share the GPU), mpi (one rank per process, launched "
+                      "with mpirun -np P), or nccl (with --device cuda: one rank per process and "
+                      "GPU, launched with mpirun -np P)"
+                    : "collective backend: local (ranks as threads of this process) or mpi (one "
+                      "rank per process, launched with mpirun -np P)")
       ->default_str(to_string(backend));
   app.add_option("--comm-timeout", timeout_ms,
                  "milliseconds a collective waits for its peers before every rank stops with an "
@@ -88,10 +96,17 @@ void CommOptions::add_to(CLI::App& app) {
       "run even when the predicted peak exceeds the memory this process may use");
 }
 
-Backend parse_comm_backend(const std::string& s) {
-  LAGA_CHECK(s == to_string(Backend::local) || s == to_string(Backend::mpi), "--comm: '", s,
+Backend parse_comm_backend(const std::string& s, bool takes_nccl) {
+  if (s == to_string(Backend::nccl))
+    LAGA_CHECK(takes_nccl,
+               "--comm nccl: this command does not take NCCL (laga compare and forward do, "
+               "with --device cuda); use local or mpi");
+  LAGA_CHECK(s == to_string(Backend::local) || s == to_string(Backend::mpi) ||
+                 s == to_string(Backend::nccl),
+             "--comm: '", s,
              "' is not a backend; use local (ranks as threads of this process) or mpi (one rank "
-             "per process, launched with mpirun -np P)");
+             "per process, launched with mpirun -np P)",
+             takes_nccl ? ", or nccl (with --device cuda, one process per GPU)" : "");
   return parse_backend(s);
 }
 
@@ -155,7 +170,7 @@ MpiSession& mpi_session() {
 }  // namespace
 
 bool is_reporting_process(const CommOptions& comm) {
-  return comm.backend != Backend::mpi || mpi_session().world_rank() == 0;
+  return !process_per_rank(comm.backend) || mpi_session().world_rank() == 0;
 }
 
 namespace {
@@ -490,14 +505,72 @@ void run_group(const CommOptions& comm, int P, const std::function<void(Communic
     return;
   }
   MpiSession& s = mpi_session();
-  LAGA_CHECK(s.world_size() == P, "--comm mpi: this job has ", s.world_size(),
-             " MPI processes but --sp (laga train: --sp x --pp x --dp) asks for ", P,
-             " ranks; launch with mpirun -np ", P, " (one rank per process), or use --comm local");
+  const bool nccl = comm.backend == Backend::nccl;
+  LAGA_CHECK(s.world_size() == P, "--comm ", to_string(comm.backend), ": this job has ",
+             s.world_size(), " MPI processes but --sp (laga train: --sp x --pp x --dp) asks for ",
+             P, " ranks; launch with mpirun -np ", P,
+             nccl ? " (one rank per process and GPU), or use --comm local (ranks as threads "
+                    "sharing one GPU)"
+                  : " (one rank per process), or use --comm local");
   set_rank_threads(threads_per_rank(P));
   auto c = make_mpi_communicator();
   c->set_timeout(timeout);
   check_ranks_agree(*c);
-  body(*c);
+  if (!nccl) {
+    body(*c);
+    return;
+  }
+  // Rank 0's NCCL id to every rank, over MPI (its bytes as doubles, exact).
+  const ops::CudaBackendApi& cuda = ops::load_cuda_backend();
+  ops::NcclUniqueId id{};
+  if (s.world_rank() == 0) id = cuda.make_nccl_id();
+  const std::int64_t n = static_cast<std::int64_t>(id.size());
+  std::vector<double> mine(id.size()), all(id.size() * static_cast<std::size_t>(P));
+  for (std::size_t i = 0; i < id.size(); ++i) mine[i] = static_cast<unsigned char>(id[i]);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(P), n), displs;
+  for (int r = 0; r < P; ++r) displs.push_back(r * n);
+  c->all_gather_v(mine.data(), n, all.data(), counts.data(), displs.data(), "nccl_id");
+  for (std::size_t i = 0; i < id.size(); ++i)
+    id[i] = static_cast<char>(static_cast<unsigned char>(all[i]));
+  std::unique_ptr<Communicator> group = cuda.make_nccl_communicator(id, s.world_rank(), P);
+  group->set_timeout(timeout);
+  body(*group);
+}
+
+void pick_nccl_device(const CommOptions& comm) {
+  const ops::CudaBackendApi& cuda = ops::load_cuda_backend();
+  MpiSession& s = mpi_session();
+  // Every process's host name, gathered (as doubles, exact), to count the
+  // job's processes on this host and this one's place among them.
+  constexpr std::int64_t kName = 256;
+  char name[kName] = {};
+  gethostname(name, kName - 1);
+  const int P = s.world_size();
+  std::vector<double> mine(kName), all(static_cast<std::size_t>(kName * P));
+  for (std::int64_t i = 0; i < kName; ++i)
+    mine[static_cast<std::size_t>(i)] = static_cast<unsigned char>(name[i]);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(P), kName), displs;
+  for (int r = 0; r < P; ++r) displs.push_back(r * kName);
+  {
+    auto c = make_mpi_communicator();
+    c->set_timeout(std::chrono::milliseconds(comm.timeout_ms));
+    c->all_gather_v(mine.data(), kName, all.data(), counts.data(), displs.data(), "host_names");
+  }
+  int here = 0, before = 0;
+  for (int r = 0; r < P; ++r) {
+    if (!std::equal(mine.begin(), mine.end(), all.begin() + r * kName)) continue;
+    ++here;
+    if (r < s.world_rank()) ++before;
+  }
+  const int gpus = cuda.device_count();
+  LAGA_CHECK(here <= gpus, "--comm nccl: ", here, " ranks of this job run on host ", name,
+             " but it has ", gpus,
+             " GPU(s); NCCL puts each rank on its own GPU (it cannot hold two ranks of a group on "
+             "one), so launch at most ",
+             gpus,
+             " processes per host, or run the ranks as threads sharing one GPU with --comm local "
+             "(the device-local transport)");
+  cuda.set_device(before);
 }
 
 void note_input_file(const std::string& option, const std::string& path) {
@@ -509,9 +582,10 @@ void note_input_file(const std::string& option, const std::string& path) {
 std::string agree_on_failure(const std::string& error, const std::vector<std::string>& args) {
   const auto mpi_asked = [&] {
     for (size_t i = 0; i < args.size(); ++i)
-      if (args[i] == "--comm=mpi" ||
-          (args[i] == "--comm" && i + 1 < args.size() && args[i + 1] == to_string(Backend::mpi)))
-        return true;
+      for (Backend b : {Backend::mpi, Backend::nccl})
+        if (args[i] == cat("--comm=", to_string(b)) ||
+            (args[i] == "--comm" && i + 1 < args.size() && args[i + 1] == to_string(b)))
+          return true;
     return false;
   };
   if (g_ranks_compared || !mpi_asked() || mpi_launcher_world_size() < 2) return error;

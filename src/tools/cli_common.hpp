@@ -45,11 +45,25 @@ struct CommOptions {
   Backend backend = Backend::local;
   int timeout_ms = 300000;
   bool memory_check = true;  // --no-memory-check turns it off (tools/memory_check.hpp)
-  void add_to(CLI::App& app);
+  // takes_nccl: the command offers --comm nccl (compare and forward: their
+  // blocks on GPUs, one process per GPU; docs/build.md, "The CUDA backend").
+  void add_to(CLI::App& app, bool takes_nccl = false);
 };
 
-// --comm's value: "local" or "mpi"; anything else is an error naming them.
-Backend parse_comm_backend(const std::string& s);
+// --comm's value: "local" or "mpi", and "nccl" where the command takes it;
+// anything else is an error naming them.
+Backend parse_comm_backend(const std::string& s, bool takes_nccl = false);
+// Whether each rank of `b` is its own process (mpi, nccl: under mpirun).
+inline bool process_per_rank(Backend b) {
+  return b == Backend::mpi || b == Backend::nccl;
+}
+
+// --comm nccl, before any block runs (tools/device_option.cpp): this process's
+// GPU is its rank among the job's processes on its host (their host names
+// gathered over MPI), made current through the CUDA backend's module; more
+// processes on a host than GPUs is refused (NCCL puts one rank on each GPU;
+// ranks sharing one GPU are --comm local's, the device-local transport).
+void pick_nccl_device(const CommOptions& comm);
 
 // Checks of an option's value, run by CLI11 on the text the user gave (so a
 // default is never checked, and absence keeps its meaning). A failure reads
@@ -186,11 +200,14 @@ std::string agree_on_failure(const std::string& error, const std::vector<std::st
 // threads_per_rank(P) OpenMP/BLAS threads. MPI: this process is one rank of
 // MPI_COMM_WORLD, whose size must equal P (the error says how to launch).
 // `body` gets the communicator; exactly one rank of the job reports (local
-// rank 0's thread, or MPI world rank 0: is_reporting_process()).
+// rank 0's thread, or MPI world rank 0: is_reporting_process()). NCCL: as
+// MPI, the communicator NCCL's (cuda/nccl_comm.hpp, made by the CUDA
+// backend's module; pick_nccl_device has chosen each process's GPU), its id
+// handed from rank 0 over MPI after the ranks compared their options.
 void run_group(const CommOptions& comm, int P, const std::function<void(Communicator&)>& body);
 
 // True on the process that should print the job's reports: always for local
-// runs, world rank 0 under MPI.
+// runs, world rank 0 under MPI (and NCCL).
 bool is_reporting_process(const CommOptions& comm);
 
 // Writes `text` to `path` atomically (temp + rename), or to stdout for "-".

@@ -24,7 +24,7 @@ void register_compare(CLI::App& app) {
           "memory figure beside its closed-form prediction. The forms:",
           form_flows()));
   o->model.add_to(*c);
-  o->comm.add_to(*c);
+  o->comm.add_to(*c, /*takes_nccl=*/true);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
       ->check(whole_for(1, o->batch))
       ->capture_default_str();
@@ -104,7 +104,7 @@ void register_compare(CLI::App& app) {
   auto device = std::make_shared<ops::Device>(ops::Device::cpu);
   add_device_option(*c, device);
   c->callback([device, o, c] {
-    require_device(*device, "compare");
+    require_device(*device, "compare", o->comm);
     o->device = *device;
     // The config is an input the outputs may not be, known before the work.
     protect_input(o->model.config_path, "--config");

@@ -230,7 +230,7 @@ void register_forward_command(CLI::App& app) {
       "forward",
       "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
   opts->model.add_to(*sub);
-  opts->comm.add_to(*sub);
+  opts->comm.add_to(*sub, /*takes_nccl=*/true);
   sub->add_option("--weights", opts->weights,
                   "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "
                   "checkpoint's model.safetensors.index.json or its directory; BF16/F16/F32/F64 "
@@ -295,7 +295,7 @@ void register_forward_command(CLI::App& app) {
   auto device = std::make_shared<ops::Device>(ops::Device::cpu);
   add_device_option(*sub, device);
   sub->callback([device, opts, sub] {
-    require_device(*device, "forward");
+    require_device(*device, "forward", opts->comm);
     opts->device = *device;
     opts->layer_given = sub->count("--layer") > 0;
     opts->given.clear();

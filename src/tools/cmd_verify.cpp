@@ -285,7 +285,7 @@ void register_verify_command(CLI::App& app) {
   auto device = std::make_shared<ops::Device>(ops::Device::cpu);
   add_device_option(*sub, device);
   sub->callback([device, opts, sub] {
-    require_device(*device, "verify");
+    require_device(*device, "verify", opts->comm);
     opts->device = *device;
     if (opts->dtype == RunDtype::fp64) {
       // Double rounding, not fp32's, unless the caller chose a tolerance.

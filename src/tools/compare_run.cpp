@@ -291,7 +291,7 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
     f.by_label[k].label = keys[k].second;
   }
   MemoryModelOptions mopt{true, true,
-                          j.o.comm.backend == Backend::mpi && j.o.rank_only < 0
+                          process_per_rank(j.o.comm.backend) && j.o.rank_only < 0
                               ? StagingRule::mpi
                               : StagingRule::in_process};
   // The threads the measured ranks ran on (run_records: --rank-only runs its

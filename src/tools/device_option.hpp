@@ -3,11 +3,12 @@
 // never kept as a string.
 //
 // --device emulated runs the blocks on the emulated device (core/device.hpp):
-// the device code path on the CPU, its results the CPU's bit for bit. --device
-// cuda is refused, with one sentence naming what is missing: the backend (a
-// build without it), the device (cuda/device.hpp's reason), or, with a GPU,
-// this tool's CUDA rows (it does not load cuBLASLt/cuDNN/NCCL; the program
-// that runs the forms on a GPU is laga_cuda_check forms).
+// the device code path on the CPU, its results the CPU's bit for bit.
+// --device cuda loads the CUDA backend's module (mla/cuda_backend.hpp) and
+// registers its rows and device memory; it is refused, with one sentence
+// naming what is missing, where there is no module (a build without CUDA, no
+// file at the path), dlopen fails (its words), the module's ABI differs, or
+// there is no usable device (cuda/device.hpp's reason).
 #pragma once
 
 #include <memory>
@@ -22,13 +23,19 @@ class Option;
 
 namespace laga::tools {
 
+struct CommOptions;  // tools/cli_common.hpp
+
 // Adds --device to `app`, writing the parsed enum into *device (default cpu).
 CLI::Option* add_device_option(CLI::App& app, std::shared_ptr<ops::Device> device);
 
-// Empty when `laga <command>` runs its blocks on `device` here; otherwise the
-// refusal, one sentence.
-std::string device_refusal(ops::Device device, const std::string& command);
+// Empty when `laga <command>` runs its blocks on `device` with `comm` here
+// (for cuda: after loading and registering the backend, and with --comm
+// nccl after picking this process's GPU); otherwise the refusal, one
+// sentence. cuda takes --comm local (ranks as threads sharing the GPU) or
+// nccl (one process per GPU), not mpi (it moves host buffers); nccl takes
+// cuda only.
+std::string device_refusal(ops::Device device, const std::string& command, const CommOptions& comm);
 // Throws laga::Error with device_refusal's words when it is not empty.
-void require_device(ops::Device device, const std::string& command);
+void require_device(ops::Device device, const std::string& command, const CommOptions& comm);
 
 }  // namespace laga::tools

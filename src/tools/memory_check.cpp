@@ -13,6 +13,7 @@
 #include "mla/memory_model.hpp"
 #include "plan/model_plan.hpp"
 #include "plan/time_model.hpp"
+#include "tools/cli_common.hpp"
 
 namespace laga::tools {
 
@@ -81,7 +82,7 @@ MemoryBudget available_memory() {
 }
 
 StagingRule staging_of(Backend backend) {
-  return backend == Backend::mpi ? StagingRule::mpi : StagingRule::in_process;
+  return process_per_rank(backend) ? StagingRule::mpi : StagingRule::in_process;
 }
 
 JobMemory predict_job_memory(const MlaConfig& cfg, const SpLayout& layout,

@@ -2,9 +2,9 @@
 (tools/device_option.hpp).
 
 --device cuda is refused with one sentence naming what is missing: the backend
-(a build without CUDA), the device (a build with it, on a machine without a
-usable GPU: CI's), or this tool's CUDA rows (a GPU is there: laga_cuda_check
-forms runs the forms on it). An unknown device is refused naming the value;
+(a build without CUDA) or the device (a build with it, on a machine without a
+usable GPU: CI's; tools_cuda_backend_module holds the module's other errors,
+and what runs where there is a GPU). An unknown device is refused naming the value;
 --device cpu runs as before. --device emulated runs the device code path on
 the CPU: verify passes every form on it against the CPU reference, and
 forward's output and gradients are the CPU's byte for byte.
@@ -35,12 +35,13 @@ for command in ("forward", "verify", "compare"):
     if not msg.startswith(want_start):
         failures.append(f"{command}: message does not name the command and option: {msg!r}")
     if cuda_built:
-        known = ("no usable CUDA device", "no CUDA device", "compute capability",
-                 "does not load the CUDA backend")
+        known = ("no usable CUDA device", "no CUDA device", "compute capability")
     else:
         known = ("built without the CUDA backend",)
     if not any(k in msg for k in known):
         failures.append(f"{command}: the refusal names none of {known}: {msg!r}")
+    if "does not load the CUDA backend" in msg:
+        failures.append(f"{command}: the old refusal of a tool without the backend: {msg!r}")
     if "--device cpu" not in msg:
         failures.append(f"{command}: the refusal does not say what to do (--device cpu): {msg!r}")
 
