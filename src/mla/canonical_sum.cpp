@@ -85,6 +85,18 @@ TokenShards head_column_shards(const SpLayout& layout, std::int64_t per_head) {
   return t;
 }
 
+TokenShards query_chunk_shards(const SpLayout& layout) {
+  const TokenShards seq = sequence_shards(layout);
+  TokenShards t;
+  t.B = 1, t.S = (layout.seq + kQueryChunk - 1) / kQueryChunk;
+  // The chunks whose first token lies in [begin, end): an empty shard owns none.
+  for (int r = 0; r < seq.ranks(); ++r) {
+    t.begin.push_back((seq.begin[std::size_t(r)] + kQueryChunk - 1) / kQueryChunk);
+    t.end.push_back((seq.end[std::size_t(r)] + kQueryChunk - 1) / kQueryChunk);
+  }
+  return t;
+}
+
 PieceBytes canonical_token_sum_elements(const TokenShards& shards, int r, std::int64_t width) {
   const int P = shards.ranks();
   std::int64_t all = 0;
@@ -333,7 +345,9 @@ void canonical_reduce_scatter(Communicator& comm, Mat<T> dst, In<T> a, In<T> b,
                              gemm(out, T(1), a.block(row, len, p.row, k), false,
                                   b.row_range(p.row, k), false);
                            });
-  if (in_bf16<T>()) {  // a fresh product: a bf16 run stores it rounded once
+  // A fresh product: a bf16 run stores it rounded once (a count-only run
+  // has no storage to round).
+  if (in_bf16<T>() && dst.p) {
     if constexpr (std::is_same_v<T, float>) bf16_path::round_in_place(dst);
   }
 }

@@ -67,6 +67,14 @@ std::int64_t canonical_piece_count(const TokenShards& shards, int r);
 // (head_offset + head_count) per_head)).
 TokenShards sequence_shards(const SpLayout& layout);
 TokenShards head_column_shards(const SpLayout& layout, std::int64_t per_head);
+// allgather_kv's query chunks (docs/invariance.md, "Which forms"): the global
+// sequence cut into chunks of kQueryChunk tokens (the last may be short),
+// whatever P, chunk c attended whole on the rank holding its first token
+// c kQueryChunk; as the index of a sum over the chunks (B 1, S the chunk
+// count) rank r's chunks [begin[r], end[r]), one range a rank since the
+// shards are (sequence_shards).
+inline constexpr std::int64_t kQueryChunk = 64;
+TokenShards query_chunk_shards(const SpLayout& layout);
 
 // Test-only: combine in rank order instead -- each rank's pieces summed left
 // to right, then the ranks' sums in rank order, the order an all-reduce of

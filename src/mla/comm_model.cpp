@@ -158,6 +158,14 @@ void CommTerms::head_sum_reduce_scatter(const char* label, std::int64_t head_col
       CollectiveKind::all_to_all);
 }
 
+void CommTerms::query_chunk_sum(const char* label, std::int64_t n) {
+  if (!invariant || !backward) return;
+  const ops::PieceBytes b = ops::canonical_reduce_scatter_elements(
+      ops::query_chunk_shards(layout), ops::sequence_shards(layout), rank, n);
+  add(Phase::backward, label, {b.sent * tensor_bytes, b.received * tensor_bytes},
+      CollectiveKind::all_to_all);
+}
+
 void CommTerms::projection_sums() {
   token_sum("wo_grad", weights.wo);
   if (cfg.mla_use_output_gate) token_sum("wg_grad", weights.wg);

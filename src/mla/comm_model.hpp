@@ -40,6 +40,13 @@
 //                (P-1) p_r n t sent, (p - p_r) n t received (p_r: rank r's
 //                pieces of the sequence, p every rank's; n: the weight's size)
 //   explicit     wkv_b_grad, the same for wkv_b (its up-projection is token-sharded)
+//   allgather_kv wkv_b_grad as explicit; in place of k_ag's and v_ag's
+//                reduce-scatters, q_chunk_ag and do_chunk_ag (every token's q
+//                and dO all-gathered, H dqk and H dv wide) and kv_chunk_sum,
+//                the canonical sum over the query chunks of every token's
+//                [dK | dV] (H (dqk + dv) wide), p_r (B S - B L_r) n t sent,
+//                (p - p_r) B L_r n t received (p_r: rank r's pieces of the
+//                chunk index)
 //   latent_ag    backward, in place of the reduce-scatter: the canonical one
 //                over the heads' columns (k_h a head: laga dn + dv + dr),
 //                p_r (B S - B L_r) W t sent, (p - p_r) B L_r W t received
@@ -185,6 +192,10 @@ struct CommTerms {
   // rows of every token, scattered to the tokens' owners
   // (ops::canonical_reduce_scatter; kind all_to_all).
   void head_sum_reduce_scatter(const char* label, std::int64_t head_columns, std::int64_t n);
+  // ... and a sum over allgather_kv's query chunks (ops::query_chunk_shards)
+  // of n-wide rows of every token, scattered to the tokens' owners
+  // (ops::canonical_parts_reduce_scatter; kind all_to_all).
+  void query_chunk_sum(const char* label, std::int64_t n);
   // The token sums every form makes, of the weights it applies to its own
   // tokens (mla/pieces.cpp): wo_grad, in_proj_grad, kv_norm_grad, with rq >
   // 0 q_norm_grad and (per-head queries) wq_b_grad, with the gate wg_grad.

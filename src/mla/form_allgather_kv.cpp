@@ -29,13 +29,109 @@
 // q (B, L, H, dqk), the gathered k and v (B, S, H, .), the attention
 // statistics (eager probabilities (B, H, L, s1), flash lse (B, H, L)), and
 // o (B, L, H, dv), which is wo's input and flash's o at once.
+//
+// The invariant mode (docs/invariance.md, "Which forms"): out is row-wise
+// and already the same bits at every P, but a key's dK, dV sums over every
+// query row, in blocks that follow the shards, then over the ranks. So
+// backward instead gathers every token's q and dO (q_chunk_ag, do_chunk_ag)
+// and attends the global sequence's kQueryChunk-token query chunks, each in
+// one call (forward recomputed, then backward) over keys [0, its end) -- the
+// same call whatever P; each chunk's dK, dV of every token is a part of a
+// sum over the chunk index, owned by the rank holding the chunk's first
+// token, summed in the one tree over that index and scattered to the keys'
+// owners (ops::canonical_parts_reduce_scatter, kv_chunk_sum); a rank's dq
+// rows are its rows of the calls of the chunks it holds tokens of (a chunk
+// a shard boundary cuts is run on each of its ranks: the same call, the
+// same bits). The package's path (python/laga_torch/tape.py,
+// _gather_backward_invariant) is the same sum.
+#include <algorithm>
+
+#include "mla/canonical_sum.hpp"
 #include "mla/form.hpp"
+#include "mla/ops_attention.hpp"
 
 namespace laga::detail {
 
 namespace {
 
 using ops::mat;
+
+// The invariant mode's attention backward (above): from the rank's dO
+// (B, L, H dv; freed) and its saved attention (its q, k, v read, then freed),
+// dq (B, L, H dqk) of its rows and dkv (B, L, H (dqk + dv)) = [dK | dV] of
+// its tokens, summed over every rank's query chunks canonically.
+template <class T>
+struct ChunkGrads {
+  Tensor<T> dq, dkv;
+};
+template <class T>
+ChunkGrads<T> chunk_backward(const Step& st, RangeAttention<T>& a, Tensor<T>& do_loc) {
+  Communicator& comm = st.ctx.comm;
+  const SpLayout& lay = st.ctx.layout;
+  const std::int64_t B = st.B, S = st.S, L = st.L, H = st.Hr, dqk = st.dqk, dv = st.dv;
+  const std::int64_t n = H * (dqk + dv), CH = ops::kQueryChunk;
+  const std::int64_t s0 = lay.shard_begin(comm.rank()), s1 = s0 + L;
+  const bool eager = st.ctx.attention == AttentionKind::eager;
+  // q and dO of every token; the keys and values fp32 again (held narrowed
+  // in a bf16 run: the calls read them as plain operands).
+  Tensor<T> q_all({B, S, H, dqk}, "q_all");
+  ops::widen_kept(a.q_h);
+  gather_seq(comm, lay, a.q_h.data(), q_all.data(), H * dqk, "q_chunk_ag");
+  a.q_h.reset(), a.o_att.reset(), a.stats.reset();
+  Tensor<T> do_all({B, S, H, dv}, "do_all");
+  gather_seq(comm, lay, do_loc.data(), do_all.data(), H * dv, "do_chunk_ag");
+  do_loc.reset();
+  ops::widen_kept(a.k_h), ops::widen_kept(a.v_h);
+
+  const ops::TokenShards chunks = ops::query_chunk_shards(lay);
+  const std::int64_t first = chunks.begin[std::size_t(comm.rank())];
+  const std::int64_t owned = chunks.end[std::size_t(comm.rank())] - first;
+  ChunkGrads<T> g;
+  g.dq = Tensor<T>({B, L, H * dqk}, "dq");
+  Tensor<T> parts = Tensor<T>::zeros({owned, B * S, n}, "dkv chunk parts");
+  {
+    // One chunk call's o, statistics and gradients; its keys' at most S.
+    Tensor<T> o_c({CH, H, dv}, "chunk o"), dq_c({CH, H, dqk}, "chunk dq");
+    Tensor<T> stats_c({H * CH * (eager ? S : 1)}, "chunk stats");
+    Tensor<T> dk_c({S, H, dqk}, "chunk dk"), dv_c({S, H, dv}, "chunk dv");
+    Tensor<T> dp_scratch;
+    if (eager) dp_scratch = Tensor<T>({CH * S}, "eager dp scratch");
+    const std::int64_t* starts = st.doc_start.empty() ? nullptr : st.doc_start.data();
+    const ops::BatchCalls rows = ops::batch_calls(B);
+    // The chunks this rank holds tokens of (none without tokens).
+    const std::int64_t c_lo = L > 0 ? s0 / CH : 0, c_hi = L > 0 ? (s1 + CH - 1) / CH : 0;
+    for (std::int64_t c = c_lo; c < c_hi; ++c) {
+      const std::int64_t q0 = c * CH, e = std::min(q0 + CH, S), m = e - q0;
+      const std::int64_t lo = std::max(q0, s0), hi = std::min(e, s1);
+      for (std::int64_t b = 0; b < rows.issued; ++b) {
+        const ops::RepeatCounts repeat(rows.repeat);
+        AttnShape s{1, m, e, H, H, dqk, dv, st.ctx.cfg.softmax_scale(), true};
+        s.doc_start = starts ? starts + b * S : nullptr;
+        const T* q = at(std::as_const(q_all).data(), (b * S + q0) * H * dqk);
+        const T* dO = at(std::as_const(do_all).data(), (b * S + q0) * H * dv);
+        const T* k = at(std::as_const(a.k_h).data(), b * a.kv_rows * H * dqk);
+        const T* v = at(std::as_const(a.v_h).data(), b * a.kv_rows * H * dv);
+        ops::attention_forward(st.ctx.attention, s, o_c.data(), stats_c.data(), q, k, v);
+        ops::attention_backward(st.ctx.attention, s, dq_c.data(), dk_c.data(), dv_c.data(), dO, q,
+                                k, v, std::as_const(o_c).data(), std::as_const(stats_c).data(),
+                                dp_scratch.data());
+        ops::copy(mat(g.dq, B * L, H * dqk).row_range(b * L + lo - s0, hi - lo),
+                  mat(std::as_const(dq_c), CH, H * dqk).row_range(lo - q0, hi - lo));
+        if (c < first || c >= first + owned) continue;  // another rank's part
+        const ops::Mat<T> part =
+            mat(parts, owned * B * S, n).row_range(((c - first) * B + b) * S, e);
+        ops::copy(part.col_range(0, H * dqk), mat(std::as_const(dk_c), S, H * dqk).row_range(0, e));
+        ops::copy(part.col_range(H * dqk, H * dv),
+                  mat(std::as_const(dv_c), S, H * dv).row_range(0, e));
+      }
+    }
+  }
+  q_all.reset(), do_all.reset(), a.k_h.reset(), a.v_h.reset();
+  g.dkv = Tensor<T>({B, L, n}, "dkv_loc");
+  ops::canonical_parts_reduce_scatter(comm, mat(g.dkv), parts, chunks, ops::sequence_shards(lay),
+                                      "kv_chunk_sum");
+  return g;
+}
 
 template <class T>
 struct AllgatherKvTape final : Tape<T> {
@@ -50,6 +146,18 @@ struct AllgatherKvTape final : Tape<T> {
     // do (B, L, H dv) = dout wo; wo += dout^T o. Flash's backward reads o
     // as its o_att; eager's does not.
     Tensor<T> do_loc = P::output_projection_backward(st, w, in, dout, o_loc, grads, "do_h");
+    if (ops::op_invariant) {
+      o_loc.reset();
+      ChunkGrads<T> g = chunk_backward(st, att, do_loc);
+      Tensor<T> dproj;  // rq == 0: dq lands in it
+      Tensor<T> dq_loc = P::local_queries_backward(st, g.dq, dproj);
+      const ops::Mat<const T> dkv = mat(std::as_const(g.dkv));
+      Tensor<T> dlat_loc =
+          P::local_kv_backward(st, w, dkv.col_range(0, st.H * st.dqk),
+                               dkv.col_range(st.H * st.dqk, st.H * st.dv), c_hat, grads);
+      g.dkv.reset(), c_hat.reset();
+      return P::project_in_backward(st, w, x, dq_loc, dlat_loc, dproj, in, dx, grads);
+    }
     if (st.ctx.attention == AttentionKind::flash) att.o_att = std::move(o_loc);
     o_loc.reset();
     auto [dq, dk_all, dv_all] = att.backward(st, do_loc);
@@ -127,7 +235,7 @@ FormEntry allgather_kv_entry() {
                            "attend local queries with all heads over the keys they see, output "
                            "stays local (TransformerEngine all_gather, torchtitan)",
                    // At P 1 the same GEMMs and one kernel call, as explicit.
-                   .traits = {.exact_at_one_rank = true},
+                   .traits = {.exact_at_one_rank = true, .invariant = true},
                    .attention = own_tokens_all_heads,
                    .geometry =
                        [](const SpLayout& layout, FormVariant) {
@@ -143,6 +251,15 @@ FormEntry allgather_kv_entry() {
                          t.add(Phase::forward, "v_ag", t.all_gather(H * t.cfg.v_head_dim),
                                CollectiveKind::all_gather);
                          if (!t.backward) return;
+                         if (t.invariant) {  // the query chunks' sum (above); wkv_b's as explicit's
+                           t.add(Phase::backward, "q_chunk_ag",
+                                 t.all_gather(H * t.cfg.qk_head_dim()), CollectiveKind::all_gather);
+                           t.add(Phase::backward, "do_chunk_ag", t.all_gather(H * t.cfg.v_head_dim),
+                                 CollectiveKind::all_gather);
+                           t.query_chunk_sum("kv_chunk_sum",
+                                             H * (t.cfg.qk_head_dim() + t.cfg.v_head_dim));
+                           return t.token_sum("wkv_b_grad", t.weights.wkv_b);
+                         }
                          t.add(Phase::backward, "k_ag", t.reduce_scatter(H * t.cfg.qk_head_dim()),
                                CollectiveKind::reduce_scatter);
                          t.add(Phase::backward, "v_ag", t.reduce_scatter(H * t.cfg.v_head_dim),

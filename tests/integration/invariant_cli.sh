@@ -35,9 +35,9 @@ for form in "${forms[@]}"; do
   done
 done
 # Refused for a form without the mode, naming it.
-if msg=$("$laga" forward --preset tiny --seq 16 --sp 2 --form allgather_kv --invariant 2>&1); then
-  echo "FAIL: allgather_kv ran with --invariant"; exit 1
+if msg=$("$laga" forward --preset tiny --seq 16 --sp 2 --form ring_kv --invariant 2>&1); then
+  echo "FAIL: ring_kv ran with --invariant"; exit 1
 fi
-grep -q "form allgather_kv does not offer the invariant mode" <<<"$msg" ||
+grep -q "form ring_kv does not offer the invariant mode" <<<"$msg" ||
   { echo "FAIL: the refusal does not name the form: $msg"; exit 1; }
 echo "OK: ${forms[*]} byte-identical at --sp 1..8 (local) and 2, 3 (mpirun), fp32 and bf16 packed"

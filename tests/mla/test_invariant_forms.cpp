@@ -251,6 +251,30 @@ TEST(InvariantForms, ARankOrderedHeadSumIsCaughtInDx) {
   }
 }
 
+// The same mutation in allgather_kv's sum of its keys' gradients over the
+// query chunks (ops::canonical_parts_reduce_scatter over
+// ops::query_chunk_shards): at S 200, four 64-token chunks, which at P 4 and
+// 5 lie on four ranks, so that the rank-ordered sum ((c0 + c1) + c2) + c3 is
+// not the tree's (c0 + c1) + (c2 + c3); dx reads that sum and none over
+// tokens, out neither.
+TEST(InvariantForms, ARankOrderedQueryChunkSumIsCaughtInDx) {
+  struct Restore {
+    ~Restore() { ops::canonical_sum_rank_order = false; }
+  } restore;
+  const MlaConfig cfg = config();
+  const std::int64_t B = 1, S = 200;
+  const test::BlockInputs<float> in = test::make_inputs(cfg, B, S);
+  const BlockRun<float> one =
+      run(Form::allgather_kv, SpLayout::even(B, S, cfg.n_heads, 1), in, nullptr);
+  ops::canonical_sum_rank_order = true;
+  int caught = 0;
+  for (int P : {3, 4, 5})
+    caught += first_difference(run(Form::allgather_kv, uneven(B, S, cfg.n_heads, P), in, nullptr),
+                               one) == "dx";
+  EXPECT_GT(caught, 0)
+      << "allgather_kv: a rank-ordered query chunk sum gave P 1's dx at P 3, 4 and 5";
+}
+
 // A form whose row does not offer the mode is refused, naming it and the
 // forms that do.
 TEST(InvariantForms, OtherFormsAreRefusedByName) {
