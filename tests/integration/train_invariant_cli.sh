@@ -83,7 +83,7 @@ refused() {  # EXPECTED-TEXT, then the options
   fi
   grep -qF -- "$want" <<<"$msg" || { echo "FAIL: '$*' not refused naming '$want': $msg"; exit 1; }
 }
-refused "form absorbed does not offer the invariant mode" --form absorbed --sp 2
+refused "form ring_kv does not offer the invariant mode" --form ring_kv --sp 2
 refused "needs --expert-parallel over every rank" --config "$moe" --batch 1 --sp 2
 refused "drop --seq-layout zigzag" --seq-layout zigzag --sp 2
 echo "OK: ${forms[*]}, dense, packed bf16 and MoE EP: 20 steps' losses and final checkpoints byte-identical at --sp 1, 2, 4 (dense: and mpirun -np 2, and --sp 3 perturbed)"

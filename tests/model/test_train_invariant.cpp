@@ -179,8 +179,8 @@ TEST(TrainInvariant, TheMemoryPredictionIsTheMeasuredPeak) {
 // What the mode does not cover, each refused by name before a rank starts.
 TEST(TrainInvariant, WhatTheModeDoesNotCoverIsRefusedByName) {
   const auto refusal = [](TrainOptions o) { return error_of([&] { validate_train_options(o); }); };
-  TrainOptions o = dense(Form::absorbed, 2);
-  EXPECT_NE(refusal(o).find("--invariant: form absorbed does not offer the invariant mode"),
+  TrainOptions o = dense(Form::ring_kv, 2);
+  EXPECT_NE(refusal(o).find("--invariant: form ring_kv does not offer the invariant mode"),
             std::string::npos)
       << refusal(o);
   EXPECT_NE(refusal(o).find("explicit"), std::string::npos) << refusal(o);

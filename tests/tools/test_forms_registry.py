@@ -98,11 +98,13 @@ def check_rows(cxx, lt):
                 fail(f"form {r['name']}: {k} is {r.get(k)} in the C++ registry, "
                      f"{p.get(k)} in the package's")
         # invariant: each side's row says which forms its own mode covers
-        # (docs/pytorch_invariant.md); the package offers it for every form the
-        # C++ engine does (it may offer more: its mode is its own arithmetic)
-        if r["invariant"] and not lt.FORMS[r["name"]].invariant:
-            fail(f"form {r['name']}: the C++ registry offers the invariant mode, the package's "
-                 "row does not (FormSpec.invariant, python/laga_torch/forms.py)")
+        # (docs/pytorch_invariant.md, docs/invariance.md); the two offer it for
+        # the same forms (a trainer picking a form for an RL run reads one table)
+        pkg = bool(getattr(lt.FORMS[r["name"]], "invariant", False))
+        if r["invariant"] is not None and bool(r["invariant"]) != pkg:
+            fail(f"form {r['name']}: the C++ registry {'offers' if r['invariant'] else 'does not offer'}"
+                 f" the invariant mode, the package's row {'does' if pkg else 'does not'} "
+                 "(FormSpec.invariant, python/laga_torch/forms.py; FormTraits::invariant)")
     cxx_inv = [r["name"] for r in theirs if r["invariant"]]
     pkg_inv = [f.name for f in lt.FORMS.values() if getattr(f, "invariant", False)]
     print(f"registries: {len(theirs)} C++ rows, {len(mine)} package rows compared; invariant: "
