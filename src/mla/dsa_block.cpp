@@ -72,6 +72,27 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
 }
 
 template <class T>
+DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
+                                                 const DsaIndexerParams<T>& iw, const T* x,
+                                                 const T* qr, double w_scale, const T* k_pre,
+                                                 const T* k_mean, const T* k_rstd,
+                                                 std::vector<T>& dw, const T* dq, const T* dk,
+                                                 std::int64_t N) {
+  const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
+                     dI = cfg.index_head_dim;
+  DsaIndexerParams<T> g = DsaIndexerParams<T>::zeros(cfg);
+  for (T& e : dw) e = T(double(e) * w_scale);
+  linear_backward<T>(nullptr, false, g.weights_proj.data(), dw.data(), x, iw.weights_proj.data(), N,
+                     D, HI);
+  linear_backward<T>(nullptr, false, g.wq_b.data(), dq, qr, iw.wq_b.data(), N, rq, HI * dI);
+  std::vector<T> dkpre = buffer<T>(N * dI);
+  layernorm_backward(dkpre.data(), g.k_norm_weight.data(), g.k_norm_bias.data(), dk, k_pre,
+                     iw.k_norm_weight.data(), k_mean, k_rstd, N, dI);
+  linear_backward<T>(nullptr, false, g.wk.data(), dkpre.data(), x, iw.wk.data(), N, D, dI);
+  return g;
+}
+
+template <class T>
 DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
                             const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                             std::int64_t B, std::int64_t S, DsaStage stage, DsaAttend attend) {
@@ -191,22 +212,13 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   if (!dout) return r;
 
   // ---- the indexer's weights from the KL (its input detached: no dx, no dqr)
-  r.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  for (T& e : dwI) e = T(double(e) * w_scale);
-  linear_backward<T>(nullptr, false, r.indexer_grads.weights_proj.data(), dwI.data(), x,
-                     iw.weights_proj.data(), N, D, HI);
   for (std::int64_t b = 0; b < B; ++b) {
     rope_halves_apply(dqI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, true);
     rope_halves_apply(dkI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, true);
   }
-  linear_backward<T>(nullptr, false, r.indexer_grads.wq_b.data(), dqI.data(), qr.data(),
-                     iw.wq_b.data(), N, rq, HI * dI);
-  std::vector<T> dkpre = buffer<T>(N * dI);
-  layernorm_backward(dkpre.data(), r.indexer_grads.k_norm_weight.data(),
-                     r.indexer_grads.k_norm_bias.data(), dkI.data(), kpre.data(),
-                     iw.k_norm_weight.data(), k_mean.data(), k_rstd.data(), N, dI);
-  linear_backward<T>(nullptr, false, r.indexer_grads.wk.data(), dkpre.data(), x, iw.wk.data(), N, D,
-                     dI);
+  r.indexer_grads =
+      dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
+                                   k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
 
   // ---- the LM backward through the attended keys
   r.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
@@ -286,6 +298,14 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
+template DsaIndexerParams<float> dsa_indexer_project_backward(
+    const MlaConfig&, const DsaIndexerParams<float>&, const float*, const float*, double,
+    const float*, const float*, const float*, std::vector<float>&, const float*, const float*,
+    std::int64_t);
+template DsaIndexerParams<double> dsa_indexer_project_backward(
+    const MlaConfig&, const DsaIndexerParams<double>&, const double*, const double*, double,
+    const double*, const double*, const double*, std::vector<double>&, const double*, const double*,
+    std::int64_t);
 template DsaIndexerProjections<float> dsa_indexer_project(const MlaConfig&,
                                                           const DsaIndexerParams<float>&,
                                                           const float*, const float*, std::int64_t);

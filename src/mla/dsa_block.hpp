@@ -74,6 +74,19 @@ struct DsaIndexerProjections {
 template <class T>
 DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
                                              const T* x, const T* qr, std::int64_t N);
+// Its backward, the one place the indexer's weights' gradients are made
+// from the KL's (the indexer's input detached: no dx, no dqr): dw (N, HI)
+// the gradient of the scaled weights (scaled here by w_scale, as forward
+// did; dw is scaled in place), dq (N, HI dI) and dk (N, dI) already rotated
+// back (each caller from its own tokens' positions), k_pre, k_mean, k_rstd
+// forward's LayerNorm of k (DsaIndexerProjections' fields).
+template <class T>
+DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
+                                                 const DsaIndexerParams<T>& iw, const T* x,
+                                                 const T* qr, double w_scale, const T* k_pre,
+                                                 const T* k_mean, const T* k_rstd,
+                                                 std::vector<T>& dw, const T* dq, const T* dk,
+                                                 std::int64_t N);
 
 template <class T>
 struct DsaBlockResult {

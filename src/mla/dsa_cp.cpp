@@ -208,20 +208,11 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
   comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
                         "index_k_ag");
-  res.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  for (T& e : dwI) e = T(double(e) * w_scale);
-  linear_backward<T>(nullptr, false, res.indexer_grads.weights_proj.data(), dwI.data(), x,
-                     iw.weights_proj.data(), N, D, HI);
   rope_index(dqI.data(), HI, HI * dI, true);
   rope_index(dkI.data(), 1, dI, true);
-  linear_backward<T>(nullptr, false, res.indexer_grads.wq_b.data(), dqI.data(), qr.data(),
-                     iw.wq_b.data(), N, rq, HI * dI);
-  std::vector<T> dkpre = buffer<T>(N * dI);
-  layernorm_backward(dkpre.data(), res.indexer_grads.k_norm_weight.data(),
-                     res.indexer_grads.k_norm_bias.data(), dkI.data(), kpre.data(),
-                     iw.k_norm_weight.data(), k_mean.data(), k_rstd.data(), N, dI);
-  linear_backward<T>(nullptr, false, res.indexer_grads.wk.data(), dkpre.data(), x, iw.wk.data(), N,
-                     D, dI);
+  res.indexer_grads =
+      dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
+                                   k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
 
   // ---- the LM backward: the rank's rows, the latent's gradient to its owners
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);

@@ -218,20 +218,11 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> dkI_all = buffer<T>(NS * dI), dkI = buffer<T>(N * dI);
   copy_rows(dkIS.data(), Sk, dkI_all.data(), S, B, Sk, dI);
   reduce_scatter_seq(comm, lay, dkI_all.data(), dkI.data(), dI, "index_k_ag");
-  res.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  for (T& e : dwI) e = T(double(e) * ip.w_scale);
-  linear_backward<T>(nullptr, false, res.indexer_grads.weights_proj.data(), dwI.data(), x,
-                     iw.weights_proj.data(), N, D, HI);
   rope_index(dqI.data(), HI, HI * dI, true);
   rope_index(dkI.data(), 1, dI, true);
-  linear_backward<T>(nullptr, false, res.indexer_grads.wq_b.data(), dqI.data(), qr.data(),
-                     iw.wq_b.data(), N, rq, HI * dI);
-  std::vector<T> dkpre = buffer<T>(N * dI);
-  layernorm_backward(dkpre.data(), res.indexer_grads.k_norm_weight.data(),
-                     res.indexer_grads.k_norm_bias.data(), dkI.data(), ip.k_pre.data(),
-                     iw.k_norm_weight.data(), ip.k_mean.data(), ip.k_rstd.data(), N, dI);
-  linear_backward<T>(nullptr, false, res.indexer_grads.wk.data(), dkpre.data(), x, iw.wk.data(), N,
-                     D, dI);
+  res.indexer_grads = dsa_indexer_project_backward(
+      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
+      dqI.data(), dkI.data(), N);
 
   // ---- the LM backward: the output's gradient to the heads, the
   // attention's back to the rows' owners

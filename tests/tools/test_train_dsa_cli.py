@@ -85,7 +85,7 @@ for args, words in [
         ([a if a != "16" else "0" for a in MODEL] + INDEX + ["--steps", "2"], "q_lora_rank"),
         (MODEL + ["--index-heads", "2", "--index-head-dim", "8", "--index-topk", "64",
                   "--steps", "2"], "index_topk 64 is above --seq 32"),
-        (MODEL + INDEX + ["--steps", "2", "--batch", "2", "--dp", "2"], "--dp 2 is not supported"),
+        (MODEL + INDEX + ["--steps", "2", "--dp", "2"], "--dp 2 is not supported"),
         (MODEL + INDEX + ["--steps", "2", "--invariant"], "--invariant is not offered")]:
     r = run(args)
     check(r.returncode == 2 and words in r.stderr,
