@@ -1,4 +1,4 @@
-// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp): the
+// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp, test_dsa_explicit.cpp): the
 // indexer's random weights, the reference of a packed batch (dsa_block on
 // each document alone), rows of a (B, S, w) tensor, the sum of the ranks'
 // partial gradients and its comparison with the reference, and a rank's

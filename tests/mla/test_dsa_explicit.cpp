@@ -21,6 +21,7 @@
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "common/error_of.hpp"
+#include "dsa_form_cases.hpp"
 #include "mla/dsa_model.hpp"
 
 namespace laga {
@@ -38,87 +39,15 @@ MlaConfig cp_config() {
   return c;
 }
 
-template <class T>
-DsaIndexerParams<T> indexer_weights(const MlaConfig& c, std::uint64_t seed) {
-  DsaIndexerParams<T> p = DsaIndexerParams<T>::zeros(c);
-  std::uint64_t s = seed;
-  for (auto& [name, t] : p.named()) {
-    const double fan_in = name == "indexer.wq_b.weight" ? double(c.q_lora_rank) : double(c.dim);
-    const bool norm = name.find("k_norm") != std::string::npos;
-    test::fill_random(t->data(), std::int64_t(t->size()), ++s, norm ? -0.2 : -1.0,
-                      norm ? 0.2 : 1.0);
-    if (!norm)
-      for (T& e : *t) e = T(double(e) * std::sqrt(3.0 / fan_in));
-    if (name == "indexer.k_norm.weight")
-      for (T& e : *t) e += T(1);
-  }
-  return p;
-}
-
 std::vector<std::int64_t> heads_of(int P) {
   std::vector<std::int64_t> h(std::size_t(P), 5 / P);  // uneven at every P > 1
   for (int j = 0; j < 5 % P; ++j) ++h[std::size_t(j)];
   return h;
 }
 
-// Rows [s0, s0 + L) of every batch row of a (B, S, w) tensor.
-template <class T>
-std::vector<T> rows_of(const std::vector<T>& a, std::int64_t B, std::int64_t S, std::int64_t w,
-                       std::int64_t s0, std::int64_t L) {
-  std::vector<T> out;
-  for (std::int64_t b = 0; b < B; ++b)
-    out.insert(out.end(), a.begin() + (b * S + s0) * w, a.begin() + (b * S + s0 + L) * w);
-  return out;
-}
-
 // Packed: row 0 holds documents of 4 and 7 tokens, row 1 of 2, 5 and 4
-// (S 11). The reference is dsa_block on each document alone (B 1, its
-// positions from 0), the selection moved to the row's positions and the
-// gradients and KL summed over the documents.
+// (S 11); the reference is test::dsa_per_document (dsa_form_cases.hpp).
 const std::vector<std::vector<std::int64_t>> kDocs = {{4, 7}, {2, 5, 4}};
-
-template <class T>
-DsaBlockResult<T> per_document(const MlaConfig& cfg, const MlaParams<T>& w,
-                               const DsaIndexerParams<T>& iw, const std::vector<T>& x,
-                               const std::vector<T>& dout, std::int64_t S, DsaStage stage,
-                               std::vector<std::int64_t>& doc_start) {
-  const std::int64_t D = cfg.dim, K = cfg.index_topk;
-  DsaBlockResult<T> all;
-  all.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  all.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  for (std::size_t b = 0; b < kDocs.size(); ++b) {
-    std::int64_t a = 0;
-    for (std::int64_t len : kDocs[b]) {
-      const std::int64_t off = std::int64_t(b) * S + a;
-      for (std::int64_t t = 0; t < len; ++t) doc_start.push_back(a);
-      const std::vector<T> xd(x.begin() + off * D, x.begin() + (off + len) * D);
-      const std::vector<T> dd(dout.begin() + off * D, dout.begin() + (off + len) * D);
-      const DsaBlockResult<T> r =
-          dsa_block(cfg, w, iw, xd.data(), dd.data(), 1, len, stage, DsaAttend::per_head);
-      all.out.insert(all.out.end(), r.out.begin(), r.out.end());
-      all.dx.insert(all.dx.end(), r.dx.begin(), r.dx.end());
-      for (std::int64_t i = 0; i < len * K; ++i) {
-        const std::int32_t j = r.idx[std::size_t(i)];
-        all.idx.push_back(j < 0 ? j : std::int32_t(j + a));
-      }
-      all.kl_loss += r.kl_loss;
-      all.grads.for_each([&](const std::string& name, Tensor<T>& t) {
-        r.grads.for_each([&](const std::string& n2, const Tensor<T>& g) {
-          if (n2 != name) return;
-          for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] += g.data()[i];
-        });
-      });
-      DsaIndexerParams<T> ri = r.indexer_grads;
-      auto mine = all.indexer_grads.named();
-      auto theirs = ri.named();
-      for (std::size_t k = 0; k < mine.size(); ++k)
-        for (std::size_t i = 0; i < mine[k].second->size(); ++i)
-          (*mine[k].second)[i] += (*theirs[k].second)[i];
-      a += len;
-    }
-  }
-  return all;
-}
 
 template <class T>
 void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool packed = false,
@@ -131,12 +60,12 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool pa
   const SpLayout lay = SpLayout::custom(B, counts, heads.empty() ? heads_of(P) : heads);
   MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
   init_params(w, 5, 0.1);
-  const DsaIndexerParams<T> iw = indexer_weights<T>(cfg, 40);
+  const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
   const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
   const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
   std::vector<std::int64_t> doc_start;
   const DsaBlockResult<T> want =
-      packed ? per_document(cfg, w, iw, x, dout, S, stage, doc_start)
+      packed ? test::dsa_per_document(cfg, w, iw, x, dout, S, stage, kDocs, doc_start)
              : dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
 
   // The ranks' gradients are pool tensors: the pools outlive the threads.
@@ -150,7 +79,8 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool pa
       [&](Communicator& comm) {
         const int r = comm.rank();
         const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<T> xr = rows_of(x, B, S, D, s0, L), dr = rows_of(dout, B, S, D, s0, L);
+        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L),
+                             dr = test::dsa_rows(dout, B, S, D, s0, L);
         got[std::size_t(r)] = dsa_explicit(cfg, w, iw, xr.data(), dr.data(), lay, stage, comm,
                                            packed ? doc_start.data() : nullptr);
       },
@@ -160,59 +90,26 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool pa
                            std::to_string(P) + " " + lay.describe() +
                            (sizeof(T) == 8 ? " double" : " float");
   const test::Tolerance tol = test::block_tolerance<T>();
-  double kl = 0;
-  MlaParams<T> grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  DsaIndexerParams<T> igrads = DsaIndexerParams<T>::zeros(cfg);
+  DsaBlockResult<T> sum;
+  sum.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  sum.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
   for (int r = 0; r < P; ++r) {
     const DsaBlockResult<T>& g = got[std::size_t(r)];
     const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
     const std::string wr = what + " rank " + std::to_string(r);
-    EXPECT_TRUE(
-        all_close(wr + " out", g.out, rows_of(want.out, B, S, D, s0, L), tol.atol, tol.rtol));
-    EXPECT_TRUE(all_close(wr + " dx", g.dx, rows_of(want.dx, B, S, D, s0, L), tol.atol, tol.rtol));
-    EXPECT_EQ(g.idx, rows_of(want.idx, B, S, K, s0, L)) << wr << " selection";
-    kl += g.kl_loss;
-    grads.for_each([&](const std::string& name, Tensor<T>& t) {
-      g.grads.for_each([&](const std::string& n2, const Tensor<T>& s) {
-        if (n2 != name) return;
-        for (std::int64_t i = 0; i < t.numel(); ++i) t.data()[i] += s.data()[i];
-      });
-    });
-    DsaIndexerParams<T> gi = g.indexer_grads;
-    auto mine = igrads.named();
-    auto theirs = gi.named();
-    for (std::size_t k = 0; k < mine.size(); ++k)
-      for (std::size_t i = 0; i < mine[k].second->size(); ++i)
-        (*mine[k].second)[i] += (*theirs[k].second)[i];
-
-    // The ledger: the closed form, label for label, both directions.
-    const CommPrediction p =
-        dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r,
-                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage);
-    const auto& entries = comms[std::size_t(r)]->ledger().entries();
-    EXPECT_EQ(entries.size(), p.size()) << wr << " ledger labels";
-    for (const auto& [key, pred] : p) {
-      const auto it = entries.find(key);
-      ASSERT_NE(it, entries.end()) << wr << " no ledger entry " << key.second;
-      EXPECT_EQ(it->second.bytes_sent, pred.sent) << wr << " " << key.second;
-      EXPECT_EQ(it->second.bytes_received, pred.received) << wr << " " << key.second;
-      EXPECT_EQ(it->second.calls, pred.calls) << wr << " " << key.second;
-    }
-  }
-  EXPECT_NEAR(kl, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss)) << what << " KL";
-  grads.for_each([&](const std::string& name, const Tensor<T>& t) {
-    want.grads.for_each([&](const std::string& n2, const Tensor<T>& ref) {
-      if (n2 != name) return;
-      EXPECT_TRUE(
-          all_close(what + " d" + name, t.data(), ref.data(), t.numel(), tol.atol, tol.rtol));
-    });
-  });
-  DsaIndexerParams<T> wi = want.indexer_grads;
-  auto mine = igrads.named();
-  auto ref = wi.named();
-  for (std::size_t k = 0; k < mine.size(); ++k)
-    EXPECT_TRUE(all_close(what + " d" + mine[k].first, *mine[k].second, *ref[k].second, tol.atol,
+    EXPECT_TRUE(all_close(wr + " out", g.out, test::dsa_rows(want.out, B, S, D, s0, L), tol.atol,
                           tol.rtol));
+    EXPECT_TRUE(
+        all_close(wr + " dx", g.dx, test::dsa_rows(want.dx, B, S, D, s0, L), tol.atol, tol.rtol));
+    EXPECT_EQ(g.idx, test::dsa_rows(want.idx, B, S, K, s0, L)) << wr << " selection";
+    test::dsa_add_grads(sum, g);
+    // The ledger: the closed form, label for label, both directions.
+    test::dsa_expect_ledger(
+        wr, comms[std::size_t(r)]->ledger(),
+        dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r,
+                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage));
+  }
+  test::dsa_expect_sum_equals(what, sum, want, tol);
 }
 
 const std::vector<std::vector<std::int64_t>> kShards = {{11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
@@ -260,7 +157,7 @@ TEST(DsaExplicit, ForwardOnlyMovesTheForwardAlone) {
   const SpLayout lay = SpLayout::custom(B, {5, 2, 4}, heads_of(3));
   MlaParams<double> w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
   init_params(w, 5, 0.1);
-  const DsaIndexerParams<double> iw = indexer_weights<double>(cfg, 40);
+  const DsaIndexerParams<double> iw = test::dsa_indexer_weights<double>(cfg, 40);
   const std::vector<double> x = test::random_vector<double>(B * S * D, 7);
   for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup}) {
     const DsaBlockResult<double> want =
@@ -270,7 +167,7 @@ TEST(DsaExplicit, ForwardOnlyMovesTheForwardAlone) {
     run_local_ranks(comms, [&](Communicator& comm) {
       const int r = comm.rank();
       const std::vector<double> xr =
-          rows_of(x, B, S, D, lay.shard_begin(r), lay.seq_count[std::size_t(r)]);
+          test::dsa_rows(x, B, S, D, lay.shard_begin(r), lay.seq_count[std::size_t(r)]);
       got[std::size_t(r)] = dsa_explicit<double>(cfg, w, iw, xr.data(), nullptr, lay, stage, comm);
     });
     const test::Tolerance tol = test::block_tolerance<double>();
@@ -279,21 +176,15 @@ TEST(DsaExplicit, ForwardOnlyMovesTheForwardAlone) {
       const DsaBlockResult<double>& g = got[std::size_t(r)];
       const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
       const std::string wr = std::string(to_string(stage)) + " rank " + std::to_string(r);
-      EXPECT_TRUE(
-          all_close(wr + " out", g.out, rows_of(want.out, B, S, D, s0, L), tol.atol, tol.rtol));
-      EXPECT_EQ(g.idx, rows_of(want.idx, B, S, K, s0, L)) << wr;
+      EXPECT_TRUE(all_close(wr + " out", g.out, test::dsa_rows(want.out, B, S, D, s0, L), tol.atol,
+                            tol.rtol));
+      EXPECT_EQ(g.idx, test::dsa_rows(want.idx, B, S, K, s0, L)) << wr;
       EXPECT_TRUE(g.dx.empty()) << wr;
       kl += g.kl_loss;
-      const CommPrediction p = dsa_predict_comm(
-          cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r, {8, 8}, false, false, stage);
-      const auto& entries = comms[std::size_t(r)]->ledger().entries();
-      EXPECT_EQ(entries.size(), p.size()) << wr;
-      for (const auto& [key, pred] : p) {
-        const auto it = entries.find(key);
-        ASSERT_NE(it, entries.end()) << wr << " no ledger entry " << key.second;
-        EXPECT_EQ(it->second.bytes_sent, pred.sent) << wr << " " << key.second;
-        EXPECT_EQ(it->second.calls, pred.calls) << wr << " " << key.second;
-      }
+      test::dsa_expect_ledger(
+          wr, comms[std::size_t(r)]->ledger(),
+          dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r, {8, 8}, false,
+                           false, stage));
     }
     EXPECT_NEAR(kl, want.kl_loss, tol.atol + tol.rtol * std::abs(want.kl_loss));
   }
