@@ -252,6 +252,10 @@ void time_rank(Timing& t, const MlaConfig& cfg, const SpLayout& lay, const RunSp
   std::sort(ms.begin(), ms.end());
   t.step_ms = ms[ms.size() / 2];
   t.kept = kept_device_bytes();
+  // The predicted part of what the thread kept must be what it holds.
+  if (t.kept.cublaslt_workspace != t.cublaslt_predicted)
+    t.note = cat("cuBLASLt workspace held ", t.kept.cublaslt_workspace, " bytes, predicted ",
+                 t.cublaslt_predicted, " (cuda/device_peak.hpp)");
 }
 
 void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs, double budget_s,
@@ -371,6 +375,9 @@ int run(int argc, char** argv) {
         "MB held (predicted) | cuDNN workspace MB | kept MB | note |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Timing& t : times) {
+    // A timed row whose held cuBLASLt workspace is not the prediction's
+    // fails (time_rank's note says so); a skipped row (a note, no time) not.
+    failed += t.step_ms > 0 && t.kept.cublaslt_workspace != t.cublaslt_predicted;
     j["timings"].push_back({{"form", t.form},
                             {"dtype", t.dtype},
                             {"S", t.S},
