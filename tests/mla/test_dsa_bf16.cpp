@@ -37,6 +37,7 @@
 #include "mla/dsa_laga.hpp"
 #include "mla/dsa_model.hpp"
 #include "mla/ops_bf16.hpp"
+#include "mla/ops_sparse.hpp"
 
 namespace laga {
 namespace {
@@ -195,6 +196,61 @@ TEST(DsaBf16, BlockFollowsFp32WithinTheBf16Bound) {
     EXPECT_TRUE(within(what + " dx", b16.dx, f32.dx, kGradVsFp32));
     expect_sum_within(what, b16, f32, kGradVsFp32);
     EXPECT_FALSE(within(what + " out (rounded)", b16.out, f32.out, 1e-5));
+  }
+}
+
+// The op layer under bf16 (mla/ops_sparse.hpp): forward and backward equal
+// the float kernel on q, k, v, dO rounded to bf16, bit for bit; the
+// head-summed target reads the same rounded q, k, so every row with a slot
+// sums to 1 within fp32 rounding -- on the unrounded q, k it would be off by
+// the scores' rounding, about u |s| (1e-3 here).
+TEST(DsaBf16, OpLayerRoundsTheOperandsAndTheTargetSumsToOne) {
+  for (std::int64_t Hk : {4, 1}) {
+    SparseAttnShape s;
+    s.attn = AttnShape{2, 7, 7, 4, Hk, 6, 5, 0.9, true};
+    s.K = 3;
+    const AttnShape& a = s.attn;
+    std::vector<float> q = test::random_vector<float>(a.B * a.Sq * a.Hq * a.dqk, 11, -2.0, 2.0),
+                       k = test::random_vector<float>(a.B * a.Sk * a.Hk * a.dqk, 12, -2.0, 2.0),
+                       v = test::random_vector<float>(a.B * a.Sk * a.Hk * a.dv, 13),
+                       dout = test::random_vector<float>(a.B * a.Sq * a.Hq * a.dv, 14);
+    std::vector<std::int32_t> idx(std::size_t(a.B * a.Sq * s.K), -1);
+    for (std::int64_t r = 0; r < a.B * a.Sq; ++r)  // the latest keys first
+      for (std::int64_t slot = 0; slot < s.K && slot <= r % a.Sq; ++slot)
+        idx[std::size_t(r * s.K + slot)] = std::int32_t(r % a.Sq - slot);
+    const auto rounded = [](std::vector<float> x) {
+      for (float& e : x) e = to_float(to_bf16(e));
+      return x;
+    };
+    const std::vector<float> qr = rounded(q), kr = rounded(k), vr = rounded(v), dr = rounded(dout);
+    const std::size_t no = dout.size(), nl = std::size_t(a.B * a.Hq * a.Sq), np = idx.size();
+    std::vector<float> o(no), lse(nl), dq(q.size()), dk(k.size()), dv(v.size()), p(np);
+    {
+      const UsePrecision bf16(Precision::bf16);
+      ops::sparse_attention_forward<float>(s, o.data(), lse.data(), q.data(), k.data(), v.data(),
+                                           idx.data());
+      ops::sparse_attention_backward<float>(s, dq.data(), dk.data(), dv.data(), dout.data(),
+                                            q.data(), k.data(), v.data(), o.data(), lse.data(),
+                                            idx.data());
+      ops::sparse_attention_head_summed_probs<float>(s, p.data(), q.data(), k.data(), lse.data(),
+                                                     idx.data());
+    }
+    std::vector<float> o2(no), lse2(nl), dq2(q.size()), dk2(k.size()), dv2(v.size());
+    sparse_attention_forward<float>(s, o2.data(), lse2.data(), qr.data(), kr.data(), vr.data(),
+                                    idx.data());
+    sparse_attention_backward<float>(s, dq2.data(), dk2.data(), dv2.data(), dr.data(), qr.data(),
+                                     kr.data(), vr.data(), o2.data(), lse2.data(), idx.data());
+    const std::string what = "Hk " + std::to_string(Hk);
+    EXPECT_EQ(o, o2) << what;
+    EXPECT_EQ(lse, lse2) << what;
+    EXPECT_EQ(dq, dq2) << what;
+    EXPECT_EQ(dk, dk2) << what;
+    EXPECT_EQ(dv, dv2) << what;
+    for (std::int64_t r = 0; r < a.B * a.Sq; ++r) {
+      double sum = 0;
+      for (std::int64_t slot = 0; slot < s.K; ++slot) sum += p[std::size_t(r * s.K + slot)];
+      EXPECT_NEAR(sum, 1.0, 1e-6) << what << " row " << r;
+    }
   }
 }
 
