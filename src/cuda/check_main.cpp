@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -44,8 +45,10 @@
 #include "cuda/elementwise.hpp"
 #include "cuda/gemm_lt.hpp"
 #include "cuda/sdpa_cudnn.hpp"
+#include "cuda/sparse_attention.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/attention_flash_latent.hpp"
+#include "kernels/attention_sparse.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/lse_merge.hpp"
 #include "kernels/rmsnorm.hpp"
@@ -285,6 +288,97 @@ void check_fused_latent(std::vector<Result>& out) {
       {"fused_latent_cuda backward dw_kv", sh, "fp32", rel_error(down(gw, false), dw), 1e-3});
 }
 
+// DeepSeek Sparse Attention's rows (cuda/sparse_attention.hpp) against the
+// CPU kernel in double (kernels/attention_sparse.hpp) on the same operands
+// (bf16: rounded first; the outputs are fp32 in both rows, so bf16 keeps
+// fp32's bounds). Each row picks up to K distinct earlier keys (causal, as
+// the indexer's top-k), in shuffled slots, -1 in the rest, and one row of
+// each batch picks none. The backward runs twice: dk and dv must be the same
+// bits (the scatter is a sort, not atomics).
+std::vector<std::int32_t> sparse_selection(const SparseAttnShape& s, std::uint32_t seed) {
+  const AttnShape& a = s.attn;
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(a.B * a.Sq * s.K), -1);
+  std::vector<std::int32_t> keys;
+  std::uint32_t x = seed * 2654435761u + 777u;
+  const auto next = [&x] { return x ^= x << 13, x ^= x >> 17, x ^= x << 5, x; };
+  for (std::int64_t b = 0; b < a.B; ++b)
+    for (std::int64_t i = 0; i < a.Sq; ++i) {
+      if (i == 3 + b) continue;  // a row with no slot
+      const std::int64_t t = i + a.Sk - a.Sq, n = std::min<std::int64_t>(s.K, t + 1);
+      keys.resize(static_cast<std::size_t>(t + 1));
+      for (std::int64_t j = 0; j <= t; ++j) keys[std::size_t(j)] = std::int32_t(j);
+      for (std::int64_t r = 0; r < n; ++r)  // partial Fisher-Yates: n distinct keys
+        std::swap(keys[std::size_t(r)], keys[std::size_t(r + next() % (t + 1 - r))]);
+      std::int32_t* row = idx.data() + (b * a.Sq + i) * s.K;
+      for (std::int64_t r = 0; r < n; ++r) row[r] = keys[std::size_t(r)];
+      for (std::int64_t r = s.K - 1; r > 0; --r)  // the slots in any order
+        std::swap(row[r], row[next() % (r + 1)]);
+    }
+  return idx;
+}
+
+void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool bf) {
+  const AttnShape& a = s.attn;
+  const Vec q = inputs(a.B * a.Sq * a.Hq * a.dqk, 21, bf),
+            k = inputs(a.B * a.Sk * a.Hk * a.dqk, 22, bf),
+            v = inputs(a.B * a.Sk * a.Hk * a.dv, 23, bf),
+            dout = inputs(a.B * a.Sq * a.Hq * a.dv, 24, bf);
+  const std::vector<std::int32_t> idx = sparse_selection(s, 25);
+  laga::sparse_attention_check_indices(s, idx.data());
+  std::vector<double> o(dout.size()), lse(static_cast<std::size_t>(a.B * a.Hq * a.Sq)),
+      dq(q.size()), dk(k.size()), dv(v.size());
+  laga::sparse_attention_forward<double>(s, o.data(), lse.data(), widen(q).data(), widen(k).data(),
+                                         widen(v).data(), idx.data());
+  laga::sparse_attention_backward<double>(s, dq.data(), dk.data(), dv.data(), widen(dout).data(),
+                                          widen(q).data(), widen(k).data(), widen(v).data(),
+                                          o.data(), lse.data(), idx.data());
+  DeviceBuffer q_ = up(q, bf, "q"), k_ = up(k, bf, "k"), v_ = up(v, bf, "v"),
+               do_ = up(dout, bf, "dout"), idx_(4 * std::int64_t(idx.size()), "idx"),
+               o_(4 * std::int64_t(o.size()), "o"), lse_(4 * std::int64_t(lse.size()), "lse"),
+               gq(4 * std::int64_t(q.size()), "dq"), gk(4 * std::int64_t(k.size()), "dk"),
+               gv(4 * std::int64_t(v.size()), "dv");
+  idx_.upload(idx.data(), idx_.bytes());
+  const auto run = [&]<class In>(In*) {
+    cuda::sparse_attention_forward<In>(s, o_.as<float>(), lse_.as<float>(), q_.as<In>(),
+                                       k_.as<In>(), v_.as<In>(), idx_.as<std::int32_t>());
+    cuda::sparse_attention_backward<In>(s, gq.as<float>(), gk.as<float>(), gv.as<float>(),
+                                        do_.as<In>(), q_.as<In>(), k_.as<In>(), v_.as<In>(),
+                                        o_.as<float>(), lse_.as<float>(), idx_.as<std::int32_t>());
+  };
+  bf ? run(static_cast<bf16*>(nullptr)) : run(static_cast<float*>(nullptr));
+  const std::string sh = cat(attn_shape(a), " K ", s.K);
+  const char* dt = bf ? "bf16" : "fp32";
+  out.push_back({"sparse_gather_cuda forward o", sh, dt, rel_error(down(o_, false), o), 1e-4});
+  out.push_back(
+      {"sparse_gather_cuda forward lse", sh, dt, rel_error(down(lse_, false), lse), 1e-4});
+  out.push_back({"sparse_gather_cuda backward dq", sh, dt, rel_error(down(gq, false), dq), 1e-3});
+  out.push_back({"sparse_gather_cuda backward dk", sh, dt, rel_error(down(gk, false), dk), 1e-3});
+  out.push_back({"sparse_gather_cuda backward dv", sh, dt, rel_error(down(gv, false), dv), 1e-3});
+  const Vec k1 = down(gk, false), v1 = down(gv, false);
+  bf ? run(static_cast<bf16*>(nullptr)) : run(static_cast<float*>(nullptr));
+  const Vec k2 = down(gk, false), v2 = down(gv, false);
+  const bool same = std::memcmp(k1.data(), k2.data(), 4 * k1.size()) == 0 &&
+                    std::memcmp(v1.data(), v2.data(), 4 * v1.size()) == 0;
+  out.push_back(
+      {"sparse_gather_cuda backward dk, dv bits on a second run", sh, dt, same ? 0.0 : 1.0, 0});
+}
+
+void check_sparse_attention(std::vector<Result>& out) {
+  SparseAttnShape heads;  // per head, fewer queries than keys (a rank's rows)
+  heads.attn.B = 2, heads.attn.Sq = 60, heads.attn.Sk = 90, heads.attn.Hq = heads.attn.Hk = 4;
+  heads.attn.dqk = 48, heads.attn.dv = 32, heads.attn.scale = 0.15, heads.K = 16;
+  SparseAttnShape latent = heads;  // latent space: one shared key head
+  latent.attn.Hk = 1, latent.attn.dqk = 72, latent.attn.dv = 64;
+  SparseAttnShape v32 = latent;  // DeepSeek-V3.2's latent widths, [c | k_pe] 576, c 512
+  v32.attn.B = 1, v32.attn.Sq = 48, v32.attn.Sk = 96, v32.attn.Hq = 8;
+  v32.attn.dqk = 576, v32.attn.dv = 512, v32.attn.scale = 0.04, v32.K = 32;
+  SparseAttnShape wide = heads;  // 192/128 heads, more slots than keys
+  wide.attn.B = 1, wide.attn.Sq = wide.attn.Sk = 40, wide.attn.Hq = wide.attn.Hk = 2;
+  wide.attn.dqk = 192, wide.attn.dv = 128, wide.attn.scale = 0.07, wide.K = 64;
+  for (const bool bf : {false, true})
+    for (const SparseAttnShape& s : {heads, latent, v32, wide}) check_sparse_case(out, s, bf);
+}
+
 void check_small_ops(std::vector<Result>& out) {
   {  // RMSNorm, x a slice of wider rows
     const std::int64_t N = 37, C = 512, ldx = 576;
@@ -471,7 +565,9 @@ int run(int argc, char** argv) {
                  "fused_latent_cuda fp32",
                  "rmsnorm_cuda",
                  "rope_cuda",
-                 "lse_merge_cuda"};
+                 "lse_merge_cuda",
+                 "sparse_gather_cuda fp32/bf16: per head, latent Hk 1, 576/512, 192/128 K > Sk; "
+                 "dk, dv bits on a second run"};
   if (dry) {
     j["ran"] = false;
     std::ofstream(json_path) << j.dump(2) << "\n";
@@ -506,6 +602,7 @@ int run(int argc, char** argv) {
   guarded("attention", [&] { check_attention_ops(results); });
   guarded("fused latent", [&] { check_fused_latent(results); });
   guarded("rmsnorm/rope/lse_merge", [&] { check_small_ops(results); });
+  guarded("sparse attention", [&] { check_sparse_attention(results); });
   std::vector<Timing> times;
   guarded("timing gemm", [&] { time_gemm(times); });
   guarded("timing attention", [&] { time_attention(times, seqs, heads, budget); });

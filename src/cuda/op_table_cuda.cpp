@@ -36,6 +36,7 @@
 #include "cuda/gemm_lt.hpp"
 #include "cuda/sdpa_cudnn.hpp"
 #include "cuda/sdpa_ragged.hpp"
+#include "cuda/sparse_attention.hpp"
 #include "mla/form_spec.hpp"  // AttentionKind
 #include "mla/op_table.hpp"
 
@@ -357,6 +358,44 @@ void run_rope(const OpCall& c) {
                    device_rope(*static_cast<const RopeTable*>(c.context)), Inverse);
 }
 
+// ------------------------------------------------- sparse attention (DSA)
+// DeepSeek Sparse Attention's main attention over each query's selected keys
+// (cuda/sparse_attention.hpp), per head or latent (any Hk dividing Hq): fp32,
+// and bf16 operands with fp32 o, lse and gradients, as the CPU's
+// sparse_gather and sparse_gather_bf16 rows. The backward's dk, dv are a
+// deterministic scatter (sorted pairs, no atomics), so the row takes the
+// invariant mode's calls too. Its scratch is its own DeviceBuffers (counted
+// by the pool when it runs; the op layer hands this op no workspace).
+Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
+  if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
+  const std::string m = cuda::sparse_attention_refusal({s.attn, s.k});
+  if (!m.empty()) return m;
+  return std::nullopt;
+}
+template <class In>
+void run_sparse_cuda_forward(const OpCall& c) {
+  cuda::sparse_attention_forward<In>(
+      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<const In*>(c.in[0]), static_cast<const In*>(c.in[1]),
+      static_cast<const In*>(c.in[2]), static_cast<const std::int32_t*>(c.in[3]));
+}
+template <class In>
+void run_sparse_cuda_backward(const OpCall& c) {
+  cuda::sparse_attention_backward<In>(
+      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<float*>(c.out[2]), static_cast<const In*>(c.in[0]),
+      static_cast<const In*>(c.in[1]), static_cast<const In*>(c.in[2]),
+      static_cast<const In*>(c.in[3]), static_cast<const float*>(c.in[4]),
+      static_cast<const float*>(c.in[5]), static_cast<const std::int32_t*>(c.in[6]));
+}
+void run_sparse_cuda_forward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_sparse_cuda_forward<bf16>(c) : run_sparse_cuda_forward<float>(c);
+}
+void run_sparse_cuda_backward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_sparse_cuda_backward<bf16>(c)
+                            : run_sparse_cuda_backward<float>(c);
+}
+
 // cuDNN's rows rank first (0): where they take a call they are picked.
 const KernelRow kRows[] = {
     {Device::cuda, Op::gemm, "gemm_cublaslt", &gemm_takes, &run_gemm, 0},
@@ -381,6 +420,10 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
     {Device::cuda, Op::rope_forward, "rope_cuda", &fp32_data, &run_rope<false>, 0},
     {Device::cuda, Op::rope_backward, "rope_cuda", &fp32_data, &run_rope<true>, 0},
+    {Device::cuda, Op::sparse_attention_forward, "sparse_gather_cuda", &sparse_cuda_takes,
+     &run_sparse_cuda_forward_any, 0},
+    {Device::cuda, Op::sparse_attention_backward, "sparse_gather_cuda", &sparse_cuda_takes,
+     &run_sparse_cuda_backward_any, 0},
 };
 
 }  // namespace
