@@ -53,6 +53,7 @@
 #include "kernels/lse_merge.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
+#include "mla/op_table.hpp"
 
 namespace laga::cuda {
 namespace {
@@ -354,6 +355,23 @@ void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool 
   out.push_back({"sparse_gather_cuda backward dq", sh, dt, rel_error(down(gq, false), dq), 1e-3});
   out.push_back({"sparse_gather_cuda backward dk", sh, dt, rel_error(down(gk, false), dk), 1e-3});
   out.push_back({"sparse_gather_cuda backward dv", sh, dt, rel_error(down(gv, false), dv), 1e-3});
+  if (!bf && a.Hk == a.Hq) {
+    // Through the kernel table's row, as the op layer calls it: the DSA
+    // forms hand the selection in a host vector, which the row copies.
+    const ops::KernelRow* fwd = nullptr;
+    for (const ops::KernelRow& r : ops::cuda_kernel_rows())
+      if (r.op == ops::Op::sparse_attention_forward) fwd = &r;
+    LAGA_CHECK(fwd, "no CUDA row for sparse_attention_forward");
+    ops::OpCall c;
+    c.op = ops::Op::sparse_attention_forward, c.dtype = RunDtype::fp32;
+    c.shape.attn = a, c.shape.k = s.K;
+    c.in[0] = q_.data(), c.in[1] = k_.data(), c.in[2] = v_.data(), c.in[3] = idx.data();
+    c.out[0] = o_.data(), c.out[1] = lse_.data();
+    fwd->run(c);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after sparse_gather_cuda's row");
+    out.push_back({"sparse_gather_cuda row, host selection: forward o", sh, dt,
+                   rel_error(down(o_, false), o), 1e-4});
+  }
   const Vec k1 = down(gk, false), v1 = down(gv, false);
   bf ? run(static_cast<bf16*>(nullptr)) : run(static_cast<float*>(nullptr));
   const Vec k2 = down(gk, false), v2 = down(gv, false);

@@ -366,6 +366,23 @@ void run_rope(const OpCall& c) {
 // deterministic scatter (sorted pairs, no atomics), so the row takes the
 // invariant mode's calls too. Its scratch is its own DeviceBuffers (counted
 // by the pool when it runs; the op layer hands this op no workspace).
+//
+// The selection idx (B, Sq, K) int32: the pointer itself when it is device
+// or managed memory, else (the DSA forms keep it in a host std::vector) a
+// copy for the call, in `own`.
+const std::int32_t* device_selection(const OpCall& c, int slot, DeviceBuffer& own) {
+  const auto* idx = static_cast<const std::int32_t*>(c.in[slot]);
+  const std::int64_t n = c.shape.attn.B * c.shape.attn.Sq * c.shape.k;
+  if (!idx || n <= 0) return idx;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, idx) == cudaSuccess &&
+      (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
+    return idx;
+  (void)cudaGetLastError();
+  own = DeviceBuffer(4 * n, "sparse attention selection (device copy)");
+  own.upload(idx, 4 * n);
+  return own.as<std::int32_t>();
+}
 Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
   if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
   const std::string m = cuda::sparse_attention_refusal({s.attn, s.k});
@@ -374,19 +391,23 @@ Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
 }
 template <class In>
 void run_sparse_cuda_forward(const OpCall& c) {
-  cuda::sparse_attention_forward<In>(
-      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
-      static_cast<const In*>(c.in[0]), static_cast<const In*>(c.in[1]),
-      static_cast<const In*>(c.in[2]), static_cast<const std::int32_t*>(c.in[3]));
+  DeviceBuffer own;
+  const std::int32_t* idx = device_selection(c, 3, own);
+  cuda::sparse_attention_forward<In>({c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]),
+                                     static_cast<float*>(c.out[1]), static_cast<const In*>(c.in[0]),
+                                     static_cast<const In*>(c.in[1]),
+                                     static_cast<const In*>(c.in[2]), idx);
 }
 template <class In>
 void run_sparse_cuda_backward(const OpCall& c) {
+  DeviceBuffer own;
+  const std::int32_t* idx = device_selection(c, 6, own);
   cuda::sparse_attention_backward<In>(
       {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
       static_cast<float*>(c.out[2]), static_cast<const In*>(c.in[0]),
       static_cast<const In*>(c.in[1]), static_cast<const In*>(c.in[2]),
       static_cast<const In*>(c.in[3]), static_cast<const float*>(c.in[4]),
-      static_cast<const float*>(c.in[5]), static_cast<const std::int32_t*>(c.in[6]));
+      static_cast<const float*>(c.in[5]), idx);
 }
 void run_sparse_cuda_forward_any(const OpCall& c) {
   c.dtype == RunDtype::bf16 ? run_sparse_cuda_forward<bf16>(c) : run_sparse_cuda_forward<float>(c);
