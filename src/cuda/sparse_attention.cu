@@ -268,9 +268,12 @@ std::string sparse_attention_refusal(const SparseAttnShape& s) {
   if (pairs >= 9.0e18)
     return cat("cuda sparse attention: B ", a.B, " x Sk ", a.Sk, " x Sq ", a.Sq,
                " does not fit the 64-bit sort key; split the batch");
+  // Blocks a launch: warps of rows or keys, kWarps a block; 256 pairs or keys a block.
   const double warps = std::max(double(a.B) * double(a.Sq) * double(a.Hq),
                                 double(a.B) * double(a.Sk) * double(a.Hk));
-  if (warps / kWarps >= double(INT_MAX) || double(a.B) * double(a.Sq) * double(s.K) >= 1e12)
+  const double items =
+      std::max(double(a.B) * double(a.Sq) * double(s.K), double(a.B) * double(a.Sk));
+  if (warps / kWarps >= double(INT_MAX) || items / 256 >= double(INT_MAX))
     return cat("cuda sparse attention: B ", a.B, " Sq ", a.Sq, " Sk ", a.Sk, " K ", s.K,
                " is beyond one launch's grid; split the batch");
   return "";

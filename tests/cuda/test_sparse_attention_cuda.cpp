@@ -76,6 +76,15 @@ TEST(CudaSparseAttention, RowsRefuseNamingTheValue) {
   ASSERT_TRUE(w);
   EXPECT_TRUE(has(*w, "query heads (128) must be a positive multiple of key/value heads (3)"))
       << *w;
+  s = v32_heads();  // 2^37 (row, head) warps: past one launch's 2^31 - 1 blocks
+  s.attn.Sq = s.attn.Sk = std::int64_t(1) << 30;
+  w = r->why_not(RunDtype::fp32, s);
+  ASSERT_TRUE(w);
+  EXPECT_TRUE(has(*w, "B 1 Sq 1073741824 Sk 1073741824 K 2048 is beyond one launch's grid")) << *w;
+  s.attn.B = 8, s.attn.Sq = s.attn.Sk = std::int64_t(1) << 31;  // B Sk Sq = 2^65
+  w = r->why_not(RunDtype::fp32, s);
+  ASSERT_TRUE(w);
+  EXPECT_TRUE(has(*w, "does not fit the 64-bit sort key")) << *w;
 }
 
 // The entry points check the shape before they touch the device, so a bad
