@@ -15,11 +15,12 @@
 //     to the CPU fp32 run's; every rank's device peak (its device pool's)
 //     equal to the memory model's prediction.
 //  2. bf16 mixed precision at P 1 and 2: against the CPU's float64 within
-//     bf16_bound_vs_exact, and against CUDA explicit at P 1 in bf16 within
-//     bf16_bound_between_runs (mla/ops_bf16.hpp).
+//     bf16_bound_vs_exact, and against CUDA explicit at P 1 in bf16 and the
+//     CPU's bf16 run of the same form and P within bf16_bound_between_runs
+//     (mla/ops_bf16.hpp).
 //  3. Step times (forward + backward, median of the timed steps after a
 //     warm-up) per form at DeepSeek-V3's block dims (the deepseek-v3 preset:
-//     H 128, 192/128, C 512), bf16 (laga_fused: fp32, its only CUDA dtype),
+//     H 128, 192/128, C 512), bf16 (laga_fused too: its kernel's bf16 variant),
 //     S in --seqs at P 1 and as rank 0 of P 8 would run it (alone, on a
 //     dry-run communicator), each row on a thread of its own, with the
 //     device pool's peak beside the model's and the library workspaces the
@@ -211,6 +212,20 @@ void check_forms(std::vector<Row>& rows) {
             {name, "bf16", "vs CPU float64", P, w.rel, vs_exact, w.rel <= vs_exact, w.where});
         rows.push_back(
             {name, "bf16", "vs CUDA explicit P 1", P, e.rel, between, e.rel <= between, e.where});
+        // The CPU's bf16 run of the same form and P (laga_fused: its bf16
+        // fused path, whose rounding points the CUDA kernel's bf16 variant
+        // keeps: cuda/attention.hpp).
+        try {
+          RunSpec cpu_spec = spec;
+          cpu_spec.device = Device::cpu;
+          const BlockRun<float> cpu = run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), in32.w,
+                                                in32.x, in32.dout, cpu_spec);
+          const Worst c = worst_of(dev, cpu);
+          rows.push_back(
+              {name, "bf16", "vs CPU bf16", P, c.rel, between, c.rel <= between, c.where});
+        } catch (const std::exception& x) {
+          rows.push_back({name, "bf16", "vs CPU bf16", P, INFINITY, 0, false, x.what()});
+        }
       } catch (const std::exception& e) {
         rows.push_back({name, "bf16", "run", P, INFINITY, 0, false, e.what()});
       }
@@ -272,8 +287,7 @@ void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
       for (Form f : {Form::explicit_form, Form::laga, Form::laga_fused}) {
         Timing t;
         t.form = to_string(FormVariant(f)), t.S = S, t.P = P;
-        const bool fused = f == Form::laga_fused;  // its CUDA kernel is fp32 only
-        t.dtype = fused ? "fp32" : "bf16";
+        t.dtype = "bf16";
         const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, P);
         t.model_peak = predict_memory(cfg, lay, f, AttentionKind::flash, t.rank, 4).peak_working;
         // The device pool's parameters and gradients, x, dout, out and dx
@@ -286,7 +300,7 @@ void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
         } else {
           std::thread row([&] {
             try {
-              const UsePrecision prec(fused ? Precision::fp32 : Precision::bf16);
+              const UsePrecision prec(Precision::bf16);
               const Inputs<float> in = make_inputs<float>(cfg, 1, S);
               RunSpec spec;
               spec.variant = f, spec.attention = AttentionKind::flash, spec.device = Device::cuda;
@@ -331,8 +345,8 @@ int run(int argc, char** argv) {
   j["checks"] = {
       "every form variant, fp32, P 1-4 sharing the GPU: vs CPU float64, ledger, "
       "device peak vs model",
-      "every form variant, bf16, P 1-2: vs CPU float64 and vs CUDA explicit P 1",
-      "step times at deepseek-v3 dims: explicit, laga (bf16), laga_fused (fp32)"};
+      "every form variant, bf16, P 1-2: vs CPU float64, vs CUDA explicit P 1 and vs CPU bf16",
+      "step times at deepseek-v3 dims, bf16: explicit, laga, laga_fused"};
   if (dry) {
     j["ran"] = false;
     std::ofstream(json_path) << j.dump(2) << "\n";

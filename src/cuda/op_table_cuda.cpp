@@ -265,16 +265,20 @@ LatentAttnParams<float> latent_params(const OpCall& c) {
   p.w_kv = static_cast<const float*>(c.in[3]);
   return p;
 }
+// bf16: the kernel's bf16 variant (tensor-core up-projection, the CPU bf16
+// path's rounding points: cuda/attention.hpp), on the fp32 containers of
+// bf16 values the op layer hands a fused call (Bf16Operands::fp32_values,
+// as the CPU's flash_latent_fp32 row takes them).
 Why fused_takes(RunDtype d, const OpShape& s) {
-  if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;
+  if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
   const std::string m =
-      cuda::attention_refusal(cuda::AttnKernel::fused_latent, s.attn, DType::f32, 232448);
+      cuda::attention_refusal(cuda::AttnKernel::fused_latent, s.attn, wire_dtype(d), 232448);
   if (!m.empty()) return m;
   return std::nullopt;
 }
 void run_fused_forward(const OpCall& c) {
   cuda::fused_latent_forward(latent_params(c), static_cast<float*>(c.out[0]),
-                             static_cast<float*>(c.out[1]));
+                             static_cast<float*>(c.out[1]), wire_dtype(c.dtype));
 }
 void run_fused_backward(const OpCall& c) {
   LatentAttnGrads<float> g;
@@ -286,7 +290,7 @@ void run_fused_backward(const OpCall& c) {
   float* delta = delta_scratch(c, delta_bytes(c.dtype, c.shape), own);
   cuda::fused_latent_backward(latent_params(c), g, static_cast<const float*>(c.in[4]),
                               static_cast<const float*>(c.in[5]),
-                              static_cast<const float*>(c.in[6]), delta);
+                              static_cast<const float*>(c.in[6]), delta, wire_dtype(c.dtype));
 }
 
 // ------------------------------------------------- merge, norm, rope (fp32 data)
@@ -433,9 +437,9 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::latent_attention_backward, "latent_attention_cuda_tiled",
      &latent_tiled_takes, &run_tiled_backward_any, 0, Bf16Operands::bf16, &delta_bytes},
     {Device::cuda, Op::fused_latent_attention_forward, "fused_latent_cuda", &fused_takes,
-     &run_fused_forward, 0},
+     &run_fused_forward, 0, Bf16Operands::fp32_values},
     {Device::cuda, Op::fused_latent_attention_backward, "fused_latent_cuda", &fused_takes,
-     &run_fused_backward, 0, Bf16Operands::bf16, &delta_bytes},
+     &run_fused_backward, 0, Bf16Operands::fp32_values, &delta_bytes},
     {Device::cuda, Op::lse_merge, "lse_merge_cuda", &fp32_data, &run_lse_merge, 0},
     {Device::cuda, Op::rmsnorm_forward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_forward, 0},
     {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
