@@ -150,11 +150,14 @@ DsaForm parse_dsa_form_option(const ForwardOptions& o) {
        " is not a DSA form: a dense form would attend every key, a different model; use one of ",
        dsa_runnable_form_names(), " (docs/forms.md, \"DeepSeek Sparse Attention (DSA)\")");
 }
-// --form on a dense config: a DSA form's name is refused saying why.
+// --form on a dense config: a DSA form's name that is no dense form's
+// (explicit and ring_latent are both) is refused saying why.
 Form parse_dense_form_option(const ForwardOptions& o) {
+  for (Form f : all_forms())
+    if (o.form == to_string(f)) return f;
   for (DsaForm f : all_dsa_forms())
-    LAGA_CHECK(o.form != to_string(f) || o.form == to_string(Form::explicit_form), "--form ",
-               o.form, " is a DeepSeek Sparse Attention form, and ", o.model.source(),
+    LAGA_CHECK(o.form != to_string(f), "--form ", o.form,
+               " is a DeepSeek Sparse Attention form, and ", o.model.source(),
                " has no index keys (index_n_heads, index_head_dim, index_topk): give a DSA "
                "config, or a dense form (",
                form_names(", "), ")");

@@ -1,0 +1,121 @@
+"""`laga forward` on a DSA config (issue 55) under mpirun, through the tool.
+
+For every DSA form the engine runs (`laga forms --json`'s dsa_forms with
+runs true: the forms' one registry row, DsaFormTraits), at P 2 (uneven: S 23
+= 12 + 11, H 5 = 3 + 2), P 3 with packed documents (1,20,2/23: one crosses
+every rank boundary, one is a single token), and laga_recompute at P 4 (a
+rank with one head), in float64 with --backward:
+  - every rank's rows of out and dx, every gradient (the MLA's and the
+    indexer's, grad.indexer.*), the indexer's KL loss and the selection idx
+    equal the single-rank explicit DSA run (--form explicit --sp 1) within
+    1e-10 relative (idx exactly);
+  - each rank's ledger equals its closed form, dsa_predict_comm, label for
+    label (the file's ledger metadata: no label differing, bytes equal);
+  - the MPI file equals the in-process (--comm local) file byte for byte.
+And one dense-warm-up case, and bad input refused under MPI with the same
+one message on every rank (--dtype bf16, ring_latent which the engine does
+not run).
+usage: dsa_cli_mpi.py LAGA MPIEXEC TMPDIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+import safetensors_io  # noqa: E402
+
+laga, mpiexec, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
+os.makedirs(tmp, exist_ok=True)
+CONFIG = os.path.join(HERE, "tiny_dsa.json")
+BASE = ["forward", "--config", CONFIG, "--batch", "2", "--seq", "23", "--backward",
+        "--dtype", "float64", "--seed", "3"]
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def run(args, P=None, timeout=60):
+    cmd = ([mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", str(P), laga] if P
+           else [laga]) + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def load(path):
+    tensors, meta = safetensors_io.load_file(path)
+    return tensors, meta
+
+
+forms = [f["name"] for f in json.loads(run(["forms", "--json", "-"]).stdout)["dsa_forms"]
+         if f["runs"]]
+check(len(forms) >= 4, f"laga forms lists {len(forms)} DSA forms that run: {forms}")
+
+refs = {}
+for stage, docs in (("sparse", []), ("sparse", ["--doc-lens", "1,20,2/23"]),
+                    ("dense_warmup", [])):
+    key = (stage, bool(docs))
+    path = os.path.join(tmp, f"ref_{stage}_{int(bool(docs))}.st")
+    r = run(BASE + docs + ["--dsa-stage", stage, "--form", "explicit", "--sp", "1",
+                           "--output", path])
+    check(r.returncode == 0, f"reference {key}: {r.stderr}")
+    refs[key] = load(path)[0]
+
+cases = [(f, P, "sparse", docs) for f in forms
+         for P, docs in ((2, []), (3, ["--doc-lens", "1,20,2/23"]))]
+cases += [("laga_recompute", 4, "sparse", []), ("laga_indices", 3, "dense_warmup", [])]
+for form, P, stage, docs in cases:
+    name = f"{form} P {P} {stage}{' packed' if docs else ''}"
+    args = BASE + docs + ["--dsa-stage", stage, "--form", form, "--sp", str(P)]
+    mpi_path = os.path.join(tmp, f"mpi_{form}_{P}_{stage}.st")
+    local_path = os.path.join(tmp, f"local_{form}_{P}_{stage}.st")
+    r = run(args + ["--comm", "mpi", "--output", mpi_path], P=P)
+    check(r.returncode == 0, f"{name}: mpirun failed: {r.stderr}")
+    r2 = run(args + ["--comm", "local", "--output", local_path])
+    check(r2.returncode == 0, f"{name}: local failed: {r2.stderr}")
+    if r.returncode or r2.returncode:
+        continue
+    got, meta = load(mpi_path)
+    want = refs[(stage, bool(docs))]
+    check(set(got) == set(want), f"{name}: tensors {sorted(set(got) ^ set(want))} differ")
+    check(any(k.startswith("grad.indexer.") for k in got), f"{name}: no indexer gradient")
+    for k in sorted(set(got) & set(want)):
+        a, b = np.asarray(got[k]), np.asarray(want[k])
+        if k == "idx":
+            check(np.array_equal(a, b), f"{name}: the selection differs from explicit's")
+            continue
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        check(a.shape == b.shape and err <= 1e-10 * max(scale, 1.0),
+              f"{name}: {k} max |diff| {err:.3e} against single-rank explicit (scale {scale:.3e})")
+    ledger = json.loads(meta["ledger"])
+    check(len(ledger) == P, f"{name}: {len(ledger)} ranks' ledgers, not {P}")
+    for l in ledger:
+        check(l["labels"] > 0 and l["labels_differing"] == 0
+              and l["sent"] == l["predicted_sent"] and l["received"] == l["predicted_received"],
+              f"{name}: rank {l['rank']}'s ledger is not its closed form: {l}")
+    with open(mpi_path, "rb") as a, open(local_path, "rb") as b:
+        check(a.read() == b.read(), f"{name}: the MPI and local files differ")
+    print(f"ok: {name}: every rank's out, dx, grads, KL, idx = single-rank explicit; "
+          f"ledger = dsa_predict_comm; MPI == local")
+
+# Bad input: one clear error naming the field, the same on every rank.
+for extra, said in ((["--dtype", "bf16"], "--dtype bf16"),
+                    (["--form", "ring_latent"], "--form ring_latent")):
+    args = ["forward", "--config", CONFIG, "--seq", "23", "--sp", "2", "--comm", "mpi"] + extra
+    r = run(args, P=2)
+    lines = [l for l in r.stderr.splitlines() if "error" in l]
+    check(r.returncode != 0 and len(lines) == 2 and len(set(lines)) == 1 and said in lines[0],
+          f"{extra}: want one error naming '{said}' from each of 2 ranks, got rc "
+          f"{r.returncode}: {r.stderr}")
+
+if failures:
+    print(f"{len(failures)} failure(s)")
+    sys.exit(1)
+print("all DSA cli MPI checks passed")
