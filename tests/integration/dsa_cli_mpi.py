@@ -105,6 +105,31 @@ for form, P, stage, docs in cases:
     print(f"ok: {name}: every rank's out, dx, grads, KL, idx = single-rank explicit; "
           f"ledger = dsa_predict_comm; MPI == local")
 
+# `laga compare` on the DSA config, in-process (P 3, packed) and under mpirun
+# (P 2): a row per DSA form (ring_latent's closed form only), each run form
+# agreeing with single-rank explicit DSA within fp32's block tolerance (1e-4
+# of the reference's scale), the same selection, its ledger its closed form.
+for P, comm, docs in ((3, "local", ["--doc-lens", "5,40,3"]), (2, "mpi", [])):
+    args = ["compare", "--config", CONFIG, "--seq", "48", "--sp", str(P), "--comm", comm,
+            "--quiet", "--json", "-"] + docs
+    r = run(args, P=P if comm == "mpi" else None)
+    check(r.returncode == 0, f"compare {comm} P {P}: {r.stderr}")
+    if r.returncode:
+        continue
+    rows = {row["form"]: row for row in json.loads(r.stdout)["dsa_forms"]}
+    check(sorted(f for f, row in rows.items() if row["ran"]) == sorted(forms),
+          f"compare {comm} P {P}: ran {sorted(rows)}, want {forms}")
+    for f in forms:
+        row = rows.get(f, {})
+        d = row.get("max_abs_diff", {})
+        check(row.get("ledger_equals_closed_form") is True and d.get("idx_equal") is True
+              and row["sent_per_rank"] == row["predicted_sent_per_rank"] > 0
+              and all(d[k] <= 1e-4 * max(1.0, row["reference_max_abs"][k])
+                      for k in ("out", "dx", "grads", "kl_loss"))
+              and row["memory_peak_closed_form"] > 0,
+              f"compare {comm} P {P} {f}: {row}")
+    print(f"ok: compare {comm} P {P}: {len(forms)} DSA forms agree, ledgers = closed form")
+
 # Bad input: one clear error naming the field, the same on every rank.
 for extra, said in ((["--dtype", "bf16"], "--dtype bf16"),
                     (["--form", "ring_latent"], "--form ring_latent")):
