@@ -317,6 +317,8 @@ void run_forward(const ForwardOptions& o) {
   FormVariant variant;
   if (dsa) {
     check_dsa_job(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), dsa_form);
+    check_dsa_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), dsa_form,
+                         sizeof(T));
   } else {
     variant = {parse_dense_form_option(o),
                o.q_latent ? QueryExchange::latent : QueryExchange::heads, o.head_groups,

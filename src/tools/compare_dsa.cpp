@@ -94,7 +94,10 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
   const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, o.sp, seq_layout);
   for (DsaForm f : forms)
-    if (dsa_form_runs(f)) check_dsa_job(cfg, layout, f);
+    if (dsa_form_runs(f)) {
+      check_dsa_job(cfg, layout, f);
+      check_dsa_job_memory(o.comm, cfg, layout, f, sizeof(float));
+    }
   const std::optional<Documents> docs =
       load_documents(o.doc_lens, nullptr, std::string(), o.batch, o.seq);
   const std::vector<std::int64_t> doc_start =

@@ -12,6 +12,7 @@
 #include "mla/dsa_explicit.hpp"
 #include "mla/dsa_laga.hpp"
 #include "mla/exchange.hpp"
+#include "tools/memory_check.hpp"
 
 namespace laga::tools {
 
@@ -96,6 +97,29 @@ void check_dsa_job(const MlaConfig& cfg, const SpLayout& layout, DsaForm form) {
   LAGA_CHECK(layout.seq_layout == SeqLayout::contiguous, "--seq-layout ",
              to_string(layout.seq_layout),
              ": the DSA forms run contiguous shards only; drop --seq-layout");
+}
+
+void check_dsa_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
+                          DsaForm form, std::int64_t elem_bytes) {
+  if (!comm.memory_check) return;
+  const DsaConfig dsa = *DsaConfig::of(cfg);
+  std::int64_t params = dsa.parameter_count(cfg);
+  for (const auto& [name, shape] : mla_param_shapes(cfg)) params += numel(shape);
+  const std::int64_t global = 4 * layout.batch * layout.seq * cfg.dim;
+  const bool all_here = comm.backend == Backend::local;
+  std::int64_t ranks = 0, peak = 0;
+  for (int r = 0; r < layout.ranks; ++r) {
+    const std::int64_t p = dsa_memory(cfg, dsa, layout, form, r, elem_bytes).peak;
+    peak = std::max(peak, p);
+    ranks += all_here || r == 0 ? p : 0;
+  }
+  JobMemory need;
+  need.bytes = ranks + elem_bytes * (params + global);
+  need.detail = cat(all_here ? layout.ranks : 1, " rank(s) up to ", peak,
+                    " bytes each (dsa_memory, a lower bound) + ", elem_bytes * (params + global),
+                    " bytes of weights and global tensors");
+  need.lower_with = "Lower --seq or --batch, or raise --sp";
+  check_memory_fits(need, cat("this DSA job (", to_string(form), ")"));
 }
 
 template <class T>

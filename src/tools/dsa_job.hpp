@@ -60,6 +60,14 @@ DsaIndexerParams<T> load_indexer_weights(const std::string& path, const MlaConfi
 // not contiguous.
 void check_dsa_job(const MlaConfig& cfg, const SpLayout& layout, DsaForm form);
 
+// The upfront memory check of run_dsa_job (tools/memory_check.hpp), before
+// the caller allocates weights or inputs; nothing with --no-memory-check.
+// A lower bound: dsa_memory's closed form per rank (the ranks this process
+// runs: P in-process, one under MPI) plus the weights (the MLA's and the
+// indexer's) and the global x, dout, out and dx the job holds.
+void check_dsa_job_memory(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,
+                          DsaForm form, std::int64_t elem_bytes);
+
 // Runs the form on layout.ranks ranks (every process calls it); x and dout
 // global (B, S, D), dout undefined: forward only. doc_start (B, S) or null.
 // The job holds data only where is_reporting_process(comm) is true.
