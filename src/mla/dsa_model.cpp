@@ -29,8 +29,7 @@ constexpr DsaFormTraits kRows[] = {
     {DsaForm::explicit_form, "explicit",
      "index_k_ag, topk_ag, q_a2a, k_a2a, v_a2a, index_target_rs, out_a2a",
      "dsa_explicit (mla/dsa_explicit.hpp)"},
-    {DsaForm::ring_latent, "ring_latent",
-     "index_k_ring, latent_ring (backward dindex_k_ring, dlatent_ring)", nullptr},
+    {DsaForm::ring_latent, "ring_latent", "index_k_ring, latent_ring", nullptr},
 };
 using Row = DsaFormTraits;
 }  // namespace
