@@ -130,6 +130,56 @@ for P, comm, docs in ((3, "local", ["--doc-lens", "5,40,3"]), (2, "mpi", [])):
               f"compare {comm} P {P} {f}: {row}")
     print(f"ok: compare {comm} P {P}: {len(forms)} DSA forms agree, ledgers = closed form")
 
+# Given weights and input (--weights, --input): the MLA's and the indexer's
+# tensors under DeepSeek's names (the indexer's also under Hugging Face's
+# model.layers.0.self_attn. prefix), read and used: laga_indices at P 3
+# equals explicit at P 1 on them, and a file whose indexer differs only in
+# wk gives another KL; a file without the indexer is refused naming it.
+rng = np.random.default_rng(5)
+cfg = json.load(open(CONFIG))
+D, H, rq, C, dr = cfg["dim"], cfg["n_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"], \
+    cfg["qk_rope_head_dim"]
+dn, dv = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+HI, dI = cfg["index_n_heads"], cfg["index_head_dim"]
+mla = {"wq_a.weight": (rq, D), "q_norm.weight": (rq,), "wq_b.weight": (H * (dn + dr), rq),
+       "wkv_a.weight": (C + dr, D), "kv_norm.weight": (C,), "wkv_b.weight": (H * (dn + dv), C),
+       "wo.weight": (D, H * dv)}
+indexer = {"wq_b.weight": (HI * dI, rq), "wk.weight": (dI, D), "k_norm.weight": (dI,),
+           "k_norm.bias": (dI,), "weights_proj.weight": (HI, D)}
+w = {k: (1 + 0.1 * rng.standard_normal(s)) if "norm" in k else 0.2 * rng.standard_normal(s)
+     for k, s in mla.items()}
+iw = {"indexer." + k: (1 + 0.1 * rng.standard_normal(s)) if "norm" in k
+      else 0.3 * rng.standard_normal(s) for k, s in indexer.items()}
+files = {"w": {**w, **iw},
+         "w_hf": {**w, **{"model.layers.0.self_attn." + k: v for k, v in iw.items()}},
+         "w_wk": {**w, **iw, "indexer.wk.weight": -iw["indexer.wk.weight"]},
+         "w_none": w}
+for name, tensors in files.items():
+    safetensors_io.save_file(tensors, os.path.join(tmp, name + ".st"))
+safetensors_io.save_file({"x": rng.standard_normal((2, 23, D)),
+                          "dout": rng.standard_normal((2, 23, D))}, os.path.join(tmp, "x.st"))
+given = {}
+for name, form, P in (("w", "explicit", 1), ("w", "laga_indices", 3), ("w_hf", "explicit", 1),
+                      ("w_wk", "explicit", 1)):
+    out = os.path.join(tmp, f"given_{name}_{form}.st")
+    r = run(["forward", "--config", CONFIG, "--weights", os.path.join(tmp, name + ".st"),
+             "--input", os.path.join(tmp, "x.st"), "--backward", "--dtype", "float64",
+             "--form", form, "--sp", str(P), "--output", out])
+    check(r.returncode == 0, f"--weights {name} {form}: {r.stderr}")
+    given[(name, form)] = load(out)[0] if r.returncode == 0 else None
+if all(v is not None for v in given.values()):
+    a, b = given[("w", "explicit")], given[("w", "laga_indices")]
+    check(all(np.allclose(a[k], b[k], rtol=1e-10, atol=1e-12) for k in a),
+          "given weights: laga_indices P 3 differs from explicit P 1")
+    check(all(np.array_equal(a[k], given[("w_hf", "explicit")][k]) for k in a),
+          "the indexer under Hugging Face's prefix reads differently from DeepSeek's bare names")
+    check(abs(float(a["kl_loss"][0]) - float(given[("w_wk", "explicit")]["kl_loss"][0])) > 1e-6,
+          "the indexer's wk from --weights changed nothing: is it read?")
+r = run(["forward", "--config", CONFIG, "--weights", os.path.join(tmp, "w_none.st")])
+check(r.returncode == 2 and "no tensor 'indexer.wq_b.weight'" in r.stderr,
+      f"weights without the indexer: rc {r.returncode}: {r.stderr}")
+print("ok: --weights/--input with the indexer: read, used, refused when missing")
+
 # Bad input: one clear error naming the field, the same on every rank.
 for extra, said in ((["--dtype", "bf16"], "--dtype bf16"),
                     (["--form", "ring_latent"], "--form ring_latent")):
