@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/precision.hpp"
 #include "tools/block_job.hpp"
 #include "tools/dsa_job.hpp"
 
@@ -79,9 +80,6 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
                name);
   LAGA_CHECK(o.overlap == "off", "--overlap ", o.overlap, ": ", why,
              "the DSA forms have no overlapped path; drop --overlap");
-  LAGA_CHECK(o.precision == Precision::fp32, "--dtype bf16: ", why,
-             "the DSA forms run fp32 or float64 only (mla/dsa_block.hpp: no bf16 kernels); drop "
-             "--dtype");
   LAGA_CHECK(o.device == Device::cpu, "--device ", to_string(o.device), ": ", why,
              "the DSA forms run on the CPU only; use --device cpu");
   std::vector<DsaForm> forms;
@@ -104,6 +102,9 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
       docs ? docs->doc_starts() : std::vector<std::int64_t>();
   const std::int64_t* ds = docs ? doc_start.data() : nullptr;
 
+  // --dtype bf16: the DSA forms' bf16 mixed precision (docs/forms.md, "DSA
+  // in bf16"), the reference too.
+  const UsePrecision precision(o.precision);
   const MlaParams<float> w = random_weights<float>(cfg, o.seed);
   const DsaIndexerParams<float> iw = random_indexer_weights<float>(cfg, o.seed);
   const Tensor<float> x = random_tensor<float>({o.batch, o.seq, cfg.dim}, o.seed, 1);
@@ -169,10 +170,15 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
 
   std::ostringstream t;
   t << "laga compare (DSA): " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", sp "
-    << o.sp << " (" << layout.describe() << "), fp32, stage " << to_string(stage)
-    << (docs ? ", documents " + docs->describe() : std::string()) << ", comm "
-    << to_string(o.comm.backend) << "\n"
-    << "agreement: max |diff| against single-rank explicit DSA (--sp 1), with the reference's "
+    << o.sp << " (" << layout.describe() << "), " << to_string(o.precision)
+    << (o.precision == Precision::bf16
+            ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
+              "labels differ: docs/forms.md, \"DSA in bf16\")"
+            : "")
+    << ", stage " << to_string(stage) << (docs ? ", documents " + docs->describe() : std::string())
+    << ", comm " << to_string(o.comm.backend) << "\n"
+    << "agreement: max |diff| against single-rank explicit DSA (--sp 1, the same precision), "
+       "with the reference's "
        "max |value|; bytes: sent per rank, forward + backward, max over ranks, the ledger "
        "beside dsa_predict_comm; memory: dsa_memory's closed form (saved for backward, peak), "
        "max over ranks -- not measured: the DSA forms hold their buffers outside the pool and "

@@ -6,6 +6,7 @@
 
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
+#include "core/precision.hpp"
 #include "core/rng.hpp"
 #include "io/safetensors_set.hpp"
 #include "mla/dsa_cp.hpp"
@@ -189,11 +190,12 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm_opts, const MlaConfig& cfg, cons
     comm.ledger().clear();
     DsaBlockResult<T> res = run_form(cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, layout,
                                      stage, form, comm, doc_start);
-    // The form's ledger against its closed form, before the results move.
+    // The form's ledger against its closed form, before the results move,
+    // at the run's wire elements (bf16 activations under --dtype bf16).
     const DsaRankLedger mine = ledger_against(
         comm.ledger(),
         dsa_predict_comm(cfg, dsa, layout, form, r,
-                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, backward,
+                         wire_element_bytes(op_precision, op_grad_reduce, sizeof(T)), backward,
                          /*grad_sync=*/false, stage));
     comm.set_phase(Phase::forward);
     // Every rank's ledger summary, for the reporter.

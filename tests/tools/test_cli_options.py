@@ -221,10 +221,10 @@ def case_messages(laga, scratch):
                 ' "index_n_heads": 4, "index_head_dim": 8')
     write(dsa, dsa_keys + ', "index_topk": 4}')
     # verify runs the dense forms only: refused by name; forward and compare
-    # run the DSA forms (tools/dsa_job.hpp), refusing what they do not run.
+    # run the DSA forms (tools/dsa_job.hpp), refusing what they do not take.
     expect_error(laga, ["verify", "--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
-    expect_error(laga, ["forward", "--config", dsa, "--dtype", "bf16"],
-                 "--dtype bf16: config " + dsa + " sets DeepSeek Sparse Attention")
+    expect_error(laga, ["forward", "--config", dsa, "--invariant"],
+                 "--invariant: config " + dsa + " sets DeepSeek Sparse Attention")
     expect_error(laga, ["compare", "--count-only", "--config", dsa],
                  "--count-only: config " + dsa + " sets DeepSeek Sparse Attention")
     write(dsa, dsa_keys + '}')
