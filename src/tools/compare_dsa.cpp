@@ -121,7 +121,9 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     for (int r = 0; r < layout.ranks; ++r) {
       const DsaMemory m = dsa_memory(cfg, *dsa, layout, f, r, sizeof(float));
       row.saved = std::max(row.saved, m.saved), row.peak = std::max(row.peak, m.peak);
-      CommPrediction p = dsa_predict_comm(cfg, *dsa, layout, f, r, {4, 4}, true, false, stage);
+      CommPrediction p = dsa_predict_comm(cfg, *dsa, layout, f, r,
+                                          wire_element_bytes(o.precision, GradReduce::fp32, 4),
+                                          true, false, stage);
       std::int64_t sent = 0;
       for (const auto& [key, b] : p) sent += b.sent;
       row.predicted_sent = std::max(row.predicted_sent, sent);
