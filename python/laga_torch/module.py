@@ -291,9 +291,18 @@ class MLA(nn.Module):
         unused = [k for k in HF_NAMES if k in mapped and not hasattr(
             getattr(self, k.split(".")[0], None), "weight")]
         if strict and unused:  # (the C++ reader's verdict: another model's weights)
+            why = ("mla_use_output_gate is false: the weights have Kimi K3's output gate; set "
+                   "it true in the config") if unused == ["wg.weight"] else \
+                f"q_lora_rank {self.cfg.q_lora_rank}"
             raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
-                             f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
-                             "weights are another model's; check the config")
+                             f"config has no place for ({why}): the weights are another "
+                             "model's; check the config")
+        if strict and self.cfg.mla_use_output_gate and "wg.weight" not in mapped:
+            # (the C++ reader's verdict, block_job.cpp: the config needs it)
+            raise ValueError("the state dict has no 'wg.weight' (DeepSeek-style name) or "
+                             "'g_proj.weight' (Kimi K3's name): the config's "
+                             "mla_use_output_gate needs the output gate's weight; check the "
+                             "config and the layer")
         if not assign:
             return super().load_state_dict(mapped, strict=strict)
         if "assign" not in inspect.signature(nn.Module.load_state_dict).parameters:

@@ -20,6 +20,8 @@ documents, at each P, gloo ranks as processes:
   * every latent/absorbed form in float64 within 1e-12 of the package's own
     explicit at P 1 (absorption is exact without RoPE, mla-math.md);
   * the gate weight loads under Kimi's name (g_proj.weight) as under wg.weight;
+    a wg where the config has no gate is refused by `laga forward` and by
+    load_state_dict in the same words, a gated config without it naming it;
   * on torch 2 with triton (TRITON_INTERPRET=1): laga_fused with attention
     flash runs the Triton kernel (counted: a fall-back to torch fails).
 """
@@ -169,6 +171,38 @@ def triton_fused(lt, d):
     return f"Triton fused path (interpreted, float64): {calls} calls, within {worst:.1e} of explicit"
 
 
+def refusals(lt, args):
+    """The gate's weight where the config has none, and none where it has
+    one: refused by `laga forward` and by load_state_dict, each a ValueError
+    naming the key and the weight."""
+    plain = {k: v for k, v in CONFIGS["nope0"].items() if k != "mla_use_output_gate"}
+    path = os.path.join(args.dir, "nope0-no-gate.json")
+    with open(path, "w") as f:
+        json.dump(plain, f)
+    gated = os.path.join(args.dir, "weights-nope0.safetensors")
+    p = subprocess.run([args.laga, "forward", "--config", path, "--weights", gated, "--seq", "4"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    if p.returncode != 2 or "mla_use_output_gate is false" not in p.stderr:
+        sys.exit(f"FAIL: laga forward with the gate's weight and no gate: exit {p.returncode}, "
+                 f"{p.stderr.strip()}")
+    w = {k: torch.from_numpy(v) for k, v in safetensors_io.load_file(gated)[0].items()}
+    for what, cfg, sd, words in (
+            ("gated weights, no gate", plain, w, ("wg.weight", "mla_use_output_gate is false")),
+            ("gated config, no wg", CONFIGS["nope0"],
+             {k: v for k, v in w.items() if k != "wg.weight"},
+             ("wg.weight", "g_proj.weight", "mla_use_output_gate"))):
+        m = lt.MLA(lt.MLAConfig.from_json(cfg), dtype=torch.float64)
+        try:
+            m.load_state_dict(sd)
+        except ValueError as e:
+            if not all(t in str(e) for t in words):
+                sys.exit(f"FAIL: {what}: the refusal does not name {words}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001: a raw exception is a failure to report
+            sys.exit(f"FAIL: {what}: {type(e).__name__} (not a ValueError): {e}")
+        sys.exit(f"FAIL: {what}: load_state_dict accepted it")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("laga")
@@ -202,6 +236,7 @@ def main():
         m.load_state_dict(hf)
         if not torch.equal(m.wg.weight, torch.from_numpy(w["wg.weight"])):
             sys.exit(f"FAIL: {name}: g_proj.weight did not load into wg.weight")
+    refusals(lt, args)
     inp = {"x": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy(),
            "dout": torch.randn(B, S, BASE["dim"], generator=g, dtype=torch.float64).numpy()}
     safetensors_io.save_file(inp, os.path.join(args.dir, "input.safetensors"))
