@@ -12,7 +12,8 @@ backward).
 
 Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
   every form   kv_a (B, L, C+dr) [rq > 0: with qa, the fused proj], kv_rstd,
-               qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc
+               qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc;
+               mla_use_output_gate: the gate's logits g = x wg^T (B, L, H dv)
   explicit     q_h, k_h, v_h, c_hat (local tokens); eager: probs;
                flash: o_h (B, S, H_r, dv), lse (B, H_r, S)
   laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), lat (B, S, C+dr);
