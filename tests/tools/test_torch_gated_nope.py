@@ -19,6 +19,10 @@ documents, at each P, gloo ranks as processes:
     tape within 1e-5 of `laga forward --dtype float32`;
   * every latent/absorbed form in float64 within 1e-12 of the package's own
     explicit at P 1 (absorption is exact without RoPE, mla-math.md);
+  * the bytes laga's tape keeps for backward (float32, with the output; the
+    gate's logits among them) equal `laga compare`'s flash closed form at
+    the rank compare names, but absorbed at dr 0, whose values v_lat are the
+    latent itself (B S C elements fewer than the C++ copy);
   * the gate weight loads under Kimi's name (g_proj.weight) as under wg.weight;
     a wg where the config has no gate is refused by `laga forward` and by
     load_state_dict in the same words, a gated config without it naming it;
@@ -48,6 +52,7 @@ import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
 from torch_ranks import free_port, run_ranks  # noqa: E402
+from torch_saved import saved_by  # noqa: E402
 
 B, S = 2, 13
 BASE = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8, "v_head_dim": 6,
@@ -83,6 +88,7 @@ def worker(args):
     P, r = args.world, args.rank
     own = shard(lt, P, r)
     inp, _ = safetensors_io.load_file(os.path.join(args.dir, "input.safetensors"))
+    kept = {}
     for case in cases(lt):
         w, _ = safetensors_io.load_file(os.path.join(args.dir, f"weights-{case['cfg']}.safetensors"))
         for tag, dtype, tape in RUNS:
@@ -90,12 +96,19 @@ def worker(args):
                        attention="flash", flash_block=4, tape=tape, dtype=dtype, **case["opts"])
             m.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
             x = torch.from_numpy(inp["x"]).to(dtype)[:, own].clone().requires_grad_()
-            out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            keep = saved_by(m, x)
+            with torch.autograd.graph.saved_tensors_hooks(keep.add, lambda t: t):
+                out = m(x, cu_seqlens=case["docs"], seq_len=S)
+            keep.add_ctx(out)
+            if tag == "f32":  # laga's tape: what it keeps, against compare's closed form
+                kept[case["id"]] = sum(b for _, b in keep) + out.numel() * out.element_size()
             out.backward(torch.from_numpy(inp["dout"]).to(dtype)[:, own])
             res = {"out": out.detach(), "dx": x.grad}
             res.update({"grad." + n: p.grad for n, p in m.named_parameters()})
             safetensors_io.save_file({k: v.numpy() for k, v in res.items()}, os.path.join(
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
+    with open(os.path.join(args.dir, f"kept-P{P}-r{r}.json"), "w") as f:
+        json.dump(kept, f)
     dist.destroy_process_group()
 
 
@@ -293,12 +306,44 @@ def main():
                             if not e <= 1e-12:
                                 fail(f"{case['id']} P {P}: {k} differs from the package's "
                                      f"explicit at P {sps[0]} by {e:.3e} (> 1e-12)")
+    # What laga's tape keeps for backward (float32, with the output) against
+    # `laga compare`'s closed form (flash), at the rank compare names: the
+    # gate's logits (B L H dv) included on both sides.
+    n_kept = 0
+    for P in sps:
+        per_rank = [json.load(open(os.path.join(args.dir, f"kept-P{P}-r{r}.json")))
+                    for r in range(P)]
+        for cfg in CONFIGS:
+            cmd = [args.laga, "compare", "--config", os.path.join(args.dir, cfg + ".json"),
+                   "--batch", str(B), "--seq", str(S), "--sp", str(P), "--count-only",
+                   "--forms", ",".join(lt.FORMS), "--attention", "flash", "--json", "-"]
+            if CONFIGS[cfg]["q_lora_rank"]:
+                cmd += ["--q-latent", "--overlap", "both"]
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+            if p.returncode != 0:
+                fail(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr}")
+            forms = {f["form"]: f for f in json.loads(p.stdout)["forms"]}
+            for case in [c for c in cases(lt) if c["cfg"] == cfg and not c["docs"]]:
+                f = forms[case["form"]]
+                got = per_rank[f["peak_rank"]][case["id"]]
+                want = f["predicted_saved_after_forward_bytes"]
+                if case["form"] == "absorbed" and CONFIGS[cfg]["qk_rope_head_dim"] == 0:
+                    # absorbed's values v_lat = lat[..., :C].contiguous() (tape.py)
+                    # are lat itself at dr 0, one storage: the C++ copy, B S C
+                    # float32 elements, is not kept
+                    want -= B * S * CONFIGS[cfg]["kv_lora_rank"] * 4
+                if got != want:
+                    fail(f"{case['id']} P {P}: rank {f['peak_rank']} keeps {got} bytes for "
+                         f"backward (with the output), not {want} (the C++ closed form "
+                         f"{f['predicted_saved_after_forward_bytes']})")
+                n_kept += 1
     triton = triton_fused(lt, args.dir)
     print(f"ok: gated NoPE MLA (mla_use_nope dr 4, qk_rope_head_dim 0; output gate) in "
           f"laga_torch, {len(cases(lt))} cases at P {args.sp}, {checked} tensors against `laga "
           f"forward`: float64 within {worst['float64']:.1e} (<= 1e-12), float32 within "
           f"{worst['float32']:.1e} (<= 1e-5); every form within {worst['explicit P1']:.1e} of "
-          f"explicit in float64; {triton}; torch {torch.__version__}, "
+          f"explicit in float64; {n_kept} runs keep compare's closed form bytes; {triton}; torch {torch.__version__}, "
           f"{time.time() - t0:.1f} s")
 
 
