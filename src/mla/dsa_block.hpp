@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/dsa_indexer.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
 
@@ -66,6 +67,12 @@ struct DsaIndexerParams {
 // with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
 // HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The
 // single-rank block and the latent gather both call it.
+// How the indexer scores (cfg.index_fp8: DeepSeek's fp8 path, else the
+// run's dtype): every form sets its IndexerShape's scores from this.
+inline IndexScores index_scores_of(const MlaConfig& cfg) {
+  return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
+}
+
 template <class T>
 struct DsaIndexerProjections {
   std::vector<T> q, k_pre, k, k_mean, k_rstd, w;

@@ -159,6 +159,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = docs;
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
   dsa_index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());

@@ -180,6 +180,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   is_own.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is_own.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is_own.topk = K;
+  is_own.scores = index_scores_of(cfg);
   is_own.validate();
   IndexerShape is_all = is_own;
   is_all.attn.Sq = S, is_all.attn.Sk = S, is_all.attn.doc_start = doc_start;

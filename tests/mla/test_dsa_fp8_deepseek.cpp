@@ -1,0 +1,189 @@
+// laga's fp8 indexer (index_fp8; kernels/dsa_indexer_fp8.hpp) against
+// DeepSeek's fp8 path (python/dsa_deepseek_fp8.py: DeepSeek-V3.2-Exp's
+// Indexer.forward with rotate_activation, act_quant ue8m0 and fp8_index, the
+// e4m3 cast by torch.float8_e4m3fn or a numpy emulation): each query's
+// selected keys equal DeepSeek's torch.topk set exactly, and the block's
+// output its MLA.forward prefill (kv-cache fp8 simulation off) within
+// block_tolerance, single-rank (dsa_block, per head and latent, double and
+// float) and every DSA form at P 2-4 with uneven shards (the forms take
+// the option through the config).
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "comm/local_comm.hpp"
+#include "common/check.hpp"
+#include "dsa_form_cases.hpp"
+#include "io/safetensors.hpp"
+#include "mla/dsa_block.hpp"
+#include "mla/dsa_cp.hpp"
+#include "mla/dsa_explicit.hpp"
+#include "mla/dsa_laga.hpp"
+#include "mla/dsa_model.hpp"
+
+namespace laga {
+namespace {
+
+// The case file: LAGA_DSA_FP8_CASE (ctest sets it, one per torch), else
+// LAGA_TEST_TMP/dsa_fp8/dsa_fp8.safetensors.
+std::string path() {
+  if (const char* p = std::getenv("LAGA_DSA_FP8_CASE")) return p;
+  const char* tmp = std::getenv("LAGA_TEST_TMP");
+  return std::string(tmp ? tmp : ".") + "/dsa_fp8/dsa_fp8.safetensors";
+}
+
+std::vector<double> values(const SafetensorsFile& f, const std::string& name) {
+  const Tensor<double> t = f.read<double>(name, MemCategory::activations);
+  return {t.data(), t.data() + t.numel()};
+}
+
+template <class T>
+struct Fp8Case {
+  MlaConfig cfg;
+  std::int64_t B = 0, S = 0;
+  MlaParams<T> w;
+  DsaIndexerParams<T> iw;
+  std::vector<T> x;
+  std::vector<std::int64_t> topk;  // DeepSeek's (B, S, min(K, S))
+  std::vector<double> out;         // DeepSeek's (B, S, D)
+};
+
+template <class T>
+Fp8Case<T> load() {
+  Fp8Case<T> c;
+  const SafetensorsFile f = SafetensorsFile::open(path());
+  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("config"));
+  c.cfg = MlaConfig::from_json(meta, path());
+  c.B = meta.at("batch"), c.S = meta.at("seq");
+  c.w = MlaParams<T>::zeros(c.cfg, MemCategory::parameters);
+  c.w.for_each([&](const std::string& n, Tensor<T>& t) { f.read_into(n, t); });
+  c.iw = DsaIndexerParams<T>::zeros(c.cfg);
+  for (auto& [n, t] : c.iw.named()) {
+    const std::vector<double> v = values(f, n);
+    t->assign(v.begin(), v.end());
+  }
+  const std::vector<double> x = values(f, "x");
+  c.x.assign(x.begin(), x.end());
+  c.topk = f.read_indices("deepseek_topk");
+  c.out = values(f, "deepseek_out");
+  return c;
+}
+
+// Rows [s0, s0 + L) of each batch row: the selection equals DeepSeek's
+// topk set within the causal mask (its topk keeps masked keys in rows
+// with fewer than K causal ones), row for row.
+template <class T>
+void expect_selection(const std::string& tag, const Fp8Case<T>& c,
+                      const std::vector<std::int32_t>& idx, std::int64_t s0, std::int64_t L) {
+  const std::int64_t K = c.cfg.index_topk, KD = std::min(K, c.S);
+  ASSERT_EQ(std::int64_t(idx.size()), c.B * L * K) << tag;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t l = 0; l < L; ++l) {
+      const std::int64_t s = s0 + l;
+      std::set<std::int64_t> theirs, ours;
+      for (std::int64_t slot = 0; slot < KD; ++slot)
+        if (const std::int64_t j = c.topk[std::size_t((b * c.S + s) * KD + slot)]; j <= s)
+          theirs.insert(j);
+      for (std::int64_t slot = 0; slot < K; ++slot)
+        if (const std::int32_t j = idx[std::size_t((b * L + l) * K + slot)]; j >= 0) ours.insert(j);
+      EXPECT_EQ(ours, theirs) << tag << ": batch " << b << " query " << s;
+    }
+}
+
+template <class T>
+void single_rank() {
+  ASSERT_TRUE(std::filesystem::exists(path()))
+      << path() << " is missing: ctest runs mla_dsa_deepseek_fp8_data first";
+  const Fp8Case<T> c = load<T>();
+  ASSERT_TRUE(c.cfg.index_fp8) << "the case's config must turn index_fp8 on";
+  const test::Tolerance tol = test::block_tolerance<T>();
+  const T* const no_dout = nullptr;  // forward only: DeepSeek's code has no backward
+  for (DsaAttend attend : {DsaAttend::per_head, DsaAttend::latent}) {
+    const std::string tag =
+        std::string(sizeof(T) == 8 ? "fp64 " : "fp32 ") + to_string(attend) + " fp8";
+    const DsaBlockResult<T> r =
+        dsa_block(c.cfg, c.w, c.iw, c.x.data(), no_dout, c.B, c.S, DsaStage::sparse, attend);
+    expect_selection(tag, c, r.idx, 0, c.S);
+    EXPECT_TRUE(test::all_close(tag + " out vs DeepSeek", r.out, c.out, tol.atol, tol.rtol));
+  }
+  // The option is what makes the match: scored in the run's dtype, the
+  // same weights select other keys for some query (the harness prints how
+  // many rows differ).
+  MlaConfig plain = c.cfg;
+  plain.index_fp8 = false;
+  const DsaBlockResult<T> p = dsa_block(plain, c.w, c.iw, c.x.data(), no_dout, c.B, c.S,
+                                        DsaStage::sparse, DsaAttend::per_head);
+  const DsaBlockResult<T> q = dsa_block(c.cfg, c.w, c.iw, c.x.data(), no_dout, c.B, c.S,
+                                        DsaStage::sparse, DsaAttend::per_head);
+  EXPECT_NE(p.idx, q.idx) << "index_fp8 changed no selection: the case does not test it";
+}
+
+TEST(DsaFp8Deepseek, SingleRankEqualsDeepSeeksFp8Path) {
+  single_rank<double>();
+  single_rank<float>();
+}
+
+std::vector<std::int64_t> heads_of(std::int64_t H, int P) {
+  std::vector<std::int64_t> h(std::size_t(P), H / P);
+  for (int j = 0; j < H % P; ++j) ++h[std::size_t(j)];
+  return h;
+}
+
+template <class T>
+void forms() {
+  ASSERT_TRUE(std::filesystem::exists(path())) << path() << " is missing";
+  const Fp8Case<T> c = load<T>();
+  const std::int64_t D = c.cfg.dim, S = c.S, B = c.B;
+  const test::Tolerance tol = test::block_tolerance<T>();
+  const T* const no_dout = nullptr;  // forward only: DeepSeek's code has no backward
+  const std::vector<std::vector<std::int64_t>> shards = {{12, 8}, {7, 5, 8}, {3, 6, 6, 5}};
+  for (const std::vector<std::int64_t>& counts : shards) {
+    const int P = int(counts.size());
+    const SpLayout lay = SpLayout::custom(B, counts, heads_of(c.cfg.n_heads, P));
+    for (DsaForm form : {DsaForm::latent_gather, DsaForm::laga_indices, DsaForm::laga_recompute,
+                         DsaForm::explicit_form}) {
+      std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
+      LocalRunOptions options;
+      options.pools = &pools;
+      std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
+      run_local_ranks(
+          P,
+          [&](Communicator& comm) {
+            const int r = comm.rank();
+            const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+            const std::vector<T> xr = test::dsa_rows(c.x, B, S, D, s0, L);
+            DsaBlockResult<T>& g = got[std::size_t(r)];
+            if (form == DsaForm::latent_gather)
+              g = dsa_latent_gather(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse,
+                                    comm);
+            else if (form == DsaForm::explicit_form)
+              g = dsa_explicit(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse, comm);
+            else
+              g = dsa_laga(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse, form, comm);
+          },
+          options);
+      for (int r = 0; r < P; ++r) {
+        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+        const std::string tag = std::string(to_string(form)) + " P " + std::to_string(P) +
+                                " rank " + std::to_string(r) + (sizeof(T) == 8 ? " fp64" : " fp32");
+        expect_selection(tag, c, got[std::size_t(r)].idx, s0, L);
+        EXPECT_TRUE(test::all_close(tag + " out vs DeepSeek", got[std::size_t(r)].out,
+                                    test::dsa_rows(c.out, B, S, D, s0, L), tol.atol, tol.rtol));
+      }
+    }
+  }
+}
+
+TEST(DsaFp8Deepseek, EveryFormAtP2To4EqualsDeepSeeksFp8Path) {
+  forms<double>();
+  forms<float>();
+}
+
+}  // namespace
+}  // namespace laga
