@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -127,6 +129,46 @@ void single_rank() {
 TEST(DsaFp8Deepseek, SingleRankEqualsDeepSeeksFp8Path) {
   single_rank<double>();
   single_rank<float>();
+}
+
+// Training with index_fp8 (docs/forms.md, "The fp8 indexer"): the fp8
+// scores pick the keys, the KL and its gradient read the run-dtype scores.
+// In the dense warm-up every causal key is attended and is the KL's key set,
+// so the option changes nothing there but the (unused) selection: the
+// output, dx, every LM gradient, the KL loss and the indexer's gradients
+// equal the run-dtype run's exactly. (Were the KL read from the fp8 scores,
+// they would not.)
+TEST(DsaFp8Deepseek, TheKlAndEveryGradientReadTheRunDtypeScores) {
+  ASSERT_TRUE(std::filesystem::exists(path())) << path() << " is missing";
+  const Fp8Case<double> c = load<double>();
+  MlaConfig plain = c.cfg;
+  plain.index_fp8 = false;
+  const std::vector<double> dout = test::random_vector<double>(c.B * c.S * c.cfg.dim, 17);
+  const DsaBlockResult<double> a = dsa_block(c.cfg, c.w, c.iw, c.x.data(), dout.data(), c.B, c.S,
+                                             DsaStage::dense_warmup, DsaAttend::per_head);
+  const DsaBlockResult<double> b = dsa_block(plain, c.w, c.iw, c.x.data(), dout.data(), c.B, c.S,
+                                             DsaStage::dense_warmup, DsaAttend::per_head);
+  EXPECT_NE(a.idx, b.idx) << "the fp8 selection equals the run-dtype one: the case tests nothing";
+  EXPECT_GT(a.kl_loss, 0);
+  EXPECT_EQ(a.kl_loss, b.kl_loss);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dx, b.dx);
+  a.grads.for_each([&](const std::string& n, const Tensor<double>& g) {
+    b.grads.for_each([&](const std::string& n2, const Tensor<double>& h) {
+      if (n2 != n) return;
+      EXPECT_TRUE(std::equal(g.data(), g.data() + g.numel(), h.data())) << n;
+    });
+  });
+  DsaIndexerParams<double> ga = a.indexer_grads, gb = b.indexer_grads;
+  auto na = ga.named(), nb = gb.named();
+  for (std::size_t k = 0; k < na.size(); ++k)
+    EXPECT_EQ(*na[k].second, *nb[k].second) << na[k].first;
+  // The sparse stage trains with the option on (its KL over the fp8
+  // selection): finite, and the LM gradient reaches x.
+  const DsaBlockResult<double> s = dsa_block(c.cfg, c.w, c.iw, c.x.data(), dout.data(), c.B, c.S,
+                                             DsaStage::sparse, DsaAttend::per_head);
+  EXPECT_TRUE(std::isfinite(s.kl_loss));
+  EXPECT_EQ(s.idx, a.idx);
 }
 
 std::vector<std::int64_t> heads_of(std::int64_t H, int P) {
