@@ -18,11 +18,10 @@ Indexer.forward and inference/kernel.py compute them:
   - fp8_index: fp32 logits q' . k' (torch's fp32 einsum of the e4m3
     values), ReLU, times weights * q_scale, summed over heads in fp32,
     times k_scale; topk as DeepSeek's.
+  - MLA.forward's fp8 simulation of the kv cache: act_quant(kv) of the
+    latent after kv_norm and back (values times scales), in fp32.
 Left as the plain harness has them: float64 elsewhere (where DeepSeek has
-bf16: the rotated q, k are rounded to fp32, not bf16, before act_quant), and
-MLA.forward's fp8 simulation of the kv cache (act_quant of the latent and
-back) off in the output compared with laga, which does not apply it (the
-run prints how far that simulation moves the output).
+bf16: the rotated q, k and the round-tripped latent are fp32, not bf16).
 
 It writes its own case (index_head_dim 128: DeepSeek's fp8_index takes one
 k scale per key, so its code runs only where the indexer's head is one
@@ -31,9 +30,10 @@ block; kv_lora_rank 128 for the kv simulation's blocks):
     /usr/bin/python3 python/dsa_deepseek_fp8.py --out DIR
 
 writes DIR/dsa_fp8.safetensors: the config (ModelArgs names, index_*,
-index_fp8 true, batch, seq), the weights, x, and DeepSeek's results:
-deepseek_topk (int64, [B, S, min(index_topk, S)]) and deepseek_out
-(float64, [B, S, D]). A row whose k-th and (k+1)-th fp8 scores are within
+index_fp8 and kv_fp8_round_trip true, batch, seq), the weights, x, and
+DeepSeek's results: deepseek_topk (int64, [B, S, min(index_topk, S)]),
+deepseek_out (float64, [B, S, D]; the whole fp8 path) and
+deepseek_out_indexer_only (the kv-cache simulation off). A row whose k-th and (k+1)-th fp8 scores are within
 1e-5 relative is refused (exit non-zero): there fp32 rounding order (theirs
 on tensor cores, ours in torch, laga's in double) could pick either key.
 mla_test_dsa_fp8_deepseek compares laga with it.
@@ -219,10 +219,10 @@ def main():
     moved = sum(set(a.tolist()) != set(b.tolist())
                 for a, b in zip(topk.reshape(-1, topk.shape[-1]),
                                 plain_topk.reshape(-1, plain_topk.shape[-1])))
-    config = dict(dataclasses.asdict(cfg), index_fp8=True)
+    config = dict(dataclasses.asdict(cfg), index_fp8=True, kv_fp8_round_trip=True)
     tensors = {k: v.numpy() for k, v in p32.items()}
     tensors.update(x=x32.numpy(), deepseek_topk=topk.numpy().astype(np.int64),
-                   deepseek_out=out.numpy())
+                   deepseek_out=out_kv.numpy(), deepseek_out_indexer_only=out.numpy())
     cast = "torch.float8_e4m3fn" if HAVE_TORCH_FP8 else "numpy emulation"
     path = os.path.join(a.out, "dsa_fp8.safetensors")
     safetensors_io.save_file(tensors, path, {
@@ -231,7 +231,7 @@ def main():
                     f"torch {torch.__version__})"})
     print(f"{path}: e4m3 cast by {cast} (torch {torch.__version__}); fp8 selection differs from "
           f"the unquantized one in {moved} of {cfg.batch * cfg.seq} rows; the kv-cache fp8 "
-          f"simulation (not applied) moves the output by "
+          f"simulation moves the output by "
           f"{(out_kv - out).abs().max().item():.3g} (|out| max {out.abs().max().item():.3g})")
 
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -83,5 +84,21 @@ void act_quant(const float* x, std::int64_t rows, std::int64_t n, std::int64_t b
         yb[e] = fp8_e4m3_round(std::clamp(xb[e] / s, -kFp8E4m3Max, kFp8E4m3Max));
     }
 }
+
+template <class T>
+void fp8_round_trip(T* x, std::int64_t rows, std::int64_t n, std::int64_t block, Fp8ScaleFmt fmt) {
+  LAGA_CHECK(block > 0 && n > 0 && n % block == 0, "fp8 round trip: the row width ", n,
+             " must be a positive multiple of the block size ", block);
+  std::vector<float> x32(x, x + rows * n), y(x32.size()),
+      s(static_cast<std::size_t>(rows * (n / block)));
+  act_quant(x32.data(), rows, n, block, fmt, y.data(), s.data());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t e = 0; e < n; ++e)
+      x[r * n + e] = T(y[std::size_t(r * n + e)] * s[std::size_t(r * (n / block) + e / block)]);
+}
+
+template void fp8_round_trip<float>(float*, std::int64_t, std::int64_t, std::int64_t, Fp8ScaleFmt);
+template void fp8_round_trip<double>(double*, std::int64_t, std::int64_t, std::int64_t,
+                                     Fp8ScaleFmt);
 
 }  // namespace laga

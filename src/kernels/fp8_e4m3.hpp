@@ -51,4 +51,10 @@ float fp8_block_scale(float amax, Fp8ScaleFmt fmt);
 void act_quant(const float* x, std::int64_t rows, std::int64_t n, std::int64_t block,
                Fp8ScaleFmt fmt, float* y, float* scales);
 
+// DeepSeek's simulation of its fp8 kv cache (MLA.forward: act_quant of the
+// latent, then values times scales, back to the activation dtype), in place
+// over x (rows, n): x = y s, through fp32. Throws as act_quant.
+template <class T>
+void fp8_round_trip(T* x, std::int64_t rows, std::int64_t n, std::int64_t block, Fp8ScaleFmt fmt);
+
 }  // namespace laga

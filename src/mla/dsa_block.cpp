@@ -119,6 +119,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, C + dr);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), C + dr, w.kv_norm.data(), N, C,
                   cfg.norm_eps);
+  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
   std::vector<T> k_pe = buffer<T>(N * dr);
   for (std::int64_t t = 0; t < N; ++t)
     std::copy_n(kv.data() + t * (C + dr) + C, dr, k_pe.data() + t * dr);

@@ -158,6 +158,21 @@ TEST(ActQuant, BlocksRoundTripWithinHalfASpacingAndRefuseWhatTheyCannotTake) {
   EXPECT_THROW(act_quant(x.data(), rows, n, block, Fp8ScaleFmt::ue8m0, y.data(), s.data()), Error);
 }
 
+TEST(Fp8RoundTrip, IsActQuantTimesItsScalesAndRefusesABadWidth) {
+  const std::int64_t rows = 3, n = 256;
+  const std::vector<double> x = random_vector<double>(rows * n, 61, -4, 4);
+  std::vector<double> rt = x;
+  fp8_round_trip(rt.data(), rows, n, 128, Fp8ScaleFmt::ue8m0);
+  const std::vector<float> x32(x.begin(), x.end());
+  std::vector<float> y(x32.size()), s(static_cast<std::size_t>(rows * 2));
+  act_quant(x32.data(), rows, n, 128, Fp8ScaleFmt::ue8m0, y.data(), s.data());
+  for (std::int64_t e = 0; e < rows * n; ++e)
+    ASSERT_EQ(rt[std::size_t(e)], double(y[std::size_t(e)] * s[std::size_t(e / 128)])) << e;
+  EXPECT_NE(rt, x);
+  std::vector<float> z(200);
+  EXPECT_THROW(fp8_round_trip(z.data(), 1, 200, 128, Fp8ScaleFmt::ue8m0), Error);
+}
+
 // H_d by its definition, scaled by d^-1/2: entry (i, j) = (-1)^popcount(i & j).
 std::vector<double> dense_hadamard(std::int64_t d) {
   std::vector<double> m(static_cast<std::size_t>(d * d));

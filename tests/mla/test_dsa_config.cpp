@@ -102,6 +102,19 @@ TEST(DsaConfig, IndexFp8IsReadWrittenAndRefusedWhereItCannotApply) {
             std::string::npos);
   dense["index_fp8"] = false;  // false on a dense config: nothing to refuse
   EXPECT_FALSE(MlaConfig::from_json(dense, "cfg").index_fp8);
+  dense["kv_fp8_round_trip"] = true;
+  EXPECT_NE(error_of([&] {
+              MlaConfig::from_json(dense, "cfg");
+            }).find("kv_fp8_round_trip is true but DeepSeek Sparse Attention is off"),
+            std::string::npos);
+  j = v32_model_args();
+  j["kv_fp8_round_trip"] = true;
+  EXPECT_TRUE(MlaConfig::from_json(j, "cfg").to_json().at("kv_fp8_round_trip"));
+  j["kv_lora_rank"] = 200;
+  EXPECT_NE(error_of([&] {
+              MlaConfig::from_json(j, "cfg");
+            }).find("kv_fp8_round_trip needs kv_lora_rank a multiple of 128"),
+            std::string::npos);
 }
 
 }  // namespace

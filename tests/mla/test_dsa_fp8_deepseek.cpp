@@ -5,8 +5,9 @@
 // selected keys equal DeepSeek's torch.topk set exactly, and the block's
 // output its MLA.forward prefill (kv-cache fp8 simulation off) within
 // block_tolerance, single-rank (dsa_block, per head and latent, double and
-// float) and every DSA form at P 2-4 with uneven shards (the forms take
-// the option through the config).
+// float; with kv_fp8_round_trip, DeepSeek's fp8 kv-cache simulation, on and
+// off) and every DSA form at P 2-4 with uneven shards (the forms take both
+// options through the config).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,7 @@
 
 #include "comm/local_comm.hpp"
 #include "common/check.hpp"
+#include "common/error_of.hpp"
 #include "dsa_form_cases.hpp"
 #include "io/safetensors.hpp"
 #include "mla/dsa_block.hpp"
@@ -52,8 +54,9 @@ struct Fp8Case {
   MlaParams<T> w;
   DsaIndexerParams<T> iw;
   std::vector<T> x;
-  std::vector<std::int64_t> topk;  // DeepSeek's (B, S, min(K, S))
-  std::vector<double> out;         // DeepSeek's (B, S, D)
+  std::vector<std::int64_t> topk;        // DeepSeek's (B, S, min(K, S))
+  std::vector<double> out;               // DeepSeek's (B, S, D), the whole fp8 path
+  std::vector<double> out_indexer_only;  // its kv-cache simulation off
 };
 
 template <class T>
@@ -74,6 +77,7 @@ Fp8Case<T> load() {
   c.x.assign(x.begin(), x.end());
   c.topk = f.read_indices("deepseek_topk");
   c.out = values(f, "deepseek_out");
+  c.out_indexer_only = values(f, "deepseek_out_indexer_only");
   return c;
 }
 
@@ -103,7 +107,10 @@ void single_rank() {
   ASSERT_TRUE(std::filesystem::exists(path()))
       << path() << " is missing: ctest runs mla_dsa_deepseek_fp8_data first";
   const Fp8Case<T> c = load<T>();
-  ASSERT_TRUE(c.cfg.index_fp8) << "the case's config must turn index_fp8 on";
+  ASSERT_TRUE(c.cfg.index_fp8 && c.cfg.kv_fp8_round_trip)
+      << "the case's config must turn index_fp8 and kv_fp8_round_trip on";
+  MlaConfig indexer_only = c.cfg;
+  indexer_only.kv_fp8_round_trip = false;
   const test::Tolerance tol = test::block_tolerance<T>();
   const T* const no_dout = nullptr;  // forward only: DeepSeek's code has no backward
   for (DsaAttend attend : {DsaAttend::per_head, DsaAttend::latent}) {
@@ -113,7 +120,19 @@ void single_rank() {
         dsa_block(c.cfg, c.w, c.iw, c.x.data(), no_dout, c.B, c.S, DsaStage::sparse, attend);
     expect_selection(tag, c, r.idx, 0, c.S);
     EXPECT_TRUE(test::all_close(tag + " out vs DeepSeek", r.out, c.out, tol.atol, tol.rtol));
+    const DsaBlockResult<T> i =
+        dsa_block(indexer_only, c.w, c.iw, c.x.data(), no_dout, c.B, c.S, DsaStage::sparse, attend);
+    expect_selection(tag + " indexer only", c, i.idx, 0, c.S);
+    EXPECT_TRUE(test::all_close(tag + " indexer only: out vs DeepSeek", i.out, c.out_indexer_only,
+                                tol.atol, tol.rtol));
   }
+  // The kv round trip is forward only: a backward is refused, naming it.
+  const std::vector<T> dout(c.x.size(), T(1));
+  EXPECT_NE(test::error_of([&] {
+              dsa_block(c.cfg, c.w, c.iw, c.x.data(), dout.data(), c.B, c.S, DsaStage::sparse,
+                        DsaAttend::per_head);
+            }).find("kv_fp8_round_trip simulates DeepSeek's fp8 kv cache at inference"),
+            std::string::npos);
   // The option is what makes the match: scored in the run's dtype, the
   // same weights select other keys for some query (the harness prints how
   // many rows differ).
@@ -140,7 +159,8 @@ TEST(DsaFp8Deepseek, SingleRankEqualsDeepSeeksFp8Path) {
 // they would not.)
 TEST(DsaFp8Deepseek, TheKlAndEveryGradientReadTheRunDtypeScores) {
   ASSERT_TRUE(std::filesystem::exists(path())) << path() << " is missing";
-  const Fp8Case<double> c = load<double>();
+  Fp8Case<double> c = load<double>();
+  c.cfg.kv_fp8_round_trip = false;  // forward only; this test trains
   MlaConfig plain = c.cfg;
   plain.index_fp8 = false;
   const std::vector<double> dout = test::random_vector<double>(c.B * c.S * c.cfg.dim, 17);
