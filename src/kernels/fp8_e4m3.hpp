@@ -16,8 +16,8 @@
 // The cast rounds to nearest, ties to even (the CUDA/torch conversion); after
 // the clamp it never saturates, but fp8_e4m3_round saturates anyway (a
 // value beyond 448 becomes +-448, as __NV_SATFINITE). DeepSeek's code does
-// not guard NaN or inf (NaN would pass its clamp into the cast); laga refuses
-// them: act_quant throws laga::Error naming the row and column.
+// not guard NaN or inf (what its clamp and cast make of them is the GPU's);
+// laga refuses them: act_quant throws laga::Error naming the row and column.
 #pragma once
 
 #include <cstdint>

@@ -63,12 +63,6 @@ struct DsaIndexerParams {
   std::vector<std::pair<std::string, std::vector<T>*>> named();
 };
 
-// The indexer's projections of N tokens (DeepSeek's Indexer.forward, no
-// fp8), before RoPE, which the caller applies from its tokens' positions:
-// q (N, HI dI) = qr wq_b^T; k (N, dI) = LayerNorm(k_pre), k_pre = x wk^T,
-// with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
-// HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The
-// single-rank block and the latent gather both call it.
 // How the indexer scores (cfg.index_fp8: DeepSeek's fp8 path, else the
 // run's dtype): every form sets its IndexerShape's scores from this.
 inline IndexScores index_scores_of(const MlaConfig& cfg) {
@@ -89,6 +83,12 @@ void dsa_kv_fp8_round_trip(const MlaConfig& cfg, T* c, std::int64_t N, const T* 
   fp8_round_trip(c, N, cfg.kv_lora_rank, kFp8BlockSize, Fp8ScaleFmt::ue8m0);
 }
 
+// The indexer's projections of N tokens (DeepSeek's Indexer.forward up to
+// its fp8), before RoPE, which the caller applies from its tokens' positions:
+// q (N, HI dI) = qr wq_b^T; k (N, dI) = LayerNorm(k_pre), k_pre = x wk^T,
+// with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
+// HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The
+// single-rank block and the latent gather both call it.
 template <class T>
 struct DsaIndexerProjections {
   std::vector<T> q, k_pre, k, k_mean, k_rstd, w;
