@@ -15,8 +15,8 @@ void rotate_quantize(const T* x, std::int64_t rows, std::int64_t d, std::vector<
   hadamard_rotate(r.data(), rows, d);
   const std::vector<float> r32(r.begin(), r.end());
   values.resize(static_cast<std::size_t>(rows * d));
-  scales.resize(static_cast<std::size_t>(rows * (d / kFp8BlockSize)));
-  act_quant(r32.data(), rows, d, kFp8BlockSize, kIndexFp8ScaleFmt, values.data(), scales.data());
+  scales.resize(static_cast<std::size_t>(rows * (d / kActQuantBlock)));
+  act_quant(r32.data(), rows, d, kActQuantBlock, kIndexFp8ScaleFmt, values.data(), scales.data());
 }
 
 }  // namespace
@@ -24,9 +24,9 @@ void rotate_quantize(const T* x, std::int64_t rows, std::int64_t d, std::vector<
 template <class T>
 DsaFp8Operands dsa_fp8_operands(const IndexerShape& s, const T* q, const T* k) {
   const AttnShape& a = s.attn;
-  LAGA_CHECK(a.dqk == kFp8BlockSize, "indexer: the fp8 scoring (index_fp8) needs index_head_dim ",
-             kFp8BlockSize, " (one fp8 block per key, as DeepSeek's fp8_index takes), got ", a.dqk,
-             "; set index_head_dim ", kFp8BlockSize, " or turn index_fp8 off");
+  LAGA_CHECK(a.dqk == kActQuantBlock, "indexer: the fp8 scoring (index_fp8) needs index_head_dim ",
+             kActQuantBlock, " (one fp8 block per key, as DeepSeek's fp8_index takes), got ", a.dqk,
+             "; set index_head_dim ", kActQuantBlock, " or turn index_fp8 off");
   DsaFp8Operands op;
   rotate_quantize(q, a.B * a.Sq * a.Hq, a.dqk, op.q, op.q_scale);
   rotate_quantize(k, a.B * a.Sk, a.dqk, op.k, op.k_scale);

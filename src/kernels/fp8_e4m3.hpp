@@ -31,7 +31,7 @@ enum class Fp8ScaleFmt {
 const char* to_string(Fp8ScaleFmt f);
 
 inline constexpr float kFp8E4m3Max = 448.0f;
-inline constexpr std::int64_t kFp8BlockSize = 128;  // DeepSeek's block_size
+inline constexpr std::int64_t kActQuantBlock = 128;  // model.py block_size, act_quant blocks
 
 // v rounded to the nearest e4m3 value, ties to even, |v| > 448 to +-448.
 // v must not be NaN (the caller checks; a NaN returns NaN).

@@ -146,12 +146,12 @@ void MlaConfig::validate_dsa() const {
       index_head_dim, ", index_topk ", index_topk, ")");
   // DeepSeek's fp8_index takes one k scale per key: index_head_dim is one
   // block of act_quant's 128 (kernels/dsa_indexer_fp8.hpp).
-  LAGA_CHECK(!index_fp8 || index_head_dim == kFp8BlockSize,
-             "config: index_fp8 needs index_head_dim ", kFp8BlockSize,
+  LAGA_CHECK(!index_fp8 || index_head_dim == kActQuantBlock,
+             "config: index_fp8 needs index_head_dim ", kActQuantBlock,
              " (one fp8 block per key, as DeepSeek's fp8_index takes), got ", index_head_dim,
-             "; set index_head_dim ", kFp8BlockSize, " or index_fp8 false");
-  LAGA_CHECK(!kv_fp8_round_trip || kv_lora_rank % kFp8BlockSize == 0,
-             "config: kv_fp8_round_trip needs kv_lora_rank a multiple of ", kFp8BlockSize,
+             "; set index_head_dim ", kActQuantBlock, " or index_fp8 false");
+  LAGA_CHECK(!kv_fp8_round_trip || kv_lora_rank % kActQuantBlock == 0,
+             "config: kv_fp8_round_trip needs kv_lora_rank a multiple of ", kActQuantBlock,
              " (act_quant's blocks; DeepSeek-V3.2: 512), got ", kv_lora_rank,
              "; change kv_lora_rank or set kv_fp8_round_trip false");
 }

@@ -80,7 +80,7 @@ void dsa_kv_fp8_round_trip(const MlaConfig& cfg, T* c, std::int64_t N, const T* 
              "DSA: kv_fp8_round_trip simulates DeepSeek's fp8 kv cache at inference and has "
              "no backward (the rounding's gradient is zero almost everywhere); run forward "
              "only, or set kv_fp8_round_trip false to train");
-  fp8_round_trip(c, N, cfg.kv_lora_rank, kFp8BlockSize, Fp8ScaleFmt::ue8m0);
+  fp8_round_trip(c, N, cfg.kv_lora_rank, kActQuantBlock, Fp8ScaleFmt::ue8m0);
 }
 
 // The indexer's projections of N tokens (DeepSeek's Indexer.forward up to
