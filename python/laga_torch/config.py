@@ -83,6 +83,8 @@ def _read_float(j, key, source):
 # DeepSeek Sparse Attention's indexer keys (DeepSeek-V3.2's config.json), which
 # neither laga_torch nor the C++ tool's dense commands run (docs/forms.md, DSA).
 DSA_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+# laga's fp8 options of DSA (docs/configs.md): true is refused with the DSA keys.
+DSA_FP8_KEYS = ("index_fp8", "kv_fp8_round_trip")
 DSA_REFUSAL = ("{source} sets DeepSeek Sparse Attention ({keys}): the lightning indexer and "
                "top-k attention, which laga_torch does not run: it would attend every key, a "
                "different model. `laga plan` costs its DSA forms (docs/planning.md, \"DSA\"); "
@@ -378,6 +380,7 @@ class MLAConfig:
         # it too (ModelOptions::load, tools/cli_common.cpp): attending every key
         # would be another model.
         dsa = [f"{k} {_dump(j[k])}" for k in DSA_KEYS if j.get(k) is not None]
+        dsa += [f"{k} true" for k in DSA_FP8_KEYS if _read_bool(j, k, source)]
         if dsa:
             raise ValueError(DSA_REFUSAL.format(source=source, keys=", ".join(dsa)))
 

@@ -119,6 +119,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, C + dr);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), C + dr, w.kv_norm.data(), N, C,
                   cfg.norm_eps);
+  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
   std::vector<T> k_pe = buffer<T>(N * dr);
   for (std::int64_t t = 0; t < N; ++t)
     std::copy_n(kv.data() + t * (C + dr) + C, dr, k_pe.data() + t * dr);
@@ -134,7 +135,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(src + dn, dv, v.data() + (t * H + h) * dv);
     }
 
-  // ---- the lightning indexer (DeepSeek's Indexer.forward, no fp8)
+  // ---- the lightning indexer (DeepSeek's Indexer.forward; fp8 scoring when cfg.index_fp8)
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   std::vector<T>& qI = ip.q;  // the names the rest of this function reads
   std::vector<T>& kpre = ip.k_pre;
@@ -150,6 +151,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   r.idx.assign(static_cast<std::size_t>(N * K), -1);
   dsa_index_topk(is, r.idx.data(), qI.data(), kI.data(), wI.data());

@@ -34,6 +34,9 @@
 #include <string>
 #include <vector>
 
+#include "core/error.hpp"
+#include "kernels/dsa_indexer.hpp"
+#include "kernels/fp8_e4m3.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
 
@@ -62,8 +65,28 @@ struct DsaIndexerParams {
   std::vector<std::pair<std::string, std::vector<T>*>> named();
 };
 
-// The indexer's projections of N tokens (DeepSeek's Indexer.forward, no
-// fp8), before RoPE, which the caller applies from its tokens' positions:
+// How the indexer scores (cfg.index_fp8: DeepSeek's fp8 path, else the
+// run's dtype): every form sets its IndexerShape's scores from this.
+inline IndexScores index_scores_of(const MlaConfig& cfg) {
+  return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
+}
+
+// cfg.kv_fp8_round_trip: DeepSeek's fp8 kv-cache simulation on the latent c
+// (N, kv_lora_rank) right after kv_norm, in place (kernels/fp8_e4m3.hpp,
+// fp8_round_trip; V3.2's ue8m0 scales); every form calls it. Inference only:
+// with a dout (a backward to come) it throws, the same on every rank.
+template <class T>
+void dsa_kv_fp8_round_trip(const MlaConfig& cfg, T* c, std::int64_t N, const T* dout) {
+  if (!cfg.kv_fp8_round_trip) return;
+  LAGA_CHECK(dout == nullptr,
+             "DSA: kv_fp8_round_trip simulates DeepSeek's fp8 kv cache at inference and has "
+             "no backward (the rounding's gradient is zero almost everywhere); run forward "
+             "only, or set kv_fp8_round_trip false to train");
+  fp8_round_trip(c, N, cfg.kv_lora_rank, kActQuantBlock, Fp8ScaleFmt::ue8m0);
+}
+
+// The indexer's projections of N tokens (DeepSeek's Indexer.forward up to
+// its fp8), before RoPE, which the caller applies from its tokens' positions:
 // q (N, HI dI) = qr wq_b^T; k (N, dI) = LayerNorm(k_pre), k_pre = x wk^T,
 // with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
 // HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The

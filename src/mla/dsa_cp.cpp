@@ -125,7 +125,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
+  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
+  std::vector<T> lat_own = buffer<T>(N * W);      // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
     std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
     std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
@@ -159,6 +160,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = docs;
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
   dsa_index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());

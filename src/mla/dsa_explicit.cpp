@@ -108,6 +108,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
+  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
   std::vector<T> k_pe = buffer<T>(N * dr);
   for (std::int64_t t = 0; t < N; ++t) std::copy_n(kv.data() + t * W + C, dr, k_pe.data() + t * dr);
   rope_mla(k_pe.data(), 1, dr, dr, false);
@@ -136,6 +137,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
   dsa_index_topk(is, res.idx.data(), ip.q.data(), kIS.data(), ip.w.data());

@@ -142,7 +142,8 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
   linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
   rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
+  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
+  std::vector<T> lat_own = buffer<T>(N * W);      // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
     std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
     std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
@@ -180,6 +181,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   is_own.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is_own.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is_own.topk = K;
+  is_own.scores = index_scores_of(cfg);
   is_own.validate();
   IndexerShape is_all = is_own;
   is_all.attn.Sq = S, is_all.attn.Sk = S, is_all.attn.doc_start = doc_start;

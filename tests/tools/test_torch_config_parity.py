@@ -94,6 +94,11 @@ def configs():
     add("hf dsa", dict(HF, **dsa))
     add("args dsa", dict(ARGS, **dsa))
     add("args dsa topk only", dict(ARGS, index_topk=4))
+    # laga's fp8 options of DSA: true (or not a boolean) refused by both
+    # without the DSA keys, false accepted by both.
+    for k in ("index_fp8", "kv_fp8_round_trip"):
+        for v in (True, False, 1, "true"):
+            add(f"args {k}={v!r}", dict(ARGS, **{k: v}))
     for v in (1, 0, "true", [True]):
         add(f"hf mla_use_nope={v!r}", dict(HF, mla_use_nope=v))
         add(f"args mla_use_output_gate={v!r}", dict(ARGS, mla_use_output_gate=v))
