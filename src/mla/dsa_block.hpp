@@ -22,7 +22,9 @@
 //     the KL gradient reaches the indexer's weights and nothing else.
 // Precision: T throughout (fp32 or fp64); under bf16 (T = float) the sparse
 // attention and its KL target run bf16 mixed precision, the kernels called
-// directly fp32 (docs/forms.md, "DSA in bf16"); no fp8 (kernels/dsa_indexer.hpp).
+// directly fp32 (docs/forms.md, "DSA in bf16"); DeepSeek's fp8 indexer and kv
+// round trip by the config's index_fp8 / kv_fp8_round_trip (docs/forms.md, "The
+// fp8 indexer").
 //
 // The block calls the kernels directly and the op layer only for the
 // sparse attention, so it has no count-only run yet; the forms do not run
