@@ -341,6 +341,20 @@ void run_rope(const OpCall& c) {
                    device_rope(*static_cast<const RopeTable*>(c.context)), Inverse);
 }
 
+// --------------------------------------------- data movement (copy_rows, fill)
+
+DType move_type(RunDtype d) {
+  return d == RunDtype::fp64 ? DType::f64 : d == RunDtype::bf16 ? DType::bf16 : DType::f32;
+}
+void run_copy_rows(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::copy_rows(c.out[0], s.ldc, c.in[0], s.lda, s.rows, s.cols, move_type(c.dtype), s.src_bf16,
+                  s.accumulate);
+}
+void run_fill(const OpCall& c) {
+  cuda::fill_rows(c.out[0], c.shape.ldc, c.shape.rows, c.shape.cols, move_type(c.dtype), c.alpha);
+}
+
 // cuDNN's rows rank first (0): where they take a call they are picked.
 const KernelRow kRows[] = {
     {Device::cuda, Op::gemm, "gemm_cublaslt", &gemm_takes, &run_gemm, 0},
@@ -365,6 +379,10 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
     {Device::cuda, Op::rope_forward, "rope_cuda", &fp32_data, &run_rope<false>, 0},
     {Device::cuda, Op::rope_backward, "rope_cuda", &fp32_data, &run_rope<true>, 0},
+    // The forms' copies, sums, conversions and zeroing (issue 52), on the
+    // device; the rules are every backend's (op_table.hpp).
+    {Device::cuda, Op::copy_rows, "copy_rows_cuda", &copy_rows_refusal, &run_copy_rows, 0},
+    {Device::cuda, Op::fill, "fill_cuda", &fill_refusal, &run_fill, 0},
 };
 
 }  // namespace
