@@ -44,7 +44,8 @@ class CudaMemory final : public DeviceMemory {
   }
   void zero(void* p, std::int64_t bytes) override {
     if (bytes > 0)
-      check_cuda(cudaMemset(p, 0, static_cast<std::size_t>(bytes)), "cudaMemset of a zeroed tensor");
+      check_cuda(cudaMemset(p, 0, static_cast<std::size_t>(bytes)),
+                 "cudaMemset of a zeroed tensor");
   }
   bool holds(const void* p, std::int64_t) const override {
     cudaPointerAttributes a{};

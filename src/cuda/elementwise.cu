@@ -278,8 +278,8 @@ void copy_rows(void* dst, std::int64_t ldd, const void* src, std::int64_t lds, s
 
 void fill_rows(void* dst, std::int64_t ldd, std::int64_t rows, std::int64_t cols, DType to,
                double value, void* stream) {
-  LAGA_CHECK(rows >= 0 && cols >= 0 && to != DType::bf16, "cuda fill_rows: rows ", rows,
-             ", cols ", cols, ", ", to == DType::bf16 ? "bf16 (it takes f32 or f64)" : "");
+  LAGA_CHECK(rows >= 0 && cols >= 0, "cuda fill_rows: rows ", rows, ", cols ", cols);
+  LAGA_CHECK(to != DType::bf16, "cuda fill_rows: dtype bf16 (it takes f32 or f64)");
   if (rows == 0 || cols == 0) return;
   auto* st = static_cast<cudaStream_t>(stream);
   const unsigned grid = blocks_of(rows * cols, 256);

@@ -315,7 +315,6 @@ inline std::optional<std::string> fill_refusal(RunDtype dtype, const OpShape& s)
   return std::nullopt;
 }
 
-
 // The element type T is stored as, for the data-movement ops (Op::copy_rows,
 // Op::fill): what moves, whatever the run's precision.
 template <class T>

@@ -406,7 +406,6 @@ void run_fill(const OpCall& c) {
   c.dtype == RunDtype::fp64 ? fill_as<double>(c) : fill_as<float>(c);
 }
 
-
 const KernelRow kRows[] = {
     // gemm: OpenBLAS (double), oneDNN's sgemm (float), and bf16 mixed
     // precision either on oneDNN's bf16 matmul or widened to the fp32 one.
