@@ -510,6 +510,71 @@ void check_small_ops(std::vector<Result>& out) {
   }
 }
 
+// The forms' data movement (Op::copy_rows, Op::fill; issue 52) against the
+// CPU's: exact, so the error is the count of elements whose bits differ from
+// the CPU row's (core/bf16.hpp's rounding for the narrowing, including
+// ties, an fp32 denormal, inf and NaN), tolerance 0.
+void check_moves(std::vector<Result>& out) {
+  const std::int64_t rows = 33, cols = 100, lds = 130, ldd = 120;
+  Vec src = inputs(rows * lds, 21, false), dst0 = inputs(rows * ldd, 22, false);
+  const float special[] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 0x1p-130f, -0x1p-140f,
+                           INFINITY,       -INFINITY,          NAN,       3.3895e38f};
+  for (std::size_t i = 0; i < std::size(special); ++i) src[i * 3] = special[i];
+  std::vector<bf16> src_b(src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) src_b[i] = to_bf16(src[i]);
+  const std::string sh = cat("rows ", rows, " cols ", cols, " lds ", lds, " ldd ", ldd);
+  auto differing = [](const void* a, const void* b, std::size_t n, std::size_t size) {
+    double bad = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      bad += std::memcmp(static_cast<const char*>(a) + i * size,
+                         static_cast<const char*>(b) + i * size, size) != 0;
+    return bad;
+  };
+  for (const bool add : {false, true})
+    for (const bool from_bf16 : {false, true}) {  // into fp32
+      Vec want = dst0;
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) {
+          const std::size_t e = std::size_t(i * lds + j);
+          const float x = from_bf16 ? to_float(src_b[e]) : src[e];
+          float& y = want[std::size_t(i * ldd + j)];
+          y = add ? y + x : x;
+        }
+      DeviceBuffer s_ = from_bf16 ? up(src, true, "src") : up(src, false, "src");
+      DeviceBuffer d_ = up(dst0, false, "dst");
+      copy_rows(d_.data(), ldd, s_.data(), lds, rows, cols, DType::f32, from_bf16, add);
+      check_cuda(cudaDeviceSynchronize(), "copy_rows");
+      Vec got(want.size());
+      d_.download(got.data(), d_.bytes());
+      out.push_back(
+          {cat("copy_rows_cuda ", from_bf16 ? "bf16 -> fp32" : "fp32", add ? " adding" : ""), sh,
+           "fp32", differing(got.data(), want.data(), got.size(), 4), 0});
+    }
+  {  // fp32 -> bf16, the wire's narrowing
+    std::vector<bf16> want(static_cast<std::size_t>(rows * ldd), to_bf16(7.0f)), got(want.size());
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t j = 0; j < cols; ++j)
+        want[std::size_t(i * ldd + j)] = to_bf16(src[std::size_t(i * lds + j)]);
+    DeviceBuffer s_ = up(src, false, "src"), d_ = up(Vec(want.size(), 7.0f), true, "dst");
+    copy_rows(d_.data(), ldd, s_.data(), lds, rows, cols, DType::bf16, false, false);
+    check_cuda(cudaDeviceSynchronize(), "copy_rows");
+    d_.download(got.data(), d_.bytes());
+    out.push_back({"copy_rows_cuda fp32 -> bf16", sh, "bf16",
+                   differing(got.data(), want.data(), got.size(), 2), 0});
+  }
+  {  // fill, the padding columns kept
+    Vec want = dst0;
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t j = 0; j < cols; ++j) want[std::size_t(i * ldd + j)] = -0.5f;
+    DeviceBuffer d_ = up(dst0, false, "dst");
+    fill_rows(d_.data(), ldd, rows, cols, DType::f32, -0.5);
+    check_cuda(cudaDeviceSynchronize(), "fill_rows");
+    Vec got(want.size());
+    d_.download(got.data(), d_.bytes());
+    out.push_back({"fill_cuda", sh, "fp32", differing(got.data(), want.data(), got.size(), 4), 0});
+  }
+}
+
 // Median seconds of fn() over reps after one warm-up, by CUDA events.
 double median_seconds(const std::function<void()>& fn, int reps) {
   fn();
@@ -688,7 +753,8 @@ int run(int argc, char** argv) {
                  "rope_cuda",
                  "lse_merge_cuda",
                  "sparse_gather_cuda fp32/bf16: per head, latent Hk 1, 576/512, 192/128 K > Sk; "
-                 "dk, dv bits on a second run"};
+                 "dk, dv bits on a second run",
+                 "copy_rows_cuda and fill_cuda, bit for bit"};
   if (dry) {
     j["ran"] = false;
     std::ofstream(json_path) << j.dump(2) << "\n";
@@ -724,6 +790,7 @@ int run(int argc, char** argv) {
   guarded("fused latent", [&] { check_fused_latent(results); });
   guarded("rmsnorm/rope/lse_merge", [&] { check_small_ops(results); });
   guarded("sparse attention", [&] { check_sparse_attention(results); });
+  guarded("copy_rows/fill", [&] { check_moves(results); });
   std::vector<Timing> times;
   guarded("timing gemm", [&] { time_gemm(times); });
   // The fused kernel first, in a quarter of the budget; attention in what is left.

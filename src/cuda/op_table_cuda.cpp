@@ -420,6 +420,19 @@ void run_sparse_cuda_backward_any(const OpCall& c) {
   c.dtype == RunDtype::bf16 ? run_sparse_cuda_backward<bf16>(c)
                             : run_sparse_cuda_backward<float>(c);
 }
+// --------------------------------------------- data movement (copy_rows, fill)
+
+DType move_type(RunDtype d) {
+  return d == RunDtype::fp64 ? DType::f64 : d == RunDtype::bf16 ? DType::bf16 : DType::f32;
+}
+void run_copy_rows(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::copy_rows(c.out[0], s.ldc, c.in[0], s.lda, s.rows, s.cols, move_type(c.dtype), s.src_bf16,
+                  s.accumulate);
+}
+void run_fill(const OpCall& c) {
+  cuda::fill_rows(c.out[0], c.shape.ldc, c.shape.rows, c.shape.cols, move_type(c.dtype), c.alpha);
+}
 
 // cuDNN's rows rank first (0): where they take a call they are picked.
 const KernelRow kRows[] = {
@@ -449,6 +462,10 @@ const KernelRow kRows[] = {
      &run_sparse_cuda_forward_any, 0},
     {Device::cuda, Op::sparse_attention_backward, "sparse_gather_cuda", &sparse_cuda_takes,
      &run_sparse_cuda_backward_any, 0},
+    // The forms' copies, sums, conversions and zeroing (issue 52), on the
+    // device; the rules are every backend's (op_table.hpp).
+    {Device::cuda, Op::copy_rows, "copy_rows_cuda", &copy_rows_refusal, &run_copy_rows, 0},
+    {Device::cuda, Op::fill, "fill_cuda", &fill_refusal, &run_fill, 0},
 };
 
 }  // namespace

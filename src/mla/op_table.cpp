@@ -39,6 +39,10 @@ const char* to_string(ops::Op op) {
       return "sparse_attention_forward";
     case Op::sparse_attention_backward:
       return "sparse_attention_backward";
+    case Op::copy_rows:
+      return "copy_rows";
+    case Op::fill:
+      return "fill";
     case Op::embedding_forward:
       return "embedding_forward";
     case Op::embedding_backward:
