@@ -5,7 +5,10 @@
 // with no head): there the analytic gradient is the all-reduced one of the
 // whole sequence-parallel step and the loss is the group's assembled output.
 // laga and laga2d with the query-latent exchange (rq > 0) under all of these
-// too.
+// too. Under the sanitizers (common/sanitized.hpp) each tensor is sampled at
+// a few elements, first and last included: every case's forward and backward
+// still run there; the main pass checks every element (rank 1) and 24 a
+// tensor (P 2 and 3).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -13,11 +16,15 @@
 
 #include "comm/communicator.hpp"
 #include "common/check.hpp"
+#include "common/sanitized.hpp"
 #include "mla/block.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
 namespace {
+
+// Elements checked a tensor under the sanitizers: first, middle, last.
+constexpr std::int64_t kSanitizedElements = 3;
 
 struct GradCase {
   const char* name;
@@ -91,6 +98,7 @@ TEST_P(BlockGrad, MatchesFiniteDifferences) {
   test::GradCheckOptions opt;
   opt.tol = 1e-6;
   opt.floor_per_tensor = true;
+  opt.max_elements = test::kSanitized ? kSanitizedElements : 0;  // 0: every element
   EXPECT_TRUE(check.run(loss, opt));
 }
 
@@ -164,9 +172,10 @@ TEST_P(BlockGradSp, MatchesFiniteDifferences) {
   test::GradCheckOptions opt;
   opt.tol = 1e-6;
   opt.floor_per_tensor = true;
-  opt.max_elements = 24;  // every tensor, sampled: each loss is a P-rank run
+  // Every tensor, sampled: each loss is a P-rank run.
+  opt.max_elements = test::kSanitized ? kSanitizedElements : 24;
   EXPECT_TRUE(check.run(loss, opt));
-  EXPECT_GT(check.last_checked(), 150);
+  EXPECT_GT(check.last_checked(), test::kSanitized ? 2 * std::int64_t(wp.size()) : 150);
 }
 
 std::vector<SpCase> sp_cases() {
