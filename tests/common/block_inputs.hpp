@@ -30,14 +30,19 @@ struct BlockInputs {
   Tensor<T> x, dout;  // (B, S, D)
 };
 
-inline BlockInputs<float> make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S) {
+// fill false: x and dout left unfilled, as under a count-only pool (their
+// tensors have no storage to fill).
+inline BlockInputs<float> make_inputs(const MlaConfig& cfg, std::int64_t B, std::int64_t S,
+                                      bool fill = true) {
   BlockInputs<float> in;
   in.w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
   init_params(in.w, 3, 0.1);
   in.x = TensorF({B, S, cfg.dim});
   in.dout = TensorF({B, S, cfg.dim});
-  fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
-  fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
+  if (fill) {
+    fill_normal(in.x.data(), in.x.numel(), 5, 1, 0, 1.0);
+    fill_normal(in.dout.data(), in.dout.numel(), 5, 2, 0, 1.0);
+  }
   return in;
 }
 

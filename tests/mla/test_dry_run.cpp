@@ -15,6 +15,7 @@
 
 #include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
+#include "common/block_inputs.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "mla/layout.hpp"
@@ -156,16 +157,10 @@ Measured dry_rank(const MlaConfig& cfg, const SpLayout& lay, const RunSpec& spec
   MemoryPool pool;
   pool.set_count_only(count_only);
   PoolScope scope(pool);
-  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 3, 0.1);
-  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  if (!count_only) {
-    fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-    fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-  }
+  const test::BlockInputs<float> in = test::make_inputs(cfg, lay.batch, lay.seq, !count_only);
   const RopeTable rope(cfg.rope(), lay.seq);
   DryRunCommunicator comm(r, lay.ranks);
-  RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+  RankResult<float> res = run_rank(comm, cfg, lay, rope, in.w, in.x, in.dout, spec);
   // A plain vector: tensors made here belong to this function's pool.
   if (out_copy && res.out.data())
     out_copy->assign(res.out.data(), res.out.data() + res.out.numel());
@@ -178,13 +173,7 @@ std::vector<Measured> full_run(const MlaConfig& cfg, const SpLayout& lay, const 
   MemoryPool main_pool;
   main_pool.set_count_only(count_only);
   PoolScope scope(main_pool);
-  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 3, 0.1);
-  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  if (!count_only) {
-    fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-    fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-  }
+  const test::BlockInputs<float> in = test::make_inputs(cfg, lay.batch, lay.seq, !count_only);
   const RopeTable rope(cfg.rope(), lay.seq);
   std::vector<Measured> m(static_cast<size_t>(lay.ranks));
   std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
@@ -194,7 +183,7 @@ std::vector<Measured> full_run(const MlaConfig& cfg, const SpLayout& lay, const 
   run_local_ranks(
       lay.ranks,
       [&](Communicator& comm) {
-        RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+        RankResult<float> res = run_rank(comm, cfg, lay, rope, in.w, in.x, in.dout, spec);
         m[static_cast<size_t>(comm.rank())] = {res.report.ledger, res.report.memory};
         if (out_copy && comm.rank() == 0 && res.out.data())
           out_copy->assign(res.out.data(), res.out.data() + res.out.numel());
