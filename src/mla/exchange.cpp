@@ -15,16 +15,6 @@ namespace laga {
 
 namespace {
 using Counts = std::vector<std::int64_t>;
-Counts displs_of(const Counts& c) {
-  Counts d(c.size(), 0);
-  for (size_t i = 1; i < c.size(); ++i) d[i] = d[i - 1] + c[i - 1];
-  return d;
-}
-std::int64_t total(const Counts& c) {
-  std::int64_t s = 0;
-  for (auto x : c) s += x;
-  return s;
-}
 size_t u(std::int64_t i) {
   return static_cast<size_t>(i);
 }
@@ -182,7 +172,7 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   }
   if (src_ld == 0) src_ld = from_heads * d;
   if (dst_ld == 0) dst_ld = to_heads * d;
-  const Counts sd = displs_of(sc), rd = displs_of(rc);
+  const Counts sd = offsets_of(sc), rd = offsets_of(rc);
   // One rank whose rows and heads are the same on both sides: src is in
   // dst's layout already, so nothing is packed. Dense rows: the collective
   // copies them over once. Strided rows (columns of a wider row), which the
@@ -204,8 +194,8 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
     comm.all_to_all_v(src, none.data(), sd.data(), dst, none.data(), rd.data(), label);
     return;
   }
-  Tensor<Wire> send({total(sc)}, MemCategory::comm_buffers),
-      recv({total(rc)}, MemCategory::comm_buffers);
+  Tensor<Wire> send({total_of(sc)}, MemCategory::comm_buffers),
+      recv({total_of(rc)}, MemCategory::comm_buffers);
   for (int j = 0; j < P; ++j) {
     const Transfer& ps = out[u(j)];
     std::int64_t off = sd[u(j)];
@@ -340,8 +330,8 @@ void poison_back_half(const Communicator& comm, float* dst, std::int64_t n) {
 // blocks, unpacked and widened.
 void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                      std::int64_t W, const std::string& label) {
-  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
-  const std::int64_t own = rc[u(comm.rank())], n = total(rc);
+  const Counts rc = seq_counts(lay, W), rd = offsets_of(rc);
+  const std::int64_t own = rc[u(comm.rank())], n = total_of(rc);
   if (lands_in_place(lay)) {
     void* mine = bf16_at(dst, rd[u(comm.rank())]);
     wire::narrow(src, mine, own);
@@ -364,17 +354,17 @@ void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, 
 // order is not the sequence's).
 Tensor<bf16> contributions_bf16(const SpLayout& lay, const float* src, std::int64_t W) {
   const Counts c = seq_counts(lay, W);
-  Tensor<bf16> send({total(c)}, MemCategory::comm_buffers);
+  Tensor<bf16> send({total_of(c)}, MemCategory::comm_buffers);
   if (lands_in_place(lay))
-    wire::narrow(src, send.data(), total(c));
+    wire::narrow(src, send.data(), total_of(c));
   else
-    pack_ranks(lay, src, displs_of(c), send.data(), W);
+    pack_ranks(lay, src, offsets_of(c), send.data(), W);
   return send;
 }
 
 void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                              std::int64_t W, const std::string& label) {
-  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const Counts c = seq_counts(lay, W), d = offsets_of(c);
   const int r = comm.rank();
   Tensor<bf16> send = contributions_bf16(lay, src, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), at(send.data(), d[u(r)]), label);
@@ -388,13 +378,13 @@ void gather_seq(Communicator& comm, const SpLayout& lay, const T* src, T* dst, s
                 const std::string& label) {
   if constexpr (std::is_same_v<T, float>)
     if (ops::in_bf16<T>()) return gather_seq_bf16(comm, lay, src, dst, W, label);
-  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  const Counts rc = seq_counts(lay, W), rd = offsets_of(rc);
   const std::int64_t own = rc[u(comm.rank())];
   if (lands_in_place(lay)) {  // rank-major (L_0 | L_1 | ...) is already (S, W)
     comm.all_gather_v(src, own, dst, rc.data(), rd.data(), label);
     return;
   }
-  Tensor<T> recv({total(rc)}, MemCategory::comm_buffers);
+  Tensor<T> recv({total_of(rc)}, MemCategory::comm_buffers);
   comm.all_gather_v(src, own, recv.data(), rc.data(), rd.data(), label);
   unpack_ranks(lay, recv.data(), rd, dst, W);
 }
@@ -404,12 +394,12 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
                         std::int64_t W, const std::string& label) {
   if constexpr (std::is_same_v<T, float>)
     if (ops::in_bf16<T>()) return reduce_scatter_seq_bf16(comm, lay, src, dst, W, label);
-  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const Counts c = seq_counts(lay, W), d = offsets_of(c);
   if (lands_in_place(lay)) {
     comm.reduce_scatter_v(src, c.data(), d.data(), dst, label);
     return;
   }
-  Tensor<T> send({total(c)}, MemCategory::comm_buffers);
+  Tensor<T> send({total_of(c)}, MemCategory::comm_buffers);
   pack_ranks(lay, src, d, send.data(), W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), dst, label);
 }
@@ -417,12 +407,12 @@ void reduce_scatter_seq(Communicator& comm, const SpLayout& lay, const T* src, T
 template <class T>
 StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src, T* dst,
                                std::int64_t W, const std::string& label) {
-  const Counts rc = seq_counts(lay, W), rd = displs_of(rc);
+  const Counts rc = seq_counts(lay, W), rd = offsets_of(rc);
   const int r = comm.rank();
   StartedSeq<T> s;
   if constexpr (std::is_same_v<T, float>) {
     if (ops::in_bf16<T>()) {  // as gather_seq_bf16, finished at the wait
-      const std::int64_t n = total(rc);
+      const std::int64_t n = total_of(rc);
       s.dst_ = dst, s.lay_ = lay, s.W_ = W;
       void* recv = dst;
       if (lands_in_place(lay)) {
@@ -448,7 +438,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
   s.send_ = std::move(src);
   T* recv = dst;
   if (!lands_in_place(lay)) {
-    s.staging_ = Tensor<T>({total(rc)}, MemCategory::comm_buffers);
+    s.staging_ = Tensor<T>({total_of(rc)}, MemCategory::comm_buffers);
     s.unpack_ = true, s.dst_ = dst, s.lay_ = lay, s.W_ = W;
     recv = s.staging_.data();
     // dst is the result here, not the collective's recv: under deferred
@@ -463,7 +453,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
 template <class T>
 StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, Tensor<T> src,
                                        T* dst, std::int64_t W, const std::string& label) {
-  const Counts c = seq_counts(lay, W), d = displs_of(c);
+  const Counts c = seq_counts(lay, W), d = offsets_of(c);
   const int r = comm.rank();
   StartedSeq<T> s;
   if constexpr (std::is_same_v<T, float>) {
@@ -479,7 +469,7 @@ StartedSeq<T> start_reduce_scatter_seq(Communicator& comm, const SpLayout& lay, 
   if (lands_in_place(lay)) {
     s.send_ = std::move(src);
   } else {
-    s.send_ = Tensor<T>({total(c)}, MemCategory::comm_buffers);
+    s.send_ = Tensor<T>({total_of(c)}, MemCategory::comm_buffers);
     pack_ranks(lay, src.data(), d, s.send_.data(), W);
     src.reset();
   }
@@ -494,10 +484,10 @@ void StartedSeq<T>::wait(Communicator& comm) {
   // The staged gather's blocks: in wire_ with bf16 on the wire (a count-only
   // tensor has its shape too), else in staging_.
   if (unpack_ && !wire_.defined())
-    unpack_ranks(lay_, staging_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
+    unpack_ranks(lay_, staging_.data(), offsets_of(seq_counts(lay_, W_)), dst_, W_);
   if constexpr (std::is_same_v<T, float>) {
     if (unpack_ && wire_.defined())
-      unpack_ranks(lay_, wire_.data(), displs_of(seq_counts(lay_, W_)), dst_, W_);
+      unpack_ranks(lay_, wire_.data(), offsets_of(seq_counts(lay_, W_)), dst_, W_);
     if (widen_ > 0)
       wire::widen(widen_from_ ? widen_from_ : static_cast<const void*>(dst_), dst_, widen_);
   }

@@ -14,17 +14,18 @@ std::vector<std::int64_t> split(std::int64_t n, int parts) {
   for (std::int64_t i = 0; i < n % parts; ++i) v[static_cast<size_t>(i)] += 1;
   return v;
 }
-std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& counts) {
+}  // namespace
+
+std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts) {
   std::vector<std::int64_t> o(counts.size(), 0);
   for (size_t i = 1; i < counts.size(); ++i) o[i] = o[i - 1] + counts[i - 1];
   return o;
 }
-std::int64_t sum(const std::vector<std::int64_t>& v) {
+std::int64_t total_of(const std::vector<std::int64_t>& counts) {
   std::int64_t s = 0;
-  for (auto x : v) s += x;
+  for (auto x : counts) s += x;
   return s;
 }
-}  // namespace
 
 std::int64_t tokens_in_common(const std::vector<TokenRange>& a, const std::vector<TokenRange>& b) {
   std::int64_t n = 0;
@@ -51,7 +52,7 @@ SeqLayout parse_seq_layout(const std::string& s) {
 }
 
 std::vector<TokenRange> mirrored_chunks(std::int64_t seq, int parts, int c) {
-  const std::vector<std::int64_t> chunk = split(seq, 2 * parts), chunk0 = offsets(chunk);
+  const std::vector<std::int64_t> chunk = split(seq, 2 * parts), chunk0 = offsets_of(chunk);
   std::vector<TokenRange> q;
   for (const int k : {c, 2 * parts - 1 - c}) {
     const TokenRange t{chunk0[static_cast<size_t>(k)],
@@ -109,12 +110,12 @@ SpLayout SpLayout::custom(std::int64_t batch, std::vector<std::int64_t> seq_coun
   SpLayout l;
   l.batch = batch;
   l.ranks = static_cast<int>(seq_counts.size());
-  l.seq = sum(seq_counts);
-  l.heads = sum(head_counts);
-  const std::vector<std::int64_t> seq0 = offsets(seq_counts);
+  l.seq = total_of(seq_counts);
+  l.heads = total_of(head_counts);
+  const std::vector<std::int64_t> seq0 = offsets_of(seq_counts);
   for (size_t r = 0; r < seq_counts.size(); ++r)
     l.seq_ranges.push_back({{seq0[r], seq0[r] + seq_counts[r]}});
-  l.head_offset = offsets(head_counts);
+  l.head_offset = offsets_of(head_counts);
   l.seq_count = std::move(seq_counts);
   l.head_count = std::move(head_counts);
   l.validate();
@@ -193,7 +194,7 @@ HeadContextGrid HeadContextGrid::make(const SpLayout& lay, int head_groups, Grid
   const int Pc = g.context_groups;
   const std::vector<std::int64_t> group_heads =
       head_groups == P ? lay.head_count : split(lay.heads, head_groups);
-  const std::vector<std::int64_t> group_offsets = offsets(group_heads);
+  const std::vector<std::int64_t> group_offsets = offsets_of(group_heads);
   for (int r = 0; r < P; ++r) {
     const auto grp = static_cast<size_t>(g.head_group(r));
     g.head_count.push_back(group_heads[grp]);

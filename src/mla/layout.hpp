@@ -31,6 +31,12 @@ struct TokenRange {
   friend bool operator==(const TokenRange&, const TokenRange&) = default;
 };
 
+// Where each block starts when blocks of these sizes lie one after another in
+// order (exclusive prefix sums: a layout's shard and head offsets, a
+// collective's displacements), and how many elements they hold in all.
+std::vector<std::int64_t> offsets_of(const std::vector<std::int64_t>& counts);
+std::int64_t total_of(const std::vector<std::int64_t>& counts);
+
 // How many tokens two sets of ranges share (each ascending and disjoint).
 std::int64_t tokens_in_common(const std::vector<TokenRange>& a, const std::vector<TokenRange>& b);
 

@@ -42,13 +42,7 @@ bool is_bf16(float x) {
 }
 
 MlaConfig test_config(std::int64_t rq) {
-  MlaConfig c;
-  // test_forms.cpp's: H = 5 (no P > 1 divides it), C > dn, dqk != dv.
-  c.dim = 32, c.n_heads = 5, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
-  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
-  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
-  c.validate();
-  return c;
+  return test::block_config(rq);
 }
 
 template <class T>

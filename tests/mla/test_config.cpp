@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
@@ -20,14 +21,7 @@ namespace {
 
 using nlohmann::json;
 
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(Config, PresetsValidateAndMatchDeepSeekV3) {
   for (const auto& name : MlaConfig::preset_names())

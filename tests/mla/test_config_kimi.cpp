@@ -8,6 +8,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/error_of.hpp"
 #include "core/error.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
@@ -17,14 +18,7 @@ namespace {
 
 using nlohmann::json;
 
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 // Kimi K3's attention keys as its config.json gives them (its MLA layers:
 // 96 heads, q latent 1536, kv latent 512, dn = dv = 128, dr 64 unrotated).

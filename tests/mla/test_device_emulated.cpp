@@ -32,15 +32,6 @@
 namespace laga {
 namespace {
 
-MlaConfig small_config() {
-  MlaConfig c;
-  c.dim = 32, c.n_heads = 5, c.q_lora_rank = 7, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
-  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
-  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
-  c.validate();
-  return c;
-}
-
 bool same_bits(const TensorF& a, const TensorF& b) {
   return a.shape() == b.shape() &&
          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.bytes())) == 0;
@@ -85,7 +76,7 @@ void expect_same_run(const BlockRun<float>& dev, const BlockRun<float>& cpu,
 // Every variant at P 1-4 on (B 2, S 13, H 5): uneven shards, P 4 with a
 // rank of one head; packed documents at P 2 and 3.
 TEST(EmulatedDevice, EveryFormAtP1To4IsTheCpuBitForBit) {
-  const MlaConfig cfg = small_config();
+  const MlaConfig cfg = test::block_config(7);
   const test::BlockInputs<float> in = test::make_inputs(cfg, 2, 13);
   const Documents docs = Documents::parse_lengths("3,1,6,3", 2, 13);
   int runs = 0;
@@ -125,7 +116,7 @@ TEST(EmulatedDevice, EveryFormAtP1To4IsTheCpuBitForBit) {
 }
 
 TEST(EmulatedDevice, Bf16MixedPrecisionIsTheCpuBitForBit) {
-  const MlaConfig cfg = small_config();
+  const MlaConfig cfg = test::block_config(7);
   const test::BlockInputs<float> in = test::make_inputs(cfg, 2, 13);
   const UsePrecision bf16(Precision::bf16);
   for (int P : {1, 3})
@@ -144,7 +135,7 @@ TEST(EmulatedDevice, Bf16MixedPrecisionIsTheCpuBitForBit) {
 // the host pool): one allocation path, so count-only predicts the device
 // peak as it does the host's. fp32 and bf16 (held narrowed) both.
 TEST(EmulatedDevice, DevicePoolPeakIsTheMemoryModel) {
-  const MlaConfig cfg = small_config();
+  const MlaConfig cfg = test::block_config(7);
   const test::BlockInputs<float> in = test::make_inputs(cfg, 2, 13);
   for (Precision prec : {Precision::fp32, Precision::bf16}) {
     const UsePrecision at(prec);

@@ -15,24 +15,16 @@
 
 #include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
+#include "common/block_inputs.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
+#include "mla/layout.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
 namespace {
 
 using Counts = std::vector<std::int64_t>;
-Counts displs(const Counts& c) {
-  Counts d(c.size(), 0);
-  for (size_t i = 1; i < c.size(); ++i) d[i] = d[i - 1] + c[i - 1];
-  return d;
-}
-std::int64_t total(const Counts& c) {
-  std::int64_t s = 0;
-  for (auto x : c) s += x;
-  return s;
-}
 
 // The same sequence of collectives on any communicator: uneven all-to-all
 // (rank r sends r + 2 j + 1 elements to j), all-gather of r + 3 elements,
@@ -41,22 +33,22 @@ void exercise(Communicator& comm) {
   const int P = comm.size(), r = comm.rank();
   Counts sc(P), rc(P);
   for (int j = 0; j < P; ++j) sc[j] = r + 2 * j + 1, rc[j] = j + 2 * r + 1;
-  std::vector<float> send(static_cast<size_t>(total(sc)), 1.f),
-      recv(static_cast<size_t>(total(rc)));
-  const Counts sd = displs(sc), rd = displs(rc);
+  std::vector<float> send(static_cast<size_t>(total_of(sc)), 1.f),
+      recv(static_cast<size_t>(total_of(rc)));
+  const Counts sd = offsets_of(sc), rd = offsets_of(rc);
   comm.set_phase(Phase::forward);
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), "a2a");
   Counts gc(P);
   for (int j = 0; j < P; ++j) gc[j] = j + 3;
   std::vector<double> mine(static_cast<size_t>(r + 3), 2.0),
-      gathered(static_cast<size_t>(total(gc)));
-  const Counts gd = displs(gc);
+      gathered(static_cast<size_t>(total_of(gc)));
+  const Counts gd = offsets_of(gc);
   comm.all_gather_v(mine.data(), r + 3, gathered.data(), gc.data(), gd.data(), "ag");
   comm.set_phase(Phase::backward);
   Counts c(P);
   for (int j = 0; j < P; ++j) c[j] = j + 2;
-  std::vector<float> full(static_cast<size_t>(total(c)), 1.f), own(static_cast<size_t>(c[r]));
-  const Counts cd = displs(c);
+  std::vector<float> full(static_cast<size_t>(total_of(c)), 1.f), own(static_cast<size_t>(c[r]));
+  const Counts cd = offsets_of(c);
   comm.reduce_scatter_v(full.data(), c.data(), cd.data(), own.data(), "rs");
   comm.set_phase(Phase::grad_sync);
   std::vector<float> buf(11, 1.f);
@@ -98,21 +90,21 @@ TEST(DryRunComm, ReceiveBuffersHoldOwnDataAndCopiesOfIt) {
   const Counts sc{1, 2, 3}, rc{3, 2, 1};
   const std::vector<float> send{0, 10, 11, 0, 0, 0};
   std::vector<float> recv(6, -1);
-  const Counts sd = displs(sc), rd = displs(rc);
+  const Counts sd = offsets_of(sc), rd = offsets_of(rc);
   comm.all_to_all_v(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), "x");
   EXPECT_EQ(recv, (std::vector<float>{10, 11, 10, 10, 11, 10}));
   // all-gather: own shard in its slot, copies elsewhere.
   const Counts gc{1, 2, 3};
   const std::vector<float> mine{5, 6};
   std::vector<float> g(6, -1);
-  const Counts gd = displs(gc);
+  const Counts gd = offsets_of(gc);
   comm.all_gather_v(mine.data(), 2, g.data(), gc.data(), gd.data(), "g");
   EXPECT_EQ(g, (std::vector<float>{5, 5, 6, 5, 6, 5}));
   // reduce-scatter: the own contribution only.
   const Counts c{1, 2, 1};
   const std::vector<float> full{1, 2, 3, 4};
   std::vector<float> own(2, -1);
-  const Counts cd = displs(c);
+  const Counts cd = offsets_of(c);
   comm.reduce_scatter_v(full.data(), c.data(), cd.data(), own.data(), "r");
   EXPECT_EQ(own, (std::vector<float>{2, 3}));
   // all-reduce: unchanged.
@@ -165,16 +157,10 @@ Measured dry_rank(const MlaConfig& cfg, const SpLayout& lay, const RunSpec& spec
   MemoryPool pool;
   pool.set_count_only(count_only);
   PoolScope scope(pool);
-  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 3, 0.1);
-  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  if (!count_only) {
-    fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-    fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-  }
+  const test::BlockInputs<float> in = test::make_inputs(cfg, lay.batch, lay.seq, !count_only);
   const RopeTable rope(cfg.rope(), lay.seq);
   DryRunCommunicator comm(r, lay.ranks);
-  RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+  RankResult<float> res = run_rank(comm, cfg, lay, rope, in.w, in.x, in.dout, spec);
   // A plain vector: tensors made here belong to this function's pool.
   if (out_copy && res.out.data())
     out_copy->assign(res.out.data(), res.out.data() + res.out.numel());
@@ -187,13 +173,7 @@ std::vector<Measured> full_run(const MlaConfig& cfg, const SpLayout& lay, const 
   MemoryPool main_pool;
   main_pool.set_count_only(count_only);
   PoolScope scope(main_pool);
-  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 3, 0.1);
-  TensorF x({lay.batch, lay.seq, cfg.dim}), dout({lay.batch, lay.seq, cfg.dim});
-  if (!count_only) {
-    fill_normal(x.data(), x.numel(), 5, 1, 0, 1.0);
-    fill_normal(dout.data(), dout.numel(), 5, 2, 0, 1.0);
-  }
+  const test::BlockInputs<float> in = test::make_inputs(cfg, lay.batch, lay.seq, !count_only);
   const RopeTable rope(cfg.rope(), lay.seq);
   std::vector<Measured> m(static_cast<size_t>(lay.ranks));
   std::vector<MemoryPool> pools(static_cast<size_t>(lay.ranks));
@@ -203,7 +183,7 @@ std::vector<Measured> full_run(const MlaConfig& cfg, const SpLayout& lay, const 
   run_local_ranks(
       lay.ranks,
       [&](Communicator& comm) {
-        RankResult<float> res = run_rank(comm, cfg, lay, rope, w, x, dout, spec);
+        RankResult<float> res = run_rank(comm, cfg, lay, rope, in.w, in.x, in.dout, spec);
         m[static_cast<size_t>(comm.rank())] = {res.report.ledger, res.report.memory};
         if (out_copy && comm.rank() == 0 && res.out.data())
           out_copy->assign(res.out.data(), res.out.data() + res.out.numel());

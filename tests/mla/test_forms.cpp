@@ -40,14 +40,7 @@ namespace laga {
 namespace {
 
 MlaConfig test_config(std::int64_t rq, std::int64_t heads = 5) {
-  MlaConfig c;
-  // H = 5 so that no P > 1 here divides it; C > dn as in V3 (the absorbed
-  // trap's precondition), dqk != dv.
-  c.dim = 32, c.n_heads = heads, c.q_lora_rank = rq, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
-  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
-  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
-  c.validate();
-  return c;
+  return test::block_config(rq, heads);
 }
 
 using Inputs = test::BlockInputs<float>;

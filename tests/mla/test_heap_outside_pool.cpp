@@ -102,15 +102,6 @@ void operator delete[](void* p, const std::nothrow_t&) noexcept {
 namespace laga {
 namespace {
 
-MlaConfig test_config() {
-  MlaConfig c;
-  c.dim = 32, c.n_heads = 5, c.q_lora_rank = 7, c.kv_lora_rank = 16, c.qk_nope_head_dim = 8,
-  c.qk_rope_head_dim = 4, c.v_head_dim = 6;
-  c.rope_theta = 500, c.original_seq_len = 8, c.max_seq_len = 64, c.rope_factor = 4;
-  c.validate();
-  return c;
-}
-
 // The heap bytes a forward leaves held when it returns (its tape's, beside
 // its pool tensors), after a warm-up step that makes whatever lives for
 // the process (oneDNN's primitives, the kernels' per-thread buffers).
@@ -139,7 +130,7 @@ std::int64_t heap_kept_by_forward(const MlaConfig& cfg, const SpLayout& lay, For
 }
 
 TEST(HeapOutsidePool, Bf16ForwardKeepsNoMoreHeapThanFp32) {
-  const MlaConfig cfg = test_config();
+  const MlaConfig cfg = test::block_config(7);
   const SpLayout lay = SpLayout::even(2, 13, cfg.n_heads, 1);
   for (Form form : all_forms()) {
     const std::int64_t fp32 = heap_kept_by_forward(cfg, lay, form, Precision::fp32);

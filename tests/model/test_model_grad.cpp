@@ -40,31 +40,13 @@ LmParams<double> test_params(const LmConfig& cfg) {
 
 // (loss, every gradient by name) of one forward+backward on P local ranks;
 // packed rows when `docs` is given, the mean over `counted` targets.
-std::pair<double, std::map<std::string, std::vector<double>>> run(
-    const LmConfig& cfg, Form form, int P, const Batch& bt,
-    AttentionKind attention = AttentionKind::eager, const Documents* docs = nullptr,
-    std::int64_t counted = 0) {
-  double loss = 0;
-  std::map<std::string, std::vector<double>> grads;
-  run_local_ranks(P, [&](Communicator& comm) {
-    const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, P);
-    const RopeTable rope(cfg.mla.rope(), bt.S);
-    LmContext ctx{cfg, layout, comm, rope, form, attention};
+test::LossAndGrads run(const LmConfig& cfg, Form form, int P, const Batch& bt,
+                       AttentionKind attention = AttentionKind::eager,
+                       const Documents* docs = nullptr, std::int64_t counted = 0) {
+  return test::loss_and_grads(cfg, form, attention, P, bt, test_params, [&](LmContext& ctx) {
     ctx.documents = docs;
     ctx.counted_targets = counted;
-    const LmParams<double> w = test_params(cfg);
-    LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
-    const int r = comm.rank();
-    const auto off = layout.shard_begin(r), L = layout.seq_count[size_t(r)];
-    auto tok = shard(bt.tok, bt.B, bt.S, off, L), tgt = shard(bt.tgt, bt.B, bt.S, off, L);
-    const double l = lm_forward_backward(ctx, w, tok.data(), tgt.data(), g);
-    if (r != 0) return;
-    loss = l;
-    g.for_each([&](const std::string& n, const Tensor<double>& t) {
-      grads[n].assign(t.data(), t.data() + t.numel());
-    });
   });
-  return {loss, grads};
 }
 
 struct ModelCase {

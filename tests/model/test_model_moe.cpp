@@ -88,30 +88,14 @@ std::vector<std::string> names_of(const LmParams<double>& w) {
 }
 
 // (loss, every gradient by name) of one forward+backward on P local ranks.
-std::pair<double, std::map<std::string, std::vector<double>>> run(
-    const LmConfig& cfg, int P, const Batch& bt, Form form = Form::laga,
-    ExpertPlacement experts = ExpertPlacement::every_rank, int expert_degree = 0) {
-  double loss = 0;
-  std::map<std::string, std::vector<double>> grads;
-  run_local_ranks(P, [&](Communicator& comm) {
-    const SpLayout layout = SpLayout::even(bt.B, bt.S, cfg.mla.n_heads, P);
-    const RopeTable rope(cfg.mla.rope(), bt.S);
-    LmContext ctx{cfg, layout, comm, rope, form, AttentionKind::eager};
-    ctx.experts = experts;
-    ctx.expert_degree = expert_degree;
-    const LmParams<double> w = test_params(cfg);
-    LmParams<double> g = LmParams<double>::zeros(cfg, MemCategory::gradients);
-    const int r = comm.rank();
-    const auto off = layout.shard_begin(r), L = layout.seq_count[size_t(r)];
-    auto tok = shard(bt.tok, bt.B, bt.S, off, L), tgt = shard(bt.tgt, bt.B, bt.S, off, L);
-    const double l = lm_forward_backward(ctx, w, tok.data(), tgt.data(), g);
-    if (r != 0) return;
-    loss = l;
-    g.for_each([&](const std::string& n, const Tensor<double>& t) {
-      grads[n].assign(t.data(), t.data() + t.numel());
-    });
-  });
-  return {loss, grads};
+test::LossAndGrads run(const LmConfig& cfg, int P, const Batch& bt, Form form = Form::laga,
+                       ExpertPlacement experts = ExpertPlacement::every_rank,
+                       int expert_degree = 0) {
+  return test::loss_and_grads(cfg, form, AttentionKind::eager, P, bt, test_params,
+                              [&](LmContext& ctx) {
+                                ctx.experts = experts;
+                                ctx.expert_degree = expert_degree;
+                              });
 }
 
 TEST(ModelMoe, ParametersNamesShapesAndCounts) {
