@@ -4,12 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
-#include "kernels/attention_sparse.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/rope.hpp"
-#include "mla/ops_sparse.hpp"
+#include "mla/ops_dsa.hpp"
 
 namespace laga {
 
@@ -103,28 +98,28 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
                       bool inverse) {
     if (doc_start)
-      rope_apply_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
+      ops::rope_rows_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
     else
-      rope_apply(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
+      ops::rope_rows(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
   };
   auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
     for (std::int64_t b = 0; b < B; ++b)
-      rope_halves_apply(p + b * L * ld_token, L, heads, ld_token, dI, s0,
-                        doc_start ? pos.data() + b * L : nullptr, table, inverse);
+      ops::rope_halves(p + b * L * ld_token, L, heads, ld_token, dI, s0,
+                       doc_start ? pos.data() + b * L : nullptr, table, inverse);
   };
 
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
   std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
-  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
+  ops::linear_rows(qa.data(), x, w.wq_a.data(), N, D, rq);
+  ops::rmsnorm_rows(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
   std::vector<T> q = buffer<T>(N * H * dqk);
-  linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
+  ops::linear_rows(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
   rope_mla(q.data() + dn, H, H * dqk, dqk, false);
   std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
-  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
+  ops::linear_rows(kv.data(), x, w.wkv_a.data(), N, D, W);
+  ops::rmsnorm_rows(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
     std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
@@ -161,13 +156,13 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.topk = K;
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
-  dsa_index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
+  ops::index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
   std::vector<std::int32_t> all;
   const std::int32_t* att_idx = res.idx.data();
   std::int64_t KA = K;
   if (stage == DsaStage::dense_warmup) {
     all.assign(static_cast<std::size_t>(N * Sk), -1);
-    dsa_all_causal(is, all.data());
+    ops::index_all_causal(is, all.data());
     att_idx = all.data(), KA = Sk;
   }
 
@@ -179,26 +174,27 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> qa_abs = buffer<T>(N * H * W), o_lat = buffer<T>(N * H * C);
   std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * L);
   for (std::int64_t h = 0; h < H; ++h)  // q_nope W_UK[h] into qa_abs[:, h, :C]
-    gemm<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
-            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
+    ops::gemm_strided<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
+                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
   for (std::int64_t t = 0; t < N; ++t)
     for (std::int64_t h = 0; h < H; ++h)
       std::copy_n(q.data() + (t * H + h) * dqk + dn, dr, qa_abs.data() + (t * H + h) * W + C);
   ops::sparse_attention_forward<T>(ss, o_lat.data(), lse.data(), qa_abs.data(), lat.data(),
                                    cS.data(), att_idx);
   for (std::int64_t h = 0; h < H; ++h)  // o_lat W_UV[h]^T
-    gemm<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
-            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv, H * dv);
+    ops::gemm_strided<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
+                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv,
+                         H * dv);
   res.out = buffer<T>(N * D);
-  linear_forward(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL over the rank's rows
   std::vector<T> p = buffer<T>(N * KA);
-  sparse_attention_head_summed_probs(ss, p.data(), qa_abs.data(), lat.data(), lse.data(), att_idx);
+  ops::head_summed_probs(ss, p.data(), qa_abs.data(), lat.data(), lse.data(), att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
-  dsa_indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
-                 dqI.data(), dkIS.data(), dwI.data());
+  ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
+                  dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
   if (!dout) return res;
 
@@ -218,15 +214,17 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
   res.dx = buffer<T>(N * D);
   std::vector<T> dO = buffer<T>(N * H * dv);
-  linear_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
-                     D);
+  ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
+                               N, H * dv, D);
   std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * W);
   std::vector<T> dlatS = buffer<T>(NK * W), dvalS = buffer<T>(NK * C);
   for (std::int64_t h = 0; h < H; ++h) {
-    gemm<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
-            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C, H * C);
-    gemm<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv, o_lat.data() + h * C, H * C,
-            T(1), res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
+    ops::gemm_strided<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
+                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C,
+                         H * C);
+    ops::gemm_strided<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv,
+                         o_lat.data() + h * C, H * C, T(1),
+                         res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
   }
   ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlatS.data(), dvalS.data(), do_lat.data(),
                                     qa_abs.data(), lat.data(), cS.data(), o_lat.data(), lse.data(),
@@ -240,10 +238,11 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                         "latent_ag");
   std::vector<T> dq = buffer<T>(N * H * dqk), dc = buffer<T>(N * C);
   for (std::int64_t h = 0; h < H; ++h) {
-    gemm<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
-            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
-    gemm<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk, dq_abs.data() + h * W, H * W,
-            T(1), res.grads.wkv_b.data() + h * (dn + dv) * C, C);
+    ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
+                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
+    ops::gemm_strided<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
+                         dq_abs.data() + h * W, H * W, T(1),
+                         res.grads.wkv_b.data() + h * (dn + dv) * C, C);
   }
   for (std::int64_t t = 0; t < N; ++t) {
     for (std::int64_t h = 0; h < H; ++h)
@@ -251,18 +250,18 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
     std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
   }
   rope_mla(dkv.data() + C, 1, W, dr, true);
-  rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                   w.kv_norm.data(), rstd_kv.data(), N, C);
-  linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
-                     D, W);
+  ops::rmsnorm_rows_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
+                             w.kv_norm.data(), rstd_kv.data(), N, C);
+  ops::linear_rows_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x,
+                               w.wkv_a.data(), N, D, W);
   rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
   std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(),
-                     N, rq, H * dqk);
-  rmsnorm_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                   w.q_norm.data(), rstd_q.data(), N, rq);
-  linear_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
-                     rq);
+  ops::linear_rows_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(),
+                               w.wq_b.data(), N, rq, H * dqk);
+  ops::rmsnorm_rows_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
+                             w.q_norm.data(), rstd_q.data(), N, rq);
+  ops::linear_rows_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x,
+                               w.wq_a.data(), N, D, rq);
   return res;
 }
 

@@ -30,6 +30,7 @@
 #include "kernels/attention_flash.hpp"
 #include "kernels/attention_flash_bf16.hpp"
 #include "kernels/attention_flash_latent.hpp"
+#include "kernels/dsa_indexer.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "kernels/lse_merge.hpp"
@@ -556,6 +557,254 @@ void check_sparse(Device dev, RunDtype d, bool latent, const std::string& tag) {
   expect_close(DV.get(), ref.dv, tol, what + " dv");
 }
 
+// ------------------------------------------ DSA's lightning indexer
+
+// max |a - b| <= tol max |b| for int selections: equal.
+void expect_same_selection(const std::vector<std::int32_t>& a, const std::vector<std::int32_t>& b,
+                           const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << what << " slot " << i;
+}
+
+// The indexer's ops (mla/ops_dsa.hpp) against common/naive_dsa.hpp's
+// references and plain loops here: LayerNorm (its backward against the
+// Jacobian written out), the half-split RoPE, the top-k, every causal key,
+// the KL (its gradient against central differences of the naive loss, in
+// double: 1e-6 relative) and the head-summed target; bf16 is refused by name.
+void check_dsa_indexer(Device dev, RunDtype d, const std::string& tag) {
+  const std::int64_t B = 2, S = 6, HI = 2, dI = 4, topk = 3, N = 5, n = 6;
+  IndexerShape is;
+  is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
+  is.topk = topk;
+  OpShape ln;
+  ln.rows = N, ln.cols = n;
+  OpShape ix;
+  ix.attn = is.attn, ix.k = topk, ix.n = S;
+  if (d == RunDtype::bf16) {
+    for (Op op : {Op::layernorm_forward, Op::layernorm_backward, Op::rope_halves_forward,
+                  Op::index_topk, Op::indexer_kl, Op::head_summed_probs}) {
+      const KernelChoice c = supports(dev, op, d, op == Op::layernorm_forward ? ln : ix);
+      EXPECT_FALSE(c) << tag << " " << to_string(op);
+      EXPECT_NE(c.why_not.find("dtype bf16"), std::string::npos) << c.why_not;
+    }
+    return;
+  }
+  const double tol = tolerance(d);
+  const Buffer::Kind kd = output_kind(d);
+  // LayerNorm.
+  {
+    const KernelRow* rf = picked(dev, Op::layernorm_forward, d, ln);
+    const KernelRow* rb = picked(dev, Op::layernorm_backward, d, ln);
+    ASSERT_NE(rf, nullptr) << tag;
+    ASSERT_NE(rb, nullptr) << tag;
+    const std::vector<double> x = values(N * n, 41, d), w = values(n, 42, d),
+                              bias = values(n, 43, d), dy = values(N * n, 44, d);
+    std::vector<double> y_ref(N * n), dx_ref(N * n), dw_ref(n), db_ref(n);
+    for (std::int64_t r = 0; r < N; ++r) {
+      double mean = 0, var = 0;
+      for (std::int64_t j = 0; j < n; ++j) mean += x[r * n + j] / double(n);
+      for (std::int64_t j = 0; j < n; ++j) var += std::pow(x[r * n + j] - mean, 2) / double(n);
+      const double rs = 1 / std::sqrt(var + 1e-6);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double xh = (x[r * n + j] - mean) * rs;
+        y_ref[r * n + j] = xh * w[j] + bias[j];
+        dw_ref[j] += dy[r * n + j] * xh, db_ref[j] += dy[r * n + j];
+      }
+      // dx_i = sum_j dy_j w_j d xhat_j / d x_i, the Jacobian written out.
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          const double xi = (x[r * n + i] - mean) * rs, xj = (x[r * n + j] - mean) * rs;
+          const double jac = rs * ((i == j ? 1.0 : 0.0) - 1.0 / double(n) - xi * xj / double(n));
+          dx_ref[r * n + i] += dy[r * n + j] * w[j] * jac;
+        }
+    }
+    Buffer X(x, kd), Wt(w, kd), Bs(bias, kd), DY(dy, kd), Y(std::vector<double>(N * n), kd),
+        M(std::vector<double>(N), kd), R(std::vector<double>(N), kd),
+        DX(std::vector<double>(N * n), kd), DW(std::vector<double>(n), kd),
+        DB(std::vector<double>(n), kd);
+    OpCall c;
+    c.op = Op::layernorm_forward, c.dtype = d, c.shape = ln, c.alpha = 1e-6;
+    c.in[0] = X.ptr(), c.in[1] = Wt.ptr(), c.in[2] = Bs.ptr();
+    c.out[0] = Y.ptr(), c.out[1] = M.ptr(), c.out[2] = R.ptr();
+    rf->run(c);
+    expect_close(Y.get(), y_ref, tol, tag + " layernorm y");
+    OpCall b;
+    b.op = Op::layernorm_backward, b.dtype = d, b.shape = ln;
+    b.in[0] = DY.ptr(), b.in[1] = X.ptr(), b.in[2] = Wt.ptr(), b.in[3] = M.ptr(), b.in[4] = R.ptr();
+    b.out[0] = DX.ptr(), b.out[1] = DW.ptr(), b.out[2] = DB.ptr();
+    rb->run(b);
+    expect_close(DX.get(), dx_ref, tol, tag + " layernorm dx");
+    expect_close(DW.get(), dw_ref, tol, tag + " layernorm dw");
+    expect_close(DB.get(), db_ref, tol, tag + " layernorm db");
+  }
+  // The half-split RoPE on the first 4 of 6 dims of 2 heads, at pos0 and
+  // at given positions, forward and inverse.
+  {
+    const std::int64_t L = 5, H = 2, ld_head = 6, ld_token = H * ld_head, pos0 = 2;
+    RopeParams rp;
+    rp.dim = 4, rp.theta = 100;
+    const RopeTable table(rp, pos0 + L + 4);
+    const std::vector<std::int64_t> positions{0, 7, 1, 3, 8};
+    for (const bool at : {false, true})
+      for (const bool inverse : {false, true}) {
+        OpShape s;
+        s.batch = 1, s.tokens = L, s.heads = H, s.ld_token = ld_token, s.ld_head = ld_head;
+        s.pos0 = pos0;
+        const Op op = inverse ? Op::rope_halves_backward : Op::rope_halves_forward;
+        const KernelRow* row = picked(dev, op, d, s);
+        ASSERT_NE(row, nullptr) << tag;
+        const std::vector<double> x = values(L * ld_token, 45, d);
+        std::vector<double> ref = x;
+        for (std::int64_t l = 0; l < L; ++l) {
+          const std::int64_t pos = at ? positions[std::size_t(l)] : pos0 + l;
+          std::vector<double> angle(2);
+          for (std::int64_t i = 0; i < 2; ++i)
+            angle[std::size_t(i)] =
+                (inverse ? -1 : 1) * std::atan2(table.sin(pos, i), table.cos(pos, i));
+          for (std::int64_t h = 0; h < H; ++h)
+            test::naive_rope_halves(ref.data() + l * ld_token + h * ld_head, 4, angle);
+        }
+        Buffer X(x, kd);
+        OpCall c;
+        c.op = op, c.dtype = d, c.shape = s, c.context = &table;
+        c.in[0] = at ? positions.data() : nullptr, c.out[0] = X.ptr();
+        row->run(c);
+        expect_close(X.get(), ref, tol, tag + " " + to_string(op) + (at ? " at positions" : ""));
+      }
+  }
+  // The top-k, every causal key, the KL and the head-summed target.
+  const std::vector<double> q = values(B * S * HI * dI, 46, d), k = values(B * S * dI, 47, d),
+                            w = values(B * S * HI, 48, d);
+  const std::vector<double> scores = test::naive_index_scores(B, S, S, HI, dI, q, k, w);
+  const std::vector<std::int32_t> idx_ref = test::naive_topk(B * S, S, topk, scores);
+  Buffer Q(q, kd), Kb(k, kd), Wb(w, kd);
+  {
+    const KernelRow* row = picked(dev, Op::index_topk, d, ix);
+    ASSERT_NE(row, nullptr) << tag;
+    std::vector<std::int32_t> idx(std::size_t(B * S * topk), -7);
+    OpCall c;
+    c.op = Op::index_topk, c.dtype = d, c.shape = ix, c.context = &is;
+    c.in[0] = Q.ptr(), c.in[1] = Kb.ptr(), c.in[2] = Wb.ptr(), c.out[0] = idx.data();
+    row->run(c);
+    expect_same_selection(idx, idx_ref, tag + " index_topk");
+  }
+  {
+    const KernelRow* row = picked(dev, Op::index_all_causal, d, ix);
+    ASSERT_NE(row, nullptr) << tag;
+    std::vector<std::int32_t> all(std::size_t(B * S * S), -7), all_ref(all.size(), -1);
+    for (std::int64_t r = 0; r < B * S; ++r)
+      for (std::int64_t j = 0; j <= r % S; ++j) all_ref[std::size_t(r * S + j)] = std::int32_t(j);
+    OpCall c;
+    c.op = Op::index_all_causal, c.dtype = d, c.shape = ix, c.context = &is;
+    c.out[0] = all.data();
+    row->run(c);
+    expect_same_selection(all, all_ref, tag + " index_all_causal");
+  }
+  {
+    const KernelRow* row = picked(dev, Op::indexer_kl, d, ix);
+    ASSERT_NE(row, nullptr) << tag;
+    // A target on the selected slots: positive, each row summing to 1.
+    std::vector<double> p = values(B * S * topk, 49, RunDtype::fp64);
+    for (std::int64_t r = 0; r < B * S; ++r) {
+      double sum = 0;
+      for (std::int64_t t = 0; t < topk; ++t) {
+        double& e = p[std::size_t(r * topk + t)];
+        e = idx_ref[std::size_t(r * topk + t)] < 0 ? 0 : 1.5 + e;
+        sum += e;
+      }
+      for (std::int64_t t = 0; t < topk; ++t) p[std::size_t(r * topk + t)] /= sum;
+    }
+    if (d == RunDtype::fp32)
+      for (double& e : p) e = double(float(e));
+    const auto naive_loss = [&](const std::vector<double>& qq, const std::vector<double>& kk,
+                                const std::vector<double>& ww) {
+      return test::naive_indexer_kl(B * S, S, topk, idx_ref, p,
+                                    test::naive_index_scores(B, S, S, HI, dI, qq, kk, ww));
+    };
+    // Central differences of the naive loss, in double.
+    const auto fd = [&](std::vector<double> v, int which) {
+      std::vector<double> g(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const double h = 1e-6, v0 = v[i];
+        double lp = 0, lm = 0;
+        v[i] = v0 + h;
+        lp = which == 0   ? naive_loss(v, k, w)
+             : which == 1 ? naive_loss(q, v, w)
+                          : naive_loss(q, k, v);
+        v[i] = v0 - h;
+        lm = which == 0   ? naive_loss(v, k, w)
+             : which == 1 ? naive_loss(q, v, w)
+                          : naive_loss(q, k, v);
+        v[i] = v0;
+        g[i] = (lp - lm) / (2 * h);
+      }
+      return g;
+    };
+    Buffer P(p, kd), DQ(std::vector<double>(q.size()), kd), DK(std::vector<double>(k.size()), kd),
+        DWb(std::vector<double>(w.size()), kd);
+    std::vector<double> loss(std::size_t(B * S));
+    OpCall c;
+    c.op = Op::indexer_kl, c.dtype = d, c.shape = ix, c.context = &is;
+    c.shape.n = topk;
+    c.in[0] = idx_ref.data(), c.in[1] = P.ptr(), c.in[2] = Q.ptr(), c.in[3] = Kb.ptr();
+    c.in[4] = Wb.ptr();
+    c.out[0] = loss.data(), c.out[1] = DQ.ptr(), c.out[2] = DK.ptr(), c.out[3] = DWb.ptr();
+    row->run(c);
+    double total = 0;
+    for (double l : loss) total += l;
+    const double ref = naive_loss(q, k, w);
+    EXPECT_GT(ref, 0) << tag;
+    EXPECT_NEAR(total, ref, tol * std::max(1.0, ref)) << tag << " indexer_kl loss";
+    const double gtol = d == RunDtype::fp64 ? 1e-6 : 1e-4;
+    expect_close(DQ.get(), fd(q, 0), gtol, tag + " indexer_kl dq");
+    expect_close(DK.get(), fd(k, 1), gtol, tag + " indexer_kl dk");
+    expect_close(DWb.get(), fd(w, 2), gtol, tag + " indexer_kl dw");
+  }
+  {
+    // The main attention's distribution over the selected slots, summed over
+    // 3 heads (one shared key head, the latent shape) and divided by them.
+    const std::int64_t Hq = 3, dqk = 5;
+    OpShape s;
+    s.attn = AttnShape{B, S, S, Hq, 1, dqk, dqk, 0.4, true};
+    s.k = topk;
+    const KernelRow* row = picked(dev, Op::head_summed_probs, d, s);
+    ASSERT_NE(row, nullptr) << tag;
+    const std::vector<double> qa = values(B * S * Hq * dqk, 50, d), ka = values(B * S * dqk, 51, d);
+    std::vector<double> lse(std::size_t(B * Hq * S)), p_ref(std::size_t(B * S * topk));
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < S; ++i)
+        for (std::int64_t h = 0; h < Hq; ++h) {
+          std::vector<double> sc(std::size_t(topk), 0);
+          double m = -1e300;
+          for (std::int64_t t = 0; t < topk; ++t) {
+            const std::int32_t j = idx_ref[std::size_t((b * S + i) * topk + t)];
+            if (j < 0) continue;
+            for (std::int64_t e = 0; e < dqk; ++e)
+              sc[std::size_t(t)] += 0.4 * qa[std::size_t(((b * S + i) * Hq + h) * dqk + e)] *
+                                    ka[std::size_t((b * S + j) * dqk + e)];
+            m = std::max(m, sc[std::size_t(t)]);
+          }
+          double z = 0;
+          for (std::int64_t t = 0; t < topk; ++t)
+            if (idx_ref[std::size_t((b * S + i) * topk + t)] >= 0)
+              z += std::exp(sc[std::size_t(t)] - m);
+          const double l = m + std::log(z);
+          lse[std::size_t((b * Hq + h) * S + i)] = l;
+          for (std::int64_t t = 0; t < topk; ++t)
+            if (idx_ref[std::size_t((b * S + i) * topk + t)] >= 0)
+              p_ref[std::size_t((b * S + i) * topk + t)] +=
+                  std::exp(sc[std::size_t(t)] - l) / double(Hq);
+        }
+    Buffer QA(qa, kd), KA(ka, kd), LSE(lse, kd), P(std::vector<double>(p_ref.size()), kd);
+    OpCall c;
+    c.op = Op::head_summed_probs, c.dtype = d, c.shape = s;
+    c.in[0] = QA.ptr(), c.in[1] = KA.ptr(), c.in[2] = LSE.ptr(), c.in[3] = idx_ref.data();
+    c.out[0] = P.ptr();
+    row->run(c);
+    expect_close(P.get(), p_ref, tol, tag + " head_summed_probs");
+  }
+}
+
 TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
   for (Device dev : devices_built()) {
     if (dev != Device::cpu) continue;  // a device's rows need its storage: its own test
@@ -570,6 +819,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_rmsnorm(dev, d, tag);
         check_rope(dev, d, tag);
         for (bool latent : {false, true}) check_sparse(dev, d, latent, tag);
+        check_dsa_indexer(dev, d, tag);
       }
     });
   }
@@ -579,7 +829,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
 // every dtype); the model's ops (mla/ops_model.hpp fills their rows) are not
 // asked here. Every row names its device, kernel and refusals.
 TEST(OpTable, EveryBlockOpHasACpuRow) {
-  for (int i = 0; i <= int(Op::sparse_attention_backward); ++i) {
+  for (int i = 0; i <= int(Op::head_summed_probs); ++i) {
     const Op op = Op(i);
     bool any = false;
     for (const KernelRow& r : kernel_rows(Device::cpu)) any = any || (r.op == op);
