@@ -26,7 +26,7 @@
 
 namespace laga::ops {
 
-inline constexpr int kCudaBackendAbi = 1;
+inline constexpr int kCudaBackendAbi = 2;  // 2: the DSA indexer ops (mla/ops_dsa.hpp)
 
 // The module's exported entry point: extern "C" const CudaBackendApi*
 // laga_cuda_backend_api(void).

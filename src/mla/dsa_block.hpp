@@ -22,10 +22,13 @@
 //     the KL gradient reaches the indexer's weights and nothing else.
 // Precision: T throughout (fp32 or fp64); no fp8 (kernels/dsa_indexer.hpp).
 //
-// The block calls the kernels directly and the op layer only for the
-// sparse attention, so it has no count-only run yet; the forms do not run
-// it (a DSA config is refused by the tool's ModelOptions::load); mla/dsa_cp.hpp
-// runs it query-local over P ranks, mla/dsa_explicit.hpp head-sharded.
+// The block asks the op layer for every computation (mla/ops_dsa.hpp,
+// mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted
+// (OpCounts); its operands are std::vector row buffers, not pool tensors,
+// so it has no count-only run yet. The forms do not run it (a DSA config is
+// refused by the tool's ModelOptions::load); mla/dsa_cp.hpp runs it
+// query-local over P ranks, mla/dsa_explicit.hpp and dsa_laga.hpp
+// head-sharded.
 #pragma once
 
 #include <cstdint>

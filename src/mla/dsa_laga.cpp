@@ -187,7 +187,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     // Every rank runs the indexer for every row from qr, k_I and w
     // gathered. (The rank's own rows' q_I, which the KL reads, were
     // projected by dsa_indexer_project too: L / S of this projection
-    // again, which dsa_work does not count.)
+    // again, which dsa_work counts.)
     std::vector<T> wS = buffer<T>(NS * HI), qIS = buffer<T>(NS * HI * dI);
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
     ops::linear_rows(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);

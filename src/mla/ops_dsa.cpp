@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "mla/form_spec.hpp"
+
 namespace laga::ops {
 
 namespace {
@@ -174,7 +176,9 @@ template <class T>
 void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, const T* p,
                 const T* q, const T* k, const T* w, double* loss, T* dq, T* dk, T* dw) {
   s.validate();
-  if (op_counter) count_indexer(3.0 * indexer_slots(s.attn, K) * pair_flops(s.attn));
+  // dsa_work's KL term: its scores again, then dq and dk, 3 H_I 2 d_I a slot.
+  if (op_counter)
+    count_indexer(3.0 * indexer_slots(s.attn, K) * double(s.attn.Hq) * 2.0 * double(s.attn.dqk));
   if (!runs(s.attn.B * s.attn.Sq, {idx, p, q, k, w, loss, dq, dk, dw})) return;
   OpCall c;
   c.op = Op::indexer_kl, c.dtype = op_dtype<T>(), c.shape = indexer_shape(s);
@@ -188,11 +192,16 @@ template <class T>
 void head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k, const T* lse,
                        const std::int32_t* idx) {
   s.validate();
-  if (op_counter) {
-    AttnShape causal = s.attn;  // the slots' fill is the causal one (the rows' selections)
-    causal.causal = true;
-    count_indexer(indexer_slots(causal, s.K) * double(s.attn.Hq) * 2.0 * double(s.attn.dqk));
-  }
+  // The main attention's scores over the slots again (no values): an
+  // attention call's forward, as ops_sparse.cpp counts its calls (Sk = K,
+  // every slot as if full), at 2 dqk a slot and head.
+  AttnShape dense = s.attn;
+  dense.Sk = s.K, dense.causal = false, dense.doc_start = nullptr;
+  dense.dv = 0;
+  count_attention(dense, AttentionKind::flash, AttentionPass::forward, [&] {
+    return 2.0 * double(dense.B) * double(dense.Sq) * double(dense.Hq) * double(s.K) *
+           double(dense.dqk);
+  });
   if (!runs(s.attn.B * s.attn.Sq * s.K, {p, q, k, lse, idx})) return;
   OpCall c;
   c.op = Op::head_summed_probs, c.dtype = op_dtype<T>();

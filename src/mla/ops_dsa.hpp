@@ -21,10 +21,11 @@
 //
 // Counting (OpCounts): the GEMMs as ops::gemm counts them; LayerNorm, both
 // RoPEs and the selections as elementwise bytes; the indexer's scores as
-// indexer_flops, H_I (2 d_I + 2) a (query, key) pair as dsa_work counts them
-// (mla/dsa_model.hpp): the top-k over every causal pair, the KL over the
-// filled slots three times (its scores recomputed, then dq and dk), and the
-// KL's target (the head-summed probabilities) Hq 2 dqk a filled slot.
+// indexer_flops, as dsa_work counts them (mla/dsa_model.hpp): the top-k
+// H_I (2 d_I + 2) a causal (query, key) pair, the KL 3 H_I 2 d_I a filled
+// slot (its scores again, then dq and dk); the KL's target (the
+// head-summed probabilities) as an attention forward over the slots
+// without values (Sk = K, dv = 0, as ops_sparse.hpp counts its calls).
 #pragma once
 
 #include <cstdint>
