@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/ops_dsa.hpp"
 
 namespace laga {
@@ -98,7 +99,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
              "dsa_block: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
              "index_head_dim, index_topk)");
   LAGA_CHECK(B > 0 && S > 0, "dsa_block: batch and sequence must be positive, got B=", B, " S=", S);
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, N = B * S;
@@ -106,20 +107,9 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 
   DsaBlockResult<T> r;
   // ---- the MLA's projections (DeepSeek's MLA.forward)
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  ops::linear_rows(qa.data(), x, w.wq_a.data(), N, D, rq);
-  ops::rmsnorm_rows(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  ops::linear_rows(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  ops::rope_rows(q.data() + dn, B, S, H, H * dqk, dqk, 0, table, false);
-  std::vector<T> kv = buffer<T>(N * (C + dr)), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  ops::linear_rows(kv.data(), x, w.wkv_a.data(), N, D, C + dr);
-  ops::rmsnorm_rows(c.data(), rstd_kv.data(), kv.data(), C + dr, w.kv_norm.data(), N, C,
-                    cfg.norm_eps);
-  std::vector<T> k_pe = buffer<T>(N * dr);
-  for (std::int64_t t = 0; t < N; ++t)
-    std::copy_n(kv.data() + t * (C + dr) + C, dr, k_pe.data() + t * dr);
-  ops::rope_rows(k_pe.data(), B, S, 1, dr, dr, 0, table, false);
+  const DsaRowPositions at{B, S, 0, nullptr};
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true);
+  const std::vector<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
@@ -140,10 +130,8 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T>& k_rstd = ip.k_rstd;
   std::vector<T>& wI = ip.w;
   const double w_scale = ip.w_scale;
-  for (std::int64_t b = 0; b < B; ++b) {
-    ops::rope_halves(qI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, false);
-    ops::rope_halves(kI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, false);
-  }
+  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;
@@ -210,10 +198,8 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   if (!dout) return r;
 
   // ---- the indexer's weights from the KL (its input detached: no dx, no dqr)
-  for (std::int64_t b = 0; b < B; ++b) {
-    ops::rope_halves(dqI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, true);
-    ops::rope_halves(dkI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, true);
-  }
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   r.indexer_grads =
       dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
                                    k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
@@ -274,19 +260,9 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(dlat.data() + t * (C + dr) + C, dr, dkv.data() + t * (C + dr) + C);
     }
   }
-  ops::rope_rows(dkv.data() + C, B, S, 1, C + dr, dr, 0, table, true);
-  ops::rmsnorm_rows_backward(dkv.data(), C + dr, r.grads.kv_norm.data(), dc.data(), C, kv.data(),
-                             C + dr, w.kv_norm.data(), rstd_kv.data(), N, C);
-  ops::linear_rows_backward<T>(r.dx.data(), false, r.grads.wkv_a.data(), dkv.data(), x,
-                               w.wkv_a.data(), N, D, C + dr);
-  ops::rope_rows(dq.data() + dn, B, S, H, H * dqk, dqk, 0, table, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  ops::linear_rows_backward<T>(dqr.data(), false, r.grads.wq_b.data(), dq.data(), qr.data(),
-                               w.wq_b.data(), N, rq, H * dqk);
-  ops::rmsnorm_rows_backward(dqa.data(), rq, r.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                             w.q_norm.data(), rstd_q.data(), N, rq);
-  ops::linear_rows_backward<T>(r.dx.data(), true, r.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(),
-                               N, D, rq);
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, r.grads,
+                        r.dx.data());
   return r;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/ops_dsa.hpp"
 
 namespace laga {
@@ -71,7 +72,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, W = C + dr;
@@ -94,38 +95,18 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
       }
   }
   const std::int64_t* docs = doc_start ? docs_k.data() : nullptr;
-  // RoPE of the rank's rows: at s0 + l, or at their positions in their documents.
-  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    if (doc_start)
-      ops::rope_rows_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
-    else
-      ops::rope_rows(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
-  };
-  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
-    for (std::int64_t b = 0; b < B; ++b)
-      ops::rope_halves(p + b * L * ld_token, L, heads, ld_token, dI, s0,
-                       doc_start ? pos.data() + b * L : nullptr, table, inverse);
-  };
-
+  // The rank's rows: at s0 + l, or at their positions in their documents.
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  ops::linear_rows(qa.data(), x, w.wq_a.data(), N, D, rq);
-  ops::rmsnorm_rows(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  ops::linear_rows(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  ops::linear_rows(kv.data(), x, w.wkv_a.data(), N, D, W);
-  ops::rmsnorm_rows(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true);
+  const std::vector<T>&qr = own.qr, &q = own.q;
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
-    std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
-    std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
+    std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
+    std::copy_n(own.k_pe.data() + t * dr, dr, lat_own.data() + t * W + C);
   }
-  rope_mla(lat_own.data() + C, 1, W, dr, false);
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   std::vector<T>& qI = ip.q;  // the names the rest of this function reads
@@ -135,8 +116,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T>& k_rstd = ip.k_rstd;
   std::vector<T>& wI = ip.w;
   const double w_scale = ip.w_scale;
-  rope_index(qI.data(), HI, HI * dI, false);
-  rope_index(kI.data(), 1, dI, false);
+  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
@@ -204,8 +185,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
   comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
                         "index_k_ag");
-  rope_index(dqI.data(), HI, HI * dI, true);
-  rope_index(dkI.data(), 1, dI, true);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads =
       dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
                                    k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
@@ -249,19 +230,9 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(dq_abs.data() + (t * H + h) * W + C, dr, dq.data() + (t * H + h) * dqk + dn);
     std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
   }
-  rope_mla(dkv.data() + C, 1, W, dr, true);
-  ops::rmsnorm_rows_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                             w.kv_norm.data(), rstd_kv.data(), N, C);
-  ops::linear_rows_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x,
-                               w.wkv_a.data(), N, D, W);
-  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  ops::linear_rows_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(),
-                               w.wq_b.data(), N, rq, H * dqk);
-  ops::rmsnorm_rows_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                             w.q_norm.data(), rstd_q.data(), N, rq);
-  ops::linear_rows_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x,
-                               w.wq_a.data(), N, D, rq);
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, res.grads,
+                        res.dx.data());
   return res;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/exchange.hpp"
 #include "mla/ops_dsa.hpp"
 
@@ -56,7 +57,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
   const std::int64_t NS = B * S, Hr = lay.head_count[std::size_t(r)];
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, W = C + dr;
@@ -78,34 +79,13 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
         if (t >= s0 && t < Sk) pos.push_back(t - d);
       }
   }
-  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    if (doc_start)
-      ops::rope_rows_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
-    else
-      ops::rope_rows(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
-  };
-  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
-    for (std::int64_t b = 0; b < B; ++b)
-      ops::rope_halves(p + b * L * ld_token, L, heads, ld_token, dI, s0,
-                       doc_start ? pos.data() + b * L : nullptr, table, inverse);
-  };
-
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections, K and V of every head
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  ops::linear_rows(qa.data(), x, w.wq_a.data(), N, D, rq);
-  ops::rmsnorm_rows(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  ops::linear_rows(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  ops::linear_rows(kv.data(), x, w.wkv_a.data(), N, D, W);
-  ops::rmsnorm_rows(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  std::vector<T> k_pe = buffer<T>(N * dr);
-  for (std::int64_t t = 0; t < N; ++t) std::copy_n(kv.data() + t * W + C, dr, k_pe.data() + t * dr);
-  rope_mla(k_pe.data(), 1, dr, dr, false);
+  DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true);
+  std::vector<T>& q = mine.q;  // freed once the heads have their copies
+  const std::vector<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
@@ -119,8 +99,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   kvb = {};
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  rope_index(ip.q.data(), HI, HI * dI, false);
-  rope_index(ip.k.data(), 1, dI, false);
+  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   std::vector<T> kI_all = buffer<T>(NS * dI), kIS = buffer<T>(NK * dI);
@@ -209,11 +189,9 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkI_all = buffer<T>(NS * dI), dkI = buffer<T>(N * dI);
-  copy_rows(dkIS.data(), Sk, dkI_all.data(), S, B, Sk, dI);
-  reduce_scatter_seq(comm, lay, dkI_all.data(), dkI.data(), dI, "index_k_ag");
-  rope_index(dqI.data(), HI, HI * dI, true);
-  rope_index(dkI.data(), 1, dI, true);
+  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIS.data(), Sk, dI);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
       cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
       dqI.data(), dkI.data(), N);
@@ -252,19 +230,9 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
     }
   ops::linear_rows_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
                                w.wkv_b.data(), N, C, H * (dn + dv));
-  rope_mla(dkv.data() + C, 1, W, dr, true);
-  ops::rmsnorm_rows_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                             w.kv_norm.data(), rstd_kv.data(), N, C);
-  ops::linear_rows_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x,
-                               w.wkv_a.data(), N, D, W);
-  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  ops::linear_rows_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(),
-                               w.wq_b.data(), N, rq, H * dqk);
-  ops::rmsnorm_rows_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                             w.q_norm.data(), rstd_q.data(), N, rq);
-  ops::linear_rows_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x,
-                               w.wq_a.data(), N, D, rq);
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, mine, at, table, dkv.data(), dc.data(), dq.data(), dqr,
+                        res.grads, res.dx.data());
   return res;
 }
 

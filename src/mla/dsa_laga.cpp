@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/exchange.hpp"
 #include "mla/ops_dsa.hpp"
 
@@ -109,57 +110,34 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
       }
   }
   const std::vector<std::int64_t> pos = doc_start ? rows_of(posS, B, S, 1, s0, L) : posS;
-  // The MLA's RoPE of the rank's rows (own: at s0 + l) or of every row.
-  auto rope_mla = [&](T* p, bool own, std::int64_t nh, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    const std::int64_t rows = own ? L : S;
-    if (doc_start)
-      ops::rope_rows_at(p, B, rows, nh, ld_token, ld_head, own ? pos.data() : posS.data(), table,
-                        inverse);
-    else
-      ops::rope_rows(p, B, rows, nh, ld_token, ld_head, own ? s0 : 0, table, inverse);
-  };
-  // The indexer's (rope_halves), of the rank's rows or every row.
-  auto rope_index = [&](T* p, bool own, std::int64_t nh, std::int64_t ld_token, bool inverse) {
-    const std::int64_t rows = own ? L : S;
-    for (std::int64_t b = 0; b < B; ++b)
-      ops::rope_halves(p + b * rows * ld_token, rows, nh, ld_token, dI, own ? s0 : 0,
-                       doc_start ? (own ? pos.data() : posS.data()) + b * rows : nullptr, table,
-                       inverse);
-  };
-
+  // Every row of the sequence (the head-sharded attention's), at 0 .. S - 1
+  // or at its position in its document.
+  const DsaRowPositions all_rows{B, S, 0, doc_start ? posS.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections and the indexer's
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  ops::linear_rows(qa.data(), x, w.wq_a.data(), N, D, rq);
-  ops::rmsnorm_rows(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  ops::linear_rows(kv.data(), x, w.wkv_a.data(), N, D, W);
-  ops::rmsnorm_rows(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, indices);
+  const std::vector<T>& qr = own.qr;
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
-    std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
-    std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
+    std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
+    std::copy_n(own.k_pe.data() + t * dr, dr, lat_own.data() + t * W + C);
   }
-  rope_mla(lat_own.data() + C, true, 1, W, dr, false);
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  rope_index(ip.q.data(), true, HI, HI * dI, false);
-  rope_index(ip.k.data(), true, 1, dI, false);
+  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
 
   // ---- the queries to their heads' owners: q_h (B, S, H_r, dqk)
   std::vector<T> qh = buffer<T>(NS * Hr * dqk), qrS;
   if (indices) {
-    std::vector<T> q = buffer<T>(N * H * dqk);
-    ops::linear_rows(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-    rope_mla(q.data() + dn, true, H, H * dqk, dqk, false);
-    seq_to_head(comm, lay, q.data(), qh.data(), dqk, "q_a2a");
+    seq_to_head(comm, lay, own.q.data(), qh.data(), dqk, "q_a2a");
   } else {
     qrS = buffer<T>(NS * rq);
     gather_seq(comm, lay, qr.data(), qrS.data(), rq, "q_latent_ag");
     if (Hr > 0) {
       ops::linear_rows(qh.data(), qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
-      rope_mla(qh.data() + dn, false, Hr, Hr * dqk, dqk, false);
+      dsa_rope_rows(qh.data() + dn, all_rows, Hr, Hr * dqk, dqk, table, false);
     }
   }
   // ---- the latent and the index keys of every token
@@ -191,7 +169,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     std::vector<T> wS = buffer<T>(NS * HI), qIS = buffer<T>(NS * HI * dI);
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
     ops::linear_rows(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
-    rope_index(qIS.data(), false, HI, HI * dI, false);
+    dsa_rope_index_rows(qIS.data(), all_rows, HI, HI * dI, dI, table, false);
     idxS.assign(static_cast<std::size_t>(NS * K), -1);
     ops::index_topk(is_all, idxS.data(), qIS.data(), kIS.data(), wS.data());
     res.idx = rows_of(idxS, B, S, K, s0, L);
@@ -258,12 +236,9 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkIS = buffer<T>(NS * dI), dkI = buffer<T>(N * dI);
-  for (std::int64_t b = 0; b < B; ++b)
-    std::copy_n(dkIk.data() + b * Sk * dI, Sk * dI, dkIS.data() + b * S * dI);
-  reduce_scatter_seq(comm, lay, dkIS.data(), dkI.data(), dI, "index_k_ag");
-  rope_index(dqI.data(), true, HI, HI * dI, true);
-  rope_index(dkI.data(), true, 1, dI, true);
+  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
       cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
       dqI.data(), dkI.data(), N);
@@ -294,17 +269,16 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     for (std::int64_t t = 0; t < NS; ++t) std::copy_n(dcS.data() + t * C, C, dlatS.data() + t * W);
   }
   // ... the latent's gradient to its owners, the queries' to theirs
-  std::vector<T> dkv = buffer<T>(N * W), dq = buffer<T>(N * H * dqk), dqr = buffer<T>(N * rq);
+  std::vector<T> dkv = buffer<T>(N * W), dq, dqr;
   reduce_scatter_seq(comm, lay, dlatS.data(), dkv.data(), W, "latent_ag");
   if (indices) {
+    dq = buffer<T>(N * H * dqk);
     head_to_seq(comm, lay, dqh.data(), dq.data(), dqk, "q_a2a");
-    rope_mla(dq.data() + dn, true, H, H * dqk, dqk, true);
-    ops::linear_rows_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(),
-                                 w.wq_b.data(), N, rq, H * dqk);
   } else {
+    dqr = buffer<T>(N * rq);
     std::vector<T> dqrS = buffer<T>(NS * rq);
     if (Hr > 0) {
-      rope_mla(dqh.data() + dn, false, Hr, Hr * dqk, dqk, true);
+      dsa_rope_rows(dqh.data() + dn, all_rows, Hr, Hr * dqk, dqk, table, true);
       ops::linear_rows_backward<T>(dqrS.data(), false, res.grads.wq_b.data() + h0 * dqk * rq,
                                    dqh.data(), qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
     }
@@ -313,16 +287,8 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the rank's own rows: the kv and q paths to x (dsa_block's)
   std::vector<T> dc = buffer<T>(N * C);
   for (std::int64_t t = 0; t < N; ++t) std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
-  rope_mla(dkv.data() + C, true, 1, W, dr, true);
-  ops::rmsnorm_rows_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                             w.kv_norm.data(), rstd_kv.data(), N, C);
-  ops::linear_rows_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x,
-                               w.wkv_a.data(), N, D, W);
-  std::vector<T> dqa = buffer<T>(N * rq);
-  ops::rmsnorm_rows_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                             w.q_norm.data(), rstd_q.data(), N, rq);
-  ops::linear_rows_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x,
-                               w.wq_a.data(), N, D, rq);
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(),
+                        indices ? dq.data() : nullptr, dqr, res.grads, res.dx.data());
   return res;
 }
 
