@@ -100,8 +100,8 @@ void head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k, c
                        const std::int32_t* idx);
 
 // The filled slots of the rows of s when each row keeps at most K of its
-// causal keys (within its document when s.attn.doc_start is set): what the
-// KL's and the target's counts are per slot of. K >= Sk: every causal pair.
+// causal keys (within its document when s.doc_start is set): what the
+// top-k's (K >= Sk: every causal pair) and the KL's counts are per slot of.
 double indexer_slots(const AttnShape& s, std::int64_t K);
 
 }  // namespace laga::ops
