@@ -39,6 +39,9 @@
 #   cuda_forms.json   every form check and step time
 #   cuda_forms.md     the same as tables
 #   cuda_forms.log    its output
+#   plan_vs_gpu.json / .md / .log   scripts/plan_vs_gpu.py: each timed row
+#                     beside `laga plan`'s prediction on the profile of this
+#                     device (nvidia-smi's name; none: no prediction, said why)
 #   laga_compare_cuda_pP.md / .json / .log   laga compare --device cuda at P
 #                     1..4: the table it prints, its JSON, its output
 # Budget: 210 s + 220 s + 4 x 30 s of timeouts, inside the lease's ten-minute
@@ -46,7 +49,8 @@
 # --dry-run: no device needed (CI's host test, tools_gpu_check_cuda_dry):
 # the bundle is unpacked and its binaries run with its libraries, listing
 # what they would check; laga loads the module and lists its kernel rows
-# (laga_kernels_cuda.json).
+# (laga_kernels_cuda.json); plan_vs_gpu.py joins the (empty) timings with
+# `laga plan` (plan_vs_gpu.json: no rows, and no profile without a device).
 #
 # The PyTorch mode:
 #   bash scripts/gpu_check.sh BUNDLE SHAPES OUTDIR
@@ -104,6 +108,9 @@ if [ "${1:-}" = "cuda" ]; then
     done
   fi
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  here=$(cd "$(dirname "$0")" && pwd)
+  # The device as nvidia-smi names it: plan_vs_gpu.py picks its profile.
+  gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
   if [ "$dry" = "--dry-run" ]; then
     "$dir/laga_cuda_check" --dry-run --json "$out/cuda_check.json" 2>&1 | tee "$out/cuda_check.log"
     rc=${PIPESTATUS[0]}
@@ -112,6 +119,10 @@ if [ "${1:-}" = "cuda" ]; then
     "$dir/laga" kernels --device cuda --json "$out/laga_kernels_cuda.json" 2>&1 |
       tee "$out/laga_kernels_cuda.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    # The join with `laga plan` on what the dry run wrote (no timings; the
+    # device's name where nvidia-smi finds one, else the refusal).
+    python3 "$here/plan_vs_gpu.py" --forms "$out/cuda_forms.json" --gpu-name "$gpu_name" \
+      --laga "$dir/laga" --json "$out/plan_vs_gpu.json" --table "$out/plan_vs_gpu.md" || rc=1
     exit "$rc"
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
@@ -131,6 +142,13 @@ if [ "${1:-}" = "cuda" ]; then
   echo "rc $rc_forms" >>"$out/cuda_forms.log"
   tail -60 "$out/cuda_forms.log"
   [ "$rc" = 0 ] && rc=$rc_forms
+  echo "== laga plan beside the step times ($gpu_name)"
+  python3 "$here/plan_vs_gpu.py" --forms "$out/cuda_forms.json" --gpu-name "$gpu_name" \
+    --laga "$dir/laga" --json "$out/plan_vs_gpu.json" --table "$out/plan_vs_gpu.md" \
+    >"$out/plan_vs_gpu.log" 2>&1
+  rc_plan=$?
+  tail -40 "$out/plan_vs_gpu.log"
+  [ "$rc" = 0 ] && rc=$rc_plan
   # laga itself on the GPU: the module loaded (beside laga), every form,
   # ranks as threads sharing the GPU; its table and JSON as on the CPU.
   # (The shape: compare's default model and S, two measured steps after one

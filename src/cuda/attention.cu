@@ -4,7 +4,8 @@
 // from (FlashAttention's kernel + traits split): DenseKv reads them from
 // (B, Sk, Hk, d) tensors, LatentKv makes them from the gathered latent and
 // wkv_b (laga_fused: per head, per chunk, in shared memory, never stored for
-// all keys).
+// all keys), with fp32 sums on the CUDA cores (LatentKv, the fp32 kernel) or
+// on bf16 tensor cores (LatentKvTensorCore, the bf16 kernel).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -14,6 +15,7 @@
 #include "core/error.hpp"
 #include "cuda/attention.hpp"
 #include "cuda/cuda_error.hpp"
+#include "cuda/mma_fragment.hpp"
 
 namespace laga::cuda {
 
@@ -117,6 +119,80 @@ struct LatentKv {
       const std::int64_t jj = x / dr, r = x % dr;
       sk[jj * ldk + dn + r] = k_pe[(b * d.Sk + j0 + jj) * ld_k_pe + r];
     }
+  }
+};
+
+// Two fp32 values rounded to bf16, packed as one register of an mma
+// fragment: lo in the low half (mma_fragment.hpp). Exact for values that are
+// bf16 values already.
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+  return static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+// laga_fused under bf16 mixed precision (cuda/attention.hpp,
+// fused_latent_forward): LatentKv with the up-projection c w_kv[hk]^T on bf16
+// tensor cores, fp32 sums; the rest (k_pe, then the attention) as LatentKv.
+// Each warp takes 16-key x 8-row output tiles of the chunk in turn and runs
+// over C in steps of 16, its fragments read straight from c and w_kv (fp32
+// holding bf16 values, rounded to bf16 in registers: exact), zero past the
+// chunk's keys, the head's rows and C. A padded row or column only meets
+// zeros and is not stored; a NaN in key j's latent reaches key j's row
+// only, as in LatentKv. Below sm_80 (no bf16 mma) it is LatentKv itself:
+// the same products of the same bf16 values, fp32 sums.
+struct LatentKvTensorCore : LatentKv {
+  __device__ void load(const Dims& d, float* sk, int ldk, float* sv, int ldv, std::int64_t b,
+                       std::int64_t hk, std::int64_t j0, int n) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    LatentKv::load(d, sk, ldk, sv, ldv, b, hk, j0, n);
+#else
+    const std::int64_t rows = dn + d.dv, dr = d.dqk - dn;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int mt = (n + mma::kM - 1) / mma::kM;
+    const int nt = static_cast<int>((rows + mma::kN - 1) / mma::kN);
+    const float* cb = c + (b * d.Sk + j0) * ld_c;           // the chunk's first key
+    const float* wb = w + hk * rows * C;                    // the head's first row
+    for (int tile = warp; tile < mt * nt; tile += warps) {  // warp-uniform: mma needs every lane
+      const int m0 = (tile / nt) * mma::kM, n0 = (tile % nt) * mma::kN;
+      float acc[mma::kCElems] = {0.f, 0.f, 0.f, 0.f};
+      for (std::int64_t k0 = 0; k0 < C; k0 += mma::kK) {
+        const auto a_at = [&](int i) {
+          const mma::Coord x = mma::a_coord(lane, i);
+          const int key = m0 + x.row;
+          const std::int64_t q = k0 + x.col;
+          return key < n && q < C ? cb[key * ld_c + q] : 0.f;
+        };
+        const auto b_at = [&](int i) {
+          const mma::Coord x = mma::b_coord(lane, i);
+          const std::int64_t e = n0 + x.col, q = k0 + x.row;
+          return e < rows && q < C ? wb[e * C + q] : 0.f;
+        };
+        const unsigned a0 = bf16_pair(a_at(0), a_at(1)), a1 = bf16_pair(a_at(2), a_at(3)),
+                       a2 = bf16_pair(a_at(4), a_at(5)), a3 = bf16_pair(a_at(6), a_at(7));
+        const unsigned b0 = bf16_pair(b_at(0), b_at(1)), b1 = bf16_pair(b_at(2), b_at(3));
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+#pragma unroll
+      for (int i = 0; i < mma::kCElems; ++i) {
+        const mma::Coord x = mma::c_coord(lane, i);
+        const int jj = m0 + x.row;
+        const std::int64_t e = n0 + x.col;
+        if (jj >= n || e >= rows) continue;
+        if (e < dn)
+          sk[jj * ldk + e] = acc[i];
+        else
+          sv[jj * ldv + (e - dn)] = acc[i];
+      }
+    }
+    for (std::int64_t x = threadIdx.x; x < n * dr; x += blockDim.x) {
+      const std::int64_t jj = x / dr, r = x % dr;
+      sk[jj * ldk + dn + r] = k_pe[(b * d.Sk + j0 + jj) * ld_k_pe + r];
+    }
+#endif
   }
 };
 
@@ -516,9 +592,6 @@ std::string attention_refusal(AttnKernel kernel, const AttnShape& s, DType dtype
     return cat(who, ": doc_start (packed documents) needs the causal mask; set causal = true");
   if (dtype == DType::f64)
     return cat(who, ": f64 is not run on the device; double runs on the CPU (--device cpu)");
-  if (kernel == AttnKernel::fused_latent && dtype != DType::f32)
-    return cat(who, ": dtype ", dtype == DType::bf16 ? "bf16" : "?",
-               " is not supported yet (the fused kernel is fp32 only); use f32 or the laga form");
   if (kernel == AttnKernel::fused_latent && s.Hq != s.Hk)
     return cat(who, ": Hq ", s.Hq, " != Hk ", s.Hk, "; the fused kernel is multi-head");
   if (s.dqk > 32 * kMaxDqkSlots)
@@ -574,18 +647,24 @@ LatentKv latent_kv(const LatentAttnParams<float>& p) {
 }
 }  // namespace
 
-void fused_latent_forward(const LatentAttnParams<float>& p, float* o, float* lse, void* stream) {
+void fused_latent_forward(const LatentAttnParams<float>& p, float* o, float* lse, DType dtype,
+                          void* stream) {
   const AttnShape s = fused_refusal_shape(p);
-  refuse_unless_supported(AttnKernel::fused_latent, s, DType::f32);
+  refuse_unless_supported(AttnKernel::fused_latent, s, dtype);
   if (s.B == 0 || s.Sq == 0) return;
-  run_forward(s, latent_kv(p), p.q, o, lse, static_cast<cudaStream_t>(stream));
+  auto* st = static_cast<cudaStream_t>(stream);
+  const LatentKv kv = latent_kv(p);
+  if (dtype == DType::bf16)
+    run_forward(s, LatentKvTensorCore{kv}, p.q, o, lse, st);
+  else
+    run_forward(s, kv, p.q, o, lse, st);
 }
 
 void fused_latent_backward(const LatentAttnParams<float>& p, const LatentAttnGrads<float>& g,
                            const float* dout, const float* o, const float* lse, float* delta,
-                           void* stream) {
+                           DType dtype, void* stream) {
   const AttnShape s = fused_refusal_shape(p);
-  refuse_unless_supported(AttnKernel::fused_latent, s, DType::f32);
+  refuse_unless_supported(AttnKernel::fused_latent, s, dtype);
   if (s.B == 0) return;
   auto* st = static_cast<cudaStream_t>(stream);
   const std::int64_t rows = s.B * s.Sk;
@@ -599,8 +678,13 @@ void fused_latent_backward(const LatentAttnParams<float>& p, const LatentAttnGra
   }
   if (s.Sq == 0) return;
   const LatentKv kv = latent_kv(p);
-  run_backward(s, kv, LatentOut{kv, g.dc, g.ld_dc, g.dk_pe, g.ld_dk_pe, g.dw_kv}, g.dq, dout, p.q,
-               o, lse, delta, st);
+  // dc and dw_kv (LatentOut) are products of the fp32 gradients [dk | dv]:
+  // fp32 in both dtypes, as the CPU's bf16 path computes them.
+  const LatentOut out{kv, g.dc, g.ld_dc, g.dk_pe, g.ld_dk_pe, g.dw_kv};
+  if (dtype == DType::bf16)
+    run_backward(s, LatentKvTensorCore{kv}, out, g.dq, dout, p.q, o, lse, delta, st);
+  else
+    run_backward(s, kv, out, g.dq, dout, p.q, o, lse, delta, st);
 }
 
 template void attention_forward<float>(const AttnShape&, float*, float*, const float*, const float*,

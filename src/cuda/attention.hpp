@@ -19,8 +19,10 @@
 // order, and so their last bits, vary from run to run). Masked pairs are
 // selected away, never multiplied by p = 0 (kernels/attention.hpp).
 //
-// T is float or laga::bf16 (bf16 storage, fp32 sums); the fused kernel is
-// fp32 only for now.
+// T is float or laga::bf16 (bf16 storage, fp32 sums). The fused kernel's
+// operands are fp32 in both of its dtypes (below): a bf16 run's hold bf16
+// values, as the CPU's fused path takes them (mla/ops_attention.hpp,
+// FusedLatentKept).
 #pragma once
 
 #include <cstdint>
@@ -66,14 +68,26 @@ void attention_backward(const AttnShape& s, T* dq, T* dk, T* dv, const T* dout, 
                         const T* k, const T* v, const T* o, const float* lse, float* delta,
                         void* stream = nullptr);
 
-// laga_fused: LatentAttnParams' operands (device pointers), o (B, Sq, H, dv).
+// laga_fused: LatentAttnParams' operands (device pointers, fp32), o (B, Sq,
+// H, dv) and lse fp32. dtype f32: every product fp32 on the CUDA cores.
+// dtype bf16 (a bf16 mixed-precision run; docs/performance.md, "The CUDA
+// backend"): the rounding points of the CPU's bf16 fused path
+// (mla/ops_attention.cpp, fused_latent_attention_forward): q, c, k_pe and
+// w_kv hold bf16 values, and the key chunk's up-projection c w_kv^T runs on
+// bf16 tensor cores (mma.sync m16n8k16, fp32 sums), c and w_kv rounded to
+// bf16 as they are read (exact for bf16 values; an fp32 operand that is not
+// one is rounded there); K, V, the scores, P and every gradient stay fp32,
+// unrounded, as the CPU path keeps them. So the two differ only by fp32
+// summation order (and the tensor cores' fp32 accumulation).
 void fused_latent_forward(const LatentAttnParams<float>& p, float* o, float* lse,
-                          void* stream = nullptr);
+                          DType dtype = DType::f32, void* stream = nullptr);
 // g.dq overwritten; g.dc and g.dk_pe overwritten (the call zeroes them
-// first); g.dw_kv added to. delta: (B, H, Sq) fp32 scratch.
+// first); g.dw_kv added to. delta: (B, H, Sq) fp32 scratch. dtype as
+// forward's: bf16 recomputes the chunks' K and V on tensor cores; dc and
+// dw_kv are products of the fp32 [dk | dv] and stay fp32 in both.
 void fused_latent_backward(const LatentAttnParams<float>& p, const LatentAttnGrads<float>& g,
                            const float* dout, const float* o, const float* lse, float* delta,
-                           void* stream = nullptr);
+                           DType dtype = DType::f32, void* stream = nullptr);
 
 // The opt-in shared memory per block of the current device (throws without
 // one): what attention_refusal's limit is at run time.

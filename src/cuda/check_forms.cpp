@@ -15,13 +15,18 @@
 //     to the CPU fp32 run's; every rank's device peak (its device pool's)
 //     equal to the memory model's prediction.
 //  2. bf16 mixed precision at P 1 and 2: against the CPU's float64 within
-//     bf16_bound_vs_exact, and against CUDA explicit at P 1 in bf16 within
-//     bf16_bound_between_runs (mla/ops_bf16.hpp).
+//     bf16_bound_vs_exact, and against CUDA explicit at P 1 in bf16 and the
+//     CPU's bf16 run of the same form and P within bf16_bound_between_runs
+//     (mla/ops_bf16.hpp).
 //  3. Step times (forward + backward, median of the timed steps after a
 //     warm-up) per form at DeepSeek-V3's block dims (the deepseek-v3 preset:
-//     H 128, 192/128, C 512), bf16 (laga_fused: fp32, its only CUDA dtype),
+//     H 128, 192/128, C 512), bf16 (laga_fused too: its kernel's bf16 variant),
 //     S in --seqs at P 1 and as rank 0 of P 8 would run it (alone, on a
-//     dry-run communicator), with the device pool's peak beside the model's;
+//     dry-run communicator), each row on a thread of its own, with the
+//     device pool's peak beside the model's and the library workspaces the
+//     thread kept beside the prediction's (cuda/device_peak.hpp: the
+//     cuBLASLt workspace predicted, cuDNN's per graph measured only;
+//     scripts/plan_vs_gpu.py puts `laga plan`'s time beside each row);
 //     explicit, laga and laga_fused side by side are the fused kernel's peak
 //     and time against unfused laga and explicit. A run the model says will
 //     not fit in 85% of the device's memory is skipped and said so.
@@ -35,6 +40,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -44,6 +50,7 @@
 #include "core/rng.hpp"
 #include "cuda/device.hpp"
 #include "cuda/device_memory_cuda.hpp"
+#include "cuda/device_peak.hpp"
 #include "mla/form_spec.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/op_table.hpp"
@@ -205,6 +212,20 @@ void check_forms(std::vector<Row>& rows) {
             {name, "bf16", "vs CPU float64", P, w.rel, vs_exact, w.rel <= vs_exact, w.where});
         rows.push_back(
             {name, "bf16", "vs CUDA explicit P 1", P, e.rel, between, e.rel <= between, e.where});
+        // The CPU's bf16 run of the same form and P (laga_fused: its bf16
+        // fused path, whose rounding points the CUDA kernel's bf16 variant
+        // keeps: cuda/attention.hpp).
+        try {
+          RunSpec cpu_spec = spec;
+          cpu_spec.device = Device::cpu;
+          const BlockRun<float> cpu = run_local(cfg, SpLayout::even(B, S, cfg.n_heads, P), in32.w,
+                                                in32.x, in32.dout, cpu_spec);
+          const Worst c = worst_of(dev, cpu);
+          rows.push_back(
+              {name, "bf16", "vs CPU bf16", P, c.rel, between, c.rel <= between, c.where});
+        } catch (const std::exception& x) {
+          rows.push_back({name, "bf16", "vs CPU bf16", P, INFINITY, 0, false, x.what()});
+        }
       } catch (const std::exception& e) {
         rows.push_back({name, "bf16", "run", P, INFINITY, 0, false, e.what()});
       }
@@ -214,34 +235,42 @@ void check_forms(std::vector<Row>& rows) {
 struct Timing {
   std::string form, dtype;
   std::int64_t S = 0;
-  int P = 1;  // 8: rank 0 of 8 alone (time_rank)
+  int P = 1;     // 8: rank `rank` of 8 alone (time_rank)
+  int rank = 0;  // the rank timed
   double step_ms = 0;
   std::int64_t device_peak = 0, model_peak = 0;
+  // The device peak's other parts (cuda/device_peak.hpp): the cuBLASLt
+  // workspace predicted, and what the row's thread kept (measured).
+  std::int64_t cublaslt_predicted = kCublasLtWorkspaceBytes;
+  KeptDeviceBytes kept;
   std::string note;
 };
 
-// One rank's step: at P 1 the whole block; at P 8 rank 0 alone on a
-// dry-run communicator (comm/dry_run_comm.hpp: its collectives deliver
-// stand-ins of the right size, so the rank runs a P 8 rank's shapes and
-// allocations; its values are not checked). Median of two timed steps after
-// one warm-up; the device pool's working peak.
+// One rank's step, on the calling thread (a fresh one per row: what the
+// CUDA rows keep per thread, the cuBLASLt context and cuDNN's graphs, is
+// then this row's alone, made in the warm-up, not in the timed steps): at P
+// 1 the whole block, at P 8 rank `t.rank` alone, each on a dry-run
+// communicator (comm/dry_run_comm.hpp: its collectives deliver stand-ins of
+// the right size, so the rank runs a P 8 rank's shapes and allocations; its
+// values are not checked; at P 1 there is nothing to deliver). Median of
+// two timed steps after one warm-up; the device pool's working peak.
 void time_rank(Timing& t, const MlaConfig& cfg, const SpLayout& lay, const RunSpec& spec,
                const Inputs<float>& in) {
   const RopeTable rope(cfg.rope(), lay.seq);
   std::vector<double> ms;
   for (int step = 0; step < 3; ++step) {
-    RankReport rep;
-    if (lay.ranks == 1) {
-      rep = run_local(cfg, lay, in.w, in.x, in.dout, spec).ranks[0];
-    } else {
-      DryRunCommunicator dry(0, lay.ranks);
-      rep = run_rank(dry, cfg, lay, rope, in.w, in.x, in.dout, spec).report;
-    }
+    DryRunCommunicator dry(t.rank, lay.ranks);
+    const RankReport rep = run_rank(dry, cfg, lay, rope, in.w, in.x, in.dout, spec).report;
     if (step > 0) ms.push_back(rep.forward_ms + rep.backward_ms);
     t.device_peak = rep.memory.peak_working;
   }
   std::sort(ms.begin(), ms.end());
   t.step_ms = ms[ms.size() / 2];
+  t.kept = kept_device_bytes();
+  // The predicted part of what the thread kept must be what it holds.
+  if (t.kept.cublaslt_workspace != t.cublaslt_predicted)
+    t.note = cat("cuBLASLt workspace held ", t.kept.cublaslt_workspace, " bytes, predicted ",
+                 t.cublaslt_predicted, " (cuda/device_peak.hpp)");
 }
 
 void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs, double budget_s,
@@ -258,10 +287,9 @@ void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
       for (Form f : {Form::explicit_form, Form::laga, Form::laga_fused}) {
         Timing t;
         t.form = to_string(FormVariant(f)), t.S = S, t.P = P;
-        const bool fused = f == Form::laga_fused;  // its CUDA kernel is fp32 only
-        t.dtype = fused ? "fp32" : "bf16";
+        t.dtype = "bf16";
         const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, P);
-        t.model_peak = predict_memory(cfg, lay, f, AttentionKind::flash, 0, 4).peak_working;
+        t.model_peak = predict_memory(cfg, lay, f, AttentionKind::flash, t.rank, 4).peak_working;
         // The device pool's parameters and gradients, x, dout, out and dx
         // (the rank's shard), and the working peak.
         const std::int64_t need = t.model_peak + 2 * 4 * params + 4 * 4 * (S / P + 1) * cfg.dim;
@@ -270,19 +298,34 @@ void time_forms(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
         } else if (spent() > budget_s) {
           t.note = "skipped: over the time budget";
         } else {
-          try {
-            const UsePrecision prec(fused ? Precision::fp32 : Precision::bf16);
-            const Inputs<float> in = make_inputs<float>(cfg, 1, S);
-            RunSpec spec;
-            spec.variant = f, spec.attention = AttentionKind::flash, spec.device = Device::cuda;
-            spec.grad_sync = false;
-            time_rank(t, cfg, lay, spec, in);
-          } catch (const std::exception& e) {
-            t.note = e.what();
-          }
+          std::thread row([&] {
+            try {
+              const UsePrecision prec(Precision::bf16);
+              const Inputs<float> in = make_inputs<float>(cfg, 1, S);
+              RunSpec spec;
+              spec.variant = f, spec.attention = AttentionKind::flash, spec.device = Device::cuda;
+              spec.grad_sync = false;
+              time_rank(t, cfg, lay, spec, in);
+            } catch (const std::exception& e) {
+              t.note = e.what();
+            }
+          });
+          row.join();
         }
         out.push_back(t);
       }
+}
+
+// What the row's thread kept on the device (cuda/device_peak.hpp): the
+// cuBLASLt workspace, cuDNN's workspace per graph pair, and the pool's total.
+json kept_json(const KeptDeviceBytes& k) {
+  json graphs = json::array();
+  for (const CudnnGraphWorkspace& g : k.cudnn_graphs)
+    graphs.push_back({{"shape", g.shape}, {"forward", g.forward}, {"backward", g.backward}});
+  return {{"cublaslt_workspace", k.cublaslt_workspace},
+          {"cudnn_workspace", k.cudnn_workspace},
+          {"cudnn_graphs", graphs},
+          {"total", k.total}};
 }
 
 int run(int argc, char** argv) {
@@ -302,8 +345,8 @@ int run(int argc, char** argv) {
   j["checks"] = {
       "every form variant, fp32, P 1-4 sharing the GPU: vs CPU float64, ledger, "
       "device peak vs model",
-      "every form variant, bf16, P 1-2: vs CPU float64 and vs CUDA explicit P 1",
-      "step times at deepseek-v3 dims: explicit, laga (bf16), laga_fused (fp32)"};
+      "every form variant, bf16, P 1-2: vs CPU float64, vs CUDA explicit P 1 and vs CPU bf16",
+      "step times at deepseek-v3 dims, bf16: explicit, laga, laga_fused"};
   if (dry) {
     j["ran"] = false;
     std::ofstream(json_path) << j.dump(2) << "\n";
@@ -342,19 +385,29 @@ int run(int argc, char** argv) {
     md << "| " << r.form << " | " << r.dtype << " | " << r.P << " | " << r.check << " | " << r.error
        << " | " << r.tol << " | " << (r.pass ? "pass" : "FAIL") << " | " << r.note << " |\n";
   }
-  md << "\n| form | dtype | S | P (rank 0) | step ms | device peak GB | model GB | note |\n"
-        "|---|---|---|---|---|---|---|---|\n";
+  md << "\n| form | dtype | S | P (rank) | step ms | device pool peak GB | model GB | cuBLASLt "
+        "MB held (predicted) | cuDNN workspace MB | kept MB | note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Timing& t : times) {
+    // A timed row whose held cuBLASLt workspace is not the prediction's
+    // fails (time_rank's note says so); a skipped row (a note, no time) not.
+    failed += t.step_ms > 0 && t.kept.cublaslt_workspace != t.cublaslt_predicted;
     j["timings"].push_back({{"form", t.form},
                             {"dtype", t.dtype},
                             {"S", t.S},
                             {"P", t.P},
                             {"step_ms", t.step_ms},
+                            {"rank", t.rank},
                             {"device_peak", t.device_peak},
                             {"model_peak", t.model_peak},
+                            {"cublaslt_workspace_predicted", t.cublaslt_predicted},
+                            {"kept", kept_json(t.kept)},
                             {"note", t.note}});
-    md << "| " << t.form << " | " << t.dtype << " | " << t.S << " | " << t.P << " | " << t.step_ms
-       << " | " << t.device_peak / 1e9 << " | " << t.model_peak / 1e9 << " | " << t.note << " |\n";
+    md << "| " << t.form << " | " << t.dtype << " | " << t.S << " | " << t.P << " (" << t.rank
+       << ") | " << t.step_ms << " | " << t.device_peak / 1e9 << " | " << t.model_peak / 1e9
+       << " | " << t.kept.cublaslt_workspace / 1048576.0 << " (" << t.cublaslt_predicted / 1048576.0
+       << ") | " << t.kept.cudnn_workspace / 1048576.0 << " | " << t.kept.total / 1048576.0 << " | "
+       << t.note << " |\n";
   }
   j["ran"] = true, j["failed"] = failed;
   std::ofstream(json_path) << j.dump(2) << "\n";

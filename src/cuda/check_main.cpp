@@ -1,7 +1,8 @@
 // laga_cuda_check: every op of the CUDA backend against the CPU's float64
 // reference, with a stated tolerance each, then timings (median after
-// warm-up, CUDA events) of attention at DeepSeek-V3's 192/128 heads and of a
-// bf16 GEMM; one JSON and one markdown table (docs/performance.md, "The CUDA
+// warm-up, CUDA events) of attention at DeepSeek-V3's 192/128 heads, of the
+// fused latent kernel (bf16 and fp32, a P 8 rank's heads) and of a bf16
+// GEMM; one JSON and one markdown table (docs/performance.md, "The CUDA
 // backend"; scripts/gpu_check.sh runs it on a lent GPU).
 //
 //   laga_cuda_check --json OUT.json --table OUT.md [--seqs 4096,8192,...]
@@ -243,17 +244,28 @@ void check_attention_ops(std::vector<Result>& out) {
   }
 }
 
-void check_fused_latent(std::vector<Result>& out) {
-  LatentAttnParams<float> p;
-  AttnShape& s = p.shape;
-  s.B = 2, s.Sq = 70, s.Sk = 70, s.Hq = s.Hk = 3, s.dqk = 24, s.dv = 16, s.scale = 0.2;
-  p.C = 32, p.dn = 16;
+// One fused latent case (laga_fused's kernel) in `dtype`, against the
+// float64 reference (kernels/attention_flash_latent.hpp,
+// attention_latent_reference_*) on the same inputs. bf16: the inputs are
+// bf16 values (a bf16 run's q, latent, rounded wkv_b rows and dO), and the
+// kernel is also held to the CPU's bf16 fused path, the fp32 kernel
+// attention_flash_latent_*<float> on the same values (the flash_latent_fp32
+// row a bf16 run picks). Neither rounds anything inside (cuda/attention.hpp,
+// fused_latent_forward), so each is within fp32's tolerance of float64
+// (1e-4 forward, 1e-3 backward: fp32 sums in other orders) and the two within
+// twice it of each other; a bf16 rounding of K, V or P where the CPU has
+// none would be ~4e-3, a wrong fragment index O(1).
+void check_fused_latent_case(std::vector<Result>& out, const LatentAttnParams<float>& shape,
+                             const std::vector<std::int64_t>& docs, DType dtype) {
+  const bool bf = dtype == DType::bf16;
+  LatentAttnParams<float> p = shape;
+  const AttnShape& s = p.shape;
   const std::int64_t dr = s.dqk - p.dn, W = p.C + dr, KV = p.dn + s.dv;
-  const Vec q = inputs(s.B * s.Sq * s.Hq * s.dqk, 7, false), lat = inputs(s.B * s.Sk * W, 8, false),
-            w = inputs(s.Hq * KV * p.C, 9, false),
-            dout = inputs(s.B * s.Sq * s.Hq * s.dv, 10, false);
+  const Vec q = inputs(s.B * s.Sq * s.Hq * s.dqk, 7, bf), lat = inputs(s.B * s.Sk * W, 8, bf),
+            w = inputs(s.Hq * KV * p.C, 9, bf), dout = inputs(s.B * s.Sq * s.Hq * s.dv, 10, bf);
   LatentAttnParams<double> r;
   r.shape = s, r.C = p.C, r.dn = p.dn, r.ld_c = W, r.ld_k_pe = W;
+  r.shape.doc_start = docs.empty() ? nullptr : docs.data();
   const auto qd = widen(q), ld = widen(lat), wd = widen(w), dd = widen(dout);
   r.q = qd.data(), r.c = ld.data(), r.k_pe = ld.data() + p.C, r.w_kv = wd.data();
   std::vector<double> o(dout.size()), lse(static_cast<std::size_t>(s.B * s.Hq * s.Sq)),
@@ -265,24 +277,61 @@ void check_fused_latent(std::vector<Result>& out) {
                do_ = up(dout, false, "dout"), o_(4 * std::int64_t(o.size()), "o"),
                lse_(4 * std::int64_t(lse.size()), "lse"), gq(4 * std::int64_t(q.size()), "dq"),
                gl(4 * std::int64_t(lat.size()), "dlatent"), gw(4 * std::int64_t(w.size()), "dw"),
-               delta(4 * std::int64_t(lse.size()), "delta");
+               delta(4 * std::int64_t(lse.size()), "delta"),
+               ddocs(8 * std::int64_t(docs.size()), "doc_start");
+  ddocs.upload(docs.data(), ddocs.bytes());
   gw.zero();
+  p.shape.doc_start = docs.empty() ? nullptr : ddocs.as<std::int64_t>();
   p.q = q_.as<float>(), p.c = l_.as<float>(), p.ld_c = W, p.k_pe = l_.as<float>() + p.C;
   p.ld_k_pe = W, p.w_kv = w_.as<float>();
-  fused_latent_forward(p, o_.as<float>(), lse_.as<float>());
+  fused_latent_forward(p, o_.as<float>(), lse_.as<float>(), dtype);
   LatentAttnGrads<float> g{gq.as<float>(), gl.as<float>(), W, gl.as<float>() + p.C, W,
                            gw.as<float>()};
-  fused_latent_backward(p, g, do_.as<float>(), o_.as<float>(), lse_.as<float>(), delta.as<float>());
-  const std::string sh = cat(attn_shape(s), " C ", p.C, " dn ", p.dn);
-  out.push_back({"fused_latent_cuda forward o", sh, "fp32", rel_error(down(o_, false), o), 1e-4});
-  out.push_back(
-      {"fused_latent_cuda forward lse", sh, "fp32", rel_error(down(lse_, false), lse), 1e-4});
-  out.push_back(
-      {"fused_latent_cuda backward dq", sh, "fp32", rel_error(down(gq, false), dq), 1e-3});
-  out.push_back({"fused_latent_cuda backward d[c | k_pe]", sh, "fp32",
-                 rel_error(down(gl, false), dlat), 1e-3});
-  out.push_back(
-      {"fused_latent_cuda backward dw_kv", sh, "fp32", rel_error(down(gw, false), dw), 1e-3});
+  fused_latent_backward(p, g, do_.as<float>(), o_.as<float>(), lse_.as<float>(), delta.as<float>(),
+                        dtype);
+  const std::string sh = cat(attn_shape(r.shape), " C ", p.C, " dn ", p.dn);
+  const char* dt = bf ? "bf16" : "fp32";
+  const Vec go = down(o_, false), glse = down(lse_, false), gdq = down(gq, false),
+            gdl = down(gl, false), gdw = down(gw, false);
+  const auto record = [&](const char* vs, const std::vector<double>& ro,
+                          const std::vector<double>& rl, const std::vector<double>& rq,
+                          const std::vector<double>& rlat, const std::vector<double>& rw, double tf,
+                          double tb) {
+    const auto name = [&](const char* what) { return cat("fused_latent_cuda ", what, vs); };
+    out.push_back({name("forward o"), sh, dt, rel_error(go, ro), tf});
+    out.push_back({name("forward lse"), sh, dt, rel_error(glse, rl), tf});
+    out.push_back({name("backward dq"), sh, dt, rel_error(gdq, rq), tb});
+    out.push_back({name("backward d[c | k_pe]"), sh, dt, rel_error(gdl, rlat), tb});
+    out.push_back({name("backward dw_kv"), sh, dt, rel_error(gdw, rw), tb});
+  };
+  record("", o, lse, dq, dlat, dw, 1e-4, 1e-3);
+  if (!bf) return;
+  // The CPU's bf16 fused path on the same values.
+  LatentAttnParams<float> c = p;
+  c.shape.doc_start = r.shape.doc_start;
+  c.q = q.data(), c.c = lat.data(), c.k_pe = lat.data() + p.C, c.w_kv = w.data();
+  Vec co(o.size()), cl(lse.size()), cq(q.size()), cdl(lat.size()), cw(w.size(), 0.f);
+  attention_flash_latent_forward<float>(c, co.data(), cl.data());
+  attention_flash_latent_backward<float>(
+      c, LatentAttnGrads<float>{cq.data(), cdl.data(), W, cdl.data() + p.C, W, cw.data()},
+      dout.data(), co.data(), cl.data());
+  record(" vs CPU bf16 path", widen(co), widen(cl), widen(cq), widen(cdl), widen(cw), 2e-4, 2e-3);
+}
+
+void check_fused_latent(std::vector<Result>& out) {
+  LatentAttnParams<float> p;
+  AttnShape& s = p.shape;
+  s.B = 2, s.Sq = 70, s.Sk = 70, s.Hq = s.Hk = 3, s.dqk = 24, s.dv = 16, s.scale = 0.2;
+  p.C = 32, p.dn = 16;
+  check_fused_latent_case(out, p, {}, DType::f32);
+  // bf16: C 40 (a tensor-core step of 16 half past the end), 70 keys (a
+  // partial key chunk), packed documents; then DeepSeek-V3's heads (dn 128,
+  // dr 64, dv 128, C 512) on a ring step's shape (Sq < Sk).
+  p.C = 40;
+  check_fused_latent_case(out, p, packed_docs(s.B, s.Sk), DType::bf16);
+  s.B = 1, s.Sq = 96, s.Sk = 160, s.Hq = s.Hk = 2, s.dqk = 192, s.dv = 128, s.scale = 0.07;
+  p.C = 512, p.dn = 128;
+  check_fused_latent_case(out, p, {}, DType::bf16);
 }
 
 void check_small_ops(std::vector<Result>& out) {
@@ -434,6 +483,59 @@ void time_attention(std::vector<Timing>& out, const std::vector<std::int64_t>& s
   }
 }
 
+// The fused latent kernel at DeepSeek-V3's heads (192/128, dn 128, C 512)
+// with a P 8 rank's heads (H / 8), forward and backward, bf16 (its
+// up-projection on tensor cores) beside fp32, S up to what fits the budget.
+// TFLOP/s counts the attention's useful FLOPs only (as the attention rows
+// do), not the up-projection's, so the rows compare with the attention
+// kernels' time for the same attention.
+void time_fused_latent(std::vector<Timing>& out, const std::vector<std::int64_t>& seqs,
+                       std::int64_t H, double budget_s) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto spent = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (const DType dt : {DType::bf16, DType::f32}) {
+    const std::string kernel = cat("fused_latent_cuda ", dt == DType::bf16 ? "bf16" : "fp32");
+    double last_call = 0;
+    for (const std::int64_t S : seqs) {
+      if (last_call > 0 && spent() + 4 * last_call * 8 > budget_s) {
+        std::cerr << "laga_cuda_check: " << kernel << " at S " << S << " skipped (budget)\n";
+        continue;
+      }
+      LatentAttnParams<float> p;
+      AttnShape& s = p.shape;
+      s.B = 1, s.Sq = s.Sk = S, s.Hq = s.Hk = H, s.dqk = 192, s.dv = 128, s.scale = 0.07;
+      p.C = 512, p.dn = 128;
+      const std::int64_t W = p.C + s.dqk - p.dn, KV = p.dn + s.dv;
+      DeviceBuffer q(4 * S * H * s.dqk, "q"), lat(4 * S * W, "latent"), w(4 * H * KV * p.C, "w_kv"),
+          o(4 * S * H * s.dv, "o"), dout(4 * S * H * s.dv, "dout"), lse(4 * H * S, "lse"),
+          dq(4 * S * H * s.dqk, "dq"), dlat(4 * S * W, "dlatent"), dw(4 * H * KV * p.C, "dw_kv"),
+          delta(4 * H * S, "delta");
+      for (DeviceBuffer* d : {&q, &lat, &w, &dout})
+        check_cuda(cudaMemset(d->data(), 0x3c, d->bytes()), "fill");
+      dw.zero();
+      p.q = q.as<float>(), p.c = lat.as<float>(), p.ld_c = W, p.k_pe = lat.as<float>() + p.C;
+      p.ld_k_pe = W, p.w_kv = w.as<float>();
+      const LatentAttnGrads<float> g{dq.as<float>(), dlat.as<float>(), W, dlat.as<float>() + p.C, W,
+                                     dw.as<float>()};
+      const std::function<void()> fwd = [&] {
+        fused_latent_forward(p, o.as<float>(), lse.as<float>(), dt);
+      };
+      const std::function<void()> bwd = [&] {
+        fused_latent_backward(p, g, dout.as<float>(), o.as<float>(), lse.as<float>(),
+                              delta.as<float>(), dt);
+      };
+      const double fwd_flops = s.useful_flops_forward();
+      const double tf = median_seconds(fwd, 3);
+      const double tb = median_seconds(bwd, 3);
+      out.push_back({kernel, "forward", S, H, tf, fwd_flops / tf / 1e12});
+      out.push_back({kernel, "backward", S, H, tb, 2.5 * fwd_flops / tb / 1e12});
+      last_call = std::max(tf, tb);
+    }
+  }
+}
+
 void time_gemm(std::vector<Timing>& out) {
   GemmContext ctx;
   const std::int64_t M = 16384, N = 1536, K = 7168;  // x (S, D) by wq_a^T at S 16384
@@ -468,7 +570,8 @@ int run(int argc, char** argv) {
                  "attention_cuda_tiled fp32/bf16: causal, ring step Sq < Sk, full, packed, latent "
                  "Hk 1, 192/128",
                  "attention_cudnn_sdpa bf16 where it takes the shape",
-                 "fused_latent_cuda fp32",
+                 "fused_latent_cuda fp32; bf16 vs float64 and vs the CPU's bf16 fused path "
+                 "(packed, and 192/128 C 512 on a ring step)",
                  "rmsnorm_cuda",
                  "rope_cuda",
                  "lse_merge_cuda"};
@@ -508,7 +611,14 @@ int run(int argc, char** argv) {
   guarded("rmsnorm/rope/lse_merge", [&] { check_small_ops(results); });
   std::vector<Timing> times;
   guarded("timing gemm", [&] { time_gemm(times); });
-  guarded("timing attention", [&] { time_attention(times, seqs, heads, budget); });
+  // The fused kernel first, in a quarter of the budget; attention in what is left.
+  const auto timing_start = std::chrono::steady_clock::now();
+  guarded("timing fused latent", [&] {
+    time_fused_latent(times, seqs, std::max<std::int64_t>(1, heads / 8), budget / 4);
+  });
+  const double fused_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - timing_start).count();
+  guarded("timing attention", [&] { time_attention(times, seqs, heads, budget - fused_s); });
   int failed = 0;
   for (const Result& r : results) {
     failed += !r.pass();

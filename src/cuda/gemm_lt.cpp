@@ -67,11 +67,7 @@ void check_gemm(const GemmArgs& g) {
 
 GemmContext::GemmContext(void* stream, std::int64_t workspace_bytes)
     : stream_(stream),
-      workspace_(workspace_bytes, "cublaslt_workspace", MemCategory::comm_buffers) {
-  cublasLtHandle_t h = nullptr;
-  check_cublas(cublasLtCreate(&h), "cublasLtCreate");
-  handle_ = h;
-}
+      workspace_(workspace_bytes, "cublaslt_workspace", MemCategory::comm_buffers) {}
 
 GemmContext::~GemmContext() {
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
@@ -107,6 +103,11 @@ void GemmContext::gemm(const GemmArgs& g) {
                what);
   check_cublas(cublasLtMatrixLayoutCreate(&out.value, cuda_type(g.c_dtype), u(g.N), u(g.M), g.ldc),
                what);
+  if (!handle_) {
+    cublasLtHandle_t h = nullptr;
+    check_cublas(cublasLtCreate(&h), "cublasLtCreate");
+    handle_ = h;
+  }
   auto* handle = static_cast<cublasLtHandle_t>(handle_);
   auto* stream = static_cast<cudaStream_t>(stream_);
   if (g.K == 0) {  // C = beta C: 0 clears, 1 keeps

@@ -43,23 +43,34 @@ struct GemmArgs {
 // it needs no device.
 void check_gemm(const GemmArgs& g);
 
-// One cuBLASLt handle, its workspace (a DeviceBuffer: the pool counts it)
-// and the stream its calls go on. One per rank thread.
+// The cuBLASLt workspace a GemmContext holds unless told otherwise: a size
+// laga chooses (cuBLASLt takes the algorithm that fits it), so it is the
+// predictable part of what the CUDA rows keep on the device: one
+// GemmContext per rank thread (cuda/op_table_cuda.cpp), so one of these per
+// rank in the device peak's prediction (device_peak.hpp; docs/accounting.md,
+// "Device memory").
+constexpr std::int64_t kCublasLtWorkspaceBytes = 32ll << 20;
+
+// One cuBLASLt handle, its workspace (a DeviceBuffer: the pool current at
+// construction counts it, "cublaslt_workspace", comm_buffers) and the stream
+// its calls go on. One per rank thread. The handle is made at the first
+// gemm(), so a context made under a count-only pool is accounted without a
+// device (cuda_test_gemm_lt checks its bytes against the prediction's).
 class GemmContext {
  public:
   // stream: a cudaStream_t (0: the default stream).
   explicit GemmContext(void* stream = nullptr,
-                       std::int64_t workspace_bytes = kDefaultWorkspaceBytes);
+                       std::int64_t workspace_bytes = kCublasLtWorkspaceBytes);
   ~GemmContext();
   GemmContext(const GemmContext&) = delete;
   GemmContext& operator=(const GemmContext&) = delete;
-  static constexpr std::int64_t kDefaultWorkspaceBytes = 32ll << 20;
 
   // Enqueues C = alpha op(A) op(B) + beta C on the stream (check_gemm first;
   // an empty product M N == 0 does nothing, K == 0 scales C by beta). Throws
   // laga::Error naming the shape when cuBLASLt has no algorithm for it.
   void gemm(const GemmArgs& g);
   void* stream() const { return stream_; }
+  std::int64_t workspace_bytes() const { return workspace_.bytes(); }
 
  private:
   void* handle_ = nullptr;  // cublasLtHandle_t

@@ -10,14 +10,17 @@
 // call's workspace when it holds enough device bytes, else allocate a
 // DeviceBuffer (counted by the pool) for the call. The cuBLASLt handle and
 // its workspace, cuDNN's graphs per shape and the RoPE tables on the device
-// are kept per thread (one rank per thread or process, one device each);
-// the op layer's count-only runs never call run(), so these are in the real
-// run's pool and not in the prediction yet (docs/accounting.md, "Device
-// memory"). So are the staging buffers of the step's host index arrays (RoPE
-// positions, packed documents' starts: std::vectors of mla::Step, which the
-// rows copy to the device per call, staged_indices below).
+// are kept per thread (one rank per thread or process, one device each), in
+// a pool of their own, not the rank's; the op layer's count-only runs never
+// call run(), so the rank's prediction has none of them. What of them is
+// predicted (the cuBLASLt workspace) and what only measured (cuDNN's) is
+// cuda/device_peak.hpp's to say; kept_device_bytes (at the end) reads them.
+// Neither counted nor predicted: the staging buffers of the step's host
+// index arrays (RoPE positions, packed documents' starts: std::vectors of
+// mla::Step, which the rows copy to the device per call, staged_indices).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -28,6 +31,7 @@
 #include "cuda/attention.hpp"
 #include "cuda/cuda_error.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/device_peak.hpp"
 #include "cuda/elementwise.hpp"
 #include "cuda/gemm_lt.hpp"
 #include "cuda/sdpa_cudnn.hpp"
@@ -97,17 +101,23 @@ AttnShape device_shape(const AttnShape& s) {
 
 // The pool of what a thread keeps from call to call (cuBLASLt's workspace,
 // cuDNN's per shape, the RoPE tables): their own, not the rank's device
-// pool, which ends with the run while they live on with the thread (and is
-// the prediction's, which has none of them yet). Made before them, so
-// destroyed after them.
+// pool, which ends with the run while they live on with the thread (the
+// rank pool is the memory model's; cuda/device_peak.hpp adds the cuBLASLt
+// workspace to it). Made before them, so destroyed after them.
 MemoryPool& kept_pool() {
   thread_local MemoryPool pool;
   return pool;
 }
 
+// The thread's cuBLASLt context (kept_pool() first: the pool outlives it).
+std::unique_ptr<cuda::GemmContext>& thread_gemm_context() {
+  (void)kept_pool();
+  thread_local std::unique_ptr<cuda::GemmContext> ctx;
+  return ctx;
+}
 cuda::GemmContext& gemm_context() {
   MemoryPool& pool = kept_pool();
-  thread_local std::unique_ptr<cuda::GemmContext> ctx;
+  std::unique_ptr<cuda::GemmContext>& ctx = thread_gemm_context();
   if (!ctx) {
     const PoolScope in_kept(pool);
     ctx = std::make_unique<cuda::GemmContext>();
@@ -192,11 +202,17 @@ void run_tiled_backward_any(const OpCall& c) {
 // cuDNN's graphs, one per shape, kept per thread.
 // Packed documents: a graph per document structure (its ragged batch's
 // first tokens are in the key), as cuDNN's batch is then the documents.
+using SdpaKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                           std::int64_t, std::int64_t, double, bool, std::vector<std::int64_t>>;
+std::map<SdpaKey, std::unique_ptr<cuda::CudnnSdpa>>& thread_sdpa_graphs() {
+  (void)kept_pool();  // the pool outlives the graphs' workspaces
+  thread_local std::map<SdpaKey, std::unique_ptr<cuda::CudnnSdpa>> graphs;
+  return graphs;
+}
 cuda::CudnnSdpa& sdpa_for(const AttnShape& s) {
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t, double, bool, std::vector<std::int64_t>>;
+  using Key = SdpaKey;
   MemoryPool& pool = kept_pool();
-  thread_local std::map<Key, std::unique_ptr<cuda::CudnnSdpa>> graphs;
+  auto& graphs = thread_sdpa_graphs();
   const Key key{s.B,
                 s.Sq,
                 s.Sk,
@@ -248,16 +264,20 @@ LatentAttnParams<float> latent_params(const OpCall& c) {
   p.w_kv = static_cast<const float*>(c.in[3]);
   return p;
 }
+// bf16: the kernel's bf16 variant (tensor-core up-projection, the CPU bf16
+// path's rounding points: cuda/attention.hpp), on the fp32 containers of
+// bf16 values the op layer hands a fused call (Bf16Operands::fp32_values,
+// as the CPU's flash_latent_fp32 row takes them).
 Why fused_takes(RunDtype d, const OpShape& s) {
-  if (Why w = dtype_not_in(d, {RunDtype::fp32})) return w;
+  if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
   const std::string m =
-      cuda::attention_refusal(cuda::AttnKernel::fused_latent, s.attn, DType::f32, 232448);
+      cuda::attention_refusal(cuda::AttnKernel::fused_latent, s.attn, wire_dtype(d), 232448);
   if (!m.empty()) return m;
   return std::nullopt;
 }
 void run_fused_forward(const OpCall& c) {
   cuda::fused_latent_forward(latent_params(c), static_cast<float*>(c.out[0]),
-                             static_cast<float*>(c.out[1]));
+                             static_cast<float*>(c.out[1]), wire_dtype(c.dtype));
 }
 void run_fused_backward(const OpCall& c) {
   LatentAttnGrads<float> g;
@@ -269,7 +289,7 @@ void run_fused_backward(const OpCall& c) {
   float* delta = delta_scratch(c, delta_bytes(c.dtype, c.shape), own);
   cuda::fused_latent_backward(latent_params(c), g, static_cast<const float*>(c.in[4]),
                               static_cast<const float*>(c.in[5]),
-                              static_cast<const float*>(c.in[6]), delta);
+                              static_cast<const float*>(c.in[6]), delta, wire_dtype(c.dtype));
 }
 
 // ------------------------------------------------- merge, norm, rope (fp32 data)
@@ -357,9 +377,9 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::latent_attention_backward, "latent_attention_cuda_tiled",
      &latent_tiled_takes, &run_tiled_backward_any, 0, Bf16Operands::bf16, &delta_bytes},
     {Device::cuda, Op::fused_latent_attention_forward, "fused_latent_cuda", &fused_takes,
-     &run_fused_forward, 0},
+     &run_fused_forward, 0, Bf16Operands::fp32_values},
     {Device::cuda, Op::fused_latent_attention_backward, "fused_latent_cuda", &fused_takes,
-     &run_fused_backward, 0, Bf16Operands::bf16, &delta_bytes},
+     &run_fused_backward, 0, Bf16Operands::fp32_values, &delta_bytes},
     {Device::cuda, Op::lse_merge, "lse_merge_cuda", &fp32_data, &run_lse_merge, 0},
     {Device::cuda, Op::rmsnorm_forward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_forward, 0},
     {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
@@ -374,3 +394,25 @@ std::span<const KernelRow> cuda_kernel_rows() {
 }
 
 }  // namespace laga::ops
+
+namespace laga::cuda {
+
+KeptDeviceBytes kept_device_bytes() {
+  KeptDeviceBytes k;
+  k.total = ops::kept_pool().current_total();
+  if (const auto& ctx = ops::thread_gemm_context()) k.cublaslt_workspace = ctx->workspace_bytes();
+  for (const auto& [key, g] : ops::thread_sdpa_graphs()) {
+    if (!g) continue;
+    const auto& [B, Sq, Sk, Hq, Hk, dqk, dv, scale, causal, docs] = key;
+    (void)scale, (void)causal;
+    CudnnGraphWorkspace w;
+    w.shape = cat("B ", B, " Sq ", Sq, " Sk ", Sk, " Hq ", Hq, " Hk ", Hk, " dqk ", dqk, " dv ", dv,
+                  docs.empty() ? "" : cat(" ragged (", docs.size(), " documents)"));
+    w.forward = g->forward_workspace_bytes(), w.backward = g->backward_workspace_bytes();
+    k.cudnn_workspace += std::max(w.forward, w.backward);
+    k.cudnn_graphs.push_back(std::move(w));
+  }
+  return k;
+}
+
+}  // namespace laga::cuda

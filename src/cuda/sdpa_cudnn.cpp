@@ -127,6 +127,7 @@ struct CudnnSdpa::Impl {
   cudnnHandle_t handle = nullptr;
   fe::graph::Graph fwd, bwd;
   DeviceBuffer workspace;
+  std::int64_t forward_ws = 0, backward_ws = 0;  // what cuDNN asked for each graph
   // Packed documents: cuDNN's batch is every document (sdpa_ragged.hpp);
   // the lengths and offsets live on the device with the graphs (uid -> its
   // buffer), added to every call's variant pack.
@@ -278,6 +279,7 @@ CudnnSdpa::CudnnSdpa(const AttnShape& s, void* stream) : impl_(std::make_unique<
     check_fe(g->build_plans(m.handle), what + pass + " (build_plans)");
     std::int64_t w = 0;
     check_fe(g->get_workspace_size(w), what + pass + " (workspace)");
+    (g == &m.fwd ? m.forward_ws : m.backward_ws) = w;
     ws = w > ws ? w : ws;
   }
   m.workspace = DeviceBuffer(ws, "cudnn_sdpa_workspace", MemCategory::comm_buffers);
@@ -285,6 +287,12 @@ CudnnSdpa::CudnnSdpa(const AttnShape& s, void* stream) : impl_(std::make_unique<
 
 CudnnSdpa::~CudnnSdpa() {
   if (impl_ && impl_->handle) cudnnDestroy(impl_->handle);
+}
+std::int64_t CudnnSdpa::forward_workspace_bytes() const {
+  return impl_->forward_ws;
+}
+std::int64_t CudnnSdpa::backward_workspace_bytes() const {
+  return impl_->backward_ws;
 }
 
 void CudnnSdpa::forward(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v) {
@@ -319,6 +327,12 @@ CudnnSdpa::CudnnSdpa(const AttnShape& s, void*) {
   fail(cudnn_sdpa_refusal(s, DType::bf16));
 }
 CudnnSdpa::~CudnnSdpa() = default;
+std::int64_t CudnnSdpa::forward_workspace_bytes() const {
+  return 0;
+}
+std::int64_t CudnnSdpa::backward_workspace_bytes() const {
+  return 0;
+}
 void CudnnSdpa::forward(bf16*, float*, const bf16*, const bf16*, const bf16*) {}
 void CudnnSdpa::backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
                          const bf16*, const float*) {}

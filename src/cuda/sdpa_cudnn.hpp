@@ -52,6 +52,13 @@ class CudnnSdpa {
   CudnnSdpa(const CudnnSdpa&) = delete;
   CudnnSdpa& operator=(const CudnnSdpa&) = delete;
 
+  // The workspace cuDNN asked for each graph (get_workspace_size after
+  // build_plans): graph-dependent and known only once built on a device, so
+  // it is measured, not predicted (laga_cuda_forms records it per graph;
+  // docs/performance.md, "The CUDA backend"). The buffer held is the larger.
+  std::int64_t forward_workspace_bytes() const;
+  std::int64_t backward_workspace_bytes() const;
+
   void forward(bf16* o, float* lse, const bf16* q, const bf16* k, const bf16* v);
   void backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                 const bf16* v, const bf16* o, const float* lse);

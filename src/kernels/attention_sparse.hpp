@@ -25,10 +25,31 @@
 //   ds_ir = p_ir (dp_ir - D_i), dq_i = scale sum_r ds_ir k_{idx[i, r]},
 //   dk_j = scale sum_{(i, r): idx[i, r] = j} ds_ir q_i,  dv_j = sum_{(i, r): idx = j} p_ir do_i
 // (the heads that share a key/value head summed).
+//
+// Sums: every dot product, the softmax's max, sum and lse, o's and dq's
+// accumulators and D_i run in double; dk and dv, scattered into by every
+// query that selected the key, accumulate in T (the output's type).
+//
+// bf16 mixed precision (the _bf16 entry points; docs/performance.md, "bf16
+// mixed precision"): q, k, v and dO are read as bf16 storage, as the dense
+// bf16 flash kernel reads them (kernels/attention_flash_bf16.hpp), and
+// everything else is fp32 as there: o and lse are fp32 outputs (backward's
+// D_i = dO_i . o_i is taken from the unrounded o), and dq, dk, dv are the
+// fp32 sums themselves (fp32 master weights; rounding them would be a
+// rounding the caller cannot undo). Each bf16 value is widened exactly and
+// goes through the float kernel's arithmetic above -- P and dS are not
+// rounded to bf16 (as on the dense kernel's widened path, flash_bf16_isa
+// fp32): a gather kernel has no tile product for VDPBF16PS to run, and
+// rounding them would only add error. So a bf16 call equals the float call
+// on the widened operands bit for bit (tests/kernels/
+// test_attention_sparse.cpp holds that), and its error against exact
+// attention on the unrounded operands is the bf16 rounding of q, k, v, dO
+// alone (unit roundoff 2^-8 per operand) plus the float kernel's.
 #pragma once
 
 #include <cstdint>
 
+#include "core/bf16.hpp"
 #include "kernels/attention.hpp"
 
 namespace laga {
@@ -64,5 +85,18 @@ void sparse_attention_backward(const SparseAttnShape& s, T* dq, T* dk, T* dv, co
 template <class T>
 void sparse_attention_head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k,
                                         const T* lse, const std::int32_t* idx);
+
+// bf16 mixed precision (top comment): bf16 q, k, v (and dout), fp32 o, lse
+// and gradients, the float kernel's arithmetic on the widened values.
+void sparse_attention_forward_bf16(const SparseAttnShape& s, float* o, float* lse, const bf16* q,
+                                   const bf16* k, const bf16* v, const std::int32_t* idx);
+void sparse_attention_backward_bf16(const SparseAttnShape& s, float* dq, float* dk, float* dv,
+                                    const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                                    const float* o, const float* lse, const std::int32_t* idx);
+// The head-summed target over the same bf16 q, k as the forward that made
+// lse (so each head's row sums to 1 as in fp32).
+void sparse_attention_head_summed_probs_bf16(const SparseAttnShape& s, float* p, const bf16* q,
+                                             const bf16* k, const float* lse,
+                                             const std::int32_t* idx);
 
 }  // namespace laga

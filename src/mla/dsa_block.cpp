@@ -189,7 +189,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the indexer's KL against the main attention's head-summed distribution
   std::vector<T> p = buffer<T>(N * KA);
-  ops::head_summed_probs(ss, p.data(), q_att, k_att, lse.data(), att_idx);
+  ops::sparse_attention_head_summed_probs<T>(ss, p.data(), q_att, k_att, lse.data(), att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkI = buffer<T>(N * dI), dwI = buffer<T>(N * HI);
   ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kI.data(), wI.data(), loss.data(),

@@ -20,7 +20,9 @@
 //     (DsaStage::dense_warmup) and over the selected keys in the sparse
 //     stage (DsaStage::sparse); the indexer's input (x, qr) is detached, so
 //     the KL gradient reaches the indexer's weights and nothing else.
-// Precision: T throughout (fp32 or fp64); no fp8 (kernels/dsa_indexer.hpp).
+// Precision: T throughout (fp32 or fp64); under bf16 (T = float) the sparse
+// attention and its KL target run bf16 mixed precision, the kernels called
+// directly fp32 (docs/forms.md, "DSA in bf16"); no fp8 (kernels/dsa_indexer.hpp).
 //
 // The block asks the op layer for every computation (mla/ops_dsa.hpp,
 // mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted

@@ -171,7 +171,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the indexer's KL over the rank's rows
   std::vector<T> p = buffer<T>(N * KA);
-  ops::head_summed_probs(ss, p.data(), qa_abs.data(), lat.data(), lse.data(), att_idx);
+  ops::sparse_attention_head_summed_probs<T>(ss, p.data(), qa_abs.data(), lat.data(), lse.data(),
+                                             att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
   ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),

@@ -157,7 +157,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   // owners
   std::vector<T> p_part = buffer<T>(NS * KA), p_rows = buffer<T>(N * KA);
   if (Hr > 0) {
-    ops::head_summed_probs(ss, p_part.data(), q_h.data(), k_h.data(), lse.data(), att.data());
+    ops::sparse_attention_head_summed_probs<T>(ss, p_part.data(), q_h.data(), k_h.data(),
+                                               lse.data(), att.data());
     for (T& e : p_part) e = T(double(e) * double(Hr) / double(H));
   }
   reduce_scatter_seq(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");

@@ -213,7 +213,8 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
                                      att_idx);
     // (1/H_r) sum over the rank's heads, weighted H_r / H: summed over the
     // ranks, (1/H) sum over every head, dsa_block's target.
-    ops::head_summed_probs(ss, pS.data(), qh.data(), kh.data(), lseh.data(), att_idx);
+    ops::sparse_attention_head_summed_probs<T>(ss, pS.data(), qh.data(), kh.data(), lseh.data(),
+                                               att_idx);
     for (T& e : pS) e = T(double(e) * double(Hr) / double(H));
   }
   std::vector<T> o = buffer<T>(N * H * dv);

@@ -53,8 +53,6 @@ const char* to_string(ops::Op op) {
       return "index_all_causal";
     case Op::indexer_kl:
       return "indexer_kl";
-    case Op::head_summed_probs:
-      return "head_summed_probs";
     case Op::embedding_forward:
       return "embedding_forward";
     case Op::embedding_backward:
@@ -82,7 +80,8 @@ const char* to_string(ops::Op op) {
 namespace laga::ops {
 
 namespace {
-// The CUDA rows, once a program that links the backend registers them
+// The CUDA rows, once registered: by use_cuda_backend from the module it
+// loads (mla/cuda_backend.cpp), or by a program that links the backend
 // (laga_mla itself does not link it: src/cuda/CMakeLists.txt says why).
 std::atomic<const KernelRow*> cuda_rows{nullptr};
 std::atomic<std::size_t> cuda_row_count{0};
@@ -199,8 +198,9 @@ KernelChoice supports(Device device, Op op, RunDtype dtype, const OpShape& shape
     best.why_not += ": no kernel for this op on " + std::string(to_string(device));
     if (device == Device::cuda && kernel_rows(device).empty())
       best.why_not +=
-          " (no CUDA backend in this process: a build without nvcc has none, and a program "
-          "that links it registers its rows, register_kernel_rows, as laga_cuda_forms does)";
+          " (no CUDA backend in this process: a build without nvcc has none; `laga --device "
+          "cuda` loads its module, liblaga_cuda_backend.so, and registers its rows, and a "
+          "program that links it registers them itself, as laga_cuda_forms does)";
     return best;
   }
   std::string refusals;

@@ -22,12 +22,12 @@
 // hands bf16 operands to the row (as bf16, or as fp32 holding bf16 values,
 // where a kernel widens).
 //
-// How a backend registers its rows: one function returning its rows,
-// declared here (cpu_kernel_rows, op_table_cpu.cpp; cuda_kernel_rows, the
-// CUDA backend's file, built when LAGA_HAVE_CUDA is defined) and listed in
-// kernel_rows() (op_table.cpp); the CUDA rows are handed to
-// register_kernel_rows by the program that links them. Adding a kernel =
-// its file plus its row.
+// How a backend registers its rows: one function returning its rows. The
+// CPU's (cpu_kernel_rows, op_table_cpu.cpp) are built in, listed in
+// kernel_rows() (op_table.cpp); the CUDA rows (cuda/op_table_cuda.cpp) reach
+// it only by register_kernel_rows: `laga --device cuda` loads the module
+// liblaga_cuda_backend.so at run time and registers its table's rows
+// (mla/cuda_backend.hpp). Adding a kernel = its file plus its row.
 #pragma once
 
 #include <cstdint>
@@ -129,8 +129,6 @@ enum class Op {
   // indexer_kl          shape.attn, shape.k: topk, shape.n: K slots a row;
   //                     in: idx (int32), p, q, k, w; out: loss (double, B Sq),
   //                     dq, dk, dw (overwritten).
-  // head_summed_probs   shape.attn (SparseAttnShape::attn), shape.k: K;
-  //                     in: q, k, lse, idx (int32); out: p (B, Sq, K).
   layernorm_forward,
   layernorm_backward,
   rope_halves_forward,
@@ -138,7 +136,6 @@ enum class Op {
   index_topk,
   index_all_causal,
   indexer_kl,
-  head_summed_probs,
   // The model's ops (mla/ops_model.hpp), dense rows (ld = cols):
   // embedding_forward   in: ids (int32, shape.rows), table (shape.n, shape.cols);
   //                     out: rows of the table.
@@ -247,10 +244,10 @@ struct KernelChoice {
 std::span<const KernelRow> cpu_kernel_rows();
 std::span<const KernelRow> emulated_kernel_rows();
 #if defined(LAGA_HAVE_CUDA)
-std::span<const KernelRow> cuda_kernel_rows();
+std::span<const KernelRow> cuda_kernel_rows();  // for programs linking laga_cuda
 #endif
-// The CUDA backend's rows for kernel_rows(Device::cuda), registered by a
-// program that links the backend (laga_cuda_forms: cuda_kernel_rows()).
+// The CUDA rows for kernel_rows(Device::cuda): the loaded module's (`laga
+// --device cuda`, cuda_backend.hpp) or a linking program's (laga_cuda_forms).
 void register_kernel_rows(Device device, std::span<const KernelRow> rows);
 // Every row of `device` (empty for a device this process has no backend for).
 std::span<const KernelRow> kernel_rows(Device device);

@@ -233,13 +233,29 @@ void run_sparse_backward(const OpCall& c) {
                                static_cast<const T*>(c.in[4]), static_cast<const T*>(c.in[5]),
                                static_cast<const std::int32_t*>(c.in[6]));
 }
-// The gather kernel runs fp64 and fp32; it has no bf16 path yet.
+// bf16 mixed precision: bf16 q, k, v (and dout), fp32 o, lse and
+// gradients (kernels/attention_sparse.hpp, "bf16 mixed precision").
+void run_sparse_bf16_forward(const OpCall& c) {
+  sparse_attention_forward_bf16(
+      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<const bf16*>(c.in[0]), static_cast<const bf16*>(c.in[1]),
+      static_cast<const bf16*>(c.in[2]), static_cast<const std::int32_t*>(c.in[3]));
+}
+void run_sparse_bf16_backward(const OpCall& c) {
+  sparse_attention_backward_bf16(
+      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<float*>(c.out[2]), static_cast<const bf16*>(c.in[0]),
+      static_cast<const bf16*>(c.in[1]), static_cast<const bf16*>(c.in[2]),
+      static_cast<const bf16*>(c.in[3]), static_cast<const float*>(c.in[4]),
+      static_cast<const float*>(c.in[5]), static_cast<const std::int32_t*>(c.in[6]));
+}
+// sparse_gather runs fp64 and fp32, sparse_gather_bf16 bf16.
 Why sparse_takes(RunDtype d, const OpShape&) {
-  if (d == RunDtype::bf16)
-    return std::string(
-        "dtype bf16 (the sparse gather kernel runs fp64 and fp32 only; use --dtype "
-        "fp32)");
+  if (d == RunDtype::bf16) return std::string("dtype bf16 (sparse_gather_bf16 takes it)");
   return std::nullopt;
+}
+Why sparse_bf16_takes(RunDtype d, const OpShape&) {
+  return dtype_not_in(d, {RunDtype::bf16});
 }
 
 // ------------------------------------------- DSA's lightning indexer
@@ -283,13 +299,6 @@ void run_indexer_kl(const OpCall& c) {
                  static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]),
                  static_cast<double*>(c.out[0]), static_cast<T*>(c.out[1]),
                  static_cast<T*>(c.out[2]), static_cast<T*>(c.out[3]));
-}
-template <class T>
-void run_head_summed_probs(const OpCall& c) {
-  sparse_attention_head_summed_probs<T>(
-      {c.shape.attn, c.shape.k}, static_cast<T*>(c.out[0]), static_cast<const T*>(c.in[0]),
-      static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
-      static_cast<const std::int32_t*>(c.in[3]));
 }
 // The indexer's kernels run fp64 and fp32; no bf16 path yet.
 Why indexer_takes(RunDtype d, const OpShape&) {
@@ -627,6 +636,10 @@ const KernelRow kRows[] = {
      [](const OpCall& c) {
        c.dtype == RunDtype::fp64 ? run_sparse_backward<double>(c) : run_sparse_backward<float>(c);
      }},
+    {Device::cpu, Op::sparse_attention_forward, "sparse_gather_bf16", &sparse_bf16_takes,
+     &run_sparse_bf16_forward, 0, Bf16Operands::bf16},
+    {Device::cpu, Op::sparse_attention_backward, "sparse_gather_bf16", &sparse_bf16_takes,
+     &run_sparse_bf16_backward, 0, Bf16Operands::bf16},
 
     {Device::cpu, Op::layernorm_forward, "layernorm", &indexer_takes,
      [](const OpCall& c) {
@@ -652,10 +665,6 @@ const KernelRow kRows[] = {
      [](const OpCall& c) { dsa_all_causal(indexer_of(c), static_cast<std::int32_t*>(c.out[0])); }},
     {Device::cpu, Op::indexer_kl, "indexer_kl", &indexer_takes,
      [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_indexer_kl<decltype(t)>(c); }); }},
-    {Device::cpu, Op::head_summed_probs, "head_summed_probs", &indexer_takes,
-     [](const OpCall& c) {
-       fp64_or_fp32(c, [&](auto t) { run_head_summed_probs<decltype(t)>(c); });
-     }},
 
     {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
      [](const OpCall& c) {

@@ -1,12 +1,22 @@
 #include "mla/ops_dsa.hpp"
 
 #include <algorithm>
-
-#include "mla/form_spec.hpp"
+#include <utility>
 
 namespace laga::ops {
 
 namespace {
+
+// Under a bf16 scope these ops run fp32, as the DSA code's direct kernel
+// calls did: only the sparse attention and its KL target (ops_sparse.hpp)
+// run bf16 (docs/forms.md, "DSA in bf16").
+struct Fp32Ops {
+  Precision previous = std::exchange(op_precision, Precision::fp32);
+  ~Fp32Ops() { op_precision = previous; }
+  Fp32Ops() = default;
+  Fp32Ops(const Fp32Ops&) = delete;
+  Fp32Ops& operator=(const Fp32Ops&) = delete;
+};
 
 // A (rows, cols) view at row stride ld of a pointer (null stays null: the
 // count-only decision is the op's).
@@ -49,12 +59,14 @@ double indexer_slots(const AttnShape& s, std::int64_t K) {
 
 template <class T>
 void linear_rows(T* y, const T* x, const T* w, std::int64_t N, std::int64_t in, std::int64_t out) {
+  const Fp32Ops fp32;
   gemm<T>(view(y, N, out, out), T(0), view(x, N, in, in), false, view(w, out, in, in), true);
 }
 
 template <class T>
 void linear_rows_backward(T* dx, bool accumulate_dx, T* dw, const T* dy, const T* x, const T* w,
                           std::int64_t N, std::int64_t in, std::int64_t out) {
+  const Fp32Ops fp32;
   if (dx)
     gemm<T>(view(dx, N, in, in), accumulate_dx ? T(1) : T(0), view(dy, N, out, out), false,
             view(w, out, in, in), false);
@@ -66,6 +78,7 @@ template <class T>
 void gemm_strided(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                   T alpha, const T* A, std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C,
                   std::int64_t ldc) {
+  const Fp32Ops fp32;
   gemm<T>(view(C, m, n, ldc), beta, trans_a ? view(A, k, m, lda) : view(A, m, k, lda), trans_a,
           trans_b ? view(B, n, k, ldb) : view(B, k, n, ldb), trans_b, alpha);
 }
@@ -73,6 +86,7 @@ void gemm_strided(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, st
 template <class T>
 void rmsnorm_rows(T* y, T* rstd, const T* x, std::int64_t ldx, const T* w, std::int64_t rows,
                   std::int64_t n, double eps) {
+  const Fp32Ops fp32;
   // ops::rmsnorm's count and call, on pointers (its rstd and w are tensors).
   count_elementwise<T>(rows * n, 2);
   if (!runs(rows * n, {y, rstd, x, w})) return;
@@ -87,6 +101,7 @@ template <class T>
 void rmsnorm_rows_backward(T* dx, std::int64_t ldx, T* dw, const T* dy, std::int64_t ldy,
                            const T* x, std::int64_t ldxx, const T* w, const T* rstd,
                            std::int64_t rows, std::int64_t n) {
+  const Fp32Ops fp32;
   // ops::rmsnorm_backward's count and call, on pointers.
   count_elementwise<T>(rows * n, 3);
   if (!runs(rows * n, {dx, dw, dy, x, w, rstd})) return;
@@ -100,12 +115,14 @@ void rmsnorm_rows_backward(T* dx, std::int64_t ldx, T* dw, const T* dy, std::int
 template <class T>
 void rope_rows(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
                std::int64_t ld_head, std::int64_t pos0, const RopeTable& table, bool inverse) {
+  const Fp32Ops fp32;
   rope<T>(view(x, B * L, table.dim(), ld_token), B, L, H, ld_head, pos0, nullptr, table, inverse);
 }
 template <class T>
 void rope_rows_at(T* x, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t ld_token,
                   std::int64_t ld_head, const std::int64_t* positions, const RopeTable& table,
                   bool inverse) {
+  const Fp32Ops fp32;
   rope<T>(view(x, B * L, table.dim(), ld_token), B, L, H, ld_head, 0, positions, table, inverse);
 }
 
@@ -113,6 +130,7 @@ template <class T>
 void rope_halves(T* x, std::int64_t L, std::int64_t H, std::int64_t ld_token, std::int64_t ld_head,
                  std::int64_t pos0, const std::int64_t* positions, const RopeTable& table,
                  bool inverse) {
+  const Fp32Ops fp32;
   if (table.dim() == 0) return;                  // NoPE: nothing rotates (as ops::rope)
   count_elementwise<T>(L * H * table.dim(), 2);  // rotated in place
   if (!runs(L * H, {x})) return;
@@ -127,6 +145,7 @@ void rope_halves(T* x, std::int64_t L, std::int64_t H, std::int64_t ld_token, st
 template <class T>
 void layernorm(T* y, T* mean, T* rstd, const T* x, const T* w, const T* b, std::int64_t rows,
                std::int64_t n, double eps) {
+  const Fp32Ops fp32;
   count_elementwise<T>(rows * n, 2);  // x in, y out
   if (!runs(rows * n, {y, mean, rstd, x, w, b})) return;
   OpCall c;
@@ -140,6 +159,7 @@ void layernorm(T* y, T* mean, T* rstd, const T* x, const T* w, const T* b, std::
 template <class T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const T* mean,
                         const T* rstd, std::int64_t rows, std::int64_t n) {
+  const Fp32Ops fp32;
   count_elementwise<T>(rows * n, 3);  // dy and x in, dx out
   if (!runs(rows * n, {dx, dw, db, dy, x, w, mean, rstd})) return;
   OpCall c;
@@ -152,6 +172,7 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w
 
 template <class T>
 void index_topk(const IndexerShape& s, std::int32_t* idx, const T* q, const T* k, const T* w) {
+  const Fp32Ops fp32;
   s.validate();
   if (op_counter) count_indexer(indexer_slots(s.attn, s.attn.Sk) * pair_flops(s.attn));
   count_elementwise<std::int32_t>(s.attn.B * s.attn.Sq * s.topk, 1);
@@ -175,6 +196,7 @@ void index_all_causal(const IndexerShape& s, std::int32_t* idx) {
 template <class T>
 void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, const T* p,
                 const T* q, const T* k, const T* w, double* loss, T* dq, T* dk, T* dw) {
+  const Fp32Ops fp32;
   s.validate();
   // dsa_work's KL term: its scores again, then dq and dk, 3 H_I 2 d_I a slot.
   if (op_counter)
@@ -185,28 +207,6 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
   c.shape.n = K, c.context = &s;
   c.in[0] = idx, c.in[1] = p, c.in[2] = q, c.in[3] = k, c.in[4] = w;
   c.out[0] = loss, c.out[1] = dq, c.out[2] = dk, c.out[3] = dw;
-  run_kernel(c);
-}
-
-template <class T>
-void head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k, const T* lse,
-                       const std::int32_t* idx) {
-  s.validate();
-  // The main attention's scores over the slots again (no values): an
-  // attention call's forward, as ops_sparse.cpp counts its calls (Sk = K,
-  // every slot as if full), at 2 dqk a slot and head.
-  AttnShape dense = s.attn;
-  dense.Sk = s.K, dense.causal = false, dense.doc_start = nullptr;
-  dense.dv = 0;
-  count_attention(dense, AttentionKind::flash, AttentionPass::forward, [&] {
-    return 2.0 * double(dense.B) * double(dense.Sq) * double(dense.Hq) * double(s.K) *
-           double(dense.dqk);
-  });
-  if (!runs(s.attn.B * s.attn.Sq * s.K, {p, q, k, lse, idx})) return;
-  OpCall c;
-  c.op = Op::head_summed_probs, c.dtype = op_dtype<T>();
-  c.shape.attn = s.attn, c.shape.k = s.K;
-  c.in[0] = q, c.in[1] = k, c.in[2] = lse, c.in[3] = idx, c.out[0] = p;
   run_kernel(c);
 }
 
@@ -233,9 +233,7 @@ void head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k, c
                                       const T*, std::int64_t, std::int64_t);                       \
   template void index_topk<T>(const IndexerShape&, std::int32_t*, const T*, const T*, const T*);   \
   template void indexer_kl<T>(const IndexerShape&, std::int64_t, const std::int32_t*, const T*,    \
-                              const T*, const T*, const T*, double*, T*, T*, T*);                  \
-  template void head_summed_probs<T>(const SparseAttnShape&, T*, const T*, const T*, const T*,     \
-                                     const std::int32_t*);
+                              const T*, const T*, const T*, double*, T*, T*, T*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

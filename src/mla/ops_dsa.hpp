@@ -16,16 +16,17 @@
 //    the bits are those of a direct call;
 //  - the indexer's own (kernels/dsa_indexer.hpp, sparse_attention's head
 //    sum): LayerNorm, the half-split RoPE, the scores' causal top-k, every
-//    causal key as a selection, the KL loss and its gradient, and the KL's
-//    target. fp64 and fp32: the rows refuse bf16, naming it.
+//    causal key as a selection, the KL loss and its gradient. fp64 and
+//    fp32: the rows refuse bf16, naming it; under a bf16 scope these ops
+//    (and the dense ones above) run fp32 (docs/forms.md, "DSA in bf16":
+//    only the sparse attention and its KL target run bf16).
 //
 // Counting (OpCounts): the GEMMs as ops::gemm counts them; LayerNorm, both
 // RoPEs and the selections as elementwise bytes; the indexer's scores as
 // indexer_flops, as dsa_work counts them (mla/dsa_model.hpp): the top-k
 // H_I (2 d_I + 2) a causal (query, key) pair, the KL 3 H_I 2 d_I a filled
-// slot (its scores again, then dq and dk); the KL's target (the
-// head-summed probabilities) as an attention forward over the slots
-// without values (Sk = K, dv = 0, as ops_sparse.hpp counts its calls).
+// slot (its scores again, then dq and dk). The KL's target is
+// ops_sparse.hpp's sparse_attention_head_summed_probs.
 #pragma once
 
 #include <cstdint>
@@ -93,12 +94,6 @@ void index_all_causal(const IndexerShape& s, std::int32_t* idx);
 template <class T>
 void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, const T* p,
                 const T* q, const T* k, const T* w, double* loss, T* dq, T* dk, T* dw);
-// p (B, Sq, K): the main attention's head-summed, L1-normalised
-// distribution over each row's slots (sparse_attention_head_summed_probs).
-template <class T>
-void head_summed_probs(const SparseAttnShape& s, T* p, const T* q, const T* k, const T* lse,
-                       const std::int32_t* idx);
-
 // The filled slots of the rows of s when each row keeps at most K of its
 // causal keys (within its document when s.doc_start is set): what the
 // top-k's (K >= Sk: every causal pair) and the KL's counts are per slot of.

@@ -321,8 +321,6 @@ void check_dsa_options(const TrainOptions& o) {
              "one replica's ranks, not the replicas'); drop --dp"));
   refuse(o.pp == 1,
          cat("--pp ", o.pp, " is not supported (the pipeline runs dense MLA stages); drop --pp"));
-  refuse(o.precision == Precision::fp32,
-         "--dtype bf16 is not supported (the DSA block computes in fp32 or fp64); drop --dtype");
   refuse(o.seq_layout == SeqLayout::contiguous,
          cat("--seq-layout ", to_string(o.seq_layout),
              " is not supported (the latent gather of --sp > 1 is contiguous only, "

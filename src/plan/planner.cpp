@@ -141,6 +141,7 @@ std::vector<PlanCase> make_plans(const PlanRequest& q) {
             critical = r;
         }
         const RankWork& w = fw.classes[size_t(rc.class_of[critical])];
+        fp.critical_rank = int(critical);
         fp.phases = rank_time(w, P, q.profile, q.dtype, pc.links.fabric);
         fp.hidden_comm_s = t.ranks[critical].hidden_comm_s;
         fp.peer_wait_s = t.ranks[critical].peer_wait_s;

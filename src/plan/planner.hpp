@@ -44,6 +44,7 @@ struct FormPlan {
   // The rank on the step's critical path (plan/time_model.hpp,
   // group_step_time): its phases, summed, - hidden_comm_s + peer_wait_s +
   // core_share_s are the step.
+  int critical_rank = 0;            // that rank (the JSON's critical_rank)
   double crossing_bytes = 0;        // what crosses nodes
   std::array<PhaseTime, 3> phases;  // per phase, its compute and collectives
   double hidden_comm_s = 0;         // comm under compute (overlap)

@@ -248,6 +248,7 @@ std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) 
                             {"hidden_comm_s", f.hidden_comm_s},
                             {"peer_wait_s", f.peer_wait_s},
                             {"core_share_s", f.core_share_s},
+                            {"critical_rank", f.critical_rank},
                             {"phases", phases_json(f)},
                             {"fits", f.fits}});
     ojson k = {{"seq", c.seq},

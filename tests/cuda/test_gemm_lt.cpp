@@ -12,6 +12,7 @@
 #include "core/memory_pool.hpp"
 #include "cuda/device.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/device_peak.hpp"
 #include "cuda/gemm_lt.hpp"
 #include "kernels/gemm.hpp"
 
@@ -134,6 +135,31 @@ TEST(CudaGemm, MatchesReferenceOnDevice) {
               ASSERT_NEAR(c[size_t(i * ldc + j)], want[size_t(i * ldc + j)], 1e-4 * K)
                   << describe(g) << " at " << i << "," << j;
         }
+}
+
+// The cuBLASLt workspace is a size laga chooses, so the device peak's
+// prediction adds it to the memory model's (cuda/device_peak.hpp): a
+// GemmContext registers exactly those bytes, by name, in the pool current
+// where it is made, and gives them back. Count-only here: no device is
+// needed (the handle waits for the first GEMM).
+TEST(CudaGemm, WorkspaceIsCountedAndIsWhatThePredictionAdds) {
+  MemoryPool pool;
+  pool.set_count_only(true);
+  pool.set_live_tracking(true);
+  PoolScope scope(pool);
+  MemoryPrediction model;
+  model.peak_working = 1000;
+  const DevicePeakPrediction p = device_peak_prediction(model);
+  {
+    GemmContext ctx;
+    EXPECT_EQ(ctx.workspace_bytes(), kCublasLtWorkspaceBytes);
+    EXPECT_EQ(p.cublaslt_workspace, ctx.workspace_bytes());
+    EXPECT_EQ(pool.current(MemCategory::comm_buffers), ctx.workspace_bytes());
+    EXPECT_EQ(pool.current_total(), ctx.workspace_bytes());
+    EXPECT_EQ(pool.working_peak_snapshot().where, "cublaslt_workspace");
+    EXPECT_EQ(p.predicted(), 1000 + ctx.workspace_bytes());
+  }
+  EXPECT_EQ(pool.current_total(), 0);
 }
 
 }  // namespace

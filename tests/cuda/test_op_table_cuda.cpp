@@ -83,8 +83,21 @@ TEST(CudaOpTable, PicksARowOrNamesTheValue) {
   fused.C = 512, fused.dn = 128;
   EXPECT_STREQ(cuda_supports(Op::fused_latent_attention_forward, RunDtype::fp32, fused).name(),
                "fused_latent_cuda");
-  c = cuda_supports(Op::fused_latent_attention_backward, RunDtype::bf16, fused);
-  EXPECT_TRUE(has(c.why_not, "dtype bf16 (it takes fp32)")) << c.why_not;
+  // bf16: the kernel's bf16 variant, on fp32 containers of bf16 values (as
+  // the CPU's flash_latent_fp32 row takes a bf16 call).
+  for (Op op : {Op::fused_latent_attention_forward, Op::fused_latent_attention_backward}) {
+    c = cuda_supports(op, RunDtype::bf16, fused);
+    EXPECT_STREQ(c.name(), "fused_latent_cuda") << c.why_not;
+    if (c) {
+      EXPECT_EQ(c.row->operands, Bf16Operands::fp32_values);
+    }
+  }
+  c = cuda_supports(Op::fused_latent_attention_backward, RunDtype::fp64, fused);
+  EXPECT_TRUE(has(c.why_not, "dtype fp64 (it takes fp32 or bf16)")) << c.why_not;
+  OpShape fused_wide = fused;
+  fused_wide.attn.dv = 520;  // past what a lane holds: refused in bf16 as in fp32
+  c = cuda_supports(Op::fused_latent_attention_forward, RunDtype::bf16, fused_wide);
+  EXPECT_TRUE(has(c.why_not, "head dim dv 520 is above 512")) << c.why_not;
 
   // No device rows for the model's ops yet.
   c = cuda_supports(Op::adamw, RunDtype::fp32, OpShape{});

@@ -37,6 +37,15 @@ TEST(CudaSupports, OwnKernelsTakeV3ShapesOnHopper) {
   EXPECT_EQ(attention_refusal(AttnKernel::dense, v3_heads(), DType::bf16, kHopperSmem), "");
   EXPECT_EQ(attention_refusal(AttnKernel::dense, v3_latent(), DType::f32, kHopperSmem), "");
   EXPECT_EQ(attention_refusal(AttnKernel::fused_latent, v3_heads(), DType::f32, kHopperSmem), "");
+  // The fused kernel's bf16 variant (tensor-core up-projection) takes V3's
+  // heads too, packed documents and a ring step (Sq < Sk) included: its
+  // operands are fp32 containers, so its shared memory is the fp32 kernel's.
+  EXPECT_EQ(attention_refusal(AttnKernel::fused_latent, v3_heads(), DType::bf16, kHopperSmem), "");
+  AttnShape ring = v3_heads();
+  ring.Sq = 512;
+  static const std::int64_t docs[4096] = {};
+  ring.doc_start = docs;  // never read: a device pointer to the kernels
+  EXPECT_EQ(attention_refusal(AttnKernel::fused_latent, ring, DType::bf16, kHopperSmem), "");
   // The latent space's blocks need more than the 48 KiB every device gives.
   EXPECT_GT(attention_smem_bytes(AttnKernel::dense, 576, 512), 48 * 1024);
   EXPECT_LE(attention_smem_bytes(AttnKernel::dense, 576, 512), kHopperSmem);
@@ -56,8 +65,14 @@ TEST(CudaSupports, OwnKernelsRefuseNamingTheValue) {
   EXPECT_TRUE(has(m, "the device gives 102400")) << m;
   m = attention_refusal(AttnKernel::dense, v3_heads(), DType::f64, kHopperSmem);
   EXPECT_TRUE(has(m, "f64 is not run on the device")) << m;
-  m = attention_refusal(AttnKernel::fused_latent, v3_heads(), DType::bf16, kHopperSmem);
-  EXPECT_TRUE(has(m, "dtype bf16 is not supported yet")) << m;
+  m = attention_refusal(AttnKernel::fused_latent, v3_heads(), DType::f64, kHopperSmem);
+  EXPECT_TRUE(has(m, "f64 is not run on the device")) << m;
+  m = attention_refusal(AttnKernel::fused_latent, v3_latent(), DType::bf16, kHopperSmem);
+  EXPECT_TRUE(has(m, "Hq 128 != Hk 1")) << m;
+  s = v3_heads();
+  s.dv = 520;
+  m = attention_refusal(AttnKernel::fused_latent, s, DType::bf16, kHopperSmem);
+  EXPECT_TRUE(has(m, "head dim dv 520 is above 512")) << m;
   m = attention_refusal(AttnKernel::fused_latent, v3_latent(), DType::f32, kHopperSmem);
   EXPECT_TRUE(has(m, "Hq 128 != Hk 1")) << m;
   s = v3_heads();

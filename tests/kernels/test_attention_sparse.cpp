@@ -2,7 +2,9 @@
 // against the naive dense-masked reference (common/naive_dsa.hpp), per-head
 // and latent (one shared key/value head), with empty slots and slots in any
 // order; finite differences in double; every causal key as the selection
-// equals dense causal attention; the head-summed target; bad indices refused.
+// equals dense causal attention; the head-summed target; bad indices refused;
+// the bf16 entry points against the float kernel on the same rounded
+// operands (bit for bit: attention_sparse.hpp, "bf16 mixed precision").
 #include "kernels/attention_sparse.hpp"
 
 #include <gtest/gtest.h>
@@ -13,6 +15,7 @@
 
 #include "common/check.hpp"
 #include "common/naive_dsa.hpp"
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "kernels/dsa_indexer.hpp"
 
@@ -164,6 +167,70 @@ TEST(SparseAttention, HeadSummedProbsAreTheMainAttentionsDistribution) {
     }
     if (any) {
       EXPECT_NEAR(sum, 1.0, 1e-14);
+    }
+  }
+}
+
+// bf16 mixed precision: the bf16 kernel reads bf16 q, k, v, dO, widens each
+// exactly and runs the float kernel's arithmetic, so against the float kernel
+// on the widened values the bound is 0 (every bit); against the naive double
+// reference on the same rounded values it meets the fp32 bound of the test
+// above (the float kernel's own error; the rounding of the operands is the
+// same on both sides). Per-head, latent, a rank's queries over more keys.
+TEST(SparseAttention, Bf16IsTheFloatKernelOnTheRoundedOperands) {
+  for (auto [Sq, Sk, Hq, Hk, K] :
+       {std::tuple{9, 9, 3, 3, 4}, std::tuple{9, 9, 4, 1, 5}, std::tuple{5, 12, 2, 2, 6}}) {
+    SparseCase c(2, Sq, Sk, Hq, Hk, 6, 5, K, 23);
+    const auto round = [](std::vector<double>& x, std::vector<bf16>& h, std::vector<float>& f) {
+      for (double& e : x) {
+        h.push_back(to_bf16(float(e)));
+        f.push_back(to_float(h.back()));
+        e = double(f.back());
+      }
+    };
+    std::vector<bf16> qh, kh, vh, dh;
+    std::vector<float> qf, kf, vf, df;
+    round(c.q, qh, qf), round(c.k, kh, kf), round(c.v, vh, vf), round(c.dout, dh, df);
+    const AttnShape& a = c.s.attn;
+    const std::size_t no = std::size_t(a.B * a.Sq * a.Hq * a.dv),
+                      nl = std::size_t(a.B * a.Hq * a.Sq);
+    // the float kernel on the widened values
+    std::vector<float> of, lf, dqf, dkf, dvf;
+    c.run(of, lf, dqf, dkf, dvf);
+    // the bf16 kernel on the bf16 storage
+    std::vector<float> ob(no), lb(nl), dqb(qf.size()), dkb(kf.size()), dvb(vf.size());
+    sparse_attention_forward_bf16(c.s, ob.data(), lb.data(), qh.data(), kh.data(), vh.data(),
+                                  c.idx.data());
+    sparse_attention_backward_bf16(c.s, dqb.data(), dkb.data(), dvb.data(), dh.data(), qh.data(),
+                                   kh.data(), vh.data(), ob.data(), lb.data(), c.idx.data());
+    EXPECT_EQ(ob, of) << "o";
+    EXPECT_EQ(lb, lf) << "lse";
+    EXPECT_EQ(dqb, dqf) << "dq";
+    EXPECT_EQ(dkb, dkf) << "dk";
+    EXPECT_EQ(dvb, dvf) << "dv";
+    const auto want = c.naive();  // double, on the rounded values
+    EXPECT_TRUE(all_close("o bf16", ob, want.o, 1e-6, 1e-5));
+    EXPECT_TRUE(all_close("lse bf16", lb, want.lse, 1e-6, 1e-5));
+    EXPECT_TRUE(all_close("dq bf16", dqb, want.dq, 1e-6, 1e-5));
+    EXPECT_TRUE(all_close("dk bf16", dkb, want.dk, 1e-6, 1e-5));
+    EXPECT_TRUE(all_close("dv bf16", dvb, want.dv, 1e-6, 1e-5));
+    // the head-summed target over the same rounded q, k
+    std::vector<float> pf(std::size_t(a.B * a.Sq * K)), pb(pf.size());
+    sparse_attention_head_summed_probs(c.s, pf.data(), qf.data(), kf.data(), lf.data(),
+                                       c.idx.data());
+    sparse_attention_head_summed_probs_bf16(c.s, pb.data(), qh.data(), kh.data(), lb.data(),
+                                            c.idx.data());
+    EXPECT_EQ(pb, pf) << "head-summed p";
+    for (std::int64_t row = 0; row < a.B * a.Sq; ++row) {
+      double sum = 0;
+      bool any = false;
+      for (std::int64_t r = 0; r < K; ++r) {
+        sum += pb[std::size_t(row * K + r)];
+        any = any || c.idx[std::size_t(row * K + r)] >= 0;
+      }
+      if (any) {
+        EXPECT_NEAR(sum, 1.0, 1e-6) << "row " << row;
+      }
     }
   }
 }

@@ -52,7 +52,7 @@ def load(args, name, ok=(0,)):
 PLAN_FIELDS = ["form", "seq", "sp", "bytes_sent_per_rank", "bytes_sent_forward",
                "bytes_sent_backward", "peak_activation_bytes",
                "predicted_step_s", "predicted_tokens_per_s", "comm_fraction", "hidden_comm_s",
-               "peer_wait_s", "core_share_s", "phases", "fits"]
+               "peer_wait_s", "core_share_s", "critical_rank", "phases", "fits"]
 PHASE_SECONDS = ["gemm_s", "attention_s", "elementwise_s", "comm_s"]
 PHASE_FIELDS = PHASE_SECONDS + ["gemm_flops", "attention_flops", "unmeasured_flops"]
 
@@ -131,6 +131,9 @@ def check_exact(model, seq, sp, attention, extra, name):
         if abs(total - hidden + waits - step) > 1e-9 * step or plan["core_share_s"] != 0:
             failures.append(f"{name} {plan['form']}: phases sum {total} - hidden {hidden} + "
                             f"waits {waits} != step {step}")
+        if not 0 <= plan["critical_rank"] < plan["sp"]:
+            failures.append(f"{name} {plan['form']}: critical_rank {plan['critical_rank']} of "
+                            f"{plan['sp']} ranks")
         if (hidden > 0) != plan["form"].endswith("+overlap"):
             failures.append(f"{name} {plan['form']}: hidden_comm_s {hidden}")
 

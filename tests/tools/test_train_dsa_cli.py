@@ -10,6 +10,13 @@
 - a DSA --config (ModelArgs keys index_n_heads, index_head_dim, index_topk)
   trains, where laga train refused it before; its checkpoint holds every
   layer's indexer under DeepSeek's names (layers.N.attn.indexer.*);
+- --dtype bf16 (bf16 mixed precision; docs/forms.md, "DSA in bf16"): 6
+  steps (2 of dense warm-up) follow fp32's loss within 2^-8 of it (one bf16
+  unit roundoff of the loss) and its index_kl within 2^-7 (the KL is a sum
+  of log-ratios of probabilities whose scores carry two bf16 roundings, of
+  q and k), at --sp 1 (the DSA block) and --sp 2 (the latent gather), and
+  --sp 2 follows --sp 1 within the same margins; the bf16 losses are not
+  fp32's (the bf16 path ran);
 - refused, exit 2, one message naming the option: --form/--attention beside
   a DSA model, --index-warmup on a dense model, --index-topk without the
   other two, DSA without --q-lora-rank, --index-topk above --seq.
@@ -53,6 +60,36 @@ for i, j in enumerate(lines):
           f"step {i + 1}: index_kl missing or not finite: {j}")
     want = "dense_warmup" if i < 2 else "sparse"
     check(j.get("dsa_stage") == want, f"step {i + 1}: dsa_stage {j.get('dsa_stage')}, want {want}")
+
+# ---- bf16 mixed precision against fp32, and at --sp 2 against --sp 1
+
+
+def losses(tag, extra):
+    path = os.path.join(SCRATCH, tag + ".jsonl")
+    r = run(MODEL + INDEX + ["--steps", "6", "--index-warmup", "2", "--log", path] + extra)
+    check(r.returncode == 0, f"{tag}: should train: {r.stderr.strip()[-300:]}")
+    if not os.path.exists(path):
+        return []
+    return [(j["loss"], j["index_kl"]) for j in map(json.loads, open(path))]
+
+
+def follows(tag, got, want, want_tag):
+    check(len(got) == 6 and len(want) == 6, f"{tag}: 6 log lines each expected")
+    for step, ((l, kl), (lw, klw)) in enumerate(zip(got, want), 1):
+        check(abs(l - lw) <= lw / 256,
+              f"{tag} step {step}: loss {l} vs {want_tag}'s {lw}: beyond 2^-8 of it")
+        check(abs(kl - klw) <= 1 / 128,
+              f"{tag} step {step}: index_kl {kl} vs {want_tag}'s {klw}: beyond 2^-7")
+
+
+fp32 = losses("fp32_sp1", [])
+bf16_sp1 = losses("bf16_sp1", ["--dtype", "bf16"])
+bf16_sp2 = losses("bf16_sp2", ["--dtype", "bf16", "--sp", "2"])
+follows("bf16 --sp 1", bf16_sp1, fp32, "fp32 --sp 1")
+follows("bf16 --sp 2", bf16_sp2, fp32, "fp32 --sp 1")
+follows("bf16 --sp 2", bf16_sp2, bf16_sp1, "bf16 --sp 1")
+check(any(abs(l - lw) > 1e-6 * lw for (l, _), (lw, _) in zip(bf16_sp1, fp32)),
+      "bf16 losses equal fp32's to 1e-6: the bf16 path did not run")
 
 # ---- a DSA config, and its checkpoint's names
 cfg = os.path.join(SCRATCH, "dsa.json")
