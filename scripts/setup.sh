@@ -84,4 +84,8 @@ fi
 
 # PyPI's torch 2 and triton in build/torch2-venv, for the package suite's
 # torch 2 run and the Triton kernel's tests (downloaded once, then reused).
-bash "$(dirname "$0")/setup_torch2.sh" build
+# LAGA_SETUP_TORCH2=0: not here (scripts/test.sh makes it in the background,
+# beside the main build).
+if [ "${LAGA_SETUP_TORCH2:-1}" != 0 ]; then
+  bash "$(dirname "$0")/setup_torch2.sh" build
+fi

@@ -12,14 +12,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+# One line per phase, "test.sh: <phase> took N s", so a run's log says where
+# its time went (docs/testing.md, "Suite time").
+phase_start=$start
+phase_done() {
+  local now
+  now=$(date +%s)
+  echo "test.sh: $1 took $(( now - phase_start )) s"
+  phase_start=$now
+}
 # Where nvcc is present (every machine here) the CUDA backend is built, and
 # its cuDNN SDPA path needs cudnn-frontend's C++ headers from PyPI: fetched
 # into build/ once (docs/build.md, "The CUDA backend"), so CI compiles it.
+# The torch 2 venv (scripts/setup_torch2.sh: a multi-GB download, then pip)
+# is made in the background while the main build compiles, and waited for
+# before the first ctest; LAGA_SETUP_TORCH2=0 keeps setup.sh from making it.
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-  bash scripts/setup.sh --cuda build
+  LAGA_SETUP_TORCH2=0 bash scripts/setup.sh --cuda build
 else
-  bash scripts/setup.sh
+  LAGA_SETUP_TORCH2=0 bash scripts/setup.sh
 fi
+mkdir -p build
+bash scripts/setup_torch2.sh build >build/setup_torch2.log 2>&1 &
+torch2_setup=$!
+# A failure before the wait below leaves no download running behind it.
+trap 'kill "$torch2_setup" 2>/dev/null || true' EXIT
+# The *_torch2 tests are registered at configure time, before the venv may
+# exist: name its interpreter now unless LAGA_TORCH2=off (then none).
+torch2_python=""
+if [ "${LAGA_TORCH2:-on}" != off ]; then torch2_python=$PWD/build/torch2-venv/bin/python; fi
+phase_done "setup (apt, cudnn-frontend; torch 2 venv in the background)"
 
 # Formatting: every C++ file under src, tests and bench, by the repository's
 # .clang-format. Fix with: clang-format -i FILE
@@ -30,7 +52,18 @@ if ! clang-format --dry-run --Werror "${sources[@]}"; then
   exit 1
 fi
 
-bash scripts/build.sh
+phase_done "clang-format"
+
+bash scripts/build.sh "-DLAGA_TORCH2_PYTHON=$torch2_python"
+phase_done "main build"
+if ! wait "$torch2_setup"; then
+  cat build/setup_torch2.log >&2
+  echo "test.sh: scripts/setup_torch2.sh failed (its log is above)" >&2
+  exit 1
+fi
+trap - EXIT
+cat build/setup_torch2.log
+phase_done "waiting for the torch 2 venv"
 
 # ctest -j 2 runs two test binaries at once, each with OMP_NUM_THREADS=2: four
 # OpenMP threads on two cores. With OpenMP's default (active) waiting, an idle
@@ -60,6 +93,7 @@ run_ctest() {
 }
 
 run_ctest build
+phase_done "main ctest"
 
 # Sanitizers: unit tests only (the MPI launcher and Python are not ours to
 # instrument), so only their binaries are built (target unit_tests); -g1 (line
@@ -72,11 +106,14 @@ run_ctest build
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLAGA_WERROR=ON \
   -DLAGA_SANITIZE=ON "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" >/dev/null
 cmake --build build-asan -j "$(nproc)" --target unit_tests
+phase_done "ASan build"
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   run_ctest build-asan -L 'core|kernels|comm|io|mla|model' -LE mpi
+phase_done "ASan ctest"
 
 # Coverage-guided fuzzing of every reader (docs/reliability.md, "Fuzzing"):
 # each libFuzzer target for 20 s on its committed seed corpus; a crash fails
 # the suite and leaves its input in build-fuzz/artifacts/.
 bash scripts/fuzz.sh 20
+phase_done "fuzz (build and 5 x 20 s)"
 echo "test.sh: done in $(( $(date +%s) - start )) s"

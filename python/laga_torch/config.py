@@ -80,18 +80,11 @@ def _read_float(j, key, source):
     return f
 
 
-# What laga_torch refuses that the C++ tool runs (docs/pytorch.md): Kimi K3's
-# gated NoPE MLA (docs/mla-math.md, "Gated NoPE MLA").
-NOPE_REFUSAL = ("{source}: {what}: Kimi K3's gated NoPE MLA (mla_use_nope, "
-                "mla_use_output_gate, qk_rope_head_dim 0) is not implemented in laga_torch, "
-                "whose MLA module always rotates qk_rope_head_dim > 0 dims and has no output "
-                "gate; run it with the C++ tool (laga forward / compare / train), which does "
-                "(docs/forms.md, \"Gated NoPE MLA\")")
-
-
 # DeepSeek Sparse Attention's indexer keys (DeepSeek-V3.2's config.json), which
 # neither laga_torch nor the C++ tool's dense commands run (docs/forms.md, DSA).
 DSA_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+# laga's fp8 options of DSA (docs/configs.md): true is refused with the DSA keys.
+DSA_FP8_KEYS = ("index_fp8", "kv_fp8_round_trip")
 DSA_REFUSAL = ("{source} sets DeepSeek Sparse Attention ({keys}): the lightning indexer and "
                "top-k attention, which laga_torch does not run: it would attend every key, a "
                "different model. `laga plan` costs its DSA forms (docs/planning.md, \"DSA\"); "
@@ -105,6 +98,32 @@ def _read_bool(j, key, source):
     if not isinstance(v, bool):
         raise ValueError(f"{source}: '{key}' must be true or false, got {_dump(v)}")
     return v
+
+
+def _read_kimi_keys(j, source):
+    """Kimi K3's two MLA switches as the C++ read_kimi_keys reads them
+    (src/mla/config.cpp), under either key set: true/false or absent/null.
+    NoPE with a RoPE scaling block that is not plain is refused, naming both
+    keys: nothing rotates, so neither the scaling nor its mscale can apply."""
+    f = {}
+    for key in ("mla_use_nope", "mla_use_output_gate"):
+        v = _read_bool(j, key, source)
+        if v is not None:
+            f[key] = v
+    if not f.get("mla_use_nope"):
+        return f
+    for k in ("rope_scaling", "rope_parameters"):
+        block = j.get(k)
+        if not isinstance(block, dict):
+            continue
+        tk = "type" if "type" in block else "rope_type" if "rope_type" in block else None
+        kind = block[tk] if tk else None
+        if tk is not None and kind != "default":
+            raise ValueError(f"{source}: mla_use_nope is true but '{k}' asks for {_dump(kind)} "
+                             "RoPE scaling; with NoPE nothing rotates, so the scaling (and its "
+                             f"softmax mscale) cannot apply: remove '{k}' or set mla_use_nope "
+                             "false")
+    return f
 
 
 _PLAIN_KEYS = {"type", "rope_type", "rope_theta", "partial_rotary_factor"}
@@ -228,6 +247,12 @@ class MLAConfig:
     mscale: float = 1.0
     norm_eps: float = 1e-6
     yarn_always: bool = False  # HF's rule: a yarn rope block turns YaRN on whatever the lengths
+    # Kimi K3's gated NoPE MLA (docs/mla-math.md, "Gated NoPE MLA"; the C++
+    # MlaConfig's keys of the same names): mla_use_nope, no rotation anywhere
+    # (the dr dims kept, k_pe shared over heads, never rotated; dr may be 0);
+    # mla_use_output_gate, o * sigmoid(x wg^T) before wo.
+    mla_use_nope: bool = False
+    mla_use_output_gate: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -237,8 +262,16 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def rotates(self):
+        """The C++ MlaConfig::rotates: False under NoPE (mla_use_nope, or
+        qk_rope_head_dim 0), when the RoPE tables are empty or identity."""
+        return not self.mla_use_nope and self.qk_rope_head_dim > 0
+
+    @property
     def yarn(self):
-        return self.yarn_always or self.max_seq_len > self.original_seq_len
+        """Never with nothing to rotate (the C++ MlaConfig::yarn): no YaRN, no
+        mscale on the softmax under NoPE (Kimi K3's scale is (dn + dr)^-1/2)."""
+        return self.rotates and (self.yarn_always or self.max_seq_len > self.original_seq_len)
 
     def validate(self, source="config"):
         """The C++ MlaConfig::validate, and the types its reader enforces.
@@ -261,15 +294,22 @@ class MLAConfig:
             if not math.isfinite(v):
                 raise ValueError(f"{source}: {k} must be finite, got {v}")
             setattr(self, k, v)
-        if not isinstance(self.yarn_always, bool):
-            raise ArgumentTypeError(f"{source}: yarn_always must be True or False, got "
-                                    f"{self.yarn_always!r}")
-        if self.qk_rope_head_dim == 0:
-            raise ValueError(NOPE_REFUSAL.format(source=source, what="qk_rope_head_dim 0"))
-        for k in ("dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                  "v_head_dim"):
+        for k in ("yarn_always", "mla_use_nope", "mla_use_output_gate"):
+            if not isinstance(getattr(self, k), bool):
+                raise ArgumentTypeError(f"{source}: {k} must be True or False, got "
+                                        f"{getattr(self, k)!r}")
+        for k in ("dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{source}: {k} must be positive, got {getattr(self, k)}")
+        # qk_rope_head_dim may be 0: NoPE MLA (src/mla/config.cpp, validate).
+        if self.qk_rope_head_dim < 0:
+            raise ValueError(f"{source}: qk_rope_head_dim must be 0 (no rope part) or positive, "
+                             f"got {self.qk_rope_head_dim}")
+        if self.mla_use_nope and self.yarn_always:
+            raise ValueError(f"{source}: mla_use_nope is true but yarn_always is set; NoPE "
+                             "rotates nothing")
+        if self.v_head_dim <= 0:
+            raise ValueError(f"{source}: v_head_dim must be positive, got {self.v_head_dim}")
         if self.q_lora_rank < 0:
             raise ValueError(f"{source}: q_lora_rank must be 0 (no q compression) or positive, "
                              f"got {self.q_lora_rank}")
@@ -335,15 +375,12 @@ class MLAConfig:
         text = j.get("text_config")  # a multimodal config (Kimi K3's), as the C++ reads it
         if isinstance(text, dict) and "hidden_size" not in j and "dim" not in j:
             return cls.from_json(text, source + " text_config")
-        # Kimi K3's gated NoPE MLA: the C++ tool runs it, this package's module
-        # does not (it would rotate, and drop the gate): refused by name.
-        for key in ("mla_use_nope", "mla_use_output_gate"):
-            if _read_bool(j, key, source):
-                raise ValueError(NOPE_REFUSAL.format(source=source, what=f"'{key}' true"))
+        kimi = _read_kimi_keys(j, source)
         # DeepSeek-V3.2's sparse attention: the C++ tool's dense commands refuse
         # it too (ModelOptions::load, tools/cli_common.cpp): attending every key
         # would be another model.
         dsa = [f"{k} {_dump(j[k])}" for k in DSA_KEYS if j.get(k) is not None]
+        dsa += [f"{k} true" for k in DSA_FP8_KEYS if _read_bool(j, k, source)]
         if dsa:
             raise ValueError(DSA_REFUSAL.format(source=source, keys=", ".join(dsa)))
 
@@ -381,6 +418,7 @@ class MLAConfig:
             y = _read_bool(j, "yarn_always", source)
             if y is not None:
                 f["yarn_always"] = y
+        f.update(kimi)
         try:
             return cls(**f)
         except (TypeError, ValueError) as e:
@@ -434,4 +472,7 @@ class MLAConfig:
         return cls.from_json(j, source)
 
     def to_json(self):
-        return {k: v for k, v in dataclasses.asdict(self).items()}
+        """The fields; Kimi K3's keys only when on, as the C++ to_json writes
+        them (so every other config's JSON is what it was)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v or k not in ("mla_use_nope", "mla_use_output_gate")}

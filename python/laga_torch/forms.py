@@ -278,7 +278,10 @@ class Sp:
 
 
 def rope(x, sp, pos):
-    """Interleaved-pair rotation of x (B, T, heads, dr) at positions (B, T)."""
+    """Interleaved-pair rotation of x (B, T, heads, dr) at positions (B, T);
+    x itself when nothing rotates (NoPE: sp.cos None, module.rope_tables)."""
+    if sp.cos is None:
+        return x
     c, s = sp.cos[pos][:, :, None, :], sp.sin[pos][:, :, None, :]
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)

@@ -43,7 +43,11 @@ class RMSNorm(nn.Module):
 
 def rope_tables(cfg, positions, dtype, device):
     """cos, sin (positions, dr/2): angles in float64 (src/kernels/rope.cpp,
-    rope_frequencies), then cast."""
+    rope_frequencies), then cast. (None, None) when nothing rotates (NoPE:
+    mla_use_nope or qk_rope_head_dim 0, the C++ MlaConfig::rope's dim 0):
+    every rotation (forms.rope, tape._rot) then returns its input as it is."""
+    if not cfg.rotates:
+        return None, None
     d = cfg.qk_rope_head_dim
     i = torch.arange(d // 2, dtype=torch.float64)
     f = 1.0 / cfg.rope_theta ** (2 * i / d)
@@ -268,6 +272,8 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                bias=False, **kw)
         self.wo = nn.Linear(H * cfg.v_head_dim, D, bias=False, **kw)
+        if cfg.mla_use_output_gate:  # Kimi K3's g_proj (docs/mla-math.md, "Gated NoPE MLA")
+            self.wg = nn.Linear(D, H * cfg.v_head_dim, bias=False, **kw)
         self._register_load_state_dict_pre_hook(MLA._hf_names_pre_hook)
         trainer.register(self)  # the opaque op's handle under torch.compile (trainer.py)
 
@@ -285,9 +291,18 @@ class MLA(nn.Module):
         unused = [k for k in HF_NAMES if k in mapped and not hasattr(
             getattr(self, k.split(".")[0], None), "weight")]
         if strict and unused:  # (the C++ reader's verdict: another model's weights)
+            why = ("mla_use_output_gate is false: the weights have Kimi K3's output gate; set "
+                   "it true in the config") if unused == ["wg.weight"] else \
+                f"q_lora_rank {self.cfg.q_lora_rank}"
             raise ValueError(f"the state dict holds {', '.join(map(repr, unused))}, which this "
-                             f"config has no place for (q_lora_rank {self.cfg.q_lora_rank}): the "
-                             "weights are another model's; check the config")
+                             f"config has no place for ({why}): the weights are another "
+                             "model's; check the config")
+        if strict and self.cfg.mla_use_output_gate and "wg.weight" not in mapped:
+            # (the C++ reader's verdict, block_job.cpp: the config needs it)
+            raise ValueError("the state dict has no 'wg.weight' (DeepSeek-style name) or "
+                             "'g_proj.weight' (Kimi K3's name): the config's "
+                             "mla_use_output_gate needs the output gate's weight; check the "
+                             "config and the layer")
         if not assign:
             return super().load_state_dict(mapped, strict=strict)
         if "assign" not in inspect.signature(nn.Module.load_state_dict).parameters:
@@ -387,6 +402,8 @@ class MLA(nn.Module):
             k_pe = rope(kv[..., cfg.kv_lora_rank:].unsqueeze(2), sp, pos).squeeze(2)
             o = mla_attention(form, q, c_kv, k_pe, W["wkv_b.weight"], sp, cfg,
                               q_latent=query_latent, overlap=overlap, check_ranks=False)
+            if cfg.mla_use_output_gate:  # o * sigmoid(x wg^T) before wo
+                o = o * torch.sigmoid(F.linear(x, W["wg.weight"]))
             return F.linear(o, W["wo.weight"])
 
 
@@ -563,7 +580,8 @@ class _Run:
 def param_order(cfg):
     """The C++ MlaParams::for_each order (the gradient all-reduce's flat buffer)."""
     q = ["wq.weight"] if cfg.q_lora_rank == 0 else ["wq_a.weight", "q_norm.weight", "wq_b.weight"]
-    return q + ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
+    gate = ["wg.weight"] if cfg.mla_use_output_gate else []
+    return q + ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"] + gate
 
 
 def sync_gradients(module, group=None, ledger=None, grad_reduce="fp32"):

@@ -21,7 +21,8 @@ import re
 HF_NAMES = {"wq.weight": "q_proj.weight", "wq_a.weight": "q_a_proj.weight",
             "q_norm.weight": "q_a_layernorm.weight", "wq_b.weight": "q_b_proj.weight",
             "wkv_a.weight": "kv_a_proj_with_mqa.weight", "kv_norm.weight": "kv_a_layernorm.weight",
-            "wkv_b.weight": "kv_b_proj.weight", "wo.weight": "o_proj.weight"}
+            "wkv_b.weight": "kv_b_proj.weight", "wo.weight": "o_proj.weight",
+            "wg.weight": "g_proj.weight"}  # Kimi K3's output gate (src/mla/params.cpp)
 # A layer index as laga writes it (no sign, no leading zero, at most 9 digits):
 # `model.layers.03.` is no layer's name, in the C++ reader as here.
 _PREFIXED = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.self_attn\.(.+)$")

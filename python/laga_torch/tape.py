@@ -12,7 +12,8 @@ backward).
 
 Saved, per rank (B, L local tokens, S all, H_r heads; rq = q_lora_rank):
   every form   kv_a (B, L, C+dr) [rq > 0: with qa, the fused proj], kv_rstd,
-               qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc
+               qa, qn, q_rstd (rq > 0; q_latent: qn_q in place of qn), o_loc;
+               mla_use_output_gate: the gate's logits g = x wg^T (B, L, H dv)
   explicit     q_h, k_h, v_h, c_hat (local tokens); eager: probs;
                flash: o_h (B, S, H_r, dv), lse (B, H_r, S)
   laga/laga2d  q_h, k_h, v_h (laga2d: its query rows / keys), lat (B, S, C+dr);
@@ -52,11 +53,22 @@ from . import invariant
 
 def _rot(x, cos, sin, inverse=False):
     """Interleaved-pair rotation of x (B, T, heads, dr) by (cos, sin) (B, T, 1, dr/2);
-    inverse: by minus the angle, the forward rotation's adjoint."""
+    inverse: by minus the angle, the forward rotation's adjoint. x itself
+    when nothing rotates (NoPE: cos None, _trig)."""
+    if cos is None:
+        return x
     a, b = x[..., 0::2], x[..., 1::2]
     if inverse:
         sin = -sin
     return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+
+def _trig(sp, pos):
+    """(cos, sin) (B, T, 1, dr/2) at positions pos (B, T); (None, None) when
+    nothing rotates (NoPE, module.rope_tables)."""
+    if sp.cos is None:
+        return None, None
+    return sp.cos[pos][:, :, None], sp.sin[pos][:, :, None]
 
 
 def _mask_of(sp, rows, keys):
@@ -98,7 +110,7 @@ class Block(torch.autograd.Function):
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
         dqk, eps, scale = dn + dr, cfg.norm_eps, cfg.softmax_scale()
         own_pos = sp.pos[:, sp.own]  # the own tokens' in-document positions
-        trig = sp.cos[own_pos][:, :, None], sp.sin[own_pos][:, :, None]
+        trig = _trig(sp, own_pos)
         rows = run.rows
         h0, nh = run.heads
         keep = {}
@@ -119,7 +131,8 @@ class Block(torch.autograd.Function):
             q = q.view(B, L, H, dqk)
             q = torch.cat([q[..., :dn], _rot(q[..., dn:], *trig)], -1)
         kv_a = mm(x, W["wkv_a.weight"].t())
-        kv_a[..., C:] = _rot(kv_a[..., None, C:], *trig)[:, :, 0]  # k_pe rotated in place
+        if cfg.rotates:
+            kv_a[..., C:] = _rot(kv_a[..., None, C:], *trig)[:, :, 0]  # k_pe rotated in place
         c_hat, kv_rstd = rms_forward(kv_a[..., :C], W["kv_norm.weight"], eps)
         keep.update(kv_a=kv_a, kv_rstd=kv_rstd)
         wkv = W["wkv_b.weight"].view(H, dn + dv, C)
@@ -134,7 +147,7 @@ class Block(torch.autograd.Function):
                 q_h = invariant.per_head_mm(qn_q, w_q, nh, dqk)
             else:
                 q_h = (qn_q @ w_q.t()).view(B, qn_q.shape[1], nh, dqk)
-            t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
+            t = _trig(sp, sp.pos[:, rows])
             return torch.cat([q_h[..., :dn], _rot(q_h[..., dn:], *t)], -1)
 
         spec = run.spec
@@ -288,6 +301,12 @@ class Block(torch.autograd.Function):
             o_loc = move(o_h, run.plans["out"], sp.group, sp.ledger, "forward").reshape(
                 B, L, H * dv)
         keep["o_loc"] = o_loc
+        if cfg.mla_use_output_gate:
+            # Kimi K3's output gate (docs/mla-math.md, "Gated NoPE MLA"; the C++
+            # Pieces::output_projection): the logits g = x wg^T saved, y = o *
+            # sigmoid(g) made again in backward rather than saved.
+            keep["gate"] = mm(x, W["wg.weight"].t())
+            o_loc = o_loc * torch.sigmoid(keep["gate"])
         ctx.run, ctx.names = run, list(keep)
         ctx.save_for_backward(x, *weights, *keep.values())
         return mm(o_loc, W["wo.weight"].t())
@@ -313,7 +332,7 @@ class Block(torch.autograd.Function):
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
         dqk, scale = dn + dr, cfg.softmax_scale()
         own_pos = sp.pos[:, sp.own]  # the own tokens' in-document positions
-        trig = sp.cos[own_pos][:, :, None], sp.sin[own_pos][:, :, None]
+        trig = _trig(sp, own_pos)
         rows = run.rows
         h0, nh = run.heads
         G = {n: None for n in run.names}
@@ -326,8 +345,17 @@ class Block(torch.autograd.Function):
         wgrad = _mm_t if tree is None else tree.weight_grad
 
         spec = run.spec
-        G["wo.weight"] = wgrad(dout, s["o_loc"])
-        d_o = mm(dout, W["wo.weight"]).view(B, L, H, dv)
+        d_gate = None
+        if cfg.mla_use_output_gate:  # y = o * s, s = sigmoid(g): do = dy s, dg = dy o s (1 - s)
+            sg = torch.sigmoid(s["gate"])
+            G["wo.weight"] = wgrad(dout, s["o_loc"] * sg)
+            dy = mm(dout, W["wo.weight"])
+            d_gate = dy * s["o_loc"] * sg * (1 - sg)
+            G["wg.weight"] = wgrad(d_gate, x)
+            d_o = (dy * sg).view(B, L, H, dv)
+        else:
+            G["wo.weight"] = wgrad(dout, s["o_loc"])
+            d_o = mm(dout, W["wo.weight"]).view(B, L, H, dv)
         if spec.attends is Attends.own:
             do_h = d_o
         else:
@@ -346,7 +374,7 @@ class Block(torch.autograd.Function):
             tokens, or with q_latent d qn (B, L, rq) (wq_b's gradient taken here)."""
             if not run.q_latent:
                 return move(dq_h, run.plans["q"], sp.group, sp.ledger, "backward", adjoint=True)
-            t = sp.cos[sp.pos[:, rows]][:, :, None], sp.sin[sp.pos[:, rows]][:, :, None]
+            t = _trig(sp, sp.pos[:, rows])
             dq_h = torch.cat([dq_h[..., :dn], _rot(dq_h[..., dn:], *t, inverse=True)], -1)
             if tree is not None:  # per head, and summed over the heads in the head tree
                 w_q = W["wq_b.weight"].view(H, dqk, -1)
@@ -552,6 +580,8 @@ class Block(torch.autograd.Function):
         d_kva = torch.cat([d_c, _rot(d_kpe[:, :, None], *trig, inverse=True)[:, :, 0]], -1)
         G["wkv_a.weight"] = wgrad(d_kva, x)
         dx = dx + mm(d_kva, W["wkv_a.weight"])
+        if d_gate is not None:  # the gate's logits g = x wg^T: dx += dg wg
+            dx = dx + mm(d_gate, W["wg.weight"])
         return (dx, None) + tuple(G[n] for n in run.names)
 
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -290,13 +291,22 @@ void move_elems(DeviceMemory* device, void* dst, const void* src, std::int64_t n
   copy_elems(dst, src, n, t);
 }
 
+// The devices' registered reductions (register_device_reduction), by Device.
+std::atomic<DeviceReduction> device_reductions[3];
+
 // dst = the sum of srcs in rank order (sum_in_rank_order). In a device-local
-// group the buffers are device memory, summed where the host can address
-// them: the emulated device's (checked to be its memory first) and CUDA's
-// managed memory (cuda/device_memory_cuda.cpp); a device kernel for it is
-// future work (docs/architecture.md, "The transports").
+// group the buffers are device memory, summed on the device by its
+// registered reduction (CUDA's kernel, cuda/elementwise.hpp), or, on a
+// device without one, by the host: the emulated device's memory, checked
+// to be its memory first (docs/architecture.md, "The transports"). The
+// debugging switch that permutes the order (set_reduction_order_seed) is
+// the host's alone, so under it the host sums (CUDA's memory is managed:
+// cuda/device_memory_cuda.hpp).
 void sum_on(DeviceMemory* device, void* dst, const void* const* srcs, int P, std::int64_t n,
             DType t) {
+  if (device && n > 0 && dst && !reduction_order_seed())
+    if (const DeviceReduction sum = device_reductions[static_cast<int>(device->device())].load())
+      return sum(dst, srcs, P, n, t);
   if (device && device->checks_operands()) {
     const std::int64_t bytes = n * dtype_bytes(t);
     LAGA_CHECK(device->holds(dst, bytes), "device-local reduction: the destination (", bytes,
@@ -590,6 +600,11 @@ void LocalCommunicator::transport_barrier(const std::string& label) {
   const std::vector<Post> posts = group_->arrive(
       rank_, make_post(calls_done(), 0, kind, DType::f32, label), deadline, timeout(), true);
   check_same_call(posts, rank_);
+}
+
+void register_device_reduction(Device device, DeviceReduction sum) {
+  LAGA_CHECK(device != Device::cpu, "register_device_reduction: the host's sum is built in");
+  device_reductions[static_cast<int>(device)].store(sum);
 }
 
 std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P, DeviceMemory* device) {

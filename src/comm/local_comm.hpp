@@ -89,6 +89,16 @@ class LocalCommunicator final : public Communicator {
 std::vector<std::unique_ptr<Communicator>> make_local_communicators(int P,
                                                                     DeviceMemory* device = nullptr);
 
+// A device's reduction for the device-local transport: dst = the sum of the
+// P blocks at srcs (host array of device pointers) in rank order, bf16 in
+// fp32 rounded once (sum_in_rank_order's contract), run on the device and
+// finished when it returns. The CUDA backend registers its kernel
+// (cuda/device_memory_cuda.cpp); a device without one (the emulated device)
+// is summed by the host, which can address its memory.
+using DeviceReduction = void (*)(void* dst, const void* const* srcs, int P, std::int64_t n,
+                                 DType dtype);
+void register_device_reduction(Device device, DeviceReduction sum);
+
 struct LocalRunOptions {
   // Collective timeout for every rank; zero keeps each communicator's own.
   std::chrono::milliseconds timeout{0};

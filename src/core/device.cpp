@@ -64,6 +64,10 @@ class EmulatedMemory final : public DeviceMemory {
     copy(dst, src, bytes);
     on_device_ += bytes;
   }
+  void zero(void* p, std::int64_t bytes) override {
+    check(p, bytes, true, "zeroed block");
+    if (bytes > 0) std::memset(p, 0, static_cast<std::size_t>(bytes));
+  }
   bool holds(const void* p, std::int64_t bytes) const override {
     if (!p) return false;
     const auto a = reinterpret_cast<std::uintptr_t>(p);

@@ -45,6 +45,9 @@ class DeviceMemory {
   virtual void to_device(void* dst, const void* src, std::int64_t bytes) = 0;
   virtual void to_host(void* dst, const void* src, std::int64_t bytes) = 0;
   virtual void on_device(void* dst, const void* src, std::int64_t bytes) = 0;
+  // `bytes` bytes at p (device memory) set to zero on the device
+  // (Tensor::zeros of a device pool's tensor: cudaMemset on a GPU).
+  virtual void zero(void* p, std::int64_t bytes) = 0;
   // Whether [p, p + bytes) lies inside one live allocation of this memory.
   virtual bool holds(const void* p, std::int64_t bytes) const = 0;
   // Waits for the device's queued work (after a kernel, before the host

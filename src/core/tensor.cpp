@@ -142,7 +142,13 @@ Tensor<T> Tensor<T>::zeros(Shape shape, MemCategory cat) {
 template <class T>
 Tensor<T> Tensor<T>::zeros(Shape shape, const char* name, MemCategory cat) {
   Tensor t(std::move(shape), name, cat);
-  if (t.data_) std::memset(t.data_, 0, static_cast<std::size_t>(t.bytes()));
+  if (!t.data_) return t;
+  // A device pool's tensor is zeroed on its device, not by the host
+  // (issue 52: no host loop over device memory in a form's step).
+  if (DeviceMemory* device = t.pool_->device_memory())
+    device->zero(t.data_, t.bytes());
+  else
+    std::memset(t.data_, 0, static_cast<std::size_t>(t.bytes()));
   return t;
 }
 

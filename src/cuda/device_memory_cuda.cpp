@@ -4,10 +4,12 @@
 
 #include <atomic>
 
+#include "comm/local_comm.hpp"
 #include "core/device.hpp"
 #include "core/error.hpp"
 #include "cuda/cuda_error.hpp"
 #include "cuda/device.hpp"
+#include "cuda/elementwise.hpp"
 
 namespace laga::cuda {
 
@@ -40,6 +42,11 @@ class CudaMemory final : public DeviceMemory {
     copy(dst, src, bytes, cudaMemcpyDeviceToDevice, "cudaMemcpy device -> device");
     on_device_ += bytes;
   }
+  void zero(void* p, std::int64_t bytes) override {
+    if (bytes > 0)
+      check_cuda(cudaMemset(p, 0, static_cast<std::size_t>(bytes)),
+                 "cudaMemset of a zeroed tensor");
+  }
   bool holds(const void* p, std::int64_t) const override {
     cudaPointerAttributes a{};
     if (!p || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
@@ -60,6 +67,33 @@ class CudaMemory final : public DeviceMemory {
   std::atomic<std::int64_t> to_device_{0}, to_host_{0}, on_device_{0};
 };
 
+// The device-local transport's reduction on the device (comm/local_comm.hpp,
+// register_device_reduction): the P block pointers uploaded into this
+// thread's array (each rank's thread sums its own chunk), then the kernel
+// of cuda/elementwise.hpp, waited for (the transport's next step reads dst).
+void sum_on_device(void* dst, const void* const* srcs, int P, std::int64_t n, DType dtype) {
+  struct Parts {
+    void* p = nullptr;
+    int capacity = 0;
+    ~Parts() {
+      if (p) (void)cudaFree(p);
+    }
+  };
+  thread_local Parts parts;
+  if (parts.capacity < P) {
+    if (parts.p) (void)cudaFree(parts.p);
+    parts.p = nullptr, parts.capacity = 0;
+    check_cuda(cudaMalloc(&parts.p, sizeof(void*) * static_cast<std::size_t>(P)),
+               "cudaMalloc of the device-local reduction's block pointers");
+    parts.capacity = P;
+  }
+  check_cuda(cudaMemcpy(parts.p, srcs, sizeof(void*) * static_cast<std::size_t>(P),
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy of the device-local reduction's block pointers");
+  sum_in_rank_order(dst, static_cast<const void* const*>(parts.p), P, n, dtype);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after the device-local reduction");
+}
+
 }  // namespace
 
 void register_cuda_memory() {
@@ -67,6 +101,7 @@ void register_cuda_memory() {
   LAGA_CHECK(missing.empty(), missing);
   static CudaMemory memory;
   register_device_memory(memory);
+  register_device_reduction(Device::cuda, &sum_on_device);
 }
 
 }  // namespace laga::cuda

@@ -2,6 +2,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include "core/error.hpp"
 #include "cuda/cuda_error.hpp"
 #include "cuda/elementwise.hpp"
@@ -198,6 +201,94 @@ void sum_in_rank_order(void* out, const void* const* parts, int P, std::int64_t 
                                           reinterpret_cast<const __nv_bfloat16* const*>(parts), P,
                                           n);
   check_launch("sum_in_rank_order");
+}
+
+namespace {
+
+// core/bf16.hpp's to_bf16, bit for bit (see cuda/elementwise.hpp, copy_rows).
+__device__ __forceinline__ std::uint16_t bf16_bits(float x) {
+  const std::uint32_t u = __float_as_uint(x);
+  const std::uint32_t exponent = u & 0x7F800000u, fraction = u & 0x007FFFFFu;
+  if (exponent == 0) return static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  if (exponent == 0x7F800000u)
+    return static_cast<std::uint16_t>(fraction == 0 ? (u >> 16) : ((u >> 16) | 0x0040u));
+  return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_value(std::uint16_t b) {
+  return __uint_as_float(static_cast<std::uint32_t>(b) << 16);
+}
+
+// One thread an element of a (rows, cols) block; S, D the element types
+// (std::uint16_t: bf16 bits).
+template <class S, class D>
+__global__ void copy_rows_kernel(D* dst, std::int64_t ldd, const S* src, std::int64_t lds,
+                                 std::int64_t rows, std::int64_t cols, bool accumulate) {
+  const std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= rows * cols) return;
+  const std::int64_t i = e / cols, j = e % cols;
+  const S x = src[i * lds + j];
+  D& y = dst[i * ldd + j];
+  if constexpr (std::is_same_v<S, D>) {
+    if (accumulate)
+      y = y + x;
+    else
+      y = x;
+  } else if constexpr (std::is_same_v<D, std::uint16_t>) {
+    y = bf16_bits(x);
+  } else {
+    y = accumulate ? y + bf16_value(x) : bf16_value(x);
+  }
+}
+template <class T>
+__global__ void fill_kernel(T* dst, std::int64_t ldd, std::int64_t rows, std::int64_t cols,
+                            T value) {
+  const std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= rows * cols) return;
+  dst[(e / cols) * ldd + e % cols] = value;
+}
+
+template <class S, class D>
+void launch_copy(void* dst, std::int64_t ldd, const void* src, std::int64_t lds, std::int64_t rows,
+                 std::int64_t cols, bool accumulate, cudaStream_t st) {
+  copy_rows_kernel<S, D><<<blocks_of(rows * cols, 256), 256, 0, st>>>(
+      static_cast<D*>(dst), ldd, static_cast<const S*>(src), lds, rows, cols, accumulate);
+}
+
+}  // namespace
+
+void copy_rows(void* dst, std::int64_t ldd, const void* src, std::int64_t lds, std::int64_t rows,
+               std::int64_t cols, DType to, bool src_bf16, bool accumulate, void* stream) {
+  LAGA_CHECK(rows >= 0 && cols >= 0, "cuda copy_rows: rows ", rows, ", cols ", cols);
+  LAGA_CHECK(!(to == DType::bf16 && accumulate),
+             "cuda copy_rows: a sum into bf16 (bf16 is stored, never added to)");
+  LAGA_CHECK(!(to == DType::f64 && src_bf16), "cuda copy_rows: bf16 values into fp64");
+  if (rows == 0 || cols == 0) return;
+  auto* st = static_cast<cudaStream_t>(stream);
+  using B = std::uint16_t;
+  if (to == DType::f64)
+    launch_copy<double, double>(dst, ldd, src, lds, rows, cols, accumulate, st);
+  else if (to == DType::f32)
+    src_bf16 ? launch_copy<B, float>(dst, ldd, src, lds, rows, cols, accumulate, st)
+             : launch_copy<float, float>(dst, ldd, src, lds, rows, cols, accumulate, st);
+  else
+    src_bf16 ? launch_copy<B, B>(dst, ldd, src, lds, rows, cols, false, st)
+             : launch_copy<float, B>(dst, ldd, src, lds, rows, cols, false, st);
+  check_launch("copy_rows");
+}
+
+void fill_rows(void* dst, std::int64_t ldd, std::int64_t rows, std::int64_t cols, DType to,
+               double value, void* stream) {
+  LAGA_CHECK(rows >= 0 && cols >= 0, "cuda fill_rows: rows ", rows, ", cols ", cols);
+  LAGA_CHECK(to != DType::bf16, "cuda fill_rows: dtype bf16 (it takes f32 or f64)");
+  if (rows == 0 || cols == 0) return;
+  auto* st = static_cast<cudaStream_t>(stream);
+  const unsigned grid = blocks_of(rows * cols, 256);
+  if (to == DType::f64)
+    fill_kernel<double><<<grid, 256, 0, st>>>(static_cast<double*>(dst), ldd, rows, cols, value);
+  else
+    fill_kernel<float><<<grid, 256, 0, st>>>(static_cast<float*>(dst), ldd, rows, cols,
+                                             static_cast<float>(value));
+  check_launch("fill_rows");
 }
 
 }  // namespace laga::cuda

@@ -55,4 +55,19 @@ void lse_merge(const LseMergeShape& s, float* o, float* lse, const float* o_p, c
 void sum_in_rank_order(void* out, const void* const* parts, int P, std::int64_t n, DType dtype,
                        void* stream = nullptr);
 
+// The forms' data movement on the device (mla/op_table.hpp, Op::copy_rows
+// and Op::fill; the CPU rows' loops in mla/op_table_cpu.cpp): rows x cols
+// elements, each side at its own row stride. copy_rows: dst = src, or
+// dst += src when accumulate; `to` is dst's element type and src_bf16 says
+// src holds bf16 (to f32: widened exactly, optionally added; to bf16: moved
+// as they are); to bf16 from f32 src rounds as core/bf16.hpp's to_bf16 (to
+// nearest even, NaN made quiet, fp32 denormals to signed zero: the CPU's
+// bits, not __float2bfloat16_rn's, which keeps denormals). A sum into bf16
+// is the caller's refusal (copy_rows_refusal).
+void copy_rows(void* dst, std::int64_t ldd, const void* src, std::int64_t lds, std::int64_t rows,
+               std::int64_t cols, DType to, bool src_bf16, bool accumulate, void* stream = nullptr);
+// dst (rows x cols, stride ldd) = value, in `to` (f32 or f64).
+void fill_rows(void* dst, std::int64_t ldd, std::int64_t rows, std::int64_t cols, DType to,
+               double value, void* stream = nullptr);
+
 }  // namespace laga::cuda

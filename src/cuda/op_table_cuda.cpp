@@ -36,6 +36,7 @@
 #include "cuda/gemm_lt.hpp"
 #include "cuda/sdpa_cudnn.hpp"
 #include "cuda/sdpa_ragged.hpp"
+#include "cuda/sparse_attention.hpp"
 #include "mla/form_spec.hpp"  // AttentionKind
 #include "mla/op_table.hpp"
 
@@ -361,6 +362,78 @@ void run_rope(const OpCall& c) {
                    device_rope(*static_cast<const RopeTable*>(c.context)), Inverse);
 }
 
+// ------------------------------------------------- sparse attention (DSA)
+// DeepSeek Sparse Attention's main attention over each query's selected keys
+// (cuda/sparse_attention.hpp), per head or latent (any Hk dividing Hq): fp32,
+// and bf16 operands with fp32 o, lse and gradients, as the CPU's
+// sparse_gather and sparse_gather_bf16 rows. The backward's dk, dv are a
+// deterministic scatter (sorted pairs, no atomics), so the row takes the
+// invariant mode's calls too. Its scratch is its own DeviceBuffers (counted
+// by the pool when it runs; the op layer hands this op no workspace).
+//
+// The selection idx (B, Sq, K) int32: the pointer itself when it is device
+// or managed memory, else (the DSA forms keep it in a host std::vector) a
+// copy for the call, in `own`.
+const std::int32_t* device_selection(const OpCall& c, int slot, DeviceBuffer& own) {
+  const auto* idx = static_cast<const std::int32_t*>(c.in[slot]);
+  const std::int64_t n = c.shape.attn.B * c.shape.attn.Sq * c.shape.k;
+  if (!idx || n <= 0) return idx;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, idx) == cudaSuccess &&
+      (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
+    return idx;
+  (void)cudaGetLastError();
+  own = DeviceBuffer(4 * n, "sparse attention selection (device copy)");
+  own.upload(idx, 4 * n);
+  return own.as<std::int32_t>();
+}
+Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
+  if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
+  const std::string m = cuda::sparse_attention_refusal({s.attn, s.k});
+  if (!m.empty()) return m;
+  return std::nullopt;
+}
+template <class In>
+void run_sparse_cuda_forward(const OpCall& c) {
+  DeviceBuffer own;
+  const std::int32_t* idx = device_selection(c, 3, own);
+  cuda::sparse_attention_forward<In>({c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]),
+                                     static_cast<float*>(c.out[1]), static_cast<const In*>(c.in[0]),
+                                     static_cast<const In*>(c.in[1]),
+                                     static_cast<const In*>(c.in[2]), idx);
+}
+template <class In>
+void run_sparse_cuda_backward(const OpCall& c) {
+  DeviceBuffer own;
+  const std::int32_t* idx = device_selection(c, 6, own);
+  cuda::sparse_attention_backward<In>(
+      {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
+      static_cast<float*>(c.out[2]), static_cast<const In*>(c.in[0]),
+      static_cast<const In*>(c.in[1]), static_cast<const In*>(c.in[2]),
+      static_cast<const In*>(c.in[3]), static_cast<const float*>(c.in[4]),
+      static_cast<const float*>(c.in[5]), idx);
+}
+void run_sparse_cuda_forward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_sparse_cuda_forward<bf16>(c) : run_sparse_cuda_forward<float>(c);
+}
+void run_sparse_cuda_backward_any(const OpCall& c) {
+  c.dtype == RunDtype::bf16 ? run_sparse_cuda_backward<bf16>(c)
+                            : run_sparse_cuda_backward<float>(c);
+}
+// --------------------------------------------- data movement (copy_rows, fill)
+
+DType move_type(RunDtype d) {
+  return d == RunDtype::fp64 ? DType::f64 : d == RunDtype::bf16 ? DType::bf16 : DType::f32;
+}
+void run_copy_rows(const OpCall& c) {
+  const OpShape& s = c.shape;
+  cuda::copy_rows(c.out[0], s.ldc, c.in[0], s.lda, s.rows, s.cols, move_type(c.dtype), s.src_bf16,
+                  s.accumulate);
+}
+void run_fill(const OpCall& c) {
+  cuda::fill_rows(c.out[0], c.shape.ldc, c.shape.rows, c.shape.cols, move_type(c.dtype), c.alpha);
+}
+
 // cuDNN's rows rank first (0): where they take a call they are picked.
 const KernelRow kRows[] = {
     {Device::cuda, Op::gemm, "gemm_cublaslt", &gemm_takes, &run_gemm, 0},
@@ -385,6 +458,14 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::rmsnorm_backward, "rmsnorm_cuda", &fp32_data, &run_rmsnorm_backward, 0},
     {Device::cuda, Op::rope_forward, "rope_cuda", &fp32_data, &run_rope<false>, 0},
     {Device::cuda, Op::rope_backward, "rope_cuda", &fp32_data, &run_rope<true>, 0},
+    {Device::cuda, Op::sparse_attention_forward, "sparse_gather_cuda", &sparse_cuda_takes,
+     &run_sparse_cuda_forward_any, 0},
+    {Device::cuda, Op::sparse_attention_backward, "sparse_gather_cuda", &sparse_cuda_takes,
+     &run_sparse_cuda_backward_any, 0},
+    // The forms' copies, sums, conversions and zeroing (issue 52), on the
+    // device; the rules are every backend's (op_table.hpp).
+    {Device::cuda, Op::copy_rows, "copy_rows_cuda", &copy_rows_refusal, &run_copy_rows, 0},
+    {Device::cuda, Op::fill, "fill_cuda", &fill_refusal, &run_fill, 0},
 };
 
 }  // namespace

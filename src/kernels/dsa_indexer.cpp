@@ -7,8 +7,13 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/dsa_indexer_fp8.hpp"
 
 namespace laga {
+
+const char* to_string(IndexScores s) {
+  return s == IndexScores::fp8 ? "fp8" : "run_dtype";
+}
 
 void IndexerShape::validate() const {
   attn.validate();
@@ -111,6 +116,8 @@ void row_scores(const IndexerShape& s, std::int64_t b, std::int64_t i, const T* 
 template <class T>
 void dsa_index_topk(const IndexerShape& s, std::int32_t* idx, const T* q, const T* k, const T* w) {
   const AttnShape& a = s.attn;
+  const bool fp8 = s.scores == IndexScores::fp8;
+  const DsaFp8Operands op = fp8 ? dsa_fp8_operands(s, q, k) : DsaFp8Operands{};
 #pragma omp parallel
   {
     std::vector<T> sc;
@@ -125,7 +132,10 @@ void dsa_index_topk(const IndexerShape& s, std::int32_t* idx, const T* q, const 
       std::iota(order.begin(), order.end(), std::int32_t(j0));
       if (n > s.topk) {
         sc.resize(std::size_t(n));
-        row_scores(s, b, i, q, k, w, j0, j1, sc.data());
+        if (fp8)
+          dsa_fp8_row_scores(s, op, b, i, w, j0, j1, sc.data());
+        else
+          row_scores(s, b, i, q, k, w, j0, j1, sc.data());
         // Higher score first; of equal scores, the lower key position.
         auto before = [&](std::int32_t x, std::int32_t y) {
           const T sx = sc[std::size_t(x - j0)], sy = sc[std::size_t(y - j0)];
@@ -144,12 +154,18 @@ void dsa_index_topk(const IndexerShape& s, std::int32_t* idx, const T* q, const 
 template <class T>
 void dsa_index_scores(const IndexerShape& s, T* scores, const T* q, const T* k, const T* w) {
   const AttnShape& a = s.attn;
+  const bool fp8 = s.scores == IndexScores::fp8;
+  const DsaFp8Operands op = fp8 ? dsa_fp8_operands(s, q, k) : DsaFp8Operands{};
   for (std::int64_t b = 0; b < a.B; ++b)
     for (std::int64_t i = 0; i < a.Sq; ++i) {
       T* row = scores + (b * a.Sq + i) * a.Sk;
       std::fill(row, row + a.Sk, -std::numeric_limits<T>::infinity());
       const std::int64_t j0 = a.key_begin(b, i), j1 = a.key_end(i);
-      if (j1 > j0) row_scores(s, b, i, q, k, w, j0, j1, row + j0);
+      if (j1 <= j0) continue;
+      if (fp8)
+        dsa_fp8_row_scores(s, op, b, i, w, j0, j1, row + j0);
+      else
+        row_scores(s, b, i, q, k, w, j0, j1, row + j0);
     }
 }
 

@@ -17,8 +17,14 @@
 // 128 (act_quant) before fp8_index. The Hadamard matrix scaled so is
 // orthogonal, so q.k is unchanged by it in exact arithmetic: in the run's
 // dtype, without fp8, it is the identity and laga leaves it out. The fp8
-// path (where the rotation spreads outliers before quantization and so does
-// change the result) is not implemented.
+// path (IndexScores::fp8, the config's index_fp8; where the rotation spreads
+// outliers before quantization and so does change the result) is in
+// kernels/dsa_indexer_fp8.hpp: it decides the selection only. The KL loss
+// (dsa_indexer_kl) always reads the run-dtype scores, fp8 on or off: the
+// rounding of the fp8 path is piecewise constant (zero gradient almost
+// everywhere), so the KL and its gradient are those of the unquantized
+// scores over the fp8 selection (straight-through; docs/forms.md, "The fp8
+// indexer").
 //
 // rope_halves is the indexer's RoPE, NOT the MLA's interleaved one
 // (kernels/rope.hpp): DeepSeek's apply_rotary_emb(x, freqs_cis, False)
@@ -44,9 +50,16 @@ namespace laga {
 // is token i + Sk - Sq, as in kernels/attention.hpp), attn.Hq = H_I (index
 // heads), attn.dqk = d_I, attn.causal (true) and attn.doc_start (packed
 // documents: a query selects only within its document); topk = index_topk.
+// How dsa_index_topk and dsa_index_scores score a pair: in the run's dtype
+// (the default), or DeepSeek's fp8 path (index_fp8: Hadamard rotation,
+// act_quant e4m3 with ue8m0 block scales, fp8_index; d_I must be 128).
+enum class IndexScores { run_dtype, fp8 };
+const char* to_string(IndexScores s);
+
 struct IndexerShape {
   AttnShape attn{};
   std::int64_t topk = 1;
+  IndexScores scores = IndexScores::run_dtype;
   void validate() const;  // throws laga::Error naming the bad extent
 };
 
@@ -74,13 +87,14 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w
 template <class T>
 void dsa_index_topk(const IndexerShape& s, std::int32_t* idx, const T* q, const T* k, const T* w);
 
-// The indexer's scores I_ij of every causal pair (B, Sq, Sk), -inf
+// The indexer's scores I_ij (as s.scores says) of every causal pair (B, Sq, Sk), -inf
 // elsewhere: for tests and the DeepSeek harness (it is an Sq x Sk array;
 // the top-k above never forms it).
 template <class T>
 void dsa_index_scores(const IndexerShape& s, T* scores, const T* q, const T* k, const T* w);
 
-// The indexer's KL loss over a set of K slots per query row (DeepSeek-V3.2's
+// The indexer's KL loss over a set of K slots per query row, on the run-dtype
+// scores whatever s.scores says (see the fp8 note above) (DeepSeek-V3.2's
 // report §2.1: the dense warm-up passes every causal key, the sparse stage
 // the selected ones) and its gradient:
 //   L = sum_i sum_r p_ir (log p_ir - log softmax_r(I_i,idx[i,r]))

@@ -11,6 +11,7 @@
 
 #include "core/error.hpp"
 #include "io/json_repeated_keys.hpp"
+#include "kernels/fp8_e4m3.hpp"
 
 namespace laga {
 
@@ -117,6 +118,13 @@ void MlaConfig::validate() const {
 
 void MlaConfig::validate_dsa() const {
   const bool any = index_n_heads != 0 || index_head_dim != 0 || index_topk != 0;
+  for (auto [on, name] :
+       {std::pair{index_fp8, "index_fp8"}, std::pair{kv_fp8_round_trip, "kv_fp8_round_trip"}})
+    LAGA_CHECK(any || !on, "config: ", name,
+               " is true but DeepSeek Sparse Attention is off; it is part of DeepSeek-V3.2's "
+               "fp8 DSA path, which only the DSA forms run, so set index_n_heads, "
+               "index_head_dim and index_topk too, or drop ",
+               name);
   if (!any) return;
   for (auto [v, name] :
        {std::pair{index_n_heads, "index_n_heads"}, std::pair{index_head_dim, "index_head_dim"},
@@ -136,6 +144,16 @@ void MlaConfig::validate_dsa() const {
       index_n_heads < (1ll << 16) && index_head_dim < (1ll << 16) && index_topk <= kMaxSeqLen,
       "config: indexer dimensions too large (index_n_heads ", index_n_heads, ", index_head_dim ",
       index_head_dim, ", index_topk ", index_topk, ")");
+  // DeepSeek's fp8_index takes one k scale per key: index_head_dim is one
+  // block of act_quant's 128 (kernels/dsa_indexer_fp8.hpp).
+  LAGA_CHECK(!index_fp8 || index_head_dim == kActQuantBlock,
+             "config: index_fp8 needs index_head_dim ", kActQuantBlock,
+             " (one fp8 block per key, as DeepSeek's fp8_index takes), got ", index_head_dim,
+             "; set index_head_dim ", kActQuantBlock, " or index_fp8 false");
+  LAGA_CHECK(!kv_fp8_round_trip || kv_lora_rank % kActQuantBlock == 0,
+             "config: kv_fp8_round_trip needs kv_lora_rank a multiple of ", kActQuantBlock,
+             " (act_quant's blocks; DeepSeek-V3.2: 512), got ", kv_lora_rank,
+             "; change kv_lora_rank or set kv_fp8_round_trip false");
 }
 
 std::vector<std::string> MlaConfig::preset_names() {
@@ -381,6 +399,9 @@ void MlaConfig::read_dsa_keys(const nlohmann::json& j, const std::string& source
   const bool has_heads = read_key(j, "index_n_heads", index_n_heads, source);
   const bool has_dim = read_key(j, "index_head_dim", index_head_dim, source);
   const bool has_topk = read_key(j, "index_topk", index_topk, source);
+  // laga's keys; validate_dsa checks them
+  read_bool_key(j, "index_fp8", index_fp8, source);
+  read_bool_key(j, "kv_fp8_round_trip", kv_fp8_round_trip, source);
   if (!has_heads && !has_dim && !has_topk) return;
   // DeepSeek's ModelArgs defaults them, but a config that names one and not
   // the others is ambiguous.
@@ -520,6 +541,8 @@ json MlaConfig::to_json() const {
     j["index_n_heads"] = index_n_heads;
     j["index_head_dim"] = index_head_dim;
     j["index_topk"] = index_topk;
+    if (index_fp8) j["index_fp8"] = true;
+    if (kv_fp8_round_trip) j["kv_fp8_round_trip"] = true;
   }
   return j;
 }
@@ -528,9 +551,9 @@ std::string MlaConfig::summary() const {
   return cat("D=", dim, " H=", n_heads, " rq=", q_lora_rank, " C=", kv_lora_rank,
              " dn=", qk_nope_head_dim, " dr=", qk_rope_head_dim, " dv=", v_head_dim,
              yarn() ? cat(" yarn(factor=", rope_factor, ")") : std::string(" rope"),
-             dsa()
-                 ? cat(" dsa(HI=", index_n_heads, " dI=", index_head_dim, " topk=", index_topk, ")")
-                 : std::string());
+             dsa() ? cat(" dsa(HI=", index_n_heads, " dI=", index_head_dim, " topk=", index_topk,
+                         index_fp8 ? " fp8" : "", kv_fp8_round_trip ? " kv_fp8" : "", ")")
+                   : std::string());
 }
 
 }  // namespace laga

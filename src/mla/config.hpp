@@ -85,6 +85,18 @@ struct MlaConfig {
   std::int64_t index_n_heads = 0;
   std::int64_t index_head_dim = 0;
   std::int64_t index_topk = 0;
+  // laga's key: the indexer scores as DeepSeek's inference code does, fp8
+  // (Hadamard rotation, e4m3 act_quant with ue8m0 block scales, fp8_index;
+  // docs/forms.md, "The fp8 indexer"); false: in the run's dtype. Needs
+  // DSA on and index_head_dim 128. It decides the selection only: the KL
+  // loss and its gradient read the run-dtype scores.
+  bool index_fp8 = false;
+  // laga's key: DeepSeek's fp8 simulation of the kv cache in MLA.forward
+  // (act_quant of the kv_lora_rank latent after kv_norm, blocks of 128,
+  // ue8m0, and back) in every DSA form's forward; needs DSA on and
+  // kv_lora_rank a multiple of 128. Forward only: a backward with it on is
+  // refused (docs/forms.md, "The fp8 indexer").
+  bool kv_fp8_round_trip = false;
 
   bool dsa() const { return index_topk > 0; }
   std::int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
@@ -105,10 +117,9 @@ struct MlaConfig {
   // indexer reads (the query latent, its rope dims) present. The one
   // validation of the indexer's dims (DsaConfig::validate calls it).
   void validate_dsa() const;
-  // Reads index_n_heads, index_head_dim and index_topk from a config JSON
-  // into this config: the one reader of DSA's keys (from_json and
-  // DsaConfig::from_json call it). None given: left 0 (dense MLA); some but
-  // not all: a laga::Error naming the missing one.
+  // Reads index_n_heads, index_head_dim, index_topk, index_fp8 and kv_fp8_round_trip from a config
+  // JSON into this config: the one reader of DSA's keys (from_json and DsaConfig::from_json call
+  // it). None given: left 0 (dense MLA); some but not all: a laga::Error naming the missing one.
   void read_dsa_keys(const nlohmann::json& j, const std::string& source);
 
   // Presets: "small" (the default, seconds on 2 cores), "paper" (DeepSeek-V3

@@ -108,7 +108,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaBlockResult<T> r;
   // ---- the MLA's projections (DeepSeek's MLA.forward)
   const DsaRowPositions at{B, S, 0, nullptr};
-  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true);
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
   const std::vector<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
@@ -121,7 +121,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(src + dn, dv, v.data() + (t * H + h) * dv);
     }
 
-  // ---- the lightning indexer (DeepSeek's Indexer.forward, no fp8)
+  // ---- the lightning indexer (DeepSeek's Indexer.forward; fp8 scoring when cfg.index_fp8)
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   std::vector<T>& qI = ip.q;  // the names the rest of this function reads
   std::vector<T>& kpre = ip.k_pre;
@@ -135,6 +135,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   r.idx.assign(static_cast<std::size_t>(N * K), -1);
   ops::index_topk(is, r.idx.data(), qI.data(), kI.data(), wI.data());

@@ -21,8 +21,10 @@
 //     stage (DsaStage::sparse); the indexer's input (x, qr) is detached, so
 //     the KL gradient reaches the indexer's weights and nothing else.
 // Precision: T throughout (fp32 or fp64); under bf16 (T = float) the sparse
-// attention and its KL target run bf16 mixed precision, the kernels called
-// directly fp32 (docs/forms.md, "DSA in bf16"); no fp8 (kernels/dsa_indexer.hpp).
+// attention and its KL target run bf16 mixed precision, the other ops fp32
+// (docs/forms.md, "DSA in bf16"); DeepSeek's fp8 indexer and kv round trip
+// by the config's index_fp8 / kv_fp8_round_trip (docs/forms.md, "The fp8
+// indexer"; mla/dsa_rows.hpp).
 //
 // The block asks the op layer for every computation (mla/ops_dsa.hpp,
 // mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted
@@ -65,8 +67,8 @@ struct DsaIndexerParams {
   std::vector<std::pair<std::string, std::vector<T>*>> named();
 };
 
-// The indexer's projections of N tokens (DeepSeek's Indexer.forward, no
-// fp8), before RoPE, which the caller applies from its tokens' positions:
+// The indexer's projections of N tokens (DeepSeek's Indexer.forward up to
+// its fp8), before RoPE, which the caller applies from its tokens' positions:
 // q (N, HI dI) = qr wq_b^T; k (N, dI) = LayerNorm(k_pre), k_pre = x wk^T,
 // with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
 // HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The

@@ -100,7 +100,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
-  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true);
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
   const std::vector<T>&qr = own.qr, &q = own.q;
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
@@ -135,6 +135,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = docs;
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
   ops::index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());

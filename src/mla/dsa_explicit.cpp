@@ -83,7 +83,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections, K and V of every head
-  DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true);
+  DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
   std::vector<T>& q = mine.q;  // freed once the heads have their copies
   const std::vector<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
@@ -111,6 +111,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is.topk = K;
+  is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
   ops::index_topk(is, res.idx.data(), ip.q.data(), kIS.data(), ip.w.data());

@@ -117,7 +117,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections and the indexer's
   const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
-  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, indices);
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, indices, dout != nullptr);
   const std::vector<T>& qr = own.qr;
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
@@ -153,6 +153,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   is_own.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is_own.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is_own.topk = K;
+  is_own.scores = index_scores_of(cfg);
   is_own.validate();
   IndexerShape is_all = is_own;
   is_all.attn.Sq = S, is_all.attn.Sk = S, is_all.attn.doc_start = doc_start;

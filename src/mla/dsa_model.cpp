@@ -16,15 +16,22 @@ std::size_t z(std::int64_t i) {
 constexpr std::int64_t kIndexBytes = 4;
 constexpr std::int64_t kStatBytes = 4;
 
-struct Row {
-  DsaForm form;
-  const char* name;
+// The forms' registry (DsaFormTraits, mla/dsa_model.hpp): one row each.
+constexpr DsaFormTraits kRows[] = {
+    {DsaForm::latent_gather, "latent_gather", "latent_ag, index_k_ag",
+     "dsa_latent_gather (mla/dsa_cp.hpp)"},
+    {DsaForm::laga_indices, "laga_indices",
+     "latent_ag, index_k_ag, q_a2a, topk_ag, index_target_rs, out_a2a",
+     "dsa_laga (mla/dsa_laga.hpp)"},
+    {DsaForm::laga_recompute, "laga_recompute",
+     "latent_ag, index_k_ag, q_latent_ag, index_w_ag, index_target_rs, out_a2a",
+     "dsa_laga (mla/dsa_laga.hpp)"},
+    {DsaForm::explicit_form, "explicit",
+     "index_k_ag, topk_ag, q_a2a, k_a2a, v_a2a, index_target_rs, out_a2a",
+     "dsa_explicit (mla/dsa_explicit.hpp)"},
+    {DsaForm::ring_latent, "ring_latent", "index_k_ring, latent_ring", nullptr},
 };
-constexpr Row kRows[] = {
-    {DsaForm::latent_gather, "latent_gather"},   {DsaForm::laga_indices, "laga_indices"},
-    {DsaForm::laga_recompute, "laga_recompute"}, {DsaForm::explicit_form, "explicit"},
-    {DsaForm::ring_latent, "ring_latent"},
-};
+using Row = DsaFormTraits;
 }  // namespace
 
 void DsaConfig::validate(const MlaConfig& mla) const {
@@ -64,6 +71,12 @@ const char* to_string(DsaForm f) {
   for (const Row& r : kRows)
     if (r.form == f) return r.name;
   return "?";
+}
+
+const DsaFormTraits& dsa_form_traits(DsaForm f) {
+  for (const Row& r : kRows)
+    if (r.form == f) return r;
+  fail("dsa_form_traits: DsaForm ", static_cast<int>(f), " has no row");
 }
 
 DsaForm parse_dsa_form(const std::string& s) {

@@ -99,6 +99,22 @@ enum class DsaForm {
   ring_latent,
 };
 const char* to_string(DsaForm f);
+// A DSA form's registry row, described once (dsa_model.cpp's table) and read
+// by `laga plan --dsa`, `laga forward` and `laga compare` (tools/dsa_job.hpp)
+// and the tests: its name, what it moves (its ledger labels, whose bytes
+// dsa_predict_comm gives per rank: the one closed form of every DSA form,
+// with dsa_memory for its memory), and the engine function that runs it
+// (null: costed from the closed form only, not built; docs/forms.md).
+struct DsaFormTraits {
+  DsaForm form;
+  const char* name;
+  const char* moves;
+  const char* runner;
+};
+const DsaFormTraits& dsa_form_traits(DsaForm f);
+inline bool dsa_form_runs(DsaForm f) {
+  return dsa_form_traits(f).runner != nullptr;
+}
 DsaForm parse_dsa_form(const std::string& s);  // a name above; an unknown one lists them
 std::vector<DsaForm> all_dsa_forms();
 // Whether every rank attends every query for its own heads (head-sharded)

@@ -35,7 +35,8 @@ void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, st
 
 template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
-                           const DsaRowPositions& at, const RopeTable& table, bool with_q) {
+                           const DsaRowPositions& at, const RopeTable& table, bool with_q,
+                           bool backward_to_come) {
   const std::int64_t N = at.B * at.L, D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank;
   const std::int64_t C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
   const std::int64_t dqk = dn + dr, W = C + dr;
@@ -53,6 +54,13 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
   ops::linear_rows(f.kv.data(), x, w.wkv_a.data(), N, D, W);
   ops::rmsnorm_rows(f.c.data(), f.rstd_kv.data(), f.kv.data(), W, w.kv_norm.data(), N, C,
                     cfg.norm_eps);
+  if (cfg.kv_fp8_round_trip) {
+    LAGA_CHECK(!backward_to_come,
+               "DSA: kv_fp8_round_trip simulates DeepSeek's fp8 kv cache at inference and has "
+               "no backward (the rounding's gradient is zero almost everywhere); run forward "
+               "only, or set kv_fp8_round_trip false to train");
+    ops::kv_fp8_round_trip(f.c.data(), N, C);
+  }
   f.k_pe = buffer<T>(N * dr);
   for (std::int64_t t = 0; t < N; ++t)
     std::copy_n(f.kv.data() + t * W + C, dr, f.k_pe.data() + t * dr);
@@ -104,7 +112,7 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,  \
                                        std::int64_t, const RopeTable&, bool);                   \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
-                                         const DsaRowPositions&, const RopeTable&, bool);       \
+                                         const DsaRowPositions&, const RopeTable&, bool, bool); \
   template void dsa_own_rows_backward<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
                                          const DsaOwnRows<T>&, const DsaRowPositions&,          \
                                          const RopeTable&, T*, const T*, T*, std::vector<T>&,   \

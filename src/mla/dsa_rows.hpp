@@ -14,6 +14,7 @@
 #include "mla/config.hpp"
 #include "mla/layout.hpp"
 #include "mla/ops.hpp"
+#include "mla/ops_dsa.hpp"
 #include "mla/params.hpp"
 
 namespace laga {
@@ -37,9 +38,19 @@ template <class T>
 void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, std::int64_t ld_token,
                          std::int64_t head_dim, const RopeTable& table, bool inverse);
 
+// How the indexer scores (cfg.index_fp8: DeepSeek's fp8 path, else the
+// run's dtype): every form sets its IndexerShape's scores from this.
+inline IndexScores index_scores_of(const MlaConfig& cfg) {
+  return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
+}
+
 // The MLA's projections of the N = B L own rows (DeepSeek's MLA.forward):
 //   qa = x wq_a^T, qr = q_norm(qa), q = rope(qr wq_b^T) (only when with_q)
 //   kv = x wkv_a^T, c = kv_norm(kv[:, :C]), k_pe = rope(kv[:, C:])
+// With cfg.kv_fp8_round_trip, c is DeepSeek's fp8 kv-cache simulation of
+// itself right after kv_norm (ops::kv_fp8_round_trip; docs/forms.md, "The
+// fp8 indexer"), here for every form. Inference only: with
+// backward_to_come (the caller has a dout) it throws, the same on every rank.
 template <class T>
 struct DsaOwnRows {
   std::vector<T> qa, qr, rstd_q;  // (N, rq), (N, rq), (N)
@@ -49,7 +60,8 @@ struct DsaOwnRows {
 };
 template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
-                           const DsaRowPositions& at, const RopeTable& table, bool with_q);
+                           const DsaRowPositions& at, const RopeTable& table, bool with_q,
+                           bool backward_to_come);
 // Their backward into x: dkv (N, C + dr) holds k_pe's gradient in its last
 // dr columns (rotated back here; its first C are overwritten); dc (N, C) is
 // c's gradient; dq (N, H, dqk) q's gradient, its rope part rotated back

@@ -34,30 +34,11 @@ template <class T>
 T* at(T* p, std::int64_t off) {
   return p ? p + off : nullptr;
 }
-// One row of n elements from x to y, converted where the types differ (the
-// wire's bf16 and the tensors' fp32: wire.hpp); add: y += x.
-template <class S, class D>
-void copy_row(const S* x, D* y, std::int64_t n, bool add) {
-  if constexpr (std::is_same_v<S, D>) {
-    if (!add) {
-      std::memcpy(y, x, sizeof(S) * u(n));
-      return;
-    }
-    for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
-  } else if constexpr (std::is_same_v<D, bf16>) {  // packing for the wire: never added
-    LAGA_CHECK(!add, "internal: a sum into a bf16 wire block");
-    convert_to_bf16(x, y, n);
-  } else if (add) {
-    for (std::int64_t i = 0; i < n; ++i) y[i] += to_float(x[i]);
-  } else {
-    convert_to_float(x, y, n);
-  }
-}
-
 // Copies (add: adds) a (B, rows, heads, d) block between two head-sliced
 // layouts: the building block of every all-to-all packing (adding: of
 // redistribute_sum's unpacking), from and to the wire's type where it
-// differs from the tensors' (copy_row). src element (b, l, h) at
+// differs from the tensors' (ops::move_rows: through the kernel table, so
+// that on a device the packing runs there). src element (b, l, h) at
 // src + (b * src_rows + src_row0 + l) * src_ld + (src_h0 + h) * d, where
 // src_ld is the row stride (src's heads times d when its rows are dense;
 // more when they are columns of a wider row, as q is of the input
@@ -74,9 +55,9 @@ void copy_block(const S* src, std::int64_t src_rows, std::int64_t src_row0, std:
   // Count-only (no storage): nothing to copy; the collective still runs.
   if (heads == 0 || rows == 0 || src == nullptr || dst == nullptr) return;
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t l = 0; l < rows; ++l)
-      copy_row(src + (b * src_rows + src_row0 + l) * src_ld + src_h0 * d,
-               dst + (b * dst_rows + dst_row0 + l) * dst_ld + dst_h0 * d, heads * d, add);
+    ops::move_rows(dst + (b * dst_rows + dst_row0) * dst_ld + dst_h0 * d, dst_ld,
+                   src + (b * src_rows + src_row0) * src_ld + src_h0 * d, src_ld, rows, heads * d,
+                   add);
 }
 }  // namespace
 
@@ -242,7 +223,7 @@ void exchange_pieces(Communicator& comm, std::int64_t B, const Placement& from, 
   if (sum && dst) {  // redistribute_sum's dst is dense (dst_ld == to_heads d)
     LAGA_CHECK(dst_ld == to_heads * d, "internal: redistribute_sum '", label,
                "' into strided rows would zero the columns between them");
-    std::fill(dst, dst + B * to_rows * to_heads * d, T(0));
+    ops::fill_rows(dst, to_heads * d, B * to_rows, to_heads * d, T(0));
   }
   for (int i = 0; i < P; ++i) {
     const Transfer& ps = in[u(i)];
@@ -349,7 +330,7 @@ void* bf16_at(void* base, std::int64_t i) {
 // computes with NaN there as well.
 void poison_back_half(const Communicator& comm, float* dst, std::int64_t n) {
   if (comm.deferred_delivery_for_testing() && dst)
-    std::fill(dst + (n + 1) / 2, dst + n, std::numeric_limits<float>::quiet_NaN());
+    ops::fill_rows(dst + (n + 1) / 2, n / 2, 1, n / 2, std::numeric_limits<float>::quiet_NaN());
 }
 
 // The all-gather with bf16 on the wire. Landing in place, the (B, S, W)
@@ -452,7 +433,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
         s.unpack_ = true;
         recv = s.wire_.data();
         if (comm.deferred_delivery_for_testing() && dst)
-          std::fill(dst, dst + lay.batch * lay.seq * W, std::numeric_limits<T>::quiet_NaN());
+          ops::fill_rows(dst, W, lay.batch * lay.seq, W, std::numeric_limits<T>::quiet_NaN());
       }
       // The own block, narrowed into its place in recv: src is not read
       // again, so it is freed now.
@@ -473,7 +454,7 @@ StartedSeq<T> start_gather_seq(Communicator& comm, const SpLayout& lay, Tensor<T
     // dst is the result here, not the collective's recv: under deferred
     // delivery it holds the communicator's poison too until the wait.
     if (comm.deferred_delivery_for_testing() && dst)
-      std::fill(dst, dst + lay.batch * lay.seq * W, std::numeric_limits<T>::quiet_NaN());
+      ops::fill_rows(dst, W, lay.batch * lay.seq, W, std::numeric_limits<T>::quiet_NaN());
   }
   s.call_ = comm.start_all_gather_v(s.send_.data(), rc[u(r)], recv, rc.data(), rd.data(), label);
   return s;

@@ -53,6 +53,10 @@ const char* to_string(ops::Op op) {
       return "index_all_causal";
     case Op::indexer_kl:
       return "indexer_kl";
+    case Op::copy_rows:
+      return "copy_rows";
+    case Op::fill:
+      return "fill";
     case Op::embedding_forward:
       return "embedding_forward";
     case Op::embedding_backward:

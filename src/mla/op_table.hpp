@@ -136,6 +136,21 @@ enum class Op {
   index_topk,
   index_all_causal,
   indexer_kl,
+  // The forms' data movement (ops::copy, ops::add, ops::widen, ops::fill,
+  // the exchanges' packing; issue 52: on a device these run there, not as
+  // host loops over device memory). OpCall::dtype is the element type
+  // stored, not the run's precision (move_dtype<T>: fp64 double, fp32
+  // float, bf16 the 2-byte values; a bf16 run's fp32 tensors move as fp32).
+  // copy_rows  shape.rows x shape.cols; in: src (row stride shape.lda);
+  //            out: dst (row stride shape.ldc). dst = src, or dst += src
+  //            when shape.accumulate. shape.src_bf16: src holds bf16
+  //            values (dtype fp32: widened exactly; dtype bf16: moved as
+  //            they are); dtype bf16 from fp32 src: rounded to nearest even
+  //            (core/bf16.hpp). A sum into bf16 is refused (copy_rows_refusal).
+  // fill       shape.rows x shape.cols; out: dst (row stride shape.ldc),
+  //            every element OpCall::alpha (fp64 or fp32).
+  copy_rows,
+  fill,
   // The model's ops (mla/ops_model.hpp), dense rows (ld = cols):
   // embedding_forward   in: ids (int32, shape.rows), table (shape.n, shape.cols);
   //                     out: rows of the table.
@@ -191,6 +206,8 @@ struct OpShape {
   // (op_invariant below): every element summed in the one order of
   // kernels/gemm_invariant.hpp, whatever M (the fused kernel's products too).
   bool invariant = false;
+  // copy_rows: the source holds bf16 values; the destination is added to
+  bool src_bf16 = false, accumulate = false;
 };
 
 // One call as a kernel receives it.
@@ -299,6 +316,40 @@ class UseInvariant {
  private:
   bool previous_;
 };
+
+// Why no row takes a copy_rows or fill call (dtype and conversion rules
+// every backend shares), null when the call is well formed. Inline: the CUDA
+// backend's rows use them without linking laga_mla (src/cuda/CMakeLists.txt).
+inline std::optional<std::string> copy_rows_refusal(RunDtype dtype, const OpShape& s) {
+  if (s.rows < 0 || s.cols < 0 || s.lda < s.cols || s.ldc < s.cols)
+    return "rows " + std::to_string(s.rows) + " x cols " + std::to_string(s.cols) +
+           " with row strides lda " + std::to_string(s.lda) + ", ldc " + std::to_string(s.ldc) +
+           " (a stride is at least the row)";
+  if (s.src_bf16 && dtype == RunDtype::fp64)
+    return std::string("bf16 values into fp64 (a bf16 source widens into fp32)");
+  // A bf16 destination stores values, never a sum (wire.hpp: a sum is
+  // rounded once, where it lands in fp32).
+  if (dtype == RunDtype::bf16 && s.accumulate)
+    return std::string("a sum into bf16 (bf16 is stored, never added to: add in fp32)");
+  return std::nullopt;
+}
+
+inline std::optional<std::string> fill_refusal(RunDtype dtype, const OpShape& s) {
+  if (dtype == RunDtype::bf16) return std::string("dtype bf16 (fill takes fp32 or fp64)");
+  if (s.rows < 0 || s.cols < 0 || s.ldc < s.cols)
+    return "rows " + std::to_string(s.rows) + " x cols " + std::to_string(s.cols) +
+           " with row stride ldc " + std::to_string(s.ldc) + " (a stride is at least the row)";
+  return std::nullopt;
+}
+
+// The element type T is stored as, for the data-movement ops (Op::copy_rows,
+// Op::fill): what moves, whatever the run's precision.
+template <class T>
+constexpr RunDtype move_dtype() {
+  if constexpr (std::is_same_v<T, double>) return RunDtype::fp64;
+  if constexpr (std::is_same_v<T, float>) return RunDtype::fp32;
+  return RunDtype::bf16;  // laga::bf16
+}
 
 // This thread's dtype for T: fp64 for double, else bf16 or fp32 by
 // op_precision (core/precision.hpp).

@@ -7,7 +7,9 @@
 // exactly one of them takes a call, and a row naming an ISA this machine
 // lacks refuses naming what is missing.
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/bf16.hpp"
 #include "kernels/adamw.hpp"
@@ -16,6 +18,7 @@
 #include "kernels/attention_flash_bf16.hpp"
 #include "kernels/attention_flash_latent.hpp"
 #include "kernels/attention_sparse.hpp"
+#include "kernels/bf16_convert.hpp"
 #include "kernels/cross_entropy.hpp"
 #include "kernels/dsa_indexer.hpp"
 #include "kernels/embedding.hpp"
@@ -423,6 +426,57 @@ void run_adamw(const OpCall& c) {
 
 #define LAGA_ROW_DTYPE(T) [](RunDtype d, const OpShape&) { return dtype_not_in(d, {dtype_of<T>}); }
 
+// ------------------------------------------ data movement (copy_rows, fill)
+
+// The forms' copies, sums and conversions, as the op layer ran them before
+// they were ops (mla/ops.hpp's copy, add, widen; mla/exchange.cpp's
+// packing): row by row, a memcpy or an elementwise loop.
+template <class S, class D>
+void copy_rows_as(const OpCall& c) {
+  const OpShape& s = c.shape;
+  const S* src = static_cast<const S*>(c.in[0]);
+  D* dst = static_cast<D*>(c.out[0]);
+  for (std::int64_t i = 0; i < s.rows; ++i) {
+    const S* x = src + i * s.lda;
+    D* y = dst + i * s.ldc;
+    if constexpr (std::is_same_v<S, D>) {
+      if constexpr (std::is_same_v<S, bf16>) {  // a sum into bf16 is refused
+        std::memcpy(y, x, sizeof(S) * static_cast<std::size_t>(s.cols));
+      } else if (!s.accumulate) {
+        std::memcpy(y, x, sizeof(S) * static_cast<std::size_t>(s.cols));
+      } else {
+        for (std::int64_t j = 0; j < s.cols; ++j) y[j] += x[j];
+      }
+    } else if constexpr (std::is_same_v<D, bf16>) {  // refused with accumulate
+      convert_to_bf16(x, y, s.cols);
+    } else if (s.accumulate) {
+      for (std::int64_t j = 0; j < s.cols; ++j) y[j] += to_float(x[j]);
+    } else {
+      convert_to_float(x, y, s.cols);
+    }
+  }
+}
+void run_copy_rows(const OpCall& c) {
+  switch (c.dtype) {
+    case RunDtype::fp64:
+      return copy_rows_as<double, double>(c);
+    case RunDtype::fp32:
+      return c.shape.src_bf16 ? copy_rows_as<bf16, float>(c) : copy_rows_as<float, float>(c);
+    case RunDtype::bf16:
+      return c.shape.src_bf16 ? copy_rows_as<bf16, bf16>(c) : copy_rows_as<float, bf16>(c);
+  }
+}
+template <class T>
+void fill_as(const OpCall& c) {
+  T* dst = static_cast<T*>(c.out[0]);
+  const T v = T(c.alpha);
+  for (std::int64_t i = 0; i < c.shape.rows; ++i)
+    std::fill(dst + i * c.shape.ldc, dst + i * c.shape.ldc + c.shape.cols, v);
+}
+void run_fill(const OpCall& c) {
+  c.dtype == RunDtype::fp64 ? fill_as<double>(c) : fill_as<float>(c);
+}
+
 const KernelRow kRows[] = {
     // gemm: OpenBLAS (double), oneDNN's sgemm (float), and bf16 mixed
     // precision either on oneDNN's bf16 matmul or widened to the fp32 one.
@@ -691,6 +745,11 @@ const KernelRow kRows[] = {
        c.dtype == RunDtype::fp64 ? run_rope<double, true>(c) : run_rope<float, true>(c);
      },
      0, Bf16Operands::fp32_values},
+
+    // The forms' data movement (op_table.hpp, copy_rows and fill; issue 52):
+    // what were the op layer's host loops, so that a device runs them too.
+    {Device::cpu, Op::copy_rows, "copy_rows", &copy_rows_refusal, &run_copy_rows},
+    {Device::cpu, Op::fill, "fill", &fill_refusal, &run_fill},
 
     // The model's ops (embedding, SwiGLU, cross-entropy, AdamW): their rows
     // here, their op-layer functions in mla/ops_model.hpp. A bf16 run's

@@ -293,6 +293,35 @@ void run_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::i
   run_kernel(c);
 }
 
+// The data-movement ops' calls (Op::copy_rows, Op::fill; mla/op_table.hpp),
+// through the table: on a device they run there, never as host loops over
+// its memory. Raw pointers with their row strides; counting and the
+// count-only decision are the callers' (copy, add, widen, fill below;
+// mla/exchange.cpp's packing).
+// dst (rows, cols; row stride ldd) = src (stride lds), converted from S to
+// D where they differ (bf16 <-> fp32), or added to dst when accumulate.
+template <class S, class D>
+void move_rows(D* dst, std::int64_t ldd, const S* src, std::int64_t lds, std::int64_t rows,
+               std::int64_t cols, bool accumulate = false) {
+  if (rows == 0 || cols == 0) return;
+  OpCall c;
+  c.op = Op::copy_rows, c.dtype = move_dtype<D>();
+  c.shape.rows = rows, c.shape.cols = cols, c.shape.lda = lds, c.shape.ldc = ldd;
+  c.shape.src_bf16 = std::is_same_v<S, bf16>, c.shape.accumulate = accumulate;
+  c.in[0] = src, c.out[0] = dst;
+  run_kernel(c);
+}
+// dst (rows, cols; row stride ldd) = value.
+template <class T>
+void fill_rows(T* dst, std::int64_t ldd, std::int64_t rows, std::int64_t cols, T value) {
+  if (rows == 0 || cols == 0) return;
+  OpCall c;
+  c.op = Op::fill, c.dtype = move_dtype<T>();
+  c.shape.rows = rows, c.shape.cols = cols, c.shape.ldc = ldd;
+  c.out[0] = dst, c.alpha = double(value);
+  run_kernel(c);
+}
+
 // Whether this thread's ops on T run bf16 mixed precision: T = float under
 // Precision::bf16. T = double under bf16 is refused, not quietly run in
 // double, so a bf16 request can never produce an fp64 result.
@@ -337,12 +366,11 @@ void gemm(Mat<T> C, T beta, In<T> A, bool trans_a, In<T> B, bool trans_b, T alph
              "internal: gemm of (", A.rows, ", ", A.cols, ")", trans_a ? "^T" : "", " and (",
              B.rows, ", ", B.cols, ")", trans_b ? "^T" : "", " into (", C.rows, ", ", C.cols, ")");
   count_gemm({trans_a, trans_b, C.rows, C.cols, K, A.ld, B.ld, C.ld, beta != T(0)});
-  if (K == 0) {  // an empty sum: C = beta C
+  if (K == 0) {  // an empty sum: C = beta C, 0 (beta 0) or C as it is (beta 1)
     count_elementwise<T>(C.rows * C.cols, 2);
-    if (!runs(C.rows * C.cols, {C.p})) return;
-    for (std::int64_t i = 0; i < C.rows; ++i)
-      for (std::int64_t j = 0; j < C.cols; ++j)
-        C.p[i * C.ld + j] = beta == T(0) ? T(0) : beta * C.p[i * C.ld + j];
+    LAGA_CHECK(beta == T(0) || beta == T(1), "internal: an empty product scaled by beta ",
+               double(beta), " (the op layer's callers accumulate or overwrite: beta 1 or 0)");
+    if (beta == T(0) && runs(C.rows * C.cols, {C.p})) fill_rows(C.p, C.ld, C.rows, C.cols, T(0));
     return;
   }
   // bf16 before runs(): its operand copies are pool tensors, which a
@@ -480,9 +508,7 @@ void copy(Mat<T> dst, In<T> src) {
              src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
   count_elementwise<T>(dst.rows * dst.cols, 2);
   if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
-  for (std::int64_t i = 0; i < dst.rows; ++i)
-    std::memcpy(dst.p + i * dst.ld, src.p + i * src.ld,
-                sizeof(T) * static_cast<std::size_t>(dst.cols));
+  move_rows(dst.p, dst.ld, src.p, src.ld, dst.rows, dst.cols);
 }
 // dst = src's bf16 values widened (exactly), row by row: a tensor held
 // narrowed read where an fp32 operand is needed.
@@ -497,8 +523,7 @@ void widen(Mat<T> dst, Mat<const bf16> src) {
   count_elementwise<bf16>(dst.rows * dst.cols, 1);
   if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
   if constexpr (std::is_same_v<T, float>)
-    for (std::int64_t i = 0; i < dst.rows; ++i)
-      convert_to_float(src.p + i * src.ld, dst.p + i * dst.ld, dst.cols);
+    move_rows(dst.p, dst.ld, src.p, src.ld, dst.rows, dst.cols);
 }
 // dst += src.
 template <class T>
@@ -507,8 +532,14 @@ void add(Mat<T> dst, In<T> src) {
              src.cols, ") into (", dst.rows, ", ", dst.cols, ")");
   count_elementwise<T>(dst.rows * dst.cols, 3);
   if (!runs(dst.rows * dst.cols, {dst.p, src.p})) return;
-  for (std::int64_t i = 0; i < dst.rows; ++i)
-    for (std::int64_t j = 0; j < dst.cols; ++j) dst.p[i * dst.ld + j] += src.p[i * src.ld + j];
+  move_rows(dst.p, dst.ld, src.p, src.ld, dst.rows, dst.cols, true);
+}
+// dst = value (a tensor's storage zeroed for a sum, or poisoned by a test).
+template <class T>
+void fill(Mat<T> dst, T value) {
+  count_elementwise<T>(dst.rows * dst.cols, 1);
+  if (!runs(dst.rows * dst.cols, {dst.p})) return;
+  fill_rows(dst.p, dst.ld, dst.rows, dst.cols, value);
 }
 
 }  // namespace laga::ops

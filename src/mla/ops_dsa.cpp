@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "kernels/fp8_e4m3.hpp"
+
 namespace laga::ops {
 
 namespace {
@@ -210,6 +212,12 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
   run_kernel(c);
 }
 
+template <class T>
+void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
+  if (!runs(rows * n, {c})) return;
+  fp8_round_trip(c, rows, n, kActQuantBlock, Fp8ScaleFmt::ue8m0);
+}
+
 #define LAGA_INSTANTIATE(T)                                                                        \
   template void linear_rows<T>(T*, const T*, const T*, std::int64_t, std::int64_t, std::int64_t);  \
   template void linear_rows_backward<T>(T*, bool, T*, const T*, const T*, const T*, std::int64_t,  \
@@ -233,7 +241,8 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
                                       const T*, std::int64_t, std::int64_t);                       \
   template void index_topk<T>(const IndexerShape&, std::int32_t*, const T*, const T*, const T*);   \
   template void indexer_kl<T>(const IndexerShape&, std::int64_t, const std::int32_t*, const T*,    \
-                              const T*, const T*, const T*, double*, T*, T*, T*);
+                              const T*, const T*, const T*, double*, T*, T*, T*);                  \
+  template void kv_fp8_round_trip<T>(T*, std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -94,6 +94,14 @@ void index_all_causal(const IndexerShape& s, std::int32_t* idx);
 template <class T>
 void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, const T* p,
                 const T* q, const T* k, const T* w, double* loss, T* dq, T* dk, T* dw);
+// DeepSeek's fp8 kv-cache simulation on the latent c (rows, n), in place:
+// each act_quant block of kActQuantBlock values rounded through fp8 e4m3
+// with V3.2's ue8m0 (power-of-two) scales (kernels/fp8_e4m3.hpp's
+// fp8_round_trip). A direct kernel call on host memory, no table row (the
+// indexer's rows are host rows too); not counted, as dsa_work has no term
+// for it (an inference-only simulation, mla/dsa_rows.hpp's dsa_own_rows).
+template <class T>
+void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n);
 // The filled slots of the rows of s when each row keeps at most K of its
 // causal keys (within its document when s.doc_start is set): what the
 // top-k's (K >= Sk: every causal pair) and the KL's counts are per slot of.

@@ -26,8 +26,8 @@ template <class T>
 BlockJobOf<T> run_block_job(const CommOptions& comm_opts, const MlaConfig& cfg,
                             const SpLayout& layout, const MlaParams<T>& w, const Tensor<T>& x,
                             const Tensor<T>& dout, const RunSpec& spec) {
-  // A DSA config never reaches here: ModelOptions::load refuses it
-  // (tools/cli_common.hpp, accepts_dsa).
+  // A DSA config never reaches here: forward and compare run its DSA forms
+  // (tools/dsa_job.hpp), ModelOptions::load refuses it elsewhere (accepts_dsa).
   LAGA_CHECK(!cfg.dsa(), "run_block_job: a DSA config reached the dense forms");
   BlockJobOf<T> job;
   MemoryPool& caller_pool = current_pool();

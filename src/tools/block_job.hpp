@@ -26,9 +26,11 @@ using BlockJob = BlockJobOf<float>;
 
 // Runs spec on `layout.ranks` ranks. Every process calls it; the returned job
 // holds data only where is_reporting_process(comm) is true.
-// A config with DeepSeek Sparse Attention's keys is refused before this, by
-// ModelOptions::load (tools/cli_common.hpp): the dense forms would attend
-// every key, a different model (docs/forms.md, "DeepSeek Sparse Attention").
+// A config with DeepSeek Sparse Attention's keys never reaches this: forward
+// and compare run its DSA forms (tools/dsa_job.hpp), the other commands
+// refuse it in ModelOptions::load (tools/cli_common.hpp): the dense forms
+// would attend every key, a different model (docs/forms.md, "DeepSeek
+// Sparse Attention").
 
 template <class T>
 BlockJobOf<T> run_block_job(const CommOptions& comm, const MlaConfig& cfg, const SpLayout& layout,

@@ -8,7 +8,9 @@
 #include "core/error.hpp"
 #include "tools/commands.hpp"
 #include "tools/compare.hpp"
+#include "tools/compare_dsa.hpp"
 #include "tools/device_option.hpp"
+#include "tools/dsa_job.hpp"
 
 namespace laga::tools {
 
@@ -21,9 +23,12 @@ void register_compare(CLI::App& app) {
       cat("Run the forms on the same seeded weights and input and report, per form: bytes sent "
           "per rank (forward, backward, gradient all-reduce, by collective), peak activation "
           "memory per rank, tokens/s, and max |diff| against the reference form; each byte and "
-          "memory figure beside its closed-form prediction. The forms:",
+          "memory figure beside its closed-form prediction. On a DSA config (index keys), the "
+          "DSA forms: max |diff| against single-rank explicit DSA, bytes beside the closed form, "
+          "the memory closed form. The forms:",
           form_flows()));
   o->model.add_to(*c);
+  o->model.accepts_dsa = true;  // a DSA config compares the DSA forms (compare_dsa.hpp)
   o->comm.add_to(*c, /*takes_nccl=*/true);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
       ->check(whole_for(1, o->batch))
@@ -35,7 +40,8 @@ void register_compare(CLI::App& app) {
       ->check(whole_for(1, o->sp))
       ->capture_default_str();
   c->add_option("--forms", o->forms,
-                cat("comma-separated forms to run (", form_names(", "), "), or all"))
+                cat("comma-separated forms to run (", form_names(", "), "; on a DSA config ",
+                    dsa_runnable_form_names(), ", ring_latent's closed forms), or all"))
       ->capture_default_str();
   c->add_option("--overlap", o->overlap,
                 cat("the collectives of the forms with an overlapped path (",
@@ -124,6 +130,7 @@ void register_compare(CLI::App& app) {
                    names[k], " or --count-only");
     }
     vet_outputs({{"--json", o->json}, {"--csv", o->csv}});
+    if (run_dsa_compare(*o, [c](const char* name) { return c->count(name) > 0; })) return;
     const std::optional<CompareResult> r = run_compare(*o);
     if (!r) return;  // not the reporting process of an MPI job
     const bool table_to_stdout = o->json != "-" && o->csv != "-";

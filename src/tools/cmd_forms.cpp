@@ -3,6 +3,7 @@
 // its ranks attend and how the keys reach them (read off the row's
 // placement and collectives). tests/tools/test_forms_registry.py holds the
 // package's registry (python/laga_torch/forms.py) equal to it.
+// Then the DSA forms' rows (DsaFormTraits, mla/dsa_model.hpp; "dsa_forms").
 // Scripts and tests read the JSON rather than listing the forms themselves,
 // so a new form is under them from its first build.
 #include <iostream>
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "mla/comm_model.hpp"
+#include "mla/dsa_model.hpp"
 #include "mla/form_registry.hpp"
 #include "mla/form_spec.hpp"
 #include "tools/cli_common.hpp"
@@ -95,7 +97,18 @@ ojson forms_json() {
     if (!block.empty()) row["ring_block"] = block;
     forms.push_back(row);
   }
-  return {{"forms", forms}, {"reference", to_string(reference_form())}};
+  // The DSA forms (a config with the index keys): their registry row
+  // (DsaFormTraits, mla/dsa_model.hpp), which forward and compare run.
+  ojson dsa = ojson::array();
+  for (DsaForm f : all_dsa_forms()) {
+    const DsaFormTraits& t = dsa_form_traits(f);
+    dsa.push_back({{"name", t.name},
+                   {"moves", t.moves},
+                   {"runs", dsa_form_runs(f)},
+                   {"runner", t.runner ? t.runner : ""},
+                   {"head_sharded", dsa_head_sharded(f)}});
+  }
+  return {{"forms", forms}, {"reference", to_string(reference_form())}, {"dsa_forms", dsa}};
 }
 
 void run_forms(const FormsOptions& o) {
@@ -110,6 +123,14 @@ void run_forms(const FormsOptions& o) {
       if (s.traits.invariant) admits += " --invariant";
       std::cout << s.name << (s.traits.reference ? " (the reference)" : "") << "\n  " << s.flow
                 << "\n  admits:" << (admits.empty() ? " no variant options" : admits) << "\n";
+    }
+    std::cout << "DSA forms (a config with index_n_heads, index_head_dim, index_topk):\n";
+    for (DsaForm f : all_dsa_forms()) {
+      const DsaFormTraits& t = dsa_form_traits(f);
+      std::cout << t.name << "\n  moves " << t.moves << "\n  "
+                << (t.runner ? cat("runs: ", t.runner)
+                             : std::string("closed form only (laga plan --dsa)"))
+                << "\n";
     }
   }
   if (!o.json.empty()) write_output(o.json, forms_json().dump(2) + "\n");

@@ -1,6 +1,10 @@
 // laga forward: one forward (and optionally backward) of the block on weights
 // and an input read from safetensors files, or seeded random ones, written to
-// a safetensors file: `out`, and with --backward `dx` and `grad.<name>`.
+// a safetensors file: `out`, and with --backward `dx` and `grad.<name>`. A
+// config with DeepSeek Sparse Attention's index keys runs the DSA forms
+// (tools/dsa_job.hpp), writing also the indexer's KL loss, its selection
+// and its gradients (grad.indexer.<name>).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
@@ -17,6 +21,7 @@
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
 #include "tools/device_option.hpp"
+#include "tools/dsa_job.hpp"
 
 namespace laga::tools {
 
@@ -33,6 +38,8 @@ struct ForwardOptions {
   int head_groups = 0;                    // the grid forms (--head-groups); 0: their default rule
   std::string seq_layout = "contiguous";  // --seq-layout
   std::string form = "explicit", attention = "flash";
+  // The DSA stage (DsaStage) of a config with the index keys (--dsa-stage).
+  std::string dsa_stage = "sparse";
   // float64: the same forms in double (checks other implementations); bf16:
   // float tensors under bf16 mixed precision (core/precision.hpp)
   RunDtype dtype = RunDtype::fp32;
@@ -58,6 +65,37 @@ void check_options_act(const ForwardOptions& o) {
   LAGA_CHECK(!given("--layer") || !o.weights.empty(),
              "--layer picks a layer's tensors by their Hugging Face names in --weights, and the "
              "weights are random (no --weights); give --weights, or drop --layer");
+}
+
+// A config with DeepSeek Sparse Attention's index keys runs the DSA forms
+// (tools/dsa_job.hpp); the options that shape only the dense forms' runs
+// are refused naming each, and --dsa-stage on a dense config likewise.
+void check_dsa_options(const ForwardOptions& o, bool dsa) {
+  const auto given = [&](const char* name) { return o.given.count(name) > 0; };
+  if (!dsa) {
+    LAGA_CHECK(!given("--dsa-stage"), "--dsa-stage picks the DSA indexer's training stage, and ",
+               o.model.source(),
+               " has no index keys (index_n_heads, index_head_dim, index_topk): it is dense MLA; "
+               "drop --dsa-stage or give a DSA config");
+    return;
+  }
+  const std::string why =
+      cat(o.model.source(), " sets DeepSeek Sparse Attention, run by the DSA forms (",
+          dsa_runnable_form_names(), "), which ");
+  LAGA_CHECK(!o.q_latent, "--q-latent: ", why,
+             "take no such switch; --form laga_recompute is the DSA form that moves the query "
+             "latent");
+  LAGA_CHECK(!given("--overlap") || o.overlap == "off", "--overlap on: ", why,
+             "have no overlapped path; drop --overlap");
+  LAGA_CHECK(!given("--head-groups"), "--head-groups: ", why,
+             "have no head groups (laga2d's); drop --head-groups");
+  LAGA_CHECK(!o.invariant, "--invariant: ", why,
+             "have no invariant mode (docs/invariance.md); drop --invariant");
+  LAGA_CHECK(!given("--attention"), "--attention: ", why,
+             "attend each query's selected keys with their own sparse kernel, not the dense "
+             "forms' eager or flash; drop --attention");
+  LAGA_CHECK(o.device == Device::cpu, "--device ", to_string(o.device), ": ", why,
+             "run on the CPU only; use --device cpu");
 }
 
 // Non-finite values: refused in what is loaded (weights, x, dout), naming
@@ -87,13 +125,165 @@ double checksum(const Tensor<T>& t) {
   return s;
 }
 
+// A config's MoE keys are read (and so validated), never passed over in
+// silence: forward runs the attention block, and says where the MoE runs.
+void note_moe(const ForwardOptions& o, bool report) {
+  if (!o.model.config_path.empty())
+    if (const std::optional<MoeConfig> moe =
+            MoeConfig::from_json(read_config_json_file(o.model.config_path), o.model.source());
+        moe && report)
+      std::cerr << "laga forward: note: the config's MoE (" << moe->summary()
+                << ") is not run here: forward runs the attention block; `laga moe` runs one "
+                   "MoE layer on given weights\n";
+}
+
+// --form on a DSA config: a DSA form's name (DsaFormTraits), a dense form's
+// refused saying which forms run DSA.
+DsaForm parse_dsa_form_option(const ForwardOptions& o) {
+  for (DsaForm f : all_dsa_forms())
+    if (o.form == to_string(f)) return f;
+  fail("--form ", o.form, ": ", o.model.source(),
+       " sets DeepSeek Sparse Attention (index keys), and ", o.form,
+       " is not a DSA form: a dense form would attend every key, a different model; use one of ",
+       dsa_runnable_form_names(), " (docs/forms.md, \"DeepSeek Sparse Attention (DSA)\")");
+}
+// --form on a dense config: a DSA form's name that is no dense form's
+// (explicit and ring_latent are both) is refused saying why.
+Form parse_dense_form_option(const ForwardOptions& o) {
+  for (Form f : all_forms())
+    if (o.form == to_string(f)) return f;
+  for (DsaForm f : all_dsa_forms())
+    LAGA_CHECK(o.form != to_string(f), "--form ", o.form,
+               " is a DeepSeek Sparse Attention form, and ", o.model.source(),
+               " has no index keys (index_n_heads, index_head_dim, index_topk): give a DSA "
+               "config, or a dense form (",
+               form_names(", "), ")");
+  return parse_form(o.form);
+}
+
+// The DSA forms' forward (tools/dsa_job.hpp): out, dx and every gradient
+// (the MLA's LM gradient, the indexer's KL gradient) as the dense forms'
+// files name them, the indexer's KL loss and its selection (idx, I64 (B,
+// S, index_topk), -1 unused), and every rank's ledger beside its closed
+// form (dsa_predict_comm).
+template <class T>
+void run_dsa_forward(const ForwardOptions& o, const MlaConfig& cfg, DsaForm form,
+                     const SpLayout& layout, const MlaParams<T>& w, const Tensor<T>& x,
+                     const Tensor<T>& dout, const std::optional<Documents>& docs) {
+  const DsaStage stage = parse_dsa_stage(o.dsa_stage);
+  const DsaIndexerParams<T> iw =
+      o.weights.empty() ? random_indexer_weights<T>(cfg, o.seed)
+                        : load_indexer_weights<T>(o.weights, cfg, o.layer_given ? o.layer : -1);
+  {
+    DsaIndexerParams<T> named = iw;
+    for (auto& [name, v] : named.named()) {
+      Tensor<T> t({std::int64_t(v->size())});
+      std::copy(v->begin(), v->end(), t.data());
+      check_finite(t,
+                   o.weights.empty() ? "random weight '" + name + "'"
+                                     : "weights '" + o.weights + "': tensor '" + name + "'",
+                   true, o.allow_nonfinite);
+    }
+  }
+  const std::vector<std::int64_t> doc_start =
+      docs ? docs->doc_starts() : std::vector<std::int64_t>();
+  const bool report = is_reporting_process(o.comm);
+  if (report)
+    std::cerr
+        << "laga forward: " << cfg.summary() << ", B=" << x.dim(0) << " S=" << x.dim(1)
+        << ", DSA form " << to_string(form) << " (moves " << dsa_form_traits(form).moves
+        << "), stage " << to_string(stage) << ", " << float_name(o.dtype)
+        << (o.dtype == RunDtype::bf16
+                ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
+                  "labels differ: docs/forms.md, \"DSA in bf16\")"
+                : "")
+        << ", sp " << o.sp << " (" << layout.describe() << "), comm " << to_string(o.comm.backend)
+        << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
+  note_moe(o, report);
+  const auto t0 = std::chrono::steady_clock::now();
+  DsaJobOf<T> job = run_dsa_job(o.comm, cfg, layout, w, iw, x, dout, stage, form,
+                                docs ? doc_start.data() : nullptr);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (!report) return;
+  check_finite(job.out, "output 'out'", false, o.allow_nonfinite);
+  Tensor<T> kl({1});
+  kl[0] = T(job.kl_loss);
+  check_finite(kl, "output 'kl_loss'", false, o.allow_nonfinite);
+  std::vector<std::pair<std::string, Tensor<T>>> indexer_grads;
+  if (o.backward) {
+    check_finite(job.dx, "output 'dx'", false, o.allow_nonfinite);
+    job.grads.for_each([&](const std::string& name, const Tensor<T>& g) {
+      check_finite(g, "output 'grad." + name + "'", false, o.allow_nonfinite);
+    });
+    for (auto& [name, v] : job.indexer_grads.named()) {
+      Tensor<T> t({std::int64_t(v->size())});
+      std::copy(v->begin(), v->end(), t.data());
+      check_finite(t, "output 'grad." + name + "'", false, o.allow_nonfinite);
+      indexer_grads.emplace_back(name, std::move(t));
+    }
+  }
+  std::cout << "out  " << to_string(job.out.shape()) << "  checksum " << checksum(job.out) << "\n";
+  if (o.backward)
+    std::cout << "dx   " << to_string(job.dx.shape()) << "  checksum " << checksum(job.dx) << "\n";
+  std::cout << "kl_loss " << job.kl_loss << " (the indexer's KL, summed over every query row, "
+            << to_string(stage) << ")\n";
+  // Each rank's ledger beside the closed form: equal label for label, or
+  // the count of labels that differ.
+  nlohmann::json ledgers = nlohmann::json::array();
+  for (std::size_t r = 0; r < job.ledgers.size(); ++r) {
+    const DsaRankLedger& l = job.ledgers[r];
+    std::cout << "rank " << r << " sent " << l.sent << " B (closed form " << l.predicted_sent
+              << "), received " << l.received << " B (closed form " << l.predicted_received << "), "
+              << l.labels << " labels, "
+              << (l.labels_differing == 0 ? std::string("each equal to dsa_predict_comm")
+                                          : cat(l.labels_differing, " differing"))
+              << "\n";
+    ledgers.push_back({{"rank", r},
+                       {"sent", l.sent},
+                       {"received", l.received},
+                       {"predicted_sent", l.predicted_sent},
+                       {"predicted_received", l.predicted_received},
+                       {"labels", l.labels},
+                       {"labels_differing", l.labels_differing}});
+  }
+  std::cout << "time " << ms << " ms (wall, " << (o.backward ? "forward+backward" : "forward")
+            << ", incl. result gathering)\n";
+  if (!o.output.empty()) {
+    SafetensorsWriter wr;
+    wr.add("out", job.out);
+    wr.add("kl_loss", kl);
+    wr.add_indices("idx", {x.dim(0), x.dim(1), cfg.index_topk}, job.idx);
+    if (o.backward) {
+      wr.add("dx", job.dx);
+      job.grads.for_each(
+          [&](const std::string& name, const Tensor<T>& g) { wr.add("grad." + name, g); });
+      for (const auto& [name, t] : indexer_grads) wr.add("grad." + name, t);
+    }
+    wr.add_metadata("config", cfg.to_json().dump());
+    wr.add_metadata("form", to_string(form));
+    wr.add_metadata("dsa_stage", to_string(stage));
+    wr.add_metadata("dtype", float_name(o.dtype));
+    wr.add_metadata("ledger", ledgers.dump());
+    if (docs) wr.add_metadata("doc_lens", docs->describe());
+    wr.write(o.output);
+    std::cout << "wrote " << o.output << "\n";
+  }
+}
+
 template <class T>
 void run_forward(const ForwardOptions& o) {
   check_options_act(o);
   // Inputs are protected from every writer, and the output is vetted now,
   // before the run, rather than found unwritable after it.
   protect_input(o.input, "--input");
-  const MlaConfig cfg = o.model.load();
+  MlaConfig cfg = o.model.load();
+  // A DSA preset's indexer is its DsaConfig::preset; a config's, its keys.
+  const std::optional<DsaConfig> dsa_keys = o.model.load_dsa(cfg);
+  if (dsa_keys) cfg = dsa_keys->with(cfg);
+  check_dsa_options(o, cfg.dsa());
+  const bool dsa = cfg.dsa();
+  const DsaForm dsa_form = dsa ? parse_dsa_form_option(o) : DsaForm::explicit_form;
   protect_weights(o.weights, "--weights");  // the set's index and shards too
   vet_outputs({{"--output", o.output}});
   // The batch's extents, from the input's x when there is one: the documents
@@ -125,13 +315,20 @@ void run_forward(const ForwardOptions& o) {
   }
   const std::optional<Documents> docs =
       load_documents(o.doc_lens, in ? &*in : nullptr, o.input, B, S);
-  const FormVariant variant{parse_form(o.form),
-                            o.q_latent ? QueryExchange::latent : QueryExchange::heads,
-                            o.head_groups, parse_overlap(o.overlap)};
   const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
-  check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), variant);
-  check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout),
-                         {variant}, parse_attention(o.attention), sizeof(T), o.invariant);
+  FormVariant variant;
+  if (dsa) {
+    check_dsa_job(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), dsa_form);
+    check_dsa_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), dsa_form,
+                         sizeof(T));
+  } else {
+    variant = {parse_dense_form_option(o),
+               o.q_latent ? QueryExchange::latent : QueryExchange::heads, o.head_groups,
+               parse_overlap(o.overlap)};
+    check_variant(cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout), variant);
+    check_block_job_memory(o.comm, cfg, SpLayout::even(B, S, cfg.n_heads, o.sp, seq_layout),
+                           {variant}, parse_attention(o.attention), sizeof(T), o.invariant);
+  }
   MlaParams<T> w = o.weights.empty()
                        ? random_weights<T>(cfg, o.seed)
                        : load_weights<T>(o.weights, cfg, o.layer_given ? o.layer : -1);
@@ -161,6 +358,10 @@ void run_forward(const ForwardOptions& o) {
     dout.fill(T(1));  // d(sum of out)/d(.)
   }
   const SpLayout layout = SpLayout::even(x.dim(0), x.dim(1), cfg.n_heads, o.sp, seq_layout);
+  if (dsa) {
+    run_dsa_forward(o, cfg, dsa_form, layout, w, x, dout, docs);
+    return;
+  }
   RunSpec spec;
   spec.documents = docs ? &*docs : nullptr;
   spec.variant = variant;
@@ -175,15 +376,7 @@ void run_forward(const ForwardOptions& o) {
               << ", " << float_name(o.dtype) << ", sp " << o.sp << " (" << layout.describe()
               << "), comm " << to_string(o.comm.backend)
               << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
-  // A config's MoE keys are read (and so validated), never passed over in
-  // silence: forward runs the attention block, and says where the MoE runs.
-  if (!o.model.config_path.empty())
-    if (const std::optional<MoeConfig> moe =
-            MoeConfig::from_json(read_config_json_file(o.model.config_path), o.model.source());
-        moe && report)
-      std::cerr << "laga forward: note: the config's MoE (" << moe->summary()
-                << ") is not run here: forward runs the attention block; `laga moe` runs one "
-                   "MoE layer on given weights\n";
+  note_moe(o, report);
   const auto t0 = std::chrono::steady_clock::now();
   BlockJobOf<T> job = run_block_job(o.comm, cfg, layout, w, x, dout, spec);
   const double ms =
@@ -230,6 +423,7 @@ void register_forward_command(CLI::App& app) {
       "forward",
       "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
   opts->model.add_to(*sub);
+  opts->model.accepts_dsa = true;  // a DSA config runs the DSA forms (tools/dsa_job.hpp)
   opts->comm.add_to(*sub, /*takes_nccl=*/true);
   sub->add_option("--weights", opts->weights,
                   "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "
@@ -251,7 +445,15 @@ void register_forward_command(CLI::App& app) {
   sub->add_flag("--allow-nonfinite", opts->allow_nonfinite,
                 "run on weights or input holding NaN/inf and write non-finite outputs, with a "
                 "warning naming each tensor (default: refuse them, naming the tensor and count)");
-  sub->add_option("--form", opts->form, form_names(" | "))->capture_default_str();
+  sub->add_option("--form", opts->form,
+                  cat(form_names(" | "), "; on a DSA config (index keys): ",
+                      dsa_runnable_form_names(), " (docs/forms.md, DSA)"))
+      ->capture_default_str();
+  sub->add_option("--dsa-stage", opts->dsa_stage,
+                  "a DSA config's indexer stage: sparse (the main attention over the indexer's "
+                  "top-k keys, its KL over them) or dense_warmup (every causal key)")
+      ->check(CLI::IsMember({"sparse", "dense_warmup"}))
+      ->capture_default_str();
   add_head_groups_option(*sub, opts->head_groups);
   add_seq_layout_option(*sub, opts->seq_layout);
   sub->add_flag("--q-latent", opts->q_latent,

@@ -26,9 +26,18 @@ std::string dsa_table(const DsaPlanRequest& q, const std::vector<DsaPlanCase>& c
     << q.dsa.index_head_dim << ", index_topk " << q.dsa.index_topk
     << "), forward + backward (sparse stage: the indexer's KL over the selected keys, its input "
        "detached) + gradient all-reduce\n"
-    << "  closed forms (mla/dsa_model.hpp): these forms are not yet run by the engine, so the "
-       "bytes, memory and FLOPs are the closed forms alone, to be held to its ledger and pool "
-       "when it runs them; step predicted: the slowest rank's GEMM FLOPs at "
+    << "  closed forms (mla/dsa_model.hpp); the forms' registry rows (DsaFormTraits):\n";
+  for (DsaForm f : all_dsa_forms()) {
+    const DsaFormTraits& t = dsa_form_traits(f);
+    o << "    " << t.name << ": moves " << t.moves << "; "
+      << (t.runner ? cat("run by ", t.runner,
+                         " (laga forward/compare on this config), its ledger equal to the closed "
+                         "form")
+                   : std::string("not run by the engine: the closed form alone"))
+      << "\n";
+  }
+  o << "  no DSA form has a count-only run yet, so peak act is dsa_memory's closed form, held to "
+       "no pool; step predicted: the slowest rank's GEMM FLOPs at "
     << q.profile.device.gemm_efficiency << " and attention + indexer FLOPs at "
     << q.profile.device.attention_efficiency
     << " of the peak, plus its collectives one after another at the link model, none hidden\n";

@@ -99,6 +99,27 @@ TEST(CudaOpTable, PicksARowOrNamesTheValue) {
   c = cuda_supports(Op::fused_latent_attention_forward, RunDtype::bf16, fused_wide);
   EXPECT_TRUE(has(c.why_not, "head dim dv 520 is above 512")) << c.why_not;
 
+  // The forms' data movement (issue 52): copies, sums, the wire's
+  // conversions and zeroing run on the device; a sum into bf16 and a bf16
+  // fill are refused by name, as on the CPU.
+  OpShape mv;
+  mv.rows = 4, mv.cols = 6, mv.lda = 8, mv.ldc = 6;
+  for (RunDtype d : {RunDtype::fp64, RunDtype::fp32, RunDtype::bf16})
+    EXPECT_STREQ(cuda_supports(Op::copy_rows, d, mv).name(), "copy_rows_cuda") << to_string(d);
+  mv.src_bf16 = true, mv.accumulate = true;
+  EXPECT_STREQ(cuda_supports(Op::copy_rows, RunDtype::fp32, mv).name(), "copy_rows_cuda");
+  c = cuda_supports(Op::copy_rows, RunDtype::bf16, mv);
+  EXPECT_FALSE(c);
+  EXPECT_TRUE(has(c.why_not, "a sum into bf16")) << c.why_not;
+  c = cuda_supports(Op::copy_rows, RunDtype::fp64, mv);
+  EXPECT_TRUE(has(c.why_not, "bf16 values into fp64")) << c.why_not;
+  mv.lda = 2;
+  c = cuda_supports(Op::copy_rows, RunDtype::fp32, mv);
+  EXPECT_TRUE(has(c.why_not, "lda 2")) << c.why_not;
+  EXPECT_STREQ(cuda_supports(Op::fill, RunDtype::fp32, mv).name(), "fill_cuda");
+  c = cuda_supports(Op::fill, RunDtype::bf16, mv);
+  EXPECT_TRUE(has(c.why_not, "dtype bf16")) << c.why_not;
+
   // No device rows for the model's ops yet.
   c = cuda_supports(Op::adamw, RunDtype::fp32, OpShape{});
   EXPECT_FALSE(c);

@@ -14,8 +14,11 @@
 //    pointer in a device copy or a device-local collective is refused.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
+#include <optional>
 
+#include "comm/collective_util.hpp"
 #include "comm/local_comm.hpp"
 #include "common/block_inputs.hpp"
 #include "common/error_of.hpp"
@@ -23,6 +26,7 @@
 #include "core/device.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/op_table.hpp"
+#include "mla/ops.hpp"
 #include "mla/runner.hpp"
 
 namespace laga {
@@ -237,6 +241,73 @@ TEST(EmulatedDevice, HostMemoryWhereDeviceMemoryIsDueIsRefused) {
         opt);
   });
   EXPECT_NE(e.find("not device memory"), std::string::npos) << e;
+}
+
+// The device-local transport sums with the device's registered reduction
+// (register_device_reduction; CUDA's kernel on a GPU), here a counting one
+// on the emulated device, giving the host's bits; under the reduction-order
+// debugging switch the host sums (only it permutes). The forms' data
+// movement is a device op: a host buffer handed to ops::copy is refused
+// naming copy_rows.
+std::atomic<int> emulated_reductions{0};
+void counting_sum(void* dst, const void* const* srcs, int P, std::int64_t n, DType dtype) {
+  ++emulated_reductions;
+  comm_detail::sum_in_rank_order(dst, srcs, P, n, dtype);
+}
+
+TEST(EmulatedDevice, DeviceLocalReductionsRunTheDevicesReduction) {
+  const int P = 3;
+  const std::int64_t n = 10;
+  auto all_reduce_on_device = [&] {
+    std::vector<std::vector<float>> out(P);
+    LocalRunOptions opt;
+    opt.device = &emulated_memory();
+    run_local_ranks(
+        P,
+        [&](Communicator& comm) {
+          MemoryPool dev;
+          dev.set_device_memory(&emulated_memory());
+          const PoolScope on(dev);
+          TensorF buf({n}, "buf");
+          std::vector<float> host(static_cast<std::size_t>(n));
+          for (std::int64_t i = 0; i < n; ++i)
+            host[std::size_t(i)] = 0.1f * float(i + 1) * float(comm.rank() + 1) + 1e-3f;
+          emulated_memory().to_device(buf.data(), host.data(), buf.bytes());
+          comm.all_reduce(buf.data(), n, "sum");
+          emulated_memory().to_host(host.data(), buf.data(), buf.bytes());
+          out[std::size_t(comm.rank())] = host;
+        },
+        opt);
+    return out;
+  };
+  const std::vector<std::vector<float>> host_sums = all_reduce_on_device();
+  register_device_reduction(Device::emulated, &counting_sum);
+  emulated_reductions = 0;
+  const std::vector<std::vector<float>> device_sums = all_reduce_on_device();
+  EXPECT_GE(emulated_reductions.load(), P);  // each rank's chunk at least
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(0, std::memcmp(device_sums[std::size_t(r)].data(), host_sums[std::size_t(r)].data(),
+                             sizeof(float) * std::size_t(n)))
+        << "rank " << r;
+  emulated_reductions = 0;
+  set_reduction_order_seed(7);
+  all_reduce_on_device();
+  set_reduction_order_seed(std::nullopt);
+  EXPECT_EQ(emulated_reductions.load(), 0);
+  register_device_reduction(Device::emulated, nullptr);
+
+  MemoryPool dev;
+  dev.set_device_memory(&emulated_memory());
+  TensorF host({4, 4});
+  host.fill(1);
+  const PoolScope on(dev);
+  TensorF a({4, 4});
+  const ops::UseDevice emulated(Device::emulated);
+  const std::string e = test::error_of([&] { ops::copy(ops::mat(a), ops::mat(host)); });
+  EXPECT_NE(e.find("copy_rows on emulated"), std::string::npos) << e;
+  EXPECT_NE(e.find("operand in[0]"), std::string::npos) << e;
+  ops::fill(ops::mat(a), 2.0f);
+  EXPECT_EQ(a[15], 2.0f);
 }
 
 }  // namespace

@@ -76,5 +76,46 @@ TEST(DsaConfig, BadIndexerKeysAreRefusedNamingTheKey) {
             std::string::npos);
 }
 
+TEST(DsaConfig, IndexFp8IsReadWrittenAndRefusedWhereItCannotApply) {
+  json j = v32_model_args();
+  j["index_fp8"] = true;
+  const MlaConfig c = MlaConfig::from_json(j, "cfg");
+  EXPECT_TRUE(c.index_fp8);
+  EXPECT_EQ(c.to_json().at("index_fp8"), true);
+  EXPECT_TRUE(MlaConfig::from_json(c.to_json(), "back").index_fp8);
+  EXPECT_FALSE(MlaConfig::from_json(v32_model_args(), "cfg").to_json().contains("index_fp8"));
+  j["index_fp8"] = 1;
+  EXPECT_NE(
+      error_of([&] { MlaConfig::from_json(j, "cfg"); }).find("'index_fp8' must be true or false"),
+      std::string::npos);
+  j["index_fp8"] = true;
+  j["index_head_dim"] = 64;
+  EXPECT_NE(
+      error_of([&] { MlaConfig::from_json(j, "cfg"); }).find("index_fp8 needs index_head_dim 128"),
+      std::string::npos);
+  json dense = v32_model_args();
+  dense.erase("index_n_heads"), dense.erase("index_head_dim"), dense.erase("index_topk");
+  dense["index_fp8"] = true;
+  EXPECT_NE(error_of([&] {
+              MlaConfig::from_json(dense, "cfg");
+            }).find("index_fp8 is true but DeepSeek Sparse Attention is off"),
+            std::string::npos);
+  dense["index_fp8"] = false;  // false on a dense config: nothing to refuse
+  EXPECT_FALSE(MlaConfig::from_json(dense, "cfg").index_fp8);
+  dense["kv_fp8_round_trip"] = true;
+  EXPECT_NE(error_of([&] {
+              MlaConfig::from_json(dense, "cfg");
+            }).find("kv_fp8_round_trip is true but DeepSeek Sparse Attention is off"),
+            std::string::npos);
+  j = v32_model_args();
+  j["kv_fp8_round_trip"] = true;
+  EXPECT_TRUE(MlaConfig::from_json(j, "cfg").to_json().at("kv_fp8_round_trip"));
+  j["kv_lora_rank"] = 200;
+  EXPECT_NE(error_of([&] {
+              MlaConfig::from_json(j, "cfg");
+            }).find("kv_fp8_round_trip needs kv_lora_rank a multiple of 128"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace laga

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -559,6 +560,158 @@ void check_sparse(Device dev, RunDtype d, bool latent, const std::string& tag) {
 // (it uses this file's helpers above).
 #include "op_table_dsa_checks.inc"
 
+// ------------------------------------------------------ copy_rows and fill
+
+// The naive reference for rounding fp32 to bf16 (core/bf16.hpp's rules),
+// written from the definition, not the bit trick: the nearer of the two
+// bf16 neighbours, ties to the even one; past the largest finite, inf;
+// NaN quiet with its top bits; fp32 denormals to signed zero.
+std::uint16_t naive_bf16_bits(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  if (std::isnan(x)) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  if (std::isinf(x)) return static_cast<std::uint16_t>(u >> 16);
+  if (std::fpclassify(x) == FP_SUBNORMAL || x == 0)
+    return static_cast<std::uint16_t>(std::signbit(x) ? 0x8000u : 0u);
+  const std::uint16_t lo = static_cast<std::uint16_t>(u >> 16), hi = lo + 1;
+  auto value = [](std::uint16_t b) {
+    if ((b & 0x7FFFu) == 0x7F80u) return (b & 0x8000u ? -1.0 : 1.0) * 0x1p128;  // the next step
+    return double(std::bit_cast<float>(std::uint32_t(b) << 16));
+  };
+  const double dlo = std::abs(double(x) - value(lo)), dhi = std::abs(value(hi) - double(x));
+  if (dlo != dhi) return dlo < dhi ? lo : hi;
+  return (lo & 1u) == 0 ? lo : hi;
+}
+
+// Every copy_rows combination (dst dtype, bf16 source, accumulate) with row
+// strides wider than the rows, against a naive loop; exact (a copy, an
+// exact widening, one fp32 or fp64 add, one rounding), compared bit for bit
+// and the columns between the rows left as they were. The inputs include
+// rounding ties, an fp32 denormal, inf, NaN and a value past bf16's range.
+void check_copy_rows(Device dev, const std::string& tag) {
+  const std::int64_t rows = 3, cols = 7, lda = 9, ldc = 8;
+  std::vector<float> f(static_cast<std::size_t>(rows * lda));
+  test::fill_random(f.data(), std::int64_t(f.size()), 41);
+  const float special[] = {
+      1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 0x1p-130f, -0x1p-140f, INFINITY, -INFINITY, NAN,
+      3.3895e38f,     -1.0f - 0x1p-8f,    0.0f,      -0.0f};
+  for (std::size_t i = 0; i < std::size(special); ++i) f[i * 2] = special[i];
+  std::vector<double> fd(f.begin(), f.end());
+  std::vector<bf16> fb;
+  for (float x : f) fb.push_back(to_bf16(x));
+  struct Case {
+    RunDtype to;
+    bool src_bf16, accumulate;
+  };
+  const Case cases[] = {{RunDtype::fp64, false, false}, {RunDtype::fp64, false, true},
+                        {RunDtype::fp32, false, false}, {RunDtype::fp32, false, true},
+                        {RunDtype::fp32, true, false},  {RunDtype::fp32, true, true},
+                        {RunDtype::bf16, false, false}, {RunDtype::bf16, true, false}};
+  for (const Case& k : cases) {
+    OpShape s;
+    s.rows = rows, s.cols = cols, s.lda = lda, s.ldc = ldc;
+    s.src_bf16 = k.src_bf16, s.accumulate = k.accumulate;
+    const std::string what = tag + " copy_rows to " + to_string(k.to) +
+                             (k.src_bf16 ? " from bf16" : "") + (k.accumulate ? " adding" : "");
+    const KernelRow* row = picked(dev, Op::copy_rows, k.to, s);
+    ASSERT_NE(row, nullptr) << what;
+    OpCall c;
+    c.op = Op::copy_rows, c.dtype = k.to, c.shape = s;
+    c.in[0] = k.src_bf16               ? static_cast<const void*>(fb.data())
+              : k.to == RunDtype::fp64 ? static_cast<const void*>(fd.data())
+                                       : static_cast<const void*>(f.data());
+    // The destination starts at other values (added to, or overwritten),
+    // its padding columns at a marker that must survive.
+    std::vector<double> d0(static_cast<std::size_t>(rows * ldc));
+    test::fill_random(d0.data(), std::int64_t(d0.size()), 42);
+    // Bits out, and the naive reference's bits, per element of dst.
+    std::vector<std::uint64_t> got, want;
+    auto src_value = [&](std::int64_t i, std::int64_t j) -> double {
+      const std::size_t e = static_cast<std::size_t>(i * lda + j);
+      return k.src_bf16 ? double(to_float(fb[e])) : fd[e];
+    };
+    if (k.to == RunDtype::fp64) {
+      std::vector<double> dst = d0;
+      c.out[0] = dst.data();
+      row->run(c);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < ldc; ++j) {
+          const double d = d0[static_cast<std::size_t>(i * ldc + j)];
+          const double r = j >= cols ? d : k.accumulate ? d + src_value(i, j) : src_value(i, j);
+          got.push_back(std::bit_cast<std::uint64_t>(dst[static_cast<std::size_t>(i * ldc + j)]));
+          want.push_back(std::bit_cast<std::uint64_t>(r));
+        }
+    } else if (k.to == RunDtype::fp32) {
+      std::vector<float> dst(d0.begin(), d0.end());
+      const std::vector<float> before = dst;
+      c.out[0] = dst.data();
+      row->run(c);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < ldc; ++j) {
+          const float d = before[static_cast<std::size_t>(i * ldc + j)];
+          const float x = float(src_value(i, j));
+          const float r = j >= cols ? d : k.accumulate ? d + x : x;
+          got.push_back(std::bit_cast<std::uint32_t>(dst[static_cast<std::size_t>(i * ldc + j)]));
+          want.push_back(std::bit_cast<std::uint32_t>(r));
+        }
+    } else {
+      std::vector<bf16> dst;
+      for (double d : d0) dst.push_back(to_bf16(float(d)));
+      const std::vector<bf16> before = dst;
+      c.out[0] = dst.data();
+      row->run(c);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < ldc; ++j) {
+          const std::size_t e = static_cast<std::size_t>(i * ldc + j);
+          const std::size_t se = static_cast<std::size_t>(i * lda + j);
+          const std::uint16_t r = j >= cols    ? before[e].bits
+                                  : k.src_bf16 ? fb[se].bits
+                                               : naive_bf16_bits(f[se]);
+          got.push_back(dst[e].bits);
+          want.push_back(r);
+        }
+    }
+    std::size_t bad = 0, first = 0;
+    for (std::size_t e = 0; e < got.size(); ++e)
+      if (got[e] != want[e] && bad++ == 0) first = e;
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements differ from the reference, the first "
+                       << first << ": bits " << std::hex << got[first] << " against "
+                       << want[first];
+  }
+  // A sum into bf16 is refused, naming it.
+  OpShape s;
+  s.rows = 1, s.cols = 1, s.lda = 1, s.ldc = 1, s.accumulate = true;
+  const KernelChoice no = supports(dev, Op::copy_rows, RunDtype::bf16, s);
+  EXPECT_FALSE(no) << tag;
+  EXPECT_NE(no.why_not.find("a sum into bf16"), std::string::npos) << no.why_not;
+}
+
+void check_fill(Device dev, const std::string& tag) {
+  const std::int64_t rows = 3, cols = 5, ldc = 7;
+  for (RunDtype d : {RunDtype::fp64, RunDtype::fp32}) {
+    OpShape s;
+    s.rows = rows, s.cols = cols, s.ldc = ldc;
+    const KernelRow* row = picked(dev, Op::fill, d, s);
+    ASSERT_NE(row, nullptr) << tag;
+    std::vector<double> dst(static_cast<std::size_t>(rows * ldc), 7.0);
+    std::vector<float> dstf(dst.begin(), dst.end());
+    OpCall c;
+    c.op = Op::fill, c.dtype = d, c.shape = s, c.alpha = -0.25;
+    c.out[0] = d == RunDtype::fp64 ? static_cast<void*>(dst.data()) : dstf.data();
+    row->run(c);
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t j = 0; j < ldc; ++j) {
+        const std::size_t e = static_cast<std::size_t>(i * ldc + j);
+        const double v = d == RunDtype::fp64 ? dst[e] : double(dstf[e]);
+        EXPECT_EQ(v, j < cols ? -0.25 : 7.0) << tag << " fill " << to_string(d) << " at " << e;
+      }
+  }
+  OpShape s;
+  s.rows = 1, s.cols = 1, s.ldc = 1;
+  const KernelChoice no = supports(dev, Op::fill, RunDtype::bf16, s);
+  EXPECT_FALSE(no) << tag;
+  EXPECT_NE(no.why_not.find("dtype bf16"), std::string::npos) << no.why_not;
+}
+
 TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
   for (Device dev : devices_built()) {
     if (dev != Device::cpu) continue;  // a device's rows need its storage: its own test
@@ -576,6 +729,9 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_dsa_indexer(dev, d, tag);
       }
     });
+    // No switch selects a data-movement row: once per device.
+    check_copy_rows(dev, to_string(dev));
+    check_fill(dev, to_string(dev));
   }
 }
 
@@ -583,7 +739,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
 // every dtype); the model's ops (mla/ops_model.hpp fills their rows) are not
 // asked here. Every row names its device, kernel and refusals.
 TEST(OpTable, EveryBlockOpHasACpuRow) {
-  for (int i = 0; i <= int(Op::indexer_kl); ++i) {
+  for (int i = 0; i <= int(Op::fill); ++i) {
     const Op op = Op(i);
     bool any = false;
     for (const KernelRow& r : kernel_rows(Device::cpu)) any = any || (r.op == op);

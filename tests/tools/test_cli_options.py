@@ -220,8 +220,13 @@ def case_messages(laga, scratch):
                 ' "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,'
                 ' "index_n_heads": 4, "index_head_dim": 8')
     write(dsa, dsa_keys + ', "index_topk": 4}')
-    for cmd in (["forward"], ["verify"], ["compare", "--count-only"]):
-        expect_error(laga, cmd + ["--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
+    # verify runs the dense forms only: refused by name; forward and compare
+    # run the DSA forms (tools/dsa_job.hpp), refusing what they do not take.
+    expect_error(laga, ["verify", "--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
+    expect_error(laga, ["forward", "--config", dsa, "--invariant"],
+                 "--invariant: config " + dsa + " sets DeepSeek Sparse Attention")
+    expect_error(laga, ["compare", "--count-only", "--config", dsa],
+                 "--count-only: config " + dsa + " sets DeepSeek Sparse Attention")
     write(dsa, dsa_keys + '}')
     expect_error(laga, ["forward", "--config", dsa],
                  "'index_topk' is missing; a DSA config gives")

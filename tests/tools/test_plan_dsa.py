@@ -10,8 +10,8 @@
   target), and the winner is the fastest form that fits.
 - configs/kimi-k3-like.json (no index keys) plans the dense forms.
 - Refusals exit 2 with one "laga: error:" line naming what was wrong: a DSA
-  preset or config given to a command that runs the dense block (forward,
-  compare), V3.2's config to laga train at a --seq below its index_topk, --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
+  preset or config given to what forward and compare do not run for DSA
+  (--count-only, ring_latent), V3.2's config to laga train at a --seq below its index_topk, --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
   with index_topk but no index_head_dim.
 """
 import json
@@ -87,9 +87,11 @@ with open(half, "w") as f:
                "index_topk": 2048, "index_n_heads": 64}, f)
 v32 = os.path.join(src, "configs", "deepseek-v3.2.json")
 for args, words in [
+        # forward and compare run the DSA forms the engine has (tools/dsa_job.hpp)
         (["compare", "--preset", "deepseek-v3.2", "--count-only"],
-         "sets DeepSeek Sparse Attention (index_topk 2048)"),
-        (["forward", "--config", v32], "sets DeepSeek Sparse Attention (index_topk 2048)"),
+         "--count-only: preset deepseek-v3.2 sets DeepSeek Sparse Attention"),
+        (["forward", "--config", v32, "--form", "ring_latent"],
+         "--form ring_latent: a DSA form costed from its closed form only"),
         (["plan", "--model", v32, "--profile", "h100"], "--model plans dense MLA layers"),
         (["plan", "--model", os.path.join(src, "configs", "glm-5-like.json"), "--profile",
           "h100"], "--model plans dense MLA layers"),

@@ -16,9 +16,9 @@ Infinity, a key twice, numbers past a double) — to `laga compare
 resolved is in its JSON) and to laga_torch.MLAConfig.load. Both must accept
 the file with the same model (every field, yarn_always included) or both
 refuse it (the package with a ValueError). A file the package reads into
-another model than the C++, or accepts where the C++ refuses, fails. The one
-exception: Kimi K3's gated NoPE MLA (mla_use_nope, mla_use_output_gate,
-qk_rope_head_dim 0), which laga runs and the package refuses naming the key.
+another model than the C++, or accepts where the C++ refuses, or refuses
+where the C++ accepts, fails: Kimi K3's gated NoPE MLA (mla_use_nope,
+mla_use_output_gate, qk_rope_head_dim 0) included, which both run.
 """
 
 import concurrent.futures
@@ -50,11 +50,6 @@ HF_INTS = {"hidden_size": "dim", "num_attention_heads": "n_heads", "q_lora_rank"
 BIG = 2 ** 53
 
 
-# The one refusal the package may give where laga runs the config (Kimi K3's
-# gated NoPE MLA; laga_torch/config.py, NOPE_REFUSAL).
-PACKAGE_ONLY = "is not implemented in laga_torch"
-
-
 def drop(d, *keys):
     return {k: v for k, v in d.items() if k not in keys}
 
@@ -71,8 +66,8 @@ def configs():
     add("args bare", {k: ARGS[k] for k in INTS[:6]})
     add("hf", HF)
     add("hf plain", drop(HF, "rope_scaling"))
-    # Kimi K3's gated NoPE MLA: laga runs it, the package refuses it by name
-    # (PACKAGE_ONLY); malformed values are refused by both.
+    # Kimi K3's gated NoPE MLA: both run it (the same model, its two keys
+    # included); malformed values, and NoPE with YaRN, are refused by both.
     kimi = dict(drop(HF, "rope_scaling"), mla_use_nope=True, mla_use_output_gate=True)
     add("hf kimi", kimi)
     add("hf kimi in text_config", {"text_config": kimi})
@@ -83,12 +78,27 @@ def configs():
     add("hf rope 0", dict(drop(HF, "rope_scaling"), qk_rope_head_dim=0))
     add("args rope 0", dict(ARGS_PLAIN, qk_rope_head_dim=0))
     add("args kimi", dict(ARGS, mla_use_nope=True, mla_use_output_gate=True))
+    add("args kimi rope 0", dict(ARGS, qk_rope_head_dim=0, mla_use_output_gate=True))
+    add("args kimi yarn_always", dict(ARGS_PLAIN, mla_use_nope=True, yarn_always=True))
+    add("args kimi rope 0 bad yarn fields", dict(ARGS, qk_rope_head_dim=0, rope_factor=0.5))
+    add("args kimi nope bad yarn fields", dict(ARGS, mla_use_nope=True, beta_fast=0.5))
+    add("args kimi odd rope dims", dict(ARGS, mla_use_nope=True, qk_rope_head_dim=3))
+    add("hf kimi rope_parameters default", dict(drop(HF, "rope_scaling"), mla_use_nope=True,
+                                                rope_parameters={"rope_type": "default"}))
+    add("hf kimi rope_scaling type null", dict(HF, mla_use_nope=True,
+                                               rope_scaling=dict(YARN, type=None)))
+    add("hf kimi nope false with yarn", dict(HF, mla_use_nope=False, mla_use_output_gate=True))
     # DeepSeek-V3.2's indexer keys: laga's dense commands refuse them, and so
     # must the package (it would attend every key); a partial set too.
     dsa = {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4}
     add("hf dsa", dict(HF, **dsa))
     add("args dsa", dict(ARGS, **dsa))
     add("args dsa topk only", dict(ARGS, index_topk=4))
+    # laga's fp8 options of DSA: true (or not a boolean) refused by both
+    # without the DSA keys, false accepted by both.
+    for k in ("index_fp8", "kv_fp8_round_trip"):
+        for v in (True, False, 1, "true"):
+            add(f"args {k}={v!r}", dict(ARGS, **{k: v}))
     for v in (1, 0, "true", [True]):
         add(f"hf mla_use_nope={v!r}", dict(HF, mla_use_nope=v))
         add(f"args mla_use_output_gate={v!r}", dict(ARGS, mla_use_output_gate=v))
@@ -242,7 +252,7 @@ def main():
     laga, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
     os.makedirs(work, exist_ok=True)
     import laga_torch as lt
-    t0, fails, n = time.time(), [], {"accept": 0, "refuse": 0, "package only": 0}
+    t0, fails, n = time.time(), [], {"accept": 0, "refuse": 0}
     paths = []
     for i, (name, text) in enumerate(configs()):
         paths.append(os.path.join(work, f"config-{i}.json"))
@@ -254,9 +264,6 @@ def main():
         p = package(lt, path)
         if p[0] == "raw":
             fails.append(f"{name}: the package raised {p[1]} (not a ValueError)")
-        elif c[0] == "accept" and p[0] == "refuse" and PACKAGE_ONLY in p[1]:
-            n["package only"] += 1  # laga runs it; the package refuses it by name
-            continue
         elif c[0] != p[0]:
             fails.append(f"{name}: laga {c[0]}s it ({c[1]}), the package {p[0]}s it ({p[1]})")
         elif c[0] == "accept":
@@ -276,8 +283,7 @@ def main():
     if fails:
         sys.exit(f"FAIL: {len(fails)} of {total} configs: the package and laga disagree")
     print(f"ok: {total} configs, the same verdict from laga and the package ({n['accept']} "
-          f"accepted with the same model, {n['refuse']} refused by both, "
-          f"{n['package only']} run by laga and refused by the package by name; "
+          f"accepted with the same model, {n['refuse']} refused by both; "
           f"{time.time() - t0:.1f} s)")
 
 

@@ -2,7 +2,10 @@
 """laga_torch's invariant mode (MLA(..., invariant=True);
 docs/pytorch_invariant.md; python/laga_torch/invariant.py).
 
-Usage: test_torch_invariant.py LAGA WORKDIR
+Usage: test_torch_invariant.py LAGA WORKDIR [--ps 1,2,3,4]
+
+(--ps: the rank counts, P 1 first; the torch 2 twin runs 1,2, its torch 1.13
+run all four.)
 
 One launch of 4 ranks (gloo, a free port, one thread each), the groups of
 its first 1, 2, 3 and 4 ranks in turn: at P 1, 2, 3, 4, S 200 (four
@@ -187,7 +190,7 @@ def worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r,
                             world_size=args.world)
-    for P in PS:
+    for P in args.ps or PS:
         group = dist.new_group(list(range(P)))  # every rank makes every group
         if r >= P:
             continue
@@ -247,8 +250,11 @@ def main():
     for f in os.listdir(args.dir):  # no result of an earlier run is read
         if f.startswith("inv_P"):
             os.unlink(os.path.join(args.dir, f))
-    Ps = PS
-    run_ranks(__file__, [args.laga, args.dir, "--worker"], max(Ps), 280, fail)
+    Ps = args.ps or PS
+    if Ps[0] != 1 or len(Ps) < 2:
+        fail(f"--ps {','.join(map(str, Ps))}: P 1 (the reference) and at least one P > 1")
+    run_ranks(__file__, [args.laga, args.dir, "--ps", ",".join(map(str, Ps)), "--worker"],
+              max(Ps), 280, fail)
     res = {P: [torch.load(os.path.join(args.dir, f"inv_P{P}_r{r}.pt")) for r in range(P)]
            for P in Ps}
     names = [name(c) for c in cases()]
@@ -273,8 +279,9 @@ def main():
                      f"its largest), over {TOL[c['dtype']]}: the mode changed the values")
     print("the mode on against off at P 1, worst relative error: " +
           ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
-    print(f"invariant: {len(names)} cases bitwise equal to P 1 at P 2, 3, 4 ({checked} runs: "
-          "out, dx, every gradient on every rank)")
+    print(f"invariant: {len(names)} cases bitwise equal to P 1 at P "
+          f"{', '.join(map(str, Ps[1:]))} ({checked} runs: out, dx, every gradient on every "
+          "rank)")
     for dt in DTYPES:
         k = f"train-{dt}"
         for P in Ps[1:]:
@@ -283,7 +290,7 @@ def main():
                     if not torch.equal(bits(t), bits(res[P][r][k][key])):
                         fail(f"training {dt}: {key} at P {P} rank {r} not bitwise P 1's")
         print(f"training {dt}: losses {[f'{v:.6g}' for v in res[1][0][k]['losses'].tolist()]} "
-              f"and final weights bitwise equal at P 1-4")
+              f"and final weights bitwise equal at P {', '.join(map(str, Ps))}")
     for what, c in [(w, c) for w in ("mutated", "off") for c in PROBES]:
         k = f"{what}:" + name(c)
         d = {P: differ([res[1][0][k]], [x[k] for x in res[P]]) for P in Ps[1:]}

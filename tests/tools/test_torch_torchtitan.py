@@ -13,7 +13,9 @@ laga2d and ring_latent on (q, c_kv, k_pe, wkv_b), and HeadCPAttention for
 explicit, allgather_kv and ring_kv on (q, k, v), each rank's out and the
 gradients of its q, latent (or k, v) and of wkv_b (summed over ranks)
 within 1e-12 (float64) of a naive causal in-document softmax attention
-written here on the whole sequence; reduce_dtype float32 under bf16 inputs
+written here on the whole sequence; the same for Kimi K3's NoPE configs
+(KIMI: mla_use_nope with dr 4 unrotated, and qk_rope_head_dim 0) on packed
+documents, both layouts; reduce_dtype float32 under bf16 inputs
 within the bf16 bound of float64 (24 u). Refused, naming the value: a
 permutation that is neither contiguous nor head-tail, a latent form given
 to HeadCPAttention and the reverse, a shard of the wrong length.
@@ -43,6 +45,12 @@ from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
        "max_seq_len": 32, "rope_factor": 4.0, "mscale": 0.7, "beta_fast": 4.0, "beta_slow": 1.0}
+# Kimi K3's NoPE MLA from its config.json keys (docs/mla-math.md, "Gated NoPE
+# MLA"): the adapter rotates nothing itself, so the same inner attention with
+# dr 4 kept unrotated and scale (dn + dr)^-1/2 (no YaRN mscale); and dr 0
+# (empty k_pe). The gate is the model's, outside the inner attention.
+KIMI = [dict(CFG, mla_use_nope=True, mla_use_output_gate=True),
+        dict(CFG, qk_rope_head_dim=0, q_lora_rank=0)]
 S = 13
 LATENT = ["laga", "laga_fused", "absorbed", "laga2d", "ring_latent"]
 HEADS = ["explicit", "allgather_kv", "ring_kv"]
@@ -54,6 +62,8 @@ def fail(msg):
 
 
 def rel(a, ref):
+    if ref.numel() == 0:  # dr 0's k_pe: nothing to differ, but the shape
+        return 0.0 if a.shape == ref.shape else float("inf")
     d = (a.double() - ref.double()).abs().max().item()
     s = ref.double().abs().max().item()
     return d / s if s > 0 else d
@@ -103,52 +113,58 @@ def worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=r,
                             world_size=P)
+    worst, worst_bf16, cases = 0.0, 0.0, 0
+    runs = [(CFG, cu, layout) for cu in ([0, 4, 9, 13], [0, 13])
+            for layout in ("contiguous", "zigzag")]
+    runs += [(k, [0, 4, 9, 13], layout) for k in KIMI for layout in ("contiguous", "zigzag")]
+    for cfg_json, cu, layout in runs:
+        cfg = lt.MLAConfig.from_json(cfg_json)
+        x = inputs(cfg)
+        if not cfg.rotates and cfg.softmax_scale() != cfg.qk_head_dim ** -0.5:
+            fail(f"{cfg_json}: NoPE's softmax scale {cfg.softmax_scale()} is not (dn + dr)^-1/2")
+        perm = None if layout == "contiguous" else torch.tensor([tt._head_tail(S, P)])
+        md = tt.LatentCPAttention.prepare_cp_metadata(
+            tt.SequenceMetadata(cu_seqlens=cu), permutation=perm)
+        if md.seq_layout != (layout if P > 1 else "contiguous"):  # (P 1: the identity)
+            fail(f"permutation {perm}: read as {md.seq_layout}, expected {layout}")
+        own = torch.tensor(lt.SpLayout.even(S, cfg.n_heads, P, layout).positions(r))
+        for latent, forms in ((True, LATENT), (False, HEADS)):
+            ref_o, ref_g = reference(cfg, x, cu, latent)
+            for form in forms:
+                cls = tt.LatentCPAttention if latent else tt.HeadCPAttention
+                att = cls(cfg, form, reduce_dtype=torch.float64)
+                names = ("q", "c", "k_pe", "wkv_b") if latent else ("q", "k", "v")
+                loc = {n: (x[n] if n == "wkv_b" else x[n][own]).clone().requires_grad_(True)
+                       for n in names}
+                args_ = [loc[n] for n in names]
+                o = att(*args_, attention_metadata=md)
+                o.backward(x["do"][own])
+                errs = [rel(o, ref_o[own])]
+                for n in names:
+                    gr = loc[n].grad.clone()
+                    if n == "wkv_b":
+                        dist.all_reduce(gr)
+                        errs.append(rel(gr, ref_g[n]))
+                    else:
+                        errs.append(rel(gr, ref_g[n][own]))
+                if max(errs) > 1e-12:
+                    fail(f"P {P} {form} {layout} cu {cu}: off by {max(errs):.3g} from the "
+                         "naive attention (out, then each input's gradient: "
+                         f"{['%.2g' % e for e in errs]})")
+                worst, cases = max(worst, max(errs)), cases + 1
+                if form in ("laga", "ring_kv") and cu[1] == 4 and cfg_json is CFG:  # reduce_dtype fp32 under bf16
+                    att = cls(cfg, form, reduce_dtype=torch.float32)
+                    b = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in args_]
+                    ob = att(*b, attention_metadata=md)
+                    if ob.dtype != torch.bfloat16:
+                        fail(f"{form}: bf16 inputs gave a {ob.dtype} output")
+                    e = rel(ob, ref_o[own]) / (24 * U_BF16)
+                    worst_bf16 = max(worst_bf16, e)
+                    if e > 1:
+                        fail(f"P {P} {form} bf16 with reduce_dtype float32: out off by "
+                             f"{e:.2f} of the bf16 bound 24 u")
     cfg = lt.MLAConfig.from_json(CFG)
     x = inputs(cfg)
-    worst, worst_bf16, cases = 0.0, 0.0, 0
-    for cu in ([0, 4, 9, 13], [0, 13]):
-        for layout in ("contiguous", "zigzag"):
-            perm = None if layout == "contiguous" else torch.tensor([tt._head_tail(S, P)])
-            md = tt.LatentCPAttention.prepare_cp_metadata(
-                tt.SequenceMetadata(cu_seqlens=cu), permutation=perm)
-            if md.seq_layout != (layout if P > 1 else "contiguous"):  # (P 1: the identity)
-                fail(f"permutation {perm}: read as {md.seq_layout}, expected {layout}")
-            own = torch.tensor(lt.SpLayout.even(S, cfg.n_heads, P, layout).positions(r))
-            for latent, forms in ((True, LATENT), (False, HEADS)):
-                ref_o, ref_g = reference(cfg, x, cu, latent)
-                for form in forms:
-                    cls = tt.LatentCPAttention if latent else tt.HeadCPAttention
-                    att = cls(cfg, form, reduce_dtype=torch.float64)
-                    names = ("q", "c", "k_pe", "wkv_b") if latent else ("q", "k", "v")
-                    loc = {n: (x[n] if n == "wkv_b" else x[n][own]).clone().requires_grad_(True)
-                           for n in names}
-                    args_ = [loc[n] for n in names]
-                    o = att(*args_, attention_metadata=md)
-                    o.backward(x["do"][own])
-                    errs = [rel(o, ref_o[own])]
-                    for n in names:
-                        gr = loc[n].grad.clone()
-                        if n == "wkv_b":
-                            dist.all_reduce(gr)
-                            errs.append(rel(gr, ref_g[n]))
-                        else:
-                            errs.append(rel(gr, ref_g[n][own]))
-                    if max(errs) > 1e-12:
-                        fail(f"P {P} {form} {layout} cu {cu}: off by {max(errs):.3g} from the "
-                             "naive attention (out, then each input's gradient: "
-                             f"{['%.2g' % e for e in errs]})")
-                    worst, cases = max(worst, max(errs)), cases + 1
-                    if form in ("laga", "ring_kv") and cu[1] == 4:  # reduce_dtype fp32 under bf16
-                        att = cls(cfg, form, reduce_dtype=torch.float32)
-                        b = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in args_]
-                        ob = att(*b, attention_metadata=md)
-                        if ob.dtype != torch.bfloat16:
-                            fail(f"{form}: bf16 inputs gave a {ob.dtype} output")
-                        e = rel(ob, ref_o[own]) / (24 * U_BF16)
-                        worst_bf16 = max(worst_bf16, e)
-                        if e > 1:
-                            fail(f"P {P} {form} bf16 with reduce_dtype float32: out off by "
-                                 f"{e:.2f} of the bf16 bound 24 u")
     # refusals, each naming the value
     md_try = tt.SequenceMetadata(seq_len=S)
     refusals = 0

@@ -40,11 +40,27 @@ def run_ranks(script, argv, P, timeout, fail, what="ranks", hang_hint=""):
         fail(f"{what} at P {P} exited {[p.returncode for p in procs]}")
 
 
+def rank_counts(text):
+    """--ps's value: a comma-separated list of rank counts, each >= 1."""
+    try:
+        ps = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        ps = ()
+    if not ps or min(ps) < 1 or list(ps) != sorted(set(ps)):
+        raise argparse.ArgumentTypeError(
+            f"--ps {text!r}: give rank counts >= 1, comma-separated, ascending, e.g. 1,3")
+    return ps
+
+
 def parse_rank_args(worker_takes_value=False):
     """The command line run_ranks gives a worker, and the test's own: LAGA
     DIR, then --worker (a flag, or with worker_takes_value the part to run)
-    --rank r --world P --port PORT."""
+    --rank r --world P --port PORT. --ps P,P,...: the rank counts to run, for
+    a test that takes them (None when not given: the test's own list); a
+    torch 2 twin runs fewer where its torch 1.13 run covers the rest
+    (TORCH2_ARGS, tests/CMakeLists.txt)."""
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ps", type=rank_counts)
     ap.add_argument("laga", nargs="?")
     ap.add_argument("dir", nargs="?")
     if worker_takes_value:

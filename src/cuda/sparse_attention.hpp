@@ -1,0 +1,72 @@
+// DeepSeek Sparse Attention's main attention on the device (sparse_attention.cu):
+// each query row attends only its selected keys, gathered by index, never an
+// Sq x Sk mask. The math, layout, empty-slot convention and the bf16 mixed
+// precision are the CPU kernel's (kernels/attention_sparse.hpp: read it
+// first); every pointer here is a device pointer, idx included.
+//
+//   q (B, Sq, Hq, dqk)  k (B, Sk, Hk, dqk)  v (B, Sk, Hk, dv)  o (B, Sq, Hq, dv)
+//   idx (B, Sq, K) int32, -1 an empty slot (any negative slot is skipped, as
+//   the CPU kernel skips them); lse (B, Hq, Sq) fp32. Hk = Hq per head,
+//   Hk = 1 the latent (absorbed) form; any divisor of Hq works.
+//
+// In is float (the fp32 row) or laga::bf16 (the bf16 row: bf16 q, k, v, dO,
+// widened exactly); o, lse and the gradients are fp32 either way, as the CPU
+// rows' are. The CPU sums in double, these kernels in fp32: the difference
+// is fp32 rounding over K slots (the check's bound, cuda/check_sparse.cpp).
+//
+// Kernels (simple and correct first; nothing here has run on a GPU yet,
+// docs/performance.md "The CUDA backend"): one warp a (query row, head):
+//   forward  online softmax over the row's slots, lanes holding strided head
+//            dims, each q.k a warp reduction in one fixed order;
+//   dq       recomputes p from lse, D_i = dO_i . o_i (kept for dk/dv), dq;
+//   dk, dv   a deterministic scatter, no atomics: the (key, query) pairs of
+//            every non-empty slot are sorted by key then query (cub's radix
+//            sort, deterministic), and one warp a (key, key head) walks its
+//            pairs in ascending query order, recomputing p and dS, summing
+//            into registers, writing each dk, dv element once. So the
+//            backward's bits do not vary from run to run and the rows need
+//            no refusal of the invariant mode (docs/invariance.md).
+// Scratch of the backward (DeviceBuffers, counted by the current pool): D
+// (B, Hq, Sq) fp32, two (B Sq K) uint64 key arrays, (B Sk + 1) int64 offsets
+// and cub's sort storage: 4 B Hq Sq + 16 B Sq K + 8 (B Sk + 1) bytes and
+// cub's temporary storage (its size query's answer): 1.1 GB besides cub's
+// at V3.2's latent S 32k (B 1, Hq 128, K 2048). Not predicted by the
+// count-only run: the op layer hands this op no workspace.
+// The dk/dv walk's weakness: a key every query selects (the first tokens,
+// under a causal top-k) is one warp's serial walk over Sq x (Hq / Hk)
+// pairs -- in latent space at S 32k, 4M pairs on one warp. Splitting a long
+// key's pairs into fixed chunks summed in a fixed order would keep the bits
+// and the balance; not done.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/bf16.hpp"
+#include "kernels/attention_sparse.hpp"
+
+namespace laga::cuda {
+
+// The most head dims a lane holds in registers: dqk <= 32 x 18 = 576,
+// dv <= 32 x 16 = 512 (DeepSeek-V3.2's latent keys [c | k_pe] and values c).
+constexpr int kSparseMaxDqkSlots = 18;
+constexpr int kSparseMaxDvSlots = 16;
+
+// Empty when these kernels take the shape; else one sentence naming the
+// value out of range and what to do. Needs no device.
+std::string sparse_attention_refusal(const SparseAttnShape& s);
+
+// o (B, Sq, Hq, dv) and lse written. Throws laga::Error with the refusal's
+// words when refused.
+template <class In>
+void sparse_attention_forward(const SparseAttnShape& s, float* o, float* lse, const In* q,
+                              const In* k, const In* v, const std::int32_t* idx,
+                              void* stream = nullptr);
+// dq, dk, dv overwritten (a key no row selected gets 0).
+template <class In>
+void sparse_attention_backward(const SparseAttnShape& s, float* dq, float* dk, float* dv,
+                               const In* dout, const In* q, const In* k, const In* v,
+                               const float* o, const float* lse, const std::int32_t* idx,
+                               void* stream = nullptr);
+
+}  // namespace laga::cuda
