@@ -26,7 +26,9 @@
 
 namespace laga::ops {
 
-inline constexpr int kCudaBackendAbi = 2;
+// 2 came twice (main: copy_rows and fill; dsaops: the DSA indexer ops of
+// mla/ops_dsa.hpp); 3: both.
+inline constexpr int kCudaBackendAbi = 3;
 
 // The module's exported entry point: extern "C" const CudaBackendApi*
 // laga_cuda_backend_api(void).

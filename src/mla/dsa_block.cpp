@@ -4,12 +4,8 @@
 #include <cmath>
 
 #include "core/error.hpp"
-#include "kernels/attention_sparse.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/rope.hpp"
-#include "mla/ops_sparse.hpp"
+#include "mla/dsa_rows.hpp"
+#include "mla/ops_dsa.hpp"
 
 namespace laga {
 
@@ -60,13 +56,13 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
                      dI = cfg.index_head_dim;
   DsaIndexerProjections<T> p{buffer<T>(N * HI * dI), buffer<T>(N * dI), buffer<T>(N * dI),
                              buffer<T>(N),           buffer<T>(N),      buffer<T>(N * HI)};
-  linear_forward(p.q.data(), qr, iw.wq_b.data(), N, rq, HI * dI);
-  linear_forward(p.k_pre.data(), x, iw.wk.data(), N, D, dI);
-  layernorm_forward(p.k.data(), p.k_mean.data(), p.k_rstd.data(), p.k_pre.data(),
-                    iw.k_norm_weight.data(), iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
+  ops::linear_rows(p.q.data(), qr, iw.wq_b.data(), N, rq, HI * dI);
+  ops::linear_rows(p.k_pre.data(), x, iw.wk.data(), N, D, dI);
+  ops::layernorm(p.k.data(), p.k_mean.data(), p.k_rstd.data(), p.k_pre.data(),
+                 iw.k_norm_weight.data(), iw.k_norm_bias.data(), N, dI, kIndexerNormEps);
   // weights_proj(x) * n_heads^-0.5, times softmax_scale = head_dim^-0.5.
   p.w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
-  linear_forward(p.w.data(), x, iw.weights_proj.data(), N, D, HI);
+  ops::linear_rows(p.w.data(), x, iw.weights_proj.data(), N, D, HI);
   for (T& e : p.w) e = T(double(e) * p.w_scale);
   return p;
 }
@@ -82,13 +78,15 @@ DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
                      dI = cfg.index_head_dim;
   DsaIndexerParams<T> g = DsaIndexerParams<T>::zeros(cfg);
   for (T& e : dw) e = T(double(e) * w_scale);
-  linear_backward<T>(nullptr, false, g.weights_proj.data(), dw.data(), x, iw.weights_proj.data(), N,
-                     D, HI);
-  linear_backward<T>(nullptr, false, g.wq_b.data(), dq, qr, iw.wq_b.data(), N, rq, HI * dI);
+  ops::linear_rows_backward<T>(nullptr, false, g.weights_proj.data(), dw.data(), x,
+                               iw.weights_proj.data(), N, D, HI);
+  ops::linear_rows_backward<T>(nullptr, false, g.wq_b.data(), dq, qr, iw.wq_b.data(), N, rq,
+                               HI * dI);
   std::vector<T> dkpre = buffer<T>(N * dI);
-  layernorm_backward(dkpre.data(), g.k_norm_weight.data(), g.k_norm_bias.data(), dk, k_pre,
-                     iw.k_norm_weight.data(), k_mean, k_rstd, N, dI);
-  linear_backward<T>(nullptr, false, g.wk.data(), dkpre.data(), x, iw.wk.data(), N, D, dI);
+  ops::layernorm_backward(dkpre.data(), g.k_norm_weight.data(), g.k_norm_bias.data(), dk, k_pre,
+                          iw.k_norm_weight.data(), k_mean, k_rstd, N, dI);
+  ops::linear_rows_backward<T>(nullptr, false, g.wk.data(), dkpre.data(), x, iw.wk.data(), N, D,
+                               dI);
   return g;
 }
 
@@ -101,7 +99,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
              "dsa_block: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
              "index_head_dim, index_topk)");
   LAGA_CHECK(B > 0 && S > 0, "dsa_block: batch and sequence must be positive, got B=", B, " S=", S);
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, N = B * S;
@@ -109,23 +107,11 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 
   DsaBlockResult<T> r;
   // ---- the MLA's projections (DeepSeek's MLA.forward)
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
-  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_apply(q.data() + dn, B, S, H, H * dqk, dqk, 0, table, false);
-  std::vector<T> kv = buffer<T>(N * (C + dr)), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, C + dr);
-  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), C + dr, w.kv_norm.data(), N, C,
-                  cfg.norm_eps);
-  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
-  std::vector<T> k_pe = buffer<T>(N * dr);
-  for (std::int64_t t = 0; t < N; ++t)
-    std::copy_n(kv.data() + t * (C + dr) + C, dr, k_pe.data() + t * dr);
-  rope_apply(k_pe.data(), B, S, 1, dr, dr, 0, table, false);
+  const DsaRowPositions at{B, S, 0, nullptr};
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
+  const std::vector<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
-  linear_forward(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
+  ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
   for (std::int64_t t = 0; t < N; ++t)
     for (std::int64_t h = 0; h < H; ++h) {
@@ -144,17 +130,15 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T>& k_rstd = ip.k_rstd;
   std::vector<T>& wI = ip.w;
   const double w_scale = ip.w_scale;
-  for (std::int64_t b = 0; b < B; ++b) {
-    rope_halves_apply(qI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, false);
-    rope_halves_apply(kI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, false);
-  }
+  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;
   is.scores = index_scores_of(cfg);
   is.validate();
   r.idx.assign(static_cast<std::size_t>(N * K), -1);
-  dsa_index_topk(is, r.idx.data(), qI.data(), kI.data(), wI.data());
+  ops::index_topk(is, r.idx.data(), qI.data(), kI.data(), wI.data());
 
   // ---- the main attention: the selected keys (sparse) or every causal key
   // (the dense warm-up), one gather kernel either way.
@@ -163,7 +147,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   std::int64_t KA = K;
   if (stage == DsaStage::dense_warmup) {
     all.assign(static_cast<std::size_t>(N * S), -1);
-    dsa_all_causal(is, all.data());
+    ops::index_all_causal(is, all.data());
     att_idx = all.data(), KA = S;
   }
   // Per head (DeepSeek's prefill: K = [k_nope | k_pe], V per head) or in
@@ -182,9 +166,9 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     qa_abs = buffer<T>(N * H * (C + dr)), lat = buffer<T>(N * (C + dr)),
     o_lat = buffer<T>(N * H * C);
     for (std::int64_t h = 0; h < H; ++h)  // q_nope (N, dn) W_UK[h] (dn, C) into qa_abs[:, h, :C]
-      gemm<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
-              w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * (C + dr),
-              H * (C + dr));
+      ops::gemm_strided<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
+                           w.wkv_b.data() + h * (dn + dv) * C, C, T(0),
+                           qa_abs.data() + h * (C + dr), H * (C + dr));
     for (std::int64_t t = 0; t < N; ++t) {
       for (std::int64_t h = 0; h < H; ++h)
         std::copy_n(q.data() + (t * H + h) * dqk + dn, dr,
@@ -198,26 +182,25 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
                                    v_att, att_idx);
   if (latent)
     for (std::int64_t h = 0; h < H; ++h)  // o_lat (N, C) W_UV[h]^T (C, dv)
-      gemm<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
-              w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv, H * dv);
+      ops::gemm_strided<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
+                           w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv,
+                           H * dv);
   r.out = buffer<T>(N * D);
-  linear_forward(r.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  ops::linear_rows(r.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL against the main attention's head-summed distribution
   std::vector<T> p = buffer<T>(N * KA);
   ops::sparse_attention_head_summed_probs<T>(ss, p.data(), q_att, k_att, lse.data(), att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkI = buffer<T>(N * dI), dwI = buffer<T>(N * HI);
-  dsa_indexer_kl(is, KA, att_idx, p.data(), qI.data(), kI.data(), wI.data(), loss.data(),
-                 dqI.data(), dkI.data(), dwI.data());
+  ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kI.data(), wI.data(), loss.data(),
+                  dqI.data(), dkI.data(), dwI.data());
   for (double l : loss) r.kl_loss += l;
   if (!dout) return r;
 
   // ---- the indexer's weights from the KL (its input detached: no dx, no dqr)
-  for (std::int64_t b = 0; b < B; ++b) {
-    rope_halves_apply(dqI.data() + b * S * HI * dI, S, HI, HI * dI, dI, 0, nullptr, table, true);
-    rope_halves_apply(dkI.data() + b * S * dI, S, 1, dI, dI, 0, nullptr, table, true);
-  }
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   r.indexer_grads =
       dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
                                    k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
@@ -226,8 +209,8 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   r.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
   r.dx = buffer<T>(N * D);
   std::vector<T> dO = buffer<T>(N * H * dv);
-  linear_backward<T>(dO.data(), false, r.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
-                     D);
+  ops::linear_rows_backward<T>(dO.data(), false, r.grads.wo.data(), dout, o.data(), w.wo.data(), N,
+                               H * dv, D);
   std::vector<T> dq = buffer<T>(N * H * dqk), dkv = buffer<T>(N * (C + dr)), dc = buffer<T>(N * C);
   if (!latent) {
     std::vector<T> dk = buffer<T>(N * H * dqk), dvv = buffer<T>(N * H * dv);
@@ -242,18 +225,19 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
         for (std::int64_t e = 0; e < dr; ++e)  // k_pe is every head's: its gradient sums them
           dkv[std::size_t(t * (C + dr) + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
       }
-    linear_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(),
-                       w.wkv_b.data(), N, C, H * (dn + dv));
+    ops::linear_rows_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(),
+                                 w.wkv_b.data(), N, C, H * (dn + dv));
   } else {
     std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * (C + dr));
     std::vector<T> dlat = buffer<T>(N * (C + dr)), dval = buffer<T>(N * C);
     for (std::int64_t h = 0; h < H; ++h) {
       T* dw_uv = r.grads.wkv_b.data() + (h * (dn + dv) + dn) * C;
       // do_lat[h] = dO[h] W_UV[h]; dW_UV[h] += dO[h]^T o_lat[h]
-      gemm<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
-              w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C, H * C);
-      gemm<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv, o_lat.data() + h * C, H * C,
-              T(1), dw_uv, C);
+      ops::gemm_strided<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
+                           w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0),
+                           do_lat.data() + h * C, H * C);
+      ops::gemm_strided<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv,
+                           o_lat.data() + h * C, H * C, T(1), dw_uv, C);
     }
     ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlat.data(), dval.data(), do_lat.data(),
                                       qa_abs.data(), lat.data(), c.data(), o_lat.data(), lse.data(),
@@ -261,10 +245,11 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     for (std::int64_t h = 0; h < H; ++h) {
       T* dw_uk = r.grads.wkv_b.data() + h * (dn + dv) * C;
       // dq_nope[h] = dq_abs[h, :C] W_UK[h]^T; dW_UK[h] += q_nope[h]^T dq_abs[h, :C]
-      gemm<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * (C + dr), H * (C + dr),
-              w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
-      gemm<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
-              dq_abs.data() + h * (C + dr), H * (C + dr), T(1), dw_uk, C);
+      ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * (C + dr), H * (C + dr),
+                           w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk,
+                           H * dqk);
+      ops::gemm_strided<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
+                           dq_abs.data() + h * (C + dr), H * (C + dr), T(1), dw_uk, C);
     }
     for (std::int64_t t = 0; t < N; ++t) {
       for (std::int64_t h = 0; h < H; ++h)
@@ -276,19 +261,9 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(dlat.data() + t * (C + dr) + C, dr, dkv.data() + t * (C + dr) + C);
     }
   }
-  rope_apply(dkv.data() + C, B, S, 1, C + dr, dr, 0, table, true);
-  rmsnorm_backward(dkv.data(), C + dr, r.grads.kv_norm.data(), dc.data(), C, kv.data(), C + dr,
-                   w.kv_norm.data(), rstd_kv.data(), N, C);
-  linear_backward<T>(r.dx.data(), false, r.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N, D,
-                     C + dr);
-  rope_apply(dq.data() + dn, B, S, H, H * dqk, dqk, 0, table, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  linear_backward<T>(dqr.data(), false, r.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(), N,
-                     rq, H * dqk);
-  rmsnorm_backward(dqa.data(), rq, r.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                   w.q_norm.data(), rstd_q.data(), N, rq);
-  linear_backward<T>(r.dx.data(), true, r.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
-                     rq);
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, r.grads,
+                        r.dx.data());
   return r;
 }
 

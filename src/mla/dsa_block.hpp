@@ -21,24 +21,24 @@
 //     stage (DsaStage::sparse); the indexer's input (x, qr) is detached, so
 //     the KL gradient reaches the indexer's weights and nothing else.
 // Precision: T throughout (fp32 or fp64); under bf16 (T = float) the sparse
-// attention and its KL target run bf16 mixed precision, the kernels called
-// directly fp32 (docs/forms.md, "DSA in bf16"); DeepSeek's fp8 indexer and kv
-// round trip by the config's index_fp8 / kv_fp8_round_trip (docs/forms.md, "The
-// fp8 indexer").
+// attention and its KL target run bf16 mixed precision, the other ops fp32
+// (docs/forms.md, "DSA in bf16"); DeepSeek's fp8 indexer and kv round trip
+// by the config's index_fp8 / kv_fp8_round_trip (docs/forms.md, "The fp8
+// indexer"; mla/dsa_rows.hpp).
 //
-// The block calls the kernels directly and the op layer only for the
-// sparse attention, so it has no count-only run yet; the forms do not run
-// it (a DSA config is refused by the tool's ModelOptions::load); mla/dsa_cp.hpp
-// runs it query-local over P ranks, mla/dsa_explicit.hpp head-sharded.
+// The block asks the op layer for every computation (mla/ops_dsa.hpp,
+// mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted
+// (OpCounts); its operands are std::vector row buffers, not pool tensors,
+// so it has no count-only run yet. The forms do not run it (a DSA config is
+// refused by the tool's ModelOptions::load); mla/dsa_cp.hpp runs it
+// query-local over P ranks, mla/dsa_explicit.hpp and dsa_laga.hpp
+// head-sharded.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "core/error.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/fp8_e4m3.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
 
@@ -66,26 +66,6 @@ struct DsaIndexerParams {
   // (name, tensor) in the order above.
   std::vector<std::pair<std::string, std::vector<T>*>> named();
 };
-
-// How the indexer scores (cfg.index_fp8: DeepSeek's fp8 path, else the
-// run's dtype): every form sets its IndexerShape's scores from this.
-inline IndexScores index_scores_of(const MlaConfig& cfg) {
-  return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
-}
-
-// cfg.kv_fp8_round_trip: DeepSeek's fp8 kv-cache simulation on the latent c
-// (N, kv_lora_rank) right after kv_norm, in place (kernels/fp8_e4m3.hpp,
-// fp8_round_trip; V3.2's ue8m0 scales); every form calls it. Inference only:
-// with a dout (a backward to come) it throws, the same on every rank.
-template <class T>
-void dsa_kv_fp8_round_trip(const MlaConfig& cfg, T* c, std::int64_t N, const T* dout) {
-  if (!cfg.kv_fp8_round_trip) return;
-  LAGA_CHECK(dout == nullptr,
-             "DSA: kv_fp8_round_trip simulates DeepSeek's fp8 kv cache at inference and has "
-             "no backward (the rounding's gradient is zero almost everywhere); run forward "
-             "only, or set kv_fp8_round_trip false to train");
-  fp8_round_trip(c, N, cfg.kv_lora_rank, kActQuantBlock, Fp8ScaleFmt::ue8m0);
-}
 
 // The indexer's projections of N tokens (DeepSeek's Indexer.forward up to
 // its fp8), before RoPE, which the caller applies from its tokens' positions:

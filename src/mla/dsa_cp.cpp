@@ -4,12 +4,8 @@
 #include <cmath>
 
 #include "core/error.hpp"
-#include "kernels/attention_sparse.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/rope.hpp"
-#include "mla/ops_sparse.hpp"
+#include "mla/dsa_rows.hpp"
+#include "mla/ops_dsa.hpp"
 
 namespace laga {
 
@@ -76,7 +72,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, W = C + dr;
@@ -99,39 +95,18 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
       }
   }
   const std::int64_t* docs = doc_start ? docs_k.data() : nullptr;
-  // RoPE of the rank's rows: at s0 + l, or at their positions in their documents.
-  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    if (doc_start)
-      rope_apply_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
-    else
-      rope_apply(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
-  };
-  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
-    for (std::int64_t b = 0; b < B; ++b)
-      rope_halves_apply(p + b * L * ld_token, L, heads, ld_token, dI, s0,
-                        doc_start ? pos.data() + b * L : nullptr, table, inverse);
-  };
-
+  // The rank's rows: at s0 + l, or at their positions in their documents.
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
-  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
-  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
-  std::vector<T> lat_own = buffer<T>(N * W);      // [c | rope(k_pe)]
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
+  const std::vector<T>&qr = own.qr, &q = own.q;
+  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
-    std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
-    std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
+    std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
+    std::copy_n(own.k_pe.data() + t * dr, dr, lat_own.data() + t * W + C);
   }
-  rope_mla(lat_own.data() + C, 1, W, dr, false);
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   std::vector<T>& qI = ip.q;  // the names the rest of this function reads
@@ -141,8 +116,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T>& k_rstd = ip.k_rstd;
   std::vector<T>& wI = ip.w;
   const double w_scale = ip.w_scale;
-  rope_index(qI.data(), HI, HI * dI, false);
-  rope_index(kI.data(), 1, dI, false);
+  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
@@ -163,13 +138,13 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
-  dsa_index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
+  ops::index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
   std::vector<std::int32_t> all;
   const std::int32_t* att_idx = res.idx.data();
   std::int64_t KA = K;
   if (stage == DsaStage::dense_warmup) {
     all.assign(static_cast<std::size_t>(N * Sk), -1);
-    dsa_all_causal(is, all.data());
+    ops::index_all_causal(is, all.data());
     att_idx = all.data(), KA = Sk;
   }
 
@@ -181,18 +156,19 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> qa_abs = buffer<T>(N * H * W), o_lat = buffer<T>(N * H * C);
   std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * L);
   for (std::int64_t h = 0; h < H; ++h)  // q_nope W_UK[h] into qa_abs[:, h, :C]
-    gemm<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
-            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
+    ops::gemm_strided<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
+                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
   for (std::int64_t t = 0; t < N; ++t)
     for (std::int64_t h = 0; h < H; ++h)
       std::copy_n(q.data() + (t * H + h) * dqk + dn, dr, qa_abs.data() + (t * H + h) * W + C);
   ops::sparse_attention_forward<T>(ss, o_lat.data(), lse.data(), qa_abs.data(), lat.data(),
                                    cS.data(), att_idx);
   for (std::int64_t h = 0; h < H; ++h)  // o_lat W_UV[h]^T
-    gemm<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
-            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv, H * dv);
+    ops::gemm_strided<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
+                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv,
+                         H * dv);
   res.out = buffer<T>(N * D);
-  linear_forward(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL over the rank's rows
   std::vector<T> p = buffer<T>(N * KA);
@@ -200,8 +176,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                                              att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
-  dsa_indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
-                 dqI.data(), dkIS.data(), dwI.data());
+  ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
+                  dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
   if (!dout) return res;
 
@@ -211,8 +187,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
   comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
                         "index_k_ag");
-  rope_index(dqI.data(), HI, HI * dI, true);
-  rope_index(dkI.data(), 1, dI, true);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads =
       dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
                                    k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
@@ -221,15 +197,17 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
   res.dx = buffer<T>(N * D);
   std::vector<T> dO = buffer<T>(N * H * dv);
-  linear_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
-                     D);
+  ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
+                               N, H * dv, D);
   std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * W);
   std::vector<T> dlatS = buffer<T>(NK * W), dvalS = buffer<T>(NK * C);
   for (std::int64_t h = 0; h < H; ++h) {
-    gemm<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
-            w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C, H * C);
-    gemm<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv, o_lat.data() + h * C, H * C,
-            T(1), res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
+    ops::gemm_strided<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
+                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C,
+                         H * C);
+    ops::gemm_strided<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv,
+                         o_lat.data() + h * C, H * C, T(1),
+                         res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
   }
   ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlatS.data(), dvalS.data(), do_lat.data(),
                                     qa_abs.data(), lat.data(), cS.data(), o_lat.data(), lse.data(),
@@ -243,29 +221,20 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                         "latent_ag");
   std::vector<T> dq = buffer<T>(N * H * dqk), dc = buffer<T>(N * C);
   for (std::int64_t h = 0; h < H; ++h) {
-    gemm<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
-            w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
-    gemm<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk, dq_abs.data() + h * W, H * W,
-            T(1), res.grads.wkv_b.data() + h * (dn + dv) * C, C);
+    ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
+                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
+    ops::gemm_strided<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
+                         dq_abs.data() + h * W, H * W, T(1),
+                         res.grads.wkv_b.data() + h * (dn + dv) * C, C);
   }
   for (std::int64_t t = 0; t < N; ++t) {
     for (std::int64_t h = 0; h < H; ++h)
       std::copy_n(dq_abs.data() + (t * H + h) * W + C, dr, dq.data() + (t * H + h) * dqk + dn);
     std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
   }
-  rope_mla(dkv.data() + C, 1, W, dr, true);
-  rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                   w.kv_norm.data(), rstd_kv.data(), N, C);
-  linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
-                     D, W);
-  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(),
-                     N, rq, H * dqk);
-  rmsnorm_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                   w.q_norm.data(), rstd_q.data(), N, rq);
-  linear_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
-                     rq);
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, res.grads,
+                        res.dx.data());
   return res;
 }
 

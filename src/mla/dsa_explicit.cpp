@@ -4,13 +4,9 @@
 #include <cmath>
 
 #include "core/error.hpp"
-#include "kernels/attention_sparse.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/rope.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/exchange.hpp"
-#include "mla/ops_sparse.hpp"
+#include "mla/ops_dsa.hpp"
 
 namespace laga {
 
@@ -61,7 +57,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
   const std::int64_t NS = B * S, Hr = lay.head_count[std::size_t(r)];
-  const std::int64_t D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t D = cfg.dim, H = cfg.n_heads, C = cfg.kv_lora_rank;
   const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim;
   const std::int64_t dqk = dn + dr, HI = cfg.index_n_heads, dI = cfg.index_head_dim;
   const std::int64_t K = cfg.index_topk, W = C + dr;
@@ -83,37 +79,15 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
         if (t >= s0 && t < Sk) pos.push_back(t - d);
       }
   }
-  auto rope_mla = [&](T* p, std::int64_t heads, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    if (doc_start)
-      rope_apply_at(p, B, L, heads, ld_token, ld_head, pos.data(), table, inverse);
-    else
-      rope_apply(p, B, L, heads, ld_token, ld_head, s0, table, inverse);
-  };
-  auto rope_index = [&](T* p, std::int64_t heads, std::int64_t ld_token, bool inverse) {
-    for (std::int64_t b = 0; b < B; ++b)
-      rope_halves_apply(p + b * L * ld_token, L, heads, ld_token, dI, s0,
-                        doc_start ? pos.data() + b * L : nullptr, table, inverse);
-  };
-
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections, K and V of every head
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
-  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> q = buffer<T>(N * H * dqk);
-  linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-  rope_mla(q.data() + dn, H, H * dqk, dqk, false);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
-  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
-  std::vector<T> k_pe = buffer<T>(N * dr);
-  for (std::int64_t t = 0; t < N; ++t) std::copy_n(kv.data() + t * W + C, dr, k_pe.data() + t * dr);
-  rope_mla(k_pe.data(), 1, dr, dr, false);
+  DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
+  std::vector<T>& q = mine.q;  // freed once the heads have their copies
+  const std::vector<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
-  linear_forward(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
+  ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
   for (std::int64_t t = 0; t < N; ++t)
     for (std::int64_t h = 0; h < H; ++h) {
@@ -125,8 +99,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   kvb = {};
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  rope_index(ip.q.data(), HI, HI * dI, false);
-  rope_index(ip.k.data(), 1, dI, false);
+  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   std::vector<T> kI_all = buffer<T>(NS * dI), kIS = buffer<T>(NK * dI);
@@ -140,7 +114,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   is.scores = index_scores_of(cfg);
   is.validate();
   res.idx.assign(static_cast<std::size_t>(N * K), -1);
-  dsa_index_topk(is, res.idx.data(), ip.q.data(), kIS.data(), ip.w.data());
+  ops::index_topk(is, res.idx.data(), ip.q.data(), kIS.data(), ip.w.data());
 
   // ---- the key set of every row, for the head layout: the selection of
   // every rank (sparse), or every causal key (the warm-up: nothing moves)
@@ -157,7 +131,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
     std::transform(all.begin(), all.end(), att.begin(),
                    [](float f) { return static_cast<std::int32_t>(f); });
   } else {
-    dsa_all_causal(is_all, att.data());
+    ops::index_all_causal(is_all, att.data());
   }
 
   // ---- Q, K, V to the heads, the attention of every row for r's heads
@@ -177,7 +151,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> o = buffer<T>(N * H * dv);
   head_to_seq(comm, lay, o_h.data(), o.data(), dv, "out_a2a");
   res.out = buffer<T>(N * D);
-  linear_forward(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the KL target: r's heads' share of the head-summed distribution
   // ((H_r / H) times the kernel's mean over r's heads), summed at the rows'
@@ -199,7 +173,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> p_own;
   if (!sparse) {
     own_all.assign(static_cast<std::size_t>(N * Sk), -1);
-    dsa_all_causal(is, own_all.data());
+    ops::index_all_causal(is, own_all.data());
     own_idx = own_all.data(), KO = Sk;
     p_own = buffer<T>(N * Sk);
     for (std::int64_t i = 0; i < N; ++i)
@@ -209,19 +183,17 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   }
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
-  dsa_indexer_kl(is, KO, own_idx, p_own.data(), ip.q.data(), kIS.data(), ip.w.data(), loss.data(),
-                 dqI.data(), dkIS.data(), dwI.data());
+  ops::indexer_kl(is, KO, own_idx, p_own.data(), ip.q.data(), kIS.data(), ip.w.data(), loss.data(),
+                  dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
   kIS = {}, p_own = {}, p_rows = {};  // the KL's gradients are taken: backward reads them
   if (!dout) return res;
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkI_all = buffer<T>(NS * dI), dkI = buffer<T>(N * dI);
-  copy_rows(dkIS.data(), Sk, dkI_all.data(), S, B, Sk, dI);
-  reduce_scatter_seq(comm, lay, dkI_all.data(), dkI.data(), dI, "index_k_ag");
-  rope_index(dqI.data(), HI, HI * dI, true);
-  rope_index(dkI.data(), 1, dI, true);
+  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIS.data(), Sk, dI);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
       cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
       dqI.data(), dkI.data(), N);
@@ -231,8 +203,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
   res.dx = buffer<T>(N * D);
   std::vector<T> dO = buffer<T>(N * H * dv), dO_h = buffer<T>(NS * Hr * dv);
-  linear_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
-                     D);
+  ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
+                               N, H * dv, D);
   seq_to_head(comm, lay, dO.data(), dO_h.data(), dv, "out_a2a");
   std::vector<T> dq_h = buffer<T>(NS * Hr * dqk), dk_h = buffer<T>(NS * Hr * dqk);
   std::vector<T> dv_h = buffer<T>(NS * Hr * dv);
@@ -258,21 +230,11 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
       for (std::int64_t e = 0; e < dr; ++e)
         dkv[std::size_t(t * W + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
     }
-  linear_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
-                     w.wkv_b.data(), N, C, H * (dn + dv));
-  rope_mla(dkv.data() + C, 1, W, dr, true);
-  rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                   w.kv_norm.data(), rstd_kv.data(), N, C);
-  linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
-                     D, W);
-  rope_mla(dq.data() + dn, H, H * dqk, dqk, true);
-  std::vector<T> dqr = buffer<T>(N * rq), dqa = buffer<T>(N * rq);
-  linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(), w.wq_b.data(),
-                     N, rq, H * dqk);
-  rmsnorm_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                   w.q_norm.data(), rstd_q.data(), N, rq);
-  linear_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
-                     rq);
+  ops::linear_rows_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
+                               w.wkv_b.data(), N, C, H * (dn + dv));
+  std::vector<T> dqr;
+  dsa_own_rows_backward(cfg, w, x, mine, at, table, dkv.data(), dc.data(), dq.data(), dqr,
+                        res.grads, res.dx.data());
   return res;
 }
 

@@ -6,13 +6,9 @@
 #include <cmath>
 
 #include "core/error.hpp"
-#include "kernels/attention_sparse.hpp"
-#include "kernels/dsa_indexer.hpp"
-#include "kernels/gemm.hpp"
-#include "kernels/rmsnorm.hpp"
-#include "kernels/rope.hpp"
+#include "mla/dsa_rows.hpp"
 #include "mla/exchange.hpp"
-#include "mla/ops_sparse.hpp"
+#include "mla/ops_dsa.hpp"
 
 namespace laga {
 
@@ -114,58 +110,34 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
       }
   }
   const std::vector<std::int64_t> pos = doc_start ? rows_of(posS, B, S, 1, s0, L) : posS;
-  // The MLA's RoPE of the rank's rows (own: at s0 + l) or of every row.
-  auto rope_mla = [&](T* p, bool own, std::int64_t nh, std::int64_t ld_token, std::int64_t ld_head,
-                      bool inverse) {
-    const std::int64_t rows = own ? L : S;
-    if (doc_start)
-      rope_apply_at(p, B, rows, nh, ld_token, ld_head, own ? pos.data() : posS.data(), table,
-                    inverse);
-    else
-      rope_apply(p, B, rows, nh, ld_token, ld_head, own ? s0 : 0, table, inverse);
-  };
-  // The indexer's (rope_halves), of the rank's rows or every row.
-  auto rope_index = [&](T* p, bool own, std::int64_t nh, std::int64_t ld_token, bool inverse) {
-    const std::int64_t rows = own ? L : S;
-    for (std::int64_t b = 0; b < B; ++b)
-      rope_halves_apply(p + b * rows * ld_token, rows, nh, ld_token, dI, own ? s0 : 0,
-                        doc_start ? (own ? pos.data() : posS.data()) + b * rows : nullptr, table,
-                        inverse);
-  };
-
+  // Every row of the sequence (the head-sharded attention's), at 0 .. S - 1
+  // or at its position in its document.
+  const DsaRowPositions all_rows{B, S, 0, doc_start ? posS.data() : nullptr};
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections and the indexer's
-  std::vector<T> qa = buffer<T>(N * rq), qr = buffer<T>(N * rq), rstd_q = buffer<T>(N);
-  linear_forward(qa.data(), x, w.wq_a.data(), N, D, rq);
-  rmsnorm_forward(qr.data(), rstd_q.data(), qa.data(), rq, w.q_norm.data(), N, rq, cfg.norm_eps);
-  std::vector<T> kv = buffer<T>(N * W), c = buffer<T>(N * C), rstd_kv = buffer<T>(N);
-  linear_forward(kv.data(), x, w.wkv_a.data(), N, D, W);
-  rmsnorm_forward(c.data(), rstd_kv.data(), kv.data(), W, w.kv_norm.data(), N, C, cfg.norm_eps);
-  dsa_kv_fp8_round_trip(cfg, c.data(), N, dout);  // DeepSeek's fp8 kv cache, when set
-  std::vector<T> lat_own = buffer<T>(N * W);      // [c | rope(k_pe)]
+  const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
+  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, indices, dout != nullptr);
+  const std::vector<T>& qr = own.qr;
+  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
-    std::copy_n(c.data() + t * C, C, lat_own.data() + t * W);
-    std::copy_n(kv.data() + t * W + C, dr, lat_own.data() + t * W + C);
+    std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
+    std::copy_n(own.k_pe.data() + t * dr, dr, lat_own.data() + t * W + C);
   }
-  rope_mla(lat_own.data() + C, true, 1, W, dr, false);
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  rope_index(ip.q.data(), true, HI, HI * dI, false);
-  rope_index(ip.k.data(), true, 1, dI, false);
+  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
 
   // ---- the queries to their heads' owners: q_h (B, S, H_r, dqk)
   std::vector<T> qh = buffer<T>(NS * Hr * dqk), qrS;
   if (indices) {
-    std::vector<T> q = buffer<T>(N * H * dqk);
-    linear_forward(q.data(), qr.data(), w.wq_b.data(), N, rq, H * dqk);
-    rope_mla(q.data() + dn, true, H, H * dqk, dqk, false);
-    seq_to_head(comm, lay, q.data(), qh.data(), dqk, "q_a2a");
+    seq_to_head(comm, lay, own.q.data(), qh.data(), dqk, "q_a2a");
   } else {
     qrS = buffer<T>(NS * rq);
     gather_seq(comm, lay, qr.data(), qrS.data(), rq, "q_latent_ag");
     if (Hr > 0) {
-      linear_forward(qh.data(), qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
-      rope_mla(qh.data() + dn, false, Hr, Hr * dqk, dqk, false);
+      ops::linear_rows(qh.data(), qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
+      dsa_rope_rows(qh.data() + dn, all_rows, Hr, Hr * dqk, dqk, table, false);
     }
   }
   // ---- the latent and the index keys of every token
@@ -188,19 +160,19 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<std::int32_t> idxS;  // every row's selection (sparse stage)
   if (indices || !sparse) {
     res.idx.assign(static_cast<std::size_t>(N * K), -1);
-    dsa_index_topk(is_own, res.idx.data(), ip.q.data(), kIk.data(), ip.w.data());
+    ops::index_topk(is_own, res.idx.data(), ip.q.data(), kIk.data(), ip.w.data());
     if (sparse) idxS = gather_indices(comm, lay, res.idx, K);
   } else {
     // Every rank runs the indexer for every row from qr, k_I and w
     // gathered. (The rank's own rows' q_I, which the KL reads, were
     // projected by dsa_indexer_project too: L / S of this projection
-    // again, which dsa_work does not count.)
+    // again, which dsa_work counts.)
     std::vector<T> wS = buffer<T>(NS * HI), qIS = buffer<T>(NS * HI * dI);
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
-    linear_forward(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
-    rope_index(qIS.data(), false, HI, HI * dI, false);
+    ops::linear_rows(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
+    dsa_rope_index_rows(qIS.data(), all_rows, HI, HI * dI, dI, table, false);
     idxS.assign(static_cast<std::size_t>(NS * K), -1);
-    dsa_index_topk(is_all, idxS.data(), qIS.data(), kIS.data(), wS.data());
+    ops::index_topk(is_all, idxS.data(), qIS.data(), kIS.data(), wS.data());
     res.idx = rows_of(idxS, B, S, K, s0, L);
   }
   // The main attention's key set of every row: the selection, or every
@@ -208,7 +180,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<std::int32_t> all;
   if (!sparse) {
     all.assign(static_cast<std::size_t>(NS * S), -1);
-    dsa_all_causal(is_all, all.data());
+    ops::index_all_causal(is_all, all.data());
   }
   const std::int32_t* att_idx = sparse ? idxS.data() : all.data();
   const std::int64_t KA = sparse ? K : S;
@@ -230,7 +202,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   ss.K = KA;
   if (Hr > 0) {
     std::vector<T> kvb = buffer<T>(NS * Hr * (dn + dv));
-    linear_forward(kvb.data(), cS.data(), wkv_b_mine, NS, C, Hr * (dn + dv));
+    ops::linear_rows(kvb.data(), cS.data(), wkv_b_mine, NS, C, Hr * (dn + dv));
     for (std::int64_t t = 0; t < NS; ++t)
       for (std::int64_t h = 0; h < Hr; ++h) {
         const T* src = kvb.data() + (t * Hr + h) * (dn + dv);
@@ -249,7 +221,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<T> o = buffer<T>(N * H * dv);
   head_to_seq(comm, lay, oh.data(), o.data(), dv, "out_a2a");
   res.out = buffer<T>(N * D);
-  linear_forward(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL over the rank's rows, its target summed here
   std::vector<T> p = buffer<T>(N * KA);
@@ -259,19 +231,16 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   std::vector<double> loss(static_cast<std::size_t>(N));
   std::vector<T> dqI = buffer<T>(N * HI * dI), dkIk = buffer<T>(B * Sk * dI),
                  dwI = buffer<T>(N * HI);
-  dsa_indexer_kl(is_own, KA, own_slots.data(), p.data(), ip.q.data(), kIk.data(), ip.w.data(),
-                 loss.data(), dqI.data(), dkIk.data(), dwI.data());
+  ops::indexer_kl(is_own, KA, own_slots.data(), p.data(), ip.q.data(), kIk.data(), ip.w.data(),
+                  loss.data(), dqI.data(), dkIk.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
   if (!dout) return res;
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkIS = buffer<T>(NS * dI), dkI = buffer<T>(N * dI);
-  for (std::int64_t b = 0; b < B; ++b)
-    std::copy_n(dkIk.data() + b * Sk * dI, Sk * dI, dkIS.data() + b * S * dI);
-  reduce_scatter_seq(comm, lay, dkIS.data(), dkI.data(), dI, "index_k_ag");
-  rope_index(dqI.data(), true, HI, HI * dI, true);
-  rope_index(dkI.data(), true, 1, dI, true);
+  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
+  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
       cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
       dqI.data(), dkI.data(), N);
@@ -280,8 +249,8 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
   res.dx = buffer<T>(N * D);
   std::vector<T> dO = buffer<T>(N * H * dv), dOh = buffer<T>(NS * Hr * dv);
-  linear_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(), N, H * dv,
-                     D);
+  ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
+                               N, H * dv, D);
   seq_to_head(comm, lay, dO.data(), dOh.data(), dv, "out_a2a");
   std::vector<T> dqh = buffer<T>(NS * Hr * dqk), dlatS = buffer<T>(NS * W);
   if (Hr > 0) {
@@ -297,40 +266,31 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
         for (std::int64_t e = 0; e < dr; ++e)  // k_pe is every head's: its gradient sums them
           dlatS[std::size_t(t * W + C + e)] += dkh[std::size_t((t * Hr + h) * dqk + dn + e)];
       }
-    linear_backward<T>(dcS.data(), false, res.grads.wkv_b.data() + h0 * (dn + dv) * C, dkvb.data(),
-                       cS.data(), wkv_b_mine, NS, C, Hr * (dn + dv));
+    ops::linear_rows_backward<T>(dcS.data(), false, res.grads.wkv_b.data() + h0 * (dn + dv) * C,
+                                 dkvb.data(), cS.data(), wkv_b_mine, NS, C, Hr * (dn + dv));
     for (std::int64_t t = 0; t < NS; ++t) std::copy_n(dcS.data() + t * C, C, dlatS.data() + t * W);
   }
   // ... the latent's gradient to its owners, the queries' to theirs
-  std::vector<T> dkv = buffer<T>(N * W), dq = buffer<T>(N * H * dqk), dqr = buffer<T>(N * rq);
+  std::vector<T> dkv = buffer<T>(N * W), dq, dqr;
   reduce_scatter_seq(comm, lay, dlatS.data(), dkv.data(), W, "latent_ag");
   if (indices) {
+    dq = buffer<T>(N * H * dqk);
     head_to_seq(comm, lay, dqh.data(), dq.data(), dqk, "q_a2a");
-    rope_mla(dq.data() + dn, true, H, H * dqk, dqk, true);
-    linear_backward<T>(dqr.data(), false, res.grads.wq_b.data(), dq.data(), qr.data(),
-                       w.wq_b.data(), N, rq, H * dqk);
   } else {
+    dqr = buffer<T>(N * rq);
     std::vector<T> dqrS = buffer<T>(NS * rq);
     if (Hr > 0) {
-      rope_mla(dqh.data() + dn, false, Hr, Hr * dqk, dqk, true);
-      linear_backward<T>(dqrS.data(), false, res.grads.wq_b.data() + h0 * dqk * rq, dqh.data(),
-                         qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
+      dsa_rope_rows(dqh.data() + dn, all_rows, Hr, Hr * dqk, dqk, table, true);
+      ops::linear_rows_backward<T>(dqrS.data(), false, res.grads.wq_b.data() + h0 * dqk * rq,
+                                   dqh.data(), qrS.data(), wq_b_mine, NS, rq, Hr * dqk);
     }
     reduce_scatter_seq(comm, lay, dqrS.data(), dqr.data(), rq, "q_latent_ag");
   }
   // ---- the rank's own rows: the kv and q paths to x (dsa_block's)
   std::vector<T> dc = buffer<T>(N * C);
   for (std::int64_t t = 0; t < N; ++t) std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
-  rope_mla(dkv.data() + C, true, 1, W, dr, true);
-  rmsnorm_backward(dkv.data(), W, res.grads.kv_norm.data(), dc.data(), C, kv.data(), W,
-                   w.kv_norm.data(), rstd_kv.data(), N, C);
-  linear_backward<T>(res.dx.data(), false, res.grads.wkv_a.data(), dkv.data(), x, w.wkv_a.data(), N,
-                     D, W);
-  std::vector<T> dqa = buffer<T>(N * rq);
-  rmsnorm_backward(dqa.data(), rq, res.grads.q_norm.data(), dqr.data(), rq, qa.data(), rq,
-                   w.q_norm.data(), rstd_q.data(), N, rq);
-  linear_backward<T>(res.dx.data(), true, res.grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D,
-                     rq);
+  dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(),
+                        indices ? dq.data() : nullptr, dqr, res.grads, res.dx.data());
   return res;
 }
 

@@ -277,7 +277,9 @@ DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
       break;
     case DsaForm::laga_recompute:
       main_gemm += 2 * B * S * rq * Hr * dqk + 2 * B * S * C * Hr * (dn + dv);
-      index_gemm += 2 * B * S * rq * Hi * di;
+      // Every query's q_I from the gathered query latent, and the rank's
+      // own rows' again for their KL (dsa_indexer_project on the own rows).
+      index_gemm += 2 * B * S * rq * Hi * di + 2 * B * L * rq * Hi * di;
       attention = 2 * sel_all * Hr * (dqk + dv);
       indexer = idx_all * idx_pair;
       break;
@@ -301,7 +303,11 @@ DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
   // The KL backward over the rank's own queries' selected pairs: the
   // logits again, then dq_I and dk_I.
   const double index_bwd = 3 * sel_own * Hi * 2 * di;
-  w.backward = {2 * main_gemm + recomputed_gemm + index_gemm, bwd_factor * attention, index_bwd};
+  // The indexer's weight gradients: its projections of the rank's own rows
+  // once (the KL is over them), whatever the forward projected.
+  const double index_gemm_bwd = 2 * B * L * D * (di + Hi) + 2 * B * L * rq * Hi * di;
+  w.backward = {2 * main_gemm + recomputed_gemm + index_gemm_bwd, bwd_factor * attention,
+                index_bwd};
   return w;
 }
 

@@ -18,8 +18,11 @@
 // (mla/dsa_explicit.hpp), whose ledgers tests/mla/test_dsa_cp.cpp,
 // test_dsa_laga.cpp and test_dsa_explicit.cpp hold equal to
 // dsa_predict_comm; ring_latent is what `laga plan --dsa` costs, written
-// from the math (docs/forms.md: why it is not built). No DSA form has a
-// count-only run yet, so no pool is held to dsa_memory. The comm terms are
+// from the math (docs/forms.md: why it is not built). The forms run every
+// computation through the op layer (mla/ops_dsa.hpp), and their op counts
+// equal dsa_work's GEMM and indexer FLOPs (tests/mla/test_dsa_counts.cpp);
+// their operands are std::vector row buffers, not pool tensors, so no DSA
+// form has a count-only run yet and no pool is held to dsa_memory. The comm terms are
 // CommTerms' (comm_model.hpp): a DSA form's registry row's `collectives` can
 // call dsa_collectives.
 #pragma once
@@ -167,8 +170,10 @@ CommPrediction dsa_predict_comm(const MlaConfig& cfg, const DsaConfig& dsa, cons
 // prices them: GEMMs (projections, up-projections, absorption, wo), the
 // main attention over the selected pairs, and the indexer's scores.
 // Backward: the GEMMs' input and weight gradients (2x forward; the
-// indexer's projections 1x, their input being detached in the sparse
-// stage), flash attention's (3 dqk + 2 dv) / (dqk + dv) of its forward,
+// indexer's projections of the rank's own rows 1x, their input being
+// detached and the KL over the own rows -- laga_recompute projects every
+// query's q_I forward, and its own rows' again, but only those backward),
+// flash attention's (3 dqk + 2 dv) / (dqk + dv) of its forward,
 // and the indexer's KL backward over the selected pairs only (its logits
 // recomputed there, then dq_I and dk_I: 3x the selected pairs' forward).
 struct DsaWork {

@@ -39,6 +39,20 @@ const char* to_string(ops::Op op) {
       return "sparse_attention_forward";
     case Op::sparse_attention_backward:
       return "sparse_attention_backward";
+    case Op::layernorm_forward:
+      return "layernorm_forward";
+    case Op::layernorm_backward:
+      return "layernorm_backward";
+    case Op::rope_halves_forward:
+      return "rope_halves_forward";
+    case Op::rope_halves_backward:
+      return "rope_halves_backward";
+    case Op::index_topk:
+      return "index_topk";
+    case Op::index_all_causal:
+      return "index_all_causal";
+    case Op::indexer_kl:
+      return "indexer_kl";
     case Op::copy_rows:
       return "copy_rows";
     case Op::fill:

@@ -109,6 +109,33 @@ enum class Op {
   // backward in: dout, q, k, v, o, lse, idx; out: dq, dk, dv (overwritten).
   sparse_attention_forward,
   sparse_attention_backward,
+  // DeepSeek Sparse Attention's lightning indexer (kernels/dsa_indexer.hpp;
+  // the op layer's functions in mla/ops_dsa.hpp), fp64 and fp32 (bf16 is
+  // refused, as the sparse attention's). Dense rows unless said.
+  // layernorm_forward   shape.rows rows of shape.cols; in: x, w, bias;
+  //                     out: y, mean, rstd. OpCall::alpha = eps.
+  // layernorm_backward  in: dy, x, w, mean, rstd; out: dx (overwritten),
+  //                     dw, dbias (added to).
+  // rope_halves_forward / rope_halves_backward: the indexer's half-split
+  //                     RoPE in place on the first table.dim() dims of each
+  //                     head: shape.tokens tokens of shape.heads heads,
+  //                     strides shape.ld_token, shape.ld_head, positions
+  //                     shape.pos0 .. or (in[0], not null) each token's;
+  //                     context: the RopeTable. out: x.
+  // index_topk          shape.attn (IndexerShape::attn), shape.k: topk;
+  //                     in: q, k, w; out: idx (int32 (B, Sq, topk)).
+  // index_all_causal    shape.attn, shape.k: the slots a row (Sk);
+  //                     out: idx (int32), every causal key (any dtype).
+  // indexer_kl          shape.attn, shape.k: topk, shape.n: K slots a row;
+  //                     in: idx (int32), p, q, k, w; out: loss (double, B Sq),
+  //                     dq, dk, dw (overwritten).
+  layernorm_forward,
+  layernorm_backward,
+  rope_halves_forward,
+  rope_halves_backward,
+  index_topk,
+  index_all_causal,
+  indexer_kl,
   // The forms' data movement (ops::copy, ops::add, ops::widen, ops::fill,
   // the exchanges' packing; issue 52: on a device these run there, not as
   // host loops over device memory). OpCall::dtype is the element type

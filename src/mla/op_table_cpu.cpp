@@ -20,6 +20,7 @@
 #include "kernels/attention_sparse.hpp"
 #include "kernels/bf16_convert.hpp"
 #include "kernels/cross_entropy.hpp"
+#include "kernels/dsa_indexer.hpp"
 #include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
@@ -258,6 +259,60 @@ Why sparse_takes(RunDtype d, const OpShape&) {
 }
 Why sparse_bf16_takes(RunDtype d, const OpShape&) {
   return dtype_not_in(d, {RunDtype::bf16});
+}
+
+// ------------------------------------------- DSA's lightning indexer
+
+// kernels/dsa_indexer.hpp's kernels; the indexer ops carry their
+// IndexerShape as the call's context (op_table.hpp, Op::index_topk).
+template <class T>
+void run_layernorm_forward(const OpCall& c) {
+  layernorm_forward(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]), static_cast<T*>(c.out[2]),
+                    static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                    static_cast<const T*>(c.in[2]), c.shape.rows, c.shape.cols, c.alpha);
+}
+template <class T>
+void run_layernorm_backward(const OpCall& c) {
+  layernorm_backward(static_cast<T*>(c.out[0]), static_cast<T*>(c.out[1]),
+                     static_cast<T*>(c.out[2]), static_cast<const T*>(c.in[0]),
+                     static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                     static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]), c.shape.rows,
+                     c.shape.cols);
+}
+template <class T, bool Inverse>
+void run_rope_halves(const OpCall& c) {
+  const OpShape& s = c.shape;
+  rope_halves_apply(static_cast<T*>(c.out[0]), s.tokens, s.heads, s.ld_token, s.ld_head, s.pos0,
+                    static_cast<const std::int64_t*>(c.in[0]),
+                    *static_cast<const RopeTable*>(c.context), Inverse);
+}
+const IndexerShape& indexer_of(const OpCall& c) {
+  return *static_cast<const IndexerShape*>(c.context);
+}
+template <class T>
+void run_index_topk(const OpCall& c) {
+  dsa_index_topk(indexer_of(c), static_cast<std::int32_t*>(c.out[0]),
+                 static_cast<const T*>(c.in[0]), static_cast<const T*>(c.in[1]),
+                 static_cast<const T*>(c.in[2]));
+}
+template <class T>
+void run_indexer_kl(const OpCall& c) {
+  dsa_indexer_kl(indexer_of(c), c.shape.n, static_cast<const std::int32_t*>(c.in[0]),
+                 static_cast<const T*>(c.in[1]), static_cast<const T*>(c.in[2]),
+                 static_cast<const T*>(c.in[3]), static_cast<const T*>(c.in[4]),
+                 static_cast<double*>(c.out[0]), static_cast<T*>(c.out[1]),
+                 static_cast<T*>(c.out[2]), static_cast<T*>(c.out[3]));
+}
+// The indexer's kernels run fp64 and fp32; no bf16 path yet.
+Why indexer_takes(RunDtype d, const OpShape&) {
+  if (d == RunDtype::bf16)
+    return std::string(
+        "dtype bf16 (the indexer's kernels run fp64 and fp32 only; use --dtype fp32)");
+  return std::nullopt;
+}
+template <class F>
+void fp64_or_fp32(const OpCall& c, F&& f) {
+  c.dtype == RunDtype::fp64 ? f(double{}) : f(float{});
 }
 
 // ------------------------------------------------------ row-wise ops
@@ -639,6 +694,31 @@ const KernelRow kRows[] = {
      &run_sparse_bf16_forward, 0, Bf16Operands::bf16},
     {Device::cpu, Op::sparse_attention_backward, "sparse_gather_bf16", &sparse_bf16_takes,
      &run_sparse_bf16_backward, 0, Bf16Operands::bf16},
+
+    {Device::cpu, Op::layernorm_forward, "layernorm", &indexer_takes,
+     [](const OpCall& c) {
+       fp64_or_fp32(c, [&](auto t) { run_layernorm_forward<decltype(t)>(c); });
+     }},
+    {Device::cpu, Op::layernorm_backward, "layernorm", &indexer_takes,
+     [](const OpCall& c) {
+       fp64_or_fp32(c, [&](auto t) { run_layernorm_backward<decltype(t)>(c); });
+     }},
+    {Device::cpu, Op::rope_halves_forward, "rope_halves", &indexer_takes,
+     [](const OpCall& c) {
+       fp64_or_fp32(c, [&](auto t) { run_rope_halves<decltype(t), false>(c); });
+     }},
+    {Device::cpu, Op::rope_halves_backward, "rope_halves", &indexer_takes,
+     [](const OpCall& c) {
+       fp64_or_fp32(c, [&](auto t) { run_rope_halves<decltype(t), true>(c); });
+     }},
+    {Device::cpu, Op::index_topk, "index_topk", &indexer_takes,
+     [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_index_topk<decltype(t)>(c); }); }},
+    // The selection of every causal key reads no operand: any dtype.
+    {Device::cpu, Op::index_all_causal, "index_all_causal",
+     [](RunDtype, const OpShape&) -> Why { return std::nullopt; },
+     [](const OpCall& c) { dsa_all_causal(indexer_of(c), static_cast<std::int32_t*>(c.out[0])); }},
+    {Device::cpu, Op::indexer_kl, "indexer_kl", &indexer_takes,
+     [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_indexer_kl<decltype(t)>(c); }); }},
 
     {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
      [](const OpCall& c) {

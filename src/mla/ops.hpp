@@ -155,6 +155,9 @@ struct OpCounts {
   double elementwise_bytes = 0;                        // read + written by the memory-bound ops
   std::map<GemmCall, CallTally> gemm_calls;            // sums to gemm_flops
   std::map<AttentionCall, CallTally> attention_calls;  // sums to attention_flops
+  // DeepSeek Sparse Attention's indexer: its scores' FLOPs (the top-k's and
+  // the KL's, mla/ops_dsa.hpp), as dsa_work counts them (mla/dsa_model.hpp).
+  double indexer_flops = 0;
 
   // `calls` calls of g: their 2 m n k FLOPs each, and its tally; an empty
   // product counts no call (ops::gemm runs no kernel for it).
@@ -170,6 +173,7 @@ struct OpCounts {
     gemm_flops += o.gemm_flops;
     attention_flops += o.attention_flops;
     elementwise_bytes += o.elementwise_bytes;
+    indexer_flops += o.indexer_flops;
     for (const auto& [call, t] : o.gemm_calls) {
       CallTally& sum = gemm_calls[call];
       sum.calls += t.calls, sum.flops += t.flops;
@@ -245,6 +249,10 @@ void count_attention(const AttnShape& s, AttentionKind kernel, AttentionPass pas
       s.B, s.Sq, s.Sk, s.Hq, s.Hk, s.dqk, s.dv, s.causal, s.doc_start != nullptr, kernel, pass};
   CallTally& t = op_counter->attention_calls[call];
   t.calls += op_repeat, t.flops += f;
+}
+// The indexer's score FLOPs (mla/ops_dsa.hpp).
+inline void count_indexer(double flops) {
+  if (op_counter) op_counter->indexer_flops += flops * double(op_repeat);
 }
 // `elements` elements of T moved `passes` times (each read or write is one).
 template <class T>

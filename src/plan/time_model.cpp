@@ -33,9 +33,12 @@ std::map<Call, ops::CallTally> minus(const std::map<Call, ops::CallTally>& a,
 }
 
 ops::OpCounts minus(const ops::OpCounts& a, const ops::OpCounts& b) {
-  return {a.gemm_flops - b.gemm_flops, a.attention_flops - b.attention_flops,
-          a.elementwise_bytes - b.elementwise_bytes, minus(a.gemm_calls, b.gemm_calls),
-          minus(a.attention_calls, b.attention_calls)};
+  return {a.gemm_flops - b.gemm_flops,
+          a.attention_flops - b.attention_flops,
+          a.elementwise_bytes - b.elementwise_bytes,
+          minus(a.gemm_calls, b.gemm_calls),
+          minus(a.attention_calls, b.attention_calls),
+          a.indexer_flops - b.indexer_flops};
 }
 
 // Seconds of the calls in `calls`: a measured shape's own time per call, else

@@ -31,6 +31,7 @@
 #include "kernels/attention_flash.hpp"
 #include "kernels/attention_flash_bf16.hpp"
 #include "kernels/attention_flash_latent.hpp"
+#include "kernels/dsa_indexer.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "kernels/lse_merge.hpp"
@@ -555,6 +556,10 @@ void check_sparse(Device dev, RunDtype d, bool latent, const std::string& tag) {
   expect_close(DV.get(), ref.dv, tol, what + " dv");
 }
 
+// DSA's lightning indexer: check_dsa_indexer, in its own file for length
+// (it uses this file's helpers above).
+#include "op_table_dsa_checks.inc"
+
 // ------------------------------------------------------ copy_rows and fill
 
 // The naive reference for rounding fp32 to bf16 (core/bf16.hpp's rules),
@@ -721,6 +726,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_rmsnorm(dev, d, tag);
         check_rope(dev, d, tag);
         for (bool latent : {false, true}) check_sparse(dev, d, latent, tag);
+        check_dsa_indexer(dev, d, tag);
       }
     });
     // No switch selects a data-movement row: once per device.
