@@ -1,4 +1,5 @@
-// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp, test_dsa_explicit.cpp): the
+// What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp, test_dsa_explicit.cpp,
+// test_dsa_bf16.cpp, test_dsa_counts.cpp): the small DSA config, the
 // indexer's random weights, the reference of a packed batch (dsa_block on
 // each document alone), rows of a (B, S, w) tensor, the sum of the ranks'
 // partial gradients and its comparison with the reference, and a rank's
@@ -18,6 +19,18 @@
 #include "mla/dsa_block.hpp"
 
 namespace laga::test {
+
+// The DSA forms' small config: C 10 > dn 4, dqk 8 != dv 5, 3 index heads of
+// width 8 choosing 4 keys; `heads` 5 splits unevenly at every P > 1.
+inline MlaConfig dsa_small_config(std::int64_t heads) {
+  MlaConfig c;
+  c.dim = 24, c.n_heads = heads, c.q_lora_rank = 12, c.kv_lora_rank = 10, c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 4, c.v_head_dim = 5;
+  c.original_seq_len = 4096, c.max_seq_len = 4096;
+  c.index_n_heads = 3, c.index_head_dim = 8, c.index_topk = 4;
+  c.validate();
+  return c;
+}
 
 // Uniform weights scaled by sqrt(3 / fan_in); the LayerNorm's weight about 1.
 template <class T>

@@ -48,13 +48,7 @@ constexpr double kOutBetween = bf16_bound_between_runs(BlockTensor::output),
                  kGradVsFp32 = bf16_bound_vs_exact(BlockTensor::gradient);
 
 MlaConfig bf16_config() {
-  MlaConfig c;
-  c.dim = 24, c.n_heads = 4, c.q_lora_rank = 12, c.kv_lora_rank = 10, c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 4, c.v_head_dim = 5;
-  c.original_seq_len = 4096, c.max_seq_len = 4096;
-  c.index_n_heads = 3, c.index_head_dim = 8, c.index_topk = 4;
-  c.validate();
-  return c;
+  return test::dsa_small_config(4);
 }
 
 // max |a - ref| <= bound max |ref|, naming the worst element.

@@ -30,13 +30,7 @@ using test::all_close;
 
 // H 5 so that the heads split unevenly at every P > 1.
 MlaConfig laga_config() {
-  MlaConfig c;
-  c.dim = 24, c.n_heads = 5, c.q_lora_rank = 12, c.kv_lora_rank = 10, c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 4, c.v_head_dim = 5;
-  c.original_seq_len = 4096, c.max_seq_len = 4096;
-  c.index_n_heads = 3, c.index_head_dim = 8, c.index_topk = 4;
-  c.validate();
-  return c;
+  return test::dsa_small_config(5);
 }
 
 struct Shards {
