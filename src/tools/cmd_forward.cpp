@@ -118,6 +118,19 @@ void check_finite(const Tensor<T>& t, const std::string& what, bool loaded, bool
                             "of x), nothing was written");
 }
 
+// A block's outputs checked finite before any is printed or written: out,
+// and with backward dx and every grad.<name> (the dense and the DSA jobs).
+template <class T, class Grads>
+void check_outputs_finite(const Tensor<T>& out, const Tensor<T>& dx, const Grads& grads,
+                          bool backward, bool allow) {
+  check_finite(out, "output 'out'", false, allow);
+  if (!backward) return;
+  check_finite(dx, "output 'dx'", false, allow);
+  grads.for_each([&](const std::string& name, const Tensor<T>& g) {
+    check_finite(g, "output 'grad." + name + "'", false, allow);
+  });
+}
+
 template <class T>
 double checksum(const Tensor<T>& t) {
   double s = 0;
@@ -206,16 +219,12 @@ void run_dsa_forward(const ForwardOptions& o, const MlaConfig& cfg, DsaForm form
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!report) return;
-  check_finite(job.out, "output 'out'", false, o.allow_nonfinite);
+  check_outputs_finite(job.out, job.dx, job.grads, o.backward, o.allow_nonfinite);
   Tensor<T> kl({1});
   kl[0] = T(job.kl_loss);
   check_finite(kl, "output 'kl_loss'", false, o.allow_nonfinite);
   std::vector<std::pair<std::string, Tensor<T>>> indexer_grads;
   if (o.backward) {
-    check_finite(job.dx, "output 'dx'", false, o.allow_nonfinite);
-    job.grads.for_each([&](const std::string& name, const Tensor<T>& g) {
-      check_finite(g, "output 'grad." + name + "'", false, o.allow_nonfinite);
-    });
     for (auto& [name, v] : job.indexer_grads.named()) {
       Tensor<T> t({std::int64_t(v->size())});
       std::copy(v->begin(), v->end(), t.data());
@@ -383,13 +392,7 @@ void run_forward(const ForwardOptions& o) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!report) return;
   // Check what was produced before printing or writing any of it.
-  check_finite(job.out, "output 'out'", false, o.allow_nonfinite);
-  if (o.backward) {
-    check_finite(job.dx, "output 'dx'", false, o.allow_nonfinite);
-    job.grads.for_each([&](const std::string& name, const Tensor<T>& g) {
-      check_finite(g, "output 'grad." + name + "'", false, o.allow_nonfinite);
-    });
-  }
+  check_outputs_finite(job.out, job.dx, job.grads, o.backward, o.allow_nonfinite);
 
   std::int64_t peak = 0;
   for (auto& r : job.ranks) peak = std::max(peak, r.memory.peak_working);
