@@ -121,10 +121,10 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
-  comm.all_gather_v(lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
-                    lat_sh.displs.data(), "latent_ag");
-  comm.all_gather_v(kI.data(), N * dI, key_rm.data(), key_sh.counts.data(), key_sh.displs.data(),
-                    "index_k_ag");
+  dsa_all_gather_v(comm, lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
+                   lat_sh.displs.data(), "latent_ag");
+  dsa_all_gather_v(comm, kI.data(), N * dI, key_rm.data(), key_sh.counts.data(),
+                   key_sh.displs.data(), "index_k_ag");
   std::vector<T> lat = buffer<T>(NK * W), kIS = buffer<T>(NK * dI), cS = buffer<T>(NK * C);
   lat_sh.copy(lat_rm.data(), lat.data(), Sk, true);
   key_sh.copy(key_rm.data(), kIS.data(), Sk, true);
@@ -185,8 +185,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
   std::vector<T> dk_rm = buffer<T>(key_sh.total()), dkI = buffer<T>(N * dI);
   key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
-  comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
-                        "index_k_ag");
+  dsa_reduce_scatter_v(comm, dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
+                       "index_k_ag");
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads =
@@ -217,8 +217,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
       dlatS[std::size_t(t * W + e)] += dvalS[std::size_t(t * C + e)];
   std::vector<T> dlat_rm = buffer<T>(lat_sh.total()), dkv = buffer<T>(N * W);
   lat_sh.copy(dlat_rm.data(), dlatS.data(), Sk, false);
-  comm.reduce_scatter_v(dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
-                        "latent_ag");
+  dsa_reduce_scatter_v(comm, dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
+                       "latent_ag");
   std::vector<T> dq = buffer<T>(N * H * dqk), dc = buffer<T>(N * C);
   for (std::int64_t h = 0; h < H; ++h) {
     ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,

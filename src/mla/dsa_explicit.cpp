@@ -127,7 +127,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   att.assign(static_cast<std::size_t>(NS * KA), -1);
   if (sparse) {
     std::vector<float> own(res.idx.begin(), res.idx.end()), all = buffer<float>(NS * K);
-    gather_seq(comm, lay, own.data(), all.data(), K, "topk_ag");
+    dsa_gather_seq_fp32(comm, lay, own.data(), all.data(), K, "topk_ag");
     std::transform(all.begin(), all.end(), att.begin(),
                    [](float f) { return static_cast<std::int32_t>(f); });
   } else {
@@ -162,7 +162,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
                                                lse.data(), att.data());
     for (T& e : p_part) e = T(double(e) * double(Hr) / double(H));
   }
-  reduce_scatter_seq(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");
+  dsa_reduce_scatter_seq_fp32(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");
   p_part = {};
   // The rank's rows' key set for the KL: its selection (sparse), or every
   // causal key before Sk (the warm-up: the head layout's rows of width S

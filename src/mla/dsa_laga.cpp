@@ -225,7 +225,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the indexer's KL over the rank's rows, its target summed here
   std::vector<T> p = buffer<T>(N * KA);
-  reduce_scatter_seq(comm, lay, pS.data(), p.data(), KA, "index_target_rs");
+  dsa_reduce_scatter_seq_fp32(comm, lay, pS.data(), p.data(), KA, "index_target_rs");
   const std::vector<std::int32_t> own_slots =
       sparse ? res.idx : rows_of(all, B, S, S, s0, L);  // (B, L, KA)
   std::vector<double> loss(static_cast<std::size_t>(N));

@@ -1,9 +1,12 @@
 #include "mla/dsa_rows.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
+#include "core/precision.hpp"
 #include "mla/exchange.hpp"
 #include "mla/ops_dsa.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -119,6 +122,54 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
                                          MlaParams<T>&, T*);                                    \
   template std::vector<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*, \
                                                       std::int64_t, std::int64_t);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+template <class T>
+void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count, T* recv,
+                      const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                      const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>())
+      return wire::all_gather_v(comm, send, send_count, recv, recv_counts, recv_displs, label);
+  comm.all_gather_v(send, send_count, recv, recv_counts, recv_displs, label);
+}
+
+template <class T>
+void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t* counts,
+                          const std::int64_t* displs, T* recv, const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>()) return wire::reduce_scatter_v(comm, send, counts, displs, recv, label);
+  comm.reduce_scatter_v(send, counts, displs, recv, label);
+}
+
+// exchange.hpp's collectives choose their wire by the thread's precision
+// (ops::in_bf16): an fp32 scope around one gives it fp32's, as ops_dsa.cpp's
+// Fp32Ops runs the indexer's ops at fp32.
+template <class T>
+void dsa_gather_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                         std::int64_t W, const std::string& label) {
+  const UsePrecision fp32(Precision::fp32);
+  gather_seq(comm, lay, src, dst, W, label);
+}
+
+template <class T>
+void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                 std::int64_t W, const std::string& label) {
+  const UsePrecision fp32(Precision::fp32);
+  reduce_scatter_seq(comm, lay, src, dst, W, label);
+}
+
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template void dsa_all_gather_v<T>(Communicator&, const T*, std::int64_t, T*,                     \
+                                    const std::int64_t*, const std::int64_t*, const std::string&); \
+  template void dsa_reduce_scatter_v<T>(Communicator&, const T*, const std::int64_t*,              \
+                                        const std::int64_t*, T*, const std::string&);              \
+  template void dsa_gather_seq_fp32<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t, \
+                                       const std::string&);                                        \
+  template void dsa_reduce_scatter_seq_fp32<T>(Communicator&, const SpLayout&, const T*, T*,       \
+                                               std::int64_t, const std::string&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

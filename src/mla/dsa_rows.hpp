@@ -2,12 +2,14 @@
 // (mla/dsa_block.hpp) and every DSA form (dsa_cp.hpp, dsa_explicit.hpp,
 // dsa_laga.hpp) compute alike, each written once: the MLA's projections of
 // the rows (q, the latent c, k_pe, RoPE by position) and their backward,
-// the indexer's RoPE of the rows, and k_I's gradient padded to the whole
-// sequence and reduce-scattered to its owners. All through the op layer
-// (mla/ops_dsa.hpp).
+// the indexer's RoPE of the rows, k_I's gradient padded to the whole
+// sequence and reduce-scattered to its owners, and the wire each of the
+// forms' collectives moves its elements on (bf16 under --dtype bf16, or 4
+// bytes). All through the op layer (mla/ops_dsa.hpp).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -73,6 +75,38 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
                            const DsaOwnRows<T>& f, const DsaRowPositions& at,
                            const RopeTable& table, T* dkv, const T* dc, T* dq, std::vector<T>& dqr,
                            MlaParams<T>& grads, T* dx);
+
+// What the DSA forms' collectives move (docs/forms.md, "DSA in bf16", "On
+// the wire"; dsa_predict_comm, mla/dsa_model.hpp, is its closed form).
+// The activations -- the latent, the index keys k_I and weights w, q, k,
+// v, the query latent, the outputs -- and their gradients move as the
+// dense forms' do: in T, or as bf16 under --dtype bf16 (mla/wire.hpp), by
+// exchange.hpp's collectives (dsa_index_key_grads_home below too) or, on
+// the latent gather's rank-major blocks, by the two below. The top-k
+// indices (int32) and the KL target (the attention's head-summed
+// probabilities, an fp32 statistic, each rank's part a partial sum over
+// its heads) move at 4 bytes under bf16 (the two _fp32 below), so that
+// neither an index nor the target depends on P or the form.
+//
+// Communicator::all_gather_v / reduce_scatter_v of rank-major blocks
+// (displs dense), bf16 on the wire under bf16 (wire::all_gather_v,
+// wire::reduce_scatter_v), in T otherwise.
+template <class T>
+void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count, T* recv,
+                      const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                      const std::string& label);
+template <class T>
+void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t* counts,
+                          const std::int64_t* displs, T* recv, const std::string& label);
+// gather_seq / reduce_scatter_seq (mla/exchange.hpp) in T whatever the
+// run's precision: fp32 under bf16 (and in an fp32 or float64 run what
+// those move anyway).
+template <class T>
+void dsa_gather_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                         std::int64_t W, const std::string& label);
+template <class T>
+void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                 std::int64_t W, const std::string& label);
 
 // k_I's gradient over the keys a rank read, (B, Sk, d_I) (the prefix of
 // the sequence before its last row), padded with zeros to (B, S, d_I) and

@@ -332,13 +332,8 @@ void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, 
                      std::int64_t W, const std::string& label) {
   const Counts rc = seq_counts(lay, W), rd = offsets_of(rc);
   const std::int64_t own = rc[u(comm.rank())], n = total_of(rc);
-  if (lands_in_place(lay)) {
-    void* mine = bf16_at(dst, rd[u(comm.rank())]);
-    wire::narrow(src, mine, own);
-    comm.all_gather_v(mine, own, dst, rc.data(), rd.data(), DType::bf16, label);
-    wire::widen(dst, dst, n);
-    return;
-  }
+  if (lands_in_place(lay))
+    return wire::all_gather_v(comm, src, own, dst, rc.data(), rd.data(), label);
   Tensor<bf16> recv({n}, MemCategory::comm_buffers);
   bf16* mine = at(recv.data(), rd[u(comm.rank())]);
   wire::narrow(src, mine, own);
@@ -365,6 +360,7 @@ Tensor<bf16> contributions_bf16(const SpLayout& lay, const float* src, std::int6
 void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                              std::int64_t W, const std::string& label) {
   const Counts c = seq_counts(lay, W), d = offsets_of(c);
+  if (lands_in_place(lay)) return wire::reduce_scatter_v(comm, src, c.data(), d.data(), dst, label);
   const int r = comm.rank();
   Tensor<bf16> send = contributions_bf16(lay, src, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), at(send.data(), d[u(r)]), label);
