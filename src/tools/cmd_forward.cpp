@@ -207,8 +207,8 @@ void run_dsa_forward(const ForwardOptions& o, const MlaConfig& cfg, DsaForm form
         << ", DSA form " << to_string(form) << " (moves " << dsa_form_traits(form).moves
         << "), stage " << to_string(stage) << ", " << float_name(o.dtype)
         << (o.dtype == RunDtype::bf16
-                ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
-                  "labels differ: docs/forms.md, \"DSA in bf16\")"
+                ? " (bf16 on the wire; the int32 indices and the fp32 KL target at 4 bytes, as "
+                  "dsa_predict_comm: docs/forms.md, \"DSA in bf16\")"
                 : "")
         << ", sp " << o.sp << " (" << layout.describe() << "), comm " << to_string(o.comm.backend)
         << (docs ? ", documents " + docs->describe() : std::string()) << "\n";

@@ -174,8 +174,8 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
   t << "laga compare (DSA): " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", sp "
     << o.sp << " (" << layout.describe() << "), " << to_string(o.precision)
     << (o.precision == Precision::bf16
-            ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
-              "labels differ: docs/forms.md, \"DSA in bf16\")"
+            ? " (bf16 on the wire; the int32 indices and the fp32 KL target at 4 bytes, as "
+              "dsa_predict_comm: docs/forms.md, \"DSA in bf16\")"
             : "")
     << ", stage " << to_string(stage) << (docs ? ", documents " + docs->describe() : std::string())
     << ", comm " << to_string(o.comm.backend) << "\n"
