@@ -326,7 +326,7 @@ void poison_back_half(const Communicator& comm, float* dst, std::int64_t n) {
 // The all-gather with bf16 on the wire. Landing in place, the (B, S, W)
 // values arrive in dst's front half and are widened there (the own block is
 // narrowed into its place first: src may be dst's own rows, which narrow
-// reads ahead of its writes); otherwise a bf16 staging of the rank-major
+// reads ahead of its writes; wire::all_gather_v); otherwise a bf16 staging of the rank-major
 // blocks, unpacked and widened.
 void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                      std::int64_t W, const std::string& label) {
@@ -343,7 +343,8 @@ void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, 
 
 // The reduce-scatter with bf16 on the wire: the contributions narrowed into
 // a bf16 staging (rank-major), reduced in place into the own block there
-// (the fp32 sum of the bf16 values, rounded once), and widened into dst.
+// (the fp32 sum of the bf16 values, rounded once), and widened into dst
+// (wire::reduce_scatter_v where the blocks are in place).
 // The (B, S, W) contributions src as the reduce-scatter's bf16 send buffer:
 // rank-major blocks, narrowed (and packed where the layout's rank-major
 // order is not the sequence's).

@@ -1,15 +1,19 @@
 // DeepSeek Sparse Attention in bf16 mixed precision (docs/forms.md, "DSA in
-// bf16"): the DSA forms at P 2 (uneven shards) under UsePrecision(bf16) --
-// the latent gather, explicit, LAGA with indices moved and recomputed --
-// against single-rank dsa_block in bf16: every rank's out, dx and selection,
-// the summed weight gradients and the indexer's KL and its gradients; the
-// block in bf16 against fp32 in the dense warm-up (no selection to differ);
+// bf16"): the DSA forms at P 2, 3 and 4 (uneven shards and heads) under
+// UsePrecision(bf16) -- the latent gather, explicit, LAGA with indices
+// moved and recomputed -- against single-rank dsa_block in bf16: every
+// rank's out, dx and selection, the summed weight gradients and the
+// indexer's KL and its gradients, and every rank's ledger against
+// dsa_predict_comm at bf16's wire ("On the wire": bf16 activations, the
+// indices and the KL target at 4 bytes); explicit's selection past bf16's
+// integers (S 300) attended as selected; the block in bf16 against fp32 in
+// the dense warm-up (no selection to differ);
 // and the indexer's top-k on bf16 values: two keys that differ in fp32 below
 // bf16's resolution tie in bf16, and the tie rule gives the lower key, the
 // same for every split of the query rows.
 //
 // The bounds are the block's (mla/ops_bf16.hpp, "what a bf16 block run
-// meets", relative to each tensor's largest element): a form at P 2 against
+// meets", relative to each tensor's largest element): a form at P > 1 against
 // the block, two bf16 runs that round at different places (a form rounds
 // its own operands: per-head k and v or the latent c, and its GEMMs' rows
 // differ with the rank's row count), within bf16_bound_between_runs: out
