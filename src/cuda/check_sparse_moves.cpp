@@ -74,12 +74,16 @@ void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool 
                gq(4 * std::int64_t(q.size()), "dq"), gk(4 * std::int64_t(k.size()), "dk"),
                gv(4 * std::int64_t(v.size()), "dv");
   idx_.upload(idx.data(), idx_.bytes());
+  // The backward's scratch as the row's workspace carves it (from delta on).
+  DeviceBuffer scratch(cuda::sparse_attention_scratch(s, true).backward_part(),
+                       "sparse attention scratch");
   const auto run = [&]<class In>(In*) {
     cuda::sparse_attention_forward<In>(s, o_.as<float>(), lse_.as<float>(), q_.as<In>(),
                                        k_.as<In>(), v_.as<In>(), idx_.as<std::int32_t>());
     cuda::sparse_attention_backward<In>(s, gq.as<float>(), gk.as<float>(), gv.as<float>(),
                                         do_.as<In>(), q_.as<In>(), k_.as<In>(), v_.as<In>(),
-                                        o_.as<float>(), lse_.as<float>(), idx_.as<std::int32_t>());
+                                        o_.as<float>(), lse_.as<float>(), idx_.as<std::int32_t>(),
+                                        scratch.data(), scratch.bytes());
   };
   bf ? run(static_cast<bf16*>(nullptr)) : run(static_cast<float*>(nullptr));
   const std::string sh = cat(attn_shape(a), " K ", s.K);
@@ -102,6 +106,8 @@ void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool 
     c.shape.attn = a, c.shape.k = s.K;
     c.in[0] = q_.data(), c.in[1] = k_.data(), c.in[2] = v_.data(), c.in[3] = idx.data();
     c.out[0] = o_.data(), c.out[1] = lse_.data();
+    DeviceBuffer ws(fwd->workspace_bytes(c.dtype, c.shape), "sparse attention scratch");
+    c.workspace = ws.data(), c.workspace_bytes = ws.bytes();
     fwd->run(c);
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after sparse_gather_cuda's row");
     out.push_back({"sparse_gather_cuda row, host selection: forward o", sh, dt,
