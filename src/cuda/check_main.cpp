@@ -343,17 +343,18 @@ double median_seconds(const std::function<void()>& fn, int reps) {
   check_cuda(cudaDeviceSynchronize(), "warm-up");
   std::vector<double> t;
   cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
+  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&b), "cudaEventCreate");
   for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(a);
+    check_cuda(cudaEventRecord(a), "cudaEventRecord (start)");
     fn();
-    cudaEventRecord(b);
+    check_cuda(cudaEventRecord(b), "cudaEventRecord (end)");
     check_cuda(cudaEventSynchronize(b), "timed call");
     float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
+    check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
     t.push_back(ms / 1e3);
   }
-  cudaEventDestroy(a), cudaEventDestroy(b);
+  (void)cudaEventDestroy(a), (void)cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
