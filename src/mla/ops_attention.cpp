@@ -72,18 +72,18 @@ Bf16AttentionParts bf16_attention_parts(const KernelRow& row, const AttnShape& s
   p.v = copy(s.B * s.Sk * s.Hk * s.dv, kept[2]);
   p.dout = backward ? copy(s.B * s.Sq * s.Hq * s.dv, kept[3]) : 0;
   if (!widens) {
-    p.workspace = bound ? attention_flash_bf16_workspace_bound(s, backward)
-                        : attention_flash_bf16_workspace_bytes(s, backward);
-    // A row that declares other scratch (the CUDA tiled rows' D, 4 B Hq Sq:
-    // KernelRow::workspace_bytes) gets at least that, in the same pool
-    // tensor, so a count-only run holds what the row would otherwise
-    // allocate for itself. The CPU rows declare the formula above: unchanged.
-    if (row.workspace_bytes) {
-      OpShape os;
-      os.attn = s, os.attention = AttentionKind::flash;
-      p.workspace = std::max(p.workspace, row.workspace_bytes(RunDtype::bf16, os));
-    }
-    p.workspace = whole_lines(p.workspace);
+    // The row's own scratch (KernelRow::workspace_bytes): the CPU's bf16
+    // flash rows declare the bf16 flash workspace, and a scratch sized for
+    // every call up to s's extents takes that workspace's bound; a CUDA row
+    // declares its own (the tiled rows' D, 4 B Hq Sq, monotone in the
+    // extents; cuDNN's none: its workspace is the graph's, kept per thread),
+    // not the CPU kernel's, so a device holds no CPU scratch.
+    OpShape os;
+    os.attn = s, os.attention = AttentionKind::flash;
+    const std::int64_t own = row.workspace_bytes ? row.workspace_bytes(RunDtype::bf16, os) : 0;
+    p.workspace = whole_lines(bound && row.device != Device::cuda
+                                  ? attention_flash_bf16_workspace_bound(s, backward)
+                                  : own);
   }
   return p;
 }

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/memory_pool.hpp"
+#include "core/precision.hpp"
 #include "mla/form_spec.hpp"  // AttentionKind
 #include "mla/op_table.hpp"
 #include "mla/ops_attention.hpp"
@@ -65,6 +66,32 @@ TEST(CudaCountOnly, FusedLatentBackwardHoldsItsD) {
   EXPECT_NE(run.pool.working_peak_snapshot().where.find("fused latent backward scratch"),
             std::string::npos)
       << run.pool.working_peak_snapshot().where;
+}
+
+// Under bf16 the attention call's one scratch tensor holds the operands'
+// bf16 copies and the picked row's own workspace: the CUDA rows' (cuDNN's
+// none, the tiled rows' D), not the CPU flash kernel's, which main made on
+// the device for every bf16 call (counted, never read).
+TEST(CudaCountOnly, Bf16AttentionScratchIsTheCopiesAndTheRowsOwn) {
+  CountOnlyOnCuda run;
+  const UseDevice on_cuda(Device::cuda);
+  const UsePrecision at(Precision::bf16);
+  const PoolScope scope(run.pool);
+  AttnShape s = v3_heads();
+  s.Sq = s.Sk = 4096;
+  OpShape os;
+  os.attn = s, os.attention = AttentionKind::flash;
+  const KernelChoice row = supports(Device::cuda, Op::attention_backward, RunDtype::bf16, os);
+  ASSERT_TRUE(row) << row.why_not;
+  const auto lines = [](std::int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const std::int64_t copies =
+      lines(2 * s.B * s.Sq * s.Hq * s.dqk) + lines(2 * s.B * s.Sk * s.Hk * s.dqk) +
+      lines(2 * s.B * s.Sk * s.Hk * s.dv) + lines(2 * s.B * s.Sq * s.Hq * s.dv);
+  const std::int64_t own =
+      std::string(row.name()) == "attention_cuda_tiled" ? 4 * s.B * s.Hq * s.Sq : 0;
+  attention_backward<float>(AttentionKind::flash, s, nullptr, nullptr, nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, nullptr, nullptr);
+  EXPECT_EQ(run.pool.peak_working(), copies + own) << row.name();
 }
 
 // The CPU's fp32 rows declare no scratch: the same calls on the CPU hold
