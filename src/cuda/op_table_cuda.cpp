@@ -6,9 +6,12 @@
 // check_support, the shared memory per block) are asked at run time, so a
 // row that the rules admit can still throw from run() naming the shape.
 //
-// Scratch: the rows that need some (attention backward's delta) take the
-// call's workspace when it holds enough device bytes, else allocate a
-// DeviceBuffer (counted by the pool) for the call. The cuBLASLt handle and
+// Scratch: a row that needs some declares it (KernelRow::workspace_bytes:
+// attention backward's delta, the sparse attention's selection copy and
+// sort) and the op layer hands it as the call's workspace, a pool tensor
+// made before it asks whether the call computes (ops::row_workspace), so
+// the count-only run holds it too; delta_scratch's own DeviceBuffer is for
+// a caller that hands none (a check program calling a row directly). The cuBLASLt handle and
 // its workspace, cuDNN's graphs per shape and the RoPE tables on the device
 // are kept per thread (one rank per thread or process, one device each), in
 // a pool of their own, not the rank's; the op layer's count-only runs never
