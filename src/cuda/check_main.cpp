@@ -516,7 +516,8 @@ int run(int argc, char** argv) {
                  "rope_cuda",
                  "lse_merge_cuda",
                  "sparse_gather_cuda fp32/bf16: per head, latent Hk 1, 576/512, 192/128 K > Sk; "
-                 "dk, dv bits on a second run",
+                 "dk, dv bits on a second run; cub's sort storage within the scratch's bound "
+                 "(up to V3.2's latent S 128k)",
                  "copy_rows_cuda and fill_cuda, bit for bit"};
   if (dry) {
     j["ran"] = false;

@@ -138,6 +138,21 @@ void check_sparse_attention(std::vector<Result>& out) {
   wide.attn.dqk = 192, wide.attn.dv = 128, wide.attn.scale = 0.07, wide.K = 64;
   for (const bool bf : {false, true})
     for (const SparseAttnShape& s : {heads, latent, v32, wide}) check_sparse_case(out, s, bf);
+  // cub's sort storage against the bound the scratch holds
+  // (sparse_sort_storage_bound): error = cub's / the bound, passing at <= 1;
+  // the shapes above, and V3.2's latent S 32k and 128k (size queries only).
+  SparseAttnShape s32 = v32;
+  s32.attn.Sq = s32.attn.Sk = 32768, s32.attn.Hq = 128, s32.K = 2048;
+  SparseAttnShape s128 = s32;
+  s128.attn.Sq = s128.attn.Sk = 131072;
+  for (const SparseAttnShape& s : {heads, latent, v32, wide, s32, s128}) {
+    const std::int64_t pairs = s.attn.B * s.attn.Sq * s.K;
+    const int bits = cuda::sparse_sort_key_bits(s);
+    const std::int64_t bound = cuda::sparse_sort_storage_bound(pairs, bits),
+                       cub = cuda::sparse_sort_storage_queried(pairs, bits);
+    out.push_back({cat("sparse_gather_cuda sort storage: cub ", cub, " bytes, bound ", bound),
+                   cat(attn_shape(s.attn), " K ", s.K), "u64", double(cub) / double(bound), 1.0});
+  }
 }
 
 // The forms' data movement (Op::copy_rows, Op::fill; issue 52) against the

@@ -267,6 +267,14 @@ std::int64_t sparse_sort_storage_bound(std::int64_t pairs, int bits) {
                    onesweep_storage<Hub::Policy1000>(pairs, bits)});
 }
 
+std::int64_t sparse_sort_storage_queried(std::int64_t pairs, int bits) {
+  cub::DoubleBuffer<unsigned long long> none(nullptr, nullptr);
+  std::size_t bytes = 0;
+  check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, bytes, none, pairs, 0, bits),
+             "cub::DeviceRadixSort::SortKeys (size query)");
+  return static_cast<std::int64_t>(bytes);
+}
+
 int sparse_sort_key_bits(const SparseAttnShape& s) {
   const auto top = static_cast<unsigned long long>(s.attn.B * s.attn.Sk * s.attn.Sq);
   int bits = 1;

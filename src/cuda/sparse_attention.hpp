@@ -78,6 +78,10 @@ SparseAttnScratch sparse_attention_scratch(const SparseAttnShape& s, bool backwa
 std::int64_t sparse_sort_storage_bound(std::int64_t pairs, int bits);
 // The bits the sort orders: enough for the sentinel key B Sk Sq.
 int sparse_sort_key_bits(const SparseAttnShape& s);
+// cub's own answer for that storage (its size query on the current device:
+// needs one). laga_cuda_check holds it to the bound at small and at V3.2's
+// sizes, so the first GPU run shows how close the bound is.
+std::int64_t sparse_sort_storage_queried(std::int64_t pairs, int bits);
 
 // Empty when these kernels take the shape; else one sentence naming the
 // value out of range and what to do. Needs no device.
