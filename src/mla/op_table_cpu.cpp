@@ -22,6 +22,7 @@
 #include "kernels/cross_entropy.hpp"
 #include "kernels/dsa_indexer.hpp"
 #include "kernels/embedding.hpp"
+#include "kernels/fp8_e4m3.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "kernels/gemm_invariant.hpp"
@@ -719,6 +720,14 @@ const KernelRow kRows[] = {
      [](const OpCall& c) { dsa_all_causal(indexer_of(c), static_cast<std::int32_t*>(c.out[0])); }},
     {Device::cpu, Op::indexer_kl, "indexer_kl", &indexer_takes,
      [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_indexer_kl<decltype(t)>(c); }); }},
+    {Device::cpu, Op::kv_fp8_round_trip, "kv_fp8_round_trip", &f64_f32_bf16,
+     [](const OpCall& c) {
+       fp64_or_fp32(c, [&](auto t) {
+         fp8_round_trip(static_cast<decltype(t)*>(c.out[0]), c.shape.rows, c.shape.cols,
+                        kActQuantBlock, Fp8ScaleFmt::ue8m0);
+       });
+     },
+     0, Bf16Operands::fp32_values},
 
     {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
      [](const OpCall& c) {
