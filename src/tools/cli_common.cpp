@@ -89,10 +89,12 @@ void Fp8Options::apply(MlaConfig& cfg, const std::string& source,
                        const std::string& backward) const {
   for (auto [on, option] :
        {std::pair{index_fp8, "--index-fp8"}, std::pair{kv_fp8_round_trip, "--kv-fp8-round-trip"}})
-    LAGA_CHECK(!on || cfg.dsa(), option, ": ", source,
-               " is dense MLA (no index_n_heads, index_head_dim, index_topk), and the option is "
-               "part of DeepSeek-V3.2's fp8 DSA path, which only a DSA block runs; drop ",
-               option, " or give a DSA config (the index_n_heads, index_head_dim and index_topk keys or options)");
+    LAGA_CHECK(
+        !on || cfg.dsa(), option, ": ", source,
+        " is dense MLA (no index_n_heads, index_head_dim, index_topk), and the option is "
+        "part of DeepSeek-V3.2's fp8 DSA path, which only a DSA block runs; drop ",
+        option,
+        " or give a DSA config (the index_n_heads, index_head_dim and index_topk keys or options)");
   LAGA_CHECK(!kv_fp8_round_trip || backward.empty(), "--kv-fp8-round-trip simulates DeepSeek's ",
              "fp8 kv cache at inference and has no backward (the rounding's gradient is zero "
              "almost everywhere), and ",
