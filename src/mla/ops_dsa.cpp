@@ -214,8 +214,12 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
 
 template <class T>
 void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
+  count_elementwise<T>(rows * n, 2);  // c read and written in place
   if (!runs(rows * n, {c})) return;
-  fp8_round_trip(c, rows, n, kActQuantBlock, Fp8ScaleFmt::ue8m0);
+  OpCall call;
+  call.op = Op::kv_fp8_round_trip, call.dtype = op_dtype<T>();
+  call.shape.rows = rows, call.shape.cols = n, call.out[0] = c;
+  run_kernel(call);
 }
 
 #define LAGA_INSTANTIATE(T)                                                                        \

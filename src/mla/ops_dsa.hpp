@@ -97,8 +97,8 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
 // DeepSeek's fp8 kv-cache simulation on the latent c (rows, n), in place:
 // each act_quant block of kActQuantBlock values rounded through fp8 e4m3
 // with V3.2's ue8m0 (power-of-two) scales (kernels/fp8_e4m3.hpp's
-// fp8_round_trip). A direct kernel call on host memory, no table row (the
-// indexer's rows are host rows too); not counted, as dsa_work has no term
+// fp8_round_trip), through the kernel table's kv_fp8_round_trip row,
+// counted as elementwise bytes (c read and written); dsa_work has no term
 // for it (an inference-only simulation, mla/dsa_rows.hpp's dsa_own_rows).
 template <class T>
 void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n);

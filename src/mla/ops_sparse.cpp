@@ -1,6 +1,7 @@
 #include "mla/ops_sparse.hpp"
 
 #include <type_traits>
+#include <vector>
 
 #include "core/error.hpp"
 #include "mla/form_spec.hpp"
@@ -30,24 +31,12 @@ OpShape op_shape(const SparseAttnShape& s) {
 }
 
 // A bf16 call's operands rounded to bf16 (ops_sparse.hpp, "bf16"): n[i]
-// values of x[i] each, one pool tensor made before runs() asks whether the
-// call computes, so that a count-only run registers the same bytes.
-struct Bf16Copies {
-  Tensor<bf16> t;
-  std::int64_t off[4] = {};
-  template <std::size_t N>
-  explicit Bf16Copies(const std::int64_t (&n)[N]) {
-    static_assert(N <= 4);
-    std::int64_t total = 0;
-    for (std::size_t i = 0; i < N; ++i) off[i] = total, total += n[i];
-    t = Tensor<bf16>({total}, "bf16 sparse attention operands");
-  }
-  // x rounded into copy i (ops_bf16.hpp's conversion: to_bf16's bits).
-  const bf16* round(int i, const float* x, std::int64_t n) {
-    bf16* dst = t.data() + off[i];
-    bf16_path::to_bf16_threaded(x, dst, n);
-    return dst;
-  }
+// values of copy i, ops_bf16.hpp's Copies packed end to end under their own
+// label, made before runs() asks whether the call computes, so that a
+// count-only run registers the same bytes.
+struct Bf16Copies : bf16_path::Copies<bf16> {
+  explicit Bf16Copies(const std::vector<std::int64_t>& n)
+      : Copies(n, "bf16 sparse attention operands", /*align=*/1) {}
 };
 
 const KernelRow& bf16_row(Op op, const SparseAttnShape& s) {

@@ -29,6 +29,7 @@ namespace {
 
 struct ForwardOptions {
   ModelOptions model;
+  Fp8Options fp8;  // --index-fp8, --kv-fp8-round-trip
   CommOptions comm;
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
@@ -290,6 +291,7 @@ void run_forward(const ForwardOptions& o) {
   // A DSA preset's indexer is its DsaConfig::preset; a config's, its keys.
   const std::optional<DsaConfig> dsa_keys = o.model.load_dsa(cfg);
   if (dsa_keys) cfg = dsa_keys->with(cfg);
+  o.fp8.apply(cfg, o.model.source(), o.backward ? "--backward" : "");
   check_dsa_options(o, cfg.dsa());
   const bool dsa = cfg.dsa();
   const DsaForm dsa_form = dsa ? parse_dsa_form_option(o) : DsaForm::explicit_form;
@@ -427,6 +429,7 @@ void register_forward_command(CLI::App& app) {
       "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
   opts->model.add_to(*sub);
   opts->model.accepts_dsa = true;  // a DSA config runs the DSA forms (tools/dsa_job.hpp)
+  opts->fp8.add_to(*sub);
   opts->comm.add_to(*sub, /*takes_nccl=*/true);
   sub->add_option("--weights", opts->weights,
                   "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "

@@ -29,6 +29,7 @@ namespace laga::tools {
 
 struct CompareOptions {
   ModelOptions model;
+  Fp8Options fp8;  // --index-fp8 (and --kv-fp8-round-trip, refused: compare runs backward)
   CommOptions comm;
   std::int64_t batch = 1, seq = 1024;
   int sp = 4;

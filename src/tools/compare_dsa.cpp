@@ -66,8 +66,10 @@ std::string sci(double v) {
 bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const char*)>& given) {
   MlaConfig cfg = o.model.load();
   const std::optional<DsaConfig> dsa = o.model.load_dsa(cfg);
+  if (dsa) cfg = dsa->with(cfg);
+  // Refused on a dense config here too, before the dense forms run.
+  o.fp8.apply(cfg, o.model.source(), "laga compare (every form's backward)");
   if (!dsa) return false;
-  cfg = dsa->with(cfg);
   const std::string why = cat(o.model.source(),
                               " sets DeepSeek Sparse Attention, whose forms compare runs for "
                               "their agreement, bytes and memory closed form only, and ");
