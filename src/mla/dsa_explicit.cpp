@@ -101,6 +101,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   std::vector<T> kI_all = buffer<T>(NS * dI), kIS = buffer<T>(NK * dI);

@@ -127,6 +127,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the queries to their heads' owners: q_h (B, S, H_r, dqk)
   std::vector<T> qh = buffer<T>(NS * Hr * dqk), qrS;
@@ -171,6 +172,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
     ops::linear_rows(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
     dsa_rope_index_rows(qIS.data(), all_rows, HI, HI * dI, dI, table, false);
+    dsa_index_values_as_stored<T>(cfg, NS, qIS.data(), nullptr, nullptr);
     idxS.assign(static_cast<std::size_t>(NS * K), -1);
     ops::index_topk(is_all, idxS.data(), qIS.data(), kIS.data(), wS.data());
     res.idx = rows_of(idxS, B, S, K, s0, L);

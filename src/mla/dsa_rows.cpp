@@ -37,6 +37,14 @@ void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, st
 }
 
 template <class T>
+void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* kI, T* w) {
+  const std::int64_t HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  if (qI) ops::round_as_stored(qI, N, HI * dI);
+  if (kI) ops::round_as_stored(kI, N, dI);
+  if (w) ops::round_as_stored(w, N, HI);
+}
+
+template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaRowPositions& at, const RopeTable& table, bool with_q,
                            bool backward_to_come) {
@@ -48,6 +56,7 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
   ops::linear_rows(f.qa.data(), x, w.wq_a.data(), N, D, rq);
   ops::rmsnorm_rows(f.qr.data(), f.rstd_q.data(), f.qa.data(), rq, w.q_norm.data(), N, rq,
                     cfg.norm_eps);
+  ops::round_as_stored(f.qr.data(), N, rq);
   if (with_q) {
     f.q = buffer<T>(N * H * dqk);
     ops::linear_rows(f.q.data(), f.qr.data(), w.wq_b.data(), N, rq, H * dqk);
@@ -114,6 +123,7 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
                                  std::int64_t, const RopeTable&, bool);                         \
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,  \
                                        std::int64_t, const RopeTable&, bool);                   \
+  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);      \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
                                          const DsaRowPositions&, const RopeTable&, bool, bool); \
   template void dsa_own_rows_backward<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \

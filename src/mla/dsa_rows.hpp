@@ -46,9 +46,24 @@ inline IndexScores index_scores_of(const MlaConfig& cfg) {
   return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
 }
 
+// The values the indexer scores with, made what a bf16 run stores
+// (ops::round_as_stored; docs/forms.md, "DSA in bf16"): q_I (N, H_I, d_I)
+// and k_I (N, d_I) after their RoPE, w (N, H_I) after its scale -- by the
+// block and every form, right after dsa_indexer_project and the RoPE, and by
+// laga_recompute on the q_I it projects for every row. So the scores read
+// the same values wherever they are computed: a rank's own, or a bf16
+// collective's delivery of another's (a bf16 value crosses unchanged).
+// A null pointer is skipped. fp32 and float64: nothing changes.
+template <class T>
+void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* kI, T* w);
+
 // The MLA's projections of the N = B L own rows (DeepSeek's MLA.forward):
 //   qa = x wq_a^T, qr = q_norm(qa), q = rope(qr wq_b^T) (only when with_q)
 //   kv = x wkv_a^T, c = kv_norm(kv[:, :C]), k_pe = rope(kv[:, C:])
+// qr, the query latent, is what a bf16 run stores (ops::round_as_stored):
+// the MLA's q and the indexer's q_I are projected from it, and
+// laga_recompute gathers it to project every row's q_I again, so under bf16
+// every form projects from the same bf16 values (fp32, float64: unchanged).
 // With cfg.kv_fp8_round_trip, c is DeepSeek's fp8 kv-cache simulation of
 // itself right after kv_norm (ops::kv_fp8_round_trip; docs/forms.md, "The
 // fp8 indexer"), here for every form. Inference only: with

@@ -1,9 +1,11 @@
 #include "mla/ops_dsa.hpp"
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/fp8_e4m3.hpp"
+#include "mla/ops_bf16.hpp"
 
 namespace laga::ops {
 
@@ -218,6 +220,14 @@ void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
   fp8_round_trip(c, rows, n, kActQuantBlock, Fp8ScaleFmt::ue8m0);
 }
 
+template <class T>
+void round_as_stored(T* p, std::int64_t rows, std::int64_t cols) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!in_bf16<T>() || !runs(rows * cols, {p})) return;
+    bf16_path::round_in_place(view(p, rows, cols, cols));
+  }
+}
+
 #define LAGA_INSTANTIATE(T)                                                                        \
   template void linear_rows<T>(T*, const T*, const T*, std::int64_t, std::int64_t, std::int64_t);  \
   template void linear_rows_backward<T>(T*, bool, T*, const T*, const T*, const T*, std::int64_t,  \
@@ -242,7 +252,8 @@ void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
   template void index_topk<T>(const IndexerShape&, std::int32_t*, const T*, const T*, const T*);   \
   template void indexer_kl<T>(const IndexerShape&, std::int64_t, const std::int32_t*, const T*,    \
                               const T*, const T*, const T*, double*, T*, T*, T*);                  \
-  template void kv_fp8_round_trip<T>(T*, std::int64_t, std::int64_t);
+  template void kv_fp8_round_trip<T>(T*, std::int64_t, std::int64_t);                              \
+  template void round_as_stored<T>(T*, std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
