@@ -127,10 +127,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   const std::int64_t KA = sparse ? K : S;
   att.assign(static_cast<std::size_t>(NS * KA), -1);
   if (sparse) {
-    std::vector<float> own(res.idx.begin(), res.idx.end()), all = buffer<float>(NS * K);
-    dsa_gather_seq_fp32(comm, lay, own.data(), all.data(), K, "topk_ag");
-    std::transform(all.begin(), all.end(), att.begin(),
-                   [](float f) { return static_cast<std::int32_t>(f); });
+    att = dsa_gather_indices(comm, lay, res.idx, K);
   } else {
     ops::index_all_causal(is_all, att.data());
   }

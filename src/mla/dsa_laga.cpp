@@ -29,32 +29,6 @@ std::vector<T> rows_of(const std::vector<T>& a, std::int64_t B, std::int64_t S, 
   return out;
 }
 
-// The top-k of every rank's rows, (B, L_j, K) int32 each, all-gathered into
-// (B, S, K) ("topk_ag"). The indices move as 4-byte words under DType::f32:
-// a gather copies, never adds, so every bit arrives as it left.
-static_assert(sizeof(std::int32_t) == sizeof(float));
-std::vector<std::int32_t> gather_indices(Communicator& comm, const SpLayout& lay,
-                                         const std::vector<std::int32_t>& own, std::int64_t K) {
-  const std::int64_t B = lay.batch, S = lay.seq;
-  std::vector<std::int64_t> counts, displs;
-  std::int64_t off = 0;
-  for (int j = 0; j < lay.ranks; ++j) {
-    counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
-    displs.push_back(off);
-    off += counts.back();
-  }
-  std::vector<std::int32_t> rank_major(static_cast<std::size_t>(off)), all(std::size_t(B * S * K));
-  comm.all_gather_v(own.data(), std::int64_t(own.size()), rank_major.data(), counts.data(),
-                    displs.data(), DType::f32, "topk_ag");
-  for (int j = 0; j < lay.ranks; ++j) {
-    const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
-    for (std::int64_t b = 0; b < B; ++b)
-      std::copy_n(rank_major.data() + displs[std::size_t(j)] + b * L * K, L * K,
-                  all.data() + (b * S + s0) * K);
-  }
-  return all;
-}
-
 }  // namespace
 
 template <class T>
@@ -162,7 +136,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   if (indices || !sparse) {
     res.idx.assign(static_cast<std::size_t>(N * K), -1);
     ops::index_topk(is_own, res.idx.data(), ip.q.data(), kIk.data(), ip.w.data());
-    if (sparse) idxS = gather_indices(comm, lay, res.idx, K);
+    if (sparse) idxS = dsa_gather_indices(comm, lay, res.idx, K);
   } else {
     // Every rank runs the indexer for every row from qr, k_I and w
     // gathered. (The rank's own rows' q_I, which the KL reads, were

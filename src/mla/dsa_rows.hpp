@@ -100,8 +100,9 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
 // the latent gather's rank-major blocks, by the two below. The top-k
 // indices (int32) and the KL target (the attention's head-summed
 // probabilities, an fp32 statistic, each rank's part a partial sum over
-// its heads) move at 4 bytes under bf16 (the two _fp32 below), so that
-// neither an index nor the target depends on P or the form.
+// its heads) move at 4 bytes under bf16 (dsa_gather_indices and
+// dsa_reduce_scatter_seq_fp32 below), so that neither an index nor the
+// target depends on P or the form.
 //
 // Communicator::all_gather_v / reduce_scatter_v of rank-major blocks
 // (displs dense), bf16 on the wire under bf16 (wire::all_gather_v,
@@ -113,15 +114,20 @@ void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count
 template <class T>
 void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t* counts,
                           const std::int64_t* displs, T* recv, const std::string& label);
-// gather_seq / reduce_scatter_seq (mla/exchange.hpp) in T whatever the
-// run's precision: fp32 under bf16 (and in an fp32 or float64 run what
-// those move anyway).
-template <class T>
-void dsa_gather_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                         std::int64_t W, const std::string& label);
+// reduce_scatter_seq (mla/exchange.hpp) in T whatever the run's precision:
+// fp32 under bf16 (and in an fp32 or float64 run what it moves anyway).
 template <class T>
 void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                                  std::int64_t W, const std::string& label);
+
+// The top-k of every rank's rows, own (B, L_r, K) int32, all-gathered into
+// every row's (B, S, K) ("topk_ag": laga_indices and explicit): as 4-byte
+// words whatever the run's precision (DType::f32 on the wire, a gather
+// copies and never adds, so every bit arrives as it left: an index is
+// exact at any S; dsa_predict_comm prices it at 4 bytes). Contiguous
+// shards (the DSA forms refuse zigzag).
+std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
+                                             const std::vector<std::int32_t>& own, std::int64_t K);
 
 // k_I's gradient over the keys a rank read, (B, Sk, d_I) (the prefix of
 // the sequence before its last row), padded with zeros to (B, S, d_I) and
