@@ -13,7 +13,8 @@ namespace {
 
 // Under a bf16 scope these ops run fp32, as the DSA code's direct kernel
 // calls did: only the sparse attention and its KL target (ops_sparse.hpp)
-// run bf16 (docs/forms.md, "DSA in bf16").
+// run bf16, and the indexer's values are rounded after (round_as_stored;
+// docs/forms.md, "DSA in bf16").
 struct Fp32Ops {
   Precision previous = std::exchange(op_precision, Precision::fp32);
   ~Fp32Ops() { op_precision = previous; }

@@ -19,7 +19,8 @@
 //    causal key as a selection, the KL loss and its gradient. fp64 and
 //    fp32: the rows refuse bf16, naming it; under a bf16 scope these ops
 //    (and the dense ones above) run fp32 (docs/forms.md, "DSA in bf16":
-//    only the sparse attention and its KL target run bf16).
+//    only the sparse attention and its KL target run bf16; the values the
+//    indexer scores with are rounded after, by round_as_stored below).
 //
 // Counting (OpCounts): the GEMMs as ops::gemm counts them; LayerNorm, both
 // RoPEs and the selections as elementwise bytes; the indexer's scores as
