@@ -118,6 +118,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   const double w_scale = ip.w_scale;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());

@@ -17,11 +17,6 @@ std::vector<T> buffer(std::int64_t n) {
   return std::vector<T>(static_cast<std::size_t>(n), T(0));
 }
 
-// The selection crosses the wire as fp32 values (the communicator moves
-// f32, f64 and bf16): 4 bytes an index, as the closed form's int32, and
-// exact while every position is below 2^24.
-constexpr std::int64_t kExactIndexLimit = std::int64_t(1) << 24;
-
 // Rows [0, n) of each batch row of a (B, from, w) tensor into a (B, to, w)
 // one (the rest of dst left as it is).
 template <class T>
@@ -50,9 +45,6 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
              " ranks, the communicator ", comm.size());
   LAGA_CHECK(lay.heads == cfg.n_heads, "dsa_explicit: the layout splits ", lay.heads,
              " heads, the config has n_heads ", cfg.n_heads);
-  LAGA_CHECK(lay.seq < kExactIndexLimit, "dsa_explicit: sequence ", lay.seq,
-             " is too long: the selection moves as fp32 values, exact below ", kExactIndexLimit,
-             " tokens");
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
@@ -101,6 +93,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   std::vector<T> kI_all = buffer<T>(NS * dI), kIS = buffer<T>(NK * dI);
@@ -126,10 +119,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   const std::int64_t KA = sparse ? K : S;
   att.assign(static_cast<std::size_t>(NS * KA), -1);
   if (sparse) {
-    std::vector<float> own(res.idx.begin(), res.idx.end()), all = buffer<float>(NS * K);
-    dsa_gather_seq_fp32(comm, lay, own.data(), all.data(), K, "topk_ag");
-    std::transform(all.begin(), all.end(), att.begin(),
-                   [](float f) { return static_cast<std::int32_t>(f); });
+    att = dsa_gather_indices(comm, lay, res.idx, K);
   } else {
     ops::index_all_causal(is_all, att.data());
   }

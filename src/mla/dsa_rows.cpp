@@ -37,6 +37,14 @@ void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, st
 }
 
 template <class T>
+void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* kI, T* w) {
+  const std::int64_t HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  if (qI) ops::round_as_stored(qI, N, HI * dI);
+  if (kI) ops::round_as_stored(kI, N, dI);
+  if (w) ops::round_as_stored(w, N, HI);
+}
+
+template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaRowPositions& at, const RopeTable& table, bool with_q,
                            bool backward_to_come) {
@@ -48,6 +56,7 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
   ops::linear_rows(f.qa.data(), x, w.wq_a.data(), N, D, rq);
   ops::rmsnorm_rows(f.qr.data(), f.rstd_q.data(), f.qa.data(), rq, w.q_norm.data(), N, rq,
                     cfg.norm_eps);
+  ops::round_as_stored(f.qr.data(), N, rq);
   if (with_q) {
     f.q = buffer<T>(N * H * dqk);
     ops::linear_rows(f.q.data(), f.qr.data(), w.wq_b.data(), N, rq, H * dqk);
@@ -114,6 +123,7 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
                                  std::int64_t, const RopeTable&, bool);                         \
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,  \
                                        std::int64_t, const RopeTable&, bool);                   \
+  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);      \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
                                          const DsaRowPositions&, const RopeTable&, bool, bool); \
   template void dsa_own_rows_backward<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
@@ -125,6 +135,29 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
+
+static_assert(sizeof(std::int32_t) == sizeof(float));
+std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
+                                             const std::vector<std::int32_t>& own, std::int64_t K) {
+  const std::int64_t B = lay.batch, S = lay.seq;
+  std::vector<std::int64_t> counts, displs;
+  std::int64_t off = 0;
+  for (int j = 0; j < lay.ranks; ++j) {
+    counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
+    displs.push_back(off);
+    off += counts.back();
+  }
+  std::vector<std::int32_t> rank_major(static_cast<std::size_t>(off)), all(std::size_t(B * S * K));
+  comm.all_gather_v(own.data(), std::int64_t(own.size()), rank_major.data(), counts.data(),
+                    displs.data(), DType::f32, "topk_ag");
+  for (int j = 0; j < lay.ranks; ++j) {
+    const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
+    for (std::int64_t b = 0; b < B; ++b)
+      std::copy_n(rank_major.data() + displs[std::size_t(j)] + b * L * K, L * K,
+                  all.data() + (b * S + s0) * K);
+  }
+  return all;
+}
 
 template <class T>
 void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count, T* recv,
@@ -148,13 +181,6 @@ void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t*
 // (ops::in_bf16): an fp32 scope around one gives it fp32's, as ops_dsa.cpp's
 // Fp32Ops runs the indexer's ops at fp32.
 template <class T>
-void dsa_gather_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
-                         std::int64_t W, const std::string& label) {
-  const UsePrecision fp32(Precision::fp32);
-  gather_seq(comm, lay, src, dst, W, label);
-}
-
-template <class T>
 void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
                                  std::int64_t W, const std::string& label) {
   const UsePrecision fp32(Precision::fp32);
@@ -166,8 +192,6 @@ void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const 
                                     const std::int64_t*, const std::int64_t*, const std::string&); \
   template void dsa_reduce_scatter_v<T>(Communicator&, const T*, const std::int64_t*,              \
                                         const std::int64_t*, T*, const std::string&);              \
-  template void dsa_gather_seq_fp32<T>(Communicator&, const SpLayout&, const T*, T*, std::int64_t, \
-                                       const std::string&);                                        \
   template void dsa_reduce_scatter_seq_fp32<T>(Communicator&, const SpLayout&, const T*, T*,       \
                                                std::int64_t, const std::string&);
 LAGA_INSTANTIATE(float)

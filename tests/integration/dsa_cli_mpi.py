@@ -20,7 +20,9 @@ P 1 in bf16 within the bf16 bounds (out 20 u, dx, gradients and KL 40 u of
 each tensor's largest element, u = 2^-8; mla/ops_bf16.hpp), the same
 selection, each rank's ledger its closed form at bf16's wire (bf16
 activations, int32 indices and the fp32 KL target at 4 bytes) and the
-tool's line saying so, MPI == local byte for byte.
+tool's line saying so, MPI == local byte for byte; and `laga compare` in
+bf16 at S 48, P 3, where the selection turns on the indexer's rounding:
+every form's selection explicit's at P 1.
 usage: dsa_cli_mpi.py LAGA MPIEXEC TMPDIR
 """
 import json
@@ -181,6 +183,31 @@ for P, comm, docs in ((3, "local", ["--doc-lens", "5,40,3"]), (2, "mpi", [])):
               and row["memory_peak_closed_form"] > 0,
               f"compare {comm} P {P} {f}: {row}")
     print(f"ok: compare {comm} P {P}: {len(forms)} DSA forms agree, ledgers = closed form")
+
+# bf16, `laga compare` at S 48, P 3, in-process: where scoring from unrounded
+# index values and from the values the bf16 wire rounded selects other keys
+# (laga_recompute's selection differed from explicit's at P 1 here before
+# the indexer's values were rounded where made: docs/forms.md, "DSA in
+# bf16"), every form selects as explicit at P 1 in bf16, within the bf16
+# bounds (out 20 u, the rest 40 u of the reference's scale), its ledger its
+# closed form at bf16's wire.
+cmp_failures = len(failures)
+r = run(["compare", "--config", CONFIG, "--seq", "48", "--sp", "3", "--dtype", "bf16",
+         "--quiet", "--json", "-"])
+check(r.returncode == 0, f"compare bf16 P 3: {r.stderr}")
+if r.returncode == 0:
+    rows = {row["form"]: row for row in json.loads(r.stdout)["dsa_forms"]}
+    for f in forms:
+        row = rows.get(f, {})
+        d = row.get("max_abs_diff", {})
+        check(d.get("idx_equal") is True, f"compare bf16 P 3 {f}: the selection differs: {row}")
+        check(row.get("ledger_equals_closed_form") is True
+              and all(d[k] <= (20 if k == "out" else 40) * U
+                      * max(1e-30, row["reference_max_abs"][k])
+                      for k in ("out", "dx", "grads", "kl_loss")),
+              f"compare bf16 P 3 {f}: {row}")
+if len(failures) == cmp_failures:
+    print(f"ok: compare bf16 P 3 S 48: {len(forms)} DSA forms select as explicit P 1")
 
 # Given weights and input (--weights, --input): the MLA's and the indexer's
 # tensors under DeepSeek's names (the indexer's also under Hugging Face's

@@ -5,7 +5,9 @@
 // rank's out, dx and selection, the summed weight gradients and the
 // indexer's KL and its gradients, and every rank's ledger against
 // dsa_predict_comm at bf16's wire ("On the wire": bf16 activations, the
-// indices and the KL target at 4 bytes); explicit's selection past bf16's
+// indices and the KL target at 4 bytes), also on a case (S 48) where the
+// selection turns on bf16's rounding of the indexer's values, which every
+// form and the block round where they are made; explicit's selection past bf16's
 // integers (S 300) attended as selected; the block in bf16 against fp32 in
 // the dense warm-up (no selection to differ);
 // and the indexer's top-k on bf16 values: two keys that differ in fp32 below
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -107,11 +110,13 @@ struct Inputs {
   DsaIndexerParams<float> iw;
   std::vector<float> x, dout;
   std::int64_t B = 2, S = 11;
-  Inputs() {
+  std::uint64_t x_seed = 7;  // x's; dout's is the next
+  explicit Inputs(std::int64_t batch = 2, std::int64_t seq = 11, std::uint64_t seed = 7)
+      : B(batch), S(seq), x_seed(seed) {
     init_params(w, 5, 0.1);
     iw = test::dsa_indexer_weights<float>(cfg, 40);
-    x = test::random_vector<float>(B * S * cfg.dim, 7);
-    dout = test::random_vector<float>(B * S * cfg.dim, 8);
+    x = test::random_vector<float>(B * S * cfg.dim, x_seed);
+    dout = test::random_vector<float>(B * S * cfg.dim, x_seed + 1);
   }
   DsaBlockResult<float> block(DsaStage stage) const {
     return dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
@@ -133,8 +138,7 @@ struct Split {
 const std::vector<Split> kSplits = {
     {{6, 5}, {3, 1}}, {{5, 2, 4}, {2, 1, 1}}, {{3, 3, 1, 4}, {1, 2, 1, 0}}};
 
-void check_form_bf16(Form form, DsaStage stage, const Split& split) {
-  const Inputs in;
+void check_form_bf16(Form form, DsaStage stage, const Split& split, const Inputs& in = Inputs()) {
   const MlaConfig& cfg = in.cfg;
   const std::int64_t B = in.B, S = in.S, D = cfg.dim, K = cfg.index_topk;
   const UsePrecision bf16(Precision::bf16);
@@ -162,8 +166,9 @@ void check_form_bf16(Form form, DsaStage stage, const Split& split) {
           g = dsa_laga(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, dsa_form_of(form), comm);
       },
       options);
-  const std::string what = std::string(name_of(form)) + " bf16 P " + std::to_string(P) + " " +
-                           lay.describe() + " " + to_string(stage);
+  const std::string what = std::string(name_of(form)) + " bf16 B " + std::to_string(B) + " S " +
+                           std::to_string(S) + " x seed " + std::to_string(in.x_seed) + " P " +
+                           std::to_string(P) + " " + lay.describe() + " " + to_string(stage);
   DsaBlockResult<float> sum;
   sum.grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
   sum.indexer_grads = DsaIndexerParams<float>::zeros(cfg);
@@ -195,6 +200,28 @@ TEST(DsaBf16, FormsAtP2To4EqualSingleRankBf16DenseWarmup) {
   for (Form f :
        {Form::latent_gather, Form::explicit_heads, Form::laga_indices, Form::laga_recompute})
     for (const Split& split : kSplits) check_form_bf16(f, DsaStage::dense_warmup, split);
+}
+
+// Where rounding decides the selection: S 48, B 1, inputs of seeds 41 and
+// 61, at P 2, 3 and 4 (uneven tokens and heads), sparse. Here two keys'
+// scores lie within bf16's rounding of q_I, k_I or w: scored from
+// unrounded values (the block's own rows) and from the values the bf16 wire
+// delivered (a form's gathered k_I, laga_recompute's gathered query latent
+// and w), they select differently -- on the code before the indexer's values
+// were rounded where made, seed 41 moved every form's selection off the
+// block's (out 1.02 of max|out| 2.40 away), seed 61 laga_recompute's alone.
+// With them bf16 values at their source (dsa_index_values_as_stored,
+// mla/dsa_rows.hpp), every form equals the block: the selection exactly,
+// the rest within the bounds above (check_form_bf16).
+TEST(DsaBf16, FormsSelectAsTheBlockWhereRoundingDecides) {
+  const std::vector<Split> splits = {
+      {{20, 28}, {3, 1}}, {{17, 5, 26}, {2, 1, 1}}, {{9, 14, 1, 24}, {1, 2, 1, 0}}};
+  for (std::uint64_t seed : {41, 61}) {
+    const Inputs in(1, 48, seed);
+    for (Form f :
+         {Form::latent_gather, Form::explicit_heads, Form::laga_indices, Form::laga_recompute})
+      for (const Split& split : splits) check_form_bf16(f, DsaStage::sparse, split, in);
+  }
 }
 
 // The selection crosses intact past bf16's integers (exact to 256): at S 300
