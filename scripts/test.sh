@@ -96,7 +96,8 @@ run_ctest() {
 # instrument), so only their binaries are built (target unit_tests); -g1 (line
 # tables) is all a sanitizer report's stack needs and compiles much faster
 # than -g. Leak checking is off because OpenMPI's and OpenBLAS' one-time
-# allocations are reported as leaks. -O1, AddressSanitizer's own advice: its
+# allocations are reported as leaks. -O1 (the libraries; test code compiles
+# at -O0 there, tests/CMakeLists.txt), AddressSanitizer's own advice: its
 # compile is the suite's largest cost, and -O1 compiles a heavy test file in
 # about 0.6-0.75 of -O2's time (test_comm_local.cpp under ASan, 52 s against
 # 68-90 s, one core each, 2026-12-02, Intel Xeon, shared).
@@ -105,11 +106,12 @@ configure_asan() {
     -DLAGA_SANITIZE=ON "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" >/dev/null
 }
 
-# The ASan build starts now, at the lowest CPU priority,
-# beside the main ctest: that pass leaves cores idle (an mpirun launch or a
-# rank waiting on another, a PROCESSORS 2 test whose ranks take turns), and
-# the build takes only what the tests leave (nice 19 against the tests' 0).
-# It is a process group of its own, so a failure here stops it whole.
+# The ASan build starts now, at the lowest CPU priority, beside the main
+# ctest: that pass leaves cores idle (an mpirun launch or a rank waiting on
+# another, a PROCESSORS 2 test whose ranks take turns), and the build takes
+# only what the tests leave (nice 19 against the tests' 0; docs/testing.md,
+# "Suite time"). It is a process group of its own, so a failure here stops
+# it whole.
 configure_asan
 setsid nice -n 19 cmake --build build-asan -j "$(nproc)" --target unit_tests \
   >build-asan/build.log 2>&1 &
