@@ -54,8 +54,10 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
                                              const T* x, const T* qr, std::int64_t N) {
   const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
                      dI = cfg.index_head_dim;
-  DsaIndexerProjections<T> p{buffer<T>(N * HI * dI), buffer<T>(N * dI), buffer<T>(N * dI),
-                             buffer<T>(N),           buffer<T>(N),      buffer<T>(N * HI)};
+  DsaIndexerProjections<T> p{
+      Tensor<T>::zeros({N * HI * dI}, "dsa index q"), Tensor<T>::zeros({N * dI}, "dsa index k_pre"),
+      Tensor<T>::zeros({N * dI}, "dsa index k"),      Tensor<T>::zeros({N}, "dsa index k_mean"),
+      Tensor<T>::zeros({N}, "dsa index k_rstd"),      Tensor<T>::zeros({N * HI}, "dsa index w")};
   ops::linear_rows(p.q.data(), qr, iw.wq_b.data(), N, rq, HI * dI);
   ops::linear_rows(p.k_pre.data(), x, iw.wk.data(), N, D, dI);
   ops::layernorm(p.k.data(), p.k_mean.data(), p.k_rstd.data(), p.k_pre.data(),
@@ -63,7 +65,7 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
   // weights_proj(x) * n_heads^-0.5, times softmax_scale = head_dim^-0.5.
   p.w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
   ops::linear_rows(p.w.data(), x, iw.weights_proj.data(), N, D, HI);
-  for (T& e : p.w) e = T(double(e) * p.w_scale);
+  ops::scale(ops::mat(p.w, N, HI), p.w_scale);
   return p;
 }
 
@@ -71,18 +73,17 @@ template <class T>
 DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
                                                  const DsaIndexerParams<T>& iw, const T* x,
                                                  const T* qr, double w_scale, const T* k_pre,
-                                                 const T* k_mean, const T* k_rstd,
-                                                 std::vector<T>& dw, const T* dq, const T* dk,
-                                                 std::int64_t N) {
+                                                 const T* k_mean, const T* k_rstd, T* dw,
+                                                 const T* dq, const T* dk, std::int64_t N) {
   const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
                      dI = cfg.index_head_dim;
   DsaIndexerParams<T> g = DsaIndexerParams<T>::zeros(cfg);
-  for (T& e : dw) e = T(double(e) * w_scale);
-  ops::linear_rows_backward<T>(nullptr, false, g.weights_proj.data(), dw.data(), x,
-                               iw.weights_proj.data(), N, D, HI);
+  ops::scale(ops::Mat<T>{dw, N, HI, HI}, w_scale);
+  ops::linear_rows_backward<T>(nullptr, false, g.weights_proj.data(), dw, x, iw.weights_proj.data(),
+                               N, D, HI);
   ops::linear_rows_backward<T>(nullptr, false, g.wq_b.data(), dq, qr, iw.wq_b.data(), N, rq,
                                HI * dI);
-  std::vector<T> dkpre = buffer<T>(N * dI);
+  Tensor<T> dkpre = Tensor<T>::zeros({N * dI}, "dsa index dk_pre");
   ops::layernorm_backward(dkpre.data(), g.k_norm_weight.data(), g.k_norm_bias.data(), dk, k_pre,
                           iw.k_norm_weight.data(), k_mean, k_rstd, N, dI);
   ops::linear_rows_backward<T>(nullptr, false, g.wk.data(), dkpre.data(), x, iw.wk.data(), N, D,
@@ -109,7 +110,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the MLA's projections (DeepSeek's MLA.forward)
   const DsaRowPositions at{B, S, 0, nullptr};
   const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
-  const std::vector<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
+  const Tensor<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
@@ -123,12 +124,12 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the lightning indexer (DeepSeek's Indexer.forward; fp8 scoring when cfg.index_fp8)
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  std::vector<T>& qI = ip.q;  // the names the rest of this function reads
-  std::vector<T>& kpre = ip.k_pre;
-  std::vector<T>& kI = ip.k;
-  std::vector<T>& k_mean = ip.k_mean;
-  std::vector<T>& k_rstd = ip.k_rstd;
-  std::vector<T>& wI = ip.w;
+  Tensor<T>& qI = ip.q;  // the names the rest of this function reads
+  Tensor<T>& kpre = ip.k_pre;
+  Tensor<T>& kI = ip.k;
+  Tensor<T>& k_mean = ip.k_mean;
+  Tensor<T>& k_rstd = ip.k_rstd;
+  Tensor<T>& wI = ip.w;
   const double w_scale = ip.w_scale;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
@@ -203,7 +204,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   r.indexer_grads =
       dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
-                                   k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
+                                   k_rstd.data(), dwI.data(), dqI.data(), dkI.data(), N);
 
   // ---- the LM backward through the attended keys
   r.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
@@ -261,7 +262,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
       std::copy_n(dlat.data() + t * (C + dr) + C, dr, dkv.data() + t * (C + dr) + C);
     }
   }
-  std::vector<T> dqr;
+  Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, r.grads,
                         r.dx.data());
   return r;
@@ -277,11 +278,10 @@ LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
 template DsaIndexerParams<float> dsa_indexer_project_backward(
     const MlaConfig&, const DsaIndexerParams<float>&, const float*, const float*, double,
-    const float*, const float*, const float*, std::vector<float>&, const float*, const float*,
-    std::int64_t);
+    const float*, const float*, const float*, float*, const float*, const float*, std::int64_t);
 template DsaIndexerParams<double> dsa_indexer_project_backward(
     const MlaConfig&, const DsaIndexerParams<double>&, const double*, const double*, double,
-    const double*, const double*, const double*, std::vector<double>&, const double*, const double*,
+    const double*, const double*, const double*, double*, const double*, const double*,
     std::int64_t);
 template DsaIndexerProjections<float> dsa_indexer_project(const MlaConfig&,
                                                           const DsaIndexerParams<float>&,

@@ -84,8 +84,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections, K and V of every head
   DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
-  std::vector<T>& q = mine.q;  // freed once the heads have their copies
-  const std::vector<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
+  Tensor<T>& q = mine.q;  // freed once the heads have their copies
+  const Tensor<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
   std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
   std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
@@ -140,7 +140,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   seq_to_head(comm, lay, q.data(), q_h.data(), dqk, "q_a2a");
   seq_to_head(comm, lay, k.data(), k_h.data(), dqk, "k_a2a");
   seq_to_head(comm, lay, v.data(), v_h.data(), dv, "v_a2a");
-  q = {}, k = {}, v = {};  // backward reads the heads' copies
+  q.reset(), k = {}, v = {};  // backward reads the heads' copies
   SparseAttnShape ss;
   ss.attn = AttnShape{B, S, S, Hr, Hr, dqk, dv, cfg.softmax_scale(), true};
   ss.K = KA;
@@ -195,8 +195,8 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
-      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
-      dqI.data(), dkI.data(), N);
+      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
+      dwI.data(), dqI.data(), dkI.data(), N);
 
   // ---- the LM backward: the output's gradient to the heads, the
   // attention's back to the rows' owners
@@ -232,7 +232,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
     }
   ops::linear_rows_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
                                w.wkv_b.data(), N, C, H * (dn + dv));
-  std::vector<T> dqr;
+  Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, mine, at, table, dkv.data(), dc.data(), dq.data(), dqr,
                         res.grads, res.dx.data());
   return res;

@@ -42,6 +42,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
@@ -540,6 +541,31 @@ void fill(Mat<T> dst, T value) {
   count_elementwise<T>(dst.rows * dst.cols, 1);
   if (!runs(dst.rows * dst.cols, {dst.p})) return;
   fill_rows(dst.p, dst.ld, dst.rows, dst.cols, value);
+}
+
+// p + k, a view's first element given by a pointer: null stays null (an
+// unbacked tensor's view, count-only), as Mat::block keeps it.
+template <class T>
+T* at(T* p, std::int64_t k) {
+  return p ? p + k : nullptr;
+}
+// x *= s in place, each element as T(double(x) * s): the DSA indexer's
+// weights' scale (mla/dsa_block.cpp). A host loop: the DSA code runs on the
+// host only (docs/forms.md, "DSA").
+template <class T>
+void scale(Mat<T> x, double s) {
+  count_elementwise<T>(x.rows * x.cols, 2);
+  if (!runs(x.rows * x.cols, {x.p})) return;
+  for (std::int64_t i = 0; i < x.rows; ++i)
+    for (std::int64_t j = 0; j < x.cols; ++j) x.p[i * x.ld + j] = T(double(x.p[i * x.ld + j]) * s);
+}
+// A tensor's values as a vector (a result handed back as plain rows, as the
+// DSA forms' DsaBlockResult does): empty when the tensor has no storage
+// (count-only), so no caller decides that itself.
+template <class T>
+std::vector<T> to_vector(const Tensor<T>& t) {
+  if (!runs(t.numel(), {t.data()})) return {};
+  return std::vector<T>(t.data(), t.data() + t.numel());
 }
 
 }  // namespace laga::ops

@@ -119,7 +119,9 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     DsaFormRow row;
     row.form = f;
     for (int r = 0; r < layout.ranks; ++r) {
-      const DsaMemory m = dsa_memory(cfg, *dsa, layout, f, r, sizeof(float));
+      const DsaMemory m =
+          dsa_memory(cfg, *dsa, layout, f, r,
+                     o.precision == Precision::bf16 ? RunDtype::bf16 : RunDtype::fp32, stage);
       row.saved = std::max(row.saved, m.saved), row.peak = std::max(row.peak, m.peak);
       CommPrediction p = dsa_predict_comm(cfg, *dsa, layout, f, r,
                                           wire_element_bytes(o.precision, GradReduce::fp32, 4),

@@ -110,7 +110,9 @@ void check_dsa_job_memory(const CommOptions& comm, const MlaConfig& cfg, const S
   const bool all_here = comm.backend == Backend::local;
   std::int64_t ranks = 0, peak = 0;
   for (int r = 0; r < layout.ranks; ++r) {
-    const std::int64_t p = dsa_memory(cfg, dsa, layout, form, r, elem_bytes).peak;
+    const std::int64_t p =
+        dsa_memory(cfg, dsa, layout, form, r, elem_bytes == 8 ? RunDtype::fp64 : RunDtype::fp32)
+            .peak;
     peak = std::max(peak, p);
     ranks += all_here || r == 0 ? p : 0;
   }

@@ -1,0 +1,141 @@
+// DSA's activation memory (mla/dsa_model.hpp, dsa_memory) against the
+// pool: for latent_gather (mla/dsa_cp.hpp), at P 1..4 with uneven shards
+// and heads, both stages, fp32, fp64 and bf16, with and without dout, on
+// every rank, a real run's pool peak (MemCategory::activations) equals a
+// count-only run's (MemoryPool::set_count_only, the rank alone on a
+// DryRunCommunicator) and dsa_memory's peak (forward_peak without dout),
+// in bytes; and at DeepSeek-V3.2's dims (S 32768 and 131072, P 8 and 64)
+// the count-only run equals dsa_memory, without the memory (bf16 at S
+// 131072 P 8: its operand copies; about 3 s, most of it the RoPE table).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/dry_run_comm.hpp"
+#include "comm/local_comm.hpp"
+#include "common/check.hpp"
+#include "dsa_form_cases.hpp"
+#include "mla/dsa_cp.hpp"
+#include "mla/dsa_model.hpp"
+#include "mla/ops.hpp"
+
+namespace laga {
+namespace {
+
+// The pool's activation peak of one call of f, above what was live before.
+template <class F>
+std::int64_t activation_peak(F&& f) {
+  MemoryPool& pool = current_pool();
+  const std::int64_t base = pool.current(MemCategory::activations);
+  pool.reset_peaks();
+  f();
+  EXPECT_EQ(pool.current(MemCategory::activations), base) << "a DSA tensor outlived its run";
+  return pool.peak(MemCategory::activations) - base;
+}
+
+// One rank alone under a count-only pool: x is never read (pass null), dout
+// only says whether backward runs.
+template <class T>
+std::int64_t count_only_peak(const MlaConfig& cfg, const SpLayout& lay, int r, DsaStage stage,
+                             bool backward, bool bf16) {
+  MemoryPool pool;
+  pool.set_count_only(true);
+  const PoolScope scope(pool);
+  const UsePrecision precision(bf16 ? Precision::bf16 : Precision::fp32);
+  const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  const DsaIndexerParams<T> iw = DsaIndexerParams<T>::zeros(cfg);
+  DryRunCommunicator comm(r, lay.ranks);
+  const T unread{};
+  return activation_peak([&] {
+    const DsaBlockResult<T> res =
+        dsa_latent_gather<T>(cfg, w, iw, nullptr, backward ? &unread : nullptr, lay, stage, comm);
+    EXPECT_TRUE(res.out.empty() && res.dx.empty() && res.idx.empty()) << "count-only results";
+  });
+}
+
+RunDtype dtype_of(bool is_double, bool bf16) {
+  return is_double ? RunDtype::fp64 : bf16 ? RunDtype::bf16 : RunDtype::fp32;
+}
+
+template <class T>
+void check_small(const std::vector<std::int64_t>& counts, const std::vector<std::int64_t>& heads,
+                 DsaStage stage, bool backward, bool bf16) {
+  const MlaConfig cfg = test::dsa_small_config(5);
+  const int P = int(counts.size());
+  const std::int64_t B = 2, D = cfg.dim;
+  std::int64_t S = 0;
+  for (std::int64_t n : counts) S += n;
+  const SpLayout lay = SpLayout::custom(B, counts, heads);
+  MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 5, 0.1);
+  const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
+  const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
+  const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
+  LocalRunOptions options;
+  options.pools = &pools;
+  std::vector<std::int64_t> real(static_cast<std::size_t>(P));
+  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
+  run_local_ranks(
+      comms,
+      [&](Communicator& comm) {
+        const UsePrecision precision(bf16 ? Precision::bf16 : Precision::fp32);
+        const int r = comm.rank();
+        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L),
+                             dr = test::dsa_rows(dout, B, S, D, s0, L);
+        real[std::size_t(r)] = activation_peak([&] {
+          const DsaBlockResult<T> res = dsa_latent_gather(
+              cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, lay, stage, comm);
+          EXPECT_EQ(res.out.size(), std::size_t(B * L * D));
+        });
+      },
+      options);
+  const RunDtype dt = dtype_of(sizeof(T) == 8, bf16);
+  for (int r = 0; r < P; ++r) {
+    const std::string what = std::string("latent_gather ") + to_string(dt) + " " +
+                             to_string(stage) + (backward ? "" : " forward only") + " " +
+                             lay.describe() + " rank " + std::to_string(r);
+    const DsaMemory m =
+        dsa_memory(cfg, *DsaConfig::of(cfg), lay, DsaForm::latent_gather, r, dt, stage);
+    const std::int64_t want = backward ? m.peak : m.forward_peak;
+    EXPECT_EQ(real[std::size_t(r)], want) << what << "; model peak at '" << m.peak_where << "'";
+    EXPECT_EQ(count_only_peak<T>(cfg, lay, r, stage, backward, bf16), want)
+        << what << " count-only";
+  }
+}
+
+const std::vector<std::vector<std::int64_t>> kShards = {{11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
+const std::vector<std::vector<std::int64_t>> kHeads = {{5}, {3, 2}, {2, 2, 1}, {2, 1, 1, 1}};
+
+TEST(DsaMemory, LatentGatherPeakIsThePoolsOnEveryRank) {
+  for (std::size_t i = 0; i < kShards.size(); ++i)
+    for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup})
+      for (bool backward : {true, false}) {
+        check_small<double>(kShards[i], kHeads[i], stage, backward, false);
+        check_small<float>(kShards[i], kHeads[i], stage, backward, false);
+        check_small<float>(kShards[i], kHeads[i], stage, backward, true);
+      }
+}
+
+TEST(DsaMemory, LatentGatherCountOnlyAtDeepSeekV32Dims) {
+  const DsaConfig dsa = *DsaConfig::preset("deepseek-v3.2");
+  const MlaConfig cfg = dsa.with(MlaConfig::preset("deepseek-v3.2"));
+  for (std::int64_t S : {32768, 131072})
+    for (int P : {8, 64}) {
+      const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, P);
+      for (int r : {0, P - 1})
+        for (bool bf16 : {false, S == 131072 && P == 8}) {
+          const RunDtype dt = bf16 ? RunDtype::bf16 : RunDtype::fp32;
+          const DsaMemory m = dsa_memory(cfg, dsa, lay, DsaForm::latent_gather, r, dt);
+          EXPECT_EQ(count_only_peak<float>(cfg, lay, r, DsaStage::sparse, true, bf16), m.peak)
+              << "deepseek-v3.2 S " << S << " P " << P << " rank " << r << " " << to_string(dt)
+              << "; model peak at '" << m.peak_where << "'";
+        }
+    }
+}
+
+}  // namespace
+}  // namespace laga
