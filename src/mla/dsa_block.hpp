@@ -28,8 +28,10 @@
 //
 // The block asks the op layer for every computation (mla/ops_dsa.hpp,
 // mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted
-// (OpCounts); its operands are std::vector row buffers, not pool tensors,
-// so it has no count-only run yet. The forms do not run it (a DSA config is
+// (OpCounts); its operands are pool tensors (activations; the selection an
+// int32 tensor), so it has a count-only run (MemoryPool::set_count_only:
+// x is not read, dout only says whether backward runs; the result's
+// vectors come back empty). The forms do not run it (a DSA config is
 // refused by the tool's ModelOptions::load); mla/dsa_cp.hpp runs it
 // query-local over P ranks, mla/dsa_explicit.hpp and dsa_laga.hpp
 // head-sharded.

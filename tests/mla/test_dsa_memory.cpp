@@ -5,7 +5,9 @@
 // count-only run's (MemoryPool::set_count_only, the rank alone on a
 // DryRunCommunicator) and dsa_memory's peak (forward_peak without dout),
 // in bytes; and at DeepSeek-V3.2's dims (S 32768 and 131072, P 8 and 64)
-// the count-only run equals dsa_memory, without the memory (bf16 at S
+// the count-only run equals dsa_memory, without the memory. The
+// single-rank block (mla/dsa_block.hpp, not a form: no dsa_memory) has a
+// count-only run too, its peak a real run's (bf16 at S
 // 131072 P 8: its operand copies; about 3 s, most of it the RoPE table).
 #include <gtest/gtest.h>
 
@@ -135,6 +137,59 @@ TEST(DsaMemory, LatentGatherCountOnlyAtDeepSeekV32Dims) {
               << "; model peak at '" << m.peak_where << "'";
         }
     }
+}
+
+// The single-rank block: a count-only run's activation peak is a real run's,
+// per attend, stage, dtype, with and without dout.
+template <class T>
+void check_block(DsaAttend attend, DsaStage stage, bool backward, bool bf16) {
+  const MlaConfig cfg = test::dsa_small_config(5);
+  const std::int64_t B = 2, S = 11, D = cfg.dim;
+  const UsePrecision precision(bf16 ? Precision::bf16 : Precision::fp32);
+  std::int64_t real = 0, counted = 0;
+  {
+    MemoryPool pool;
+    const PoolScope scope(pool);
+    MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+    init_params(w, 5, 0.1);
+    const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
+    const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
+    const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+    real = activation_peak([&] {
+      const DsaBlockResult<T> r =
+          dsa_block(cfg, w, iw, x.data(), backward ? dout.data() : nullptr, B, S, stage, attend);
+      EXPECT_EQ(r.out.size(), std::size_t(B * S * D));
+    });
+  }
+  {
+    MemoryPool pool;
+    pool.set_count_only(true);
+    const PoolScope scope(pool);
+    const MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+    const DsaIndexerParams<T> iw = DsaIndexerParams<T>::zeros(cfg);
+    const T unread{};
+    counted = activation_peak([&] {
+      const DsaBlockResult<T> r =
+          dsa_block<T>(cfg, w, iw, nullptr, backward ? &unread : nullptr, B, S, stage, attend);
+      EXPECT_TRUE(r.out.empty() && r.dx.empty() && r.idx.empty()) << "count-only results";
+    });
+  }
+  EXPECT_GT(real, 0);
+  EXPECT_EQ(counted, real) << "dsa_block " << to_string(attend) << " " << to_string(stage)
+                           << (sizeof(T) == 8 ? " fp64"
+                               : bf16         ? " bf16"
+                                              : " fp32")
+                           << (backward ? "" : " forward only");
+}
+
+TEST(DsaMemory, BlockCountOnlyPeakIsARealRuns) {
+  for (DsaAttend attend : {DsaAttend::per_head, DsaAttend::latent})
+    for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup})
+      for (bool backward : {true, false}) {
+        check_block<double>(attend, stage, backward, false);
+        check_block<float>(attend, stage, backward, false);
+        check_block<float>(attend, stage, backward, true);
+      }
 }
 
 }  // namespace
