@@ -363,7 +363,11 @@ DsaMemory latent_gather_memory(const MlaConfig& cfg, const DsaConfig& dsa, const
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;   // bf16 runs hold fp32 tensors
   const std::int64_t bf = dtype == RunDtype::bf16 ? 2 : 0;  // bf16's rounded operand copies
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
-  const std::int64_t Sk = layout.shard_begin(rank) + L, N = B * L, NK = B * Sk;
+  // The keys the rank reads: every token up to its last row (contiguous:
+  // shard_begin + L; the form refuses zigzag, whose last row this is too).
+  std::int64_t Sk = 0;
+  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t N = B * L, NK = B * Sk;
   const std::int64_t H = cfg.n_heads, D = cfg.dim, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
   const std::int64_t dr = cfg.qk_rope_head_dim, dqk = cfg.qk_head_dim(), dv = cfg.v_head_dim;
   const std::int64_t W = C + dr, Hi = dsa.index_n_heads, di = dsa.index_head_dim;
@@ -534,10 +538,14 @@ DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const Sp
 
 }  // namespace
 
+bool dsa_memory_is_the_pools(DsaForm form) {
+  return form == DsaForm::latent_gather;
+}
+
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                      DsaForm form, int rank, RunDtype dtype, DsaStage stage) {
   dsa.validate(cfg);
-  if (form == DsaForm::latent_gather)
+  if (dsa_memory_is_the_pools(form))
     return latent_gather_memory(cfg, dsa, layout, rank, dtype, stage);
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : dtype == RunDtype::bf16 ? 2 : 4;
   return unmeasured_memory(cfg, dsa, layout, form, rank, e);
