@@ -238,7 +238,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
+  Tensor<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(

@@ -9,10 +9,6 @@ namespace laga {
 
 namespace {
 
-template <class T>
-std::vector<T> buffer(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), T(0));
-}
 // A pool tensor of n zeros (activations), named for the pool's live list.
 template <class T>
 Tensor<T> zeros(std::int64_t n, const char* name) {
@@ -102,12 +98,14 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
 }
 
 template <class T>
-std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
-                                        std::int64_t Sk, std::int64_t dI) {
+Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
+                                   std::int64_t Sk, std::int64_t dI) {
   const std::int64_t B = lay.batch, S = lay.seq, L = lay.seq_count[std::size_t(comm.rank())];
-  std::vector<T> padded = buffer<T>(B * S * dI), own = buffer<T>(B * L * dI);
+  Tensor<T> padded = zeros<T>(B * S * dI, "dsa index dk padded");
+  Tensor<T> own = zeros<T>(B * L * dI, "dsa index dk own");
   for (std::int64_t b = 0; b < B; ++b)
-    std::copy_n(dk_prefix + b * Sk * dI, Sk * dI, padded.data() + b * S * dI);
+    ops::copy(ops::mat(padded, B * S, dI).block(b * S, Sk, 0, dI),
+              ops::Mat<const T>{ops::at(dk_prefix, b * Sk * dI), Sk, dI, dI});
   reduce_scatter_seq(comm, lay, padded.data(), own.data(), dI, "index_k_ag");
   return own;
 }
@@ -122,8 +120,8 @@ std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay,
   template void dsa_own_rows_backward<T>(                                                         \
       const MlaConfig&, const MlaParams<T>&, const T*, const DsaOwnRows<T>&,                      \
       const DsaRowPositions&, const RopeTable&, T*, const T*, T*, Tensor<T>&, MlaParams<T>&, T*); \
-  template std::vector<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,   \
-                                                      std::int64_t, std::int64_t);
+  template Tensor<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,        \
+                                                 std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -82,8 +82,9 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
 // the sequence before its last row), padded with zeros to (B, S, d_I) and
 // reduce-scattered to the keys' owners ("index_k_ag", the gather's label):
 // the rank's own (B, L_r, d_I).
+// Pool tensors: the padded (B, S, d_I) while it runs, the result.
 template <class T>
-std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
-                                        std::int64_t Sk, std::int64_t dI);
+Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
+                                   std::int64_t Sk, std::int64_t dI);
 
 }  // namespace laga

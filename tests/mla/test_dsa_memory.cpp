@@ -1,14 +1,17 @@
 // DSA's activation memory (mla/dsa_model.hpp, dsa_memory) against the
-// pool: for latent_gather (mla/dsa_cp.hpp), at P 1..4 with uneven shards
-// and heads, both stages, fp32, fp64 and bf16, with and without dout, on
-// every rank, a real run's pool peak (MemCategory::activations) equals a
-// count-only run's (MemoryPool::set_count_only, the rank alone on a
-// DryRunCommunicator) and dsa_memory's peak (forward_peak without dout),
-// in bytes; and at DeepSeek-V3.2's dims (S 32768 and 131072, P 8 and 64)
-// the count-only run equals dsa_memory, without the memory. The
-// single-rank block (mla/dsa_block.hpp, not a form: no dsa_memory) has a
-// count-only run too, its peak a real run's (bf16 at S
-// 131072 P 8: its operand copies; about 3 s, most of it the RoPE table).
+// pool: for latent_gather (mla/dsa_cp.hpp) and explicit
+// (mla/dsa_explicit.hpp; also P 6 with a rank of no heads), at P 1..4 with
+// uneven shards and heads, both stages, fp32, fp64 and bf16, with and
+// without dout, on every rank, a real run's pool peak
+// (MemCategory::activations) equals a count-only run's
+// (MemoryPool::set_count_only, the rank alone on a DryRunCommunicator) and
+// dsa_memory's peak (forward_peak without dout), in bytes; and at
+// DeepSeek-V3.2's dims (S 32768 and 131072, P 8 and 64; latent_gather on
+// ranks 0 and P-1, explicit on P-1, both in bf16 at S 131072 P 8 too) the
+// count-only run equals dsa_memory, without the memory (a few seconds,
+// most of it each run's RoPE table). The single-rank block
+// (mla/dsa_block.hpp, not a form: no dsa_memory) has a count-only run too,
+// its peak a real run's.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -20,6 +23,7 @@
 #include "common/check.hpp"
 #include "dsa_form_cases.hpp"
 #include "mla/dsa_cp.hpp"
+#include "mla/dsa_explicit.hpp"
 #include "mla/dsa_model.hpp"
 #include "mla/ops.hpp"
 
@@ -37,11 +41,20 @@ std::int64_t activation_peak(F&& f) {
   return pool.peak(MemCategory::activations) - base;
 }
 
+// The forms on pool tensors (dsa_memory_is_the_pools), by DsaForm.
+template <class T>
+DsaBlockResult<T> run_form(DsaForm form, const MlaConfig& cfg, const MlaParams<T>& w,
+                           const DsaIndexerParams<T>& iw, const T* x, const T* dout,
+                           const SpLayout& lay, DsaStage stage, Communicator& comm) {
+  if (form == DsaForm::explicit_form) return dsa_explicit(cfg, w, iw, x, dout, lay, stage, comm);
+  return dsa_latent_gather(cfg, w, iw, x, dout, lay, stage, comm);
+}
+
 // One rank alone under a count-only pool: x is never read (pass null), dout
 // only says whether backward runs.
 template <class T>
-std::int64_t count_only_peak(const MlaConfig& cfg, const SpLayout& lay, int r, DsaStage stage,
-                             bool backward, bool bf16) {
+std::int64_t count_only_peak(DsaForm form, const MlaConfig& cfg, const SpLayout& lay, int r,
+                             DsaStage stage, bool backward, bool bf16) {
   MemoryPool pool;
   pool.set_count_only(true);
   const PoolScope scope(pool);
@@ -52,7 +65,7 @@ std::int64_t count_only_peak(const MlaConfig& cfg, const SpLayout& lay, int r, D
   const T unread{};
   return activation_peak([&] {
     const DsaBlockResult<T> res =
-        dsa_latent_gather<T>(cfg, w, iw, nullptr, backward ? &unread : nullptr, lay, stage, comm);
+        run_form<T>(form, cfg, w, iw, nullptr, backward ? &unread : nullptr, lay, stage, comm);
     EXPECT_TRUE(res.out.empty() && res.dx.empty() && res.idx.empty()) << "count-only results";
   });
 }
@@ -62,8 +75,8 @@ RunDtype dtype_of(bool is_double, bool bf16) {
 }
 
 template <class T>
-void check_small(const std::vector<std::int64_t>& counts, const std::vector<std::int64_t>& heads,
-                 DsaStage stage, bool backward, bool bf16) {
+void check_small(DsaForm form, const std::vector<std::int64_t>& counts,
+                 const std::vector<std::int64_t>& heads, DsaStage stage, bool backward, bool bf16) {
   const MlaConfig cfg = test::dsa_small_config(5);
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim;
@@ -89,22 +102,21 @@ void check_small(const std::vector<std::int64_t>& counts, const std::vector<std:
         const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L),
                              dr = test::dsa_rows(dout, B, S, D, s0, L);
         real[std::size_t(r)] = activation_peak([&] {
-          const DsaBlockResult<T> res = dsa_latent_gather(
-              cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, lay, stage, comm);
+          const DsaBlockResult<T> res = run_form<T>(
+              form, cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, lay, stage, comm);
           EXPECT_EQ(res.out.size(), std::size_t(B * L * D));
         });
       },
       options);
   const RunDtype dt = dtype_of(sizeof(T) == 8, bf16);
   for (int r = 0; r < P; ++r) {
-    const std::string what = std::string("latent_gather ") + to_string(dt) + " " +
+    const std::string what = std::string(to_string(form)) + " " + to_string(dt) + " " +
                              to_string(stage) + (backward ? "" : " forward only") + " " +
                              lay.describe() + " rank " + std::to_string(r);
-    const DsaMemory m =
-        dsa_memory(cfg, *DsaConfig::of(cfg), lay, DsaForm::latent_gather, r, dt, stage);
+    const DsaMemory m = dsa_memory(cfg, *DsaConfig::of(cfg), lay, form, r, dt, stage);
     const std::int64_t want = backward ? m.peak : m.forward_peak;
     EXPECT_EQ(real[std::size_t(r)], want) << what << "; model peak at '" << m.peak_where << "'";
-    EXPECT_EQ(count_only_peak<T>(cfg, lay, r, stage, backward, bf16), want)
+    EXPECT_EQ(count_only_peak<T>(form, cfg, lay, r, stage, backward, bf16), want)
         << what << " count-only";
   }
 }
@@ -112,31 +124,54 @@ void check_small(const std::vector<std::int64_t>& counts, const std::vector<std:
 const std::vector<std::vector<std::int64_t>> kShards = {{11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
 const std::vector<std::vector<std::int64_t>> kHeads = {{5}, {3, 2}, {2, 2, 1}, {2, 1, 1, 1}};
 
-TEST(DsaMemory, LatentGatherPeakIsThePoolsOnEveryRank) {
+void check_small_all(DsaForm form) {
   for (std::size_t i = 0; i < kShards.size(); ++i)
     for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup})
       for (bool backward : {true, false}) {
-        check_small<double>(kShards[i], kHeads[i], stage, backward, false);
-        check_small<float>(kShards[i], kHeads[i], stage, backward, false);
-        check_small<float>(kShards[i], kHeads[i], stage, backward, true);
+        check_small<double>(form, kShards[i], kHeads[i], stage, backward, false);
+        check_small<float>(form, kShards[i], kHeads[i], stage, backward, false);
+        check_small<float>(form, kShards[i], kHeads[i], stage, backward, true);
       }
 }
 
-TEST(DsaMemory, LatentGatherCountOnlyAtDeepSeekV32Dims) {
+TEST(DsaMemory, LatentGatherPeakIsThePoolsOnEveryRank) {
+  check_small_all(DsaForm::latent_gather);
+}
+
+// Uneven heads, and at P 6 (S 11, H 5) a rank with none.
+TEST(DsaMemory, ExplicitPeakIsThePoolsOnEveryRank) {
+  check_small_all(DsaForm::explicit_form);
+  for (bool bf16 : {false, true})
+    check_small<float>(DsaForm::explicit_form, {2, 2, 2, 2, 2, 1}, {1, 1, 1, 1, 1, 0},
+                       DsaStage::sparse, true, bf16);
+}
+
+TEST(DsaMemory, CountOnlyAtDeepSeekV32Dims) {
   const DsaConfig dsa = *DsaConfig::preset("deepseek-v3.2");
   const MlaConfig cfg = dsa.with(MlaConfig::preset("deepseek-v3.2"));
+  struct Case {
+    DsaForm form;
+    std::int64_t S;
+    int P, rank;
+    bool bf16;
+  };
+  std::vector<Case> cases;
   for (std::int64_t S : {32768, 131072})
     for (int P : {8, 64}) {
-      const SpLayout lay = SpLayout::even(1, S, cfg.n_heads, P);
-      for (int r : {0, P - 1})
-        for (bool bf16 : {false, S == 131072 && P == 8}) {
-          const RunDtype dt = bf16 ? RunDtype::bf16 : RunDtype::fp32;
-          const DsaMemory m = dsa_memory(cfg, dsa, lay, DsaForm::latent_gather, r, dt);
-          EXPECT_EQ(count_only_peak<float>(cfg, lay, r, DsaStage::sparse, true, bf16), m.peak)
-              << "deepseek-v3.2 S " << S << " P " << P << " rank " << r << " " << to_string(dt)
-              << "; model peak at '" << m.peak_where << "'";
-        }
+      for (int r : {0, P - 1}) cases.push_back({DsaForm::latent_gather, S, P, r, false});
+      cases.push_back({DsaForm::explicit_form, S, P, P - 1, false});  // its largest rank
     }
+  for (DsaForm form : {DsaForm::latent_gather, DsaForm::explicit_form})
+    cases.push_back({form, 131072, 8, 7, true});
+  for (const Case& c : cases) {
+    const SpLayout lay = SpLayout::even(1, c.S, cfg.n_heads, c.P);
+    const RunDtype dt = c.bf16 ? RunDtype::bf16 : RunDtype::fp32;
+    const DsaMemory m = dsa_memory(cfg, dsa, lay, c.form, c.rank, dt);
+    EXPECT_EQ(count_only_peak<float>(c.form, cfg, lay, c.rank, DsaStage::sparse, true, c.bf16),
+              m.peak)
+        << to_string(c.form) << " deepseek-v3.2 S " << c.S << " P " << c.P << " rank " << c.rank
+        << " " << to_string(dt) << "; model peak at '" << m.peak_where << "'";
+  }
 }
 
 // The single-rank block: a count-only run's activation peak is a real run's,
