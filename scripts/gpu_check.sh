@@ -44,8 +44,14 @@
 #                     device (nvidia-smi's name; none: no prediction, said why)
 #   laga_compare_cuda_pP.md / .json / .log   laga compare --device cuda at P
 #                     1..4: the table it prints, its JSON, its output
-# Budget: 210 s + 220 s + 4 x 30 s of timeouts, inside the lease's ten-minute
-# command.
+#   laga_compare_cuda_count_only.md / .json / .log   the same at P 4,
+#                     --count-only: the device peak it predicts per form
+#                     (device_peak_bytes: the pool's + the cuBLASLt workspace)
+#   summary.txt       every step's exit status; the last line names the
+#                     failed steps (none: "all steps passed")
+# Budget (timeouts): 180 + 180 + 20 + 10 + 4 x 20 + 15 = 485 s, about eight
+# minutes, inside the lease's ten-minute command; the checks take seconds,
+# the timings stop at their --budget-s.
 # --dry-run: no device needed (CI's host test, tools_gpu_check_cuda_dry):
 # the bundle is unpacked and its binaries run with its libraries, listing
 # what they would check; laga loads the module and lists its kernel rows
@@ -127,45 +133,74 @@ if [ "${1:-}" = "cuda" ]; then
   fi
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
     2>&1 | tee "$out/cuda_gpu.txt"
+  rc=0
+  failed=""
+  # One step's exit status into summary.txt; a failed step is named at the end.
+  step() {
+    echo "$1: rc $2" >>"$out/summary.txt"
+    if [ "$2" != 0 ]; then
+      failed="$failed $1"
+      rc=1
+      echo "FAILED: $1 (rc $2; rc 124 is its timeout)" >&2
+    fi
+  }
+  : >"$out/summary.txt"
   echo "== laga_cuda_check"
-  # 210 s + 220 s + 120 s of the lease's ten-minute command: the checks take
-  # seconds, the timings stop at their budget (--budget-s), the rest is slack.
-  time timeout 210 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
-    --table "$out/cuda_check.md" --budget-s 140 >"$out/cuda_check.log" 2>&1
-  rc=$?
-  echo "rc $rc" >>"$out/cuda_check.log"
+  time timeout 180 "$dir/laga_cuda_check" --json "$out/cuda_check.json" \
+    --table "$out/cuda_check.md" --budget-s 120 >"$out/cuda_check.log" 2>&1
+  r=$?
+  echo "rc $r" >>"$out/cuda_check.log"
   tail -40 "$out/cuda_check.log"
+  step laga_cuda_check "$r"
   echo "== laga_cuda_forms"
-  time timeout 220 "$dir/laga_cuda_forms" --json "$out/cuda_forms.json" \
-    --table "$out/cuda_forms.md" --budget-s 110 >"$out/cuda_forms.log" 2>&1
-  rc_forms=$?
-  echo "rc $rc_forms" >>"$out/cuda_forms.log"
+  time timeout 180 "$dir/laga_cuda_forms" --json "$out/cuda_forms.json" \
+    --table "$out/cuda_forms.md" --budget-s 100 >"$out/cuda_forms.log" 2>&1
+  r=$?
+  echo "rc $r" >>"$out/cuda_forms.log"
   tail -60 "$out/cuda_forms.log"
-  [ "$rc" = 0 ] && rc=$rc_forms
+  step laga_cuda_forms "$r"
   echo "== laga plan beside the step times ($gpu_name)"
-  python3 "$here/plan_vs_gpu.py" --forms "$out/cuda_forms.json" --gpu-name "$gpu_name" \
-    --laga "$dir/laga" --json "$out/plan_vs_gpu.json" --table "$out/plan_vs_gpu.md" \
-    >"$out/plan_vs_gpu.log" 2>&1
-  rc_plan=$?
+  timeout 20 python3 "$here/plan_vs_gpu.py" --forms "$out/cuda_forms.json" \
+    --gpu-name "$gpu_name" --laga "$dir/laga" --json "$out/plan_vs_gpu.json" \
+    --table "$out/plan_vs_gpu.md" >"$out/plan_vs_gpu.log" 2>&1
+  r=$?
   tail -40 "$out/plan_vs_gpu.log"
-  [ "$rc" = 0 ] && rc=$rc_plan
+  step plan_vs_gpu "$r"
   # laga itself on the GPU: the module loaded (beside laga), every form,
   # ranks as threads sharing the GPU; its table and JSON as on the CPU.
   # (The shape: compare's default model and S, two measured steps after one
   # warm-up; LAGA_COMPARE_SHAPE replaces it.)
-  "$dir/laga" kernels --device cuda --json "$out/laga_kernels_cuda.json" >/dev/null 2>&1
+  timeout 10 "$dir/laga" kernels --device cuda --json "$out/laga_kernels_cuda.json" \
+    >"$out/laga_kernels_cuda.log" 2>&1
+  step laga_kernels_cuda "$?"
   shape=${LAGA_COMPARE_SHAPE:---preset small --seq 1024 --steps 2 --warmup 1}
   for P in 1 2 3 4; do
     echo "== laga compare --device cuda --sp $P"
     f="$out/laga_compare_cuda_p$P"
-    timeout 30 "$dir/laga" compare --device cuda --forms all --sp "$P" \
+    timeout 20 "$dir/laga" compare --device cuda --forms all --sp "$P" \
       $shape --json "$f.json" >"$f.md" 2>"$f.log"
-    rc_c=$?
-    echo "rc $rc_c" >>"$f.log"
+    r=$?
+    echo "rc $r" >>"$f.log"
     tail -30 "$f.md"
     tail -3 "$f.log"
-    [ "$rc" = 0 ] && rc=$rc_c
+    step "laga_compare_cuda_p$P" "$r"
   done
+  # The device peak count-only predicts (mla/device_peak_prediction.hpp),
+  # beside the P 4 run's measured pool above.
+  echo "== laga compare --device cuda --sp 4 --count-only"
+  f="$out/laga_compare_cuda_count_only"
+  timeout 15 "$dir/laga" compare --device cuda --forms all --sp 4 --count-only \
+    $shape --json "$f.json" >"$f.md" 2>"$f.log"
+  r=$?
+  echo "rc $r" >>"$f.log"
+  grep -A12 "device peak per rank" "$f.md"
+  tail -3 "$f.log"
+  step laga_compare_cuda_count_only "$r"
+  if [ -n "$failed" ]; then
+    echo "failed:$failed" | tee -a "$out/summary.txt" >&2
+  else
+    echo "all steps passed" | tee -a "$out/summary.txt"
+  fi
   exit $rc
 fi
 

@@ -157,15 +157,12 @@ struct LatentKvTensorCore : LatentKv {
       float acc[mma::kCElems] = {0.f, 0.f, 0.f, 0.f};
       for (std::int64_t k0 = 0; k0 < C; k0 += mma::kK) {
         const auto a_at = [&](int i) {
-          const mma::Coord x = mma::a_coord(lane, i);
-          const int key = m0 + x.row;
-          const std::int64_t q = k0 + x.col;
-          return key < n && q < C ? cb[key * ld_c + q] : 0.f;
+          const std::int64_t at = mma::latent_a_offset(lane, i, m0, k0, n, C, ld_c);
+          return at < 0 ? 0.f : cb[at];
         };
         const auto b_at = [&](int i) {
-          const mma::Coord x = mma::b_coord(lane, i);
-          const std::int64_t e = n0 + x.col, q = k0 + x.row;
-          return e < rows && q < C ? wb[e * C + q] : 0.f;
+          const std::int64_t at = mma::latent_b_offset(lane, i, n0, k0, rows, C);
+          return at < 0 ? 0.f : wb[at];
         };
         const unsigned a0 = bf16_pair(a_at(0), a_at(1)), a1 = bf16_pair(a_at(2), a_at(3)),
                        a2 = bf16_pair(a_at(4), a_at(5)), a3 = bf16_pair(a_at(6), a_at(7));

@@ -343,17 +343,18 @@ double median_seconds(const std::function<void()>& fn, int reps) {
   check_cuda(cudaDeviceSynchronize(), "warm-up");
   std::vector<double> t;
   cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
+  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&b), "cudaEventCreate");
   for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(a);
+    check_cuda(cudaEventRecord(a), "cudaEventRecord (start)");
     fn();
-    cudaEventRecord(b);
+    check_cuda(cudaEventRecord(b), "cudaEventRecord (end)");
     check_cuda(cudaEventSynchronize(b), "timed call");
     float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
+    check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
     t.push_back(ms / 1e3);
   }
-  cudaEventDestroy(a), cudaEventDestroy(b);
+  (void)cudaEventDestroy(a), (void)cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -515,7 +516,8 @@ int run(int argc, char** argv) {
                  "rope_cuda",
                  "lse_merge_cuda",
                  "sparse_gather_cuda fp32/bf16: per head, latent Hk 1, 576/512, 192/128 K > Sk; "
-                 "dk, dv bits on a second run",
+                 "dk, dv bits on a second run; cub's sort storage within the scratch's bound "
+                 "(up to V3.2's latent S 128k)",
                  "copy_rows_cuda and fill_cuda, bit for bit"};
   if (dry) {
     j["ran"] = false;

@@ -74,12 +74,16 @@ void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool 
                gq(4 * std::int64_t(q.size()), "dq"), gk(4 * std::int64_t(k.size()), "dk"),
                gv(4 * std::int64_t(v.size()), "dv");
   idx_.upload(idx.data(), idx_.bytes());
+  // The backward's scratch as the row's workspace carves it (from delta on).
+  DeviceBuffer scratch(cuda::sparse_attention_scratch(s, true).backward_part(),
+                       "sparse attention scratch");
   const auto run = [&]<class In>(In*) {
     cuda::sparse_attention_forward<In>(s, o_.as<float>(), lse_.as<float>(), q_.as<In>(),
                                        k_.as<In>(), v_.as<In>(), idx_.as<std::int32_t>());
     cuda::sparse_attention_backward<In>(s, gq.as<float>(), gk.as<float>(), gv.as<float>(),
                                         do_.as<In>(), q_.as<In>(), k_.as<In>(), v_.as<In>(),
-                                        o_.as<float>(), lse_.as<float>(), idx_.as<std::int32_t>());
+                                        o_.as<float>(), lse_.as<float>(), idx_.as<std::int32_t>(),
+                                        scratch.data(), scratch.bytes());
   };
   bf ? run(static_cast<bf16*>(nullptr)) : run(static_cast<float*>(nullptr));
   const std::string sh = cat(attn_shape(a), " K ", s.K);
@@ -102,6 +106,8 @@ void check_sparse_case(std::vector<Result>& out, const SparseAttnShape& s, bool 
     c.shape.attn = a, c.shape.k = s.K;
     c.in[0] = q_.data(), c.in[1] = k_.data(), c.in[2] = v_.data(), c.in[3] = idx.data();
     c.out[0] = o_.data(), c.out[1] = lse_.data();
+    DeviceBuffer ws(fwd->workspace_bytes(c.dtype, c.shape), "sparse attention scratch");
+    c.workspace = ws.data(), c.workspace_bytes = ws.bytes();
     fwd->run(c);
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after sparse_gather_cuda's row");
     out.push_back({"sparse_gather_cuda row, host selection: forward o", sh, dt,
@@ -132,6 +138,21 @@ void check_sparse_attention(std::vector<Result>& out) {
   wide.attn.dqk = 192, wide.attn.dv = 128, wide.attn.scale = 0.07, wide.K = 64;
   for (const bool bf : {false, true})
     for (const SparseAttnShape& s : {heads, latent, v32, wide}) check_sparse_case(out, s, bf);
+  // cub's sort storage against the bound the scratch holds
+  // (sparse_sort_storage_bound): error = cub's / the bound, passing at <= 1;
+  // the shapes above, and V3.2's latent S 32k and 128k (size queries only).
+  SparseAttnShape s32 = v32;
+  s32.attn.Sq = s32.attn.Sk = 32768, s32.attn.Hq = 128, s32.K = 2048;
+  SparseAttnShape s128 = s32;
+  s128.attn.Sq = s128.attn.Sk = 131072;
+  for (const SparseAttnShape& s : {heads, latent, v32, wide, s32, s128}) {
+    const std::int64_t pairs = s.attn.B * s.attn.Sq * s.K;
+    const int bits = cuda::sparse_sort_key_bits(s);
+    const std::int64_t bound = cuda::sparse_sort_storage_bound(pairs, bits),
+                       cub = cuda::sparse_sort_storage_queried(pairs, bits);
+    out.push_back({cat("sparse_gather_cuda sort storage: cub ", cub, " bytes, bound ", bound),
+                   cat(attn_shape(s.attn), " K ", s.K), "u64", double(cub) / double(bound), 1.0});
+  }
 }
 
 // The forms' data movement (Op::copy_rows, Op::fill; issue 52) against the

@@ -9,12 +9,11 @@
 //     the count-only run's peak, equal to the pool's byte for byte.
 //  2. what the CUDA rows keep per rank thread in a pool of their own (they
 //     outlive the run, cuda/op_table_cuda.cpp): the cuBLASLt workspace, a
-//     size laga chooses (kCublasLtWorkspaceBytes, one GemmContext per rank
-//     thread): predicted; cuDNN's SDPA workspace, one buffer per graph pair
-//     (the larger of forward's and backward's get_workspace_size, known
-//     only after the graphs are built on a device): measured only; RoPE's
-//     cos/sin tables and the ragged batches' offsets: counted there, not
-//     predicted yet.
+//     size laga chooses (kCublasLtWorkspaceBytes, mla/device_peak_prediction.hpp, one GemmContext
+//     per rank thread): predicted; cuDNN's SDPA workspace, one buffer per graph pair (the larger of
+//     forward's and backward's get_workspace_size, known only after the graphs are built on a
+//     device): measured only; RoPE's cos/sin tables and the ragged batches' offsets: counted there,
+//     not predicted yet.
 //  3. what the libraries and the runtime hold for themselves (the CUDA
 //     context, cuBLASLt's and cuDNN's handles and kernels, NCCL's buffers)
 //     and the staging of the step's host index arrays (cudaMalloc'd outside
@@ -26,20 +25,16 @@
 #include <vector>
 
 #include "cuda/gemm_lt.hpp"
+#include "mla/device_peak_prediction.hpp"
 #include "mla/memory_model.hpp"
 
 namespace laga::cuda {
 
-// Part 1 and part 2's predictable half, for one rank thread.
-struct DevicePeakPrediction {
-  std::int64_t rank_pool = 0;  // the memory model's peak_working: exact
-  std::int64_t cublaslt_workspace = kCublasLtWorkspaceBytes;  // one GemmContext
-  std::int64_t predicted() const { return rank_pool + cublaslt_workspace; }
-};
+// Part 1 and part 2's predictable half, for one rank thread
+// (mla/device_peak_prediction.hpp: the one description, which laga compare
+// reads too).
 inline DevicePeakPrediction device_peak_prediction(const MemoryPrediction& model) {
-  DevicePeakPrediction p;
-  p.rank_pool = model.peak_working;
-  return p;
+  return laga::device_peak_prediction(Device::cuda, model.peak_working);
 }
 
 // One cuDNN SDPA graph pair the calling thread built: its shape and the

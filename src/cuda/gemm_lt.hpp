@@ -20,6 +20,7 @@
 
 #include "comm/communicator.hpp"  // DType
 #include "cuda/device_buffer.hpp"
+#include "mla/device_peak_prediction.hpp"  // kCublasLtWorkspaceBytes
 
 namespace laga::cuda {
 
@@ -47,9 +48,9 @@ void check_gemm(const GemmArgs& g);
 // laga chooses (cuBLASLt takes the algorithm that fits it), so it is the
 // predictable part of what the CUDA rows keep on the device: one
 // GemmContext per rank thread (cuda/op_table_cuda.cpp), so one of these per
-// rank in the device peak's prediction (device_peak.hpp; docs/accounting.md,
-// "Device memory").
-constexpr std::int64_t kCublasLtWorkspaceBytes = 32ll << 20;
+// rank in the device peak's prediction (kCublasLtWorkspaceBytes is
+// mla/device_peak_prediction.hpp's, which laga compare reads without CUDA;
+// docs/accounting.md, "Device memory").
 
 // One cuBLASLt handle, its workspace (a DeviceBuffer: the pool current at
 // construction counts it, "cublaslt_workspace", comm_buffers) and the stream

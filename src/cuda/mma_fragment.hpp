@@ -8,10 +8,15 @@
 //   B: 2 registers, element i of 4 at (k 2t + i % 2 + 8 [i >= 2], n g);
 //   C, D: 4 fp32, element i at (g + 8 [i >= 2], 2t + i % 2).
 // The fused latent kernel's up-projection (attention.cu, LatentKvTensorCore)
-// builds its fragments from these, and tests/cuda/test_mma_fragment.cpp holds
-// on the host that each covers its tile once, so a typo here is caught
-// without a device. Host and device alike.
+// builds its fragments from these and from latent_a_offset / latent_b_offset
+// below, and tests/cuda/test_mma_fragment.cpp holds on the host that the maps
+// are the PTX ISA's table (written out there from the ISA's text), that each
+// covers its tile once, and that the kernel's tile loop, emulated lane by
+// lane, is a naive GEMM; so a typo here is caught without a device. Host and
+// device alike.
 #pragma once
+
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define LAGA_HOST_DEVICE __host__ __device__
@@ -39,6 +44,26 @@ LAGA_HOST_DEVICE constexpr Coord b_coord(int lane, int i) {
 // Element i (0..3) of lane's C and D fragments: (row m, column n).
 LAGA_HOST_DEVICE constexpr Coord c_coord(int lane, int i) {
   return {(lane >> 2) + 8 * (i >> 1), 2 * (lane & 3) + (i & 1)};
+}
+
+// The fused latent kernel's up-projection, K | V (key m, row e) = sum_q
+// c (key m, latent q) w_kv (row e, latent q): A is the chunk's latent rows
+// (n keys, stride ld_c), B is w_kv's head rows transposed (rows x C, stride
+// C). Where element i of lane's fragment is, for the tile at (m0, n0) and the
+// k-step k0: an offset into c (A) or w_kv (B), or -1 past the chunk's keys,
+// the head's rows or C (the fragment holds 0 there).
+LAGA_HOST_DEVICE constexpr std::int64_t latent_a_offset(int lane, int i, int m0, std::int64_t k0,
+                                                        int n, std::int64_t C, std::int64_t ld_c) {
+  const Coord x = a_coord(lane, i);
+  const int key = m0 + x.row;
+  const std::int64_t q = k0 + x.col;
+  return key < n && q < C ? key * ld_c + q : -1;
+}
+LAGA_HOST_DEVICE constexpr std::int64_t latent_b_offset(int lane, int i, int n0, std::int64_t k0,
+                                                        std::int64_t rows, std::int64_t C) {
+  const Coord x = b_coord(lane, i);
+  const std::int64_t e = n0 + x.col, q = k0 + x.row;
+  return e < rows && q < C ? e * C + q : -1;
 }
 
 }  // namespace laga::cuda::mma

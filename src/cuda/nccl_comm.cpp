@@ -144,7 +144,7 @@ void NcclCommunicator::finish(CollectiveKind kind, const std::string& label) {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) check_cuda(q, comm_detail::call_name(kind, label));
     ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(nc(comm_), &async);
+    check_nccl(ncclCommGetAsyncError(nc(comm_), &async), "ncclCommGetAsyncError");
     check_nccl(async, comm_detail::call_name(kind, label));
     if (std::chrono::steady_clock::now() > deadline) {
       ncclCommAbort(nc(comm_));

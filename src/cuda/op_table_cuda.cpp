@@ -6,9 +6,12 @@
 // check_support, the shared memory per block) are asked at run time, so a
 // row that the rules admit can still throw from run() naming the shape.
 //
-// Scratch: the rows that need some (attention backward's delta) take the
-// call's workspace when it holds enough device bytes, else allocate a
-// DeviceBuffer (counted by the pool) for the call. The cuBLASLt handle and
+// Scratch: a row that needs some declares it (KernelRow::workspace_bytes:
+// attention backward's delta, the sparse attention's selection copy and
+// sort) and the op layer hands it as the call's workspace, a pool tensor
+// made before it asks whether the call computes (ops::row_workspace), so
+// the count-only run holds it too; delta_scratch's own DeviceBuffer is for
+// a caller that hands none (a check program calling a row directly). The cuBLASLt handle and
 // its workspace, cuDNN's graphs per shape and the RoPE tables on the device
 // are kept per thread (one rank per thread or process, one device each), in
 // a pool of their own, not the rank's; the op layer's count-only runs never
@@ -368,24 +371,34 @@ void run_rope(const OpCall& c) {
 // and bf16 operands with fp32 o, lse and gradients, as the CPU's
 // sparse_gather and sparse_gather_bf16 rows. The backward's dk, dv are a
 // deterministic scatter (sorted pairs, no atomics), so the row takes the
-// invariant mode's calls too. Its scratch is its own DeviceBuffers (counted
-// by the pool when it runs; the op layer hands this op no workspace).
+// invariant mode's calls too. Its scratch is the call's workspace, sized by
+// cuda::sparse_attention_scratch (the row's workspace_bytes; the op layer
+// makes it a pool tensor, so the count-only run and the memory model count
+// it): the selection's device copy first, then the backward's sort.
 //
-// The selection idx (B, Sq, K) int32: the pointer itself when it is device
-// or managed memory, else (the DSA forms keep it in a host std::vector) a
-// copy for the call, in `own`.
-const std::int32_t* device_selection(const OpCall& c, int slot, DeviceBuffer& own) {
+// The selection idx (B, Sq, K) int32 is copied into the workspace on every
+// call, from wherever it is (cudaMemcpyDefault): the DSA forms keep it in a
+// host std::vector, which the op layer checks on the host
+// (sparse_attention_check_indices), so each pass uploads it (268 MB at
+// V3.2's S 32k); a selection kept on the device would be copied there.
+std::int64_t sparse_forward_workspace(RunDtype, const OpShape& s) {
+  return cuda::sparse_attention_scratch({s.attn, s.k}, false).total();
+}
+std::int64_t sparse_backward_workspace(RunDtype, const OpShape& s) {
+  return cuda::sparse_attention_scratch({s.attn, s.k}, true).total();
+}
+const std::int32_t* device_selection(const OpCall& c, int slot, bool backward) {
   const auto* idx = static_cast<const std::int32_t*>(c.in[slot]);
+  const cuda::SparseAttnScratch w =
+      cuda::sparse_attention_scratch({c.shape.attn, c.shape.k}, backward);
+  LAGA_CHECK(c.workspace && c.workspace_bytes >= w.total(), "sparse_gather_cuda: a workspace of ",
+             c.workspace_bytes, " bytes where the call needs ", w.total(),
+             " (cuda/sparse_attention.hpp, sparse_attention_scratch; the op layer makes it)");
   const std::int64_t n = c.shape.attn.B * c.shape.attn.Sq * c.shape.k;
   if (!idx || n <= 0) return idx;
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, idx) == cudaSuccess &&
-      (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
-    return idx;
-  (void)cudaGetLastError();
-  own = DeviceBuffer(4 * n, "sparse attention selection (device copy)");
-  own.upload(idx, 4 * n);
-  return own.as<std::int32_t>();
+  cuda::check_cuda(cudaMemcpy(c.workspace, idx, static_cast<std::size_t>(4 * n), cudaMemcpyDefault),
+                   "cudaMemcpy of the sparse attention selection into its workspace");
+  return static_cast<const std::int32_t*>(c.workspace);
 }
 Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
   if (Why w = dtype_not_in(d, {RunDtype::fp32, RunDtype::bf16})) return w;
@@ -395,8 +408,7 @@ Why sparse_cuda_takes(RunDtype d, const OpShape& s) {
 }
 template <class In>
 void run_sparse_cuda_forward(const OpCall& c) {
-  DeviceBuffer own;
-  const std::int32_t* idx = device_selection(c, 3, own);
+  const std::int32_t* idx = device_selection(c, 3, false);
   cuda::sparse_attention_forward<In>({c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]),
                                      static_cast<float*>(c.out[1]), static_cast<const In*>(c.in[0]),
                                      static_cast<const In*>(c.in[1]),
@@ -404,14 +416,15 @@ void run_sparse_cuda_forward(const OpCall& c) {
 }
 template <class In>
 void run_sparse_cuda_backward(const OpCall& c) {
-  DeviceBuffer own;
-  const std::int32_t* idx = device_selection(c, 6, own);
+  const std::int32_t* idx = device_selection(c, 6, true);
+  const std::int64_t copy = cuda::sparse_attention_scratch({c.shape.attn, c.shape.k}, true).idx;
   cuda::sparse_attention_backward<In>(
       {c.shape.attn, c.shape.k}, static_cast<float*>(c.out[0]), static_cast<float*>(c.out[1]),
       static_cast<float*>(c.out[2]), static_cast<const In*>(c.in[0]),
       static_cast<const In*>(c.in[1]), static_cast<const In*>(c.in[2]),
       static_cast<const In*>(c.in[3]), static_cast<const float*>(c.in[4]),
-      static_cast<const float*>(c.in[5]), idx);
+      static_cast<const float*>(c.in[5]), idx, static_cast<unsigned char*>(c.workspace) + copy,
+      c.workspace_bytes - copy);
 }
 void run_sparse_cuda_forward_any(const OpCall& c) {
   c.dtype == RunDtype::bf16 ? run_sparse_cuda_forward<bf16>(c) : run_sparse_cuda_forward<float>(c);
@@ -459,9 +472,9 @@ const KernelRow kRows[] = {
     {Device::cuda, Op::rope_forward, "rope_cuda", &fp32_data, &run_rope<false>, 0},
     {Device::cuda, Op::rope_backward, "rope_cuda", &fp32_data, &run_rope<true>, 0},
     {Device::cuda, Op::sparse_attention_forward, "sparse_gather_cuda", &sparse_cuda_takes,
-     &run_sparse_cuda_forward_any, 0},
+     &run_sparse_cuda_forward_any, 0, Bf16Operands::bf16, &sparse_forward_workspace},
     {Device::cuda, Op::sparse_attention_backward, "sparse_gather_cuda", &sparse_cuda_takes,
-     &run_sparse_cuda_backward_any, 0},
+     &run_sparse_cuda_backward_any, 0, Bf16Operands::bf16, &sparse_backward_workspace},
     // The forms' copies, sums, conversions and zeroing (issue 52), on the
     // device; the rules are every backend's (op_table.hpp).
     {Device::cuda, Op::copy_rows, "copy_rows_cuda", &copy_rows_refusal, &run_copy_rows, 0},

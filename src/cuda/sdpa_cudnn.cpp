@@ -147,7 +147,8 @@ CudnnSdpa::CudnnSdpa(const AttnShape& s, void* stream) : impl_(std::make_unique<
                                ", Hk ", s.Hk, ", dqk ", s.dqk, ", dv ", s.dv, ")");
   LAGA_CHECK(cudnnCreate(&m.handle) == CUDNN_STATUS_SUCCESS, what,
              ": cudnnCreate failed; check the device and that libcudnn 9 is on the library path");
-  cudnnSetStream(m.handle, static_cast<cudaStream_t>(stream));
+  LAGA_CHECK(cudnnSetStream(m.handle, static_cast<cudaStream_t>(stream)) == CUDNN_STATUS_SUCCESS,
+             what, ": cudnnSetStream failed; check the device and the stream");
   const auto setup = [&](fe::graph::Graph& g) {
     g.set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)

@@ -6,11 +6,11 @@
 #include <climits>
 #include <cmath>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/util_type.cuh>
 #include <string>
 
 #include "core/error.hpp"
 #include "cuda/cuda_error.hpp"
-#include "cuda/device_buffer.hpp"
 #include "cuda/sparse_attention.hpp"
 
 namespace laga::cuda {
@@ -234,13 +234,68 @@ unsigned blocks_for(std::int64_t items, std::int64_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-// Bits the sort needs to order keys up to the sentinel B Sk Sq.
-int key_bits(const SparseAttnShape& s) {
+std::int64_t whole_256(std::int64_t bytes) {  // cub's alignment (AliasTemporaries)
+  return (bytes + 255) / 256 * 256;
+}
+
+// cub's InvokeOnesweep sizes for one tuning policy, keys only, through a
+// DoubleBuffer (is_overwrite_okay: no extra key buffer), summed as
+// AliasTemporaries sums them; the single-tile path asks 1 byte.
+template <class Policy>
+std::int64_t onesweep_storage(std::int64_t n, int bits) {
+  using Offset = cub::detail::choose_offset_t<std::int64_t>;  // SortKeys' for an int64 count
+  constexpr std::int64_t kBits = Policy::ONESWEEP_RADIX_BITS, kDigits = std::int64_t(1) << kBits;
+  constexpr std::int64_t kTile = std::int64_t(Policy::OnesweepPolicy::ITEMS_PER_THREAD) *
+                                 Policy::OnesweepPolicy::BLOCK_THREADS;
+  constexpr std::int64_t kPortion = ((std::int64_t(1) << 28) - 1) / kTile * kTile;
+  static_assert(Policy::ONESWEEP, "cub's radix sort policy for 64-bit keys is not onesweep");
+  const std::int64_t passes = (bits + kBits - 1) / kBits, portions = (n + kPortion - 1) / kPortion,
+                     blocks = (std::min(n, kPortion) + kTile - 1) / kTile;
+  return whole_256(portions * passes * kDigits * std::int64_t(sizeof(Offset))) +  // bins
+         whole_256(blocks * kDigits * 4) +                                        // lookback
+         whole_256(portions * passes * 4) + 255;                                  // counters
+}
+
+}  // namespace
+
+std::int64_t sparse_sort_storage_bound(std::int64_t pairs, int bits) {
+  using Hub = cub::detail::radix::policy_hub<unsigned long long, cub::NullType,
+                                             cub::detail::choose_offset_t<std::int64_t>>;
+  if (pairs <= 0) return 256;
+  return std::max({std::int64_t(256), onesweep_storage<Hub::Policy800>(pairs, bits),
+                   onesweep_storage<Hub::Policy900>(pairs, bits),
+                   onesweep_storage<Hub::Policy1000>(pairs, bits)});
+}
+
+std::int64_t sparse_sort_storage_queried(std::int64_t pairs, int bits) {
+  cub::DoubleBuffer<unsigned long long> none(nullptr, nullptr);
+  std::size_t bytes = 0;
+  check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, bytes, none, pairs, 0, bits),
+             "cub::DeviceRadixSort::SortKeys (size query)");
+  return static_cast<std::int64_t>(bytes);
+}
+
+int sparse_sort_key_bits(const SparseAttnShape& s) {
   const auto top = static_cast<unsigned long long>(s.attn.B * s.attn.Sk * s.attn.Sq);
   int bits = 1;
   while (bits < 64 && (top >> bits) != 0) ++bits;
   return bits;
 }
+
+SparseAttnScratch sparse_attention_scratch(const SparseAttnShape& s, bool backward) {
+  const AttnShape& a = s.attn;
+  const std::int64_t pairs = a.B * a.Sq * s.K;
+  SparseAttnScratch w;
+  w.idx = whole_256(4 * pairs);
+  if (!backward || a.B * a.Sq * a.Hq == 0) return w;
+  w.delta = whole_256(4 * a.B * a.Hq * a.Sq);
+  w.keys = whole_256(8 * pairs);
+  w.offsets = whole_256(8 * (a.B * a.Sk + 1));
+  w.sort = whole_256(sparse_sort_storage_bound(pairs, sparse_sort_key_bits(s)));
+  return w;
+}
+
+namespace {
 
 void refuse_or_run(const SparseAttnShape& s) {
   s.validate();
@@ -296,7 +351,7 @@ template <class In>
 void sparse_attention_backward(const SparseAttnShape& s, float* dq, float* dk, float* dv,
                                const In* dout, const In* q, const In* k, const In* v,
                                const float* o, const float* lse, const std::int32_t* idx,
-                               void* stream) {
+                               void* scratch, std::int64_t scratch_bytes, void* stream) {
   refuse_or_run(s);
   const AttnShape& a = s.attn;
   auto* st = static_cast<cudaStream_t>(stream);
@@ -308,36 +363,46 @@ void sparse_attention_backward(const SparseAttnShape& s, float* dq, float* dk, f
     return;
   }
   if (rows == 0) return;
-  DeviceBuffer delta(4 * a.B * a.Hq * a.Sq, "sparse attention delta (device)");
-  DeviceBuffer unsorted(8 * pairs, "sparse attention pair keys (device)");
-  DeviceBuffer sorted(8 * pairs, "sparse attention sorted pair keys (device)");
-  DeviceBuffer offsets(8 * (keys + 1), "sparse attention key offsets (device)");
-  sparse_dq_kernel<In><<<blocks_for(rows, kWarps), kThreads, 0, st>>>(d, dout, q, k, v, o, lse, idx,
-                                                                      delta.as<float>(), dq);
+  // The scratch as SparseAttnScratch lays it out (from delta on).
+  const SparseAttnScratch w = sparse_attention_scratch(s, true);
+  LAGA_CHECK(scratch && scratch_bytes >= w.backward_part(),
+             "cuda sparse attention backward: a scratch of ", scratch_bytes,
+             " bytes where the shape needs ", w.backward_part(),
+             " (cuda/sparse_attention.hpp, sparse_attention_scratch)");
+  auto* at = static_cast<unsigned char*>(scratch);
+  auto* delta = reinterpret_cast<float*>(at);
+  auto* unsorted = reinterpret_cast<unsigned long long*>(at + w.delta);
+  auto* alternate = reinterpret_cast<unsigned long long*>(at + w.delta + w.keys);
+  auto* offsets = reinterpret_cast<std::int64_t*>(at + w.delta + 2 * w.keys);
+  void* sort_storage = at + w.delta + 2 * w.keys + w.offsets;
+  sparse_dq_kernel<In>
+      <<<blocks_for(rows, kWarps), kThreads, 0, st>>>(d, dout, q, k, v, o, lse, idx, delta, dq);
   check_cuda(cudaGetLastError(), "launch of sparse_dq_kernel");
-  sparse_pair_keys_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(
-      d, idx, unsorted.as<unsigned long long>());
+  sparse_pair_keys_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(d, idx, unsorted);
   check_cuda(cudaGetLastError(), "launch of sparse_pair_keys_kernel");
-  const int bits = key_bits(s);
+  const int bits = sparse_sort_key_bits(s);
+  cub::DoubleBuffer<unsigned long long> sort_keys(unsorted, alternate);
   std::size_t temp_bytes = 0;
-  check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, unsorted.as<unsigned long long>(),
-                                            sorted.as<unsigned long long>(), pairs, 0, bits, st),
+  check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, sort_keys, pairs, 0, bits, st),
              "cub::DeviceRadixSort::SortKeys (size query)");
-  DeviceBuffer temp(static_cast<std::int64_t>(temp_bytes),
-                    "sparse attention sort storage (device)");
+  LAGA_CHECK(static_cast<std::int64_t>(temp_bytes) <= w.sort,
+             "cuda sparse attention backward: cub's radix sort asks ", temp_bytes,
+             " bytes of temporary storage for ", pairs, " keys of ", bits,
+             " bits, above the bound sparse_sort_storage_bound gives (", w.sort,
+             "): this cub's tuning for the device is not one the bound reads "
+             "(cuda/sparse_attention.cu); report it with the device and the CUDA version");
+  temp_bytes = static_cast<std::size_t>(w.sort);
   check_cuda(
-      cub::DeviceRadixSort::SortKeys(temp.data(), temp_bytes, unsorted.as<unsigned long long>(),
-                                     sorted.as<unsigned long long>(), pairs, 0, bits, st),
+      cub::DeviceRadixSort::SortKeys(sort_storage, temp_bytes, sort_keys, pairs, 0, bits, st),
       "cub::DeviceRadixSort::SortKeys");
-  sparse_key_offsets_kernel<<<blocks_for(keys + 1, 256), 256, 0, st>>>(
-      d, sorted.as<unsigned long long>(), pairs, offsets.as<std::int64_t>());
+  const unsigned long long* sorted = sort_keys.Current();  // either buffer, by the passes
+  sparse_key_offsets_kernel<<<blocks_for(keys + 1, 256), 256, 0, st>>>(d, sorted, pairs, offsets);
   check_cuda(cudaGetLastError(), "launch of sparse_key_offsets_kernel");
   sparse_dkdv_kernel<In><<<blocks_for(keys * a.Hk, kWarps), kThreads, 0, st>>>(
-      d, dout, q, k, v, lse, delta.as<float>(), sorted.as<unsigned long long>(),
-      offsets.as<std::int64_t>(), dk, dv);
+      d, dout, q, k, v, lse, delta, sorted, offsets, dk, dv);
   check_cuda(cudaGetLastError(), "launch of sparse_dkdv_kernel");
-  // The scratch is freed when this returns (cudaFree synchronises the
-  // device, device_buffer.hpp), so the kernels have finished by then.
+  // The scratch is the caller's: a pool tensor freed after the op layer's
+  // run_row synchronises (mla/op_table.cpp), so the kernels have finished.
 }
 
 #define LAGA_INSTANTIATE(In)                                                                      \
@@ -345,7 +410,7 @@ void sparse_attention_backward(const SparseAttnShape& s, float* dq, float* dk, f
                                              const In*, const In*, const std::int32_t*, void*);   \
   template void sparse_attention_backward<In>(                                                    \
       const SparseAttnShape&, float*, float*, float*, const In*, const In*, const In*, const In*, \
-      const float*, const float*, const std::int32_t*, void*);
+      const float*, const float*, const std::int32_t*, void*, std::int64_t, void*);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(bf16)
 #undef LAGA_INSTANTIATE

@@ -26,12 +26,17 @@
 //            into registers, writing each dk, dv element once. So the
 //            backward's bits do not vary from run to run and the rows need
 //            no refusal of the invariant mode (docs/invariance.md).
-// Scratch of the backward (DeviceBuffers, counted by the current pool): D
-// (B, Hq, Sq) fp32, two (B Sq K) uint64 key arrays, (B Sk + 1) int64 offsets
-// and cub's sort storage: 4 B Hq Sq + 16 B Sq K + 8 (B Sk + 1) bytes and
-// cub's temporary storage (its size query's answer): 1.1 GB besides cub's
-// at V3.2's latent S 32k (B 1, Hq 128, K 2048). Not predicted by the
-// count-only run: the op layer hands this op no workspace.
+// Scratch (SparseAttnScratch below, the one description): the rows'
+// workspace (KernelRow::workspace_bytes reads it, so the op layer makes it a
+// pool tensor before it asks whether the call computes, and the count-only
+// run and the memory model count it) and what the kernels carve it into:
+// both passes the selection's device copy (4 B Sq K); backward D (B, Hq, Sq)
+// fp32, the sort's two (B Sq K) uint64 key buffers (cub's DoubleBuffer: cub
+// then needs no key buffer of its own), (B Sk + 1) int64 offsets and cub's
+// temporary storage, bounded from cub's own tuning (sparse_sort_storage_bound;
+// the kernel checks cub's size query against it and refuses a larger one).
+// At V3.2's latent S 32k (B 1, Hq 128, K 2048): 1.38 GB backward (cub 18 MB of it), 268 MB
+// forward.
 // The dk/dv walk's weakness: a key every query selects (the first tokens,
 // under a causal top-k) is one warp's serial walk over Sq x (Hq / Hk)
 // pairs -- in latent space at S 32k, 4M pairs on one warp. Splitting a long
@@ -52,6 +57,32 @@ namespace laga::cuda {
 constexpr int kSparseMaxDqkSlots = 18;
 constexpr int kSparseMaxDvSlots = 16;
 
+// The device scratch of one call, each part a multiple of 256 bytes, laid
+// out in this order from the workspace's start.
+struct SparseAttnScratch {
+  std::int64_t idx = 0;      // the selection's device copy, (B, Sq, K) int32: both passes
+  std::int64_t delta = 0;    // backward: D (B, Hq, Sq) fp32
+  std::int64_t keys = 0;     // backward: each of the sort's two (B Sq K) uint64 key buffers
+  std::int64_t offsets = 0;  // backward: (B Sk + 1) int64, each key's first sorted pair
+  std::int64_t sort = 0;     // backward: cub's temporary storage, its bound
+  std::int64_t backward_part() const { return delta + 2 * keys + offsets + sort; }
+  std::int64_t total() const { return idx + backward_part(); }
+};
+// Needs no device. backward false: the forward's (the selection copy only).
+SparseAttnScratch sparse_attention_scratch(const SparseAttnShape& s, bool backward);
+// cub::DeviceRadixSort::SortKeys' temporary storage for `pairs` uint64 keys
+// of `bits` bits through a DoubleBuffer, bounded over the tuning policies
+// this build's cub has for the architectures laga targets (sm_80, sm_90,
+// sm_100): the sizes of cub's dispatch (dispatch_radix_sort.cuh,
+// InvokeOnesweep) from each policy's constants. Needs no device.
+std::int64_t sparse_sort_storage_bound(std::int64_t pairs, int bits);
+// The bits the sort orders: enough for the sentinel key B Sk Sq.
+int sparse_sort_key_bits(const SparseAttnShape& s);
+// cub's own answer for that storage (its size query on the current device:
+// needs one). laga_cuda_check holds it to the bound at small and at V3.2's
+// sizes, so the first GPU run shows how close the bound is.
+std::int64_t sparse_sort_storage_queried(std::int64_t pairs, int bits);
+
 // Empty when these kernels take the shape; else one sentence naming the
 // value out of range and what to do. Needs no device.
 std::string sparse_attention_refusal(const SparseAttnShape& s);
@@ -62,11 +93,13 @@ template <class In>
 void sparse_attention_forward(const SparseAttnShape& s, float* o, float* lse, const In* q,
                               const In* k, const In* v, const std::int32_t* idx,
                               void* stream = nullptr);
-// dq, dk, dv overwritten (a key no row selected gets 0).
+// dq, dk, dv overwritten (a key no row selected gets 0). scratch: device
+// memory of scratch_bytes >= sparse_attention_scratch(s, true).backward_part()
+// (laid out as SparseAttnScratch from delta on); a smaller one is refused.
 template <class In>
 void sparse_attention_backward(const SparseAttnShape& s, float* dq, float* dk, float* dv,
                                const In* dout, const In* q, const In* k, const In* v,
                                const float* o, const float* lse, const std::int32_t* idx,
-                               void* stream = nullptr);
+                               void* scratch, std::int64_t scratch_bytes, void* stream = nullptr);
 
 }  // namespace laga::cuda

@@ -27,8 +27,8 @@
 namespace laga::ops {
 
 // 2 came twice (main: copy_rows and fill; dsaops: the DSA indexer ops of
-// mla/ops_dsa.hpp); 3: both.
-inline constexpr int kCudaBackendAbi = 3;
+// mla/ops_dsa.hpp); 3: both; 4: Op::kv_fp8_round_trip.
+inline constexpr int kCudaBackendAbi = 4;
 
 // The module's exported entry point: extern "C" const CudaBackendApi*
 // laga_cuda_backend_api(void).

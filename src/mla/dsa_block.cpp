@@ -130,6 +130,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   Tensor<T>& wI = ip.w;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;

@@ -119,14 +119,15 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   Tensor<T>& wI = ip.w;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   Tensor<T> lat_rm = zeros(lat_sh.total(), "dsa latent gathered");
   Tensor<T> key_rm = zeros(key_sh.total(), "dsa index keys gathered");
-  comm.all_gather_v(lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
-                    lat_sh.displs.data(), "latent_ag");
-  comm.all_gather_v(kI.data(), N * dI, key_rm.data(), key_sh.counts.data(), key_sh.displs.data(),
-                    "index_k_ag");
+  dsa_all_gather_v(comm, lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
+                   lat_sh.displs.data(), "latent_ag");
+  dsa_all_gather_v(comm, kI.data(), N * dI, key_rm.data(), key_sh.counts.data(),
+                   key_sh.displs.data(), "index_k_ag");
   lat_own.reset(), kI.reset();
   Tensor<T> lat = zeros(NK * W, "dsa latent (B, Sk)"),
             kIS = zeros(NK * dI, "dsa index keys (B, Sk)");
@@ -200,8 +201,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   key_sh.copy(dk_rm, dkIS, Sk, false);
   dkIS.reset();
   Tensor<T> dkI = zeros(N * dI, "dsa index dk");
-  comm.reduce_scatter_v(dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
-                        "index_k_ag");
+  dsa_reduce_scatter_v(comm, dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
+                       "index_k_ag");
   dk_rm.reset();
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
@@ -241,8 +242,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   lat_sh.copy(dlat_rm, dlatS, Sk, false);
   dlatS.reset();
   Tensor<T> dkv = zeros(N * W, "dsa dkv");
-  comm.reduce_scatter_v(dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
-                        "latent_ag");
+  dsa_reduce_scatter_v(comm, dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
+                       "latent_ag");
   dlat_rm.reset();
   Tensor<T> dq = zeros(N * H * dqk, "dsa dq"), dc = zeros(N * C, "dsa dc");
   for (std::int64_t h = 0; h < H; ++h) {

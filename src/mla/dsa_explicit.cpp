@@ -12,11 +12,6 @@ namespace laga {
 
 namespace {
 
-// The selection crosses the wire as fp32 values (the communicator moves
-// f32, f64 and bf16): 4 bytes an index, as the closed form's int32, and
-// exact while every position is below 2^24.
-constexpr std::int64_t kExactIndexLimit = std::int64_t(1) << 24;
-
 // Rows [0, n) of each batch row of a (B, from, w) tensor into a (B, to, w)
 // one (the rest of dst left as it is).
 }  // namespace
@@ -37,9 +32,6 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
              " ranks, the communicator ", comm.size());
   LAGA_CHECK(lay.heads == cfg.n_heads, "dsa_explicit: the layout splits ", lay.heads,
              " heads, the config has n_heads ", cfg.n_heads);
-  LAGA_CHECK(lay.seq < kExactIndexLimit, "dsa_explicit: sequence ", lay.seq,
-             " is too long: the selection moves as fp32 values, exact below ", kExactIndexLimit,
-             " tokens");
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;
@@ -93,6 +85,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   Tensor<T> kI_all = zeros(NS * dI, "dsa index keys gathered");
@@ -122,11 +115,26 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   TensorI32 att({NS * KA}, "dsa every row's key set");
   att.fill(-1);
   if (sparse) {
-    TensorF own({N * K}, "dsa selection as fp32"), all({NS * K}, "dsa selections gathered");
-    ops::cast(own.data(), idx.data(), N * K);
-    gather_seq(comm, lay, own.data(), all.data(), K, "topk_ag");
-    own.reset();
-    ops::cast(att.data(), all.data(), NS * K);
+    // every rank's selection, (B, L_j, K) int32 each, all-gathered
+    // rank-major ("topk_ag", 4-byte words: a gather copies every bit) and
+    // laid out as (B, S, K) rows (dsa_gather_indices' sequence, on pool
+    // tensors)
+    TensorI32 rank_major({NS * K}, "dsa selections rank-major");
+    std::vector<std::int64_t> counts, displs;
+    for (int j = 0; j < lay.ranks; ++j) {
+      displs.push_back(counts.empty() ? 0 : displs.back() + counts.back());
+      counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
+    }
+    comm.all_gather_v(idx.data(), N * K, rank_major.data(), counts.data(), displs.data(),
+                      DType::f32, "topk_ag");
+    for (int j = 0; j < lay.ranks; ++j) {
+      const std::int64_t sj = lay.shard_begin(j), Lj = lay.seq_count[std::size_t(j)];
+      for (std::int64_t b = 0; b < B; ++b)
+        ops::cast(ops::at(att.data(), (b * S + sj) * K),
+                  ops::at(static_cast<const std::int32_t*>(rank_major.data()),
+                          displs[std::size_t(j)] + b * Lj * K),
+                  Lj * K);
+    }
   } else {
     ops::index_all_causal(is_all, att.data());
   }
@@ -159,7 +167,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
                                                lse.data(), att.data());
     ops::scale_ratio(m(p_part, NS, KA), double(Hr), double(H));
   }
-  reduce_scatter_seq(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");
+  dsa_reduce_scatter_seq_fp32(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");
   p_part.reset();
   // The rank's rows' key set for the KL: its selection (sparse), or every
   // causal key before Sk (the warm-up: the head layout's rows of width S

@@ -8,8 +8,8 @@
 //             k_pe] and V up-projected from it: every head), all-gathers
 //             the indexer's keys k_I ("index_k_ag"), runs the indexer and
 //             the top-k for its own rows, all-gathers the selection
-//             ("topk_ag", int32 on the wire's count: moved as fp32 values,
-//             exact below 2^24 tokens; the sparse stage only: the dense
+//             ("topk_ag", int32 as 4-byte words, dsa_gather_indices,
+//             mla/dsa_rows.hpp; the sparse stage only: the dense
 //             warm-up attends every causal key), moves Q, K, V seq->head
 //             ("q_a2a", "k_a2a", "v_a2a"), attends every row for its heads
 //             over the selected keys (or every causal key), sends the output

@@ -29,32 +29,6 @@ std::vector<T> rows_of(const std::vector<T>& a, std::int64_t B, std::int64_t S, 
   return out;
 }
 
-// The top-k of every rank's rows, (B, L_j, K) int32 each, all-gathered into
-// (B, S, K) ("topk_ag"). The indices move as 4-byte words under DType::f32:
-// a gather copies, never adds, so every bit arrives as it left.
-static_assert(sizeof(std::int32_t) == sizeof(float));
-std::vector<std::int32_t> gather_indices(Communicator& comm, const SpLayout& lay,
-                                         const std::vector<std::int32_t>& own, std::int64_t K) {
-  const std::int64_t B = lay.batch, S = lay.seq;
-  std::vector<std::int64_t> counts, displs;
-  std::int64_t off = 0;
-  for (int j = 0; j < lay.ranks; ++j) {
-    counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
-    displs.push_back(off);
-    off += counts.back();
-  }
-  std::vector<std::int32_t> rank_major(static_cast<std::size_t>(off)), all(std::size_t(B * S * K));
-  comm.all_gather_v(own.data(), std::int64_t(own.size()), rank_major.data(), counts.data(),
-                    displs.data(), DType::f32, "topk_ag");
-  for (int j = 0; j < lay.ranks; ++j) {
-    const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
-    for (std::int64_t b = 0; b < B; ++b)
-      std::copy_n(rank_major.data() + displs[std::size_t(j)] + b * L * K, L * K,
-                  all.data() + (b * S + s0) * K);
-  }
-  return all;
-}
-
 }  // namespace
 
 template <class T>
@@ -127,6 +101,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the queries to their heads' owners: q_h (B, S, H_r, dqk)
   std::vector<T> qh = buffer<T>(NS * Hr * dqk), qrS;
@@ -161,7 +136,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   if (indices || !sparse) {
     res.idx.assign(static_cast<std::size_t>(N * K), -1);
     ops::index_topk(is_own, res.idx.data(), ip.q.data(), kIk.data(), ip.w.data());
-    if (sparse) idxS = gather_indices(comm, lay, res.idx, K);
+    if (sparse) idxS = dsa_gather_indices(comm, lay, res.idx, K);
   } else {
     // Every rank runs the indexer for every row from qr, k_I and w
     // gathered. (The rank's own rows' q_I, which the KL reads, were
@@ -171,6 +146,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     gather_seq(comm, lay, ip.w.data(), wS.data(), HI, "index_w_ag");
     ops::linear_rows(qIS.data(), qrS.data(), iw.wq_b.data(), NS, rq, HI * dI);
     dsa_rope_index_rows(qIS.data(), all_rows, HI, HI * dI, dI, table, false);
+    dsa_index_values_as_stored<T>(cfg, NS, qIS.data(), nullptr, nullptr);
     idxS.assign(static_cast<std::size_t>(NS * K), -1);
     ops::index_topk(is_all, idxS.data(), qIS.data(), kIS.data(), wS.data());
     res.idx = rows_of(idxS, B, S, K, s0, L);
@@ -225,7 +201,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the indexer's KL over the rank's rows, its target summed here
   std::vector<T> p = buffer<T>(N * KA);
-  reduce_scatter_seq(comm, lay, pS.data(), p.data(), KA, "index_target_rs");
+  dsa_reduce_scatter_seq_fp32(comm, lay, pS.data(), p.data(), KA, "index_target_rs");
   const std::vector<std::int32_t> own_slots =
       sparse ? res.idx : rows_of(all, B, S, S, s0, L);  // (B, L, KA)
   std::vector<double> loss(static_cast<std::size_t>(N));

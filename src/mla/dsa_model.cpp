@@ -502,11 +502,7 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
   t.free("index keys gathered (B, S, di)");
   t.alloc("top-k indices (B, L, K) int32", N * K * kIndexBytes);
   t.alloc("every row's key set (B, S, KA) int32", NS * KA * kIndexBytes);
-  if (sparse) {
-    t.alloc("selection as fp32 (B, L, K)", N * K * 4);
-    t.alloc("selections gathered (B, S, K) fp32", NS * K * 4);
-    t.free("selection as fp32 (B, L, K)"), t.free("selections gathered (B, S, K) fp32");
-  }
+  if (sparse) t.transient("selections rank-major (B, S, K) int32", NS * K * kIndexBytes);
   // q, k, v to the heads, the attention
   t.alloc("q_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
   t.alloc("k_h (B, S, H_r, dqk)", NS * Hr * dqk * e);

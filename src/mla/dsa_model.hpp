@@ -17,8 +17,8 @@
 // laga_indices and laga_recompute (mla/dsa_laga.hpp) and explicit
 // (mla/dsa_explicit.hpp), whose ledgers tests/mla/test_dsa_cp.cpp,
 // test_dsa_laga.cpp and test_dsa_explicit.cpp hold equal to
-// dsa_predict_comm; ring_latent is what `laga plan --dsa` costs, written
-// from the math (docs/forms.md: why it is not built). The forms run every
+// dsa_predict_comm, and test_dsa_bf16.cpp at bf16's wire; ring_latent is what `laga plan --dsa`
+// costs, written from the math (docs/forms.md: why it is not built). The forms run every
 // computation through the op layer (mla/ops_dsa.hpp), and their op counts
 // equal dsa_work's GEMM and indexer FLOPs (tests/mla/test_dsa_counts.cpp).
 // latent_gather's and explicit's operands are pool tensors: they have
@@ -145,12 +145,19 @@ void dsa_collectives(CommTerms& terms, const DsaConfig& dsa, DsaForm form,
                      DsaStage stage = DsaStage::sparse);
 
 // Bytes on the wire of rank r per (phase, label), exactly as CommTerms
-// files the dense forms' (comm_model.hpp). The indices move as int32 and
-// the head-summed attention distribution (the indexer's KL target) at
-// et = max(4, e): fp32 under bf16, the run's element in fp32 and fp64 (a
-// float64 run's target is not rounded to fp32); everything else at
-// wire.activations, the gradient all-reduce (over the MLA's and the
-// indexer's parameters) at wire.gradients. Labels beyond the dense forms':
+// files the dense forms' (comm_model.hpp). The indices move as int32 (bf16
+// holds integers exactly only to 256) and the head-summed attention
+// distribution (the indexer's KL target) at et = max(4, e): fp32 under
+// bf16, the run's element in fp32 and fp64 (a float64 run's target is not
+// rounded to fp32) -- a statistic, each rank's part a partial sum over its
+// heads, which in bf16 would make the target depend on P and the head
+// split; everything else (the latent, k_I, w, q, k, v, the query latent,
+// the outputs, and their gradients) at wire.activations, bf16 under bf16
+// as a bf16 trainer moves them; the gradient all-reduce (over the MLA's
+// and the indexer's parameters) at wire.gradients. The engine's forms move
+// exactly this in fp32, float64 and bf16 (mla/dsa_rows.hpp, "What the DSA
+// forms' collectives move"; docs/forms.md, "DSA in bf16"). Labels beyond
+// the dense forms':
 //   index_k_ag       (P-1) B L_r di e        k_I all-gathered (backward: its
 //                                            gradient reduce-scattered)
 //   index_w_ag       (P-1) B L_r Hi e        laga_recompute: w all-gathered

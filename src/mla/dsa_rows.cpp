@@ -1,9 +1,12 @@
 #include "mla/dsa_rows.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
+#include "core/precision.hpp"
 #include "mla/exchange.hpp"
 #include "mla/ops_dsa.hpp"
+#include "mla/wire.hpp"
 
 namespace laga {
 
@@ -35,6 +38,14 @@ void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, st
 }
 
 template <class T>
+void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* kI, T* w) {
+  const std::int64_t HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  if (qI) ops::round_as_stored(qI, N, HI * dI);
+  if (kI) ops::round_as_stored(kI, N, dI);
+  if (w) ops::round_as_stored(w, N, HI);
+}
+
+template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaRowPositions& at, const RopeTable& table, bool with_q,
                            bool backward_to_come) {
@@ -47,6 +58,7 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
   ops::linear_rows(f.qa.data(), x, w.wq_a.data(), N, D, rq);
   ops::rmsnorm_rows(f.qr.data(), f.rstd_q.data(), f.qa.data(), rq, w.q_norm.data(), N, rq,
                     cfg.norm_eps);
+  ops::round_as_stored(f.qr.data(), N, rq);
   if (with_q) {
     f.q = zeros<T>(N * H * dqk, "dsa q");
     ops::linear_rows(f.q.data(), f.qr.data(), w.wq_b.data(), N, rq, H * dqk);
@@ -115,6 +127,7 @@ Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, cons
                                  std::int64_t, const RopeTable&, bool);                           \
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,    \
                                        std::int64_t, const RopeTable&, bool);                     \
+  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);        \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,         \
                                          const DsaRowPositions&, const RopeTable&, bool, bool);   \
   template void dsa_own_rows_backward<T>(                                                         \
@@ -122,6 +135,68 @@ Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, cons
       const DsaRowPositions&, const RopeTable&, T*, const T*, T*, Tensor<T>&, MlaParams<T>&, T*); \
   template Tensor<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,        \
                                                  std::int64_t, std::int64_t);
+LAGA_INSTANTIATE(float)
+LAGA_INSTANTIATE(double)
+#undef LAGA_INSTANTIATE
+
+static_assert(sizeof(std::int32_t) == sizeof(float));
+std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
+                                             const std::vector<std::int32_t>& own, std::int64_t K) {
+  const std::int64_t B = lay.batch, S = lay.seq;
+  std::vector<std::int64_t> counts, displs;
+  std::int64_t off = 0;
+  for (int j = 0; j < lay.ranks; ++j) {
+    counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
+    displs.push_back(off);
+    off += counts.back();
+  }
+  std::vector<std::int32_t> rank_major(static_cast<std::size_t>(off)), all(std::size_t(B * S * K));
+  comm.all_gather_v(own.data(), std::int64_t(own.size()), rank_major.data(), counts.data(),
+                    displs.data(), DType::f32, "topk_ag");
+  for (int j = 0; j < lay.ranks; ++j) {
+    const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
+    for (std::int64_t b = 0; b < B; ++b)
+      std::copy_n(rank_major.data() + displs[std::size_t(j)] + b * L * K, L * K,
+                  all.data() + (b * S + s0) * K);
+  }
+  return all;
+}
+
+template <class T>
+void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count, T* recv,
+                      const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                      const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>())
+      return wire::all_gather_v(comm, send, send_count, recv, recv_counts, recv_displs, label);
+  comm.all_gather_v(send, send_count, recv, recv_counts, recv_displs, label);
+}
+
+template <class T>
+void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t* counts,
+                          const std::int64_t* displs, T* recv, const std::string& label) {
+  if constexpr (std::is_same_v<T, float>)
+    if (ops::in_bf16<T>()) return wire::reduce_scatter_v(comm, send, counts, displs, recv, label);
+  comm.reduce_scatter_v(send, counts, displs, recv, label);
+}
+
+// exchange.hpp's collectives choose their wire by the thread's precision
+// (ops::in_bf16): an fp32 scope around one gives it fp32's, as ops_dsa.cpp's
+// Fp32Ops runs the indexer's ops at fp32.
+template <class T>
+void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                 std::int64_t W, const std::string& label) {
+  const UsePrecision fp32(Precision::fp32);
+  reduce_scatter_seq(comm, lay, src, dst, W, label);
+}
+
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template void dsa_all_gather_v<T>(Communicator&, const T*, std::int64_t, T*,                     \
+                                    const std::int64_t*, const std::int64_t*, const std::string&); \
+  template void dsa_reduce_scatter_v<T>(Communicator&, const T*, const std::int64_t*,              \
+                                        const std::int64_t*, T*, const std::string&);              \
+  template void dsa_reduce_scatter_seq_fp32<T>(Communicator&, const SpLayout&, const T*, T*,       \
+                                               std::int64_t, const std::string&);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -2,12 +2,14 @@
 // (mla/dsa_block.hpp) and every DSA form (dsa_cp.hpp, dsa_explicit.hpp,
 // dsa_laga.hpp) compute alike, each written once: the MLA's projections of
 // the rows (q, the latent c, k_pe, RoPE by position) and their backward,
-// the indexer's RoPE of the rows, and k_I's gradient padded to the whole
-// sequence and reduce-scattered to its owners. All through the op layer
-// (mla/ops_dsa.hpp).
+// the indexer's RoPE of the rows, k_I's gradient padded to the whole
+// sequence and reduce-scattered to its owners, and the wire each of the
+// forms' collectives moves its elements on (bf16 under --dtype bf16, or 4
+// bytes). All through the op layer (mla/ops_dsa.hpp).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -44,9 +46,24 @@ inline IndexScores index_scores_of(const MlaConfig& cfg) {
   return cfg.index_fp8 ? IndexScores::fp8 : IndexScores::run_dtype;
 }
 
+// The values the indexer scores with, made what a bf16 run stores
+// (ops::round_as_stored; docs/forms.md, "DSA in bf16"): q_I (N, H_I, d_I)
+// and k_I (N, d_I) after their RoPE, w (N, H_I) after its scale -- by the
+// block and every form, right after dsa_indexer_project and the RoPE, and by
+// laga_recompute on the q_I it projects for every row. So the scores read
+// the same values wherever they are computed: a rank's own, or a bf16
+// collective's delivery of another's (a bf16 value crosses unchanged).
+// A null pointer is skipped. fp32 and float64: nothing changes.
+template <class T>
+void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* kI, T* w);
+
 // The MLA's projections of the N = B L own rows (DeepSeek's MLA.forward):
 //   qa = x wq_a^T, qr = q_norm(qa), q = rope(qr wq_b^T) (only when with_q)
 //   kv = x wkv_a^T, c = kv_norm(kv[:, :C]), k_pe = rope(kv[:, C:])
+// qr, the query latent, is what a bf16 run stores (ops::round_as_stored):
+// the MLA's q and the indexer's q_I are projected from it, and
+// laga_recompute gathers it to project every row's q_I again, so under bf16
+// every form projects from the same bf16 values (fp32, float64: unchanged).
 // With cfg.kv_fp8_round_trip, c is DeepSeek's fp8 kv-cache simulation of
 // itself right after kv_norm (ops::kv_fp8_round_trip; docs/forms.md, "The
 // fp8 indexer"), here for every form. Inference only: with
@@ -77,6 +94,44 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
                            const DsaOwnRows<T>& f, const DsaRowPositions& at,
                            const RopeTable& table, T* dkv, const T* dc, T* dq, Tensor<T>& dqr,
                            MlaParams<T>& grads, T* dx);
+
+// What the DSA forms' collectives move (docs/forms.md, "DSA in bf16", "On
+// the wire"; dsa_predict_comm, mla/dsa_model.hpp, is its closed form).
+// The activations -- the latent, the index keys k_I and weights w, q, k,
+// v, the query latent, the outputs -- and their gradients move as the
+// dense forms' do: in T, or as bf16 under --dtype bf16 (mla/wire.hpp), by
+// exchange.hpp's collectives (dsa_index_key_grads_home below too) or, on
+// the latent gather's rank-major blocks, by the two below. The top-k
+// indices (int32) and the KL target (the attention's head-summed
+// probabilities, an fp32 statistic, each rank's part a partial sum over
+// its heads) move at 4 bytes under bf16 (dsa_gather_indices and
+// dsa_reduce_scatter_seq_fp32 below), so that neither an index nor the
+// target depends on P or the form.
+//
+// Communicator::all_gather_v / reduce_scatter_v of rank-major blocks
+// (displs dense), bf16 on the wire under bf16 (wire::all_gather_v,
+// wire::reduce_scatter_v), in T otherwise.
+template <class T>
+void dsa_all_gather_v(Communicator& comm, const T* send, std::int64_t send_count, T* recv,
+                      const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                      const std::string& label);
+template <class T>
+void dsa_reduce_scatter_v(Communicator& comm, const T* send, const std::int64_t* counts,
+                          const std::int64_t* displs, T* recv, const std::string& label);
+// reduce_scatter_seq (mla/exchange.hpp) in T whatever the run's precision:
+// fp32 under bf16 (and in an fp32 or float64 run what it moves anyway).
+template <class T>
+void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const T* src, T* dst,
+                                 std::int64_t W, const std::string& label);
+
+// The top-k of every rank's rows, own (B, L_r, K) int32, all-gathered into
+// every row's (B, S, K) ("topk_ag": laga_indices and explicit): as 4-byte
+// words whatever the run's precision (DType::f32 on the wire, a gather
+// copies and never adds, so every bit arrives as it left: an index is
+// exact at any S; dsa_predict_comm prices it at 4 bytes). Contiguous
+// shards (the DSA forms refuse zigzag).
+std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
+                                             const std::vector<std::int32_t>& own, std::int64_t K);
 
 // k_I's gradient over the keys a rank read, (B, Sk, d_I) (the prefix of
 // the sequence before its last row), padded with zeros to (B, S, d_I) and

@@ -326,19 +326,14 @@ void poison_back_half(const Communicator& comm, float* dst, std::int64_t n) {
 // The all-gather with bf16 on the wire. Landing in place, the (B, S, W)
 // values arrive in dst's front half and are widened there (the own block is
 // narrowed into its place first: src may be dst's own rows, which narrow
-// reads ahead of its writes); otherwise a bf16 staging of the rank-major
+// reads ahead of its writes; wire::all_gather_v); otherwise a bf16 staging of the rank-major
 // blocks, unpacked and widened.
 void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                      std::int64_t W, const std::string& label) {
   const Counts rc = seq_counts(lay, W), rd = offsets_of(rc);
   const std::int64_t own = rc[u(comm.rank())], n = total_of(rc);
-  if (lands_in_place(lay)) {
-    void* mine = bf16_at(dst, rd[u(comm.rank())]);
-    wire::narrow(src, mine, own);
-    comm.all_gather_v(mine, own, dst, rc.data(), rd.data(), DType::bf16, label);
-    wire::widen(dst, dst, n);
-    return;
-  }
+  if (lands_in_place(lay))
+    return wire::all_gather_v(comm, src, own, dst, rc.data(), rd.data(), label);
   Tensor<bf16> recv({n}, MemCategory::comm_buffers);
   bf16* mine = at(recv.data(), rd[u(comm.rank())]);
   wire::narrow(src, mine, own);
@@ -348,7 +343,8 @@ void gather_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, 
 
 // The reduce-scatter with bf16 on the wire: the contributions narrowed into
 // a bf16 staging (rank-major), reduced in place into the own block there
-// (the fp32 sum of the bf16 values, rounded once), and widened into dst.
+// (the fp32 sum of the bf16 values, rounded once), and widened into dst
+// (wire::reduce_scatter_v where the blocks are in place).
 // The (B, S, W) contributions src as the reduce-scatter's bf16 send buffer:
 // rank-major blocks, narrowed (and packed where the layout's rank-major
 // order is not the sequence's).
@@ -365,6 +361,7 @@ Tensor<bf16> contributions_bf16(const SpLayout& lay, const float* src, std::int6
 void reduce_scatter_seq_bf16(Communicator& comm, const SpLayout& lay, const float* src, float* dst,
                              std::int64_t W, const std::string& label) {
   const Counts c = seq_counts(lay, W), d = offsets_of(c);
+  if (lands_in_place(lay)) return wire::reduce_scatter_v(comm, src, c.data(), d.data(), dst, label);
   const int r = comm.rank();
   Tensor<bf16> send = contributions_bf16(lay, src, W);
   comm.reduce_scatter_v(send.data(), c.data(), d.data(), at(send.data(), d[u(r)]), label);

@@ -53,6 +53,8 @@ const char* to_string(ops::Op op) {
       return "index_all_causal";
     case Op::indexer_kl:
       return "indexer_kl";
+    case Op::kv_fp8_round_trip:
+      return "kv_fp8_round_trip";
     case Op::copy_rows:
       return "copy_rows";
     case Op::fill:

@@ -129,6 +129,12 @@ enum class Op {
   // indexer_kl          shape.attn, shape.k: topk, shape.n: K slots a row;
   //                     in: idx (int32), p, q, k, w; out: loss (double, B Sq),
   //                     dq, dk, dw (overwritten).
+  // kv_fp8_round_trip   DeepSeek's fp8 kv-cache simulation (mla/dsa_rows.hpp,
+  //                     dsa_own_rows): shape.rows rows of shape.cols, each
+  //                     block of kActQuantBlock rounded through e4m3 with
+  //                     ue8m0 scales and back (kernels/fp8_e4m3.hpp,
+  //                     fp8_round_trip); out: x, in place. fp64, fp32 and a
+  //                     bf16 run's fp32 tensors.
   layernorm_forward,
   layernorm_backward,
   rope_halves_forward,
@@ -136,6 +142,7 @@ enum class Op {
   index_topk,
   index_all_causal,
   indexer_kl,
+  kv_fp8_round_trip,
   // The forms' data movement (ops::copy, ops::add, ops::widen, ops::fill,
   // the exchanges' packing; issue 52: on a device these run there, not as
   // host loops over device memory). OpCall::dtype is the element type

@@ -22,6 +22,7 @@
 #include "kernels/cross_entropy.hpp"
 #include "kernels/dsa_indexer.hpp"
 #include "kernels/embedding.hpp"
+#include "kernels/fp8_e4m3.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_bf16.hpp"
 #include "kernels/gemm_invariant.hpp"
@@ -310,8 +311,10 @@ Why indexer_takes(RunDtype d, const OpShape&) {
         "dtype bf16 (the indexer's kernels run fp64 and fp32 only; use --dtype fp32)");
   return std::nullopt;
 }
+// f(double{}) for an fp64 call, else f(float{}) (fp32, and a bf16 run's fp32
+// tensors): the element type of a row that runs both.
 template <class F>
-void fp64_or_fp32(const OpCall& c, F&& f) {
+void by_dtype(const OpCall& c, F&& f) {
   c.dtype == RunDtype::fp64 ? f(double{}) : f(float{});
 }
 
@@ -364,13 +367,6 @@ template <class T>
 constexpr RunDtype dtype_of = std::is_same_v<T, double> ? RunDtype::fp64 : RunDtype::fp32;
 
 // The model's kernels, unpacked from their slots (op_table.hpp, Op).
-template <class F>
-void by_dtype(const OpCall& c, F&& f) {
-  if (c.dtype == RunDtype::fp64)
-    f(double{});
-  else
-    f(float{});
-}
 template <class T>
 void run_embedding(const OpCall& c) {
   embedding_forward(static_cast<T*>(c.out[0]), static_cast<const std::int32_t*>(c.in[0]),
@@ -696,29 +692,29 @@ const KernelRow kRows[] = {
      &run_sparse_bf16_backward, 0, Bf16Operands::bf16},
 
     {Device::cpu, Op::layernorm_forward, "layernorm", &indexer_takes,
-     [](const OpCall& c) {
-       fp64_or_fp32(c, [&](auto t) { run_layernorm_forward<decltype(t)>(c); });
-     }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_layernorm_forward<decltype(t)>(c); }); }},
     {Device::cpu, Op::layernorm_backward, "layernorm", &indexer_takes,
-     [](const OpCall& c) {
-       fp64_or_fp32(c, [&](auto t) { run_layernorm_backward<decltype(t)>(c); });
-     }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_layernorm_backward<decltype(t)>(c); }); }},
     {Device::cpu, Op::rope_halves_forward, "rope_halves", &indexer_takes,
-     [](const OpCall& c) {
-       fp64_or_fp32(c, [&](auto t) { run_rope_halves<decltype(t), false>(c); });
-     }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_rope_halves<decltype(t), false>(c); }); }},
     {Device::cpu, Op::rope_halves_backward, "rope_halves", &indexer_takes,
-     [](const OpCall& c) {
-       fp64_or_fp32(c, [&](auto t) { run_rope_halves<decltype(t), true>(c); });
-     }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_rope_halves<decltype(t), true>(c); }); }},
     {Device::cpu, Op::index_topk, "index_topk", &indexer_takes,
-     [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_index_topk<decltype(t)>(c); }); }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_index_topk<decltype(t)>(c); }); }},
     // The selection of every causal key reads no operand: any dtype.
     {Device::cpu, Op::index_all_causal, "index_all_causal",
      [](RunDtype, const OpShape&) -> Why { return std::nullopt; },
      [](const OpCall& c) { dsa_all_causal(indexer_of(c), static_cast<std::int32_t*>(c.out[0])); }},
     {Device::cpu, Op::indexer_kl, "indexer_kl", &indexer_takes,
-     [](const OpCall& c) { fp64_or_fp32(c, [&](auto t) { run_indexer_kl<decltype(t)>(c); }); }},
+     [](const OpCall& c) { by_dtype(c, [&](auto t) { run_indexer_kl<decltype(t)>(c); }); }},
+    {Device::cpu, Op::kv_fp8_round_trip, "kv_fp8_round_trip", &f64_f32_bf16,
+     [](const OpCall& c) {
+       by_dtype(c, [&](auto t) {
+         fp8_round_trip(static_cast<decltype(t)*>(c.out[0]), c.shape.rows, c.shape.cols,
+                        kActQuantBlock, Fp8ScaleFmt::ue8m0);
+       });
+     },
+     0, Bf16Operands::fp32_values},
 
     {Device::cpu, Op::lse_merge, "lse_merge", &f64_f32_bf16,
      [](const OpCall& c) {

@@ -279,6 +279,19 @@ inline bool runs(std::int64_t elements, std::initializer_list<const void*> ptrs)
 inline void run_kernel(const OpCall& c) {
   run_row(pick(op_device, c.op, c.dtype, c.shape), c);
 }
+// The scratch a row asks for besides its operands (KernelRow::workspace_bytes;
+// the CUDA sparse attention rows': cuda/sparse_attention.hpp), one pool
+// tensor for c, made before runs() asks whether the call computes, so that
+// a count-only run and the memory model count the bytes the kernel carves.
+// Sets c.workspace and c.workspace_bytes (none under count-only).
+inline Tensor<bf16> row_workspace(const KernelRow& row, OpCall& c, const char* name) {
+  if (!row.workspace_bytes) return {};
+  const std::int64_t bytes = row.workspace_bytes(c.dtype, c.shape);
+  if (bytes <= 0) return {};
+  Tensor<bf16> t({(bytes + 1) / 2}, name);
+  c.workspace = t.data(), c.workspace_bytes = t.data() ? bytes : 0;
+  return t;
+}
 // C (m, n) = alpha op(A) op(B) + beta C through the table (T's dtype: fp32
 // or fp64; bf16's products are bf16_path's).
 template <class T>

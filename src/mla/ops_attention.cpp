@@ -71,9 +71,20 @@ Bf16AttentionParts bf16_attention_parts(const KernelRow& row, const AttnShape& s
   p.k = copy(s.B * s.Sk * s.Hk * s.dqk, kept[1]);
   p.v = copy(s.B * s.Sk * s.Hk * s.dv, kept[2]);
   p.dout = backward ? copy(s.B * s.Sq * s.Hq * s.dv, kept[3]) : 0;
-  if (!widens)
-    p.workspace = whole_lines(bound ? attention_flash_bf16_workspace_bound(s, backward)
-                                    : attention_flash_bf16_workspace_bytes(s, backward));
+  if (!widens) {
+    // The row's own scratch (KernelRow::workspace_bytes): the CPU's bf16
+    // flash rows declare the bf16 flash workspace, and a scratch sized for
+    // every call up to s's extents takes that workspace's bound; a CUDA row
+    // declares its own (the tiled rows' D, 4 B Hq Sq, monotone in the
+    // extents; cuDNN's none: its workspace is the graph's, kept per thread),
+    // not the CPU kernel's, so a device holds no CPU scratch.
+    OpShape os;
+    os.attn = s, os.attention = AttentionKind::flash;
+    const std::int64_t own = row.workspace_bytes ? row.workspace_bytes(RunDtype::bf16, os) : 0;
+    p.workspace = whole_lines(bound && row.device != Device::cuda
+                                  ? attention_flash_bf16_workspace_bound(s, backward)
+                                  : own);
+  }
   return p;
 }
 
@@ -232,10 +243,12 @@ void attention_backward(AttentionKind kind, const AttnShape& shape, T* dq, T* dk
     }
     return;
   }
-  if (!runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, doutp, qp, kp, vp, eager ? dp : o})) return;
   OpCall c;
   const KernelRow& row = attention_row<T>(kind, s, AttentionPass::backward);
   c.op = row.op, c.dtype = op_dtype<T>(), c.shape.attn = s, c.shape.attention = kind;
+  // The row's own scratch (the CUDA rows' D), before runs(): ops.hpp.
+  const Tensor<bf16> scratch_of_row = row_workspace(row, c, "attention backward scratch");
+  if (!runs(s.B * s.Hq * s.Sq, {stats, dq, dk, dv, doutp, qp, kp, vp, eager ? dp : o})) return;
   c.in[0] = dout, c.in[1] = q, c.in[2] = k, c.in[3] = v, c.in[4] = o, c.in[5] = stats;
   c.in[6] = eager ? eager_delta : nullptr;
   c.out[0] = dq, c.out[1] = dk, c.out[2] = dv, c.out[3] = eager ? dp : nullptr;
@@ -283,13 +296,18 @@ void count_fused(const FusedLatentOperands<T>& a, AttentionPass pass) {
 }
 
 template <class T>
-OpCall fused_call(const KernelRow& row, const FusedLatentOperands<T>& a, const T* w_kv) {
+OpCall fused_call(const KernelRow& row, const FusedLatentOperands<T>& a) {
   const std::int64_t W = a.C + a.shape.dqk - a.dn;
   OpCall c;
   c.op = row.op, c.dtype = op_dtype<T>();
   c.shape.attn = a.shape, c.shape.attention = AttentionKind::flash;
   c.shape.C = a.C, c.shape.dn = a.dn, c.shape.invariant = op_invariant;
   c.shape.ld_c = W, c.shape.ld_k_pe = W, c.shape.ld_dc = W, c.shape.ld_dk_pe = W;
+  return c;
+}
+template <class T>
+OpCall fused_call(const KernelRow& row, const FusedLatentOperands<T>& a, const T* w_kv) {
+  OpCall c = fused_call(row, a);
   c.in[0] = a.q, c.in[1] = a.lat, c.in[2] = a.lat + a.C, c.in[3] = w_kv;
   return c;
 }
@@ -341,8 +359,12 @@ void fused_latent_attention_backward(const FusedLatentOperands<T>& a, T* dq, T* 
              "internal: the fused latent attention's backward at another precision than its "
              "forward");
   const T* w_kv = kept.w_kv_rounded.defined() ? kept.w_kv_rounded.data() : a.w_kv;
+  // The row's own scratch (the CUDA row's D), before runs(): ops.hpp.
+  OpCall sized = fused_call(row, a);
+  const Tensor<bf16> scratch_of_row = row_workspace(row, sized, "fused latent backward scratch");
   if (runs(s.B * s.Sq * s.Hq, {dq, dlat, dout, o, lse, a.q, a.lat, w_kv, dw_kv})) {
     OpCall c = fused_call(row, a, w_kv);
+    c.workspace = sized.workspace, c.workspace_bytes = sized.workspace_bytes;
     c.in[4] = dout, c.in[5] = o, c.in[6] = lse;
     c.out[0] = dq, c.out[1] = dlat, c.out[2] = dlat + a.C, c.out[3] = dw_kv;
     run_row(row, c);

@@ -66,36 +66,26 @@ void copy_rounded(const Mat<const float>& m, E* y) {
   }
 }
 
-// One op's operand copies in one pool tensor ("bf16 operand copies",
-// MemCategory::activations), each from a 64-byte boundary, made before the
-// op asks whether it computes (ops_bf16.hpp says why); one block a call, so
-// that the pool's block cache has fewer sizes to keep from step to step.
-// Count-only: registered, nothing converted.
+// Copies of Mat operands (strided or dense), converted together.
 template <class E>
-class Copies {
+class MatCopies : public Copies<E> {
  public:
-  explicit Copies(std::initializer_list<Mat<const float>> operands) : ops_(operands) {
-    std::int64_t bytes = 0;
-    for (const Mat<const float>& m : ops_) {
-      at_.push_back(bytes);
-      bytes += (m.rows * m.cols * std::int64_t(sizeof(E)) + 63) / 64 * 64;
-    }
-    buf_ = Tensor<bf16>({bytes / 2}, "bf16 operand copies");
-  }
+  explicit MatCopies(std::initializer_list<Mat<const float>> operands)
+      : Copies<E>(numels(operands)), ops_(operands) {}
   // Converts every operand (once the op computes) but `skip`, which the
   // caller fills; get(i) gives operand i's copy.
   void fill(std::ptrdiff_t skip = -1) {
     for (std::size_t i = 0; i < ops_.size(); ++i)
-      if (std::ptrdiff_t(i) != skip) copy_rounded(ops_[i], get(i));
-  }
-  E* get(std::size_t i) {
-    return reinterpret_cast<E*>(reinterpret_cast<unsigned char*>(buf_.data()) + at_[i]);
+      if (std::ptrdiff_t(i) != skip) copy_rounded(ops_[i], this->get(i));
   }
 
  private:
+  static std::vector<std::int64_t> numels(std::initializer_list<Mat<const float>> operands) {
+    std::vector<std::int64_t> n;
+    for (const Mat<const float>& m : operands) n.push_back(m.rows * m.cols);
+    return n;
+  }
   std::vector<Mat<const float>> ops_;
-  std::vector<std::int64_t> at_;
-  Tensor<bf16> buf_;
 };
 
 Mat<const float> dense(const float* x, std::int64_t rows, std::int64_t cols) {
@@ -149,7 +139,7 @@ template <class E>
 bool linear_as(float* y, const float* x, const float* w, std::int64_t N, std::int64_t in,
                std::int64_t out, std::optional<const bf16*> x_held) {
   const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
-  Copies<E> c{held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
+  MatCopies<E> c{held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
   if (!runs(N * out, {y, xp, w})) return false;
   c.fill(x_held ? 0 : -1);
   linear_of_copies(y, held_operand(c, 0, x_held, N * in), c.get(1), N, in, out);
@@ -160,7 +150,7 @@ bool linear_backward_as(float* dx, bool accumulate, float* dw, const float* dy, 
                         const float* w, std::int64_t N, std::int64_t in, std::int64_t out,
                         std::optional<const bf16*> x_held) {
   const void* xp = x_held ? static_cast<const void*>(*x_held) : x;
-  Copies<E> c{dense(dy, N, out), held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
+  MatCopies<E> c{dense(dy, N, out), held_or_copied<E>(dense(x, N, in), x_held), dense(w, out, in)};
   if (!runs(N * out, {dy, xp, w, dw, dx ? dx : w})) return false;
   c.fill(x_held ? 1 : -1);
   linear_backward_of_copies(dx, accumulate, dw, c.get(0), held_operand(c, 1, x_held, N * in),
@@ -224,10 +214,10 @@ void gemm(const Mat<float>& C, float beta, const Mat<const float>& A, bool trans
     return true;
   };
   if (row.operands == Bf16Operands::fp32_values) {
-    Copies<float> c{A, B};
+    MatCopies<float> c{A, B};
     if (!run_on(c)) return;
   } else {
-    Copies<bf16> c{A, B};
+    MatCopies<bf16> c{A, B};
     if (!run_on(c)) return;
   }
   if (beta == 0.0f) round_in_place(C);
@@ -254,6 +244,32 @@ void linear_backward(float* dx, bool accumulate, float* dw, const float* dy, con
     return;
   if (dx && !accumulate) round_in_place(Mat<float>{dx, N, in, in});
 }
+
+// ------------------------------------------------------------ Copies
+
+template <class E>
+Copies<E>::Copies(const std::vector<std::int64_t>& n, const char* label, std::int64_t align) {
+  std::int64_t bytes = 0;
+  for (const std::int64_t values : n) {
+    at_.push_back(bytes);
+    bytes += (values * std::int64_t(sizeof(E)) + align - 1) / align * align;
+  }
+  buf_ = Tensor<bf16>({bytes / 2}, label);
+}
+
+template <class E>
+E* Copies<E>::get(std::size_t i) {
+  return reinterpret_cast<E*>(reinterpret_cast<unsigned char*>(buf_.data()) + at_[i]);
+}
+
+template <class E>
+const E* Copies<E>::round(std::size_t i, const float* x, std::int64_t n) {
+  copy_rounded(dense(x, 1, n), get(i));
+  return get(i);
+}
+
+template class Copies<bf16>;
+template class Copies<float>;
 
 // ------------------------------------------------------ RowSlicedLinears
 

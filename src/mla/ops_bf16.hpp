@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "core/bf16.hpp"
 #include "core/tensor.hpp"
@@ -61,12 +62,36 @@ struct Mat;
 
 namespace bf16_path {
 
-// The copies of an op's operands rounded to bf16 (ops_bf16.cpp, Copies) are
-// one pool tensor for the op's length (MemCategory::activations, "bf16
-// operand copies"), made before the op asks whether it computes, so that a
+// The copies of an op's operands rounded to bf16 (Copies below) are one
+// pool tensor for the op's length (MemCategory::activations, "bf16 operand
+// copies"), made before the op asks whether it computes, so that a
 // count-only run registers the same bytes and the memory model counts what
 // a real run holds (docs/accounting.md, "bf16 operand copies and attention
 // scratch"); attention's are mla/ops_attention.cpp's bf16 attention scratch.
+//
+// One op's operand copies: rounded to bf16 (E = bf16), or to their bf16
+// values kept fp32 (E = float, where the GEMMs widen), in one pool tensor
+// `label` made here, one block a call so that the pool's block cache has
+// fewer sizes to keep from step to step. Copy i holds n[i] values from an
+// `align`-byte boundary: 64 for the GEMMs' copies (this file's), 1 (packed
+// end to end) for the sparse attention's (mla/ops_sparse.cpp, under their
+// own label). Count-only: registered, nothing converted.
+template <class E>
+class Copies {
+ public:
+  explicit Copies(const std::vector<std::int64_t>& n, const char* label = "bf16 operand copies",
+                  std::int64_t align = 64);
+  E* get(std::size_t i);
+  // x's n dense values rounded into copy i (to_bf16_threaded's or
+  // round_threaded's bits); returns the copy.
+  const E* round(std::size_t i, const float* x, std::int64_t n);
+
+ private:
+  std::vector<std::int64_t> at_;  // each copy's byte offset in buf_
+  Tensor<bf16> buf_;
+};
+extern template class Copies<bf16>;
+extern template class Copies<float>;
 
 // n values converted to bf16 (to_bf16's bits) and back to fp32 (exact),
 // vectorised (kernels/bf16_convert.hpp) and split over the rank's threads:

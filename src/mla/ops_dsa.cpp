@@ -1,9 +1,11 @@
 #include "mla/ops_dsa.hpp"
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/fp8_e4m3.hpp"
+#include "mla/ops_bf16.hpp"
 
 namespace laga::ops {
 
@@ -11,7 +13,8 @@ namespace {
 
 // Under a bf16 scope these ops run fp32, as the DSA code's direct kernel
 // calls did: only the sparse attention and its KL target (ops_sparse.hpp)
-// run bf16 (docs/forms.md, "DSA in bf16").
+// run bf16, and the indexer's values are rounded after (round_as_stored;
+// docs/forms.md, "DSA in bf16").
 struct Fp32Ops {
   Precision previous = std::exchange(op_precision, Precision::fp32);
   ~Fp32Ops() { op_precision = previous; }
@@ -214,8 +217,20 @@ void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, 
 
 template <class T>
 void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
+  count_elementwise<T>(rows * n, 2);  // c read and written in place
   if (!runs(rows * n, {c})) return;
-  fp8_round_trip(c, rows, n, kActQuantBlock, Fp8ScaleFmt::ue8m0);
+  OpCall call;
+  call.op = Op::kv_fp8_round_trip, call.dtype = op_dtype<T>();
+  call.shape.rows = rows, call.shape.cols = n, call.out[0] = c;
+  run_kernel(call);
+}
+
+template <class T>
+void round_as_stored(T* p, std::int64_t rows, std::int64_t cols) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!in_bf16<T>() || !runs(rows * cols, {p})) return;
+    bf16_path::round_in_place(view(p, rows, cols, cols));
+  }
 }
 
 #define LAGA_INSTANTIATE(T)                                                                        \
@@ -242,7 +257,8 @@ void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n) {
   template void index_topk<T>(const IndexerShape&, std::int32_t*, const T*, const T*, const T*);   \
   template void indexer_kl<T>(const IndexerShape&, std::int64_t, const std::int32_t*, const T*,    \
                               const T*, const T*, const T*, double*, T*, T*, T*);                  \
-  template void kv_fp8_round_trip<T>(T*, std::int64_t, std::int64_t);
+  template void kv_fp8_round_trip<T>(T*, std::int64_t, std::int64_t);                              \
+  template void round_as_stored<T>(T*, std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -19,7 +19,8 @@
 //    causal key as a selection, the KL loss and its gradient. fp64 and
 //    fp32: the rows refuse bf16, naming it; under a bf16 scope these ops
 //    (and the dense ones above) run fp32 (docs/forms.md, "DSA in bf16":
-//    only the sparse attention and its KL target run bf16).
+//    only the sparse attention and its KL target run bf16; the values the
+//    indexer scores with are rounded after, by round_as_stored below).
 //
 // Counting (OpCounts): the GEMMs as ops::gemm counts them; LayerNorm, both
 // RoPEs and the selections as elementwise bytes; the indexer's scores as
@@ -94,11 +95,22 @@ void index_all_causal(const IndexerShape& s, std::int32_t* idx);
 template <class T>
 void indexer_kl(const IndexerShape& s, std::int64_t K, const std::int32_t* idx, const T* p,
                 const T* q, const T* k, const T* w, double* loss, T* dq, T* dk, T* dw);
+// What a bf16 run stores of a value it has just made (mla/ops.hpp's rule:
+// a fresh product, RMSNorm's y and RoPE's rotation are rounded to bf16):
+// under a bf16 scope (T = float) every element of the (rows, cols) dense
+// block at p is replaced by its bf16 value, in place; in fp32 and float64
+// nothing changes. The DSA rows run their ops at fp32 (above), so the values
+// a form scores with or sends are rounded by this, once, where they are made
+// (mla/dsa_rows.hpp, dsa_own_rows and dsa_index_values_as_stored): a bf16
+// value crosses the bf16 wire unchanged, so every rank and form then reads
+// the same bits. Not counted (the dense ops' roundings are not either).
+template <class T>
+void round_as_stored(T* p, std::int64_t rows, std::int64_t cols);
 // DeepSeek's fp8 kv-cache simulation on the latent c (rows, n), in place:
 // each act_quant block of kActQuantBlock values rounded through fp8 e4m3
 // with V3.2's ue8m0 (power-of-two) scales (kernels/fp8_e4m3.hpp's
-// fp8_round_trip). A direct kernel call on host memory, no table row (the
-// indexer's rows are host rows too); not counted, as dsa_work has no term
+// fp8_round_trip), through the kernel table's kv_fp8_round_trip row,
+// counted as elementwise bytes (c read and written); dsa_work has no term
 // for it (an inference-only simulation, mla/dsa_rows.hpp's dsa_own_rows).
 template <class T>
 void kv_fp8_round_trip(T* c, std::int64_t rows, std::int64_t n);

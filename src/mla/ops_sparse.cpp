@@ -1,6 +1,7 @@
 #include "mla/ops_sparse.hpp"
 
 #include <type_traits>
+#include <vector>
 
 #include "core/error.hpp"
 #include "mla/form_spec.hpp"
@@ -30,24 +31,12 @@ OpShape op_shape(const SparseAttnShape& s) {
 }
 
 // A bf16 call's operands rounded to bf16 (ops_sparse.hpp, "bf16"): n[i]
-// values of x[i] each, one pool tensor made before runs() asks whether the
-// call computes, so that a count-only run registers the same bytes.
-struct Bf16Copies {
-  Tensor<bf16> t;
-  std::int64_t off[4] = {};
-  template <std::size_t N>
-  explicit Bf16Copies(const std::int64_t (&n)[N]) {
-    static_assert(N <= 4);
-    std::int64_t total = 0;
-    for (std::size_t i = 0; i < N; ++i) off[i] = total, total += n[i];
-    t = Tensor<bf16>({total}, "bf16 sparse attention operands");
-  }
-  // x rounded into copy i (ops_bf16.hpp's conversion: to_bf16's bits).
-  const bf16* round(int i, const float* x, std::int64_t n) {
-    bf16* dst = t.data() + off[i];
-    bf16_path::to_bf16_threaded(x, dst, n);
-    return dst;
-  }
+// values of copy i, ops_bf16.hpp's Copies packed end to end under their own
+// label, made before runs() asks whether the call computes, so that a
+// count-only run registers the same bytes.
+struct Bf16Copies : bf16_path::Copies<bf16> {
+  explicit Bf16Copies(const std::vector<std::int64_t>& n)
+      : Copies(n, "bf16 sparse attention operands", /*align=*/1) {}
 };
 
 const KernelRow& bf16_row(Op op, const SparseAttnShape& s) {
@@ -72,10 +61,11 @@ void sparse_attention_forward(const SparseAttnShape& s, T* o, T* lse, Src<T> q, 
       const std::int64_t nq = a.B * a.Sq * a.Hq * a.dqk, nk = a.B * a.Sk * a.Hk * a.dqk,
                          nv = a.B * a.Sk * a.Hk * a.dv;
       Bf16Copies copies({nq, nk, nv});
-      if (!runs(a.B * a.Sq * a.Hq, {o, lse, q, k, v, idx})) return;
-      sparse_attention_check_indices(s, idx);
       OpCall c;
       c.op = Op::sparse_attention_forward, c.dtype = RunDtype::bf16, c.shape = op_shape(s);
+      const Tensor<bf16> scratch = row_workspace(row, c, "sparse attention scratch");
+      if (!runs(a.B * a.Sq * a.Hq, {o, lse, q, k, v, idx})) return;
+      sparse_attention_check_indices(s, idx);
       c.in[0] = copies.round(0, q, nq), c.in[1] = copies.round(1, k, nk);
       c.in[2] = copies.round(2, v, nv), c.in[3] = idx;
       c.out[0] = o, c.out[1] = lse;
@@ -83,13 +73,15 @@ void sparse_attention_forward(const SparseAttnShape& s, T* o, T* lse, Src<T> q, 
     }
     return;
   }
-  if (!runs(s.attn.B * s.attn.Sq * s.attn.Hq, {o, lse, q, k, v, idx})) return;
-  sparse_attention_check_indices(s, idx);
   OpCall c;
   c.op = Op::sparse_attention_forward, c.dtype = op_dtype<T>(), c.shape = op_shape(s);
+  const KernelRow& row = pick(op_device, c.op, c.dtype, c.shape);
+  const Tensor<bf16> scratch = row_workspace(row, c, "sparse attention scratch");
+  if (!runs(s.attn.B * s.attn.Sq * s.attn.Hq, {o, lse, q, k, v, idx})) return;
+  sparse_attention_check_indices(s, idx);
   c.in[0] = q, c.in[1] = k, c.in[2] = v, c.in[3] = idx;
   c.out[0] = o, c.out[1] = lse;
-  run_row(pick(op_device, c.op, c.dtype, c.shape), c);
+  run_row(row, c);
 }
 
 template <class T>
@@ -105,10 +97,11 @@ void sparse_attention_backward(const SparseAttnShape& s, T* dq, T* dk, T* dv, Sr
       const std::int64_t nq = a.B * a.Sq * a.Hq * a.dqk, nk = a.B * a.Sk * a.Hk * a.dqk,
                          nv = a.B * a.Sk * a.Hk * a.dv, no = a.B * a.Sq * a.Hq * a.dv;
       Bf16Copies copies({no, nq, nk, nv});
-      if (!runs(a.B * a.Sq * a.Hq, {dq, dk, dv, dout, q, k, v, o, lse, idx})) return;
-      sparse_attention_check_indices(s, idx);
       OpCall c;
       c.op = Op::sparse_attention_backward, c.dtype = RunDtype::bf16, c.shape = op_shape(s);
+      const Tensor<bf16> scratch = row_workspace(row, c, "sparse attention scratch");
+      if (!runs(a.B * a.Sq * a.Hq, {dq, dk, dv, dout, q, k, v, o, lse, idx})) return;
+      sparse_attention_check_indices(s, idx);
       c.in[0] = copies.round(0, dout, no), c.in[1] = copies.round(1, q, nq);
       c.in[2] = copies.round(2, k, nk), c.in[3] = copies.round(3, v, nv);
       c.in[4] = o, c.in[5] = lse, c.in[6] = idx;
@@ -117,14 +110,16 @@ void sparse_attention_backward(const SparseAttnShape& s, T* dq, T* dk, T* dv, Sr
     }
     return;
   }
-  if (!runs(s.attn.B * s.attn.Sq * s.attn.Hq, {dq, dk, dv, dout, q, k, v, o, lse, idx})) return;
-  sparse_attention_check_indices(s, idx);
   OpCall c;
   c.op = Op::sparse_attention_backward, c.dtype = op_dtype<T>(), c.shape = op_shape(s);
+  const KernelRow& row = pick(op_device, c.op, c.dtype, c.shape);
+  const Tensor<bf16> scratch = row_workspace(row, c, "sparse attention scratch");
+  if (!runs(s.attn.B * s.attn.Sq * s.attn.Hq, {dq, dk, dv, dout, q, k, v, o, lse, idx})) return;
+  sparse_attention_check_indices(s, idx);
   c.in[0] = dout, c.in[1] = q, c.in[2] = k, c.in[3] = v, c.in[4] = o, c.in[5] = lse;
   c.in[6] = idx;
   c.out[0] = dq, c.out[1] = dk, c.out[2] = dv;
-  run_row(pick(op_device, c.op, c.dtype, c.shape), c);
+  run_row(row, c);
 }
 
 template <class T>

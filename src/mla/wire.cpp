@@ -68,6 +68,44 @@ void all_to_all_v(Communicator& comm, const float* send, const std::int64_t* sen
     widen(at(in.data(), rd[j]), at(recv, recv_displs[j]), recv_counts[j]);
 }
 
+namespace {
+// The number of elements of P rank-major blocks, checked dense.
+std::int64_t dense_total(const Communicator& comm, const std::int64_t* counts,
+                         const std::int64_t* displs, const std::string& label) {
+  std::int64_t n = 0;
+  for (int j = 0; j < comm.size(); ++j) {
+    LAGA_CHECK(displs[j] == n, "internal: '", label, "' with bf16 on the wire: block ", j, " at ",
+               displs[j], ", not right after the blocks before it (", n, ")");
+    n += counts[j];
+  }
+  return n;
+}
+// bf16 value i inside the fp32 storage at base (null stays null: count-only).
+void* bf16_at(float* base, std::int64_t i) {
+  return base ? reinterpret_cast<unsigned char*>(base) + i * std::int64_t(sizeof(bf16)) : nullptr;
+}
+}  // namespace
+
+void all_gather_v(Communicator& comm, const float* send, std::int64_t send_count, float* recv,
+                  const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                  const std::string& label) {
+  const std::int64_t n = dense_total(comm, recv_counts, recv_displs, label);
+  void* mine = bf16_at(recv, recv_displs[comm.rank()]);
+  narrow(send, mine, send_count);
+  comm.all_gather_v(mine, send_count, recv, recv_counts, recv_displs, DType::bf16, label);
+  widen(recv, recv, n);
+}
+
+void reduce_scatter_v(Communicator& comm, const float* send, const std::int64_t* counts,
+                      const std::int64_t* displs, float* recv, const std::string& label) {
+  const std::int64_t n = dense_total(comm, counts, displs, label), r = comm.rank();
+  Tensor<bf16> staging({n}, MemCategory::comm_buffers);
+  bf16* mine = staging.data() ? staging.data() + displs[r] : nullptr;
+  narrow(send, staging.data(), n);
+  comm.reduce_scatter_v(staging.data(), counts, displs, mine, label);
+  widen(mine, recv, counts[r]);
+}
+
 template <class T>
 void all_reduce_gradients(Communicator& comm, T* flat, std::int64_t n) {
   if constexpr (std::is_same_v<T, float>) {

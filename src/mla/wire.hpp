@@ -48,6 +48,26 @@ void all_to_all_v(Communicator& comm, const float* send, const std::int64_t* sen
                   const std::int64_t* send_displs, float* recv, const std::int64_t* recv_counts,
                   const std::int64_t* recv_displs, const std::string& label);
 
+// Communicator::all_gather_v of float blocks with bf16 on the wire, the
+// blocks landing rank-major in recv (recv_displs dense: block j right after
+// block j - 1): the own block narrowed into its place in recv's front half
+// (send may be recv's own block), the bf16 blocks gathered there, and the
+// whole widened in place (no memory beyond fp32's). gather_seq's route
+// where its blocks land in place (mla/exchange.hpp) and the DSA forms'
+// gathers (mla/dsa_rows.hpp).
+void all_gather_v(Communicator& comm, const float* send, std::int64_t send_count, float* recv,
+                  const std::int64_t* recv_counts, const std::int64_t* recv_displs,
+                  const std::string& label);
+
+// Communicator::reduce_scatter_v of float blocks with bf16 on the wire:
+// send's P blocks (counts, displs dense) narrowed into a bf16 staging
+// (comm_buffers while the call runs), reduced in place into the own block
+// there (the fp32 sum of the bf16 contributions, rounded once) and widened
+// into recv. reduce_scatter_seq's route where its blocks are in place and
+// the DSA forms' reduce-scatters.
+void reduce_scatter_v(Communicator& comm, const float* send, const std::int64_t* counts,
+                      const std::int64_t* displs, float* recv, const std::string& label);
+
 // The gradient all-reduce ("grad_allreduce") of n flattened gradients, in
 // place: in T, or under --grad-reduce bf16 (core/precision.hpp) as bf16,
 // narrowed into the buffer's front half and widened back in place (no

@@ -25,6 +25,7 @@
 #include "mla/block.hpp"
 #include "mla/ops_model.hpp"  // AdamWHyper
 #include "model/checkpoint.hpp"
+#include "model/data.hpp"
 #include "model/model.hpp"
 
 namespace laga {
@@ -144,6 +145,11 @@ SpLayout train_layout(const TrainOptions& o, int ranks);
 
 // The DSA stage step `step` runs (o.index_warmup).
 DsaStage dsa_stage_at(const TrainOptions& o, std::int64_t step);
+
+// The run's tokens (--data, or random from the seed): the one source
+// validate_train_options opens (data errors before any rank starts), the
+// loop and predict_train_memory read.
+TokenSource train_token_source(const TrainOptions& o);
 
 // How train_rank ended.
 struct TrainEnd {

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include <unistd.h>  // gethostname
@@ -72,6 +73,48 @@ std::optional<DsaConfig> ModelOptions::load_dsa(const MlaConfig& cfg) const {
 
 std::string ModelOptions::source() const {
   return config_path.empty() ? "preset " + preset : "config " + config_path;
+}
+
+void Fp8Options::add_to(CLI::App& app) {
+  app.add_flag("--index-fp8", index_fp8,
+               "DSA: the indexer scores as DeepSeek-V3.2's fp8 inference code does (Hadamard "
+               "rotation, e4m3 act_quant, fp8_index): the config key index_fp8; needs "
+               "index_head_dim 128 (docs/forms.md, \"The fp8 indexer\")");
+  app.add_flag("--kv-fp8-round-trip", kv_fp8_round_trip,
+               "DSA: DeepSeek's fp8 kv-cache simulation of the latent after kv_norm: the config "
+               "key kv_fp8_round_trip; forward only, needs kv_lora_rank a multiple of 128");
+}
+
+void Fp8Options::apply(MlaConfig& cfg, const std::string& source,
+                       const std::string& backward) const {
+  for (auto [on, option] :
+       {std::pair{index_fp8, "--index-fp8"}, std::pair{kv_fp8_round_trip, "--kv-fp8-round-trip"}})
+    LAGA_CHECK(
+        !on || cfg.dsa(), option, ": ", source,
+        " is dense MLA (no index_n_heads, index_head_dim, index_topk), and the option is "
+        "part of DeepSeek-V3.2's fp8 DSA path, which only a DSA block runs; drop ",
+        option,
+        " or give a DSA config (the index_n_heads, index_head_dim and index_topk keys or options)");
+  LAGA_CHECK(!kv_fp8_round_trip || backward.empty(), "--kv-fp8-round-trip simulates DeepSeek's ",
+             "fp8 kv cache at inference and has no backward (the rounding's gradient is zero "
+             "almost everywhere), and ",
+             backward,
+             " runs one; drop --kv-fp8-round-trip (laga forward without --backward "
+             "runs it)");
+  // One key at a time, so that a refusal names the option that set it.
+  for (auto [on, key, option] :
+       {std::tuple{index_fp8, &MlaConfig::index_fp8, "--index-fp8"},
+        std::tuple{kv_fp8_round_trip, &MlaConfig::kv_fp8_round_trip, "--kv-fp8-round-trip"}}) {
+    if (!on) continue;
+    cfg.*key = true;
+    try {
+      cfg.validate_dsa();
+    } catch (const Error& e) {
+      std::string why = e.what();  // "config: index_fp8 needs ...": the key's own rule
+      if (why.rfind("config: ", 0) == 0) why.erase(0, 8);
+      fail(option, " on ", source, ": ", why);
+    }
+  }
 }
 
 void CommOptions::add_to(CLI::App& app, bool takes_nccl) {

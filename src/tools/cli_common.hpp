@@ -40,6 +40,23 @@ struct ModelOptions {
   std::optional<DsaConfig> load_dsa(const MlaConfig& cfg) const;
 };
 
+// --index-fp8 and --kv-fp8-round-trip: the config keys index_fp8 and
+// kv_fp8_round_trip (MlaConfig; docs/forms.md, "The fp8 indexer") as
+// options, one definition for every command that runs a DSA block (forward,
+// compare, train). apply() turns the given ones on in `cfg`, the resolved
+// model with its DSA keys, and validates them as the keys are
+// (MlaConfig::validate_dsa), the error naming the option: on a dense config
+// (`source`, e.g. "preset small"), index_head_dim not 128, kv_lora_rank not a
+// multiple of 128. `backward` says why the command's run has a backward
+// ("--backward", "laga train trains"), empty when it has none:
+// --kv-fp8-round-trip, forward only, is refused beside one.
+struct Fp8Options {
+  bool index_fp8 = false;
+  bool kv_fp8_round_trip = false;
+  void add_to(CLI::App& app);
+  void apply(MlaConfig& cfg, const std::string& source, const std::string& backward) const;
+};
+
 // --comm local|mpi and --comm-timeout.
 struct CommOptions {
   Backend backend = Backend::local;

@@ -29,6 +29,7 @@ void register_compare(CLI::App& app) {
           form_flows()));
   o->model.add_to(*c);
   o->model.accepts_dsa = true;  // a DSA config compares the DSA forms (compare_dsa.hpp)
+  o->fp8.add_to(*c);
   o->comm.add_to(*c, /*takes_nccl=*/true);
   c->add_option("--batch", o->batch, "sequences per batch (B)")
       ->check(whole_for(1, o->batch))

@@ -29,6 +29,7 @@ namespace {
 
 struct ForwardOptions {
   ModelOptions model;
+  Fp8Options fp8;  // --index-fp8, --kv-fp8-round-trip
   CommOptions comm;
   std::string weights, input, output, doc_lens;
   bool backward = false, allow_nonfinite = false, q_latent = false;
@@ -207,8 +208,8 @@ void run_dsa_forward(const ForwardOptions& o, const MlaConfig& cfg, DsaForm form
         << ", DSA form " << to_string(form) << " (moves " << dsa_form_traits(form).moves
         << "), stage " << to_string(stage) << ", " << float_name(o.dtype)
         << (o.dtype == RunDtype::bf16
-                ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
-                  "labels differ: docs/forms.md, \"DSA in bf16\")"
+                ? " (bf16 on the wire; the int32 indices and the fp32 KL target at 4 bytes, as "
+                  "dsa_predict_comm: docs/forms.md, \"DSA in bf16\")"
                 : "")
         << ", sp " << o.sp << " (" << layout.describe() << "), comm " << to_string(o.comm.backend)
         << (docs ? ", documents " + docs->describe() : std::string()) << "\n";
@@ -290,6 +291,7 @@ void run_forward(const ForwardOptions& o) {
   // A DSA preset's indexer is its DsaConfig::preset; a config's, its keys.
   const std::optional<DsaConfig> dsa_keys = o.model.load_dsa(cfg);
   if (dsa_keys) cfg = dsa_keys->with(cfg);
+  o.fp8.apply(cfg, o.model.source(), o.backward ? "--backward" : "");
   check_dsa_options(o, cfg.dsa());
   const bool dsa = cfg.dsa();
   const DsaForm dsa_form = dsa ? parse_dsa_form_option(o) : DsaForm::explicit_form;
@@ -427,6 +429,7 @@ void register_forward_command(CLI::App& app) {
       "run the block once on given or seeded-random weights and input; write out (and dx, grads)");
   opts->model.add_to(*sub);
   opts->model.accepts_dsa = true;  // a DSA config runs the DSA forms (tools/dsa_job.hpp)
+  opts->fp8.add_to(*sub);
   opts->comm.add_to(*sub, /*takes_nccl=*/true);
   sub->add_option("--weights", opts->weights,
                   "the block's weights (DeepSeek or HF names): a .safetensors file, a sharded "

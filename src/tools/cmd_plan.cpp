@@ -22,6 +22,7 @@
 #include "plan/planner.hpp"
 #include "tools/cli_common.hpp"
 #include "tools/commands.hpp"
+#include "tools/plan_block_report.hpp"
 #include "tools/plan_dsa_report.hpp"
 #include "tools/plan_model_report.hpp"
 
@@ -29,7 +30,6 @@ namespace laga::tools {
 
 namespace {
 
-using ojson = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
 struct PlanOptions {
@@ -69,202 +69,6 @@ struct PlanOptions {
   // plan nothing).
   std::vector<std::string> plan_only_given;
 };
-
-std::string fmt(const char* f, double v) {
-  char b[64];
-  std::snprintf(b, sizeof b, f, v);
-  return b;
-}
-std::string gb(double bytes) {  // 10^9 bytes
-  return fmt("%.3f", bytes / 1e9);
-}
-std::string link_text(const LinkModel& l) {
-  return cat(fmt("%.4g", l.bytes_per_s / 1e9), " GB/s ", fmt("%.3g", l.latency_s * 1e6), " us ",
-             to_string(l.topology));
-}
-
-std::string crossover_text(const Crossover& c) {
-  const std::string laga = to_string(c.laga);
-  if (c.found)
-    return cat("crossover: ", laga, " ", c.laga_wins_above ? "beats" : "loses to",
-               " explicit above ", fmt("%.4g", c.bytes_per_s / 1e9),
-               " GB/s per link (every link at that bandwidth, latencies as planned); ",
-               c.laga_wins_above ? "explicit" : laga, " is faster below it");
-  return cat("crossover: none between ", fmt("%.3g", c.scanned_low / 1e9), " and ",
-             fmt("%.3g", c.scanned_high / 1e9), " GB/s per link; ", laga, " is ",
-             c.laga_wins_throughout ? "faster" : "slower", " than explicit throughout");
-}
-
-// How the GEMM and attention calls were costed: at their shapes' measured
-// times, at the profile's efficiency, or some of each.
-std::string measured_share(const PlanRequest& q, const std::vector<PlanCase>& cases) {
-  double flops = 0, unmeasured = 0;
-  for (const PlanCase& c : cases)
-    for (const FormPlan& f : c.forms)
-      for (const PhaseTime& p : f.phases)
-        flops += p.compute.flops, unmeasured += p.compute.unmeasured_flops;
-  const std::string efficiency =
-      cat("GEMM and attention FLOPs at the profile's efficiency (gemm ",
-          fmt("%.3g", q.profile.device.gemm_efficiency), ", attention ",
-          fmt("%.3g", q.profile.device.attention_efficiency), " of peak)");
-  if (unmeasured >= flops) return "all " + efficiency;
-  if (unmeasured == 0) return "every GEMM and attention call at its shape's measured time";
-  return cat(fmt("%.1f", 100 * (1 - unmeasured / flops)),
-             "% of the GEMM and attention FLOPs at their shapes' measured times, the rest ",
-             efficiency);
-}
-
-// On contiguous shards the forms that attend their own tokens' queries
-// (the work model's balance, not their names) leave the last rank about
-// 2P - 1 times the first's causal work; the note names them and the layout
-// that evens it, as TransformerEngine runs its rings.
-std::string unbalanced_note(const PlanRequest& q) {
-  if (q.seq_layout != SeqLayout::contiguous || q.seqs.empty() || q.sps.empty()) return "";
-  const int P = *std::max_element(q.sps.begin(), q.sps.end());
-  const std::int64_t S = *std::max_element(q.seqs.begin(), q.seqs.end());
-  if (P < 2 || S < P) return "";
-  const SpLayout contiguous = SpLayout::even(q.batch, S, q.cfg.n_heads, P);
-  const SpLayout zigzag = SpLayout::even(q.batch, S, q.cfg.n_heads, P, SeqLayout::zigzag);
-  std::vector<Form> forms;
-  double worst = 0;  // the first such form's max/min
-  for (FormVariant v : q.forms) {
-    const double balance = attention_balance(q.cfg, contiguous, v, nullptr);
-    if (balance > 2 * attention_balance(q.cfg, zigzag, v, nullptr) &&
-        std::find(forms.begin(), forms.end(), v.form) == forms.end()) {
-      if (forms.empty()) worst = balance;
-      forms.push_back(v.form);
-    }
-  }
-  if (forms.empty()) return "";
-  return cat("  note: ", names_of(forms),
-             " attend their own tokens' queries: on these contiguous shards the ",
-             "last rank does most of the causal work (", forms.size() > 1 ? "the first's" : "its",
-             " max/min ", fmt("%.3g", worst), " at S ", S, ", P ", P,
-             "); --seq-layout zigzag plans them on the load-balanced layout ",
-             "TransformerEngine and Megatron run\n");
-}
-
-std::string plan_table(const PlanRequest& q, const std::vector<PlanCase>& cases) {
-  std::ostringstream o;
-  o << "laga plan: " << q.profile.name << " (" << q.profile.source << "), " << to_string(q.dtype)
-    << " (gradients " << to_string(q.grad_reduce) << "), " << to_string(q.attention)
-    << " attention, batch " << q.batch << ", " << to_string(q.seq_layout)
-    << " seq shards; one MLA block, forward + backward + gradient all-reduce, predicted\n";
-  o << "  timeline: each rank's collectives in issue order on one link, the compute between "
-       "them at the costs below; a collective runs once every rank has issued it; a started "
-       "collective (+overlap) holds the rank only at its wait"
-    << (q.profile.shared_cores > 0
-            ? cat("; the ranks share ", q.profile.shared_cores,
-                  " cores, those computing at once each at min(1, cores / n) of one")
-            : "")
-    << "\n";
-  o << "  compute: " << measured_share(q, cases) << "\n";
-  o << unbalanced_note(q);
-  for (const PlanCase& c : cases) {
-    o << "\nS " << c.seq << ", P " << c.sp << ": " << c.links.nodes << " node(s), "
-      << (c.links.nodes > 1 ? c.links.fabric.ranks_per_node : c.sp) << " rank(s) per node; intra "
-      << link_text(c.links.fabric.intra);
-    if (c.links.nodes > 1) o << "; inter " << link_text(c.links.fabric.inter);
-    o << "\n";
-    char line[256];
-    std::snprintf(line, sizeof line, "  %-22s %12s %12s %10s %12s %6s %8s %10s %10s %10s %12s\n",
-                  "form", "sent/rank GB", "peak act GB", "step s", "tokens/s", "comm%", "fits",
-                  "compute s", "hidden s", "waits s", "cross-node GB");
-    o << line;
-    for (const FormPlan& f : c.forms) {
-      double compute = 0;
-      for (const PhaseTime& p : f.phases) compute += p.compute_s();
-      std::snprintf(line, sizeof line,
-                    "  %-22s %12s %12s %10.4g %12.4g %6.1f %8s %10.4g %10.4g %10.4g %12s\n",
-                    to_string(f.form).c_str(), gb(double(f.bytes_sent_per_rank)).c_str(),
-                    gb(double(f.peak_activation_bytes)).c_str(), f.step_s, f.tokens_per_s,
-                    100 * f.comm_fraction, f.fits ? "yes" : "NO", compute, f.hidden_comm_s,
-                    f.peer_wait_s + f.core_share_s, gb(f.crossing_bytes).c_str());
-      o << line;
-    }
-    if (c.winner >= 0) {
-      const FormPlan& w = c.forms[size_t(c.winner)];
-      o << "  winner: " << to_string(w.form);
-      for (const FormPlan& f : c.forms)
-        if (f.form.form == reference_form() && w.form.form != reference_form())
-          o << " (" << fmt("%.3f", w.tokens_per_s / f.tokens_per_s) << "x "
-            << to_string(f.form.form) << "'s tokens/s)";
-      o << "\n";
-    } else {
-      o << "  winner: none fits " << gb(q.profile.device.memory_bytes)
-        << " GB of device memory (peak activations + the block's parameters and gradients)\n";
-    }
-    if (c.crossover) o << "  " << crossover_text(*c.crossover) << "\n";
-  }
-  o << "\nbytes: per rank, max over ranks, all phases (laga compare's bytes_sent_total); peak "
-       "act: forward+backward activations + comm buffers (its peak_activation_bytes); fits: peak "
-       "+ parameters + gradients <= "
-    << gb(q.profile.device.memory_bytes)
-    << " GB; comm%: the share of the step spent waiting for links; hidden s: communication "
-       "under compute (overlap)\n";
-  return o.str();
-}
-
-// The slowest rank's seconds per phase, by kind: what the step is made of.
-ojson phases_json(const FormPlan& f) {
-  ojson j = ojson::object();
-  for (size_t ph = 0; ph < f.phases.size(); ++ph) {
-    const PhaseTime& p = f.phases[ph];
-    j[to_string(static_cast<Phase>(ph))] = {{"gemm_s", p.compute.gemm_s},
-                                            {"attention_s", p.compute.attention_s},
-                                            {"elementwise_s", p.compute.elementwise_s},
-                                            {"comm_s", p.comm_s},
-                                            {"gemm_flops", p.compute.gemm_flops},
-                                            {"attention_flops", p.compute.attention_flops},
-                                            {"unmeasured_flops", p.compute.unmeasured_flops}};
-  }
-  return j;
-}
-
-std::string plan_json(const PlanRequest& q, const std::vector<PlanCase>& cases) {
-  ojson j;
-  j["profile"] = q.profile.name;
-  j["profile_source"] = q.profile.source;
-  j["dtype"] = to_string(q.dtype);
-  j["grad_reduce"] = to_string(q.grad_reduce);
-  j["attention"] = to_string(q.attention);
-  j["batch"] = q.batch;
-  j["seq_layout"] = to_string(q.seq_layout);
-  j["overlap"] = "timeline";  // started collectives hidden under compute (time_model.hpp)
-  j["plans"] = ojson::array();
-  j["cases"] = ojson::array();
-  for (const PlanCase& c : cases) {
-    for (const FormPlan& f : c.forms)
-      j["plans"].push_back({{"form", to_string(f.form)},
-                            {"seq", c.seq},
-                            {"sp", c.sp},
-                            {"bytes_sent_per_rank", f.bytes_sent_per_rank},
-                            {"bytes_sent_forward", f.bytes_sent_forward},
-                            {"bytes_sent_backward", f.bytes_sent_backward},
-                            {"peak_activation_bytes", f.peak_activation_bytes},
-                            {"predicted_step_s", f.step_s},
-                            {"predicted_tokens_per_s", f.tokens_per_s},
-                            {"comm_fraction", f.comm_fraction},
-                            {"hidden_comm_s", f.hidden_comm_s},
-                            {"peer_wait_s", f.peer_wait_s},
-                            {"core_share_s", f.core_share_s},
-                            {"critical_rank", f.critical_rank},
-                            {"phases", phases_json(f)},
-                            {"fits", f.fits}});
-    ojson k = {{"seq", c.seq},
-               {"sp", c.sp},
-               {"nodes", c.links.nodes},
-               {"winner",
-                c.winner >= 0 ? ojson(to_string(c.forms[size_t(c.winner)].form)) : ojson(nullptr)}};
-    if (c.crossover) {
-      k["crossover_bytes_per_s"] =
-          c.crossover->found ? ojson(c.crossover->bytes_per_s) : ojson(nullptr);
-      k["crossover"] = crossover_text(*c.crossover);
-    }
-    j["cases"].push_back(k);
-  }
-  return j.dump(2) + "\n";
-}
 
 // --model NAME|FILE: a preset (LmConfig::preset) or a DeepSeek-V3 config.
 LmConfig load_model(const PlanOptions& o) {
@@ -377,8 +181,8 @@ void run_model_plan(const PlanOptions& o, const LmConfig& model, PlanRequest blo
         for (const ModelPlan& f : c.forms)
           if (least < 0 || f.memory_bytes() < least) least = f.memory_bytes();
     fail("--seq ", d.seq, " fits no form at any --sp, --dp and --pp on ", q.block.profile.name,
-         ": the smallest need is ", gb(least), " GB per device against ",
-         gb(q.block.profile.device.memory_bytes),
+         ": the smallest need is ", plan_gb(least), " GB per device against ",
+         plan_gb(q.block.profile.device.memory_bytes),
          " GB; give a larger --sp (more expert and sequence shards) or --dp with --zero1 (the "
          "optimizer sharded), --recompute, ",
          q.block.dtype == PlanDType::bf16 && q.block.grad_reduce == GradReduce::fp32
@@ -402,7 +206,8 @@ void run_plan(const PlanOptions& o) {
   auto say = [&](const std::string& s) {
     if (o.quiet) return;
     const double t = std::chrono::duration<double>(Clock::now() - start).count();
-    if (t >= 2.0) std::cerr << "laga plan: " << fmt("[%6.1f s] ", t) << s << "\n" << std::flush;
+    if (t >= 2.0)
+      std::cerr << "laga plan: " << plan_number("[%6.1f s] ", t) << s << "\n" << std::flush;
   };
   // Input files may not be outputs; known before the outputs are vetted, so
   // an output that is one is refused before the work (issue 54 A).
@@ -545,8 +350,8 @@ void run_plan(const PlanOptions& o) {
             least = f.peak_activation_bytes + f.resident_bytes;
         }
     LAGA_CHECK(least == -2, "--seq ", S, " fits no form at any --sp on ", q.profile.name,
-               ": the smallest need is ", gb(double(least)), " GB per device against ",
-               gb(q.profile.device.memory_bytes),
+               ": the smallest need is ", plan_gb(double(least)), " GB per device against ",
+               plan_gb(q.profile.device.memory_bytes),
                " GB; give a larger --sp (more ranks share the sequence) or a shorter --seq");
   }
 }

@@ -78,6 +78,7 @@ struct TrainCli {
   // DeepSeek Sparse Attention (model/dsa_layer.hpp): --index-heads,
   // --index-head-dim, --index-topk (0: dense MLA), --index-warmup.
   std::int64_t index_heads = 0, index_head_dim = 0, index_topk = 0, index_warmup = 0;
+  Fp8Options fp8;  // --index-fp8 (and --kv-fp8-round-trip, refused: training has a backward)
   std::vector<std::string> model_options_given;  // of kModelOptions, filled by the callback
   std::set<std::string> given;                   // every option given, filled by the callback
 };
@@ -182,6 +183,7 @@ void add_dsa_options(CLI::App& sub, TrainCli& c) {
                  "indexer's KL over them), the rest sparse; the main model trains in both "
                  "(model/dsa_layer.hpp)")
       ->check(whole_for(0, c.index_warmup));
+  c.fp8.add_to(sub);
 }
 
 void check_dsa_cli(const TrainCli& c, const TrainOptions& o) {
@@ -199,6 +201,8 @@ void check_dsa_cli(const TrainCli& c, const TrainOptions& o) {
 TrainOptions to_options(const TrainCli& c) {
   TrainOptions o;
   o.model = model_of(c);
+  c.fp8.apply(o.model.mla, c.config.empty() ? "the model of the options" : "config " + c.config,
+              "laga train (every step's backward)");
   o.variant.queries = c.q_latent ? QueryExchange::latent : QueryExchange::heads;
   o.variant.overlap = parse_overlap(c.overlap);
   o.variant.head_groups = c.head_groups;

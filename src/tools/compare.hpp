@@ -29,6 +29,7 @@ namespace laga::tools {
 
 struct CompareOptions {
   ModelOptions model;
+  Fp8Options fp8;  // --index-fp8 (and --kv-fp8-round-trip, refused: compare runs backward)
   CommOptions comm;
   std::int64_t batch = 1, seq = 1024;
   int sp = 4;
@@ -94,6 +95,13 @@ struct FormResult {
   bool memory_match = true;     // every rank equals its prediction, every figure
   double memory_rel_error = 0;  // max over ranks of |measured - model| / model, fwd+bwd peak
   MemoryPeak model_peak;        // where the model's peak is, on peak_rank
+  // The device peak per rank (mla/device_peak_prediction.hpp), max over the
+  // measured ranks: the pool's working peak (forward+backward's or the
+  // gradient all-reduce's, whichever is larger; count-only: the model's)
+  // plus what the backend keeps per rank thread in a size laga chooses
+  // (--device cuda: the cuBLASLt workspace, predicted; cpu and emulated:
+  // none); and the same from the memory model.
+  std::int64_t device_peak = 0, predicted_device_peak = 0, device_kept_predicted = 0;
 
   // Attention work per rank (closed form, mla/work_model.hpp): forward FLOPs
   // of the masked attention over the rank's heads, max and min over the

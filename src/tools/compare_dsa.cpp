@@ -148,8 +148,10 @@ bool run_dsa_count_only(const CompareOptions& o, const MlaConfig& cfg, const SpL
 bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const char*)>& given) {
   MlaConfig cfg = o.model.load();
   const std::optional<DsaConfig> dsa = o.model.load_dsa(cfg);
+  if (dsa) cfg = dsa->with(cfg);
+  // Refused on a dense config here too, before the dense forms run.
+  o.fp8.apply(cfg, o.model.source(), "laga compare (every form's backward)");
   if (!dsa) return false;
-  cfg = dsa->with(cfg);
   const std::string why = cat(o.model.source(),
                               " sets DeepSeek Sparse Attention, whose forms compare runs for "
                               "their agreement, bytes and memory closed form only, and ");
@@ -261,8 +263,8 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
   t << "laga compare (DSA): " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq << ", sp "
     << o.sp << " (" << layout.describe() << "), " << to_string(o.precision)
     << (o.precision == Precision::bf16
-            ? " (the closed form at bf16's wire; some DSA collectives still move fp32, so "
-              "labels differ: docs/forms.md, \"DSA in bf16\")"
+            ? " (bf16 on the wire; the int32 indices and the fp32 KL target at 4 bytes, as "
+              "dsa_predict_comm: docs/forms.md, \"DSA in bf16\")"
             : "")
     << ", stage " << to_string(stage) << (docs ? ", documents " + docs->describe() : std::string())
     << ", comm " << to_string(o.comm.backend) << "\n"

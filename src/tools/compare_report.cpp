@@ -206,6 +206,16 @@ std::string compare_table(const CompareResult& r) {
       << to_string(flash_bf16_isa())
       << ") workspace, pool tensors while their op runs (docs/accounting.md, \"bf16 operand "
          "copies and attention scratch\")\n";
+  if (o.device != Device::cpu) {
+    s << "  device peak per rank on " << to_string(o.device)
+      << " (mla/device_peak_prediction.hpp): the pool's working peak (fwd+bwd or grad "
+         "all-reduce) + what the backend keeps per rank thread in a size laga chooses"
+      << (o.device == Device::cuda ? " (the cuBLASLt workspace; cuDNN's is measured only)" : "")
+      << "\n";
+    for (const FormResult& f : r.results)
+      s << "    " << to_string(f.form) << ": " << mb(f.device_peak) << " (kept "
+        << mb(f.device_kept_predicted) << "), model " << mb(f.predicted_device_peak) << "\n";
+  }
   for (const FormResult& f : r.results) {
     s << "  " << to_string(f.form) << " at its peak (rank " << f.peak_rank << ", model):";
     int shown = 0;
@@ -345,6 +355,9 @@ std::string compare_json(const CompareResult& r) {
     g["predicted_peak_comm_buffer_bytes"] = f.predicted_peak_comm_buffers;
     g["peak_grad_sync_bytes"] = f.peak_grad_sync;
     g["predicted_peak_grad_sync_bytes"] = f.predicted_peak_grad_sync;
+    g["device_peak_bytes"] = f.device_peak;
+    g["predicted_device_peak_bytes"] = f.predicted_device_peak;
+    g["device_kept_predicted_bytes"] = f.device_kept_predicted;
     g["predicted_saved_after_forward_bytes"] = f.saved_after_forward;
     g["parameter_bytes"] = f.parameters;
     g["gradient_bytes"] = f.gradients;

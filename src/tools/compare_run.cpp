@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/threads.hpp"
 #include "mla/comm_model.hpp"
+#include "mla/device_peak_prediction.hpp"
 #include "mla/form_registry.hpp"
 #include "mla/runner.hpp"
 #include "mla/work_model.hpp"
@@ -360,6 +361,12 @@ FormResult summarise(const Job& j, size_t fi, const std::vector<Key>& keys,
       f.saved_after_forward = mp.after_forward;
     }
     f.predicted_peak = std::max(f.predicted_peak, mp.forward_backward.bytes);
+    const DevicePeakPrediction on_device =
+        device_peak_prediction(j.o.device, rec.last.memory.peak_working);
+    const DevicePeakPrediction modelled = device_peak_prediction(j.o.device, mp.peak_working);
+    f.device_peak = std::max(f.device_peak, on_device.predicted());
+    f.predicted_device_peak = std::max(f.predicted_device_peak, modelled.predicted());
+    f.device_kept_predicted = modelled.cublaslt_workspace;
     f.peak_activations = std::max(f.peak_activations, rec.last.memory.peak_activations);
     f.predicted_peak_activations = std::max(f.predicted_peak_activations, mp.peak_activations);
     f.peak_comm_buffers = std::max(f.peak_comm_buffers, rec.last.memory.peak_comm_buffers);

@@ -9,8 +9,10 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/memory_pool.hpp"
 #include "cuda/sparse_attention.hpp"
 #include "mla/op_table.hpp"
+#include "mla/ops_sparse.hpp"
 
 namespace laga::ops {
 namespace {
@@ -101,10 +103,74 @@ TEST(CudaSparseAttention, EntryPointsRefuseBeforeAnyDeviceCall) {
   s = SparseAttnShape{v32_heads().attn, 0};
   try {
     cuda::sparse_attention_backward<bf16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                          nullptr, nullptr, nullptr, nullptr);
+                                          nullptr, nullptr, nullptr, nullptr, nullptr, 0);
     ADD_FAILURE() << "K 0 was taken";
   } catch (const Error& e) {
     EXPECT_TRUE(has(e.what(), "K (slots per query row, index_topk) must be positive, got 0"))
+        << e.what();
+  }
+}
+
+// Issue 52: count-only predicts the device peak. The rows' scratch (the
+// selection's device copy; the backward's D, sort keys, key offsets and
+// cub's storage) is their workspace, which the op layer makes a pool tensor
+// before it asks whether the call computes: a count-only run through the
+// CUDA rows holds it, at V3.2's latent S 32k 1.38 GB in backward. The bytes
+// below are written out from the kernel's buffers (sparse_attention.cu), not
+// read from the description; on main the count-only run held none of them.
+TEST(CudaSparseAttention, CountOnlyRunHoldsTheRowsScratch) {
+  register_kernel_rows(Device::cuda, cuda_kernel_rows());
+  const UseDevice on_cuda(Device::cuda);
+  MemoryPool pool;
+  pool.set_count_only(true);
+  pool.set_live_tracking(true);
+  const PoolScope scope(pool);
+  const OpShape v = v32_latent();
+  const SparseAttnShape s{v.attn, v.k};
+  const std::int64_t B = 1, Sq = 32768, Sk = 32768, Hq = 128, K = 2048;
+  const std::int64_t selection = 4 * B * Sq * K;  // int32 (B, Sq, K), a multiple of 256
+  const std::int64_t delta = 4 * B * Hq * Sq, keys = 2 * 8 * B * Sq * K;
+  const std::int64_t offsets = (8 * (B * Sk + 1) + 255) / 256 * 256;
+  // cub's storage: its onesweep bins, lookback and counters for 2^26 keys of
+  // 31 bits (the sentinel B Sk Sq = 2^30), 18 MB here; a bound, not a figure
+  // (cub's tuning picks it), so only its range is held here; its part is
+  // rounded to 256 bytes as every part is.
+  const std::int64_t sort = (cuda::sparse_sort_storage_bound(B * Sq * K, 31) + 255) / 256 * 256;
+  EXPECT_EQ(cuda::sparse_sort_key_bits(s), 31);
+  EXPECT_GT(sort, 4 * 256 * 8);             // at least the bins of 4 passes of 256 digits
+  EXPECT_LT(sort, std::int64_t(32) << 20);  // far below one key buffer (512 MiB)
+
+  ops::sparse_attention_forward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
+  EXPECT_EQ(pool.peak_working(), selection);
+  EXPECT_EQ(pool.current_total(), 0);
+  pool.reset_peaks();
+  ops::sparse_attention_backward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr, nullptr);
+  const std::int64_t backward = selection + delta + keys + offsets + sort;
+  EXPECT_EQ(pool.peak_working(), backward);
+  EXPECT_GT(backward, std::int64_t(1'370'000'000));  // the header's 1.38 GB
+  EXPECT_NE(pool.working_peak_snapshot().where.find("sparse attention scratch"), std::string::npos)
+      << pool.working_peak_snapshot().where;
+  EXPECT_EQ(pool.current_total(), 0);
+  // The description the rows and the kernel read says the same.
+  EXPECT_EQ(cuda::sparse_attention_scratch(s, true).total(), backward);
+  EXPECT_EQ(cuda::sparse_attention_scratch(s, false).total(), selection);
+}
+
+// The backward refuses a scratch smaller than the description, naming both
+// sizes, before any device call.
+TEST(CudaSparseAttention, BackwardRefusesAShortScratch) {
+  const OpShape v = v32_heads();
+  const SparseAttnShape s{v.attn, v.k};
+  const std::int64_t need = cuda::sparse_attention_scratch(s, true).backward_part();
+  char byte = 0;
+  try {
+    cuda::sparse_attention_backward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                           nullptr, nullptr, nullptr, nullptr, &byte, need - 1);
+    ADD_FAILURE() << "a short scratch was taken";
+  } catch (const Error& e) {
+    EXPECT_TRUE(
+        has(e.what(), cat("a scratch of ", need - 1, " bytes where the shape needs ", need)))
         << e.what();
   }
 }

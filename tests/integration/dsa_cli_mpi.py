@@ -15,11 +15,14 @@ rank with one head), in float64 with --backward:
 And one dense-warm-up case, and bad input refused under MPI with the same
 one message on every rank (--seq-layout zigzag, ring_latent which the
 engine does not run). And bf16 (docs/forms.md, "DSA in bf16"): laga_indices
-at P 2 under mpirun against explicit at P 1 in bf16 within the bf16 bounds
-(out 20 u, dx, gradients and KL 40 u of each tensor's largest element, u =
-2^-8; mla/ops_bf16.hpp), the same selection, MPI == local byte for byte
-(its ledger is not held to the closed form: some DSA collectives still move
-fp32 under bf16, docs/forms.md "DSA in bf16").
+at P 2 under mpirun, and every form at P 3 in-process, against explicit at
+P 1 in bf16 within the bf16 bounds (out 20 u, dx, gradients and KL 40 u of
+each tensor's largest element, u = 2^-8; mla/ops_bf16.hpp), the same
+selection, each rank's ledger its closed form at bf16's wire (bf16
+activations, int32 indices and the fp32 KL target at 4 bytes) and the
+tool's line saying so, MPI == local byte for byte; and `laga compare` in
+bf16 at S 48, P 3, where the selection turns on the indexer's rounding:
+every form's selection explicit's at P 1.
 usage: dsa_cli_mpi.py LAGA MPIEXEC TMPDIR
 """
 import json
@@ -112,6 +115,7 @@ for form, P, stage, docs in cases:
 
 # bf16 mixed precision.
 U = 2.0 ** -8
+bf_failures = len(failures)
 bf = ["forward", "--config", CONFIG, "--batch", "2", "--seq", "23", "--backward", "--dtype",
       "bf16", "--seed", "3"]
 ref_bf = os.path.join(tmp, "ref_bf16.st")
@@ -121,19 +125,39 @@ paths = [os.path.join(tmp, f"{c}_bf16.st") for c in ("mpi", "local")]
 r1 = run(bf + ["--form", "laga_indices", "--sp", "2", "--comm", "mpi", "--output", paths[0]], P=2)
 r2 = run(bf + ["--form", "laga_indices", "--sp", "2", "--output", paths[1]])
 check(r1.returncode == 0 and r2.returncode == 0, f"bf16 laga_indices: {r1.stderr} {r2.stderr}")
-if r.returncode == 0 and r1.returncode == 0 and r2.returncode == 0:
-    got, meta = load(paths[0])
+bf_runs = [("laga_indices P 2 (mpirun)", 2, paths[0], r1)]
+for f in forms:
+    path = os.path.join(tmp, f"local_{f}_3_bf16.st")
+    rf = run(bf + ["--form", f, "--sp", "3", "--output", path])
+    check(rf.returncode == 0, f"bf16 {f} P 3: {rf.stderr}")
+    bf_runs.append((f"{f} P 3", 3, path, rf))
+if r.returncode == 0:
     want = load(ref_bf)[0]
-    for k in sorted(want):
-        a, b = np.asarray(got[k]), np.asarray(want[k])
-        if k == "idx":
-            check(np.array_equal(a, b), "bf16: the selection differs from explicit's")
+    for name, P, path, rf in bf_runs:
+        if rf.returncode:
             continue
-        bound = (20 if k == "out" else 40) * U * max(float(np.max(np.abs(b))), 1e-30)
-        check(float(np.max(np.abs(a - b))) <= bound, f"bf16 laga_indices P 2: {k} past its bound")
+        got, meta = load(path)
+        for k in sorted(want):
+            a, b = np.asarray(got[k]), np.asarray(want[k])
+            if k == "idx":
+                check(np.array_equal(a, b), f"bf16 {name}: the selection differs from explicit's")
+                continue
+            bound = (20 if k == "out" else 40) * U * max(float(np.max(np.abs(b))), 1e-30)
+            check(float(np.max(np.abs(a - b))) <= bound, f"bf16 {name}: {k} past its bound")
+        ledger = json.loads(meta["ledger"])
+        check(len(ledger) == P and all(
+            l["labels"] > 0 and l["labels_differing"] == 0 and l["sent"] == l["predicted_sent"]
+            and l["received"] == l["predicted_received"] for l in ledger),
+            f"bf16 {name}: a rank's ledger is not its closed form at bf16's wire: {ledger}")
+        said = [l for l in rf.stdout.splitlines() if l.startswith("rank ")]
+        check(len(said) == P and all("each equal to dsa_predict_comm" in l for l in said),
+              f"bf16 {name}: the tool does not say each rank's ledger is exact: {said}")
+if r.returncode == 0 and r1.returncode == 0 and r2.returncode == 0:
     with open(paths[0], "rb") as fa, open(paths[1], "rb") as fb:
         check(fa.read() == fb.read(), "bf16: the MPI and local files differ")
-    print("ok: bf16 laga_indices P 2 (mpirun) within the bf16 bounds of explicit P 1")
+if len(failures) == bf_failures:
+    print("ok: bf16 laga_indices P 2 (mpirun) and every form at P 3 within the bf16 bounds of "
+          "explicit P 1, each rank's ledger = dsa_predict_comm at bf16's wire")
 
 # `laga compare` on the DSA config, in-process (P 3, packed) and under mpirun
 # (P 2): a row per DSA form (ring_latent's closed form only), each run form
@@ -159,6 +183,31 @@ for P, comm, docs in ((3, "local", ["--doc-lens", "5,40,3"]), (2, "mpi", [])):
               and row["memory_peak_closed_form"] > 0,
               f"compare {comm} P {P} {f}: {row}")
     print(f"ok: compare {comm} P {P}: {len(forms)} DSA forms agree, ledgers = closed form")
+
+# bf16, `laga compare` at S 48, P 3, in-process: where scoring from unrounded
+# index values and from the values the bf16 wire rounded selects other keys
+# (laga_recompute's selection differed from explicit's at P 1 here before
+# the indexer's values were rounded where made: docs/forms.md, "DSA in
+# bf16"), every form selects as explicit at P 1 in bf16, within the bf16
+# bounds (out 20 u, the rest 40 u of the reference's scale), its ledger its
+# closed form at bf16's wire.
+cmp_failures = len(failures)
+r = run(["compare", "--config", CONFIG, "--seq", "48", "--sp", "3", "--dtype", "bf16",
+         "--quiet", "--json", "-"])
+check(r.returncode == 0, f"compare bf16 P 3: {r.stderr}")
+if r.returncode == 0:
+    rows = {row["form"]: row for row in json.loads(r.stdout)["dsa_forms"]}
+    for f in forms:
+        row = rows.get(f, {})
+        d = row.get("max_abs_diff", {})
+        check(d.get("idx_equal") is True, f"compare bf16 P 3 {f}: the selection differs: {row}")
+        check(row.get("ledger_equals_closed_form") is True
+              and all(d[k] <= (20 if k == "out" else 40) * U
+                      * max(1e-30, row["reference_max_abs"][k])
+                      for k in ("out", "dx", "grads", "kl_loss")),
+              f"compare bf16 P 3 {f}: {row}")
+if len(failures) == cmp_failures:
+    print(f"ok: compare bf16 P 3 S 48: {len(forms)} DSA forms select as explicit P 1")
 
 # Given weights and input (--weights, --input): the MLA's and the indexer's
 # tensors under DeepSeek's names (the indexer's also under Hugging Face's

@@ -24,6 +24,7 @@
 #include "common/error_of.hpp"
 #include "common/variants.hpp"
 #include "core/device.hpp"
+#include "mla/device_peak_prediction.hpp"
 #include "mla/memory_model.hpp"
 #include "mla/op_table.hpp"
 #include "mla/ops.hpp"
@@ -157,6 +158,19 @@ TEST(EmulatedDevice, DevicePoolPeakIsTheMemoryModel) {
           EXPECT_EQ(rep.memory.gradients, p.gradients) << tag;
         }
       }
+  }
+}
+
+// The device peak a count-only run predicts (mla/device_peak_prediction.hpp,
+// which laga compare and laga_cuda_forms read): on cuda the pool's working
+// peak plus one cuBLASLt workspace, 32 MiB, per rank thread (the size
+// cuda::GemmContext allocates: cuda_test_gemm_lt); elsewhere the pool's.
+TEST(DevicePeak, CudaAddsOneCublasLtWorkspaceToThePool) {
+  EXPECT_EQ(device_peak_prediction(Device::cuda, 1000).predicted(), 1000 + 33554432);
+  EXPECT_EQ(device_peak_prediction(Device::cuda, 1000).cublaslt_workspace, 33554432);
+  for (Device d : {Device::cpu, Device::emulated}) {
+    EXPECT_EQ(device_peak_prediction(d, 1000).predicted(), 1000) << to_string(d);
+    EXPECT_EQ(device_peak_prediction(d, 1000).cublaslt_workspace, 0) << to_string(d);
   }
 }
 

@@ -1,15 +1,21 @@
 // DeepSeek Sparse Attention in bf16 mixed precision (docs/forms.md, "DSA in
-// bf16"): the DSA forms at P 2 (uneven shards) under UsePrecision(bf16) --
-// the latent gather, explicit, LAGA with indices moved and recomputed --
-// against single-rank dsa_block in bf16: every rank's out, dx and selection,
-// the summed weight gradients and the indexer's KL and its gradients; the
-// block in bf16 against fp32 in the dense warm-up (no selection to differ);
+// bf16"): the DSA forms at P 2, 3 and 4 (uneven shards and heads) under
+// UsePrecision(bf16) -- the latent gather, explicit, LAGA with indices
+// moved and recomputed -- against single-rank dsa_block in bf16: every
+// rank's out, dx and selection, the summed weight gradients and the
+// indexer's KL and its gradients, and every rank's ledger against
+// dsa_predict_comm at bf16's wire ("On the wire": bf16 activations, the
+// indices and the KL target at 4 bytes), also on a case (S 48) where the
+// selection turns on bf16's rounding of the indexer's values, which every
+// form and the block round where they are made; explicit's selection past bf16's
+// integers (S 300) attended as selected; the block in bf16 against fp32 in
+// the dense warm-up (no selection to differ);
 // and the indexer's top-k on bf16 values: two keys that differ in fp32 below
 // bf16's resolution tie in bf16, and the tie rule gives the lower key, the
 // same for every split of the query rows.
 //
 // The bounds are the block's (mla/ops_bf16.hpp, "what a bf16 block run
-// meets", relative to each tensor's largest element): a form at P 2 against
+// meets", relative to each tensor's largest element): a form at P > 1 against
 // the block, two bf16 runs that round at different places (a form rounds
 // its own operands: per-head k and v or the latent c, and its GEMMs' rows
 // differ with the rank's row count), within bf16_bound_between_runs: out
@@ -21,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,30 +110,46 @@ struct Inputs {
   DsaIndexerParams<float> iw;
   std::vector<float> x, dout;
   std::int64_t B = 2, S = 11;
-  Inputs() {
+  std::uint64_t x_seed = 7;  // x's; dout's is the next
+  explicit Inputs(std::int64_t batch = 2, std::int64_t seq = 11, std::uint64_t seed = 7)
+      : B(batch), S(seq), x_seed(seed) {
     init_params(w, 5, 0.1);
     iw = test::dsa_indexer_weights<float>(cfg, 40);
-    x = test::random_vector<float>(B * S * cfg.dim, 7);
-    dout = test::random_vector<float>(B * S * cfg.dim, 8);
+    x = test::random_vector<float>(B * S * cfg.dim, x_seed);
+    dout = test::random_vector<float>(B * S * cfg.dim, x_seed + 1);
   }
   DsaBlockResult<float> block(DsaStage stage) const {
     return dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
   }
 };
 
-void check_form_bf16(Form form, DsaStage stage) {
-  const Inputs in;
+DsaForm dsa_form_of(Form f) {
+  return f == Form::latent_gather    ? DsaForm::latent_gather
+         : f == Form::explicit_heads ? DsaForm::explicit_form
+         : f == Form::laga_indices   ? DsaForm::laga_indices
+                                     : DsaForm::laga_recompute;
+}
+
+// The uneven splits (S 11, H 4) the forms run at: P 2, 3 and 4 (a rank of
+// one token, and one with no head).
+struct Split {
+  std::vector<std::int64_t> tokens, heads;
+};
+const std::vector<Split> kSplits = {
+    {{6, 5}, {3, 1}}, {{5, 2, 4}, {2, 1, 1}}, {{3, 3, 1, 4}, {1, 2, 1, 0}}};
+
+void check_form_bf16(Form form, DsaStage stage, const Split& split, const Inputs& in = Inputs()) {
   const MlaConfig& cfg = in.cfg;
   const std::int64_t B = in.B, S = in.S, D = cfg.dim, K = cfg.index_topk;
   const UsePrecision bf16(Precision::bf16);
   const DsaBlockResult<float> want = in.block(stage);
-  const std::vector<std::int64_t> counts{6, 5};
-  const SpLayout lay = SpLayout::custom(B, counts, {3, 1});
-  std::vector<MemoryPool> pools(2);
+  const SpLayout lay = SpLayout::custom(B, split.tokens, split.heads);
+  const int P = lay.ranks;
+  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
   LocalRunOptions options;
   options.pools = &pools;
-  std::vector<DsaBlockResult<float>> got(2);
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(2);
+  std::vector<DsaBlockResult<float>> got(static_cast<std::size_t>(P));
+  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
   run_local_ranks(
       comms,
       [&](Communicator& comm) {
@@ -140,17 +163,16 @@ void check_form_bf16(Form form, DsaStage stage) {
         else if (form == Form::explicit_heads)
           g = dsa_explicit(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, comm);
         else
-          g = dsa_laga(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage,
-                       form == Form::laga_indices ? DsaForm::laga_indices : DsaForm::laga_recompute,
-                       comm);
+          g = dsa_laga(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, dsa_form_of(form), comm);
       },
       options);
-  const std::string what =
-      std::string(name_of(form)) + " bf16 P 2 " + lay.describe() + " " + to_string(stage);
+  const std::string what = std::string(name_of(form)) + " bf16 B " + std::to_string(B) + " S " +
+                           std::to_string(S) + " x seed " + std::to_string(in.x_seed) + " P " +
+                           std::to_string(P) + " " + lay.describe() + " " + to_string(stage);
   DsaBlockResult<float> sum;
   sum.grads = MlaParams<float>::zeros(cfg, MemCategory::gradients);
   sum.indexer_grads = DsaIndexerParams<float>::zeros(cfg);
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < P; ++r) {
     const DsaBlockResult<float>& g = got[std::size_t(r)];
     const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
     const std::string wr = what + " rank " + std::to_string(r);
@@ -158,19 +180,91 @@ void check_form_bf16(Form form, DsaStage stage) {
     EXPECT_TRUE(within(wr + " dx", g.dx, test::dsa_rows(want.dx, B, S, D, s0, L), kGradBetween));
     EXPECT_EQ(g.idx, test::dsa_rows(want.idx, B, S, K, s0, L)) << wr << " selection";
     test::dsa_add_grads(sum, g);
+    // The ledger: dsa_predict_comm at bf16's wire, label for label (bf16
+    // activations and their gradients, the indices and the KL target at 4
+    // bytes: docs/forms.md, "bf16 on the wire for the DSA forms").
+    const CommPrediction p = dsa_predict_comm(
+        cfg, *DsaConfig::of(cfg), lay, dsa_form_of(form), r,
+        wire_element_bytes(Precision::bf16, GradReduce::fp32, sizeof(float)), true, false, stage);
+    test::dsa_expect_ledger(wr, comms[std::size_t(r)]->ledger(), p);
   }
   expect_sum_within(what, sum, want, kGradBetween);
 }
 
-TEST(DsaBf16, FormsAtP2EqualSingleRankBf16Sparse) {
+TEST(DsaBf16, FormsAtP2To4EqualSingleRankBf16Sparse) {
   for (Form f :
        {Form::latent_gather, Form::explicit_heads, Form::laga_indices, Form::laga_recompute})
-    check_form_bf16(f, DsaStage::sparse);
+    for (const Split& split : kSplits) check_form_bf16(f, DsaStage::sparse, split);
 }
-TEST(DsaBf16, FormsAtP2EqualSingleRankBf16DenseWarmup) {
+TEST(DsaBf16, FormsAtP2To4EqualSingleRankBf16DenseWarmup) {
   for (Form f :
        {Form::latent_gather, Form::explicit_heads, Form::laga_indices, Form::laga_recompute})
-    check_form_bf16(f, DsaStage::dense_warmup);
+    for (const Split& split : kSplits) check_form_bf16(f, DsaStage::dense_warmup, split);
+}
+
+// Where rounding decides the selection: S 48, B 1, inputs of seeds 41 and
+// 61, at P 2, 3 and 4 (uneven tokens and heads), sparse. Here two keys'
+// scores lie within bf16's rounding of q_I, k_I or w: scored from
+// unrounded values (the block's own rows) and from the values the bf16 wire
+// delivered (a form's gathered k_I, laga_recompute's gathered query latent
+// and w), they select differently -- on the code before the indexer's values
+// were rounded where made, seed 41 moved every form's selection off the
+// block's (out 1.02 of max|out| 2.40 away), seed 61 laga_recompute's alone.
+// With them bf16 values at their source (dsa_index_values_as_stored,
+// mla/dsa_rows.hpp), every form equals the block: the selection exactly,
+// the rest within the bounds above (check_form_bf16).
+TEST(DsaBf16, FormsSelectAsTheBlockWhereRoundingDecides) {
+  const std::vector<Split> splits = {
+      {{20, 28}, {3, 1}}, {{17, 5, 26}, {2, 1, 1}}, {{9, 14, 1, 24}, {1, 2, 1, 0}}};
+  for (std::uint64_t seed : {41, 61}) {
+    const Inputs in(1, 48, seed);
+    for (Form f :
+         {Form::latent_gather, Form::explicit_heads, Form::laga_indices, Form::laga_recompute})
+      for (const Split& split : splits) check_form_bf16(f, DsaStage::sparse, split, in);
+  }
+}
+
+// The selection crosses intact past bf16's integers (exact to 256): at S 300
+// explicit gathers every rank's top-k indices (topk_ag, as 4-byte words)
+// and attends what they name; rounded to bf16 on the wire, key 257 would
+// come back as 256. Its output equals laga_indices' (whose indices move as
+// int32) within the bound between two bf16 runs, and the two select alike
+// (both score their rows against the same gathered k_I).
+TEST(DsaBf16, ExplicitSelectionPastBf16IntegersArrivesIntact) {
+  const MlaConfig cfg = bf16_config();
+  MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  init_params(w, 5, 0.1);
+  const DsaIndexerParams<float> iw = test::dsa_indexer_weights<float>(cfg, 40);
+  const std::int64_t B = 1, S = 300, D = cfg.dim;
+  const std::vector<float> x = test::random_vector<float>(B * S * D, 7);
+  const UsePrecision bf16(Precision::bf16);
+  const SpLayout lay = SpLayout::custom(B, {140, 160}, {3, 1});
+  std::vector<MemoryPool> pools(2);
+  LocalRunOptions options;
+  options.pools = &pools;
+  std::vector<DsaBlockResult<float>> ex(2), li(2);
+  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(2);
+  run_local_ranks(
+      comms,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        const std::vector<float> xr =
+            test::dsa_rows(x, B, S, D, lay.shard_begin(r), lay.seq_count[std::size_t(r)]);
+        ex[std::size_t(r)] = dsa_explicit(cfg, w, iw, xr.data(), static_cast<const float*>(nullptr),
+                                          lay, DsaStage::sparse, comm);
+        li[std::size_t(r)] = dsa_laga(cfg, w, iw, xr.data(), static_cast<const float*>(nullptr),
+                                      lay, DsaStage::sparse, DsaForm::laga_indices, comm);
+      },
+      options);
+  bool past_256 = false;
+  for (int r = 0; r < 2; ++r) {
+    const std::string what = "S 300 rank " + std::to_string(r);
+    EXPECT_EQ(ex[std::size_t(r)].idx, li[std::size_t(r)].idx) << what << " selection";
+    for (std::int32_t j : ex[std::size_t(r)].idx) past_256 |= j > 256 && (j & 1);
+    EXPECT_TRUE(within(what + " explicit out", ex[std::size_t(r)].out, li[std::size_t(r)].out,
+                       kOutBetween));
+  }
+  EXPECT_TRUE(past_256) << "no selected key that bf16 cannot hold: the case tests nothing";
 }
 
 // The block in bf16 against fp32, in the dense warm-up (every causal key, so

@@ -727,6 +727,7 @@ TEST(OpTable, EveryOpOnEveryBackendAgainstTheReference) {
         check_rope(dev, d, tag);
         for (bool latent : {false, true}) check_sparse(dev, d, latent, tag);
         check_dsa_indexer(dev, d, tag);
+        check_kv_fp8_round_trip(dev, d, tag);
       }
     });
     // No switch selects a data-movement row: once per device.

@@ -87,15 +87,30 @@ std::vector<std::string> names_of(const LmParams<double>& w) {
   return n;
 }
 
-// (loss, every gradient by name) of one forward+backward on P local ranks.
+// The MoE layers' moe_dispatch all-to-alls of a run, over every rank: the
+// calls and the bytes sent (the folded placement's token copies to their
+// experts' ranks; every_rank issues none).
+struct Dispatched {
+  std::int64_t calls = 0, bytes = 0;
+};
+
+// (loss, every gradient by name) of one forward+backward on P local ranks;
+// with `dispatched`, what its moe_dispatch calls moved.
 test::LossAndGrads run(const LmConfig& cfg, int P, const Batch& bt, Form form = Form::laga,
-                       ExpertPlacement experts = ExpertPlacement::every_rank,
-                       int expert_degree = 0) {
-  return test::loss_and_grads(cfg, form, AttentionKind::eager, P, bt, test_params,
-                              [&](LmContext& ctx) {
-                                ctx.experts = experts;
-                                ctx.expert_degree = expert_degree;
-                              });
+                       ExpertPlacement experts = ExpertPlacement::every_rank, int expert_degree = 0,
+                       Dispatched* dispatched = nullptr) {
+  std::mutex mu;
+  return test::loss_and_grads(
+      cfg, form, AttentionKind::eager, P, bt, test_params, [&](LmContext& ctx) {
+        ctx.experts = experts;
+        ctx.expert_degree = expert_degree;
+        if (!dispatched) return;
+        ctx.comm.set_observer([&mu, dispatched](const CollectiveEvent& e) {
+          if (e.what != CollectiveEvent::What::issued || e.label != "moe_dispatch") return;
+          std::lock_guard<std::mutex> lock(mu);
+          ++dispatched->calls, dispatched->bytes += e.bytes.sent;
+        });
+      });
 }
 
 TEST(ModelMoe, ParametersNamesShapesAndCounts) {
@@ -214,6 +229,10 @@ TEST(ModelMoe, FiniteDifferencesEveryParameterDouble) {
 // at P 2, and with the experts folded onto the ranks (expert parallelism) at
 // P 2, 3 and 4 (6 experts: 3, 2 and 1 or 2 per rank; uneven shards of S 7),
 // and in EP groups of 2 at P 4 (two groups, each holding all 6 experts).
+// Every placement gives the same numbers, so the placement is checked as
+// run, not ignored: folded runs dispatch tokens (moe_dispatch bytes), every
+// rank runs none, and EP 2 at P 4 moves other bytes than EP 4 (its tokens go
+// to the 2 ranks of their group only).
 TEST(ModelMoe, EveryFormAndPlacementMatchesP1) {
   const LmConfig cfg = moe_tiny();
   const Batch bt = batch(cfg);
@@ -227,16 +246,27 @@ TEST(ModelMoe, EveryFormAndPlacementMatchesP1) {
                                         {ExpertPlacement::folded, 3, 0},
                                         {ExpertPlacement::folded, 4, 0},
                                         {ExpertPlacement::folded, 4, 2}};
+  std::map<int, std::int64_t> dispatched_at_p4;  // by EP degree (0: 4)
   for (const auto& [experts, P, degree] : cases)
     for (Form f : all_forms()) {
       if (P == 4 && f != Form::laga) continue;  // 4 ranks: one form is enough
       SCOPED_TRACE(cat(to_string(f), " P ", P, " experts ", to_string(experts), " EP ",
                        degree == 0 ? P : degree));
-      const auto got = run(cfg, P, bt, f, experts, degree);
+      Dispatched moved;
+      const auto got = run(cfg, P, bt, f, experts, degree, &moved);
       EXPECT_NEAR(got.first, ref.first, 1e-13);
       for (const auto& [name, v] : ref.second)
         EXPECT_TRUE(test::all_close(name, got.second.at(name), v, 1e-12, 1e-9));
+      if (experts == ExpertPlacement::every_rank) {
+        EXPECT_EQ(moved.calls, 0) << "every rank runs every expert: nothing to dispatch";
+      } else {
+        EXPECT_GT(moved.calls, 0) << "folded experts, and no token was dispatched to them";
+        EXPECT_GT(moved.bytes, 0);
+      }
+      if (P == 4) dispatched_at_p4[degree] = moved.bytes;
     }
+  EXPECT_NE(dispatched_at_p4.at(2), dispatched_at_p4.at(0))
+      << "EP 2 at P 4 moved what EP 4 moves: the EP degree was not run";
 }
 
 // The paper's "temporally separated, never contending" (§3.4): with laga's

@@ -7,7 +7,11 @@ usable GPU: CI's; tools_cuda_backend_module holds the module's other errors,
 and what runs where there is a GPU). An unknown device is refused naming the value;
 --device cpu runs as before. --device emulated runs the device code path on
 the CPU: verify passes every form on it against the CPU reference, and
-forward's output and gradients are the CPU's byte for byte.
+forward's output and gradients are the CPU's byte for byte. compare's device
+peak (mla/device_peak_prediction.hpp) is the pool's working peak plus what the
+backend keeps per rank thread (none on emulated; the cuBLASLt workspace on
+cuda, mla_test_device_emulated's DevicePeak test), count-only equal to the
+model's, in its JSON and its table.
 
 usage: test_device_option.py LAGA CUDA_BUILT(ON|OFF)
 """
@@ -71,6 +75,29 @@ with tempfile.TemporaryDirectory() as tmp:
             outs[device] = f.read()
     if len(outs) == 2 and outs["cpu"] != outs["emulated"]:
         failures.append("forward --device emulated: its output file differs from --device cpu's")
+
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "c.json")
+    r = run("compare", "--device", "emulated", "--count-only", "--preset", "tiny", "--seq", "13",
+            "--sp", "3", "--forms", "explicit,laga", "--json", path, "--quiet")
+    if r.returncode != 0:
+        failures.append(f"compare --device emulated --count-only: rc {r.returncode}: {r.stderr!r}")
+    else:
+        import json
+        with open(path) as f:
+            doc = json.load(f)
+        forms = doc.get("forms") or []
+        if not forms:
+            failures.append(f"compare --json: no per-form list in {sorted(doc)}")
+        for g in forms:
+            want = max(g["peak_activation_bytes"], g["peak_grad_sync_bytes"])
+            got = (g.get("device_peak_bytes"), g.get("predicted_device_peak_bytes"),
+                   g.get("device_kept_predicted_bytes"))
+            if got != (want, want, 0) or want <= 0:
+                failures.append(f"compare --device emulated --count-only {g.get('form')}: device "
+                                f"peak, model, kept {got}, want ({want}, {want}, 0)")
+        if "device peak per rank on emulated" not in r.stdout:
+            failures.append(f"compare --device emulated: no device peak line in {r.stdout[-1500:]!r}")
 
 for f in failures:
     print("FAIL:", f)
