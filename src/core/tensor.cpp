@@ -269,5 +269,6 @@ void Tensor<T>::fill(T value) {
 template class Tensor<float>;
 template class Tensor<double>;
 template class Tensor<bf16>;  // zeros() is +0 in bf16 too: all bits clear
+template class Tensor<std::int32_t>;
 
 }  // namespace laga

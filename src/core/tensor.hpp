@@ -1,6 +1,6 @@
-// Tensor<T> — a contiguous, row-major array of float, double or bf16 (a
+// Tensor<T> — a contiguous, row-major array of float, double, bf16 (a
 // storage type only, core/bf16.hpp: mixed-precision activations and weight
-// copies): owning, or a view of rows of another (Tensor::view_rows).
+// copies) or int32 (index tensors): owning, or a view of rows of another (Tensor::view_rows).
 //
 // Bytes are registered with the MemoryPool current on the allocating thread,
 // under a MemCategory, and unregistered with that same pool when the tensor is
@@ -144,9 +144,13 @@ class Tensor {
 using TensorF = Tensor<float>;
 using TensorD = Tensor<double>;
 using TensorB16 = Tensor<bf16>;
+// int32: index tensors (DSA's top-k selection, mla/dsa_cp.hpp), counted as
+// the activations they sit beside.
+using TensorI32 = Tensor<std::int32_t>;
 
 extern template class Tensor<float>;
 extern template class Tensor<double>;
 extern template class Tensor<bf16>;
+extern template class Tensor<std::int32_t>;
 
 }  // namespace laga

@@ -42,11 +42,6 @@ namespace {
 // DeepSeek's LayerNorm (model.py): eps 1e-6.
 constexpr double kIndexerNormEps = 1e-6;
 
-template <class T>
-std::vector<T> buffer(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), T(0));
-}
-
 }  // namespace
 
 template <class T>
@@ -54,8 +49,10 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
                                              const T* x, const T* qr, std::int64_t N) {
   const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
                      dI = cfg.index_head_dim;
-  DsaIndexerProjections<T> p{buffer<T>(N * HI * dI), buffer<T>(N * dI), buffer<T>(N * dI),
-                             buffer<T>(N),           buffer<T>(N),      buffer<T>(N * HI)};
+  DsaIndexerProjections<T> p{
+      Tensor<T>::zeros({N * HI * dI}, "dsa index q"), Tensor<T>::zeros({N * dI}, "dsa index k_pre"),
+      Tensor<T>::zeros({N * dI}, "dsa index k"),      Tensor<T>::zeros({N}, "dsa index k_mean"),
+      Tensor<T>::zeros({N}, "dsa index k_rstd"),      Tensor<T>::zeros({N * HI}, "dsa index w")};
   ops::linear_rows(p.q.data(), qr, iw.wq_b.data(), N, rq, HI * dI);
   ops::linear_rows(p.k_pre.data(), x, iw.wk.data(), N, D, dI);
   ops::layernorm(p.k.data(), p.k_mean.data(), p.k_rstd.data(), p.k_pre.data(),
@@ -63,7 +60,7 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
   // weights_proj(x) * n_heads^-0.5, times softmax_scale = head_dim^-0.5.
   p.w_scale = 1.0 / std::sqrt(double(HI)) / std::sqrt(double(dI));
   ops::linear_rows(p.w.data(), x, iw.weights_proj.data(), N, D, HI);
-  for (T& e : p.w) e = T(double(e) * p.w_scale);
+  ops::scale(ops::mat(p.w, N, HI), p.w_scale);
   return p;
 }
 
@@ -71,18 +68,17 @@ template <class T>
 DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
                                                  const DsaIndexerParams<T>& iw, const T* x,
                                                  const T* qr, double w_scale, const T* k_pre,
-                                                 const T* k_mean, const T* k_rstd,
-                                                 std::vector<T>& dw, const T* dq, const T* dk,
-                                                 std::int64_t N) {
+                                                 const T* k_mean, const T* k_rstd, T* dw,
+                                                 const T* dq, const T* dk, std::int64_t N) {
   const std::int64_t D = cfg.dim, rq = cfg.q_lora_rank, HI = cfg.index_n_heads,
                      dI = cfg.index_head_dim;
   DsaIndexerParams<T> g = DsaIndexerParams<T>::zeros(cfg);
-  for (T& e : dw) e = T(double(e) * w_scale);
-  ops::linear_rows_backward<T>(nullptr, false, g.weights_proj.data(), dw.data(), x,
-                               iw.weights_proj.data(), N, D, HI);
+  ops::scale(ops::Mat<T>{dw, N, HI, HI}, w_scale);
+  ops::linear_rows_backward<T>(nullptr, false, g.weights_proj.data(), dw, x, iw.weights_proj.data(),
+                               N, D, HI);
   ops::linear_rows_backward<T>(nullptr, false, g.wq_b.data(), dq, qr, iw.wq_b.data(), N, rq,
                                HI * dI);
-  std::vector<T> dkpre = buffer<T>(N * dI);
+  Tensor<T> dkpre = Tensor<T>::zeros({N * dI}, "dsa index dk_pre");
   ops::layernorm_backward(dkpre.data(), g.k_norm_weight.data(), g.k_norm_bias.data(), dk, k_pre,
                           iw.k_norm_weight.data(), k_mean, k_rstd, N, dI);
   ops::linear_rows_backward<T>(nullptr, false, g.wk.data(), dkpre.data(), x, iw.wk.data(), N, D,
@@ -106,30 +102,32 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   const RopeTable table(cfg.rope(), S);
 
   DsaBlockResult<T> r;
+  // Pool tensors throughout (activations), so the block has a count-only
+  // run (tests/mla/test_dsa_memory.cpp holds its peak to a real run's).
+  auto zeros = [](std::int64_t n, const char* name) { return Tensor<T>::zeros({n}, name); };
+  auto m = [](Tensor<T>& t, std::int64_t rows, std::int64_t cols) {
+    return ops::mat(t, rows, cols);
+  };
   // ---- the MLA's projections (DeepSeek's MLA.forward)
   const DsaRowPositions at{B, S, 0, nullptr};
-  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
-  const std::vector<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
-  std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
+  DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
+  Tensor<T>&qr = own.qr, &q = own.q, &c = own.c, &k_pe = own.k_pe;
+  Tensor<T> kvb = zeros(N * H * (dn + dv), "dsa kv_b");
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
-  std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t h = 0; h < H; ++h) {
-      const T* src = kvb.data() + (t * H + h) * (dn + dv);
-      std::copy_n(src, dn, k.data() + (t * H + h) * dqk);
-      std::copy_n(k_pe.data() + t * dr, dr, k.data() + (t * H + h) * dqk + dn);
-      std::copy_n(src + dn, dv, v.data() + (t * H + h) * dv);
-    }
+  Tensor<T> k = zeros(N * H * dqk, "dsa k"), v = zeros(N * H * dv, "dsa v");
+  for (std::int64_t h = 0; h < H; ++h) {
+    const auto src = m(kvb, N, H * (dn + dv));
+    ops::copy(m(k, N, H * dqk).col_range(h * dqk, dn), src.col_range(h * (dn + dv), dn));
+    ops::copy(m(k, N, H * dqk).col_range(h * dqk + dn, dr), m(k_pe, N, dr));
+    ops::copy(m(v, N, H * dv).col_range(h * dv, dv), src.col_range(h * (dn + dv) + dn, dv));
+  }
+  kvb.reset();
 
   // ---- the lightning indexer (DeepSeek's Indexer.forward; fp8 scoring when cfg.index_fp8)
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  std::vector<T>& qI = ip.q;  // the names the rest of this function reads
-  std::vector<T>& kpre = ip.k_pre;
-  std::vector<T>& kI = ip.k;
-  std::vector<T>& k_mean = ip.k_mean;
-  std::vector<T>& k_rstd = ip.k_rstd;
-  std::vector<T>& wI = ip.w;
-  const double w_scale = ip.w_scale;
+  Tensor<T>& qI = ip.q;  // the names the rest of this function reads
+  Tensor<T>& kI = ip.k;
+  Tensor<T>& wI = ip.w;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
   dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
@@ -138,16 +136,18 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   is.topk = K;
   is.scores = index_scores_of(cfg);
   is.validate();
-  r.idx.assign(static_cast<std::size_t>(N * K), -1);
-  ops::index_topk(is, r.idx.data(), qI.data(), kI.data(), wI.data());
+  TensorI32 idx({N * K}, "dsa top-k indices");
+  idx.fill(-1);
+  ops::index_topk(is, idx.data(), qI.data(), kI.data(), wI.data());
 
   // ---- the main attention: the selected keys (sparse) or every causal key
   // (the dense warm-up), one gather kernel either way.
-  std::vector<std::int32_t> all;
-  const std::int32_t* att_idx = r.idx.data();
+  TensorI32 all;
+  const std::int32_t* att_idx = idx.data();
   std::int64_t KA = K;
   if (stage == DsaStage::dense_warmup) {
-    all.assign(static_cast<std::size_t>(N * S), -1);
+    all = TensorI32({N * S}, "dsa every causal key");
+    all.fill(-1);
     ops::index_all_causal(is, all.data());
     att_idx = all.data(), KA = S;
   }
@@ -160,111 +160,113 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   SparseAttnShape ss;
   ss.attn = AttnShape{B, S, S, H, HK, qw, vw, cfg.softmax_scale(), true};
   ss.K = KA;
-  std::vector<T> qa_abs, lat, o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * S);
-  std::vector<T> o_lat;
+  Tensor<T> qa_abs, lat, o = zeros(N * H * dv, "dsa o"), lse = zeros(B * H * S, "dsa lse");
+  Tensor<T> o_lat;
   const T *q_att = q.data(), *k_att = k.data(), *v_att = v.data();
   if (latent) {
-    qa_abs = buffer<T>(N * H * (C + dr)), lat = buffer<T>(N * (C + dr)),
-    o_lat = buffer<T>(N * H * C);
-    for (std::int64_t h = 0; h < H; ++h)  // q_nope (N, dn) W_UK[h] (dn, C) into qa_abs[:, h, :C]
-      ops::gemm_strided<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
-                           w.wkv_b.data() + h * (dn + dv) * C, C, T(0),
-                           qa_abs.data() + h * (C + dr), H * (C + dr));
-    for (std::int64_t t = 0; t < N; ++t) {
-      for (std::int64_t h = 0; h < H; ++h)
-        std::copy_n(q.data() + (t * H + h) * dqk + dn, dr,
-                    qa_abs.data() + (t * H + h) * (C + dr) + C);
-      std::copy_n(c.data() + t * C, C, lat.data() + t * (C + dr));
-      std::copy_n(k_pe.data() + t * dr, dr, lat.data() + t * (C + dr) + C);
+    qa_abs = zeros(N * H * (C + dr), "dsa absorbed q"), lat = zeros(N * (C + dr), "dsa latent");
+    o_lat = zeros(N * H * C, "dsa o_lat");
+    for (std::int64_t h = 0; h < H; ++h) {  // q_nope (N, dn) W_UK[h] (dn, C) into qa_abs[:, h, :C]
+      ops::gemm_strided<T>(false, false, N, C, dn, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                           ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                           ops::at(qa_abs.data(), h * (C + dr)), H * (C + dr));
+      ops::copy(m(qa_abs, N, H * (C + dr)).col_range(h * (C + dr) + C, dr),
+                m(q, N, H * dqk).col_range(h * dqk + dn, dr));
     }
+    ops::copy(m(lat, N, C + dr).col_range(0, C), m(c, N, C));
+    ops::copy(m(lat, N, C + dr).col_range(C, dr), m(k_pe, N, dr));
     q_att = qa_abs.data(), k_att = lat.data(), v_att = c.data();
   }
   ops::sparse_attention_forward<T>(ss, latent ? o_lat.data() : o.data(), lse.data(), q_att, k_att,
                                    v_att, att_idx);
   if (latent)
     for (std::int64_t h = 0; h < H; ++h)  // o_lat (N, C) W_UV[h]^T (C, dv)
-      ops::gemm_strided<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
-                           w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv,
-                           H * dv);
-  r.out = buffer<T>(N * D);
-  ops::linear_rows(r.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+      ops::gemm_strided<T>(false, true, N, dv, C, T(1), ops::at(o_lat.data(), h * C), H * C,
+                           ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                           ops::at(o.data(), h * dv), H * dv);
+  Tensor<T> out = zeros(N * D, "dsa output");
+  ops::linear_rows(out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL against the main attention's head-summed distribution
-  std::vector<T> p = buffer<T>(N * KA);
+  Tensor<T> p = zeros(N * KA, "dsa KL target");
   ops::sparse_attention_head_summed_probs<T>(ss, p.data(), q_att, k_att, lse.data(), att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
-  std::vector<T> dqI = buffer<T>(N * HI * dI), dkI = buffer<T>(N * dI), dwI = buffer<T>(N * HI);
+  Tensor<T> dqI = zeros(N * HI * dI, "dsa index dq"), dkI = zeros(N * dI, "dsa index dk");
+  Tensor<T> dwI = zeros(N * HI, "dsa index dw");
   ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kI.data(), wI.data(), loss.data(),
                   dqI.data(), dkI.data(), dwI.data());
   for (double l : loss) r.kl_loss += l;
+  p.reset(), qI.reset(), kI.reset(), wI.reset();
+  r.out = ops::to_vector(out);
+  r.idx = ops::to_vector(idx);
   if (!dout) return r;
 
   // ---- the indexer's weights from the KL (its input detached: no dx, no dqr)
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
-  r.indexer_grads =
-      dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
-                                   k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
+  r.indexer_grads = dsa_indexer_project_backward(cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(),
+                                                 ip.k_mean.data(), ip.k_rstd.data(), dwI.data(),
+                                                 dqI.data(), dkI.data(), N);
+  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
 
   // ---- the LM backward through the attended keys
   r.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  r.dx = buffer<T>(N * D);
-  std::vector<T> dO = buffer<T>(N * H * dv);
+  Tensor<T> dx = zeros(N * D, "dsa dx");
+  Tensor<T> dO = zeros(N * H * dv, "dsa dO");
   ops::linear_rows_backward<T>(dO.data(), false, r.grads.wo.data(), dout, o.data(), w.wo.data(), N,
                                H * dv, D);
-  std::vector<T> dq = buffer<T>(N * H * dqk), dkv = buffer<T>(N * (C + dr)), dc = buffer<T>(N * C);
+  Tensor<T> dq = zeros(N * H * dqk, "dsa dq"), dkv = zeros(N * (C + dr), "dsa dkv");
+  Tensor<T> dc = zeros(N * C, "dsa dc");
   if (!latent) {
-    std::vector<T> dk = buffer<T>(N * H * dqk), dvv = buffer<T>(N * H * dv);
+    Tensor<T> dk = zeros(N * H * dqk, "dsa dk"), dvv = zeros(N * H * dv, "dsa dv");
     ops::sparse_attention_backward<T>(ss, dq.data(), dk.data(), dvv.data(), dO.data(), q.data(),
                                       k.data(), v.data(), o.data(), lse.data(), att_idx);
-    std::vector<T> dkvb = buffer<T>(N * H * (dn + dv));
-    for (std::int64_t t = 0; t < N; ++t)
-      for (std::int64_t h = 0; h < H; ++h) {
-        T* dst = dkvb.data() + (t * H + h) * (dn + dv);
-        std::copy_n(dk.data() + (t * H + h) * dqk, dn, dst);
-        std::copy_n(dvv.data() + (t * H + h) * dv, dv, dst + dn);
-        for (std::int64_t e = 0; e < dr; ++e)  // k_pe is every head's: its gradient sums them
-          dkv[std::size_t(t * (C + dr) + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
-      }
+    Tensor<T> dkvb = zeros(N * H * (dn + dv), "dsa dkv_b");
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto dst = m(dkvb, N, H * (dn + dv));
+      ops::copy(dst.col_range(h * (dn + dv), dn), m(dk, N, H * dqk).col_range(h * dqk, dn));
+      ops::copy(dst.col_range(h * (dn + dv) + dn, dv), m(dvv, N, H * dv).col_range(h * dv, dv));
+      // k_pe is every head's: its gradient sums them
+      ops::add(m(dkv, N, C + dr).col_range(C, dr), m(dk, N, H * dqk).col_range(h * dqk + dn, dr));
+    }
     ops::linear_rows_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(),
                                  w.wkv_b.data(), N, C, H * (dn + dv));
   } else {
-    std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * (C + dr));
-    std::vector<T> dlat = buffer<T>(N * (C + dr)), dval = buffer<T>(N * C);
+    Tensor<T> do_lat = zeros(N * H * C, "dsa do_lat"),
+              dq_abs = zeros(N * H * (C + dr), "dsa dq_abs");
+    Tensor<T> dlat = zeros(N * (C + dr), "dsa dlatent"), dval = zeros(N * C, "dsa dvalues");
     for (std::int64_t h = 0; h < H; ++h) {
-      T* dw_uv = r.grads.wkv_b.data() + (h * (dn + dv) + dn) * C;
+      T* dw_uv = ops::at(r.grads.wkv_b.data(), (h * (dn + dv) + dn) * C);
       // do_lat[h] = dO[h] W_UV[h]; dW_UV[h] += dO[h]^T o_lat[h]
-      ops::gemm_strided<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
-                           w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0),
-                           do_lat.data() + h * C, H * C);
-      ops::gemm_strided<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv,
-                           o_lat.data() + h * C, H * C, T(1), dw_uv, C);
+      ops::gemm_strided<T>(false, false, N, C, dv, T(1), ops::at(dO.data(), h * dv), H * dv,
+                           ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                           ops::at(do_lat.data(), h * C), H * C);
+      ops::gemm_strided<T>(true, false, dv, C, N, T(1), ops::at(dO.data(), h * dv), H * dv,
+                           ops::at(o_lat.data(), h * C), H * C, T(1), dw_uv, C);
     }
     ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlat.data(), dval.data(), do_lat.data(),
                                       qa_abs.data(), lat.data(), c.data(), o_lat.data(), lse.data(),
                                       att_idx);
     for (std::int64_t h = 0; h < H; ++h) {
-      T* dw_uk = r.grads.wkv_b.data() + h * (dn + dv) * C;
+      T* dw_uk = ops::at(r.grads.wkv_b.data(), h * (dn + dv) * C);
       // dq_nope[h] = dq_abs[h, :C] W_UK[h]^T; dW_UK[h] += q_nope[h]^T dq_abs[h, :C]
-      ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * (C + dr), H * (C + dr),
-                           w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk,
-                           H * dqk);
-      ops::gemm_strided<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
-                           dq_abs.data() + h * (C + dr), H * (C + dr), T(1), dw_uk, C);
+      ops::gemm_strided<T>(false, true, N, dn, C, T(1), ops::at(dq_abs.data(), h * (C + dr)),
+                           H * (C + dr), ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                           ops::at(dq.data(), h * dqk), H * dqk);
+      ops::gemm_strided<T>(true, false, dn, C, N, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                           ops::at(dq_abs.data(), h * (C + dr)), H * (C + dr), T(1), dw_uk, C);
+      ops::copy(m(dq, N, H * dqk).col_range(h * dqk + dn, dr),
+                m(dq_abs, N, H * (C + dr)).col_range(h * (C + dr) + C, dr));
     }
-    for (std::int64_t t = 0; t < N; ++t) {
-      for (std::int64_t h = 0; h < H; ++h)
-        std::copy_n(dq_abs.data() + (t * H + h) * (C + dr) + C, dr,
-                    dq.data() + (t * H + h) * dqk + dn);
-      for (std::int64_t e = 0; e < C; ++e)  // c is the keys' latent and the values
-        dc[std::size_t(t * C + e)] =
-            dlat[std::size_t(t * (C + dr) + e)] + dval[std::size_t(t * C + e)];
-      std::copy_n(dlat.data() + t * (C + dr) + C, dr, dkv.data() + t * (C + dr) + C);
-    }
+    // c is the keys' latent and the values
+    ops::copy(m(dc, N, C), m(dlat, N, C + dr).col_range(0, C));
+    ops::add(m(dc, N, C), m(dval, N, C));
+    ops::copy(m(dkv, N, C + dr).col_range(C, dr), m(dlat, N, C + dr).col_range(C, dr));
   }
-  std::vector<T> dqr;
+  Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, r.grads,
-                        r.dx.data());
+                        dx.data());
+  r.dx = ops::to_vector(dx);
   return r;
 }
 
@@ -278,11 +280,10 @@ LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
 template DsaIndexerParams<float> dsa_indexer_project_backward(
     const MlaConfig&, const DsaIndexerParams<float>&, const float*, const float*, double,
-    const float*, const float*, const float*, std::vector<float>&, const float*, const float*,
-    std::int64_t);
+    const float*, const float*, const float*, float*, const float*, const float*, std::int64_t);
 template DsaIndexerParams<double> dsa_indexer_project_backward(
     const MlaConfig&, const DsaIndexerParams<double>&, const double*, const double*, double,
-    const double*, const double*, const double*, std::vector<double>&, const double*, const double*,
+    const double*, const double*, const double*, double*, const double*, const double*,
     std::int64_t);
 template DsaIndexerProjections<float> dsa_indexer_project(const MlaConfig&,
                                                           const DsaIndexerParams<float>&,

@@ -28,8 +28,10 @@
 //
 // The block asks the op layer for every computation (mla/ops_dsa.hpp,
 // mla/ops_sparse.hpp; it includes no kernel header), so its ops are counted
-// (OpCounts); its operands are std::vector row buffers, not pool tensors,
-// so it has no count-only run yet. The forms do not run it (a DSA config is
+// (OpCounts); its operands are pool tensors (activations; the selection an
+// int32 tensor), so it has a count-only run (MemoryPool::set_count_only:
+// x is not read, dout only says whether backward runs; the result's
+// vectors come back empty). The forms do not run it (a DSA config is
 // refused by the tool's ModelOptions::load); mla/dsa_cp.hpp runs it
 // query-local over P ranks, mla/dsa_explicit.hpp and dsa_laga.hpp
 // head-sharded.
@@ -39,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "core/tensor.hpp"
 #include "mla/config.hpp"
 #include "mla/params.hpp"
 
@@ -73,9 +76,10 @@ struct DsaIndexerParams {
 // with its mean and rstd kept for backward; w (N, HI) = x weights_proj^T
 // HI^-1/2 dI^-1/2 (the q_scale of fp8 is 1 without quantization). The
 // single-rank block and the latent gather both call it.
+// Pool tensors (activations), made in this order.
 template <class T>
 struct DsaIndexerProjections {
-  std::vector<T> q, k_pre, k, k_mean, k_rstd, w;
+  Tensor<T> q, k_pre, k, k_mean, k_rstd, w;
   double w_scale = 0;  // HI^-1/2 dI^-1/2: w's backward scales by it too
 };
 template <class T>
@@ -86,14 +90,14 @@ DsaIndexerProjections<T> dsa_indexer_project(const MlaConfig& cfg, const DsaInde
 // the gradient of the scaled weights (scaled here by w_scale, as forward
 // did; dw is scaled in place), dq (N, HI dI) and dk (N, dI) already rotated
 // back (each caller from its own tokens' positions), k_pre, k_mean, k_rstd
-// forward's LayerNorm of k (DsaIndexerProjections' fields).
+// forward's LayerNorm of k (DsaIndexerProjections' fields). One (N, dI)
+// pool tensor lives while it runs (k_pre's gradient).
 template <class T>
 DsaIndexerParams<T> dsa_indexer_project_backward(const MlaConfig& cfg,
                                                  const DsaIndexerParams<T>& iw, const T* x,
                                                  const T* qr, double w_scale, const T* k_pre,
-                                                 const T* k_mean, const T* k_rstd,
-                                                 std::vector<T>& dw, const T* dq, const T* dk,
-                                                 std::int64_t N);
+                                                 const T* k_mean, const T* k_rstd, T* dw,
+                                                 const T* dq, const T* dk, std::int64_t N);
 
 template <class T>
 struct DsaBlockResult {

@@ -11,11 +11,6 @@ namespace laga {
 
 namespace {
 
-template <class T>
-std::vector<T> buffer(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), T(0));
-}
-
 // Rank-major shards (rank j: B x L_j rows of width W, as all_gather_v lands
 // them) and the (B, Sk, W) prefix of the sequence they make: the keys a
 // rank whose shard ends at Sk reads.
@@ -33,21 +28,25 @@ struct Shards {
   }
   std::int64_t total() const { return displs.back() + counts.back(); }
   // dir true: rank-major -> (B, Sk, W); false: (B, Sk, W) -> rank-major
-  // (rows at or past Sk left as they are: zero in a fresh buffer).
+  // (rows at or past Sk left as they are: zero in a fresh buffer). Block
+  // by block through the op layer (ops::copy), which moves nothing
+  // count-only.
   template <class T>
-  void copy(T* rank_major, T* seq, std::int64_t Sk, bool to_seq) const {
+  void copy(Tensor<T>& rank_major, Tensor<T>& seq, std::int64_t Sk, bool to_seq) const {
     for (int j = 0; j < lay.ranks; ++j) {
       const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
       const std::int64_t n = std::max<std::int64_t>(0, std::min(L, Sk - s0));
-      for (std::int64_t b = 0; b < lay.batch; ++b)
-        for (std::int64_t l = 0; l < n; ++l) {
-          T* rm = rank_major + displs[std::size_t(j)] + (b * L + l) * W;
-          T* sq = seq + (b * Sk + s0 + l) * W;
-          if (to_seq)
-            std::copy_n(rm, W, sq);
-          else
-            std::copy_n(sq, W, rm);
-        }
+      if (n == 0) continue;  // the shard starts at or past Sk
+      const std::int64_t rm0 = displs[std::size_t(j)] / W;
+      for (std::int64_t b = 0; b < lay.batch; ++b) {
+        const ops::Mat<T> rm =
+            ops::mat(rank_major, rank_major.numel() / W, W).block(rm0 + b * L, n, 0, W);
+        const ops::Mat<T> sq = ops::mat(seq, lay.batch * Sk, W).block(b * Sk + s0, n, 0, W);
+        if (to_seq)
+          ops::copy(sq, rm);
+        else
+          ops::copy(rm, sq);
+      }
     }
   }
 };
@@ -97,39 +96,46 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   const std::int64_t* docs = doc_start ? docs_k.data() : nullptr;
   // The rank's rows: at s0 + l, or at their positions in their documents.
   const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
+  // Every buffer is a pool tensor, freed (reset) where nothing reads it
+  // again: dsa_memory (mla/dsa_model.cpp) writes the same sequence out, and
+  // tests/mla/test_dsa_memory.cpp holds the pool's peak to it.
+  auto zeros = [](std::int64_t n, const char* name) { return Tensor<T>::zeros({n}, name); };
+  auto m = [](Tensor<T>& t, std::int64_t rows, std::int64_t cols) {
+    return ops::mat(t, rows, cols);
+  };
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections (dsa_block's, at s0)
-  const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
-  const std::vector<T>&qr = own.qr, &q = own.q;
-  std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
-  for (std::int64_t t = 0; t < N; ++t) {
-    std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
-    std::copy_n(own.k_pe.data() + t * dr, dr, lat_own.data() + t * W + C);
-  }
+  DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
+  Tensor<T>&qr = own.qr, &q = own.q;
+  Tensor<T> lat_own = zeros(N * W, "dsa latent own");  // [c | rope(k_pe)]
+  ops::copy(m(lat_own, N, W).col_range(0, C), m(own.c, N, C));
+  ops::copy(m(lat_own, N, W).col_range(C, dr), m(own.k_pe, N, dr));
+  own.c.reset(), own.k_pe.reset();
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  std::vector<T>& qI = ip.q;  // the names the rest of this function reads
-  std::vector<T>& kpre = ip.k_pre;
-  std::vector<T>& kI = ip.k;
-  std::vector<T>& k_mean = ip.k_mean;
-  std::vector<T>& k_rstd = ip.k_rstd;
-  std::vector<T>& wI = ip.w;
-  const double w_scale = ip.w_scale;
+  Tensor<T>& qI = ip.q;  // the names the rest of this function reads
+  Tensor<T>& kI = ip.k;
+  Tensor<T>& wI = ip.w;
   dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
   dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
   dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
-  std::vector<T> lat_rm = buffer<T>(lat_sh.total()), key_rm = buffer<T>(key_sh.total());
+  Tensor<T> lat_rm = zeros(lat_sh.total(), "dsa latent gathered");
+  Tensor<T> key_rm = zeros(key_sh.total(), "dsa index keys gathered");
   dsa_all_gather_v(comm, lat_own.data(), N * W, lat_rm.data(), lat_sh.counts.data(),
                    lat_sh.displs.data(), "latent_ag");
   dsa_all_gather_v(comm, kI.data(), N * dI, key_rm.data(), key_sh.counts.data(),
                    key_sh.displs.data(), "index_k_ag");
-  std::vector<T> lat = buffer<T>(NK * W), kIS = buffer<T>(NK * dI), cS = buffer<T>(NK * C);
-  lat_sh.copy(lat_rm.data(), lat.data(), Sk, true);
-  key_sh.copy(key_rm.data(), kIS.data(), Sk, true);
-  for (std::int64_t t = 0; t < NK; ++t) std::copy_n(lat.data() + t * W, C, cS.data() + t * C);
+  lat_own.reset(), kI.reset();
+  Tensor<T> lat = zeros(NK * W, "dsa latent (B, Sk)"),
+            kIS = zeros(NK * dI, "dsa index keys (B, Sk)");
+  lat_sh.copy(lat_rm, lat, Sk, true);
+  key_sh.copy(key_rm, kIS, Sk, true);
+  lat_rm.reset(), key_rm.reset();
+  Tensor<T> cS = zeros(NK * C, "dsa values (B, Sk)");
+  ops::copy(m(cS, NK, C), m(lat, NK, W).col_range(0, C));
 
   // ---- the indexer and top-k of the rank's rows (row i is token s0 + i)
   IndexerShape is;
@@ -138,13 +144,15 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   is.topk = K;
   is.scores = index_scores_of(cfg);
   is.validate();
-  res.idx.assign(static_cast<std::size_t>(N * K), -1);
-  ops::index_topk(is, res.idx.data(), qI.data(), kIS.data(), wI.data());
-  std::vector<std::int32_t> all;
-  const std::int32_t* att_idx = res.idx.data();
+  TensorI32 idx({N * K}, "dsa top-k indices");
+  idx.fill(-1);
+  ops::index_topk(is, idx.data(), qI.data(), kIS.data(), wI.data());
+  TensorI32 all;
+  const std::int32_t* att_idx = idx.data();
   std::int64_t KA = K;
   if (stage == DsaStage::dense_warmup) {
-    all.assign(static_cast<std::size_t>(N * Sk), -1);
+    all = TensorI32({N * Sk}, "dsa every causal key");
+    all.fill(-1);
     ops::index_all_causal(is, all.data());
     att_idx = all.data(), KA = Sk;
   }
@@ -154,88 +162,106 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   ss.attn = AttnShape{B, L, Sk, H, 1, W, C, cfg.softmax_scale(), true};
   ss.attn.doc_start = docs;
   ss.K = KA;
-  std::vector<T> qa_abs = buffer<T>(N * H * W), o_lat = buffer<T>(N * H * C);
-  std::vector<T> o = buffer<T>(N * H * dv), lse = buffer<T>(B * H * L);
-  for (std::int64_t h = 0; h < H; ++h)  // q_nope W_UK[h] into qa_abs[:, h, :C]
-    ops::gemm_strided<T>(false, false, N, C, dn, T(1), q.data() + h * dqk, H * dqk,
-                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), qa_abs.data() + h * W, H * W);
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t h = 0; h < H; ++h)
-      std::copy_n(q.data() + (t * H + h) * dqk + dn, dr, qa_abs.data() + (t * H + h) * W + C);
+  Tensor<T> qa_abs = zeros(N * H * W, "dsa absorbed q"), o_lat = zeros(N * H * C, "dsa o_lat");
+  Tensor<T> o = zeros(N * H * dv, "dsa o"), lse = zeros(B * H * L, "dsa lse");
+  for (std::int64_t h = 0; h < H; ++h) {  // q_nope W_UK[h] into qa_abs[:, h, :C], q_pe after
+    ops::gemm_strided<T>(false, false, N, C, dn, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                         ops::at(qa_abs.data(), h * W), H * W);
+    ops::copy(m(qa_abs, N, H * W).col_range(h * W + C, dr),
+              m(q, N, H * dqk).col_range(h * dqk + dn, dr));
+  }
   ops::sparse_attention_forward<T>(ss, o_lat.data(), lse.data(), qa_abs.data(), lat.data(),
                                    cS.data(), att_idx);
   for (std::int64_t h = 0; h < H; ++h)  // o_lat W_UV[h]^T
-    ops::gemm_strided<T>(false, true, N, dv, C, T(1), o_lat.data() + h * C, H * C,
-                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), o.data() + h * dv,
-                         H * dv);
-  res.out = buffer<T>(N * D);
-  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+    ops::gemm_strided<T>(false, true, N, dv, C, T(1), ops::at(o_lat.data(), h * C), H * C,
+                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                         ops::at(o.data(), h * dv), H * dv);
+  Tensor<T> out = zeros(N * D, "dsa output");
+  ops::linear_rows(out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the indexer's KL over the rank's rows
-  std::vector<T> p = buffer<T>(N * KA);
+  Tensor<T> p = zeros(N * KA, "dsa KL target");
   ops::sparse_attention_head_summed_probs<T>(ss, p.data(), qa_abs.data(), lat.data(), lse.data(),
                                              att_idx);
   std::vector<double> loss(static_cast<std::size_t>(N));
-  std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
+  Tensor<T> dqI = zeros(N * HI * dI, "dsa index dq"), dkIS = zeros(NK * dI, "dsa index dk (B, Sk)");
+  Tensor<T> dwI = zeros(N * HI, "dsa index dw");
   ops::indexer_kl(is, KA, att_idx, p.data(), qI.data(), kIS.data(), wI.data(), loss.data(),
                   dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
+  p.reset(), qI.reset(), wI.reset(), kIS.reset();
+  res.out = ops::to_vector(out);
+  res.idx = ops::to_vector(idx);
   if (!dout) return res;
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dk_rm = buffer<T>(key_sh.total()), dkI = buffer<T>(N * dI);
-  key_sh.copy(dk_rm.data(), dkIS.data(), Sk, false);
+  Tensor<T> dk_rm = zeros(key_sh.total(), "dsa index dk gathered");
+  key_sh.copy(dk_rm, dkIS, Sk, false);
+  dkIS.reset();
+  Tensor<T> dkI = zeros(N * dI, "dsa index dk");
   dsa_reduce_scatter_v(comm, dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
                        "index_k_ag");
+  dk_rm.reset();
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
-  res.indexer_grads =
-      dsa_indexer_project_backward(cfg, iw, x, qr.data(), w_scale, kpre.data(), k_mean.data(),
-                                   k_rstd.data(), dwI, dqI.data(), dkI.data(), N);
+  res.indexer_grads = dsa_indexer_project_backward(
+      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
+      dwI.data(), dqI.data(), dkI.data(), N);
+  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
 
   // ---- the LM backward: the rank's rows, the latent's gradient to its owners
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  res.dx = buffer<T>(N * D);
-  std::vector<T> dO = buffer<T>(N * H * dv);
+  Tensor<T> dx = zeros(N * D, "dsa dx");
+  Tensor<T> dO = zeros(N * H * dv, "dsa dO");
   ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
                                N, H * dv, D);
-  std::vector<T> do_lat = buffer<T>(N * H * C), dq_abs = buffer<T>(N * H * W);
-  std::vector<T> dlatS = buffer<T>(NK * W), dvalS = buffer<T>(NK * C);
+  o.reset();
+  Tensor<T> do_lat = zeros(N * H * C, "dsa do_lat");
   for (std::int64_t h = 0; h < H; ++h) {
-    ops::gemm_strided<T>(false, false, N, C, dv, T(1), dO.data() + h * dv, H * dv,
-                         w.wkv_b.data() + (h * (dn + dv) + dn) * C, C, T(0), do_lat.data() + h * C,
-                         H * C);
-    ops::gemm_strided<T>(true, false, dv, C, N, T(1), dO.data() + h * dv, H * dv,
-                         o_lat.data() + h * C, H * C, T(1),
-                         res.grads.wkv_b.data() + (h * (dn + dv) + dn) * C, C);
+    ops::gemm_strided<T>(false, false, N, C, dv, T(1), ops::at(dO.data(), h * dv), H * dv,
+                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                         ops::at(do_lat.data(), h * C), H * C);
+    ops::gemm_strided<T>(true, false, dv, C, N, T(1), ops::at(dO.data(), h * dv), H * dv,
+                         ops::at(o_lat.data(), h * C), H * C, T(1),
+                         ops::at(res.grads.wkv_b.data(), (h * (dn + dv) + dn) * C), C);
   }
+  dO.reset();
+  Tensor<T> dq_abs = zeros(N * H * W, "dsa absorbed dq");
+  Tensor<T> dlatS = zeros(NK * W, "dsa d latent (B, Sk)"), dvalS = zeros(NK * C, "dsa d values");
   ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlatS.data(), dvalS.data(), do_lat.data(),
                                     qa_abs.data(), lat.data(), cS.data(), o_lat.data(), lse.data(),
                                     att_idx);
-  for (std::int64_t t = 0; t < NK; ++t)  // c is the keys' latent and the values
-    for (std::int64_t e = 0; e < C; ++e)
-      dlatS[std::size_t(t * W + e)] += dvalS[std::size_t(t * C + e)];
-  std::vector<T> dlat_rm = buffer<T>(lat_sh.total()), dkv = buffer<T>(N * W);
-  lat_sh.copy(dlat_rm.data(), dlatS.data(), Sk, false);
+  do_lat.reset(), qa_abs.reset(), lat.reset(), cS.reset(), o_lat.reset(), lse.reset();
+  idx.reset(), all.reset();
+  // c is the keys' latent and the values
+  ops::add(m(dlatS, NK, W).col_range(0, C), m(dvalS, NK, C));
+  dvalS.reset();
+  Tensor<T> dlat_rm = zeros(lat_sh.total(), "dsa d latent gathered");
+  lat_sh.copy(dlat_rm, dlatS, Sk, false);
+  dlatS.reset();
+  Tensor<T> dkv = zeros(N * W, "dsa dkv");
   dsa_reduce_scatter_v(comm, dlat_rm.data(), lat_sh.counts.data(), lat_sh.displs.data(), dkv.data(),
                        "latent_ag");
-  std::vector<T> dq = buffer<T>(N * H * dqk), dc = buffer<T>(N * C);
+  dlat_rm.reset();
+  Tensor<T> dq = zeros(N * H * dqk, "dsa dq"), dc = zeros(N * C, "dsa dc");
   for (std::int64_t h = 0; h < H; ++h) {
-    ops::gemm_strided<T>(false, true, N, dn, C, T(1), dq_abs.data() + h * W, H * W,
-                         w.wkv_b.data() + h * (dn + dv) * C, C, T(0), dq.data() + h * dqk, H * dqk);
-    ops::gemm_strided<T>(true, false, dn, C, N, T(1), q.data() + h * dqk, H * dqk,
-                         dq_abs.data() + h * W, H * W, T(1),
-                         res.grads.wkv_b.data() + h * (dn + dv) * C, C);
+    ops::gemm_strided<T>(false, true, N, dn, C, T(1), ops::at(dq_abs.data(), h * W), H * W,
+                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                         ops::at(dq.data(), h * dqk), H * dqk);
+    ops::gemm_strided<T>(true, false, dn, C, N, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                         ops::at(dq_abs.data(), h * W), H * W, T(1),
+                         ops::at(res.grads.wkv_b.data(), h * (dn + dv) * C), C);
+    ops::copy(m(dq, N, H * dqk).col_range(h * dqk + dn, dr),
+              m(dq_abs, N, H * W).col_range(h * W + C, dr));
   }
-  for (std::int64_t t = 0; t < N; ++t) {
-    for (std::int64_t h = 0; h < H; ++h)
-      std::copy_n(dq_abs.data() + (t * H + h) * W + C, dr, dq.data() + (t * H + h) * dqk + dn);
-    std::copy_n(dkv.data() + t * W, C, dc.data() + t * C);
-  }
-  std::vector<T> dqr;
+  ops::copy(m(dc, N, C), m(dkv, N, W).col_range(0, C));
+  dq_abs.reset(), q.reset();
+  Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, own, at, table, dkv.data(), dc.data(), dq.data(), dqr, res.grads,
-                        res.dx.data());
+                        dx.data());
+  res.dx = ops::to_vector(dx);
   return res;
 }
 

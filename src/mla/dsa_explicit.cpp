@@ -12,21 +12,8 @@ namespace laga {
 
 namespace {
 
-template <class T>
-std::vector<T> buffer(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), T(0));
-}
-
 // Rows [0, n) of each batch row of a (B, from, w) tensor into a (B, to, w)
 // one (the rest of dst left as it is).
-template <class T>
-void copy_rows(const T* src, std::int64_t from, T* dst, std::int64_t to, std::int64_t B,
-               std::int64_t n, std::int64_t w) {
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t l = 0; l < n; ++l)
-      std::copy_n(src + (b * from + l) * w, w, dst + (b * to + l) * w);
-}
-
 }  // namespace
 
 template <class T>
@@ -72,23 +59,28 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
       }
   }
   const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
+  // Every buffer is a pool tensor, freed (reset) where nothing reads it
+  // again: dsa_memory (mla/dsa_model.cpp) writes the same sequence out.
+  auto zeros = [](std::int64_t n, const char* name) { return Tensor<T>::zeros({n}, name); };
+  auto m = [](Tensor<T>& t, std::int64_t rows, std::int64_t cols) {
+    return ops::mat(t, rows, cols);
+  };
   DsaBlockResult<T> res;
   comm.set_phase(Phase::forward);
   // ---- the rank's own rows: the MLA's projections, K and V of every head
   DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
-  std::vector<T>& q = mine.q;  // freed once the heads have their copies
-  const std::vector<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
-  std::vector<T> kvb = buffer<T>(N * H * (dn + dv));
+  Tensor<T>& q = mine.q;  // freed once the heads have their copies
+  Tensor<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
+  Tensor<T> kvb = zeros(N * H * (dn + dv), "dsa kv_b");
   ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
-  std::vector<T> k = buffer<T>(N * H * dqk), v = buffer<T>(N * H * dv);
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t h = 0; h < H; ++h) {
-      const T* src = kvb.data() + (t * H + h) * (dn + dv);
-      std::copy_n(src, dn, k.data() + (t * H + h) * dqk);
-      std::copy_n(k_pe.data() + t * dr, dr, k.data() + (t * H + h) * dqk + dn);
-      std::copy_n(src + dn, dv, v.data() + (t * H + h) * dv);
-    }
-  kvb = {};
+  Tensor<T> k = zeros(N * H * dqk, "dsa k"), v = zeros(N * H * dv, "dsa v");
+  for (std::int64_t h = 0; h < H; ++h) {
+    const auto src = m(kvb, N, H * (dn + dv));
+    ops::copy(m(k, N, H * dqk).col_range(h * dqk, dn), src.col_range(h * (dn + dv), dn));
+    ops::copy(m(k, N, H * dqk).col_range(h * dqk + dn, dr), m(k_pe, N, dr));
+    ops::copy(m(v, N, H * dv).col_range(h * dv, dv), src.col_range(h * (dn + dv) + dn, dv));
+  }
+  kvb.reset(), k_pe.reset();
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
@@ -96,18 +88,22 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
-  std::vector<T> kI_all = buffer<T>(NS * dI), kIS = buffer<T>(NK * dI);
+  Tensor<T> kI_all = zeros(NS * dI, "dsa index keys gathered");
   gather_seq(comm, lay, ip.k.data(), kI_all.data(), dI, "index_k_ag");
-  copy_rows(kI_all.data(), S, kIS.data(), Sk, B, Sk, dI);
-  kI_all = {};
+  ip.k.reset();
+  Tensor<T> kIS = zeros(NK * dI, "dsa index keys (B, Sk)");
+  for (std::int64_t b = 0; b < B; ++b)
+    ops::copy(m(kIS, NK, dI).row_range(b * Sk, Sk), m(kI_all, NS, dI).row_range(b * S, Sk));
+  kI_all.reset();
   IndexerShape is;  // the rank's rows: row i is token s0 + i
   is.attn = AttnShape{B, L, Sk, HI, 1, dI, 1, 1.0, true};
   is.attn.doc_start = doc_start ? docs_k.data() : nullptr;
   is.topk = K;
   is.scores = index_scores_of(cfg);
   is.validate();
-  res.idx.assign(static_cast<std::size_t>(N * K), -1);
-  ops::index_topk(is, res.idx.data(), ip.q.data(), kIS.data(), ip.w.data());
+  TensorI32 idx({N * K}, "dsa top-k indices");
+  idx.fill(-1);
+  ops::index_topk(is, idx.data(), ip.q.data(), kIS.data(), ip.w.data());
 
   // ---- the key set of every row, for the head layout: the selection of
   // every rank (sparse), or every causal key (the warm-up: nothing moves)
@@ -115,116 +111,147 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   is_all.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is_all.attn.doc_start = doc_start;
   is_all.topk = K;
-  std::vector<std::int32_t> att;
   const std::int64_t KA = sparse ? K : S;
-  att.assign(static_cast<std::size_t>(NS * KA), -1);
+  TensorI32 att({NS * KA}, "dsa every row's key set");
+  att.fill(-1);
   if (sparse) {
-    att = dsa_gather_indices(comm, lay, res.idx, K);
+    // every rank's selection, (B, L_j, K) int32 each, all-gathered
+    // rank-major ("topk_ag", 4-byte words: a gather copies every bit) and
+    // laid out as (B, S, K) rows (dsa_gather_indices' sequence, on pool
+    // tensors)
+    TensorI32 rank_major({NS * K}, "dsa selections rank-major");
+    std::vector<std::int64_t> counts, displs;
+    for (int j = 0; j < lay.ranks; ++j) {
+      displs.push_back(counts.empty() ? 0 : displs.back() + counts.back());
+      counts.push_back(B * lay.seq_count[std::size_t(j)] * K);
+    }
+    comm.all_gather_v(idx.data(), N * K, rank_major.data(), counts.data(), displs.data(),
+                      DType::f32, "topk_ag");
+    for (int j = 0; j < lay.ranks; ++j) {
+      const std::int64_t sj = lay.shard_begin(j), Lj = lay.seq_count[std::size_t(j)];
+      for (std::int64_t b = 0; b < B; ++b)
+        ops::cast(ops::at(att.data(), (b * S + sj) * K),
+                  ops::at(static_cast<const std::int32_t*>(rank_major.data()),
+                          displs[std::size_t(j)] + b * Lj * K),
+                  Lj * K);
+    }
   } else {
     ops::index_all_causal(is_all, att.data());
   }
 
   // ---- Q, K, V to the heads, the attention of every row for r's heads
-  std::vector<T> q_h = buffer<T>(NS * Hr * dqk), k_h = buffer<T>(NS * Hr * dqk);
-  std::vector<T> v_h = buffer<T>(NS * Hr * dv);
+  Tensor<T> q_h = zeros(NS * Hr * dqk, "dsa q_h"), k_h = zeros(NS * Hr * dqk, "dsa k_h");
+  Tensor<T> v_h = zeros(NS * Hr * dv, "dsa v_h");
   seq_to_head(comm, lay, q.data(), q_h.data(), dqk, "q_a2a");
   seq_to_head(comm, lay, k.data(), k_h.data(), dqk, "k_a2a");
   seq_to_head(comm, lay, v.data(), v_h.data(), dv, "v_a2a");
-  q = {}, k = {}, v = {};  // backward reads the heads' copies
+  q.reset(), k.reset(), v.reset();  // backward reads the heads' copies
   SparseAttnShape ss;
   ss.attn = AttnShape{B, S, S, Hr, Hr, dqk, dv, cfg.softmax_scale(), true};
   ss.K = KA;
-  std::vector<T> o_h = buffer<T>(NS * Hr * dv), lse = buffer<T>(B * Hr * S);
+  Tensor<T> o_h = zeros(NS * Hr * dv, "dsa o_h"), lse = zeros(B * Hr * S, "dsa lse");
   if (Hr > 0)
     ops::sparse_attention_forward<T>(ss, o_h.data(), lse.data(), q_h.data(), k_h.data(), v_h.data(),
                                      att.data());
-  std::vector<T> o = buffer<T>(N * H * dv);
+  Tensor<T> o = zeros(N * H * dv, "dsa o");
   head_to_seq(comm, lay, o_h.data(), o.data(), dv, "out_a2a");
-  res.out = buffer<T>(N * D);
-  ops::linear_rows(res.out.data(), o.data(), w.wo.data(), N, H * dv, D);
+  Tensor<T> out = zeros(N * D, "dsa output");
+  ops::linear_rows(out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
   // ---- the KL target: r's heads' share of the head-summed distribution
   // ((H_r / H) times the kernel's mean over r's heads), summed at the rows'
   // owners
-  std::vector<T> p_part = buffer<T>(NS * KA), p_rows = buffer<T>(N * KA);
+  Tensor<T> p_part = zeros(NS * KA, "dsa KL target part"), p_rows = zeros(N * KA, "dsa KL target");
   if (Hr > 0) {
     ops::sparse_attention_head_summed_probs<T>(ss, p_part.data(), q_h.data(), k_h.data(),
                                                lse.data(), att.data());
-    for (T& e : p_part) e = T(double(e) * double(Hr) / double(H));
+    ops::scale_ratio(m(p_part, NS, KA), double(Hr), double(H));
   }
   dsa_reduce_scatter_seq_fp32(comm, lay, p_part.data(), p_rows.data(), KA, "index_target_rs");
-  p_part = {};
+  p_part.reset();
   // The rank's rows' key set for the KL: its selection (sparse), or every
   // causal key before Sk (the warm-up: the head layout's rows of width S
   // list the same keys in the same order, the slots past Sk empty).
-  std::vector<std::int32_t> own_all;
-  const std::int32_t* own_idx = res.idx.data();
+  TensorI32 own_all;
+  const std::int32_t* own_idx = idx.data();
   std::int64_t KO = K;
-  std::vector<T> p_own;
+  Tensor<T> p_own;
   if (!sparse) {
-    own_all.assign(static_cast<std::size_t>(N * Sk), -1);
+    own_all = TensorI32({N * Sk}, "dsa own rows' causal keys");
+    own_all.fill(-1);
     ops::index_all_causal(is, own_all.data());
     own_idx = own_all.data(), KO = Sk;
-    p_own = buffer<T>(N * Sk);
-    for (std::int64_t i = 0; i < N; ++i)
-      std::copy_n(p_rows.data() + i * S, Sk, p_own.data() + i * Sk);
+    p_own = zeros(N * Sk, "dsa KL target (B, L, Sk)");
+    ops::copy(m(p_own, N, Sk), m(p_rows, N, S).col_range(0, Sk));
+    p_rows.reset();
   } else {
     p_own = std::move(p_rows);
   }
   std::vector<double> loss(static_cast<std::size_t>(N));
-  std::vector<T> dqI = buffer<T>(N * HI * dI), dkIS = buffer<T>(NK * dI), dwI = buffer<T>(N * HI);
+  Tensor<T> dqI = zeros(N * HI * dI, "dsa index dq"), dkIS = zeros(NK * dI, "dsa index dk (B, Sk)");
+  Tensor<T> dwI = zeros(N * HI, "dsa index dw");
   ops::indexer_kl(is, KO, own_idx, p_own.data(), ip.q.data(), kIS.data(), ip.w.data(), loss.data(),
                   dqI.data(), dkIS.data(), dwI.data());
   for (double l : loss) res.kl_loss += l;
-  kIS = {}, p_own = {}, p_rows = {};  // the KL's gradients are taken: backward reads them
+  // the KL's gradients are taken: backward reads them
+  kIS.reset(), p_own.reset(), own_all.reset(), ip.q.reset(), ip.w.reset();
+  res.out = ops::to_vector(out);
+  res.idx = ops::to_vector(idx);
+  idx.reset();
   if (!dout) return res;
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIS.data(), Sk, dI);
+  Tensor<T> dkI = dsa_index_key_grads_home(comm, lay, dkIS.data(), Sk, dI);
+  dkIS.reset();
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
-      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
-      dqI.data(), dkI.data(), N);
+      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
+      dwI.data(), dqI.data(), dkI.data(), N);
+  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
 
   // ---- the LM backward: the output's gradient to the heads, the
   // attention's back to the rows' owners
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  res.dx = buffer<T>(N * D);
-  std::vector<T> dO = buffer<T>(N * H * dv), dO_h = buffer<T>(NS * Hr * dv);
+  Tensor<T> dx = zeros(N * D, "dsa dx");
+  Tensor<T> dO = zeros(N * H * dv, "dsa dO"), dO_h = zeros(NS * Hr * dv, "dsa dO_h");
   ops::linear_rows_backward<T>(dO.data(), false, res.grads.wo.data(), dout, o.data(), w.wo.data(),
                                N, H * dv, D);
   seq_to_head(comm, lay, dO.data(), dO_h.data(), dv, "out_a2a");
-  std::vector<T> dq_h = buffer<T>(NS * Hr * dqk), dk_h = buffer<T>(NS * Hr * dqk);
-  std::vector<T> dv_h = buffer<T>(NS * Hr * dv);
+  o.reset(), dO.reset();
+  Tensor<T> dq_h = zeros(NS * Hr * dqk, "dsa dq_h"), dk_h = zeros(NS * Hr * dqk, "dsa dk_h");
+  Tensor<T> dv_h = zeros(NS * Hr * dv, "dsa dv_h");
   if (Hr > 0)
     ops::sparse_attention_backward<T>(ss, dq_h.data(), dk_h.data(), dv_h.data(), dO_h.data(),
                                       q_h.data(), k_h.data(), v_h.data(), o_h.data(), lse.data(),
                                       att.data());
-  std::vector<T> dq = buffer<T>(N * H * dqk), dk = buffer<T>(N * H * dqk);
-  std::vector<T> dvv = buffer<T>(N * H * dv);
+  dO_h.reset(), q_h.reset(), k_h.reset(), v_h.reset(), o_h.reset(), lse.reset(), att.reset();
+  Tensor<T> dq = zeros(N * H * dqk, "dsa dq"), dk = zeros(N * H * dqk, "dsa dk");
+  Tensor<T> dvv = zeros(N * H * dv, "dsa dv");
   head_to_seq(comm, lay, dq_h.data(), dq.data(), dqk, "q_a2a");
   head_to_seq(comm, lay, dk_h.data(), dk.data(), dqk, "k_a2a");
   head_to_seq(comm, lay, dv_h.data(), dvv.data(), dv, "v_a2a");
+  dq_h.reset(), dk_h.reset(), dv_h.reset();
 
   // ---- the rank's own rows: [dk_nope | dv] per head into wkv_b and c, the
   // heads' k_pe gradients summed (k_pe is every head's), as dsa_block
-  std::vector<T> dkvb = buffer<T>(N * H * (dn + dv)), dkv = buffer<T>(N * W);
-  std::vector<T> dc = buffer<T>(N * C);
-  for (std::int64_t t = 0; t < N; ++t)
-    for (std::int64_t h = 0; h < H; ++h) {
-      T* dst = dkvb.data() + (t * H + h) * (dn + dv);
-      std::copy_n(dk.data() + (t * H + h) * dqk, dn, dst);
-      std::copy_n(dvv.data() + (t * H + h) * dv, dv, dst + dn);
-      for (std::int64_t e = 0; e < dr; ++e)
-        dkv[std::size_t(t * W + C + e)] += dk[std::size_t((t * H + h) * dqk + dn + e)];
-    }
+  Tensor<T> dkvb = zeros(N * H * (dn + dv), "dsa dkv_b"), dkv = zeros(N * W, "dsa dkv");
+  Tensor<T> dc = zeros(N * C, "dsa dc");
+  for (std::int64_t h = 0; h < H; ++h) {
+    const auto dst = m(dkvb, N, H * (dn + dv));
+    ops::copy(dst.col_range(h * (dn + dv), dn), m(dk, N, H * dqk).col_range(h * dqk, dn));
+    ops::copy(dst.col_range(h * (dn + dv) + dn, dv), m(dvv, N, H * dv).col_range(h * dv, dv));
+    ops::add(m(dkv, N, W).col_range(C, dr), m(dk, N, H * dqk).col_range(h * dqk + dn, dr));
+  }
+  dk.reset(), dvv.reset();
   ops::linear_rows_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
                                w.wkv_b.data(), N, C, H * (dn + dv));
-  std::vector<T> dqr;
+  dkvb.reset(), c.reset();
+  Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, mine, at, table, dkv.data(), dc.data(), dq.data(), dqr,
-                        res.grads, res.dx.data());
+                        res.grads, dx.data());
+  res.dx = ops::to_vector(dx);
   return res;
 }
 

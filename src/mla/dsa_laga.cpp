@@ -92,7 +92,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the rank's own rows: the MLA's projections and the indexer's
   const DsaRowPositions at{B, L, s0, doc_start ? pos.data() : nullptr};
   const DsaOwnRows<T> own = dsa_own_rows(cfg, w, x, at, table, indices, dout != nullptr);
-  const std::vector<T>& qr = own.qr;
+  const Tensor<T>& qr = own.qr;
   std::vector<T> lat_own = buffer<T>(N * W);  // [c | rope(k_pe)]
   for (std::int64_t t = 0; t < N; ++t) {
     std::copy_n(own.c.data() + t * C, C, lat_own.data() + t * W);
@@ -214,12 +214,12 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
 
   comm.set_phase(Phase::backward);
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
-  std::vector<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
+  Tensor<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
   dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
   dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
   res.indexer_grads = dsa_indexer_project_backward(
-      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(), dwI,
-      dqI.data(), dkI.data(), N);
+      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
+      dwI.data(), dqI.data(), dkI.data(), N);
 
   // ---- the LM backward: the heads' gradients from every query
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
@@ -247,13 +247,14 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
     for (std::int64_t t = 0; t < NS; ++t) std::copy_n(dcS.data() + t * C, C, dlatS.data() + t * W);
   }
   // ... the latent's gradient to its owners, the queries' to theirs
-  std::vector<T> dkv = buffer<T>(N * W), dq, dqr;
+  std::vector<T> dkv = buffer<T>(N * W), dq;
+  Tensor<T> dqr;
   reduce_scatter_seq(comm, lay, dlatS.data(), dkv.data(), W, "latent_ag");
   if (indices) {
     dq = buffer<T>(N * H * dqk);
     head_to_seq(comm, lay, dqh.data(), dq.data(), dqk, "q_a2a");
   } else {
-    dqr = buffer<T>(N * rq);
+    dqr = Tensor<T>::zeros({N * rq}, "dsa dqr");
     std::vector<T> dqrS = buffer<T>(NS * rq);
     if (Hr > 0) {
       dsa_rope_rows(dqh.data() + dn, all_rows, Hr, Hr * dqk, dqk, table, true);

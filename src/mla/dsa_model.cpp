@@ -311,8 +311,273 @@ DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
   return w;
 }
 
-DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
-                     DsaForm form, int rank, std::int64_t e) {
+namespace {
+
+// A form's allocations in the order its code makes them: the pool's
+// current bytes, their peak, where it is reached and what is live there
+// (MemoryPool's activations, as the form's run registers them).
+struct Timeline {
+  std::vector<DsaMemoryTerm> live, at_peak;
+  std::int64_t current = 0, peak = 0;
+  std::string where, phase = "forward";
+  void alloc(const std::string& name, std::int64_t bytes) {
+    live.push_back({name, bytes});
+    current += bytes;
+    if (current > peak) peak = current, where = cat(phase, ": ", name), at_peak = live;
+  }
+  void free(const std::string& name) {
+    for (auto it = live.begin(); it != live.end(); ++it)
+      if (it->name == name) {
+        current -= it->bytes;
+        live.erase(it);
+        return;
+      }
+    fail("internal: dsa_memory frees '", name, "', which is not live");
+  }
+  // Made and freed inside one op (bf16's operand copies, an op's scratch).
+  void transient(const std::string& name, std::int64_t bytes) {
+    alloc(name, bytes);
+    free(name);
+  }
+};
+
+// DsaMemory of a finished timeline: `saved` what was live when backward
+// began (`saved_bytes`), forward's peak apart.
+DsaMemory memory_of(const Timeline& t, std::int64_t saved, std::int64_t forward_peak) {
+  DsaMemory m;
+  m.saved = saved, m.peak = t.peak, m.forward_peak = forward_peak, m.peak_where = t.where;
+  m.terms = t.at_peak;
+  std::stable_sort(
+      m.terms.begin(), m.terms.end(),
+      [](const DsaMemoryTerm& a, const DsaMemoryTerm& b) { return a.bytes > b.bytes; });
+  return m;
+}
+
+// dsa_latent_gather (mla/dsa_cp.cpp), tensor by tensor in its order, with
+// the op layer's bf16 operand copies (mla/ops_sparse.cpp, Bf16Copies) and
+// the shared pieces' (mla/dsa_rows.cpp dsa_own_rows and
+// dsa_own_rows_backward, mla/dsa_block.cpp dsa_indexer_project and its
+// backward).
+DsaMemory latent_gather_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                               int rank, RunDtype dtype, DsaStage stage) {
+  const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;   // bf16 runs hold fp32 tensors
+  const std::int64_t bf = dtype == RunDtype::bf16 ? 2 : 0;  // bf16's rounded operand copies
+  const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
+  // The keys the rank reads: every token up to its last row (contiguous:
+  // shard_begin + L; the form refuses zigzag, whose last row this is too).
+  std::int64_t Sk = 0;
+  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t N = B * L, NK = B * Sk;
+  const std::int64_t H = cfg.n_heads, D = cfg.dim, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dqk = cfg.qk_head_dim(), dv = cfg.v_head_dim;
+  const std::int64_t W = C + dr, Hi = dsa.index_n_heads, di = dsa.index_head_dim;
+  const std::int64_t K = dsa.index_topk, KA = stage == DsaStage::dense_warmup ? Sk : K;
+  Timeline t;
+  // the own rows (dsa_own_rows)
+  t.alloc("qa (B, L, rq)", N * rq * e);
+  t.alloc("qr (B, L, rq)", N * rq * e);
+  t.alloc("rstd_q (B, L)", N * e);
+  t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("kv (B, L, C + dr)", N * W * e);
+  t.alloc("c (B, L, C)", N * C * e);
+  t.alloc("rstd_kv (B, L)", N * e);
+  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  t.alloc("latent (B, L, C + dr)", N * W * e);
+  t.free("c (B, L, C)"), t.free("k_pe (B, L, dr)");
+  // the indexer's projections (dsa_indexer_project)
+  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("index k_pre (B, L, di)", N * di * e);
+  t.alloc("index keys k_I (B, L, di)", N * di * e);
+  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
+  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  // the gathers, rank-major, then as (B, Sk) rows
+  t.alloc("latent gathered (B, S, C + dr)", B * S * W * e);
+  t.alloc("index keys gathered (B, S, di)", B * S * di * e);
+  t.free("latent (B, L, C + dr)"), t.free("index keys k_I (B, L, di)");
+  t.alloc("latent (B, Sk, C + dr)", NK * W * e);
+  t.alloc("index keys (B, Sk, di)", NK * di * e);
+  t.free("latent gathered (B, S, C + dr)"), t.free("index keys gathered (B, S, di)");
+  t.alloc("values c (B, Sk, C)", NK * C * e);
+  t.alloc("top-k indices (B, L, K) int32", N * K * kIndexBytes);
+  if (stage == DsaStage::dense_warmup) t.alloc("every causal key (B, L, Sk) int32", N * Sk * 4);
+  t.alloc("absorbed queries (B, L, H, C + dr)", N * H * W * e);
+  t.alloc("latent output (B, L, H, C)", N * H * C * e);
+  t.alloc("wo input (B, L, H dv)", N * H * dv * e);
+  t.alloc("lse (B, H, L)", B * H * L * e);
+  if (bf) t.transient("bf16 attention operands q, k, v", (N * H * W + NK * W + NK * C) * bf);
+  t.alloc("output (B, L, D)", N * D * e);
+  t.alloc("KL target (B, L, KA)", N * KA * e);
+  if (bf) t.transient("bf16 KL target operands q, k", (N * H * W + NK * W) * bf);
+  t.alloc("d index queries (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("d index keys (B, Sk, di)", NK * di * e);
+  t.alloc("d index weights (B, L, Hi)", N * Hi * e);
+  t.free("KL target (B, L, KA)"), t.free("index queries q_I (B, L, Hi, di)");
+  t.free("index weights w (B, L, Hi)"), t.free("index keys (B, Sk, di)");
+  const std::int64_t forward_peak = t.peak, saved = t.current;
+  t.phase = "backward";
+  // k_I's gradient home, the indexer's weights
+  t.alloc("d index keys rank-major (B, S, di)", B * S * di * e);
+  t.free("d index keys (B, Sk, di)");
+  t.alloc("d index keys own (B, L, di)", N * di * e);
+  t.free("d index keys rank-major (B, S, di)");
+  t.transient("d index k_pre (B, L, di)", N * di * e);
+  for (const char* n :
+       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
+        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
+    t.free(n);
+  // the LM backward
+  t.alloc("dx (B, L, D)", N * D * e);
+  t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
+  t.free("wo input (B, L, H dv)");
+  t.alloc("d latent output (B, L, H, C)", N * H * C * e);
+  t.free("d wo input (B, L, H dv)");
+  t.alloc("d absorbed queries (B, L, H, C + dr)", N * H * W * e);
+  t.alloc("d latent (B, Sk, C + dr)", NK * W * e);
+  t.alloc("d values (B, Sk, C)", NK * C * e);
+  if (bf)
+    t.transient("bf16 attention operands dout, q, k, v",
+                (N * H * C + N * H * W + NK * W + NK * C) * bf);
+  for (const char* n :
+       {"d latent output (B, L, H, C)", "absorbed queries (B, L, H, C + dr)",
+        "latent (B, Sk, C + dr)", "values c (B, Sk, C)", "latent output (B, L, H, C)",
+        "lse (B, H, L)", "top-k indices (B, L, K) int32"})
+    t.free(n);
+  if (stage == DsaStage::dense_warmup) t.free("every causal key (B, L, Sk) int32");
+  t.free("d values (B, Sk, C)");
+  t.alloc("d latent rank-major (B, S, C + dr)", B * S * W * e);
+  t.free("d latent (B, Sk, C + dr)");
+  t.alloc("d latent own (B, L, C + dr)", N * W * e);
+  t.free("d latent rank-major (B, S, C + dr)");
+  t.alloc("dq (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("dc (B, L, C)", N * C * e);
+  t.free("d absorbed queries (B, L, H, C + dr)"), t.free("q (B, L, H, dqk)");
+  // dsa_own_rows_backward
+  t.alloc("dqr (B, L, rq)", N * rq * e);
+  t.transient("dqa (B, L, rq)", N * rq * e);
+  return memory_of(t, saved, forward_peak);
+}
+
+// dsa_explicit (mla/dsa_explicit.cpp), tensor by tensor in its order, as
+// latent_gather_memory: the rank's own rows, every row's q, k, v for its
+// H_r heads, the KL target's part of every row, the exchanges' staging
+// apart (MemCategory::comm_buffers).
+DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                          int rank, RunDtype dtype, DsaStage stage) {
+  const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;  // bf16 runs hold fp32 tensors
+  const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
+  std::int64_t Sk = 0;  // the keys the rank's own rows read: up to its last row
+  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t N = B * L, NK = B * Sk, NS = B * S, Hr = layout.head_count[z(rank)];
+  // bf16's rounded operand copies, made only where the rank has heads
+  const std::int64_t bf = dtype == RunDtype::bf16 && Hr > 0 ? 2 : 0;
+  const std::int64_t H = cfg.n_heads, D = cfg.dim, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dqk = dn + dr;
+  const std::int64_t dv = cfg.v_head_dim, W = C + dr, Hi = dsa.index_n_heads;
+  const std::int64_t di = dsa.index_head_dim, K = dsa.index_topk;
+  const bool sparse = stage == DsaStage::sparse;
+  const std::int64_t KA = sparse ? K : S;
+  Timeline t;
+  // the own rows (dsa_own_rows), K and V of every head
+  t.alloc("qa (B, L, rq)", N * rq * e);
+  t.alloc("qr (B, L, rq)", N * rq * e);
+  t.alloc("rstd_q (B, L)", N * e);
+  t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("kv (B, L, C + dr)", N * W * e);
+  t.alloc("c (B, L, C)", N * C * e);
+  t.alloc("rstd_kv (B, L)", N * e);
+  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  t.alloc("kv_b (B, L, H, dn + dv)", N * H * (dn + dv) * e);
+  t.alloc("k (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("v (B, L, H, dv)", N * H * dv * e);
+  t.free("kv_b (B, L, H, dn + dv)"), t.free("k_pe (B, L, dr)");
+  // the indexer's projections, its keys gathered
+  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("index k_pre (B, L, di)", N * di * e);
+  t.alloc("index keys k_I (B, L, di)", N * di * e);
+  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
+  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  t.alloc("index keys gathered (B, S, di)", NS * di * e);
+  t.free("index keys k_I (B, L, di)");
+  t.alloc("index keys (B, Sk, di)", NK * di * e);
+  t.free("index keys gathered (B, S, di)");
+  t.alloc("top-k indices (B, L, K) int32", N * K * kIndexBytes);
+  t.alloc("every row's key set (B, S, KA) int32", NS * KA * kIndexBytes);
+  if (sparse) t.transient("selections rank-major (B, S, K) int32", NS * K * kIndexBytes);
+  // q, k, v to the heads, the attention
+  t.alloc("q_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("k_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("v_h (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.free("q (B, L, H, dqk)"), t.free("k (B, L, H, dqk)"), t.free("v (B, L, H, dv)");
+  t.alloc("head output (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.alloc("lse (B, H_r, S)", B * Hr * S * e);
+  if (bf) t.transient("bf16 attention operands q, k, v", NS * Hr * (2 * dqk + dv) * bf);
+  t.alloc("wo input (B, L, H dv)", N * H * dv * e);
+  t.alloc("output (B, L, D)", N * D * e);
+  // the KL target: the rank's heads' part of every row, summed at the owners
+  t.alloc("KL target part (B, S, KA)", NS * KA * e);
+  t.alloc("KL target (B, L, KA)", N * KA * e);
+  if (bf) t.transient("bf16 KL target operands q, k", NS * Hr * 2 * dqk * bf);
+  t.free("KL target part (B, S, KA)");
+  if (!sparse) {
+    t.alloc("own rows' causal keys (B, L, Sk) int32", N * Sk * 4);
+    t.alloc("KL target (B, L, Sk)", N * Sk * e);
+    t.free("KL target (B, L, KA)");
+  }
+  t.alloc("d index queries (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("d index keys (B, Sk, di)", NK * di * e);
+  t.alloc("d index weights (B, L, Hi)", N * Hi * e);
+  t.free("index keys (B, Sk, di)");
+  t.free(sparse ? "KL target (B, L, KA)" : "KL target (B, L, Sk)");
+  if (!sparse) t.free("own rows' causal keys (B, L, Sk) int32");
+  t.free("index queries q_I (B, L, Hi, di)"), t.free("index weights w (B, L, Hi)");
+  t.free("top-k indices (B, L, K) int32");
+  const std::int64_t forward_peak = t.peak, saved = t.current;
+  t.phase = "backward";
+  // k_I's gradient home (dsa_index_key_grads_home), the indexer's weights
+  t.alloc("d index keys padded (B, S, di)", NS * di * e);
+  t.alloc("d index keys own (B, L, di)", N * di * e);
+  t.free("d index keys padded (B, S, di)");
+  t.free("d index keys (B, Sk, di)");
+  t.transient("d index k_pre (B, L, di)", N * di * e);
+  for (const char* n :
+       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
+        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
+    t.free(n);
+  // the LM backward: the output's gradient to the heads and back
+  t.alloc("dx (B, L, D)", N * D * e);
+  t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
+  t.alloc("d head output (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.free("wo input (B, L, H dv)"), t.free("d wo input (B, L, H dv)");
+  t.alloc("dq_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("dk_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("dv_h (B, S, H_r, dv)", NS * Hr * dv * e);
+  if (bf) t.transient("bf16 attention operands dout, q, k, v", NS * Hr * (2 * dv + 2 * dqk) * bf);
+  for (const char* n :
+       {"d head output (B, S, H_r, dv)", "q_h (B, S, H_r, dqk)", "k_h (B, S, H_r, dqk)",
+        "v_h (B, S, H_r, dv)", "head output (B, S, H_r, dv)", "lse (B, H_r, S)",
+        "every row's key set (B, S, KA) int32"})
+    t.free(n);
+  t.alloc("dq (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("dk (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("dv (B, L, H, dv)", N * H * dv * e);
+  t.free("dq_h (B, S, H_r, dqk)"), t.free("dk_h (B, S, H_r, dqk)"), t.free("dv_h (B, S, H_r, dv)");
+  t.alloc("d kv_b (B, L, H, dn + dv)", N * H * (dn + dv) * e);
+  t.alloc("dkv (B, L, C + dr)", N * W * e);
+  t.alloc("dc (B, L, C)", N * C * e);
+  t.free("dk (B, L, H, dqk)"), t.free("dv (B, L, H, dv)");
+  t.free("d kv_b (B, L, H, dn + dv)"), t.free("c (B, L, C)");
+  // dsa_own_rows_backward
+  t.alloc("dqr (B, L, rq)", N * rq * e);
+  t.transient("dqa (B, L, rq)", N * rq * e);
+  return memory_of(t, saved, forward_peak);
+}
+
+// The closed form of the forms not yet run under a pool (terms from the
+// math: activations at e, indices and statistics at 4): `saved` what the
+// form holds from forward to backward (its output included), `peak` saved
+// plus backward's largest working set, named by its first term.
+DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                            DsaForm form, int rank, std::int64_t e) {
   dsa.validate(cfg);
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
   const std::int64_t H = cfg.n_heads, Hr = layout.head_count[z(rank)], D = cfg.dim;
@@ -379,10 +644,27 @@ DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
   std::int64_t working = 0;
   for (const DsaMemoryTerm& t : transient) working += t.bytes;
   m.peak = m.saved + working;
+  m.forward_peak = m.saved;
   m.peak_where =
       cat("backward: ", transient.empty() ? std::string("nothing") : transient.front().name);
   m.terms.insert(m.terms.end(), transient.begin(), transient.end());
   return m;
+}
+
+}  // namespace
+
+bool dsa_memory_is_the_pools(DsaForm form) {
+  return form == DsaForm::latent_gather || form == DsaForm::explicit_form;
+}
+
+DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                     DsaForm form, int rank, RunDtype dtype, DsaStage stage) {
+  dsa.validate(cfg);
+  if (form == DsaForm::latent_gather)
+    return latent_gather_memory(cfg, dsa, layout, rank, dtype, stage);
+  if (form == DsaForm::explicit_form) return explicit_memory(cfg, dsa, layout, rank, dtype, stage);
+  const std::int64_t e = dtype == RunDtype::fp64 ? 8 : dtype == RunDtype::bf16 ? 2 : 4;
+  return unmeasured_memory(cfg, dsa, layout, form, rank, e);
 }
 
 }  // namespace laga

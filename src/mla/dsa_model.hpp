@@ -20,9 +20,12 @@
 // dsa_predict_comm, and test_dsa_bf16.cpp at bf16's wire; ring_latent is what `laga plan --dsa`
 // costs, written from the math (docs/forms.md: why it is not built). The forms run every
 // computation through the op layer (mla/ops_dsa.hpp), and their op counts
-// equal dsa_work's GEMM and indexer FLOPs (tests/mla/test_dsa_counts.cpp);
-// their operands are std::vector row buffers, not pool tensors, so no DSA
-// form has a count-only run yet and no pool is held to dsa_memory. The comm terms are
+// equal dsa_work's GEMM and indexer FLOPs (tests/mla/test_dsa_counts.cpp).
+// latent_gather's and explicit's operands are pool tensors: they have
+// count-only runs, and their pools' peaks are dsa_memory exactly
+// (tests/mla/test_dsa_memory.cpp); the LAGA forms' are still std::vector
+// row buffers (no count-only run; dsa_memory is their closed form from the
+// math). The comm terms are
 // CommTerms' (comm_model.hpp): a DSA form's registry row's `collectives` can
 // call dsa_collectives.
 #pragma once
@@ -34,6 +37,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/precision.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/config.hpp"
 #include "mla/dsa_block.hpp"
@@ -195,23 +199,38 @@ struct DsaRankWork {
 DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                      DsaForm form, int rank);
 
-// Activation memory of rank r in bytes (activations at e, indices and
-// statistics at 4): `saved`, what the form holds from forward to backward
-// (its output (B, L_r, D) included), and `peak`, saved plus the largest
-// working set of backward (named in `peak_where`): the gathered buffers'
-// gradients and the per-head attention gradients. A closed form from the
-// math (terms named in `terms`); the count-only pool of the engine's DSA
-// forms is to be held to it when they run.
+// Activation memory of rank r in bytes, as the rank's MemoryPool counts
+// MemCategory::activations while the form runs forward and backward (the
+// parameters' gradients are MemCategory::gradients, not here). For the
+// forms the engine runs under the pool (latent_gather, explicit) it is the code's
+// allocation sequence written out tensor by tensor (dsa_model.cpp: each
+// tensor made and freed (reset) where the form's code does), with the op
+// layer's bf16 operand copies under RunDtype::bf16 (whose tensors are fp32:
+// the DSA forms hold fp32 and round only the sparse attention's operands,
+// docs/forms.md "DSA in bf16"): `peak` is exactly the pool's peak, and
+// tests/mla/test_dsa_memory.cpp holds it equal to a real run's and a
+// count-only run's (MemoryPool::set_count_only) on every rank. `saved` is
+// what is live when backward begins (the output included), `forward_peak`
+// the peak of a forward-only run (no dout), `peak_where` the allocation
+// that reaches the peak ("backward: d latent (B, Sk, C + dr)") and `terms`
+// what is live there, largest first. The other forms (not yet run under a
+// pool) keep a closed form from the math: activations at the dtype's
+// element (bf16: 2), indices and statistics at 4, `peak` = `saved` plus
+// backward's largest working set.
 struct DsaMemoryTerm {
   std::string name;
   std::int64_t bytes = 0;
 };
 struct DsaMemory {
-  std::int64_t saved = 0, peak = 0;
+  std::int64_t saved = 0, peak = 0, forward_peak = 0;
   std::string peak_where;
-  std::vector<DsaMemoryTerm> terms;  // saved's terms, then the backward transient's
+  std::vector<DsaMemoryTerm> terms;
 };
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
-                     DsaForm form, int rank, std::int64_t elem_bytes);
+                     DsaForm form, int rank, RunDtype dtype, DsaStage stage = DsaStage::sparse);
+// Whether the form runs on pool tensors, so that it has a count-only run
+// and dsa_memory is its pool's peak exactly (latent_gather, explicit); the
+// others' dsa_memory is the closed form from the math.
+bool dsa_memory_is_the_pools(DsaForm form);
 
 }  // namespace laga

@@ -12,9 +12,10 @@ namespace laga {
 
 namespace {
 
+// A pool tensor of n zeros (activations), named for the pool's live list.
 template <class T>
-std::vector<T> buffer(std::int64_t n) {
-  return std::vector<T>(static_cast<std::size_t>(n), T(0));
+Tensor<T> zeros(std::int64_t n, const char* name) {
+  return Tensor<T>::zeros({n}, name);
 }
 
 }  // namespace
@@ -32,7 +33,7 @@ template <class T>
 void dsa_rope_index_rows(T* p, const DsaRowPositions& at, std::int64_t heads, std::int64_t ld_token,
                          std::int64_t head_dim, const RopeTable& table, bool inverse) {
   for (std::int64_t b = 0; b < at.B; ++b)
-    ops::rope_halves(p + b * at.L * ld_token, at.L, heads, ld_token, head_dim, at.pos0,
+    ops::rope_halves(ops::at(p, b * at.L * ld_token), at.L, heads, ld_token, head_dim, at.pos0,
                      at.positions ? at.positions + b * at.L : nullptr, table, inverse);
 }
 
@@ -52,17 +53,19 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
   const std::int64_t C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
   const std::int64_t dqk = dn + dr, W = C + dr;
   DsaOwnRows<T> f;
-  f.qa = buffer<T>(N * rq), f.qr = buffer<T>(N * rq), f.rstd_q = buffer<T>(N);
+  f.qa = zeros<T>(N * rq, "dsa qa"), f.qr = zeros<T>(N * rq, "dsa qr");
+  f.rstd_q = zeros<T>(N, "dsa rstd_q");
   ops::linear_rows(f.qa.data(), x, w.wq_a.data(), N, D, rq);
   ops::rmsnorm_rows(f.qr.data(), f.rstd_q.data(), f.qa.data(), rq, w.q_norm.data(), N, rq,
                     cfg.norm_eps);
   ops::round_as_stored(f.qr.data(), N, rq);
   if (with_q) {
-    f.q = buffer<T>(N * H * dqk);
+    f.q = zeros<T>(N * H * dqk, "dsa q");
     ops::linear_rows(f.q.data(), f.qr.data(), w.wq_b.data(), N, rq, H * dqk);
-    dsa_rope_rows(f.q.data() + dn, at, H, H * dqk, dqk, table, false);
+    dsa_rope_rows(ops::at(f.q.data(), dn), at, H, H * dqk, dqk, table, false);
   }
-  f.kv = buffer<T>(N * W), f.c = buffer<T>(N * C), f.rstd_kv = buffer<T>(N);
+  f.kv = zeros<T>(N * W, "dsa kv"), f.c = zeros<T>(N * C, "dsa c");
+  f.rstd_kv = zeros<T>(N, "dsa rstd_kv");
   ops::linear_rows(f.kv.data(), x, w.wkv_a.data(), N, D, W);
   ops::rmsnorm_rows(f.c.data(), f.rstd_kv.data(), f.kv.data(), W, w.kv_norm.data(), N, C,
                     cfg.norm_eps);
@@ -73,9 +76,8 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
                "only, or set kv_fp8_round_trip false to train");
     ops::kv_fp8_round_trip(f.c.data(), N, C);
   }
-  f.k_pe = buffer<T>(N * dr);
-  for (std::int64_t t = 0; t < N; ++t)
-    std::copy_n(f.kv.data() + t * W + C, dr, f.k_pe.data() + t * dr);
+  f.k_pe = zeros<T>(N * dr, "dsa k_pe");
+  ops::copy(ops::mat(f.k_pe, N, dr), ops::mat(f.kv, N, W).col_range(C, dr));
   dsa_rope_rows(f.k_pe.data(), at, 1, dr, dr, table, false);
   return f;
 }
@@ -83,55 +85,56 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
 template <class T>
 void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaOwnRows<T>& f, const DsaRowPositions& at,
-                           const RopeTable& table, T* dkv, const T* dc, T* dq, std::vector<T>& dqr,
+                           const RopeTable& table, T* dkv, const T* dc, T* dq, Tensor<T>& dqr,
                            MlaParams<T>& grads, T* dx) {
   const std::int64_t N = at.B * at.L, D = cfg.dim, H = cfg.n_heads, rq = cfg.q_lora_rank;
   const std::int64_t C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
   const std::int64_t dqk = dn + dr, W = C + dr;
   // The kv path: k_pe rotated back, kv_norm, wkv_a (dx written).
-  dsa_rope_rows(dkv + C, at, 1, W, dr, table, true);
+  dsa_rope_rows(ops::at(dkv, C), at, 1, W, dr, table, true);
   ops::rmsnorm_rows_backward(dkv, W, grads.kv_norm.data(), dc, C, f.kv.data(), W, w.kv_norm.data(),
                              f.rstd_kv.data(), N, C);
   ops::linear_rows_backward<T>(dx, false, grads.wkv_a.data(), dkv, x, w.wkv_a.data(), N, D, W);
   // The q path: q's rope part rotated back and wq_b (unless the caller
   // made dqr), q_norm, wq_a (dx added to).
   if (dq) {
-    dsa_rope_rows(dq + dn, at, H, H * dqk, dqk, table, true);
-    dqr = buffer<T>(N * rq);
+    dsa_rope_rows(ops::at(dq, dn), at, H, H * dqk, dqk, table, true);
+    dqr = zeros<T>(N * rq, "dsa dqr");
     ops::linear_rows_backward<T>(dqr.data(), false, grads.wq_b.data(), dq, f.qr.data(),
                                  w.wq_b.data(), N, rq, H * dqk);
   }
-  std::vector<T> dqa = buffer<T>(N * rq);
+  Tensor<T> dqa = zeros<T>(N * rq, "dsa dqa");
   ops::rmsnorm_rows_backward(dqa.data(), rq, grads.q_norm.data(), dqr.data(), rq, f.qa.data(), rq,
                              w.q_norm.data(), f.rstd_q.data(), N, rq);
   ops::linear_rows_backward<T>(dx, true, grads.wq_a.data(), dqa.data(), x, w.wq_a.data(), N, D, rq);
 }
 
 template <class T>
-std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
-                                        std::int64_t Sk, std::int64_t dI) {
+Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
+                                   std::int64_t Sk, std::int64_t dI) {
   const std::int64_t B = lay.batch, S = lay.seq, L = lay.seq_count[std::size_t(comm.rank())];
-  std::vector<T> padded = buffer<T>(B * S * dI), own = buffer<T>(B * L * dI);
+  Tensor<T> padded = zeros<T>(B * S * dI, "dsa index dk padded");
+  Tensor<T> own = zeros<T>(B * L * dI, "dsa index dk own");
   for (std::int64_t b = 0; b < B; ++b)
-    std::copy_n(dk_prefix + b * Sk * dI, Sk * dI, padded.data() + b * S * dI);
+    ops::copy(ops::mat(padded, B * S, dI).block(b * S, Sk, 0, dI),
+              ops::Mat<const T>{ops::at(dk_prefix, b * Sk * dI), Sk, dI, dI});
   reduce_scatter_seq(comm, lay, padded.data(), own.data(), dI, "index_k_ag");
   return own;
 }
 
-#define LAGA_INSTANTIATE(T)                                                                     \
-  template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,        \
-                                 std::int64_t, const RopeTable&, bool);                         \
-  template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,  \
-                                       std::int64_t, const RopeTable&, bool);                   \
-  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);      \
-  template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
-                                         const DsaRowPositions&, const RopeTable&, bool, bool); \
-  template void dsa_own_rows_backward<T>(const MlaConfig&, const MlaParams<T>&, const T*,       \
-                                         const DsaOwnRows<T>&, const DsaRowPositions&,          \
-                                         const RopeTable&, T*, const T*, T*, std::vector<T>&,   \
-                                         MlaParams<T>&, T*);                                    \
-  template std::vector<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*, \
-                                                      std::int64_t, std::int64_t);
+#define LAGA_INSTANTIATE(T)                                                                       \
+  template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,          \
+                                 std::int64_t, const RopeTable&, bool);                           \
+  template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,    \
+                                       std::int64_t, const RopeTable&, bool);                     \
+  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);        \
+  template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,         \
+                                         const DsaRowPositions&, const RopeTable&, bool, bool);   \
+  template void dsa_own_rows_backward<T>(                                                         \
+      const MlaConfig&, const MlaParams<T>&, const T*, const DsaOwnRows<T>&,                      \
+      const DsaRowPositions&, const RopeTable&, T*, const T*, T*, Tensor<T>&, MlaParams<T>&, T*); \
+  template Tensor<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,        \
+                                                 std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE

@@ -68,12 +68,15 @@ void dsa_index_values_as_stored(const MlaConfig& cfg, std::int64_t N, T* qI, T* 
 // itself right after kv_norm (ops::kv_fp8_round_trip; docs/forms.md, "The
 // fp8 indexer"), here for every form. Inference only: with
 // backward_to_come (the caller has a dout) it throws, the same on every rank.
+// Pool tensors (activations), made in the order below; the caller frees
+// (reset()) each once nothing reads it again: backward reads qa, qr,
+// rstd_q, kv and rstd_kv (mla/dsa_model.cpp's dsa_memory follows them).
 template <class T>
 struct DsaOwnRows {
-  std::vector<T> qa, qr, rstd_q;  // (N, rq), (N, rq), (N)
-  std::vector<T> q;               // (N, H, dqk), its rope part rotated; empty without with_q
-  std::vector<T> kv, c, rstd_kv;  // (N, C + dr), (N, C), (N)
-  std::vector<T> k_pe;            // (N, dr), rotated
+  Tensor<T> qa, qr, rstd_q;  // (N, rq), (N, rq), (N)
+  Tensor<T> q;               // (N, H, dqk), its rope part rotated; undefined without with_q
+  Tensor<T> kv, c, rstd_kv;  // (N, C + dr), (N, C), (N)
+  Tensor<T> k_pe;            // (N, dr), rotated
 };
 template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
@@ -83,12 +86,13 @@ DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T*
 // dr columns (rotated back here; its first C are overwritten); dc (N, C) is
 // c's gradient; dq (N, H, dqk) q's gradient, its rope part rotated back
 // here, or null when the caller made the query latent's gradient itself
-// (then dqr holds it; otherwise dqr is written). grads' kv_norm, wkv_a,
+// (then dqr holds it; otherwise dqr is made here, (N, rq), and a (N, rq)
+// transient beside it). grads' kv_norm, wkv_a,
 // q_norm, wq_a (and wq_b with dq) are added to; dx (N, D) is overwritten.
 template <class T>
 void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaOwnRows<T>& f, const DsaRowPositions& at,
-                           const RopeTable& table, T* dkv, const T* dc, T* dq, std::vector<T>& dqr,
+                           const RopeTable& table, T* dkv, const T* dc, T* dq, Tensor<T>& dqr,
                            MlaParams<T>& grads, T* dx);
 
 // What the DSA forms' collectives move (docs/forms.md, "DSA in bf16", "On
@@ -133,8 +137,9 @@ std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout&
 // the sequence before its last row), padded with zeros to (B, S, d_I) and
 // reduce-scattered to the keys' owners ("index_k_ag", the gather's label):
 // the rank's own (B, L_r, d_I).
+// Pool tensors: the padded (B, S, d_I) while it runs, the result.
 template <class T>
-std::vector<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
-                                        std::int64_t Sk, std::int64_t dI);
+Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, const T* dk_prefix,
+                                   std::int64_t Sk, std::int64_t dI);
 
 }  // namespace laga

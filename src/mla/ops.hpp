@@ -42,6 +42,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
@@ -553,6 +554,50 @@ void fill(Mat<T> dst, T value) {
   count_elementwise<T>(dst.rows * dst.cols, 1);
   if (!runs(dst.rows * dst.cols, {dst.p})) return;
   fill_rows(dst.p, dst.ld, dst.rows, dst.cols, value);
+}
+
+// p + k, a view's first element given by a pointer: null stays null (an
+// unbacked tensor's view, count-only), as Mat::block keeps it.
+template <class T>
+T* at(T* p, std::int64_t k) {
+  return p ? p + k : nullptr;
+}
+// x *= s in place, each element as T(double(x) * s): the DSA indexer's
+// weights' scale (mla/dsa_block.cpp). A host loop: the DSA code runs on the
+// host only (docs/forms.md, "DSA").
+template <class T>
+void scale(Mat<T> x, double s) {
+  count_elementwise<T>(x.rows * x.cols, 2);
+  if (!runs(x.rows * x.cols, {x.p})) return;
+  for (std::int64_t i = 0; i < x.rows; ++i)
+    for (std::int64_t j = 0; j < x.cols; ++j) x.p[i * x.ld + j] = T(double(x.p[i * x.ld + j]) * s);
+}
+// x *= num / den in place, each element as T(double(x) * num / den) (the
+// explicit DSA form's share of the KL target, mla/dsa_explicit.cpp).
+template <class T>
+void scale_ratio(Mat<T> x, double num, double den) {
+  count_elementwise<T>(x.rows * x.cols, 2);
+  if (!runs(x.rows * x.cols, {x.p})) return;
+  for (std::int64_t i = 0; i < x.rows; ++i)
+    for (std::int64_t j = 0; j < x.cols; ++j)
+      x.p[i * x.ld + j] = T(double(x.p[i * x.ld + j]) * num / den);
+}
+// dst[i] = D(src[i]), n values (the DSA selection moved as fp32 values and
+// back, mla/dsa_explicit.cpp). A host loop, as scale's.
+template <class D, class S>
+void cast(D* dst, const S* src, std::int64_t n) {
+  count_elementwise<S>(n, 1);
+  count_elementwise<D>(n, 1);
+  if (!runs(n, {dst, src})) return;
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(src[i]);
+}
+// A tensor's values as a vector (a result handed back as plain rows, as the
+// DSA forms' DsaBlockResult does): empty when the tensor has no storage
+// (count-only), so no caller decides that itself.
+template <class T>
+std::vector<T> to_vector(const Tensor<T>& t) {
+  if (!runs(t.numel(), {t.data()})) return {};
+  return std::vector<T>(t.data(), t.data() + t.numel());
 }
 
 }  // namespace laga::ops

@@ -40,6 +40,8 @@ std::vector<DsaPlanCase> make_dsa_plans(const DsaPlanRequest& q) {
   std::int64_t params = q.dsa.parameter_count(q.cfg);
   for (const auto& [name, shape] : mla_param_shapes(q.cfg)) params += numel(shape);
   const std::int64_t e = element_bytes(q.dtype);
+  const RunDtype run_dtype =
+      precision_of(q.dtype) == Precision::bf16 ? RunDtype::bf16 : RunDtype::fp32;
   const std::int64_t resident = params * (e + gradient_bytes(q.dtype, q.grad_reduce));
   const WireElementBytes wire = wire_element_bytes(precision_of(q.dtype), q.grad_reduce, e);
   const double peak = q.profile.peak_flops(q.dtype);
@@ -70,7 +72,7 @@ std::vector<DsaPlanCase> make_dsa_plans(const DsaPlanRequest& q) {
               std::max(fp.bytes_sent_backward, predicted_sent(comm, Phase::backward));
           fp.index_bytes_sent = std::max(fp.index_bytes_sent, index_sent);
           fp.comm_s = std::max(fp.comm_s, comm_seconds(comm, P, pc.links.fabric));
-          const DsaMemory m = dsa_memory(q.cfg, q.dsa, layout, form, r, e);
+          const DsaMemory m = dsa_memory(q.cfg, q.dsa, layout, form, r, run_dtype);
           if (m.peak > fp.peak_activation_bytes)
             fp.peak_activation_bytes = m.peak, fp.peak_where = m.peak_where;
           fp.saved_bytes = std::max(fp.saved_bytes, m.saved);

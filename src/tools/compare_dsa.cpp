@@ -4,11 +4,14 @@
 // gradient (tools/dsa_job.hpp), per form: the max error of out, dx, every
 // gradient (the MLA's and the indexer's), the KL and the selection against
 // the single-rank explicit DSA run; bytes per rank from the ledger beside
-// the closed form (dsa_predict_comm); and the memory closed form
-// (dsa_memory), which is all it can say about memory: the DSA forms hold
-// their buffers outside the memory pool and have no count-only run yet, so
-// nothing measures their peak. A form the engine does not run (ring_latent)
-// gets its closed forms only, said so on its row.
+// the closed form (dsa_predict_comm); and dsa_memory beside the pool's
+// measured activation peak, "exact" when every rank's equal (the forms on
+// pool tensors, dsa_memory_is_the_pools: latent_gather; the others hold
+// their buffers outside the pool: "-"). --count-only runs each such form's
+// ranks alone under a count-only pool (run_dsa_rank_count_only), at any
+// size, without computing: dsa_memory beside the pool's peak, and the
+// ledger beside dsa_predict_comm. A form the engine does not run
+// (ring_latent) gets its closed forms only, said so on its row.
 #include "tools/compare_dsa.hpp"
 
 #include <algorithm>
@@ -53,12 +56,91 @@ struct DsaFormRow {
   std::int64_t sent = 0, predicted_sent = 0;  // max over ranks
   bool ledger_match = true;                   // every rank, every label
   std::int64_t saved = 0, peak = 0;           // dsa_memory, max over ranks
+  std::vector<std::int64_t> rank_peaks;       // dsa_memory's, every rank
+  std::int64_t pool_peak = 0;                 // measured, max over ranks
+  bool pool_exact = true;                     // every rank's pool peak is dsa_memory's
 };
 
 std::string sci(double v) {
   std::ostringstream s;
   s << std::scientific << std::setprecision(1) << v;
   return s.str();
+}
+
+// --count-only: each form with a count-only run, every rank alone
+// (run_dsa_rank_count_only); `all`: the forms without one are listed as
+// such, a form named without one is refused (there, by name).
+bool run_dsa_count_only(const CompareOptions& o, const MlaConfig& cfg, const SpLayout& layout,
+                        const std::vector<DsaForm>& forms, bool all) {
+  LAGA_CHECK(o.comm.backend == Backend::local, "--count-only --comm ", to_string(o.comm.backend),
+             ": a DSA count-only compare runs every rank alone in this one process (a dry-run "
+             "communicator each); drop --comm or use --comm local");
+  LAGA_CHECK(o.doc_lens.empty(),
+             "--count-only --doc-lens: a DSA count-only compare counts "
+             "unpacked rows only; drop --doc-lens");
+  const DsaConfig dsa = *DsaConfig::of(cfg);
+  const DsaStage stage = DsaStage::sparse;
+  const UsePrecision precision(o.precision);
+  const RunDtype dtype = o.precision == Precision::bf16 ? RunDtype::bf16 : RunDtype::fp32;
+  const WireElementBytes wire = wire_element_bytes(o.precision, GradReduce::fp32, 4);
+  std::ostringstream t;
+  t << "laga compare (DSA, count-only): " << cfg.summary() << ", B=" << o.batch << " S=" << o.seq
+    << ", sp " << o.sp << " (" << layout.describe() << "), " << to_string(o.precision) << ", stage "
+    << to_string(stage) << "\n"
+    << "each rank alone under a count-only pool on a dry-run communicator, nothing computed: "
+       "dsa_memory's activation peak beside the pool's, max over ranks (\"exact\" when equal "
+       "on every rank; where the largest is reached), and bytes sent per rank, forward + "
+       "backward, the ledger beside dsa_predict_comm\n";
+  t << std::left << std::setw(16) << "form" << std::setw(16) << "peak B" << std::setw(16)
+    << "pool peak B" << std::setw(8) << "memory" << std::setw(14) << "sent B" << std::setw(14)
+    << "closed form" << std::setw(8) << "ledger"
+    << "peak at\n";
+  nlohmann::json j = nlohmann::json::array();
+  for (DsaForm f : forms) {
+    if (!dsa_memory_is_the_pools(f) && all) {
+      t << std::setw(16) << to_string(f)
+        << (dsa_form_runs(f) ? "no count-only run yet (its buffers are not pool tensors)"
+                             : "closed form only (the engine does not run it)")
+        << "\n";
+      continue;
+    }
+    std::int64_t peak = 0, pool_peak = 0, sent = 0, predicted = 0;
+    bool exact = true, ledger = true;
+    std::string where;
+    for (int r = 0; r < layout.ranks; ++r) {
+      const DsaMemory m = dsa_memory(cfg, dsa, layout, f, r, dtype, stage);
+      const DsaRankLedger l = run_dsa_rank_count_only(cfg, layout, stage, f, r, wire);
+      if (m.peak > peak) peak = m.peak, where = m.peak_where;
+      pool_peak = std::max(pool_peak, l.pool_peak);
+      exact = exact && l.pool_peak == m.peak;
+      sent = std::max(sent, l.sent), predicted = std::max(predicted, l.predicted_sent);
+      ledger = ledger && l.labels_differing == 0 && l.sent == l.predicted_sent &&
+               l.received == l.predicted_received;
+    }
+    t << std::setw(16) << to_string(f) << std::setw(16) << peak << std::setw(16) << pool_peak
+      << std::setw(8) << (exact ? "exact" : "DIFFERS") << std::setw(14) << sent << std::setw(14)
+      << predicted << std::setw(8) << (ledger ? "exact" : "DIFFERS") << where << "\n";
+    j.push_back({{"form", to_string(f)},
+                 {"memory_peak_closed_form", peak},
+                 {"memory_peak_pool", pool_peak},
+                 {"memory_peak_exact", exact},
+                 {"memory_peak_where", where},
+                 {"sent_per_rank", sent},
+                 {"predicted_sent_per_rank", predicted},
+                 {"ledger_equals_closed_form", ledger}});
+  }
+  (o.json != "-" ? std::cout : std::cerr) << t.str() << std::flush;
+  if (!o.json.empty())
+    write_output(o.json, nlohmann::json{{"config", cfg.to_json()},
+                                        {"batch", o.batch},
+                                        {"seq", o.seq},
+                                        {"sp", o.sp},
+                                        {"stage", to_string(stage)},
+                                        {"count_only", true},
+                                        {"dsa_forms", j}}
+                                 .dump(2) +
+                             "\n");
+  return true;
 }
 
 }  // namespace
@@ -74,12 +156,10 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
                               " sets DeepSeek Sparse Attention, whose forms compare runs for "
                               "their agreement, bytes and memory closed form only, and ");
   for (const char* name :
-       {"--q-latent", "--head-groups", "--attention", "--invariant", "--count-only", "--rank-only",
-        "--link", "--steps", "--warmup", "--csv", "--grad-reduce"})
+       {"--q-latent", "--head-groups", "--attention", "--invariant", "--rank-only", "--link",
+        "--steps", "--warmup", "--csv", "--grad-reduce"})
     LAGA_CHECK(!given(name), name, ": ", why,
-               "the DSA forms take no such option (no timing, no count-only run, no dense "
-               "variants yet); drop ",
-               name);
+               "the DSA forms take no such option (no timing, no dense variants yet); drop ", name);
   LAGA_CHECK(o.overlap == "off", "--overlap ", o.overlap, ": ", why,
              "the DSA forms have no overlapped path; drop --overlap");
   LAGA_CHECK(o.device == Device::cpu, "--device ", to_string(o.device), ": ", why,
@@ -93,6 +173,7 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
   }
   const SeqLayout seq_layout = parse_seq_layout(o.seq_layout);
   const SpLayout layout = SpLayout::even(o.batch, o.seq, cfg.n_heads, o.sp, seq_layout);
+  if (o.count_only) return run_dsa_count_only(o, cfg, layout, forms, o.forms == "all");
   for (DsaForm f : forms)
     if (dsa_form_runs(f)) {
       check_dsa_job(cfg, layout, f);
@@ -121,8 +202,11 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     DsaFormRow row;
     row.form = f;
     for (int r = 0; r < layout.ranks; ++r) {
-      const DsaMemory m = dsa_memory(cfg, *dsa, layout, f, r, sizeof(float));
+      const DsaMemory m =
+          dsa_memory(cfg, *dsa, layout, f, r,
+                     o.precision == Precision::bf16 ? RunDtype::bf16 : RunDtype::fp32, stage);
       row.saved = std::max(row.saved, m.saved), row.peak = std::max(row.peak, m.peak);
+      row.rank_peaks.push_back(m.peak);
       CommPrediction p = dsa_predict_comm(cfg, *dsa, layout, f, r,
                                           wire_element_bytes(o.precision, GradReduce::fp32, 4),
                                           true, false, stage);
@@ -161,7 +245,10 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
         row.kl.add(&job.kl_loss, &ref.kl_loss, 1);
         row.idx_equal = job.idx == ref.idx;
         row.sent = 0;
-        for (const DsaRankLedger& l : job.ledgers) {
+        for (std::size_t q = 0; q < job.ledgers.size(); ++q) {
+          const DsaRankLedger& l = job.ledgers[q];
+          row.pool_peak = std::max(row.pool_peak, l.pool_peak);
+          row.pool_exact = row.pool_exact && l.pool_peak == row.rank_peaks[q];
           row.sent = std::max(row.sent, l.sent);
           row.ledger_match = row.ledger_match && l.labels_differing == 0 &&
                              l.sent == l.predicted_sent && l.received == l.predicted_received;
@@ -184,14 +271,14 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     << "agreement: max |diff| against single-rank explicit DSA (--sp 1, the same precision), "
        "with the reference's "
        "max |value|; bytes: sent per rank, forward + backward, max over ranks, the ledger "
-       "beside dsa_predict_comm; memory: dsa_memory's closed form (saved for backward, peak), "
-       "max over ranks -- not measured: the DSA forms hold their buffers outside the pool and "
-       "have no count-only run yet\n";
+       "beside dsa_predict_comm; memory: dsa_memory (saved for backward, peak) and the pool's "
+       "measured activation peak, max over ranks, \"exact\" when equal on every rank (\"-\": "
+       "the form holds its buffers outside the pool, dsa_memory is its closed form)\n";
   t << std::left << std::setw(16) << "form" << std::setw(20) << "out" << std::setw(20) << "dx"
     << std::setw(34) << "grads (worst)" << std::setw(10) << "KL" << std::setw(5) << "idx"
     << std::setw(12) << "sent B" << std::setw(12) << "closed form" << std::setw(8) << "ledger"
-    << std::setw(12) << "saved B"
-    << "peak B\n";
+    << std::setw(12) << "saved B" << std::setw(14) << "peak B" << std::setw(14) << "pool peak B"
+    << "memory\n";
   nlohmann::json j = nlohmann::json::array();
   for (const DsaFormRow& r : rows) {
     t << std::setw(16) << to_string(r.form);
@@ -206,7 +293,10 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     }
     t << std::setw(12) << r.predicted_sent << std::setw(8)
       << (r.ran ? (r.ledger_match ? "exact" : "DIFFERS") : "-") << std::setw(12) << r.saved
-      << r.peak << "\n";
+      << std::setw(14) << r.peak;
+    const bool pooled = r.ran && dsa_memory_is_the_pools(r.form);
+    t << std::setw(14) << (pooled ? std::to_string(r.pool_peak) : std::string("-"))
+      << (pooled ? (r.pool_exact ? "exact" : "DIFFERS") : "-") << "\n";
     nlohmann::json row = {{"form", to_string(r.form)},
                           {"moves", dsa_form_traits(r.form).moves},
                           {"ran", r.ran},
@@ -222,6 +312,10 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
                                   {"grads", r.grads.scale},
                                   {"kl_loss", r.kl.scale}};
       row["sent_per_rank"] = r.sent;
+      if (dsa_memory_is_the_pools(r.form)) {
+        row["memory_peak_pool"] = r.pool_peak;
+        row["memory_peak_exact"] = r.pool_exact;
+      }
       row["ledger_equals_closed_form"] = r.ledger_match;
     }
     j.push_back(row);

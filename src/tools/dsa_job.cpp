@@ -4,6 +4,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "comm/dry_run_comm.hpp"
 #include "comm/local_comm.hpp"
 #include "core/error.hpp"
 #include "core/precision.hpp"
@@ -110,7 +111,9 @@ void check_dsa_job_memory(const CommOptions& comm, const MlaConfig& cfg, const S
   const bool all_here = comm.backend == Backend::local;
   std::int64_t ranks = 0, peak = 0;
   for (int r = 0; r < layout.ranks; ++r) {
-    const std::int64_t p = dsa_memory(cfg, dsa, layout, form, r, elem_bytes).peak;
+    const std::int64_t p =
+        dsa_memory(cfg, dsa, layout, form, r, elem_bytes == 8 ? RunDtype::fp64 : RunDtype::fp32)
+            .peak;
     peak = std::max(peak, p);
     ranks += all_here || r == 0 ? p : 0;
   }
@@ -169,6 +172,32 @@ DsaIndexerParams<T> load_indexer_weights(const std::string& path, const MlaConfi
   return p;
 }
 
+DsaRankLedger run_dsa_rank_count_only(const MlaConfig& cfg, const SpLayout& layout, DsaStage stage,
+                                      DsaForm form, int rank, WireElementBytes wire) {
+  check_dsa_job(cfg, layout, form);
+  std::string pooled;
+  for (DsaForm f : all_dsa_forms())
+    if (dsa_memory_is_the_pools(f))
+      pooled += (pooled.empty() ? "" : ",") + std::string(to_string(f));
+  LAGA_CHECK(dsa_memory_is_the_pools(form), "--count-only: DSA form ", to_string(form),
+             " has no count-only run (its buffers are not pool tensors yet); use --forms ", pooled);
+  MemoryPool pool;
+  pool.set_count_only(true);
+  const PoolScope scope(pool);
+  const MlaParams<float> w = MlaParams<float>::zeros(cfg, MemCategory::parameters);
+  const DsaIndexerParams<float> iw = DsaIndexerParams<float>::zeros(cfg);
+  DryRunCommunicator comm(rank, layout.ranks);
+  const float unread = 0;  // count-only: x is not read, dout says that backward runs
+  const std::int64_t base = pool.current(MemCategory::activations);
+  pool.reset_peaks();
+  run_form<float>(cfg, w, iw, nullptr, &unread, layout, stage, form, comm, nullptr);
+  DsaRankLedger mine = ledger_against(
+      comm.ledger(), dsa_predict_comm(cfg, *DsaConfig::of(cfg), layout, form, rank, wire, true,
+                                      /*grad_sync=*/false, stage));
+  mine.pool_peak = pool.peak(MemCategory::activations) - base;
+  return mine;
+}
+
 template <class T>
 DsaJobOf<T> run_dsa_job(const CommOptions& comm_opts, const MlaConfig& cfg, const SpLayout& layout,
                         const MlaParams<T>& w, const DsaIndexerParams<T>& iw, const Tensor<T>& x,
@@ -188,8 +217,12 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm_opts, const MlaConfig& cfg, cons
     const std::vector<T> xr = rows_of(x.data(), B, S, D, s0, L);
     const std::vector<T> dr = backward ? rows_of(dout.data(), B, S, D, s0, L) : std::vector<T>();
     comm.ledger().clear();
+    MemoryPool& pool = current_pool();
+    const std::int64_t base = pool.current(MemCategory::activations);
+    pool.reset_peaks();
     DsaBlockResult<T> res = run_form(cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, layout,
                                      stage, form, comm, doc_start);
+    const std::int64_t pool_peak = pool.peak(MemCategory::activations) - base;
     // The form's ledger against its closed form, before the results move,
     // at the run's wire elements (bf16 activations under --dtype bf16).
     const DsaRankLedger mine = ledger_against(
@@ -199,13 +232,17 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm_opts, const MlaConfig& cfg, cons
                          /*grad_sync=*/false, stage));
     comm.set_phase(Phase::forward);
     // Every rank's ledger summary, for the reporter.
-    constexpr int kSlots = 6;
+    constexpr int kSlots = 7;
     std::vector<double> all(z(kSlots * P));
     std::vector<std::int64_t> counts(z(P), kSlots), displs(z(P));
     for (int q = 0; q < P; ++q) displs[z(q)] = std::int64_t(q) * kSlots;
-    const double own[kSlots] = {double(mine.sent),           double(mine.received),
-                                double(mine.predicted_sent), double(mine.predicted_received),
-                                double(mine.labels),         double(mine.labels_differing)};
+    const double own[kSlots] = {double(mine.sent),
+                                double(mine.received),
+                                double(mine.predicted_sent),
+                                double(mine.predicted_received),
+                                double(mine.labels),
+                                double(mine.labels_differing),
+                                double(pool_peak)};
     comm.all_gather_v(own, kSlots, all.data(), counts.data(), displs.data(), "result_gather");
     // The rows, the selection (as doubles: exact), the gradients and the KL.
     Tensor<T> out({B, S, D}), dx;
@@ -230,7 +267,8 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm_opts, const MlaConfig& cfg, cons
     for (int q = 0; q < P; ++q) {
       const double* a = all.data() + displs[z(q)];
       job.ledgers[z(q)] = {std::int64_t(a[0]), std::int64_t(a[1]), std::int64_t(a[2]),
-                           std::int64_t(a[3]), std::int64_t(a[4]), std::int64_t(a[5])};
+                           std::int64_t(a[3]), std::int64_t(a[4]), std::int64_t(a[5]),
+                           std::int64_t(a[6])};
     }
     PoolScope scope(caller_pool);
     job.out = out.clone(MemCategory::activations);

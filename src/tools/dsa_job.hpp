@@ -30,6 +30,9 @@ struct DsaRankLedger {
   std::int64_t sent = 0, received = 0;
   std::int64_t predicted_sent = 0, predicted_received = 0;
   std::int64_t labels = 0, labels_differing = 0;
+  // The rank's pool peak of MemCategory::activations while the form ran,
+  // above what was live before it (dsa_memory's quantity, mla/dsa_model.hpp).
+  std::int64_t pool_peak = 0;
 };
 
 template <class T>
@@ -76,6 +79,15 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm, const MlaConfig& cfg, const SpL
                         const MlaParams<T>& w, const DsaIndexerParams<T>& iw, const Tensor<T>& x,
                         const Tensor<T>& dout, DsaStage stage, DsaForm form,
                         const std::int64_t* doc_start);
+
+// Rank `rank` of the form alone, on a DryRunCommunicator under a count-only
+// pool (MemoryPool::set_count_only; no weights, inputs or results, fp32
+// tensors, bf16's operand copies under a UsePrecision(bf16) scope): its
+// ledger against dsa_predict_comm at `wire` and its pool peak, at any
+// size. Only a form whose dsa_memory_is_the_pools (mla/dsa_model.hpp);
+// laga::Error naming any other.
+DsaRankLedger run_dsa_rank_count_only(const MlaConfig& cfg, const SpLayout& layout, DsaStage stage,
+                                      DsaForm form, int rank, WireElementBytes wire);
 
 // The single-rank explicit DSA run (dsa_explicit at P 1, in this process):
 // the reference every form is held to.

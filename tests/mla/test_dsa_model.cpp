@@ -217,13 +217,24 @@ TEST(DsaWork, FlopsOfTheTinyCaseByHand) {
 
 TEST(DsaMemory, LatentGatherTermsByHand) {
   Fixture f;
-  const DsaMemory m = dsa_memory(f.cfg, kDsa, f.layout, DsaForm::latent_gather, 0, 4);
-  // output 4*48, q_I 4*2*4, w 4*2, indices 4*3, KL 4*3, qr 4*8, latent
-  // 8*28, index keys 8*4, absorbed q 4*4*28, latent out 4*4*24, lse 4*4,
-  // wo input 4*4*6: elements (and 4-byte statistics) times 4 bytes.
-  const std::int64_t saved = 4 * (192 + 32 + 8 + 12 + 12 + 32 + 224 + 32 + 448 + 384 + 16 + 96);
-  EXPECT_EQ(m.saved, saved);
-  EXPECT_EQ(m.peak, saved + 4 * (224 + 32 + 448));  // d latent, d index keys, d absorbed q
+  const DsaMemory m = dsa_memory(f.cfg, kDsa, f.layout, DsaForm::latent_gather, 0, RunDtype::fp32);
+  // Rank 0 (L 4, Sk 4) when backward begins, in 4-byte elements: its rows'
+  // qa, qr 4*8 each, rstd_q 4, q 4*4*12, kv 4*28, rstd_kv 4; the indexer's
+  // k_pre 4*4, its mean and rstd 2*4; the latent 4*28 and values 4*24 up
+  // to Sk; the indices 4*3; the absorbed q 4*4*28, latent output 4*4*24,
+  // wo input 4*4*6, lse 4*4; the output 4*48; the KL's gradients of q_I
+  // 4*2*4, of k_I up to Sk 4*4 and of w 4*2.
+  const std::int64_t saved = 32 + 32 + 4 + 192 + 112 + 4 + 16 + 8 + 112 + 96 + 12 + 448 + 384 + 96 +
+                             16 + 192 + 32 + 16 + 8;
+  EXPECT_EQ(m.saved, 4 * saved);
+  // Forward's peak: the KL's gradients made while its target p 4*3, q_I
+  // 4*2*4, w 4*2 and k_I up to Sk 4*4 still live.
+  EXPECT_EQ(m.forward_peak, 4 * (saved + 12 + 32 + 8 + 16));
+  // Backward's: the indexer's tensors gone (-80), dx 4*48 and the latent
+  // output's gradient 4*4*24 made, the wo input 4*4*6 gone (and dO), then the
+  // attention's gradients d absorbed q 4*4*28, d latent 4*28, d values 4*24.
+  EXPECT_EQ(m.peak, 4 * (saved - 80 + 192 - 96 + 384 + 448 + 112 + 96));
+  EXPECT_EQ(m.peak_where, "backward: d values (B, Sk, C)");
 }
 
 TEST(DsaComm, DeepSeekV32IndicesAreAGigabyteAtS128k) {

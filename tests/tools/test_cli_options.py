@@ -225,8 +225,10 @@ def case_messages(laga, scratch):
     expect_error(laga, ["verify", "--config", dsa], "sets DeepSeek Sparse Attention (index_topk 4)")
     expect_error(laga, ["forward", "--config", dsa, "--invariant"],
                  "--invariant: config " + dsa + " sets DeepSeek Sparse Attention")
-    expect_error(laga, ["compare", "--count-only", "--config", dsa],
-                 "--count-only: config " + dsa + " sets DeepSeek Sparse Attention")
+    expect_error(laga, ["compare", "--rank-only", "0", "--config", dsa],
+                 "--rank-only: config " + dsa + " sets DeepSeek Sparse Attention")
+    expect_error(laga, ["compare", "--count-only", "--config", dsa, "--forms", "laga_indices"],
+                 "--count-only: DSA form laga_indices has no count-only run")
     write(dsa, dsa_keys + '}')
     expect_error(laga, ["forward", "--config", dsa],
                  "'index_topk' is missing; a DSA config gives")
