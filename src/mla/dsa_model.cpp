@@ -572,15 +572,166 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
   return memory_of(t, saved, forward_peak);
 }
 
-// The closed form of the forms not yet run under a pool (terms from the
-// math: activations at e, indices and statistics at 4): `saved` what the
+// dsa_laga (mla/dsa_laga.cpp: laga_indices and laga_recompute), tensor by
+// tensor in its order, as explicit_memory: the rank's own rows, the
+// gathered latent and index keys, every row's q_h, k_h, v_h for its H_r
+// heads, the KL target's part of every row; the exchanges' staging apart
+// (MemCategory::comm_buffers).
+DsaMemory laga_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
+                      DsaForm form, int rank, RunDtype dtype, DsaStage stage) {
+  const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;  // bf16 runs hold fp32 tensors
+  const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
+  std::int64_t Sk = 0;  // the keys the rank's own rows read: up to its last row
+  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t N = B * L, NK = B * Sk, NS = B * S, Hr = layout.head_count[z(rank)];
+  // bf16's rounded operand copies, made only where the rank has heads
+  const std::int64_t bf = dtype == RunDtype::bf16 && Hr > 0 ? 2 : 0;
+  const std::int64_t H = cfg.n_heads, D = cfg.dim, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
+  const std::int64_t dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim, dqk = dn + dr;
+  const std::int64_t dv = cfg.v_head_dim, W = C + dr, Hi = dsa.index_n_heads;
+  const std::int64_t di = dsa.index_head_dim, K = dsa.index_topk;
+  const bool sparse = stage == DsaStage::sparse, indices = form == DsaForm::laga_indices;
+  const std::int64_t KA = sparse ? K : S;
+  Timeline t;
+  // the own rows (dsa_own_rows; q for laga_indices only), the latent to send
+  t.alloc("qa (B, L, rq)", N * rq * e);
+  t.alloc("qr (B, L, rq)", N * rq * e);
+  t.alloc("rstd_q (B, L)", N * e);
+  if (indices) t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("kv (B, L, C + dr)", N * W * e);
+  t.alloc("c (B, L, C)", N * C * e);
+  t.alloc("rstd_kv (B, L)", N * e);
+  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  t.alloc("latent own (B, L, C + dr)", N * W * e);
+  t.free("c (B, L, C)"), t.free("k_pe (B, L, dr)");
+  // the indexer's projections
+  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("index k_pre (B, L, di)", N * di * e);
+  t.alloc("index keys k_I (B, L, di)", N * di * e);
+  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
+  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  // the queries at their heads: q sent (laga_indices), or the query latent
+  // gathered and up-projected there (laga_recompute)
+  t.alloc("q_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  if (indices)
+    t.free("q (B, L, H, dqk)");
+  else
+    t.alloc("query latent gathered (B, S, rq)", NS * rq * e);
+  // the latent and the index keys of every token
+  t.alloc("latent gathered (B, S, C + dr)", NS * W * e);
+  t.alloc("index keys gathered (B, S, di)", NS * di * e);
+  t.free("latent own (B, L, C + dr)"), t.free("index keys k_I (B, L, di)");
+  t.alloc("latent c gathered (B, S, C)", NS * C * e);
+  t.alloc("index keys (B, Sk, di)", NK * di * e);
+  // the selection: the rank's rows', every row's where the attention reads it
+  t.alloc("top-k indices (B, L, K) int32", N * K * kIndexBytes);
+  if (indices || !sparse) {
+    t.free("index keys gathered (B, S, di)");
+    if (sparse) {  // dsa_gather_indices
+      t.alloc("selections rank-major (B, S, K) int32", NS * K * kIndexBytes);
+      t.alloc("every row's key set (B, S, KA) int32", NS * K * kIndexBytes);
+      t.free("selections rank-major (B, S, K) int32");
+    }
+  } else {  // the indexer of every row, recomputed
+    t.alloc("index weights gathered (B, S, Hi)", NS * Hi * e);
+    t.alloc("index queries of every row (B, S, Hi, di)", NS * Hi * di * e);
+    t.alloc("every row's key set (B, S, KA) int32", NS * K * kIndexBytes);
+    t.free("index weights gathered (B, S, Hi)");
+    t.free("index queries of every row (B, S, Hi, di)");
+    t.free("index keys gathered (B, S, di)");
+  }
+  if (!sparse) t.alloc("every row's key set (B, S, KA) int32", NS * S * kIndexBytes);
+  // the rank's heads: k, v up-projected, the attention, the KL target's part
+  t.alloc("k_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("v_h (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.alloc("head output (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.alloc("lse (B, H_r, S)", B * Hr * S * e);
+  t.alloc("KL target part (B, S, KA)", NS * KA * e);
+  if (Hr > 0) t.transient("kv_b (B, S, H_r, dn + dv)", NS * Hr * (dn + dv) * e);
+  if (bf) t.transient("bf16 attention operands q, k, v", NS * Hr * (2 * dqk + dv) * bf);
+  if (bf) t.transient("bf16 KL target operands q, k", NS * Hr * 2 * dqk * bf);
+  t.free("latent gathered (B, S, C + dr)");
+  t.alloc("wo input (B, L, H dv)", N * H * dv * e);
+  t.alloc("output (B, L, D)", N * D * e);
+  // the KL target summed at the rows' owners, the KL
+  t.alloc("KL target (B, L, KA)", N * KA * e);
+  t.free("KL target part (B, S, KA)");
+  if (!sparse) t.alloc("own rows' causal keys (B, L, S) int32", N * S * kIndexBytes);
+  t.alloc("d index queries (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("d index keys (B, Sk, di)", NK * di * e);
+  t.alloc("d index weights (B, L, Hi)", N * Hi * e);
+  t.free("index keys (B, Sk, di)"), t.free("KL target (B, L, KA)");
+  if (!sparse) t.free("own rows' causal keys (B, L, S) int32");
+  t.free("index queries q_I (B, L, Hi, di)"), t.free("index weights w (B, L, Hi)");
+  t.free("output (B, L, D)"), t.free("top-k indices (B, L, K) int32");
+  const std::int64_t forward_peak = t.peak, saved = t.current;
+  t.phase = "backward";
+  // k_I's gradient home (dsa_index_key_grads_home), the indexer's weights
+  t.alloc("d index keys padded (B, S, di)", NS * di * e);
+  t.alloc("d index keys own (B, L, di)", N * di * e);
+  t.free("d index keys padded (B, S, di)");
+  t.free("d index keys (B, Sk, di)");
+  t.transient("d index k_pre (B, L, di)", N * di * e);
+  for (const char* n :
+       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
+        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
+    t.free(n);
+  // the LM backward: the output's gradient to the heads, the heads'
+  t.alloc("dx (B, L, D)", N * D * e);
+  t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
+  t.alloc("d head output (B, S, H_r, dv)", NS * Hr * dv * e);
+  t.free("wo input (B, L, H dv)"), t.free("d wo input (B, L, H dv)");
+  t.alloc("dq_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+  t.alloc("d latent gathered (B, S, C + dr)", NS * W * e);
+  const char* heads_read[] = {"d head output (B, S, H_r, dv)",
+                              "q_h (B, S, H_r, dqk)",
+                              "k_h (B, S, H_r, dqk)",
+                              "v_h (B, S, H_r, dv)",
+                              "head output (B, S, H_r, dv)",
+                              "lse (B, H_r, S)",
+                              "every row's key set (B, S, KA) int32"};
+  if (Hr > 0) {
+    t.alloc("dk_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
+    t.alloc("dv_h (B, S, H_r, dv)", NS * Hr * dv * e);
+    if (bf) t.transient("bf16 attention operands dout, q, k, v", NS * Hr * (2 * dv + 2 * dqk) * bf);
+    for (const char* n : heads_read) t.free(n);
+    t.alloc("d kv_b (B, S, H_r, dn + dv)", NS * Hr * (dn + dv) * e);
+    t.alloc("dc gathered (B, S, C)", NS * C * e);
+    t.free("dk_h (B, S, H_r, dqk)"), t.free("dv_h (B, S, H_r, dv)");
+    t.free("d kv_b (B, S, H_r, dn + dv)"), t.free("dc gathered (B, S, C)");
+  } else {
+    for (const char* n : heads_read) t.free(n);
+  }
+  t.free("latent c gathered (B, S, C)");
+  // the latent's gradient to its owners, the queries' to theirs
+  t.alloc("dkv (B, L, C + dr)", N * W * e);
+  t.free("d latent gathered (B, S, C + dr)");
+  if (indices) {
+    t.alloc("dq (B, L, H, dqk)", N * H * dqk * e);
+    t.free("dq_h (B, S, H_r, dqk)");
+  } else {
+    t.alloc("dqr (B, L, rq)", N * rq * e);
+    t.alloc("dqr gathered (B, S, rq)", NS * rq * e);
+    t.free("dq_h (B, S, H_r, dqk)"), t.free("query latent gathered (B, S, rq)");
+    t.free("dqr gathered (B, S, rq)");
+  }
+  t.alloc("dc (B, L, C)", N * C * e);
+  // dsa_own_rows_backward (which makes dqr from dq for laga_indices)
+  if (indices) t.alloc("dqr (B, L, rq)", N * rq * e);
+  t.transient("dqa (B, L, rq)", N * rq * e);
+  return memory_of(t, saved, forward_peak);
+}
+
+// The closed form of the one form not run under a pool, ring_latent (not
+// built: docs/forms.md), its terms from the math (activations at e,
+// indices and statistics at 4): `saved` what the
 // form holds from forward to backward (its output included), `peak` saved
 // plus backward's largest working set, named by its first term.
 DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                             DsaForm form, int rank, std::int64_t e) {
   dsa.validate(cfg);
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
-  const std::int64_t H = cfg.n_heads, Hr = layout.head_count[z(rank)], D = cfg.dim;
+  const std::int64_t H = cfg.n_heads, D = cfg.dim;
   const std::int64_t rq = cfg.q_lora_rank, C = cfg.kv_lora_rank, dqk = cfg.qk_head_dim();
   const std::int64_t dv = cfg.v_head_dim, W = C + cfg.qk_rope_head_dim;
   const std::int64_t Hi = dsa.index_n_heads, di = dsa.index_head_dim, K = dsa.index_topk;
@@ -596,37 +747,14 @@ DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const Sp
   keep("index weights w (B, L, Hi)", B * L * Hi * e);
   keep("top-k indices (B, rows, K) int32", B * rows * K * kIndexBytes);
   keep("KL target (B, L, K) fp32", B * L * K * kStatBytes);
-  keep(form == DsaForm::laga_recompute ? "query latent gathered (B, S, rq)"
-                                       : "query latent (B, L, rq)",
-       B * (form == DsaForm::laga_recompute ? S : L) * rq * e);
+  keep("query latent (B, L, rq)", B * L * rq * e);
   switch (form) {
     case DsaForm::latent_gather:
-      keep("latent gathered (B, S, C + dr)", B * S * W * e);
-      keep("index keys gathered (B, S, di)", B * S * di * e);
-      keep("absorbed queries (B, L, H, C + dr)", B * L * H * W * e);
-      keep("latent output (B, L, H, C)", B * L * H * C * e);
-      keep("lse (B, H, L) fp32", B * H * L * kStatBytes);
-      keep("wo input (B, L, H dv)", B * L * H * dv * e);
-      work("d latent gathered (B, S, C + dr)", B * S * W * e);
-      work("d index keys gathered (B, S, di)", B * S * di * e);
-      work("d absorbed queries (B, L, H, C + dr)", B * L * H * W * e);
-      break;
     case DsaForm::laga_indices:
     case DsaForm::laga_recompute:
     case DsaForm::explicit_form:
-      if (form == DsaForm::explicit_form)
-        keep("latent (B, L, C + dr)", B * L * W * e);
-      else
-        keep("latent gathered (B, S, C + dr)", B * S * W * e);
-      keep("index keys gathered (B, S, di)", B * S * di * e);
-      keep("q_h, k_h (B, S, H_r, dqk)", 2 * B * S * Hr * dqk * e);
-      keep("v_h, head output (B, S, H_r, dv)", 2 * B * S * Hr * dv * e);
-      keep("lse (B, H_r, S) fp32", B * Hr * S * kStatBytes);
-      keep("wo input (B, L, H dv)", B * L * H * dv * e);
-      work("dq_h, dk_h, dv_h (B, S, H_r, 2 dqk + dv)", B * S * Hr * (2 * dqk + dv) * e);
-      if (form != DsaForm::explicit_form) work("d latent gathered (B, S, C + dr)", B * S * W * e);
-      work("d index keys gathered (B, S, di)", B * S * di * e);
-      break;
+      fail("internal: unmeasured_memory of ", to_string(form),
+           ", whose dsa_memory is its pool's (laga_memory and the others above)");
     case DsaForm::ring_latent: {
       const std::int64_t Lmax = layout.largest_shard_tokens();
       keep("latent (B, L, C + dr)", B * L * W * e);
@@ -654,7 +782,8 @@ DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const Sp
 }  // namespace
 
 bool dsa_memory_is_the_pools(DsaForm form) {
-  return form == DsaForm::latent_gather || form == DsaForm::explicit_form;
+  return form == DsaForm::latent_gather || form == DsaForm::explicit_form ||
+         form == DsaForm::laga_indices || form == DsaForm::laga_recompute;
 }
 
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
@@ -663,6 +792,8 @@ DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
   if (form == DsaForm::latent_gather)
     return latent_gather_memory(cfg, dsa, layout, rank, dtype, stage);
   if (form == DsaForm::explicit_form) return explicit_memory(cfg, dsa, layout, rank, dtype, stage);
+  if (form == DsaForm::laga_indices || form == DsaForm::laga_recompute)
+    return laga_memory(cfg, dsa, layout, form, rank, dtype, stage);
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : dtype == RunDtype::bf16 ? 2 : 4;
   return unmeasured_memory(cfg, dsa, layout, form, rank, e);
 }

@@ -140,8 +140,8 @@ LAGA_INSTANTIATE(double)
 #undef LAGA_INSTANTIATE
 
 static_assert(sizeof(std::int32_t) == sizeof(float));
-std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
-                                             const std::vector<std::int32_t>& own, std::int64_t K) {
+TensorI32 dsa_gather_indices(Communicator& comm, const SpLayout& lay, const TensorI32& own,
+                             std::int64_t K) {
   const std::int64_t B = lay.batch, S = lay.seq;
   std::vector<std::int64_t> counts, displs;
   std::int64_t off = 0;
@@ -150,14 +150,15 @@ std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout&
     displs.push_back(off);
     off += counts.back();
   }
-  std::vector<std::int32_t> rank_major(static_cast<std::size_t>(off)), all(std::size_t(B * S * K));
-  comm.all_gather_v(own.data(), std::int64_t(own.size()), rank_major.data(), counts.data(),
-                    displs.data(), DType::f32, "topk_ag");
+  TensorI32 rank_major = TensorI32::zeros({off}, "dsa selections rank-major");
+  TensorI32 all = TensorI32::zeros({B * S * K}, "dsa every row's selection");
+  comm.all_gather_v(own.data(), own.numel(), rank_major.data(), counts.data(), displs.data(),
+                    DType::f32, "topk_ag");
   for (int j = 0; j < lay.ranks; ++j) {
     const std::int64_t s0 = lay.shard_begin(j), L = lay.seq_count[std::size_t(j)];
     for (std::int64_t b = 0; b < B; ++b)
-      std::copy_n(rank_major.data() + displs[std::size_t(j)] + b * L * K, L * K,
-                  all.data() + (b * S + s0) * K);
+      ops::cast(ops::at(all.data(), (b * S + s0) * K),
+                ops::at(rank_major.data(), displs[std::size_t(j)] + b * L * K), L * K);
   }
   return all;
 }

@@ -130,8 +130,9 @@ void dsa_reduce_scatter_seq_fp32(Communicator& comm, const SpLayout& lay, const 
 // copies and never adds, so every bit arrives as it left: an index is
 // exact at any S; dsa_predict_comm prices it at 4 bytes). Contiguous
 // shards (the DSA forms refuse zigzag).
-std::vector<std::int32_t> dsa_gather_indices(Communicator& comm, const SpLayout& lay,
-                                             const std::vector<std::int32_t>& own, std::int64_t K);
+// Pool tensors: the rank-major blocks while it runs, the result.
+TensorI32 dsa_gather_indices(Communicator& comm, const SpLayout& lay, const TensorI32& own,
+                             std::int64_t K);
 
 // k_I's gradient over the keys a rank read, (B, Sk, d_I) (the prefix of
 // the sequence before its last row), padded with zeros to (B, S, d_I) and

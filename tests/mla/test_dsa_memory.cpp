@@ -24,6 +24,7 @@
 #include "dsa_form_cases.hpp"
 #include "mla/dsa_cp.hpp"
 #include "mla/dsa_explicit.hpp"
+#include "mla/dsa_laga.hpp"
 #include "mla/dsa_model.hpp"
 #include "mla/ops.hpp"
 
@@ -47,6 +48,8 @@ DsaBlockResult<T> run_form(DsaForm form, const MlaConfig& cfg, const MlaParams<T
                            const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                            const SpLayout& lay, DsaStage stage, Communicator& comm) {
   if (form == DsaForm::explicit_form) return dsa_explicit(cfg, w, iw, x, dout, lay, stage, comm);
+  if (form == DsaForm::laga_indices || form == DsaForm::laga_recompute)
+    return dsa_laga(cfg, w, iw, x, dout, lay, stage, form, comm);
   return dsa_latent_gather(cfg, w, iw, x, dout, lay, stage, comm);
 }
 
@@ -146,6 +149,16 @@ TEST(DsaMemory, ExplicitPeakIsThePoolsOnEveryRank) {
                        DsaStage::sparse, true, bf16);
 }
 
+// The LAGA forms: uneven heads, and at P 6 (S 11, H 5) a rank with none.
+TEST(DsaMemory, LagaFormsPeakIsThePoolsOnEveryRank) {
+  for (DsaForm form : {DsaForm::laga_indices, DsaForm::laga_recompute}) {
+    check_small_all(form);
+    for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup})
+      for (bool bf16 : {false, true})
+        check_small<float>(form, {2, 2, 2, 2, 2, 1}, {1, 1, 1, 1, 1, 0}, stage, true, bf16);
+  }
+}
+
 TEST(DsaMemory, CountOnlyAtDeepSeekV32Dims) {
   const DsaConfig dsa = *DsaConfig::preset("deepseek-v3.2");
   const MlaConfig cfg = dsa.with(MlaConfig::preset("deepseek-v3.2"));
@@ -159,9 +172,12 @@ TEST(DsaMemory, CountOnlyAtDeepSeekV32Dims) {
   for (std::int64_t S : {32768, 131072})
     for (int P : {8, 64}) {
       for (int r : {0, P - 1}) cases.push_back({DsaForm::latent_gather, S, P, r, false});
-      cases.push_back({DsaForm::explicit_form, S, P, P - 1, false});  // its largest rank
+      // the head-sharded forms' largest rank
+      for (DsaForm form : {DsaForm::explicit_form, DsaForm::laga_indices, DsaForm::laga_recompute})
+        cases.push_back({form, S, P, P - 1, false});
     }
-  for (DsaForm form : {DsaForm::latent_gather, DsaForm::explicit_form})
+  for (DsaForm form : {DsaForm::latent_gather, DsaForm::explicit_form, DsaForm::laga_indices,
+                       DsaForm::laga_recompute})
     cases.push_back({form, 131072, 8, 7, true});
   for (const Case& c : cases) {
     const SpLayout lay = SpLayout::even(1, c.S, cfg.n_heads, c.P);
