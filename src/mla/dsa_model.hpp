@@ -21,11 +21,10 @@
 // costs, written from the math (docs/forms.md: why it is not built). The forms run every
 // computation through the op layer (mla/ops_dsa.hpp), and their op counts
 // equal dsa_work's GEMM and indexer FLOPs (tests/mla/test_dsa_counts.cpp).
-// latent_gather's and explicit's operands are pool tensors: they have
-// count-only runs, and their pools' peaks are dsa_memory exactly
-// (tests/mla/test_dsa_memory.cpp); the LAGA forms' are still std::vector
-// row buffers (no count-only run; dsa_memory is their closed form from the
-// math). The comm terms are
+// The running forms' operands (latent_gather, laga_indices, laga_recompute,
+// explicit) are pool tensors: they have count-only runs, and their pools'
+// peaks are dsa_memory exactly (tests/mla/test_dsa_memory.cpp);
+// ring_latent's dsa_memory is a closed form from the math. The comm terms are
 // CommTerms' (comm_model.hpp): a DSA form's registry row's `collectives` can
 // call dsa_collectives.
 #pragma once
@@ -202,7 +201,7 @@ DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
 // Activation memory of rank r in bytes, as the rank's MemoryPool counts
 // MemCategory::activations while the form runs forward and backward (the
 // parameters' gradients are MemCategory::gradients, not here). For the
-// forms the engine runs under the pool (latent_gather, explicit) it is the code's
+// forms the engine runs (every one but ring_latent) it is the code's
 // allocation sequence written out tensor by tensor (dsa_model.cpp: each
 // tensor made and freed (reset) where the form's code does), with the op
 // layer's bf16 operand copies under RunDtype::bf16 (whose tensors are fp32:
@@ -213,8 +212,8 @@ DsaRankWork dsa_work(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout&
 // what is live when backward begins (the output included), `forward_peak`
 // the peak of a forward-only run (no dout), `peak_where` the allocation
 // that reaches the peak ("backward: d latent (B, Sk, C + dr)") and `terms`
-// what is live there, largest first. The other forms (not yet run under a
-// pool) keep a closed form from the math: activations at the dtype's
+// what is live there, largest first. ring_latent (not built, so not run
+// under a pool) keeps a closed form from the math: activations at the dtype's
 // element (bf16: 2), indices and statistics at 4, `peak` = `saved` plus
 // backward's largest working set.
 struct DsaMemoryTerm {
@@ -229,8 +228,8 @@ struct DsaMemory {
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                      DsaForm form, int rank, RunDtype dtype, DsaStage stage = DsaStage::sparse);
 // Whether the form runs on pool tensors, so that it has a count-only run
-// and dsa_memory is its pool's peak exactly (latent_gather, explicit); the
-// others' dsa_memory is the closed form from the math.
+// and dsa_memory is its pool's peak exactly (every form the engine runs);
+// ring_latent's dsa_memory is the closed form from the math.
 bool dsa_memory_is_the_pools(DsaForm form);
 
 }  // namespace laga

@@ -5,9 +5,9 @@
 // gradient (the MLA's and the indexer's), the KL and the selection against
 // the single-rank explicit DSA run; bytes per rank from the ledger beside
 // the closed form (dsa_predict_comm); and dsa_memory beside the pool's
-// measured activation peak, "exact" when every rank's equal (the forms on
-// pool tensors, dsa_memory_is_the_pools: latent_gather; the others hold
-// their buffers outside the pool: "-"). --count-only runs each such form's
+// measured activation peak, "exact" when every rank's equal (every form the
+// engine runs is on pool tensors, dsa_memory_is_the_pools; "-" for one
+// that is not). --count-only runs each such form's
 // ranks alone under a count-only pool (run_dsa_rank_count_only), at any
 // size, without computing: dsa_memory beside the pool's peak, and the
 // ledger beside dsa_predict_comm. A form the engine does not run
@@ -273,7 +273,7 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
        "max |value|; bytes: sent per rank, forward + backward, max over ranks, the ledger "
        "beside dsa_predict_comm; memory: dsa_memory (saved for backward, peak) and the pool's "
        "measured activation peak, max over ranks, \"exact\" when equal on every rank (\"-\": "
-       "the form holds its buffers outside the pool, dsa_memory is its closed form)\n";
+       "a form the engine does not run, dsa_memory its closed form)\n";
   t << std::left << std::setw(16) << "form" << std::setw(20) << "out" << std::setw(20) << "dx"
     << std::setw(34) << "grads (worst)" << std::setw(10) << "KL" << std::setw(5) << "idx"
     << std::setw(12) << "sent B" << std::setw(12) << "closed form" << std::setw(8) << "ledger"

@@ -36,10 +36,9 @@ std::string dsa_table(const DsaPlanRequest& q, const std::vector<DsaPlanCase>& c
                    : std::string("not run by the engine: the closed form alone"))
       << "\n";
   }
-  o << "  peak act is dsa_memory: latent_gather's and explicit's pool peaks exactly (their "
-       "count-only runs, laga compare --count-only; the forms' tensors fp32 under bf16 plus the "
-       "attention's bf16 operand copies), the other forms' a closed form from the math, held "
-       "to no pool yet; "
+  o << "  peak act is dsa_memory: the running forms' pool peaks exactly (their count-only "
+       "runs, laga compare --count-only; the forms' tensors fp32 under bf16 plus the "
+       "attention's bf16 operand copies), ring_latent's a closed form from the math; "
        "step predicted: the slowest rank's GEMM FLOPs at "
     << q.profile.device.gemm_efficiency << " and attention + indexer FLOPs at "
     << q.profile.device.attention_efficiency

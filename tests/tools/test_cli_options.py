@@ -227,8 +227,8 @@ def case_messages(laga, scratch):
                  "--invariant: config " + dsa + " sets DeepSeek Sparse Attention")
     expect_error(laga, ["compare", "--rank-only", "0", "--config", dsa],
                  "--rank-only: config " + dsa + " sets DeepSeek Sparse Attention")
-    expect_error(laga, ["compare", "--count-only", "--config", dsa, "--forms", "laga_indices"],
-                 "--count-only: DSA form laga_indices has no count-only run")
+    expect_error(laga, ["compare", "--count-only", "--config", dsa, "--forms", "ring_latent"],
+                 "--form ring_latent: a DSA form costed from its closed form only")
     write(dsa, dsa_keys + '}')
     expect_error(laga, ["forward", "--config", dsa],
                  "'index_topk' is missing; a DSA config gives")

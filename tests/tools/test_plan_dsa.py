@@ -9,9 +9,9 @@
   ((P-1) L di e twice, and (P-1) L K 4 twice for the indices and the KL
   target), and the winner is the fastest form that fits.
 - configs/kimi-k3-like.json (no index keys) plans the dense forms.
-- `laga compare --count-only` on V3.2 at S 32768, P 8 counts latent_gather and explicit
-  without computing: its pool peak equals dsa_memory ("exact") and its
-  ledger dsa_predict_comm.
+- `laga compare --count-only` on V3.2 at S 32768, P 8 counts latent_gather,
+  laga_indices, laga_recompute and explicit without computing: each one's
+  pool peak equals dsa_memory ("exact") and its ledger dsa_predict_comm.
 - Refusals exit 2 with one "laga: error:" line naming what was wrong: a DSA
   preset or config given to what forward and compare do not run for DSA
   (--count-only for a form without a count-only run, ring_latent), V3.2's config to laga train at a --seq below its index_topk, --model with a DSA config (after its MoE keys parsed), a dense variant option, an unknown DSA form, a config
@@ -84,12 +84,13 @@ if sorted({p["form"] for p in kimi["plans"]}) != ["explicit", "laga"] or "dsa" i
     failures.append("kimi-k3-like: not a dense plan")
 
 r = run(["compare", "--preset", "deepseek-v3.2", "--count-only", "--seq", "32768", "--sp", "8",
-         "--forms", "latent_gather,explicit", "--json", "-"])
+         "--forms", "latent_gather,laga_indices,laga_recompute,explicit", "--json", "-"])
 if r.returncode != 0:
     failures.append(f"compare --count-only on deepseek-v3.2: exit {r.returncode}: {r.stderr}")
 else:
     rows = json.loads(r.stdout)["dsa_forms"]
-    if [x["form"] for x in rows] != ["latent_gather", "explicit"] or not all(
+    if [x["form"] for x in rows] != ["latent_gather", "laga_indices", "laga_recompute",
+                                     "explicit"] or not all(
             x["memory_peak_exact"] and x["memory_peak_pool"] == x["memory_peak_closed_form"]
             and x["memory_peak_pool"] > 0 and x["ledger_equals_closed_form"] for x in rows):
         failures.append(f"compare --count-only on deepseek-v3.2: {rows}")
@@ -102,8 +103,8 @@ with open(half, "w") as f:
 v32 = os.path.join(src, "configs", "deepseek-v3.2.json")
 for args, words in [
         # forward and compare run the DSA forms the engine has (tools/dsa_job.hpp)
-        (["compare", "--preset", "deepseek-v3.2", "--count-only", "--forms", "laga_indices"],
-         "--count-only: DSA form laga_indices has no count-only run"),
+        (["compare", "--preset", "deepseek-v3.2", "--count-only", "--forms", "ring_latent"],
+         "--form ring_latent: a DSA form costed from its closed form only"),
         (["forward", "--config", v32, "--form", "ring_latent"],
          "--form ring_latent: a DSA form costed from its closed form only"),
         (["plan", "--model", v32, "--profile", "h100"], "--model plans dense MLA layers"),
