@@ -1,13 +1,15 @@
 // DSA's activation memory (mla/dsa_model.hpp, dsa_memory) against the
-// pool: for latent_gather (mla/dsa_cp.hpp) and explicit
-// (mla/dsa_explicit.hpp; also P 6 with a rank of no heads), at P 1..4 with
+// pool: for latent_gather (mla/dsa_cp.hpp), explicit (mla/dsa_explicit.hpp)
+// and the LAGA forms (mla/dsa_laga.hpp; the head-sharded ones also at P 6
+// with a rank of no heads), at P 1..4 with
 // uneven shards and heads, both stages, fp32, fp64 and bf16, with and
 // without dout, on every rank, a real run's pool peak
 // (MemCategory::activations) equals a count-only run's
 // (MemoryPool::set_count_only, the rank alone on a DryRunCommunicator) and
 // dsa_memory's peak (forward_peak without dout), in bytes; and at
 // DeepSeek-V3.2's dims (S 32768 and 131072, P 8 and 64; latent_gather on
-// ranks 0 and P-1, explicit on P-1, both in bf16 at S 131072 P 8 too) the
+// ranks 0 and P-1, the head-sharded forms on P-1, each in bf16 at S 131072
+// P 8 too) the
 // count-only run equals dsa_memory, without the memory (a few seconds,
 // most of it each run's RoPE table). The single-rank block
 // (mla/dsa_block.hpp, not a form: no dsa_memory) has a count-only run too,
