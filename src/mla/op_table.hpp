@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/bf16.hpp"
 #include "core/device.hpp"
 #include "core/precision.hpp"
 #include "kernels/attention.hpp"
@@ -353,9 +354,18 @@ inline std::optional<std::string> fill_refusal(RunDtype dtype, const OpShape& s)
 // Op::fill): what moves, whatever the run's precision.
 template <class T>
 constexpr RunDtype move_dtype() {
-  if constexpr (std::is_same_v<T, double>) return RunDtype::fp64;
-  if constexpr (std::is_same_v<T, float>) return RunDtype::fp32;
-  return RunDtype::bf16;  // laga::bf16
+  if constexpr (std::is_same_v<T, double>) {
+    return RunDtype::fp64;
+  } else if constexpr (std::is_same_v<T, float>) {
+    return RunDtype::fp32;
+  } else {
+    // Anything else would move as bf16: an int32 selection copied through
+    // copy_rows came back as -65536 for -1 (ops::cast moves integers).
+    static_assert(std::is_same_v<T, laga::bf16>,
+                  "move_dtype: the data-movement ops move double, float or bf16; use ops::cast "
+                  "for other element types");
+    return RunDtype::bf16;
+  }
 }
 
 // This thread's dtype for T: fp64 for double, else bf16 or fp32 by
