@@ -48,8 +48,8 @@ DsaIndexerParams<T> host_copy(const LmIndexerParams<T>& iw) {
   std::size_t k = 0;
   w.for_each([&](const std::string&, Tensor<T>& t) {
     LAGA_CHECK(t.data() != nullptr,
-               "DSA layer: the indexer's weights are not backed (a count-only run?); the DSA "
-               "block has no count-only run (model/dsa_layer.hpp)");
+               "DSA layer: the indexer's weights are not backed (a count-only run?); laga "
+               "train's DSA layer has no count-only run (model/dsa_layer.hpp)");
     dst[k++]->assign(t.data(), t.data() + t.numel());
   });
   return h;
@@ -59,8 +59,9 @@ template <class T>
 DsaBlockResult<T> run_block(const DsaLayerContext& c, const MlaParams<T>& w,
                             const LmIndexerParams<T>& iw, const Tensor<T>& x, const T* dout) {
   LAGA_CHECK(x.data() != nullptr,
-             "DSA layer: the attention's input is not backed: the DSA block has no count-only "
-             "run, so laga train predicts no memory for a DSA model (model/dsa_layer.hpp)");
+             "DSA layer: the attention's input is not backed: laga train's DSA layer has no "
+             "count-only run, so laga train predicts no memory for a DSA model "
+             "(model/dsa_layer.hpp)");
   const DsaIndexerParams<T> h = host_copy(iw);
   if (c.comm.size() == 1)
     return dsa_block(c.cfg, w, h, x.data(), dout, c.layout.batch, c.layout.seq, c.stage);

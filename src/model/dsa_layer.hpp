@@ -28,8 +28,10 @@
 //     grad_norm. The log's index_kl is that mean averaged over the layers.
 // The attention's backward recomputes the block's forward from its saved
 // input (the block gives forward and backward in one call), so a DSA layer
-// runs its attention forward twice a step. No count-only run (the block
-// calls its kernels on host vectors): the memory prediction is not made.
+// runs its attention forward twice a step. No count-only run: the block
+// and the forms have theirs (mla/dsa_model.hpp, dsa_memory), but this layer
+// copies the weights to host vectors and recomputes, so laga train's memory
+// prediction is not made for a DSA model.
 #pragma once
 
 #include <cstdint>
