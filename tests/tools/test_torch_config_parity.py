@@ -36,6 +36,12 @@ ARGS = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
         "max_seq_len": 32, "rope_factor": 4.0, "mscale": 0.7, "beta_fast": 4.0,
         "beta_slow": 1.0, "rope_theta": 10000.0, "norm_eps": 1e-6}
 ARGS_PLAIN = dict(ARGS, max_seq_len=8)  # YaRN off: its fields unchecked
+# The indexer's three keys, and the configs that carry them whole: laga
+# runs those (its DSA forms), the package refuses them by name. Parity there
+# is that laga reads the same dense model as the package does from the file
+# without the three keys, and the three as given.
+DSA = {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4}
+DSA_ONLY_LAGA = ("hf dsa", "args dsa")
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.7}
 HF = {"hidden_size": 24, "num_attention_heads": 5, "q_lora_rank": 7, "kv_lora_rank": 10,
@@ -88,9 +94,10 @@ def configs():
     add("hf kimi rope_scaling type null", dict(HF, mla_use_nope=True,
                                                rope_scaling=dict(YARN, type=None)))
     add("hf kimi nope false with yarn", dict(HF, mla_use_nope=False, mla_use_output_gate=True))
-    # DeepSeek-V3.2's indexer keys: laga's dense commands refuse them, and so
-    # must the package (it would attend every key); a partial set too.
-    dsa = {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4}
+    # DeepSeek-V3.2's indexer keys: `laga compare --count-only` runs the DSA
+    # forms on them (DSA_ONLY_LAGA below), the package refuses them by name
+    # (it would attend every key); a partial set is refused by both.
+    dsa = DSA
     add("hf dsa", dict(HF, **dsa))
     add("args dsa", dict(ARGS, **dsa))
     add("args dsa topk only", dict(ARGS, index_topk=4))
@@ -248,6 +255,23 @@ def same_model(theirs, mine):
     return bad
 
 
+def dsa_only_laga(lt, name, text, c, p):
+    """A DSA config: laga accepts it with the three keys as given and the
+    package's dense model of the file without them; the package refuses it
+    naming DeepSeek Sparse Attention."""
+    if c[0] != "accept" or p[0] != "refuse" or "DeepSeek Sparse Attention" not in p[1]:
+        return [f"{name}: laga {c[0]}s it ({c[1]}), the package {p[0]}s it ({p[1]}); "
+                f"expected laga to run it and the package to refuse DSA by name"]
+    fails = [f"{name}: laga reads {k} {c[1].get(k)}, the file says {v}"
+             for k, v in DSA.items() if c[1].get(k) != v]
+    dense = {k: v for k, v in json.loads(text).items() if k not in DSA}
+    bad = same_model({k: v for k, v in c[1].items() if k not in DSA},
+                     lt.MLAConfig.from_json(dense).to_json())
+    if bad:
+        fails.append(f"{name}: another dense model: (package, laga) {bad}")
+    return fails
+
+
 def main():
     laga, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
     os.makedirs(work, exist_ok=True)
@@ -264,6 +288,9 @@ def main():
         p = package(lt, path)
         if p[0] == "raw":
             fails.append(f"{name}: the package raised {p[1]} (not a ValueError)")
+        elif name in DSA_ONLY_LAGA:
+            fails += dsa_only_laga(lt, name, text, c, p)
+            continue
         elif c[0] != p[0]:
             fails.append(f"{name}: laga {c[0]}s it ({c[1]}), the package {p[0]}s it ({p[1]})")
         elif c[0] == "accept":
