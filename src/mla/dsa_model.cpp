@@ -341,6 +341,23 @@ struct Timeline {
   }
 };
 
+// The shared pieces' allocations, once each as their code is: dsa_rows.hpp's
+// dsa_index_key_grads_home, then dsa_block.hpp's dsa_indexer_project_backward.
+void index_key_grads_home(Timeline& t, std::int64_t NS, std::int64_t N, std::int64_t di,
+                          std::int64_t e) {
+  t.alloc("d index keys padded (B, S, di)", NS * di * e);
+  t.alloc("d index keys own (B, L, di)", N * di * e);
+  t.free("d index keys padded (B, S, di)");
+  t.free("d index keys (B, Sk, di)");
+}
+void indexer_project_backward(Timeline& t, std::int64_t N, std::int64_t di, std::int64_t e) {
+  t.transient("d index k_pre (B, L, di)", N * di * e);
+  for (const char* n :
+       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
+        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
+    t.free(n);
+}
+
 // DsaMemory of a finished timeline: `saved` what was live when backward
 // began (`saved_bytes`), forward's peak apart.
 DsaMemory memory_of(const Timeline& t, std::int64_t saved, std::int64_t forward_peak) {
@@ -420,11 +437,7 @@ DsaMemory latent_gather_memory(const MlaConfig& cfg, const DsaConfig& dsa, const
   t.free("d index keys (B, Sk, di)");
   t.alloc("d index keys own (B, L, di)", N * di * e);
   t.free("d index keys rank-major (B, S, di)");
-  t.transient("d index k_pre (B, L, di)", N * di * e);
-  for (const char* n :
-       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
-        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
-    t.free(n);
+  indexer_project_backward(t, N, di, e);
   // the LM backward
   t.alloc("dx (B, L, D)", N * D * e);
   t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
@@ -534,15 +547,8 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
   const std::int64_t forward_peak = t.peak, saved = t.current;
   t.phase = "backward";
   // k_I's gradient home (dsa_index_key_grads_home), the indexer's weights
-  t.alloc("d index keys padded (B, S, di)", NS * di * e);
-  t.alloc("d index keys own (B, L, di)", N * di * e);
-  t.free("d index keys padded (B, S, di)");
-  t.free("d index keys (B, Sk, di)");
-  t.transient("d index k_pre (B, L, di)", N * di * e);
-  for (const char* n :
-       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
-        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
-    t.free(n);
+  index_key_grads_home(t, NS, N, di, e);
+  indexer_project_backward(t, N, di, e);
   // the LM backward: the output's gradient to the heads and back
   t.alloc("dx (B, L, D)", N * D * e);
   t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
@@ -667,15 +673,8 @@ DsaMemory laga_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout
   const std::int64_t forward_peak = t.peak, saved = t.current;
   t.phase = "backward";
   // k_I's gradient home (dsa_index_key_grads_home), the indexer's weights
-  t.alloc("d index keys padded (B, S, di)", NS * di * e);
-  t.alloc("d index keys own (B, L, di)", N * di * e);
-  t.free("d index keys padded (B, S, di)");
-  t.free("d index keys (B, Sk, di)");
-  t.transient("d index k_pre (B, L, di)", N * di * e);
-  for (const char* n :
-       {"d index queries (B, L, Hi, di)", "d index keys own (B, L, di)",
-        "d index weights (B, L, Hi)", "index k_pre (B, L, di)", "index k mean, rstd (B, L)"})
-    t.free(n);
+  index_key_grads_home(t, NS, N, di, e);
+  indexer_project_backward(t, N, di, e);
   // the LM backward: the output's gradient to the heads, the heads'
   t.alloc("dx (B, L, D)", N * D * e);
   t.alloc("d wo input (B, L, H dv)", N * H * dv * e);
