@@ -71,16 +71,9 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   DsaOwnRows<T> mine = dsa_own_rows(cfg, w, x, at, table, true, dout != nullptr);
   Tensor<T>& q = mine.q;  // freed once the heads have their copies
   Tensor<T>&qr = mine.qr, &c = mine.c, &k_pe = mine.k_pe;
-  Tensor<T> kvb = zeros(N * H * (dn + dv), "dsa kv_b");
-  ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
-  Tensor<T> k = zeros(N * H * dqk, "dsa k"), v = zeros(N * H * dv, "dsa v");
-  for (std::int64_t h = 0; h < H; ++h) {
-    const auto src = m(kvb, N, H * (dn + dv));
-    ops::copy(m(k, N, H * dqk).col_range(h * dqk, dn), src.col_range(h * (dn + dv), dn));
-    ops::copy(m(k, N, H * dqk).col_range(h * dqk + dn, dr), m(k_pe, N, dr));
-    ops::copy(m(v, N, H * dv).col_range(h * dv, dv), src.col_range(h * (dn + dv) + dn, dv));
-  }
-  kvb.reset(), k_pe.reset();
+  DsaHeadKv<T> kv = dsa_head_kv(cfg, w, c, k_pe, N);
+  Tensor<T>&k = kv.k, &v = kv.v;
+  k_pe.reset();
   // ... and the indexer's
   DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
   dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);

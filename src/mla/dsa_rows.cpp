@@ -122,12 +122,33 @@ Tensor<T> dsa_index_key_grads_home(Communicator& comm, const SpLayout& lay, cons
   return own;
 }
 
+template <class T>
+DsaHeadKv<T> dsa_head_kv(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& c,
+                         const Tensor<T>& k_pe, std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, dqk = dn + dr;
+  Tensor<T> kvb = Tensor<T>::zeros({N * H * (dn + dv)}, "dsa kv_b");
+  ops::linear_rows(kvb.data(), c.data(), w.wkv_b.data(), N, C, H * (dn + dv));
+  DsaHeadKv<T> kv{Tensor<T>::zeros({N * H * dqk}, "dsa k"),
+                  Tensor<T>::zeros({N * H * dv}, "dsa v")};
+  const auto src = ops::mat(kvb, N, H * (dn + dv));
+  for (std::int64_t h = 0; h < H; ++h) {
+    ops::copy(ops::mat(kv.k, N, H * dqk).col_range(h * dqk, dn), src.col_range(h * (dn + dv), dn));
+    ops::copy(ops::mat(kv.k, N, H * dqk).col_range(h * dqk + dn, dr), ops::mat(k_pe, N, dr));
+    ops::copy(ops::mat(kv.v, N, H * dv).col_range(h * dv, dv),
+              src.col_range(h * (dn + dv) + dn, dv));
+  }
+  return kv;
+}
+
 #define LAGA_INSTANTIATE(T)                                                                       \
   template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,          \
                                  std::int64_t, const RopeTable&, bool);                           \
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,    \
                                        std::int64_t, const RopeTable&, bool);                     \
   template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);        \
+  template DsaHeadKv<T> dsa_head_kv<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,   \
+                                       const Tensor<T>&, std::int64_t);                           \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,         \
                                          const DsaRowPositions&, const RopeTable&, bool, bool);   \
   template void dsa_own_rows_backward<T>(                                                         \

@@ -82,6 +82,17 @@ template <class T>
 DsaOwnRows<T> dsa_own_rows(const MlaConfig& cfg, const MlaParams<T>& w, const T* x,
                            const DsaRowPositions& at, const RopeTable& table, bool with_q,
                            bool backward_to_come);
+// The per-head keys and values of the N rows (DeepSeek's prefill, the
+// block's and explicit's): [k_nope | v] = c wkv_b^T per head (kv_b, made and
+// freed here), k (N, H, dqk) = [k_nope | k_pe] with k_pe (N, dr) every
+// head's, v (N, H, dv); in this allocation order (dsa_memory's).
+template <class T>
+struct DsaHeadKv {
+  Tensor<T> k, v;
+};
+template <class T>
+DsaHeadKv<T> dsa_head_kv(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& c,
+                         const Tensor<T>& k_pe, std::int64_t N);
 // Their backward into x: dkv (N, C + dr) holds k_pe's gradient in its last
 // dr columns (rotated back here; its first C are overwritten); dc (N, C) is
 // c's gradient; dq (N, H, dqk) q's gradient, its rope part rotated back
