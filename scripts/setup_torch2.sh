@@ -14,7 +14,11 @@
 # the hash of the requirements file's requirement lines is reused as it is:
 # no pip runs at all.
 # LAGA_TORCH2=off skips this (the *_torch2 tests are then not registered, and
-# this says so).
+# this says so). LAGA_TORCH2_WHEELS=drop removes the wheelhouse once the venv
+# is made (scripts/test.sh sets it under CI=true: a clean clone never reuses
+# it, and its 3.0 GB beside the 5.9 GB venv, the ASan build and the main one
+# ran a CI disk out of space); the ready venv is still reused by its stamp,
+# and only a changed requirements file then downloads again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -51,4 +55,8 @@ rm -rf "$venv"
 "$venv/bin/python" -c "import torch, triton, numpy; \
 print('setup_torch2: torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 echo "$hash" >"$venv/.laga-stamp"
+if [ "${LAGA_TORCH2_WHEELS:-keep}" = drop ]; then
+  rm -rf "$wheels"
+  echo "setup_torch2: LAGA_TORCH2_WHEELS=drop: $wheels removed (a changed $req downloads again)"
+fi
 echo "setup_torch2: $venv made in $(( $(date +%s) - start )) s"
