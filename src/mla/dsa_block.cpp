@@ -158,24 +158,14 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   if (latent) {
     qa_abs = zeros(N * H * (C + dr), "dsa absorbed q"), lat = zeros(N * (C + dr), "dsa latent");
     o_lat = zeros(N * H * C, "dsa o_lat");
-    for (std::int64_t h = 0; h < H; ++h) {  // q_nope (N, dn) W_UK[h] (dn, C) into qa_abs[:, h, :C]
-      ops::gemm_strided<T>(false, false, N, C, dn, T(1), ops::at(q.data(), h * dqk), H * dqk,
-                           ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
-                           ops::at(qa_abs.data(), h * (C + dr)), H * (C + dr));
-      ops::copy(m(qa_abs, N, H * (C + dr)).col_range(h * (C + dr) + C, dr),
-                m(q, N, H * dqk).col_range(h * dqk + dn, dr));
-    }
+    dsa_absorb_q(cfg, w, q, qa_abs, N);
     ops::copy(m(lat, N, C + dr).col_range(0, C), m(c, N, C));
     ops::copy(m(lat, N, C + dr).col_range(C, dr), m(k_pe, N, dr));
     q_att = qa_abs.data(), k_att = lat.data(), v_att = c.data();
   }
   ops::sparse_attention_forward<T>(ss, latent ? o_lat.data() : o.data(), lse.data(), q_att, k_att,
                                    v_att, att_idx);
-  if (latent)
-    for (std::int64_t h = 0; h < H; ++h)  // o_lat (N, C) W_UV[h]^T (C, dv)
-      ops::gemm_strided<T>(false, true, N, dv, C, T(1), ops::at(o_lat.data(), h * C), H * C,
-                           ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
-                           ops::at(o.data(), h * dv), H * dv);
+  if (latent) dsa_latent_out(cfg, w, o_lat, o, N);
   Tensor<T> out = zeros(N * D, "dsa output");
   ops::linear_rows(out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
@@ -227,29 +217,11 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     Tensor<T> do_lat = zeros(N * H * C, "dsa do_lat"),
               dq_abs = zeros(N * H * (C + dr), "dsa dq_abs");
     Tensor<T> dlat = zeros(N * (C + dr), "dsa dlatent"), dval = zeros(N * C, "dsa dvalues");
-    for (std::int64_t h = 0; h < H; ++h) {
-      T* dw_uv = ops::at(r.grads.wkv_b.data(), (h * (dn + dv) + dn) * C);
-      // do_lat[h] = dO[h] W_UV[h]; dW_UV[h] += dO[h]^T o_lat[h]
-      ops::gemm_strided<T>(false, false, N, C, dv, T(1), ops::at(dO.data(), h * dv), H * dv,
-                           ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
-                           ops::at(do_lat.data(), h * C), H * C);
-      ops::gemm_strided<T>(true, false, dv, C, N, T(1), ops::at(dO.data(), h * dv), H * dv,
-                           ops::at(o_lat.data(), h * C), H * C, T(1), dw_uv, C);
-    }
+    dsa_latent_out_backward(cfg, w, dO, o_lat, do_lat, r.grads, N);
     ops::sparse_attention_backward<T>(ss, dq_abs.data(), dlat.data(), dval.data(), do_lat.data(),
                                       qa_abs.data(), lat.data(), c.data(), o_lat.data(), lse.data(),
                                       att_idx);
-    for (std::int64_t h = 0; h < H; ++h) {
-      T* dw_uk = ops::at(r.grads.wkv_b.data(), h * (dn + dv) * C);
-      // dq_nope[h] = dq_abs[h, :C] W_UK[h]^T; dW_UK[h] += q_nope[h]^T dq_abs[h, :C]
-      ops::gemm_strided<T>(false, true, N, dn, C, T(1), ops::at(dq_abs.data(), h * (C + dr)),
-                           H * (C + dr), ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
-                           ops::at(dq.data(), h * dqk), H * dqk);
-      ops::gemm_strided<T>(true, false, dn, C, N, T(1), ops::at(q.data(), h * dqk), H * dqk,
-                           ops::at(dq_abs.data(), h * (C + dr)), H * (C + dr), T(1), dw_uk, C);
-      ops::copy(m(dq, N, H * dqk).col_range(h * dqk + dn, dr),
-                m(dq_abs, N, H * (C + dr)).col_range(h * (C + dr) + C, dr));
-    }
+    dsa_absorb_q_backward(cfg, w, q, dq_abs, dq, r.grads, N);
     // c is the keys' latent and the values
     ops::copy(m(dc, N, C), m(dlat, N, C + dr).col_range(0, C));
     ops::add(m(dc, N, C), m(dval, N, C));

@@ -164,19 +164,10 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   ss.K = KA;
   Tensor<T> qa_abs = zeros(N * H * W, "dsa absorbed q"), o_lat = zeros(N * H * C, "dsa o_lat");
   Tensor<T> o = zeros(N * H * dv, "dsa o"), lse = zeros(B * H * L, "dsa lse");
-  for (std::int64_t h = 0; h < H; ++h) {  // q_nope W_UK[h] into qa_abs[:, h, :C], q_pe after
-    ops::gemm_strided<T>(false, false, N, C, dn, T(1), ops::at(q.data(), h * dqk), H * dqk,
-                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
-                         ops::at(qa_abs.data(), h * W), H * W);
-    ops::copy(m(qa_abs, N, H * W).col_range(h * W + C, dr),
-              m(q, N, H * dqk).col_range(h * dqk + dn, dr));
-  }
+  dsa_absorb_q(cfg, w, q, qa_abs, N);
   ops::sparse_attention_forward<T>(ss, o_lat.data(), lse.data(), qa_abs.data(), lat.data(),
                                    cS.data(), att_idx);
-  for (std::int64_t h = 0; h < H; ++h)  // o_lat W_UV[h]^T
-    ops::gemm_strided<T>(false, true, N, dv, C, T(1), ops::at(o_lat.data(), h * C), H * C,
-                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
-                         ops::at(o.data(), h * dv), H * dv);
+  dsa_latent_out(cfg, w, o_lat, o, N);
   Tensor<T> out = zeros(N * D, "dsa output");
   ops::linear_rows(out.data(), o.data(), w.wo.data(), N, H * dv, D);
 
@@ -219,14 +210,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                                N, H * dv, D);
   o.reset();
   Tensor<T> do_lat = zeros(N * H * C, "dsa do_lat");
-  for (std::int64_t h = 0; h < H; ++h) {
-    ops::gemm_strided<T>(false, false, N, C, dv, T(1), ops::at(dO.data(), h * dv), H * dv,
-                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
-                         ops::at(do_lat.data(), h * C), H * C);
-    ops::gemm_strided<T>(true, false, dv, C, N, T(1), ops::at(dO.data(), h * dv), H * dv,
-                         ops::at(o_lat.data(), h * C), H * C, T(1),
-                         ops::at(res.grads.wkv_b.data(), (h * (dn + dv) + dn) * C), C);
-  }
+  dsa_latent_out_backward(cfg, w, dO, o_lat, do_lat, res.grads, N);
   dO.reset();
   Tensor<T> dq_abs = zeros(N * H * W, "dsa absorbed dq");
   Tensor<T> dlatS = zeros(NK * W, "dsa d latent (B, Sk)"), dvalS = zeros(NK * C, "dsa d values");
@@ -246,16 +230,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                        "latent_ag");
   dlat_rm.reset();
   Tensor<T> dq = zeros(N * H * dqk, "dsa dq"), dc = zeros(N * C, "dsa dc");
-  for (std::int64_t h = 0; h < H; ++h) {
-    ops::gemm_strided<T>(false, true, N, dn, C, T(1), ops::at(dq_abs.data(), h * W), H * W,
-                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
-                         ops::at(dq.data(), h * dqk), H * dqk);
-    ops::gemm_strided<T>(true, false, dn, C, N, T(1), ops::at(q.data(), h * dqk), H * dqk,
-                         ops::at(dq_abs.data(), h * W), H * W, T(1),
-                         ops::at(res.grads.wkv_b.data(), h * (dn + dv) * C), C);
-    ops::copy(m(dq, N, H * dqk).col_range(h * dqk + dn, dr),
-              m(dq_abs, N, H * W).col_range(h * W + C, dr));
-  }
+  dsa_absorb_q_backward(cfg, w, q, dq_abs, dq, res.grads, N);
   ops::copy(m(dc, N, C), m(dkv, N, W).col_range(0, C));
   dq_abs.reset(), q.reset();
   Tensor<T> dqr;

@@ -141,12 +141,81 @@ DsaHeadKv<T> dsa_head_kv(const MlaConfig& cfg, const MlaParams<T>& w, const Tens
   return kv;
 }
 
+template <class T>
+void dsa_absorb_q(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q, Tensor<T>& qa,
+                  std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, dqk = dn + dr, W = C + dr;
+  for (std::int64_t h = 0; h < H; ++h) {
+    ops::gemm_strided<T>(false, false, N, C, dn, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                         ops::at(qa.data(), h * W), H * W);
+    ops::copy(ops::mat(qa, N, H * W).col_range(h * W + C, dr),
+              ops::mat(q, N, H * dqk).col_range(h * dqk + dn, dr));
+  }
+}
+
+template <class T>
+void dsa_latent_out(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& o_lat,
+                    Tensor<T>& o, std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dv = cfg.v_head_dim;
+  for (std::int64_t h = 0; h < H; ++h)
+    ops::gemm_strided<T>(false, true, N, dv, C, T(1), ops::at(o_lat.data(), h * C), H * C,
+                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                         ops::at(o.data(), h * dv), H * dv);
+}
+
+template <class T>
+void dsa_latent_out_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& dO,
+                             const Tensor<T>& o_lat, Tensor<T>& do_lat, MlaParams<T>& grads,
+                             std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dv = cfg.v_head_dim;
+  for (std::int64_t h = 0; h < H; ++h) {
+    ops::gemm_strided<T>(false, false, N, C, dv, T(1), ops::at(dO.data(), h * dv), H * dv,
+                         ops::at(w.wkv_b.data(), (h * (dn + dv) + dn) * C), C, T(0),
+                         ops::at(do_lat.data(), h * C), H * C);
+    ops::gemm_strided<T>(true, false, dv, C, N, T(1), ops::at(dO.data(), h * dv), H * dv,
+                         ops::at(o_lat.data(), h * C), H * C, T(1),
+                         ops::at(grads.wkv_b.data(), (h * (dn + dv) + dn) * C), C);
+  }
+}
+
+template <class T>
+void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q,
+                           const Tensor<T>& dqa, Tensor<T>& dq, MlaParams<T>& grads,
+                           std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, dqk = dn + dr, W = C + dr;
+  for (std::int64_t h = 0; h < H; ++h) {
+    ops::gemm_strided<T>(false, true, N, dn, C, T(1), ops::at(dqa.data(), h * W), H * W,
+                         ops::at(w.wkv_b.data(), h * (dn + dv) * C), C, T(0),
+                         ops::at(dq.data(), h * dqk), H * dqk);
+    ops::gemm_strided<T>(true, false, dn, C, N, T(1), ops::at(q.data(), h * dqk), H * dqk,
+                         ops::at(dqa.data(), h * W), H * W, T(1),
+                         ops::at(grads.wkv_b.data(), h * (dn + dv) * C), C);
+    ops::copy(ops::mat(dq, N, H * dqk).col_range(h * dqk + dn, dr),
+              ops::mat(dqa, N, H * W).col_range(h * W + C, dr));
+  }
+}
+
 #define LAGA_INSTANTIATE(T)                                                                       \
   template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,          \
                                  std::int64_t, const RopeTable&, bool);                           \
   template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,    \
                                        std::int64_t, const RopeTable&, bool);                     \
   template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);        \
+  template void dsa_absorb_q<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,          \
+                                Tensor<T>&, std::int64_t);                                        \
+  template void dsa_latent_out<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,        \
+                                  Tensor<T>&, std::int64_t);                                      \
+  template void dsa_latent_out_backward<T>(const MlaConfig&, const MlaParams<T>&,                 \
+                                           const Tensor<T>&, const Tensor<T>&, Tensor<T>&,        \
+                                           MlaParams<T>&, std::int64_t);                          \
+  template void dsa_absorb_q_backward<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&, \
+                                         const Tensor<T>&, Tensor<T>&, MlaParams<T>&,             \
+                                         std::int64_t);                                           \
   template DsaHeadKv<T> dsa_head_kv<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,   \
                                        const Tensor<T>&, std::int64_t);                           \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,         \

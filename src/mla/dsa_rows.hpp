@@ -93,6 +93,31 @@ struct DsaHeadKv {
 template <class T>
 DsaHeadKv<T> dsa_head_kv(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& c,
                          const Tensor<T>& k_pe, std::int64_t N);
+// The absorbed attention's per-head maps through wkv_b (DeepSeek's
+// "absorb" path: the block's latent attend and latent_gather attend in
+// latent space, one key/value head [c | k_pe] of width W = C + dr, values
+// c). wkv_b's head h is W_UK[h] (dn, C), then W_UV[h] (dv, C).
+//   dsa_absorb_q:   qa (N, H, W): qa[:, h, :C] = q_nope[h] W_UK[h],
+//                   qa[:, h, C:] = q_pe[h]  (q (N, H, dqk))
+//   dsa_latent_out: o (N, H, dv): o[h] = o_lat[h] W_UV[h]^T  (o_lat (N, H, C))
+// and their backward: do_lat[h] = dO[h] W_UV[h] and dq[h] = [dqa[h, :C]
+// W_UK[h]^T | dqa[h, C:]] are overwritten; W_UV[h]'s and W_UK[h]'s
+// gradients in grads.wkv_b are added to (dO[h]^T o_lat[h], q_nope[h]^T
+// dqa[h, :C]). The caller allocates every tensor (dsa_memory follows it).
+template <class T>
+void dsa_absorb_q(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q, Tensor<T>& qa,
+                  std::int64_t N);
+template <class T>
+void dsa_latent_out(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& o_lat,
+                    Tensor<T>& o, std::int64_t N);
+template <class T>
+void dsa_latent_out_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& dO,
+                             const Tensor<T>& o_lat, Tensor<T>& do_lat, MlaParams<T>& grads,
+                             std::int64_t N);
+template <class T>
+void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q,
+                           const Tensor<T>& dqa, Tensor<T>& dq, MlaParams<T>& grads,
+                           std::int64_t N);
 // Their backward into x: dkv (N, C + dr) holds k_pe's gradient in its last
 // dr columns (rotated back here; its first C are overwritten); dc (N, C) is
 // c's gradient; dq (N, H, dqk) q's gradient, its rope part rotated back
