@@ -20,6 +20,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/precision.hpp"
@@ -70,6 +71,24 @@ std::string sci(double v) {
 // --count-only: each form with a count-only run, every rank alone
 // (run_dsa_rank_count_only); `all`: the forms without one are listed as
 // such, a form named without one is refused (there, by name).
+// The table on stdout (on stderr when --json - takes stdout) and, with
+// --json, the document: the run's shape, whether it computed, and one row
+// per form (the count-only run's and the computing run's rows differ).
+void emit_dsa_report(const CompareOptions& o, const MlaConfig& cfg, DsaStage stage,
+                     const std::string& table, nlohmann::json forms, bool count_only) {
+  (o.json != "-" ? std::cout : std::cerr) << table << std::flush;
+  if (o.json.empty()) return;
+  write_output(o.json, nlohmann::json{{"config", cfg.to_json()},
+                                      {"batch", o.batch},
+                                      {"seq", o.seq},
+                                      {"sp", o.sp},
+                                      {"stage", to_string(stage)},
+                                      {"count_only", count_only},
+                                      {"dsa_forms", std::move(forms)}}
+                               .dump(2) +
+                           "\n");
+}
+
 bool run_dsa_count_only(const CompareOptions& o, const MlaConfig& cfg, const SpLayout& layout,
                         const std::vector<DsaForm>& forms, bool all) {
   LAGA_CHECK(o.comm.backend == Backend::local, "--count-only --comm ", to_string(o.comm.backend),
@@ -129,17 +148,7 @@ bool run_dsa_count_only(const CompareOptions& o, const MlaConfig& cfg, const SpL
                  {"predicted_sent_per_rank", predicted},
                  {"ledger_equals_closed_form", ledger}});
   }
-  (o.json != "-" ? std::cout : std::cerr) << t.str() << std::flush;
-  if (!o.json.empty())
-    write_output(o.json, nlohmann::json{{"config", cfg.to_json()},
-                                        {"batch", o.batch},
-                                        {"seq", o.seq},
-                                        {"sp", o.sp},
-                                        {"stage", to_string(stage)},
-                                        {"count_only", true},
-                                        {"dsa_forms", j}}
-                                 .dump(2) +
-                             "\n");
+  emit_dsa_report(o, cfg, stage, t.str(), std::move(j), true);
   return true;
 }
 
@@ -320,17 +329,7 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     }
     j.push_back(row);
   }
-  const bool table_to_stdout = o.json != "-";
-  (table_to_stdout ? std::cout : std::cerr) << t.str() << std::flush;
-  if (!o.json.empty())
-    write_output(o.json, nlohmann::json{{"config", cfg.to_json()},
-                                        {"batch", o.batch},
-                                        {"seq", o.seq},
-                                        {"sp", o.sp},
-                                        {"stage", to_string(stage)},
-                                        {"dsa_forms", j}}
-                                 .dump(2) +
-                             "\n");
+  emit_dsa_report(o, cfg, stage, t.str(), std::move(j), false);
   return true;
 }
 
