@@ -95,12 +95,6 @@ void Fp8Options::apply(MlaConfig& cfg, const std::string& source,
         "part of DeepSeek-V3.2's fp8 DSA path, which only a DSA block runs; drop ",
         option,
         " or give a DSA config (the index_n_heads, index_head_dim and index_topk keys or options)");
-  LAGA_CHECK(!kv_fp8_round_trip || backward.empty(), "--kv-fp8-round-trip simulates DeepSeek's ",
-             "fp8 kv cache at inference and has no backward (the rounding's gradient is zero "
-             "almost everywhere), and ",
-             backward,
-             " runs one; drop --kv-fp8-round-trip (laga forward without --backward "
-             "runs it)");
   // One key at a time, so that a refusal names the option that set it.
   for (auto [on, key, option] :
        {std::tuple{index_fp8, &MlaConfig::index_fp8, "--index-fp8"},
@@ -115,6 +109,17 @@ void Fp8Options::apply(MlaConfig& cfg, const std::string& source,
       fail(option, " on ", source, ": ", why);
     }
   }
+  // After the keys: the flag or the config's own key (which would otherwise
+  // run to the first backward and be refused there, in mla/dsa_rows.cpp).
+  const std::string named =
+      kv_fp8_round_trip ? std::string("--kv-fp8-round-trip") : source + "'s key kv_fp8_round_trip";
+  LAGA_CHECK(
+      !cfg.kv_fp8_round_trip || backward.empty(), named, " simulates DeepSeek's ",
+      "fp8 kv cache at inference and has no backward (the rounding's gradient is zero "
+      "almost everywhere), and ",
+      backward, " runs one; ",
+      kv_fp8_round_trip ? "drop --kv-fp8-round-trip" : "set kv_fp8_round_trip false in the config",
+      " (laga forward without --backward runs it)");
 }
 
 void CommOptions::add_to(CLI::App& app, bool takes_nccl) {

@@ -136,7 +136,14 @@ cases = [(["forward"] + dense + ["--index-fp8"], "--index-fp8: preset small is d
          (["compare", "--config", plain, "--kv-fp8-round-trip"],
           "and laga compare (every form's backward) runs one"),
          (["train", "--config", plain, "--seq", "16", "--kv-fp8-round-trip"],
-          "and laga train (every step's backward) runs one")]
+          "and laga train (every step's backward) runs one"),
+         # The config's own key, refused as the flag is, before anything runs.
+         (["forward", "--config", keyed["kv_fp8_round_trip"], "--backward"],
+          "'s key kv_fp8_round_trip simulates DeepSeek's fp8 kv cache"),
+         (["compare", "--config", keyed["kv_fp8_round_trip"]],
+          "and laga compare (every form's backward) runs one; set kv_fp8_round_trip false"),
+         (["train", "--config", keyed["kv_fp8_round_trip"], "--seq", "16"],
+          "and laga train (every step's backward) runs one; set kv_fp8_round_trip false")]
 for args, words in cases:
     r = run(args)
     errors = [line for line in r.stderr.splitlines() if line.startswith("laga: error: ")]
