@@ -781,8 +781,9 @@ DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const Sp
 }  // namespace
 
 bool dsa_memory_is_the_pools(DsaForm form) {
-  return form == DsaForm::latent_gather || form == DsaForm::explicit_form ||
-         form == DsaForm::laga_indices || form == DsaForm::laga_recompute;
+  // Every form the engine runs (its registry row has a runner) runs on pool
+  // tensors; mla_test_dsa_memory holds each to its pool.
+  return dsa_form_runs(form);
 }
 
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,

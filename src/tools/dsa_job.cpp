@@ -174,13 +174,7 @@ DsaIndexerParams<T> load_indexer_weights(const std::string& path, const MlaConfi
 
 DsaRankLedger run_dsa_rank_count_only(const MlaConfig& cfg, const SpLayout& layout, DsaStage stage,
                                       DsaForm form, int rank, WireElementBytes wire) {
-  check_dsa_job(cfg, layout, form);
-  std::string pooled;
-  for (DsaForm f : all_dsa_forms())
-    if (dsa_memory_is_the_pools(f))
-      pooled += (pooled.empty() ? "" : ",") + std::string(to_string(f));
-  LAGA_CHECK(dsa_memory_is_the_pools(form), "--count-only: DSA form ", to_string(form),
-             " has no count-only run (its buffers are not pool tensors yet); use --forms ", pooled);
+  check_dsa_job(cfg, layout, form);  // a form the engine runs: on pool tensors
   MemoryPool pool;
   pool.set_count_only(true);
   const PoolScope scope(pool);

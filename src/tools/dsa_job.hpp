@@ -84,8 +84,8 @@ DsaJobOf<T> run_dsa_job(const CommOptions& comm, const MlaConfig& cfg, const SpL
 // pool (MemoryPool::set_count_only; no weights, inputs or results, fp32
 // tensors, bf16's operand copies under a UsePrecision(bf16) scope): its
 // ledger against dsa_predict_comm at `wire` and its pool peak, at any
-// size. Only a form whose dsa_memory_is_the_pools (mla/dsa_model.hpp);
-// laga::Error naming any other.
+// size. Only a form the engine runs (dsa_form_runs, mla/dsa_model.hpp: each
+// is on pool tensors); laga::Error naming any other (check_dsa_job).
 DsaRankLedger run_dsa_rank_count_only(const MlaConfig& cfg, const SpLayout& layout, DsaStage stage,
                                       DsaForm form, int rank, WireElementBytes wire);
 
