@@ -58,16 +58,7 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
                                     const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                                     const SpLayout& lay, DsaStage stage, Communicator& comm,
                                     const std::int64_t* doc_start) {
-  cfg.validate();
-  lay.validate();
-  LAGA_CHECK(cfg.dsa(),
-             "dsa_latent_gather: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
-             "index_head_dim, index_topk)");
-  LAGA_CHECK(lay.seq_layout == SeqLayout::contiguous,
-             "dsa_latent_gather: the zigzag layout is not implemented; use --seq-layout "
-             "contiguous");
-  LAGA_CHECK(lay.ranks == comm.size(), "dsa_latent_gather: the layout has ", lay.ranks,
-             " ranks, the communicator ", comm.size());
+  check_dsa_form_inputs("dsa_latent_gather", cfg, lay, comm, false);
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;

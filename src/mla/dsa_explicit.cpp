@@ -10,28 +10,12 @@
 
 namespace laga {
 
-namespace {
-
-// Rows [0, n) of each batch row of a (B, from, w) tensor into a (B, to, w)
-// one (the rest of dst left as it is).
-}  // namespace
-
 template <class T>
 DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
                                const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                                const SpLayout& lay, DsaStage stage, Communicator& comm,
                                const std::int64_t* doc_start) {
-  cfg.validate();
-  lay.validate();
-  LAGA_CHECK(cfg.dsa(),
-             "dsa_explicit: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
-             "index_head_dim, index_topk)");
-  LAGA_CHECK(lay.seq_layout == SeqLayout::contiguous,
-             "dsa_explicit: the zigzag layout is not implemented; use --seq-layout contiguous");
-  LAGA_CHECK(lay.ranks == comm.size(), "dsa_explicit: the layout has ", lay.ranks,
-             " ranks, the communicator ", comm.size());
-  LAGA_CHECK(lay.heads == cfg.n_heads, "dsa_explicit: the layout splits ", lay.heads,
-             " heads, the config has n_heads ", cfg.n_heads);
+  check_dsa_form_inputs("dsa_explicit", cfg, lay, comm, true);
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);
   const std::int64_t L = lay.seq_count[std::size_t(r)], Sk = s0 + L, N = B * L, NK = B * Sk;

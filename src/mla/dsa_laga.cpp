@@ -31,23 +31,11 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
                            const DsaIndexerParams<T>& iw, const T* x, const T* dout,
                            const SpLayout& lay, DsaStage stage, DsaForm form, Communicator& comm,
                            const std::int64_t* doc_start) {
-  cfg.validate();
-  lay.validate();
-  LAGA_CHECK(cfg.dsa(),
-             "dsa_laga: the config has no DeepSeek Sparse Attention keys (index_n_heads, "
-             "index_head_dim, index_topk)");
   LAGA_CHECK(form == DsaForm::laga_indices || form == DsaForm::laga_recompute,
              "dsa_laga: DSA form '", to_string(form),
              "' is not one of LAGA's head-sharded forms; use laga_indices or laga_recompute "
              "(latent_gather runs in dsa_latent_gather, mla/dsa_cp.hpp)");
-  LAGA_CHECK(lay.seq_layout == SeqLayout::contiguous,
-             "dsa_laga: the zigzag layout is not implemented; use --seq-layout contiguous");
-  LAGA_CHECK(lay.ranks == comm.size(), "dsa_laga: the layout has ", lay.ranks,
-             " ranks, the communicator ", comm.size());
-  std::int64_t heads = 0;
-  for (std::int64_t h : lay.head_count) heads += h;
-  LAGA_CHECK(heads == cfg.n_heads, "dsa_laga: the layout's ranks hold ", heads,
-             " heads, the config has n_heads ", cfg.n_heads);
+  check_dsa_form_inputs("dsa_laga", cfg, lay, comm, true);
   const bool indices = form == DsaForm::laga_indices, sparse = stage == DsaStage::sparse;
   const int r = comm.rank();
   const std::int64_t B = lay.batch, S = lay.seq, s0 = lay.shard_begin(r);

@@ -141,6 +141,24 @@ DsaHeadKv<T> dsa_head_kv(const MlaConfig& cfg, const MlaParams<T>& w, const Tens
   return kv;
 }
 
+void check_dsa_form_inputs(const char* fn, const MlaConfig& cfg, const SpLayout& lay,
+                           const Communicator& comm, bool head_sharded) {
+  cfg.validate();
+  lay.validate();
+  LAGA_CHECK(cfg.dsa(), fn,
+             ": the config has no DeepSeek Sparse Attention keys (index_n_heads, index_head_dim, "
+             "index_topk)");
+  LAGA_CHECK(lay.seq_layout == SeqLayout::contiguous, fn,
+             ": the zigzag layout is not implemented; use --seq-layout contiguous");
+  LAGA_CHECK(lay.ranks == comm.size(), fn, ": the layout has ", lay.ranks,
+             " ranks, the communicator ", comm.size());
+  if (!head_sharded) return;
+  std::int64_t heads = 0;
+  for (std::int64_t h : lay.head_count) heads += h;
+  LAGA_CHECK(heads == cfg.n_heads, fn, ": the layout's ranks hold ", heads,
+             " heads, the config has n_heads ", cfg.n_heads);
+}
+
 template <class T>
 void dsa_absorb_q(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q, Tensor<T>& qa,
                   std::int64_t N) {

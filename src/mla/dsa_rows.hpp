@@ -21,6 +21,14 @@
 
 namespace laga {
 
+// What every DSA form refuses before it runs, each message led by the
+// form's function name (`fn`): a config or layout that fails validate(), a
+// config without the index keys, zigzag shards, a layout for another number
+// of ranks than the communicator's, and, for a head-sharded form
+// (head_sharded), a layout whose ranks hold other than n_heads heads.
+void check_dsa_form_inputs(const char* fn, const MlaConfig& cfg, const SpLayout& lay,
+                           const Communicator& comm, bool head_sharded);
+
 // Where a caller's own rows sit: B batch rows of L tokens, token l of a row
 // at position pos0 + l, or at positions[b L + l] when positions is set
 // (packed documents: each token's position in its document).

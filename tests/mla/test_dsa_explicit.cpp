@@ -202,7 +202,8 @@ TEST(DsaExplicit, RefusesZigzagOtherHeadsAndABadDocStart) {
   // token 3 claims a document starting at 2, but token 2's starts at 0
   const std::vector<std::int64_t> bad = {0, 0, 0, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0};
   const std::string heads = run(SpLayout::even(1, 16, 4, 2), nullptr);
-  EXPECT_NE(heads.find("the layout splits 4 heads, the config has n_heads 5"), std::string::npos)
+  EXPECT_NE(heads.find("the layout's ranks hold 4 heads, the config has n_heads 5"),
+            std::string::npos)
       << heads;
   const std::string doc = run(SpLayout::even(1, 16, 5, 2), bad.data());
   EXPECT_NE(doc.find("doc_start[0, 3] = 2 is not the first token of a document"), std::string::npos)
