@@ -184,12 +184,8 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   if (!dout) return r;
 
   // ---- the indexer's weights from the KL (its input detached: no dx, no dqr)
-  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
-  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
-  r.indexer_grads = dsa_indexer_project_backward(cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(),
-                                                 ip.k_mean.data(), ip.k_rstd.data(), dwI.data(),
-                                                 dqI.data(), dkI.data(), N);
-  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
+  r.indexer_grads =
+      dsa_indexer_rows_backward(cfg, iw, x, qr.data(), ip, at, table, dqI, dkI, dwI, N);
 
   // ---- the LM backward through the attended keys
   r.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);

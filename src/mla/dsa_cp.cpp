@@ -186,12 +186,8 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   dsa_reduce_scatter_v(comm, dk_rm.data(), key_sh.counts.data(), key_sh.displs.data(), dkI.data(),
                        "index_k_ag");
   dk_rm.reset();
-  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
-  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
-  res.indexer_grads = dsa_indexer_project_backward(
-      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
-      dwI.data(), dqI.data(), dkI.data(), N);
-  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
+  res.indexer_grads =
+      dsa_indexer_rows_backward(cfg, iw, x, qr.data(), ip, at, table, dqI, dkI, dwI, N);
 
   // ---- the LM backward: the rank's rows, the latent's gradient to its owners
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);

@@ -231,12 +231,8 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   // ---- the indexer's weights: k_I's gradient to the keys' owners first
   Tensor<T> dkI = dsa_index_key_grads_home(comm, lay, dkIk.data(), Sk, dI);
   dkIk.reset();
-  dsa_rope_index_rows(dqI.data(), at, HI, HI * dI, dI, table, true);
-  dsa_rope_index_rows(dkI.data(), at, 1, dI, dI, table, true);
-  res.indexer_grads = dsa_indexer_project_backward(
-      cfg, iw, x, qr.data(), ip.w_scale, ip.k_pre.data(), ip.k_mean.data(), ip.k_rstd.data(),
-      dwI.data(), dqI.data(), dkI.data(), N);
-  dqI.reset(), dkI.reset(), dwI.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
+  res.indexer_grads =
+      dsa_indexer_rows_backward(cfg, iw, x, qr.data(), ip, at, table, dqI, dkI, dwI, N);
 
   // ---- the LM backward: the heads' gradients from every query
   res.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);

@@ -160,6 +160,22 @@ void check_dsa_form_inputs(const char* fn, const MlaConfig& cfg, const SpLayout&
 }
 
 template <class T>
+DsaIndexerParams<T> dsa_indexer_rows_backward(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                              const T* x, const T* qr, DsaIndexerProjections<T>& ip,
+                                              const DsaRowPositions& at, const RopeTable& table,
+                                              Tensor<T>& dq, Tensor<T>& dk, Tensor<T>& dw,
+                                              std::int64_t N) {
+  const std::int64_t HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  dsa_rope_index_rows(dq.data(), at, HI, HI * dI, dI, table, true);
+  dsa_rope_index_rows(dk.data(), at, 1, dI, dI, table, true);
+  DsaIndexerParams<T> grads =
+      dsa_indexer_project_backward(cfg, iw, x, qr, ip.w_scale, ip.k_pre.data(), ip.k_mean.data(),
+                                   ip.k_rstd.data(), dw.data(), dq.data(), dk.data(), N);
+  dq.reset(), dk.reset(), dw.reset(), ip.k_pre.reset(), ip.k_mean.reset(), ip.k_rstd.reset();
+  return grads;
+}
+
+template <class T>
 void dsa_absorb_q(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q, Tensor<T>& qa,
                   std::int64_t N) {
   const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
@@ -218,30 +234,33 @@ void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Te
   }
 }
 
-#define LAGA_INSTANTIATE(T)                                                                       \
-  template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,          \
-                                 std::int64_t, const RopeTable&, bool);                           \
-  template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,    \
-                                       std::int64_t, const RopeTable&, bool);                     \
-  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);        \
-  template void dsa_absorb_q<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,          \
-                                Tensor<T>&, std::int64_t);                                        \
-  template void dsa_latent_out<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,        \
-                                  Tensor<T>&, std::int64_t);                                      \
-  template void dsa_latent_out_backward<T>(const MlaConfig&, const MlaParams<T>&,                 \
-                                           const Tensor<T>&, const Tensor<T>&, Tensor<T>&,        \
-                                           MlaParams<T>&, std::int64_t);                          \
-  template void dsa_absorb_q_backward<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&, \
-                                         const Tensor<T>&, Tensor<T>&, MlaParams<T>&,             \
-                                         std::int64_t);                                           \
-  template DsaHeadKv<T> dsa_head_kv<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,   \
-                                       const Tensor<T>&, std::int64_t);                           \
-  template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,         \
-                                         const DsaRowPositions&, const RopeTable&, bool, bool);   \
-  template void dsa_own_rows_backward<T>(                                                         \
-      const MlaConfig&, const MlaParams<T>&, const T*, const DsaOwnRows<T>&,                      \
-      const DsaRowPositions&, const RopeTable&, T*, const T*, T*, Tensor<T>&, MlaParams<T>&, T*); \
-  template Tensor<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,        \
+#define LAGA_INSTANTIATE(T)                                                                        \
+  template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,           \
+                                 std::int64_t, const RopeTable&, bool);                            \
+  template void dsa_rope_index_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,     \
+                                       std::int64_t, const RopeTable&, bool);                      \
+  template void dsa_index_values_as_stored<T>(const MlaConfig&, std::int64_t, T*, T*, T*);         \
+  template void dsa_absorb_q<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,           \
+                                Tensor<T>&, std::int64_t);                                         \
+  template void dsa_latent_out<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,         \
+                                  Tensor<T>&, std::int64_t);                                       \
+  template void dsa_latent_out_backward<T>(const MlaConfig&, const MlaParams<T>&,                  \
+                                           const Tensor<T>&, const Tensor<T>&, Tensor<T>&,         \
+                                           MlaParams<T>&, std::int64_t);                           \
+  template void dsa_absorb_q_backward<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,  \
+                                         const Tensor<T>&, Tensor<T>&, MlaParams<T>&,              \
+                                         std::int64_t);                                            \
+  template DsaIndexerParams<T> dsa_indexer_rows_backward<T>(                                       \
+      const MlaConfig&, const DsaIndexerParams<T>&, const T*, const T*, DsaIndexerProjections<T>&, \
+      const DsaRowPositions&, const RopeTable&, Tensor<T>&, Tensor<T>&, Tensor<T>&, std::int64_t); \
+  template DsaHeadKv<T> dsa_head_kv<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,    \
+                                       const Tensor<T>&, std::int64_t);                            \
+  template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,          \
+                                         const DsaRowPositions&, const RopeTable&, bool, bool);    \
+  template void dsa_own_rows_backward<T>(                                                          \
+      const MlaConfig&, const MlaParams<T>&, const T*, const DsaOwnRows<T>&,                       \
+      const DsaRowPositions&, const RopeTable&, T*, const T*, T*, Tensor<T>&, MlaParams<T>&, T*);  \
+  template Tensor<T> dsa_index_key_grads_home<T>(Communicator&, const SpLayout&, const T*,         \
                                                  std::int64_t, std::int64_t);
 LAGA_INSTANTIATE(float)
 LAGA_INSTANTIATE(double)

@@ -14,6 +14,7 @@
 
 #include "comm/communicator.hpp"
 #include "mla/config.hpp"
+#include "mla/dsa_block.hpp"
 #include "mla/layout.hpp"
 #include "mla/ops.hpp"
 #include "mla/ops_dsa.hpp"
@@ -138,6 +139,19 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
                            const DsaOwnRows<T>& f, const DsaRowPositions& at,
                            const RopeTable& table, T* dkv, const T* dc, T* dq, Tensor<T>& dqr,
                            MlaParams<T>& grads, T* dx);
+
+// The indexer's weights' gradients for the N own rows, from the KL's (the
+// indexer's input detached: no dx, no dqr): dq (N, HI dI) and dk (N, dI)
+// rotated back by the rows' positions, then dsa_indexer_project_backward
+// with ip's LayerNorm of k; frees dq, dk, dw and ip's k_pre, k_mean, k_rstd,
+// in that order (dsa_memory's indexer_project_backward). The block and every
+// form end their indexer this way.
+template <class T>
+DsaIndexerParams<T> dsa_indexer_rows_backward(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                              const T* x, const T* qr, DsaIndexerProjections<T>& ip,
+                                              const DsaRowPositions& at, const RopeTable& table,
+                                              Tensor<T>& dq, Tensor<T>& dk, Tensor<T>& dw,
+                                              std::int64_t N);
 
 // What the DSA forms' collectives move (docs/forms.md, "DSA in bf16", "On
 // the wire"; dsa_predict_comm, mla/dsa_model.hpp, is its closed form).
