@@ -116,13 +116,10 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
   Tensor<T>&k = kv.k, &v = kv.v;
 
   // ---- the lightning indexer (DeepSeek's Indexer.forward; fp8 scoring when cfg.index_fp8)
-  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
+  DsaIndexerProjections<T> ip = dsa_indexer_rows(cfg, iw, x, qr.data(), at, table, N);
   Tensor<T>& qI = ip.q;  // the names the rest of this function reads
   Tensor<T>& kI = ip.k;
   Tensor<T>& wI = ip.w;
-  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
-  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
-  dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
   IndexerShape is;
   is.attn = AttnShape{B, S, S, HI, 1, dI, 1, 1.0, true};
   is.topk = K;

@@ -104,13 +104,10 @@ DsaBlockResult<T> dsa_latent_gather(const MlaConfig& cfg, const MlaParams<T>& w,
   ops::copy(m(lat_own, N, W).col_range(C, dr), m(own.k_pe, N, dr));
   own.c.reset(), own.k_pe.reset();
   // ... and the indexer's
-  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
+  DsaIndexerProjections<T> ip = dsa_indexer_rows(cfg, iw, x, qr.data(), at, table, N);
   Tensor<T>& qI = ip.q;  // the names the rest of this function reads
   Tensor<T>& kI = ip.k;
   Tensor<T>& wI = ip.w;
-  dsa_rope_index_rows(qI.data(), at, HI, HI * dI, dI, table, false);
-  dsa_rope_index_rows(kI.data(), at, 1, dI, dI, table, false);
-  dsa_index_values_as_stored(cfg, N, qI.data(), kI.data(), wI.data());
 
   // ---- the gathers: every rank's latent and index keys, kept up to Sk
   Tensor<T> lat_rm = zeros(lat_sh.total(), "dsa latent gathered");

@@ -59,10 +59,7 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
   Tensor<T>&k = kv.k, &v = kv.v;
   k_pe.reset();
   // ... and the indexer's
-  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
-  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
-  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
+  DsaIndexerProjections<T> ip = dsa_indexer_rows(cfg, iw, x, qr.data(), at, table, N);
 
   // ---- the indexer and top-k of the rank's rows against every earlier key
   Tensor<T> kI_all = zeros(NS * dI, "dsa index keys gathered");

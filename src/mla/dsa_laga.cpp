@@ -85,10 +85,7 @@ DsaBlockResult<T> dsa_laga(const MlaConfig& cfg, const MlaParams<T>& w,
   ops::copy(m(lat_own, N, W).col_range(0, C), m(own.c, N, C));
   ops::copy(m(lat_own, N, W).col_range(C, dr), m(own.k_pe, N, dr));
   own.c.reset(), own.k_pe.reset();
-  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr.data(), N);
-  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
-  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
-  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
+  DsaIndexerProjections<T> ip = dsa_indexer_rows(cfg, iw, x, qr.data(), at, table, N);
 
   // ---- the queries to their heads' owners: q_h (B, S, H_r, dqk)
   Tensor<T> qh = zeros(NS * Hr * dqk, "dsa q_h"), qrS;

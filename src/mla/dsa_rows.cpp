@@ -160,6 +160,18 @@ void check_dsa_form_inputs(const char* fn, const MlaConfig& cfg, const SpLayout&
 }
 
 template <class T>
+DsaIndexerProjections<T> dsa_indexer_rows(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                          const T* x, const T* qr, const DsaRowPositions& at,
+                                          const RopeTable& table, std::int64_t N) {
+  const std::int64_t HI = cfg.index_n_heads, dI = cfg.index_head_dim;
+  DsaIndexerProjections<T> ip = dsa_indexer_project(cfg, iw, x, qr, N);
+  dsa_rope_index_rows(ip.q.data(), at, HI, HI * dI, dI, table, false);
+  dsa_rope_index_rows(ip.k.data(), at, 1, dI, dI, table, false);
+  dsa_index_values_as_stored(cfg, N, ip.q.data(), ip.k.data(), ip.w.data());
+  return ip;
+}
+
+template <class T>
 DsaIndexerParams<T> dsa_indexer_rows_backward(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
                                               const T* x, const T* qr, DsaIndexerProjections<T>& ip,
                                               const DsaRowPositions& at, const RopeTable& table,
@@ -250,6 +262,9 @@ void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Te
   template void dsa_absorb_q_backward<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,  \
                                          const Tensor<T>&, Tensor<T>&, MlaParams<T>&,              \
                                          std::int64_t);                                            \
+  template DsaIndexerProjections<T> dsa_indexer_rows<T>(                                           \
+      const MlaConfig&, const DsaIndexerParams<T>&, const T*, const T*, const DsaRowPositions&,    \
+      const RopeTable&, std::int64_t);                                                             \
   template DsaIndexerParams<T> dsa_indexer_rows_backward<T>(                                       \
       const MlaConfig&, const DsaIndexerParams<T>&, const T*, const T*, DsaIndexerProjections<T>&, \
       const DsaRowPositions&, const RopeTable&, Tensor<T>&, Tensor<T>&, Tensor<T>&, std::int64_t); \

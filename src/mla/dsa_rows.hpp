@@ -140,6 +140,14 @@ void dsa_own_rows_backward(const MlaConfig& cfg, const MlaParams<T>& w, const T*
                            const RopeTable& table, T* dkv, const T* dc, T* dq, Tensor<T>& dqr,
                            MlaParams<T>& grads, T* dx);
 
+// The indexer's projections of the N own rows as every scorer reads them
+// (DeepSeek's Indexer.forward up to the scores): dsa_indexer_project, then
+// q_I and k_I rotated by the rows' positions (the indexer's half-split
+// RoPE) and q_I, k_I, w made what the run stores (dsa_index_values_as_stored).
+template <class T>
+DsaIndexerProjections<T> dsa_indexer_rows(const MlaConfig& cfg, const DsaIndexerParams<T>& iw,
+                                          const T* x, const T* qr, const DsaRowPositions& at,
+                                          const RopeTable& table, std::int64_t N);
 // The indexer's weights' gradients for the N own rows, from the KL's (the
 // indexer's input detached: no dx, no dqr): dq (N, HI dI) and dk (N, dI)
 // rotated back by the rows' positions, then dsa_indexer_project_backward
