@@ -342,7 +342,27 @@ struct Timeline {
 };
 
 // The shared pieces' allocations, once each as their code is: dsa_rows.hpp's
-// dsa_index_key_grads_home, then dsa_block.hpp's dsa_indexer_project_backward.
+// dsa_own_rows (q only with_q), dsa_indexer_rows, dsa_index_key_grads_home,
+// then dsa_block.hpp's dsa_indexer_project_backward.
+void own_rows(Timeline& t, std::int64_t N, const MlaConfig& cfg, bool with_q, std::int64_t e) {
+  const std::int64_t rq = cfg.q_lora_rank, H = cfg.n_heads, C = cfg.kv_lora_rank;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dqk = cfg.qk_nope_head_dim + dr;
+  t.alloc("qa (B, L, rq)", N * rq * e);
+  t.alloc("qr (B, L, rq)", N * rq * e);
+  t.alloc("rstd_q (B, L)", N * e);
+  if (with_q) t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
+  t.alloc("kv (B, L, C + dr)", N * (C + dr) * e);
+  t.alloc("c (B, L, C)", N * C * e);
+  t.alloc("rstd_kv (B, L)", N * e);
+  t.alloc("k_pe (B, L, dr)", N * dr * e);
+}
+void indexer_rows(Timeline& t, std::int64_t N, std::int64_t Hi, std::int64_t di, std::int64_t e) {
+  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
+  t.alloc("index k_pre (B, L, di)", N * di * e);
+  t.alloc("index keys k_I (B, L, di)", N * di * e);
+  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
+  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+}
 void index_key_grads_home(Timeline& t, std::int64_t NS, std::int64_t N, std::int64_t di,
                           std::int64_t e) {
   t.alloc("d index keys padded (B, S, di)", NS * di * e);
@@ -391,22 +411,11 @@ DsaMemory latent_gather_memory(const MlaConfig& cfg, const DsaConfig& dsa, const
   const std::int64_t K = dsa.index_topk, KA = stage == DsaStage::dense_warmup ? Sk : K;
   Timeline t;
   // the own rows (dsa_own_rows)
-  t.alloc("qa (B, L, rq)", N * rq * e);
-  t.alloc("qr (B, L, rq)", N * rq * e);
-  t.alloc("rstd_q (B, L)", N * e);
-  t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
-  t.alloc("kv (B, L, C + dr)", N * W * e);
-  t.alloc("c (B, L, C)", N * C * e);
-  t.alloc("rstd_kv (B, L)", N * e);
-  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  own_rows(t, N, cfg, true, e);
   t.alloc("latent (B, L, C + dr)", N * W * e);
   t.free("c (B, L, C)"), t.free("k_pe (B, L, dr)");
   // the indexer's projections (dsa_indexer_project)
-  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
-  t.alloc("index k_pre (B, L, di)", N * di * e);
-  t.alloc("index keys k_I (B, L, di)", N * di * e);
-  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
-  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  indexer_rows(t, N, Hi, di, e);
   // the gathers, rank-major, then as (B, Sk) rows
   t.alloc("latent gathered (B, S, C + dr)", B * S * W * e);
   t.alloc("index keys gathered (B, S, di)", B * S * di * e);
@@ -491,24 +500,13 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
   const std::int64_t KA = sparse ? K : S;
   Timeline t;
   // the own rows (dsa_own_rows), K and V of every head
-  t.alloc("qa (B, L, rq)", N * rq * e);
-  t.alloc("qr (B, L, rq)", N * rq * e);
-  t.alloc("rstd_q (B, L)", N * e);
-  t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
-  t.alloc("kv (B, L, C + dr)", N * W * e);
-  t.alloc("c (B, L, C)", N * C * e);
-  t.alloc("rstd_kv (B, L)", N * e);
-  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  own_rows(t, N, cfg, true, e);
   t.alloc("kv_b (B, L, H, dn + dv)", N * H * (dn + dv) * e);
   t.alloc("k (B, L, H, dqk)", N * H * dqk * e);
   t.alloc("v (B, L, H, dv)", N * H * dv * e);
   t.free("kv_b (B, L, H, dn + dv)"), t.free("k_pe (B, L, dr)");
   // the indexer's projections, its keys gathered
-  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
-  t.alloc("index k_pre (B, L, di)", N * di * e);
-  t.alloc("index keys k_I (B, L, di)", N * di * e);
-  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
-  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  indexer_rows(t, N, Hi, di, e);
   t.alloc("index keys gathered (B, S, di)", NS * di * e);
   t.free("index keys k_I (B, L, di)");
   t.alloc("index keys (B, Sk, di)", NK * di * e);
@@ -600,22 +598,11 @@ DsaMemory laga_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout
   const std::int64_t KA = sparse ? K : S;
   Timeline t;
   // the own rows (dsa_own_rows; q for laga_indices only), the latent to send
-  t.alloc("qa (B, L, rq)", N * rq * e);
-  t.alloc("qr (B, L, rq)", N * rq * e);
-  t.alloc("rstd_q (B, L)", N * e);
-  if (indices) t.alloc("q (B, L, H, dqk)", N * H * dqk * e);
-  t.alloc("kv (B, L, C + dr)", N * W * e);
-  t.alloc("c (B, L, C)", N * C * e);
-  t.alloc("rstd_kv (B, L)", N * e);
-  t.alloc("k_pe (B, L, dr)", N * dr * e);
+  own_rows(t, N, cfg, indices, e);
   t.alloc("latent own (B, L, C + dr)", N * W * e);
   t.free("c (B, L, C)"), t.free("k_pe (B, L, dr)");
   // the indexer's projections
-  t.alloc("index queries q_I (B, L, Hi, di)", N * Hi * di * e);
-  t.alloc("index k_pre (B, L, di)", N * di * e);
-  t.alloc("index keys k_I (B, L, di)", N * di * e);
-  t.alloc("index k mean, rstd (B, L)", 2 * N * e);
-  t.alloc("index weights w (B, L, Hi)", N * Hi * e);
+  indexer_rows(t, N, Hi, di, e);
   // the queries at their heads: q sent (laga_indices), or the query latent
   // gathered and up-projected there (laga_recompute)
   t.alloc("q_h (B, S, H_r, dqk)", NS * Hr * dqk * e);
