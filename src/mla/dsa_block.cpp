@@ -196,16 +196,7 @@ DsaBlockResult<T> dsa_block(const MlaConfig& cfg, const MlaParams<T>& w,
     Tensor<T> dk = zeros(N * H * dqk, "dsa dk"), dvv = zeros(N * H * dv, "dsa dv");
     ops::sparse_attention_backward<T>(ss, dq.data(), dk.data(), dvv.data(), dO.data(), q.data(),
                                       k.data(), v.data(), o.data(), lse.data(), att_idx);
-    Tensor<T> dkvb = zeros(N * H * (dn + dv), "dsa dkv_b");
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto dst = m(dkvb, N, H * (dn + dv));
-      ops::copy(dst.col_range(h * (dn + dv), dn), m(dk, N, H * dqk).col_range(h * dqk, dn));
-      ops::copy(dst.col_range(h * (dn + dv) + dn, dv), m(dvv, N, H * dv).col_range(h * dv, dv));
-      // k_pe is every head's: its gradient sums them
-      ops::add(m(dkv, N, C + dr).col_range(C, dr), m(dk, N, H * dqk).col_range(h * dqk + dn, dr));
-    }
-    ops::linear_rows_backward<T>(dc.data(), false, r.grads.wkv_b.data(), dkvb.data(), c.data(),
-                                 w.wkv_b.data(), N, C, H * (dn + dv));
+    dsa_head_kv_backward(cfg, w, c, dk, dvv, dkv, dc, r.grads, N);
   } else {
     Tensor<T> do_lat = zeros(N * H * C, "dsa do_lat"),
               dq_abs = zeros(N * H * (C + dr), "dsa dq_abs");

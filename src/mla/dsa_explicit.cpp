@@ -206,18 +206,9 @@ DsaBlockResult<T> dsa_explicit(const MlaConfig& cfg, const MlaParams<T>& w,
 
   // ---- the rank's own rows: [dk_nope | dv] per head into wkv_b and c, the
   // heads' k_pe gradients summed (k_pe is every head's), as dsa_block
-  Tensor<T> dkvb = zeros(N * H * (dn + dv), "dsa dkv_b"), dkv = zeros(N * W, "dsa dkv");
-  Tensor<T> dc = zeros(N * C, "dsa dc");
-  for (std::int64_t h = 0; h < H; ++h) {
-    const auto dst = m(dkvb, N, H * (dn + dv));
-    ops::copy(dst.col_range(h * (dn + dv), dn), m(dk, N, H * dqk).col_range(h * dqk, dn));
-    ops::copy(dst.col_range(h * (dn + dv) + dn, dv), m(dvv, N, H * dv).col_range(h * dv, dv));
-    ops::add(m(dkv, N, W).col_range(C, dr), m(dk, N, H * dqk).col_range(h * dqk + dn, dr));
-  }
-  dk.reset(), dvv.reset();
-  ops::linear_rows_backward<T>(dc.data(), false, res.grads.wkv_b.data(), dkvb.data(), c.data(),
-                               w.wkv_b.data(), N, C, H * (dn + dv));
-  dkvb.reset(), c.reset();
+  Tensor<T> dkv = zeros(N * W, "dsa dkv"), dc = zeros(N * C, "dsa dc");
+  dsa_head_kv_backward(cfg, w, c, dk, dvv, dkv, dc, res.grads, N);
+  c.reset();
   Tensor<T> dqr;
   dsa_own_rows_backward(cfg, w, x, mine, at, table, dkv.data(), dc.data(), dq.data(), dqr,
                         res.grads, dx.data());

@@ -565,9 +565,10 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
   t.alloc("dk (B, L, H, dqk)", N * H * dqk * e);
   t.alloc("dv (B, L, H, dv)", N * H * dv * e);
   t.free("dq_h (B, S, H_r, dqk)"), t.free("dk_h (B, S, H_r, dqk)"), t.free("dv_h (B, S, H_r, dv)");
-  t.alloc("d kv_b (B, L, H, dn + dv)", N * H * (dn + dv) * e);
   t.alloc("dkv (B, L, C + dr)", N * W * e);
   t.alloc("dc (B, L, C)", N * C * e);
+  // dsa_head_kv_backward
+  t.alloc("d kv_b (B, L, H, dn + dv)", N * H * (dn + dv) * e);
   t.free("dk (B, L, H, dqk)"), t.free("dv (B, L, H, dv)");
   t.free("d kv_b (B, L, H, dn + dv)"), t.free("c (B, L, C)");
   // dsa_own_rows_backward

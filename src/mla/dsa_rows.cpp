@@ -246,6 +246,26 @@ void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Te
   }
 }
 
+template <class T>
+void dsa_head_kv_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& c,
+                          Tensor<T>& dk, Tensor<T>& dv, Tensor<T>& dkv, Tensor<T>& dc,
+                          MlaParams<T>& grads, std::int64_t N) {
+  const std::int64_t H = cfg.n_heads, C = cfg.kv_lora_rank, dn = cfg.qk_nope_head_dim;
+  const std::int64_t dr = cfg.qk_rope_head_dim, dvh = cfg.v_head_dim, dqk = dn + dr;
+  Tensor<T> dkvb = Tensor<T>::zeros({N * H * (dn + dvh)}, "dsa dkv_b");
+  const auto dst = ops::mat(dkvb, N, H * (dn + dvh));
+  for (std::int64_t h = 0; h < H; ++h) {
+    ops::copy(dst.col_range(h * (dn + dvh), dn), ops::mat(dk, N, H * dqk).col_range(h * dqk, dn));
+    ops::copy(dst.col_range(h * (dn + dvh) + dn, dvh),
+              ops::mat(dv, N, H * dvh).col_range(h * dvh, dvh));
+    ops::add(ops::mat(dkv, N, C + dr).col_range(C, dr),
+             ops::mat(dk, N, H * dqk).col_range(h * dqk + dn, dr));
+  }
+  dk.reset(), dv.reset();
+  ops::linear_rows_backward<T>(dc.data(), false, grads.wkv_b.data(), dkvb.data(), c.data(),
+                               w.wkv_b.data(), N, C, H * (dn + dvh));
+}
+
 #define LAGA_INSTANTIATE(T)                                                                        \
   template void dsa_rope_rows<T>(T*, const DsaRowPositions&, std::int64_t, std::int64_t,           \
                                  std::int64_t, const RopeTable&, bool);                            \
@@ -268,6 +288,9 @@ void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Te
   template DsaIndexerParams<T> dsa_indexer_rows_backward<T>(                                       \
       const MlaConfig&, const DsaIndexerParams<T>&, const T*, const T*, DsaIndexerProjections<T>&, \
       const DsaRowPositions&, const RopeTable&, Tensor<T>&, Tensor<T>&, Tensor<T>&, std::int64_t); \
+  template void dsa_head_kv_backward<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,   \
+                                        Tensor<T>&, Tensor<T>&, Tensor<T>&, Tensor<T>&,            \
+                                        MlaParams<T>&, std::int64_t);                              \
   template DsaHeadKv<T> dsa_head_kv<T>(const MlaConfig&, const MlaParams<T>&, const Tensor<T>&,    \
                                        const Tensor<T>&, std::int64_t);                            \
   template DsaOwnRows<T> dsa_own_rows<T>(const MlaConfig&, const MlaParams<T>&, const T*,          \

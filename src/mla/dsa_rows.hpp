@@ -127,6 +127,15 @@ template <class T>
 void dsa_absorb_q_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& q,
                            const Tensor<T>& dqa, Tensor<T>& dq, MlaParams<T>& grads,
                            std::int64_t N);
+// Its backward: dk (N, H, dqk) and dv (N, H, dv) consumed (freed once
+// read, so they are gone before the wkv_b backward runs): [dk_nope | dv]
+// per head into grads.wkv_b (added to) and dc (N, C) (overwritten), the
+// heads' k_pe gradients summed into dkv's last dr columns (k_pe is every
+// head's; added to). A (N, H, dn + dv) pool tensor lives while it runs.
+template <class T>
+void dsa_head_kv_backward(const MlaConfig& cfg, const MlaParams<T>& w, const Tensor<T>& c,
+                          Tensor<T>& dk, Tensor<T>& dv, Tensor<T>& dkv, Tensor<T>& dc,
+                          MlaParams<T>& grads, std::int64_t N);
 // Their backward into x: dkv (N, C + dr) holds k_pe's gradient in its last
 // dr columns (rotated back here; its first C are overwritten); dc (N, C) is
 // c's gradient; dq (N, H, dqk) q's gradient, its rope part rotated back
