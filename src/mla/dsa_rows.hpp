@@ -1,11 +1,14 @@
 // The pieces of a DSA rank's own rows that the single-rank block
 // (mla/dsa_block.hpp) and every DSA form (dsa_cp.hpp, dsa_explicit.hpp,
-// dsa_laga.hpp) compute alike, each written once: the MLA's projections of
-// the rows (q, the latent c, k_pe, RoPE by position) and their backward,
-// the indexer's RoPE of the rows, k_I's gradient padded to the whole
-// sequence and reduce-scattered to its owners, and the wire each of the
-// forms' collectives moves its elements on (bf16 under --dtype bf16, or 4
-// bytes). All through the op layer (mla/ops_dsa.hpp).
+// dsa_laga.hpp) compute alike, each written once: the forms' input checks;
+// the MLA's projections of the rows (q, the latent c, k_pe, RoPE by
+// position) and their backward; the per-head K/V from the latent and the
+// absorbed maps through W_UK and W_UV, each with its backward; the
+// indexer's projections of the rows and their backward; k_I's gradient
+// padded to the whole sequence and reduce-scattered to its owners; and the
+// wire each of the forms' collectives moves its elements on (bf16 under
+// --dtype bf16, or 4 bytes). All through the op layer (mla/ops_dsa.hpp).
+// mla/dsa_model.cpp's dsa_memory mirrors each one's allocations once.
 #pragma once
 
 #include <cstdint>
