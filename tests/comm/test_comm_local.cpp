@@ -22,6 +22,7 @@
 #include "core/error.hpp"
 #include "core/memory_pool.hpp"
 #include "core/tensor.hpp"
+#include "ring_shift_cases.hpp"
 
 namespace laga {
 namespace {

@@ -18,6 +18,7 @@
 #include "comm_cases.hpp"
 #include "common/error_of.hpp"
 #include "core/error.hpp"
+#include "ring_shift_cases.hpp"
 
 namespace laga {
 namespace {
