@@ -10,7 +10,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "comm/local_comm.hpp"
@@ -18,6 +20,7 @@
 #include "comm_cases.hpp"
 #include "common/error_of.hpp"
 #include "core/error.hpp"
+#include "ring_shift_cases.hpp"
 
 namespace laga {
 namespace {
@@ -203,27 +206,24 @@ TEST(MpiComm, BadCallsGiveTheSameErrorsAsTheOtherBackends) {
   fresh.barrier("resync");
 }
 
-TEST(MpiComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
-  // The last rank misbehaves in one all_to_all_v of 2 floats (8 bytes) per
-  // peer, in its first send (to rank 0). Its own ledger check names the
-  // mismatch; rank 0, short-changed, stops on the short message or on the
-  // faulty rank's failure notice; other ranks may complete the call.
+// The last rank misbehaves in `faulty_call` (faulty_all_to_all,
+// faulty_ring_shift), in its first send, to rank 0, once per fault: its own
+// ledger check names the mismatch, its error starting with
+// want(fault, P, last rank) and naming the MPI backend; rank 0,
+// short-changed, stops on the short message or on the faulty rank's failure
+// notice; other ranks may complete the call. Every rank ends within 10 s.
+void expect_transport_faults_caught(
+    const std::function<std::string(Communicator&, TransportFault, bool inject)>& faulty_call,
+    const std::function<std::string(TransportFault, int P, int f)>& want) {
   for (TransportFault fault :
        {TransportFault::short_send, TransportFault::wrong_peer, TransportFault::skip_peer}) {
     MpiCommunicator comm;
     comm.set_timeout(20s);
     const int P = comm.size(), f = P - 1;
-    const std::int64_t d = 8 * (P - 1);
     const auto t0 = Clock::now();
-    const std::string err = test::faulty_all_to_all(comm, fault, comm.rank() == f);
+    const std::string err = faulty_call(comm, fault, comm.rank() == f);
     if (comm.rank() == f) {
-      std::string want;
-      if (fault == TransportFault::short_send) want = test::mismatch_head(P, f, d, d, d - 4, d);
-      if (fault == TransportFault::skip_peer) want = test::mismatch_head(P, f, d, d, d - 8, d);
-      if (fault == TransportFault::wrong_peer)
-        want = test::mismatch_head(P, f, d, d, d, d) +
-               " (per peer, derived/measured: rank 0: sent 8/0, received 8/8; rank 1: sent ";
-      EXPECT_EQ(err.rfind(want, 0), 0u) << err;
+      EXPECT_EQ(err.rfind(want(fault, P, f), 0), 0u) << err;
       EXPECT_NE(err.find("the mpi backend lost or misdirected data"), std::string::npos) << err;
     } else if (comm.rank() == 0) {
       EXPECT_NE(err, "") << "rank 0 did not get its block from rank " << f;
@@ -232,6 +232,21 @@ TEST(MpiComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
     MpiCommunicator fresh;
     fresh.barrier("resync");
   }
+}
+
+TEST(MpiComm, TransportFaultsAreCaughtByTheMeasuredLedger) {
+  // An all_to_all_v of 2 floats (8 bytes) per peer.
+  expect_transport_faults_caught(
+      [](Communicator& c, TransportFault fault, bool inject) {
+        return test::faulty_all_to_all(c, fault, inject);
+      },
+      [](TransportFault fault, int P, int f) {
+        const std::int64_t d = 8 * (P - 1);
+        if (fault == TransportFault::short_send) return test::mismatch_head(P, f, d, d, d - 4, d);
+        if (fault == TransportFault::skip_peer) return test::mismatch_head(P, f, d, d, d - 8, d);
+        return test::mismatch_head(P, f, d, d, d, d) +
+               " (per peer, derived/measured: rank 0: sent 8/0, received 8/8; rank 1: sent ";
+      });
 }
 
 template <class T>
@@ -337,32 +352,13 @@ TEST(MpiRingShift, SkippedShiftTimesOutOnTheRankReceivingFromIt) {
 }
 
 TEST(MpiRingShift, TransportFaultsAreCaughtByTheMeasuredLedger) {
-  // The last rank misbehaves in its one send of 2 floats (8 bytes), to rank
-  // 0; its ledger check names it, and rank 0 stops on the short message or
-  // on the faulty rank's notice.
-  for (TransportFault fault :
-       {TransportFault::short_send, TransportFault::wrong_peer, TransportFault::skip_peer}) {
-    MpiCommunicator comm;
-    comm.set_timeout(20s);
-    const int P = comm.size(), f = P - 1;
-    const auto t0 = Clock::now();
-    const std::string err = test::faulty_ring_shift(comm, fault, comm.rank() == f);
-    if (comm.rank() == f) {
-      std::string want;
-      if (fault == TransportFault::short_send) want = test::ring_mismatch_head(P, f, 8, 8, 4, 8);
-      if (fault == TransportFault::skip_peer) want = test::ring_mismatch_head(P, f, 8, 8, 0, 8);
-      if (fault == TransportFault::wrong_peer)
-        want = test::ring_mismatch_head(P, f, 8, 8, 8, 8) +
-               " (per peer, derived/measured: rank 0: sent 8/0, received ";
-      EXPECT_EQ(err.rfind(want, 0), 0u) << err;
-      EXPECT_NE(err.find("the mpi backend lost or misdirected data"), std::string::npos) << err;
-    } else if (comm.rank() == 0) {
-      EXPECT_NE(err, "") << "rank 0 did not get its block from rank " << f;
-    }
-    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
-    MpiCommunicator fresh;
-    fresh.barrier("resync");
-  }
+  // Its one send of 2 floats (8 bytes), to rank 0.
+  expect_transport_faults_caught(test::faulty_ring_shift, [](TransportFault fault, int P, int f) {
+    if (fault == TransportFault::short_send) return test::ring_mismatch_head(P, f, 8, 8, 4, 8);
+    if (fault == TransportFault::skip_peer) return test::ring_mismatch_head(P, f, 8, 8, 0, 8);
+    return test::ring_mismatch_head(P, f, 8, 8, 8, 8) +
+           " (per peer, derived/measured: rank 0: sent 8/0, received ";
+  });
 }
 
 }  // namespace
