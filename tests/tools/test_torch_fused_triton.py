@@ -60,7 +60,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
-import test_torch_package as tp  # noqa: E402  (its cases, layout and assembly)
+import torch_package_common as tp  # noqa: E402  (tools_torch_package's cases, layout, assembly)
+from torch_ranks import free_port  # noqa: E402
 
 F64_BOUND, FP32_BOUND = 1e-12, 1e-5
 # 192/128: DeepSeek-V3's head dims over a small latent and model.
@@ -286,7 +287,7 @@ def module(args, sps):
                                  os.path.join(args.dir, f"input-{name}.safetensors"))
     safetensors_io.save_file(inp, os.path.join(args.dir, "input.safetensors"))
     for P in sps:
-        port = tp.free_port()
+        port = free_port()
         procs = [subprocess.Popen([sys.executable, __file__, args.laga, args.dir, "--worker",
                                    "--rank", str(rk), "--world", str(P), "--port", str(port),
                                    "--device", args.device, "--backend", args.backend],
