@@ -48,10 +48,11 @@ MUTATIONS = [
      "(static_cast<double>(i) - low) / (high - low)",
      "(static_cast<double>(i) - low) / (high - low + 1)"),
     ("all_gather_bytes", "the all-gather byte rule: P copies sent instead of P - 1",
-     "src/comm/communicator.cpp",
-     "    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};",
-     "    if (j != r || r >= 0) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * "
-     "dtype_bytes(dtype)};"),
+     "src/comm/ledger.cpp",
+     # No rank is r - P, so each_peer counts a copy for the own rank too (r stays in use).
+     "  return each_peer(P, r, dtype, [&](int j) { return std::pair{send_count, recv_counts[j]}; });",
+     "  return each_peer(P, r - P, dtype, [&](int j) { return std::pair{send_count, "
+     "recv_counts[j]}; });"),
     ("rmsnorm_grad_term", "RMSNorm backward without its mean term", "src/kernels/rmsnorm.cpp",
      "dxr[c] = r * (w[c] * dyr[c] - xhat * k);", "dxr[c] = r * (w[c] * dyr[c] + 0 * k);"),
     # Issue 29: one for each part added since the list above was written.

@@ -47,6 +47,9 @@ inline const std::byte* at(const void* base, std::int64_t elems, DType t) {
 inline std::byte* at(void* base, std::int64_t elems, DType t) {
   return static_cast<std::byte*>(base) + elems * dtype_bytes(t);
 }
+// The bytes of every peer together: a call's derived or measured total.
+WireBytes sum_of(const std::vector<WireBytes>& per_peer);
+
 // memmove of n elements that skips null (count-only) ends and self-copies.
 void copy_elems(void* dst, const void* src, std::int64_t n, DType t);
 

@@ -1,21 +1,23 @@
+// The Communicator interface's names and error wording, the base class --
+// each collective's checks, its transport and ledger record through run(),
+// the link model's hold, the started calls and their wait -- and the
+// one-rank self communicator. Its ledger and byte rules are in ledger.cpp,
+// the reductions' sum in reduction.cpp, deferred delivery (a test mode) in
+// deferred_delivery.cpp.
 #include "comm/communicator.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
-#include <limits>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "comm/collective_util.hpp"
 #include "comm/link_model.hpp"
-#include "core/bf16.hpp"
 #include "core/error.hpp"
-#include "core/memory_pool.hpp"
 
 namespace laga {
 
@@ -33,22 +35,35 @@ const char* to_string(Phase p) {
   return "all";
 }
 
-const char* to_string(CollectiveKind k) {
+namespace {
+// A collective's words, one row a kind: its name (to_string) and the rule a
+// peer's count that disagrees breaks (comm_detail::peer_count_message).
+struct KindWords {
+  const char* name;
+  const char* peer_rule;
+};
+KindWords words_of(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::all_to_all:
-      return "all_to_all";
+      return {"all_to_all", "recv_counts on each rank must equal what its peers send to it"};
     case CollectiveKind::all_gather:
-      return "all_gather";
+      return {"all_gather", "recv_counts[j] must equal rank j's send_count on every rank"};
     case CollectiveKind::reduce_scatter:
-      return "reduce_scatter";
+      return {"reduce_scatter", "every rank must pass the same counts"};
     case CollectiveKind::all_reduce:
-      return "all_reduce";
+      return {"all_reduce", "every rank must pass the same n"};
     case CollectiveKind::barrier:
-      return "barrier";
+      return {"barrier", "a barrier moves no data"};
     case CollectiveKind::ring_shift:
-      return "ring_shift";
+      return {"ring_shift",
+              "each rank's recv_count must equal the send_count of the rank it receives from"};
   }
-  return "?";
+  return {"?", ""};
+}
+}  // namespace
+
+const char* to_string(CollectiveKind k) {
+  return words_of(k).name;
 }
 
 const char* to_string(RingDirection d) {
@@ -95,277 +110,7 @@ Backend parse_backend(const std::string& s) {
        "'; the backends are local, mpi, dry-run, self and nccl");
 }
 
-std::int64_t staging_elements(StagingRule rule, CollectiveKind kind, int P, std::int64_t own) {
-  switch (rule) {
-    case StagingRule::in_process:
-      return kind == CollectiveKind::all_reduce ? own : 0;
-    case StagingRule::mpi:
-      return kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce
-                 ? (P - 1) * own
-                 : 0;
-    case StagingRule::none:
-      return 0;
-  }
-  return 0;
-}
-
-void Ledger::record(Phase phase, const std::string& label, WireBytes derived, WireBytes measured) {
-  LAGA_CHECK(phase != Phase::count, "ledger: collective '", label,
-             "' recorded under Phase::count, which only selects all phases in queries; set a real "
-             "phase with set_phase()");
-  const auto [it, first] = entries_.try_emplace({phase, label});
-  if (first) order_.push_back(it->first);
-  LedgerEntry& e = it->second;
-  e.calls += 1;
-  e.bytes_sent += derived.sent;
-  e.bytes_received += derived.received;
-  e.measured_sent += measured.sent;
-  e.measured_received += measured.received;
-}
-
-WireBytes Traffic::total() const {
-  WireBytes t;
-  for (const WireBytes& w : peers_) t.sent += w.sent, t.received += w.received;
-  return t;
-}
-
-void Ledger::record_entry(Phase phase, const std::string& label, const LedgerEntry& e) {
-  const auto [it, first] = entries_.try_emplace({phase, label}, e);
-  LAGA_CHECK(first, "ledger: '", label, "' in phase ", to_string(phase), " is already recorded");
-  order_.push_back(it->first);
-}
-
-std::int64_t Ledger::bytes_sent(Phase phase) const {
-  std::int64_t total = 0;
-  for (const auto& [key, e] : entries_)
-    if (phase == Phase::count || key.first == phase) total += e.bytes_sent;
-  return total;
-}
-
-std::int64_t Ledger::bytes_received(Phase phase) const {
-  std::int64_t total = 0;
-  for (const auto& [key, e] : entries_)
-    if (phase == Phase::count || key.first == phase) total += e.bytes_received;
-  return total;
-}
-
-std::int64_t all_reduce_chunk(std::int64_t n, int P, int r) {
-  LAGA_CHECK(P >= 1 && r >= 0 && r < P && n >= 0, "all_reduce_chunk(n=", n, ", P=", P, ", r=", r,
-             "): need n >= 0 and 0 <= r < P");
-  return n / P + (r < n % P ? 1 : 0);
-}
-
-std::vector<WireBytes> all_to_all_peer_bytes(const std::int64_t* send_counts,
-                                             const std::int64_t* recv_counts, int P, int r,
-                                             DType dtype) {
-  std::vector<WireBytes> w(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j)
-    if (j != r) w[j] = {send_counts[j] * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};
-  return w;
-}
-
-std::vector<WireBytes> all_gather_peer_bytes(std::int64_t send_count,
-                                             const std::int64_t* recv_counts, int P, int r,
-                                             DType dtype) {
-  // The own shard goes to every peer; each peer's shard comes back.
-  std::vector<WireBytes> w(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j)
-    if (j != r) w[j] = {send_count * dtype_bytes(dtype), recv_counts[j] * dtype_bytes(dtype)};
-  return w;
-}
-
-std::vector<WireBytes> reduce_scatter_peer_bytes(const std::int64_t* counts, int P, int r,
-                                                 DType dtype) {
-  // Block j goes to rank j; every peer's copy of the own block comes in.
-  std::vector<WireBytes> w(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j)
-    if (j != r) w[j] = {counts[j] * dtype_bytes(dtype), counts[r] * dtype_bytes(dtype)};
-  return w;
-}
-
-std::vector<WireBytes> all_reduce_peer_bytes(std::int64_t n, int P, int r, DType dtype) {
-  // reduce-scatter: peer j's chunk out, its copy of the own chunk in;
-  // all-gather: the reduced own chunk out, peer j's reduced chunk in.
-  const std::int64_t own = all_reduce_chunk(n, P, r);
-  std::vector<WireBytes> w(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j) {
-    if (j == r) continue;
-    const std::int64_t both = (all_reduce_chunk(n, P, j) + own) * dtype_bytes(dtype);
-    w[j] = {both, both};
-  }
-  return w;
-}
-
-std::vector<WireBytes> ring_shift_peer_bytes(std::int64_t send_count, std::int64_t recv_count,
-                                             int P, int r, DType dtype, Ring ring) {
-  // One neighbour each way (in a ring of two the same one); in a ring of
-  // one the block goes to the rank itself, which is not traffic.
-  std::vector<WireBytes> w(static_cast<size_t>(P));
-  const RingPeers peers = ring_peers(P, r, ring);
-  if (peers.to == r) return w;
-  w[peers.to].sent += send_count * dtype_bytes(dtype);
-  w[peers.from].received += recv_count * dtype_bytes(dtype);
-  return w;
-}
-
-namespace {
-WireBytes sum(const std::vector<WireBytes>& per_peer) {
-  WireBytes t;
-  for (const WireBytes& w : per_peer) t.sent += w.sent, t.received += w.received;
-  return t;
-}
-}  // namespace
-
-WireBytes all_to_all_wire_bytes(const std::int64_t* send_counts, const std::int64_t* recv_counts,
-                                int P, int r, DType dtype) {
-  return sum(all_to_all_peer_bytes(send_counts, recv_counts, P, r, dtype));
-}
-
-WireBytes all_gather_wire_bytes(std::int64_t send_count, const std::int64_t* recv_counts, int P,
-                                int r, DType dtype) {
-  return sum(all_gather_peer_bytes(send_count, recv_counts, P, r, dtype));
-}
-
-WireBytes reduce_scatter_wire_bytes(const std::int64_t* counts, int P, int r, DType dtype) {
-  return sum(reduce_scatter_peer_bytes(counts, P, r, dtype));
-}
-
-WireBytes all_reduce_wire_bytes(std::int64_t n, int P, int r, DType dtype) {
-  return sum(all_reduce_peer_bytes(n, P, r, dtype));
-}
-
-WireBytes ring_shift_wire_bytes(std::int64_t send_count, std::int64_t recv_count, int P,
-                                DType dtype, int ring_size) {
-  return sum(ring_shift_peer_bytes(send_count, recv_count, P, 0, dtype,
-                                   {RingDirection::forward, ring_size}));
-}
-
-namespace {
-// Set before the ranks start and only read while they run; atomics so that
-// the in-process ranks' threads read it without a race.
-std::atomic<bool> g_perturb{false};
-std::atomic<std::uint64_t> g_perturb_seed{0};
-}  // namespace
-
-void set_reduction_order_seed(std::optional<std::uint64_t> seed) {
-  g_perturb_seed.store(seed.value_or(0));
-  g_perturb.store(seed.has_value());
-}
-
-std::optional<std::uint64_t> reduction_order_seed() {
-  if (!g_perturb.load()) return std::nullopt;
-  return g_perturb_seed.load();
-}
-
 namespace comm_detail {
-
-namespace {
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// The order block `block` of a reduction adds its P sources in under the
-// switch: a Fisher-Yates shuffle of 0..P-1 from (seed, block). A function of
-// those alone, so every rank and backend draws the same one.
-void permuted_order(std::uint64_t seed, std::int64_t block, int P, int* order) {
-  for (int j = 0; j < P; ++j) order[j] = j;
-  std::uint64_t state = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(block)));
-  for (int j = P - 1; j > 0; --j) {
-    state = splitmix64(state);
-    std::swap(order[j], order[state % static_cast<std::uint64_t>(j + 1)]);
-  }
-}
-
-// The type a sum of T is accumulated in: T itself, but fp32 for bf16, whose
-// sum is rounded once, when it is stored (communicator.hpp, DType).
-template <class T>
-using Accumulator = std::conditional_t<std::is_same_v<T, bf16>, float, T>;
-inline float widen(bf16 x) {
-  return to_float(x);
-}
-inline float widen(float x) {
-  return x;
-}
-inline double widen(double x) {
-  return x;
-}
-template <class T>
-T narrow(Accumulator<T> x) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return to_bf16(x);
-  else
-    return x;
-}
-
-template <class T>
-void sum_in_rank_order_t(T* dst, const T* const* srcs, int P, std::int64_t n) {
-  // A block-sized accumulator keeps dst == srcs[j] safe (every source element
-  // is read before its dst element is written) and stays in L1.
-  constexpr std::int64_t kBlock = 1024;
-  Accumulator<T> acc[kBlock];
-  const std::optional<std::uint64_t> seed = reduction_order_seed();
-  std::vector<int> order(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j) order[size_t(j)] = j;
-  for (std::int64_t base = 0; base < n; base += kBlock) {
-    const std::int64_t m = std::min(kBlock, n - base);
-    // The one place the reduction order is chosen: rank order unless the
-    // debugging switch is on (set_reduction_order_seed).
-    if (seed) permuted_order(*seed, base / kBlock, P, order.data());
-    const T* s0 = srcs[order[0]] + base;
-    for (std::int64_t i = 0; i < m; ++i) acc[i] = widen(s0[i]);
-    for (int j = 1; j < P; ++j) {
-      const T* sj = srcs[order[size_t(j)]] + base;
-      for (std::int64_t i = 0; i < m; ++i) acc[i] += widen(sj[i]);
-    }
-    for (std::int64_t i = 0; i < m; ++i) dst[base + i] = narrow<T>(acc[i]);
-  }
-}
-}  // namespace
-
-void sum_in_rank_order(void* dst, const void* const* srcs, int P, std::int64_t n, DType dtype) {
-  if (n == 0) return;
-  auto typed = [&]<class T>(T* out) {
-    std::vector<const T*> in(static_cast<size_t>(P));
-    for (int j = 0; j < P; ++j) in[size_t(j)] = static_cast<const T*>(srcs[j]);
-    sum_in_rank_order_t(out, in.data(), P, n);
-  };
-  switch (dtype) {
-    case DType::f32:
-      return typed(static_cast<float*>(dst));
-    case DType::f64:
-      return typed(static_cast<double*>(dst));
-    case DType::bf16:
-      return typed(static_cast<bf16*>(dst));
-  }
-}
-
-Staging::Staging(DType dtype, std::int64_t n) {
-  switch (dtype) {
-    case DType::f32:
-      f32_ = TensorF({n}, MemCategory::comm_buffers);
-      break;
-    case DType::f64:
-      f64_ = TensorD({n}, MemCategory::comm_buffers);
-      break;
-    case DType::bf16:
-      bf16_ = Tensor<bf16>({n}, MemCategory::comm_buffers);
-      break;
-  }
-}
-
-void* Staging::data() {
-  if (f32_.defined()) return f32_.data();
-  if (f64_.defined()) return f64_.data();
-  return bf16_.data();
-}
-
-void copy_elems(void* dst, const void* src, std::int64_t n, DType t) {
-  if (n == 0 || dst == nullptr || src == nullptr || dst == src) return;
-  std::memmove(dst, src, static_cast<std::size_t>(n * dtype_bytes(t)));
-}
 
 const char* to_string(DType t) {
   switch (t) {
@@ -403,30 +148,10 @@ std::string timeout_message(CollectiveKind kind, const std::string& label, int r
 std::string peer_count_message(CollectiveKind kind, const std::string& label, int rank, int P,
                                int receiver, int sender, std::int64_t expected,
                                const std::string& sent) {
-  const char* rule = "";
-  switch (kind) {
-    case CollectiveKind::all_to_all:
-      rule = "recv_counts on each rank must equal what its peers send to it";
-      break;
-    case CollectiveKind::all_gather:
-      rule = "recv_counts[j] must equal rank j's send_count on every rank";
-      break;
-    case CollectiveKind::reduce_scatter:
-      rule = "every rank must pass the same counts";
-      break;
-    case CollectiveKind::all_reduce:
-      rule = "every rank must pass the same n";
-      break;
-    case CollectiveKind::barrier:
-      rule = "a barrier moves no data";
-      break;
-    case CollectiveKind::ring_shift:
-      rule = "each rank's recv_count must equal the send_count of the rank it receives from";
-      break;
-  }
   return cat(call_name(kind, label), " on rank ", rank, " of ", P, ": rank ", receiver, " expects ",
              expected, " elements from rank ", sender, " but rank ", sender, " sends it ", sent,
-             "; ", rule, ", and count-only must be on for all ranks of a call or for none");
+             "; ", words_of(kind).peer_rule,
+             ", and count-only must be on for all ranks of a call or for none");
 }
 
 }  // namespace comm_detail
@@ -507,11 +232,12 @@ class Checks {
     }
   }
 
- private:
+  // "<collective> '<label>' on rank r of P", the start of every message.
   std::string where() const {
     return cat(call_name(kind_, label_), " on rank ", rank_, " of ", P_);
   }
 
+ private:
   CollectiveKind kind_;
   const std::string& label_;
   int rank_, P_;
@@ -587,118 +313,6 @@ void Communicator::complete(PendingCollective& p, bool deliver_results) {
   }
 }
 
-// ---------------------------------------------------------------- deferred delivery
-
-namespace {
-
-// FNV-1a of a buffer's bytes: a send buffer at start against itself at the wait.
-std::uint64_t checksum(const void* p, std::int64_t bytes) {
-  std::uint64_t h = 1469598103934665603ull;
-  const auto* b = static_cast<const unsigned char*>(p);
-  for (std::int64_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
-
-// One element of the poison: quiet NaN, which every later result it reaches
-// carries, in the dtype's bytes.
-std::vector<unsigned char> poison_element(DType t) {
-  std::vector<unsigned char> e(static_cast<size_t>(dtype_bytes(t)));
-  auto put = [&e](auto nan) { std::memcpy(e.data(), &nan, sizeof nan); };
-  switch (t) {
-    case DType::f32:
-      put(std::numeric_limits<float>::quiet_NaN());
-      break;
-    case DType::f64:
-      put(std::numeric_limits<double>::quiet_NaN());
-      break;
-    case DType::bf16:
-      put(to_bf16(std::numeric_limits<float>::quiet_NaN()));
-      break;
-  }
-  return e;
-}
-
-// "send buffer", "recv block 2"
-std::string buffer_name(const char* what, int index) {
-  return index < 0 ? cat(what, " buffer") : cat(what, " block ", index);
-}
-
-}  // namespace
-
-Communicator::DeferredCall Communicator::defer_check(CollectiveKind kind, const std::string& label,
-                                                     DType dtype, std::vector<DeferredBuffer> send,
-                                                     std::vector<DeferredBuffer> recv) const {
-  DeferredCall call{kind, label, dtype, &current_pool(), {}, {}};
-  const auto where = [&] {
-    return cat(call_name(kind, label), " on rank ", rank(), " of ", size());
-  };
-  const auto keep = [&](std::vector<DeferredBuffer>& from, std::vector<DeferredBuffer>& to,
-                        const char* what) {
-    for (DeferredBuffer& b : from) {
-      if (b.p == nullptr || b.bytes <= 0) continue;  // count-only or empty: nothing moves
-      LAGA_CHECK(call.pool->storage_tracking(), where(),
-                 ": deferred delivery (a test mode) checks that a started call's buffers stay "
-                 "allocated until its wait through the rank's memory pool, whose storage tracking "
-                 "is off; turn on MemoryPool::set_storage_tracking on the rank's thread before the "
-                 "buffers are allocated (LocalRunOptions::deferred_delivery_for_testing does)");
-      b.block = call.pool->storage_block(b.p, b.bytes);
-      LAGA_CHECK(b.block != 0, where(), ": its ", buffer_name(what, b.index),
-                 " is not storage of this rank's memory pool allocated while its storage tracking "
-                 "was on; under deferred delivery every buffer of a started call must be a "
-                 "tensor of the rank's pool, so that its wait can tell whether it is still "
-                 "allocated");
-      to.push_back(std::move(b));
-    }
-  };
-  keep(send, call.send, "send");
-  keep(recv, call.recv, "recv");
-  return call;
-}
-
-void Communicator::defer(DeferredCall call) {
-  for (DeferredBuffer& b : call.send) b.sum = checksum(b.p, b.bytes);
-  const std::vector<unsigned char> nan = poison_element(call.dtype);
-  for (DeferredBuffer& b : call.recv) {
-    const auto* p = static_cast<unsigned char*>(b.p);
-    b.staged.assign(p, p + b.bytes);
-    for (std::int64_t i = 0; i < b.bytes; i += dtype_bytes(call.dtype))
-      std::memcpy(static_cast<unsigned char*>(b.p) + i, nan.data(), nan.size());
-  }
-  if (!call.send.empty() || !call.recv.empty()) deferred_.emplace(started_ - 1, std::move(call));
-}
-
-void Communicator::deliver(const DeferredCall& call) const {
-  const auto where = [&] {
-    return cat(call_name(call.kind, call.label), " on rank ", rank(), " of ", size(),
-               " (deferred delivery, a test mode)");
-  };
-  for (const DeferredBuffer& b : call.send) {
-    // Only a buffer still allocated is read; a released one is the finding.
-    LAGA_CHECK(call.pool->storage_block(b.p, b.bytes) == b.block, where(), ": its ",
-               buffer_name("send", b.index),
-               " was released before wait(); an asynchronous transport (MPI nonblocking, NCCL) "
-               "reads the send buffer until the wait, so keep it alive until then");
-    LAGA_CHECK(checksum(b.p, b.bytes) == b.sum, where(), ": its ", buffer_name("send", b.index),
-               " changed between the start and wait(); an asynchronous transport reads the send "
-               "buffer until the wait, so leave it as it is until then");
-  }
-  const std::vector<unsigned char> nan = poison_element(call.dtype);
-  for (const DeferredBuffer& b : call.recv) {
-    LAGA_CHECK(call.pool->storage_block(b.p, b.bytes) == b.block, where(), ": its ",
-               buffer_name("recv", b.index),
-               " was released before wait(); the result lands there at the wait, so keep it "
-               "alive until then");
-    const auto* p = static_cast<const unsigned char*>(b.p);
-    bool untouched = true;
-    for (std::int64_t i = 0; untouched && i < b.bytes; i += dtype_bytes(call.dtype))
-      untouched = std::memcmp(p + i, nan.data(), nan.size()) == 0;
-    LAGA_CHECK(untouched, where(), ": its ", buffer_name("recv", b.index),
-               " was written between the start and wait(); the result lands there at the wait "
-               "and would overwrite it");
-  }
-  for (const DeferredBuffer& b : call.recv) std::memcpy(b.p, b.staged.data(), b.staged.size());
-}
-
 void Communicator::set_link_model(const LinkModel* link) {
   if (link) validate(*link, "link model");
   link_model_ = link ? std::make_shared<const LinkModel>(*link) : nullptr;
@@ -716,10 +330,11 @@ std::chrono::steady_clock::time_point Communicator::run(CollectiveKind kind,
   auto done = start;
   try {
     Traffic moved(size());
-    // body checks the arguments, runs the transport and returns the derived
-    // bytes per peer.
-    const std::vector<WireBytes> derived = body(moved);
-    const WireBytes d = sum(derived), m = moved.total();
+    // body checks the arguments (with `checks`, worded for this call), runs
+    // the transport and returns the derived bytes per peer.
+    const Checks checks(kind, label, rank(), size());
+    const std::vector<WireBytes> derived = body(moved, checks);
+    const WireBytes d = sum_of(derived), m = moved.total();
     ledger_.record(phase_, label, d, m);
     bool same = true;
     for (size_t j = 0; j < derived.size(); ++j)
@@ -764,10 +379,8 @@ void Communicator::all_to_all_v(const void* send, const std::int64_t* send_count
                                 const std::int64_t* send_displs, void* recv,
                                 const std::int64_t* recv_counts, const std::int64_t* recv_displs,
                                 DType dtype, const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::all_to_all;
-  run(kind, label, [&](Traffic& moved) {
+  run(CollectiveKind::all_to_all, label, [&](Traffic& moved, const Checks& c) {
     const int P = size(), r = rank();
-    const Checks c(kind, label, r, P);
     c.counts(send_counts, "send_counts");
     c.counts(recv_counts, "recv_counts");
     c.same_own(send_counts[r], "send_counts", true, recv_counts[r], "recv_counts",
@@ -805,13 +418,14 @@ PendingCollective Communicator::start_all_gather_v(const void* send, std::int64_
     d = defer_check(CollectiveKind::all_gather, label, dtype,
                     {{const_cast<void*>(send), send_count * dtype_bytes(dtype)}}, std::move(in));
   }
-  const auto done =
-      all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, true);
-  if (d) defer(std::move(*d));
-  return pending_until(done);
+  return pending_until(
+      all_gather_call(send, send_count, recv, recv_counts, recv_displs, dtype, label, true),
+      std::move(d));
 }
 
-PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_point done) {
+PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_point done,
+                                              std::optional<DeferredCall> deferred) {
+  if (deferred) defer(std::move(*deferred));
   PendingCollective p;
   p.owner_ = this;
   p.id_ = started_ - 1;
@@ -823,12 +437,10 @@ PendingCollective Communicator::pending_until(std::chrono::steady_clock::time_po
 std::chrono::steady_clock::time_point Communicator::all_gather_call(
     const void* send, std::int64_t send_count, void* recv, const std::int64_t* recv_counts,
     const std::int64_t* recv_displs, DType dtype, const std::string& label, bool started) {
-  const CollectiveKind kind = CollectiveKind::all_gather;
   return run(
-      kind, label,
-      [&](Traffic& moved) {
+      CollectiveKind::all_gather, label,
+      [&](Traffic& moved, const Checks& c) {
         const int P = size(), r = rank();
-        const Checks c(kind, label, r, P);
         c.count(send_count, "send_count");
         c.counts(recv_counts, "recv_counts");
         c.same_own(send_count, "send_count", false, recv_counts[r], "recv_counts",
@@ -866,20 +478,17 @@ PendingCollective Communicator::start_reduce_scatter_v(const void* send, const s
     d = defer_check(CollectiveKind::reduce_scatter, label, dtype, std::move(out),
                     {{recv, counts[r] * dtype_bytes(dtype)}});
   }
-  const auto done = reduce_scatter_call(send, counts, displs, recv, dtype, label, true);
-  if (d) defer(std::move(*d));
-  return pending_until(done);
+  return pending_until(reduce_scatter_call(send, counts, displs, recv, dtype, label, true),
+                       std::move(d));
 }
 
 std::chrono::steady_clock::time_point Communicator::reduce_scatter_call(
     const void* send, const std::int64_t* counts, const std::int64_t* displs, void* recv,
     DType dtype, const std::string& label, bool started) {
-  const CollectiveKind kind = CollectiveKind::reduce_scatter;
   return run(
-      kind, label,
-      [&](Traffic& moved) {
+      CollectiveKind::reduce_scatter, label,
+      [&](Traffic& moved, const Checks& c) {
         const int P = size(), r = rank();
-        const Checks c(kind, label, r, P);
         c.counts(counts, "counts");
         const auto out = Checks::blocks(send, displs, counts, P, dtype, "send block");
         const Checks::Region own = out[r];
@@ -905,9 +514,8 @@ PendingCollective Communicator::start_ring_shift(const void* send, std::int64_t 
     d = defer_check(CollectiveKind::ring_shift, label, dtype,
                     {{const_cast<void*>(send), send_count * dtype_bytes(dtype)}},
                     {{recv, recv_count * dtype_bytes(dtype)}});
-  const auto done = ring_shift_call(send, send_count, recv, recv_count, dtype, label, ring, true);
-  if (d) defer(std::move(*d));
-  return pending_until(done);
+  return pending_until(
+      ring_shift_call(send, send_count, recv, recv_count, dtype, label, ring, true), std::move(d));
 }
 
 std::chrono::steady_clock::time_point Communicator::ring_shift_call(
@@ -916,14 +524,12 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
   const CollectiveKind kind = CollectiveKind::ring_shift;
   return run(
       kind, label,
-      [&](Traffic& moved) {
+      [&](Traffic& moved, const Checks& c) {
         const int P = size(), r = rank();
-        const Checks c(kind, label, r, P);
         c.count(send_count, "send_count");
         c.count(recv_count, "recv_count");
         if (!ring.tiles(P))
-          fail(call_name(kind, label), " on rank ", r, " of ", P, ": rings of ", ring.size,
-               " ranks at stride ", ring.stride,
+          fail(c.where(), ": rings of ", ring.size, " ranks at stride ", ring.stride,
                " do not tile the group; pass a ring size and stride whose product divides ", P,
                " (size 0: one ring of every rank)");
         // In a ring of one the block comes back to its sender: the peer
@@ -941,16 +547,15 @@ std::chrono::steady_clock::time_point Communicator::ring_shift_call(
 }
 
 void Communicator::all_reduce(void* buf, std::int64_t n, DType dtype, const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::all_reduce;
-  run(kind, label, [&](Traffic& moved) {
-    Checks(kind, label, rank(), size()).count(n, "n");
+  run(CollectiveKind::all_reduce, label, [&](Traffic& moved, const Checks& c) {
+    c.count(n, "n");
     transport_all_reduce(buf, n, dtype, label, moved);
     return all_reduce_peer_bytes(n, size(), rank(), dtype);
   });
 }
 
 void Communicator::barrier(const std::string& label) {
-  run(CollectiveKind::barrier, label, [&](Traffic&) {
+  run(CollectiveKind::barrier, label, [&](Traffic&, const Checks&) {
     transport_barrier(label);
     return std::vector<WireBytes>(static_cast<size_t>(size()));
   });

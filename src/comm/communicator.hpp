@@ -543,8 +543,6 @@ class Communicator {
 
  private:
   friend class PendingCollective;  // its destructor completes it without delivering
-  // check_usable, then body(moved) -- the checks and the transport, returning
-  // the derived bytes per peer -- then the ledger; call_failed on any error.
   // The bodies of all_gather_v / reduce_scatter_v and their start_* forms.
   std::chrono::steady_clock::time_point all_gather_call(const void* send, std::int64_t send_count,
                                                         void* recv, const std::int64_t* recv_counts,
@@ -560,8 +558,6 @@ class Communicator {
                                                         void* recv, std::int64_t recv_count,
                                                         DType dtype, const std::string& label,
                                                         Ring ring, bool started);
-  // The started call just run (its id is started_ - 1), complete at `done`.
-  PendingCollective pending_until(std::chrono::steady_clock::time_point done);
   // Waits out p's modelled time; with `deliver`, what wait() does besides.
   void complete(PendingCollective& p, bool deliver);
 
@@ -594,8 +590,15 @@ class Communicator {
   void defer(DeferredCall call);
   // At the wait: the checks, then the results into recv.
   void deliver(const DeferredCall& call) const;
-  // Returns the call's modelled completion (now without a link model), having
-  // waited for it unless `started` (the start_* forms).
+  // The started call just run (its id is started_ - 1), complete at `done`;
+  // `deferred` (deferred delivery only), its buffers, defer()red first.
+  PendingCollective pending_until(std::chrono::steady_clock::time_point done,
+                                  std::optional<DeferredCall> deferred);
+  // check_usable, then body(moved, checks) -- the checks of the call's own
+  // arguments and the transport, returning the derived bytes per peer --
+  // then the ledger; call_failed on any error. Returns the call's modelled
+  // completion (now without a link model), having waited for it unless
+  // `started` (the start_* forms).
   // `ranks`: the ranks one call spans (CollectiveEvent::ranks); 0 is size().
   template <class Body>
   std::chrono::steady_clock::time_point run(CollectiveKind kind, const std::string& label,

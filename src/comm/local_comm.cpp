@@ -46,17 +46,6 @@ struct Post {
   bool any_backed = false;
 };
 
-Post make_post(std::int64_t call, int stage, CollectiveKind kind, DType dtype,
-               const std::string& label) {
-  Post p;
-  p.call = call;
-  p.stage = stage;
-  p.kind = kind;
-  p.dtype = dtype;
-  p.label = label;
-  return p;
-}
-
 void note_buffer(Post& p, const void* ptr, std::int64_t count) {
   if (count <= 0) return;
   (ptr ? p.any_backed : p.any_unbacked) = true;
@@ -353,14 +342,62 @@ void count_moved(Traffic& moved, const std::vector<std::int64_t>& pulled,
   }
 }
 
-// The collective's last rendezvous: tells the peers what this rank copied out
-// of each of them, and counts what they copied out of it.
-void last_rendezvous(LocalGroup& group, int rank, Post done, const Puller& puller,
-                     std::chrono::milliseconds timeout, Traffic& moved) {
-  done.pulled = puller.pulled();
-  const auto posts = group.arrive(rank, std::move(done), std::nullopt, timeout, true);
-  count_moved(moved, puller.pulled(), posts, rank);
-}
+// One rank's rendezvous in one collective, in their order. The first waits
+// until the deadline (the call's timeout from its start: the rendezvous's
+// construction) and checks that every rank makes the same call; the later
+// ones wait without one (LocalGroup::arrive).
+class Rendezvous {
+ public:
+  Rendezvous(LocalGroup& group, int rank, std::int64_t call, CollectiveKind kind, DType dtype,
+             const std::string& label, std::chrono::milliseconds timeout)
+      : group_(group),
+        rank_(rank),
+        call_(call),
+        kind_(kind),
+        dtype_(dtype),
+        label_(label),
+        timeout_(timeout),
+        deadline_(Clock::now() + timeout) {}
+
+  // This rank's post for the next rendezvous, with its buffers.
+  Post post(const void* send = nullptr, void* recv = nullptr) const {
+    Post p;
+    p.call = call_;
+    p.stage = stage_;
+    p.kind = kind_;
+    p.dtype = dtype_;
+    p.label = label_;
+    p.send = send;
+    p.recv = recv;
+    return p;
+  }
+  // Arrives with `p`; every rank's post.
+  std::vector<Post> arrive(Post p) {
+    const bool first = stage_++ == 0;
+    std::vector<Post> posts = group_.arrive(
+        rank_, std::move(p), first ? std::optional(deadline_) : std::nullopt, timeout_, true);
+    if (first) check_same_call(posts, rank_);
+    return posts;
+  }
+  // The last: tells the peers what this rank copied out of each of them, and
+  // counts what they copied out of it.
+  void last(const Puller& puller, Traffic& moved) {
+    Post done = post();
+    done.pulled = puller.pulled();
+    count_moved(moved, puller.pulled(), arrive(std::move(done)), rank_);
+  }
+
+ private:
+  LocalGroup& group_;
+  int rank_;
+  std::int64_t call_;
+  CollectiveKind kind_;
+  DType dtype_;
+  const std::string& label_;
+  std::chrono::milliseconds timeout_;
+  Clock::time_point deadline_;
+  int stage_ = 0;  // the next rendezvous's index within the collective
+};
 
 }  // namespace
 
@@ -371,10 +408,8 @@ void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_
                                              const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_to_all;
   const int P = size();
-  const auto deadline = Clock::now() + timeout();
-  Post p = make_post(calls_done(), 0, kind, dtype, label);
-  p.send = send;
-  p.recv = recv;
+  Rendezvous rendezvous(*group_, rank_, calls_done(), kind, dtype, label, timeout());
+  Post p = rendezvous.post(send, recv);
   p.counts_a.assign(send_counts, send_counts + P);
   p.displs_a.assign(send_displs, send_displs + P);
   p.counts_b.assign(recv_counts, recv_counts + P);
@@ -382,8 +417,7 @@ void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_
   for (int j = 0; j < P; ++j) sent += send_counts[j], received += recv_counts[j];
   note_buffer(p, send, sent);
   note_buffer(p, recv, received);
-  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  const std::vector<Post> posts = rendezvous.arrive(std::move(p));
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < P; ++j)
       if (posts[i].counts_b[j] != posts[j].counts_a[i])
@@ -414,8 +448,7 @@ void LocalCommunicator::transport_all_to_all(const void* send, const std::int64_
     }
     puller.copy(j, dst, block_of(j), recv_counts[j]);
   }
-  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
-                  moved);
+  rendezvous.last(puller, moved);
 }
 
 void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send_count, void* recv,
@@ -424,18 +457,15 @@ void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send
                                              const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_gather;
   const int P = size();
-  const auto deadline = Clock::now() + timeout();
-  Post p = make_post(calls_done(), 0, kind, dtype, label);
-  p.send = send;
-  p.recv = recv;
+  Rendezvous rendezvous(*group_, rank_, calls_done(), kind, dtype, label, timeout());
+  Post p = rendezvous.post(send, recv);
   p.n = send_count;
   p.counts_b.assign(recv_counts, recv_counts + P);
   std::int64_t received = 0;
   for (int j = 0; j < P; ++j) received += recv_counts[j];
   note_buffer(p, send, send_count);
   note_buffer(p, recv, received);
-  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  const std::vector<Post> posts = rendezvous.arrive(std::move(p));
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < P; ++j)
       if (posts[i].counts_b[j] != posts[j].n)
@@ -449,8 +479,7 @@ void LocalCommunicator::transport_all_gather(const void* send, std::int64_t send
     else
       puller.copy(j, dst, posts[j].send, recv_counts[j]);
   }
-  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
-                  moved);
+  rendezvous.last(puller, moved);
 }
 
 void LocalCommunicator::transport_reduce_scatter(const void* send, const std::int64_t* counts,
@@ -459,18 +488,15 @@ void LocalCommunicator::transport_reduce_scatter(const void* send, const std::in
                                                  Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::reduce_scatter;
   const int P = size();
-  const auto deadline = Clock::now() + timeout();
-  Post p = make_post(calls_done(), 0, kind, dtype, label);
-  p.send = send;
-  p.recv = recv;
+  Rendezvous rendezvous(*group_, rank_, calls_done(), kind, dtype, label, timeout());
+  Post p = rendezvous.post(send, recv);
   p.counts_a.assign(counts, counts + P);
   p.displs_a.assign(displs, displs + P);
   std::int64_t total = 0;
   for (int j = 0; j < P; ++j) total += counts[j];
   note_buffer(p, send, total);
   note_buffer(p, recv, counts[rank_]);
-  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  const std::vector<Post> posts = rendezvous.arrive(std::move(p));
   // Rank i expects its own block size from every peer j.
   for (int i = 0; i < P; ++i)
     for (int j = 0; j < P; ++j)
@@ -485,15 +511,14 @@ void LocalCommunicator::transport_reduce_scatter(const void* send, const std::in
     for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, posts[j].displs_a[rank_], dtype);
     sum_on(group_->device(), recv, srcs.data(), P, counts[rank_], dtype);
   }
-  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
-                  moved);
+  rendezvous.last(puller, moved);
 }
 
 void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dtype,
                                              const std::string& label, Traffic& moved) {
   const CollectiveKind kind = CollectiveKind::all_reduce;
   const int P = size();
-  const auto deadline = Clock::now() + timeout();
+  Rendezvous rendezvous(*group_, rank_, calls_done(), kind, dtype, label, timeout());
   std::vector<std::int64_t> offset(static_cast<size_t>(P) + 1, 0);
   for (int j = 0; j < P; ++j) offset[j + 1] = offset[j] + all_reduce_chunk(n, P, j);
   const std::int64_t own = offset[rank_ + 1] - offset[rank_];
@@ -504,12 +529,10 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
              rank_, " of ", P,
              ": buf has storage but this thread's memory pool is count-only, so the reduction "
              "has no staging; run real data under a pool that is not count-only");
-  Post p = make_post(calls_done(), 0, kind, dtype, label);
-  p.send = buf;
+  Post p = rendezvous.post(buf);
   p.n = n;
   note_buffer(p, buf, n);
-  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  const std::vector<Post> posts = rendezvous.arrive(std::move(p));
   // Rank i's reduce-scatter expects chunk i of its own n from every peer j,
   // which sends chunk i of its n. (Unequal n always differ in some rank's
   // own chunk, so this finds every unequal n.)
@@ -528,11 +551,10 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
     for (int j = 0; j < P; ++j) srcs[j] = at(posts[j].send, offset[rank_], dtype);
     sum_on(group_->device(), staging.data(), srcs.data(), P, own, dtype);
   }
-  Post reduced = make_post(calls_done(), 1, kind, dtype, label);
+  Post reduced = rendezvous.post();
   reduced.staging = staging.data();
   reduced.pulled = scatter.pulled();
-  const std::vector<Post> chunks =
-      group_->arrive(rank_, std::move(reduced), std::nullopt, timeout(), true);
+  const std::vector<Post> chunks = rendezvous.arrive(std::move(reduced));
   Puller gather(P, dtype, group_->device());
   for (int j = 0; j < P; ++j) {
     void* dst = buf ? at(buf, offset[j], dtype) : nullptr;
@@ -542,8 +564,7 @@ void LocalCommunicator::transport_all_reduce(void* buf, std::int64_t n, DType dt
       gather.copy(j, dst, chunks[j].staging, offset[j + 1] - offset[j]);
   }
   count_moved(moved, scatter.pulled(), chunks, rank_);
-  last_rendezvous(*group_, rank_, make_post(calls_done(), 2, kind, dtype, label), gather, timeout(),
-                  moved);
+  rendezvous.last(gather, moved);
 }
 
 void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send_count, void* recv,
@@ -553,17 +574,14 @@ void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send
   // last one keeps send alive until the rank that reads it is done.
   const CollectiveKind kind = CollectiveKind::ring_shift;
   const int P = size();
-  const auto deadline = Clock::now() + timeout();
-  Post p = make_post(calls_done(), 0, kind, dtype, label);
-  p.send = send;
-  p.recv = recv;
+  Rendezvous rendezvous(*group_, rank_, calls_done(), kind, dtype, label, timeout());
+  Post p = rendezvous.post(send, recv);
   p.n = send_count;
   p.counts_b.assign(1, recv_count);
   p.ring = ring;
   note_buffer(p, send, send_count);
   note_buffer(p, recv, recv_count);
-  const std::vector<Post> posts = group_->arrive(rank_, std::move(p), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  const std::vector<Post> posts = rendezvous.arrive(std::move(p));
   for (int j = 0; j < P; ++j)
     if (!(posts[j].ring == posts[0].ring))
       fail(call_name(kind, label), " on rank ", rank_, " of ", P, ": rank 0 shifts ",
@@ -590,16 +608,13 @@ void LocalCommunicator::transport_ring_shift(const void* send, std::int64_t send
   } else {
     puller.copy(from, recv, posts[from].send, recv_count);
   }
-  last_rendezvous(*group_, rank_, make_post(calls_done(), 1, kind, dtype, label), puller, timeout(),
-                  moved);
+  rendezvous.last(puller, moved);
 }
 
 void LocalCommunicator::transport_barrier(const std::string& label) {
-  const CollectiveKind kind = CollectiveKind::barrier;
-  const auto deadline = Clock::now() + timeout();
-  const std::vector<Post> posts = group_->arrive(
-      rank_, make_post(calls_done(), 0, kind, DType::f32, label), deadline, timeout(), true);
-  check_same_call(posts, rank_);
+  Rendezvous rendezvous(*group_, rank_, calls_done(), CollectiveKind::barrier, DType::f32, label,
+                        timeout());
+  rendezvous.arrive(rendezvous.post());
 }
 
 void register_device_reduction(Device device, DeviceReduction sum) {

@@ -204,7 +204,7 @@ struct ActivationBytes {
 // Without recompute every layer keeps its saved tensors; with recompute
 // each keeps its input x (N_r, D) and the layer in backward is re-run and
 // holds everything. The peak is the largest of the head's backward and each
-// layer's (model_plan.cpp has the terms).
+// layer's (model_counts.cpp has the terms).
 // The FFN backward's working set is the one without EP (ffn_backward_working_bytes):
 // the EP backward's exchange buffers are not modelled.
 // head false: a pipeline stage without the head (no logits, no final norm).
