@@ -1,9 +1,8 @@
 // What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp, test_dsa_explicit.cpp,
-// test_dsa_bf16.cpp, test_dsa_counts.cpp): the small DSA config, the
-// indexer's random weights, the reference of a packed batch (dsa_block on
-// each document alone), rows of a (B, S, w) tensor, the sum of the ranks'
-// partial gradients and its comparison with the reference, and a rank's
-// ledger against its closed form.
+// test_dsa_bf16.cpp, test_dsa_counts.cpp, test_dsa_memory.cpp): the small DSA config, the
+// indexer's random weights, one run's inputs over a layout, the reference of a packed batch
+// (dsa_block on each document alone), rows of a (B, S, w) tensor, the sum of the ranks' partial
+// gradients and its comparison with the reference, and a rank's ledger against its closed form.
 #pragma once
 
 #include <cmath>
@@ -17,6 +16,8 @@
 #include "common/check.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/dsa_block.hpp"
+#include "mla/layout.hpp"
+#include "mla/params.hpp"
 
 namespace laga::test {
 
@@ -47,6 +48,32 @@ DsaIndexerParams<T> dsa_indexer_weights(const MlaConfig& c, std::uint64_t seed) 
       for (T& e : *t) e += T(1);
   }
   return p;
+}
+
+// One run's inputs over B rows split as `tokens` (S their sum) with `heads`
+// per rank: the layout, the MLA's weights (init_params seed 5, jitter 0.1),
+// the indexer's (seed 40), x and dout (B, S, dim) (seeds 7 and 8).
+template <class T>
+struct DsaFormInputs {
+  std::int64_t S = 0;
+  SpLayout lay;
+  MlaParams<T> w;
+  DsaIndexerParams<T> iw;
+  std::vector<T> x, dout;
+};
+template <class T>
+DsaFormInputs<T> dsa_form_inputs(const MlaConfig& cfg, std::int64_t B,
+                                 const std::vector<std::int64_t>& tokens,
+                                 const std::vector<std::int64_t>& heads) {
+  DsaFormInputs<T> in;
+  for (std::int64_t n : tokens) in.S += n;
+  in.lay = SpLayout::custom(B, tokens, heads);
+  in.w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
+  init_params(in.w, 5, 0.1);
+  in.iw = dsa_indexer_weights<T>(cfg, 40);
+  in.x = random_vector<T>(B * in.S * cfg.dim, 7);
+  in.dout = random_vector<T>(B * in.S * cfg.dim, 8);
+  return in;
 }
 
 // Rows [s0, s0 + L) of every batch row of a (B, S, w) tensor.

@@ -41,14 +41,7 @@ void check_counts(DsaForm form, const Shards& sh) {
   const MlaConfig cfg = counts_config();
   const int P = int(sh.tokens.size());
   const std::int64_t B = 2, D = cfg.dim;
-  std::int64_t S = 0;
-  for (std::int64_t n : sh.tokens) S += n;
-  const SpLayout lay = SpLayout::custom(B, sh.tokens, sh.heads);
-  MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 5, 0.1);
-  const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
-  const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
-  const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+  const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, sh.tokens, sh.heads);
   std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
   LocalRunOptions options;
   options.pools = &pools;

@@ -45,14 +45,7 @@ void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool pa
   const MlaConfig cfg = cp_config();
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
-  std::int64_t S = 0;
-  for (std::int64_t n : counts) S += n;
-  const SpLayout lay = SpLayout::custom(B, counts, heads_of(P));
-  MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 5, 0.1);
-  const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
-  const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
-  const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+  const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, counts, heads_of(P));
   std::vector<std::int64_t> doc_start;
   const DsaBlockResult<T> want =
       packed ? test::dsa_per_document(cfg, w, iw, x, dout, S, stage, kDocs, doc_start)

@@ -85,14 +85,7 @@ void check_small(DsaForm form, const std::vector<std::int64_t>& counts,
   const MlaConfig cfg = test::dsa_small_config(5);
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim;
-  std::int64_t S = 0;
-  for (std::int64_t n : counts) S += n;
-  const SpLayout lay = SpLayout::custom(B, counts, heads);
-  MlaParams<T> w = MlaParams<T>::zeros(cfg, MemCategory::parameters);
-  init_params(w, 5, 0.1);
-  const DsaIndexerParams<T> iw = test::dsa_indexer_weights<T>(cfg, 40);
-  const std::vector<T> x = test::random_vector<T>(B * S * D, 7);
-  const std::vector<T> dout = test::random_vector<T>(B * S * D, 8);
+  const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, counts, heads);
   std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
   LocalRunOptions options;
   options.pools = &pools;
