@@ -12,6 +12,14 @@ namespace {
 std::size_t z(std::int64_t i) {
   return static_cast<std::size_t>(i);
 }
+// The keys a rank's own rows read: every token up to its last row (its
+// shard's end; the DSA forms refuse zigzag, where this would be its second
+// chunk's end).
+std::int64_t keys_read(const SpLayout& layout, int rank) {
+  std::int64_t end = 0;
+  for (const TokenRange& t : layout.seq_ranges[z(rank)]) end = std::max(end, t.end);
+  return end;
+}
 // Indices (int32) and the KL target (fp32) keep 4 bytes under bf16.
 constexpr std::int64_t kIndexBytes = 4;
 constexpr std::int64_t kStatBytes = 4;
@@ -400,10 +408,7 @@ DsaMemory latent_gather_memory(const MlaConfig& cfg, const DsaConfig& dsa, const
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;   // bf16 runs hold fp32 tensors
   const std::int64_t bf = dtype == RunDtype::bf16 ? 2 : 0;  // bf16's rounded operand copies
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
-  // The keys the rank reads: every token up to its last row (contiguous:
-  // shard_begin + L; the form refuses zigzag, whose last row this is too).
-  std::int64_t Sk = 0;
-  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t Sk = keys_read(layout, rank);
   const std::int64_t N = B * L, NK = B * Sk;
   const std::int64_t H = cfg.n_heads, D = cfg.dim, rq = cfg.q_lora_rank, C = cfg.kv_lora_rank;
   const std::int64_t dr = cfg.qk_rope_head_dim, dqk = cfg.qk_head_dim(), dv = cfg.v_head_dim;
@@ -487,8 +492,7 @@ DsaMemory explicit_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLa
                           int rank, RunDtype dtype, DsaStage stage) {
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;  // bf16 runs hold fp32 tensors
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
-  std::int64_t Sk = 0;  // the keys the rank's own rows read: up to its last row
-  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t Sk = keys_read(layout, rank);
   const std::int64_t N = B * L, NK = B * Sk, NS = B * S, Hr = layout.head_count[z(rank)];
   // bf16's rounded operand copies, made only where the rank has heads
   const std::int64_t bf = dtype == RunDtype::bf16 && Hr > 0 ? 2 : 0;
@@ -586,8 +590,7 @@ DsaMemory laga_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout
                       DsaForm form, int rank, RunDtype dtype, DsaStage stage) {
   const std::int64_t e = dtype == RunDtype::fp64 ? 8 : 4;  // bf16 runs hold fp32 tensors
   const std::int64_t B = layout.batch, S = layout.seq, L = layout.seq_count[z(rank)];
-  std::int64_t Sk = 0;  // the keys the rank's own rows read: up to its last row
-  for (const TokenRange& t : layout.seq_ranges[z(rank)]) Sk = std::max(Sk, t.end);
+  const std::int64_t Sk = keys_read(layout, rank);
   const std::int64_t N = B * L, NK = B * Sk, NS = B * S, Hr = layout.head_count[z(rank)];
   // bf16's rounded operand copies, made only where the rank has heads
   const std::int64_t bf = dtype == RunDtype::bf16 && Hr > 0 ? 2 : 0;
