@@ -771,12 +771,6 @@ DsaMemory unmeasured_memory(const MlaConfig& cfg, const DsaConfig& dsa, const Sp
 
 }  // namespace
 
-bool dsa_memory_is_the_pools(DsaForm form) {
-  // Every form the engine runs (its registry row has a runner) runs on pool
-  // tensors; mla_test_dsa_memory holds each to its pool.
-  return dsa_form_runs(form);
-}
-
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                      DsaForm form, int rank, RunDtype dtype, DsaStage stage) {
   dsa.validate(cfg);

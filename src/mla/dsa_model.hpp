@@ -227,9 +227,5 @@ struct DsaMemory {
 };
 DsaMemory dsa_memory(const MlaConfig& cfg, const DsaConfig& dsa, const SpLayout& layout,
                      DsaForm form, int rank, RunDtype dtype, DsaStage stage = DsaStage::sparse);
-// Whether the form runs on pool tensors, so that it has a count-only run
-// and dsa_memory is its pool's peak exactly (every form the engine runs);
-// ring_latent's dsa_memory is the closed form from the math.
-bool dsa_memory_is_the_pools(DsaForm form);
 
 }  // namespace laga

@@ -6,8 +6,7 @@
 // the single-rank explicit DSA run; bytes per rank from the ledger beside
 // the closed form (dsa_predict_comm); and dsa_memory beside the pool's
 // measured activation peak, "exact" when every rank's equal (every form the
-// engine runs is on pool tensors, dsa_memory_is_the_pools; "-" for one
-// that is not). --count-only runs each such form's
+// engine runs is on pool tensors; "-" for one it does not run). --count-only runs each such form's
 // ranks alone under a count-only pool (run_dsa_rank_count_only), at any
 // size, without computing: dsa_memory beside the pool's peak, and the
 // ledger beside dsa_predict_comm. A form the engine does not run
@@ -68,9 +67,6 @@ std::string sci(double v) {
   return s.str();
 }
 
-// --count-only: each form with a count-only run, every rank alone
-// (run_dsa_rank_count_only); `all`: the forms without one are listed as
-// such, a form named without one is refused (there, by name).
 // The table on stdout (on stderr when --json - takes stdout) and, with
 // --json, the document: the run's shape, whether it computed, and one row
 // per form (the count-only run's and the computing run's rows differ).
@@ -89,6 +85,9 @@ void emit_dsa_report(const CompareOptions& o, const MlaConfig& cfg, DsaStage sta
                            "\n");
 }
 
+// --count-only: each form with a count-only run, every rank alone
+// (run_dsa_rank_count_only); `all`: the forms without one are listed as
+// such, a form named without one is refused (there, by name).
 bool run_dsa_count_only(const CompareOptions& o, const MlaConfig& cfg, const SpLayout& layout,
                         const std::vector<DsaForm>& forms, bool all) {
   LAGA_CHECK(o.comm.backend == Backend::local, "--count-only --comm ", to_string(o.comm.backend),
@@ -300,9 +299,8 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
     t << std::setw(12) << r.predicted_sent << std::setw(8)
       << (r.ran ? (r.ledger_match ? "exact" : "DIFFERS") : "-") << std::setw(12) << r.saved
       << std::setw(14) << r.peak;
-    const bool pooled = r.ran && dsa_memory_is_the_pools(r.form);
-    t << std::setw(14) << (pooled ? std::to_string(r.pool_peak) : std::string("-"))
-      << (pooled ? (r.pool_exact ? "exact" : "DIFFERS") : "-") << "\n";
+    t << std::setw(14) << (r.ran ? std::to_string(r.pool_peak) : std::string("-"))
+      << (r.ran ? (r.pool_exact ? "exact" : "DIFFERS") : "-") << "\n";
     nlohmann::json row = {{"form", to_string(r.form)},
                           {"moves", dsa_form_traits(r.form).moves},
                           {"ran", r.ran},
@@ -318,10 +316,8 @@ bool run_dsa_compare(const CompareOptions& o, const std::function<bool(const cha
                                   {"grads", r.grads.scale},
                                   {"kl_loss", r.kl.scale}};
       row["sent_per_rank"] = r.sent;
-      if (dsa_memory_is_the_pools(r.form)) {
-        row["memory_peak_pool"] = r.pool_peak;
-        row["memory_peak_exact"] = r.pool_exact;
-      }
+      row["memory_peak_pool"] = r.pool_peak;
+      row["memory_peak_exact"] = r.pool_exact;
       row["ledger_equals_closed_form"] = r.ledger_match;
     }
     j.push_back(row);

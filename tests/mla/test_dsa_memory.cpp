@@ -44,7 +44,7 @@ std::int64_t activation_peak(F&& f) {
   return pool.peak(MemCategory::activations) - base;
 }
 
-// The forms on pool tensors (dsa_memory_is_the_pools), by DsaForm.
+// The forms the engine runs (dsa_form_runs), each on pool tensors, by DsaForm.
 template <class T>
 DsaBlockResult<T> run_form(DsaForm form, const MlaConfig& cfg, const MlaParams<T>& w,
                            const DsaIndexerParams<T>& iw, const T* x, const T* dout,
