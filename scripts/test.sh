@@ -15,10 +15,10 @@ start=$(date +%s)
 # One line per phase, "test.sh: <phase> took N s", so a run's log says where
 # its time went (docs/testing.md, "Suite time").
 phase_start=$start
-# Each line also gives the disk space left where the builds are: a suite at
-# its peak holds about 11 GB here (the torch 2 venv 5.9 GB, the ASan build
-# 3.9 GB, the main build 1 GB), and a CI run that once failed with "No space
-# left on device" could not say how close it was.
+# Each line also gives the disk space left where the builds are: a suite
+# holds up to 10.9 GB (the torch 2 venv 5.9 GB, the ASan build 3.4 GB, the
+# main build about 1 GB; docs/testing.md, "Suite disk"), and a CI run that
+# once failed with "No space left on device" could not say how close it was.
 phase_done() {
   local now free
   now=$(date +%s)
