@@ -266,9 +266,10 @@ def start_ring_shift(x, recv_numel, group, ledger, phase, label, ring=None):
 
     held = [send]  # referenced until the wait: the transfer reads it
 
-    def wait():
+    def wait():  # the works dropped once done: a closure kept past the wait holds no gloo work
         for q in reqs:
             q.wait()
+        reqs.clear()
         held.clear()
         return out
     return out, wait

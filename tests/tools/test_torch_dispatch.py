@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import laga_torch as lt  # noqa: E402
 from laga_torch import dispatch  # noqa: E402
 from laga_torch.attention import KeyRanges  # noqa: E402
-from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -222,7 +222,7 @@ def worker(args):
             worst, cases = max(worst, e), cases + 1
     with open(os.path.join(args.dir, f"disp-P{P}-r{r}.json"), "w") as f:
         json.dump({"worst": worst, "cases": cases, "kernels": kernels}, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def launch(args, P, timeout=200):

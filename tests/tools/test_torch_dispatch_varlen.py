@@ -56,7 +56,7 @@ from laga_torch import dispatch, dispatch_varlen  # noqa: E402
 from laga_torch.attention import KeyRanges, flash_backward, flash_forward  # noqa: E402
 from laga_torch.comm import Ledger  # noqa: E402
 from test_torch_dispatch import B, CFG, DOCS, S, calls, rel, saved_bytes  # noqa: E402
-from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, parse_rank_args, run_ranks  # noqa: E402
 
 K = dispatch.Kernel
 
@@ -455,7 +455,7 @@ def worker(args):
                 worst, cases = max(worst, e), cases + 1
     with open(os.path.join(args.dir, f"disp-P{P}-r{r}.json"), "w") as f:
         json.dump({"worst": worst, "cases": cases, "kernels": kernels}, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def main():

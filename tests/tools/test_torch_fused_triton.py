@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
 import torch_package_common as tp  # noqa: E402  (tools_torch_package's cases, layout, assembly)
-from torch_ranks import free_port  # noqa: E402
+from torch_ranks import end_ranks, free_port  # noqa: E402
 
 F64_BOUND, FP32_BOUND = 1e-12, 1e-5
 # 192/128: DeepSeek-V3's head dims over a small latent and model.
@@ -263,7 +263,7 @@ def worker(args):
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
     with open(os.path.join(args.dir, f"calls-P{P}-r{r}.json"), "w") as f:
         json.dump(calls, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def module(args, sps):

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
-from torch_ranks import free_port, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, free_port, run_ranks  # noqa: E402
 from torch_saved import saved_by  # noqa: E402
 
 B, S = 2, 13
@@ -109,7 +109,7 @@ def worker(args):
                 args.dir, f"torch-{tag}-{case['id']}-P{P}-r{r}.safetensors"))
     with open(os.path.join(args.dir, f"kept-P{P}-r{r}.json"), "w") as f:
         json.dump(kept, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def assemble(lt, d, tag, case, P):

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 import laga_torch as lt  # noqa: E402
 from laga_torch import invariant  # noqa: E402
-from torch_ranks import parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "rope_theta": 10000.0}
@@ -208,8 +208,7 @@ def worker(args):
             res[f"train-{dt}"] = train(dt, P, r, group)
         res["refusals"] = refusals(P, r, group)
         torch.save(res, os.path.join(args.dir, f"inv_P{P}_r{r}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def bits(t):

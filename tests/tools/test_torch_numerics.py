@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import safetensors_io  # noqa: E402
-from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, free_port, parse_rank_args, run_ranks  # noqa: E402
 
 B, S = 2, 13
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
@@ -442,7 +442,7 @@ def worker(args):
         nan_every_path(lt, dev, P, r, log, [f for f in FORMS if f[0] in RING])
         with open(os.path.join(args.dir, f"log-P{P}-r{r}.json"), "w") as f:
             json.dump(log, f)
-        dist.destroy_process_group()
+        end_ranks()
         return
     nan_every_path(lt, dev, P, r, log)
     ring_bf16(lt, dev, P, r, log)
@@ -490,7 +490,7 @@ def worker(args):
     torch.save(res, os.path.join(args.dir, f"res-P{P}-r{r}.pt"))
     with open(os.path.join(args.dir, f"log-P{P}-r{r}.json"), "w") as f:
         json.dump(log, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def launch(args, P, timeout=150):

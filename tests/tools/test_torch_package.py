@@ -66,7 +66,7 @@ from torch_package_common import (
     ZIGZAG, assemble, bf16_case, cases, compare_name, compare_rows, cxx_flags, max_over_ranks,
     rel, run, sdpa_case, seq_layout, shard)
 import safetensors_io
-from torch_ranks import free_port
+from torch_ranks import end_ranks, free_port
 from torch_saved import saved_by
 
 TOLS = {"float64": 1e-12, "float32": 1e-5}
@@ -203,7 +203,7 @@ def worker(args):
     errors(lt, dev, P, r)
     if P == 3:
         subgroup(lt, dev, r, args)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def nan_isolated(lt, dev, P, r, args):

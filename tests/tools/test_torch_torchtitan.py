@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import laga_torch as lt  # noqa: E402
 from laga_torch import torchtitan as tt  # noqa: E402
-from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, free_port, parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -195,7 +195,7 @@ def worker(args):
     with open(os.path.join(args.dir, f"tt-P{P}-r{r}.json"), "w") as f:
         json.dump({"worst": worst, "worst_bf16": worst_bf16, "cases": cases,
                    "refusals": refusals}, f)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def made_with_torchtitan():

@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import laga_torch as lt  # noqa: E402
-from torch_ranks import free_port, parse_rank_args, run_ranks  # noqa: E402
+from torch_ranks import end_ranks, free_port, parse_rank_args, run_ranks  # noqa: E402
 
 CFG = {"dim": 24, "n_heads": 5, "kv_lora_rank": 10, "qk_nope_head_dim": 8,
        "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 7, "original_seq_len": 8,
@@ -415,7 +415,7 @@ def main():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                                 rank=args.rank, world_size=args.world)
         worker_ranks(args)
-        dist.destroy_process_group()
+        end_ranks()
         return
     os.makedirs(args.dir, exist_ok=True)
     torch.set_num_threads(2)
