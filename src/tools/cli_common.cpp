@@ -788,4 +788,47 @@ void add_head_groups_option(CLI::App& app, int& head_groups) {
       ->check(whole_for(1, head_groups));
 }
 
+void add_overlap_option(CLI::App& app, std::string& overlap, FormsRun runs) {
+  const std::string forms = names_of_forms_with(&FormTraits::overlap);
+  if (runs == FormsRun::one) {
+    app.add_option("--overlap", overlap,
+                   cat(forms,
+                       ": on overlaps the form's collectives with compute (the latent all-gather "
+                       "and its reduce-scatter with the query path; a ring's shift with its "
+                       "step's attention); the same bytes and results (docs/forms.md)"))
+        ->check(CLI::IsMember({"off", "on"}))
+        ->capture_default_str();
+    return;
+  }
+  app.add_option("--overlap", overlap,
+                 cat("the collectives of the forms with an overlapped path (", forms,
+                     ") overlapped with compute: off, on (they run overlapped) or both "
+                     "(FORM+overlap right after each FORM); the same bytes and results "
+                     "(docs/forms.md)"))
+      ->check(CLI::IsMember({"off", "on", "both"}))
+      ->capture_default_str();
+}
+
+void add_q_latent_flag(CLI::App& app, bool& q_latent, FormsRun runs) {
+  const std::string forms = names_of_forms_with(&FormTraits::query_latent);
+  const char* what =
+      "the normalised query latent (rq per token) moved instead of per-head Q (H*dqk), wq_b "
+      "applied for the rank's own heads";
+  app.add_flag("--q-latent", q_latent,
+               runs == FormsRun::one
+                   ? cat(forms, " with q_lora_rank > 0: ", what, " (docs/forms.md)")
+                   : cat("also run each form that can move the query latent (", forms,
+                         ") with it, as FORM+q-latent right after FORM: ", what,
+                         "; needs one of them among --forms and q_lora_rank > 0 "
+                         "(docs/forms.md)"));
+}
+
+void add_attention_option(CLI::App& app, std::string& attention) {
+  app.add_option("--attention", attention,
+                 "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
+                 "(saves the log-sum-exp, recomputes in backward)")
+      ->check(CLI::IsMember({"eager", "flash"}))
+      ->capture_default_str();
+}
+
 }  // namespace laga::tools

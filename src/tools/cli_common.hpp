@@ -171,6 +171,20 @@ std::vector<FormVariant> form_variants(const std::vector<Form>& forms, bool q_la
 
 // --head-groups on a command: the option, its help and its check (>= 1).
 void add_head_groups_option(CLI::App& app, int& head_groups);
+
+// What one invocation of a command runs, which sets what --overlap and
+// --q-latent mean there: one form (forward, train: the switch turns the path
+// on) or each of a list of forms (compare, verify, plan: the switch adds the
+// variant FORM+overlap or FORM+q-latent right after FORM).
+enum class FormsRun { one, each };
+// --overlap: off|on for one form, off|on|both for each form (both: FORM and
+// FORM+overlap); the forms it applies to are FormTraits::overlap's rows.
+void add_overlap_option(CLI::App& app, std::string& overlap, FormsRun runs);
+// --q-latent: the query latent moved instead of per-head Q (FormTraits::
+// query_latent's rows, q_lora_rank > 0), or FORM+q-latent after each of them.
+void add_q_latent_flag(CLI::App& app, bool& q_latent, FormsRun runs);
+// --attention eager|flash, checked where it is parsed, on every command.
+void add_attention_option(CLI::App& app, std::string& attention);
 // --seq-layout contiguous|zigzag (SpLayout's SeqLayout), into a string the
 // command parses with parse_seq_layout.
 void add_seq_layout_option(CLI::App& app, std::string& seq_layout);

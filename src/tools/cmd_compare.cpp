@@ -44,26 +44,11 @@ void register_compare(CLI::App& app) {
                 cat("comma-separated forms to run (", form_names(", "), "; on a DSA config ",
                     dsa_runnable_form_names(), ", ring_latent's closed forms), or all"))
       ->capture_default_str();
-  c->add_option("--overlap", o->overlap,
-                cat("the collectives of the forms with an overlapped path (",
-                    names_of_forms_with(&FormTraits::overlap),
-                    ") overlapped with compute: off, on (they run overlapped) or both (+overlap "
-                    "right after each; with --link the table shows what overlap hides)"))
-      ->check(CLI::IsMember({"off", "on", "both"}))
-      ->capture_default_str();
-  c->add_flag("--q-latent", o->q_latent,
-              cat("also run each form that can move the query latent (",
-                  names_of_forms_with(&FormTraits::query_latent),
-                  ") with it, as FORM+q-latent right after FORM: the normalised query latent (rq "
-                  "per token) moved instead of per-head Q (H*dqk); needs one of them among "
-                  "--forms and q_lora_rank > 0. The notes say where it stops paying"));
+  add_overlap_option(*c, o->overlap, FormsRun::each);
+  add_q_latent_flag(*c, o->q_latent, FormsRun::each);
   add_head_groups_option(*c, o->head_groups);
   add_seq_layout_option(*c, o->seq_layout);
-  c->add_option("--attention", o->attention,
-                "attention kernel: eager (saves the (B, H_r, S, S) probabilities) or flash "
-                "(saves the log-sum-exp, recomputes in backward)")
-      ->check(CLI::IsMember({"eager", "flash"}))
-      ->capture_default_str();
+  add_attention_option(*c, o->attention);
   add_dtype_option(
       *c,
       [o](RunDtype d) { o->precision = d == RunDtype::bf16 ? Precision::bf16 : Precision::fp32; },

@@ -462,19 +462,9 @@ void register_forward_command(CLI::App& app) {
       ->capture_default_str();
   add_head_groups_option(*sub, opts->head_groups);
   add_seq_layout_option(*sub, opts->seq_layout);
-  sub->add_flag("--q-latent", opts->q_latent,
-                cat(names_of_forms_with(&FormTraits::query_latent),
-                    " with q_lora_rank > 0: move the normalised query latent (rq per token) "
-                    "instead of per-head Q (H*dqk), and apply wq_b for the rank's own heads "
-                    "(docs/forms.md)"));
-  sub->add_option("--overlap", opts->overlap,
-                  cat(names_of_forms_with(&FormTraits::overlap),
-                      ": on overlaps the form's collectives with compute (the latent all-gather "
-                      "and its reduce-scatter with the query path; a ring's shift with its "
-                      "step's attention); the same bytes and results (docs/forms.md)"))
-      ->check(CLI::IsMember({"off", "on"}))
-      ->capture_default_str();
-  sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  add_q_latent_flag(*sub, opts->q_latent, FormsRun::one);
+  add_overlap_option(*sub, opts->overlap, FormsRun::one);
+  add_attention_option(*sub, opts->attention);
   sub->add_flag("--invariant", opts->invariant,
                 cat(names_of_forms_with(&FormTraits::invariant),
                     ", flash: the invariant mode -- out, dx and every gradient bit-identical at "

@@ -511,21 +511,11 @@ void register_plan(CLI::App& app) {
                     }(),
                     "), or all"))
       ->capture_default_str();
-  c->add_flag("--q-latent", o->q_latent,
-              cat("also plan FORM+q-latent for each form that can move the query latent (",
-                  names_of_forms_with(&FormTraits::query_latent), "; needs q_lora_rank > 0)"));
+  add_q_latent_flag(*c, o->q_latent, FormsRun::each);
   add_head_groups_option(*c, o->head_groups);
   add_seq_layout_option(*c, o->seq_layout);
-  c->add_option("--overlap", o->overlap,
-                cat("plan the collectives of the forms with an overlapped path (",
-                    names_of_forms_with(&FormTraits::overlap),
-                    ") overlapped with compute: off, on, or both (+overlap right after each), as "
-                    "laga compare --overlap"))
-      ->check(CLI::IsMember({"off", "on", "both"}))
-      ->capture_default_str();
-  c->add_option("--attention", o->attention, "attention kernel: flash or eager")
-      ->check(CLI::IsMember({"eager", "flash"}))
-      ->capture_default_str();
+  add_overlap_option(*c, o->overlap, FormsRun::each);
+  add_attention_option(*c, o->attention);
   c->add_option("--model", o->model,
                 "plan a whole model's training step: a preset (deepseek-v3) or a DeepSeek-V3 "
                 "config.json with its MoE and layers; in place of --preset/--config");

@@ -515,7 +515,7 @@ void register_train(CLI::App& app) {
   sub->add_option("--form", c->form, form_names(" | "))->capture_default_str();
   add_head_groups_option(*sub, c->head_groups);
   add_seq_layout_option(*sub, c->seq_layout);
-  sub->add_option("--attention", c->attention, "eager | flash")->capture_default_str();
+  add_attention_option(*sub, c->attention);
   add_dtype_option(
       *sub, [c](RunDtype d) { c->dtype = d == RunDtype::bf16 ? Precision::bf16 : Precision::fp32; },
       {RunDtype::fp32, RunDtype::bf16},
@@ -525,17 +525,8 @@ void register_train(CLI::App& app) {
       "precision\")")
       ->default_str("fp32");
   add_grad_reduce_option(*sub, c->grad_reduce);
-  sub->add_flag("--q-latent", c->q_latent,
-                cat(names_of_forms_with(&FormTraits::query_latent),
-                    " with --q-lora-rank > 0: move the normalised query latent instead of "
-                    "per-head Q (docs/forms.md)"));
-  sub->add_option("--overlap", c->overlap,
-                  cat(names_of_forms_with(&FormTraits::overlap),
-                      ": on overlaps the form's collectives with compute (the latent all-gather "
-                      "and its reduce-scatter with the query path; a ring's shift with its "
-                      "step's attention); the same bytes and results (docs/forms.md)"))
-      ->check(CLI::IsMember({"off", "on"}))
-      ->capture_default_str();
+  add_q_latent_flag(*sub, c->q_latent, FormsRun::one);
+  add_overlap_option(*sub, c->overlap, FormsRun::one);
   sub->add_option("--sp", c->sp, "sequence-parallel ranks")
       ->check(whole_for(1, c->sp))
       ->capture_default_str();

@@ -237,24 +237,15 @@ void register_verify_command(CLI::App& app) {
   sub->add_option("--forms", opts->forms,
                   cat("comma-separated forms (", form_names(", "), "), or all"))
       ->capture_default_str();
-  sub->add_option("--overlap", opts->overlap,
-                  cat("the collectives of the forms with an overlapped path (",
-                      names_of_forms_with(&FormTraits::overlap),
-                      ") overlapped with compute: off, on (they run overlapped) or both "
-                      "(+overlap right after each)"))
-      ->check(CLI::IsMember({"off", "on", "both"}))
-      ->capture_default_str();
+  add_overlap_option(*sub, opts->overlap, FormsRun::each);
   sub->add_flag("--invariant", opts->invariant,
                 cat("run in the invariant mode (", names_of_forms_with(&FormTraits::invariant),
                     "; --forms all: those) and require each form's out, dx and gradients to be "
                     "the same bytes at every --sp (docs/invariance.md)"));
-  sub->add_flag("--q-latent", opts->q_latent,
-                cat("also run FORM+q-latent beside each form that can move the query latent (",
-                    names_of_forms_with(&FormTraits::query_latent),
-                    "; the query latent moved instead of per-head Q; q_lora_rank > 0)"));
+  add_q_latent_flag(*sub, opts->q_latent, FormsRun::each);
   add_head_groups_option(*sub, opts->head_groups);
   add_seq_layout_option(*sub, opts->seq_layout);
-  sub->add_option("--attention", opts->attention, "eager | flash")->capture_default_str();
+  add_attention_option(*sub, opts->attention);
   sub->add_option("--batch", opts->batch, "batch")
       ->check(whole_for(1, opts->batch))
       ->capture_default_str();

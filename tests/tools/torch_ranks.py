@@ -5,6 +5,7 @@ within one time budget, the survivors killed on the way out, and one
 message (through the test's `fail`) naming what ran past its time or
 exited non-zero."""
 import argparse
+import datetime
 import os
 import signal
 import socket
@@ -62,11 +63,14 @@ def end_ranks():
     """A worker's last step: a barrier, so that no rank shuts its gloo
     process group down (closing its sockets) while another still has a
     transfer of the last collective to finish, then destroy_process_group.
+    gloo's monitored barrier, so a rank that failed before reaching it is
+    named within 120 s rather than leaving the others waiting for gloo's
+    30-minute default.
     Why: one CI run (2026-12-07, torch 2.15) lost rank 0 of a torch 2 test
     to "terminate called without an active exception" after the other rank
     had exited 0; not reproduced here in 78 runs, 10 of them beside two busy
     loops."""
-    dist.barrier()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     dist.destroy_process_group()
 
 
