@@ -1,21 +1,26 @@
 // What the DSA forms' tests share (test_dsa_cp.cpp, test_dsa_laga.cpp, test_dsa_explicit.cpp,
-// test_dsa_bf16.cpp, test_dsa_counts.cpp, test_dsa_memory.cpp): the small DSA config, the
-// indexer's random weights, one run's inputs over a layout, the reference of a packed batch
-// (dsa_block on each document alone), rows of a (B, S, w) tensor, the sum of the ranks' partial
-// gradients and its comparison with the reference, and a rank's ledger against its closed form.
+// test_dsa_bf16.cpp, test_dsa_counts.cpp, test_dsa_memory.cpp, test_dsa_fp8_deepseek.cpp): the
+// small DSA config, its token shares and near-equal heads, the indexer's random weights, one run's
+// inputs over a layout, the packed batch's documents and its reference (dsa_block on each document
+// alone), rows of a (B, S, w) tensor, a form's run on in-process ranks, the sum of the ranks'
+// partial gradients and its comparison with the reference, a rank's ledger against its closed form,
+// and the whole check of a form against the single-rank block (dsa_check_form).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "comm/communicator.hpp"
+#include "comm/local_comm.hpp"
 #include "common/check.hpp"
 #include "mla/comm_model.hpp"
 #include "mla/dsa_block.hpp"
+#include "mla/dsa_model.hpp"
 #include "mla/layout.hpp"
 #include "mla/params.hpp"
 
@@ -31,6 +36,17 @@ inline MlaConfig dsa_small_config(std::int64_t heads) {
   c.index_n_heads = 3, c.index_head_dim = 8, c.index_topk = 4;
   c.validate();
   return c;
+}
+
+// S 11 split over P 1..4 ranks, unevenly: the forms' tests' token shares.
+inline const std::vector<std::vector<std::int64_t>> kDsaTokenShards = {
+    {11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
+
+// H heads over P ranks, near-equally: the first H % P ranks hold one more.
+inline std::vector<std::int64_t> dsa_heads_of(std::int64_t H, int P) {
+  std::vector<std::int64_t> h(std::size_t(P), H / P);
+  for (std::int64_t j = 0; j < H % P; ++j) ++h[std::size_t(j)];
+  return h;
 }
 
 // Uniform weights scaled by sqrt(3 / fan_in); the LayerNorm's weight about 1.
@@ -86,6 +102,35 @@ std::vector<T> dsa_rows(const std::vector<T>& a, std::int64_t B, std::int64_t S,
   return out;
 }
 
+// Runs rank(comm, xr, dr) on lay.ranks in-process ranks, rank r's thread
+// under pools[r] (sized here: the ranks' gradients are pool tensors, so the
+// caller's pools outlive the threads and the results), xr and dr the rank's
+// rows of x and dout (B, S, D) (dr null when dout is empty). Returns the
+// communicators: their ledgers hold what each rank moved.
+template <class T, class Rank>
+std::vector<std::unique_ptr<Communicator>> dsa_run_ranks(const SpLayout& lay,
+                                                         const std::vector<T>& x,
+                                                         const std::vector<T>& dout,
+                                                         std::vector<MemoryPool>& pools,
+                                                         Rank&& rank) {
+  const std::int64_t B = lay.batch, S = lay.seq, D = std::int64_t(x.size()) / (B * S);
+  pools = std::vector<MemoryPool>(static_cast<std::size_t>(lay.ranks));
+  LocalRunOptions options;
+  options.pools = &pools;
+  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(lay.ranks);
+  run_local_ranks(
+      comms,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+        const std::vector<T> xr = dsa_rows(x, B, S, D, s0, L);
+        const std::vector<T> dr = dout.empty() ? std::vector<T>() : dsa_rows(dout, B, S, D, s0, L);
+        rank(comm, xr.data(), dout.empty() ? nullptr : dr.data());
+      },
+      options);
+  return comms;
+}
+
 // sum += part, gradient by gradient (the MLA's and the indexer's), and the KL.
 template <class T>
 void dsa_add_grads(DsaBlockResult<T>& sum, const DsaBlockResult<T>& part) {
@@ -103,6 +148,10 @@ void dsa_add_grads(DsaBlockResult<T>& sum, const DsaBlockResult<T>& part) {
     for (std::size_t i = 0; i < mine[k].second->size(); ++i)
       (*mine[k].second)[i] += (*theirs[k].second)[i];
 }
+
+// The packed batch the forms' tests run (S 11): row 0 holds documents of 4
+// and 7 tokens, row 1 of 2, 5 and 4.
+inline const std::vector<std::vector<std::int64_t>> kDsaPackedDocs = {{4, 7}, {2, 5, 4}};
 
 // A packed batch: docs[b] the document lengths of batch row b (each row's
 // sum is S). The reference is dsa_block on each document alone (B 1, its
@@ -177,6 +226,66 @@ inline void dsa_expect_ledger(const std::string& what, const Ledger& ledger,
     EXPECT_EQ(it->second.bytes_received, pred.received) << what << " " << key.second;
     EXPECT_EQ(it->second.calls, pred.calls) << what << " " << key.second;
   }
+}
+
+// One DSA form on P = tokens.size() in-process ranks (B 2, the ranks'
+// shares of S and of the heads `tokens` and `heads`, dsa_form_inputs)
+// against the single-rank reference: dsa_block (per-head attention) or, when
+// `packed`, each document of kDsaPackedDocs alone (dsa_per_document), its
+// doc_start given to the ranks. Every rank's out and dx within
+// block_tolerance<T> and its selection exactly are the reference's rows; its
+// ledger is dsa_predict_comm's closed form for `form` at `stage`, label for
+// label (dsa_expect_ledger); the KL and gradients summed over the ranks are
+// the reference's (dsa_expect_sum_equals). run(cfg, w, iw, xr, dr, lay,
+// stage, comm, doc_start) is the form on one rank. Returns the bytes the
+// ranks' ledgers sent, summed over the ranks and their labels.
+template <class T, class Run>
+std::int64_t dsa_check_form(DsaForm form, Run&& run, const MlaConfig& cfg, DsaStage stage,
+                            const std::vector<std::int64_t>& tokens,
+                            const std::vector<std::int64_t>& heads, bool packed) {
+  const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
+  const auto [S, lay, w, iw, x, dout] = dsa_form_inputs<T>(cfg, B, tokens, heads);
+  const int P = lay.ranks;
+  std::vector<std::int64_t> doc_start;
+  const DsaBlockResult<T> want =
+      packed ? dsa_per_document(cfg, w, iw, x, dout, S, stage, kDsaPackedDocs, doc_start)
+             : dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
+
+  std::vector<MemoryPool> pools;
+  std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
+  const std::vector<std::unique_ptr<Communicator>> comms =
+      dsa_run_ranks(lay, x, dout, pools, [&](Communicator& comm, const T* xr, const T* dr) {
+        got[std::size_t(comm.rank())] =
+            run(cfg, w, iw, xr, dr, lay, stage, comm, packed ? doc_start.data() : nullptr);
+      });
+
+  const std::string what = std::string(to_string(form)) + " " + to_string(stage) +
+                           (packed ? " packed" : "") + " P " + std::to_string(P) + " " +
+                           lay.describe() + (sizeof(T) == 8 ? " double" : " float");
+  const Tolerance tol = block_tolerance<T>();
+  DsaBlockResult<T> sum;
+  sum.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
+  sum.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
+  std::int64_t sent = 0;
+  for (int r = 0; r < P; ++r) {
+    const DsaBlockResult<T>& g = got[std::size_t(r)];
+    const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
+    const std::string wr = what + " rank " + std::to_string(r);
+    EXPECT_TRUE(
+        all_close(wr + " out", g.out, dsa_rows(want.out, B, S, D, s0, L), tol.atol, tol.rtol));
+    EXPECT_TRUE(all_close(wr + " dx", g.dx, dsa_rows(want.dx, B, S, D, s0, L), tol.atol, tol.rtol));
+    EXPECT_EQ(g.idx, dsa_rows(want.idx, B, S, K, s0, L)) << wr << " selection";
+    dsa_add_grads(sum, g);
+
+    const Ledger& ledger = comms[std::size_t(r)]->ledger();
+    dsa_expect_ledger(
+        wr, ledger,
+        dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, form, r,
+                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage));
+    for (const auto& [key, e] : ledger.entries()) sent += e.bytes_sent;
+  }
+  dsa_expect_sum_equals(what, sum, want, tol);
+  return sent;
 }
 
 }  // namespace laga::test

@@ -145,27 +145,18 @@ void check_form_bf16(Form form, DsaStage stage, const Split& split, const Inputs
   const DsaBlockResult<float> want = in.block(stage);
   const SpLayout lay = SpLayout::custom(B, split.tokens, split.heads);
   const int P = lay.ranks;
-  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-  LocalRunOptions options;
-  options.pools = &pools;
+  std::vector<MemoryPool> pools;
   std::vector<DsaBlockResult<float>> got(static_cast<std::size_t>(P));
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const int r = comm.rank();
-        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<float> xr = test::dsa_rows(in.x, B, S, D, s0, L),
-                                 dr = test::dsa_rows(in.dout, B, S, D, s0, L);
-        DsaBlockResult<float>& g = got[std::size_t(r)];
+  const std::vector<std::unique_ptr<Communicator>> comms = test::dsa_run_ranks(
+      lay, in.x, in.dout, pools, [&](Communicator& comm, const float* xr, const float* dr) {
+        DsaBlockResult<float>& g = got[std::size_t(comm.rank())];
         if (form == Form::latent_gather)
-          g = dsa_latent_gather(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, comm);
+          g = dsa_latent_gather(cfg, in.w, in.iw, xr, dr, lay, stage, comm);
         else if (form == Form::explicit_heads)
-          g = dsa_explicit(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, comm);
+          g = dsa_explicit(cfg, in.w, in.iw, xr, dr, lay, stage, comm);
         else
-          g = dsa_laga(cfg, in.w, in.iw, xr.data(), dr.data(), lay, stage, dsa_form_of(form), comm);
-      },
-      options);
+          g = dsa_laga(cfg, in.w, in.iw, xr, dr, lay, stage, dsa_form_of(form), comm);
+      });
   const std::string what = std::string(name_of(form)) + " bf16 B " + std::to_string(B) + " S " +
                            std::to_string(S) + " x seed " + std::to_string(in.x_seed) + " P " +
                            std::to_string(P) + " " + lay.describe() + " " + to_string(stage);
@@ -239,23 +230,15 @@ TEST(DsaBf16, ExplicitSelectionPastBf16IntegersArrivesIntact) {
   const std::vector<float> x = test::random_vector<float>(B * S * D, 7);
   const UsePrecision bf16(Precision::bf16);
   const SpLayout lay = SpLayout::custom(B, {140, 160}, {3, 1});
-  std::vector<MemoryPool> pools(2);
-  LocalRunOptions options;
-  options.pools = &pools;
+  std::vector<MemoryPool> pools;
   std::vector<DsaBlockResult<float>> ex(2), li(2);
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(2);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const int r = comm.rank();
-        const std::vector<float> xr =
-            test::dsa_rows(x, B, S, D, lay.shard_begin(r), lay.seq_count[std::size_t(r)]);
-        ex[std::size_t(r)] = dsa_explicit(cfg, w, iw, xr.data(), static_cast<const float*>(nullptr),
-                                          lay, DsaStage::sparse, comm);
-        li[std::size_t(r)] = dsa_laga(cfg, w, iw, xr.data(), static_cast<const float*>(nullptr),
-                                      lay, DsaStage::sparse, DsaForm::laga_indices, comm);
-      },
-      options);
+  test::dsa_run_ranks(lay, x, std::vector<float>(), pools,
+                      [&](Communicator& comm, const float* xr, const float* no_dout) {
+                        const std::size_t r = std::size_t(comm.rank());
+                        ex[r] = dsa_explicit(cfg, w, iw, xr, no_dout, lay, DsaStage::sparse, comm);
+                        li[r] = dsa_laga(cfg, w, iw, xr, no_dout, lay, DsaStage::sparse,
+                                         DsaForm::laga_indices, comm);
+                      });
   bool past_256 = false;
   for (int r = 0; r < 2; ++r) {
     const std::string what = "S 300 rank " + std::to_string(r);

@@ -40,31 +40,22 @@ template <class T>
 void check_counts(DsaForm form, const Shards& sh) {
   const MlaConfig cfg = counts_config();
   const int P = int(sh.tokens.size());
-  const std::int64_t B = 2, D = cfg.dim;
+  const std::int64_t B = 2;
   const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, sh.tokens, sh.heads);
-  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-  LocalRunOptions options;
-  options.pools = &pools;
+  std::vector<MemoryPool> pools;
   std::vector<ops::OpCounts> counts(static_cast<std::size_t>(P));
   std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const int r = comm.rank();
-        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L);
-        const std::vector<T> dr = test::dsa_rows(dout, B, S, D, s0, L);
-        const ops::CountOps count(counts[std::size_t(r)]);
-        const DsaStage st = DsaStage::sparse;
-        if (form == DsaForm::latent_gather)
-          got[std::size_t(r)] = dsa_latent_gather(cfg, w, iw, xr.data(), dr.data(), lay, st, comm);
-        else if (form == DsaForm::explicit_form)
-          got[std::size_t(r)] = dsa_explicit(cfg, w, iw, xr.data(), dr.data(), lay, st, comm);
-        else
-          got[std::size_t(r)] = dsa_laga(cfg, w, iw, xr.data(), dr.data(), lay, st, form, comm);
-      },
-      options);
+  test::dsa_run_ranks(lay, x, dout, pools, [&](Communicator& comm, const T* xr, const T* dr) {
+    const std::size_t r = std::size_t(comm.rank());
+    const ops::CountOps count(counts[r]);
+    const DsaStage st = DsaStage::sparse;
+    if (form == DsaForm::latent_gather)
+      got[r] = dsa_latent_gather(cfg, w, iw, xr, dr, lay, st, comm);
+    else if (form == DsaForm::explicit_form)
+      got[r] = dsa_explicit(cfg, w, iw, xr, dr, lay, st, comm);
+    else
+      got[r] = dsa_laga(cfg, w, iw, xr, dr, lay, st, form, comm);
+  });
   for (int r = 0; r < P; ++r) {
     const DsaRankWork want = dsa_work(cfg, *DsaConfig::of(cfg), lay, form, r);
     const ops::OpCounts& c = counts[std::size_t(r)];

@@ -33,96 +33,41 @@ MlaConfig cp_config() {
   return test::dsa_small_config(5);
 }
 
-std::vector<std::int64_t> heads_of(int P) {
-  std::vector<std::int64_t> h(std::size_t(P), 5 / P);  // uneven at every P > 1
-  for (int j = 0; j < 5 % P; ++j) ++h[std::size_t(j)];
-  return h;
-}
+// The form on one rank, for test::dsa_check_form.
+const auto explicit_form = [](auto&&... a) { return dsa_explicit(a...); };
 
-// Packed: row 0 holds documents of 4 and 7 tokens, row 1 of 2, 5 and 4
-// (S 11); the reference is test::dsa_per_document (dsa_form_cases.hpp).
-const std::vector<std::vector<std::int64_t>> kDocs = {{4, 7}, {2, 5, 4}};
-
+// Packed: test::kDsaPackedDocs, the reference each document alone
+// (test::dsa_per_document). `heads` empty: H 5
+// near-equally (test::dsa_heads_of), uneven at every P > 1.
 template <class T>
 void check_form(DsaStage stage, const std::vector<std::int64_t>& counts, bool packed = false,
                 std::vector<std::int64_t> heads = {}) {
-  const MlaConfig cfg = cp_config();
-  const int P = int(counts.size());
-  const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
-  const auto [S, lay, w, iw, x, dout] =
-      test::dsa_form_inputs<T>(cfg, B, counts, heads.empty() ? heads_of(P) : heads);
-  std::vector<std::int64_t> doc_start;
-  const DsaBlockResult<T> want =
-      packed ? test::dsa_per_document(cfg, w, iw, x, dout, S, stage, kDocs, doc_start)
-             : dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
-
-  // The ranks' gradients are pool tensors: the pools outlive the threads.
-  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-  LocalRunOptions options;
-  options.pools = &pools;
-  std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const int r = comm.rank();
-        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L),
-                             dr = test::dsa_rows(dout, B, S, D, s0, L);
-        got[std::size_t(r)] = dsa_explicit(cfg, w, iw, xr.data(), dr.data(), lay, stage, comm,
-                                           packed ? doc_start.data() : nullptr);
-      },
-      options);
-
-  const std::string what = std::string(to_string(stage)) + (packed ? " packed" : "") + " P " +
-                           std::to_string(P) + " " + lay.describe() +
-                           (sizeof(T) == 8 ? " double" : " float");
-  const test::Tolerance tol = test::block_tolerance<T>();
-  DsaBlockResult<T> sum;
-  sum.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  sum.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  for (int r = 0; r < P; ++r) {
-    const DsaBlockResult<T>& g = got[std::size_t(r)];
-    const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-    const std::string wr = what + " rank " + std::to_string(r);
-    EXPECT_TRUE(all_close(wr + " out", g.out, test::dsa_rows(want.out, B, S, D, s0, L), tol.atol,
-                          tol.rtol));
-    EXPECT_TRUE(
-        all_close(wr + " dx", g.dx, test::dsa_rows(want.dx, B, S, D, s0, L), tol.atol, tol.rtol));
-    EXPECT_EQ(g.idx, test::dsa_rows(want.idx, B, S, K, s0, L)) << wr << " selection";
-    test::dsa_add_grads(sum, g);
-    // The ledger: the closed form, label for label, both directions.
-    test::dsa_expect_ledger(
-        wr, comms[std::size_t(r)]->ledger(),
-        dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, DsaForm::explicit_form, r,
-                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage));
-  }
-  test::dsa_expect_sum_equals(what, sum, want, tol);
+  test::dsa_check_form<T>(DsaForm::explicit_form, explicit_form, cp_config(), stage, counts,
+                          heads.empty() ? test::dsa_heads_of(5, int(counts.size())) : heads,
+                          packed);
 }
-
-const std::vector<std::vector<std::int64_t>> kShards = {{11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
 
 TEST(DsaExplicit, SparseEqualsSingleRankExplicitDouble) {
-  for (const auto& c : kShards) check_form<double>(DsaStage::sparse, c);
+  for (const auto& c : test::kDsaTokenShards) check_form<double>(DsaStage::sparse, c);
 }
 TEST(DsaExplicit, DenseWarmupEqualsSingleRankExplicitDouble) {
-  for (const auto& c : kShards) check_form<double>(DsaStage::dense_warmup, c);
+  for (const auto& c : test::kDsaTokenShards) check_form<double>(DsaStage::dense_warmup, c);
 }
 TEST(DsaExplicit, SparseEqualsSingleRankExplicitFloat) {
-  for (const auto& c : kShards) check_form<float>(DsaStage::sparse, c);
+  for (const auto& c : test::kDsaTokenShards) check_form<float>(DsaStage::sparse, c);
 }
 TEST(DsaExplicit, DenseWarmupEqualsSingleRankExplicitFloat) {
-  for (const auto& c : kShards) check_form<float>(DsaStage::dense_warmup, c);
+  for (const auto& c : test::kDsaTokenShards) check_form<float>(DsaStage::dense_warmup, c);
 }
 
 TEST(DsaExplicit, PackedDocumentsEqualEachDocumentAloneDouble) {
-  for (const auto& c : kShards) {
+  for (const auto& c : test::kDsaTokenShards) {
     check_form<double>(DsaStage::sparse, c, true);
     check_form<double>(DsaStage::dense_warmup, c, true);
   }
 }
 TEST(DsaExplicit, PackedDocumentsEqualEachDocumentAloneFloat) {
-  for (const auto& c : kShards) {
+  for (const auto& c : test::kDsaTokenShards) {
     check_form<float>(DsaStage::sparse, c, true);
     check_form<float>(DsaStage::dense_warmup, c, true);
   }
@@ -142,7 +87,7 @@ TEST(DsaExplicit, RanksWithoutHeads) {
 TEST(DsaExplicit, ForwardOnlyMovesTheForwardAlone) {
   const MlaConfig cfg = cp_config();
   const std::int64_t B = 2, S = 11, D = cfg.dim, K = cfg.index_topk;
-  const SpLayout lay = SpLayout::custom(B, {5, 2, 4}, heads_of(3));
+  const SpLayout lay = SpLayout::custom(B, {5, 2, 4}, test::dsa_heads_of(5, 3));
   MlaParams<double> w = MlaParams<double>::zeros(cfg, MemCategory::parameters);
   init_params(w, 5, 0.1);
   const DsaIndexerParams<double> iw = test::dsa_indexer_weights<double>(cfg, 40);

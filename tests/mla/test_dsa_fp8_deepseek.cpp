@@ -191,12 +191,6 @@ TEST(DsaFp8Deepseek, TheKlAndEveryGradientReadTheRunDtypeScores) {
   EXPECT_EQ(s.idx, a.idx);
 }
 
-std::vector<std::int64_t> heads_of(std::int64_t H, int P) {
-  std::vector<std::int64_t> h(std::size_t(P), H / P);
-  for (int j = 0; j < H % P; ++j) ++h[std::size_t(j)];
-  return h;
-}
-
 template <class T>
 void forms() {
   ASSERT_TRUE(std::filesystem::exists(path())) << path() << " is missing";
@@ -207,29 +201,21 @@ void forms() {
   const std::vector<std::vector<std::int64_t>> shards = {{12, 8}, {7, 5, 8}, {3, 6, 6, 5}};
   for (const std::vector<std::int64_t>& counts : shards) {
     const int P = int(counts.size());
-    const SpLayout lay = SpLayout::custom(B, counts, heads_of(c.cfg.n_heads, P));
+    const SpLayout lay = SpLayout::custom(B, counts, test::dsa_heads_of(c.cfg.n_heads, P));
     for (DsaForm form : {DsaForm::latent_gather, DsaForm::laga_indices, DsaForm::laga_recompute,
                          DsaForm::explicit_form}) {
-      std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-      LocalRunOptions options;
-      options.pools = &pools;
+      std::vector<MemoryPool> pools;
       std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
-      run_local_ranks(
-          P,
-          [&](Communicator& comm) {
-            const int r = comm.rank();
-            const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-            const std::vector<T> xr = test::dsa_rows(c.x, B, S, D, s0, L);
-            DsaBlockResult<T>& g = got[std::size_t(r)];
+      test::dsa_run_ranks(
+          lay, c.x, std::vector<T>(), pools, [&](Communicator& comm, const T* xr, const T*) {
+            DsaBlockResult<T>& g = got[std::size_t(comm.rank())];
             if (form == DsaForm::latent_gather)
-              g = dsa_latent_gather(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse,
-                                    comm);
+              g = dsa_latent_gather(c.cfg, c.w, c.iw, xr, no_dout, lay, DsaStage::sparse, comm);
             else if (form == DsaForm::explicit_form)
-              g = dsa_explicit(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse, comm);
+              g = dsa_explicit(c.cfg, c.w, c.iw, xr, no_dout, lay, DsaStage::sparse, comm);
             else
-              g = dsa_laga(c.cfg, c.w, c.iw, xr.data(), no_dout, lay, DsaStage::sparse, form, comm);
-          },
-          options);
+              g = dsa_laga(c.cfg, c.w, c.iw, xr, no_dout, lay, DsaStage::sparse, form, comm);
+          });
       for (int r = 0; r < P; ++r) {
         const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
         const std::string tag = std::string(to_string(form)) + " P " + std::to_string(P) +

@@ -13,7 +13,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -25,8 +24,6 @@
 
 namespace laga {
 namespace {
-
-using test::all_close;
 
 // H 5 so that the heads split unevenly at every P > 1.
 MlaConfig laga_config() {
@@ -43,8 +40,6 @@ const std::vector<Shards> kShards = {{{11}, {5}},
                                      {{5, 2, 4}, {2, 2, 1}},
                                      {{3, 3, 1, 4}, {2, 1, 1, 1}},
                                      {{2, 4, 4, 1}, {2, 2, 1, 0}}};
-// Packed: row 0 holds documents of 4 and 7 tokens, row 1 of 2, 5 and 4.
-const std::vector<std::vector<std::int64_t>> kDocs = {{4, 7}, {2, 5, 4}};
 
 // Every rank's ledger after one forward + backward: bytes sent over every
 // label and phase, summed over the ranks.
@@ -52,62 +47,17 @@ struct StepBytes {
   std::int64_t sent = 0;
 };
 
+// Packed: test::kDsaPackedDocs, the reference each document alone
+// (test::dsa_per_document).
 template <class T>
 StepBytes check_form(DsaForm form, DsaStage stage, const Shards& sh, bool packed = false) {
-  const MlaConfig cfg = laga_config();
-  const int P = int(sh.tokens.size());
-  const std::int64_t B = 2, D = cfg.dim, K = cfg.index_topk;
-  const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, sh.tokens, sh.heads);
-  std::vector<std::int64_t> doc_start;
-  const DsaBlockResult<T> want =
-      packed ? test::dsa_per_document(cfg, w, iw, x, dout, S, stage, kDocs, doc_start)
-             : dsa_block(cfg, w, iw, x.data(), dout.data(), B, S, stage, DsaAttend::per_head);
-
-  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-  LocalRunOptions options;
-  options.pools = &pools;
-  std::vector<DsaBlockResult<T>> got(static_cast<std::size_t>(P));
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const int r = comm.rank();
-        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L);
-        const std::vector<T> dr = test::dsa_rows(dout, B, S, D, s0, L);
-        got[std::size_t(r)] = dsa_laga(cfg, w, iw, xr.data(), dr.data(), lay, stage, form, comm,
-                                       packed ? doc_start.data() : nullptr);
-      },
-      options);
-
-  const std::string what = std::string(to_string(form)) + " " + to_string(stage) +
-                           (packed ? " packed" : "") + " P " + std::to_string(P) + " " +
-                           lay.describe() + (sizeof(T) == 8 ? " double" : " float");
-  const test::Tolerance tol = test::block_tolerance<T>();
-  DsaBlockResult<T> sum;
-  sum.grads = MlaParams<T>::zeros(cfg, MemCategory::gradients);
-  sum.indexer_grads = DsaIndexerParams<T>::zeros(cfg);
-  StepBytes run;
-  for (int r = 0; r < P; ++r) {
-    const DsaBlockResult<T>& g = got[std::size_t(r)];
-    const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-    const std::string wr = what + " rank " + std::to_string(r);
-    EXPECT_TRUE(all_close(wr + " out", g.out, test::dsa_rows(want.out, B, S, D, s0, L), tol.atol,
-                          tol.rtol));
-    EXPECT_TRUE(
-        all_close(wr + " dx", g.dx, test::dsa_rows(want.dx, B, S, D, s0, L), tol.atol, tol.rtol));
-    EXPECT_EQ(g.idx, test::dsa_rows(want.idx, B, S, K, s0, L)) << wr << " selection";
-    test::dsa_add_grads(sum, g);
-
-    // The ledger: the closed form for this form and stage, label for label.
-    const CommPrediction p =
-        dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, form, r,
-                         {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage);
-    test::dsa_expect_ledger(wr, comms[std::size_t(r)]->ledger(), p);
-    for (const auto& [key, e] : comms[std::size_t(r)]->ledger().entries()) run.sent += e.bytes_sent;
-  }
-  test::dsa_expect_sum_equals(what, sum, want, tol);
-  return run;
+  const auto laga = [form](const MlaConfig& cfg, const MlaParams<T>& w,
+                           const DsaIndexerParams<T>& iw, const T* x, const T* dout,
+                           const SpLayout& lay, DsaStage st, Communicator& comm,
+                           const std::int64_t* doc_start) {
+    return dsa_laga(cfg, w, iw, x, dout, lay, st, form, comm, doc_start);
+  };
+  return {test::dsa_check_form<T>(form, laga, laga_config(), stage, sh.tokens, sh.heads, packed)};
 }
 
 template <class T>

@@ -86,26 +86,18 @@ void check_small(DsaForm form, const std::vector<std::int64_t>& counts,
   const int P = int(counts.size());
   const std::int64_t B = 2, D = cfg.dim;
   const auto [S, lay, w, iw, x, dout] = test::dsa_form_inputs<T>(cfg, B, counts, heads);
-  std::vector<MemoryPool> pools(static_cast<std::size_t>(P));
-  LocalRunOptions options;
-  options.pools = &pools;
+  std::vector<MemoryPool> pools;
   std::vector<std::int64_t> real(static_cast<std::size_t>(P));
-  std::vector<std::unique_ptr<Communicator>> comms = make_local_communicators(P);
-  run_local_ranks(
-      comms,
-      [&](Communicator& comm) {
-        const UsePrecision precision(bf16 ? Precision::bf16 : Precision::fp32);
-        const int r = comm.rank();
-        const std::int64_t s0 = lay.shard_begin(r), L = lay.seq_count[std::size_t(r)];
-        const std::vector<T> xr = test::dsa_rows(x, B, S, D, s0, L),
-                             dr = test::dsa_rows(dout, B, S, D, s0, L);
-        real[std::size_t(r)] = activation_peak([&] {
-          const DsaBlockResult<T> res = run_form<T>(
-              form, cfg, w, iw, xr.data(), backward ? dr.data() : nullptr, lay, stage, comm);
-          EXPECT_EQ(res.out.size(), std::size_t(B * L * D));
-        });
-      },
-      options);
+  test::dsa_run_ranks(lay, x, dout, pools, [&](Communicator& comm, const T* xr, const T* dr) {
+    const UsePrecision precision(bf16 ? Precision::bf16 : Precision::fp32);
+    const int r = comm.rank();
+    const std::int64_t L = lay.seq_count[std::size_t(r)];
+    real[std::size_t(r)] = activation_peak([&] {
+      const DsaBlockResult<T> res =
+          run_form<T>(form, cfg, w, iw, xr, backward ? dr : nullptr, lay, stage, comm);
+      EXPECT_EQ(res.out.size(), std::size_t(B * L * D));
+    });
+  });
   const RunDtype dt = dtype_of(sizeof(T) == 8, bf16);
   for (int r = 0; r < P; ++r) {
     const std::string what = std::string(to_string(form)) + " " + to_string(dt) + " " +
@@ -119,17 +111,17 @@ void check_small(DsaForm form, const std::vector<std::int64_t>& counts,
   }
 }
 
-const std::vector<std::vector<std::int64_t>> kShards = {{11}, {6, 5}, {5, 2, 4}, {3, 3, 1, 4}};
-const std::vector<std::vector<std::int64_t>> kHeads = {{5}, {3, 2}, {2, 2, 1}, {2, 1, 1, 1}};
-
+// S 11 in uneven shards, H 5 near-equally over their ranks.
 void check_small_all(DsaForm form) {
-  for (std::size_t i = 0; i < kShards.size(); ++i)
+  for (const std::vector<std::int64_t>& counts : test::kDsaTokenShards) {
+    const std::vector<std::int64_t> heads = test::dsa_heads_of(5, int(counts.size()));
     for (DsaStage stage : {DsaStage::sparse, DsaStage::dense_warmup})
       for (bool backward : {true, false}) {
-        check_small<double>(form, kShards[i], kHeads[i], stage, backward, false);
-        check_small<float>(form, kShards[i], kHeads[i], stage, backward, false);
-        check_small<float>(form, kShards[i], kHeads[i], stage, backward, true);
+        check_small<double>(form, counts, heads, stage, backward, false);
+        check_small<float>(form, counts, heads, stage, backward, false);
+        check_small<float>(form, counts, heads, stage, backward, true);
       }
+  }
 }
 
 TEST(DsaMemory, LatentGatherPeakIsThePoolsOnEveryRank) {
