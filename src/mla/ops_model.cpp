@@ -55,61 +55,64 @@ void embedding_backward(Tensor<T>& dtable, In<T> dout, const std::int32_t* ids) 
   run_kernel(c);
 }
 
+namespace {
+
+// The two-input elementwise ops (SwiGLU's silu(a) * b, the output gate's
+// o * sigmoid(g)) share one shape of call: forward out = f(a, b) over three
+// dense operands of one shape (3 element reads and writes each), backward
+// (da, db) from (dout, a, b) over five (5). `names`: the operands as the op's
+// documentation calls them, for the refusals.
+template <class T>
+void binary_elementwise(Op op, const char* what, const char* const (&names)[3], Mat<T> out, In<T> a,
+                        In<T> b) {
+  check_same(out, a, what), check_same(out, b, what);
+  check_dense(out, what, names[0]), check_dense(a, what, names[1]);
+  check_dense(b, what, names[2]);
+  const std::int64_t n = out.rows * out.cols;
+  count_elementwise<T>(n, 3);
+  if (!runs(n, {out.p, a.p, b.p})) return;
+  OpCall c;
+  c.op = op, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = a.p, c.in[1] = b.p, c.out[0] = out.p;
+  run_kernel(c);
+}
+
+template <class T>
+void binary_elementwise_backward(Op op, const char* what, Mat<T> da, Mat<T> db, In<T> dout, In<T> a,
+                                 In<T> b) {
+  for (const Mat<const T>& m : {Mat<const T>(da), Mat<const T>(db), dout, a, b}) {
+    check_same(m, Mat<const T>(da), what);
+    check_dense(m, what, "an operand");
+  }
+  const std::int64_t n = da.rows * da.cols;
+  count_elementwise<T>(n, 5);
+  if (!runs(n, {da.p, db.p, dout.p, a.p, b.p})) return;
+  OpCall c;
+  c.op = op, c.dtype = op_dtype<T>(), c.shape.rows = n;
+  c.in[0] = dout.p, c.in[1] = a.p, c.in[2] = b.p, c.out[0] = da.p, c.out[1] = db.p;
+  run_kernel(c);
+}
+
+}  // namespace
+
 template <class T>
 void swiglu(Mat<T> h, In<T> a, In<T> b) {
-  check_same(h, a, "swiglu"), check_same(h, b, "swiglu");
-  check_dense(h, "swiglu", "h"), check_dense(a, "swiglu", "a"), check_dense(b, "swiglu", "b");
-  const std::int64_t n = h.rows * h.cols;
-  count_elementwise<T>(n, 3);
-  if (!runs(n, {h.p, a.p, b.p})) return;
-  OpCall c;
-  c.op = Op::swiglu_forward, c.dtype = op_dtype<T>(), c.shape.rows = n;
-  c.in[0] = a.p, c.in[1] = b.p, c.out[0] = h.p;
-  run_kernel(c);
+  binary_elementwise(Op::swiglu_forward, "swiglu", {"h", "a", "b"}, h, a, b);
 }
 
 template <class T>
 void swiglu_backward(Mat<T> da, Mat<T> db, In<T> dh, In<T> a, In<T> b) {
-  for (const Mat<const T>& m : {Mat<const T>(da), Mat<const T>(db), dh, a, b}) {
-    check_same(m, Mat<const T>(da), "swiglu_backward");
-    check_dense(m, "swiglu_backward", "an operand");
-  }
-  const std::int64_t n = da.rows * da.cols;
-  count_elementwise<T>(n, 5);
-  if (!runs(n, {da.p, db.p, dh.p, a.p, b.p})) return;
-  OpCall c;
-  c.op = Op::swiglu_backward, c.dtype = op_dtype<T>(), c.shape.rows = n;
-  c.in[0] = dh.p, c.in[1] = a.p, c.in[2] = b.p, c.out[0] = da.p, c.out[1] = db.p;
-  run_kernel(c);
+  binary_elementwise_backward(Op::swiglu_backward, "swiglu_backward", da, db, dh, a, b);
 }
 
 template <class T>
 void output_gate(Mat<T> y, In<T> o, In<T> g) {
-  check_same(y, o, "output_gate"), check_same(y, g, "output_gate");
-  check_dense(y, "output_gate", "y"), check_dense(o, "output_gate", "o");
-  check_dense(g, "output_gate", "g");
-  const std::int64_t n = y.rows * y.cols;
-  count_elementwise<T>(n, 3);
-  if (!runs(n, {y.p, o.p, g.p})) return;
-  OpCall c;
-  c.op = Op::output_gate_forward, c.dtype = op_dtype<T>(), c.shape.rows = n;
-  c.in[0] = o.p, c.in[1] = g.p, c.out[0] = y.p;
-  run_kernel(c);
+  binary_elementwise(Op::output_gate_forward, "output_gate", {"y", "o", "g"}, y, o, g);
 }
 
 template <class T>
 void output_gate_backward(Mat<T> d_o, Mat<T> dg, In<T> dy, In<T> o, In<T> g) {
-  for (const Mat<const T>& m : {Mat<const T>(d_o), Mat<const T>(dg), dy, o, g}) {
-    check_same(m, Mat<const T>(d_o), "output_gate_backward");
-    check_dense(m, "output_gate_backward", "an operand");
-  }
-  const std::int64_t n = d_o.rows * d_o.cols;
-  count_elementwise<T>(n, 5);
-  if (!runs(n, {d_o.p, dg.p, dy.p, o.p, g.p})) return;
-  OpCall c;
-  c.op = Op::output_gate_backward, c.dtype = op_dtype<T>(), c.shape.rows = n;
-  c.in[0] = dy.p, c.in[1] = o.p, c.in[2] = g.p, c.out[0] = d_o.p, c.out[1] = dg.p;
-  run_kernel(c);
+  binary_elementwise_backward(Op::output_gate_backward, "output_gate_backward", d_o, dg, dy, o, g);
 }
 
 template <class T>
