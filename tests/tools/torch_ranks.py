@@ -60,18 +60,25 @@ def exit_name(code):
 
 
 def end_ranks():
-    """A worker's last step: a barrier, so that no rank shuts its gloo
-    process group down (closing its sockets) while another still has a
-    transfer of the last collective to finish, then destroy_process_group.
-    gloo's monitored barrier, so a rank that failed before reaching it is
-    named within 120 s rather than leaving the others waiting for gloo's
-    30-minute default.
+    """A worker's last step, after its results are written: a barrier, so
+    that no rank shuts its gloo process group down (closing its sockets)
+    while another still has a transfer of the last collective to finish;
+    destroy_process_group; then the process ends at once (os._exit, after
+    flushing stdout and stderr), without the interpreter's finalization.
     Why: one CI run (2026-12-07, torch 2.15) lost rank 0 of a torch 2 test
-    to "terminate called without an active exception" after the other rank
-    had exited 0; not reproduced here in 78 runs, 10 of them beside two busy
-    loops."""
+    to "terminate called without an active exception" (SIGABRT) after the
+    other rank had exited 0, so after its last collective; torch's own
+    tracker (pytorch PR 179291) describes that abort: gloo's C++ threads
+    releasing tensors that hold Python references while the interpreter is
+    finalizing. Not reproduced here in 78 runs of that test (10 of them
+    beside two busy loops). gloo's monitored barrier names, within 120 s, a
+    rank that failed before reaching it, rather than leaving the others
+    waiting for gloo's 30-minute default."""
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def rank_counts(text):
