@@ -591,6 +591,15 @@ void cast(D* dst, const S* src, std::int64_t n) {
   if (!runs(n, {dst, src})) return;
   for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(src[i]);
 }
+// The dout pointer of a call whose dout only says that backward runs (the
+// DSA block and forms: null = forward only): the tensor's storage, or under
+// a count-only pool, where it has none, a stand-in the op never reads.
+template <class T>
+const T* backward_input(const Tensor<T>& dout) {
+  static const T unread{};
+  if (runs(dout.numel(), {dout.data()})) return dout.data();
+  return &unread;
+}
 // A tensor's values as a vector (a result handed back as plain rows, as the
 // DSA forms' DsaBlockResult does): empty when the tensor has no storage
 // (count-only), so no caller decides that itself.

@@ -5,6 +5,7 @@
 
 #include "core/error.hpp"
 #include "mla/dsa_cp.hpp"
+#include "mla/ops.hpp"
 
 namespace laga {
 
@@ -38,7 +39,16 @@ bool lm_param_is_indexer(const std::string& name) {
 
 namespace {
 
-// The block takes the indexer's weights as host vectors (DsaIndexerParams).
+// A (1, n) view of n contiguous values (null stays null: a count-only
+// tensor's), for the op layer's copy and add.
+template <class T>
+ops::Mat<T> row_of(T* p, std::int64_t n) {
+  return {p, 1, n, n};
+}
+
+// The block takes the indexer's weights as host vectors (DsaIndexerParams),
+// each its tensor's size; under a count-only run (no storage to copy) they
+// stay zeros, which the block's count-only run never reads.
 template <class T>
 DsaIndexerParams<T> host_copy(const LmIndexerParams<T>& iw) {
   auto& w = const_cast<LmIndexerParams<T>&>(iw);  // for_each is non-const; nothing is written
@@ -47,31 +57,29 @@ DsaIndexerParams<T> host_copy(const LmIndexerParams<T>& iw) {
   for (auto& [name, v] : h.named()) dst.push_back(v);
   std::size_t k = 0;
   w.for_each([&](const std::string&, Tensor<T>& t) {
-    LAGA_CHECK(t.data() != nullptr,
-               "DSA layer: the indexer's weights are not backed (a count-only run?); laga "
-               "train's DSA layer has no count-only run (model/dsa_layer.hpp)");
-    dst[k++]->assign(t.data(), t.data() + t.numel());
+    std::vector<T>& v = *dst[k++];
+    v.assign(static_cast<std::size_t>(t.numel()), T{});
+    ops::copy(row_of(v.data(), t.numel()), ops::Mat<const T>(row_of(t.data(), t.numel())));
   });
   return h;
 }
 
+// The block at --sp 1, the query-local latent gather at --sp > 1. dout:
+// null for forward only, else the block's backward input (a stand-in under
+// count-only: ops::backward_input).
 template <class T>
 DsaBlockResult<T> run_block(const DsaLayerContext& c, const MlaParams<T>& w,
                             const LmIndexerParams<T>& iw, const Tensor<T>& x, const T* dout) {
-  LAGA_CHECK(x.data() != nullptr,
-             "DSA layer: the attention's input is not backed: laga train's DSA layer has no "
-             "count-only run, so laga train predicts no memory for a DSA model "
-             "(model/dsa_layer.hpp)");
   const DsaIndexerParams<T> h = host_copy(iw);
   if (c.comm.size() == 1)
     return dsa_block(c.cfg, w, h, x.data(), dout, c.layout.batch, c.layout.seq, c.stage);
   return dsa_latent_gather(c.cfg, w, h, x.data(), dout, c.layout, c.stage, c.comm);
 }
 
+// dst += src over dst's n values (the op layer's add: nothing under count-only).
 template <class T>
 void add_into(Tensor<T>& dst, const T* src) {
-  T* d = dst.data();
-  for (std::int64_t i = 0; i < dst.numel(); ++i) d[i] += src[i];
+  ops::add(row_of(dst.data(), dst.numel()), ops::Mat<const T>(row_of(src, dst.numel())));
 }
 
 }  // namespace
@@ -89,7 +97,7 @@ template <class T>
 void dsa_layer_backward(const DsaLayerContext& c, const MlaParams<T>& w,
                         const LmIndexerParams<T>& iw, const Tensor<T>& x, const Tensor<T>& dout,
                         double kl_scale, Tensor<T>& dx, MlaParams<T>& g, LmIndexerParams<T>& gi) {
-  DsaBlockResult<T> r = run_block(c, w, iw, x, dout.data());
+  DsaBlockResult<T> r = run_block(c, w, iw, x, ops::backward_input(dout));
   dx = Tensor<T>(x.shape());
   std::copy(r.dx.begin(), r.dx.end(), dx.data());
   // The MLA weights' LM gradient, tensor by tensor in for_each's order.
@@ -109,7 +117,7 @@ void dsa_layer_backward(const DsaLayerContext& c, const MlaParams<T>& w,
   for (auto& [name, v] : r.indexer_grads.named()) kl.push_back(v);
   gi.for_each([&](const std::string&, Tensor<T>& t) {
     std::vector<T>& v = *kl[k++];
-    for (T& e : v) e = T(double(e) * kl_scale);
+    ops::scale(row_of(v.data(), std::int64_t(v.size())), kl_scale);
     add_into(t, v.data());
   });
 }

@@ -28,10 +28,16 @@
 //     grad_norm. The log's index_kl is that mean averaged over the layers.
 // The attention's backward recomputes the block's forward from its saved
 // input (the block gives forward and backward in one call), so a DSA layer
-// runs its attention forward twice a step. No count-only run: the block
-// and the forms have theirs (mla/dsa_model.hpp, dsa_memory), but this layer
-// copies the weights to host vectors and recomputes, so laga train's memory
-// prediction is not made for a DSA model.
+// runs its attention forward twice a step.
+// Memory: the layer runs under a count-only pool as the rest of the model
+// does (its copies, sums and the block's backward input go through the op
+// layer: ops::copy, add, scale, backward_input), so laga train's prediction
+// (predict_train_memory: one step of each stage the run has) covers a DSA
+// model, its pool part equal to a real run's peak
+// (TrainMemory.DsaPoolPredictionEqualsTheMeasuredPeak). Outside the pool,
+// as the block's results are: the indexer's weights copied to host vectors
+// and the block's out, dx and indexer gradients handed back as vectors
+// (DsaBlockResult), each the size of a weight or of this rank's (B, L, D).
 #pragma once
 
 #include <cstdint>

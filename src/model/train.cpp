@@ -461,7 +461,21 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     RankTensors<T> rank_tensors(cfg);
     TrainMemory m;
     m.state = pool.current_total();
-    take_step(ctx, counted, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr, nullptr);
+    // A DSA model's steps differ by stage (the dense warm-up attends every
+    // causal key): one step of each stage the run has, the pool's peak over
+    // them, as the real run's pool sees them in turn.
+    std::vector<DsaStage> stages = {DsaStage::sparse};
+    if (cfg.mla.dsa()) {
+      stages.clear();
+      if (o.index_warmup > 0) stages.push_back(DsaStage::dense_warmup);
+      if (o.steps > o.index_warmup) stages.push_back(DsaStage::sparse);
+    }
+    for (DsaStage stage : stages) {
+      LmContext at_stage = ctx;
+      at_stage.dsa_stage = stage;
+      take_step(at_stage, counted, 1, o.adam.lr, rank_tensors.st, rank_tensors.grads, nullptr,
+                nullptr);
+    }
     m.step_peak = pool.peak_total();
     m.cache = pool.cache_allowance();
     // RopeTable: cos and sin, positions x dim/2 doubles each.

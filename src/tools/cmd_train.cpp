@@ -370,12 +370,12 @@ void run_train(const TrainCli& c) {
   check_dsa_cli(c, o);
   const bool dsa = o.model.mla.dsa();
   if (!dsa) check_variant(o.model.mla, train_layout(o, o.sp * o.dp), o.variant);
-  // Refuse before allocating the model when the job cannot fit. A DSA
-  // model's step has no count-only run (model/dsa_layer.hpp): its lower
-  // bound only.
+  // Refuse before allocating the model when the job cannot fit: the state's
+  // lower bound first (cheap), then the step's count-only run (a DSA model's
+  // too: one step of each stage it runs, model/dsa_layer.hpp).
   if (c.comm.memory_check) {
     check_memory_fits(train_state_lower_bound(o, c.comm.backend), "laga train");
-    if (!dsa) check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
+    check_memory_fits(predict_train_job_memory(o, c.comm.backend), "laga train");
   }
   // One writer per --checkpoint directory, taken before anything is moved
   // or written there (prepare_run may set checkpoints aside); creating the

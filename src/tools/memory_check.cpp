@@ -183,16 +183,25 @@ std::string model_size_words(const TrainOptions& o, const ModelParamCounts& n) {
 }
 
 std::string train_lower_with(const TrainOptions& o) {
-  return cat(
-      "Lower the peak with a smaller --batch or --seq, --attention flash, or a smaller model "
-      "(--layers, --d-model, --vocab, --ffn-hidden",
-      o.model.moe ? "; for this MoE model fewer or smaller routed experts (n_routed_experts, "
-                    "moe_intermediate_size in --config), or --expert-parallel, which gives each "
-                    "rank E / --ep of them"
-                  : "",
-      "), LAGA_POOL_CACHE=1 (the block cache keeps no more than the live peak); with --comm "
-      "local every --sp rank runs in this process with its own copy of the model, optimizer "
-      "state and gradients, so under mpirun (one rank per process) each process holds one");
+  // A DSA model's attention is the DSA block's, --attention refused
+  // (cmd_train's check_dsa_cli); its dense warm-up attends every causal key.
+  const bool dsa = o.model.mla.dsa();
+  return cat("Lower the peak with a smaller --batch or --seq, ",
+             !dsa ? std::string("--attention flash")
+             : o.index_warmup > 0
+                 ? cat("no dense warm-up (--index-warmup 0, not ", o.index_warmup,
+                       ": a warm-up step attends every causal key, a sparse one index_topk ",
+                       o.model.mla.index_topk, " of them, so any warm-up step sets the peak)")
+                 : std::string("a smaller index_topk"),
+             ", or a smaller model (--layers, --d-model, --vocab, --ffn-hidden",
+             o.model.moe
+                 ? "; for this MoE model fewer or smaller routed experts (n_routed_experts, "
+                   "moe_intermediate_size in --config), or --expert-parallel, which gives each "
+                   "rank E / --ep of them"
+                 : "",
+             "), LAGA_POOL_CACHE=1 (the block cache keeps no more than the live peak); with --comm "
+             "local every --sp rank runs in this process with its own copy of the model, optimizer "
+             "state and gradients, so under mpirun (one rank per process) each process holds one");
 }
 
 }  // namespace

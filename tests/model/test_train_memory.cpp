@@ -96,6 +96,48 @@ TEST(TrainMemory, PoolPredictionEqualsTheMeasuredPeakOfRealSteps) {
   }
 }
 
+// A DSA model (model/dsa_layer.hpp: the block at --sp 1, the query-local
+// latent gather at --sp > 1): the prediction runs one step of each stage the
+// run has (dense warm-up, sparse), so its pool part equals the real run's
+// peak over both, with the warm-up covering none, one or every step; uneven
+// shards (33 over 2, 20 over 3), fp32 and bf16.
+TEST(TrainMemory, DsaPoolPredictionEqualsTheMeasuredPeak) {
+  struct DsaCase {
+    int sp;
+    std::int64_t seq, warmup;
+    Precision precision;
+  };
+  const std::vector<DsaCase> cases = {{1, 32, 0, Precision::fp32}, {1, 32, 1, Precision::fp32},
+                                      {2, 33, 1, Precision::fp32}, {3, 20, 2, Precision::fp32},
+                                      {2, 33, 0, Precision::bf16}, {3, 20, 1, Precision::bf16}};
+  for (const DsaCase& c : cases) {
+    TrainOptions o;
+    o.model = LmConfig::derive(32, 4, 2, 64, c.seq);
+    o.model.mla.q_lora_rank = 16;
+    o.model.mla.index_n_heads = 2;
+    o.model.mla.index_head_dim = 8;
+    o.model.mla.index_topk = 8;
+    o.index_warmup = c.warmup;
+    o.sp = c.sp;
+    o.batch = 2;
+    o.seq = c.seq;
+    o.steps = 2;
+    o.seed = 3;
+    o.adam.lr = 3e-3;
+    o.precision = c.precision;
+    SCOPED_TRACE(cat("DSA P=", c.sp, " S=", c.seq, " warm-up ", c.warmup, " of 2 steps ",
+                     to_string(c.precision)));
+    const std::vector<TrainMemory> predicted = predict_train_memory(o, StagingRule::in_process);
+    const std::vector<MemoryPool> pools = measured_pools(o);
+    ASSERT_EQ(predicted.size(), pools.size());
+    for (size_t r = 0; r < pools.size(); ++r) {
+      EXPECT_EQ(predicted[r].step_peak, pools[r].peak_total()) << "rank " << r;
+      EXPECT_GT(predicted[r].step_peak, predicted[r].state) << "rank " << r;
+      EXPECT_EQ(pools[r].current_total(), 0) << "rank " << r << ": a tensor outlived the run";
+    }
+  }
+}
+
 // Under --pp the prediction runs the pipelined step on a dry-run
 // communicator of PP ranks (the activations each stage receives, the
 // micro-batches it holds in flight): each stage's peak equals its real

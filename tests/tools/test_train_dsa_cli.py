@@ -19,12 +19,15 @@
   fp32's (the bf16 path ran);
 - refused, exit 2, one message naming the option: --form/--attention beside
   a DSA model, --index-warmup on a dense model, --index-topk without the
-  other two, DSA without --q-lora-rank, --index-topk above --seq.
+  other two, DSA without --q-lora-rank, --index-topk above --seq;
+- the memory check: a dense warm-up step that cannot fit refused up front
+  (exit 2), naming --index-warmup 0.
 Only the standard library.
 """
 import json
 import math
 import os
+import resource
 import shutil
 import struct
 import subprocess
@@ -128,6 +131,22 @@ for args, words in [
     check(r.returncode == 2 and words in r.stderr,
           f"{' '.join(args[len(MODEL) - 1:])}: want exit 2 naming '{words}', got "
           f"{r.returncode}: {r.stderr.strip()[-300:]}")
+
+# ---- the up-front memory check covers a DSA model: predict_train_memory runs
+# one step of each stage the run has (model/dsa_layer.hpp). Under a 3 GB
+# address space, --seq 40000 with a dense warm-up step (every causal key:
+# about 13 GB predicted) is refused before anything is allocated, naming the
+# warm-up; laga before this checked only the state's lower bound (0.00 GB)
+# and started the step.
+i = MODEL.index("--seq")
+big = MODEL[:i + 1] + ["40000"] + MODEL[i + 2:]
+r = subprocess.run([LAGA, "train"] + big + INDEX + ["--steps", "2", "--index-warmup", "1"],
+                   capture_output=True, text=True, timeout=120,
+                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)))
+check(r.returncode == 2 and "laga train would need" in r.stderr and "RLIMIT_AS" in r.stderr
+      and "--index-warmup 0, not 1" in r.stderr,
+      f"DSA --seq 40000 under RLIMIT_AS 3 GB: want exit 2 from the memory check naming the "
+      f"warm-up, got {r.returncode}: {r.stderr.strip()[-400:]}")
 
 if failures:
     sys.exit(f"{len(failures)} failure(s)")
