@@ -39,8 +39,9 @@ bool lm_param_is_indexer(const std::string& name) {
 
 namespace {
 
-// A (1, n) view of n contiguous values (null stays null: a count-only
-// tensor's), for the op layer's copy and add.
+// A (1, n) view of n contiguous host values (a DsaIndexerParams vector, a
+// DsaBlockResult row), for the op layer's copy, add and scale beside a
+// tensor's ops::mat.
 template <class T>
 ops::Mat<T> row_of(T* p, std::int64_t n) {
   return {p, 1, n, n};
@@ -59,7 +60,7 @@ DsaIndexerParams<T> host_copy(const LmIndexerParams<T>& iw) {
   w.for_each([&](const std::string&, Tensor<T>& t) {
     std::vector<T>& v = *dst[k++];
     v.assign(static_cast<std::size_t>(t.numel()), T{});
-    ops::copy(row_of(v.data(), t.numel()), ops::Mat<const T>(row_of(t.data(), t.numel())));
+    ops::copy(row_of(v.data(), t.numel()), ops::Mat<const T>(ops::mat(t, 1, t.numel())));
   });
   return h;
 }
@@ -79,7 +80,7 @@ DsaBlockResult<T> run_block(const DsaLayerContext& c, const MlaParams<T>& w,
 // dst += src over dst's n values (the op layer's add: nothing under count-only).
 template <class T>
 void add_into(Tensor<T>& dst, const T* src) {
-  ops::add(row_of(dst.data(), dst.numel()), ops::Mat<const T>(row_of(src, dst.numel())));
+  ops::add(ops::mat(dst, 1, dst.numel()), row_of(src, dst.numel()));
 }
 
 }  // namespace

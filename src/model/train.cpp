@@ -462,14 +462,12 @@ std::vector<TrainMemory> predict_train_memory(const TrainOptions& o, StagingRule
     TrainMemory m;
     m.state = pool.current_total();
     // A DSA model's steps differ by stage (the dense warm-up attends every
-    // causal key): one step of each stage the run has, the pool's peak over
-    // them, as the real run's pool sees them in turn.
-    std::vector<DsaStage> stages = {DsaStage::sparse};
-    if (cfg.mla.dsa()) {
-      stages.clear();
-      if (o.index_warmup > 0) stages.push_back(DsaStage::dense_warmup);
-      if (o.steps > o.index_warmup) stages.push_back(DsaStage::sparse);
-    }
+    // causal key): one step of each stage the run has (dsa_stage_at of its
+    // first and last step), the pool's peak over them, as the real run's
+    // pool sees them in turn. A dense model runs one step.
+    std::vector<DsaStage> stages = {dsa_stage_at(o, 1)};
+    if (cfg.mla.dsa() && dsa_stage_at(o, o.steps) != stages.front())
+      stages.push_back(dsa_stage_at(o, o.steps));
     for (DsaStage stage : stages) {
       LmContext at_stage = ctx;
       at_stage.dsa_stage = stage;
