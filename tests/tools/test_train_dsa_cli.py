@@ -135,9 +135,9 @@ for args, words in [
 # ---- the up-front memory check covers a DSA model: predict_train_memory runs
 # one step of each stage the run has (model/dsa_layer.hpp). Under a 3 GB
 # address space, --seq 40000 with a dense warm-up step (every causal key:
-# about 13 GB predicted) is refused before anything is allocated, naming the
-# warm-up; laga before this checked only the state's lower bound (0.00 GB)
-# and started the step.
+# 32.6 GB predicted) is refused before anything is allocated, naming the
+# warm-up; laga before this checked only the state's lower bound (0.00 GB),
+# started the step and failed allocating a 12.8 GB tensor.
 i = MODEL.index("--seq")
 big = MODEL[:i + 1] + ["40000"] + MODEL[i + 2:]
 r = subprocess.run([LAGA, "train"] + big + INDEX + ["--steps", "2", "--index-warmup", "1"],
