@@ -282,7 +282,7 @@ std::int64_t dsa_check_form(DsaForm form, Run&& run, const MlaConfig& cfg, DsaSt
         wr, ledger,
         dsa_predict_comm(cfg, *DsaConfig::of(cfg), lay, form, r,
                          {std::int64_t(sizeof(T)), std::int64_t(sizeof(T))}, true, false, stage));
-    for (const auto& [key, e] : ledger.entries()) sent += e.bytes_sent;
+    sent += ledger.bytes_sent();
   }
   dsa_expect_sum_equals(what, sum, want, tol);
   return sent;
